@@ -9,16 +9,28 @@ the SimFabric and compares OmniReduce's modelled time with the closed form
 :func:`theory.costs.omnireduce_allreduce`, fed with the data's measured rounds and busiest-aggregator
 load (the expectation-only closed form is printed too).
 
+The endpoints are event-driven (:meth:`sparsecomm.fabric.base.Fabric.wait_any`): a dedicated aggregator
+serves whichever channel's round is in first, a worker whichever reply is in first (in their fixed
+pass order while several are), in modelled time and deterministically, so a late aggregator does not
+hold back a worker's messages to the others.
+
 Data: ``int(nb * density)`` non-zero blocks at random positions (the paper's micro-benchmark draws
 them with ``random.sample``), shared by all workers (``--overlap full``: the union has the workers'
-density, so the data volume is the same for every ``n``) or drawn independently per worker
-(``--overlap random``: the union grows as ``1 - (1 - d)^n``).
+density, so the data volume is the same for every ``n``; the workers share one read-only tensor) or
+drawn independently per worker (``--overlap random``: the union grows as ``1 - (1 - d)^n``).
+``--placement stratified`` gives every aggregator's shard exactly its share of the non-zero blocks,
+which removes the data's own imbalance across aggregators (balls into bins: with few non-zero blocks
+per aggregator the busiest holds several times the mean; :func:`theory.costs.omnireduce_imbalance`,
+column ``imbD``), so that what is left is the protocol's and the network's.
 
     python -m experiments.reproduce_omnireduce [--quick] [--out DIR] [--overlap full|random]
+                                               [--placement random|stratified] [--numel N]
 
 prints the table and writes ``omnireduce_vs_density.png``, ``omnireduce_vs_workers.png`` and
-``omnireduce_<overlap>_<placement>.csv`` under ``DIR`` (default ``experiments/out``). The full grid takes
-~5 minutes (the 64-worker points ~30 s each); ``--quick`` (n <= 16, 100 Gb/s) ~20 s.
+``omnireduce_<overlap>_<placement>.csv`` under ``DIR`` (default ``experiments/out``). The full grid took
+853 s on a 2-core VM, beside a second run (the 64-worker points 20-130 s each: the event-driven order
+makes the simulation a conservative discrete-event one, one endpoint at a time); ``--quick`` (n <= 16,
+100 Gb/s) about 20 s.
 """
 
 from __future__ import annotations
@@ -143,6 +155,9 @@ def run_point(n: int, density: float, bandwidth_gbps: float, overlap: str = "ful
     ms = masks(n, nb, density, overlap, seed, placement)
     xs = []
     for m in ms:
+        if xs and overlap == "full":    # every worker the same data: one read-only tensor, shared
+            xs.append(xs[0])
+            continue
         x = torch.zeros(nb, BLOCK)
         x[torch.from_numpy(m)] = 1.0
         xs.append(x.view(-1)[:numel])
@@ -192,7 +207,7 @@ HEADER = ("Gbps   dens   n |  omni(us)  form(us)    err  expct(us) |  R  imbD | 
           " ring/omni")
 
 
-def plot(points: list[Point], out: str) -> list[str]:
+def plot(points: list[Point], out: str, numel: int = NUMEL) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -234,7 +249,7 @@ def plot(points: list[Point], out: str) -> list[str]:
         ax.set_yscale("log")
         ax.set_xlabel("workers n (dedicated aggregators: one per worker)")
         ax.set_ylabel("time per all-reduce (ms, modelled)")
-        ax.set_title(f"{bw:g} Gbps, {NUMEL * 4 / 2**20:g} MiB float32")
+        ax.set_title(f"{bw:g} Gbps, {numel * 4 / 2**20:g} MiB float32")
         ax.legend(fontsize=7)
     fig.tight_layout()
     f = os.path.join(out, "omnireduce_vs_workers.png")
@@ -252,18 +267,19 @@ def main(argv=None) -> list[Point]:
                     help="non-zero block positions shared by all workers (full) or drawn per worker")
     ap.add_argument("--placement", choices=("random", "stratified"), default="random",
                     help="stratified: every aggregator's shard gets exactly its share of non-zero blocks")
+    ap.add_argument("--numel", type=int, default=NUMEL, help="float32 elements of the tensor")
     args = ap.parse_args(argv)
     ns = [2, 4, 8, 16] if args.quick else [2, 4, 8, 16, 32, 64]
     bws = [100.0] if args.quick else [10.0, 100.0]
     densities = [1.0, 0.5, 0.1, 0.01]
     os.makedirs(args.out, exist_ok=True)
     print(f"OmniReduce (dedicated aggregators, {CHANNELS} channels, {POSITIONS} blocks per lane) vs ring, "
-          f"{NUMEL} float32, block {BLOCK}, latency {LATENCY_US} us, overlap={args.overlap}, "
+          f"{args.numel} float32, block {BLOCK}, latency {LATENCY_US} us, overlap={args.overlap}, "
           f"placement={args.placement}")
     print("form: closed form with the data's measured rounds and busiest aggregator/channel; expct: with "
           "their expectations; R: rounds; imbD: busiest aggregator's union load / mean")
     print(HEADER)
-    points = run_grid(ns, densities, bws, args.overlap, placement=args.placement)
+    points = run_grid(ns, densities, bws, args.overlap, numel=args.numel, placement=args.placement)
     errs = [abs(p.error) for p in points]
     within = sum(e <= 0.15 for e in errs)
     print(f"closed form vs simulation: max |error| {100 * max(errs):.1f}%, mean {100 * np.mean(errs):.1f}%, "
@@ -279,7 +295,7 @@ def main(argv=None) -> list[Point]:
         w.writeheader()
         for p in points:
             w.writerow(asdict(p))
-    for f in plot(points, args.out):
+    for f in plot(points, args.out, args.numel):
         print("wrote", f)
     return points
 

@@ -115,11 +115,12 @@ def test_scan_special_values(dtype, backend):
     tiny = np.finfo(f).smallest_subnormal
     vals = [np.nan, np.inf, -np.inf, -0.0, tiny, -tiny, 0.0]
     block = 4
-    x = np.zeros(block * len(vals), dtype=f)
-    for b, v in enumerate(vals):
-        x[b * block + 2] = v  # one special value in the middle of an otherwise zero block
-    got = C.nonzero_blocks(torch.from_numpy(x), block, backend=backend).numpy()
-    np.testing.assert_array_equal(got, [True, True, True, False, True, True, False])
+    for at in (0, 2, block - 1):  # first (the kernel settles a block on its first element), middle, last
+        x = np.zeros(block * len(vals), dtype=f)
+        for b, v in enumerate(vals):
+            x[b * block + at] = v  # one special value in an otherwise zero block
+        got = C.nonzero_blocks(torch.from_numpy(x), block, backend=backend).numpy()
+        np.testing.assert_array_equal(got, [True, True, True, False, True, True, False], err_msg=f"at {at}")
     # a block of -0.0 only is zero; a block with -0.0 and a NaN is not
     negz = np.full(8, -0.0, dtype=f)
     assert not C.nonzero_blocks(torch.from_numpy(negz), 8, backend=backend).any()

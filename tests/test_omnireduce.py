@@ -45,22 +45,28 @@ CASES = [  # numel, block_size, density, lanes, channels
     (5_000, 256, 0.5, 1024, 2),  # one round (lanes >= blocks per channel)
     (3, 256, 1.0, 4, 4),        # fewer blocks than aggregators x channels
     (0, 16, 1.0, 4, 2),         # empty
+    (20_000, 64, 1.0, 4096, 2),  # one round, dense: whole channels travel as views, sums land in place
+    (20_005, 64, 0.2, 4096, 3),  # one round, sparse, short last block
 ]
 
 
-def _check(ctx, deployment, cases, calls=2):
-    """Every case ``calls`` times (buffers reused); returns the problems found on this worker."""
+def _check(ctx, deployment, cases, calls=2, inplace=False, dtype=torch.float64):
+    """Every case ``calls`` times (buffers reused); returns the problems found on this worker.
+    ``inplace``: the sum must land in the input tensor itself."""
     n = ctx.world_size
     problems = []
     stats = []
     for i, (numel, bs, d, lanes, ch) in enumerate(cases):
         t = sc.transports.get("omnireduce", ctx.fabric, block_size=bs, lanes=lanes, channels=ch,
-                              deployment=deployment)
-        exp = sum(make_x(r, numel, bs, d, i) for r in range(n))
+                              deployment=deployment, inplace=inplace)
+        exp = sum(make_x(r, numel, bs, d, i, dtype) for r in range(n))
         for k in range(calls):
-            y = t.allreduce(make_x(ctx.rank, numel, bs, d, i) * (k + 1))
-            if y.dtype != torch.float64 or not torch.equal(y, exp * (k + 1)):
+            x = make_x(ctx.rank, numel, bs, d, i, dtype) * (k + 1)
+            y = t.allreduce(x)
+            if y.dtype != dtype or not torch.equal(y, exp * (k + 1)):
                 problems.append((deployment, n, i, k))
+            if inplace and (y.data_ptr() != x.data_ptr() or not torch.equal(x, exp * (k + 1))):
+                problems.append((deployment, n, i, k, "not in place"))
         stats.append(t.last_stats)
     return problems, stats
 
@@ -69,6 +75,17 @@ def _check(ctx, deployment, cases, calls=2):
 @pytest.mark.parametrize("n", [1, 2, 3, 5])
 def test_sum_is_exact_on_every_worker(n, deployment):
     out = sc.launch(functools.partial(_check, deployment=deployment, cases=CASES), n, network=NET)
+    assert [p for probs, _ in out for p in probs] == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
+@pytest.mark.parametrize("n", [2, 3])
+def test_inplace_sum_is_exact_and_lands_in_the_input(n, dtype):
+    """In place (colocated): one-round float32/64 channels are summed by the hosted aggregator straight
+    into the input, dense channels travel as views of it and their sums are received into it; float16
+    (accumulated in float32) takes the copying path. Every case, twice on the same transport."""
+    out = sc.launch(functools.partial(_check, deployment="colocated", cases=CASES, inplace=True, dtype=dtype),
+                    n, network=NET)
     assert [p for probs, _ in out for p in probs] == []
 
 
@@ -196,10 +213,10 @@ def test_quantized_codes_travel_up_in_their_dtype_and_down_wide_enough():
     s = sc.launch(fn, 3)[0]
     blocks = 6          # 1000 codes, 400 zero: blocks 2..5 of 100 are zero, 6 of 10 non-zero
     # 3 aggregators: 3 headers; round-0 lane metadata (one block per lane here: a bitmap per channel);
-    # 6 blocks of 100 int8 codes, each with its 4-byte look-ahead
+    # 6 blocks of 100 int8 codes, without look-aheads (every lane's next block is "none")
     meta = sum(wire.meta_bytes(c) for chans in wire.plan(1000, 100, 3, 2, 100) for c in chans)
     assert meta == 6
-    assert s.bytes_sent == 3 * 8 * wire.HDR + meta + blocks * (100 + 4)
+    assert s.bytes_sent == 3 * 8 * wire.HDR + meta + blocks * 100
     assert s.bytes_received >= blocks * 100 * 2
 
 
@@ -357,3 +374,31 @@ def test_inplace_over_many_rounds(deployment):
         t.allreduce(x)
         return torch.equal(x, sum(make_x(v, 5_000, 16, 0.6, 77) for v in range(n)))
     assert sc.launch(fn, 3) == [True] * 3
+
+
+def test_lazy_scan_by_ranges_and_runs_through_the_short_last_block():
+    """A lazily scanned source, range by range, finds the blocks a whole scan finds (threshold too);
+    gathering and writing a run that ends with the short last block move exactly its elements."""
+    from sparsecomm.transports.omnireduce.blocks import BlockSink, DenseSource
+
+    bs, numel = 16, 16 * 37 + 5
+    x = make_x(0, numel, bs, 0.4, 5, torch.float32)
+    x[3 * bs: 4 * bs] = 1e-3                         # a block under the threshold
+    x[-2:] = 7.0                                      # the short last block is non-zero
+    for thr in (0.0, 1e-2):
+        whole = DenseSource(x, bs, thr)
+        lazy = DenseSource(x, bs, thr, lazy=True)
+        for lo, hi in ((20, 38), (0, 7), (7, 20)):
+            lazy.scan(lo, hi)
+        assert torch.equal(lazy.mask, whole.mask)
+        assert bool(whole.mask[3]) == (thr == 0.0) and bool(whole.mask[-1])
+    ids = np.arange(30, 38)                           # blocks 30..37, 37 being the 5-element tail
+    out = torch.empty(len(ids), bs)
+    DenseSource(x, bs).gather(ids, out)
+    assert torch.equal(out[:-1].reshape(-1), x[30 * bs: 37 * bs])
+    assert torch.equal(out[-1], torch.cat([x[37 * bs:], torch.zeros(bs - 5)]))
+    y = torch.zeros(numel)
+    sink = BlockSink(y, bs)
+    sink.write(ids, out)
+    assert torch.equal(y[30 * bs:], x[30 * bs:]) and not y[: 30 * bs].any()
+    assert sink.written_ids().tolist() == ids.tolist()

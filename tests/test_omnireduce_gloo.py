@@ -26,6 +26,14 @@ def _gloo_checks(ctx, deployment):
         for k in range(2):
             if not torch.equal(t.allreduce(make_x(r, numel, bs, d, i) * (k + 1)), exp * (k + 1)):
                 problems.append(("case", i, k))
+    for i, (numel, bs, d, lanes, ch) in enumerate(CASES):      # in place: the sum lands in the input
+        t = sc.transports.get("omnireduce", ctx.fabric, block_size=bs, lanes=lanes, channels=ch,
+                              deployment=deployment, inplace=True)
+        exp = sum(make_x(v, numel, bs, d, i, torch.float32) for v in range(n))
+        for k in range(2):
+            x = make_x(r, numel, bs, d, i, torch.float32) * (k + 1)
+            if t.allreduce(x).data_ptr() != x.data_ptr() or not torch.equal(x, exp * (k + 1)):
+                problems.append(("in place", i, k))
     t = sc.transports.get("omnireduce", ctx.fabric, block_size=8, lanes=4, deployment=deployment)
     for mk in (_sparse, _aligned, _quantized, _dense16):
         exp = sum(mk(v).to_dense() for v in range(n)).reshape(mk(r).shape).to(mk(r).dtype)

@@ -13,6 +13,13 @@ repetitions of this case's time over native's in the same repetition, robust to 
 load), and the largest relative difference of the result from the first case's with the same input (a
 sanity check: float sums in another order).
 
+Transports that can run in place do (``inplace=True``: ``dist.all_reduce``'s own semantics, and no
+100 MB result to allocate per call, whose page faults alone cost ~40 ms on a small VM); every call's
+input is restored from a pristine copy before it, untimed. With block-sparse cases the table also has
+``scan only`` rows: the time of the codec's scan for non-zero blocks of the same input
+(:func:`sparsecomm.codec.nonzero_blocks`), which any block-sparse all-reduce of a dense tensor pays,
+so ``native / scan`` bounds the speed-up such a protocol can show on the machine.
+
 Adding a transport: append a :class:`Case` to ``CASES`` (name, constructor kwargs, block densities to
 feed it, services its launch needs). Cases with the same services share one launch; a launch with
 services also times ``native`` again, as its own reference. Cases whose transport is not registered are skipped, so a case can
@@ -52,11 +59,14 @@ class Case:
 
 
 CASES: list[Case] = [
-    Case("native"),
-    Case("ring"),
+    Case("native", {"inplace": True}),
+    Case("ring", {"inplace": True}),
     Case("allgather", default=False),     # n-1 times the ring's traffic on dense data
     # one block per lane for 100 MB on 2-4 workers: every call is a single round (round trips cost ms here)
-    Case("omnireduce", {"block_size": 256, "lanes": 65536}, densities=(1.0, 0.1, 0.01)),
+    Case("omnireduce", {"block_size": 256, "lanes": 65536, "inplace": True}, densities=(1.0, 0.1, 0.01)),
+    # one stream per aggregator: fewer messages (sparse data), no overlap of a channel's up- and downstream
+    Case("omnireduce", {"block_size": 256, "lanes": 65536, "channels": 1, "inplace": True},
+         densities=(1.0, 0.1, 0.01)),
     # a Python switch rank: big bursts (256 packets of 256 elements per message) amortise per-message costs
     Case("switch", {"pool_size": 2048, "slot_elems": 256, "burst": 256}, services=("switch:elems=256,burst=256",)),
 ]
@@ -75,39 +85,66 @@ def block_sparse(numel: int, density: float, block: int, seed: int) -> torch.Ten
     return x * mask
 
 
+class ScanOnly:
+    """Not a transport: the codec's scan for non-zero blocks, timed like one (see the module docstring)."""
+
+    def __init__(self, block: int) -> None:
+        self.block = block
+
+    def allreduce(self, x: torch.Tensor) -> None:
+        from sparsecomm import codec
+
+        codec.nonzero_blocks(x, self.block)
+
+
+SCAN = Case("scan only", densities=(1.0, 0.1, 0.01))
+
+
 def bench_worker(ctx, cases: list[Case], numel: int, repeats: int, warmup: int) -> list[dict]:
     """Runs on every rank: time every (case, density); return this rank's per-call times.
 
     The cases are interleaved (one call of each per repetition), so that a change in the machine's load
-    affects them alike; inputs are shared by the cases with the same density.
+    affects them alike; inputs are shared by the cases with the same density, and restored from a
+    pristine copy (untimed) before every call, since in-place cases overwrite them.
     """
     f = ctx.fabric
-    inputs: dict[float, torch.Tensor] = {}
+    pristine: dict[float, torch.Tensor] = {}
     runs = []
     for case in cases:
-        t = sc.transports.get(case.transport, f, **case.kwargs)
+        t = ScanOnly(case.block) if case == SCAN else sc.transports.get(case.transport, f, **case.kwargs)
         for d in case.densities:
-            if d not in inputs:
-                inputs[d] = block_sparse(numel, d, case.block, seed=1000 * ctx.rank + int(d * 1e4))
+            if d not in pristine:
+                pristine[d] = block_sparse(numel, d, case.block, seed=1000 * ctx.rank + int(d * 1e4))
             runs.append((case, d, t, []))
+    work = {d: x.clone() for d, x in pristine.items()}
+
+    def call(d: float, t, timed: list | None = None):
+        x = work[d]
+        x.copy_(pristine[d])
+        f.barrier()
+        t0 = time.perf_counter()
+        y = t.allreduce(x)
+        if timed is not None:
+            timed.append(time.perf_counter() - t0)
+        return y
+
     for _ in range(warmup):
         for case, d, t, _times in runs:
-            t.allreduce(inputs[d])
+            call(d, t)
     for _ in range(repeats):
         for case, d, t, times in runs:
-            f.barrier()
-            t0 = time.perf_counter()
-            t.allreduce(inputs[d])
-            times.append(time.perf_counter() - t0)
+            call(d, t, times)
     out = []
     reference = {}
     for case, d, t, times in runs:
-        y = t.allreduce(inputs[d])          # one more call, to compare the results between cases
-        ref = reference.setdefault(d, y)
-        err = float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30)) if y is not ref else 0.0
-        out.append(dict(case=case.label, density=d, times=times, rel_err_vs_first=err,
-                        bytes_sent=t.last_stats.bytes_sent))
-        del y
+        err, sent = 0.0, 0
+        if case != SCAN:
+            y = call(d, t).clone()            # one more call, to compare the results between cases
+            ref = reference.setdefault(d, y)
+            err = float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30)) if y is not ref else 0.0
+            sent = t.last_stats.bytes_sent
+        out.append(dict(case=case.label, transport=case.transport, density=d, times=times,
+                        rel_err_vs_first=err, bytes_sent=sent))
     return out
 
 
@@ -129,11 +166,12 @@ def run(workers: int, size_mb: float, cases: list[Case], repeats: int, warmup: i
         group_rows = []
         for i, item in enumerate(per_rank[0]):
             slowest = [max(rank[i]["times"][j] for rank in per_rank) for j in range(repeats)]
-            group_rows.append(dict(workers=workers, size_mb=size_mb, case=item["case"], density=item["density"],
+            group_rows.append(dict(workers=workers, size_mb=size_mb, case=item["case"],
+                                   transport=item["transport"], density=item["density"],
                                    services=list(svc), median_s=statistics.median(slowest), min_s=min(slowest),
                                    times_s=slowest, rel_err=item["rel_err_vs_first"],
                                    bytes_sent=item["bytes_sent"]))
-        ref = next((r for r in group_rows if r["case"] == "native"), None)
+        ref = next((r for r in group_rows if r["transport"] == "native"), None)
         for r in group_rows:
             r["vs_native"] = r["median_s"] / ref["median_s"] if ref else None
             # paired: the same repetition's native call ran just before or after (interleaved), so the
@@ -177,6 +215,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         cases = [c for c in CASES if c.default]
     skipped = [c.transport for c in cases if c.transport not in registered]
     cases = [c for c in cases if c.transport in registered]
+    if any(d < 1.0 for c in cases for d in c.densities):
+        cases.append(SCAN)
     print(f"# machine: {machine()}")
     if skipped:
         print(f"# not registered, skipped: {', '.join(skipped)}")

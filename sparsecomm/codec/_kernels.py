@@ -93,14 +93,18 @@ def scan_blocks(bits, block, absmask, thr_bits, out):
     unsigned order of the bit patterns is the numeric order, and NaN patterns lie above +Inf: with
     ``thr_bits`` the pattern of the threshold, "some ``|x| > thr`` or NaN" is exactly this comparison.
     For ``thr_bits == 0`` the max is replaced by an OR reduction (same result: the OR of patterns is
-    non-zero iff one of them is), which is the cheapest vectorisable reduction; no early exit, since
-    at low density nearly every block is all zero and must be read to the end anyway.
+    non-zero iff one of them is), which is the cheapest vectorisable reduction. A block whose first
+    element already decides it is settled at once (dense data: one cache line per block instead of the
+    whole block); the others, nearly all of them at low density, are reduced to their end.
     """
     nb = out.size
     zero = absmask ^ absmask
     if thr_bits == zero:
         for b in range(nb):
             blk = bits[b * block : (b + 1) * block]
+            if (blk[0] & absmask) != zero:
+                out[b] = True
+                continue
             acc = zero
             for i in range(blk.size):
                 acc |= blk[i]
@@ -108,6 +112,9 @@ def scan_blocks(bits, block, absmask, thr_bits, out):
     else:
         for b in range(nb):
             blk = bits[b * block : (b + 1) * block]
+            if (blk[0] & absmask) > thr_bits:
+                out[b] = True
+                continue
             m = zero
             for i in range(blk.size):
                 m = max(m, blk[i] & absmask)

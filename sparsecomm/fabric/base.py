@@ -17,13 +17,16 @@ Semantics every implementation keeps (they are what lets one protocol run on :cl
   fabrics) to notice. Reliable sends are never dropped.
 - Any wait longer than the fabric's ``timeout_s`` raises :class:`~sparsecomm.errors.FabricTimeout`;
   when another endpoint failed, waits raise :class:`~sparsecomm.errors.PeerFailure` naming it.
+- ``wait_any(works)`` blocks until one of several posted operations has completed and returns its
+  index, so that an endpoint can serve whichever of its peers is ready first (an event-driven loop);
+  SimFabric picks the receive delivered first in *modelled* time, deterministically.
 - ``stats`` is this endpoint's cumulative :class:`CommStats`; transports report per-call deltas.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -79,6 +82,38 @@ class Fabric(ABC):
     @abstractmethod
     def irecv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> Work:
         """Start receiving into ``tensor``."""
+
+    def wait_any(self, works: Sequence[Work | Sequence[Work]]) -> int:
+        """Block until one element of ``works`` has completed and return its index; an element is an
+        operation or a list of operations (complete once all of them are), and its operations have
+        been waited for. Among the receives, at most one per ``(src, tag)``, and it must be the next
+        one posted on that ``(src, tag)`` (receives on one channel complete in posting order).
+
+        List the elements in order of preference. This generic version polls ``is_completed()`` and
+        returns the lowest index complete, backing off from 10 us to 1 ms, bounded by ``timeout_s``;
+        :class:`SimFabric` returns the lowest index complete by the time the first element completes
+        in modelled time, deterministically.
+        """
+        import time
+
+        from ..errors import FabricTimeout
+
+        if not works:
+            raise ValueError("wait_any needs at least one operation")
+        groups = [list(el) if isinstance(el, (list, tuple)) else [el] for el in works]
+        deadline = time.monotonic() + self.timeout_s
+        delay = 1e-5
+        while True:
+            for i, g in enumerate(groups):
+                if all(w.is_completed() for w in g):
+                    for w in g:
+                        w.wait()
+                    return i
+            if time.monotonic() >= deadline:
+                raise FabricTimeout(f"endpoint {self.rank}: none of {len(works)} operations completed "
+                                    f"within {self.timeout_s:g} s")
+            time.sleep(delay)
+            delay = min(2 * delay, 1e-3)
 
     #: tag reserved for :meth:`barrier` (torch.distributed accepts tags in [0, 2**31))
     barrier_tag: int = 2**31 - 2

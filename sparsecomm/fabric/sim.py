@@ -30,6 +30,10 @@ other live endpoint is blocked and no earlier deadline or event is pending (cons
 discrete-event order), so each packet is processed at its own arrival time. Without this, a result
 would leave at the switch's running-maximum clock, which a thread that is ahead in wall time has
 pulled forward, and the error feeds back through self-clocked protocols (measured: 1x-11x).
+:meth:`SimFabric.wait_any` (wait for whichever of several receives, or groups of receives, is in
+first) uses the same conservative order, so an endpoint of any kind can serve its peers in the
+order their messages arrive in modelled time, deterministically; its NIC then takes those messages
+in arrival order (a fixed sequence of blocking receives would serialise them in the order asked).
 
 Faults (:class:`Network`): ``loss`` drops datagrams sent with ``reliable=False`` with that probability,
 decided by a generator per directed link seeded from ``(seed, src, dst)`` (deterministic for a seed);
@@ -403,26 +407,13 @@ class SimFabric(Fabric):
                         f"{ep.name}: no message from "
                         f"{'any endpoint' if src is None else world.endpoints[src].name} (tag {tag}) "
                         f"within {timeout:.6g} modelled seconds")
-                if world.closed:
-                    raise ServiceShutdown("the run is over")
-                if world.deadlocked:
-                    raise FabricTimeout(
-                        f"{ep.name}: deadlock, every endpoint is waiting and none can make progress "
-                        f"({world.deadlock_info})")
+                self._raise_if_stuck()
                 remaining = wall_deadline - time.monotonic()
                 if remaining <= 0:
                     raise FabricTimeout(
                         f"{ep.name}: waited {self.timeout_s:g} s (wall) for "
                         f"{'any endpoint' if src is None else world.endpoints[src].name} (tag {tag})")
-                ep.blocked, ep.deadline, ep.waiting_for = True, deadline, (src, tag)
-                world.nblocked += 1
-                world._check_quiescent()
-                try:
-                    if ep.blocked:
-                        ep.cond.wait(timeout=min(remaining, 1.0))
-                finally:
-                    world.wake(ep)
-                    ep.deadline, ep.waiting_for, ep.event = None, None, None
+                self._park(deadline, (src, tag), remaining)
             ep.mailbox[(msg.src, msg.tag)].popleft()
             ep._rx_free[ep.port(msg.src)] = rx_end
             ep.clock = max(ep.clock, delivered)
@@ -439,6 +430,121 @@ class SimFabric(Fabric):
 
     def irecv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> Work:
         return _RecvWork(self, tensor, src, tag)
+
+    def _first_of(self, groups, clock_only: bool = False) -> tuple[float, int] | None:
+        """(lock held) ``(t, i)`` for ``groups`` (lists of receives; a group is in once all of its
+        messages are): this NIC serialises the arrived messages in arrival (head) order from its
+        current state; ``t`` is when the first group is in (or this endpoint's clock, if later), ``i``
+        the lowest index in by ``t``. ``clock_only``: only group 0, and only if it is in by the clock."""
+        ep = self._ep
+        got, complete = [], []
+        for i, g in enumerate(groups[:1] if clock_only else groups):
+            for w in g:
+                msg = self._match(w._args[1], w._args[2])
+                if msg is None:
+                    break
+                got.append((msg.head, i, msg))
+            else:
+                complete.append(i)
+        if not complete:
+            return None
+        got.sort(key=lambda g: (g[0], g[1]))
+        rx: dict[int, float] = {}
+        when: dict[int, float] = {}
+        for head, i, msg in got:
+            port = ep.port(msg.src)
+            rx_end = max(head, rx.get(port, ep.rx_free(msg.src))) + msg.nbytes / ep.bw
+            rx[port] = rx_end
+            when[i] = max(when.get(i, 0.0), rx_end, msg.tx_end + (msg.head - msg.start))
+        inn = {i: when[i] for i in complete}
+        t = max(ep.clock, min(inn.values()))
+        if clock_only and t > ep.clock:
+            return None
+        return t, min(i for i, d in inn.items() if d <= t)
+
+    def wait_any(self, works) -> int:
+        """The first element of ``works`` (in list order) that is in by the time the first of them is,
+        in modelled time; an element is a receive or a list of receives (in once all of them are).
+        Its receives are completed (in arrival order); an already completed element (e.g. a send) is
+        returned at once. A caller lists the elements in order of preference: that order holds while
+        the messages are there, and whichever arrives first is served when none is.
+
+        Ordered, like a ``per_port`` endpoint's any-source receive: unless the first element is in by
+        this endpoint's clock already, the choice is made only once every other live endpoint is
+        blocked and no earlier deadline or event is pending, so a message that a thread behind in wall
+        time has yet to send cannot be overtaken, and the choice is deterministic. This NIC serialises
+        the messages in their arrival order, not in the order a fixed loop would have asked for them.
+        """
+        if not works:
+            raise ValueError("wait_any needs at least one operation")
+        world, ep = self.world, self._ep
+        groups, keys = [], set()
+        for i, el in enumerate(works):
+            g = list(el) if isinstance(el, (list, tuple)) else [el]
+            if all(w.is_completed() for w in g):
+                for w in g:
+                    w.wait()
+                return i
+            g = [w for w in g if not w.is_completed()]
+            for w in g:
+                if not isinstance(w, _RecvWork) or w._fabric is not self:
+                    raise TypeError(f"{ep.name}: wait_any takes this endpoint's pending receives and "
+                                    f"sends, got {type(w).__name__}")
+                key = w._args[1:]
+                if key in keys:
+                    raise ValueError(f"{ep.name}: wait_any was given two receives on (source, tag) {key};"
+                                     f" only the next one posted on a channel may be waited for")
+                keys.add(key)
+            groups.append(g)
+        wall_deadline = time.monotonic() + self.timeout_s
+        with world.lock:
+            best = self._first_of(groups, clock_only=True)
+            while best is None:
+                self._raise_if_failed()
+                if ep.crashed:
+                    raise EndpointCrashed(f"{ep.name} has crashed")
+                first = self._first_of(groups)
+                ep.event = None
+                if first is not None:
+                    if ep.fire_event or world.may_take(ep, first[0]):
+                        ep.fire_event = False
+                        best = first
+                        break
+                    ep.event = first[0]
+                self._raise_if_stuck()
+                remaining = wall_deadline - time.monotonic()
+                if remaining <= 0:
+                    raise FabricTimeout(f"{ep.name}: waited {self.timeout_s:g} s (wall) for any of "
+                                        f"{len(works)} receives")
+                self._park(None, (None, groups[0][0]._args[2]), remaining)
+            g = groups[best[1]]
+            heads = sorted(range(len(g)), key=lambda j: self._match(g[j]._args[1], g[j]._args[2]).head)
+        for j in heads:      # each the head of its (source, tag) queue: taken at once, in arrival order
+            g[j].wait()
+        return best[1]
+
+    def _raise_if_stuck(self) -> None:
+        """(lock held) Raise if the run is over or every endpoint waits with nothing in flight."""
+        world = self.world
+        if world.closed:
+            raise ServiceShutdown("the run is over")
+        if world.deadlocked:
+            raise FabricTimeout(f"{self._ep.name}: deadlock, every endpoint is waiting and none can make "
+                                f"progress ({world.deadlock_info})")
+
+    def _park(self, deadline: float | None, waiting_for: tuple, remaining: float) -> None:
+        """(lock held) Block this endpoint until a message, a modelled timeout or an ordered event wakes
+        it (or a second of wall time passes: the caller loops)."""
+        ep, world = self._ep, self.world
+        ep.blocked, ep.deadline, ep.waiting_for = True, deadline, waiting_for
+        world.nblocked += 1
+        world._check_quiescent()
+        try:
+            if ep.blocked:
+                ep.cond.wait(timeout=min(remaining, 1.0))
+        finally:
+            world.wake(ep)
+            ep.deadline, ep.waiting_for, ep.event = None, None, None
 
     def _raise_if_failed(self) -> None:
         failure = self.world.failure

@@ -15,8 +15,8 @@ Per call and worker (``M`` = the tensor's bytes, ``d_w`` its non-zero block frac
 union's, ``nb`` blocks, ``L`` lanes):
 
 * dedicated aggregators: up ``d_w M + 4 d_w nb`` bytes, down ``d_u M + 4 d_u nb``, plus round 0
-  (a 224-byte header and ``4 L`` bytes of first look-aheads each way, per aggregator; one bit per
-  lane when every lane holds one block). Flat in ``n``
+  (a 224-byte header and ``4 L`` bytes of first look-aheads each way, per aggregator; when every lane
+  holds one block, one bit per lane and no per-block look-aheads at all). Flat in ``n``
   when aggregator bandwidth scales with the workers (one aggregator per worker).
 * colocated (every worker hosts the aggregator of ``1/n`` of the blocks; its own shard never crosses
   the wire): up and down ``(n-1)/n (d_w + d_u) M`` each, i.e. ring's ``2 (n-1)/n M`` at ``d = 1``.
@@ -41,7 +41,8 @@ from ...payload import Payload
 from .. import registry
 from ..base import Transport
 from . import wire
-from .aggregator import Pool, serve
+from .aggregator import serve
+from .mailbox import Pool
 from .blocks import BlockSink, DenseSource, PackedSource, ResultCache, lazy_zeros
 from .worker import CallSpec, run_worker
 
@@ -154,10 +155,11 @@ class OmniReduce(Transport):
         return CallSpec(numel, up, self.block_size, self.num_aggregators, self.channels, self.lanes,
                         wire.KINDS.index(kind), check, absmax)
 
-    def _run(self, spec: CallSpec, source, make_sink):
+    def _run(self, spec: CallSpec, source, make_sink, home: bool = False):
         self._pending = None
         try:
-            out = run_worker(self.fabric, spec, source, make_sink, self.aggregators, self.own, self._pool)
+            out = run_worker(self.fabric, spec, source, make_sink, self.aggregators, self.own, self._pool,
+                             home=home)
         except BaseException:
             if self._pending is not None:   # a half-written cached result must not be reused
                 self._results.discard(self._pending[0])
@@ -188,7 +190,7 @@ class OmniReduce(Transport):
         if not flat.is_floating_point() and flat.numel():
             absmax = max(int(flat.max()), -int(flat.min()))
         thr = self.threshold if flat.is_floating_point() else 0.0
-        source = DenseSource(flat, self.block_size, thr)
+        source = DenseSource(flat, self.block_size, thr, lazy=True)   # scanned range by range
         spec = self._spec(flat.numel(), flat.dtype, kind, check, absmax)
 
         def make_sink(down: torch.dtype):
@@ -203,7 +205,9 @@ class OmniReduce(Transport):
                 return flat, BlockSink(flat, self.block_size)
             return self._result(flat.numel(), down)
 
-        out, _ = self._run(spec, source, make_sink)
+        # in place on floats summed in their own dtype: the hosted aggregator sums into the input itself
+        home = inplace and flat.dtype in (torch.float32, torch.float64)
+        out, _ = self._run(spec, source, make_sink, home=home)
         return out
 
     def _allreduce_tensor(self, flat: torch.Tensor) -> torch.Tensor:

@@ -23,95 +23,13 @@ import torch
 from ...errors import SparseCommError
 from ...fabric.base import Fabric
 from . import wire
+from .blocks import block_run
+from .mailbox import Inbox, Outbox, Pool
 from .wire import HDR, OK, TAG_HDR_UP, tag_down, tag_up
 
 
 class ProtocolError(SparseCommError, RuntimeError):
     """An internal invariant of the stream broke (a bug or a corrupted message, never a user error)."""
-
-
-class Pool:
-    """Message buffers reused across rounds and calls, keyed by their role.
-
-    Fresh large buffers cost page faults on first touch (tens of ms per 100 MB), more than the copy
-    itself; an endpoint keeps one buffer per role (grown on demand) and reuses it once every send that
-    used it has completed (:meth:`hold` records the sends, :meth:`get` waits for them).
-    """
-
-    def __init__(self) -> None:
-        self._bufs: dict = {}
-        self._busy: dict = {}
-
-    def get(self, key, nbytes: int) -> torch.Tensor:
-        for wk in self._busy.pop(key, ()):
-            wk.wait()
-        b = self._bufs.get(key)
-        if b is None or b.numel() < nbytes:
-            b = torch.empty(nbytes, dtype=torch.uint8)
-            self._bufs[key] = b
-        return b[:nbytes]
-
-    def hold(self, key, work) -> None:
-        self._busy.setdefault(key, []).append(work)
-
-    def release(self) -> None:
-        """Forget the completed sends (call after waiting for them all)."""
-        self._busy.clear()
-
-
-class Inbox:
-    """Receives posted ahead of need, so that a real fabric moves the data while this endpoint works on
-    something else; messages from the colocated peer are ``put`` directly. Receives on one
-    ``(source, tag)`` must be posted in the order the source sends them."""
-
-    def __init__(self, fabric: Fabric, pool: Pool) -> None:
-        self.fabric = fabric
-        self.pool = pool
-        self._box: dict = {}
-
-    def post(self, key, nbytes: int, src: int, tag: int) -> None:
-        buf = self.pool.get(("in",) + key, nbytes)
-        self._box[key] = (self.fabric.irecv(buf, src, tag), buf)
-
-    def put(self, key, buf: torch.Tensor) -> None:
-        self._box[key] = (None, buf)
-
-    def take(self, key) -> torch.Tensor:
-        work, buf = self._box.pop(key)
-        if work is not None:
-            work.wait()
-        return buf
-
-
-class Outbox:
-    """Asynchronous sends; a pooled buffer is not reused before its sends have completed."""
-
-    def __init__(self, fabric: Fabric, pool: Pool) -> None:
-        self.fabric = fabric
-        self.pool = pool
-        self.pending: list = []
-
-    def message(self, key, k: int, block_size: int, dtype: torch.dtype, extra: int = 0, meta: bool = True):
-        """A pooled block message ``(buffer, blocks view, int32 tail view)``, see :func:`wire.split`."""
-        buf = self.pool.get(("out",) + key, wire.block_bytes(k, block_size, dtype.itemsize, extra, meta))
-        data, tail = wire.split(buf, k, block_size, dtype, extra, meta)
-        return buf, data, tail
-
-    def send(self, buf: torch.Tensor, dst: int, tag: int, key=None) -> None:
-        wk = self.fabric.isend(buf, dst, tag)
-        self.pending.append((wk, buf))
-        if key is not None:
-            self.pool.hold(("out",) + key, wk)
-
-    def reap(self, keep: int = 64) -> None:
-        """Wait for all but the newest ``keep`` sends."""
-        cut = len(self.pending) - keep
-        if cut > 0:
-            for wk, _ in self.pending[:cut]:
-                wk.wait()
-            del self.pending[:cut]
-        if keep == 0:
-            self.pool.release()
 
 
 class AggChannel:
@@ -120,6 +38,8 @@ class AggChannel:
     A round is :meth:`expect` (who sends how many blocks), :meth:`begin` (place the sums), one
     :meth:`add` per sender, :meth:`finish` (the downstream message). Round 0's downstream is two
     messages, :meth:`finish` returns ``(lane words, sums)``; later rounds' one message.
+    :meth:`set_home` (a one-round channel of a colocated in-place call): the sums accumulate in the
+    hosting worker's result rows, which already hold its own blocks.
     """
 
     def __init__(self, ch: wire.Channel, n: int, block_size: int, up: torch.dtype, acc: torch.dtype,
@@ -128,11 +48,24 @@ class AggChannel:
         self.n = n
         self.bs = block_size
         self.up, self.acc_dtype, self.down = up, acc, down
-        self.nxt = np.empty((n, ch.lanes), dtype=np.int64)
+        #: one block per lane: round 0 is the whole stream, and a worker's first look-aheads are just
+        #: "holds the lane's block or not"; ``nxt`` is then never needed, the holders are a bitmap
+        self.single = wire.single(ch)
+        self.nxt = np.empty((n, ch.lanes), dtype=np.int64) if not self.single else None
+        self.held = np.empty((n, ch.lanes), dtype=bool) if self.single else None
         self.act = np.arange(ch.lanes, dtype=np.int64)   # round 0: position 0 of every lane is pending
         self.cur = self.act.copy()
         self.round = 0
         self.counts = np.zeros(n, dtype=np.int64)
+        self.home: torch.Tensor | None = None
+        self.home_w: int | None = None
+
+    def set_home(self, rows: torch.Tensor, w: int) -> None:
+        """Sum into ``rows`` (this channel's blocks of worker ``w``'s in-place result, dtype ``up``)."""
+        if not wire.single(self.ch) or rows.dtype != self.acc_dtype or rows.dtype != self.down:
+            raise ProtocolError("omnireduce: in-place aggregation needs a one-round channel and the "
+                                "accumulation dtype")
+        self.home, self.home_w = rows, w
 
     @property
     def active(self) -> bool:
@@ -142,8 +75,21 @@ class AggChannel:
     def slot(self) -> int:
         return self.ch.slot
 
+    def set_firsts(self, w: int, buf: torch.Tensor) -> None:
+        """Worker ``w``'s first look-ahead of every lane (round-0 metadata, see :func:`wire.encode_firsts`)."""
+        if self.single:
+            self.held[w] = np.unpackbits(buf.numpy(), bitorder="little", count=self.ch.lanes).view(bool)
+        else:
+            self.nxt[w] = wire.decode_firsts(buf, self.ch)
+
     def expect(self) -> np.ndarray:
         """How many blocks each worker sends this round (the lanes whose pending block it holds)."""
+        if self.single:          # the holders of every lane's only block: the bitmaps as they came
+            self.counts = self.held.sum(axis=1)
+            self.summed = np.logical_or.reduce(self.held, axis=0)
+            self.rows = np.cumsum(self.summed) - 1
+            self.k = int(self.rows[-1]) + 1 if self.rows.size else 0
+            return self.counts
         self.held = self.nxt[:, self.act] == self.cur
         self.counts = self.held.sum(axis=1)
         summed = self.held.any(axis=0)
@@ -157,13 +103,30 @@ class AggChannel:
     def begin(self, outbox: "Outbox") -> None:
         """Place the round's sums in a pooled downstream message (double-buffered across rounds)."""
         key = ("down", self.slot, self.round % 2)
+        if self.home is not None:   # the sums accumulate in place; the message is made by finish
+            self._outbox, self._key = outbox, key
+            self.msg = self.data = self.tail = None
+            self.acc, self.fresh = self.home, False
+            return
         self.msg, self.data, self.tail = outbox.message(key, self.k, self.bs, self.down, meta=self.round > 0)
         self.acc = self.data if self.acc_dtype == self.down else torch.empty(self.k, self.bs, dtype=self.acc_dtype)
         self.fresh = True   # acc not yet written: the first contribution is copied, not added
 
-    def add(self, w: int, blocks: torch.Tensor, looks: torch.Tensor) -> None:
-        """Add worker ``w``'s blocks (one per lane it holds, in lane order) and its new look-aheads."""
+    def add(self, w: int, blocks: torch.Tensor | None, looks: torch.Tensor | None) -> None:
+        """Add worker ``w``'s blocks (one per lane it holds, in lane order) and its new look-aheads
+        (``None`` in round 0 of a one-round channel: every lane's next block is "none")."""
         pos = np.flatnonzero(self.held[w])
+        if not self.single:
+            self.nxt[w, self.act[pos]] = looks.numpy()
+        if self.home is not None:
+            if w != self.home_w:    # round 0 of a one-round channel: lane j holds local block j
+                lanes = self.act[pos]
+                run = block_run(lanes)
+                if run is not None:
+                    self.home[run[0]:run[1]].add_(blocks)
+                else:
+                    self.home.index_add_(0, torch.from_numpy(lanes), blocks)
+            return
         if blocks.dtype != self.acc_dtype:
             blocks = blocks.to(self.acc_dtype)
         if pos.size == self.k:            # it holds every summed lane: rows in order, no scatter
@@ -176,14 +139,25 @@ class AggChannel:
                 self.acc.zero_()
             self.acc.index_add_(0, torch.from_numpy(self.rows[pos]), blocks)
         self.fresh = False
-        self.nxt[w, self.act[pos]] = looks.numpy()
 
     def finish(self):
         """Complete every pending block that had holders; the downstream message(s)."""
-        newc = self.nxt[:, self.act].min(axis=0)
+        if self.single:          # every lane's only block is summed: nothing follows in any lane
+            newc = np.full(self.act.size, self.ch.size, dtype=np.int64)
+        else:
+            newc = self.nxt[:, self.act].min(axis=0)
         if not (newc > self.cur).all():
             raise ProtocolError("omnireduce: a lane's pending block did not complete in its round")
-        if self.acc is not self.data:
+        if self.home is not None:   # the message: the summed rows (a view when they are one run)
+            ids = np.flatnonzero(self.summed)
+            run = block_run(ids)
+            nbytes = self.k * self.bs * self.down.itemsize
+            if run is not None and nbytes % 4 == 0:
+                self.msg = self.home[run[0]:run[1]].reshape(-1).view(torch.uint8)
+            elif self.k:
+                self.msg, self.data, _ = self._outbox.message(self._key, self.k, self.bs, self.down, meta=False)
+                torch.index_select(self.home, 0, torch.from_numpy(ids), out=self.data)
+        elif self.acc is not self.data:
             self.data.copy_(self.acc)
         if self.round == 0:
             out = (wire.encode_words(newc, self.summed, self.ch), self.msg if self.k else None)
@@ -193,7 +167,9 @@ class AggChannel:
         keep = newc < self.ch.size
         self.act, self.cur = self.act[keep], newc[keep]
         self.round += 1
-        self.msg = self.acc = self.data = self.tail = self.held = None
+        self.msg = self.acc = self.data = self.tail = None
+        if not self.single:
+            self.held = None
         return out
 
 
@@ -225,9 +201,11 @@ class AggCall:
         for w in self._remote():
             inbox.post(("hdr", w), 8 * HDR, w, TAG_HDR_UP)
 
-    def take_headers(self, inbox: Inbox) -> None:
+    def take_headers(self, inbox: Inbox, post_blocks: bool = True) -> None:
         """Take every header and validate them; post every round-0 receive (their sizes are in the
-        headers: each worker's layout, and its position-0 blocks per channel)."""
+        headers: each worker's layout, and its position-0 blocks per channel). ``post_blocks=False``:
+        the position-0 blocks' receives wait for :meth:`post_blocks0` (colocated, see there)."""
+        self._blocks0 = []
         for w in self.order:
             h = inbox.take(("hdr", w)).view(torch.int64).numpy().copy()
             self.headers[w] = h
@@ -235,12 +213,17 @@ class AggCall:
             self._chans_of[w] = plans[self.index] if self.index < len(plans) else []
             if w != self.colocated:
                 up = wire.code_dtype(h[wire.F_DTYPE])
+                # every channel's (small) first look-aheads before any blocks: a real fabric moves a
+                # pair's messages in the order their receives are posted, and the verdict needs them all
                 for ch in self._chans_of[w]:
                     inbox.post(("firsts", w, ch.slot), wire.meta_bytes(ch), w, tag_up(ch.slot))
+                for ch in self._chans_of[w]:
                     k0 = int(h[wire.F_K0 + ch.slot])
                     if k0:
-                        inbox.post(("blocks0", w, ch.slot), wire.block_bytes(k0, int(h[wire.F_BLOCK]), up.itemsize),
-                                   w, tag_up(ch.slot))
+                        self._blocks0.append((("blocks0", w, ch.slot), wire.block_bytes(
+                            k0, int(h[wire.F_BLOCK]), up.itemsize, meta=not wire.single(ch)), w, tag_up(ch.slot)))
+        if post_blocks:
+            self.post_blocks0(inbox)
         self.reply_hdr = wire.check_headers(self.headers)
         self.status = int(self.reply_hdr[wire.R_STATUS])
         if self.status == OK:
@@ -249,6 +232,16 @@ class AggCall:
             down = wire.code_dtype(self.reply_hdr[wire.R_DOWN_DTYPE])
             self.channels = [AggChannel(ch, self.n, int(h[wire.F_BLOCK]), up, wire.accumulate_dtype(up), down)
                              for ch in wire.plan_from_header(h)[self.index]]
+
+    def post_blocks0(self, inbox: Inbox) -> None:
+        """Post the receives of the workers' position-0 blocks (the bulk of a one-round call).
+
+        A real fabric moves a pair's messages in one stream, each once its receive is posted; a
+        colocated worker posts these only after every aggregator's verdict has reached it, so that a
+        peer's verdict to it is not queued behind that peer's blocks to its aggregator (tens of MB)."""
+        for key, nbytes, w, tag in self._blocks0:
+            inbox.post(key, nbytes, w, tag)
+        self._blocks0 = []
 
     def reply(self, outbox: Outbox) -> torch.Tensor:
         """The reply header (the same for every worker): the verdict and, after :meth:`prepare`, the
@@ -261,6 +254,7 @@ class AggCall:
 
     def drain(self, inbox: Inbox) -> None:
         """After a failed validation: consume every worker's round-0 channel messages."""
+        self.post_blocks0(inbox)
         for w in self._remote():
             for ch in self._chans_of[w]:
                 inbox.take(("firsts", w, ch.slot))
@@ -272,7 +266,7 @@ class AggCall:
         round-0 pending blocks and holders are then known."""
         for c in self.channels:
             for w in self.order:
-                c.nxt[w] = wire.decode_firsts(inbox.take(("firsts", w, c.slot)), c.ch)
+                c.set_firsts(w, inbox.take(("firsts", w, c.slot)))
             counts = c.expect()
             if any(int(counts[w]) != int(self.headers[w][wire.F_K0 + c.slot]) for w in self.order):
                 raise ProtocolError("omnireduce: round-0 blocks do not match their look-aheads")
@@ -297,6 +291,7 @@ class AggCall:
         arrive first) and send the result to every worker (to the hosting worker ``rank`` through the
         inbox); post the next round's receives."""
         r0 = c.round == 0
+        single = r0 and wire.single(c.ch)   # round 0 of a one-round channel: blocks without look-aheads
         if r0:
             c.begin(outbox)
         for w in sorted(self.order, key=lambda v: c.counts[v]):
@@ -305,7 +300,9 @@ class AggCall:
                 key = ("blocks0", w, c.slot) if r0 else ("up", c.slot, w)
                 msg = inbox.take(key)
                 # the hosting worker may hand over (blocks, look-aheads) directly
-                data, looks = msg if isinstance(msg, tuple) else wire.split(msg, k, c.bs, c.up)
+                data, looks = msg if isinstance(msg, tuple) else wire.split(msg, k, c.bs, c.up, meta=not single)
+                if not isinstance(msg, tuple) and single:
+                    looks = None
                 c.add(w, data, looks)
         out = c.finish()
         if c.active:
@@ -316,8 +313,8 @@ class AggCall:
             for w in self.order:
                 if w == rank:
                     inbox.put(("words", self.index, c.slot), words)
-                    if sums is not None:
-                        inbox.put(("sums0", self.index, c.slot), sums)
+                    if sums is not None:   # (None: already in place in the hosting worker's result)
+                        inbox.put(("sums0", self.index, c.slot), None if c.home is not None else sums)
                 else:
                     outbox.send(words, w, tag)
                     if sums is not None:
@@ -331,8 +328,37 @@ class AggCall:
                 outbox.send(out, w, tag, key=key)
 
 
+def _pending(inbox: Inbox, keys) -> list:
+    """The receives of ``keys`` posted in ``inbox`` that have not completed yet."""
+    out = []
+    for k in keys:
+        try:
+            work = inbox.work(k)
+        except KeyError:
+            raise ProtocolError(f"omnireduce: no receive posted for {k!r} (serve's keys are out of step "
+                                f"with AggCall)") from None
+        if work is not None and not work.is_completed():
+            out.append(work)
+    return out
+
+
+def _round_keys(c: "AggChannel") -> list:
+    """The inbox keys of channel ``c``'s current round at a dedicated aggregator (as :meth:`AggCall.step`
+    takes them): the holders' messages."""
+    if c.round == 0:
+        return [("blocks0", w, c.slot) for w in np.flatnonzero(c.counts)]
+    return [("up", c.slot, w) for w in np.flatnonzero(c.counts)]
+
+
 def serve(fabric: Fabric, index: int) -> None:
-    """Dedicated aggregator ``index``: serve calls until the run ends (ServiceShutdown ends the loop)."""
+    """Dedicated aggregator ``index``: serve calls until the run ends (ServiceShutdown ends the loop).
+
+    Event-driven: the channel served next is the first, in (round, slot) order, whose round's
+    messages are all in by the time the first such round is (:meth:`Fabric.wait_any`), so a channel
+    whose holders are late does not hold back the replies of the others. Deadlock-free as the fixed
+    order was: a channel's round only waits for messages its holders send on receipt of the previous
+    round's reply, which has been sent.
+    """
     n = fabric.world_size
     pool = Pool()
     inbox, outbox = Inbox(fabric, pool), Outbox(fabric, pool)
@@ -348,11 +374,11 @@ def serve(fabric: Fabric, index: int) -> None:
         if call.status != OK:
             call.drain(inbox)
         else:
-            while True:
-                todo = call.schedule()
-                if not todo:
-                    break
-                for c in todo:
-                    call.step(c, inbox, outbox)
+            chans = call.schedule()
+            while chans:
+                chans.sort(key=lambda c: (c.round, c.slot))
+                c = chans[fabric.wait_any([_pending(inbox, _round_keys(c)) for c in chans])]
+                call.step(c, inbox, outbox)
                 outbox.reap()
+                chans = [c for c in chans if c.active]
         outbox.reap(0)

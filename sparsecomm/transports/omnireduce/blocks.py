@@ -21,7 +21,7 @@ NUMPY = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np
          torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64, torch.uint8: np.uint8}
 
 
-def _run(ids: np.ndarray) -> tuple[int, int] | None:
+def block_run(ids: np.ndarray) -> tuple[int, int] | None:
     """``(first, stop)`` if ``ids`` is the ascending run ``first, first+1, ..., stop-1``, else None."""
     if ids.size and int(ids[-1]) - int(ids[0]) + 1 == ids.size and (ids.size == 1 or (np.diff(ids) == 1).all()):
         return int(ids[0]), int(ids[-1]) + 1
@@ -46,35 +46,55 @@ class _Blocks:
     def nonzero_count(self) -> int:
         return int(self.mask.sum())
 
+    def scan(self, lo: int, hi: int) -> None:
+        """Make ``mask[lo:hi]`` valid (a no-op unless the source scans lazily)."""
+
 
 class DenseSource(_Blocks):
     """Blocks of a flat tensor. ``threshold > 0`` (OmniReduce's optional threshold) treats blocks with
-    every ``|x| <= threshold`` as zero; they are then zeroed in ``x`` if the result is written in place."""
+    every ``|x| <= threshold`` as zero; they are then zeroed in ``x`` if the result is written in place.
+    ``lazy=True``: ``mask`` is filled range by range by :meth:`scan` (so that a worker can send one
+    aggregator's blocks while it still scans the rest)."""
 
-    def __init__(self, flat: torch.Tensor, block_size: int, threshold: float = 0.0) -> None:
+    def __init__(self, flat: torch.Tensor, block_size: int, threshold: float = 0.0, lazy: bool = False) -> None:
         self.flat = flat
         self.numel = flat.numel()
         self.block_size = block_size
         self.dtype = flat.dtype
         self.nb = -(-self.numel // block_size)
         self.full = self.numel // block_size
-        self.mask = codec.nonzero_blocks(flat, block_size, threshold)   # floats, or integer codes
+        self.threshold = threshold
+        if lazy:
+            self.mask = torch.zeros(self.nb, dtype=torch.bool)
+        else:
+            self.mask = codec.nonzero_blocks(flat, block_size, threshold)   # floats, or integer codes
+        self.lazy = lazy
         self.rows = flat[: self.full * block_size].view(self.full, block_size)
         self._tail_block = None
         if self.tail:
             self._tail_block = torch.zeros(block_size, dtype=flat.dtype, device=flat.device)
             self._tail_block[: self.tail] = flat[self.full * block_size:]
 
+    def scan(self, lo: int, hi: int) -> None:
+        """Find the non-zero blocks among ``[lo, hi)`` (lazy sources; the codec's scan of that range)."""
+        if self.lazy and hi > lo:
+            bs = self.block_size
+            self.mask[lo:hi] = codec.nonzero_blocks(self.flat[lo * bs: min(hi * bs, self.numel)], bs, self.threshold)
+
     def view(self, ids: np.ndarray) -> torch.Tensor | None:
         """The blocks ``ids`` as a view of the tensor, when they are a run of full blocks (no copy)."""
-        run = _run(ids)
+        run = block_run(ids)
         return self.rows[run[0]:run[1]] if run is not None and run[1] <= self.full else None
 
     def gather(self, ids: np.ndarray, out: torch.Tensor) -> None:
         """``out[i] = block ids[i]`` (global block ids)."""
-        run = _run(ids)
+        run = block_run(ids)
         if run is not None and run[1] <= self.full:   # a run of full blocks: one copy
             out.copy_(self.rows[run[0]:run[1]])
+            return
+        if run is not None:                            # a run ending with the short last block
+            out[:-1].copy_(self.rows[run[0]:self.full])
+            out[-1].copy_(self._tail_block)
             return
         t = torch.from_numpy(ids)
         if self._tail_block is not None and ids.size and (ids == self.full).any():
@@ -138,9 +158,13 @@ class BlockSink:
         self.written.append(ids)
         if data.dtype != self.out.dtype:
             data = data.to(self.out.dtype)
-        run = _run(ids)
+        run = block_run(ids)
         if run is not None and run[1] <= self.full:
             self.rows[run[0]:run[1]].copy_(data)
+            return
+        if run is not None:                            # a run ending with the short last block
+            self.rows[run[0]:self.full].copy_(data[:-1])
+            self.out[self.full * self.block_size:] = data[-1, : self.tail]
             return
         t = torch.from_numpy(ids)
         if self.tail and (ids == self.full).any():
@@ -150,6 +174,11 @@ class BlockSink:
             self.out[self.full * self.block_size:] = data[torch.from_numpy(last)][0, : self.tail]
         else:
             self.rows.index_copy_(0, t, data)
+
+    def mark(self, ids: np.ndarray) -> None:
+        """Record blocks ``ids`` as written (their sums were put in place by other means)."""
+        if ids.size:
+            self.written.append(ids)
 
     def written_ids(self) -> np.ndarray:
         return np.unique(np.concatenate(self.written)) if self.written else np.empty(0, dtype=np.int64)

@@ -18,7 +18,8 @@ block index, ``size`` = none):
   ``int32[L]``: the worker's first non-zero block of every
   lane (a bitmap when every lane has one block), then the worker's non-zero blocks at position 0 of
   their lane, with their look-aheads (position 0 is every lane's first pending block, so they can
-  travel at once). The reference implementation sends position 0 of every lane, zero or not ("dense
+  travel at once; no look-aheads when every lane has one block: they would all be "none", and a run
+  of whole blocks then travels as it lies in the tensor, without a copy). The reference implementation sends position 0 of every lane, zero or not ("dense
   first round"); here only the non-zero ones travel and the metadata marks the rest.
 * round 0, aggregator -> worker: a reply header (status, downstream dtype, error detail, and each
   channel's number of position-0 sums); per channel

@@ -8,15 +8,23 @@ every active lane's sum and its next pending block (Fei et al., SIGCOMM'21, Sec.
 
 Order of work (the same on every endpoint, which is what makes it deadlock-free when every worker also
 hosts an aggregator): round 0 -- every worker first sends everything (a header per aggregator, every
-channel's first look-aheads, then its position-0 blocks), then the hosted aggregator validates the
-headers, then every aggregator's verdict is taken; then passes ``p = 0, 1, ...``, pass ``p`` running
-round ``p`` of every active channel slot by slot: the hosted aggregator's step of that slot's channel,
-then the replies of every aggregator for that slot. A step only waits for messages sent at strictly
-earlier steps (an aggregator's round ``p`` needs the up-messages sent on receipt of round ``p-1``; a
-reply needs the aggregator step before it), and every send is asynchronous, so no cycle of waits can
-form, whatever the fabric's buffering. Every channel has its own tags, carrying its rounds in order;
-receives are posted one round ahead, as soon as their size is known, so a real fabric moves the data
-while the endpoint works on other channels.
+channel's first look-aheads, then its position-0 blocks; colocated, aggregator by aggregator, each as
+soon as its range is scanned), then the hosted aggregator validates the headers, then every
+aggregator's verdict is taken (only then does a colocated worker post the receives of its peers'
+blocks, see :meth:`.aggregator.AggCall.post_blocks0`); then passes ``p = 0, 1, ...``, pass ``p``
+running round ``p`` of every active channel slot by slot: the hosted aggregator's step of that slot's
+channel, then the replies of every aggregator for that slot. With dedicated aggregators the replies are
+taken in whichever order they arrive (:meth:`~sparsecomm.fabric.base.Fabric.wait_any`; the pass order
+among those already in). A step only waits for messages sent at strictly earlier steps (an
+aggregator's round ``p`` needs the up-messages sent on receipt of round ``p-1``; a reply needs the
+aggregator step before it), and every send is asynchronous, so no cycle of waits can form, whatever
+the fabric's buffering. Every channel has its own tags, carrying its rounds in order; receives are
+posted one round ahead, as soon as their size is known, so a real fabric moves the data while the
+endpoint works on other channels.
+
+In place (``home``), one-round channels move no data they need not: the hosted aggregator sums into
+the input itself, whole-block runs are sent as views of it, and a channel summed everywhere is received
+straight into it.
 """
 
 from __future__ import annotations
@@ -29,7 +37,8 @@ import torch
 from ... import codec
 from ...fabric.base import Fabric
 from . import wire
-from .aggregator import AggCall, Inbox, Outbox, Pool, ProtocolError
+from .aggregator import AggCall, ProtocolError
+from .mailbox import Inbox, Outbox, Pool
 from .wire import HDR, OK, TAG_HDR_DOWN, TAG_HDR_UP, tag_down, tag_up
 
 
@@ -120,69 +129,108 @@ def agg_order(rank: int, num_aggregators: int) -> list[int]:
 
 
 def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: list[int],
-               own: int | None, pool: Pool | None = None) -> tuple[torch.Tensor, torch.dtype]:
+               own: int | None, pool: Pool | None = None, home: bool = False) -> tuple[torch.Tensor, torch.dtype]:
     """One all-reduce on this worker; returns the result (from ``make_sink(down_dtype)``) and its dtype.
 
     ``aggregators[a]`` is aggregator ``a``'s endpoint; ``own`` is the index of the aggregator this
     worker hosts (colocated: aggregator ``rank``), whose messages to and from it stay local. ``pool``
-    keeps message buffers across calls.
+    keeps message buffers across calls. ``home``: the call is in place on a float32/float64
+    :class:`DenseSource` (``make_sink`` returns the source tensor itself); the hosted aggregator then
+    sums its one-round channels straight into that tensor, which already holds this worker's blocks
+    (no copy of them, no write-back of the sums), and sends the sums from there.
     """
     n, rank, bs = fabric.world_size, fabric.rank, spec.block_size
     A, G = spec.num_aggregators, spec.channels
     plans = wire.plan(spec.numel, bs, A, G, spec.lanes)
-    wch = {(ch.agg, ch.slot): WorkerChannel(ch, source.mask) for chans in plans for ch in chans}
+    wch: dict[tuple[int, int], WorkerChannel] = {}
     pool = Pool() if pool is None else pool
     inbox, outbox = Inbox(fabric, pool), Outbox(fabric, pool)
     agg = AggCall(own, n, colocated=rank) if own is not None else None
     visit = ([own] if own is not None else []) + [a for a in agg_order(rank, A) if a != own]
+    home = home and own is not None
+
+    def homed(ch: wire.Channel) -> bool:
+        """Is hosted channel ``ch`` summed in place (one round, whole blocks only)?"""
+        return home and ch.agg == own and wire.single(ch) and ch.lo + ch.size <= source.full
 
     def send_blocks(key, a: int, c: WorkerChannel, local_key) -> None:
-        """This round's blocks of channel ``c`` with their look-aheads, to aggregator ``a``."""
+        """This round's blocks of channel ``c`` with their look-aheads, to aggregator ``a`` (none in
+        round 0 of a one-round channel: they would all say "no next block")."""
+        meta = not (c.round == 0 and wire.single(c.ch))
         b, look = c.take_up()
         if not b.size:
             return
+        ids = b + c.ch.lo
         if a == own:           # to the hosted aggregator: no message; a view of the data if it can
-            v = source.view(b + c.ch.lo)
-            if v is not None:  # (these blocks are written only once their sums are complete, later)
-                inbox.put(local_key, (v, torch.from_numpy(look)))
+            if homed(c.ch):    # the blocks already are where their sums go
+                inbox.put(local_key, (None, None))
                 return
-        buf, data, tail = outbox.message(key, b.size, bs, spec.up)
-        source.gather(b + c.ch.lo, data)
-        tail.copy_(torch.from_numpy(look))
+            v = source.view(ids)
+            if v is not None:  # (these blocks are written only once their sums are complete, later)
+                inbox.put(local_key, (v, torch.from_numpy(look) if meta else None))
+                return
+        elif not meta:         # a run of whole blocks is the message itself: sent without a copy
+            v = source.view(ids)   # (overwritten in place only after the aggregator has it all)
+            if v is not None and v.numel() * v.element_size() % 4 == 0:
+                outbox.send(v.reshape(-1).view(torch.uint8), aggregators[a], tag_up(c.ch.slot))
+                return
+        buf, data, tail = outbox.message(key, b.size, bs, spec.up, meta=meta)
+        source.gather(ids, data)
+        if meta:
+            tail.copy_(torch.from_numpy(look))
         if a == own:
             inbox.put(local_key, buf)
         else:
             outbox.send(buf, aggregators[a], tag_up(c.ch.slot), key=key)
 
-    # ---- round 0, sent before any wait: a header per aggregator; per channel the first look-aheads,
-    # then the position-0 blocks (slot-major; per slot the heaviest aggregators first)
+    def scan(a: int) -> None:
+        """Find this worker's non-zero blocks in aggregator ``a``'s range; set up its channels."""
+        chans = plans[a]
+        if chans:
+            source.scan(chans[0].lo, chans[-1].lo + chans[-1].size)
+        for ch in chans:
+            wch[a, ch.slot] = WorkerChannel(ch, source.mask)
+
+    def send_round0(aggs: list[int]) -> None:
+        """Round 0 to ``aggs``, sent before any wait: a header each; per channel the first look-aheads,
+        then the position-0 blocks (slot-major; per slot the heaviest aggregators first)."""
+        for a in aggs:
+            hdr = spec.header(n, {ch.slot: wch[a, ch.slot].pending0() for ch in plans[a]}).view(torch.uint8)
+            if a == own:
+                inbox.put(("hdr", rank), hdr)
+            else:
+                outbox.send(hdr, aggregators[a], TAG_HDR_UP)
+                inbox.post(("reply", a), 8 * HDR, aggregators[a], TAG_HDR_DOWN)
+        for g in range(G):     # all first look-aheads (small) before any block
+            for a in aggs:
+                c = wch.get((a, g))
+                if c is not None:
+                    firsts = wire.encode_firsts(c.mine, c.ch)
+                    if a == own:
+                        inbox.put(("firsts", rank, g), firsts)
+                    else:
+                        outbox.send(firsts, aggregators[a], tag_up(g))
+        for g in range(G):
+            for a in sorted(aggs, key=lambda a: -wch[a, g].pending0() if (a, g) in wch else 0):
+                if (a, g) in wch:
+                    send_blocks(("up0", a, g), a, wch[a, g], ("blocks0", rank, g))
+
     if agg is not None:
         agg.post_headers(inbox)
-    for a in visit:
-        hdr = spec.header(n, {ch.slot: wch[a, ch.slot].pending0() for ch in plans[a]}).view(torch.uint8)
-        if a == own:
-            inbox.put(("hdr", rank), hdr)
-        else:
-            outbox.send(hdr, aggregators[a], TAG_HDR_UP)
-            inbox.post(("reply", a), 8 * HDR, aggregators[a], TAG_HDR_DOWN)
-    for g in range(G):     # all first look-aheads (small) before any block
+        # colocated: each remote aggregator's round 0 leaves as soon as its range is scanned, the hosted
+        # one (no message) last, so the transfers overlap the rest of the scan
+        for a in visit[1:] + [own]:
+            scan(a)
+            send_round0([a])
+    else:
         for a in visit:
-            c = wch.get((a, g))
-            if c is not None:
-                firsts = wire.encode_firsts(c.mine, c.ch)
-                if a == own:
-                    inbox.put(("firsts", rank, g), firsts)
-                else:
-                    outbox.send(firsts, aggregators[a], tag_up(g))
-    for g in range(G):
-        for a in sorted(visit, key=lambda a: -wch[a, g].pending0() if (a, g) in wch else 0):
-            if (a, g) in wch:
-                send_blocks(("up0", a, g), a, wch[a, g], ("blocks0", rank, g))
+            scan(a)
+        send_round0(visit)
 
     # ---- the hosted aggregator validates the headers; every aggregator's verdict; every round-0 reply
     # receive posted at once (the verdict carries the number of position-0 sums of every channel)
     if agg is not None:
-        agg.take_headers(inbox)
+        agg.take_headers(inbox, post_blocks=False)
         if agg.status == OK:
             agg.prepare(inbox)
         reply = agg.reply(outbox)
@@ -203,16 +251,35 @@ def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: l
             continue
         down = wire.code_dtype(rh[wire.R_DOWN_DTYPE])
         for ch in plans[a]:
-            k = sums0[a, ch.slot] = int(rh[wire.R_K + ch.slot])
-            if a != own:
-                inbox.post(("words", a, ch.slot), wire.meta_bytes(ch), aggregators[a], tag_down(ch.slot))
-                if k:
-                    inbox.post(("sums0", a, ch.slot), wire.block_bytes(k, bs, down.itemsize, meta=False),
-                               aggregators[a], tag_down(ch.slot))
+            sums0[a, ch.slot] = int(rh[wire.R_K + ch.slot])
+    if agg is not None:    # (after every verdict is in: see AggCall.post_blocks0)
+        agg.post_blocks0(inbox)
     if error is not None:
         outbox.reap(0)
         wire.raise_for_reply(error, spec.header(n).numpy(), rank)
     result, sink = make_sink(down)
+    if home:
+        if result.data_ptr() != source.flat.data_ptr():
+            raise ProtocolError("omnireduce: an in-place call's result is not its input")
+        for ac in agg.channels:
+            if homed(ac.ch):
+                ac.set_home(sink.rows[ac.ch.lo: ac.ch.lo + ac.ch.size], rank)
+    into_sink = set()      # round-0 sums received straight into the result (a whole channel, summed)
+    for a in visit:
+        if a == own:
+            continue
+        for ch in plans[a]:
+            tag, k = tag_down(ch.slot), sums0[a, ch.slot]
+            inbox.post(("words", a, ch.slot), wire.meta_bytes(ch), aggregators[a], tag)
+            nbytes = wire.block_bytes(k, bs, down.itemsize, meta=False)
+            if (k == ch.size and result.dtype == down and ch.lo + ch.size <= sink.full
+                    and nbytes == k * bs * down.itemsize):
+                into_sink.add((a, ch.slot))
+                inbox.post_into(("sums0", a, ch.slot),
+                                sink.rows[ch.lo: ch.lo + ch.size].reshape(-1).view(torch.uint8),
+                                aggregators[a], tag)
+            elif k:
+                inbox.post(("sums0", a, ch.slot), nbytes, aggregators[a], tag)
 
     def worker_step(a: int, c: WorkerChannel) -> None:
         """Channel ``c``'s reply of this round: write the sums, advance the lanes, send the next round."""
@@ -223,8 +290,13 @@ def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: l
             if k != sums0[a, g]:
                 raise ProtocolError("omnireduce: the round-0 sums do not match their lane words")
             if k:
-                data, _ = wire.split(inbox.take(("sums0", a, g)), k, bs, down, meta=False)
-                sink.write(np.flatnonzero(summed) + c.ch.lo, data)
+                got = inbox.take(("sums0", a, g))
+                ids = np.flatnonzero(summed) + c.ch.lo
+                if got is None or (a, g) in into_sink:   # summed in place / received in place
+                    sink.mark(ids)
+                else:
+                    data, _ = wire.split(got, k, bs, down, meta=False)
+                    sink.write(ids, data)
             c.start(newc)
         else:
             c.down(inbox.take(("down", a, g)), sink, bs, down)
@@ -238,7 +310,23 @@ def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: l
     # (each aggregator serves its channels in slot order and each channel's workers in the order
     # a+1, a+2, ...: worker ``rank`` hears from ``rank-1, rank-2, ...`` first).
     aggch = {c.slot: c for c in agg.channels} if agg is not None else {}
-    while True:
+    if agg is None:
+        # dedicated aggregators: the replies in the pass order below (round, slot, aggregator) while
+        # they are there, else whichever arrives first (Fabric.wait_any), so a late aggregator does not
+        # hold back this worker's next round to the others. The sends are finished first (they would
+        # only queue behind each other): the replies in by then are served in the staggered pass order,
+        # which spreads the next round over the aggregators. Still deadlock-free: every reply waited
+        # for answers an up-message already sent.
+        live = [(a, wch[a, g]) for g in range(G) for a in visit if (a, g) in wch]
+        rank_of = {id(c): i for i, (_, c) in enumerate(live)}
+        while True:
+            outbox.reap(0)
+            live = sorted(((a, c) for a, c in live if c.active), key=lambda ac: (ac[1].round, rank_of[id(ac[1])]))
+            if not live:
+                break
+            keys = [("words" if c.round == 1 else "down", a, c.ch.slot) for a, c in live]
+            worker_step(*live[fabric.wait_any([inbox.work(k) for k in keys])])
+    while agg is not None:
         outbox.reap()
         busy = False
         for g in range(G):
