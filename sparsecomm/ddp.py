@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from .fabric.stats import CommStats
-from .optim import CommPipeline
+from .pipeline import CommPipeline
 
 _HYPER = ("compressor", "transport", "method", "transport_kwargs", "warmup_steps", "min_compress_size",
           "seed", "hyper")

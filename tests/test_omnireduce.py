@@ -208,7 +208,7 @@ def test_quantized_codes_travel_up_in_their_dtype_and_down_wide_enough():
     """int8 codes go up as int8 (1 byte each); 3 workers' sums need int16 on the way down."""
     def fn(ctx):
         t = sc.transports.get("omnireduce", ctx.fabric, block_size=100, lanes=100, deployment="dedicated")
-        y = t.allreduce(_quantized(ctx.rank))
+        t.allreduce(_quantized(ctx.rank))
         return t.last_stats
     s = sc.launch(fn, 3)[0]
     blocks = 6          # 1000 codes, 400 zero: blocks 2..5 of 100 are zero, 6 of 10 non-zero

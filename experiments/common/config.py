@@ -3,7 +3,7 @@
 A :class:`RunConfig` names a task, a compressor, a method and a transport (each a registered name,
 with hyper-parameters), the workers and the network. :func:`validate` builds the method and looks the
 transport up exactly as :class:`sparsecomm.DistributedOptimizer` will, with the library's own checks
-(:func:`sparsecomm.optim.build_method`, :func:`sparsecomm.optim.check_pair`), so an unknown name or an
+(:func:`sparsecomm.pipeline.build_method`, :func:`sparsecomm.pipeline.check_pair`), so an unknown name or an
 invalid compressor x transport pair fails before any run starts, with the library's message.
 """
 
@@ -120,7 +120,7 @@ def check_compatible(cfg: RunConfig) -> None:
     compressor; top-k's sparse payload on ``ring``), ``TypeError`` for a hyper-parameter a component
     does not take.
     """
-    from sparsecomm.optim import build_method, check_pair
+    from sparsecomm.pipeline import build_method, check_pair
 
     method = build_method(cfg.compressor, cfg.method, **cfg.compressor_kw, **cfg.method_kw)
     tcls = sc.transports.registry.factory(cfg.transport)
