@@ -17,7 +17,8 @@ has not come back within ``timeout`` is sent again, unchanged; after ``timeout_t
 the timeout doubles and the threshold grows by ``timeout_increment`` (reference: 10 ms, 100, 100).
 The switch's seen-bitmaps make a retransmission harmless: it is either dropped (slot incomplete) or
 answered with the stored result (slot complete); a result for a packet that is no longer outstanding
-(a duplicate, or a previous job's) is ignored. A contribution is therefore counted exactly once.
+(a duplicate, or a previous job's) is ignored. A contribution is therefore counted exactly once. (The
+lanes and the retransmission timer are in :mod:`.switch_lanes`.)
 
 **Quantisation** (dense and aligned payloads, float tensors). Each packet carries the exponent ``e``
 of its chunk's largest magnitude (``2^e > max|x|``, :func:`sparsecomm.codec.chunk_exponents`); the
@@ -47,10 +48,8 @@ on real fabrics ``burst`` packets share one fabric message (each keeps its own s
 
 from __future__ import annotations
 
-import math
 import threading
 import weakref
-from collections import deque
 import zlib
 from dataclasses import dataclass
 
@@ -58,15 +57,14 @@ import numpy as np
 import torch
 
 from .. import codec
-from ..errors import FabricTimeout, IncompatibleError, MismatchError, NonFiniteError, OverflowError_
+from ..errors import IncompatibleError, MismatchError, NonFiniteError, OverflowError_
 from ..fabric.base import Fabric
 from ..payload import Payload
 from . import registry
 from .base import Transport
+from .switch_lanes import run_lanes
 from .switch_dataplane import (
-    EXP_MAX, EXP_MIN, F_EXP, F_JOB, F_NW, F_PKT, F_SET, F_SLOT, F_TYPE, F_WORKER,
-    HEADER, MAX_WORKERS, PACKET_ELEMS, T_DATA, T_RESULT, T_RETRANSMIT, TAG_DOWN, TAG_UP, Dataplane,
-    SwitchConfig, service_main,
+    EXP_MAX, EXP_MIN, F_EXP, HEADER, MAX_WORKERS, PACKET_ELEMS, Dataplane, SwitchConfig, service_main,
 )
 
 INT32_MAX = 2**31 - 1
@@ -390,119 +388,8 @@ class SwitchTransport(Transport):
         return np.concatenate(parts)
 
     def _run_lanes(self, lane_slots: np.ndarray, P: int, pkt_base: int, payload, consume, phase: str) -> None:
-        """Self-clocked streaming of packets ``0..P-1`` over ``len(lane_slots)`` lanes with retransmission.
-
-        Packet ``p`` goes on lane ``p % L``; the lane's next packet ``p + L`` is sent when ``p``'s result
-        arrives. ``payload(pkts, rows)`` fills new rows, ``consume(pkts, rows)`` takes accepted results.
-        """
-        fab, st, sw = self.fabric, self._state, self.switch
-        L, E, K = len(lane_slots), self.slot_elems, self.burst
-        width = HEADER + E
-        job, rank, n = st.job, fab.rank, fab.world_size
-        lane_pkt = np.arange(L, dtype=np.int64)           # outstanding packet per lane (-1: lane done)
-        lane_rows = np.zeros((L, width), dtype=np.int32)  # what was sent, for retransmission
-        lane_deadline = np.zeros(L, dtype=np.float64)
-        lane_first = np.zeros(L, dtype=np.float64)
-        timeout, threshold, expiries = self.timeout, self.timeout_threshold, 0
-        info = {"packets": 0, "retransmissions": 0, "results": 0, "ignored": 0}
-        pending: deque = deque()
-
-        def send(lanes: np.ndarray, fresh: bool) -> None:
-            if fresh:
-                pk = lane_pkt[lanes]
-                rows = np.zeros((len(lanes), width), dtype=np.int32)
-                slots = lane_slots[lanes]
-                rows[:, F_TYPE] = T_DATA
-                rows[:, F_SLOT] = slots
-                rows[:, F_SET] = st.parity[slots]
-                rows[:, F_WORKER] = rank
-                rows[:, F_PKT] = pk + pkt_base
-                rows[:, F_JOB] = job
-                rows[:, F_NW] = n
-                rows[:, F_EXP] = EXP_MIN
-                payload(pk, rows)
-                lane_rows[lanes] = rows
-            else:
-                rows = lane_rows[lanes]
-            for i in range(0, len(rows), K):
-                part = rows[i:i + K]
-                if len(part) < K:
-                    part = np.concatenate([part, np.zeros((K - len(part), width), dtype=np.int32)])
-                msg = torch.from_numpy(np.ascontiguousarray(part))
-                if self.sim:       # a blocking send models the worker's NIC serialisation
-                    fab.send(msg, sw, TAG_UP, reliable=False)
-                else:              # gloo sends complete only when the switch posts its receive
-                    pending.append((fab.isend(msg, sw, TAG_UP, reliable=False), msg))
-                    while len(pending) > 4 * max(1, L // K):
-                        pending.popleft()[0].wait()
-            now = fab.now()
-            lane_deadline[lanes] = now + (timeout if timeout is not None else math.inf)
-            if fresh:
-                lane_first[lanes] = now
-            info["packets"] += len(lanes)
-
-        send(np.arange(L), True)
-        rbuf = torch.zeros((K, width), dtype=torch.int32)
-        rarr = rbuf.numpy()
-        done = 0
-        while done < P:
-            active = lane_pkt >= 0
-            try:
-                if timeout is None:   # no timer (reliable fabric): the fabric's timeout_s bounds the wait
-                    fab.recv(rbuf, sw, TAG_DOWN)
-                else:
-                    wait = float(lane_deadline[active].min()) - fab.now()
-                    fab.recv(rbuf, sw, TAG_DOWN, timeout=max(wait, 1e-9))
-            except FabricTimeout:
-                if timeout is None:
-                    raise
-                now = fab.now()
-                expired = np.nonzero(active & (lane_deadline <= now + 1e-12))[0]
-                if len(expired) == 0:
-                    continue
-                stale = expired[now - lane_first[expired] > self.give_up_s]
-                if len(stale):
-                    p = int(lane_pkt[stale[0]])
-                    raise FabricTimeout(
-                        f"worker {rank}: switch {phase} packet {p} of job {job} unanswered for "
-                        f"{now - lane_first[stale[0]]:.3g} s despite retransmissions: a peer or the switch "
-                        f"is gone, or workers disagree on pool_size / slot_elems") from None
-                expiries += len(expired)
-                info["retransmissions"] += len(expired)
-                send(expired, False)
-                if expiries >= threshold:            # reference client: double after a threshold
-                    timeout *= 2
-                    threshold += self.timeout_increment
-                    expiries = 0
-                continue
-            kinds = rarr[:, F_TYPE]
-            ok = ((kinds == T_RESULT) | (kinds == T_RETRANSMIT)) & (rarr[:, F_JOB] == job)
-            pk = rarr[:, F_PKT].astype(np.int64) - pkt_base
-            ok &= (pk >= 0) & (pk < P)
-            lanes = np.where(ok, pk % L, 0)
-            ok &= lane_pkt[lanes] == pk
-            info["ignored"] += int(((kinds == T_RESULT) | (kinds == T_RETRANSMIT)).sum() - ok.sum())
-            if not ok.any():
-                continue
-            pk, lanes, rows = pk[ok], lanes[ok], rarr[ok]
-            pk, first = np.unique(pk, return_index=True)
-            lanes, rows = lanes[first], rows[first]
-            consume(pk, rows)
-            done += len(pk)
-            info["results"] += len(pk)
-            st.parity[lane_slots[lanes]] ^= 1
-            nxt = pk + L
-            more = nxt < P
-            lane_pkt[lanes] = np.where(more, nxt, -1)
-            if more.any():
-                send(lanes[more], True)
-        while pending:
-            pending.popleft()[0].wait()
-        info["final_timeout"] = timeout
-        if self.last_info.get("job") != job:
-            self.last_info = {"job": job}
-        self.last_info[phase] = info
-
+        """Stream packets ``0..P-1`` over the lanes ``lane_slots`` (:func:`.switch_lanes.run_lanes`)."""
+        run_lanes(self, lane_slots, P, pkt_base, payload, consume, phase)
 
 def _program(fabric: Fabric, sim: bool, elems: int | None, slots: int | None, burst: int | None,
              audit: bool) -> SwitchConfig:
