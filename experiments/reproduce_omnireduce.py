@@ -25,6 +25,7 @@ column ``imbD``), so that what is left is the protocol's and the network's.
 
     python -m experiments.reproduce_omnireduce [--quick] [--out DIR] [--overlap full|random]
                                                [--placement random|stratified] [--numel N]
+                                               [--densities D ...] [--bandwidths GBPS ...]
 
 prints the table and writes ``omnireduce_vs_density.png``, ``omnireduce_vs_workers.png`` and
 ``omnireduce_<overlap>_<placement>.csv`` under ``DIR`` (default ``experiments/out``). The full grid took
@@ -268,10 +269,12 @@ def main(argv=None) -> list[Point]:
     ap.add_argument("--placement", choices=("random", "stratified"), default="random",
                     help="stratified: every aggregator's shard gets exactly its share of non-zero blocks")
     ap.add_argument("--numel", type=int, default=NUMEL, help="float32 elements of the tensor")
+    ap.add_argument("--densities", type=float, nargs="+", default=[1.0, 0.5, 0.1, 0.01])
+    ap.add_argument("--bandwidths", type=float, nargs="+", default=None, help="Gbit/s (default 10 and 100)")
     args = ap.parse_args(argv)
     ns = [2, 4, 8, 16] if args.quick else [2, 4, 8, 16, 32, 64]
-    bws = [100.0] if args.quick else [10.0, 100.0]
-    densities = [1.0, 0.5, 0.1, 0.01]
+    bws = args.bandwidths or ([100.0] if args.quick else [10.0, 100.0])
+    densities = args.densities
     os.makedirs(args.out, exist_ok=True)
     print(f"OmniReduce (dedicated aggregators, {CHANNELS} channels, {POSITIONS} blocks per lane) vs ring, "
           f"{args.numel} float32, block {BLOCK}, latency {LATENCY_US} us, overlap={args.overlap}, "
@@ -290,7 +293,8 @@ def main(argv=None) -> list[Point]:
             ts = [p.omni_s for p in row]
             print(f"{bw:g} Gbps, density {d:g}: omni max/min over n = {max(ts) / min(ts):.2f}; ring at n={row[-1].n}: "
                   f"{row[-1].ring_s / row[0].ring_s:.2f}x its n={row[0].n} time")
-    with open(os.path.join(args.out, f"omnireduce_{args.overlap}_{args.placement}.csv"), "w", newline="") as fh:
+    tag = "" if args.numel == NUMEL else f"_{args.numel}"
+    with open(os.path.join(args.out, f"omnireduce_{args.overlap}_{args.placement}{tag}.csv"), "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=list(asdict(points[0])))
         w.writeheader()
         for p in points:
