@@ -31,12 +31,15 @@ import torch.distributed as dist
 
 import sparsecomm as sc
 from sparsecomm import codec
+from sparsecomm.transports.omnireduce.blocks import block_run
 
 from .transports import block_sparse, machine
 
 
 def _run(ids: np.ndarray) -> slice | None:
-    return slice(int(ids[0]), int(ids[-1]) + 1) if ids.size and ids[-1] - ids[0] + 1 == ids.size else None
+    """``ids`` as a slice when they are consecutive (the transport's :func:`block_run`)."""
+    run = block_run(ids)
+    return slice(*run) if run is not None else None
 
 
 _BUFS: dict = {}

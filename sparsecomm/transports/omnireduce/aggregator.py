@@ -62,7 +62,7 @@ class AggChannel:
 
     def set_home(self, rows: torch.Tensor, w: int) -> None:
         """Sum into ``rows`` (this channel's blocks of worker ``w``'s in-place result, dtype ``up``)."""
-        if not wire.single(self.ch) or rows.dtype != self.acc_dtype or rows.dtype != self.down:
+        if not self.single or rows.dtype != self.acc_dtype or rows.dtype != self.down:
             raise ProtocolError("omnireduce: in-place aggregation needs a one-round channel and the "
                                 "accumulation dtype")
         self.home, self.home_w = rows, w
@@ -301,8 +301,6 @@ class AggCall:
                 msg = inbox.take(key)
                 # the hosting worker may hand over (blocks, look-aheads) directly
                 data, looks = msg if isinstance(msg, tuple) else wire.split(msg, k, c.bs, c.up, meta=not single)
-                if not isinstance(msg, tuple) and single:
-                    looks = None
                 c.add(w, data, looks)
         out = c.finish()
         if c.active:
