@@ -104,14 +104,14 @@ class CommHookState:
         return d
 
     # ---------------------------------------------------------------- hook body
-    def reduce_bucket(self, buffer: torch.Tensor, index: int, is_last: bool) -> torch.Tensor:
+    def reduce_bucket(self, buffer: torch.Tensor, index: int, is_last: bool, shapes: Any = None) -> torch.Tensor:
         if not self._iter_started:
             self.pipeline.begin_step()
             self._iter_started = True
         flat = buffer.reshape(-1)
         compress = self.iter >= 1 and flat.numel() >= self.min_compress_size
         exact = self.iter < self.warmup_steps
-        out = self.pipeline.reduce(flat, index, exact=exact, compress=compress)
+        out = self.pipeline.reduce(flat, index, exact=exact, compress=compress, shapes=shapes)
         if is_last:
             self.iter += 1
             self._iter_started = False
@@ -139,7 +139,9 @@ class CommHookState:
 
 def comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """A ``register_comm_hook`` hook: the bucket's gradients averaged through the method and transport."""
-    out = state.reduce_bucket(bucket.buffer(), bucket.index(), bucket.is_last())
+    shapes = ([g.shape for g in bucket.gradients()]
+              if getattr(state.pipeline.method, "uses_shapes", False) else None)
+    out = state.reduce_bucket(bucket.buffer(), bucket.index(), bucket.is_last(), shapes=shapes)
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(out)
     return fut

@@ -269,7 +269,8 @@ class DistributedOptimizer:
         exact = self._sc_steps < self._sc_warmup
         for b in self._layout():
             flat = b.gather()
-            est = pipe.reduce(flat, b.key, exact=exact, compress=b.compress)
+            est = pipe.reduce(flat, b.key, exact=exact, compress=b.compress,
+                              shapes=[p.shape for p in b.params])
             b.scatter(est)
         self._sc_steps += 1
         self._sc_synced = True

@@ -219,7 +219,7 @@ class CommPipeline:
         return g
 
     def reduce(self, flat: torch.Tensor, key: Hashable, *, exact: bool = False,
-               compress: bool = True) -> torch.Tensor:
+               compress: bool = True, shapes: Any = None) -> torch.Tensor:
         """The averaged estimate for this worker's flat ``flat`` of bucket ``key``.
 
         ``compress=False`` bypasses the method (plain average, no state); ``exact=True`` runs the
@@ -227,21 +227,32 @@ class CommPipeline:
         transport built with ``inplace=True`` may write the sum into it. The result is the transport's
         output divided in place (a fresh tensor, or ``flat`` itself), or the method's estimate written
         into this bucket's persistent buffer; either stays valid until the next ``reduce`` of ``key``
-        (callers keep views of it, as DDP's ``gradient_as_bucket_view``).
+        (callers keep views of it, as DDP's ``gradient_as_bucket_view``). A method of several rounds
+        (``next_round``, :mod:`sparsecomm.methods.base`) gets each round aggregated in turn; ``shapes``
+        (the tensors laid out in ``flat``) is passed to the method.
         """
         dense_bytes = flat.numel() * flat.element_size()
         if not compress or self._plain:
             payload = dense_payload(flat)
             out = self.transport.allreduce(flat).div_(self.world_size)
         else:
-            payload = self.method.encode(flat, key, self.generator(flat.device), exact=exact, inplace=True)
+            payload = self.method.encode(flat, key, self.generator(flat.device), exact=exact, inplace=True,
+                                         shapes=shapes)
             agg = self.transport.allreduce(payload)
-            out = self.method.decode(agg, self.world_size, key, out=self._out(key, agg))
-        self.stats.rounds += 1
+            while (nxt := self.method.next_round(agg, self.world_size, key)) is not None:
+                self._count(payload)
+                payload = nxt
+                agg = self.transport.allreduce(payload)
+            out = self.method.decode(agg, self.world_size, key, out=self._out(key, flat))
+        self._count(payload)
         self.stats.bytes_dense += dense_bytes
+        return out
+
+    def _count(self, payload: Any) -> None:
+        """One aggregation round done: its payload's bytes and the transport's CommStats."""
+        self.stats.rounds += 1
         self.stats.bytes_payload += _payload_bytes(payload)
         self.last_stats = self.last_stats + self.transport.last_stats
-        return out
 
     def _out(self, key: Hashable, like: torch.Tensor) -> torch.Tensor:
         """The persistent estimate buffer of bucket ``key`` (reused every round: no fresh allocation)."""

@@ -292,3 +292,98 @@ def terngrad_bits(d: int, bucket_size: int | None = None, scale_bits: int = 32) 
 def sign_bits(d: int, scale_bits: int = 32) -> int:
     """Scaled sign: 1 bit per entry plus the scalar ||x||_1/d (0 bits for an empty vector)."""
     return d + scale_bits if d > 0 else 0
+
+
+# ------------------------------------------------------------------ the methods of issue #18 (part 2)
+def powersgd_matrix(shape) -> tuple[int, int]:
+    """The matrix PowerSGD compresses a tensor as: ``(shape[0], numel/shape[0])`` (a scalar: (1, 1)),
+    as torch's ``powerSGD_hook`` views each gradient (Vogels, Karimireddy, Jaggi, "PowerSGD:
+    Practical low-rank gradient compression for distributed optimization", NeurIPS 2019)."""
+    shape = tuple(int(s) for s in shape)
+    if not shape:
+        return 1, 1
+    n = shape[0]
+    numel = math.prod(shape)
+    return n, (numel // n if n else 0)
+
+
+def powersgd_compresses(n: int, m: int, rank: int, min_compression_rate: float = 2.0) -> bool:
+    """Whether an n x m matrix is sent as rank-r factors: ``(n + m) r * rate < n m`` with
+    r = min(n, m, rank) (torch's ``_should_compress``; vectors, m = 1, never qualify for rate >= 1)."""
+    r = min(n, m, rank)
+    return r > 0 and (n + m) * r * min_compression_rate < n * m
+
+
+def powersgd_bits(shapes, rank: int, min_compression_rate: float = 2.0, value_bits: int = 32) -> int:
+    """Bits one worker sends per step (both rounds): P (n r) and Q (m r) for every compressed matrix,
+    the whole tensor for the others (derived from the algorithm: round 1 carries the Ps and the
+    uncompressed tensors, round 2 the Qs)."""
+    total = 0
+    for s in shapes:
+        n, m = powersgd_matrix(s)
+        r = min(n, m, rank)
+        total += (n + m) * r if powersgd_compresses(n, m, rank, min_compression_rate) else n * m
+    return value_bits * total
+
+
+def lowrank_delta(n: int, m: int, rank: int) -> float:
+    """Best rank-r approximation of an n x m matrix (truncated SVD, Eckart-Young): it keeps the r
+    largest of the min(n, m) squared singular values, so ||M - M_r||^2 <= (1 - r/min(n, m)) ||M||^2,
+    **tight** when all singular values are equal (derived). PowerSGD's single power step from a warm
+    start approaches M_r over steps (Vogels et al. 2019, §3) but has no worst-case contraction of its
+    own (a fresh Gaussian Q may miss the top singular direction), which is why it is used with error
+    feedback."""
+    k = min(n, m)
+    if k <= 0:
+        return 1.0
+    return min(rank, k) / k
+
+
+def majority_vote_error(n: int, p: float) -> float:
+    """Probability that the majority vote of n workers' signs is wrong when each is wrong
+    independently with probability p < 1/2 (ties, possible for even n, count as wrong): the binomial
+    tail P[Bin(n, p) >= n/2]. Bernstein, Zhao, Azizzadenesheli, Anandkumar, "signSGD with majority
+    vote is communication efficient and fault tolerant", ICLR 2019, bound it by a Cantelli-type
+    argument; the exact tail is computed here (derived)."""
+    if not 0.0 <= p <= 1.0 or n < 1:
+        raise ValueError(f"need n >= 1 and p in [0, 1], got n={n}, p={p}")
+    return float(sum(math.comb(n, j) * p**j * (1 - p) ** (n - j) for j in range(math.ceil(n / 2), n + 1)))
+
+
+def sign_vote_bits(d: int) -> int:
+    """signSGD / signum with majority vote: one bit per coordinate, no scale (the scale is the shared
+    constant 1); the vote itself is the sign of the integer sum (Bernstein et al. 2019)."""
+    return max(d, 0)
+
+
+def onebit_bits(d: int, bucket_size: int | None = None, scale_bits: int = 32) -> int:
+    """1-bit SGD (Seide, Fu, Droppo, Li, Yu, "1-bit stochastic gradient descent and its application
+    to data-parallel distributed training of speech DNNs", Interspeech 2014): one bit per entry plus
+    the reconstruction level of each bucket (column)."""
+    return quantized_bits(d, 1, n_buckets(d, bucket_size), scale_bits)
+
+
+def onebit_delta(bucket_size: int) -> float:
+    """1-bit quantisation with the bucket's mean |x| as level: per bucket the error is
+    ||x_b||^2 - ||x_b||_1^2/b (as scaled sign), so delta = 1/b, **tight** at a single spike in a
+    bucket (derived, see ``sign_error_ratio``)."""
+    return 1.0 / max(int(bucket_size), 1)
+
+
+def dgc_sparsity(step: int, final: float = 0.999, warmup_steps: int = 4, start: float = 0.75) -> float:
+    """DGC's warm-up of the sparsity (Lin, Han, Mao, Wang, Dally, "Deep gradient compression",
+    ICLR 2018, §3.4): the sparsity rises exponentially from ``start`` (75%) to ``final`` (99.9%) over
+    ``warmup_steps`` steps (the paper: 75%, 93.75%, 98.4375%, 99.6%, 99.9% over the first four epochs,
+    i.e. the kept fraction shrinks by 4x per step); ``final`` from then on."""
+    if warmup_steps <= 0 or step >= warmup_steps:
+        return final
+    keep0, keep1 = 1.0 - start, 1.0 - final
+    keep = keep0 * (keep1 / keep0) ** (step / warmup_steps)
+    return 1.0 - keep
+
+
+#: DGC's defaults (Lin et al. 2018): momentum 0.9, sampled threshold on 0.1%-1% of the entries
+#: (§3.4 "we sample only 0.1% to 1% of the gradients"), final sparsity 99.9%
+DGC_MOMENTUM = 0.9
+DGC_SAMPLE_RATIO = 0.01
+DGC_FINAL_SPARSITY = 0.999

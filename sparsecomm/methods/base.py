@@ -6,6 +6,28 @@ One round, for bucket ``key`` on worker i::
     aggregate = transport.allreduce(payload)                 # sum over workers of payload.to_dense()
     estimate  = method.decode(aggregate, world_size, key)    # the averaged gradient estimate
 
+**Several rounds.** A method may need more than one aggregation per step (PowerSGD: the P factors,
+then the Q factors computed from the orthogonalised sum of the Ps). After each round the caller asks
+``next_round(aggregate, world_size, key)``: a Payload is the next round's message (aggregate it the
+same way and ask again), ``None`` means ``aggregate`` was the last round's, to be handed to
+``decode``::
+
+    payload = method.encode(grad_i, key, generator)
+    aggregate = transport.allreduce(payload)
+    while (payload := method.next_round(aggregate, world_size, key)) is not None:
+        aggregate = transport.allreduce(payload)
+    estimate = method.decode(aggregate, world_size, key)
+
+One-round methods never override it (it returns ``None``). Every round's payload has the kind of the
+method's declared compressor (the pair check at construction covers all rounds); the last aggregate
+may be shorter than the bucket (the estimate always has the bucket's length). Each round is a
+collective: every worker must run the same number of rounds for a key, which holds because the
+decision is a function of the state and the (identical) aggregates.
+
+**Shapes.** ``encode(..., shapes=[...])`` may tell the method the shapes of the tensors laid out in
+the flat bucket (the optimizer and the DDP hook pass them); methods that set ``uses_shapes`` (PowerSGD
+compresses each matrix separately) read them with ``self._shapes_of(key, d)``; the others ignore them.
+
 ``decode`` is deterministic given the aggregate and the state, so every worker's copy of any global
 state (DIANA's h, EF21's g) stays identical without communication. State is per ``key`` (one flat
 bucket each), explicit and typed (one small dataclass per key); ``state_dict()`` /
@@ -60,6 +82,8 @@ class Method(ABC):
     State: ClassVar[type | None] = None
     #: whether the method's guarantees need an unbiased compressor (DIANA)
     needs_unbiased: ClassVar[bool] = False
+    #: whether the method reads the bucket's tensor shapes (``encode(..., shapes=)``)
+    uses_shapes: ClassVar[bool] = False
 
     compressor: Compressor
 
@@ -85,14 +109,18 @@ class Method(ABC):
         self._state: dict[Hashable, Any] = {}
         # what encode decided for a key (exact round, effective step), consumed by decode
         self._pending: dict[Hashable, Any] = {}
+        # per key: the bucket's length (the estimate's) and, for ``uses_shapes`` methods, its shapes
+        self._lengths: dict[Hashable, int] = {}
+        self._shapes: dict[Hashable, tuple[torch.Size, ...]] = {}
 
     # ------------------------------------------------------------------ public
     def encode(self, grad: torch.Tensor, key: Hashable = 0, generator: torch.Generator | None = None,
-               *, exact: bool = False, inplace: bool = False) -> Payload:
-        """The message this worker sends for ``grad`` (flat) of bucket ``key``.
+               *, exact: bool = False, inplace: bool = False, shapes: Any = None) -> Payload:
+        """The message this worker sends for ``grad`` (flat) of bucket ``key`` (its first round's).
 
         ``exact=True`` replaces the compressor by the identity for this round (see the module doc).
         ``inplace=True``: ``grad`` is scratch and may be overwritten (the payload may alias it).
+        ``shapes``: the shapes of the tensors laid out in ``grad`` (their numels sum to its length).
         """
         if grad.dim() != 1:
             raise MismatchError(f"method {self.name!r} encodes flat buckets; got shape {tuple(grad.shape)}")
@@ -103,20 +131,33 @@ class Method(ABC):
                 raise MismatchError(
                     f"method {self.name!r}: bucket {key!r} has {grad.numel()} elements but its state "
                     f"has {n} (the bucket layout changed; call reset() or rebuild the optimizer)")
+        if shapes is not None and self.uses_shapes:
+            shapes = tuple(torch.Size(s) for s in shapes)
+            if sum(s.numel() for s in shapes) != grad.numel():
+                raise MismatchError(f"method {self.name!r}: shapes {[tuple(s) for s in shapes]} do not add "
+                                    f"up to the bucket's {grad.numel()} elements")
+            self._shapes[key] = shapes
+        self._lengths[key] = grad.numel()
         return self._encode(grad if inplace else grad.clone(), key, generator, exact)
+
+    def next_round(self, aggregate: torch.Tensor, world_size: int, key: Hashable = 0) -> Payload | None:
+        """After a round's ``aggregate`` (the sum over workers): the next round's payload, or ``None``
+        when ``aggregate`` is the last round's (then call :meth:`decode` with it). See the module doc."""
+        return self._next_round(aggregate.reshape(-1), int(world_size), key)
 
     def decode(self, aggregate: torch.Tensor, world_size: int, key: Hashable = 0, *,
                out: torch.Tensor | None = None) -> torch.Tensor:
-        """The gradient estimate from the sum over workers of the decompressed messages.
+        """The gradient estimate from the sum over workers of the decompressed (last-round) messages.
 
-        ``out`` (flat, the aggregate's length and dtype): write the estimate there and return it.
+        ``out`` (flat, the bucket's length, the aggregate's dtype): write the estimate there and return it.
         """
         agg = aggregate.reshape(-1)
+        d = self._lengths.get(key, agg.numel())
         if out is None:
-            out = torch.empty_like(agg)
-        elif out.shape != agg.shape or out.dtype != agg.dtype:
+            out = torch.empty(d, dtype=agg.dtype, device=agg.device)
+        elif out.shape != (d,) or out.dtype != agg.dtype:
             raise MismatchError(f"decode: out has shape {tuple(out.shape)} and dtype {out.dtype}, the "
-                                f"aggregate {tuple(agg.shape)} and {agg.dtype}")
+                                f"estimate ({d},) and {agg.dtype}")
         self._decode(agg, int(world_size), key, out)
         return out
 
@@ -145,6 +186,7 @@ class Method(ABC):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore exactly what :meth:`state_dict` returned (``{}`` resets)."""
         self._pending.clear()
+        self._lengths.clear()
         if not state:
             self._state = {}
             return
@@ -170,6 +212,14 @@ class Method(ABC):
     @abstractmethod
     def _decode(self, aggregate: torch.Tensor, world_size: int, key: Hashable, out: torch.Tensor) -> None:
         """Write the estimate into ``out`` (never alias state); ``aggregate`` must not be modified."""
+
+    def _next_round(self, aggregate: torch.Tensor, world_size: int, key: Hashable) -> Payload | None:
+        """The next round's payload, or ``None`` (one-round methods: always ``None``)."""
+        return None
+
+    def _shapes_of(self, key: Hashable, d: int) -> tuple[torch.Size, ...]:
+        """The shapes given for bucket ``key`` (``(d,)`` as one flat tensor when none were given)."""
+        return self._shapes.get(key) or (torch.Size([d]),)
 
     def _compress(self, x: torch.Tensor, generator: torch.Generator | None, exact: bool) -> Payload:
         """``C(x)``, or the identity's dense payload on an exact round."""
