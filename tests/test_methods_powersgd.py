@@ -1,0 +1,212 @@
+"""PowerSGD (sparsecomm.methods.powersgd): the two-round contract, error feedback, exactness on low-rank
+sums, warm start, and parity with torch's ``powerSGD_hook`` under DDP (2 gloo processes)."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import sparsecomm as sc
+from theory import compressors as th
+
+SHAPES = [(8, 6), (5,), (12, 10), (3, 2)]      # (5,) and (3, 2) are sent whole at rate 2
+D = sum(math.prod(s) for s in SHAPES)
+
+
+def run_step(methods, grads, gen_seed, shapes=SHAPES):
+    """One step of every worker's method, the transport being the exact sum; returns (estimates, rounds)."""
+    n = len(methods)
+    pays = [m.encode(g.clone(), 0, torch.Generator().manual_seed(gen_seed), shapes=shapes)
+            for m, g in zip(methods, grads)]
+    agg, rounds = sum(p.to_dense() for p in pays), 1
+    while True:
+        nxt = [m.next_round(agg, n, 0) for m in methods]
+        assert len({x is None for x in nxt}) == 1, "every worker agrees on the number of rounds"
+        if nxt[0] is None:
+            break
+        agg, rounds = sum(p.to_dense() for p in nxt), rounds + 1
+    return [m.decode(agg, n, 0) for m in methods], rounds
+
+
+def test_two_rounds_error_feedback_identity_float64():
+    n, gen = 3, torch.Generator().manual_seed(1)
+    ms = [sc.methods.get("powersgd", rank=1) for _ in range(n)]
+    for step in range(4):
+        grads = [torch.randn(D, generator=gen, dtype=torch.float64) for _ in range(n)]
+        before = [m.state(0).error.clone() if m.state(0) else torch.zeros(D, dtype=torch.float64) for m in ms]
+        est, rounds = run_step(ms, grads, step)
+        assert rounds == 2
+        for e in est[1:]:
+            assert torch.equal(e, est[0])
+        for m, g, e0 in zip(ms, grads, before):       # g + e_old == estimate + e_new (torch and epfml)
+            torch.testing.assert_close(g + e0, est[0] + m.state(0).error, rtol=0, atol=1e-12)
+        # the tensors sent whole get the exact mean of g + e
+        mean = sum(g + e0 for g, e0 in zip(grads, before)) / n
+        torch.testing.assert_close(est[0][48:53], mean[48:53], rtol=0, atol=1e-12)
+        torch.testing.assert_close(est[0][-6:], mean[-6:], rtol=0, atol=1e-12)
+        # warm start: q is the mean of the round-2 Qs (m r per compressed matrix)
+        assert ms[0].state(0).q.numel() == 6 + 10
+        assert ms[0].state(0).step == step + 1
+
+
+def test_exact_when_the_workers_share_a_rank_r_column_space():
+    n, r, gen = 4, 2, torch.Generator().manual_seed(2)
+    u = torch.randn(12, r, generator=gen, dtype=torch.float64)
+    ms = [sc.methods.get("powersgd", rank=r, error_feedback=False) for _ in range(n)]
+    grads = [(u @ torch.randn(r, 10, generator=gen, dtype=torch.float64)).reshape(-1) for _ in range(n)]
+    est, rounds = run_step(ms, grads, 0, shapes=[(12, 10)])
+    assert rounds == 2
+    torch.testing.assert_close(est[0], sum(grads) / n, rtol=0, atol=1e-10)
+    # a rank-(r+1) sum is not recovered by rank r: the projection loses energy, bounded by ||mean||
+    v = [torch.randn(12, 10, generator=gen, dtype=torch.float64).reshape(-1) for _ in range(n)]
+    ms = [sc.methods.get("powersgd", rank=r, error_feedback=False) for _ in range(n)]
+    est, _ = run_step(ms, v, 0, shapes=[(12, 10)])
+    mean = sum(v) / n
+    assert 0 < (est[0] - mean).norm() < mean.norm()
+
+
+def test_warm_start_converges_to_the_best_rank_r_approximation():
+    """Repeated steps on a fixed gradient (no EF) are subspace iterations: the error approaches the
+    truncated SVD's, sqrt(sum of the dropped singular values squared) (theory.lowrank_delta)."""
+    gen = torch.Generator().manual_seed(3)
+    m = torch.randn(12, 10, generator=gen, dtype=torch.float64)
+    s = torch.linalg.svdvals(m)
+    best = s[2:].square().sum().sqrt()
+    meth = [sc.methods.get("powersgd", rank=2, error_feedback=False)]
+    errs = [(run_step(meth, [m.reshape(-1)], k, shapes=[(12, 10)])[0][0] - m.reshape(-1)).norm()
+            for k in range(60)]
+    assert errs[-1] <= best * (1 + 1e-6) and errs[-1] >= best * (1 - 1e-9)
+    assert errs[0] > errs[-1]
+    # and the best rank-r error is within the lowrank_delta bound
+    assert best ** 2 <= (1 - th.lowrank_delta(12, 10, 2)) * m.square().sum() + 1e-12
+
+
+def test_start_iter_and_exact_rounds_are_plain_averages():
+    n, gen = 2, torch.Generator().manual_seed(4)
+    ms = [sc.methods.get("powersgd", start_iter=2) for _ in range(n)]
+    for step in range(3):
+        grads = [torch.randn(D, generator=gen, dtype=torch.float64) for _ in range(n)]
+        est, rounds = run_step(ms, grads, step)
+        if step < 2:
+            assert rounds == 1
+            torch.testing.assert_close(est[0], sum(grads) / n, rtol=0, atol=1e-12)
+            assert not ms[0].state(0).error.any()
+        else:
+            assert rounds == 2
+
+
+def test_state_dict_round_trip_continues_identically():
+    gen = torch.Generator().manual_seed(5)
+    grads = [[torch.randn(D, generator=gen, dtype=torch.float64) for _ in range(2)] for _ in range(3)]
+    a = [sc.methods.get("powersgd") for _ in range(2)]
+    run_step(a, grads[0], 0)
+    b = [sc.methods.get("powersgd") for _ in range(2)]
+    for x, y in zip(a, b):
+        y.load_state_dict(x.state_dict())
+    for t in (1, 2):
+        ea, _ = run_step(a, grads[t], t)
+        eb, _ = run_step(b, grads[t], t)
+        assert torch.equal(ea[0], eb[0])
+
+
+def test_bits_and_layout_follow_theory():
+    assert th.powersgd_compresses(8, 6, 1) and not th.powersgd_compresses(5, 1, 1)
+    assert not th.powersgd_compresses(3, 2, 1)
+    assert th.powersgd_bits(SHAPES, 1) == 32 * ((8 + 6) + 5 + (12 + 10) + 6)
+    with pytest.raises(ValueError):
+        sc.methods.get("powersgd", rank=0)
+
+
+def _sim_worker(ctx, transport):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(10, 12), nn.Tanh(), nn.Linear(12, 3))
+    opt = sc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), compressor="powersgd",
+                                  transport=transport)
+    g = torch.Generator().manual_seed(ctx.rank)
+    for _ in range(3):
+        opt.zero_grad()
+        x = torch.randn(16, 10, generator=g)
+        model(x).square().mean().backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()], opt.compression_stats()
+
+
+@pytest.mark.parametrize("transport", ["ring", "allgather"])
+def test_optimizer_runs_both_rounds_over_a_transport(transport):
+    res = sc.launch(functools.partial(_sim_worker, transport=transport), world_size=2, backend="sim")
+    (p0, st0), (p1, _) = res
+    for a, b in zip(p0, p1):
+        assert torch.equal(a, b)
+    shapes = [(12, 10), (12,), (3, 12), (3,)]
+    assert st0["rounds"] == 3 * 2
+    assert st0["bytes_payload"] == 3 * th.powersgd_bits(shapes, 1) // 8
+
+
+# ------------------------------------------------------------------ parity with torch's powerSGD_hook
+STEPS, WARM, SEEDS, RANK = 100, 2, 3, 2
+
+
+def _make_data(rank, steps):
+    g = torch.Generator().manual_seed(100 + rank)
+    teacher = torch.Generator().manual_seed(7)
+    w = torch.randn(16, 4, generator=teacher)
+    x = torch.randn(steps, 32, 16, generator=g)
+    return x, x @ w + 0.1 * torch.randn(steps, 32, 4, generator=g)
+
+
+def _train(hook, state_fn, rank, steps):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    net = DDP(model)
+    if hook is not None:
+        net.register_comm_hook(state_fn(), hook)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    x, y = _make_data(rank, steps)
+    for t in range(steps):
+        opt.zero_grad()
+        ((net(x[t]) - y[t]) ** 2).mean().backward()
+        opt.step()
+    xe, ye = _make_data(99, 4)
+    with torch.no_grad():
+        return float(((model(xe.reshape(-1, 16)) - ye.reshape(-1, 4)) ** 2).mean())
+
+
+def _parity_worker(ctx, steps=STEPS, rank=RANK, seeds=SEEDS):
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ph
+
+    from sparsecomm import ddp as scddp
+
+    out = {"plain": _train(None, None, ctx.rank, steps), "torch": [], "ours": [],
+           "start": _train(None, None, ctx.rank, 0)}
+    for seed in range(seeds):
+        out["torch"].append(_train(ph.powerSGD_hook, lambda: ph.PowerSGDState(
+            None, matrix_approximation_rank=rank, start_powerSGD_iter=WARM, random_seed=seed), ctx.rank, steps))
+        out["ours"].append(_train(scddp.comm_hook, lambda: scddp.CommHookState(
+            compressor="powersgd", rank=rank, warmup_steps=WARM, seed=seed), ctx.rank, steps))
+    # full rank and no size rule: both are the exact average
+    out["torch_full"] = _train(ph.powerSGD_hook, lambda: ph.PowerSGDState(
+        None, matrix_approximation_rank=32, min_compression_rate=0, start_powerSGD_iter=WARM), ctx.rank, steps)
+    out["ours_full"] = _train(scddp.comm_hook, lambda: scddp.CommHookState(
+        compressor="powersgd", rank=32, min_compression_rate=0, warmup_steps=WARM), ctx.rank, steps)
+    return out
+
+
+@pytest.mark.multiprocess
+def test_parity_with_torch_powerSGD_hook_gloo():
+    r0, r1 = sc.launch(_parity_worker, world_size=2, backend="gloo")
+    assert r0 == r1                                          # every rank evaluates the same model
+    assert r0["torch_full"] == pytest.approx(r0["plain"], rel=1e-4)
+    assert r0["ours_full"] == pytest.approx(r0["plain"], rel=1e-4)
+    t, o = torch.tensor(r0["torch"]), torch.tensor(r0["ours"])
+    # rank 2 loses information: both end above the uncompressed run, far below the start
+    assert (t > r0["plain"]).all() and (o > r0["plain"]).all()
+    assert (t < 0.1 * r0["start"]).all() and (o < 0.1 * r0["start"]).all()
+    # within noise: the means over seeds differ by less than 4 standard errors of the difference
+    se = math.sqrt(t.var() / len(t) + o.var() / len(o))
+    assert abs(float(t.mean() - o.mean())) <= 4 * se + 1e-3 * float(t.mean())
