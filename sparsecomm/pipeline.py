@@ -197,6 +197,7 @@ class CommPipeline:
         self.fabric = self.transport.fabric
         self.world_size = int(self.fabric.world_size)
         self.rank = int(self.fabric.rank)
+        self.method.world_size = self.world_size
         self.seed = int(seed)
         self.shared_randomness = bool(getattr(self.method.compressor, "shared_randomness", False))
         self._generators: dict[torch.device, torch.Generator] = {}

@@ -370,20 +370,27 @@ def onebit_delta(bucket_size: int) -> float:
     return 1.0 / max(int(bucket_size), 1)
 
 
-def dgc_sparsity(step: int, final: float = 0.999, warmup_steps: int = 4, start: float = 0.75) -> float:
+def dgc_keep(step: int, ratio: float = 0.001, warmup_steps: int = 0) -> float:
     """DGC's warm-up of the sparsity (Lin, Han, Mao, Wang, Dally, "Deep gradient compression",
-    ICLR 2018, §3.4): the sparsity rises exponentially from ``start`` (75%) to ``final`` (99.9%) over
-    ``warmup_steps`` steps (the paper: 75%, 93.75%, 98.4375%, 99.6%, 99.9% over the first four epochs,
-    i.e. the kept fraction shrinks by 4x per step); ``final`` from then on."""
+    ICLR 2018, §3.4; the schedule 75%, 93.75%, 98.4375%, 99.6%, 99.9% of e.g. PaddlePaddle's
+    ``DGCMomentumOptimizer``): the kept fraction is 1/4, 1/16, 1/64, 1/256 over four equal stages of
+    ``warmup_steps`` steps (never below ``ratio``), then ``ratio`` (0.1% in the paper)."""
     if warmup_steps <= 0 or step >= warmup_steps:
-        return final
-    keep0, keep1 = 1.0 - start, 1.0 - final
-    keep = keep0 * (keep1 / keep0) ** (step / warmup_steps)
-    return 1.0 - keep
+        return ratio
+    stage = (4 * step) // warmup_steps
+    return max(ratio, 0.25 * 4.0 ** -stage)
 
 
-#: DGC's defaults (Lin et al. 2018): momentum 0.9, sampled threshold on 0.1%-1% of the entries
-#: (§3.4 "we sample only 0.1% to 1% of the gradients"), final sparsity 99.9%
+def dgc_sample_size(d: int, keep: float, sample_ratio: float = 0.01) -> int:
+    """Entries DGC samples to estimate its threshold (§3.4: "we sample only 0.1% to 1% of the
+    gradients"): ceil(sample_ratio d), raised so that the sample holds at least 2/keep entries (the
+    rule of the authors' code, ``synxlin/deep-gradient-compression``), capped at d."""
+    if d <= 0:
+        return 0
+    return min(d, max(math.ceil(sample_ratio * d), math.ceil(2.0 / keep)))
+
+
+#: DGC's defaults (Lin et al. 2018): momentum 0.9, 1% sampled for the threshold, 99.9% sparsity
 DGC_MOMENTUM = 0.9
 DGC_SAMPLE_RATIO = 0.01
-DGC_FINAL_SPARSITY = 0.999
+DGC_RATIO = 0.001

@@ -86,6 +86,8 @@ class Method(ABC):
     uses_shapes: ClassVar[bool] = False
 
     compressor: Compressor
+    #: the number of workers, set by the pipeline before the first round (DGC's local clipping reads it)
+    world_size: int | None = None
 
     def __init__(self, compressor: str | Compressor | None = None, **compressor_hyper: Any) -> None:
         if compressor is None and not compressor_hyper:

@@ -1,0 +1,117 @@
+"""``dgc``: Deep Gradient Compression (Lin, Han, Mao, Wang, Dally, ICLR 2018). Worker i keeps the
+momentum u_i and the accumulation v_i (both 0 at first)::
+
+    local clipping:       g <- g min(1, (clip_norm / sqrt(n)) / ||g||)          (if clip_norm is set)
+    momentum correction:  u <- m u + g;   v <- v + u
+    sampled threshold:    t = the ceil(keep s)-th largest |v_j| of s sampled entries
+    send                  v_j for |v_j| >= t (at most k = round(keep d): the k largest of them)
+    factor masking:       v_j <- 0, u_j <- 0 for the sent j;   estimate = (1/n) sum_i sent_i
+
+The momentum lives here, so the inner optimizer must be momentum-free SGD (the update is the sum of
+the sent accumulated velocities). ``keep`` follows the warm-up ``theory.dgc_keep`` (1/4, 1/16,
+1/64, 1/256 over ``warmup_steps``, then ``ratio``, 0.1% in the paper); s = ``theory.dgc_sample_size``
+entries drawn uniformly with the worker's own generator. Local clipping scales a global norm limit
+by n^(-1/2), a worker's share of it when the n gradients are alike (§3.3); n is the pipeline's
+``world_size``.
+An exact round (warm-up) sends v whole without masking u: dense momentum SGD. The payload is
+``sparse`` (worker-specific positions): allgather or omnireduce.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from theory import compressors as th
+
+from ..compressors._common import check_ratio, make_payload
+from ..compressors.base import Compressor
+from . import registry
+from .base import Method
+
+
+class SampledTopK(Compressor):
+    """The entries of x at or above a threshold estimated from a uniform sample (at most k of them)."""
+
+    name, payload_kind = "dgc", "sparse"
+
+    def __init__(self, ratio: float, sample_ratio: float) -> None:
+        self.ratio, self.sample_ratio = check_ratio(ratio), check_ratio(sample_ratio)
+
+    def compress(self, x, generator=None, keep: float | None = None):
+        flat = x.reshape(-1)
+        d, keep = flat.numel(), keep or self.ratio
+        k, s = min(d, max(1, round(keep * d))), th.dgc_sample_size(d, keep, self.sample_ratio)
+        a = flat.abs()
+        sample = a if s >= d else a[torch.randint(0, d, (s,), generator=generator, device=a.device)]
+        thr = torch.topk(sample, min(s, math.ceil(keep * s)), sorted=False).values.min() if d else 0
+        idx = torch.nonzero(a >= thr).reshape(-1)
+        if idx.numel() > k:
+            idx = idx[torch.topk(a[idx], k, sorted=False).indices].sort().values
+        return make_payload("sparse", x.shape, x.dtype, flat[idx].clone(), indices=idx,
+                            wire_bits={"values": torch.finfo(x.dtype).bits * idx.numel(),
+                                       "indices": th.index_bits(d, idx.numel())})
+
+    def delta(self, d):
+        return 0.0   # a sampled threshold may send fewer than k entries: no worst-case contraction
+
+    def bits(self, d, dtype=torch.float32):
+        return th.topk_bits(d, min(d, max(1, round(self.ratio * d))), torch.finfo(dtype).bits)
+
+
+@dataclass
+class DGCState:
+    """Per-bucket state of ``dgc``: the accumulation ``v``, the momentum ``u``, the step."""
+
+    velocity: torch.Tensor
+    momentum: torch.Tensor
+    step: int
+
+
+@registry.register("dgc")
+class DGC(Method):
+    """``get("dgc", ratio=0.001, momentum=0.9, sample_ratio=0.01, warmup_steps=0, clip_norm=None)``."""
+
+    name, State = "dgc", DGCState
+
+    def __init__(self, ratio: float = th.DGC_RATIO, *, momentum: float = th.DGC_MOMENTUM,
+                 sample_ratio: float = th.DGC_SAMPLE_RATIO, warmup_steps: int = 0,
+                 clip_norm: float | None = None) -> None:
+        if not 0.0 <= momentum < 1.0 or warmup_steps < 0 or (clip_norm is not None and not clip_norm > 0):
+            raise ValueError("dgc: momentum in [0, 1), warmup_steps >= 0, clip_norm > 0 or None")
+        self.momentum, self.warmup_steps, self.clip_norm = float(momentum), int(warmup_steps), clip_norm
+        super().__init__(SampledTopK(ratio, sample_ratio))
+
+    def hyper(self):
+        c = self.compressor
+        return {"ratio": c.ratio, "momentum": self.momentum, "sample_ratio": c.sample_ratio,
+                "warmup_steps": self.warmup_steps, "clip_norm": self.clip_norm}
+
+    def _encode(self, grad, key, generator, exact):
+        st = self._state.get(key)
+        if st is None:
+            st = self._state[key] = DGCState(torch.zeros_like(grad), torch.zeros_like(grad), 0)
+        if self.clip_norm is not None:
+            limit = self.clip_norm / math.sqrt(self.world_size or 1)
+            norm = float(grad.norm())
+            if norm > limit:
+                grad.mul_(limit / norm)
+        st.momentum.mul_(self.momentum).add_(grad)
+        st.velocity.add_(st.momentum)
+        keep = th.dgc_keep(st.step, self.compressor.ratio, self.warmup_steps)
+        st.step += 1
+        self._pending[key] = exact
+        if exact:
+            msg = self._compress(st.velocity.clone(), generator, True)
+            st.velocity.zero_()
+            return msg
+        msg = self.compressor.compress(st.velocity, generator, keep=keep)
+        st.velocity.index_fill_(0, msg.indices, 0.0)
+        st.momentum.index_fill_(0, msg.indices, 0.0)
+        return msg
+
+    def _decode(self, aggregate, world_size, key, out):
+        self._take_pending(key)
+        torch.div(aggregate, world_size, out=out)

@@ -1,0 +1,68 @@
+"""``signsgd``: signSGD with majority vote (Bernstein, Zhao, Azizzadenesheli, Anandkumar, "signSGD
+with majority vote is communication efficient and fault tolerant", ICLR 2019)::
+
+    worker i: send s_i = sign(g_i)        (one bit per coordinate; sign(0) := +1)
+    all:      estimate = sign(sum_i s_i)  (the majority vote; a tie gives 0)
+
+The messages are ``quantized`` codes in {-1, +1} with the *shared* scale 1 (``VoteSign``), so ring,
+omnireduce, switch and native sum them exactly as integers: the vote happens in the network, and
+the sum of n one-bit codes needs only ceil(log2(n+1)) + 1 bits. The estimate's magnitude is 1 per
+coordinate: the learning rate sets the step (the paper's x <- x - lr sign(sum_i sign(g_i))). If each
+worker's sign is wrong with probability p < 1/2, independently, the vote is wrong with probability
+``theory.majority_vote_error(n, p)``, which falls exponentially in n. Stateless. An exact round
+(warm-up) sends g_i itself and the estimate is the sign of the true sum.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from theory import compressors as th
+
+from ..compressors._common import flat_input, make_payload, raise_nonfinite
+from ..compressors.base import Compressor
+from . import registry
+from .base import Method
+
+
+class VoteSign(Compressor):
+    """sign(x) as int8 codes with the shared scale 1 (a ``quantized`` payload every transport sums)."""
+
+    name, payload_kind, shared_scale = "votesign", "quantized", True
+
+    def compress(self, x, generator=None):
+        flat = flat_input(x, self.name)
+        if not bool(torch.isfinite(flat).all()):
+            raise_nonfinite(self.name)
+        codes = torch.where(flat < 0, -1, 1).to(torch.int8)
+        one = torch.ones(1 if flat.numel() else 0, dtype=torch.float32, device=flat.device)
+        return make_payload("quantized", x.shape, x.dtype, codes, scale=one, bucket_size=max(flat.numel(), 1),
+                            shared_scale=True, wire_bits={"values": th.sign_vote_bits(flat.numel())})
+
+    def bits(self, d, dtype=torch.float32):
+        return th.sign_vote_bits(d)
+
+
+@registry.register("signsgd")
+class SignSGD(Method):
+    """``get("signsgd")``: majority vote of the workers' gradient signs."""
+
+    name = "signsgd"
+    State = None
+
+    def __init__(self) -> None:
+        super().__init__(VoteSign())
+
+    def hyper(self):
+        return {}
+
+    def _message(self, grad, key):
+        return grad
+
+    def _encode(self, grad, key, generator, exact):
+        self._pending[key] = exact
+        return self._compress(self._message(grad, key), generator, exact)
+
+    def _decode(self, aggregate, world_size, key, out):
+        self._take_pending(key)
+        torch.sign(aggregate, out=out)
