@@ -1,0 +1,150 @@
+"""signsgd (majority vote), signum and onebit: the vote is exact over every integer-summing transport,
+its error rate is the binomial tail of theory.majority_vote_error, signum's momentum, onebit's error
+feedback identity and contraction constant."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+
+import sparsecomm as sc
+from sparsecomm.errors import IncompatibleError
+from sparsecomm.pipeline import CommPipeline
+from theory import compressors as th
+
+D = 4097
+
+
+def _vote_worker(ctx, method, transport):
+    pipe = CommPipeline(method, transport, fabric=ctx.fabric)
+    g = torch.Generator().manual_seed(10 + ctx.rank)
+    outs, grads = [], []
+    for step in range(3):
+        x = torch.randn(D, generator=g)
+        x[:5] = 0.0                       # sign(0) := +1 on the wire
+        grads.append(x.clone())
+        outs.append(pipe.reduce(x, 0).clone())
+    return grads, outs, pipe.stats.bytes_payload, pipe.transport.name
+
+
+@pytest.mark.parametrize("transport", ["ring", "omnireduce", "switch"])
+@pytest.mark.parametrize("method", ["signsgd", "signum"])
+def test_majority_vote_is_exact_in_the_network(method, transport):
+    n = 3
+    res = sc.launch(functools.partial(_vote_worker, method=method, transport=transport), world_size=n,
+                    backend="sim")
+    assert res[0][3] == transport
+    beta = 0.9 if method == "signum" else 0.0
+    mom = [torch.zeros(D) for _ in range(n)]
+    for step in range(3):
+        for i in range(n):
+            mom[i] = beta * mom[i] + (1 - beta) * res[i][0][step] if beta else res[i][0][step]
+        signs = [torch.where(m < 0, -1.0, 1.0) for m in mom]
+        want = torch.sign(sum(signs))
+        for r in res:
+            assert torch.equal(r[1][step], want)
+        assert not (want == 0).any()       # n odd: never a tie
+    assert res[0][2] == 3 * math.ceil(th.sign_vote_bits(D) / 8)
+
+
+def test_vote_ties_give_zero_and_exact_round_is_the_sign_of_the_sum():
+    ms = [sc.methods.get("signsgd") for _ in range(2)]
+    x = [torch.tensor([1.0, -2.0, 3.0, -0.5]), torch.tensor([-1.0, -1.0, 1.0, 3.0])]
+    agg = sum(m.encode(v, 0).to_dense() for m, v in zip(ms, x))
+    assert torch.equal(ms[0].decode(agg, 2, 0), torch.tensor([0.0, -1.0, 1.0, 0.0]))
+    agg = sum(m.encode(v, 0, exact=True).to_dense() for m, v in zip(ms, x))
+    assert torch.equal(ms[0].decode(agg, 2, 0), torch.tensor([0.0, -1.0, 1.0, 1.0]))
+
+
+@pytest.mark.parametrize("n,p", [(1, 0.3), (5, 0.3), (9, 0.4), (4, 0.2)])
+def test_vote_error_rate_is_the_binomial_tail(n, p):
+    """Each worker's sign is wrong independently with probability p: the vote is wrong (or tied)
+    with probability theory.majority_vote_error(n, p); d coordinates are d Bernoulli trials."""
+    d, g = 200_000, torch.Generator().manual_seed(n)
+    ms = [sc.methods.get("signsgd") for _ in range(n)]
+    truth = torch.ones(d)
+    agg = sum(m.encode(torch.where(torch.rand(d, generator=g) < p, -1.0, 1.0), 0).to_dense() for m in ms)
+    est = ms[0].decode(agg, n, 0)
+    for m in ms[1:]:
+        m.decode(agg, n, 0)
+    q = th.majority_vote_error(n, p)
+    wrong = float((est != truth).double().mean())
+    assert abs(wrong - q) <= 4 * math.sqrt(q * (1 - q) / d)
+    assert th.majority_vote_error(9, 0.4) < th.majority_vote_error(5, 0.4) < 0.4
+
+
+def test_signum_beta_zero_is_signsgd_and_bad_beta():
+    a, b = sc.methods.get("signum", beta=0.0), sc.methods.get("signsgd")
+    x = torch.randn(100, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(a.encode(x, 0).to_dense(), b.encode(x, 0).to_dense())
+    with pytest.raises(ValueError):
+        sc.methods.get("signum", beta=1.0)
+    sd = a.state_dict()
+    assert set(sd["buckets"][0]) == {"momentum"}
+
+
+def test_vote_payload_is_one_bit_integer_codes_with_a_shared_scale():
+    p = sc.methods.get("signsgd").encode(torch.randn(1000), 0)
+    assert p.kind == "quantized" and p.shared_scale and p.values.dtype == torch.int8
+    assert set(p.values.unique().tolist()) <= {-1, 1} and p.bits == th.sign_vote_bits(1000) == 1000
+
+
+# ------------------------------------------------------------------ onebit
+def test_onebit_error_feedback_identity_and_exact_contraction():
+    m = sc.methods.get("onebit", bucket_size=16)
+    g = torch.Generator().manual_seed(1)
+    err = torch.zeros(1000, dtype=torch.float64)
+    for _ in range(5):
+        x = torch.randn(1000, generator=g, dtype=torch.float64) * torch.rand(1000, generator=g, dtype=torch.float64)
+        p = x + err
+        msg = m.encode(x, 0)
+        q = msg.to_dense()
+        new = m.state(0).error
+        torch.testing.assert_close(p, q + new, rtol=0, atol=1e-12)
+        pb = torch.nn.functional.pad(p, (0, 8)).view(-1, 16)            # 1000 = 62 * 16 + 8
+        l1 = pb.abs().sum(1)
+        cnt = torch.tensor([16.0] * 62 + [8.0], dtype=torch.float64)
+        exact = p.square().sum() - (l1.square() / cnt).sum()
+        torch.testing.assert_close(new.square().sum(), exact, rtol=1e-10, atol=0)
+        assert new.square().sum() <= (1 - th.onebit_delta(16)) * p.square().sum()
+        err = new.clone()
+        assert msg.bits == th.onebit_bits(1000, 16, 64) == 1000 + 64 * 63      # float64 levels
+
+
+def test_onebit_delta_is_tight_at_a_spike():
+    m = sc.methods.get("onebit", bucket_size=8)
+    x = torch.zeros(8, dtype=torch.float64)
+    x[3] = 2.0
+    m.encode(x, 0)
+    assert float(m.state(0).error.square().sum()) == pytest.approx((1 - th.onebit_delta(8)) * 4.0, rel=1e-12)
+
+
+def test_onebit_residual_stays_bounded():
+    """EF with a delta-contractive operator: ||e_t|| <= sqrt(1-delta) (||e_{t-1}|| + ||g_t||), so
+    ||e_t|| <= G sqrt(1-delta) / (1 - sqrt(1-delta)) for ||g_t|| <= G (derived)."""
+    m, g = sc.methods.get("onebit", bucket_size=32), torch.Generator().manual_seed(2)
+    c = math.sqrt(1 - th.onebit_delta(32))
+    G = 0.0
+    for _ in range(200):
+        x = torch.randn(512, generator=g, dtype=torch.float64)
+        G = max(G, float(x.norm()))
+        m.encode(x, 0)
+        assert float(m.state(0).error.norm()) <= G * c / (1 - c)
+
+
+def _onebit_worker(ctx):
+    pipe = CommPipeline("onebit", "allgather", fabric=ctx.fabric, bucket_size=64)
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(ctx.rank))
+    return pipe.method.compressor.compress(x).to_dense(), pipe.reduce(x.clone(), 0).clone()
+
+
+def test_onebit_through_allgather_and_refused_by_ring():
+    res = sc.launch(_onebit_worker, world_size=3, backend="sim")
+    want = sum(r[0] for r in res) / 3
+    for r in res:
+        torch.testing.assert_close(r[1], want, rtol=1e-6, atol=1e-7)
+    with pytest.raises(IncompatibleError, match="allgather"):
+        sc.launch(lambda ctx: CommPipeline("onebit", "ring", fabric=ctx.fabric), world_size=2, backend="sim")
