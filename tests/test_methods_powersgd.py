@@ -17,6 +17,15 @@ SHAPES = [(8, 6), (5,), (12, 10), (3, 2)]      # (5,) and (3, 2) are sent whole 
 D = sum(math.prod(s) for s in SHAPES)
 
 
+def _init(model):
+    """Deterministic parameters from an explicit generator (never the global RNG: sim workers are threads)."""
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+    return model
+
+
 def run_step(methods, grads, gen_seed, shapes=SHAPES):
     """One step of every worker's method, the transport being the exact sum; returns (estimates, rounds)."""
     n = len(methods)
@@ -122,8 +131,7 @@ def test_bits_and_layout_follow_theory():
 
 
 def _sim_worker(ctx, transport):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(10, 12), nn.Tanh(), nn.Linear(12, 3))
+    model = _init(nn.Sequential(nn.Linear(10, 12), nn.Tanh(), nn.Linear(12, 3)))
     opt = sc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), compressor="powersgd",
                                   transport=transport)
     g = torch.Generator().manual_seed(ctx.rank)
@@ -161,8 +169,7 @@ def _make_data(rank, steps):
 def _train(hook, state_fn, rank, steps):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    model = _init(nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)))
     net = DDP(model)
     if hook is not None:
         net.register_comm_hook(state_fn(), hook)
