@@ -1,0 +1,40 @@
+"""The methods of issue #18 by name: accepted by the optimizer's builders, and carried by exactly the
+transports of the README's table (every rank gets the same estimate)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import sparsecomm as sc
+from sparsecomm.errors import IncompatibleError
+from sparsecomm.pipeline import CommPipeline
+
+TRANSPORTS = ("ring", "allgather", "omnireduce", "switch")
+TABLE = {"powersgd": TRANSPORTS, "signsgd": TRANSPORTS, "signum": TRANSPORTS,
+         "onebit": ("allgather",), "dgc": ("allgather", "omnireduce")}
+
+
+def _reduce(ctx, name, transport):
+    try:
+        pipe = CommPipeline(name, transport, fabric=ctx.fabric, **({"ratio": 0.1} if name == "dgc" else {}))
+    except IncompatibleError as e:
+        return str(e)
+    x = torch.randn(300, generator=torch.Generator().manual_seed(ctx.rank))
+    return [pipe.reduce(x.clone(), 0, shapes=[(20, 15)]).clone() for _ in range(2)]
+
+
+def test_registered():
+    assert set(TABLE) <= set(sc.methods.available())
+
+
+@pytest.mark.parametrize("name", sorted(TABLE))
+def test_carried_by_the_transports_of_the_table(name):
+    for transport in TRANSPORTS:
+        r0, r1 = sc.launch(functools.partial(_reduce, name=name, transport=transport), world_size=2, backend="sim")
+        if transport in TABLE[name]:
+            assert isinstance(r0, list) and all(torch.equal(a, b) for a, b in zip(r0, r1))
+        else:
+            assert isinstance(r0, str) and transport in r0 and TABLE[name][0] in r0   # names the alternative
