@@ -44,6 +44,7 @@ def build_method(compressor: str | Compressor | Method = "none", method: str | N
         if method is not None:
             raise TypeError(f"compressor={compressor!r} is a method; to pick its compressor use "
                             f"compressor=<compressor name>, method={compressor!r}")
+        check_kwargs(methods.registry.factory(compressor), hyper, f"method {compressor!r}")
         return methods.get(compressor, **hyper)
     if compressor in compressors.registry:
         mname = method or "none"

@@ -38,3 +38,12 @@ def test_carried_by_the_transports_of_the_table(name):
             assert isinstance(r0, list) and all(torch.equal(a, b) for a, b in zip(r0, r1))
         else:
             assert isinstance(r0, str) and transport in r0 and TABLE[name][0] in r0   # names the alternative
+
+
+def test_unknown_hyper_parameter_names_the_methods_own():
+    from sparsecomm.methods.base import HyperParameterError
+    from sparsecomm.pipeline import build_method
+
+    with pytest.raises(HyperParameterError, match="rank"):
+        build_method("powersgd", ratio=0.1)
+    assert build_method("dgc", ratio=0.01).hyper()["ratio"] == 0.01

@@ -55,6 +55,16 @@ __all__ = [
     "natural_dithering_bits",
     "terngrad_bits",
     "sign_bits",
+    "powersgd_matrix",
+    "powersgd_compresses",
+    "powersgd_bits",
+    "lowrank_delta",
+    "majority_vote_error",
+    "sign_vote_bits",
+    "onebit_bits",
+    "onebit_delta",
+    "dgc_keep",
+    "dgc_sample_size",
 ]
 
 
