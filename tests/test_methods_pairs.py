@@ -47,3 +47,17 @@ def test_unknown_hyper_parameter_names_the_methods_own():
     with pytest.raises(HyperParameterError, match="rank"):
         build_method("powersgd", ratio=0.1)
     assert build_method("dgc", ratio=0.01).hyper()["ratio"] == 0.01
+
+
+@pytest.mark.parametrize("name", sorted(TABLE))
+def test_non_finite_gradient_raises_clearly(name):
+    from sparsecomm.errors import NonFiniteError
+
+    m = sc.methods.get(name)
+    x = torch.ones(64)
+    x[7] = float("nan")
+    with pytest.raises(NonFiniteError):
+        m.encode(x, 0, torch.Generator(), shapes=[(8, 8)])
+    x[7] = float("inf")
+    with pytest.raises(NonFiniteError):
+        sc.methods.get(name).encode(x, 0, torch.Generator(), shapes=[(8, 8)])

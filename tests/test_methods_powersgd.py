@@ -225,3 +225,14 @@ def test_parity_with_torch_powerSGD_hook_gloo():
     assert abs(float(t.mean() - o.mean())) <= 4 * se + 1e-3 * float(t.mean())
     for name in ("signsgd", "signum", "onebit", "dgc"):
         assert r0[name] < 0.5 * r0["start"], name
+
+
+def test_single_worker_operator_is_a_rank_r_projection():
+    c = sc.methods.get("powersgd", rank=2).compressor
+    g = torch.Generator().manual_seed(6)
+    low = torch.randn(9, 2, generator=g, dtype=torch.float64) @ torch.randn(2, 7, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(c.decompress(c.compress(low, g)), low, rtol=0, atol=1e-10)
+    x = torch.randn(9, 7, generator=g, dtype=torch.float64)
+    err = (c.decompress(c.compress(x, g)) - x).norm()
+    assert torch.linalg.svdvals(x)[2:].square().sum().sqrt() <= err * (1 + 1e-12) and err <= x.norm()
+    assert c.compress(x, g).bits == th.powersgd_bits([(9, 7)], 2, 0.0, 64) == 64 * 2 * 16

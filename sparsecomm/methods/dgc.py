@@ -26,7 +26,7 @@ import torch
 
 from theory import compressors as th
 
-from ..compressors._common import check_ratio, make_payload
+from ..compressors._common import check_ratio, make_payload, raise_nonfinite
 from ..compressors.base import Compressor
 from . import registry
 from .base import Method
@@ -50,7 +50,7 @@ class SampledTopK(Compressor):
         idx = torch.nonzero(a >= thr).reshape(-1)
         if idx.numel() > k:
             idx = idx[torch.topk(a[idx], k, sorted=False).indices].sort().values
-        return make_payload("sparse", x.shape, x.dtype, flat[idx].clone(), indices=idx,
+        return make_payload("sparse", x.shape, x.dtype, flat[idx], indices=idx,
                             wire_bits={"values": torch.finfo(x.dtype).bits * idx.numel(),
                                        "indices": th.index_bits(d, idx.numel())})
 
@@ -93,6 +93,8 @@ class DGC(Method):
         st = self._state.get(key)
         if st is None:
             st = self._state[key] = DGCState(torch.zeros_like(grad), torch.zeros_like(grad), 0)
+        if not bool(torch.isfinite(grad).all()):
+            raise_nonfinite(self.name)
         if self.clip_norm is not None:
             limit = self.clip_norm / math.sqrt(self.world_size or 1)
             norm = float(grad.norm())

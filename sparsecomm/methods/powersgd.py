@@ -27,6 +27,7 @@ import torch
 
 from theory import compressors as th
 
+from ..compressors._common import raise_nonfinite
 from ..compressors.base import Compressor
 from ..payload import Payload
 from . import registry
@@ -100,6 +101,8 @@ class PowerSGD(Method):
             st = self._state[key] = PowerSGDState(torch.zeros_like(grad), None, 0)
         st.step += 1
         mat = grad.add_(st.error) if self.error_feedback else grad
+        if not bool(torch.isfinite(mat).all()):
+            raise_nonfinite(self.name)
         if exact or st.step <= self.start_iter:
             st.error.zero_()
             self._pending[key] = ("exact",)
