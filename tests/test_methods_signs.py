@@ -93,58 +93,95 @@ def test_vote_payload_is_one_bit_integer_codes_with_a_shared_scale():
 
 
 # ------------------------------------------------------------------ onebit
-def test_onebit_error_feedback_identity_and_exact_contraction():
-    m = sc.methods.get("onebit", bucket_size=16)
+def _onebit_step(m, x):
+    """One worker alone (n = 1): the estimate (its own reconstruction) and the bits of every round."""
+    msg = m.encode(x, 0)
+    agg, bits = msg.to_dense(), [msg.bits]
+    nxt = m.next_round(agg, 1, 0)
+    if nxt is not None:
+        agg, bits = nxt.to_dense(), bits + [nxt.bits]
+        assert m.next_round(agg, 1, 0) is None
+    return m.decode(agg, 1, 0), bits
+
+
+def _two_means(p, b):
+    """Seide et al.'s reconstruction, per bucket: the mean of the non-negative / of the negative entries."""
+    q = torch.empty_like(p)
+    for lo in range(0, p.numel(), b):
+        blk, pos = p[lo:lo + b], p[lo:lo + b] >= 0
+        q[lo:lo + b] = torch.where(pos, blk[pos].mean() if pos.any() else 0.0, blk[~pos].mean() if (~pos).any() else 0.0)
+    return q
+
+
+def _symmetric_error(p, b):
+    pb = torch.nn.functional.pad(p, (0, (-p.numel()) % b)).view(-1, b)
+    cnt = torch.full((pb.shape[0],), float(b), dtype=p.dtype)
+    if p.numel() % b:
+        cnt[-1] = p.numel() % b
+    return p.square().sum() - (pb.abs().sum(1).square() / cnt).sum()
+
+
+@pytest.mark.parametrize("levels", ["two", "symmetric"])
+def test_onebit_error_feedback_identity_and_exact_contraction(levels):
+    m = sc.methods.get("onebit", bucket_size=16, levels=levels)
     g = torch.Generator().manual_seed(1)
     err = torch.zeros(1000, dtype=torch.float64)
     for _ in range(5):
         x = torch.randn(1000, generator=g, dtype=torch.float64) * torch.rand(1000, generator=g, dtype=torch.float64)
         p = x + err
-        msg = m.encode(x, 0)
-        q = msg.to_dense()
+        est, bits = _onebit_step(m, x)
         new = m.state(0).error
-        torch.testing.assert_close(p, q + new, rtol=0, atol=1e-12)
-        pb = torch.nn.functional.pad(p, (0, 8)).view(-1, 16)            # 1000 = 62 * 16 + 8
-        l1 = pb.abs().sum(1)
-        cnt = torch.tensor([16.0] * 62 + [8.0], dtype=torch.float64)
-        exact = p.square().sum() - (l1.square() / cnt).sum()
-        torch.testing.assert_close(new.square().sum(), exact, rtol=1e-10, atol=0)
+        torch.testing.assert_close(p, est + new, rtol=0, atol=1e-12)          # g + e_old == q + e_new
+        if levels == "two":
+            torch.testing.assert_close(est, _two_means(p, 16), rtol=0, atol=1e-12)
+            assert new.square().sum() <= _symmetric_error(p, 16) * (1 + 1e-12)
+        else:
+            torch.testing.assert_close(new.square().sum(), _symmetric_error(p, 16), rtol=1e-10, atol=0)
         assert new.square().sum() <= (1 - th.onebit_delta(16)) * p.square().sum()
         err = new.clone()
-        assert msg.bits == th.onebit_bits(1000, 16, 64) == 1000 + 64 * 63      # float64 levels
+        nl = 2 if levels == "two" else 1                      # 1000 entries, 63 buckets, float64 levels
+        assert sum(bits) == th.onebit_bits(1000, 16, 64, nl) == 1000 + nl * 64 * 63
+        assert len(bits) == nl
 
 
-def test_onebit_delta_is_tight_at_a_spike():
-    m = sc.methods.get("onebit", bucket_size=8)
+@pytest.mark.parametrize("levels", ["two", "symmetric"])
+def test_onebit_delta_is_tight_at_a_spike(levels):
+    m = sc.methods.get("onebit", bucket_size=8, levels=levels)
     x = torch.zeros(8, dtype=torch.float64)
     x[3] = 2.0
-    m.encode(x, 0)
+    _onebit_step(m, x)
     assert float(m.state(0).error.square().sum()) == pytest.approx((1 - th.onebit_delta(8)) * 4.0, rel=1e-12)
 
 
-def test_onebit_residual_stays_bounded():
+@pytest.mark.parametrize("levels", ["two", "symmetric"])
+def test_onebit_residual_stays_bounded(levels):
     """EF with a delta-contractive operator: ||e_t|| <= sqrt(1-delta) (||e_{t-1}|| + ||g_t||), so
     ||e_t|| <= G sqrt(1-delta) / (1 - sqrt(1-delta)) for ||g_t|| <= G (derived)."""
-    m, g = sc.methods.get("onebit", bucket_size=32), torch.Generator().manual_seed(2)
+    m, g = sc.methods.get("onebit", bucket_size=32, levels=levels), torch.Generator().manual_seed(2)
     c = math.sqrt(1 - th.onebit_delta(32))
     G = 0.0
     for _ in range(200):
-        x = torch.randn(512, generator=g, dtype=torch.float64)
+        x = torch.randn(512, generator=g, dtype=torch.float64) + 0.5
         G = max(G, float(x.norm()))
-        m.encode(x, 0)
+        _onebit_step(m, x)
         assert float(m.state(0).error.norm()) <= G * c / (1 - c)
 
 
-def _onebit_worker(ctx):
-    pipe = CommPipeline("onebit", "allgather", fabric=ctx.fabric, bucket_size=64)
+def _onebit_worker(ctx, levels):
+    pipe = CommPipeline("onebit", "allgather", fabric=ctx.fabric, bucket_size=64, levels=levels)
     x = torch.randn(1000, generator=torch.Generator().manual_seed(ctx.rank))
-    return pipe.method.compressor.compress(x).to_dense(), pipe.reduce(x.clone(), 0).clone()
+    out = pipe.reduce(x.clone(), 0).clone()
+    return x - pipe.method.state(0).error, out, pipe.stats.rounds
 
 
-def test_onebit_through_allgather_and_refused_by_ring():
-    res = sc.launch(_onebit_worker, world_size=3, backend="sim")
+@pytest.mark.parametrize("levels", ["two", "symmetric"])
+def test_onebit_through_allgather_and_refused_by_ring(levels):
+    res = sc.launch(functools.partial(_onebit_worker, levels=levels), world_size=3, backend="sim")
     want = sum(r[0] for r in res) / 3
     for r in res:
-        torch.testing.assert_close(r[1], want, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(r[1], want, rtol=1e-6, atol=1e-6)
+        assert r[2] == (2 if levels == "two" else 1)
     with pytest.raises(IncompatibleError, match="allgather"):
         sc.launch(lambda ctx: CommPipeline("onebit", "ring", fabric=ctx.fabric), world_size=2, backend="sim")
+    with pytest.raises(ValueError):
+        sc.methods.get("onebit", levels="three")

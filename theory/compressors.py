@@ -366,17 +366,20 @@ def sign_vote_bits(d: int) -> int:
     return max(d, 0)
 
 
-def onebit_bits(d: int, bucket_size: int | None = None, scale_bits: int = 32) -> int:
+def onebit_bits(d: int, bucket_size: int | None = None, scale_bits: int = 32, levels: int = 2) -> int:
     """1-bit SGD (Seide, Fu, Droppo, Li, Yu, "1-bit stochastic gradient descent and its application
     to data-parallel distributed training of speech DNNs", Interspeech 2014): one bit per entry plus
-    the reconstruction level of each bucket (column)."""
-    return quantized_bits(d, 1, n_buckets(d, bucket_size), scale_bits)
+    the ``levels`` reconstruction values of each bucket (column): two in the paper (the means of the
+    non-negative and of the negative entries), one for the symmetric variant."""
+    return quantized_bits(d, 1, levels * n_buckets(d, bucket_size), scale_bits)
 
 
 def onebit_delta(bucket_size: int) -> float:
-    """1-bit quantisation with the bucket's mean |x| as level: per bucket the error is
-    ||x_b||^2 - ||x_b||_1^2/b (as scaled sign), so delta = 1/b, **tight** at a single spike in a
-    bucket (derived, see ``sign_error_ratio``)."""
+    """1-bit quantisation per bucket of b entries: with the symmetric level mean|x| the error is
+    ||x_b||^2 - ||x_b||_1^2/b (as scaled sign), so delta = 1/b; Seide's two levels (the means of each
+    sign class) minimise the error over all reconstructions constant on the sign classes, so they do
+    at least as well. **Tight** for both at a single spike in a bucket (derived: x = (1, 0, ..., 0)
+    puts every entry in the non-negative class, level 1/b, error 1 - 1/b)."""
     return 1.0 / max(int(bucket_size), 1)
 
 

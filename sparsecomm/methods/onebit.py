@@ -1,77 +1,130 @@
 """``onebit``: 1-bit SGD with error feedback (Seide, Fu, Droppo, Li, Yu, "1-bit stochastic gradient
 descent and its application to data-parallel distributed training of speech DNNs", Interspeech 2014)::
 
-    worker i: p_i = g_i + e_i;  q_i = s_b sign(p_i) per bucket b,  s_b = mean_{j in b} |p_ij|
-              e_i <- p_i - q_i;  send q_i                    (1 bit per entry + one level per bucket)
+    worker i: p = g + e;  per bucket b (a column in the paper) of ``bucket_size`` entries:
+              c_j = sign(p_j) (sign(0) := +1);  q_j = mean{p_l : c_l = c_j, l in b}    (two levels)
+              e <- p - q;   send c (1 bit each) and the two levels of every bucket
     all:      estimate = (1/n) sum_i q_i
 
-Seide et al. quantise each column to one bit and carry the quantisation error into the next
-minibatch ("error feedback"). They reconstruct a column from two levels, the means of its positive
-and of its negative entries; here one symmetric level per bucket, the mean |p| (the error-minimising
-symmetric level), keeps the message a standard ``quantized`` payload (int8 codes +-1, one scale per
-bucket of ``bucket_size``) that every wire format packs to one bit. Per bucket the error is
-||p_b||^2 - ||p_b||_1^2/b, so the operator is contractive with delta = 1/b (``theory.onebit_delta``,
-tight at a spike) and the residual e_i is bounded. The levels differ between workers, so the sum
-travels through ``allgather`` (a per-worker scale).
+Two levels per bucket, the means of its non-negative and of its negative entries, are the paper's
+reconstruction (also GRACE's ``onebit``). On the wire they are q_j = a_b + s_b c_j with
+s_b = (mean+ - mean-)/2 >= 0 and a_b = (mean+ + mean-)/2: round 1 is a standard ``quantized``
+payload (codes +-1, one scale s_b per bucket, which every wire format packs to one bit), round 2 the
+offsets a_b (dense, one per bucket). ``levels="symmetric"`` drops round 2 with the single level
+mean|p| (s_b = ||p_b||_1/b, a_b = 0), as DeepSpeed's and BytePS's 1-bit compressors do. Both are
+contractive with delta = 1/b (``theory.onebit_delta``, tight at a single spike; the two-level error
+is never above the symmetric one), so the residual e stays bounded. The scales differ between
+workers: the codes travel through ``allgather``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from theory import compressors as th
 
-from ..compressors._common import (check_bucket_size, flat_input, make_payload, raise_nonfinite, scale_dtype,
-                                   work_dtype)
+from ..compressors._common import check_bucket_size, flat_input, make_payload, raise_nonfinite, scale_dtype
 from ..compressors.base import Compressor
+from ..payload import Payload
 from . import registry
-from .ef import ErrorFeedback
+from .base import Method, dense_payload
+
+LEVELS = ("two", "symmetric")
 
 
 class OneBit(Compressor):
-    """codes sign(x) (sign(0) := +1) with the level mean|x| of each bucket of ``bucket_size``."""
+    """Codes sign(x) with the symmetric level mean|x| per bucket (the round-1 payload of ``onebit``)."""
 
     name, payload_kind, shared_scale = "onebit", "quantized", False
 
-    def __init__(self, bucket_size: int | None = 512) -> None:
-        self.bucket_size = check_bucket_size(bucket_size)
+    def __init__(self, bucket_size: int | None = 512, two_level: bool = True) -> None:
+        self.bucket_size, self.two_level = check_bucket_size(bucket_size), two_level
 
-    def compress(self, x, generator=None):
+    def levels(self, x: torch.Tensor):
+        """(codes, s, a, bucket length, bucket of every entry): x ~ a[bucket] + s[bucket] codes."""
         flat = flat_input(x, self.name)
         d = flat.numel()
         b = min(self.bucket_size or max(d, 1), max(d, 1))
-        a = flat.to(work_dtype(x.dtype)).abs()
-        nb = -(-d // b)
-        sums = torch.zeros(nb, dtype=a.dtype, device=a.device).index_add_(
-            0, torch.arange(d, device=a.device) // b, a)
-        counts = torch.full((nb,), float(b), dtype=a.dtype, device=a.device)
-        if d % b:
-            counts[-1] = d % b
-        scale = (sums / counts).to(scale_dtype(x.dtype))
-        if not bool(torch.isfinite(scale).all()):
+        w = flat.to(scale_dtype(x.dtype))
+        neg, nb = w < 0, -(-d // b)
+        which = torch.arange(d, device=w.device) // b
+        cnt = torch.zeros(nb, dtype=w.dtype, device=w.device).index_add_(0, which, torch.ones_like(w))
+        if self.two_level:
+            sums = [torch.zeros(nb, dtype=w.dtype, device=w.device).index_add_(0, which, w * m) for m in (~neg, neg)]
+            nneg = torch.zeros_like(cnt).index_add_(0, which, neg.to(w.dtype))
+            hi, lo = sums[0] / (cnt - nneg).clamp(min=1), sums[1] / nneg.clamp(min=1)
+            s, a = (hi - lo) / 2, (hi + lo) / 2
+        else:
+            s, a = torch.zeros(nb, dtype=w.dtype, device=w.device).index_add_(0, which, w.abs()) / cnt, None
+        if not bool(torch.isfinite(s).all()) or (a is not None and not bool(torch.isfinite(a).all())):
             raise_nonfinite(self.name)
-        codes = torch.where(flat < 0, -1, 1).to(torch.int8)
-        return make_payload("quantized", x.shape, x.dtype, codes, scale=scale, bucket_size=b,
-                            shared_scale=False, wire_bits={"values": d, "scale": 8 * scale.element_size() * nb})
+        return torch.where(neg, -1, 1).to(torch.int8), s, a, b, which
+
+    def compress(self, x, generator=None):
+        codes, s, _, b, _ = OneBit(self.bucket_size, False).levels(x)
+        return make_payload("quantized", x.shape, x.dtype, codes, scale=s, bucket_size=b, shared_scale=False,
+                            wire_bits={"values": codes.numel(), "scale": 8 * s.element_size() * s.numel()})
 
     def delta(self, d):
         return th.onebit_delta(min(self.bucket_size or max(d, 1), max(d, 1)))
 
     def bits(self, d, dtype=torch.float32):
-        return th.onebit_bits(d, self.bucket_size, torch.finfo(scale_dtype(dtype)).bits)
+        return th.onebit_bits(d, self.bucket_size, torch.finfo(scale_dtype(dtype)).bits,
+                              2 if self.two_level else 1)
 
-    def hyper(self):
-        return {"bucket_size": self.bucket_size}
+
+@dataclass
+class OneBitState:
+    """Per-bucket state of ``onebit``: the worker's residual ``e``."""
+
+    error: torch.Tensor
 
 
 @registry.register("onebit")
-class OneBitSGD(ErrorFeedback):
-    """``get("onebit", bucket_size=512)``: error feedback around :class:`OneBit`."""
+class OneBitSGD(Method):
+    """``get("onebit", bucket_size=512, levels="two")``."""
 
-    name = "onebit"
+    name, State = "onebit", OneBitState
 
-    def __init__(self, bucket_size: int | None = 512) -> None:
-        super().__init__(OneBit(bucket_size))
+    def __init__(self, bucket_size: int | None = 512, *, levels: str = "two") -> None:
+        if levels not in LEVELS:
+            raise ValueError(f"onebit: levels must be one of {LEVELS}, got {levels!r}")
+        super().__init__(OneBit(bucket_size, levels == "two"))
 
     def hyper(self):
-        return {"bucket_size": self.compressor.bucket_size}
+        return {"bucket_size": self.compressor.bucket_size,
+                "levels": "two" if self.compressor.two_level else "symmetric"}
+
+    def _encode(self, grad, key, generator, exact):
+        st = self._state.get(key)
+        if st is None:
+            st = self._state[key] = OneBitState(torch.zeros_like(grad))
+        p = grad.add_(st.error)
+        if exact:
+            st.error.zero_()
+            self._pending[key] = ("exact",)
+            return dense_payload(p)
+        codes, s, a, b, which = self.compressor.levels(p)
+        q = s[which] * codes if a is None else torch.addcmul(a[which], s[which], codes.to(s.dtype))
+        torch.sub(p, q.to(p.dtype), out=st.error)
+        self._pending[key] = ("codes", a, which)
+        return make_payload("quantized", p.shape, p.dtype, codes, scale=s, bucket_size=b, shared_scale=False,
+                            wire_bits={"values": codes.numel(), "scale": 8 * s.element_size() * s.numel()})
+
+    def _next_round(self, aggregate, world_size, key):
+        pend = self._pending[key]
+        if pend[0] != "codes" or pend[1] is None:
+            return None
+        self._pending[key] = ("offsets", aggregate.clone(), pend[2])
+        a = pend[1]
+        return Payload("dense", a, a.shape, a.dtype, bits=8 * a.numel() * a.element_size())
+
+    def _decode(self, aggregate, world_size, key, out):
+        pend = self._take_pending(key)
+        if pend[0] == "offsets":                       # codes' sum + the offsets' sum, per bucket
+            torch.add(pend[1], aggregate.to(pend[1].dtype)[pend[2]], out=out)
+            out.div_(world_size)
+        else:
+            torch.div(aggregate, world_size, out=out)
