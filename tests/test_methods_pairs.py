@@ -82,3 +82,11 @@ def test_state_dict_round_trip_continues_identically(name):
     b.load_state_dict(a.state_dict())
     for t in (2, 3):
         assert torch.equal(_alone(a, xs[t], t), _alone(b, xs[t], t))
+
+
+@pytest.mark.parametrize("name", ["powersgd", "dgc"])
+def test_random_methods_never_fall_back_to_the_global_rng(name):
+    from sparsecomm.compressors._common import GeneratorRequiredError
+
+    with pytest.raises(GeneratorRequiredError):
+        sc.methods.get(name).encode(torch.randn(100_000), 0, None, shapes=[(400, 250)])

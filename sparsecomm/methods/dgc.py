@@ -26,7 +26,7 @@ import torch
 
 from theory import compressors as th
 
-from ..compressors._common import check_ratio, make_payload, raise_nonfinite
+from ..compressors._common import GeneratorRequiredError, check_ratio, make_payload, raise_nonfinite
 from ..compressors.base import Compressor
 from . import registry
 from .base import Method
@@ -45,6 +45,9 @@ class SampledTopK(Compressor):
         d, keep = flat.numel(), keep or self.ratio
         k, s = min(d, max(1, round(keep * d))), th.dgc_sample_size(d, keep, self.sample_ratio)
         a = flat.abs()
+        if s < d and generator is None:
+            raise GeneratorRequiredError("dgc samples its threshold with the worker's generator (never the "
+                                         "global RNG): pass one (the optimizer and the DDP hook do)")
         sample = a if s >= d else a[torch.randint(0, d, (s,), generator=generator, device=a.device)]
         thr = torch.topk(sample, min(s, math.ceil(keep * s)), sorted=False).values.min() if d else 0
         idx = torch.nonzero(a >= thr).reshape(-1)

@@ -27,7 +27,7 @@ import torch
 
 from theory import compressors as th
 
-from ..compressors._common import raise_nonfinite
+from ..compressors._common import GeneratorRequiredError, raise_nonfinite
 from ..compressors.base import Compressor
 from ..payload import Payload
 from . import registry
@@ -45,7 +45,7 @@ class LowRank(Compressor):
 
     def compress(self, x, generator=None):
         m = x.detach().reshape(*th.powersgd_matrix(x.shape)).to(torch.float64)
-        q = torch.randn(m.shape[1], min(self.rank, *m.shape), generator=generator, dtype=m.dtype)
+        q = torch.randn(m.shape[1], min(self.rank, *m.shape), generator=_need(generator), dtype=m.dtype)
         p = torch.linalg.qr(m @ q).Q
         return Payload("dense", (p @ (m.T @ p).T).reshape(-1).to(x.dtype), x.shape, x.dtype,
                        bits=th.powersgd_bits([x.shape], self.rank, 0.0, torch.finfo(x.dtype).bits))
@@ -110,7 +110,7 @@ class PowerSGD(Method):
         lay = self._layout(key, grad.numel())
         nq = sum(m * r for _, _, _, m, r in lay)
         if st.q is None or not self.warm_start or st.q.numel() != nq:
-            st.q = torch.randn(nq, generator=generator, dtype=grad.dtype, device=grad.device)
+            st.q = torch.randn(nq, generator=_need(generator), dtype=grad.dtype, device=grad.device)
         parts, qoff = [mat[o:o + k] for o, k, _, _, r in lay if r == 0], 0
         for o, k, n, m, r in lay:
             if r:
@@ -160,3 +160,10 @@ class PowerSGD(Method):
 
 def _dense(x: torch.Tensor) -> Payload:
     return Payload("dense", x, x.shape, x.dtype, bits=8 * x.numel() * x.element_size())
+
+
+def _need(generator: torch.Generator | None) -> torch.Generator:
+    if generator is None:
+        raise GeneratorRequiredError("powersgd draws its starting Q from a generator shared by every worker "
+                                     "(never the global RNG): pass one (the optimizer and the DDP hook do)")
+    return generator
