@@ -352,9 +352,11 @@ def lowrank_delta(n: int, m: int, rank: int) -> float:
 def majority_vote_error(n: int, p: float) -> float:
     """Probability that the majority vote of n workers' signs is wrong when each is wrong
     independently with probability p < 1/2 (ties, possible for even n, count as wrong): the binomial
-    tail P[Bin(n, p) >= n/2]. Bernstein, Zhao, Azizzadenesheli, Anandkumar, "signSGD with majority
-    vote is communication efficient and fault tolerant", ICLR 2019, bound it by a Cantelli-type
-    argument; the exact tail is computed here (derived)."""
+    tail P[Bin(n, p) >= n/2] (derived). The majority vote is from Bernstein, Wang, Azizzadenesheli,
+    Anandkumar, "signSGD: compressed optimisation for non-convex problems", ICML 2018 (who bound the
+    per-worker p under unimodal symmetric noise with Gauss's inequality) and Bernstein, Zhao,
+    Azizzadenesheli, Anandkumar, "signSGD with majority vote is communication efficient and fault
+    tolerant", ICLR 2019."""
     if not 0.0 <= p <= 1.0 or n < 1:
         raise ValueError(f"need n >= 1 and p in [0, 1], got n={n}, p={p}")
     return float(sum(math.comb(n, j) * p**j * (1 - p) ** (n - j) for j in range(math.ceil(n / 2), n + 1)))
