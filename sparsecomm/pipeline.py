@@ -171,7 +171,7 @@ def _auto_transport(method: Method, fabric: Fabric) -> str:
 class CompressionStats:
     """Cumulative counters of a pipeline (bytes are per worker)."""
 
-    rounds: int = 0
+    rounds: int = 0             # aggregations (a multi-round method counts each of its rounds)
     bytes_dense: int = 0        # what plain fp32/fp64 allreduce inputs would be
     bytes_payload: int = 0      # what the compressor declares it sends (Payload.bits / 8)
     comm: CommStats = field(default_factory=CommStats)
