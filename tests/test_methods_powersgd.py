@@ -201,12 +201,14 @@ def _parity_worker(ctx, steps=STEPS, rank=RANK, seeds=SEEDS):
         None, matrix_approximation_rank=32, min_compression_rate=0, start_powerSGD_iter=WARM), ctx.rank, steps)
     out["ours_full"] = _train(scddp.comm_hook, lambda: scddp.CommHookState(
         compressor="powersgd", rank=32, min_compression_rate=0, warmup_steps=WARM), ctx.rank, steps)
-    # the other methods of issue #18 under the DDP hook, each over its "auto" transport; the sign
-    # methods take steps of lr per coordinate, signum and dgc carry their own momentum
-    for name, kw, lr, mom in (("signsgd", {}, 0.005, 0.9), ("signum", {}, 0.005, 0.0),
-                              ("onebit", {}, 0.05, 0.9), ("dgc", {"ratio": 0.1}, 0.05, 0.0)):
+    # the other methods of issue #18 under the DDP hook (20 steps each); the sign methods take steps
+    # of lr per coordinate, signum and dgc carry their own momentum
+    for name, kw, lr, mom in (("signsgd", {"transport": "native"}, 0.01, 0.9),
+                              ("signum", {"transport": "native"}, 0.01, 0.0),
+                              ("onebit", {"transport": "allgather"}, 0.05, 0.9),
+                              ("dgc", {"ratio": 0.1, "transport": "allgather"}, 0.05, 0.0)):
         out[name] = _train(scddp.comm_hook, lambda: scddp.CommHookState(compressor=name, **kw), ctx.rank,
-                           steps, lr, mom)
+                           20, lr, mom)
     return out
 
 
