@@ -17,7 +17,7 @@ from .compressors.base import Compressor
 from .errors import IncompatibleError, MismatchError, SparseCommError, UnknownNameError
 from .fabric.base import Fabric
 from .fabric.stats import CommStats
-from .methods.base import Method, check_kwargs, dense_payload
+from .methods.base import HyperParameterError, Method, check_kwargs, dense_payload
 from .transports.base import Transport
 
 AUTO_ORDER = ("ring", "omnireduce", "switch", "allgather")
@@ -36,6 +36,7 @@ def build_method(compressor: str | Compressor | Method = "none", method: str | N
         return compressor
     if isinstance(compressor, Compressor):
         mname = method or "none"
+        _check_takes_compressor(mname)
         check_kwargs(methods.registry.factory(mname), hyper, f"method {mname!r}")
         return methods.get(mname, compressor=compressor, **hyper)
     if not isinstance(compressor, str):
@@ -49,10 +50,20 @@ def build_method(compressor: str | Compressor | Method = "none", method: str | N
     if compressor in compressors.registry:
         mname = method or "none"
         methods.registry.factory(mname)  # unknown method names raise, listing the valid ones
+        _check_takes_compressor(mname)
         return methods.get(mname, compressor=compressor, **hyper)
     raise UnknownNameError(
         f"unknown compressor or method {compressor!r}; methods: {', '.join(methods.available())}; "
         f"compressors: {', '.join(compressors.available())}")
+
+
+def _check_takes_compressor(mname: str) -> None:
+    """Methods that bring their own operator (powersgd, dgc, the sign methods) take no compressor."""
+    from . import methods
+
+    if not _accepts(methods.registry.factory(mname), "compressor"):
+        raise HyperParameterError(f"method {mname!r} brings its own operator and takes no compressor; "
+                                  f"use compressor={mname!r} (with its own hyper-parameters)")
 
 
 def default_fabric() -> Fabric:

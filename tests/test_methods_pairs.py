@@ -90,3 +90,14 @@ def test_random_methods_never_fall_back_to_the_global_rng(name):
 
     with pytest.raises(GeneratorRequiredError):
         sc.methods.get(name).encode(torch.randn(100_000), 0, None, shapes=[(400, 250)])
+
+
+@pytest.mark.parametrize("name", sorted(TABLE))
+def test_methods_with_their_own_operator_refuse_a_compressor(name):
+    from sparsecomm.methods.base import HyperParameterError
+    from sparsecomm.pipeline import build_method
+
+    with pytest.raises(HyperParameterError, match=f"compressor='{name}'"):
+        build_method("topk", method=name, ratio=0.1)
+    with pytest.raises(HyperParameterError, match="own operator"):
+        build_method(sc.compressors.get("sign"), method=name)
