@@ -43,27 +43,25 @@ class OneBit(Compressor):
         self.bucket_size, self.two_level = check_bucket_size(bucket_size), two_level
 
     def levels(self, x: torch.Tensor):
-        """(codes, s, a, bucket length, bucket of every entry): x ~ a[bucket] + s[bucket] codes."""
+        """(codes, s, a, bucket length b): x is reconstructed as a + s * codes, bucket by bucket."""
         flat = flat_input(x, self.name)
         d = flat.numel()
         b = min(self.bucket_size or max(d, 1), max(d, 1))
         w = flat.to(scale_dtype(x.dtype))
-        neg, nb = w < 0, -(-d // b)
-        which = torch.arange(d, device=w.device) // b
-        cnt = torch.zeros(nb, dtype=w.dtype, device=w.device).index_add_(0, which, torch.ones_like(w))
+        neg = w < 0
+        cnt = _per_bucket(torch.ones_like(w), b)
         if self.two_level:
-            sums = [torch.zeros(nb, dtype=w.dtype, device=w.device).index_add_(0, which, w * m) for m in (~neg, neg)]
-            nneg = torch.zeros_like(cnt).index_add_(0, which, neg.to(w.dtype))
-            hi, lo = sums[0] / (cnt - nneg).clamp(min=1), sums[1] / nneg.clamp(min=1)
+            nneg, lo_sum = _per_bucket(neg.to(w.dtype), b), _per_bucket(torch.where(neg, w, 0.0), b)
+            hi, lo = (_per_bucket(w, b) - lo_sum) / (cnt - nneg).clamp(min=1), lo_sum / nneg.clamp(min=1)
             s, a = (hi - lo) / 2, (hi + lo) / 2
         else:
-            s, a = torch.zeros(nb, dtype=w.dtype, device=w.device).index_add_(0, which, w.abs()) / cnt, None
+            s, a = _per_bucket(w.abs(), b) / cnt, None
         if not bool(torch.isfinite(s).all()) or (a is not None and not bool(torch.isfinite(a).all())):
             raise_nonfinite(self.name)
-        return torch.where(neg, -1, 1).to(torch.int8), s, a, b, which
+        return torch.where(neg, -1, 1).to(torch.int8), s, a, b
 
     def compress(self, x, generator=None):
-        codes, s, _, b, _ = OneBit(self.bucket_size, False).levels(x)
+        codes, s, _, b = OneBit(self.bucket_size, False).levels(x)
         return make_payload("quantized", x.shape, x.dtype, codes, scale=s, bucket_size=b, shared_scale=False,
                             wire_bits={"values": codes.numel(), "scale": 8 * s.element_size() * s.numel()})
 
@@ -106,10 +104,12 @@ class OneBitSGD(Method):
             st.error.zero_()
             self._pending[key] = ("exact",)
             return dense_payload(p)
-        codes, s, a, b, which = self.compressor.levels(p)
-        q = s[which] * codes if a is None else torch.addcmul(a[which], s[which], codes.to(s.dtype))
+        codes, s, a, b = self.compressor.levels(p)
+        q = _expand(s, b, p.numel()) * codes
+        if a is not None:
+            q += _expand(a, b, p.numel())
         torch.sub(p, q.to(p.dtype), out=st.error)
-        self._pending[key] = ("codes", a, which)
+        self._pending[key] = ("codes", a, b)
         return make_payload("quantized", p.shape, p.dtype, codes, scale=s, bucket_size=b, shared_scale=False,
                             wire_bits={"values": codes.numel(), "scale": 8 * s.element_size() * s.numel()})
 
@@ -124,7 +124,19 @@ class OneBitSGD(Method):
     def _decode(self, aggregate, world_size, key, out):
         pend = self._take_pending(key)
         if pend[0] == "offsets":                       # codes' sum + the offsets' sum, per bucket
-            torch.add(pend[1], aggregate.to(pend[1].dtype)[pend[2]], out=out)
+            torch.add(pend[1], _expand(aggregate.to(pend[1].dtype), pend[2], out.numel()), out=out)
             out.div_(world_size)
         else:
             torch.div(aggregate, world_size, out=out)
+
+
+def _per_bucket(v: torch.Tensor, b: int) -> torch.Tensor:
+    """The sum of every bucket of b consecutive entries (the last may be shorter)."""
+    full = (v.numel() // b) * b
+    sums = v[:full].view(-1, b).sum(1)
+    return torch.cat([sums, v[full:].sum().reshape(1)]) if full < v.numel() else sums
+
+
+def _expand(vals: torch.Tensor, b: int, d: int) -> torch.Tensor:
+    """Each bucket's value repeated over its entries (length d)."""
+    return vals[:, None].expand(vals.numel(), b).reshape(-1)[:d]
