@@ -215,9 +215,10 @@ class CompressedOptimizer(torch.optim.Optimizer):
         payloads (what every transport returns), decode on every worker; returns the estimate."""
         gens = self.generators()
         payloads = [m.encode(G[i], key, gens[i], exact=exact) for i, m in enumerate(methods)]
-        aggregate = payloads[0].to_dense().clone()
-        for p in payloads[1:]:
-            aggregate += p.to_dense()
+        aggregate = sum(p.to_dense() for p in payloads)
+        while (nxt := [m.next_round(aggregate, self.n, key) for m in methods])[0] is not None:
+            self.bits_sent += sum(self.payload_bits(p) for p in payloads)   # methods of several rounds
+            payloads, aggregate = nxt, sum(p.to_dense() for p in nxt)
         est = None
         for m in methods:
             e = m.decode(aggregate, self.n, key)

@@ -84,6 +84,8 @@ class Method(ABC):
     needs_unbiased: ClassVar[bool] = False
     #: whether the method reads the bucket's tensor shapes (``encode(..., shapes=)``)
     uses_shapes: ClassVar[bool] = False
+    #: whether a step may take several rounds (then ``decode`` requires ``next_round`` to have said None)
+    multi_round: ClassVar[bool] = False
 
     compressor: Compressor
     #: the number of workers, set by the pipeline before the first round (DGC's local clipping reads it)
@@ -114,6 +116,7 @@ class Method(ABC):
         # per key: the bucket's length (the estimate's) and, for ``uses_shapes`` methods, its shapes
         self._lengths: dict[Hashable, int] = {}
         self._shapes: dict[Hashable, tuple[torch.Size, ...]] = {}
+        self._last_round: dict[Hashable, bool] = {}     # multi-round: next_round returned None
 
     # ------------------------------------------------------------------ public
     def encode(self, grad: torch.Tensor, key: Hashable = 0, generator: torch.Generator | None = None,
@@ -140,12 +143,16 @@ class Method(ABC):
                                     f"up to the bucket's {grad.numel()} elements")
             self._shapes[key] = shapes
         self._lengths[key] = grad.numel()
+        self._last_round.pop(key, None)
         return self._encode(grad if inplace else grad.clone(), key, generator, exact)
 
     def next_round(self, aggregate: torch.Tensor, world_size: int, key: Hashable = 0) -> Payload | None:
         """After a round's ``aggregate`` (the sum over workers): the next round's payload, or ``None``
         when ``aggregate`` is the last round's (then call :meth:`decode` with it). See the module doc."""
-        return self._next_round(aggregate.reshape(-1), int(world_size), key)
+        nxt = self._next_round(aggregate.reshape(-1), int(world_size), key)
+        if nxt is None:
+            self._last_round[key] = True
+        return nxt
 
     def decode(self, aggregate: torch.Tensor, world_size: int, key: Hashable = 0, *,
                out: torch.Tensor | None = None) -> torch.Tensor:
@@ -154,6 +161,10 @@ class Method(ABC):
         ``out`` (flat, the bucket's length, the aggregate's dtype): write the estimate there and return it.
         """
         agg = aggregate.reshape(-1)
+        if self.multi_round and not self._last_round.pop(key, False) and key in self._pending:
+            raise SparseCommError(f"method {self.name!r} takes several rounds per step: call next_round(aggregate, "
+                                  f"world_size, key) after each round and decode only the aggregate of the "
+                                  f"round after which it returned None")
         d = self._lengths.get(key, agg.numel())
         if out is None:
             out = torch.empty(d, dtype=agg.dtype, device=agg.device)

@@ -84,7 +84,7 @@ class OneBitState:
 class OneBitSGD(Method):
     """``get("onebit", bucket_size=512, levels="two")``."""
 
-    name, State = "onebit", OneBitState
+    name, multi_round, State = "onebit", True, OneBitState
 
     def __init__(self, bucket_size: int | None = 512, *, levels: str = "two") -> None:
         if levels not in LEVELS:

@@ -71,7 +71,7 @@ class PowerSGD(Method):
     """``get("powersgd", rank=1, min_compression_rate=2, start_iter=0, error_feedback=True,
     warm_start=True)``."""
 
-    name, uses_shapes, State = "powersgd", True, PowerSGDState
+    name, uses_shapes, multi_round, State = "powersgd", True, True, PowerSGDState
 
     def __init__(self, rank: int = 1, *, min_compression_rate: float = 2.0, start_iter: int = 0,
                  error_feedback: bool = True, warm_start: bool = True) -> None:
