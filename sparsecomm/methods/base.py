@@ -200,6 +200,7 @@ class Method(ABC):
         """Restore exactly what :meth:`state_dict` returned (``{}`` resets)."""
         self._pending.clear()
         self._lengths.clear()
+        self._last_round.clear()
         if not state:
             self._state = {}
             return
