@@ -155,52 +155,72 @@ def test_optimizer_runs_both_rounds_over_a_transport(transport):
 
 
 # ------------------------------------------------------------------ parity with torch's powerSGD_hook
-STEPS, WARM, SEEDS, RANK = 60, 2, 3, 2
+STEPS, WARM, RANK, SEED, SNAP = 60, 2, 2, 123, 20
+OUT = 16
 
 
 def _make_data(rank, steps):
     g = torch.Generator().manual_seed(100 + rank)
-    teacher = torch.Generator().manual_seed(7)
-    w = torch.randn(16, 4, generator=teacher)
+    w = torch.randn(16, OUT, generator=torch.Generator().manual_seed(7)) / 4
     x = torch.randn(steps, 32, 16, generator=g)
-    return x, x @ w + 0.1 * torch.randn(steps, 32, 4, generator=g)
+    return x, x @ w + 0.1 * torch.randn(steps, 32, OUT, generator=g)
+
+
+def _model():
+    """Matrices (16,16), (8,16), (16,8), (16,16): a repeated shape, so torch's hook groups the first
+    and the last when it draws its starting Qs; the biases are sent whole."""
+    return _init(nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 16),
+                               nn.Tanh(), nn.Linear(16, OUT)))
 
 
 def _train(hook, state_fn, rank, steps, lr=0.05, momentum=0.9):
+    """(held-out loss after ``steps``, the parameters after ``SNAP`` steps)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    model = _init(nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4)))
+    model = _model()
     net = DDP(model)
     if hook is not None:
         net.register_comm_hook(state_fn(), hook)
     opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum)
     x, y = _make_data(rank, steps)
+    snap = None
     for t in range(steps):
+        if t == SNAP:
+            snap = [p.detach().clone() for p in model.parameters()]
         opt.zero_grad()
         ((net(x[t]) - y[t]) ** 2).mean().backward()
         opt.step()
     xe, ye = _make_data(99, 4)
     with torch.no_grad():
-        return float(((model(xe.reshape(-1, 16)) - ye.reshape(-1, 4)) ** 2).mean())
+        return float(((model(xe.reshape(-1, 16)) - ye.reshape(-1, OUT)) ** 2).mean()), snap
 
 
-def _parity_worker(ctx, steps=STEPS, rank=RANK, seeds=SEEDS):
+class _FixedSeed:
+    """Stands in for PowerSGDState.rng (a numpy RandomState): the seed torch's hook draws its Qs with."""
+
+    def randint(self, high):
+        return SEED
+
+
+def _parity_worker(ctx):
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ph
 
     from sparsecomm import ddp as scddp
 
-    out = {"plain": _train(None, None, ctx.rank, steps), "torch": [], "ours": [],
-           "start": _train(None, None, ctx.rank, 0)}
-    for seed in range(seeds):
-        out["torch"].append(_train(ph.powerSGD_hook, lambda: ph.PowerSGDState(
-            None, matrix_approximation_rank=rank, start_powerSGD_iter=WARM, random_seed=seed), ctx.rank, steps))
-        out["ours"].append(_train(scddp.comm_hook, lambda: scddp.CommHookState(
-            compressor="powersgd", rank=rank, warmup_steps=WARM, seed=seed), ctx.rank, steps))
+    def torch_state(**kw):
+        st = ph.PowerSGDState(None, start_powerSGD_iter=WARM, **kw)
+        st.rng = _FixedSeed()
+        return st
+
+    out = {"plain": _train(None, None, ctx.rank, STEPS)[0], "start": _train(None, None, ctx.rank, 0)[0]}
+    out["torch"] = _train(ph.powerSGD_hook, lambda: torch_state(matrix_approximation_rank=RANK), ctx.rank, STEPS)
+    out["ours"] = _train(scddp.comm_hook, lambda: scddp.CommHookState(
+        compressor="powersgd", rank=RANK, warmup_steps=WARM, seed=SEED), ctx.rank, STEPS)
     # full rank and no size rule: both are the exact average
-    out["torch_full"] = _train(ph.powerSGD_hook, lambda: ph.PowerSGDState(
-        None, matrix_approximation_rank=32, min_compression_rate=0, start_powerSGD_iter=WARM), ctx.rank, steps)
+    out["torch_full"] = _train(ph.powerSGD_hook, lambda: torch_state(
+        matrix_approximation_rank=32, min_compression_rate=0), ctx.rank, STEPS)[0]
     out["ours_full"] = _train(scddp.comm_hook, lambda: scddp.CommHookState(
-        compressor="powersgd", rank=32, min_compression_rate=0, warmup_steps=WARM), ctx.rank, steps)
+        compressor="powersgd", rank=32, min_compression_rate=0, warmup_steps=WARM), ctx.rank, STEPS)[0]
     # the other methods of issue #18 under the DDP hook (20 steps each); the sign methods take steps
     # of lr per coordinate, signum and dgc carry their own momentum
     for name, kw, lr, mom in (("signsgd", {"transport": "native"}, 0.01, 0.9),
@@ -208,25 +228,26 @@ def _parity_worker(ctx, steps=STEPS, rank=RANK, seeds=SEEDS):
                               ("onebit", {"transport": "allgather"}, 0.05, 0.9),
                               ("dgc", {"ratio": 0.1, "transport": "allgather"}, 0.05, 0.0)):
         out[name] = _train(scddp.comm_hook, lambda: scddp.CommHookState(compressor=name, **kw), ctx.rank,
-                           20, lr, mom)
+                           20, lr, mom)[0]
     return out
 
 
 @pytest.mark.multiprocess
 def test_parity_with_torch_powerSGD_hook_gloo():
+    """Same model, data and starting Qs (torch's hook seeded through its ``rng``, ours through the
+    pipeline's shared generator): the same trajectory up to float32 rounding (Gram-Schmidt there, QR
+    here), measured at ~1e-7 relative after 20 steps; the tolerance 1e-5 leaves room for the rounding's
+    slow growth but not for any algorithmic difference (a different Q draw is ~1e-1 apart)."""
     r0, r1 = sc.launch(_parity_worker, world_size=2, backend="gloo")
-    assert r0 == r1                                          # every rank evaluates the same model
+    assert r0["torch"][0] == r1["torch"][0] and r0["ours"][0] == r1["ours"][0]   # replicas agree
+    for a, b in zip(r0["torch"][1], r0["ours"][1]):
+        assert float((a - b).abs().max()) <= 1e-5 * float(a.abs().max())
+    assert r0["ours"][0] == pytest.approx(r0["torch"][0], rel=1e-2)        # 60 steps: rounding drift only
+    assert r0["plain"] < r0["torch"][0] < 0.5 * r0["start"]                # rank 2 loses a little
     assert r0["torch_full"] == pytest.approx(r0["plain"], rel=1e-4)
     assert r0["ours_full"] == pytest.approx(r0["plain"], rel=1e-4)
-    t, o = torch.tensor(r0["torch"]), torch.tensor(r0["ours"])
-    # rank 2 loses information: both end above the uncompressed run, far below the start
-    assert (t > r0["plain"]).all() and (o > r0["plain"]).all()
-    assert (t < 0.1 * r0["start"]).all() and (o < 0.1 * r0["start"]).all()
-    # within noise: the means over seeds differ by less than 4 standard errors of the difference
-    se = math.sqrt(t.var() / len(t) + o.var() / len(o))
-    assert abs(float(t.mean() - o.mean())) <= 4 * se + 1e-3 * float(t.mean())
-    for name in ("signsgd", "signum", "onebit", "dgc"):
-        assert r0[name] < 0.5 * r0["start"], name
+    for name in ("signsgd", "signum", "onebit", "dgc"):                   # 20 steps: they learn
+        assert r0[name] < 0.75 * r0["start"], name
 
 
 def test_single_worker_operator_is_a_rank_r_projection():

@@ -12,7 +12,8 @@ r = min(n, m, rank), the others travel whole. Two aggregation rounds per step::
 
 The estimate is P^ P^^T mean_w M_w, a projection of the mean (linear in the workers' matrices, hence
 summable by every transport as dense payloads). Q is drawn from the pipeline's generator, shared by
-every worker (``shared_randomness``). ``start_iter`` (torch's ``start_powerSGD_iter``): the first
+every worker (``shared_randomness``), matrix by matrix in torch's order: seeded alike, this method and
+``powerSGD_hook`` follow the same trajectory to float rounding (tests/test_methods_powersgd.py). ``start_iter`` (torch's ``start_powerSGD_iter``): the first
 ``start_iter`` steps of a bucket are exact rounds (plain averaging, error flushed); the optimizer's
 and the DDP hook's ``warmup_steps`` do the same for every method. Orthogonalisation is a reduced QR
 (sign conventions cancel in P^ P^^T; a zero sum still yields an orthonormal basis, never NaN).
@@ -110,7 +111,7 @@ class PowerSGD(Method):
         lay = self._layout(key, grad.numel())
         nq = sum(m * r for _, _, _, m, r in lay)
         if st.q is None or not self.warm_start or st.q.numel() != nq:
-            st.q = torch.randn(nq, generator=_need(generator), dtype=grad.dtype, device=grad.device)
+            st.q = _gaussian_q(lay, _need(generator), grad)
         parts, qoff = [mat[o:o + k] for o, k, _, _, r in lay if r == 0], 0
         for o, k, n, m, r in lay:
             if r:
@@ -167,3 +168,17 @@ def _need(generator: torch.Generator | None) -> torch.Generator:
         raise GeneratorRequiredError("powersgd draws its starting Q from a generator shared by every worker "
                                      "(never the global RNG): pass one (the optimizer and the DDP hook do)")
     return generator
+
+
+def _gaussian_q(lay, generator: torch.Generator, like: torch.Tensor) -> torch.Tensor:
+    """Fresh Q_j ~ N(0, 1) (m x r each, concatenated in layout order), drawn matrix by matrix with the
+    matrices grouped by shape in order of first appearance: the order of torch's ``powerSGD_hook``, so
+    that a generator seeded as its ``state.rng`` dictates draws the same starting Qs."""
+    comp = [(n, m, r) for _, _, n, m, r in lay if r]
+    first: dict = {}
+    for j, (n, m, _) in enumerate(comp):
+        first.setdefault((n, m), j)
+    draws = {}
+    for j in sorted(range(len(comp)), key=lambda j: first[comp[j][:2]]):
+        draws[j] = torch.randn(comp[j][1] * comp[j][2], generator=generator, dtype=like.dtype, device=like.device)
+    return torch.cat([draws[j] for j in range(len(comp))]) if comp else like.new_empty(0)
