@@ -109,7 +109,9 @@ def _two_means(p, b):
     q = torch.empty_like(p)
     for lo in range(0, p.numel(), b):
         blk, pos = p[lo:lo + b], p[lo:lo + b] >= 0
-        q[lo:lo + b] = torch.where(pos, blk[pos].mean() if pos.any() else 0.0, blk[~pos].mean() if (~pos).any() else 0.0)
+        hi = blk[pos].mean() if pos.any() else 0.0
+        lo_ = blk[~pos].mean() if (~pos).any() else 0.0
+        q[lo:lo + b] = torch.where(pos, hi, lo_)
     return q
 
 

@@ -13,16 +13,16 @@ r = min(n, m, rank), the others travel whole. Two aggregation rounds per step::
 The estimate is P^ P^^T mean_w M_w, a projection of the mean (linear in the workers' matrices, hence
 summable by every transport as dense payloads). Q is drawn from the pipeline's generator, shared by
 every worker (``shared_randomness``), matrix by matrix in torch's order: seeded alike, this method and
-``powerSGD_hook`` follow the same trajectory to float rounding (tests/test_methods_powersgd.py). ``start_iter`` (torch's ``start_powerSGD_iter``): the first
-``start_iter`` steps of a bucket are exact rounds (plain averaging, error flushed); the optimizer's
-and the DDP hook's ``warmup_steps`` do the same for every method. Orthogonalisation is a reduced QR
+``powerSGD_hook`` follow the same trajectory to float rounding (tests/test_methods_powersgd.py).
+``start_iter`` (torch's ``start_powerSGD_iter``): the first ``start_iter`` steps of a bucket are
+exact rounds (plain averaging, error flushed); the optimizer's and the DDP hook's ``warmup_steps`` do
+the same for every method. Orthogonalisation is a reduced QR
 (sign conventions cancel in P^ P^^T; a zero sum still yields an orthonormal basis, never NaN).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable
 
 import torch
 
