@@ -140,3 +140,25 @@ def th_bits(d, b):
     from theory import compressors as th
 
     return th.onebit_bits(d, b, 64, 2)
+
+
+def _opt_worker(ctx, name):
+    model = torch.nn.Linear(12, 8)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    opt = sc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), compressor=name)
+    g = torch.Generator().manual_seed(ctx.rank)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(4, 12, generator=g)).square().mean().backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()], opt.transport.name, opt.compression_stats()["rounds"]
+
+
+@pytest.mark.parametrize("name", sorted(TABLE))
+def test_distributed_optimizer_takes_the_name(name):
+    (p0, t, rounds), (p1, _, _) = sc.launch(functools.partial(_opt_worker, name=name), world_size=2, backend="sim")
+    assert t in TABLE[name]                                     # "auto" picked a carrier of the table
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1))
+    assert rounds >= 3
