@@ -92,6 +92,7 @@ class Composed(RandomMixin, Compressor):
         self.first, self.second = first, second
         self.payload_kind = first.payload_kind if first.payload_kind != "quantized" else second.payload_kind
         self.shared_randomness = first.shared_randomness or second.shared_randomness
+        self.packed_values = first.payload_kind != "quantized" and bool(getattr(second, "packed_values", False))
         self._init_random(seed)
 
     def _gen(self, generator, device):

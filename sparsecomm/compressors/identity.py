@@ -4,6 +4,16 @@ All three produce ``dense`` payloads. ``identity`` copies the input (a payload n
 ``fp16``/``bf16`` round to nearest into the narrow dtype: biased, deterministic, and contractive with
 ``delta = theory.compressors.rounding_delta(p)`` (p = 11 / 8 significand bits) on inputs in the narrow
 dtype's normal range; values that would overflow it raise :class:`~sparsecomm.errors.OverflowError_`.
+
+**Below the normal range** (|x| < 2^-14 for float16, < 2^-126 for bfloat16) rounding is absolute, not
+relative (half the subnormal spacing, down to flushing to zero), so the contraction can fail: a
+vector of entries around 1e-9 comes back as zeros, ||C(x) - x||^2 = ||x||^2. So ``delta()`` is only
+declared for calls where it holds, and every call checks it: ``compress`` measures
+``||C(x) - x||^2`` (one Numba pass over x and the rounded values, in float64) and, when it exceeds
+``(1 - delta) ||x||^2``, raises :class:`UnderflowError` (``underflow="raise"``, the default; a vector
+with a few tiny entries among normal ones passes, as the normal entries' rounding error is far below
+its bound). ``underflow="allow"`` compresses anything finite and declares ``delta = 0`` (no
+contraction is promised, only ``|C(x)_i - x_i| <= |x_i|``).
 """
 
 from __future__ import annotations
@@ -14,11 +24,51 @@ import torch
 
 from theory import compressors as th
 
-from ..errors import OverflowError_
+import numpy as np
+from numba import njit
+
+from ..errors import OverflowError_, SparseCommError
 from . import registry
 from . import _kernels
-from ._common import abs_max, cpu_empty, dtype_bits, flat_input, make_payload, raise_nonfinite, use_numba
+from ._common import (CompressorConfigError, abs_max, cpu_empty, dtype_bits, flat_input, make_payload,
+                      raise_nonfinite, use_numba)
 from .base import Compressor
+
+
+class UnderflowError(SparseCommError, ValueError):
+    """A rounding cast's input lies so far below the target's normal range that the declared
+    contraction ``delta`` does not hold for it."""
+
+
+# float16 bit pattern -> float64 value: exponent field e in 1..30 scales (1024 + m) by 2^(e - 25)
+_F16_SCALE = np.array([2.0**-24] + [2.0 ** (e - 25) for e in range(1, 32)], dtype=np.float64)
+
+
+@njit(cache=True, nogil=True)
+def _cast_error(x, ybits, is_bf16, scale):
+    """(sum (y_i - x_i)^2, sum x_i^2) in float64, y given by its float16 / bfloat16 bit patterns."""
+    err = 0.0
+    nrm = 0.0
+    for i in range(x.size):
+        h = np.int64(ybits[i]) & 0xFFFF
+        if is_bf16:
+            e = (h >> 7) & 0xFF
+            m = h & 0x7F
+            if e == 0:
+                v = m * 2.0**-133
+            else:
+                v = (128 + m) * 2.0 ** (e - 134)
+        else:
+            e = (h >> 10) & 0x1F
+            m = h & 0x3FF
+            v = m * scale[0] if e == 0 else (1024 + m) * scale[e]
+        if h & 0x8000:
+            v = -v
+        xi = np.float64(x[i])
+        d = v - xi
+        err += d * d
+        nrm += xi * xi
+    return err, nrm
 
 
 class _Dense(Compressor):
@@ -63,6 +113,23 @@ class _Cast(_Dense):
     target: torch.dtype = torch.float16
     precision_bits: int = 11
 
+    def __init__(self, underflow: str = "raise"):
+        if underflow not in ("raise", "allow"):
+            raise CompressorConfigError(f"{self.name}: underflow must be 'raise' (delta holds on every "
+                                        f"call, or an UnderflowError) or 'allow' (delta = 0), got {underflow!r}")
+        self.underflow = underflow
+
+    def hyper(self):
+        return {"underflow": self.underflow}
+
+    def _contraction_error(self, flat: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+        """(||C(x) - x||^2, ||x||^2) in float64."""
+        if flat.device.type == "cpu" and flat.dtype in (torch.float32, torch.float64):
+            return _cast_error(flat.numpy(), y.view(torch.int16).numpy(), self.target == torch.bfloat16,
+                               _F16_SCALE)
+        xd = flat.to(torch.float64)
+        return float(((y.to(torch.float64) - xd) ** 2).sum()), float((xd * xd).sum())
+
     def compress(self, x, generator=None):
         flat = flat_input(x, self.name)
         big = abs_max(flat)
@@ -75,10 +142,23 @@ class _Cast(_Dense):
         if big > torch.finfo(self.target).max and bool(torch.isinf(y).any()):
             raise OverflowError_(f"{self.name}: |x| up to {big:g} overflows {self.target} "
                                  f"(max {torch.finfo(self.target).max:g}); rescale the input first")
+        if self.underflow == "raise" and flat.dtype != self.target and flat.numel():
+            err, nrm = self._contraction_error(flat, y)
+            if err > (1.0 - self.delta(flat.numel())) * nrm:
+                tiny = torch.finfo(self.target).tiny
+                raise UnderflowError(
+                    f"{self.name}: this input lies below {self.target}'s normal range (|x| < {tiny:g}) on "
+                    f"enough of its mass that rounding loses {err / nrm if nrm else 1.0:.3g} of ||x||^2, more "
+                    f"than the declared 1 - delta = {1.0 - self.delta(flat.numel()):.3g}; rescale it (e.g. "
+                    f"loss scaling), use 'bf16' (float32's range) or 'identity', or build "
+                    f"{self.name}(underflow='allow'), which declares delta = 0")
         return make_payload("dense", x.shape, x.dtype, y, {"values": 16 * y.numel()})
 
     def delta(self, d):
-        """1 - (2^-p + 2^-23)^2 for inputs in the narrow dtype's normal range (see rounding_delta)."""
+        """1 - (2^-p + 2^-23)^2 (see rounding_delta), checked on every call (``underflow="raise"``);
+        0 with ``underflow="allow"``, which promises no contraction."""
+        if self.underflow == "allow":
+            return 0.0
         return th.rounding_delta(self.precision_bits)
 
     def bits(self, d, dtype=torch.float32):

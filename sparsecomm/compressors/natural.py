@@ -56,6 +56,8 @@ class Natural(RandomMixin, Compressor):
     name = "natural"
     payload_kind = "dense"
     unbiased = True
+    #: the values travel as sign + exponent only where no sum is formed on the wire (allgather)
+    packed_values = True
 
     def __init__(self, seed=None):
         self._init_random(seed)

@@ -80,6 +80,10 @@ class AllGather(Transport):
         self.header_tag = header_tag
         self.data_tag = data_tag
 
+    def wire_copies(self) -> float:
+        """Every payload goes to each of the ``n - 1`` other workers."""
+        return float(self.fabric.world_size - 1)
+
     def _allreduce_tensor(self, flat: torch.Tensor) -> torch.Tensor:
         return self._gather_sum(Payload("dense", flat, flat.shape, flat.dtype))
 
