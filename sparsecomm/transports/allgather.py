@@ -19,9 +19,9 @@ Protocol, on worker ``r`` of ``n``:
    :class:`~sparsecomm.payload.WireFormatError` on every worker, since every worker receives every
    header). Empty slots are never sent (``k = 0`` costs only the headers). Each phase posts all its
    sends and receives before waiting, so it is one group on nccl;
-3. check agreement locally on the gathered headers (every worker sees the same headers, so a mismatch
-   raises :class:`~sparsecomm.errors.MismatchError` on every worker, after the data has been drained so
-   that the fabric stays clean); rebuild each worker's :class:`~sparsecomm.payload.Payload` bit-exactly
+3. (before phase 2) check agreement locally on the gathered headers (every worker sees the same
+   headers, so a mismatch raises :class:`~sparsecomm.errors.MismatchError` on every worker before any
+   data is sent, and the fabric stays clean); after phase 2, rebuild each worker's :class:`~sparsecomm.payload.Payload` bit-exactly
    (:meth:`Payload.from_wire`) and sum their ``to_dense()`` in rank order (the same bits on every
    worker).
 
@@ -109,8 +109,10 @@ class AllGather(Transport):
         for w in works:
             w.wait()
         headers = hbuf.tolist()
-        # every announced slot is checked against this rank's own tensor before anything is allocated
-        # (every worker holds every header, so all of them raise on a malformed one)
+        # every worker holds every header: agreement (length, dtype, kind, encoding, ...) and each
+        # announced slot (against this rank's own tensor) are checked before any data moves or any buffer
+        # is allocated, so every worker raises the same error and nothing is left in flight
+        self._check(headers, r)
         layouts = [self._peer_layout(headers[j], p.numel, j) for j in range(n)]
         # phase 2: the wire tensors, sized by the checked layouts (empty ones are not sent)
         works = []
@@ -132,7 +134,6 @@ class AllGather(Transport):
         for w in works:
             w.wait()
         f.stats.rounds += 2
-        self._check(headers, r)
         out = torch.zeros(p.numel, dtype=p.dtype, device=dev)
         for j in range(n):
             h = headers[j]
