@@ -253,30 +253,56 @@ def _unpack_signs_words(packed, out):
 
 @njit(cache=True, nogil=True)
 def _natural32_pack(bits, out):
-    """float32 bit patterns -> exponent byte plane (``n`` bytes) then sign bit plane."""
+    """float32 bit patterns -> exponent byte plane (``n`` bytes) then sign bit plane; 8 values (four
+    64-bit words in, one 64-bit word of exponents and one sign byte out) per step."""
     n = bits.size
-    for i in range(n):
-        out[i] = np.uint8((bits[i] >> 23) & 0xFF)
-    sg = out[n:]
     nw = n // 8
+    sg = out[n:]
+    i64 = bits[: 8 * nw].view(np.uint64)
+    e64 = out[: 8 * nw].view(np.uint64)
+    ff = np.uint64(0xFF)
     for g in range(nw):
-        b = 0
-        for j in range(8):
-            b |= ((bits[8 * g + j] >> 31) & 1) << j
+        e = np.uint64(0)
+        b = np.uint64(0)
+        for h in range(4):
+            w = i64[4 * g + h]
+            e |= ((w >> np.uint64(23)) & ff) << np.uint64(16 * h)
+            e |= ((w >> np.uint64(55)) & ff) << np.uint64(16 * h + 8)
+            b |= ((w >> np.uint64(31)) & np.uint64(1)) << np.uint64(2 * h)
+            b |= (w >> np.uint64(63)) << np.uint64(2 * h + 1)
+        e64[g] = e
         sg[g] = np.uint8(b)
-    if nw * 8 < n:
+    if 8 * nw < n:
         b = 0
-        for j in range(n - 8 * nw):
-            b |= ((bits[8 * nw + j] >> 31) & 1) << j
+        for i in range(8 * nw, n):
+            out[i] = np.uint8((bits[i] >> 23) & 0xFF)
+            b |= ((bits[i] >> 31) & 1) << (i - 8 * nw)
         sg[nw] = np.uint8(b)
 
 
 @njit(cache=True, nogil=True)
-def _natural32_unpack(packed, signs01, out):
-    """``signs01``: int8 0/1 per entry (the sign plane, unpacked by ``_unpack_words``)."""
-    e = packed[: out.size]
-    for i in range(out.size):
-        out[i] = (np.int32(e[i]) << 23) | (np.int32(signs01[i]) << 31)
+def _natural32_unpack(packed, out):
+    """Inverse of ``_natural32_pack`` (int32 bit patterns out), 8 values per step."""
+    n = out.size
+    nw = n // 8
+    sg = packed[n:]
+    e64 = packed[: 8 * nw].view(np.uint64)
+    o64 = out[: 8 * nw].view(np.uint64)
+    ff = np.uint64(0xFF)
+    one = np.uint64(1)
+    for g in range(nw):
+        b = np.uint64(sg[g])
+        w = e64[g]
+        for h in range(4):
+            lo = (w >> np.uint64(16 * h)) & ff
+            hi = (w >> np.uint64(16 * h + 8)) & ff
+            s0 = (b >> np.uint64(2 * h)) & one
+            s1 = (b >> np.uint64(2 * h + 1)) & one
+            o64[4 * g + h] = (lo << np.uint64(23)) | (s0 << np.uint64(31)) | (hi << np.uint64(55)) | \
+                (s1 << np.uint64(63))
+    for i in range(8 * nw, n):
+        s = (np.int32(sg[nw]) >> (i - 8 * nw)) & 1
+        out[i] = (np.int32(packed[i]) << 23) | (s << 31)
 
 
 # ====================================================================================== helpers
@@ -479,9 +505,7 @@ def unpack_natural(packed: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Te
     if dtype in (torch.float32, torch.bfloat16):
         if packed.device.type == "cpu":
             out = np.empty(n, dtype=np.int32)
-            p = packed.numpy()
-            s01 = unpack_bits(packed[n:], n, 1, signed=False).numpy()
-            _natural32_unpack(p, s01, out)
+            _natural32_unpack(packed.numpy(), out)
             f = torch.from_numpy(out).view(torch.float32)
         else:
             e = packed[:n].to(torch.int32)
