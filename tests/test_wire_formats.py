@@ -91,6 +91,32 @@ def test_fast_paths_cover_whole_words_and_blocks():
             assert torch.equal(B.unpack_bits(p, n, k), c)
 
 
+@pytest.fixture
+def torch_path(monkeypatch):
+    monkeypatch.setattr(B, "_FORCE_TORCH", True)
+
+
+def test_torch_path_gives_the_same_bytes(torch_path):
+    """The torch-ops path (CUDA tensors) on CPU: the same bytes as the Numba path, exact round trips."""
+    g = torch.Generator().manual_seed(4)
+    for n in (0, 1, 13, 64, 203):
+        for k in (1, 2, 3, 7, 9, 16):
+            c = torch.randint(-(1 << (k - 1)), 1 << (k - 1), (n,), generator=g).to(torch.int16)
+            p = B.pack_bits(c, k)
+            assert torch.equal(p, B._torch_pack(c.to(torch.int64), k))
+            assert torch.equal(B.unpack_bits(p, n, k, dtype=torch.int16), c)
+        s = (torch.randint(0, 2, (n,), generator=g) * 2 - 1).to(torch.int8)
+        assert torch.equal(B.unpack_signs(B.pack_signs(s), n), s)
+        for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+            v = (torch.ldexp(torch.ones(n), torch.randint(-20, 15, (n,), generator=g)) *
+                 (torch.randint(0, 2, (n,), generator=g) * 2 - 1)).to(dt)
+            p = B.pack_natural(v)
+            B._FORCE_TORCH = False
+            assert torch.equal(p, B.pack_natural(v))
+            B._FORCE_TORCH = True
+            assert torch.equal(B.unpack_natural(p, n, dt), v)
+
+
 def test_codec_errors():
     with pytest.raises(B.CodecError):
         B.pack_bits(torch.zeros(3, dtype=torch.int8), 0)

@@ -344,6 +344,14 @@ def _torch_unpack(packed: torch.Tensor, n: int, k: int, signed: bool) -> torch.T
     return v
 
 
+#: tests set this to run the torch-ops path (the one CUDA tensors take) on CPU tensors
+_FORCE_TORCH = False
+
+
+def _numba(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and not _FORCE_TORCH
+
+
 # ====================================================================================== public API
 def pack_bits(codes: torch.Tensor, k: int) -> torch.Tensor:
     """The low ``k`` bits of every integer code, packed (see the module docstring); uint8, exactly
@@ -355,7 +363,7 @@ def pack_bits(codes: torch.Tensor, k: int) -> torch.Tensor:
                          f"{getattr(codes, 'dtype', type(codes).__name__)}")
     flat = codes.reshape(-1)
     n = flat.numel()
-    if codes.device.type != "cpu":
+    if not _numba(codes):
         return _torch_pack(flat.to(torch.int64), k)
     flat = flat.contiguous()
     out = np.empty(packed_nbytes(n, k), dtype=np.uint8)
@@ -390,7 +398,7 @@ def unpack_bits(packed: torch.Tensor, n: int, k: int, *, signed: bool = True,
     if lim > info.max or (signed and info.min == 0):
         raise CodecError(f"unpack_bits: {k}-bit {'signed' if signed else 'unsigned'} codes do not fit {dtype}")
     packed = _check_packed(packed, packed_nbytes(n, k), "unpack_bits")
-    if packed.device.type != "cpu":
+    if not _numba(packed):
         return _torch_unpack(packed, n, k, signed).to(dtype)
     out = np.empty(n, dtype=_NP_INT[dtype])
     p = packed.numpy()
@@ -420,7 +428,7 @@ def pack_signs(codes: torch.Tensor) -> torch.Tensor:
         flat = torch.signbit(flat).to(torch.int8).neg_()   # -1 where the sign bit is set
     elif flat.dtype not in _NP_INT or flat.dtype == torch.uint8:
         raise CodecError(f"pack_signs takes signed integer or float tensors, got {flat.dtype}")
-    if flat.device.type != "cpu":
+    if not _numba(flat):
         return _torch_pack((flat < 0).to(torch.int64), 1)
     flat = flat.contiguous()
     a = flat.numpy()
@@ -443,7 +451,7 @@ def unpack_signs(packed: torch.Tensor, n: int) -> torch.Tensor:
     if n < 0:
         raise CodecError(f"unpack_signs: n must be >= 0, got {n}")
     packed = _check_packed(packed, packed_nbytes(n, 1), "unpack_signs")
-    if packed.device.type != "cpu":
+    if not _numba(packed):
         return (1 - 2 * _torch_unpack(packed, n, 1, False)).to(torch.int8)
     out = np.empty(n, dtype=np.int8)
     p = packed.numpy()
@@ -482,7 +490,7 @@ def pack_natural(values: torch.Tensor) -> torch.Tensor:
     n = flat.numel()
     if flat.dtype in (torch.float32, torch.bfloat16):
         b = flat.to(torch.float32).contiguous().view(torch.int32)
-        if b.device.type == "cpu":
+        if _numba(b):
             out = np.empty(natural_nbytes(n, flat.dtype), dtype=np.uint8)
             _natural32_pack(b.numpy(), out)
             return torch.from_numpy(out)
@@ -503,7 +511,7 @@ def unpack_natural(packed: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Te
     n = int(n)
     packed = _check_packed(packed, natural_nbytes(n, dtype), "unpack_natural")
     if dtype in (torch.float32, torch.bfloat16):
-        if packed.device.type == "cpu":
+        if _numba(packed):
             out = np.empty(n, dtype=np.int32)
             _natural32_unpack(packed.numpy(), out)
             f = torch.from_numpy(out).view(torch.float32)
