@@ -303,6 +303,18 @@ def test_compression_stats_reports_declared_and_sent():
     assert s["sent_over_declared"] == pytest.approx(32 / 9, rel=0.02)
 
 
+@pytest.mark.parametrize("compressor,transport,kw", [
+    ("sign", "allgather", {}), ("qsgd", "allgather", {"levels": 4, "bucket_size": 512}),
+    ("terngrad", "allgather", {}), ("randk", "ring", {"ratio": 0.05}), ("fp16", "omnireduce", {}),
+    ("identity", "ring", {})])
+def test_compression_stats_sent_equals_declared_where_the_wire_carries_it(compressor, transport, kw):
+    name, s = sc.launch(functools.partial(_stats_worker, transport=transport, compressor=compressor, kw=kw),
+                        world_size=2)[0]
+    assert name == transport
+    assert 0.999 <= s["sent_over_declared"] <= 1.05 + 2 * SLACK_BYTES / s["bytes_declared_sent"]
+    assert s["ratio_sent"] == pytest.approx(s["ratio"], rel=0.1)
+
+
 # ================================================================================ fp16 sums
 def _fp16_worker(ctx, transport):
     w = torch.nn.Parameter(torch.zeros(64))
