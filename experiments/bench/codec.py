@@ -303,7 +303,9 @@ def run_bits(n: int, repeats: int, cache: str = "cold", seed: int = 0) -> list[d
             kunpack = lambda: np.copyto(ubuf.view(np.uint8), pn)  # noqa: E731
         else:
             kpack = lambda: B._pack_words(src.view(np.uint64), k, pbuf)  # noqa: E731
-            kunpack = lambda: B._unpack_blocks(pn, k, True, ubuf)  # noqa: E731
+            nb64 = n // 64
+            kunpack = lambda: B._unpack_mid(pn[: 8 * k * nb64].view(np.uint64), k, True,  # noqa: E731
+                                            ubuf[: 64 * nb64].view(np.uint64))
         fns = {"copy": lambda: np.copyto(dst, src), "pack": pk, "kpack": kpack, "unpack": up, "kunpack": kunpack}
         tiny = {name: (lambda: None) for name in fns}
         before = _cold_before(tiny) if cache == "cold" else fns
