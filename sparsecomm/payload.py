@@ -271,28 +271,47 @@ def empty_slot(count: int, dtype: torch.dtype, code: int, numel: int, device=Non
 
 
 def encode_slot(t: torch.Tensor, code: int, numel: int) -> torch.Tensor:
-    """The wire form of one slot's flat in-memory tensor ``t``."""
+    """The wire form of one slot's flat in-memory tensor ``t``. Values the encoding cannot carry
+    exactly (codes out of the k-bit range, a zero code under ``SIGNS``, a natural value that is not a
+    signed power of two) raise :class:`WireFormatError` rather than travel wrong."""
     from .codec import bits
 
     enc, k = decode_code(code)
     if enc == RAW:
         return t
     if enc == SIGNS:
+        _check_range(t, -1, 1, "signs")
+        if t.numel() and bool((t == 0).any()):
+            raise WireFormatError("SIGNS encoding: a code is 0; only -1 and +1 travel as one bit")
         return bits.pack_signs(t)
     if enc == INT:
+        _check_range(t, -(1 << (k - 1)), (1 << (k - 1)) - 1, f"{k}-bit codes")
         return bits.pack_bits(t, k)
     if enc == NATURAL:
         return bits.pack_natural(t)
     if enc == DITHER:   # 0, +-2^j -> sign * (j + 1)
         a = t.abs().to(torch.int64)
+        if a.numel() and bool((a & (a - 1)).any()):
+            raise WireFormatError("DITHER encoding: codes must be 0 or signed powers of two")
         lvl = torch.where(a > 0, _log2_exact(a) + 1, torch.zeros_like(a))
-        return bits.pack_bits(torch.where(t < 0, -lvl, lvl).to(torch.int8), k)
+        lvl = torch.where(t < 0, -lvl, lvl)
+        _check_range(lvl, -(1 << (k - 1)), (1 << (k - 1)) - 1, f"{k}-bit dither levels")
+        return bits.pack_bits(lvl.to(torch.int8 if k <= 8 else torch.int16), k)
     if enc == INDEX32:
         return t.to(torch.int32)
     # BITMAP
     mask = torch.zeros(numel, dtype=torch.int8, device=t.device)
     mask[t] = 1
     return bits.pack_bits(mask, 1)
+
+
+def _check_range(t: torch.Tensor, lo: int, hi: int, what: str) -> None:
+    if t.numel() == 0:
+        return
+    mn, mx = torch.aminmax(t)
+    if int(mn) < lo or int(mx) > hi:
+        raise WireFormatError(f"{what}: values in [{int(mn)}, {int(mx)}] do not fit the wire encoding's "
+                              f"range [{lo}, {hi}]")
 
 
 def decode_slot(buf: torch.Tensor, count: int, dtype: torch.dtype, code: int, *, numel: int) -> torch.Tensor:

@@ -192,6 +192,24 @@ def test_index_encodings():
     assert p.wire_layout()[1][2] == encode_code(BITMAP) and p.to_wire()[1].numel() == 125
 
 
+def test_values_an_encoding_cannot_carry_raise_instead_of_travelling_wrong():
+    from sparsecomm.payload import DITHER, INT, NATURAL, SIGNS, encode_slot
+
+    with pytest.raises(WireFormatError, match="range"):
+        encode_slot(torch.tensor([0, 3, -5], dtype=torch.int8), encode_code(INT, 3), 3)   # 3 bits: [-4, 3]
+    with pytest.raises(WireFormatError, match="0"):
+        encode_slot(torch.tensor([1, 0, -1], dtype=torch.int8), encode_code(SIGNS), 3)
+    with pytest.raises(WireFormatError, match="powers of two"):
+        encode_slot(torch.tensor([0, 4, -3], dtype=torch.int8), encode_code(DITHER, 4), 3)
+    for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        for n in (5, 64):
+            v = torch.full((n,), 0.5, dtype=dt)
+            v[n - 1] = 0.75                      # in the tail for n = 5, in a whole word for n = 64
+            with pytest.raises(B.CodecError, match="power of two"):
+                encode_slot(v, encode_code(NATURAL), n)
+    assert encode_slot(torch.tensor([0, 3, -4], dtype=torch.int8), encode_code(INT, 3), 3).numel() == 2
+
+
 def test_malformed_wire_slots_raise():
     code = encode_code(INDEX32)
     with pytest.raises(WireFormatError, match="announced"):

@@ -213,18 +213,22 @@ def _unpack_signs_words(packed, out):
 @njit(cache=True, nogil=True)
 def _natural32_pack(bits, out):
     """float32 bit patterns -> exponent byte plane (``n`` bytes) then sign bit plane; 8 values (four
-    64-bit words in, one 64-bit word of exponents and one sign byte out) per step."""
+    64-bit words in, one 64-bit word of exponents and one sign byte out) per step. Returns the OR of
+    the significand bits (non-zero: some value was not a signed power of two or zero)."""
     n = bits.size
     nw = n // 8
     sg = out[n:]
     i64 = bits[: 8 * nw].view(np.uint64)
     e64 = out[: 8 * nw].view(np.uint64)
     ff = np.uint64(0xFF)
+    mant = np.uint64(0)
+    mm = np.uint64(0x007FFFFF007FFFFF)
     for g in range(nw):
         e = np.uint64(0)
         b = np.uint64(0)
         for h in range(4):
             w = i64[4 * g + h]
+            mant |= w & mm
             e |= ((w >> np.uint64(23)) & ff) << np.uint64(16 * h)
             e |= ((w >> np.uint64(55)) & ff) << np.uint64(16 * h + 8)
             b |= ((w >> np.uint64(31)) & np.uint64(1)) << np.uint64(2 * h)
@@ -236,7 +240,9 @@ def _natural32_pack(bits, out):
         for i in range(8 * nw, n):
             out[i] = np.uint8((bits[i] >> 23) & 0xFF)
             b |= ((bits[i] >> 31) & 1) << (i - 8 * nw)
+            mant |= np.uint64(bits[i] & 0x7FFFFF)
         sg[nw] = np.uint8(b)
+    return mant
 
 
 @njit(cache=True, nogil=True)
@@ -687,8 +693,8 @@ def _check_natural_dtype(dtype: torch.dtype) -> None:
 
 def pack_natural(values: torch.Tensor) -> torch.Tensor:
     """Sign + exponent of values that are zeros or signed powers of two (natural compression's output),
-    exactly ``natural_nbytes(n, values.dtype)`` bytes. The significand is dropped: check the values
-    first if they may not be powers of two (``unpack_natural`` returns ``sign * 2^exponent``)."""
+    exactly ``natural_nbytes(n, values.dtype)`` bytes. A value with a non-zero significand (not a
+    power of two, or a float32 subnormal) raises :class:`CodecError`: it would not come back."""
     _check_natural_dtype(values.dtype)
     flat = values.reshape(-1)
     n = flat.numel()
@@ -696,17 +702,29 @@ def pack_natural(values: torch.Tensor) -> torch.Tensor:
         b = flat.to(torch.float32).contiguous().view(torch.int32)
         if _numba(b):
             out = np.empty(natural_nbytes(n, flat.dtype), dtype=np.uint8)
-            _natural32_pack(b.numpy(), out)
+            if _natural32_pack(b.numpy(), out):
+                _not_natural()
             return torch.from_numpy(out)
+        if n and bool((b & 0x7FFFFF).any()):
+            _not_natural()
         return torch.cat([((b >> 23) & 0xFF).to(torch.uint8), _torch_pack((b < 0).to(torch.int64), 1)])
     if flat.dtype == torch.float16:
         b = flat.to(torch.float32).view(torch.int32)
+        if n and bool((b & 0x7FFFFF).any()):
+            _not_natural()
         e = (b >> 23) & 0xFF
         idx = torch.where(e == 0, torch.zeros_like(e), e - 102)      # 2^-24 -> 1 .. 2^15 -> 40
         code = ((b < 0).to(torch.int32) << 6) | idx
         return pack_bits(code.to(torch.int8), 7)
     b = flat.contiguous().view(torch.int64)
+    if n and bool((b & ((1 << 52) - 1)).any()):
+        _not_natural()
     return pack_bits(((b >> 52) & 0xFFF).to(torch.int16), 12)
+
+
+def _not_natural() -> None:
+    raise CodecError("pack_natural: a value is not zero or a signed power of two (a non-zero "
+                     "significand); only natural compression's output travels as sign + exponent")
 
 
 def unpack_natural(packed: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
