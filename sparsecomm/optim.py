@@ -239,7 +239,9 @@ class DistributedOptimizer:
     def compression_stats(self) -> dict[str, float]:
         """Cumulative ``bytes_dense`` (before), ``bytes_payload`` (after, as declared by the
         compressor), their ``ratio``, and the transport's measured ``bytes_sent``/``bytes_received``/
-        ``messages`` (and ``modelled_time_s`` on SimFabric), per worker."""
+        ``messages`` (and ``modelled_time_s`` on SimFabric), per worker; next to them the declared
+        bytes scaled to the transport (``bytes_declared_sent``), ``sent_over_declared`` and the ratio
+        measured on the wire (``ratio_sent``): see :meth:`CompressionStats.as_dict`."""
         d = self._sc_pipeline.totals().as_dict()
         d["steps"] = self._sc_steps
         return d
