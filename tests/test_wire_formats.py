@@ -412,14 +412,14 @@ def test_cast_delta_holds_on_every_call_that_returns(name):
 
 
 def test_cast_error_kernel_matches_torch():
-    from sparsecomm.compressors.identity import _F16_SCALE, _cast_error
+    from sparsecomm.compressors.identity import _cast_error
 
     g = torch.Generator().manual_seed(1)
     x = torch.randn(5000, generator=g) * torch.exp(torch.empty(5000).uniform_(-60, 10, generator=g))
     for tgt, is_bf16 in ((torch.float16, False), (torch.bfloat16, True)):
         y = x.to(tgt)
         y = torch.where(torch.isfinite(y), y, torch.zeros_like(y))
-        err, nrm = _cast_error(x.numpy(), y.view(torch.int16).numpy(), is_bf16, _F16_SCALE)
+        err, nrm = _cast_error(x.numpy(), y.view(torch.int16).numpy(), is_bf16)
         xd = x.double()
-        assert err == pytest.approx(float(((y.double() - xd) ** 2).sum()), rel=1e-12)
-        assert nrm == pytest.approx(float(xd @ xd), rel=1e-12)
+        assert err == pytest.approx(float(((y.double() - xd) ** 2).sum()), rel=1e-9)
+        assert nrm == pytest.approx(float(xd @ xd), rel=1e-9)

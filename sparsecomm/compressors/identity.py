@@ -13,7 +13,9 @@ declared for calls where it holds, and every call checks it: ``compress`` measur
 ``(1 - delta) ||x||^2``, raises :class:`UnderflowError` (``underflow="raise"``, the default; a vector
 with a few tiny entries among normal ones passes, as the normal entries' rounding error is far below
 its bound). ``underflow="allow"`` compresses anything finite and declares ``delta = 0`` (no
-contraction is promised, only ``|C(x)_i - x_i| <= |x_i|``).
+contraction is promised, only ``|C(x)_i - x_i| <= |x_i|``). The check costs about one copy of the
+input (measured under load: 64-133 ms against 105-128 ms for a 102 MB float32 copy and 72-76 ms for
+the cast itself); ``underflow="allow"`` skips it.
 """
 
 from __future__ import annotations
@@ -40,34 +42,37 @@ class UnderflowError(SparseCommError, ValueError):
     contraction ``delta`` does not hold for it."""
 
 
-# float16 bit pattern -> float64 value: exponent field e in 1..30 scales (1024 + m) by 2^(e - 25)
-_F16_SCALE = np.array([2.0**-24] + [2.0 ** (e - 25) for e in range(1, 32)], dtype=np.float64)
-
-
-@njit(cache=True, nogil=True)
-def _cast_error(x, ybits, is_bf16, scale):
-    """(sum (y_i - x_i)^2, sum x_i^2) in float64, y given by its float16 / bfloat16 bit patterns."""
+@njit(cache=True, nogil=True, fastmath={"reassoc", "contract", "nsz"})
+def _cast_error(x, ybits, is_bf16):
+    """(sum (y_i - x_i)^2, sum x_i^2) in float64, y given by its float16 / bfloat16 bit patterns
+    (int16). Chunks of 4096: the bit patterns become float32 patterns in an integer pass (bfloat16:
+    ``<< 16``; float16: magnitude ``<< 13`` then times 2^112, exact for normals and subnormals), then
+    a pass accumulates in float64 (reassociated, so it vectorises; the sums serve a comparison)."""
+    C = 4096
+    tmp = np.empty(C, dtype=np.int32)
+    tf = tmp.view(np.float32)
     err = 0.0
     nrm = 0.0
-    for i in range(x.size):
-        h = np.int64(ybits[i]) & 0xFFFF
+    n = x.size
+    scale = np.float32(1.0) if is_bf16 else np.float32(2.0 ** 112)
+    for s in range(0, n, C):
+        m = min(C, n - s)
+        yb = ybits[s: s + m]
+        t = tmp[:m]
         if is_bf16:
-            e = (h >> 7) & 0xFF
-            m = h & 0x7F
-            if e == 0:
-                v = m * 2.0**-133
-            else:
-                v = (128 + m) * 2.0 ** (e - 134)
+            for i in range(m):
+                t[i] = np.int32(yb[i]) << 16
         else:
-            e = (h >> 10) & 0x1F
-            m = h & 0x3FF
-            v = m * scale[0] if e == 0 else (1024 + m) * scale[e]
-        if h & 0x8000:
-            v = -v
-        xi = np.float64(x[i])
-        d = v - xi
-        err += d * d
-        nrm += xi * xi
+            for i in range(m):
+                h = np.int32(yb[i])
+                t[i] = ((h & 0x7FFF) << 13) | ((h & 0x8000) << 16)
+        xs = x[s: s + m]
+        v = tf[:m]
+        for i in range(m):
+            xi = np.float64(xs[i])
+            d = np.float64(v[i] * scale) - xi
+            err += d * d
+            nrm += xi * xi
     return err, nrm
 
 
@@ -125,8 +130,7 @@ class _Cast(_Dense):
     def _contraction_error(self, flat: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
         """(||C(x) - x||^2, ||x||^2) in float64."""
         if flat.device.type == "cpu" and flat.dtype in (torch.float32, torch.float64):
-            return _cast_error(flat.numpy(), y.view(torch.int16).numpy(), self.target == torch.bfloat16,
-                               _F16_SCALE)
+            return _cast_error(flat.numpy(), y.view(torch.int16).numpy(), self.target == torch.bfloat16)
         xd = flat.to(torch.float64)
         return float(((y.to(torch.float64) - xd) ** 2).sum()), float((xd * xd).sum())
 
