@@ -187,3 +187,21 @@ def test_onebit_through_allgather_and_refused_by_ring(levels):
         sc.launch(lambda ctx: CommPipeline("onebit", "ring", fabric=ctx.fabric), world_size=2, backend="sim")
     with pytest.raises(ValueError):
         sc.methods.get("onebit", levels="three")
+
+
+def _ledger_worker(ctx, method, kw):
+    pipe = CommPipeline(method, "allgather", fabric=ctx.fabric, **kw)
+    x = torch.randn(1 << 15, generator=torch.Generator().manual_seed(ctx.rank))
+    pipe.reduce(x, 0)
+    return pipe.totals().as_dict()
+
+
+@pytest.mark.parametrize("method,kw", [("signsgd", {}), ("onebit", {"levels": "two"}),
+                                       ("onebit", {"levels": "symmetric"})])
+def test_one_bit_codes_travel_as_one_bit_through_allgather(method, kw):
+    """The codes use the SIGNS wire encoding: the ledger matches the declared bits (one per code plus
+    the levels) within 1.05x plus the headers of each round (tests/test_wire_formats.py's rule)."""
+    s = sc.launch(functools.partial(_ledger_worker, method=method, kw=kw), world_size=3, backend="sim")[0]
+    slack = 1536 * s["rounds"]
+    assert s["bytes_declared_sent"] <= s["bytes_sent"] <= 1.05 * s["bytes_declared_sent"] + slack
+    assert s["bytes_sent"] < 4 * (1 << 15) * 2 / 16       # under 1/16 of float32 to the 2 peers

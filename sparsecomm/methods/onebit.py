@@ -27,7 +27,7 @@ from theory import compressors as th
 
 from ..compressors._common import check_bucket_size, flat_input, make_payload, raise_nonfinite, scale_dtype
 from ..compressors.base import Compressor
-from ..payload import Payload
+from ..payload import SIGNS, Payload
 from . import registry
 from .base import Method, dense_payload
 
@@ -63,7 +63,8 @@ class OneBit(Compressor):
     def compress(self, x, generator=None):
         codes, s, _, b = OneBit(self.bucket_size, False).levels(x)
         return make_payload("quantized", x.shape, x.dtype, codes, scale=s, bucket_size=b, shared_scale=False,
-                            wire_bits={"values": codes.numel(), "scale": 8 * s.element_size() * s.numel()})
+                            wire_bits={"values": codes.numel(), "scale": 8 * s.element_size() * s.numel()},
+                            values_codec=(SIGNS, 0))
 
     def delta(self, d):
         return th.onebit_delta(min(self.bucket_size or max(d, 1), max(d, 1)))
@@ -111,7 +112,8 @@ class OneBitSGD(Method):
         torch.sub(p, q.to(p.dtype), out=st.error)
         self._pending[key] = ("codes", a, b)
         return make_payload("quantized", p.shape, p.dtype, codes, scale=s, bucket_size=b, shared_scale=False,
-                            wire_bits={"values": codes.numel(), "scale": 8 * s.element_size() * s.numel()})
+                            wire_bits={"values": codes.numel(), "scale": 8 * s.element_size() * s.numel()},
+                            values_codec=(SIGNS, 0))
 
     def _next_round(self, aggregate, world_size, key):
         pend = self._pending[key]

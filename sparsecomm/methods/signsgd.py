@@ -21,6 +21,7 @@ from theory import compressors as th
 
 from ..compressors._common import flat_input, make_payload, raise_nonfinite
 from ..compressors.base import Compressor
+from ..payload import SIGNS
 from . import registry
 from .base import Method
 
@@ -37,7 +38,8 @@ class VoteSign(Compressor):
         codes = torch.where(flat < 0, -1, 1).to(torch.int8)
         one = torch.ones(1 if flat.numel() else 0, dtype=torch.float32, device=flat.device)
         return make_payload("quantized", x.shape, x.dtype, codes, scale=one, bucket_size=max(flat.numel(), 1),
-                            shared_scale=True, wire_bits={"values": th.sign_vote_bits(flat.numel())})
+                            shared_scale=True, wire_bits={"values": th.sign_vote_bits(flat.numel())},
+                            values_codec=(SIGNS, 0))
 
     def bits(self, d, dtype=torch.float32):
         return th.sign_vote_bits(d)
