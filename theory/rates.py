@@ -122,12 +122,27 @@ def diana_rate(gamma: float, mu: float) -> float:
     return 1.0 - gamma * mu
 
 
-def diana_lyapunov_coefficient(omega: float, gamma: float, alpha: float, n: int) -> float:
-    """The weight 4 omega gamma^2 / (alpha n^2) of sum_i ||h_i - grad f_i(x*)||^2 in DIANA's Lyapunov
-    function (arXiv 2206.07021 Thm 2.2; theory.md §3.2)."""
+def diana_lyapunov_coefficient(omega: float, gamma: float, alpha: float, n: int,
+                               n_eff: int | None = None) -> float:
+    """The weight 4 omega gamma^2 / (alpha n n_eff) of sum_i ||h_i - grad f_i(x*)||^2 in DIANA's Lyapunov
+    function (arXiv 2206.07021 Thm 2.2; theory.md §3.2), n_eff = n for independent compressors (the
+    theorem's 4 omega gamma^2/(alpha n^2)).
+
+    ``n_eff`` is the n that divides the compression variance of the average: n for independent
+    compressors, 1 when every worker uses the same random coordinates (shared seeds). **Derived**: in the
+    unified analysis (arXiv 1905.11261) the shifts enter through sigma_k^2 = (1/n) sum_i ||h_i - h_i*||^2 with
+    weight M gamma^2, M = 4 omega/(alpha n_eff), because the averaged message's variance is
+    (omega/n_eff) sigma_k^2-bounded (independent: omega/n by independence; shared coordinates: omega, by
+    Jensen on the mean of a linear operator). Hence the weight of the *sum* is 4 omega gamma^2/(alpha n n_eff),
+    and the step of :func:`diana` must be computed with the same n_eff.
+    """
+    n_eff = n if n_eff is None else n_eff
     _check_omega(omega, n)
+    _check_omega(omega, n_eff)
+    if n_eff > n:
+        raise ValueError(f"n_eff must be <= n, got n_eff={n_eff}, n={n}")
     _check_pos(gamma=gamma, alpha=alpha)
-    return 4.0 * omega * gamma ** 2 / (alpha * n ** 2)
+    return 4.0 * omega * gamma ** 2 / (alpha * n * n_eff)
 
 
 def diana_iterations(kappa: float, omega: float, n: int, eps: float) -> int:
