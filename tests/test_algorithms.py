@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import sparsecomm as sc
-from algorithms import DCGD, DIANA, EF, EF21, ISDIANA, ISSGD, MARINA, IndependentBlockSparsifier
+from algorithms import DCGD, DIANA, EF, EF21, ISDIANA, ISSGD, MARINA, ConfigError, IndependentBlockSparsifier
 from sparsecomm.errors import MismatchError, SparseCommError
 from theory import problems as P
 from theory import rates
@@ -337,11 +337,37 @@ def test_is_variants_build_their_compressor(hetero):
     x = torch.zeros(prob.d, dtype=torch.float64)
     a = ISSGD([x], tau=5, problem=prob)
     assert a.compressor.name == "randk" and a.omega() == 9.0
-    assert a.lr == pytest.approx(rates.is_sgd(prob.L_max, 50, 5, prob.n, L=prob.L))
+    assert not a.interpolation                                           # heterogeneous: DCGD's step
+    assert a.lr == pytest.approx(rates.dcgd(prob.L_max, 9.0, prob.n, L=prob.L))
     b = ISDIANA([x], tau=2, m=10, problem=prob)
     assert isinstance(b.compressor, IndependentBlockSparsifier) and b.omega() == 4.0
     assert b.lr == pytest.approx(rates.diana(prob.L_max, 4.0, prob.n, prob.mu)[0])
     assert "randk" in sc.compressors.available()
+
+
+def test_is_sgd_default_step_is_certified_outside_interpolation(hetero):
+    """IS-SGD's 1/(L + omega L_max/n) is derived for grad f_i(x*) = 0 only: on heterogeneous data the default
+    is DCGD's certified 1/(L + 2 omega L_max/n) (with its floor), insisting on interpolation raises, and an
+    interpolating problem gets the larger step. Worked numbers: L = L_max = 1, omega = 9 (tau = 5 of 50), n = 20."""
+    prob = hetero
+    x = torch.zeros(prob.d, dtype=torch.float64)
+    with pytest.raises(ConfigError, match="sigma\\*\\^2.*ISDIANA"):
+        ISSGD([x], tau=5, problem=prob, interpolation=True)
+    # constants only (the regime cannot be checked): the certified step 1/(1 + 2*9/20) = 1/1.9
+    c = ISSGD([x], tau=5, n_workers=20, constants={"L": 1.0, "L_max": 1.0})
+    assert not c.interpolation and c.lr == pytest.approx(1 / 1.9, rel=1e-14)
+    # asked for explicitly on a problem that cannot tell: the interpolation step 1/(1 + 9/20) = 1/1.45
+    e = ISSGD([x], tau=5, n_workers=20, constants={"L": 1.0, "L_max": 1.0}, interpolation=True)
+    assert e.interpolation and e.lr == pytest.approx(1 / 1.45, rel=1e-14)
+    f = ISSGD([x], tau=5, problem=prob, interpolation=False)
+    assert not f.interpolation and f.lr == pytest.approx(rates.dcgd(prob.L_max, 9.0, prob.n, L=prob.L))
+    # an interpolating problem (sigma*^2 ~ 1e-31): the interpolation step, chosen automatically
+    interp = P.synthetic_least_squares(n_workers=10, rows_per_worker=40, d=40, kappa=10.0, homogeneous=True)
+    y = torch.zeros(interp.d, dtype=torch.float64)
+    g = ISSGD([y], tau=4, problem=interp)
+    assert g.interpolation and g.lr == pytest.approx(1 / (interp.L + 0.9 * interp.L_max), rel=1e-12)
+    with pytest.raises(ConfigError, match="None, True or False"):
+        ISSGD([y], tau=4, problem=interp, interpolation="yes")
 
 
 @pytest.mark.parametrize("name", ["DIANA", "MARINA", "VRDIANA"])
