@@ -188,8 +188,10 @@ def vr_diana(L_sample: float, omega: float, n: int, m: int, c: float = 6.0) -> t
     **Not the paper's constant**: the strongly-convex step of arXiv 1904.05115 could not be checked
     here (theory.md §3.3 marks it unverified and suggests gamma = 1/((1 + c omega/n)L) with a tunable c).
     This default combines loopless SVRG's 1/(6L) (Kovalev, Horvath, Richtarik, arXiv 1901.08689) with
-    DIANA's (1 + 6 omega/n) factor (:func:`diana`) and is validated only empirically
-    (tests/test_algorithms_vr_diana.py: linear convergence to x* on heterogeneous logistic regression).
+    DIANA's (1 + 6 omega/n) factor (:func:`diana`) and is validated only empirically, at this default step
+    (tests/test_algorithms_vr_diana.py: linear convergence to x* on a heterogeneous kappa = 2 logistic
+    regression with omega = 1.5, where stochastic DIANA at the same step stalls; larger kappa or omega are
+    not tested).
     """
     _check_pos(L_sample=L_sample, c=c)
     _check_omega(omega, n)
