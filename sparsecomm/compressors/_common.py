@@ -219,6 +219,23 @@ class RandomMixin:
                 self._own_generators[key] = g
         return g
 
+    def generator_state(self) -> dict[str, torch.Tensor]:
+        """The states of the generators this operator owns (seeded from ``seed``, used when ``compress``
+        gets no generator), by device; ``{}`` before their first use. Checkpoints store it
+        (``Method.state_dict``) so that a resumed run draws the same randomness."""
+        with self._own_lock:
+            return {dev: g.get_state().clone() for dev, g in self._own_generators.items()}
+
+    def load_generator_state(self, states: dict[str, torch.Tensor]) -> None:
+        """Restore :meth:`generator_state`'s result exactly; devices absent from it restart from ``seed``."""
+        own = {}
+        for dev, st in states.items():
+            g = torch.Generator(device=dev)
+            g.set_state(st.clone())
+            own[dev] = g
+        with self._own_lock:
+            self._own_generators = own
+
 
 def draw_key(generator: torch.Generator) -> int:
     """One 64-bit key (as a Python int in [0, 2**64)) drawn from ``generator`` for a Numba stream."""
