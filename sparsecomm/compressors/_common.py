@@ -16,7 +16,6 @@ int8 codes, float powers of two), never narrower.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import math
 import numbers
@@ -25,6 +24,7 @@ import threading
 import numpy as np
 import torch
 
+from .. import kernels as _kernel_paths
 from ..errors import NonFiniteError, SparseCommError
 from ..payload import Payload
 
@@ -245,27 +245,17 @@ def draw_key(generator: torch.Generator) -> int:
 
 
 # ------------------------------------------------------------------------------------- backends
-_FORCED_BACKEND: str | None = None
-
-
 def use_numba(x: torch.Tensor) -> bool:
-    """Numba kernels for CPU tensors, torch ops elsewhere (or everywhere under ``force_backend``)."""
-    if _FORCED_BACKEND is not None:
-        return _FORCED_BACKEND == "numba" and x.device.type == "cpu"
-    return x.device.type == "cpu"
+    """Numba kernels for CPU tensors, torch ops elsewhere, and everywhere under ``sc.kernels.force("torch")``
+    (see :mod:`sparsecomm.kernels`: which outputs agree bit for bit across the two paths)."""
+    return x.device.type == "cpu" and not _kernel_paths.torch_forced()
 
 
-@contextlib.contextmanager
 def force_backend(name: str):
-    """Run every operator on the ``"torch"`` or ``"numba"`` path (tests compare both)."""
-    global _FORCED_BACKEND
+    """Run every operator on the ``"torch"`` or ``"numba"`` path: :func:`sparsecomm.kernels.force`."""
     if name not in ("torch", "numba"):
         raise ValueError(f"backend must be 'torch' or 'numba', got {name!r}")
-    old, _FORCED_BACKEND = _FORCED_BACKEND, name
-    try:
-        yield
-    finally:
-        _FORCED_BACKEND = old
+    return _kernel_paths.force(name)
 
 
 # -------------------------------------------------------------------------------------- payload
