@@ -129,12 +129,15 @@ def diana_lyapunov_coefficient(omega: float, gamma: float, alpha: float, n: int,
     theorem's 4 omega gamma^2/(alpha n^2)).
 
     ``n_eff`` is the n that divides the compression variance of the average: n for independent
-    compressors, 1 when every worker uses the same random coordinates (shared seeds). **Derived**: in the
-    unified analysis (arXiv 1905.11261) the shifts enter through sigma_k^2 = (1/n) sum_i ||h_i - h_i*||^2 with
-    weight M gamma^2, M = 4 omega/(alpha n_eff), because the averaged message's variance is
-    (omega/n_eff) sigma_k^2-bounded (independent: omega/n by independence; shared coordinates: omega, by
-    Jensen on the mean of a linear operator). Hence the weight of the *sum* is 4 omega gamma^2/(alpha n n_eff),
-    and the step of :func:`diana` must be computed with the same n_eff.
+    compressors, 1 when every worker uses the same random coordinates (shared seeds). **Derived** (the
+    n_eff substitution only): the shifts enter the theorem through sigma^2 = (1/n) sum_i ||h_i - h_i*||^2,
+    weighted M gamma^2 with M = 4 omega/(alpha n) (theory.md §3.2's reading of the unified analysis of arXiv
+    1905.11261, marked unverified there; it reproduces the verified 4 omega gamma^2/(alpha n^2)); the 1/n in
+    M is the variance of the averaged message, omega/n by independence. With shared coordinates the
+    compressor is one linear map for all workers and Jensen gives omega instead, so M = 4 omega/(alpha n_eff)
+    and the weight of the *sum* is 4 omega gamma^2/(alpha n n_eff), with the step of :func:`diana` computed
+    at the same n_eff. Checked empirically: tests/test_algorithms.py (shared seeds, V contracts at
+    1 - gamma mu).
     """
     n_eff = n if n_eff is None else n_eff
     _check_omega(omega, n)
