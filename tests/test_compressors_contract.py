@@ -465,3 +465,36 @@ def test_paths_agree_bit_for_bit_for_deterministic_operators(case):
                 assert _payload_equal(a, b), (name, kw, dtype, n)
                 if a.scale is None:
                     assert torch.equal(c.decompress(a), c.decompress(b))
+
+
+@pytest.mark.kernel_paths("numba")                      # switches between the paths itself
+def test_kernel_path_switch_routes_auto_dispatch():
+    """sparsecomm.kernels.force("torch") sends the codec's and the operators' "auto" dispatch to torch
+    (an explicit backend= still wins); SPARSECOMM_KERNELS sets it for a process; bad names raise."""
+    import subprocess
+    import sys
+
+    from sparsecomm import kernels
+    from sparsecomm.codec import _common as codec_common
+    from sparsecomm.compressors import _common as comp_common
+
+    t = torch.zeros(8)
+    outer = kernels.forced()                                # "numba": this test's kernel_path fixture
+    assert codec_common.use_numba("auto", True, t) and comp_common.use_numba(t)
+    with kernels.force("torch"):
+        assert kernels.forced() == "torch"
+        assert not codec_common.use_numba("auto", True, t) and not comp_common.use_numba(t)
+        assert codec_common.use_numba("numba", True, t)
+        with force_backend("numba"):
+            assert comp_common.use_numba(t)
+    assert kernels.forced() == outer == "numba" and sc.kernels is kernels
+    with pytest.raises(kernels.KernelPathError, match="auto, numba, torch"):
+        with kernels.force("cuda"):
+            pass
+    code = "import sparsecomm.kernels as k; print(k.forced())"
+    env = {**__import__("os").environ, "SPARSECOMM_KERNELS": "torch"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "torch", out.stderr
+    env["SPARSECOMM_KERNELS"] = "gpu"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "KernelPathError" in out.stderr
