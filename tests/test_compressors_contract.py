@@ -471,9 +471,6 @@ def test_paths_agree_bit_for_bit_for_deterministic_operators(case):
 def test_kernel_path_switch_routes_auto_dispatch():
     """sparsecomm.kernels.force("torch") sends the codec's and the operators' "auto" dispatch to torch
     (an explicit backend= still wins); SPARSECOMM_KERNELS sets it for a process; bad names raise."""
-    import subprocess
-    import sys
-
     from sparsecomm import kernels
     from sparsecomm.codec import _common as codec_common
     from sparsecomm.compressors import _common as comp_common
@@ -491,10 +488,21 @@ def test_kernel_path_switch_routes_auto_dispatch():
     with pytest.raises(kernels.KernelPathError, match="auto, numba, torch"):
         with kernels.force("cuda"):
             pass
-    code = "import sparsecomm.kernels as k; print(k.forced())"
-    env = {**__import__("os").environ, "SPARSECOMM_KERNELS": "torch"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert out.stdout.strip() == "torch", out.stderr
-    env["SPARSECOMM_KERNELS"] = "gpu"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode != 0 and "KernelPathError" in out.stderr
+    # the environment variable is read when the module is (re)loaded
+    import importlib
+    import os
+
+    before = os.environ.get("SPARSECOMM_KERNELS")
+    try:
+        os.environ["SPARSECOMM_KERNELS"] = "torch"
+        assert importlib.reload(kernels).forced() == "torch" and not comp_common.use_numba(t)
+        os.environ["SPARSECOMM_KERNELS"] = "gpu"
+        with pytest.raises(SparseCommError, match="auto, numba, torch"):
+            importlib.reload(kernels)
+    finally:
+        if before is None:
+            os.environ.pop("SPARSECOMM_KERNELS", None)
+        else:
+            os.environ["SPARSECOMM_KERNELS"] = before
+        importlib.reload(kernels)
+        kernels._forced = outer            # the fixture's setting, which its exit restores from
