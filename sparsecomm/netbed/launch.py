@@ -114,7 +114,13 @@ def terminate_as_interrupt():
         yield
         return
 
+    owner = os.getpid()
+
     def handler(signum, frame):
+        if os.getpid() != owner:
+            # a forked helper (pyroute2 forks to enter namespaces) inherits this handler: it must die as
+            # it would have, not unwind into the parent's clean-up code (which would remove the netbed)
+            os._exit(128 + signum)
         raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
 
     saved = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGHUP)}

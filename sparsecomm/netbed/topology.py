@@ -158,26 +158,26 @@ class Netbed:
 
     # ----------------------------------------------------------------- set-up
     def _build(self) -> None:
-        from pyroute2 import NetNS, netns
+        from pyroute2 import NetNS
 
         for ns in [self.tor_ns] + [self.host_ns(i) for i in range(self.hosts)]:
-            netns.create(ns)
             self._namespaces.append(ns)
+            _run(["ip", "netns", "add", ns])
         _run(["ip", "netns", "exec", self.tor_ns, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1"])
-        with NetNS(self.tor_ns) as tor:
+        with NetNS(self.tor_ns, flags=0) as tor:
             tor.link("set", index=tor.link_lookup(ifname="lo")[0], state="up")
         for i in range(self.hosts):
-            with NetNS(self.host_ns(i)) as h:
+            with NetNS(self.host_ns(i), flags=0) as h:
                 h.link("set", index=h.link_lookup(ifname="lo")[0], state="up")
                 h.link("add", ifname=HOST_IFNAME, kind="veth", peer={"ifname": f"p{i}", "net_ns_fd": self.tor_ns})
                 idx = h.link_lookup(ifname=HOST_IFNAME)[0]
                 h.addr("add", index=idx, address=host_address(i), prefixlen=24)
                 h.link("set", index=idx, state="up")
-            with NetNS(self.tor_ns) as tor:
+            with NetNS(self.tor_ns, flags=0) as tor:
                 idx = tor.link_lookup(ifname=f"p{i}")[0]
                 tor.addr("add", index=idx, address=tor_address(i), prefixlen=24)
                 tor.link("set", index=idx, state="up")
-            with NetNS(self.host_ns(i)) as h:
+            with NetNS(self.host_ns(i), flags=0) as h:
                 h.route("add", dst="0.0.0.0/0", gateway=tor_address(i))
             if self.bandwidth_gbps is not None:
                 self._shape(self.host_ns(i), HOST_IFNAME)
