@@ -96,15 +96,21 @@ class ServiceShutdown(SparseCommError):
     """Raised inside a service endpoint when the run is over (its loop ends quietly)."""
 
 
-@dataclass
+@dataclass(eq=False)
 class _Msg:
     src: int
     tag: int
     data: torch.Tensor
     nbytes: int
     start: float
-    head: float      # start + latency
+    head: float      # start + path latency
     tx_end: float    # start + bytes / bw_src
+    rx_end: float = 0.0      # when the receiving NIC has taken its last byte (its place in arrival order)
+    taken: bool = False      # delivered to the application: its NIC slot is fixed from then on
+
+    @property
+    def delivered(self) -> float:
+        return max(self.rx_end, self.tx_end + (self.head - self.start))
 
 
 class _Endpoint:
@@ -112,12 +118,14 @@ class _Endpoint:
                  name: str) -> None:
         self.id = eid
         self.name = name
-        self.bw = bw
+        self.slow = float(world.network.stragglers.get(eid, 1.0))
+        self.bw = bw / self.slow      # a straggler's host stack moves bytes 1/factor as fast, both ways
         self.latency = latency
         self.per_port = per_port
         self.clock = 0.0
         self._tx_free: dict[int, float] = {}
-        self._rx_free: dict[int, float] = {}
+        self._rx_base: dict[int, float] = {}            # port -> end of the taken prefix of its schedule
+        self._rx_sched: dict[int, list[_Msg]] = {}      # port -> messages in the order its NIC takes them
         self.mailbox: dict[tuple[int, int], deque[_Msg]] = {}
         self.cond = threading.Condition(world.lock)
         self.deadline: float | None = None   # modelled deadline of the current blocked receive
@@ -138,8 +146,35 @@ class _Endpoint:
     def tx_free(self, peer: int) -> float:
         return self._tx_free.get(self.port(peer), 0.0)
 
-    def rx_free(self, peer: int) -> float:
-        return self._rx_free.get(self.port(peer), 0.0)
+    def schedule(self, msg: _Msg) -> None:
+        """(lock held) Give arriving ``msg`` its place on the receiving NIC: arrival (head) order among the
+        messages not yet taken by the application, after every message already taken (whose time has
+        been observed and cannot change); the later ones are re-timed."""
+        port = self.port(msg.src)
+        sched = self._rx_sched.setdefault(port, [])
+        i = len(sched)
+        while i > 0 and not sched[i - 1].taken and (sched[i - 1].head, sched[i - 1].src) > (msg.head, msg.src):
+            i -= 1
+        sched.insert(i, msg)
+        t = sched[i - 1].rx_end if i > 0 else self._rx_base.get(port, 0.0)
+        for m in sched[i:]:
+            if m.taken:
+                t = max(t, m.rx_end)
+            else:
+                m.rx_end = max(m.head, t) + m.nbytes / self.bw
+                t = m.rx_end
+
+    def taken(self, msg: _Msg) -> None:
+        """(lock held) ``msg`` was delivered: fix its slot, drop the schedule's taken prefix."""
+        msg.taken = True
+        port = self.port(msg.src)
+        sched = self._rx_sched[port]
+        k = 0
+        while k < len(sched) and sched[k].taken:
+            k += 1
+        if k:
+            self._rx_base[port] = max(self._rx_base.get(port, 0.0), sched[k - 1].rx_end)
+            del sched[:k]
 
 
 class SimWorld:
@@ -331,6 +366,7 @@ class SimFabric(Fabric):
             dst_ep = world.endpoints[dst]
             start = max(ep.clock, ep.tx_free(dst))
             tx_end = start + nbytes / ep.bw
+            latency = (ep.latency + dst_ep.latency) / 2   # each end's link contributes half: symmetric
             ep._tx_free[ep.port(dst)] = tx_end
             ep.stats.record_send(self.rank, dst, nbytes)
             dropped = False
@@ -340,8 +376,9 @@ class SimFabric(Fabric):
                     rng = ep.loss_rng[dst] = np.random.default_rng([world.network.seed, self.rank, dst])
                 dropped = bool(rng.random() < world.network.loss)
             if not dropped and not dst_ep.crashed:
-                msg = _Msg(self.rank, tag, data, nbytes, start, start + ep.latency, tx_end)
+                msg = _Msg(self.rank, tag, data, nbytes, start, start + latency, tx_end)
                 dst_ep.mailbox.setdefault((self.rank, tag), deque()).append(msg)
+                dst_ep.schedule(msg)
                 world.wake(dst_ep)
             ep.sends += 1
             limit = world.network.crash.get(self.rank)
@@ -375,10 +412,9 @@ class SimFabric(Fabric):
                 best = q[0]
         return best
 
-    def _delivery(self, msg: _Msg) -> tuple[float, float]:
-        ep = self._ep
-        rx_end = max(msg.head, ep.rx_free(msg.src)) + msg.nbytes / ep.bw
-        return max(rx_end, msg.tx_end + (msg.head - msg.start)), rx_end
+    @staticmethod
+    def _delivery(msg: _Msg) -> tuple[float, float]:
+        return msg.delivered, msg.rx_end
 
     def recv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0, *,
              timeout: float | None = None) -> int:
@@ -415,7 +451,7 @@ class SimFabric(Fabric):
                         f"{'any endpoint' if src is None else world.endpoints[src].name} (tag {tag})")
                 self._park(deadline, (src, tag), remaining)
             ep.mailbox[(msg.src, msg.tag)].popleft()
-            ep._rx_free[ep.port(msg.src)] = rx_end
+            ep.taken(msg)
             ep.clock = max(ep.clock, delivered)
             ep.stats.record_recv(msg.src, self.rank, msg.nbytes)
         if msg.data.numel() != tensor.numel() or msg.data.dtype != tensor.dtype:
@@ -448,14 +484,9 @@ class SimFabric(Fabric):
                 complete.append(i)
         if not complete:
             return None
-        got.sort(key=lambda g: (g[0], g[1]))
-        rx: dict[int, float] = {}
         when: dict[int, float] = {}
         for head, i, msg in got:
-            port = ep.port(msg.src)
-            rx_end = max(head, rx.get(port, ep.rx_free(msg.src))) + msg.nbytes / ep.bw
-            rx[port] = rx_end
-            when[i] = max(when.get(i, 0.0), rx_end, msg.tx_end + (msg.head - msg.start))
+            when[i] = max(when.get(i, 0.0), msg.delivered)   # its NIC slot: arrival order (_Endpoint.schedule)
         inn = {i: when[i] for i in complete}
         t = max(ep.clock, min(inn.values()))
         if clock_only and t > ep.clock:

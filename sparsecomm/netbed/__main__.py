@@ -129,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--loss", type=float, default=0.0, help="not available (no netem): must be 0")
     r.add_argument("--port", type=int, default=29500, help="MASTER_PORT")
     r.add_argument("--timeout", type=float, default=None, help="seconds before every command is terminated")
+    r.add_argument("--grace", type=float, default=5.0,
+                   help="seconds the other hosts' commands get to end after one fails")
     r.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS ...")
     c = sub.add_parser("check", help="measure the emulation's round trip and rate")
     c.add_argument("--gbps", type=float, default=1.0)
@@ -139,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.what == "run":
             check_shaping(a.latency_us, a.loss)
             cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
-            return run(cmd, a.hosts, a.gbps or None, port=a.port, timeout_s=a.timeout)
+            return run(cmd, a.hosts, a.gbps or None, port=a.port, timeout_s=a.timeout, grace_s=a.grace)
         if a.what == "check":
             for k, v in check(a.gbps).items():
                 print(f"{k}: {v:.4g}")
