@@ -2,15 +2,23 @@
 
 The network model (alpha-beta with NIC serialisation), per endpoint:
 
-- a full-duplex NIC of ``bandwidth`` bytes/s and a per-message ``latency``;
+- a full-duplex NIC of ``bandwidth`` payload bytes/s (the link rate times ``payload_fraction``: 1 for an
+  ideal link, :data:`TCP_OVER_ETHERNET` for TCP over a 1500-byte MTU as on the netbed) and a latency;
+- the one-way latency of a path is the mean of its two ends' latencies (each end's link contributes
+  half), so every path is symmetric, and a path between two workers has the workers' ``latency_us``;
 - a send issued at the sender's clock ``t`` starts at ``start = max(t, tx_free)`` and occupies the
-  sender's NIC until ``start + bytes/bw_src``;
-- the message's head reaches the receiver at ``start + latency``; the receiver's NIC serialises
-  arrivals: ``rx_end = max(head, rx_free) + bytes/bw_dst``; it is delivered at
-  ``max(rx_end, start + latency + bytes/bw_src)``, so on an idle path a message takes
-  ``latency + bytes/bandwidth``;
-- ``recv`` advances the receiver's clock to the delivery time; ``compute(s)`` advances it by ``s``
-  times the endpoint's straggler factor.
+  sender's NIC until ``tx_end = start + bytes/bw_src``;
+- the message's head reaches the receiver at ``head = start + latency``. The receiver's NIC takes the
+  messages in *arrival* order (their heads; ties by source), whatever order the application asks for
+  them in: ``rx_end = max(head, rx_end of the message before it) + bytes/bw_dst``; a message is
+  delivered at ``max(rx_end, tx_end + latency)``, so on an idle path it takes ``latency + bytes/bw``.
+  A message's slot is fixed once the application has taken it; a message that a thread behind in wall
+  time posts later with an earlier head queues after the ones already taken (the only dependence on
+  thread timing; deterministic whenever messages are posted before the receiver takes later ones);
+- ``recv`` advances the receiver's clock to the delivery time; ``compute(s)`` advances it by ``s``;
+- a straggler (``Network.stragglers``: endpoint -> factor f >= 1) is a slow host: its compute takes f
+  times as long and its NIC moves bytes at 1/f of the rate, in and out (a host-bound TCP stack), so
+  that it slows what transports do, not only ``compute()``.
 
 Service endpoints (dedicated aggregators, a switch) have their own link; ``per_port=True`` gives a
 switch one NIC per peer (ports work in parallel, as a switch's do).
@@ -37,7 +45,7 @@ in arrival order (a fixed sequence of blocking receives would serialise them in 
 
 Faults (:class:`Network`): ``loss`` drops datagrams sent with ``reliable=False`` with that probability,
 decided by a generator per directed link seeded from ``(seed, src, dst)`` (deterministic for a seed);
-``stragglers`` slows an endpoint's compute; ``crash`` makes an endpoint die silently after a number of
+``stragglers`` slows an endpoint's compute and its NIC; ``crash`` makes an endpoint die silently after a number of
 sends, so that its peers can only notice by timing out.
 """
 
@@ -62,8 +70,9 @@ class Network:
 
     ``bandwidth_gbps`` and ``latency_us`` are per worker NIC. ``loss`` is the drop probability of
     unreliable datagrams on every link, both directions. ``stragglers`` maps an endpoint to a factor
-    (>= 1) multiplying its modelled compute time. ``crash`` maps an endpoint to the number of sends
-    after which it dies silently. ``timeout_s`` bounds every wall-clock wait (a safety net; the
+    (>= 1) multiplying its modelled compute time and dividing its NIC's rate. ``payload_fraction``:
+    the share of the link rate that carries message bytes (:data:`TCP_OVER_ETHERNET` for a TCP link).
+    ``crash`` maps an endpoint to the number of sends after which it dies silently. ``timeout_s`` bounds every wall-clock wait (a safety net; the
     modelled deadlock detection normally fires first).
     """
 
@@ -74,6 +83,7 @@ class Network:
     stragglers: dict[int, float] = field(default_factory=dict)
     crash: dict[int, int] = field(default_factory=dict)
     timeout_s: float = 120.0
+    payload_fraction: float = 1.0
 
     def __post_init__(self) -> None:
         if self.bandwidth_gbps <= 0:
@@ -82,10 +92,22 @@ class Network:
             raise ValueError(f"latency_us must be non-negative, got {self.latency_us}")
         if not 0.0 <= self.loss < 1.0:
             raise ValueError(f"loss must be in [0, 1), got {self.loss}")
+        if not 0.0 < self.payload_fraction <= 1.0:
+            raise ValueError(f"payload_fraction must be in (0, 1], got {self.payload_fraction}")
+        for eid, f in self.stragglers.items():
+            if not f >= 1.0:
+                raise ValueError(f"a straggler's factor must be >= 1, got {f} for endpoint {eid}")
 
     @property
     def bytes_per_s(self) -> float:
-        return self.bandwidth_gbps * 1e9 / 8
+        """Payload bytes per second of a worker NIC (the link rate times ``payload_fraction``)."""
+        return self.bandwidth_gbps * 1e9 / 8 * self.payload_fraction
+
+
+#: payload fraction of TCP over Ethernet at a 1500-byte MTU with TCP timestamps: 1448 payload bytes per
+#: 1514-byte frame as a shaper (tc htb) counts it; pass ``Network(payload_fraction=TCP_OVER_ETHERNET)`` to
+#: model a real TCP link (the netbed's; gloo's transport) rather than an ideal one.
+TCP_OVER_ETHERNET = 1448 / 1514
 
 
 class EndpointCrashed(SparseCommError):
@@ -593,7 +615,7 @@ class SimFabric(Fabric):
                 return world.service_ids[name]
             net = world.network
             eid = len(world.endpoints)
-            bw = (bandwidth_gbps if bandwidth_gbps is not None else net.bandwidth_gbps) * 1e9 / 8
+            bw = (bandwidth_gbps if bandwidth_gbps is not None else net.bandwidth_gbps) * 1e9 / 8 * net.payload_fraction
             lat = (latency_us if latency_us is not None else net.latency_us) * 1e-6
             world.endpoints.append(_Endpoint(world, eid, bw, lat, per_port, name))
             world.live += 1
