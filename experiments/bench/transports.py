@@ -78,6 +78,10 @@ CASES: list[Case] = [
     # one stream per aggregator: fewer messages (sparse data), no overlap of a channel's up- and downstream
     Case("omnireduce", {"block_size": 256, "lanes": 65536, "channels": 1, "inplace": True},
          densities=(1.0, 0.1, 0.01)),
+    # dedicated aggregators on ranks (netbed: hosts) of their own, as in the paper's testbed
+    Case("omnireduce", {"block_size": 256, "lanes": 65536, "deployment": "dedicated", "num_aggregators": 2,
+                        "inplace": True}, densities=(1.0, 0.1, 0.01),
+         services=("omnireduce-agg:0", "omnireduce-agg:1"), default=False),
     # a Python switch rank: big bursts (256 packets of 256 elements per message) amortise per-message costs
     Case("switch", {"pool_size": 2048, "slot_elems": 256, "burst": 256}, services=("switch:elems=256,burst=256",)),
 ]
