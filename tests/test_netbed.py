@@ -141,6 +141,31 @@ def test_exception_removes_everything():
     assert not any(ns.startswith(seen.bed.prefix) for ns in list_netbed_namespaces())
 
 
+def _sleepy(ctx, where):
+    with open(os.path.join(where, f"pid{ctx.rank}"), "w") as fh:
+        fh.write(str(os.getpid()))
+    time.sleep(300)
+
+
+def test_sigterm_to_a_launch_removes_everything(tmp_path):
+    """SIGTERM to a process inside ``sc.launch(backend="netbed")``: its workers and its netbed go."""
+    code = ("import functools, sparsecomm as sc\nfrom tests.test_netbed import _sleepy\n"
+            f"sc.launch(functools.partial(_sleepy, where={str(tmp_path)!r}), 2, backend='netbed', "
+            "network=sc.Network(bandwidth_gbps=1), timeout_s=600)")
+    p = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+                         stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("pid*"))) < 2 and time.monotonic() < deadline and p.poll() is None:
+        time.sleep(0.05)
+    mine = [ns for ns in list_netbed_namespaces() if ns.startswith(f"scnb{p.pid}x")]
+    assert len(mine) == 3, mine
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode != 0 and "KeyboardInterrupt" in err and "SIGTERM" in err, err[-2000:]
+    assert all(_gone(int(f.read_text())) for f in tmp_path.glob("pid*"))
+    assert not [ns for ns in list_netbed_namespaces() if ns.startswith(f"scnb{p.pid}x")]
+
+
 def _every_transport(ctx, numel=3001):
     n, r = ctx.world_size, ctx.rank
     g = torch.Generator().manual_seed(r)

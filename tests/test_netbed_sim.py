@@ -31,11 +31,14 @@ def test_sim_within_20_percent_of_native_on_the_netbed(workers, size_mb):
     assert 0.8 <= sim / real["native"] <= 1.2, (sim, real)
 
 
+_RING_GAP = ("this library's ring on real gloo ranks took 1.3-2.1x the modelled time (native: 1.07-1.16x): "
+             "transfers in both directions of one gloo pair ran at about half the link rate at times on this "
+             "shared machine; see BENCHMARKS.md 'SimFabric vs netbed'")
+
+
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="this library's ring on real gloo ranks takes 1.3-2.1x the modelled "
-                   "time (native: 1.07-1.16x): transfers in both directions of one gloo pair run at about half "
-                   "the link rate at times on this shared machine; see BENCHMARKS.md 'SimFabric vs netbed'")
-@pytest.mark.parametrize("workers,size_mb", GRID)
+@pytest.mark.parametrize("workers,size_mb", [
+    pytest.param(n, mb, marks=pytest.mark.xfail(strict=n == 2, reason=_RING_GAP)) for n, mb in GRID])
 def test_sim_within_20_percent_of_ring_on_the_netbed(workers, size_mb):
     real = measured(workers, size_mb, 0.1, repeats=2)
     sim = modelled(workers, size_mb, 0.1)

@@ -101,7 +101,8 @@ class Netbed:
     """A star of ``hosts`` namespaces behind a forwarding top-of-rack namespace, links at ``bandwidth_gbps``.
 
     ``bandwidth_gbps=None`` leaves the links unshaped (veth speed). Use as a context manager, or call
-    :meth:`close` (idempotent; also run on garbage collection of an unclosed netbed is NOT relied on).
+    :meth:`close` (idempotent). Netbeds whose owner died without closing them are removed by the next
+    netbed built on the machine (:func:`cleanup_stale`).
     """
 
     hosts: int
@@ -120,6 +121,7 @@ class Netbed:
             raise ValueError(f"bandwidth_gbps must be positive (or None: unshaped), got {self.bandwidth_gbps}")
         check_shaping(self.latency_us, self.loss)
         check_privileges()
+        cleanup_stale()   # netbeds of owners killed without a chance to clean up (SIGKILL)
         if not self.prefix:
             self.prefix = f"{NS_PREFIX}{os.getpid()}x{secrets.token_hex(2)}"
         try:
