@@ -1,0 +1,274 @@
+"""The switch program of ``sparse-switch``: SwitchML's slot pool with OmniReduce's look-ahead.
+
+The design, the pipeline sketch and the arithmetic are in :mod:`.sparse_switch`; this module is the
+program itself (registers and per-packet action), its wire format and its service loop.
+
+Registers (``S`` slots, two sets per slot as SwitchML, ``k`` values per slot; :data:`REGISTERS`
+declares them with their widths, and :meth:`Dataplane.state_bits` measures what the emulation holds):
+
+- ``values[S, 2, k]`` int32 accumulators (fixed-point codes; also the element-wise minimum of a
+  look-ahead round);
+- ``seen[S, 2]`` 32-bit worker bitmap; ``count[S, 2]`` contributions still missing (6 bits, n <= 32);
+- ``nxt[S, 2]`` the minimum next position announced in the round (32 bits);
+- ``pos[S, 2]`` the lane position the round aggregates (32 bits; a packet for another position
+  while the round is open is refused, counted as ``"out_of_step"``);
+- ``held[S, 2]`` one bit: some worker contributed data (a result without it is counted as
+  ``"empty"`` -- the protocol never produces one).
+
+Per packet ``(type, slot s, set v, worker w, n, pos p, next m, [vector])``::
+
+    before = seen[s,v]; seen[s,v] |= bit(w); seen[s,1-v] &= ~bit(w)   # as SwitchML: w consumed set 1-v
+    if w not in before:
+        if before == 0: values = vector or 0; nxt = m; pos = p; held = has_vector; count = n-1
+        else:           values = values + vector   (MIN round: min(values, vector));
+                        nxt = min(nxt, m); held |= has_vector; count -= 1
+        if count == 0:  multicast (values, pos, nxt) to the n workers
+    elif count == 0:    unicast the stored result to w          # a retransmission after completion
+    else:               drop
+
+Wire format: int32 words. Every packet starts with the 4-word header ``[W0, SLOT, POS, NEXT]``
+(``W0`` packs ``type:3 | set:1 | worker:5 | n:6 | job:12``); a DATA, MIN or RESULT packet carries
+``k`` values after it (``HEADER + k`` words, on ``TAG_UP`` / ``TAG_DOWN``); a SKIP packet is the
+header alone (``TAG_SKIP``): a worker that does not hold the round's block still reports its
+look-ahead, in 16 bytes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, fields
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..fabric import services
+from ..fabric.base import Fabric
+
+# ----------------------------------------------------------------------------- wire format
+W0, F_SLOT, F_POS, F_NEXT = range(4)
+HEADER = 4
+T_DATA, T_SKIP, T_MIN, T_RESULT, T_RETRANSMIT = 1, 2, 3, 4, 5
+TYPES_UP = (T_DATA, T_SKIP, T_MIN)
+TAG_UP, TAG_SKIP, TAG_DOWN = 0x5B51, 0x5B53, 0x5B52
+
+NONE = 2**31 - 1                  # "no next block in this lane": larger than any position
+MAX_WORKERS = 32                  # 32-bit worker bitmap
+PACKET_ELEMS = (64, 256)          # as SwitchML: one pass, or four with recirculation
+DEFAULT_SLOTS = 1024
+JOB_MASK = 0xFFF
+
+_TYPE_BITS, _SET_SHIFT, _WORKER_SHIFT, _NW_SHIFT, _JOB_SHIFT = 0x7, 3, 4, 9, 15
+
+#: declared registers: name -> (entries per slot, bits per entry)
+REGISTERS = {"values": (None, 32), "seen": (2, 32), "count": (2, 6), "nxt": (2, 32), "pos": (2, 32),
+             "held": (2, 1)}
+
+
+def pack_w0(kind, set_, worker, nw, job) -> np.ndarray | int:
+    """The first header word (vectorised over numpy arrays)."""
+    return (kind | (set_ << _SET_SHIFT) | (worker << _WORKER_SHIFT) | (nw << _NW_SHIFT)
+            | ((job & JOB_MASK) << _JOB_SHIFT))
+
+
+def unpack_w0(w0):
+    """``(type, set, worker, n, job)`` of first header words."""
+    w0 = np.asarray(w0, dtype=np.int64)
+    return (w0 & _TYPE_BITS, (w0 >> _SET_SHIFT) & 1, (w0 >> _WORKER_SHIFT) & 0x1F,
+            (w0 >> _NW_SHIFT) & 0x3F, (w0 >> _JOB_SHIFT) & JOB_MASK)
+
+
+@dataclass(frozen=True)
+class SparseSwitchConfig:
+    """Compile-time constants of the program; they name the service (``"sparse-switch:elems=64"``).
+    ``audit``: count every accepted contribution by ``(job, slot, pos, worker)`` (tests only)."""
+
+    elems: int = 256
+    slots: int = DEFAULT_SLOTS
+    audit: bool = False
+
+    def __post_init__(self) -> None:
+        if self.elems not in PACKET_ELEMS:
+            raise ValueError(f"slot_elems must be one of {PACKET_ELEMS} (the switch's packet sizes), "
+                             f"got {self.elems!r}")
+        if isinstance(self.slots, bool) or not isinstance(self.slots, int) or not 2 <= self.slots <= 1 << 16:
+            raise ValueError(f"switch slots must be an integer in [2, 65536], got {self.slots!r}")
+
+    def spec(self) -> str:
+        parts = [f"{f.name}={int(getattr(self, f.name))}" for f in fields(self)
+                 if getattr(self, f.name) != f.default]
+        return "sparse-switch" + (":" + ",".join(parts) if parts else "")
+
+    @classmethod
+    def parse(cls, arg: str | None) -> "SparseSwitchConfig":
+        if not arg:
+            return cls()
+        kw: dict = {}
+        names = {f.name for f in fields(cls)}
+        for item in arg.split(","):
+            key, eq, val = item.partition("=")
+            if not eq:
+                key, val = "elems", key
+            if key not in names:
+                raise ValueError(f"unknown sparse-switch option {key!r} in {arg!r}; valid: {', '.join(sorted(names))}")
+            try:
+                kw[key] = bool(int(val)) if key == "audit" else int(val)
+            except ValueError:
+                raise ValueError(f"sparse-switch option {key} needs an integer, got {val!r}") from None
+        return cls(**kw)
+
+
+class Dataplane:
+    """Registers and the per-packet action of the sparse switch (module docstring)."""
+
+    def __init__(self, config: SparseSwitchConfig = SparseSwitchConfig()) -> None:
+        self.config = config
+        s, k = config.slots, config.elems
+        self.values = np.zeros((s, 2, k), dtype=np.int32)
+        self.seen = np.zeros((s, 2), dtype=np.uint32)
+        self.count = np.zeros((s, 2), dtype=np.int8)
+        self.nxt = np.zeros((s, 2), dtype=np.int32)
+        self.pos = np.zeros((s, 2), dtype=np.int32)
+        self.held = np.zeros((s, 2), dtype=np.bool_)
+        self.stats = Counter()                 # packet counters (not switch state)
+        self.audit: Counter | None = Counter() if config.audit else None
+
+    # ------------------------------------------------------------------ declared vs held state
+    def declared_bits(self) -> int:
+        """Register memory the program declares (:data:`REGISTERS`), in bits."""
+        s, k = self.config.slots, self.config.elems
+        return sum(s * (2 * k if per is None else per) * bits for per, bits in REGISTERS.values())
+
+    def state_bits(self) -> int:
+        """Register memory the emulation holds: every array attribute, at its declared width; raises
+        if an array is not a declared register, is larger than declared, or holds a value that does
+        not fit its declared width."""
+        s, k = self.config.slots, self.config.elems
+        total = 0
+        for name, val in vars(self).items():
+            if not isinstance(val, np.ndarray):
+                continue
+            if name not in REGISTERS:
+                raise AssertionError(f"sparse switch holds an undeclared array {name!r} {val.shape}")
+            per, bits = REGISTERS[name]
+            want = (s, 2, k) if per is None else (s, per)
+            if val.shape != want:
+                raise AssertionError(f"register {name!r} has shape {val.shape}, declared {want}")
+            if val.size and val.dtype != np.bool_:
+                v = val.astype(np.int64)
+                lo = -(1 << (bits - 1)) if val.dtype.kind == "i" and bits == 32 else 0
+                hi = (1 << bits) - 1 if lo == 0 else (1 << (bits - 1)) - 1
+                if v.min() < lo or v.max() > hi:
+                    raise AssertionError(f"register {name!r} holds values outside its {bits}-bit width")
+            total += val.size * bits
+        return total
+
+    # ------------------------------------------------------------------ the program
+    def process(self, row: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """Run the program on one packet (a header, or a header and ``k`` values); returns
+        ``(row to multicast, row to unicast)``, either ``None``. Malformed packets are dropped and
+        counted (``stats["malformed"]``), as a parser drops what it cannot match."""
+        cfg = self.config
+        kind, v, w, n, _job = (int(a) for a in unpack_w0(row[W0]))
+        slot, p, m = int(row[F_SLOT]), int(row[F_POS]), int(row[F_NEXT])
+        width = row.shape[0]
+        ok = (kind in TYPES_UP and 0 <= slot < cfg.slots and 0 <= w < n <= MAX_WORKERS
+              and width == (HEADER if kind == T_SKIP else HEADER + cfg.elems)
+              and 0 <= p and (kind == T_MIN or p < m))
+        self.stats["packets"] += 1
+        if not ok:
+            self.stats["malformed"] += 1
+            return None, None
+        bit = np.uint32(1 << w)
+        before = self.seen[slot, v]
+        if before and not before & bit and self.pos[slot, v] != p:
+            self.stats["out_of_step"] += 1       # a packet for another round of this set: refused
+            return None, None
+        self.seen[slot, v] = before | bit
+        self.seen[slot, 1 - v] &= ~bit
+        if not before & bit:
+            vec = row[HEADER:]
+            if before == 0:
+                if kind == T_SKIP:
+                    self.values[slot, v] = 0
+                else:
+                    self.values[slot, v] = vec
+                self.nxt[slot, v], self.pos[slot, v] = m, p
+                self.held[slot, v] = kind != T_SKIP
+                self.count[slot, v] = n - 1
+            else:
+                acc = self.values[slot, v]
+                if kind == T_MIN:
+                    np.minimum(acc, vec, out=acc)
+                elif kind == T_DATA:
+                    wide = acc.astype(np.int64) + vec
+                    if wide.max(initial=0) > 2**31 - 1 or wide.min(initial=0) < -(2**31):
+                        self.stats["overflow"] += 1   # hardware wraps; the agreed scale prevents it
+                    acc += vec
+                if m < self.nxt[slot, v]:
+                    self.nxt[slot, v] = m
+                self.held[slot, v] |= kind != T_SKIP
+                self.count[slot, v] -= 1
+            self.stats["consumed"] += 1
+            if self.audit is not None:
+                self.audit[(_job, slot, p, w)] += 1
+            if self.count[slot, v] == 0:
+                if not self.held[slot, v]:
+                    self.stats["empty"] += 1
+                self.stats["multicast"] += 1
+                return self._result(row, slot, v, T_RESULT), None
+            return None, None
+        if self.count[slot, v] == 0:
+            self.stats["retransmit"] += 1
+            return None, self._result(row, slot, v, T_RETRANSMIT)
+        self.stats["dropped"] += 1
+        return None, None
+
+    def _result(self, row: np.ndarray, slot: int, v: int, kind: int) -> np.ndarray:
+        out = np.empty(HEADER + self.config.elems, dtype=np.int32)
+        _, _, w, n, job = unpack_w0(row[W0])
+        out[W0] = pack_w0(kind, v, int(w), int(n), int(job))
+        out[F_SLOT], out[F_POS], out[F_NEXT] = slot, self.pos[slot, v], self.nxt[slot, v]
+        out[HEADER:] = self.values[slot, v]
+        return out
+
+    # ------------------------------------------------------------------ service loop
+    def serve(self, fabric: Fabric) -> None:
+        """Receive a packet (value packets and skip headers, whichever is first), run the program,
+        multicast / unicast the replies (``isend``, never waited for on SimFabric, reaped elsewhere)."""
+        from ..fabric.sim import SimFabric
+
+        k = self.config.elems
+        bufs = [torch.zeros(HEADER + k, dtype=torch.int32), torch.zeros(HEADER, dtype=torch.int32)]
+        tags = (TAG_UP, TAG_SKIP)
+        posted = [fabric.irecv(bufs[i], None, tags[i]) for i in range(2)]
+        track = not isinstance(fabric, SimFabric)
+        pending: deque = deque()
+        while True:
+            i = fabric.wait_any(posted)
+            row = bufs[i].numpy().copy()
+            src = posted[i].wait()
+            posted[i] = fabric.irecv(bufs[i], None, tags[i])
+            mcast, ucast = self.process(row)
+            sends = []
+            if mcast is not None:
+                msg = torch.from_numpy(mcast)
+                sends += [(msg, dst) for dst in range(int(unpack_w0(mcast[W0])[3]))]
+            if ucast is not None and src is not None:
+                sends.append((torch.from_numpy(ucast), src))
+            for msg, dst in sends:
+                wk = fabric.isend(msg, dst, TAG_DOWN, reliable=False)
+                if track:
+                    pending.append((wk, msg))
+            while pending and (len(pending) > 4 * MAX_WORKERS or pending[0][0].is_completed()):
+                pending.popleft()[0].wait()
+
+
+def service_main(config: SparseSwitchConfig) -> Callable[[Fabric], None]:
+    """A fresh program's service loop, for a launcher-started switch rank."""
+    return Dataplane(config).serve
+
+
+@services.registry.register("sparse-switch")
+def _service(arg: str | None) -> Callable[[Fabric], None]:
+    return service_main(SparseSwitchConfig.parse(arg))
