@@ -81,7 +81,7 @@ def unpack_w0(w0):
 @dataclass(frozen=True)
 class SparseSwitchConfig:
     """Compile-time constants of the program; they name the service (``"sparse-switch:elems=64"``).
-    ``audit``: count every accepted contribution by ``(job, slot, pos, worker)`` (tests only)."""
+    ``audit``: count every accepted contribution by ``(job, min round?, slot, pos, worker)`` (tests only)."""
 
     elems: int = 256
     slots: int = DEFAULT_SLOTS
@@ -211,7 +211,7 @@ class Dataplane:
                 self.count[slot, v] -= 1
             self.stats["consumed"] += 1
             if self.audit is not None:
-                self.audit[(_job, slot, p, w)] += 1
+                self.audit[(_job, kind == T_MIN, slot, p, w)] += 1
             if self.count[slot, v] == 0:
                 if not self.held[slot, v]:
                     self.stats["empty"] += 1
