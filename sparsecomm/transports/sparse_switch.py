@@ -190,7 +190,7 @@ class SparseSwitch(Transport):
                 f"transport 'sparse-switch' supports at most {MAX_WORKERS} workers (a 32-bit worker bitmap "
                 f"per slot); this job has {n}; use 'omnireduce' or 'ring'")
         self.sim = _is_sim(fabric)
-        self.config = _program(fabric, self.sim, slot_elems, switch_slots, audit)
+        self.config, spec = _program(fabric, self.sim, slot_elems, switch_slots, audit)
         if isinstance(pool_size, bool) or not isinstance(pool_size, int) or not 1 <= pool_size < self.config.slots:
             raise ValueError(f"pool_size must be an integer in [1, switch_slots - 1 = {self.config.slots - 1}] "
                              f"(slot 0 is the control slot), got {pool_size!r}")
@@ -201,7 +201,6 @@ class SparseSwitch(Transport):
         self.pool_size, self.k = pool_size, self.config.elems
         self.timeout, self.timeout_threshold = timeout, int(timeout_threshold)
         self.give_up_s = float(give_up_s if give_up_s is not None else fabric.timeout_s)
-        spec = self.config.spec()
         self.dataplane: Dataplane | None = None
         if self.sim:
             with _lock:
@@ -488,19 +487,22 @@ def _to_pos(blocks: np.ndarray, lanes: np.ndarray, L: int, nb: int) -> np.ndarra
     return np.where(blocks >= nb, NONE, (blocks - lanes) // L)
 
 
-def _program(fabric: Fabric, sim: bool, elems: int | None, slots: int | None, audit: bool) -> SparseSwitchConfig:
-    """The switch program to talk to: started by the transport on SimFabric; on real fabrics the one
-    the launcher started (``services=["sparse-switch..."]``), whose constants are the defaults."""
+def _program(fabric: Fabric, sim: bool, elems: int | None, slots: int | None,
+             audit: bool) -> tuple[SparseSwitchConfig, str]:
+    """The switch program to talk to and its service name: started by the transport on SimFabric; on
+    real fabrics the one the launcher started (``services=["sparse-switch..."]``), whose constants are
+    the defaults."""
     if elems is not None and elems not in PACKET_ELEMS:
         raise ValueError(f"slot_elems must be one of {PACKET_ELEMS}, got {elems!r}")
     asked = {k: v for k, v in (("elems", elems), ("slots", slots)) if v is not None}
     if audit:
         asked["audit"] = True
     if sim:
-        return SparseSwitchConfig(**asked)
+        cfg = SparseSwitchConfig(**asked)
+        return cfg, cfg.spec()
     started = [sp for sp in fabric.services() if sp.partition(":")[0] == "sparse-switch"]
-    configs = [SparseSwitchConfig.parse(sp.partition(":")[2] or None) for sp in started]
-    fits = [c for c in configs if all(getattr(c, k) == v for k, v in asked.items())]
+    configs = [(SparseSwitchConfig.parse(sp.partition(":")[2] or None), sp) for sp in started]
+    fits = [(c, sp) for c, sp in configs if all(getattr(c, k) == v for k, v in asked.items())]
     if len(fits) == 1:
         return fits[0]
     if not started:
