@@ -171,7 +171,8 @@ class SparseSwitch(Transport):
     1 ms; wall seconds elsewhere, default ``None``: no timer, gloo never drops); it doubles after
     ``timeout_threshold`` expiries. ``give_up_s`` (default: the fabric's ``timeout_s``): a packet
     unanswered that long raises :class:`FabricTimeout`. ``bandwidth_gbps``/``latency_us``: the switch's
-    link on SimFabric. ``audit``: the switch counts every accepted contribution (tests only).
+    link on SimFabric. ``burst``: packets per fabric message (default 1 on SimFabric, 32 elsewhere;
+    a program constant). ``audit``: the switch counts every accepted contribution (tests only).
     """
 
     name = "sparse-switch"
@@ -180,7 +181,7 @@ class SparseSwitch(Transport):
     def __init__(self, fabric: Fabric, *, pool_size: int = 256, slot_elems: int | None = None,
                  switch_slots: int | None = None, timeout: float | None = None, timeout_threshold: int = 100,
                  give_up_s: float | None = None, bandwidth_gbps: float | None = None,
-                 latency_us: float | None = None, audit: bool = False) -> None:
+                 latency_us: float | None = None, burst: int | None = None, audit: bool = False) -> None:
         super().__init__(fabric)
         if not fabric.is_worker:
             raise IncompatibleError("the sparse-switch transport runs on workers, not on a service endpoint")
@@ -190,7 +191,7 @@ class SparseSwitch(Transport):
                 f"transport 'sparse-switch' supports at most {MAX_WORKERS} workers (a 32-bit worker bitmap "
                 f"per slot); this job has {n}; use 'omnireduce' or 'ring'")
         self.sim = _is_sim(fabric)
-        self.config, spec = _program(fabric, self.sim, slot_elems, switch_slots, audit)
+        self.config, spec = _program(fabric, self.sim, slot_elems, switch_slots, burst, audit)
         if isinstance(pool_size, bool) or not isinstance(pool_size, int) or not 1 <= pool_size < self.config.slots:
             raise ValueError(f"pool_size must be an integer in [1, switch_slots - 1 = {self.config.slots - 1}] "
                              f"(slot 0 is the control slot), got {pool_size!r}")
@@ -199,6 +200,7 @@ class SparseSwitch(Transport):
         if timeout is not None and not timeout > 0:
             raise ValueError(f"timeout must be positive (or None: no timer), got {timeout!r}")
         self.pool_size, self.k = pool_size, self.config.elems
+        self.burst = self.config.burst_for(fabric)
         self.timeout, self.timeout_threshold = timeout, int(timeout_threshold)
         self.give_up_s = float(give_up_s if give_up_s is not None else fabric.timeout_s)
         self.dataplane: Dataplane | None = None
@@ -401,7 +403,7 @@ class SparseSwitch(Transport):
         packet unanswered within the timer is resent unchanged; after ``timeout_threshold`` expiries
         the timer doubles; unanswered for ``give_up_s`` raises :class:`FabricTimeout`.
         """
-        fab, st, sw = self.fabric, self._state, self.switch
+        fab, st, sw, K = self.fabric, self._state, self.switch, self.burst
         S = len(slots)
         lanes = np.arange(S) if lanes is None else lanes
         index = {int(s): i for i, s in enumerate(slots)}
@@ -415,27 +417,46 @@ class SparseSwitch(Transport):
             self.last_info = {"job": st.job}
         self.last_info[phase] = info
 
+        queue: list[np.ndarray] = []
+
         def send(i: int, fresh: bool) -> None:
-            row = out[i]
-            msg = torch.from_numpy(row)
-            tag = TAG_SKIP if row.size == HEADER else TAG_UP
-            if self.sim:           # a blocking send models the NIC's serialisation
-                fab.send(msg, sw, tag, reliable=False)
-            else:
-                pending.append((fab.isend(msg, sw, tag, reliable=False), msg))
-                while len(pending) > 64:
-                    pending.popleft()[0].wait()
+            queue.append(out[i])
             now = fab.now()
             deadline[i] = now + (timeout if timeout is not None else math.inf)
             if fresh:
                 since[i] = now
             info["packets"] += 1
+            if K == 1:
+                flush()
+
+        def flush() -> None:
+            """The queued packets: one datagram each on SimFabric (a blocking send models the NIC's
+            serialisation; skips as 16-byte headers on their own tag), else ``K`` rows per message."""
+            for i in range(0, len(queue), K):
+                part = queue[i:i + K]
+                if self.sim and K == 1:
+                    row = part[0]
+                    fab.send(torch.from_numpy(row), sw, TAG_SKIP if row.size == HEADER else TAG_UP,
+                             reliable=False)
+                    continue
+                msg = np.zeros((K, HEADER + self.k), dtype=np.int32)
+                for r, row in enumerate(part):
+                    msg[r, :row.size] = row
+                t = torch.from_numpy(msg)
+                if self.sim:
+                    fab.send(t, sw, TAG_UP, reliable=False)
+                else:
+                    pending.append((fab.isend(t, sw, TAG_UP, reliable=False), t))
+                    while len(pending) > 64:
+                        pending.popleft()[0].wait()
+            queue.clear()
 
         for i in range(S):
             send(i, True)
+        flush()
         live = S
-        buf = torch.zeros(HEADER + self.k, dtype=torch.int32)
-        res = buf.numpy()
+        buf = torch.zeros((K, HEADER + self.k), dtype=torch.int32)
+        msg_rows = buf.numpy()
         while live:
             try:
                 if timeout is None:
@@ -455,28 +476,33 @@ class SparseSwitch(Transport):
                     expiries += 1
                     info["retransmissions"] += 1
                     send(int(i), False)
+                flush()
                 if expiries >= threshold:
                     timeout *= 2
                     threshold += self.timeout_threshold
                     expiries = 0
                 continue
-            kind, v, _w, _n, job = (int(a) for a in unpack_w0(res[W0]))
-            i = index.get(int(res[F_SLOT]))
-            if (kind not in (T_RESULT, T_RETRANSMIT) or job != st.job or i is None or out[i] is None):
-                info["ignored"] += 1
-                continue
-            row = out[i]
-            if v != (int(row[W0]) >> 3) & 1 or int(res[F_POS]) != int(row[F_POS]):
-                info["ignored"] += 1           # a stale result (an earlier round of this slot)
-                continue
-            info["results"] += 1
-            st.parity[slots[i]] ^= 1
-            out[i] = on_result(int(lanes[i]), res.copy())
-            if out[i] is None:
-                deadline[i] = math.inf
-                live -= 1
-            else:
-                send(i, True)
+            for res in msg_rows:
+                kind, v, _w, _n, job = (int(a) for a in unpack_w0(res[W0]))
+                if kind == 0:
+                    continue                       # an unused row of a burst
+                i = index.get(int(res[F_SLOT]))
+                if (kind not in (T_RESULT, T_RETRANSMIT) or job != st.job or i is None or out[i] is None):
+                    info["ignored"] += 1
+                    continue
+                row = out[i]
+                if v != (int(row[W0]) >> 3) & 1 or int(res[F_POS]) != int(row[F_POS]):
+                    info["ignored"] += 1           # a stale result (an earlier round of this slot)
+                    continue
+                info["results"] += 1
+                st.parity[slots[i]] ^= 1
+                out[i] = on_result(int(lanes[i]), res.copy())
+                if out[i] is None:
+                    deadline[i] = math.inf
+                    live -= 1
+                else:
+                    send(i, True)
+            flush()
         while pending:
             pending.popleft()[0].wait()
 
@@ -487,14 +513,14 @@ def _to_pos(blocks: np.ndarray, lanes: np.ndarray, L: int, nb: int) -> np.ndarra
     return np.where(blocks >= nb, NONE, (blocks - lanes) // L)
 
 
-def _program(fabric: Fabric, sim: bool, elems: int | None, slots: int | None,
+def _program(fabric: Fabric, sim: bool, elems: int | None, slots: int | None, burst: int | None,
              audit: bool) -> tuple[SparseSwitchConfig, str]:
     """The switch program to talk to and its service name: started by the transport on SimFabric; on
     real fabrics the one the launcher started (``services=["sparse-switch..."]``), whose constants are
     the defaults."""
     if elems is not None and elems not in PACKET_ELEMS:
         raise ValueError(f"slot_elems must be one of {PACKET_ELEMS}, got {elems!r}")
-    asked = {k: v for k, v in (("elems", elems), ("slots", slots)) if v is not None}
+    asked = {k: v for k, v in (("elems", elems), ("slots", slots), ("burst", burst)) if v is not None}
     if audit:
         asked["audit"] = True
     if sim:
@@ -502,7 +528,8 @@ def _program(fabric: Fabric, sim: bool, elems: int | None, slots: int | None,
         return cfg, cfg.spec()
     started = [sp for sp in fabric.services() if sp.partition(":")[0] == "sparse-switch"]
     configs = [(SparseSwitchConfig.parse(sp.partition(":")[2] or None), sp) for sp in started]
-    fits = [(c, sp) for c, sp in configs if all(getattr(c, k) == v for k, v in asked.items())]
+    fits = [(c, sp) for c, sp in configs
+            if all((c.burst_for(fabric) if k == "burst" else getattr(c, k)) == v for k, v in asked.items())]
     if len(fits) == 1:
         return fits[0]
     if not started:

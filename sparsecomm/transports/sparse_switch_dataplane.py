@@ -30,7 +30,7 @@ Wire format: int32 words. Every packet starts with the 4-word header ``[W0, SLOT
 (``W0`` packs ``type:3 | set:1 | worker:5 | n:6 | job:12``); a DATA, MIN or RESULT packet carries
 ``k`` values after it (``HEADER + k`` words, on ``TAG_UP`` / ``TAG_DOWN``); a SKIP packet is the
 header alone (``TAG_SKIP``): a worker that does not hold the round's block still reports its
-look-ahead, in 16 bytes.
+look-ahead, in 16 bytes (on real fabrics padded to a value packet, see :meth:`Dataplane.serve`).
 """
 
 from __future__ import annotations
@@ -57,6 +57,8 @@ MAX_WORKERS = 32                  # 32-bit worker bitmap
 PACKET_ELEMS = (64, 256)          # as SwitchML: one pass, or four with recirculation
 DEFAULT_SLOTS = 1024
 JOB_MASK = 0xFFF
+SIM_BURST, REAL_BURST = 1, 32     # packets per fabric message: one datagram in the sim; amortised on real fabrics
+T_EMPTY = 0                       # an unused row of a burst
 
 _TYPE_BITS, _SET_SHIFT, _WORKER_SHIFT, _NW_SHIFT, _JOB_SHIFT = 0x7, 3, 4, 9, 15
 
@@ -81,10 +83,12 @@ def unpack_w0(w0):
 @dataclass(frozen=True)
 class SparseSwitchConfig:
     """Compile-time constants of the program; they name the service (``"sparse-switch:elems=64"``).
-    ``audit``: count every accepted contribution by ``(job, min round?, slot, pos, worker)`` (tests only)."""
+    ``burst``: packets per fabric message (``None``: one on SimFabric, 32 elsewhere; a burst's rows
+    are processed one by one, each with its own slot semantics). ``audit``: count every accepted contribution by ``(job, min round?, slot, pos, worker)`` (tests only)."""
 
     elems: int = 256
     slots: int = DEFAULT_SLOTS
+    burst: int | None = None
     audit: bool = False
 
     def __post_init__(self) -> None:
@@ -93,6 +97,17 @@ class SparseSwitchConfig:
                              f"got {self.elems!r}")
         if isinstance(self.slots, bool) or not isinstance(self.slots, int) or not 2 <= self.slots <= 1 << 16:
             raise ValueError(f"switch slots must be an integer in [2, 65536], got {self.slots!r}")
+        if self.burst is not None and (isinstance(self.burst, bool) or not isinstance(self.burst, int)
+                                       or not 1 <= self.burst <= 1024):
+            raise ValueError(f"burst must be an integer in [1, 1024], got {self.burst!r}")
+
+    def burst_for(self, fabric: Fabric) -> int:
+        """Packets per fabric message: ``burst``, else one on SimFabric and ``REAL_BURST`` elsewhere."""
+        if self.burst is not None:
+            return self.burst
+        from ..fabric.sim import SimFabric
+
+        return SIM_BURST if isinstance(fabric, SimFabric) else REAL_BURST
 
     def spec(self) -> str:
         parts = [f"{f.name}={int(getattr(self, f.name))}" for f in fields(self)
@@ -234,34 +249,67 @@ class Dataplane:
 
     # ------------------------------------------------------------------ service loop
     def serve(self, fabric: Fabric) -> None:
-        """Receive a packet (value packets and skip headers, whichever is first), run the program,
-        multicast / unicast the replies (``isend``, never waited for on SimFabric, reaped elsewhere)."""
+        """Receive a packet, run the program, multicast / unicast the replies (``isend``, never waited
+        for on SimFabric, reaped elsewhere). On SimFabric one packet is one datagram, value packets and
+        16-byte skip headers on their own tags (whichever is first). With bursts (real fabrics, where
+        a message costs far more than its bytes) a message is ``burst`` rows of ``HEADER + k`` words,
+        skips padded, unused rows ``T_EMPTY``; the replies to a message's rows leave in messages of
+        ``burst`` rows."""
         from ..fabric.sim import SimFabric
 
-        k = self.config.elems
-        bufs = [torch.zeros(HEADER + k, dtype=torch.int32), torch.zeros(HEADER, dtype=torch.int32)]
+        k, K = self.config.elems, self.config.burst_for(fabric)
+        width = HEADER + k
+        sim = isinstance(fabric, SimFabric)
+        single = K == 1 and sim
+        bufs = [torch.zeros(width, dtype=torch.int32), torch.zeros(HEADER, dtype=torch.int32)]
         tags = (TAG_UP, TAG_SKIP)
-        posted = [fabric.irecv(bufs[i], None, tags[i]) for i in range(2)]
-        track = not isinstance(fabric, SimFabric)
+        posted = [fabric.irecv(bufs[i], None, tags[i]) for i in range(2)] if single else None
+        burst = torch.zeros((K, width), dtype=torch.int32)
         pending: deque = deque()
         while True:
-            i = fabric.wait_any(posted)
-            row = bufs[i].numpy().copy()
-            src = posted[i].wait()
-            posted[i] = fabric.irecv(bufs[i], None, tags[i])
-            mcast, ucast = self.process(row)
+            if single:
+                i = fabric.wait_any(posted)
+                src = posted[i].wait()
+                rows = [bufs[i].numpy().copy()]
+                posted[i] = fabric.irecv(bufs[i], None, tags[i])
+            else:
+                src = fabric.recv(burst, None, TAG_UP)
+                arr = burst.numpy()
+                kinds = unpack_w0(arr[:, W0])[0]
+                rows = [arr[r, :HEADER].copy() if kinds[r] == T_SKIP else arr[r].copy()
+                        for r in np.flatnonzero(kinds != T_EMPTY)]
+            mcast: dict[int, list] = {}
+            ucast: list = []
+            for row in rows:
+                mc, uc = self.process(row)
+                if mc is not None:
+                    mcast.setdefault(int(unpack_w0(mc[W0])[3]), []).append(mc)
+                if uc is not None:
+                    ucast.append(uc)
             sends = []
-            if mcast is not None:
-                msg = torch.from_numpy(mcast)
-                sends += [(msg, dst) for dst in range(int(unpack_w0(mcast[W0])[3]))]
-            if ucast is not None and src is not None:
-                sends.append((torch.from_numpy(ucast), src))
+            for n, group in mcast.items():
+                for msg in _messages(group, K, width, single):
+                    sends += [(msg, dst) for dst in range(n)]
+            if src is not None:
+                sends += [(msg, src) for msg in _messages(ucast, K, width, single)]
             for msg, dst in sends:
                 wk = fabric.isend(msg, dst, TAG_DOWN, reliable=False)
-                if track:
+                if not sim:
                     pending.append((wk, msg))
             while pending and (len(pending) > 4 * MAX_WORKERS or pending[0][0].is_completed()):
                 pending.popleft()[0].wait()
+
+
+def _messages(rows: list, K: int, width: int, single: bool) -> list[torch.Tensor]:
+    """Reply rows as fabric messages: one row each, or ``K`` rows each (unused rows ``T_EMPTY``)."""
+    if single:
+        return [torch.from_numpy(r) for r in rows]
+    out = []
+    for i in range(0, len(rows), K):
+        msg = np.zeros((K, width), dtype=np.int32)
+        msg[: len(rows[i:i + K])] = rows[i:i + K]
+        out.append(torch.from_numpy(msg))
+    return out
 
 
 def service_main(config: SparseSwitchConfig) -> Callable[[Fabric], None]:
