@@ -416,3 +416,68 @@ def omnireduce_allreduce(n: int, numel: int, *, density: float = 1.0, union_dens
     t = max(t, chain)
     msgs = A * (2 + G * (R + 1))
     return Cost(t, sent, received, msgs, int(math.ceil(2 * R)))
+
+
+# ----------------------------------------------------------------------------- sparse switch
+SPARSE_SWITCH_HEADER_BYTES = 16     # int32 [W0, slot, pos, next] (sparsecomm/transports/sparse_switch_dataplane.py)
+
+
+def sparse_switch_allreduce(n: int, numel: int, *, density: float = 1.0, union_density: float | None = None,
+                            overlap: str = "random", slot_elems: int = 256, pool_size: int = 256,
+                            bandwidth_gbps: float = 100.0, latency_us: float = 2.0,
+                            switch_bandwidth_gbps: float | None = None, switch_latency_us: float | None = None,
+                            header_bytes: int = SPARSE_SWITCH_HEADER_BYTES, own_blocks: float | None = None,
+                            union_blocks: float | None = None, busiest_lane: float | None = None) -> Cost:
+    """``sparse-switch`` (OmniReduce's look-ahead on a SwitchML slot pool; ``sparsecomm/transports/
+    sparse_switch.py``) of ``numel`` int32/fixed-point elements whose ``k``-element blocks are non-zero
+    with density ``d_w = density`` on each worker.
+
+    ``nb = ceil(numel / k)`` blocks in ``L = min(pool_size, nb)`` lanes of ``P = ceil(nb / L)`` positions;
+    the union has ``R = d_u nb`` blocks (``d_u = 1 - (1 - d_w)^n`` under ``overlap="random"``, ``d_w``
+    under ``"full"``), a worker owns ``o = d_w nb``. A value packet is ``b = h + 4k`` bytes, a skip
+    ``h``; with ``tau = b / min(B, B_s)`` and ``RTT = alpha + alpha_s + 2 tau``:
+
+        bytes up   = b (control) + P_la b (look-ahead round, P_la = ceil((L+1)/k)) + o b + (R - o) h
+        bytes down = b + P_la b + R b
+        T = RTT + (RTT + (P_la - 1) tau) + [sqrt(((R-1) tau)^2 + ((R_max - 1) RTT)^2) + RTT   if R > 0]
+
+    the control and look-ahead round trips, then the stream, under two bounds: the bandwidth bound
+    ``(R-1) tau`` (every worker receives the union's ``R`` blocks through its port) and the busiest
+    lane's ``R_max`` rounds, one round trip each (pool pressure: ``L`` slots in flight cover ``L b``
+    bytes per ``RTT``). Their maximum is a lower bound; when both are comparable the busiest lane's
+    round trips also queue behind the other lanes' packets at the ports, and the two combine as a
+    2-norm -- an empirical smoothing, fitted to the SimFabric (within 5 % over densities 0.01-1,
+    pools 8-256, n 4-16), not derived: it is exact at either extreme and within ``sqrt 2`` of the
+    maximum in between.
+    ``R_max = E[max over L lanes of Binomial(P, d_u)]``. Nothing grows with ``n`` beyond ``d_u``.
+    ``own_blocks``, ``union_blocks`` and ``busiest_lane`` override the expectations with a data set's
+    measured values.
+    """
+    if n < 1 or numel <= 0:
+        return ZERO
+    if overlap not in ("random", "full"):
+        raise ValueError(f"overlap must be 'random' or 'full', got {overlap!r}")
+    B, alpha = link(bandwidth_gbps, latency_us)
+    Bs, alpha_s = link(switch_bandwidth_gbps if switch_bandwidth_gbps is not None else bandwidth_gbps,
+                       switch_latency_us if switch_latency_us is not None else latency_us)
+    k = slot_elems
+    nb = math.ceil(numel / k)
+    L = min(pool_size, nb)
+    P = math.ceil(nb / L)
+    d = float(density)
+    du = (1.0 - (1.0 - d) ** n if overlap == "random" else d) if union_density is None else float(union_density)
+    o = d * nb if own_blocks is None else float(own_blocks)
+    R = du * nb if union_blocks is None else float(union_blocks)
+    if busiest_lane is None:
+        busiest_lane = _expected_max_binomial(P, du, L) if du < 1 else float(P)
+    b = header_bytes + 4 * k
+    tau = b / min(B, Bs)
+    rtt = alpha + alpha_s + 2 * tau
+    p_la = math.ceil((L + 1) / k)
+    t = rtt + rtt + (p_la - 1) * tau
+    if R > 0:
+        t += math.hypot((R - 1) * tau, (busiest_lane - 1) * rtt) + rtt
+    sent = b + p_la * b + o * b + (R - o) * header_bytes
+    received = b + p_la * b + R * b
+    steps = 2 + (int(math.ceil(busiest_lane)) if R > 0 else 0)
+    return Cost(t, sent, received, 1 + p_la + R, steps)
