@@ -143,8 +143,8 @@ def test_switch_state_stays_within_what_it_declares():
     assert plane.stats["consumed"] > 0
     held = plane.state_bits()
     s, k = 64, K
-    assert held == plane.declared_bits() == s * 2 * (k * 32 + 32 + 6 + 32 + 32 + 1)
-    assert 0 <= int(plane.count.min()) and int(plane.count.max()) < 32
+    assert held == plane.declared_bits() == s * 2 * (k * 32 + 64 + 7 + 32 + 32 + 1)
+    assert 0 <= int(plane.count.min()) and int(plane.count.max()) < 64
     # the check can fail: anything else the emulation kept would be undeclared state
     plane.history = np.zeros(10)
     with pytest.raises(AssertionError, match="undeclared"):
@@ -162,8 +162,8 @@ def test_module_docstring_memory_arithmetic_matches_the_declared_registers():
     values = plane.config.slots * 2 * plane.config.elems * 32
     assert values // 8 == 2 * 2**20 and "2 MiB" in sparse_switch.__doc__
     rest = plane.declared_bits() - values
-    assert rest // 8 // 1024 == 25 and "26 KiB" in sparse_switch.__doc__   # 26,368 B
-    assert "(32+6+32+32+1)" in sparse_switch.__doc__
+    assert rest // 8 == 34 * 1024 and "34 KiB" in sparse_switch.__doc__
+    assert "(64+7+32+32+1)" in sparse_switch.__doc__
 
 
 # ----------------------------------------------------------------------------- the program, packet by packet
@@ -262,8 +262,8 @@ def test_invalid_arguments():
 
     errs = sc.launch(fn, 1)[0]
     assert len(errs) == 4 and "pool_size" in errs[0] and "slot_elems" in errs[2]
-    with pytest.raises(IncompatibleError, match="at most 32 workers"):
-        sc.launch(lambda ctx: sc.transports.get("sparse-switch", ctx.fabric), 33)
+    with pytest.raises(IncompatibleError, match="at most 64 workers"):
+        sc.launch(lambda ctx: sc.transports.get("sparse-switch", ctx.fabric), 65)
     cfg = dp.SparseSwitchConfig(elems=64, slots=128)
     assert cfg.spec() == "sparse-switch:elems=64,slots=128"
     assert dp.SparseSwitchConfig.parse("elems=64,slots=128") == cfg and dp.SparseSwitchConfig.parse(None) == dp.SparseSwitchConfig()

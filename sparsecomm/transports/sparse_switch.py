@@ -68,9 +68,9 @@ Match-action pipeline (one pass per 64 values; 256 values with SwitchML's recirc
 stage  action                                                             registers (per slot, 2 sets)
 =====  =================================================================  ========================
 0      parse ``W0, slot, pos, next``; table: job -> n, worker bit; set    --
-1      ``seen`` RMW: ``before = seen[v]; seen[v] |= bit``; ``seen[1-v]``  seen 2 x 32 b
-       cleared in the same action (64-bit pair)
-2      ``count`` RMW (n-1 if ``before == 0`` else -1, if new); ``pos``   count 2 x 6 b, pos 2 x 32 b
+1      ``seen`` RMW: ``before = seen[v]; seen[v] |= bit``; ``seen[1-v]``  seen 2 x 64 b
+       cleared (n <= 64: two 32-bit halves, one register ALU each)
+2      ``count`` RMW (n-1 if ``before == 0`` else -1, if new); ``pos``   count 2 x 7 b, pos 2 x 32 b
        RMW (write if first, else compare: out-of-step packets dropped)
 3      ``nxt`` RMW: first writer stores ``next``, others ``min``;       nxt 2 x 32 b, held 2 x 1 b
        ``held`` OR
@@ -81,10 +81,11 @@ egress if ``count == 0``: multicast group of the job (result) / unicast
        to the sender (duplicate after completion), else drop
 =====  =================================================================  ========================
 
-Against SwitchML this adds three registers per set (``pos``, ``nxt``: 32 bits; ``held``: 1 bit) and
-removes the int8 exponent: 65 bits per slot and set. Memory with the defaults (``S = 1024`` slots,
-``k = 256``): ``values`` ``1024 * 2 * 256 * 4 B = 2 MiB``; the rest ``1024 * 2 * (32+6+32+32+1)``
-bits ``= 26 KiB``. :data:`.sparse_switch_dataplane.REGISTERS` declares these widths and
+Against SwitchML this adds three registers per set (``pos``, ``nxt``: 32 bits; ``held``: 1 bit),
+removes the int8 exponent, and widens the worker bitmap to 64 bits (SwitchML: 32 workers per job).
+Memory with the defaults (``S = 1024`` slots, ``k = 256``): ``values`` ``1024 * 2 * 256 * 4 B =
+2 MiB``; the rest ``1024 * 2 * (64+7+32+32+1)`` bits ``= 34 KiB``.
+:data:`.sparse_switch_dataplane.REGISTERS` declares these widths and
 :meth:`~.sparse_switch_dataplane.Dataplane.state_bits` checks the emulation against them
 (``tests/test_sparse_switch.py``).
 
@@ -188,7 +189,7 @@ class SparseSwitch(Transport):
         n = fabric.world_size
         if n > MAX_WORKERS:
             raise IncompatibleError(
-                f"transport 'sparse-switch' supports at most {MAX_WORKERS} workers (a 32-bit worker bitmap "
+                f"transport 'sparse-switch' supports at most {MAX_WORKERS} workers (a 64-bit worker bitmap "
                 f"per slot); this job has {n}; use 'omnireduce' or 'ring'")
         self.sim = _is_sim(fabric)
         self.config, spec = _program(fabric, self.sim, slot_elems, switch_slots, burst, audit)

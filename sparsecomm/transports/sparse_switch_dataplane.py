@@ -8,7 +8,7 @@ declares them with their widths, and :meth:`Dataplane.state_bits` measures what 
 
 - ``values[S, 2, k]`` int32 accumulators (fixed-point codes; also the element-wise minimum of a
   look-ahead round);
-- ``seen[S, 2]`` 32-bit worker bitmap; ``count[S, 2]`` contributions still missing (6 bits, n <= 32);
+- ``seen[S, 2]`` 64-bit worker bitmap; ``count[S, 2]`` contributions still missing (7 bits, n <= 64);
 - ``nxt[S, 2]`` the minimum next position announced in the round (32 bits);
 - ``pos[S, 2]`` the lane position the round aggregates (32 bits; a packet for another position
   while the round is open is refused, counted as ``"out_of_step"``);
@@ -27,7 +27,7 @@ Per packet ``(type, slot s, set v, worker w, n, pos p, next m, [vector])``::
     else:               drop
 
 Wire format: int32 words. Every packet starts with the 4-word header ``[W0, SLOT, POS, NEXT]``
-(``W0`` packs ``type:3 | set:1 | worker:5 | n:6 | job:12``); a DATA, MIN or RESULT packet carries
+(``W0`` packs ``type:3 | set:1 | worker:6 | n:7 | job:12``); a DATA, MIN or RESULT packet carries
 ``k`` values after it (``HEADER + k`` words, on ``TAG_UP`` / ``TAG_DOWN``); a SKIP packet is the
 header alone (``TAG_SKIP``): a worker that does not hold the round's block still reports its
 look-ahead, in 16 bytes (on real fabrics padded to a value packet, see :meth:`Dataplane.serve`).
@@ -53,17 +53,17 @@ TYPES_UP = (T_DATA, T_SKIP, T_MIN)
 TAG_UP, TAG_SKIP, TAG_DOWN = 0x5B51, 0x5B53, 0x5B52
 
 NONE = 2**31 - 1                  # "no next block in this lane": larger than any position
-MAX_WORKERS = 32                  # 32-bit worker bitmap
+MAX_WORKERS = 64                  # 64-bit worker bitmap (a register pair, as SwitchML pairs its values)
 PACKET_ELEMS = (64, 256)          # as SwitchML: one pass, or four with recirculation
 DEFAULT_SLOTS = 1024
 JOB_MASK = 0xFFF
 SIM_BURST, REAL_BURST = 1, 32     # packets per fabric message: one datagram in the sim; amortised on real fabrics
 T_EMPTY = 0                       # an unused row of a burst
 
-_TYPE_BITS, _SET_SHIFT, _WORKER_SHIFT, _NW_SHIFT, _JOB_SHIFT = 0x7, 3, 4, 9, 15
+_TYPE_BITS, _SET_SHIFT, _WORKER_SHIFT, _NW_SHIFT, _JOB_SHIFT = 0x7, 3, 4, 10, 17
 
 #: declared registers: name -> (entries per slot, bits per entry)
-REGISTERS = {"values": (None, 32), "seen": (2, 32), "count": (2, 6), "nxt": (2, 32), "pos": (2, 32),
+REGISTERS = {"values": (None, 32), "seen": (2, 64), "count": (2, 7), "nxt": (2, 32), "pos": (2, 32),
              "held": (2, 1)}
 
 
@@ -76,8 +76,8 @@ def pack_w0(kind, set_, worker, nw, job) -> np.ndarray | int:
 def unpack_w0(w0):
     """``(type, set, worker, n, job)`` of first header words."""
     w0 = np.asarray(w0, dtype=np.int64)
-    return (w0 & _TYPE_BITS, (w0 >> _SET_SHIFT) & 1, (w0 >> _WORKER_SHIFT) & 0x1F,
-            (w0 >> _NW_SHIFT) & 0x3F, (w0 >> _JOB_SHIFT) & JOB_MASK)
+    return (w0 & _TYPE_BITS, (w0 >> _SET_SHIFT) & 1, (w0 >> _WORKER_SHIFT) & 0x3F,
+            (w0 >> _NW_SHIFT) & 0x7F, (w0 >> _JOB_SHIFT) & JOB_MASK)
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,7 @@ class Dataplane:
         self.config = config
         s, k = config.slots, config.elems
         self.values = np.zeros((s, 2, k), dtype=np.int32)
-        self.seen = np.zeros((s, 2), dtype=np.uint32)
+        self.seen = np.zeros((s, 2), dtype=np.uint64)
         self.count = np.zeros((s, 2), dtype=np.int8)
         self.nxt = np.zeros((s, 2), dtype=np.int32)
         self.pos = np.zeros((s, 2), dtype=np.int32)
@@ -169,7 +169,7 @@ class Dataplane:
             want = (s, 2, k) if per is None else (s, per)
             if val.shape != want:
                 raise AssertionError(f"register {name!r} has shape {val.shape}, declared {want}")
-            if val.size and val.dtype != np.bool_:
+            if val.size and val.dtype != np.bool_ and bits < 64:
                 v = val.astype(np.int64)
                 lo = -(1 << (bits - 1)) if val.dtype.kind == "i" and bits == 32 else 0
                 hi = (1 << bits) - 1 if lo == 0 else (1 << (bits - 1)) - 1
@@ -194,7 +194,7 @@ class Dataplane:
         if not ok:
             self.stats["malformed"] += 1
             return None, None
-        bit = np.uint32(1 << w)
+        bit = np.uint64(1 << w)
         before = self.seen[slot, v]
         if before and not before & bit and self.pos[slot, v] != p:
             self.stats["out_of_step"] += 1       # a packet for another round of this set: refused
