@@ -269,3 +269,40 @@ def test_invalid_arguments():
     assert dp.SparseSwitchConfig.parse("elems=64,slots=128") == cfg and dp.SparseSwitchConfig.parse(None) == dp.SparseSwitchConfig()
     with pytest.raises(ValueError, match="unknown"):
         dp.SparseSwitchConfig.parse("colour=3")
+
+
+# ----------------------------------------------------------------------------- payload kinds
+def test_payload_kinds_quantized_exact_aligned_checked_sparse_as_blocks():
+    from sparsecomm.payload import Payload
+
+    idx = torch.tensor([3, 17, 40, 99, 5])
+
+    def fn(ctx):
+        t = sc.transports.get("sparse-switch", ctx.fabric, pool_size=3, slot_elems=64)
+        r = ctx.rank
+        codes = torch.zeros(1000, dtype=torch.int32)
+        codes[64 * r: 64 * r + 100] = torch.randint(-100, 100, (100,), generator=torch.Generator().manual_seed(r),
+                                                    dtype=torch.int32)
+        q = Payload("quantized", values=codes, shape=(1000,), dtype=torch.float32,
+                    scale=torch.full((16,), 0.5), bucket_size=64, shared_scale=True)
+        v = torch.tensor([1.0, -2.0, 3.5, 0.25, 8.0]) * (r + 1)
+        a = Payload("aligned", values=v, indices=idx, shape=(100,), dtype=torch.float32)
+        s = Payload("sparse", values=torch.tensor([1.0, 2.0]) * (r + 1), indices=torch.tensor([7, 64 * (r + 2) + 5]),
+                    shape=(1000,), dtype=torch.float32)
+        out = [t.allreduce(q), t.allreduce(a), t.allreduce(s),
+               (t.last_info["stream"]["data"], t.last_info["stream"]["results"])]
+        bad = Payload("aligned", values=v, indices=idx + r, shape=(200,), dtype=torch.float32)
+        try:
+            t.allreduce(bad)
+        except MismatchError as e:
+            out.append(str(e))
+        return q, a, s, out
+
+    res = sc.launch(fn, 3)
+    for k in range(3):
+        want = sum(r[k].to_dense().double() for r in res)
+        for r in res:
+            assert torch.allclose(r[3][k].double(), want, rtol=0, atol=1e-5)
+    # sparse: only the blocks holding entries travel: 2 up from each worker, the union's 4 down
+    assert [r[3][3] for r in res] == [(2, 4)] * 3
+    assert all("shared indices" in r[3][4] for r in res)

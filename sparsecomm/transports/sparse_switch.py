@@ -100,6 +100,7 @@ from __future__ import annotations
 import math
 import threading
 import weakref
+import zlib
 from collections import deque
 from dataclasses import dataclass
 
@@ -109,6 +110,7 @@ import torch
 from .. import codec
 from ..errors import FabricTimeout, IncompatibleError, MismatchError, NonFiniteError, OverflowError_, SparseCommError
 from ..fabric.base import Fabric
+from ..payload import Payload
 from . import registry
 from .base import Transport
 from .sparse_switch_dataplane import (
@@ -125,7 +127,8 @@ _DTYPES = {torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16:
            torch.int16: 6, torch.int32: 7, torch.int64: 8, torch.uint8: 9}
 # control vector: flags, then (byte, byte^2) of every agreement word
 V_NONFINITE, V_TOOLARGE, V_COUNT, V_CAP_HI, V_CAP_LO, V_WORDS = range(6)
-_AGREE = ("numel (low word)", "numel (high word)", "mode / dtype", "pool_size", "slot_elems")
+_AGREE = ("numel (low word)", "numel (high word)", "mode / dtype", "pool_size", "slot_elems",
+          "shared indices or scale (fingerprint)")
 
 
 class ProtocolError(SparseCommError):
@@ -177,7 +180,8 @@ class SparseSwitch(Transport):
     """
 
     name = "sparse-switch"
-    carries = frozenset({"dense"})
+    carries = frozenset({"dense", "aligned", "sparse", "quantized"})
+    quantized_needs_shared_scale = True
 
     def __init__(self, fabric: Fabric, *, pool_size: int = 256, slot_elems: int | None = None,
                  switch_slots: int | None = None, timeout: float | None = None, timeout_threshold: int = 100,
@@ -219,9 +223,41 @@ class SparseSwitch(Transport):
         self.last_fixed: FixedResult | None = None
         self.last_info: dict = {}
 
+    # ================================================================== payload kinds
+    def _allreduce_payload(self, p: Payload) -> torch.Tensor:
+        """``dense`` and ``sparse`` (worker-specific indices) payloads are summed as the tensor they
+        stand for: only its non-zero blocks travel. ``aligned``: the value vector (indices checked
+        to be shared), then scattered. ``quantized`` with a shared scale: the integer codes, exactly."""
+        if p.kind in ("dense", "sparse"):
+            return self._allreduce_tensor(p.to_dense().reshape(-1))
+        if p.kind == "aligned":
+            idx = p.indices.reshape(-1).to(torch.int64)
+            vals = p.values.reshape(-1)
+            if not vals.is_floating_point():
+                vals = vals.to(p.dtype if p.dtype.is_floating_point else torch.float32)
+            summed = self._job(vals, fingerprint=_fingerprint(idx))
+            out = torch.zeros(p.numel, dtype=p.dtype, device=p.values.device)
+            if summed.numel():
+                out.index_add_(0, idx.to(out.device), summed.to(out.device, p.dtype))
+            return out
+        codes = p.values.reshape(-1)
+        if codes.is_floating_point():
+            if not bool((torch.isfinite(codes) & (codes == codes.round())).all()):
+                raise IncompatibleError("transport 'sparse-switch' sums integer codes; this quantized "
+                                        "payload's codes are not integers")
+            codes = codes.to(torch.int64)
+        sums = self._job(codes, fingerprint=_fingerprint(p.scale, p.bucket_size), out_dtype=torch.int64)
+        agg = Payload("quantized", values=sums, shape=p.shape, dtype=p.dtype, scale=p.scale,
+                      bucket_size=p.bucket_size, shared_scale=True)
+        return agg.to_dense()
+
     # ================================================================== one job, top to bottom
     def _allreduce_tensor(self, flat: torch.Tensor) -> torch.Tensor:
-        out_dtype, device = flat.dtype, flat.device
+        return self._job(flat)
+
+    def _job(self, flat: torch.Tensor, *, fingerprint: int = 0, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Sum ``flat`` (float: fixed point; integer: exactly) over workers; see the module docstring."""
+        out_dtype, device = out_dtype or flat.dtype, flat.device
         if flat.is_floating_point():
             mode = MODE_FLOAT
         elif flat.dtype in _DTYPES:
@@ -237,13 +273,14 @@ class SparseSwitch(Transport):
             e = EXP_FLOOR
             if finite and N:
                 e = max(EXP_FLOOR, int(codec.chunk_exponents(x, N)[0]))
-            self._control(mode, N, flat.dtype, nonfinite=not finite, too_large=e > EXP_CEIL, cap=0)
+            self._control(mode, N, flat.dtype, nonfinite=not finite, too_large=e > EXP_CEIL, cap=0,
+                          fingerprint=fingerprint)
         else:
             v = x.to(torch.int64)
             amax = int(v.abs().max()) if N else 0
             limit = min(INT32_MAX, torch.iinfo(out_dtype).max)
             self._control(mode, N, flat.dtype, nonfinite=False, too_large=amax > INT32_MAX,
-                          cap=min(amax, INT32_MAX), limit=limit)
+                          cap=min(amax, INT32_MAX), limit=limit, fingerprint=fingerprint)
             e = 0
         nb = -(-N // k)
         if nb == 0:
@@ -280,12 +317,12 @@ class SparseSwitch(Transport):
 
     # ================================================================== phase 1: control
     def _control(self, mode: int, numel: int, dtype: torch.dtype, *, nonfinite: bool, too_large: bool,
-                 cap: int, limit: int = INT32_MAX) -> None:
+                 cap: int, limit: int = INT32_MAX, fingerprint: int = 0) -> None:
         """The validity / agreement round on the control slot: the same error on every worker."""
         st = self._state
         st.job = (st.job + 1) % (JOB_MASK + 1)
         words = [numel & 0xFFFFFFFF, (numel >> 32) & 0xFFFFFFFF, (mode << 8) | _DTYPES.get(dtype, 0),
-                 self.pool_size, self.k]
+                 self.pool_size, self.k, fingerprint & 0xFFFFFFFF]
         vec = np.zeros(self.k, dtype=np.int32)
         vec[V_NONFINITE], vec[V_TOOLARGE], vec[V_COUNT] = int(nonfinite), int(too_large), 1
         vec[V_CAP_HI], vec[V_CAP_LO] = cap >> 16, cap & 0xFFFF
@@ -506,6 +543,20 @@ class SparseSwitch(Transport):
             flush()
         while pending:
             pending.popleft()[0].wait()
+
+
+def _fingerprint(*objs) -> int:
+    """crc32 of tensors' bytes (and other values), to check that workers share indices or a scale."""
+    crc = 0
+    for o in objs:
+        if o is None:
+            continue
+        if isinstance(o, torch.Tensor):
+            data = o.detach().reshape(-1).to("cpu", torch.float64 if o.is_floating_point() else torch.int64)
+            crc = zlib.crc32(data.numpy().tobytes(), crc)
+        else:
+            crc = zlib.crc32(str(o).encode(), crc)
+    return crc
 
 
 def _to_pos(blocks: np.ndarray, lanes: np.ndarray, L: int, nb: int) -> np.ndarray:
