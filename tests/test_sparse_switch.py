@@ -306,3 +306,19 @@ def test_payload_kinds_quantized_exact_aligned_checked_sparse_as_blocks():
     # sparse: only the blocks holding entries travel: 2 up from each worker, the union's 4 down
     assert [r[3][3] for r in res] == [(2, 4)] * 3
     assert all("shared indices" in r[3][4] for r in res)
+
+
+def test_a_missing_worker_gives_a_timeout_not_a_hang():
+    from sparsecomm.errors import FabricTimeout
+
+    def fn(ctx):
+        if ctx.rank == 1:
+            return None                                 # never takes part
+        t = sc.transports.get("sparse-switch", ctx.fabric, pool_size=2, timeout=1e-3, give_up_s=0.02)
+        try:
+            t.allreduce(torch.ones(1000))
+        except FabricTimeout as e:
+            return str(e)
+
+    out = sc.launch(fn, 3)
+    assert out[1] is None and all("unanswered" in o for o in (out[0], out[2]))

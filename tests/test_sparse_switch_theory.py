@@ -60,3 +60,14 @@ def test_closed_form_shape_flat_in_n_and_falling_with_density():
     assert t[8, 1.0] > 5 * t[8, 0.1] and t[8, 0.1] > 2 * t[8, 0.01]   # falls with density (set-up floors it)
     with pytest.raises(ValueError):
         costs.sparse_switch_allreduce(4, 100, overlap="some")
+
+
+def test_reproduction_smoke(tmp_path):
+    from experiments import reproduce_sparse_switch as R
+
+    pts = [R.run_point(n, d, numel=256 * 16) for n in (2, 3) for d in (1.0, 0.25)]
+    for p in pts:
+        assert set(p.times_us) == set(R.TRANSPORTS) and all(t > 0 for t in p.times_us.values())
+        assert abs(p.error) <= 0.15
+    files = R.plot(pts, [], str(tmp_path), [2, 3], [1.0, 0.25])
+    assert all((tmp_path / f).stat().st_size > 10_000 for f in map(lambda f: f.split("/")[-1], files))
