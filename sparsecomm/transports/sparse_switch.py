@@ -56,7 +56,11 @@ plus the look-ahead round; at low density the blocks per lane fall and so does t
 
 *Small tensors.* The control and look-ahead rounds are two round trips before the first block (the
 dense ``switch`` needs the control round and a one-round exponent batch); the closed form
-:func:`theory.costs.sparse_switch_allreduce` includes them.
+:func:`theory.costs.sparse_switch_allreduce` includes them. They could share one round (a control
+packet whose last value register takes the MIN action), but the number of look-ahead packets
+depends on the tensor's length and the pool, which the control round is there to check: workers that
+disagree would leave half-filled slots behind and wait for results that never come. Kept apart,
+a disagreement is an error on every worker before anything else is sent.
 
 *Scale.* One exponent per job (not per packet as SwitchML's) because the scale must be agreed before
 the stream and every worker sends in a different subset of the rounds: elements far below the
