@@ -22,6 +22,7 @@ worker (``--overlap full``, default: the union has the workers' density, so the 
 for every n) or drawn per worker (``--overlap random``: the union grows as ``1 - (1 - d)^n``).
 
     python -m experiments.reproduce_sparse_switch [--quick] [--out DIR] [--overlap full|random] [--numel N]
+                                                  [--ns N ...] [--densities D ...] [--skip-extra]
 
 prints the tables and writes ``sparse_switch_vs_density.png``, ``sparse_switch_vs_workers.png``,
 ``sparse_switch_pool.png`` and ``sparse_switch_<overlap>.csv`` under ``DIR`` (default
@@ -282,10 +283,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=os.path.join("experiments", "out"))
     ap.add_argument("--overlap", choices=("full", "random"), default="full")
     ap.add_argument("--numel", type=int, default=None, help=f"float32 elements (default {NUMEL}; quick: 65536)")
+    ap.add_argument("--ns", type=int, nargs="+", default=None, help="workers (default 2 .. 64)")
+    ap.add_argument("--densities", type=float, nargs="+", default=None, help="default 1 0.5 0.1 0.01")
     ap.add_argument("--skip-extra", action="store_true", help="E1 only")
     args = ap.parse_args(argv)
-    ns = [2, 4, 8] if args.quick else [2, 4, 8, 16, 32, 64]
-    densities = [1.0, 0.1, 0.01] if args.quick else [1.0, 0.5, 0.1, 0.01]
+    ns = args.ns or ([2, 4, 8] if args.quick else [2, 4, 8, 16, 32, 64])
+    densities = args.densities or ([1.0, 0.1, 0.01] if args.quick else [1.0, 0.5, 0.1, 0.01])
     numel = args.numel or (1 << 16 if args.quick else NUMEL)
     os.makedirs(args.out, exist_ok=True)
     t0 = time.perf_counter()
