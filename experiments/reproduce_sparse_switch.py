@@ -15,7 +15,9 @@ E1  time vs density (1, 0.5, 0.1, 0.01) and vs workers (2..64) for ring, switch 
     :func:`theory.costs.sparse_switch_allreduce` (with the data's measured union, own blocks and busiest
     lane; the expectation-only form in the CSV);
 E2  pool pressure: n = 8, density 1 and 0.1, pool 4..256 slots, sparse-switch against switch;
-E3  small tensors: n = 8, density 0.5, 1 KiB .. 1 MiB.
+E3  small tensors: n = 8, density 0.5, 1 KiB .. 1 MiB;
+E4  (``--netbed GBPS``, root, instead of E1-E3) the same five on real processes over a netbed at n = 4:
+    median wall time per all-reduce and the link-limited time.
 
 Data: ``int(nb * density)`` non-zero blocks (256 float32 of ones) at random positions, shared by every
 worker (``--overlap full``, default: the union has the workers' density, so the data volume is the same
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -192,6 +195,59 @@ def e3(sizes, log=print) -> list[Point]:
     return out
 
 
+def _netbed_worker(ctx, name, kw, xs, repeats):
+    """On one netbed worker: a warm-up call, then ``repeats`` timed calls (barrier before each)."""
+    t = sc.transports.get(name, ctx.fabric, **kw)
+    x = xs[ctx.rank]
+    y = t.allreduce(x)
+    times = []
+    for _ in range(repeats):
+        ctx.fabric.barrier()
+        t0 = time.perf_counter()
+        y = t.allreduce(x)
+        times.append(time.perf_counter() - t0)
+    s = t.last_stats
+    return times, float(y.sum()), s.bytes_sent, s.bytes_received
+
+
+def e4_netbed(gbps: float, numel: int, densities, repeats: int = 3, n: int = 4, log=print) -> list[dict]:
+    """The same transports on real processes over a netbed (each worker its own namespace and link of
+    ``gbps`` Gbit/s; the switches on the top-of-rack namespace, dedicated aggregators on hosts of their
+    own): median wall time per all-reduce (the slowest worker's), and the link-limited time (the busiest
+    worker link's bytes over the link rate)."""
+    rows = []
+    log(f"\nE4: netbed, n={n}, links of {gbps:g} Gbit/s, {numel * 4 / 2**20:g} MiB, median of {repeats}; "
+        f"wall ms (link-limited ms)")
+    log(f"{'dens':>4} | " + " ".join(f"{t:>18}" for t in TRANSPORTS))
+    for d in densities:
+        xs = _data(n, numel, d, "full", 0)
+        expect = float(sum(float(x.sum()) for x in xs))
+        cells = {}
+        for t in TRANSPORTS:
+            name, kw, services = t, {}, []
+            if t == "switch":
+                kw, services = dict(slot_elems=BLOCK, pool_size=POOL), ["switch:elems=256"]
+            elif t == "sparse-switch":
+                kw, services = dict(pool_size=POOL), ["sparse-switch"]
+            elif t.startswith("omni"):
+                name, kw = "omnireduce", dict(block_size=BLOCK)
+                if t == "omni-dedicated":
+                    kw["deployment"] = "dedicated"
+                    services = [f"omnireduce-agg:{i}" for i in range(n)]
+            res = sc.launch(functools.partial(_netbed_worker, name=name, kw=kw, xs=xs, repeats=repeats), n,
+                            backend="netbed", network=sc.Network(bandwidth_gbps=gbps), services=services,
+                            timeout_s=300)
+            if any(abs(r[1] - expect) > 1e-3 * max(1.0, expect) for r in res):
+                raise AssertionError(f"{t} returned a wrong sum on the netbed")
+            wall = float(np.median(np.max([r[0] for r in res], axis=0)))
+            busiest = max(max(r[2], r[3]) for r in res)
+            cells[t] = (wall, busiest * 8 / (gbps * 1e9))
+            rows.append(dict(density=d, transport=t, wall_s=wall, link_limit_s=cells[t][1], n=n, gbps=gbps,
+                             numel=numel))
+        log(f"{d:>4g} | " + " ".join(f"{1e3 * w:>9.2f} ({1e3 * l:6.2f})" for w, l in cells.values()))
+    return rows
+
+
 def summary(points: list[Point], ns, densities, log=print) -> None:
     log("\nVerdict (E1):")
     for d in densities:
@@ -286,12 +342,23 @@ def main(argv=None) -> dict:
     ap.add_argument("--ns", type=int, nargs="+", default=None, help="workers (default 2 .. 64)")
     ap.add_argument("--densities", type=float, nargs="+", default=None, help="default 1 0.5 0.1 0.01")
     ap.add_argument("--skip-extra", action="store_true", help="E1 only")
+    ap.add_argument("--netbed", type=float, default=None, metavar="GBPS",
+                    help="only E4: the transports on a netbed with links of GBPS Gbit/s, n=4 (needs root)")
+    ap.add_argument("--repeats", type=int, default=3, help="E4: timed calls per transport")
     args = ap.parse_args(argv)
     ns = args.ns or ([2, 4, 8] if args.quick else [2, 4, 8, 16, 32, 64])
     densities = args.densities or ([1.0, 0.1, 0.01] if args.quick else [1.0, 0.5, 0.1, 0.01])
     numel = args.numel or (1 << 16 if args.quick else NUMEL)
     os.makedirs(args.out, exist_ok=True)
     t0 = time.perf_counter()
+    if args.netbed is not None:
+        rows = e4_netbed(args.netbed, numel, densities, args.repeats)
+        with open(os.path.join(args.out, f"sparse_switch_netbed_{args.netbed:g}gbps.csv"), "w", newline="") as fh:
+            w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+        print(f"total {time.perf_counter() - t0:.0f} s")
+        return {"E4": rows}
     points = e1(ns, densities, numel, args.overlap)
     summary(points, ns, densities)
     pool_points, small = [], []
