@@ -69,6 +69,7 @@ class Point:
     form_us: float = float("nan")                   # closed form, measured union / busiest lane
     expected_us: float = float("nan")               # closed form, expectations only
     sparse_bytes: float = float("nan")              # sparse-switch bytes sent + received per worker
+    ideal_bytes: float = float("nan")               # own blocks up + union down, 4-byte look-aheads, firsts
 
     @property
     def error(self) -> float:
@@ -147,6 +148,7 @@ def run_point(n: int, density: float, *, numel: int = NUMEL, pool: int = POOL, o
         n, numel, **common, own_blocks=float(np.mean([m.sum() for m in ms])), union_blocks=float(union.sum()),
         busiest_lane=float(grid.reshape(P, L).sum(0).max())).time_s
     p.expected_us = 1e6 * costs.sparse_switch_allreduce(n, numel, **common).time_s
+    p.ideal_bytes = (float(np.mean([m.sum() for m in ms])) + float(union.sum())) * (4 * BLOCK + 4) + 8 * L
     return p
 
 
@@ -270,6 +272,10 @@ def summary(points: list[Point], ns, densities, log=print) -> None:
         log(f"    d={p.density:g} n={p.n}: {p.winner} {p.times_us[p.winner]:.1f} us vs sparse-switch "
             + (f"{s:.1f} us ({s / p.times_us[p.winner]:.2f}x)" if s == s else "n/a (more than 64 workers)"))
     errs = [abs(p.error) for p in points if p.error == p.error]
+    ratios = [p.sparse_bytes / p.ideal_bytes for p in points if p.sparse_bytes == p.sparse_bytes]
+    if ratios:
+        log(f"  sparse-switch bytes / ideal (own blocks up, union down, look-aheads): "
+            f"{min(ratios):.3f} .. {max(ratios):.3f}")
     log(f"  closed form vs simulation: max |error| {100 * max(errs):.1f}%, mean {100 * np.mean(errs):.1f}%, "
         f"{sum(e <= 0.15 for e in errs)}/{len(errs)} within 15%")
 
@@ -369,12 +375,12 @@ def main(argv=None) -> dict:
     with open(os.path.join(args.out, f"sparse_switch_{args.overlap}{tag}.csv"), "w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(["experiment", "n", "density", "numel", "pool", "overlap", "union_density", *TRANSPORTS,
-                    "form_us", "expected_us", "sparse_bytes"])
+                    "form_us", "expected_us", "sparse_bytes", "ideal_bytes"])
         for name, pts in (("E1", points), ("E2", pool_points), ("E3", small)):
             for p in pts:
                 w.writerow([name, p.n, p.density, p.numel, p.pool, p.overlap, p.union_density,
                             *(p.times_us.get(t, float("nan")) for t in TRANSPORTS), p.form_us, p.expected_us,
-                            p.sparse_bytes])
+                            p.sparse_bytes, p.ideal_bytes])
     for f in plot(points, pool_points, args.out, ns, densities):
         print("wrote", f)
     print(f"total {time.perf_counter() - t0:.0f} s")
