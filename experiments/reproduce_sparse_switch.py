@@ -12,8 +12,8 @@ OmniReduce aggregators, one per worker, with the workers' bandwidth):
 
 E1  time vs density (1, 0.5, 0.1, 0.01) and vs workers (2..64) for ring, switch (dense, <= 32 workers: its
     32-bit bitmap), omnireduce colocated and dedicated, and sparse-switch, with the closed form
-    :func:`theory.costs.sparse_switch_allreduce` (with the data's measured union, own blocks and busiest
-    lane; the expectation-only form in the CSV);
+    :func:`theory.costs.sparse_switch_allreduce` (with the data's measured union, own blocks and waves
+    of the stream; the expectation-only form in the CSV);
 E2  pool pressure: n = 8, density 1 and 0.1, pool 4..256 slots, sparse-switch against switch;
 E3  small tensors: n = 8, density 0.5, 1 KiB .. 1 MiB;
 E4  (``--netbed GBPS``, root, instead of E1-E3) the same five on real processes over a netbed at n = 4:
@@ -66,7 +66,7 @@ class Point:
     overlap: str
     union_density: float
     times_us: dict = field(default_factory=dict)    # transport -> modelled time (us), NaN if not run
-    form_us: float = float("nan")                   # closed form, measured union / busiest lane
+    form_us: float = float("nan")                   # closed form, measured union / waves
     expected_us: float = float("nan")               # closed form, expectations only
     sparse_bytes: float = float("nan")              # sparse-switch bytes sent + received per worker
     ideal_bytes: float = float("nan")               # own blocks up + union down, 4-byte look-aheads, firsts
@@ -139,17 +139,26 @@ def run_point(n: int, density: float, *, numel: int = NUMEL, pool: int = POOL, o
             p.sparse_bytes = moved
     nb = union.size
     L = min(pool, nb)
-    P = -(-nb // L)
-    grid = np.zeros(P * L, dtype=bool)
-    grid[:nb] = union
     common = dict(density=density, overlap=overlap, pool_size=pool, slot_elems=BLOCK,
                   bandwidth_gbps=BANDWIDTH, latency_us=LATENCY_US)
     p.form_us = 1e6 * costs.sparse_switch_allreduce(
         n, numel, **common, own_blocks=float(np.mean([m.sum() for m in ms])), union_blocks=float(union.sum()),
-        busiest_lane=float(grid.reshape(P, L).sum(0).max())).time_s
+        waves=waves_of(union, pool)).time_s
     p.expected_us = 1e6 * costs.sparse_switch_allreduce(n, numel, **common).time_s
     p.ideal_bytes = (float(np.mean([m.sum() for m in ms])) + float(union.sum())) * (4 * BLOCK + 4) + 8 * L
     return p
+
+
+def waves_of(union: np.ndarray, pool: int) -> list[float]:
+    """The stream's waves for a union block mask: wave ``r`` = the lanes with at least ``r`` union blocks
+    (:func:`theory.costs.sparse_switch_waves` gives their expectation)."""
+    nb = union.size
+    L = min(pool, nb)
+    P = -(-nb // L)
+    grid = np.zeros(P * L, dtype=bool)
+    grid[:nb] = union
+    per_lane = grid.reshape(P, L).sum(0)
+    return [float((per_lane >= r).sum()) for r in range(1, int(per_lane.max(initial=0)) + 1)]
 
 
 HEADER = ("dens   n |     ring   switch omni-col omni-ded   sparse |  form(us)    err | winner")

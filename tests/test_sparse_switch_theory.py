@@ -1,5 +1,5 @@
 """The closed form :func:`theory.costs.sparse_switch_allreduce` against the SimFabric: modelled time within
-15 % (with the data's measured union, own blocks and busiest lane, and with the expectations only), and
+15 % (with the data's measured union, own blocks and waves of the stream, and with the expectations only), and
 the bytes it books equal to the ledger's."""
 
 from __future__ import annotations
@@ -11,10 +11,13 @@ import sparsecomm as sc
 from sparsecomm import codec
 from theory import costs
 
+from experiments.reproduce_sparse_switch import waves_of
+
 from .test_sparse_switch import K, blocky
 
 POINTS = [  # n, numel, density, overlap, pool
     (4, 256 * 1024, 0.1, "random", 256),     # bandwidth-bound and lane-bound comparable
+    (3, 256 * 1024, 1.0, "full", 48),        # the pool just short of the bandwidth-delay product
     (8, 256 * 512, 0.02, "random", 256),     # sparse: a few rounds per lane
     (3, 256 * 256, 1.0, "random", 8),        # dense, small pool: pool pressure (lane-bound)
     (4, 256 * 48 + 9, 0.5, "full", 256),     # small tensor: the set-up round trips dominate
@@ -33,13 +36,8 @@ def test_closed_form_within_15_percent_of_the_simulation(n, numel, density, over
     sim = max(s.modelled_time_s for _, s in out)
     masks = [codec.nonzero_blocks(x, K).numpy() for x, _ in out]
     union = np.logical_or.reduce(masks)
-    nb = union.size
-    L = min(pool, nb)
-    P = -(-nb // L)
-    grid = np.zeros(P * L, dtype=bool)
-    grid[:nb] = union
     measured = dict(own_blocks=float(np.mean([m.sum() for m in masks])), union_blocks=float(union.sum()),
-                    busiest_lane=float(grid.reshape(P, L).sum(0).max()))
+                    waves=waves_of(union, pool))
     common = dict(density=density, overlap=overlap, pool_size=pool, slot_elems=K)
     form = costs.sparse_switch_allreduce(n, numel, **common, **measured)
     expect = costs.sparse_switch_allreduce(n, numel, **common)
