@@ -48,11 +48,13 @@ at most ``(2h + 4k) / (4k + 4) = 1.027`` times OmniReduce's ideal (own blocks up
 of look-ahead each), whatever the densities.
 
 *The union denser than the pool.* The pool bounds lanes, not data: a lane with ``R_j`` union blocks
-runs ``R_j`` rounds back to back, one round trip each, so a job takes about
-``max(bytes / line rate, max_j R_j * RTT)``. With ``L`` slots of ``4k`` bytes the stream reaches
-line rate only if ``L * 4k`` covers the bandwidth-delay product (SwitchML's rule); below that, time
-grows with the union's density in the busiest lane (pool pressure). At density 1 this is SwitchML
-plus the look-ahead round; at low density the blocks per lane fall and so does the time.
+runs ``R_j`` rounds back to back, one round trip each. The stream moves in *waves* (wave ``r``: the
+``r``-th union block of every lane that has one), each a round trip long unless its packets take
+longer to serialise; with ``L`` slots of ``4k`` bytes it reaches line rate only if ``L * 4k`` covers
+the bandwidth-delay product (SwitchML's rule). Below that, time grows with the number of waves, i.e.
+with the union's blocks per lane (pool pressure): at density 1 this is SwitchML's stream (plus the
+look-ahead round, minus its exponent batch), at density ``d`` it has ``d`` times the waves.
+Nothing needs more switch memory when the union is dense; it takes more round trips.
 
 *Small tensors.* The control and look-ahead rounds are two round trips before the first block (the
 dense ``switch`` needs the control round and a one-round exponent batch); the closed form
@@ -68,6 +70,8 @@ tensor's maximum keep ``31 - log2 n - (E - e_elem)`` bits. Error per element ``<
 
 Match-action pipeline (one pass per 64 values; 256 values with SwitchML's recirculation)
 ----------------------------------------------------------------------------------------
+Budget: 12 match-action stages per pipe on Tofino 1 (20 on Tofino 2), 4 register ALUs per stage, a
+register ALU updating one 32-bit value or a pair (SwitchML's 64 values use 8 stages of 4 pairs).
 =====  =================================================================  ========================
 stage  action                                                             registers (per slot, 2 sets)
 =====  =================================================================  ========================
