@@ -38,7 +38,7 @@ import csv
 import functools
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch

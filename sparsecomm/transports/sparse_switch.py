@@ -122,9 +122,8 @@ from ..payload import Payload
 from . import registry
 from .base import Transport
 from .sparse_switch_dataplane import (
-    F_NEXT, F_POS, F_SLOT, HEADER, MAX_WORKERS, NONE, PACKET_ELEMS, T_DATA, T_MIN, T_RESULT, T_RETRANSMIT,
-    T_SKIP, TAG_DOWN, TAG_SKIP, TAG_UP, W0, JOB_MASK, Dataplane, SparseSwitchConfig, pack_w0, service_main,
-    unpack_w0,
+    F_NEXT, HEADER, MAX_WORKERS, NONE, PACKET_ELEMS, T_DATA, T_EMPTY, T_MIN, T_RESULT, T_RETRANSMIT,
+    T_SKIP, TAG_DOWN, TAG_SKIP, TAG_UP, JOB_MASK, Dataplane, Header, SparseSwitchConfig, service_main,
 )
 
 INT32_MAX = 2**31 - 1
@@ -433,8 +432,8 @@ class SparseSwitch(Transport):
         """A packet for ``slot``'s next round (the set is the slot's current parity)."""
         row = np.empty(HEADER if kind == T_SKIP else HEADER + self.k, dtype=np.int32)
         st = self._state
-        row[W0] = pack_w0(kind, int(st.parity[slot]), self.fabric.rank, self.fabric.world_size, st.job)
-        row[F_SLOT], row[F_POS], row[F_NEXT] = slot, pos, nxt
+        Header(kind, int(st.parity[slot]), self.fabric.rank, self.fabric.world_size, st.job & JOB_MASK,
+               slot, pos, nxt).write(row)
         if kind != T_SKIP:
             row[HEADER:] = vec
         return row
@@ -529,15 +528,15 @@ class SparseSwitch(Transport):
                     expiries = 0
                 continue
             for res in msg_rows:
-                kind, v, _w, _n, job = (int(a) for a in unpack_w0(res[W0]))
-                if kind == 0:
+                h = Header.of(res)
+                if h.kind == T_EMPTY:
                     continue                       # an unused row of a burst
-                i = index.get(int(res[F_SLOT]))
-                if (kind not in (T_RESULT, T_RETRANSMIT) or job != st.job or i is None or out[i] is None):
+                i = index.get(h.slot)
+                if h.kind not in (T_RESULT, T_RETRANSMIT) or h.job != st.job or i is None or out[i] is None:
                     info["ignored"] += 1
                     continue
-                row = out[i]
-                if v != (int(row[W0]) >> 3) & 1 or int(res[F_POS]) != int(row[F_POS]):
+                sent = Header.of(out[i])
+                if (h.set, h.pos) != (sent.set, sent.pos):
                     info["ignored"] += 1           # a stale result (an earlier round of this slot)
                     continue
                 info["results"] += 1

@@ -37,7 +37,8 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from dataclasses import dataclass, fields
-from typing import Callable
+from enum import IntEnum
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -48,7 +49,20 @@ from ..fabric.base import Fabric
 # ----------------------------------------------------------------------------- wire format
 W0, F_SLOT, F_POS, F_NEXT = range(4)
 HEADER = 4
-T_DATA, T_SKIP, T_MIN, T_RESULT, T_RETRANSMIT = 1, 2, 3, 4, 5
+
+
+class Kind(IntEnum):
+    """Packet types (``W0 & 7``)."""
+
+    EMPTY = 0        # an unused row of a burst
+    DATA = 1         # worker -> switch: a block's codes (added) with the sender's look-ahead
+    SKIP = 2         # worker -> switch: no block, the sender's pending look-ahead (header only)
+    MIN = 3          # worker -> switch: a look-ahead round vector (element-wise minimum)
+    RESULT = 4       # switch -> workers: a completed round (multicast)
+    RETRANSMIT = 5   # switch -> one worker: a completed round again, for a duplicate
+
+
+T_EMPTY, T_DATA, T_SKIP, T_MIN, T_RESULT, T_RETRANSMIT = (int(k) for k in Kind)
 TYPES_UP = (T_DATA, T_SKIP, T_MIN)
 TAG_UP, TAG_SKIP, TAG_DOWN = 0x5B51, 0x5B53, 0x5B52
 
@@ -58,7 +72,6 @@ PACKET_ELEMS = (64, 256)          # as SwitchML: one pass, or four with recircul
 DEFAULT_SLOTS = 1024
 JOB_MASK = 0xFFF
 SIM_BURST, REAL_BURST = 1, 32     # packets per fabric message: one datagram in the sim; amortised on real fabrics
-T_EMPTY = 0                       # an unused row of a burst
 
 _TYPE_BITS, _SET_SHIFT, _WORKER_SHIFT, _NW_SHIFT, _JOB_SHIFT = 0x7, 3, 4, 10, 17
 
@@ -74,10 +87,32 @@ def pack_w0(kind, set_, worker, nw, job) -> np.ndarray | int:
 
 
 def unpack_w0(w0):
-    """``(type, set, worker, n, job)`` of first header words."""
+    """``(type, set, worker, n, job)`` of first header words (vectorised)."""
     w0 = np.asarray(w0, dtype=np.int64)
     return (w0 & _TYPE_BITS, (w0 >> _SET_SHIFT) & 1, (w0 >> _WORKER_SHIFT) & 0x3F,
             (w0 >> _NW_SHIFT) & 0x7F, (w0 >> _JOB_SHIFT) & JOB_MASK)
+
+
+class Header(NamedTuple):
+    """A packet's header, decoded: what every endpoint reads before it uses a packet."""
+
+    kind: int
+    set: int
+    worker: int
+    n: int
+    job: int
+    slot: int
+    pos: int
+    next: int
+
+    @classmethod
+    def of(cls, row: np.ndarray) -> "Header":
+        return cls(*(int(a) for a in unpack_w0(row[W0])), int(row[F_SLOT]), int(row[F_POS]), int(row[F_NEXT]))
+
+    def write(self, row: np.ndarray) -> np.ndarray:
+        row[W0] = pack_w0(self.kind, self.set, self.worker, self.n, self.job)
+        row[F_SLOT], row[F_POS], row[F_NEXT] = self.slot, self.pos, self.next
+        return row
 
 
 @dataclass(frozen=True)
@@ -184,8 +219,8 @@ class Dataplane:
         ``(row to multicast, row to unicast)``, either ``None``. Malformed packets are dropped and
         counted (``stats["malformed"]``), as a parser drops what it cannot match."""
         cfg = self.config
-        kind, v, w, n, _job = (int(a) for a in unpack_w0(row[W0]))
-        slot, p, m = int(row[F_SLOT]), int(row[F_POS]), int(row[F_NEXT])
+        h = Header.of(row)
+        kind, v, w, n, slot, p, m = h.kind, h.set, h.worker, h.n, h.slot, h.pos, h.next
         width = row.shape[0]
         ok = (kind in TYPES_UP and 0 <= slot < cfg.slots and 0 <= w < n <= MAX_WORKERS
               and width == (HEADER if kind == T_SKIP else HEADER + cfg.elems)
@@ -226,7 +261,7 @@ class Dataplane:
                 self.count[slot, v] -= 1
             self.stats["consumed"] += 1
             if self.audit is not None:
-                self.audit[(_job, kind == T_MIN, slot, p, w)] += 1
+                self.audit[(h.job, kind == T_MIN, slot, p, w)] += 1
             if self.count[slot, v] == 0:
                 if not self.held[slot, v]:
                     self.stats["empty"] += 1
@@ -241,9 +276,8 @@ class Dataplane:
 
     def _result(self, row: np.ndarray, slot: int, v: int, kind: int) -> np.ndarray:
         out = np.empty(HEADER + self.config.elems, dtype=np.int32)
-        _, _, w, n, job = unpack_w0(row[W0])
-        out[W0] = pack_w0(kind, v, int(w), int(n), int(job))
-        out[F_SLOT], out[F_POS], out[F_NEXT] = slot, self.pos[slot, v], self.nxt[slot, v]
+        h = Header.of(row)
+        h._replace(kind=kind, set=v, slot=slot, pos=int(self.pos[slot, v]), next=int(self.nxt[slot, v])).write(out)
         out[HEADER:] = self.values[slot, v]
         return out
 
@@ -283,7 +317,7 @@ class Dataplane:
             for row in rows:
                 mc, uc = self.process(row)
                 if mc is not None:
-                    mcast.setdefault(int(unpack_w0(mc[W0])[3]), []).append(mc)
+                    mcast.setdefault(Header.of(mc).n, []).append(mc)
                 if uc is not None:
                     ucast.append(uc)
             sends = []
