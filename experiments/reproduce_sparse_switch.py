@@ -54,6 +54,7 @@ BLOCK = 256
 POOL = 256
 LATENCY_US = 2.0
 BANDWIDTH = 100.0
+WALL_TIMEOUT_S = 900.0    # the SimFabric's wall-clock guard: 64 simulated endpoints on 2 busy cores are slow
 TRANSPORTS = ("ring", "switch", "omni-colocated", "omni-dedicated", "sparse-switch")
 
 
@@ -95,7 +96,7 @@ def _data(n: int, numel: int, density: float, overlap: str, seed: int) -> list[t
 
 def _time(name: str, n: int, xs: list[torch.Tensor], pool: int, check: bool = True) -> tuple[float, float]:
     """Modelled time (max over workers) and mean bytes moved per worker of one all-reduce."""
-    net = sc.Network(bandwidth_gbps=BANDWIDTH, latency_us=LATENCY_US)
+    net = sc.Network(bandwidth_gbps=BANDWIDTH, latency_us=LATENCY_US, timeout_s=WALL_TIMEOUT_S)
     kw: dict = {}
     if name == "switch":
         name, kw = "switch", dict(slot_elems=BLOCK, pool_size=pool)
