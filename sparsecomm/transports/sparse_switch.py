@@ -100,7 +100,10 @@ Memory with the defaults (``S = 1024`` slots, ``k = 256``): ``values`` ``1024 * 
 Deployment: as ``switch``. On SimFabric the transport starts the program as a per-port service on
 first use (its link set by ``bandwidth_gbps``/``latency_us``); on torch.distributed it is the rank the
 launcher started (``services=["sparse-switch"]``) and its constants (``slot_elems``,
-``switch_slots``) default to that rank's.
+``switch_slots``, ``burst``) default to that rank's. There ``burst`` packets share a fabric message
+(padded with empty rows when fewer are ready, as ``switch`` does) and skips travel padded to a value
+packet, since a message costs far more than its bytes; the byte figures above are the SimFabric's,
+one packet per datagram.
 """
 
 from __future__ import annotations
