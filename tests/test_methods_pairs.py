@@ -12,9 +12,9 @@ import sparsecomm as sc
 from sparsecomm.errors import IncompatibleError
 from sparsecomm.pipeline import CommPipeline
 
-TRANSPORTS = ("ring", "allgather", "omnireduce", "switch")
+TRANSPORTS = ("ring", "allgather", "omnireduce", "switch", "sparse-switch")
 TABLE = {"powersgd": TRANSPORTS, "signsgd": TRANSPORTS, "signum": TRANSPORTS,
-         "onebit": ("allgather",), "dgc": ("allgather", "omnireduce")}
+         "onebit": ("allgather",), "dgc": ("allgather", "omnireduce", "sparse-switch")}
 
 
 def _reduce(ctx, name, transport):
