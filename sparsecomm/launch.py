@@ -12,15 +12,26 @@ rank ends every rank: the others' waits raise :class:`~sparsecomm.errors.PeerFai
 re-raises the failing rank's own error. Inside ``fn``, :func:`current_context` returns the context,
 so that library objects (the optimizer, transports) find their fabric without being told.
 
+**Randomness on the sim backend.** Simulated workers are threads of one process, and torch has one
+global RNG per process (it cannot be forked per thread): ``torch.manual_seed(0); make_model()`` in
+every worker interleaves the threads' draws, so the ranks' initial weights differ from run to run.
+:class:`~sparsecomm.DistributedOptimizer` broadcasts rank 0's parameters and buffers at construction
+(as DDP does), so the replicas start identical anyway; to build identical models deterministically
+yourself, seed through the context: ``with ctx.seeded(0): model = make_model()`` runs the block
+holding a process-wide lock with the global RNG seeded and restores the RNG afterwards (the same
+draws on every rank, backend-independent), and ``ctx.generator(seed)`` is a fresh generator of this
+worker's own for explicit draws (``torch.randn(..., generator=g)``).
+
 Backends are a registry: ``sim`` lives here; ``gloo`` and ``nccl`` (spawned processes, or the current
 process under ``torchrun``) in :mod:`sparsecomm.launch_torch`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -28,6 +39,7 @@ from .errors import PeerFailure
 from .fabric.base import Fabric
 from .fabric.sim import EndpointCrashed, Network, SimWorld
 from .registry import Registry
+from .transports.base import drain
 
 backends: Registry[Callable[..., list]] = Registry("launch backend")
 
@@ -43,8 +55,23 @@ class Context:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     network: Network | None = None
 
+    def generator(self, seed: int = 0) -> torch.Generator:
+        """A new generator on ``device`` seeded ``seed`` (pass ``seed + rank`` for per-rank draws)."""
+        return torch.Generator(device=self.device).manual_seed(int(seed))
+
+    @contextlib.contextmanager
+    def seeded(self, seed: int = 0) -> Iterator[None]:
+        """Run the block with torch's global RNG seeded ``seed``, holding a process-wide lock (other
+        workers' ``seeded`` blocks wait), and restore the RNG state afterwards: ``with
+        ctx.seeded(0): model = make_model()`` builds the same model on every rank, also on the sim
+        backend, where the workers are threads sharing the one global RNG."""
+        with _rng_lock, torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int(seed))
+            yield
+
 
 _local = threading.local()
+_rng_lock = threading.RLock()
 _process_context: Context | None = None
 
 
@@ -96,6 +123,7 @@ def _launch_sim(fn: Callable[[Context], Any], world_size: int, *, network: Netwo
         set_context(ctx)
         try:
             results[rank] = fn(ctx)
+            drain(ctx.fabric)     # calls started but never waited for finish before the endpoint retires
             world.finished(rank)
         except EndpointCrashed as exc:
             errors[rank] = (rank, exc)

@@ -4,21 +4,44 @@ the transport carries the method's payloads, and :class:`CommPipeline`, which ta
 through ``method.encode -> transport.allreduce -> method.decode`` and keeps the per-worker state
 (method state, generators, byte counts) that checkpoints carry. The rules (names, ``"auto"``, the
 incompatibility error) are documented in :mod:`sparsecomm.optim`.
+
+**Asynchronous rounds.** :meth:`CommPipeline.start` encodes on the calling thread (so the compressor's
+generator and the method state advance in call order, which the optimizer and the hook keep identical
+on every worker and identical to the synchronous order) and hands the payload to the transport's
+communication thread, which decodes right after the sum; ``start(...).wait()`` is :meth:`reduce`.
+A method's state is per bucket key, so decoding bucket ``a`` on the communication thread while bucket
+``b`` is encoded on the caller's thread touches disjoint state: the results are bit-identical to the
+synchronous path.
+
+**Non-finite gradients** (``nonfinite="raise"``, the default). The same
+:class:`~sparsecomm.errors.NonFiniteError` on every worker when any worker's bucket holds a NaN or Inf,
+whatever the compressor and transport: a compressed round checks the input *before* compression (a
+sampling compressor would not see an unsampled NaN) and, if it is not finite, still encodes (zeros, so
+that generators and states advance alike) but sends NaN values (or a NaN scale), so that the
+aggregate of *every* worker is non-finite; every round checks the aggregate after the sum (a
+transport that cannot carry NaN, fixed point, raises its own ``NonFiniteError`` on every worker).
+``nonfinite="pass"`` skips the checks: as DDP, NaN/Inf flow into the averaged gradient where the
+compressor keeps them (a sampling compressor may drop them; compressors that check their input still
+raise, on that worker).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Hashable
 
 import torch
 
 from .compressors.base import Compressor
-from .errors import IncompatibleError, MismatchError, SparseCommError, UnknownNameError
+from .errors import IncompatibleError, MismatchError, NonFiniteError, SparseCommError, UnknownNameError
 from .fabric.base import Fabric
 from .fabric.stats import CommStats
 from .methods.base import Method, check_kwargs, dense_payload
-from .transports.base import Transport
+from .payload import Payload
+from .transports.base import CommWork, Transport
+
+NONFINITE = ("raise", "pass")
 
 AUTO_ORDER = ("ring", "omnireduce", "switch", "allgather")
 
@@ -191,8 +214,13 @@ class CommPipeline:
 
     def __init__(self, compressor: str | Compressor | Method = "none", transport: str | Transport = "auto",
                  *, method: str | None = None, transport_kwargs: dict | None = None,
-                 fabric: Fabric | None = None, seed: int = 0, **hyper: Any) -> None:
+                 fabric: Fabric | None = None, seed: int = 0, nonfinite: str = "raise",
+                 **hyper: Any) -> None:
+        if nonfinite not in NONFINITE:
+            raise ValueError(f"nonfinite must be one of {', '.join(map(repr, NONFINITE))}, got {nonfinite!r}")
+        self.nonfinite = nonfinite
         self.method = build_method(compressor, method, **hyper)
+        warn_unguaranteed(self.method)
         self.transport = build_transport(transport, self.method, fabric, transport_kwargs)
         self.fabric = self.transport.fabric
         self.world_size = int(self.fabric.world_size)
@@ -220,28 +248,83 @@ class CommPipeline:
 
     def reduce(self, flat: torch.Tensor, key: Hashable, *, exact: bool = False,
                compress: bool = True) -> torch.Tensor:
-        """The averaged estimate for this worker's flat ``flat`` of bucket ``key``.
+        """``start(flat, key, ...).wait()``: the averaged estimate (see :meth:`start`)."""
+        return self.start(flat, key, exact=exact, compress=compress).wait()
+
+    def start(self, flat: torch.Tensor, key: Hashable, *, exact: bool = False,
+              compress: bool = True) -> CommWork:
+        """Start the round of bucket ``key``; ``wait()`` returns the averaged estimate.
+
+        The averaged estimate for this worker's flat ``flat`` of bucket ``key``.
 
         ``compress=False`` bypasses the method (plain average, no state); ``exact=True`` runs the
         method's exact (uncompressed) round. ``flat`` is scratch: the method may overwrite it and a
         transport built with ``inplace=True`` may write the sum into it. The result is the transport's
         output divided in place (a fresh tensor, or ``flat`` itself), or the method's estimate written
         into this bucket's persistent buffer; either stays valid until the next ``reduce`` of ``key``
-        (callers keep views of it, as DDP's ``gradient_as_bucket_view``).
+        (callers keep views of it, as DDP's ``gradient_as_bucket_view``). ``flat`` must not be touched
+        until the work completes.
         """
         dense_bytes = flat.numel() * flat.element_size()
+        n = self.world_size
+        check = self.nonfinite == "raise"
         if not compress or self._plain:
             payload = dense_payload(flat)
-            out = self.transport.allreduce(flat).div_(self.world_size)
+            sent = flat
+
+            def finish(agg: torch.Tensor) -> torch.Tensor:
+                if check:
+                    _check_aggregate(agg, key)
+                return agg.div_(n)
         else:
+            poison = check and not exact and not _finite(flat)
+            if poison:
+                flat.zero_()
             payload = self.method.encode(flat, key, self.generator(flat.device), exact=exact, inplace=True)
-            agg = self.transport.allreduce(payload)
-            out = self.method.decode(agg, self.world_size, key, out=self._out(key, agg))
-        self.stats.rounds += 1
-        self.stats.bytes_dense += dense_bytes
-        self.stats.bytes_payload += _payload_bytes(payload)
-        self.last_stats = self.last_stats + self.transport.last_stats
-        return out
+            if poison:
+                _poison(payload, key)
+            sent = payload
+
+            def finish(agg: torch.Tensor) -> torch.Tensor:
+                if check:
+                    _check_aggregate(agg, key)
+                return self.method.decode(agg, n, key, out=self._out(key, agg))
+
+        def then(agg: torch.Tensor) -> torch.Tensor:
+            out = finish(agg)
+            self.stats.rounds += 1
+            self.stats.bytes_dense += dense_bytes
+            self.stats.bytes_payload += _payload_bytes(payload)
+            self.last_stats = self.last_stats + self.transport.last_stats
+            return out
+
+        return self.transport.start(sent, then=then)
+
+    def start_sparse(self, param: torch.Tensor, key: Hashable) -> CommWork:
+        """Start the plain average of ``param``'s row-sparse gradient as a ``sparse`` payload (this
+        pipeline must be plain averaging and its transport must carry ``sparse``); ``wait()`` returns
+        the coalesced sparse average (the rows whose sum is non-zero)."""
+        from .optim import dense_to_sparse_rows, sparse_payload
+
+        payload = sparse_payload(param, param.dtype)
+        n = self.world_size
+        check = self.nonfinite == "raise"
+        if check and not _finite(payload.values):
+            payload.values.fill_(float("nan"))
+        shape = param.shape
+
+        def then(agg: torch.Tensor) -> torch.Tensor:
+            out = dense_to_sparse_rows(agg.view(shape))
+            if check:
+                _check_aggregate(out._values(), key)
+            out._values().div_(n)
+            self.stats.rounds += 1
+            self.stats.bytes_dense += param.numel() * param.element_size()
+            self.stats.bytes_payload += _payload_bytes(payload)
+            self.last_stats = self.last_stats + self.transport.last_stats
+            return out
+
+        return self.transport.start(payload, then=then)
 
     def _out(self, key: Hashable, like: torch.Tensor) -> torch.Tensor:
         """The persistent estimate buffer of bucket ``key`` (reused every round: no fresh allocation)."""
@@ -279,6 +362,58 @@ class CommPipeline:
             g = torch.Generator(device=torch.device(d))
             g.set_state(s)
             self._generators[torch.device(d)] = g
+
+
+def _finite(x: torch.Tensor) -> bool:
+    from .compressors._common import abs_max
+
+    return math.isfinite(abs_max(x.reshape(-1))) if x.is_floating_point() else True
+
+
+_NONFINITE_HELP = ("pass nonfinite='pass' to let NaN/Inf through as DDP does, or find the cause "
+                   "(learning rate, loss scaling, torch.autograd.set_detect_anomaly)")
+
+
+def _check_aggregate(agg: torch.Tensor, key: Hashable) -> None:
+    if not _finite(agg):
+        raise NonFiniteError(f"the gradients of bucket {key!r} hold a NaN or Inf on at least one worker "
+                             f"(the aggregate is not finite; raised on every worker); {_NONFINITE_HELP}")
+
+
+def _poison(p: Payload, key: Hashable) -> None:
+    """Make ``p`` (encoded from zeros) carry NaN, so every worker's aggregate is non-finite."""
+    nan = float("nan")
+    if p.values.is_floating_point() and p.values.numel():
+        p.values.fill_(nan)
+    elif p.scale is not None and p.scale.is_floating_point() and p.scale.numel():
+        p.scale.fill_(nan)
+    else:
+        raise NonFiniteError(f"the gradients of bucket {key!r} hold a NaN or Inf on this worker and its "
+                             f"{p.kind!r} payload cannot carry the fact to the other workers; "
+                             f"{_NONFINITE_HELP}")
+
+
+def warn_unguaranteed(method: Method) -> None:
+    """Warn about a method x compressor pair with no convergence guarantee that diverges in practice:
+    error feedback (EF, EF21) around an unbiased compressor that is not contractive (omega >= 1, e.g.
+    QSGD with few levels): EF's analysis needs ``delta``-contraction (Stich et al. 2018; Richtarik et
+    al. 2021), and a scaled unbiased operator with omega >= 1 expands the error it feeds back."""
+    import warnings
+
+    comp = method.compressor
+    if method.name not in ("ef", "ef21") or not getattr(comp, "unbiased", False):
+        return
+    try:
+        omega = float(comp.omega(1 << 16))
+    except Exception:  # noqa: BLE001 - compressors without omega: nothing to say
+        return
+    if omega >= 1.0:
+        cname = getattr(comp, "name", "") or type(comp).__name__
+        warnings.warn(
+            f"method {method.name!r} with compressor {cname!r} (unbiased, omega={omega:.3g} >= 1) has no "
+            f"convergence guarantee and can diverge (EF + QSGD with 4 levels reached 3.4e7): error "
+            f"feedback needs a contractive compressor (topk, or {cname!r} scaled by 1/(omega+1): "
+            f"'induced'/'compose'), or use 'diana' for unbiased compressors", UserWarning, stacklevel=3)
 
 
 def _payload_bytes(p: Any) -> int:
