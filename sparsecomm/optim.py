@@ -167,17 +167,17 @@ class _Bucket:
             p.grad = dense_to_sparse_rows(v) if id(p) in sparse_ids else v
 
 
-def sparse_payload(p: torch.nn.Parameter, dtype: torch.dtype):
-    """The coalesced sparse gradient of ``p`` as a ``sparse`` payload over ``p``'s flat elements:
-    element indices ``row * row_len + j`` and the rows' values (nothing densified)."""
+def sparse_payload(g: torch.Tensor | None, shape: torch.Size, dtype: torch.dtype):
+    """A coalesced row-sparse gradient ``g`` (``None``: no rows) of a parameter of ``shape`` as a
+    ``sparse`` payload over the parameter's flat elements: element indices ``row * row_len + j`` and the
+    rows' values (nothing densified)."""
     from .payload import Payload
 
-    numel = p.numel()
-    g = p.grad
-    row_len = numel // p.shape[0] if p.dim() and p.shape[0] else 1
+    numel = int(shape.numel())
+    row_len = numel // shape[0] if len(shape) and shape[0] else 1
     if g is None:
-        idx = torch.empty(0, dtype=torch.int64, device=p.device)
-        vals = torch.empty(0, dtype=dtype, device=p.device)
+        idx = torch.empty(0, dtype=torch.int64)
+        vals = torch.empty(0, dtype=dtype)
     else:
         g = g.coalesce()
         if g.sparse_dim() != 1:
@@ -422,7 +422,8 @@ class DistributedOptimizer:
             self._sc_in_step = True
         exact = self._sc_steps < self._sc_warmup
         if b.sparse and self._sparse_payloads():
-            work = pipe.start_sparse(b.params[0], b.key)
+            p = b.params[0]
+            work = pipe.start_sparse(p.grad, p.shape, b.key, p.dtype)
         else:
             work = pipe.start(b.gather(), b.key, exact=exact, compress=b.compress)
         self._sc_works.append((b, work))

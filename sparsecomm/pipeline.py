@@ -234,6 +234,10 @@ class CommPipeline:
         self.stats = CompressionStats()
         self.last_stats = CommStats()
         self._outs: dict[Hashable, torch.Tensor] = {}
+        # parameter-keyed state (the DDP hook): the (name, numel) segments of each key's state and
+        # the key that holds the current state of each named segment
+        self._segments: dict[Hashable, tuple[tuple[str, int], ...]] = {}
+        self._owner: dict[str, Hashable] = {}
 
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
         """This worker's compressor generator on ``device`` (``seed`` everywhere if shared, else
@@ -300,13 +304,79 @@ class CommPipeline:
 
         return self.transport.start(sent, then=then)
 
-    def start_sparse(self, param: torch.Tensor, key: Hashable) -> CommWork:
-        """Start the plain average of ``param``'s row-sparse gradient as a ``sparse`` payload (this
-        pipeline must be plain averaging and its transport must carry ``sparse``); ``wait()`` returns
-        the coalesced sparse average (the rows whose sum is non-zero)."""
+    def bind(self, key: Hashable, segments: tuple[tuple[str, int], ...]) -> None:
+        """Declare that bucket ``key`` holds the named parameter segments ``(name, numel)`` in this
+        order, before its round. When the method's state for ``key`` is missing or stale (its
+        segments now live in other keys' states, after a bucket rebuild or a restore onto another
+        layout), it is reassembled exactly, segment by segment, from the keys that hold them; a
+        method state that is not per coordinate cannot be split and raises
+        :class:`~sparsecomm.errors.MismatchError`, as does a bucket only partly covered by states."""
+        segments = tuple((str(n), int(k)) for n, k in segments)
+        st = self.method._state
+        names = [n for n, _ in segments]
+        current = key in st and self._segments.get(key) == segments and \
+            all(self._owner.get(n) == key for n in names)
+        if not current:
+            owned = [n for n in names if n in self._owner and self._owner[n] in st]
+            if owned and len(owned) != len(names):
+                missing = sorted(set(names) - set(owned))
+                raise MismatchError(f"cannot restore the method state of a bucket holding "
+                                    f"{names}: no state for {missing} while the others have one "
+                                    f"(a checkpoint of another model or parameter set)")
+            if owned:
+                st[key] = self._assemble(segments)
+            else:
+                st.pop(key, None)    # a fresh bucket (or stale state of nothing current)
+            self._segments[key] = segments
+            for n in names:
+                self._owner[n] = key
+            # drop states none of whose segments they own any more
+            live = set(self._owner.values())
+            for k in [k for k in list(st) if k not in live and k in self._segments]:
+                del st[k]
+                self._segments.pop(k, None)
+
+    def _assemble(self, segments: tuple[tuple[str, int], ...]) -> Any:
+        from dataclasses import fields
+
+        st = self.method._state
+        pieces: dict[str, list[torch.Tensor]] = {}
+        cls = None
+        for name, numel in segments:
+            k = self._owner[name]
+            src = st[k]
+            cls = type(src)
+            layout = self._segments[k]
+            off = 0
+            for n2, k2 in layout:
+                if n2 == name:
+                    break
+                off += k2
+            total = sum(k2 for _, k2 in layout)
+            if dict(layout)[name] != numel:
+                raise MismatchError(f"parameter {name!r} has {numel} elements but {dict(layout)[name]} in "
+                                    f"the saved method state")
+            for f in fields(src):
+                v = getattr(src, f.name)
+                if not isinstance(v, torch.Tensor) or v.dim() != 1 or v.numel() != total:
+                    raise MismatchError(
+                        f"method {self.method.name!r}: its state field {f.name!r} is not one value per "
+                        f"coordinate, so it cannot be remapped onto another bucket layout; restore onto "
+                        f"the same layout (DDP rebuilds its buckets after the first iteration)")
+                pieces.setdefault(f.name, []).append(v[off:off + numel])
+        return cls(**{n: torch.cat(v) for n, v in pieces.items()})
+
+    def start_sparse(self, grad: torch.Tensor | None, shape: torch.Size, key: Hashable,
+                     dtype: torch.dtype | None = None) -> CommWork:
+        """Start the plain average of a row-sparse gradient (``None``: no rows) of a parameter of
+        ``shape`` as a ``sparse`` payload (this pipeline must be plain averaging and its transport
+        must carry ``sparse``); ``wait()`` returns the coalesced sparse average (the rows whose sum is
+        non-zero)."""
         from .optim import dense_to_sparse_rows, sparse_payload
 
-        payload = sparse_payload(param, param.dtype)
+        dtype = dtype or grad.dtype
+        payload = sparse_payload(grad, torch.Size(shape), dtype)
+        numel = payload.numel
         n = self.world_size
         check = self.nonfinite == "raise"
         if check and not _finite(payload.values):
@@ -319,7 +389,7 @@ class CommPipeline:
                 _check_aggregate(out._values(), key)
             out._values().div_(n)
             self.stats.rounds += 1
-            self.stats.bytes_dense += param.numel() * param.element_size()
+            self.stats.bytes_dense += numel * torch.empty(0, dtype=dtype).element_size()
             self.stats.bytes_payload += _payload_bytes(payload)
             self.last_stats = self.last_stats + self.transport.last_stats
             return out
@@ -344,6 +414,7 @@ class CommPipeline:
 
     def state_dict(self) -> dict[str, Any]:
         return {"method": self.method.state_dict(),
+                "segments": dict(self._segments), "owner": dict(self._owner),
                 "generators": {str(d): g.get_state() for d, g in self._generators.items()},
                 "rank": self.rank, "world_size": self.world_size, "seed": self.seed,
                 "shared_randomness": self.shared_randomness}
@@ -357,6 +428,8 @@ class CommPipeline:
                 f"cannot be loaded on rank {self.rank} of {self.world_size} (the method state is per "
                 f"worker); delete the 'sparsecomm' entry to load only the inner optimizer's state")
         self.method.load_state_dict(state["method"])
+        self._segments = dict(state.get("segments", {}))
+        self._owner = dict(state.get("owner", {}))
         self._generators = {}
         for d, s in state.get("generators", {}).items():
             g = torch.Generator(device=torch.device(d))
