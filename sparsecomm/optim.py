@@ -197,7 +197,8 @@ def dense_to_sparse_rows(dense: torch.Tensor) -> torch.Tensor:
         return dense
     rows_view = dense.reshape(dense.shape[0], -1)
     keep = rows_view.ne(0).any(dim=1).nonzero().flatten()
-    return torch.sparse_coo_tensor(keep[None], dense[keep], dense.shape, is_coalesced=True)
+    return torch.sparse_coo_tensor(keep[None], dense[keep], dense.shape, is_coalesced=True,
+                                   check_invariants=False)
 
 
 def _layout(params: list[torch.nn.Parameter], cap_bytes: int, min_compress_size: int,

@@ -381,7 +381,6 @@ class CommPipeline:
         check = self.nonfinite == "raise"
         if check and not _finite(payload.values):
             payload.values.fill_(float("nan"))
-        shape = param.shape
 
         def then(agg: torch.Tensor) -> torch.Tensor:
             out = dense_to_sparse_rows(agg.view(shape))
