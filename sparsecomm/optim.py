@@ -515,13 +515,29 @@ class DistributedOptimizer:
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         sd = super().state_dict()  # type: ignore[misc]
-        sd["sparsecomm"] = {**self._sc_pipeline.state_dict(), "steps": self._sc_steps,
-                            "layout": [(b.numel, str(b.dtype), b.compress) for b in self._layout()]}
+        layout = [(b.numel, str(b.dtype), b.compress) for b in self._layout()]
+        sparse = None if self._sc_sparse is None else \
+            [i for i, p in enumerate(self._trainable()) if id(p) in self._sc_sparse]
+        sd["sparsecomm"] = {**self._sc_pipeline.state_dict(), "steps": self._sc_steps, "layout": layout,
+                            "sparse": sparse}
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         state_dict = dict(state_dict)
         extra = state_dict.pop("sparsecomm", None)
+        if self._sc_works:
+            raise SparseCommError("load_state_dict() with buckets in flight: call step() or synchronize() first")
+        params = self._layout() and self._trainable()
+        if extra is not None and extra.get("sparse") is not None:
+            # the sparse-gradient buckets the checkpoint was taken with (agreed at its first step)
+            idx = extra["sparse"]
+            if any(not 0 <= i < len(params) for i in idx):
+                raise MismatchError(f"the checkpoint's sparse-gradient parameters {idx} do not exist here "
+                                    f"({len(params)} parameters)")
+            want = frozenset(id(params[i]) for i in idx)
+            if want != (self._sc_sparse or frozenset()) or self._sc_sparse is None:
+                self._sc_sparse = want
+                self._build_layout(params)
         layout = [(b.numel, str(b.dtype), b.compress) for b in self._layout()]
         if extra is not None and [tuple(x) for x in extra.get("layout", [])] != layout:
             raise MismatchError(f"the checkpoint's bucket layout {extra.get('layout')} differs from this "

@@ -251,12 +251,12 @@ class CommPipeline:
         return g
 
     def reduce(self, flat: torch.Tensor, key: Hashable, *, exact: bool = False,
-               compress: bool = True) -> torch.Tensor:
+               compress: bool = True, shapes: Any = None) -> torch.Tensor:
         """``start(flat, key, ...).wait()``: the averaged estimate (see :meth:`start`)."""
-        return self.start(flat, key, exact=exact, compress=compress).wait()
+        return self.start(flat, key, exact=exact, compress=compress, shapes=shapes).wait()
 
     def start(self, flat: torch.Tensor, key: Hashable, *, exact: bool = False,
-              compress: bool = True) -> CommWork:
+              compress: bool = True, shapes: Any = None) -> CommWork:
         """Start the round of bucket ``key``; ``wait()`` returns the averaged estimate.
 
         The averaged estimate for this worker's flat ``flat`` of bucket ``key``.
@@ -284,14 +284,26 @@ class CommPipeline:
             poison = check and not exact and not _finite(flat)
             if poison:
                 flat.zero_()
-            payload = self.method.encode(flat, key, self.generator(flat.device), exact=exact, inplace=True)
+            enc_kw = {"shapes": shapes} if shapes is not None else {}
+            payload = self.method.encode(flat, key, self.generator(flat.device), exact=exact, inplace=True,
+                                         **enc_kw)
             if poison:
                 _poison(payload, key)
             sent = payload
+            next_round = getattr(self.method, "next_round", None)
 
             def finish(agg: torch.Tensor) -> torch.Tensor:
                 if check:
                     _check_aggregate(agg, key)
+                # a method of several rounds (PowerSGD: P, then Q): the later rounds run here, on the
+                # communication thread, right after the first (same order on every worker)
+                while next_round is not None and (nxt := next_round(agg, n, key)) is not None:
+                    self.last_stats = self.last_stats + self.transport.last_stats
+                    self.stats.rounds += 1
+                    self.stats.bytes_payload += _payload_bytes(nxt)
+                    agg = self.transport._call(nxt)
+                    if check:
+                        _check_aggregate(agg, key)
                 return self.method.decode(agg, n, key, out=self._out(key, agg))
 
         def then(agg: torch.Tensor) -> torch.Tensor:
