@@ -15,10 +15,10 @@ buckets in index order on every rank, so the calls match across ranks; the resul
 to synchronous calls.
 
 **Sparse gradients** (``nn.Embedding(sparse=True)``): DDP gives such a parameter a bucket of its own
-whose buffer is the sparse gradient; with plain averaging (``compressor="none"``) on a transport that
-carries ``sparse`` payloads (``omnireduce``, ``allgather``), its rows travel as a sparse payload and the
-future holds the coalesced sparse average. Other configurations are rejected by :func:`register` with
-an error naming these alternatives (or :class:`~sparsecomm.DistributedOptimizer`).
+whose buffer is the sparse gradient; with plain averaging (``compressor="none"``, any transport) the
+rows travel without densifying the table (:meth:`CommPipeline.start_sparse`) and the future holds the
+coalesced sparse average. A compressing method is rejected by :func:`register` with an error naming
+the alternatives (plain averaging, or :class:`~sparsecomm.DistributedOptimizer`).
 
 **Replicas**: DDP itself broadcasts rank 0's parameters and buffers at construction (and buffers at
 every forward with ``broadcast_buffers=True``), so the hook adds nothing there.
@@ -81,7 +81,8 @@ class CommHookState:
     """Per-worker state of :func:`comm_hook` (see the module doc).
 
     ``CommHookState(process_group=None, compressor="none", transport="auto", *, method=None,
-    transport_kwargs=None, warmup_steps=0, min_compress_size=0, seed=0, **hyper)``; ``compressor``,
+    transport_kwargs=None, warmup_steps=0, min_compress_size=0, seed=0, model=None, **hyper)``;
+    ``model`` (the DDP module) names the parameters that key the method state; ``compressor``,
     ``method``, ``transport`` and ``**hyper`` as for :class:`~sparsecomm.DistributedOptimizer`
     (objects are accepted but then the state cannot be pickled and rebuilt).
     """
@@ -181,7 +182,7 @@ class CommHookState:
 
     def _start_sparse(self, buffer: torch.Tensor, index: int, params: list[torch.Tensor] | None) -> CommWork:
         pipe = self.pipeline
-        if not (pipe._plain and pipe.transport.can_carry("sparse")):
+        if not pipe._plain:
             raise IncompatibleError(sparse_message(self))
 
         return pipe.start_sparse(buffer, buffer.shape, index)
@@ -215,9 +216,9 @@ def _reshaped(w: CommWork, shape: torch.Size, dtype: torch.dtype) -> tuple[Any, 
 def sparse_message(state: CommHookState) -> str:
     t = state.pipeline.transport.name
     return (f"sparsecomm's DDP hook got a sparse gradient bucket (nn.Embedding(sparse=True)), which it "
-            f"carries only as plain averaging (compressor='none') on a transport that carries 'sparse' "
-            f"payloads (omnireduce, allgather); this hook has method {state.pipeline.method.name!r} on "
-            f"transport {t!r}. Use sparsecomm.ddp.register(model, compressor='none', "
+            f"averages only plainly (compressor='none'); this hook has method "
+            f"{state.pipeline.method.name!r} with compressor {getattr(state.pipeline.method.compressor, 'name', '?')!r} "
+            f"on transport {t!r}. Use sparsecomm.ddp.register(model, compressor='none', "
             f"transport='omnireduce'), sparse=False embeddings, or sc.DistributedOptimizer (which "
             f"averages sparse gradients with any method and returns them sparse)")
 
@@ -241,7 +242,7 @@ def register(model: torch.nn.parallel.DistributedDataParallel, process_group: An
     sparse = [n for n, m in model.named_modules()
               if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse]
     pipe = state.pipeline
-    if sparse and not (pipe._plain and pipe.transport.can_carry("sparse")):
+    if sparse and not pipe._plain:
         raise IncompatibleError(sparse_message(state) + f" (sparse modules: {', '.join(sparse)})")
     model.register_comm_hook(state, comm_hook)
     return state

@@ -45,12 +45,13 @@ gradients are sparse). Do not change ``p.grad`` between ``backward`` and ``step(
 
 **Sparse gradients.** At the first synchronisation the workers agree (one tiny all-reduce) on the
 parameters whose gradient is a ``torch.sparse_coo`` tensor (``nn.Embedding(sparse=True)``); each gets a
-bucket of its own. With plain averaging (``compressor="none"``) on a transport that carries ``sparse``
-payloads (``omnireduce``, ``allgather``), the coalesced rows travel as a ``sparse`` payload (element
-indices and values; never densified on the sending side) and ``p.grad`` comes back as a coalesced
-sparse tensor of the rows whose sum is non-zero (so ``torch.optim.SparseAdam`` and ``SGD`` with sparse
-gradients work). Otherwise (a compressing method, or a dense-only transport) the rows are scattered
-into the bucket, averaged as a dense bucket, and ``p.grad`` still comes back sparse.
+bucket of its own. With plain averaging (``compressor="none"``) the table is never densified
+(:meth:`CommPipeline.start_sparse`: the union of the workers' rows, as a ``sparse`` payload of row
+indices where the transport carries one, then the union's rows summed compactly) and ``p.grad`` comes
+back as a coalesced sparse tensor over the union of the rows, as DDP's sparse allreduce gives it (so
+``torch.optim.SparseAdam`` and ``SGD`` with sparse gradients work). With a compressing method the rows
+are scattered into the bucket, which goes through the method as a dense bucket, and ``p.grad`` comes back
+sparse (the rows whose estimate is non-zero).
 
 **Replicas.** ``init_sync="broadcast"`` (default): at construction rank 0's parameters (and the
 buffers of ``module=``, if given) are copied to every worker, as DDP does, after checking that every
@@ -431,8 +432,7 @@ class DistributedOptimizer:
         self._sc_next += 1
 
     def _sparse_payloads(self) -> bool:
-        pipe = self._sc_pipeline
-        return pipe._plain and pipe.transport.can_carry("sparse")
+        return self._sc_pipeline._plain
 
     @torch.no_grad()
     def synchronize(self) -> None:

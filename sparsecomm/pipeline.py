@@ -39,7 +39,7 @@ from .fabric.base import Fabric
 from .fabric.stats import CommStats
 from .methods.base import Method, check_kwargs, dense_payload
 from .payload import Payload
-from .transports.base import CommWork, Transport
+from .transports.base import CommWork, Transport, engine
 
 NONFINITE = ("raise", "pass")
 
@@ -381,31 +381,62 @@ class CommPipeline:
     def start_sparse(self, grad: torch.Tensor | None, shape: torch.Size, key: Hashable,
                      dtype: torch.dtype | None = None) -> CommWork:
         """Start the plain average of a row-sparse gradient (``None``: no rows) of a parameter of
-        ``shape`` as a ``sparse`` payload (this pipeline must be plain averaging and its transport
-        must carry ``sparse``); ``wait()`` returns the coalesced sparse average (the rows whose sum is
-        non-zero)."""
-        from .optim import dense_to_sparse_rows, sparse_payload
+        ``shape``; ``wait()`` returns the coalesced sparse average over the union of the workers' rows
+        (as DDP's sparse allreduce: a row in the union whose sum is zero stays, with zeros).
 
+        Two rounds on the communication thread, neither of table size: (1) the union of the rows: a
+        row-indicator vector of ``shape[0]`` entries, sent as a ``sparse`` payload (the touched rows'
+        indices) on a transport that carries them, else dense; (2) the values of the union's rows
+        (``|union| x row_len``, zeros for rows this worker did not touch), summed as a dense tensor by
+        the same transport. The table is never densified."""
+        from .payload import Payload
+
+        shape = torch.Size(shape)
         dtype = dtype or grad.dtype
-        payload = sparse_payload(grad, torch.Size(shape), dtype)
-        numel = payload.numel
+        nrows = int(shape[0]) if len(shape) else 1
+        row_len = int(shape.numel()) // max(nrows, 1)
+        if grad is None:
+            rows = torch.empty(0, dtype=torch.int64)
+            vals = torch.empty(0, row_len, dtype=dtype)
+        else:
+            g = grad.coalesce()
+            if g.sparse_dim() != 1:
+                raise SparseCommError(f"sparse gradients with {g.sparse_dim()} sparse dimensions are not "
+                                      f"supported (only row-sparse ones, as nn.Embedding's)")
+            rows = g.indices()[0]
+            vals = g.values().reshape(rows.numel(), row_len).to(dtype)
         n = self.world_size
         check = self.nonfinite == "raise"
-        if check and not _finite(payload.values):
-            payload.values.fill_(float("nan"))
+        if check and not _finite(vals):
+            vals = torch.full_like(vals, float("nan"))
+        ones = torch.ones(rows.numel(), dtype=torch.float32)
+        if self.transport.can_carry("sparse"):
+            marks: Any = Payload(kind="sparse", values=ones, indices=rows, shape=torch.Size([nrows]),
+                                 dtype=torch.float32, bits=(4 + 8) * 8 * rows.numel())
+        else:
+            marks = torch.zeros(nrows, dtype=torch.float32)
+            marks[rows] = 1.0
+        elt = torch.empty(0, dtype=dtype).element_size()
 
-        def then(agg: torch.Tensor) -> torch.Tensor:
-            out = dense_to_sparse_rows(agg.view(shape))
+        def job() -> torch.Tensor:
+            counts = self.transport._call(marks)
+            st = self.transport.last_stats
+            union = counts.nonzero().flatten()
+            mine = torch.zeros(union.numel(), row_len, dtype=dtype)
+            if rows.numel():
+                mine[torch.searchsorted(union, rows)] = vals
+            total = self.transport._call(mine.reshape(-1)) if union.numel() else mine.reshape(-1)
             if check:
-                _check_aggregate(out._values(), key)
-            out._values().div_(n)
-            self.stats.rounds += 1
-            self.stats.bytes_dense += numel * torch.empty(0, dtype=dtype).element_size()
-            self.stats.bytes_payload += _payload_bytes(payload)
-            self.last_stats = self.last_stats + self.transport.last_stats
-            return out
+                _check_aggregate(total, key)
+            total = total.reshape(union.numel(), *shape[1:]).div_(n)
+            self.stats.rounds += 2
+            self.stats.bytes_dense += int(shape.numel()) * elt
+            self.stats.bytes_payload += _payload_bytes(marks) + union.numel() * row_len * elt
+            self.last_stats = self.last_stats + st + self.transport.last_stats
+            return torch.sparse_coo_tensor(union[None], total, shape, is_coalesced=True,
+                                           check_invariants=False)
 
-        return self.transport.start(payload, then=then)
+        return engine(self.fabric).submit(job)
 
     def _out(self, key: Hashable, like: torch.Tensor) -> torch.Tensor:
         """The persistent estimate buffer of bucket ``key`` (reused every round: no fresh allocation)."""
@@ -501,6 +532,8 @@ def warn_unguaranteed(method: Method) -> None:
 
 
 def _payload_bytes(p: Any) -> int:
+    if isinstance(p, torch.Tensor):
+        return p.numel() * p.element_size()
     bits = int(getattr(p, "bits", 0) or 0)
     if bits:
         return (bits + 7) // 8

@@ -232,12 +232,13 @@ def _emb_train(ctx, steps, kind, transport, **kw):
     return [p.detach().clone() for p in model.parameters()], sparse_seen, stats
 
 
-@pytest.mark.parametrize("transport", ["omnireduce", "allgather"])
+@pytest.mark.parametrize("transport", ["omnireduce", "allgather", "ring"])
 @pytest.mark.parametrize("kind", ["sparseadam", "sgd"])
 def test_sparse_embedding_gradients_end_to_end(transport, kind):
-    """nn.Embedding(sparse=True) through DistributedOptimizer: the gradient travels as a sparse payload
-    (declared bytes = the touched rows, not the table), comes back sparse and coalesced, and SparseAdam /
-    SGD train exactly as on the averaged sparse gradients."""
+    """nn.Embedding(sparse=True) through DistributedOptimizer: the table is never densified (declared
+    bytes = the union's rows and the row marks, not the table), the gradient comes back sparse and
+    coalesced, and SparseAdam / SGD train exactly as on the averaged sparse gradients (also on ring,
+    which carries only dense tensors: the union's rows are a compact dense tensor)."""
     world, steps = 3, 4
     res = sc.launch(lambda ctx: _emb_train(ctx, steps, kind, transport), world_size=world, backend="sim")
     ref = _emb_reference(world, steps, kind)
