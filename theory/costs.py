@@ -119,7 +119,7 @@ def native_allreduce(n: int, nbytes: int, **kw) -> Cost:
 
 
 # ----------------------------------------------------------------------------- allgather
-ALLGATHER_HEADER_BYTES = 8 * 12     # int64 header: 6 scalars + (length, dtype) of 3 wire slots
+ALLGATHER_HEADER_BYTES = 8 * 15     # int64 header: 6 scalars + (count, dtype, encoding) of 3 wire slots
 
 
 def allgather(n: int, payload_bytes: float, *, tensors: int = 1, bandwidth_gbps: float = 100.0,
