@@ -323,6 +323,10 @@ class CommPipeline:
             next_round = getattr(self.method, "next_round", None)
 
             def finish(agg: torch.Tensor) -> torch.Tensor:
+                if check and not _finite(agg) and not bool(torch.isnan(agg).any()):
+                    # inputs were finite (checked) and no worker sent NaN: narrow floats (fp16) summed
+                    # in their own dtype overflowed; say so (OverflowError_, on every worker)
+                    check_sum_finite(payload, agg, f"transport {self.transport.name!r}")
                 if check:
                     _check_aggregate(agg, key)
                 else:       # narrow floats summed in their dtype: an overflow is not a passed-through NaN
