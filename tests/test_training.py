@@ -522,3 +522,24 @@ def test_sparse_checkpoint_resumes_exactly():
     for straight, resumed in sc.launch(fn, world_size=2, backend="sim"):
         for a, b in zip(straight, resumed):
             assert torch.equal(a, b)
+
+
+def test_zero_grad_with_buckets_in_flight_raises():
+    """As Horovod: zero_grad() between backward and step() would drop rounds the other workers complete."""
+    def fn(ctx):
+        model = tc.MLP(0, with_unused=False)
+        opt = sc.DistributedOptimizer(tc.make_inner(model), transport="ring", bucket_cap_mb=SMALL_CAP)
+        for t in range(3):
+            opt.zero_grad()
+            x, y = tc.batch(ctx.rank, t)
+            tc.loss_fn(model(x), y).backward()
+            if t < 2:
+                opt.step()
+        try:
+            opt.zero_grad()
+        except SparseCommError as e:
+            opt.synchronize()
+            return str(e)
+
+    for msg in sc.launch(fn, world_size=2, backend="sim"):
+        assert "in flight" in msg and "step()" in msg
