@@ -39,7 +39,6 @@ from .errors import PeerFailure
 from .fabric.base import Fabric
 from .fabric.sim import EndpointCrashed, Network, SimWorld
 from .registry import Registry
-from .transports.base import drain
 
 backends: Registry[Callable[..., list]] = Registry("launch backend")
 
@@ -127,6 +126,8 @@ def _launch_sim(fn: Callable[[Context], Any], world_size: int, *, network: Netwo
         set_context(ctx)
         try:
             results[rank] = fn(ctx)
+            from .transports.base import drain   # lazily: importing sparsecomm stays light
+
             drain(ctx.fabric)     # calls started but never waited for finish before the endpoint retires
             world.finished(rank)
         except EndpointCrashed as exc:
