@@ -29,6 +29,14 @@ Per-packet work is vectorised over the packet's vector (numpy); the only Python 
 packets of one fabric message ("burst"). Nothing grows with the number of packets except the optional
 ``audit`` counter, which is test instrumentation, not switch state.
 
+Malformed input never reaches a register or a multicast: a packet whose slot, set, worker id or worker
+count (it must equal the job's, which the switch knows from its fabric) is out of range is counted in
+``stats["malformed"]`` and dropped, as a P4 parser drops what it cannot match; one forged packet
+claiming 32 workers cannot make the switch send to ranks that do not exist. (A message longer than the
+burst the switch posted is beyond reach: gloo aborts the receiving process on a message longer than
+its receive, and torch.distributed offers no receive of unknown size; the switch's burst is fixed by
+its service spec, which the workers read, so only a peer that deviates from the library can send one.)
+
 Wire format: one int32 row per packet, ``HEADER`` fields then ``slot_elems`` values; a fabric message
 carries ``burst`` rows (unused rows have type ``T_EMPTY``), workers -> switch on ``TAG_UP``, switch ->
 workers on ``TAG_DOWN``, all ``reliable=False``.
@@ -128,6 +136,9 @@ class Dataplane:
         # packet counters (the P4 next_step_selector keeps the same ones per pool index)
         self.stats = Counter()
         self.audit: Counter | None = Counter() if config.audit else None
+        #: the job's number of workers, known from the fabric once serving; a packet claiming another
+        #: worker count (or a worker id outside it) is malformed and dropped, never multicast
+        self.world: int | None = None
 
     @property
     def register_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -156,7 +167,8 @@ class Dataplane:
         slot, v, w, n = (rows[:, F_SLOT].astype(np.int64), rows[:, F_SET].astype(np.int64),
                          rows[:, F_WORKER].astype(np.int64), rows[:, F_NW].astype(np.int64))
         if (rows.shape[1] != HEADER + cfg.elems or (w != w[0]).any() or (n != n[0]).any()
-                or not (0 <= w[0] < n[0] <= MAX_WORKERS) or (slot < 0).any() or (slot >= cfg.slots).any()
+                or not (0 <= w[0] < n[0] <= MAX_WORKERS) or (self.world is not None and n[0] != self.world)
+                or (slot < 0).any() or (slot >= cfg.slots).any()
                 or ((v != 0) & (v != 1)).any() or len(np.unique(slot)) != len(rows)):
             return None
         k = len(rows)
@@ -214,7 +226,7 @@ class Dataplane:
             self.stats["packets"] += 1
             slot, v, w, n = int(row[F_SLOT]), int(row[F_SET]), int(row[F_WORKER]), int(row[F_NW])
             if not (0 <= slot < self.config.slots and v in (0, 1) and 0 <= w < n <= MAX_WORKERS
-                    and row.shape[0] == HEADER + k):
+                    and (self.world is None or n == self.world) and row.shape[0] == HEADER + k):
                 self.stats["malformed"] += 1       # a real parser drops what it cannot match
                 continue
             bit = np.uint32(1 << w)
@@ -267,6 +279,7 @@ class Dataplane:
         """
         burst = self.config.burst_for(fabric)
         width = HEADER + self.config.elems
+        self.world = fabric.world_size
         buf = torch.zeros((burst, width), dtype=torch.int32)
         arr = buf.numpy()
         from ..fabric.sim import SimFabric
@@ -275,6 +288,9 @@ class Dataplane:
         pending: deque = deque()
         while True:
             src = fabric.recv(buf, None, TAG_UP)
+            if not 0 <= src < self.world:        # only workers talk to the switch
+                self.stats["malformed"] += 1
+                continue
             mcast, ucast = self.process(arr)
             if len(mcast):
                 n = int(mcast[0][F_NW])
