@@ -73,12 +73,12 @@ def narrow(total: torch.Tensor, dtype: torch.dtype, what: str) -> torch.Tensor:
 
 
 def guard_finite(fabric, what: str, result: torch.Tensor, local: torch.Tensor | None, nonfinite: str,
-                 cause: bool | None = None) -> None:
+                 cause: int | None = None) -> None:
     """Raise on every worker if the float sum ``result`` holds NaN/Inf (see the module docstring).
 
     ``result`` must be bit-identical on every worker. ``local`` is this worker's input (to find the
-    cause); ``cause``, if given, is the cause already known to every worker (True: a worker's input was
-    non-finite), and then no extra round is needed.
+    cause); ``cause``, if given, is the cause already known to every worker (the first worker whose input
+    was non-finite, or -1 for none), and then no extra round is needed.
     """
     if nonfinite == "pass" or not (result.is_floating_point() or result.is_complex()):
         return
@@ -97,7 +97,7 @@ def guard_finite(fabric, what: str, result: torch.Tensor, local: torch.Tensor | 
                                  f"NaN/Inf or the sum overflowed {result.dtype} (summed in place, the inputs "
                                  f"are overwritten); pass nonfinite='pass' to sum them through")
     else:
-        flag, who = int(cause), None
+        flag, who = int(cause >= 0), cause
     if flag:
         src = f"worker {who}" if who is not None else "a worker"
         raise NonFiniteError(f"{what}: {src} passed NaN or Inf values (this is worker {rank}); pass "

@@ -212,12 +212,13 @@ class AllGather(Transport):
             if bound > torch.iinfo(torch.int64).max:
                 raise OverflowError_(f"{what}: the workers' int64 values can sum beyond int64 (bound {bound})")
         out = torch.zeros(p.numel, dtype=acc_dtype, device=dev)
-        nonfinite_in = False
+        nonfinite_in = -1
         for j in range(n):
             values, indices, scale = received[j]
             h = headers[j]
-            if not integer and values is not None and values.is_floating_point() and values.numel():
-                nonfinite_in |= not bool(torch.isfinite(values).all())
+            if (nonfinite_in < 0 and not integer and values is not None and values.is_floating_point()
+                    and values.numel() and not bool(torch.isfinite(values).all())):
+                nonfinite_in = j
             if p.kind == "sparse" or p.kind == "aligned":
                 idx = indices if p.kind == "sparse" else p.indices.reshape(-1)
                 if values.numel():
