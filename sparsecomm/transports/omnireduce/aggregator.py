@@ -229,15 +229,16 @@ class AggCall:
             self.reply_hdr = np.zeros(HDR, dtype=np.int64)
             self.reply_hdr[[wire.R_STATUS, wire.R_FIELD, wire.R_WMIN, wire.R_VMIN]] = [wire.MALFORMED, bad[1],
                                                                                        bad[0], bad[2]]
-            self._drain = set()
         else:
             self.reply_hdr = wire.check_headers(self.headers)
-            if int(self.reply_hdr[wire.R_STATUS]) == OK:
-                self._drain = set(self.order)
-            else:
-                sizes = {w: wire.round0_bytes(self.headers[w], self.index) for w in self.order}
-                cap = 2 * min(sizes.values()) + wire.DRAIN_SLACK_BYTES
-                self._drain = {w for w in self.order if sizes[w] <= cap}
+        if bad is None and int(self.reply_hdr[wire.R_STATUS]) == OK:
+            self._drain = set(self.order)
+        else:   # drain the well-formed workers whose announced size is bounded; nothing of the others
+            ok = [w for w in self.order if wire.validate_header(self.headers[w], self.n, self.index,
+                                                                self.colocated is not None) is None]
+            sizes = {w: wire.round0_bytes(self.headers[w], self.index) for w in ok}
+            cap = 2 * min(sizes.values(), default=0) + wire.DRAIN_SLACK_BYTES
+            self._drain = {w for w in ok if sizes[w] <= cap}
         self.status = int(self.reply_hdr[wire.R_STATUS])
         for w in self.order:
             if w == self.colocated or w not in self._drain:

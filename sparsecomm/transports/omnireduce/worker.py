@@ -270,7 +270,8 @@ def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: l
     if agg is not None:    # (after every verdict is in: see AggCall.post_blocks0)
         agg.post_blocks0(inbox)
     if error is not None:
-        outbox.reap(0)
+        if not (int(error[wire.R_STATUS]) == wire.MALFORMED and int(error[wire.R_WMIN]) == rank):
+            outbox.reap(0)   # (a worker whose header was rejected: nothing of it is received, no wait)
         wire.raise_for_reply(error, spec.header(n).numpy(), rank)
     result, sink = make_sink(down)
     if home:
