@@ -40,7 +40,7 @@ from ..fabric.base import Fabric
 from ..payload import Payload
 from . import registry
 from ..errors import MalformedMessage, MismatchError
-from ._guards import abs_max, guard_finite, is_integer, narrow, nonfinite_option
+from ._guards import abs_max, all_finite, guard_finite, is_integer, narrow, nonfinite_option
 from ._handshake import (HANDSHAKE_TAG, HEADER_BYTES, _DTYPES, _PRE, _fail, _transport_name, dtype_code,
                          fingerprint, header_state, mismatch_error, transport_code, validate_state)
 from .base import Transport
@@ -212,13 +212,9 @@ class AllGather(Transport):
             if bound > torch.iinfo(torch.int64).max:
                 raise OverflowError_(f"{what}: the workers' int64 values can sum beyond int64 (bound {bound})")
         out = torch.zeros(p.numel, dtype=acc_dtype, device=dev)
-        nonfinite_in = -1
         for j in range(n):
             values, indices, scale = received[j]
             h = headers[j]
-            if (nonfinite_in < 0 and not integer and values is not None and values.is_floating_point()
-                    and values.numel() and not bool(torch.isfinite(values).all())):
-                nonfinite_in = j
             if p.kind == "sparse" or p.kind == "aligned":
                 idx = indices if p.kind == "sparse" else p.indices.reshape(-1)
                 if values.numel():
@@ -237,7 +233,14 @@ class AllGather(Transport):
                 out += pj.to_dense().to(acc_dtype)
         if integer:
             return narrow(out, out_dtype, what)
-        guard_finite(self.fabric, what, out, None, self.nonfinite, cause=nonfinite_in)
+
+        def first_nonfinite() -> int:   # (only on the error path: every worker holds every payload)
+            for j, (values, _, _) in enumerate(received):
+                if values is not None and values.is_floating_point() and values.numel() and not all_finite(values):
+                    return j
+            return -1
+
+        guard_finite(self.fabric, what, out, None, self.nonfinite, cause=first_nonfinite)
         return out
 
     def _check(self, headers: list[list[int]], rank: int) -> None:
