@@ -291,3 +291,11 @@ def test_the_safe_result_encoding_round_trips_and_refuses_anything_else():
         decode_result(bytes(data))
     with pytest.raises(MalformedMessage):
         decode_result(b"\xff" * 8 + b"{}")
+
+
+def test_the_cost_model_books_the_fixed_size_handshake():
+    from sparsecomm.transports._handshake import HEADER_BYTES, handshake_bytes
+    from theory import costs
+
+    assert costs.HANDSHAKE_BYTES == HEADER_BYTES == handshake_bytes(3) == handshake_bytes(12)
+    assert costs.ALLGATHER_HEADER_BYTES == HEADER_BYTES

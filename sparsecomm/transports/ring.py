@@ -28,6 +28,11 @@ Payloads it sums compactly (a *linear* operand: the element-wise sum of one vect
 - ``quantized`` with ``shared_scale``: the integer codes, summed exactly in int32 (int64 when
   ``n * max|code|`` could exceed int32), then multiplied by the shared scale (its checksum is part of the
   handshake, so a scale that is not shared is a clear error rather than a wrong sum).
+
+Values (:func:`guarded_sum`, :mod:`._guards`): an integer input travels in its own dtype when ``n``
+times the largest magnitude announced in the handshake fits it, else in int64, and the sum is
+range-checked back (never wrapped); a float sum holding NaN/Inf raises on every worker unless
+``nonfinite="pass"``.
 """
 
 from __future__ import annotations
