@@ -247,10 +247,12 @@ def check_agreement(fabric, what: str, *, tag: int = HANDSHAKE_TAG, transport: s
     fabric.stats.rounds += (n - 1).bit_length()
     vmin, rmin, vmax, rmax = state.tolist()
     if vmin[1] != vmax[1]:
-        raise MismatchError(
+        # transports that disagree may not even agree on who sends what to whom: some worker may be left
+        # waiting for a message that never comes, so the other ranks are told (fail-stop)
+        raise _fail(fabric, MismatchError(
             f"{what}: workers disagree on the transport: worker {rmin[1]} runs {_transport_name(vmin[1])}, "
             f"worker {rmax[1]} runs {_transport_name(vmax[1])} (this is worker {rank}, running {transport!r}); "
-            f"every worker must call the same transport in the same order")
+            f"every worker must call the same transport in the same order")) from None
     off = _PRE
     for i, name in enumerate(names):
         j = off + i
