@@ -311,10 +311,16 @@ class TorchFabric(Fabric):
         if self._cuda or self.total_ranks < 2:
             return
         peer = 0 if self.rank != 0 else 1
-        try:
-            self._pg.recv([torch.zeros(1)], peer, _TRIP_TAG).wait(timedelta(milliseconds=1))
-        except Exception:  # noqa: BLE001 - expected: the timeout is the point
-            pass
+        groups = [self._pg]
+        if (self.worker_group is not dist.group.WORLD and self.is_worker and self.world_size > 1
+                and isinstance(self.worker_group, dist.ProcessGroup)):
+            groups.append(self.worker_group)     # the workers' subgroup (native's all_reduce) too
+        for g in groups:
+            try:
+                g.recv([torch.zeros(1)], peer if g is self._pg else (0 if self.rank != 0 else 1),
+                       _TRIP_TAG).wait(timedelta(milliseconds=1))
+            except Exception:  # noqa: BLE001 - expected: the timeout is the point
+                pass
 
     def _failure_error(self) -> BaseException:
         kind, rank, text = self._failure
