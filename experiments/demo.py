@@ -18,7 +18,10 @@ Every run uses 8 workers as threads over a SimFabric. Each configuration is trai
 model (10 and 100 Gbps per worker link, 2 us latency, no loss): training is identical on both
 (no loss, no timeouts), and the **modelled communication time is the SimFabric's virtual clock**
 (the slowest worker's clock advance per step; compute is not modelled). Bytes and messages come from
-the fabric's ledger (``opt.last_stats``).
+the fabric's ledger (``opt.last_stats``), never from the compressors' declared bits; the table's
+``sent/declared`` column is the ledger over what the declared bits would cost on that transport
+(``compression_stats()["sent_over_declared"]``: 1.00x where the wire carries the declared bits, more
+where a transport forms sums on the wire or ships whole blocks, README "Bytes on the wire").
 
 Output: a progress bar per run, a table per task, ``demo.png`` (held-out loss vs step and vs modelled
 time, bytes per step, modelled time per step at both bandwidths), per-step CSVs, and one wandb run per
@@ -182,10 +185,17 @@ def comm_per_step(c: Cell, bw: float) -> float:
     return c.results[bw].summary["modelled_comm_per_step_s"]
 
 
+def _sent_over_declared(s: dict) -> str:
+    """The ledger's bytes over what the compressor's declared bits would cost on this transport
+    (``compression_stats()["sent_over_declared"]``): ~1.00x where the wire carries the declared bits."""
+    v = s.get("sent_over_declared", float("nan"))
+    return f"{v:.2f}x" if v == v else "-"
+
+
 def print_tables(cells: list[Cell], bandwidths: tuple[float, ...]) -> str:
     lo, hi = bandwidths[0], bandwidths[-1]
     headers = ["scheme", "transport", "final loss", "accuracy", "bytes/worker/step",
-               "block density (worker/union)", f"comm/step @{lo:g}G", f"@{hi:g}G",
+               "sent/declared", "block density (worker/union)", f"comm/step @{lo:g}G", f"@{hi:g}G",
                f"speed-up @{lo:g}G", f"@{hi:g}G"]
     out = []
     notes: list[str] = []
@@ -211,6 +221,7 @@ def print_tables(cells: list[Cell], bandwidths: tuple[float, ...]) -> str:
                 speed.append(f"{ref / mine:.2f}x" if mine > 0 else "-")
             rows.append((c.scheme.name, c.transport, report.fmt_num(s["final_test_loss"]),
                          report.fmt_num(s["final_test_acc"]), report.fmt_bytes(s["bytes_per_step"]),
+                         _sent_over_declared(s),
                          f"{s['block_density']:.3f} / {s['block_density_union']:.3f}",
                          report.fmt_time(comm_per_step(c, lo)), report.fmt_time(comm_per_step(c, hi)),
                          speed[0], speed[1]))

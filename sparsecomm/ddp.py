@@ -98,7 +98,8 @@ class CommHookState:
         return self.pipeline.last_stats
 
     def compression_stats(self) -> dict[str, float]:
-        """Cumulative bytes before/after compression, their ratio, and the transport's counters."""
+        """Cumulative bytes before/after compression, their ratio (declared), and the transport's
+        counters with the ratio measured on the wire (``ratio_sent``, ``sent_over_declared``)."""
         d = self.pipeline.totals().as_dict()
         d["iterations"] = self.iter
         return d

@@ -42,7 +42,9 @@ keyword arguments are hyper-parameters of the method/compressor::
 ``transport=`` is a transport name (hyper-parameters in ``transport_kwargs=``; a transport that
 takes ``inplace`` gets ``inplace=True`` unless told otherwise, since the buckets are scratch), a
 ``Transport`` object, or ``"auto"`` (the first of ring, omnireduce, switch, allgather that carries the payload;
-``native`` for dense payloads on a torch.distributed fabric). An invalid compressor x transport pair
+``native`` for dense payloads on a torch.distributed fabric; allgather first for scattered ``sparse``
+payloads such as top-k, and for natural compression while ``n < 64/9``, where it ships fewer bytes:
+see :func:`sparsecomm.pipeline._auto_transport`). An invalid compressor x transport pair
 (top-k's worker-specific indices on ``ring``) raises :class:`~sparsecomm.errors.IncompatibleError`
 at construction, naming the pair, the transports that would carry it and the compressors the
 transport would carry. ``fabric=`` defaults to the one :func:`sparsecomm.launch` set up
@@ -59,7 +61,10 @@ the compressor, seeded ``seed`` on every worker when the compressor declares ``s
 
 **Logging.** ``last_stats``: the last synchronisation's :class:`~sparsecomm.fabric.stats.CommStats`
 summed over buckets (bytes, messages; modelled time on SimFabric). :meth:`compression_stats`:
-cumulative bytes before (dense) and after (declared payload bits) compression and their ratio.
+cumulative bytes before (dense) and after (declared payload bits) compression and their ratio, next to
+the bytes the transport's ledger counted (``bytes_sent``), what it would count if payloads travelled as
+declared (``bytes_declared_sent``), their quotient ``sent_over_declared`` and the compression ratio
+measured on the wire (``ratio_sent``); see :class:`~sparsecomm.pipeline.CompressionStats`.
 
 **Checkpoints.** ``state_dict()`` is the inner optimizer's plus a ``"sparsecomm"`` entry: the method
 state (per worker: EF residuals, DIANA's h_i), the step counter, the generator state, the bucket
@@ -234,7 +239,9 @@ class DistributedOptimizer:
     def compression_stats(self) -> dict[str, float]:
         """Cumulative ``bytes_dense`` (before), ``bytes_payload`` (after, as declared by the
         compressor), their ``ratio``, and the transport's measured ``bytes_sent``/``bytes_received``/
-        ``messages`` (and ``modelled_time_s`` on SimFabric), per worker."""
+        ``messages`` (and ``modelled_time_s`` on SimFabric), per worker; next to them the declared
+        bytes scaled to the transport (``bytes_declared_sent``), ``sent_over_declared`` and the ratio
+        measured on the wire (``ratio_sent``): see :meth:`CompressionStats.as_dict`."""
         d = self._sc_pipeline.totals().as_dict()
         d["steps"] = self._sc_steps
         return d

@@ -168,7 +168,7 @@ def test_a_corrupted_agreement_header_is_malformed_on_every_worker():
             def rw(t, dst, tag):
                 if tag == HANDSHAKE_TAG:
                     out = t.detach().clone()
-                    out[0, 5] += 7          # a field rewritten on the wire, checksum left as it was
+                    out[5] += 7          # a field rewritten on the wire, checksum left as it was
                     return out
             f = CorruptingFabric(f, rw)
         return outcome(lambda: sc.transports.get("ring", f).allreduce(torch.ones(16)))
@@ -190,8 +190,8 @@ def test_allgather_bounds_every_announced_length_by_the_tensor_before_allocating
             def rw(t, dst, tag):
                 if tag == HANDSHAKE_TAG:
                     out = t.detach().clone()
-                    out[[0, 2], _PRE + 6] = 2**40      # values length
-                    out[0, -1] = _checksum(out)
+                    out[_PRE + 6] = 2**40      # values count
+                    out[-1] = _checksum(out)
                     return out
             f = CorruptingFabric(f, rw)
         return outcome(lambda: sc.transports.get("allgather", f).allreduce(

@@ -104,7 +104,7 @@ def _corrupt_handshake(ctx, which):
         def rw(t, dst, tag):
             if tag == HANDSHAKE_TAG and dst == 2:
                 out = t.detach().clone()
-                out[0, 10] += 1000          # an announced count, rewritten
+                out[10] += 1000          # an announced count, rewritten
                 return out
         f = CorruptingFabric(f, rw)
     if which == "ring":
@@ -123,9 +123,9 @@ def _forged_allgather_length(ctx):
         def rw(t, dst, tag):
             if tag == HANDSHAKE_TAG:
                 out = t.detach().clone()
-                out[[0, 2], _PRE + 6] = 250_000_000
-                out[[0, 2], _PRE + 8] = 250_000_000
-                out[0, -1] = _checksum(out)
+                out[_PRE + 6] = 250_000_000
+                out[_PRE + 9] = 250_000_000     # indices count
+                out[-1] = _checksum(out)
                 return out
         f = CorruptingFabric(f, rw)
     p = Payload("sparse", torch.ones(4), torch.Size([64]), torch.float32, indices=torch.arange(4))

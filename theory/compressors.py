@@ -15,7 +15,7 @@ Wire encodings (the ``bits`` functions; ``value_bits`` is the width of one float
 
 - float values: their dtype width (16, 32 or 64 bits);
 - indices of a worker-specific sparse payload: ``index_bits`` -- ``k`` fixed-width (32-bit for
-  ``d <= 2**32``) indices or a ``d``-bit bitmap, whichever is smaller;
+  ``d <= 2**31``) indices or a ``d``-bit bitmap, whichever is smaller;
 - indices of an ``aligned`` payload (shared-seed rand-k): free, regenerated from the seed;
 - QSGD / natural-dithering codes: sign bit + level index, ``1 + ceil(log2(s + 1))`` bits;
 - TernGrad codes: 2 bits (``{-1, 0, 1}``); scaled sign: 1 bit;
@@ -226,8 +226,9 @@ def n_buckets(d: int, bucket_size: int | None) -> int:
 
 
 def index_width(d: int) -> int:
-    """Bits of one fixed-width index into a length-d vector: 32 up to 2^32 entries, else 64."""
-    return 32 if d <= 2**32 else 64
+    """Bits of one fixed-width index into a length-d vector: 32 up to 2^31 entries (int32, what
+    ``Payload.to_wire`` ships), else 64."""
+    return 32 if d <= 2**31 else 64
 
 
 def index_bits(d: int, k: int) -> int:

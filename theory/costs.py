@@ -52,9 +52,9 @@ def add(*costs: Cost) -> Cost:
 
 # ----------------------------------------------------------------------------- agreement handshake
 HANDSHAKE_FIELD_BYTES = 32          # (min, argmin, max, argmax) as int64, per word of the header
-#: every handshake message, whatever the number of fields: (min, argmin, max, argmax) of a 21-word header
-#: (4 preamble words, 16 field slots, a checksum): sparsecomm.transports._handshake.HEADER_BYTES
-HANDSHAKE_BYTES = HANDSHAKE_FIELD_BYTES * 21
+#: every handshake message, whatever the number of fields: a 32-word int64 header (preamble, 16 field
+#: slots, merge state, checksum): sparsecomm.transports._handshake.HEADER_BYTES
+HANDSHAKE_BYTES = 8 * 32
 #: handshake fields of the ring / native transports per operand kind (plain tensors count as dense)
 RING_HANDSHAKE_FIELDS = {"dense": 6, "aligned": 7, "quantized": 8}
 
@@ -123,7 +123,8 @@ def native_allreduce(n: int, nbytes: int, **kw) -> Cost:
 
 
 # ----------------------------------------------------------------------------- allgather
-ALLGATHER_HEADER_BYTES = HANDSHAKE_BYTES   # allgather's headers travel in the handshake's format
+ALLGATHER_HEADER_BYTES = HANDSHAKE_BYTES   # allgather's headers (6 scalars + (count, dtype, encoding) of
+#                                            3 wire slots) travel in the handshake's fixed-size format
 
 
 def allgather(n: int, payload_bytes: float, *, tensors: int = 1, bandwidth_gbps: float = 100.0,

@@ -3,6 +3,14 @@
     python -m experiments.bench.codec [--n 25600000] [--block 256] [--repeats 11] [--dtype float32]
                                       [--cache cold|warm] [--backend auto|numba|torch]
     python -m experiments.bench.codec --small          # smoke run: n = 1M, 3 repeats (about a second)
+    python -m experiments.bench.codec --bits [--small]  # bit packing of codes (sparsecomm.codec.bits)
+
+``--bits`` times the wire encodings of :mod:`sparsecomm.codec.bits` instead, side by side with
+``numpy.copyto`` of the unpacked buffer (int8 codes, or float32 values for natural compression), each
+round-robin and cold as below: pack (codes -> bits) and unpack (bits -> codes) through the public API
+(output allocated per call, as a transport does) and the Numba kernel alone into a preallocated buffer.
+``x copy`` = copyto time / operation time; bytes processed = the unpacked buffer's bytes in both
+directions. The target is the same, >= 0.8.
 
 For each block density (fraction of blocks holding a non-zero; exactly ``round(density * nb)``
 blocks drawn uniformly at random, the others zeroed) it times, through the public API on CPU
@@ -239,6 +247,84 @@ def run(
     return rows
 
 
+def run_bits(n: int, repeats: int, cache: str = "cold", seed: int = 0) -> list[dict]:
+    """Pack / unpack of the wire encodings against numpy.copyto of the unpacked buffer (see the module
+    docstring); round trips are checked bit for bit first."""
+    from sparsecomm.codec import bits as B
+
+    print(f"machine: {_cpu_model()}, {os.cpu_count()} cores; torch {torch.__version__}, numpy {np.__version__}")
+    print(f"n={n} codes, cache={cache}, median of {repeats}; reference: numpy.copyto of the unpacked buffer "
+          f"(int8 codes: {n / 1e6:.1f} MB; float32 values: {4 * n / 1e6:.1f} MB), timed in the same run")
+    g = torch.Generator().manual_seed(seed)
+    cases = []
+    for label, k, lo, hi in (("signs (1 bit)", 1, -1, 2), ("k=2 (terngrad)", 2, -1, 2),
+                             ("k=3 (qsgd s=2,3)", 3, -3, 4), ("k=4 (qsgd s=4..7)", 4, -7, 8),
+                             ("k=7 (fp16 natural)", 7, -63, 64), ("k=8", 8, -127, 128)):
+        c = torch.randint(lo, hi, (n,), generator=g).to(torch.int8)
+        if k == 1:
+            c = torch.where(c == 0, torch.ones_like(c), c)
+        cases.append((label, k, c))
+    vals = torch.ldexp(torch.ones(n), torch.randint(-30, 30, (n,), generator=g)) * \
+        (torch.randint(0, 2, (n,), generator=g) * 2 - 1)
+    rows = []
+    head = (f"{'encoding':>20} | {'wire MB':>7} | {'copyto ms':>9} | {'pack ms':>8} {'x copy':>6} | "
+            f"{'kernel ms':>9} {'x copy':>6} | {'unpack ms':>9} {'x copy':>6} | {'kernel ms':>9} {'x copy':>6} | target")
+    print()
+    print(head)
+    print("-" * len(head))
+    for label, k, c in cases + [("natural f32 (9 bits)", 0, vals)]:
+        nat = k == 0
+        if nat:
+            pk, up = (lambda: B.pack_natural(vals)), (lambda: B.unpack_natural(packed, n, torch.float32))
+        elif k == 1:
+            pk, up = (lambda: B.pack_signs(c)), (lambda: B.unpack_signs(packed, n))
+        else:
+            pk, up = (lambda: B.pack_bits(c, k)), (lambda: B.unpack_bits(packed, n, k))
+        packed = pk()
+        back = up()
+        if not torch.equal(back.view(torch.int32) if nat else back, vals.view(torch.int32) if nat else c):
+            raise AssertionError(f"{label}: round trip mismatch")
+        src = (vals if nat else c).numpy()
+        dst = np.empty_like(src)
+        pbuf = np.empty(packed.numel(), dtype=np.uint8)
+        ubuf = np.empty_like(src)
+        pn = packed.numpy()
+        if nat:
+            kpack = lambda: B._natural32_pack(src.view(np.int32), pbuf)  # noqa: E731
+            kunpack = lambda: B._natural32_unpack(pn, ubuf.view(np.int32))  # noqa: E731
+        elif k == 1:
+            kpack = lambda: B._sign_words(src.view(np.uint64), pbuf)  # noqa: E731
+            kunpack = lambda: B._unpack_signs_words(pn, ubuf)  # noqa: E731
+        elif k in (2, 4):
+            kpack = lambda: B._pack_words(src.view(np.uint64), k, pbuf)  # noqa: E731
+            kunpack = lambda: B._unpack_words(pn, k, True, ubuf)  # noqa: E731
+        elif k == 8:
+            kpack = lambda: np.copyto(pbuf, src.view(np.uint8))  # noqa: E731
+            kunpack = lambda: np.copyto(ubuf.view(np.uint8), pn)  # noqa: E731
+        else:
+            kpack = lambda: B._pack_words(src.view(np.uint64), k, pbuf)  # noqa: E731
+            nb64 = n // 64
+            kunpack = lambda: B._unpack_mid(pn[: 8 * k * nb64].view(np.uint64), k, True,  # noqa: E731
+                                            ubuf[: 64 * nb64].view(np.uint64))
+        fns = {"copy": lambda: np.copyto(dst, src), "pack": pk, "kpack": kpack, "unpack": up, "kunpack": kunpack}
+        tiny = {name: (lambda: None) for name in fns}
+        before = _cold_before(tiny) if cache == "cold" else fns
+        t = _medians(fns, repeats, before)
+        r = dict(encoding=label, wire_mb=packed.numel() / 1e6, copy_ms=t["copy"] * 1e3,
+                 **{f"{key}_ms": t[key] * 1e3 for key in ("pack", "kpack", "unpack", "kunpack")},
+                 **{f"{key}_x": t["copy"] / t[key] for key in ("pack", "kpack", "unpack", "kunpack")})
+        r["ok"] = min(r["kpack_x"], r["kunpack_x"]) >= TARGET
+        rows.append(r)
+        print(f"{label:>20} | {r['wire_mb']:>7.2f} | {r['copy_ms']:>9.2f} | {r['pack_ms']:>8.2f} {r['pack_x']:>6.2f} | "
+              f"{r['kpack_ms']:>9.2f} {r['kpack_x']:>6.2f} | {r['unpack_ms']:>9.2f} {r['unpack_x']:>6.2f} | "
+              f"{r['kunpack_ms']:>9.2f} {r['kunpack_x']:>6.2f} | {'ok' if r['ok'] else 'BELOW'}")
+    print()
+    print("x copy = copyto time / operation time (the same unpacked buffer). pack/unpack: the public API, "
+          "output allocated per call; kernel: the Numba kernel into a preallocated buffer. Target: kernel "
+          f"x copy >= {TARGET}.")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--n", type=int, default=25_600_000, help="elements in the buffer")
@@ -250,9 +336,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--backend", choices=["auto", "numba", "torch"], default="auto", help="codec backend to time")
     p.add_argument("--cache", choices=["cold", "warm"], default="cold", help="cache state of each timed call")
     p.add_argument("--small", action="store_true", help="smoke run: n=1M, 3 repeats (about a second)")
+    p.add_argument("--bits", action="store_true", help="time the wire bit packing (codec.bits) instead")
     a = p.parse_args(argv)
     if a.small:
         a.n, a.repeats = 1_000_000, 3
+    if a.bits:
+        run_bits(a.n, a.repeats, a.cache, a.seed)
+        return
     densities = [float(d) for d in a.densities.split(",")]
     run(a.n, a.block, a.repeats, getattr(torch, a.dtype), densities, a.seed, a.backend, a.cache)
 

@@ -204,7 +204,10 @@ def summarize(records: list[dict[str, Any]], per_rank: list[dict[str, Any]] | No
          "measured_comm_per_step_s": mean("measured_comm_s")}
     if per_rank:
         comp = per_rank[0].get("compression") or {}
+        # declared (the compressor's bits) and measured (the fabric's ledger) side by side
         s["compression_ratio"] = comp.get("ratio", float("nan"))
+        s["compression_ratio_sent"] = comp.get("ratio_sent", float("nan"))
+        s["sent_over_declared"] = comp.get("sent_over_declared", float("nan"))
     return s
 
 

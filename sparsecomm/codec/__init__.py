@@ -18,10 +18,17 @@ Fixed point (SwitchML, Sapio et al., NSDI'21) -- :mod:`sparsecomm.codec.fixed`::
     checked_add_(acc, q)                                 # the switch's integer add, overflow reported
     x = from_fixed(q_sum, f, chunk=chunk)
 
+Wire bit packing (the encodings payloads travel in, ``Payload.to_wire``) -- :mod:`sparsecomm.codec.bits`::
+
+    packed = bits.pack_bits(codes, k) ; codes = bits.unpack_bits(packed, n, k)      # k-bit two's complement
+    packed = bits.pack_signs(codes)   ; codes = bits.unpack_signs(packed, n)        # 1 bit, int8 {-1, +1}
+    packed = bits.pack_natural(vals)  ; vals = bits.unpack_natural(packed, n, dtype) # sign + exponent
+
 Every function takes and returns torch tensors and accepts ``backend="auto" | "numba" | "torch"``
 where both paths exist.
 """
 
+from . import bits
 from ._common import CodecError, num_blocks
 from .blocks import (
     LookAhead,
@@ -38,6 +45,7 @@ from .blocks import (
 from .fixed import checked_add_, chunk_exponents, from_fixed, scale_from_exponents, to_fixed
 
 __all__ = [
+    "bits",
     "CodecError",
     "num_blocks",
     "nonzero_blocks",

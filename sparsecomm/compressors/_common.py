@@ -11,7 +11,9 @@ generator is the only source of randomness and advances by the same amount on ev
 Wire accounting: every payload's ``bits`` is the sum of ``payload.meta["wire_bits"]`` (bits per wire
 tensor role: ``values``, ``indices``, ``scale``) under the encodings documented in
 ``theory/compressors.py``; in memory, tensors may be wider than their wire encoding (int64 indices,
-int8 codes, float powers of two), never narrower.
+int8 codes, float powers of two), never narrower. The payload's ``values_codec`` names the wire
+encoding of its values (:mod:`sparsecomm.payload`: signs, k-bit codes, natural sign + exponent), so
+that what :meth:`Payload.to_wire` ships is what ``bits`` counts.
 """
 
 from __future__ import annotations
@@ -253,12 +255,14 @@ def force_backend(name: str):
 
 # -------------------------------------------------------------------------------------- payload
 def make_payload(kind: str, x_shape, dtype, values: torch.Tensor, wire_bits: dict[str, int], *,
-                 indices=None, scale=None, bucket_size=None, shared_scale=False, **meta) -> Payload:
-    """A payload whose ``bits`` is the sum of ``wire_bits`` (recorded in ``meta['wire_bits']``)."""
+                 indices=None, scale=None, bucket_size=None, shared_scale=False, values_codec=(0, 0),
+                 **meta) -> Payload:
+    """A payload whose ``bits`` is the sum of ``wire_bits`` (recorded in ``meta['wire_bits']``);
+    ``values_codec`` is the values' wire encoding (:mod:`sparsecomm.payload`), RAW by default."""
     wire = {k: int(v) for k, v in wire_bits.items()}
     return Payload(kind=kind, values=values, shape=torch.Size(x_shape), dtype=dtype, indices=indices,
                    scale=scale, bucket_size=bucket_size, shared_scale=shared_scale,
-                   bits=sum(wire.values()), meta={"wire_bits": wire, **meta})
+                   bits=sum(wire.values()), meta={"wire_bits": wire, **meta}, values_codec=tuple(values_codec))
 
 
 def bucket_view_len(d: int, bucket_size: int | None) -> int:

@@ -2,7 +2,8 @@
 
 The input is cut into buckets of ``bucket_size`` consecutive entries (one bucket when ``None``); each
 bucket gets a norm (l2 or max), integer codes are drawn per entry, and the payload is ``quantized``:
-``values`` = codes (smallest signed integer dtype that holds them), ``scale`` = one float per bucket
+``values`` = codes (smallest signed integer dtype that holds them; on the wire ``code_bits()`` bits
+each, :meth:`BucketQuantizer.values_codec`), ``scale`` = one float per bucket
 (float32, float64 for float64 inputs), ``shared_scale = False`` (every worker has its own norms), so
 ``to_dense() = codes * scale[bucket]``. Buckets never straddle: bucket j is ``x[j*b:(j+1)*b]``.
 """
@@ -57,6 +58,15 @@ class BucketQuantizer(RandomMixin, Compressor):
     def code_bits(self) -> int:
         raise NotImplementedError
 
+    def values_codec(self) -> tuple[int, int]:
+        """Wire encoding of the codes: ``code_bits()``-bit two's complement (codes in
+        ``[-max_code, max_code]``), as the raw integers beyond ``codec.bits.MAX_BITS``."""
+        from ..codec.bits import MAX_BITS
+        from ..payload import INT, RAW
+
+        k = self.code_bits()
+        return (INT, k) if k <= MAX_BITS else (RAW, 0)
+
     def _scale_of(self, norms: torch.Tensor) -> torch.Tensor:
         """Per-bucket scale (float64) from per-bucket norms: decompressed value = code * scale."""
         raise NotImplementedError
@@ -110,7 +120,7 @@ class BucketQuantizer(RandomMixin, Compressor):
             codes_t = torch.where(xb < 0, -mag, mag).reshape(-1)[:d].to(cdt)
         scale = self._scale_of(norms_t).to(scale_dtype(x.dtype))
         return make_payload("quantized", x.shape, x.dtype, codes_t, scale=scale, bucket_size=bs,
-                            shared_scale=False,
+                            shared_scale=False, values_codec=self.values_codec(),
                             wire_bits={"values": self.code_bits() * d,
                                        "scale": torch.finfo(scale.dtype).bits * nb})
 

@@ -92,6 +92,7 @@ class Composed(RandomMixin, Compressor):
         self.first, self.second = first, second
         self.payload_kind = first.payload_kind if first.payload_kind != "quantized" else second.payload_kind
         self.shared_randomness = first.shared_randomness or second.shared_randomness
+        self.packed_values = first.payload_kind != "quantized" and bool(getattr(second, "packed_values", False))
         self._init_random(seed)
 
     def _gen(self, generator, device):
@@ -110,13 +111,16 @@ class Composed(RandomMixin, Compressor):
             p2 = self.second.compress(p1.to_dense(), g)
             return make_payload(p2.kind, x.shape, x.dtype, p2.values, p2.meta["wire_bits"],
                                 indices=p2.indices, scale=p2.scale, bucket_size=p2.bucket_size,
-                                shared_scale=p2.shared_scale)
+                                shared_scale=p2.shared_scale, values_codec=p2.values_codec)
         p2 = self.second.compress(p1.values, g)
         vals = self.second.decompress(p2)
         wire = {"values": p2.bits}
         if p1.kind in _INDEXED:
             wire["indices"] = _index_wire(p1)
-        return make_payload(p1.kind, x.shape, x.dtype, vals, wire, indices=p1.indices)
+        # a dense second stage's values travel in its own encoding (natural: sign + exponent); the
+        # decompressed values of a quantized second stage are floats, which travel as they are
+        codec = p2.values_codec if p2.kind == "dense" and vals.dtype == p2.values.dtype else (0, 0)
+        return make_payload(p1.kind, x.shape, x.dtype, vals, wire, indices=p1.indices, values_codec=codec)
 
     def omega(self, d):
         return th.compose_omega(self.first.omega(d), self.second.omega(self._inner_len(d)))

@@ -4,6 +4,18 @@ All three produce ``dense`` payloads. ``identity`` copies the input (a payload n
 ``fp16``/``bf16`` round to nearest into the narrow dtype: biased, deterministic, and contractive with
 ``delta = theory.compressors.rounding_delta(p)`` (p = 11 / 8 significand bits) on inputs in the narrow
 dtype's normal range; values that would overflow it raise :class:`~sparsecomm.errors.OverflowError_`.
+
+**Below the normal range** (|x| < 2^-14 for float16, < 2^-126 for bfloat16) rounding is absolute, not
+relative (half the subnormal spacing, down to flushing to zero), so the contraction can fail: a
+vector of entries around 1e-9 comes back as zeros, ||C(x) - x||^2 = ||x||^2. So ``delta()`` is only
+declared for calls where it holds, and every call checks it: ``compress`` measures
+``||C(x) - x||^2`` (one Numba pass over x and the rounded values, in float64) and, when it exceeds
+``(1 - delta) ||x||^2``, raises :class:`UnderflowError` (``underflow="raise"``, the default; a vector
+with a few tiny entries among normal ones passes, as the normal entries' rounding error is far below
+its bound). ``underflow="allow"`` compresses anything finite and declares ``delta = 0`` (no
+contraction is promised, only ``|C(x)_i - x_i| <= |x_i|``). The check costs about one copy of the
+input (measured under load: 64-133 ms against 105-128 ms for a 102 MB float32 copy and 72-76 ms for
+the cast itself); ``underflow="allow"`` skips it.
 """
 
 from __future__ import annotations
@@ -14,11 +26,54 @@ import torch
 
 from theory import compressors as th
 
-from ..errors import OverflowError_
+import numpy as np
+from numba import njit
+
+from ..errors import OverflowError_, SparseCommError
 from . import registry
 from . import _kernels
-from ._common import abs_max, cpu_empty, dtype_bits, flat_input, make_payload, raise_nonfinite, use_numba
+from ._common import (CompressorConfigError, abs_max, cpu_empty, dtype_bits, flat_input, make_payload,
+                      raise_nonfinite, use_numba)
 from .base import Compressor
+
+
+class UnderflowError(SparseCommError, ValueError):
+    """A rounding cast's input lies so far below the target's normal range that the declared
+    contraction ``delta`` does not hold for it."""
+
+
+@njit(cache=True, nogil=True, fastmath={"reassoc", "contract", "nsz"})
+def _cast_error(x, ybits, is_bf16):
+    """(sum (y_i - x_i)^2, sum x_i^2) in float64, y given by its float16 / bfloat16 bit patterns
+    (int16). Chunks of 4096: the bit patterns become float32 patterns in an integer pass (bfloat16:
+    ``<< 16``; float16: magnitude ``<< 13`` then times 2^112, exact for normals and subnormals), then
+    a pass accumulates in float64 (reassociated, so it vectorises; the sums serve a comparison)."""
+    C = 4096
+    tmp = np.empty(C, dtype=np.int32)
+    tf = tmp.view(np.float32)
+    err = 0.0
+    nrm = 0.0
+    n = x.size
+    scale = np.float32(1.0) if is_bf16 else np.float32(2.0 ** 112)
+    for s in range(0, n, C):
+        m = min(C, n - s)
+        yb = ybits[s: s + m]
+        t = tmp[:m]
+        if is_bf16:
+            for i in range(m):
+                t[i] = np.int32(yb[i]) << 16
+        else:
+            for i in range(m):
+                h = np.int32(yb[i])
+                t[i] = ((h & 0x7FFF) << 13) | ((h & 0x8000) << 16)
+        xs = x[s: s + m]
+        v = tf[:m]
+        for i in range(m):
+            xi = np.float64(xs[i])
+            d = np.float64(v[i] * scale) - xi
+            err += d * d
+            nrm += xi * xi
+    return err, nrm
 
 
 class _Dense(Compressor):
@@ -63,6 +118,22 @@ class _Cast(_Dense):
     target: torch.dtype = torch.float16
     precision_bits: int = 11
 
+    def __init__(self, underflow: str = "raise"):
+        if underflow not in ("raise", "allow"):
+            raise CompressorConfigError(f"{self.name}: underflow must be 'raise' (delta holds on every "
+                                        f"call, or an UnderflowError) or 'allow' (delta = 0), got {underflow!r}")
+        self.underflow = underflow
+
+    def hyper(self):
+        return {"underflow": self.underflow}
+
+    def _contraction_error(self, flat: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+        """(||C(x) - x||^2, ||x||^2) in float64."""
+        if flat.device.type == "cpu" and flat.dtype in (torch.float32, torch.float64):
+            return _cast_error(flat.numpy(), y.view(torch.int16).numpy(), self.target == torch.bfloat16)
+        xd = flat.to(torch.float64)
+        return float(((y.to(torch.float64) - xd) ** 2).sum()), float((xd * xd).sum())
+
     def compress(self, x, generator=None):
         flat = flat_input(x, self.name)
         big = abs_max(flat)
@@ -75,10 +146,23 @@ class _Cast(_Dense):
         if big > torch.finfo(self.target).max and bool(torch.isinf(y).any()):
             raise OverflowError_(f"{self.name}: |x| up to {big:g} overflows {self.target} "
                                  f"(max {torch.finfo(self.target).max:g}); rescale the input first")
+        if self.underflow == "raise" and flat.dtype != self.target and flat.numel():
+            err, nrm = self._contraction_error(flat, y)
+            if err > (1.0 - self.delta(flat.numel())) * nrm:
+                tiny = torch.finfo(self.target).tiny
+                raise UnderflowError(
+                    f"{self.name}: this input lies below {self.target}'s normal range (|x| < {tiny:g}) on "
+                    f"enough of its mass that rounding loses {err / nrm if nrm else 1.0:.3g} of ||x||^2, more "
+                    f"than the declared 1 - delta = {1.0 - self.delta(flat.numel()):.3g}; rescale it (e.g. "
+                    f"loss scaling), use 'bf16' (float32's range) or 'identity', or build "
+                    f"{self.name}(underflow='allow'), which declares delta = 0")
         return make_payload("dense", x.shape, x.dtype, y, {"values": 16 * y.numel()})
 
     def delta(self, d):
-        """1 - (2^-p + 2^-23)^2 for inputs in the narrow dtype's normal range (see rounding_delta)."""
+        """1 - (2^-p + 2^-23)^2 (see rounding_delta), checked on every call (``underflow="raise"``);
+        0 with ``underflow="allow"``, which promises no contraction."""
+        if self.underflow == "allow":
+            return 0.0
         return th.rounding_delta(self.precision_bits)
 
     def bits(self, d, dtype=torch.float32):

@@ -38,6 +38,7 @@ from ._common import CompressorConfigError, RandomMixin, check_int, draw_key, fl
 from ._quant import BucketQuantizer
 from .base import Compressor
 from ..errors import NonFiniteError, OverflowError_
+from ..payload import DITHER, NATURAL
 
 # input dtype -> (compute dtype, exponent field at/above which rounding up may overflow, exponent bits)
 _NATURAL = {
@@ -55,6 +56,8 @@ class Natural(RandomMixin, Compressor):
     name = "natural"
     payload_kind = "dense"
     unbiased = True
+    #: the values travel as sign + exponent only where no sum is formed on the wire (allgather)
+    packed_values = True
 
     def __init__(self, seed=None):
         self._init_random(seed)
@@ -86,7 +89,8 @@ class Natural(RandomMixin, Compressor):
             raise OverflowError_(f"{self.name}: |x| >= 2^{max_field - (127 if idt == torch.int32 else 1023)} "
                                  f"may round up past the range of {x.dtype}; rescale the input first")
         vals = y.view(cdt).to(x.dtype)
-        return make_payload("dense", x.shape, x.dtype, vals, {"values": th.natural_bits(d, ebits)})
+        return make_payload("dense", x.shape, x.dtype, vals, {"values": th.natural_bits(d, ebits)},
+                            values_codec=(NATURAL, 0))
 
     def omega(self, d):
         return th.natural_omega()
@@ -120,6 +124,9 @@ class NaturalDithering(BucketQuantizer):
 
     def code_bits(self):
         return th.qsgd_code_bits(self.levels)
+
+    def values_codec(self):
+        return (DITHER, self.code_bits())
 
     def _scale_of(self, norms):
         return norms * 2.0 ** (1 - self.levels)

@@ -7,7 +7,7 @@ Deterministic, biased, contractive: ||C(x) - x||^2 = ||x||^2 - ||x||_1^2/d exact
 is, since c_i x_i = |x_i| and c_i^2 = 1), so delta = ||x||_1^2/(d||x||^2) >= 1/d
 (``theory.compressors.sign_delta``, tight at a single spike). Payload ``quantized``: int8 codes in
 {-1, +1} and one scale ||x||_1/d (per worker: ``shared_scale = False``); wire cost d + 32 bits
-(``sign_bits``).
+(``sign_bits``): the codes travel as one bit each (``SIGNS`` encoding, :mod:`sparsecomm.codec.bits`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from . import _kernels as K
 from . import registry
 from ._common import flat_input, make_payload, raise_nonfinite, scale_dtype, use_numba, work_dtype
 from .base import Compressor
+from ..payload import SIGNS
 
 
 @registry.register("sign")
@@ -47,7 +48,7 @@ class ScaledSign(Compressor):
         sdt = scale_dtype(x.dtype)
         scale = torch.tensor([l1 / d] if d else [], dtype=sdt, device=flat.device)
         return make_payload("quantized", x.shape, x.dtype, codes_t, scale=scale, bucket_size=max(d, 1),
-                            shared_scale=False,
+                            shared_scale=False, values_codec=(SIGNS, 0),
                             wire_bits={"values": d, "scale": torch.finfo(sdt).bits * scale.numel()})
 
     def delta(self, d):

@@ -114,6 +114,7 @@ def guard_finite(fabric, what: str, result: torch.Tensor, local: torch.Tensor | 
         raise NonFiniteError(f"{what}: {src} passed NaN or Inf values (this is worker {rank}); pass "
                              f"nonfinite='pass' to the transport to sum them through as torch.distributed does")
     fi = torch.finfo(result.dtype)
-    raise OverflowError_(f"{what}: the sum overflows {result.dtype} (largest finite value {fi.max:g}) "
-                         f"although every worker's input is finite (this is worker {rank}); sum in a wider "
-                         f"dtype or scale the values down")
+    raise OverflowError_(f"{what}: the sum over workers overflowed {result.dtype} (largest finite value "
+                         f"{fi.max:g}) although every worker's input is finite (this is worker {rank}); sum in "
+                         f"a wider dtype (for fp16 payloads: transport='allgather', which sums in the tensor's "
+                         f"dtype, or compressor 'bf16') or scale the values down")

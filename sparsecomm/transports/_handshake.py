@@ -8,17 +8,18 @@ Usage, at the top of a transport's allreduce::
     from ._handshake import check_agreement, dtype_code
     check_agreement(fabric, "ring allreduce", numel=x.numel(), dtype=dtype_code(x.dtype))
 
-``check_agreement`` is a *dissemination* min/max all-reduce of the field vector (Bruck et al.): in round
-``k`` worker ``r`` sends its running (min, argmin, max, argmax) per field to ``r + 2^k`` and combines what
-it receives from ``r - 2^k`` (min and max are idempotent, so overlaps for non-powers of two are harmless).
-After ``ceil(log2 n)`` rounds every worker knows the global min and max of each field and raises if they
-differ; the error names two disagreeing workers and their values. Cost per worker: ``ceil(log2 n)``
+``check_agreement`` is a *dissemination* all-reduce of the header (Bruck et al.): in round ``k`` worker
+``r`` sends its running state to ``r + 2^k`` and merges what it receives from ``r - 2^k``; the state is the
+fields of the lowest rank merged so far, the first disagreement seen (which word, two ranks and their
+values) and, per ``info`` field, the maximum and its rank (every merge is idempotent, so overlaps for
+non-powers of two are harmless). After ``ceil(log2 n)`` rounds every worker knows whether all agree and
+raises if not; the error names two disagreeing workers and their values. Cost per worker: ``ceil(log2 n)``
 messages of :data:`HEADER_BYTES` bytes sent and received, ``ceil(log2 n)`` latency steps (see
 :func:`theory.costs.handshake`); they go through the fabric, so they are counted in ``CommStats``.
 
 **Fixed-size header.** Every message has the same size whatever the transport and its fields
-(``int64[4, HEADER_WORDS]``: rows min, argmin, max, argmax of a word vector ``[magic, transport code,
-layout code, field count, fields ..., checksum]``), so workers that disagree on the transport, the payload
+(``int64[HEADER_WORDS]``: ``[magic, transport code, layout code, field count, fields ..., reference
+rank, disagreement record, info ranks, checksum]``), so workers that disagree on the transport, the payload
 kind or the options never post receives of different sizes (gloo aborts the process on a message longer
 than its receive): they exchange headers and all raise :class:`MismatchError` naming both sides. A header
 that fails its checksum or names impossible ranks is :class:`MalformedMessage` (reported to the other
@@ -46,15 +47,20 @@ from ..errors import MalformedMessage, MismatchError
 #: tag of the handshake messages (kept apart from the transports' data tags)
 HANDSHAKE_TAG = 0x5C00
 
-#: first word of every agreement header ("SCHS", header version 2)
-MAGIC = 0x53434853_0002
-#: fields per header (transports use fewer; the rest are zero)
+#: first word of every agreement header ("SCHS", header version 3)
+MAGIC = 0x53434853_0003
+#: fields per header (transports use fewer; the rest are zero); at most MAX_INFO of them ``info`` fields
 MAX_FIELDS = 16
+MAX_INFO = 4
 _PRE = 4          # magic, transport code, layout code (field names), number of fields
-#: int64 words per row: the preamble, the fields, and a checksum
-HEADER_WORDS = _PRE + MAX_FIELDS + 1
-#: bytes of every handshake message: rows (min, argmin, max, argmax) of HEADER_WORDS int64 words
-HEADER_BYTES = 4 * 8 * HEADER_WORDS
+_REF = _PRE + MAX_FIELDS          # the rank whose header the fields are (the lowest merged so far)
+_DIS = _REF + 1                   # a disagreement seen: word index (-1: none), rank a, value a, rank b, value b
+_ARG = _DIS + 5                   # the rank holding each info field's maximum
+#: int64 words of every handshake message: preamble, fields, reference rank, disagreement, info ranks,
+#: a reserved word and a checksum
+HEADER_WORDS = _ARG + MAX_INFO + 2
+#: bytes of every handshake message
+HEADER_BYTES = 8 * HEADER_WORDS
 
 
 def dtype_code(dtype: torch.dtype) -> int:
@@ -157,8 +163,8 @@ def _layout_code(names: Sequence[str], info: Sequence[str]) -> int:
 
 
 def _checksum(state: torch.Tensor) -> torch.Tensor:
-    """A position-weighted int64 checksum of a header state's words (all but the last column)."""
-    v = state[:, :-1].reshape(-1)
+    """A position-weighted int64 checksum of a header's words (all but the last)."""
+    v = state[:-1].to(torch.int64)
     w = torch.arange(1, v.numel() + 1, dtype=torch.int64, device=v.device)
     return ((v ^ (w * 0x5851F42D4C957F2D)) * 0x9E3779B1 + w).sum()
 
@@ -177,34 +183,51 @@ def _fail(fabric, exc: BaseException) -> BaseException:
 
 def header_state(rank: int, transport: str, names: Sequence[str], info: Sequence[str],
                  values: Sequence[int | torch.Tensor], device) -> torch.Tensor:
-    """This worker's agreement header as a one-worker (min, argmin, max, argmax) state:
-    ``int64[4, HEADER_WORDS]``, the same size for every transport and every call."""
-    if len(values) > MAX_FIELDS:
-        raise ValueError(f"the agreement header holds at most {MAX_FIELDS} fields, got {len(values)}")
-    pre = [MAGIC, transport_code(transport), _layout_code(names, info), len(values)]
-    words = [torch.as_tensor(v, dtype=torch.int64).reshape(()).to(device) for v in pre]
-    words += [torch.as_tensor(v, dtype=torch.int64).reshape(()).to(device) for v in values]
-    words += [torch.zeros((), dtype=torch.int64, device=device)] * (HEADER_WORDS - len(words))
-    vals = torch.stack(words)
-    ranks = torch.full_like(vals, rank)
-    state = torch.stack([vals, ranks, vals, ranks])
-    state[:, -1] = 0
-    state[0, -1] = _checksum(state)
+    """This worker's agreement header, ``int64[HEADER_WORDS]``: the same size for every transport and call."""
+    if len(values) > MAX_FIELDS or len(info) > MAX_INFO:
+        raise ValueError(f"the agreement header holds at most {MAX_FIELDS} fields ({MAX_INFO} info fields)")
+    words = [MAGIC, transport_code(transport), _layout_code(names, info), len(values)]
+    words += [int(torch.as_tensor(v).reshape(()).item()) if isinstance(v, torch.Tensor) else int(v)
+              for v in values]
+    words += [0] * (_REF - len(words))
+    words += [rank, -1, 0, 0, 0, 0] + [rank] * MAX_INFO + [0, 0]
+    state = torch.tensor(words, dtype=torch.int64, device=device)
+    state[-1] = _checksum(state)
     return state
 
 
 def validate_state(buf: torch.Tensor, src: int, what: str, rank: int, n: int) -> None:
-    """Raise :class:`MalformedMessage` unless ``buf`` is a well-formed agreement header state."""
-    if int(buf[0, -1]) != int(_checksum(buf)):
+    """Raise :class:`MalformedMessage` unless ``buf`` is a well-formed agreement header."""
+    if int(buf[-1]) != int(_checksum(buf)):
         raise MalformedMessage(f"{what}: the agreement header from worker {src} fails its checksum "
                                f"(corrupted on the wire, or not a sparsecomm header); this is worker {rank}")
-    ranks = buf[[1, 3], :-1]
-    if int(buf[0, 0]) != MAGIC or int(buf[2, 0]) != MAGIC:
+    w = buf.tolist()
+    if w[0] != MAGIC:
         raise MalformedMessage(f"{what}: worker {src} sent an agreement header of another protocol version "
-                               f"(magic {int(buf[0, 0]):#x}, expected {MAGIC:#x}); this is worker {rank}")
-    if bool(((ranks < 0) | (ranks >= n)).any()):
+                               f"(magic {w[0]:#x}, expected {MAGIC:#x}); this is worker {rank}")
+    ranks = [w[_REF]] + w[_ARG:_ARG + MAX_INFO] + ([w[_DIS + 1], w[_DIS + 3]] if w[_DIS] >= 0 else [])
+    if not all(0 <= x < n for x in ranks) or not -1 <= w[_DIS] < _REF or not 0 <= w[3] <= MAX_FIELDS:
         raise MalformedMessage(f"{what}: the agreement header from worker {src} names ranks outside "
-                               f"0..{n - 1}; this is worker {rank}")
+                               f"0..{n - 1} or words outside the header; this is worker {rank}")
+
+
+def _combine(a: list[int], b: list[int], compared: list[int], info: range) -> list[int]:
+    """Merge two header states (see :func:`check_agreement`)."""
+    lo, hi = (a, b) if a[_REF] <= b[_REF] else (b, a)
+    out = list(lo)
+    if lo[_DIS] < 0:
+        if hi[_DIS] >= 0:
+            out[_DIS:_DIS + 5] = hi[_DIS:_DIS + 5]
+        else:
+            j = next((j for j in compared if lo[j] != hi[j]), None)
+            if j is not None:
+                out[_DIS:_DIS + 5] = [j, lo[_REF], lo[j], hi[_REF], hi[j]]
+    for i, j in enumerate(info):
+        if b[j] > a[j] or (b[j] == a[j] and b[_ARG + i] < a[_ARG + i]):
+            out[j], out[_ARG + i] = b[j], b[_ARG + i]
+        else:
+            out[j], out[_ARG + i] = a[j], a[_ARG + i]
+    return out
 
 
 def check_agreement(fabric, what: str, *, tag: int = HANDSHAKE_TAG, transport: str | None = None,
@@ -213,11 +236,18 @@ def check_agreement(fabric, what: str, *, tag: int = HANDSHAKE_TAG, transport: s
 
     ``what`` names the operation in the message (e.g. ``"ring allreduce"``); ``transport`` (default: its
     first word) is part of the header, so workers running different transports get a MismatchError
-    naming both. ``info`` fields are not compared: the result maps each to ``(max over workers, the
-    lowest worker holding it)`` (flags, bounds). Must be called by every worker (not by services) in
-    the same order relative to other traffic on ``tag``. Every message is one fixed-size header state
-    (:data:`HEADER_BYTES`), whatever the transport and the fields, so a worker never receives a
+    naming both (and, since their message patterns may differ, the failure is reported to every rank:
+    the job stops). ``info`` fields (at most :data:`MAX_INFO`) are not compared: the result maps each to
+    ``(max over workers, the lowest worker holding it)``. Must be called by every worker (not by
+    services) in the same order relative to other traffic on ``tag``. Every message is one fixed-size
+    header (:data:`HEADER_BYTES`), whatever the transport and the fields, so a worker never receives a
     message of another size than it posted; a malformed one raises :class:`MalformedMessage`.
+
+    State merged by the dissemination: the fields of the lowest rank merged so far, the first
+    disagreement seen (word, two ranks, their values), and each info field's maximum and its rank. A
+    merged set of workers holds a disagreement record exactly when two of its members' headers differ
+    (by induction over the merges), so after ``ceil(log2 n)`` rounds every worker knows whether all
+    agree, and names two that do not.
     """
     n, rank = fabric.world_size, fabric.rank
     info = dict(info or {})
@@ -229,7 +259,10 @@ def check_agreement(fabric, what: str, *, tag: int = HANDSHAKE_TAG, transport: s
     names, inames = list(fields), list(info)
     state = header_state(rank, transport, names, inames, list(fields.values()) + list(info.values()),
                          fabric.device)
-    mine = state[0].tolist()
+    mine = state.tolist()
+    compared = [0, 1] + list(range(_PRE, _PRE + len(names))) + [2, 3]
+    info_words = range(_PRE + len(names), _PRE + len(names) + len(inames))
+    cur = mine
     buf = torch.empty_like(state)
     k = 1
     while k < n:
@@ -241,37 +274,29 @@ def check_agreement(fabric, what: str, *, tag: int = HANDSHAKE_TAG, transport: s
             validate_state(buf, src, what, rank, n)
         except MalformedMessage as exc:
             raise _fail(fabric, exc) from None
-        state = _combine(state, buf)
-        state[0, -1] = _checksum(state)
+        cur = _combine(cur, buf.tolist(), compared, info_words)
+        state = torch.tensor(cur, dtype=torch.int64, device=fabric.device)
+        state[-1] = _checksum(state)
         k *= 2
     fabric.stats.rounds += (n - 1).bit_length()
-    vmin, rmin, vmax, rmax = state.tolist()
-    if vmin[1] != vmax[1]:
-        # transports that disagree may not even agree on who sends what to whom: some worker may be left
-        # waiting for a message that never comes, so the other ranks are told (fail-stop)
-        raise _fail(fabric, MismatchError(
-            f"{what}: workers disagree on the transport: worker {rmin[1]} runs {_transport_name(vmin[1])}, "
-            f"worker {rmax[1]} runs {_transport_name(vmax[1])} (this is worker {rank}, running {transport!r}); "
-            f"every worker must call the same transport in the same order")) from None
-    off = _PRE
-    for i, name in enumerate(names):
-        j = off + i
-        if vmin[j] != vmax[j]:
-            raise _error(what, name, vmin[j], rmin[j], vmax[j], rmax[j], mine[j], rank)
-    if vmin[2] != vmax[2] or vmin[3] != vmax[3]:
-        raise MismatchError(
-            f"{what}: workers {rmin[2]} and {rmax[2]} describe their calls with different fields (another "
-            f"payload kind, dtype class or transport option; this is worker {rank}); every worker must "
-            f"pass the same kind of input with the same options")
-    return {nm: (vmax[off + len(names) + i], rmax[off + len(names) + i]) for i, nm in enumerate(inames)}
-
-
-def _combine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Merge two (min, argmin, max, argmax) states; ties go to the lower rank."""
-    lo = (b[0] < a[0]) | ((b[0] == a[0]) & (b[1] < a[1]))
-    hi = (b[2] > a[2]) | ((b[2] == a[2]) & (b[3] < a[3]))
-    return torch.stack([torch.where(lo, b[0], a[0]), torch.where(lo, b[1], a[1]),
-                        torch.where(hi, b[2], a[2]), torch.where(hi, b[3], a[3])])
+    j = cur[_DIS]
+    if j >= 0:
+        ra, va, rb, vb = cur[_DIS + 1:_DIS + 5]
+        if j == 1:
+            # transports that disagree may not even agree on who sends what to whom: some worker may be
+            # left waiting for a message that never comes, so the other ranks are told (fail-stop)
+            raise _fail(fabric, MismatchError(
+                f"{what}: workers disagree on the transport: worker {ra} runs {_transport_name(va)}, "
+                f"worker {rb} runs {_transport_name(vb)} (this is worker {rank}, running {transport!r}); "
+                f"every worker must call the same transport in the same order")) from None
+        if j in (0, 2, 3):
+            raise MismatchError(
+                f"{what}: workers {ra} and {rb} describe their calls with different fields (another "
+                f"payload kind, dtype class, transport option or library version; this is worker {rank}); "
+                f"every worker must pass the same kind of input with the same options")
+        (vmin, rmin), (vmax, rmax) = sorted([(va, ra), (vb, rb)])
+        raise _error(what, names[j - _PRE], vmin, rmin, vmax, rmax, mine[j], rank)
+    return {nm: (cur[_PRE + len(names) + i], cur[_ARG + i]) for i, nm in enumerate(inames)}
 
 
 def handshake_bytes(nfields: int | None = None) -> int:

@@ -7,22 +7,28 @@ payloads or plain tensors (at ``n - 1`` times the traffic of a ring).
 Protocol, on worker ``r`` of ``n``:
 
 1. exchange a fixed-size int64 *header* with every other worker (original length, dtype, kind, scale
-   sharing, bucket size, an indices checksum for ``aligned``, and the length and dtype of each wire
-   tensor: values, indices (``sparse`` only), scale), in the agreement handshake's format and on its tag
-   (:mod:`._handshake`: the same size for every transport, with a checksum), so that a worker running
-   another transport gets a :class:`~sparsecomm.errors.MismatchError` rather than a message of an
-   unexpected size;
-2. check agreement and validate every header against what this worker knows (every announced length
-   within ``0 .. numel``, dtype codes from a fixed list, indices as many as values) before anything is
-   allocated; every worker holds the same headers, so a disagreement raises on every worker before any
-   data moves; a header only this worker saw corrupted is :class:`~sparsecomm.errors.MalformedMessage`,
-   reported to the others through the fabric (``fail``);
-3. send the non-empty wire tensors to every other worker (destinations in the order ``r+1, r+2, ...``,
-   so that every receiver gets one sender at a time) and receive everyone's, allocated from the headers
-   (empty ones are never sent: ``k = 0`` costs only the headers). Each phase posts all its sends and
-   receives before waiting, so it is one group on nccl;
-4. rebuild each worker's :class:`~sparsecomm.payload.Payload` and sum their ``to_dense()`` in rank
-   order (the same bits on every worker): integers in int64, range-checked against the input's dtype
+   sharing, bucket size, an indices checksum for ``aligned``, and the element count, in-memory dtype
+   and wire encoding of each slot: values, indices (``sparse`` only), scale: see
+   :meth:`Payload.wire_layout <sparsecomm.payload.Payload.wire_layout>`), in the agreement handshake's
+   format and on its tag (:mod:`._handshake`: the same size for every transport, with a checksum), so
+   that a worker running another transport gets a :class:`~sparsecomm.errors.MismatchError` rather
+   than a message of an unexpected size; a header that fails its checksum (seen perhaps by this worker
+   only) is :class:`~sparsecomm.errors.MalformedMessage`, reported to the others through the fabric
+   (``fail``), as is a header whose slots fail their checks;
+2. send the non-empty wire tensors (:meth:`Payload.to_wire`: 1-bit signs, k-bit codes, natural
+   sign + exponent, int32 indices or a bitmap: the bits the compressor declares) to every other worker
+   (destinations in the order ``r+1, r+2, ...``, so that every receiver gets one sender at a time) and
+   receive everyone's into buffers sized from the headers once each announced slot has been checked
+   against this rank's own tensor (:func:`~sparsecomm.payload.check_slot`: at most ``numel`` elements,
+   an encoding that fits the dtype; a header that fails raises
+   :class:`~sparsecomm.payload.WireFormatError` on every worker, since every worker receives every
+   header). Empty slots are never sent (``k = 0`` costs only the headers). Each phase posts all its
+   sends and receives before waiting, so it is one group on nccl;
+3. (before phase 2) check agreement locally on the gathered headers (every worker sees the same
+   headers, so a mismatch raises :class:`~sparsecomm.errors.MismatchError` on every worker before any
+   data is sent, and the fabric stays clean); after phase 2, rebuild each worker's :class:`~sparsecomm.payload.Payload` bit-exactly
+   (:meth:`Payload.from_wire`) and sum their ``to_dense()`` in rank order (the same bits on every
+   worker): integers in int64, range-checked against the input's dtype
    (:class:`~sparsecomm.errors.OverflowError_`, never wrapped); NaN/Inf in a float sum raise
    :class:`~sparsecomm.errors.NonFiniteError` (or ``OverflowError_`` for finite inputs that overflow)
    unless ``nonfinite="pass"``, on every worker (:mod:`._guards`).
@@ -35,14 +41,13 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import OverflowError_
 from ..fabric.base import Fabric
-from ..payload import Payload
+from ..payload import Payload, WireFormatError, check_slot, empty_slot
 from . import registry
-from ..errors import MalformedMessage, MismatchError
+from ..errors import MalformedMessage, MismatchError, OverflowError_
 from ._guards import abs_max, all_finite, guard_finite, is_integer, narrow, nonfinite_option
-from ._handshake import (HANDSHAKE_TAG, HEADER_BYTES, _DTYPES, _PRE, _fail, _transport_name, dtype_code,
-                         fingerprint, header_state, mismatch_error, transport_code, validate_state)
+from ._handshake import (HANDSHAKE_TAG, _DIS, _PRE, _REF, _fail, _transport_name, dtype_code, fingerprint, header_state,
+                         mismatch_error, transport_code, validate_state)
 from .base import Transport
 from .ring import KIND_CODE
 
@@ -51,33 +56,27 @@ from .ring import KIND_CODE
 HEADER_TAG = HANDSHAKE_TAG
 DATA_TAG = 0x5C21
 
-# header fields (int64): six scalars, then (length, dtype code) for each of the three wire slots
+# header layout (int64): six scalars, then (count, dtype code, encoding code) for each of the three slots
 _NUMEL, _DTYPE, _KIND, _SHARED, _BUCKET, _INDICES = range(6)
 _SLOTS = ("values", "indices", "scale")
-HEADER_FIELDS = 6 + 2 * len(_SLOTS)
-_NAMES = ("numel", "dtype", "kind", "shared", "bucket", "indices", "values_len", "values_dtype",
-          "indices_len", "indices_dtype", "scale_len", "scale_dtype")
-#: dtypes a wire tensor may have (anything else in a header is malformed)
-_WIRE_DTYPES = {dtype_code(d): d for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16,
-                                           torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
-                                           torch.bool)}
+_SLOT_FIELDS = 3
+HEADER_FIELDS = 6 + _SLOT_FIELDS * len(_SLOTS)
+_NAMES = ("numel", "dtype", "kind", "shared", "bucket", "indices") + tuple(
+    f"{slot}_{f}" for slot in _SLOTS for f in ("count", "dtype", "encoding"))
 
 
-def _wire(p: Payload) -> list[torch.Tensor | None]:
-    """The tensors that travel, by slot (aligned indices stay home: every worker has the same)."""
-    values = p.values.reshape(-1)
-    indices = p.indices.reshape(-1) if p.kind == "sparse" else None
-    scale = p.scale.reshape(-1) if p.scale is not None else None
-    return [values, indices, scale]
+def _slot(h: list[int], slot: int) -> tuple[int, int, int]:
+    base = 6 + _SLOT_FIELDS * slot
+    return h[base], h[base + 1], h[base + 2]
 
 
-def _header(p: Payload, wire: list[torch.Tensor | None], device: torch.device, rank: int) -> torch.Tensor:
+def _header(p: Payload, layout: list, device: torch.device, rank: int) -> torch.Tensor:
     """This worker's header: the agreement handshake's fixed-size state (:func:`header_state`)."""
     fields: list = [p.numel, dtype_code(p.dtype), KIND_CODE[p.kind], int(bool(p.shared_scale)),
                     int(p.bucket_size or 0),
                     fingerprint(p.indices) if p.kind == "aligned" else 0]
-    for t in wire:
-        fields += [t.numel(), dtype_code(t.dtype)] if t is not None else [-1, 0]
+    for lay in layout:
+        fields += [lay[0], dtype_code(lay[1]), lay[2]] if lay is not None else [-1, 0, 0]
     return header_state(rank, "allgather", _NAMES, (), fields, device)
 
 
@@ -85,40 +84,17 @@ def _read_header(buf: torch.Tensor, src: int, rank: int, n: int) -> list[int]:
     """A peer's header fields, after checking that it is a well-formed allgather header."""
     what = "allgather allreduce"
     validate_state(buf, src, what, rank, n)
-    rows = buf[:, :-1].tolist()
+    w = buf.tolist()
     mine = transport_code("allgather")
-    if rows[0][1] != mine or rows[2][1] != mine or rows[0] != rows[2]:
-        theirs = rows[0][1] if rows[0][1] != mine else rows[2][1]
+    if w[1] != mine or w[_DIS] >= 0:
+        theirs = w[1] if w[1] != mine else w[_DIS + 4]
         raise MismatchError(f"{what}: workers disagree on the transport: worker {src} runs "
                             f"{_transport_name(theirs)}, this worker ({rank}) runs 'allgather'; every worker "
                             f"must call the same transport in the same order")
-    if rows[0][3] != HEADER_FIELDS:
-        raise MalformedMessage(f"{what}: worker {src}'s header has {rows[0][3]} fields, expected "
-                               f"{HEADER_FIELDS}; this is worker {rank}")
-    return rows[0][_PRE:_PRE + HEADER_FIELDS]
-
-
-def _validate(headers: list[list[int]], rank: int) -> None:
-    """Check every header's sizes and codes against what this worker knows (the agreed length), before
-    anything is allocated from them. Every worker holds the same headers, so every worker raises alike."""
-    what = "allgather allreduce"
-    numel = headers[rank][_NUMEL]
-    for src, h in enumerate(headers):
-        for slot, name in enumerate(_SLOTS):
-            length, code = h[6 + 2 * slot], h[7 + 2 * slot]
-            if length == -1 and code == 0:
-                continue
-            if code not in _WIRE_DTYPES or not 0 <= length <= max(numel, 1):
-                raise MalformedMessage(
-                    f"{what}: worker {src} announces {length} {name} of dtype code {code}; a tensor of "
-                    f"{numel} elements allows 0..{max(numel, 1)} of a known dtype (this is worker {rank})")
-        if h[_KIND] in (KIND_CODE["dense"], KIND_CODE["quantized"]) and h[6] != numel:
-            raise MalformedMessage(f"{what}: worker {src} announces {h[6]} values for a tensor of {numel} "
-                                   f"elements (this is worker {rank})")
-        if h[6] < 0 or (h[_KIND] == KIND_CODE["sparse"] and (h[8] != h[6] or not is_integer(
-                _WIRE_DTYPES[h[9]]))):
-            raise MalformedMessage(f"{what}: worker {src}'s header describes an invalid payload (values "
-                                   f"{h[6]}, indices {h[8]}); this is worker {rank}")
+    if w[3] != HEADER_FIELDS or w[_REF] != src:
+        raise MalformedMessage(f"{what}: worker {src}'s header has {w[3]} fields for worker {w[_REF]}, "
+                               f"expected {HEADER_FIELDS} for worker {src}; this is worker {rank}")
+    return w[_PRE:_PRE + HEADER_FIELDS]
 
 
 @registry.register("allgather")
@@ -138,6 +114,10 @@ class AllGather(Transport):
         self.header_tag = header_tag
         self.data_tag = data_tag
 
+    def wire_copies(self) -> float:
+        """Every payload goes to each of the ``n - 1`` other workers."""
+        return float(self.fabric.world_size - 1)
+
     def _allreduce_tensor(self, flat: torch.Tensor) -> torch.Tensor:
         return self._gather_sum(Payload("dense", flat, flat.shape, flat.dtype))
 
@@ -147,14 +127,15 @@ class AllGather(Transport):
     def _gather_sum(self, p: Payload) -> torch.Tensor:
         f = self.fabric
         n, r = f.world_size, f.rank
-        wire = _wire(p)
-        if wire[1] is not None and wire[1].numel() != wire[0].numel():
-            raise ValueError(f"sparse payload with {wire[0].numel()} values but {wire[1].numel()} indices")
+        if p.kind == "sparse" and p.indices is not None and p.indices.numel() != p.values.numel():
+            raise ValueError(f"sparse payload with {p.values.numel()} values but {p.indices.numel()} indices")
         if n == 1:
             return p.to_dense().clone()
         dev = p.values.device
+        layout = p.wire_layout()
+        wire = p.to_wire()
         # phase 1: headers, every worker to every worker (the handshake's fixed-size format)
-        header = _header(p, wire, dev, r)
+        header = _header(p, layout, dev, r)
         hbufs = [torch.empty_like(header) for _ in range(n)]
         works = [f.isend(header, (r + k) % n, self.header_tag) for k in range(1, n)]
         works += [f.irecv(hbufs[(r - k) % n], (r - k) % n, self.header_tag) for k in range(1, n)]
@@ -163,18 +144,19 @@ class AllGather(Transport):
         headers: list[list[int]] = [[] for _ in range(n)]
         for src in range(n):
             try:
-                headers[src] = (header[0, _PRE:_PRE + HEADER_FIELDS].tolist() if src == r
+                headers[src] = (header[_PRE:_PRE + HEADER_FIELDS].tolist() if src == r
                                 else _read_header(hbufs[src], src, r, n))
             except (MalformedMessage, MismatchError) as exc:   # possibly seen by this worker only
                 raise _fail(f, exc) from None
-        # agreement and sizes before anything is allocated from a header; every worker holds the same
-        # headers, so every worker raises alike, before any data moves (the fabric stays clean)
+        # every worker holds every header: agreement (length, dtype, kind, encoding, ...) and each
+        # announced slot (against this rank's own tensor) are checked before any data moves or any buffer
+        # is allocated, so every worker raises the same error and nothing is left in flight
         self._check(headers, r)
         try:
-            _validate(headers, r)
-        except MalformedMessage as exc:
-            raise _fail(f, exc) from None
-        # phase 2: the wire tensors, sized by the headers (empty ones are not sent)
+            layouts = [self._peer_layout(headers[j], p.numel, j) for j in range(n)]
+        except (WireFormatError, MalformedMessage) as exc:   # a lying header: the job stops (fail-stop)
+            raise _fail(f, exc if isinstance(exc, MalformedMessage) else MalformedMessage(str(exc))) from exc
+        # phase 2: the wire tensors, sized by the checked layouts (empty ones are not sent)
         works = []
         for k in range(1, n):
             dst = (r + k) % n
@@ -183,64 +165,81 @@ class AllGather(Transport):
         received[r] = wire
         for k in range(1, n):
             src = (r - k) % n
-            for slot in range(len(_SLOTS)):
-                length, code = headers[src][6 + 2 * slot], headers[src][7 + 2 * slot]
-                if length < 0:
+            for lay in layouts[src]:
+                if lay is None:
                     received[src].append(None)
                     continue
-                buf = torch.empty(length, dtype=_WIRE_DTYPES[code], device=dev)
-                if length:
+                buf = empty_slot(*lay, numel=p.numel, device=dev)
+                if buf.numel():
                     works.append(f.irecv(buf, src, self.data_tag))
                 received[src].append(buf)
         for w in works:
             w.wait()
         f.stats.rounds += 2
-        return self._sum(p, received, headers, r)
+        return self._sum(p, received, headers, layouts, r)
 
-    def _sum(self, p: Payload, received, headers, r: int) -> torch.Tensor:
+    def _sum(self, p: Payload, received, headers, layouts, r: int) -> torch.Tensor:
         """Every worker's payload, summed in rank order (the same bits on every worker): integers in
-        int64 and range-checked, floats checked for NaN/Inf (the cause is known locally: every worker
-        holds every payload)."""
+        int64 and range-checked, floats checked for NaN/Inf (the culprit is found locally, on the error
+        path only: every worker holds every payload)."""
         what = "allgather allreduce"
         n = len(received)
         dev = p.values.device
-        out_dtype = p.dtype
-        integer = is_integer(out_dtype)
-        acc_dtype = torch.int64 if integer else out_dtype
-        if integer and out_dtype == torch.int64:
-            bound = sum(abs_max(rv[0]) for rv in received if rv[0] is not None)
-            if bound > torch.iinfo(torch.int64).max:
-                raise OverflowError_(f"{what}: the workers' int64 values can sum beyond int64 (bound {bound})")
-        out = torch.zeros(p.numel, dtype=acc_dtype, device=dev)
+        integer = is_integer(p.dtype)
+        acc = torch.int64 if integer else p.dtype
+        out = torch.zeros(p.numel, dtype=acc, device=dev)
+        pjs = []
         for j in range(n):
-            values, indices, scale = received[j]
             h = headers[j]
-            if p.kind == "sparse" or p.kind == "aligned":
-                idx = indices if p.kind == "sparse" else p.indices.reshape(-1)
-                if values.numel():
-                    idx = idx.to(torch.int64)
-                    if p.kind == "sparse" and (int(idx.min()) < 0 or int(idx.max()) >= p.numel):
-                        raise MalformedMessage(f"{what}: worker {j}'s indices leave [0, {p.numel}) (this is "
-                                               f"worker {r})")
-                    out.index_add_(0, idx, values.to(acc_dtype))
+            if j == r:
+                pj = p
             else:
-                if p.kind == "quantized" and scale is not None and scale.numel() != 1 and (
-                        not h[_BUCKET] or -(-p.numel // h[_BUCKET]) != scale.numel()):
-                    raise MalformedMessage(f"{what}: worker {j}'s quantized payload has {scale.numel()} "
-                                           f"scales for {p.numel} codes in buckets of {h[_BUCKET]}")
-                pj = Payload(p.kind, values, p.shape, p.dtype, scale=scale, bucket_size=h[_BUCKET] or None,
-                             shared_scale=bool(h[_SHARED]))
-                out += pj.to_dense().to(acc_dtype)
+                pj = Payload.from_wire(p.kind, p.shape, p.dtype, layouts[j], received[j],
+                                       indices=p.indices if p.kind == "aligned" else None,
+                                       bucket_size=h[_BUCKET] or None, shared_scale=bool(h[_SHARED]))
+            if pj.kind in ("sparse", "aligned"):
+                if pj.values.numel():
+                    idx = pj.indices.reshape(-1).to(torch.int64)
+                    if pj.kind == "sparse" and (int(idx.min()) < 0 or int(idx.max()) >= p.numel):
+                        raise WireFormatError(f"allgather: worker {j} sent indices outside [0, {p.numel})")
+                    out.index_add_(0, idx, pj.values.reshape(-1).to(acc))
+            else:
+                out += pj.to_dense().to(acc)
+            pjs.append(pj)
         if integer:
-            return narrow(out, out_dtype, what)
+            if p.dtype == torch.int64:    # int64 partial sums could wrap: bound them first
+                bound = sum(abs_max(pj.values.reshape(-1)) for pj in pjs if not pj.values.is_floating_point())
+                if bound > torch.iinfo(torch.int64).max:
+                    raise OverflowError_(f"{what}: the workers' int64 values can sum beyond int64 (bound {bound})")
+            return narrow(out, p.dtype, what)
 
-        def first_nonfinite() -> int:   # (only on the error path: every worker holds every payload)
-            for j, (values, _, _) in enumerate(received):
-                if values is not None and values.is_floating_point() and values.numel() and not all_finite(values):
+        def first_nonfinite() -> int:   # (only on the error path)
+            for j, pj in enumerate(pjs):
+                v = pj.values
+                if v.is_floating_point() and v.numel() and not all_finite(v):
                     return j
             return -1
 
         guard_finite(self.fabric, what, out, None, self.nonfinite, cause=first_nonfinite)
+        return out
+
+    @staticmethod
+    def _peer_layout(h: list[int], numel: int, rank: int) -> list:
+        from ._handshake import dtype_from_code
+
+        out = []
+        for slot, name in enumerate(_SLOTS):
+            count, dcode, code = _slot(h, slot)
+            if count < 0:
+                out.append(None)
+                continue
+            try:
+                dt = dtype_from_code(dcode)
+            except Exception as e:  # an unknown dtype code
+                raise WireFormatError(f"allgather: worker {rank} announced an unknown dtype for its "
+                                      f"{name}") from e
+            check_slot(count, dt, code, numel, max_count=max(numel, 1), what=f"allgather {name} of worker {rank}")
+            out.append((count, dt, code))
         return out
 
     def _check(self, headers: list[list[int]], rank: int) -> None:
@@ -248,6 +247,7 @@ class AllGather(Transport):
         what = "allgather allreduce"
         checks = [("tensor length", _NUMEL), ("dtype", _DTYPE), ("payload kind", _KIND)]
         kind = headers[rank][_KIND]
+        checks += [("values encoding", 8)]
         if kind == KIND_CODE["dense"]:
             checks += [("values length", 6), ("values dtype", 7)]
         elif kind == KIND_CODE["aligned"]:

@@ -53,6 +53,14 @@ class Transport(ABC):
         self.last_stats = stats
         return out
 
+    def wire_copies(self) -> float:
+        """How many copies of one worker's payload this transport's sends amount to, per worker, when
+        the payload travels as declared (ring-like reduce-scatter + all-gather: ``2 (n-1)/n``). The
+        pipeline multiplies the declared bytes by it to compare them with the ledger
+        (``compression_stats()["sent_over_declared"]``)."""
+        n = self.fabric.world_size
+        return 2.0 * (n - 1) / n
+
     @classmethod
     def can_carry(cls, kind: str, shared_scale: bool = False) -> bool:
         """True if this transport sums payloads of ``kind`` (with that scale sharing)."""
