@@ -150,13 +150,19 @@ def _run_in_place(backend: str, fn: Callable, world_size: int, timeout_s: float,
             _serve(fabric, services[rank - world_size])
     except BaseException as exc:
         fabric.fail(exc)    # every other rank stops at once, naming this one (see TorchFabric)
+        fabric.close()
         raise
-    gathered = _gather_results(result if rank < world_size else None, rank, total)
-    if owned:
-        # Tear down what we set up while every rank is here: left to interpreter exit, gloo's
-        # destructors race the fabric's waiter threads and abort ("terminate called ...").
-        dist.barrier()
-        dist.destroy_process_group()
+    try:
+        gathered = _gather_results(result if rank < world_size else None, rank, total)
+    finally:
+        fabric.close()
+        if owned:
+            # Tear down what we set up while every rank is here (also when the results could not be
+            # gathered: every rank raises that alike): left to interpreter exit, gloo's destructors race
+            # the fabric's waiter threads and abort ("terminate called ...").
+            if fabric.failure is None:
+                dist.barrier()
+            dist.destroy_process_group()
     return gathered[:world_size]
 
 

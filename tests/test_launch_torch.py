@@ -165,6 +165,8 @@ def ok(ctx):
     return {"rank": ctx.rank, "t": torch.arange(3) * ctx.rank}
 
 if __name__ == "__main__":
+    import torch.distributed as dist
+    dist.init_process_group("gloo")      # one process group for both launches (launch runs in place)
     good = sc.launch(ok, 2, backend="gloo", timeout_s=60)
     try:
         sc.launch(fn, 2, backend="gloo", timeout_s=60)
@@ -173,6 +175,8 @@ if __name__ == "__main__":
         outcome = "TypeError " + ("worker 1" in str(e) or "Evil" in str(e)).__str__()
     with open(f"out{os.environ['RANK']}.txt", "w") as fh:
         fh.write(f"{[g['rank'] for g in good]} {good[1]['t'].tolist()} {outcome}")
+    dist.barrier()
+    dist.destroy_process_group()
 '''
 
 

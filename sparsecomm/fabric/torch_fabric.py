@@ -118,7 +118,7 @@ def _watch(ref, store, key: str) -> None:
     while True:
         time.sleep(_WATCH_S)
         fab = ref()
-        if fab is None or fab._failure is not None:
+        if fab is None or fab._failure is not None or fab._closed:
             return
         try:
             if not store.check([key]):
@@ -268,6 +268,8 @@ class TorchFabric(Fabric):
         self.serial_pairs = self._cuda
         self._deferred: list[_Pending] = []
         self._failure: tuple[str, int, str] | None = None
+        self._closed = False
+        self._watchdog: threading.Thread | None = None
         self._fail_key = shutdown_key + "/failed"
         self.stats = CommStats()
         self.worker_group = (dist.new_group(list(range(world_size)), timeout=timedelta(seconds=self.timeout_s))
@@ -275,8 +277,16 @@ class TorchFabric(Fabric):
         if store is not None and self.total_ranks > 1:
             import weakref
 
-            threading.Thread(target=_watch, args=(weakref.ref(self), store, self._fail_key),
-                             name="sparsecomm-watchdog", daemon=True).start()
+            self._watchdog = threading.Thread(target=_watch, args=(weakref.ref(self), store, self._fail_key),
+                                              name="sparsecomm-watchdog", daemon=True)
+            self._watchdog.start()
+
+    def close(self) -> None:
+        """Stop this fabric's watchdog (before the process group is destroyed: a thread still polling
+        the store during teardown can abort the process)."""
+        self._closed = True
+        if self._watchdog is not None and self._watchdog is not threading.current_thread():
+            self._watchdog.join(timeout=2 * _WATCH_S + 1.0)
 
     # --------------------------------------------------------------- failure
     @property
