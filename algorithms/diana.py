@@ -72,10 +72,11 @@ class DIANA(CompressedOptimizer):
         return torch.stack(rows)
 
     def lyapunov(self, problem: Any = None) -> float:
-        """DIANA's Lyapunov function V = ||x - x*||^2 + (4 omega gamma^2/(alpha n^2)) sum_i ||h_i - grad f_i(x*)||^2
-        (:func:`theory.rates.diana_lyapunov_coefficient`), for a problem with ``x_star`` and ``grads_star``."""
+        """DIANA's Lyapunov function V = ||x - x*||^2 + (4 omega gamma^2/(alpha n n_eff)) sum_i ||h_i - grad f_i(x*)||^2
+        (:func:`theory.rates.diana_lyapunov_coefficient`; n_eff = n for independent compressors, 1 for shared
+        seeds, the same n_eff as the default step), for a problem with ``x_star`` and ``grads_star``."""
         problem = self.problem if problem is None else problem
         x = self.flat_params()
-        coef = rates.diana_lyapunov_coefficient(self.omega(), self.lr, self.alpha, self.n)
+        coef = rates.diana_lyapunov_coefficient(self.omega(), self.lr, self.alpha, self.n, n_eff=self.n_eff)
         h = self.shifts()
         return float(((x - problem.x_star) ** 2).sum() + coef * ((h - problem.grads_star) ** 2).sum())

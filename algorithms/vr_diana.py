@@ -14,7 +14,8 @@ here. Both noise sources vanish at x* (g_i -> grad f_i(x*), h_i -> grad f_i(x*))
 linearly to x* with stochastic local gradients: O((kappa (1 + omega/n) + m + omega) log 1/eps) iterations
 (abstract of arXiv 1904.05115; :func:`theory.rates.vr_diana_iterations`).
 
-Default step: :func:`theory.rates.vr_diana` (a documented heuristic; the paper's strongly convex constant
+Default step: :func:`theory.rates.vr_diana` (a documented heuristic, tested at that default in
+tests/test_algorithms_vr_diana.py; the paper's strongly convex constant
 could not be verified). ``grad_evals`` counts per-worker sample gradients (2b per step, + N_i per refresh).
 
 Example::

@@ -46,7 +46,7 @@ from experiments.common import config as C
 from experiments.common import plots, report, tracking, train
 
 TASKS = ("recsys-zipf", "digits-mlp")
-TRANSPORTS = ("ring", "omnireduce", "switch", "allgather")
+TRANSPORTS = ("ring", "omnireduce", "switch", "sparse-switch", "allgather")
 BANDWIDTHS = (10.0, 100.0)
 LATENCY_US = 2.0
 WORKERS = 8

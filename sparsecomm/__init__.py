@@ -23,6 +23,7 @@ from .fabric.sim import Network, SimFabric  # noqa: E402,F401
 # (torch.distributed and numba are only paid for when used).
 _LAZY = {
     "codec": ("sparsecomm.codec", None),
+    "kernels": ("sparsecomm.kernels", None),
     "compressors": ("sparsecomm.compressors", None),
     "methods": ("sparsecomm.methods", None),
     "transports": ("sparsecomm.transports", None),

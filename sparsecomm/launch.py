@@ -75,6 +75,8 @@ def launch(fn: Callable[[Context], Any], world_size: int, backend: str = "sim", 
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     if backend not in backends:
         from . import launch_torch  # noqa: F401  (registers gloo and nccl)
+    if backend not in backends:
+        from .netbed import launch as _netbed  # noqa: F401  (registers netbed)
     runner = backends.factory(backend)
     return runner(fn, world_size, network=network, timeout_s=timeout_s, services=services, **options)
 

@@ -390,7 +390,12 @@ def _start_method(requested: str | None) -> str:
 
 
 def _spawn(backend: str, fn: Callable, world_size: int, timeout_s: float,
-           services: tuple[str, ...], start_method: str | None = None) -> list[Any]:
+           services: tuple[str, ...], start_method: str | None = None, *,
+           make_store: Callable | None = None, master_addr: str = "127.0.0.1",
+           prologue: Callable[[int], None] | None = None) -> list[Any]:
+    """Start and supervise the ranks. The netbed backend places them: ``make_store(total, timeout_s)``
+    returns the rendezvous store the children reach at ``master_addr``, and each child runs the
+    picklable ``prologue(rank)`` first (entering its host's network namespace)."""
     import torch
     import torch.distributed as dist
     import torch.multiprocessing as mp
@@ -410,8 +415,8 @@ def _spawn(backend: str, fn: Callable, world_size: int, timeout_s: float,
         # also the library's packages the parent has already imported (so they are known to import cleanly;
         # the fork server survives only ImportErrors in its preload)
         ctx.set_forkserver_preload(list(_PRELOAD) + [m for m in _OPTIONAL_PRELOAD if m in sys.modules])
-    store = dist.TCPStore("127.0.0.1", 0, total, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout_s))
+    store = make_store(total, timeout_s) if make_store is not None else dist.TCPStore(
+        "127.0.0.1", 0, total, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
     queue = ctx.SimpleQueue()
     procs = []
     ok = False
@@ -419,7 +424,8 @@ def _spawn(backend: str, fn: Callable, world_size: int, timeout_s: float,
         with _child_env({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}):
             for r in range(total):
                 p = ctx.Process(target=_child_main, name=f"sparsecomm-{backend}-rank{r}",
-                                args=(r, world_size, services, store.port, backend, timeout_s, fn_bytes, queue))
+                                args=(r, world_size, services, store.port, backend, timeout_s, fn_bytes, queue,
+                                      master_addr, prologue))
                 p.start()
                 procs.append(p)
         results = _supervise(procs, queue, world_size, services, timeout_s, store)
@@ -432,11 +438,14 @@ def _spawn(backend: str, fn: Callable, world_size: int, timeout_s: float,
 
 
 def _child_main(rank: int, world_size: int, services: tuple[str, ...], port: int, backend: str,
-                timeout_s: float, fn_bytes: bytes, queue) -> None:
+                timeout_s: float, fn_bytes: bytes, queue, master_addr: str = "127.0.0.1",
+                prologue: Callable[[int], None] | None = None) -> None:
     """Entry point of a spawned rank (module level, so that spawn start-up stays cheap)."""
     code = 0
     fabric = None
     try:
+        if prologue is not None:
+            prologue(rank)
         import torch
         import torch.distributed as dist
 
@@ -444,7 +453,7 @@ def _child_main(rank: int, world_size: int, services: tuple[str, ...], port: int
 
         torch.set_num_threads(1)
         total = world_size + len(services)
-        store = dist.TCPStore("127.0.0.1", port, total, is_master=False, timeout=timedelta(seconds=timeout_s))
+        store = dist.TCPStore(master_addr, port, total, is_master=False, timeout=timedelta(seconds=timeout_s))
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, store=store, rank=rank, world_size=total,

@@ -14,3 +14,35 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+# ------------------------------------------------------------------ kernel paths (issue #15 item 9)
+#: the two implementations of every codec kernel and operator (sparsecomm.kernels): the Numba kernels that
+#: CPU users run and the torch ops that CUDA (and non-contiguous / half-precision) users run
+KERNEL_PATHS = ("numba", "torch")
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "kernel_paths(*paths): restrict the kernel paths a test of a kernel_path module runs on "
+                   "(for tests of one path's internals)")
+
+
+def pytest_generate_tests(metafunc):
+    """Tests that use the ``kernel_path`` fixture (codec and compressor modules opt in with
+    ``pytestmark = pytest.mark.usefixtures("kernel_path")``) run once per kernel path, unless they already
+    choose the path themselves through a ``backend`` parameter."""
+    if "kernel_path" not in metafunc.fixturenames or "backend" in metafunc.fixturenames:
+        return
+    mark = metafunc.definition.get_closest_marker("kernel_paths")
+    metafunc.parametrize("kernel_path", mark.args if mark else KERNEL_PATHS, indirect=True)
+
+
+@pytest.fixture
+def kernel_path(request):
+    """Run the test with ``sparsecomm.kernels.force(path)``: "auto" dispatches take that path."""
+    from sparsecomm import kernels
+
+    path = getattr(request, "param", "auto")
+    with kernels.force(path):
+        yield path

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import sparsecomm as sc
-from algorithms import DCGD, DIANA, EF, EF21, ISDIANA, ISSGD, MARINA, IndependentBlockSparsifier
+from algorithms import DCGD, DIANA, EF, EF21, ISDIANA, ISSGD, MARINA, ConfigError, IndependentBlockSparsifier
 from sparsecomm.errors import MismatchError, SparseCommError
 from theory import problems as P
 from theory import rates
@@ -124,6 +124,95 @@ def test_diana_lyapunov_contracts_at_least_as_fast_as_the_theorem(hetero):
     for c in checkpoints:
         assert np.mean(vals[c]) <= q ** c, (c, np.mean(vals[c]), q ** c)
     assert np.mean(vals[checkpoints[-1]]) < 1e-2                      # and it did move
+
+
+class _Quadratic:
+    """f_i(x) = ||x - b_i||^2 / 2: L_i = L = mu = 1 (kappa = 1), x* = mean b_i, grad f_i(x*) = x* - b_i != 0."""
+
+    def __init__(self, n: int, d: int, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.B = torch.randn(n, d, generator=g, dtype=torch.float64)
+        self.n, self.d = n, d
+        self.L = self.L_max = self.mu = 1.0
+        self.x_star = self.B.mean(0)
+        self.grads_star = self.x_star - self.B
+
+    def grads(self, x: torch.Tensor) -> torch.Tensor:
+        return x.unsqueeze(0) - self.B
+
+
+def test_diana_default_step_is_the_papers_closed_form():
+    """The optimizer's default step against the conditions of arXiv 2206.07021 Thm 2.2 worked by hand:
+    alpha = 1/(omega + 1), gamma = min{1/((1 + 6 omega/n) L_max), alpha/(2 mu)}; omega = 9 (rand-1 of 10)."""
+    x = torch.zeros(10, dtype=torch.float64)
+    # n = 10, L_max = 2, mu = 0.01: 1/(2 * 6.4) = 0.078125 (the cap 0.1/0.02 = 5 is slack)
+    a = DIANA([x], n_workers=10, compressor="randk", k=1, constants={"L_max": 2.0, "mu": 0.01})
+    assert (a.lr, a.alpha) == (pytest.approx(0.078125, rel=1e-14), pytest.approx(0.1, rel=1e-14))
+    # mu = 1: the cap alpha/(2 mu) = 0.05 binds
+    b = DIANA([x], n_workers=10, compressor="randk", k=1, constants={"L_max": 2.0, "mu": 1.0})
+    assert b.lr == pytest.approx(0.05, rel=1e-14)
+    # shared seeds (n_eff = 1): 1/(2 * (1 + 54)) = 1/110
+    c = DIANA([x], n_workers=10, compressor="randk", k=1, constants={"L_max": 2.0, "mu": 0.01}, independent=False)
+    assert c.lr == pytest.approx(1 / 110, rel=1e-14)
+    # without mu: the non-convex "Th.4" step 1/(10 L sqrt(1 + omega/n)(omega + 2)) = 1/(20 sqrt(1.9) 11)
+    d_ = DIANA([x], n_workers=10, compressor="randk", k=1, constants={"L_max": 2.0})
+    assert d_.lr == pytest.approx(1 / (220 * math.sqrt(1.9)), rel=1e-13)
+
+
+def _mean_lyapunov_ratios(prob, lr, checkpoints, seeds, independent=True):
+    vals = {c: [] for c in checkpoints}
+    for seed in range(seeds):
+        x = torch.zeros(prob.d, dtype=torch.float64)
+        opt = DIANA([x], compressor="randk", k=1, problem=prob, seed=seed, independent=independent)
+        if lr is not None:
+            opt.param_groups[0]["lr"] = lr
+        V0 = opt.lyapunov()
+        for it in range(1, checkpoints[-1] + 1):
+            opt.step()
+            if it in vals:
+                vals[it].append(opt.lyapunov() / V0)
+    return opt.lr, {c: float(np.mean(v)) for c, v in vals.items()}
+
+
+def test_diana_lyapunov_bound_holds_at_the_default_step_and_fails_above_it():
+    """E V^k <= (1 - gamma mu)^k V^0 at the library's default step, on a problem where the bound is close
+    to tight, and violated by 3x that step and by the step without the alpha/(2 mu) cap.
+
+    Why it can fail (**derived**): with rand-k (variance exactly omega||v||^2) and alpha = 1/(omega+1), at
+    x = x* each shift obeys E||h_i+ - h_i*||^2 = ((1 - alpha)^2 + alpha^2 omega)||h_i - h_i*||^2
+    = (1 - alpha)||h_i - h_i*||^2: the shifts, hence V, cannot contract faster than 1 - alpha per step. On a
+    kappa = 1 problem with n = 10 > 6 workers, 1/((1 + 6 omega/n) L) > alpha/mu, so only the cap
+    alpha/(2 mu) keeps the promised 1 - gamma mu above 1 - alpha; 3x the capped step promises 1 - 1.5 alpha.
+    """
+    prob = _Quadratic(n=10, d=10)
+    cps = (10, 25, 50)
+    lr, v = _mean_lyapunov_ratios(prob, None, cps, seeds=4)
+    assert lr == pytest.approx(0.05, rel=1e-14)                       # the cap binds: alpha/(2 mu)
+    for c in cps:
+        assert v[c] <= (1 - lr * prob.mu) ** c, (c, v[c], (1 - lr) ** c)
+    assert v[cps[-1]] < 0.5 * (1 - lr) ** cps[-1]                     # and it did contract
+    # the same check at steps the theorem does not certify fails by a wide margin
+    for bad in (3 * lr, 1 / (1 + 6 * 9 / 10)):
+        _, w = _mean_lyapunov_ratios(prob, bad, (cps[-1],), seeds=2)
+        assert w[cps[-1]] > 10 * (1 - bad * prob.mu) ** cps[-1], (bad, w)
+
+
+def test_diana_lyapunov_uses_n_eff_with_shared_seeds():
+    """With shared seeds the averaged message's variance is omega (not omega/n), so the shifts' weight in
+    V is 4 omega gamma^2/(alpha n n_eff) with n_eff = 1, and V contracts at the default (n_eff) step."""
+    prob = _Quadratic(n=10, d=10, seed=1)
+    x = torch.zeros(prob.d, dtype=torch.float64)
+    opt = DIANA([x], compressor="randk", k=1, problem=prob, independent=False, seed=2)
+    assert opt.n_eff == 1 and opt.lr == pytest.approx(1 / 55, rel=1e-14)  # min{1/(1 + 54), 0.05}
+    for _ in range(3):
+        opt.step()
+    h = opt.shifts()
+    want = float(((x - prob.x_star) ** 2).sum()) + 4 * 9 * opt.lr ** 2 / (0.1 * 10 * 1) * float(
+        ((h - prob.grads_star) ** 2).sum())
+    assert opt.lyapunov() == pytest.approx(want, rel=1e-12)
+    lr, v = _mean_lyapunov_ratios(prob, None, (20, 60), seeds=3, independent=False)
+    for c, val in v.items():
+        assert val <= (1 - lr) ** c, (c, val, (1 - lr) ** c)
 
 
 # -------------------------------------------------------------- exact reductions to GD
@@ -248,11 +337,37 @@ def test_is_variants_build_their_compressor(hetero):
     x = torch.zeros(prob.d, dtype=torch.float64)
     a = ISSGD([x], tau=5, problem=prob)
     assert a.compressor.name == "randk" and a.omega() == 9.0
-    assert a.lr == pytest.approx(rates.is_sgd(prob.L_max, 50, 5, prob.n, L=prob.L))
+    assert not a.interpolation                                           # heterogeneous: DCGD's step
+    assert a.lr == pytest.approx(rates.dcgd(prob.L_max, 9.0, prob.n, L=prob.L))
     b = ISDIANA([x], tau=2, m=10, problem=prob)
     assert isinstance(b.compressor, IndependentBlockSparsifier) and b.omega() == 4.0
     assert b.lr == pytest.approx(rates.diana(prob.L_max, 4.0, prob.n, prob.mu)[0])
     assert "randk" in sc.compressors.available()
+
+
+def test_is_sgd_default_step_is_certified_outside_interpolation(hetero):
+    """IS-SGD's 1/(L + omega L_max/n) is derived for grad f_i(x*) = 0 only: on heterogeneous data the default
+    is DCGD's certified 1/(L + 2 omega L_max/n) (with its floor), insisting on interpolation raises, and an
+    interpolating problem gets the larger step. Worked numbers: L = L_max = 1, omega = 9 (tau = 5 of 50), n = 20."""
+    prob = hetero
+    x = torch.zeros(prob.d, dtype=torch.float64)
+    with pytest.raises(ConfigError, match="sigma\\*\\^2.*ISDIANA"):
+        ISSGD([x], tau=5, problem=prob, interpolation=True)
+    # constants only (the regime cannot be checked): the certified step 1/(1 + 2*9/20) = 1/1.9
+    c = ISSGD([x], tau=5, n_workers=20, constants={"L": 1.0, "L_max": 1.0})
+    assert not c.interpolation and c.lr == pytest.approx(1 / 1.9, rel=1e-14)
+    # asked for explicitly on a problem that cannot tell: the interpolation step 1/(1 + 9/20) = 1/1.45
+    e = ISSGD([x], tau=5, n_workers=20, constants={"L": 1.0, "L_max": 1.0}, interpolation=True)
+    assert e.interpolation and e.lr == pytest.approx(1 / 1.45, rel=1e-14)
+    f = ISSGD([x], tau=5, problem=prob, interpolation=False)
+    assert not f.interpolation and f.lr == pytest.approx(rates.dcgd(prob.L_max, 9.0, prob.n, L=prob.L))
+    # an interpolating problem (sigma*^2 ~ 1e-31): the interpolation step, chosen automatically
+    interp = P.synthetic_least_squares(n_workers=10, rows_per_worker=40, d=40, kappa=10.0, homogeneous=True)
+    y = torch.zeros(interp.d, dtype=torch.float64)
+    g = ISSGD([y], tau=4, problem=interp)
+    assert g.interpolation and g.lr == pytest.approx(1 / (interp.L + 0.9 * interp.L_max), rel=1e-12)
+    with pytest.raises(ConfigError, match="None, True or False"):
+        ISSGD([y], tau=4, problem=interp, interpolation="yes")
 
 
 @pytest.mark.parametrize("name", ["DIANA", "MARINA", "VRDIANA"])

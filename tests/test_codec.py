@@ -22,6 +22,10 @@ import sparsecomm as sc
 from sparsecomm.codec import CodecError
 from sparsecomm.errors import NonFiniteError, OverflowError_, SparseCommError
 
+# every test runs on both kernel paths (Numba, and the torch ops CUDA users run) unless it picks the
+# path itself with a `backend` parameter (tests/conftest.py, sparsecomm.kernels)
+pytestmark = pytest.mark.usefixtures("kernel_path")
+
 C = sc.codec
 BACKENDS = ["numba", "torch"]
 DTYPES = [torch.float32, torch.float64]

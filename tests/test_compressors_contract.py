@@ -14,9 +14,13 @@ import torch
 import sparsecomm as sc
 from sparsecomm.compressors import _kernels
 from sparsecomm.compressors._common import (CompressorConfigError, CompressorInputError,
-                                            GeneratorRequiredError, force_backend)
+                                            GeneratorRequiredError, RandomMixin, force_backend)
 from sparsecomm.errors import NonFiniteError, OverflowError_, SparseCommError, UnknownNameError
 from theory import compressors as th
+
+# every test runs on both kernel paths (Numba, and the torch ops CUDA users run) unless it picks the
+# path itself with a `backend` parameter (tests/conftest.py, sparsecomm.kernels)
+pytestmark = pytest.mark.usefixtures("kernel_path")
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 SHAPES = ((), (0,), (1,), (7,), (3, 4, 5), (2, 0, 3), (1000,))
@@ -418,3 +422,87 @@ def test_randk_large_k_path_is_sized_and_spread_evenly(backend):
     assert idx.numel() == k and torch.unique(idx).numel() == k
     counts = torch.bincount(idx // (d // 10), minlength=10)
     assert bool(((counts - k / 10).abs() <= 6 * math.sqrt(k / 10)).all()), counts
+
+
+# ------------------------------------------------------------------ the two kernel paths agree
+def _payload_equal(a, b) -> bool:
+    """Kind, wire bits, values and indices bit for bit; a scale (a reduction over the bucket, summed in a
+    different order by the two paths) within its rounding error, n ulp for a sum of n terms."""
+    same = (a.kind == b.kind and a.bits == b.bits and a.shape == b.shape and a.dtype == b.dtype
+            and torch.equal(a.values, b.values))
+    u, v = a.indices, b.indices
+    same = same and ((u is None and v is None) or (u is not None and v is not None and torch.equal(u, v)))
+    u, v = a.scale, b.scale
+    if u is None or v is None:
+        return same and u is None and v is None
+    n = max(1, a.values.numel())
+    return same and u.dtype == v.dtype and torch.allclose(u, v, rtol=n * torch.finfo(u.dtype).eps, atol=0)
+
+
+@pytest.mark.kernel_paths("numba")                      # switches between the paths itself
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_paths_agree_bit_for_bit_for_deterministic_operators(case):
+    """sparsecomm.kernels' contract: a deterministic operator gives the same payload on the Numba and the
+    torch path (bit for bit but for a scale that is a sum: the sign operator's l1 norm); a random operator gives a valid payload of the same kind, size and wire
+    bits on both (its values agree in distribution only: the statistical tests of
+    test_compressors_stats.py and the rand-k uniformity test run on both paths)."""
+    name, kw = case
+    c = build(name, kw)
+    rand = isinstance(c, RandomMixin)
+    for dtype in DTYPES:
+        for n in (1, 37, 1000):
+            x = (torch.randn(n, generator=torch.Generator().manual_seed(n), dtype=torch.float64) * 3).to(dtype)
+            out = {}
+            for path in ("numba", "torch"):
+                with force_backend(path):
+                    out[path] = c.compress(x, torch.Generator().manual_seed(7))
+                    dec = c.decompress(out[path])
+                    assert dec.shape == x.shape and dec.dtype == x.dtype
+            a, b = out["numba"], out["torch"]
+            if rand:
+                assert (a.kind, a.bits, a.values.shape, a.dtype) == (b.kind, b.bits, b.values.shape, b.dtype)
+            else:
+                assert _payload_equal(a, b), (name, kw, dtype, n)
+                if a.scale is None:
+                    assert torch.equal(c.decompress(a), c.decompress(b))
+
+
+@pytest.mark.kernel_paths("numba")                      # switches between the paths itself
+def test_kernel_path_switch_routes_auto_dispatch():
+    """sparsecomm.kernels.force("torch") sends the codec's and the operators' "auto" dispatch to torch
+    (an explicit backend= still wins); SPARSECOMM_KERNELS sets it for a process; bad names raise."""
+    from sparsecomm import kernels
+    from sparsecomm.codec import _common as codec_common
+    from sparsecomm.compressors import _common as comp_common
+
+    t = torch.zeros(8)
+    outer = kernels.forced()                                # "numba": this test's kernel_path fixture
+    assert codec_common.use_numba("auto", True, t) and comp_common.use_numba(t)
+    with kernels.force("torch"):
+        assert kernels.forced() == "torch"
+        assert not codec_common.use_numba("auto", True, t) and not comp_common.use_numba(t)
+        assert codec_common.use_numba("numba", True, t)
+        with force_backend("numba"):
+            assert comp_common.use_numba(t)
+    assert kernels.forced() == outer == "numba" and sc.kernels is kernels
+    with pytest.raises(kernels.KernelPathError, match="auto, numba, torch"):
+        with kernels.force("cuda"):
+            pass
+    # the environment variable is read when the module is (re)loaded
+    import importlib
+    import os
+
+    before = os.environ.get("SPARSECOMM_KERNELS")
+    try:
+        os.environ["SPARSECOMM_KERNELS"] = "torch"
+        assert importlib.reload(kernels).forced() == "torch" and not comp_common.use_numba(t)
+        os.environ["SPARSECOMM_KERNELS"] = "gpu"
+        with pytest.raises(SparseCommError, match="auto, numba, torch"):
+            importlib.reload(kernels)
+    finally:
+        if before is None:
+            os.environ.pop("SPARSECOMM_KERNELS", None)
+        else:
+            os.environ["SPARSECOMM_KERNELS"] = before
+        importlib.reload(kernels)
+        kernels._forced = outer            # the fixture's setting, which its exit restores from

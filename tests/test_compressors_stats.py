@@ -26,6 +26,10 @@ import torch
 import sparsecomm as sc
 from sparsecomm.compressors._common import force_backend
 
+# every test runs on both kernel paths (Numba, and the torch ops CUDA users run) unless it picks the
+# path itself with a `backend` parameter (tests/conftest.py, sparsecomm.kernels)
+pytestmark = pytest.mark.usefixtures("kernel_path")
+
 D = 100
 Z_SE = 5.0
 UNBIASED_T = 30.0

@@ -18,6 +18,10 @@ from sparsecomm.compressors import topk as topk_mod
 from sparsecomm.compressors._common import force_backend
 from theory import compressors as th
 
+# every test runs on both kernel paths (Numba, and the torch ops CUDA users run) unless it picks the
+# path itself with a `backend` parameter (tests/conftest.py, sparsecomm.kernels)
+pytestmark = pytest.mark.usefixtures("kernel_path")
+
 BACKENDS = ("numba", "torch")
 
 
@@ -73,6 +77,7 @@ def test_topk_ties_break_towards_lower_index(d, dtype, backend):
             assert torch.equal(p.indices, reference_topk(x, k)), (label, k)
 
 
+@pytest.mark.kernel_paths("numba")              # the Numba path's sampling internals
 def test_topk_sample_overshoot_falls_back_and_stays_exact(monkeypatch):
     """Force the sampled threshold above the k-th magnitude (negative margin): the threshold is
     lowered, then everything becomes a candidate, and the result is still exact."""
@@ -92,6 +97,7 @@ def test_topk_sample_overshoot_falls_back_and_stays_exact(monkeypatch):
     assert len(calls) >= 2 and calls[-1] < calls[0], calls
 
 
+@pytest.mark.kernel_paths("numba")              # the Numba path's sampling internals
 def test_topk_uses_one_candidate_pass_normally(monkeypatch):
     calls = []
     real = topk_mod.collect_ge

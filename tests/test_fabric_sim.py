@@ -219,3 +219,80 @@ def test_results_come_back_in_rank_order_and_bad_world_size_raises():
         sc.launch(lambda ctx: None, 0)
     with pytest.raises(sc.errors.UnknownNameError, match="valid names: .*sim"):
         sc.launch(lambda ctx: None, 2, backend="carrier-pigeon")
+
+
+# ----------------------------------------------------------------------------- model fixes (#15 item 7)
+def _arrivals(order):
+    """Rank 1 sends 1 MB at 0 (in by 1.01 ms), rank 2 sends 1 MB at 1.5 ms (its head at 1.51 ms); each
+    then sends a 4-byte note, which rank 0 waits for first, so both data messages are posted by the time
+    rank 0 asks for them, in ``order``."""
+
+    def fn(ctx):
+        f, x = ctx.fabric, torch.zeros(250_000)
+        note = torch.zeros(1)
+        if ctx.rank == 0:
+            f.recv(note, 1, tag=1)
+            f.recv(note, 2, tag=1)
+            for src in order:
+                f.recv(x, src)
+        else:
+            if ctx.rank == 2:
+                f.compute(1.5e-3)
+            f.send(x, 0)
+            f.send(note, 0, tag=1)
+        return f.now()
+
+    return sc.launch(fn, 3, network=GBPS8)[0]
+
+
+def test_receiver_nic_takes_messages_in_arrival_order_not_in_recv_order():
+    """The NIC takes data 1 (0.01-1.01 ms), then data 2 (1.51-2.51 ms), whatever order the application
+    asks in; the old model served them in the order of the recv calls (data 2 then data 1: 3.51 ms, and
+    the notes first: 4.51 ms)."""
+    t21 = _arrivals((2, 1))
+    t12 = _arrivals((1, 2))
+    assert t21 == pytest.approx(t12)
+    assert t21 == pytest.approx(2.51e-3 + 4e-9)
+
+
+def _ring_time(ctx):
+    t = sc.transports.get("ring", ctx.fabric)
+    t.allreduce(torch.ones(100_000))
+    return ctx.fabric.now()
+
+
+def test_a_straggler_slows_what_transports_do():
+    """A straggler (factor f) is a slow host: its compute and its host stack (bytes in and out) take f
+    times as long, so a ring all-reduce, which calls no compute(), slows down too. The old model only
+    scaled compute(): identical times."""
+    net = dict(bandwidth_gbps=8, latency_us=1)
+    base = max(sc.launch(_ring_time, 4, network=sc.Network(**net)))
+    slow = max(sc.launch(_ring_time, 4, network=sc.Network(stragglers={1: 4.0}, **net)))
+    # every ring step passes through worker 1's NIC at a quarter of the rate
+    assert slow > 3.0 * base
+
+
+def test_a_service_latency_keeps_links_symmetric():
+    """Worker to service and service to worker take the same time: the path's latency is the mean of its
+    two ends' (a worker-worker path keeps its latency). The old model used the sender's latency only, so
+    a 100 us service answered a 10 us worker 90 us later than the worker reached it."""
+    arrived = []
+
+    def echo(fabric):
+        x = torch.zeros(1)
+        while True:
+            src = fabric.recv(x, None)
+            arrived.append(fabric.now())
+            fabric.send(x, src)
+
+    def fn(ctx):
+        sid = ctx.fabric.service("echo", echo, latency_us=100)
+        x = torch.zeros(1)
+        ctx.fabric.send(x, sid)
+        ctx.fabric.recv(x, sid)
+        return ctx.fabric.now()
+
+    (back,) = sc.launch(fn, 1, network=sc.Network(bandwidth_gbps=8, latency_us=10))
+    there = arrived[0]
+    assert there == pytest.approx(back - there, rel=1e-9)
+    assert there == pytest.approx(55e-6 + 4e-9)

@@ -69,7 +69,7 @@ def _gloo_all(ctx, names, steps):
 def test_identity_equals_averaged_sgd_gloo():
     names = sc.transports.available()
     assert {"native", "ring", "allgather", "omnireduce", "switch"} <= set(names)
-    services = ["switch"]                                    # the switch is an extra rank on gloo
+    services = ["switch", "sparse-switch"]                   # the switches are extra ranks on gloo
     res = sc.launch(functools.partial(_gloo_all, names=names, steps=STEPS), world_size=2, backend="gloo",
                     services=services)
     ref = tc.reference(2, STEPS)

@@ -421,3 +421,90 @@ def omnireduce_allreduce(n: int, numel: int, *, density: float = 1.0, union_dens
     t = max(t, chain)
     msgs = A * (2 + G * (R + 1))
     return Cost(t, sent, received, msgs, int(math.ceil(2 * R)))
+
+
+# ----------------------------------------------------------------------------- sparse switch
+SPARSE_SWITCH_HEADER_BYTES = 16     # int32 [W0, slot, pos, next] (sparsecomm/transports/sparse_switch_dataplane.py)
+
+
+def sparse_switch_waves(n: int, numel: int, union_density: float, *, slot_elems: int = 256,
+                       pool_size: int = 256) -> list[tuple[float, float]]:
+    """Expected waves of the sparse switch's stream: wave ``r`` (1-based) carries the ``r``-th union block
+    of every lane that has one. Returns ``(p_r, A_r)``: the probability that wave ``r`` happens (some lane
+    of ``L`` has ``r`` union blocks) and its expected size ``A_r = L P(Binomial(P, d_u) >= r)`` (``P``
+    positions per lane), so that ``sum A_r = L P d_u``, the union's blocks."""
+    nb = math.ceil(numel / slot_elems)
+    L = min(pool_size, nb)
+    P = math.ceil(nb / L)
+    if union_density <= 0:
+        return []
+    if union_density >= 1:
+        return [(1.0, nb / P)] * P
+    from scipy.stats import binom
+
+    out = []
+    for r in range(1, P + 1):
+        q = float(binom.sf(r - 1, P, union_density))
+        out.append((1.0 - (1.0 - q) ** L, L * q))
+    return out
+
+
+def sparse_switch_allreduce(n: int, numel: int, *, density: float = 1.0, union_density: float | None = None,
+                            overlap: str = "random", slot_elems: int = 256, pool_size: int = 256,
+                            bandwidth_gbps: float = 100.0, latency_us: float = 2.0,
+                            switch_bandwidth_gbps: float | None = None, switch_latency_us: float | None = None,
+                            header_bytes: int = SPARSE_SWITCH_HEADER_BYTES, own_blocks: float | None = None,
+                            union_blocks: float | None = None, waves: list[float] | None = None) -> Cost:
+    """``sparse-switch`` (OmniReduce's look-ahead on a SwitchML slot pool; ``sparsecomm/transports/
+    sparse_switch.py``) of ``numel`` int32/fixed-point elements whose ``k``-element blocks are non-zero
+    with density ``d_w = density`` on each worker.
+
+    ``nb = ceil(numel / k)`` blocks in ``L = min(pool_size, nb)`` lanes of ``P = ceil(nb / L)`` positions;
+    the union has ``R = d_u nb`` blocks (``d_u = 1 - (1 - d_w)^n`` under ``overlap="random"``, ``d_w``
+    under ``"full"``), a worker owns ``o = d_w nb``. A value packet is ``b = h + 4k`` bytes, a skip
+    ``h``; with ``tau = b / min(B, B_s)`` and ``RTT = alpha + alpha_s + 2 tau``:
+
+        bytes up   = b (control) + P_la b (look-ahead round, P_la = ceil((L+1)/k)) + o b + (R - o) h
+        bytes down = b + P_la b + R b
+        T = RTT + (RTT + (P_la - 1) tau) + (A_1 - 1) tau + sum_{r >= 2} p_r max(A_r tau, RTT) + RTT
+
+    the control and look-ahead round trips, then the stream as *waves*: wave ``r`` carries the ``r``-th
+    union block of every lane that has one (``A_r`` packets, :func:`sparse_switch_waves`; ``p_r`` the
+    probability that it happens). A lane's next block leaves only when its previous result is back, so
+    wave 1 leaves back to back, and every later wave's last packet leaves a round trip after its lane's
+    previous one, unless the wave's ``A_r`` packets take longer to serialise through a port (then the
+    stream is bandwidth-bound, ``sum A_r tau = R tau``); the last result is back a round trip after
+    the last packet leaves. Few lanes with many union blocks each is
+    pool pressure: ``P d_u`` waves of one round trip each (SwitchML's ``pool * b / RTT`` throughput
+    limit when ``d_u = 1``). Nothing depends on ``n`` beyond ``d_u``. ``own_blocks``, ``union_blocks``
+    and ``waves`` (the measured ``A_r``, each wave then certain) override the expectations.
+    """
+    if n < 1 or numel <= 0:
+        return ZERO
+    if overlap not in ("random", "full"):
+        raise ValueError(f"overlap must be 'random' or 'full', got {overlap!r}")
+    B, alpha = link(bandwidth_gbps, latency_us)
+    Bs, alpha_s = link(switch_bandwidth_gbps if switch_bandwidth_gbps is not None else bandwidth_gbps,
+                       switch_latency_us if switch_latency_us is not None else latency_us)
+    k = slot_elems
+    nb = math.ceil(numel / k)
+    L = min(pool_size, nb)
+    d = float(density)
+    du = (1.0 - (1.0 - d) ** n if overlap == "random" else d) if union_density is None else float(union_density)
+    o = d * nb if own_blocks is None else float(own_blocks)
+    R = du * nb if union_blocks is None else float(union_blocks)
+    shape = (sparse_switch_waves(n, numel, du, slot_elems=k, pool_size=pool_size) if waves is None
+             else [(1.0, float(a)) for a in waves if a > 0])
+    b = header_bytes + 4 * k
+    tau = b / min(B, Bs)
+    rtt = alpha + alpha_s + 2 * tau
+    p_la = math.ceil((L + 1) / k)
+    t = rtt + rtt + (p_la - 1) * tau
+    if R > 0 and shape:
+        # wave 1 leaves back to back; a later wave's last packet leaves a round trip after its lane's
+        # previous one, or once the wave has been serialised; the last result is back a round trip later
+        t += max(shape[0][1] - 1, 0) * tau + sum(p * max(a * tau, rtt) for p, a in shape[1:]) + rtt
+    sent = b + p_la * b + o * b + (R - o) * header_bytes
+    received = b + p_la * b + R * b
+    steps = 2 + (int(math.ceil(sum(p for p, _ in shape))) + 1 if R > 0 else 0)
+    return Cost(t, sent, received, 1 + p_la + R, steps)

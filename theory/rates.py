@@ -122,12 +122,30 @@ def diana_rate(gamma: float, mu: float) -> float:
     return 1.0 - gamma * mu
 
 
-def diana_lyapunov_coefficient(omega: float, gamma: float, alpha: float, n: int) -> float:
-    """The weight 4 omega gamma^2 / (alpha n^2) of sum_i ||h_i - grad f_i(x*)||^2 in DIANA's Lyapunov
-    function (arXiv 2206.07021 Thm 2.2; theory.md §3.2)."""
+def diana_lyapunov_coefficient(omega: float, gamma: float, alpha: float, n: int,
+                               n_eff: int | None = None) -> float:
+    """The weight 4 omega gamma^2 / (alpha n n_eff) of sum_i ||h_i - grad f_i(x*)||^2 in DIANA's Lyapunov
+    function (arXiv 2206.07021 Thm 2.2; theory.md §3.2), n_eff = n for independent compressors (the
+    theorem's 4 omega gamma^2/(alpha n^2)).
+
+    ``n_eff`` is the n that divides the compression variance of the average: n for independent
+    compressors, 1 when every worker uses the same random coordinates (shared seeds). **Derived** (the
+    n_eff substitution only): the shifts enter the theorem through sigma^2 = (1/n) sum_i ||h_i - h_i*||^2,
+    weighted M gamma^2 with M = 4 omega/(alpha n) (theory.md §3.2's reading of the unified analysis of arXiv
+    1905.11261, marked unverified there; it reproduces the verified 4 omega gamma^2/(alpha n^2)); the 1/n in
+    M is the variance of the averaged message, omega/n by independence. With shared coordinates the
+    compressor is one linear map for all workers and Jensen gives omega instead, so M = 4 omega/(alpha n_eff)
+    and the weight of the *sum* is 4 omega gamma^2/(alpha n n_eff), with the step of :func:`diana` computed
+    at the same n_eff. Checked empirically: tests/test_algorithms.py (shared seeds, V contracts at
+    1 - gamma mu).
+    """
+    n_eff = n if n_eff is None else n_eff
     _check_omega(omega, n)
+    _check_omega(omega, n_eff)
+    if n_eff > n:
+        raise ValueError(f"n_eff must be <= n, got n_eff={n_eff}, n={n}")
     _check_pos(gamma=gamma, alpha=alpha)
-    return 4.0 * omega * gamma ** 2 / (alpha * n ** 2)
+    return 4.0 * omega * gamma ** 2 / (alpha * n * n_eff)
 
 
 def diana_iterations(kappa: float, omega: float, n: int, eps: float) -> int:
@@ -173,8 +191,10 @@ def vr_diana(L_sample: float, omega: float, n: int, m: int, c: float = 6.0) -> t
     **Not the paper's constant**: the strongly-convex step of arXiv 1904.05115 could not be checked
     here (theory.md §3.3 marks it unverified and suggests gamma = 1/((1 + c omega/n)L) with a tunable c).
     This default combines loopless SVRG's 1/(6L) (Kovalev, Horvath, Richtarik, arXiv 1901.08689) with
-    DIANA's (1 + 6 omega/n) factor (:func:`diana`) and is validated only empirically
-    (tests/test_algorithms_vr_diana.py: linear convergence to x* on heterogeneous logistic regression).
+    DIANA's (1 + 6 omega/n) factor (:func:`diana`) and is validated only empirically, at this default step
+    (tests/test_algorithms_vr_diana.py: linear convergence to x* on a heterogeneous kappa = 2 logistic
+    regression with omega = 1.5, where stochastic DIANA at the same step stalls; larger kappa or omega are
+    not tested).
     """
     _check_pos(L_sample=L_sample, c=c)
     _check_omega(omega, n)

@@ -4,6 +4,7 @@ stock DDP against DistributedOptimizer (and the DDP comm hook) with several comp
     python -m experiments.bench.step                     # vocab 400k x 64 (~100 MB of fp32 gradient)
     python -m experiments.bench.step --small             # ~20 s smoke run
     python -m experiments.bench.step --density 0.01,0.05 --steps 15
+    python -m experiments.bench.step --netbed 1          # the 2 processes on a netbed at 1 Gbit/s (root)
 
 The model is ``EmbeddingBag(vocab, dim, mode="sum") -> Linear(dim, classes)``. Each step a worker
 looks up ``tokens`` ids drawn uniformly at random, so the embedding's gradient is dense in memory but
@@ -197,14 +198,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--extra", default="", help="more transports to run with compressor none (e.g. ring)")
     p.add_argument("--only", default="", help="comma-separated configuration names (ddp and local always run)")
     p.add_argument("--small", action="store_true", help="vocab 50k, 5 steps: a smoke run")
+    p.add_argument("--netbed", type=float, default=None, metavar="GBPS",
+                   help="run the 2 processes on a netbed (own namespaces, links shaped to GBPS; needs root)")
     a = p.parse_args(argv)
     if a.small:
         a.vocab, a.steps, a.warmup = 50_000, 5, 2
     a.densities = [float(x) for x in a.density.split(",") if x]
     a.extra = [x for x in a.extra.split(",") if x]
-    res = sc.launch(functools.partial(_worker, a=a), world_size=2, backend="gloo")
+    from experiments.bench.transports import launch_options
+
+    res = sc.launch(functools.partial(_worker, a=a), world_size=2, **launch_options(a.netbed))
     grad_mb = (a.vocab * a.dim + a.dim * a.classes + a.classes) * 4 / 2 ** 20
-    print(f"# step time, 2 gloo processes x {a.threads} thread(s); {_cpu()}")
+    where = f"on a netbed at {a.netbed:g} Gbit/s" if a.netbed is not None else "over loopback"
+    print(f"# step time, 2 gloo processes x {a.threads} thread(s) {where}; {_cpu()}")
     print(f"# model: EmbeddingBag({a.vocab}, {a.dim}) + Linear({a.dim}, {a.classes}): "
           f"{grad_mb:.1f} MiB fp32 gradient; block {a.block_size}; bag {a.bag}")
     for density in a.densities:

@@ -3,6 +3,17 @@
     python -m experiments.bench.transports                         # 100 MB, 2 and 4 workers
     python -m experiments.bench.transports --sizes-mb 10 100 --workers 2 4 --repeats 7 \\
         --transports native ring omnireduce
+    python -m experiments.bench.transports --netbed 1 --repeats 3      # on a netbed at 1 Gbit/s (root)
+
+``--netbed GBPS`` runs every launch on a :mod:`netbed <sparsecomm.netbed>` (each rank in its own network
+namespace behind a forwarding top-of-rack namespace, links shaped to GBPS; the switch on the top of rack,
+dedicated aggregators on hosts of their own) and adds two columns: the *link-limited time*, the bytes on
+the busiest link direction (from the transports' ledgers: every byte of every message, protocol headers
+included; TCP/IP framing excluded) divided by the link rate, and the *efficiency*, link-limited time over
+measured time (TCP over a 1500-byte MTU tops out at 1448/1514 = 0.956). A worker's link carries what it
+sends (up) and receives (down); a dedicated aggregator's link what the workers' ledgers sent to and
+received from it; the top of rack has no link of its own. ``native``'s ledger is the ring volume
+(torch.distributed reports no traffic).
 
 For every (workers, size) every selected case runs in the same launch (same processes, same inputs),
 after ``--warmup`` untimed calls, interleaved (one call of each case per repetition); each timed call
@@ -36,7 +47,7 @@ import platform
 import statistics
 import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -67,6 +78,10 @@ CASES: list[Case] = [
     # one stream per aggregator: fewer messages (sparse data), no overlap of a channel's up- and downstream
     Case("omnireduce", {"block_size": 256, "lanes": 65536, "channels": 1, "inplace": True},
          densities=(1.0, 0.1, 0.01)),
+    # dedicated aggregators on ranks (netbed: hosts) of their own, as in the paper's testbed
+    Case("omnireduce", {"block_size": 256, "lanes": 65536, "deployment": "dedicated", "num_aggregators": 2,
+                        "inplace": True}, densities=(1.0, 0.1, 0.01),
+         services=("omnireduce-agg:0", "omnireduce-agg:1"), default=False),
     # a Python switch rank: big bursts (256 packets of 256 elements per message) amortise per-message costs
     Case("switch", {"pool_size": 2048, "slot_elems": 256, "burst": 256}, services=("switch:elems=256,burst=256",)),
 ]
@@ -143,12 +158,35 @@ def bench_worker(ctx, cases: list[Case], numel: int, repeats: int, warmup: int) 
             ref = reference.setdefault(d, y)
             err = float((y - ref).abs().max() / ref.abs().max().clamp_min(1e-30)) if y is not ref else 0.0
             sent = t.last_stats.bytes_sent
+            received = t.last_stats.bytes_received
+            links = [[int(a), int(b), int(v)] for (a, b), v in t.last_stats.links.items()]
+        else:
+            received, links = 0, []
         out.append(dict(case=case.label, transport=case.transport, density=d, times=times,
-                        rel_err_vs_first=err, bytes_sent=sent))
+                        rel_err_vs_first=err, bytes_sent=sent, bytes_received=received, links=links))
     return out
 
 
-def run(workers: int, size_mb: float, cases: list[Case], repeats: int, warmup: int, timeout_s: float) -> list[dict]:
+def busiest_link_bytes(items: list[dict], workers: int, services: tuple[str, ...]) -> int:
+    """Bytes on the busiest link direction of the rack, from every worker's ledger of one call (``items``:
+    rank-ordered rows of ``bench_worker``). Services on the top of rack (a switch) have no link."""
+    from sparsecomm.netbed.launch import is_in_network
+
+    per_dir = []
+    for w, it in enumerate(items):
+        per_dir += [it["bytes_sent"], it["bytes_received"]]
+    for k, spec in enumerate(services):
+        if is_in_network(spec):
+            continue
+        rank = workers + k
+        up = sum(v for it in items for a, b, v in it["links"] if a == rank)
+        down = sum(v for it in items for a, b, v in it["links"] if b == rank)
+        per_dir += [up, down]
+    return max(per_dir) if per_dir else 0
+
+
+def run(workers: int, size_mb: float, cases: list[Case], repeats: int, warmup: int, timeout_s: float,
+        netbed_gbps: float | None = None) -> list[dict]:
     """One launch per distinct ``services`` tuple; each launch also times ``native`` (if selected), so that
     every ratio compares calls interleaved in the same processes."""
     numel = int(size_mb * 1e6) // 4
@@ -161,8 +199,8 @@ def run(workers: int, size_mb: float, cases: list[Case], repeats: int, warmup: i
         extra = native is not None and native not in group
         launch_cases = [native] + group if extra else group
         per_rank = sc.launch(functools.partial(bench_worker, cases=launch_cases, numel=numel, repeats=repeats,
-                                               warmup=warmup), workers, backend="gloo", services=svc,
-                             timeout_s=timeout_s)
+                                               warmup=warmup), workers, services=svc, timeout_s=timeout_s,
+                             **launch_options(netbed_gbps))
         group_rows = []
         for i, item in enumerate(per_rank[0]):
             slowest = [max(rank[i]["times"][j] for rank in per_rank) for j in range(repeats)]
@@ -171,6 +209,11 @@ def run(workers: int, size_mb: float, cases: list[Case], repeats: int, warmup: i
                                    services=list(svc), median_s=statistics.median(slowest), min_s=min(slowest),
                                    times_s=slowest, rel_err=item["rel_err_vs_first"],
                                    bytes_sent=item["bytes_sent"]))
+            if netbed_gbps is not None and item["transport"] != SCAN.transport:
+                busiest = busiest_link_bytes([rank[i] for rank in per_rank], workers, svc)
+                limit = busiest * 8 / (netbed_gbps * 1e9)
+                group_rows[-1].update(netbed_gbps=netbed_gbps, busiest_link_bytes=busiest, link_limit_s=limit,
+                                      efficiency=limit / group_rows[-1]["median_s"])
         ref = next((r for r in group_rows if r["transport"] == "native"), None)
         for r in group_rows:
             r["vs_native"] = r["median_s"] / ref["median_s"] if ref else None
@@ -180,6 +223,13 @@ def run(workers: int, size_mb: float, cases: list[Case], repeats: int, warmup: i
                                      if ref else None)
         rows += group_rows[1:] if extra else group_rows
     return rows
+
+
+def launch_options(netbed_gbps: float | None) -> dict:
+    """``sc.launch`` options: local gloo processes, or a netbed at ``netbed_gbps``."""
+    if netbed_gbps is None:
+        return {"backend": "gloo"}
+    return {"backend": "netbed", "network": sc.Network(bandwidth_gbps=netbed_gbps)}
 
 
 def machine() -> str:
@@ -203,6 +253,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="transport names (default: every registered case marked default)")
     ap.add_argument("--timeout-s", type=float, default=600.0)
     ap.add_argument("--json", default=None, help="also write the rows to this file")
+    ap.add_argument("--netbed", type=float, default=None, metavar="GBPS",
+                    help="run on a netbed with links of GBPS Gbit/s (needs root); adds link-limited time")
+    ap.add_argument("--densities", type=float, nargs="+", default=None,
+                    help="override the densities of the block-sparse cases")
     args = ap.parse_args(argv)
 
     registered = set(sc.transports.available())
@@ -215,24 +269,31 @@ def main(argv: list[str] | None = None) -> list[dict]:
         cases = [c for c in CASES if c.default]
     skipped = [c.transport for c in cases if c.transport not in registered]
     cases = [c for c in cases if c.transport in registered]
+    if args.densities:
+        cases = [c if len(c.densities) == 1 else replace(c, densities=tuple(args.densities)) for c in cases]
     if any(d < 1.0 for c in cases for d in c.densities):
         cases.append(SCAN)
     print(f"# machine: {machine()}")
+    if args.netbed is not None:
+        print(f"# netbed: links of {args.netbed:g} Gbit/s (htb), every rank in its own namespace")
     if skipped:
         print(f"# not registered, skipped: {', '.join(skipped)}")
     rows = []
+    nb = args.netbed is not None
     print("| workers | size MB | transport | density | median ms | min ms | GB/s (size/time) | vs native "
-          "(medians) | vs native (paired) | rel. diff |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+          "(medians) | vs native (paired) | rel. diff |" + (" link-limited ms | efficiency |" if nb else ""))
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if nb else ""))
     for n in args.workers:
         for size in args.sizes_mb:
-            for r in run(n, size, cases, args.repeats, args.warmup, args.timeout_s):
+            for r in run(n, size, cases, args.repeats, args.warmup, args.timeout_s, args.netbed):
                 rows.append(r)
                 ratio = f"{r['vs_native']:.2f}x" if r["vs_native"] is not None else "-"
                 paired = f"{r['vs_native_paired']:.2f}x" if r["vs_native_paired"] is not None else "-"
                 print(f"| {n} | {size:g} | {r['case']} | {r['density']:g} | {r['median_s'] * 1e3:.1f} | "
                       f"{r['min_s'] * 1e3:.1f} | {size / 1e3 / r['median_s']:.2f} | {ratio} | {paired} | "
-                      f"{r['rel_err']:.1e} |", flush=True)
+                      f"{r['rel_err']:.1e} |" + (f" {r['link_limit_s'] * 1e3:.1f} | {r['efficiency']:.2f} |"
+                                                   if nb and "link_limit_s" in r else (" - | - |" if nb else "")),
+                      flush=True)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .. import kernels as _kernel_paths
 from ..errors import SparseCommError
 
 BACKENDS = ("auto", "numba", "torch")
@@ -51,8 +52,8 @@ def use_numba(backend: str, dtypes_ok: bool, *tensors: torch.Tensor) -> bool:
 
     On the hot path of every kernel call, so kept to a few attribute reads (~0.3 us).
     """
-    if backend == "auto":
-        return dtypes_ok and numba_eligible(*tensors)
+    if backend == "auto":  # sparsecomm.kernels.force("torch") sends "auto" to torch (CI runs the GPU path)
+        return dtypes_ok and not _kernel_paths.torch_forced() and numba_eligible(*tensors)
     if backend == "torch":
         return False
     if backend == "numba":

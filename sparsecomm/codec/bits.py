@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from numba import njit
 
+from .. import kernels as _kernel_paths
 from ._common import CodecError
 
 __all__ = ["packed_nbytes", "pack_bits", "unpack_bits", "pack_signs", "unpack_signs", "natural_nbytes",
@@ -553,12 +554,13 @@ def _torch_unpack(packed: torch.Tensor, n: int, k: int, signed: bool) -> torch.T
     return v
 
 
-#: tests set this to run the torch-ops path (the one CUDA tensors take) on CPU tensors
+#: tests set this to run the torch-ops path (the one CUDA tensors take) on CPU tensors; so does the
+#: library-wide switch ``sparsecomm.kernels.force("torch")`` / ``SPARSECOMM_KERNELS=torch``
 _FORCE_TORCH = False
 
 
 def _numba(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and not _FORCE_TORCH
+    return t.device.type == "cpu" and not _FORCE_TORCH and not _kernel_paths.torch_forced()
 
 
 # ====================================================================================== public API

@@ -18,7 +18,6 @@ that what :meth:`Payload.to_wire` ships is what ``bits`` counts.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import math
 import numbers
@@ -27,6 +26,7 @@ import threading
 import numpy as np
 import torch
 
+from .. import kernels as _kernel_paths
 from ..errors import NonFiniteError, SparseCommError
 from ..payload import Payload
 
@@ -221,6 +221,23 @@ class RandomMixin:
                 self._own_generators[key] = g
         return g
 
+    def generator_state(self) -> dict[str, torch.Tensor]:
+        """The states of the generators this operator owns (seeded from ``seed``, used when ``compress``
+        gets no generator), by device; ``{}`` before their first use. Checkpoints store it
+        (``Method.state_dict``) so that a resumed run draws the same randomness."""
+        with self._own_lock:
+            return {dev: g.get_state().clone() for dev, g in self._own_generators.items()}
+
+    def load_generator_state(self, states: dict[str, torch.Tensor]) -> None:
+        """Restore :meth:`generator_state`'s result exactly; devices absent from it restart from ``seed``."""
+        own = {}
+        for dev, st in states.items():
+            g = torch.Generator(device=dev)
+            g.set_state(st.clone())
+            own[dev] = g
+        with self._own_lock:
+            self._own_generators = own
+
 
 def draw_key(generator: torch.Generator) -> int:
     """One 64-bit key (as a Python int in [0, 2**64)) drawn from ``generator`` for a Numba stream."""
@@ -230,27 +247,17 @@ def draw_key(generator: torch.Generator) -> int:
 
 
 # ------------------------------------------------------------------------------------- backends
-_FORCED_BACKEND: str | None = None
-
-
 def use_numba(x: torch.Tensor) -> bool:
-    """Numba kernels for CPU tensors, torch ops elsewhere (or everywhere under ``force_backend``)."""
-    if _FORCED_BACKEND is not None:
-        return _FORCED_BACKEND == "numba" and x.device.type == "cpu"
-    return x.device.type == "cpu"
+    """Numba kernels for CPU tensors, torch ops elsewhere, and everywhere under ``sc.kernels.force("torch")``
+    (see :mod:`sparsecomm.kernels`: which outputs agree bit for bit across the two paths)."""
+    return x.device.type == "cpu" and not _kernel_paths.torch_forced()
 
 
-@contextlib.contextmanager
 def force_backend(name: str):
-    """Run every operator on the ``"torch"`` or ``"numba"`` path (tests compare both)."""
-    global _FORCED_BACKEND
+    """Run every operator on the ``"torch"`` or ``"numba"`` path: :func:`sparsecomm.kernels.force`."""
     if name not in ("torch", "numba"):
         raise ValueError(f"backend must be 'torch' or 'numba', got {name!r}")
-    old, _FORCED_BACKEND = _FORCED_BACKEND, name
-    try:
-        yield
-    finally:
-        _FORCED_BACKEND = old
+    return _kernel_paths.force(name)
 
 
 # -------------------------------------------------------------------------------------- payload

@@ -2,15 +2,23 @@
 
 The network model (alpha-beta with NIC serialisation), per endpoint:
 
-- a full-duplex NIC of ``bandwidth`` bytes/s and a per-message ``latency``;
+- a full-duplex NIC of ``bandwidth`` payload bytes/s (the link rate times ``payload_fraction``: 1 for an
+  ideal link, :data:`TCP_OVER_ETHERNET` for TCP over a 1500-byte MTU as on the netbed) and a latency;
+- the one-way latency of a path is the mean of its two ends' latencies (each end's link contributes
+  half), so every path is symmetric, and a path between two workers has the workers' ``latency_us``;
 - a send issued at the sender's clock ``t`` starts at ``start = max(t, tx_free)`` and occupies the
-  sender's NIC until ``start + bytes/bw_src``;
-- the message's head reaches the receiver at ``start + latency``; the receiver's NIC serialises
-  arrivals: ``rx_end = max(head, rx_free) + bytes/bw_dst``; it is delivered at
-  ``max(rx_end, start + latency + bytes/bw_src)``, so on an idle path a message takes
-  ``latency + bytes/bandwidth``;
-- ``recv`` advances the receiver's clock to the delivery time; ``compute(s)`` advances it by ``s``
-  times the endpoint's straggler factor.
+  sender's NIC until ``tx_end = start + bytes/bw_src``;
+- the message's head reaches the receiver at ``head = start + latency``. The receiver's NIC takes the
+  messages in *arrival* order (their heads; ties by source), whatever order the application asks for
+  them in: ``rx_end = max(head, rx_end of the message before it) + bytes/bw_dst``; a message is
+  delivered at ``max(rx_end, tx_end + latency)``, so on an idle path it takes ``latency + bytes/bw``.
+  A message's slot is fixed once the application has taken it; a message that a thread behind in wall
+  time posts later with an earlier head queues after the ones already taken (the only dependence on
+  thread timing; deterministic whenever messages are posted before the receiver takes later ones);
+- ``recv`` advances the receiver's clock to the delivery time; ``compute(s)`` advances it by ``s``;
+- a straggler (``Network.stragglers``: endpoint -> factor f >= 1) is a slow host: its compute takes f
+  times as long and its NIC moves bytes at 1/f of the rate, in and out (a host-bound TCP stack), so
+  that it slows what transports do, not only ``compute()``.
 
 Service endpoints (dedicated aggregators, a switch) have their own link; ``per_port=True`` gives a
 switch one NIC per peer (ports work in parallel, as a switch's do).
@@ -37,7 +45,7 @@ in arrival order (a fixed sequence of blocking receives would serialise them in 
 
 Faults (:class:`Network`): ``loss`` drops datagrams sent with ``reliable=False`` with that probability,
 decided by a generator per directed link seeded from ``(seed, src, dst)`` (deterministic for a seed);
-``stragglers`` slows an endpoint's compute; ``crash`` makes an endpoint die silently after a number of
+``stragglers`` slows an endpoint's compute and its NIC; ``crash`` makes an endpoint die silently after a number of
 sends, so that its peers can only notice by timing out.
 """
 
@@ -62,8 +70,9 @@ class Network:
 
     ``bandwidth_gbps`` and ``latency_us`` are per worker NIC. ``loss`` is the drop probability of
     unreliable datagrams on every link, both directions. ``stragglers`` maps an endpoint to a factor
-    (>= 1) multiplying its modelled compute time. ``crash`` maps an endpoint to the number of sends
-    after which it dies silently. ``timeout_s`` bounds every wall-clock wait (a safety net; the
+    (>= 1) multiplying its modelled compute time and dividing its NIC's rate. ``payload_fraction``:
+    the share of the link rate that carries message bytes (:data:`TCP_OVER_ETHERNET` for a TCP link).
+    ``crash`` maps an endpoint to the number of sends after which it dies silently. ``timeout_s`` bounds every wall-clock wait (a safety net; the
     modelled deadlock detection normally fires first).
     """
 
@@ -74,6 +83,7 @@ class Network:
     stragglers: dict[int, float] = field(default_factory=dict)
     crash: dict[int, int] = field(default_factory=dict)
     timeout_s: float = 120.0
+    payload_fraction: float = 1.0
 
     def __post_init__(self) -> None:
         if self.bandwidth_gbps <= 0:
@@ -82,10 +92,22 @@ class Network:
             raise ValueError(f"latency_us must be non-negative, got {self.latency_us}")
         if not 0.0 <= self.loss < 1.0:
             raise ValueError(f"loss must be in [0, 1), got {self.loss}")
+        if not 0.0 < self.payload_fraction <= 1.0:
+            raise ValueError(f"payload_fraction must be in (0, 1], got {self.payload_fraction}")
+        for eid, f in self.stragglers.items():
+            if not f >= 1.0:
+                raise ValueError(f"a straggler's factor must be >= 1, got {f} for endpoint {eid}")
 
     @property
     def bytes_per_s(self) -> float:
-        return self.bandwidth_gbps * 1e9 / 8
+        """Payload bytes per second of a worker NIC (the link rate times ``payload_fraction``)."""
+        return self.bandwidth_gbps * 1e9 / 8 * self.payload_fraction
+
+
+#: payload fraction of TCP over Ethernet at a 1500-byte MTU with TCP timestamps: 1448 payload bytes per
+#: 1514-byte frame as a shaper (tc htb) counts it; pass ``Network(payload_fraction=TCP_OVER_ETHERNET)`` to
+#: model a real TCP link (the netbed's; gloo's transport) rather than an ideal one.
+TCP_OVER_ETHERNET = 1448 / 1514
 
 
 class EndpointCrashed(SparseCommError):
@@ -96,15 +118,21 @@ class ServiceShutdown(SparseCommError):
     """Raised inside a service endpoint when the run is over (its loop ends quietly)."""
 
 
-@dataclass
+@dataclass(eq=False)
 class _Msg:
     src: int
     tag: int
     data: torch.Tensor
     nbytes: int
     start: float
-    head: float      # start + latency
+    head: float      # start + path latency
     tx_end: float    # start + bytes / bw_src
+    rx_end: float = 0.0      # when the receiving NIC has taken its last byte (its place in arrival order)
+    taken: bool = False      # delivered to the application: its NIC slot is fixed from then on
+
+    @property
+    def delivered(self) -> float:
+        return max(self.rx_end, self.tx_end + (self.head - self.start))
 
 
 class _Endpoint:
@@ -112,12 +140,14 @@ class _Endpoint:
                  name: str) -> None:
         self.id = eid
         self.name = name
-        self.bw = bw
+        self.slow = float(world.network.stragglers.get(eid, 1.0))
+        self.bw = bw / self.slow      # a straggler's host stack moves bytes 1/factor as fast, both ways
         self.latency = latency
         self.per_port = per_port
         self.clock = 0.0
         self._tx_free: dict[int, float] = {}
-        self._rx_free: dict[int, float] = {}
+        self._rx_base: dict[int, float] = {}            # port -> end of the taken prefix of its schedule
+        self._rx_sched: dict[int, list[_Msg]] = {}      # port -> messages in the order its NIC takes them
         self.mailbox: dict[tuple[int, int], deque[_Msg]] = {}
         self.cond = threading.Condition(world.lock)
         self.deadline: float | None = None   # modelled deadline of the current blocked receive
@@ -138,8 +168,35 @@ class _Endpoint:
     def tx_free(self, peer: int) -> float:
         return self._tx_free.get(self.port(peer), 0.0)
 
-    def rx_free(self, peer: int) -> float:
-        return self._rx_free.get(self.port(peer), 0.0)
+    def schedule(self, msg: _Msg) -> None:
+        """(lock held) Give arriving ``msg`` its place on the receiving NIC: arrival (head) order among the
+        messages not yet taken by the application, after every message already taken (whose time has
+        been observed and cannot change); the later ones are re-timed."""
+        port = self.port(msg.src)
+        sched = self._rx_sched.setdefault(port, [])
+        i = len(sched)
+        while i > 0 and not sched[i - 1].taken and (sched[i - 1].head, sched[i - 1].src) > (msg.head, msg.src):
+            i -= 1
+        sched.insert(i, msg)
+        t = sched[i - 1].rx_end if i > 0 else self._rx_base.get(port, 0.0)
+        for m in sched[i:]:
+            if m.taken:
+                t = max(t, m.rx_end)
+            else:
+                m.rx_end = max(m.head, t) + m.nbytes / self.bw
+                t = m.rx_end
+
+    def taken(self, msg: _Msg) -> None:
+        """(lock held) ``msg`` was delivered: fix its slot, drop the schedule's taken prefix."""
+        msg.taken = True
+        port = self.port(msg.src)
+        sched = self._rx_sched[port]
+        k = 0
+        while k < len(sched) and sched[k].taken:
+            k += 1
+        if k:
+            self._rx_base[port] = max(self._rx_base.get(port, 0.0), sched[k - 1].rx_end)
+            del sched[:k]
 
 
 class SimWorld:
@@ -331,6 +388,7 @@ class SimFabric(Fabric):
             dst_ep = world.endpoints[dst]
             start = max(ep.clock, ep.tx_free(dst))
             tx_end = start + nbytes / ep.bw
+            latency = (ep.latency + dst_ep.latency) / 2   # each end's link contributes half: symmetric
             ep._tx_free[ep.port(dst)] = tx_end
             ep.stats.record_send(self.rank, dst, nbytes)
             dropped = False
@@ -340,8 +398,9 @@ class SimFabric(Fabric):
                     rng = ep.loss_rng[dst] = np.random.default_rng([world.network.seed, self.rank, dst])
                 dropped = bool(rng.random() < world.network.loss)
             if not dropped and not dst_ep.crashed:
-                msg = _Msg(self.rank, tag, data, nbytes, start, start + ep.latency, tx_end)
+                msg = _Msg(self.rank, tag, data, nbytes, start, start + latency, tx_end)
                 dst_ep.mailbox.setdefault((self.rank, tag), deque()).append(msg)
+                dst_ep.schedule(msg)
                 world.wake(dst_ep)
             ep.sends += 1
             limit = world.network.crash.get(self.rank)
@@ -375,10 +434,9 @@ class SimFabric(Fabric):
                 best = q[0]
         return best
 
-    def _delivery(self, msg: _Msg) -> tuple[float, float]:
-        ep = self._ep
-        rx_end = max(msg.head, ep.rx_free(msg.src)) + msg.nbytes / ep.bw
-        return max(rx_end, msg.tx_end + (msg.head - msg.start)), rx_end
+    @staticmethod
+    def _delivery(msg: _Msg) -> tuple[float, float]:
+        return msg.delivered, msg.rx_end
 
     def recv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0, *,
              timeout: float | None = None) -> int:
@@ -415,7 +473,7 @@ class SimFabric(Fabric):
                         f"{'any endpoint' if src is None else world.endpoints[src].name} (tag {tag})")
                 self._park(deadline, (src, tag), remaining)
             ep.mailbox[(msg.src, msg.tag)].popleft()
-            ep._rx_free[ep.port(msg.src)] = rx_end
+            ep.taken(msg)
             ep.clock = max(ep.clock, delivered)
             ep.stats.record_recv(msg.src, self.rank, msg.nbytes)
         if msg.data.numel() != tensor.numel() or msg.data.dtype != tensor.dtype:
@@ -448,14 +506,9 @@ class SimFabric(Fabric):
                 complete.append(i)
         if not complete:
             return None
-        got.sort(key=lambda g: (g[0], g[1]))
-        rx: dict[int, float] = {}
         when: dict[int, float] = {}
         for head, i, msg in got:
-            port = ep.port(msg.src)
-            rx_end = max(head, rx.get(port, ep.rx_free(msg.src))) + msg.nbytes / ep.bw
-            rx[port] = rx_end
-            when[i] = max(when.get(i, 0.0), rx_end, msg.tx_end + (msg.head - msg.start))
+            when[i] = max(when.get(i, 0.0), msg.delivered)   # its NIC slot: arrival order (_Endpoint.schedule)
         inn = {i: when[i] for i in complete}
         t = max(ep.clock, min(inn.values()))
         if clock_only and t > ep.clock:
@@ -562,7 +615,7 @@ class SimFabric(Fabric):
                 return world.service_ids[name]
             net = world.network
             eid = len(world.endpoints)
-            bw = (bandwidth_gbps if bandwidth_gbps is not None else net.bandwidth_gbps) * 1e9 / 8
+            bw = (bandwidth_gbps if bandwidth_gbps is not None else net.bandwidth_gbps) * 1e9 / 8 * net.payload_fraction
             lat = (latency_us if latency_us is not None else net.latency_us) * 1e-6
             world.endpoints.append(_Endpoint(world, eid, bw, lat, per_port, name))
             world.live += 1

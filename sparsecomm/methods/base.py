@@ -136,11 +136,18 @@ class Method(ABC):
         return list(self._state)
 
     def state_dict(self) -> dict[str, Any]:
-        """All internal state (tensors cloned), keyed by bucket; no process groups, no compressors."""
+        """All internal state (tensors cloned), keyed by bucket; no process groups, no compressors. A
+        compressor's own generators (one built with ``seed=`` and called without a generator) are part of
+        the run's state: their states are saved under ``"compressor_generators"`` (once used), and loading a
+        state without them restarts those generators from the compressor's seed."""
         buckets = {}
         for key, st in self._state.items():
             buckets[key] = {f.name: _clone(getattr(st, f.name)) for f in fields(st)}
-        return {"method": self.name, "buckets": buckets}
+        out = {"method": self.name, "buckets": buckets}
+        gens = self.compressor.generator_state() if hasattr(self.compressor, "generator_state") else {}
+        if gens:
+            out["compressor_generators"] = gens
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore exactly what :meth:`state_dict` returned (``{}`` resets)."""
@@ -156,6 +163,8 @@ class Method(ABC):
             raise MismatchError(f"method {self.name!r} is stateless but the state has buckets")
         self._state = {key: self.State(**{k: _clone(v) for k, v in fields_.items()})
                        for key, fields_ in buckets.items()}
+        if hasattr(self.compressor, "load_generator_state"):  # absent: not used yet, restart from its seed
+            self.compressor.load_generator_state(state.get("compressor_generators", {}))
 
     def reset(self) -> None:
         """Forget all state (e.g. after a world-size change)."""

@@ -1,0 +1,603 @@
+"""``sparse-switch``: OmniReduce's look-ahead inside a SwitchML switch's limits.
+
+SwitchML (Sapio et al., NSDI'21) sums dense fixed-point streams in a bounded pool of switch slots;
+OmniReduce (Fei et al., SIGCOMM'21) sends only non-zero blocks, each with the offset of the sender's
+next non-zero block in its lane, to CPU aggregators. This transport runs the second on the first:
+workers send only their non-zero blocks, the switch adds them in a pool of fixed-size slots with
+integer arithmetic, and a block that is zero on every worker never travels, up or down.
+
+Protocol, per job (every worker, in this order; :class:`SparseSwitch` reads top to bottom)
+-----------------------------------------------------------------------------------------
+The tensor is cut into blocks of ``k`` elements (``k`` = the switch's packet, 64 or 256 int32), block
+``b`` in lane ``j = b mod L`` at position ``p = b div L`` (``L = min(pool_size, blocks)`` lanes, one
+switch slot each).
+
+1. **Control** (slot 0, one packet per worker, summed): validity flags and the values workers must
+   agree on (length, dtype, pool size, packet size), encoded so that the integer sum reveals a
+   disagreement (``n sum b^2 == (sum b)^2`` per byte ``b``, as ``switch``). Every worker receives the
+   same sum and raises the same error before any data moves.
+2. **Look-ahead** (a MIN round): every worker sends the vector ``[-e, first_0, ..., first_{L-1}]``
+   (``e``: the exponent of its largest magnitude, ``2^e > max|x|``; ``first_j``: its first non-zero
+   position in lane ``j``, ``NONE`` if none) in ``ceil((L+1)/k)`` packets; the switch keeps the
+   element-wise minimum. Every worker learns the agreed exponent ``E = max e`` -- hence the scale
+   ``f = (INT32_MAX/n - 1) / 2^E`` (:func:`sparsecomm.codec.scale_from_exponents`), agreed before the
+   stream -- and each lane's first union position; a lane whose minimum is ``NONE`` never runs.
+3. **Stream** (self-clocked, one outstanding packet per lane): for the lane's current position ``q``
+   a worker that holds block ``q`` sends its codes ``round(x f)`` with its next non-zero position in
+   the lane (the look-ahead); a worker that does not hold it sends a 16-byte *skip* carrying its
+   pending look-ahead. The slot adds the codes, keeps the minimum announced next position, and once
+   all ``n`` have reported it multicasts the sum with that minimum, which is the lane's next
+   position: exactly the union's blocks travel down, and only holders' blocks up.
+
+Design decisions the switch forces (the P4 programmer's view)
+-------------------------------------------------------------
+*How does a slot learn who will contribute?* OmniReduce's aggregator keeps every worker's latest
+look-ahead per lane and takes their minimum. A switch cannot: a register array is read at one index
+per packet pass, so a minimum over ``n`` stored offsets needs ``n`` register arrays (``n/4`` stages
+of SwitchML's 4 register ALUs per stage, per pass) or ``n`` recirculations, per block. And a
+non-holder that never sends cannot be covered by loss recovery: if the result of a round it did not
+contribute to is lost on its way to it, the slot may already be reused when it notices (the next
+round needs only the holders). Here every worker reports every round -- holders with their block,
+the others with a skip header -- so the switch needs no per-worker state beyond SwitchML's seen
+bitmap, the minimum is taken over the round's ``n`` packets (one register, ``min`` on the fly), the
+completion rule is SwitchML's counter, and loss recovery is SwitchML's unchanged (every worker holds
+a timer for every round, a retransmission is absorbed by the bitmap, a duplicate after completion
+gets the stored result). The price is ``h = 16`` bytes per worker per union block upstream, against
+the ``h + 4k`` bytes of that block every worker receives anyway: at ``k = 256`` a worker's bytes are
+at most ``(2h + 4k) / (4k + 4) = 1.027`` times OmniReduce's ideal (own blocks up, union down, 4 bytes
+of look-ahead each), whatever the densities.
+
+*The union denser than the pool.* The pool bounds lanes, not data: a lane with ``R_j`` union blocks
+runs ``R_j`` rounds back to back, one round trip each. The stream moves in *waves* (wave ``r``: the
+``r``-th union block of every lane that has one), each a round trip long unless its packets take
+longer to serialise; with ``L`` slots of ``4k`` bytes it reaches line rate only if ``L * 4k`` covers
+the bandwidth-delay product (SwitchML's rule). Below that, time grows with the number of waves, i.e.
+with the union's blocks per lane (pool pressure): at density 1 this is SwitchML's stream (plus the
+look-ahead round, minus its exponent batch), at density ``d`` it has ``d`` times the waves.
+Nothing needs more switch memory when the union is dense; it takes more round trips.
+
+*Small tensors.* The control and look-ahead rounds are two round trips before the first block (the
+dense ``switch`` needs the control round and a one-round exponent batch); the closed form
+:func:`theory.costs.sparse_switch_allreduce` includes them. They could share one round (a control
+packet whose last value register takes the MIN action), but the number of look-ahead packets
+depends on the tensor's length and the pool, which the control round is there to check: workers that
+disagree would leave half-filled slots behind and wait for results that never come. Kept apart,
+a disagreement is an error on every worker before anything else is sent.
+
+*Scale.* One exponent per job (not per packet as SwitchML's) because the scale must be agreed before
+the stream and every worker sends in a different subset of the rounds: elements far below the
+tensor's maximum keep ``31 - log2 n - (E - e_elem)`` bits. Error per element ``<= n * 0.5 / f``.
+
+Match-action pipeline (one pass per 64 values; 256 values with SwitchML's recirculation)
+----------------------------------------------------------------------------------------
+Budget: 12 match-action stages per pipe on Tofino 1 (20 on Tofino 2), 4 register ALUs per stage, a
+register ALU updating one 32-bit value or a pair (SwitchML's 64 values use 8 stages of 4 pairs).
+=====  =================================================================  ========================
+stage  action                                                             registers (per slot, 2 sets)
+=====  =================================================================  ========================
+0      parse ``W0, slot, pos, next``; table: job -> n, worker bit; set    --
+1      ``seen`` RMW: ``before = seen[v]; seen[v] |= bit``; ``seen[1-v]``  seen 2 x 64 b
+       cleared (n <= 64: two 32-bit halves, one register ALU each)
+2      ``count`` RMW (n-1 if ``before == 0`` else -1, if new); ``pos``   count 2 x 7 b, pos 2 x 32 b
+       RMW (write if first, else compare: out-of-step packets dropped)
+3      ``nxt`` RMW: first writer stores ``next``, others ``min``;       nxt 2 x 32 b, held 2 x 1 b
+       ``held`` OR
+4-11   ``values``: SwitchML's 64 int32 adders (4 register ALUs x 2      values 2 x 64 x 32 b
+       values per stage = 8 per stage); MIN rounds use a second
+       RegisterAction on the same arrays (``min`` instead of ``+``)
+egress if ``count == 0``: multicast group of the job (result) / unicast
+       to the sender (duplicate after completion), else drop
+=====  =================================================================  ========================
+
+Against SwitchML this adds three registers per set (``pos``, ``nxt``: 32 bits; ``held``: 1 bit),
+removes the int8 exponent, and widens the worker bitmap to 64 bits (SwitchML: 32 workers per job).
+Memory with the defaults (``S = 1024`` slots, ``k = 256``): ``values`` ``1024 * 2 * 256 * 4 B =
+2 MiB``; the rest ``1024 * 2 * (64+7+32+32+1)`` bits ``= 34 KiB``.
+:data:`.sparse_switch_dataplane.REGISTERS` declares these widths and
+:meth:`~.sparse_switch_dataplane.Dataplane.state_bits` checks the emulation against them
+(``tests/test_sparse_switch.py``).
+
+Deployment: as ``switch``. On SimFabric the transport starts the program as a per-port service on
+first use (its link set by ``bandwidth_gbps``/``latency_us``); on torch.distributed it is the rank the
+launcher started (``services=["sparse-switch"]``) and its constants (``slot_elems``,
+``switch_slots``, ``burst``) default to that rank's. There ``burst`` packets share a fabric message
+(padded with empty rows when fewer are ready, as ``switch`` does) and skips travel padded to a value
+packet, since a message costs far more than its bytes; the byte figures above are the SimFabric's,
+one packet per datagram.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+import zlib
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .. import codec
+from ..errors import FabricTimeout, IncompatibleError, MismatchError, NonFiniteError, OverflowError_, SparseCommError
+from ..fabric.base import Fabric
+from ..payload import Payload
+from . import registry
+from .base import Transport
+from .sparse_switch_dataplane import (
+    F_NEXT, HEADER, MAX_WORKERS, NONE, PACKET_ELEMS, T_DATA, T_EMPTY, T_MIN, T_RESULT, T_RETRANSMIT,
+    T_SKIP, TAG_DOWN, TAG_SKIP, TAG_UP, JOB_MASK, Dataplane, Header, SparseSwitchConfig, service_main,
+)
+
+INT32_MAX = 2**31 - 1
+EXP_FLOOR, EXP_CEIL = -126, 127
+CONTROL_SLOT = 0
+MODE_FLOAT, MODE_INT = 1, 2
+_DTYPES = {torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16: 4, torch.int8: 5,
+           torch.int16: 6, torch.int32: 7, torch.int64: 8, torch.uint8: 9}
+# control vector: flags, then (byte, byte^2) of every agreement word
+V_NONFINITE, V_TOOLARGE, V_COUNT, V_CAP_HI, V_CAP_LO, V_WORDS = range(6)
+_AGREE = ("numel (low word)", "numel (high word)", "mode / dtype", "pool_size", "slot_elems",
+          "shared indices or scale (fingerprint)")
+
+
+class ProtocolError(SparseCommError):
+    """A packet from the switch that the protocol cannot have produced (forged or corrupted)."""
+
+
+@dataclass
+class _WorkerState:
+    """What a worker keeps between jobs on one switch (identical on every worker)."""
+
+    parity: np.ndarray     # per switch slot: the set its next round takes
+    shift: int = 0
+    job: int = 0
+
+
+@dataclass
+class FixedResult:
+    """The integer side of the last float job: the switch's int32 sums and the agreed scale."""
+
+    sums: torch.Tensor     # int32, numel elements
+    exponent: int
+    scale: float
+
+
+_lock = threading.Lock()
+_worker_states: "weakref.WeakKeyDictionary[Fabric, dict[str, _WorkerState]]" = weakref.WeakKeyDictionary()
+_sim_dataplanes: "weakref.WeakKeyDictionary[object, dict[str, Dataplane]]" = weakref.WeakKeyDictionary()
+
+
+def _is_sim(fabric: Fabric) -> bool:
+    from ..fabric.sim import SimFabric
+
+    return isinstance(fabric, SimFabric)
+
+
+@registry.register("sparse-switch")
+class SparseSwitch(Transport):
+    """Block-sparse in-network aggregation (module docstring).
+
+    ``pool_size``: lanes (switch slots) a job keeps in flight, ``<= switch_slots - 1`` (slot 0 is the
+    control slot). ``slot_elems`` (64 or 256, default 256: a block is one packet) and ``switch_slots``
+    (default 1024) are the program's constants and name its service; on real fabrics they default to
+    the started switch's. ``timeout``: retransmission timer (modelled seconds on SimFabric, default
+    1 ms; wall seconds elsewhere, default ``None``: no timer, gloo never drops); it doubles after
+    ``timeout_threshold`` expiries. ``give_up_s`` (default: the fabric's ``timeout_s``): a packet
+    unanswered that long raises :class:`FabricTimeout`. ``bandwidth_gbps``/``latency_us``: the switch's
+    link on SimFabric. ``burst``: packets per fabric message (default 1 on SimFabric, 32 elsewhere;
+    a program constant). ``audit``: the switch counts every accepted contribution (tests only).
+    """
+
+    name = "sparse-switch"
+    carries = frozenset({"dense", "aligned", "sparse", "quantized"})
+    quantized_needs_shared_scale = True
+
+    def __init__(self, fabric: Fabric, *, pool_size: int = 256, slot_elems: int | None = None,
+                 switch_slots: int | None = None, timeout: float | None = None, timeout_threshold: int = 100,
+                 give_up_s: float | None = None, bandwidth_gbps: float | None = None,
+                 latency_us: float | None = None, burst: int | None = None, audit: bool = False) -> None:
+        super().__init__(fabric)
+        if not fabric.is_worker:
+            raise IncompatibleError("the sparse-switch transport runs on workers, not on a service endpoint")
+        n = fabric.world_size
+        if n > MAX_WORKERS:
+            raise IncompatibleError(
+                f"transport 'sparse-switch' supports at most {MAX_WORKERS} workers (a 64-bit worker bitmap "
+                f"per slot); this job has {n}; use 'omnireduce' or 'ring'")
+        self.sim = _is_sim(fabric)
+        self.config, spec = _program(fabric, self.sim, slot_elems, switch_slots, burst, audit)
+        if isinstance(pool_size, bool) or not isinstance(pool_size, int) or not 1 <= pool_size < self.config.slots:
+            raise ValueError(f"pool_size must be an integer in [1, switch_slots - 1 = {self.config.slots - 1}] "
+                             f"(slot 0 is the control slot), got {pool_size!r}")
+        if timeout is None and self.sim:
+            timeout = 1e-3
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout must be positive (or None: no timer), got {timeout!r}")
+        self.pool_size, self.k = pool_size, self.config.elems
+        self.burst = self.config.burst_for(fabric)
+        self.timeout, self.timeout_threshold = timeout, int(timeout_threshold)
+        self.give_up_s = float(give_up_s if give_up_s is not None else fabric.timeout_s)
+        self.dataplane: Dataplane | None = None
+        if self.sim:
+            with _lock:
+                self.dataplane = _sim_dataplanes.setdefault(fabric.world, {}).setdefault(spec, Dataplane(self.config))
+            main = self.dataplane.serve
+        else:
+            main = service_main(self.config)
+        link = {k: v for k, v in (("bandwidth_gbps", bandwidth_gbps), ("latency_us", latency_us)) if v is not None}
+        self.switch = fabric.service(spec, main, per_port=True, **link)
+        with _lock:
+            self._state = _worker_states.setdefault(fabric, {}).setdefault(
+                spec, _WorkerState(parity=np.zeros(self.config.slots, dtype=np.int64)))
+        self.last_fixed: FixedResult | None = None
+        self.last_info: dict = {}
+
+    # ================================================================== payload kinds
+    def _allreduce_payload(self, p: Payload) -> torch.Tensor:
+        """``dense`` and ``sparse`` (worker-specific indices) payloads are summed as the tensor they
+        stand for: only its non-zero blocks travel. ``aligned``: the value vector (indices checked
+        to be shared), then scattered. ``quantized`` with a shared scale: the integer codes, exactly."""
+        if p.kind in ("dense", "sparse"):
+            return self._allreduce_tensor(p.to_dense().reshape(-1))
+        if p.kind == "aligned":
+            idx = p.indices.reshape(-1).to(torch.int64)
+            vals = p.values.reshape(-1)
+            if not vals.is_floating_point():
+                vals = vals.to(p.dtype if p.dtype.is_floating_point else torch.float32)
+            summed = self._job(vals, fingerprint=_fingerprint(idx))
+            out = torch.zeros(p.numel, dtype=p.dtype, device=p.values.device)
+            if summed.numel():
+                out.index_add_(0, idx.to(out.device), summed.to(out.device, p.dtype))
+            return out
+        codes = p.values.reshape(-1)
+        if codes.is_floating_point():
+            if not bool((torch.isfinite(codes) & (codes == codes.round())).all()):
+                raise IncompatibleError("transport 'sparse-switch' sums integer codes; this quantized "
+                                        "payload's codes are not integers")
+            codes = codes.to(torch.int64)
+        sums = self._job(codes, fingerprint=_fingerprint(p.scale, p.bucket_size), out_dtype=torch.int64)
+        agg = Payload("quantized", values=sums, shape=p.shape, dtype=p.dtype, scale=p.scale,
+                      bucket_size=p.bucket_size, shared_scale=True)
+        return agg.to_dense()
+
+    # ================================================================== one job, top to bottom
+    def _allreduce_tensor(self, flat: torch.Tensor) -> torch.Tensor:
+        return self._job(flat)
+
+    def _job(self, flat: torch.Tensor, *, fingerprint: int = 0, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Sum ``flat`` (float: fixed point; integer: exactly) over workers; see the module docstring."""
+        out_dtype, device = out_dtype or flat.dtype, flat.device
+        if flat.is_floating_point():
+            mode = MODE_FLOAT
+        elif flat.dtype in _DTYPES:
+            mode = MODE_INT
+        else:
+            raise IncompatibleError(f"transport 'sparse-switch' sums float and integer tensors, not {flat.dtype}")
+        x = flat.detach().reshape(-1).to("cpu")
+        N, k, n = x.numel(), self.k, self.fabric.world_size
+        # ---- local facts: validity, magnitude, non-zero blocks
+        if mode == MODE_FLOAT:
+            x = x if x.dtype in (torch.float32, torch.float64) else x.to(torch.float32)
+            finite = bool(torch.isfinite(x).all()) if N else True
+            e = EXP_FLOOR
+            if finite and N:
+                e = max(EXP_FLOOR, int(codec.chunk_exponents(x, N)[0]))
+            self._control(mode, N, flat.dtype, nonfinite=not finite, too_large=e > EXP_CEIL, cap=0,
+                          fingerprint=fingerprint)
+        else:
+            v = x.to(torch.int64)
+            amax = int(v.abs().max()) if N else 0
+            limit = min(INT32_MAX, torch.iinfo(out_dtype).max)
+            self._control(mode, N, flat.dtype, nonfinite=False, too_large=amax > INT32_MAX,
+                          cap=min(amax, INT32_MAX), limit=limit, fingerprint=fingerprint)
+            e = 0
+        nb = -(-N // k)
+        if nb == 0:
+            self.last_fixed = None
+            return torch.zeros(0, dtype=out_dtype, device=device)
+        mask = codec.nonzero_blocks(x, k)
+        L = min(self.pool_size, nb)
+        la = codec.next_nonzero(mask, L)
+        lanes = np.arange(L, dtype=np.int64)
+        first = _to_pos(la.first.numpy(), lanes, L, nb)
+        # ---- look-ahead round: agreed exponent and every lane's first union position
+        agreed = self._lookahead(np.concatenate([[-e], first]), L)
+        E = -int(agreed[0])
+        start = agreed[1:]
+        if mode == MODE_FLOAT:
+            if not EXP_FLOOR <= E <= EXP_CEIL:
+                raise ProtocolError(f"sparse-switch: the agreed exponent {E} is outside [{EXP_FLOOR}, {EXP_CEIL}]")
+            scale = float(codec.scale_from_exponents(torch.tensor([E]), n)[0])
+            xp = torch.zeros(nb * k, dtype=x.dtype)
+            xp[:N] = x
+            codes = codec.to_fixed(xp, scale).numpy().reshape(nb, k)
+        else:
+            codes = np.zeros((nb, k), dtype=np.int32)
+            codes.reshape(-1)[:N] = x.to(torch.int32).numpy()
+        # ---- stream: only the union's blocks, one round each
+        sums = self._stream(codes, mask.numpy(), la.next.numpy(), first, start, L, nb)
+        if mode == MODE_INT:
+            self.last_fixed = None
+            return torch.from_numpy(sums.reshape(-1)[:N].copy()).to(device=device, dtype=out_dtype)
+        q = torch.from_numpy(sums.reshape(-1)[:N].copy())
+        self.last_fixed = FixedResult(q, E, scale)
+        work = torch.float64 if x.dtype == torch.float64 else torch.float32
+        return codec.from_fixed(q, scale, dtype=work).to(device=device, dtype=out_dtype)
+
+    # ================================================================== phase 1: control
+    def _control(self, mode: int, numel: int, dtype: torch.dtype, *, nonfinite: bool, too_large: bool,
+                 cap: int, limit: int = INT32_MAX, fingerprint: int = 0) -> None:
+        """The validity / agreement round on the control slot: the same error on every worker."""
+        st = self._state
+        st.job = (st.job + 1) % (JOB_MASK + 1)
+        words = [numel & 0xFFFFFFFF, (numel >> 32) & 0xFFFFFFFF, (mode << 8) | _DTYPES.get(dtype, 0),
+                 self.pool_size, self.k, fingerprint & 0xFFFFFFFF]
+        vec = np.zeros(self.k, dtype=np.int32)
+        vec[V_NONFINITE], vec[V_TOOLARGE], vec[V_COUNT] = int(nonfinite), int(too_large), 1
+        vec[V_CAP_HI], vec[V_CAP_LO] = cap >> 16, cap & 0xFFFF
+        b = np.array([[(w >> (8 * i)) & 0xFF for i in range(4)] for w in words], dtype=np.int64).reshape(-1)
+        enc = np.stack([b, b * b], axis=1).reshape(-1)
+        vec[V_WORDS:V_WORDS + enc.size] = enc
+        got = {}
+
+        def on_result(lane: int, res: np.ndarray):
+            got["v"] = res[HEADER:].astype(np.int64)
+            return None
+
+        self._run(np.array([CONTROL_SLOT]), [self._packet(T_DATA, CONTROL_SLOT, 0, NONE, vec)], on_result, "control")
+        a, n = got["v"], self.fabric.world_size
+        if a[V_COUNT] != n:
+            raise MismatchError(f"sparse-switch control round counted {a[V_COUNT]} workers, expected {n}")
+        s = a[V_WORDS:V_WORDS + enc.size].reshape(len(words), 4, 2)
+        differ = [_AGREE[i] for i in range(len(words)) if any(n * s[i, j, 1] != s[i, j, 0] ** 2 for j in range(4))]
+        if differ:
+            raise MismatchError(f"sparse-switch allreduce: workers disagree on {', '.join(differ)}; every worker "
+                                f"must pass a tensor of the same length and dtype, with the same transport settings")
+        if a[V_NONFINITE]:
+            raise NonFiniteError(f"sparse-switch allreduce: {a[V_NONFINITE]} of {n} workers hold NaN or Inf "
+                                 f"values; the switch sums fixed-point integers and cannot carry them")
+        if a[V_TOOLARGE]:
+            what = "a magnitude >= 2^127" if mode == MODE_FLOAT else "an integer that does not fit in int32"
+            raise OverflowError_(f"sparse-switch allreduce: {a[V_TOOLARGE]} of {n} workers hold {what}")
+        total = int(a[V_CAP_HI]) * 65536 + int(a[V_CAP_LO])
+        if mode == MODE_INT and total > limit:
+            raise OverflowError_(f"sparse-switch allreduce: the workers' largest |values| add up to {total} > "
+                                 f"{limit}; the switch's int32 sum could wrap, so nothing was sent")
+
+    # ================================================================== phase 2: look-ahead (MIN)
+    def _lookahead(self, vec: np.ndarray, L: int) -> np.ndarray:
+        """Element-wise minimum over workers of ``vec`` (``[-e, first positions]``), in packets of
+        ``k`` values on the first lanes' slots."""
+        k = self.k
+        P = -(-vec.size // k)
+        padded = np.full(P * k, NONE, dtype=np.int64)
+        padded[:vec.size] = vec
+        padded = padded.astype(np.int32).reshape(P, k)
+        slots = self._lane_slots(L)[:P]
+        out = np.empty_like(padded)
+
+        def on_result(lane: int, res: np.ndarray):
+            out[lane] = res[HEADER:]
+            return None
+
+        self._run(slots, [self._packet(T_MIN, int(s), 0, NONE, padded[i]) for i, s in enumerate(slots)],
+                  on_result, "lookahead")
+        return out.reshape(-1)[:vec.size].astype(np.int64)
+
+    # ================================================================== phase 3: the block stream
+    def _stream(self, codes: np.ndarray, mask: np.ndarray, nxt_block: np.ndarray, first: np.ndarray,
+                start: np.ndarray, L: int, nb: int) -> np.ndarray:
+        """Stream the union's blocks through ``L`` lanes; return the int32 sums ``[nb, k]``."""
+        P = -(-nb // L)                       # positions per lane
+        if ((start < 0) | ((start >= P) & (start != NONE)) | ((start > first) & (first != NONE))).any():
+            raise ProtocolError("sparse-switch: the look-ahead round returned a lane start that no worker "
+                                "can have announced (forged or corrupted packet)")
+        sums = np.zeros((nb, self.k), dtype=np.int32)
+        mine = first.copy()                   # my next non-zero position per lane (NONE: none)
+        cur = start.copy()                    # the lane's current position
+        slots = self._lane_slots(L)
+        info = {"data": 0, "skips": 0}
+
+        def packet(j: int) -> np.ndarray:
+            q = int(cur[j])
+            if mine[j] == q:
+                b = j + q * L
+                nxt = _to_pos(nxt_block[b:b + 1], np.array([j]), L, nb)[0]
+                mine[j] = nxt
+                info["data"] += 1
+                return self._packet(T_DATA, int(slots[j]), q, int(nxt), codes[b])
+            info["skips"] += 1
+            return self._packet(T_SKIP, int(slots[j]), q, int(mine[j]))
+
+        def on_result(j: int, res: np.ndarray):
+            q, m = int(cur[j]), int(res[F_NEXT])
+            if not (q < m and (m == NONE or m < P)) or m > mine[j]:
+                raise ProtocolError(f"sparse-switch: lane {j}'s result announces next position {m} after {q}, "
+                                    f"which skips this worker's block at {mine[j]} or leaves the lane "
+                                    f"(forged or corrupted packet)")
+            sums[j + q * L] = res[HEADER:]
+            cur[j] = m
+            return None if m == NONE else packet(j)
+
+        active = np.flatnonzero(start != NONE)
+        self._run(slots[active], [packet(int(j)) for j in active], on_result, "stream", lanes=active)
+        self.last_info["stream"].update(info)
+        st = self._state
+        st.shift = (st.shift + 1) % self.pool_size
+        return sums
+
+    # ================================================================== packets and lanes
+    def _lane_slots(self, L: int) -> np.ndarray:
+        return 1 + (np.arange(L, dtype=np.int64) + self._state.shift) % self.pool_size
+
+    def _packet(self, kind: int, slot: int, pos: int, nxt: int, vec: np.ndarray | None = None) -> np.ndarray:
+        """A packet for ``slot``'s next round (the set is the slot's current parity)."""
+        row = np.empty(HEADER if kind == T_SKIP else HEADER + self.k, dtype=np.int32)
+        st = self._state
+        Header(kind, int(st.parity[slot]), self.fabric.rank, self.fabric.world_size, st.job & JOB_MASK,
+               slot, pos, nxt).write(row)
+        if kind != T_SKIP:
+            row[HEADER:] = vec
+        return row
+
+    def _run(self, slots: np.ndarray, rows: list[np.ndarray], on_result, phase: str,
+             lanes: np.ndarray | None = None) -> None:
+        """Self-clocked rounds on ``slots`` (one outstanding packet each), with SwitchML's loss recovery.
+
+        ``rows[i]`` is the first packet on ``slots[i]``; when its result arrives (matching job, slot,
+        set and position) the slot's parity flips and ``on_result(lane, result)`` returns the lane's
+        next packet, or ``None`` when the lane is done (``lane`` = ``lanes[i]``, default ``i``). A
+        packet unanswered within the timer is resent unchanged; after ``timeout_threshold`` expiries
+        the timer doubles; unanswered for ``give_up_s`` raises :class:`FabricTimeout`.
+        """
+        fab, st, sw, K = self.fabric, self._state, self.switch, self.burst
+        S = len(slots)
+        lanes = np.arange(S) if lanes is None else lanes
+        index = {int(s): i for i, s in enumerate(slots)}
+        out: list[np.ndarray | None] = list(rows)
+        deadline = np.full(S, math.inf)
+        since = np.zeros(S)
+        timeout, threshold, expiries = self.timeout, self.timeout_threshold, 0
+        info = {"packets": 0, "retransmissions": 0, "results": 0, "ignored": 0}
+        pending: deque = deque()
+        if phase == "control" or self.last_info.get("job") != st.job:
+            self.last_info = {"job": st.job}
+        self.last_info[phase] = info
+
+        queue: list[np.ndarray] = []
+
+        def send(i: int, fresh: bool) -> None:
+            queue.append(out[i])
+            now = fab.now()
+            deadline[i] = now + (timeout if timeout is not None else math.inf)
+            if fresh:
+                since[i] = now
+            info["packets"] += 1
+            if K == 1:
+                flush()
+
+        def flush() -> None:
+            """The queued packets: one datagram each on SimFabric (a blocking send models the NIC's
+            serialisation; skips as 16-byte headers on their own tag), else ``K`` rows per message."""
+            for i in range(0, len(queue), K):
+                part = queue[i:i + K]
+                if self.sim and K == 1:
+                    row = part[0]
+                    fab.send(torch.from_numpy(row), sw, TAG_SKIP if row.size == HEADER else TAG_UP,
+                             reliable=False)
+                    continue
+                msg = np.zeros((K, HEADER + self.k), dtype=np.int32)
+                for r, row in enumerate(part):
+                    msg[r, :row.size] = row
+                t = torch.from_numpy(msg)
+                if self.sim:
+                    fab.send(t, sw, TAG_UP, reliable=False)
+                else:
+                    pending.append((fab.isend(t, sw, TAG_UP, reliable=False), t))
+                    while len(pending) > 64:
+                        pending.popleft()[0].wait()
+            queue.clear()
+
+        for i in range(S):
+            send(i, True)
+        flush()
+        live = S
+        buf = torch.zeros((K, HEADER + self.k), dtype=torch.int32)
+        msg_rows = buf.numpy()
+        while live:
+            try:
+                if timeout is None:
+                    fab.recv(buf, sw, TAG_DOWN)
+                else:
+                    fab.recv(buf, sw, TAG_DOWN, timeout=max(float(deadline.min()) - fab.now(), 1e-9))
+            except FabricTimeout:
+                if timeout is None:
+                    raise
+                now = fab.now()
+                for i in np.flatnonzero(deadline <= now + 1e-12):
+                    if now - since[i] > self.give_up_s:
+                        raise FabricTimeout(
+                            f"worker {fab.rank}: sparse-switch {phase} packet on slot {int(slots[i])} of job "
+                            f"{st.job} unanswered for {now - since[i]:.3g} s despite retransmissions: a peer "
+                            f"or the switch is gone") from None
+                    expiries += 1
+                    info["retransmissions"] += 1
+                    send(int(i), False)
+                flush()
+                if expiries >= threshold:
+                    timeout *= 2
+                    threshold += self.timeout_threshold
+                    expiries = 0
+                continue
+            for res in msg_rows:
+                h = Header.of(res)
+                if h.kind == T_EMPTY:
+                    continue                       # an unused row of a burst
+                i = index.get(h.slot)
+                if h.kind not in (T_RESULT, T_RETRANSMIT) or h.job != st.job or i is None or out[i] is None:
+                    info["ignored"] += 1
+                    continue
+                sent = Header.of(out[i])
+                if (h.set, h.pos) != (sent.set, sent.pos):
+                    info["ignored"] += 1           # a stale result (an earlier round of this slot)
+                    continue
+                info["results"] += 1
+                st.parity[slots[i]] ^= 1
+                out[i] = on_result(int(lanes[i]), res.copy())
+                if out[i] is None:
+                    deadline[i] = math.inf
+                    live -= 1
+                else:
+                    send(i, True)
+            flush()
+        while pending:
+            pending.popleft()[0].wait()
+
+
+def _fingerprint(*objs) -> int:
+    """crc32 of tensors' bytes (and other values), to check that workers share indices or a scale."""
+    crc = 0
+    for o in objs:
+        if o is None:
+            continue
+        if isinstance(o, torch.Tensor):
+            data = o.detach().reshape(-1).to("cpu", torch.float64 if o.is_floating_point() else torch.int64)
+            crc = zlib.crc32(data.numpy().tobytes(), crc)
+        else:
+            crc = zlib.crc32(str(o).encode(), crc)
+    return crc
+
+
+def _to_pos(blocks: np.ndarray, lanes: np.ndarray, L: int, nb: int) -> np.ndarray:
+    """Lane positions of block ids (``nb``, the look-ahead's "none", becomes ``NONE``)."""
+    blocks = np.asarray(blocks, dtype=np.int64)
+    return np.where(blocks >= nb, NONE, (blocks - lanes) // L)
+
+
+def _program(fabric: Fabric, sim: bool, elems: int | None, slots: int | None, burst: int | None,
+             audit: bool) -> tuple[SparseSwitchConfig, str]:
+    """The switch program to talk to and its service name: started by the transport on SimFabric; on
+    real fabrics the one the launcher started (``services=["sparse-switch..."]``), whose constants are
+    the defaults."""
+    if elems is not None and elems not in PACKET_ELEMS:
+        raise ValueError(f"slot_elems must be one of {PACKET_ELEMS}, got {elems!r}")
+    asked = {k: v for k, v in (("elems", elems), ("slots", slots), ("burst", burst)) if v is not None}
+    if audit:
+        asked["audit"] = True
+    if sim:
+        cfg = SparseSwitchConfig(**asked)
+        return cfg, cfg.spec()
+    started = [sp for sp in fabric.services() if sp.partition(":")[0] == "sparse-switch"]
+    configs = [(SparseSwitchConfig.parse(sp.partition(":")[2] or None), sp) for sp in started]
+    fits = [(c, sp) for c, sp in configs
+            if all((c.burst_for(fabric) if k == "burst" else getattr(c, k)) == v for k, v in asked.items())]
+    if len(fits) == 1:
+        return fits[0]
+    if not started:
+        from ..fabric.torch_fabric import ServiceNotStarted
+
+        want = SparseSwitchConfig(**asked).spec()
+        raise ServiceNotStarted(f"transport 'sparse-switch' needs a switch rank: launch with services=[{want!r}]")
+    raise IncompatibleError(f"transport 'sparse-switch' asked for a program with {asked or 'the defaults'} but the "
+                            f"launcher started {started}; pass slot_elems / switch_slots matching one of them")

@@ -1,0 +1,356 @@
+"""The switch program of ``sparse-switch``: SwitchML's slot pool with OmniReduce's look-ahead.
+
+The design, the pipeline sketch and the arithmetic are in :mod:`.sparse_switch`; this module is the
+program itself (registers and per-packet action), its wire format and its service loop.
+
+Registers (``S`` slots, two sets per slot as SwitchML, ``k`` values per slot; :data:`REGISTERS`
+declares them with their widths, and :meth:`Dataplane.state_bits` measures what the emulation holds):
+
+- ``values[S, 2, k]`` int32 accumulators (fixed-point codes; also the element-wise minimum of a
+  look-ahead round);
+- ``seen[S, 2]`` 64-bit worker bitmap; ``count[S, 2]`` contributions still missing (7 bits, n <= 64);
+- ``nxt[S, 2]`` the minimum next position announced in the round (32 bits);
+- ``pos[S, 2]`` the lane position the round aggregates (32 bits; a packet for another position
+  while the round is open is refused, counted as ``"out_of_step"``);
+- ``held[S, 2]`` one bit: some worker contributed data (a result without it is counted as
+  ``"empty"`` -- the protocol never produces one).
+
+Per packet ``(type, slot s, set v, worker w, n, pos p, next m, [vector])``::
+
+    before = seen[s,v]; seen[s,v] |= bit(w); seen[s,1-v] &= ~bit(w)   # as SwitchML: w consumed set 1-v
+    if w not in before:
+        if before == 0: values = vector or 0; nxt = m; pos = p; held = has_vector; count = n-1
+        else:           values = values + vector   (MIN round: min(values, vector));
+                        nxt = min(nxt, m); held |= has_vector; count -= 1
+        if count == 0:  multicast (values, pos, nxt) to the n workers
+    elif count == 0:    unicast the stored result to w          # a retransmission after completion
+    else:               drop
+
+Wire format: int32 words. Every packet starts with the 4-word header ``[W0, SLOT, POS, NEXT]``
+(``W0`` packs ``type:3 | set:1 | worker:6 | n:7 | job:12``); a DATA, MIN or RESULT packet carries
+``k`` values after it (``HEADER + k`` words, on ``TAG_UP`` / ``TAG_DOWN``); a SKIP packet is the
+header alone (``TAG_SKIP``): a worker that does not hold the round's block still reports its
+look-ahead, in 16 bytes (on real fabrics padded to a value packet, see :meth:`Dataplane.serve`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, fields
+from enum import IntEnum
+from typing import Callable, NamedTuple
+
+import numpy as np
+import torch
+
+from ..fabric import services
+from ..fabric.base import Fabric
+
+# ----------------------------------------------------------------------------- wire format
+W0, F_SLOT, F_POS, F_NEXT = range(4)
+HEADER = 4
+
+
+class Kind(IntEnum):
+    """Packet types (``W0 & 7``)."""
+
+    EMPTY = 0        # an unused row of a burst
+    DATA = 1         # worker -> switch: a block's codes (added) with the sender's look-ahead
+    SKIP = 2         # worker -> switch: no block, the sender's pending look-ahead (header only)
+    MIN = 3          # worker -> switch: a look-ahead round vector (element-wise minimum)
+    RESULT = 4       # switch -> workers: a completed round (multicast)
+    RETRANSMIT = 5   # switch -> one worker: a completed round again, for a duplicate
+
+
+T_EMPTY, T_DATA, T_SKIP, T_MIN, T_RESULT, T_RETRANSMIT = (int(k) for k in Kind)
+TYPES_UP = (T_DATA, T_SKIP, T_MIN)
+TAG_UP, TAG_SKIP, TAG_DOWN = 0x5B51, 0x5B53, 0x5B52
+
+NONE = 2**31 - 1                  # "no next block in this lane": larger than any position
+MAX_WORKERS = 64                  # 64-bit worker bitmap (a register pair, as SwitchML pairs its values)
+PACKET_ELEMS = (64, 256)          # as SwitchML: one pass, or four with recirculation
+DEFAULT_SLOTS = 1024
+JOB_MASK = 0xFFF
+SIM_BURST, REAL_BURST = 1, 32     # packets per fabric message: one datagram in the sim; amortised on real fabrics
+
+_TYPE_BITS, _SET_SHIFT, _WORKER_SHIFT, _NW_SHIFT, _JOB_SHIFT = 0x7, 3, 4, 10, 17
+
+#: declared registers: name -> (entries per slot, bits per entry)
+REGISTERS = {"values": (None, 32), "seen": (2, 64), "count": (2, 7), "nxt": (2, 32), "pos": (2, 32),
+             "held": (2, 1)}
+
+
+def pack_w0(kind, set_, worker, nw, job) -> np.ndarray | int:
+    """The first header word (vectorised over numpy arrays)."""
+    return (kind | (set_ << _SET_SHIFT) | (worker << _WORKER_SHIFT) | (nw << _NW_SHIFT)
+            | ((job & JOB_MASK) << _JOB_SHIFT))
+
+
+def unpack_w0(w0):
+    """``(type, set, worker, n, job)`` of first header words (vectorised)."""
+    w0 = np.asarray(w0, dtype=np.int64)
+    return (w0 & _TYPE_BITS, (w0 >> _SET_SHIFT) & 1, (w0 >> _WORKER_SHIFT) & 0x3F,
+            (w0 >> _NW_SHIFT) & 0x7F, (w0 >> _JOB_SHIFT) & JOB_MASK)
+
+
+class Header(NamedTuple):
+    """A packet's header, decoded: what every endpoint reads before it uses a packet."""
+
+    kind: int
+    set: int
+    worker: int
+    n: int
+    job: int
+    slot: int
+    pos: int
+    next: int
+
+    @classmethod
+    def of(cls, row: np.ndarray) -> "Header":
+        return cls(*(int(a) for a in unpack_w0(row[W0])), int(row[F_SLOT]), int(row[F_POS]), int(row[F_NEXT]))
+
+    def write(self, row: np.ndarray) -> np.ndarray:
+        row[W0] = pack_w0(self.kind, self.set, self.worker, self.n, self.job)
+        row[F_SLOT], row[F_POS], row[F_NEXT] = self.slot, self.pos, self.next
+        return row
+
+
+@dataclass(frozen=True)
+class SparseSwitchConfig:
+    """Compile-time constants of the program; they name the service (``"sparse-switch:elems=64"``).
+    ``burst``: packets per fabric message (``None``: one on SimFabric, 32 elsewhere; a burst's rows
+    are processed one by one, each with its own slot semantics). ``audit``: count every accepted contribution by ``(job, min round?, slot, pos, worker)`` (tests only)."""
+
+    elems: int = 256
+    slots: int = DEFAULT_SLOTS
+    burst: int | None = None
+    audit: bool = False
+
+    def __post_init__(self) -> None:
+        if self.elems not in PACKET_ELEMS:
+            raise ValueError(f"slot_elems must be one of {PACKET_ELEMS} (the switch's packet sizes), "
+                             f"got {self.elems!r}")
+        if isinstance(self.slots, bool) or not isinstance(self.slots, int) or not 2 <= self.slots <= 1 << 16:
+            raise ValueError(f"switch slots must be an integer in [2, 65536], got {self.slots!r}")
+        if self.burst is not None and (isinstance(self.burst, bool) or not isinstance(self.burst, int)
+                                       or not 1 <= self.burst <= 1024):
+            raise ValueError(f"burst must be an integer in [1, 1024], got {self.burst!r}")
+
+    def burst_for(self, fabric: Fabric) -> int:
+        """Packets per fabric message: ``burst``, else one on SimFabric and ``REAL_BURST`` elsewhere."""
+        if self.burst is not None:
+            return self.burst
+        from ..fabric.sim import SimFabric
+
+        return SIM_BURST if isinstance(fabric, SimFabric) else REAL_BURST
+
+    def spec(self) -> str:
+        parts = [f"{f.name}={int(getattr(self, f.name))}" for f in fields(self)
+                 if getattr(self, f.name) != f.default]
+        return "sparse-switch" + (":" + ",".join(parts) if parts else "")
+
+    @classmethod
+    def parse(cls, arg: str | None) -> "SparseSwitchConfig":
+        if not arg:
+            return cls()
+        kw: dict = {}
+        names = {f.name for f in fields(cls)}
+        for item in arg.split(","):
+            key, eq, val = item.partition("=")
+            if not eq:
+                key, val = "elems", key
+            if key not in names:
+                raise ValueError(f"unknown sparse-switch option {key!r} in {arg!r}; valid: {', '.join(sorted(names))}")
+            try:
+                kw[key] = bool(int(val)) if key == "audit" else int(val)
+            except ValueError:
+                raise ValueError(f"sparse-switch option {key} needs an integer, got {val!r}") from None
+        return cls(**kw)
+
+
+class Dataplane:
+    """Registers and the per-packet action of the sparse switch (module docstring)."""
+
+    def __init__(self, config: SparseSwitchConfig = SparseSwitchConfig()) -> None:
+        self.config = config
+        s, k = config.slots, config.elems
+        self.values = np.zeros((s, 2, k), dtype=np.int32)
+        self.seen = np.zeros((s, 2), dtype=np.uint64)
+        self.count = np.zeros((s, 2), dtype=np.int8)
+        self.nxt = np.zeros((s, 2), dtype=np.int32)
+        self.pos = np.zeros((s, 2), dtype=np.int32)
+        self.held = np.zeros((s, 2), dtype=np.bool_)
+        self.stats = Counter()                 # packet counters (not switch state)
+        self.audit: Counter | None = Counter() if config.audit else None
+
+    # ------------------------------------------------------------------ declared vs held state
+    def declared_bits(self) -> int:
+        """Register memory the program declares (:data:`REGISTERS`), in bits."""
+        s, k = self.config.slots, self.config.elems
+        return sum(s * (2 * k if per is None else per) * bits for per, bits in REGISTERS.values())
+
+    def state_bits(self) -> int:
+        """Register memory the emulation holds: every array attribute, at its declared width; raises
+        if an array is not a declared register, is larger than declared, or holds a value that does
+        not fit its declared width."""
+        s, k = self.config.slots, self.config.elems
+        total = 0
+        for name, val in vars(self).items():
+            if not isinstance(val, np.ndarray):
+                continue
+            if name not in REGISTERS:
+                raise AssertionError(f"sparse switch holds an undeclared array {name!r} {val.shape}")
+            per, bits = REGISTERS[name]
+            want = (s, 2, k) if per is None else (s, per)
+            if val.shape != want:
+                raise AssertionError(f"register {name!r} has shape {val.shape}, declared {want}")
+            if val.size and val.dtype != np.bool_ and bits < 64:
+                v = val.astype(np.int64)
+                lo = -(1 << (bits - 1)) if val.dtype.kind == "i" and bits == 32 else 0
+                hi = (1 << bits) - 1 if lo == 0 else (1 << (bits - 1)) - 1
+                if v.min() < lo or v.max() > hi:
+                    raise AssertionError(f"register {name!r} holds values outside its {bits}-bit width")
+            total += val.size * bits
+        return total
+
+    # ------------------------------------------------------------------ the program
+    def process(self, row: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """Run the program on one packet (a header, or a header and ``k`` values); returns
+        ``(row to multicast, row to unicast)``, either ``None``. Malformed packets are dropped and
+        counted (``stats["malformed"]``), as a parser drops what it cannot match."""
+        cfg = self.config
+        h = Header.of(row)
+        kind, v, w, n, slot, p, m = h.kind, h.set, h.worker, h.n, h.slot, h.pos, h.next
+        width = row.shape[0]
+        ok = (kind in TYPES_UP and 0 <= slot < cfg.slots and 0 <= w < n <= MAX_WORKERS
+              and width == (HEADER if kind == T_SKIP else HEADER + cfg.elems)
+              and 0 <= p and (kind == T_MIN or p < m))
+        self.stats["packets"] += 1
+        if not ok:
+            self.stats["malformed"] += 1
+            return None, None
+        bit = np.uint64(1 << w)
+        before = self.seen[slot, v]
+        if before and not before & bit and self.pos[slot, v] != p:
+            self.stats["out_of_step"] += 1       # a packet for another round of this set: refused
+            return None, None
+        self.seen[slot, v] = before | bit
+        self.seen[slot, 1 - v] &= ~bit
+        if not before & bit:
+            vec = row[HEADER:]
+            if before == 0:
+                if kind == T_SKIP:
+                    self.values[slot, v] = 0
+                else:
+                    self.values[slot, v] = vec
+                self.nxt[slot, v], self.pos[slot, v] = m, p
+                self.held[slot, v] = kind != T_SKIP
+                self.count[slot, v] = n - 1
+            else:
+                acc = self.values[slot, v]
+                if kind == T_MIN:
+                    np.minimum(acc, vec, out=acc)
+                elif kind == T_DATA:
+                    wide = acc.astype(np.int64) + vec
+                    if wide.max(initial=0) > 2**31 - 1 or wide.min(initial=0) < -(2**31):
+                        self.stats["overflow"] += 1   # hardware wraps; the agreed scale prevents it
+                    acc += vec
+                if m < self.nxt[slot, v]:
+                    self.nxt[slot, v] = m
+                self.held[slot, v] |= kind != T_SKIP
+                self.count[slot, v] -= 1
+            self.stats["consumed"] += 1
+            if self.audit is not None:
+                self.audit[(h.job, kind == T_MIN, slot, p, w)] += 1
+            if self.count[slot, v] == 0:
+                if not self.held[slot, v]:
+                    self.stats["empty"] += 1
+                self.stats["multicast"] += 1
+                return self._result(row, slot, v, T_RESULT), None
+            return None, None
+        if self.count[slot, v] == 0:
+            self.stats["retransmit"] += 1
+            return None, self._result(row, slot, v, T_RETRANSMIT)
+        self.stats["dropped"] += 1
+        return None, None
+
+    def _result(self, row: np.ndarray, slot: int, v: int, kind: int) -> np.ndarray:
+        out = np.empty(HEADER + self.config.elems, dtype=np.int32)
+        h = Header.of(row)
+        h._replace(kind=kind, set=v, slot=slot, pos=int(self.pos[slot, v]), next=int(self.nxt[slot, v])).write(out)
+        out[HEADER:] = self.values[slot, v]
+        return out
+
+    # ------------------------------------------------------------------ service loop
+    def serve(self, fabric: Fabric) -> None:
+        """Receive a packet, run the program, multicast / unicast the replies (``isend``, never waited
+        for on SimFabric, reaped elsewhere). On SimFabric one packet is one datagram, value packets and
+        16-byte skip headers on their own tags (whichever is first). With bursts (real fabrics, where
+        a message costs far more than its bytes) a message is ``burst`` rows of ``HEADER + k`` words,
+        skips padded, unused rows ``T_EMPTY``; the replies to a message's rows leave in messages of
+        ``burst`` rows."""
+        from ..fabric.sim import SimFabric
+
+        k, K = self.config.elems, self.config.burst_for(fabric)
+        width = HEADER + k
+        sim = isinstance(fabric, SimFabric)
+        single = K == 1 and sim
+        bufs = [torch.zeros(width, dtype=torch.int32), torch.zeros(HEADER, dtype=torch.int32)]
+        tags = (TAG_UP, TAG_SKIP)
+        posted = [fabric.irecv(bufs[i], None, tags[i]) for i in range(2)] if single else None
+        burst = torch.zeros((K, width), dtype=torch.int32)
+        pending: deque = deque()
+        while True:
+            if single:
+                i = fabric.wait_any(posted)
+                src = posted[i].wait()
+                rows = [bufs[i].numpy().copy()]
+                posted[i] = fabric.irecv(bufs[i], None, tags[i])
+            else:
+                src = fabric.recv(burst, None, TAG_UP)
+                arr = burst.numpy()
+                kinds = unpack_w0(arr[:, W0])[0]
+                rows = [arr[r, :HEADER].copy() if kinds[r] == T_SKIP else arr[r].copy()
+                        for r in np.flatnonzero(kinds != T_EMPTY)]
+            mcast: dict[int, list] = {}
+            ucast: list = []
+            for row in rows:
+                mc, uc = self.process(row)
+                if mc is not None:
+                    mcast.setdefault(Header.of(mc).n, []).append(mc)
+                if uc is not None:
+                    ucast.append(uc)
+            sends = []
+            for n, group in mcast.items():
+                for msg in _messages(group, K, width, single):
+                    sends += [(msg, dst) for dst in range(n)]
+            if src is not None:
+                sends += [(msg, src) for msg in _messages(ucast, K, width, single)]
+            for msg, dst in sends:
+                wk = fabric.isend(msg, dst, TAG_DOWN, reliable=False)
+                if not sim:
+                    pending.append((wk, msg))
+            while pending and (len(pending) > 4 * MAX_WORKERS or pending[0][0].is_completed()):
+                pending.popleft()[0].wait()
+
+
+def _messages(rows: list, K: int, width: int, single: bool) -> list[torch.Tensor]:
+    """Reply rows as fabric messages: one row each, or ``K`` rows each (unused rows ``T_EMPTY``)."""
+    if single:
+        return [torch.from_numpy(r) for r in rows]
+    out = []
+    for i in range(0, len(rows), K):
+        msg = np.zeros((K, width), dtype=np.int32)
+        msg[: len(rows[i:i + K])] = rows[i:i + K]
+        out.append(torch.from_numpy(msg))
+    return out
+
+
+def service_main(config: SparseSwitchConfig) -> Callable[[Fabric], None]:
+    """A fresh program's service loop, for a launcher-started switch rank."""
+    return Dataplane(config).serve
+
+
+@services.registry.register("sparse-switch")
+def _service(arg: str | None) -> Callable[[Fabric], None]:
+    return service_main(SparseSwitchConfig.parse(arg))

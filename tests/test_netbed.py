@@ -1,0 +1,267 @@
+"""The netbed: real processes in network namespaces behind a forwarding top-of-rack namespace, htb-shaped
+links. Needs root (CI runs as root); without it every case here fails with the netbed's own error, which
+one case checks by dropping privileges.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import sparsecomm as sc
+import sparsecomm.transports  # noqa: F401  (registers the transports and services)
+from sparsecomm.netbed import Netbed, NetbedError, list_netbed_namespaces
+from sparsecomm.netbed.probe import round_trip_s, transfer_rate_bps
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.netbed]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _root_links() -> set[str]:
+    out = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
+    return {line.split(":")[1].strip().split("@")[0] for line in out.splitlines()}
+
+
+def _gone(pid: int, wait_s: float = 10.0) -> bool:
+    """``pid`` has exited (a zombie waiting for init to reap it counts as exited), within ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        if state in ("Z", "X"):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+
+
+class _Seen:
+    """Records the netbed a launch built (``on_netbed=``), to check afterwards that it is gone."""
+
+    def __init__(self):
+        self.bed = None
+
+    def __call__(self, bed):
+        self.bed = bed
+
+    def assert_removed(self):
+        assert self.bed is not None
+        left = [ns for ns in list_netbed_namespaces() if ns.startswith(self.bed.prefix + "-")]
+        assert left == [], f"namespaces left behind: {left}"
+
+
+# ----------------------------------------------------------------------------- set-up and errors
+def test_latency_and_loss_are_refused_not_ignored():
+    for kw in ({"latency_us": 50.0}, {"loss": 0.01}):
+        with pytest.raises(NetbedError, match="netem"):
+            Netbed(2, 1.0, **kw)
+        with pytest.raises(NetbedError, match="netem"):
+            sc.launch(lambda ctx: None, 2, backend="netbed", network=sc.Network(bandwidth_gbps=1, **kw))
+    with pytest.raises(NetbedError, match="stragglers"):
+        sc.launch(lambda ctx: None, 2, backend="netbed", network=sc.Network(stragglers={0: 2.0}))
+
+
+def test_without_privileges_one_clear_error():
+    code = "from sparsecomm.netbed import Netbed\nNetbed(2, 1.0)"
+    proc = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all",
+                           sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("sparsecomm.netbed.topology.NetbedError") and "CAP_NET_ADMIN" in last, proc.stderr
+
+
+# ----------------------------------------------------------------------------- honesty of the emulation
+def test_emulation_is_honest_round_trip_and_rate():
+    """Shaping must not add latency (htb, not tbf) and must deliver the configured rate: a 64-byte round
+    trip on a shaped link within 2x of an unshaped one (medians of 400, best of 3 to ride out load from
+    other processes), and a 6 MB stream at 0.9-1.0x of 100 Mbit/s (best of 2) (payload; 0.956 is the ceiling)."""
+    with Netbed(2, None) as free, Netbed(2, 0.1) as shaped:
+        ratios = []
+        for _ in range(3):
+            ratios.append(round_trip_s(shaped) / round_trip_s(free))
+        rates = [transfer_rate_bps(shaped, nbytes=6 * 2**20, port=47001 + k) / 0.1e9 for k in range(2)]
+    assert min(ratios) < 2.0, ratios
+    # the shaper caps every run; CPU load from other processes can only slow one down, hence the best of 2
+    assert all(r <= 1.0 for r in rates) and max(rates) >= 0.9, rates
+
+
+# ----------------------------------------------------------------------------- launch backend
+def _native_10mb(ctx):
+    import torch.distributed as dist
+
+    x = torch.full((10 * 2**20 // 4 + 1,), float(ctx.rank + 1))
+    dist.barrier()
+    t0 = time.perf_counter()
+    dist.all_reduce(x)
+    dt = time.perf_counter() - t0
+    return dt, bool(torch.equal(x, torch.full_like(x, 3.0))), os.getpid(), os.environ["GLOO_SOCKET_IFNAME"]
+
+
+def test_native_allreduce_is_shaped_exact_and_cleaned_up():
+    """10 MB at 100 Mbit/s: gloo's all-reduce on 2 ranks sends the whole tensor each way on every link,
+    so it cannot take less than 10 MB * 8 / 1e8 = 0.84 s; here at least 0.9x that."""
+    links = _root_links()
+    seen = _Seen()
+    out = sc.launch(_native_10mb, 2, backend="netbed", network=sc.Network(bandwidth_gbps=0.1), timeout_s=60,
+                    on_netbed=seen)
+    need = (10 * 2**20 // 4 + 1) * 4 * 8 / 0.1e9
+    for dt, exact, pid, ifname in out:
+        assert exact and ifname == "eth0"
+        assert dt >= 0.9 * need, (dt, need)
+        assert dt < 3 * need, (dt, need)
+        assert _gone(pid)
+    seen.assert_removed()
+    assert _root_links() == links
+
+
+def _raise_on_1(ctx):
+    if ctx.rank == 1:
+        raise KeyError("boom on rank 1")
+    import torch.distributed as dist
+
+    dist.barrier()
+
+
+def test_exception_removes_everything():
+    seen = _Seen()
+    with pytest.raises(KeyError, match="boom"):
+        sc.launch(_raise_on_1, 2, backend="netbed", network=sc.Network(bandwidth_gbps=1), timeout_s=30,
+                  on_netbed=seen)
+    seen.assert_removed()
+    assert not any(ns.startswith(seen.bed.prefix) for ns in list_netbed_namespaces())
+
+
+def _sleepy(ctx, where):
+    with open(os.path.join(where, f"pid{ctx.rank}"), "w") as fh:
+        fh.write(str(os.getpid()))
+    time.sleep(300)
+
+
+def test_sigterm_to_a_launch_removes_everything(tmp_path):
+    """SIGTERM to a process inside ``sc.launch(backend="netbed")``: its workers and its netbed go."""
+    code = ("import functools, sparsecomm as sc\nfrom tests.test_netbed import _sleepy\n"
+            f"sc.launch(functools.partial(_sleepy, where={str(tmp_path)!r}), 2, backend='netbed', "
+            "network=sc.Network(bandwidth_gbps=1), timeout_s=600)")
+    p = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+                         stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("pid*"))) < 2 and time.monotonic() < deadline and p.poll() is None:
+        time.sleep(0.05)
+    mine = [ns for ns in list_netbed_namespaces() if ns.startswith(f"scnb{p.pid}x")]
+    assert len(mine) == 3, mine
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode != 0 and "KeyboardInterrupt" in err and "SIGTERM" in err, err[-2000:]
+    assert all(_gone(int(f.read_text())) for f in tmp_path.glob("pid*"))
+    assert not [ns for ns in list_netbed_namespaces() if ns.startswith(f"scnb{p.pid}x")]
+
+
+def _every_transport(ctx, numel=3001):
+    n, r = ctx.world_size, ctx.rank
+    g = torch.Generator().manual_seed(r)
+    mine = torch.randint(-1000, 1001, (numel,), generator=g).float()
+    want = sum(torch.randint(-1000, 1001, (numel,), generator=torch.Generator().manual_seed(v)).float()
+               for v in range(n))
+    sparse = mine * (torch.rand(numel, generator=g) < 0.1)
+    want_sparse = sum(torch.randint(-1000, 1001, (numel,), generator=(gv := torch.Generator().manual_seed(v))
+                                    ).float() * (torch.rand(numel, generator=gv) < 0.1) for v in range(n))
+    problems = []
+    specs = [("native", {}), ("ring", {}), ("allgather", {}),
+             ("omnireduce", {"deployment": "colocated", "block_size": 16}),
+             ("omnireduce", {"deployment": "dedicated", "num_aggregators": 2, "block_size": 16}),
+             ("switch", {})]
+    for name, kw in specs:
+        t = sc.transports.get(name, ctx.fabric, **kw)
+        cases = [("dense", mine, want), ("sparse", sparse, want_sparse)]
+        if name == "switch":   # fixed-point aggregation: exact on integers (floats carry its scale's error)
+            cases = [(label, x.int(), w.int()) for label, x, w in cases]
+        for label, x, w in cases:
+            y = t.allreduce(x.clone())
+            if not torch.equal(y, w):
+                problems.append(f"{name} {kw} {label}: max error {float((y - w).abs().max())}")
+    return problems
+
+
+def test_every_transport_exact_on_three_hosts():
+    """3 workers (odd n), an odd length; the switch on the top of rack, two dedicated aggregators on hosts
+    of their own (5 namespaces with links + the top of rack)."""
+    seen = _Seen()
+    out = sc.launch(_every_transport, 3, backend="netbed", network=sc.Network(bandwidth_gbps=1), timeout_s=90,
+                    services=["switch", "omnireduce-agg:0", "omnireduce-agg:1"], on_netbed=seen)
+    assert out == [[], [], []]
+    assert seen.bed.hosts == 5
+    seen.assert_removed()
+
+
+# ----------------------------------------------------------------------------- command line
+def _cli(*args, **kw):
+    return subprocess.Popen([sys.executable, "-m", "sparsecomm.netbed", *args], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": ROOT}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kw)
+
+
+def _prefixes() -> set[str]:
+    return {ns.rsplit("-", 1)[0] for ns in list_netbed_namespaces()}
+
+
+def test_cli_environment_and_clean_up_on_every_exit_path(tmp_path):
+    """Three runners at once (three netbeds side by side, which must not interfere): one is sent SIGTERM,
+    one hits its --timeout, on one a host's command fails. Each host's shell writes its environment and
+    its pid and that of a `sleep` child; afterwards every such process is gone, and so is every netbed."""
+    before = _prefixes()
+    runners = {}
+    for how in ("sigterm", "timeout", "failure"):
+        d = tmp_path / how
+        d.mkdir()
+        cmd = (f"echo $RANK $WORLD_SIZE $MASTER_ADDR $MASTER_PORT $LOCAL_RANK $GLOO_SOCKET_IFNAME {{host_addr}}"
+               f" > {d}/env{{rank}}; echo $$ > {d}/pid-sh{{rank}}; sleep 300 & echo $! > {d}/pid-sleep{{rank}}; ")
+        cmd += "if [ $RANK = 1 ]; then sleep 1; exit 3; fi; wait" if how == "failure" else "wait"
+        extra = ["--timeout", "8"] if how == "timeout" else []
+        runners[how] = (d, _cli("run", "--hosts", "2", "--gbps", "1", "--port", "29611", "--grace", "1", *extra,
+                                "--", "sh", "-c", cmd))
+    d, p = runners["sigterm"]
+    deadline = time.monotonic() + 60
+    while len(list(d.glob("pid-sleep*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    for how, want in (("sigterm", 130), ("timeout", 124), ("failure", 3)):
+        d, p = runners[how]
+        _, err = p.communicate(timeout=90)
+        assert p.returncode == want, (how, err)
+        pids = [int(f.read_text()) for f in d.glob("pid-*")]
+        assert len(pids) == 4, how
+        assert all(_gone(pid) for pid in pids), how
+        envs = sorted((d / f"env{r}").read_text().strip() for r in range(2))
+        assert envs == [f"{r} 2 10.77.0.2 29611 0 eth0 10.77.{r}.2" for r in range(2)]
+    assert _prefixes() <= before
+
+
+def test_torchrun_recipe_distributed_optimizer_step(tmp_path):
+    """The README's "beyond one machine" recipe: one torchrun per host, 2 hosts, one DistributedOptimizer
+    step; every rank's parameters equal the one-process reference step."""
+    from experiments.netbed_train_step import reference
+
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    p = _cli("run", "--hosts", "2", "--gbps", "1", "--timeout", "150", "--port", "29612", "--",
+             torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", "{rank}",
+             "--master-addr", "{master_addr}", "--master-port", "{master_port}",
+             "-m", "experiments.netbed_train_step", "--out", str(tmp_path))
+    out, err = p.communicate(timeout=200)
+    assert p.returncode == 0, err[-3000:]
+    assert "rank 0/2 on 10.77.0.2" in out and "rank 1/2 on 10.77.1.2" in out
+    want = reference(2)
+    for r in range(2):
+        got = torch.load(tmp_path / f"rank{r}.pt")
+        assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(got, want))

@@ -1,0 +1,45 @@
+"""The SimFabric's network model checked against a real network (a netbed): the modelled time of a
+bandwidth-optimal all-reduce at the netbed's link rate (with TCP/Ethernet framing and the netbed's
+latency) against the measured time of ``native`` (gloo's all-reduce) and ``ring``.
+
+The default run checks one small point (2 workers, 10 MB, 100 Mbit/s: about a second per call); the
+slow run covers n = 2 and 4, 10 and 100 MB at 100 Mbit/s, where the hosts' CPUs (2 cores, shared) are
+not the limit (``experiments/bench/netbed_vs_sim.py`` prints the same table; BENCHMARKS.md records it).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from experiments.bench.netbed_vs_sim import measured, modelled
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.netbed]
+GRID = [(n, mb) for n in (2, 4) for mb in (10, 100)]
+
+
+def test_sim_models_native_allreduce_on_a_real_link():
+    real = measured(2, 10, 0.1, repeats=2)
+    sim = modelled(2, 10, 0.1)
+    assert 0.8 <= sim / real["native"] <= 1.2, (sim, real)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers,size_mb", GRID)
+def test_sim_within_20_percent_of_native_on_the_netbed(workers, size_mb):
+    real = measured(workers, size_mb, 0.1, repeats=2)
+    sim = modelled(workers, size_mb, 0.1)
+    assert 0.8 <= sim / real["native"] <= 1.2, (sim, real)
+
+
+_RING_GAP = ("this library's ring on real gloo ranks took 1.3-2.1x the modelled time (native: 1.07-1.16x): "
+             "transfers in both directions of one gloo pair ran at about half the link rate at times on this "
+             "shared machine; see BENCHMARKS.md 'SimFabric vs netbed'")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers,size_mb", [
+    pytest.param(n, mb, marks=pytest.mark.xfail(strict=n == 2, reason=_RING_GAP)) for n, mb in GRID])
+def test_sim_within_20_percent_of_ring_on_the_netbed(workers, size_mb):
+    real = measured(workers, size_mb, 0.1, repeats=2)
+    sim = modelled(workers, size_mb, 0.1)
+    assert 0.8 <= sim / real["ring"] <= 1.2, (sim, real)
