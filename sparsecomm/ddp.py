@@ -5,16 +5,34 @@
 
 ``comm_hook(state, bucket) -> Future[Tensor]`` has the signature ``register_comm_hook`` expects. DDP
 hands the hook each bucket's *local* gradients, flat and not divided by the world size; the hook
-returns the *average* over workers: ``method.encode -> transport.allreduce -> method.decode``, the
-method's ``decode`` dividing the aggregate by the world size (as ``allreduce_hook`` divides). The
-transport call is synchronous, so the returned future is already completed (no overlap with the rest
-of the backward pass).
+returns the *average* over workers: ``method.encode -> transport.start -> method.decode``, the
+method's ``decode`` dividing the aggregate by the world size (as ``allreduce_hook`` divides). The hook
+encodes on the calling (autograd) thread and returns a *pending* future: the transport runs on the
+fabric's communication thread (:meth:`~sparsecomm.transports.base.Transport.start`), the decode right
+after it there, and the future, chained with ``then`` as torch's hooks chain theirs, completes when the
+bucket's communication does, so later buckets' backward runs meanwhile. DDP calls the hook for its
+buckets in index order on every rank, so the calls match across ranks; the results are bit-identical
+to synchronous calls.
+
+**Sparse gradients** (``nn.Embedding(sparse=True)``): DDP gives such a parameter a bucket of its own
+whose buffer is the sparse gradient; with plain averaging (``compressor="none"``, any transport) the
+rows travel without densifying the table (:meth:`CommPipeline.start_sparse`) and the future holds the
+coalesced sparse average. A compressing method is rejected by :func:`register` with an error naming
+the alternatives (plain averaging, or :class:`~sparsecomm.DistributedOptimizer`).
+
+**Replicas**: DDP itself broadcasts rank 0's parameters and buffers at construction (and buffers at
+every forward with ``broadcast_buffers=True``), so the hook adds nothing there.
 
 :class:`CommHookState` follows ``PowerSGDState``: hyper-parameters (compressor, method, transport,
 ``warmup_steps``, ``min_compress_size``, ``seed``) apart from internal state (the method's per-bucket
-state keyed by ``bucket.index()``, the generator, the iteration counter). DDP rebuilds its buckets
-after the first iteration, so iteration 0 is always averaged uncompressed and bypasses the method
-(no state is keyed by a pre-rebuild index); compression starts at iteration ``max(1, warmup_steps)``
+state, the generator, the iteration counter). The method state is keyed by the *parameters* a bucket
+holds (a digest of their names, known when the state is built by :func:`register` or given
+``model=``; else by ``bucket.index()``), and their segments are recorded
+(:meth:`CommPipeline.bind`): DDP rebuilds its buckets after the first iteration (also after a
+restore into a fresh process), and a state restored onto another bucket layout is reassembled
+exactly, parameter by parameter, or raises :class:`~sparsecomm.errors.MismatchError` (a state that is
+not one value per coordinate). Iteration 0 is always averaged uncompressed and bypasses the method;
+compression starts at iteration ``max(1, warmup_steps)``
 and iterations ``1 .. warmup_steps - 1`` are exact rounds of the method (warm-starting its state).
 Buckets with fewer than ``min_compress_size`` elements are averaged uncompressed (per bucket: a DDP
 bucket mixes tensors). The process group, fabric and transport are never pickled (``__getstate__``);
@@ -28,13 +46,16 @@ over the default process group (only the default group is supported); the defaul
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from .errors import IncompatibleError
 from .fabric.stats import CommStats
 from .pipeline import CommPipeline
+from .transports.base import CommWork
 
 _HYPER = ("compressor", "transport", "method", "transport_kwargs", "warmup_steps", "min_compress_size",
           "seed", "hyper")
@@ -60,14 +81,16 @@ class CommHookState:
     """Per-worker state of :func:`comm_hook` (see the module doc).
 
     ``CommHookState(process_group=None, compressor="none", transport="auto", *, method=None,
-    transport_kwargs=None, warmup_steps=0, min_compress_size=0, seed=0, **hyper)``; ``compressor``,
+    transport_kwargs=None, warmup_steps=0, min_compress_size=0, seed=0, model=None, **hyper)``;
+    ``model`` (the DDP module) names the parameters that key the method state; ``compressor``,
     ``method``, ``transport`` and ``**hyper`` as for :class:`~sparsecomm.DistributedOptimizer`
     (objects are accepted but then the state cannot be pickled and rebuilt).
     """
 
     def __init__(self, process_group: Any = None, compressor: Any = "none", transport: Any = "auto", *,
                  method: str | None = None, transport_kwargs: dict | None = None, warmup_steps: int = 0,
-                 min_compress_size: int = 0, seed: int = 0, **hyper: Any) -> None:
+                 min_compress_size: int = 0, seed: int = 0, model: torch.nn.Module | None = None,
+                 **hyper: Any) -> None:
         if warmup_steps < 0 or min_compress_size < 0:
             raise ValueError("warmup_steps and min_compress_size must be non-negative")
         # hyper-parameters
@@ -82,9 +105,29 @@ class CommHookState:
         # binding (never pickled)
         self.process_group = process_group
         self.pipeline = self._build()
+        self.param_names: dict[int, str] = {}
+        if model is not None:
+            self.set_model(model)
         # internal state
         self.iter = 0
         self._iter_started = False
+
+    def set_model(self, model: torch.nn.Module) -> None:
+        """Key the method state by the names of ``model``'s parameters (see the module doc)."""
+        self.param_names = {id(p): n for n, p in model.named_parameters()}
+
+    def bucket_key(self, params: list[torch.Tensor], index: int) -> Any:
+        """The state key of a bucket holding ``params``: a digest of their names (else the index)."""
+        names = [self.param_names.get(id(p)) for p in params]
+        if not params or any(n is None for n in names):
+            if self.pipeline._segments:
+                from .errors import MismatchError
+
+                raise MismatchError("this hook state holds method state keyed by parameter names but does "
+                                    "not know the model's names: call state.set_model(ddp_model) after "
+                                    "unpickling it or building it without model=")
+            return index
+        return "p:" + hashlib.blake2b("\x00".join(names).encode(), digest_size=8).hexdigest()
 
     def _build(self) -> CommPipeline:
         return CommPipeline(self.compressor, self.transport, method=self.method,
@@ -105,18 +148,45 @@ class CommHookState:
         return d
 
     # ---------------------------------------------------------------- hook body
-    def reduce_bucket(self, buffer: torch.Tensor, index: int, is_last: bool) -> torch.Tensor:
+    def reduce_bucket(self, buffer: torch.Tensor, index: int, is_last: bool,
+                      params: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """The bucket's average, synchronously (``start_bucket(...).wait()``)."""
+        return self.start_bucket(buffer, index, is_last, params).wait()
+
+    def start_bucket(self, buffer: torch.Tensor, index: int, is_last: bool,
+                     params: list[torch.Tensor] | None = None) -> CommWork:
+        """Encode the bucket now and start its communication; ``wait()`` gives the average, shaped
+        and typed as ``buffer`` (a sparse buffer gives the coalesced sparse average)."""
         if not self._iter_started:
             self.pipeline.begin_step()
             self._iter_started = True
-        flat = buffer.reshape(-1)
-        compress = self.iter >= 1 and flat.numel() >= self.min_compress_size
-        exact = self.iter < self.warmup_steps
-        out = self.pipeline.reduce(flat, index, exact=exact, compress=compress)
-        if is_last:
-            self.iter += 1
-            self._iter_started = False
-        return out.to(buffer.dtype).reshape(buffer.shape)
+        try:
+            if buffer.is_sparse:
+                return self._start_sparse(buffer, index, params)
+            flat = buffer.reshape(-1)
+            compress = self.iter >= 1 and flat.numel() >= self.min_compress_size
+            exact = self.iter < self.warmup_steps
+            key = index
+            if params is not None and compress:
+                key = self.bucket_key(params, index)
+                if key != index:
+                    self.pipeline.bind(key, tuple((self.param_names[id(p)], p.numel()) for p in params))
+            shape, dtype = buffer.shape, buffer.dtype
+            inner = self.pipeline.start(flat, key, exact=exact, compress=compress)
+            work = CommWork()
+            inner.add_done_callback(lambda w: work._finish(*_reshaped(w, shape, dtype)))
+            return work
+        finally:
+            if is_last:
+                self.iter += 1
+                self._iter_started = False
+
+    def _start_sparse(self, buffer: torch.Tensor, index: int, params: list[torch.Tensor] | None) -> CommWork:
+        pipe = self.pipeline
+        if not pipe._plain:
+            raise IncompatibleError(sparse_message(self))
+
+        return pipe.start_sparse(buffer, buffer.shape, index)
 
     # ---------------------------------------------------------------- checkpoints / pickling
     def state_dict(self) -> dict[str, Any]:
@@ -138,12 +208,27 @@ class CommHookState:
         self.load_state_dict(d["state"])
 
 
+def _reshaped(w: CommWork, shape: torch.Size, dtype: torch.dtype) -> tuple[Any, BaseException | None]:
+    if w._exc is not None:
+        return None, w._exc
+    return w._value.to(dtype).reshape(shape), None
+
+
+def sparse_message(state: CommHookState) -> str:
+    t = state.pipeline.transport.name
+    return (f"sparsecomm's DDP hook got a sparse gradient bucket (nn.Embedding(sparse=True)), which it "
+            f"averages only plainly (compressor='none'); this hook has method "
+            f"{state.pipeline.method.name!r} with compressor {getattr(state.pipeline.method.compressor, 'name', '?')!r} "
+            f"on transport {t!r}. Use sparsecomm.ddp.register(model, compressor='none', "
+            f"transport='omnireduce'), sparse=False embeddings, or sc.DistributedOptimizer (which "
+            f"averages sparse gradients with any method and returns them sparse)")
+
+
 def comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """A ``register_comm_hook`` hook: the bucket's gradients averaged through the method and transport."""
-    out = state.reduce_bucket(bucket.buffer(), bucket.index(), bucket.is_last())
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    fut.set_result(out)
-    return fut
+    """A ``register_comm_hook`` hook: the bucket's gradients averaged through the method and transport;
+    returns a pending future that completes when the bucket's communication does."""
+    work = state.start_bucket(bucket.buffer(), bucket.index(), bucket.is_last(), bucket.parameters())
+    return work.get_future()
 
 
 # DDP validates the hook's annotations as objects (this module's are strings under PEP 563)
@@ -154,6 +239,11 @@ comm_hook.__annotations__.update(state=CommHookState, bucket=dist.GradBucket,
 def register(model: torch.nn.parallel.DistributedDataParallel, process_group: Any = None,
              **options: Any) -> CommHookState:
     """``model.register_comm_hook(CommHookState(process_group, **options), comm_hook)``; returns the state."""
-    state = CommHookState(process_group, **options)
+    state = CommHookState(process_group, model=model, **options)
+    sparse = [n for n, m in model.named_modules()
+              if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse]
+    pipe = state.pipeline
+    if sparse and not pipe._plain:
+        raise IncompatibleError(sparse_message(state) + f" (sparse modules: {', '.join(sparse)})")
     model.register_comm_hook(state, comm_hook)
     return state

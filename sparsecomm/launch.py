@@ -12,15 +12,26 @@ rank ends every rank: the others' waits raise :class:`~sparsecomm.errors.PeerFai
 re-raises the failing rank's own error. Inside ``fn``, :func:`current_context` returns the context,
 so that library objects (the optimizer, transports) find their fabric without being told.
 
+**Randomness on the sim backend.** Simulated workers are threads of one process, and torch has one
+global RNG per process (it cannot be forked per thread): ``torch.manual_seed(0); make_model()`` in
+every worker interleaves the threads' draws, so the ranks' initial weights differ from run to run.
+:class:`~sparsecomm.DistributedOptimizer` broadcasts rank 0's parameters and buffers at construction
+(as DDP does), so the replicas start identical anyway; to build identical models deterministically
+yourself, seed through the context: ``with ctx.seeded(0): model = make_model()`` runs the block
+holding a process-wide lock with the global RNG seeded and restores the RNG afterwards (the same
+draws on every rank, backend-independent), and ``ctx.generator(seed)`` is a fresh generator of this
+worker's own for explicit draws (``torch.randn(..., generator=g)``).
+
 Backends are a registry: ``sim`` lives here; ``gloo`` and ``nccl`` (spawned processes, or the current
 process under ``torchrun``) in :mod:`sparsecomm.launch_torch`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -43,8 +54,23 @@ class Context:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     network: Network | None = None
 
+    def generator(self, seed: int = 0) -> torch.Generator:
+        """A new generator on ``device`` seeded ``seed`` (pass ``seed + rank`` for per-rank draws)."""
+        return torch.Generator(device=self.device).manual_seed(int(seed))
+
+    @contextlib.contextmanager
+    def seeded(self, seed: int = 0) -> Iterator[None]:
+        """Run the block with torch's global RNG seeded ``seed``, holding a process-wide lock (other
+        workers' ``seeded`` blocks wait), and restore the RNG state afterwards: ``with
+        ctx.seeded(0): model = make_model()`` builds the same model on every rank, also on the sim
+        backend, where the workers are threads sharing the one global RNG."""
+        with _rng_lock, torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int(seed))
+            yield
+
 
 _local = threading.local()
+_rng_lock = threading.RLock()
 _process_context: Context | None = None
 
 
@@ -78,6 +104,8 @@ def launch(fn: Callable[[Context], Any], world_size: int, backend: str = "sim", 
     if backend not in backends:
         from .netbed import launch as _netbed  # noqa: F401  (registers netbed)
     runner = backends.factory(backend)
+    if backend != "sim":
+        check_main_guard()
     return runner(fn, world_size, network=network, timeout_s=timeout_s, services=services, **options)
 
 
@@ -98,6 +126,9 @@ def _launch_sim(fn: Callable[[Context], Any], world_size: int, *, network: Netwo
         set_context(ctx)
         try:
             results[rank] = fn(ctx)
+            from .transports.base import drain   # lazily: importing sparsecomm stays light
+
+            drain(ctx.fabric)     # calls started but never waited for finish before the endpoint retires
             world.finished(rank)
         except EndpointCrashed as exc:
             errors[rank] = (rank, exc)
@@ -117,6 +148,61 @@ def _launch_sim(fn: Callable[[Context], Any], world_size: int, *, network: Netwo
     world.close()
     _raise_first(errors, world)
     return results
+
+
+def check_main_guard() -> None:
+    """Raise a clear error when ``launch`` (of a backend that spawns processes) is called from a script's
+    module level outside ``if __name__ == "__main__":``: each spawned rank re-imports the script (Python's
+    ``spawn``/``forkserver`` start methods), would call ``launch`` again and die while bootstrapping,
+    and the parent would only see ranks exiting with code 1."""
+    import ast
+    import sys
+
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if main is None or not path or not str(path).endswith(".py"):
+        return
+    try:
+        from .launch_torch import _in_place
+
+        if _in_place():
+            return                 # under torchrun (or an initialised process group): nothing spawns
+    except Exception:  # noqa: BLE001 - the check is advisory
+        pass
+    import inspect
+
+    line = None
+    for info in inspect.stack(0):
+        if info.frame.f_globals is main.__dict__ and info.function == "<module>":
+            line = info.lineno
+    if line is None:
+        return
+    try:
+        with open(path, encoding="utf-8") as fh:
+            tree = ast.parse(fh.read())
+    except (OSError, SyntaxError, ValueError):
+        return
+    for node in tree.body:
+        if isinstance(node, ast.If) and _is_main_test(node.test) and \
+                node.lineno <= line <= (node.end_lineno or node.lineno):
+            return
+    from .errors import SparseCommError
+
+    raise SparseCommError(
+        f"{path}, line {line}: sc.launch(...) with a backend that spawns processes must run under "
+        f"`if __name__ == \"__main__\":` (each spawned rank re-imports this script and would launch "
+        f"again); put the launch call (and code that should run once) inside that block")
+
+
+def _is_main_test(test: Any) -> bool:
+    import ast
+
+    if not isinstance(test, ast.Compare) or len(test.comparators) != 1 or not isinstance(test.ops[0], ast.Eq):
+        return False
+    sides = [test.left, test.comparators[0]]
+    names = [s for s in sides if isinstance(s, ast.Name) and s.id == "__name__"]
+    consts = [s for s in sides if isinstance(s, ast.Constant) and s.value == "__main__"]
+    return len(names) == 1 and len(consts) == 1
 
 
 def _raise_first(errors: list[tuple[int, BaseException] | None], world: SimWorld | None = None) -> None:

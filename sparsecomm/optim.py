@@ -29,6 +29,38 @@ averaged gradient (zeros where no worker had one), so all workers stay identical
 ``closure``, every evaluation of the closure is synchronised (the closure must run the same number of
 times on every worker, which holds for SGD/Adam-style optimizers).
 
+**Overlap** (``overlap=True``, the default). As Horovod does, a hook on every parameter's gradient
+accumulator (``register_post_accumulate_grad_hook``) counts the gradients as backward produces them;
+once every parameter of a bucket has its gradient (``backward_passes_per_step`` accumulations each),
+the bucket is gathered, encoded and *started* (:meth:`CommPipeline.start`): its communication runs on
+the fabric's communication thread while backward goes on. Buckets are started in one fixed order, the
+reverse of the layout (backward produces the last layers first), and a bucket waits for the ones before
+it in that order, so every worker submits the same calls in the same order (no negotiation needed);
+``step()`` (or :meth:`synchronize`) starts what is left (a parameter that got no gradient holds its
+bucket back until then) and waits only for what is still in flight. The synchronous path
+(``overlap=False``) encodes the buckets in the same order, so both give bit-identical results, method
+state included. Hooks are active from the second synchronisation on (the first decides which
+gradients are sparse). Do not change ``p.grad`` between ``backward`` and ``step()`` other than through
+``synchronize()``; ``zero_grad()`` with buckets in flight raises (call ``step()`` or ``synchronize()``).
+
+**Sparse gradients.** At the first synchronisation the workers agree (one tiny all-reduce) on the
+parameters whose gradient is a ``torch.sparse_coo`` tensor (``nn.Embedding(sparse=True)``); each gets a
+bucket of its own. With plain averaging (``compressor="none"``) the table is never densified
+(:meth:`CommPipeline.start_sparse`: the union of the workers' rows, as a ``sparse`` payload of row
+indices where the transport carries one, then the union's rows summed compactly) and ``p.grad`` comes
+back as a coalesced sparse tensor over the union of the rows, as DDP's sparse allreduce gives it (so
+``torch.optim.SparseAdam`` and ``SGD`` with sparse gradients work). With a compressing method the rows
+are scattered into the bucket, which goes through the method as a dense bucket, and ``p.grad`` comes back
+sparse (the rows whose estimate is non-zero).
+
+**Replicas.** ``init_sync="broadcast"`` (default): at construction rank 0's parameters (and the
+buffers of ``module=``, if given) are copied to every worker, as DDP does, after checking that every
+worker has the same shapes and dtypes (:class:`~sparsecomm.errors.MismatchError` on every worker
+otherwise). ``"check"`` compares them (a digest of their bytes) and raises ``MismatchError`` on every
+worker if any differs; ``"off"`` does nothing.
+
+**Non-finite gradients.** ``nonfinite="raise"`` (default) or ``"pass"``: see :mod:`sparsecomm.pipeline`.
+
 **Compressor / method.** ``compressor=`` is a method name (``sc.methods.available()``: builds that
 method with its default compressor), a compressor name (``sc.compressors.available()``: builds method
 ``method=`` around it, ``"none"`` by default), a ``Compressor`` or a ``Method`` object. Further
@@ -84,14 +116,15 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .compressors.base import Compressor
-from .errors import MismatchError
+from .errors import MismatchError, SparseCommError
 from .fabric.base import Fabric
 from .fabric.stats import CommStats
 from .methods.base import HyperParameterError, Method
 # the pipeline's builders, re-exported: ``sparsecomm.optim.check_pair`` etc. are documented names
 from .pipeline import (AUTO_ORDER, CommPipeline, CompressionStats, build_method, build_transport,
                        check_pair, default_fabric)
-from .transports.base import Transport
+from .transports.base import CommWork, Transport
+from .replicas import sync_replicas
 
 __all__ = ["DistributedOptimizer", "AUTO_ORDER", "CompressionStats", "build_method", "build_transport",
            "check_pair", "default_fabric"]
@@ -107,6 +140,8 @@ class _Bucket:
     numel: int = 0
     offsets: list[int] = field(default_factory=list)
     buffer: torch.Tensor | None = None
+    sparse: bool = False        # one parameter with a sparse gradient, carried as a sparse payload
+    ready: int = 0              # parameters whose gradient is in (overlap)
 
     def gather(self) -> torch.Tensor:
         if self.buffer is None:
@@ -118,26 +153,70 @@ class _Bucket:
             g = p.grad
             if g is None:
                 view.zero_()
+            elif g.is_sparse:
+                g = g.coalesce()
+                view.zero_()
+                rows = view.view(p.shape)
+                rows.index_put_((g.indices()[0],), g.values().to(self.dtype), accumulate=True)
             else:
-                if g.is_sparse:
-                    g = g.to_dense()
                 view.copy_(g.reshape(-1))
         return buf
 
-    def scatter(self, est: torch.Tensor) -> None:
+    def scatter(self, est: torch.Tensor, sparse_ids: frozenset[int] = frozenset()) -> None:
         """``p.grad`` becomes a view of ``est`` (a fresh tensor every step: no copy), as DDP's
-        ``gradient_as_bucket_view``."""
+        ``gradient_as_bucket_view``; a parameter whose gradient is sparse gets the non-zero rows."""
         same = est.dtype == self.dtype and est.device == self.device
         for p, off in zip(self.params, self.offsets):
             n = p.numel()
             v = est[off:off + n].view_as(p)
-            p.grad = v if same else v.to(device=p.device, dtype=p.dtype)
+            v = v if same else v.to(device=p.device, dtype=p.dtype)
+            p.grad = dense_to_sparse_rows(v) if id(p) in sparse_ids else v
 
 
-def _layout(params: list[torch.nn.Parameter], cap_bytes: int, min_compress_size: int) -> list[_Bucket]:
+def sparse_payload(g: torch.Tensor | None, shape: torch.Size, dtype: torch.dtype):
+    """A coalesced row-sparse gradient ``g`` (``None``: no rows) of a parameter of ``shape`` as a
+    ``sparse`` payload over the parameter's flat elements: element indices ``row * row_len + j`` and the
+    rows' values (nothing densified)."""
+    from .payload import Payload
+
+    numel = int(shape.numel())
+    row_len = numel // shape[0] if len(shape) and shape[0] else 1
+    if g is None:
+        idx = torch.empty(0, dtype=torch.int64)
+        vals = torch.empty(0, dtype=dtype)
+    else:
+        g = g.coalesce()
+        if g.sparse_dim() != 1:
+            raise SparseCommError(f"sparse gradients with {g.sparse_dim()} sparse dimensions are not "
+                                  f"supported (only row-sparse ones, as nn.Embedding's)")
+        rows = g.indices()[0]
+        idx = (rows[:, None] * row_len + torch.arange(row_len, device=rows.device)).reshape(-1)
+        vals = g.values().reshape(-1).to(dtype)
+    bits = (vals.numel() * vals.element_size() + idx.numel() * 8) * 8
+    return Payload(kind="sparse", values=vals, indices=idx, shape=torch.Size([numel]), dtype=dtype, bits=bits)
+
+
+def dense_to_sparse_rows(dense: torch.Tensor) -> torch.Tensor:
+    """A coalesced sparse COO tensor holding the rows of ``dense`` that are not all zero (a NaN row
+    counts as non-zero)."""
+    if dense.dim() == 0:
+        return dense
+    rows_view = dense.reshape(dense.shape[0], -1)
+    keep = rows_view.ne(0).any(dim=1).nonzero().flatten()
+    return torch.sparse_coo_tensor(keep[None], dense[keep], dense.shape, is_coalesced=True,
+                                   check_invariants=False)
+
+
+def _layout(params: list[torch.nn.Parameter], cap_bytes: int, min_compress_size: int,
+            sparse_ids: frozenset[int] = frozenset()) -> list[_Bucket]:
     buckets: list[_Bucket] = []
     open_: dict[tuple, _Bucket] = {}
     for p in params:
+        if id(p) in sparse_ids:
+            b = _Bucket(len(buckets), [p], p.dtype, p.device, p.numel() >= min_compress_size, p.numel(),
+                        [0], sparse=True)
+            buckets.append(b)
+            continue
         compress = p.numel() >= min_compress_size
         sig = (p.dtype, p.device, compress)
         b = open_.get(sig)
@@ -163,7 +242,8 @@ class DistributedOptimizer:
 
     ``DistributedOptimizer(inner, compressor="none", transport="auto", *, method=None,
     transport_kwargs=None, fabric=None, bucket_cap_mb=25, warmup_steps=0, min_compress_size=0,
-    seed=0, **hyper)``
+    seed=0, overlap=True, backward_passes_per_step=1, init_sync="broadcast", module=None,
+    nonfinite="raise", **hyper)``
     """
 
     def __new__(cls, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any):
@@ -183,7 +263,13 @@ class DistributedOptimizer:
                  transport: str | Transport = "auto", *, method: str | None = None,
                  transport_kwargs: dict | None = None, fabric: Fabric | None = None,
                  bucket_cap_mb: float = 25.0, warmup_steps: int = 0, min_compress_size: int = 0,
-                 seed: int = 0, **hyper: Any) -> None:
+                 seed: int = 0, overlap: bool = True, backward_passes_per_step: int = 1,
+                 init_sync: str = "broadcast", module: torch.nn.Module | None = None,
+                 nonfinite: str = "raise", **hyper: Any) -> None:
+        if backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+        if init_sync not in ("broadcast", "check", "off"):
+            raise ValueError(f"init_sync must be 'broadcast', 'check' or 'off', got {init_sync!r}")
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
         if warmup_steps < 0 or min_compress_size < 0:
@@ -198,11 +284,12 @@ class DistributedOptimizer:
         try:
             self._sc_pipeline = CommPipeline(compressor, transport, method=method,
                                              transport_kwargs=transport_kwargs, fabric=fabric, seed=seed,
-                                             **hyper)
+                                             nonfinite=nonfinite, **hyper)
         except HyperParameterError as e:
             raise HyperParameterError(
                 f"{e}. DistributedOptimizer's own options: method, transport, transport_kwargs, fabric, "
-                f"bucket_cap_mb, warmup_steps, min_compress_size, seed; every other keyword argument is a "
+                f"bucket_cap_mb, warmup_steps, min_compress_size, seed, overlap, backward_passes_per_step, "
+                f"init_sync, module, nonfinite; every other keyword argument is a "
                 f"hyper-parameter of the method/compressor") from None
         self._sc_cap_bytes = int(bucket_cap_mb * 2 ** 20)
         self._sc_min_compress = int(min_compress_size)
@@ -212,6 +299,23 @@ class DistributedOptimizer:
         self._sc_skip = False
         self._sc_buckets: list[_Bucket] | None = None
         self._sc_param_ids: tuple[int, ...] = ()
+        self._sc_overlap = bool(overlap)
+        self._sc_passes = int(backward_passes_per_step)
+        self._sc_sparse: frozenset[int] | None = None       # ids of params with sparse grads (agreed)
+        self._sc_order: list[_Bucket] = []                  # start order: the layout reversed
+        self._sc_next = 0                                   # next bucket to start in that order
+        self._sc_works: list[tuple[_Bucket, CommWork]] = []
+        self._sc_fired: dict[int, int] = {}
+        self._sc_bucket_of: dict[int, _Bucket] = {}
+        self._sc_hooks: list[Any] = []
+        self._sc_in_step = False
+        if init_sync != "off":
+            tensors = [p for g in self.param_groups for p in g["params"]]
+            if module is not None:
+                seen = {id(t) for t in tensors}
+                tensors += [p for p in module.parameters() if id(p) not in seen]
+                tensors += list(module.buffers())
+            sync_replicas(self._sc_pipeline.fabric, tensors, mode=init_sync)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -264,22 +368,109 @@ class DistributedOptimizer:
                 warnings.warn("DistributedOptimizer: the parameters changed; the buckets are rebuilt and "
                               "the method state is reset", RuntimeWarning, stacklevel=3)
                 self.method.reset()
-            self._sc_buckets = _layout(params, self._sc_cap_bytes, self._sc_min_compress)
-            self._sc_param_ids = ids
-        return self._sc_buckets
+                self._sc_sparse = None
+            self._build_layout(params)
+        return self._sc_buckets  # type: ignore[return-value]
+
+    def _build_layout(self, params: list[torch.nn.Parameter]) -> None:
+        self._sc_buckets = _layout(params, self._sc_cap_bytes, self._sc_min_compress,
+                                   self._sc_sparse or frozenset())
+        self._sc_param_ids = tuple(id(p) for p in params)
+        self._sc_order = list(reversed(self._sc_buckets))
+        self._sc_bucket_of = {id(p): b for b in self._sc_buckets for p in b.params}
+        for h in self._sc_hooks:
+            h.remove()
+        self._sc_hooks = []
+        if self._sc_overlap:
+            for p in params:
+                self._sc_hooks.append(p.register_post_accumulate_grad_hook(self._sc_grad_ready))
+
+    def _agree_sparse(self) -> None:
+        """First synchronisation: agree on the parameters with sparse gradients; rebuild the layout if
+        there are any (each gets a bucket of its own)."""
+        params = self._trainable()
+        flags = torch.tensor([1.0 if p.grad is not None and p.grad.is_sparse else 0.0 for p in params],
+                             dtype=torch.float32)
+        if self._sc_pipeline.world_size > 1 and flags.numel():
+            flags = self._sc_pipeline.transport.allreduce(flags)
+        self._sc_sparse = frozenset(id(p) for p, f in zip(params, flags.tolist()) if f > 0)
+        if self._sc_sparse:
+            if self.method.keys():
+                raise MismatchError("the method has state for a layout without the sparse-gradient "
+                                    "buckets (a checkpoint loaded before the first step); load it after one step")
+            self._build_layout(params)
+
+    def _sc_grad_ready(self, p: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: start every bucket that is complete, in the fixed order."""
+        if self._sc_sparse is None or self._sc_synced:
+            return    # the first step (sparse gradients not agreed yet), or a backward after synchronize()
+        n = self._sc_fired.get(id(p), 0) + 1
+        self._sc_fired[id(p)] = n
+        if n > self._sc_passes:
+            raise SparseCommError(
+                f"a gradient was accumulated {n} times before step() but backward_passes_per_step="
+                f"{self._sc_passes}: its bucket was already started with the first gradient. Pass "
+                f"backward_passes_per_step={n} (gradient accumulation) or overlap=False")
+        if n != self._sc_passes:
+            return
+        b = self._sc_bucket_of.get(id(p))
+        if b is None:
+            return
+        b.ready += 1
+        with torch.no_grad():
+            while self._sc_next < len(self._sc_order):
+                nb = self._sc_order[self._sc_next]
+                if nb.ready < len(nb.params):
+                    break
+                self._start_bucket(nb)
+
+    def _start_bucket(self, b: _Bucket) -> None:
+        pipe = self._sc_pipeline
+        if not self._sc_in_step:
+            pipe.begin_step()
+            self._sc_in_step = True
+        exact = self._sc_steps < self._sc_warmup
+        if b.sparse and self._sparse_payloads():
+            p = b.params[0]
+            work = pipe.start_sparse(p.grad, p.shape, b.key, p.dtype)
+        else:
+            work = pipe.start(b.gather(), b.key, exact=exact, compress=b.compress)
+        self._sc_works.append((b, work))
+        self._sc_next += 1
+
+    def _sparse_payloads(self) -> bool:
+        return self._sc_pipeline._plain
 
     @torch.no_grad()
     def synchronize(self) -> None:
-        """Average the gradients over workers now (through the method and transport)."""
-        pipe = self._sc_pipeline
-        pipe.begin_step()
-        exact = self._sc_steps < self._sc_warmup
-        for b in self._layout():
-            flat = b.gather()
-            est = pipe.reduce(flat, b.key, exact=exact, compress=b.compress)
-            b.scatter(est)
+        """Average the gradients over workers now: start the buckets not started yet (in the fixed
+        order) and wait for all of them."""
+        if self._sc_sparse is None:
+            self._layout()
+            self._agree_sparse()
+        self._layout()
+        try:
+            while self._sc_next < len(self._sc_order):
+                self._start_bucket(self._sc_order[self._sc_next])
+            sparse = self._sc_sparse or frozenset()
+            for b, work in self._sc_works:
+                est = work.wait()
+                if b.sparse and self._sparse_payloads():
+                    b.params[0].grad = est
+                else:
+                    b.scatter(est, sparse)
+        finally:
+            self._sc_reset_round()
         self._sc_steps += 1
         self._sc_synced = True
+
+    def _sc_reset_round(self) -> None:
+        for b in self._sc_order:
+            b.ready = 0
+        self._sc_works = []
+        self._sc_next = 0
+        self._sc_fired = {}
+        self._sc_in_step = False
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -318,19 +509,42 @@ class DistributedOptimizer:
     step.hooked = True  # type: ignore[attr-defined]  # torch must not wrap it again (hooks run in the inner step)
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
+        if self._sc_works:
+            raise SparseCommError(
+                f"zero_grad() with {len(self._sc_works)} bucket(s) in flight (started by backward): call "
+                f"step() or synchronize() first, so that every worker completes the same rounds")
+        self._sc_fired = {}
+        for b in self._sc_order:
+            b.ready = 0
         self._sc_synced = False
         super().zero_grad(set_to_none)  # type: ignore[misc]
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         sd = super().state_dict()  # type: ignore[misc]
-        sd["sparsecomm"] = {**self._sc_pipeline.state_dict(), "steps": self._sc_steps,
-                            "layout": [(b.numel, str(b.dtype), b.compress) for b in self._layout()]}
+        layout = [(b.numel, str(b.dtype), b.compress) for b in self._layout()]
+        sparse = None if self._sc_sparse is None else \
+            [i for i, p in enumerate(self._trainable()) if id(p) in self._sc_sparse]
+        sd["sparsecomm"] = {**self._sc_pipeline.state_dict(), "steps": self._sc_steps, "layout": layout,
+                            "sparse": sparse}
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         state_dict = dict(state_dict)
         extra = state_dict.pop("sparsecomm", None)
+        if self._sc_works:
+            raise SparseCommError("load_state_dict() with buckets in flight: call step() or synchronize() first")
+        params = self._layout() and self._trainable()
+        if extra is not None and extra.get("sparse") is not None:
+            # the sparse-gradient buckets the checkpoint was taken with (agreed at its first step)
+            idx = extra["sparse"]
+            if any(not 0 <= i < len(params) for i in idx):
+                raise MismatchError(f"the checkpoint's sparse-gradient parameters {idx} do not exist here "
+                                    f"({len(params)} parameters)")
+            want = frozenset(id(params[i]) for i in idx)
+            if want != (self._sc_sparse or frozenset()) or self._sc_sparse is None:
+                self._sc_sparse = want
+                self._build_layout(params)
         layout = [(b.numel, str(b.dtype), b.compress) for b in self._layout()]
         if extra is not None and [tuple(x) for x in extra.get("layout", [])] != layout:
             raise MismatchError(f"the checkpoint's bucket layout {extra.get('layout')} differs from this "

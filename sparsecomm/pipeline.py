@@ -4,22 +4,44 @@ the transport carries the method's payloads, and :class:`CommPipeline`, which ta
 through ``method.encode -> transport.allreduce -> method.decode`` and keeps the per-worker state
 (method state, generators, byte counts) that checkpoints carry. The rules (names, ``"auto"``, the
 incompatibility error) are documented in :mod:`sparsecomm.optim`.
+
+**Asynchronous rounds.** :meth:`CommPipeline.start` encodes on the calling thread (so the compressor's
+generator and the method state advance in call order, which the optimizer and the hook keep identical
+on every worker and identical to the synchronous order) and hands the payload to the transport's
+communication thread, which decodes right after the sum; ``start(...).wait()`` is :meth:`reduce`.
+A method's state is per bucket key, so decoding bucket ``a`` on the communication thread while bucket
+``b`` is encoded on the caller's thread touches disjoint state: the results are bit-identical to the
+synchronous path.
+
+**Non-finite gradients** (``nonfinite="raise"``, the default). The same
+:class:`~sparsecomm.errors.NonFiniteError` on every worker when any worker's bucket holds a NaN or Inf,
+whatever the compressor and transport: a compressed round checks the input *before* compression (a
+sampling compressor would not see an unsampled NaN) and, if it is not finite, still encodes (zeros, so
+that generators and states advance alike) but sends NaN values (or a NaN scale), so that the
+aggregate of *every* worker is non-finite; every round checks the aggregate after the sum (a
+transport that cannot carry NaN, fixed point, raises its own ``NonFiniteError`` on every worker).
+``nonfinite="pass"`` skips the checks: as DDP, NaN/Inf flow into the averaged gradient where the
+compressor keeps them (a sampling compressor may drop them; compressors that check their input still
+raise, on that worker).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Hashable
 
 import torch
 
 from .compressors.base import Compressor
-from .errors import IncompatibleError, MismatchError, SparseCommError, UnknownNameError
+from .errors import IncompatibleError, MismatchError, NonFiniteError, SparseCommError, UnknownNameError
 from .fabric.base import Fabric
 from .fabric.stats import CommStats
 from .methods.base import Method, check_kwargs, dense_payload
-from .payload import check_sum_finite
-from .transports.base import Transport
+from .payload import Payload, check_sum_finite
+from .transports.base import CommWork, Transport, engine
+
+NONFINITE = ("raise", "pass")
 
 AUTO_ORDER = ("ring", "omnireduce", "switch", "allgather")
 
@@ -222,8 +244,13 @@ class CommPipeline:
 
     def __init__(self, compressor: str | Compressor | Method = "none", transport: str | Transport = "auto",
                  *, method: str | None = None, transport_kwargs: dict | None = None,
-                 fabric: Fabric | None = None, seed: int = 0, **hyper: Any) -> None:
+                 fabric: Fabric | None = None, seed: int = 0, nonfinite: str = "raise",
+                 **hyper: Any) -> None:
+        if nonfinite not in NONFINITE:
+            raise ValueError(f"nonfinite must be one of {', '.join(map(repr, NONFINITE))}, got {nonfinite!r}")
+        self.nonfinite = nonfinite
         self.method = build_method(compressor, method, **hyper)
+        warn_unguaranteed(self.method)
         self.transport = build_transport(transport, self.method, fabric, transport_kwargs)
         self.fabric = self.transport.fabric
         self.world_size = int(self.fabric.world_size)
@@ -237,6 +264,10 @@ class CommPipeline:
         self.stats = CompressionStats()
         self.last_stats = CommStats()
         self._outs: dict[Hashable, torch.Tensor] = {}
+        # parameter-keyed state (the DDP hook): the (name, numel) segments of each key's state and
+        # the key that holds the current state of each named segment
+        self._segments: dict[Hashable, tuple[tuple[str, int], ...]] = {}
+        self._owner: dict[str, Hashable] = {}
 
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
         """This worker's compressor generator on ``device`` (``seed`` everywhere if shared, else
@@ -250,34 +281,205 @@ class CommPipeline:
         return g
 
     def reduce(self, flat: torch.Tensor, key: Hashable, *, exact: bool = False,
-               compress: bool = True) -> torch.Tensor:
-        """The averaged estimate for this worker's flat ``flat`` of bucket ``key``.
+               compress: bool = True, shapes: Any = None) -> torch.Tensor:
+        """``start(flat, key, ...).wait()``: the averaged estimate (see :meth:`start`)."""
+        return self.start(flat, key, exact=exact, compress=compress, shapes=shapes).wait()
+
+    def start(self, flat: torch.Tensor, key: Hashable, *, exact: bool = False,
+              compress: bool = True, shapes: Any = None) -> CommWork:
+        """Start the round of bucket ``key``; ``wait()`` returns the averaged estimate.
+
+        The averaged estimate for this worker's flat ``flat`` of bucket ``key``.
 
         ``compress=False`` bypasses the method (plain average, no state); ``exact=True`` runs the
         method's exact (uncompressed) round. ``flat`` is scratch: the method may overwrite it and a
         transport built with ``inplace=True`` may write the sum into it. The result is the transport's
         output divided in place (a fresh tensor, or ``flat`` itself), or the method's estimate written
         into this bucket's persistent buffer; either stays valid until the next ``reduce`` of ``key``
-        (callers keep views of it, as DDP's ``gradient_as_bucket_view``).
+        (callers keep views of it, as DDP's ``gradient_as_bucket_view``). ``flat`` must not be touched
+        until the work completes.
         """
         dense_bytes = flat.numel() * flat.element_size()
+        n = self.world_size
+        check = self.nonfinite == "raise"
         if not compress or self._plain:
             payload = dense_payload(flat)
-            out = self.transport.allreduce(flat).div_(self.world_size)
+            sent = flat
+
+            def finish(agg: torch.Tensor) -> torch.Tensor:
+                if check:
+                    _check_aggregate(agg, key)
+                return agg.div_(n)
         else:
-            payload = self.method.encode(flat, key, self.generator(flat.device), exact=exact, inplace=True)
-            agg = self.transport.allreduce(payload)
-            check_sum_finite(payload, agg, f"transport {self.transport.name!r}")
-            out = self.method.decode(agg, self.world_size, key, out=self._out(key, agg))
-        pbytes = _payload_bytes(payload)
-        copies = _wire_copies(self.transport)
-        self.stats.rounds += 1
-        self.stats.bytes_dense += dense_bytes
-        self.stats.bytes_payload += pbytes
-        self.stats.bytes_declared_sent += copies * pbytes
-        self.stats.bytes_dense_sent += copies * dense_bytes
-        self.last_stats = self.last_stats + self.transport.last_stats
-        return out
+            poison = check and not exact and not _finite(flat)
+            if poison:
+                flat.zero_()
+            enc_kw = {"shapes": shapes} if shapes is not None else {}
+            payload = self.method.encode(flat, key, self.generator(flat.device), exact=exact, inplace=True,
+                                         **enc_kw)
+            if poison:
+                _poison(payload, key)
+            sent = payload
+            next_round = getattr(self.method, "next_round", None)
+
+            def finish(agg: torch.Tensor) -> torch.Tensor:
+                if check and not _finite(agg) and not bool(torch.isnan(agg).any()):
+                    # inputs were finite (checked) and no worker sent NaN: narrow floats (fp16) summed
+                    # in their own dtype overflowed; say so (OverflowError_, on every worker)
+                    check_sum_finite(payload, agg, f"transport {self.transport.name!r}")
+                if check:
+                    _check_aggregate(agg, key)
+                else:       # narrow floats summed in their dtype: an overflow is not a passed-through NaN
+                    check_sum_finite(payload, agg, f"transport {self.transport.name!r}")
+                # a method of several rounds (PowerSGD: P, then Q): the later rounds run here, on the
+                # communication thread, right after the first (same order on every worker)
+                while next_round is not None and (nxt := next_round(agg, n, key)) is not None:
+                    self.last_stats = self.last_stats + self.transport.last_stats
+                    self.stats.rounds += 1
+                    self.stats.bytes_payload += _payload_bytes(nxt)
+                    agg = self.transport._call(nxt)
+                    if check:
+                        _check_aggregate(agg, key)
+                return self.method.decode(agg, n, key, out=self._out(key, agg))
+
+        def then(agg: torch.Tensor) -> torch.Tensor:
+            out = finish(agg)
+            pbytes = _payload_bytes(payload)
+            copies = _wire_copies(self.transport)
+            self.stats.rounds += 1
+            self.stats.bytes_dense += dense_bytes
+            self.stats.bytes_payload += pbytes
+            self.stats.bytes_declared_sent += copies * pbytes
+            self.stats.bytes_dense_sent += copies * dense_bytes
+            self.last_stats = self.last_stats + self.transport.last_stats
+            return out
+
+        return self.transport.start(sent, then=then)
+
+    def bind(self, key: Hashable, segments: tuple[tuple[str, int], ...]) -> None:
+        """Declare that bucket ``key`` holds the named parameter segments ``(name, numel)`` in this
+        order, before its round. When the method's state for ``key`` is missing or stale (its
+        segments now live in other keys' states, after a bucket rebuild or a restore onto another
+        layout), it is reassembled exactly, segment by segment, from the keys that hold them; a
+        method state that is not per coordinate cannot be split and raises
+        :class:`~sparsecomm.errors.MismatchError`, as does a bucket only partly covered by states."""
+        segments = tuple((str(n), int(k)) for n, k in segments)
+        st = self.method._state
+        names = [n for n, _ in segments]
+        current = key in st and self._segments.get(key) == segments and \
+            all(self._owner.get(n) == key for n in names)
+        if not current:
+            owned = [n for n in names if n in self._owner and self._owner[n] in st]
+            if owned and len(owned) != len(names):
+                missing = sorted(set(names) - set(owned))
+                raise MismatchError(f"cannot restore the method state of a bucket holding "
+                                    f"{names}: no state for {missing} while the others have one "
+                                    f"(a checkpoint of another model or parameter set)")
+            if owned:
+                st[key] = self._assemble(segments)
+            else:
+                st.pop(key, None)    # a fresh bucket (or stale state of nothing current)
+            self._segments[key] = segments
+            for n in names:
+                self._owner[n] = key
+            # drop states none of whose segments they own any more
+            live = set(self._owner.values())
+            for k in [k for k in list(st) if k not in live and k in self._segments]:
+                del st[k]
+                self._segments.pop(k, None)
+
+    def _assemble(self, segments: tuple[tuple[str, int], ...]) -> Any:
+        from dataclasses import fields
+
+        st = self.method._state
+        pieces: dict[str, list[torch.Tensor]] = {}
+        cls = None
+        for name, numel in segments:
+            k = self._owner[name]
+            src = st[k]
+            cls = type(src)
+            layout = self._segments[k]
+            off = 0
+            for n2, k2 in layout:
+                if n2 == name:
+                    break
+                off += k2
+            total = sum(k2 for _, k2 in layout)
+            if dict(layout)[name] != numel:
+                raise MismatchError(f"parameter {name!r} has {numel} elements but {dict(layout)[name]} in "
+                                    f"the saved method state")
+            for f in fields(src):
+                v = getattr(src, f.name)
+                if not isinstance(v, torch.Tensor) or v.dim() != 1 or v.numel() != total:
+                    raise MismatchError(
+                        f"method {self.method.name!r}: its state field {f.name!r} is not one value per "
+                        f"coordinate, so it cannot be remapped onto another bucket layout; restore onto "
+                        f"the same layout (DDP rebuilds its buckets after the first iteration)")
+                pieces.setdefault(f.name, []).append(v[off:off + numel])
+        return cls(**{n: torch.cat(v) for n, v in pieces.items()})
+
+    def start_sparse(self, grad: torch.Tensor | None, shape: torch.Size, key: Hashable,
+                     dtype: torch.dtype | None = None) -> CommWork:
+        """Start the plain average of a row-sparse gradient (``None``: no rows) of a parameter of
+        ``shape``; ``wait()`` returns the coalesced sparse average over the union of the workers' rows
+        (as DDP's sparse allreduce: a row in the union whose sum is zero stays, with zeros).
+
+        Two rounds on the communication thread, neither of table size: (1) the union of the rows: a
+        row-indicator vector of ``shape[0]`` entries, sent as a ``sparse`` payload (the touched rows'
+        indices) on a transport that carries them, else dense; (2) the values of the union's rows
+        (``|union| x row_len``, zeros for rows this worker did not touch), summed as a dense tensor by
+        the same transport. The table is never densified."""
+        from .payload import Payload
+
+        shape = torch.Size(shape)
+        dtype = dtype or grad.dtype
+        nrows = int(shape[0]) if len(shape) else 1
+        row_len = int(shape.numel()) // max(nrows, 1)
+        if grad is None:
+            rows = torch.empty(0, dtype=torch.int64)
+            vals = torch.empty(0, row_len, dtype=dtype)
+        else:
+            g = grad.coalesce()
+            if g.sparse_dim() != 1:
+                raise SparseCommError(f"sparse gradients with {g.sparse_dim()} sparse dimensions are not "
+                                      f"supported (only row-sparse ones, as nn.Embedding's)")
+            rows = g.indices()[0]
+            vals = g.values().reshape(rows.numel(), row_len).to(dtype)
+        n = self.world_size
+        check = self.nonfinite == "raise"
+        if check and not _finite(vals):
+            vals = torch.full_like(vals, float("nan"))
+        ones = torch.ones(rows.numel(), dtype=torch.float32)
+        if self.transport.can_carry("sparse"):
+            marks: Any = Payload(kind="sparse", values=ones, indices=rows, shape=torch.Size([nrows]),
+                                 dtype=torch.float32, bits=(4 + 8) * 8 * rows.numel())
+        else:
+            marks = torch.zeros(nrows, dtype=torch.float32)
+            marks[rows] = 1.0
+        elt = torch.empty(0, dtype=dtype).element_size()
+
+        def job() -> torch.Tensor:
+            counts = self.transport._call(marks)
+            st = self.transport.last_stats
+            union = counts.nonzero().flatten()
+            mine = torch.zeros(union.numel(), row_len, dtype=dtype)
+            if rows.numel():
+                mine[torch.searchsorted(union, rows)] = vals
+            total = self.transport._call(mine.reshape(-1)) if union.numel() else mine.reshape(-1)
+            if check:
+                _check_aggregate(total, key)
+            total = total.reshape(union.numel(), *shape[1:]).div_(n)
+            self.stats.rounds += 2
+            self.stats.bytes_dense += int(shape.numel()) * elt
+            pbytes = _payload_bytes(marks) + union.numel() * row_len * elt
+            self.stats.bytes_payload += pbytes
+            self.stats.bytes_declared_sent += _wire_copies(self.transport) * pbytes
+            self.stats.bytes_dense_sent += _wire_copies(self.transport) * int(shape.numel()) * elt
+            self.last_stats = self.last_stats + st + self.transport.last_stats
+            return torch.sparse_coo_tensor(union[None], total, shape, is_coalesced=True,
+                                           check_invariants=False)
+
+        return engine(self.fabric).submit(job)
 
     def _out(self, key: Hashable, like: torch.Tensor) -> torch.Tensor:
         """The persistent estimate buffer of bucket ``key`` (reused every round: no fresh allocation)."""
@@ -298,6 +500,7 @@ class CommPipeline:
 
     def state_dict(self) -> dict[str, Any]:
         return {"method": self.method.state_dict(),
+                "segments": dict(self._segments), "owner": dict(self._owner),
                 "generators": {str(d): g.get_state() for d, g in self._generators.items()},
                 "rank": self.rank, "world_size": self.world_size, "seed": self.seed,
                 "shared_randomness": self.shared_randomness}
@@ -311,11 +514,66 @@ class CommPipeline:
                 f"cannot be loaded on rank {self.rank} of {self.world_size} (the method state is per "
                 f"worker); delete the 'sparsecomm' entry to load only the inner optimizer's state")
         self.method.load_state_dict(state["method"])
+        self._segments = dict(state.get("segments", {}))
+        self._owner = dict(state.get("owner", {}))
         self._generators = {}
         for d, s in state.get("generators", {}).items():
             g = torch.Generator(device=torch.device(d))
             g.set_state(s)
             self._generators[torch.device(d)] = g
+
+
+def _finite(x: torch.Tensor) -> bool:
+    from .compressors._common import abs_max
+
+    return math.isfinite(abs_max(x.reshape(-1))) if x.is_floating_point() else True
+
+
+_NONFINITE_HELP = ("pass nonfinite='pass' to let NaN/Inf through as DDP does, or find the cause "
+                   "(learning rate, loss scaling, torch.autograd.set_detect_anomaly)")
+
+
+def _check_aggregate(agg: torch.Tensor, key: Hashable) -> None:
+    if not _finite(agg):
+        raise NonFiniteError(f"the gradients of bucket {key!r} hold a NaN or Inf on at least one worker "
+                             f"(the aggregate is not finite, or a float16/bfloat16 sum overflowed; raised on every "
+                             f"worker); {_NONFINITE_HELP}")
+
+
+def _poison(p: Payload, key: Hashable) -> None:
+    """Make ``p`` (encoded from zeros) carry NaN, so every worker's aggregate is non-finite."""
+    nan = float("nan")
+    if p.values.is_floating_point() and p.values.numel():
+        p.values.fill_(nan)
+    elif p.scale is not None and p.scale.is_floating_point() and p.scale.numel():
+        p.scale.fill_(nan)
+    else:
+        raise NonFiniteError(f"the gradients of bucket {key!r} hold a NaN or Inf on this worker and its "
+                             f"{p.kind!r} payload cannot carry the fact to the other workers; "
+                             f"{_NONFINITE_HELP}")
+
+
+def warn_unguaranteed(method: Method) -> None:
+    """Warn about a method x compressor pair with no convergence guarantee that diverges in practice:
+    error feedback (EF, EF21) around an unbiased compressor that is not contractive (omega >= 1, e.g.
+    QSGD with few levels): EF's analysis needs ``delta``-contraction (Stich et al. 2018; Richtarik et
+    al. 2021), and a scaled unbiased operator with omega >= 1 expands the error it feeds back."""
+    import warnings
+
+    comp = method.compressor
+    if method.name not in ("ef", "ef21") or not getattr(comp, "unbiased", False):
+        return
+    try:
+        omega = float(comp.omega(1 << 16))
+    except Exception:  # noqa: BLE001 - compressors without omega: nothing to say
+        return
+    if omega >= 1.0:
+        cname = getattr(comp, "name", "") or type(comp).__name__
+        warnings.warn(
+            f"method {method.name!r} with compressor {cname!r} (unbiased, omega={omega:.3g} >= 1) has no "
+            f"convergence guarantee and can diverge (EF + QSGD with 4 levels reached 3.4e7): error "
+            f"feedback needs a contractive compressor (topk, or {cname!r} scaled by 1/(omega+1): "
+            f"'induced'/'compose'), or use 'diana' for unbiased compressors", UserWarning, stacklevel=3)
 
 
 def _wire_copies(transport: Any) -> float:
@@ -327,6 +585,8 @@ def _wire_copies(transport: Any) -> float:
 
 
 def _payload_bytes(p: Any) -> int:
+    if isinstance(p, torch.Tensor):
+        return p.numel() * p.element_size()
     bits = int(getattr(p, "bits", 0) or 0)
     if bits:
         return (bits + 7) // 8

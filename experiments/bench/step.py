@@ -22,6 +22,15 @@ Configurations (those whose transport is registered):
 * ``ef+topk/omnireduce``  error feedback + top-k (ratio = ``--topk-ratio``)
 * ``diana+randk/omnireduce``  DIANA + shared-seed rand-k (ratio = ``--randk-ratio``)
 
+``--models`` also runs (default ``mlp,emb,emb-sparse``):
+
+* ``mlp``: a dense 8-layer MLP (``--mlp-width``, ``--mlp-cap-mb`` buckets for DDP and ours alike:
+  several buckets), ``ddp`` against ``hook none/native`` and ``none/native`` (DistributedOptimizer with
+  its overlap, and ``overlap=False``); targets 1.1x and 1.15x of DDP's step.
+* ``emb-sparse``: the embedding model with ``EmbeddingBag(sparse=True)``; ``ddp`` (gloo's sparse
+  allreduce) against ``none/omnireduce`` and ``none/allgather`` (the rows as a sparse payload,
+  ``p.grad`` sparse) and the hook on omnireduce, with SGD on sparse gradients.
+
 All configurations are built first; then each round runs one step of every configuration in turn
 (``--warmup`` untimed rounds, then ``--steps`` timed ones), so that other load on the machine hits them
 alike. A step is ``zero_grad, forward, backward, step`` after a barrier, timed on every rank; a step's
@@ -50,10 +59,10 @@ import sparsecomm as sc
 
 
 class EmbModel(nn.Module):
-    def __init__(self, vocab: int, dim: int, classes: int, seed: int = 0) -> None:
+    def __init__(self, vocab: int, dim: int, classes: int, seed: int = 0, sparse: bool = False) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(seed)
-        self.emb = nn.EmbeddingBag(vocab, dim, mode="sum")
+        self.emb = nn.EmbeddingBag(vocab, dim, mode="sum", sparse=sparse)
         self.head = nn.Linear(dim, classes)
         with torch.no_grad():
             self.emb.weight.copy_(torch.randn(vocab, dim, generator=g) * 0.01)
@@ -114,7 +123,113 @@ def _configs(a: argparse.Namespace) -> list[tuple[str, Callable[[nn.Module], Any
     return cfg
 
 
+class MLP(nn.Module):
+    def __init__(self, width: int, depth: int = 8, seed: int = 0) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * (1.0 / width ** 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+def _mlp_configs(a: argparse.Namespace) -> list[tuple[str, Any]]:
+    cap = a.mlp_cap_mb
+    cfg: list[tuple[str, Any]] = [("ddp", None), ("local (no comm)", lambda m: torch.optim.SGD(m.parameters(), lr=a.lr))]
+    cfg.append(("hook none/native", ("hook", dict(compressor="none", transport="native"))))
+    cfg.append(("none/native", lambda m: sc.DistributedOptimizer(
+        torch.optim.SGD(m.parameters(), lr=a.lr), compressor="none", transport="native", bucket_cap_mb=cap)))
+    cfg.append(("none/native overlap=False", lambda m: sc.DistributedOptimizer(
+        torch.optim.SGD(m.parameters(), lr=a.lr), compressor="none", transport="native", bucket_cap_mb=cap,
+        overlap=False)))
+    return cfg
+
+
+def _sparse_configs(a: argparse.Namespace) -> list[tuple[str, Any]]:
+    omni = {"block_size": a.block_size}
+    cfg: list[tuple[str, Any]] = [("ddp", None), ("local (no comm)", lambda m: torch.optim.SGD(m.parameters(), lr=a.lr))]
+    cfg.append(("hook none/omnireduce", ("hook", dict(compressor="none", transport="omnireduce",
+                                                      transport_kwargs=omni))))
+    cfg.append(("none/omnireduce", lambda m: sc.DistributedOptimizer(
+        torch.optim.SGD(m.parameters(), lr=a.lr), compressor="none", transport="omnireduce",
+        transport_kwargs=omni)))
+    cfg.append(("none/allgather", lambda m: sc.DistributedOptimizer(
+        torch.optim.SGD(m.parameters(), lr=a.lr), compressor="none", transport="allgather")))
+    cfg.append(("ef+topk/omnireduce", lambda m: sc.DistributedOptimizer(
+        torch.optim.SGD(m.parameters(), lr=a.lr), compressor="topk", method="ef",
+        ratio=a.topk_ratio, transport="omnireduce", transport_kwargs=omni)))
+    cfg.append(("diana+randk/omnireduce", lambda m: sc.DistributedOptimizer(
+        torch.optim.SGD(m.parameters(), lr=a.lr), compressor="diana", ratio=a.randk_ratio,
+        transport="omnireduce", transport_kwargs=omni)))
+    return cfg
+
+
+def _select(cfg: list, a: argparse.Namespace) -> list:
+    if a.only:
+        keep = set(a.only.split(","))
+        cfg = [c for c in cfg if c[0] in keep or c[0] in ("ddp", "local (no comm)")]
+    return cfg
+
+
+def _run_rounds(a, setups, make_batch, forward) -> dict[str, Any]:
+    """Interleaved rounds: one step of every configuration per round, timed after a barrier."""
+    times: dict[str, list[float]] = {name: [] for name, _, _ in setups}
+    for t in range(a.warmup + a.steps):
+        inputs = make_batch(t)
+        for name, net, opt in setups:
+            dist.barrier()
+            t0 = time.perf_counter()
+            opt.zero_grad()
+            forward(net, inputs).backward()
+            opt.step()
+            if t >= a.warmup:
+                times[name].append(time.perf_counter() - t0)
+    dist.barrier()
+    res: dict[str, Any] = {}
+    for name, net, opt in setups:
+        r: dict[str, Any] = {"times": times[name]}
+        if isinstance(opt, sc.DistributedOptimizer):
+            r["bytes_sent"] = opt.last_stats.bytes_sent
+            r["ratio"] = opt.compression_stats()["ratio_sent"]   # measured on the wire, not declared
+        res[name] = r
+    return res
+
+
+def _build(name, make, model, ddp_cap):
+    if name == "ddp" or isinstance(make, tuple):
+        net = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=ddp_cap)
+        if isinstance(make, tuple):
+            from sparsecomm import ddp as scddp
+
+            scddp.register(net, **make[1])
+        return net, torch.optim.SGD(net.parameters(), lr=0.05)
+    return model, make(model)
+
+
 def _worker(ctx, a: argparse.Namespace) -> dict:
+    out = _worker_emb(ctx, a, sparse=False) if "emb" in a.models else {"density": {}}
+    if "emb-sparse" in a.models:
+        out["sparse"] = _worker_emb(ctx, a, sparse=True)["density"]
+    if "mlp" in a.models:
+        torch.set_num_threads(a.threads)
+        loss_fn = nn.MSELoss()
+        setups = [(name, *_build(name, make, MLP(a.mlp_width), a.mlp_cap_mb))
+                  for name, make in _select(_mlp_configs(a), a)]
+
+        def make_batch(t):
+            g = torch.Generator().manual_seed(10_000 * ctx.rank + t)
+            return torch.randn(a.mlp_batch, a.mlp_width, generator=g), torch.randn(a.mlp_batch, a.mlp_width, generator=g)
+
+        out["mlp"] = _run_rounds(a, setups, make_batch, lambda net, xy: loss_fn(net(xy[0]), xy[1]))
+    return out
+
+
+def _worker_emb(ctx, a: argparse.Namespace, sparse: bool) -> dict:
     torch.set_num_threads(a.threads)
     rank = ctx.rank
     out: dict[str, Any] = {"density": {}}
@@ -134,40 +249,32 @@ def _worker(ctx, a: argparse.Namespace) -> dict:
         del m, g
         # every configuration is built first, then the rounds interleave them (one step of each per
         # round), so that load from elsewhere on the machine hits all of them alike
-        setups = []
-        for name, make in _configs(a):
-            model = EmbModel(a.vocab, a.dim, a.classes)
-            if name == "ddp" or name.startswith("hook"):
-                net = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25)
-                if name.startswith("hook"):
-                    from sparsecomm import ddp as scddp
-
-                    scddp.register(net, compressor="none", transport="native")
-                opt = torch.optim.SGD(net.parameters(), lr=a.lr)
-            else:
-                net, opt = model, make(model)
-            setups.append((name, net, opt))
-        times: dict[str, list[float]] = {name: [] for name, _, _ in setups}
-        for t in range(a.warmup + a.steps):
-            ids, off, y = batch(rank, t, a.vocab, tokens, a.bag, a.classes)
-            for name, net, opt in setups:
-                dist.barrier()
-                t0 = time.perf_counter()
-                opt.zero_grad()
-                loss_fn(net(ids, off), y).backward()
-                opt.step()
-                if t >= a.warmup:
-                    times[name].append(time.perf_counter() - t0)
-        dist.barrier()
-        for name, net, opt in setups:
-            r = {"times": times[name]}
-            if isinstance(opt, sc.DistributedOptimizer):
-                r["bytes_sent"] = opt.last_stats.bytes_sent
-                r["ratio"] = opt.compression_stats()["ratio_sent"]   # measured on the wire, not declared
-            res[name] = r
+        cfgs = _select(_sparse_configs(a), a) if sparse else _configs(a)
+        setups = [(name, *_build(name, make if make != "hook" else ("hook", dict(compressor="none",
+                                                                                 transport="native")),
+                                 EmbModel(a.vocab, a.dim, a.classes, sparse=sparse), 25))
+                  for name, make in cfgs]
+        res.update(_run_rounds(a, setups, lambda t: batch(rank, t, a.vocab, tokens, a.bag, a.classes),
+                               lambda net, b: loss_fn(net(b[0], b[1]), b[2])))
         del setups
         out["density"][density] = res
     return out
+
+
+def _table(rs: list[dict]) -> None:
+    """Print one case: the slowest rank's time per round, medians, paired ratios to ddp."""
+    print(f"{'configuration':28s} {'step ms':>9s} {'vs ddp':>8s} {'speed-up':>9s} {'MB sent':>9s} "
+          f"{'ratio sent':>11s}")
+    names = [k for k in rs[0] if isinstance(rs[0][k], dict) and "times" in rs[0][k]]
+    slow = {k: [max(ts) for ts in zip(*(r[k]["times"] for r in rs))] for k in names}
+    for name, ts in slow.items():
+        t = statistics.median(ts)
+        rel = statistics.median(x / d for x, d in zip(ts, slow["ddp"]))   # paired, per round
+        mb = rs[0][name].get("bytes_sent")
+        ratio = rs[0][name].get("ratio")
+        print(f"{name:28s} {1e3 * t:9.1f} {rel:7.2f}x {1 / rel:8.2f}x "
+              f"{'' if mb is None else f'{mb / 1e6:9.2f}':>9s} "
+              f"{'' if ratio is None else f'{ratio:11.1f}':>11s}")
 
 
 def _cpu() -> str:
@@ -198,38 +305,40 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--extra", default="", help="more transports to run with compressor none (e.g. ring)")
     p.add_argument("--only", default="", help="comma-separated configuration names (ddp and local always run)")
     p.add_argument("--small", action="store_true", help="vocab 50k, 5 steps: a smoke run")
+    p.add_argument("--models", default="mlp,emb,emb-sparse", help="cases: mlp, emb, emb-sparse")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--mlp-width", type=int, default=1024)
+    p.add_argument("--mlp-batch", type=int, default=64)
+    p.add_argument("--mlp-cap-mb", type=float, default=8.0, help="bucket cap of DDP and ours for the MLP")
     p.add_argument("--netbed", type=float, default=None, metavar="GBPS",
-                   help="run the 2 processes on a netbed (own namespaces, links shaped to GBPS; needs root)")
+                   help="run the processes on a netbed (own namespaces, links shaped to GBPS; needs root)")
     a = p.parse_args(argv)
     if a.small:
         a.vocab, a.steps, a.warmup = 50_000, 5, 2
     a.densities = [float(x) for x in a.density.split(",") if x]
     a.extra = [x for x in a.extra.split(",") if x]
+    a.models = [x for x in a.models.split(",") if x]
     from experiments.bench.transports import launch_options
 
-    res = sc.launch(functools.partial(_worker, a=a), world_size=2, **launch_options(a.netbed))
+    res = sc.launch(functools.partial(_worker, a=a), world_size=a.workers, **launch_options(a.netbed))
     grad_mb = (a.vocab * a.dim + a.dim * a.classes + a.classes) * 4 / 2 ** 20
     where = f"on a netbed at {a.netbed:g} Gbit/s" if a.netbed is not None else "over loopback"
-    print(f"# step time, 2 gloo processes x {a.threads} thread(s) {where}; {_cpu()}")
+    print(f"# step time, {a.workers} gloo processes x {a.threads} thread(s) {where}; {_cpu()}")
     print(f"# model: EmbeddingBag({a.vocab}, {a.dim}) + Linear({a.dim}, {a.classes}): "
           f"{grad_mb:.1f} MiB fp32 gradient; block {a.block_size}; bag {a.bag}")
-    for density in a.densities:
-        r0, r1 = res[0]["density"][density], res[1]["density"][density]
-        print(f"\n## target block density {density:.0%}: tokens/worker {r0['tokens']}, measured "
-              f"{r0['block_density']:.2%} per worker, {r0['block_density_union']:.2%} union")
-        print(f"{'configuration':28s} {'step ms':>9s} {'vs ddp':>8s} {'speed-up':>9s} {'MB sent':>9s} "
-              f"{'ratio sent':>11s}")
-        slow = {k: [max(x, y) for x, y in zip(r0[k]["times"], r1[k]["times"])]
-                for k in r0 if isinstance(r0[k], dict) and "times" in r0[k]}
-        ddp = statistics.median(slow["ddp"])
-        for name, ts in slow.items():
-            t = statistics.median(ts)
-            rel = statistics.median(x / d for x, d in zip(ts, slow["ddp"]))   # paired, per round
-            mb = r0[name].get("bytes_sent")
-            ratio = r0[name].get("ratio")
-            print(f"{name:28s} {1e3 * t:9.1f} {rel:7.2f}x {1 / rel:8.2f}x "
-                  f"{'' if mb is None else f'{mb / 1e6:9.2f}':>9s} "
-                  f"{'' if ratio is None else f'{ratio:11.1f}':>11s}")
+    for key, label in (("density", "dense embedding"), ("sparse", "EmbeddingBag(sparse=True)")):
+        if key == "density" and "emb" not in a.models or key == "sparse" and "emb-sparse" not in a.models:
+            continue
+        for density in a.densities:
+            rs = [r[key][density] for r in res]
+            print(f"\n## {label}, target block density {density:.0%}: tokens/worker {rs[0]['tokens']}, "
+                  f"measured {rs[0]['block_density']:.2%} per worker, {rs[0]['block_density_union']:.2%} union")
+            _table(rs)
+    if "mlp" in a.models:
+        mb = 8 * (a.mlp_width ** 2 + a.mlp_width) * 4 / 2 ** 20
+        print(f"\n## dense MLP: 8 x Linear({a.mlp_width}, {a.mlp_width}), {mb:.1f} MiB fp32 gradient, "
+              f"batch {a.mlp_batch}, buckets of {a.mlp_cap_mb:g} MiB (DDP and ours)")
+        _table([r["mlp"] for r in res])
     return res
 
 

@@ -12,6 +12,16 @@ bitmap until exactly k are set, then the bitmap is read out in order (O(k + d/64
 (torch): batches of draws are merged with ``torch.unique`` and a uniformly random excess is dropped
 (O(k log k)). The two paths draw different (equally distributed) subsets from the same seed, so
 workers sharing a seed must also share the device type.
+
+``independent=True``: per-worker coordinates (the setting of the DIANA/EF21/MARINA theory, where the
+workers' compressors are independent): the optimizer and the DDP hook seed this compressor's generator
+``seed + rank`` (``shared_randomness = False``), and the payload is ``sparse`` (indices travel:
+``bits = theory.compressors.sparse_bits``), carried by ``allgather`` and ``omnireduce``. omega is
+unchanged (d/k - 1 per worker); what changes is the variance of the *average*: with independent
+coordinates the workers' errors are independent, so at a point where the local gradients differ but
+sum to zero, compressed GD (DCGD) keeps a noise floor while DIANA's shifts remove it; with shared
+coordinates ``C(sum_i g_i) = sum_i C(g_i)`` vanishes there. The other random compressors (``natural``,
+``natural_dithering``, ``qsgd``, ``terngrad``) always draw per worker (``seed + rank``).
 """
 
 from __future__ import annotations
@@ -87,9 +97,17 @@ class RandK(RandomMixin, Compressor):
     unbiased = True
     shared_randomness = True
 
-    def __init__(self, ratio=None, k=None, seed=None):
+    def __init__(self, ratio=None, k=None, seed=None, independent=False):
         self.size = SizeRule(ratio, k, "randk")
         self._init_random(seed)
+        if not isinstance(independent, bool):
+            from ._common import CompressorConfigError
+
+            raise CompressorConfigError(f"independent must be True or False, got {independent!r}")
+        self.independent = independent
+        if independent:     # instance attributes shadow the class's shared-seed declarations
+            self.payload_kind = "sparse"
+            self.shared_randomness = False
 
     def compress(self, x, generator=None):
         flat = flat_input(x, self.name)
@@ -100,6 +118,9 @@ class RandK(RandomMixin, Compressor):
         vals, ok = gather(flat, idx, d / k if k else 1.0)
         if not ok:
             raise_nonfinite(self.name)
+        if self.independent:
+            return make_payload("sparse", x.shape, x.dtype, vals, indices=idx,
+                                wire_bits={"values": dtype_bits(x.dtype) * k, "indices": th.index_bits(d, k)})
         return make_payload("aligned", x.shape, x.dtype, vals, indices=idx,
                             wire_bits={"values": dtype_bits(x.dtype) * k})
 
@@ -107,10 +128,13 @@ class RandK(RandomMixin, Compressor):
         return th.randk_omega(d, self.size(d))
 
     def bits(self, d, dtype=torch.float32):
+        if self.independent:
+            return th.sparse_bits(d, self.size(d), dtype_bits(dtype))
         return th.randk_bits(d, self.size(d), dtype_bits(dtype))
 
     def values_len(self, d):
         return self.size(d)
 
     def hyper(self):
-        return {**self.size.hyper(), "seed": self.seed}
+        return {**self.size.hyper(), "seed": self.seed,
+                **({"independent": True} if self.independent else {})}

@@ -5,13 +5,35 @@
 tensor. The call's :class:`CommStats` (bytes, messages, modelled time on SimFabric) is at
 ``last_stats``. A transport never knows which compressor made a payload, only its kind
 (DESIGN.md, "Payload kinds"); ``carries`` declares the kinds it can sum.
+
+**Asynchronous calls.** ``work = t.start(x)`` queues the call and returns at once; ``work.wait()``
+returns the sum (``allreduce(x)`` is ``start(x).wait()``). Every fabric has one communication thread
+(:class:`CommEngine`, as Horovod's background thread) that runs the calls of *all* transports on that
+fabric one at a time, in submission order. Since every worker submits its calls in the same order,
+the protocols' messages match exactly as in synchronous use, and every protocol gets the asynchronous
+API without being rewritten. ``start(x, then=f)`` runs ``f(sum)`` on the communication thread right
+after the sum (the DDP hook decodes there) and ``wait()`` returns ``f``'s result;
+``work.get_future()`` is a ``torch.futures.Future`` completed at the same moment, for chaining with
+``then`` as torch's DDP hooks do. ``x`` (and a payload's tensors) must not be modified until the work
+completes. An error on the communication thread is raised by ``wait()`` of that call and of every
+later one on the fabric (the protocols' message streams are then out of step). While calls are in
+flight, do not drive the fabric directly (send/recv, ``barrier``, ``compute``): use ``wait()`` first.
+``allreduce`` with nothing in flight runs on the calling thread (no thread hop), so synchronous use is
+unchanged.
+
+On SimFabric the communication thread drives the worker's endpoint on its behalf: an endpoint is not
+bound to a thread (its blocking, clock and quiescence bookkeeping are per endpoint), so the data and
+the modelled communication times are those of the synchronous calls in the same order; only
+``compute()`` (the modelled compute clock) must not be called while calls are in flight.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from collections import deque
+from typing import Any, Callable, ClassVar
 
 import torch
 
@@ -37,7 +59,28 @@ class Transport(ABC):
 
     # ------------------------------------------------------------------ public
     def allreduce(self, x: torch.Tensor | Payload) -> torch.Tensor:
-        """Sum of ``x`` over all workers, on every worker; ``last_stats`` holds this call's CommStats."""
+        """Sum of ``x`` over all workers, on every worker; ``last_stats`` holds this call's CommStats.
+
+        ``start(x).wait()``; with nothing in flight on this fabric it runs on the calling thread."""
+        eng = engine(self.fabric, create=False)
+        if eng is None or eng.idle():
+            return self._call(x)
+        return self.start(x).wait()
+
+    def start(self, x: torch.Tensor | Payload,
+              then: Callable[[torch.Tensor], Any] | None = None) -> "CommWork":
+        """Queue ``allreduce(x)`` (then ``then(sum)``) on the fabric's communication thread; returns a
+        :class:`CommWork` at once. ``x`` must stay untouched until the work completes."""
+        if isinstance(x, Payload):
+            self.check_payload(x)     # a bad pair fails here, on the caller's thread
+
+        def job() -> Any:
+            out = self._call(x)
+            return then(out) if then is not None else out
+
+        return engine(self.fabric).submit(job)
+
+    def _call(self, x: torch.Tensor | Payload) -> torch.Tensor:
         before = self.fabric.stats.copy()
         t0_model = self.fabric.now()
         t0_wall = time.perf_counter()
@@ -87,6 +130,160 @@ class Transport(ABC):
         from ..fabric.sim import SimFabric  # local import: only the sim has a modelled clock
 
         return self.fabric.now() - t0 if isinstance(self.fabric, SimFabric) else 0.0
+
+
+# ============================================================================ asynchronous calls
+class CommWork:
+    """Handle of a started collective: ``wait()`` returns its result (or raises its error)."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._value: Any = None
+        self._exc: BaseException | None = None
+        self._callbacks: list[Callable[["CommWork"], None]] = []
+        self._lock = threading.Lock()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until the call completed and return its result; re-raise its error. ``timeout``
+        (wall seconds) raises :class:`~sparsecomm.errors.FabricTimeout` (the fabric's own timeouts
+        normally end a stuck call first)."""
+        if not self._done.wait(timeout):
+            from ..errors import FabricTimeout
+
+            raise FabricTimeout(f"a started collective did not complete within {timeout:g} s")
+        if self._exc is not None:
+            raise self._exc
+        return self._value
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def add_done_callback(self, fn: Callable[["CommWork"], None]) -> None:
+        """Call ``fn(work)`` once complete (at once if it is; else on the communication thread)."""
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def get_future(self) -> "torch.futures.Future[Any]":
+        """A ``torch.futures.Future`` completed with the result (or the error) of this call."""
+        fut: torch.futures.Future = torch.futures.Future()
+
+        def done(w: "CommWork") -> None:
+            if w._exc is not None:
+                fut.set_exception(w._exc)
+            else:
+                fut.set_result(w._value)
+
+        self.add_done_callback(done)
+        return fut
+
+    def _finish(self, value: Any = None, exc: BaseException | None = None) -> None:
+        with self._lock:
+            self._value, self._exc = value, exc
+            self._done.set()
+            cbs, self._callbacks = self._callbacks, []
+        for cb in cbs:
+            try:
+                cb(self)
+            except Exception as e:  # noqa: BLE001 - a callback's error must not kill the comm thread
+                import warnings
+
+                warnings.warn(f"a CommWork done-callback raised {e!r}", RuntimeWarning)
+
+    @classmethod
+    def completed(cls, value: Any) -> "CommWork":
+        w = cls()
+        w._finish(value)
+        return w
+
+
+class CommEngine:
+    """One fabric's communication thread: runs submitted calls one at a time in submission order.
+
+    The thread starts on the first submission and leaves after ``idle_s`` seconds without work (a new
+    one starts on the next submission). After a call fails, every later call fails with the same error.
+    """
+
+    idle_s = 2.0
+
+    def __init__(self, name: str = "") -> None:
+        self._cond = threading.Condition()
+        self._queue: deque[tuple[Callable[[], Any], CommWork]] = deque()
+        self._busy = False
+        self._thread: threading.Thread | None = None
+        self._failed: BaseException | None = None
+        self._name = name
+
+    def submit(self, job: Callable[[], Any]) -> CommWork:
+        work = CommWork()
+        with self._cond:
+            if self._failed is not None:
+                work._finish(exc=self._failed)
+                return work
+            self._queue.append((job, work))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=f"sparsecomm-comm{self._name}",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+        return work
+
+    def idle(self) -> bool:
+        """Nothing queued or running."""
+        with self._cond:
+            return not self._queue and not self._busy
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Block until every submitted call has completed (errors are left to their works)."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._queue and not self._busy, timeout)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                if not self._cond.wait_for(lambda: bool(self._queue), self.idle_s):
+                    self._thread = None
+                    return
+                job, work = self._queue.popleft()
+                self._busy = True
+                failed = self._failed
+            value, exc = None, failed
+            if failed is None:
+                try:
+                    with torch.no_grad():
+                        value = job()
+                except BaseException as e:  # noqa: BLE001 - handed to the waiter
+                    exc = e
+            with self._cond:
+                if exc is not None and self._failed is None:
+                    self._failed = exc
+                self._busy = False
+                self._cond.notify_all()
+            work._finish(value, exc)
+
+
+_engines_lock = threading.Lock()
+
+
+def engine(fabric: Fabric, create: bool = True) -> CommEngine | None:
+    """The communication engine of ``fabric`` (created on first use when ``create``)."""
+    eng = fabric.__dict__.get("_sc_comm_engine")
+    if eng is None and create:
+        with _engines_lock:
+            eng = fabric.__dict__.get("_sc_comm_engine")
+            if eng is None:
+                eng = CommEngine(str(getattr(fabric, "rank", "")))
+                fabric.__dict__["_sc_comm_engine"] = eng
+    return eng
+
+
+def drain(fabric: Fabric, timeout: float | None = None) -> None:
+    """Wait for every call started on ``fabric`` (the launcher does so before a worker finishes)."""
+    eng = engine(fabric, create=False)
+    if eng is not None:
+        eng.drain(timeout)
 
 
 def incompatible_message(transport: str, kind: str, shared_scale: bool = False, source: str | None = None) -> str:
