@@ -94,7 +94,7 @@ def guard_finite(fabric, what: str, result: torch.Tensor, local: torch.Tensor | 
         return
     if result.numel() == 0 or all_finite(result):
         return
-    rank = fabric.rank
+    # (the same text on every worker: every worker raises the same error)
     if cause is None:
         from ._handshake import check_agreement
 
@@ -103,7 +103,7 @@ def guard_finite(fabric, what: str, result: torch.Tensor, local: torch.Tensor | 
                               info={"nonfinite_input": bad, "input_overwritten": int(local is None)})
         flag, who = got["nonfinite_input"]
         if not flag and got["input_overwritten"][0]:
-            raise NonFiniteError(f"{what}: the sum holds NaN or Inf (this is worker {rank}): an input held "
+            raise NonFiniteError(f"{what}: the sum holds NaN or Inf: an input held "
                                  f"NaN/Inf or the sum overflowed {result.dtype} (summed in place, the inputs "
                                  f"are overwritten); pass nonfinite='pass' to sum them through")
     else:
@@ -111,10 +111,10 @@ def guard_finite(fabric, what: str, result: torch.Tensor, local: torch.Tensor | 
         flag = int(who >= 0)
     if flag:
         src = f"worker {who}" if who is not None else "a worker"
-        raise NonFiniteError(f"{what}: {src} passed NaN or Inf values (this is worker {rank}); pass "
+        raise NonFiniteError(f"{what}: {src} passed NaN or Inf values; pass "
                              f"nonfinite='pass' to the transport to sum them through as torch.distributed does")
     fi = torch.finfo(result.dtype)
     raise OverflowError_(f"{what}: the sum over workers overflowed {result.dtype} (largest finite value "
-                         f"{fi.max:g}) although every worker's input is finite (this is worker {rank}); sum in "
+                         f"{fi.max:g}) although every worker's input is finite; sum in "
                          f"a wider dtype (for fp16 payloads: transport='allgather', which sums in the tensor's "
                          f"dtype, or compressor 'bf16') or scale the values down")

@@ -215,9 +215,9 @@ class AllGather(Transport):
 
         def first_nonfinite() -> int:   # (only on the error path)
             for j, pj in enumerate(pjs):
-                v = pj.values
-                if v.is_floating_point() and v.numel() and not all_finite(v):
-                    return j
+                for v in (pj.values, pj.scale):
+                    if v is not None and v.is_floating_point() and v.numel() and not all_finite(v):
+                        return j
             return -1
 
         guard_finite(self.fabric, what, out, None, self.nonfinite, cause=first_nonfinite)
