@@ -40,3 +40,15 @@ class FabricTimeout(SparseCommError, TimeoutError):
 
 class PeerFailure(SparseCommError, RuntimeError):
     """Another rank failed; raised on every surviving rank with the failing rank's error."""
+
+
+class MalformedMessage(SparseCommError, ValueError):
+    """A message that is not a valid message of the protocol: a bad magic number, version or checksum,
+    or a size, count or code outside what the receiving rank allows (its world size, its own tensor,
+    the protocol's limits). Raised before anything is allocated or looped over from that message."""
+
+
+#: the error classes a rank may name when it reports a failure to the others (through the rendezvous
+#: store, as text: nothing a peer sends is unpickled); any other class is reported as PeerFailure
+REPORTABLE = {c.__name__: c for c in (UnknownNameError, IncompatibleError, MismatchError, NonFiniteError,
+                                      OverflowError_, FabricTimeout, PeerFailure, MalformedMessage)}

@@ -20,8 +20,16 @@ OpenMP/torch thread (``OMP_NUM_THREADS=1`` unless set), and with nccl rank ``r``
 **In place** under torchrun (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` set) or when a
 process group is already initialised: this process is one rank; the job must have
 ``world_size + len(services)`` ranks. Worker ranks run ``fn``, service ranks serve; then every rank gets
-the list of all workers' results (gathered with ``all_gather_object``), so code after ``launch`` behaves
-the same on every rank. The process group is left initialised.
+the list of all workers' results, so code after ``launch`` behaves the same on every rank. Results
+cross ranks in a documented safe encoding, never pickled (unpickling what a peer sends runs its code):
+``None``, ``bool``, ``int``, ``float``, ``str``, ``bytes``, lists, tuples, dicts of those and CPU tensors
+(dtype, shape, raw bytes), as JSON plus the tensors' bytes (:func:`encode_result` /
+:func:`decode_result`; at most 256 MiB per result). A result of any other type is a ``TypeError`` on
+every rank. The process group is left initialised.
+
+Trust. Spawned children report to their own parent over a multiprocessing pipe with pickle (the
+parent started them with its own code: parent-trusts-child, as ``multiprocessing`` does); no rank ever
+unpickles what another rank sends.
 
 Shutdown protocol. A worker that returns from ``fn`` adds 1 to a counter in the rendezvous store
 (``sparsecomm/.../workers_done``). Service ranks poll the counter while they wait for messages (every
@@ -129,24 +137,216 @@ def _run_in_place(backend: str, fn: Callable, world_size: int, timeout_s: float,
     fabric = TorchFabric(world_size, services, timeout_s=timeout_s, store=store, shutdown_key=key)
     rank = dist.get_rank()
     result = None
-    if rank < world_size:
-        ctx = Context(rank, world_size, fabric, backend, fabric.device)
-        set_context(ctx, process_wide=True)
-        try:
-            result = fn(ctx)
-        finally:
-            set_context(None, process_wide=True)
-        store.add(key, 1)
-    else:
-        _serve(fabric, services[rank - world_size])
-    gathered: list[Any] = [None] * total
-    dist.all_gather_object(gathered, result)
-    if owned:
-        # Tear down what we set up while every rank is here: left to interpreter exit, gloo's
-        # destructors race the fabric's waiter threads and abort ("terminate called ...").
-        dist.barrier()
-        dist.destroy_process_group()
+    try:
+        if rank < world_size:
+            ctx = Context(rank, world_size, fabric, backend, fabric.device)
+            set_context(ctx, process_wide=True)
+            try:
+                result = fn(ctx)
+            finally:
+                set_context(None, process_wide=True)
+            store.add(key, 1)
+        else:
+            _serve(fabric, services[rank - world_size])
+    except BaseException as exc:
+        fabric.fail(exc)    # every other rank stops at once, naming this one (see TorchFabric)
+        fabric.close()
+        raise
+    try:
+        gathered = _gather_results(result if rank < world_size else None, rank, total)
+    finally:
+        fabric.close()
+        if owned:
+            # Tear down what we set up while every rank is here (also when the results could not be
+            # gathered: every rank raises that alike): left to interpreter exit, gloo's destructors race
+            # the fabric's waiter threads and abort ("terminate called ...").
+            if fabric.failure is None:
+                dist.barrier()
+            dist.destroy_process_group()
     return gathered[:world_size]
+
+
+# ----------------------------------------------------------------------------- safe result encoding
+_MAX_RESULT_BYTES = 256 << 20
+_MAX_DEPTH = 64
+_SAFE_DTYPES = None
+
+
+def _safe_dtypes() -> dict:
+    global _SAFE_DTYPES
+    if _SAFE_DTYPES is None:
+        import torch
+
+        _SAFE_DTYPES = {str(d): d for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16,
+                                             torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
+                                             torch.bool, torch.complex64, torch.complex128)}
+    return _SAFE_DTYPES
+
+
+def encode_result(obj: Any) -> bytes:
+    """``obj`` as bytes in the safe encoding: ``len(json) (8 bytes, little endian) | json | tensor bytes``.
+
+    JSON nodes are tagged lists: ``["n"]``, ``["b", v]``, ``["i", "digits"]``, ``["f", "repr"]``,
+    ``["s", v]``, ``["y", hex]``, ``["l", [...]]``, ``["t", [...]]``, ``["d", [[k, v], ...]]``,
+    ``["T", dtype, shape, offset, nbytes]``. Raises ``TypeError`` for anything else.
+    """
+    import json
+
+    import torch
+
+    blobs: list[bytes] = []
+    size = [0]
+
+    def enc(o, depth):
+        if depth > _MAX_DEPTH:
+            raise TypeError("the result nests deeper than 64 levels")
+        if o is None:
+            return ["n"]
+        if isinstance(o, bool):
+            return ["b", o]
+        if isinstance(o, int):
+            return ["i", str(int(o))]
+        if isinstance(o, float):
+            return ["f", repr(float(o))]
+        if isinstance(o, str):
+            return ["s", o]
+        if isinstance(o, (bytes, bytearray)):
+            return ["y", bytes(o).hex()]
+        if isinstance(o, list):
+            return ["l", [enc(v, depth + 1) for v in o]]
+        if isinstance(o, tuple):
+            return ["t", [enc(v, depth + 1) for v in o]]
+        if isinstance(o, dict):
+            return ["d", [[enc(k, depth + 1), enc(v, depth + 1)] for k, v in o.items()]]
+        if isinstance(o, torch.Tensor) and str(o.dtype) in _safe_dtypes():
+            t = o.detach().to("cpu").contiguous()
+            data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+            node = ["T", str(t.dtype), list(t.shape), size[0], len(data)]
+            blobs.append(data)
+            size[0] += len(data)
+            return node
+        raise TypeError(f"a result of type {type(o).__name__} cannot cross ranks (in place under torchrun, "
+                        f"results travel in a safe encoding, never pickled): return None, bool, int, float, "
+                        f"str, bytes, tensors, or lists / tuples / dicts of them")
+
+    doc = json.dumps(enc(obj, 0)).encode()
+    return len(doc).to_bytes(8, "little") + doc + b"".join(blobs)
+
+
+def decode_result(data: bytes) -> Any:
+    """Inverse of :func:`encode_result`; a pure parser (nothing is executed), every offset and size
+    checked against the message; a malformed message is :class:`MalformedMessage`."""
+    import json
+
+    import torch
+
+    from .errors import MalformedMessage
+
+    def bad(why: str):
+        return MalformedMessage(f"a result from another rank is malformed: {why}")
+
+    if len(data) < 8:
+        raise bad("shorter than its length prefix")
+    n = int.from_bytes(data[:8], "little")
+    if n > len(data) - 8:
+        raise bad("its JSON length exceeds the message")
+    try:
+        doc = json.loads(data[8:8 + n].decode())
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise bad(f"invalid JSON ({exc})") from None
+    blob = memoryview(data)[8 + n:]
+
+    def dec(node, depth):
+        if depth > _MAX_DEPTH or not isinstance(node, list) or not node or not isinstance(node[0], str):
+            raise bad("an invalid node")
+        tag = node[0]
+        try:
+            if tag == "n":
+                return None
+            if tag == "b":
+                return bool(node[1])
+            if tag == "i":
+                if not isinstance(node[1], str) or len(node[1]) > 5000:
+                    raise bad("an invalid integer")
+                return int(node[1])
+            if tag == "f":
+                return float(node[1])
+            if tag == "s":
+                if not isinstance(node[1], str):
+                    raise bad("an invalid string")
+                return node[1]
+            if tag == "y":
+                return bytes.fromhex(node[1])
+            if tag in ("l", "t"):
+                items = [dec(v, depth + 1) for v in node[1]]
+                return items if tag == "l" else tuple(items)
+            if tag == "d":
+                out = {}
+                for k, v in node[1]:
+                    key = dec(k, depth + 1)
+                    try:
+                        hash(key)
+                    except TypeError:
+                        raise bad("an unhashable dict key") from None
+                    out[key] = dec(v, depth + 1)
+                return out
+            if tag == "T":
+                _, dt, shape, off, nbytes = node
+                dtype = _safe_dtypes().get(dt)
+                if dtype is None or not isinstance(shape, list) or not all(
+                        isinstance(s, int) and 0 <= s for s in shape):
+                    raise bad("an invalid tensor header")
+                count = 1
+                for s_ in shape:
+                    count *= s_
+                item = torch.empty((), dtype=dtype).element_size()
+                if not (isinstance(off, int) and isinstance(nbytes, int) and nbytes == count * item
+                        and 0 <= off and off + nbytes <= len(blob)):
+                    raise bad("a tensor whose size or offset does not fit the message")
+                raw = bytearray(blob[off:off + nbytes])
+                t = torch.frombuffer(raw, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+                return t.view(dtype).reshape(shape).clone()
+        except (IndexError, TypeError, ValueError) as exc:
+            if isinstance(exc, MalformedMessage):
+                raise
+            raise bad(f"an invalid {tag!r} node ({exc})") from None
+        raise bad(f"an unknown node tag {tag!r}")
+
+    return dec(doc, 0)
+
+
+def _gather_results(result: Any, rank: int, total: int) -> list[Any]:
+    """Every rank's result on every rank, in the safe encoding: the lengths first (one int64 each), then
+    the encodings padded to the longest, with ``all_gather`` of tensors (sizes agreed before)."""
+    import torch
+    import torch.distributed as dist
+
+    try:
+        data, err = encode_result(result), ""
+    except TypeError as exc:
+        data, err = b"", str(exc)
+    flag = 1 if err else 0
+    meta = torch.tensor([len(data), flag], dtype=torch.int64)
+    metas = [torch.zeros(2, dtype=torch.int64) for _ in range(total)]
+    dist.all_gather(metas, meta)
+    lengths = [int(m[0]) for m in metas]
+    bad = [r for r in range(total) if int(metas[r][1])]
+    longest = max(lengths)
+    if bad or longest > _MAX_RESULT_BYTES or min(lengths) < 0:
+        if err:
+            raise TypeError(f"worker {rank}: {err}")
+        if bad:
+            raise TypeError(f"the result of worker {bad[0]} cannot cross ranks (see its error; only None, "
+                            f"bool, int, float, str, bytes, tensors and lists / tuples / dicts of them can)")
+        raise ValueError(f"a result of {longest} bytes exceeds the {_MAX_RESULT_BYTES} bytes that launch "
+                         f"gathers under torchrun; return less, or save it to a file")
+    buf = torch.zeros(longest, dtype=torch.uint8)
+    if data:
+        buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    bufs = [torch.empty(longest, dtype=torch.uint8) for _ in range(total)]
+    dist.all_gather(bufs, buf)
+    return [result if r == rank else decode_result(bufs[r][:lengths[r]].numpy().tobytes())
+            for r in range(total)]
 
 
 def _serve(fabric, spec: str) -> None:
@@ -228,7 +428,7 @@ def _spawn(backend: str, fn: Callable, world_size: int, timeout_s: float,
                                       master_addr, prologue))
                 p.start()
                 procs.append(p)
-        results = _supervise(procs, queue, world_size, services, timeout_s)
+        results = _supervise(procs, queue, world_size, services, timeout_s, store)
         ok = True
         return results
     finally:
@@ -242,6 +442,7 @@ def _child_main(rank: int, world_size: int, services: tuple[str, ...], port: int
                 prologue: Callable[[int], None] | None = None) -> None:
     """Entry point of a spawned rank (module level, so that spawn start-up stays cheap)."""
     code = 0
+    fabric = None
     try:
         if prologue is not None:
             prologue(rank)
@@ -278,6 +479,11 @@ def _child_main(rank: int, world_size: int, services: tuple[str, ...], port: int
             queue.put(("ok", rank, None))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         code = 1
+        if fabric is not None:
+            try:
+                fabric.fail(exc)    # every other rank stops at once, naming this one
+            except BaseException:  # noqa: BLE001
+                pass
         try:
             queue.put(("err", rank, _pack_error(exc)))
         except BaseException:  # noqa: BLE001 - the parent is gone
@@ -313,8 +519,11 @@ def _unpack_error(packed: tuple[bytes | None, str, str, str]) -> tuple[BaseExcep
     return exc, tb
 
 
-def _is_consequence(exc: BaseException) -> bool:
+def _is_consequence(exc: BaseException, rank: int | None = None) -> bool:
     """True for errors that are (usually) the effect of another rank's failure."""
+    origin = getattr(exc, "sparsecomm_origin", None)
+    if origin is not None and origin != rank:
+        return True
     if isinstance(exc, (PeerFailure, FabricTimeout)):
         return True
     msg = str(exc)
@@ -326,7 +535,8 @@ def _describe(rank: int, world_size: int, services: tuple[str, ...]) -> str:
     return f"worker {rank}" if rank < world_size else f"service {services[rank - world_size]!r} (rank {rank})"
 
 
-def _supervise(procs, queue, world_size: int, services: tuple[str, ...], timeout_s: float) -> list[Any]:
+def _supervise(procs, queue, world_size: int, services: tuple[str, ...], timeout_s: float,
+               store=None) -> list[Any]:
     total = len(procs)
     results: list[Any] = [None] * world_size
     done: set[int] = set()                                     # ranks that reported success
@@ -355,9 +565,10 @@ def _supervise(procs, queue, world_size: int, services: tuple[str, ...], timeout
                 if r not in done and r not in errors:
                     deaths[r] = p.exitcode
                     order.append(r)
+                    _record_death(store, r, p.exitcode, world_size, services)
         if all(r in done for r in range(world_size)):
             return results
-        if any(not _is_consequence(errors[r][0]) for r in errors):
+        if any(not _is_consequence(errors[r][0], r) for r in errors):
             break
         if errors or deaths:
             now = time.monotonic()
@@ -370,7 +581,7 @@ def _supervise(procs, queue, world_size: int, services: tuple[str, ...], timeout
         _mp_wait([reader] + [p.sentinel for r, p in enumerate(procs) if r not in deaths], timeout=0.25)
 
     # pick the root failure: a real error first, then a crash, then the first consequence
-    root = next((r for r in order if r in errors and not _is_consequence(errors[r][0])), None)
+    root = next((r for r in order if r in errors and not _is_consequence(errors[r][0], r)), None)
     if root is None:
         root = next((r for r in order if r in deaths), None)
     if root is None:
@@ -392,6 +603,21 @@ def _supervise(procs, queue, world_size: int, services: tuple[str, ...], timeout
         else:
             exc.add_note(f"{_describe(r, world_size, services)}: exited with code {deaths[r]} without a report")
     raise exc
+
+
+def _record_death(store, rank: int, code: int, world_size: int, services: tuple[str, ...]) -> None:
+    """Tell the surviving ranks (through the store's failure record, which their watchdogs poll) that
+    ``rank`` died without a report, so that they stop at once, naming it."""
+    if store is None:
+        return
+    from .fabric.torch_fabric import encode_failure
+
+    what = "killed by signal " + str(-code) if code is not None and code < 0 else f"exit code {code}"
+    text = f"{_describe(rank, world_size, services)} died without reporting ({what})"
+    try:
+        store.compare_set(_DONE_KEY + "/failed", "", encode_failure(text, rank, "PeerFailure"))
+    except Exception:  # noqa: BLE001 - the store is gone
+        pass
 
 
 def _reap(procs, grace_s: float) -> None:

@@ -264,6 +264,8 @@ class CommPipeline:
         self.method = build_method(compressor, method, **hyper)
         warn_unguaranteed(self.method)
         self.transport = build_transport(transport, self.method, fabric, transport_kwargs)
+        if nonfinite == "pass" and getattr(self.transport, "nonfinite", "pass") != "pass":
+            self.transport.nonfinite = "pass"   # the transport's own NaN/Inf rule follows the optimizer's
         self.fabric = self.transport.fabric
         self.world_size = int(self.fabric.world_size)
         self.rank = int(self.fabric.rank)

@@ -148,3 +148,47 @@ def _hello(ctx):
 @pytest.mark.multiprocess
 def test_spawn_start_method():
     assert sc.launch(_hello, 2, backend="gloo", start_method="spawn", timeout_s=60) == [0, 1]
+
+
+EVIL_SCRIPT = '''
+import os, sys, torch
+import sparsecomm as sc
+
+class Evil:
+    def __reduce__(self):
+        return (os._exit, (13,))          # would end the unpickling process with code 13
+
+def fn(ctx):
+    return Evil() if ctx.rank == 1 else {"rank": ctx.rank, "t": torch.arange(3) * ctx.rank}
+
+def ok(ctx):
+    return {"rank": ctx.rank, "t": torch.arange(3) * ctx.rank}
+
+if __name__ == "__main__":
+    import torch.distributed as dist
+    dist.init_process_group("gloo")      # one process group for both launches (launch runs in place)
+    good = sc.launch(ok, 2, backend="gloo", timeout_s=60)
+    try:
+        sc.launch(fn, 2, backend="gloo", timeout_s=60)
+        outcome = "no error"
+    except TypeError as e:
+        outcome = "TypeError " + ("worker 1" in str(e) or "Evil" in str(e)).__str__()
+    with open(f"out{os.environ['RANK']}.txt", "w") as fh:
+        fh.write(f"{[g['rank'] for g in good]} {good[1]['t'].tolist()} {outcome}")
+    dist.barrier()
+    dist.destroy_process_group()
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_under_torchrun_results_cross_ranks_without_pickle(tmp_path):
+    """A result whose unpickling would run code is refused on every rank (TypeError), nothing exits."""
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(EVIL_SCRIPT))
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script)], capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    outs = [(tmp_path / f"out{r}.txt").read_text() for r in range(2)]
+    assert outs == ["[0, 1] [0, 1, 2] TypeError True"] * 2, outs

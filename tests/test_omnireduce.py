@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import sparsecomm as sc
-from sparsecomm.errors import IncompatibleError, MismatchError
+from sparsecomm.errors import IncompatibleError, MismatchError, NonFiniteError
 from sparsecomm.payload import Payload
 from sparsecomm.transports.omnireduce import wire
 
@@ -254,15 +254,21 @@ def test_mismatched_length_or_dtype_raises_on_every_worker(deployment):
         assert torch.equal(after, torch.full((50,), 3.0))
 
 
-def test_non_finite_values_are_summed_as_floats():
+def test_non_finite_values_raise_by_default_and_are_summed_as_floats_with_pass():
     def fn(ctx):
         x = torch.zeros(64)
         if ctx.rank == 0:
             x[3], x[40] = float("nan"), float("inf")
         else:
             x[40], x[50] = float("-inf"), 1.0
-        return sc.transports.get("omnireduce", ctx.fabric, block_size=16).allreduce(x)
-    for y in sc.launch(fn, 2):
+        try:
+            sc.transports.get("omnireduce", ctx.fabric, block_size=16).allreduce(x)
+            err = None
+        except NonFiniteError as e:
+            err = str(e)
+        return err, sc.transports.get("omnireduce", ctx.fabric, block_size=16, nonfinite="pass").allreduce(x)
+    for err, y in sc.launch(fn, 2):
+        assert err is not None and "worker 0" in err
         assert torch.isnan(y[3]) and torch.isnan(y[40]) and y[50] == 1.0 and y[0] == 0
 
 

@@ -13,7 +13,7 @@ run agree (``tests/test_costs.py`` checks it within 10 % for n in {2, 4, 8, 16, 
 Every function returns a :class:`Cost` for one call: modelled time, bytes and messages per worker
 (averaged over workers where the load is uneven), and the latency steps on the critical path. Sizes are
 in bytes. Each transport's agreement handshake (``sparsecomm/transports/_handshake.py``: ``ceil(log2 n)``
-rounds of one ``32 * fields``-byte message) is included where the transport performs it.
+rounds of one fixed-size message of ``HANDSHAKE_BYTES``) is included where the transport performs it.
 
 This is a flat module of plain functions; each transport's model sits in its own section, with its
 formula and paper in the docstring.
@@ -51,20 +51,24 @@ def add(*costs: Cost) -> Cost:
 
 
 # ----------------------------------------------------------------------------- agreement handshake
-HANDSHAKE_FIELD_BYTES = 32          # (min, argmin, max, argmax) as int64
+HANDSHAKE_FIELD_BYTES = 32          # (min, argmin, max, argmax) as int64, per word of the header
+#: every handshake message, whatever the number of fields: a 32-word int64 header (preamble, 16 field
+#: slots, merge state, checksum): sparsecomm.transports._handshake.HEADER_BYTES
+HANDSHAKE_BYTES = 8 * 32
 #: handshake fields of the ring / native transports per operand kind (plain tensors count as dense)
 RING_HANDSHAKE_FIELDS = {"dense": 6, "aligned": 7, "quantized": 8}
 
 
 def handshake(n: int, fields: int, *, bandwidth_gbps: float = 100.0, latency_us: float = 2.0) -> Cost:
     """Dissemination min/max of ``fields`` int64 fields: ``ceil(log2 n)`` rounds, each one message of
-    ``32 * fields`` bytes to ``r + 2^k`` and one from ``r - 2^k``: ``T = ceil(log2 n) (alpha + m / B)``.
+    ``m = HANDSHAKE_BYTES`` (a fixed-size header, whatever ``fields``) to ``r + 2^k`` and one from
+    ``r - 2^k``: ``T = ceil(log2 n) (alpha + m / B)``.
     """
     if n <= 1 or fields <= 0:
         return ZERO
     B, alpha = link(bandwidth_gbps, latency_us)
     rounds = (n - 1).bit_length()
-    m = HANDSHAKE_FIELD_BYTES * fields
+    m = HANDSHAKE_BYTES
     return Cost(rounds * (alpha + m / B), rounds * m, rounds * m, rounds, rounds)
 
 
@@ -119,7 +123,8 @@ def native_allreduce(n: int, nbytes: int, **kw) -> Cost:
 
 
 # ----------------------------------------------------------------------------- allgather
-ALLGATHER_HEADER_BYTES = 8 * 15     # int64 header: 6 scalars + (count, dtype, encoding) of 3 wire slots
+ALLGATHER_HEADER_BYTES = HANDSHAKE_BYTES   # allgather's headers (6 scalars + (count, dtype, encoding) of
+#                                            3 wire slots) travel in the handshake's fixed-size format
 
 
 def allgather(n: int, payload_bytes: float, *, tensors: int = 1, bandwidth_gbps: float = 100.0,

@@ -13,7 +13,10 @@ class CommStats:
     ``messages`` counts messages *sent* by this endpoint. ``links`` maps ``(src, dst)`` to bytes
     carried on that directed link as seen from this endpoint (its sends and its receives).
     ``modelled_time_s`` is the virtual-clock time of the SimFabric network model (0 on real fabrics);
-    ``wall_time_s`` is measured time.
+    ``wall_time_s`` is measured time. ``estimated_bytes``: how many of ``bytes_sent + bytes_received``
+    were booked from a formula rather than measured (a transport whose traffic the library cannot see,
+    e.g. ``native``: ``torch.distributed.all_reduce``); when it is non-zero, ``messages``,
+    ``messages_received`` and ``rounds`` include estimated counts too (:attr:`estimated`).
     """
 
     bytes_sent: int = 0
@@ -23,6 +26,7 @@ class CommStats:
     rounds: int = 0
     modelled_time_s: float = 0.0
     wall_time_s: float = 0.0
+    estimated_bytes: int = 0
     links: Counter = field(default_factory=Counter)
 
     def record_send(self, src: int, dst: int, nbytes: int) -> None:
@@ -34,6 +38,11 @@ class CommStats:
         self.bytes_received += nbytes
         self.messages_received += 1
         self.links[(src, dst)] += nbytes
+
+    @property
+    def estimated(self) -> bool:
+        """True if some of these figures come from a formula, not from counting messages."""
+        return self.estimated_bytes > 0
 
     def copy(self) -> "CommStats":
         c = CommStats(**{k: getattr(self, k) for k in self._scalars()})
@@ -59,4 +68,5 @@ class CommStats:
     @staticmethod
     def _scalars() -> tuple[str, ...]:
         return ("bytes_sent", "bytes_received", "messages", "messages_received", "rounds",
-                "modelled_time_s", "wall_time_s")
+                "modelled_time_s", "wall_time_s",
+                "estimated_bytes")

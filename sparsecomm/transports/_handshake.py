@@ -8,13 +8,24 @@ Usage, at the top of a transport's allreduce::
     from ._handshake import check_agreement, dtype_code
     check_agreement(fabric, "ring allreduce", numel=x.numel(), dtype=dtype_code(x.dtype))
 
-``check_agreement`` is a *dissemination* min/max all-reduce of the field vector (Bruck et al.): in round
-``k`` worker ``r`` sends its running (min, argmin, max, argmax) per field to ``r + 2^k`` and combines what
-it receives from ``r - 2^k`` (min and max are idempotent, so overlaps for non-powers of two are harmless).
-After ``ceil(log2 n)`` rounds every worker knows the global min and max of each field and raises if they
-differ; the error names two disagreeing workers and their values. Cost per worker: ``ceil(log2 n)``
-messages of ``32 * len(fields)`` bytes sent and received, ``ceil(log2 n)`` latency steps (see
+``check_agreement`` is a *dissemination* all-reduce of the header (Bruck et al.): in round ``k`` worker
+``r`` sends its running state to ``r + 2^k`` and merges what it receives from ``r - 2^k``; the state is the
+fields of the lowest rank merged so far, the first disagreement seen (which word, two ranks and their
+values) and, per ``info`` field, the maximum and its rank (every merge is idempotent, so overlaps for
+non-powers of two are harmless). After ``ceil(log2 n)`` rounds every worker knows whether all agree and
+raises if not; the error names two disagreeing workers and their values. Cost per worker: ``ceil(log2 n)``
+messages of :data:`HEADER_BYTES` bytes sent and received, ``ceil(log2 n)`` latency steps (see
 :func:`theory.costs.handshake`); they go through the fabric, so they are counted in ``CommStats``.
+
+**Fixed-size header.** Every message has the same size whatever the transport and its fields
+(``int64[HEADER_WORDS]``: ``[magic, transport code, layout code, field count, fields ..., reference
+rank, disagreement record, info ranks, checksum]``), so workers that disagree on the transport, the payload
+kind or the options never post receives of different sizes (gloo aborts the process on a message longer
+than its receive): they exchange headers and all raise :class:`MismatchError` naming both sides. A header
+that fails its checksum or names impossible ranks is :class:`MalformedMessage` (reported to the other
+ranks through the fabric's ``fail`` capability, since only this worker may have seen it). ``info`` fields
+travel in the same header but are not compared: each worker learns their maximum and who holds it
+(non-finite flags, integer bounds) at no extra cost.
 
 Fields are Python ints or 0-d integer tensors (e.g. a :func:`fingerprint`, computed on the fabric's
 device without a host round trip). A field whose name ends in ``dtype`` is printed as a dtype name in
@@ -31,12 +42,25 @@ from typing import Sequence
 
 import torch
 
-from ..errors import MismatchError
+from ..errors import MalformedMessage, MismatchError
 
 #: tag of the handshake messages (kept apart from the transports' data tags)
 HANDSHAKE_TAG = 0x5C00
 
-_FIELD_BYTES = 4 * 8   # (min, argmin, max, argmax) as int64
+#: first word of every agreement header ("SCHS", header version 3)
+MAGIC = 0x53434853_0003
+#: fields per header (transports use fewer; the rest are zero); at most MAX_INFO of them ``info`` fields
+MAX_FIELDS = 16
+MAX_INFO = 4
+_PRE = 4          # magic, transport code, layout code (field names), number of fields
+_REF = _PRE + MAX_FIELDS          # the rank whose header the fields are (the lowest merged so far)
+_DIS = _REF + 1                   # a disagreement seen: word index (-1: none), rank a, value a, rank b, value b
+_ARG = _DIS + 5                   # the rank holding each info field's maximum
+#: int64 words of every handshake message: preamble, fields, reference rank, disagreement, info ranks,
+#: a reserved word and a checksum
+HEADER_WORDS = _ARG + MAX_INFO + 2
+#: bytes of every handshake message
+HEADER_BYTES = 8 * HEADER_WORDS
 
 
 def dtype_code(dtype: torch.dtype) -> int:
@@ -116,46 +140,165 @@ def _error(what: str, name: str, vmin: int, rmin: int, vmax: int, rmax: int, min
         f"pass the same {name}")
 
 
-def check_agreement(fabric, what: str, *, tag: int = HANDSHAKE_TAG, **fields: int | torch.Tensor) -> None:
+def transport_code(name: str) -> int:
+    """A stable non-negative integer naming the transport ``name`` (the agreement header's word 1)."""
+    return zlib.crc32(("transport:" + name).encode()) & 0x7FFFFFFF
+
+
+def _transport_name(code: int) -> str:
+    try:
+        from . import registry
+
+        names = list(registry.available())
+    except Exception:  # noqa: BLE001 - only for the message
+        names = []
+    for nm in names + ["allgather", "ring", "native", "omnireduce", "switch"]:
+        if transport_code(nm) == code:
+            return repr(nm)
+    return f"<transport code {code}>"
+
+
+def _layout_code(names: Sequence[str], info: Sequence[str]) -> int:
+    return zlib.crc32(("|".join(names) + "#" + "|".join(info)).encode()) & 0x7FFFFFFF
+
+
+def _checksum(state: torch.Tensor) -> torch.Tensor:
+    """A position-weighted int64 checksum of a header's words (all but the last)."""
+    v = state[:-1].to(torch.int64)
+    w = torch.arange(1, v.numel() + 1, dtype=torch.int64, device=v.device)
+    return ((v ^ (w * 0x5851F42D4C957F2D)) * 0x9E3779B1 + w).sum()
+
+
+def _fail(fabric, exc: BaseException) -> BaseException:
+    """Tell the other ranks about an error only this rank may have seen (a malformed message), so that
+    their waits end at once instead of at the timeout (a fabric capability: ``fail``)."""
+    fail = getattr(fabric, "fail", None)
+    if fail is not None:
+        try:
+            fail(exc)
+        except Exception:  # noqa: BLE001 - reporting must not mask the error
+            pass
+    return exc
+
+
+def header_state(rank: int, transport: str, names: Sequence[str], info: Sequence[str],
+                 values: Sequence[int | torch.Tensor], device) -> torch.Tensor:
+    """This worker's agreement header, ``int64[HEADER_WORDS]``: the same size for every transport and call."""
+    if len(values) > MAX_FIELDS or len(info) > MAX_INFO:
+        raise ValueError(f"the agreement header holds at most {MAX_FIELDS} fields ({MAX_INFO} info fields)")
+    words = [MAGIC, transport_code(transport), _layout_code(names, info), len(values)]
+    words += [int(torch.as_tensor(v).reshape(()).item()) if isinstance(v, torch.Tensor) else int(v)
+              for v in values]
+    words += [0] * (_REF - len(words))
+    words += [rank, -1, 0, 0, 0, 0] + [rank] * MAX_INFO + [0, 0]
+    state = torch.tensor(words, dtype=torch.int64, device=device)
+    state[-1] = _checksum(state)
+    return state
+
+
+def validate_state(buf: torch.Tensor, src: int, what: str, rank: int, n: int) -> None:
+    """Raise :class:`MalformedMessage` unless ``buf`` is a well-formed agreement header."""
+    if int(buf[-1]) != int(_checksum(buf)):
+        raise MalformedMessage(f"{what}: the agreement header from worker {src} fails its checksum "
+                               f"(corrupted on the wire, or not a sparsecomm header); this is worker {rank}")
+    w = buf.tolist()
+    if w[0] != MAGIC:
+        raise MalformedMessage(f"{what}: worker {src} sent an agreement header of another protocol version "
+                               f"(magic {w[0]:#x}, expected {MAGIC:#x}); this is worker {rank}")
+    ranks = [w[_REF]] + w[_ARG:_ARG + MAX_INFO] + ([w[_DIS + 1], w[_DIS + 3]] if w[_DIS] >= 0 else [])
+    if not all(0 <= x < n for x in ranks) or not -1 <= w[_DIS] < _REF or not 0 <= w[3] <= MAX_FIELDS:
+        raise MalformedMessage(f"{what}: the agreement header from worker {src} names ranks outside "
+                               f"0..{n - 1} or words outside the header; this is worker {rank}")
+
+
+def _combine(a: list[int], b: list[int], compared: list[int], info: range) -> list[int]:
+    """Merge two header states (see :func:`check_agreement`)."""
+    lo, hi = (a, b) if a[_REF] <= b[_REF] else (b, a)
+    out = list(lo)
+    if lo[_DIS] < 0:
+        if hi[_DIS] >= 0:
+            out[_DIS:_DIS + 5] = hi[_DIS:_DIS + 5]
+        else:
+            j = next((j for j in compared if lo[j] != hi[j]), None)
+            if j is not None:
+                out[_DIS:_DIS + 5] = [j, lo[_REF], lo[j], hi[_REF], hi[j]]
+    for i, j in enumerate(info):
+        if b[j] > a[j] or (b[j] == a[j] and b[_ARG + i] < a[_ARG + i]):
+            out[j], out[_ARG + i] = b[j], b[_ARG + i]
+        else:
+            out[j], out[_ARG + i] = a[j], a[_ARG + i]
+    return out
+
+
+def check_agreement(fabric, what: str, *, tag: int = HANDSHAKE_TAG, transport: str | None = None,
+                    info: dict | None = None, **fields: int | torch.Tensor) -> dict[str, tuple[int, int]]:
     """Raise :class:`MismatchError` on every worker unless all workers pass equal ``fields``.
 
-    ``what`` names the operation in the message (e.g. ``"ring allreduce"``). Must be called by every
-    worker (not by services) in the same order relative to other traffic on ``tag``.
+    ``what`` names the operation in the message (e.g. ``"ring allreduce"``); ``transport`` (default: its
+    first word) is part of the header, so workers running different transports get a MismatchError
+    naming both (and, since their message patterns may differ, the failure is reported to every rank:
+    the job stops). ``info`` fields (at most :data:`MAX_INFO`) are not compared: the result maps each to
+    ``(max over workers, the lowest worker holding it)``. Must be called by every worker (not by
+    services) in the same order relative to other traffic on ``tag``. Every message is one fixed-size
+    header (:data:`HEADER_BYTES`), whatever the transport and the fields, so a worker never receives a
+    message of another size than it posted; a malformed one raises :class:`MalformedMessage`.
+
+    State merged by the dissemination: the fields of the lowest rank merged so far, the first
+    disagreement seen (word, two ranks, their values), and each info field's maximum and its rank. A
+    merged set of workers holds a disagreement record exactly when two of its members' headers differ
+    (by induction over the merges), so after ``ceil(log2 n)`` rounds every worker knows whether all
+    agree, and names two that do not.
     """
     n, rank = fabric.world_size, fabric.rank
-    if n <= 1 or not fields:
-        return
+    info = dict(info or {})
+    if n <= 1:
+        return {k: (int(torch.as_tensor(v)), rank) for k, v in info.items()}
     if rank >= n:
         raise RuntimeError("check_agreement is for workers only")
-    dev = fabric.device
-    names = list(fields)
-    vals = torch.stack([torch.as_tensor(v, dtype=torch.int64).reshape(()).to(dev) for v in fields.values()])
-    ranks = torch.full_like(vals, rank)
-    state = torch.stack([vals, ranks, vals, ranks])     # rows: min, argmin, max, argmax
+    transport = transport or what.split()[0]
+    names, inames = list(fields), list(info)
+    state = header_state(rank, transport, names, inames, list(fields.values()) + list(info.values()),
+                         fabric.device)
+    mine = state.tolist()
+    compared = [0, 1] + list(range(_PRE, _PRE + len(names))) + [2, 3]
+    info_words = range(_PRE + len(names), _PRE + len(names) + len(inames))
+    cur = mine
     buf = torch.empty_like(state)
     k = 1
     while k < n:
+        src = (rank - k) % n
         work = fabric.isend(state, (rank + k) % n, tag)
-        fabric.recv(buf, (rank - k) % n, tag)
+        fabric.recv(buf, src, tag)
         work.wait()
-        state = _combine(state, buf)
+        try:
+            validate_state(buf, src, what, rank, n)
+        except MalformedMessage as exc:
+            raise _fail(fabric, exc) from None
+        cur = _combine(cur, buf.tolist(), compared, info_words)
+        state = torch.tensor(cur, dtype=torch.int64, device=fabric.device)
+        state[-1] = _checksum(state)
         k *= 2
     fabric.stats.rounds += (n - 1).bit_length()
-    vmin, rmin, vmax, rmax = state.tolist()
-    mine = vals.tolist()
-    for i, name in enumerate(names):
-        if vmin[i] != vmax[i]:
-            raise _error(what, name, vmin[i], rmin[i], vmax[i], rmax[i], mine[i], rank)
+    j = cur[_DIS]
+    if j >= 0:
+        ra, va, rb, vb = cur[_DIS + 1:_DIS + 5]
+        if j == 1:
+            # transports that disagree may not even agree on who sends what to whom: some worker may be
+            # left waiting for a message that never comes, so the other ranks are told (fail-stop)
+            raise _fail(fabric, MismatchError(
+                f"{what}: workers disagree on the transport: worker {ra} runs {_transport_name(va)}, "
+                f"worker {rb} runs {_transport_name(vb)} (this is worker {rank}, running {transport!r}); "
+                f"every worker must call the same transport in the same order")) from None
+        if j in (0, 2, 3):
+            raise MismatchError(
+                f"{what}: workers {ra} and {rb} describe their calls with different fields (another "
+                f"payload kind, dtype class, transport option or library version; this is worker {rank}); "
+                f"every worker must pass the same kind of input with the same options")
+        (vmin, rmin), (vmax, rmax) = sorted([(va, ra), (vb, rb)])
+        raise _error(what, names[j - _PRE], vmin, rmin, vmax, rmax, mine[j], rank)
+    return {nm: (cur[_PRE + len(names) + i], cur[_ARG + i]) for i, nm in enumerate(inames)}
 
 
-def _combine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Merge two (min, argmin, max, argmax) states; ties go to the lower rank."""
-    lo = (b[0] < a[0]) | ((b[0] == a[0]) & (b[1] < a[1]))
-    hi = (b[2] > a[2]) | ((b[2] == a[2]) & (b[3] < a[3]))
-    return torch.stack([torch.where(lo, b[0], a[0]), torch.where(lo, b[1], a[1]),
-                        torch.where(hi, b[2], a[2]), torch.where(hi, b[3], a[3])])
-
-
-def handshake_bytes(nfields: int) -> int:
-    """Bytes of one handshake message with ``nfields`` fields."""
-    return _FIELD_BYTES * nfields
+def handshake_bytes(nfields: int | None = None) -> int:
+    """Bytes of one handshake message: the fixed-size header state, whatever the number of fields."""
+    return HEADER_BYTES

@@ -9,7 +9,12 @@ Protocol, on worker ``r`` of ``n``:
 1. exchange a fixed-size int64 *header* with every other worker (original length, dtype, kind, scale
    sharing, bucket size, an indices checksum for ``aligned``, and the element count, in-memory dtype
    and wire encoding of each slot: values, indices (``sparse`` only), scale: see
-   :meth:`Payload.wire_layout <sparsecomm.payload.Payload.wire_layout>`);
+   :meth:`Payload.wire_layout <sparsecomm.payload.Payload.wire_layout>`), in the agreement handshake's
+   format and on its tag (:mod:`._handshake`: the same size for every transport, with a checksum), so
+   that a worker running another transport gets a :class:`~sparsecomm.errors.MismatchError` rather
+   than a message of an unexpected size; a header that fails its checksum (seen perhaps by this worker
+   only) is :class:`~sparsecomm.errors.MalformedMessage`, reported to the others through the fabric
+   (``fail``), as is a header whose slots fail their checks;
 2. send the non-empty wire tensors (:meth:`Payload.to_wire`: 1-bit signs, k-bit codes, natural
    sign + exponent, int32 indices or a bitmap: the bits the compressor declares) to every other worker
    (destinations in the order ``r+1, r+2, ...``, so that every receiver gets one sender at a time) and
@@ -23,7 +28,10 @@ Protocol, on worker ``r`` of ``n``:
    headers, so a mismatch raises :class:`~sparsecomm.errors.MismatchError` on every worker before any
    data is sent, and the fabric stays clean); after phase 2, rebuild each worker's :class:`~sparsecomm.payload.Payload` bit-exactly
    (:meth:`Payload.from_wire`) and sum their ``to_dense()`` in rank order (the same bits on every
-   worker).
+   worker): integers in int64, range-checked against the input's dtype
+   (:class:`~sparsecomm.errors.OverflowError_`, never wrapped); NaN/Inf in a float sum raise
+   :class:`~sparsecomm.errors.NonFiniteError` (or ``OverflowError_`` for finite inputs that overflow)
+   unless ``nonfinite="pass"``, on every worker (:mod:`._guards`).
 
 Cost per worker: ``(n-1)`` headers plus ``(n-1)`` payloads up and down, two latency steps (one when
 every payload is empty) on an idle network (:func:`theory.costs.allgather`).
@@ -36,11 +44,16 @@ import torch
 from ..fabric.base import Fabric
 from ..payload import Payload, WireFormatError, check_slot, empty_slot
 from . import registry
-from ._handshake import dtype_code, dtype_from_code, fingerprint, mismatch_error
+from ..errors import MalformedMessage, MismatchError, OverflowError_
+from ._guards import abs_max, all_finite, guard_finite, is_integer, narrow, nonfinite_option
+from ._handshake import (HANDSHAKE_TAG, _DIS, _PRE, _REF, _fail, _transport_name, dtype_code, fingerprint, header_state,
+                         mismatch_error, transport_code, validate_state)
 from .base import Transport
 from .ring import KIND_CODE
 
-HEADER_TAG = 0x5C20
+#: the headers travel on the agreement handshake's tag, in its fixed-size format, so that a worker
+#: running another transport exchanges headers of the same size and gets a MismatchError, not an abort
+HEADER_TAG = HANDSHAKE_TAG
 DATA_TAG = 0x5C21
 
 # header layout (int64): six scalars, then (count, dtype code, encoding code) for each of the three slots
@@ -48,7 +61,8 @@ _NUMEL, _DTYPE, _KIND, _SHARED, _BUCKET, _INDICES = range(6)
 _SLOTS = ("values", "indices", "scale")
 _SLOT_FIELDS = 3
 HEADER_FIELDS = 6 + _SLOT_FIELDS * len(_SLOTS)
-HEADER_BYTES = 8 * HEADER_FIELDS
+_NAMES = ("numel", "dtype", "kind", "shared", "bucket", "indices") + tuple(
+    f"{slot}_{f}" for slot in _SLOTS for f in ("count", "dtype", "encoding"))
 
 
 def _slot(h: list[int], slot: int) -> tuple[int, int, int]:
@@ -56,13 +70,31 @@ def _slot(h: list[int], slot: int) -> tuple[int, int, int]:
     return h[base], h[base + 1], h[base + 2]
 
 
-def _header(p: Payload, layout: list, device: torch.device) -> torch.Tensor:
+def _header(p: Payload, layout: list, device: torch.device, rank: int) -> torch.Tensor:
+    """This worker's header: the agreement handshake's fixed-size state (:func:`header_state`)."""
     fields: list = [p.numel, dtype_code(p.dtype), KIND_CODE[p.kind], int(bool(p.shared_scale)),
                     int(p.bucket_size or 0),
                     fingerprint(p.indices) if p.kind == "aligned" else 0]
     for lay in layout:
         fields += [lay[0], dtype_code(lay[1]), lay[2]] if lay is not None else [-1, 0, 0]
-    return torch.stack([torch.as_tensor(f, dtype=torch.int64).reshape(()).to(device) for f in fields])
+    return header_state(rank, "allgather", _NAMES, (), fields, device)
+
+
+def _read_header(buf: torch.Tensor, src: int, rank: int, n: int) -> list[int]:
+    """A peer's header fields, after checking that it is a well-formed allgather header."""
+    what = "allgather allreduce"
+    validate_state(buf, src, what, rank, n)
+    w = buf.tolist()
+    mine = transport_code("allgather")
+    if w[1] != mine or w[_DIS] >= 0:
+        theirs = w[1] if w[1] != mine else w[_DIS + 4]
+        raise MismatchError(f"{what}: workers disagree on the transport: worker {src} runs "
+                            f"{_transport_name(theirs)}, this worker ({rank}) runs 'allgather'; every worker "
+                            f"must call the same transport in the same order")
+    if w[3] != HEADER_FIELDS or w[_REF] != src:
+        raise MalformedMessage(f"{what}: worker {src}'s header has {w[3]} fields for worker {w[_REF]}, "
+                               f"expected {HEADER_FIELDS} for worker {src}; this is worker {rank}")
+    return w[_PRE:_PRE + HEADER_FIELDS]
 
 
 @registry.register("allgather")
@@ -73,8 +105,10 @@ class AllGather(Transport):
     carries = frozenset({"dense", "aligned", "sparse", "quantized"})
     quantized_needs_shared_scale = False
 
-    def __init__(self, fabric: Fabric, *, header_tag: int = HEADER_TAG, data_tag: int = DATA_TAG) -> None:
+    def __init__(self, fabric: Fabric, *, header_tag: int = HEADER_TAG, data_tag: int = DATA_TAG,
+                 nonfinite: str = "raise") -> None:
         super().__init__(fabric)
+        self.nonfinite = nonfinite_option(nonfinite, "allgather")
         if not fabric.is_worker:
             raise ValueError("transports run on workers, not on service endpoints")
         self.header_tag = header_tag
@@ -100,20 +134,28 @@ class AllGather(Transport):
         dev = p.values.device
         layout = p.wire_layout()
         wire = p.to_wire()
-        # phase 1: headers, every worker to every worker
-        header = _header(p, layout, dev)
-        hbuf = torch.empty((n, HEADER_FIELDS), dtype=torch.int64, device=dev)
-        hbuf[r] = header
+        # phase 1: headers, every worker to every worker (the handshake's fixed-size format)
+        header = _header(p, layout, dev, r)
+        hbufs = [torch.empty_like(header) for _ in range(n)]
         works = [f.isend(header, (r + k) % n, self.header_tag) for k in range(1, n)]
-        works += [f.irecv(hbuf[(r - k) % n], (r - k) % n, self.header_tag) for k in range(1, n)]
+        works += [f.irecv(hbufs[(r - k) % n], (r - k) % n, self.header_tag) for k in range(1, n)]
         for w in works:
             w.wait()
-        headers = hbuf.tolist()
+        headers: list[list[int]] = [[] for _ in range(n)]
+        for src in range(n):
+            try:
+                headers[src] = (header[_PRE:_PRE + HEADER_FIELDS].tolist() if src == r
+                                else _read_header(hbufs[src], src, r, n))
+            except (MalformedMessage, MismatchError) as exc:   # possibly seen by this worker only
+                raise _fail(f, exc) from None
         # every worker holds every header: agreement (length, dtype, kind, encoding, ...) and each
         # announced slot (against this rank's own tensor) are checked before any data moves or any buffer
         # is allocated, so every worker raises the same error and nothing is left in flight
         self._check(headers, r)
-        layouts = [self._peer_layout(headers[j], p.numel, j) for j in range(n)]
+        try:
+            layouts = [self._peer_layout(headers[j], p.numel, j) for j in range(n)]
+        except (WireFormatError, MalformedMessage) as exc:   # a lying header: the job stops (fail-stop)
+            raise _fail(f, exc if isinstance(exc, MalformedMessage) else MalformedMessage(str(exc))) from exc
         # phase 2: the wire tensors, sized by the checked layouts (empty ones are not sent)
         works = []
         for k in range(1, n):
@@ -134,7 +176,19 @@ class AllGather(Transport):
         for w in works:
             w.wait()
         f.stats.rounds += 2
-        out = torch.zeros(p.numel, dtype=p.dtype, device=dev)
+        return self._sum(p, received, headers, layouts, r)
+
+    def _sum(self, p: Payload, received, headers, layouts, r: int) -> torch.Tensor:
+        """Every worker's payload, summed in rank order (the same bits on every worker): integers in
+        int64 and range-checked, floats checked for NaN/Inf (the culprit is found locally, on the error
+        path only: every worker holds every payload)."""
+        what = "allgather allreduce"
+        n = len(received)
+        dev = p.values.device
+        integer = is_integer(p.dtype)
+        acc = torch.int64 if integer else p.dtype
+        out = torch.zeros(p.numel, dtype=acc, device=dev)
+        pjs = []
         for j in range(n):
             h = headers[j]
             if j == r:
@@ -148,9 +202,25 @@ class AllGather(Transport):
                     idx = pj.indices.reshape(-1).to(torch.int64)
                     if pj.kind == "sparse" and (int(idx.min()) < 0 or int(idx.max()) >= p.numel):
                         raise WireFormatError(f"allgather: worker {j} sent indices outside [0, {p.numel})")
-                    out.index_add_(0, idx, pj.values.reshape(-1).to(p.dtype))
+                    out.index_add_(0, idx, pj.values.reshape(-1).to(acc))
             else:
-                out += pj.to_dense()
+                out += pj.to_dense().to(acc)
+            pjs.append(pj)
+        if integer:
+            if p.dtype == torch.int64:    # int64 partial sums could wrap: bound them first
+                bound = sum(abs_max(pj.values.reshape(-1)) for pj in pjs if not pj.values.is_floating_point())
+                if bound > torch.iinfo(torch.int64).max:
+                    raise OverflowError_(f"{what}: the workers' int64 values can sum beyond int64 (bound {bound})")
+            return narrow(out, p.dtype, what)
+
+        def first_nonfinite() -> int:   # (only on the error path)
+            for j, pj in enumerate(pjs):
+                for v in (pj.values, pj.scale):
+                    if v is not None and v.is_floating_point() and v.numel() and not all_finite(v):
+                        return j
+            return -1
+
+        guard_finite(self.fabric, what, out, None, self.nonfinite, cause=first_nonfinite)
         return out
 
     @staticmethod

@@ -7,8 +7,12 @@ vectors; ``quantized`` codes with a shared scale, summed as int32/int64) through
 
 ``last_stats``: torch.distributed does not report its traffic, so the all-reduce itself is booked at the
 bandwidth-optimal ring volume, ``2 (n-1)/n`` of the vector each way per worker, in one message per
-direction (an estimate: gloo and NCCL use ring-like algorithms for large tensors); the handshake is
-measured.
+direction and ``2 (n-1)`` rounds (an estimate: gloo and NCCL use ring-like algorithms for large
+tensors); ``CommStats.estimated_bytes`` counts those booked bytes, so ``last_stats.estimated`` is true and
+the measured part (the handshake) is ``bytes_sent + bytes_received - estimated_bytes``.
+
+Integer sums that could overflow are summed in int64 and range-checked; NaN/Inf raise unless
+``nonfinite="pass"`` (:mod:`._guards`), on every worker.
 """
 
 from __future__ import annotations
@@ -19,9 +23,9 @@ from ..errors import FabricTimeout, IncompatibleError, PeerFailure
 from ..fabric.base import Fabric
 from ..payload import Payload
 from . import registry
-from ._handshake import check_agreement
+from ._guards import nonfinite_option
 from .base import Transport
-from .ring import linear_operand
+from .ring import guarded_sum, linear_operand
 
 
 @registry.register("native")
@@ -32,8 +36,9 @@ class Native(Transport):
     carries = frozenset({"dense", "aligned", "quantized"})
     quantized_needs_shared_scale = True
 
-    def __init__(self, fabric: Fabric, *, inplace: bool = False) -> None:
+    def __init__(self, fabric: Fabric, *, inplace: bool = False, nonfinite: str = "raise") -> None:
         super().__init__(fabric)
+        self.nonfinite = nonfinite_option(nonfinite, "native")
         self.inplace = inplace   # all-reduce a plain tensor input in place (scratch buckets), no copy
         if getattr(fabric, "worker_group", None) is None:
             raise IncompatibleError(
@@ -55,8 +60,14 @@ class Native(Transport):
         f = self.fabric
         n = f.world_size
         op = linear_operand(x, n, self.name)
-        check_agreement(f, "native allreduce", **op.fields)
-        acc = op.work_copy(self.inplace and isinstance(x, torch.Tensor))
+        return op.finish(guarded_sum(f, "native allreduce", op, {}, self.nonfinite,
+                                     self.inplace and isinstance(x, torch.Tensor), self._reduce))
+
+    def _reduce(self, acc: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        f = self.fabric
+        n = f.world_size
         if n > 1:
             try:
                 dist.all_reduce(acc, group=f.worker_group)
@@ -74,4 +85,5 @@ class Native(Transport):
             st.messages += 1
             st.messages_received += 1
             st.rounds += 2 * (n - 1)
-        return op.finish(acc)
+            st.estimated_bytes += 2 * moved
+        return acc

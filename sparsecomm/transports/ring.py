@@ -28,6 +28,11 @@ Payloads it sums compactly (a *linear* operand: the element-wise sum of one vect
 - ``quantized`` with ``shared_scale``: the integer codes, summed exactly in int32 (int64 when
   ``n * max|code|`` could exceed int32), then multiplied by the shared scale (its checksum is part of the
   handshake, so a scale that is not shared is a clear error rather than a wrong sum).
+
+Values (:func:`guarded_sum`, :mod:`._guards`): an integer input travels in its own dtype when ``n``
+times the largest magnitude announced in the handshake fits it, else in int64, and the sum is
+range-checked back (never wrapped); a float sum holding NaN/Inf raises on every worker unless
+``nonfinite="pass"``.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from ..errors import IncompatibleError
 from ..fabric.base import Fabric
 from ..payload import KINDS, Payload
 from . import registry
+from ._guards import abs_max, guard_finite, int_accumulator, is_integer, narrow, nonfinite_option
 from ._handshake import check_agreement, dtype_code, fingerprint
 from .base import Transport
 
@@ -214,8 +220,9 @@ class Ring(Transport):
     quantized_needs_shared_scale = True
 
     def __init__(self, fabric: Fabric, *, tag: int = RING_TAG, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
-                 inplace: bool = False) -> None:
+                 inplace: bool = False, nonfinite: str = "raise") -> None:
         super().__init__(fabric)
+        self.nonfinite = nonfinite_option(nonfinite, "ring")
         if not fabric.is_worker:
             raise ValueError("transports run on workers, not on service endpoints")
         if segment_bytes <= 0:
@@ -232,8 +239,30 @@ class Ring(Transport):
         return self._run(p)
 
     def _run(self, x: torch.Tensor | Payload) -> torch.Tensor:
+        what = "ring allreduce"
         op = linear_operand(x, self.fabric.world_size, self.name)
         segment = max(1, self.segment_bytes // op.vector.element_size())
-        check_agreement(self.fabric, "ring allreduce", **op.fields, segment_length=segment)
-        acc = op.work_copy(self.inplace and isinstance(x, torch.Tensor))
-        return op.finish(ring_allreduce_(self.fabric, acc, self.tag, segment, self._workspace))
+        acc = guarded_sum(self.fabric, what, op, dict(segment_length=segment), self.nonfinite,
+                          self.inplace and isinstance(x, torch.Tensor),
+                          lambda a: ring_allreduce_(self.fabric, a, self.tag, segment, self._workspace))
+        return op.finish(acc)
+
+
+def guarded_sum(fabric: Fabric, what: str, op: LinearOperand, extra: dict, nonfinite: str, inplace: bool,
+                reduce: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The agreement handshake (with the integer bound as an ``info`` field), ``reduce`` in a dtype that
+    cannot overflow, then the overflow / non-finite rules of :mod:`._guards`; the summed vector.
+
+    Every worker holds the same sum, so every check after ``reduce`` raises on every worker alike."""
+    v = op.vector
+    integer = is_integer(v.dtype)
+    info = {"int_bound": abs_max(v)} if integer else {}
+    got = check_agreement(fabric, what, **op.fields, **extra, info=info)
+    if integer:
+        wide = int_accumulator(v.dtype, fabric.world_size, got["int_bound"][0], what)
+        if wide != v.dtype:
+            total = reduce(v.to(wide))
+            return total if op.owned else narrow(total, v.dtype, what)
+    total = reduce(op.work_copy(inplace))
+    guard_finite(fabric, what, total, v if total is not v else None, nonfinite)
+    return total

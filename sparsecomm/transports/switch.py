@@ -27,7 +27,11 @@ switch keeps ``E = max_w e``, and the scale ``f = (INT32_MAX / n - 1) / 2^E``
 headroom) makes the n-worker int32 sum impossible to overflow. The exponent exchange runs one round
 ahead: the first ``L`` packets carry exponents only (SwitchML's extra batch for fp32 jobs) and packet
 ``p >= L`` carries chunk ``p - L``'s codes plus chunk ``p``'s exponent. Error per element
-``<= n * 0.5 / f`` (nearest rounding). ``quantized`` payloads with a shared scale, and integer
+``<= n * 0.5 / f`` (nearest rounding). A value of magnitude ``>= 2^max_exponent`` (default 2^64, about
+1.8e19; the int8 exponent register would allow 2^127) is a fixed-point overflow,
+:class:`~sparsecomm.errors.OverflowError_` on every worker: with such a chunk maximum the quantum
+``n 2^(e-31)`` exceeds ``2^33 n``, so every ordinary value sharing its chunk would silently become 0
+(one 1e30 zeroed its 63 neighbours). ``quantized`` payloads with a shared scale, and integer
 tensors, are summed as they are ("bypass", SwitchML's int32 jobs).
 
 **Control round.** Before streaming, every worker sends one packet on the control slot with its
@@ -68,6 +72,8 @@ from .switch_dataplane import (
 )
 
 INT32_MAX = 2**31 - 1
+#: values of magnitude >= 2^DEFAULT_MAX_EXPONENT are a fixed-point overflow (see the module docstring)
+DEFAULT_MAX_EXPONENT = 64
 EXP_FLOOR = -126          # float32's smallest reported exponent; also used for float64 (safe: 2^e > max|x|)
 CONTROL_SLOT = 0
 
@@ -138,8 +144,19 @@ class SwitchTransport(Transport):
                  timeout: float | None = None, timeout_threshold: int = 100, timeout_increment: int = 100,
                  rounding: str = "nearest", seed: int = 0, burst: int | None = None,
                  switch_slots: int | None = None, bandwidth_gbps: float | None = None,
-                 latency_us: float | None = None, give_up_s: float | None = None, audit: bool = False) -> None:
+                 latency_us: float | None = None, give_up_s: float | None = None, audit: bool = False,
+                 max_exponent: int = DEFAULT_MAX_EXPONENT, nonfinite: str = "raise") -> None:
         super().__init__(fabric)
+        if nonfinite != "raise":
+            raise IncompatibleError(
+                f"transport 'switch' sums fixed-point integers, which cannot carry NaN/Inf, so it only "
+                f"supports nonfinite='raise' (got {nonfinite!r}); transports that can pass them through: "
+                f"ring, native, allgather, omnireduce")
+        self.nonfinite = nonfinite
+        if isinstance(max_exponent, bool) or not isinstance(max_exponent, int) or not \
+                EXP_FLOOR <= max_exponent <= EXP_MAX:
+            raise ValueError(f"max_exponent must be an integer in [{EXP_FLOOR}, {EXP_MAX}], got {max_exponent!r}")
+        self.max_exponent = max_exponent
         self.sim = _is_sim(fabric)
         self.config = _program(fabric, self.sim, slot_elems, switch_slots, burst, audit)
         slot_elems, switch_slots = self.config.elems, self.config.slots
@@ -235,7 +252,7 @@ class SwitchTransport(Transport):
         if finite and N:
             e_loc = codec.chunk_exponents(x, E).numpy().astype(np.int64)
             np.maximum(e_loc, EXP_FLOOR, out=e_loc)
-            too_large = bool(e_loc.max() > EXP_MAX)
+            too_large = bool(e_loc.max() > self.max_exponent)
         self._control(MODE_FLOAT, N, flat.dtype, kind, fingerprint, nonfinite=not finite,
                       too_large=too_large, cap=0, limit=INT32_MAX)
         M = -(-N // E)
@@ -312,7 +329,8 @@ class SwitchTransport(Transport):
                 f"switch allreduce: {a[V_NONFINITE]} of {n} workers hold NaN or Inf values; the switch "
                 f"sums fixed-point integers and cannot carry them")
         if a[V_TOOLARGE]:
-            what = ("a magnitude >= 2^127, which SwitchML's int8 exponent cannot represent"
+            what = (f"a magnitude >= 2^{self.max_exponent} (max_exponent), past which the chunk's fixed-point "
+                    f"quantum (n 2^(e-31)) would round every ordinary value of the chunk to zero"
                     if mode == MODE_FLOAT else "an integer that does not fit in int32")
             raise OverflowError_(f"switch allreduce: {a[V_TOOLARGE]} of {n} workers hold {what}")
         total = int(a[V_CAP_HI]) * 65536 + int(a[V_CAP_LO])

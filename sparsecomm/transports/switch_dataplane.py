@@ -29,6 +29,15 @@ Per-packet work is vectorised over the packet's vector (numpy); the only Python 
 packets of one fabric message ("burst"). Nothing grows with the number of packets except the optional
 ``audit`` counter, which is test instrumentation, not switch state.
 
+Malformed input never reaches a register or a multicast: a packet whose slot, set, worker id or worker
+count (it must equal the job's, which the switch knows from its fabric) is out of range is counted in
+``stats["malformed"]`` and dropped, as a P4 parser drops what it cannot match; one forged packet
+claiming 32 workers cannot make the switch send to ranks that do not exist. (A message longer than the
+burst the switch posted is beyond reach: gloo aborts the receiving process on a message longer than
+its receive, and torch.distributed offers no receive of unknown size. On real fabrics the switch posts
+a zeroed receive of ``RECV_SLACK`` bursts, so a message of up to 4x the burst is processed packet by
+packet; only a longer one, which no worker of this library sends, would abort it.)
+
 Wire format: one int32 row per packet, ``HEADER`` fields then ``slot_elems`` values; a fabric message
 carries ``burst`` rows (unused rows have type ``T_EMPTY``), workers -> switch on ``TAG_UP``, switch ->
 workers on ``TAG_DOWN``, all ``reliable=False``.
@@ -58,6 +67,7 @@ PACKET_ELEMS = (64, 256)           # the P4 program accepts 64 (one pass) or 256
 DEFAULT_SLOTS = 8192               # 16384 register entries = 8192 slot pairs (configuration.p4)
 EXP_MIN, EXP_MAX = -128, 127       # int8 exponent registers (exponents.p4)
 SIM_BURST, REAL_BURST = 1, 32      # packets per fabric message: one datagram in the sim; amortised on real fabrics
+RECV_SLACK = 4                     # real fabrics: the switch's receive holds this many bursts (see serve)
 
 
 @dataclass(frozen=True)
@@ -128,6 +138,9 @@ class Dataplane:
         # packet counters (the P4 next_step_selector keeps the same ones per pool index)
         self.stats = Counter()
         self.audit: Counter | None = Counter() if config.audit else None
+        #: the job's number of workers, known from the fabric once serving; a packet claiming another
+        #: worker count (or a worker id outside it) is malformed and dropped, never multicast
+        self.world: int | None = None
 
     @property
     def register_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -156,7 +169,8 @@ class Dataplane:
         slot, v, w, n = (rows[:, F_SLOT].astype(np.int64), rows[:, F_SET].astype(np.int64),
                          rows[:, F_WORKER].astype(np.int64), rows[:, F_NW].astype(np.int64))
         if (rows.shape[1] != HEADER + cfg.elems or (w != w[0]).any() or (n != n[0]).any()
-                or not (0 <= w[0] < n[0] <= MAX_WORKERS) or (slot < 0).any() or (slot >= cfg.slots).any()
+                or not (0 <= w[0] < n[0] <= MAX_WORKERS) or (self.world is not None and n[0] != self.world)
+                or (slot < 0).any() or (slot >= cfg.slots).any()
                 or ((v != 0) & (v != 1)).any() or len(np.unique(slot)) != len(rows)):
             return None
         k = len(rows)
@@ -214,7 +228,7 @@ class Dataplane:
             self.stats["packets"] += 1
             slot, v, w, n = int(row[F_SLOT]), int(row[F_SET]), int(row[F_WORKER]), int(row[F_NW])
             if not (0 <= slot < self.config.slots and v in (0, 1) and 0 <= w < n <= MAX_WORKERS
-                    and row.shape[0] == HEADER + k):
+                    and (self.world is None or n == self.world) and row.shape[0] == HEADER + k):
                 self.stats["malformed"] += 1       # a real parser drops what it cannot match
                 continue
             bit = np.uint32(1 << w)
@@ -267,24 +281,33 @@ class Dataplane:
         """
         burst = self.config.burst_for(fabric)
         width = HEADER + self.config.elems
-        buf = torch.zeros((burst, width), dtype=torch.int32)
-        arr = buf.numpy()
+        self.world = fabric.world_size
         from ..fabric.sim import SimFabric
 
         track = not isinstance(fabric, SimFabric)
+        # on real fabrics the receive has room for RECV_SLACK bursts and is zeroed first (gloo accepts a
+        # shorter message, leaving the rest untouched; unused rows read as T_EMPTY): a message of up to
+        # RECV_SLACK bursts is processed packet by packet instead of aborting the switch's process
+        rows = burst * (RECV_SLACK if track else 1)
+        buf = torch.zeros((rows, width), dtype=torch.int32)
+        arr = buf.numpy()
         pending: deque = deque()
         while True:
+            if track:
+                buf.zero_()
             src = fabric.recv(buf, None, TAG_UP)
+            if not 0 <= src < self.world:        # only workers talk to the switch
+                self.stats["malformed"] += 1
+                continue
             mcast, ucast = self.process(arr)
-            if len(mcast):
-                n = int(mcast[0][F_NW])
-                msg = _pack(mcast, burst, width)
-                for dst in range(n):
+            for i in range(0, len(mcast), burst):     # replies in messages of one burst each
+                msg = _pack(mcast[i:i + burst], burst, width)
+                for dst in range(self.world):
                     w = fabric.isend(msg, dst, TAG_DOWN, reliable=False)
                     if track:
                         pending.append((w, msg))
-            if len(ucast):
-                msg = _pack(ucast, burst, width)
+            for i in range(0, len(ucast), burst):
+                msg = _pack(ucast[i:i + burst], burst, width)
                 w = fabric.isend(msg, src, TAG_DOWN, reliable=False)
                 if track:
                     pending.append((w, msg))

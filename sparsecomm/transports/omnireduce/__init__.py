@@ -28,7 +28,14 @@ Payload kinds: ``dense`` (zero blocks skipped; narrower float values travel as t
 value vector, then scatters), ``quantized`` with a shared scale (integer codes summed exactly as
 integers, downstream in the narrowest integer type that holds the sum, then scaled). Workers that
 disagree on the length, dtype, kind, block size or shared indices/scale all raise
-:class:`~sparsecomm.errors.MismatchError` after the first round. NaN/Inf are summed as floats.
+:class:`~sparsecomm.errors.MismatchError` after the first round. The result has the input's dtype:
+integer sums are exact (the aggregators add in int64) and range-checked against it
+(:class:`~sparsecomm.errors.OverflowError_`, never wrapped). NaN/Inf in a float sum raise
+:class:`~sparsecomm.errors.NonFiniteError` (finite inputs that overflow, ``OverflowError_``) on every
+worker unless ``nonfinite="pass"`` (:mod:`.._guards`). Aggregators check every header against the world
+size, their own index and the protocol limits before planning or allocating anything from it
+(:func:`.wire.validate_header`): a forged header is a
+:class:`~sparsecomm.errors.MalformedMessage` on every worker, and the aggregator goes on serving.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from __future__ import annotations
 import torch
 
 from ...errors import IncompatibleError
+from .._guards import abs_max, guard_finite, is_integer, narrow, nonfinite_option
 from ...fabric import services
 from ...payload import Payload
 from .. import registry
@@ -104,8 +112,9 @@ class OmniReduce(Transport):
                  num_aggregators: int | None = None, lanes: int = 16384, channels: int = 2,
                  threshold: float = 0.0, inplace: bool = False, result_cache: int = 2,
                  aggregator_bandwidth_gbps: float | None = None,
-                 aggregator_latency_us: float | None = None) -> None:
+                 aggregator_latency_us: float | None = None, nonfinite: str = "raise") -> None:
         super().__init__(fabric)
+        self.nonfinite = nonfinite_option(nonfinite, "omnireduce")
         for nm, v in (("block_size", block_size), ("lanes", lanes), ("channels", channels)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"omnireduce: {nm} must be a positive integer, got {v!r}")
@@ -215,14 +224,22 @@ class OmniReduce(Transport):
         # in place on floats summed in their own dtype: the hosted aggregator sums into the input itself
         home = inplace and flat.dtype in (torch.float32, torch.float64)
         out, _ = self._run(spec, source, make_sink, home=home)
+        if out.is_floating_point():   # every worker holds the same sums: every worker raises alike
+            guard_finite(self.fabric, "omnireduce allreduce", out, None if out is flat else flat, self.nonfinite)
         return out
 
     def _allreduce_tensor(self, flat: torch.Tensor) -> torch.Tensor:
-        return self._sum_blocks(flat, "dense", inplace=self.inplace)
+        out = self._sum_blocks(flat, "dense", inplace=self.inplace)
+        if is_integer(flat.dtype):   # summed exactly, sent back in the narrowest type that holds it
+            out = narrow(out.to(torch.int64), flat.dtype, "omnireduce allreduce")
+        return out
 
     def _allreduce_payload(self, p: Payload) -> torch.Tensor:
         if p.kind == "dense":
-            return self._sum_blocks(p.values.reshape(-1), "dense").to(p.dtype)
+            out = self._sum_blocks(p.values.reshape(-1), "dense")
+            if is_integer(out.dtype) and is_integer(p.dtype):
+                return narrow(out.to(torch.int64), p.dtype, "omnireduce allreduce")
+            return out.to(p.dtype)
         if p.kind == "aligned":
             idx = p.indices.reshape(-1)
             vsum = self._sum_blocks(p.values.reshape(-1), "aligned", check=_checksum(idx))
@@ -233,9 +250,13 @@ class OmniReduce(Transport):
         if p.kind == "sparse":
             self._check_dtype(p.dtype)
             source = PackedSource(p.indices, p.values, p.numel, self.block_size, p.dtype)
-            spec = self._spec(p.numel, p.dtype, "sparse")
+            integer = is_integer(p.dtype)
+            spec = self._spec(p.numel, p.dtype, "sparse", absmax=abs_max(p.values) if integer else 0)
 
             out, _ = self._run(spec, source, lambda down: self._result(p.numel, down))
+            if integer:
+                return narrow(out.to(torch.int64), p.dtype, "omnireduce allreduce")
+            guard_finite(self.fabric, "omnireduce allreduce", out, p.values, self.nonfinite)
             return out
         # quantized, shared scale: integer codes summed exactly, then scaled
         codes = p.values.reshape(-1)

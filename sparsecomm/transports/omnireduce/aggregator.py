@@ -192,6 +192,7 @@ class AggCall:
         self.status = OK
         self.headers: list = [None] * n
         self._chans_of: dict[int, list[wire.Channel]] = {}
+        self._drain: set[int] = set()
 
     def _remote(self) -> list[int]:
         return [w for w in self.order if w != self.colocated]
@@ -202,30 +203,59 @@ class AggCall:
             inbox.post(("hdr", w), 8 * HDR, w, TAG_HDR_UP)
 
     def take_headers(self, inbox: Inbox, post_blocks: bool = True) -> None:
-        """Take every header and validate them; post every round-0 receive (their sizes are in the
-        headers: each worker's layout, and its position-0 blocks per channel). ``post_blocks=False``:
-        the position-0 blocks' receives wait for :meth:`post_blocks0` (colocated, see there)."""
+        """Take every header and validate it (:func:`wire.validate_header`: against the world size, this
+        aggregator's index and the protocol limits) before planning anything from it; check agreement;
+        then post every round-0 receive (their sizes are in the headers: each worker's layout, and its
+        position-0 blocks per channel). A malformed header gets a ``MALFORMED`` verdict (every worker
+        raises :class:`~sparsecomm.errors.MalformedMessage`) and nothing of that worker is received;
+        after a disagreement, the workers' round-0 messages are drained only where their announced size
+        is bounded (:data:`wire.DRAIN_SLACK_BYTES`). ``post_blocks=False``: the position-0 blocks'
+        receives wait for :meth:`post_blocks0` (colocated, see there)."""
         self._blocks0 = []
+        bad = None
         for w in self.order:
             h = inbox.take(("hdr", w)).view(torch.int64).numpy().copy()
             self.headers[w] = h
-            plans = wire.plan_from_header(h)
-            self._chans_of[w] = plans[self.index] if self.index < len(plans) else []
-            if w != self.colocated:
-                up = wire.code_dtype(h[wire.F_DTYPE])
-                # every channel's (small) first look-aheads before any blocks: a real fabric moves a
-                # pair's messages in the order their receives are posted, and the verdict needs them all
-                for ch in self._chans_of[w]:
-                    inbox.post(("firsts", w, ch.slot), wire.meta_bytes(ch), w, tag_up(ch.slot))
-                for ch in self._chans_of[w]:
-                    k0 = int(h[wire.F_K0 + ch.slot])
-                    if k0:
-                        self._blocks0.append((("blocks0", w, ch.slot), wire.block_bytes(
-                            k0, int(h[wire.F_BLOCK]), up.itemsize, meta=not wire.single(ch)), w, tag_up(ch.slot)))
+            why = wire.validate_header(h, self.n, self.index, self.colocated is not None)
+            if why is not None and bad is None:
+                bad = (w, why[0], int(h[why[0]]) if why[0] < HDR else 0)
+        valid = [w for w in self.order if bad is None or w != bad[0]]
+        for w in valid:
+            if wire.validate_header(self.headers[w], self.n, self.index, self.colocated is not None) is None:
+                self._chans_of[w] = wire.plan_from_header(self.headers[w])[self.index]
+            else:
+                self._chans_of[w] = []
+        if bad is not None:
+            self.reply_hdr = np.zeros(HDR, dtype=np.int64)
+            self.reply_hdr[[wire.R_STATUS, wire.R_FIELD, wire.R_WMIN, wire.R_VMIN]] = [wire.MALFORMED, bad[1],
+                                                                                       bad[0], bad[2]]
+        else:
+            self.reply_hdr = wire.check_headers(self.headers)
+        if bad is None and int(self.reply_hdr[wire.R_STATUS]) == OK:
+            self._drain = set(self.order)
+        else:   # drain the well-formed workers whose announced size is bounded; nothing of the others
+            ok = [w for w in self.order if wire.validate_header(self.headers[w], self.n, self.index,
+                                                                self.colocated is not None) is None]
+            sizes = {w: wire.round0_bytes(self.headers[w], self.index) for w in ok}
+            cap = 2 * min(sizes.values(), default=0) + wire.DRAIN_SLACK_BYTES
+            self._drain = {w for w in ok if sizes[w] <= cap}
+        self.status = int(self.reply_hdr[wire.R_STATUS])
+        for w in self.order:
+            if w == self.colocated or w not in self._drain:
+                continue
+            h = self.headers[w]
+            up = wire.code_dtype(h[wire.F_DTYPE])
+            # every channel's (small) first look-aheads before any blocks: a real fabric moves a
+            # pair's messages in the order their receives are posted, and the verdict needs them all
+            for ch in self._chans_of[w]:
+                inbox.post(("firsts", w, ch.slot), wire.meta_bytes(ch), w, tag_up(ch.slot))
+            for ch in self._chans_of[w]:
+                k0 = int(h[wire.F_K0 + ch.slot])
+                if k0:
+                    self._blocks0.append((("blocks0", w, ch.slot), wire.block_bytes(
+                        k0, int(h[wire.F_BLOCK]), up.itemsize, meta=not wire.single(ch)), w, tag_up(ch.slot)))
         if post_blocks:
             self.post_blocks0(inbox)
-        self.reply_hdr = wire.check_headers(self.headers)
-        self.status = int(self.reply_hdr[wire.R_STATUS])
         if self.status == OK:
             h = self.headers[0]
             up = wire.code_dtype(h[wire.F_DTYPE])
@@ -256,6 +286,8 @@ class AggCall:
         """After a failed validation: consume every worker's round-0 channel messages."""
         self.post_blocks0(inbox)
         for w in self._remote():
+            if w not in self._drain:
+                continue
             for ch in self._chans_of[w]:
                 inbox.take(("firsts", w, ch.slot))
                 if int(self.headers[w][wire.F_K0 + ch.slot]):

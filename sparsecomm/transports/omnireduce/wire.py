@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ...errors import MismatchError, OverflowError_
+from ...errors import MalformedMessage, MismatchError, OverflowError_
 from .._handshake import dtype_code as _hs_dtype_code
 from .._handshake import dtype_from_code as _hs_dtype_from_code
 from .._handshake import _error as _mismatch
@@ -84,15 +84,69 @@ AGREE = tuple(FIELD_NAMES)
 # reply fields
 R_STATUS, R_DOWN_DTYPE, R_FIELD, R_WMIN, R_VMIN, R_WMAX, R_VMAX = range(7)
 R_K = 12      # reply[R_K + slot]: the channel's summed position-0 blocks (sizes its round-0 sums)
-OK, MISMATCH, OVERFLOW = 0, 1, 2
+OK, MISMATCH, OVERFLOW, MALFORMED = 0, 1, 2, 3
+
+# protocol limits a header is checked against before anything is planned, allocated or looped over
+MAX_AGGREGATORS = 4096
+MAX_BLOCK = 1 << 20
+MAX_LANES = 1 << 24
+MAX_NUMEL = 1 << 48
+#: a worker whose header disagrees with the others has its round-0 messages drained (so that the fabric
+#: stays clean) only if they are at most twice the smallest worker's plus this slack: a header that
+#: claims a huge tensor makes no one allocate for it
+DRAIN_SLACK_BYTES = 64 << 20
+
+
+def validate_header(h: np.ndarray, n: int, index: int, colocated: bool) -> tuple[int, str] | None:
+    """``(field, reason)`` if a worker's round-0 header is not one this aggregator can serve (checked
+    against the world size, its own index and the protocol limits), else ``None``."""
+    if int(h[F_MAGIC]) != MAGIC:
+        return F_MAGIC, f"wire version {int(h[F_MAGIC]):#x}, expected {MAGIC:#x}"
+    if int(h[F_WORLD]) != n:
+        return F_WORLD, f"world size {int(h[F_WORLD])}, the job has {n} workers"
+    if int(h[F_DTYPE]) not in _DTYPE_CODES:
+        return F_DTYPE, f"dtype code {int(h[F_DTYPE])}, not a dtype the protocol carries"
+    A = int(h[F_AGGS])
+    if not (1 <= A <= MAX_AGGREGATORS and index < A and (not colocated or A == n)):
+        return F_AGGS, (f"num_aggregators {A}; aggregator {index} allows {index + 1}..{MAX_AGGREGATORS}"
+                        + (f" (colocated: exactly {n})" if colocated else ""))
+    checks = ((F_BLOCK, 1, MAX_BLOCK, "block_size"), (F_CHANNELS, 1, MAX_CHANNELS, "channels"),
+              (F_LANES, 1, MAX_LANES, "lanes"), (F_KIND, 0, len(KINDS) - 1, "payload kind"),
+              (F_NUMEL, 0, MAX_NUMEL, "numel"), (F_ABSMAX, 0, 2**62, "integer bound"))
+    for f, lo, hi, name in checks:
+        if not lo <= int(h[f]) <= hi:
+            return f, f"{name} {int(h[f])}, outside [{lo}, {hi}]"
+    chans = {c.slot: c for c in plan_from_header(h)[index]}
+    for g in range(MAX_CHANNELS):
+        k0 = int(h[F_K0 + g])
+        limit = chans[g].lanes if g in chans else 0
+        if not 0 <= k0 <= limit:
+            return F_K0 + g, f"{k0} position-0 blocks in channel {g}, which has {limit} lanes here"
+    return None
+
+
+def round0_bytes(h: np.ndarray, index: int) -> int:
+    """Bytes a worker's validated header announces to aggregator ``index`` in round 0."""
+    up = code_dtype(h[F_DTYPE])
+    total = 0
+    for ch in plan_from_header(h)[index]:
+        total += meta_bytes(ch) + block_bytes(int(h[F_K0 + ch.slot]), int(h[F_BLOCK]), up.itemsize,
+                                              meta=not single(ch))
+    return total
 
 
 def dtype_code(dt: torch.dtype) -> int:
     return _hs_dtype_code(dt)
 
 
+_DTYPE_CODES = {_hs_dtype_code(d): d for d in DTYPES}
+
+
 def code_dtype(code: int) -> torch.dtype:
-    return _hs_dtype_from_code(int(code))
+    dt = _DTYPE_CODES.get(int(code))
+    if dt is None:
+        raise MalformedMessage(f"{WHAT}: dtype code {int(code)} is not a dtype the protocol carries")
+    return dt
 
 
 def accumulate_dtype(up: torch.dtype) -> torch.dtype:
@@ -240,6 +294,13 @@ def raise_for_reply(reply: np.ndarray, header: np.ndarray, rank: int) -> None:
     status = int(reply[R_STATUS])
     if status == OK:
         return
+    if status == MALFORMED:
+        f = int(reply[R_FIELD])
+        raise MalformedMessage(f"{WHAT}: the aggregator rejected worker {int(reply[R_WMIN])}'s round-0 header "
+                               f"(field {FIELD_NAMES.get(f, f)!s} = {int(reply[R_VMIN])}: out of range for this "
+                               f"job; this is worker {rank})")
+    if status not in (MISMATCH, OVERFLOW):
+        raise MalformedMessage(f"{WHAT}: an aggregator replied with unknown status {status} (this is worker {rank})")
     if status == OVERFLOW:
         raise OverflowError_(f"{WHAT}: the sum of the workers' integer codes can exceed int64 (this is "
                              f"worker {rank}); use fewer quantisation levels or fewer workers")

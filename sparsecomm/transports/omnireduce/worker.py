@@ -35,7 +35,9 @@ import numpy as np
 import torch
 
 from ... import codec
+from ...errors import MalformedMessage
 from ...fabric.base import Fabric
+from .._handshake import _fail
 from . import wire
 from .aggregator import AggCall, ProtocolError
 from .mailbox import Inbox, Outbox, Pool
@@ -79,6 +81,9 @@ class WorkerChannel:
 
     def start(self, newc: np.ndarray) -> None:
         """After round 0: the next pending block of every lane."""
+        if newc.size and (int(newc.min()) < 0 or int(newc.max()) > self.ch.size):
+            raise MalformedMessage(f"omnireduce: an aggregator announced a next block outside the channel's "
+                                   f"{self.ch.size} blocks")
         self.act = np.flatnonzero(newc < self.ch.size)
         self.cur = newc[self.act]
 
@@ -88,8 +93,11 @@ class WorkerChannel:
     def down(self, buf: torch.Tensor, sink, bs: int, down: torch.dtype) -> None:
         """Write the sums of the pending blocks; advance every lane to its next pending block."""
         data, newc = wire.split(buf, self.act.size, bs, down)
-        sink.write(self.cur + self.ch.lo, data)
         newc = newc.numpy().astype(np.int64)
+        if newc.size and (not (newc > self.cur).all() or int(newc.max()) > self.ch.size):
+            raise MalformedMessage(f"omnireduce: an aggregator announced next blocks that do not advance "
+                                   f"within the channel's {self.ch.size} blocks")
+        sink.write(self.cur + self.ch.lo, data)
         keep = newc < self.ch.size
         self.act, self.cur = self.act[keep], newc[keep]
 
@@ -249,13 +257,21 @@ def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: l
         if int(rh[wire.R_STATUS]) != OK:
             error = rh.copy()
             continue
-        down = wire.code_dtype(rh[wire.R_DOWN_DTYPE])
-        for ch in plans[a]:
-            sums0[a, ch.slot] = int(rh[wire.R_K + ch.slot])
+        try:
+            down = wire.code_dtype(rh[wire.R_DOWN_DTYPE])
+            for ch in plans[a]:
+                k = int(rh[wire.R_K + ch.slot])
+                if not 0 <= k <= ch.lanes:
+                    raise MalformedMessage(f"omnireduce: aggregator {a} announces {k} round-0 sums in a "
+                                           f"channel of {ch.lanes} lanes (this is worker {rank})")
+                sums0[a, ch.slot] = k
+        except MalformedMessage as exc:
+            raise _fail(fabric, exc) from None
     if agg is not None:    # (after every verdict is in: see AggCall.post_blocks0)
         agg.post_blocks0(inbox)
     if error is not None:
-        outbox.reap(0)
+        if not (int(error[wire.R_STATUS]) == wire.MALFORMED and int(error[wire.R_WMIN]) == rank):
+            outbox.reap(0)   # (a worker whose header was rejected: nothing of it is received, no wait)
         wire.raise_for_reply(error, spec.header(n).numpy(), rank)
     result, sink = make_sink(down)
     if home:

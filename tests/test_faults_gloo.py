@@ -1,0 +1,258 @@
+"""Fault suite on real processes (gloo): what only real processes show -- gloo aborts on messages of an
+unexpected size, kill -9, failure propagation to every rank -- plus the value and mismatch rules again on
+real sockets. Every rank runs under an address-space cap (RLIMIT_AS: its size at start + 3 GiB), so an
+allocation sized by a forged header fails the test instead of the machine. Every check asserts the
+error class on every rank and a time far below the fabric timeout (``TIMEOUT`` = 60 s).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+import sparsecomm as sc
+import sparsecomm.transports  # noqa: F401
+from sparsecomm.errors import PeerFailure
+from sparsecomm.payload import Payload
+
+from ._faults_common import CorruptingFabric, cap_address_space, outcome
+
+pytestmark = pytest.mark.multiprocess
+
+TIMEOUT = 60.0
+BOUND = 10.0      # seconds: every rank must have its error well within this (vs TIMEOUT)
+
+
+def _capped(ctx, case, **kw):
+    cap_address_space()
+    return CASES[case](ctx, **kw)
+
+
+def _launch(case, n=3, services=(), **kw):
+    return sc.launch(functools.partial(_capped, case=case, **kw), n, backend="gloo", timeout_s=TIMEOUT,
+                     services=list(services))
+
+
+# ----------------------------------------------------------------------------- values and mismatches
+def _values_and_mismatches(ctx):
+    r = ctx.rank
+    out = {}
+    for name in ("ring", "allgather", "native"):
+        t = sc.transports.get(name, ctx.fabric)
+        out[name, "int32 overflow"] = outcome(lambda: t.allreduce(torch.full((8,), 2**30, dtype=torch.int32)))
+        out[name, "fp16 overflow"] = outcome(lambda: t.allreduce(torch.full((8,), 30000.0, dtype=torch.float16)))
+        x = torch.ones(32)
+        if r == 1:
+            x[4] = float("nan")
+        out[name, "nan"] = outcome(lambda: t.allreduce(x))
+        out[name, "length"] = outcome(lambda: t.allreduce(torch.ones(9 + (r == 2))))
+        out[name, "dtype"] = outcome(lambda: t.allreduce(torch.ones(9, dtype=torch.float64 if r else torch.float32)))
+        out[name, "kind"] = outcome(lambda: t.allreduce(
+            Payload("aligned", torch.ones(4), torch.Size([8]), torch.float32, indices=torch.arange(4))
+            if r == 0 else torch.ones(8)))
+        y = t.allreduce(torch.full((8,), [2**30, 2**30, -(2**30) - 5][r], dtype=torch.int32))
+        out[name, "exact int32"] = (y.dtype == torch.int32 and torch.equal(y, torch.full((8,), 2**30 - 5,
+                                                                                         dtype=torch.int32)))
+        if name == "native":
+            out[name, "estimated"] = t.last_stats.estimated and t.last_stats.estimated_bytes > 0
+    t = sc.transports.get("omnireduce", ctx.fabric, block_size=4)
+    y = t.allreduce(torch.full((16,), 1000 * (r + 1), dtype=torch.int32))
+    out["omnireduce int32"] = y.dtype == torch.int32 and torch.equal(y, torch.full((16,), 6000, dtype=torch.int32))
+    out["omnireduce overflow"] = outcome(lambda: t.allreduce(torch.full((16,), 2**30, dtype=torch.int32)))
+    out["after"] = torch.equal(sc.transports.get("ring", ctx.fabric).allreduce(torch.ones(5)), torch.full((5,), 3.0))
+    # last: ranks that disagree on the transport itself (this ends the job: fail-stop)
+    name = "native" if r == 1 else "ring"
+    out["ring vs native"] = outcome(lambda: sc.transports.get(name, ctx.fabric).allreduce(torch.ones(8)))
+    return out
+
+
+def test_values_and_negotiated_fields_on_real_processes():
+    res = _launch("values")
+    expect = {"int32 overflow": "OverflowError_", "fp16 overflow": "OverflowError_", "nan": "NonFiniteError",
+              "length": "MismatchError", "dtype": "MismatchError", "kind": "MismatchError"}
+    for name in ("ring", "allgather", "native"):
+        for case, cls in expect.items():
+            got = [rk[name, case] for rk in res]
+            assert [g[0] for g in got] == [cls] * 3, (name, case, got)
+            assert all(g[2] < BOUND for g in got), (name, case, got)
+        assert all(rk[name, "exact int32"] for rk in res), name
+    assert all(rk["native", "estimated"] for rk in res)
+    assert [rk["ring vs native"][0] for rk in res] == ["MismatchError"] * 3, res
+    assert "'native'" in res[0]["ring vs native"][1] and "'ring'" in res[0]["ring vs native"][1]
+    assert [rk["omnireduce overflow"][0] for rk in res] == ["OverflowError_"] * 3
+    assert all(rk["omnireduce int32"] and rk["after"] for rk in res)
+
+
+# ----------------------------------------------------------------------------- one rank sees the fault
+def _ring_vs_allgather(ctx):
+    name = "allgather" if ctx.rank == 1 else "ring"
+    return outcome(lambda: sc.transports.get(name, ctx.fabric).allreduce(torch.ones(64)))
+
+
+def _corrupt_handshake(ctx, which):
+    """Rank 1 is a corrupting peer: it rewrites a field of its agreement header (ring) or of its allgather
+    header on the wire, without fixing the checksum, toward one peer only."""
+    from sparsecomm.transports._handshake import HANDSHAKE_TAG
+
+    f = ctx.fabric
+    if ctx.rank == 1:
+        def rw(t, dst, tag):
+            if tag == HANDSHAKE_TAG and dst == 2:
+                out = t.detach().clone()
+                out[10] += 1000          # an announced count, rewritten
+                return out
+        f = CorruptingFabric(f, rw)
+    if which == "ring":
+        return outcome(lambda: sc.transports.get("ring", f).allreduce(torch.ones(64)))
+    p = Payload("sparse", torch.ones(4), torch.Size([64]), torch.float32, indices=torch.arange(4))
+    return outcome(lambda: sc.transports.get("allgather", f).allreduce(p))
+
+
+def _forged_allgather_length(ctx):
+    """Rank 0 announces 2.5e8 values (checksum recomputed) to every peer: nothing may be allocated
+    from it (under the address-space cap, a 1 GB allocation per victim would show)."""
+    from sparsecomm.transports._handshake import HANDSHAKE_TAG, _PRE, _checksum
+
+    f = ctx.fabric
+    if ctx.rank == 0:
+        def rw(t, dst, tag):
+            if tag == HANDSHAKE_TAG:
+                out = t.detach().clone()
+                out[_PRE + 6] = 250_000_000
+                out[_PRE + 9] = 250_000_000     # indices count
+                out[-1] = _checksum(out)
+                return out
+        f = CorruptingFabric(f, rw)
+    p = Payload("sparse", torch.ones(4), torch.Size([64]), torch.float32, indices=torch.arange(4))
+    return outcome(lambda: sc.transports.get("allgather", f).allreduce(p))
+
+
+@pytest.mark.parametrize("case, cls", [
+    ("ring_vs_allgather", "MismatchError"),
+    ("corrupt_ring", "MalformedMessage"),
+    ("corrupt_allgather", "MalformedMessage"),
+    ("forged_allgather_length", "MalformedMessage"),
+])
+def test_a_fault_seen_by_one_rank_is_an_error_on_every_rank_quickly(case, cls):
+    # four ranks for the transport disagreement: allgather then sends one header more than the ring's
+    # dissemination receives, so a rank is left waiting unless the failure is propagated
+    res = _launch(case, n=4 if case == "ring_vs_allgather" else 3)
+    honest = res if case == "ring_vs_allgather" else [res[r] for r in range(3) if r != (1 if "corrupt" in case else 0)]
+    assert [o[0] for o in honest] == [cls] * len(honest), res
+    assert all(o[0] is not None and o[2] < BOUND for o in res), res
+
+
+# ----------------------------------------------------------------------------- forged packets to services
+def _forged_k0(ctx):
+    """Worker 1 tells the dedicated aggregator it sends 2^40 position-0 blocks; the aggregator must
+    reject the header (not allocate), answer every worker, and go on serving the next job."""
+    from sparsecomm.transports.omnireduce import wire
+
+    f = ctx.fabric
+    if ctx.rank == 1:
+        def rw(t, dst, tag):
+            if tag == wire.TAG_HDR_UP:
+                out = t.detach().clone()
+                out.view(torch.int64)[wire.F_K0] = 2**40
+                out.view(torch.int64)[wire.F_AGGS] = 10**13
+                return out
+        f = CorruptingFabric(f, rw)
+    t = sc.transports.get("omnireduce", f, block_size=16, lanes=4, deployment="dedicated", num_aggregators=1)
+    return outcome(lambda: t.allreduce(torch.ones(64)))
+
+
+def _forged_switch_packet(ctx):
+    from sparsecomm.transports import switch_dataplane as dp
+
+    t = sc.transports.get("switch", ctx.fabric, pool_size=4)
+    if ctx.rank == 0:
+        rows = torch.zeros((t.burst, dp.HEADER + 64), dtype=torch.int32)
+        rows[:, dp.F_TYPE], rows[:, dp.F_NW], rows[:, dp.F_WORKER] = dp.T_DATA, 32, 31
+        rows[:, dp.F_SLOT] = torch.arange(1, t.burst + 1)
+        ctx.fabric.send(rows, t.switch, dp.TAG_UP)
+        # a message twice the burst: gloo would abort a receive of one burst; the switch takes it
+        ctx.fabric.send(torch.cat([rows, rows]), t.switch, dp.TAG_UP)
+    y = t.allreduce(torch.ones(300) * (ctx.rank + 1))
+    return torch.equal(y, torch.full((300,), 6.0))
+
+
+def test_forged_headers_and_packets_to_the_aggregator_and_the_switch():
+    res = _launch("forged_k0", n=2, services=["omnireduce-agg:0"])
+    assert [o[0] for o in res] == ["MalformedMessage"] * 2 and all(o[2] < BOUND for o in res), res
+    assert "worker 1" in res[0][1]
+    assert _launch("forged_switch_packet", services=["switch"]) == [True] * 3
+
+
+# ----------------------------------------------------------------------------- kill -9
+def _kill(ctx, role, transport, outdir):
+    """Every worker runs one good call, then ``role`` is killed (SIGKILL) and every worker calls again;
+    the survivors raise (their errors reach the launcher), and the time each took is in the error."""
+    f = ctx.fabric
+    store = f._store
+    store.set(f"pid/{ctx.rank}", str(os.getpid()))
+    if transport == "switch":
+        t = sc.transports.get("switch", f, pool_size=4)
+    elif transport == "omnireduce":
+        t = sc.transports.get("omnireduce", f, block_size=16, lanes=4, deployment="dedicated", num_aggregators=1)
+    else:
+        t = sc.transports.get(transport, f)
+    t.allreduce(torch.ones(64))
+    if role == "worker" and ctx.rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if role == "service" and ctx.rank == 0:
+        workers = {int(store.get(f"pid/{r}")) for r in range(ctx.world_size)}
+        for pid in os.listdir("/proc"):
+            if pid.isdigit() and int(pid) not in workers and int(pid) != os.getpid():
+                try:
+                    stat = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                if int(stat[1]) == os.getppid():     # a sibling that is not a worker: the service
+                    os.kill(int(pid), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        t.allreduce(torch.ones(64))
+    except Exception as e:  # noqa: BLE001
+        with open(os.path.join(outdir, f"rank{ctx.rank}.txt"), "w") as fh:
+            fh.write(f"{type(e).__name__} {time.monotonic() - t0:.3f}")
+        raise
+    return None
+
+
+@pytest.mark.parametrize("role, transport, dead", [
+    ("worker", "ring", "worker 2"),
+    ("worker", "switch", "worker 2"),           # named, not the switch that stopped because of it
+    ("service", "switch", "service 'switch'"),
+    ("service", "omnireduce", "service 'omnireduce-agg:0'"),
+])
+def test_kill_9_of_any_role_stops_every_rank_quickly_naming_the_dead_one(role, transport, dead, tmp_path):
+    services = {"switch": ["switch"], "omnireduce": ["omnireduce-agg:0"]}.get(transport, [])
+    t0 = time.monotonic()
+    with pytest.raises(PeerFailure) as info:
+        _launch("kill", services=services, role=role, transport=transport, outdir=str(tmp_path))
+    assert time.monotonic() - t0 < TIMEOUT / 2
+    assert dead in str(info.value), str(info.value)
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    survivors = [r for r in range(3) if not (role == "worker" and r == 2)]
+    for r in survivors:
+        line = next((ln for ln in notes.splitlines() if ln.startswith(f"worker {r}:")), None)
+        assert line is not None and "PeerFailure" in line and dead in line, notes
+        kind, seconds = (tmp_path / f"rank{r}.txt").read_text().split()
+        assert kind == "PeerFailure" and float(seconds) < BOUND, (r, kind, seconds)
+
+
+CASES = {
+    "values": _values_and_mismatches,
+    "ring_vs_allgather": _ring_vs_allgather,
+    "corrupt_ring": functools.partial(_corrupt_handshake, which="ring"),
+    "corrupt_allgather": functools.partial(_corrupt_handshake, which="allgather"),
+    "forged_allgather_length": _forged_allgather_length,
+    "forged_k0": _forged_k0,
+    "forged_switch_packet": _forged_switch_packet,
+    "kill": _kill,
+}
