@@ -134,5 +134,5 @@ def test_ablation_records_a_diverged_cell_and_goes_on(tmp_path, capsys):
     assert ablation.main(argv) == 0
     (rec,) = tracking.read_jsonl(tmp_path / "results.jsonl")
     assert "NaN or Inf" in rec["summary"]["diverged"] and rec["records"] == []
-    out = capsys.readouterr().out      # the pipeline's check before compression (same on every worker)
-    assert "diverged: the gradients of bucket" in out and "NaN or Inf" in out
+    out = capsys.readouterr().out      # the library's NonFiniteError (raised on every worker), recorded as a result
+    assert "diverged: " in out and "NaN or Inf" in out
