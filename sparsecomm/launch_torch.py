@@ -519,6 +519,9 @@ def _unpack_error(packed: tuple[bytes | None, str, str, str]) -> tuple[BaseExcep
     return exc, tb
 
 
+_PEER_GONE = ("Connection closed by peer", "Connection reset", "Broken pipe", "caused pair closure")
+
+
 def _is_consequence(exc: BaseException, rank: int | None = None) -> bool:
     """True for errors that are (usually) the effect of another rank's failure."""
     origin = getattr(exc, "sparsecomm_origin", None)
@@ -527,8 +530,9 @@ def _is_consequence(exc: BaseException, rank: int | None = None) -> bool:
     if isinstance(exc, (PeerFailure, FabricTimeout)):
         return True
     msg = str(exc)
-    return isinstance(exc, RuntimeError) and ("Connection closed by peer" in msg or "Connection reset" in msg
-                                              or "Broken pipe" in msg)
+    # gloo's words for a peer that went away; "caused pair closure" is what a wait reports when a failing
+    # peer closes its connections on purpose (see the failure record), which can reach the parent first
+    return isinstance(exc, RuntimeError) and any(s in msg for s in _PEER_GONE)
 
 
 def _describe(rank: int, world_size: int, services: tuple[str, ...]) -> str:
