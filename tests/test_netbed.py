@@ -143,8 +143,10 @@ def test_exception_removes_everything():
 
 
 def _sleepy(ctx, where):
-    with open(os.path.join(where, f"pid{ctx.rank}"), "w") as fh:
+    tmp = os.path.join(where, f".tmp{ctx.rank}")
+    with open(tmp, "w") as fh:          # written whole, then renamed: the test never reads a half file
         fh.write(str(os.getpid()))
+    os.replace(tmp, os.path.join(where, f"pid{ctx.rank}"))
     time.sleep(300)
 
 
