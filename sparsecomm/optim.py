@@ -121,8 +121,8 @@ from .fabric.base import Fabric
 from .fabric.stats import CommStats
 from .methods.base import HyperParameterError, Method
 # the pipeline's builders, re-exported: ``sparsecomm.optim.check_pair`` etc. are documented names
-from .pipeline import (AUTO_ORDER, CommPipeline, CompressionStats, build_method, build_transport,
-                       check_pair, default_fabric)
+from .pipeline import (AUTO_ORDER, CommPipeline, CompressionStats, build_method, build_transport, check_pair,
+                       default_fabric, row_sparse_parts)
 from .transports.base import CommWork, Transport
 from .replicas import sync_replicas
 
@@ -180,18 +180,10 @@ def sparse_payload(g: torch.Tensor | None, shape: torch.Size, dtype: torch.dtype
     from .payload import Payload
 
     numel = int(shape.numel())
-    row_len = numel // shape[0] if len(shape) and shape[0] else 1
-    if g is None:
-        idx = torch.empty(0, dtype=torch.int64)
-        vals = torch.empty(0, dtype=dtype)
-    else:
-        g = g.coalesce()
-        if g.sparse_dim() != 1:
-            raise SparseCommError(f"sparse gradients with {g.sparse_dim()} sparse dimensions are not "
-                                  f"supported (only row-sparse ones, as nn.Embedding's)")
-        rows = g.indices()[0]
-        idx = (rows[:, None] * row_len + torch.arange(row_len, device=rows.device)).reshape(-1)
-        vals = g.values().reshape(-1).to(dtype)
+    rows, vals2d = row_sparse_parts(g, torch.Size(shape), dtype)
+    row_len = vals2d.shape[1]
+    idx = (rows[:, None] * row_len + torch.arange(row_len, device=rows.device)).reshape(-1)
+    vals = vals2d.reshape(-1)
     bits = (vals.numel() * vals.element_size() + idx.numel() * 8) * 8
     return Payload(kind="sparse", values=vals, indices=idx, shape=torch.Size([numel]), dtype=dtype, bits=bits)
 

@@ -455,17 +455,8 @@ class CommPipeline:
         shape = torch.Size(shape)
         dtype = dtype or grad.dtype
         nrows = int(shape[0]) if len(shape) else 1
-        row_len = int(shape.numel()) // max(nrows, 1)
-        if grad is None:
-            rows = torch.empty(0, dtype=torch.int64)
-            vals = torch.empty(0, row_len, dtype=dtype)
-        else:
-            g = grad.coalesce()
-            if g.sparse_dim() != 1:
-                raise SparseCommError(f"sparse gradients with {g.sparse_dim()} sparse dimensions are not "
-                                      f"supported (only row-sparse ones, as nn.Embedding's)")
-            rows = g.indices()[0]
-            vals = g.values().reshape(rows.numel(), row_len).to(dtype)
+        rows, vals = row_sparse_parts(grad, shape, dtype)
+        row_len = vals.shape[1]
         n = self.world_size
         check = self.nonfinite == "raise"
         if check and not _finite(vals):
@@ -543,6 +534,23 @@ class CommPipeline:
             g.set_state(s)
             self._generators[torch.device(d)] = g
 
+
+
+def row_sparse_parts(grad: torch.Tensor | None, shape: torch.Size, dtype: torch.dtype
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows (int64) and their values (``rows x row_len``, in ``dtype``) of a row-sparse gradient
+    (``None``: no rows) of a parameter of ``shape``, coalesced; only one sparse dimension (as
+    ``nn.Embedding``'s) is supported."""
+    nrows = int(shape[0]) if len(shape) else 1
+    row_len = int(shape.numel()) // max(nrows, 1)
+    if grad is None:
+        return torch.empty(0, dtype=torch.int64), torch.empty(0, row_len, dtype=dtype)
+    g = grad.coalesce()
+    if g.sparse_dim() != 1:
+        raise SparseCommError(f"sparse gradients with {g.sparse_dim()} sparse dimensions are not "
+                              f"supported (only row-sparse ones, as nn.Embedding's)")
+    rows = g.indices()[0]
+    return rows, g.values().reshape(rows.numel(), row_len).to(dtype)
 
 def _finite(x: torch.Tensor) -> bool:
     from .compressors._common import abs_max
