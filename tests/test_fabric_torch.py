@@ -15,7 +15,7 @@ import torch
 
 import sparsecomm as sc
 import sparsecomm.transports  # noqa: F401
-from sparsecomm.errors import FabricTimeout, MismatchError
+from sparsecomm.errors import FabricTimeout, IncompatibleError, MismatchError
 from sparsecomm.fabric import services
 from sparsecomm.fabric.sim import ServiceShutdown
 
@@ -48,17 +48,41 @@ def p2p_checks(ctx) -> list[str]:
         f.recv(b, 0, tag=2)
         _expect(problems, "tags", a.item() == 1.0 and b.item() == 2.0, (a, b))
 
-    # receive from any source reports the source
-    if r == 0:
+    # receive from any source reports the source; with two-way channels it takes lower ranks' messages
+    # (the highest rank receives from all the others), and rank 0, with no lower rank, is refused
+    if r == n - 1:
         seen = set()
         for _ in range(n - 1):
             buf = torch.zeros(2, dtype=torch.int64)
             src = f.recv(buf, None, tag=5)
             _expect(problems, "any-source payload", buf.tolist() == [src, src * 10], (src, buf))
             seen.add(src)
-        _expect(problems, "any-source sources", seen == set(range(1, n)), seen)
+        _expect(problems, "any-source sources", seen == set(range(n - 1)), seen)
     else:
-        f.send(torch.tensor([r, r * 10]), 0, tag=5)
+        f.send(torch.tensor([r, r * 10]), n - 1, tag=5)
+    if r == 0:
+        try:
+            f.irecv(torch.zeros(1), None, tag=5)
+            problems.append("rank 0's any-source receive was accepted on two-way channels")
+        except IncompatibleError as exc:
+            _expect(problems, "any-source refusal names the way out", "two_way=False" in str(exc), exc)
+
+    # two-way channels: large messages crossing on one pair both move at once (a receive posted after a
+    # send to the same peer is not queued behind it), and messages of one direction stay in order
+    if r < 2 and n >= 2:
+        peer = 1 - r
+        big_out = torch.full((1 << 20,), float(r + 1))
+        big_in = torch.zeros(1 << 20)
+        ws = f.isend(big_out, peer, tag=9)
+        wr = f.irecv(big_in, peer, tag=9)
+        small = [torch.zeros(1) for _ in range(3)]
+        sends = [f.isend(torch.tensor([float(10 * r + i)]), peer, tag=10) for i in range(3)]
+        recvs = [f.irecv(small[i], peer, tag=10) for i in range(3)]
+        for w in [ws, wr, *sends, *recvs]:
+            w.wait()
+        _expect(problems, "crossing payload", bool((big_in == float(peer + 1)).all()), big_in[:2])
+        _expect(problems, "order within a direction", [t.item() for t in small] == [10 * peer + i for i in range(3)],
+                small)
 
     # non-contiguous tensors and views with a storage offset, both ways
     if r == 0:

@@ -195,6 +195,39 @@ def _every_transport(ctx, numel=3001):
     return problems
 
 
+def _crossing(ctx) -> tuple[float, float]:
+    """Rank 0 sends 10 MB to rank 1 (0.8 s at 0.1 Gbit/s) and, while it flows, posts a receive for a
+    small message from rank 1. gloo sends only to a posted receive and queues a pair's "posted" notice
+    behind the data it is writing, so on one connection per pair rank 1's small send completes only
+    after the 10 MB; on the fabric's two-way channels at once. Rank 1 returns (small send, large
+    receive) durations in seconds."""
+    f, big = ctx.fabric, torch.zeros(10 << 18)
+    wr = f.irecv(big, 0, tag=1) if ctx.rank == 1 else None
+    f.barrier()
+    if ctx.rank == 0:
+        w = f.isend(big, 1, tag=1)
+        time.sleep(0.1)
+        f.recv(torch.zeros(1), 1, tag=2)
+        w.wait()
+        return 0.0, 0.0
+    t0 = time.perf_counter()
+    time.sleep(0.2)
+    t1 = time.perf_counter()
+    f.send(torch.ones(1), 0, tag=2)
+    t_small = time.perf_counter() - t1
+    wr.wait()
+    return t_small, time.perf_counter() - t0
+
+
+def test_two_way_channels_a_receive_is_not_queued_behind_a_large_send():
+    """The cause of the 2x slow-down of crossing exchanges on the netbed (BENCHMARKS "Where the
+    netbed's time went"), fixed by TorchFabric's two-way channels."""
+    _, (t_small, t_big) = sc.launch(_crossing, 2, backend="netbed", network=sc.Network(bandwidth_gbps=0.1),
+                                    timeout_s=60)
+    assert t_big > 0.6, t_big                 # the 10 MB took most of its 0.8 s at the link rate
+    assert t_small < 0.2 * t_big, (t_small, t_big)
+
+
 def test_every_transport_exact_on_three_hosts():
     """3 workers (odd n), an odd length; the switch on the top of rack, two dedicated aggregators on hosts
     of their own (5 namespaces with links + the top of rack)."""

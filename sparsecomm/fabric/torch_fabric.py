@@ -12,6 +12,16 @@ What maps to what:
   with the tag (tags must lie in ``[0, 2**31)``; torch rejects negative tags). Messages of one
   (src, dst, tag) arrive in order. Tensors stay on their device: nothing here copies to the host, so a
   CUDA tensor travels over nccl.
+- Two channels per pair (gloo, ``two_way=True``, the default without ``coalesce``): a message from a
+  lower to a higher rank travels on the default group, one from a higher to a lower rank on a second
+  group of the same ranks, so each TCP connection carries data in one direction only. gloo sends a
+  message only after the receiver's "receive posted" notice arrives, and a pair queues that notice
+  behind whatever data it is already writing; on one connection per pair, a receive posted while the
+  rank sends a large message to the same peer therefore waits for that whole message: two ranks
+  exchanging 10 MB at 1 Gbit/s took 180 ms instead of 90 in about a third of the runs on the netbed
+  (BENCHMARKS.md, "Where the netbed's time went"). Consequence for ``src=None``: it receives messages
+  from *lower* ranks only (services, the library's only any-source receivers, have the highest ranks);
+  rank 0 asking for it raises :class:`IncompatibleError`; ``two_way=False`` restores one group.
 - ``src=None`` (receive from any source) is gloo only; nccl raises :class:`IncompatibleError`. nccl also
   ignores tags: messages between two ranks are matched in posting order whatever their tag
   (``serial_pairs`` is true). With nccl (``coalesce=True``) ``isend``/``irecv`` are deferred until the
@@ -240,7 +250,8 @@ class TorchFabric(Fabric):
 
     def __init__(self, world_size: int | None = None, services: Sequence[str] = (), *,
                  timeout_s: float = 120.0, store: dist.Store | None = None,
-                 shutdown_key: str = "sparsecomm/workers_done", coalesce: bool | None = None) -> None:
+                 shutdown_key: str = "sparsecomm/workers_done", coalesce: bool | None = None,
+                 two_way: bool | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("TorchFabric needs an initialised torch.distributed process group "
                                "(use sparsecomm.launch(..., backend='gloo'/'nccl') or torchrun)")
@@ -272,6 +283,17 @@ class TorchFabric(Fabric):
         self._watchdog: threading.Thread | None = None
         self._fail_key = shutdown_key + "/failed"
         self.stats = CommStats()
+        #: gloo: messages from a lower to a higher rank travel on the default group, the other way on a
+        #: second group of the same ranks, so each TCP connection carries data one way only (see
+        #: "Two channels per pair" in the module docstring)
+        self._pg_down = self._pg
+        if two_way is None:
+            two_way = not self._coalesce
+        if two_way and (self._cuda or self._coalesce):
+            raise IncompatibleError("two_way channels are for gloo without coalesce (nccl and coalesced "
+                                    "groups issue sends and receives on one group); pass two_way=False")
+        if two_way and total > 1:
+            self._pg_down = dist.new_group(list(range(total)), timeout=timedelta(seconds=self.timeout_s))
         self.worker_group = (dist.new_group(list(range(world_size)), timeout=timedelta(seconds=self.timeout_s))
                              if services else dist.group.WORLD)
         if store is not None and self.total_ranks > 1:
@@ -321,13 +343,13 @@ class TorchFabric(Fabric):
         if self._cuda or self.total_ranks < 2:
             return
         peer = 0 if self.rank != 0 else 1
-        groups = [self._pg]
+        groups = [self._pg] + ([self._pg_down] if self._pg_down is not self._pg else [])
         if (self.worker_group is not dist.group.WORLD and self.is_worker and self.world_size > 1
                 and isinstance(self.worker_group, dist.ProcessGroup)):
             groups.append(self.worker_group)     # the workers' subgroup (native's all_reduce) too
         for g in groups:
             try:
-                g.recv([torch.zeros(1)], peer if g is self._pg else (0 if self.rank != 0 else 1),
+                g.recv([torch.zeros(1)], peer if g in (self._pg, self._pg_down) else (0 if self.rank != 0 else 1),
                        _TRIP_TAG).wait(timedelta(milliseconds=1))
             except Exception:  # noqa: BLE001 - expected: the timeout is the point
                 pass
@@ -395,7 +417,7 @@ class TorchFabric(Fabric):
             self._deferred.append(pend)     # issued at the next wait, in one group
         else:
             try:
-                pend.work = self._pg.send([t], dst, tag)
+                pend.work = (self._pg if dst > self.rank else self._pg_down).send([t], dst, tag)
             except RuntimeError as exc:
                 raise self._translate(exc, pend, None) from exc
         self.stats.record_send(self.rank, dst, t.numel() * t.element_size())
@@ -443,6 +465,10 @@ class TorchFabric(Fabric):
         elif self._cuda:
             raise IncompatibleError("receive from any source (src=None) is not supported by nccl; "
                                     "name the source, or use the gloo backend")
+        elif self.rank == 0 and self._pg_down is not self._pg:
+            raise IncompatibleError("with two-way channels (gloo's default here) a receive from any "
+                                    "source (src=None) takes messages from lower ranks only, and rank 0 "
+                                    "has none; name the source, or build the fabric with two_way=False")
         q = self._stale.get((src, tag))
         if q:
             pend = q[0]
@@ -463,8 +489,8 @@ class TorchFabric(Fabric):
         else:
             self._flush()
             try:
-                pend.work = (self._pg.recv([buf], src, tag) if src is not None
-                             else self._pg.recv_anysource([buf], tag))
+                pend.work = ((self._pg if src < self.rank else self._pg_down).recv([buf], src, tag)
+                             if src is not None else self._pg.recv_anysource([buf], tag))
             except RuntimeError as exc:
                 raise self._translate(exc, pend, None) from exc
         return pend, out
