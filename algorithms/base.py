@@ -26,8 +26,8 @@ several, treated as one flat vector of length d) that simulates n workers in thi
 Example (DIANA at its theoretical step on heterogeneous logistic regression)::
 
     import torch
-    from theory import problems
-    from algorithms import DIANA
+    from sparsecomm.theory import problems
+    from sparsecomm.algorithms import DIANA
 
     prob = problems.logistic("digits", n_workers=20, split="label", lam=1e-2)
     x = torch.zeros(prob.d, dtype=torch.float64)

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 import sparsecomm as sc
-from theory import rates
+from sparsecomm.theory import rates
 
 from .base import CompressedOptimizer
 

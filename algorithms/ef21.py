@@ -29,7 +29,7 @@ import torch
 
 import sparsecomm as sc
 from sparsecomm.errors import SparseCommError
-from theory import rates
+from sparsecomm.theory import rates
 
 from .base import CompressedOptimizer
 

@@ -42,7 +42,7 @@ import torch
 import sparsecomm as sc
 from sparsecomm.compressors.base import Compressor
 from sparsecomm.payload import Payload
-from theory import rates
+from sparsecomm.theory import rates
 
 from .base import ConfigError
 from .dcgd import DCGD

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from theory import rates
+from sparsecomm.theory import rates
 
 from .base import CompressedOptimizer, ConfigError, dense_bits
 

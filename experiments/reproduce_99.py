@@ -26,10 +26,11 @@ import math
 
 import torch
 
-from algorithms import ISDIANA, ISSGD
-from experiments import reproduce_utils as U
-from theory import problems as P
-from theory import rates
+from sparsecomm.algorithms import ISDIANA, ISSGD
+from sparsecomm.theory import problems as P
+from sparsecomm.theory import rates
+
+from .common import reproduce as U
 
 
 def iterations_to_eps(prob, method: str, tau: int, eps: float, seed: int, mult: float = 1.0, maxit: int = 200000):
@@ -80,7 +81,7 @@ def main(argv=None) -> dict:
     R = U.Run("reproduce_99", args, dict(method=args.method, ns=ns, m=m, kappa=args.kappa, eps=args.eps,
                                           seeds=seeds, taus=taus, tune=args.tune))
     results = {}
-    for n in ns:
+    for n in R.progress(ns, desc="workers"):
         prob = P.synthetic_least_squares(n_workers=n, rows_per_worker=m, d=m, kappa=args.kappa, homogeneous=True,
                                          interpolate=(args.method == "is_sgd"), seed=args.seed)
         print(prob)

@@ -27,10 +27,11 @@ import math
 
 import torch
 
-from algorithms import DCGD, DIANA
-from experiments import reproduce_utils as U
-from theory import problems as P
-from theory import rates
+from sparsecomm.algorithms import DCGD, DIANA
+from sparsecomm.theory import problems as P
+from sparsecomm.theory import rates
+
+from .common import reproduce as U
 
 TOL = 1e-10
 
@@ -86,7 +87,7 @@ def main(argv=None) -> dict:
           f"theorem's iterations to {TOL:g}: {bound_iters}")
     every = max(1, cap // 400)
     results = {}
-    for mult in mults:
+    for mult in R.progress(mults, desc="step multipliers"):
         for name, cls in (("DIANA", DIANA), ("DCGD", DCGD)):
             x = torch.zeros(prob.d, dtype=torch.float64)
             opt = cls([x], compressor="randk", k=k, problem=prob, lr=mult * gamma, seed=args.seed)

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import torch
 
-from algorithms import DIANA, MARINA
-from experiments import reproduce_utils as U
-from theory import problems as P
-from theory import rates
+from sparsecomm.algorithms import DIANA, MARINA
+from sparsecomm.theory import problems as P
+from sparsecomm.theory import rates
+
+from .common import reproduce as U
 
 
 def main(argv=None) -> dict:
@@ -41,7 +42,7 @@ def main(argv=None) -> dict:
     R = U.Run("reproduce_marina", args, dict(problem=repr(prob), ks=ks, iters=iters))
     print(prob)
     results = {}
-    for k in ks:
+    for k in R.progress(ks, desc="K values"):
         omega = prob.d / k - 1
         for name in ("MARINA", "DIANA"):
             x = torch.zeros(prob.d, dtype=torch.float64)

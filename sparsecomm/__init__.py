@@ -11,6 +11,10 @@ import importlib
 
 __version__ = "0.1.0"
 
+from . import _tree
+
+_tree.install()  # source tree: sparsecomm.theory etc. are the top-level folders (see _tree.py)
+
 from . import errors, registry  # noqa: F401
 from .payload import Payload  # noqa: F401
 
