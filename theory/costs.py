@@ -24,6 +24,8 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+from sparsecomm.errors import InvalidValueError
+
 
 class Cost(NamedTuple):
     """Cost of one collective call, per worker."""
@@ -41,7 +43,7 @@ ZERO = Cost(0.0, 0.0, 0.0, 0.0, 0)
 def link(bandwidth_gbps: float = 100.0, latency_us: float = 2.0) -> tuple[float, float]:
     """``(B, alpha)``: bytes per second and seconds per message of a NIC."""
     if bandwidth_gbps <= 0 or latency_us < 0:
-        raise ValueError("bandwidth must be positive and latency non-negative")
+        raise InvalidValueError("bandwidth must be positive and latency non-negative")
     return bandwidth_gbps * 1e9 / 8, latency_us * 1e-6
 
 
@@ -370,9 +372,9 @@ def omnireduce_allreduce(n: int, numel: int, *, density: float = 1.0, union_dens
     if n < 1 or numel <= 0:
         return ZERO
     if overlap not in ("random", "full"):
-        raise ValueError(f"overlap must be 'random' or 'full', got {overlap!r}")
+        raise InvalidValueError(f"overlap must be 'random' or 'full', got {overlap!r}")
     if deployment not in ("dedicated", "colocated"):
-        raise ValueError(f"deployment must be 'dedicated' or 'colocated', got {deployment!r}")
+        raise InvalidValueError(f"deployment must be 'dedicated' or 'colocated', got {deployment!r}")
     d = float(density)
     du = (1.0 - (1.0 - d) ** n if overlap == "random" else d) if union_density is None else float(union_density)
     B, alpha = link(bandwidth_gbps, latency_us)
@@ -482,7 +484,7 @@ def sparse_switch_allreduce(n: int, numel: int, *, density: float = 1.0, union_d
     if n < 1 or numel <= 0:
         return ZERO
     if overlap not in ("random", "full"):
-        raise ValueError(f"overlap must be 'random' or 'full', got {overlap!r}")
+        raise InvalidValueError(f"overlap must be 'random' or 'full', got {overlap!r}")
     B, alpha = link(bandwidth_gbps, latency_us)
     Bs, alpha_s = link(switch_bandwidth_gbps if switch_bandwidth_gbps is not None else bandwidth_gbps,
                        switch_latency_us if switch_latency_us is not None else latency_us)

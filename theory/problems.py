@@ -57,6 +57,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from sparsecomm.errors import InvalidValueError
+
 DTYPE = torch.float64
 DATASETS = ("breast_cancer", "digits", "wine", "diabetes")
 SPLITS = ("iid", "label")
@@ -85,7 +87,7 @@ def load_dataset(name: str, *, bias: bool = False) -> tuple[np.ndarray, np.ndarr
         X, t = skd.load_diabetes(return_X_y=True)
         y = (t - t.mean()) / t.std()
     else:
-        raise ValueError(f"unknown dataset {name!r}; valid names: {', '.join(DATASETS)}")
+        raise InvalidValueError(f"unknown dataset {name!r}; valid names: {', '.join(DATASETS)}")
     return standardise(np.asarray(X, dtype=np.float64), bias=bias), np.asarray(y, dtype=np.float64)
 
 
@@ -104,13 +106,13 @@ def split_rows(y: np.ndarray, n_workers: int, split: str = "iid", seed: int = 0)
     of a random permutation (``"iid"``) or of the rows stably sorted by label (``"label"``)."""
     N = len(y)
     if not 1 <= n_workers <= N:
-        raise ValueError(f"need 1 <= n_workers <= number of rows ({N}), got {n_workers}")
+        raise InvalidValueError(f"need 1 <= n_workers <= number of rows ({N}), got {n_workers}")
     if split == "iid":
         order = np.random.default_rng(seed).permutation(N)
     elif split == "label":
         order = np.argsort(y, kind="stable")
     else:
-        raise ValueError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
+        raise InvalidValueError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
     size = N // n_workers
     return [order[i * size:(i + 1) * size] if i < n_workers - 1 else order[i * size:]
             for i in range(n_workers)]
@@ -138,9 +140,9 @@ class FiniteSumProblem:
 
     def __post_init__(self) -> None:
         if self.loss_name not in LOSSES:
-            raise ValueError(f"unknown loss {self.loss_name!r}; valid: {', '.join(LOSSES)}")
+            raise InvalidValueError(f"unknown loss {self.loss_name!r}; valid: {', '.join(LOSSES)}")
         if self.lam < 0 or self.nc_lam < 0:
-            raise ValueError("lam and nc_lam must be >= 0")
+            raise InvalidValueError("lam and nc_lam must be >= 0")
         n = len(self.A_blocks)
         d = self.A_blocks[0].shape[1]
         M = max(a.shape[0] for a in self.A_blocks)
@@ -222,10 +224,10 @@ class FiniteSumProblem:
         x = torch.as_tensor(x, dtype=DTYPE)
         if x.dim() == 1:
             if x.numel() != self.d:
-                raise ValueError(f"x has {x.numel()} entries, the problem has d = {self.d}")
+                raise InvalidValueError(f"x has {x.numel()} entries, the problem has d = {self.d}")
             return x.unsqueeze(0).expand(self.n, -1)
         if x.shape != (self.n, self.d):
-            raise ValueError(f"x must be ({self.d},) or ({self.n}, {self.d}), got {tuple(x.shape)}")
+            raise InvalidValueError(f"x must be ({self.d},) or ({self.n}, {self.d}), got {tuple(x.shape)}")
         return x
 
     def _margins(self, X: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
@@ -358,13 +360,13 @@ def from_arrays(X: np.ndarray, y: np.ndarray, *, loss: str = "logistic", n_worke
     smallest curvature taken into account). Neither: lam = 0 (then mu may be None).
     """
     if lam is not None and kappa is not None:
-        raise ValueError("give lam or kappa, not both")
+        raise InvalidValueError("give lam or kappa, not both")
     parts = split_rows(y, n_workers, split, seed)
     A_blocks = [torch.from_numpy(np.ascontiguousarray(X[p])) for p in parts]
     b_blocks = [torch.from_numpy(np.ascontiguousarray(y[p])) for p in parts]
     if kappa is not None:
         if kappa <= 1:
-            raise ValueError(f"kappa must be > 1, got {kappa}")
+            raise InvalidValueError(f"kappa must be > 1, got {kappa}")
         c = 0.25 if loss == "logistic" else 1.0
         grams = [a.T @ a / a.shape[0] for a in A_blocks]
         ev = torch.linalg.eigvalsh(torch.stack(grams).mean(0))
@@ -372,7 +374,7 @@ def from_arrays(X: np.ndarray, y: np.ndarray, *, loss: str = "logistic", n_worke
         # (L0 + lam) / (m0 + lam) = kappa
         lam = max((L0 - kappa * m0) / (kappa - 1), 0.0)
         if lam == 0.0:
-            raise ValueError(f"the data alone is better conditioned than kappa={kappa}")
+            raise InvalidValueError(f"the data alone is better conditioned than kappa={kappa}")
     return FiniteSumProblem(A_blocks, b_blocks, loss, float(lam or 0.0), float(nc_lam), name)
 
 
@@ -398,7 +400,7 @@ def _spectrum_matrix(N: int, d: int, eig: np.ndarray, rng: np.random.Generator,
                      V: np.ndarray | None = None) -> np.ndarray:
     """An N x d matrix with A^T A / N = V diag(eig) V^T exactly (V random orthogonal unless given)."""
     if N < d:
-        raise ValueError(f"need at least d = {d} rows, got {N}")
+        raise InvalidValueError(f"need at least d = {d} rows, got {N}")
     Q, _ = np.linalg.qr(rng.standard_normal((N, d)))          # Q^T Q = I
     if V is None:
         V, _ = np.linalg.qr(rng.standard_normal((d, d)))

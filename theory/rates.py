@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import math
 
+from sparsecomm.errors import InvalidValueError
+
 __all__ = [
     "L_tilde", "iterations_for", "dcgd", "dcgd_neighbourhood", "dcgd_iterations",
     "diana", "diana_rate", "diana_iterations", "diana_lyapunov_coefficient", "diana_nonconvex",
@@ -29,14 +31,14 @@ __all__ = [
 def _check_pos(**kw: float) -> None:
     for k, v in kw.items():
         if v is None or not v > 0 or not math.isfinite(v):
-            raise ValueError(f"{k} must be a positive finite number, got {v!r}")
+            raise InvalidValueError(f"{k} must be a positive finite number, got {v!r}")
 
 
 def _check_omega(omega: float, n: int) -> None:
     if not (omega >= 0 and math.isfinite(omega)):
-        raise ValueError(f"omega must be finite and >= 0 (an unbiased compressor), got {omega!r}")
+        raise InvalidValueError(f"omega must be finite and >= 0 (an unbiased compressor), got {omega!r}")
     if int(n) != n or n < 1:
-        raise ValueError(f"n must be a positive integer, got {n!r}")
+        raise InvalidValueError(f"n must be a positive integer, got {n!r}")
 
 
 def L_tilde(L_i) -> float:
@@ -143,7 +145,7 @@ def diana_lyapunov_coefficient(omega: float, gamma: float, alpha: float, n: int,
     _check_omega(omega, n)
     _check_omega(omega, n_eff)
     if n_eff > n:
-        raise ValueError(f"n_eff must be <= n, got n_eff={n_eff}, n={n}")
+        raise InvalidValueError(f"n_eff must be <= n, got n_eff={n_eff}, n={n}")
     _check_pos(gamma=gamma, alpha=alpha)
     return 4.0 * omega * gamma ** 2 / (alpha * n * n_eff)
 
@@ -173,7 +175,7 @@ def diana_nonconvex(L: float, omega: float, n: int, m: int = 1) -> tuple[float, 
     _check_pos(L=L)
     _check_omega(omega, n)
     if m < 1:
-        raise ValueError(f"m must be >= 1, got {m}")
+        raise InvalidValueError(f"m must be >= 1, got {m}")
     alpha = 1.0 / (1.0 + omega)
     return 1.0 / (10.0 * L * math.sqrt(1.0 + omega / n) * (m ** (2.0 / 3.0) + omega + 1.0)), alpha
 
@@ -199,7 +201,7 @@ def vr_diana(L_sample: float, omega: float, n: int, m: int, c: float = 6.0) -> t
     _check_pos(L_sample=L_sample, c=c)
     _check_omega(omega, n)
     if m < 1:
-        raise ValueError(f"m must be >= 1, got {m}")
+        raise InvalidValueError(f"m must be >= 1, got {m}")
     return 1.0 / (6.0 * L_sample * (1.0 + c * omega / n)), 1.0 / (omega + 1.0), 1.0 / m
 
 
@@ -217,9 +219,9 @@ def is_sgd_factor(m: int, tau: int, n: int) -> float:
     """1 + (m/tau - 1)/n = 1 + omega/n for independent rand-tau-of-m block sparsification scaled by m/tau
     (omega = m/tau - 1, theory.md §2.1 rand-k). The slow-down of IS-SGD over uncompressed GD."""
     if not 1 <= tau <= m:
-        raise ValueError(f"need 1 <= tau <= m, got tau={tau}, m={m}")
+        raise InvalidValueError(f"need 1 <= tau <= m, got tau={tau}, m={m}")
     if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
+        raise InvalidValueError(f"n must be >= 1, got {n}")
     return 1.0 + (m / tau - 1.0) / n
 
 
@@ -250,7 +252,7 @@ def is_optimal_tau(m: int, n: int) -> float:
     ("the optimal number of blocks to be updated by each of n units in every iteration is equal to
     m/n", arXiv 1901.09437 v1 abstract). Exactly, 1 + omega/n = 2 at tau = m/(n + 1)."""
     if m < 1 or n < 1:
-        raise ValueError("m and n must be >= 1")
+        raise InvalidValueError("m and n must be >= 1")
     return m / n
 
 
@@ -264,7 +266,7 @@ def ef21_theta_beta(delta: float) -> tuple[float, float]:
     Note sqrt(beta/theta) = sqrt(1-delta)/(1-sqrt(1-delta)) = (sqrt(1-delta) + 1 - delta)/delta <= 2/delta - 1
     (**derived**)."""
     if not 0.0 < delta <= 1.0:
-        raise ValueError(f"delta must be in (0, 1], got {delta!r}")
+        raise InvalidValueError(f"delta must be in (0, 1], got {delta!r}")
     s = math.sqrt(1.0 - delta)
     theta = 1.0 - s
     beta = (1.0 - delta) / theta
@@ -306,5 +308,5 @@ def marina(L: float, L_tilde: float, omega: float, n: int, p: float | None = Non
     if p is None:
         p = 1.0 / (omega + 1.0)
     if not 0.0 < p <= 1.0:
-        raise ValueError(f"p must be in (0, 1], got {p!r}")
+        raise InvalidValueError(f"p must be in (0, 1], got {p!r}")
     return 1.0 / (L + L_tilde * math.sqrt((1.0 - p) * omega / (p * n))), p
