@@ -1,4 +1,4 @@
-"""E2 (theory.md §4.2): EF21 vs classic EF with top-1, non-convex logistic regression.
+"""E2: EF21 vs classic EF with top-1, non-convex logistic regression.
 
 Set-up after the EF21 authors' code (``IgorSokoloff/ef21_experiments_source_code``): loss
 logistic + lam sum_j x_j^2/(1 + x_j^2) with lam = 0.1 (no l2 term), n = 20 workers, x^0 ~ N(0, I), top-1.

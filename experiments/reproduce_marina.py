@@ -1,4 +1,4 @@
-"""E3 (theory.md §4.2): MARINA vs DIANA on a non-convex problem with rand-K, K in {1, 5, 10}.
+"""E3: MARINA vs DIANA on a non-convex problem with rand-K, K in {1, 5, 10}.
 
 Set-up after the MARINA authors' code (``burlachenkok/marina``, ``experiment_no_vr_all.py``): n = 5
 workers with equal chunks, x^0 = 0, rand-K (independent per worker), both methods at their theoretical

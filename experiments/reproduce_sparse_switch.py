@@ -1,4 +1,4 @@
-"""Where does OmniReduce's look-ahead on a SwitchML switch win? (``sparse-switch``, issue #19), on the SimFabric.
+"""Where does OmniReduce's look-ahead on a SwitchML switch win? (``sparse-switch``), on the SimFabric.
 
 Expected shape, to confirm or refute: ``sparse-switch`` is flat in the number of workers ``n`` like the
 dense ``switch`` (every worker sends its blocks once and receives the union once, whatever ``n``) and

@@ -1,7 +1,7 @@
 """Distributed finite-sum test problems with known constants (float64 throughout).
 
 A :class:`FiniteSumProblem` holds the data of n workers and exposes what the theory of DIANA, EF21,
-MARINA and friends needs (theory.md §1):
+MARINA and friends needs:
 
 - local functions f_i(x) = (1/N_i) sum_j loss(a_ij, b_ij; x) + (lam/2)||x||^2 + nc_lam sum_l x_l^2/(1+x_l^2),
   f = (1/n) sum_i f_i (every worker weighs equally, whatever its N_i);
@@ -18,7 +18,7 @@ Losses
 ------
 ``logistic``: loss = log(1 + exp(-b a^T x)) with b in {-1, +1}. Since sigma'(t) <= 1/4 with equality at
 t = 0, the Hessian of f_i is at most A_i^T A_i/(4 N_i) + lam I (+ 2 nc_lam I), attained at x = 0, so
-``L_i = lambda_max(A_i^T A_i)/(4 N_i) + lam + 2 nc_lam`` is exact (theory.md §3.8 "Logistic smoothness",
+``L_i = lambda_max(A_i^T A_i)/(4 N_i) + lam + 2 nc_lam`` is exact (as in the
 EF21 code ``L_i = lambda_max(A_i^T A_i/(4N_i) + 2 lam I)`` with their regulariser). ``mu = lam`` is the
 global strong-convexity constant (the local curvature at x*, ``mu_local``, is larger).
 
@@ -36,13 +36,13 @@ Data
 ``diabetes`` (442 x 10, regression); features standardised (zero mean, unit variance), optional bias
 column. ``synthetic_*`` builders give a chosen condition number.
 
-Splits (theory.md §4.1, RR code ``data_preprocessing.py``): ``"iid"`` (random permutation) or
+Splits (, RR code ``data_preprocessing.py``): ``"iid"`` (random permutation) or
 ``"label"`` (heterogeneous: rows sorted by label/target, stable, cut into contiguous chunks); equal chunks
 of N // n rows, the remainder to the last worker.
 
 Example
 -------
->>> from theory import problems
+>>> from sparsecomm.theory import problems
 >>> p = problems.logistic("breast_cancer", n_workers=10, split="label", lam=1e-2)
 >>> G = p.grads(p.x_star)                 # (10, 30): heterogeneous, so the rows are not 0 ...
 >>> float(G.mean(0).norm()) < 1e-10       # ... but their mean (grad f(x*)) is

@@ -33,8 +33,7 @@ so ``native / scan`` bounds the speed-up such a protocol can show on the machine
 
 Adding a transport: append a :class:`Case` to ``CASES`` (name, constructor kwargs, block densities to
 feed it, services its launch needs). Cases with the same services share one launch; a launch with
-services also times ``native`` again, as its own reference. Cases whose transport is not registered are skipped, so a case can
-be listed before its module lands. Inputs of density ``d < 1`` keep a fraction ``d`` of the
+services also times ``native`` again, as its own reference. Cases whose transport is not registered are skipped. Inputs of density ``d < 1`` keep a fraction ``d`` of the
 ``block``-element blocks non-zero, at positions drawn with a seed per rank (independent positions).
 """
 

@@ -1,7 +1,9 @@
 """The ``netbed`` backend of :func:`sparsecomm.launch`: real gloo processes on an emulated rack.
 
->>> sc.launch(fn, world_size=4, backend="netbed", network=sc.Network(bandwidth_gbps=1),
-...           services=["switch"], timeout_s=60)                                    # doctest: +SKIP
+A netbed needs root and real processes, so this is not a doctest; ``tests/test_netbed.py`` runs it::
+
+    sc.launch(fn, world_size=4, backend="netbed", network=sc.Network(bandwidth_gbps=1),
+              services=["switch"], timeout_s=60)
 
 A :class:`~sparsecomm.netbed.topology.Netbed` is built for the run and removed afterwards (on every exit
 path: return, exception, Ctrl-C, SIGTERM). Placement follows the paper testbeds:

@@ -15,7 +15,7 @@ def available() -> list[str]:
     return registry.available()
 
 
-# Importing the modules registers them. Each module is added by the issue that builds it.
+# Importing the modules registers them (the list is in _load.py).
 from . import _load  # noqa: E402,F401
 
 __all__ = ["Transport", "get", "available", "registry", "incompatible_message"]
