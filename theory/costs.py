@@ -510,3 +510,15 @@ def sparse_switch_allreduce(n: int, numel: int, *, density: float = 1.0, union_d
     received = b + p_la * b + R * b
     steps = 2 + (int(math.ceil(sum(p for p, _ in shape))) + 1 if R > 0 else 0)
     return Cost(t, sent, received, 1 + p_la + R, steps)
+
+
+#: the cost model of every registered transport, by its registry name (one entry per transport:
+#: ``tests/test_registration.py`` fails for a registered transport without one)
+MODELS = {
+    "ring": ring_allreduce,
+    "native": native_allreduce,
+    "allgather": allgather,
+    "omnireduce": omnireduce_allreduce,
+    "switch": switchml_allreduce,
+    "sparse-switch": sparse_switch_allreduce,
+}
