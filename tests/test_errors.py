@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 from collections import Counter
 from pathlib import Path
@@ -69,10 +70,14 @@ CLASSES_ELSEWHERE = {
 }
 
 
+@functools.lru_cache(maxsize=None)
+def _parsed() -> tuple[tuple[str, ast.AST], ...]:
+    return tuple((p.relative_to(ROOT).as_posix(), ast.parse(p.read_text(), str(p)))
+                 for top in LIBRARY for p in sorted((ROOT / top).rglob("*.py")))
+
+
 def _files():
-    for top in LIBRARY:
-        for path in sorted((ROOT / top).rglob("*.py")):
-            yield path.relative_to(ROOT).as_posix(), ast.parse(path.read_text(), str(path))
+    return _parsed()
 
 
 def _bare_raises(tree: ast.AST) -> list[int]:

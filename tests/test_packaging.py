@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import configparser
 import email
+import functools
 import importlib
 import shutil
 import subprocess
@@ -96,10 +97,15 @@ def _extras() -> dict[str, set[str]]:
             for k, v in cfg["options.extras_require"].items()}
 
 
+@functools.lru_cache(maxsize=None)
+def _tree(path: Path) -> ast.AST:
+    return ast.parse(path.read_text(), str(path))
+
+
 def _imports(path: Path) -> list[tuple[str, int]]:
     """Absolute imported module names in ``path`` with their line, including imports inside functions."""
     out = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(_tree(path)):
         if isinstance(node, ast.Import):
             out += [(a.name, node.lineno) for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -163,7 +169,7 @@ def test_no_default_output_inside_the_package():
     (which, installed, is site-packages)."""
     bad = []
     for path in _py_files(*SHIPPED):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_tree(path)):
             if isinstance(node, ast.Name) and node.id == "__file__":
                 bad.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     allowed = {"sparsecomm/_tree.py"}  # finds the source tree's folders; writes nothing
