@@ -28,9 +28,9 @@ column ``imbD``), so that what is left is the protocol's and the network's.
                                                [--densities D ...] [--bandwidths GBPS ...]
 
 prints the table and writes ``omnireduce_vs_density.png``, ``omnireduce_vs_workers.png`` and
-``omnireduce_<overlap>_<placement>.csv`` under ``DIR`` (default ``experiments/out/reproduce_omnireduce``). The full grid took
-853 s on a 2-core VM, beside a second run (the 64-worker points 20-130 s each: the event-driven order
-makes the simulation a conservative discrete-event one, one endpoint at a time); ``--quick`` (n <= 16,
+``omnireduce_<overlap>_<placement>.csv`` under ``DIR`` (default ``experiments/out/reproduce_omnireduce``).
+The full grid took 853 s on a 2-core VM, beside a second run (the 64-worker points 20-130 s each: the
+event-driven order makes the simulation a conservative discrete-event one, one endpoint at a time); ``--quick`` (n <= 16,
 100 Gb/s) about 20 s.
 """
 

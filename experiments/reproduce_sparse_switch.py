@@ -28,7 +28,8 @@ for every n) or drawn per worker (``--overlap random``: the union grows as ``1 -
 
 prints the tables and writes ``sparse_switch_vs_density.png``, ``sparse_switch_vs_workers.png``,
 ``sparse_switch_pool.png`` and ``sparse_switch_<overlap>.csv`` under ``DIR`` (default
-``experiments/out/reproduce_sparse_switch``). ``--quick``: n <= 8, three densities, 256 KiB (about a minute on 2 busy cores).
+``experiments/out/reproduce_sparse_switch``). ``--quick``: n <= 8, three densities, 256 KiB (about a minute
+on 2 busy cores).
 """
 
 from __future__ import annotations

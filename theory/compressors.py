@@ -275,7 +275,8 @@ def quantized_bits(d: int, code_bits: int, buckets: int, scale_bits: int = 32) -
 
 
 def qsgd_code_bits(s: int) -> int:
-    """Sign + level in {0..s}: 1 + ceil(log2(s+1)) bits. (flpytorch uses 1 + ceil(log2 s), which cannot represent level s when s is a power of two, e.g. s = 1.)"""
+    """Sign + level in {0..s}: 1 + ceil(log2(s+1)) bits. (flpytorch uses 1 + ceil(log2 s),
+    which cannot represent level s when s is a power of two, e.g. s = 1.)"""
     return 1 + math.ceil(math.log2(s + 1))
 
 

@@ -33,8 +33,9 @@ so ``native / scan`` bounds the speed-up such a protocol can show on the machine
 
 Adding a transport: append a :class:`Case` to ``CASES`` (name, constructor kwargs, block densities to
 feed it, services its launch needs). Cases with the same services share one launch; a launch with
-services also times ``native`` again, as its own reference. Cases whose transport is not registered are skipped. Inputs of density ``d < 1`` keep a fraction ``d`` of the
-``block``-element blocks non-zero, at positions drawn with a seed per rank (independent positions).
+services also times ``native`` again, as its own reference. Cases whose transport is not registered are
+skipped. Inputs of density ``d < 1`` keep a fraction ``d`` of the ``block``-element blocks non-zero, at
+positions drawn with a seed per rank (independent positions).
 """
 
 from __future__ import annotations
