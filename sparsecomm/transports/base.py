@@ -127,9 +127,7 @@ class Transport(ABC):
         return self._allreduce_tensor(p.to_dense())
 
     def _modelled(self, t0: float) -> float:
-        from ..fabric.sim import SimFabric  # local import: only the sim has a modelled clock
-
-        return self.fabric.now() - t0 if isinstance(self.fabric, SimFabric) else 0.0
+        return self.fabric.now() - t0 if self.fabric.modelled_time else 0.0
 
 
 # ============================================================================ asynchronous calls
@@ -269,13 +267,13 @@ _engines_lock = threading.Lock()
 
 def engine(fabric: Fabric, create: bool = True) -> CommEngine | None:
     """The communication engine of ``fabric`` (created on first use when ``create``)."""
-    eng = fabric.__dict__.get("_sc_comm_engine")
+    eng = fabric.scratch.get("transports/comm_engine")
     if eng is None and create:
         with _engines_lock:
-            eng = fabric.__dict__.get("_sc_comm_engine")
+            eng = fabric.scratch.get("transports/comm_engine")
             if eng is None:
-                eng = CommEngine(str(getattr(fabric, "rank", "")))
-                fabric.__dict__["_sc_comm_engine"] = eng
+                eng = CommEngine(str(fabric.rank))
+                fabric.scratch["transports/comm_engine"] = eng
     return eng
 
 
