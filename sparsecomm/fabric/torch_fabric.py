@@ -3,7 +3,7 @@ point-to-point messages (gloo on CPU, nccl on GPU; multi-node through torchrun).
 
 Ranks ``0 .. world_size-1`` of the default process group are the workers; services (a SwitchML switch,
 dedicated OmniReduce aggregators) are the extra ranks ``world_size + i`` that the launcher started for
-``services[i]`` (:mod:`sparsecomm.launch_torch`). Every rank, services included, must construct the
+``services[i]`` (:mod:`sparsecomm.launch.torch_backend`). Every rank, services included, must construct the
 fabric (it creates the workers' subgroup, a collective call).
 
 What maps to what:
