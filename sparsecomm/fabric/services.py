@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from ..errors import UnknownNameError
 from ..registry import Registry
 
 registry: Registry[Callable] = Registry("service")
@@ -25,4 +26,9 @@ registry: Registry[Callable] = Registry("service")
 def resolve(spec: str) -> Callable:
     """The service loop ``main(fabric)`` for ``spec`` (its provider must have been imported)."""
     name, _, arg = spec.partition(":")
-    return registry.get(name, arg or None)
+    try:
+        return registry.get(name, arg or None)
+    except UnknownNameError as exc:
+        exc.add_note("a service is registered when the module that provides it is imported (the library's "
+                     "own: import sparsecomm.transports; the launcher does so before it resolves a spec)")
+        raise

@@ -66,8 +66,7 @@ from .supervise import WorkerError, _pack_error, _reap, _supervise  # noqa: F401
 DEFAULT_TIMEOUT_S = 120.0
 #: imported once by the fork server, so that each rank starts in milliseconds instead of importing torch
 _PRELOAD = ("torch", "torch.distributed", "sparsecomm.launch.torch_backend", "sparsecomm.fabric.torch_fabric")
-_OPTIONAL_PRELOAD = ("sparsecomm.transports", "sparsecomm.compressors", "sparsecomm.methods", "sparsecomm.optim",
-                     "numpy", "numba")
+_OPTIONAL_PRELOAD = ("numpy", "numba")
 _in_place_calls = 0
 
 
@@ -227,7 +226,8 @@ def _spawn(backend: str, fn: Callable, world_size: int, timeout_s: float,
     if method == "forkserver":
         # also the library's packages the parent has already imported (so they are known to import cleanly;
         # the fork server survives only ImportErrors in its preload)
-        ctx.set_forkserver_preload(list(_PRELOAD) + [m for m in _OPTIONAL_PRELOAD if m in sys.modules])
+        ctx.set_forkserver_preload(list(_PRELOAD) + [m for m in _OPTIONAL_PRELOAD if m in sys.modules]
+                                   + _loaded_library_packages())
     store = make_store(total, timeout_s) if make_store is not None else dist.TCPStore(
         "127.0.0.1", 0, total, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
     queue = ctx.SimpleQueue()
@@ -248,6 +248,13 @@ def _spawn(backend: str, fn: Callable, world_size: int, timeout_s: float,
         _reap(procs, grace_s=5.0 if ok else 0.0)
         queue.close()
         del store
+
+
+def _loaded_library_packages() -> list[str]:
+    """The library's sub-packages and modules (``sparsecomm.x``) that this process has imported, whichever
+    layer they belong to (named by what is loaded, so that this layer names none above it)."""
+    return sorted({".".join(m.split(".")[:2]) for m in list(sys.modules)
+                   if m.startswith("sparsecomm.") and m.count(".") >= 1})
 
 
 def _child_main(rank: int, world_size: int, services: tuple[str, ...], port: int, backend: str,

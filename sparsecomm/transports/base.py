@@ -41,6 +41,7 @@ from ..errors import IncompatibleError
 from ..fabric.base import Fabric
 from ..fabric.stats import CommStats
 from ..payload import Payload
+from ..registry import Registry
 
 
 class Transport(ABC):
@@ -128,6 +129,10 @@ class Transport(ABC):
 
     def _modelled(self, t0: float) -> float:
         return self.fabric.now() - t0 if self.fabric.modelled_time else 0.0
+
+
+#: name -> transport class; every transport module registers itself here (``sc.transports.get``)
+registry: "Registry[Transport]" = Registry("transport")
 
 
 # ============================================================================ asynchronous calls
@@ -286,8 +291,6 @@ def drain(fabric: Fabric, timeout: float | None = None) -> None:
 
 def incompatible_message(transport: str, kind: str, shared_scale: bool = False, source: str | None = None) -> str:
     """The error text for a payload kind a transport cannot sum, naming the transports that can."""
-    from . import registry
-
     ok = [n for n in registry.available() if registry.factory(n).can_carry(kind, shared_scale)]
     what = f"{source!r} produces {kind!r} payloads" if source else f"{kind!r} payloads"
     if kind == "quantized" and not shared_scale:

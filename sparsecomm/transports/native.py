@@ -22,7 +22,7 @@ import torch
 from ..errors import FabricTimeout, IncompatibleError, PeerFailure
 from ..fabric.base import Fabric
 from ..payload import Payload
-from . import registry
+from .base import registry
 from ._guards import nonfinite_option
 from .base import Transport
 from .ring import guarded_sum, linear_operand

@@ -121,7 +121,7 @@ from .. import codec
 from ..errors import FabricTimeout, IncompatibleError, MismatchError, NonFiniteError, OverflowError_, SparseCommError
 from ..fabric.base import Fabric
 from ..payload import Payload
-from . import registry
+from .base import registry
 from .base import Transport
 from .sparse_switch_dataplane import (
     F_NEXT, HEADER, MAX_WORKERS, NONE, PACKET_ELEMS, T_DATA, T_EMPTY, T_MIN, T_RESULT, T_RETRANSMIT,

@@ -63,7 +63,7 @@ from .. import codec
 from ..errors import IncompatibleError, MismatchError, NonFiniteError, OverflowError_
 from ..fabric.base import Fabric
 from ..payload import Payload
-from . import registry
+from .base import registry
 from .base import Transport
 from .switch_lanes import run_lanes
 from .switch_dataplane import (
