@@ -181,6 +181,12 @@ class Fabric(ABC):
             self.send(token, 0, self.barrier_tag)
             self.recv(token, 0, self.barrier_tag)
 
+    def fail(self, exc: BaseException | str, rank: int | None = None) -> None:
+        """Tell every endpoint about a failure only this one saw (a malformed message), so that their waits
+        end at once naming it rather than at the timeout. The default does nothing: where the endpoints
+        share a process (SimFabric) the launcher reports the exception out of ``fn`` to all of them;
+        TorchFabric records it in the rendezvous store and closes its connections."""
+
     def now(self) -> float:
         """This endpoint's clock in seconds: modelled time on SimFabric, wall time elsewhere."""
         import time
