@@ -37,13 +37,9 @@ Shutdown protocol. A worker that returns from ``fn`` adds 1 to a counter in the 
 ``world_size``. Spawned workers stay alive until the counter is complete, so no rank closes its
 connections while a peer may still talk to it; then every child exits.
 
-Failures. A rank that raises reports its exception and traceback to the parent, which terminates every
-other process and re-raises that exception (with the traceback text as a note). A rank that dies
-without reporting (``os._exit``, a signal, a segfault) is a crash: the parent gives the survivors up to
-``timeout_s`` + 2 s to notice it (their waits raise :class:`PeerFailure` when gloo sees the closed
-connection, or :class:`FabricTimeout`), then terminates the rest and raises :class:`PeerFailure` naming
-the dead rank, with the survivors' errors as notes. Every wait on the fabric, and every torch.distributed
-collective (the process group's timeout), is bounded by ``timeout_s`` (default 120 s).
+Failures. A rank that raises, or dies without reporting, ends the run: the parent re-raises the root
+failure, never a consequence of it (:mod:`.supervise`). Every wait on the fabric, and every
+torch.distributed collective (the process group's timeout), is bounded by ``timeout_s`` (default 120 s).
 """
 
 from __future__ import annotations
