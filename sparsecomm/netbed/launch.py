@@ -36,7 +36,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
-from ..fabric.sim import Network
+from ..fabric.sim_network import Network
 from ..launch import Context, backends
 from .topology import Netbed, NetbedError, check_shaping
 

@@ -586,7 +586,7 @@ def _program(fabric: Fabric, sim: bool, elems: int | None, slots: int | None, bu
     if len(fits) == 1:
         return fits[0]
     if not started:
-        from ..fabric.torch_fabric import ServiceNotStarted
+        from ..fabric.base import ServiceNotStarted
 
         want = SparseSwitchConfig(**asked).spec()
         raise ServiceNotStarted(f"transport 'sparse-switch' needs a switch rank: launch with services=[{want!r}]")

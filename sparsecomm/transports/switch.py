@@ -425,7 +425,7 @@ def _program(fabric: Fabric, sim: bool, elems: int | None, slots: int | None, bu
         return fits[0]
     if not started:
         want = SwitchConfig(**asked).spec()
-        from ..fabric.torch_fabric import ServiceNotStarted
+        from ..fabric.base import ServiceNotStarted
 
         raise ServiceNotStarted(
             f"transport 'switch' needs a switch rank: launch with services=[{want!r}] "
