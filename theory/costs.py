@@ -19,6 +19,9 @@ This is a flat module of plain functions; each transport's model sits in its own
 formula and paper in the docstring.
 """
 
+# Longer than 400 lines because every transport's model is one section of a single table (``MODELS``):
+# they share ``link``, ``handshake`` and ``Cost``, and are read and compared side by side.
+
 from __future__ import annotations
 
 import math
