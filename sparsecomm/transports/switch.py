@@ -65,6 +65,7 @@ from ..errors import IncompatibleError, MismatchError, NonFiniteError, OverflowE
 from ..fabric.base import Fabric
 from ..payload import Payload
 from . import registry
+from ._handshake import check_agreement
 from .base import Transport
 from .switch_lanes import run_lanes
 from .switch_dataplane import (
@@ -293,6 +294,11 @@ class SwitchTransport(Transport):
     def _control(self, mode: int, numel: int, dtype: torch.dtype, kind: str, fingerprint: int, *,
                  nonfinite: bool, too_large: bool, cap: int, limit: int) -> None:
         """The validity / agreement round on the control slot; raises the same error on every worker."""
+        # the workers' fixed-size agreement header first (as every transport exchanges it): ranks that run
+        # another transport get a MismatchError naming both sides instead of a wait for packets that never
+        # come; the values the control round checks (numel, dtype, kind, scale) are not repeated here
+        check_agreement(self.fabric, "switch allreduce", transport="switch", switch=self.switch,
+                        slot_elems=self.slot_elems, burst=self.burst, pool_size=self.pool_size)
         st = self._state
         st.job = (st.job + 1) % (2**31 - 1)
         words = [numel & 0xFFFFFFFF, (numel >> 32) & 0xFFFFFFFF,
