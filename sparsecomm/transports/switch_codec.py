@@ -27,22 +27,29 @@ from .switch_dataplane import EXP_MAX, EXP_MIN, F_EXP, HEADER
 def _encode(x, E, cs, at, scales, rows):  # pragma: no cover - numba
     """``rows[at[k], HEADER:] = round(x[chunk cs[k]] * scales[cs[k]])`` (half away from zero, float64
     product; elements past the end of ``x`` are 0); returns -1 or the index of the first element whose
-    code leaves int32."""
+    code leaves int32 (checked per chunk, so that the element loop vectorises)."""
     N = x.size
     for k in range(cs.size):
-        c, r = cs[k], at[k]
+        c = cs[k]
         s = scales[c]
         base = c * E
-        for j in range(E):
-            if base + j >= N:
-                rows[r, 8 + j] = 0
-                continue
-            v = np.float64(x[base + j]) * s
+        xs = x[base:min(base + E, N)]
+        row = rows[at[k], 8:]
+        ok = True
+        for j in range(xs.size):
+            v = np.float64(xs[j]) * s
             t = np.trunc(v)
-            t += np.float64(np.abs(v - t) >= 0.5) * np.sign(v)
-            if not (t >= -2147483648.0 and t <= 2147483647.0):
-                return base + j
-            rows[r, 8 + j] = np.int32(t)
+            d = v - t
+            t += np.float64(d >= 0.5) - np.float64(d <= -0.5)
+            ok &= (t >= -2147483648.0) & (t <= 2147483647.0)
+            row[j] = np.int32(t)
+        row[xs.size:] = 0
+        if not ok:
+            for j in range(xs.size):
+                t = np.trunc(np.float64(xs[j]) * s)
+                if not (np.abs(t) <= 2147483648.0):
+                    return base + j
+            return base
     return -1
 
 
@@ -53,14 +60,14 @@ def _decode(rows, at, cs, scales, sums, out):  # pragma: no cover - numba
     N = out.size
     E = rows.shape[1] - 8
     for k in range(cs.size):
-        c, r = cs[k], at[k]
+        c = cs[k]
         s = scales[c]
         base = c * E
-        for j in range(E):
-            q = rows[r, 8 + j]
-            sums[base + j] = q
-            if base + j < N:
-                out[base + j] = np.float64(q) / s
+        row = rows[at[k], 8:]
+        sums[base:base + E] = row
+        o = out[base:min(base + E, N)]
+        for j in range(o.size):
+            o[j] = np.float64(row[j]) / s
 
 
 _tables: dict[int, np.ndarray] = {}
@@ -94,6 +101,9 @@ class FloatJob:
     def payload(self, pkts: np.ndarray, rows: np.ndarray) -> None:
         M, pre, E = self.M, self.pre, self.E
         rows[:, F_EXP] = np.where(pkts < M, self.e_loc[np.minimum(pkts, M - 1)], EXP_MIN)
+        head = pkts < pre
+        if head.any():                                      # exponent-only packets carry zeros
+            rows[head, HEADER:] = 0
         at = np.flatnonzero(pkts >= pre)
         if not len(at):
             return

@@ -235,16 +235,19 @@ class Dataplane:
     def register_shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: getattr(self, name).shape for name in ("values", "seen", "count", "exponent")}
 
-    def process(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def process(self, rows: np.ndarray, burst: int | None = None):
         """Run the program on the packets of one message (an int32 array of rows); return (rows to
         multicast, rows to unicast to the sender), each of shape ``(k, HEADER + elems)``. One compiled
-        call whatever the number of rows; rows of another width are all malformed."""
+        call whatever the number of rows; rows of another width are all malformed. With ``burst``, each
+        is instead a list of messages of ``burst`` rows (unused rows ``T_EMPTY``), ready to send."""
         rows = np.ascontiguousarray(rows, dtype=np.int32)
         if rows.ndim != 2:
             rows = rows.reshape(1, -1)
         k, width = rows.shape
-        mc = np.empty((k, width), dtype=np.int32)
-        uc = np.empty((k, width), dtype=np.int32)
+        data = int(np.count_nonzero(rows[:, F_TYPE] == T_DATA))    # no more replies than data rows
+        cap = data if burst is None else -(-data // burst) * burst
+        mc = np.empty((cap, width), dtype=np.int32)
+        uc = np.empty((cap, width), dtype=np.int32)
         new = np.empty(k, dtype=np.uint8)
         counters = np.zeros(len(COUNTERS), dtype=np.int64)
         nmc, nuc = _program(rows, self.values, self.seen, self.count, self.exponent,
@@ -255,7 +258,12 @@ class Dataplane:
         if self.audit is not None:
             for r in rows[new.astype(bool)]:
                 self.audit[(int(r[F_JOB]), int(r[F_PKT]), int(r[F_WORKER]))] += 1
-        return mc[:nmc], uc[:nuc]
+        if burst is None:
+            return mc[:nmc], uc[:nuc]
+        for out, used in ((mc, nmc), (uc, nuc)):
+            out[used:-(-used // burst) * burst] = 0               # padding rows: T_EMPTY
+        return ([mc[i:i + burst] for i in range(0, nmc, burst)],
+                [uc[i:i + burst] for i in range(0, nuc, burst)])
 
     # ------------------------------------------------------------------ service loop
     def serve(self, fabric: Fabric) -> None:

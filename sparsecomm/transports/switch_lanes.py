@@ -29,7 +29,7 @@ import torch
 
 from ..errors import FabricTimeout
 from .switch_dataplane import (EXP_MIN, F_EXP, F_JOB, F_NW, F_PKT, F_SET, F_SLOT, F_TYPE, F_WORKER, HEADER,
-                               T_DATA, T_RESULT, T_RETRANSMIT, TAG_DOWN, TAG_UP)
+                               T_DATA, T_EMPTY, T_RESULT, T_RETRANSMIT, TAG_DOWN, TAG_UP)
 
 #: receives a worker keeps posted from the switch (real fabrics)
 INBOX_DEPTH = 8
@@ -40,33 +40,42 @@ SEND_AHEAD = 4
 class Uplink:
     """The worker's sends to the switch on real fabrics, posted by a thread of their own: a gloo send
     returns only once the socket took the message (about its transmission time on a slow link), so
-    posting from the loop would leave the link idle while the worker encodes and decodes. At most
-    ``ahead`` messages wait; :meth:`drain` waits for all and re-raises a send's error."""
+    posting from the loop would leave the link idle while the worker encodes and decodes. Messages are
+    built in a ring of ``depth`` reusable buffers (:meth:`buffer` waits for a free one: the send-ahead
+    bound); :meth:`drain` waits for every send and re-raises a send's error."""
 
-    def __init__(self, fabric, switch: int, ahead: int) -> None:
+    def __init__(self, fabric, switch: int, burst: int, width: int, depth: int) -> None:
         self.fabric, self.switch = fabric, switch
-        self.q: queue.Queue = queue.Queue(maxsize=max(1, ahead))
+        self.bufs = [torch.empty((burst, width), dtype=torch.int32) for _ in range(max(2, depth))]
+        self.free: queue.SimpleQueue = queue.SimpleQueue()
+        for i in range(len(self.bufs)):
+            self.free.put(i)
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="switch-uplink", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
         while True:
-            msg = self.q.get()
+            i = self.q.get()
+            if i is None:
+                return
             try:
-                if msg is None:
-                    return
                 if self.error is None:
-                    self.fabric.send(msg, self.switch, TAG_UP, reliable=False)
+                    self.fabric.send(self.bufs[i], self.switch, TAG_UP, reliable=False)
             except BaseException as exc:  # noqa: BLE001 - re-raised by the worker's loop
                 self.error = exc
-            finally:
-                self.q.task_done()
+            self.free.put(i)
 
-    def put(self, msg: torch.Tensor) -> None:
+    def buffer(self) -> tuple[int, np.ndarray]:
+        """A free message buffer (its index and rows)."""
         if self.error is not None:
             raise self.error
-        self.q.put(msg)
+        i = self.free.get()
+        return i, self.bufs[i].numpy()
+
+    def put(self, i: int) -> None:
+        self.q.put(i)
 
     def drain(self) -> None:
         self.q.put(None)
@@ -126,35 +135,37 @@ def run_lanes(t, lane_slots: np.ndarray, P: int, pkt_base: int, payload, consume
     timeout, threshold, expiries = t.timeout, t.timeout_threshold, 0
     info = {"packets": 0, "retransmissions": 0, "results": 0, "ignored": 0}
     inbox = None if t.sim else st.inbox(fab, sw, K, width)
-    uplink = None if t.sim else Uplink(fab, sw, SEND_AHEAD * max(1, -(-L // K)))
+    uplink = None if t.sim else Uplink(fab, sw, K, width, SEND_AHEAD * max(1, -(-L // K)))
 
     def send(lanes: np.ndarray, fresh: bool) -> None:
-        if fresh:
-            pk = lane_pkt[lanes]
-            rows = np.zeros((len(lanes), width), dtype=np.int32)
-            slots = lane_slots[lanes]
-            rows[:, F_TYPE] = T_DATA
-            rows[:, F_SLOT] = slots
-            rows[:, F_SET] = st.parity[slots]
-            rows[:, F_WORKER] = rank
-            rows[:, F_PKT] = pk + pkt_base
-            rows[:, F_JOB] = job
-            rows[:, F_NW] = n
-            rows[:, F_EXP] = EXP_MIN
-            payload(pk, rows)
-            if timed:
-                lane_rows[lanes] = rows
-        else:
-            rows = lane_rows[lanes]
-        for i in range(0, len(rows), K):
-            part = rows[i:i + K]
-            if len(part) < K:
-                part = np.concatenate([part, np.zeros((K - len(part), width), dtype=np.int32)])
-            msg = torch.from_numpy(np.ascontiguousarray(part))
-            if uplink is None:     # a blocking send models the worker's NIC serialisation
-                fab.send(msg, sw, TAG_UP, reliable=False)
+        for i in range(0, len(lanes), K):            # one message of K rows per K lanes
+            part = lanes[i:i + K]
+            m = len(part)
+            if uplink is not None:
+                slot, msg = uplink.buffer()
             else:
-                uplink.put(msg)
+                msg = np.zeros((K, width), dtype=np.int32)
+            rows = msg[:m]
+            if fresh:
+                slots = lane_slots[part]
+                rows[:, F_TYPE] = T_DATA
+                rows[:, F_SLOT] = slots
+                rows[:, F_SET] = st.parity[slots]
+                rows[:, F_WORKER] = rank
+                rows[:, F_PKT] = lane_pkt[part] + pkt_base
+                rows[:, F_JOB] = job
+                rows[:, F_NW] = n
+                rows[:, F_EXP] = EXP_MIN
+                payload(lane_pkt[part], rows)
+                if timed:
+                    lane_rows[part] = rows
+            else:
+                rows[:] = lane_rows[part]
+            msg[m:, F_TYPE] = T_EMPTY
+            if uplink is None:     # a blocking send models the worker's NIC serialisation
+                fab.send(torch.from_numpy(msg), sw, TAG_UP, reliable=False)
+            else:
+                uplink.put(slot)
         if timed:
             now = fab.now()
             lane_deadline[lanes] = now + timeout
@@ -229,7 +240,7 @@ def run_lanes(t, lane_slots: np.ndarray, P: int, pkt_base: int, payload, consume
         lane_pkt[lanes] = np.where(more, nxt, -1)
         if more.any():
             send(lanes[more], True)
-        log.append(("sent", time.perf_counter(), uplink.q.qsize() if uplink else 0))
+        log.append(("sent", time.perf_counter(), 0))
     if uplink is not None:
         uplink.drain()
     log.append(("end", time.perf_counter()))

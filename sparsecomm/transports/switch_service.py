@@ -52,17 +52,6 @@ def serve(dp: Dataplane, fabric: Fabric) -> None:
         _serve_ports(dp, fabric)
 
 
-def _messages(rows: np.ndarray, burst: int) -> list[torch.Tensor]:
-    """Reply rows as fabric messages of ``burst`` rows each (unused rows ``T_EMPTY``)."""
-    out = []
-    for i in range(0, len(rows), burst):
-        msg = np.zeros((burst, rows.shape[1]), dtype=np.int32)
-        part = rows[i:i + burst]
-        msg[:len(part)] = part
-        out.append(torch.from_numpy(msg))
-    return out
-
-
 # ----------------------------------------------------------------------------- SimFabric
 def _serve_datagrams(dp: Dataplane, fabric: Fabric) -> None:
     burst = dp.config.burst_for(fabric)
@@ -73,12 +62,13 @@ def _serve_datagrams(dp: Dataplane, fabric: Fabric) -> None:
         if not 0 <= src < dp.world:        # only workers talk to the switch
             dp.stats["malformed"] += 1
             continue
-        mcast, ucast = dp.process(arr)
-        for msg in _messages(mcast, burst):
+        mcast, ucast = dp.process(arr, burst)
+        for msg in mcast:
+            msg = torch.from_numpy(msg)
             for dst in range(dp.world):
                 fabric.isend(msg, dst, TAG_DOWN, reliable=False)
-        for msg in _messages(ucast, burst):
-            fabric.isend(msg, src, TAG_DOWN, reliable=False)
+        for msg in ucast:
+            fabric.isend(torch.from_numpy(msg), src, TAG_DOWN, reliable=False)
 
 
 # ----------------------------------------------------------------------------- real fabrics
@@ -101,6 +91,7 @@ class _Egress:
         self.q.put(msg)
 
     def _run(self) -> None:
+        self.tid = threading.get_native_id()
         while True:
             msg = self.q.get()
             if msg is None:
@@ -123,8 +114,11 @@ def _serve_ports(dp: Dataplane, fabric: Fabric) -> None:
     trace = os.environ.get("SPARSECOMM_SWITCH_TRACE")
     logs = {w: [] for w in range(n)}
 
+    tids = {}
+
     def port(w: int) -> None:
         log = logs[w]
+        tids[f"port{w}"] = threading.get_native_id()
         try:
             bufs = [torch.zeros((burst * RECV_SLACK, width), dtype=torch.int32) for _ in range(PORT_DEPTH)]
             works = [fabric.irecv(b, w, TAG_UP) for b in bufs]
@@ -136,18 +130,19 @@ def _serve_ports(dp: Dataplane, fabric: Fabric) -> None:
                 arr = bufs[i].numpy()
                 with registers:
                     t2 = _t.perf_counter()
-                    mcast, ucast = dp.process(arr)
+                    mcast, ucast = dp.process(arr, burst)
                 t3 = _t.perf_counter()
                 arr[:, F_TYPE] = T_EMPTY
                 works[i] = fabric.irecv(bufs[i], w, TAG_UP)
                 i = (i + 1) % PORT_DEPTH
-                for msg in _messages(mcast, burst):
+                for msg in mcast:
+                    msg = torch.from_numpy(msg)
                     for e in egress:
                         e.send(msg)
-                for msg in _messages(ucast, burst):
-                    egress[w].send(msg)
+                for msg in ucast:
+                    egress[w].send(torch.from_numpy(msg))
                 if trace:
-                    log.append((t0, t1, t2, t3, _t.perf_counter(), len(mcast)))
+                    log.append((t0, t1, t2, t3, _t.perf_counter(), len(mcast), _t.process_time()))
         except BaseException as exc:  # noqa: BLE001 - handed to the service's main thread
             failures.append(exc)
 
@@ -160,6 +155,19 @@ def _serve_ports(dp: Dataplane, fabric: Fabric) -> None:
         e.q.put(None)
     if trace:
         import json
+        for e in egress:
+            tids[f"egress{e.dst}"] = e.tid
+        tids["main"] = threading.get_native_id()
+        cpu = {}
+        for name, tid in tids.items():
+            try:
+                f = open(f"/proc/self/task/{tid}/stat").read().rsplit(")", 1)[1].split()
+                cpu[name] = (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+            except OSError:
+                pass
+        total = sum(int(open(f"/proc/self/task/{t}/stat").read().rsplit(")", 1)[1].split()[11]) + int(open(f"/proc/self/task/{t}/stat").read().rsplit(")", 1)[1].split()[12]) for t in os.listdir("/proc/self/task")) / os.sysconf("SC_CLK_TCK")
+        cpu["all threads alive"] = total
+        logs["cpu"] = cpu
         with open(f"{trace}/switch.json", "w") as fh:
             json.dump(logs, fh)
     dp.stats["egress_dropped"] += sum(e.dropped for e in egress)
