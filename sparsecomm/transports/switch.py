@@ -61,36 +61,23 @@ import numpy as np
 import torch
 
 from .. import codec
-from ..errors import IncompatibleError, MismatchError, NonFiniteError, OverflowError_
+from ..errors import IncompatibleError, NonFiniteError
 from ..fabric.base import Fabric
 from ..payload import Payload
 from . import registry
-from ._handshake import check_agreement
 from .base import Transport
 from . import switch_service  # noqa: F401 - registers the "switch" service
 from .switch_codec import FloatJob, IntJob
+from .switch_control import _DTYPES, _ROUNDING, MODE_FLOAT, MODE_INT, control_round
 from .switch_lanes import Inbox, run_lanes
 from .switch_dataplane import (
-    EXP_MAX, HEADER, MAX_WORKERS, PACKET_ELEMS, Dataplane, SwitchConfig, service_main,
+    EXP_MAX, MAX_WORKERS, PACKET_ELEMS, Dataplane, SwitchConfig, service_main,
 )
 
 INT32_MAX = 2**31 - 1
 #: values of magnitude >= 2^DEFAULT_MAX_EXPONENT are a fixed-point overflow (see the module docstring)
 DEFAULT_MAX_EXPONENT = 64
 EXP_FLOOR = -126          # float32's smallest reported exponent; also used for float64 (safe: 2^e > max|x|)
-CONTROL_SLOT = 0
-
-_DTYPES = {torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16: 4, torch.int8: 5,
-           torch.int16: 6, torch.int32: 7, torch.int64: 8, torch.uint8: 9}
-_KINDS = {"tensor": 1, "dense": 1, "aligned": 2, "quantized": 3}
-_ROUNDING = {"nearest": 0, "stochastic": 1}
-MODE_FLOAT, MODE_INT = 1, 2
-
-# validity vector layout (payload of the control packet)
-V_NONFINITE, V_TOOLARGE, V_COUNT, V_CAP_HI, V_CAP_LO, V_WORDS = range(6)
-_AGREE = ("numel (low word)", "numel (high word)", "dtype / payload kind / rounding", "pool_size",
-          "slot_elems", "scale or index fingerprint")
-
 
 @dataclass
 class _WorkerState:
@@ -312,59 +299,9 @@ class SwitchTransport(Transport):
         return torch.from_numpy(job.sums.reshape(-1)[:N].copy()).to(device=device, dtype=out_dtype)
 
     # ================================================================== control round
-    def _control(self, mode: int, numel: int, dtype: torch.dtype, kind: str, fingerprint: int, *,
-                 nonfinite: bool, too_large: bool, cap: int, limit: int) -> None:
-        """The validity / agreement round on the control slot; raises the same error on every worker."""
-        # the workers' fixed-size agreement header first (as every transport exchanges it): ranks that run
-        # another transport get a MismatchError naming both sides instead of a wait for packets that never
-        # come; the values the control round checks (numel, dtype, kind, scale) are not repeated here
-        check_agreement(self.fabric, "switch allreduce", transport="switch", switch=self.switch,
-                        slot_elems=self.slot_elems, burst=self.burst, pool_size=self.pool_size)
-        st = self._state
-        st.job = (st.job + 1) % (2**31 - 1)
-        words = [numel & 0xFFFFFFFF, (numel >> 32) & 0xFFFFFFFF,
-                 (mode << 16) | (_DTYPES.get(dtype, 0) << 8) | (_KINDS[kind] << 4) | _ROUNDING[self.rounding],
-                 self.pool_size, self.slot_elems, fingerprint & 0xFFFFFFFF]
-        vec = np.zeros(self.slot_elems, dtype=np.int32)
-        vec[V_NONFINITE], vec[V_TOOLARGE], vec[V_COUNT] = int(nonfinite), int(too_large), 1
-        vec[V_CAP_HI], vec[V_CAP_LO] = cap >> 16, cap & 0xFFFF
-        b = np.array([[(w >> (8 * i)) & 0xFF for i in range(4)] for w in words], dtype=np.int64).reshape(-1)
-        enc = np.stack([b, b * b], axis=1).reshape(-1)
-        vec[V_WORDS:V_WORDS + enc.size] = enc
-        agg = {}
-
-        def payload(pkts: np.ndarray, rows: np.ndarray) -> None:
-            rows[:, HEADER:] = vec
-
-        def consume(pkts: np.ndarray, rows: np.ndarray) -> None:
-            agg["v"] = rows[0, HEADER:].astype(np.int64)
-
-        run_lanes(self, np.array([CONTROL_SLOT]), 1, -1, payload, consume, "control")
-        a = agg["v"]
-        n = self.fabric.world_size
-        if a[V_COUNT] != n:
-            raise MismatchError(f"switch control round counted {a[V_COUNT]} workers, expected {n}")
-        s = a[V_WORDS:V_WORDS + enc.size].reshape(len(words), 4, 2)
-        differ = [_AGREE[i] for i in range(len(words))
-                  if any(n * s[i, j, 1] != s[i, j, 0] ** 2 for j in range(4))]
-        if differ:
-            raise MismatchError(
-                f"switch allreduce: workers disagree on {', '.join(differ)}; every worker must pass a "
-                f"tensor/payload of the same shape, dtype and kind (and the same transport settings)")
-        if a[V_NONFINITE]:
-            raise NonFiniteError(
-                f"switch allreduce: {a[V_NONFINITE]} of {n} workers hold NaN or Inf values; the switch "
-                f"sums fixed-point integers and cannot carry them")
-        if a[V_TOOLARGE]:
-            what = (f"a magnitude >= 2^{self.max_exponent} (max_exponent), past which the chunk's fixed-point "
-                    f"quantum (n 2^(e-31)) would round every ordinary value of the chunk to zero"
-                    if mode == MODE_FLOAT else "an integer that does not fit in int32")
-            raise OverflowError_(f"switch allreduce: {a[V_TOOLARGE]} of {n} workers hold {what}")
-        total = int(a[V_CAP_HI]) * 65536 + int(a[V_CAP_LO])
-        if mode == MODE_INT and total > limit:
-            raise OverflowError_(
-                f"switch allreduce: the workers' largest |values| add up to {total} > {limit}; the "
-                f"switch's integer sum could overflow (it would wrap), so nothing was sent")
+    def _control(self, mode: int, numel: int, dtype: torch.dtype, kind: str, fingerprint: int, **flags) -> None:
+        """The validity / agreement round (:func:`.switch_control.control_round`)."""
+        control_round(self, mode, numel, dtype, kind, fingerprint, **flags)
 
     # ================================================================== streaming
     def _stream(self, job: FloatJob | IntJob) -> None:

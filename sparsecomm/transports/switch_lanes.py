@@ -205,22 +205,15 @@ def run_lanes(t, lane_slots: np.ndarray, P: int, pkt_base: int, payload, consume
             threshold += t.timeout_increment
             expiries = 0
 
-    import os
-    trace = os.environ.get("SPARSECOMM_SWITCH_TRACE")
-    log = []
     rbuf = torch.zeros((K, width), dtype=torch.int32)
     rarr = rbuf.numpy()
-    t00 = time.perf_counter()
     send(np.arange(L), True)
-    log.append(("sent0", time.perf_counter()))
     done = 0
     while done < P:
         wait = None
         if timed:
             wait = max(float(lane_deadline[lane_pkt >= 0].min()) - fab.now(), 1e-9)
-        ta = time.perf_counter()
         rows = receive(wait)
-        log.append(("recv", ta, time.perf_counter()))
         if rows is None:
             expire()
             continue
@@ -240,14 +233,8 @@ def run_lanes(t, lane_slots: np.ndarray, P: int, pkt_base: int, payload, consume
         lane_pkt[lanes] = np.where(more, nxt, -1)
         if more.any():
             send(lanes[more], True)
-        log.append(("sent", time.perf_counter(), 0))
     if uplink is not None:
         uplink.drain()
-    log.append(("end", time.perf_counter()))
-    if trace and phase == "data":
-        import json
-        with open(f"{trace}/worker{rank}_{job}.json", "w") as fh:
-            json.dump([t00] + log, fh)
     info["final_timeout"] = timeout
     if t.last_info.get("job") != job:
         t.last_info = {"job": job}

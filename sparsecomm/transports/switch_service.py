@@ -8,12 +8,14 @@ thread per port, as a multi-queue NIC gives each port its own RX ring. Each port
 receives posted from its worker (gloo moves a message only once the receiver has posted for it, so a
 receive posted ahead lets the worker's next burst flow at once, with no round trip), runs the program on
 each burst as it arrives (one compiled call, under the lock of the shared registers; the rest of the
-loop runs while another port holds it) and posts the replies at once. Per port an egress thread reaps
-the posted sends in order; a port whose backlog of unfinished replies passes ``EGRESS_CAP`` messages
-drops further replies, as a full egress queue does (SwitchML's retransmission recovers a dropped result
-when a timer is set; a worker that never receives is the only way to fill it). Ports never wait for each
-other: a worker that sends more or fewer messages than the others (retransmissions, forged packets)
-cannot hold the other ports back, which a single loop taking the ports in turn would.
+loop runs while another port holds it) and queues the replies on the egress ports. Each egress port is a
+thread sending its queue in order: a gloo send returns only once the socket took the message (about its
+transmission time on a slow link), so a multicast sent from the receive thread would serialise the n
+copies; on their own threads the ports transmit in parallel. A port with a full queue drops further replies, as a full egress queue does (SwitchML's retransmission recovers a dropped result when
+a timer is set; only a worker that stops receiving can fill it: the queue holds every result a worker
+can be waiting for, one per slot and set, plus ``EGRESS_CAP``). Ports never wait for each other: a
+worker that sends more or fewer messages than the others (retransmissions, forged packets) cannot hold
+the other ports back, which a single loop taking the ports in turn would.
 
 A message longer than the switch's receive is beyond reach: gloo aborts the receiving process on it, and
 torch.distributed offers no receive of unknown size. So every switch receive holds ``RECV_SLACK`` bursts,
@@ -28,7 +30,6 @@ import queue
 import threading
 from typing import Callable
 
-import numpy as np
 import torch
 
 from ..fabric import services
@@ -37,8 +38,8 @@ from .switch_dataplane import F_TYPE, HEADER, RECV_SLACK, T_EMPTY, TAG_DOWN, TAG
 
 #: receives each port keeps posted from its worker (real fabrics)
 PORT_DEPTH = 8
-#: replies a port may have posted and not yet delivered before it drops (real fabrics)
-EGRESS_CAP = 256
+#: replies a port may have queued before it drops, beyond the most a worker can await (real fabrics)
+EGRESS_CAP = 64
 
 
 def serve(dp: Dataplane, fabric: Fabric) -> None:
@@ -75,23 +76,22 @@ def _serve_datagrams(dp: Dataplane, fabric: Fabric) -> None:
 class _Egress:
     """One output port: a thread sends the queued replies in order (a gloo send returns only once the
     socket took the message, about its transmission time on a slow link, so each port sends on its own
-    thread and the ports transmit in parallel); past ``EGRESS_CAP`` queued replies the port drops."""
+    thread and the ports transmit in parallel); past ``cap`` queued replies the port drops."""
 
-    def __init__(self, fabric: Fabric, dst: int, failures: list) -> None:
-        self.fabric, self.dst, self.failures = fabric, dst, failures
+    def __init__(self, fabric: Fabric, dst: int, cap: int, failures: list) -> None:
+        self.fabric, self.dst, self.cap, self.failures = fabric, dst, cap, failures
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.dropped = 0
         self.thread = threading.Thread(target=self._run, name=f"switch-egress-{dst}", daemon=True)
         self.thread.start()
 
     def send(self, msg: torch.Tensor) -> None:
-        if self.q.qsize() >= EGRESS_CAP:
+        if self.q.qsize() >= self.cap:
             self.dropped += 1
             return
         self.q.put(msg)
 
     def _run(self) -> None:
-        self.tid = threading.get_native_id()
         while True:
             msg = self.q.get()
             if msg is None:
@@ -108,30 +108,20 @@ def _serve_ports(dp: Dataplane, fabric: Fabric) -> None:
     width = HEADER + dp.config.elems
     registers = threading.Lock()
     failures: list[BaseException] = []
-    egress = [_Egress(fabric, dst, failures) for dst in range(n)]
-
-    import os, time as _t
-    trace = os.environ.get("SPARSECOMM_SWITCH_TRACE")
-    logs = {w: [] for w in range(n)}
-
-    tids = {}
+    # a worker awaits at most one result per slot and set: that many replies, plus EGRESS_CAP, never drop
+    cap = -(-2 * dp.config.slots // burst) + EGRESS_CAP
+    egress = [_Egress(fabric, dst, cap, failures) for dst in range(n)]
 
     def port(w: int) -> None:
-        log = logs[w]
-        tids[f"port{w}"] = threading.get_native_id()
         try:
             bufs = [torch.zeros((burst * RECV_SLACK, width), dtype=torch.int32) for _ in range(PORT_DEPTH)]
             works = [fabric.irecv(b, w, TAG_UP) for b in bufs]
             i = 0
             while not failures:
-                t0 = _t.perf_counter()
                 works[i].wait()
-                t1 = _t.perf_counter()
                 arr = bufs[i].numpy()
                 with registers:
-                    t2 = _t.perf_counter()
                     mcast, ucast = dp.process(arr, burst)
-                t3 = _t.perf_counter()
                 arr[:, F_TYPE] = T_EMPTY
                 works[i] = fabric.irecv(bufs[i], w, TAG_UP)
                 i = (i + 1) % PORT_DEPTH
@@ -141,8 +131,6 @@ def _serve_ports(dp: Dataplane, fabric: Fabric) -> None:
                         e.send(msg)
                 for msg in ucast:
                     egress[w].send(torch.from_numpy(msg))
-                if trace:
-                    log.append((t0, t1, t2, t3, _t.perf_counter(), len(mcast), _t.process_time()))
         except BaseException as exc:  # noqa: BLE001 - handed to the service's main thread
             failures.append(exc)
 
@@ -153,24 +141,6 @@ def _serve_ports(dp: Dataplane, fabric: Fabric) -> None:
         t.join()
     for e in egress:
         e.q.put(None)
-    if trace:
-        import json
-        for e in egress:
-            tids[f"egress{e.dst}"] = e.tid
-        tids["main"] = threading.get_native_id()
-        cpu = {}
-        for name, tid in tids.items():
-            try:
-                f = open(f"/proc/self/task/{tid}/stat").read().rsplit(")", 1)[1].split()
-                cpu[name] = (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
-            except OSError:
-                pass
-        total = sum(int(open(f"/proc/self/task/{t}/stat").read().rsplit(")", 1)[1].split()[11]) + int(open(f"/proc/self/task/{t}/stat").read().rsplit(")", 1)[1].split()[12]) for t in os.listdir("/proc/self/task")) / os.sysconf("SC_CLK_TCK")
-        cpu["all threads alive"] = total
-        logs["cpu"] = cpu
-        with open(f"{trace}/switch.json", "w") as fh:
-            json.dump(logs, fh)
-    dp.stats["egress_dropped"] += sum(e.dropped for e in egress)
     raise failures[0]
 
 
