@@ -43,7 +43,7 @@ import torch
 
 from ..fabric.base import Fabric
 from ..payload import Payload, WireFormatError, check_slot, empty_slot
-from . import registry
+from .base import registry
 from ..errors import MalformedMessage, MismatchError, OverflowError_
 from ._guards import abs_max, all_finite, guard_finite, is_integer, narrow, nonfinite_option
 from ._handshake import (HANDSHAKE_TAG, _DIS, _PRE, _REF, _fail, _transport_name, dtype_code, fingerprint, header_state,

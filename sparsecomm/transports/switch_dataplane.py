@@ -140,9 +140,7 @@ class SwitchConfig:
     def burst_for(self, fabric: Fabric) -> int:
         if self.burst is not None:
             return self.burst
-        from ..fabric.sim import SimFabric
-
-        return SIM_BURST if isinstance(fabric, SimFabric) else REAL_BURST
+        return SIM_BURST if fabric.modelled_time else REAL_BURST
 
 
 # ----------------------------------------------------------------------------- the program

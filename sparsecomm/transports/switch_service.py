@@ -44,10 +44,8 @@ EGRESS_CAP = 64
 
 def serve(dp: Dataplane, fabric: Fabric) -> None:
     """The switch's main loop on ``fabric`` until the run ends (the fabric's shutdown exception)."""
-    from ..fabric.sim import SimFabric
-
     dp.world = fabric.world_size
-    if isinstance(fabric, SimFabric):
+    if fabric.modelled_time:
         _serve_datagrams(dp, fabric)
     else:
         _serve_ports(dp, fabric)
