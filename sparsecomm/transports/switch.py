@@ -39,15 +39,19 @@ validity flags (non-finite values, magnitudes an int8 exponent or int32 cannot r
 values workers must agree on (numel, dtype and kind, pool size, scale or index fingerprint), encoded
 so that the switch's integer sum reveals any disagreement (``n * sum(b^2) == sum(b)^2`` for each
 byte ``b``). Every worker receives the same aggregate and so raises the same error, before any data
-is sent: bad input never hangs a peer.
+is sent: bad input never hangs a peer. Before it, the workers exchange the fixed-size agreement header
+that every transport exchanges (:mod:`._handshake`), so that a worker running another transport gets a
+:class:`~sparsecomm.errors.MismatchError` naming both, not a wait for packets (:mod:`.switch_control`).
 
 **Deployment.** On SimFabric the transport starts the switch as a per-port service endpoint on first
 use (``fabric.service(spec, ...)``, its own line rate; lossy links via ``sc.Network(loss=p)``). On
 torch.distributed the switch is the extra rank the launcher started (``services=["switch"]``); the
 switch program's constants (``slot_elems``, ``burst``, ``switch_slots``) default to that rank's spec.
 
-Per-packet Python overhead is the price of the emulation: on SimFabric one packet is one datagram;
-on real fabrics ``burst`` packets share one fabric message (each keeps its own slot semantics).
+On SimFabric one packet is one datagram; on real fabrics ``burst`` packets share one fabric message
+(each keeps its own slot semantics), the switch serves its ports in parallel and the workers keep
+receives posted and send from a thread of their own (:mod:`.switch_service`, :mod:`.switch_lanes`): a
+software switch that adds at the rate its ports deliver, as far as the host's CPU allows.
 """
 
 from __future__ import annotations
