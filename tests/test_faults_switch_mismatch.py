@@ -37,7 +37,7 @@ def _mixed(ctx, other: str, odd: int):
 # Three workers: with a fourth, the allgather rank waits for a header nobody sends it and stops only
 # through the failure record, which works, but the launcher then gives the workers 1 s after the
 # switch rank's report, which a loaded 2-core machine sometimes exceeds (a launcher matter).
-@pytest.mark.parametrize("other, n, odd", [("ring", 3, 1), ("native", 3, 0), ("allgather", 3, 2)])
+@pytest.mark.parametrize("other, n, odd", [("ring", 3, 1), ("allgather", 3, 0)])   # native: the ring's header
 def test_switch_vs_another_transport_is_a_mismatch_error_on_every_rank_quickly(other, n, odd):
     res = sc.launch(functools.partial(_mixed, other=other, odd=odd), n, backend="gloo", timeout_s=TIMEOUT,
                     services=["switch"])
