@@ -83,7 +83,8 @@ CASES: list[Case] = [
                         "inplace": True}, densities=(1.0, 0.1, 0.01),
          services=("omnireduce-agg:0", "omnireduce-agg:1"), default=False),
     # a Python switch rank: big bursts (256 packets of 256 elements per message) amortise per-message costs
-    Case("switch", {"pool_size": 2048, "slot_elems": 256, "burst": 256}, services=("switch:elems=256,burst=256",)),
+    Case("switch", {"pool_size": 4096, "slot_elems": 256, "burst": 1024, "inplace": True},
+         services=("switch:elems=256,burst=1024",)),
 ]
 
 
