@@ -1,4 +1,4 @@
-"""Issue #15 on real processes: workers that disagree on the transport, one of them the switch, get a
+"""On real processes: workers that disagree on the transport, one of them the switch, get a
 :class:`~sparsecomm.errors.MismatchError` naming both transports on every rank, well within the fabric
 timeout (not a :class:`~sparsecomm.errors.FabricTimeout` after it): the switch's workers exchange the
 same fixed-size agreement header among themselves before any packet goes to the switch
@@ -33,7 +33,7 @@ def _mixed(ctx, other: str, odd: int):
         outcome(lambda: t.allreduce(torch.ones(64)))
 
 
-# (omnireduce's colocated workers do not exchange the agreement header yet: issue #15, its own helper).
+# (omnireduce's colocated workers do not exchange the agreement header, so omnireduce is not among these cases).
 # Three workers: with a fourth, the allgather rank waits for a header nobody sends it and stops only
 # through the failure record, which works, but the launcher then gives the workers 1 s after the
 # switch rank's report, which a loaded 2-core machine sometimes exceeds (a launcher matter).
