@@ -16,7 +16,8 @@ to synchronous calls.
 
 **Sparse gradients** (``nn.Embedding(sparse=True)``): DDP gives such a parameter a bucket of its own
 whose buffer is the sparse gradient; with plain averaging (``compressor="none"``, any transport) the
-rows travel without densifying the table (:meth:`CommPipeline.start_sparse`) and the future holds the
+rows travel without densifying the table (:meth:`CommPipeline.start_sparse`: gathered and coalesced
+once by default, ``sparse_rows="transport"`` for the two rounds through the transport) and the future holds the
 coalesced sparse average. A compressing method is rejected by :func:`register` with an error naming
 the alternatives (plain averaging, or :class:`~sparsecomm.DistributedOptimizer`).
 
@@ -58,7 +59,7 @@ from .pipeline import CommPipeline
 from .transports.base import CommWork
 
 _HYPER = ("compressor", "transport", "method", "transport_kwargs", "warmup_steps", "min_compress_size",
-          "seed", "hyper")
+          "seed", "sparse_rows", "hyper")
 
 
 def _torch_fabric(process_group: Any) -> Any:
@@ -81,7 +82,8 @@ class CommHookState:
     """Per-worker state of :func:`comm_hook` (see the module doc).
 
     ``CommHookState(process_group=None, compressor="none", transport="auto", *, method=None,
-    transport_kwargs=None, warmup_steps=0, min_compress_size=0, seed=0, model=None, **hyper)``;
+    transport_kwargs=None, warmup_steps=0, min_compress_size=0, seed=0, model=None,
+    sparse_rows="gather", **hyper)``;
     ``model`` (the DDP module) names the parameters that key the method state; ``compressor``,
     ``method``, ``transport`` and ``**hyper`` as for :class:`~sparsecomm.DistributedOptimizer`
     (objects are accepted but then the state cannot be pickled and rebuilt).
@@ -90,7 +92,7 @@ class CommHookState:
     def __init__(self, process_group: Any = None, compressor: Any = "none", transport: Any = "auto", *,
                  method: str | None = None, transport_kwargs: dict | None = None, warmup_steps: int = 0,
                  min_compress_size: int = 0, seed: int = 0, model: torch.nn.Module | None = None,
-                 **hyper: Any) -> None:
+                 sparse_rows: str = "gather", **hyper: Any) -> None:
         if warmup_steps < 0 or min_compress_size < 0:
             raise ValueError("warmup_steps and min_compress_size must be non-negative")
         # hyper-parameters
@@ -101,6 +103,7 @@ class CommHookState:
         self.warmup_steps = int(warmup_steps)
         self.min_compress_size = int(min_compress_size)
         self.seed = int(seed)
+        self.sparse_rows = sparse_rows
         self.hyper = dict(hyper)
         # binding (never pickled)
         self.process_group = process_group
@@ -132,7 +135,8 @@ class CommHookState:
     def _build(self) -> CommPipeline:
         return CommPipeline(self.compressor, self.transport, method=self.method,
                             transport_kwargs=self.transport_kwargs or None,
-                            fabric=_torch_fabric(self.process_group), seed=self.seed, **self.hyper)
+                            fabric=_torch_fabric(self.process_group), seed=self.seed,
+                            sparse_rows=getattr(self, "sparse_rows", "gather"), **self.hyper)
 
     # ---------------------------------------------------------------- accessors
     @property

@@ -46,8 +46,9 @@ gradients are sparse). Do not change ``p.grad`` between ``backward`` and ``step(
 **Sparse gradients.** At the first synchronisation the workers agree (one tiny all-reduce) on the
 parameters whose gradient is a ``torch.sparse_coo`` tensor (``nn.Embedding(sparse=True)``); each gets a
 bucket of its own. With plain averaging (``compressor="none"``) the table is never densified
-(:meth:`CommPipeline.start_sparse`: the union of the workers' rows, as a ``sparse`` payload of row
-indices where the transport carries one, then the union's rows summed compactly) and ``p.grad`` comes
+(:meth:`CommPipeline.start_sparse`: ``sparse_rows="gather"``, the default, gathers every worker's rows
+and values once, as gloo's sparse allreduce, and coalesces them; ``sparse_rows="transport"`` takes the
+union of the rows through the transport, then sums the union's rows with it) and ``p.grad`` comes
 back as a coalesced sparse tensor over the union of the rows, as DDP's sparse allreduce gives it (so
 ``torch.optim.SparseAdam`` and ``SGD`` with sparse gradients work). With a compressing method the rows
 are scattered into the bucket, which goes through the method as a dense bucket, and ``p.grad`` comes back
@@ -235,7 +236,7 @@ class DistributedOptimizer:
     ``DistributedOptimizer(inner, compressor="none", transport="auto", *, method=None,
     transport_kwargs=None, fabric=None, bucket_cap_mb=25, warmup_steps=0, min_compress_size=0,
     seed=0, overlap=True, backward_passes_per_step=1, init_sync="broadcast", module=None,
-    nonfinite="raise", **hyper)``
+    nonfinite="raise", sparse_rows="gather", **hyper)``
     """
 
     def __new__(cls, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any):
@@ -257,7 +258,7 @@ class DistributedOptimizer:
                  bucket_cap_mb: float = 25.0, warmup_steps: int = 0, min_compress_size: int = 0,
                  seed: int = 0, overlap: bool = True, backward_passes_per_step: int = 1,
                  init_sync: str = "broadcast", module: torch.nn.Module | None = None,
-                 nonfinite: str = "raise", **hyper: Any) -> None:
+                 nonfinite: str = "raise", sparse_rows: str = "gather", **hyper: Any) -> None:
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
         if init_sync not in ("broadcast", "check", "off"):
@@ -276,12 +277,12 @@ class DistributedOptimizer:
         try:
             self._sc_pipeline = CommPipeline(compressor, transport, method=method,
                                              transport_kwargs=transport_kwargs, fabric=fabric, seed=seed,
-                                             nonfinite=nonfinite, **hyper)
+                                             nonfinite=nonfinite, sparse_rows=sparse_rows, **hyper)
         except HyperParameterError as e:
             raise HyperParameterError(
                 f"{e}. DistributedOptimizer's own options: method, transport, transport_kwargs, fabric, "
                 f"bucket_cap_mb, warmup_steps, min_compress_size, seed, overlap, backward_passes_per_step, "
-                f"init_sync, module, nonfinite; every other keyword argument is a "
+                f"init_sync, module, nonfinite, sparse_rows; every other keyword argument is a "
                 f"hyper-parameter of the method/compressor") from None
         self._sc_cap_bytes = int(bucket_cap_mb * 2 ** 20)
         self._sc_min_compress = int(min_compress_size)

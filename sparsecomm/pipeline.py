@@ -39,9 +39,12 @@ from .fabric.base import Fabric
 from .fabric.stats import CommStats
 from .methods.base import HyperParameterError, Method, check_kwargs, dense_payload
 from .payload import Payload, check_sum_finite
+from .transports.allgather import AllGather
 from .transports.base import CommWork, Transport, engine
 
 NONFINITE = ("raise", "pass")
+#: how :meth:`CommPipeline.start_sparse` averages a row-sparse gradient
+SPARSE_ROWS = ("gather", "transport")
 
 AUTO_ORDER = ("ring", "omnireduce", "switch", "allgather")
 
@@ -257,7 +260,11 @@ class CommPipeline:
     def __init__(self, compressor: str | Compressor | Method = "none", transport: str | Transport = "auto",
                  *, method: str | None = None, transport_kwargs: dict | None = None,
                  fabric: Fabric | None = None, seed: int = 0, nonfinite: str = "raise",
-                 **hyper: Any) -> None:
+                 sparse_rows: str = "gather", **hyper: Any) -> None:
+        if sparse_rows not in SPARSE_ROWS:
+            raise ValueError(f"sparse_rows must be one of {', '.join(map(repr, SPARSE_ROWS))}, got {sparse_rows!r}")
+        self.sparse_rows = sparse_rows
+        self._gatherer: Any = None
         if nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite must be one of {', '.join(map(repr, NONFINITE))}, got {nonfinite!r}")
         self.nonfinite = nonfinite
@@ -443,15 +450,23 @@ class CommPipeline:
                      dtype: torch.dtype | None = None) -> CommWork:
         """Start the plain average of a row-sparse gradient (``None``: no rows) of a parameter of
         ``shape``; ``wait()`` returns the coalesced sparse average over the union of the workers' rows
-        (as DDP's sparse allreduce: a row in the union whose sum is zero stays, with zeros).
+        (as DDP's sparse allreduce: a row in the union whose sum is zero stays, with zeros). The table
+        is never densified. Two ways (``sparse_rows=``):
 
-        Two rounds on the communication thread, neither of table size: (1) the union of the rows: a
-        row-indicator vector of ``shape[0]`` entries, sent as a ``sparse`` payload (the touched rows'
-        indices) on a transport that carries them, else dense; (2) the values of the union's rows
-        (``|union| x row_len``, zeros for rows this worker did not touch), summed as a dense tensor by
-        the same transport. The table is never densified."""
-        from .payload import Payload
+        ``"gather"`` (default), as gloo's sparse allreduce: one gather of every worker's rows and their
+        values (a row-sparse payload: the transport's own ``gather`` if it has one, else
+        :meth:`Native.gather <sparsecomm.transports.native.Native.gather>` where the fabric has a native
+        process group, else :meth:`AllGather.gather <sparsecomm.transports.allgather.AllGather.gather>`),
+        concatenated in rank order and coalesced once (``(n - 1)`` copies of each worker's rows on the
+        wire).
 
+        ``"transport"``: two rounds through the pipeline's transport, neither of table size: (1) the
+        union of the rows: a row-indicator vector of ``shape[0]`` entries, sent as a ``sparse`` payload
+        (the touched rows' indices) on a transport that carries them, else dense; (2) the values of the
+        union's rows (``|union| x row_len``, zeros for rows this worker did not touch), summed as a
+        dense tensor by the same transport (the union's rows cross the wire about twice, whatever n)."""
+        if self.sparse_rows == "gather":
+            return self._start_gather(grad, torch.Size(shape), key, dtype or grad.dtype)
         shape = torch.Size(shape)
         dtype = dtype or grad.dtype
         nrows = int(shape[0]) if len(shape) else 1
@@ -490,6 +505,53 @@ class CommPipeline:
             self.last_stats = self.last_stats + st + self.transport.last_stats
             return torch.sparse_coo_tensor(union[None], total, shape, is_coalesced=True,
                                            check_invariants=False)
+
+        return engine(self.fabric).submit(job)
+
+    def _make_gatherer(self) -> Any:
+        """The transport's own ``gather`` if it has one, else torch.distributed's all-gather where the
+        fabric has a native process group (``native``, as DDP), else an allgather on the fabric."""
+        if callable(getattr(self.transport, "gather", None)):
+            return self.transport
+        if getattr(self.fabric, "worker_group", None) is not None:
+            return _transport_class("native")(self.fabric, nonfinite="pass")
+        return AllGather(self.fabric, nonfinite="pass")
+
+    def _start_gather(self, grad: torch.Tensor | None, shape: torch.Size, key: Hashable,
+                      dtype: torch.dtype) -> CommWork:
+        rows, vals = row_sparse_parts(grad, shape, dtype)
+        row_len = vals.shape[1]
+        n = self.world_size
+        check = self.nonfinite == "raise"
+        numel = int(shape.numel())
+        payload = Payload(kind="sparse", values=vals.reshape(-1), indices=rows, shape=torch.Size([numel]),
+                          dtype=dtype, bucket_size=row_len, bits=8 * (vals.numel() * vals.element_size()
+                                                                      + 4 * rows.numel()))
+        if self._gatherer is None:
+            self._gatherer = self._make_gatherer()
+        gatherer = self._gatherer
+        elt = vals.element_size()
+
+        def job() -> torch.Tensor:
+            before = self.fabric.stats.copy()
+            parts = gatherer.gather(payload)
+            comm = self.fabric.stats - before
+            idx = torch.cat([q.indices.reshape(-1) for q in parts])
+            v = torch.cat([q.values.reshape(-1, row_len) for q in parts])
+            if check:
+                _check_aggregate(v, key)
+            t = torch.sparse_coo_tensor(idx[None], v.reshape(idx.numel(), *shape[1:]), shape,
+                                        check_invariants=False).coalesce()
+            t.values().div_(n)
+            pbytes = _payload_bytes(payload)
+            copies = _wire_copies(gatherer)
+            self.stats.rounds += 1
+            self.stats.bytes_dense += numel * elt
+            self.stats.bytes_payload += pbytes
+            self.stats.bytes_declared_sent += copies * pbytes
+            self.stats.bytes_dense_sent += _wire_copies(self.transport) * numel * elt
+            self.last_stats = self.last_stats + comm
+            return t
 
         return engine(self.fabric).submit(job)
 

@@ -232,15 +232,19 @@ def _emb_train(ctx, steps, kind, transport, **kw):
     return [p.detach().clone() for p in model.parameters()], sparse_seen, stats
 
 
-@pytest.mark.parametrize("transport", ["omnireduce", "allgather", "ring"])
+@pytest.mark.parametrize("transport,sparse_rows", [("omnireduce", "transport"), ("allgather", "transport"),
+                                                   ("ring", "transport"), ("omnireduce", "gather"),
+                                                   ("allgather", "gather")])
 @pytest.mark.parametrize("kind", ["sparseadam", "sgd"])
-def test_sparse_embedding_gradients_end_to_end(transport, kind):
+def test_sparse_embedding_gradients_end_to_end(transport, sparse_rows, kind):
     """nn.Embedding(sparse=True) through DistributedOptimizer: the table is never densified (declared
-    bytes = the union's rows and the row marks, not the table), the gradient comes back sparse and
-    coalesced, and SparseAdam / SGD train exactly as on the averaged sparse gradients (also on ring,
-    which carries only dense tensors: the union's rows are a compact dense tensor)."""
+    bytes = the rows (gathered) or the union's rows and the row marks, not the table), the gradient
+    comes back sparse and coalesced, and SparseAdam / SGD train exactly as on the averaged sparse
+    gradients (with ``sparse_rows="transport"`` also on ring, which carries only dense tensors: the
+    union's rows are a compact dense tensor; ``"gather"`` on omnireduce uses an allgather beside it)."""
     world, steps = 3, 4
-    res = sc.launch(lambda ctx: _emb_train(ctx, steps, kind, transport), world_size=world, backend="sim")
+    res = sc.launch(lambda ctx: _emb_train(ctx, steps, kind, transport, sparse_rows=sparse_rows),
+                    world_size=world, backend="sim")
     ref = _emb_reference(world, steps, kind)
     for params, sparse_seen, stats in res:
         assert all(sparse_seen)
