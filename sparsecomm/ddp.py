@@ -26,13 +26,23 @@ every forward with ``broadcast_buffers=True``), so the hook adds nothing there.
 
 :class:`CommHookState` follows ``PowerSGDState``: hyper-parameters (compressor, method, transport,
 ``warmup_steps``, ``min_compress_size``, ``seed``) apart from internal state (the method's per-bucket
-state, the generator, the iteration counter). The method state is keyed by the *parameters* a bucket
-holds (a digest of their names, known when the state is built by :func:`register` or given
-``model=``; else by ``bucket.index()``), and their segments are recorded
-(:meth:`CommPipeline.bind`): DDP rebuilds its buckets after the first iteration (also after a
-restore into a fresh process), and a state restored onto another bucket layout is reassembled
-exactly, parameter by parameter, or raises :class:`~sparsecomm.errors.MismatchError` (a state that is
-not one value per coordinate). Iteration 0 is always averaged uncompressed and bypasses the method;
+state, the generator, the iteration counter). The method state is keyed by the *parameters* (their
+names, known when the state is built by :func:`register` or given ``model=``; else by
+``bucket.index()``): DDP rebuilds its buckets after the first iteration (also after a restore into a
+fresh process), so nothing may depend on the layout. A one-round method whose payloads concatenate
+(``dense``, ``aligned``, ``sparse``: EF, EF21, DIANA, DGC around top-k, rand-k, ...) runs *per
+parameter* (:attr:`CommPipeline.per_parameter`): each parameter has its own state, its own compressor
+generator (seeded from ``seed`` and its name) and its own constants (rand-k's ``k``, DIANA's
+``alpha``), the parameters' payloads travel concatenated as the bucket's one message, and the
+aggregate is decoded slice by slice. **Promise**: the numbers do not depend on the bucket layout, so a
+run restored from a checkpoint into a fresh DDP (any ``bucket_cap_mb``) is bit-identical to the
+uninterrupted run whenever the transport's per-element sum does not depend on the layout either
+(allgather: rank order; any transport at 2 workers), as ``test_hook_resume_diana_randk_any_layout``
+checks. Other methods (several rounds, quantized payloads: PowerSGD, the sign methods) keep one state
+per bucket, keyed by a digest of its parameters' names, with their segments recorded
+(:meth:`CommPipeline.bind`): a state restored onto another layout is reassembled exactly, parameter
+by parameter, or raises :class:`~sparsecomm.errors.MismatchError` (a state that is not one value per
+coordinate). Iteration 0 is always averaged uncompressed and bypasses the method;
 compression starts at iteration ``max(1, warmup_steps)``
 and iterations ``1 .. warmup_steps - 1`` are exact rounds of the method (warm-starting its state).
 Buckets with fewer than ``min_compress_size`` elements are averaged uncompressed (per bucket: a DDP
@@ -123,7 +133,8 @@ class CommHookState:
         """The state key of a bucket holding ``params``: a digest of their names (else the index)."""
         names = [self.param_names.get(id(p)) for p in params]
         if not params or any(n is None for n in names):
-            if self.pipeline._segments:
+            if self.pipeline._segments or any(isinstance(k, tuple) and k[:1] == ("param",)
+                                              for k in self.pipeline.method.keys()):
                 from .errors import MismatchError
 
                 raise MismatchError("this hook state holds method state keyed by parameter names but does "
@@ -170,13 +181,18 @@ class CommHookState:
             flat = buffer.reshape(-1)
             compress = self.iter >= 1 and flat.numel() >= self.min_compress_size
             exact = self.iter < self.warmup_steps
-            key = index
+            key, segments = index, None
             if params is not None and compress:
                 key = self.bucket_key(params, index)
                 if key != index:
-                    self.pipeline.bind(key, tuple((self.param_names[id(p)], p.numel()) for p in params))
+                    segs = tuple((self.param_names[id(p)], p.numel()) for p in params)
+                    if self.pipeline.per_parameter:
+                        segments = segs          # state, generator and step per parameter
+                    else:
+                        self.pipeline.bind(key, segs)
             shape, dtype = buffer.shape, buffer.dtype
-            inner = self.pipeline.start(flat, key, exact=exact, compress=compress, shapes=shapes)
+            inner = self.pipeline.start(flat, key, exact=exact, compress=compress, shapes=shapes,
+                                        segments=segments)
             work = CommWork()
             inner.add_done_callback(lambda w: work._finish(*_reshaped(w, shape, dtype)))
             return work

@@ -280,6 +280,7 @@ class CommPipeline:
         self.seed = int(seed)
         self.shared_randomness = bool(getattr(self.method.compressor, "shared_randomness", False))
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._param_generators: dict[tuple[str, torch.device], torch.Generator] = {}
         # method none + identity is plain averaging: skip the compressor's copy (and, as DDP, its
         # finiteness check)
         self._plain = self.method.name == "none" and getattr(self.method.compressor, "name", "") == "identity"
@@ -302,13 +303,34 @@ class CommPipeline:
             self._generators[device] = g
         return g
 
+    @property
+    def per_parameter(self) -> bool:
+        """Whether :meth:`start` can run the method per parameter (``segments=``): a one-round method
+        whose payloads concatenate (``dense``, ``aligned``, ``sparse``)."""
+        kind = getattr(self.method.compressor, "payload_kind", None)
+        return not self.method.multi_round and not self.method.uses_shapes and \
+            kind in ("dense", "aligned", "sparse")
+
+    def param_generator(self, name: str, device: torch.device | str = "cpu") -> torch.Generator:
+        """The compressor generator of parameter ``name`` (per-parameter rounds): seeded from ``seed``
+        and the name (and the rank, unless the compressor shares its randomness), so its draws do not
+        depend on the other parameters or on the bucket layout."""
+        device = torch.device(device)
+        g = self._param_generators.get((name, device))
+        if g is None:
+            g = torch.Generator(device=device)
+            g.manual_seed(_name_seed(self.seed, name, None if self.shared_randomness else self.rank))
+            self._param_generators[(name, device)] = g
+        return g
+
     def reduce(self, flat: torch.Tensor, key: Hashable, *, exact: bool = False,
                compress: bool = True, shapes: Any = None) -> torch.Tensor:
         """``start(flat, key, ...).wait()``: the averaged estimate (see :meth:`start`)."""
         return self.start(flat, key, exact=exact, compress=compress, shapes=shapes).wait()
 
     def start(self, flat: torch.Tensor, key: Hashable, *, exact: bool = False,
-              compress: bool = True, shapes: Any = None) -> CommWork:
+              compress: bool = True, shapes: Any = None,
+              segments: tuple[tuple[str, int], ...] | None = None) -> CommWork:
         """Start the round of bucket ``key``; ``wait()`` returns the averaged estimate.
 
         The averaged estimate for this worker's flat ``flat`` of bucket ``key``.
@@ -322,6 +344,12 @@ class CommPipeline:
         until the work completes. A method of several rounds (``next_round``,
         :mod:`sparsecomm.methods.base`) runs its later rounds on the communication thread right after the
         previous sum; ``shapes`` (the tensors laid out in ``flat``) is passed to the method.
+
+        ``segments`` (``(name, numel)`` of the parameters laid out in ``flat``, in order), where
+        :attr:`per_parameter` holds: the method runs per *parameter* (state key ``("param", name)``,
+        a generator of that parameter's own, its own ``alpha``/``k``), the payloads are concatenated
+        into the bucket's one message and the aggregate is decoded slice by slice, so that the result
+        does not depend on how the parameters are grouped into buckets (see :mod:`sparsecomm.ddp`).
         """
         dense_bytes = flat.numel() * flat.element_size()
         n = self.world_size
@@ -334,6 +362,34 @@ class CommPipeline:
                 if check:
                     _check_aggregate(agg, key)
                 return agg.div_(n)
+        elif segments is not None and self.per_parameter:
+            poison = check and not exact and not _finite(flat)
+            if poison:
+                flat.zero_()
+            segs = tuple((str(nm), int(k)) for nm, k in segments)
+            if sum(k for _, k in segs) != flat.numel():
+                raise MismatchError(f"segments {segs} do not add up to the bucket's {flat.numel()} elements")
+            parts, off = [], 0
+            for nm, k in segs:
+                parts.append(self.method.encode(flat[off:off + k], ("param", nm), self.param_generator(nm, flat.device),
+                                                exact=exact, inplace=True))
+                off += k
+            payload = concat_payloads(parts)
+            if poison:
+                _poison(payload, key)
+            sent = payload
+
+            def finish(agg: torch.Tensor) -> torch.Tensor:
+                if check:
+                    _check_aggregate(agg, key)
+                else:
+                    check_sum_finite(payload, agg, f"transport {self.transport.name!r}")
+                out = self._out(key, flat)
+                a, o = agg.reshape(-1), 0
+                for nm, k in segs:
+                    self.method.decode(a[o:o + k], n, ("param", nm), out=out[o:o + k])
+                    o += k
+                return out
         else:
             poison = check and not exact and not _finite(flat)
             if poison:
@@ -576,12 +632,14 @@ class CommPipeline:
         return {"method": self.method.state_dict(),
                 "segments": dict(self._segments), "owner": dict(self._owner),
                 "generators": {str(d): g.get_state() for d, g in self._generators.items()},
+                "param_generators": {(nm, str(d)): g.get_state() for (nm, d), g in self._param_generators.items()},
                 "rank": self.rank, "world_size": self.world_size, "seed": self.seed,
                 "shared_randomness": self.shared_randomness}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         # a stateless method with shared (or no) randomness has nothing rank-specific
-        rank_free = self.method.State is None and (self.shared_randomness or not state.get("generators"))
+        rank_free = self.method.State is None and (self.shared_randomness or not (
+            state.get("generators") or state.get("param_generators")))
         if state.get("world_size") != self.world_size or (state.get("rank") != self.rank and not rank_free):
             raise MismatchError(
                 f"sparsecomm state saved on rank {state.get('rank')} of {state.get('world_size')} "
@@ -595,7 +653,47 @@ class CommPipeline:
             g = torch.Generator(device=torch.device(d))
             g.set_state(s)
             self._generators[torch.device(d)] = g
+        self._param_generators = {}
+        for (nm, d), s in state.get("param_generators", {}).items():
+            g = torch.Generator(device=torch.device(d))
+            g.set_state(s)
+            self._param_generators[(nm, torch.device(d))] = g
 
+
+
+def _name_seed(seed: int, name: str, rank: int | None) -> int:
+    """A 63-bit seed from ``(seed, name[, rank])`` (blake2b: stable across processes and runs)."""
+    import hashlib
+
+    msg = f"{int(seed)}\x00{name}\x00{'' if rank is None else int(rank)}".encode()
+    return int.from_bytes(hashlib.blake2b(msg, digest_size=8).digest(), "little") & ((1 << 63) - 1)
+
+
+def concat_payloads(parts: list[Payload]) -> Payload:
+    """One payload of the concatenated tensor from the payloads of its consecutive pieces (kinds
+    ``dense``, ``aligned``, ``sparse``; pieces of different kinds, an exact round's dense piece among
+    compressed ones, are all made dense: the sum of their ``to_dense()`` is what matters)."""
+    if len(parts) == 1:
+        return parts[0]
+    kinds = {p.kind for p in parts}
+    dtype = parts[0].dtype
+    total = sum(p.numel for p in parts)
+    bits = sum(int(p.bits or 0) for p in parts)
+    codecs = {tuple(p.values_codec) for p in parts}
+    if len(kinds) == 1 and kinds <= {"aligned", "sparse"} and len(codecs) == 1 and \
+            all(p.row_len == 1 for p in parts):
+        idx, off = [], 0
+        for p in parts:
+            idx.append(p.indices.reshape(-1) + off)
+            off += p.numel
+        return Payload(parts[0].kind, torch.cat([p.values.reshape(-1) for p in parts]), torch.Size([total]),
+                       dtype, indices=torch.cat(idx), bits=bits, values_codec=parts[0].values_codec)
+    if not kinds <= {"dense", "aligned", "sparse"}:
+        raise SparseCommError(f"cannot concatenate payloads of kinds {sorted(kinds)} (per-parameter rounds "
+                              f"take dense, aligned and sparse payloads)")
+    vals = torch.cat([p.values.reshape(-1).to(dtype) if p.kind == "dense" else p.to_dense() for p in parts])
+    exact = all(p.meta.get("exact") for p in parts)
+    return Payload("dense", vals, torch.Size([total]), dtype, bits=bits, meta={"exact": True} if exact else {})
 
 
 def row_sparse_parts(grad: torch.Tensor | None, shape: torch.Size, dtype: torch.dtype
