@@ -134,7 +134,7 @@ class CommHookState:
         names = [self.param_names.get(id(p)) for p in params]
         if not params or any(n is None for n in names):
             if self.pipeline._segments or any(isinstance(k, tuple) and k[:1] == ("param",)
-                                              for k in self.pipeline.method.keys()):
+                                              for k in self.pipeline.keys()):
                 from .errors import MismatchError
 
                 raise MismatchError("this hook state holds method state keyed by parameter names but does "

@@ -360,7 +360,7 @@ class DistributedOptimizer:
             if self._sc_buckets is not None:
                 warnings.warn("DistributedOptimizer: the parameters changed; the buckets are rebuilt and "
                               "the method state is reset", RuntimeWarning, stacklevel=3)
-                self.method.reset()
+                self._sc_pipeline.reset_states()
                 self._sc_sparse = None
             self._build_layout(params)
         return self._sc_buckets  # type: ignore[return-value]
@@ -388,7 +388,7 @@ class DistributedOptimizer:
             flags = self._sc_pipeline.transport.allreduce(flags)
         self._sc_sparse = frozenset(id(p) for p, f in zip(params, flags.tolist()) if f > 0)
         if self._sc_sparse:
-            if self.method.keys():
+            if self._sc_pipeline.keys():
                 raise MismatchError("the method has state for a layout without the sparse-gradient "
                                     "buckets (a checkpoint loaded before the first step); load it after one step")
             self._build_layout(params)
@@ -549,7 +549,7 @@ class DistributedOptimizer:
         # (an LR scheduler attached to it before wrapping must see the loaded groups)
         self._sc_inner.__dict__.update(state=self.state, param_groups=self.param_groups)
         if extra is None:
-            self.method.reset()
+            self._sc_pipeline.reset_states()
             return
         self._sc_pipeline.load_state_dict(extra)
         self._sc_steps = int(extra.get("steps", 0))

@@ -27,17 +27,26 @@ raise, on that worker).
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import math
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import dataclass, field, fields
 from typing import Any, Hashable
 
 import torch
+import torch.distributed as dist
 
+from . import compressors, methods, transports
+from .compressors._common import abs_max
 from .compressors.base import Compressor
 from .errors import IncompatibleError, MismatchError, NonFiniteError, SparseCommError, UnknownNameError
 from .fabric.base import Fabric
 from .fabric.stats import CommStats
-from .methods.base import HyperParameterError, Method, check_kwargs, dense_payload
+from .fabric.torch_fabric import TorchFabric
+from .launch import current_context
+from .methods.base import (HyperParameterError, Method, MethodState, check_kwargs, dense_payload, states_from_dict,
+                           states_to_dict)
 from .payload import Payload, check_sum_finite
 from .transports.allgather import AllGather
 from .transports.base import CommWork, Transport, engine
@@ -53,8 +62,6 @@ AUTO_ORDER = ("ring", "omnireduce", "switch", "allgather")
 def build_method(compressor: str | Compressor | Method = "none", method: str | None = None,
                  **hyper: Any) -> Method:
     """A Method from a method or compressor name (+ hyper-parameters) or an object (see module doc)."""
-    from . import compressors, methods
-
     if isinstance(compressor, Method):
         if method is not None or hyper:
             raise TypeError(f"a Method object ({compressor!r}) was given; method= and hyper-parameters "
@@ -85,8 +92,6 @@ def build_method(compressor: str | Compressor | Method = "none", method: str | N
 
 def _check_takes_compressor(mname: str) -> None:
     """Methods that bring their own operator (powersgd, dgc, the sign methods) take no compressor."""
-    from . import methods
-
     if not _accepts(methods.registry.factory(mname), "compressor"):
         raise HyperParameterError(f"method {mname!r} brings its own operator and takes no compressor; "
                                   f"use compressor={mname!r} (with its own hyper-parameters)")
@@ -95,27 +100,16 @@ def _check_takes_compressor(mname: str) -> None:
 def default_fabric() -> Fabric:
     """The fabric of the current :func:`sparsecomm.launch` worker, else a TorchFabric over the default
     process group."""
-    from .launch import current_context
-
     ctx = current_context()
     if ctx is not None:
         return ctx.fabric
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
-        try:
-            from .fabric.torch_fabric import TorchFabric
-        except ModuleNotFoundError as e:  # pragma: no cover - until TorchFabric lands
-            raise SparseCommError("torch.distributed is initialised but sparsecomm.fabric.torch_fabric "
-                                  "is not available; pass fabric=") from e
         return TorchFabric()
     raise SparseCommError("no fabric: call this inside sc.launch(fn, ...), pass fabric=, or initialise "
                           "torch.distributed first")
 
 
 def _transport_class(name: str) -> Any:
-    from . import transports
-
     return transports.registry.factory(name)  # unknown names raise, listing the valid ones
 
 
@@ -124,8 +118,6 @@ def _payload_traits(comp: Compressor) -> tuple[str, bool]:
 
 
 def _carried_compressors(tcls: Any) -> list[str]:
-    from . import compressors
-
     out = []
     for n in compressors.available():
         f = compressors.registry.factory(n)
@@ -137,8 +129,6 @@ def _carried_compressors(tcls: Any) -> list[str]:
 
 def check_pair(method: Method, transport_name: str, tcls: Any) -> None:
     """Raise IncompatibleError when ``tcls`` cannot carry what ``method``'s compressor produces."""
-    from . import transports
-
     kind, shared = _payload_traits(method.compressor)
     if not hasattr(tcls, "can_carry") or tcls.can_carry(kind, shared):
         return
@@ -157,8 +147,6 @@ def check_pair(method: Method, transport_name: str, tcls: Any) -> None:
 def build_transport(transport: str | Transport, method: Method, fabric: Fabric | None,
                     transport_kwargs: dict | None) -> Transport:
     """The transport (checked against the method's payload kind) on ``fabric``."""
-    from . import transports
-
     if isinstance(transport, Transport):
         if transport_kwargs:
             raise TypeError("transport_kwargs given with a Transport object")
@@ -181,8 +169,6 @@ def build_transport(transport: str | Transport, method: Method, fabric: Fabric |
 
 
 def _accepts(factory: Any, name: str) -> bool:
-    import inspect
-
     try:
         return name in inspect.signature(factory).parameters
     except (TypeError, ValueError):
@@ -195,8 +181,6 @@ def _auto_transport(method: Method, fabric: Fabric) -> str:
     declared bytes for top-k 1%); payloads whose values travel packed only where no sum is formed on
     the wire (``packed_values``: natural compression, 9 of 32 bits) go to allgather while its
     ``(n-1)`` packed copies cost less than a ring's ``2 (n-1)/n`` unpacked ones."""
-    from . import transports
-
     comp = method.compressor
     kind, shared = _payload_traits(comp)
     order = list(AUTO_ORDER)
@@ -287,6 +271,8 @@ class CommPipeline:
         self.stats = CompressionStats()
         self.last_stats = CommStats()
         self._outs: dict[Hashable, torch.Tensor] = {}
+        #: the method state of every key (bucket, or ``("param", name)``): the pipeline holds them
+        self.states: dict[Hashable, MethodState] = {}
         # parameter-keyed state (the DDP hook): the (name, numel) segments of each key's state and
         # the key that holds the current state of each named segment
         self._segments: dict[Hashable, tuple[tuple[str, int], ...]] = {}
@@ -357,9 +343,11 @@ class CommPipeline:
         if not compress or self._plain:
             payload = dense_payload(flat)
             sent = flat
+            # a transport that raises on a non-finite sum itself has checked it: no second pass
+            recheck = check and getattr(self.transport, "nonfinite", None) != "raise"
 
             def finish(agg: torch.Tensor) -> torch.Tensor:
-                if check:
+                if recheck:
                     _check_aggregate(agg, key)
                 return agg.div_(n)
         elif segments is not None and self.per_parameter:
@@ -371,8 +359,9 @@ class CommPipeline:
                 raise MismatchError(f"segments {segs} do not add up to the bucket's {flat.numel()} elements")
             parts, off = [], 0
             for nm, k in segs:
-                parts.append(self.method.encode(flat[off:off + k], ("param", nm), self.param_generator(nm, flat.device),
-                                                exact=exact, inplace=True))
+                payload_k, _ = self.method.encode(flat[off:off + k], self._state_of(("param", nm)),
+                                                  self.param_generator(nm, flat.device), exact=exact, inplace=True)
+                parts.append(payload_k)
                 off += k
             payload = concat_payloads(parts)
             if poison:
@@ -387,7 +376,7 @@ class CommPipeline:
                 out = self._out(key, flat)
                 a, o = agg.reshape(-1), 0
                 for nm, k in segs:
-                    self.method.decode(a[o:o + k], n, ("param", nm), out=out[o:o + k])
+                    self.method.decode(a[o:o + k], n, self.states[("param", nm)], out=out[o:o + k])
                     o += k
                 return out
         else:
@@ -395,25 +384,26 @@ class CommPipeline:
             if poison:
                 flat.zero_()
             enc_kw = {"shapes": shapes} if shapes is not None else {}
-            payload = self.method.encode(flat, key, self.generator(flat.device), exact=exact, inplace=True,
-                                         **enc_kw)
+            ms = self._state_of(key)
+            payload, _ = self.method.encode(flat, ms, self.generator(flat.device), exact=exact, inplace=True,
+                                            **enc_kw)
             if poison:
                 _poison(payload, key)
             sent = payload
-            next_round = getattr(self.method, "next_round", None)
+            multi = self.method.multi_round
 
             def finish(agg: torch.Tensor) -> torch.Tensor:
-                if check and not _finite(agg) and not bool(torch.isnan(agg).any()):
-                    # inputs were finite (checked) and no worker sent NaN: narrow floats (fp16) summed
-                    # in their own dtype overflowed; say so (OverflowError_, on every worker)
-                    check_sum_finite(payload, agg, f"transport {self.transport.name!r}")
-                if check:
+                if check and not _finite(agg):
+                    if not bool(torch.isnan(agg).any()):
+                        # inputs were finite (checked) and no worker sent NaN: narrow floats (fp16) summed
+                        # in their own dtype overflowed; say so (OverflowError_, on every worker)
+                        check_sum_finite(payload, agg, f"transport {self.transport.name!r}")
                     _check_aggregate(agg, key)
                 else:       # narrow floats summed in their dtype: an overflow is not a passed-through NaN
                     check_sum_finite(payload, agg, f"transport {self.transport.name!r}")
                 # a method of several rounds (PowerSGD: P, then Q): the later rounds run here, on the
                 # communication thread, right after the first (same order on every worker)
-                while next_round is not None and (nxt := next_round(agg, n, key)) is not None:
+                while multi and (nxt := self.method.next_round(agg, n, ms)[0]) is not None:
                     self.last_stats = self.last_stats + self.transport.last_stats
                     self.stats.rounds += 1
                     self.stats.bytes_payload += _payload_bytes(nxt)
@@ -424,7 +414,7 @@ class CommPipeline:
                     else:
                         check_sum_finite(nxt, agg, f"transport {self.transport.name!r}")
                 # the estimate has the bucket's length (a last round's aggregate may be shorter)
-                return self.method.decode(agg, n, key, out=self._out(key, flat))
+                return self.method.decode(agg, n, ms, out=self._out(key, flat))[0]
 
         def then(agg: torch.Tensor) -> torch.Tensor:
             out = finish(agg)
@@ -440,6 +430,26 @@ class CommPipeline:
 
         return self.transport.start(sent, then=then)
 
+    def _state_of(self, key: Hashable) -> MethodState:
+        ms = self.states.get(key)
+        if ms is None:
+            ms = self.states[key] = self.method.init()
+        return ms
+
+    def keys(self) -> list[Hashable]:
+        """The keys (buckets, or ``("param", name)`` per parameter) that hold a method state."""
+        return [k for k, ms in self.states.items() if ms.state is not None]
+
+    def state(self, key: Hashable) -> Any:
+        """The method's typed state for ``key`` (``None`` before its first round)."""
+        ms = self.states.get(key)
+        return None if ms is None else ms.state
+
+    def reset_states(self) -> None:
+        """Forget every method state (a new layout, a world-size change)."""
+        self.states = {}
+        self._segments, self._owner = {}, {}
+
     def bind(self, key: Hashable, segments: tuple[tuple[str, int], ...]) -> None:
         """Declare that bucket ``key`` holds the named parameter segments ``(name, numel)`` in this
         order, before its round. When the method's state for ``key`` is missing or stale (its
@@ -448,7 +458,7 @@ class CommPipeline:
         method state that is not per coordinate cannot be split and raises
         :class:`~sparsecomm.errors.MismatchError`, as does a bucket only partly covered by states."""
         segments = tuple((str(n), int(k)) for n, k in segments)
-        st = self.method._state
+        st = {k: ms.state for k, ms in self.states.items() if ms.state is not None}
         names = [n for n, _ in segments]
         current = key in st and self._segments.get(key) == segments and \
             all(self._owner.get(n) == key for n in names)
@@ -471,11 +481,14 @@ class CommPipeline:
             for k in [k for k in list(st) if k not in live and k in self._segments]:
                 del st[k]
                 self._segments.pop(k, None)
+            new: dict[Hashable, MethodState] = {}
+            for k, v in st.items():
+                ms = self.states.get(k)
+                new[k] = ms if ms is not None and ms.state is v else MethodState(state=v)
+            self.states = new
 
     def _assemble(self, segments: tuple[tuple[str, int], ...]) -> Any:
-        from dataclasses import fields
-
-        st = self.method._state
+        st = {k: ms.state for k, ms in self.states.items() if ms.state is not None}
         pieces: dict[str, list[torch.Tensor]] = {}
         cls = None
         for name, numel in segments:
@@ -629,7 +642,7 @@ class CommPipeline:
                                 self.stats.bytes_dense_sent)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"method": self.method.state_dict(),
+        return {"method": states_to_dict(self.method, self.states),
                 "segments": dict(self._segments), "owner": dict(self._owner),
                 "generators": {str(d): g.get_state() for d, g in self._generators.items()},
                 "param_generators": {(nm, str(d)): g.get_state() for (nm, d), g in self._param_generators.items()},
@@ -645,7 +658,7 @@ class CommPipeline:
                 f"sparsecomm state saved on rank {state.get('rank')} of {state.get('world_size')} "
                 f"cannot be loaded on rank {self.rank} of {self.world_size} (the method state is per "
                 f"worker); delete the 'sparsecomm' entry to load only the inner optimizer's state")
-        self.method.load_state_dict(state["method"])
+        self.states = states_from_dict(self.method, state["method"])
         self._segments = dict(state.get("segments", {}))
         self._owner = dict(state.get("owner", {}))
         self._generators = {}
@@ -663,8 +676,6 @@ class CommPipeline:
 
 def _name_seed(seed: int, name: str, rank: int | None) -> int:
     """A 63-bit seed from ``(seed, name[, rank])`` (blake2b: stable across processes and runs)."""
-    import hashlib
-
     msg = f"{int(seed)}\x00{name}\x00{'' if rank is None else int(rank)}".encode()
     return int.from_bytes(hashlib.blake2b(msg, digest_size=8).digest(), "little") & ((1 << 63) - 1)
 
@@ -713,8 +724,6 @@ def row_sparse_parts(grad: torch.Tensor | None, shape: torch.Size, dtype: torch.
     return rows, g.values().reshape(rows.numel(), row_len).to(dtype)
 
 def _finite(x: torch.Tensor) -> bool:
-    from .compressors._common import abs_max
-
     return math.isfinite(abs_max(x.reshape(-1))) if x.is_floating_point() else True
 
 
@@ -747,8 +756,6 @@ def warn_unguaranteed(method: Method) -> None:
     error feedback (EF, EF21) around an unbiased compressor that is not contractive (omega >= 1, e.g.
     QSGD with few levels): EF's analysis needs ``delta``-contraction (Stich et al. 2018; Richtarik et
     al. 2021), and a scaled unbiased operator with omega >= 1 expands the error it feeds back."""
-    import warnings
-
     comp = method.compressor
     if method.name not in ("ef", "ef21") or not getattr(comp, "unbiased", False):
         return

@@ -46,9 +46,9 @@ def _worker(ctx, steps: int, compressed: dict):
     out["pickle_has_pg"] = b"ProcessGroup" in blob or b"Fabric" in blob
     sd, sd2 = st.state_dict(), back.state_dict()
     out["roundtrip"] = (sd["iter"] == sd2["iter"] and
-                        all(torch.equal(a.error, back.pipeline.method.state(k).error)
-                            for k, a in ((k, st.pipeline.method.state(k)) for k in st.pipeline.method.keys())))
-    out["keys"] = sorted(st.pipeline.method.keys())
+                        all(torch.equal(a.error, back.pipeline.state(k).error)
+                            for k, a in ((k, st.pipeline.state(k)) for k in st.pipeline.keys())))
+    out["keys"] = sorted(st.pipeline.keys())
     out["stats"] = st.compression_stats()
     return out
 
@@ -68,7 +68,9 @@ def test_hook_equals_builtin_allreduce_gloo():
             torch.testing.assert_close(b, c, rtol=0, atol=1e-6)
         assert r["iter"] == STEPS
         assert not r["pickle_has_pg"] and r["roundtrip"]
-        assert r["keys"] and all(str(k).startswith("p:") for k in r["keys"])   # keyed by parameters
+        # keyed by parameters (EF + top-k runs per parameter: one state per parameter name)
+        assert r["keys"] == [("param", n) for n in ("module.l1.bias", "module.l1.weight", "module.l2.bias",
+                                                    "module.l2.weight")]
         assert r["stats"]["ratio"] > 1
     for a, b in zip(res[0]["ef"], res[1]["ef"]):
         assert torch.equal(a, b)
@@ -129,7 +131,7 @@ def _resume_worker(ctx, hook, resume_cap=10_000, probe=True):
     _deep_steps(ctx, net, opt, 0, 4)
     ckpt = {"model": {k: v.clone() for k, v in model.state_dict().items()},
             "opt": pickle.loads(pickle.dumps(opt.state_dict())), "hook": pickle.loads(pickle.dumps(state.state_dict()))}
-    n_keys = len(state.pipeline.method.keys())
+    n_keys = len(state.pipeline.keys())
     model, net, state, opt = _deep_ddp(cap=resume_cap, **hook)
     model.load_state_dict(ckpt["model"])
     opt.load_state_dict(ckpt["opt"])
