@@ -44,7 +44,9 @@ per bucket, keyed by a digest of its parameters' names, with their segments reco
 by parameter, or raises :class:`~sparsecomm.errors.MismatchError` (a state that is not one value per
 coordinate). Iteration 0 is always averaged uncompressed and bypasses the method;
 compression starts at iteration ``max(1, warmup_steps)``
-and iterations ``1 .. warmup_steps - 1`` are exact rounds of the method (warm-starting its state).
+and iterations ``1 .. warmup_steps - 1`` are exact rounds of the method (warm-starting its state:
+the method is wrapped in :func:`sparsecomm.methods.warmup` with ``warmup_steps - 1`` rounds, counted
+in each state).
 Buckets with fewer than ``min_compress_size`` elements are averaged uncompressed (per bucket: a DDP
 bucket mixes tensors). The process group, fabric and transport are never pickled (``__getstate__``);
 unpickling rebinds to the default process group. ``state_dict()``/``load_state_dict()`` checkpoint the
@@ -147,6 +149,7 @@ class CommHookState:
         return CommPipeline(self.compressor, self.transport, method=self.method,
                             transport_kwargs=self.transport_kwargs or None,
                             fabric=_torch_fabric(self.process_group), seed=self.seed,
+                            warmup_steps=max(0, self.warmup_steps - 1),
                             sparse_rows=getattr(self, "sparse_rows", "gather"), **self.hyper)
 
     # ---------------------------------------------------------------- accessors
@@ -180,7 +183,6 @@ class CommHookState:
                 return self._start_sparse(buffer, index, params)
             flat = buffer.reshape(-1)
             compress = self.iter >= 1 and flat.numel() >= self.min_compress_size
-            exact = self.iter < self.warmup_steps
             key, segments = index, None
             if params is not None and compress:
                 key = self.bucket_key(params, index)
@@ -191,7 +193,7 @@ class CommHookState:
                     else:
                         self.pipeline.bind(key, segs)
             shape, dtype = buffer.shape, buffer.dtype
-            inner = self.pipeline.start(flat, key, exact=exact, compress=compress, shapes=shapes,
+            inner = self.pipeline.start(flat, key, compress=compress, shapes=shapes,
                                         segments=segments)
             work = CommWork()
             inner.add_done_callback(lambda w: work._finish(*_reshaped(w, shape, dtype)))

@@ -85,7 +85,8 @@ transport would carry. ``fabric=`` defaults to the one :func:`sparsecomm.launch`
 process group.
 
 **Researcher options.** ``warmup_steps`` (default 0): the first steps communicate uncompressed
-(*exact* rounds of the method, which warm-start its state: see :mod:`sparsecomm.methods.base`).
+(*exact* rounds of the method, which warm-start its state: see :mod:`sparsecomm.methods.base`); the
+method is wrapped in :func:`sparsecomm.methods.warmup`, whose round count is part of each state.
 ``min_compress_size`` (default 0): parameters with fewer elements go to separate buckets that are
 always averaged uncompressed, bypassing the method. ``seed``: one ``torch.Generator`` per worker for
 the compressor, seeded ``seed`` on every worker when the compressor declares ``shared_randomness``
@@ -277,7 +278,8 @@ class DistributedOptimizer:
         try:
             self._sc_pipeline = CommPipeline(compressor, transport, method=method,
                                              transport_kwargs=transport_kwargs, fabric=fabric, seed=seed,
-                                             nonfinite=nonfinite, sparse_rows=sparse_rows, **hyper)
+                                             nonfinite=nonfinite, sparse_rows=sparse_rows,
+                                             warmup_steps=warmup_steps, **hyper)
         except HyperParameterError as e:
             raise HyperParameterError(
                 f"{e}. DistributedOptimizer's own options: method, transport, transport_kwargs, fabric, "
@@ -286,7 +288,6 @@ class DistributedOptimizer:
                 f"hyper-parameter of the method/compressor") from None
         self._sc_cap_bytes = int(bucket_cap_mb * 2 ** 20)
         self._sc_min_compress = int(min_compress_size)
-        self._sc_warmup = int(warmup_steps)
         self._sc_steps = 0
         self._sc_synced = False
         self._sc_skip = False
@@ -422,12 +423,11 @@ class DistributedOptimizer:
         if not self._sc_in_step:
             pipe.begin_step()
             self._sc_in_step = True
-        exact = self._sc_steps < self._sc_warmup
         if b.sparse and self._sparse_payloads():
             p = b.params[0]
             work = pipe.start_sparse(p.grad, p.shape, b.key, p.dtype)
         else:
-            work = pipe.start(b.gather(), b.key, exact=exact, compress=b.compress,
+            work = pipe.start(b.gather(), b.key, compress=b.compress,
                               shapes=[p.shape for p in b.params])
         self._sc_works.append((b, work))
         self._sc_next += 1

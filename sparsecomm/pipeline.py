@@ -244,7 +244,7 @@ class CommPipeline:
     def __init__(self, compressor: str | Compressor | Method = "none", transport: str | Transport = "auto",
                  *, method: str | None = None, transport_kwargs: dict | None = None,
                  fabric: Fabric | None = None, seed: int = 0, nonfinite: str = "raise",
-                 sparse_rows: str = "gather", **hyper: Any) -> None:
+                 sparse_rows: str = "gather", warmup_steps: int = 0, **hyper: Any) -> None:
         if sparse_rows not in SPARSE_ROWS:
             raise ValueError(f"sparse_rows must be one of {', '.join(map(repr, SPARSE_ROWS))}, got {sparse_rows!r}")
         self.sparse_rows = sparse_rows
@@ -252,7 +252,9 @@ class CommPipeline:
         if nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite must be one of {', '.join(map(repr, NONFINITE))}, got {nonfinite!r}")
         self.nonfinite = nonfinite
-        self.method = build_method(compressor, method, **hyper)
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be non-negative, got {warmup_steps}")
+        self.method = methods.warmup(build_method(compressor, method, **hyper), warmup_steps)
         warn_unguaranteed(self.method)
         self.transport = build_transport(transport, self.method, fabric, transport_kwargs)
         if nonfinite == "pass" and getattr(self.transport, "nonfinite", "pass") != "pass":
@@ -481,10 +483,11 @@ class CommPipeline:
             for k in [k for k in list(st) if k not in live and k in self._segments]:
                 del st[k]
                 self._segments.pop(k, None)
+            rounds = max((ms.rounds for ms in self.states.values()), default=0)
             new: dict[Hashable, MethodState] = {}
             for k, v in st.items():
                 ms = self.states.get(k)
-                new[k] = ms if ms is not None and ms.state is v else MethodState(state=v)
+                new[k] = ms if ms is not None and ms.state is v else MethodState(state=v, rounds=rounds)
             self.states = new
 
     def _assemble(self, segments: tuple[tuple[str, int], ...]) -> Any:

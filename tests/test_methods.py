@@ -129,7 +129,8 @@ def test_none_is_the_mean_of_messages():
     methods = [sc.methods.get("none", compressor=c) for _ in range(N)]
     msgs, ests = _round(methods, _grads(), _gens(c))
     torch.testing.assert_close(ests[0], sum(p.to_dense() for p in msgs) / N)
-    assert methods[0].state_dict() == {"method": "none", "buckets": {}}
+    # stateless: a bucket's state is only its round count (which a warm-up wrapper reads)
+    assert methods[0].state_dict() == {"method": "none", "buckets": {0: {"__rounds__": 1}}}
 
 
 def _run(methods, gens, rounds, seed0, keys=(0, "b")):
@@ -164,7 +165,8 @@ def test_state_dict_round_trip(name, cname):
     cont = _run(methods, gens, 4, 10)
     for key, fields in sd0["buckets"].items():
         for f, v in fields.items():
-            assert torch.equal(v, snapshot["buckets"][key][f])
+            w = snapshot["buckets"][key][f]
+            assert torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w
     fresh = [sc.methods.get(name, compressor=c) for _ in range(N)]
     for m, sd in zip(fresh, saved):
         m.load_state_dict(sd)
@@ -292,3 +294,31 @@ def test_pure_state_equals_keyed_and_holds_everything(name, hyper):
             est, sts[i] = m.decode(agg, 2, sts[i])
             assert torch.equal(est, keyed[i].decode(kagg, 2, 0))
     assert m.states == {} and m.keys() == []
+
+
+def test_warmup_wrapper_composes_and_resumes():
+    """``sc.methods.warmup(m, k)``: the first k rounds of every state are exact (dense, the identity),
+    later ones compressed; the count lives in the state, so a state saved after round 1 and loaded into
+    a fresh wrapper continues with one exact round then compressed ones, as the uninterrupted run."""
+    def run(split):
+        m = sc.methods.warmup(sc.methods.ef21(sc.compressors.get("topk", ratio=0.25)), 2)
+        st = m.init(16)
+        kinds, ests = [], []
+        for t in range(4):
+            if split and t == 1:
+                from sparsecomm.methods.base import states_from_dict, states_to_dict
+
+                m = sc.methods.warmup(sc.methods.ef21(sc.compressors.get("topk", ratio=0.25)), 2)
+                st = states_from_dict(m, states_to_dict(m, {0: st}))[0]
+            g = torch.randn(16, generator=torch.Generator().manual_seed(t))
+            p, st = m.encode(g, st, None)
+            kinds.append(p.kind)
+            e, st = m.decode(p.to_dense(), 1, st)
+            ests.append(e)
+        return kinds, ests
+
+    kinds, ests = run(False)
+    assert kinds == ["dense", "dense", "sparse", "sparse"]
+    kinds2, ests2 = run(True)
+    assert kinds2 == kinds and all(torch.equal(a, b) for a, b in zip(ests, ests2))
+    assert sc.methods.warmup(sc.methods.none(), 0).name == "none"

@@ -111,7 +111,8 @@ def test_overlap_bit_identical_to_synchronous(cfg):
         assert sa["buckets"].keys() == sb["buckets"].keys()
         for k in sa["buckets"]:
             for f, v in sa["buckets"][k].items():
-                assert torch.equal(v, sb["buckets"][k][f]), (k, f)
+                w = sb["buckets"][k][f]
+                assert (torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w), (k, f)
         # the hooks did start buckets during backward (all but the one held back by the unused
         # parameter and those after it in the start order); the synchronous path none
         assert nb > 2 and max(fa[1:]) >= 1 and fa[0] == 0

@@ -6,6 +6,7 @@ configs)::
     m = sc.methods.diana(sc.compressors.get("randk", ratio=0.01), alpha=0.5)   # typed
     m = sc.methods.get("diana", compressor="randk", ratio=0.01)                # by name (the catalog)
 
+Wrappers compose: ``sc.methods.warmup(sc.methods.ef21(), steps=100)`` (the first 100 rounds exact).
 A method holds hyper-parameters only; its state is explicit (:class:`~sparsecomm.methods.base.MethodState`:
 ``st = m.init(d)``, ``payload, st = m.encode(g, st, generator)``, ``estimate, st = m.decode(agg, n, st)``).
 """
@@ -28,7 +29,7 @@ def available() -> list[str]:
 
 
 from . import _load  # noqa: E402,F401  (every module registers its classes)
-from .base import Method, MethodState  # noqa: E402
+from .base import Method, MethodState, Warmup, warmup  # noqa: E402
 from .dgc import DGC  # noqa: E402
 from .diana import Diana  # noqa: E402
 from .ef import ErrorFeedback  # noqa: E402

@@ -1,39 +1,51 @@
-"""The method contract: a stateful per-worker wrapper around any compressor (optax-style explicit state).
+"""The method contract: a per-worker wrapper around any compressor, with explicit state (optax style).
 
-One round, for bucket ``key`` on worker i::
+A Method object holds hyper-parameters only; everything the rounds of one flat bucket need lives in a
+:class:`MethodState` that the caller holds and passes in (the pipeline one per bucket, the simulated
+algorithms one per worker). One round on worker i::
 
-    payload   = method.encode(grad_i, key, generator)        # on the worker (may update worker state)
-    aggregate = transport.allreduce(payload)                 # sum over workers of payload.to_dense()
-    estimate  = method.decode(aggregate, world_size, key)    # the averaged gradient estimate
+    st = method.init(d)                                           # once per bucket
+    payload, st = method.encode(grad_i, st, generator)            # on the worker
+    aggregate = transport.allreduce(payload)                      # sum over workers of payload.to_dense()
+    estimate, st = method.decode(aggregate, world_size, st)       # the averaged gradient estimate
+
+``encode`` leaves in the state what ``decode`` needs for this round (an exact round, DIANA's step):
+nothing is handed between the calls through the object.
 
 **Several rounds.** A method may need more than one aggregation per step (PowerSGD: the P factors,
 then the Q factors computed from the orthogonalised sum of the Ps). After each round the caller asks
-``next_round(aggregate, world_size, key)``: a Payload is the next round's message (aggregate it the
+``next_round(aggregate, world_size, st)``: a Payload is the next round's message (aggregate it the
 same way and ask again), ``None`` means ``aggregate`` was the last round's, to be handed to
 ``decode``::
 
-    payload = method.encode(grad_i, key, generator)
+    payload, st = method.encode(grad_i, st, generator)
     aggregate = transport.allreduce(payload)
-    while (payload := method.next_round(aggregate, world_size, key)) is not None:
+    while (payload := method.next_round(aggregate, world_size, st)[0]) is not None:
         aggregate = transport.allreduce(payload)
-    estimate = method.decode(aggregate, world_size, key)
+    estimate, st = method.decode(aggregate, world_size, st)
 
 One-round methods never override it (it returns ``None``). Every round's payload has the kind of the
 method's declared compressor (the pair check at construction covers all rounds); the last aggregate
 may be shorter than the bucket (the estimate always has the bucket's length). Each round is a
-collective: every worker must run the same number of rounds for a key, which holds because the
+collective: every worker must run the same number of rounds for a bucket, which holds because the
 decision is a function of the state and the (identical) aggregates.
+
+**Keys.** Called with a key (any hashable, default 0) instead of a state, the same calls keep the
+states in the method's public ``states`` dict and return the payload / estimate alone
+(``method.encode(grad, key, generator)``), a convenience for scripts and tests.
 
 **Shapes.** ``encode(..., shapes=[...])`` may tell the method the shapes of the tensors laid out in
 the flat bucket (the optimizer and the DDP hook pass them); methods that set ``uses_shapes`` (PowerSGD
-compresses each matrix separately) read them with ``self._shapes_of(key, d)``; the others ignore them.
+compresses each matrix separately) read them from the state (``ms.shapes_of(d)``); the others ignore
+them.
 
 ``decode`` is deterministic given the aggregate and the state, so every worker's copy of any global
-state (DIANA's h, EF21's g) stays identical without communication. State is per ``key`` (one flat
-bucket each), explicit and typed (one small dataclass per key); ``state_dict()`` /
-``load_state_dict()`` round-trip it exactly (tensors cloned) and never hold a process group or the
-compressor. Hyper-parameters (the compressor, DIANA's ``alpha``, the ``init`` rule) live on the
-method object, apart from the state, as in ``PowerSGDState``.
+state (DIANA's h, EF21's g) stays identical without communication. The typed state (one small
+dataclass per method: ``MethodState.state``) and the round count are what a checkpoint saves
+(:func:`states_to_dict` / :func:`states_from_dict` round-trip them exactly, tensors cloned), never a
+process group or the compressor. Hyper-parameters (the compressor, DIANA's ``alpha``, the ``init``
+rule) live on the method object, apart from the state, as in ``PowerSGDState``. Wrappers compose:
+:class:`Warmup` makes the first rounds of every state exact.
 
 **Exact rounds.** ``encode(..., exact=True)`` runs the same method with the identity operator in
 place of the compressor (a dense payload of the full message). The optimizer uses it for its
@@ -80,6 +92,8 @@ class MethodState:
     length: int | None = None
     shapes: tuple | None = None
     last_round: bool = False
+    #: rounds encoded so far (saved in checkpoints: wrappers such as :class:`Warmup` read it)
+    rounds: int = 0
 
     def take_pending(self, method: str = "") -> Any:
         """What ``encode`` left for the round (consumed: a second decode raises)."""
@@ -196,7 +210,9 @@ class Method(ABC):
             ms.shapes = shapes
         ms.length = grad.numel()
         ms.last_round = False
-        return self._encode(grad if inplace else grad.clone(), ms, generator, exact), ms
+        payload = self._encode(grad if inplace else grad.clone(), ms, generator, exact)
+        ms.rounds += 1
+        return payload, ms
 
     def next_round(self, aggregate: torch.Tensor, world_size: int, state: "MethodState | Hashable" = 0) -> Any:
         """After a round's ``aggregate`` (the sum over workers): ``(payload, state)`` of the next round,
@@ -308,14 +324,79 @@ class Method(ABC):
             target.add_(dec, alpha=alpha)
 
 
+#: the key of a state's round count in a checkpoint's bucket entry
+ROUNDS = "__rounds__"
+
+
+class Warmup(Method):
+    """``inner`` whose first ``steps`` rounds of every state are *exact* (the identity in place of the
+    compressor: uncompressed, warm-starting the state; see the module doc). A wrapper, so it composes
+    with any method and is written once (the optimizer's ``warmup_steps`` and the DDP hook's use it);
+    the round count lives in the state (:attr:`MethodState.rounds`), so a checkpoint resumes it.
+    Name, compressor and traits are ``inner``'s."""
+
+    def __init__(self, inner: Method, steps: int) -> None:
+        if int(steps) != steps or steps < 0:
+            raise ValueError(f"warmup: steps must be a non-negative integer, got {steps!r}")
+        self.inner, self.steps = inner, int(steps)
+        self.compressor = inner.compressor
+        self.name, self.State = inner.name, inner.State
+        self.needs_unbiased, self.uses_shapes, self.multi_round = \
+            inner.needs_unbiased, inner.uses_shapes, inner.multi_round
+        self.states = {}
+
+    @property
+    def world_size(self) -> int | None:   # type: ignore[override]
+        return self.inner.world_size
+
+    @world_size.setter
+    def world_size(self, n: int | None) -> None:
+        self.inner.world_size = n
+
+    def hyper(self) -> dict[str, Any]:
+        return {"inner": self.inner, "steps": self.steps}
+
+    def init(self, d: int | None = None) -> MethodState:
+        return self.inner.init(d)
+
+    def encode(self, grad, state=0, generator=None, *, exact=False, inplace=False, shapes=None):
+        if not isinstance(state, MethodState):
+            return super().encode(grad, state, generator, exact=exact, inplace=inplace, shapes=shapes)
+        return self.inner.encode(grad, state, generator, exact=exact or state.rounds < self.steps,
+                                 inplace=inplace, shapes=shapes)
+
+    def next_round(self, aggregate, world_size, state=0):
+        if not isinstance(state, MethodState):
+            return super().next_round(aggregate, world_size, state)
+        return self.inner.next_round(aggregate, world_size, state)
+
+    def decode(self, aggregate, world_size, state=0, *, out=None):
+        if not isinstance(state, MethodState):
+            return super().decode(aggregate, world_size, state, out=out)
+        return self.inner.decode(aggregate, world_size, state, out=out)
+
+    def _encode(self, grad, ms, generator, exact):  # pragma: no cover - encode delegates
+        raise NotImplementedError
+
+    def _decode(self, aggregate, world_size, ms, out):  # pragma: no cover - decode delegates
+        raise NotImplementedError
+
+
+def warmup(inner: Method, steps: int) -> Method:
+    """``inner`` with its first ``steps`` rounds exact (:class:`Warmup`); ``steps=0`` returns ``inner``."""
+    return inner if int(steps) == 0 else Warmup(inner, steps)
+
+
 def states_to_dict(method: Method, states: dict[Hashable, MethodState]) -> dict[str, Any]:
     """A checkpoint of ``states`` (key -> :class:`MethodState`) of ``method``: the typed states' fields,
     tensors cloned, plus the compressor's own generators (see :meth:`Method.state_dict`)."""
     buckets = {}
     for key, ms in states.items():
         st = ms.state
-        if st is not None:
-            buckets[key] = {f.name: _clone(getattr(st, f.name)) for f in fields(st)}
+        if st is not None or ms.rounds:
+            buckets[key] = {} if st is None else {f.name: _clone(getattr(st, f.name)) for f in fields(st)}
+            if ms.rounds:
+                buckets[key][ROUNDS] = ms.rounds
     out = {"method": method.name, "buckets": buckets}
     gens = method.compressor.generator_state() if hasattr(method.compressor, "generator_state") else {}
     if gens:
@@ -331,10 +412,12 @@ def states_from_dict(method: Method, state: dict[str, Any]) -> dict[Hashable, Me
         raise MismatchError(f"state of method {state.get('method')!r} cannot be loaded into "
                             f"method {method.name!r}")
     buckets = state.get("buckets", {})
-    if buckets and method.State is None:
-        raise MismatchError(f"method {method.name!r} is stateless but the state has buckets")
-    out = {key: MethodState(state=method.State(**{k: _clone(v) for k, v in fields_.items()}))
-           for key, fields_ in buckets.items()}
+    out = {}
+    for key, fields_ in buckets.items():
+        typed = {k: _clone(v) for k, v in fields_.items() if k != ROUNDS}
+        if typed and method.State is None:
+            raise MismatchError(f"method {method.name!r} is stateless but the state has fields {sorted(typed)}")
+        out[key] = MethodState(state=method.State(**typed) if typed else None, rounds=int(fields_.get(ROUNDS, 0)))
     if hasattr(method.compressor, "load_generator_state"):  # absent: not used yet, restart from its seed
         method.compressor.load_generator_state(state.get("compressor_generators", {}))
     return out
