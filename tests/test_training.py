@@ -548,3 +548,37 @@ def test_zero_grad_with_buckets_in_flight_raises():
 
     for msg in sc.launch(fn, world_size=2, backend="sim"):
         assert "in flight" in msg and "step()" in msg
+
+
+def test_row_sparse_gather_checks_and_rejects_sums():
+    """A row-sparse payload (sparse + bucket_size = row length) is gathered exactly (every worker's rows
+    and values, in rank order, on every worker); workers that disagree on the row length get a
+    MismatchError on every worker; summing one (allreduce) is refused."""
+    from sparsecomm.errors import MismatchError
+    from sparsecomm.payload import Payload
+    from sparsecomm.transports.allgather import AllGather
+
+    def fn(ctx, rows_of=4):
+        t = AllGather(ctx.fabric)
+        r = ctx.rank
+        rows = torch.tensor([r, 5 + r], dtype=torch.int64)
+        vals = torch.arange(8, dtype=torch.float32) + 10 * r
+        row = rows_of if r == 0 else 4
+        p = Payload("sparse", vals[: 2 * row], torch.Size([40]), torch.float32, indices=rows, bucket_size=row)
+        try:
+            got = t.gather(p)
+        except MismatchError as e:
+            return "mismatch", str(e)
+        try:
+            t.allreduce(p)
+            summed = "summed"
+        except ValueError:
+            summed = "refused"
+        return [(q.indices.tolist(), q.values.tolist()) for q in got], summed
+
+    res = sc.launch(fn, world_size=3, backend="sim")
+    for got, summed in res:
+        assert got == [([j, 5 + j], [float(10 * j + i) for i in range(8)]) for j in range(3)]
+        assert summed == "refused"
+    bad = sc.launch(lambda ctx: fn(ctx, rows_of=2), world_size=3, backend="sim")
+    assert all(b[0] == "mismatch" and "row length" in b[1] for b in bad)
