@@ -1,9 +1,14 @@
 """The communication pipeline shared by :class:`~sparsecomm.optim.DistributedOptimizer` and the DDP
 hook (:mod:`sparsecomm.ddp`): resolving a compressor / method / transport from names, checking that
 the transport carries the method's payloads, and :class:`CommPipeline`, which takes one flat bucket
-through ``method.encode -> transport.allreduce -> method.decode`` and keeps the per-worker state
-(method state, generators, byte counts) that checkpoints carry. The rules (names, ``"auto"``, the
+through ``method.encode -> transport.allreduce -> method.decode`` and holds the per-worker state that
+checkpoints carry: the method's states (:attr:`CommPipeline.states`, one
+:class:`~sparsecomm.methods.base.MethodState` per bucket key; the method object holds only
+hyper-parameters), the generators and the byte counts. The rules (names, ``"auto"``, the
 incompatibility error) are documented in :mod:`sparsecomm.optim`.
+
+(One module on purpose, over 400 lines: the name resolution, the dense round, the per-parameter
+round and the sparse-gradient rounds share the state above and its locking-free call-order rule.)
 
 **Asynchronous rounds.** :meth:`CommPipeline.start` encodes on the calling thread (so the compressor's
 generator and the method state advance in call order, which the optimizer and the hook keep identical

@@ -32,6 +32,14 @@ from .base import Transport
 from .ring import guarded_sum, linear_operand
 
 
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group=None) -> None:
+    """Every rank's ``inp`` into ``out`` (flat, ``world_size * numel``), torch's current name for it."""
+    import torch.distributed as dist
+
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp, group=group)
+
+
 @registry.register("native")
 class Native(Transport):
     """``torch.distributed.all_reduce`` over the workers (see the module docstring)."""
@@ -96,7 +104,7 @@ class Native(Transport):
         what = "native gather"
         header = torch.tensor([p.numel, row, dtype_code(p.dtype), k], dtype=torch.int64, device=dev)
         hs = torch.empty(n * 4, dtype=torch.int64, device=dev)
-        self._collective(lambda: dist.all_gather_into_tensor(hs, header, group=group))
+        self._collective(lambda: _all_gather(hs, header, group=group))
         h = hs.view(n, 4).tolist()
         for name, i in (("tensor length", 0), ("row length", 1), ("dtype", 2)):
             col = [x[i] for x in h]
@@ -118,7 +126,7 @@ class Native(Transport):
             buf[:k, 0] = p.indices.reshape(-1).to(torch.int32).view(vals.dtype)
             buf[:k, 1:] = vals
             out = torch.empty(n * kmax * (row + 1), dtype=vals.dtype, device=dev)
-            self._collective(lambda: dist.all_gather_into_tensor(out, buf.view(-1), group=group))
+            self._collective(lambda: _all_gather(out, buf.view(-1), group=group))
             out = out.view(n, kmax, row + 1)
             idx_all = out[:, :, 0].contiguous().view(torch.int32).to(torch.int64)
             val_all = out[:, :, 1:]
@@ -129,8 +137,8 @@ class Native(Transport):
             vb[:k] = vals
             idx_all = torch.empty(n * kmax, dtype=torch.int64, device=dev)
             val_all = torch.empty(n * kmax * row, dtype=vals.dtype, device=dev)
-            self._collective(lambda: dist.all_gather_into_tensor(idx_all, ib, group=group))
-            self._collective(lambda: dist.all_gather_into_tensor(val_all, vb.view(-1), group=group))
+            self._collective(lambda: _all_gather(idx_all, ib, group=group))
+            self._collective(lambda: _all_gather(val_all, vb.view(-1), group=group))
             idx_all, val_all = idx_all.view(n, kmax), val_all.view(n, kmax, row)
         nbytes = (idx_all.numel() * 4 + val_all.numel() * vals.element_size()) // n
         st = f.stats
