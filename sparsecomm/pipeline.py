@@ -707,6 +707,11 @@ def concat_payloads(parts: list[Payload]) -> Payload:
             off += p.numel
         return Payload(parts[0].kind, torch.cat([p.values.reshape(-1) for p in parts]), torch.Size([total]),
                        dtype, indices=torch.cat(idx), bits=bits, values_codec=parts[0].values_codec)
+    if kinds == {"dense"} and len(codecs) == 1 and len({p.values.dtype for p in parts}) == 1:
+        # (fp16 values stay fp16 on the wire)
+        exact = all(p.meta.get("exact") for p in parts)
+        return Payload("dense", torch.cat([p.values.reshape(-1) for p in parts]), torch.Size([total]), dtype,
+                       bits=bits, meta={"exact": True} if exact else {}, values_codec=parts[0].values_codec)
     if not kinds <= {"dense", "aligned", "sparse"}:
         raise SparseCommError(f"cannot concatenate payloads of kinds {sorted(kinds)} (per-parameter rounds "
                               f"take dense, aligned and sparse payloads)")

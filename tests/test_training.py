@@ -582,3 +582,23 @@ def test_row_sparse_gather_checks_and_rejects_sums():
         assert summed == "refused"
     bad = sc.launch(lambda ctx: fn(ctx, rows_of=2), world_size=3, backend="sim")
     assert all(b[0] == "mismatch" and "row length" in b[1] for b in bad)
+
+
+def test_concat_payloads_keeps_kinds_and_dtypes():
+    """The per-parameter round's message: pieces' payloads concatenated with their to_dense() preserved
+    (aligned/sparse indices shifted by the pieces' offsets, fp16 values kept fp16 on the wire, mixed
+    kinds made dense)."""
+    from sparsecomm.pipeline import concat_payloads
+
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(10, generator=g), torch.randn(6, generator=g)]
+    for c in (sc.compressors.get("randk", ratio=0.3), sc.compressors.get("topk", ratio=0.3),
+              sc.compressors.get("fp16")):
+        parts = [c.compress(x, torch.Generator().manual_seed(i)) for i, x in enumerate(xs)]
+        cat = concat_payloads(parts)
+        assert cat.kind == parts[0].kind and cat.values.dtype == parts[0].values.dtype
+        assert torch.equal(cat.to_dense(), torch.cat([p.to_dense() for p in parts]))
+        assert cat.bits == sum(p.bits for p in parts)
+    mixed = [sc.compressors.get("topk", ratio=0.3).compress(xs[0]), sc.compressors.get("fp16").compress(xs[1])]
+    cat = concat_payloads(mixed)
+    assert cat.kind == "dense" and torch.equal(cat.to_dense(), torch.cat([p.to_dense() for p in mixed]))
