@@ -317,6 +317,12 @@ class DistributedOptimizer:
         return self._sc_pipeline.method
 
     @property
+    def method_states(self) -> dict:
+        """The method's state of every bucket (key -> :class:`~sparsecomm.methods.base.MethodState`;
+        ``.state`` is the typed state: EF's error, DIANA's shifts); the method object holds none."""
+        return self._sc_pipeline.states
+
+    @property
     def transport(self) -> Transport:
         return self._sc_pipeline.transport
 
