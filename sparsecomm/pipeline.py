@@ -590,7 +590,7 @@ class CommPipeline:
         fabric has a native process group (``native``, as DDP), else an allgather on the fabric."""
         if callable(getattr(self.transport, "gather", None)):
             return self.transport
-        if getattr(self.fabric, "worker_group", None) is not None:
+        if self.fabric.native_group is not None:
             return _transport_class("native")(self.fabric, nonfinite="pass")
         return AllGather(self.fabric, nonfinite="pass")
 

@@ -14,9 +14,7 @@ A method holds hyper-parameters only; its state is explicit (:class:`~sparsecomm
 from __future__ import annotations
 
 from ..compressors.base import Compressor
-from ..registry import Registry
-
-registry: Registry = Registry("method")
+from ._registry import registry
 
 
 def get(name: str, **hyper):
@@ -29,7 +27,8 @@ def available() -> list[str]:
 
 
 from . import _load  # noqa: E402,F401  (every module registers its classes)
-from .base import Method, MethodState, Warmup, warmup  # noqa: E402
+from .base import Method, MethodState  # noqa: E402
+from .warmup import Warmup, warmup  # noqa: E402
 from .dgc import DGC  # noqa: E402
 from .diana import Diana  # noqa: E402
 from .ef import ErrorFeedback  # noqa: E402

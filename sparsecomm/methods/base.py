@@ -68,7 +68,7 @@ from __future__ import annotations
 
 import inspect
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, fields, is_dataclass
+
 from typing import Any, ClassVar, Hashable
 
 import torch
@@ -76,35 +76,7 @@ import torch
 from ..compressors.base import Compressor
 from ..errors import MismatchError, SparseCommError
 from ..payload import Payload
-
-
-@dataclass
-class MethodState:
-    """Everything the rounds of one flat bucket need, explicit and typed (optax style): the method's
-    own state dataclass (``state``: EF's error, DIANA's shifts; ``None`` before the first round and for
-    stateless methods) plus the round in flight: what ``encode`` decided for ``decode`` and
-    ``next_round`` (``pending``: an exact round, DIANA's step, PowerSGD's factors), the bucket's length
-    and shapes. A checkpoint is the ``state`` fields; the round in flight is never saved (checkpoints
-    are taken between steps)."""
-
-    state: Any = None
-    pending: Any = None
-    length: int | None = None
-    shapes: tuple | None = None
-    last_round: bool = False
-    #: rounds encoded so far (saved in checkpoints: wrappers such as :class:`Warmup` read it)
-    rounds: int = 0
-
-    def take_pending(self, method: str = "") -> Any:
-        """What ``encode`` left for the round (consumed: a second decode raises)."""
-        if self.pending is None:
-            raise SparseCommError(f"method {method!r}: decode without a preceding encode")
-        p, self.pending = self.pending, None
-        return p
-
-    def shapes_of(self, d: int) -> tuple[torch.Size, ...]:
-        """The shapes given for this bucket (``(d,)`` as one flat tensor when none were given)."""
-        return self.shapes or (torch.Size([d]),)
+from .state import ROUNDS, MethodState, _clone, _state_numel, states_from_dict, states_to_dict  # noqa: F401
 
 
 class Method(ABC):
@@ -324,105 +296,6 @@ class Method(ABC):
             target.add_(dec, alpha=alpha)
 
 
-#: the key of a state's round count in a checkpoint's bucket entry
-ROUNDS = "__rounds__"
-
-
-class Warmup(Method):
-    """``inner`` whose first ``steps`` rounds of every state are *exact* (the identity in place of the
-    compressor: uncompressed, warm-starting the state; see the module doc). A wrapper, so it composes
-    with any method and is written once (the optimizer's ``warmup_steps`` and the DDP hook's use it);
-    the round count lives in the state (:attr:`MethodState.rounds`), so a checkpoint resumes it.
-    Name, compressor and traits are ``inner``'s."""
-
-    def __init__(self, inner: Method, steps: int) -> None:
-        if int(steps) != steps or steps < 0:
-            raise ValueError(f"warmup: steps must be a non-negative integer, got {steps!r}")
-        self.inner, self.steps = inner, int(steps)
-        self.compressor = inner.compressor
-        self.name, self.State = inner.name, inner.State
-        self.needs_unbiased, self.uses_shapes, self.multi_round = \
-            inner.needs_unbiased, inner.uses_shapes, inner.multi_round
-        self.states = {}
-
-    @property
-    def world_size(self) -> int | None:   # type: ignore[override]
-        return self.inner.world_size
-
-    @world_size.setter
-    def world_size(self, n: int | None) -> None:
-        self.inner.world_size = n
-
-    def hyper(self) -> dict[str, Any]:
-        return {"inner": self.inner, "steps": self.steps}
-
-    def init(self, d: int | None = None) -> MethodState:
-        return self.inner.init(d)
-
-    def encode(self, grad, state=0, generator=None, *, exact=False, inplace=False, shapes=None):
-        if not isinstance(state, MethodState):
-            return super().encode(grad, state, generator, exact=exact, inplace=inplace, shapes=shapes)
-        return self.inner.encode(grad, state, generator, exact=exact or state.rounds < self.steps,
-                                 inplace=inplace, shapes=shapes)
-
-    def next_round(self, aggregate, world_size, state=0):
-        if not isinstance(state, MethodState):
-            return super().next_round(aggregate, world_size, state)
-        return self.inner.next_round(aggregate, world_size, state)
-
-    def decode(self, aggregate, world_size, state=0, *, out=None):
-        if not isinstance(state, MethodState):
-            return super().decode(aggregate, world_size, state, out=out)
-        return self.inner.decode(aggregate, world_size, state, out=out)
-
-    def _encode(self, grad, ms, generator, exact):  # pragma: no cover - encode delegates
-        raise NotImplementedError
-
-    def _decode(self, aggregate, world_size, ms, out):  # pragma: no cover - decode delegates
-        raise NotImplementedError
-
-
-def warmup(inner: Method, steps: int) -> Method:
-    """``inner`` with its first ``steps`` rounds exact (:class:`Warmup`); ``steps=0`` returns ``inner``."""
-    return inner if int(steps) == 0 else Warmup(inner, steps)
-
-
-def states_to_dict(method: Method, states: dict[Hashable, MethodState]) -> dict[str, Any]:
-    """A checkpoint of ``states`` (key -> :class:`MethodState`) of ``method``: the typed states' fields,
-    tensors cloned, plus the compressor's own generators (see :meth:`Method.state_dict`)."""
-    buckets = {}
-    for key, ms in states.items():
-        st = ms.state
-        if st is not None or ms.rounds:
-            buckets[key] = {} if st is None else {f.name: _clone(getattr(st, f.name)) for f in fields(st)}
-            if ms.rounds:
-                buckets[key][ROUNDS] = ms.rounds
-    out = {"method": method.name, "buckets": buckets}
-    gens = method.compressor.generator_state() if hasattr(method.compressor, "generator_state") else {}
-    if gens:
-        out["compressor_generators"] = gens
-    return out
-
-
-def states_from_dict(method: Method, state: dict[str, Any]) -> dict[Hashable, MethodState]:
-    """The states :func:`states_to_dict` saved (``{}``: none), checked against ``method``."""
-    if not state:
-        return {}
-    if state.get("method", method.name) != method.name:
-        raise MismatchError(f"state of method {state.get('method')!r} cannot be loaded into "
-                            f"method {method.name!r}")
-    buckets = state.get("buckets", {})
-    out = {}
-    for key, fields_ in buckets.items():
-        typed = {k: _clone(v) for k, v in fields_.items() if k != ROUNDS}
-        if typed and method.State is None:
-            raise MismatchError(f"method {method.name!r} is stateless but the state has fields {sorted(typed)}")
-        out[key] = MethodState(state=method.State(**typed) if typed else None, rounds=int(fields_.get(ROUNDS, 0)))
-    if hasattr(method.compressor, "load_generator_state"):  # absent: not used yet, restart from its seed
-        method.compressor.load_generator_state(state.get("compressor_generators", {}))
-    return out
-
-
 # ---------------------------------------------------------------------- helpers
 def dense_payload(x: torch.Tensor) -> Payload:
     """The identity's payload: ``x`` itself (flat), marked as an exact round."""
@@ -472,16 +345,3 @@ def check_kwargs(factory: Any, kwargs: dict[str, Any], what: str) -> None:
     if bad:
         raise HyperParameterError(f"{what} does not take {', '.join(map(repr, bad))}; "
                                   f"its hyper-parameters: {', '.join(accepted) or 'none'}")
-
-
-def _clone(v: Any) -> Any:
-    return v.detach().clone() if isinstance(v, torch.Tensor) else v
-
-
-def _state_numel(st: Any) -> int | None:
-    if is_dataclass(st):
-        for f in fields(st):
-            v = getattr(st, f.name)
-            if isinstance(v, torch.Tensor):
-                return v.numel()
-    return None

@@ -28,7 +28,7 @@ from theory import compressors as th
 
 from ..compressors._common import GeneratorRequiredError, check_ratio, make_payload, raise_nonfinite
 from ..compressors.base import Compressor
-from . import registry
+from ._registry import registry
 from .base import Method
 
 

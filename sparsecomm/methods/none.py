@@ -12,7 +12,7 @@ from typing import Hashable
 import torch
 
 from ..payload import Payload
-from . import registry
+from ._registry import registry
 from .base import Method, MethodState
 
 

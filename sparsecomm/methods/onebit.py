@@ -28,7 +28,7 @@ from theory import compressors as th
 from ..compressors._common import check_bucket_size, flat_input, make_payload, raise_nonfinite, scale_dtype
 from ..compressors.base import Compressor
 from ..payload import SIGNS, Payload
-from . import registry
+from ._registry import registry
 from .base import Method, dense_payload
 
 LEVELS = ("two", "symmetric")

@@ -31,7 +31,7 @@ from theory import compressors as th
 from ..compressors._common import GeneratorRequiredError, raise_nonfinite
 from ..compressors.base import Compressor
 from ..payload import Payload
-from . import registry
+from ._registry import registry
 from .base import Method, dense_payload
 
 

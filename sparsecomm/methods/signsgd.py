@@ -22,7 +22,7 @@ from theory import compressors as th
 from ..compressors._common import flat_input, make_payload, raise_nonfinite
 from ..compressors.base import Compressor
 from ..payload import SIGNS
-from . import registry
+from ._registry import registry
 from .base import Method
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import registry
+from ._registry import registry
 from .signsgd import SignSGD
 
 

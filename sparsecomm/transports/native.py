@@ -99,7 +99,7 @@ class Native(Transport):
             raise ValueError(f"row-sparse payload: {p.values.numel()} values for {k} rows of {row}")
         if n == 1:
             return [p]
-        group = f.worker_group
+        group = f.native_group
         dev = p.values.device
         what = "native gather"
         header = torch.tensor([p.numel, row, dtype_code(p.dtype), k], dtype=torch.int64, device=dev)
