@@ -7,9 +7,11 @@ several, treated as one flat vector of length d) that simulates n workers in thi
   (row i = grad f_i(x)); if the optimizer was built with ``problem=`` (anything with
   ``grads(x) -> (n, d)``, e.g. :class:`theory.problems.FiniteSumProblem`) the closure may be omitted.
   ``step`` returns that gradient matrix.
-- per-worker compression goes through the library's :mod:`sparsecomm.methods` objects (one per worker):
-  ``payload_i = methods[i].encode(g_i, key, generator_i)``; ``aggregate = sum_i payload_i.to_dense()``;
-  ``estimate = methods[i].decode(aggregate, n)`` on every worker (their global states stay identical);
+- per-worker compression goes through one of the library's :mod:`sparsecomm.methods` (hyper-parameters
+  only) and one explicit state per worker (``states[i] = method.init(d)``):
+  ``payload_i, states[i] = method.encode(g_i, states[i], generator_i)``;
+  ``aggregate = sum_i payload_i.to_dense()``; ``estimate, states[i] = method.decode(aggregate, n, states[i])``
+  on every worker (their copies of the global state stay identical);
 - default step sizes come from :mod:`theory.rates` given the problem constants (``problem=`` or
   ``constants=``: an object or dict with ``L``, ``L_max``, ``L_tilde``, ``mu``) and the compressor's
   declared ``omega(d)`` / ``delta(d)``;
@@ -46,7 +48,7 @@ import torch
 
 from sparsecomm.compressors.base import Compressor
 from sparsecomm.errors import ConfigError, MismatchError, SparseCommError  # noqa: F401 (ConfigError: re-exported)
-from sparsecomm.methods.base import resolve_compressor
+from sparsecomm.methods.base import Method, MethodState, resolve_compressor, states_from_dict, states_to_dict
 from sparsecomm.payload import Payload
 
 
@@ -206,18 +208,34 @@ class CompressedOptimizer(torch.optim.Optimizer):
         """Wire bits of one message, as the payload declares them."""
         return int(payload.bits)
 
-    def run_methods(self, methods: list, G: torch.Tensor, key: Any = 0, exact: bool = False) -> torch.Tensor:
-        """One round through the library's Method objects: encode on every worker, sum the decompressed
-        payloads (what every transport returns), decode on every worker; returns the estimate."""
+    def use_method(self, method: Method) -> None:
+        """Drive the workers through ``method`` (hyper-parameters only), one fresh state per worker."""
+        self.method = method
+        self.states: list[MethodState] = [method.init(self.d) for _ in range(self.n)]
+
+    def run_methods(self, method: Method, G: torch.Tensor, exact: bool = False) -> torch.Tensor:
+        """One round through the library's Method with every worker's state: encode on every worker, sum
+        the decompressed payloads (what every transport returns), decode on every worker; returns the
+        estimate."""
         gens = self.generators()
-        payloads = [m.encode(G[i], key, gens[i], exact=exact) for i, m in enumerate(methods)]
+        states = self.states
+        payloads = []
+        for i in range(self.n):
+            p, states[i] = method.encode(G[i], states[i], gens[i], exact=exact)
+            payloads.append(p)
         aggregate = sum(p.to_dense() for p in payloads)
-        while (nxt := [m.next_round(aggregate, self.n, key) for m in methods])[0] is not None:
+        while method.multi_round:
+            nxt = []
+            for i in range(self.n):
+                q, states[i] = method.next_round(aggregate, self.n, states[i])
+                nxt.append(q)
+            if nxt[0] is None:
+                break
             self.bits_sent += sum(self.payload_bits(p) for p in payloads)   # methods of several rounds
             payloads, aggregate = nxt, sum(p.to_dense() for p in nxt)
         est = None
-        for m in methods:
-            e = m.decode(aggregate, self.n, key)
+        for i in range(self.n):
+            e, states[i] = method.decode(aggregate, self.n, states[i])
             if est is None:
                 est = e
         self.bits_sent += sum(self.payload_bits(p) for p in payloads)
@@ -252,8 +270,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
             "generators": [g.get_state() for g in self._gens], "server_generator": self._server_gen.get_state(),
             "attrs": {a: _clone(getattr(self, a)) for a in self._state_attrs},
         }
-        if hasattr(self, "methods"):
-            extra["methods"] = [m.state_dict() for m in self.methods]
+        if hasattr(self, "states"):
+            extra["methods"] = [states_to_dict(self.method, {0: st}) for st in self.states]
         sd["sparsecomm"] = extra
         return sd
 
@@ -272,9 +290,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._server_gen.set_state(extra["server_generator"])
         for a, v in extra["attrs"].items():
             setattr(self, a, _clone(v))
-        if "methods" in extra:
-            for m, st in zip(self.methods, extra["methods"]):
-                m.load_state_dict(st)
+        if "methods" in extra and hasattr(self, "states"):
+            self.states = [states_from_dict(self.method, st).get(0) or self.method.init(self.d)
+                           for st in extra["methods"]]
 
     def extra_repr(self) -> str:
         return f"n={self.n}, d={self.d}, compressor={self.compressor!r}, lr={self.lr:.4g}"

@@ -40,7 +40,7 @@ class DCGD(CompressedOptimizer):
 
     def __init__(self, params, **kw: Any) -> None:
         super().__init__(params, **kw)
-        self.methods = [sc.methods.get("none", compressor=self.compressor) for _ in range(self.n)]
+        self.use_method(sc.methods.get("none", compressor=self.compressor))
 
     def theory_lr(self) -> float:
         c = self.constants
@@ -49,4 +49,4 @@ class DCGD(CompressedOptimizer):
         return rates.dcgd(c.get("L_max", owner), self.omega(), self.n_eff, L=L)
 
     def _estimate(self, G: torch.Tensor) -> torch.Tensor:
-        return self.run_methods(self.methods, G)
+        return self.run_methods(self.method, G)

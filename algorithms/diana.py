@@ -4,8 +4,8 @@ arXiv 1901.09269).
     worker i: m_i = C(g_i - h_i);  h_i += alpha m_i;  send m_i              (C in U(omega), independent)
     server:   g_hat = h + (1/n) sum_i m_i;  h += alpha (1/n) sum_i m_i;  x -= gamma g_hat
 
-Driven by the library's ``diana`` method (``sparsecomm.methods.diana``, one object per worker, h_i and the
-copy of h live there). With full local gradients it converges linearly to x* even when grad f_i(x*) != 0.
+Driven by the library's ``diana`` method (``sparsecomm.methods.diana``: one method, one explicit state per
+worker holding h_i and its copy of h). With full local gradients it converges linearly to x* even when grad f_i(x*) != 0.
 
 Default parameters (:func:`theory.rates.diana`, arXiv 2206.07021 Thm 2.2), when ``mu`` is known:
 alpha = 1/(omega+1), gamma = min{1/((1 + 6 omega/n) L_max), alpha/(2 mu)}, with the guarantee
@@ -47,8 +47,7 @@ class DIANA(CompressedOptimizer):
         self._alpha_arg = alpha
         super().__init__(params, **kw)
         self.alpha = float(alpha) if alpha is not None else 1.0 / (self.omega() + 1.0)
-        self.methods = [sc.methods.get("diana", compressor=self.compressor, alpha=self.alpha, init=init)
-                        for _ in range(self.n)]
+        self.use_method(sc.methods.get("diana", compressor=self.compressor, alpha=self.alpha, init=init))
 
     def theory_lr(self) -> float:
         c = self.constants
@@ -61,13 +60,13 @@ class DIANA(CompressedOptimizer):
         return gamma
 
     def _estimate(self, G: torch.Tensor) -> torch.Tensor:
-        return self.run_methods(self.methods, G)
+        return self.run_methods(self.method, G)
 
     def shifts(self) -> torch.Tensor:
         """(n, d) the current local shifts h_i (zeros before the first step)."""
         rows = []
-        for m in self.methods:
-            st = m.state(0)
+        for ms in self.states:
+            st = ms.state
             rows.append(torch.zeros(self.d, dtype=self.dtype) if st is None else st.h_local.clone())
         return torch.stack(rows)
 

@@ -41,7 +41,7 @@ class EF21(CompressedOptimizer):
 
     def __init__(self, params, *, init: str = "grad", **kw: Any) -> None:
         super().__init__(params, **kw)
-        self.methods = [sc.methods.get("ef21", compressor=self.compressor, init=init) for _ in range(self.n)]
+        self.use_method(sc.methods.get("ef21", compressor=self.compressor, init=init))
 
     def theory_lr(self) -> float:
         c = self.constants
@@ -49,7 +49,7 @@ class EF21(CompressedOptimizer):
         return rates.ef21(c.get("L", owner), c.get("L_tilde", owner), self.delta())
 
     def _estimate(self, G: torch.Tensor) -> torch.Tensor:
-        return self.run_methods(self.methods, G)
+        return self.run_methods(self.method, G)
 
 
 class EF(CompressedOptimizer):
@@ -59,11 +59,11 @@ class EF(CompressedOptimizer):
 
     def __init__(self, params, **kw: Any) -> None:
         super().__init__(params, **kw)
-        self.methods = [sc.methods.get("ef", compressor=self.compressor) for _ in range(self.n)]
+        self.use_method(sc.methods.get("ef", compressor=self.compressor))
 
     def theory_lr(self) -> float:
         raise SparseCommError("EF has no closed-form step size without bounded-gradient or "
                               "heterogeneity assumptions: pass lr= (tune it)")
 
     def _estimate(self, G: torch.Tensor) -> torch.Tensor:
-        return self.run_methods(self.methods, G)
+        return self.run_methods(self.method, G)

@@ -64,8 +64,7 @@ class VRDIANA(CompressedOptimizer):
         if not 0.0 < self.p <= 1.0:
             raise ConfigError(f"p must be in (0, 1], got {self.p}")
         self.alpha = float(alpha) if alpha is not None else 1.0 / (self.omega() + 1.0)
-        self.methods = [sc.methods.get("diana", compressor=self.compressor, alpha=self.alpha)
-                        for _ in range(self.n)]
+        self.use_method(sc.methods.get("diana", compressor=self.compressor, alpha=self.alpha))
         self._data_gen = torch.Generator().manual_seed(self.seed * 1_000_003 + 424_242)
         self.w = None
         self.grads_w = None
@@ -103,7 +102,7 @@ class VRDIANA(CompressedOptimizer):
         idx = self.problem.sample_indices(self.batch_size, self._data_gen)
         G = self.problem.sample_grads(x, idx) - self.problem.sample_grads(self.w, idx) + self.grads_w
         self.grad_evals += 2.0 * self.batch_size
-        est = self.run_methods(self.methods, G.to(self.dtype))
+        est = self.run_methods(self.method, G.to(self.dtype))
         self._apply(est)
         if float(torch.rand((), generator=self._server_gen, dtype=torch.float64)) < self.p:
             self._refresh(x)

@@ -19,7 +19,8 @@ to synchronous calls.
 
 **Sparse gradients** (``nn.Embedding(sparse=True)``): DDP gives such a parameter a bucket of its own
 whose buffer is the sparse gradient; with plain averaging (``compressor="none"``, any transport) the
-rows travel without densifying the table (:meth:`CommPipeline.start_sparse`) and the future holds the
+rows travel without densifying the table (:meth:`CommPipeline.start_sparse`: gathered and coalesced
+once by default, ``sparse_rows="transport"`` for the two rounds through the transport) and the future holds the
 coalesced sparse average. A compressing method is rejected by :func:`register` with an error naming
 the alternatives (plain averaging, or :class:`~sparsecomm.DistributedOptimizer`).
 
@@ -28,15 +29,27 @@ every forward with ``broadcast_buffers=True``), so the hook adds nothing there.
 
 :class:`CommHookState` follows ``PowerSGDState``: hyper-parameters (compressor, method, transport,
 ``warmup_steps``, ``min_compress_size``, ``seed``) apart from internal state (the method's per-bucket
-state, the generator, the iteration counter). The method state is keyed by the *parameters* a bucket
-holds (a digest of their names, known when the state is built by :func:`register` or given
-``model=``; else by ``bucket.index()``), and their segments are recorded
-(:meth:`CommPipeline.bind`): DDP rebuilds its buckets after the first iteration (also after a
-restore into a fresh process), and a state restored onto another bucket layout is reassembled
-exactly, parameter by parameter, or raises :class:`~sparsecomm.errors.MismatchError` (a state that is
-not one value per coordinate). Iteration 0 is always averaged uncompressed and bypasses the method;
+state, the generator, the iteration counter). The method state is keyed by the *parameters* (their
+names, known when the state is built by :func:`register` or given ``model=``; else by
+``bucket.index()``): DDP rebuilds its buckets after the first iteration (also after a restore into a
+fresh process), so nothing may depend on the layout. A one-round method whose payloads concatenate
+(``dense``, ``aligned``, ``sparse``: EF, EF21, DIANA, DGC around top-k, rand-k, ...) runs *per
+parameter* (:attr:`CommPipeline.per_parameter`): each parameter has its own state, its own compressor
+generator (seeded from ``seed`` and its name) and its own constants (rand-k's ``k``, DIANA's
+``alpha``), the parameters' payloads travel concatenated as the bucket's one message, and the
+aggregate is decoded slice by slice. **Promise**: the numbers do not depend on the bucket layout, so a
+run restored from a checkpoint into a fresh DDP (any ``bucket_cap_mb``) is bit-identical to the
+uninterrupted run whenever the transport's per-element sum does not depend on the layout either
+(allgather: rank order; any transport at 2 workers), as ``test_hook_resume_diana_randk_any_layout``
+checks. Other methods (several rounds, quantized payloads: PowerSGD, the sign methods) keep one state
+per bucket, keyed by a digest of its parameters' names, with their segments recorded
+(:meth:`CommPipeline.bind`): a state restored onto another layout is reassembled exactly, parameter
+by parameter, or raises :class:`~sparsecomm.errors.MismatchError` (a state that is not one value per
+coordinate). Iteration 0 is always averaged uncompressed and bypasses the method;
 compression starts at iteration ``max(1, warmup_steps)``
-and iterations ``1 .. warmup_steps - 1`` are exact rounds of the method (warm-starting its state).
+and iterations ``1 .. warmup_steps - 1`` are exact rounds of the method (warm-starting its state:
+the method is wrapped in :func:`sparsecomm.methods.warmup` with ``warmup_steps - 1`` rounds, counted
+in each state).
 Buckets with fewer than ``min_compress_size`` elements are averaged uncompressed (per bucket: a DDP
 bucket mixes tensors). The process group, fabric and transport are never pickled (``__getstate__``);
 unpickling rebinds to the default process group. ``state_dict()``/``load_state_dict()`` checkpoint the
@@ -61,7 +74,7 @@ from .pipeline import CommPipeline
 from .transports.base import CommWork
 
 _HYPER = ("compressor", "transport", "method", "transport_kwargs", "warmup_steps", "min_compress_size",
-          "seed", "hyper")
+          "seed", "sparse_rows", "hyper")
 
 
 def _torch_fabric(process_group: Any) -> Any:
@@ -84,7 +97,8 @@ class CommHookState:
     """Per-worker state of :func:`comm_hook` (see the module doc).
 
     ``CommHookState(process_group=None, compressor="none", transport="auto", *, method=None,
-    transport_kwargs=None, warmup_steps=0, min_compress_size=0, seed=0, model=None, **hyper)``;
+    transport_kwargs=None, warmup_steps=0, min_compress_size=0, seed=0, model=None,
+    sparse_rows="gather", **hyper)``;
     ``model`` (the DDP module) names the parameters that key the method state; ``compressor``,
     ``method``, ``transport`` and ``**hyper`` as for :class:`~sparsecomm.DistributedOptimizer`
     (objects are accepted but then the state cannot be pickled and rebuilt).
@@ -93,7 +107,7 @@ class CommHookState:
     def __init__(self, process_group: Any = None, compressor: Any = "none", transport: Any = "auto", *,
                  method: str | None = None, transport_kwargs: dict | None = None, warmup_steps: int = 0,
                  min_compress_size: int = 0, seed: int = 0, model: torch.nn.Module | None = None,
-                 **hyper: Any) -> None:
+                 sparse_rows: str = "gather", **hyper: Any) -> None:
         if warmup_steps < 0 or min_compress_size < 0:
             raise ValueError("warmup_steps and min_compress_size must be non-negative")
         # hyper-parameters
@@ -104,6 +118,7 @@ class CommHookState:
         self.warmup_steps = int(warmup_steps)
         self.min_compress_size = int(min_compress_size)
         self.seed = int(seed)
+        self.sparse_rows = sparse_rows
         self.hyper = dict(hyper)
         # binding (never pickled)
         self.process_group = process_group
@@ -123,7 +138,8 @@ class CommHookState:
         """The state key of a bucket holding ``params``: a digest of their names (else the index)."""
         names = [self.param_names.get(id(p)) for p in params]
         if not params or any(n is None for n in names):
-            if self.pipeline._segments:
+            if self.pipeline._segments or any(isinstance(k, tuple) and k[:1] == ("param",)
+                                              for k in self.pipeline.keys()):
                 from .errors import MismatchError
 
                 raise MismatchError("this hook state holds method state keyed by parameter names but does "
@@ -135,7 +151,9 @@ class CommHookState:
     def _build(self) -> CommPipeline:
         return CommPipeline(self.compressor, self.transport, method=self.method,
                             transport_kwargs=self.transport_kwargs or None,
-                            fabric=_torch_fabric(self.process_group), seed=self.seed, **self.hyper)
+                            fabric=_torch_fabric(self.process_group), seed=self.seed,
+                            warmup_steps=max(0, self.warmup_steps - 1),
+                            sparse_rows=getattr(self, "sparse_rows", "gather"), **self.hyper)
 
     # ---------------------------------------------------------------- accessors
     @property
@@ -168,14 +186,18 @@ class CommHookState:
                 return self._start_sparse(buffer, index, params)
             flat = buffer.reshape(-1)
             compress = self.iter >= 1 and flat.numel() >= self.min_compress_size
-            exact = self.iter < self.warmup_steps
-            key = index
+            key, segments = index, None
             if params is not None and compress:
                 key = self.bucket_key(params, index)
                 if key != index:
-                    self.pipeline.bind(key, tuple((self.param_names[id(p)], p.numel()) for p in params))
+                    segs = tuple((self.param_names[id(p)], p.numel()) for p in params)
+                    if self.pipeline.per_parameter:
+                        segments = segs          # state, generator and step per parameter
+                    else:
+                        self.pipeline.bind(key, segs)
             shape, dtype = buffer.shape, buffer.dtype
-            inner = self.pipeline.start(flat, key, exact=exact, compress=compress, shapes=shapes)
+            inner = self.pipeline.start(flat, key, compress=compress, shapes=shapes,
+                                        segments=segments)
             work = CommWork()
             inner.add_done_callback(lambda w: work._finish(*_reshaped(w, shape, dtype)))
             return work

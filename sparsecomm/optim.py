@@ -54,8 +54,9 @@ gradients are sparse). Do not change ``p.grad`` between ``backward`` and ``step(
 **Sparse gradients.** At the first synchronisation the workers agree (one tiny all-reduce) on the
 parameters whose gradient is a ``torch.sparse_coo`` tensor (``nn.Embedding(sparse=True)``); each gets a
 bucket of its own. With plain averaging (``compressor="none"``) the table is never densified
-(:meth:`CommPipeline.start_sparse`: the union of the workers' rows, as a ``sparse`` payload of row
-indices where the transport carries one, then the union's rows summed compactly) and ``p.grad`` comes
+(:meth:`CommPipeline.start_sparse`: ``sparse_rows="gather"``, the default, gathers every worker's rows
+and values once, as gloo's sparse allreduce, and coalesces them; ``sparse_rows="transport"`` takes the
+union of the rows through the transport, then sums the union's rows with it) and ``p.grad`` comes
 back as a coalesced sparse tensor over the union of the rows, as DDP's sparse allreduce gives it (so
 ``torch.optim.SparseAdam`` and ``SGD`` with sparse gradients work). With a compressing method the rows
 are scattered into the bucket, which goes through the method as a dense bucket, and ``p.grad`` comes back
@@ -92,7 +93,8 @@ transport would carry. ``fabric=`` defaults to the one :func:`sparsecomm.launch`
 process group.
 
 **Researcher options.** ``warmup_steps`` (default 0): the first steps communicate uncompressed
-(*exact* rounds of the method, which warm-start its state: see :mod:`sparsecomm.methods.base`).
+(*exact* rounds of the method, which warm-start its state: see :mod:`sparsecomm.methods.base`); the
+method is wrapped in :func:`sparsecomm.methods.warmup`, whose round count is part of each state.
 ``min_compress_size`` (default 0): parameters with fewer elements go to separate buckets that are
 always averaged uncompressed, bypassing the method. ``seed``: one ``torch.Generator`` per worker for
 the compressor, seeded ``seed`` on every worker when the compressor declares ``shared_randomness``
@@ -243,7 +245,7 @@ class DistributedOptimizer:
     ``DistributedOptimizer(inner, compressor="none", transport="auto", *, method=None,
     transport_kwargs=None, fabric=None, bucket_cap_mb=25, warmup_steps=0, min_compress_size=0,
     seed=0, overlap=True, backward_passes_per_step=1, init_sync="broadcast", module=None,
-    nonfinite="raise", **hyper)``
+    nonfinite="raise", sparse_rows="gather", **hyper)``
     """
 
     def __new__(cls, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any):
@@ -265,7 +267,7 @@ class DistributedOptimizer:
                  bucket_cap_mb: float = 25.0, warmup_steps: int = 0, min_compress_size: int = 0,
                  seed: int = 0, overlap: bool = True, backward_passes_per_step: int = 1,
                  init_sync: str = "broadcast", module: torch.nn.Module | None = None,
-                 nonfinite: str = "raise", **hyper: Any) -> None:
+                 nonfinite: str = "raise", sparse_rows: str = "gather", **hyper: Any) -> None:
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
         if init_sync not in ("broadcast", "check", "off"):
@@ -284,16 +286,16 @@ class DistributedOptimizer:
         try:
             self._sc_pipeline = CommPipeline(compressor, transport, method=method,
                                              transport_kwargs=transport_kwargs, fabric=fabric, seed=seed,
-                                             nonfinite=nonfinite, **hyper)
+                                             nonfinite=nonfinite, sparse_rows=sparse_rows,
+                                             warmup_steps=warmup_steps, **hyper)
         except HyperParameterError as e:
             raise HyperParameterError(
                 f"{e}. DistributedOptimizer's own options: method, transport, transport_kwargs, fabric, "
                 f"bucket_cap_mb, warmup_steps, min_compress_size, seed, overlap, backward_passes_per_step, "
-                f"init_sync, module, nonfinite; every other keyword argument is a "
+                f"init_sync, module, nonfinite, sparse_rows; every other keyword argument is a "
                 f"hyper-parameter of the method/compressor") from None
         self._sc_cap_bytes = int(bucket_cap_mb * 2 ** 20)
         self._sc_min_compress = int(min_compress_size)
-        self._sc_warmup = int(warmup_steps)
         self._sc_steps = 0
         self._sc_synced = False
         self._sc_skip = False
@@ -321,6 +323,12 @@ class DistributedOptimizer:
     @property
     def method(self) -> Method:
         return self._sc_pipeline.method
+
+    @property
+    def method_states(self) -> dict:
+        """The method's state of every bucket (key -> :class:`~sparsecomm.methods.base.MethodState`;
+        ``.state`` is the typed state: EF's error, DIANA's shifts); the method object holds none."""
+        return self._sc_pipeline.states
 
     @property
     def transport(self) -> Transport:
@@ -367,7 +375,7 @@ class DistributedOptimizer:
             if self._sc_buckets is not None:
                 warnings.warn("DistributedOptimizer: the parameters changed; the buckets are rebuilt and "
                               "the method state is reset", RuntimeWarning, stacklevel=3)
-                self.method.reset()
+                self._sc_pipeline.reset_states()
                 self._sc_sparse = None
             self._build_layout(params)
         return self._sc_buckets  # type: ignore[return-value]
@@ -395,7 +403,7 @@ class DistributedOptimizer:
             flags = self._sc_pipeline.transport.allreduce(flags)
         self._sc_sparse = frozenset(id(p) for p, f in zip(params, flags.tolist()) if f > 0)
         if self._sc_sparse:
-            if self.method.keys():
+            if self._sc_pipeline.keys():
                 raise MismatchError("the method has state for a layout without the sparse-gradient "
                                     "buckets (a checkpoint loaded before the first step); load it after one step")
             self._build_layout(params)
@@ -429,12 +437,11 @@ class DistributedOptimizer:
         if not self._sc_in_step:
             pipe.begin_step()
             self._sc_in_step = True
-        exact = self._sc_steps < self._sc_warmup
         if b.sparse and self._sparse_payloads():
             p = b.params[0]
             work = pipe.start_sparse(p.grad, p.shape, b.key, p.dtype)
         else:
-            work = pipe.start(b.gather(), b.key, exact=exact, compress=b.compress,
+            work = pipe.start(b.gather(), b.key, compress=b.compress,
                               shapes=[p.shape for p in b.params])
         self._sc_works.append((b, work))
         self._sc_next += 1
@@ -556,7 +563,7 @@ class DistributedOptimizer:
         # (an LR scheduler attached to it before wrapping must see the loaded groups)
         self._sc_inner.__dict__.update(state=self.state, param_groups=self.param_groups)
         if extra is None:
-            self.method.reset()
+            self._sc_pipeline.reset_states()
             return
         self._sc_pipeline.load_state_dict(extra)
         self._sc_steps = int(extra.get("steps", 0))

@@ -9,6 +9,10 @@ A payload's *kind* decides which transports can sum it (the README's table of ki
     travel, so the sum is the element-wise sum of the value vectors.
 ``sparse``
     ``(indices, values)`` at worker-specific positions (top-k); summed by gathering or block encoding.
+    A *row-sparse* payload (``bucket_size = b`` set on a ``sparse`` one) has one index per row of ``b``
+    consecutive elements and ``b`` values per index (an embedding's gradient rows: ``index * b + j``);
+    only :meth:`AllGather.gather <sparsecomm.transports.allgather.AllGather.gather>` carries it (the
+    pipeline's sparse-gradient path), other transports reject it.
 ``quantized``
     integer ``codes`` with float ``scale`` per bucket of ``bucket_size`` elements; when ``shared_scale``
     is true every worker used the same scale, so the codes can be summed exactly as integers.
@@ -95,6 +99,11 @@ class Payload:
         return n
 
     @property
+    def row_len(self) -> int:
+        """Elements per index: ``bucket_size`` for a row-sparse ``sparse`` payload, else 1."""
+        return int(self.bucket_size or 1) if self.kind == "sparse" else 1
+
+    @property
     def device(self) -> torch.device:
         return self.values.device
 
@@ -105,7 +114,10 @@ class Payload:
             return self.values.reshape(-1).to(self.dtype)
         if self.kind in ("aligned", "sparse"):
             out = torch.zeros(d, dtype=self.dtype, device=self.values.device)
-            if self.values.numel():
+            if self.row_len > 1 and self.values.numel():
+                out.view(-1, self.row_len).index_add_(0, self.indices.reshape(-1),
+                                                      self.values.reshape(-1, self.row_len).to(self.dtype))
+            elif self.values.numel():
                 out.index_add_(0, self.indices.reshape(-1), self.values.reshape(-1).to(self.dtype))
             return out
         # quantized: codes * scale[bucket], computed in at least float32 and rounded once to ``dtype``
@@ -157,7 +169,9 @@ class Payload:
         d, k = self.numel, idx.numel()
         enc = RAW
         if idx.dtype == torch.int64 and k:
-            if d < 32 * k and (k == 1 or bool((idx[1:] > idx[:-1]).all())):
+            if self.row_len > 1:    # row indices: never a bitmap (its size would be counted in elements)
+                enc = INDEX32 if d <= 2**31 else RAW
+            elif d < 32 * k and (k == 1 or bool((idx[1:] > idx[:-1]).all())):
                 enc = BITMAP
             elif d <= 2**31:
                 enc = INDEX32

@@ -1,9 +1,14 @@
 """The communication pipeline shared by :class:`~sparsecomm.optim.DistributedOptimizer` and the DDP
 hook (:mod:`sparsecomm.ddp`): resolving a compressor / method / transport from names, checking that
 the transport carries the method's payloads, and :class:`CommPipeline`, which takes one flat bucket
-through ``method.encode -> transport.allreduce -> method.decode`` and keeps the per-worker state
-(method state, generators, byte counts) that checkpoints carry. The rules (names, ``"auto"``, the
+through ``method.encode -> transport.allreduce -> method.decode`` and holds the per-worker state that
+checkpoints carry: the method's states (:attr:`CommPipeline.states`, one
+:class:`~sparsecomm.methods.base.MethodState` per bucket key; the method object holds only
+hyper-parameters), the generators and the byte counts. The rules (names, ``"auto"``, the
 incompatibility error) are documented in :mod:`sparsecomm.optim`.
+
+(One module on purpose, over 400 lines: the name resolution, the dense round, the per-parameter
+round and the sparse-gradient rounds share the state above and its locking-free call-order rule.)
 
 **Asynchronous rounds.** :meth:`CommPipeline.start` encodes on the calling thread (so the compressor's
 generator and the method state advance in call order, which the optimizer and the hook keep identical
@@ -27,21 +32,33 @@ raise, on that worker).
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import math
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import dataclass, field, fields
 from typing import Any, Hashable
 
 import torch
+import torch.distributed as dist
 
+from . import compressors, methods, transports
+from .compressors._common import abs_max
 from .compressors.base import Compressor
 from .errors import IncompatibleError, MismatchError, NonFiniteError, SparseCommError, UnknownNameError
 from .fabric.base import Fabric
 from .fabric.stats import CommStats
-from .methods.base import HyperParameterError, Method, check_kwargs, dense_payload
+from .fabric.torch_fabric import TorchFabric
+from .launch import current_context
+from .methods.base import (HyperParameterError, Method, MethodState, check_kwargs, dense_payload, states_from_dict,
+                           states_to_dict)
 from .payload import Payload, check_sum_finite
+from .transports.allgather import AllGather
 from .transports.base import CommWork, Transport, engine
 
 NONFINITE = ("raise", "pass")
+#: how :meth:`CommPipeline.start_sparse` averages a row-sparse gradient
+SPARSE_ROWS = ("gather", "transport")
 
 AUTO_ORDER = ("ring", "omnireduce", "switch", "allgather")
 
@@ -50,8 +67,6 @@ AUTO_ORDER = ("ring", "omnireduce", "switch", "allgather")
 def build_method(compressor: str | Compressor | Method = "none", method: str | None = None,
                  **hyper: Any) -> Method:
     """A Method from a method or compressor name (+ hyper-parameters) or an object (see module doc)."""
-    from . import compressors, methods
-
     if isinstance(compressor, Method):
         if method is not None or hyper:
             raise TypeError(f"a Method object ({compressor!r}) was given; method= and hyper-parameters "
@@ -82,8 +97,6 @@ def build_method(compressor: str | Compressor | Method = "none", method: str | N
 
 def _check_takes_compressor(mname: str) -> None:
     """Methods that bring their own operator (powersgd, dgc, the sign methods) take no compressor."""
-    from . import methods
-
     if not _accepts(methods.registry.factory(mname), "compressor"):
         raise HyperParameterError(f"method {mname!r} brings its own operator and takes no compressor; "
                                   f"use compressor={mname!r} (with its own hyper-parameters)")
@@ -92,24 +105,16 @@ def _check_takes_compressor(mname: str) -> None:
 def default_fabric() -> Fabric:
     """The fabric of the current :func:`sparsecomm.launch` worker, else a TorchFabric over the default
     process group."""
-    from .launch import current_context
-
     ctx = current_context()
     if ctx is not None:
         return ctx.fabric
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
-        from .fabric.torch_fabric import TorchFabric
-
         return TorchFabric()
     raise SparseCommError("no fabric: call this inside sc.launch(fn, ...), pass fabric=, or initialise "
                           "torch.distributed first")
 
 
 def _transport_class(name: str) -> Any:
-    from . import transports
-
     return transports.registry.factory(name)  # unknown names raise, listing the valid ones
 
 
@@ -118,8 +123,6 @@ def _payload_traits(comp: Compressor) -> tuple[str, bool]:
 
 
 def _carried_compressors(tcls: Any) -> list[str]:
-    from . import compressors
-
     out = []
     for n in compressors.available():
         f = compressors.registry.factory(n)
@@ -131,8 +134,6 @@ def _carried_compressors(tcls: Any) -> list[str]:
 
 def check_pair(method: Method, transport_name: str, tcls: Any) -> None:
     """Raise IncompatibleError when ``tcls`` cannot carry what ``method``'s compressor produces."""
-    from . import transports
-
     kind, shared = _payload_traits(method.compressor)
     if not hasattr(tcls, "can_carry") or tcls.can_carry(kind, shared):
         return
@@ -151,8 +152,6 @@ def check_pair(method: Method, transport_name: str, tcls: Any) -> None:
 def build_transport(transport: str | Transport, method: Method, fabric: Fabric | None,
                     transport_kwargs: dict | None) -> Transport:
     """The transport (checked against the method's payload kind) on ``fabric``."""
-    from . import transports
-
     if isinstance(transport, Transport):
         if transport_kwargs:
             raise TypeError("transport_kwargs given with a Transport object")
@@ -175,8 +174,6 @@ def build_transport(transport: str | Transport, method: Method, fabric: Fabric |
 
 
 def _accepts(factory: Any, name: str) -> bool:
-    import inspect
-
     try:
         return name in inspect.signature(factory).parameters
     except (TypeError, ValueError):
@@ -189,8 +186,6 @@ def _auto_transport(method: Method, fabric: Fabric) -> str:
     declared bytes for top-k 1%); payloads whose values travel packed only where no sum is formed on
     the wire (``packed_values``: natural compression, 9 of 32 bits) go to allgather while its
     ``(n-1)`` packed copies cost less than a ring's ``2 (n-1)/n`` unpacked ones."""
-    from . import transports
-
     comp = method.compressor
     kind, shared = _payload_traits(comp)
     order = list(AUTO_ORDER)
@@ -254,11 +249,17 @@ class CommPipeline:
     def __init__(self, compressor: str | Compressor | Method = "none", transport: str | Transport = "auto",
                  *, method: str | None = None, transport_kwargs: dict | None = None,
                  fabric: Fabric | None = None, seed: int = 0, nonfinite: str = "raise",
-                 **hyper: Any) -> None:
+                 sparse_rows: str = "gather", warmup_steps: int = 0, **hyper: Any) -> None:
+        if sparse_rows not in SPARSE_ROWS:
+            raise ValueError(f"sparse_rows must be one of {', '.join(map(repr, SPARSE_ROWS))}, got {sparse_rows!r}")
+        self.sparse_rows = sparse_rows
+        self._gatherer: Any = None
         if nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite must be one of {', '.join(map(repr, NONFINITE))}, got {nonfinite!r}")
         self.nonfinite = nonfinite
-        self.method = build_method(compressor, method, **hyper)
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be non-negative, got {warmup_steps}")
+        self.method = methods.warmup(build_method(compressor, method, **hyper), warmup_steps)
         warn_unguaranteed(self.method)
         self.transport = build_transport(transport, self.method, fabric, transport_kwargs)
         if nonfinite == "pass" and getattr(self.transport, "nonfinite", "pass") != "pass":
@@ -270,12 +271,15 @@ class CommPipeline:
         self.seed = int(seed)
         self.shared_randomness = bool(getattr(self.method.compressor, "shared_randomness", False))
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._param_generators: dict[tuple[str, torch.device], torch.Generator] = {}
         # method none + identity is plain averaging: skip the compressor's copy (and, as DDP, its
         # finiteness check)
         self._plain = self.method.name == "none" and getattr(self.method.compressor, "name", "") == "identity"
         self.stats = CompressionStats()
         self.last_stats = CommStats()
         self._outs: dict[Hashable, torch.Tensor] = {}
+        #: the method state of every key (bucket, or ``("param", name)``): the pipeline holds them
+        self.states: dict[Hashable, MethodState] = {}
         # parameter-keyed state (the DDP hook): the (name, numel) segments of each key's state and
         # the key that holds the current state of each named segment
         self._segments: dict[Hashable, tuple[tuple[str, int], ...]] = {}
@@ -292,13 +296,34 @@ class CommPipeline:
             self._generators[device] = g
         return g
 
+    @property
+    def per_parameter(self) -> bool:
+        """Whether :meth:`start` can run the method per parameter (``segments=``): a one-round method
+        whose payloads concatenate (``dense``, ``aligned``, ``sparse``)."""
+        kind = getattr(self.method.compressor, "payload_kind", None)
+        return not self.method.multi_round and not self.method.uses_shapes and \
+            kind in ("dense", "aligned", "sparse")
+
+    def param_generator(self, name: str, device: torch.device | str = "cpu") -> torch.Generator:
+        """The compressor generator of parameter ``name`` (per-parameter rounds): seeded from ``seed``
+        and the name (and the rank, unless the compressor shares its randomness), so its draws do not
+        depend on the other parameters or on the bucket layout."""
+        device = torch.device(device)
+        g = self._param_generators.get((name, device))
+        if g is None:
+            g = torch.Generator(device=device)
+            g.manual_seed(_name_seed(self.seed, name, None if self.shared_randomness else self.rank))
+            self._param_generators[(name, device)] = g
+        return g
+
     def reduce(self, flat: torch.Tensor, key: Hashable, *, exact: bool = False,
                compress: bool = True, shapes: Any = None) -> torch.Tensor:
         """``start(flat, key, ...).wait()``: the averaged estimate (see :meth:`start`)."""
         return self.start(flat, key, exact=exact, compress=compress, shapes=shapes).wait()
 
     def start(self, flat: torch.Tensor, key: Hashable, *, exact: bool = False,
-              compress: bool = True, shapes: Any = None) -> CommWork:
+              compress: bool = True, shapes: Any = None,
+              segments: tuple[tuple[str, int], ...] | None = None) -> CommWork:
         """Start the round of bucket ``key``; ``wait()`` returns the averaged estimate.
 
         The averaged estimate for this worker's flat ``flat`` of bucket ``key``.
@@ -312,6 +337,12 @@ class CommPipeline:
         until the work completes. A method of several rounds (``next_round``,
         :mod:`sparsecomm.methods.base`) runs its later rounds on the communication thread right after the
         previous sum; ``shapes`` (the tensors laid out in ``flat``) is passed to the method.
+
+        ``segments`` (``(name, numel)`` of the parameters laid out in ``flat``, in order), where
+        :attr:`per_parameter` holds: the method runs per *parameter* (state key ``("param", name)``,
+        a generator of that parameter's own, its own ``alpha``/``k``), the payloads are concatenated
+        into the bucket's one message and the aggregate is decoded slice by slice, so that the result
+        does not depend on how the parameters are grouped into buckets (see :mod:`sparsecomm.ddp`).
         """
         dense_bytes = flat.numel() * flat.element_size()
         n = self.world_size
@@ -319,35 +350,67 @@ class CommPipeline:
         if not compress or self._plain:
             payload = dense_payload(flat)
             sent = flat
+            # a transport that raises on a non-finite sum itself has checked it: no second pass
+            recheck = check and getattr(self.transport, "nonfinite", None) != "raise"
+
+            def finish(agg: torch.Tensor) -> torch.Tensor:
+                if recheck:
+                    _check_aggregate(agg, key)
+                return agg.div_(n)
+        elif segments is not None and self.per_parameter:
+            poison = check and not exact and not _finite(flat)
+            if poison:
+                flat.zero_()
+            segs = tuple((str(nm), int(k)) for nm, k in segments)
+            if sum(k for _, k in segs) != flat.numel():
+                raise MismatchError(f"segments {segs} do not add up to the bucket's {flat.numel()} elements")
+            parts, off = [], 0
+            for nm, k in segs:
+                payload_k, _ = self.method.encode(flat[off:off + k], self._state_of(("param", nm)),
+                                                  self.param_generator(nm, flat.device), exact=exact, inplace=True)
+                parts.append(payload_k)
+                off += k
+            payload = concat_payloads(parts)
+            if poison:
+                _poison(payload, key)
+            sent = payload
 
             def finish(agg: torch.Tensor) -> torch.Tensor:
                 if check:
                     _check_aggregate(agg, key)
-                return agg.div_(n)
+                else:
+                    check_sum_finite(payload, agg, f"transport {self.transport.name!r}")
+                out = self._out(key, flat)
+                a, o = agg.reshape(-1), 0
+                for nm, k in segs:
+                    self.method.decode(a[o:o + k], n, self.states[("param", nm)], out=out[o:o + k])
+                    o += k
+                return out
         else:
             poison = check and not exact and not _finite(flat)
             if poison:
                 flat.zero_()
             enc_kw = {"shapes": shapes} if shapes is not None else {}
-            payload = self.method.encode(flat, key, self.generator(flat.device), exact=exact, inplace=True,
-                                         **enc_kw)
+            ms = self._state_of(key)
+            payload, _ = self.method.encode(flat, ms, self.generator(flat.device), exact=exact, inplace=True,
+                                            **enc_kw)
             if poison:
                 _poison(payload, key)
             sent = payload
-            next_round = getattr(self.method, "next_round", None)
+            multi = self.method.multi_round
 
             def finish(agg: torch.Tensor) -> torch.Tensor:
-                if check and not _finite(agg) and not bool(torch.isnan(agg).any()):
-                    # inputs were finite (checked) and no worker sent NaN: narrow floats (fp16) summed
-                    # in their own dtype overflowed; say so (OverflowError_, on every worker)
-                    check_sum_finite(payload, agg, f"transport {self.transport.name!r}")
-                if check:
+                if check and not _finite(agg):
+                    if not bool(torch.isnan(agg).any()):
+                        # inputs were finite (checked) and no worker sent NaN: narrow floats (fp16) summed
+                        # in their own dtype overflowed; say so (OverflowError_, on every worker)
+                        check_sum_finite(payload, agg, f"transport {self.transport.name!r}")
                     _check_aggregate(agg, key)
                 else:       # narrow floats summed in their dtype: an overflow is not a passed-through NaN
                     check_sum_finite(payload, agg, f"transport {self.transport.name!r}")
                 # a method of several rounds (PowerSGD: P, then Q): the later rounds run here, on the
                 # communication thread, right after the first (same order on every worker)
-                while next_round is not None and (nxt := next_round(agg, n, key)) is not None:
+                while multi and (nxt := self.method.next_round(agg, n, ms)[0]) is not None:
                     self.last_stats = self.last_stats + self.transport.last_stats
                     self.stats.rounds += 1
                     self.stats.bytes_payload += _payload_bytes(nxt)
@@ -358,7 +421,7 @@ class CommPipeline:
                     else:
                         check_sum_finite(nxt, agg, f"transport {self.transport.name!r}")
                 # the estimate has the bucket's length (a last round's aggregate may be shorter)
-                return self.method.decode(agg, n, key, out=self._out(key, flat))
+                return self.method.decode(agg, n, ms, out=self._out(key, flat))[0]
 
         def then(agg: torch.Tensor) -> torch.Tensor:
             out = finish(agg)
@@ -374,6 +437,26 @@ class CommPipeline:
 
         return self.transport.start(sent, then=then)
 
+    def _state_of(self, key: Hashable) -> MethodState:
+        ms = self.states.get(key)
+        if ms is None:
+            ms = self.states[key] = self.method.init()
+        return ms
+
+    def keys(self) -> list[Hashable]:
+        """The keys (buckets, or ``("param", name)`` per parameter) that hold a method state."""
+        return [k for k, ms in self.states.items() if ms.state is not None]
+
+    def state(self, key: Hashable) -> Any:
+        """The method's typed state for ``key`` (``None`` before its first round)."""
+        ms = self.states.get(key)
+        return None if ms is None else ms.state
+
+    def reset_states(self) -> None:
+        """Forget every method state (a new layout, a world-size change)."""
+        self.states = {}
+        self._segments, self._owner = {}, {}
+
     def bind(self, key: Hashable, segments: tuple[tuple[str, int], ...]) -> None:
         """Declare that bucket ``key`` holds the named parameter segments ``(name, numel)`` in this
         order, before its round. When the method's state for ``key`` is missing or stale (its
@@ -382,7 +465,7 @@ class CommPipeline:
         method state that is not per coordinate cannot be split and raises
         :class:`~sparsecomm.errors.MismatchError`, as does a bucket only partly covered by states."""
         segments = tuple((str(n), int(k)) for n, k in segments)
-        st = self.method._state
+        st = {k: ms.state for k, ms in self.states.items() if ms.state is not None}
         names = [n for n, _ in segments]
         current = key in st and self._segments.get(key) == segments and \
             all(self._owner.get(n) == key for n in names)
@@ -405,11 +488,15 @@ class CommPipeline:
             for k in [k for k in list(st) if k not in live and k in self._segments]:
                 del st[k]
                 self._segments.pop(k, None)
+            rounds = max((ms.rounds for ms in self.states.values()), default=0)
+            new: dict[Hashable, MethodState] = {}
+            for k, v in st.items():
+                ms = self.states.get(k)
+                new[k] = ms if ms is not None and ms.state is v else MethodState(state=v, rounds=rounds)
+            self.states = new
 
     def _assemble(self, segments: tuple[tuple[str, int], ...]) -> Any:
-        from dataclasses import fields
-
-        st = self.method._state
+        st = {k: ms.state for k, ms in self.states.items() if ms.state is not None}
         pieces: dict[str, list[torch.Tensor]] = {}
         cls = None
         for name, numel in segments:
@@ -440,15 +527,23 @@ class CommPipeline:
                      dtype: torch.dtype | None = None) -> CommWork:
         """Start the plain average of a row-sparse gradient (``None``: no rows) of a parameter of
         ``shape``; ``wait()`` returns the coalesced sparse average over the union of the workers' rows
-        (as DDP's sparse allreduce: a row in the union whose sum is zero stays, with zeros).
+        (as DDP's sparse allreduce: a row in the union whose sum is zero stays, with zeros). The table
+        is never densified. Two ways (``sparse_rows=``):
 
-        Two rounds on the communication thread, neither of table size: (1) the union of the rows: a
-        row-indicator vector of ``shape[0]`` entries, sent as a ``sparse`` payload (the touched rows'
-        indices) on a transport that carries them, else dense; (2) the values of the union's rows
-        (``|union| x row_len``, zeros for rows this worker did not touch), summed as a dense tensor by
-        the same transport. The table is never densified."""
-        from .payload import Payload
+        ``"gather"`` (default), as gloo's sparse allreduce: one gather of every worker's rows and their
+        values (a row-sparse payload: the transport's own ``gather`` if it has one, else
+        :meth:`Native.gather <sparsecomm.transports.native.Native.gather>` where the fabric has a native
+        process group, else :meth:`AllGather.gather <sparsecomm.transports.allgather.AllGather.gather>`),
+        concatenated in rank order and coalesced once (``(n - 1)`` copies of each worker's rows on the
+        wire).
 
+        ``"transport"``: two rounds through the pipeline's transport, neither of table size: (1) the
+        union of the rows: a row-indicator vector of ``shape[0]`` entries, sent as a ``sparse`` payload
+        (the touched rows' indices) on a transport that carries them, else dense; (2) the values of the
+        union's rows (``|union| x row_len``, zeros for rows this worker did not touch), summed as a
+        dense tensor by the same transport (the union's rows cross the wire about twice, whatever n)."""
+        if self.sparse_rows == "gather":
+            return self._start_gather(grad, torch.Size(shape), key, dtype or grad.dtype)
         shape = torch.Size(shape)
         dtype = dtype or grad.dtype
         nrows = int(shape[0]) if len(shape) else 1
@@ -490,6 +585,53 @@ class CommPipeline:
 
         return engine(self.fabric).submit(job)
 
+    def _make_gatherer(self) -> Any:
+        """The transport's own ``gather`` if it has one, else torch.distributed's all-gather where the
+        fabric has a native process group (``native``, as DDP), else an allgather on the fabric."""
+        if callable(getattr(self.transport, "gather", None)):
+            return self.transport
+        if self.fabric.native_group is not None:
+            return _transport_class("native")(self.fabric, nonfinite="pass")
+        return AllGather(self.fabric, nonfinite="pass")
+
+    def _start_gather(self, grad: torch.Tensor | None, shape: torch.Size, key: Hashable,
+                      dtype: torch.dtype) -> CommWork:
+        rows, vals = row_sparse_parts(grad, shape, dtype)
+        row_len = vals.shape[1]
+        n = self.world_size
+        check = self.nonfinite == "raise"
+        numel = int(shape.numel())
+        payload = Payload(kind="sparse", values=vals.reshape(-1), indices=rows, shape=torch.Size([numel]),
+                          dtype=dtype, bucket_size=row_len, bits=8 * (vals.numel() * vals.element_size()
+                                                                      + 4 * rows.numel()))
+        if self._gatherer is None:
+            self._gatherer = self._make_gatherer()
+        gatherer = self._gatherer
+        elt = vals.element_size()
+
+        def job() -> torch.Tensor:
+            before = self.fabric.stats.copy()
+            parts = gatherer.gather(payload)
+            comm = self.fabric.stats - before
+            idx = torch.cat([q.indices.reshape(-1) for q in parts])
+            v = torch.cat([q.values.reshape(-1, row_len) for q in parts])
+            if check:
+                _check_aggregate(v, key)
+            t = torch.sparse_coo_tensor(idx[None], v.reshape(idx.numel(), *shape[1:]), shape,
+                                        check_invariants=False).coalesce()
+            t.values().div_(n)
+            pbytes = _payload_bytes(payload)
+            copies = _wire_copies(gatherer)
+            self.stats.rounds += 1
+            self.stats.bytes_dense += numel * elt
+            self.stats.bytes_payload += pbytes
+            self.stats.bytes_declared_sent += copies * pbytes
+            self.stats.bytes_dense_sent += _wire_copies(self.transport) * numel * elt
+            self.last_stats = self.last_stats + comm
+            return t
+
+        return engine(self.fabric).submit(job)
+
     def _out(self, key: Hashable, like: torch.Tensor) -> torch.Tensor:
         """The persistent estimate buffer of bucket ``key`` (reused every round: no fresh allocation)."""
         buf = self._outs.get(key)
@@ -508,21 +650,23 @@ class CommPipeline:
                                 self.stats.bytes_dense_sent)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"method": self.method.state_dict(),
+        return {"method": states_to_dict(self.method, self.states),
                 "segments": dict(self._segments), "owner": dict(self._owner),
                 "generators": {str(d): g.get_state() for d, g in self._generators.items()},
+                "param_generators": {(nm, str(d)): g.get_state() for (nm, d), g in self._param_generators.items()},
                 "rank": self.rank, "world_size": self.world_size, "seed": self.seed,
                 "shared_randomness": self.shared_randomness}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         # a stateless method with shared (or no) randomness has nothing rank-specific
-        rank_free = self.method.State is None and (self.shared_randomness or not state.get("generators"))
+        rank_free = self.method.State is None and (self.shared_randomness or not (
+            state.get("generators") or state.get("param_generators")))
         if state.get("world_size") != self.world_size or (state.get("rank") != self.rank and not rank_free):
             raise MismatchError(
                 f"sparsecomm state saved on rank {state.get('rank')} of {state.get('world_size')} "
                 f"cannot be loaded on rank {self.rank} of {self.world_size} (the method state is per "
                 f"worker); delete the 'sparsecomm' entry to load only the inner optimizer's state")
-        self.method.load_state_dict(state["method"])
+        self.states = states_from_dict(self.method, state["method"])
         self._segments = dict(state.get("segments", {}))
         self._owner = dict(state.get("owner", {}))
         self._generators = {}
@@ -530,7 +674,50 @@ class CommPipeline:
             g = torch.Generator(device=torch.device(d))
             g.set_state(s)
             self._generators[torch.device(d)] = g
+        self._param_generators = {}
+        for (nm, d), s in state.get("param_generators", {}).items():
+            g = torch.Generator(device=torch.device(d))
+            g.set_state(s)
+            self._param_generators[(nm, torch.device(d))] = g
 
+
+
+def _name_seed(seed: int, name: str, rank: int | None) -> int:
+    """A 63-bit seed from ``(seed, name[, rank])`` (blake2b: stable across processes and runs)."""
+    msg = f"{int(seed)}\x00{name}\x00{'' if rank is None else int(rank)}".encode()
+    return int.from_bytes(hashlib.blake2b(msg, digest_size=8).digest(), "little") & ((1 << 63) - 1)
+
+
+def concat_payloads(parts: list[Payload]) -> Payload:
+    """One payload of the concatenated tensor from the payloads of its consecutive pieces (kinds
+    ``dense``, ``aligned``, ``sparse``; pieces of different kinds, an exact round's dense piece among
+    compressed ones, are all made dense: the sum of their ``to_dense()`` is what matters)."""
+    if len(parts) == 1:
+        return parts[0]
+    kinds = {p.kind for p in parts}
+    dtype = parts[0].dtype
+    total = sum(p.numel for p in parts)
+    bits = sum(int(p.bits or 0) for p in parts)
+    codecs = {tuple(p.values_codec) for p in parts}
+    if len(kinds) == 1 and kinds <= {"aligned", "sparse"} and len(codecs) == 1 and \
+            all(p.row_len == 1 for p in parts):
+        idx, off = [], 0
+        for p in parts:
+            idx.append(p.indices.reshape(-1) + off)
+            off += p.numel
+        return Payload(parts[0].kind, torch.cat([p.values.reshape(-1) for p in parts]), torch.Size([total]),
+                       dtype, indices=torch.cat(idx), bits=bits, values_codec=parts[0].values_codec)
+    if kinds == {"dense"} and len(codecs) == 1 and len({p.values.dtype for p in parts}) == 1:
+        # (fp16 values stay fp16 on the wire)
+        exact = all(p.meta.get("exact") for p in parts)
+        return Payload("dense", torch.cat([p.values.reshape(-1) for p in parts]), torch.Size([total]), dtype,
+                       bits=bits, meta={"exact": True} if exact else {}, values_codec=parts[0].values_codec)
+    if not kinds <= {"dense", "aligned", "sparse"}:
+        raise SparseCommError(f"cannot concatenate payloads of kinds {sorted(kinds)} (per-parameter rounds "
+                              f"take dense, aligned and sparse payloads)")
+    vals = torch.cat([p.values.reshape(-1).to(dtype) if p.kind == "dense" else p.to_dense() for p in parts])
+    exact = all(p.meta.get("exact") for p in parts)
+    return Payload("dense", vals, torch.Size([total]), dtype, bits=bits, meta={"exact": True} if exact else {})
 
 
 def row_sparse_parts(grad: torch.Tensor | None, shape: torch.Size, dtype: torch.dtype
@@ -550,8 +737,6 @@ def row_sparse_parts(grad: torch.Tensor | None, shape: torch.Size, dtype: torch.
     return rows, g.values().reshape(rows.numel(), row_len).to(dtype)
 
 def _finite(x: torch.Tensor) -> bool:
-    from .compressors._common import abs_max
-
     return math.isfinite(abs_max(x.reshape(-1))) if x.is_floating_point() else True
 
 
@@ -584,8 +769,6 @@ def warn_unguaranteed(method: Method) -> None:
     error feedback (EF, EF21) around an unbiased compressor that is not contractive (omega >= 1, e.g.
     QSGD with few levels): EF's analysis needs ``delta``-contraction (Stich et al. 2018; Richtarik et
     al. 2021), and a scaled unbiased operator with omega >= 1 expands the error it feeds back."""
-    import warnings
-
     comp = method.compressor
     if method.name not in ("ef", "ef21") or not getattr(comp, "unbiased", False):
         return

@@ -46,9 +46,9 @@ def _worker(ctx, steps: int, compressed: dict):
     out["pickle_has_pg"] = b"ProcessGroup" in blob or b"Fabric" in blob
     sd, sd2 = st.state_dict(), back.state_dict()
     out["roundtrip"] = (sd["iter"] == sd2["iter"] and
-                        all(torch.equal(a.error, back.pipeline.method.state(k).error)
-                            for k, a in ((k, st.pipeline.method.state(k)) for k in st.pipeline.method.keys())))
-    out["keys"] = sorted(st.pipeline.method.keys())
+                        all(torch.equal(a.error, back.pipeline.state(k).error)
+                            for k, a in ((k, st.pipeline.state(k)) for k in st.pipeline.keys())))
+    out["keys"] = sorted(st.pipeline.keys())
     out["stats"] = st.compression_stats()
     return out
 
@@ -68,7 +68,9 @@ def test_hook_equals_builtin_allreduce_gloo():
             torch.testing.assert_close(b, c, rtol=0, atol=1e-6)
         assert r["iter"] == STEPS
         assert not r["pickle_has_pg"] and r["roundtrip"]
-        assert r["keys"] and all(str(k).startswith("p:") for k in r["keys"])   # keyed by parameters
+        # keyed by parameters (EF + top-k runs per parameter: one state per parameter name)
+        assert r["keys"] == [("param", n) for n in ("module.l1.bias", "module.l1.weight", "module.l2.bias",
+                                                    "module.l2.weight")]
         assert r["stats"]["ratio"] > 1
     for a, b in zip(res[0]["ef"], res[1]["ef"]):
         assert torch.equal(a, b)
@@ -99,11 +101,11 @@ def _deep_batch(rank, t):
     return torch.randn(8, 32, generator=g), torch.randn(8, 32, generator=g)
 
 
-def _deep_ddp(**hook):
+def _deep_ddp(cap=10_000, **hook):
     from sparsecomm import ddp as scddp
 
     model = Deep()
-    net = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=10_000 / 2 ** 20)
+    net = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap / 2 ** 20)
     state = scddp.register(net, **hook)
     opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
     return model, net, state, opt
@@ -117,7 +119,7 @@ def _deep_steps(ctx, net, opt, t0, t1, record=None):
         opt.step()
 
 
-def _resume_worker(ctx, hook):
+def _resume_worker(ctx, hook, resume_cap=10_000, probe=True):
     from sparsecomm.transports.base import engine
 
     # uninterrupted: 8 steps
@@ -129,13 +131,15 @@ def _resume_worker(ctx, hook):
     _deep_steps(ctx, net, opt, 0, 4)
     ckpt = {"model": {k: v.clone() for k, v in model.state_dict().items()},
             "opt": pickle.loads(pickle.dumps(opt.state_dict())), "hook": pickle.loads(pickle.dumps(state.state_dict()))}
-    n_keys = len(state.pipeline.method.keys())
-    model, net, state, opt = _deep_ddp(**hook)
+    n_keys = len(state.pipeline.keys())
+    model, net, state, opt = _deep_ddp(cap=resume_cap, **hook)
     model.load_state_dict(ckpt["model"])
     opt.load_state_dict(ckpt["opt"])
     state.load_state_dict(ckpt["hook"])
     _deep_steps(ctx, net, opt, 4, 8)
     resumed = [p.detach().clone() for p in model.parameters()]
+    if not probe:
+        return straight, resumed, n_keys, None
     # the hook returns a pending future: a call queued behind a blocked one is not complete on return
     gate = __import__("threading").Event()
     pending = []
@@ -215,6 +219,32 @@ def _sparse_worker(ctx, mode):
 
 def _sparse_all(ctx):
     return {m: _sparse_worker(ctx, m) for m in ("builtin", "hook", "reject")}
+
+
+def _diana_resume(ctx):
+    # a resumed DDP with buckets of 3000 bytes (one or two parameters each) and one of 60000 (all)
+    return [_resume_worker(ctx, dict(compressor="diana", ratio=0.1, transport="allgather", seed=5),
+                           resume_cap=cap, probe=False) for cap in (3_000, 60_000)]
+
+
+@pytest.mark.multiprocess
+def test_hook_resume_diana_randk_any_layout():
+    """DIANA + shared-seed rand-k through the hook runs per parameter (state, generator, alpha and k per
+    parameter): a run checkpointed after 4 steps and resumed into a fresh DDP with *another*
+    ``bucket_cap_mb`` (so other buckets both before and after DDP's rebuild) ends bit-identical to the
+    uninterrupted run, on every worker; keyed by bucket, the rand-k draws followed the layout."""
+    res = sc.launch(_diana_resume, world_size=2, backend="gloo")
+    for runs in res:
+        for straight, resumed, n_keys, _ in runs:
+            assert n_keys == 12                 # one state per parameter (6 weights + 6 biases)
+            moved = False
+            for a, b in zip(straight, resumed):
+                assert torch.equal(a, b)
+            for a, b in zip(straight, Deep().parameters()):
+                moved |= not torch.equal(a, b.detach())
+            assert moved
+    for a, b in zip(res[0][0][0], res[1][0][0]):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.multiprocess

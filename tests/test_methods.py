@@ -129,7 +129,8 @@ def test_none_is_the_mean_of_messages():
     methods = [sc.methods.get("none", compressor=c) for _ in range(N)]
     msgs, ests = _round(methods, _grads(), _gens(c))
     torch.testing.assert_close(ests[0], sum(p.to_dense() for p in msgs) / N)
-    assert methods[0].state_dict() == {"method": "none", "buckets": {}}
+    # stateless: a bucket's state is only its round count (which a warm-up wrapper reads)
+    assert methods[0].state_dict() == {"method": "none", "buckets": {0: {"__rounds__": 1}}}
 
 
 def _run(methods, gens, rounds, seed0, keys=(0, "b")):
@@ -164,7 +165,8 @@ def test_state_dict_round_trip(name, cname):
     cont = _run(methods, gens, 4, 10)
     for key, fields in sd0["buckets"].items():
         for f, v in fields.items():
-            assert torch.equal(v, snapshot["buckets"][key][f])
+            w = snapshot["buckets"][key][f]
+            assert torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w
     fresh = [sc.methods.get(name, compressor=c) for _ in range(N)]
     for m, sd in zip(fresh, saved):
         m.load_state_dict(sd)
@@ -232,3 +234,91 @@ def test_inplace_encode_and_out_decode_match_pure_calls():
             for f in ("error", "g_local", "g_global", "h_local", "h_global"):
                 if hasattr(st, f):
                     assert getattr(st, f).data_ptr() != out.data_ptr()
+
+
+# ------------------------------------------------------------------ explicit state, typed factories (#16)
+def test_typed_factories_match_the_catalog():
+    """``sc.methods.<name>(...)`` builds what ``sc.methods.get(name, ...)`` builds, for every name."""
+    rk = sc.compressors.get("randk", ratio=0.1)
+    pairs = [(sc.methods.diana(rk, alpha=0.5), sc.methods.get("diana", compressor=rk, alpha=0.5)),
+             (sc.methods.ef("topk", ratio=0.1), sc.methods.get("ef", compressor="topk", ratio=0.1)),
+             (sc.methods.ef21(init="zeros"), sc.methods.get("ef21", init="zeros")),
+             (sc.methods.none(), sc.methods.get("none")),
+             (sc.methods.dgc(0.05), sc.methods.get("dgc", ratio=0.05)),
+             (sc.methods.powersgd(2), sc.methods.get("powersgd", rank=2)),
+             (sc.methods.signsgd(), sc.methods.get("signsgd")),
+             (sc.methods.signum(0.5), sc.methods.get("signum", beta=0.5)),
+             (sc.methods.onebit(16), sc.methods.get("onebit", bucket_size=16))]
+    assert sorted(a.name for a, _ in pairs) == sc.methods.available()
+    for a, b in pairs:
+        assert type(a) is type(b) and repr(a) == repr(b)
+
+
+@pytest.mark.parametrize("name,hyper", [("diana", {"ratio": 0.2}), ("ef", {"ratio": 0.2}),
+                                        ("ef21", {"ratio": 0.2}), ("onebit", {"bucket_size": 8}),
+                                        ("powersgd", {"rank": 1})])
+def test_pure_state_equals_keyed_and_holds_everything(name, hyper):
+    """One method object, two explicit states (two workers): ``encode``/``next_round``/``decode`` on
+    states give bit-identically what two keyed method objects give, the method object keeps nothing
+    (its keyed ``states`` stay empty), and a state copied between rounds resumes exactly."""
+    import copy
+
+    m = sc.methods.get(name, **hyper)
+    keyed = [sc.methods.get(name, **hyper) for _ in range(2)]
+    sts = [m.init(48) for _ in range(2)]
+    g = torch.Generator().manual_seed(0)
+    shapes = [torch.Size([6, 8])]
+    for t in range(4):
+        G = torch.randn(2, 48, generator=g)
+        seeds = [torch.Generator().manual_seed(100 * t + i % 2) for i in range(4)]
+        pays = []
+        for i in range(2):
+            p, sts[i] = m.encode(G[i], sts[i], seeds[i], shapes=shapes)
+            pays.append(p)
+        kp = [keyed[i].encode(G[i], 0, seeds[2 + i], shapes=shapes) for i in range(2)]
+        agg, kagg = sum(p.to_dense() for p in pays), sum(p.to_dense() for p in kp)
+        assert torch.equal(agg, kagg)
+        while True:
+            nxt = []
+            for i in range(2):
+                q, sts[i] = m.next_round(agg, 2, sts[i])
+                nxt.append(q)
+            knxt = [k.next_round(kagg, 2, 0) for k in keyed]
+            if nxt[0] is None:
+                assert knxt[0] is None
+                break
+            agg, kagg = sum(p.to_dense() for p in nxt), sum(p.to_dense() for p in knxt)
+        if t == 1:      # a checkpoint is the states: a deep copy resumes exactly
+            sts = [copy.deepcopy(s) for s in sts]
+        for i in range(2):
+            est, sts[i] = m.decode(agg, 2, sts[i])
+            assert torch.equal(est, keyed[i].decode(kagg, 2, 0))
+    assert m.states == {} and m.keys() == []
+
+
+def test_warmup_wrapper_composes_and_resumes():
+    """``sc.methods.warmup(m, k)``: the first k rounds of every state are exact (dense, the identity),
+    later ones compressed; the count lives in the state, so a state saved after round 1 and loaded into
+    a fresh wrapper continues with one exact round then compressed ones, as the uninterrupted run."""
+    def run(split):
+        m = sc.methods.warmup(sc.methods.ef21(sc.compressors.get("topk", ratio=0.25)), 2)
+        st = m.init(16)
+        kinds, ests = [], []
+        for t in range(4):
+            if split and t == 1:
+                from sparsecomm.methods.base import states_from_dict, states_to_dict
+
+                m = sc.methods.warmup(sc.methods.ef21(sc.compressors.get("topk", ratio=0.25)), 2)
+                st = states_from_dict(m, states_to_dict(m, {0: st}))[0]
+            g = torch.randn(16, generator=torch.Generator().manual_seed(t))
+            p, st = m.encode(g, st, None)
+            kinds.append(p.kind)
+            e, st = m.decode(p.to_dense(), 1, st)
+            ests.append(e)
+        return kinds, ests
+
+    kinds, ests = run(False)
+    assert kinds == ["dense", "dense", "sparse", "sparse"]
+    kinds2, ests2 = run(True)
+    assert kinds2 == kinds and all(torch.equal(a, b) for a, b in zip(ests, ests2))
+    assert sc.methods.warmup(sc.methods.none(), 0).name == "none"

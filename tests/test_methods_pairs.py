@@ -127,11 +127,12 @@ def test_algorithms_runner_takes_every_round():
         def payload_bits(self, p):
             return int(p.bits)
 
-    ms = [sc.methods.get("onebit", bucket_size=16) for _ in range(3)]
+    m = sc.methods.get("onebit", bucket_size=16)    # one method, one explicit state per worker
     G = torch.randn(3, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     stub = Stub()
-    est = ab.CompressedOptimizer.run_methods(stub, ms, G)
-    local = [G[i] - ms[i].state(0).error for i in range(3)]
+    stub.states = [m.init(64) for _ in range(3)]
+    est = ab.CompressedOptimizer.run_methods(stub, m, G)
+    local = [G[i] - stub.states[i].state.error for i in range(3)]
     torch.testing.assert_close(est, sum(local) / 3, rtol=0, atol=1e-12)
     assert stub.bits_sent == 3 * th_bits(64, 16)
 

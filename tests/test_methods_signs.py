@@ -83,7 +83,7 @@ def test_signum_beta_zero_is_signsgd_and_bad_beta():
     with pytest.raises(ValueError):
         sc.methods.get("signum", beta=1.0)
     sd = a.state_dict()
-    assert set(sd["buckets"][0]) == {"momentum"}
+    assert set(sd["buckets"][0]) == {"momentum", "__rounds__"}     # the typed state and the round count
 
 
 def test_vote_payload_is_one_bit_integer_codes_with_a_shared_scale():
@@ -173,7 +173,7 @@ def _onebit_worker(ctx, levels):
     pipe = CommPipeline("onebit", "allgather", fabric=ctx.fabric, bucket_size=64, levels=levels)
     x = torch.randn(1000, generator=torch.Generator().manual_seed(ctx.rank))
     out = pipe.reduce(x.clone(), 0).clone()
-    return x - pipe.method.state(0).error, out, pipe.stats.rounds
+    return x - pipe.state(0).error, out, pipe.stats.rounds
 
 
 @pytest.mark.parametrize("levels", ["two", "symmetric"])

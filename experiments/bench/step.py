@@ -28,8 +28,10 @@ Configurations (those whose transport is registered):
   several buckets), ``ddp`` against ``hook none/native`` and ``none/native`` (DistributedOptimizer with
   its overlap, and ``overlap=False``); targets 1.1x and 1.15x of DDP's step.
 * ``emb-sparse``: the embedding model with ``EmbeddingBag(sparse=True)``; ``ddp`` (gloo's sparse
-  allreduce) against ``none/omnireduce`` and ``none/allgather`` (the rows as a sparse payload,
-  ``p.grad`` sparse) and the hook on omnireduce, with SGD on sparse gradients.
+  allreduce) against ``none/native``, ``none/omnireduce`` and ``none/allgather`` (the rows gathered
+  once and coalesced, ``p.grad`` sparse; the dense head through the named transport), the hook on
+  native and omnireduce, and ``none/omnireduce rows=transport`` (the union of the rows, then the
+  union's rows, through omnireduce), with SGD on sparse gradients.
 
 All configurations are built first; then each round runs one step of every configuration in turn
 (``--warmup`` untimed rounds, then ``--steps`` timed ones), so that other load on the machine hits them
@@ -160,6 +162,12 @@ def _sparse_configs(a: argparse.Namespace) -> list[tuple[str, Any]]:
         transport_kwargs=omni)))
     cfg.append(("none/allgather", lambda m: sc.DistributedOptimizer(
         torch.optim.SGD(m.parameters(), lr=a.lr), compressor="none", transport="allgather")))
+    cfg.append(("none/native", lambda m: sc.DistributedOptimizer(
+        torch.optim.SGD(m.parameters(), lr=a.lr), compressor="none", transport="native")))
+    cfg.append(("hook none/native", ("hook", dict(compressor="none", transport="native"))))
+    cfg.append(("none/omnireduce rows=transport", lambda m: sc.DistributedOptimizer(
+        torch.optim.SGD(m.parameters(), lr=a.lr), compressor="none", transport="omnireduce",
+        transport_kwargs=omni, sparse_rows="transport")))
     cfg.append(("ef+topk/omnireduce", lambda m: sc.DistributedOptimizer(
         torch.optim.SGD(m.parameters(), lr=a.lr), compressor="topk", method="ef",
         ratio=a.topk_ratio, transport="omnireduce", transport_kwargs=omni)))

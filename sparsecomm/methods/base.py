@@ -1,39 +1,51 @@
-"""The method contract: a stateful per-worker wrapper around any compressor (optax-style explicit state).
+"""The method contract: a per-worker wrapper around any compressor, with explicit state (optax style).
 
-One round, for bucket ``key`` on worker i::
+A Method object holds hyper-parameters only; everything the rounds of one flat bucket need lives in a
+:class:`MethodState` that the caller holds and passes in (the pipeline one per bucket, the simulated
+algorithms one per worker). One round on worker i::
 
-    payload   = method.encode(grad_i, key, generator)        # on the worker (may update worker state)
-    aggregate = transport.allreduce(payload)                 # sum over workers of payload.to_dense()
-    estimate  = method.decode(aggregate, world_size, key)    # the averaged gradient estimate
+    st = method.init(d)                                           # once per bucket
+    payload, st = method.encode(grad_i, st, generator)            # on the worker
+    aggregate = transport.allreduce(payload)                      # sum over workers of payload.to_dense()
+    estimate, st = method.decode(aggregate, world_size, st)       # the averaged gradient estimate
+
+``encode`` leaves in the state what ``decode`` needs for this round (an exact round, DIANA's step):
+nothing is handed between the calls through the object.
 
 **Several rounds.** A method may need more than one aggregation per step (PowerSGD: the P factors,
 then the Q factors computed from the orthogonalised sum of the Ps). After each round the caller asks
-``next_round(aggregate, world_size, key)``: a Payload is the next round's message (aggregate it the
+``next_round(aggregate, world_size, st)``: a Payload is the next round's message (aggregate it the
 same way and ask again), ``None`` means ``aggregate`` was the last round's, to be handed to
 ``decode``::
 
-    payload = method.encode(grad_i, key, generator)
+    payload, st = method.encode(grad_i, st, generator)
     aggregate = transport.allreduce(payload)
-    while (payload := method.next_round(aggregate, world_size, key)) is not None:
+    while (payload := method.next_round(aggregate, world_size, st)[0]) is not None:
         aggregate = transport.allreduce(payload)
-    estimate = method.decode(aggregate, world_size, key)
+    estimate, st = method.decode(aggregate, world_size, st)
 
 One-round methods never override it (it returns ``None``). Every round's payload has the kind of the
 method's declared compressor (the pair check at construction covers all rounds); the last aggregate
 may be shorter than the bucket (the estimate always has the bucket's length). Each round is a
-collective: every worker must run the same number of rounds for a key, which holds because the
+collective: every worker must run the same number of rounds for a bucket, which holds because the
 decision is a function of the state and the (identical) aggregates.
+
+**Keys.** Called with a key (any hashable, default 0) instead of a state, the same calls keep the
+states in the method's public ``states`` dict and return the payload / estimate alone
+(``method.encode(grad, key, generator)``), a convenience for scripts and tests.
 
 **Shapes.** ``encode(..., shapes=[...])`` may tell the method the shapes of the tensors laid out in
 the flat bucket (the optimizer and the DDP hook pass them); methods that set ``uses_shapes`` (PowerSGD
-compresses each matrix separately) read them with ``self._shapes_of(key, d)``; the others ignore them.
+compresses each matrix separately) read them from the state (``ms.shapes_of(d)``); the others ignore
+them.
 
 ``decode`` is deterministic given the aggregate and the state, so every worker's copy of any global
-state (DIANA's h, EF21's g) stays identical without communication. State is per ``key`` (one flat
-bucket each), explicit and typed (one small dataclass per key); ``state_dict()`` /
-``load_state_dict()`` round-trip it exactly (tensors cloned) and never hold a process group or the
-compressor. Hyper-parameters (the compressor, DIANA's ``alpha``, the ``init`` rule) live on the
-method object, apart from the state, as in ``PowerSGDState``.
+state (DIANA's h, EF21's g) stays identical without communication. The typed state (one small
+dataclass per method: ``MethodState.state``) and the round count are what a checkpoint saves
+(:func:`states_to_dict` / :func:`states_from_dict` round-trip them exactly, tensors cloned), never a
+process group or the compressor. Hyper-parameters (the compressor, DIANA's ``alpha``, the ``init``
+rule) live on the method object, apart from the state, as in ``PowerSGDState``. Wrappers compose:
+:class:`Warmup` makes the first rounds of every state exact.
 
 **Exact rounds.** ``encode(..., exact=True)`` runs the same method with the identity operator in
 place of the compressor (a dense payload of the full message). The optimizer uses it for its
@@ -56,7 +68,7 @@ from __future__ import annotations
 
 import inspect
 from abc import ABC, abstractmethod
-from dataclasses import fields, is_dataclass
+
 from typing import Any, ClassVar, Hashable
 
 import torch
@@ -64,13 +76,32 @@ import torch
 from ..compressors.base import Compressor
 from ..errors import HyperParameterError, MismatchError, SparseCommError  # noqa: F401 (re-exported)
 from ..payload import Payload
+from .state import ROUNDS, MethodState, _clone, _state_numel, states_from_dict, states_to_dict  # noqa: F401
 
 
 class Method(ABC):
-    """Base class of the stateful methods; subclasses are registered by name in ``sc.methods``.
+    """Base class of the methods; subclasses are registered by name in ``sc.methods``.
 
-    Subclasses define ``name``, ``default_compressor``, the per-key ``State`` dataclass, and
-    :meth:`_encode` / :meth:`_decode`.
+    A Method object holds hyper-parameters only (the compressor, DIANA's ``alpha``, an ``init`` rule).
+    Its state is explicit (:class:`MethodState`), in the optax style::
+
+        st = method.init(d)
+        payload, st = method.encode(grad, st, generator)              # on the worker
+        aggregate = transport.allreduce(payload)                      # the sum over workers
+        estimate, st = method.decode(aggregate, world_size, st)       # on every worker
+
+    (a multi-round method asks ``nxt, st = method.next_round(aggregate, world_size, st)`` between
+    them). The returned state is the given one updated in place (its buffers are reused: no fresh
+    allocation per round); the caller keeps it (the pipeline holds one per bucket, the simulated
+    algorithms one per worker) and a checkpoint is those states (:func:`states_to_dict`).
+
+    **Keyed convenience.** Called with a key (any hashable, default 0) instead of a state, the same
+    calls keep the states in :attr:`states` (a plain dict ``key -> MethodState``, public) and return
+    the payload / estimate only: ``method.encode(grad, key, generator)``; :meth:`state`, :meth:`keys`,
+    :meth:`state_dict` and :meth:`load_state_dict` read and write that dict.
+
+    Subclasses define ``name``, ``default_compressor``, the ``State`` dataclass, and :meth:`_encode` /
+    :meth:`_decode` (and :meth:`_next_round` for several rounds) over a :class:`MethodState`.
     """
 
     name: ClassVar[str] = ""
@@ -110,69 +141,92 @@ class Method(ABC):
                 f"method {self.name!r} needs an unbiased compressor (class U(omega)); "
                 f"{self.compressor!r} is biased. Use an unbiased one (randk, qsgd, natural, ...) "
                 f"or a method for contractive compressors: 'ef21' or 'ef'.")
-        self._state: dict[Hashable, Any] = {}
-        # what encode decided for a key (exact round, effective step), consumed by decode
-        self._pending: dict[Hashable, Any] = {}
-        # per key: the bucket's length (the estimate's) and, for ``uses_shapes`` methods, its shapes
-        self._lengths: dict[Hashable, int] = {}
-        self._shapes: dict[Hashable, tuple[torch.Size, ...]] = {}
-        self._last_round: dict[Hashable, bool] = {}     # multi-round: next_round returned None
+        #: the keyed convenience's states (see the class doc); the pure calls never touch it
+        self.states: dict[Hashable, MethodState] = {}
 
-    # ------------------------------------------------------------------ public
-    def encode(self, grad: torch.Tensor, key: Hashable = 0, generator: torch.Generator | None = None,
-               *, exact: bool = False, inplace: bool = False, shapes: Any = None) -> Payload:
-        """The message this worker sends for ``grad`` (flat) of bucket ``key`` (its first round's).
+    # ------------------------------------------------------------------ the pure API
+    def init(self, d: int | None = None) -> MethodState:
+        """A fresh state for a bucket of ``d`` elements (the typed state is built at the first round,
+        in the gradient's dtype and device)."""
+        return MethodState(length=None if d is None else int(d))
+
+    def encode(self, grad: torch.Tensor, state: "MethodState | Hashable" = 0,
+               generator: torch.Generator | None = None, *, exact: bool = False, inplace: bool = False,
+               shapes: Any = None) -> Any:
+        """The message this worker sends for ``grad`` (flat): ``(payload, state)``, or the payload alone
+        when ``state`` is a key (the keyed convenience).
 
         ``exact=True`` replaces the compressor by the identity for this round (see the module doc).
         ``inplace=True``: ``grad`` is scratch and may be overwritten (the payload may alias it).
         ``shapes``: the shapes of the tensors laid out in ``grad`` (their numels sum to its length).
         """
+        if not isinstance(state, MethodState):
+            ms = self.states.get(state)
+            if ms is None:
+                ms = self.states[state] = self.init()
+            return self.encode(grad, ms, generator, exact=exact, inplace=inplace, shapes=shapes)[0]
+        ms = state
         if grad.dim() != 1:
             raise MismatchError(f"method {self.name!r} encodes flat buckets; got shape {tuple(grad.shape)}")
-        st = self._state.get(key)
-        if st is not None:
-            n = _state_numel(st)
+        if ms.state is not None:
+            n = _state_numel(ms.state)
             if n is not None and n != grad.numel():
                 raise MismatchError(
-                    f"method {self.name!r}: bucket {key!r} has {grad.numel()} elements but its state "
+                    f"method {self.name!r}: the bucket has {grad.numel()} elements but its state "
                     f"has {n} (the bucket layout changed; call reset() or rebuild the optimizer)")
         if shapes is not None and self.uses_shapes:
             shapes = tuple(torch.Size(s) for s in shapes)
             if sum(s.numel() for s in shapes) != grad.numel():
                 raise MismatchError(f"method {self.name!r}: shapes {[tuple(s) for s in shapes]} do not add "
                                     f"up to the bucket's {grad.numel()} elements")
-            self._shapes[key] = shapes
-        self._lengths[key] = grad.numel()
-        self._last_round.pop(key, None)
-        return self._encode(grad if inplace else grad.clone(), key, generator, exact)
+            ms.shapes = shapes
+        ms.length = grad.numel()
+        ms.last_round = False
+        payload = self._encode(grad if inplace else grad.clone(), ms, generator, exact)
+        ms.rounds += 1
+        return payload, ms
 
-    def next_round(self, aggregate: torch.Tensor, world_size: int, key: Hashable = 0) -> Payload | None:
-        """After a round's ``aggregate`` (the sum over workers): the next round's payload, or ``None``
-        when ``aggregate`` is the last round's (then call :meth:`decode` with it). See the module doc."""
-        nxt = self._next_round(aggregate.reshape(-1), int(world_size), key)
+    def next_round(self, aggregate: torch.Tensor, world_size: int, state: "MethodState | Hashable" = 0) -> Any:
+        """After a round's ``aggregate`` (the sum over workers): ``(payload, state)`` of the next round,
+        or ``(None, state)`` when ``aggregate`` is the last round's (then call :meth:`decode` with it);
+        with a key, the payload or ``None`` alone. See the module doc."""
+        if not isinstance(state, MethodState):
+            return self.next_round(aggregate, world_size, self._keyed(state))[0]
+        nxt = self._next_round(aggregate.reshape(-1), int(world_size), state)
         if nxt is None:
-            self._last_round[key] = True
-        return nxt
+            state.last_round = True
+        return nxt, state
 
-    def decode(self, aggregate: torch.Tensor, world_size: int, key: Hashable = 0, *,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-        """The gradient estimate from the sum over workers of the decompressed (last-round) messages.
+    def decode(self, aggregate: torch.Tensor, world_size: int, state: "MethodState | Hashable" = 0, *,
+               out: torch.Tensor | None = None) -> Any:
+        """The gradient estimate from the sum over workers of the decompressed (last-round) messages:
+        ``(estimate, state)``, or the estimate alone with a key.
 
         ``out`` (flat, the bucket's length, the aggregate's dtype): write the estimate there and return it.
         """
+        if not isinstance(state, MethodState):
+            return self.decode(aggregate, world_size, self._keyed(state), out=out)[0]
+        ms = state
         agg = aggregate.reshape(-1)
-        if self.multi_round and not self._last_round.pop(key, False) and key in self._pending:
+        if self.multi_round and not ms.last_round and ms.pending is not None:
             raise SparseCommError(f"method {self.name!r} takes several rounds per step: call next_round(aggregate, "
-                                  f"world_size, key) after each round and decode only the aggregate of the "
+                                  f"world_size, state) after each round and decode only the aggregate of the "
                                   f"round after which it returned None")
-        d = self._lengths.get(key, agg.numel())
+        ms.last_round = False
+        d = ms.length if ms.length is not None else agg.numel()
         if out is None:
             out = torch.empty(d, dtype=agg.dtype, device=agg.device)
         elif out.shape != (d,) or out.dtype != agg.dtype:
             raise MismatchError(f"decode: out has shape {tuple(out.shape)} and dtype {out.dtype}, the "
                                 f"estimate ({d},) and {agg.dtype}")
-        self._decode(agg, int(world_size), key, out)
-        return out
+        self._decode(agg, int(world_size), ms, out)
+        return out, ms
+
+    def _keyed(self, key: Hashable) -> MethodState:
+        ms = self.states.get(key)
+        if ms is None:
+            raise SparseCommError(f"method {self.name!r}: decode for bucket {key!r} without a preceding encode")
+        return ms
 
     def hyper(self) -> dict[str, Any]:
         """The method's hyper-parameters (not its state), for logging and ``repr``."""
@@ -182,67 +236,44 @@ class Method(ABC):
         args = ", ".join(f"{k}={v!r}" for k, v in self.hyper().items())
         return f"{type(self).__name__}({args})"
 
+    # ------------------------------------------------------------------ the keyed convenience
     def state(self, key: Hashable = 0) -> Any:
         """The typed state of bucket ``key`` (``None`` before its first round); read-only by convention."""
-        return self._state.get(key)
+        ms = self.states.get(key)
+        return None if ms is None else ms.state
 
     def keys(self) -> list[Hashable]:
-        return list(self._state)
+        return [k for k, ms in self.states.items() if ms.state is not None]
 
     def state_dict(self) -> dict[str, Any]:
-        """All internal state (tensors cloned), keyed by bucket; no process groups, no compressors. A
-        compressor's own generators (one built with ``seed=`` and called without a generator) are part of
-        the run's state: their states are saved under ``"compressor_generators"`` (once used), and loading a
-        state without them restarts those generators from the compressor's seed."""
-        buckets = {}
-        for key, st in self._state.items():
-            buckets[key] = {f.name: _clone(getattr(st, f.name)) for f in fields(st)}
-        out = {"method": self.name, "buckets": buckets}
-        gens = self.compressor.generator_state() if hasattr(self.compressor, "generator_state") else {}
-        if gens:
-            out["compressor_generators"] = gens
-        return out
+        """The keyed states (tensors cloned; :func:`states_to_dict`); no process groups, no compressors.
+        A compressor's own generators (one built with ``seed=`` and called without a generator) are part
+        of the run's state: their states are saved under ``"compressor_generators"`` (once used), and
+        loading a state without them restarts those generators from the compressor's seed."""
+        return states_to_dict(self, self.states)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore exactly what :meth:`state_dict` returned (``{}`` resets)."""
-        self._pending.clear()
-        self._lengths.clear()
-        self._last_round.clear()
-        if not state:
-            self._state = {}
-            return
-        if state.get("method", self.name) != self.name:
-            raise MismatchError(f"state of method {state.get('method')!r} cannot be loaded into "
-                                f"method {self.name!r}")
-        buckets = state.get("buckets", {})
-        if buckets and self.State is None:
-            raise MismatchError(f"method {self.name!r} is stateless but the state has buckets")
-        self._state = {key: self.State(**{k: _clone(v) for k, v in fields_.items()})
-                       for key, fields_ in buckets.items()}
-        if hasattr(self.compressor, "load_generator_state"):  # absent: not used yet, restart from its seed
-            self.compressor.load_generator_state(state.get("compressor_generators", {}))
+        self.states = states_from_dict(self, state)
 
     def reset(self) -> None:
-        """Forget all state (e.g. after a world-size change)."""
+        """Forget all keyed state (e.g. after a world-size change)."""
         self.load_state_dict({})
 
     # --------------------------------------------------------------- for subclasses
     @abstractmethod
-    def _encode(self, grad: torch.Tensor, key: Hashable, generator: torch.Generator | None,
+    def _encode(self, grad: torch.Tensor, ms: MethodState, generator: torch.Generator | None,
                 exact: bool) -> Payload:
-        """Encode; ``grad`` is the method's to overwrite (the base class cloned it if needed)."""
+        """Encode; ``grad`` is the method's to overwrite (the base class cloned it if needed); update
+        ``ms.state`` and leave in ``ms.pending`` what decode needs."""
 
     @abstractmethod
-    def _decode(self, aggregate: torch.Tensor, world_size: int, key: Hashable, out: torch.Tensor) -> None:
+    def _decode(self, aggregate: torch.Tensor, world_size: int, ms: MethodState, out: torch.Tensor) -> None:
         """Write the estimate into ``out`` (never alias state); ``aggregate`` must not be modified."""
 
-    def _next_round(self, aggregate: torch.Tensor, world_size: int, key: Hashable) -> Payload | None:
+    def _next_round(self, aggregate: torch.Tensor, world_size: int, ms: MethodState) -> Payload | None:
         """The next round's payload, or ``None`` (one-round methods: always ``None``)."""
         return None
-
-    def _shapes_of(self, key: Hashable, d: int) -> tuple[torch.Size, ...]:
-        """The shapes given for bucket ``key`` (``(d,)`` as one flat tensor when none were given)."""
-        return self._shapes.get(key) or (torch.Size([d]),)
 
     def _compress(self, x: torch.Tensor, generator: torch.Generator | None, exact: bool) -> Payload:
         """``C(x)``, or the identity's dense payload on an exact round."""
@@ -263,13 +294,6 @@ class Method(ABC):
             target.add_(dec)
         else:
             target.add_(dec, alpha=alpha)
-
-    def _take_pending(self, key: Hashable) -> Any:
-        try:
-            return self._pending.pop(key)
-        except KeyError:
-            raise SparseCommError(f"method {self.name!r}: decode for bucket {key!r} without a "
-                                  f"preceding encode") from None
 
 
 # ---------------------------------------------------------------------- helpers
@@ -317,16 +341,3 @@ def check_kwargs(factory: Any, kwargs: dict[str, Any], what: str) -> None:
     if bad:
         raise HyperParameterError(f"{what} does not take {', '.join(map(repr, bad))}; "
                                   f"its hyper-parameters: {', '.join(accepted) or 'none'}")
-
-
-def _clone(v: Any) -> Any:
-    return v.detach().clone() if isinstance(v, torch.Tensor) else v
-
-
-def _state_numel(st: Any) -> int | None:
-    if is_dataclass(st):
-        for f in fields(st):
-            v = getattr(st, f.name)
-            if isinstance(v, torch.Tensor):
-                return v.numel()
-    return None

@@ -28,7 +28,7 @@ from sparsecomm.theory import compressors as th
 
 from ..compressors._common import GeneratorRequiredError, check_ratio, make_payload, raise_nonfinite
 from ..compressors.base import Compressor
-from . import registry
+from ._registry import registry
 from .base import Method
 
 
@@ -92,10 +92,10 @@ class DGC(Method):
         return {"ratio": c.ratio, "momentum": self.momentum, "sample_ratio": c.sample_ratio,
                 "warmup_steps": self.warmup_steps, "clip_norm": self.clip_norm}
 
-    def _encode(self, grad, key, generator, exact):
-        st = self._state.get(key)
+    def _encode(self, grad, ms, generator, exact):
+        st = ms.state
         if st is None:
-            st = self._state[key] = DGCState(torch.zeros_like(grad), torch.zeros_like(grad), 0)
+            st = ms.state = DGCState(torch.zeros_like(grad), torch.zeros_like(grad), 0)
         if not bool(torch.isfinite(grad).all()):
             raise_nonfinite(self.name)
         if self.clip_norm is not None:
@@ -107,7 +107,7 @@ class DGC(Method):
         st.velocity.add_(st.momentum)
         keep = th.dgc_keep(st.step, self.compressor.ratio, self.warmup_steps)
         st.step += 1
-        self._pending[key] = exact
+        ms.pending = exact
         if exact:
             msg = self._compress(st.velocity.clone(), generator, True)
             st.velocity.zero_()
@@ -117,6 +117,6 @@ class DGC(Method):
         st.momentum.index_fill_(0, msg.indices, 0.0)
         return msg
 
-    def _decode(self, aggregate, world_size, key, out):
-        self._take_pending(key)
+    def _decode(self, aggregate, world_size, ms, out):
+        ms.take_pending(self.name)
         torch.div(aggregate, world_size, out=out)

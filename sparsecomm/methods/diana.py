@@ -27,8 +27,8 @@ from typing import Hashable
 import torch
 
 from ..payload import Payload
-from . import registry
-from .base import Method
+from ._registry import registry
+from .base import Method, MethodState
 
 INITS = ("zeros", "grad")
 
@@ -58,11 +58,11 @@ class Diana(Method):
         if alpha is not None and not 0.0 < float(alpha) <= 1.0:
             raise ValueError(f"diana: alpha must be in (0, 1], got {alpha!r}")
         self.alpha = None if alpha is None else float(alpha)
-        self.init = init
+        self.init_rule = init
         super().__init__(compressor, **compressor_hyper)
 
     def hyper(self) -> dict:
-        return {**super().hyper(), "alpha": self.alpha, "init": self.init}
+        return {**super().hyper(), "alpha": self.alpha, "init": self.init_rule}
 
     def alpha_for(self, d: int) -> float:
         """The shift step for a bucket of length ``d``: ``alpha`` or 1/(omega(d)+1)."""
@@ -74,22 +74,22 @@ class Diana(Method):
                              f"pass alpha= explicitly")
         return 1.0 / (omega + 1.0)
 
-    def _encode(self, grad: torch.Tensor, key: Hashable, generator: torch.Generator | None,
+    def _encode(self, grad: torch.Tensor, ms: MethodState, generator: torch.Generator | None,
                 exact: bool) -> Payload:
-        st = self._state.get(key)
+        st = ms.state
         if st is None:
             st = DianaState(h_local=torch.zeros_like(grad), h_global=torch.zeros_like(grad))
-            self._state[key] = st
-            exact = exact or self.init == "grad"
+            ms.state = st
+            exact = exact or self.init_rule == "grad"
         alpha = 1.0 if exact else self.alpha_for(grad.numel())
         msg = self._compress(grad.sub_(st.h_local), generator, exact)   # C(grad - h_i)
         self._add_decompressed(st.h_local, msg, alpha)          # h_i += alpha m_i
-        self._pending[key] = alpha
+        ms.pending = alpha
         return msg
 
-    def _decode(self, aggregate: torch.Tensor, world_size: int, key: Hashable, out: torch.Tensor) -> None:
-        alpha = self._take_pending(key)
-        st = self._state[key]
+    def _decode(self, aggregate: torch.Tensor, world_size: int, ms: MethodState, out: torch.Tensor) -> None:
+        alpha = ms.take_pending(self.name)
+        st = ms.state
         agg = aggregate.to(st.h_global.dtype)
         torch.add(st.h_global, agg, alpha=1.0 / world_size, out=out)     # h + mean m_i
         st.h_global.add_(agg, alpha=alpha / world_size)                 # h += alpha mean m_i

@@ -22,8 +22,8 @@ from typing import Hashable
 import torch
 
 from ..payload import Payload
-from . import registry
-from .base import Method
+from ._registry import registry
+from .base import Method, MethodState
 
 
 @dataclass
@@ -42,19 +42,19 @@ class ErrorFeedback(Method):
     default_compressor_hyper = {"ratio": 0.01}
     State = EFState
 
-    def _encode(self, grad: torch.Tensor, key: Hashable, generator: torch.Generator | None,
+    def _encode(self, grad: torch.Tensor, ms: MethodState, generator: torch.Generator | None,
                 exact: bool) -> Payload:
-        st = self._state.get(key)
+        st = ms.state
         p = grad if st is None else grad.add_(st.error)        # p = g + e (in the scratch copy)
         msg = self._compress(p, generator, exact)
         if st is None:
-            st = self._state[key] = EFState(error=torch.empty_like(p))
+            st = ms.state = EFState(error=torch.empty_like(p))
         err = st.error
         err.copy_(p)
         self._add_decompressed(err, msg, -1.0)                 # e_new = p - decompress(m)
-        self._pending[key] = exact
+        ms.pending = exact
         return msg
 
-    def _decode(self, aggregate: torch.Tensor, world_size: int, key: Hashable, out: torch.Tensor) -> None:
-        self._take_pending(key)
+    def _decode(self, aggregate: torch.Tensor, world_size: int, ms: MethodState, out: torch.Tensor) -> None:
+        ms.take_pending(self.name)
         torch.div(aggregate, world_size, out=out)

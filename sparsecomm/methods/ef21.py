@@ -24,8 +24,8 @@ from typing import Hashable
 import torch
 
 from ..payload import Payload
-from . import registry
-from .base import Method
+from ._registry import registry
+from .base import Method, MethodState
 
 INITS = ("grad", "zeros")
 
@@ -50,26 +50,26 @@ class EF21(Method):
     def __init__(self, compressor=None, *, init: str = "grad", **compressor_hyper) -> None:
         if init not in INITS:
             raise ValueError(f"ef21: init must be one of {INITS}, got {init!r}")
-        self.init = init
+        self.init_rule = init
         super().__init__(compressor, **compressor_hyper)
 
     def hyper(self) -> dict:
-        return {**super().hyper(), "init": self.init}
+        return {**super().hyper(), "init": self.init_rule}
 
-    def _encode(self, grad: torch.Tensor, key: Hashable, generator: torch.Generator | None,
+    def _encode(self, grad: torch.Tensor, ms: MethodState, generator: torch.Generator | None,
                 exact: bool) -> Payload:
-        st = self._state.get(key)
+        st = ms.state
         if st is None:
             st = EF21State(g_local=torch.zeros_like(grad), g_global=torch.zeros_like(grad))
-            self._state[key] = st
-            exact = exact or self.init == "grad"
+            ms.state = st
+            exact = exact or self.init_rule == "grad"
         msg = self._compress(grad.sub_(st.g_local), generator, exact)   # C(grad - g_i)
         self._add_decompressed(st.g_local, msg)                 # g_i += c_i
-        self._pending[key] = exact
+        ms.pending = exact
         return msg
 
-    def _decode(self, aggregate: torch.Tensor, world_size: int, key: Hashable, out: torch.Tensor) -> None:
-        self._take_pending(key)
-        st = self._state[key]
+    def _decode(self, aggregate: torch.Tensor, world_size: int, ms: MethodState, out: torch.Tensor) -> None:
+        ms.take_pending(self.name)
+        st = ms.state
         st.g_global.add_(aggregate.to(st.g_global.dtype), alpha=1.0 / world_size)   # g += mean c_i
         out.copy_(st.g_global)

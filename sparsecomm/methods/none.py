@@ -12,8 +12,8 @@ from typing import Hashable
 import torch
 
 from ..payload import Payload
-from . import registry
-from .base import Method
+from ._registry import registry
+from .base import Method, MethodState
 
 
 @registry.register("none")
@@ -24,11 +24,11 @@ class NoMethod(Method):
     default_compressor = "identity"
     State = None
 
-    def _encode(self, grad: torch.Tensor, key: Hashable, generator: torch.Generator | None,
+    def _encode(self, grad: torch.Tensor, ms: MethodState, generator: torch.Generator | None,
                 exact: bool) -> Payload:
-        self._pending[key] = exact
+        ms.pending = exact
         return self._compress(grad, generator, exact)
 
-    def _decode(self, aggregate: torch.Tensor, world_size: int, key: Hashable, out: torch.Tensor) -> None:
-        self._take_pending(key)
+    def _decode(self, aggregate: torch.Tensor, world_size: int, ms: MethodState, out: torch.Tensor) -> None:
+        ms.take_pending(self.name)
         torch.div(aggregate, world_size, out=out)

@@ -28,7 +28,7 @@ from sparsecomm.theory import compressors as th
 from ..compressors._common import check_bucket_size, flat_input, make_payload, raise_nonfinite, scale_dtype
 from ..compressors.base import Compressor
 from ..payload import SIGNS, Payload
-from . import registry
+from ._registry import registry
 from .base import Method, dense_payload
 
 LEVELS = ("two", "symmetric")
@@ -96,35 +96,35 @@ class OneBitSGD(Method):
         return {"bucket_size": self.compressor.bucket_size,
                 "levels": "two" if self.compressor.two_level else "symmetric"}
 
-    def _encode(self, grad, key, generator, exact):
-        st = self._state.get(key)
+    def _encode(self, grad, ms, generator, exact):
+        st = ms.state
         if st is None:
-            st = self._state[key] = OneBitState(torch.zeros_like(grad))
+            st = ms.state = OneBitState(torch.zeros_like(grad))
         p = grad.add_(st.error)
         if exact:
             st.error.zero_()
-            self._pending[key] = ("exact",)
+            ms.pending = ("exact",)
             return dense_payload(p)
         codes, s, a, b = self.compressor.levels(p)
         q = _expand(s, b, p.numel()) * codes
         if a is not None:
             q += _expand(a, b, p.numel())
         torch.sub(p, q.to(p.dtype), out=st.error)
-        self._pending[key] = ("codes", a, b)
+        ms.pending = ("codes", a, b)
         return make_payload("quantized", p.shape, p.dtype, codes, scale=s, bucket_size=b, shared_scale=False,
                             wire_bits={"values": codes.numel(), "scale": 8 * s.element_size() * s.numel()},
                             values_codec=(SIGNS, 0))
 
-    def _next_round(self, aggregate, world_size, key):
-        pend = self._pending[key]
+    def _next_round(self, aggregate, world_size, ms):
+        pend = ms.pending
         if pend[0] != "codes" or pend[1] is None:
             return None
-        self._pending[key] = ("offsets", aggregate.clone(), pend[2])
+        ms.pending = ("offsets", aggregate.clone(), pend[2])
         a = pend[1]
         return Payload("dense", a, a.shape, a.dtype, bits=8 * a.numel() * a.element_size())
 
-    def _decode(self, aggregate, world_size, key, out):
-        pend = self._take_pending(key)
+    def _decode(self, aggregate, world_size, ms, out):
+        pend = ms.take_pending(self.name)
         if pend[0] == "offsets":                       # codes' sum + the offsets' sum, per bucket
             torch.add(pend[1], _expand(aggregate.to(pend[1].dtype), pend[2], out.numel()), out=out)
             out.div_(world_size)

@@ -31,7 +31,7 @@ from sparsecomm.theory import compressors as th
 from ..compressors._common import GeneratorRequiredError, raise_nonfinite
 from ..compressors.base import Compressor
 from ..payload import Payload
-from . import registry
+from ._registry import registry
 from .base import Method, dense_payload
 
 
@@ -86,29 +86,29 @@ class PowerSGD(Method):
         return {"rank": self.rank, "min_compression_rate": self.rate, "start_iter": self.start_iter,
                 "error_feedback": self.error_feedback, "warm_start": self.warm_start}
 
-    def _layout(self, key, d):
+    def _layout(self, ms, d):
         """(offset, numel, n, m, r) of every tensor; r = 0 for those sent whole."""
         out, off = [], 0
-        for s in self._shapes_of(key, d):
+        for s in ms.shapes_of(d):
             n, m = th.powersgd_matrix(s)
             r = min(n, m, self.rank) if th.powersgd_compresses(n, m, self.rank, self.rate) else 0
             out.append((off, n * m, n, m, r))
             off += n * m
         return out
 
-    def _encode(self, grad, key, generator, exact):
-        st = self._state.get(key)
+    def _encode(self, grad, ms, generator, exact):
+        st = ms.state
         if st is None:
-            st = self._state[key] = PowerSGDState(torch.zeros_like(grad), None, 0)
+            st = ms.state = PowerSGDState(torch.zeros_like(grad), None, 0)
         st.step += 1
         mat = grad.add_(st.error) if self.error_feedback else grad
         if not bool(torch.isfinite(mat).all()):
             raise_nonfinite(self.name)
         if exact or st.step <= self.start_iter:
             st.error.zero_()
-            self._pending[key] = ("exact",)
+            ms.pending = ("exact",)
             return dense_payload(mat)
-        lay = self._layout(key, grad.numel())
+        lay = self._layout(ms, grad.numel())
         nq = sum(m * r for _, _, _, m, r in lay)
         if st.q is None or not self.warm_start or st.q.numel() != nq:
             st.q = _gaussian_q(lay, _need(generator), grad)
@@ -118,11 +118,11 @@ class PowerSGD(Method):
                 q = torch.linalg.qr(st.q[qoff:qoff + m * r].view(m, r)).Q
                 parts.append((mat[o:o + k].view(n, m) @ q).reshape(-1))
                 qoff += m * r
-        self._pending[key] = ("P", mat, lay)
+        ms.pending = ("P", mat, lay)
         return _dense(torch.cat(parts) if parts else mat[:0])
 
-    def _next_round(self, aggregate, world_size, key):
-        pend = self._pending[key]
+    def _next_round(self, aggregate, world_size, ms):
+        pend = ms.pending
         if pend[0] != "P" or not any(r for *_, r in pend[2]):
             return None
         _, mat, lay = pend
@@ -134,11 +134,11 @@ class PowerSGD(Method):
                 ps.append(p)
                 qs.append((mat[o:o + k].view(n, m).T @ p).reshape(-1))
                 pos += n * r
-        self._pending[key] = ("Q", mat, lay, aggregate[:unc].clone(), ps)   # the sums of the whole tensors
+        ms.pending = ("Q", mat, lay, aggregate[:unc].clone(), ps)   # the sums of the whole tensors
         return _dense(torch.cat(qs))
 
-    def _decode(self, aggregate, world_size, key, out):
-        pend, st = self._take_pending(key), self._state[key]
+    def _decode(self, aggregate, world_size, ms, out):
+        pend, st = ms.take_pending(self.name), ms.state
         if pend[0] == "exact":
             torch.div(aggregate, world_size, out=out)
             return

@@ -22,7 +22,7 @@ from sparsecomm.theory import compressors as th
 from ..compressors._common import flat_input, make_payload, raise_nonfinite
 from ..compressors.base import Compressor
 from ..payload import SIGNS
-from . import registry
+from ._registry import registry
 from .base import Method
 
 
@@ -58,13 +58,13 @@ class SignSGD(Method):
     def hyper(self):
         return {}
 
-    def _message(self, grad, key):
+    def _message(self, grad, ms):
         return grad
 
-    def _encode(self, grad, key, generator, exact):
-        self._pending[key] = exact
-        return self._compress(self._message(grad, key), generator, exact)
+    def _encode(self, grad, ms, generator, exact):
+        ms.pending = exact
+        return self._compress(self._message(grad, ms), generator, exact)
 
-    def _decode(self, aggregate, world_size, key, out):
-        self._take_pending(key)
+    def _decode(self, aggregate, world_size, ms, out):
+        ms.take_pending(self.name)
         torch.sign(aggregate, out=out)

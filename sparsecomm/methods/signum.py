@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import registry
+from ._registry import registry
 from .signsgd import SignSGD
 
 
@@ -44,9 +44,9 @@ class Signum(SignSGD):
     def hyper(self):
         return {"beta": self.beta}
 
-    def _message(self, grad, key):
-        st = self._state.get(key)
+    def _message(self, grad, ms):
+        st = ms.state
         if st is None:
-            st = self._state[key] = SignumState(torch.zeros_like(grad))
+            st = ms.state = SignumState(torch.zeros_like(grad))
         st.momentum.mul_(self.beta).add_(grad, alpha=1.0 - self.beta)
         return st.momentum.clone()

@@ -97,6 +97,14 @@ def _read_header(buf: torch.Tensor, src: int, rank: int, n: int) -> list[int]:
     return w[_PRE:_PRE + HEADER_FIELDS]
 
 
+def _check_counts(p: Payload) -> None:
+    if p.kind == "sparse" and p.indices is not None and p.indices.numel() * p.row_len != p.values.numel():
+        raise ValueError(f"sparse payload with {p.values.numel()} values but {p.indices.numel()} indices "
+                         f"(rows of {p.row_len})")
+    if p.kind == "sparse" and p.row_len > 1 and p.numel % p.row_len:
+        raise ValueError(f"row-sparse payload: {p.numel} elements are not rows of {p.row_len}")
+
+
 @registry.register("allgather")
 class AllGather(Transport):
     """Gather every worker's payload on every worker and sum locally (see the module docstring)."""
@@ -125,12 +133,24 @@ class AllGather(Transport):
         return self._gather_sum(p)
 
     def _gather_sum(self, p: Payload) -> torch.Tensor:
+        if p.kind == "sparse" and p.row_len > 1:
+            raise ValueError("a row-sparse payload (sparse with bucket_size) is gathered, not summed: "
+                             "use AllGather.gather")
+        if self.fabric.world_size == 1:
+            _check_counts(p)
+            return p.to_dense().clone()
+        return self._sum(p, self.gather(p))
+
+    def gather(self, p: Payload) -> list[Payload]:
+        """Every worker's payload (this worker's own ``p`` at its rank), in rank order, after the checks
+        of the module doc (phases 1-3, without the sum): the same list on every worker. A ``sparse``
+        payload may be row-sparse (``bucket_size`` = the row length, agreed by every worker); its
+        indices are checked against the rows ``[0, numel / row_len)``."""
         f = self.fabric
         n, r = f.world_size, f.rank
-        if p.kind == "sparse" and p.indices is not None and p.indices.numel() != p.values.numel():
-            raise ValueError(f"sparse payload with {p.values.numel()} values but {p.indices.numel()} indices")
+        _check_counts(p)
         if n == 1:
-            return p.to_dense().clone()
+            return [p]
         dev = p.values.device
         layout = p.wire_layout()
         wire = p.to_wire()
@@ -178,36 +198,36 @@ class AllGather(Transport):
         for w in works:
             w.wait()
         f.stats.rounds += 2
-        return self._sum(p, received, headers, layouts, r)
+        pjs = []
+        for j in range(n):
+            h = headers[j]
+            pj = p if j == r else Payload.from_wire(
+                p.kind, p.shape, p.dtype, layouts[j], received[j],
+                indices=p.indices if p.kind == "aligned" else None,
+                bucket_size=h[_BUCKET] or None, shared_scale=bool(h[_SHARED]))
+            if pj.kind == "sparse" and pj.indices is not None and pj.indices.numel():
+                idx = pj.indices.reshape(-1)
+                rows = p.numel // pj.row_len
+                if int(idx.min()) < 0 or int(idx.max()) >= rows:
+                    raise WireFormatError(f"allgather: worker {j} sent indices outside [0, {rows})")
+            pjs.append(pj)
+        return pjs
 
-    def _sum(self, p: Payload, received, headers, layouts, r: int) -> torch.Tensor:
+    def _sum(self, p: Payload, pjs: list[Payload]) -> torch.Tensor:
         """Every worker's payload, summed in rank order (the same bits on every worker): integers in
         int64 and range-checked, floats checked for NaN/Inf (the culprit is found locally, on the error
         path only: every worker holds every payload)."""
         what = "allgather allreduce"
-        n = len(received)
         dev = p.values.device
         integer = is_integer(p.dtype)
         acc = torch.int64 if integer else p.dtype
         out = torch.zeros(p.numel, dtype=acc, device=dev)
-        pjs = []
-        for j in range(n):
-            h = headers[j]
-            if j == r:
-                pj = p
-            else:
-                pj = Payload.from_wire(p.kind, p.shape, p.dtype, layouts[j], received[j],
-                                       indices=p.indices if p.kind == "aligned" else None,
-                                       bucket_size=h[_BUCKET] or None, shared_scale=bool(h[_SHARED]))
+        for pj in pjs:
             if pj.kind in ("sparse", "aligned"):
                 if pj.values.numel():
-                    idx = pj.indices.reshape(-1).to(torch.int64)
-                    if pj.kind == "sparse" and (int(idx.min()) < 0 or int(idx.max()) >= p.numel):
-                        raise WireFormatError(f"allgather: worker {j} sent indices outside [0, {p.numel})")
-                    out.index_add_(0, idx, pj.values.reshape(-1).to(acc))
+                    out.index_add_(0, pj.indices.reshape(-1).to(torch.int64), pj.values.reshape(-1).to(acc))
             else:
                 out += pj.to_dense().to(acc)
-            pjs.append(pj)
         if integer:
             if p.dtype == torch.int64:    # int64 partial sums could wrap: bound them first
                 bound = sum(abs_max(pj.values.reshape(-1)) for pj in pjs if not pj.values.is_floating_point())
@@ -252,6 +272,8 @@ class AllGather(Transport):
         checks += [("values encoding", 8)]
         if kind == KIND_CODE["dense"]:
             checks += [("values length", 6), ("values dtype", 7)]
+        elif kind == KIND_CODE["sparse"]:
+            checks += [("row length (bucket_size)", _BUCKET)]
         elif kind == KIND_CODE["aligned"]:
             checks += [("number of values", 6), ("values dtype", 7), ("shared indices (checksum)", _INDICES)]
         elif kind == KIND_CODE["quantized"]:
@@ -260,3 +282,9 @@ class AllGather(Transport):
             col = [h[i] for h in headers]
             if min(col) != max(col):
                 raise mismatch_error(what, name, col, rank)
+        if kind == KIND_CODE["sparse"]:     # every worker sees the same headers: the same error everywhere
+            for j, h in enumerate(headers):
+                row = max(h[_BUCKET], 1)
+                if h[_BUCKET] < 0 or _slot(h, 0)[0] != _slot(h, 1)[0] * row:
+                    raise MalformedMessage(f"{what}: worker {j} announced {_slot(h, 0)[0]} values for "
+                                           f"{_slot(h, 1)[0]} indices of rows of {row} elements")

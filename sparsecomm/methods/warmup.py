@@ -1,0 +1,67 @@
+"""``warmup``: a wrapper that makes the first rounds of every state exact (uncompressed)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import Method
+from .state import MethodState
+
+
+class Warmup(Method):
+    """``inner`` whose first ``steps`` rounds of every state are *exact* (the identity in place of the
+    compressor: uncompressed, warm-starting the state; see the module doc). A wrapper, so it composes
+    with any method and is written once (the optimizer's ``warmup_steps`` and the DDP hook's use it);
+    the round count lives in the state (:attr:`MethodState.rounds`), so a checkpoint resumes it.
+    Name, compressor and traits are ``inner``'s."""
+
+    def __init__(self, inner: Method, steps: int) -> None:
+        if int(steps) != steps or steps < 0:
+            raise ValueError(f"warmup: steps must be a non-negative integer, got {steps!r}")
+        self.inner, self.steps = inner, int(steps)
+        self.compressor = inner.compressor
+        self.name, self.State = inner.name, inner.State
+        self.needs_unbiased, self.uses_shapes, self.multi_round = \
+            inner.needs_unbiased, inner.uses_shapes, inner.multi_round
+        self.states = {}
+
+    @property
+    def world_size(self) -> int | None:   # type: ignore[override]
+        return self.inner.world_size
+
+    @world_size.setter
+    def world_size(self, n: int | None) -> None:
+        self.inner.world_size = n
+
+    def hyper(self) -> dict[str, Any]:
+        return {"inner": self.inner, "steps": self.steps}
+
+    def init(self, d: int | None = None) -> MethodState:
+        return self.inner.init(d)
+
+    def encode(self, grad, state=0, generator=None, *, exact=False, inplace=False, shapes=None):
+        if not isinstance(state, MethodState):
+            return super().encode(grad, state, generator, exact=exact, inplace=inplace, shapes=shapes)
+        return self.inner.encode(grad, state, generator, exact=exact or state.rounds < self.steps,
+                                 inplace=inplace, shapes=shapes)
+
+    def next_round(self, aggregate, world_size, state=0):
+        if not isinstance(state, MethodState):
+            return super().next_round(aggregate, world_size, state)
+        return self.inner.next_round(aggregate, world_size, state)
+
+    def decode(self, aggregate, world_size, state=0, *, out=None):
+        if not isinstance(state, MethodState):
+            return super().decode(aggregate, world_size, state, out=out)
+        return self.inner.decode(aggregate, world_size, state, out=out)
+
+    def _encode(self, grad, ms, generator, exact):  # pragma: no cover - encode delegates
+        raise NotImplementedError
+
+    def _decode(self, aggregate, world_size, ms, out):  # pragma: no cover - decode delegates
+        raise NotImplementedError
+
+
+def warmup(inner: Method, steps: int) -> Method:
+    """``inner`` with its first ``steps`` rounds exact (:class:`Warmup`); ``steps=0`` returns ``inner``."""
+    return inner if int(steps) == 0 else Warmup(inner, steps)
