@@ -48,7 +48,7 @@ from ...fabric import services
 from ...payload import Payload
 from .. import registry
 from ..base import Transport
-from . import wire
+from . import trace, wire
 from .aggregator import serve
 from .mailbox import Pool
 from .blocks import BlockSink, DenseSource, PackedSource, ResultCache, lazy_zeros
@@ -173,9 +173,14 @@ class OmniReduce(Transport):
 
     def _run(self, spec: CallSpec, source, make_sink, home: bool = False):
         self._pending = None
+        fabric = self.fabric
+        if trace.enabled():
+            fabric = trace.TraceFabric(fabric, trace.enabled())
         try:
-            out = run_worker(self.fabric, spec, source, make_sink, self.aggregators, self.own, self._pool,
+            out = run_worker(fabric, spec, source, make_sink, self.aggregators, self.own, self._pool,
                              home=home)
+            if fabric is not self.fabric:
+                fabric.dump()
         except BaseException:
             if self._pending is not None:   # a half-written cached result must not be reused
                 self._results.discard(self._pending[0])
