@@ -43,6 +43,7 @@ from __future__ import annotations
 import torch
 
 from ...errors import IncompatibleError
+from .._handshake import check_agreement
 from .._guards import abs_max, guard_finite, is_integer, narrow, nonfinite_option
 from ...fabric import services
 from ...payload import Payload
@@ -172,6 +173,9 @@ class OmniReduce(Transport):
                         wire.KINDS.index(kind), check, absmax)
 
     def _run(self, spec: CallSpec, source, make_sink, home: bool = False):
+        # the agreement header every transport's workers exchange first (fixed size, the transport's name
+        # in it): a rank that runs another transport gets a MismatchError naming both, on every rank
+        check_agreement(self.fabric, wire.WHAT, transport=self.name)
         self._pending = None
         fabric = self.fabric
         if trace.enabled():

@@ -193,6 +193,9 @@ class AggCall:
         self.headers: list = [None] * n
         self._chans_of: dict[int, list[wire.Channel]] = {}
         self._drain: set[int] = set()
+        self._early: dict[int, np.ndarray] = {}   # remote headers taken before take_headers
+        self._posted: set[int] = set()            # workers whose round-0 receives are posted
+        self._blocks0: list = []
 
     def _remote(self) -> list[int]:
         return [w for w in self.order if w != self.colocated]
@@ -201,26 +204,56 @@ class AggCall:
     def post_headers(self, inbox: Inbox) -> None:
         for w in self._remote():
             inbox.post(("hdr", w), 8 * HDR, w, TAG_HDR_UP)
+            inbox.ready(("hdr", w))   # (starts watching it: a later poll sees it arrived)
 
-    def take_headers(self, inbox: Inbox, post_blocks: bool = True) -> None:
+    def take_early(self, inbox: Inbox, ref: np.ndarray) -> None:
+        """Colocated, while the hosting worker still scans: take the remote headers already in; one that
+        is well-formed and agrees with the hosting worker's own call (``ref``, its header) has its
+        round-0 receives posted at once (their sizes are bounded by this worker's own tensor), so that
+        its blocks travel while this endpoint works (gloo sends a message only to a posted receive)."""
+        for w in self._remote():
+            if w in self._early or not inbox.ready(("hdr", w)):
+                continue
+            h = inbox.take(("hdr", w)).view(torch.int64).numpy().copy()
+            self._early[w] = h
+            if (wire.validate_header(h, self.n, self.index, True) is None
+                    and all(int(h[f]) == int(ref[f]) for f in wire.AGREE)):
+                self._chans_of[w] = wire.plan_from_header(h)[self.index]
+                self._post_round0(inbox, w, h)
+                self._posted.add(w)
+
+    def _post_round0(self, inbox: Inbox, w: int, h: np.ndarray) -> None:
+        """Post worker ``w``'s round-0 receives: every channel's (small) first look-aheads, then its
+        position-0 blocks (a pair's messages on one tag arrive in the order they were sent)."""
+        up = wire.code_dtype(h[wire.F_DTYPE])
+        for ch in self._chans_of[w]:
+            inbox.post(("firsts", w, ch.slot), wire.meta_bytes(ch), w, tag_up(ch.slot))
+        for ch in self._chans_of[w]:
+            k0 = int(h[wire.F_K0 + ch.slot])
+            if k0:
+                inbox.post(("blocks0", w, ch.slot), wire.block_bytes(
+                    k0, int(h[wire.F_BLOCK]), up.itemsize, meta=not wire.single(ch)), w, tag_up(ch.slot))
+
+    def take_headers(self, inbox: Inbox) -> None:
         """Take every header and validate it (:func:`wire.validate_header`: against the world size, this
         aggregator's index and the protocol limits) before planning anything from it; check agreement;
         then post every round-0 receive (their sizes are in the headers: each worker's layout, and its
         position-0 blocks per channel). A malformed header gets a ``MALFORMED`` verdict (every worker
         raises :class:`~sparsecomm.errors.MalformedMessage`) and nothing of that worker is received;
         after a disagreement, the workers' round-0 messages are drained only where their announced size
-        is bounded (:data:`wire.DRAIN_SLACK_BYTES`). ``post_blocks=False``: the position-0 blocks'
-        receives wait for :meth:`post_blocks0` (colocated, see there)."""
-        self._blocks0 = []
+        is bounded (:data:`wire.DRAIN_SLACK_BYTES`). Workers whose receives :meth:`take_early` posted
+        are drained in any case."""
         bad = None
         for w in self.order:
-            h = inbox.take(("hdr", w)).view(torch.int64).numpy().copy()
+            h = self._early[w] if w in self._early else inbox.take(("hdr", w)).view(torch.int64).numpy().copy()
             self.headers[w] = h
             why = wire.validate_header(h, self.n, self.index, self.colocated is not None)
             if why is not None and bad is None:
                 bad = (w, why[0], int(h[why[0]]) if why[0] < HDR else 0)
         valid = [w for w in self.order if bad is None or w != bad[0]]
         for w in valid:
+            if w in self._posted:
+                continue
             if wire.validate_header(self.headers[w], self.n, self.index, self.colocated is not None) is None:
                 self._chans_of[w] = wire.plan_from_header(self.headers[w])[self.index]
             else:
@@ -238,40 +271,19 @@ class AggCall:
                                                                 self.colocated is not None) is None]
             sizes = {w: wire.round0_bytes(self.headers[w], self.index) for w in ok}
             cap = 2 * min(sizes.values(), default=0) + wire.DRAIN_SLACK_BYTES
-            self._drain = {w for w in ok if sizes[w] <= cap}
+            self._drain = {w for w in ok if sizes[w] <= cap} | self._posted
         self.status = int(self.reply_hdr[wire.R_STATUS])
         for w in self.order:
-            if w == self.colocated or w not in self._drain:
+            if w == self.colocated or w not in self._drain or w in self._posted:
                 continue
-            h = self.headers[w]
-            up = wire.code_dtype(h[wire.F_DTYPE])
-            # every channel's (small) first look-aheads before any blocks: a real fabric moves a
-            # pair's messages in the order their receives are posted, and the verdict needs them all
-            for ch in self._chans_of[w]:
-                inbox.post(("firsts", w, ch.slot), wire.meta_bytes(ch), w, tag_up(ch.slot))
-            for ch in self._chans_of[w]:
-                k0 = int(h[wire.F_K0 + ch.slot])
-                if k0:
-                    self._blocks0.append((("blocks0", w, ch.slot), wire.block_bytes(
-                        k0, int(h[wire.F_BLOCK]), up.itemsize, meta=not wire.single(ch)), w, tag_up(ch.slot)))
-        if post_blocks:
-            self.post_blocks0(inbox)
+            self._post_round0(inbox, w, self.headers[w])
+            self._posted.add(w)
         if self.status == OK:
             h = self.headers[0]
             up = wire.code_dtype(h[wire.F_DTYPE])
             down = wire.code_dtype(self.reply_hdr[wire.R_DOWN_DTYPE])
             self.channels = [AggChannel(ch, self.n, int(h[wire.F_BLOCK]), up, wire.accumulate_dtype(up), down)
                              for ch in wire.plan_from_header(h)[self.index]]
-
-    def post_blocks0(self, inbox: Inbox) -> None:
-        """Post the receives of the workers' position-0 blocks (the bulk of a one-round call).
-
-        A real fabric moves a pair's messages in one stream, each once its receive is posted; a
-        colocated worker posts these only after every aggregator's verdict has reached it, so that a
-        peer's verdict to it is not queued behind that peer's blocks to its aggregator (tens of MB)."""
-        for key, nbytes, w, tag in self._blocks0:
-            inbox.post(key, nbytes, w, tag)
-        self._blocks0 = []
 
     def reply(self, outbox: Outbox) -> torch.Tensor:
         """The reply header (the same for every worker): the verdict and, after :meth:`prepare`, the
@@ -284,7 +296,6 @@ class AggCall:
 
     def drain(self, inbox: Inbox) -> None:
         """After a failed validation: consume every worker's round-0 channel messages."""
-        self.post_blocks0(inbox)
         for w in self._remote():
             if w not in self._drain:
                 continue

@@ -68,6 +68,11 @@ class Inbox:
         """The pending receive of ``key`` (``None`` if it was put locally); ``KeyError`` if none."""
         return self._box[key][0]
 
+    def ready(self, key) -> bool:
+        """Has the message of ``key`` arrived (or been put locally)?"""
+        work = self._box[key][0]
+        return work is None or work.is_completed()
+
     def take(self, key) -> torch.Tensor:
         work, buf = self._box.pop(key)
         if work is not None:

@@ -9,9 +9,9 @@ every active lane's sum and its next pending block (Fei et al., SIGCOMM'21, Sec.
 Order of work (the same on every endpoint, which is what makes it deadlock-free when every worker also
 hosts an aggregator): round 0 -- every worker first sends everything (a header per aggregator, every
 channel's first look-aheads, then its position-0 blocks; colocated, aggregator by aggregator, each as
-soon as its range is scanned), then the hosted aggregator validates the headers, then every
-aggregator's verdict is taken (only then does a colocated worker post the receives of its peers'
-blocks, see :meth:`.aggregator.AggCall.post_blocks0`); then passes ``p = 0, 1, ...``, pass ``p``
+soon as its range is scanned; after each, the hosted aggregator posts the round-0 receives of the
+peers whose headers are in, :meth:`.aggregator.AggCall.take_early`), then the hosted aggregator
+validates the headers, then every aggregator's verdict is taken; then passes ``p = 0, 1, ...``, pass ``p``
 running round ``p`` of every active channel slot by slot: the hosted aggregator's step of that slot's
 channel, then the replies of every aggregator for that slot. With dedicated aggregators the replies are
 taken in whichever order they arrive (:meth:`~sparsecomm.fabric.base.Fabric.wait_any`; the pass order
@@ -227,9 +227,14 @@ def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: l
         agg.post_headers(inbox)
         # colocated: each remote aggregator's round 0 leaves as soon as its range is scanned, the hosted
         # one (no message) last, so the transfers overlap the rest of the scan
-        for a in visit[1:] + [own]:
+        # after each, the remote headers already in have their blocks' receives posted (take_early)
+        ref = spec.header(n).numpy()
+        for a in visit[1:]:
             scan(a)
             send_round0([a])
+            agg.take_early(inbox, ref)
+        scan(own)
+        send_round0([own])
     else:
         for a in visit:
             scan(a)
@@ -238,7 +243,7 @@ def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: l
     # ---- the hosted aggregator validates the headers; every aggregator's verdict; every round-0 reply
     # receive posted at once (the verdict carries the number of position-0 sums of every channel)
     if agg is not None:
-        agg.take_headers(inbox, post_blocks=False)
+        agg.take_headers(inbox)
         if agg.status == OK:
             agg.prepare(inbox)
         reply = agg.reply(outbox)
@@ -267,8 +272,6 @@ def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: l
                 sums0[a, ch.slot] = k
         except MalformedMessage as exc:
             raise _fail(fabric, exc) from None
-    if agg is not None:    # (after every verdict is in: see AggCall.post_blocks0)
-        agg.post_blocks0(inbox)
     if error is not None:
         if not (int(error[wire.R_STATUS]) == wire.MALFORMED and int(error[wire.R_WMIN]) == rank):
             outbox.reap(0)   # (a worker whose header was rejected: nothing of it is received, no wait)
