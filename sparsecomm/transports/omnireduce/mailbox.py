@@ -68,6 +68,10 @@ class Inbox:
         """The pending receive of ``key`` (``None`` if it was put locally); ``KeyError`` if none."""
         return self._box[key][0]
 
+    def has(self, key) -> bool:
+        """Is a receive of ``key`` posted, or its message put here?"""
+        return key in self._box
+
     def ready(self, key) -> bool:
         """Has the message of ``key`` arrived (or been put locally)?"""
         work = self._box[key][0]

@@ -39,7 +39,7 @@ from ...errors import MalformedMessage
 from ...fabric.base import Fabric
 from .._handshake import _fail
 from . import wire
-from .aggregator import AggCall, ProtocolError
+from .aggregator import AggCall, ProtocolError, _pending, _round_keys
 from .mailbox import Inbox, Outbox, Pool
 from .wire import HDR, OK, TAG_HDR_DOWN, TAG_HDR_UP, tag_down, tag_up
 
@@ -130,6 +130,10 @@ class CallSpec:
         return h
 
 
+#: pieces a scan is cut into, with a look at the inbox between them (colocated; see ``scan``)
+SCAN_PIECES = 8
+
+
 def agg_order(rank: int, num_aggregators: int) -> list[int]:
     """The order in which a worker visits the aggregators: ``rank-1, rank-2, ...`` (mod ``A``), the
     order in which their replies reach it (each aggregator serves the workers ``a+1, a+2, ...``)."""
@@ -191,11 +195,17 @@ def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: l
         else:
             outbox.send(buf, aggregators[a], tag_up(c.ch.slot), key=key)
 
-    def scan(a: int) -> None:
-        """Find this worker's non-zero blocks in aggregator ``a``'s range; set up its channels."""
+    def scan(a: int, poll=None) -> None:
+        """Find this worker's non-zero blocks in aggregator ``a``'s range; set up its channels.
+        ``poll``: called between pieces of the scan (so that receives are posted while it runs)."""
         chans = plans[a]
         if chans:
-            source.scan(chans[0].lo, chans[-1].lo + chans[-1].size)
+            lo, hi = chans[0].lo, chans[-1].lo + chans[-1].size
+            step = hi - lo if poll is None else max(1, -(-(hi - lo) // SCAN_PIECES))
+            for s in range(lo, hi, step):
+                source.scan(s, min(hi, s + step))
+                if poll is not None:
+                    poll()
         for ch in chans:
             wch[a, ch.slot] = WorkerChannel(ch, source.mask)
 
@@ -229,11 +239,15 @@ def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: l
         # one (no message) last, so the transfers overlap the rest of the scan
         # after each, the remote headers already in have their blocks' receives posted (take_early)
         ref = spec.header(n).numpy()
-        for a in visit[1:]:
-            scan(a)
-            send_round0([a])
+
+        def poll() -> None:
             agg.take_early(inbox, ref)
-        scan(own)
+
+        for a in visit[1:]:
+            scan(a, poll)
+            send_round0([a])
+            poll()
+        scan(own, poll)
         send_round0([own])
     else:
         for a in visit:
@@ -324,11 +338,6 @@ def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: l
             if a != own:
                 inbox.post(("down", a, g), c.down_bytes(bs, down), aggregators[a], tag_down(g))
 
-    # ---- pass p runs round p of every active channel, slot by slot: the hosted aggregator's step of
-    # that slot's channel, then the replies of every aggregator for that slot, in the order they arrive
-    # (each aggregator serves its channels in slot order and each channel's workers in the order
-    # a+1, a+2, ...: worker ``rank`` hears from ``rank-1, rank-2, ...`` first).
-    aggch = {c.slot: c for c in agg.channels} if agg is not None else {}
     if agg is None:
         # dedicated aggregators: the replies in the pass order below (round, slot, aggregator) while
         # they are there, else whichever arrives first (Fabric.wait_any), so a late aggregator does not
@@ -345,20 +354,34 @@ def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: l
                 break
             keys = [("words" if c.round == 1 else "down", a, c.ch.slot) for a, c in live]
             worker_step(*live[fabric.wait_any([inbox.work(k) for k in keys])])
-    while agg is not None:
-        outbox.reap()
-        busy = False
-        for g in range(G):
-            ac = aggch.get(g)
-            if ac is not None and ac.active:
-                busy = True
-                agg.step(ac, inbox, outbox, rank)
-            for a in visit:
-                c = wch.get((a, g))
-                if c is not None and c.active:
-                    busy = True
-                    worker_step(a, c)
-        if not busy:
-            break
+    if agg is not None:
+        # colocated: one event-driven loop over the hosted aggregator's channel rounds and this worker's
+        # replies. A step is a candidate once its messages are posted or put here (a local one exists
+        # only after the step that makes it); among the candidates the first in preference order whose
+        # messages are in runs (Fabric.wait_any): the aggregator's rounds first (others wait for their
+        # sums), then the replies by (round, slot, visit order). Deadlock-free: every step waits only
+        # for messages sent by steps before it (an aggregator's round r for the up-messages its holders
+        # send on receipt of round r-1; a reply for the aggregator round before it), every send is
+        # asynchronous, and the loop never waits for one step while another could run.
+        pos = {a: i for i, a in enumerate(visit)}
+        while True:
+            outbox.reap()
+            # (a round of the hosted aggregator waits until this worker has taken the previous round's
+            # reply, handed over here: it would replace it, and reuse its buffer a round later)
+            cands = [(ac, None, _round_keys(ac)) for ac in sorted(
+                (ac for ac in agg.channels if ac.active and not inbox.has(("words", own, ac.slot))
+                 and not inbox.has(("down", own, ac.slot))), key=lambda ac: (ac.round, ac.slot))]
+            cands += [(c, a, [("words" if c.round == 1 else "down", a, c.ch.slot)]) for a, c in sorted(
+                ((a, c) for (a, _), c in wch.items() if c.active), key=lambda ac: (ac[1].round, ac[1].ch.slot, pos[ac[0]]))]
+            if not cands:
+                break
+            ready = [(x, a, keys) for x, a, keys in cands if all(inbox.has(k) for k in keys)]
+            if not ready:
+                raise ProtocolError("omnireduce: no step of this call can run (a bug)")
+            x, a, keys = ready[fabric.wait_any([_pending(inbox, keys) for _, _, keys in ready])]
+            if a is None:
+                agg.step(x, inbox, outbox, rank)
+            else:
+                worker_step(a, x)
     outbox.reap(0)
     return result, down
