@@ -25,7 +25,7 @@ from ...fabric.base import Fabric
 from . import wire
 from .blocks import block_run
 from .mailbox import Inbox, Outbox, Pool
-from .wire import HDR, OK, TAG_HDR_UP, tag_down, tag_up
+from .wire import HDR, OK, TAG_HDR_UP, Buf, Key, Msg, tag_down, tag_up
 
 
 class ProtocolError(SparseCommError, RuntimeError):
@@ -102,7 +102,7 @@ class AggChannel:
 
     def begin(self, outbox: "Outbox") -> None:
         """Place the round's sums in a pooled downstream message (double-buffered across rounds)."""
-        key = ("down", self.slot, self.round % 2)
+        key = Buf(Msg.DOWN, slot=self.slot, parity=self.round % 2)
         if self.home is not None:   # the sums accumulate in place; the message is made by finish
             self._outbox, self._key = outbox, key
             self.msg = self.data = self.tail = None
@@ -203,8 +203,8 @@ class AggCall:
     # ------------------------------------------------------------------ round 0
     def post_headers(self, inbox: Inbox) -> None:
         for w in self._remote():
-            inbox.post(("hdr", w), 8 * HDR, w, TAG_HDR_UP)
-            inbox.ready(("hdr", w))   # (starts watching it: a later poll sees it arrived)
+            inbox.post(Key(Msg.HDR, w), 8 * HDR, w, TAG_HDR_UP)
+            inbox.ready(Key(Msg.HDR, w))   # (starts watching it: a later poll sees it arrived)
 
     def take_early(self, inbox: Inbox, ref: np.ndarray) -> None:
         """Colocated, while the hosting worker still scans: take the remote headers already in; one that
@@ -212,9 +212,9 @@ class AggCall:
         round-0 receives posted at once (their sizes are bounded by this worker's own tensor), so that
         its blocks travel while this endpoint works (gloo sends a message only to a posted receive)."""
         for w in self._remote():
-            if w in self._early or not inbox.ready(("hdr", w)):
+            if w in self._early or not inbox.ready(Key(Msg.HDR, w)):
                 continue
-            h = inbox.take(("hdr", w)).view(torch.int64).numpy().copy()
+            h = inbox.take(Key(Msg.HDR, w)).view(torch.int64).numpy().copy()
             self._early[w] = h
             if (wire.validate_header(h, self.n, self.index, True) is None
                     and all(int(h[f]) == int(ref[f]) for f in wire.AGREE)):
@@ -227,11 +227,11 @@ class AggCall:
         position-0 blocks (a pair's messages on one tag arrive in the order they were sent)."""
         up = wire.code_dtype(h[wire.F_DTYPE])
         for ch in self._chans_of[w]:
-            inbox.post(("firsts", w, ch.slot), wire.meta_bytes(ch), w, tag_up(ch.slot))
+            inbox.post(Key(Msg.FIRSTS, w, ch.slot), wire.meta_bytes(ch), w, tag_up(ch.slot))
         for ch in self._chans_of[w]:
             k0 = int(h[wire.F_K0 + ch.slot])
             if k0:
-                inbox.post(("blocks0", w, ch.slot), wire.block_bytes(
+                inbox.post(Key(Msg.BLOCKS0, w, ch.slot), wire.block_bytes(
                     k0, int(h[wire.F_BLOCK]), up.itemsize, meta=not wire.single(ch)), w, tag_up(ch.slot))
 
     def take_headers(self, inbox: Inbox) -> None:
@@ -245,7 +245,7 @@ class AggCall:
         are drained in any case."""
         bad = None
         for w in self.order:
-            h = self._early[w] if w in self._early else inbox.take(("hdr", w)).view(torch.int64).numpy().copy()
+            h = self._early[w] if w in self._early else inbox.take(Key(Msg.HDR, w)).view(torch.int64).numpy().copy()
             self.headers[w] = h
             why = wire.validate_header(h, self.n, self.index, self.colocated is not None)
             if why is not None and bad is None:
@@ -290,7 +290,7 @@ class AggCall:
         number of position-0 sums of every channel (so that the workers post their receives at once)."""
         for c in self.channels:
             self.reply_hdr[wire.R_K + c.slot] = c.k
-        buf = outbox.pool.get(("out", "reply"), 8 * HDR)
+        buf = outbox.pool.get(("out", Buf(Msg.REPLY)), 8 * HDR)
         buf.view(torch.int64).copy_(torch.from_numpy(self.reply_hdr))
         return buf
 
@@ -300,16 +300,16 @@ class AggCall:
             if w not in self._drain:
                 continue
             for ch in self._chans_of[w]:
-                inbox.take(("firsts", w, ch.slot))
+                inbox.take(Key(Msg.FIRSTS, w, ch.slot))
                 if int(self.headers[w][wire.F_K0 + ch.slot]):
-                    inbox.take(("blocks0", w, ch.slot))
+                    inbox.take(Key(Msg.BLOCKS0, w, ch.slot))
 
     def prepare(self, inbox: Inbox) -> None:
         """Take every channel's first look-aheads (small, sent before anything else): each channel's
         round-0 pending blocks and holders are then known."""
         for c in self.channels:
             for w in self.order:
-                c.set_firsts(w, inbox.take(("firsts", w, c.slot)))
+                c.set_firsts(w, inbox.take(Key(Msg.FIRSTS, w, c.slot)))
             counts = c.expect()
             if any(int(counts[w]) != int(self.headers[w][wire.F_K0 + c.slot]) for w in self.order):
                 raise ProtocolError("omnireduce: round-0 blocks do not match their look-aheads")
@@ -327,7 +327,7 @@ class AggCall:
         for w in self._remote():
             k = int(counts[w])
             if k:
-                inbox.post(("up", c.slot, w), wire.block_bytes(k, c.bs, c.up.itemsize), w, tag_up(c.slot))
+                inbox.post(Key(Msg.UP, w, c.slot), wire.block_bytes(k, c.bs, c.up.itemsize), w, tag_up(c.slot))
 
     def step(self, c: AggChannel, inbox: Inbox, outbox: Outbox, rank: int | None = None) -> None:
         """One round of channel ``c``: add every holder's blocks (the smallest messages first: they
@@ -340,7 +340,7 @@ class AggCall:
         for w in sorted(self.order, key=lambda v: c.counts[v]):
             k = int(c.counts[w])
             if k:
-                key = ("blocks0", w, c.slot) if r0 else ("up", c.slot, w)
+                key = Key(Msg.BLOCKS0, w, c.slot) if r0 else Key(Msg.UP, w, c.slot)
                 msg = inbox.take(key)
                 # the hosting worker may hand over (blocks, look-aheads) directly
                 data, looks = msg if isinstance(msg, tuple) else wire.split(msg, k, c.bs, c.up, meta=not single)
@@ -353,18 +353,18 @@ class AggCall:
             words, sums = out
             for w in self.order:
                 if w == rank:
-                    inbox.put(("words", self.index, c.slot), words)
+                    inbox.put(Key(Msg.WORDS, self.index, c.slot), words)
                     if sums is not None:   # (None: already in place in the hosting worker's result)
-                        inbox.put(("sums0", self.index, c.slot), None if c.home is not None else sums)
+                        inbox.put(Key(Msg.SUMS0, self.index, c.slot), None if c.home is not None else sums)
                 else:
                     outbox.send(words, w, tag)
                     if sums is not None:
-                        outbox.send(sums, w, tag, key=("down", c.slot, 0))
+                        outbox.send(sums, w, tag, key=Buf(Msg.DOWN, slot=c.slot, parity=0))
             return
-        key = ("down", c.slot, (c.round - 1) % 2)
+        key = Buf(Msg.DOWN, slot=c.slot, parity=(c.round - 1) % 2)
         for w in self.order:
             if w == rank:
-                inbox.put(("down", self.index, c.slot), out)
+                inbox.put(Key(Msg.DOWN, self.index, c.slot), out)
             else:
                 outbox.send(out, w, tag, key=key)
 
@@ -387,8 +387,8 @@ def _round_keys(c: "AggChannel") -> list:
     """The inbox keys of channel ``c``'s current round at a dedicated aggregator (as :meth:`AggCall.step`
     takes them): the holders' messages."""
     if c.round == 0:
-        return [("blocks0", w, c.slot) for w in np.flatnonzero(c.counts)]
-    return [("up", c.slot, w) for w in np.flatnonzero(c.counts)]
+        return [Key(Msg.BLOCKS0, w, c.slot) for w in np.flatnonzero(c.counts)]
+    return [Key(Msg.UP, w, c.slot) for w in np.flatnonzero(c.counts)]
 
 
 def serve(fabric: Fabric, index: int) -> None:
@@ -411,7 +411,7 @@ def serve(fabric: Fabric, index: int) -> None:
             call.prepare(inbox)
         reply = call.reply(outbox)
         for w in call.order:
-            outbox.send(reply, w, wire.TAG_HDR_DOWN, key=("reply",))
+            outbox.send(reply, w, wire.TAG_HDR_DOWN, key=Buf(Msg.REPLY))
         if call.status != OK:
             call.drain(inbox)
         else:

@@ -54,7 +54,7 @@ class Inbox:
         self._box: dict = {}
 
     def post(self, key, nbytes: int, src: int, tag: int) -> None:
-        buf = self.pool.get(("in",) + key, nbytes)
+        buf = self.pool.get(("in", key), nbytes)
         self._box[key] = (self.fabric.irecv(buf, src, tag), buf)
 
     def post_into(self, key, buf: torch.Tensor, src: int, tag: int) -> None:
@@ -94,7 +94,7 @@ class Outbox:
 
     def message(self, key, k: int, block_size: int, dtype: torch.dtype, extra: int = 0, meta: bool = True):
         """A pooled block message ``(buffer, blocks view, int32 tail view)``, see :func:`wire.split`."""
-        buf = self.pool.get(("out",) + key, wire.block_bytes(k, block_size, dtype.itemsize, extra, meta))
+        buf = self.pool.get(("out", key), wire.block_bytes(k, block_size, dtype.itemsize, extra, meta))
         data, tail = wire.split(buf, k, block_size, dtype, extra, meta)
         return buf, data, tail
 
@@ -102,7 +102,7 @@ class Outbox:
         wk = self.fabric.isend(buf, dst, tag)
         self.pending.append((wk, buf))
         if key is not None:
-            self.pool.hold(("out",) + key, wk)
+            self.pool.hold(("out", key), wk)
 
     def reap(self, keep: int = 64) -> None:
         """Wait for all but the newest ``keep`` sends."""

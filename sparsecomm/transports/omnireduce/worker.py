@@ -41,7 +41,7 @@ from .._handshake import _fail
 from . import wire
 from .aggregator import AggCall, ProtocolError, _pending, _round_keys
 from .mailbox import Inbox, Outbox, Pool
-from .wire import HDR, OK, TAG_HDR_DOWN, TAG_HDR_UP, tag_down, tag_up
+from .wire import HDR, OK, TAG_HDR_DOWN, TAG_HDR_UP, Buf, Key, Msg, tag_down, tag_up
 
 
 class WorkerChannel:
@@ -215,23 +215,23 @@ def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: l
         for a in aggs:
             hdr = spec.header(n, {ch.slot: wch[a, ch.slot].pending0() for ch in plans[a]}).view(torch.uint8)
             if a == own:
-                inbox.put(("hdr", rank), hdr)
+                inbox.put(Key(Msg.HDR, rank), hdr)
             else:
                 outbox.send(hdr, aggregators[a], TAG_HDR_UP)
-                inbox.post(("reply", a), 8 * HDR, aggregators[a], TAG_HDR_DOWN)
+                inbox.post(Key(Msg.REPLY, a), 8 * HDR, aggregators[a], TAG_HDR_DOWN)
         for g in range(G):     # all first look-aheads (small) before any block
             for a in aggs:
                 c = wch.get((a, g))
                 if c is not None:
                     firsts = wire.encode_firsts(c.mine, c.ch)
                     if a == own:
-                        inbox.put(("firsts", rank, g), firsts)
+                        inbox.put(Key(Msg.FIRSTS, rank, g), firsts)
                     else:
                         outbox.send(firsts, aggregators[a], tag_up(g))
         for g in range(G):
             for a in sorted(aggs, key=lambda a: -wch[a, g].pending0() if (a, g) in wch else 0):
                 if (a, g) in wch:
-                    send_blocks(("up0", a, g), a, wch[a, g], ("blocks0", rank, g))
+                    send_blocks(Buf(Msg.BLOCKS0, a, g), a, wch[a, g], Key(Msg.BLOCKS0, rank, g))
 
     if agg is not None:
         agg.post_headers(inbox)
@@ -263,16 +263,16 @@ def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: l
         reply = agg.reply(outbox)
         for w in agg.order:
             if w == rank:
-                inbox.put(("reply", own), reply)
+                inbox.put(Key(Msg.REPLY, own), reply)
             else:
-                outbox.send(reply, w, TAG_HDR_DOWN, key=("reply",))
+                outbox.send(reply, w, TAG_HDR_DOWN, key=Buf(Msg.REPLY))
         if agg.status != OK:
             agg.drain(inbox)
     error = None
     down = None
     sums0 = {}
     for a in visit:
-        rh = inbox.take(("reply", a)).view(torch.int64).numpy()
+        rh = inbox.take(Key(Msg.REPLY, a)).view(torch.int64).numpy()
         if int(rh[wire.R_STATUS]) != OK:
             error = rh.copy()
             continue
@@ -303,27 +303,27 @@ def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: l
             continue
         for ch in plans[a]:
             tag, k = tag_down(ch.slot), sums0[a, ch.slot]
-            inbox.post(("words", a, ch.slot), wire.meta_bytes(ch), aggregators[a], tag)
+            inbox.post(Key(Msg.WORDS, a, ch.slot), wire.meta_bytes(ch), aggregators[a], tag)
             nbytes = wire.block_bytes(k, bs, down.itemsize, meta=False)
             if (k == ch.size and result.dtype == down and ch.lo + ch.size <= sink.full
                     and nbytes == k * bs * down.itemsize):
                 into_sink.add((a, ch.slot))
-                inbox.post_into(("sums0", a, ch.slot),
+                inbox.post_into(Key(Msg.SUMS0, a, ch.slot),
                                 sink.rows[ch.lo: ch.lo + ch.size].reshape(-1).view(torch.uint8),
                                 aggregators[a], tag)
             elif k:
-                inbox.post(("sums0", a, ch.slot), nbytes, aggregators[a], tag)
+                inbox.post(Key(Msg.SUMS0, a, ch.slot), nbytes, aggregators[a], tag)
 
     def worker_step(a: int, c: WorkerChannel) -> None:
         """Channel ``c``'s reply of this round: write the sums, advance the lanes, send the next round."""
         g = c.ch.slot
         if c.round == 1:       # round 0's reply: lane words, then the position-0 sums
-            newc, summed = wire.decode_words(inbox.take(("words", a, g)), c.ch)
+            newc, summed = wire.decode_words(inbox.take(Key(Msg.WORDS, a, g)), c.ch)
             k = int(summed.sum())
             if k != sums0[a, g]:
                 raise ProtocolError("omnireduce: the round-0 sums do not match their lane words")
             if k:
-                got = inbox.take(("sums0", a, g))
+                got = inbox.take(Key(Msg.SUMS0, a, g))
                 ids = np.flatnonzero(summed) + c.ch.lo
                 if got is None or (a, g) in into_sink:   # summed in place / received in place
                     sink.mark(ids)
@@ -332,11 +332,11 @@ def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: l
                     sink.write(ids, data)
             c.start(newc)
         else:
-            c.down(inbox.take(("down", a, g)), sink, bs, down)
+            c.down(inbox.take(Key(Msg.DOWN, a, g)), sink, bs, down)
         if c.active:
-            send_blocks(("up", a, g, c.round % 2), a, c, ("up", g, rank))
+            send_blocks(Buf(Msg.UP, a, g, c.round % 2), a, c, Key(Msg.UP, rank, g))
             if a != own:
-                inbox.post(("down", a, g), c.down_bytes(bs, down), aggregators[a], tag_down(g))
+                inbox.post(Key(Msg.DOWN, a, g), c.down_bytes(bs, down), aggregators[a], tag_down(g))
 
     if agg is None:
         # dedicated aggregators: the replies in the pass order below (round, slot, aggregator) while
@@ -352,7 +352,7 @@ def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: l
             live = sorted(((a, c) for a, c in live if c.active), key=lambda ac: (ac[1].round, rank_of[id(ac[1])]))
             if not live:
                 break
-            keys = [("words" if c.round == 1 else "down", a, c.ch.slot) for a, c in live]
+            keys = [Key(Msg.WORDS if c.round == 1 else Msg.DOWN, a, c.ch.slot) for a, c in live]
             worker_step(*live[fabric.wait_any([inbox.work(k) for k in keys])])
     if agg is not None:
         # colocated: one event-driven loop over the hosted aggregator's channel rounds and this worker's
@@ -369,9 +369,9 @@ def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: l
             # (a round of the hosted aggregator waits until this worker has taken the previous round's
             # reply, handed over here: it would replace it, and reuse its buffer a round later)
             cands = [(ac, None, _round_keys(ac)) for ac in sorted(
-                (ac for ac in agg.channels if ac.active and not inbox.has(("words", own, ac.slot))
-                 and not inbox.has(("down", own, ac.slot))), key=lambda ac: (ac.round, ac.slot))]
-            cands += [(c, a, [("words" if c.round == 1 else "down", a, c.ch.slot)]) for a, c in sorted(
+                (ac for ac in agg.channels if ac.active and not inbox.has(Key(Msg.WORDS, own, ac.slot))
+                 and not inbox.has(Key(Msg.DOWN, own, ac.slot))), key=lambda ac: (ac.round, ac.slot))]
+            cands += [(c, a, [Key(Msg.WORDS if c.round == 1 else Msg.DOWN, a, c.ch.slot)]) for a, c in sorted(
                 ((a, c) for (a, _), c in wch.items() if c.active), key=lambda ac: (ac[1].round, ac[1].ch.slot, pos[ac[0]]))]
             if not cands:
                 break
