@@ -17,19 +17,16 @@ deployment, interleaved with the hosting worker's own loop (:func:`.worker.run_w
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
-from ...errors import SparseCommError
 from ...fabric.base import Fabric
 from . import wire
 from .blocks import block_run
-from .mailbox import Inbox, Outbox, Pool
-from .wire import HDR, OK, TAG_HDR_UP, Buf, Key, Msg, tag_down, tag_up
-
-
-class ProtocolError(SparseCommError, RuntimeError):
-    """An internal invariant of the stream broke (a bug or a corrupted message, never a user error)."""
+from .mailbox import Inbox, Outbox, Pool, Step, drive
+from .wire import HDR, OK, ProtocolError, TAG_HDR_UP, Buf, Key, Msg, tag_down, tag_up
 
 
 class AggChannel:
@@ -369,20 +366,6 @@ class AggCall:
                 outbox.send(out, w, tag, key=key)
 
 
-def _pending(inbox: Inbox, keys) -> list:
-    """The receives of ``keys`` posted in ``inbox`` that have not completed yet."""
-    out = []
-    for k in keys:
-        try:
-            work = inbox.work(k)
-        except KeyError:
-            raise ProtocolError(f"omnireduce: no receive posted for {k!r} (serve's keys are out of step "
-                                f"with AggCall)") from None
-        if work is not None and not work.is_completed():
-            out.append(work)
-    return out
-
-
 def _round_keys(c: "AggChannel") -> list:
     """The inbox keys of channel ``c``'s current round at a dedicated aggregator (as :meth:`AggCall.step`
     takes them): the holders' messages."""
@@ -394,8 +377,8 @@ def _round_keys(c: "AggChannel") -> list:
 def serve(fabric: Fabric, index: int) -> None:
     """Dedicated aggregator ``index``: serve calls until the run ends (ServiceShutdown ends the loop).
 
-    Event-driven: the channel served next is the first, in (round, slot) order, whose round's
-    messages are all in by the time the first such round is (:meth:`Fabric.wait_any`), so a channel
+    Event-driven (:func:`.mailbox.drive`): the channel served next is the first, in (round, slot) order,
+    whose round's messages are all in by the time the first such round is, so a channel
     whose holders are late does not hold back the replies of the others. Deadlock-free as the fixed
     order was: a channel's round only waits for messages its holders send on receipt of the previous
     round's reply, which has been sent.
@@ -415,11 +398,7 @@ def serve(fabric: Fabric, index: int) -> None:
         if call.status != OK:
             call.drain(inbox)
         else:
-            chans = call.schedule()
-            while chans:
-                chans.sort(key=lambda c: (c.round, c.slot))
-                c = chans[fabric.wait_any([_pending(inbox, _round_keys(c)) for c in chans])]
-                call.step(c, inbox, outbox)
-                outbox.reap()
-                chans = [c for c in chans if c.active]
+            drive(fabric, inbox, outbox, lambda: [
+                Step(_round_keys(c), functools.partial(call.step, c, inbox, outbox))
+                for c in sorted(call.schedule(), key=lambda c: (c.round, c.slot))])
         outbox.reap(0)

@@ -6,12 +6,14 @@ here knows the protocol, only ``(key, buffer)`` pairs on a :class:`~sparsecomm.f
 
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import torch
 
 from ...fabric.base import Fabric
 from . import wire
 
-__all__ = ["Inbox", "Outbox", "Pool"]
+__all__ = ["Inbox", "Outbox", "Pool", "Step", "drive"]
 
 
 class Pool:
@@ -77,6 +79,15 @@ class Inbox:
         work = self._box[key][0]
         return work is None or work.is_completed()
 
+    def pending(self, keys) -> list:
+        """The receives of ``keys`` (each posted or put) that have not completed yet."""
+        out = []
+        for k in keys:
+            work = self._box[k][0]
+            if work is not None and not work.is_completed():
+                out.append(work)
+        return out
+
     def take(self, key) -> torch.Tensor:
         work, buf = self._box.pop(key)
         if work is not None:
@@ -113,3 +124,32 @@ class Outbox:
             del self.pending[:cut]
         if keep == 0:
             self.pool.release()
+
+
+class Step(NamedTuple):
+    """A step an endpoint can take: the inbox keys of the messages it waits for (it is a candidate once
+    every one is posted or put), and what it does then."""
+
+    keys: list
+    run: Callable[[], None]
+
+
+def drive(fabric: Fabric, inbox: Inbox, outbox: Outbox, steps: Callable[[], list], keep: int = 64) -> None:
+    """The one scheduler of an endpoint's rounds: until ``steps()`` (the candidates, in order of
+    preference) is empty, run the first candidate whose messages are in by the time the first one is
+    (:meth:`Fabric.wait_any`), finishing all but ``keep`` of the sends first.
+
+    It never blocks on one step while another could run; with steps that each wait only for messages
+    sent by earlier steps (of any endpoint) and asynchronous sends, no cycle of waits can form.
+    """
+    from .wire import ProtocolError
+
+    while True:
+        outbox.reap(keep)
+        cands = steps()
+        if not cands:
+            return
+        ready = [st for st in cands if all(inbox.has(k) for k in st.keys)]
+        if not ready:
+            raise ProtocolError("omnireduce: no step of this call can run (a bug)")
+        ready[fabric.wait_any([inbox.pending(st.keys) for st in ready])].run()

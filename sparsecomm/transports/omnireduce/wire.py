@@ -40,7 +40,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ...errors import MalformedMessage, MismatchError, OverflowError_
+from ...errors import MalformedMessage, MismatchError, OverflowError_, SparseCommError
 from .._handshake import dtype_code as _hs_dtype_code
 from .._handshake import dtype_from_code as _hs_dtype_from_code
 from .._handshake import _error as _mismatch
@@ -50,6 +50,10 @@ MAX_CHANNELS = 16
 HDR = 12 + MAX_CHANNELS    # int64 fields: 12 scalars, then one count per channel (slot)
 TAG_HDR_UP = 0x4F4F01     # round-0 header, worker -> aggregator
 TAG_HDR_DOWN = 0x4F4F02   # round-0 reply header, aggregator -> worker
+
+
+class ProtocolError(SparseCommError, RuntimeError):
+    """An internal invariant of the stream broke (a bug or a corrupted message, never a user error)."""
 
 
 class Msg(IntEnum):

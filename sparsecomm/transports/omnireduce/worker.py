@@ -6,21 +6,22 @@ aggregator (``cur``). In each round it sends, fused in one message per channel, 
 block it holds, each with the look-ahead of its next non-zero block in that lane; the reply carries
 every active lane's sum and its next pending block (Fei et al., SIGCOMM'21, Sec. 3.2).
 
-Order of work (the same on every endpoint, which is what makes it deadlock-free when every worker also
-hosts an aggregator): round 0 -- every worker first sends everything (a header per aggregator, every
-channel's first look-aheads, then its position-0 blocks; colocated, aggregator by aggregator, each as
-soon as its range is scanned; after each, the hosted aggregator posts the round-0 receives of the
-peers whose headers are in, :meth:`.aggregator.AggCall.take_early`), then the hosted aggregator
-validates the headers, then every aggregator's verdict is taken; then passes ``p = 0, 1, ...``, pass ``p``
-running round ``p`` of every active channel slot by slot: the hosted aggregator's step of that slot's
-channel, then the replies of every aggregator for that slot. With dedicated aggregators the replies are
-taken in whichever order they arrive (:meth:`~sparsecomm.fabric.base.Fabric.wait_any`; the pass order
-among those already in). A step only waits for messages sent at strictly earlier steps (an
+Order of work (what makes it deadlock-free when every worker also hosts an aggregator): round 0 --
+every worker first sends everything (a header per aggregator, every channel's first look-aheads, then
+its position-0 blocks; colocated, aggregator by aggregator, each as soon as its range is scanned; while
+it scans, the hosted aggregator posts the round-0 receives of the peers whose headers are in,
+:meth:`.aggregator.AggCall.take_early`, so that their blocks travel meanwhile: gloo sends a message
+only to a posted receive), then the hosted aggregator validates the headers and replies, then every
+aggregator's verdict is taken. Then one event-driven loop: the candidates are the hosted aggregator's
+next round of every active channel and this worker's next reply of every active channel; among those
+whose messages are posted (or handed over locally), the first in preference order whose messages are
+in runs (:meth:`~sparsecomm.fabric.base.Fabric.wait_any`; aggregator rounds first, then replies by
+round, slot and visit order). A step only waits for messages sent at strictly earlier steps (an
 aggregator's round ``p`` needs the up-messages sent on receipt of round ``p-1``; a reply needs the
-aggregator step before it), and every send is asynchronous, so no cycle of waits can form, whatever
-the fabric's buffering. Every channel has its own tags, carrying its rounds in order; receives are
-posted one round ahead, as soon as their size is known, so a real fabric moves the data while the
-endpoint works on other channels.
+aggregator step before it), every send is asynchronous, and the loop never blocks on one step while
+another could run, so no cycle of waits can form, whatever the fabric's buffering. Every channel has
+its own tags, carrying its rounds in order; receives are posted one round ahead, as soon as their size
+is known, so a real fabric moves the data while the endpoint works on other channels.
 
 In place (``home``), one-round channels move no data they need not: the hosted aggregator sums into
 the input itself, whole-block runs are sent as views of it, and a channel summed everywhere is received
@@ -28,6 +29,8 @@ straight into it.
 """
 
 from __future__ import annotations
+
+import functools
 
 from dataclasses import dataclass
 
@@ -39,9 +42,9 @@ from ...errors import MalformedMessage
 from ...fabric.base import Fabric
 from .._handshake import _fail
 from . import wire
-from .aggregator import AggCall, ProtocolError, _pending, _round_keys
-from .mailbox import Inbox, Outbox, Pool
-from .wire import HDR, OK, TAG_HDR_DOWN, TAG_HDR_UP, Buf, Key, Msg, tag_down, tag_up
+from .aggregator import AggCall, _round_keys
+from .mailbox import Inbox, Outbox, Pool, Step, drive
+from .wire import HDR, OK, ProtocolError, TAG_HDR_DOWN, TAG_HDR_UP, Buf, Key, Msg, tag_down, tag_up
 
 
 class WorkerChannel:
@@ -338,50 +341,33 @@ def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: l
             if a != own:
                 inbox.post(Key(Msg.DOWN, a, g), c.down_bytes(bs, down), aggregators[a], tag_down(g))
 
+    def reply_step(a: int, c: WorkerChannel) -> Step:
+        return Step([Key(Msg.WORDS if c.round == 1 else Msg.DOWN, a, c.ch.slot)], lambda: worker_step(a, c))
+
+    pos = {a: i for i, a in enumerate(visit)}
     if agg is None:
-        # dedicated aggregators: the replies in the pass order below (round, slot, aggregator) while
-        # they are there, else whichever arrives first (Fabric.wait_any), so a late aggregator does not
-        # hold back this worker's next round to the others. The sends are finished first (they would
-        # only queue behind each other): the replies in by then are served in the staggered pass order,
-        # which spreads the next round over the aggregators. Still deadlock-free: every reply waited
-        # for answers an up-message already sent.
-        live = [(a, wch[a, g]) for g in range(G) for a in visit if (a, g) in wch]
-        rank_of = {id(c): i for i, (_, c) in enumerate(live)}
-        while True:
-            outbox.reap(0)
-            live = sorted(((a, c) for a, c in live if c.active), key=lambda ac: (ac[1].round, rank_of[id(ac[1])]))
-            if not live:
-                break
-            keys = [Key(Msg.WORDS if c.round == 1 else Msg.DOWN, a, c.ch.slot) for a, c in live]
-            worker_step(*live[fabric.wait_any([inbox.work(k) for k in keys])])
-    if agg is not None:
-        # colocated: one event-driven loop over the hosted aggregator's channel rounds and this worker's
-        # replies. A step is a candidate once its messages are posted or put here (a local one exists
-        # only after the step that makes it); among the candidates the first in preference order whose
-        # messages are in runs (Fabric.wait_any): the aggregator's rounds first (others wait for their
-        # sums), then the replies by (round, slot, visit order). Deadlock-free: every step waits only
-        # for messages sent by steps before it (an aggregator's round r for the up-messages its holders
-        # send on receipt of round r-1; a reply for the aggregator round before it), every send is
-        # asynchronous, and the loop never waits for one step while another could run.
-        pos = {a: i for i, a in enumerate(visit)}
-        while True:
-            outbox.reap()
-            # (a round of the hosted aggregator waits until this worker has taken the previous round's
-            # reply, handed over here: it would replace it, and reuse its buffer a round later)
-            cands = [(ac, None, _round_keys(ac)) for ac in sorted(
-                (ac for ac in agg.channels if ac.active and not inbox.has(Key(Msg.WORDS, own, ac.slot))
-                 and not inbox.has(Key(Msg.DOWN, own, ac.slot))), key=lambda ac: (ac.round, ac.slot))]
-            cands += [(c, a, [Key(Msg.WORDS if c.round == 1 else Msg.DOWN, a, c.ch.slot)]) for a, c in sorted(
-                ((a, c) for (a, _), c in wch.items() if c.active), key=lambda ac: (ac[1].round, ac[1].ch.slot, pos[ac[0]]))]
-            if not cands:
-                break
-            ready = [(x, a, keys) for x, a, keys in cands if all(inbox.has(k) for k in keys)]
-            if not ready:
-                raise ProtocolError("omnireduce: no step of this call can run (a bug)")
-            x, a, keys = ready[fabric.wait_any([_pending(inbox, keys) for _, _, keys in ready])]
-            if a is None:
-                agg.step(x, inbox, outbox, rank)
-            else:
-                worker_step(a, x)
+        # dedicated aggregators: the replies in (round, slot, visit) order while they are there, else
+        # whichever arrives first, so a late aggregator does not hold back this worker's next round to
+        # the others. The sends are finished first (keep=0: they would only queue behind each other):
+        # the replies in by then are served in the staggered order, which spreads the next round over
+        # the aggregators. Every reply waited for answers an up-message already sent.
+        drive(fabric, inbox, outbox, lambda: [reply_step(a, c) for a, c in sorted(
+            ((a, c) for (a, _), c in wch.items() if c.active), key=lambda ac: (ac[1].round, ac[1].ch.slot, pos[ac[0]]))],
+            keep=0)
+    else:
+        # colocated: the hosted aggregator's channel rounds first (others wait for their sums), then
+        # this worker's replies by (round, slot, visit order). A local message exists only once the step
+        # that makes it has run, so a step is a candidate only then; a round of the hosted aggregator
+        # waits until this worker has taken the previous round's reply handed over here (it would
+        # replace it, and reuse its buffer a round later).
+        def steps() -> list:
+            aggs = sorted((ac for ac in agg.channels if ac.active and not inbox.has(Key(Msg.WORDS, own, ac.slot))
+                           and not inbox.has(Key(Msg.DOWN, own, ac.slot))), key=lambda ac: (ac.round, ac.slot))
+            mine = sorted(((a, c) for (a, _), c in wch.items() if c.active),
+                          key=lambda ac: (ac[1].round, ac[1].ch.slot, pos[ac[0]]))
+            return ([Step(_round_keys(ac), functools.partial(agg.step, ac, inbox, outbox, rank)) for ac in aggs]
+                    + [reply_step(a, c) for a, c in mine])
+
+        drive(fabric, inbox, outbox, steps)
     outbox.reap(0)
     return result, down
