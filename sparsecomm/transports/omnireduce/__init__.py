@@ -179,7 +179,8 @@ class OmniReduce(Transport):
         self._pending = None
         fabric = self.fabric
         if trace.enabled():
-            fabric = trace.TraceFabric(fabric, trace.enabled())
+            self._traced = getattr(self, "_traced", -1) + 1
+            fabric = trace.TraceFabric(fabric, trace.enabled(), self._traced)
         try:
             out = run_worker(fabric, spec, source, make_sink, self.aggregators, self.own, self._pool,
                              home=home)

@@ -1,10 +1,10 @@
 """A per-message trace of OmniReduce calls, off by default (a diagnostic, not part of the protocol).
 
-Set ``SPARSECOMM_OMNIREDUCE_TRACE=DIR`` in the environment of every rank: each call of a worker (and
-each call a dedicated aggregator serves) then runs on a :class:`TraceFabric` wrapped around the
-endpoint's fabric, and writes ``DIR/rank{R}.call{K}.json``: one record per message (``send`` or
+Set ``SPARSECOMM_OMNIREDUCE_TRACE=DIR`` in the environment of every rank: each call of a worker then
+runs on a :class:`TraceFabric` wrapped around the endpoint's fabric (the agreement handshake before it
+and dedicated aggregators are not traced), and writes ``DIR/rank{R}.call{K}.json`` (``K``: the transport's traced calls so far): one record per message (``send`` or
 ``recv``, peer, tag, bytes, when it was posted, when the endpoint first waited for it, when that wait
-ended) and the protocol's marks (:func:`mark`: when an aggregator step starts, a reply is taken, ...).
+ended) and any marks a caller adds (:meth:`TraceFabric.mark`).
 Times are ``time.perf_counter()`` (CLOCK_MONOTONIC: comparable across processes of one machine, e.g. the
 netbed's namespaces). ``python -m sparsecomm.transports.omnireduce.trace DIR`` prints a merged timeline.
 
@@ -15,7 +15,6 @@ the waiting thread's wake-up).
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import sys
@@ -57,11 +56,10 @@ class _Work:
 class TraceFabric:
     """``inner`` with every ``isend``/``irecv`` recorded (everything else delegated)."""
 
-    _calls = itertools.count()
-
-    def __init__(self, inner, directory: str) -> None:
+    def __init__(self, inner, directory: str, call: int = 0) -> None:
         self._inner = inner
         self._dir = directory
+        self._call = call
         self.events: list[dict] = []
         self.marks: list[tuple[float, str]] = []
         self.t_start = time.perf_counter()
@@ -110,18 +108,10 @@ class TraceFabric:
 
     def dump(self, role: str = "worker") -> None:
         os.makedirs(self._dir, exist_ok=True)
-        k = next(self._calls)
-        path = os.path.join(self._dir, f"rank{self._inner.rank}.call{k}.json")
+        path = os.path.join(self._dir, f"rank{self._inner.rank}.call{self._call}.json")
         with open(path, "w") as fh:
             json.dump({"rank": self._inner.rank, "role": role, "start": self.t_start, "end": time.perf_counter(),
                        "events": self.events, "marks": self.marks}, fh)
-
-
-def mark(fabric, label: str) -> None:
-    """Record ``label`` now if ``fabric`` is tracing (a no-op otherwise)."""
-    m = getattr(fabric, "mark", None)
-    if m is not None and isinstance(fabric, TraceFabric):
-        m(label)
 
 
 def report(directory: str, call: int) -> str:
