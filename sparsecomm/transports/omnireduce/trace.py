@@ -2,10 +2,10 @@
 
 Set ``SPARSECOMM_OMNIREDUCE_TRACE=DIR`` in the environment of every rank: each call of a worker then
 runs on a :class:`TraceFabric` wrapped around the endpoint's fabric (the agreement handshake before it
-and dedicated aggregators are not traced), and writes ``DIR/rank{R}.call{K}.json`` (``K``: the transport's traced calls so far): one record per message (``send`` or
-``recv``, peer, tag, bytes, when it was posted, when the endpoint first waited for it, when that wait
-ended) and any marks a caller adds (:meth:`TraceFabric.mark`).
-Times are ``time.perf_counter()`` (CLOCK_MONOTONIC: comparable across processes of one machine, e.g. the
+and dedicated aggregators are not traced), and writes ``DIR/rank{R}.call{K}.json`` (``K``: the
+transport's traced calls so far): one record per message (``send`` or ``recv``, peer, tag, bytes, when
+it was posted, when the endpoint first waited for it, when that wait ended) and any marks a caller adds
+(:meth:`TraceFabric.mark`). Times are ``time.perf_counter()`` (CLOCK_MONOTONIC: comparable across processes of one machine, e.g. the
 netbed's namespaces). ``python -m sparsecomm.transports.omnireduce.trace DIR`` prints a merged timeline.
 
 A receive's ``done`` is when the endpoint learned it had completed: if ``wait0 == done`` (the wait did
