@@ -152,4 +152,7 @@ def drive(fabric: Fabric, inbox: Inbox, outbox: Outbox, steps: Callable[[], list
         ready = [st for st in cands if all(inbox.has(k) for k in st.keys)]
         if not ready:
             raise ProtocolError("omnireduce: no step of this call can run (a bug)")
-        ready[fabric.wait_any([inbox.pending(st.keys) for st in ready])].run()
+        if len(ready) == 1:     # the only step that can run: its own blocking waits (no polling)
+            ready[0].run()
+        else:
+            ready[fabric.wait_any([inbox.pending(st.keys) for st in ready])].run()
