@@ -28,7 +28,10 @@ Payload kinds: ``dense`` (zero blocks skipped; narrower float values travel as t
 value vector, then scatters), ``quantized`` with a shared scale (integer codes summed exactly as
 integers, downstream in the narrowest integer type that holds the sum, then scaled). Workers that
 disagree on the length, dtype, kind, block size or shared indices/scale all raise
-:class:`~sparsecomm.errors.MismatchError` after the first round. The result has the input's dtype:
+:class:`~sparsecomm.errors.MismatchError` after the first round; before it, the workers run the
+agreement handshake every transport runs (:func:`.._handshake.check_agreement`, one fixed-size header
+with the transport's name), so a rank that calls another transport is a ``MismatchError`` naming both
+on every rank, not a timeout. The result has the input's dtype:
 integer sums are exact (the aggregators add in int64) and range-checked against it
 (:class:`~sparsecomm.errors.OverflowError_`, never wrapped). NaN/Inf in a float sum raise
 :class:`~sparsecomm.errors.NonFiniteError` (finite inputs that overflow, ``OverflowError_``) on every
