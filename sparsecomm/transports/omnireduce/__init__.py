@@ -11,6 +11,17 @@ blocks are dealt into lanes, and per lane a worker sends a non-zero block togeth
 its own next non-zero block in that lane (4 bytes). The aggregator completes a block once the smallest
 announced next offset is past it and returns the sum with that offset to every worker, which prompts
 exactly the holders of the next block (see :mod:`.aggregator`, :mod:`.worker`, :mod:`.wire`).
+
+Reading order for a newcomer: the lane state machine is :class:`.aggregator.AggChannel` (``expect``:
+who holds each lane's pending block, i.e. the announce; ``add``; ``finish``: complete the blocks and
+announce each lane's next one) and :class:`.worker.WorkerChannel` (``take_up``: answer a prompt with the
+held blocks and their look-aheads; ``start``/``down``: take the sums and the next prompt). Message
+identities are :class:`.wire.Msg` / :class:`.wire.Key`; every endpoint's rounds run on one scheduler,
+:func:`.mailbox.drive` (each step names the messages it waits for; whichever candidate is ready runs),
+which carries the deadlock-freedom argument. The fast paths sit beside the core: one-round channels
+(``wire.single``: bitmaps instead of look-aheads), in-place sums at the hosted aggregator
+(``AggChannel.set_home``), sends as views of the tensor and receives straight into the result
+(:func:`.worker.run_worker`). A per-message trace of a call: :mod:`.trace`.
 Per call and worker (``M`` = the tensor's bytes, ``d_w`` its non-zero block fraction, ``d_u`` the
 union's, ``nb`` blocks, ``L`` lanes):
 
