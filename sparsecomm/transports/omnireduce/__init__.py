@@ -61,7 +61,7 @@ from .._handshake import check_agreement
 from .._guards import abs_max, guard_finite, is_integer, narrow, nonfinite_option
 from ...fabric import services
 from ...payload import Payload
-from .. import registry
+from ..base import registry
 from ..base import Transport
 from . import trace, wire
 from .aggregator import serve
