@@ -245,7 +245,6 @@ LONG_PENDING = {
     "sparsecomm/pipeline.py",                          # training (#16: pure method state)
     "sparsecomm/transports/switch.py",                 # switch (#14)
     "sparsecomm/transports/sparse_switch.py",          # switch (#14)
-    "sparsecomm/transports/omnireduce/aggregator.py",  # omnireduce (#14)
 }
 
 

@@ -64,7 +64,7 @@ from ...payload import Payload
 from ..base import registry
 from ..base import Transport
 from . import trace, wire
-from .aggregator import serve
+from .service import serve
 from .mailbox import Pool
 from .blocks import BlockSink, DenseSource, PackedSource, ResultCache, lazy_zeros
 from .worker import CallSpec, run_worker

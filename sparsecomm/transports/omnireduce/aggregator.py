@@ -12,20 +12,18 @@ everybody, zero or not); the others announce their first non-zero block as metad
 
 :class:`AggCall` serves one all-reduce call; it is driven either by a dedicated service endpoint
 (:func:`serve`: a SimFabric service thread or an extra torch.distributed rank) or, in the colocated
-deployment, interleaved with the hosting worker's own loop (:func:`.worker.run_worker`).
+deployment, interleaved with the hosting worker's own loop (:func:`.worker.run_worker`); a dedicated
+endpoint's loop is :func:`.service.serve`.
 """
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import torch
 
-from ...fabric.base import Fabric
 from . import wire
 from .blocks import block_run
-from .mailbox import Inbox, Outbox, Pool, Step, drive
+from .mailbox import Inbox, Outbox
 from .wire import HDR, OK, ProtocolError, TAG_HDR_UP, Buf, Key, Msg, tag_down, tag_up
 
 
@@ -71,6 +69,10 @@ class AggChannel:
     @property
     def slot(self) -> int:
         return self.ch.slot
+
+    def round_keys(self) -> list:
+        """The inbox keys of this round's messages (as :meth:`AggCall.step` takes them): its holders'."""
+        return [Key(Msg.BLOCKS0 if self.round == 0 else Msg.UP, w, self.slot) for w in np.flatnonzero(self.counts)]
 
     def set_firsts(self, w: int, buf: torch.Tensor) -> None:
         """Worker ``w``'s first look-ahead of every lane (round-0 metadata, see :func:`wire.encode_firsts`)."""
@@ -364,41 +366,3 @@ class AggCall:
                 inbox.put(Key(Msg.DOWN, self.index, c.slot), out)
             else:
                 outbox.send(out, w, tag, key=key)
-
-
-def _round_keys(c: "AggChannel") -> list:
-    """The inbox keys of channel ``c``'s current round at a dedicated aggregator (as :meth:`AggCall.step`
-    takes them): the holders' messages."""
-    if c.round == 0:
-        return [Key(Msg.BLOCKS0, w, c.slot) for w in np.flatnonzero(c.counts)]
-    return [Key(Msg.UP, w, c.slot) for w in np.flatnonzero(c.counts)]
-
-
-def serve(fabric: Fabric, index: int) -> None:
-    """Dedicated aggregator ``index``: serve calls until the run ends (ServiceShutdown ends the loop).
-
-    Event-driven (:func:`.mailbox.drive`): the channel served next is the first, in (round, slot) order,
-    whose round's messages are all in by the time the first such round is, so a channel
-    whose holders are late does not hold back the replies of the others. Deadlock-free as the fixed
-    order was: a channel's round only waits for messages its holders send on receipt of the previous
-    round's reply, which has been sent.
-    """
-    n = fabric.world_size
-    pool = Pool()
-    inbox, outbox = Inbox(fabric, pool), Outbox(fabric, pool)
-    while True:
-        call = AggCall(index, n)
-        call.post_headers(inbox)
-        call.take_headers(inbox)
-        if call.status == OK:
-            call.prepare(inbox)
-        reply = call.reply(outbox)
-        for w in call.order:
-            outbox.send(reply, w, wire.TAG_HDR_DOWN, key=Buf(Msg.REPLY))
-        if call.status != OK:
-            call.drain(inbox)
-        else:
-            drive(fabric, inbox, outbox, lambda: [
-                Step(_round_keys(c), functools.partial(call.step, c, inbox, outbox))
-                for c in sorted(call.schedule(), key=lambda c: (c.round, c.slot))])
-        outbox.reap(0)

@@ -42,7 +42,7 @@ from ...errors import MalformedMessage
 from ...fabric.base import Fabric
 from .._handshake import _fail
 from . import wire
-from .aggregator import AggCall, _round_keys
+from .aggregator import AggCall
 from .mailbox import Inbox, Outbox, Pool, Step, drive
 from .wire import HDR, OK, ProtocolError, TAG_HDR_DOWN, TAG_HDR_UP, Buf, Key, Msg, tag_down, tag_up
 
@@ -365,7 +365,7 @@ def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: l
                            and not inbox.has(Key(Msg.DOWN, own, ac.slot))), key=lambda ac: (ac.round, ac.slot))
             mine = sorted(((a, c) for (a, _), c in wch.items() if c.active),
                           key=lambda ac: (ac[1].round, ac[1].ch.slot, pos[ac[0]]))
-            return ([Step(_round_keys(ac), functools.partial(agg.step, ac, inbox, outbox, rank)) for ac in aggs]
+            return ([Step(ac.round_keys(), functools.partial(agg.step, ac, inbox, outbox, rank)) for ac in aggs]
                     + [reply_step(a, c) for a, c in mine])
 
         drive(fabric, inbox, outbox, steps)
