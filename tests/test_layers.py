@@ -243,7 +243,6 @@ LONG_PENDING = {
     "sparsecomm/codec/blocks.py",                      # codec (#18)
     "sparsecomm/optim.py",                             # training (#16: pure method state)
     "sparsecomm/pipeline.py",                          # training (#16: pure method state)
-    "sparsecomm/transports/switch.py",                 # switch (#14)
     "sparsecomm/transports/sparse_switch.py",          # switch (#14)
 }
 

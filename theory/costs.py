@@ -151,12 +151,15 @@ def allgather(n: int, payload_bytes: float, *, tensors: int = 1, bandwidth_gbps:
 
 # ----------------------------------------------------------------------------- SwitchML (switch)
 SWITCHML_HEADER_BYTES = 8 * 4      # int32 header of every packet (sparsecomm/transports/switch_dataplane.py)
+#: the switch workers' agreement header fields (switch rank, slot_elems, burst, pool_size: sparsecomm/transports/switch.py)
+SWITCHML_HANDSHAKE_FIELDS = 4
 
 
 def switchml_allreduce(n: int, nbytes: int, *, elem_size: int = 4, pool_size: int = 256, slot_elems: int = 64,
                        fp32: bool = True, bandwidth_gbps: float = 100.0, latency_us: float = 2.0,
                        switch_bandwidth_gbps: float | None = None, switch_latency_us: float | None = None,
-                       header_bytes: int = SWITCHML_HEADER_BYTES) -> Cost:
+                       header_bytes: int = SWITCHML_HEADER_BYTES,
+                       handshake_fields: int = SWITCHML_HANDSHAKE_FIELDS) -> Cost:
     """SwitchML in-network aggregation (Sapio et al., NSDI'21, arXiv 1903.06701) of ``nbytes`` per worker.
 
     Every worker sends each element once and receives the sum once, whatever ``n`` (<= 32): packets of
@@ -169,7 +172,10 @@ def switchml_allreduce(n: int, nbytes: int, *, elem_size: int = 4, pool_size: in
         T = RTT (control) + max((P-1) tau, floor((P-1)/L) RTT + ((P-1) mod L) tau) + RTT
 
     so the throughput is ``min(line rate, pool_size * slot_bytes / RTT)``: flat in ``n``, rising with the
-    pool until it covers the bandwidth-delay product. Bytes sent = bytes received = ``(1 + P) b``.
+    pool until it covers the bandwidth-delay product. Bytes sent = bytes received = ``(1 + P) b``. Before
+    the control packet the workers exchange the agreement header among themselves (:func:`handshake`, the
+    only term that grows with ``n``: ``ceil(log2 n)`` small messages), so that a worker running another
+    transport is told so instead of waiting for the switch.
     The switch is per-port (one NIC per worker), as SimFabric's ``per_port=True`` models it.
     """
     if n < 1:
@@ -190,7 +196,8 @@ def switchml_allreduce(n: int, nbytes: int, *, elem_size: int = 4, pool_size: in
         t += last + rtt
     moved = (1 + P) * b
     steps = 1 + (math.ceil(P / L) if P else 0)
-    return Cost(t, moved, moved, 1 + P, steps)
+    return add(handshake(n, handshake_fields, bandwidth_gbps=bandwidth_gbps, latency_us=latency_us),
+               Cost(t, moved, moved, 1 + P, steps))
 
 
 def switchml_throughput(*, pool_size: int = 256, slot_elems: int = 64, bandwidth_gbps: float = 100.0,
