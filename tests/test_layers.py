@@ -246,7 +246,6 @@ LONG_PENDING = {
     "sparsecomm/optim.py",                             # training (#16: pure method state)
     "sparsecomm/pipeline.py",                          # training (#16: pure method state)
     "sparsecomm/transports/sparse_switch.py",          # switch (#14)
-    "sparsecomm/transports/omnireduce/aggregator.py",  # omnireduce (#14)
     "theory/compressors.py",                           # codec (#18)
 }
 

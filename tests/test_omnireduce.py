@@ -213,10 +213,13 @@ def test_quantized_codes_travel_up_in_their_dtype_and_down_wide_enough():
     s = sc.launch(fn, 3)[0]
     blocks = 6          # 1000 codes, 400 zero: blocks 2..5 of 100 are zero, 6 of 10 non-zero
     # 3 aggregators: 3 headers; round-0 lane metadata (one block per lane here: a bitmap per channel);
-    # 6 blocks of 100 int8 codes, without look-aheads (every lane's next block is "none")
+    # 6 blocks of 100 int8 codes, without look-aheads (every lane's next block is "none"); first the
+    # agreement handshake (ceil(log2 3) = 2 fixed-size headers)
+    from sparsecomm.transports._handshake import HEADER_BYTES
+
     meta = sum(wire.meta_bytes(c) for chans in wire.plan(1000, 100, 3, 2, 100) for c in chans)
     assert meta == 6
-    assert s.bytes_sent == 3 * 8 * wire.HDR + meta + blocks * 100
+    assert s.bytes_sent == 2 * HEADER_BYTES + 3 * 8 * wire.HDR + meta + blocks * 100
     assert s.bytes_received >= blocks * 100 * 2
 
 

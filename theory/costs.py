@@ -340,7 +340,8 @@ def omnireduce_allreduce(n: int, numel: int, *, density: float = 1.0, union_dens
     Only non-zero blocks travel: each worker sends its own (``d_w nb`` blocks) and receives the union's
     (``d_u nb``; ``d_u = 1 - (1 - d_w)^n`` under ``overlap="random"`` (independent positions, the
     paper's micro-benchmark), ``d_w`` under ``"full"``), each block ``b = block_size * elem_size`` bytes
-    plus a 4-byte look-ahead; round 0 adds a 224-byte header and 4 bytes per lane (1 bit when every
+    plus a 4-byte look-ahead, after the agreement :func:`handshake`; round 0 adds a 224-byte header
+    and 4 bytes per lane (1 bit when every
     lane holds one block) each way per aggregator. Per call, with ``A`` aggregators (one per worker
     by default), worker NICs ``B``, aggregator NICs ``B_a``, latency ``alpha``:
 
@@ -432,7 +433,9 @@ def omnireduce_allreduce(n: int, numel: int, *, density: float = 1.0, union_dens
     chain = 2 * alpha * R + (k_up + k_dn) * blk / (Ba if deployment == "dedicated" else B) + 2 * alpha
     t = max(t, chain)
     msgs = A * (2 + G * (R + 1))
-    return Cost(t, sent, received, msgs, int(math.ceil(2 * R)))
+    # first the agreement handshake every transport's workers run (the transport's name, fixed size)
+    hs = handshake(n, 1, bandwidth_gbps=bandwidth_gbps, latency_us=latency_us)
+    return add(hs, Cost(t, sent, received, msgs, int(math.ceil(2 * R))))
 
 
 # ----------------------------------------------------------------------------- sparse switch

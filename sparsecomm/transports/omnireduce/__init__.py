@@ -19,6 +19,17 @@ blocks are dealt into lanes, and per lane a worker sends a non-zero block togeth
 its own next non-zero block in that lane (4 bytes). The aggregator completes a block once the smallest
 announced next offset is past it and returns the sum with that offset to every worker, which prompts
 exactly the holders of the next block (see :mod:`.aggregator`, :mod:`.worker`, :mod:`.wire`).
+
+Reading order for a newcomer: the lane state machine is :class:`.aggregator.AggChannel` (``expect``:
+who holds each lane's pending block, i.e. the announce; ``add``; ``finish``: complete the blocks and
+announce each lane's next one) and :class:`.worker.WorkerChannel` (``take_up``: answer a prompt with the
+held blocks and their look-aheads; ``start``/``down``: take the sums and the next prompt). Message
+identities are :class:`.wire.Msg` / :class:`.wire.Key`; every endpoint's rounds run on one scheduler,
+:func:`.mailbox.drive` (each step names the messages it waits for; whichever candidate is ready runs),
+which carries the deadlock-freedom argument. The fast paths sit beside the core: one-round channels
+(``wire.single``: bitmaps instead of look-aheads), in-place sums at the hosted aggregator
+(``AggChannel.set_home``), sends as views of the tensor and receives straight into the result
+(:func:`.worker.run_worker`). A per-message trace of a call: :mod:`.trace`.
 Per call and worker (``M`` = the tensor's bytes, ``d_w`` its non-zero block fraction, ``d_u`` the
 union's, ``nb`` blocks, ``L`` lanes):
 
@@ -36,7 +47,10 @@ Payload kinds: ``dense`` (zero blocks skipped; narrower float values travel as t
 value vector, then scatters), ``quantized`` with a shared scale (integer codes summed exactly as
 integers, downstream in the narrowest integer type that holds the sum, then scaled). Workers that
 disagree on the length, dtype, kind, block size or shared indices/scale all raise
-:class:`~sparsecomm.errors.MismatchError` after the first round. The result has the input's dtype:
+:class:`~sparsecomm.errors.MismatchError` after the first round; before it, the workers run the
+agreement handshake every transport runs (:func:`.._handshake.check_agreement`, one fixed-size header
+with the transport's name), so a rank that calls another transport is a ``MismatchError`` naming both
+on every rank, not a timeout. The result has the input's dtype:
 integer sums are exact (the aggregators add in int64) and range-checked against it
 (:class:`~sparsecomm.errors.OverflowError_`, never wrapped). NaN/Inf in a float sum raise
 :class:`~sparsecomm.errors.NonFiniteError` (finite inputs that overflow, ``OverflowError_``) on every
@@ -51,13 +65,14 @@ from __future__ import annotations
 import torch
 
 from ...errors import IncompatibleError
+from .._handshake import check_agreement
 from .._guards import abs_max, guard_finite, is_integer, narrow, nonfinite_option
 from ...fabric import services
 from ...payload import Payload
 from ..base import registry
 from ..base import Transport
-from . import wire
-from .aggregator import serve
+from . import trace, wire
+from .service import serve
 from .mailbox import Pool
 from .blocks import BlockSink, DenseSource, PackedSource, ResultCache, lazy_zeros
 from .worker import CallSpec, run_worker
@@ -180,10 +195,19 @@ class OmniReduce(Transport):
                         wire.KINDS.index(kind), check, absmax)
 
     def _run(self, spec: CallSpec, source, make_sink, home: bool = False):
+        # the agreement header every transport's workers exchange first (fixed size, the transport's name
+        # in it): a rank that runs another transport gets a MismatchError naming both, on every rank
+        check_agreement(self.fabric, wire.WHAT, transport=self.name)
         self._pending = None
+        fabric = self.fabric
+        if trace.enabled():
+            self._traced = getattr(self, "_traced", -1) + 1
+            fabric = trace.TraceFabric(fabric, trace.enabled(), self._traced)
         try:
-            out = run_worker(self.fabric, spec, source, make_sink, self.aggregators, self.own, self._pool,
+            out = run_worker(fabric, spec, source, make_sink, self.aggregators, self.own, self._pool,
                              home=home)
+            if fabric is not self.fabric:
+                fabric.dump()
         except BaseException:
             if self._pending is not None:   # a half-written cached result must not be reused
                 self._results.discard(self._pending[0])

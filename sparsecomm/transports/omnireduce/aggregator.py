@@ -12,7 +12,8 @@ everybody, zero or not); the others announce their first non-zero block as metad
 
 :class:`AggCall` serves one all-reduce call; it is driven either by a dedicated service endpoint
 (:func:`serve`: a SimFabric service thread or an extra torch.distributed rank) or, in the colocated
-deployment, interleaved with the hosting worker's own loop (:func:`.worker.run_worker`).
+deployment, interleaved with the hosting worker's own loop (:func:`.worker.run_worker`); a dedicated
+endpoint's loop is :func:`.service.serve`.
 """
 
 from __future__ import annotations
@@ -21,11 +22,10 @@ import numpy as np
 import torch
 
 from ...errors import ProtocolError, SparseCommError  # noqa: F401 (ProtocolError: re-exported)
-from ...fabric.base import Fabric
 from . import wire
 from .blocks import block_run
-from .mailbox import Inbox, Outbox, Pool
-from .wire import HDR, OK, TAG_HDR_UP, tag_down, tag_up
+from .mailbox import Inbox, Outbox
+from .wire import HDR, OK, TAG_HDR_UP, Buf, Key, Msg, tag_down, tag_up
 
 
 class AggChannel:
@@ -71,6 +71,10 @@ class AggChannel:
     def slot(self) -> int:
         return self.ch.slot
 
+    def round_keys(self) -> list:
+        """The inbox keys of this round's messages (as :meth:`AggCall.step` takes them): its holders'."""
+        return [Key(Msg.BLOCKS0 if self.round == 0 else Msg.UP, w, self.slot) for w in np.flatnonzero(self.counts)]
+
     def set_firsts(self, w: int, buf: torch.Tensor) -> None:
         """Worker ``w``'s first look-ahead of every lane (round-0 metadata, see :func:`wire.encode_firsts`)."""
         if self.single:
@@ -98,7 +102,7 @@ class AggChannel:
 
     def begin(self, outbox: "Outbox") -> None:
         """Place the round's sums in a pooled downstream message (double-buffered across rounds)."""
-        key = ("down", self.slot, self.round % 2)
+        key = Buf(Msg.DOWN, slot=self.slot, parity=self.round % 2)
         if self.home is not None:   # the sums accumulate in place; the message is made by finish
             self._outbox, self._key = outbox, key
             self.msg = self.data = self.tail = None
@@ -189,6 +193,9 @@ class AggCall:
         self.headers: list = [None] * n
         self._chans_of: dict[int, list[wire.Channel]] = {}
         self._drain: set[int] = set()
+        self._early: dict[int, np.ndarray] = {}   # remote headers taken before take_headers
+        self._posted: set[int] = set()            # workers whose round-0 receives are posted
+        self._blocks0: list = []
 
     def _remote(self) -> list[int]:
         return [w for w in self.order if w != self.colocated]
@@ -196,27 +203,57 @@ class AggCall:
     # ------------------------------------------------------------------ round 0
     def post_headers(self, inbox: Inbox) -> None:
         for w in self._remote():
-            inbox.post(("hdr", w), 8 * HDR, w, TAG_HDR_UP)
+            inbox.post(Key(Msg.HDR, w), 8 * HDR, w, TAG_HDR_UP)
+            inbox.ready(Key(Msg.HDR, w))   # (starts watching it: a later poll sees it arrived)
 
-    def take_headers(self, inbox: Inbox, post_blocks: bool = True) -> None:
+    def take_early(self, inbox: Inbox, ref: np.ndarray) -> None:
+        """Colocated, while the hosting worker still scans: take the remote headers already in; one that
+        is well-formed and agrees with the hosting worker's own call (``ref``, its header) has its
+        round-0 receives posted at once (their sizes are bounded by this worker's own tensor), so that
+        its blocks travel while this endpoint works (gloo sends a message only to a posted receive)."""
+        for w in self._remote():
+            if w in self._early or not inbox.ready(Key(Msg.HDR, w)):
+                continue
+            h = inbox.take(Key(Msg.HDR, w)).view(torch.int64).numpy().copy()
+            self._early[w] = h
+            if (wire.validate_header(h, self.n, self.index, True) is None
+                    and all(int(h[f]) == int(ref[f]) for f in wire.AGREE)):
+                self._chans_of[w] = wire.plan_from_header(h)[self.index]
+                self._post_round0(inbox, w, h)
+                self._posted.add(w)
+
+    def _post_round0(self, inbox: Inbox, w: int, h: np.ndarray) -> None:
+        """Post worker ``w``'s round-0 receives: every channel's (small) first look-aheads, then its
+        position-0 blocks (a pair's messages on one tag arrive in the order they were sent)."""
+        up = wire.code_dtype(h[wire.F_DTYPE])
+        for ch in self._chans_of[w]:
+            inbox.post(Key(Msg.FIRSTS, w, ch.slot), wire.meta_bytes(ch), w, tag_up(ch.slot))
+        for ch in self._chans_of[w]:
+            k0 = int(h[wire.F_K0 + ch.slot])
+            if k0:
+                inbox.post(Key(Msg.BLOCKS0, w, ch.slot), wire.block_bytes(
+                    k0, int(h[wire.F_BLOCK]), up.itemsize, meta=not wire.single(ch)), w, tag_up(ch.slot))
+
+    def take_headers(self, inbox: Inbox) -> None:
         """Take every header and validate it (:func:`wire.validate_header`: against the world size, this
         aggregator's index and the protocol limits) before planning anything from it; check agreement;
         then post every round-0 receive (their sizes are in the headers: each worker's layout, and its
         position-0 blocks per channel). A malformed header gets a ``MALFORMED`` verdict (every worker
         raises :class:`~sparsecomm.errors.MalformedMessage`) and nothing of that worker is received;
         after a disagreement, the workers' round-0 messages are drained only where their announced size
-        is bounded (:data:`wire.DRAIN_SLACK_BYTES`). ``post_blocks=False``: the position-0 blocks'
-        receives wait for :meth:`post_blocks0` (colocated, see there)."""
-        self._blocks0 = []
+        is bounded (:data:`wire.DRAIN_SLACK_BYTES`). Workers whose receives :meth:`take_early` posted
+        are drained in any case."""
         bad = None
         for w in self.order:
-            h = inbox.take(("hdr", w)).view(torch.int64).numpy().copy()
+            h = self._early[w] if w in self._early else inbox.take(Key(Msg.HDR, w)).view(torch.int64).numpy().copy()
             self.headers[w] = h
             why = wire.validate_header(h, self.n, self.index, self.colocated is not None)
             if why is not None and bad is None:
                 bad = (w, why[0], int(h[why[0]]) if why[0] < HDR else 0)
         valid = [w for w in self.order if bad is None or w != bad[0]]
         for w in valid:
+            if w in self._posted:
+                continue
             if wire.validate_header(self.headers[w], self.n, self.index, self.colocated is not None) is None:
                 self._chans_of[w] = wire.plan_from_header(self.headers[w])[self.index]
             else:
@@ -234,24 +271,13 @@ class AggCall:
                                                                 self.colocated is not None) is None]
             sizes = {w: wire.round0_bytes(self.headers[w], self.index) for w in ok}
             cap = 2 * min(sizes.values(), default=0) + wire.DRAIN_SLACK_BYTES
-            self._drain = {w for w in ok if sizes[w] <= cap}
+            self._drain = {w for w in ok if sizes[w] <= cap} | self._posted
         self.status = int(self.reply_hdr[wire.R_STATUS])
         for w in self.order:
-            if w == self.colocated or w not in self._drain:
+            if w == self.colocated or w not in self._drain or w in self._posted:
                 continue
-            h = self.headers[w]
-            up = wire.code_dtype(h[wire.F_DTYPE])
-            # every channel's (small) first look-aheads before any blocks: a real fabric moves a
-            # pair's messages in the order their receives are posted, and the verdict needs them all
-            for ch in self._chans_of[w]:
-                inbox.post(("firsts", w, ch.slot), wire.meta_bytes(ch), w, tag_up(ch.slot))
-            for ch in self._chans_of[w]:
-                k0 = int(h[wire.F_K0 + ch.slot])
-                if k0:
-                    self._blocks0.append((("blocks0", w, ch.slot), wire.block_bytes(
-                        k0, int(h[wire.F_BLOCK]), up.itemsize, meta=not wire.single(ch)), w, tag_up(ch.slot)))
-        if post_blocks:
-            self.post_blocks0(inbox)
+            self._post_round0(inbox, w, self.headers[w])
+            self._posted.add(w)
         if self.status == OK:
             h = self.headers[0]
             up = wire.code_dtype(h[wire.F_DTYPE])
@@ -259,42 +285,31 @@ class AggCall:
             self.channels = [AggChannel(ch, self.n, int(h[wire.F_BLOCK]), up, wire.accumulate_dtype(up), down)
                              for ch in wire.plan_from_header(h)[self.index]]
 
-    def post_blocks0(self, inbox: Inbox) -> None:
-        """Post the receives of the workers' position-0 blocks (the bulk of a one-round call).
-
-        A real fabric moves a pair's messages in one stream, each once its receive is posted; a
-        colocated worker posts these only after every aggregator's verdict has reached it, so that a
-        peer's verdict to it is not queued behind that peer's blocks to its aggregator (tens of MB)."""
-        for key, nbytes, w, tag in self._blocks0:
-            inbox.post(key, nbytes, w, tag)
-        self._blocks0 = []
-
     def reply(self, outbox: Outbox) -> torch.Tensor:
         """The reply header (the same for every worker): the verdict and, after :meth:`prepare`, the
         number of position-0 sums of every channel (so that the workers post their receives at once)."""
         for c in self.channels:
             self.reply_hdr[wire.R_K + c.slot] = c.k
-        buf = outbox.pool.get(("out", "reply"), 8 * HDR)
+        buf = outbox.pool.get(("out", Buf(Msg.REPLY)), 8 * HDR)
         buf.view(torch.int64).copy_(torch.from_numpy(self.reply_hdr))
         return buf
 
     def drain(self, inbox: Inbox) -> None:
         """After a failed validation: consume every worker's round-0 channel messages."""
-        self.post_blocks0(inbox)
         for w in self._remote():
             if w not in self._drain:
                 continue
             for ch in self._chans_of[w]:
-                inbox.take(("firsts", w, ch.slot))
+                inbox.take(Key(Msg.FIRSTS, w, ch.slot))
                 if int(self.headers[w][wire.F_K0 + ch.slot]):
-                    inbox.take(("blocks0", w, ch.slot))
+                    inbox.take(Key(Msg.BLOCKS0, w, ch.slot))
 
     def prepare(self, inbox: Inbox) -> None:
         """Take every channel's first look-aheads (small, sent before anything else): each channel's
         round-0 pending blocks and holders are then known."""
         for c in self.channels:
             for w in self.order:
-                c.set_firsts(w, inbox.take(("firsts", w, c.slot)))
+                c.set_firsts(w, inbox.take(Key(Msg.FIRSTS, w, c.slot)))
             counts = c.expect()
             if any(int(counts[w]) != int(self.headers[w][wire.F_K0 + c.slot]) for w in self.order):
                 raise ProtocolError("omnireduce: round-0 blocks do not match their look-aheads")
@@ -312,7 +327,7 @@ class AggCall:
         for w in self._remote():
             k = int(counts[w])
             if k:
-                inbox.post(("up", c.slot, w), wire.block_bytes(k, c.bs, c.up.itemsize), w, tag_up(c.slot))
+                inbox.post(Key(Msg.UP, w, c.slot), wire.block_bytes(k, c.bs, c.up.itemsize), w, tag_up(c.slot))
 
     def step(self, c: AggChannel, inbox: Inbox, outbox: Outbox, rank: int | None = None) -> None:
         """One round of channel ``c``: add every holder's blocks (the smallest messages first: they
@@ -325,7 +340,7 @@ class AggCall:
         for w in sorted(self.order, key=lambda v: c.counts[v]):
             k = int(c.counts[w])
             if k:
-                key = ("blocks0", w, c.slot) if r0 else ("up", c.slot, w)
+                key = Key(Msg.BLOCKS0, w, c.slot) if r0 else Key(Msg.UP, w, c.slot)
                 msg = inbox.take(key)
                 # the hosting worker may hand over (blocks, look-aheads) directly
                 data, looks = msg if isinstance(msg, tuple) else wire.split(msg, k, c.bs, c.up, meta=not single)
@@ -338,73 +353,17 @@ class AggCall:
             words, sums = out
             for w in self.order:
                 if w == rank:
-                    inbox.put(("words", self.index, c.slot), words)
+                    inbox.put(Key(Msg.WORDS, self.index, c.slot), words)
                     if sums is not None:   # (None: already in place in the hosting worker's result)
-                        inbox.put(("sums0", self.index, c.slot), None if c.home is not None else sums)
+                        inbox.put(Key(Msg.SUMS0, self.index, c.slot), None if c.home is not None else sums)
                 else:
                     outbox.send(words, w, tag)
                     if sums is not None:
-                        outbox.send(sums, w, tag, key=("down", c.slot, 0))
+                        outbox.send(sums, w, tag, key=Buf(Msg.DOWN, slot=c.slot, parity=0))
             return
-        key = ("down", c.slot, (c.round - 1) % 2)
+        key = Buf(Msg.DOWN, slot=c.slot, parity=(c.round - 1) % 2)
         for w in self.order:
             if w == rank:
-                inbox.put(("down", self.index, c.slot), out)
+                inbox.put(Key(Msg.DOWN, self.index, c.slot), out)
             else:
                 outbox.send(out, w, tag, key=key)
-
-
-def _pending(inbox: Inbox, keys) -> list:
-    """The receives of ``keys`` posted in ``inbox`` that have not completed yet."""
-    out = []
-    for k in keys:
-        try:
-            work = inbox.work(k)
-        except KeyError:
-            raise ProtocolError(f"omnireduce: no receive posted for {k!r} (serve's keys are out of step "
-                                f"with AggCall)") from None
-        if work is not None and not work.is_completed():
-            out.append(work)
-    return out
-
-
-def _round_keys(c: "AggChannel") -> list:
-    """The inbox keys of channel ``c``'s current round at a dedicated aggregator (as :meth:`AggCall.step`
-    takes them): the holders' messages."""
-    if c.round == 0:
-        return [("blocks0", w, c.slot) for w in np.flatnonzero(c.counts)]
-    return [("up", c.slot, w) for w in np.flatnonzero(c.counts)]
-
-
-def serve(fabric: Fabric, index: int) -> None:
-    """Dedicated aggregator ``index``: serve calls until the run ends (ServiceShutdown ends the loop).
-
-    Event-driven: the channel served next is the first, in (round, slot) order, whose round's
-    messages are all in by the time the first such round is (:meth:`Fabric.wait_any`), so a channel
-    whose holders are late does not hold back the replies of the others. Deadlock-free as the fixed
-    order was: a channel's round only waits for messages its holders send on receipt of the previous
-    round's reply, which has been sent.
-    """
-    n = fabric.world_size
-    pool = Pool()
-    inbox, outbox = Inbox(fabric, pool), Outbox(fabric, pool)
-    while True:
-        call = AggCall(index, n)
-        call.post_headers(inbox)
-        call.take_headers(inbox)
-        if call.status == OK:
-            call.prepare(inbox)
-        reply = call.reply(outbox)
-        for w in call.order:
-            outbox.send(reply, w, wire.TAG_HDR_DOWN, key=("reply",))
-        if call.status != OK:
-            call.drain(inbox)
-        else:
-            chans = call.schedule()
-            while chans:
-                chans.sort(key=lambda c: (c.round, c.slot))
-                c = chans[fabric.wait_any([_pending(inbox, _round_keys(c)) for c in chans])]
-                call.step(c, inbox, outbox)
-                outbox.reap()
-                chans = [c for c in chans if c.active]
-        outbox.reap(0)

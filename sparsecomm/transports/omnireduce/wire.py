@@ -34,11 +34,13 @@ block index, ``size`` = none):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import IntEnum
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from ...errors import MalformedMessage, MismatchError, OverflowError_
+from ...errors import MalformedMessage, MismatchError, OverflowError_, ProtocolError, SparseCommError  # noqa: F401
 from .._handshake import dtype_code as _hs_dtype_code
 from .._handshake import dtype_from_code as _hs_dtype_from_code
 from .._handshake import _error as _mismatch
@@ -48,6 +50,40 @@ MAX_CHANNELS = 16
 HDR = 12 + MAX_CHANNELS    # int64 fields: 12 scalars, then one count per channel (slot)
 TAG_HDR_UP = 0x4F4F01     # round-0 header, worker -> aggregator
 TAG_HDR_DOWN = 0x4F4F02   # round-0 reply header, aggregator -> worker
+
+
+class Msg(IntEnum):
+    """The messages of one call, in the order a channel's stream carries them."""
+
+    HDR = 0        #: worker -> aggregator: the round-0 header (``int64[HDR]``), on ``TAG_HDR_UP``
+    REPLY = 1      #: aggregator -> worker: the verdict (reply header), on ``TAG_HDR_DOWN``
+    FIRSTS = 2     #: worker -> aggregator, per channel: first look-aheads (round-0 metadata)
+    BLOCKS0 = 3    #: worker -> aggregator, per channel: its position-0 blocks
+    WORDS = 4      #: aggregator -> worker, per channel: round-0 lane words
+    SUMS0 = 5      #: aggregator -> worker, per channel: the position-0 sums
+    UP = 6         #: worker -> aggregator, per channel, rounds >= 1: held blocks + look-aheads
+    DOWN = 7       #: aggregator -> worker, per channel, rounds >= 1: sums + next pending blocks
+
+
+class Key(NamedTuple):
+    """A message's identity at the endpoint that receives it (its inbox key): the kind, the peer
+    (the sending worker at an aggregator, the sending aggregator at a worker) and the channel slot
+    (-1 for the per-aggregator headers). Receives of one peer's messages on one channel are posted in
+    the order of :class:`Msg` (their tag's stream order)."""
+
+    msg: Msg
+    peer: int
+    slot: int = -1
+
+
+class Buf(NamedTuple):
+    """The role of a pooled send buffer: message kind, peer (-1: shared by every peer), slot, and the
+    round's parity (a channel's messages are double-buffered across rounds)."""
+
+    msg: Msg
+    peer: int = -1
+    slot: int = -1
+    parity: int = 0
 
 
 def tag_up(slot: int) -> int:

@@ -6,21 +6,22 @@ aggregator (``cur``). In each round it sends, fused in one message per channel, 
 block it holds, each with the look-ahead of its next non-zero block in that lane; the reply carries
 every active lane's sum and its next pending block (Fei et al., SIGCOMM'21, Sec. 3.2).
 
-Order of work (the same on every endpoint, which is what makes it deadlock-free when every worker also
-hosts an aggregator): round 0 -- every worker first sends everything (a header per aggregator, every
-channel's first look-aheads, then its position-0 blocks; colocated, aggregator by aggregator, each as
-soon as its range is scanned), then the hosted aggregator validates the headers, then every
-aggregator's verdict is taken (only then does a colocated worker post the receives of its peers'
-blocks, see :meth:`.aggregator.AggCall.post_blocks0`); then passes ``p = 0, 1, ...``, pass ``p``
-running round ``p`` of every active channel slot by slot: the hosted aggregator's step of that slot's
-channel, then the replies of every aggregator for that slot. With dedicated aggregators the replies are
-taken in whichever order they arrive (:meth:`~sparsecomm.fabric.base.Fabric.wait_any`; the pass order
-among those already in). A step only waits for messages sent at strictly earlier steps (an
+Order of work (what makes it deadlock-free when every worker also hosts an aggregator): round 0 --
+every worker first sends everything (a header per aggregator, every channel's first look-aheads, then
+its position-0 blocks; colocated, aggregator by aggregator, each as soon as its range is scanned; while
+it scans, the hosted aggregator posts the round-0 receives of the peers whose headers are in,
+:meth:`.aggregator.AggCall.take_early`, so that their blocks travel meanwhile: gloo sends a message
+only to a posted receive), then the hosted aggregator validates the headers and replies, then every
+aggregator's verdict is taken. Then one event-driven loop: the candidates are the hosted aggregator's
+next round of every active channel and this worker's next reply of every active channel; among those
+whose messages are posted (or handed over locally), the first in preference order whose messages are
+in runs (:meth:`~sparsecomm.fabric.base.Fabric.wait_any`; aggregator rounds first, then replies by
+round, slot and visit order). A step only waits for messages sent at strictly earlier steps (an
 aggregator's round ``p`` needs the up-messages sent on receipt of round ``p-1``; a reply needs the
-aggregator step before it), and every send is asynchronous, so no cycle of waits can form, whatever
-the fabric's buffering. Every channel has its own tags, carrying its rounds in order; receives are
-posted one round ahead, as soon as their size is known, so a real fabric moves the data while the
-endpoint works on other channels.
+aggregator step before it), every send is asynchronous, and the loop never blocks on one step while
+another could run, so no cycle of waits can form, whatever the fabric's buffering. Every channel has
+its own tags, carrying its rounds in order; receives are posted one round ahead, as soon as their size
+is known, so a real fabric moves the data while the endpoint works on other channels.
 
 In place (``home``), one-round channels move no data they need not: the hosted aggregator sums into
 the input itself, whole-block runs are sent as views of it, and a channel summed everywhere is received
@@ -28,6 +29,8 @@ straight into it.
 """
 
 from __future__ import annotations
+
+import functools
 
 from dataclasses import dataclass
 
@@ -39,9 +42,9 @@ from ...errors import MalformedMessage
 from ...fabric.base import Fabric
 from .._handshake import _fail
 from . import wire
-from .aggregator import AggCall, ProtocolError
-from .mailbox import Inbox, Outbox, Pool
-from .wire import HDR, OK, TAG_HDR_DOWN, TAG_HDR_UP, tag_down, tag_up
+from .aggregator import AggCall
+from .mailbox import Inbox, Outbox, Pool, Step, drive
+from .wire import HDR, OK, ProtocolError, TAG_HDR_DOWN, TAG_HDR_UP, Buf, Key, Msg, tag_down, tag_up
 
 
 class WorkerChannel:
@@ -130,6 +133,10 @@ class CallSpec:
         return h
 
 
+#: pieces a scan is cut into, with a look at the inbox between them (colocated; see ``scan``)
+SCAN_PIECES = 8
+
+
 def agg_order(rank: int, num_aggregators: int) -> list[int]:
     """The order in which a worker visits the aggregators: ``rank-1, rank-2, ...`` (mod ``A``), the
     order in which their replies reach it (each aggregator serves the workers ``a+1, a+2, ...``)."""
@@ -191,11 +198,17 @@ def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: l
         else:
             outbox.send(buf, aggregators[a], tag_up(c.ch.slot), key=key)
 
-    def scan(a: int) -> None:
-        """Find this worker's non-zero blocks in aggregator ``a``'s range; set up its channels."""
+    def scan(a: int, poll=None) -> None:
+        """Find this worker's non-zero blocks in aggregator ``a``'s range; set up its channels.
+        ``poll``: called between pieces of the scan (so that receives are posted while it runs)."""
         chans = plans[a]
         if chans:
-            source.scan(chans[0].lo, chans[-1].lo + chans[-1].size)
+            lo, hi = chans[0].lo, chans[-1].lo + chans[-1].size
+            step = hi - lo if poll is None else max(1, -(-(hi - lo) // SCAN_PIECES))
+            for s in range(lo, hi, step):
+                source.scan(s, min(hi, s + step))
+                if poll is not None:
+                    poll()
         for ch in chans:
             wch[a, ch.slot] = WorkerChannel(ch, source.mask)
 
@@ -205,31 +218,40 @@ def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: l
         for a in aggs:
             hdr = spec.header(n, {ch.slot: wch[a, ch.slot].pending0() for ch in plans[a]}).view(torch.uint8)
             if a == own:
-                inbox.put(("hdr", rank), hdr)
+                inbox.put(Key(Msg.HDR, rank), hdr)
             else:
                 outbox.send(hdr, aggregators[a], TAG_HDR_UP)
-                inbox.post(("reply", a), 8 * HDR, aggregators[a], TAG_HDR_DOWN)
+                inbox.post(Key(Msg.REPLY, a), 8 * HDR, aggregators[a], TAG_HDR_DOWN)
         for g in range(G):     # all first look-aheads (small) before any block
             for a in aggs:
                 c = wch.get((a, g))
                 if c is not None:
                     firsts = wire.encode_firsts(c.mine, c.ch)
                     if a == own:
-                        inbox.put(("firsts", rank, g), firsts)
+                        inbox.put(Key(Msg.FIRSTS, rank, g), firsts)
                     else:
                         outbox.send(firsts, aggregators[a], tag_up(g))
         for g in range(G):
             for a in sorted(aggs, key=lambda a: -wch[a, g].pending0() if (a, g) in wch else 0):
                 if (a, g) in wch:
-                    send_blocks(("up0", a, g), a, wch[a, g], ("blocks0", rank, g))
+                    send_blocks(Buf(Msg.BLOCKS0, a, g), a, wch[a, g], Key(Msg.BLOCKS0, rank, g))
 
     if agg is not None:
         agg.post_headers(inbox)
         # colocated: each remote aggregator's round 0 leaves as soon as its range is scanned, the hosted
         # one (no message) last, so the transfers overlap the rest of the scan
-        for a in visit[1:] + [own]:
-            scan(a)
+        # after each, the remote headers already in have their blocks' receives posted (take_early)
+        ref = spec.header(n).numpy()
+
+        def poll() -> None:
+            agg.take_early(inbox, ref)
+
+        for a in visit[1:]:
+            scan(a, poll)
             send_round0([a])
+            poll()
+        scan(own, poll)
+        send_round0([own])
     else:
         for a in visit:
             scan(a)
@@ -238,22 +260,22 @@ def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: l
     # ---- the hosted aggregator validates the headers; every aggregator's verdict; every round-0 reply
     # receive posted at once (the verdict carries the number of position-0 sums of every channel)
     if agg is not None:
-        agg.take_headers(inbox, post_blocks=False)
+        agg.take_headers(inbox)
         if agg.status == OK:
             agg.prepare(inbox)
         reply = agg.reply(outbox)
         for w in agg.order:
             if w == rank:
-                inbox.put(("reply", own), reply)
+                inbox.put(Key(Msg.REPLY, own), reply)
             else:
-                outbox.send(reply, w, TAG_HDR_DOWN, key=("reply",))
+                outbox.send(reply, w, TAG_HDR_DOWN, key=Buf(Msg.REPLY))
         if agg.status != OK:
             agg.drain(inbox)
     error = None
     down = None
     sums0 = {}
     for a in visit:
-        rh = inbox.take(("reply", a)).view(torch.int64).numpy()
+        rh = inbox.take(Key(Msg.REPLY, a)).view(torch.int64).numpy()
         if int(rh[wire.R_STATUS]) != OK:
             error = rh.copy()
             continue
@@ -267,8 +289,6 @@ def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: l
                 sums0[a, ch.slot] = k
         except MalformedMessage as exc:
             raise _fail(fabric, exc) from None
-    if agg is not None:    # (after every verdict is in: see AggCall.post_blocks0)
-        agg.post_blocks0(inbox)
     if error is not None:
         if not (int(error[wire.R_STATUS]) == wire.MALFORMED and int(error[wire.R_WMIN]) == rank):
             outbox.reap(0)   # (a worker whose header was rejected: nothing of it is received, no wait)
@@ -286,27 +306,27 @@ def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: l
             continue
         for ch in plans[a]:
             tag, k = tag_down(ch.slot), sums0[a, ch.slot]
-            inbox.post(("words", a, ch.slot), wire.meta_bytes(ch), aggregators[a], tag)
+            inbox.post(Key(Msg.WORDS, a, ch.slot), wire.meta_bytes(ch), aggregators[a], tag)
             nbytes = wire.block_bytes(k, bs, down.itemsize, meta=False)
             if (k == ch.size and result.dtype == down and ch.lo + ch.size <= sink.full
                     and nbytes == k * bs * down.itemsize):
                 into_sink.add((a, ch.slot))
-                inbox.post_into(("sums0", a, ch.slot),
+                inbox.post_into(Key(Msg.SUMS0, a, ch.slot),
                                 sink.rows[ch.lo: ch.lo + ch.size].reshape(-1).view(torch.uint8),
                                 aggregators[a], tag)
             elif k:
-                inbox.post(("sums0", a, ch.slot), nbytes, aggregators[a], tag)
+                inbox.post(Key(Msg.SUMS0, a, ch.slot), nbytes, aggregators[a], tag)
 
     def worker_step(a: int, c: WorkerChannel) -> None:
         """Channel ``c``'s reply of this round: write the sums, advance the lanes, send the next round."""
         g = c.ch.slot
         if c.round == 1:       # round 0's reply: lane words, then the position-0 sums
-            newc, summed = wire.decode_words(inbox.take(("words", a, g)), c.ch)
+            newc, summed = wire.decode_words(inbox.take(Key(Msg.WORDS, a, g)), c.ch)
             k = int(summed.sum())
             if k != sums0[a, g]:
                 raise ProtocolError("omnireduce: the round-0 sums do not match their lane words")
             if k:
-                got = inbox.take(("sums0", a, g))
+                got = inbox.take(Key(Msg.SUMS0, a, g))
                 ids = np.flatnonzero(summed) + c.ch.lo
                 if got is None or (a, g) in into_sink:   # summed in place / received in place
                     sink.mark(ids)
@@ -315,47 +335,39 @@ def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: l
                     sink.write(ids, data)
             c.start(newc)
         else:
-            c.down(inbox.take(("down", a, g)), sink, bs, down)
+            c.down(inbox.take(Key(Msg.DOWN, a, g)), sink, bs, down)
         if c.active:
-            send_blocks(("up", a, g, c.round % 2), a, c, ("up", g, rank))
+            send_blocks(Buf(Msg.UP, a, g, c.round % 2), a, c, Key(Msg.UP, rank, g))
             if a != own:
-                inbox.post(("down", a, g), c.down_bytes(bs, down), aggregators[a], tag_down(g))
+                inbox.post(Key(Msg.DOWN, a, g), c.down_bytes(bs, down), aggregators[a], tag_down(g))
 
-    # ---- pass p runs round p of every active channel, slot by slot: the hosted aggregator's step of
-    # that slot's channel, then the replies of every aggregator for that slot, in the order they arrive
-    # (each aggregator serves its channels in slot order and each channel's workers in the order
-    # a+1, a+2, ...: worker ``rank`` hears from ``rank-1, rank-2, ...`` first).
-    aggch = {c.slot: c for c in agg.channels} if agg is not None else {}
+    def reply_step(a: int, c: WorkerChannel) -> Step:
+        return Step([Key(Msg.WORDS if c.round == 1 else Msg.DOWN, a, c.ch.slot)], lambda: worker_step(a, c))
+
+    pos = {a: i for i, a in enumerate(visit)}
     if agg is None:
-        # dedicated aggregators: the replies in the pass order below (round, slot, aggregator) while
-        # they are there, else whichever arrives first (Fabric.wait_any), so a late aggregator does not
-        # hold back this worker's next round to the others. The sends are finished first (they would
-        # only queue behind each other): the replies in by then are served in the staggered pass order,
-        # which spreads the next round over the aggregators. Still deadlock-free: every reply waited
-        # for answers an up-message already sent.
-        live = [(a, wch[a, g]) for g in range(G) for a in visit if (a, g) in wch]
-        rank_of = {id(c): i for i, (_, c) in enumerate(live)}
-        while True:
-            outbox.reap(0)
-            live = sorted(((a, c) for a, c in live if c.active), key=lambda ac: (ac[1].round, rank_of[id(ac[1])]))
-            if not live:
-                break
-            keys = [("words" if c.round == 1 else "down", a, c.ch.slot) for a, c in live]
-            worker_step(*live[fabric.wait_any([inbox.work(k) for k in keys])])
-    while agg is not None:
-        outbox.reap()
-        busy = False
-        for g in range(G):
-            ac = aggch.get(g)
-            if ac is not None and ac.active:
-                busy = True
-                agg.step(ac, inbox, outbox, rank)
-            for a in visit:
-                c = wch.get((a, g))
-                if c is not None and c.active:
-                    busy = True
-                    worker_step(a, c)
-        if not busy:
-            break
+        # dedicated aggregators: the replies in (round, slot, visit) order while they are there, else
+        # whichever arrives first, so a late aggregator does not hold back this worker's next round to
+        # the others. The sends are finished first (keep=0: they would only queue behind each other):
+        # the replies in by then are served in the staggered order, which spreads the next round over
+        # the aggregators. Every reply waited for answers an up-message already sent.
+        drive(fabric, inbox, outbox, lambda: [reply_step(a, c) for a, c in sorted(
+            ((a, c) for (a, _), c in wch.items() if c.active), key=lambda ac: (ac[1].round, ac[1].ch.slot, pos[ac[0]]))],
+            keep=0)
+    else:
+        # colocated: the hosted aggregator's channel rounds first (others wait for their sums), then
+        # this worker's replies by (round, slot, visit order). A local message exists only once the step
+        # that makes it has run, so a step is a candidate only then; a round of the hosted aggregator
+        # waits until this worker has taken the previous round's reply handed over here (it would
+        # replace it, and reuse its buffer a round later).
+        def steps() -> list:
+            aggs = sorted((ac for ac in agg.channels if ac.active and not inbox.has(Key(Msg.WORDS, own, ac.slot))
+                           and not inbox.has(Key(Msg.DOWN, own, ac.slot))), key=lambda ac: (ac.round, ac.slot))
+            mine = sorted(((a, c) for (a, _), c in wch.items() if c.active),
+                          key=lambda ac: (ac[1].round, ac[1].ch.slot, pos[ac[0]]))
+            return ([Step(ac.round_keys(), functools.partial(agg.step, ac, inbox, outbox, rank)) for ac in aggs]
+                    + [reply_step(a, c) for a, c in mine])
+
+        drive(fabric, inbox, outbox, steps)
     outbox.reap(0)
     return result, down
