@@ -68,7 +68,7 @@ from ..errors import FabricTimeout, IncompatibleError, MismatchError
 from .base import Fabric, ServiceNotStarted, ServiceShutdown, Work
 from .stats import CommStats
 from .torch_failure import MAX_TAG, FailStop, decode_failure, encode_failure  # noqa: F401 (re-exported)
-from .torch_waiters import _Pending, _TorchWork
+from .torch_waiters import _Pending, _TorchWork, wait_any_blocking
 
 __all__ = ["TorchFabric", "ServiceNotStarted", "ServiceShutdown", "encode_failure", "decode_failure"]
 
@@ -213,6 +213,9 @@ class TorchFabric(FailStop, Fabric):
         else:                               # nccl coalesces the group into one work
             for p in pends:
                 p.work = works[-1]
+
+    def wait_any(self, works) -> int:   # gloo: blocks until a helper thread reports a completion
+        return super().wait_any(works) if self._cuda or not works else wait_any_blocking(self, works)
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0, *, reliable: bool = True) -> None:
         pend = self._post_send(tensor, dst, tag)

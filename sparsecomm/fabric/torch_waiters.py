@@ -67,6 +67,16 @@ class _Waiters:
 
 _WAITERS = _Waiters()
 
+#: notified (and its generation bumped) whenever a helper thread sees an operation complete, so that
+#: ``wait_any`` blocks until something completes instead of polling
+COMPLETIONS = threading.Condition()
+_generation = [0]
+
+
+def completion_generation() -> int:
+    """A counter bumped on every completion seen by a helper thread (read under :data:`COMPLETIONS`)."""
+    return _generation[0]
+
 
 class _Pending:
     """A posted torch.distributed operation; for timed waits on gloo, a helper thread waits on it."""
@@ -101,6 +111,37 @@ class _Pending:
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
             self.error = exc
         self.done.set()
+        with COMPLETIONS:
+            _generation[0] += 1
+            COMPLETIONS.notify_all()
+
+
+def wait_any_blocking(fabric: "TorchFabric", works) -> int:
+    """gloo's ``wait_any``: the lowest index complete, sleeping on :data:`COMPLETIONS` between checks
+    (each check starts the helper threads that report completion), bounded by ``timeout_s`` and the
+    job's failure record."""
+    import time
+
+    from ..errors import FabricTimeout
+
+    groups = [list(el) if isinstance(el, (list, tuple)) else [el] for el in works]
+    deadline = time.monotonic() + fabric.timeout_s
+    while True:
+        with COMPLETIONS:
+            seen = _generation[0]
+        for i, g in enumerate(groups):
+            if all(w.is_completed() for w in g):
+                for w in g:
+                    w.wait()
+                return i
+        fabric._check_failed()
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise FabricTimeout(f"{fabric._name(fabric.rank)}: none of {len(works)} operations completed "
+                                f"within {fabric.timeout_s:g} s")
+        with COMPLETIONS:
+            if _generation[0] == seen:
+                COMPLETIONS.wait(min(remaining, 0.05))
 
 
 class _TorchWork(Work):
