@@ -68,7 +68,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .errors import IncompatibleError
+from .errors import IncompatibleError, InvalidValueError
 from .fabric.stats import CommStats
 from .pipeline import CommPipeline
 from .transports.base import CommWork
@@ -109,7 +109,7 @@ class CommHookState:
                  min_compress_size: int = 0, seed: int = 0, model: torch.nn.Module | None = None,
                  sparse_rows: str = "gather", **hyper: Any) -> None:
         if warmup_steps < 0 or min_compress_size < 0:
-            raise ValueError("warmup_steps and min_compress_size must be non-negative")
+            raise InvalidValueError("warmup_steps and min_compress_size must be non-negative")
         # hyper-parameters
         self.compressor = compressor
         self.transport = transport

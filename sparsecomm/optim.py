@@ -126,7 +126,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .compressors.base import Compressor
-from .errors import MismatchError, SparseCommError
+from .errors import InvalidTypeError, InvalidValueError, MismatchError, SparseCommError
 from .fabric.base import Fabric
 from .fabric.stats import CommStats
 from .methods.base import HyperParameterError, Method
@@ -250,9 +250,9 @@ class DistributedOptimizer:
 
     def __new__(cls, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any):
         if isinstance(optimizer, DistributedOptimizer):
-            raise TypeError("the optimizer is already a DistributedOptimizer")
+            raise InvalidTypeError("the optimizer is already a DistributedOptimizer")
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer)!r}")
+            raise InvalidTypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer)!r}")
         base = type(optimizer)
         sub = _CLASSES.get(base)
         if sub is None:
@@ -269,13 +269,13 @@ class DistributedOptimizer:
                  init_sync: str = "broadcast", module: torch.nn.Module | None = None,
                  nonfinite: str = "raise", sparse_rows: str = "gather", **hyper: Any) -> None:
         if backward_passes_per_step < 1:
-            raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+            raise InvalidValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
         if init_sync not in ("broadcast", "check", "off"):
-            raise ValueError(f"init_sync must be 'broadcast', 'check' or 'off', got {init_sync!r}")
+            raise InvalidValueError(f"init_sync must be 'broadcast', 'check' or 'off', got {init_sync!r}")
         if bucket_cap_mb <= 0:
-            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+            raise InvalidValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
         if warmup_steps < 0 or min_compress_size < 0:
-            raise ValueError("warmup_steps and min_compress_size must be non-negative")
+            raise InvalidValueError("warmup_steps and min_compress_size must be non-negative")
         # share everything of the inner optimizer (param_groups, state, defaults, hooks), except
         # instance-level callables bound to it (an LR scheduler's patched ``step``)
         for k, v in optimizer.__dict__.items():

@@ -58,7 +58,7 @@ from typing import Literal
 
 import torch
 
-from .errors import SparseCommError
+from .errors import InvalidValueError, SparseCommError
 
 PayloadKind = Literal["dense", "aligned", "sparse", "quantized"]
 KINDS: tuple[str, ...] = ("dense", "aligned", "sparse", "quantized")
@@ -88,7 +88,7 @@ class Payload:
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise ValueError(f"unknown payload kind {self.kind!r}; valid kinds: {', '.join(KINDS)}")
+            raise InvalidValueError(f"unknown payload kind {self.kind!r}; valid kinds: {', '.join(KINDS)}")
         self.shape = torch.Size(self.shape)
 
     @property

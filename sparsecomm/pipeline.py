@@ -55,6 +55,7 @@ from .methods.base import (HyperParameterError, Method, MethodState, check_kwarg
 from .payload import Payload, check_sum_finite
 from .transports.allgather import AllGather
 from .transports.base import CommWork, Transport, engine
+from .errors import InvalidTypeError, InvalidValueError
 
 NONFINITE = ("raise", "pass")
 #: how :meth:`CommPipeline.start_sparse` averages a row-sparse gradient
@@ -69,7 +70,7 @@ def build_method(compressor: str | Compressor | Method = "none", method: str | N
     """A Method from a method or compressor name (+ hyper-parameters) or an object (see module doc)."""
     if isinstance(compressor, Method):
         if method is not None or hyper:
-            raise TypeError(f"a Method object ({compressor!r}) was given; method= and hyper-parameters "
+            raise InvalidTypeError(f"a Method object ({compressor!r}) was given; method= and hyper-parameters "
                             f"{sorted(hyper)} belong to its constructor")
         return compressor
     if isinstance(compressor, Compressor):
@@ -78,10 +79,10 @@ def build_method(compressor: str | Compressor | Method = "none", method: str | N
         check_kwargs(methods.registry.factory(mname), hyper, f"method {mname!r}")
         return methods.get(mname, compressor=compressor, **hyper)
     if not isinstance(compressor, str):
-        raise TypeError(f"compressor must be a name, a Compressor or a Method, got {compressor!r}")
+        raise InvalidTypeError(f"compressor must be a name, a Compressor or a Method, got {compressor!r}")
     if compressor in methods.registry:
         if method is not None:
-            raise TypeError(f"compressor={compressor!r} is a method; to pick its compressor use "
+            raise InvalidTypeError(f"compressor={compressor!r} is a method; to pick its compressor use "
                             f"compressor=<compressor name>, method={compressor!r}")
         check_kwargs(methods.registry.factory(compressor), hyper, f"method {compressor!r}")
         return methods.get(compressor, **hyper)
@@ -154,13 +155,13 @@ def build_transport(transport: str | Transport, method: Method, fabric: Fabric |
     """The transport (checked against the method's payload kind) on ``fabric``."""
     if isinstance(transport, Transport):
         if transport_kwargs:
-            raise TypeError("transport_kwargs given with a Transport object")
+            raise InvalidTypeError("transport_kwargs given with a Transport object")
         if fabric is not None and transport.fabric is not fabric:
             raise SparseCommError("fabric= differs from the fabric of the Transport object")
         check_pair(method, transport.name or type(transport).__name__, type(transport))
         return transport
     if not isinstance(transport, str):
-        raise TypeError(f"transport must be a name or a Transport, got {transport!r}")
+        raise InvalidTypeError(f"transport must be a name or a Transport, got {transport!r}")
     fabric = fabric if fabric is not None else default_fabric()
     if transport == "auto":
         transport = _auto_transport(method, fabric)
@@ -251,14 +252,14 @@ class CommPipeline:
                  fabric: Fabric | None = None, seed: int = 0, nonfinite: str = "raise",
                  sparse_rows: str = "gather", warmup_steps: int = 0, **hyper: Any) -> None:
         if sparse_rows not in SPARSE_ROWS:
-            raise ValueError(f"sparse_rows must be one of {', '.join(map(repr, SPARSE_ROWS))}, got {sparse_rows!r}")
+            raise InvalidValueError(f"sparse_rows must be one of {', '.join(map(repr, SPARSE_ROWS))}, got {sparse_rows!r}")
         self.sparse_rows = sparse_rows
         self._gatherer: Any = None
         if nonfinite not in NONFINITE:
-            raise ValueError(f"nonfinite must be one of {', '.join(map(repr, NONFINITE))}, got {nonfinite!r}")
+            raise InvalidValueError(f"nonfinite must be one of {', '.join(map(repr, NONFINITE))}, got {nonfinite!r}")
         self.nonfinite = nonfinite
         if warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be non-negative, got {warmup_steps}")
+            raise InvalidValueError(f"warmup_steps must be non-negative, got {warmup_steps}")
         self.method = methods.warmup(build_method(compressor, method, **hyper), warmup_steps)
         warn_unguaranteed(self.method)
         self.transport = build_transport(transport, self.method, fabric, transport_kwargs)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib
 from typing import Any, Callable, Generic, TypeVar
 
-from .errors import UnknownNameError
+from .errors import InvalidValueError, UnknownNameError
 
 T = TypeVar("T")
 
@@ -35,7 +35,7 @@ class Registry(Generic[T]):
 
         def deco(factory: Callable[..., T]) -> Callable[..., T]:
             if name in self._factories:
-                raise ValueError(f"{self.kind} {name!r} is registered twice")
+                raise InvalidValueError(f"{self.kind} {name!r} is registered twice")
             self._factories[name] = factory
             return factory
 
@@ -44,7 +44,7 @@ class Registry(Generic[T]):
     def provide(self, name: str, module: str) -> None:
         """Declare that importing ``module`` registers ``name`` (imported on the first lookup)."""
         if name in self._factories or self._providers.get(name, module) != module:
-            raise ValueError(f"{self.kind} {name!r} is registered twice")
+            raise InvalidValueError(f"{self.kind} {name!r} is registered twice")
         self._providers[name] = module
 
     def available(self) -> list[str]:

@@ -23,7 +23,7 @@ from typing import Sequence
 
 import torch
 
-from .errors import MismatchError
+from .errors import InvalidValueError, MismatchError
 
 #: the tag of these messages (top of the int32 range, below the barrier's)
 TAG = 2**31 - 6
@@ -59,7 +59,7 @@ def sync_replicas(fabric, tensors: Sequence[torch.Tensor], mode: str = "broadcas
     from .transports.base import drain
 
     if mode not in ("broadcast", "check"):
-        raise ValueError(f"mode must be 'broadcast' or 'check', got {mode!r}")
+        raise InvalidValueError(f"mode must be 'broadcast' or 'check', got {mode!r}")
     n, rank = int(fabric.world_size), int(fabric.rank)
     if n == 1:
         return

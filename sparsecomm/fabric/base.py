@@ -46,7 +46,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..errors import IncompatibleError, SparseCommError
+from ..errors import IncompatibleError, InvalidValueError, SparseCommError
 from .stats import CommStats
 
 
@@ -147,7 +147,7 @@ class Fabric(ABC):
         from ..errors import FabricTimeout
 
         if not works:
-            raise ValueError("wait_any needs at least one operation")
+            raise InvalidValueError("wait_any needs at least one operation")
         groups = [list(el) if isinstance(el, (list, tuple)) else [el] for el in works]
         deadline = time.monotonic() + self.timeout_s
         delay = 1e-5

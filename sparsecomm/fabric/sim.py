@@ -19,7 +19,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..errors import FabricTimeout, MismatchError, PeerFailure
+from ..errors import FabricTimeout, InvalidTypeError, InvalidValueError, MismatchError, PeerFailure
 from .base import Fabric, ServiceShutdown, Work
 from .sim_network import TCP_OVER_ETHERNET, Endpoint, Network, _Msg
 from .sim_world import EndpointCrashed, World
@@ -98,7 +98,7 @@ class SimFabric(Fabric):
 
     def compute(self, seconds: float) -> None:
         if seconds < 0:
-            raise ValueError("compute time must be non-negative")
+            raise InvalidValueError("compute time must be non-negative")
         factor = self.world.network.stragglers.get(self.rank, 1.0)
         self._ep.clock += seconds * factor
 
@@ -106,9 +106,9 @@ class SimFabric(Fabric):
     def _post(self, tensor: torch.Tensor, dst: int, tag: int, reliable: bool) -> float:
         world, ep = self.world, self._ep
         if not 0 <= dst < len(world.endpoints):
-            raise ValueError(f"{ep.name}: no endpoint {dst} (world has {len(world.endpoints)})")
+            raise InvalidValueError(f"{ep.name}: no endpoint {dst} (world has {len(world.endpoints)})")
         if dst == self.rank:
-            raise ValueError(f"{ep.name}: cannot send to itself")
+            raise InvalidValueError(f"{ep.name}: cannot send to itself")
         data = tensor.detach().to("cpu", copy=True).contiguous()
         nbytes = data.numel() * data.element_size()
         with world.lock:
@@ -259,7 +259,7 @@ class SimFabric(Fabric):
         the messages in their arrival order, not in the order a fixed loop would have asked for them.
         """
         if not works:
-            raise ValueError("wait_any needs at least one operation")
+            raise InvalidValueError("wait_any needs at least one operation")
         world, ep = self.world, self._ep
         groups, keys = [], set()
         for i, el in enumerate(works):
@@ -271,11 +271,11 @@ class SimFabric(Fabric):
             g = [w for w in g if not w.is_completed()]
             for w in g:
                 if not isinstance(w, _RecvWork) or w._fabric is not self:
-                    raise TypeError(f"{ep.name}: wait_any takes this endpoint's pending receives and "
+                    raise InvalidTypeError(f"{ep.name}: wait_any takes this endpoint's pending receives and "
                                     f"sends, got {type(w).__name__}")
                 key = w._args[1:]
                 if key in keys:
-                    raise ValueError(f"{ep.name}: wait_any was given two receives on (source, tag) {key};"
+                    raise InvalidValueError(f"{ep.name}: wait_any was given two receives on (source, tag) {key};"
                                      f" only the next one posted on a channel may be waited for")
                 keys.add(key)
             groups.append(g)

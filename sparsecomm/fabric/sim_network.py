@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from .stats import CommStats
+from ..errors import InvalidValueError
 
 if TYPE_CHECKING:
     from .sim_world import World
@@ -62,16 +63,16 @@ class Network:
 
     def __post_init__(self) -> None:
         if self.bandwidth_gbps <= 0:
-            raise ValueError(f"bandwidth_gbps must be positive, got {self.bandwidth_gbps}")
+            raise InvalidValueError(f"bandwidth_gbps must be positive, got {self.bandwidth_gbps}")
         if self.latency_us < 0:
-            raise ValueError(f"latency_us must be non-negative, got {self.latency_us}")
+            raise InvalidValueError(f"latency_us must be non-negative, got {self.latency_us}")
         if not 0.0 <= self.loss < 1.0:
-            raise ValueError(f"loss must be in [0, 1), got {self.loss}")
+            raise InvalidValueError(f"loss must be in [0, 1), got {self.loss}")
         if not 0.0 < self.payload_fraction <= 1.0:
-            raise ValueError(f"payload_fraction must be in (0, 1], got {self.payload_fraction}")
+            raise InvalidValueError(f"payload_fraction must be in (0, 1], got {self.payload_fraction}")
         for eid, f in self.stragglers.items():
             if not f >= 1.0:
-                raise ValueError(f"a straggler's factor must be >= 1, got {f} for endpoint {eid}")
+                raise InvalidValueError(f"a straggler's factor must be >= 1, got {f} for endpoint {eid}")
 
     @property
     def bytes_per_s(self) -> float:

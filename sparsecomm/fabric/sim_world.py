@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import threading
 
-from ..errors import SparseCommError
+from ..errors import InvalidValueError, SparseCommError
 from .sim_network import Endpoint, Network
 
 
@@ -44,7 +44,7 @@ class World:
 
     def __init__(self, world_size: int, network: Network | None = None) -> None:
         if world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size}")
+            raise InvalidValueError(f"world_size must be >= 1, got {world_size}")
         self.network = network or Network()
         self.world_size = world_size
         self.lock = threading.Lock()

@@ -64,7 +64,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ..errors import FabricTimeout, IncompatibleError, MismatchError
+from ..errors import FabricTimeout, IncompatibleError, InvalidValueError, MismatchError
 from .base import Fabric, ServiceNotStarted, ServiceShutdown, Work
 from .stats import CommStats
 from .torch_failure import MAX_TAG, FailStop, decode_failure, encode_failure  # noqa: F401 (re-exported)
@@ -98,7 +98,7 @@ class TorchFabric(FailStop, Fabric):
         if world_size is None:
             world_size = total - len(services)
         if world_size < 1 or world_size + len(services) != total:
-            raise ValueError(f"{world_size} workers + {len(services)} services != {total} ranks in the "
+            raise InvalidValueError(f"{world_size} workers + {len(services)} services != {total} ranks in the "
                              f"process group")
         self.rank = dist.get_rank()
         self.world_size = world_size
@@ -162,14 +162,14 @@ class TorchFabric(FailStop, Fabric):
 
     def _check_peer(self, peer: int) -> None:
         if not 0 <= peer < self.total_ranks:
-            raise ValueError(f"{self._name(self.rank)}: no rank {peer} (the job has {self.total_ranks})")
+            raise InvalidValueError(f"{self._name(self.rank)}: no rank {peer} (the job has {self.total_ranks})")
         if peer == self.rank:
-            raise ValueError(f"{self._name(self.rank)}: cannot send to or receive from itself")
+            raise InvalidValueError(f"{self._name(self.rank)}: cannot send to or receive from itself")
 
     @staticmethod
     def _check_tag(tag: int) -> None:
         if not 0 <= tag <= MAX_TAG:
-            raise ValueError(f"tags on TorchFabric must lie in [0, 2**31), got {tag}")
+            raise InvalidValueError(f"tags on TorchFabric must lie in [0, 2**31), got {tag}")
 
     # --------------------------------------------------------------- sending
     def _post_send(self, tensor: torch.Tensor, dst: int, tag: int) -> _Pending:
@@ -278,7 +278,7 @@ class TorchFabric(FailStop, Fabric):
     def _finish(self, pend: _Pending, timeout: float | None, out: torch.Tensor | None) -> int | None:
         """Wait for ``pend`` (bounded as the module docstring says); account and copy a receive."""
         if timeout is not None and timeout < 0:
-            raise ValueError("timeout must be non-negative")
+            raise InvalidValueError("timeout must be non-negative")
         if self._deferred:
             self._flush()
         service = self._service_spec is not None and pend.is_recv

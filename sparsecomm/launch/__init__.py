@@ -37,6 +37,7 @@ from ..fabric.sim_network import Network
 from .base import backends, check_main_guard
 from .context import Context, current_context, set_context
 from . import sim_backend  # noqa: F401  (registers "sim")
+from ..errors import InvalidValueError
 
 __all__ = ["launch", "Context", "current_context", "set_context", "backends", "check_main_guard"]
 
@@ -54,7 +55,7 @@ def launch(fn: Callable[[Context], Any], world_size: int, backend: str = "sim", 
     ``["switch"]``). ``timeout_s`` bounds every wait.
     """
     if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+        raise InvalidValueError(f"world_size must be a positive integer, got {world_size!r}")
     runner = backends.factory(backend)
     if backend != "sim":
         check_main_guard()

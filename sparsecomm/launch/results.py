@@ -8,6 +8,7 @@ at most 256 MiB per result); :func:`_gather_results` gives every rank every rank
 from __future__ import annotations
 
 from typing import Any
+from ..errors import InvalidTypeError, InvalidValueError
 
 _MAX_RESULT_BYTES = 256 << 20
 _MAX_DEPTH = 64
@@ -41,7 +42,7 @@ def encode_result(obj: Any) -> bytes:
 
     def enc(o, depth):
         if depth > _MAX_DEPTH:
-            raise TypeError("the result nests deeper than 64 levels")
+            raise InvalidTypeError("the result nests deeper than 64 levels")
         if o is None:
             return ["n"]
         if isinstance(o, bool):
@@ -67,7 +68,7 @@ def encode_result(obj: Any) -> bytes:
             blobs.append(data)
             size[0] += len(data)
             return node
-        raise TypeError(f"a result of type {type(o).__name__} cannot cross ranks (in place under torchrun, "
+        raise InvalidTypeError(f"a result of type {type(o).__name__} cannot cross ranks (in place under torchrun, "
                         f"results travel in a safe encoding, never pickled): return None, bool, int, float, "
                         f"str, bytes, tensors, or lists / tuples / dicts of them")
 
@@ -176,11 +177,11 @@ def _gather_results(result: Any, rank: int, total: int) -> list[Any]:
     longest = max(lengths)
     if bad or longest > _MAX_RESULT_BYTES or min(lengths) < 0:
         if err:
-            raise TypeError(f"worker {rank}: {err}")
+            raise InvalidTypeError(f"worker {rank}: {err}")
         if bad:
-            raise TypeError(f"the result of worker {bad[0]} cannot cross ranks (see its error; only None, "
+            raise InvalidTypeError(f"the result of worker {bad[0]} cannot cross ranks (see its error; only None, "
                             f"bool, int, float, str, bytes, tensors and lists / tuples / dicts of them can)")
-        raise ValueError(f"a result of {longest} bytes exceeds the {_MAX_RESULT_BYTES} bytes that launch "
+        raise InvalidValueError(f"a result of {longest} bytes exceeds the {_MAX_RESULT_BYTES} bytes that launch "
                          f"gathers under torchrun; return less, or save it to a file")
     buf = torch.zeros(longest, dtype=torch.uint8)
     if data:

@@ -7,7 +7,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..errors import PeerFailure
+from ..errors import InvalidTypeError, PeerFailure
 from ..fabric.sim import EndpointCrashed, Network, SimWorld
 from .base import backends
 from .context import Context, set_context
@@ -17,7 +17,7 @@ from .context import Context, set_context
 def _launch_sim(fn: Callable[[Context], Any], world_size: int, *, network: Network | None = None,
                 timeout_s: float | None = None, services: Sequence[str] = (), **options: Any) -> list[Any]:
     if options:
-        raise TypeError(f"unexpected options for the sim backend: {sorted(options)}")
+        raise InvalidTypeError(f"unexpected options for the sim backend: {sorted(options)}")
     network = network or Network()
     if timeout_s is not None:
         network = Network(**{**network.__dict__, "timeout_s": timeout_s})

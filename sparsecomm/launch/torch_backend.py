@@ -61,6 +61,7 @@ from .context import Context, set_context
 from .results import _gather_results, decode_result, encode_result  # noqa: F401  (re-exported)
 from .supervise import DONE_KEY as _DONE_KEY
 from .supervise import WorkerError, _pack_error, _reap, _supervise  # noqa: F401  (WorkerError re-exported)
+from ..errors import InvalidTypeError, InvalidValueError
 
 DEFAULT_TIMEOUT_S = 120.0
 #: imported once by the fork server, so that each rank starts in milliseconds instead of importing torch
@@ -74,16 +75,16 @@ def _launch(backend: str, fn: Callable[[Context], Any], world_size: int, *, netw
             timeout_s: float | None = None, services: Sequence[str] = (), start_method: str | None = None,
             **options: Any) -> list[Any]:
     if options:
-        raise TypeError(f"unexpected options for the {backend} backend: {sorted(options)}")
+        raise InvalidTypeError(f"unexpected options for the {backend} backend: {sorted(options)}")
     if network is not None:
-        raise TypeError(f"network= models the simulated network of backend='sim'; the {backend} backend "
+        raise InvalidTypeError(f"network= models the simulated network of backend='sim'; the {backend} backend "
                         f"runs on the real one")
     if isinstance(services, str):
         services = (services,)
     services = tuple(services)
     timeout_s = float(timeout_s) if timeout_s is not None else DEFAULT_TIMEOUT_S
     if timeout_s <= 0:
-        raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        raise InvalidValueError(f"timeout_s must be positive, got {timeout_s}")
     if _in_place():
         return _run_in_place(backend, fn, world_size, timeout_s, services)
     return _spawn(backend, fn, world_size, timeout_s, services, start_method)
@@ -116,11 +117,11 @@ def _run_in_place(backend: str, fn: Callable, world_size: int, timeout_s: float,
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     elif dist.get_backend() != backend:
-        raise ValueError(f"torch.distributed is initialised with backend {dist.get_backend()!r}, "
+        raise InvalidValueError(f"torch.distributed is initialised with backend {dist.get_backend()!r}, "
                          f"but launch asked for {backend!r}")
     total = dist.get_world_size()
     if total != world_size + len(services):
-        raise ValueError(f"the job has {total} ranks but launch asked for {world_size} workers + "
+        raise InvalidValueError(f"the job has {total} ranks but launch asked for {world_size} workers + "
                          f"{len(services)} service rank(s) {list(services)}; start "
                          f"{world_size + len(services)} processes (torchrun --nproc-per-node ...)")
     _in_place_calls += 1
@@ -195,7 +196,7 @@ def _start_method(requested: str | None) -> str:
     if requested is None:
         return "forkserver" if "forkserver" in methods else "spawn"
     if requested not in ("forkserver", "spawn") or requested not in methods:
-        raise ValueError(f"start_method must be one of {[m for m in ('forkserver', 'spawn') if m in methods]}, "
+        raise InvalidValueError(f"start_method must be one of {[m for m in ('forkserver', 'spawn') if m in methods]}, "
                          f"got {requested!r}")
     return requested
 
@@ -214,11 +215,11 @@ def _spawn(backend: str, fn: Callable, world_size: int, timeout_s: float,
     try:
         fn_bytes = pickle.dumps(fn)
     except Exception as exc:  # noqa: BLE001 - any pickling failure
-        raise TypeError(f"launch(backend={backend!r}) runs fn in separate processes, so fn must be picklable "
+        raise InvalidTypeError(f"launch(backend={backend!r}) runs fn in separate processes, so fn must be picklable "
                         f"(a module-level function, or a functools.partial of one); got {fn!r}: {exc}") from exc
     total = world_size + len(services)
     if backend == "nccl" and torch.cuda.device_count() < total:
-        raise ValueError(f"backend 'nccl' needs one GPU per rank: {total} ranks ({world_size} workers + "
+        raise InvalidValueError(f"backend 'nccl' needs one GPU per rank: {total} ranks ({world_size} workers + "
                          f"{len(services)} services) but {torch.cuda.device_count()} GPU(s) visible")
     method = _start_method(start_method)
     ctx = mp.get_context(method)
@@ -286,7 +287,7 @@ def _child_main(rank: int, world_size: int, services: tuple[str, ...], port: int
             try:
                 data = pickle.dumps(result)
             except Exception as exc:  # noqa: BLE001
-                raise TypeError(f"the result of fn on worker {rank} cannot be pickled back to the parent: "
+                raise InvalidTypeError(f"the result of fn on worker {rank} cannot be pickled back to the parent: "
                                 f"{exc}") from exc
             queue.put(("ok", rank, data))
             store.add(_DONE_KEY, 1)

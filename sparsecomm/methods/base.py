@@ -74,7 +74,7 @@ from typing import Any, ClassVar, Hashable
 import torch
 
 from ..compressors.base import Compressor
-from ..errors import HyperParameterError, MismatchError, SparseCommError  # noqa: F401 (re-exported)
+from ..errors import HyperParameterError, InvalidTypeError, MismatchError, SparseCommError  # noqa: F401 (re-exported)
 from ..payload import Payload
 from .state import ROUNDS, MethodState, _clone, _state_numel, states_from_dict, states_to_dict  # noqa: F401
 
@@ -313,14 +313,14 @@ def resolve_compressor(compressor: str | Compressor | None, hyper: dict[str, Any
         compressor = default
     if isinstance(compressor, Compressor):
         if hyper:
-            raise TypeError(f"{owner}: hyper-parameters {sorted(hyper)} given with a compressor object "
+            raise InvalidTypeError(f"{owner}: hyper-parameters {sorted(hyper)} given with a compressor object "
                             f"{compressor!r}; pass them to the compressor instead")
         return compressor
     if isinstance(compressor, str):
         factory = compressors.registry.factory(compressor)  # unknown names raise, listing the valid ones
         check_kwargs(factory, hyper, f"compressor {compressor!r}")
         return factory(**hyper)
-    raise TypeError(f"{owner}: compressor must be a registered name or a Compressor, got {compressor!r}")
+    raise InvalidTypeError(f"{owner}: compressor must be a registered name or a Compressor, got {compressor!r}")
 
 
 def check_kwargs(factory: Any, kwargs: dict[str, Any], what: str) -> None:

@@ -30,6 +30,7 @@ from ..compressors._common import GeneratorRequiredError, check_ratio, make_payl
 from ..compressors.base import Compressor
 from ._registry import registry
 from .base import Method
+from ..errors import InvalidValueError
 
 
 class SampledTopK(Compressor):
@@ -83,7 +84,7 @@ class DGC(Method):
                  sample_ratio: float = th.DGC_SAMPLE_RATIO, warmup_steps: int = 0,
                  clip_norm: float | None = None) -> None:
         if not 0.0 <= momentum < 1.0 or warmup_steps < 0 or (clip_norm is not None and not clip_norm > 0):
-            raise ValueError("dgc: momentum in [0, 1), warmup_steps >= 0, clip_norm > 0 or None")
+            raise InvalidValueError("dgc: momentum in [0, 1), warmup_steps >= 0, clip_norm > 0 or None")
         self.momentum, self.warmup_steps, self.clip_norm = float(momentum), int(warmup_steps), clip_norm
         super().__init__(SampledTopK(ratio, sample_ratio))
 

@@ -29,6 +29,7 @@ import torch
 from ..payload import Payload
 from ._registry import registry
 from .base import Method, MethodState
+from ..errors import InvalidValueError
 
 INITS = ("zeros", "grad")
 
@@ -54,9 +55,9 @@ class Diana(Method):
     def __init__(self, compressor=None, *, alpha: float | None = None, init: str = "zeros",
                  **compressor_hyper) -> None:
         if init not in INITS:
-            raise ValueError(f"diana: init must be one of {INITS}, got {init!r}")
+            raise InvalidValueError(f"diana: init must be one of {INITS}, got {init!r}")
         if alpha is not None and not 0.0 < float(alpha) <= 1.0:
-            raise ValueError(f"diana: alpha must be in (0, 1], got {alpha!r}")
+            raise InvalidValueError(f"diana: alpha must be in (0, 1], got {alpha!r}")
         self.alpha = None if alpha is None else float(alpha)
         self.init_rule = init
         super().__init__(compressor, **compressor_hyper)
@@ -70,7 +71,7 @@ class Diana(Method):
             return self.alpha
         omega = float(self.compressor.omega(d))
         if not math.isfinite(omega) or omega < 0:
-            raise ValueError(f"diana: compressor {self.compressor!r} declares omega={omega}; "
+            raise InvalidValueError(f"diana: compressor {self.compressor!r} declares omega={omega}; "
                              f"pass alpha= explicitly")
         return 1.0 / (omega + 1.0)
 

@@ -26,6 +26,7 @@ import torch
 from ..payload import Payload
 from ._registry import registry
 from .base import Method, MethodState
+from ..errors import InvalidValueError
 
 INITS = ("grad", "zeros")
 
@@ -49,7 +50,7 @@ class EF21(Method):
 
     def __init__(self, compressor=None, *, init: str = "grad", **compressor_hyper) -> None:
         if init not in INITS:
-            raise ValueError(f"ef21: init must be one of {INITS}, got {init!r}")
+            raise InvalidValueError(f"ef21: init must be one of {INITS}, got {init!r}")
         self.init_rule = init
         super().__init__(compressor, **compressor_hyper)
 

@@ -30,6 +30,7 @@ from ..compressors.base import Compressor
 from ..payload import SIGNS, Payload
 from ._registry import registry
 from .base import Method, dense_payload
+from ..errors import InvalidValueError
 
 LEVELS = ("two", "symmetric")
 
@@ -89,7 +90,7 @@ class OneBitSGD(Method):
 
     def __init__(self, bucket_size: int | None = 512, *, levels: str = "two") -> None:
         if levels not in LEVELS:
-            raise ValueError(f"onebit: levels must be one of {LEVELS}, got {levels!r}")
+            raise InvalidValueError(f"onebit: levels must be one of {LEVELS}, got {levels!r}")
         super().__init__(OneBit(bucket_size, levels == "two"))
 
     def hyper(self):

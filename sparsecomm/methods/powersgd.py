@@ -33,6 +33,7 @@ from ..compressors.base import Compressor
 from ..payload import Payload
 from ._registry import registry
 from .base import Method, dense_payload
+from ..errors import InvalidValueError
 
 
 class LowRank(Compressor):
@@ -77,7 +78,7 @@ class PowerSGD(Method):
     def __init__(self, rank: int = 1, *, min_compression_rate: float = 2.0, start_iter: int = 0,
                  error_feedback: bool = True, warm_start: bool = True) -> None:
         if int(rank) < 1 or start_iter < 0 or min_compression_rate < 0:
-            raise ValueError("powersgd: rank >= 1, start_iter >= 0 and min_compression_rate >= 0")
+            raise InvalidValueError("powersgd: rank >= 1, start_iter >= 0 and min_compression_rate >= 0")
         self.rank, self.rate, self.start_iter = int(rank), float(min_compression_rate), int(start_iter)
         self.error_feedback, self.warm_start = bool(error_feedback), bool(warm_start)
         super().__init__(LowRank(self.rank))

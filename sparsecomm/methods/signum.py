@@ -19,6 +19,7 @@ import torch
 
 from ._registry import registry
 from .signsgd import SignSGD
+from ..errors import InvalidValueError
 
 
 @dataclass
@@ -37,7 +38,7 @@ class Signum(SignSGD):
 
     def __init__(self, beta: float = 0.9) -> None:
         if not 0.0 <= float(beta) < 1.0:
-            raise ValueError(f"signum: beta must be in [0, 1), got {beta!r}")
+            raise InvalidValueError(f"signum: beta must be in [0, 1), got {beta!r}")
         self.beta = float(beta)
         super().__init__()
 

@@ -6,6 +6,7 @@ from typing import Any
 
 from .base import Method
 from .state import MethodState
+from ..errors import InvalidValueError
 
 
 class Warmup(Method):
@@ -17,7 +18,7 @@ class Warmup(Method):
 
     def __init__(self, inner: Method, steps: int) -> None:
         if int(steps) != steps or steps < 0:
-            raise ValueError(f"warmup: steps must be a non-negative integer, got {steps!r}")
+            raise InvalidValueError(f"warmup: steps must be a non-negative integer, got {steps!r}")
         self.inner, self.steps = inner, int(steps)
         self.compressor = inner.compressor
         self.name, self.State = inner.name, inner.State

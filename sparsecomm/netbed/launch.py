@@ -41,6 +41,7 @@ from typing import Any, Callable, Sequence
 from ..fabric.sim_network import Network
 from ..launch import Context, backends
 from .topology import Netbed, NetbedError, check_shaping
+from ..errors import InvalidTypeError, InvalidValueError
 
 _DEFAULT_LATENCY_US = Network.__dataclass_fields__["latency_us"].default
 
@@ -141,7 +142,7 @@ def _launch_netbed(fn: Callable[[Context], Any], world_size: int, *, network: Ne
     from ..launch import torch_backend as lt
 
     if options:
-        raise TypeError(f"unexpected options for the netbed backend: {sorted(options)}")
+        raise InvalidTypeError(f"unexpected options for the netbed backend: {sorted(options)}")
     gbps = None if netbed_unshaped else check_network(network)
     if isinstance(services, str):
         services = (services,)
@@ -150,7 +151,7 @@ def _launch_netbed(fn: Callable[[Context], Any], world_size: int, *, network: Ne
         timeout_s = network.timeout_s if network is not None else lt.DEFAULT_TIMEOUT_S
     timeout_s = float(timeout_s)
     if timeout_s <= 0:
-        raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        raise InvalidValueError(f"timeout_s must be positive, got {timeout_s}")
     hosts, where = placement(world_size, services)
     with terminate_as_interrupt():
         bed = Netbed(hosts, gbps)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import NonFiniteError, OverflowError_
+from ..errors import InvalidValueError, NonFiniteError, OverflowError_
 
 NONFINITE = ("raise", "pass")
 
@@ -30,7 +30,7 @@ NONFINITE = ("raise", "pass")
 def nonfinite_option(value: str, transport: str) -> str:
     """Validate a transport's ``nonfinite=`` option."""
     if value not in NONFINITE:
-        raise ValueError(f"transport {transport!r}: nonfinite must be 'raise' (NaN/Inf is an error on every "
+        raise InvalidValueError(f"transport {transport!r}: nonfinite must be 'raise' (NaN/Inf is an error on every "
                          f"worker, the default) or 'pass' (summed through, as torch.distributed does), "
                          f"got {value!r}")
     return value

@@ -42,7 +42,7 @@ from typing import Sequence
 
 import torch
 
-from ..errors import MalformedMessage, MismatchError
+from ..errors import InvalidValueError, MalformedMessage, MismatchError
 
 #: tag of the handshake messages (kept apart from the transports' data tags)
 HANDSHAKE_TAG = 0x5C00
@@ -185,7 +185,7 @@ def header_state(rank: int, transport: str, names: Sequence[str], info: Sequence
                  values: Sequence[int | torch.Tensor], device) -> torch.Tensor:
     """This worker's agreement header, ``int64[HEADER_WORDS]``: the same size for every transport and call."""
     if len(values) > MAX_FIELDS or len(info) > MAX_INFO:
-        raise ValueError(f"the agreement header holds at most {MAX_FIELDS} fields ({MAX_INFO} info fields)")
+        raise InvalidValueError(f"the agreement header holds at most {MAX_FIELDS} fields ({MAX_INFO} info fields)")
     words = [MAGIC, transport_code(transport), _layout_code(names, info), len(values)]
     words += [int(torch.as_tensor(v).reshape(()).item()) if isinstance(v, torch.Tensor) else int(v)
               for v in values]

@@ -44,7 +44,7 @@ import torch
 from ..fabric.base import Fabric
 from ..payload import Payload, WireFormatError, check_slot, empty_slot
 from .base import registry
-from ..errors import MalformedMessage, MismatchError, OverflowError_
+from ..errors import InvalidValueError, MalformedMessage, MismatchError, OverflowError_
 from ._guards import abs_max, all_finite, guard_finite, is_integer, narrow, nonfinite_option
 from ._handshake import (HANDSHAKE_TAG, _DIS, _PRE, _REF, _fail, _transport_name, dtype_code, fingerprint, header_state,
                          mismatch_error, transport_code, validate_state)
@@ -99,10 +99,10 @@ def _read_header(buf: torch.Tensor, src: int, rank: int, n: int) -> list[int]:
 
 def _check_counts(p: Payload) -> None:
     if p.kind == "sparse" and p.indices is not None and p.indices.numel() * p.row_len != p.values.numel():
-        raise ValueError(f"sparse payload with {p.values.numel()} values but {p.indices.numel()} indices "
+        raise InvalidValueError(f"sparse payload with {p.values.numel()} values but {p.indices.numel()} indices "
                          f"(rows of {p.row_len})")
     if p.kind == "sparse" and p.row_len > 1 and p.numel % p.row_len:
-        raise ValueError(f"row-sparse payload: {p.numel} elements are not rows of {p.row_len}")
+        raise InvalidValueError(f"row-sparse payload: {p.numel} elements are not rows of {p.row_len}")
 
 
 @registry.register("allgather")
@@ -118,7 +118,7 @@ class AllGather(Transport):
         super().__init__(fabric)
         self.nonfinite = nonfinite_option(nonfinite, "allgather")
         if not fabric.is_worker:
-            raise ValueError("transports run on workers, not on service endpoints")
+            raise InvalidValueError("transports run on workers, not on service endpoints")
         self.header_tag = header_tag
         self.data_tag = data_tag
 
@@ -134,7 +134,7 @@ class AllGather(Transport):
 
     def _gather_sum(self, p: Payload) -> torch.Tensor:
         if p.kind == "sparse" and p.row_len > 1:
-            raise ValueError("a row-sparse payload (sparse with bucket_size) is gathered, not summed: "
+            raise InvalidValueError("a row-sparse payload (sparse with bucket_size) is gathered, not summed: "
                              "use AllGather.gather")
         if self.fabric.world_size == 1:
             _check_counts(p)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import FabricTimeout, IncompatibleError, PeerFailure
+from ..errors import FabricTimeout, IncompatibleError, InvalidValueError, PeerFailure
 from ..fabric.base import Fabric
 from ..payload import Payload
 from .base import registry
@@ -58,7 +58,7 @@ class Native(Transport):
                 f"(launch backend 'gloo' or 'nccl'), not a {type(fabric).__name__}; on SimFabric use 'ring' "
                 f"(the same dense sum, bandwidth-optimal, written against the Fabric) or 'allgather'")
         if not fabric.is_worker:
-            raise ValueError("transports run on workers, not on service endpoints")
+            raise InvalidValueError("transports run on workers, not on service endpoints")
 
     def _allreduce_tensor(self, flat: torch.Tensor) -> torch.Tensor:
         return self._run(flat)
@@ -96,7 +96,7 @@ class Native(Transport):
         rows = p.numel // row
         k = p.indices.numel()
         if k * row != p.values.numel() or p.numel % row:
-            raise ValueError(f"row-sparse payload: {p.values.numel()} values for {k} rows of {row}")
+            raise InvalidValueError(f"row-sparse payload: {p.values.numel()} values for {k} rows of {row}")
         if n == 1:
             return [p]
         group = f.native_group

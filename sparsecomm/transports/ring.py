@@ -42,7 +42,7 @@ from typing import Callable
 
 import torch
 
-from ..errors import IncompatibleError
+from ..errors import IncompatibleError, InvalidValueError
 from ..fabric.base import Fabric
 from ..payload import KINDS, Payload
 from .base import registry
@@ -95,7 +95,7 @@ def linear_operand(x: torch.Tensor | Payload, n: int, transport: str) -> LinearO
     if p.kind == "dense":
         v = p.values.reshape(-1)
         if v.numel() != p.numel:
-            raise ValueError(f"dense payload has {v.numel()} values for a tensor of {p.numel} elements")
+            raise InvalidValueError(f"dense payload has {v.numel()} values for a tensor of {p.numel} elements")
         return LinearOperand(v, lambda s: s.to(p.dtype),
                              dict(common, values_length=v.numel(), values_dtype=dtype_code(v.dtype)))
     if p.kind == "aligned":
@@ -231,9 +231,9 @@ class Ring(Transport):
         super().__init__(fabric)
         self.nonfinite = nonfinite_option(nonfinite, "ring")
         if not fabric.is_worker:
-            raise ValueError("transports run on workers, not on service endpoints")
+            raise InvalidValueError("transports run on workers, not on service endpoints")
         if segment_bytes <= 0:
-            raise ValueError(f"segment_bytes must be positive, got {segment_bytes}")
+            raise InvalidValueError(f"segment_bytes must be positive, got {segment_bytes}")
         self.tag = tag
         self.segment_bytes = int(segment_bytes)
         self.inplace = inplace   # sum a plain tensor input into itself (scratch buckets) instead of a copy

@@ -128,6 +128,7 @@ from .sparse_switch_dataplane import (
     F_NEXT, HEADER, MAX_WORKERS, NONE, PACKET_ELEMS, T_DATA, T_EMPTY, T_MIN, T_RESULT, T_RETRANSMIT,
     T_SKIP, TAG_DOWN, TAG_SKIP, TAG_UP, JOB_MASK, Dataplane, Header, SparseSwitchConfig, service_main,
 )
+from ..errors import InvalidValueError
 
 INT32_MAX = 2**31 - 1
 EXP_FLOOR, EXP_CEIL = -126, 127
@@ -196,12 +197,12 @@ class SparseSwitch(Transport):
         self.sim = fabric.modelled_time
         self.config, spec = _program(fabric, fabric.in_process_services, slot_elems, switch_slots, burst, audit)
         if isinstance(pool_size, bool) or not isinstance(pool_size, int) or not 1 <= pool_size < self.config.slots:
-            raise ValueError(f"pool_size must be an integer in [1, switch_slots - 1 = {self.config.slots - 1}] "
+            raise InvalidValueError(f"pool_size must be an integer in [1, switch_slots - 1 = {self.config.slots - 1}] "
                              f"(slot 0 is the control slot), got {pool_size!r}")
         if timeout is None and self.sim:
             timeout = 1e-3
         if timeout is not None and not timeout > 0:
-            raise ValueError(f"timeout must be positive (or None: no timer), got {timeout!r}")
+            raise InvalidValueError(f"timeout must be positive (or None: no timer), got {timeout!r}")
         self.pool_size, self.k = pool_size, self.config.elems
         self.burst = self.config.burst_for(fabric)
         self.timeout, self.timeout_threshold = timeout, int(timeout_threshold)
@@ -569,7 +570,7 @@ def _program(fabric: Fabric, sim: bool, elems: int | None, slots: int | None, bu
     real fabrics the one the launcher started (``services=["sparse-switch..."]``), whose constants are
     the defaults."""
     if elems is not None and elems not in PACKET_ELEMS:
-        raise ValueError(f"slot_elems must be one of {PACKET_ELEMS}, got {elems!r}")
+        raise InvalidValueError(f"slot_elems must be one of {PACKET_ELEMS}, got {elems!r}")
     asked = {k: v for k, v in (("elems", elems), ("slots", slots), ("burst", burst)) if v is not None}
     if audit:
         asked["audit"] = True

@@ -45,6 +45,7 @@ import torch
 
 from ..fabric import services
 from ..fabric.base import Fabric
+from ..errors import InvalidValueError
 
 # ----------------------------------------------------------------------------- wire format
 W0, F_SLOT, F_POS, F_NEXT = range(4)
@@ -128,13 +129,13 @@ class SparseSwitchConfig:
 
     def __post_init__(self) -> None:
         if self.elems not in PACKET_ELEMS:
-            raise ValueError(f"slot_elems must be one of {PACKET_ELEMS} (the switch's packet sizes), "
+            raise InvalidValueError(f"slot_elems must be one of {PACKET_ELEMS} (the switch's packet sizes), "
                              f"got {self.elems!r}")
         if isinstance(self.slots, bool) or not isinstance(self.slots, int) or not 2 <= self.slots <= 1 << 16:
-            raise ValueError(f"switch slots must be an integer in [2, 65536], got {self.slots!r}")
+            raise InvalidValueError(f"switch slots must be an integer in [2, 65536], got {self.slots!r}")
         if self.burst is not None and (isinstance(self.burst, bool) or not isinstance(self.burst, int)
                                        or not 1 <= self.burst <= 1024):
-            raise ValueError(f"burst must be an integer in [1, 1024], got {self.burst!r}")
+            raise InvalidValueError(f"burst must be an integer in [1, 1024], got {self.burst!r}")
 
     def burst_for(self, fabric: Fabric) -> int:
         """Packets per fabric message: ``burst``, else one on SimFabric and ``REAL_BURST`` elsewhere."""
@@ -158,11 +159,11 @@ class SparseSwitchConfig:
             if not eq:
                 key, val = "elems", key
             if key not in names:
-                raise ValueError(f"unknown sparse-switch option {key!r} in {arg!r}; valid: {', '.join(sorted(names))}")
+                raise InvalidValueError(f"unknown sparse-switch option {key!r} in {arg!r}; valid: {', '.join(sorted(names))}")
             try:
                 kw[key] = bool(int(val)) if key == "audit" else int(val)
             except ValueError:
-                raise ValueError(f"sparse-switch option {key} needs an integer, got {val!r}") from None
+                raise InvalidValueError(f"sparse-switch option {key} needs an integer, got {val!r}") from None
         return cls(**kw)
 
 

@@ -64,7 +64,7 @@ import numpy as np
 import torch
 
 from .. import codec
-from ..errors import IncompatibleError, NonFiniteError
+from ..errors import IncompatibleError, InvalidValueError, NonFiniteError
 from ..fabric.base import Fabric
 from ..payload import Payload
 from .base import registry
@@ -148,7 +148,7 @@ class SwitchTransport(Transport):
         self.nonfinite = nonfinite
         if isinstance(max_exponent, bool) or not isinstance(max_exponent, int) or not \
                 EXP_FLOOR <= max_exponent <= EXP_MAX:
-            raise ValueError(f"max_exponent must be an integer in [{EXP_FLOOR}, {EXP_MAX}], got {max_exponent!r}")
+            raise InvalidValueError(f"max_exponent must be an integer in [{EXP_FLOOR}, {EXP_MAX}], got {max_exponent!r}")
         self.max_exponent = max_exponent
         self.sim = fabric.modelled_time
         self.config = _program(fabric, fabric.in_process_services, slot_elems, switch_slots, burst, audit)
@@ -160,14 +160,14 @@ class SwitchTransport(Transport):
                 f"transport 'switch' supports at most {MAX_WORKERS} workers (the switch keeps a 32-bit "
                 f"worker bitmap per slot); this job has {fabric.world_size}; use 'ring' or 'omnireduce'")
         if not isinstance(pool_size, int) or not 1 <= pool_size <= switch_slots - 1:
-            raise ValueError(f"pool_size must be an integer in [1, switch_slots - 1 = {switch_slots - 1}] "
+            raise InvalidValueError(f"pool_size must be an integer in [1, switch_slots - 1 = {switch_slots - 1}] "
                              f"(slot 0 is the control slot), got {pool_size!r}")
         if rounding not in _ROUNDING:
-            raise ValueError(f"rounding must be one of {sorted(_ROUNDING)}, got {rounding!r}")
+            raise InvalidValueError(f"rounding must be one of {sorted(_ROUNDING)}, got {rounding!r}")
         if timeout is None and self.sim:
             timeout = 10e-3
         if timeout is not None and not timeout > 0:
-            raise ValueError(f"timeout must be positive (or None: no timer), got {timeout!r}")
+            raise InvalidValueError(f"timeout must be positive (or None: no timer), got {timeout!r}")
         self.pool_size, self.slot_elems = pool_size, slot_elems
         self.timeout = None if timeout is None else float(timeout)
         self.timeout_threshold, self.timeout_increment = int(timeout_threshold), int(timeout_increment)
@@ -316,7 +316,7 @@ def _program(fabric: Fabric, sim: bool, elems: int | None, slots: int | None, bu
     constants are the defaults, and an explicit conflicting value is an error rather than a garbled
     stream (gloo cannot check message sizes)."""
     if elems is not None and elems not in PACKET_ELEMS:
-        raise ValueError(f"slot_elems must be one of {PACKET_ELEMS}, got {elems!r}")
+        raise InvalidValueError(f"slot_elems must be one of {PACKET_ELEMS}, got {elems!r}")
     asked = {k: v for k, v in (("elems", elems), ("slots", slots), ("burst", burst)) if v is not None}
     if audit:
         asked["audit"] = True

@@ -50,6 +50,7 @@ import numpy as np
 from numba import njit
 
 from ..fabric.base import Fabric
+from ..errors import InvalidValueError
 
 
 # ----------------------------------------------------------------------------- wire format
@@ -106,12 +107,12 @@ class SwitchConfig:
 
     def __post_init__(self) -> None:
         if self.elems not in PACKET_ELEMS:
-            raise ValueError(f"slot_elems must be one of {PACKET_ELEMS} (the P4 program's packet sizes), "
+            raise InvalidValueError(f"slot_elems must be one of {PACKET_ELEMS} (the P4 program's packet sizes), "
                              f"got {self.elems}")
         if not isinstance(self.slots, int) or self.slots < 2:
-            raise ValueError(f"switch slots must be an integer >= 2, got {self.slots!r}")
+            raise InvalidValueError(f"switch slots must be an integer >= 2, got {self.slots!r}")
         if self.burst is not None and (not isinstance(self.burst, int) or self.burst < 1):
-            raise ValueError(f"burst must be a positive integer, got {self.burst!r}")
+            raise InvalidValueError(f"burst must be a positive integer, got {self.burst!r}")
 
     def spec(self) -> str:
         """The service spec naming this program: ``"switch"`` for the defaults."""
@@ -133,7 +134,7 @@ class SwitchConfig:
             if not eq:
                 key, val = "elems", key
             if key not in {f.name for f in fields(cls)}:
-                raise ValueError(f"unknown switch option {key!r} in {arg!r}; valid: elems, slots, burst, audit")
+                raise InvalidValueError(f"unknown switch option {key!r} in {arg!r}; valid: elems, slots, burst, audit")
             kw[key] = bool(int(val)) if key == "audit" else int(val)
         return cls(**kw)
 

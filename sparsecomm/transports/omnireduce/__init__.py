@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import torch
 
-from ...errors import IncompatibleError
+from ...errors import IncompatibleError, InvalidValueError
 from .._handshake import check_agreement
 from .._guards import abs_max, guard_finite, is_integer, narrow, nonfinite_option
 from ...fabric import services
@@ -140,14 +140,14 @@ class OmniReduce(Transport):
         self.nonfinite = nonfinite_option(nonfinite, "omnireduce")
         for nm, v in (("block_size", block_size), ("lanes", lanes), ("channels", channels)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"omnireduce: {nm} must be a positive integer, got {v!r}")
+                raise InvalidValueError(f"omnireduce: {nm} must be a positive integer, got {v!r}")
         if channels > wire.MAX_CHANNELS:
-            raise ValueError(f"omnireduce: at most {wire.MAX_CHANNELS} channels per aggregator, got {channels}")
+            raise InvalidValueError(f"omnireduce: at most {wire.MAX_CHANNELS} channels per aggregator, got {channels}")
         if deployment not in DEPLOYMENTS:
-            raise ValueError(f"omnireduce: deployment must be one of {', '.join(DEPLOYMENTS)}, "
+            raise InvalidValueError(f"omnireduce: deployment must be one of {', '.join(DEPLOYMENTS)}, "
                              f"got {deployment!r}")
         if not threshold >= 0:
-            raise ValueError(f"omnireduce: threshold must be >= 0, got {threshold!r}")
+            raise InvalidValueError(f"omnireduce: threshold must be >= 0, got {threshold!r}")
         n = fabric.world_size
         self._pool = Pool()
         self._results = ResultCache(result_cache)
@@ -155,7 +155,7 @@ class OmniReduce(Transport):
         self.deployment, self.threshold, self.inplace = deployment, float(threshold), inplace
         if deployment == "colocated":
             if num_aggregators not in (None, n):
-                raise ValueError(f"omnireduce: colocated runs one aggregator per worker ({n}), "
+                raise InvalidValueError(f"omnireduce: colocated runs one aggregator per worker ({n}), "
                                  f"got num_aggregators={num_aggregators}")
             self.num_aggregators = n
             self.aggregators = list(range(n))
@@ -163,7 +163,7 @@ class OmniReduce(Transport):
         else:
             A = n if num_aggregators is None else num_aggregators
             if isinstance(A, bool) or not isinstance(A, int) or A < 1:
-                raise ValueError(f"omnireduce: num_aggregators must be a positive integer, got {A!r}")
+                raise InvalidValueError(f"omnireduce: num_aggregators must be a positive integer, got {A!r}")
             self.num_aggregators = A
             link = {}
             if aggregator_bandwidth_gbps is not None:
