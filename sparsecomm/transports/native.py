@@ -61,7 +61,8 @@ class Native(Transport):
         n = f.world_size
         op = linear_operand(x, n, self.name)
         return op.finish(guarded_sum(f, "native allreduce", op, {}, self.nonfinite,
-                                     self.inplace and isinstance(x, torch.Tensor), self._reduce))
+                                     self.inplace and isinstance(x, torch.Tensor), self._reduce,
+                                     narrowest_codes=torch.int32))
 
     def _reduce(self, acc: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
