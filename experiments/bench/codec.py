@@ -273,7 +273,8 @@ def run_bits(n: int, repeats: int, cache: str = "cold", seed: int = 0) -> list[d
         (torch.randint(0, 2, (n,), generator=g) * 2 - 1)
     rows = []
     head = (f"{'encoding':>24} | {'wire MB':>7} | {'copyto ms':>9} | {'pack ms':>8} {'x copy':>6} | "
-            f"{'kernel ms':>9} {'x copy':>6} | {'unpack ms':>9} {'x copy':>6} | {'kernel ms':>9} {'x copy':>6} | target")
+            f"{'kernel ms':>9} {'x copy':>6} | {'unpack ms':>9} {'x copy':>6} | {'kernel ms':>9} {'x copy':>6} "
+            f"| target")
     print()
     print(head)
     print("-" * len(head))

@@ -17,9 +17,9 @@ Local gradient clipping (§3.2 of the paper, arXiv:1712.01887, "Local Gradient C
 own gradient *before* adding it to its accumulation (here: before the momentum correction), and the
 norm threshold is scaled by N^(-1/2), which the paper calls the worker's share of the global
 threshold if all N workers' gradients were identically distributed (derived: the norm of a sum of N
-such independent zero-mean gradients grows as sqrt(N)). N is the pipeline's ``world_size``. The norm is that of the tensor this method sees
-for one key (a bucket or a parameter), as the authors' released code clips each named tensor in its
-momentum-correction memory (github.com/synxlin/deep-gradient-compression, ``dgc/memory.py``,
+such independent zero-mean gradients grows as sqrt(N)). N is the pipeline's ``world_size``. The norm
+is that of the tensor this method sees for one key (a bucket or a parameter), as the authors'
+released code clips each named tensor in its momentum-correction memory (github.com/synxlin/deep-gradient-compression, ``dgc/memory.py``,
 ``dgc/clip_grad.py``).
 
 An exact round (warm-up) sends v whole without masking u: dense momentum SGD. The payload is
