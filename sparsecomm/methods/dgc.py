@@ -19,8 +19,8 @@ norm threshold is scaled by N^(-1/2), which the paper calls the worker's share o
 threshold if all N workers' gradients were identically distributed (derived: the norm of a sum of N
 such independent zero-mean gradients grows as sqrt(N)). N is the pipeline's ``world_size``. The norm
 is that of the tensor this method sees for one key (a bucket or a parameter), as the authors'
-released code clips each named tensor in its momentum-correction memory (github.com/synxlin/deep-gradient-compression, ``dgc/memory.py``,
-``dgc/clip_grad.py``).
+released code clips each named tensor in its momentum-correction memory
+(github.com/synxlin/deep-gradient-compression, ``dgc/memory.py``, ``dgc/clip_grad.py``).
 
 An exact round (warm-up) sends v whole without masking u: dense momentum SGD. The payload is
 ``sparse`` (worker-specific positions): allgather or omnireduce.

@@ -5,8 +5,8 @@ in the agreement header (an ``info`` field, no extra message); with the global m
 picks the same accumulator (:func:`int_accumulator`): the input's own dtype when ``n M`` fits in it,
 else the narrowest wider integer dtype that holds it (more bytes, only then). A sum accumulated wider
 is narrowed back with a range check (:func:`narrow`): every worker holds the same sum, so an element
-that does not fit the input's dtype is :class:`~sparsecomm.errors.OverflowError_` on every worker. When ``n M`` exceeds even int64 the call
-raises before anything is sent.
+that does not fit the input's dtype is :class:`~sparsecomm.errors.OverflowError_` on every worker.
+When ``n M`` exceeds even int64 the call raises before anything is sent.
 
 **Floats** (:func:`guard_finite`): with ``nonfinite="raise"`` (the default of every transport) a sum
 holding NaN or Inf is an error on every worker: every worker holds the same bits, so they all take the

@@ -2,8 +2,8 @@
 
 Exists only on :class:`~sparsecomm.fabric.torch_fabric.TorchFabric`; with services in the job it reduces
 over the workers' subgroup only. Carries the same kinds as ``ring`` (``dense``; ``aligned`` value
-vectors; ``quantized`` codes with a shared scale, summed as int32/int64) through
-:func:`sparsecomm.transports.ring.linear_operand`, after the same agreement handshake.
+vectors; ``quantized`` codes with a shared scale, summed as int32/int64: gloo's all_reduce rejects
+int8) through :func:`sparsecomm.transports.ring.linear_operand`, after the same agreement handshake.
 
 ``last_stats``: torch.distributed does not report its traffic, so the all-reduce itself is booked at the
 bandwidth-optimal ring volume, ``2 (n-1)/n`` of the vector each way per worker, in one message per
@@ -62,7 +62,7 @@ class Native(Transport):
         op = linear_operand(x, n, self.name)
         return op.finish(guarded_sum(f, "native allreduce", op, {}, self.nonfinite,
                                      self.inplace and isinstance(x, torch.Tensor), self._reduce,
-                                     narrowest_codes=torch.int32))
+                                     int_floor=torch.int32))
 
     def _reduce(self, acc: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist

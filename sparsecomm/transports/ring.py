@@ -247,11 +247,12 @@ class Ring(Transport):
 
 def guarded_sum(fabric: Fabric, what: str, op: LinearOperand, extra: dict, nonfinite: str, inplace: bool,
                 reduce: Callable[[torch.Tensor], torch.Tensor],
-                narrowest_codes: torch.dtype = torch.int8) -> torch.Tensor:
+                int_floor: torch.dtype = torch.int8) -> torch.Tensor:
     """The agreement handshake (with the integer bound as an ``info`` field), ``reduce`` in a dtype that
     cannot overflow, then the overflow / non-finite rules of :mod:`._guards`; the summed vector.
-    Quantized codes are summed in the narrowest integer dtype, from ``narrowest_codes`` up, that holds
-    the n-worker sum (``native`` passes int32: gloo's all_reduce takes no int8).
+    Quantized codes are summed in the narrowest integer dtype that holds the n-worker sum, integer
+    tensors in their own dtype or wider; never narrower than ``int_floor``, the narrowest integer
+    dtype ``reduce`` takes (``native`` passes int32: gloo's all_reduce rejects int8).
 
     Every worker holds the same sum, so every check after ``reduce`` raises on every worker alike."""
     v = op.vector
@@ -259,7 +260,9 @@ def guarded_sum(fabric: Fabric, what: str, op: LinearOperand, extra: dict, nonfi
     info = {"int_bound": abs_max(v)} if integer else {}
     got = check_agreement(fabric, what, **op.fields, **extra, info=info)
     if integer:
-        wide = int_accumulator(narrowest_codes if op.codes else v.dtype, fabric.world_size, got["int_bound"][0], what)
+        wide = int_accumulator(torch.int8 if op.codes else v.dtype, fabric.world_size, got["int_bound"][0], what)
+        if torch.iinfo(wide).bits < torch.iinfo(int_floor).bits:
+            wide = int_floor
         if wide != v.dtype:
             total = reduce(v.to(wide))
             return total if op.codes else narrow(total, v.dtype, what)
