@@ -180,8 +180,8 @@ def ring_allreduce_(fabric: Fabric, acc: torch.Tensor, tag: int = RING_TAG,
 
     # reduce-scatter: step s adds chunk (r-s-1) from the left; each reduced segment goes on to the right
     # at once (it is the next step's outgoing data; after the last step, all-gather step 0's)
+    posted = post_rs(0)     # receives first: their "posted" notices then leave before this rank's data
     sends = [fabric.isend(acc[lo:hi], right, tag) for lo, hi in segs[r]]
-    posted = post_rs(0)
     for s in range(n - 1):
         c = (r - s - 1) % n
         nxt = post_rs(s + 1) if s + 2 < n and len(bufs) == 2 else None
@@ -191,12 +191,19 @@ def ring_allreduce_(fabric: Fabric, acc: torch.Tensor, tag: int = RING_TAG,
             acc[lo:hi].add_(buf[lo - b[c]:hi - b[c]])
             sends.append(fabric.isend(acc[lo:hi], right, tag))
         posted = nxt if nxt is not None else (post_rs(s + 1) if s + 2 < n else [])
-    # all-gather: the chunks it overwrites were sent during reduce-scatter, so those sends must be done
+    # all-gather step s receives chunk (r - s), the chunk reduce-scatter step s sent: each segment's
+    # receive is posted as soon as that segment's send is done (gloo sends only to a posted receive, so
+    # a receive posted late idles the left neighbour's link)
     final = len(segs[(r + 1) % n])
-    for w in sends[:len(sends) - final]:
-        w.wait()
-    sends = sends[len(sends) - final:]
-    recvs = [[fabric.irecv(acc[lo:hi], left, tag) for lo, hi in segs[(r - s) % n]] for s in range(n - 1)]
+    rs_sends, sends = sends[:len(sends) - final], sends[len(sends) - final:]
+    recvs, k = [], 0
+    for s in range(n - 1):
+        row = []
+        for lo, hi in segs[(r - s) % n]:
+            rs_sends[k].wait()
+            k += 1
+            row.append(fabric.irecv(acc[lo:hi], left, tag))
+        recvs.append(row)
     for s in range(n - 1):
         for (lo, hi), work in zip(segs[(r - s) % n], recvs[s]):
             work.wait()
