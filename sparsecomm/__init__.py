@@ -16,8 +16,12 @@ from .payload import Payload  # noqa: F401
 
 # ``sparsecomm.launch`` is both a module and its main function: bind the function eagerly, so that a
 # later ``import sparsecomm.launch`` (which finds the module already loaded) cannot shadow it.
-from .launch import Context, current_context, launch  # noqa: E402,F401
+from .launch import Context, backends as _backends, current_context, launch  # noqa: E402,F401
 from .fabric.sim import Network, SimFabric  # noqa: E402,F401
+
+# the netbed backend sits above launch (it runs the gloo backend's ranks in namespaces): the package's top
+# declares it, and launch imports it on first use
+_backends.provide("netbed", "sparsecomm.netbed.launch")
 
 # Sub-packages and top-level names are imported lazily so that ``import sparsecomm`` stays cheap
 # (torch.distributed and numba are only paid for when used).

@@ -72,7 +72,7 @@ def _torch_fabric(process_group: Any) -> Any:
         raise NotImplementedError("sparsecomm's DDP hook runs over the default process group only "
                                   "(TorchFabric); pass process_group=None")
     ctx = current_context()
-    if ctx is not None and isinstance(ctx.fabric, TorchFabric):
+    if ctx is not None and ctx.fabric.native_group is not None:
         return ctx.fabric
     return TorchFabric()
 

@@ -209,7 +209,7 @@ def _auto_transport(method: Method, fabric: Fabric) -> str:
         if (n - 1) * packed < 2.0 * (n - 1) / n * summed:
             order.remove("allgather")
             order.insert(0, "allgather")
-    if kind == "dense" and type(fabric).__name__ == "TorchFabric" and order[0] != "allgather":
+    if kind == "dense" and fabric.native_group is not None and order[0] != "allgather":
         order.insert(0, "native")
     for name in order:
         if name in transports.registry and _transport_class(name).can_carry(kind, shared):

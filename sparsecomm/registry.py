@@ -5,10 +5,16 @@
 ... class Identity: ...
 >>> reg.available()
 ['identity']
+
+A name can also be *provided* by a module that registers it when imported (``reg.provide("netbed",
+"sparsecomm.netbed.launch")``): the module is imported on the first lookup of the name, so that a lower
+layer can list a component of a higher one without importing it (the higher layer, or the package's
+top, declares the provider).
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, Callable, Generic, TypeVar
 
 from .errors import UnknownNameError
@@ -22,6 +28,7 @@ class Registry(Generic[T]):
     def __init__(self, kind: str) -> None:
         self.kind = kind
         self._factories: dict[str, Callable[..., T]] = {}
+        self._providers: dict[str, str] = {}
 
     def register(self, name: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
         """Decorator registering ``factory`` under ``name``; a duplicate name is a programming error."""
@@ -34,15 +41,23 @@ class Registry(Generic[T]):
 
         return deco
 
+    def provide(self, name: str, module: str) -> None:
+        """Declare that importing ``module`` registers ``name`` (imported on the first lookup)."""
+        if name in self._factories or self._providers.get(name, module) != module:
+            raise ValueError(f"{self.kind} {name!r} is registered twice")
+        self._providers[name] = module
+
     def available(self) -> list[str]:
-        """The registered names, sorted."""
-        return sorted(self._factories)
+        """The registered (and provided) names, sorted."""
+        return sorted(set(self._factories) | set(self._providers))
 
     def __contains__(self, name: object) -> bool:
-        return name in self._factories
+        return name in self._factories or name in self._providers
 
     def factory(self, name: str) -> Callable[..., T]:
         """The factory registered under ``name``; an unknown name raises listing the valid ones."""
+        if isinstance(name, str) and name not in self._factories and name in self._providers:
+            importlib.import_module(self._providers[name])
         try:
             return self._factories[name]
         except (KeyError, TypeError):

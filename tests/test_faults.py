@@ -261,11 +261,11 @@ def test_nothing_received_from_a_peer_is_unpickled():
         text = path.read_text()
         if re.search(r"_object\(|_object_list\(|recv_object|broadcast_object", text):
             offenders.append(str(path))
-        if "pickle.loads" in text and path.name != "launch_torch.py":
+        if "pickle.loads" in text and path.name not in ("torch_backend.py", "supervise.py"):
             offenders.append(str(path))
     assert offenders == []
-    src = (REPO / "sparsecomm" / "launch_torch.py").read_text()
-    # in launch_torch, pickle.loads reads only what a spawned child sends its own parent
+    src = "".join((REPO / "sparsecomm" / "launch" / f).read_text() for f in ("torch_backend.py", "supervise.py"))
+    # in the gloo launcher, pickle.loads reads only what a spawned child sends its own parent
     # (fn from the parent, a self-check of an error before it is sent, the parent reading its children)
     assert src.count("pickle.loads") == 4 and "all_gather_object" not in src
 
@@ -276,7 +276,7 @@ class _Evil:
 
 
 def test_the_safe_result_encoding_round_trips_and_refuses_anything_else():
-    from sparsecomm.launch_torch import decode_result, encode_result
+    from sparsecomm.launch.results import decode_result, encode_result
 
     obj = {"a": [1, 2.5, None, True, "x", b"\x00\xff"], 3: (torch.arange(6).reshape(2, 3),
            torch.tensor([1.5], dtype=torch.bfloat16)), "big": 2**80}

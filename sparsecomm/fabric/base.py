@@ -21,6 +21,22 @@ Semantics every implementation keeps (they are what lets one protocol run on :cl
   index, so that an endpoint can serve whichever of its peers is ready first (an event-driven loop);
   SimFabric picks the receive delivered first in *modelled* time, deterministically.
 - ``stats`` is this endpoint's cumulative :class:`CommStats`; transports report per-call deltas.
+
+Capabilities. Layers above ask a fabric what it can do, never which class it is:
+
+- ``modelled_time``: ``now()`` is a modelled clock (a blocking send occupies the sender's modelled NIC
+  until its last byte, a message is one datagram of the model, ``timeout=`` is in modelled seconds);
+  ``False``: wall time on a real network.
+- ``in_process_services``: ``service(name, main)`` runs ``main`` itself (a thread of this process);
+  ``False``: a service is a rank the launcher started, found by its spec in ``services()``.
+- ``native_group``: a ``torch.distributed`` process group of exactly the workers, over which
+  collectives (``all_reduce``) run, or ``None`` where there is none.
+- ``device``: where message tensors live. ``serial_pairs``: a pair's messages share one ordered channel
+  whatever their tag or direction (nccl).
+- ``scratch``: a dict that lives and dies with this endpoint, where a layer above keeps its per-fabric
+  state (a transport's caches) instead of a module-level dict keyed by fabric; ``world_scratch``: a
+  dict shared by every endpoint of this job that lives in this process (the simulated world's; on a
+  one-rank-per-process fabric, ``scratch`` itself). Keys are namespaced by their owner (``"switch/..."``).
 """
 
 from __future__ import annotations
@@ -30,7 +46,16 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..errors import IncompatibleError, SparseCommError
 from .stats import CommStats
+
+
+class ServiceShutdown(SparseCommError):
+    """Raised inside a service endpoint when the run is over (its loop ends quietly)."""
+
+
+class ServiceNotStarted(IncompatibleError):
+    """A transport asked for a service that the launcher did not start as a rank."""
 
 
 class Work(ABC):
@@ -52,6 +77,29 @@ class Fabric(ABC):
     world_size: int
     stats: CommStats
     timeout_s: float
+
+    #: capabilities (see the module docstring); implementations override the ones they have
+    modelled_time: bool = False
+    in_process_services: bool = False
+    serial_pairs: bool = False
+
+    @property
+    def native_group(self) -> object | None:
+        """The workers' ``torch.distributed`` process group for collectives, or ``None``."""
+        return None
+
+    @property
+    def scratch(self) -> dict:
+        """Per-endpoint state of the layers above (see the module docstring)."""
+        d = self.__dict__.get("_scratch")
+        if d is None:
+            d = self.__dict__.setdefault("_scratch", {})
+        return d
+
+    @property
+    def world_scratch(self) -> dict:
+        """State shared by this job's endpoints in this process (default: :attr:`scratch`)."""
+        return self.scratch
 
     @property
     def device(self) -> torch.device:
@@ -132,6 +180,12 @@ class Fabric(ABC):
         else:
             self.send(token, 0, self.barrier_tag)
             self.recv(token, 0, self.barrier_tag)
+
+    def fail(self, exc: BaseException | str, rank: int | None = None) -> None:
+        """Tell every endpoint about a failure only this one saw (a malformed message), so that their waits
+        end at once naming it rather than at the timeout. The default does nothing: where the endpoints
+        share a process (SimFabric) the launcher reports the exception out of ``fn`` to all of them;
+        TorchFabric records it in the rendezvous store and closes its connections."""
 
     def now(self) -> float:
         """This endpoint's clock in seconds: modelled time on SimFabric, wall time elsewhere."""

@@ -1,52 +1,12 @@
 """SimFabric: n endpoints as threads in one process, over a modelled network.
 
-The network model (alpha-beta with NIC serialisation), per endpoint:
-
-- a full-duplex NIC of ``bandwidth`` payload bytes/s (the link rate times ``payload_fraction``: 1 for an
-  ideal link, :data:`TCP_OVER_ETHERNET` for TCP over a 1500-byte MTU as on the netbed) and a latency;
-- the one-way latency of a path is the mean of its two ends' latencies (each end's link contributes
-  half), so every path is symmetric, and a path between two workers has the workers' ``latency_us``;
-- a send issued at the sender's clock ``t`` starts at ``start = max(t, tx_free)`` and occupies the
-  sender's NIC until ``tx_end = start + bytes/bw_src``;
-- the message's head reaches the receiver at ``head = start + latency``. The receiver's NIC takes the
-  messages in *arrival* order (their heads; ties by source), whatever order the application asks for
-  them in: ``rx_end = max(head, rx_end of the message before it) + bytes/bw_dst``; a message is
-  delivered at ``max(rx_end, tx_end + latency)``, so on an idle path it takes ``latency + bytes/bw``.
-  A message's slot is fixed once the application has taken it; a message that a thread behind in wall
-  time posts later with an earlier head queues after the ones already taken (the only dependence on
-  thread timing; deterministic whenever messages are posted before the receiver takes later ones);
-- ``recv`` advances the receiver's clock to the delivery time; ``compute(s)`` advances it by ``s``;
-- a straggler (``Network.stragglers``: endpoint -> factor f >= 1) is a slow host: its compute takes f
-  times as long and its NIC moves bytes at 1/f of the rate, in and out (a host-bound TCP stack), so
-  that it slows what transports do, not only ``compute()``.
-
-Service endpoints (dedicated aggregators, a switch) have their own link; ``per_port=True`` gives a
-switch one NIC per peer (ports work in parallel, as a switch's do).
-
-Timeouts are in *modelled* seconds and are decided by quiescence: a receive with a deadline whose
-message has not arrived in modelled time keeps waiting until every live endpoint is blocked; then the
-blocked endpoint with the earliest deadline times out (discrete-event semantics without real sleeps).
-If every live endpoint is blocked and none has a deadline while a worker is waiting, the run is
-deadlocked (for instance a peer crashed) and every waiting worker raises :class:`FabricTimeout`.
-
-Receives from any source take, among the messages already posted, the one whose head arrives first
-in modelled time. A message that a slower thread has not posted yet cannot be considered, so for
-any-source protocols the modelled times can vary between runs; the data, and everything for
-point-to-point protocols (ring, allgather), is deterministic. A ``per_port`` endpoint (a switch)
-handles its any-source receives in modelled-time order instead: it takes a message only once every
-other live endpoint is blocked and no earlier deadline or event is pending (conservative
-discrete-event order), so each packet is processed at its own arrival time. Without this, a result
-would leave at the switch's running-maximum clock, which a thread that is ahead in wall time has
-pulled forward, and the error feeds back through self-clocked protocols (measured: 1x-11x).
-:meth:`SimFabric.wait_any` (wait for whichever of several receives, or groups of receives, is in
-first) uses the same conservative order, so an endpoint of any kind can serve its peers in the
-order their messages arrive in modelled time, deterministically; its NIC then takes those messages
-in arrival order (a fixed sequence of blocking receives would serialise them in the order asked).
-
-Faults (:class:`Network`): ``loss`` drops datagrams sent with ``reliable=False`` with that probability,
-decided by a generator per directed link seeded from ``(seed, src, dst)`` (deterministic for a seed);
-``stragglers`` slows an endpoint's compute and its NIC; ``crash`` makes an endpoint die silently after a number of
-sends, so that its peers can only notice by timing out.
+The Fabric API of the simulation: each worker's :class:`SimFabric` (sends, receives, ``wait_any``,
+services) and its :class:`~sparsecomm.fabric.base.Work` handles. The world it runs in is modelled
+elsewhere: the links, NICs and message timing in :mod:`sparsecomm.fabric.sim_network` (:class:`Network`),
+the scheduler that decides in modelled time which blocked endpoint proceeds (timeouts by quiescence,
+ordered any-source receives, deadlock detection, faults) in :mod:`sparsecomm.fabric.sim_world`.
+:class:`SimWorld` is that world with a :meth:`SimWorld.fabric` per rank; ``Network``,
+``TCP_OVER_ETHERNET``, ``EndpointCrashed`` and ``ServiceShutdown`` are importable from here too.
 """
 
 from __future__ import annotations
@@ -54,263 +14,26 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 import torch
 
-from ..errors import FabricTimeout, MismatchError, PeerFailure, SparseCommError
-from .base import Fabric, Work
+from ..errors import FabricTimeout, MismatchError, PeerFailure
+from .base import Fabric, ServiceShutdown, Work
+from .sim_network import TCP_OVER_ETHERNET, Endpoint, Network, _Msg
+from .sim_world import EndpointCrashed, World
 from .stats import CommStats
 
-@dataclass
-class Network:
-    """The modelled network of a SimFabric run.
-
-    ``bandwidth_gbps`` and ``latency_us`` are per worker NIC. ``loss`` is the drop probability of
-    unreliable datagrams on every link, both directions. ``stragglers`` maps an endpoint to a factor
-    (>= 1) multiplying its modelled compute time and dividing its NIC's rate. ``payload_fraction``:
-    the share of the link rate that carries message bytes (:data:`TCP_OVER_ETHERNET` for a TCP link).
-    ``crash`` maps an endpoint to the number of sends after which it dies silently. ``timeout_s`` bounds every wall-clock wait (a safety net; the
-    modelled deadlock detection normally fires first).
-    """
-
-    bandwidth_gbps: float = 100.0
-    latency_us: float = 2.0
-    loss: float = 0.0
-    seed: int = 0
-    stragglers: dict[int, float] = field(default_factory=dict)
-    crash: dict[int, int] = field(default_factory=dict)
-    timeout_s: float = 120.0
-    payload_fraction: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.bandwidth_gbps <= 0:
-            raise ValueError(f"bandwidth_gbps must be positive, got {self.bandwidth_gbps}")
-        if self.latency_us < 0:
-            raise ValueError(f"latency_us must be non-negative, got {self.latency_us}")
-        if not 0.0 <= self.loss < 1.0:
-            raise ValueError(f"loss must be in [0, 1), got {self.loss}")
-        if not 0.0 < self.payload_fraction <= 1.0:
-            raise ValueError(f"payload_fraction must be in (0, 1], got {self.payload_fraction}")
-        for eid, f in self.stragglers.items():
-            if not f >= 1.0:
-                raise ValueError(f"a straggler's factor must be >= 1, got {f} for endpoint {eid}")
-
-    @property
-    def bytes_per_s(self) -> float:
-        """Payload bytes per second of a worker NIC (the link rate times ``payload_fraction``)."""
-        return self.bandwidth_gbps * 1e9 / 8 * self.payload_fraction
+__all__ = ["SimFabric", "SimWorld", "Network", "TCP_OVER_ETHERNET", "EndpointCrashed", "ServiceShutdown"]
 
 
-#: payload fraction of TCP over Ethernet at a 1500-byte MTU with TCP timestamps: 1448 payload bytes per
-#: 1514-byte frame as a shaper (tc htb) counts it; pass ``Network(payload_fraction=TCP_OVER_ETHERNET)`` to
-#: model a real TCP link (the netbed's; gloo's transport) rather than an ideal one.
-TCP_OVER_ETHERNET = 1448 / 1514
+class SimWorld(World):
+    """Shared state of one simulated run (:class:`~sparsecomm.fabric.sim_world.World`): the endpoints,
+    their mailboxes and the network model; :meth:`fabric` is rank ``r``'s endpoint."""
 
-
-class EndpointCrashed(SparseCommError):
-    """Raised inside an endpoint that the network model crashed (the launcher swallows it)."""
-
-
-class ServiceShutdown(SparseCommError):
-    """Raised inside a service endpoint when the run is over (its loop ends quietly)."""
-
-
-@dataclass(eq=False)
-class _Msg:
-    src: int
-    tag: int
-    data: torch.Tensor
-    nbytes: int
-    start: float
-    head: float      # start + path latency
-    tx_end: float    # start + bytes / bw_src
-    rx_end: float = 0.0      # when the receiving NIC has taken its last byte (its place in arrival order)
-    taken: bool = False      # delivered to the application: its NIC slot is fixed from then on
-
-    @property
-    def delivered(self) -> float:
-        return max(self.rx_end, self.tx_end + (self.head - self.start))
-
-
-class _Endpoint:
-    def __init__(self, world: "SimWorld", eid: int, bw: float, latency: float, per_port: bool,
-                 name: str) -> None:
-        self.id = eid
-        self.name = name
-        self.slow = float(world.network.stragglers.get(eid, 1.0))
-        self.bw = bw / self.slow      # a straggler's host stack moves bytes 1/factor as fast, both ways
-        self.latency = latency
-        self.per_port = per_port
-        self.clock = 0.0
-        self._tx_free: dict[int, float] = {}
-        self._rx_base: dict[int, float] = {}            # port -> end of the taken prefix of its schedule
-        self._rx_sched: dict[int, list[_Msg]] = {}      # port -> messages in the order its NIC takes them
-        self.mailbox: dict[tuple[int, int], deque[_Msg]] = {}
-        self.cond = threading.Condition(world.lock)
-        self.deadline: float | None = None   # modelled deadline of the current blocked receive
-        self.fire_timeout = False
-        self.event: float | None = None      # per_port any-source receive: delivery time of its candidate
-        self.fire_event = False
-        self.blocked = False
-        self.alive = True
-        self.crashed = False
-        self.sends = 0
-        self.loss_rng: dict[int, np.random.Generator] = {}
-        self.stats = CommStats()
-        self.waiting_for: tuple[int | None, int] | None = None
-
-    def port(self, peer: int) -> int:
-        return peer if self.per_port else -1
-
-    def tx_free(self, peer: int) -> float:
-        return self._tx_free.get(self.port(peer), 0.0)
-
-    def schedule(self, msg: _Msg) -> None:
-        """(lock held) Give arriving ``msg`` its place on the receiving NIC: arrival (head) order among the
-        messages not yet taken by the application, after every message already taken (whose time has
-        been observed and cannot change); the later ones are re-timed."""
-        port = self.port(msg.src)
-        sched = self._rx_sched.setdefault(port, [])
-        i = len(sched)
-        while i > 0 and not sched[i - 1].taken and (sched[i - 1].head, sched[i - 1].src) > (msg.head, msg.src):
-            i -= 1
-        sched.insert(i, msg)
-        t = sched[i - 1].rx_end if i > 0 else self._rx_base.get(port, 0.0)
-        for m in sched[i:]:
-            if m.taken:
-                t = max(t, m.rx_end)
-            else:
-                m.rx_end = max(m.head, t) + m.nbytes / self.bw
-                t = m.rx_end
-
-    def taken(self, msg: _Msg) -> None:
-        """(lock held) ``msg`` was delivered: fix its slot, drop the schedule's taken prefix."""
-        msg.taken = True
-        port = self.port(msg.src)
-        sched = self._rx_sched[port]
-        k = 0
-        while k < len(sched) and sched[k].taken:
-            k += 1
-        if k:
-            self._rx_base[port] = max(self._rx_base.get(port, 0.0), sched[k - 1].rx_end)
-            del sched[:k]
-
-
-class SimWorld:
-    """Shared state of one simulated run: the endpoints, their mailboxes and the network model."""
-
-    def __init__(self, world_size: int, network: Network | None = None) -> None:
-        if world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size}")
-        self.network = network or Network()
-        self.world_size = world_size
-        self.lock = threading.Lock()
-        self.endpoints: list[_Endpoint] = [
-            _Endpoint(self, r, self.network.bytes_per_s, self.network.latency_us * 1e-6, False,
-                      f"worker{r}")
-            for r in range(world_size)
-        ]
-        self.live = world_size
-        self.nblocked = 0
-        self.failure: tuple[int, BaseException] | None = None
-        self.closed = False
-        self.deadlocked = False
-        self.deadlock_info = ""
-        self.service_ids: dict[str, int] = {}
-        self.service_threads: list[threading.Thread] = []
-        self.service_errors: list[tuple[int, BaseException]] = []
-
-    # ----------------------------------------------------------------- control
     def fabric(self, rank: int) -> "SimFabric":
         return SimFabric(self, rank)
-
-    def wake(self, ep: _Endpoint) -> None:
-        """Unblock ``ep`` (lock held): it no longer counts as blocked until it waits again."""
-        if ep.blocked:
-            ep.blocked = False
-            self.nblocked -= 1
-        ep.cond.notify_all()
-
-    def fail(self, eid: int, exc: BaseException) -> None:
-        """Record that endpoint ``eid`` failed and wake every waiter (they raise PeerFailure)."""
-        with self.lock:
-            if self.failure is None:
-                self.failure = (eid, exc)
-            self._retire(eid)
-            for ep in self.endpoints:
-                self.wake(ep)
-
-    def finished(self, eid: int) -> None:
-        """Endpoint ``eid``'s thread has returned (or crashed)."""
-        with self.lock:
-            self._retire(eid)
-
-    def _retire(self, eid: int) -> None:
-        ep = self.endpoints[eid]
-        if ep.alive:
-            ep.alive = False
-            self.live -= 1
-            self._check_quiescent()
-
-    def close(self) -> None:
-        """End the run: services leave their loops; waits raise ServiceShutdown."""
-        with self.lock:
-            self.closed = True
-            for ep in self.endpoints:
-                self.wake(ep)
-        for t in self.service_threads:
-            t.join(timeout=self.network.timeout_s)
-
-    def _check_quiescent(self) -> None:
-        """Called with the lock held whenever an endpoint blocks or retires."""
-        if self.live <= 0 or self.nblocked < self.live:
-            return
-        waiting = [ep for ep in self.endpoints if ep.alive and ep.blocked]
-        timed = [(ep.deadline, 1, ep.id, ep) for ep in waiting
-                 if ep.deadline is not None and not ep.fire_timeout]
-        timed += [(ep.event, 0, ep.id, ep) for ep in waiting if ep.event is not None and not ep.fire_event]
-        if timed:
-            _, kind, _, ep = min(timed, key=lambda c: c[:3])
-            if kind == 0:
-                ep.fire_event = True
-            else:
-                ep.fire_timeout = True
-            self.wake(ep)
-        elif any(ep.id < self.world_size for ep in waiting):
-            self.deadlocked = True
-            self.deadlock_info = self.describe_waits()
-            for ep in waiting:
-                self.wake(ep)
-
-    def may_take(self, me: _Endpoint, t: float) -> bool:
-        """(lock held) May ordered endpoint ``me`` take a message delivered at ``t`` now? Only if every
-        other live endpoint is blocked with no deadline or event before ``t``."""
-        if self.nblocked < self.live - 1:
-            return False
-        for ep in self.endpoints:
-            if ep is me or not ep.alive or not ep.blocked:
-                continue
-            if ep.deadline is not None and not ep.fire_timeout and ep.deadline < t:
-                return False
-            if ep.event is not None and not ep.fire_event and ep.event < t:
-                return False
-        return True
-
-    def describe_waits(self) -> str:
-        parts = []
-        for ep in self.endpoints:
-            if ep.alive and ep.blocked and ep.waiting_for is not None:
-                src, tag = ep.waiting_for
-                parts.append(f"{ep.name} waits for {'any' if src is None else self.endpoints[src].name}"
-                             f" (tag {tag})")
-        dead = [ep.name for ep in self.endpoints if ep.crashed]
-        s = "; ".join(parts)
-        if dead:
-            s += f"; crashed: {', '.join(dead)}"
-        return s
 
 
 class _DoneWork(Work):
@@ -348,6 +71,9 @@ class _RecvWork(Work):
 class SimFabric(Fabric):
     """One endpoint of a :class:`SimWorld`; the same interface as ``TorchFabric``."""
 
+    modelled_time = True
+    in_process_services = True
+
     def __init__(self, world: SimWorld, rank: int) -> None:
         self.world = world
         self.rank = rank
@@ -358,6 +84,10 @@ class SimFabric(Fabric):
     @property
     def stats(self) -> CommStats:
         return self._ep.stats
+
+    @property
+    def world_scratch(self) -> dict:
+        return self.world.scratch
 
     @property
     def network(self) -> Network:
@@ -508,7 +238,7 @@ class SimFabric(Fabric):
             return None
         when: dict[int, float] = {}
         for head, i, msg in got:
-            when[i] = max(when.get(i, 0.0), msg.delivered)   # its NIC slot: arrival order (_Endpoint.schedule)
+            when[i] = max(when.get(i, 0.0), msg.delivered)   # its NIC slot: arrival order (Endpoint.schedule)
         inn = {i: when[i] for i in complete}
         t = max(ep.clock, min(inn.values()))
         if clock_only and t > ep.clock:
@@ -617,7 +347,7 @@ class SimFabric(Fabric):
             eid = len(world.endpoints)
             bw = (bandwidth_gbps if bandwidth_gbps is not None else net.bandwidth_gbps) * 1e9 / 8 * net.payload_fraction
             lat = (latency_us if latency_us is not None else net.latency_us) * 1e-6
-            world.endpoints.append(_Endpoint(world, eid, bw, lat, per_port, name))
+            world.endpoints.append(Endpoint(world, eid, bw, lat, per_port, name))
             world.live += 1
             world.service_ids[name] = eid
             fabric = SimFabric(world, eid)

@@ -3,7 +3,7 @@ point-to-point messages (gloo on CPU, nccl on GPU; multi-node through torchrun).
 
 Ranks ``0 .. world_size-1`` of the default process group are the workers; services (a SwitchML switch,
 dedicated OmniReduce aggregators) are the extra ranks ``world_size + i`` that the launcher started for
-``services[i]`` (:mod:`sparsecomm.launch_torch`). Every rank, services included, must construct the
+``services[i]`` (:mod:`sparsecomm.launch.torch_backend`). Every rank, services included, must construct the
 fabric (it creates the workers' subgroup, a collective call).
 
 What maps to what:
@@ -35,47 +35,26 @@ What maps to what:
 - ``now()`` is wall time; ``device`` is ``cuda:<current>`` for nccl, ``cpu`` otherwise.
 - ``stats`` counts bytes and messages of this rank (sends when posted, receives when completed).
 
-Timeouts. Without ``timeout=`` a wait is bounded by the fabric's ``timeout_s`` (also the process
-group's timeout): past it the wait raises :class:`FabricTimeout`, and gloo closes the connection to
-that peer (the run is considered failed). With ``timeout=`` (wall seconds) the wait is done by a helper
-thread that blocks in ``Work.wait()`` while the caller waits on an event until the deadline, because a
-gloo ``Work`` neither reports completion without ``wait()`` nor survives a timed-out ``wait()`` (gloo
-closes the pair). gloo cannot cancel a posted receive, so on timeout the receive *stays posted*: the
-fabric keeps it, and the next receive on the same ``(src, tag)`` adopts it, so the late message is
-delivered there (in order) rather than lost or mismatched. Caveat: a stale ``src=None`` receive may
-take a message that a later receive from a specific source on the same tag was waiting for; it is
-then delivered to the next ``src=None`` receive on that tag. On nccl, timed waits poll
-``Work.is_completed()``. A peer that dies surfaces as :class:`PeerFailure` (gloo reports the closed
-connection) or, for receives from any source, as :class:`FabricTimeout`.
+Timeouts. Every wait is bounded by ``timeout_s`` (past it: :class:`FabricTimeout`) or by ``timeout=``;
+a timed-out receive stays posted and the next receive on its channel adopts it
+(:mod:`sparsecomm.fabric.torch_waiters` says how and why).
 
 Message length/dtype. torch.distributed cannot check them: gloo silently accepts a shorter message and
 aborts the process on a longer one. Transports therefore agree on sizes first
 (:mod:`sparsecomm.transports._handshake`); a receive adopting a stale receive of another size raises
 :class:`MismatchError`.
 
-Failure propagation (fail-stop). The first rank that sees a failure -- an error it raises that the others
-may not see (a malformed message, a transport disagreement only it detected, an exception out of ``fn``:
-:meth:`TorchFabric.fail`), or a connection to a peer that closed (a peer died) -- writes one record
-(error class name, rank, text: plain text, never pickled) under ``<shutdown_key>/failed`` in the
-rendezvous store (first writer wins; the spawning launcher writes it too when a rank exits without a
-report, e.g. after kill -9), then *trips* its process group: a deliberately timed-out receive makes gloo
-close every connection of this rank, which ends every wait of this process and every peer's wait on it
-at once. A watchdog thread per rank polls the record every 50 ms and trips its own group when another
-rank wrote it. Every wait that ends that way raises the recorded error's class (from
-:data:`sparsecomm.errors.REPORTABLE`; :class:`PeerFailure` otherwise) naming the rank that failed first
--- a dead worker, not the switch or survivor that noticed it. After a failure the fabric is unusable.
-gloo errors raised while *posting* a send or receive (a connection already closed) are
-:class:`PeerFailure` too, never a raw ``RuntimeError``. On nccl, waits poll ``is_completed()`` under
-the same ``timeout_s`` and the failure record, so no wait is unbounded.
+Failure propagation (fail-stop): the first failure is recorded once in the rendezvous store and every
+rank's group is tripped, so every wait ends at once naming the rank that failed first; see
+:mod:`sparsecomm.fabric.torch_failure`.
 
 Service ranks: a wait with no ``timeout=`` has no deadline; it raises
-:class:`~sparsecomm.fabric.sim.ServiceShutdown` once every worker has finished ``fn`` (the launcher
+:class:`~sparsecomm.fabric.base.ServiceShutdown` once every worker has finished ``fn`` (the launcher
 counts finished workers under ``shutdown_key`` in the rendezvous store; services poll it every 50 ms).
 """
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections import deque
@@ -85,162 +64,21 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ..errors import REPORTABLE, FabricTimeout, IncompatibleError, MismatchError, PeerFailure
-from .base import Fabric, Work
-from .sim import ServiceShutdown
+from ..errors import FabricTimeout, IncompatibleError, MismatchError
+from .base import Fabric, ServiceNotStarted, ServiceShutdown, Work
 from .stats import CommStats
+from .torch_failure import MAX_TAG, FailStop, decode_failure, encode_failure  # noqa: F401 (re-exported)
+from .torch_waiters import _Pending, _TorchWork
+
+__all__ = ["TorchFabric", "ServiceNotStarted", "ServiceShutdown", "encode_failure", "decode_failure"]
 
 #: reserved tags (top of the int32 range); transports use smaller non-negative tags
 BARRIER_TAG = Fabric.barrier_tag
-MAX_TAG = 2**31 - 1
 
-_FOREVER = timedelta(days=365)
 _SERVICE_POLL_S = 0.05
-_WATCH_S = 0.05            # how often a rank polls the failure record
-_ROOT_GRACE_S = 1.0        # how long a rank that lost a connection waits for a failure record naming the root
-_TRIP_TAG = MAX_TAG - 7    # the tag of the receive that is timed out on purpose to trip the group
-_SEP = "\x1f"
 
 
-def encode_failure(exc: BaseException | str, rank: int, kind: str | None = None) -> str:
-    """The failure record's text: error class name, rank, message (never pickled)."""
-    if isinstance(exc, BaseException):
-        kind = kind or type(exc).__name__
-        text = str(exc).strip() or repr(exc)
-    else:
-        kind, text = kind or "PeerFailure", str(exc)
-    return f"{kind}{_SEP}{int(rank)}{_SEP}{text[:4000]}"
-
-
-def decode_failure(raw: bytes | str) -> tuple[str, int, str]:
-    """``(class name, rank, text)`` of a failure record (plain text; malformed records read as text)."""
-    text = raw.decode("utf-8", "replace") if isinstance(raw, (bytes, bytearray)) else str(raw)
-    parts = text.split(_SEP, 2)
-    if len(parts) == 3 and parts[1].lstrip("-").isdigit():
-        return parts[0], int(parts[1]), parts[2]
-    return "PeerFailure", -1, text
-
-
-def _watch(ref, store, key: str) -> None:
-    """The watchdog of one fabric (a weak reference): trip it when another rank reports a failure."""
-    import weakref  # noqa: F401 - ref is a weakref.ref
-
-    while True:
-        time.sleep(_WATCH_S)
-        fab = ref()
-        if fab is None or fab._failure is not None or fab._closed:
-            return
-        try:
-            if not store.check([key]):
-                del fab
-                continue
-            raw = store.get(key)
-        except Exception:  # noqa: BLE001 - the store is gone: the job is over
-            return
-        fab._adopt(raw)
-        return
-
-
-class ServiceNotStarted(IncompatibleError):
-    """A transport asked for a service that the launcher did not start as a rank."""
-
-
-class _Waiters:
-    """Daemon threads that block in ``Work.wait()`` on behalf of callers with a deadline.
-
-    A thread is reused once its wait completes; a new one is started only when every thread is busy
-    (a stale receive keeps its thread until its message arrives). Daemon threads never delay exit.
-    """
-
-    def __init__(self) -> None:
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._idle = 0
-        self._queued = 0
-
-    def submit(self, pend: "_Pending") -> None:
-        with self._lock:
-            self._queued += 1
-            if self._queued > self._idle:
-                self._idle += 1
-                threading.Thread(target=self._loop, name="sparsecomm-wait", daemon=True).start()
-        self._q.put(pend)
-
-    def _loop(self) -> None:
-        while True:
-            pend = self._q.get()
-            with self._lock:
-                self._idle -= 1
-                self._queued -= 1
-            pend.run()
-            with self._lock:
-                self._idle += 1
-
-
-_WAITERS = _Waiters()
-
-
-class _Pending:
-    """A posted torch.distributed operation; for timed waits on gloo, a helper thread waits on it."""
-
-    __slots__ = ("work", "buf", "src", "tag", "is_recv", "done", "error", "source", "_started")
-
-    def __init__(self, work, buf: torch.Tensor, src: int | None, tag: int, is_recv: bool) -> None:
-        self.work = work
-        self.buf = buf
-        self.src = src
-        self.tag = tag
-        self.is_recv = is_recv
-        self.done = threading.Event()
-        self.error: BaseException | None = None
-        self.source: int | None = src
-        self._started = False
-
-    @property
-    def waited(self) -> bool:
-        return self._started
-
-    def start_waiter(self) -> None:
-        if not self._started:
-            self._started = True
-            _WAITERS.submit(self)
-
-    def run(self) -> None:
-        try:
-            self.work.wait(_FOREVER)
-            if self.is_recv and self.src is None:
-                self.source = self.work._source_rank()
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
-            self.error = exc
-        self.done.set()
-
-
-class _TorchWork(Work):
-    def __init__(self, fabric: "TorchFabric", pend: _Pending, out: torch.Tensor | None) -> None:
-        self._fabric = fabric
-        self._pend = pend
-        self._out = out
-        self._result: int | None = None
-        self._finished = False
-
-    def wait(self, timeout: float | None = None) -> int | None:
-        if not self._finished:
-            self._result = self._fabric._finish(self._pend, timeout, self._out)
-            self._finished = True
-        return self._result
-
-    def is_completed(self) -> bool:
-        if self._finished:
-            return True
-        if self._fabric._deferred:
-            self._fabric._flush()
-        if self._fabric._cuda:
-            return bool(self._pend.work.is_completed())
-        self._pend.start_waiter()   # gloo reports completion only through wait()
-        return self._pend.done.is_set()
-
-
-class TorchFabric(Fabric):
+class TorchFabric(FailStop, Fabric):
     """One rank of a torch.distributed job seen as a :class:`Fabric` (see the module docstring).
 
     ``world_size`` is the number of workers (default: all ranks minus ``len(services)``); ``services``
@@ -297,82 +135,11 @@ class TorchFabric(Fabric):
         self.worker_group = (dist.new_group(list(range(world_size)), timeout=timedelta(seconds=self.timeout_s))
                              if services else dist.group.WORLD)
         if store is not None and self.total_ranks > 1:
-            import weakref
-
-            self._watchdog = threading.Thread(target=_watch, args=(weakref.ref(self), store, self._fail_key),
-                                              name="sparsecomm-watchdog", daemon=True)
-            self._watchdog.start()
-
-    def close(self) -> None:
-        """Stop this fabric's watchdog (before the process group is destroyed: a thread still polling
-        the store during teardown can abort the process)."""
-        self._closed = True
-        if self._watchdog is not None and self._watchdog is not threading.current_thread():
-            self._watchdog.join(timeout=2 * _WATCH_S + 1.0)
-
-    # --------------------------------------------------------------- failure
-    @property
-    def failure(self) -> tuple[str, int, str] | None:
-        """``(error class name, rank, text)`` of the first failure reported in the job, once known."""
-        return self._failure
-
-    def fail(self, exc: BaseException | str, rank: int | None = None) -> None:
-        """Report a failure to every rank (see "Failure propagation" in the module docstring): record it
-        in the store unless another failure came first, then trip this rank's process group."""
-        if self._failure is not None:
-            return
-        record = encode_failure(exc, self.rank if rank is None else rank)
-        if self._store is not None:
-            try:
-                record = self._store.compare_set(self._fail_key, "", record)
-            except Exception:  # noqa: BLE001 - the store is gone; keep the local record
-                pass
-        self._adopt(record)
-
-    def _adopt(self, raw) -> None:
-        """Take ``raw`` as the job's first failure and trip this rank's group (idempotent)."""
-        if self._failure is not None:
-            return
-        self._failure = decode_failure(raw)
-        self._trip()
-
-    def _trip(self) -> None:
-        """Close every gloo connection of this rank: a receive timed out on purpose does it (gloo closes
-        the context's pairs on a timeout), which ends every pending wait here and every peer's wait on
-        this rank. nccl waits poll ``_failure`` instead."""
-        if self._cuda or self.total_ranks < 2:
-            return
-        peer = 0 if self.rank != 0 else 1
-        groups = [self._pg] + ([self._pg_down] if self._pg_down is not self._pg else [])
-        if (self.worker_group is not dist.group.WORLD and self.is_worker and self.world_size > 1
-                and isinstance(self.worker_group, dist.ProcessGroup)):
-            groups.append(self.worker_group)     # the workers' subgroup (native's all_reduce) too
-        for g in groups:
-            try:
-                g.recv([torch.zeros(1)], peer if g in (self._pg, self._pg_down) else (0 if self.rank != 0 else 1),
-                       _TRIP_TAG).wait(timedelta(milliseconds=1))
-            except Exception:  # noqa: BLE001 - expected: the timeout is the point
-                pass
-
-    def _failure_error(self) -> BaseException:
-        kind, rank, text = self._failure
-        cls = REPORTABLE.get(kind, PeerFailure)
-        me = self._name(self.rank)
-        if rank == self.rank:
-            return cls(f"{me}: {text}")
-        who = self._name(rank) if rank >= 0 else "a rank"
-        if cls is PeerFailure and kind != "PeerFailure":
-            err = PeerFailure(f"{me}: stopped because {who} failed first: {kind}: {text}")
-        else:
-            err = cls(f"{me}: stopped because {who} failed first: {text}")
-        err.sparsecomm_origin = rank     # a consequence of another rank's failure (the launcher reads it)
-        return err
-
-    def _check_failed(self) -> None:
-        if self._failure is not None:
-            raise self._failure_error()
+            self._start_watchdog(store)
 
     # ----------------------------------------------------------------- props
+    native_group = property(lambda self: self.worker_group, doc="The workers' group (for collectives).")
+
     @property
     def device(self) -> torch.device:
         if self._cuda:
@@ -607,43 +374,6 @@ class TorchFabric(Fabric):
             if self._store is None:
                 return
             time.sleep(_SERVICE_POLL_S)
-
-    def _translate(self, exc: BaseException, pend: _Pending, limit: float | None) -> BaseException:
-        msg = str(exc)
-        peer = self._name(pend.src)
-        last = msg.strip().splitlines()[-1] if msg.strip() else repr(exc)
-        if self._failure is not None:        # this rank tripped itself after a failure report
-            return self._failure_error()
-        if "Timed out" in msg or "timed out" in msg or "Timeout" in msg:
-            err = FabricTimeout(f"{self._name(self.rank)}: no "
-                                f"{'message from' if pend.is_recv else 'send to'} {peer} (tag {pend.tag}) "
-                                f"completed within {limit if limit is not None else self.timeout_s:.6g} s; "
-                                f"torch.distributed: {last}")
-            self.fail(err)
-            return err if self._failure is None or self._failure[1] == self.rank else self._failure_error()
-        # a connection closed: a peer died, or tripped after a failure; name the first failure
-        raw = self._await_record(_ROOT_GRACE_S)
-        if raw is not None:
-            self._adopt(raw)
-            return self._failure_error()
-        self.fail(f"lost the connection with {peer} (tag {pend.tag}): it died or was killed "
-                  f"(torch.distributed: {last})", rank=pend.src if pend.src is not None else -1)
-        return self._failure_error()
-
-    def _await_record(self, grace: float):
-        """The failure record, waiting up to ``grace`` s for one (the launcher writes it when a rank dies)."""
-        if self._store is None:
-            return None
-        deadline = time.monotonic() + grace
-        while True:
-            try:
-                if self._store.check([self._fail_key]):
-                    return self._store.get(self._fail_key)
-            except Exception:  # noqa: BLE001 - the store is gone
-                return None
-            if time.monotonic() >= deadline:
-                return None
-            time.sleep(0.01)
 
     # --------------------------------------------------------------- services
     def service(self, name: str, main: Callable[[Fabric], None] | None = None, **link) -> int:

@@ -12,7 +12,7 @@ path: return, exception, Ctrl-C, SIGTERM). Placement follows the paper testbeds:
 - every other service (a dedicated OmniReduce aggregator ``"omnireduce-agg:i"``) gets a host of its own
   with its own link, after the workers.
 
-The ranks are the same spawned processes as the ``gloo`` backend (:func:`sparsecomm.launch_torch._spawn`:
+The ranks are the same spawned processes as the ``gloo`` backend (:func:`sparsecomm.launch.torch_backend._spawn`:
 forkserver children, supervision, failure reporting, results back over a queue from the parent's own
 children); each child first enters its namespace (``setns``) and sets ``GLOO_SOCKET_IFNAME`` to its
 link, so every gloo byte crosses the shaped links and the kernel's forwarding. The rendezvous TCPStore is
@@ -36,7 +36,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
-from ..fabric.sim import Network
+from ..fabric.sim_network import Network
 from ..launch import Context, backends
 from .topology import Netbed, NetbedError, check_shaping
 
@@ -136,7 +136,7 @@ def _launch_netbed(fn: Callable[[Context], Any], world_size: int, *, network: Ne
                    start_method: str | None = None, netbed_unshaped: bool = False,
                    on_netbed: Callable[[Netbed], None] | None = None, **options: Any) -> list[Any]:
     """``on_netbed(netbed)`` (optional) is called once the netbed is up (tests use it to see the names)."""
-    from .. import launch_torch as lt
+    from ..launch import torch_backend as lt
 
     if options:
         raise TypeError(f"unexpected options for the netbed backend: {sorted(options)}")

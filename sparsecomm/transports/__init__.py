@@ -1,9 +1,6 @@
 """Collectives built on a Fabric, resolved by name: ``sc.transports.get("ring", fabric)``."""
 
-from ..registry import Registry
-from .base import Transport, incompatible_message
-
-registry: Registry[Transport] = Registry("transport")
+from .base import Transport, incompatible_message, registry
 
 
 def get(name: str, fabric, **hyper) -> Transport:
@@ -15,7 +12,7 @@ def available() -> list[str]:
     return registry.available()
 
 
-# Importing the modules registers them. Each module is added by the issue that builds it.
+# Importing the modules registers them (into ``base.registry``, so that no module imports this package).
 from . import _load  # noqa: E402,F401
 
 __all__ = ["Transport", "get", "available", "registry", "incompatible_message"]

@@ -41,6 +41,7 @@ from ..errors import IncompatibleError
 from ..fabric.base import Fabric
 from ..fabric.stats import CommStats
 from ..payload import Payload
+from ..registry import Registry
 
 
 class Transport(ABC):
@@ -127,9 +128,11 @@ class Transport(ABC):
         return self._allreduce_tensor(p.to_dense())
 
     def _modelled(self, t0: float) -> float:
-        from ..fabric.sim import SimFabric  # local import: only the sim has a modelled clock
+        return self.fabric.now() - t0 if self.fabric.modelled_time else 0.0
 
-        return self.fabric.now() - t0 if isinstance(self.fabric, SimFabric) else 0.0
+
+#: name -> transport class; every transport module registers itself here (``sc.transports.get``)
+registry: "Registry[Transport]" = Registry("transport")
 
 
 # ============================================================================ asynchronous calls
@@ -269,13 +272,13 @@ _engines_lock = threading.Lock()
 
 def engine(fabric: Fabric, create: bool = True) -> CommEngine | None:
     """The communication engine of ``fabric`` (created on first use when ``create``)."""
-    eng = fabric.__dict__.get("_sc_comm_engine")
+    eng = fabric.scratch.get("transports/comm_engine")
     if eng is None and create:
         with _engines_lock:
-            eng = fabric.__dict__.get("_sc_comm_engine")
+            eng = fabric.scratch.get("transports/comm_engine")
             if eng is None:
-                eng = CommEngine(str(getattr(fabric, "rank", "")))
-                fabric.__dict__["_sc_comm_engine"] = eng
+                eng = CommEngine(str(fabric.rank))
+                fabric.scratch["transports/comm_engine"] = eng
     return eng
 
 
@@ -288,8 +291,6 @@ def drain(fabric: Fabric, timeout: float | None = None) -> None:
 
 def incompatible_message(transport: str, kind: str, shared_scale: bool = False, source: str | None = None) -> str:
     """The error text for a payload kind a transport cannot sum, naming the transports that can."""
-    from . import registry
-
     ok = [n for n in registry.available() if registry.factory(n).can_carry(kind, shared_scale)]
     what = f"{source!r} produces {kind!r} payloads" if source else f"{kind!r} payloads"
     if kind == "quantized" and not shared_scale:

@@ -22,7 +22,7 @@ import torch
 from ..errors import FabricTimeout, IncompatibleError, PeerFailure
 from ..fabric.base import Fabric
 from ..payload import Payload
-from . import registry
+from .base import registry
 from ._guards import nonfinite_option
 from .base import Transport
 from .ring import guarded_sum, linear_operand
@@ -40,7 +40,7 @@ class Native(Transport):
         super().__init__(fabric)
         self.nonfinite = nonfinite_option(nonfinite, "native")
         self.inplace = inplace   # all-reduce a plain tensor input in place (scratch buckets), no copy
-        if getattr(fabric, "worker_group", None) is None:
+        if fabric.native_group is None:
             raise IncompatibleError(
                 f"transport 'native' calls torch.distributed.all_reduce, so it needs a TorchFabric "
                 f"(launch backend 'gloo' or 'nccl'), not a {type(fabric).__name__}; on SimFabric use 'ring' "
@@ -71,7 +71,7 @@ class Native(Transport):
         n = f.world_size
         if n > 1:
             try:
-                dist.all_reduce(acc, group=f.worker_group)
+                dist.all_reduce(acc, group=f.native_group)
             except RuntimeError as exc:
                 msg = str(exc).strip().splitlines()[-1] if str(exc).strip() else repr(exc)
                 if "Timed out" in msg or "timed out" in msg:

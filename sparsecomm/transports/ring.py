@@ -47,7 +47,7 @@ import torch
 from ..errors import IncompatibleError
 from ..fabric.base import Fabric
 from ..payload import KINDS, Payload
-from . import registry
+from .base import registry
 from ._guards import abs_max, guard_finite, int_accumulator, is_integer, narrow, nonfinite_option
 from ._handshake import check_agreement, dtype_code, fingerprint
 from .base import Transport

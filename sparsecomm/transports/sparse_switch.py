@@ -110,7 +110,6 @@ from __future__ import annotations
 
 import math
 import threading
-import weakref
 import zlib
 from collections import deque
 from dataclasses import dataclass
@@ -122,7 +121,7 @@ from .. import codec
 from ..errors import FabricTimeout, IncompatibleError, MismatchError, NonFiniteError, OverflowError_, SparseCommError
 from ..fabric.base import Fabric
 from ..payload import Payload
-from . import registry
+from .base import registry
 from .base import Transport
 from .sparse_switch_dataplane import (
     F_NEXT, HEADER, MAX_WORKERS, NONE, PACKET_ELEMS, T_DATA, T_EMPTY, T_MIN, T_RESULT, T_RETRANSMIT,
@@ -164,14 +163,6 @@ class FixedResult:
 
 
 _lock = threading.Lock()
-_worker_states: "weakref.WeakKeyDictionary[Fabric, dict[str, _WorkerState]]" = weakref.WeakKeyDictionary()
-_sim_dataplanes: "weakref.WeakKeyDictionary[object, dict[str, Dataplane]]" = weakref.WeakKeyDictionary()
-
-
-def _is_sim(fabric: Fabric) -> bool:
-    from ..fabric.sim import SimFabric
-
-    return isinstance(fabric, SimFabric)
 
 
 @registry.register("sparse-switch")
@@ -205,8 +196,8 @@ class SparseSwitch(Transport):
             raise IncompatibleError(
                 f"transport 'sparse-switch' supports at most {MAX_WORKERS} workers (a 64-bit worker bitmap "
                 f"per slot); this job has {n}; use 'omnireduce' or 'ring'")
-        self.sim = _is_sim(fabric)
-        self.config, spec = _program(fabric, self.sim, slot_elems, switch_slots, burst, audit)
+        self.sim = fabric.modelled_time
+        self.config, spec = _program(fabric, fabric.in_process_services, slot_elems, switch_slots, burst, audit)
         if isinstance(pool_size, bool) or not isinstance(pool_size, int) or not 1 <= pool_size < self.config.slots:
             raise ValueError(f"pool_size must be an integer in [1, switch_slots - 1 = {self.config.slots - 1}] "
                              f"(slot 0 is the control slot), got {pool_size!r}")
@@ -219,16 +210,16 @@ class SparseSwitch(Transport):
         self.timeout, self.timeout_threshold = timeout, int(timeout_threshold)
         self.give_up_s = float(give_up_s if give_up_s is not None else fabric.timeout_s)
         self.dataplane: Dataplane | None = None
-        if self.sim:
+        if fabric.in_process_services:
             with _lock:
-                self.dataplane = _sim_dataplanes.setdefault(fabric.world, {}).setdefault(spec, Dataplane(self.config))
+                self.dataplane = fabric.world_scratch.setdefault("sparse-switch/dataplanes", {}).setdefault(spec, Dataplane(self.config))
             main = self.dataplane.serve
         else:
             main = service_main(self.config)
         link = {k: v for k, v in (("bandwidth_gbps", bandwidth_gbps), ("latency_us", latency_us)) if v is not None}
         self.switch = fabric.service(spec, main, per_port=True, **link)
         with _lock:
-            self._state = _worker_states.setdefault(fabric, {}).setdefault(
+            self._state = fabric.scratch.setdefault("sparse-switch/worker_states", {}).setdefault(
                 spec, _WorkerState(parity=np.zeros(self.config.slots, dtype=np.int64)))
         self.last_fixed: FixedResult | None = None
         self.last_info: dict = {}
@@ -595,7 +586,7 @@ def _program(fabric: Fabric, sim: bool, elems: int | None, slots: int | None, bu
     if len(fits) == 1:
         return fits[0]
     if not started:
-        from ..fabric.torch_fabric import ServiceNotStarted
+        from ..fabric.base import ServiceNotStarted
 
         want = SparseSwitchConfig(**asked).spec()
         raise ServiceNotStarted(f"transport 'sparse-switch' needs a switch rank: launch with services=[{want!r}]")

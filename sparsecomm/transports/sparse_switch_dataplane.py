@@ -140,9 +140,7 @@ class SparseSwitchConfig:
         """Packets per fabric message: ``burst``, else one on SimFabric and ``REAL_BURST`` elsewhere."""
         if self.burst is not None:
             return self.burst
-        from ..fabric.sim import SimFabric
-
-        return SIM_BURST if isinstance(fabric, SimFabric) else REAL_BURST
+        return SIM_BURST if fabric.modelled_time else REAL_BURST
 
     def spec(self) -> str:
         parts = [f"{f.name}={int(getattr(self, f.name))}" for f in fields(self)
@@ -289,11 +287,9 @@ class Dataplane:
         a message costs far more than its bytes) a message is ``burst`` rows of ``HEADER + k`` words,
         skips padded, unused rows ``T_EMPTY``; the replies to a message's rows leave in messages of
         ``burst`` rows."""
-        from ..fabric.sim import SimFabric
-
         k, K = self.config.elems, self.config.burst_for(fabric)
         width = HEADER + k
-        sim = isinstance(fabric, SimFabric)
+        sim = fabric.modelled_time
         single = K == 1 and sim
         bufs = [torch.zeros(width, dtype=torch.int32), torch.zeros(HEADER, dtype=torch.int32)]
         tags = (TAG_UP, TAG_SKIP)

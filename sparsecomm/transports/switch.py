@@ -53,7 +53,6 @@ on real fabrics ``burst`` packets share one fabric message (each keeps its own s
 from __future__ import annotations
 
 import threading
-import weakref
 import zlib
 from dataclasses import dataclass
 
@@ -64,7 +63,7 @@ from .. import codec
 from ..errors import IncompatibleError, MismatchError, NonFiniteError, OverflowError_
 from ..fabric.base import Fabric
 from ..payload import Payload
-from . import registry
+from .base import registry
 from .base import Transport
 from .switch_lanes import run_lanes
 from .switch_dataplane import (
@@ -109,14 +108,6 @@ class FixedResult:
 
 
 _lock = threading.Lock()
-_worker_states: "weakref.WeakKeyDictionary[Fabric, dict[str, _WorkerState]]" = weakref.WeakKeyDictionary()
-_sim_dataplanes: "weakref.WeakKeyDictionary[object, dict[str, Dataplane]]" = weakref.WeakKeyDictionary()
-
-
-def _is_sim(fabric: Fabric) -> bool:
-    from ..fabric.sim import SimFabric
-
-    return isinstance(fabric, SimFabric)
 
 
 @registry.register("switch")
@@ -157,8 +148,8 @@ class SwitchTransport(Transport):
                 EXP_FLOOR <= max_exponent <= EXP_MAX:
             raise ValueError(f"max_exponent must be an integer in [{EXP_FLOOR}, {EXP_MAX}], got {max_exponent!r}")
         self.max_exponent = max_exponent
-        self.sim = _is_sim(fabric)
-        self.config = _program(fabric, self.sim, slot_elems, switch_slots, burst, audit)
+        self.sim = fabric.modelled_time
+        self.config = _program(fabric, fabric.in_process_services, slot_elems, switch_slots, burst, audit)
         slot_elems, switch_slots = self.config.elems, self.config.slots
         if not fabric.is_worker:
             raise IncompatibleError("the switch transport runs on workers, not on a service endpoint")
@@ -183,9 +174,9 @@ class SwitchTransport(Transport):
         self.burst = self.config.burst_for(fabric)
         spec = self.config.spec()
         self.dataplane: Dataplane | None = None
-        if self.sim:
+        if fabric.in_process_services:
             with _lock:
-                per_world = _sim_dataplanes.setdefault(fabric.world, {})
+                per_world = fabric.world_scratch.setdefault("switch/dataplanes", {})
                 self.dataplane = per_world.setdefault(spec, Dataplane(self.config))
             main = self.dataplane.serve
         else:
@@ -193,7 +184,7 @@ class SwitchTransport(Transport):
         link = {k: v for k, v in (("bandwidth_gbps", bandwidth_gbps), ("latency_us", latency_us)) if v is not None}
         self.switch = fabric.service(spec, main, per_port=True, **link)
         with _lock:
-            per_fabric = _worker_states.setdefault(fabric, {})
+            per_fabric = fabric.scratch.setdefault("switch/worker_states", {})
             self._state = per_fabric.setdefault(
                 spec, _WorkerState(parity=np.zeros(switch_slots, dtype=np.int32)))
         self.last_fixed: FixedResult | None = None
@@ -434,7 +425,7 @@ def _program(fabric: Fabric, sim: bool, elems: int | None, slots: int | None, bu
         return fits[0]
     if not started:
         want = SwitchConfig(**asked).spec()
-        from ..fabric.torch_fabric import ServiceNotStarted
+        from ..fabric.base import ServiceNotStarted
 
         raise ServiceNotStarted(
             f"transport 'switch' needs a switch rank: launch with services=[{want!r}] "

@@ -120,9 +120,7 @@ class SwitchConfig:
     def burst_for(self, fabric: Fabric) -> int:
         if self.burst is not None:
             return self.burst
-        from ..fabric.sim import SimFabric
-
-        return SIM_BURST if isinstance(fabric, SimFabric) else REAL_BURST
+        return SIM_BURST if fabric.modelled_time else REAL_BURST
 
 
 class Dataplane:
@@ -282,9 +280,7 @@ class Dataplane:
         burst = self.config.burst_for(fabric)
         width = HEADER + self.config.elems
         self.world = fabric.world_size
-        from ..fabric.sim import SimFabric
-
-        track = not isinstance(fabric, SimFabric)
+        track = not fabric.modelled_time
         # on real fabrics the receive has room for RECV_SLACK bursts and is zeroed first (gloo accepts a
         # shorter message, leaving the rest untouched; unused rows read as T_EMPTY): a message of up to
         # RECV_SLACK bursts is processed packet by packet instead of aborting the switch's process

@@ -46,7 +46,7 @@ from ...errors import IncompatibleError
 from .._guards import abs_max, guard_finite, is_integer, narrow, nonfinite_option
 from ...fabric import services
 from ...payload import Payload
-from .. import registry
+from ..base import registry
 from ..base import Transport
 from . import wire
 from .aggregator import serve

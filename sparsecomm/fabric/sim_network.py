@@ -1,0 +1,169 @@
+"""The SimFabric's network model: links, NICs and messages in modelled time.
+
+The network model (alpha-beta with NIC serialisation), per endpoint:
+
+- a full-duplex NIC of ``bandwidth`` payload bytes/s (the link rate times ``payload_fraction``: 1 for an
+  ideal link, :data:`TCP_OVER_ETHERNET` for TCP over a 1500-byte MTU as on the netbed) and a latency;
+- the one-way latency of a path is the mean of its two ends' latencies (each end's link contributes
+  half), so every path is symmetric, and a path between two workers has the workers' ``latency_us``;
+- a send issued at the sender's clock ``t`` starts at ``start = max(t, tx_free)`` and occupies the
+  sender's NIC until ``tx_end = start + bytes/bw_src``;
+- the message's head reaches the receiver at ``head = start + latency``. The receiver's NIC takes the
+  messages in *arrival* order (their heads; ties by source), whatever order the application asks for
+  them in: ``rx_end = max(head, rx_end of the message before it) + bytes/bw_dst``; a message is
+  delivered at ``max(rx_end, tx_end + latency)``, so on an idle path it takes ``latency + bytes/bw``.
+  A message's slot is fixed once the application has taken it; a message that a thread behind in wall
+  time posts later with an earlier head queues after the ones already taken (the only dependence on
+  thread timing; deterministic whenever messages are posted before the receiver takes later ones);
+- ``recv`` advances the receiver's clock to the delivery time; ``compute(s)`` advances it by ``s``;
+- a straggler (``Network.stragglers``: endpoint -> factor f >= 1) is a slow host: its compute takes f
+  times as long and its NIC moves bytes at 1/f of the rate, in and out (a host-bound TCP stack), so
+  that it slows what transports do, not only ``compute()``.
+
+Service endpoints (dedicated aggregators, a switch) have their own link; ``per_port=True`` gives a
+switch one NIC per peer (ports work in parallel, as a switch's do).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from .stats import CommStats
+
+if TYPE_CHECKING:
+    from .sim_world import World
+
+@dataclass
+class Network:
+    """The modelled network of a SimFabric run.
+
+    ``bandwidth_gbps`` and ``latency_us`` are per worker NIC. ``loss`` is the drop probability of
+    unreliable datagrams on every link, both directions. ``stragglers`` maps an endpoint to a factor
+    (>= 1) multiplying its modelled compute time and dividing its NIC's rate. ``payload_fraction``:
+    the share of the link rate that carries message bytes (:data:`TCP_OVER_ETHERNET` for a TCP link).
+    ``crash`` maps an endpoint to the number of sends after which it dies silently. ``timeout_s`` bounds every wall-clock wait (a safety net; the
+    modelled deadlock detection normally fires first).
+    """
+
+    bandwidth_gbps: float = 100.0
+    latency_us: float = 2.0
+    loss: float = 0.0
+    seed: int = 0
+    stragglers: dict[int, float] = field(default_factory=dict)
+    crash: dict[int, int] = field(default_factory=dict)
+    timeout_s: float = 120.0
+    payload_fraction: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.bandwidth_gbps <= 0:
+            raise ValueError(f"bandwidth_gbps must be positive, got {self.bandwidth_gbps}")
+        if self.latency_us < 0:
+            raise ValueError(f"latency_us must be non-negative, got {self.latency_us}")
+        if not 0.0 <= self.loss < 1.0:
+            raise ValueError(f"loss must be in [0, 1), got {self.loss}")
+        if not 0.0 < self.payload_fraction <= 1.0:
+            raise ValueError(f"payload_fraction must be in (0, 1], got {self.payload_fraction}")
+        for eid, f in self.stragglers.items():
+            if not f >= 1.0:
+                raise ValueError(f"a straggler's factor must be >= 1, got {f} for endpoint {eid}")
+
+    @property
+    def bytes_per_s(self) -> float:
+        """Payload bytes per second of a worker NIC (the link rate times ``payload_fraction``)."""
+        return self.bandwidth_gbps * 1e9 / 8 * self.payload_fraction
+
+
+#: payload fraction of TCP over Ethernet at a 1500-byte MTU with TCP timestamps: 1448 payload bytes per
+#: 1514-byte frame as a shaper (tc htb) counts it; pass ``Network(payload_fraction=TCP_OVER_ETHERNET)`` to
+#: model a real TCP link (the netbed's; gloo's transport) rather than an ideal one.
+TCP_OVER_ETHERNET = 1448 / 1514
+
+
+@dataclass(eq=False)
+class _Msg:
+    src: int
+    tag: int
+    data: torch.Tensor
+    nbytes: int
+    start: float
+    head: float      # start + path latency
+    tx_end: float    # start + bytes / bw_src
+    rx_end: float = 0.0      # when the receiving NIC has taken its last byte (its place in arrival order)
+    taken: bool = False      # delivered to the application: its NIC slot is fixed from then on
+
+    @property
+    def delivered(self) -> float:
+        return max(self.rx_end, self.tx_end + (self.head - self.start))
+
+
+class Endpoint:
+    """One endpoint's NIC(s) in the model: its clock, transmit schedule per port, the receive schedule
+    (arrival order) and its mailbox; plus the scheduler's per-endpoint flags (see :mod:`.sim_world`)."""
+
+    def __init__(self, world: "World", eid: int, bw: float, latency: float, per_port: bool,
+                 name: str) -> None:
+        self.id = eid
+        self.name = name
+        self.slow = float(world.network.stragglers.get(eid, 1.0))
+        self.bw = bw / self.slow      # a straggler's host stack moves bytes 1/factor as fast, both ways
+        self.latency = latency
+        self.per_port = per_port
+        self.clock = 0.0
+        self._tx_free: dict[int, float] = {}
+        self._rx_base: dict[int, float] = {}            # port -> end of the taken prefix of its schedule
+        self._rx_sched: dict[int, list[_Msg]] = {}      # port -> messages in the order its NIC takes them
+        self.mailbox: dict[tuple[int, int], deque[_Msg]] = {}
+        self.cond = threading.Condition(world.lock)
+        self.deadline: float | None = None   # modelled deadline of the current blocked receive
+        self.fire_timeout = False
+        self.event: float | None = None      # per_port any-source receive: delivery time of its candidate
+        self.fire_event = False
+        self.blocked = False
+        self.alive = True
+        self.crashed = False
+        self.sends = 0
+        self.loss_rng: dict[int, np.random.Generator] = {}
+        self.stats = CommStats()
+        self.waiting_for: tuple[int | None, int] | None = None
+
+    def port(self, peer: int) -> int:
+        return peer if self.per_port else -1
+
+    def tx_free(self, peer: int) -> float:
+        return self._tx_free.get(self.port(peer), 0.0)
+
+    def schedule(self, msg: _Msg) -> None:
+        """(lock held) Give arriving ``msg`` its place on the receiving NIC: arrival (head) order among the
+        messages not yet taken by the application, after every message already taken (whose time has
+        been observed and cannot change); the later ones are re-timed."""
+        port = self.port(msg.src)
+        sched = self._rx_sched.setdefault(port, [])
+        i = len(sched)
+        while i > 0 and not sched[i - 1].taken and (sched[i - 1].head, sched[i - 1].src) > (msg.head, msg.src):
+            i -= 1
+        sched.insert(i, msg)
+        t = sched[i - 1].rx_end if i > 0 else self._rx_base.get(port, 0.0)
+        for m in sched[i:]:
+            if m.taken:
+                t = max(t, m.rx_end)
+            else:
+                m.rx_end = max(m.head, t) + m.nbytes / self.bw
+                t = m.rx_end
+
+    def taken(self, msg: _Msg) -> None:
+        """(lock held) ``msg`` was delivered: fix its slot, drop the schedule's taken prefix."""
+        msg.taken = True
+        port = self.port(msg.src)
+        sched = self._rx_sched[port]
+        k = 0
+        while k < len(sched) and sched[k].taken:
+            k += 1
+        if k:
+            self._rx_base[port] = max(self._rx_base.get(port, 0.0), sched[k - 1].rx_end)
+            del sched[:k]

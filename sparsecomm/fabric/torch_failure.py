@@ -1,0 +1,193 @@
+"""TorchFabric's failure propagation: one failure record per job, and every rank stopped at once.
+
+Failure propagation (fail-stop). The first rank that sees a failure -- an error it raises that the others
+may not see (a malformed message, a transport disagreement only it detected, an exception out of ``fn``:
+:meth:`TorchFabric.fail`), or a connection to a peer that closed (a peer died) -- writes one record
+(error class name, rank, text: plain text, never pickled) under ``<shutdown_key>/failed`` in the
+rendezvous store (first writer wins; the spawning launcher writes it too when a rank exits without a
+report, e.g. after kill -9), then *trips* its process group: a deliberately timed-out receive makes gloo
+close every connection of this rank, which ends every wait of this process and every peer's wait on it
+at once. A watchdog thread per rank polls the record every 50 ms and trips its own group when another
+rank wrote it. Every wait that ends that way raises the recorded error's class (from
+:data:`sparsecomm.errors.REPORTABLE`; :class:`PeerFailure` otherwise) naming the rank that failed first
+-- a dead worker, not the switch or survivor that noticed it. After a failure the fabric is unusable.
+gloo errors raised while *posting* a send or receive (a connection already closed) are
+:class:`PeerFailure` too, never a raw ``RuntimeError``. On nccl, waits poll ``is_completed()`` under
+the same ``timeout_s`` and the failure record, so no wait is unbounded.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from ..errors import REPORTABLE, FabricTimeout, PeerFailure
+
+if TYPE_CHECKING:
+    from .torch_waiters import _Pending
+
+MAX_TAG = 2**31 - 1
+_WATCH_S = 0.05            # how often a rank polls the failure record
+_ROOT_GRACE_S = 1.0        # how long a rank that lost a connection waits for a failure record naming the root
+_TRIP_TAG = MAX_TAG - 7    # the tag of the receive that is timed out on purpose to trip the group
+_SEP = "\x1f"
+
+
+def encode_failure(exc: BaseException | str, rank: int, kind: str | None = None) -> str:
+    """The failure record's text: error class name, rank, message (never pickled)."""
+    if isinstance(exc, BaseException):
+        kind = kind or type(exc).__name__
+        text = str(exc).strip() or repr(exc)
+    else:
+        kind, text = kind or "PeerFailure", str(exc)
+    return f"{kind}{_SEP}{int(rank)}{_SEP}{text[:4000]}"
+
+
+def decode_failure(raw: bytes | str) -> tuple[str, int, str]:
+    """``(class name, rank, text)`` of a failure record (plain text; malformed records read as text)."""
+    text = raw.decode("utf-8", "replace") if isinstance(raw, (bytes, bytearray)) else str(raw)
+    parts = text.split(_SEP, 2)
+    if len(parts) == 3 and parts[1].lstrip("-").isdigit():
+        return parts[0], int(parts[1]), parts[2]
+    return "PeerFailure", -1, text
+
+
+def _watch(ref, store, key: str) -> None:
+    """The watchdog of one fabric (a weak reference): trip it when another rank reports a failure."""
+    while True:
+        time.sleep(_WATCH_S)
+        fab = ref()
+        if fab is None or fab._failure is not None or fab._closed:
+            return
+        try:
+            if not store.check([key]):
+                del fab
+                continue
+            raw = store.get(key)
+        except Exception:  # noqa: BLE001 - the store is gone: the job is over
+            return
+        fab._adopt(raw)
+        return
+
+
+class FailStop:
+    """The failure half of :class:`~sparsecomm.fabric.torch_fabric.TorchFabric` (a mixin: it uses the
+    fabric's ``rank``, ``_store``, ``_fail_key``, ``_failure``, ``_cuda``, ``_pg``, ``_pg_down``,
+    ``worker_group``, ``total_ranks`` and ``_name``)."""
+
+    def _start_watchdog(self, store) -> None:
+        import weakref
+
+        self._watchdog = threading.Thread(target=_watch, args=(weakref.ref(self), store, self._fail_key),
+                                          name="sparsecomm-watchdog", daemon=True)
+        self._watchdog.start()
+
+    def close(self) -> None:
+        """Stop this fabric's watchdog (before the process group is destroyed: a thread still polling
+        the store during teardown can abort the process)."""
+        self._closed = True
+        if self._watchdog is not None and self._watchdog is not threading.current_thread():
+            self._watchdog.join(timeout=2 * _WATCH_S + 1.0)
+
+    @property
+    def failure(self) -> tuple[str, int, str] | None:
+        """``(error class name, rank, text)`` of the first failure reported in the job, once known."""
+        return self._failure
+
+    def fail(self, exc: BaseException | str, rank: int | None = None) -> None:
+        """Report a failure to every rank (see "Failure propagation" in the module docstring): record it
+        in the store unless another failure came first, then trip this rank's process group."""
+        if self._failure is not None:
+            return
+        record = encode_failure(exc, self.rank if rank is None else rank)
+        if self._store is not None:
+            try:
+                record = self._store.compare_set(self._fail_key, "", record)
+            except Exception:  # noqa: BLE001 - the store is gone; keep the local record
+                pass
+        self._adopt(record)
+
+    def _adopt(self, raw) -> None:
+        """Take ``raw`` as the job's first failure and trip this rank's group (idempotent)."""
+        if self._failure is not None:
+            return
+        self._failure = decode_failure(raw)
+        self._trip()
+
+    def _trip(self) -> None:
+        """Close every gloo connection of this rank: a receive timed out on purpose does it (gloo closes
+        the context's pairs on a timeout), which ends every pending wait here and every peer's wait on
+        this rank. nccl waits poll ``_failure`` instead."""
+        if self._cuda or self.total_ranks < 2:
+            return
+        peer = 0 if self.rank != 0 else 1
+        groups = [self._pg] + ([self._pg_down] if self._pg_down is not self._pg else [])
+        if (self.worker_group is not dist.group.WORLD and self.is_worker and self.world_size > 1
+                and isinstance(self.worker_group, dist.ProcessGroup)):
+            groups.append(self.worker_group)     # the workers' subgroup (native's all_reduce) too
+        for g in groups:
+            try:
+                g.recv([torch.zeros(1)], peer if g in (self._pg, self._pg_down) else (0 if self.rank != 0 else 1),
+                       _TRIP_TAG).wait(timedelta(milliseconds=1))
+            except Exception:  # noqa: BLE001 - expected: the timeout is the point
+                pass
+
+    def _failure_error(self) -> BaseException:
+        kind, rank, text = self._failure
+        cls = REPORTABLE.get(kind, PeerFailure)
+        me = self._name(self.rank)
+        if rank == self.rank:
+            return cls(f"{me}: {text}")
+        who = self._name(rank) if rank >= 0 else "a rank"
+        if cls is PeerFailure and kind != "PeerFailure":
+            err = PeerFailure(f"{me}: stopped because {who} failed first: {kind}: {text}")
+        else:
+            err = cls(f"{me}: stopped because {who} failed first: {text}")
+        err.sparsecomm_origin = rank     # a consequence of another rank's failure (the launcher reads it)
+        return err
+
+    def _check_failed(self) -> None:
+        if self._failure is not None:
+            raise self._failure_error()
+
+    def _translate(self, exc: BaseException, pend: _Pending, limit: float | None) -> BaseException:
+        msg = str(exc)
+        peer = self._name(pend.src)
+        last = msg.strip().splitlines()[-1] if msg.strip() else repr(exc)
+        if self._failure is not None:        # this rank tripped itself after a failure report
+            return self._failure_error()
+        if "Timed out" in msg or "timed out" in msg or "Timeout" in msg:
+            err = FabricTimeout(f"{self._name(self.rank)}: no "
+                                f"{'message from' if pend.is_recv else 'send to'} {peer} (tag {pend.tag}) "
+                                f"completed within {limit if limit is not None else self.timeout_s:.6g} s; "
+                                f"torch.distributed: {last}")
+            self.fail(err)
+            return err if self._failure is None or self._failure[1] == self.rank else self._failure_error()
+        # a connection closed: a peer died, or tripped after a failure; name the first failure
+        raw = self._await_record(_ROOT_GRACE_S)
+        if raw is not None:
+            self._adopt(raw)
+            return self._failure_error()
+        self.fail(f"lost the connection with {peer} (tag {pend.tag}): it died or was killed "
+                  f"(torch.distributed: {last})", rank=pend.src if pend.src is not None else -1)
+        return self._failure_error()
+
+    def _await_record(self, grace: float):
+        """The failure record, waiting up to ``grace`` s for one (the launcher writes it when a rank dies)."""
+        if self._store is None:
+            return None
+        deadline = time.monotonic() + grace
+        while True:
+            try:
+                if self._store.check([self._fail_key]):
+                    return self._store.get(self._fail_key)
+            except Exception:  # noqa: BLE001 - the store is gone
+                return None
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.01)

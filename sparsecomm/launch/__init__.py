@@ -1,0 +1,61 @@
+"""Run a function on n workers: simulated (threads over a SimFabric) or real (torch.distributed).
+
+>>> import sparsecomm as sc
+>>> def fn(ctx):
+...     return ctx.rank * 10
+>>> sc.launch(fn, world_size=3, backend="sim")
+[0, 10, 20]
+
+``fn(ctx)`` runs on every worker with a :class:`Context` (``rank``, ``world_size``, ``fabric``,
+``backend``, ``device``) and the per-rank return values come back in rank order. A failure on one
+rank ends every rank: the others' waits raise :class:`~sparsecomm.errors.PeerFailure` and ``launch``
+re-raises the failing rank's own error. Inside ``fn``, :func:`current_context` returns the context,
+so that library objects (the optimizer, transports) find their fabric without being told.
+
+**Randomness on the sim backend.** Simulated workers are threads of one process, and torch has one
+global RNG per process (it cannot be forked per thread): ``torch.manual_seed(0); make_model()`` in
+every worker interleaves the threads' draws, so the ranks' initial weights differ from run to run.
+:class:`~sparsecomm.DistributedOptimizer` broadcasts rank 0's parameters and buffers at construction
+(as DDP does), so the replicas start identical anyway; to build identical models deterministically
+yourself, seed through the context: ``with ctx.seeded(0): model = make_model()`` runs the block
+holding a process-wide lock with the global RNG seeded and restores the RNG afterwards (the same
+draws on every rank, backend-independent), and ``ctx.generator(seed)`` is a fresh generator of this
+worker's own for explicit draws (``torch.randn(..., generator=g)``).
+
+Backends are a registry (:data:`backends`): ``sim`` in :mod:`.sim_backend`; ``gloo`` and ``nccl``
+(spawned processes, or the current process under ``torchrun``) in :mod:`.torch_backend`, with the
+supervision of spawned ranks in :mod:`.supervise` and the safe result encoding in :mod:`.results`;
+``netbed`` in :mod:`sparsecomm.netbed.launch` (provided by the package's top, imported on first use).
+The worker's :class:`Context` lives in the leaf module :mod:`.context`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from ..fabric.sim_network import Network
+from .base import backends, check_main_guard
+from .context import Context, current_context, set_context
+from . import sim_backend  # noqa: F401  (registers "sim")
+
+__all__ = ["launch", "Context", "current_context", "set_context", "backends", "check_main_guard"]
+
+backends.provide("gloo", "sparsecomm.launch.torch_backend")
+backends.provide("nccl", "sparsecomm.launch.torch_backend")
+
+
+def launch(fn: Callable[[Context], Any], world_size: int, backend: str = "sim", *,
+           network: Network | None = None, timeout_s: float | None = None,
+           services: Sequence[str] = (), **options: Any) -> list[Any]:
+    """Run ``fn(ctx)`` on ``world_size`` workers and return the per-rank results in rank order.
+
+    ``backend``: ``"sim"`` (threads over a SimFabric with ``network``), ``"gloo"`` or ``"nccl"``
+    (torch.distributed processes; ``services`` names the extra service ranks to start, e.g.
+    ``["switch"]``). ``timeout_s`` bounds every wait.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+    runner = backends.factory(backend)
+    if backend != "sim":
+        check_main_guard()
+    return runner(fn, world_size, network=network, timeout_s=timeout_s, services=services, **options)

@@ -1,0 +1,65 @@
+"""The registry of launch backends and the check that spawning backends run under a main guard."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from ..registry import Registry
+
+#: name -> ``runner(fn, world_size, *, network, timeout_s, services, **options) -> list``
+backends: Registry[Callable[..., list]] = Registry("launch backend")
+
+
+def check_main_guard() -> None:
+    """Raise a clear error when ``launch`` (of a backend that spawns processes) is called from a script's
+    module level outside ``if __name__ == "__main__":``: each spawned rank re-imports the script (Python's
+    ``spawn``/``forkserver`` start methods), would call ``launch`` again and die while bootstrapping,
+    and the parent would only see ranks exiting with code 1."""
+    import ast
+    import sys
+
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if main is None or not path or not str(path).endswith(".py"):
+        return
+    try:
+        from .torch_backend import _in_place
+
+        if _in_place():
+            return                 # under torchrun (or an initialised process group): nothing spawns
+    except Exception:  # noqa: BLE001 - the check is advisory
+        pass
+    import inspect
+
+    line = None
+    for info in inspect.stack(0):
+        if info.frame.f_globals is main.__dict__ and info.function == "<module>":
+            line = info.lineno
+    if line is None:
+        return
+    try:
+        with open(path, encoding="utf-8") as fh:
+            tree = ast.parse(fh.read())
+    except (OSError, SyntaxError, ValueError):
+        return
+    for node in tree.body:
+        if isinstance(node, ast.If) and _is_main_test(node.test) and \
+                node.lineno <= line <= (node.end_lineno or node.lineno):
+            return
+    from ..errors import SparseCommError
+
+    raise SparseCommError(
+        f"{path}, line {line}: sc.launch(...) with a backend that spawns processes must run under "
+        f"`if __name__ == \"__main__\":` (each spawned rank re-imports this script and would launch "
+        f"again); put the launch call (and code that should run once) inside that block")
+
+
+def _is_main_test(test: Any) -> bool:
+    import ast
+
+    if not isinstance(test, ast.Compare) or len(test.comparators) != 1 or not isinstance(test.ops[0], ast.Eq):
+        return False
+    sides = [test.left, test.comparators[0]]
+    names = [s for s in sides if isinstance(s, ast.Name) and s.id == "__name__"]
+    consts = [s for s in sides if isinstance(s, ast.Constant) and s.value == "__main__"]
+    return len(names) == 1 and len(consts) == 1

@@ -1,0 +1,70 @@
+"""The ``sim`` backend of :func:`sparsecomm.launch`: workers as threads over one simulated world."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..errors import PeerFailure
+from ..fabric.sim import EndpointCrashed, Network, SimWorld
+from .base import backends
+from .context import Context, set_context
+
+
+@backends.register("sim")
+def _launch_sim(fn: Callable[[Context], Any], world_size: int, *, network: Network | None = None,
+                timeout_s: float | None = None, services: Sequence[str] = (), **options: Any) -> list[Any]:
+    if options:
+        raise TypeError(f"unexpected options for the sim backend: {sorted(options)}")
+    network = network or Network()
+    if timeout_s is not None:
+        network = Network(**{**network.__dict__, "timeout_s": timeout_s})
+    world = SimWorld(world_size, network)
+    results: list[Any] = [None] * world_size
+    errors: list[tuple[int, BaseException] | None] = [None] * world_size
+
+    def run(rank: int) -> None:
+        ctx = Context(rank, world_size, world.fabric(rank), "sim", torch.device("cpu"), network)
+        set_context(ctx)
+        try:
+            results[rank] = fn(ctx)
+            from ..transports.base import drain   # lazily: importing sparsecomm stays light
+
+            drain(ctx.fabric)     # calls started but never waited for finish before the endpoint retires
+            world.finished(rank)
+        except EndpointCrashed as exc:
+            errors[rank] = (rank, exc)
+            world.finished(rank)  # a crash is silent: peers notice only by timing out
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            errors[rank] = (rank, exc)
+            world.fail(rank, exc)
+        finally:
+            set_context(None)
+
+    threads = [threading.Thread(target=run, args=(r,), name=f"sparsecomm-worker{r}", daemon=True)
+               for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    world.close()
+    _raise_first(errors, world)
+    return results
+
+
+def _raise_first(errors: list[tuple[int, BaseException] | None], world: SimWorld | None = None) -> None:
+    """Re-raise the root failure: the first error that is not a consequence of another rank's."""
+    found = [e for e in errors if e is not None]
+    if world is not None and world.service_errors:
+        found = list(world.service_errors) + found
+    if not found:
+        return
+    root = next((e for e in found if not isinstance(e[1], (PeerFailure, EndpointCrashed))), found[0])
+    rank, exc = root
+    if isinstance(exc, EndpointCrashed) and all(isinstance(e[1], EndpointCrashed) for e in found):
+        # only crashed ranks failed and the survivors finished: nothing to report
+        return
+    exc.add_note(f"(raised on endpoint {rank} of {len(errors)} workers)")
+    raise exc

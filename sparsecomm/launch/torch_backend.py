@@ -1,0 +1,312 @@
+"""The ``gloo`` and ``nccl`` backends of :func:`sparsecomm.launch`: real processes over torch.distributed.
+
+>>> sc.launch(fn, world_size=4, backend="gloo", services=("switch",), timeout_s=60)   # doctest: +SKIP
+
+Two modes:
+
+**Spawned locally** (the default). ``world_size`` worker processes plus one process per service spec are
+started as fresh processes (``start_method="forkserver"`` by default where available: a server process,
+started once per parent with torch preloaded, forks each rank, so a launch costs milliseconds instead of
+one torch import per rank; ``start_method="spawn"`` starts each rank from scratch). Nothing of the
+parent's state is inherited except what ``fn`` carries. The ranks rendezvous through a TCPStore that the
+parent hosts on a free port of 127.0.0.1, and form one process group: ranks ``0 .. world_size-1`` are workers, rank
+``world_size + i`` serves ``services[i]`` by running ``sparsecomm.fabric.services.resolve(spec)(fabric)``
+(after unpickling ``fn``, so that a service registered in ``fn``'s module is known there too).
+Each worker runs ``fn(ctx)`` (with :func:`~sparsecomm.launch.set_context` installed process-wide) and
+sends its pickled result to the parent, which returns them in rank order. ``fn`` must be picklable (a
+module-level function or a ``functools.partial`` of one); so must the results. Children run with one
+OpenMP/torch thread (``OMP_NUM_THREADS=1`` unless set), and with nccl rank ``r`` uses GPU ``r``.
+
+**In place** under torchrun (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` set) or when a
+process group is already initialised: this process is one rank; the job must have
+``world_size + len(services)`` ranks. Worker ranks run ``fn``, service ranks serve; then every rank gets
+the list of all workers' results, so code after ``launch`` behaves the same on every rank. Results
+cross ranks in a documented safe encoding, never pickled (unpickling what a peer sends runs its code):
+``None``, ``bool``, ``int``, ``float``, ``str``, ``bytes``, lists, tuples, dicts of those and CPU tensors
+(dtype, shape, raw bytes), as JSON plus the tensors' bytes (:func:`encode_result` /
+:func:`decode_result`; at most 256 MiB per result). A result of any other type is a ``TypeError`` on
+every rank. The process group is left initialised.
+
+Trust. Spawned children report to their own parent over a multiprocessing pipe with pickle (the
+parent started them with its own code: parent-trusts-child, as ``multiprocessing`` does); no rank ever
+unpickles what another rank sends.
+
+Shutdown protocol. A worker that returns from ``fn`` adds 1 to a counter in the rendezvous store
+(``sparsecomm/.../workers_done``). Service ranks poll the counter while they wait for messages (every
+50 ms) and end their loop (:class:`~sparsecomm.fabric.sim.ServiceShutdown`) once it reaches
+``world_size``. Spawned workers stay alive until the counter is complete, so no rank closes its
+connections while a peer may still talk to it; then every child exits.
+
+Failures. A rank that raises, or dies without reporting, ends the run: the parent re-raises the root
+failure, never a consequence of it (:mod:`.supervise`). Every wait on the fabric, and every
+torch.distributed collective (the process group's timeout), is bounded by ``timeout_s`` (default 120 s).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pickle
+import sys
+import time
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+from .base import backends
+from .context import Context, set_context
+from .results import _gather_results, decode_result, encode_result  # noqa: F401  (re-exported)
+from .supervise import DONE_KEY as _DONE_KEY
+from .supervise import WorkerError, _pack_error, _reap, _supervise  # noqa: F401  (WorkerError re-exported)
+
+DEFAULT_TIMEOUT_S = 120.0
+#: imported once by the fork server, so that each rank starts in milliseconds instead of importing torch
+_PRELOAD = ("torch", "torch.distributed", "sparsecomm.launch.torch_backend", "sparsecomm.fabric.torch_fabric")
+_OPTIONAL_PRELOAD = ("numpy", "numba")
+_in_place_calls = 0
+
+
+# ----------------------------------------------------------------------------- entry points
+def _launch(backend: str, fn: Callable[[Context], Any], world_size: int, *, network=None,
+            timeout_s: float | None = None, services: Sequence[str] = (), start_method: str | None = None,
+            **options: Any) -> list[Any]:
+    if options:
+        raise TypeError(f"unexpected options for the {backend} backend: {sorted(options)}")
+    if network is not None:
+        raise TypeError(f"network= models the simulated network of backend='sim'; the {backend} backend "
+                        f"runs on the real one")
+    if isinstance(services, str):
+        services = (services,)
+    services = tuple(services)
+    timeout_s = float(timeout_s) if timeout_s is not None else DEFAULT_TIMEOUT_S
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+    if _in_place():
+        return _run_in_place(backend, fn, world_size, timeout_s, services)
+    return _spawn(backend, fn, world_size, timeout_s, services, start_method)
+
+
+backends.register("gloo")(functools.partial(_launch, "gloo"))
+backends.register("nccl")(functools.partial(_launch, "nccl"))
+
+
+def _in_place() -> bool:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return True
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+# ----------------------------------------------------------------------------- in place (torchrun)
+def _run_in_place(backend: str, fn: Callable, world_size: int, timeout_s: float,
+                  services: tuple[str, ...]) -> list[Any]:
+    import torch
+    import torch.distributed as dist
+
+    from ..fabric.torch_fabric import TorchFabric
+
+    global _in_place_calls
+    owned = not dist.is_initialized()
+    if owned:
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    elif dist.get_backend() != backend:
+        raise ValueError(f"torch.distributed is initialised with backend {dist.get_backend()!r}, "
+                         f"but launch asked for {backend!r}")
+    total = dist.get_world_size()
+    if total != world_size + len(services):
+        raise ValueError(f"the job has {total} ranks but launch asked for {world_size} workers + "
+                         f"{len(services)} service rank(s) {list(services)}; start "
+                         f"{world_size + len(services)} processes (torchrun --nproc-per-node ...)")
+    _in_place_calls += 1
+    key = f"{_DONE_KEY}/{_in_place_calls}"
+    store = dist.distributed_c10d._get_default_store()
+    fabric = TorchFabric(world_size, services, timeout_s=timeout_s, store=store, shutdown_key=key)
+    rank = dist.get_rank()
+    result = None
+    try:
+        if rank < world_size:
+            ctx = Context(rank, world_size, fabric, backend, fabric.device)
+            set_context(ctx, process_wide=True)
+            try:
+                result = fn(ctx)
+            finally:
+                set_context(None, process_wide=True)
+            store.add(key, 1)
+        else:
+            _serve(fabric, services[rank - world_size])
+    except BaseException as exc:
+        fabric.fail(exc)    # every other rank stops at once, naming this one (see TorchFabric)
+        fabric.close()
+        raise
+    try:
+        gathered = _gather_results(result if rank < world_size else None, rank, total)
+    finally:
+        fabric.close()
+        if owned:
+            # Tear down what we set up while every rank is here (also when the results could not be
+            # gathered: every rank raises that alike): left to interpreter exit, gloo's destructors race
+            # the fabric's waiter threads and abort ("terminate called ...").
+            if fabric.failure is None:
+                dist.barrier()
+            dist.destroy_process_group()
+    return gathered[:world_size]
+
+
+def _serve(fabric, spec: str) -> None:
+    """Run the service loop for ``spec`` until the workers are done."""
+    from .. import transports  # noqa: F401  (the library's services register when it is imported)
+
+    from ..fabric.base import ServiceShutdown
+    from ..fabric.services import resolve
+
+    main = resolve(spec)
+    try:
+        main(fabric)
+    except ServiceShutdown:
+        return
+    fabric.wait_for_shutdown()   # the loop returned early: keep the rank (and its sockets) until the end
+
+
+# ----------------------------------------------------------------------------- spawned processes
+@contextmanager
+def _child_env(overrides: dict[str, str]):
+    saved = {k: os.environ.get(k) for k in overrides}
+    for k, v in overrides.items():
+        if saved[k] is None:
+            os.environ[k] = v
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+
+
+def _start_method(requested: str | None) -> str:
+    import multiprocessing
+
+    methods = multiprocessing.get_all_start_methods()
+    if requested is None:
+        return "forkserver" if "forkserver" in methods else "spawn"
+    if requested not in ("forkserver", "spawn") or requested not in methods:
+        raise ValueError(f"start_method must be one of {[m for m in ('forkserver', 'spawn') if m in methods]}, "
+                         f"got {requested!r}")
+    return requested
+
+
+def _spawn(backend: str, fn: Callable, world_size: int, timeout_s: float,
+           services: tuple[str, ...], start_method: str | None = None, *,
+           make_store: Callable | None = None, master_addr: str = "127.0.0.1",
+           prologue: Callable[[int], None] | None = None) -> list[Any]:
+    """Start and supervise the ranks. The netbed backend places them: ``make_store(total, timeout_s)``
+    returns the rendezvous store the children reach at ``master_addr``, and each child runs the
+    picklable ``prologue(rank)`` first (entering its host's network namespace)."""
+    import torch
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    try:
+        fn_bytes = pickle.dumps(fn)
+    except Exception as exc:  # noqa: BLE001 - any pickling failure
+        raise TypeError(f"launch(backend={backend!r}) runs fn in separate processes, so fn must be picklable "
+                        f"(a module-level function, or a functools.partial of one); got {fn!r}: {exc}") from exc
+    total = world_size + len(services)
+    if backend == "nccl" and torch.cuda.device_count() < total:
+        raise ValueError(f"backend 'nccl' needs one GPU per rank: {total} ranks ({world_size} workers + "
+                         f"{len(services)} services) but {torch.cuda.device_count()} GPU(s) visible")
+    method = _start_method(start_method)
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        # also the library's packages the parent has already imported (so they are known to import cleanly;
+        # the fork server survives only ImportErrors in its preload)
+        ctx.set_forkserver_preload(list(_PRELOAD) + [m for m in _OPTIONAL_PRELOAD if m in sys.modules]
+                                   + _loaded_library_packages())
+    store = make_store(total, timeout_s) if make_store is not None else dist.TCPStore(
+        "127.0.0.1", 0, total, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+    queue = ctx.SimpleQueue()
+    procs = []
+    ok = False
+    try:
+        with _child_env({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}):
+            for r in range(total):
+                p = ctx.Process(target=_child_main, name=f"sparsecomm-{backend}-rank{r}",
+                                args=(r, world_size, services, store.port, backend, timeout_s, fn_bytes, queue,
+                                      master_addr, prologue))
+                p.start()
+                procs.append(p)
+        results = _supervise(procs, queue, world_size, services, timeout_s, store)
+        ok = True
+        return results
+    finally:
+        _reap(procs, grace_s=5.0 if ok else 0.0)
+        queue.close()
+        del store
+
+
+def _loaded_library_packages() -> list[str]:
+    """The library's sub-packages and modules (``sparsecomm.x``) that this process has imported, whichever
+    layer they belong to (named by what is loaded, so that this layer names none above it)."""
+    return sorted({".".join(m.split(".")[:2]) for m in list(sys.modules)
+                   if m.startswith("sparsecomm.") and m.count(".") >= 1})
+
+
+def _child_main(rank: int, world_size: int, services: tuple[str, ...], port: int, backend: str,
+                timeout_s: float, fn_bytes: bytes, queue, master_addr: str = "127.0.0.1",
+                prologue: Callable[[int], None] | None = None) -> None:
+    """Entry point of a spawned rank (module level, so that spawn start-up stays cheap)."""
+    code = 0
+    fabric = None
+    try:
+        if prologue is not None:
+            prologue(rank)
+        import torch
+        import torch.distributed as dist
+
+        from ..fabric.torch_fabric import TorchFabric
+
+        torch.set_num_threads(1)
+        total = world_size + len(services)
+        store = dist.TCPStore(master_addr, port, total, is_master=False, timeout=timedelta(seconds=timeout_s))
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=total,
+                                 timeout=timedelta(seconds=timeout_s))
+        fabric = TorchFabric(world_size, services, timeout_s=timeout_s, store=store, shutdown_key=_DONE_KEY)
+        fn = pickle.loads(fn_bytes)   # on service ranks too: services registered beside fn are then known
+        if rank < world_size:
+            ctx = Context(rank, world_size, fabric, backend, fabric.device)
+            set_context(ctx, process_wide=True)
+            result = fn(ctx)
+            try:
+                data = pickle.dumps(result)
+            except Exception as exc:  # noqa: BLE001
+                raise TypeError(f"the result of fn on worker {rank} cannot be pickled back to the parent: "
+                                f"{exc}") from exc
+            queue.put(("ok", rank, data))
+            store.add(_DONE_KEY, 1)
+            parent = os.getppid()
+            while int(store.add(_DONE_KEY, 0)) < world_size and os.getppid() == parent:
+                time.sleep(0.01)
+        else:
+            _serve(fabric, services[rank - world_size])
+            queue.put(("ok", rank, None))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        code = 1
+        if fabric is not None:
+            try:
+                fabric.fail(exc)    # every other rank stops at once, naming this one
+            except BaseException:  # noqa: BLE001
+                pass
+        try:
+            queue.put(("err", rank, _pack_error(exc)))
+        except BaseException:  # noqa: BLE001 - the parent is gone
+            pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    os._exit(code)   # skip interpreter and process-group teardown (nothing left to flush)

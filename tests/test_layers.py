@@ -1,0 +1,269 @@
+"""The house rules on structure, checked on the source: layers import only the layers below them (no
+upward load, also not inside a function), modules import no circle at import time, no layer asks for a
+concrete fabric's class, and no module is longer than 400 lines without a reason written at its top.
+
+Reads the files with :mod:`ast`; imports nothing of the library (fast, and a broken module cannot hide
+an edge).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[1] / "sparsecomm"
+
+#: the layers of sparsecomm, lowest first; a unit is a top-level module or sub-package of sparsecomm.
+#: A unit may import units of *lower* rows only (not its own row: units on one row are independent).
+#: ``sparsecomm/__init__.py`` is the package's top (the public facade) and may import anything.
+LAYERS: list[tuple[str, ...]] = [
+    ("errors",),
+    ("registry",),
+    ("kernels", "fabric"),             # Numba helpers; point-to-point messages
+    ("codec",),                        # block kernels (scan, pack, fixed point)
+    ("payload",),                      # what a compressor produces and a transport carries
+    ("compressors", "transports"),     # a compressor never talks to the network; a transport never
+                                       # knows which compressor made its payload
+    ("methods", "replicas"),           # stateful wrappers of compressors; replica checks over transports
+    ("launch",),                       # run fn on n workers (threads over SimFabric, or real processes)
+    ("pipeline", "netbed"),            # bucket -> method -> transport; an emulated rack (a launch backend)
+    ("optim", "ddp"),                  # the optimizer and the DDP comm hook
+]
+LEVEL = {unit: i for i, row in enumerate(LAYERS) for unit in row}
+
+#: names of concrete fabrics, which only the fabric layer (and the launchers that build them) may name
+#: in code; everyone else asks a fabric for a capability (``modelled_time``, ``native_group``, ...)
+CONCRETE_FABRICS = ("SimFabric", "TorchFabric")
+MAX_LINES = 400
+REASON = re.compile(r"^# Longer than 400 lines because \S", re.M)
+
+
+def _modules() -> dict[str, tuple[Path, bool]]:
+    mods = {}
+    for path in sorted(PKG.rglob("*.py")):
+        parts = ["sparsecomm", *path.relative_to(PKG).with_suffix("").parts]
+        is_pkg = parts[-1] == "__init__"
+        if is_pkg:
+            parts = parts[:-1]
+        mods[".".join(parts)] = (path, is_pkg)
+    return mods
+
+
+MODULES = _modules()
+
+
+def _targets(mod: str, is_pkg: bool, node: ast.Import | ast.ImportFrom) -> list[str]:
+    """The sparsecomm modules an import statement loads (the longest known prefix of each name)."""
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    else:
+        pkg = mod.split(".") if is_pkg else mod.split(".")[:-1]
+        if node.level:
+            base = ".".join(pkg[:len(pkg) - (node.level - 1)] + ([node.module] if node.module else []))
+        else:
+            base = node.module or ""
+        names = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+    out = []
+    for name in names:
+        while name and name not in MODULES:
+            name = name.rpartition(".")[0]
+        if name.startswith("sparsecomm"):
+            out.append(name)
+    return out
+
+
+_MODULE_NAME = re.compile(r"^sparsecomm(\.[A-Za-z_][A-Za-z0-9_]*)+$")
+
+
+def _imports(mod: str, *, import_time_only: bool) -> set[str]:
+    """The sparsecomm modules ``mod`` imports: everywhere (import statements, and module names written as
+    strings, which ``importlib`` or a registry's ``provide`` load by name), or only at import time (import
+    statements not inside a function, not under ``if TYPE_CHECKING:``)."""
+    path, is_pkg = MODULES[mod]
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    found: set[str] = set()
+    stack: list[ast.AST] = list(tree.body)
+    while stack:
+        node = stack.pop()
+        if import_time_only:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                continue
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                stack.extend(node.orelse)
+                continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.update(t for t in _targets(mod, is_pkg, node) if t != mod)
+        if not import_time_only and isinstance(node, ast.Constant) and isinstance(node.value, str) and \
+                _MODULE_NAME.match(node.value):
+            name = node.value
+            while name and name not in MODULES:
+                name = name.rpartition(".")[0]
+            if name and name != mod:
+                found.add(name)
+        stack.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def _unit(mod: str) -> str:
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _violations(edges: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for src, dsts in sorted(edges.items()):
+        a = _unit(src)
+        if a == "__init__":
+            continue
+        for dst in sorted(dsts):
+            b = _unit(dst)
+            if b == a:
+                continue
+            if b == "__init__" or LEVEL[b] >= LEVEL[a]:
+                bad.append(f"{src} imports {dst} ({a} is not above {b})")
+    return bad
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on: set[str] = set()
+    stack: list[str] = []
+    out: list[list[str]] = []
+    counter = 0
+    for root in sorted(edges):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            for w in it:
+                if w not in index:
+                    index[w] = low[w] = counter
+                    counter += 1
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(edges.get(w, ())))))
+                    break
+                if w in on:
+                    low[v] = min(low[v], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    comp = []
+                    while True:
+                        w = stack.pop()
+                        on.discard(w)
+                        comp.append(w)
+                        if w == v:
+                            break
+                    if len(comp) > 1:
+                        out.append(sorted(comp))
+    return out
+
+
+# ----------------------------------------------------------------------------- the checker itself
+def test_the_checker_sees_upward_loads_and_circles():
+    """The checks can fail: an upward edge, a same-row edge, a lazy import and a circle are all found."""
+    assert _violations({"sparsecomm.fabric.sim": {"sparsecomm.transports.base"}})
+    assert _violations({"sparsecomm.compressors.topk": {"sparsecomm.transports"}})      # same row
+    assert _violations({"sparsecomm.codec.bits": {"sparsecomm"}})                       # the facade
+    assert not _violations({"sparsecomm.transports.ring": {"sparsecomm.fabric.base", "sparsecomm.transports.base"}})
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+    # a module loaded by its name (importlib, a registry's provide) is an edge too
+    assert "sparsecomm.transports" in _imports("sparsecomm.launch.torch_backend", import_time_only=False)
+    # a lazy import inside a function is an edge for the layer check, not for the circle check
+    src = PKG / "launch" / "base.py"
+    assert "sparsecomm.launch.torch_backend" in _imports("sparsecomm.launch.base", import_time_only=False)
+    assert "sparsecomm.launch.torch_backend" not in _imports("sparsecomm.launch.base", import_time_only=True)
+    assert src.exists()
+
+
+def test_every_unit_has_a_layer():
+    units = {_unit(m) for m in MODULES} - {"__init__"}
+    assert sorted(units - set(LEVEL)) == [], "add the new module or package to LAYERS (in its layer)"
+    assert sorted(set(LEVEL) - units) == [], "LAYERS names a unit that no longer exists"
+
+
+# ----------------------------------------------------------------------------- the rules
+def test_each_layer_imports_only_the_layers_below_it():
+    edges = {m: _imports(m, import_time_only=False) for m in MODULES}
+    assert _violations(edges) == []
+
+
+def test_no_import_circle():
+    edges = {m: _imports(m, import_time_only=True) for m in MODULES}
+    assert _cycles(edges) == []
+
+
+def _class_checks(mod: str, tree: ast.AST) -> list[str]:
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and ast.unparse(node.func) in ("isinstance", "issubclass") and \
+                len(node.args) > 1 and any(c in ast.unparse(node.args[1]) for c in CONCRETE_FABRICS):
+            found.append(f"{mod}:{node.lineno} {ast.unparse(node)}")
+        if isinstance(node, ast.Compare) and any(
+                isinstance(c, ast.Constant) and c.value in CONCRETE_FABRICS or
+                isinstance(c, ast.Name) and c.id in CONCRETE_FABRICS
+                for c in [node.left, *node.comparators]):
+            found.append(f"{mod}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_no_layer_asks_for_a_concrete_fabric():
+    """Outside the fabric layer, code does not ask which fabric it has (``isinstance(f, SimFabric)``,
+    ``type(f).__name__ == "TorchFabric"``, ``type(f) is SimFabric``): it asks for a capability
+    (``modelled_time``, ``in_process_services``, ``native_group``, ``serial_pairs``, ``device``). Building
+    one (a launcher's, or the optimizer's default over torch.distributed) is fine."""
+    probe = "isinstance(f, SimFabric)\ntype(f).__name__ == 'TorchFabric'\ntype(f) is SimFabric\n"
+    assert len(_class_checks("x", ast.parse(probe + "isinstance(f, Fabric)\nf.modelled_time\n"))) == 3
+    offenders = []
+    for mod, (path, _) in MODULES.items():
+        if _unit(mod) != "fabric":
+            offenders += _class_checks(mod, ast.parse(path.read_text(encoding="utf-8")))
+    assert offenders == []
+
+
+#: modules over the limit whose split belongs to another change in flight (owner in the comment); the list
+#: only shrinks: an entry that is no longer too long fails :func:`test_the_long_module_list_is_current`
+LONG_PENDING = {
+    "sparsecomm/codec/bits.py",                        # codec (#18)
+    "sparsecomm/codec/_kernels.py",                    # codec (#18)
+    "sparsecomm/codec/blocks.py",                      # codec (#18)
+    "sparsecomm/optim.py",                             # training (#16: pure method state)
+    "sparsecomm/pipeline.py",                          # training (#16: pure method state)
+    "sparsecomm/transports/switch.py",                 # switch (#14)
+    "sparsecomm/transports/sparse_switch.py",          # switch (#14)
+    "sparsecomm/transports/omnireduce/aggregator.py",  # omnireduce (#14)
+}
+
+
+def _too_long() -> set[str]:
+    out = set()
+    for path, _ in MODULES.values():
+        lines = path.read_text(encoding="utf-8").splitlines()
+        if len(lines) > MAX_LINES and not REASON.search("\n".join(lines[:60])):
+            out.add(path.relative_to(PKG.parent).as_posix())
+    return out
+
+
+def test_no_module_is_longer_than_400_lines_without_a_reason():
+    """Split a module past 400 lines, or write ``# Longer than 400 lines because ...`` in its first 60
+    lines (after the docstring is fine)."""
+    assert sorted(_too_long() - LONG_PENDING) == []
+
+
+def test_the_long_module_list_is_current():
+    stale = sorted(LONG_PENDING - _too_long())
+    assert stale == [], f"no longer too long (or now explained): remove {stale} from LONG_PENDING"
