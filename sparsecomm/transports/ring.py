@@ -32,8 +32,8 @@ Payloads it sums compactly (a *linear* operand: the element-wise sum of one vect
   handshake, so a scale that is not shared is a clear error rather than a wrong sum).
 
 Values (:func:`guarded_sum`, :mod:`._guards`): an integer input travels in its own dtype when ``n``
-times the largest magnitude announced in the handshake fits it, else in int64, and the sum is
-range-checked back (never wrapped); a float sum holding NaN/Inf raises on every worker unless
+times the largest magnitude announced in the handshake fits it, else in the narrowest wider integer
+dtype that holds the sum, and the sum is range-checked back (never wrapped); a float sum holding NaN/Inf raises on every worker unless
 ``nonfinite="pass"``.
 """
 
