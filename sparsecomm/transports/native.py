@@ -11,8 +11,8 @@ direction and ``2 (n-1)`` rounds (an estimate: gloo and NCCL use ring-like algor
 tensors); ``CommStats.estimated_bytes`` counts those booked bytes, so ``last_stats.estimated`` is true and
 the measured part (the handshake) is ``bytes_sent + bytes_received - estimated_bytes``.
 
-Integer sums that could overflow are summed in int64 and range-checked; NaN/Inf raise unless
-``nonfinite="pass"`` (:mod:`._guards`), on every worker.
+Integer sums that could overflow are summed in a wider integer dtype (at least int32) and
+range-checked; NaN/Inf raise unless ``nonfinite="pass"`` (:mod:`._guards`), on every worker.
 """
 
 from __future__ import annotations
