@@ -1,6 +1,7 @@
 """Numba kernels of the fixed-point codec (SwitchML, :mod:`sparsecomm.codec.fixed`; CPU path), split
 from :mod:`._kernels` (same conventions: 1-D C-contiguous numpy views, ``cache=True, nogil=True``, no
-``parallel=True``).
+``parallel=True``). ``counter_bits`` is the library's one counter-based random stream: the compressors'
+sampling kernels (:mod:`sparsecomm.compressors._kernels`) draw from it too.
 
 ====================  =================================================================
 kernel                specialisations actually used
