@@ -6,11 +6,11 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-all bench clean install
 
-$(STAMP): setup.cfg pyproject.toml constraints.txt
+$(STAMP): setup.py setup.cfg pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[experiments,netbed,test]"
 	touch $(STAMP)
 
 install: $(STAMP)

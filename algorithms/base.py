@@ -26,8 +26,8 @@ several, treated as one flat vector of length d) that simulates n workers in thi
 Example (DIANA at its theoretical step on heterogeneous logistic regression)::
 
     import torch
-    from theory import problems
-    from algorithms import DIANA
+    from sparsecomm.theory import problems
+    from sparsecomm.algorithms import DIANA
 
     prob = problems.logistic("digits", n_workers=20, split="label", lam=1e-2)
     x = torch.zeros(prob.d, dtype=torch.float64)
@@ -45,7 +45,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 from sparsecomm.compressors.base import Compressor
-from sparsecomm.errors import MismatchError, SparseCommError
+from sparsecomm.errors import ConfigError, MismatchError, SparseCommError  # noqa: F401 (ConfigError: re-exported)
 from sparsecomm.methods.base import resolve_compressor
 from sparsecomm.payload import Payload
 
@@ -53,10 +53,6 @@ from sparsecomm.payload import Payload
 def dense_bits(d: int, dtype: torch.dtype) -> int:
     """Wire bits of an uncompressed length-d message of ``dtype`` (as the methods' exact payloads)."""
     return torch.finfo(dtype).bits * int(d)
-
-
-class ConfigError(SparseCommError, ValueError):
-    """An invalid hyper-parameter of an algorithm (step size, probability, worker count, block layout)."""
 
 
 def _clone(v: Any) -> Any:

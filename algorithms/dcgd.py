@@ -1,4 +1,4 @@
-"""DCGD: distributed compressed gradient descent without shifts (theory.md §3.1).
+"""DCGD: distributed compressed gradient descent without shifts.
 
     x^{k+1} = x^k - gamma (1/n) sum_i C_i(grad f_i(x^k)),     C_i in U(omega), independent
 
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 import sparsecomm as sc
-from theory import rates
+from sparsecomm.theory import rates
 
 from .base import CompressedOptimizer
 

@@ -1,5 +1,5 @@
 """DIANA: compressed gradient *differences* with learned shifts (Mishchenko, Gorbunov, Takac, Richtarik,
-arXiv 1901.09269; theory.md §3.2).
+arXiv 1901.09269).
 
     worker i: m_i = C(g_i - h_i);  h_i += alpha m_i;  send m_i              (C in U(omega), independent)
     server:   g_hat = h + (1/n) sum_i m_i;  h += alpha (1/n) sum_i m_i;  x -= gamma g_hat
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 import sparsecomm as sc
-from theory import rates
+from sparsecomm.theory import rates
 
 from .base import CompressedOptimizer
 

@@ -1,4 +1,4 @@
-"""EF21 and classic error feedback, for contractive compressors (theory.md §3.5, §3.6).
+"""EF21 and classic error feedback, for contractive compressors.
 
 EF21 (Richtarik, Sokolov, Fatkhullin, NeurIPS 2021, arXiv 2106.05203), through the library's ``ef21``
 method (``sparsecomm.methods.ef21``; g_i^0 = grad f_i(x^0) sent uncompressed, as in the authors' code)::
@@ -29,7 +29,7 @@ import torch
 
 import sparsecomm as sc
 from sparsecomm.errors import SparseCommError
-from theory import rates
+from sparsecomm.theory import rates
 
 from .base import CompressedOptimizer
 
@@ -63,7 +63,7 @@ class EF(CompressedOptimizer):
 
     def theory_lr(self) -> float:
         raise SparseCommError("EF has no closed-form step size without bounded-gradient or "
-                              "heterogeneity assumptions (theory.md §3.5): pass lr= (tune it)")
+                              "heterogeneity assumptions: pass lr= (tune it)")
 
     def _estimate(self, G: torch.Tensor) -> torch.Tensor:
         return self.run_methods(self.methods, G)

@@ -1,5 +1,5 @@
 """Independent sparsification, the "99%" paper (Mishchenko, Hanzely, Richtarik, "99% of Worker-Master
-Communication in Distributed Optimization Is Not Needed", UAI 2020, arXiv 1901.09437; theory.md §3.4).
+Communication in Distributed Optimization Is Not Needed", UAI 2020, arXiv 1901.09437).
 
 x is cut into m blocks; every round each worker sends an independent uniformly random set of tau blocks of
 its message, scaled by m/tau (an unbiased compressor with omega = m/tau - 1, exactly):
@@ -42,7 +42,7 @@ import torch
 import sparsecomm as sc
 from sparsecomm.compressors.base import Compressor
 from sparsecomm.payload import Payload
-from theory import rates
+from sparsecomm.theory import rates
 
 from .base import ConfigError
 from .dcgd import DCGD

@@ -1,4 +1,4 @@
-"""MARINA (Gorbunov, Burlachenko, Li, Richtarik, ICML 2021, arXiv 2102.07845; theory.md §3.7).
+"""MARINA (Gorbunov, Burlachenko, Li, Richtarik, ICML 2021, arXiv 2102.07845).
 
     x^{k+1} = x^k - gamma g^k;   the server draws c_k ~ Bernoulli(p) and broadcasts it
     worker i: sends grad f_i(x^{k+1}) uncompressed if c_k, else C_i(grad f_i(x^{k+1}) - grad f_i(x^k))
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from theory import rates
+from sparsecomm.theory import rates
 
 from .base import CompressedOptimizer, ConfigError, dense_bits
 

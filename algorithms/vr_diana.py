@@ -1,5 +1,5 @@
 """VR-DIANA, the L-SVRG variant (Horvath, Kovalev, Mishchenko, Richtarik, Stich, "Stochastic Distributed
-Learning with Gradient Quantization and Variance Reduction", arXiv 1904.05115; theory.md §3.3).
+Learning with Gradient Quantization and Variance Reduction", arXiv 1904.05115).
 
 Each worker holds a finite sum f_i = (1/N_i) sum_j f_ij and only evaluates mini-batches of size b. DIANA
 is fed a loopless-SVRG estimator with a reference point w shared by all workers (one server coin):
@@ -34,7 +34,7 @@ import torch
 
 import sparsecomm as sc
 from sparsecomm.errors import SparseCommError
-from theory import rates
+from sparsecomm.theory import rates
 
 from .base import CompressedOptimizer, ConfigError
 

@@ -40,8 +40,8 @@ from pathlib import Path
 from typing import Any
 
 import sparsecomm as sc
-from experiments.common import cli, plots, report, tracking, train
-from experiments.common import config as C
+from .common import cli, plots, report, tracking, train
+from .common import config as C
 
 AXES = ("compressor", "method", "transport", "workers", "block_size", "density")
 DEFAULTS: dict[str, Any] = {"compressor": ["identity"], "method": ["none"], "transport": ["ring"],
@@ -59,7 +59,16 @@ def load_spec(path: Path | None) -> dict[str, Any]:
         return {}
     import yaml
 
-    spec = yaml.safe_load(Path(path).read_text()) or {}
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        raise C.ConfigError(f"{path}: no such file (an example grid: experiments/ablation.yaml)") from None
+    except OSError as e:
+        raise C.ConfigError(f"{path}: cannot read it ({e.strerror or e})") from None
+    try:
+        spec = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise C.ConfigError(f"{path}: not valid YAML: {_yaml_problem(e)}") from None
     if not isinstance(spec, dict):
         raise C.ConfigError(f"{path}: expected a mapping at the top level")
     unknown = sorted(set(spec) - SPEC_KEYS)
@@ -73,6 +82,13 @@ def load_spec(path: Path | None) -> dict[str, Any]:
         if not isinstance(v, list) or not v:
             raise C.ConfigError(f"{path}: grid axis {k!r} must be a non-empty list, got {v!r}")
     return spec
+
+
+def _yaml_problem(e) -> str:
+    """One line for a YAML error: what is wrong and where (PyYAML's own text spans several lines)."""
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    mark = getattr(e, "problem_mark", None)
+    return f"{problem} (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else problem
 
 
 def merge_args(spec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -142,7 +158,7 @@ def expand(spec: dict[str, Any]) -> tuple[list[dict], list[dict]]:
 
 def _check_names(task: str, grid: dict[str, list]) -> None:
     """Every name of every axis at once, so one message lists all the unknown ones."""
-    from experiments.common import tasks
+    from .common import tasks
 
     regs = {"compressor": sc.compressors.registry, "method": sc.methods.registry,
             "transport": sc.transports.registry}
@@ -175,7 +191,7 @@ def cell_name(cell: dict) -> str:
 
 # ------------------------------------------------------------------------------------- running
 def run_grid(cells: list[dict], spec: dict[str, Any], out: Path, *, progress: bool,
-             project: str) -> list[dict]:
+             project: str, wandb: bool = True) -> list[dict]:
     """Run the cells not yet in ``out/results.jsonl``; return the finished records of every cell."""
     results_path = out / "results.jsonl"
     done = {r["key"]: r for r in tracking.read_jsonl(results_path)}
@@ -183,15 +199,10 @@ def run_grid(cells: list[dict], spec: dict[str, Any], out: Path, *, progress: bo
     if len(todo) < len(cells):
         print(f"resuming: {len(cells) - len(todo)} of {len(cells)} cells already in {results_path}")
     group = spec["group"]
-    bar = None
-    if progress and todo:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(todo), desc="ablation", unit="cell", dynamic_ncols=True)
+    bar = tracking.progress(desc="ablation", total=len(todo), enabled=progress and bool(todo), unit="cell")
     for c in todo:
         cfg, name = c["cfg"], cell_name(c)
-        if bar is not None:
-            bar.set_description(f"ablation: {name}")
+        bar.set_description(f"ablation: {name}")
         res = train.run(cfg, progress=progress)
         rec = {"key": cfg.key(), "name": name, "series": series_name(c),
                "scheme": cfg.scheme, "transport": cfg.transport, "workers": cfg.workers,
@@ -200,13 +211,12 @@ def run_grid(cells: list[dict], spec: dict[str, Any], out: Path, *, progress: bo
         tracking.write_csv(out / "cells" / f"{cfg.key()}.csv", res.records, train.STEP_COLUMNS)
         tracking.log_run(res.records, {**res.summary, **targets(res.records, spec.get("target_acc"))},
                          {**cfg.as_dict(), "density": c["density"], "scheme": cfg.scheme, "cell": cfg.key()},
-                         name=name, group=group, wandb_dir=out, project=project, job_type="ablation")
+                         name=name, group=group, wandb_dir=out, project=project, job_type="ablation",
+                         enabled=wandb)
         tracking.append_jsonl(results_path, rec)
         done[rec["key"]] = rec
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
+        bar.update(1)
+    bar.close()
     return [done[c["cfg"].key()] for c in cells]
 
 
@@ -247,8 +257,8 @@ def summary_table(finished: list[dict], skipped: list[dict], target: float | Non
 
 # ------------------------------------------------------------------------------------- CLI
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m experiments.ablation", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.base_parser("python -m experiments.ablation", __doc__,
+                        out_help="folder for results and wandb runs (default experiments/out/ablation/<group>)")
     p.add_argument("--config", type=Path, default=None, help="YAML grid (see experiments/ablation.yaml)")
     g = p.add_argument_group("grid axes (override the file's)")
     g.add_argument("--task", default=None, help="recsys-zipf | digits-mlp | breast-cancer-logreg")
@@ -291,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {c['cfg'].key()}  {cell_name(c)}")
         return 0
     train.set_cpu_threads()
-    finished = run_grid(cells, spec, out, progress=not args.no_progress, project=args.project)
+    finished = run_grid(cells, spec, out, progress=not args.no_progress, project=args.project,
+                        wandb=not args.no_wandb)
     target = spec.get("target_acc")
     text = summary_table(finished, incompatible, target)
     print(text)

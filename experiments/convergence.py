@@ -37,15 +37,15 @@ import json
 import os
 import sys
 
-from experiments.common import cli, tracking, train
-from experiments.common import config as C
+from .common import cli, tracking, train
+from .common import config as C
 
 DEFAULT_OUT = tracking.OUT_ROOT / "convergence"
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m experiments.convergence", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.base_parser("python -m experiments.convergence", __doc__,
+                        out_help=f"folder for CSV/JSON results and wandb runs (default {DEFAULT_OUT})")
     g = p.add_argument_group("what to run")
     g.add_argument("--task", default="recsys-zipf", help="recsys-zipf | digits-mlp | breast-cancer-logreg")
     g.add_argument("--compressor", default="identity",
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                                                   "initial": result.initial}, indent=2, default=str))
     tracking.log_run(result.records, result.summary, {**cfg.as_dict(), "scheme": cfg.scheme}, name=name,
                      group=args.group or f"convergence-{cfg.task}", wandb_dir=out, project=args.project,
-                     job_type="convergence")
+                     job_type="convergence", enabled=not args.no_wandb)
     s = result.summary
     if "diverged" in s:
         print(f"the run diverged: {s['diverged']}")

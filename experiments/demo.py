@@ -34,7 +34,6 @@ configuration (``WANDB_MODE``: ``offline`` by default, ``disabled`` writes nothi
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import sys
 import time
@@ -42,8 +41,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from experiments.common import config as C
-from experiments.common import plots, report, tracking, train
+from .common import config as C
+from .common import cli, plots, report, tracking, train
 
 TASKS = ("recsys-zipf", "digits-mlp")
 TRANSPORTS = ("ring", "omnireduce", "switch", "sparse-switch", "allgather")
@@ -52,7 +51,8 @@ LATENCY_US = 2.0
 WORKERS = 8
 BLOCK_SIZE = 256
 EVAL_EVERY = 5
-ROOT = Path(__file__).resolve().parent.parent
+#: where ``--docs`` copies the figure (the README's picture; run it from the repository root)
+DOCS = Path("docs")
 DEFAULT_OUT = tracking.OUT_ROOT / "demo"
 
 
@@ -157,7 +157,7 @@ def merged_records(c: Cell, bandwidths: tuple[float, ...]) -> list[dict[str, Any
     return recs
 
 
-def save_cell(c: Cell, out: Path, group: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
+def save_cell(c: Cell, out: Path, group: str, *, wandb: bool = True) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Write a cell's per-step CSV and wandb run; return its summary row and its figure entry."""
     head = {"task": c.task, "scheme": c.scheme.name, "transport": c.transport}
     if c.cfg is None:
@@ -174,7 +174,7 @@ def save_cell(c: Cell, out: Path, group: str) -> tuple[dict[str, Any], dict[str,
     conf = {**c.cfg.as_dict(), "scheme": c.scheme.name, "bandwidths_gbps": list(BANDWIDTHS),
             "modelled_time_source": "SimFabric virtual clock"}
     tracking.log_run(recs, summ, conf, name=f"{c.task} | {c.scheme.name} / {c.transport}", group=group,
-                     wandb_dir=out, job_type="demo")
+                     wandb_dir=out, job_type="demo", enabled=wandb)
     entry = {"scheme": c.scheme.name, "transport": c.transport, "records": res.records,
              "initial": res.initial, "summary": summ,
              "comm_per_step": {bw: comm_per_step(c, bw) for bw in BANDWIDTHS}}
@@ -241,15 +241,12 @@ def print_tables(cells: list[Cell], bandwidths: tuple[float, ...]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.demo", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.base_parser("python -m experiments.demo", __doc__,
+                        out_help=f"output folder: CSV, PNG, wandb runs (default {DEFAULT_OUT})")
     p.add_argument("--steps", type=int, default=None, help="training steps per run (default: the task's)")
     p.add_argument("--tiny", action="store_true", help="smoke size: 2 steps, 2 workers (seconds)")
     p.add_argument("--workers", type=int, default=WORKERS)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder (CSV, PNG, wandb runs)")
     p.add_argument("--docs", action="store_true", help="also copy the figure to docs/demo.png")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
     steps, workers = args.steps, args.workers
     if args.tiny:
@@ -267,12 +264,12 @@ def main(argv: list[str] | None = None) -> int:
           f"Gbps), {workers} simulated workers each; {len(cells) - nrun} pairs rejected by the library")
     run_cells(cells, BANDWIDTHS, progress=not args.no_progress)
 
-    out: Path = args.out
+    out: Path = args.out or DEFAULT_OUT
     group = f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     by_task: dict[str, list[dict]] = {}
     summary_rows = []
     for c in cells:
-        row, entry = save_cell(c, out, group)
+        row, entry = save_cell(c, out, group, wandb=not args.no_wandb)
         summary_rows.append(row)
         if entry is not None:
             by_task.setdefault(c.task, []).append(entry)
@@ -284,9 +281,9 @@ def main(argv: list[str] | None = None) -> int:
                                   f"SimFabric ({', '.join(f'{b:g}' for b in BANDWIDTHS)} Gbps, "
                                   f"{LATENCY_US:g} us)")
     if args.docs:
-        (ROOT / "docs").mkdir(exist_ok=True)
-        shutil.copyfile(fig, ROOT / "docs" / "demo.png")
-    print(f"\nplot: {fig}" + (f" (copied to {ROOT / 'docs' / 'demo.png'})" if args.docs else ""))
+        DOCS.mkdir(exist_ok=True)
+        shutil.copyfile(fig, DOCS / "demo.png")
+    print(f"\nplot: {fig}" + (f" (copied to {DOCS / 'demo.png'})" if args.docs else ""))
     print(f"per-step CSVs: {out / 'csv'}; summary: {out / 'summary.csv'}")
     print(tracking.sync_hint(out))
     print(f"total time: {time.perf_counter() - t0:.0f} s")

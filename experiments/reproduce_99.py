@@ -1,4 +1,4 @@
-"""E4 (theory.md §4.2): the "99%" curve of Mishchenko, Hanzely, Richtarik (arXiv 1901.09437).
+"""E4: the "99%" curve of Mishchenko, Hanzely, Richtarik (arXiv 1901.09437).
 
 Iterations to reach ||x - x*||^2 <= eps ||x^0 - x*||^2 against tau, the number of blocks (of m) each worker
 sends per round (independently of the others, scaled by m/tau), for n in {4, 10, 20}, overlaid on the
@@ -13,8 +13,8 @@ property of the problem, not of the step-size formula). ``--method is_diana`` ru
 
 Expected: flat (within 2x) down to tau = m/n, growing like m/(n tau) below: at tau = m/n the iteration
 count at most doubles while each round carries n times fewer values. Counting only bits, the total to eps,
-tau (1 + (m/tau - 1)/n) = tau (1 - 1/n) + m/n, is smallest at tau = 1 (derived; theory.md §4.2's "bits minimal
-near tau = m/n" needs a fixed per-round cost c0 besides the c1 per block: then the optimum is
+tau (1 + (m/tau - 1)/n) = tau (1 - 1/n) + m/n, is smallest at tau = 1 (derived; a "bits minimal
+near tau = m/n" optimum needs a fixed per-round cost c0 besides the c1 per block: then the optimum is
 tau* = sqrt(m c0/((n - 1) c1))).
 
     python -m experiments.reproduce_99 [--quick] [--tune] [--out DIR]
@@ -26,10 +26,11 @@ import math
 
 import torch
 
-from algorithms import ISDIANA, ISSGD
-from experiments import reproduce_utils as U
-from theory import problems as P
-from theory import rates
+from sparsecomm.algorithms import ISDIANA, ISSGD
+from sparsecomm.theory import problems as P
+from sparsecomm.theory import rates
+
+from .common import reproduce as U
 
 
 def iterations_to_eps(prob, method: str, tau: int, eps: float, seed: int, mult: float = 1.0, maxit: int = 200000):
@@ -80,7 +81,7 @@ def main(argv=None) -> dict:
     R = U.Run("reproduce_99", args, dict(method=args.method, ns=ns, m=m, kappa=args.kappa, eps=args.eps,
                                           seeds=seeds, taus=taus, tune=args.tune))
     results = {}
-    for n in ns:
+    for n in R.progress(ns, desc="workers"):
         prob = P.synthetic_least_squares(n_workers=n, rows_per_worker=m, d=m, kappa=args.kappa, homogeneous=True,
                                          interpolate=(args.method == "is_sgd"), seed=args.seed)
         print(prob)

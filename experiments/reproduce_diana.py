@@ -1,4 +1,4 @@
-"""E1 (theory.md §4.2): DIANA vs DCGD on heterogeneous logistic regression.
+"""E1: DIANA vs DCGD on heterogeneous logistic regression.
 
 Set-up after the DIANA-RR experiments (arXiv 2206.07021 §3 and the authors' RR code): 20 workers, rows
 sorted by label and cut into contiguous chunks (every worker sees mostly one class, so
@@ -6,7 +6,7 @@ grad f_i(x*) != 0), rand-k with k/d ~ 0.02 (independent per worker), alpha = 1/(
 gamma = DIANA's theoretical step 1/((1 + 6 omega/n) L_max) times {1, 2, 4, 8}; DCGD runs at the same
 steps (so the only difference is the shifts). x^0 = 0.
 
-Expected (theory.md §3.1-3.2): DIANA converges linearly to x* (||x - x*||^2 < 1e-10), at least as fast as
+Expected: DIANA converges linearly to x* (||x - x*||^2 < 1e-10), at least as fast as
 the theorem's 1 - gamma mu per iteration; DCGD stalls at a neighbourhood below its floor
 2 gamma omega sigma*^2/(mu n).
 
@@ -27,10 +27,11 @@ import math
 
 import torch
 
-from algorithms import DCGD, DIANA
-from experiments import reproduce_utils as U
-from theory import problems as P
-from theory import rates
+from sparsecomm.algorithms import DCGD, DIANA
+from sparsecomm.theory import problems as P
+from sparsecomm.theory import rates
+
+from .common import reproduce as U
 
 TOL = 1e-10
 
@@ -86,7 +87,7 @@ def main(argv=None) -> dict:
           f"theorem's iterations to {TOL:g}: {bound_iters}")
     every = max(1, cap // 400)
     results = {}
-    for mult in mults:
+    for mult in R.progress(mults, desc="step multipliers"):
         for name, cls in (("DIANA", DIANA), ("DCGD", DCGD)):
             x = torch.zeros(prob.d, dtype=torch.float64)
             opt = cls([x], compressor="randk", k=k, problem=prob, lr=mult * gamma, seed=args.seed)

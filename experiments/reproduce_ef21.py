@@ -1,4 +1,4 @@
-"""E2 (theory.md §4.2): EF21 vs classic EF with top-1, non-convex logistic regression.
+"""E2: EF21 vs classic EF with top-1, non-convex logistic regression.
 
 Set-up after the EF21 authors' code (``IgorSokoloff/ef21_experiments_source_code``): loss
 logistic + lam sum_j x_j^2/(1 + x_j^2) with lam = 0.1 (no l2 term), n = 20 workers, x^0 ~ N(0, I), top-1.
@@ -19,10 +19,11 @@ import math
 
 import torch
 
-from algorithms import EF, EF21
-from experiments import reproduce_utils as U
-from theory import problems as P
-from theory import rates
+from sparsecomm.algorithms import EF, EF21
+from sparsecomm.theory import problems as P
+from sparsecomm.theory import rates
+
+from .common import reproduce as U
 
 
 def run(opt, x, prob, iters: int, every: int):
@@ -64,7 +65,7 @@ def main(argv=None) -> dict:
     print(prob)
     print(f"top-{args.k}: delta={delta:.4g}, sqrt(beta/theta)={math.sqrt(beta / theta):.4g}, EF21 gamma={gamma:.4g}")
     results = {}
-    for name, cls in (("EF21", EF21), ("EF", EF)):
+    for name, cls in R.progress((("EF21", EF21), ("EF", EF)), desc="methods"):
         for m in mults:
             x = x0.clone()
             opt = cls([x], compressor="topk", k=args.k, problem=prob, lr=m * gamma, seed=args.seed)

@@ -1,4 +1,4 @@
-"""E3 (theory.md §4.2): MARINA vs DIANA on a non-convex problem with rand-K, K in {1, 5, 10}.
+"""E3: MARINA vs DIANA on a non-convex problem with rand-K, K in {1, 5, 10}.
 
 Set-up after the MARINA authors' code (``burlachenkok/marina``, ``experiment_no_vr_all.py``): n = 5
 workers with equal chunks, x^0 = 0, rand-K (independent per worker), both methods at their theoretical
@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import torch
 
-from algorithms import DIANA, MARINA
-from experiments import reproduce_utils as U
-from theory import problems as P
-from theory import rates
+from sparsecomm.algorithms import DIANA, MARINA
+from sparsecomm.theory import problems as P
+from sparsecomm.theory import rates
+
+from .common import reproduce as U
 
 
 def main(argv=None) -> dict:
@@ -41,7 +42,7 @@ def main(argv=None) -> dict:
     R = U.Run("reproduce_marina", args, dict(problem=repr(prob), ks=ks, iters=iters))
     print(prob)
     results = {}
-    for k in ks:
+    for k in R.progress(ks, desc="K values"):
         omega = prob.d / k - 1
         for name in ("MARINA", "DIANA"):
             x = torch.zeros(prob.d, dtype=torch.float64)

@@ -28,15 +28,14 @@ column ``imbD``), so that what is left is the protocol's and the network's.
                                                [--densities D ...] [--bandwidths GBPS ...]
 
 prints the table and writes ``omnireduce_vs_density.png``, ``omnireduce_vs_workers.png`` and
-``omnireduce_<overlap>_<placement>.csv`` under ``DIR`` (default ``experiments/out``). The full grid took
-853 s on a 2-core VM, beside a second run (the 64-worker points 20-130 s each: the event-driven order
-makes the simulation a conservative discrete-event one, one endpoint at a time); ``--quick`` (n <= 16,
+``omnireduce_<overlap>_<placement>.csv`` under ``DIR`` (default ``experiments/out/reproduce_omnireduce``).
+The full grid took 853 s on a 2-core VM, beside a second run (the 64-worker points 20-130 s each: the
+event-driven order makes the simulation a conservative discrete-event one, one endpoint at a time); ``--quick`` (n <= 16,
 100 Gb/s) about 20 s.
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import os
 import time
@@ -47,7 +46,9 @@ import torch
 
 import sparsecomm as sc
 from sparsecomm.transports.omnireduce import wire
-from theory import costs
+from sparsecomm.theory import costs
+
+from .common import reproduce as U
 
 NUMEL = 1 << 20           # 4 MiB of float32: the 64-worker simulation stays fast; modelled time scales
 BLOCK = 256
@@ -189,18 +190,18 @@ def run_point(n: int, density: float, bandwidth_gbps: float, overlap: str = "ful
 
 
 def run_grid(ns, densities, bandwidths, overlap: str, numel: int = NUMEL, log=print,
-             placement: str = "random") -> list[Point]:
+             placement: str = "random", progress=None) -> list[Point]:
+    """Every (bandwidth, density, n) point; ``progress`` (e.g. ``Run.progress``) wraps the loop in a bar."""
     points = []
-    for bw in bandwidths:
-        for d in densities:
-            for n in ns:
-                t0 = time.perf_counter()
-                p = run_point(n, d, bw, overlap, numel, placement=placement)
-                points.append(p)
-                log(f"{bw:>5g} {d:>6g} {n:>3d} | {p.omni_s * 1e6:9.1f} {p.closed_form_s * 1e6:9.1f} "
-                    f"{100 * p.error:+6.1f}% {p.expected_form_s * 1e6:9.1f} | {p.rounds:2d} "
-                    f"{p.imbalance_down:5.2f} | {p.ring_s * 1e6:9.1f} {p.ring_form_s * 1e6:9.1f} | "
-                    f"{p.ring_s / p.omni_s:6.2f}x  ({time.perf_counter() - t0:.1f} s)")
+    grid = [(bw, d, n) for bw in bandwidths for d in densities for n in ns]
+    for bw, d, n in (progress(grid, desc="points") if progress is not None else grid):
+        t0 = time.perf_counter()
+        p = run_point(n, d, bw, overlap, numel, placement=placement)
+        points.append(p)
+        log(f"{bw:>5g} {d:>6g} {n:>3d} | {p.omni_s * 1e6:9.1f} {p.closed_form_s * 1e6:9.1f} "
+            f"{100 * p.error:+6.1f}% {p.expected_form_s * 1e6:9.1f} | {p.rounds:2d} "
+            f"{p.imbalance_down:5.2f} | {p.ring_s * 1e6:9.1f} {p.ring_form_s * 1e6:9.1f} | "
+            f"{p.ring_s / p.omni_s:6.2f}x  ({time.perf_counter() - t0:.1f} s)")
     return points
 
 
@@ -261,9 +262,7 @@ def plot(points: list[Point], out: str, numel: int = NUMEL) -> list[str]:
 
 
 def main(argv=None) -> list[Point]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="n <= 16, one bandwidth (a minute or so)")
-    ap.add_argument("--out", default=os.path.join("experiments", "out"))
+    ap = U.parser("python -m experiments.reproduce_omnireduce", __doc__)
     ap.add_argument("--overlap", choices=("full", "random"), default="full",
                     help="non-zero block positions shared by all workers (full) or drawn per worker")
     ap.add_argument("--placement", choices=("random", "stratified"), default="random",
@@ -275,14 +274,17 @@ def main(argv=None) -> list[Point]:
     ns = [2, 4, 8, 16] if args.quick else [2, 4, 8, 16, 32, 64]
     bws = args.bandwidths or ([100.0] if args.quick else [10.0, 100.0])
     densities = args.densities
-    os.makedirs(args.out, exist_ok=True)
+    R = U.Run("reproduce_omnireduce", args, dict(ns=ns, bandwidths=bws, densities=densities, numel=args.numel,
+                                               overlap=args.overlap, placement=args.placement))
+    out = str(R.out)
     print(f"OmniReduce (dedicated aggregators, {CHANNELS} channels, {POSITIONS} blocks per lane) vs ring, "
           f"{args.numel} float32, block {BLOCK}, latency {LATENCY_US} us, overlap={args.overlap}, "
           f"placement={args.placement}")
     print("form: closed form with the data's measured rounds and busiest aggregator/channel; expct: with "
           "their expectations; R: rounds; imbD: busiest aggregator's union load / mean")
     print(HEADER)
-    points = run_grid(ns, densities, bws, args.overlap, numel=args.numel, placement=args.placement)
+    points = run_grid(ns, densities, bws, args.overlap, numel=args.numel, placement=args.placement,
+                      progress=R.progress)
     errs = [abs(p.error) for p in points]
     within = sum(e <= 0.15 for e in errs)
     print(f"closed form vs simulation: max |error| {100 * max(errs):.1f}%, mean {100 * np.mean(errs):.1f}%, "
@@ -294,13 +296,14 @@ def main(argv=None) -> list[Point]:
             print(f"{bw:g} Gbps, density {d:g}: omni max/min over n = {max(ts) / min(ts):.2f}; ring at n={row[-1].n}: "
                   f"{row[-1].ring_s / row[0].ring_s:.2f}x its n={row[0].n} time")
     tag = "" if args.numel == NUMEL else f"_{args.numel}"
-    with open(os.path.join(args.out, f"omnireduce_{args.overlap}_{args.placement}{tag}.csv"), "w", newline="") as fh:
+    with open(os.path.join(out, f"omnireduce_{args.overlap}_{args.placement}{tag}.csv"), "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=list(asdict(points[0])))
         w.writeheader()
         for p in points:
             w.writerow(asdict(p))
-    for f in plot(points, args.out, args.numel):
+    for f in plot(points, out, args.numel):
         print("wrote", f)
+    R.finish({"points": [asdict(p) for p in points], "max_abs_error": max(errs)})
     return points
 
 

@@ -19,10 +19,11 @@ import math
 
 import torch
 
-from algorithms import DIANA
-from experiments import reproduce_utils as U
-from theory import problems as P
-from theory import rates
+from sparsecomm.algorithms import DIANA
+from sparsecomm.theory import problems as P
+from sparsecomm.theory import rates
+
+from .common import reproduce as U
 
 
 def measure(prob, k: int, seed: int, lo: float = 1e-12, hi: float = 1e-2, every: int = 1):
@@ -59,7 +60,7 @@ def main(argv=None) -> dict:
     lo = 1e-8 if args.quick else 1e-12
     R = U.Run("reproduce_rates", args, dict(d=args.d, rows=args.rows, kappa=args.kappa, omegas=omegas, ns=ns, seeds=seeds))
     table = []
-    for n in ns:
+    for n in R.progress(ns, desc="workers"):
         prob = P.synthetic_least_squares(n_workers=n, rows_per_worker=args.rows // n, d=args.d, kappa=args.kappa,
                                          split="label", interpolate=False, noise=1.0, seed=args.seed)
         print(prob, f"kappa_max={prob.kappa_max:.3g}, sigma*^2={prob.sigma_star_sq:.3g}")

@@ -1,4 +1,4 @@
-"""Where does OmniReduce's look-ahead on a SwitchML switch win? (``sparse-switch``, issue #19), on the SimFabric.
+"""Where does OmniReduce's look-ahead on a SwitchML switch win? (``sparse-switch``), on the SimFabric.
 
 Expected shape, to confirm or refute: ``sparse-switch`` is flat in the number of workers ``n`` like the
 dense ``switch`` (every worker sends its blocks once and receives the union once, whatever ``n``) and
@@ -28,26 +28,28 @@ for every n) or drawn per worker (``--overlap random``: the union grows as ``1 -
 
 prints the tables and writes ``sparse_switch_vs_density.png``, ``sparse_switch_vs_workers.png``,
 ``sparse_switch_pool.png`` and ``sparse_switch_<overlap>.csv`` under ``DIR`` (default
-``experiments/out``). ``--quick``: n <= 8, three densities, 256 KiB (about a minute on 2 busy cores).
+``experiments/out/reproduce_sparse_switch``). ``--quick``: n <= 8, three densities, 256 KiB (about a minute
+on 2 busy cores).
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import functools
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
 
 import sparsecomm as sc
-from experiments.reproduce_omnireduce import CHANNELS, lanes_for, masks
 from sparsecomm.transports.sparse_switch_dataplane import MAX_WORKERS as SPARSE_MAX
 from sparsecomm.transports.switch_dataplane import MAX_WORKERS as SWITCH_MAX
-from theory import costs
+from sparsecomm.theory import costs
+
+from .common import reproduce as U
+from .reproduce_omnireduce import CHANNELS, lanes_for, masks
 
 NUMEL = 1 << 18           # 1 MiB of float32 (1024 blocks): the 64-worker points stay tractable
 BLOCK = 256
@@ -170,37 +172,39 @@ def _row(p: Point) -> str:
     return f"{p.density:>4g} {p.n:>3d} | {ts} | {p.form_us:9.1f} {100 * p.error:+6.1f}% | {p.winner}"
 
 
-def e1(ns, densities, numel, overlap, log=print) -> list[Point]:
+def _plain(iterable, **_):
+    return iterable
+
+
+def e1(ns, densities, numel, overlap, log=print, progress=_plain) -> list[Point]:
     log(f"\nE1: {numel * 4 / 2**20:g} MiB float32, block {BLOCK}, pool {POOL}, overlap={overlap}; modelled us")
     log(HEADER)
     points = []
-    for d in densities:
-        for n in ns:
-            t0 = time.perf_counter()
-            p = run_point(n, d, numel=numel, overlap=overlap)
-            points.append(p)
-            log(_row(p) + f"   ({time.perf_counter() - t0:.1f} s)")
+    for d, n in progress([(d, n) for d in densities for n in ns], desc="E1 points"):
+        t0 = time.perf_counter()
+        p = run_point(n, d, numel=numel, overlap=overlap)
+        points.append(p)
+        log(_row(p) + f"   ({time.perf_counter() - t0:.1f} s)")
     return points
 
 
-def e2(pools, numel, log=print) -> list[Point]:
+def e2(pools, numel, log=print, progress=_plain) -> list[Point]:
     log(f"\nE2: pool pressure, n=8, {numel * 4 / 2**20:g} MiB; sparse-switch vs switch with the same pool (us)")
     log(f"{'dens':>4} {'pool':>5} | {'switch':>8} {'sparse':>8} {'form':>8} | sparse/switch")
     out = []
-    for d in (1.0, 0.1):
-        for pool in pools:
-            p = run_point(8, d, numel=numel, pool=pool, transports=("switch", "sparse-switch"))
-            out.append(p)
-            log(f"{d:>4g} {pool:>5d} | {p.times_us['switch']:8.1f} {p.times_us['sparse-switch']:8.1f} "
-                f"{p.form_us:8.1f} | {p.times_us['sparse-switch'] / p.times_us['switch']:.2f}")
+    for d, pool in progress([(d, pool) for d in (1.0, 0.1) for pool in pools], desc="E2 points"):
+        p = run_point(8, d, numel=numel, pool=pool, transports=("switch", "sparse-switch"))
+        out.append(p)
+        log(f"{d:>4g} {pool:>5d} | {p.times_us['switch']:8.1f} {p.times_us['sparse-switch']:8.1f} "
+            f"{p.form_us:8.1f} | {p.times_us['sparse-switch'] / p.times_us['switch']:.2f}")
     return out
 
 
-def e3(sizes, log=print) -> list[Point]:
+def e3(sizes, log=print, progress=_plain) -> list[Point]:
     log("\nE3: small tensors, n=8, density 0.5 (us)")
     log(HEADER)
     out = []
-    for numel in sizes:
+    for numel in progress(sizes, desc="E3 sizes"):
         p = run_point(8, 0.5, numel=numel)
         out.append(p)
         log(f"[{numel * 4 / 1024:g} KiB] " + _row(p))
@@ -222,7 +226,8 @@ def _netbed_worker(ctx, name, kw, xs, repeats):
     return times, float(y.sum()), s.bytes_sent, s.bytes_received
 
 
-def e4_netbed(gbps: float, numel: int, densities, repeats: int = 3, n: int = 4, log=print) -> list[dict]:
+def e4_netbed(gbps: float, numel: int, densities, repeats: int = 3, n: int = 4, log=print,
+              progress=_plain) -> list[dict]:
     """The same transports on real processes over a netbed (each worker its own namespace and link of
     ``gbps`` Gbit/s; the switches on the top-of-rack namespace, dedicated aggregators on hosts of their
     own): median wall time per all-reduce (the slowest worker's), and the link-limited time (the busiest
@@ -231,7 +236,7 @@ def e4_netbed(gbps: float, numel: int, densities, repeats: int = 3, n: int = 4, 
     log(f"\nE4: netbed, n={n}, links of {gbps:g} Gbit/s, {numel * 4 / 2**20:g} MiB, median of {repeats}; "
         f"wall ms (link-limited ms)")
     log(f"{'dens':>4} | " + " ".join(f"{t:>18}" for t in TRANSPORTS))
-    for d in densities:
+    for d in progress(densities, desc="E4 densities"):
         xs = _data(n, numel, d, "full", 0)
         expect = float(sum(float(x.sum()) for x in xs))
         cells = {}
@@ -350,9 +355,7 @@ def plot(points: list[Point], pool_points: list[Point], out: str, ns, densities)
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="n <= 8, three densities, 256 KiB")
-    ap.add_argument("--out", default=os.path.join("experiments", "out"))
+    ap = U.parser("python -m experiments.reproduce_sparse_switch", __doc__)
     ap.add_argument("--overlap", choices=("full", "random"), default="full")
     ap.add_argument("--numel", type=int, default=None, help=f"float32 elements (default {NUMEL}; quick: 65536)")
     ap.add_argument("--ns", type=int, nargs="+", default=None, help="workers (default 2 .. 64)")
@@ -365,24 +368,27 @@ def main(argv=None) -> dict:
     ns = args.ns or ([2, 4, 8] if args.quick else [2, 4, 8, 16, 32, 64])
     densities = args.densities or ([1.0, 0.1, 0.01] if args.quick else [1.0, 0.5, 0.1, 0.01])
     numel = args.numel or (1 << 16 if args.quick else NUMEL)
-    os.makedirs(args.out, exist_ok=True)
+    R = U.Run("reproduce_sparse_switch", args, dict(ns=ns, densities=densities, numel=numel, overlap=args.overlap,
+                                                  netbed_gbps=args.netbed, repeats=args.repeats))
+    out = str(R.out)
     t0 = time.perf_counter()
     if args.netbed is not None:
-        rows = e4_netbed(args.netbed, numel, densities, args.repeats)
-        with open(os.path.join(args.out, f"sparse_switch_netbed_{args.netbed:g}gbps.csv"), "w", newline="") as fh:
+        rows = e4_netbed(args.netbed, numel, densities, args.repeats, progress=R.progress)
+        with open(os.path.join(out, f"sparse_switch_netbed_{args.netbed:g}gbps.csv"), "w", newline="") as fh:
             w = csv.DictWriter(fh, fieldnames=list(rows[0]))
             w.writeheader()
             w.writerows(rows)
         print(f"total {time.perf_counter() - t0:.0f} s")
+        R.finish({"E4": rows})
         return {"E4": rows}
-    points = e1(ns, densities, numel, args.overlap)
+    points = e1(ns, densities, numel, args.overlap, progress=R.progress)
     summary(points, ns, densities)
     pool_points, small = [], []
     if not args.skip_extra:
-        pool_points = e2([4, 16, 64] if args.quick else [4, 8, 16, 32, 64, 128, 256], numel)
-        small = e3([256, 4096] if args.quick else [256, 1024, 4096, 16384, 65536, 262144])
+        pool_points = e2([4, 16, 64] if args.quick else [4, 8, 16, 32, 64, 128, 256], numel, progress=R.progress)
+        small = e3([256, 4096] if args.quick else [256, 1024, 4096, 16384, 65536, 262144], progress=R.progress)
     tag = "" if numel == NUMEL else f"_{numel}"
-    with open(os.path.join(args.out, f"sparse_switch_{args.overlap}{tag}.csv"), "w", newline="") as fh:
+    with open(os.path.join(out, f"sparse_switch_{args.overlap}{tag}.csv"), "w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(["experiment", "n", "density", "numel", "pool", "overlap", "union_density", *TRANSPORTS,
                     "form_us", "expected_us", "sparse_bytes", "ideal_bytes"])
@@ -391,9 +397,11 @@ def main(argv=None) -> dict:
                 w.writerow([name, p.n, p.density, p.numel, p.pool, p.overlap, p.union_density,
                             *(p.times_us.get(t, float("nan")) for t in TRANSPORTS), p.form_us, p.expected_us,
                             p.sparse_bytes, p.ideal_bytes])
-    for f in plot(points, pool_points, args.out, ns, densities):
+    for f in plot(points, pool_points, out, ns, densities):
         print("wrote", f)
     print(f"total {time.perf_counter() - t0:.0f} s")
+    R.finish({"E1": [asdict(p) for p in points], "E2": [asdict(p) for p in pool_points],
+              "E3": [asdict(p) for p in small]})
     return {"E1": points, "E2": pool_points, "E3": small}
 
 

@@ -23,8 +23,9 @@ from __future__ import annotations
 import torch
 
 import sparsecomm as sc
-from experiments import reproduce_utils as U
-from theory.costs import ring_allreduce, switchml_allreduce, switchml_lossy_time, switchml_throughput
+from sparsecomm.theory.costs import ring_allreduce, switchml_allreduce, switchml_lossy_time, switchml_throughput
+
+from .common import reproduce as U
 
 
 def _run(transport: str, n: int, numel: int, net: sc.Network, seed: int, **kw) -> dict:
@@ -51,7 +52,7 @@ def e1_workers(args, R, net_kw) -> dict:
     rows = []
     print(f"\nE1: all-reduce of {numel * 4 / 2**20:.2f} MiB float32, switch (pool 64, 256-element packets) vs ring")
     print(f"{'n':>3} {'switch sim us':>14} {'model':>9} {'ring sim us':>12} {'model':>9} {'ring/switch':>12}")
-    for n in ns:
+    for n in R.progress(ns, desc="workers"):
         s = _run("switch", n, numel, sc.Network(**net_kw), args.seed, **sw)
         r = _run("ring", n, numel, sc.Network(**net_kw), args.seed)
         sm = switchml_allreduce(n, numel * 4, **sw, **net_kw).time_s
@@ -87,7 +88,7 @@ def e2_pool(args, R, net_kw) -> dict:
     print(f"\nE2: n={n}, {numel * 4 / 2**20:.2f} MiB, 64-element packets; RTT {rtt * 1e6:.2f} us, "
           f"bandwidth-delay product = {bdp:.0f} slots of 256 B")
     print(f"{'pool':>5} {'sim us':>10} {'model us':>10} {'goodput Gb/s':>13} {'model':>8} {'steady model':>13}")
-    for pool in pools:
+    for pool in R.progress(pools, desc="pool sizes"):
         s = _run("switch", n, numel, sc.Network(**net_kw), args.seed, pool_size=pool)
         m = switchml_allreduce(n, numel * 4, pool_size=pool, **net_kw).time_s
         steady = switchml_throughput(pool_size=pool, **net_kw) * 8 / 1e9
@@ -120,7 +121,7 @@ def e3_loss(args, R, net_kw) -> dict:
     print(f"\nE3: n={n}, {numel * 4 / 2**20:.2f} MiB, pool {pool}, loss on every link both ways, "
           f"mean over {len(seeds)} loss seed(s)")
     print(f"{'timeout':>8} {'loss':>7} {'sim us':>10} {'goodput Gb/s':>13} {'model Gb/s':>11} {'retx':>6} {'exact':>6}")
-    for to in timeouts:
+    for to in R.progress(timeouts, desc="timeouts"):
         for loss in losses:
             times, retx, same = [], 0, True
             for sd in seeds:

@@ -1,7 +1,10 @@
 """The same pipeline as a DDP communication hook, so compressors run under stock DistributedDataParallel.
 
->>> state = sc.ddp.CommHookState(compressor="topk", method="ef", ratio=0.01)       # doctest: +SKIP
->>> ddp_model.register_comm_hook(state, sc.ddp.comm_hook)                           # doctest: +SKIP
+DDP needs a torch.distributed process group, which the ``sim`` backend does not have, so this example
+is not a doctest; ``tests/test_ddp.py`` runs it on gloo processes::
+
+    state = sc.ddp.CommHookState(compressor="topk", method="ef", ratio=0.01)
+    ddp_model.register_comm_hook(state, sc.ddp.comm_hook)       # or: state = sc.ddp.register(ddp_model, ...)
 
 ``comm_hook(state, bucket) -> Future[Tensor]`` has the signature ``register_comm_hook`` expects. DDP
 hands the hook each bucket's *local* gradients, flat and not divided by the world size; the hook

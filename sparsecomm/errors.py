@@ -1,7 +1,11 @@
-"""Exceptions shared by every layer.
+"""Exceptions shared by every layer: every error class of the library is defined here.
 
 Every error the library raises on bad input derives from :class:`SparseCommError`, so a caller (or a
-launcher collecting failures from many ranks) can tell a user mistake from a bug.
+launcher collecting failures from many ranks) can tell a user mistake from a bug. Each class also derives
+from the builtin a caller would catch without knowing the library (``ValueError``, ``TypeError``,
+``KeyError``, ...), so ``except ValueError`` keeps working. Never raise a bare ``ValueError`` or
+``TypeError`` from the library: :class:`InvalidValueError` and :class:`InvalidTypeError` are the general
+cases (``tests/test_errors.py`` fails on a new bare one).
 """
 
 from __future__ import annotations
@@ -46,6 +50,33 @@ class MalformedMessage(SparseCommError, ValueError):
     """A message that is not a valid message of the protocol: a bad magic number, version or checksum,
     or a size, count or code outside what the receiving rank allows (its world size, its own tensor,
     the protocol's limits). Raised before anything is allocated or looped over from that message."""
+
+
+class InvalidValueError(SparseCommError, ValueError):
+    """An argument with the right type but a value the function does not accept (the message names the
+    argument, the value and what is valid)."""
+
+
+class InvalidTypeError(SparseCommError, TypeError):
+    """An argument of a type the function does not accept (the message names the accepted types)."""
+
+
+class HyperParameterError(SparseCommError, TypeError):
+    """A keyword argument that the component it was passed to does not take."""
+
+
+class ConfigError(SparseCommError, ValueError):
+    """A configuration that cannot run: an algorithm's hyper-parameter (step size, probability, worker
+    count, block layout) or an experiment's settings (the message says why and what is valid)."""
+
+
+class ProtocolError(SparseCommError, RuntimeError):
+    """A message or state the protocol cannot have produced: an internal invariant of a stream broke, or
+    a packet was forged or corrupted on the way."""
+
+
+class NetbedError(SparseCommError, RuntimeError):
+    """The netbed cannot be set up (missing privilege, tool or kernel feature) or was misused."""
 
 
 #: the error classes a rank may name when it reports a failure to the others (through the rendezvous

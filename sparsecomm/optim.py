@@ -1,12 +1,20 @@
 """DistributedOptimizer: buckets -> method -> transport -> averaged gradient -> inner step.
 
->>> def fn(ctx):                                                     # doctest: +SKIP
-...     model = make_model()
+>>> import torch
+>>> import sparsecomm as sc
+>>> def fn(ctx):
+...     with ctx.seeded(0):                                    # the same initial weights on every rank
+...         model = torch.nn.Linear(8, 1)
 ...     opt = sc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-...                                   compressor="diana", transport="omnireduce", ratio=0.01)
-...     for x, y in data(ctx.rank):
-...         opt.zero_grad(); loss_fn(model(x), y).backward(); opt.step()
->>> sc.launch(fn, world_size=4, backend="sim")                      # doctest: +SKIP
+...                                   compressor="diana", transport="omnireduce", ratio=0.25)
+...     g = torch.Generator().manual_seed(ctx.rank)            # each worker its own data
+...     for _ in range(2):
+...         x = torch.randn(16, 8, generator=g)
+...         opt.zero_grad(); torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True)).backward(); opt.step()
+...     return model.weight.detach().clone()
+>>> w = sc.launch(fn, world_size=2, backend="sim")
+>>> all(torch.equal(w[0], wr) for wr in w)                   # every worker applied the same update
+True
 
 **Wrapping.** As Horovod does, ``DistributedOptimizer(inner, ...)`` returns an instance of a dynamic
 subclass of ``type(inner)`` (and of :class:`DistributedOptimizer`) that *shares* the inner optimizer's

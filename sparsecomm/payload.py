@@ -1,6 +1,6 @@
 """What a compressor produces and a transport carries.
 
-A payload's *kind* decides which transports can sum it (DESIGN.md, "Payload kinds"):
+A payload's *kind* decides which transports can sum it (the README's table of kinds x transports):
 
 ``dense``
     ``values`` is the whole flat tensor (possibly in a narrower float dtype, possibly with zero blocks).

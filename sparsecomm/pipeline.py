@@ -100,11 +100,8 @@ def default_fabric() -> Fabric:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        try:
-            from .fabric.torch_fabric import TorchFabric
-        except ModuleNotFoundError as e:  # pragma: no cover - until TorchFabric lands
-            raise SparseCommError("torch.distributed is initialised but sparsecomm.fabric.torch_fabric "
-                                  "is not available; pass fabric=") from e
+        from .fabric.torch_fabric import TorchFabric
+
         return TorchFabric()
     raise SparseCommError("no fabric: call this inside sc.launch(fn, ...), pass fabric=, or initialise "
                           "torch.distributed first")

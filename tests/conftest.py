@@ -16,7 +16,7 @@ def one_torch_thread():
     torch.set_num_threads(old)
 
 
-# ------------------------------------------------------------------ kernel paths (issue #15 item 9)
+# ------------------------------------------------------------------ kernel paths
 #: the two implementations of every codec kernel and operator (sparsecomm.kernels): the Numba kernels that
 #: CPU users run and the torch ops that CUDA (and non-contiguous / half-precision) users run
 KERNEL_PATHS = ("numba", "torch")

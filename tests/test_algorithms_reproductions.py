@@ -21,7 +21,7 @@ def test_help(name, capsys):
 
 
 def test_fit_rate_recovers_a_geometric_sequence():
-    from experiments.reproduce_utils import fit_rate
+    from experiments.common.reproduce import fit_rate
 
     its = list(range(0, 200, 7))
     assert fit_rate([3.0 * 0.97 ** i for i in its], its) == pytest.approx(0.97, rel=1e-12)

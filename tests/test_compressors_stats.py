@@ -183,7 +183,7 @@ def test_quantisers_unbucketed_path_separate_calls(case):
 
 
 def test_tight_values_match_the_reference_table():
-    """theory.md §2.4 (d = 100, k = 10, s = 4): TernGrad 4.497 vs 4.5, C_nat 0.1252 vs 0.125."""
+    """Reference values (d = 100, k = 10, s = 4): TernGrad 4.497 vs 4.5, C_nat 0.1252 vs 0.125."""
     xs = inputs()
     zbar, v, omega = check("terngrad", {}, xs["terngrad_worst"], 40_000, seed=7, batched=True, tight=True)
     assert omega == 4.5 and abs(zbar - 4.5) < 0.05
@@ -204,7 +204,7 @@ def test_randk_variance_equals_omega_for_every_x(k):
 
 
 def test_compose_randk_natural():
-    """theory.md §2.4: C_nat o rand-k estimate 10.22 vs bound 10.25 at d = 100, k = 10."""
+    """Reference values: C_nat o rand-k estimate 10.22 vs bound 10.25 at d = 100, k = 10."""
     xs = inputs()
     xs["attains"] = torch.full((D,), 4.0 / 30.0, dtype=torch.float64)  # (d/k) x = 4/3: bound attained
     for i, label in enumerate(("gauss", "attains", "spike")):

@@ -89,7 +89,7 @@ def test_natural_dithering_omega_bounds_the_exact_variance(d, s, p):
     assert worst <= th.natural_dithering_omega(d, s, p) + 1e-12
 
 
-def test_reference_values_of_theory_md():
+def test_reference_values():
     d, k, s = 100, 10, 4
     assert th.randk_omega(d, k) == 9
     assert th.qsgd_omega(d, s) == 2.5

@@ -76,7 +76,7 @@ def test_hook_equals_builtin_allreduce_gloo():
     assert any(not torch.allclose(a, b, atol=1e-6) for a, b in zip(res[0]["ef"], res[0]["hook"]))
 
 
-# ------------------------------------------------------------------ overlap, resume, sparse (issue #17)
+# ------------------------------------------------------------------ overlap, resume, sparse
 class Deep(nn.Module):
     """Six 32x32 layers: DDP's first-iteration layout (one bucket) differs from the rebuilt one."""
 

@@ -1,4 +1,4 @@
-"""A method's checkpoint carries its compressor's own generators (issue #15 item 8).
+"""A method's checkpoint carries its compressor's own generators.
 
 A compressor built with ``seed=`` and called without a generator draws from a generator of its own
 (sparsecomm/compressors/_common.py); that generator is part of the run's state. Resuming from

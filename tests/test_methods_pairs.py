@@ -1,4 +1,4 @@
-"""The methods of issue #18 by name: accepted by the optimizer's builders, and carried by exactly the
+"""The methods that bring their own operator, by name: accepted by the optimizer's builders, and carried by exactly the
 transports of the README's table (every rank gets the same estimate)."""
 
 from __future__ import annotations

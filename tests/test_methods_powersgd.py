@@ -221,7 +221,7 @@ def _parity_worker(ctx):
         matrix_approximation_rank=32, min_compression_rate=0), ctx.rank, STEPS)[0]
     out["ours_full"] = _train(scddp.comm_hook, lambda: scddp.CommHookState(
         compressor="powersgd", rank=32, min_compression_rate=0, warmup_steps=WARM), ctx.rank, STEPS)[0]
-    # the other methods of issue #18 under the DDP hook (20 steps each); the sign methods take steps
+    # the other methods with their own operator under the DDP hook (20 steps each); the sign methods take steps
     # of lr per coordinate, signum and dgc carry their own momentum
     for name, kw, lr, mom in (("signsgd", {"transport": "native"}, 0.01, 0.9),
                               ("signum", {"transport": "native"}, 0.01, 0.0),

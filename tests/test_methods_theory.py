@@ -1,4 +1,4 @@
-"""The closed forms of theory/compressors.py that the methods of issue #18 read."""
+"""The closed forms of theory/compressors.py that the methods bringing their own operator read."""
 
 from __future__ import annotations
 

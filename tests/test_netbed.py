@@ -78,7 +78,7 @@ def test_without_privileges_one_clear_error():
                           env={**os.environ, "PYTHONPATH": ROOT})
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("sparsecomm.netbed.topology.NetbedError") and "CAP_NET_ADMIN" in last, proc.stderr
+    assert last.startswith("sparsecomm.errors.NetbedError") and "CAP_NET_ADMIN" in last, proc.stderr
 
 
 # ----------------------------------------------------------------------------- honesty of the emulation

@@ -344,29 +344,93 @@ def test_service_spec_round_trip():
     assert callable(services.resolve("switch:elems=256"))
 
 
-def test_burst_processing_equals_packet_by_packet():
+class _Reference:
+    """The switch program of the dataplane's docstring, packet by packet in plain Python (the model the
+    compiled program must equal): registers, replies, counters."""
+
+    def __init__(self, cfg: SwitchConfig, world: int) -> None:
+        self.values = np.zeros((cfg.slots, 2, cfg.elems), dtype=np.int64)
+        self.seen = np.zeros((cfg.slots, 2), dtype=np.int64)
+        self.count = np.zeros((cfg.slots, 2), dtype=np.int64)
+        self.exponent = np.zeros((cfg.slots, 2), dtype=np.int64)
+        self.world, self.slots, self.stats = world, cfg.slots, {}
+
+    def _bump(self, key):
+        self.stats[key] = self.stats.get(key, 0) + 1
+
+    def process(self, rows):
+        mc, uc = [], []
+        for row in rows.tolist():
+            if row[0] != 1:
+                continue
+            self._bump("packets")
+            slot, v, w, n, e = row[1], row[2], row[3], row[6], row[7]
+            if not (0 <= slot < self.slots and v in (0, 1) and 0 <= w < n <= 32 and n == self.world):
+                self._bump("malformed")
+                continue
+            before = int(self.seen[slot, v])
+            self.seen[slot, v] = before | (1 << w)
+            self.seen[slot, 1 - v] &= ~(1 << w)
+            e = (e + 128) % 256 - 128                       # the int8 register
+            if not before & (1 << w):
+                vec = np.array(row[HEADER:], dtype=np.int64)
+                if before == 0:
+                    self.values[slot, v], self.exponent[slot, v], self.count[slot, v] = vec, e, n - 1
+                else:
+                    total = self.values[slot, v] + vec
+                    if (total > INT32_MAX).any() or (total < -INT32_MAX - 1).any():
+                        self._bump("overflow")
+                    self.values[slot, v] = (total + 2**31) % 2**32 - 2**31     # int32 wrap-around
+                    self.exponent[slot, v] = max(self.exponent[slot, v], e)
+                    self.count[slot, v] -= 1
+                self._bump("consumed")
+                if self.count[slot, v] == 0:
+                    self._bump("multicast")
+                    mc.append([2] + row[1:7] + [int(self.exponent[slot, v])] + self.values[slot, v].tolist())
+            elif self.count[slot, v] == 0:
+                self._bump("retransmit")
+                uc.append([3] + row[1:7] + [int(self.exponent[slot, v])] + self.values[slot, v].tolist())
+            else:
+                self._bump("dropped")
+        return mc, uc
+
+
+def test_compiled_program_equals_the_reference_packet_by_packet():
+    """Random bursts -- distinct and repeated slots, duplicates, forged worker counts, wrap-around sums,
+    exponents beyond int8 -- give the same replies, registers and counters as the plain-Python model."""
     rng = np.random.default_rng(0)
     cfg = SwitchConfig(slots=6, audit=True)
-    a, b = Dataplane(cfg), Dataplane(cfg)
+    dp, ref = Dataplane(cfg), _Reference(cfg, world=3)
+    dp.world = 3
     width = HEADER + 64
-    n = 3
     for step in range(300):
-        w = int(rng.integers(n))
-        k = int(rng.integers(2, 6))
+        k = int(rng.integers(1, 6))
         rows = np.zeros((k, width), dtype=np.int32)
-        rows[:, 0] = 1
-        if step % 3:                                           # distinct slots: the vectorised path
-            rows[:, 1], rows[:, 2] = rng.choice(6, size=k, replace=False), rng.integers(2, size=k)
-        else:                                                  # anything: the packet-by-packet path
-            rows[:, 1], rows[:, 2] = rng.integers(6, size=k), rng.integers(2, size=k)
-        rows[:, 3], rows[:, 4], rows[:, 5], rows[:, 6] = w, step, 1, n
-        rows[:, 7] = rng.integers(-20, 20, size=k)
-        rows[:, HEADER:] = rng.integers(-1000, 1000, size=(k, 64))
-        got = a.process(rows)
-        want = b._process_rows(rows)
+        rows[:, 0] = rng.choice([0, 1, 1, 1, 2], size=k)
+        rows[:, 1], rows[:, 2] = rng.integers(-1, 7, size=k), rng.integers(0, 3, size=k)
+        rows[:, 3], rows[:, 4], rows[:, 5] = rng.integers(0, 3, size=k), step, 1
+        rows[:, 6] = rng.choice([3, 3, 3, 32], size=k)
+        rows[:, 7] = rng.integers(-300, 300, size=k)
+        big = step % 7 == 0
+        rows[:, HEADER:] = rng.integers(-2**31 if big else -1000, 2**31 - 1 if big else 1000, size=(k, 64))
+        got = dp.process(rows)
+        want = ref.process(rows)
         for x, y in zip(got, want):
-            assert len(x) == len(y) and all((p == q).all() for p, q in zip(x, y))
-            assert x.shape[1:] == (width,)
-    for name in ("values", "seen", "count", "exponent"):
-        assert np.array_equal(getattr(a, name), getattr(b, name)), name
-    assert a.stats == b.stats and a.audit == b.audit and a.stats["multicast"] > 10
+            assert x.shape == (len(y), width) and x.tolist() == y
+    assert np.array_equal(dp.values, ref.values) and np.array_equal(dp.exponent, ref.exponent)
+    assert np.array_equal(dp.seen.astype(np.int64), ref.seen) and np.array_equal(dp.count, ref.count)
+    assert dict(dp.stats) == ref.stats and ref.stats["multicast"] > 10 and ref.stats["overflow"] > 0
+    assert ref.stats["malformed"] > 10 and ref.stats["dropped"] > 10 and ref.stats["retransmit"] > 10
+    assert sum(dp.audit.values()) == ref.stats["consumed"]
+
+
+def test_in_place_gives_the_same_bits_into_the_input():
+    def fn(ctx):
+        x = _data(ctx.rank, 64 * 9 + 5)
+        ref = sc.transports.get("switch", ctx.fabric, pool_size=4).allreduce(x.clone())
+        y = x.clone()
+        out = sc.transports.get("switch", ctx.fabric, pool_size=4, inplace=True).allreduce(y)
+        return ref, out, y
+
+    for ref, out, y in sc.launch(fn, 3):
+        assert torch.equal(ref, out) and torch.equal(y, ref) and out.data_ptr() == y.data_ptr()

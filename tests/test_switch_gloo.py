@@ -26,7 +26,11 @@ def _jobs(ctx):
         err = None
     except NonFiniteError as e:
         err = str(e)
-    return out, ints, err, t.allreduce(torch.ones(5))
+    # a retransmission timer on a real fabric: the inbox's receives are waited for by polling, so that a
+    # wait that times out leaves them this worker's (and the two transports share the switch's inbox)
+    timed = sc.transports.get("switch", ctx.fabric, pool_size=16, timeout=0.5)
+    y = timed.allreduce(torch.arange(4000, dtype=torch.float32) * (ctx.rank + 1))
+    return out, ints, err, t.allreduce(torch.ones(5)), y
 
 
 def test_switch_over_gloo_consecutive_jobs_and_clean_shutdown():
@@ -40,6 +44,7 @@ def test_switch_over_gloo_consecutive_jobs_and_clean_shutdown():
         assert torch.equal(r[1], torch.arange(100, dtype=torch.int32) * 3)
         assert r[2] is not None and "NaN" in r[2]
         assert torch.equal(r[3], torch.full((5,), 2.0))
+        assert torch.allclose(r[4], torch.arange(4000, dtype=torch.float32) * 3, rtol=1e-6)
 
 
 def _program(ctx):

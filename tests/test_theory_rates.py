@@ -75,7 +75,7 @@ def test_other_steps_worked_numbers():
     # EF21 under PL, delta = 0.36: min{1/(1 + 2 sqrt(32)), 0.2/(2 mu)}
     assert rates.ef21_pl(1.0, 2.0, 0.36, 1e-3) == pytest.approx(1 / (1 + 8 * math.sqrt(2)), rel=1e-13)
     assert rates.ef21_pl(1.0, 2.0, 0.36, 10.0) == pytest.approx(0.01, rel=1e-13)
-    # theory.md §3.6 sanity value: sqrt(beta/theta) = 18.487 at delta = 0.1
+    # the EF21 paper's sanity value: sqrt(beta/theta) = 18.487 at delta = 0.1
     t, b = rates.ef21_theta_beta(0.1)
     assert math.sqrt(b / t) == pytest.approx(18.487, abs=5e-4)
     # MARINA: L = L_tilde = 1, omega = 8, n = 4, p = 1/9: (1-p)/p * omega/n = 16, gamma = 1/(1 + 4) = 0.2

@@ -1,4 +1,4 @@
-"""Training the way DDP/Horovod users do (issue #17), on simulated workers: the asynchronous transport API,
+"""Training the way DDP/Horovod users do on simulated workers: the asynchronous transport API,
 overlap in DistributedOptimizer (bit-identical to the synchronous path), sparse gradients end to end,
 replica consistency, per-worker rand-k, non-finite gradients, warnings for unguaranteed pairs."""
 

@@ -1,4 +1,4 @@
-"""Bytes on the wire are the bytes declared (issue 18, parts 1 and 3).
+"""Bytes on the wire are the bytes declared.
 
 - ``codec.bits``: bit-exact round trips of k-bit codes, signs and natural sign + exponent, against a
   torch reference of the layout, over lengths that are odd and not multiples of 8 or 64 (hypothesis);

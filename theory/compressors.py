@@ -1,13 +1,13 @@
 """Closed-form constants of the compression operators (the single source; operators read them here).
 
-Classes (``theory.md`` §1): ``C`` is in **U(omega)** when ``E C(x) = x`` and
+Classes: ``C`` is in **U(omega)** when ``E C(x) = x`` and
 ``E||C(x) - x||^2 <= omega ||x||^2``; it is in **B(delta)** (contractive) when
 ``E||C(x) - x||^2 <= (1 - delta) ||x||^2`` with ``0 < delta <= 1``.
 
 Every function is plain Python on integers/floats. Each docstring gives the formula, where it comes
-from (paper, or "derived" with the one-line derivation), and whether the bound is tight. Lines of
-``/work/shared/reference/theory.md`` marked "(unverified)" were re-derived before use; see
-``natural_dithering_omega`` and ``qsgd_code_bits`` for the two places where the reference was
+from (paper, or "derived" with the one-line derivation), and whether the bound is tight. Constants that
+the literature states without proof or inconsistently were re-derived here; see
+``natural_dithering_omega`` and ``qsgd_code_bits`` for the two places where a published value was
 refined.
 
 Wire encodings (the ``bits`` functions; ``value_bits`` is the width of one float value on the wire,
@@ -255,7 +255,7 @@ def dense_bits(d: int, value_bits: int = 32) -> int:
 
 
 def randk_bits(d: int, k: int, value_bits: int = 32) -> int:
-    """Shared-seed rand-k: k values; indices are regenerated from the seed (theory.md §2.3)."""
+    """Shared-seed rand-k: k values; indices are regenerated from the seed."""
     return value_bits * k
 
 
@@ -265,7 +265,7 @@ def sparse_bits(d: int, k: int, value_bits: int = 32) -> int:
 
 
 def topk_bits(d: int, k: int, value_bits: int = 32) -> int:
-    """Top-k: ``sparse_bits(d, k)`` (theory.md §2.3: 32k + indices)."""
+    """Top-k: ``sparse_bits(d, k)`` (32k + indices)."""
     return sparse_bits(d, k, value_bits)
 
 
@@ -275,8 +275,8 @@ def quantized_bits(d: int, code_bits: int, buckets: int, scale_bits: int = 32) -
 
 
 def qsgd_code_bits(s: int) -> int:
-    """Sign + level in {0..s}: 1 + ceil(log2(s+1)) bits. (theory.md §2.3 quotes 1 + ceil(log2 s) from
-    flpytorch, which cannot represent level s when s is a power of two, e.g. s = 1.)"""
+    """Sign + level in {0..s}: 1 + ceil(log2(s+1)) bits. (flpytorch uses 1 + ceil(log2 s),
+    which cannot represent level s when s is a power of two, e.g. s = 1.)"""
     return 1 + math.ceil(math.log2(s + 1))
 
 
@@ -286,7 +286,7 @@ def qsgd_bits(d: int, s: int, bucket_size: int | None = None, scale_bits: int = 
 
 
 def natural_bits(d: int, exponent_bits: int = 8) -> int:
-    """Natural compression: sign + exponent per entry, 9 bits for float32 (NC paper, theory.md §2.3)."""
+    """Natural compression: sign + exponent per entry, 9 bits for float32 (NC paper)."""
     return (1 + exponent_bits) * max(d, 0)
 
 
@@ -305,7 +305,7 @@ def sign_bits(d: int, scale_bits: int = 32) -> int:
     return d + scale_bits if d > 0 else 0
 
 
-# ------------------------------------------------------------------ the methods of issue #18 (part 2)
+# ------------------------------------- the methods that bring their own operator (PowerSGD, DGC, signs)
 def powersgd_matrix(shape) -> tuple[int, int]:
     """The matrix PowerSGD compresses a tensor as: ``(shape[0], numel/shape[0])`` (a scalar: (1, 1)),
     as torch's ``powerSGD_hook`` views each gradient (Vogels, Karimireddy, Jaggi, "PowerSGD:

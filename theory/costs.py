@@ -19,10 +19,15 @@ This is a flat module of plain functions; each transport's model sits in its own
 formula and paper in the docstring.
 """
 
+# Longer than 400 lines because every transport's model is one section of a single table (``MODELS``):
+# they share ``link``, ``handshake`` and ``Cost``, and are read and compared side by side.
+
 from __future__ import annotations
 
 import math
 from typing import NamedTuple
+
+from sparsecomm.errors import InvalidValueError
 
 
 class Cost(NamedTuple):
@@ -41,7 +46,7 @@ ZERO = Cost(0.0, 0.0, 0.0, 0.0, 0)
 def link(bandwidth_gbps: float = 100.0, latency_us: float = 2.0) -> tuple[float, float]:
     """``(B, alpha)``: bytes per second and seconds per message of a NIC."""
     if bandwidth_gbps <= 0 or latency_us < 0:
-        raise ValueError("bandwidth must be positive and latency non-negative")
+        raise InvalidValueError("bandwidth must be positive and latency non-negative")
     return bandwidth_gbps * 1e9 / 8, latency_us * 1e-6
 
 
@@ -151,12 +156,15 @@ def allgather(n: int, payload_bytes: float, *, tensors: int = 1, bandwidth_gbps:
 
 # ----------------------------------------------------------------------------- SwitchML (switch)
 SWITCHML_HEADER_BYTES = 8 * 4      # int32 header of every packet (sparsecomm/transports/switch_dataplane.py)
+#: the switch workers' agreement header fields (switch rank, slot_elems, burst, pool_size: sparsecomm/transports/switch.py)
+SWITCHML_HANDSHAKE_FIELDS = 4
 
 
 def switchml_allreduce(n: int, nbytes: int, *, elem_size: int = 4, pool_size: int = 256, slot_elems: int = 64,
                        fp32: bool = True, bandwidth_gbps: float = 100.0, latency_us: float = 2.0,
                        switch_bandwidth_gbps: float | None = None, switch_latency_us: float | None = None,
-                       header_bytes: int = SWITCHML_HEADER_BYTES) -> Cost:
+                       header_bytes: int = SWITCHML_HEADER_BYTES,
+                       handshake_fields: int = SWITCHML_HANDSHAKE_FIELDS) -> Cost:
     """SwitchML in-network aggregation (Sapio et al., NSDI'21, arXiv 1903.06701) of ``nbytes`` per worker.
 
     Every worker sends each element once and receives the sum once, whatever ``n`` (<= 32): packets of
@@ -169,7 +177,10 @@ def switchml_allreduce(n: int, nbytes: int, *, elem_size: int = 4, pool_size: in
         T = RTT (control) + max((P-1) tau, floor((P-1)/L) RTT + ((P-1) mod L) tau) + RTT
 
     so the throughput is ``min(line rate, pool_size * slot_bytes / RTT)``: flat in ``n``, rising with the
-    pool until it covers the bandwidth-delay product. Bytes sent = bytes received = ``(1 + P) b``.
+    pool until it covers the bandwidth-delay product. Bytes sent = bytes received = ``(1 + P) b``. Before
+    the control packet the workers exchange the agreement header among themselves (:func:`handshake`, the
+    only term that grows with ``n``: ``ceil(log2 n)`` small messages), so that a worker running another
+    transport is told so instead of waiting for the switch.
     The switch is per-port (one NIC per worker), as SimFabric's ``per_port=True`` models it.
     """
     if n < 1:
@@ -190,7 +201,8 @@ def switchml_allreduce(n: int, nbytes: int, *, elem_size: int = 4, pool_size: in
         t += last + rtt
     moved = (1 + P) * b
     steps = 1 + (math.ceil(P / L) if P else 0)
-    return Cost(t, moved, moved, 1 + P, steps)
+    return add(handshake(n, handshake_fields, bandwidth_gbps=bandwidth_gbps, latency_us=latency_us),
+               Cost(t, moved, moved, 1 + P, steps))
 
 
 def switchml_throughput(*, pool_size: int = 256, slot_elems: int = 64, bandwidth_gbps: float = 100.0,
@@ -370,9 +382,9 @@ def omnireduce_allreduce(n: int, numel: int, *, density: float = 1.0, union_dens
     if n < 1 or numel <= 0:
         return ZERO
     if overlap not in ("random", "full"):
-        raise ValueError(f"overlap must be 'random' or 'full', got {overlap!r}")
+        raise InvalidValueError(f"overlap must be 'random' or 'full', got {overlap!r}")
     if deployment not in ("dedicated", "colocated"):
-        raise ValueError(f"deployment must be 'dedicated' or 'colocated', got {deployment!r}")
+        raise InvalidValueError(f"deployment must be 'dedicated' or 'colocated', got {deployment!r}")
     d = float(density)
     du = (1.0 - (1.0 - d) ** n if overlap == "random" else d) if union_density is None else float(union_density)
     B, alpha = link(bandwidth_gbps, latency_us)
@@ -482,7 +494,7 @@ def sparse_switch_allreduce(n: int, numel: int, *, density: float = 1.0, union_d
     if n < 1 or numel <= 0:
         return ZERO
     if overlap not in ("random", "full"):
-        raise ValueError(f"overlap must be 'random' or 'full', got {overlap!r}")
+        raise InvalidValueError(f"overlap must be 'random' or 'full', got {overlap!r}")
     B, alpha = link(bandwidth_gbps, latency_us)
     Bs, alpha_s = link(switch_bandwidth_gbps if switch_bandwidth_gbps is not None else bandwidth_gbps,
                        switch_latency_us if switch_latency_us is not None else latency_us)
@@ -508,3 +520,15 @@ def sparse_switch_allreduce(n: int, numel: int, *, density: float = 1.0, union_d
     received = b + p_la * b + R * b
     steps = 2 + (int(math.ceil(sum(p for p, _ in shape))) + 1 if R > 0 else 0)
     return Cost(t, sent, received, 1 + p_la + R, steps)
+
+
+#: the cost model of every registered transport, by its registry name (one entry per transport:
+#: ``tests/test_registration.py`` fails for a registered transport without one)
+MODELS = {
+    "ring": ring_allreduce,
+    "native": native_allreduce,
+    "allgather": allgather,
+    "omnireduce": omnireduce_allreduce,
+    "switch": switchml_allreduce,
+    "sparse-switch": sparse_switch_allreduce,
+}

@@ -1,7 +1,7 @@
 """Distributed finite-sum test problems with known constants (float64 throughout).
 
 A :class:`FiniteSumProblem` holds the data of n workers and exposes what the theory of DIANA, EF21,
-MARINA and friends needs (theory.md §1):
+MARINA and friends needs:
 
 - local functions f_i(x) = (1/N_i) sum_j loss(a_ij, b_ij; x) + (lam/2)||x||^2 + nc_lam sum_l x_l^2/(1+x_l^2),
   f = (1/n) sum_i f_i (every worker weighs equally, whatever its N_i);
@@ -18,7 +18,7 @@ Losses
 ------
 ``logistic``: loss = log(1 + exp(-b a^T x)) with b in {-1, +1}. Since sigma'(t) <= 1/4 with equality at
 t = 0, the Hessian of f_i is at most A_i^T A_i/(4 N_i) + lam I (+ 2 nc_lam I), attained at x = 0, so
-``L_i = lambda_max(A_i^T A_i)/(4 N_i) + lam + 2 nc_lam`` is exact (theory.md §3.8 "Logistic smoothness",
+``L_i = lambda_max(A_i^T A_i)/(4 N_i) + lam + 2 nc_lam`` is exact (as in the
 EF21 code ``L_i = lambda_max(A_i^T A_i/(4N_i) + 2 lam I)`` with their regulariser). ``mu = lam`` is the
 global strong-convexity constant (the local curvature at x*, ``mu_local``, is larger).
 
@@ -36,18 +36,21 @@ Data
 ``diabetes`` (442 x 10, regression); features standardised (zero mean, unit variance), optional bias
 column. ``synthetic_*`` builders give a chosen condition number.
 
-Splits (theory.md §4.1, RR code ``data_preprocessing.py``): ``"iid"`` (random permutation) or
+Splits (, RR code ``data_preprocessing.py``): ``"iid"`` (random permutation) or
 ``"label"`` (heterogeneous: rows sorted by label/target, stable, cut into contiguous chunks); equal chunks
 of N // n rows, the remainder to the last worker.
 
 Example
 -------
->>> from theory import problems
+>>> from sparsecomm.theory import problems
 >>> p = problems.logistic("breast_cancer", n_workers=10, split="label", lam=1e-2)
 >>> G = p.grads(p.x_star)                 # (10, 30): heterogeneous, so the rows are not 0 ...
 >>> float(G.mean(0).norm()) < 1e-10       # ... but their mean (grad f(x*)) is
 True
 """
+
+# Longer than 400 lines because the problems share one machinery (datasets, splits, the exact L_i, mu
+# and x* of every loss), which a split would have to import back from each piece.
 
 from __future__ import annotations
 
@@ -56,6 +59,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from sparsecomm.errors import InvalidValueError
 
 DTYPE = torch.float64
 DATASETS = ("breast_cancer", "digits", "wine", "diabetes")
@@ -85,7 +90,7 @@ def load_dataset(name: str, *, bias: bool = False) -> tuple[np.ndarray, np.ndarr
         X, t = skd.load_diabetes(return_X_y=True)
         y = (t - t.mean()) / t.std()
     else:
-        raise ValueError(f"unknown dataset {name!r}; valid names: {', '.join(DATASETS)}")
+        raise InvalidValueError(f"unknown dataset {name!r}; valid names: {', '.join(DATASETS)}")
     return standardise(np.asarray(X, dtype=np.float64), bias=bias), np.asarray(y, dtype=np.float64)
 
 
@@ -104,13 +109,13 @@ def split_rows(y: np.ndarray, n_workers: int, split: str = "iid", seed: int = 0)
     of a random permutation (``"iid"``) or of the rows stably sorted by label (``"label"``)."""
     N = len(y)
     if not 1 <= n_workers <= N:
-        raise ValueError(f"need 1 <= n_workers <= number of rows ({N}), got {n_workers}")
+        raise InvalidValueError(f"need 1 <= n_workers <= number of rows ({N}), got {n_workers}")
     if split == "iid":
         order = np.random.default_rng(seed).permutation(N)
     elif split == "label":
         order = np.argsort(y, kind="stable")
     else:
-        raise ValueError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
+        raise InvalidValueError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
     size = N // n_workers
     return [order[i * size:(i + 1) * size] if i < n_workers - 1 else order[i * size:]
             for i in range(n_workers)]
@@ -138,9 +143,9 @@ class FiniteSumProblem:
 
     def __post_init__(self) -> None:
         if self.loss_name not in LOSSES:
-            raise ValueError(f"unknown loss {self.loss_name!r}; valid: {', '.join(LOSSES)}")
+            raise InvalidValueError(f"unknown loss {self.loss_name!r}; valid: {', '.join(LOSSES)}")
         if self.lam < 0 or self.nc_lam < 0:
-            raise ValueError("lam and nc_lam must be >= 0")
+            raise InvalidValueError("lam and nc_lam must be >= 0")
         n = len(self.A_blocks)
         d = self.A_blocks[0].shape[1]
         M = max(a.shape[0] for a in self.A_blocks)
@@ -222,10 +227,10 @@ class FiniteSumProblem:
         x = torch.as_tensor(x, dtype=DTYPE)
         if x.dim() == 1:
             if x.numel() != self.d:
-                raise ValueError(f"x has {x.numel()} entries, the problem has d = {self.d}")
+                raise InvalidValueError(f"x has {x.numel()} entries, the problem has d = {self.d}")
             return x.unsqueeze(0).expand(self.n, -1)
         if x.shape != (self.n, self.d):
-            raise ValueError(f"x must be ({self.d},) or ({self.n}, {self.d}), got {tuple(x.shape)}")
+            raise InvalidValueError(f"x must be ({self.d},) or ({self.n}, {self.d}), got {tuple(x.shape)}")
         return x
 
     def _margins(self, X: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
@@ -358,13 +363,13 @@ def from_arrays(X: np.ndarray, y: np.ndarray, *, loss: str = "logistic", n_worke
     smallest curvature taken into account). Neither: lam = 0 (then mu may be None).
     """
     if lam is not None and kappa is not None:
-        raise ValueError("give lam or kappa, not both")
+        raise InvalidValueError("give lam or kappa, not both")
     parts = split_rows(y, n_workers, split, seed)
     A_blocks = [torch.from_numpy(np.ascontiguousarray(X[p])) for p in parts]
     b_blocks = [torch.from_numpy(np.ascontiguousarray(y[p])) for p in parts]
     if kappa is not None:
         if kappa <= 1:
-            raise ValueError(f"kappa must be > 1, got {kappa}")
+            raise InvalidValueError(f"kappa must be > 1, got {kappa}")
         c = 0.25 if loss == "logistic" else 1.0
         grams = [a.T @ a / a.shape[0] for a in A_blocks]
         ev = torch.linalg.eigvalsh(torch.stack(grams).mean(0))
@@ -372,7 +377,7 @@ def from_arrays(X: np.ndarray, y: np.ndarray, *, loss: str = "logistic", n_worke
         # (L0 + lam) / (m0 + lam) = kappa
         lam = max((L0 - kappa * m0) / (kappa - 1), 0.0)
         if lam == 0.0:
-            raise ValueError(f"the data alone is better conditioned than kappa={kappa}")
+            raise InvalidValueError(f"the data alone is better conditioned than kappa={kappa}")
     return FiniteSumProblem(A_blocks, b_blocks, loss, float(lam or 0.0), float(nc_lam), name)
 
 
@@ -398,7 +403,7 @@ def _spectrum_matrix(N: int, d: int, eig: np.ndarray, rng: np.random.Generator,
                      V: np.ndarray | None = None) -> np.ndarray:
     """An N x d matrix with A^T A / N = V diag(eig) V^T exactly (V random orthogonal unless given)."""
     if N < d:
-        raise ValueError(f"need at least d = {d} rows, got {N}")
+        raise InvalidValueError(f"need at least d = {d} rows, got {N}")
     Q, _ = np.linalg.qr(rng.standard_normal((N, d)))          # Q^T Q = I
     if V is None:
         V, _ = np.linalg.qr(rng.standard_normal((d, d)))

@@ -2,12 +2,12 @@
 
 Plain functions of the problem constants (``theory.problems``: L, L_max, L_tilde, mu) and of the
 compressor constants (omega for unbiased C in U(omega), delta for contractive C in B(delta); read them
-from the compressor: ``c.omega(d)``, ``c.delta(d)``). Notation of theory.md §1: n workers,
+from the compressor: ``c.omega(d)``, ``c.delta(d)``). Notation: n workers,
 kappa = L/mu (``kappa_max`` = L_max/mu where a theorem uses L_max).
 
-Labels as in theory.md: a citation means the formula was checked against the paper or the authors'
-code; **derived** means the one-line derivation is in the docstring. Nothing marked unverified in
-theory.md is used here as a theorem; where no verified constant exists (VR-DIANA's strongly convex step)
+Labels: a citation means the formula was checked against the paper or the authors'
+code; **derived** means the one-line derivation is in the docstring. Nothing unverified is used here as
+a theorem; where no verified constant exists (VR-DIANA's strongly convex step)
 the function says so and exposes the constant as a parameter.
 
 Iteration counts are for a relative accuracy ``eps`` (V^k / V^0 <= eps for a contraction 1 - r per
@@ -17,6 +17,8 @@ iteration: ceil(log(1/eps)/r), using -log(1-r) >= r).
 from __future__ import annotations
 
 import math
+
+from sparsecomm.errors import InvalidValueError
 
 __all__ = [
     "L_tilde", "iterations_for", "dcgd", "dcgd_neighbourhood", "dcgd_iterations",
@@ -29,19 +31,19 @@ __all__ = [
 def _check_pos(**kw: float) -> None:
     for k, v in kw.items():
         if v is None or not v > 0 or not math.isfinite(v):
-            raise ValueError(f"{k} must be a positive finite number, got {v!r}")
+            raise InvalidValueError(f"{k} must be a positive finite number, got {v!r}")
 
 
 def _check_omega(omega: float, n: int) -> None:
     if not (omega >= 0 and math.isfinite(omega)):
-        raise ValueError(f"omega must be finite and >= 0 (an unbiased compressor), got {omega!r}")
+        raise InvalidValueError(f"omega must be finite and >= 0 (an unbiased compressor), got {omega!r}")
     if int(n) != n or n < 1:
-        raise ValueError(f"n must be a positive integer, got {n!r}")
+        raise InvalidValueError(f"n must be a positive integer, got {n!r}")
 
 
 def L_tilde(L_i) -> float:
     """L-tilde = sqrt((1/n) sum_i L_i^2), the quadratic mean of the local smoothness constants
-    (EF21, MARINA: theory.md §1)."""
+    (EF21, MARINA)."""
     vals = [float(v) for v in L_i]
     return math.sqrt(sum(v * v for v in vals) / len(vals))
 
@@ -56,7 +58,7 @@ def iterations_for(rate: float, eps: float) -> int:
 
 # ------------------------------------------------------------------------------------------ DCGD
 def dcgd(L_max: float, omega: float, n: int, L: float | None = None) -> float:
-    """Step size of DCGD (compressed GD without shifts, theory.md §3.1):
+    """Step size of DCGD (compressed GD without shifts):
     gamma = 1 / (L + 2 omega L_max / n)   (L defaults to L_max, giving 1/((1 + 2 omega/n) L_max)).
 
     **Derived**: for independent C_i in U(omega), with g_i = grad f_i(x), g_i* = grad f_i(x*),
@@ -94,7 +96,7 @@ def dcgd_iterations(kappa: float, omega: float, n: int, eps: float) -> int:
 
 # ----------------------------------------------------------------------------------------- DIANA
 def diana(L_max: float, omega: float, n: int, mu: float | None = None) -> tuple[float, float]:
-    """(gamma, alpha) of DIANA, strongly convex, full local gradients (theory.md §3.2):
+    """(gamma, alpha) of DIANA, strongly convex, full local gradients:
 
         alpha = 1/(omega + 1),   gamma = min{ 1/((1 + 6 omega/n) L_max),  alpha/(2 mu) }
 
@@ -125,14 +127,14 @@ def diana_rate(gamma: float, mu: float) -> float:
 def diana_lyapunov_coefficient(omega: float, gamma: float, alpha: float, n: int,
                                n_eff: int | None = None) -> float:
     """The weight 4 omega gamma^2 / (alpha n n_eff) of sum_i ||h_i - grad f_i(x*)||^2 in DIANA's Lyapunov
-    function (arXiv 2206.07021 Thm 2.2; theory.md §3.2), n_eff = n for independent compressors (the
+    function (arXiv 2206.07021 Thm 2.2), n_eff = n for independent compressors (the
     theorem's 4 omega gamma^2/(alpha n^2)).
 
     ``n_eff`` is the n that divides the compression variance of the average: n for independent
     compressors, 1 when every worker uses the same random coordinates (shared seeds). **Derived** (the
     n_eff substitution only): the shifts enter the theorem through sigma^2 = (1/n) sum_i ||h_i - h_i*||^2,
-    weighted M gamma^2 with M = 4 omega/(alpha n) (theory.md §3.2's reading of the unified analysis of arXiv
-    1905.11261, marked unverified there; it reproduces the verified 4 omega gamma^2/(alpha n^2)); the 1/n in
+    weighted M gamma^2 with M = 4 omega/(alpha n) (a reading of the unified analysis of arXiv
+    1905.11261, not checked against its proof; it reproduces the verified 4 omega gamma^2/(alpha n^2)); the 1/n in
     M is the variance of the averaged message, omega/n by independence. With shared coordinates the
     compressor is one linear map for all workers and Jensen gives omega instead, so M = 4 omega/(alpha n_eff)
     and the weight of the *sum* is 4 omega gamma^2/(alpha n n_eff), with the step of :func:`diana` computed
@@ -143,7 +145,7 @@ def diana_lyapunov_coefficient(omega: float, gamma: float, alpha: float, n: int,
     _check_omega(omega, n)
     _check_omega(omega, n_eff)
     if n_eff > n:
-        raise ValueError(f"n_eff must be <= n, got n_eff={n_eff}, n={n}")
+        raise InvalidValueError(f"n_eff must be <= n, got n_eff={n_eff}, n={n}")
     _check_pos(gamma=gamma, alpha=alpha)
     return 4.0 * omega * gamma ** 2 / (alpha * n * n_eff)
 
@@ -168,12 +170,12 @@ def diana_nonconvex(L: float, omega: float, n: int, m: int = 1) -> tuple[float, 
 
     Source: the authors' code ``burlachenkok/marina``, ``linear_model_with_non_convex_loss/
     experiment_vr_all.py`` (the line marked "Th.4", the non-convex theorem of VR-DIANA, arXiv
-    1904.05115); the code uses L = max_i L_i. Very conservative (theory.md §4.2 E3).
+    1904.05115); the code uses L = max_i L_i. Very conservative (see experiments/reproduce_marina.py).
     """
     _check_pos(L=L)
     _check_omega(omega, n)
     if m < 1:
-        raise ValueError(f"m must be >= 1, got {m}")
+        raise InvalidValueError(f"m must be >= 1, got {m}")
     alpha = 1.0 / (1.0 + omega)
     return 1.0 / (10.0 * L * math.sqrt(1.0 + omega / n) * (m ** (2.0 / 3.0) + omega + 1.0)), alpha
 
@@ -189,7 +191,7 @@ def vr_diana(L_sample: float, omega: float, n: int, m: int, c: float = 6.0) -> t
     mini-batches per worker (reference-point refresh probability p = 1/m).
 
     **Not the paper's constant**: the strongly-convex step of arXiv 1904.05115 could not be checked
-    here (theory.md §3.3 marks it unverified and suggests gamma = 1/((1 + c omega/n)L) with a tunable c).
+    here (no verified constant; gamma = 1/((1 + c omega/n)L) with a tunable c is the usual fallback).
     This default combines loopless SVRG's 1/(6L) (Kovalev, Horvath, Richtarik, arXiv 1901.08689) with
     DIANA's (1 + 6 omega/n) factor (:func:`diana`) and is validated only empirically, at this default step
     (tests/test_algorithms_vr_diana.py: linear convergence to x* on a heterogeneous kappa = 2 logistic
@@ -199,7 +201,7 @@ def vr_diana(L_sample: float, omega: float, n: int, m: int, c: float = 6.0) -> t
     _check_pos(L_sample=L_sample, c=c)
     _check_omega(omega, n)
     if m < 1:
-        raise ValueError(f"m must be >= 1, got {m}")
+        raise InvalidValueError(f"m must be >= 1, got {m}")
     return 1.0 / (6.0 * L_sample * (1.0 + c * omega / n)), 1.0 / (omega + 1.0), 1.0 / m
 
 
@@ -215,11 +217,11 @@ def vr_diana_iterations(kappa: float, omega: float, n: int, m: int, eps: float) 
 # ----------------------------------------------------------------------------------- "99%" IS-SGD
 def is_sgd_factor(m: int, tau: int, n: int) -> float:
     """1 + (m/tau - 1)/n = 1 + omega/n for independent rand-tau-of-m block sparsification scaled by m/tau
-    (omega = m/tau - 1, theory.md §2.1 rand-k). The slow-down of IS-SGD over uncompressed GD."""
+    (omega = m/tau - 1, rand-k). The slow-down of IS-SGD over uncompressed GD."""
     if not 1 <= tau <= m:
-        raise ValueError(f"need 1 <= tau <= m, got tau={tau}, m={m}")
+        raise InvalidValueError(f"need 1 <= tau <= m, got tau={tau}, m={m}")
     if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
+        raise InvalidValueError(f"n must be >= 1, got {n}")
     return 1.0 + (m / tau - 1.0) / n
 
 
@@ -240,7 +242,7 @@ def is_sgd(L_max: float, m: int, tau: int, n: int, L: float | None = None) -> fl
 
 def is_sgd_iterations(kappa: float, m: int, tau: int, n: int, eps: float) -> int:
     """The "99%" prediction: kappa (1 + (m/tau - 1)/n) log(1/eps) iterations (kappa = L_max/mu), flat (within
-    a factor 2) for tau >= m/(n+1) ~ m/n and growing like m/(n tau) below (**derived**, theory.md §3.4)."""
+    a factor 2) for tau >= m/(n+1) ~ m/n and growing like m/(n tau) below (**derived**)."""
     _check_pos(kappa=kappa)
     return iterations_for(1.0 / (kappa * is_sgd_factor(m, tau, n)), eps)
 
@@ -250,7 +252,7 @@ def is_optimal_tau(m: int, n: int) -> float:
     ("the optimal number of blocks to be updated by each of n units in every iteration is equal to
     m/n", arXiv 1901.09437 v1 abstract). Exactly, 1 + omega/n = 2 at tau = m/(n + 1)."""
     if m < 1 or n < 1:
-        raise ValueError("m and n must be >= 1")
+        raise InvalidValueError("m and n must be >= 1")
     return m / n
 
 
@@ -264,7 +266,7 @@ def ef21_theta_beta(delta: float) -> tuple[float, float]:
     Note sqrt(beta/theta) = sqrt(1-delta)/(1-sqrt(1-delta)) = (sqrt(1-delta) + 1 - delta)/delta <= 2/delta - 1
     (**derived**)."""
     if not 0.0 < delta <= 1.0:
-        raise ValueError(f"delta must be in (0, 1], got {delta!r}")
+        raise InvalidValueError(f"delta must be in (0, 1], got {delta!r}")
     s = math.sqrt(1.0 - delta)
     theta = 1.0 - s
     beta = (1.0 - delta) / theta
@@ -273,14 +275,14 @@ def ef21_theta_beta(delta: float) -> tuple[float, float]:
 
 def ef21(L: float, L_tilde: float, delta: float) -> float:
     """EF21's non-convex step size gamma = 1/(L + L_tilde sqrt(beta/theta)) (arXiv 2106.05203; constants
-    from the authors' code, theory.md §3.6). delta = 1 (no compression) gives 1/L."""
+    from the authors' code). delta = 1 (no compression) gives 1/L."""
     _check_pos(L=L, L_tilde=L_tilde)
     theta, beta = ef21_theta_beta(delta)
     return 1.0 / (L + L_tilde * math.sqrt(beta / theta))
 
 
 def ef21_pl(L: float, L_tilde: float, delta: float, mu: float) -> float:
-    """EF21 under the PL condition ("EF21+" setting of the authors' code, theory.md §3.6):
+    """EF21 under the PL condition ("EF21+" setting of the authors' code):
     gamma = min{1/(L + L_tilde sqrt(2 beta/theta)), theta/(2 mu)}."""
     _check_pos(L=L, L_tilde=L_tilde, mu=mu)
     theta, beta = ef21_theta_beta(delta)
@@ -306,5 +308,5 @@ def marina(L: float, L_tilde: float, omega: float, n: int, p: float | None = Non
     if p is None:
         p = 1.0 / (omega + 1.0)
     if not 0.0 < p <= 1.0:
-        raise ValueError(f"p must be in (0, 1], got {p!r}")
+        raise InvalidValueError(f"p must be in (0, 1], got {p!r}")
     return 1.0 / (L + L_tilde * math.sqrt((1.0 - p) * omega / (p * n))), p

@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     a.densities = [float(x) for x in a.density.split(",") if x]
     a.extra = [x for x in a.extra.split(",") if x]
     a.models = [x for x in a.models.split(",") if x]
-    from experiments.bench.transports import launch_options
+    from .transports import launch_options
 
     res = sc.launch(functools.partial(_worker, a=a), world_size=a.workers, **launch_options(a.netbed))
     grad_mb = (a.vocab * a.dim + a.dim * a.classes + a.classes) * 4 / 2 ** 20

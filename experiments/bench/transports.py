@@ -33,9 +33,9 @@ so ``native / scan`` bounds the speed-up such a protocol can show on the machine
 
 Adding a transport: append a :class:`Case` to ``CASES`` (name, constructor kwargs, block densities to
 feed it, services its launch needs). Cases with the same services share one launch; a launch with
-services also times ``native`` again, as its own reference. Cases whose transport is not registered are skipped, so a case can
-be listed before its module lands. Inputs of density ``d < 1`` keep a fraction ``d`` of the
-``block``-element blocks non-zero, at positions drawn with a seed per rank (independent positions).
+services also times ``native`` again, as its own reference. Cases whose transport is not registered are
+skipped. Inputs of density ``d < 1`` keep a fraction ``d`` of the ``block``-element blocks non-zero, at
+positions drawn with a seed per rank (independent positions).
 """
 
 from __future__ import annotations
@@ -82,8 +82,9 @@ CASES: list[Case] = [
     Case("omnireduce", {"block_size": 256, "lanes": 65536, "deployment": "dedicated", "num_aggregators": 2,
                         "inplace": True}, densities=(1.0, 0.1, 0.01),
          services=("omnireduce-agg:0", "omnireduce-agg:1"), default=False),
-    # a Python switch rank: big bursts (256 packets of 256 elements per message) amortise per-message costs
-    Case("switch", {"pool_size": 2048, "slot_elems": 256, "burst": 256}, services=("switch:elems=256,burst=256",)),
+    # a software switch rank: bursts of 1024 packets of 256 elements per message amortise per-message costs
+    Case("switch", {"pool_size": 4096, "slot_elems": 256, "burst": 1024, "inplace": True},
+         services=("switch:elems=256,burst=1024",)),
 ]
 
 

@@ -1,4 +1,6 @@
-"""Command-line pieces shared by ``experiments.convergence`` and ``experiments.ablation``."""
+"""The command line every study shares: :func:`base_parser` (the demo, the convergence runs, the ablations
+and, through :func:`.reproduce.parser`, the paper reproductions) and :func:`add_common` (a training run's
+settings, for the convergence runs and the ablations)."""
 
 from __future__ import annotations
 
@@ -12,16 +14,28 @@ from . import config as C
 from . import tasks
 
 
+def base_parser(prog: str, doc: str | None, *, out_help: str = "output folder") -> argparse.ArgumentParser:
+    """A parser with the options every study takes: ``--out``, ``--seed``, ``--no-progress``,
+    ``--no-wandb``."""
+    p = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    o = p.add_argument_group("output")
+    o.add_argument("--out", type=Path, default=None, help=out_help)
+    o.add_argument("--seed", type=int, default=0,
+                   help="seed of data, model and compressors (runs are reproducible)")
+    o.add_argument("--no-progress", action="store_true", help="no progress bars")
+    o.add_argument("--no-wandb", action="store_true", help="do not log to wandb (also: WANDB_MODE=disabled)")
+    return p
+
+
 def add_common(p: argparse.ArgumentParser) -> None:
-    """Options every study takes: the run's fixed settings, the network and the outputs."""
+    """Options every training study takes (on a :func:`base_parser`): the run's fixed settings, the
+    network and wandb's project and group."""
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the task's)")
     g.add_argument("--batch-size", type=int, default=None, help="mini-batch per worker (default: the task's)")
     g.add_argument("--lr", type=float, default=None, help="learning rate of the inner SGD (default: the task's)")
     g.add_argument("--warmup-steps", type=int, default=0, help="first steps sent uncompressed")
     g.add_argument("--eval-every", type=int, default=10, help="held-out evaluation period (steps)")
-    g.add_argument("--seed", type=int, default=0,
-                   help="seed of data, model and compressors (runs are reproducible)")
     g.add_argument("--compressor-arg", action="append", metavar="KEY=VALUE", default=[],
                    help="compressor hyper-parameter, repeatable (e.g. levels=8)")
     g.add_argument("--method-arg", action="append", metavar="KEY=VALUE", default=[],
@@ -35,11 +49,9 @@ def add_common(p: argparse.ArgumentParser) -> None:
     n.add_argument("--bandwidth-gbps", type=float, default=100.0, help="SimFabric link bandwidth")
     n.add_argument("--latency-us", type=float, default=2.0, help="SimFabric per-message latency")
     n.add_argument("--loss", type=float, default=0.0, help="SimFabric datagram loss probability")
-    o = p.add_argument_group("output")
-    o.add_argument("--out", type=Path, default=None, help="folder for CSV/JSONL results and wandb runs")
+    o = p.add_argument_group("wandb")
     o.add_argument("--project", default="sparsecomm", help="wandb project")
     o.add_argument("--group", default=None, help="wandb group")
-    o.add_argument("--no-progress", action="store_true", help="no progress bars")
     o.add_argument("--list", action="store_true", help="list tasks, compressors, methods, transports and exit")
 
 

@@ -16,7 +16,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import sparsecomm as sc
-from sparsecomm.errors import IncompatibleError, SparseCommError, UnknownNameError
+from sparsecomm.errors import (ConfigError, IncompatibleError, InvalidValueError, SparseCommError,  # noqa: F401
+                               UnknownNameError)
 from sparsecomm.methods.base import check_kwargs
 
 from . import tasks
@@ -90,7 +91,7 @@ class RunConfig:
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
-            raise ValueError(f"unknown run setting(s) {', '.join(unknown)}; valid: {', '.join(sorted(names))}")
+            raise InvalidValueError(f"unknown run setting(s) {', '.join(unknown)}; valid: {', '.join(sorted(names))}")
         return cls(**d)
 
 
@@ -108,10 +109,6 @@ def accepts(factory: Any, name: str) -> bool:
 
 
 # ------------------------------------------------------------------------------- validation
-class ConfigError(SparseCommError, ValueError):
-    """An experiment configuration that cannot run (the message says why and what is valid)."""
-
-
 def check_compatible(cfg: RunConfig) -> None:
     """Raise the library's own error if ``cfg``'s compressor/method/transport cannot run together.
 

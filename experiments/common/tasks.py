@@ -258,7 +258,7 @@ class BreastCancerLogReg(_Classification, _BinaryTask):
 
     def __init__(self, seed: int = 0) -> None:
         super().__init__(seed)
-        from theory.problems import load_dataset
+        from sparsecomm.theory.problems import load_dataset
 
         X, y = load_dataset("breast_cancer")          # standardised, labels in {-1, +1}
         self._split(X, (y > 0).astype(np.float32), torch.float32)

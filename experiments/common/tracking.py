@@ -15,31 +15,42 @@ from pathlib import Path
 from typing import Any, Iterable
 
 PROJECT = "sparsecomm"
-#: default home of the studies' outputs (git-ignored)
-OUT_ROOT = Path(__file__).resolve().parents[1] / "out"
+#: default home of the studies' outputs, relative to the working directory (git-ignored in the repository);
+#: never inside the installed package
+OUT_ROOT = Path("experiments") / "out"
 
 
 def wandb_mode() -> str:
     return os.environ.get("WANDB_MODE", "offline")
 
 
-def log_run(records: list[dict[str, Any]], summary: dict[str, Any], config: dict[str, Any], *,
-            name: str, group: str, wandb_dir: Path | None, project: str = PROJECT,
-            job_type: str = "train") -> None:
-    """Log one finished run (per-step ``records``, a ``summary``) to wandb, in the folder
-    ``<wandb_dir>/wandb``. Nothing is written when ``WANDB_MODE=disabled``."""
+def init_wandb(*, name: str, group: str, config: dict[str, Any], wandb_dir: Path | None,
+               project: str = PROJECT, job_type: str = "train"):
+    """The one place the studies start a wandb run (in ``<wandb_dir>/wandb``): ``None`` when
+    ``WANDB_MODE=disabled``. The caller logs to the run and calls ``finish()``."""
     mode = wandb_mode()
     if mode == "disabled":
-        return
+        return None
     import wandb
 
     if wandb_dir is not None:
         Path(wandb_dir).mkdir(parents=True, exist_ok=True)
     settings = wandb.Settings(silent=True, console="off", x_disable_stats=True, x_disable_meta=True,
                               disable_git=True, save_code=False)
-    run = wandb.init(mode=mode, dir=str(wandb_dir) if wandb_dir else None, project=project, group=group,
-                     name=name, job_type=job_type, config=config, reinit="finish_previous",
-                     settings=settings)
+    return wandb.init(mode=mode, dir=str(wandb_dir) if wandb_dir else None, project=project, group=group,
+                      name=name, job_type=job_type, config=config, reinit="finish_previous", settings=settings)
+
+
+def log_run(records: list[dict[str, Any]], summary: dict[str, Any], config: dict[str, Any], *,
+            name: str, group: str, wandb_dir: Path | None, project: str = PROJECT,
+            job_type: str = "train", enabled: bool = True) -> None:
+    """Log one finished run (per-step ``records``, a ``summary``) to wandb, in the folder
+    ``<wandb_dir>/wandb``. Nothing is written when ``WANDB_MODE=disabled`` or ``enabled`` is false
+    (``--no-wandb``)."""
+    run = init_wandb(name=name, group=group, config=config, wandb_dir=wandb_dir, project=project,
+                     job_type=job_type) if enabled else None
+    if run is None:
+        return
     try:
         run.define_metric("step")
         run.define_metric("*", step_metric="step")
@@ -50,6 +61,17 @@ def log_run(records: list[dict[str, Any]], summary: dict[str, Any], config: dict
                 run.summary[k] = v
     finally:
         run.finish()
+
+
+def progress(iterable: Iterable | None = None, *, desc: str, total: int | None = None, enabled: bool = True,
+             unit: str = "it", leave: bool = True):
+    """A tqdm progress bar on stderr over ``iterable`` (or a manual one, ``.update()``, when it is
+    ``None``); a silent stand-in with the same ``update``/``close``/``set_postfix_str`` when
+    ``enabled`` is false (``--no-progress``)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, desc=desc, total=total, unit=unit, leave=leave, dynamic_ncols=True,
+                disable=not enabled)
 
 
 def _loggable(v: Any) -> bool:

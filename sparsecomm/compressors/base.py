@@ -1,4 +1,4 @@
-"""The compressor contract (DESIGN.md, "Contracts").
+"""The compressor contract (CONTRIBUTING.md, "Contracts in code").
 
 A compressor is a stateless, pure operator ``C``: ``compress(x, generator) -> Payload`` and
 ``decompress(payload) -> Tensor`` with the shape and dtype of ``x``. It never communicates and never

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from theory import compressors as th
+from sparsecomm.theory import compressors as th
 
 from . import registry
 from ._common import CompressorConfigError, RandomMixin, accepted_keywords, cpu_empty, flat_input, make_payload

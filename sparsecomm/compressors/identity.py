@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from theory import compressors as th
+from sparsecomm.theory import compressors as th
 
 import numpy as np
 from numba import njit

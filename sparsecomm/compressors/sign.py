@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from theory import compressors as th
+from sparsecomm.theory import compressors as th
 
 from . import _kernels as K
 from . import registry

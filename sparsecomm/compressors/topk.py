@@ -21,7 +21,7 @@ import math
 import numpy as np
 import torch
 
-from theory import compressors as th
+from sparsecomm.theory import compressors as th
 
 from . import _kernels as K
 from . import registry

@@ -125,17 +125,22 @@ class FailStop:
         this rank. nccl waits poll ``_failure`` instead."""
         if self._cuda or self.total_ranks < 2:
             return
-        peer = 0 if self.rank != 0 else 1
-        groups = [self._pg] + ([self._pg_down] if self._pg_down is not self._pg else [])
+        me = self.rank
+        groups = [(self._pg, me, self.total_ranks)]
+        if self._pg_down is not self._pg:
+            groups.append((self._pg_down, me, self.total_ranks))
         if (self.worker_group is not dist.group.WORLD and self.is_worker and self.world_size > 1
                 and isinstance(self.worker_group, dist.ProcessGroup)):
-            groups.append(self.worker_group)     # the workers' subgroup (native's all_reduce) too
-        for g in groups:
-            try:
-                g.recv([torch.zeros(1)], peer if g in (self._pg, self._pg_down) else (0 if self.rank != 0 else 1),
-                       _TRIP_TAG).wait(timedelta(milliseconds=1))
-            except Exception:  # noqa: BLE001 - expected: the timeout is the point
-                pass
+            groups.append((self.worker_group, me, self.world_size))   # the workers' subgroup (native's)
+        for g, mine, size in groups:
+            # a receive from a peer whose connection is already closed fails at once without closing the
+            # others; only a timed-out one closes the whole context, so try peers until one times out
+            for peer in [p for p in range(size) if p != mine]:
+                try:
+                    g.recv([torch.zeros(1)], peer, _TRIP_TAG).wait(timedelta(milliseconds=1))
+                except Exception as exc:  # noqa: BLE001 - expected: the timeout is the point
+                    if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+                        break
 
     def _failure_error(self) -> BaseException:
         kind, rank, text = self._failure

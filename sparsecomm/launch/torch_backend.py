@@ -1,6 +1,9 @@
 """The ``gloo`` and ``nccl`` backends of :func:`sparsecomm.launch`: real processes over torch.distributed.
 
->>> sc.launch(fn, world_size=4, backend="gloo", services=("switch",), timeout_s=60)   # doctest: +SKIP
+Real processes cannot run in a doctest (``fn`` must be importable by them); ``tests/test_switch_gloo.py``
+runs this::
+
+    sc.launch(fn, world_size=4, backend="gloo", services=("switch",), timeout_s=60)
 
 Two modes:
 

@@ -62,7 +62,7 @@ from typing import Any, ClassVar, Hashable
 import torch
 
 from ..compressors.base import Compressor
-from ..errors import MismatchError, SparseCommError
+from ..errors import HyperParameterError, MismatchError, SparseCommError  # noqa: F401 (re-exported)
 from ..payload import Payload
 
 
@@ -297,10 +297,6 @@ def resolve_compressor(compressor: str | Compressor | None, hyper: dict[str, Any
         check_kwargs(factory, hyper, f"compressor {compressor!r}")
         return factory(**hyper)
     raise TypeError(f"{owner}: compressor must be a registered name or a Compressor, got {compressor!r}")
-
-
-class HyperParameterError(SparseCommError, TypeError):
-    """A keyword argument that the component it was passed to does not take."""
 
 
 def check_kwargs(factory: Any, kwargs: dict[str, Any], what: str) -> None:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from theory import compressors as th
+from sparsecomm.theory import compressors as th
 
 from ..compressors._common import GeneratorRequiredError, check_ratio, make_payload, raise_nonfinite
 from ..compressors.base import Compressor

@@ -1,5 +1,5 @@
 """``diana``: Mishchenko, Gorbunov, Takac, Richtarik, "Distributed Learning with Compressed Gradient
-Differences", arXiv 1901.09269 (theory.md §3.2).
+Differences", arXiv 1901.09269.
 
 Worker i keeps the shift h_i, every worker keeps a copy of the global shift h = mean_i h_i::
 

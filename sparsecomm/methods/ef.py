@@ -1,4 +1,4 @@
-"""``ef``: classic error feedback (Seide et al. 2014; Stich & Karimireddy 2019; theory.md §3.5).
+"""``ef``: classic error feedback (Seide et al. 2014; Stich & Karimireddy 2019).
 
 Worker i keeps the residual e_i (e_i^0 = 0)::
 

@@ -1,5 +1,5 @@
 """``ef21``: Richtarik, Sokolov, Fatkhullin, "EF21: A New, Simpler, Theoretically Better, and
-Practically Faster Error Feedback", NeurIPS 2021, arXiv 2106.05203 (theory.md §3.6).
+Practically Faster Error Feedback", NeurIPS 2021, arXiv 2106.05203.
 
 Worker i keeps g_i, every worker keeps a copy of the global g = mean_i g_i::
 

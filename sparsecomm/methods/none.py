@@ -1,4 +1,4 @@
-"""``none``: send the compressor's output as it is (DCGD; theory.md §3.1).
+"""``none``: send the compressor's output as it is (DCGD).
 
 worker i sends ``m_i = C(g_i)``; the estimate is ``(1/n) sum_i m_i``. Stateless. With an unbiased
 compressor the estimate is unbiased with variance <= (omega/n) mean_i ||g_i||^2; with a biased one

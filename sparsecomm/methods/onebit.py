@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from theory import compressors as th
+from sparsecomm.theory import compressors as th
 
 from ..compressors._common import check_bucket_size, flat_input, make_payload, raise_nonfinite, scale_dtype
 from ..compressors.base import Compressor

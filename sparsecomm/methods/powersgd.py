@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from theory import compressors as th
+from sparsecomm.theory import compressors as th
 
 from ..compressors._common import GeneratorRequiredError, raise_nonfinite
 from ..compressors.base import Compressor

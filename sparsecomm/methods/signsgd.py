@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from theory import compressors as th
+from sparsecomm.theory import compressors as th
 
 from ..compressors._common import flat_input, make_payload, raise_nonfinite
 from ..compressors.base import Compressor

@@ -30,6 +30,8 @@ import subprocess
 import sys
 import time
 
+from ..errors import InvalidValueError
+
 from .launch import terminate_as_interrupt
 from .topology import Netbed, NetbedError, check_shaping, cleanup_stale, list_netbed_namespaces
 
@@ -55,7 +57,7 @@ def run(cmd: list[str], hosts: int, gbps: float | None, *, port: int = 29500, ti
         grace_s: float = 5.0, env: dict[str, str] | None = None) -> int:
     """Run ``cmd`` on every host of a fresh netbed; the first non-zero exit status (0 if all succeed)."""
     if not cmd:
-        raise ValueError("no command given (python -m sparsecomm.netbed run --hosts N -- CMD ...)")
+        raise InvalidValueError("no command given (python -m sparsecomm.netbed run --hosts N -- CMD ...)")
     with terminate_as_interrupt():
         bed = Netbed(hosts, gbps)
         procs: list[subprocess.Popen] = []

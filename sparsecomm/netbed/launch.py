@@ -1,7 +1,9 @@
 """The ``netbed`` backend of :func:`sparsecomm.launch`: real gloo processes on an emulated rack.
 
->>> sc.launch(fn, world_size=4, backend="netbed", network=sc.Network(bandwidth_gbps=1),
-...           services=["switch"], timeout_s=60)                                    # doctest: +SKIP
+A netbed needs root and real processes, so this is not a doctest; ``tests/test_netbed.py`` runs it::
+
+    sc.launch(fn, world_size=4, backend="netbed", network=sc.Network(bandwidth_gbps=1),
+              services=["switch"], timeout_s=60)
 
 A :class:`~sparsecomm.netbed.topology.Netbed` is built for the run and removed afterwards (on every exit
 path: return, exception, Ctrl-C, SIGTERM). Placement follows the paper testbeds:
@@ -21,7 +23,7 @@ hosted by the parent inside the top-of-rack namespace (listening on all of its p
 ``network``: a :class:`~sparsecomm.fabric.sim.Network`; only ``bandwidth_gbps`` applies (and
 ``timeout_s`` when ``timeout_s`` is not given). The netbed's latency is the kernel's own (about 10 us
 per hop here), so ``latency_us`` must be left at its default (or 0); latency and loss other than that
-raise :class:`~sparsecomm.netbed.topology.NetbedError` (no ``netem`` here), and so do ``stragglers``
+raise :class:`~sparsecomm.errors.NetbedError` (no ``netem`` here), and so do ``stragglers``
 and ``crash`` (fault injection of the modelled network). ``bandwidth_gbps=None`` via
 ``netbed_unshaped=True`` runs on unshaped veth links.
 """

@@ -38,17 +38,13 @@ import subprocess
 import threading
 from dataclasses import dataclass, field
 
-from ..errors import SparseCommError
+from ..errors import InvalidValueError, NetbedError, SparseCommError  # noqa: F401 (NetbedError: re-exported)
 
 NS_PREFIX = "scnb"
 _NAME_RE = re.compile(rf"^{NS_PREFIX}(\d+)x([0-9a-f]{{4}})-(h\d+|tor)$")
 NETNS_DIR = "/var/run/netns"
 HOST_IFNAME = "eth0"
 MAX_HOSTS = 250
-
-
-class NetbedError(SparseCommError, RuntimeError):
-    """The netbed cannot be set up (missing privilege, tool or kernel feature) or was misused."""
 
 
 def host_address(i: int) -> str:
@@ -116,9 +112,9 @@ class Netbed:
 
     def __post_init__(self) -> None:
         if not isinstance(self.hosts, int) or not 1 <= self.hosts <= MAX_HOSTS:
-            raise ValueError(f"hosts must be an integer in [1, {MAX_HOSTS}], got {self.hosts!r}")
+            raise InvalidValueError(f"hosts must be an integer in [1, {MAX_HOSTS}], got {self.hosts!r}")
         if self.bandwidth_gbps is not None and not self.bandwidth_gbps > 0:
-            raise ValueError(f"bandwidth_gbps must be positive (or None: unshaped), got {self.bandwidth_gbps}")
+            raise InvalidValueError(f"bandwidth_gbps must be positive (or None: unshaped), got {self.bandwidth_gbps}")
         check_shaping(self.latency_us, self.loss)
         check_privileges()
         cleanup_stale()   # netbeds of owners killed without a chance to clean up (SIGKILL)
@@ -133,7 +129,7 @@ class Netbed:
     # ----------------------------------------------------------------- names
     def host_ns(self, i: int) -> str:
         if not 0 <= i < self.hosts:
-            raise ValueError(f"no host {i} (the netbed has {self.hosts})")
+            raise InvalidValueError(f"no host {i} (the netbed has {self.hosts})")
         return f"{self.prefix}-h{i}"
 
     @property

@@ -137,8 +137,8 @@ class AllGather(Transport):
         # phase 1: headers, every worker to every worker (the handshake's fixed-size format)
         header = _header(p, layout, dev, r)
         hbufs = [torch.empty_like(header) for _ in range(n)]
-        works = [f.isend(header, (r + k) % n, self.header_tag) for k in range(1, n)]
-        works += [f.irecv(hbufs[(r - k) % n], (r - k) % n, self.header_tag) for k in range(1, n)]
+        works = [f.irecv(hbufs[(r - k) % n], (r - k) % n, self.header_tag) for k in range(1, n)]
+        works += [f.isend(header, (r + k) % n, self.header_tag) for k in range(1, n)]
         for w in works:
             w.wait()
         headers: list[list[int]] = [[] for _ in range(n)]
@@ -156,11 +156,10 @@ class AllGather(Transport):
             layouts = [self._peer_layout(headers[j], p.numel, j) for j in range(n)]
         except (WireFormatError, MalformedMessage) as exc:   # a lying header: the job stops (fail-stop)
             raise _fail(f, exc if isinstance(exc, MalformedMessage) else MalformedMessage(str(exc))) from exc
-        # phase 2: the wire tensors, sized by the checked layouts (empty ones are not sent)
+        # phase 2: the wire tensors, sized by the checked layouts (empty ones are not sent); receives are
+        # posted first, so their "posted" notices leave before this rank's data (gloo sends only to a
+        # posted receive)
         works = []
-        for k in range(1, n):
-            dst = (r + k) % n
-            works += [f.isend(t, dst, self.data_tag) for t in wire if t is not None and t.numel()]
         received: list[list[torch.Tensor | None]] = [[] for _ in range(n)]
         received[r] = wire
         for k in range(1, n):
@@ -173,6 +172,9 @@ class AllGather(Transport):
                 if buf.numel():
                     works.append(f.irecv(buf, src, self.data_tag))
                 received[src].append(buf)
+        for k in range(1, n):
+            dst = (r + k) % n
+            works += [f.isend(t, dst, self.data_tag) for t in wire if t is not None and t.numel()]
         for w in works:
             w.wait()
         f.stats.rounds += 2

@@ -4,7 +4,7 @@
 ``x.to_dense()`` (a :class:`~sparsecomm.payload.Payload`), with the shape and dtype of the original
 tensor. The call's :class:`CommStats` (bytes, messages, modelled time on SimFabric) is at
 ``last_stats``. A transport never knows which compressor made a payload, only its kind
-(DESIGN.md, "Payload kinds"); ``carries`` declares the kinds it can sum.
+(``sparsecomm/payload.py``); ``carries`` declares the kinds it can sum.
 
 **Asynchronous calls.** ``work = t.start(x)`` queues the call and returns at once; ``work.wait()``
 returns the sum (``allreduce(x)`` is ``start(x).wait()``). Every fabric has one communication thread

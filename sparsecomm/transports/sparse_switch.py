@@ -118,7 +118,8 @@ import numpy as np
 import torch
 
 from .. import codec
-from ..errors import FabricTimeout, IncompatibleError, MismatchError, NonFiniteError, OverflowError_, SparseCommError
+from ..errors import (FabricTimeout, IncompatibleError, MismatchError, NonFiniteError, OverflowError_,  # noqa: F401
+                      ProtocolError, SparseCommError)
 from ..fabric.base import Fabric
 from ..payload import Payload
 from .base import registry
@@ -138,10 +139,6 @@ _DTYPES = {torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16:
 V_NONFINITE, V_TOOLARGE, V_COUNT, V_CAP_HI, V_CAP_LO, V_WORDS = range(6)
 _AGREE = ("numel (low word)", "numel (high word)", "mode / dtype", "pool_size", "slot_elems",
           "shared indices or scale (fingerprint)")
-
-
-class ProtocolError(SparseCommError):
-    """A packet from the switch that the protocol cannot have produced (forged or corrupted)."""
 
 
 @dataclass

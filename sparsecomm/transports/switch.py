@@ -39,15 +39,19 @@ validity flags (non-finite values, magnitudes an int8 exponent or int32 cannot r
 values workers must agree on (numel, dtype and kind, pool size, scale or index fingerprint), encoded
 so that the switch's integer sum reveals any disagreement (``n * sum(b^2) == sum(b)^2`` for each
 byte ``b``). Every worker receives the same aggregate and so raises the same error, before any data
-is sent: bad input never hangs a peer.
+is sent: bad input never hangs a peer. Before it, the workers exchange the fixed-size agreement header
+that every transport exchanges (:mod:`._handshake`), so that a worker running another transport gets a
+:class:`~sparsecomm.errors.MismatchError` naming both, not a wait for packets (:mod:`.switch_control`).
 
 **Deployment.** On SimFabric the transport starts the switch as a per-port service endpoint on first
 use (``fabric.service(spec, ...)``, its own line rate; lossy links via ``sc.Network(loss=p)``). On
 torch.distributed the switch is the extra rank the launcher started (``services=["switch"]``); the
 switch program's constants (``slot_elems``, ``burst``, ``switch_slots``) default to that rank's spec.
 
-Per-packet Python overhead is the price of the emulation: on SimFabric one packet is one datagram;
-on real fabrics ``burst`` packets share one fabric message (each keeps its own slot semantics).
+On SimFabric one packet is one datagram; on real fabrics ``burst`` packets share one fabric message
+(each keeps its own slot semantics), the switch serves its ports in parallel and the workers keep
+receives posted and send from a thread of their own (:mod:`.switch_service`, :mod:`.switch_lanes`): a
+software switch that adds at the rate its ports deliver, as far as the host's CPU allows.
 """
 
 from __future__ import annotations
@@ -60,33 +64,23 @@ import numpy as np
 import torch
 
 from .. import codec
-from ..errors import IncompatibleError, MismatchError, NonFiniteError, OverflowError_
+from ..errors import IncompatibleError, NonFiniteError
 from ..fabric.base import Fabric
 from ..payload import Payload
 from .base import registry
 from .base import Transport
-from .switch_lanes import run_lanes
+from . import switch_service  # noqa: F401 - registers the "switch" service
+from .switch_codec import FloatJob, IntJob
+from .switch_control import _DTYPES, _ROUNDING, MODE_FLOAT, MODE_INT, control_round
+from .switch_lanes import Inbox, run_lanes
 from .switch_dataplane import (
-    EXP_MAX, EXP_MIN, F_EXP, HEADER, MAX_WORKERS, PACKET_ELEMS, Dataplane, SwitchConfig, service_main,
+    EXP_MAX, MAX_WORKERS, PACKET_ELEMS, Dataplane, SwitchConfig, service_main,
 )
 
 INT32_MAX = 2**31 - 1
 #: values of magnitude >= 2^DEFAULT_MAX_EXPONENT are a fixed-point overflow (see the module docstring)
 DEFAULT_MAX_EXPONENT = 64
 EXP_FLOOR = -126          # float32's smallest reported exponent; also used for float64 (safe: 2^e > max|x|)
-CONTROL_SLOT = 0
-
-_DTYPES = {torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16: 4, torch.int8: 5,
-           torch.int16: 6, torch.int32: 7, torch.int64: 8, torch.uint8: 9}
-_KINDS = {"tensor": 1, "dense": 1, "aligned": 2, "quantized": 3}
-_ROUNDING = {"nearest": 0, "stochastic": 1}
-MODE_FLOAT, MODE_INT = 1, 2
-
-# validity vector layout (payload of the control packet)
-V_NONFINITE, V_TOOLARGE, V_COUNT, V_CAP_HI, V_CAP_LO, V_WORDS = range(6)
-_AGREE = ("numel (low word)", "numel (high word)", "dtype / payload kind / rounding", "pool_size",
-          "slot_elems", "scale or index fingerprint")
-
 
 @dataclass
 class _WorkerState:
@@ -95,6 +89,12 @@ class _WorkerState:
     parity: np.ndarray     # per switch slot: the set its next use takes
     shift: int = 0
     job: int = 0
+    _inbox: Inbox | None = None    # real fabrics: receives from the switch posted ahead, kept across jobs
+
+    def inbox(self, fabric: Fabric, switch: int, burst: int, width: int) -> Inbox:
+        if self._inbox is None:
+            self._inbox = Inbox(fabric, switch, burst, width)
+        return self._inbox
 
 
 @dataclass
@@ -123,6 +123,8 @@ class SwitchTransport(Transport):
     ``switch_slots`` (default 8192), ``burst``, ``slot_elems`` and ``audit`` (count every accepted
     contribution, tests only) are compile-time constants of the switch program and name its service
     (``SwitchConfig.spec()``); on real fabrics they default to the started switch's.
+    ``inplace``: a contiguous float32/float64 CPU tensor input receives the sum (no result tensor to
+    allocate; as ``native``'s option). ``last_fixed.sums`` is reused by the next job: clone it to keep it.
     ``bandwidth_gbps``/``latency_us`` set the switch's link on SimFabric. ``give_up_s``: a packet unanswered for that long (default: the
     fabric's ``timeout_s``) raises :class:`FabricTimeout`.
     """
@@ -136,7 +138,7 @@ class SwitchTransport(Transport):
                  rounding: str = "nearest", seed: int = 0, burst: int | None = None,
                  switch_slots: int | None = None, bandwidth_gbps: float | None = None,
                  latency_us: float | None = None, give_up_s: float | None = None, audit: bool = False,
-                 max_exponent: int = DEFAULT_MAX_EXPONENT, nonfinite: str = "raise") -> None:
+                 max_exponent: int = DEFAULT_MAX_EXPONENT, nonfinite: str = "raise", inplace: bool = False) -> None:
         super().__init__(fabric)
         if nonfinite != "raise":
             raise IncompatibleError(
@@ -189,6 +191,8 @@ class SwitchTransport(Transport):
                 spec, _WorkerState(parity=np.zeros(switch_slots, dtype=np.int32)))
         self.last_fixed: FixedResult | None = None
         self.last_info: dict = {}
+        self.inplace = bool(inplace)
+        self._sums: torch.Tensor | None = None
 
     def wire_copies(self) -> float:
         """Each worker streams its tensor to the switch once (32-bit fixed point per value)."""
@@ -197,7 +201,7 @@ class SwitchTransport(Transport):
     # ================================================================== payload kinds
     def _allreduce_tensor(self, flat: torch.Tensor) -> torch.Tensor:
         if flat.is_floating_point():
-            return self._float_job(flat, "tensor")
+            return self._float_job(flat, "tensor", inplace=self.inplace)
         if flat.dtype in _DTYPES:
             return self._int_job(flat, flat.dtype, "tensor")
         raise IncompatibleError(f"transport 'switch' sums float and integer tensors, not {flat.dtype}")
@@ -230,37 +234,45 @@ class SwitchTransport(Transport):
         return agg.to_dense()
 
     # ================================================================== float (fixed point) job
-    def _float_job(self, flat: torch.Tensor, kind: str, fingerprint: int = 0) -> torch.Tensor:
+    def _float_job(self, flat: torch.Tensor, kind: str, fingerprint: int = 0, inplace: bool = False) -> torch.Tensor:
         out_dtype, device = flat.dtype, flat.device
         x = flat.detach().reshape(-1).to("cpu")
         if x.dtype not in (torch.float32, torch.float64):
             x = x.to(torch.float32)
         x = x.contiguous()
         N, E, n = x.numel(), self.slot_elems, self.fabric.world_size
-        finite = bool(torch.isfinite(x).all()) if N else True
+        finite, too_large = True, False
         e_loc = np.zeros(0, dtype=np.int64)
-        too_large = False
-        if finite and N:
-            e_loc = codec.chunk_exponents(x, E).numpy().astype(np.int64)
-            np.maximum(e_loc, EXP_FLOOR, out=e_loc)
-            too_large = bool(e_loc.max() > self.max_exponent)
+        if N:
+            try:      # one pass: the exponents' scan reports a NaN/Inf too
+                e_loc = np.maximum(codec.chunk_exponents(x, E).numpy().astype(np.int64), EXP_FLOOR)
+                too_large = bool(e_loc.max() > self.max_exponent)
+            except NonFiniteError:
+                finite = False
         self._control(MODE_FLOAT, N, flat.dtype, kind, fingerprint, nonfinite=not finite,
                       too_large=too_large, cap=0, limit=INT32_MAX)
         M = -(-N // E)
         if M == 0:
             self.last_fixed = None
             return torch.zeros(0, dtype=out_dtype, device=device)
-        xp = torch.zeros(M * E, dtype=x.dtype)
-        xp[:N] = x
         job_seed = None
         if self.rounding == "stochastic":
             job_seed = int(np.random.SeedSequence([self.seed, self.fabric.rank, self._state.job]).generate_state(1)[0])
-        work = torch.float64 if x.dtype == torch.float64 else torch.float32
-        sums, eg, out = self._stream(MODE_FLOAT, xp.view(M, E), e_loc, job_seed, work)
-        eg_t = torch.from_numpy(eg.astype(np.int32))
+        # in place: each chunk is encoded (read) before its result arrives (written), so x can take the sum
+        out = x if inplace and x.data_ptr() == flat.data_ptr() else torch.empty(N, dtype=x.dtype)
+        sums = self._sums_buffer(M * E)
+        job = FloatJob(x, out, sums, e_loc, E, min(self.pool_size, M), n, job_seed)
+        self._stream(job)
+        eg_t = torch.from_numpy(job.exponents.astype(np.int32))
         scales = codec.scale_from_exponents(eg_t, n)
-        self.last_fixed = FixedResult(torch.from_numpy(sums.reshape(-1)[:N]), eg_t, scales, E)
-        return out.reshape(-1)[:N].to(device=device, dtype=out_dtype)
+        self.last_fixed = FixedResult(sums[:N], eg_t, scales, E)
+        return out.to(device=device, dtype=out_dtype)
+
+    def _sums_buffer(self, size: int) -> torch.Tensor:
+        """The int32 sums of a float job (``last_fixed.sums``), reused by the next job of the same size."""
+        if self._sums is None or self._sums.numel() != size:
+            self._sums = torch.zeros(size, dtype=torch.int32)
+        return self._sums
 
     # ================================================================== integer ("bypass") job
     def _int_job(self, flat: torch.Tensor, out_dtype: torch.dtype, kind: str, fingerprint: int = 0) -> torch.Tensor:
@@ -277,132 +289,25 @@ class SwitchTransport(Transport):
             return torch.zeros(0, dtype=out_dtype, device=device)
         vp = torch.zeros(M * E, dtype=torch.int32)
         vp[:N] = v.to(torch.int32)
-        sums, _, _ = self._stream(MODE_INT, vp.view(M, E), None, None)
-        return torch.from_numpy(sums.reshape(-1)[:N].copy()).to(device=device, dtype=out_dtype)
+        job = IntJob(vp.view(M, E))
+        self._stream(job)
+        return torch.from_numpy(job.sums.reshape(-1)[:N].copy()).to(device=device, dtype=out_dtype)
 
     # ================================================================== control round
-    def _control(self, mode: int, numel: int, dtype: torch.dtype, kind: str, fingerprint: int, *,
-                 nonfinite: bool, too_large: bool, cap: int, limit: int) -> None:
-        """The validity / agreement round on the control slot; raises the same error on every worker."""
-        st = self._state
-        st.job = (st.job + 1) % (2**31 - 1)
-        words = [numel & 0xFFFFFFFF, (numel >> 32) & 0xFFFFFFFF,
-                 (mode << 16) | (_DTYPES.get(dtype, 0) << 8) | (_KINDS[kind] << 4) | _ROUNDING[self.rounding],
-                 self.pool_size, self.slot_elems, fingerprint & 0xFFFFFFFF]
-        vec = np.zeros(self.slot_elems, dtype=np.int32)
-        vec[V_NONFINITE], vec[V_TOOLARGE], vec[V_COUNT] = int(nonfinite), int(too_large), 1
-        vec[V_CAP_HI], vec[V_CAP_LO] = cap >> 16, cap & 0xFFFF
-        b = np.array([[(w >> (8 * i)) & 0xFF for i in range(4)] for w in words], dtype=np.int64).reshape(-1)
-        enc = np.stack([b, b * b], axis=1).reshape(-1)
-        vec[V_WORDS:V_WORDS + enc.size] = enc
-        agg = {}
-
-        def payload(pkts: np.ndarray, rows: np.ndarray) -> None:
-            rows[:, HEADER:] = vec
-
-        def consume(pkts: np.ndarray, rows: np.ndarray) -> None:
-            agg["v"] = rows[0, HEADER:].astype(np.int64)
-
-        self._run_lanes(np.array([CONTROL_SLOT]), 1, -1, payload, consume, "control")
-        a = agg["v"]
-        n = self.fabric.world_size
-        if a[V_COUNT] != n:
-            raise MismatchError(f"switch control round counted {a[V_COUNT]} workers, expected {n}")
-        s = a[V_WORDS:V_WORDS + enc.size].reshape(len(words), 4, 2)
-        differ = [_AGREE[i] for i in range(len(words))
-                  if any(n * s[i, j, 1] != s[i, j, 0] ** 2 for j in range(4))]
-        if differ:
-            raise MismatchError(
-                f"switch allreduce: workers disagree on {', '.join(differ)}; every worker must pass a "
-                f"tensor/payload of the same shape, dtype and kind (and the same transport settings)")
-        if a[V_NONFINITE]:
-            raise NonFiniteError(
-                f"switch allreduce: {a[V_NONFINITE]} of {n} workers hold NaN or Inf values; the switch "
-                f"sums fixed-point integers and cannot carry them")
-        if a[V_TOOLARGE]:
-            what = (f"a magnitude >= 2^{self.max_exponent} (max_exponent), past which the chunk's fixed-point "
-                    f"quantum (n 2^(e-31)) would round every ordinary value of the chunk to zero"
-                    if mode == MODE_FLOAT else "an integer that does not fit in int32")
-            raise OverflowError_(f"switch allreduce: {a[V_TOOLARGE]} of {n} workers hold {what}")
-        total = int(a[V_CAP_HI]) * 65536 + int(a[V_CAP_LO])
-        if mode == MODE_INT and total > limit:
-            raise OverflowError_(
-                f"switch allreduce: the workers' largest |values| add up to {total} > {limit}; the "
-                f"switch's integer sum could overflow (it would wrap), so nothing was sent")
+    def _control(self, mode: int, numel: int, dtype: torch.dtype, kind: str, fingerprint: int, **flags) -> None:
+        """The validity / agreement round (:func:`.switch_control.control_round`)."""
+        control_round(self, mode, numel, dtype, kind, fingerprint, **flags)
 
     # ================================================================== streaming
-    def _stream(self, mode: int, x2d: torch.Tensor, e_loc: np.ndarray | None, seed: int | None,
-                work: torch.dtype = torch.float32):
-        """Stream ``x2d`` ([M, E] float or int32) through the pool; return the int32 sums [M, E], the
-        agreed exponents and (float jobs) the dequantised sums [M, E] in ``work`` precision, each
-        packet's result dequantised as it arrives (:func:`sparsecomm.codec.from_fixed`)."""
-        st, E, n = self._state, self.slot_elems, self.fabric.world_size
-        M = x2d.shape[0]
-        L = min(self.pool_size, M)
-        pre = L if mode == MODE_FLOAT else 0
-        P = M + pre
-        sums = np.zeros((M, E), dtype=np.int32)
-        eg = np.full(M, EXP_MIN, dtype=np.int64)
-        scales = np.zeros(M, dtype=np.float64)
-        out = torch.empty((M, E), dtype=work) if mode == MODE_FLOAT else None
-        xnp = x2d.numpy()
-        table = _scale_table(n)
+    def _stream(self, job: FloatJob | IntJob) -> None:
+        """Stream a job's packets through the pool (:func:`.switch_lanes.run_lanes`); the job's encoder
+        fills them and its decoder takes the results (:mod:`.switch_codec`)."""
+        st = self._state
+        L = min(self.pool_size, job.M)
         lane_slots = 1 + (np.arange(L) + st.shift) % self.pool_size
+        run_lanes(self, lane_slots, job.packets, 0, job.payload, job.consume, "data")
+        st.shift = (st.shift + job.packets) % self.pool_size
 
-        def payload(pkts: np.ndarray, rows: np.ndarray) -> None:
-            if mode == MODE_INT:
-                rows[:, HEADER:] = xnp[pkts]
-                return
-            has_exp = pkts < M
-            rows[:, F_EXP] = np.where(has_exp, e_loc[np.minimum(pkts, M - 1)], EXP_MIN)
-            data = pkts >= pre
-            if data.any():
-                cs = pkts[data] - pre
-                rows[data, HEADER:] = self._quantize(x2d, cs, scales, seed).reshape(-1, E)
-
-        def consume(pkts: np.ndarray, rows: np.ndarray) -> None:
-            if mode == MODE_INT:
-                sums[pkts] = rows[:, HEADER:]
-                return
-            ex = pkts < M
-            if ex.any():
-                e = rows[ex, F_EXP].astype(np.int64)
-                eg[pkts[ex]] = e
-                scales[pkts[ex]] = table[e - EXP_MIN]
-            data = pkts >= pre
-            if data.any():
-                cs = pkts[data] - pre
-                q = rows[data, HEADER:]
-                sums[cs] = q
-                vals = codec.from_fixed(torch.from_numpy(q.reshape(-1)), torch.from_numpy(scales[cs]),
-                                        chunk=E, dtype=work).view(-1, E)
-                if len(cs) == 1:
-                    out[int(cs[0])] = vals[0]
-                else:
-                    out[torch.from_numpy(cs)] = vals
-
-        self._run_lanes(lane_slots, P, 0, payload, consume, "data")
-        st.shift = (st.shift + P) % self.pool_size
-        return sums, eg, out
-
-    def _quantize(self, x2d: torch.Tensor, cs: np.ndarray, scales: np.ndarray, seed: int | None) -> np.ndarray:
-        """int32 codes of chunks ``cs`` with their agreed scales (runs of chunks keep their stream offset)."""
-        E = self.slot_elems
-        if seed is None:
-            if len(cs) == 1:
-                rows = x2d[int(cs[0])]
-            else:
-                rows = x2d[torch.from_numpy(cs)].reshape(-1)
-            return codec.to_fixed(rows, torch.from_numpy(scales[cs]), chunk=E).numpy()
-        parts = []
-        for c in cs:   # stochastic: each chunk keeps its own position in the rounding stream
-            parts.append(codec.to_fixed(x2d[int(c)], float(scales[c]), chunk=E, rounding="stochastic",
-                                        seed=seed, offset=int(c) * E).numpy())
-        return np.concatenate(parts)
-
-    def _run_lanes(self, lane_slots: np.ndarray, P: int, pkt_base: int, payload, consume, phase: str) -> None:
-        """Stream packets ``0..P-1`` over the lanes ``lane_slots`` (:func:`.switch_lanes.run_lanes`)."""
-        run_lanes(self, lane_slots, P, pkt_base, payload, consume, phase)
 
 def _program(fabric: Fabric, sim: bool, elems: int | None, slots: int | None, burst: int | None,
              audit: bool) -> SwitchConfig:
@@ -434,18 +339,6 @@ def _program(fabric: Fabric, sim: bool, elems: int | None, slots: int | None, bu
         f"transport 'switch' asked for a switch program with {asked or 'the defaults'} but the launcher "
         f"started {started}; pass slot_elems / burst / switch_slots matching one of them "
         f"(or omit them to use the started switch's)" + (" -- several match" if len(fits) > 1 else ""))
-
-
-_tables: dict[int, np.ndarray] = {}
-
-
-def _scale_table(n: int) -> np.ndarray:
-    """``scale_from_exponents(e, n)`` for every int8 exponent ``e`` (index ``e - EXP_MIN``)."""
-    t = _tables.get(n)
-    if t is None:
-        e = torch.arange(EXP_MIN, EXP_MAX + 1, dtype=torch.int64)
-        t = _tables[n] = codec.scale_from_exponents(e, n).numpy()
-    return t
 
 
 def _fingerprint(*objs) -> int:

@@ -10,7 +10,8 @@ implementation p4lang/p4app-switchML (``dev_root/p4/bitmap_checker.p4``, ``worke
 - ``count[slot, set]``: contributions still missing;
 - ``exponent[slot, set]``: the int8 maximum of the workers' exponents (quantisation, see ``switch.py``).
 
-Per packet ``(slot, set v, worker w, n, exponent e, vector)``, as the P4 program does::
+Per packet ``(slot, set v, worker w, n, exponent e, vector)``, as the P4 program does (the whole state
+machine; :func:`_program` runs it, one compiled call per message)::
 
     before = seen[v]; seen[v] |= bit(w); seen[1-v] &= ~bit(w)     # w has consumed set 1-v's result
     if w not in before:                                           # a new contribution
@@ -23,42 +24,58 @@ Per packet ``(slot, set v, worker w, n, exponent e, vector)``, as the P4 program
 Deviation, on purpose: the P4 ``workers_counter`` treats ``count == 0`` as "first packet"; here the
 first writer is recognised by the bitmap (``before == 0``) and resets the count too. In normal
 operation both coincide (a set's bitmap and count return to 0 together); keying on the bitmap means
-a job abandoned half-way can never leave a stale count behind.
-
-Per-packet work is vectorised over the packet's vector (numpy); the only Python loop is over the
-packets of one fabric message ("burst"). Nothing grows with the number of packets except the optional
-``audit`` counter, which is test instrumentation, not switch state.
+a job abandoned half-way can never leave a stale count behind. The int32 adds wrap as the hardware's
+do (counted in ``stats["overflow"]``: the workers' scale must prevent it).
 
 Malformed input never reaches a register or a multicast: a packet whose slot, set, worker id or worker
 count (it must equal the job's, which the switch knows from its fabric) is out of range is counted in
 ``stats["malformed"]`` and dropped, as a P4 parser drops what it cannot match; one forged packet
-claiming 32 workers cannot make the switch send to ranks that do not exist. (A message longer than the
-burst the switch posted is beyond reach: gloo aborts the receiving process on a message longer than
-its receive, and torch.distributed offers no receive of unknown size. On real fabrics the switch posts
-a zeroed receive of ``RECV_SLACK`` bursts, so a message of up to 4x the burst is processed packet by
-packet; only a longer one, which no worker of this library sends, would abort it.)
+claiming 32 workers cannot make the switch send to ranks that do not exist. Nothing grows with the
+number of packets except the optional ``audit`` counter (test instrumentation, not switch state).
 
-Wire format: one int32 row per packet, ``HEADER`` fields then ``slot_elems`` values; a fabric message
-carries ``burst`` rows (unused rows have type ``T_EMPTY``), workers -> switch on ``TAG_UP``, switch ->
-workers on ``TAG_DOWN``, all ``reliable=False``.
+Wire format: one int32 row per packet, ``HEADER`` fields (:class:`Field`) then ``slot_elems`` values; a
+fabric message carries ``burst`` rows (unused rows have type ``T_EMPTY``), workers -> switch on
+``TAG_UP``, switch -> workers on ``TAG_DOWN``, all ``reliable=False``. How the rows reach the program
+(one datagram per packet on SimFabric, per-port receive threads on real fabrics) is
+:mod:`.switch_service`.
 """
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, fields
-from typing import Callable
+from enum import IntEnum
 
 import numpy as np
-import torch
+from numba import njit
 
-from ..fabric import services
 from ..fabric.base import Fabric
 
+
 # ----------------------------------------------------------------------------- wire format
-F_TYPE, F_SLOT, F_SET, F_WORKER, F_PKT, F_JOB, F_NW, F_EXP = range(8)
-HEADER = 8
-T_EMPTY, T_DATA, T_RESULT, T_RETRANSMIT = 0, 1, 2, 3
+class Field(IntEnum):
+    """Header words of a packet row (int32 each)."""
+
+    TYPE = 0      # :class:`PacketType`
+    SLOT = 1      # switch slot (0: the control slot)
+    SET = 2       # which of the slot's two sets (the pool index's set bit)
+    WORKER = 3    # the sender's rank (its bit in the bitmap)
+    PKT = 4       # packet number within the job's phase (-1: control); echoed in the result
+    JOB = 5       # the workers' job counter; echoed
+    NW = 6        # number of workers of the job (must equal the switch's world)
+    EXP = 7       # worker: its chunk's exponent; switch: the slot's maximum
+
+
+class PacketType(IntEnum):
+    EMPTY = 0        # padding row of a burst
+    DATA = 1         # worker -> switch: a contribution
+    RESULT = 2       # switch -> workers: multicast of a completed slot
+    RETRANSMIT = 3   # switch -> one worker: the stored result, for a duplicate after completion
+
+
+F_TYPE, F_SLOT, F_SET, F_WORKER, F_PKT, F_JOB, F_NW, F_EXP = (int(f) for f in Field)
+HEADER = len(Field)
+T_EMPTY, T_DATA, T_RESULT, T_RETRANSMIT = (int(t) for t in PacketType)
 TAG_UP = 0x5A51
 TAG_DOWN = 0x5A52
 
@@ -67,7 +84,10 @@ PACKET_ELEMS = (64, 256)           # the P4 program accepts 64 (one pass) or 256
 DEFAULT_SLOTS = 8192               # 16384 register entries = 8192 slot pairs (configuration.p4)
 EXP_MIN, EXP_MAX = -128, 127       # int8 exponent registers (exponents.p4)
 SIM_BURST, REAL_BURST = 1, 32      # packets per fabric message: one datagram in the sim; amortised on real fabrics
-RECV_SLACK = 4                     # real fabrics: the switch's receive holds this many bursts (see serve)
+RECV_SLACK = 4                     # real fabrics: a switch receive holds this many bursts (see switch_service)
+
+#: the program's packet counters, in the order :func:`_program` keeps them
+COUNTERS = ("packets", "malformed", "consumed", "multicast", "retransmit", "dropped", "overflow")
 
 
 @dataclass(frozen=True)
@@ -123,6 +143,75 @@ class SwitchConfig:
         return SIM_BURST if fabric.modelled_time else REAL_BURST
 
 
+# ----------------------------------------------------------------------------- the program
+@njit(cache=True, nogil=True)
+def _program(rows, values, seen, count, exponent, world, mc, uc, new, counters):  # pragma: no cover - numba
+    """Run the per-packet program (module docstring) on every row of one message, in order.
+
+    Results go to ``mc`` (multicast) and ``uc`` (unicast to the sender), rows of the same width, filled
+    from the front; ``new[i]`` marks row ``i`` as a new contribution (for the audit). Returns the
+    number of rows written to each. ``counters`` accumulates :data:`COUNTERS`."""
+    slots, elems = values.shape[0], values.shape[2]
+    nmc = 0
+    nuc = 0
+    for i in range(rows.shape[0]):
+        new[i] = 0
+        if rows[i, 0] != 1:                       # T_DATA only
+            continue
+        counters[0] += 1
+        slot, v, w, n = rows[i, 1], rows[i, 2], rows[i, 3], rows[i, 6]
+        if not (0 <= slot < slots and (v == 0 or v == 1) and 0 <= w < n <= 32
+                and (world <= 0 or n == world) and rows.shape[1] == 8 + elems):
+            counters[1] += 1                      # a parser drops what it cannot match
+            continue
+        bit = np.uint32(1) << np.uint32(w)
+        before = seen[slot, v]
+        seen[slot, v] = before | bit
+        seen[slot, 1 - v] &= ~bit
+        if before & bit == 0:
+            e = np.int8(rows[i, 7])
+            if before == 0:                       # the first writer overwrites
+                for j in range(elems):
+                    values[slot, v, j] = rows[i, 8 + j]
+                exponent[slot, v] = e
+                count[slot, v] = n - 1
+            else:
+                wrapped = False
+                for j in range(elems):
+                    s = np.int64(values[slot, v, j]) + np.int64(rows[i, 8 + j])
+                    if s > 2147483647 or s < -2147483648:
+                        wrapped = True            # hardware wraps; the workers' scale must prevent it
+                    values[slot, v, j] = s    # truncation to int32: two's-complement wrap
+                if wrapped:
+                    counters[6] += 1
+                if e > exponent[slot, v]:
+                    exponent[slot, v] = e
+                count[slot, v] -= 1
+            counters[2] += 1
+            new[i] = 1
+            if count[slot, v] == 0:
+                _reply(rows, i, values, exponent, slot, v, 2, mc, nmc)
+                nmc += 1
+                counters[3] += 1
+        elif count[slot, v] == 0:                 # duplicate after completion: the stored result
+            _reply(rows, i, values, exponent, slot, v, 3, uc, nuc)
+            nuc += 1
+            counters[4] += 1
+        else:                                     # duplicate, slot still incomplete
+            counters[5] += 1
+    return nmc, nuc
+
+
+@njit(cache=True, nogil=True)
+def _reply(rows, i, values, exponent, slot, v, kind, out, k):  # pragma: no cover - numba
+    for j in range(8):
+        out[k, j] = rows[i, j]
+    out[k, 0] = kind
+    out[k, 7] = exponent[slot, v]
+    for j in range(values.shape[2]):
+        out[k, 8 + j] = values[slot, v, j]
+
+
 class Dataplane:
     """The switch's registers and its per-packet program (see the module docstring)."""
 
@@ -144,184 +233,45 @@ class Dataplane:
     def register_shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: getattr(self, name).shape for name in ("values", "seen", "count", "exponent")}
 
-    def process(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Run the program on the packets of one message; return (rows to multicast, rows to unicast),
-        each an int32 array of shape ``(k, HEADER + elems)``.
-
-        A burst from one worker whose packets address distinct slots -- what workers send -- is
-        processed in one vectorised pass; anything else packet by packet (same result: the packets of
-        such a burst touch disjoint registers; a packet touches both sets of its slot).
-        """
-        data = rows[rows[:, F_TYPE] == T_DATA]
-        if len(data) > 1:
-            fast = self._process_burst(data)
-            if fast is not None:
-                return fast
-        mc, uc = self._process_rows(data)
-        width = rows.shape[1]
-        return (np.stack(mc) if mc else np.zeros((0, width), np.int32),
-                np.stack(uc) if uc else np.zeros((0, width), np.int32))
-
-    def _process_burst(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-        cfg = self.config
-        slot, v, w, n = (rows[:, F_SLOT].astype(np.int64), rows[:, F_SET].astype(np.int64),
-                         rows[:, F_WORKER].astype(np.int64), rows[:, F_NW].astype(np.int64))
-        if (rows.shape[1] != HEADER + cfg.elems or (w != w[0]).any() or (n != n[0]).any()
-                or not (0 <= w[0] < n[0] <= MAX_WORKERS) or (self.world is not None and n[0] != self.world)
-                or (slot < 0).any() or (slot >= cfg.slots).any()
-                or ((v != 0) & (v != 1)).any() or len(np.unique(slot)) != len(rows)):
-            return None
-        k = len(rows)
-        self.stats["packets"] += k
-        bit = np.uint32(1 << int(w[0]))
-        before = self.seen[slot, v]
-        self.seen[slot, v] = before | bit
-        self.seen[slot, 1 - v] &= ~bit
-        new = (before & bit) == 0
-        first = new & (before == 0)
-        add = new & ~first
-        vec, e = rows[:, HEADER:], rows[:, F_EXP].astype(np.int8)
-        if first.any():
-            sf, vf = slot[first], v[first]
-            self.values[sf, vf] = vec[first]
-            self.exponent[sf, vf] = e[first]
-            self.count[sf, vf] = n[0] - 1
-        if add.any():
-            sa, va = slot[add], v[add]
-            acc = self.values[sa, va]
-            va_add = vec[add]
-            wide = acc.astype(np.int64)
-            wide += va_add
-            if wide.max() > 2**31 - 1 or wide.min() < -(2**31):
-                self.stats["overflow"] += 1
-            self.values[sa, va] = acc + va_add
-            self.exponent[sa, va] = np.maximum(self.exponent[sa, va], e[add])
-            self.count[sa, va] -= 1
-        self.stats["consumed"] += int(new.sum())
+    def process(self, rows: np.ndarray, burst: int | None = None):
+        """Run the program on the packets of one message (an int32 array of rows); return (rows to
+        multicast, rows to unicast to the sender), each of shape ``(k, HEADER + elems)``. One compiled
+        call whatever the number of rows; rows of another width are all malformed. With ``burst``, each
+        is instead a list of messages of ``burst`` rows (unused rows ``T_EMPTY``), ready to send."""
+        rows = np.ascontiguousarray(rows, dtype=np.int32)
+        if rows.ndim != 2:
+            rows = rows.reshape(1, -1)
+        k, width = rows.shape
+        data = int(np.count_nonzero(rows[:, F_TYPE] == T_DATA))    # no more replies than data rows
+        cap = data if burst is None else -(-data // burst) * burst
+        mc = np.empty((cap, width), dtype=np.int32)
+        uc = np.empty((cap, width), dtype=np.int32)
+        new = np.empty(k, dtype=np.uint8)
+        counters = np.zeros(len(COUNTERS), dtype=np.int64)
+        nmc, nuc = _program(rows, self.values, self.seen, self.count, self.exponent,
+                            self.world if self.world is not None else 0, mc, uc, new, counters)
+        for name, c in zip(COUNTERS, counters.tolist()):
+            if c:
+                self.stats[name] += c
         if self.audit is not None:
-            for r in rows[new]:
-                self.audit[(int(r[F_JOB]), int(r[F_PKT]), int(w[0]))] += 1
-        done = self.count[slot, v] == 0
-        mc, uc = new & done, ~new & done
-        self.stats["multicast"] += int(mc.sum())
-        self.stats["retransmit"] += int(uc.sum())
-        self.stats["dropped"] += int((~new & ~done).sum())
-        return self._replies(rows[mc], slot[mc], v[mc], T_RESULT), self._replies(rows[uc], slot[uc], v[uc], T_RETRANSMIT)
-
-    def _replies(self, rows: np.ndarray, slot: np.ndarray, v: np.ndarray, kind: int) -> np.ndarray:
-        out = rows.copy()
-        if len(out):
-            out[:, F_TYPE] = kind
-            out[:, F_EXP] = self.exponent[slot, v]
-            out[:, HEADER:] = self.values[slot, v]
-        return out
-
-    def _process_rows(self, rows: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        mcast: list[np.ndarray] = []
-        ucast: list[np.ndarray] = []
-        k = self.config.elems
-        for row in rows:
-            if row[F_TYPE] != T_DATA:
-                continue
-            self.stats["packets"] += 1
-            slot, v, w, n = int(row[F_SLOT]), int(row[F_SET]), int(row[F_WORKER]), int(row[F_NW])
-            if not (0 <= slot < self.config.slots and v in (0, 1) and 0 <= w < n <= MAX_WORKERS
-                    and (self.world is None or n == self.world) and row.shape[0] == HEADER + k):
-                self.stats["malformed"] += 1       # a real parser drops what it cannot match
-                continue
-            bit = np.uint32(1 << w)
-            before = self.seen[slot, v]
-            self.seen[slot, v] = before | bit
-            self.seen[slot, 1 - v] &= ~bit
-            if not before & bit:
-                vec = row[HEADER:]
-                e = np.int8(row[F_EXP])
-                if before == 0:
-                    self.values[slot, v] = vec
-                    self.exponent[slot, v] = e
-                    self.count[slot, v] = n - 1
-                else:
-                    acc = self.values[slot, v]
-                    wide = acc.astype(np.int64) + vec
-                    if np.abs(wide).max() > 2**31 - 1:
-                        self.stats["overflow"] += 1    # hardware wraps; the workers' scale must prevent it
-                    acc += vec
-                    if e > self.exponent[slot, v]:
-                        self.exponent[slot, v] = e
-                    self.count[slot, v] -= 1
-                self.stats["consumed"] += 1
-                if self.audit is not None:
-                    self.audit[(int(row[F_JOB]), int(row[F_PKT]), w)] += 1
-                if self.count[slot, v] == 0:
-                    mcast.append(self._reply(row, slot, v, T_RESULT))
-                    self.stats["multicast"] += 1
-            elif self.count[slot, v] == 0:
-                ucast.append(self._reply(row, slot, v, T_RETRANSMIT))
-                self.stats["retransmit"] += 1
-            else:
-                self.stats["dropped"] += 1
-        return mcast, ucast
-
-    def _reply(self, row: np.ndarray, slot: int, v: int, kind: int) -> np.ndarray:
-        out = row.copy()
-        out[F_TYPE] = kind
-        out[F_EXP] = self.exponent[slot, v]
-        out[HEADER:] = self.values[slot, v]
-        return out
+            for r in rows[new.astype(bool)]:
+                self.audit[(int(r[F_JOB]), int(r[F_PKT]), int(r[F_WORKER]))] += 1
+        if burst is None:
+            return mc[:nmc], uc[:nuc]
+        for out, used in ((mc, nmc), (uc, nuc)):
+            out[used:-(-used // burst) * burst] = 0               # padding rows: T_EMPTY
+        return ([mc[i:i + burst] for i in range(0, nmc, burst)],
+                [uc[i:i + burst] for i in range(0, nuc, burst)])
 
     # ------------------------------------------------------------------ service loop
     def serve(self, fabric: Fabric) -> None:
-        """The switch's main loop: receive a message, run the program, multicast / unicast replies.
+        """The switch's main loop (:func:`.switch_service.serve`); returns (or lets the fabric's
+        shutdown exception propagate) when the run ends."""
+        from .switch_service import serve
 
-        Replies use ``isend`` and are never waited for on SimFabric (ports transmit in parallel);
-        on real fabrics the pending sends are reaped as they complete. Returns (or lets the fabric's
-        shutdown exception propagate) when the run ends.
-        """
-        burst = self.config.burst_for(fabric)
-        width = HEADER + self.config.elems
-        self.world = fabric.world_size
-        track = not fabric.modelled_time
-        # on real fabrics the receive has room for RECV_SLACK bursts and is zeroed first (gloo accepts a
-        # shorter message, leaving the rest untouched; unused rows read as T_EMPTY): a message of up to
-        # RECV_SLACK bursts is processed packet by packet instead of aborting the switch's process
-        rows = burst * (RECV_SLACK if track else 1)
-        buf = torch.zeros((rows, width), dtype=torch.int32)
-        arr = buf.numpy()
-        pending: deque = deque()
-        while True:
-            if track:
-                buf.zero_()
-            src = fabric.recv(buf, None, TAG_UP)
-            if not 0 <= src < self.world:        # only workers talk to the switch
-                self.stats["malformed"] += 1
-                continue
-            mcast, ucast = self.process(arr)
-            for i in range(0, len(mcast), burst):     # replies in messages of one burst each
-                msg = _pack(mcast[i:i + burst], burst, width)
-                for dst in range(self.world):
-                    w = fabric.isend(msg, dst, TAG_DOWN, reliable=False)
-                    if track:
-                        pending.append((w, msg))
-            for i in range(0, len(ucast), burst):
-                msg = _pack(ucast[i:i + burst], burst, width)
-                w = fabric.isend(msg, src, TAG_DOWN, reliable=False)
-                if track:
-                    pending.append((w, msg))
-            while pending and (len(pending) > 4 * MAX_WORKERS or pending[0][0].is_completed()):
-                pending.popleft()[0].wait()
+        serve(self, fabric)
 
 
-def _pack(rows: np.ndarray, burst: int, width: int) -> torch.Tensor:
-    out = np.zeros((burst, width), dtype=np.int32)
-    out[: len(rows)] = rows
-    return torch.from_numpy(out)
-
-
-def service_main(config: SwitchConfig) -> Callable[[Fabric], None]:
+def service_main(config: SwitchConfig):
     """A fresh dataplane's service loop, for a launcher-started switch rank."""
     return Dataplane(config).serve
-
-
-@services.registry.register("switch")
-def _switch_service(arg: str | None) -> Callable[[Fabric], None]:
-    return service_main(SwitchConfig.parse(arg))

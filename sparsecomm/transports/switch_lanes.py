@@ -1,125 +1,230 @@
 """SwitchML worker side: the self-clocked packet stream of one phase of a job, with loss recovery.
 
-Split from :mod:`.switch` (the transport: job set-up, quantisation, the control handshake); the wire
-format and the switch program are in :mod:`.switch_dataplane`.
+Split from :mod:`.switch` (the transport: job set-up, quantisation, the control round); the wire format
+and the switch program are in :mod:`.switch_dataplane`, the switch's service loops in :mod:`.switch_service`.
+
+The stream (Sapio et al., NSDI'21, Sec. 4): packet ``p`` goes on lane ``p % L`` (one switch slot per
+lane); the lane's next packet ``p + L`` is sent when ``p``'s result arrives, so the switch's results clock
+the workers. A lane whose result does not come within the timer is sent again, unchanged; the timer
+doubles after ``timeout_threshold`` expiries (as the reference client does).
+
+How results are received is the only difference between fabrics:
+
+- SimFabric (one datagram per packet, modelled loss): one blocking receive at a time, with the timer.
+- Real fabrics: an :class:`Inbox` of ``INBOX_DEPTH`` receives posted ahead from the switch, kept across
+  jobs (gloo moves a message only once its receive is posted; with receives waiting, the switch's
+  results flow as soon as they are sent), and an :class:`Uplink` thread posting the sends, at most
+  ``SEND_AHEAD`` lane windows of bursts queued.
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
+import queue
+import threading
+import time
 
 import numpy as np
 import torch
 
 from ..errors import FabricTimeout
 from .switch_dataplane import (EXP_MIN, F_EXP, F_JOB, F_NW, F_PKT, F_SET, F_SLOT, F_TYPE, F_WORKER, HEADER,
-                               T_DATA, T_RESULT, T_RETRANSMIT, TAG_DOWN, TAG_UP)
+                               T_DATA, T_EMPTY, T_RESULT, T_RETRANSMIT, TAG_DOWN, TAG_UP)
+
+#: receives a worker keeps posted from the switch (real fabrics)
+INBOX_DEPTH = 8
+#: a worker waits for its oldest send once more than this many bursts per lane window are unfinished
+SEND_AHEAD = 4
+
+
+class Uplink:
+    """The worker's sends to the switch on real fabrics, posted by a thread of their own: a gloo send
+    returns only once the socket took the message (about its transmission time on a slow link), so
+    posting from the loop would leave the link idle while the worker encodes and decodes. Messages are
+    built in a ring of ``depth`` reusable buffers (:meth:`buffer` waits for a free one: the send-ahead
+    bound); :meth:`drain` waits for every send and re-raises a send's error."""
+
+    def __init__(self, fabric, switch: int, burst: int, width: int, depth: int) -> None:
+        self.fabric, self.switch = fabric, switch
+        self.bufs = [torch.empty((burst, width), dtype=torch.int32) for _ in range(max(2, depth))]
+        self.free: queue.SimpleQueue = queue.SimpleQueue()
+        for i in range(len(self.bufs)):
+            self.free.put(i)
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="switch-uplink", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            i = self.q.get()
+            if i is None:
+                return
+            try:
+                if self.error is None:
+                    self.fabric.send(self.bufs[i], self.switch, TAG_UP, reliable=False)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by the worker's loop
+                self.error = exc
+            self.free.put(i)
+
+    def buffer(self) -> tuple[int, np.ndarray]:
+        """A free message buffer (its index and rows)."""
+        if self.error is not None:
+            raise self.error
+        i = self.free.get()
+        return i, self.bufs[i].numpy()
+
+    def put(self, i: int) -> None:
+        self.q.put(i)
+
+    def drain(self) -> None:
+        self.q.put(None)
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+
+
+class Inbox:
+    """Receives from the switch posted ahead, in a ring (real fabrics); kept across jobs, since results
+    of one job may not fill a whole ring."""
+
+    def __init__(self, fabric, switch: int, burst: int, width: int, depth: int = INBOX_DEPTH) -> None:
+        self.fabric, self.switch = fabric, switch
+        self.bufs = [torch.zeros((burst, width), dtype=torch.int32) for _ in range(depth)]
+        self.works = [fabric.irecv(b, switch, TAG_DOWN) for b in self.bufs]
+        self.i = 0
+
+    def take(self, timeout: float | None) -> np.ndarray | None:
+        """The next message's rows (valid until :meth:`release`), or ``None`` if none came in ``timeout``
+        seconds. A timed wait polls, so that the receive stays this inbox's (a fabric's timed-out
+        receive would be adopted by the next receive on the channel)."""
+        work = self.works[self.i]
+        if timeout is not None:
+            deadline = time.perf_counter() + timeout
+            delay = 2e-5
+            while not work.is_completed():
+                if time.perf_counter() >= deadline:
+                    return None
+                time.sleep(delay)
+                delay = min(2 * delay, 1e-3)
+        work.wait()
+        return self.bufs[self.i].numpy()
+
+    def release(self) -> None:
+        """Post the taken buffer's receive again."""
+        self.works[self.i] = self.fabric.irecv(self.bufs[self.i], self.switch, TAG_DOWN)
+        self.i = (self.i + 1) % len(self.bufs)
 
 
 def run_lanes(t, lane_slots: np.ndarray, P: int, pkt_base: int, payload, consume, phase: str) -> None:
-    """Self-clocked streaming of packets ``0..P-1`` of transport ``t``'s current job over
-    ``len(lane_slots)`` lanes (switch slots), with retransmission (Sapio et al., NSDI'21, Sec. 4).
+    """Stream packets ``0..P-1`` of transport ``t``'s current job over ``len(lane_slots)`` lanes.
 
-    Packet ``p`` goes on lane ``p % L``; the lane's next packet ``p + L`` is sent when ``p``'s result
-    arrives. ``payload(pkts, rows)`` fills new rows, ``consume(pkts, rows)`` takes accepted results.
-    A lane whose result does not come within ``t.timeout`` is resent (the timeout doubles after
-    ``t.timeout_threshold`` expiries, as the reference client does); one unanswered for ``t.give_up_s``
-    raises :class:`~sparsecomm.errors.FabricTimeout`. Per-phase counts land in ``t.last_info[phase]``.
+    ``payload(pkts, rows)`` fills new rows, ``consume(pkts, rows)`` takes accepted results (packet
+    numbers ascending within one call). A lane unanswered for ``t.give_up_s`` raises
+    :class:`~sparsecomm.errors.FabricTimeout`. Per-phase counts land in ``t.last_info[phase]``.
     """
     fab, st, sw = t.fabric, t._state, t.switch
     L, E, K = len(lane_slots), t.slot_elems, t.burst
     width = HEADER + E
     job, rank, n = st.job, fab.rank, fab.world_size
     lane_pkt = np.arange(L, dtype=np.int64)           # outstanding packet per lane (-1: lane done)
-    lane_rows = np.zeros((L, width), dtype=np.int32)  # what was sent, for retransmission
-    lane_deadline = np.zeros(L, dtype=np.float64)
+    timed = t.timeout is not None
+    lane_rows = np.zeros((L, width), dtype=np.int32) if timed else None   # what was sent, to resend
+    lane_deadline = np.full(L, math.inf)
     lane_first = np.zeros(L, dtype=np.float64)
     timeout, threshold, expiries = t.timeout, t.timeout_threshold, 0
     info = {"packets": 0, "retransmissions": 0, "results": 0, "ignored": 0}
-    pending: deque = deque()
+    inbox = None if t.sim else st.inbox(fab, sw, K, width)
+    uplink = None if t.sim else Uplink(fab, sw, K, width, SEND_AHEAD * max(1, -(-L // K)))
 
     def send(lanes: np.ndarray, fresh: bool) -> None:
-        if fresh:
-            pk = lane_pkt[lanes]
-            rows = np.zeros((len(lanes), width), dtype=np.int32)
-            slots = lane_slots[lanes]
-            rows[:, F_TYPE] = T_DATA
-            rows[:, F_SLOT] = slots
-            rows[:, F_SET] = st.parity[slots]
-            rows[:, F_WORKER] = rank
-            rows[:, F_PKT] = pk + pkt_base
-            rows[:, F_JOB] = job
-            rows[:, F_NW] = n
-            rows[:, F_EXP] = EXP_MIN
-            payload(pk, rows)
-            lane_rows[lanes] = rows
-        else:
-            rows = lane_rows[lanes]
-        for i in range(0, len(rows), K):
-            part = rows[i:i + K]
-            if len(part) < K:
-                part = np.concatenate([part, np.zeros((K - len(part), width), dtype=np.int32)])
-            msg = torch.from_numpy(np.ascontiguousarray(part))
-            if t.sim:       # a blocking send models the worker's NIC serialisation
-                fab.send(msg, sw, TAG_UP, reliable=False)
-            else:              # gloo sends complete only when the switch posts its receive
-                pending.append((fab.isend(msg, sw, TAG_UP, reliable=False), msg))
-                while len(pending) > 4 * max(1, L // K):
-                    pending.popleft()[0].wait()
-        now = fab.now()
-        lane_deadline[lanes] = now + (timeout if timeout is not None else math.inf)
-        if fresh:
-            lane_first[lanes] = now
+        for i in range(0, len(lanes), K):            # one message of K rows per K lanes
+            part = lanes[i:i + K]
+            m = len(part)
+            if uplink is not None:
+                slot, msg = uplink.buffer()
+            else:
+                msg = np.zeros((K, width), dtype=np.int32)
+            rows = msg[:m]
+            if fresh:
+                slots = lane_slots[part]
+                rows[:, F_TYPE] = T_DATA
+                rows[:, F_SLOT] = slots
+                rows[:, F_SET] = st.parity[slots]
+                rows[:, F_WORKER] = rank
+                rows[:, F_PKT] = lane_pkt[part] + pkt_base
+                rows[:, F_JOB] = job
+                rows[:, F_NW] = n
+                rows[:, F_EXP] = EXP_MIN
+                payload(lane_pkt[part], rows)
+                if timed:
+                    lane_rows[part] = rows
+            else:
+                rows[:] = lane_rows[part]
+            msg[m:, F_TYPE] = T_EMPTY
+            if uplink is None:     # a blocking send models the worker's NIC serialisation
+                fab.send(torch.from_numpy(msg), sw, TAG_UP, reliable=False)
+            else:
+                uplink.put(slot)
+        if timed:
+            now = fab.now()
+            lane_deadline[lanes] = now + timeout
+            if fresh:
+                lane_first[lanes] = now
         info["packets"] += len(lanes)
 
-    send(np.arange(L), True)
+    def receive(wait: float | None) -> np.ndarray | None:
+        if inbox is not None:
+            return inbox.take(wait)
+        try:
+            fab.recv(rbuf, sw, TAG_DOWN, timeout=wait)
+        except FabricTimeout:
+            if wait is None:
+                raise
+            return None
+        return rarr
+
+    def expire() -> None:
+        nonlocal timeout, threshold, expiries
+        now = fab.now()
+        expired = np.nonzero((lane_pkt >= 0) & (lane_deadline <= now + 1e-12))[0]
+        if len(expired) == 0:
+            return
+        stale = expired[now - lane_first[expired] > t.give_up_s]
+        if len(stale):
+            p = int(lane_pkt[stale[0]])
+            raise FabricTimeout(
+                f"worker {rank}: switch {phase} packet {p} of job {job} unanswered for "
+                f"{now - lane_first[stale[0]]:.3g} s despite retransmissions: a peer or the switch "
+                f"is gone, or workers disagree on pool_size / slot_elems")
+        expiries += len(expired)
+        info["retransmissions"] += len(expired)
+        send(expired, False)
+        if expiries >= threshold:            # reference client: double after a threshold
+            timeout *= 2
+            threshold += t.timeout_increment
+            expiries = 0
+
     rbuf = torch.zeros((K, width), dtype=torch.int32)
     rarr = rbuf.numpy()
+    send(np.arange(L), True)
     done = 0
     while done < P:
-        active = lane_pkt >= 0
-        try:
-            if timeout is None:   # no timer (reliable fabric): the fabric's timeout_s bounds the wait
-                fab.recv(rbuf, sw, TAG_DOWN)
-            else:
-                wait = float(lane_deadline[active].min()) - fab.now()
-                fab.recv(rbuf, sw, TAG_DOWN, timeout=max(wait, 1e-9))
-        except FabricTimeout:
-            if timeout is None:
-                raise
-            now = fab.now()
-            expired = np.nonzero(active & (lane_deadline <= now + 1e-12))[0]
-            if len(expired) == 0:
-                continue
-            stale = expired[now - lane_first[expired] > t.give_up_s]
-            if len(stale):
-                p = int(lane_pkt[stale[0]])
-                raise FabricTimeout(
-                    f"worker {rank}: switch {phase} packet {p} of job {job} unanswered for "
-                    f"{now - lane_first[stale[0]]:.3g} s despite retransmissions: a peer or the switch "
-                    f"is gone, or workers disagree on pool_size / slot_elems") from None
-            expiries += len(expired)
-            info["retransmissions"] += len(expired)
-            send(expired, False)
-            if expiries >= threshold:            # reference client: double after a threshold
-                timeout *= 2
-                threshold += t.timeout_increment
-                expiries = 0
+        wait = None
+        if timed:
+            wait = max(float(lane_deadline[lane_pkt >= 0].min()) - fab.now(), 1e-9)
+        rows = receive(wait)
+        if rows is None:
+            expire()
             continue
-        kinds = rarr[:, F_TYPE]
-        ok = ((kinds == T_RESULT) | (kinds == T_RETRANSMIT)) & (rarr[:, F_JOB] == job)
-        pk = rarr[:, F_PKT].astype(np.int64) - pkt_base
-        ok &= (pk >= 0) & (pk < P)
-        lanes = np.where(ok, pk % L, 0)
-        ok &= lane_pkt[lanes] == pk
-        info["ignored"] += int(((kinds == T_RESULT) | (kinds == T_RETRANSMIT)).sum() - ok.sum())
-        if not ok.any():
+        accepted = _accept(rows, lane_pkt, job, pkt_base, P, L, info)
+        if accepted is not None:
+            pk, lanes, good = accepted
+            consume(pk, good)
+        if inbox is not None:
+            inbox.release()
+        if accepted is None:
             continue
-        pk, lanes, rows = pk[ok], lanes[ok], rarr[ok]
-        pk, first = np.unique(pk, return_index=True)
-        lanes, rows = lanes[first], rows[first]
-        consume(pk, rows)
         done += len(pk)
         info["results"] += len(pk)
         st.parity[lane_slots[lanes]] ^= 1
@@ -128,9 +233,31 @@ def run_lanes(t, lane_slots: np.ndarray, P: int, pkt_base: int, payload, consume
         lane_pkt[lanes] = np.where(more, nxt, -1)
         if more.any():
             send(lanes[more], True)
-    while pending:
-        pending.popleft()[0].wait()
+    if uplink is not None:
+        uplink.drain()
     info["final_timeout"] = timeout
     if t.last_info.get("job") != job:
         t.last_info = {"job": job}
     t.last_info[phase] = info
+
+
+def _accept(rows: np.ndarray, lane_pkt: np.ndarray, job: int, pkt_base: int, P: int, L: int, info: dict):
+    """The results in ``rows`` for packets still outstanding: (packets ascending, their lanes, their rows),
+    or ``None``. Anything else -- a duplicate, a previous job's result, padding -- is ignored."""
+    kinds = rows[:, F_TYPE]
+    results = (kinds == T_RESULT) | (kinds == T_RETRANSMIT)
+    pk = rows[:, F_PKT].astype(np.int64) - pkt_base
+    ok = results & (rows[:, F_JOB] == job) & (pk >= 0) & (pk < P)
+    lanes = np.where(ok, pk % L, 0)
+    ok &= lane_pkt[lanes] == pk
+    info["ignored"] += int(results.sum()) - int(ok.sum())
+    if ok.all():
+        good = rows          # the common case: a full burst of fresh results, used in place
+    elif ok.any():
+        pk, lanes, good = pk[ok], lanes[ok], rows[ok]
+    else:
+        return None
+    pk, first = np.unique(pk, return_index=True)
+    if len(first) != len(good) or not (first == np.arange(len(first))).all():
+        lanes, good = lanes[first], good[first]
+    return pk, lanes, good

@@ -3,8 +3,16 @@
 Fei, Ho, Sahu, Canini, Sapio, "Efficient Sparse Collective Communication and its application to
 Accelerate Distributed Deep Learning", SIGCOMM 2021; public implementation sands-lab/omnireduce.
 
->>> t = sc.transports.get("omnireduce", ctx.fabric, block_size=256)          # doctest: +SKIP
->>> y = t.allreduce(x)      # sum over workers; only non-zero blocks travel   # doctest: +SKIP
+>>> import torch
+>>> import sparsecomm as sc
+>>> def fn(ctx):
+...     x = torch.zeros(1024)
+...     x[:256] = ctx.rank + 1.0                      # one non-zero block of four
+...     t = sc.transports.get("omnireduce", ctx.fabric, block_size=256)
+...     y = t.allreduce(x)      # sum over workers; only non-zero blocks travel
+...     return y[0].item(), y[-1].item()
+>>> sc.launch(fn, world_size=3, backend="sim")
+[(6.0, 0.0), (6.0, 0.0), (6.0, 0.0)]
 
 The tensor is cut into blocks of ``block_size`` elements; aggregators own disjoint block ranges;
 blocks are dealt into lanes, and per lane a worker sends a non-zero block together with the offset of

@@ -20,16 +20,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ...errors import SparseCommError
+from ...errors import ProtocolError, SparseCommError  # noqa: F401 (ProtocolError: re-exported)
 from ...fabric.base import Fabric
 from . import wire
 from .blocks import block_run
 from .mailbox import Inbox, Outbox, Pool
 from .wire import HDR, OK, TAG_HDR_UP, tag_down, tag_up
-
-
-class ProtocolError(SparseCommError, RuntimeError):
-    """An internal invariant of the stream broke (a bug or a corrupted message, never a user error)."""
 
 
 class AggChannel:

@@ -1,8 +1,7 @@
-"""Shared plumbing of the paper reproductions (``experiments/reproduce_*.py``): the command line, wandb,
-output folder, plotting backend, and the single-thread setting (the problems are tiny: one intra-op
-thread is faster than two and does not fight other jobs for the cores).
-
-Not a reproduction itself.
+"""What the paper reproductions (``experiments/reproduce_*.py``) share: their command line (the options of
+:func:`.cli.base_parser` plus ``--quick`` and ``--threads``), a :class:`Run` (output folder, wandb through
+:func:`.tracking.init_wandb`, progress bars) and the single-thread setting (the problems are tiny: one
+intra-op thread is faster than two and does not fight other jobs for the cores).
 """
 
 from __future__ import annotations
@@ -10,42 +9,47 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
-OUT_DEFAULT = Path(__file__).resolve().parent / "out"
+from . import cli, tracking
+
+#: default home of a reproduction's outputs: ``experiments/out/<name>`` under the working directory
+OUT_DEFAULT = tracking.OUT_ROOT
 
 
 def parser(prog: str, doc: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="a tiny version (seconds), for smoke tests")
-    p.add_argument("--out", type=Path, default=None, help=f"folder for the PNG/JSON outputs (default {OUT_DEFAULT}/<name>)")
-    p.add_argument("--seed", type=int, default=0, help="seed of data and compressors")
+    """The shared options (``--out``, ``--seed``, ``--no-progress``, ``--no-wandb``) plus ``--quick`` and
+    ``--threads``; a reproduction adds its own."""
+    p = cli.base_parser(prog, doc, out_help=f"folder for the PNG/JSON/CSV outputs (default {OUT_DEFAULT}/<name>)")
+    p.add_argument("--quick", action="store_true", help="a short version (seconds to a minute), for smoke tests")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
-    p.add_argument("--no-wandb", action="store_true", help="do not log to wandb")
     return p
 
 
 class Run:
-    """Output folder + optional wandb run; ``log`` forwards to wandb, ``save`` writes PNGs and JSON."""
+    """Output folder + optional wandb run; ``log`` forwards to wandb, ``save_figure`` writes PNGs,
+    ``progress`` wraps a loop in a progress bar, ``finish`` writes ``summary.json``."""
 
     def __init__(self, name: str, args: argparse.Namespace, config: dict[str, Any]) -> None:
-        torch.set_num_threads(max(1, int(args.threads)))
+        torch.set_num_threads(max(1, int(getattr(args, "threads", 1))))
         self.name = name
         self.out = Path(args.out) if args.out is not None else OUT_DEFAULT / name
         self.out.mkdir(parents=True, exist_ok=True)
         self.t0 = time.time()
+        self.show_progress = not getattr(args, "no_progress", False)
         self.wandb = None
-        if not args.no_wandb and os.environ.get("WANDB_MODE", "offline") != "disabled":
-            import wandb
+        if not getattr(args, "no_wandb", False):
+            self.wandb = tracking.init_wandb(name=name + ("-quick" if getattr(args, "quick", False) else ""),
+                                             group=name, config=config, wandb_dir=self.out,
+                                             job_type="reproduction")
 
-            self.wandb = wandb.init(project="sparsecomm", mode=os.environ.get("WANDB_MODE", "offline"),
-                                    name=name + ("-quick" if args.quick else ""), job_type="reproduction",
-                                    dir=str(self.out), config=config, reinit="finish_previous")
+    def progress(self, iterable: Iterable, *, desc: str, total: int | None = None) -> Iterable:
+        """``iterable`` with a progress bar on stderr (none with ``--no-progress``)."""
+        return tracking.progress(iterable, desc=f"{self.name}: {desc}", total=total, enabled=self.show_progress)
 
     def log(self, data: dict[str, Any], step: int | None = None) -> None:
         if self.wandb is not None:

@@ -1,0 +1,148 @@
+"""SwitchML worker side: what each packet of a job carries, and what each result gives back.
+
+A float job (Sapio et al., NSDI'21, Sec. 5.3; the p4app-switchML client's exponent quantizer) streams
+``P = M + L`` packets for ``M`` chunks of ``E`` elements over ``L`` lanes: packet ``p`` carries chunk
+``p``'s exponent (``p < M``) and chunk ``p - L``'s codes (``p >= L``), so each chunk's scale
+``f = (INT32_MAX / n - 1) / 2^e`` (:func:`sparsecomm.codec.scale_from_exponents`, ``e`` the maximum over
+workers that the switch returns) is known one lane window before its codes are sent. Codes are
+``q = round(x f)`` (half away from zero, the product in float64: :func:`sparsecomm.codec.to_fixed`'s rule)
+and the result is ``sum_w q_w / f`` in the job's working precision (:func:`sparsecomm.codec.from_fixed`'s
+rule), bit for bit; both run as one compiled call per message (:func:`_encode`, :func:`_decode`).
+Stochastic rounding goes through :func:`sparsecomm.codec.to_fixed` chunk by chunk (each chunk keeps its
+position in the rounding stream). An integer job ("bypass") sends its int32 values as they are.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numba import njit
+
+from .. import codec
+from ..errors import OverflowError_
+from .switch_dataplane import EXP_MAX, EXP_MIN, F_EXP, HEADER
+
+
+@njit(cache=True, nogil=True)
+def _encode(x, E, cs, at, scales, rows):  # pragma: no cover - numba
+    """``rows[at[k], HEADER:] = round(x[chunk cs[k]] * scales[cs[k]])`` (half away from zero, float64
+    product; elements past the end of ``x`` are 0); returns -1 or the index of the first element whose
+    code leaves int32 (checked per chunk, so that the element loop vectorises)."""
+    N = x.size
+    for k in range(cs.size):
+        c = cs[k]
+        s = scales[c]
+        base = c * E
+        xs = x[base:min(base + E, N)]
+        row = rows[at[k], 8:]
+        ok = True
+        for j in range(xs.size):
+            v = np.float64(xs[j]) * s
+            t = np.trunc(v)
+            d = v - t
+            t += np.float64(d >= 0.5) - np.float64(d <= -0.5)
+            ok &= (t >= -2147483648.0) & (t <= 2147483647.0)
+            row[j] = np.int32(t)
+        row[xs.size:] = 0
+        if not ok:
+            for j in range(xs.size):
+                t = np.trunc(np.float64(xs[j]) * s)
+                if not (np.abs(t) <= 2147483648.0):
+                    return base + j
+            return base
+    return -1
+
+
+@njit(cache=True, nogil=True)
+def _decode(rows, at, cs, scales, sums, out):  # pragma: no cover - numba
+    """``sums[chunk cs[k]] = rows[at[k], HEADER:]`` and ``out[chunk cs[k]] = that / scales[cs[k]]``
+    (float64 quotient, rounded once to ``out``'s dtype; ``out`` may end inside the last chunk)."""
+    N = out.size
+    E = rows.shape[1] - 8
+    for k in range(cs.size):
+        c = cs[k]
+        s = scales[c]
+        base = c * E
+        row = rows[at[k], 8:]
+        sums[base:base + E] = row
+        o = out[base:min(base + E, N)]
+        for j in range(o.size):
+            o[j] = np.float64(row[j]) / s
+
+
+_tables: dict[int, np.ndarray] = {}
+
+
+def scale_table(n: int) -> np.ndarray:
+    """``scale_from_exponents(e, n)`` for every int8 exponent ``e`` (index ``e - EXP_MIN``)."""
+    t = _tables.get(n)
+    if t is None:
+        e = torch.arange(EXP_MIN, EXP_MAX + 1, dtype=torch.int64)
+        t = _tables[n] = codec.scale_from_exponents(e, n).numpy()
+    return t
+
+
+class FloatJob:
+    """Encoder / decoder of one float job's packets (see the module docstring): the flat input ``x``, the
+    result ``out`` (may be ``x`` itself: each chunk is encoded before its result arrives), the int32
+    ``sums`` (``M E`` of them), the local exponents ``e_loc`` and ``lanes``, ``n`` workers."""
+
+    def __init__(self, x: torch.Tensor, out: torch.Tensor, sums: torch.Tensor, e_loc: np.ndarray, E: int,
+                 lanes: int, n: int, seed: int | None) -> None:
+        self.x, self.xnp, self.onp, self.snp = x, x.numpy(), out.numpy(), sums.numpy()
+        self.e_loc, self.seed, self.E = e_loc, seed, E
+        M = -(-x.numel() // E)
+        self.M, self.pre = M, lanes
+        self.packets = M + lanes
+        self.exponents = np.full(M, EXP_MIN, dtype=np.int64)
+        self.scales = np.zeros(M, dtype=np.float64)
+        self.table = scale_table(n)
+
+    def payload(self, pkts: np.ndarray, rows: np.ndarray) -> None:
+        M, pre, E = self.M, self.pre, self.E
+        rows[:, F_EXP] = np.where(pkts < M, self.e_loc[np.minimum(pkts, M - 1)], EXP_MIN)
+        head = pkts < pre
+        if head.any():                                      # exponent-only packets carry zeros
+            rows[head, HEADER:] = 0
+        at = np.flatnonzero(pkts >= pre)
+        if not len(at):
+            return
+        cs = pkts[at] - pre
+        if self.seed is None:
+            bad = _encode(self.xnp, E, cs, at, self.scales, rows)
+            if bad >= 0:
+                raise OverflowError_(f"switch allreduce: element {bad} = {float(self.xnp[bad])!r} times its "
+                                     f"chunk's agreed scale {self.scales[bad // E]!r} leaves int32")
+            return
+        for r, c in zip(at.tolist(), cs.tolist()):
+            chunk = self.x[c * E:(c + 1) * E]
+            codes = codec.to_fixed(chunk, float(self.scales[c]), chunk=E, rounding="stochastic",
+                                   seed=self.seed, offset=c * E).numpy()
+            rows[r, HEADER:HEADER + len(codes)] = codes
+            rows[r, HEADER + len(codes):] = 0
+
+    def consume(self, pkts: np.ndarray, rows: np.ndarray) -> None:
+        M, pre = self.M, self.pre
+        ex = np.flatnonzero(pkts < M)
+        if len(ex):
+            e = rows[ex, F_EXP].astype(np.int64)
+            self.exponents[pkts[ex]] = e
+            self.scales[pkts[ex]] = self.table[e - EXP_MIN]
+        at = np.flatnonzero(pkts >= pre)
+        if len(at):
+            _decode(rows, at, pkts[at] - pre, self.scales, self.snp, self.onp)
+
+
+class IntJob:
+    """Encoder / decoder of an integer ("bypass") job: int32 values as they are, one chunk per packet."""
+
+    def __init__(self, v2d: torch.Tensor) -> None:
+        self.xnp = v2d.numpy()
+        self.packets = self.M = v2d.shape[0]
+        self.sums = np.zeros(v2d.shape, dtype=np.int32)
+
+    def payload(self, pkts: np.ndarray, rows: np.ndarray) -> None:
+        rows[:, HEADER:] = self.xnp[pkts]
+
+    def consume(self, pkts: np.ndarray, rows: np.ndarray) -> None:
+        self.sums[pkts] = rows[:, HEADER:]

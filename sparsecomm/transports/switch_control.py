@@ -1,0 +1,88 @@
+"""SwitchML control round: before a job's data, every worker sends one packet on the control slot (slot 0)
+with its validity flags and the values the workers must agree on, and the switch's integer sum of them
+tells every worker the same verdict (see :mod:`.switch`, "Control round").
+
+Layout of the control packet's vector (``V_*``): non-finite flag, too-large flag, a count of 1, the
+largest magnitude (two 16-bit halves, integer jobs), then each agreement word as 4 bytes ``b`` and their
+squares: the sum over ``n`` workers agrees exactly when ``n * sum(b^2) == sum(b)^2`` for every byte
+(Cauchy-Schwarz with equality only for equal bytes). The workers' agreement header
+(:func:`._handshake.check_agreement`) goes first, so that a worker running another transport is told so
+instead of waiting for the switch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..errors import MismatchError, NonFiniteError, OverflowError_
+from ._handshake import check_agreement
+from .switch_dataplane import HEADER
+from .switch_lanes import run_lanes
+
+CONTROL_SLOT = 0
+MODE_FLOAT, MODE_INT = 1, 2
+_DTYPES = {torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16: 4, torch.int8: 5,
+           torch.int16: 6, torch.int32: 7, torch.int64: 8, torch.uint8: 9}
+_KINDS = {"tensor": 1, "dense": 1, "aligned": 2, "quantized": 3}
+_ROUNDING = {"nearest": 0, "stochastic": 1}
+
+# validity vector layout (payload of the control packet)
+V_NONFINITE, V_TOOLARGE, V_COUNT, V_CAP_HI, V_CAP_LO, V_WORDS = range(6)
+_AGREE = ("numel (low word)", "numel (high word)", "dtype / payload kind / rounding", "pool_size",
+          "slot_elems", "scale or index fingerprint")
+
+
+def control_round(t, mode: int, numel: int, dtype: torch.dtype, kind: str, fingerprint: int, *,
+                  nonfinite: bool, too_large: bool, cap: int, limit: int) -> None:
+    """The validity / agreement round on the control slot; raises the same error on every worker."""
+    # the workers' fixed-size agreement header first (as every transport exchanges it): ranks that run
+    # another transport get a MismatchError naming both sides instead of a wait for packets that never
+    # come; the values the control round checks (numel, dtype, kind, scale) are not repeated here
+    check_agreement(t.fabric, "switch allreduce", transport="switch", switch=t.switch,
+                    slot_elems=t.slot_elems, burst=t.burst, pool_size=t.pool_size)
+    st = t._state
+    st.job = (st.job + 1) % (2**31 - 1)
+    words = [numel & 0xFFFFFFFF, (numel >> 32) & 0xFFFFFFFF,
+             (mode << 16) | (_DTYPES.get(dtype, 0) << 8) | (_KINDS[kind] << 4) | _ROUNDING[t.rounding],
+             t.pool_size, t.slot_elems, fingerprint & 0xFFFFFFFF]
+    vec = np.zeros(t.slot_elems, dtype=np.int32)
+    vec[V_NONFINITE], vec[V_TOOLARGE], vec[V_COUNT] = int(nonfinite), int(too_large), 1
+    vec[V_CAP_HI], vec[V_CAP_LO] = cap >> 16, cap & 0xFFFF
+    b = np.array([[(w >> (8 * i)) & 0xFF for i in range(4)] for w in words], dtype=np.int64).reshape(-1)
+    enc = np.stack([b, b * b], axis=1).reshape(-1)
+    vec[V_WORDS:V_WORDS + enc.size] = enc
+    agg = {}
+
+    def payload(pkts: np.ndarray, rows: np.ndarray) -> None:
+        rows[:, HEADER:] = vec
+
+    def consume(pkts: np.ndarray, rows: np.ndarray) -> None:
+        agg["v"] = rows[0, HEADER:].astype(np.int64)
+
+    run_lanes(t, np.array([CONTROL_SLOT]), 1, -1, payload, consume, "control")
+    a = agg["v"]
+    n = t.fabric.world_size
+    if a[V_COUNT] != n:
+        raise MismatchError(f"switch control round counted {a[V_COUNT]} workers, expected {n}")
+    s = a[V_WORDS:V_WORDS + enc.size].reshape(len(words), 4, 2)
+    differ = [_AGREE[i] for i in range(len(words))
+              if any(n * s[i, j, 1] != s[i, j, 0] ** 2 for j in range(4))]
+    if differ:
+        raise MismatchError(
+            f"switch allreduce: workers disagree on {', '.join(differ)}; every worker must pass a "
+            f"tensor/payload of the same shape, dtype and kind (and the same transport settings)")
+    if a[V_NONFINITE]:
+        raise NonFiniteError(
+            f"switch allreduce: {a[V_NONFINITE]} of {n} workers hold NaN or Inf values; the switch "
+            f"sums fixed-point integers and cannot carry them")
+    if a[V_TOOLARGE]:
+        what = (f"a magnitude >= 2^{t.max_exponent} (max_exponent), past which the chunk's fixed-point "
+                f"quantum (n 2^(e-31)) would round every ordinary value of the chunk to zero"
+                if mode == MODE_FLOAT else "an integer that does not fit in int32")
+        raise OverflowError_(f"switch allreduce: {a[V_TOOLARGE]} of {n} workers hold {what}")
+    total = int(a[V_CAP_HI]) * 65536 + int(a[V_CAP_LO])
+    if mode == MODE_INT and total > limit:
+        raise OverflowError_(
+            f"switch allreduce: the workers' largest |values| add up to {total} > {limit}; the "
+            f"switch's integer sum could overflow (it would wrap), so nothing was sent")

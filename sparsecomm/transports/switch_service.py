@@ -1,0 +1,149 @@
+"""How packets reach the switch program (:mod:`.switch_dataplane`) and its results leave: the service loops.
+
+**SimFabric** (one datagram per packet, modelled time): one loop receives a packet from any port, runs the
+program and replies with ``isend`` that it never waits for, so the per-port links transmit in parallel.
+
+**Real fabrics** (gloo over TCP; a message carries ``burst`` packets): a software switch with one receive
+thread per port, as a multi-queue NIC gives each port its own RX ring. Each port keeps ``PORT_DEPTH``
+receives posted from its worker (gloo moves a message only once the receiver has posted for it, so a
+receive posted ahead lets the worker's next burst flow at once, with no round trip), runs the program on
+each burst as it arrives (one compiled call, under the lock of the shared registers; the rest of the
+loop runs while another port holds it) and queues the replies on the egress ports. Each egress port is a
+thread sending its queue in order: a gloo send returns only once the socket took the message (about its
+transmission time on a slow link), so a multicast sent from the receive thread would serialise the n
+copies; on their own threads the ports transmit in parallel. A port with a full queue drops further replies, as a full egress queue does (SwitchML's retransmission recovers a dropped result when
+a timer is set; only a worker that stops receiving can fill it: the queue holds every result a worker
+can be waiting for, one per slot and set, plus ``EGRESS_CAP``). Ports never wait for each other: a
+worker that sends more or fewer messages than the others (retransmissions, forged packets) cannot hold
+the other ports back, which a single loop taking the ports in turn would.
+
+A message longer than the switch's receive is beyond reach: gloo aborts the receiving process on it, and
+torch.distributed offers no receive of unknown size. So every switch receive holds ``RECV_SLACK`` bursts,
+its type column reset to ``T_EMPTY`` before it is posted again (gloo accepts a shorter message, leaving the
+rest untouched): a message of up to ``RECV_SLACK`` bursts is processed packet by packet; only a longer
+one, which no worker of this library sends, would abort it.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Callable
+
+import torch
+
+from ..fabric import services
+from ..fabric.base import Fabric
+from .switch_dataplane import F_TYPE, HEADER, RECV_SLACK, T_EMPTY, TAG_DOWN, TAG_UP, Dataplane, SwitchConfig
+
+#: receives each port keeps posted from its worker (real fabrics)
+PORT_DEPTH = 8
+#: replies a port may have queued before it drops, beyond the most a worker can await (real fabrics)
+EGRESS_CAP = 64
+
+
+def serve(dp: Dataplane, fabric: Fabric) -> None:
+    """The switch's main loop on ``fabric`` until the run ends (the fabric's shutdown exception)."""
+    dp.world = fabric.world_size
+    if fabric.modelled_time:
+        _serve_datagrams(dp, fabric)
+    else:
+        _serve_ports(dp, fabric)
+
+
+# ----------------------------------------------------------------------------- SimFabric
+def _serve_datagrams(dp: Dataplane, fabric: Fabric) -> None:
+    burst = dp.config.burst_for(fabric)
+    buf = torch.zeros((burst, HEADER + dp.config.elems), dtype=torch.int32)
+    arr = buf.numpy()
+    while True:
+        src = fabric.recv(buf, None, TAG_UP)
+        if not 0 <= src < dp.world:        # only workers talk to the switch
+            dp.stats["malformed"] += 1
+            continue
+        mcast, ucast = dp.process(arr, burst)
+        for msg in mcast:
+            msg = torch.from_numpy(msg)
+            for dst in range(dp.world):
+                fabric.isend(msg, dst, TAG_DOWN, reliable=False)
+        for msg in ucast:
+            fabric.isend(torch.from_numpy(msg), src, TAG_DOWN, reliable=False)
+
+
+# ----------------------------------------------------------------------------- real fabrics
+class _Egress:
+    """One output port: a thread sends the queued replies in order (a gloo send returns only once the
+    socket took the message, about its transmission time on a slow link, so each port sends on its own
+    thread and the ports transmit in parallel); past ``cap`` queued replies the port drops."""
+
+    def __init__(self, fabric: Fabric, dst: int, cap: int, failures: list) -> None:
+        self.fabric, self.dst, self.cap, self.failures = fabric, dst, cap, failures
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
+        self.dropped = 0
+        self.thread = threading.Thread(target=self._run, name=f"switch-egress-{dst}", daemon=True)
+        self.thread.start()
+
+    def send(self, msg: torch.Tensor) -> None:
+        if self.q.qsize() >= self.cap:
+            self.dropped += 1
+            return
+        self.q.put(msg)
+
+    def _run(self) -> None:
+        while True:
+            msg = self.q.get()
+            if msg is None:
+                return
+            try:
+                self.fabric.send(msg, self.dst, TAG_DOWN, reliable=False)
+            except BaseException as exc:  # noqa: BLE001 - handed to the service's main thread
+                self.failures.append(exc)
+                return
+
+
+def _serve_ports(dp: Dataplane, fabric: Fabric) -> None:
+    n, burst = dp.world, dp.config.burst_for(fabric)
+    width = HEADER + dp.config.elems
+    registers = threading.Lock()
+    failures: list[BaseException] = []
+    # a worker awaits at most one result per slot and set: that many replies, plus EGRESS_CAP, never drop
+    cap = -(-2 * dp.config.slots // burst) + EGRESS_CAP
+    egress = [_Egress(fabric, dst, cap, failures) for dst in range(n)]
+
+    def port(w: int) -> None:
+        try:
+            bufs = [torch.zeros((burst * RECV_SLACK, width), dtype=torch.int32) for _ in range(PORT_DEPTH)]
+            works = [fabric.irecv(b, w, TAG_UP) for b in bufs]
+            i = 0
+            while not failures:
+                works[i].wait()
+                arr = bufs[i].numpy()
+                with registers:
+                    mcast, ucast = dp.process(arr, burst)
+                arr[:, F_TYPE] = T_EMPTY
+                works[i] = fabric.irecv(bufs[i], w, TAG_UP)
+                i = (i + 1) % PORT_DEPTH
+                for msg in mcast:
+                    msg = torch.from_numpy(msg)
+                    for e in egress:
+                        e.send(msg)
+                for msg in ucast:
+                    egress[w].send(torch.from_numpy(msg))
+        except BaseException as exc:  # noqa: BLE001 - handed to the service's main thread
+            failures.append(exc)
+
+    threads = [threading.Thread(target=port, args=(w,), name=f"switch-port-{w}", daemon=True) for w in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for e in egress:
+        e.q.put(None)
+    raise failures[0]
+
+
+@services.registry.register("switch")
+def _switch_service(arg: str | None) -> Callable[[Fabric], None]:
+    from .switch_dataplane import service_main
+
+    return service_main(SwitchConfig.parse(arg))
