@@ -1,4 +1,4 @@
-"""The methods of issue 18 (signsgd, signum, onebit, dgc, powersgd) on every transport the pipeline
+"""The methods with their own operator (signsgd, signum, onebit, dgc, powersgd) on every transport the pipeline
 accepts for them: the ledger's bytes against the declared bits scaled to the transport
 (``compression_stats()["sent_over_declared"]``) are 1.00x plus headers where the wire carries the
 declared bits, and the documented factor where it cannot (``CANNOT``); ``auto`` picks a pair that can."""

@@ -1,6 +1,6 @@
-"""signSGD's majority vote on the wire (issue 18): the ring sums the votes as int8 partial sums (not
-int32: 8x the declared bit per coordinate, not 32x), widening only when n needs it; allgather ships the
-signs packed, as declared; ``auto`` takes the cheaper; ``compression_stats()`` reports both figures."""
+"""signSGD's majority vote on the wire: the ring sums the votes as int8 partial sums (8x the declared bit
+per coordinate), widening only when n needs it; allgather ships the signs packed, as declared; ``auto``
+takes the cheaper; ``compression_stats()`` reports both figures."""
 
 from __future__ import annotations
 
