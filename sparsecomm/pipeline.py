@@ -185,8 +185,9 @@ def _auto_transport(method: Method, fabric: Fabric) -> str:
     """The first of ``AUTO_ORDER`` that carries the payload, steered by bytes on the wire: scattered
     ``sparse`` payloads go to allgather (through omnireduce each value costs a whole block: ~46x the
     declared bytes for top-k 1%); payloads whose values travel packed only where no sum is formed on
-    the wire (``packed_values``: natural compression, 9 of 32 bits) go to allgather while its
-    ``(n-1)`` packed copies cost less than a ring's ``2 (n-1)/n`` unpacked ones."""
+    the wire (``packed_values``: natural compression, 9 of 32 bits; majority-vote signs, 1 bit against
+    the ring's int8 partial sums, ``sum_bits``) go to allgather while its ``(n-1)`` packed copies cost
+    less than a ring's ``2 (n-1)/n`` unpacked ones."""
     comp = method.compressor
     kind, shared = _payload_traits(comp)
     order = list(AUTO_ORDER)
@@ -197,7 +198,8 @@ def _auto_transport(method: Method, fabric: Fabric) -> str:
     elif getattr(comp, "packed_values", False) and n > 1:
         probe = 1 << 20
         packed = comp.bits(probe, torch.float32) / probe
-        if (n - 1) * packed < 2.0 * (n - 1) / n * 32:
+        summed = comp.sum_bits(n) if hasattr(comp, "sum_bits") else 32    # a summing transport's unit
+        if (n - 1) * packed < 2.0 * (n - 1) / n * summed:
             order.remove("allgather")
             order.insert(0, "allgather")
     if kind == "dense" and fabric.native_group is not None and order[0] != "allgather":

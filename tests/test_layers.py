@@ -240,9 +240,6 @@ def test_no_layer_asks_for_a_concrete_fabric():
 #: modules over the limit whose split belongs to another change in flight (owner in the comment); the list
 #: only shrinks: an entry that is no longer too long fails :func:`test_the_long_module_list_is_current`
 LONG_PENDING = {
-    "sparsecomm/codec/bits.py",                        # codec (#18)
-    "sparsecomm/codec/_kernels.py",                    # codec (#18)
-    "sparsecomm/codec/blocks.py",                      # codec (#18)
     "sparsecomm/optim.py",                             # training (#16: pure method state)
     "sparsecomm/pipeline.py",                          # training (#16: pure method state)
     "sparsecomm/transports/sparse_switch.py",          # switch (#14)

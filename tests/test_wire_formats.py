@@ -81,7 +81,7 @@ def test_natural_round_trip(n, seed, dt):
 
 
 def test_fast_paths_cover_whole_words_and_blocks():
-    """Lengths past the 8-code words and 64-code blocks of the Numba fast paths, with tails."""
+    """Lengths past the 8-code words and 4096-code lane blocks of the Numba fast paths, with tails."""
     g = torch.Generator().manual_seed(3)
     for n in (64 * 37 + 13, 8 * 1001 + 5):
         for k in range(1, 9):

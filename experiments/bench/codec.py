@@ -3,10 +3,11 @@
     python -m experiments.bench.codec [--n 25600000] [--block 256] [--repeats 11] [--dtype float32]
                                       [--cache cold|warm] [--backend auto|numba|torch]
     python -m experiments.bench.codec --small          # smoke run: n = 1M, 3 repeats (about a second)
-    python -m experiments.bench.codec --bits [--small]  # bit packing of codes (sparsecomm.codec.bits)
+    python -m experiments.bench.codec --bits [--small] [--stat median|min] [--clock wall|thread]  # codec.bits
 
 ``--bits`` times the wire encodings of :mod:`sparsecomm.codec.bits` instead, side by side with
-``numpy.copyto`` of the unpacked buffer (int8 codes, or float32 values for natural compression), each
+``numpy.copyto`` of the unpacked buffer (int8 codes for k <= 8, int16 for k = 9..16, float32 values for
+natural compression), every width 1..9, 12, 15, 16 and natural float32, each
 round-robin and cold as below: pack (codes -> bits) and unpack (bits -> codes) through the public API
 (output allocated per call, as a transport does) and the Numba kernel alone into a preallocated buffer.
 ``x copy`` = copyto time / operation time; bytes processed = the unpacked buffer's bytes in both
@@ -67,21 +68,22 @@ TARGET = 0.8
 _SCRATCH_BYTES = 96 * 2**20  # read before every cold call: 3x the 32 MiB L3 of the reference machine
 
 
-def _medians(fns: dict, repeats: int, before: dict) -> dict:
+def _medians(fns: dict, repeats: int, before: dict, stat=np.median, clock=time.perf_counter) -> dict:
     """Median wall time of each function, timed round-robin (copyto, scan, pack, ...; one run of each
     per round, so that all of them see the same machine load), ``before[k]`` run untimed just
     before each timed call of ``fns[k]``. One untimed warm-up call of each first (JIT/cache load,
-    page faults)."""
+    page faults). ``clock=time.thread_time``: CPU time of this thread instead (a call that the
+    scheduler preempts on a loaded machine is not charged for the wait; memory contention still is)."""
     for fn in fns.values():
         fn()
     times = {k: [] for k in fns}
     for _ in range(repeats):
         for k, fn in fns.items():
             before[k]()
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            times[k].append(time.perf_counter() - t0)
-    return {k: float(np.median(v)) for k, v in times.items()}
+            times[k].append(clock() - t0)
+    return {k: float(stat(v)) for k, v in times.items()}
 
 
 def _cold_before(primes: dict) -> dict:
@@ -247,28 +249,36 @@ def run(
     return rows
 
 
-def run_bits(n: int, repeats: int, cache: str = "cold", seed: int = 0) -> list[dict]:
+def run_bits(n: int, repeats: int, cache: str = "cold", seed: int = 0, stat: str = "median",
+             clock: str = "wall") -> list[dict]:
     """Pack / unpack of the wire encodings against numpy.copyto of the unpacked buffer (see the module
-    docstring); round trips are checked bit for bit first."""
+    docstring); round trips are checked bit for bit first. ``stat="min"``: the fastest of the interleaved
+    runs of each function, an estimate of its uncontended time on a loaded machine; ``clock="thread"``:
+    this thread's CPU time, not wall time (preemption by other processes is not charged)."""
+    from sparsecomm.codec import _bitkernels as K
     from sparsecomm.codec import bits as B
 
     print(f"machine: {_cpu_model()}, {os.cpu_count()} cores; torch {torch.__version__}, numpy {np.__version__}")
-    print(f"n={n} codes, cache={cache}, median of {repeats}; reference: numpy.copyto of the unpacked buffer "
-          f"(int8 codes: {n / 1e6:.1f} MB; float32 values: {4 * n / 1e6:.1f} MB), timed in the same run")
+    print(f"n={n} codes, cache={cache}, {stat} of {repeats}, {clock} clock; reference: numpy.copyto of the unpacked buffer "
+          f"(int8 codes: {n / 1e6:.1f} MB; int16 codes: {2 * n / 1e6:.1f} MB; float32 values: {4 * n / 1e6:.1f} MB), "
+          f"timed in the same run")
+    n -= n % B.BLOCK_CODES    # whole blocks: the kernels alone are timed on the whole buffer
     g = torch.Generator().manual_seed(seed)
     cases = []
-    for label, k, lo, hi in (("signs (1 bit)", 1, -1, 2), ("k=2 (terngrad)", 2, -1, 2),
-                             ("k=3 (qsgd s=2,3)", 3, -3, 4), ("k=4 (qsgd s=4..7)", 4, -7, 8),
-                             ("k=7 (fp16 natural)", 7, -63, 64), ("k=8", 8, -127, 128)):
-        c = torch.randint(lo, hi, (n,), generator=g).to(torch.int8)
+    for label, k in (("signs (1 bit)", 1), ("k=2 (terngrad)", 2), ("k=3 (qsgd s=2,3)", 3), ("k=4 (qsgd s=4..7)", 4),
+                     ("k=5 (qsgd s=8..15)", 5), ("k=6 (qsgd s=16..31)", 6), ("k=7 (fp16 natural)", 7),
+                     ("k=8 (= copyto)", 8), ("k=9 int16 (qsgd s=128+)", 9), ("k=12 int16 (f64 natural)", 12),
+                     ("k=15 int16", 15), ("k=16 int16 (= copyto)", 16)):
+        c = torch.randint(-(1 << (k - 1)), 1 << (k - 1), (n,), generator=g).to(torch.int8 if k <= 8 else torch.int16)
         if k == 1:
             c = torch.where(c == 0, torch.ones_like(c), c)
         cases.append((label, k, c))
     vals = torch.ldexp(torch.ones(n), torch.randint(-30, 30, (n,), generator=g)) * \
         (torch.randint(0, 2, (n,), generator=g) * 2 - 1)
     rows = []
-    head = (f"{'encoding':>20} | {'wire MB':>7} | {'copyto ms':>9} | {'pack ms':>8} {'x copy':>6} | "
-            f"{'kernel ms':>9} {'x copy':>6} | {'unpack ms':>9} {'x copy':>6} | {'kernel ms':>9} {'x copy':>6} | target")
+    head = (f"{'encoding':>24} | {'wire MB':>7} | {'copyto ms':>9} | {'pack ms':>8} {'x copy':>6} | "
+            f"{'kernel ms':>9} {'x copy':>6} | {'unpack ms':>9} {'x copy':>6} | {'kernel ms':>9} {'x copy':>6} "
+            f"| target")
     print()
     print(head)
     print("-" * len(head))
@@ -279,7 +289,7 @@ def run_bits(n: int, repeats: int, cache: str = "cold", seed: int = 0) -> list[d
         elif k == 1:
             pk, up = (lambda: B.pack_signs(c)), (lambda: B.unpack_signs(packed, n))
         else:
-            pk, up = (lambda: B.pack_bits(c, k)), (lambda: B.unpack_bits(packed, n, k))
+            pk, up = (lambda: B.pack_bits(c, k)), (lambda: B.unpack_bits(packed, n, k, dtype=c.dtype))
         packed = pk()
         back = up()
         if not torch.equal(back.view(torch.int32) if nat else back, vals.view(torch.int32) if nat else c):
@@ -289,39 +299,40 @@ def run_bits(n: int, repeats: int, cache: str = "cold", seed: int = 0) -> list[d
         pbuf = np.empty(packed.numel(), dtype=np.uint8)
         ubuf = np.empty_like(src)
         pn = packed.numpy()
+        w = 0 if nat else B.lane_width(k)
         if nat:
-            kpack = lambda: B._natural32_pack(src.view(np.int32), pbuf)  # noqa: E731
-            kunpack = lambda: B._natural32_unpack(pn, ubuf.view(np.int32))  # noqa: E731
+            kpack = lambda: K.natural32_pack(src.view(np.int32), pbuf)  # noqa: E731
+            kunpack = lambda: K.natural32_unpack(pn, ubuf.view(np.int32))  # noqa: E731
         elif k == 1:
-            kpack = lambda: B._sign_words(src.view(np.uint64), pbuf)  # noqa: E731
-            kunpack = lambda: B._unpack_signs_words(pn, ubuf)  # noqa: E731
+            kpack = lambda: K.sign_words(src.view(np.uint64), pbuf)  # noqa: E731
+            kunpack = lambda: K.unpack_signs_words(pn, ubuf)  # noqa: E731
         elif k in (2, 4):
-            kpack = lambda: B._pack_words(src.view(np.uint64), k, pbuf)  # noqa: E731
-            kunpack = lambda: B._unpack_words(pn, k, True, ubuf)  # noqa: E731
-        elif k == 8:
+            kpack = lambda: K.pack_words(src.view(np.uint64), k, pbuf)  # noqa: E731
+            kunpack = lambda: K.unpack_words(pn, k, True, ubuf)  # noqa: E731
+        elif k in (8, 16):
             kpack = lambda: np.copyto(pbuf, src.view(np.uint8))  # noqa: E731
             kunpack = lambda: np.copyto(ubuf.view(np.uint8), pn)  # noqa: E731
         else:
-            kpack = lambda: B._pack_words(src.view(np.uint64), k, pbuf)  # noqa: E731
-            nb64 = n // 64
-            kunpack = lambda: B._unpack_mid(pn[: 8 * k * nb64].view(np.uint64), k, True,  # noqa: E731
-                                            ubuf[: 64 * nb64].view(np.uint64))
+            kpack = lambda: K.pack_lanes(src.view(np.uint64), k, w, pbuf.view(np.uint64))  # noqa: E731
+            kunpack = lambda: K.unpack_lanes(pn.view(np.uint64), k, w, True, ubuf.view(np.uint64))  # noqa: E731
         fns = {"copy": lambda: np.copyto(dst, src), "pack": pk, "kpack": kpack, "unpack": up, "kunpack": kunpack}
         tiny = {name: (lambda: None) for name in fns}
         before = _cold_before(tiny) if cache == "cold" else fns
-        t = _medians(fns, repeats, before)
+        t = _medians(fns, repeats, before, np.min if stat == "min" else np.median,
+                     time.thread_time if clock == "thread" else time.perf_counter)
         r = dict(encoding=label, wire_mb=packed.numel() / 1e6, copy_ms=t["copy"] * 1e3,
                  **{f"{key}_ms": t[key] * 1e3 for key in ("pack", "kpack", "unpack", "kunpack")},
                  **{f"{key}_x": t["copy"] / t[key] for key in ("pack", "kpack", "unpack", "kunpack")})
         r["ok"] = min(r["kpack_x"], r["kunpack_x"]) >= TARGET
         rows.append(r)
-        print(f"{label:>20} | {r['wire_mb']:>7.2f} | {r['copy_ms']:>9.2f} | {r['pack_ms']:>8.2f} {r['pack_x']:>6.2f} | "
+        print(f"{label:>24} | {r['wire_mb']:>7.2f} | {r['copy_ms']:>9.2f} | {r['pack_ms']:>8.2f} {r['pack_x']:>6.2f} | "
               f"{r['kpack_ms']:>9.2f} {r['kpack_x']:>6.2f} | {r['unpack_ms']:>9.2f} {r['unpack_x']:>6.2f} | "
               f"{r['kunpack_ms']:>9.2f} {r['kunpack_x']:>6.2f} | {'ok' if r['ok'] else 'BELOW'}")
     print()
-    print("x copy = copyto time / operation time (the same unpacked buffer). pack/unpack: the public API, "
-          "output allocated per call; kernel: the Numba kernel into a preallocated buffer. Target: kernel "
-          f"x copy >= {TARGET}.")
+    print("x copy = copyto time / operation time (the same unpacked buffer: int8 codes for k <= 8, int16 for "
+          "k > 8, float32 for natural). pack/unpack: the public API, output allocated per call; kernel: the "
+          f"Numba kernel into a preallocated buffer. Target: kernel x copy >= {TARGET}. The k=8 and k=16 "
+          "rows are copyto itself: their spread is the noise of the machine.")
     return rows
 
 
@@ -337,11 +348,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cache", choices=["cold", "warm"], default="cold", help="cache state of each timed call")
     p.add_argument("--small", action="store_true", help="smoke run: n=1M, 3 repeats (about a second)")
     p.add_argument("--bits", action="store_true", help="time the wire bit packing (codec.bits) instead")
+    p.add_argument("--stat", choices=["median", "min"], default="median",
+                   help="--bits: median of the interleaved runs, or their minimum (uncontended estimate under load)")
+    p.add_argument("--clock", choices=["wall", "thread"], default="wall",
+                   help="--bits: wall time, or this thread's CPU time (not charged for preemption under load)")
     a = p.parse_args(argv)
     if a.small:
         a.n, a.repeats = 1_000_000, 3
     if a.bits:
-        run_bits(a.n, a.repeats, a.cache, a.seed)
+        run_bits(a.n, a.repeats, a.cache, a.seed, a.stat, a.clock)
         return
     densities = [float(d) for d in a.densities.split(",")]
     run(a.n, a.block, a.repeats, getattr(torch, a.dtype), densities, a.seed, a.backend, a.cache)

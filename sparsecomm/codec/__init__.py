@@ -1,7 +1,8 @@
 """The block codec: Numba kernels (CPU) with an equivalent torch-ops path (CUDA, non-contiguous,
 float16/bfloat16) for the encodings the sparse and in-network transports put on the wire.
 
-Block sparsity (OmniReduce, Fei et al., SIGCOMM'21) -- :mod:`sparsecomm.codec.blocks`::
+Block sparsity (OmniReduce, Fei et al., SIGCOMM'21) -- :mod:`sparsecomm.codec.blocks` (mask formats and
+look-ahead: :mod:`sparsecomm.codec.masks`)::
 
     mask = nonzero_blocks(x, block_size)                 # bool per block: holds a non-zero (NaN/Inf too)
     packed = pack_blocks(x, mask, block_size)            # selected blocks, concatenated (last one short)

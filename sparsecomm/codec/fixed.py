@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from ..errors import NonFiniteError, OverflowError_
+from . import _fixedkernels as KF
 from . import _kernels as K
 from ._common import BITS, NUMBA_FLOATS, NUMBA_INTS, CodecError, as_np, check_float, use_numba
 
@@ -179,7 +180,7 @@ def to_fixed(
     if use_numba(backend, x.dtype in NUMBA_FLOATS, x):
         q = torch.empty(n, dtype=dtype)
         xs = as_np(x)
-        bad = K.quantize(xs, as_np(s.contiguous()), chunk, stochastic, np.uint64(key), offset, lo, hi, as_np(q))
+        bad = KF.quantize(xs, as_np(s.contiguous()), chunk, stochastic, np.uint64(key), offset, lo, hi, as_np(q))
         if bad >= 0:
             _raise_quantize(float(xs[bad]), bad, float(s[min(bad // chunk, s.numel() - 1)]), dtype)
         return q
@@ -327,7 +328,7 @@ def checked_add_(acc: torch.Tensor, x: torch.Tensor, *, backend: str = "auto") -
     info = torch.iinfo(acc.dtype)
     if use_numba(backend, True, acc, x):
         a, b = as_np(acc), as_np(x)
-        bad = K.checked_add(a, b, info.min, info.max)
+        bad = KF.checked_add(a, b, info.min, info.max)
         if bad >= 0:
             _raise_add(int(a[bad]), int(b[bad]), bad, acc.dtype)
         return acc

@@ -17,8 +17,8 @@ import math
 import numpy as np
 from numba import njit
 
-from ..codec._kernels import _GOLDEN as _GAMMA
-from ..codec._kernels import counter_bits as _bits
+from ..codec._fixedkernels import _GOLDEN as _GAMMA
+from ..codec._fixedkernels import counter_bits as _bits
 
 _U11 = np.uint64(11)
 _U12 = np.uint64(12)

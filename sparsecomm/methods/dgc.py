@@ -1,7 +1,7 @@
 """``dgc``: Deep Gradient Compression (Lin, Han, Mao, Wang, Dally, ICLR 2018). Worker i keeps the
 momentum u_i and the accumulation v_i (both 0 at first)::
 
-    local clipping:       g <- g min(1, (clip_norm / sqrt(n)) / ||g||)          (if clip_norm is set)
+    local clipping:       g <- g min(1, (clip_norm N^(-1/2)) / ||g||)           (if clip_norm is set)
     momentum correction:  u <- m u + g;   v <- v + u
     sampled threshold:    t = the ceil(keep s)-th largest |v_j| of s sampled entries
     send                  v_j for |v_j| >= t (at most k = round(keep d): the k largest of them)
@@ -10,9 +10,18 @@ momentum u_i and the accumulation v_i (both 0 at first)::
 The momentum lives here, so the inner optimizer must be momentum-free SGD (the update is the sum of
 the sent accumulated velocities). ``keep`` follows the warm-up ``theory.dgc_keep`` (1/4, 1/16,
 1/64, 1/256 over ``warmup_steps``, then ``ratio``, 0.1% in the paper); s = ``theory.dgc_sample_size``
-entries drawn uniformly with the worker's own generator. Local clipping scales a global norm limit
-by n^(-1/2), a worker's share of it when the n gradients are alike (§3.3); n is the pipeline's
-``world_size``.
+entries drawn uniformly with the worker's own generator.
+
+Local gradient clipping (§3.2 of the paper, arXiv:1712.01887, "Local Gradient Clipping", part of
+"Improving the local gradient accumulation"; checked against the paper's text): each worker clips its
+own gradient *before* adding it to its accumulation (here: before the momentum correction), and the
+norm threshold is scaled by N^(-1/2), which the paper calls the worker's share of the global
+threshold if all N workers' gradients were identically distributed (derived: the norm of a sum of N
+such independent zero-mean gradients grows as sqrt(N)). N is the pipeline's ``world_size``. The norm
+is that of the tensor this method sees for one key (a bucket or a parameter), as the authors'
+released code clips each named tensor in its momentum-correction memory
+(github.com/synxlin/deep-gradient-compression, ``dgc/memory.py``, ``dgc/clip_grad.py``).
+
 An exact round (warm-up) sends v whole without masking u: dense momentum SGD. The payload is
 ``sparse`` (worker-specific positions): allgather or omnireduce.
 """

@@ -6,7 +6,16 @@ with majority vote is communication efficient and fault tolerant", ICLR 2019)::
 
 The messages are ``quantized`` codes in {-1, +1} with the *shared* scale 1 (``VoteSign``), so ring,
 omnireduce, switch and native sum them exactly as integers: the vote happens in the network, and
-the sum of n one-bit codes needs only ceil(log2(n+1)) + 1 bits. The estimate's magnitude is 1 per
+the sum of n one-bit codes needs only ceil(log2(n+1)) + 1 bits.
+
+Bytes on the wire (the declared bits count 1 per coordinate): ``allgather`` ships each worker's signs
+packed, 1 bit each, (n-1) copies received per worker, as declared. A summing transport carries partial
+sums of up to n votes, which no 1-bit unit holds: the ring sends them in the narrowest integer dtype
+that holds n (int8 up to 127 workers, then int16: ``VoteSign.sum_bits``), 2 (n-1)/n copies of 8 bits
+per coordinate, i.e. 8x the declared bits, which ``compression_stats()`` reports as ``sent_over_declared``
+(omnireduce: int8 blocks, also ~8x; the switch: 32-bit fixed point per vote, ~36x with packet headers).
+``transport="auto"`` takes the cheaper of the two: allgather while (n - 1) x 1 bit < 2 (n-1)/n x 8 bits,
+i.e. for n < 16 workers, the ring beyond. The estimate's magnitude is 1 per
 coordinate: the learning rate sets the step (the paper's x <- x - lr sign(sum_i sign(g_i))). If each
 worker's sign is wrong with probability p < 1/2, independently, the vote is wrong with probability
 ``theory.majority_vote_error(n, p)``, which falls exponentially in n. Stateless. An exact round
@@ -30,6 +39,15 @@ class VoteSign(Compressor):
     """sign(x) as int8 codes with the shared scale 1 (a ``quantized`` payload every transport sums)."""
 
     name, payload_kind, shared_scale = "votesign", "quantized", True
+    #: travels packed (1 bit) only where no sum is formed on the wire: ``auto`` weighs allgather's packed
+    #: copies against a summing transport's ``sum_bits`` per element
+    packed_values = True
+
+    @staticmethod
+    def sum_bits(n: int) -> int:
+        """Bits per element of a partial sum of ``n`` workers' votes on a summing transport: the
+        narrowest integer dtype holding ``[-n, n]`` (what the ring sends)."""
+        return next(b for b in (8, 16, 32, 64) if n <= 2 ** (b - 1) - 1)
 
     def compress(self, x, generator=None):
         flat = flat_input(x, self.name)

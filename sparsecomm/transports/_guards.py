@@ -2,11 +2,11 @@
 
 **Integers** are summed exactly or not at all. Each worker announces ``max |x|`` of its integer input
 in the agreement header (an ``info`` field, no extra message); with the global maximum ``M`` every worker
-picks the same accumulator (:func:`int_accumulator`): the input's own dtype when ``n M`` fits in it, int64
-otherwise (twice the bytes, only then). A sum accumulated wider is narrowed back with a range check
-(:func:`narrow`): every worker holds the same sum, so an element that does not fit the input's dtype is
-:class:`~sparsecomm.errors.OverflowError_` on every worker. When ``n M`` exceeds even int64 the call
-raises before anything is sent.
+picks the same accumulator (:func:`int_accumulator`): the input's own dtype when ``n M`` fits in it,
+else the narrowest wider integer dtype that holds it (more bytes, only then). A sum accumulated wider
+is narrowed back with a range check (:func:`narrow`): every worker holds the same sum, so an element
+that does not fit the input's dtype is :class:`~sparsecomm.errors.OverflowError_` on every worker.
+When ``n M`` exceeds even int64 the call raises before anything is sent.
 
 **Floats** (:func:`guard_finite`): with ``nonfinite="raise"`` (the default of every transport) a sum
 holding NaN or Inf is an error on every worker: every worker holds the same bits, so they all take the
@@ -47,13 +47,18 @@ def abs_max(v: torch.Tensor) -> int:
     return max(int(v.max()), -int(v.min()))
 
 
+_WIDTHS = (torch.int8, torch.int16, torch.int32, torch.int64)
+
+
 def int_accumulator(dtype: torch.dtype, n: int, bound: int, what: str) -> torch.dtype:
-    """The dtype in which ``n`` integers of ``dtype``, each ``|x| <= bound``, add up exactly."""
+    """The narrowest of ``dtype`` and the wider signed integer dtypes in which ``n`` integers, each
+    ``|x| <= bound``, add up exactly (``dtype=torch.int8`` for quantized codes: the narrowest of all)."""
     total = n * int(bound)
     if total <= torch.iinfo(dtype).max:
         return dtype
-    if total <= torch.iinfo(torch.int64).max:
-        return torch.int64
+    for wide in _WIDTHS:
+        if torch.iinfo(wide).bits > torch.iinfo(dtype).bits and total <= torch.iinfo(wide).max:
+            return wide
     raise OverflowError_(f"{what}: {n} workers' integers of magnitude up to {bound} can sum beyond int64; "
                          f"nothing was sent")
 

@@ -2,8 +2,8 @@
 
 Exists only on :class:`~sparsecomm.fabric.torch_fabric.TorchFabric`; with services in the job it reduces
 over the workers' subgroup only. Carries the same kinds as ``ring`` (``dense``; ``aligned`` value
-vectors; ``quantized`` codes with a shared scale, summed as int32/int64) through
-:func:`sparsecomm.transports.ring.linear_operand`, after the same agreement handshake.
+vectors; ``quantized`` codes with a shared scale, summed as int32/int64: gloo's all_reduce rejects
+int8) through :func:`sparsecomm.transports.ring.linear_operand`, after the same agreement handshake.
 
 ``last_stats``: torch.distributed does not report its traffic, so the all-reduce itself is booked at the
 bandwidth-optimal ring volume, ``2 (n-1)/n`` of the vector each way per worker, in one message per
@@ -15,8 +15,8 @@ the measured part (the handshake) is ``bytes_sent + bytes_received - estimated_b
 allreduce does): two ``all_gather`` calls, a fixed-size header (length, row length, dtype, row count)
 checked on every worker, then every worker's row indices and values padded to the largest row count.
 
-Integer sums that could overflow are summed in int64 and range-checked; NaN/Inf raise unless
-``nonfinite="pass"`` (:mod:`._guards`), on every worker.
+Integer sums that could overflow are summed in a wider integer dtype (at least int32) and
+range-checked; NaN/Inf raise unless ``nonfinite="pass"`` (:mod:`._guards`), on every worker.
 """
 
 from __future__ import annotations
@@ -73,7 +73,8 @@ class Native(Transport):
         n = f.world_size
         op = linear_operand(x, n, self.name)
         return op.finish(guarded_sum(f, "native allreduce", op, {}, self.nonfinite,
-                                     self.inplace and isinstance(x, torch.Tensor), self._reduce))
+                                     self.inplace and isinstance(x, torch.Tensor), self._reduce,
+                                     int_floor=torch.int32))
 
     def gather(self, p: Payload) -> list[Payload]:
         """Every worker's row-sparse payload (``sparse`` with ``bucket_size`` = the row length, or plain

@@ -25,13 +25,15 @@ Payloads it sums compactly (a *linear* operand: the element-wise sum of one vect
   float16, as an fp16 all-reduce does); the result is cast to the payload's dtype.
 - ``aligned``: the value vectors (every worker has the same indices; a checksum of the indices is part
   of the handshake), scattered into the dense result at the shared indices.
-- ``quantized`` with ``shared_scale``: the integer codes, summed exactly in int32 (int64 when
-  ``n * max|code|`` could exceed int32), then multiplied by the shared scale (its checksum is part of the
+- ``quantized`` with ``shared_scale``: the integer codes, summed exactly in the narrowest integer dtype
+  that holds ``n`` times the largest code announced in the handshake (int8 for a majority vote of up
+  to 127 workers' signs: 8 bits per element where the declared bits count 1, the unit of a partial
+  sum; int16, int32, int64 beyond), then multiplied by the shared scale (its checksum is part of the
   handshake, so a scale that is not shared is a clear error rather than a wrong sum).
 
 Values (:func:`guarded_sum`, :mod:`._guards`): an integer input travels in its own dtype when ``n``
-times the largest magnitude announced in the handshake fits it, else in int64, and the sum is
-range-checked back (never wrapped); a float sum holding NaN/Inf raises on every worker unless
+times the largest magnitude announced in the handshake fits it, else in the narrowest wider integer
+dtype that holds the sum, and the sum is range-checked back (never wrapped); a float sum holding NaN/Inf raises on every worker unless
 ``nonfinite="pass"``.
 """
 
@@ -66,6 +68,8 @@ class LinearOperand:
     finish: Callable[[torch.Tensor], torch.Tensor]    # summed vector -> flat dense aggregate
     fields: dict                                      # handshake fields every worker must agree on
     owned: bool = False                               # ``vector`` is already a private copy
+    codes: bool = False                               # integer codes: summed in the narrowest dtype that
+                                                      # holds the n-worker sum, finished in that dtype
 
     def work_copy(self, inplace: bool = False) -> torch.Tensor:
         """A vector the caller may overwrite: a copy, unless ``inplace`` allows summing into the input
@@ -73,14 +77,6 @@ class LinearOperand:
         if self.owned or (inplace and self.vector.is_contiguous()):
             return self.vector
         return self.vector.clone()
-
-
-def code_accumulator(dtype: torch.dtype, n: int) -> torch.dtype:
-    """The integer type in which ``n`` codes of ``dtype`` add up without overflow (int32 or int64)."""
-    if dtype.is_floating_point or dtype.is_complex:
-        return dtype
-    bound = 1 if dtype == torch.bool else max(abs(torch.iinfo(dtype).min), torch.iinfo(dtype).max)
-    return torch.int32 if bound * n <= 2**31 - 1 else torch.int64
 
 
 def linear_operand(x: torch.Tensor | Payload, n: int, transport: str) -> LinearOperand:
@@ -116,16 +112,17 @@ def linear_operand(x: torch.Tensor | Payload, n: int, transport: str) -> LinearO
             raise IncompatibleError(f"transport {transport!r} sums quantized codes as integers, which needs a "
                                     f"scale shared by every worker; use 'allgather' for per-worker scales")
         codes = p.values.reshape(-1)
-        acc = code_accumulator(codes.dtype, n)
+        if not is_integer(codes.dtype):
+            raise IncompatibleError(f"transport {transport!r}: quantized codes must be integers, got {codes.dtype}")
 
         def finish_quantized(s: torch.Tensor) -> torch.Tensor:
             return Payload("quantized", s, p.shape, p.dtype, scale=p.scale, bucket_size=p.bucket_size,
                            shared_scale=True).to_dense()
 
-        return LinearOperand(codes.to(acc, copy=True), finish_quantized,
+        return LinearOperand(codes, finish_quantized,
                              dict(common, values_length=codes.numel(), values_dtype=dtype_code(codes.dtype),
                                   bucket_size=int(p.bucket_size or 0), scale_checksum=fingerprint(p.scale)),
-                             owned=True)
+                             codes=True)
     raise IncompatibleError(f"transport {transport!r} cannot sum {p.kind!r} payloads in compressed form")
 
 
@@ -256,9 +253,13 @@ class Ring(Transport):
 
 
 def guarded_sum(fabric: Fabric, what: str, op: LinearOperand, extra: dict, nonfinite: str, inplace: bool,
-                reduce: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                reduce: Callable[[torch.Tensor], torch.Tensor],
+                int_floor: torch.dtype = torch.int8) -> torch.Tensor:
     """The agreement handshake (with the integer bound as an ``info`` field), ``reduce`` in a dtype that
     cannot overflow, then the overflow / non-finite rules of :mod:`._guards`; the summed vector.
+    Quantized codes are summed in the narrowest integer dtype that holds the n-worker sum, integer
+    tensors in their own dtype or wider; never narrower than ``int_floor``, the narrowest integer
+    dtype ``reduce`` takes (``native`` passes int32: gloo's all_reduce rejects int8).
 
     Every worker holds the same sum, so every check after ``reduce`` raises on every worker alike."""
     v = op.vector
@@ -266,10 +267,12 @@ def guarded_sum(fabric: Fabric, what: str, op: LinearOperand, extra: dict, nonfi
     info = {"int_bound": abs_max(v)} if integer else {}
     got = check_agreement(fabric, what, **op.fields, **extra, info=info)
     if integer:
-        wide = int_accumulator(v.dtype, fabric.world_size, got["int_bound"][0], what)
+        wide = int_accumulator(torch.int8 if op.codes else v.dtype, fabric.world_size, got["int_bound"][0], what)
+        if torch.iinfo(wide).bits < torch.iinfo(int_floor).bits:
+            wide = int_floor
         if wide != v.dtype:
             total = reduce(v.to(wide))
-            return total if op.owned else narrow(total, v.dtype, what)
+            return total if op.codes else narrow(total, v.dtype, what)
     total = reduce(op.work_copy(inplace))
     guard_finite(fabric, what, total, v if total is not v else None, nonfinite)
     return total
