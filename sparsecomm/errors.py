@@ -83,3 +83,48 @@ class NetbedError(SparseCommError, RuntimeError):
 #: store, as text: nothing a peer sends is unpickled); any other class is reported as PeerFailure
 REPORTABLE = {c.__name__: c for c in (UnknownNameError, IncompatibleError, MismatchError, NonFiniteError,
                                       OverflowError_, FabricTimeout, PeerFailure, MalformedMessage)}
+
+
+class CodecError(SparseCommError, ValueError):
+    """Invalid arguments to a codec kernel: block size, dtype, mask length, device, index range."""
+
+
+class CompressorConfigError(SparseCommError, ValueError):
+    """A compressor was built with an invalid hyper-parameter (or an invalid combination)."""
+
+
+class CompressorInputError(SparseCommError, TypeError):
+    """``compress`` got something that is not a floating-point tensor of a supported dtype."""
+
+
+class GeneratorRequiredError(SparseCommError, ValueError):
+    """A random compressor was called without a generator and was built without ``seed``."""
+
+
+class UnderflowError(SparseCommError, ValueError):
+    """A rounding cast's input lies so far below the target's normal range that the declared
+    contraction ``delta`` does not hold for it."""
+
+
+class ServiceShutdown(SparseCommError):
+    """Raised inside a service endpoint when the run is over (its loop ends quietly)."""
+
+
+class ServiceNotStarted(IncompatibleError):
+    """A transport asked for a service that the launcher did not start as a rank."""
+
+
+class EndpointCrashed(SparseCommError):
+    """Raised inside an endpoint that the network model crashed (the launcher swallows it)."""
+
+
+class KernelPathError(SparseCommError, ValueError):
+    """An unknown kernel path (valid: auto, numba, torch)."""
+
+
+class WorkerError(SparseCommError, RuntimeError):
+    """A worker's exception that could not be pickled back to the parent (its type name and text)."""
+
+
+class WireFormatError(SparseCommError, ValueError):
+    """Wire data that does not match its announced layout (size, encoding, bitmap count)."""

@@ -34,12 +34,9 @@ import contextlib
 import os
 
 from .errors import SparseCommError
+from .errors import KernelPathError  # noqa: F401 (re-exported)
 
 PATHS = ("auto", "numba", "torch")
-
-
-class KernelPathError(SparseCommError, ValueError):
-    """An unknown kernel path (valid: auto, numba, torch)."""
 
 
 def _check(name: str) -> str:

@@ -59,6 +59,7 @@ from typing import Literal
 import torch
 
 from .errors import InvalidValueError, SparseCommError
+from .errors import WireFormatError  # noqa: F401 (re-exported)
 
 PayloadKind = Literal["dense", "aligned", "sparse", "quantized"]
 KINDS: tuple[str, ...] = ("dense", "aligned", "sparse", "quantized")
@@ -209,8 +210,6 @@ class Payload:
 
 
 # ================================================================================== wire encodings
-class WireFormatError(SparseCommError, ValueError):
-    """Wire data that does not match its announced layout (size, encoding, bitmap count)."""
 
 
 RAW, SIGNS, INT, NATURAL, DITHER, INDEX32, BITMAP = range(7)

@@ -21,24 +21,11 @@ LIBRARY = ("sparsecomm", "theory")
 #: owned by another piece of work at the time this test was written; THIS LIST MUST ONLY SHRINK: replace
 #: the raises with errors.InvalidValueError / InvalidTypeError (or a more specific class of errors.py),
 #: then lower or delete the entry. A file not listed may have none.
-BARE_RAISES_LEFT = {
-    "sparsecomm/compressors/_common.py": 1,
-    "sparsecomm/compressors/_quant.py": 1,
-    "theory/compressors.py": 5,
-}
+BARE_RAISES_LEFT: dict[str, int] = {}
 
 #: error classes still defined outside errors.py (files of other pieces of work); MUST ONLY SHRINK: move
 #: the class to errors.py and import it back where it was (the old name keeps working).
-CLASSES_ELSEWHERE = {
-    "sparsecomm/codec/_common.py": {"CodecError"},
-    "sparsecomm/compressors/_common.py": {"CompressorConfigError", "CompressorInputError", "GeneratorRequiredError"},
-    "sparsecomm/compressors/identity.py": {"UnderflowError"},
-    "sparsecomm/fabric/base.py": {"ServiceNotStarted", "ServiceShutdown"},
-    "sparsecomm/fabric/sim_world.py": {"EndpointCrashed"},
-    "sparsecomm/kernels.py": {"KernelPathError"},
-    "sparsecomm/launch/supervise.py": {"WorkerError"},
-    "sparsecomm/payload.py": {"WireFormatError"},
-}
+CLASSES_ELSEWHERE: dict[str, set[str]] = {}
 
 
 @functools.lru_cache(maxsize=None)
@@ -100,7 +87,9 @@ def test_every_error_is_a_sparsecomm_error_and_a_builtin():
     assert len(classes) >= 15
     for c in classes:
         assert issubclass(c, E.SparseCommError), c
-        if c is not E.SparseCommError:
+        # ServiceShutdown / EndpointCrashed end a service's or a crashed endpoint's loop (control flow the
+        # launcher handles), not errors a caller catches: no builtin base on purpose
+        if c not in (E.SparseCommError, E.ServiceShutdown, E.EndpointCrashed):
             builtin = [b for b in c.__mro__ if b.__module__ == "builtins" and b not in (Exception, BaseException,
                                                                                          object)]
             assert builtin, f"{c.__name__} derives from no builtin a caller could catch (ValueError, ...)"

@@ -25,6 +25,7 @@ Wire encodings (the ``bits`` functions; ``value_bits`` is the width of one float
 from __future__ import annotations
 
 import math
+from sparsecomm.errors import InvalidValueError
 
 __all__ = [
     "identity_omega",
@@ -85,7 +86,7 @@ def randk_omega(d: int, k: int) -> float:
     if d <= 0:
         return 0.0
     if not 1 <= k <= d:
-        raise ValueError(f"rand-k needs 1 <= k <= d, got k={k}, d={d}")
+        raise InvalidValueError(f"rand-k needs 1 <= k <= d, got k={k}, d={d}")
     return d / k - 1.0
 
 
@@ -101,7 +102,7 @@ def qsgd_omega(d: int, s: int) -> float:
     if d <= 0:
         return 0.0
     if s < 1:
-        raise ValueError(f"QSGD needs s >= 1 levels, got {s}")
+        raise InvalidValueError(f"QSGD needs s >= 1 levels, got {s}")
     return min(d / s**2, math.sqrt(d) / s)
 
 
@@ -128,9 +129,9 @@ def natural_dithering_omega(d: int, s: int, p: float = 2.0) -> float:
     if d <= 0:
         return 0.0
     if s < 1:
-        raise ValueError(f"natural dithering needs s >= 1 levels, got {s}")
+        raise InvalidValueError(f"natural dithering needs s >= 1 levels, got {s}")
     if not (p >= 2):
-        raise ValueError("natural_dithering_omega is derived here for p >= 2 (p = 2 or inf)")
+        raise InvalidValueError("natural_dithering_omega is derived here for p >= 2 (p = 2 or inf)")
     r = min(p, 2.0)
     a = d ** (1.0 / r) * 2.0 ** (1 - s)
     return 0.125 + a * min(1.0, a)
@@ -359,7 +360,7 @@ def majority_vote_error(n: int, p: float) -> float:
     Azizzadenesheli, Anandkumar, "signSGD with majority vote is communication efficient and fault
     tolerant", ICLR 2019."""
     if not 0.0 <= p <= 1.0 or n < 1:
-        raise ValueError(f"need n >= 1 and p in [0, 1], got n={n}, p={p}")
+        raise InvalidValueError(f"need n >= 1 and p in [0, 1], got n={n}, p={p}")
     return float(sum(math.comb(n, j) * p**j * (1 - p) ** (n - j) for j in range(math.ceil(n / 2), n + 1)))
 
 

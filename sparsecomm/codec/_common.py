@@ -7,6 +7,7 @@ import torch
 
 from .. import kernels as _kernel_paths
 from ..errors import SparseCommError
+from ..errors import CodecError  # noqa: F401 (re-exported)
 
 BACKENDS = ("auto", "numba", "torch")
 
@@ -19,10 +20,6 @@ BITS = {
     torch.float32: (np.uint32, np.uint32(0x7FFFFFFF)),
     torch.float64: (np.uint64, np.uint64(0x7FFFFFFFFFFFFFFF)),
 }
-
-
-class CodecError(SparseCommError, ValueError):
-    """Invalid arguments to a codec kernel: block size, dtype, mask length, device, index range."""
 
 
 def check_block_size(block_size) -> int:

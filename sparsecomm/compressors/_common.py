@@ -27,22 +27,11 @@ import numpy as np
 import torch
 
 from .. import kernels as _kernel_paths
-from ..errors import NonFiniteError, SparseCommError
+from ..errors import InvalidValueError, NonFiniteError, SparseCommError
 from ..payload import Payload
+from ..errors import CompressorConfigError, CompressorInputError, GeneratorRequiredError  # noqa: F401 (re-exported)
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-class CompressorConfigError(SparseCommError, ValueError):
-    """A compressor was built with an invalid hyper-parameter (or an invalid combination)."""
-
-
-class CompressorInputError(SparseCommError, TypeError):
-    """``compress`` got something that is not a floating-point tensor of a supported dtype."""
-
-
-class GeneratorRequiredError(SparseCommError, ValueError):
-    """A random compressor was called without a generator and was built without ``seed``."""
 
 
 # ------------------------------------------------------------------------------ hyper-parameters
@@ -256,7 +245,7 @@ def use_numba(x: torch.Tensor) -> bool:
 def force_backend(name: str):
     """Run every operator on the ``"torch"`` or ``"numba"`` path: :func:`sparsecomm.kernels.force`."""
     if name not in ("torch", "numba"):
-        raise ValueError(f"backend must be 'torch' or 'numba', got {name!r}")
+        raise InvalidValueError(f"backend must be 'torch' or 'numba', got {name!r}")
     return _kernel_paths.force(name)
 
 

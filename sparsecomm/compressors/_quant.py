@@ -17,13 +17,14 @@ from . import _kernels as K
 from ._common import (RandomMixin, draw_key, flat_input, make_payload, raise_nonfinite, scale_dtype,
                       use_numba, work_dtype)
 from .base import Compressor
+from ..errors import InvalidValueError
 
 
 def int_dtype_for(max_abs: int) -> torch.dtype:
     for dt in (torch.int8, torch.int16, torch.int32, torch.int64):
         if max_abs <= torch.iinfo(dt).max:
             return dt
-    raise ValueError(f"codes up to {max_abs} do not fit in int64")
+    raise InvalidValueError(f"codes up to {max_abs} do not fit in int64")
 
 
 _NP = {torch.int8: np.int8, torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64,

@@ -35,11 +35,7 @@ from . import _kernels
 from ._common import (CompressorConfigError, abs_max, cpu_empty, dtype_bits, flat_input, make_payload,
                       raise_nonfinite, use_numba)
 from .base import Compressor
-
-
-class UnderflowError(SparseCommError, ValueError):
-    """A rounding cast's input lies so far below the target's normal range that the declared
-    contraction ``delta`` does not hold for it."""
+from ..errors import UnderflowError  # noqa: F401 (re-exported)
 
 
 @njit(cache=True, nogil=True, fastmath={"reassoc", "contract", "nsz"})

@@ -48,14 +48,7 @@ import torch
 
 from ..errors import IncompatibleError, InvalidValueError, SparseCommError
 from .stats import CommStats
-
-
-class ServiceShutdown(SparseCommError):
-    """Raised inside a service endpoint when the run is over (its loop ends quietly)."""
-
-
-class ServiceNotStarted(IncompatibleError):
-    """A transport asked for a service that the launcher did not start as a rank."""
+from ..errors import ServiceShutdown, ServiceNotStarted  # noqa: F401 (re-exported)
 
 
 class Work(ABC):

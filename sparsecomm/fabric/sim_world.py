@@ -32,10 +32,7 @@ import threading
 
 from ..errors import InvalidValueError, SparseCommError
 from .sim_network import Endpoint, Network
-
-
-class EndpointCrashed(SparseCommError):
-    """Raised inside an endpoint that the network model crashed (the launcher swallows it)."""
+from ..errors import EndpointCrashed  # noqa: F401 (re-exported)
 
 
 class World:

@@ -17,14 +17,11 @@ from multiprocessing.connection import wait as _mp_wait
 from typing import Any
 
 from ..errors import FabricTimeout, PeerFailure, SparseCommError
+from ..errors import WorkerError  # noqa: F401 (re-exported)
 
 DONE_KEY = "sparsecomm/workers_done"
 _CRASH_GRACE_S = 2.0
 _CONSEQUENCE_GRACE_S = 1.0
-
-
-class WorkerError(SparseCommError, RuntimeError):
-    """A worker's exception that could not be pickled back to the parent (its type name and text)."""
 
 
 def _pack_error(exc: BaseException) -> tuple[bytes | None, str, str, str]:
