@@ -119,7 +119,7 @@ def test_nonfinite_option_is_validated_and_the_switch_cannot_pass_them():
             errs.append(outcome(lambda: sc.transports.get(name, ctx.fabric, nonfinite="ignore"))[0])
         errs.append(outcome(lambda: sc.transports.get("switch", ctx.fabric, nonfinite="pass"))[0])
         return errs
-    assert sc.launch(fn, 2) == [["ValueError"] * 3 + ["IncompatibleError"]] * 2
+    assert sc.launch(fn, 2) == [["InvalidValueError"] * 3 + ["IncompatibleError"]] * 2   # a ValueError too
     assert issubclass(IncompatibleError, SparseCommError)
 
 
