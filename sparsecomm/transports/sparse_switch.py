@@ -110,7 +110,6 @@ from __future__ import annotations
 
 import math
 import threading
-import zlib
 from collections import deque
 from dataclasses import dataclass
 
@@ -118,26 +117,22 @@ import numpy as np
 import torch
 
 from .. import codec
-from ..errors import (FabricTimeout, IncompatibleError, MismatchError, NonFiniteError, OverflowError_,  # noqa: F401
-                      ProtocolError, SparseCommError)
+from ..errors import (FabricTimeout, IncompatibleError, InvalidValueError, MismatchError,  # noqa: F401
+                      NonFiniteError, OverflowError_, ProtocolError, SparseCommError)
 from ..fabric.base import Fabric
 from ..payload import Payload
-from .base import registry
-from .base import Transport
+from ._handshake import crc_fingerprint
+from .base import Transport, registry
+from .switch_control import _DTYPES, MODE_FLOAT, MODE_INT, check_control, control_vector
 from .sparse_switch_dataplane import (
     F_NEXT, HEADER, MAX_WORKERS, NONE, PACKET_ELEMS, T_DATA, T_EMPTY, T_MIN, T_RESULT, T_RETRANSMIT,
     T_SKIP, TAG_DOWN, TAG_SKIP, TAG_UP, JOB_MASK, Dataplane, Header, SparseSwitchConfig, service_main,
 )
-from ..errors import InvalidValueError
 
 INT32_MAX = 2**31 - 1
 EXP_FLOOR, EXP_CEIL = -126, 127
 CONTROL_SLOT = 0
-MODE_FLOAT, MODE_INT = 1, 2
-_DTYPES = {torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16: 4, torch.int8: 5,
-           torch.int16: 6, torch.int32: 7, torch.int64: 8, torch.uint8: 9}
-# control vector: flags, then (byte, byte^2) of every agreement word
-V_NONFINITE, V_TOOLARGE, V_COUNT, V_CAP_HI, V_CAP_LO, V_WORDS = range(6)
+# the control vector's layout, modes and dtype codes are the switch's (switch_control.control_vector)
 _AGREE = ("numel (low word)", "numel (high word)", "mode / dtype", "pool_size", "slot_elems",
           "shared indices or scale (fingerprint)")
 
@@ -234,7 +229,7 @@ class SparseSwitch(Transport):
             vals = p.values.reshape(-1)
             if not vals.is_floating_point():
                 vals = vals.to(p.dtype if p.dtype.is_floating_point else torch.float32)
-            summed = self._job(vals, fingerprint=_fingerprint(idx))
+            summed = self._job(vals, fingerprint=crc_fingerprint(idx))
             out = torch.zeros(p.numel, dtype=p.dtype, device=p.values.device)
             if summed.numel():
                 out.index_add_(0, idx.to(out.device), summed.to(out.device, p.dtype))
@@ -245,7 +240,7 @@ class SparseSwitch(Transport):
                 raise IncompatibleError("transport 'sparse-switch' sums integer codes; this quantized "
                                         "payload's codes are not integers")
             codes = codes.to(torch.int64)
-        sums = self._job(codes, fingerprint=_fingerprint(p.scale, p.bucket_size), out_dtype=torch.int64)
+        sums = self._job(codes, fingerprint=crc_fingerprint(p.scale, p.bucket_size), out_dtype=torch.int64)
         agg = Payload("quantized", values=sums, shape=p.shape, dtype=p.dtype, scale=p.scale,
                       bucket_size=p.bucket_size, shared_scale=True)
         return agg.to_dense()
@@ -322,12 +317,7 @@ class SparseSwitch(Transport):
         st.job = (st.job + 1) % (JOB_MASK + 1)
         words = [numel & 0xFFFFFFFF, (numel >> 32) & 0xFFFFFFFF, (mode << 8) | _DTYPES.get(dtype, 0),
                  self.pool_size, self.k, fingerprint & 0xFFFFFFFF]
-        vec = np.zeros(self.k, dtype=np.int32)
-        vec[V_NONFINITE], vec[V_TOOLARGE], vec[V_COUNT] = int(nonfinite), int(too_large), 1
-        vec[V_CAP_HI], vec[V_CAP_LO] = cap >> 16, cap & 0xFFFF
-        b = np.array([[(w >> (8 * i)) & 0xFF for i in range(4)] for w in words], dtype=np.int64).reshape(-1)
-        enc = np.stack([b, b * b], axis=1).reshape(-1)
-        vec[V_WORDS:V_WORDS + enc.size] = enc
+        vec = control_vector(words, self.k, nonfinite=nonfinite, too_large=too_large, cap=cap)
         got = {}
 
         def on_result(lane: int, res: np.ndarray):
@@ -335,24 +325,9 @@ class SparseSwitch(Transport):
             return None
 
         self._run(np.array([CONTROL_SLOT]), [self._packet(T_DATA, CONTROL_SLOT, 0, NONE, vec)], on_result, "control")
-        a, n = got["v"], self.fabric.world_size
-        if a[V_COUNT] != n:
-            raise MismatchError(f"sparse-switch control round counted {a[V_COUNT]} workers, expected {n}")
-        s = a[V_WORDS:V_WORDS + enc.size].reshape(len(words), 4, 2)
-        differ = [_AGREE[i] for i in range(len(words)) if any(n * s[i, j, 1] != s[i, j, 0] ** 2 for j in range(4))]
-        if differ:
-            raise MismatchError(f"sparse-switch allreduce: workers disagree on {', '.join(differ)}; every worker "
-                                f"must pass a tensor of the same length and dtype, with the same transport settings")
-        if a[V_NONFINITE]:
-            raise NonFiniteError(f"sparse-switch allreduce: {a[V_NONFINITE]} of {n} workers hold NaN or Inf "
-                                 f"values; the switch sums fixed-point integers and cannot carry them")
-        if a[V_TOOLARGE]:
-            what = "a magnitude >= 2^127" if mode == MODE_FLOAT else "an integer that does not fit in int32"
-            raise OverflowError_(f"sparse-switch allreduce: {a[V_TOOLARGE]} of {n} workers hold {what}")
-        total = int(a[V_CAP_HI]) * 65536 + int(a[V_CAP_LO])
-        if mode == MODE_INT and total > limit:
-            raise OverflowError_(f"sparse-switch allreduce: the workers' largest |values| add up to {total} > "
-                                 f"{limit}; the switch's int32 sum could wrap, so nothing was sent")
+        check_control(got["v"], len(words), self.fabric.world_size, "sparse-switch", _AGREE, mode=mode,
+                      limit=limit, too_large="a magnitude >= 2^127",
+                      settings="a tensor of the same length and dtype, with the same transport settings")
 
     # ================================================================== phase 2: look-ahead (MIN)
     def _lookahead(self, vec: np.ndarray, L: int) -> np.ndarray:
@@ -542,20 +517,6 @@ class SparseSwitch(Transport):
             flush()
         while pending:
             pending.popleft()[0].wait()
-
-
-def _fingerprint(*objs) -> int:
-    """crc32 of tensors' bytes (and other values), to check that workers share indices or a scale."""
-    crc = 0
-    for o in objs:
-        if o is None:
-            continue
-        if isinstance(o, torch.Tensor):
-            data = o.detach().reshape(-1).to("cpu", torch.float64 if o.is_floating_point() else torch.int64)
-            crc = zlib.crc32(data.numpy().tobytes(), crc)
-        else:
-            crc = zlib.crc32(str(o).encode(), crc)
-    return crc
 
 
 def _to_pos(blocks: np.ndarray, lanes: np.ndarray, L: int, nb: int) -> np.ndarray:

@@ -57,7 +57,6 @@ software switch that adds at the rate its ports deliver, as far as the host's CP
 from __future__ import annotations
 
 import threading
-import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,6 +66,7 @@ from .. import codec
 from ..errors import IncompatibleError, InvalidValueError, NonFiniteError
 from ..fabric.base import Fabric
 from ..payload import Payload
+from ._handshake import crc_fingerprint
 from .base import registry
 from .base import Transport
 from . import switch_service  # noqa: F401 - registers the "switch" service
@@ -214,7 +214,7 @@ class SwitchTransport(Transport):
             vals = p.values.reshape(-1)
             if not vals.is_floating_point():
                 vals = vals.to(p.dtype if p.dtype.is_floating_point else torch.float32)
-            fp = _fingerprint(idx)
+            fp = crc_fingerprint(idx)
             summed = self._float_job(vals, "aligned", fingerprint=fp)
             out = torch.zeros(p.numel, dtype=p.dtype, device=p.values.device)
             if summed.numel():
@@ -227,7 +227,7 @@ class SwitchTransport(Transport):
                 raise IncompatibleError("transport 'switch' sums integer codes; this quantized payload's "
                                         "codes are not integers")
             codes = codes.to(torch.int64)
-        fp = _fingerprint(p.scale, p.bucket_size)
+        fp = crc_fingerprint(p.scale, p.bucket_size)
         sums = self._int_job(codes, torch.float64, "quantized", fingerprint=fp)
         agg = Payload("quantized", values=sums.to(torch.int64), shape=p.shape, dtype=p.dtype,
                       scale=p.scale, bucket_size=p.bucket_size, shared_scale=True)
@@ -339,17 +339,3 @@ def _program(fabric: Fabric, sim: bool, elems: int | None, slots: int | None, bu
         f"transport 'switch' asked for a switch program with {asked or 'the defaults'} but the launcher "
         f"started {started}; pass slot_elems / burst / switch_slots matching one of them "
         f"(or omit them to use the started switch's)" + (" -- several match" if len(fits) > 1 else ""))
-
-
-def _fingerprint(*objs) -> int:
-    """crc32 of tensors' bytes (and ints), to check that workers share a scale or index set."""
-    crc = 0
-    for o in objs:
-        if o is None:
-            continue
-        if isinstance(o, torch.Tensor):
-            data = o.detach().reshape(-1).to("cpu", torch.float64 if o.is_floating_point() else torch.int64)
-            crc = zlib.crc32(data.numpy().tobytes(), crc)
-        else:
-            crc = zlib.crc32(str(o).encode(), crc)
-    return crc

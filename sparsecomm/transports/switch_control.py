@@ -46,12 +46,7 @@ def control_round(t, mode: int, numel: int, dtype: torch.dtype, kind: str, finge
     words = [numel & 0xFFFFFFFF, (numel >> 32) & 0xFFFFFFFF,
              (mode << 16) | (_DTYPES.get(dtype, 0) << 8) | (_KINDS[kind] << 4) | _ROUNDING[t.rounding],
              t.pool_size, t.slot_elems, fingerprint & 0xFFFFFFFF]
-    vec = np.zeros(t.slot_elems, dtype=np.int32)
-    vec[V_NONFINITE], vec[V_TOOLARGE], vec[V_COUNT] = int(nonfinite), int(too_large), 1
-    vec[V_CAP_HI], vec[V_CAP_LO] = cap >> 16, cap & 0xFFFF
-    b = np.array([[(w >> (8 * i)) & 0xFF for i in range(4)] for w in words], dtype=np.int64).reshape(-1)
-    enc = np.stack([b, b * b], axis=1).reshape(-1)
-    vec[V_WORDS:V_WORDS + enc.size] = enc
+    vec = control_vector(words, t.slot_elems, nonfinite=nonfinite, too_large=too_large, cap=cap)
     agg = {}
 
     def payload(pkts: np.ndarray, rows: np.ndarray) -> None:
@@ -61,28 +56,48 @@ def control_round(t, mode: int, numel: int, dtype: torch.dtype, kind: str, finge
         agg["v"] = rows[0, HEADER:].astype(np.int64)
 
     run_lanes(t, np.array([CONTROL_SLOT]), 1, -1, payload, consume, "control")
-    a = agg["v"]
-    n = t.fabric.world_size
+    check_control(agg["v"], len(words), t.fabric.world_size, "switch", _AGREE, mode=mode, limit=limit,
+                  too_large=(f"a magnitude >= 2^{t.max_exponent} (max_exponent), past which the chunk's "
+                             f"fixed-point quantum (n 2^(e-31)) would round every ordinary value of the chunk "
+                             f"to zero"),
+                  settings="a tensor/payload of the same shape, dtype and kind (and the same transport "
+                           "settings)")
+
+
+def control_vector(words: list[int], k: int, *, nonfinite: bool, too_large: bool, cap: int) -> np.ndarray:
+    """The control packet's payload (``k`` int32 values): the flags, the cap in two 16-bit halves, then
+    each agreement word's 4 bytes as ``(byte, byte^2)`` pairs. Summed over ``n`` workers, a word is
+    shared iff ``n * sum(byte^2) == sum(byte)^2`` for each of its bytes (equality case of
+    Cauchy-Schwarz), so one summing round checks agreement."""
+    vec = np.zeros(k, dtype=np.int32)
+    vec[V_NONFINITE], vec[V_TOOLARGE], vec[V_COUNT] = int(nonfinite), int(too_large), 1
+    vec[V_CAP_HI], vec[V_CAP_LO] = cap >> 16, cap & 0xFFFF
+    b = np.array([[(w >> (8 * i)) & 0xFF for i in range(4)] for w in words], dtype=np.int64).reshape(-1)
+    enc = np.stack([b, b * b], axis=1).reshape(-1)
+    vec[V_WORDS:V_WORDS + enc.size] = enc
+    return vec
+
+
+def check_control(a: np.ndarray, n_words: int, n: int, name: str, agree: tuple[str, ...], *, mode: int,
+                  limit: int, too_large: str, settings: str) -> None:
+    """Read the summed control vector ``a`` (see :func:`control_vector`) and raise, on every worker
+    alike, what it shows: a wrong worker count or a disagreement (MismatchError), NaN/Inf
+    (NonFiniteError), a value too large (OverflowError_; ``too_large`` says what, for floats) or an
+    integer sum bound past ``limit``."""
     if a[V_COUNT] != n:
-        raise MismatchError(f"switch control round counted {a[V_COUNT]} workers, expected {n}")
-    s = a[V_WORDS:V_WORDS + enc.size].reshape(len(words), 4, 2)
-    differ = [_AGREE[i] for i in range(len(words))
-              if any(n * s[i, j, 1] != s[i, j, 0] ** 2 for j in range(4))]
+        raise MismatchError(f"{name} control round counted {a[V_COUNT]} workers, expected {n}")
+    s = a[V_WORDS:V_WORDS + 8 * n_words].reshape(n_words, 4, 2)
+    differ = [agree[i] for i in range(n_words) if any(n * s[i, j, 1] != s[i, j, 0] ** 2 for j in range(4))]
     if differ:
-        raise MismatchError(
-            f"switch allreduce: workers disagree on {', '.join(differ)}; every worker must pass a "
-            f"tensor/payload of the same shape, dtype and kind (and the same transport settings)")
+        raise MismatchError(f"{name} allreduce: workers disagree on {', '.join(differ)}; every worker must "
+                            f"pass {settings}")
     if a[V_NONFINITE]:
-        raise NonFiniteError(
-            f"switch allreduce: {a[V_NONFINITE]} of {n} workers hold NaN or Inf values; the switch "
-            f"sums fixed-point integers and cannot carry them")
+        raise NonFiniteError(f"{name} allreduce: {a[V_NONFINITE]} of {n} workers hold NaN or Inf values; the "
+                             f"switch sums fixed-point integers and cannot carry them")
     if a[V_TOOLARGE]:
-        what = (f"a magnitude >= 2^{t.max_exponent} (max_exponent), past which the chunk's fixed-point "
-                f"quantum (n 2^(e-31)) would round every ordinary value of the chunk to zero"
-                if mode == MODE_FLOAT else "an integer that does not fit in int32")
-        raise OverflowError_(f"switch allreduce: {a[V_TOOLARGE]} of {n} workers hold {what}")
+        what = too_large if mode == MODE_FLOAT else "an integer that does not fit in int32"
+        raise OverflowError_(f"{name} allreduce: {a[V_TOOLARGE]} of {n} workers hold {what}")
     total = int(a[V_CAP_HI]) * 65536 + int(a[V_CAP_LO])
     if mode == MODE_INT and total > limit:
-        raise OverflowError_(
-            f"switch allreduce: the workers' largest |values| add up to {total} > {limit}; the "
-            f"switch's integer sum could overflow (it would wrap), so nothing was sent")
+        raise OverflowError_(f"{name} allreduce: the workers' largest |values| add up to {total} > {limit}; "
+                             f"the switch's integer sum could overflow (it would wrap), so nothing was sent")
