@@ -242,7 +242,6 @@ def test_no_layer_asks_for_a_concrete_fabric():
 LONG_PENDING = {
     "sparsecomm/optim.py",                             # training (#16: pure method state)
     "sparsecomm/pipeline.py",                          # training (#16: pure method state)
-    "sparsecomm/transports/sparse_switch.py",          # switch (#14)
     "theory/compressors.py",                           # codec (#18)
 }
 

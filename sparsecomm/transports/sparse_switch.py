@@ -103,14 +103,12 @@ launcher started (``services=["sparse-switch"]``) and its constants (``slot_elem
 ``switch_slots``, ``burst``) default to that rank's. There ``burst`` packets share a fabric message
 (padded with empty rows when fewer are ready, as ``switch`` does) and skips travel padded to a value
 packet, since a message costs far more than its bytes; the byte figures above are the SimFabric's,
-one packet per datagram.
+one packet per datagram. The rounds themselves (lanes, timers, bursts) are :mod:`.sparse_switch_rounds`.
 """
 
 from __future__ import annotations
 
-import math
 import threading
-from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -124,10 +122,9 @@ from ..payload import Payload
 from ._handshake import crc_fingerprint
 from .base import Transport, registry
 from .switch_control import _DTYPES, MODE_FLOAT, MODE_INT, check_control, control_vector
-from .sparse_switch_dataplane import (
-    F_NEXT, HEADER, MAX_WORKERS, NONE, PACKET_ELEMS, T_DATA, T_EMPTY, T_MIN, T_RESULT, T_RETRANSMIT,
-    T_SKIP, TAG_DOWN, TAG_SKIP, TAG_UP, JOB_MASK, Dataplane, Header, SparseSwitchConfig, service_main,
-)
+from .sparse_switch_dataplane import (F_NEXT, HEADER, MAX_WORKERS, NONE, T_DATA, T_MIN, T_SKIP, JOB_MASK,
+                                      Dataplane, service_main)
+from .sparse_switch_rounds import _WorkerState, lane_slots, packet, resolve_program, run_rounds, to_pos
 
 INT32_MAX = 2**31 - 1
 EXP_FLOOR, EXP_CEIL = -126, 127
@@ -135,15 +132,6 @@ CONTROL_SLOT = 0
 # the control vector's layout, modes and dtype codes are the switch's (switch_control.control_vector)
 _AGREE = ("numel (low word)", "numel (high word)", "mode / dtype", "pool_size", "slot_elems",
           "shared indices or scale (fingerprint)")
-
-
-@dataclass
-class _WorkerState:
-    """What a worker keeps between jobs on one switch (identical on every worker)."""
-
-    parity: np.ndarray     # per switch slot: the set its next round takes
-    shift: int = 0
-    job: int = 0
 
 
 @dataclass
@@ -190,7 +178,7 @@ class SparseSwitch(Transport):
                 f"transport 'sparse-switch' supports at most {MAX_WORKERS} workers (a 64-bit worker bitmap "
                 f"per slot); this job has {n}; use 'omnireduce' or 'ring'")
         self.sim = fabric.modelled_time
-        self.config, spec = _program(fabric, fabric.in_process_services, slot_elems, switch_slots, burst, audit)
+        self.config, spec = resolve_program(fabric, fabric.in_process_services, slot_elems, switch_slots, burst, audit)
         if isinstance(pool_size, bool) or not isinstance(pool_size, int) or not 1 <= pool_size < self.config.slots:
             raise InvalidValueError(f"pool_size must be an integer in [1, switch_slots - 1 = {self.config.slots - 1}] "
                              f"(slot 0 is the control slot), got {pool_size!r}")
@@ -284,7 +272,7 @@ class SparseSwitch(Transport):
         L = min(self.pool_size, nb)
         la = codec.next_nonzero(mask, L)
         lanes = np.arange(L, dtype=np.int64)
-        first = _to_pos(la.first.numpy(), lanes, L, nb)
+        first = to_pos(la.first.numpy(), lanes, L, nb)
         # ---- look-ahead round: agreed exponent and every lane's first union position
         agreed = self._lookahead(np.concatenate([[-e], first]), L)
         E = -int(agreed[0])
@@ -324,7 +312,7 @@ class SparseSwitch(Transport):
             got["v"] = res[HEADER:].astype(np.int64)
             return None
 
-        self._run(np.array([CONTROL_SLOT]), [self._packet(T_DATA, CONTROL_SLOT, 0, NONE, vec)], on_result, "control")
+        run_rounds(self, np.array([CONTROL_SLOT]), [packet(self, T_DATA, CONTROL_SLOT, 0, NONE, vec)], on_result, "control")
         check_control(got["v"], len(words), self.fabric.world_size, "sparse-switch", _AGREE, mode=mode,
                       limit=limit, too_large="a magnitude >= 2^127",
                       settings="a tensor of the same length and dtype, with the same transport settings")
@@ -338,14 +326,14 @@ class SparseSwitch(Transport):
         padded = np.full(P * k, NONE, dtype=np.int64)
         padded[:vec.size] = vec
         padded = padded.astype(np.int32).reshape(P, k)
-        slots = self._lane_slots(L)[:P]
+        slots = lane_slots(self, L)[:P]
         out = np.empty_like(padded)
 
         def on_result(lane: int, res: np.ndarray):
             out[lane] = res[HEADER:]
             return None
 
-        self._run(slots, [self._packet(T_MIN, int(s), 0, NONE, padded[i]) for i, s in enumerate(slots)],
+        run_rounds(self, slots, [packet(self, T_MIN, int(s), 0, NONE, padded[i]) for i, s in enumerate(slots)],
                   on_result, "lookahead")
         return out.reshape(-1)[:vec.size].astype(np.int64)
 
@@ -360,19 +348,19 @@ class SparseSwitch(Transport):
         sums = np.zeros((nb, self.k), dtype=np.int32)
         mine = first.copy()                   # my next non-zero position per lane (NONE: none)
         cur = start.copy()                    # the lane's current position
-        slots = self._lane_slots(L)
+        slots = lane_slots(self, L)
         info = {"data": 0, "skips": 0}
 
-        def packet(j: int) -> np.ndarray:
+        def lane_packet(j: int) -> np.ndarray:
             q = int(cur[j])
             if mine[j] == q:
                 b = j + q * L
-                nxt = _to_pos(nxt_block[b:b + 1], np.array([j]), L, nb)[0]
+                nxt = to_pos(nxt_block[b:b + 1], np.array([j]), L, nb)[0]
                 mine[j] = nxt
                 info["data"] += 1
-                return self._packet(T_DATA, int(slots[j]), q, int(nxt), codes[b])
+                return packet(self, T_DATA, int(slots[j]), q, int(nxt), codes[b])
             info["skips"] += 1
-            return self._packet(T_SKIP, int(slots[j]), q, int(mine[j]))
+            return packet(self, T_SKIP, int(slots[j]), q, int(mine[j]))
 
         def on_result(j: int, res: np.ndarray):
             q, m = int(cur[j]), int(res[F_NEXT])
@@ -382,172 +370,11 @@ class SparseSwitch(Transport):
                                     f"(forged or corrupted packet)")
             sums[j + q * L] = res[HEADER:]
             cur[j] = m
-            return None if m == NONE else packet(j)
+            return None if m == NONE else lane_packet(j)
 
         active = np.flatnonzero(start != NONE)
-        self._run(slots[active], [packet(int(j)) for j in active], on_result, "stream", lanes=active)
+        run_rounds(self, slots[active], [lane_packet(int(j)) for j in active], on_result, "stream", lanes=active)
         self.last_info["stream"].update(info)
         st = self._state
         st.shift = (st.shift + 1) % self.pool_size
         return sums
-
-    # ================================================================== packets and lanes
-    def _lane_slots(self, L: int) -> np.ndarray:
-        return 1 + (np.arange(L, dtype=np.int64) + self._state.shift) % self.pool_size
-
-    def _packet(self, kind: int, slot: int, pos: int, nxt: int, vec: np.ndarray | None = None) -> np.ndarray:
-        """A packet for ``slot``'s next round (the set is the slot's current parity)."""
-        row = np.empty(HEADER if kind == T_SKIP else HEADER + self.k, dtype=np.int32)
-        st = self._state
-        Header(kind, int(st.parity[slot]), self.fabric.rank, self.fabric.world_size, st.job & JOB_MASK,
-               slot, pos, nxt).write(row)
-        if kind != T_SKIP:
-            row[HEADER:] = vec
-        return row
-
-    def _run(self, slots: np.ndarray, rows: list[np.ndarray], on_result, phase: str,
-             lanes: np.ndarray | None = None) -> None:
-        """Self-clocked rounds on ``slots`` (one outstanding packet each), with SwitchML's loss recovery.
-
-        ``rows[i]`` is the first packet on ``slots[i]``; when its result arrives (matching job, slot,
-        set and position) the slot's parity flips and ``on_result(lane, result)`` returns the lane's
-        next packet, or ``None`` when the lane is done (``lane`` = ``lanes[i]``, default ``i``). A
-        packet unanswered within the timer is resent unchanged; after ``timeout_threshold`` expiries
-        the timer doubles; unanswered for ``give_up_s`` raises :class:`FabricTimeout`.
-        """
-        fab, st, sw, K = self.fabric, self._state, self.switch, self.burst
-        S = len(slots)
-        lanes = np.arange(S) if lanes is None else lanes
-        index = {int(s): i for i, s in enumerate(slots)}
-        out: list[np.ndarray | None] = list(rows)
-        deadline = np.full(S, math.inf)
-        since = np.zeros(S)
-        timeout, threshold, expiries = self.timeout, self.timeout_threshold, 0
-        info = {"packets": 0, "retransmissions": 0, "results": 0, "ignored": 0}
-        pending: deque = deque()
-        if phase == "control" or self.last_info.get("job") != st.job:
-            self.last_info = {"job": st.job}
-        self.last_info[phase] = info
-
-        queue: list[np.ndarray] = []
-
-        def send(i: int, fresh: bool) -> None:
-            queue.append(out[i])
-            now = fab.now()
-            deadline[i] = now + (timeout if timeout is not None else math.inf)
-            if fresh:
-                since[i] = now
-            info["packets"] += 1
-            if K == 1:
-                flush()
-
-        def flush() -> None:
-            """The queued packets: one datagram each on SimFabric (a blocking send models the NIC's
-            serialisation; skips as 16-byte headers on their own tag), else ``K`` rows per message."""
-            for i in range(0, len(queue), K):
-                part = queue[i:i + K]
-                if self.sim and K == 1:
-                    row = part[0]
-                    fab.send(torch.from_numpy(row), sw, TAG_SKIP if row.size == HEADER else TAG_UP,
-                             reliable=False)
-                    continue
-                msg = np.zeros((K, HEADER + self.k), dtype=np.int32)
-                for r, row in enumerate(part):
-                    msg[r, :row.size] = row
-                t = torch.from_numpy(msg)
-                if self.sim:
-                    fab.send(t, sw, TAG_UP, reliable=False)
-                else:
-                    pending.append((fab.isend(t, sw, TAG_UP, reliable=False), t))
-                    while len(pending) > 64:
-                        pending.popleft()[0].wait()
-            queue.clear()
-
-        for i in range(S):
-            send(i, True)
-        flush()
-        live = S
-        buf = torch.zeros((K, HEADER + self.k), dtype=torch.int32)
-        msg_rows = buf.numpy()
-        while live:
-            try:
-                if timeout is None:
-                    fab.recv(buf, sw, TAG_DOWN)
-                else:
-                    fab.recv(buf, sw, TAG_DOWN, timeout=max(float(deadline.min()) - fab.now(), 1e-9))
-            except FabricTimeout:
-                if timeout is None:
-                    raise
-                now = fab.now()
-                for i in np.flatnonzero(deadline <= now + 1e-12):
-                    if now - since[i] > self.give_up_s:
-                        raise FabricTimeout(
-                            f"worker {fab.rank}: sparse-switch {phase} packet on slot {int(slots[i])} of job "
-                            f"{st.job} unanswered for {now - since[i]:.3g} s despite retransmissions: a peer "
-                            f"or the switch is gone") from None
-                    expiries += 1
-                    info["retransmissions"] += 1
-                    send(int(i), False)
-                flush()
-                if expiries >= threshold:
-                    timeout *= 2
-                    threshold += self.timeout_threshold
-                    expiries = 0
-                continue
-            for res in msg_rows:
-                h = Header.of(res)
-                if h.kind == T_EMPTY:
-                    continue                       # an unused row of a burst
-                i = index.get(h.slot)
-                if h.kind not in (T_RESULT, T_RETRANSMIT) or h.job != st.job or i is None or out[i] is None:
-                    info["ignored"] += 1
-                    continue
-                sent = Header.of(out[i])
-                if (h.set, h.pos) != (sent.set, sent.pos):
-                    info["ignored"] += 1           # a stale result (an earlier round of this slot)
-                    continue
-                info["results"] += 1
-                st.parity[slots[i]] ^= 1
-                out[i] = on_result(int(lanes[i]), res.copy())
-                if out[i] is None:
-                    deadline[i] = math.inf
-                    live -= 1
-                else:
-                    send(i, True)
-            flush()
-        while pending:
-            pending.popleft()[0].wait()
-
-
-def _to_pos(blocks: np.ndarray, lanes: np.ndarray, L: int, nb: int) -> np.ndarray:
-    """Lane positions of block ids (``nb``, the look-ahead's "none", becomes ``NONE``)."""
-    blocks = np.asarray(blocks, dtype=np.int64)
-    return np.where(blocks >= nb, NONE, (blocks - lanes) // L)
-
-
-def _program(fabric: Fabric, sim: bool, elems: int | None, slots: int | None, burst: int | None,
-             audit: bool) -> tuple[SparseSwitchConfig, str]:
-    """The switch program to talk to and its service name: started by the transport on SimFabric; on
-    real fabrics the one the launcher started (``services=["sparse-switch..."]``), whose constants are
-    the defaults."""
-    if elems is not None and elems not in PACKET_ELEMS:
-        raise InvalidValueError(f"slot_elems must be one of {PACKET_ELEMS}, got {elems!r}")
-    asked = {k: v for k, v in (("elems", elems), ("slots", slots), ("burst", burst)) if v is not None}
-    if audit:
-        asked["audit"] = True
-    if sim:
-        cfg = SparseSwitchConfig(**asked)
-        return cfg, cfg.spec()
-    started = [sp for sp in fabric.services() if sp.partition(":")[0] == "sparse-switch"]
-    configs = [(SparseSwitchConfig.parse(sp.partition(":")[2] or None), sp) for sp in started]
-    fits = [(c, sp) for c, sp in configs
-            if all((c.burst_for(fabric) if k == "burst" else getattr(c, k)) == v for k, v in asked.items())]
-    if len(fits) == 1:
-        return fits[0]
-    if not started:
-        from ..fabric.base import ServiceNotStarted
-
-        want = SparseSwitchConfig(**asked).spec()
-        raise ServiceNotStarted(f"transport 'sparse-switch' needs a switch rank: launch with services=[{want!r}]")
-    raise IncompatibleError(f"transport 'sparse-switch' asked for a program with {asked or 'the defaults'} but the "
-                            f"launcher started {started}; pass slot_elems / switch_slots matching one of them")

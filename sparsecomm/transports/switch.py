@@ -72,7 +72,7 @@ from .base import Transport
 from . import switch_service  # noqa: F401 - registers the "switch" service
 from .switch_codec import FloatJob, IntJob
 from .switch_control import _DTYPES, _ROUNDING, MODE_FLOAT, MODE_INT, control_round
-from .switch_lanes import Inbox, run_lanes
+from .switch_lanes import Inbox, Uplink, run_lanes
 from .switch_dataplane import (
     EXP_MAX, MAX_WORKERS, PACKET_ELEMS, Dataplane, SwitchConfig, service_main,
 )
@@ -90,11 +90,18 @@ class _WorkerState:
     shift: int = 0
     job: int = 0
     _inbox: Inbox | None = None    # real fabrics: receives from the switch posted ahead, kept across jobs
+    _uplink: Uplink | None = None  # real fabrics: the sending thread and its buffers, kept across jobs
 
     def inbox(self, fabric: Fabric, switch: int, burst: int, width: int) -> Inbox:
         if self._inbox is None:
             self._inbox = Inbox(fabric, switch, burst, width)
         return self._inbox
+
+    def uplink(self, fabric: Fabric, switch: int, burst: int, width: int, depth: int) -> Uplink:
+        if self._uplink is None or self._uplink.error is not None:
+            self._uplink = Uplink(fabric, switch, burst, width, depth)
+        self._uplink.ensure(depth)
+        return self._uplink
 
 
 @dataclass

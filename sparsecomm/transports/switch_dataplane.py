@@ -146,18 +146,22 @@ class SwitchConfig:
 
 # ----------------------------------------------------------------------------- the program
 @njit(cache=True, nogil=True)
-def _program(rows, values, seen, count, exponent, world, mc, uc, new, counters):  # pragma: no cover - numba
+def _program(rows, values, seen, count, exponent, world, mc, uc, new, counters, clear):  # pragma: no cover - numba
     """Run the per-packet program (module docstring) on every row of one message, in order.
 
     Results go to ``mc`` (multicast) and ``uc`` (unicast to the sender), rows of the same width, filled
     from the front; ``new[i]`` marks row ``i`` as a new contribution (for the audit). Returns the
-    number of rows written to each. ``counters`` accumulates :data:`COUNTERS`."""
+    number of rows written to each. ``counters`` accumulates :data:`COUNTERS`. With ``clear``, each
+    row's type is reset to ``T_EMPTY`` once read (a receive buffer made ready for its next message)."""
     slots, elems = values.shape[0], values.shape[2]
     nmc = 0
     nuc = 0
     for i in range(rows.shape[0]):
         new[i] = 0
-        if rows[i, 0] != 1:                       # T_DATA only
+        kind = rows[i, 0]
+        if clear:
+            rows[i, 0] = 0
+        if kind != 1:                             # T_DATA only
             continue
         counters[0] += 1
         slot, v, w, n = rows[i, 1], rows[i, 2], rows[i, 3], rows[i, 6]
@@ -247,22 +251,30 @@ class Dataplane:
         cap = data if burst is None else -(-data // burst) * burst
         mc = np.empty((cap, width), dtype=np.int32)
         uc = np.empty((cap, width), dtype=np.int32)
-        new = np.empty(k, dtype=np.uint8)
+        nmc, nuc = self.execute(rows, mc, uc)
+        if burst is None:
+            return mc[:nmc], uc[:nuc]
+        return split_messages(mc, nmc, burst), split_messages(uc, nuc, burst)
+
+    def execute(self, rows: np.ndarray, mc: np.ndarray, uc: np.ndarray, scratch: np.ndarray | None = None,
+                clear: bool = False):
+        """:meth:`process` into the caller's reply buffers (int32, C-contiguous, as wide as ``rows`` and
+        at least as many rows as ``rows`` has data rows, e.g. ``len(rows)``): the service's path, with
+        reply buffers it reuses. Returns (multicast rows, unicast rows) written from the front. With
+        ``clear``, every row's type is reset to ``T_EMPTY`` as it is read (a receive buffer, ready to be
+        posted again; the audit still sees the rows' other fields)."""
+        k = rows.shape[0]
+        new = scratch[:k] if scratch is not None and len(scratch) >= k else np.empty(k, dtype=np.uint8)
         counters = np.zeros(len(COUNTERS), dtype=np.int64)
         nmc, nuc = _program(rows, self.values, self.seen, self.count, self.exponent,
-                            self.world if self.world is not None else 0, mc, uc, new, counters)
+                            self.world if self.world is not None else 0, mc, uc, new, counters, clear)
         for name, c in zip(COUNTERS, counters.tolist()):
             if c:
                 self.stats[name] += c
         if self.audit is not None:
             for r in rows[new.astype(bool)]:
                 self.audit[(int(r[F_JOB]), int(r[F_PKT]), int(r[F_WORKER]))] += 1
-        if burst is None:
-            return mc[:nmc], uc[:nuc]
-        for out, used in ((mc, nmc), (uc, nuc)):
-            out[used:-(-used // burst) * burst] = 0               # padding rows: T_EMPTY
-        return ([mc[i:i + burst] for i in range(0, nmc, burst)],
-                [uc[i:i + burst] for i in range(0, nuc, burst)])
+        return int(nmc), int(nuc)
 
     # ------------------------------------------------------------------ service loop
     def serve(self, fabric: Fabric) -> None:
@@ -271,6 +283,14 @@ class Dataplane:
         from .switch_service import serve
 
         serve(self, fabric)
+
+
+def split_messages(out: np.ndarray, used: int, burst: int) -> list[np.ndarray]:
+    """The first ``used`` rows of ``out`` as messages of ``burst`` rows, the last one's unused rows
+    ``T_EMPTY`` (``out`` must hold a whole number of bursts past ``used``)."""
+    end = -(-used // burst) * burst
+    out[used:end] = 0                                     # padding rows: T_EMPTY
+    return [out[i:i + burst] for i in range(0, used, burst)]
 
 
 def service_main(config: SwitchConfig):

@@ -41,19 +41,25 @@ class Uplink:
     """The worker's sends to the switch on real fabrics, posted by a thread of their own: a gloo send
     returns only once the socket took the message (about its transmission time on a slow link), so
     posting from the loop would leave the link idle while the worker encodes and decodes. Messages are
-    built in a ring of ``depth`` reusable buffers (:meth:`buffer` waits for a free one: the send-ahead
-    bound); :meth:`drain` waits for every send and re-raises a send's error."""
+    built in a ring of reusable buffers (:meth:`buffer` waits for a free one: the send-ahead bound),
+    kept with the thread across jobs (:meth:`ensure` grows the ring for a job with more lanes; fresh
+    buffers every job cost page faults); :meth:`drain` waits for every send and re-raises a send's error."""
 
     def __init__(self, fabric, switch: int, burst: int, width: int, depth: int) -> None:
-        self.fabric, self.switch = fabric, switch
-        self.bufs = [torch.empty((burst, width), dtype=torch.int32) for _ in range(max(2, depth))]
+        self.fabric, self.switch, self.burst, self.width = fabric, switch, burst, width
+        self.bufs: list[torch.Tensor] = []
         self.free: queue.SimpleQueue = queue.SimpleQueue()
-        for i in range(len(self.bufs)):
-            self.free.put(i)
+        self.ensure(depth)
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="switch-uplink", daemon=True)
         self.thread.start()
+
+    def ensure(self, depth: int) -> None:
+        """At least ``max(2, depth)`` buffers (call between jobs only)."""
+        while len(self.bufs) < max(2, depth):
+            self.free.put(len(self.bufs))
+            self.bufs.append(torch.empty((self.burst, self.width), dtype=torch.int32))
 
     def _run(self) -> None:
         while True:
@@ -78,8 +84,10 @@ class Uplink:
         self.q.put(i)
 
     def drain(self) -> None:
-        self.q.put(None)
-        self.thread.join()
+        """Wait until every buffer is free again (every send done); re-raise a send's error."""
+        idle = [self.free.get() for _ in self.bufs]
+        for i in idle:
+            self.free.put(i)
         if self.error is not None:
             raise self.error
 
@@ -135,7 +143,7 @@ def run_lanes(t, lane_slots: np.ndarray, P: int, pkt_base: int, payload, consume
     timeout, threshold, expiries = t.timeout, t.timeout_threshold, 0
     info = {"packets": 0, "retransmissions": 0, "results": 0, "ignored": 0}
     inbox = None if t.sim else st.inbox(fab, sw, K, width)
-    uplink = None if t.sim else Uplink(fab, sw, K, width, SEND_AHEAD * max(1, -(-L // K)))
+    uplink = None if t.sim else st.uplink(fab, sw, K, width, SEND_AHEAD * max(1, -(-L // K)))
 
     def send(lanes: np.ndarray, fresh: bool) -> None:
         for i in range(0, len(lanes), K):            # one message of K rows per K lanes

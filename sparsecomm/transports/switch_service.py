@@ -30,11 +30,13 @@ import queue
 import threading
 from typing import Callable
 
+import numpy as np
 import torch
 
 from ..fabric import services
 from ..fabric.base import Fabric
-from .switch_dataplane import F_TYPE, HEADER, RECV_SLACK, T_EMPTY, TAG_DOWN, TAG_UP, Dataplane, SwitchConfig
+from .switch_dataplane import (F_TYPE, HEADER, RECV_SLACK, T_EMPTY, TAG_DOWN, TAG_UP, Dataplane, SwitchConfig,
+                               split_messages)
 
 #: receives each port keeps posted from its worker (real fabrics)
 PORT_DEPTH = 8
@@ -71,34 +73,78 @@ def _serve_datagrams(dp: Dataplane, fabric: Fabric) -> None:
 
 
 # ----------------------------------------------------------------------------- real fabrics
+class _Replies:
+    """Reply buffers reused across messages (a fresh 1 MB array per message cost more in page faults than
+    the program's adds). A buffer returns to the pool when every send of its messages has completed:
+    :meth:`hold` sets how many sends will :meth:`release` it. The pool keeps at most ``keep`` free ones."""
+
+    def __init__(self, rows: int, width: int, keep: int) -> None:
+        self.rows, self.width, self.keep = rows, width, keep
+        self.free: list[np.ndarray] = []
+        self.pending: dict[int, list] = {}
+        self.lock = threading.Lock()
+
+    def take(self) -> np.ndarray:
+        with self.lock:
+            if self.free:
+                return self.free.pop()
+        return np.empty((self.rows, self.width), dtype=np.int32)
+
+    def hold(self, buf: np.ndarray, sends: int) -> None:
+        if sends == 0:
+            self.give_back(buf)
+        else:
+            with self.lock:
+                self.pending[id(buf)] = [buf, sends]
+
+    def release(self, key: int | None) -> None:
+        """One send of the buffer ``key`` (``id`` of it) is done; ``None``: a message of its own."""
+        if key is None:
+            return
+        with self.lock:
+            entry = self.pending[key]
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self.pending[key]
+                if len(self.free) < self.keep:
+                    self.free.append(entry[0])
+
+    def give_back(self, buf: np.ndarray) -> None:
+        with self.lock:
+            if len(self.free) < self.keep:
+                self.free.append(buf)
+
+
 class _Egress:
     """One output port: a thread sends the queued replies in order (a gloo send returns only once the
     socket took the message, about its transmission time on a slow link, so each port sends on its own
     thread and the ports transmit in parallel); past ``cap`` queued replies the port drops."""
 
-    def __init__(self, fabric: Fabric, dst: int, cap: int, failures: list) -> None:
-        self.fabric, self.dst, self.cap, self.failures = fabric, dst, cap, failures
+    def __init__(self, fabric: Fabric, dst: int, cap: int, failures: list, replies: _Replies) -> None:
+        self.fabric, self.dst, self.cap, self.failures, self.replies = fabric, dst, cap, failures, replies
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.dropped = 0
         self.thread = threading.Thread(target=self._run, name=f"switch-egress-{dst}", daemon=True)
         self.thread.start()
 
-    def send(self, msg: torch.Tensor) -> None:
+    def send(self, msg: torch.Tensor, key: int | None) -> None:
         if self.q.qsize() >= self.cap:
             self.dropped += 1
+            self.replies.release(key)
             return
-        self.q.put(msg)
+        self.q.put((msg, key))
 
     def _run(self) -> None:
         while True:
-            msg = self.q.get()
-            if msg is None:
+            item = self.q.get()
+            if item is None:
                 return
             try:
-                self.fabric.send(msg, self.dst, TAG_DOWN, reliable=False)
+                self.fabric.send(item[0], self.dst, TAG_DOWN, reliable=False)
             except BaseException as exc:  # noqa: BLE001 - handed to the service's main thread
                 self.failures.append(exc)
                 return
+            self.replies.release(item[1])
 
 
 def _serve_ports(dp: Dataplane, fabric: Fabric) -> None:
@@ -108,27 +154,37 @@ def _serve_ports(dp: Dataplane, fabric: Fabric) -> None:
     failures: list[BaseException] = []
     # a worker awaits at most one result per slot and set: that many replies, plus EGRESS_CAP, never drop
     cap = -(-2 * dp.config.slots // burst) + EGRESS_CAP
-    egress = [_Egress(fabric, dst, cap, failures) for dst in range(n)]
+    replies = _Replies(burst * RECV_SLACK, width, keep=4 * n * PORT_DEPTH)
+    egress = [_Egress(fabric, dst, cap, failures, replies) for dst in range(n)]
 
     def port(w: int) -> None:
         try:
             bufs = [torch.zeros((burst * RECV_SLACK, width), dtype=torch.int32) for _ in range(PORT_DEPTH)]
             works = [fabric.irecv(b, w, TAG_UP) for b in bufs]
+            uc = np.empty((burst * RECV_SLACK, width), dtype=np.int32)     # unicasts: rare, copied out
+            scratch = np.empty(burst * RECV_SLACK, dtype=np.uint8)
             i = 0
             while not failures:
                 works[i].wait()
                 arr = bufs[i].numpy()
+                mc = replies.take()
+                # every row is T_EMPTY before the receive is posted and gloo writes a prefix: a message of
+                # at most `burst` rows (all this library's workers send) leaves row `burst` empty
+                rows = arr[:burst] if arr[burst, F_TYPE] == T_EMPTY else arr
                 with registers:
-                    mcast, ucast = dp.process(arr, burst)
-                arr[:, F_TYPE] = T_EMPTY
+                    nmc, nuc = dp.execute(rows, mc, uc, scratch, clear=True)
                 works[i] = fabric.irecv(bufs[i], w, TAG_UP)
                 i = (i + 1) % PORT_DEPTH
+                mcast = split_messages(mc, nmc, burst)
+                replies.hold(mc, n * len(mcast))
                 for msg in mcast:
                     msg = torch.from_numpy(msg)
                     for e in egress:
-                        e.send(msg)
-                for msg in ucast:
-                    egress[w].send(torch.from_numpy(msg))
+                        e.send(msg, id(mc))
+                if nuc:
+                    ucast = split_messages(uc[:-(-nuc // burst) * burst].copy(), nuc, burst)
+                    for msg in ucast:
+                        egress[w].send(torch.from_numpy(msg), None)
         except BaseException as exc:  # noqa: BLE001 - handed to the service's main thread
             failures.append(exc)
 

@@ -1,0 +1,196 @@
+"""``sparse-switch`` worker side: self-clocked rounds on switch slots with SwitchML's loss recovery, the
+packets they carry, and which switch program a transport talks to.
+
+Split from :mod:`.sparse_switch` (the transport: one job top to bottom, its control, look-ahead and stream
+phases); the wire format and the switch program are :mod:`.sparse_switch_dataplane`. A round is one
+packet per slot outstanding: its result (matching job, slot, set and position) flips the slot's parity
+and clocks the lane's next packet; a packet unanswered within the timer is resent unchanged (the
+switch's seen-bitmap absorbs a duplicate, a duplicate after completion gets the stored result), the
+timer doubling after ``timeout_threshold`` expiries (Sapio et al., NSDI'21, Sec. 4; the p4app-switchML
+client's rule).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..errors import FabricTimeout, IncompatibleError, InvalidValueError
+from ..fabric.base import Fabric
+from .sparse_switch_dataplane import (HEADER, JOB_MASK, NONE, PACKET_ELEMS, T_EMPTY, T_RESULT, T_RETRANSMIT,
+                                      T_SKIP, TAG_DOWN, TAG_SKIP, TAG_UP, Header, SparseSwitchConfig)
+
+
+@dataclass
+class _WorkerState:
+    """What a worker keeps between jobs on one switch (identical on every worker)."""
+
+    parity: np.ndarray     # per switch slot: the set its next round takes
+    shift: int = 0
+    job: int = 0
+
+
+def lane_slots(t, L: int) -> np.ndarray:
+    """The switch slots of lanes ``0..L-1`` for transport ``t``'s current job."""
+    return 1 + (np.arange(L, dtype=np.int64) + t._state.shift) % t.pool_size
+
+def packet(t, kind: int, slot: int, pos: int, nxt: int, vec: np.ndarray | None = None) -> np.ndarray:
+    """A packet for ``slot``'s next round (the set is the slot's current parity)."""
+    row = np.empty(HEADER if kind == T_SKIP else HEADER + t.k, dtype=np.int32)
+    st = t._state
+    Header(kind, int(st.parity[slot]), t.fabric.rank, t.fabric.world_size, st.job & JOB_MASK,
+           slot, pos, nxt).write(row)
+    if kind != T_SKIP:
+        row[HEADER:] = vec
+    return row
+
+def run_rounds(t, slots: np.ndarray, rows: list[np.ndarray], on_result, phase: str,
+               lanes: np.ndarray | None = None) -> None:
+    """Self-clocked rounds on ``slots`` (one outstanding packet each), with SwitchML's loss recovery.
+
+    ``rows[i]`` is the first packet on ``slots[i]``; when its result arrives (matching job, slot,
+    set and position) the slot's parity flips and ``on_result(lane, result)`` returns the lane's
+    next packet, or ``None`` when the lane is done (``lane`` = ``lanes[i]``, default ``i``). A
+    packet unanswered within the timer is resent unchanged; after ``timeout_threshold`` expiries
+    the timer doubles; unanswered for ``give_up_s`` raises :class:`FabricTimeout`.
+    """
+    fab, st, sw, K = t.fabric, t._state, t.switch, t.burst
+    S = len(slots)
+    lanes = np.arange(S) if lanes is None else lanes
+    index = {int(s): i for i, s in enumerate(slots)}
+    out: list[np.ndarray | None] = list(rows)
+    deadline = np.full(S, math.inf)
+    since = np.zeros(S)
+    timeout, threshold, expiries = t.timeout, t.timeout_threshold, 0
+    info = {"packets": 0, "retransmissions": 0, "results": 0, "ignored": 0}
+    pending: deque = deque()
+    if phase == "control" or t.last_info.get("job") != st.job:
+        t.last_info = {"job": st.job}
+    t.last_info[phase] = info
+
+    queue: list[np.ndarray] = []
+
+    def send(i: int, fresh: bool) -> None:
+        queue.append(out[i])
+        now = fab.now()
+        deadline[i] = now + (timeout if timeout is not None else math.inf)
+        if fresh:
+            since[i] = now
+        info["packets"] += 1
+        if K == 1:
+            flush()
+
+    def flush() -> None:
+        """The queued packets: one datagram each on SimFabric (a blocking send models the NIC's
+        serialisation; skips as 16-byte headers on their own tag), else ``K`` rows per message."""
+        for i in range(0, len(queue), K):
+            part = queue[i:i + K]
+            if t.sim and K == 1:
+                row = part[0]
+                fab.send(torch.from_numpy(row), sw, TAG_SKIP if row.size == HEADER else TAG_UP,
+                         reliable=False)
+                continue
+            msg = np.zeros((K, HEADER + t.k), dtype=np.int32)
+            for r, row in enumerate(part):
+                msg[r, :row.size] = row
+            m = torch.from_numpy(msg)
+            if t.sim:
+                fab.send(m, sw, TAG_UP, reliable=False)
+            else:
+                pending.append((fab.isend(m, sw, TAG_UP, reliable=False), m))
+                while len(pending) > 64:
+                    pending.popleft()[0].wait()
+        queue.clear()
+
+    for i in range(S):
+        send(i, True)
+    flush()
+    live = S
+    buf = torch.zeros((K, HEADER + t.k), dtype=torch.int32)
+    msg_rows = buf.numpy()
+    while live:
+        try:
+            if timeout is None:
+                fab.recv(buf, sw, TAG_DOWN)
+            else:
+                fab.recv(buf, sw, TAG_DOWN, timeout=max(float(deadline.min()) - fab.now(), 1e-9))
+        except FabricTimeout:
+            if timeout is None:
+                raise
+            now = fab.now()
+            for i in np.flatnonzero(deadline <= now + 1e-12):
+                if now - since[i] > t.give_up_s:
+                    raise FabricTimeout(
+                        f"worker {fab.rank}: sparse-switch {phase} packet on slot {int(slots[i])} of job "
+                        f"{st.job} unanswered for {now - since[i]:.3g} s despite retransmissions: a peer "
+                        f"or the switch is gone") from None
+                expiries += 1
+                info["retransmissions"] += 1
+                send(int(i), False)
+            flush()
+            if expiries >= threshold:
+                timeout *= 2
+                threshold += t.timeout_threshold
+                expiries = 0
+            continue
+        for res in msg_rows:
+            h = Header.of(res)
+            if h.kind == T_EMPTY:
+                continue                       # an unused row of a burst
+            i = index.get(h.slot)
+            if h.kind not in (T_RESULT, T_RETRANSMIT) or h.job != st.job or i is None or out[i] is None:
+                info["ignored"] += 1
+                continue
+            sent = Header.of(out[i])
+            if (h.set, h.pos) != (sent.set, sent.pos):
+                info["ignored"] += 1           # a stale result (an earlier round of this slot)
+                continue
+            info["results"] += 1
+            st.parity[slots[i]] ^= 1
+            out[i] = on_result(int(lanes[i]), res.copy())
+            if out[i] is None:
+                deadline[i] = math.inf
+                live -= 1
+            else:
+                send(i, True)
+        flush()
+    while pending:
+        pending.popleft()[0].wait()
+
+
+def to_pos(blocks: np.ndarray, lanes: np.ndarray, L: int, nb: int) -> np.ndarray:
+    """Lane positions of block ids (``nb``, the look-ahead's "none", becomes ``NONE``)."""
+    blocks = np.asarray(blocks, dtype=np.int64)
+    return np.where(blocks >= nb, NONE, (blocks - lanes) // L)
+
+
+def resolve_program(fabric: Fabric, sim: bool, elems: int | None, slots: int | None, burst: int | None,
+             audit: bool) -> tuple[SparseSwitchConfig, str]:
+    """The switch program to talk to and its service name: started by the transport on SimFabric; on
+    real fabrics the one the launcher started (``services=["sparse-switch..."]``), whose constants are
+    the defaults."""
+    if elems is not None and elems not in PACKET_ELEMS:
+        raise InvalidValueError(f"slot_elems must be one of {PACKET_ELEMS}, got {elems!r}")
+    asked = {k: v for k, v in (("elems", elems), ("slots", slots), ("burst", burst)) if v is not None}
+    if audit:
+        asked["audit"] = True
+    if sim:
+        cfg = SparseSwitchConfig(**asked)
+        return cfg, cfg.spec()
+    started = [sp for sp in fabric.services() if sp.partition(":")[0] == "sparse-switch"]
+    configs = [(SparseSwitchConfig.parse(sp.partition(":")[2] or None), sp) for sp in started]
+    fits = [(c, sp) for c, sp in configs
+            if all((c.burst_for(fabric) if k == "burst" else getattr(c, k)) == v for k, v in asked.items())]
+    if len(fits) == 1:
+        return fits[0]
+    if not started:
+        from ..fabric.base import ServiceNotStarted
+
+        want = SparseSwitchConfig(**asked).spec()
+        raise ServiceNotStarted(f"transport 'sparse-switch' needs a switch rank: launch with services=[{want!r}]")
+    raise IncompatibleError(f"transport 'sparse-switch' asked for a program with {asked or 'the defaults'} but the "
+                            f"launcher started {started}; pass slot_elems / switch_slots matching one of them")
