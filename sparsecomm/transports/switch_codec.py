@@ -19,22 +19,28 @@ import torch
 from numba import njit
 
 from .. import codec
-from ..errors import OverflowError_
+from ..errors import OverflowError_, ProtocolError
 from .switch_dataplane import EXP_MAX, EXP_MIN, F_EXP, HEADER
 
 
 @njit(cache=True, nogil=True)
-def _encode(x, E, cs, at, scales, rows):  # pragma: no cover - numba
-    """``rows[at[k], HEADER:] = round(x[chunk cs[k]] * scales[cs[k]])`` (half away from zero, float64
-    product; elements past the end of ``x`` are 0); returns -1 or the index of the first element whose
-    code leaves int32 (checked per chunk, so that the element loop vectorises)."""
+def _encode(x, E, M, pre, pkts, e_loc, scales, rows):  # pragma: no cover - numba
+    """Fill the payload of ``rows[k]``, packet ``p = pkts[k]``: chunk ``p``'s exponent (``p < M``) and
+    chunk ``c = p - pre``'s codes ``round(x[chunk c] * scales[c])`` (``p >= pre``; half away from zero,
+    float64 product; past the end of ``x``, and before ``pre``, zeros). Returns -1 or the index of the
+    first element whose code leaves int32 (checked per chunk, so that the element loop vectorises)."""
     N = x.size
-    for k in range(cs.size):
-        c = cs[k]
+    for k in range(pkts.size):
+        p = pkts[k]
+        rows[k, 7] = e_loc[p] if p < M else EXP_MIN
+        row = rows[k, 8:]
+        if p < pre:                          # exponent-only packets carry zeros
+            row[:] = 0
+            continue
+        c = p - pre
         s = scales[c]
         base = c * E
         xs = x[base:min(base + E, N)]
-        row = rows[at[k], 8:]
         ok = True
         for j in range(xs.size):
             v = np.float64(xs[j]) * s
@@ -54,20 +60,33 @@ def _encode(x, E, cs, at, scales, rows):  # pragma: no cover - numba
 
 
 @njit(cache=True, nogil=True)
-def _decode(rows, at, cs, scales, sums, out):  # pragma: no cover - numba
-    """``sums[chunk cs[k]] = rows[at[k], HEADER:]`` and ``out[chunk cs[k]] = that / scales[cs[k]]``
-    (float64 quotient, rounded once to ``out``'s dtype; ``out`` may end inside the last chunk)."""
+def _decode(rows, pkts, M, pre, table, exponents, scales, sums, out):  # pragma: no cover - numba
+    """The results ``rows[k]`` of packets ``p = pkts[k]``: chunk ``p``'s agreed exponent and scale
+    (``p < M``; ``scales = table[e - EXP_MIN]``), and chunk ``c = p - pre``'s sums (``p >= pre``):
+    ``sums[chunk c] = rows[k, HEADER:]``, ``out[chunk c] = that / scales[c]`` (float64 quotient, rounded
+    once to ``out``'s dtype; ``out`` may end inside the last chunk). Returns -1, or the first packet whose
+    exponent no int8 register holds (a forged result; the rows before it are taken)."""
     N = out.size
     E = rows.shape[1] - 8
-    for k in range(cs.size):
-        c = cs[k]
+    for k in range(pkts.size):
+        p = pkts[k]
+        if p < M:
+            e = np.int64(rows[k, 7])
+            if e < EXP_MIN or e > EXP_MAX:
+                return p
+            exponents[p] = e
+            scales[p] = table[e - EXP_MIN]
+        if p < pre:
+            continue
+        c = p - pre
         s = scales[c]
         base = c * E
-        row = rows[at[k], 8:]
+        row = rows[k, 8:]
         sums[base:base + E] = row
         o = out[base:min(base + E, N)]
         for j in range(o.size):
             o[j] = np.float64(row[j]) / s
+    return -1
 
 
 _tables: dict[int, np.ndarray] = {}
@@ -100,21 +119,18 @@ class FloatJob:
 
     def payload(self, pkts: np.ndarray, rows: np.ndarray) -> None:
         M, pre, E = self.M, self.pre, self.E
-        rows[:, F_EXP] = np.where(pkts < M, self.e_loc[np.minimum(pkts, M - 1)], EXP_MIN)
-        head = pkts < pre
-        if head.any():                                      # exponent-only packets carry zeros
-            rows[head, HEADER:] = 0
-        at = np.flatnonzero(pkts >= pre)
-        if not len(at):
-            return
-        cs = pkts[at] - pre
         if self.seed is None:
-            bad = _encode(self.xnp, E, cs, at, self.scales, rows)
+            bad = _encode(self.xnp, E, M, pre, pkts, self.e_loc, self.scales, rows)
             if bad >= 0:
                 raise OverflowError_(f"switch allreduce: element {bad} = {float(self.xnp[bad])!r} times its "
                                      f"chunk's agreed scale {self.scales[bad // E]!r} leaves int32")
             return
-        for r, c in zip(at.tolist(), cs.tolist()):
+        rows[:, F_EXP] = np.where(pkts < M, self.e_loc[np.minimum(pkts, M - 1)], EXP_MIN)
+        for r, p in enumerate(pkts.tolist()):
+            if p < pre:                                     # exponent-only packets carry zeros
+                rows[r, HEADER:] = 0
+                continue
+            c = p - pre
             chunk = self.x[c * E:(c + 1) * E]
             codes = codec.to_fixed(chunk, float(self.scales[c]), chunk=E, rounding="stochastic",
                                    seed=self.seed, offset=c * E).numpy()
@@ -122,15 +138,10 @@ class FloatJob:
             rows[r, HEADER + len(codes):] = 0
 
     def consume(self, pkts: np.ndarray, rows: np.ndarray) -> None:
-        M, pre = self.M, self.pre
-        ex = np.flatnonzero(pkts < M)
-        if len(ex):
-            e = rows[ex, F_EXP].astype(np.int64)
-            self.exponents[pkts[ex]] = e
-            self.scales[pkts[ex]] = self.table[e - EXP_MIN]
-        at = np.flatnonzero(pkts >= pre)
-        if len(at):
-            _decode(rows, at, pkts[at] - pre, self.scales, self.snp, self.onp)
+        bad = _decode(rows, pkts, self.M, self.pre, self.table, self.exponents, self.scales, self.snp, self.onp)
+        if bad >= 0:
+            raise ProtocolError(f"switch allreduce: the result of packet {bad} carries an exponent outside "
+                                f"[{EXP_MIN}, {EXP_MAX}] (forged or corrupted packet)")
 
 
 class IntJob:

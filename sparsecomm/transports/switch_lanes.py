@@ -26,10 +26,11 @@ import time
 
 import numpy as np
 import torch
+from numba import njit
 
 from ..errors import FabricTimeout
-from .switch_dataplane import (EXP_MIN, F_EXP, F_JOB, F_NW, F_PKT, F_SET, F_SLOT, F_TYPE, F_WORKER, HEADER,
-                               T_DATA, T_EMPTY, T_RESULT, T_RETRANSMIT, TAG_DOWN, TAG_UP)
+from .switch_dataplane import (EXP_MIN, F_TYPE, HEADER, T_DATA, T_EMPTY, T_RESULT, T_RETRANSMIT, TAG_DOWN,
+                               TAG_UP)
 
 #: receives a worker keeps posted from the switch (real fabrics)
 INBOX_DEPTH = 8
@@ -127,8 +128,8 @@ class Inbox:
 def run_lanes(t, lane_slots: np.ndarray, P: int, pkt_base: int, payload, consume, phase: str) -> None:
     """Stream packets ``0..P-1`` of transport ``t``'s current job over ``len(lane_slots)`` lanes.
 
-    ``payload(pkts, rows)`` fills new rows, ``consume(pkts, rows)`` takes accepted results (packet
-    numbers ascending within one call). A lane unanswered for ``t.give_up_s`` raises
+    ``payload(pkts, rows)`` fills new rows (their headers are set), ``consume(pkts, rows)`` takes
+    accepted results (distinct packet numbers). A lane unanswered for ``t.give_up_s`` raises
     :class:`~sparsecomm.errors.FabricTimeout`. Per-phase counts land in ``t.last_info[phase]``.
     """
     fab, st, sw = t.fabric, t._state, t.switch
@@ -155,15 +156,7 @@ def run_lanes(t, lane_slots: np.ndarray, P: int, pkt_base: int, payload, consume
                 msg = np.zeros((K, width), dtype=np.int32)
             rows = msg[:m]
             if fresh:
-                slots = lane_slots[part]
-                rows[:, F_TYPE] = T_DATA
-                rows[:, F_SLOT] = slots
-                rows[:, F_SET] = st.parity[slots]
-                rows[:, F_WORKER] = rank
-                rows[:, F_PKT] = lane_pkt[part] + pkt_base
-                rows[:, F_JOB] = job
-                rows[:, F_NW] = n
-                rows[:, F_EXP] = EXP_MIN
+                _headers(rows, part, lane_pkt, lane_slots, st.parity, rank, job, n, pkt_base)
                 payload(lane_pkt[part], rows)
                 if timed:
                     lane_rows[part] = rows
@@ -215,6 +208,7 @@ def run_lanes(t, lane_slots: np.ndarray, P: int, pkt_base: int, payload, consume
 
     rbuf = torch.zeros((K, width), dtype=torch.int32)
     rarr = rbuf.numpy()
+    at, pks, lanes = (np.empty(K, dtype=np.int64) for _ in range(3))    # _accept's outputs
     send(np.arange(L), True)
     done = 0
     while done < P:
@@ -225,22 +219,16 @@ def run_lanes(t, lane_slots: np.ndarray, P: int, pkt_base: int, payload, consume
         if rows is None:
             expire()
             continue
-        accepted = _accept(rows, lane_pkt, job, pkt_base, P, L, info)
-        if accepted is not None:
-            pk, lanes, good = accepted
-            consume(pk, good)
+        got, ignored, nxt = _accept(rows, lane_pkt, lane_slots, st.parity, job, pkt_base, P, at, pks, lanes)
+        info["ignored"] += ignored
+        if got:
+            consume(pks[:got], rows if got == len(rows) and at[got - 1] == got - 1 else rows[at[:got]])
         if inbox is not None:
             inbox.release()
-        if accepted is None:
-            continue
-        done += len(pk)
-        info["results"] += len(pk)
-        st.parity[lane_slots[lanes]] ^= 1
-        nxt = pk + L
-        more = nxt < P
-        lane_pkt[lanes] = np.where(more, nxt, -1)
-        if more.any():
-            send(lanes[more], True)
+        done += got
+        info["results"] += got
+        if nxt:
+            send(lanes[:nxt].copy(), True)
     if uplink is not None:
         uplink.drain()
     info["final_timeout"] = timeout
@@ -249,23 +237,49 @@ def run_lanes(t, lane_slots: np.ndarray, P: int, pkt_base: int, payload, consume
     t.last_info[phase] = info
 
 
-def _accept(rows: np.ndarray, lane_pkt: np.ndarray, job: int, pkt_base: int, P: int, L: int, info: dict):
-    """The results in ``rows`` for packets still outstanding: (packets ascending, their lanes, their rows),
-    or ``None``. Anything else -- a duplicate, a previous job's result, padding -- is ignored."""
-    kinds = rows[:, F_TYPE]
-    results = (kinds == T_RESULT) | (kinds == T_RETRANSMIT)
-    pk = rows[:, F_PKT].astype(np.int64) - pkt_base
-    ok = results & (rows[:, F_JOB] == job) & (pk >= 0) & (pk < P)
-    lanes = np.where(ok, pk % L, 0)
-    ok &= lane_pkt[lanes] == pk
-    info["ignored"] += int(results.sum()) - int(ok.sum())
-    if ok.all():
-        good = rows          # the common case: a full burst of fresh results, used in place
-    elif ok.any():
-        pk, lanes, good = pk[ok], lanes[ok], rows[ok]
-    else:
-        return None
-    pk, first = np.unique(pk, return_index=True)
-    if len(first) != len(good) or not (first == np.arange(len(first))).all():
-        lanes, good = lanes[first], good[first]
-    return pk, lanes, good
+@njit(cache=True, nogil=True)
+def _headers(rows, lanes, lane_pkt, lane_slots, parity, rank, job, n, pkt_base):  # pragma: no cover - numba
+    """The header of ``rows[i]``: lane ``lanes[i]``'s outstanding packet on its slot's current set."""
+    for i in range(lanes.size):
+        j = lanes[i]
+        slot = lane_slots[j]
+        rows[i, 0] = T_DATA
+        rows[i, 1] = slot
+        rows[i, 2] = parity[slot]
+        rows[i, 3] = rank
+        rows[i, 4] = lane_pkt[j] + pkt_base
+        rows[i, 5] = job
+        rows[i, 6] = n
+        rows[i, 7] = EXP_MIN                 # the payload sets a chunk's exponent
+
+
+@njit(cache=True, nogil=True)
+def _accept(rows, lane_pkt, lane_slots, parity, job, pkt_base, P, at, pks, lanes):  # pragma: no cover - numba
+    """Take the results in ``rows`` for packets still outstanding, in row order: row ``at[i]`` answers
+    packet ``pks[i]``; the lane's slot flips its set and the lane moves to its next packet (``-1``: done).
+    Anything else -- a duplicate, a previous job's result, padding -- is ignored. Returns (results taken,
+    results ignored, lanes with a next packet: ``lanes[:that]``)."""
+    L = lane_pkt.size
+    got = 0
+    ignored = 0
+    for r in range(rows.shape[0]):
+        kind = rows[r, 0]
+        if kind != T_RESULT and kind != T_RETRANSMIT:
+            continue
+        pk = np.int64(rows[r, 4]) - pkt_base
+        if rows[r, 5] != job or pk < 0 or pk >= P or lane_pkt[pk % L] != pk:
+            ignored += 1                     # not outstanding (also a second copy in this message)
+            continue
+        j = pk % L
+        at[got] = r
+        pks[got] = pk
+        got += 1
+        parity[lane_slots[j]] ^= 1
+        lane_pkt[j] = pk + L if pk + L < P else -1
+    nxt = 0
+    for i in range(got):
+        j = pks[i] % L
+        if lane_pkt[j] >= 0:
+            lanes[nxt] = j
+            nxt += 1
+    return got, ignored, nxt
