@@ -434,3 +434,28 @@ def test_in_place_gives_the_same_bits_into_the_input():
 
     for ref, out, y in sc.launch(fn, 3):
         assert torch.equal(ref, out) and torch.equal(y, ref) and out.data_ptr() == y.data_ptr()
+
+
+def test_a_worker_takes_each_outstanding_result_once_and_refuses_a_forged_exponent():
+    from sparsecomm.errors import ProtocolError
+    from sparsecomm.transports.switch_codec import FloatJob
+    from sparsecomm.transports.switch_dataplane import F_EXP, F_JOB, F_PKT, F_TYPE, T_EMPTY, T_RESULT
+    from sparsecomm.transports.switch_lanes import _accept
+
+    L, P = 4, 5
+    lane_pkt, lane_slots, parity = np.arange(L), np.arange(1, L + 1), np.zeros(8, dtype=np.int32)
+    rows = np.zeros((6, HEADER + 64), dtype=np.int32)
+    rows[:, F_TYPE], rows[:, F_JOB], rows[:, F_PKT] = T_RESULT, 7, [2, 2, 0, 5, 1, 3]
+    rows[4, F_JOB], rows[5, F_TYPE] = 6, T_EMPTY     # a second copy of 2, 5 not outstanding, another job's
+    at, pks, lanes = (np.empty(6, dtype=np.int64) for _ in range(3))
+    got, ignored, nxt = _accept(rows, lane_pkt, lane_slots, parity, 7, 0, P, at, pks, lanes)
+    assert (got, ignored, nxt) == (2, 3, 1)
+    assert at[:2].tolist() == [0, 2] and pks[:2].tolist() == [2, 0] and lanes[:1].tolist() == [0]
+    assert lane_pkt.tolist() == [4, 1, -1, 3] and parity.tolist() == [0, 1, 0, 1, 0, 0, 0, 0]
+
+    x = torch.ones(3 * 64)
+    job = FloatJob(x, x, torch.zeros(3 * 64, dtype=torch.int32), np.zeros(3, dtype=np.int64), 64, 2, 2, None)
+    res = np.zeros((1, HEADER + 64), dtype=np.int32)
+    res[0, F_EXP] = 200                              # no int8 exponent register holds it
+    with pytest.raises(ProtocolError, match="exponent"):
+        job.consume(np.array([0]), res)

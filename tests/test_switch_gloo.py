@@ -7,6 +7,8 @@ import torch
 
 import sparsecomm as sc
 from sparsecomm.errors import NonFiniteError
+from sparsecomm.transports.switch_dataplane import (F_EXP, F_NW, F_PKT, F_SLOT, F_TYPE, F_WORKER, HEADER,
+                                                    T_DATA, T_RESULT, TAG_DOWN, TAG_UP)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -54,11 +56,30 @@ def _program(ctx):
     except Exception as e:  # noqa: BLE001
         err = (type(e).__name__, str(e))
     t = sc.transports.get("switch", ctx.fabric)        # adopts the started program
-    return err, t.slot_elems, t.burst, t.allreduce(torch.ones(1000) * (ctx.rank + 1))
+    return err, t.slot_elems, t.burst, _long_message(ctx, t), t.allreduce(torch.ones(1000) * (ctx.rank + 1))
+
+
+def _long_message(ctx, t):
+    """Two bursts in one message (within the switch's receive slack), on slots the transport never uses:
+    every row is added, and the switch's results come back as messages of one burst each."""
+    k = t.burst
+    rows = torch.zeros((2 * k, HEADER + t.slot_elems), dtype=torch.int32)
+    rows[:, F_TYPE], rows[:, F_SLOT], rows[:, F_WORKER], rows[:, F_NW] = T_DATA, 1000 + torch.arange(2 * k), ctx.rank, 2
+    rows[:, F_PKT], rows[:, F_EXP] = torch.arange(2 * k), -128
+    rows[:, HEADER:] = ctx.rank + 1
+    ctx.fabric.send(rows, t.switch, TAG_UP)
+    got = []
+    for _ in range(2):
+        buf = torch.zeros((k, HEADER + t.slot_elems), dtype=torch.int32)
+        ctx.fabric.recv(buf, t.switch, TAG_DOWN)
+        got.append(buf)
+    return torch.cat(got)
 
 
 def test_switch_program_constants_come_from_the_started_switch():
     res = sc.launch(_program, 2, backend="gloo", services=["switch:elems=256,burst=4"], timeout_s=60)
-    for err, elems, burst, y in res:
+    for err, elems, burst, raw, y in res:
         assert err is not None and err[0] == "IncompatibleError" and "switch:elems=256,burst=4" in err[1]
         assert (elems, burst) == (256, 4) and torch.equal(y, torch.full((1000,), 3.0))
+        assert (raw[:, F_TYPE] == T_RESULT).all() and (raw[:, HEADER:] == 3).all()
+        assert sorted(raw[:, F_PKT].tolist()) == list(range(8)) and sorted(raw[:, F_SLOT].tolist()) == list(range(1000, 1008))
