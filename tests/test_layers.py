@@ -246,7 +246,6 @@ def test_no_layer_asks_for_a_concrete_fabric():
 #: only shrinks: an entry that is no longer too long fails :func:`test_the_long_module_list_is_current`
 LONG_PENDING = {
     "sparsecomm/transports/sparse_switch.py",          # switch (#14)
-    "theory/compressors.py",                           # codec (#18)
 }
 
 
