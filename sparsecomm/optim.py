@@ -73,12 +73,15 @@ worker if any differs; ``"off"`` does nothing.
 **Compressor / method.** ``compressor=`` is a method name (``sc.methods.available()``: builds that
 method with its default compressor), a compressor name (``sc.compressors.available()``: builds method
 ``method=`` around it, ``"none"`` by default), a ``Compressor`` or a ``Method`` object. Further
-keyword arguments are hyper-parameters of the method/compressor::
+keyword arguments are hyper-parameters of the method/compressor (a keyword neither takes raises
+:class:`~sparsecomm.errors.HyperParameterError` naming both parameter lists)::
 
     DistributedOptimizer(inner, compressor="topk", ratio=0.01)                 # none + top-k
     DistributedOptimizer(inner, compressor="topk", method="ef", ratio=0.01)    # EF + top-k
     DistributedOptimizer(inner, compressor="diana", ratio=0.01, alpha=0.05)    # DIANA + rand-k
     DistributedOptimizer(inner, compressor=sc.methods.get("ef21", compressor="topk", ratio=0.01))
+    DistributedOptimizer(inner, compressor=sc.compressors.randk(ratio=0.01), method="diana")   # typed
+    DistributedOptimizer(inner, compressor=sc.methods.ef21(sc.compressors.topk(ratio=0.01)))
 
 ``transport=`` is a transport name (hyper-parameters in ``transport_kwargs=``; a transport that
 takes ``inplace`` gets ``inplace=True`` unless told otherwise, since the buckets are scratch), a

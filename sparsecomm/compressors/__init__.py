@@ -1,10 +1,15 @@
 """Stateless compression operators.
 
 Typed factories are the API; :data:`registry` is the one name -> factory catalog (for command lines and
-configs), listed at the bottom of this file::
+configs), listed at the bottom of this file:
 
-    c = sc.compressors.randk(ratio=0.01)             # typed
-    c = sc.compressors.get("randk", ratio=0.01)      # by name (the catalog)
+>>> import sparsecomm as sc
+>>> sc.compressors.randk(ratio=0.01)                  # typed
+RandK(ratio=0.01, seed=None)
+>>> sc.compressors.get("randk", ratio=0.01)           # by name (the catalog)
+RandK(ratio=0.01, seed=None)
+>>> sc.compressors.compose(sc.compressors.randk(ratio=0.5), sc.compressors.natural()).omega(1000)
+1.25
 
 A keyword a factory does not take, given by name, raises
 :class:`~sparsecomm.errors.HyperParameterError` naming the ones it takes. Adding a compressor: one

@@ -1,10 +1,17 @@
 """Per-worker methods wrapping a compressor: none, ef, ef21, diana, dgc, powersgd, signsgd, signum, onebit.
 
 Typed factories are the API; :data:`registry` is the one name -> factory catalog (for command lines
-and configs), listed at the bottom of this file::
+and configs), listed at the bottom of this file:
 
-    m = sc.methods.diana(sc.compressors.randk(ratio=0.01), alpha=0.5)        # typed
-    m = sc.methods.get("diana", compressor="randk", ratio=0.01, alpha=0.5)   # by name (the catalog)
+>>> import sparsecomm as sc
+>>> sc.methods.diana(sc.compressors.randk(ratio=0.01), alpha=0.5)             # typed
+Diana(compressor=RandK(ratio=0.01, seed=None), alpha=0.5, init='zeros')
+>>> sc.methods.get("diana", compressor="randk", ratio=0.01, alpha=0.5)        # by name (the catalog)
+Diana(compressor=RandK(ratio=0.01, seed=None), alpha=0.5, init='zeros')
+>>> sc.methods.get("diana", ratio=0.01, levels=3)
+Traceback (most recent call last):
+    ...
+sparsecomm.errors.HyperParameterError: compressor 'randk' does not take 'levels' (compressor 'randk' takes: ratio, k, seed, independent; method 'diana' takes: compressor, alpha, init)
 
 By name, the method's own keywords (its factory's parameters) go to the method and the others to its
 compressor (a name, built from the compressor catalog); a keyword neither takes raises
