@@ -23,13 +23,19 @@ from __future__ import annotations
 
 import torch
 
+import functools
+
 from ..errors import FabricTimeout, IncompatibleError, InvalidValueError, PeerFailure
 from ..fabric.base import Fabric
 from ..payload import Payload
+from . import _fold
 from .base import registry
-from ._guards import nonfinite_option
+from ._guards import all_finite, guard_finite, nonfinite_option
+from ._handshake import check_agreement
 from .base import Transport
 from .ring import guarded_sum, linear_operand
+
+WHAT = "native allreduce"
 
 
 def _all_gather(out: torch.Tensor, inp: torch.Tensor, group=None) -> None:
@@ -47,9 +53,14 @@ class Native(Transport):
     name = "native"
     carries = frozenset({"dense", "aligned", "quantized"})
     quantized_needs_shared_scale = True
+    folds = True
 
-    def __init__(self, fabric: Fabric, *, inplace: bool = False, nonfinite: str = "raise") -> None:
+    def __init__(self, fabric: Fabric, *, inplace: bool = False, nonfinite: str = "raise",
+                 fold_max_bytes: int = _fold.FOLD_MAX_BYTES) -> None:
         super().__init__(fabric)
+        if fold_max_bytes < 0:
+            raise InvalidValueError(f"fold_max_bytes must be >= 0 (0: never fold), got {fold_max_bytes}")
+        self.fold_max_bytes = int(fold_max_bytes)
         self.nonfinite = nonfinite_option(nonfinite, "native")
         self.inplace = inplace   # all-reduce a plain tensor input in place (scratch buckets), no copy
         if fabric.native_group is None:
@@ -67,14 +78,43 @@ class Native(Transport):
         return self._run(p)
 
     def _run(self, x: torch.Tensor | Payload) -> torch.Tensor:
-        import torch.distributed as dist
-
         f = self.fabric
-        n = f.world_size
-        op = linear_operand(x, n, self.name)
-        return op.finish(guarded_sum(f, "native allreduce", op, {}, self.nonfinite,
-                                     self.inplace and isinstance(x, torch.Tensor), self._reduce,
-                                     int_floor=torch.int32))
+        op = linear_operand(x, f.world_size, self.name)
+        inplace = self.inplace and isinstance(x, torch.Tensor)
+        sched = _fold.schedule(f)
+        if sched is None:
+            return op.finish(guarded_sum(f, WHAT, op, {}, self.nonfinite, inplace, self._reduce,
+                                         int_floor=torch.int32))
+        v = op.vector
+        key = ("native",) + tuple((k, int(val)) for k, val in op.fields.items())
+        fold = None
+        if (v.is_floating_point() and 0 < v.numel() * v.element_size() <= self.fold_max_bytes
+                and not op.codes):
+            fold = _fold.Fold(key, v.numel(), v.dtype, v.device, functools.partial(_join, f))
+        predicted = sched.predicted()
+        if predicted is not None and fold is not None and predicted.key == key:
+            sched.folded += 1
+            total = self._folded(op, inplace)
+        else:
+            if predicted is not None:
+                sched.deviate(predicted)     # then this call's own handshake (in guarded_sum)
+            total = guarded_sum(f, WHAT, op, {}, self.nonfinite, inplace, self._reduce, int_floor=torch.int32)
+        sched.record(key, fold)
+        return op.finish(total)
+
+    def _folded(self, op, inplace: bool) -> torch.Tensor:
+        """The predicted call (:mod:`._fold`): the all-reduce at once; a NaN in the sum (every element
+        of it, if a worker deviated) is resolved by the handshake, then by the non-finite rules."""
+        v = op.vector
+        total = self._reduce(op.work_copy(inplace))
+        if self.nonfinite == "raise":
+            suspect = not all_finite(total)
+        else:
+            suspect = bool(torch.isnan(total[:1]).any())
+        if suspect:
+            check_agreement(self.fabric, WHAT, **op.fields)   # MismatchError on every worker if one deviated
+            guard_finite(self.fabric, WHAT, total, v if total is not v else None, self.nonfinite)
+        return total
 
     def gather(self, p: Payload) -> list[Payload]:
         """Every worker's row-sparse payload (``sparse`` with ``bucket_size`` = the row length, or plain
@@ -82,15 +122,31 @@ class Native(Transport):
         call it (it is two collectives, without the agreement handshake of the other calls); the
         headers are checked on every worker (:class:`~sparsecomm.errors.MismatchError` when the workers
         disagree on the length, row length or dtype; :class:`~sparsecomm.errors.MalformedMessage` for
-        a row count outside the table) before the data, and the indices against the rows after."""
-        import torch.distributed as dist
+        a row count outside the table) before the data, and the indices against the rows after.
+        A predicted all-reduce (:mod:`._fold`) is joined and resolved first."""
+        if p.kind != "sparse" or p.indices is None:
+            raise IncompatibleError(f"native gather carries row-sparse payloads, not {p.kind!r} ones")
+        from ._handshake import dtype_code
+        from .ring import KIND_CODE
 
+        # described with the fields of an all-reduce: the error names the length or kind that differs
+        sched = _fold.enter(self.fabric, self.name, "native gather", length=p.numel, dtype=dtype_code(p.dtype),
+                            payload_kind=KIND_CODE["sparse"], values_length=p.values.numel(),
+                            values_dtype=dtype_code(p.values.dtype))
+        try:
+            out = self._gather(p)
+        except BaseException:
+            if sched is not None:
+                sched.reset()
+            raise
+        _fold.leave(sched, "native gather")
+        return out
+
+    def _gather(self, p: Payload) -> list[Payload]:
         from ..errors import MalformedMessage, MismatchError
         from ..payload import WireFormatError
         from ._handshake import dtype_code, mismatch_error
 
-        if p.kind != "sparse" or p.indices is None:
-            raise IncompatibleError(f"native gather carries row-sparse payloads, not {p.kind!r} ones")
         f = self.fabric
         n, r = f.world_size, f.rank
         row = p.row_len
@@ -172,26 +228,30 @@ class Native(Transport):
                               f"another rank died: {msg}") from exc
 
     def _reduce(self, acc: torch.Tensor) -> torch.Tensor:
-        import torch.distributed as dist
+        return _join(self.fabric, acc)
 
-        f = self.fabric
-        n = f.world_size
-        if n > 1:
-            try:
-                dist.all_reduce(acc, group=f.native_group)
-            except RuntimeError as exc:
-                msg = str(exc).strip().splitlines()[-1] if str(exc).strip() else repr(exc)
-                if "Timed out" in msg or "timed out" in msg:
-                    raise FabricTimeout(f"worker {f.rank}: torch.distributed.all_reduce timed out: {msg}") from exc
-                raise PeerFailure(f"worker {f.rank}: torch.distributed.all_reduce failed, probably because "
-                                  f"another rank died: {msg}") from exc
-            nbytes = acc.numel() * acc.element_size()
-            moved = 2 * (n - 1) * nbytes // n
-            st = f.stats
-            st.bytes_sent += moved
-            st.bytes_received += moved
-            st.messages += 1
-            st.messages_received += 1
-            st.rounds += 2 * (n - 1)
-            st.estimated_bytes += 2 * moved
-        return acc
+
+def _join(f: Fabric, acc: torch.Tensor) -> torch.Tensor:
+    """``all_reduce`` of ``acc`` over the workers' group, in place, booked in ``f.stats`` (an estimate)."""
+    import torch.distributed as dist
+
+    n = f.world_size
+    if n > 1:
+        try:
+            dist.all_reduce(acc, group=f.native_group)
+        except RuntimeError as exc:
+            msg = str(exc).strip().splitlines()[-1] if str(exc).strip() else repr(exc)
+            if "Timed out" in msg or "timed out" in msg:
+                raise FabricTimeout(f"worker {f.rank}: torch.distributed.all_reduce timed out: {msg}") from exc
+            raise PeerFailure(f"worker {f.rank}: torch.distributed.all_reduce failed, probably because "
+                              f"another rank died: {msg}") from exc
+        nbytes = acc.numel() * acc.element_size()
+        moved = 2 * (n - 1) * nbytes // n
+        st = f.stats
+        st.bytes_sent += moved
+        st.bytes_received += moved
+        st.messages += 1
+        st.messages_received += 1
+        st.rounds += 2 * (n - 1)
+        st.estimated_bytes += 2 * moved
+    return acc

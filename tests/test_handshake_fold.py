@@ -1,0 +1,168 @@
+"""The agreement folded into the data (``sparsecomm.transports._fold``): a repeated ``native`` call skips
+its handshake, and workers that then disagree still get the handshake's error on every worker.
+
+The record and the prediction are checked alone; then, on real gloo processes, every way a worker can
+leave a predicted call (another length, dtype, a gather, another transport, all of them at once) and
+the non-finite rules on a folded call.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import sparsecomm as sc
+import sparsecomm.transports  # noqa: F401
+from sparsecomm.payload import Payload
+from sparsecomm.transports import _fold
+
+from ._faults_common import cap_address_space, outcome
+
+TIMEOUT = 60.0
+BOUND = 10.0      # seconds: every rank has its error well within this (vs TIMEOUT)
+
+
+def _fold_of(key, numel=4, log=None):
+    return _fold.Fold(key, numel, torch.float32, torch.device("cpu"),
+                      (lambda t: log.append((key, t.numel(), bool(torch.isnan(t).all())))) if log is not None
+                      else (lambda t: None))
+
+
+def test_a_successor_is_predicted_after_it_followed_twice_in_a_row():
+    s = _fold.Schedule()
+    a, b = _fold_of("a"), _fold_of("b")
+    s.record("a", a)
+    assert s.predicted() is None
+    s.record("b", b)             # a -> b once
+    s.record("a", a)             # b -> a once
+    s.record("b", b)             # a -> b twice
+    assert s.predicted() is None  # b -> a only once
+    s.record("a", a)             # b -> a twice
+    assert s.predicted() is b
+    s.record("b", b)
+    assert s.predicted() is a
+    s.record("c")                # b -> c: c is not foldable, b's successor is forgotten
+    assert s.predicted() is None
+    s.record("a", a)
+    assert s.predicted() is b     # a -> b is still confirmed
+    s.record("b", b)
+    assert s.predicted() is None
+
+
+def test_a_deviation_joins_with_nan_of_the_predicted_size_and_forgets_the_prediction():
+    log: list = []
+    s = _fold.Schedule()
+    k = _fold_of("k", numel=7, log=log)
+    for _ in range(3):
+        s.record("k", k)
+    assert s.predicted() is k
+    s.deviate(k)
+    assert log == [("k", 7, True)] and s.deviated == 1
+    assert s.predicted() is None
+    s.record("k", k)
+    s.record("k", k)
+    assert s.predicted() is None       # must be confirmed twice again after the deviation
+    s.record("k", k)
+    assert s.predicted() is k
+
+
+def test_the_record_is_bounded_alike_on_every_worker():
+    s = _fold.Schedule()
+    for i in range(3 * _fold.MAX_KEYS):
+        s.record(i, _fold_of(i + 1))
+    assert len(s._next) == _fold.MAX_KEYS
+
+
+def test_fabrics_without_a_native_group_keep_no_record():
+    def fn(ctx):
+        return _fold.schedule(ctx.fabric) is None
+
+    assert all(sc.launch(fn, 2, backend="sim"))
+
+
+# ----------------------------------------------------------------------------- real processes
+def _warm(t, x, k=4):
+    """``k`` identical calls: from the fourth on, the call is predicted (and folds)."""
+    for _ in range(k):
+        t.allreduce(x)
+
+
+def _cases(ctx):
+    cap_address_space()
+    r, f = ctx.rank, ctx.fabric
+    nat = sc.transports.get("native", f)
+    sched = _fold.schedule(f)
+    out = {}
+    x = torch.full((1000,), float(r + 1))
+    before = sched.folded
+    _warm(nat, x)
+    y = nat.allreduce(x)
+    out["folded"] = sched.folded - before >= 2 and torch.equal(y, torch.full((1000,), 6.0))
+    out["folded stats"] = nat.last_stats.bytes_sent == nat.last_stats.estimated_bytes // 2  # no handshake
+    # one worker leaves the predicted call: another length, another dtype
+    _warm(nat, x)
+    out["length"] = outcome(lambda: nat.allreduce(torch.ones(1000 + (r == 2))))
+    _warm(nat, x)
+    out["dtype"] = outcome(lambda: nat.allreduce(x.double() if r == 1 else x))
+    # a gather instead of the predicted all-reduce
+    _warm(nat, x)
+    p = Payload("sparse", torch.ones(2, 4), torch.Size([40]), torch.float32, indices=torch.tensor([1, 3]),
+                bucket_size=4)
+    out["gather"] = outcome(lambda: nat.gather(p) if r == 0 else nat.allreduce(x))
+    # every worker changes alike: the call runs unfolded, right
+    _warm(nat, x)
+    dev = sched.deviated
+    y = nat.allreduce(torch.full((300,), float(r)))
+    out["all change"] = torch.equal(y, torch.full((300,), 3.0)) and sched.deviated == dev + 1
+    _warm(nat, x)
+    parts = nat.gather(p)
+    out["all gather"] = len(parts) == 3 and all(torch.equal(q.indices, p.indices) for q in parts)
+    # NaN in a folded call: the non-finite rules, naming the worker
+    _warm(nat, x)
+    z = x.clone()
+    if r == 1:
+        z[5] = float("nan")
+    before = sched.folded
+    out["nan"] = outcome(lambda: nat.allreduce(z))
+    out["nan folded"] = sched.folded == before + 1
+    # nonfinite="pass": a NaN in element 0 is the data's; a deviator is still a MismatchError
+    passing = sc.transports.get("native", f, nonfinite="pass")
+    _warm(passing, x)
+    z = x.clone()
+    if r == 2:
+        z[0] = float("nan")
+    y = passing.allreduce(z)
+    out["pass nan"] = bool(torch.isnan(y[0])) and torch.equal(y[1:], torch.full((999,), 6.0))
+    _warm(passing, x)
+    out["pass length"] = outcome(lambda: passing.allreduce(torch.ones(999 if r == 0 else 1000)))
+    # fold_max_bytes=0 never folds
+    never = sc.transports.get("native", f, fold_max_bytes=0)
+    before = sched.folded
+    _warm(never, x)
+    out["never"] = sched.folded == before
+    out["after"] = torch.equal(sc.transports.get("ring", f).allreduce(torch.ones(5)), torch.full((5,), 3.0))
+    # last: another transport instead of the predicted call (fail-stop, as without the fold)
+    _warm(nat, x)
+    name = "ring" if r == 1 else "native"
+    out["transport"] = outcome(lambda: sc.transports.get(name, f).allreduce(x))
+    return out
+
+
+@pytest.mark.multiprocess
+def test_workers_leaving_a_folded_call_get_the_handshakes_error_on_every_worker():
+    res = sc.launch(_cases, 3, backend="gloo", timeout_s=TIMEOUT)
+    for case in ("folded", "folded stats", "all change", "all gather", "nan folded", "pass nan", "never",
+                 "after"):
+        assert all(rk[case] for rk in res), (case, [rk[case] for rk in res])
+    for case, cls, words in (("length", "MismatchError", ("length", "worker 2")),
+                             ("dtype", "MismatchError", ("dtype", "float64")),
+                             ("gather", "MismatchError", ("disagree on the length: worker 0 has 40,",)),
+                             ("nan", "NonFiniteError", ("worker 1",)),
+                             ("pass length", "MismatchError", ("length", "worker 0")),
+                             ("transport", "MismatchError", ("'native'", "'ring'"))):
+        got = [rk[case] for rk in res]
+        assert [g[0] for g in got] == [cls] * 3, (case, got)
+        assert all(g[2] < BOUND for g in got), (case, got)
+        assert all(w in g[1] for g in got for w in words), (case, got)
