@@ -121,6 +121,31 @@ def _cases(ctx):
                    bucket_size=4)            # every worker gathers, each its own number of rows
     parts = nat.gather(mine)
     out["all gather"] = [q.indices.tolist() for q in parts] == [[0], [0, 1], [0, 1, 2]]
+    # a predicted gather travels in one all_gather; a worker with more rows than its slot sends the rest
+    def rows_of(j, count, table=400):
+        return Payload("sparse", torch.arange(count * 4, dtype=torch.float32).reshape(count, 4) + 100 * j,
+                       torch.Size([table]), torch.float32, indices=torch.arange(count), bucket_size=4)
+
+    for _ in range(4):
+        nat.gather(rows_of(r, r + 1))
+    before = sched.folded
+    ok = True
+    for counts in ((1, 2, 3), (2, 1, 0), (0, 0, 0), (30, 1, 2)):    # 30 rows overflow the slot (16 rows)
+        parts = nat.gather(rows_of(r, counts[r]))
+        want = [rows_of(j, c) for j, c in enumerate(counts)]
+        ok = ok and all(torch.equal(q.indices, w.indices) and torch.equal(q.values.reshape(-1), w.values.reshape(-1))
+                        for q, w in zip(parts, want))
+    out["gather folded"] = ok and sched.folded - before == 4
+    for _ in range(3):
+        nat.gather(rows_of(r, 2))
+    out["gather vs allreduce"] = outcome(lambda: nat.allreduce(x) if r == 2 else nat.gather(rows_of(r, 2)))
+    for _ in range(4):
+        nat.gather(rows_of(r, 2))
+    out["gather vs gather"] = outcome(lambda: nat.gather(rows_of(r, 2, table=440 if r == 1 else 400)))
+    for _ in range(4):
+        nat.gather(rows_of(r, 2))
+    y = nat.allreduce(torch.full((7,), 1.0))       # every worker leaves the predicted gather alike
+    out["gather all change"] = torch.equal(y, torch.full((7,), 3.0))
     # NaN in a folded call: the non-finite rules, naming the worker
     _warm(nat, x)
     z = x.clone()
@@ -156,12 +181,14 @@ def _cases(ctx):
 def test_workers_leaving_a_folded_call_get_the_handshakes_error_on_every_worker():
     res = sc.launch(_cases, 3, backend="gloo", timeout_s=TIMEOUT)
     for case in ("folded", "folded stats", "all change", "all gather", "nan folded", "pass nan", "never",
-                 "after"):
+                 "after", "gather folded", "gather all change"):
         assert all(rk[case] for rk in res), (case, [rk[case] for rk in res])
     for case, cls, words in (("length", "MismatchError", ("length", "worker 2")),
                              ("dtype", "MismatchError", ("dtype", "float64")),
                              ("gather", "MismatchError", ("disagree on the length: worker 0 has 40,",)),
                              ("nan", "NonFiniteError", ("worker 1",)),
+                             ("gather vs allreduce", "MismatchError", ("length", "400", "1000")),
+                             ("gather vs gather", "MismatchError", ("length", "worker 1 has 440")),
                              ("pass length", "MismatchError", ("length", "worker 0")),
                              ("transport", "MismatchError", ("'native'", "'ring'"))):
         got = [rk[case] for rk in res]

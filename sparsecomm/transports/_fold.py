@@ -93,7 +93,7 @@ class Schedule:
             if fold is None:
                 self._next.pop(last, None)
             elif e is not None and e[0].key == key:
-                e[1] += 1
+                e[0], e[1] = fold, e[1] + 1       # the same call; its fold may carry a new size (a gather's)
                 self._next.move_to_end(last)
             else:
                 self._next[last] = [fold, 1]

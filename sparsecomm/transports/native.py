@@ -25,8 +25,9 @@ counts those booked bytes, so ``last_stats.estimated`` is true and the measured 
 none on a folded call) is ``bytes_sent + bytes_received - estimated_bytes``.
 
 :meth:`Native.gather` gathers row-sparse payloads (the pipeline's sparse-gradient path, as gloo's sparse
-allreduce does): two ``all_gather`` calls, a fixed-size header (length, row length, dtype, row count)
-checked on every worker, then every worker's row indices and values padded to the largest row count.
+allreduce does) in :mod:`._native_gather`: one ``all_gather`` of a slot sized from the last call when
+the call is predicted, else a fixed-size header (length, row length, dtype, row count) checked on every
+worker, then every worker's row indices and values padded to the largest row count.
 
 Integer sums that could overflow are summed in a wider integer dtype (at least int32) and
 range-checked; NaN/Inf raise unless ``nonfinite="pass"`` (:mod:`._guards`), on every worker.
@@ -135,104 +136,15 @@ class Native(Transport):
     def gather(self, p: Payload) -> list[Payload]:
         """Every worker's row-sparse payload (``sparse`` with ``bucket_size`` = the row length, or plain
         ``sparse``: rows of one element), in rank order, the same list on every worker. Every worker must
-        call it (it is two collectives, without the agreement handshake of the other calls); the
-        headers are checked on every worker (:class:`~sparsecomm.errors.MismatchError` when the workers
-        disagree on the length, row length or dtype; :class:`~sparsecomm.errors.MalformedMessage` for
-        a row count outside the table) before the data, and the indices against the rows after.
-        A predicted all-reduce (:mod:`._fold`) is joined and resolved first."""
+        call it: one ``all_gather`` when the call is predicted (:mod:`._fold`), else two (a header, then
+        the rows); workers that disagree on the length, row length or dtype (or make another call) get
+        :class:`~sparsecomm.errors.MismatchError`, a row count outside the table is
+        :class:`~sparsecomm.errors.MalformedMessage`, on every worker (:mod:`._native_gather`)."""
+        from ._native_gather import gather
+
         if p.kind != "sparse" or p.indices is None:
             raise IncompatibleError(f"native gather carries row-sparse payloads, not {p.kind!r} ones")
-        from ._handshake import dtype_code
-        from .ring import KIND_CODE
-
-        # described as the all-reduce of its table (row counts differ between workers; they are not
-        # compared): an error names the length or the payload kind that differs
-        sched = _fold.enter(self.fabric, self.name, "native gather", length=p.numel, dtype=dtype_code(p.dtype),
-                            payload_kind=KIND_CODE["sparse"], values_length=p.numel,
-                            values_dtype=dtype_code(p.values.dtype))
-        try:
-            out = self._gather(p)
-        except BaseException:
-            if sched is not None:
-                sched.reset()
-            raise
-        _fold.leave(sched, "native gather")
-        return out
-
-    def _gather(self, p: Payload) -> list[Payload]:
-        from ..errors import MalformedMessage, MismatchError
-        from ..payload import WireFormatError
-        from ._handshake import dtype_code, mismatch_error
-
-        f = self.fabric
-        n, r = f.world_size, f.rank
-        row = p.row_len
-        rows = p.numel // row
-        k = p.indices.numel()
-        if k * row != p.values.numel() or p.numel % row:
-            raise InvalidValueError(f"row-sparse payload: {p.values.numel()} values for {k} rows of {row}")
-        if n == 1:
-            return [p]
-        group = f.native_group
-        dev = p.values.device
-        what = "native gather"
-        header = torch.tensor([p.numel, row, dtype_code(p.dtype), k], dtype=torch.int64, device=dev)
-        hs = torch.empty(n * 4, dtype=torch.int64, device=dev)
-        self._collective(lambda: _all_gather(hs, header, group=group))
-        h = hs.view(n, 4).tolist()
-        for name, i in (("tensor length", 0), ("row length", 1), ("dtype", 2)):
-            col = [x[i] for x in h]
-            if min(col) != max(col):
-                raise mismatch_error(what, name, col, r)
-        counts = [x[3] for x in h]
-        bad = [j for j, c in enumerate(counts) if not 0 <= c <= rows]
-        if bad:
-            raise MalformedMessage(f"{what}: worker {bad[0]} announced {counts[bad[0]]} rows of a table of {rows}")
-        kmax = max(counts)
-        if kmax == 0:
-            return [Payload("sparse", p.values.new_empty(0), p.shape, p.dtype, indices=p.indices.new_empty(0),
-                            bucket_size=p.bucket_size) for _ in range(n)]
-        vals = p.values.reshape(k, row)
-        # one message per worker: its row indices (int32 bits in the values' 4-byte dtype) and values
-        packed = vals.element_size() == 4 and rows <= 2**31
-        if packed:
-            buf = torch.zeros(kmax, row + 1, dtype=vals.dtype, device=dev)
-            buf[:k, 0] = p.indices.reshape(-1).to(torch.int32).view(vals.dtype)
-            buf[:k, 1:] = vals
-            out = torch.empty(n * kmax * (row + 1), dtype=vals.dtype, device=dev)
-            self._collective(lambda: _all_gather(out, buf.view(-1), group=group))
-            out = out.view(n, kmax, row + 1)
-            idx_all = out[:, :, 0].contiguous().view(torch.int32).to(torch.int64)
-            val_all = out[:, :, 1:]
-        else:
-            ib = torch.zeros(kmax, dtype=torch.int64, device=dev)
-            ib[:k] = p.indices.reshape(-1)
-            vb = torch.zeros(kmax, row, dtype=vals.dtype, device=dev)
-            vb[:k] = vals
-            idx_all = torch.empty(n * kmax, dtype=torch.int64, device=dev)
-            val_all = torch.empty(n * kmax * row, dtype=vals.dtype, device=dev)
-            self._collective(lambda: _all_gather(idx_all, ib, group=group))
-            self._collective(lambda: _all_gather(val_all, vb.view(-1), group=group))
-            idx_all, val_all = idx_all.view(n, kmax), val_all.view(n, kmax, row)
-        nbytes = (idx_all.numel() * 4 + val_all.numel() * vals.element_size()) // n
-        st = f.stats
-        st.bytes_sent += (n - 1) * nbytes
-        st.bytes_received += (n - 1) * nbytes
-        st.messages += 2
-        st.messages_received += 2
-        st.rounds += 2
-        st.estimated_bytes += 2 * (n - 1) * nbytes
-        outp = []
-        for j in range(n):
-            if j == r:
-                outp.append(p)
-                continue
-            idx = idx_all[j, :counts[j]]
-            if counts[j] and (int(idx.min()) < 0 or int(idx.max()) >= rows):
-                raise WireFormatError(f"{what}: worker {j} sent row indices outside [0, {rows})")
-            outp.append(Payload("sparse", val_all[j, :counts[j]].reshape(-1), p.shape, p.dtype, indices=idx,
-                                bucket_size=p.bucket_size))
-        return outp
+        return gather(self, p)
 
     def _collective(self, call) -> None:
         try:
