@@ -43,15 +43,38 @@ def test_a_successor_is_predicted_after_it_followed_twice_in_a_row():
     assert s.predicted() is b
     s.record("b", b)
     assert s.predicted() is a
-    s.record("c")                # b -> c: c is not foldable, b's successor is forgotten
+    s.record("c")                # b -> c: c is not foldable
     assert s.predicted() is None
     s.record("a", a)
     assert s.predicted() is b     # a -> b is still confirmed
     s.record("b", b)
-    assert s.predicted() is None
+    assert s.predicted() is None  # b -> c once since
 
 
-def test_a_deviation_joins_with_nan_of_the_predicted_size_and_forgets_the_prediction():
+def test_runs_of_equal_calls_are_predicted_by_their_run_length():
+    s = _fold.Schedule()
+    k, m = _fold_of("k"), _fold_of("m")
+    s.record("k", k)
+    s.record("k", k)
+    s.record("k", k)
+    assert s.predicted() is k     # k -> k twice (a run length not seen before: k alone)
+    s.record("m", m)
+    guesses = []
+    for _ in range(5):           # rounds of k k k k m: each run length predicts its own successor
+        for key, fold in (("k", k), ("k", k), ("k", k), ("k", k), ("m", m)):
+            guesses.append(s.predicted())
+            s.record(key, fold)
+    want = [k, k, k, k, m]
+    assert guesses[10:] == want * 3, guesses                          # from the third round on
+    # the only wrong guess: the first end of a run of a length not seen before (k predicted, m came)
+    assert [i for i, (g, w) in enumerate(zip(guesses, want * 5)) if g is not None and g is not w] == [4]
+    endless = _fold.Schedule()
+    for _ in range(3 * _fold.MAX_RUN):
+        endless.record("k", k)
+    assert endless.predicted() is k
+
+
+def test_a_deviation_joins_with_nan_of_the_predicted_size_and_the_next_record_replaces_the_guess():
     log: list = []
     s = _fold.Schedule()
     k = _fold_of("k", numel=7, log=log)
@@ -60,10 +83,11 @@ def test_a_deviation_joins_with_nan_of_the_predicted_size_and_forgets_the_predic
     assert s.predicted() is k
     s.deviate(k)
     assert log == [("k", 7, True)] and s.deviated == 1
-    assert s.predicted() is None
+    s.record("x")                     # the call that came instead
     s.record("k", k)
     s.record("k", k)
-    assert s.predicted() is None       # must be confirmed twice again after the deviation
+    assert s.predicted() is None      # (k, run 1) -> x, then k once since
+    s.record("k", k)
     s.record("k", k)
     assert s.predicted() is k
 

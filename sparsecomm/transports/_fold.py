@@ -7,21 +7,26 @@ in the same order every step, so the workers *predict* the next call and let the
 check the prediction.
 
 **History.** Each worker keeps, per fabric (:func:`schedule`), a record of its completed collective
-calls: the key of the last one (the transport and, for ``native``, every field its handshake compares:
-length, dtype, payload kind, ...) and, for each key, the call that followed it and how many times in a
-row. Every worker completes the same calls in the same order, or all raise the same error (which
-clears the record on each), so every worker holds the same record.
+calls: the last one's key (the transport and, for ``native``, every field its handshake compares:
+length, dtype, payload kind, ...) and how many times in a row it came, and for each *context* the call
+that followed it and how many times in a row. A context is a key with its run length (exact) or
+without (general); the exact one is asked first, the general one only for a run length never seen
+before. So a run of equal buckets, ``K K K K`` then ``L``, predicts ``K`` inside the run and ``L`` at
+its end, and an endless ``K K K ...`` is predicted by ``K`` alone. Every worker completes the same
+calls in the same order, or all raise the same error (which clears the record on each), so every
+worker holds the same record.
 
-**Prediction.** When the call that followed the last one did so :data:`CONFIRMATIONS` times in a row
-and is *foldable* (a ``native`` all-reduce of a float vector of at most ``fold_max_bytes``), the next
-call is predicted to be it: the same prediction on every worker, a function of the same record.
+**Prediction.** When the call that followed the last context did so :data:`CONFIRMATIONS` times in a row and is *foldable* (a ``native`` all-reduce of a float vector of at most ``fold_max_bytes``, or a
+``native`` gather, :mod:`._native_gather`), the next call is predicted to be it: the same prediction on
+every worker, a function of the same record.
 
 **The next call**, on each worker:
 
 - the predicted call (its key equals the prediction's): the worker all-reduces its data at once;
 - any other call (another length, dtype, kind or transport, a gather): the worker *deviates*: it joins
-  the predicted all-reduce with a vector of the predicted length and dtype filled with NaN, forgets
-  the prediction, and then runs the handshake describing its own call.
+  the predicted all-reduce with a vector of the predicted length and dtype filled with NaN, then runs
+  the handshake describing its own call (once the call completes, its record replaces the
+  mispredicted successor, which must be confirmed anew).
 
 A sum that a deviator joined is NaN in every element. A worker that took the fast path tests for it
 (the non-finite check it runs anyway, or element 0 with ``nonfinite="pass"``) and, on NaN, runs the
@@ -50,8 +55,10 @@ import torch
 
 #: a successor must have followed this many times in a row before it is predicted
 CONFIRMATIONS = 2
-#: keys remembered per fabric (oldest forgotten first, alike on every worker)
-MAX_KEYS = 512
+#: contexts remembered per fabric (oldest forgotten first, alike on every worker)
+MAX_KEYS = 4096
+#: a context is the last call's key and how many times in a row it came, up to this many
+MAX_RUN = 1024
 #: largest foldable all-reduce (bytes): what a misprediction may cost each worker, once
 FOLD_MAX_BYTES = 16 << 20
 
@@ -75,44 +82,53 @@ class Schedule:
 
     def __init__(self) -> None:
         self._last: Hashable | None = None
-        self._next: OrderedDict[Hashable, list] = OrderedDict()   # key -> [Fold, times in a row]
+        self._run = 0                      # times in a row ``_last`` was called
+        # context -> [successor key, its Fold or None, times in a row]
+        self._next: OrderedDict[Hashable, list] = OrderedDict()
         #: calls that took the fast path / deviated from a prediction (for tests and benchmarks)
         self.folded = 0
         self.deviated = 0
 
+    def _contexts(self) -> tuple[Hashable, ...]:
+        if self._last is None:
+            return ()
+        return (self._last, min(self._run, MAX_RUN)), (self._last, None)
+
     def predicted(self) -> Fold | None:
         """The predicted next call, or None."""
-        e = self._next.get(self._last) if self._last is not None else None
-        return e[0] if e is not None and e[1] >= CONFIRMATIONS else None
+        ctxs = self._contexts()
+        if not ctxs:
+            return None
+        e = self._next.get(ctxs[0])
+        if e is None:
+            e = self._next.get(ctxs[1])
+        return e[1] if e is not None and e[2] >= CONFIRMATIONS else None
 
     def record(self, key: Hashable, fold: Fold | None = None) -> None:
         """A call with ``key`` completed on every worker (``fold``: it is foldable)."""
-        last = self._last
-        if last is not None:
-            e = self._next.get(last)
-            if fold is None:
-                self._next.pop(last, None)
-            elif e is not None and e[0].key == key:
-                e[0], e[1] = fold, e[1] + 1       # the same call; its fold may carry a new size (a gather's)
-                self._next.move_to_end(last)
+        for ctx in self._contexts():
+            e = self._next.get(ctx)
+            if e is None:
+                self._next[ctx] = [key, fold, 1]
+            elif e[0] == key:
+                e[1], e[2] = fold, e[2] + 1     # the same call; its fold may carry a new size (a gather's)
             else:
-                self._next[last] = [fold, 1]
-                self._next.move_to_end(last)
-                while len(self._next) > MAX_KEYS:
-                    self._next.popitem(last=False)
+                e[0], e[1], e[2] = key, fold, 1
+            self._next.move_to_end(ctx)
+        while len(self._next) > MAX_KEYS:
+            self._next.popitem(last=False)
+        self._run = self._run + 1 if key == self._last else 1
         self._last = key
 
     def deviate(self, fold: Fold) -> None:
-        """Join the predicted all-reduce ``fold`` with NaN and forget the prediction (its successor
-        must be confirmed again). The caller then runs the handshake describing its own call."""
+        """Join the predicted all-reduce ``fold`` with NaN. The caller then runs the handshake describing
+        its own call and, once it completed, records it (which replaces the mispredicted successor)."""
         self.deviated += 1
-        self._next.pop(self._last, None)
-        self._last = None
         fold.join(torch.full((fold.numel,), float("nan"), dtype=fold.dtype, device=fold.device))
 
     def reset(self) -> None:
         """Forget everything (after an error raised on every worker)."""
-        self._last = None
+        self._last, self._run = None, 0
         self._next.clear()
 
 
