@@ -9,7 +9,7 @@ int32 bits in column 0 of each row when the values are 4 bytes wide, else indice
 
 **Folded** (:mod:`._fold`: the record predicts this gather, the same table, row length and dtypes, on
 every worker): one ``all_gather`` of a slot of ``cap + 1`` rows per worker, ``cap`` taken from the
-record (1.25 x the largest row count of the last call, alike on every worker): row 0 holds a marker
+record (1.1 x the largest row count of the last call, alike on every worker): row 0 holds a marker
 and the worker's row count, rows ``1..`` its rows. A worker with more than ``cap`` rows sends the rest
 in a second ``all_gather`` sized by the largest excess (every worker sees every count). A worker making
 another call joins the slot ``all_gather`` with NaN, so its marker is wrong on every worker, and runs
@@ -36,7 +36,7 @@ WHAT = "native gather"
 #: first int32 word of a folded slot (any NaN's bits differ from it)
 MARKER = 0x53434731
 #: headroom of a folded slot over the largest row count of the last call, and its least row count
-HEADROOM, MIN_CAP = 1.25, 16
+HEADROOM, MIN_CAP = 1.1, 16
 
 
 def gather(t, p: Payload) -> list[Payload]:
