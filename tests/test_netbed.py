@@ -19,7 +19,7 @@ import sparsecomm as sc
 import sparsecomm.transports  # noqa: F401  (registers the transports and services)
 from sparsecomm.netbed import Netbed, NetbedError, list_netbed_namespaces
 from sparsecomm.netbed.probe import round_trip_s, transfer_rate_bps
-from sparsecomm.netbed.topology import gso_max_size
+from sparsecomm.netbed.topology import _NAME_RE, gso_max_size
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.netbed]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -265,15 +265,16 @@ def _cli(*args, **kw):
                             stderr=subprocess.PIPE, text=True, **kw)
 
 
-def _prefixes() -> set[str]:
-    return {ns.rsplit("-", 1)[0] for ns in list_netbed_namespaces()}
+def _owned_by(pids: set[int]) -> list[str]:
+    """The netbed namespaces whose owner (the pid in the name) is one of ``pids``: other netbeds that
+    other processes run at the same time are not this test's business."""
+    return [ns for ns in list_netbed_namespaces() if int(_NAME_RE.match(ns).group(1)) in pids]
 
 
 def test_cli_environment_and_clean_up_on_every_exit_path(tmp_path):
     """Three runners at once (three netbeds side by side, which must not interfere): one is sent SIGTERM,
     one hits its --timeout, on one a host's command fails. Each host's shell writes its environment and
     its pid and that of a `sleep` child; afterwards every such process is gone, and so is every netbed."""
-    before = _prefixes()
     runners = {}
     for how in ("sigterm", "timeout", "failure"):
         d = tmp_path / how
@@ -289,6 +290,7 @@ def test_cli_environment_and_clean_up_on_every_exit_path(tmp_path):
     while len(list(d.glob("pid-sleep*"))) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(0.2)
+    assert _owned_by({p.pid}), "the runner's netbed should exist while its hosts run"
     p.send_signal(signal.SIGTERM)
     for how, want in (("sigterm", 130), ("timeout", 124), ("failure", 3)):
         d, p = runners[how]
@@ -299,7 +301,7 @@ def test_cli_environment_and_clean_up_on_every_exit_path(tmp_path):
         assert all(_gone(pid) for pid in pids), how
         envs = sorted((d / f"env{r}").read_text().strip() for r in range(2))
         assert envs == [f"{r} 2 10.77.0.2 29611 0 eth0 10.77.{r}.2" for r in range(2)]
-    assert _prefixes() <= before
+    assert _owned_by({p.pid for _, p in runners.values()}) == []
 
 
 def test_torchrun_recipe_distributed_optimizer_step(tmp_path):
