@@ -164,6 +164,7 @@ def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: l
     visit = ([own] if own is not None else []) + [a for a in agg_order(rank, A) if a != own]
     home = home and own is not None
     mark = getattr(fabric, "mark", lambda label: None)   # a traced call's phase marks (see .trace)
+    mark("start")
 
     def homed(ch: wire.Channel) -> bool:
         """Is hosted channel ``ch`` summed in place (one round, whole blocks only)?"""
@@ -379,5 +380,7 @@ def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: l
                     + [reply_step(a, c) for a, c in mine])
 
         drive(fabric, inbox, outbox, steps)
+    mark("steps done")
     outbox.reap(0)
+    mark("sends done")
     return result, down
