@@ -19,6 +19,7 @@ import sparsecomm as sc
 import sparsecomm.transports  # noqa: F401  (registers the transports and services)
 from sparsecomm.netbed import Netbed, NetbedError, list_netbed_namespaces
 from sparsecomm.netbed.probe import round_trip_s, transfer_rate_bps
+from sparsecomm.netbed.topology import gso_max_size
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.netbed]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -94,6 +95,24 @@ def test_emulation_is_honest_round_trip_and_rate():
     assert min(ratios) < 2.0, ratios
     # the shaper caps every run; CPU load from other processes can only slow one down, hence the best of 2
     assert all(r <= 1.0 for r in rates) and max(rates) >= 0.9, rates
+
+
+def _gso_max_size(ns: str, dev: str) -> int:
+    out = subprocess.run(["ip", "netns", "exec", ns, "ip", "-d", "link", "show", "dev", dev],
+                         capture_output=True, text=True, check=True).stdout
+    return int(out.split("gso_max_size ")[1].split()[0])
+
+
+def test_send_bursts_are_capped_to_half_a_millisecond_of_link_time():
+    """At 100 Mbit/s a 64 KiB GSO packet is 5.2 ms of link time; two of them in a host's queue delayed
+    the other direction's acknowledgements by ~11 ms, and the library's 100 MB ring at 100 Mbit/s ran
+    1.09-1.33x its modelled time (tests/test_netbed_sim.py's slow grid shows it; topology's docstring)."""
+    assert gso_max_size(0.1) == 6250 and gso_max_size(1.0) == 62500 and gso_max_size(100.0) == 65536
+    assert gso_max_size(0.001) == 2 * 1514
+    with Netbed(2, 0.1) as bed:
+        for i in range(2):
+            assert _gso_max_size(bed.host_ns(i), "eth0") == 6250
+            assert _gso_max_size(bed.tor_ns, f"p{i}") == 6250
 
 
 # ----------------------------------------------------------------------------- launch backend

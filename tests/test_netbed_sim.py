@@ -34,18 +34,12 @@ def test_sim_within_20_percent_of_native_on_the_netbed(workers, size_mb):
     assert 0.8 <= sim / real["native"] <= 1.2, (sim, real)
 
 
-_RING_100M = ("100 MB at 100 Mbit/s: the ring took 1.09-1.33x the modelled time from run to run on a quiet "
-              "machine (n=2: 9.1-11.1 s vs 8.4 s; n=4: 15.4-16.2 s vs 12.5 s; native at 1.04-1.08x): one "
-              "direction's data finishes up to ~0.5 s after the other's per phase; within 20% at 1 Gbit/s "
-              "(BENCHMARKS.md 'SimFabric vs netbed')")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("gbps", [0.1, 1.0])
 @pytest.mark.parametrize("workers,size_mb", GRID)
-def test_sim_within_20_percent_of_ring_on_the_netbed(workers, size_mb, gbps, request):
-    if size_mb == 100 and gbps == 0.1:
-        request.applymarker(pytest.mark.xfail(strict=False, reason=_RING_100M))
+def test_sim_within_20_percent_of_ring_on_the_netbed(workers, size_mb, gbps):
+    """100 MB at 100 Mbit/s took 1.09-1.33x the model before the netbed capped a send burst to 0.5 ms of
+    link time (sparsecomm/netbed/topology.py)."""
     real = measured(workers, size_mb, gbps, repeats=2)
     sim = modelled(workers, size_mb, gbps)
     assert 0.8 <= sim / real["ring"] <= 1.2, (sim, real)

@@ -16,6 +16,17 @@ round trip, against ~0.02-0.2 ms with ``htb`` or no shaping, which would punish 
 with round trips. ``htb`` counts the whole frame (Ethernet + IP + TCP headers), so a TCP stream carries
 about 1448/1514 = 95.6% of the configured rate as payload, as a real 1500-MTU link does.
 
+Each link's largest send burst is capped to :data:`GSO_BURST_S` of link time (:func:`gso_max_size`). The
+kernel hands a veth whole GSO packets of up to 64 KiB, and TCP Small Queues lets a socket keep about two of
+them in the ``htb`` queue; a connection's acknowledgements wait in that queue behind the other direction's
+data. At 1 Gbit/s two 64 KiB bursts are ~1 ms of link time, but at 100 Mbit/s they are ~11 ms, the round
+trip of every flow crossing it grows to that, and a congestion control whose window follows the minimum
+round trip (this machine's default, BBR) could not cover it: in a 2-rank exchange at 100 Mbit/s one
+direction fell below the link rate for seconds (the library's ring of 100 MB took 1.09-1.33x its
+modelled time, native 1.04-1.08x; with the cap 1.04-1.07x, as native; BENCHMARKS "SimFabric vs netbed"). A
+real NIC sends a 64 KiB segmentation burst in 5-50 us at 10-100 Gbit/s; capping the burst to 0.5 ms of
+link time keeps the emulated link in that regime (at 1 Gbit/s it is the kernel's own 64 KiB).
+
 Namespaces and links are created with pyroute2 (netlink); ``tc`` is run as a subprocess inside the
 namespace (``ip netns exec P-h<i> tc ...``) because pyroute2's tc interface for htb classes is awkward
 and version-dependent, while the ``tc`` command line is stable and its error text is the kernel's.
@@ -45,6 +56,18 @@ _NAME_RE = re.compile(rf"^{NS_PREFIX}(\d+)x([0-9a-f]{{4}})-(h\d+|tor)$")
 NETNS_DIR = "/var/run/netns"
 HOST_IFNAME = "eth0"
 MAX_HOSTS = 250
+
+
+#: the longest a single send burst (one GSO packet) may occupy a shaped link, in seconds
+GSO_BURST_S = 0.5e-3
+#: the kernel's cap on a GSO packet (and the smallest cap worth setting: two full frames)
+GSO_MAX, GSO_MIN = 65536, 2 * 1514
+
+
+def gso_max_size(bandwidth_gbps: float) -> int:
+    """Bytes of the largest GSO packet for a link of ``bandwidth_gbps``: :data:`GSO_BURST_S` of link time,
+    clamped to [two frames, 64 KiB] (module docstring: why the burst is capped)."""
+    return max(GSO_MIN, min(GSO_MAX, int(bandwidth_gbps * 1e9 / 8 * GSO_BURST_S)))
 
 
 def host_address(i: int) -> str:
@@ -185,6 +208,9 @@ class Netbed:
         rate = f"{int(round(self.bandwidth_gbps * 1e9))}bit"
         # quantum: bytes a class may send per round; r2q's default gives > 200000 at Gbit rates (a warning)
         quantum = str(min(200000, max(1514, int(self.bandwidth_gbps * 1e9 / 8 / 1000))))
+        gso = gso_max_size(self.bandwidth_gbps)
+        if gso < GSO_MAX:
+            _run(["ip", "netns", "exec", ns, "ip", "link", "set", "dev", dev, "gso_max_size", str(gso)])
         _run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb",
               "default", "1"])
         _run(["ip", "netns", "exec", ns, "tc", "class", "add", "dev", dev, "parent", "1:", "classid", "1:1",
