@@ -1,4 +1,4 @@
-"""Trace one OmniReduce call on the netbed (issue #14): the per-message timeline with phase marks.
+"""Trace one OmniReduce call on the netbed: the per-message timeline with phase marks.
 
     python -m experiments.bench.omnireduce_trace --workers 4 --density 0.01 --dir /tmp/omni_trace
     python -m sparsecomm.transports.omnireduce.trace /tmp/omni_trace      # the merged timeline
