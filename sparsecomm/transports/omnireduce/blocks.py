@@ -200,7 +200,7 @@ class BlockSink:
             return True
         full = ids[ids < self.full]
         if full.size and self.out.dtype in (torch.float32, torch.float64):
-            ok = bool(_rows_finite(self.rows.numpy(), full))
+            ok = bool(_rows_finite(self.rows.detach().numpy(), full))
         elif full.size:   # (half floats: torch; no Numba kernel for them)
             ok = bool(torch.isfinite(self.rows.index_select(0, torch.from_numpy(full))).all())
         else:
