@@ -33,7 +33,6 @@ Example::
 
 from __future__ import annotations
 
-import inspect
 import math
 from typing import Any
 
@@ -99,9 +98,7 @@ def rand_tau_compressor(tau: int, d: int, m: int | None = None) -> Compressor:
     :class:`IndependentBlockSparsifier`. Checks the declared omega equals m/tau - 1."""
     m = d if m is None else int(m)
     if m == d:
-        factory = sc.compressors.registry.factory("randk")
-        params = inspect.signature(factory).parameters
-        c = factory(k=int(tau)) if "k" in params else factory(ratio=tau / d)
+        c = sc.compressors.randk(k=int(tau))
     else:
         c = IndependentBlockSparsifier(m, tau)
     want = m / tau - 1.0

@@ -1,10 +1,26 @@
 """The same pipeline as a DDP communication hook, so compressors run under stock DistributedDataParallel.
 
 DDP needs a torch.distributed process group, which the ``sim`` backend does not have, so this example
-is not a doctest; ``tests/test_ddp.py`` runs it on gloo processes::
+is a script on gloo processes (``tests/test_docs.py`` runs it)::
 
-    state = sc.ddp.CommHookState(compressor="topk", method="ef", ratio=0.01)
-    ddp_model.register_comm_hook(state, sc.ddp.comm_hook)       # or: state = sc.ddp.register(ddp_model, ...)
+    import torch
+    from torch import nn
+    import sparsecomm as sc
+
+    def train(ctx):
+        net = nn.parallel.DistributedDataParallel(nn.Linear(8, 1))     # broadcasts rank 0's weights
+        state = sc.ddp.CommHookState(compressor=sc.methods.ef(sc.compressors.topk(ratio=0.25)),
+                                     transport="allgather")
+        net.register_comm_hook(state, sc.ddp.comm_hook)      # or: state = sc.ddp.register(net, ...)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(ctx.rank))
+        for _ in range(3):
+            opt.zero_grad(); net(x).square().mean().backward(); opt.step()
+        return net.module.weight.detach()
+
+    if __name__ == "__main__":
+        w = sc.launch(train, world_size=2, backend="gloo")
+        assert torch.equal(w[0], w[1])                       # every worker applied the same update
 
 ``comm_hook(state, bucket) -> Future[Tensor]`` has the signature ``register_comm_hook`` expects. DDP
 hands the hook each bucket's *local* gradients, flat and not divided by the world size; the hook

@@ -73,19 +73,22 @@ worker if any differs; ``"off"`` does nothing.
 **Compressor / method.** ``compressor=`` is a method name (``sc.methods.available()``: builds that
 method with its default compressor), a compressor name (``sc.compressors.available()``: builds method
 ``method=`` around it, ``"none"`` by default), a ``Compressor`` or a ``Method`` object. Further
-keyword arguments are hyper-parameters of the method/compressor::
+keyword arguments are hyper-parameters of the method/compressor (a keyword neither takes raises
+:class:`~sparsecomm.errors.HyperParameterError` naming both parameter lists)::
 
     DistributedOptimizer(inner, compressor="topk", ratio=0.01)                 # none + top-k
     DistributedOptimizer(inner, compressor="topk", method="ef", ratio=0.01)    # EF + top-k
     DistributedOptimizer(inner, compressor="diana", ratio=0.01, alpha=0.05)    # DIANA + rand-k
     DistributedOptimizer(inner, compressor=sc.methods.get("ef21", compressor="topk", ratio=0.01))
+    DistributedOptimizer(inner, compressor=sc.compressors.randk(ratio=0.01), method="diana")   # typed
+    DistributedOptimizer(inner, compressor=sc.methods.ef21(sc.compressors.topk(ratio=0.01)))
 
 ``transport=`` is a transport name (hyper-parameters in ``transport_kwargs=``; a transport that
 takes ``inplace`` gets ``inplace=True`` unless told otherwise, since the buckets are scratch), a
 ``Transport`` object, or ``"auto"`` (the first of ring, omnireduce, switch, allgather that carries the payload;
 ``native`` for dense payloads on a torch.distributed fabric; allgather first for scattered ``sparse``
 payloads such as top-k, and for natural compression while ``n < 64/9``, where it ships fewer bytes:
-see :func:`sparsecomm.pipeline._auto_transport`). An invalid compressor x transport pair
+see :func:`sparsecomm.resolve._auto_transport`). An invalid compressor x transport pair
 (top-k's worker-specific indices on ``ring``) raises :class:`~sparsecomm.errors.IncompatibleError`
 at construction, naming the pair, the transports that would carry it and the compressors the
 transport would carry. ``fabric=`` defaults to the one :func:`sparsecomm.launch` set up
@@ -106,7 +109,7 @@ summed over buckets (bytes, messages; modelled time on SimFabric). :meth:`compre
 cumulative bytes before (dense) and after (declared payload bits) compression and their ratio, next to
 the bytes the transport's ledger counted (``bytes_sent``), what it would count if payloads travelled as
 declared (``bytes_declared_sent``), their quotient ``sent_over_declared`` and the compression ratio
-measured on the wire (``ratio_sent``); see :class:`~sparsecomm.pipeline.CompressionStats`.
+measured on the wire (``ratio_sent``); see :class:`~sparsecomm.compression_stats.CompressionStats`.
 
 **Checkpoints.** ``state_dict()`` is the inner optimizer's plus a ``"sparsecomm"`` entry: the method
 state (per worker: EF residuals, DIANA's h_i), the step counter, the generator state, the bucket
@@ -118,10 +121,7 @@ optimizer's state (the method then starts afresh, as DeepSpeed does for its erro
 
 from __future__ import annotations
 
-import contextlib
-import warnings
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
@@ -129,117 +129,24 @@ from .compressors.base import Compressor
 from .errors import InvalidTypeError, InvalidValueError, MismatchError, SparseCommError
 from .fabric.base import Fabric
 from .fabric.stats import CommStats
-from .methods.base import HyperParameterError, Method
-# the pipeline's builders, re-exported: ``sparsecomm.optim.check_pair`` etc. are documented names
-from .pipeline import (AUTO_ORDER, CommPipeline, CompressionStats, build_method, build_transport, check_pair,
-                       default_fabric, row_sparse_parts)
+from .methods.base import Method
+from .bucket_rounds import BucketRounds
+from .buckets import Bucket as _Bucket
+from .compression_stats import CompressionStats
+from .pipeline import CommPipeline
+# the builders, re-exported: ``sparsecomm.optim.check_pair`` etc. are documented names
+from .resolve import AUTO_ORDER, build_transport, check_pair, default_fabric
 from .transports.base import CommWork, Transport
 from .replicas import sync_replicas
 
-__all__ = ["DistributedOptimizer", "AUTO_ORDER", "CompressionStats", "build_method", "build_transport",
-           "check_pair", "default_fabric"]
-
-# ============================================================================ buckets
-@dataclass
-class _Bucket:
-    key: int
-    params: list[torch.nn.Parameter]
-    dtype: torch.dtype
-    device: torch.device
-    compress: bool
-    numel: int = 0
-    offsets: list[int] = field(default_factory=list)
-    buffer: torch.Tensor | None = None
-    sparse: bool = False        # one parameter with a sparse gradient, carried as a sparse payload
-    ready: int = 0              # parameters whose gradient is in (overlap)
-
-    def gather(self) -> torch.Tensor:
-        if self.buffer is None:
-            self.buffer = torch.empty(self.numel, dtype=self.dtype, device=self.device)
-        buf = self.buffer
-        for p, off in zip(self.params, self.offsets):
-            n = p.numel()
-            view = buf[off:off + n]
-            g = p.grad
-            if g is None:
-                view.zero_()
-            elif g.is_sparse:
-                g = g.coalesce()
-                view.zero_()
-                rows = view.view(p.shape)
-                rows.index_put_((g.indices()[0],), g.values().to(self.dtype), accumulate=True)
-            else:
-                view.copy_(g.reshape(-1))
-        return buf
-
-    def scatter(self, est: torch.Tensor, sparse_ids: frozenset[int] = frozenset()) -> None:
-        """``p.grad`` becomes a view of ``est`` (a fresh tensor every step: no copy), as DDP's
-        ``gradient_as_bucket_view``; a parameter whose gradient is sparse gets the non-zero rows."""
-        same = est.dtype == self.dtype and est.device == self.device
-        for p, off in zip(self.params, self.offsets):
-            n = p.numel()
-            v = est[off:off + n].view_as(p)
-            v = v if same else v.to(device=p.device, dtype=p.dtype)
-            p.grad = dense_to_sparse_rows(v) if id(p) in sparse_ids else v
-
-
-def sparse_payload(g: torch.Tensor | None, shape: torch.Size, dtype: torch.dtype):
-    """A coalesced row-sparse gradient ``g`` (``None``: no rows) of a parameter of ``shape`` as a
-    ``sparse`` payload over the parameter's flat elements: element indices ``row * row_len + j`` and the
-    rows' values (nothing densified)."""
-    from .payload import Payload
-
-    numel = int(shape.numel())
-    rows, vals2d = row_sparse_parts(g, torch.Size(shape), dtype)
-    row_len = vals2d.shape[1]
-    idx = (rows[:, None] * row_len + torch.arange(row_len, device=rows.device)).reshape(-1)
-    vals = vals2d.reshape(-1)
-    bits = (vals.numel() * vals.element_size() + idx.numel() * 8) * 8
-    return Payload(kind="sparse", values=vals, indices=idx, shape=torch.Size([numel]), dtype=dtype, bits=bits)
-
-
-def dense_to_sparse_rows(dense: torch.Tensor) -> torch.Tensor:
-    """A coalesced sparse COO tensor holding the rows of ``dense`` that are not all zero (a NaN row
-    counts as non-zero)."""
-    if dense.dim() == 0:
-        return dense
-    rows_view = dense.reshape(dense.shape[0], -1)
-    keep = rows_view.ne(0).any(dim=1).nonzero().flatten()
-    return torch.sparse_coo_tensor(keep[None], dense[keep], dense.shape, is_coalesced=True,
-                                   check_invariants=False)
-
-
-def _layout(params: list[torch.nn.Parameter], cap_bytes: int, min_compress_size: int,
-            sparse_ids: frozenset[int] = frozenset()) -> list[_Bucket]:
-    buckets: list[_Bucket] = []
-    open_: dict[tuple, _Bucket] = {}
-    for p in params:
-        if id(p) in sparse_ids:
-            b = _Bucket(len(buckets), [p], p.dtype, p.device, p.numel() >= min_compress_size, p.numel(),
-                        [0], sparse=True)
-            buckets.append(b)
-            continue
-        compress = p.numel() >= min_compress_size
-        sig = (p.dtype, p.device, compress)
-        b = open_.get(sig)
-        nbytes = p.numel() * p.element_size()
-        if b is not None and b.numel and (b.numel * p.element_size() + nbytes) > cap_bytes:
-            b = None
-        if b is None:
-            b = _Bucket(len(buckets), [], p.dtype, p.device, compress)
-            buckets.append(b)
-            open_[sig] = b
-        b.offsets.append(b.numel)
-        b.params.append(p)
-        b.numel += p.numel()
-    return buckets
-
+__all__ = ["DistributedOptimizer", "AUTO_ORDER", "CompressionStats", "build_transport", "check_pair",
+           "default_fabric"]
 
 # ============================================================================ the optimizer
 _CLASSES: dict[type, type] = {}
 
 
-class DistributedOptimizer:
+class DistributedOptimizer(BucketRounds):
     """Wrap a torch optimizer so that ``step()`` averages (compressed) gradients first; see the module doc.
 
     ``DistributedOptimizer(inner, compressor="none", transport="auto", *, method=None,
@@ -283,17 +190,11 @@ class DistributedOptimizer:
                 continue
             self.__dict__[k] = v
         self._sc_inner = optimizer
-        try:
-            self._sc_pipeline = CommPipeline(compressor, transport, method=method,
-                                             transport_kwargs=transport_kwargs, fabric=fabric, seed=seed,
-                                             nonfinite=nonfinite, sparse_rows=sparse_rows,
-                                             warmup_steps=warmup_steps, **hyper)
-        except HyperParameterError as e:
-            raise HyperParameterError(
-                f"{e}. DistributedOptimizer's own options: method, transport, transport_kwargs, fabric, "
-                f"bucket_cap_mb, warmup_steps, min_compress_size, seed, overlap, backward_passes_per_step, "
-                f"init_sync, module, nonfinite, sparse_rows; every other keyword argument is a "
-                f"hyper-parameter of the method/compressor") from None
+        # keywords not named above are the method's / compressor's (a bad one raises in the catalog)
+        self._sc_pipeline = CommPipeline(compressor, transport, method=method,
+                                         transport_kwargs=transport_kwargs, fabric=fabric, seed=seed,
+                                         nonfinite=nonfinite, sparse_rows=sparse_rows,
+                                         warmup_steps=warmup_steps, **hyper)
         self._sc_cap_bytes = int(bucket_cap_mb * 2 ** 20)
         self._sc_min_compress = int(min_compress_size)
         self._sc_steps = 0
@@ -363,131 +264,6 @@ class DistributedOptimizer:
         index = {id(p): i for i, p in enumerate(self._trainable())}
         return [{"key": b.key, "numel": b.numel, "dtype": b.dtype, "compress": b.compress,
                  "params": [index[id(p)] for p in b.params]} for b in self._layout()]
-
-    # ------------------------------------------------------------------ synchronisation
-    def _trainable(self) -> list[torch.nn.Parameter]:
-        return [p for g in self.param_groups for p in g["params"] if p.requires_grad]
-
-    def _layout(self) -> list[_Bucket]:
-        params = self._trainable()
-        ids = tuple(id(p) for p in params)
-        if self._sc_buckets is None or ids != self._sc_param_ids:
-            if self._sc_buckets is not None:
-                warnings.warn("DistributedOptimizer: the parameters changed; the buckets are rebuilt and "
-                              "the method state is reset", RuntimeWarning, stacklevel=3)
-                self._sc_pipeline.reset_states()
-                self._sc_sparse = None
-            self._build_layout(params)
-        return self._sc_buckets  # type: ignore[return-value]
-
-    def _build_layout(self, params: list[torch.nn.Parameter]) -> None:
-        self._sc_buckets = _layout(params, self._sc_cap_bytes, self._sc_min_compress,
-                                   self._sc_sparse or frozenset())
-        self._sc_param_ids = tuple(id(p) for p in params)
-        self._sc_order = list(reversed(self._sc_buckets))
-        self._sc_bucket_of = {id(p): b for b in self._sc_buckets for p in b.params}
-        for h in self._sc_hooks:
-            h.remove()
-        self._sc_hooks = []
-        if self._sc_overlap:
-            for p in params:
-                self._sc_hooks.append(p.register_post_accumulate_grad_hook(self._sc_grad_ready))
-
-    def _agree_sparse(self) -> None:
-        """First synchronisation: agree on the parameters with sparse gradients; rebuild the layout if
-        there are any (each gets a bucket of its own)."""
-        params = self._trainable()
-        flags = torch.tensor([1.0 if p.grad is not None and p.grad.is_sparse else 0.0 for p in params],
-                             dtype=torch.float32)
-        if self._sc_pipeline.world_size > 1 and flags.numel():
-            flags = self._sc_pipeline.transport.allreduce(flags)
-        self._sc_sparse = frozenset(id(p) for p, f in zip(params, flags.tolist()) if f > 0)
-        if self._sc_sparse:
-            if self._sc_pipeline.keys():
-                raise MismatchError("the method has state for a layout without the sparse-gradient "
-                                    "buckets (a checkpoint loaded before the first step); load it after one step")
-            self._build_layout(params)
-
-    def _sc_grad_ready(self, p: torch.Tensor) -> None:
-        """Post-accumulate-grad hook: start every bucket that is complete, in the fixed order."""
-        if self._sc_sparse is None or self._sc_synced:
-            return    # the first step (sparse gradients not agreed yet), or a backward after synchronize()
-        n = self._sc_fired.get(id(p), 0) + 1
-        self._sc_fired[id(p)] = n
-        if n > self._sc_passes:
-            raise SparseCommError(
-                f"a gradient was accumulated {n} times before step() but backward_passes_per_step="
-                f"{self._sc_passes}: its bucket was already started with the first gradient. Pass "
-                f"backward_passes_per_step={n} (gradient accumulation) or overlap=False")
-        if n != self._sc_passes:
-            return
-        b = self._sc_bucket_of.get(id(p))
-        if b is None:
-            return
-        b.ready += 1
-        with torch.no_grad():
-            while self._sc_next < len(self._sc_order):
-                nb = self._sc_order[self._sc_next]
-                if nb.ready < len(nb.params):
-                    break
-                self._start_bucket(nb)
-
-    def _start_bucket(self, b: _Bucket) -> None:
-        pipe = self._sc_pipeline
-        if not self._sc_in_step:
-            pipe.begin_step()
-            self._sc_in_step = True
-        if b.sparse and self._sparse_payloads():
-            p = b.params[0]
-            work = pipe.start_sparse(p.grad, p.shape, b.key, p.dtype)
-        else:
-            work = pipe.start(b.gather(), b.key, compress=b.compress,
-                              shapes=[p.shape for p in b.params])
-        self._sc_works.append((b, work))
-        self._sc_next += 1
-
-    def _sparse_payloads(self) -> bool:
-        return self._sc_pipeline._plain
-
-    @torch.no_grad()
-    def synchronize(self) -> None:
-        """Average the gradients over workers now: start the buckets not started yet (in the fixed
-        order) and wait for all of them."""
-        if self._sc_sparse is None:
-            self._layout()
-            self._agree_sparse()
-        self._layout()
-        try:
-            while self._sc_next < len(self._sc_order):
-                self._start_bucket(self._sc_order[self._sc_next])
-            sparse = self._sc_sparse or frozenset()
-            for b, work in self._sc_works:
-                est = work.wait()
-                if b.sparse and self._sparse_payloads():
-                    b.params[0].grad = est
-                else:
-                    b.scatter(est, sparse)
-        finally:
-            self._sc_reset_round()
-        self._sc_steps += 1
-        self._sc_synced = True
-
-    def _sc_reset_round(self) -> None:
-        for b in self._sc_order:
-            b.ready = 0
-        self._sc_works = []
-        self._sc_next = 0
-        self._sc_fired = {}
-        self._sc_in_step = False
-
-    @contextlib.contextmanager
-    def skip_synchronize(self) -> Iterator[None]:
-        """Horovod's pattern: ``synchronize(); clip(...); with opt.skip_synchronize(): opt.step()``."""
-        self._sc_skip = True
-        try:
-            yield
-        finally:
-            self._sc_skip = False
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         if closure is not None:

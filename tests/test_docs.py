@@ -1,11 +1,21 @@
 """Docs that cannot rot: every example in a docstring runs (doctest, on the sim backend), none is skipped,
-and no docstring or comment cites a file that is not in the repository or the history of the work."""
+and no docstring or comment cites a file that is not in the repository or the history of the work.
+
+Examples that need real processes (gloo, DDP, the netbed) are scripts with an ``if __name__ ==
+"__main__":`` guard: every Python block of the README and every literal (``::``) block of a module
+docstring that has the guard is written to a file and run as ``__main__`` (:func:`runpy.run_path`, in
+this process, so the fork server of the gloo backend is shared with the other multiprocess tests); the
+netbed ones need root and run under ``-m slow``.
+"""
 
 from __future__ import annotations
 
+import ast
 import doctest
 import importlib
 import re
+import runpy
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -46,6 +56,59 @@ def test_docstring_examples_run(name):
         runner.run(t)
     result = runner.summarize(verbose=False)
     assert result.failed == 0, f"{name}: {result.failed} of {result.attempted} examples failed (output above)"
+
+
+#: an example that runs as a script
+GUARD = 'if __name__ == "__main__":'
+README_BLOCK = re.compile(r"^```python\n(.*?)^```", re.M | re.S)
+
+
+def _literal_blocks(doc: str) -> list[str]:
+    """The literal blocks of a docstring: the indented lines after a paragraph ending in ``::``."""
+    out, lines, i = [], doc.splitlines(), 0
+    while i < len(lines):
+        if lines[i].rstrip().endswith("::"):
+            j, block = i + 1, []
+            while j < len(lines) and (not lines[j].strip() or lines[j].startswith((" ", "\t"))):
+                block.append(lines[j])
+                j += 1
+            out.append(textwrap.dedent("\n".join(block)).strip() + "\n")
+            i = j
+        else:
+            i += 1
+    return out
+
+
+def _script_examples() -> list:
+    found = [(f"README.md#{i}", code) for i, code in enumerate(README_BLOCK.findall((ROOT / "README.md").read_text()))]
+    for path in sorted((ROOT / "sparsecomm").rglob("*.py")):
+        doc = ast.get_docstring(ast.parse(path.read_text()))
+        for i, code in enumerate(_literal_blocks(doc or "")):
+            if GUARD in code:
+                found.append((f"{path.relative_to(ROOT).as_posix()}#{i}", code))
+    return [pytest.param(code, id=name, marks=[pytest.mark.slow] if 'backend="netbed"' in code else [])
+            for name, code in found]
+
+
+SCRIPTS = _script_examples()
+
+
+def test_script_examples_are_found():
+    ids = {p.id for p in SCRIPTS}
+    assert {"sparsecomm/ddp.py#0", "sparsecomm/launch/torch_backend.py#0", "sparsecomm/netbed/launch.py#0"} <= ids
+    readme = [p for p in SCRIPTS if p.id.startswith("README.md")]
+    assert len(readme) >= 4 and sum('backend="gloo"' in p.values[0] for p in readme) >= 2
+    assert _literal_blocks("Run this::\n\n    a = 1\n    b = 2\n\nText.\n") == ["a = 1\nb = 2\n"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("code", SCRIPTS)
+def test_script_examples_run(code, tmp_path):
+    """Every README Python block and every guarded docstring script runs as ``__main__`` (a failing
+    assertion or error in the example fails here)."""
+    path = tmp_path / "example.py"
+    path.write_text(code)
+    runpy.run_path(str(path), run_name="__main__")
 
 
 def _sources():

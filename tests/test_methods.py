@@ -241,7 +241,7 @@ def test_typed_factories_match_the_catalog():
     """``sc.methods.<name>(...)`` builds what ``sc.methods.get(name, ...)`` builds, for every name."""
     rk = sc.compressors.get("randk", ratio=0.1)
     pairs = [(sc.methods.diana(rk, alpha=0.5), sc.methods.get("diana", compressor=rk, alpha=0.5)),
-             (sc.methods.ef("topk", ratio=0.1), sc.methods.get("ef", compressor="topk", ratio=0.1)),
+             (sc.methods.ef(sc.compressors.topk(ratio=0.1)), sc.methods.get("ef", compressor="topk", ratio=0.1)),
              (sc.methods.ef21(init="zeros"), sc.methods.get("ef21", init="zeros")),
              (sc.methods.none(), sc.methods.get("none")),
              (sc.methods.dgc(0.05), sc.methods.get("dgc", ratio=0.05)),

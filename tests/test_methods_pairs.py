@@ -41,8 +41,8 @@ def test_carried_by_the_transports_of_the_table(name):
 
 
 def test_unknown_hyper_parameter_names_the_methods_own():
-    from sparsecomm.methods.base import HyperParameterError
-    from sparsecomm.pipeline import build_method
+    from sparsecomm.errors import HyperParameterError
+    from sparsecomm.methods import build as build_method
 
     with pytest.raises(HyperParameterError, match="rank"):
         build_method("powersgd", ratio=0.1)
@@ -94,8 +94,8 @@ def test_random_methods_never_fall_back_to_the_global_rng(name):
 
 @pytest.mark.parametrize("name", sorted(TABLE))
 def test_methods_with_their_own_operator_refuse_a_compressor(name):
-    from sparsecomm.methods.base import HyperParameterError
-    from sparsecomm.pipeline import build_method
+    from sparsecomm.errors import HyperParameterError
+    from sparsecomm.methods import build as build_method
 
     with pytest.raises(HyperParameterError, match=f"compressor='{name}'"):
         build_method("topk", method=name, ratio=0.1)

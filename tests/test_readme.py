@@ -1,5 +1,6 @@
-"""The README's Python examples run as written: each ```python block is written to a script and run in a
-fresh interpreter (so the ``__main__`` guard and spawned processes behave as for a user)."""
+"""The README's Python examples: there are some, and a script that forgets the ``__main__`` guard gets an
+error naming it (run in a fresh interpreter, as a user would). The blocks themselves run as written, gloo
+launches included, in ``tests/test_docs.py::test_script_examples_run`` (the netbed one under ``-m slow``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,27 +33,6 @@ def test_readme_has_examples():
     assert len(_blocks()) >= 3
 
 
-def test_readme_examples_run_on_sim(tmp_path):
-    """Every block, with its real-process launches (``backend="gloo"`` lines) dropped; blocks that need
-    torch.distributed itself (DDP) are left to the slow test."""
-    ran = 0
-    for i, code in enumerate(_blocks()):
-        if "DistributedDataParallel" in code:
-            continue
-        sim_only = "\n".join(line for line in code.splitlines() if 'backend="gloo"' not in line)
-        r = _run(sim_only, tmp_path, f"block{i}")
-        assert r.returncode == 0, f"README block {i} failed:\n{sim_only}\n--- stderr ---\n{r.stderr[-3000:]}"
-        ran += 1
-    assert ran >= 2
-
-
-@pytest.mark.slow
-def test_readme_examples_run_as_written(tmp_path):
-    for i, code in enumerate(_blocks()):
-        r = _run(code, tmp_path, f"block{i}")
-        assert r.returncode == 0, f"README block {i} failed:\n{code}\n--- stderr ---\n{r.stderr[-3000:]}"
-
-
 def test_missing_main_guard_reports_its_cause(tmp_path):
     """A script that launches spawned processes at module level fails at once with an error naming the
     guard, instead of ranks dying while bootstrapping ("exited with code 1")."""
@@ -61,4 +40,4 @@ def test_missing_main_guard_reports_its_cause(tmp_path):
     r = _run(code, tmp_path, "noguard", timeout=120)
     assert r.returncode != 0
     assert 'if __name__ == "__main__":' in r.stderr and "line 6" in r.stderr, r.stderr[-2000:]
-    # the guarded form runs: test_readme_examples_run_as_written (slow) and every gloo test
+    # the guarded form runs: tests/test_docs.py::test_script_examples_run and every gloo test

@@ -72,7 +72,7 @@ def list_components() -> str:
     lines.append("compressors (payload kind -> transports that carry it):")
     tnames = sc.transports.available()
     for name in sc.compressors.available():
-        f = sc.compressors.registry.factory(name)
+        f = sc.compressors.registry.product(name)
         kind, shared = getattr(f, "payload_kind", "?"), bool(getattr(f, "shared_scale", False))
         ok = [t for t in tnames if sc.transports.registry.factory(t).can_carry(kind, shared)]
         lines.append(f"  {name:22s} {kind:10s} -> {', '.join(ok) or 'none registered'}")

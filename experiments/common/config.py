@@ -3,7 +3,7 @@
 A :class:`RunConfig` names a task, a compressor, a method and a transport (each a registered name,
 with hyper-parameters), the workers and the network. :func:`validate` builds the method and looks the
 transport up exactly as :class:`sparsecomm.DistributedOptimizer` will, with the library's own checks
-(:func:`sparsecomm.pipeline.build_method`, :func:`sparsecomm.pipeline.check_pair`), so an unknown name or an
+(:func:`sparsecomm.methods.build`, :func:`sparsecomm.resolve.check_pair`), so an unknown name or an
 invalid compressor x transport pair fails before any run starts, with the library's message.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 import sparsecomm as sc
 from sparsecomm.errors import (ConfigError, IncompatibleError, InvalidValueError, SparseCommError,  # noqa: F401
                                UnknownNameError)
-from sparsecomm.methods.base import check_kwargs
+from sparsecomm.registry import parameters
 
 from . import tasks
 
@@ -101,11 +101,8 @@ def _kw_label(kw: dict[str, Any]) -> str:
 
 def accepts(factory: Any, name: str) -> bool:
     """Whether ``factory`` takes the keyword argument ``name`` (used to apply an ablation axis)."""
-    try:
-        check_kwargs(factory, {name: None}, "")
-    except TypeError:
-        return False
-    return True
+    params = parameters(factory)
+    return params is None or name in params
 
 
 # ------------------------------------------------------------------------------- validation
@@ -117,13 +114,13 @@ def check_compatible(cfg: RunConfig) -> None:
     compressor; top-k's sparse payload on ``ring``), ``TypeError`` for a hyper-parameter a component
     does not take.
     """
-    from sparsecomm.pipeline import build_method, check_pair
+    from sparsecomm.resolve import check_pair
 
-    method = build_method(cfg.compressor, cfg.method, **cfg.compressor_kw, **cfg.method_kw)
+    method = sc.methods.build(cfg.compressor, cfg.method, **cfg.compressor_kw, **cfg.method_kw)
     tcls = sc.transports.registry.factory(cfg.transport)
     check_pair(method, cfg.transport, tcls)
     kw = cfg.transport_kwargs()
-    check_kwargs(tcls, kw, f"transport {cfg.transport!r}")
+    sc.transports.registry.check(cfg.transport, kw)   # a keyword it does not take raises, naming its own
     if cfg.backend == "sim":
         _trial_transport(cfg.transport, json.dumps(kw, sort_keys=True, default=str), int(cfg.workers))
 

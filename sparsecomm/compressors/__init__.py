@@ -1,13 +1,41 @@
-"""Stateless compression operators, resolved by name: ``sc.compressors.get("randk", ratio=0.01)``."""
+"""Stateless compression operators.
 
-from ..registry import Registry
+Typed factories are the API; :data:`registry` is the one name -> factory catalog (for command lines and
+configs), listed at the bottom of this file:
+
+>>> import sparsecomm as sc
+>>> sc.compressors.randk(ratio=0.01)                  # typed
+RandK(ratio=0.01, seed=None)
+>>> sc.compressors.get("randk", ratio=0.01)           # by name (the catalog)
+RandK(ratio=0.01, seed=None)
+>>> sc.compressors.compose(sc.compressors.randk(ratio=0.5), sc.compressors.natural()).omega(1000)
+1.25
+
+A keyword a factory does not take, given by name, raises
+:class:`~sparsecomm.errors.HyperParameterError` naming the ones it takes. Adding a compressor: one
+module (its class, one paper) plus a typed factory and its catalog line here.
+
+(As attributes of this package the names below are the factories; the modules of the same names stay
+importable as ``sparsecomm.compressors.<name>`` with ``from ... import``.)
+"""
+
+from __future__ import annotations
+
+from ._registry import registry
 from .base import Compressor
-
-registry: Registry[Compressor] = Registry("compressor")
+from .compose import Composed, Induced
+from .compose import compose as _compose_by_name, induced as _induced_by_name
+from .identity import BF16, FP16, Identity
+from .natural import Natural, NaturalDithering
+from .qsgd import QSGD
+from .randk import RandK
+from .sign import ScaledSign
+from .terngrad import TernGrad
+from .topk import Threshold, TopK
 
 
 def get(name: str, **hyper) -> Compressor:
-    """Build the compressor ``name``; an unknown name raises listing the valid ones."""
+    """Build the compressor ``name`` from the catalog; an unknown name raises listing the valid ones."""
     return registry.get(name, **hyper)
 
 
@@ -15,6 +43,92 @@ def available() -> list[str]:
     return registry.available()
 
 
-from . import _load  # noqa: E402,F401  (registers the operators)
+# ---------------------------------------------------------------------------- typed factories
+def identity() -> Identity:
+    """No compression (dense payload): plain averaging."""
+    return Identity()
 
-__all__ = ["Compressor", "get", "available", "registry"]
+
+#: ``sc.compressors.none()`` is the identity (the *method* named ``"none"`` is plain averaging of C(g))
+none = identity
+
+
+def fp16(*, underflow: str = "raise") -> FP16:
+    """Cast to float16; ``underflow`` "raise" (delta holds on every call) or "allow"."""
+    return FP16(underflow)
+
+
+def bf16(*, underflow: str = "raise") -> BF16:
+    """Cast to bfloat16; ``underflow`` "raise" or "allow"."""
+    return BF16(underflow)
+
+
+def topk(ratio: float | None = None, *, k: int | None = None) -> TopK:
+    """The ``k`` (or ``ratio * d``) largest entries in magnitude; contractive, ``sparse`` payload."""
+    return TopK(ratio, k)
+
+
+def threshold(threshold: float | None = None) -> Threshold:
+    """The entries with ``|x_i| >= threshold``."""
+    return Threshold(threshold)
+
+
+def randk(ratio: float | None = None, *, k: int | None = None, seed: int | None = None,
+          independent: bool = False) -> RandK:
+    """Rand-k scaled by d/k (unbiased); shared-seed positions (``aligned``) unless ``independent``."""
+    return RandK(ratio, k, seed, independent)
+
+
+def qsgd(levels: int = 4, *, bucket_size: int | None = None, seed: int | None = None) -> QSGD:
+    """QSGD with ``levels`` levels per bucket of ``bucket_size`` entries (``None``: the whole vector)."""
+    return QSGD(levels, bucket_size, seed)
+
+
+def terngrad(*, bucket_size: int | None = None, seed: int | None = None) -> TernGrad:
+    """TernGrad: codes in {-1, 0, 1} times each bucket's max."""
+    return TernGrad(bucket_size, seed)
+
+
+def natural(*, seed: int | None = None) -> Natural:
+    """Natural compression: random rounding to a signed power of two (omega = 1/8)."""
+    return Natural(seed)
+
+
+def natural_dithering(levels: int = 4, *, bucket_size: int | None = None, p: float = 2,
+                      seed: int | None = None) -> NaturalDithering:
+    """Natural dithering with ``levels`` levels and the ``p`` norm (2 or inf)."""
+    return NaturalDithering(levels, bucket_size, p, seed)
+
+
+def sign() -> ScaledSign:
+    """The sign scaled by ||x||_1 / d (biased, contractive)."""
+    return ScaledSign()
+
+
+def compose(first: Compressor, second: Compressor, *, seed: int | None = None) -> Composed:
+    """``second(first(x))`` for two unbiased operators (``sc.compressors.compose(randk(ratio=0.01),
+    natural())``)."""
+    return _compose_by_name(first, second, seed=seed)
+
+
+def induced(first: Compressor, second: Compressor, *, seed: int | None = None) -> Induced:
+    """``first(x) + second(x - first(x))``: the compressor induced by a contractive ``first``."""
+    return _induced_by_name(first, second, seed=seed)
+
+
+# ---------------------------------------------------------------------------- the catalog
+# name -> typed factory (and the class it builds, whose traits are read without building one); the
+# compositions by name take the parts as names with their keywords (``get("compose", first="randk",
+# second="natural", ratio=0.01)``, see :mod:`sparsecomm.compressors.compose`)
+for _name, _factory, _cls in (
+        ("identity", identity, Identity), ("fp16", fp16, FP16), ("bf16", bf16, BF16),
+        ("topk", topk, TopK), ("threshold", threshold, Threshold), ("randk", randk, RandK),
+        ("qsgd", qsgd, QSGD), ("terngrad", terngrad, TernGrad), ("natural", natural, Natural),
+        ("natural_dithering", natural_dithering, NaturalDithering), ("sign", sign, ScaledSign),
+        ("compose", _compose_by_name, Composed), ("induced", _induced_by_name, Induced)):
+    registry.register(_name, product=_cls)(_factory)
+del _name, _factory, _cls
+
+__all__ = ["Compressor", "get", "available", "registry", "identity", "none", "fp16", "bf16", "topk",
+           "threshold", "randk", "qsgd", "terngrad", "natural", "natural_dithering", "sign", "compose",
+           "induced"]

@@ -18,7 +18,6 @@ that what :meth:`Payload.to_wire` ships is what ``bits`` counts.
 
 from __future__ import annotations
 
-import inspect
 import math
 import numbers
 import threading
@@ -266,15 +265,3 @@ def bucket_view_len(d: int, bucket_size: int | None) -> int:
     if bucket_size is None:
         return max(d, 1)
     return max(1, min(bucket_size, d)) if d > 0 else bucket_size
-
-
-# -------------------------------------------------------------------------------- composition
-def accepted_keywords(factory) -> set[str] | None:
-    """Keyword names a factory accepts (``None`` when it takes ``**kwargs``)."""
-    if inspect.isclass(factory) and factory.__init__ is object.__init__:
-        return set()
-    target = factory.__init__ if inspect.isclass(factory) else factory
-    params = inspect.signature(target).parameters.values()
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return None
-    return {p.name for p in params if p.name != "self"}

@@ -33,8 +33,8 @@ import torch
 
 from sparsecomm.theory import compressors as th
 
-from . import registry
-from ._common import CompressorConfigError, RandomMixin, accepted_keywords, cpu_empty, flat_input, make_payload
+from ._registry import registry
+from ._common import CompressorConfigError, RandomMixin, cpu_empty, flat_input, make_payload
 from .base import Compressor
 
 _INDEXED = ("aligned", "sparse")
@@ -52,8 +52,8 @@ def _build(part, name: str, kw: dict) -> Compressor:
 
 def _route(who: str, first, second, first_kw, second_kw, shared: dict) -> tuple[Compressor, Compressor]:
     kw1, kw2 = dict(first_kw or {}), dict(second_kw or {})
-    acc1 = accepted_keywords(registry.factory(first)) if isinstance(first, str) else set()
-    acc2 = accepted_keywords(registry.factory(second)) if isinstance(second, str) else set()
+    acc1 = registry.parameters(first) if isinstance(first, str) else []
+    acc2 = registry.parameters(second) if isinstance(second, str) else []
     for key, value in shared.items():
         if key == "seed":
             continue
@@ -198,16 +198,15 @@ class Induced(RandomMixin, Compressor):
 
 
 def compose(first, second, *, seed=None, first_kw=None, second_kw=None, **kw) -> Composed:
-    """``second(first(x))``; ``first``/``second`` are names or Compressors (see module docstring)."""
+    """``second(first(x))`` by name (the catalog's ``"compose"``): ``first``/``second`` are names or
+    Compressors, further keywords go to the named parts (see module docstring). The typed factory is
+    :func:`sparsecomm.compressors.compose`."""
     c1, c2 = _route("compose", first, second, first_kw, second_kw, kw)
     return Composed(c1, c2, seed=seed)
 
 
 def induced(first, second, *, seed=None, first_kw=None, second_kw=None, **kw) -> Induced:
-    """``first(x) + second(x - first(x))`` (see module docstring)."""
+    """``first(x) + second(x - first(x))`` by name (the catalog's ``"induced"``; see module docstring).
+    The typed factory is :func:`sparsecomm.compressors.induced`."""
     c1, c2 = _route("induced", first, second, first_kw, second_kw, kw)
     return Induced(c1, c2, seed=seed)
-
-
-registry.register("compose")(compose)
-registry.register("induced")(induced)

@@ -30,7 +30,6 @@ import numpy as np
 from numba import njit
 
 from ..errors import OverflowError_, SparseCommError
-from . import registry
 from . import _kernels
 from ._common import (CompressorConfigError, abs_max, cpu_empty, dtype_bits, flat_input, make_payload,
                       raise_nonfinite, use_numba)
@@ -80,7 +79,6 @@ class _Dense(Compressor):
         return d
 
 
-@registry.register("identity")
 class Identity(_Dense):
     """C(x) = x. omega = 0, delta = 1; 32 bits per float32 entry (the input dtype's width)."""
 
@@ -165,7 +163,6 @@ class _Cast(_Dense):
         return th.dense_bits(d, 16)
 
 
-@registry.register("fp16")
 class FP16(_Cast):
     """Round to nearest float16 (normal range 2^-14 .. 65504, 11 significand bits); 16 bits/entry."""
 
@@ -174,7 +171,6 @@ class FP16(_Cast):
     precision_bits = 11
 
 
-@registry.register("bf16")
 class BF16(_Cast):
     """Round to nearest bfloat16 (float32's exponent range, 8 significand bits); 16 bits/entry."""
 

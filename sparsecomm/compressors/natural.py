@@ -32,7 +32,6 @@ import torch
 from sparsecomm.theory import compressors as th
 
 from . import _kernels as K
-from . import registry
 from ._common import CompressorConfigError, RandomMixin, check_int, draw_key, flat_input, make_payload, \
     scale_dtype, use_numba
 from ._quant import BucketQuantizer
@@ -49,7 +48,6 @@ _NATURAL = {
 }
 
 
-@registry.register("natural")
 class Natural(RandomMixin, Compressor):
     """``get("natural")``: unbiased random rounding to a signed power of two; omega = 1/8."""
 
@@ -105,7 +103,6 @@ class Natural(RandomMixin, Compressor):
         return {"seed": self.seed}
 
 
-@registry.register("natural_dithering")
 class NaturalDithering(BucketQuantizer):
     """``get("natural_dithering", levels=4, bucket_size=None, p=2)``; levels s in [1, 63], p in {2, inf}."""
 

@@ -16,12 +16,10 @@ import torch
 from sparsecomm.theory import compressors as th
 
 from . import _kernels as K
-from . import registry
 from ._common import check_int, scale_dtype
 from ._quant import BucketQuantizer
 
 
-@registry.register("qsgd")
 class QSGD(BucketQuantizer):
     """``get("qsgd", levels=4, bucket_size=512)``; ``levels`` = s >= 1, ``bucket_size`` None = whole."""
 

@@ -32,7 +32,6 @@ import torch
 from sparsecomm.theory import compressors as th
 
 from . import _kernels as K
-from . import registry
 from ._common import (RandomMixin, SizeRule, draw_key, dtype_bits, flat_input, gather, make_payload,
                       raise_nonfinite, use_numba)
 from .base import Compressor
@@ -84,7 +83,6 @@ def sample_subset(d: int, k: int, generator: torch.Generator, device) -> torch.T
     return torch.nonzero(mask).flatten()
 
 
-@registry.register("randk")
 class RandK(RandomMixin, Compressor):
     """Rand-k scaled by d/k: ``get("randk", ratio=0.01)`` or ``get("randk", k=1000, seed=0)``.
 

@@ -18,13 +18,11 @@ import torch
 from sparsecomm.theory import compressors as th
 
 from . import _kernels as K
-from . import registry
 from ._common import flat_input, make_payload, raise_nonfinite, scale_dtype, use_numba, work_dtype
 from .base import Compressor
 from ..payload import SIGNS
 
 
-@registry.register("sign")
 class ScaledSign(Compressor):
     """``get("sign")``."""
 

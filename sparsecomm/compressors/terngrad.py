@@ -15,12 +15,10 @@ import torch
 from sparsecomm.theory import compressors as th
 
 from . import _kernels as K
-from . import registry
 from ._common import scale_dtype
 from ._quant import BucketQuantizer
 
 
-@registry.register("terngrad")
 class TernGrad(BucketQuantizer):
     """``get("terngrad", bucket_size=512)``; codes int8 in {-1, 0, 1}."""
 

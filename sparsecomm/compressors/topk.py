@@ -24,7 +24,6 @@ import torch
 from sparsecomm.theory import compressors as th
 
 from . import _kernels as K
-from . import registry
 from ._common import (CompressorConfigError, SizeRule, all_finite, dtype_bits, flat_input, gather, make_payload,
                       raise_nonfinite, use_numba, work_dtype)
 from .base import Compressor
@@ -123,7 +122,6 @@ class _Sparse(Compressor):
                             wire_bits={"values": vb * idx.numel(), "indices": th.index_bits(d, idx.numel())})
 
 
-@registry.register("topk")
 class TopK(_Sparse):
     """Top-k by magnitude: ``get("topk", ratio=0.01)`` or ``get("topk", k=1000)``.
 
@@ -153,7 +151,6 @@ class TopK(_Sparse):
         return self.size.hyper()
 
 
-@registry.register("threshold")
 class Threshold(_Sparse):
     """Hard threshold: keep the entries with ``|x_i| >= threshold``.
 

@@ -1,9 +1,17 @@
 """The ``gloo`` and ``nccl`` backends of :func:`sparsecomm.launch`: real processes over torch.distributed.
 
-Real processes cannot run in a doctest (``fn`` must be importable by them); ``tests/test_switch_gloo.py``
-runs this::
+Real processes cannot run in a doctest (``fn`` must be importable by them), so this example is a script
+(``tests/test_docs.py`` runs it; the ``__main__`` guard is needed because the ranks are new processes)::
 
-    sc.launch(fn, world_size=4, backend="gloo", services=("switch",), timeout_s=60)
+    import torch
+    import sparsecomm as sc
+
+    def fn(ctx):                                     # ranks 0..3; the switch service is rank 4
+        t = sc.transports.get("switch", ctx.fabric)
+        return t.allreduce(torch.full((1000,), float(ctx.rank)))[0].item()
+
+    if __name__ == "__main__":
+        assert sc.launch(fn, world_size=4, backend="gloo", services=("switch",), timeout_s=60) == [6.0] * 4
 
 Two modes:
 

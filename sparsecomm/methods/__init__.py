@@ -1,80 +1,89 @@
 """Per-worker methods wrapping a compressor: none, ef, ef21, diana, dgc, powersgd, signsgd, signum, onebit.
 
-Typed factories are the API; the registry is the one name -> factory catalog (for command lines and
-configs)::
+Typed factories are the API; :data:`registry` is the one name -> factory catalog (for command lines
+and configs), listed at the bottom of this file:
 
-    m = sc.methods.diana(sc.compressors.get("randk", ratio=0.01), alpha=0.5)   # typed
-    m = sc.methods.get("diana", compressor="randk", ratio=0.01)                # by name (the catalog)
+>>> import sparsecomm as sc
+>>> sc.methods.diana(sc.compressors.randk(ratio=0.01), alpha=0.5)             # typed
+Diana(compressor=RandK(ratio=0.01, seed=None), alpha=0.5, init='zeros')
+>>> sc.methods.get("diana", compressor="randk", ratio=0.01, alpha=0.5)        # by name (the catalog)
+Diana(compressor=RandK(ratio=0.01, seed=None), alpha=0.5, init='zeros')
+>>> sc.methods.get("diana", ratio=0.01, levels=3)
+Traceback (most recent call last):
+    ...
+sparsecomm.errors.HyperParameterError: compressor 'randk' does not take 'levels' (compressor 'randk' takes: ratio, k, seed, independent; method 'diana' takes: compressor, alpha, init)
+
+By name, the method's own keywords (its factory's parameters) go to the method and the others to its
+compressor (a name, built from the compressor catalog); a keyword neither takes raises
+:class:`~sparsecomm.errors.HyperParameterError` once, naming both parameter lists
+(:meth:`sparsecomm.registry.Registry.check`). :func:`build` is the optimizer's and the DDP hook's
+``compressor=`` / ``method=`` rule.
 
 Wrappers compose: ``sc.methods.warmup(sc.methods.ef21(), steps=100)`` (the first 100 rounds exact).
 A method holds hyper-parameters only; its state is explicit (:class:`~sparsecomm.methods.base.MethodState`:
 ``st = m.init(d)``, ``payload, st = m.encode(g, st, generator)``, ``estimate, st = m.decode(agg, n, st)``).
+
+(As attributes of this package the names below are the factories; the modules of the same names stay
+importable as ``sparsecomm.methods.<name>`` with ``from ... import``.)
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+from sparsecomm.theory import compressors as th
+
+from .. import compressors
 from ..compressors.base import Compressor
+from ..errors import HyperParameterError, InvalidTypeError, UnknownNameError
 from ._registry import registry
+from .base import Method, MethodState
+from .warmup import Warmup, warmup
+from .dgc import DGC
+from .diana import Diana
+from .ef import ErrorFeedback
+from .ef21 import EF21
+from .none import NoMethod
+from .onebit import OneBitSGD
+from .powersgd import PowerSGD
+from .signsgd import SignSGD
+from .signum import Signum
 
 
-def get(name: str, **hyper):
-    """Build the method ``name`` from the catalog; an unknown name raises listing the valid ones."""
-    return registry.get(name, **hyper)
-
-
-def available() -> list[str]:
-    return registry.available()
-
-
-from . import _load  # noqa: E402,F401  (every module registers its classes)
-from .base import Method, MethodState  # noqa: E402
-from .warmup import Warmup, warmup  # noqa: E402
-from .dgc import DGC  # noqa: E402
-from .diana import Diana  # noqa: E402
-from .ef import ErrorFeedback  # noqa: E402
-from .ef21 import EF21  # noqa: E402
-from .none import NoMethod  # noqa: E402
-from .onebit import OneBitSGD  # noqa: E402
-from .powersgd import PowerSGD  # noqa: E402
-from .signsgd import SignSGD  # noqa: E402
-from .signum import Signum  # noqa: E402
-
-
-# ---------------------------------------------------------------- typed factories (the modules of the same
-# names stay importable as ``sparsecomm.methods.<name>`` through ``import``; as attributes these names are
-# the factories)
-def none(compressor: Compressor | str | None = None, **compressor_hyper) -> NoMethod:
+# ---------------------------------------------------------------------------- typed factories
+def none(compressor: Compressor | None = None) -> NoMethod:
     """No memory: ``C(g)`` averaged (default compressor: the identity, i.e. plain averaging)."""
-    return NoMethod(compressor, **compressor_hyper)
+    return NoMethod(compressor)
 
 
-def ef(compressor: Compressor | str | None = None, **compressor_hyper) -> ErrorFeedback:
+def ef(compressor: Compressor | None = None) -> ErrorFeedback:
     """Error feedback around ``compressor`` (default: top-k, ratio 0.01)."""
-    return ErrorFeedback(compressor, **compressor_hyper)
+    return ErrorFeedback(compressor)
 
 
-def ef21(compressor: Compressor | str | None = None, *, init: str = "grad", **compressor_hyper) -> EF21:
+def ef21(compressor: Compressor | None = None, *, init: str = "grad") -> EF21:
     """EF21 around a contractive ``compressor`` (default: top-k, ratio 0.01); ``init`` "grad" or "zeros"."""
-    return EF21(compressor, init=init, **compressor_hyper)
+    return EF21(compressor, init=init)
 
 
-def diana(compressor: Compressor | str | None = None, *, alpha: float | None = None, init: str = "zeros",
-          **compressor_hyper) -> Diana:
+def diana(compressor: Compressor | None = None, *, alpha: float | None = None, init: str = "zeros") -> Diana:
     """DIANA around an unbiased ``compressor`` (default: shared-seed rand-k, ratio 0.01); ``alpha``
     defaults to 1/(omega+1)."""
-    return Diana(compressor, alpha=alpha, init=init, **compressor_hyper)
+    return Diana(compressor, alpha=alpha, init=init)
 
 
-def dgc(ratio: float | None = None, **hyper) -> DGC:
-    """Deep Gradient Compression (its own sampled top-k): ``ratio``, ``momentum``, ``sample_ratio``,
-    ``warmup_steps``, ``clip_norm``."""
-    return DGC(**({} if ratio is None else {"ratio": ratio}), **hyper)
+def dgc(ratio: float = th.DGC_RATIO, *, momentum: float = th.DGC_MOMENTUM,
+        sample_ratio: float = th.DGC_SAMPLE_RATIO, warmup_steps: int = 0, clip_norm: float | None = None) -> DGC:
+    """Deep Gradient Compression (its own sampled top-k)."""
+    return DGC(ratio, momentum=momentum, sample_ratio=sample_ratio, warmup_steps=warmup_steps,
+               clip_norm=clip_norm)
 
 
-def powersgd(rank: int = 1, **hyper) -> PowerSGD:
-    """PowerSGD of ``rank`` (two rounds per step): ``min_compression_rate``, ``start_iter``,
-    ``error_feedback``, ``warm_start``."""
-    return PowerSGD(rank, **hyper)
+def powersgd(rank: int = 1, *, min_compression_rate: float = 2.0, start_iter: int = 0,
+             error_feedback: bool = True, warm_start: bool = True) -> PowerSGD:
+    """PowerSGD of ``rank`` (two rounds per step)."""
+    return PowerSGD(rank, min_compression_rate=min_compression_rate, start_iter=start_iter,
+                    error_feedback=error_feedback, warm_start=warm_start)
 
 
 def signsgd() -> SignSGD:
@@ -91,3 +100,77 @@ def onebit(bucket_size: int | None = 512, *, levels: str = "two") -> OneBitSGD:
     """1-bit SGD with error feedback (``levels`` "two" or "symmetric")."""
     return OneBitSGD(bucket_size, levels=levels)
 
+
+# ---------------------------------------------------------------------------- the catalog
+for _name, _factory, _cls in (
+        ("none", none, NoMethod), ("ef", ef, ErrorFeedback), ("ef21", ef21, EF21), ("diana", diana, Diana),
+        ("dgc", dgc, DGC), ("powersgd", powersgd, PowerSGD), ("signsgd", signsgd, SignSGD),
+        ("signum", signum, Signum), ("onebit", onebit, OneBitSGD)):
+    registry.register(_name, product=_cls)(_factory)
+del _name, _factory, _cls
+
+
+def available() -> list[str]:
+    return registry.available()
+
+
+def wraps_compressor(name: str) -> bool:
+    """Whether method ``name`` takes a compressor (the others bring their own operator)."""
+    return "compressor" in (registry.parameters(name) or ())
+
+
+def get(name: str, **hyper: Any) -> Method:
+    """Build the method ``name`` from the catalog: its own keywords go to it, the others (and
+    ``compressor=``, a name or a Compressor) to its compressor; an unknown name raises listing the
+    valid ones, a keyword nothing takes names both parameter lists."""
+    factory = registry.factory(name)
+    if not wraps_compressor(name):
+        registry.check(name, hyper)
+        return factory(**hyper)
+    own = registry.parameters(name) or []
+    comp = hyper.pop("compressor", None)
+    mine = {k: hyper.pop(k) for k in list(hyper) if k in own}
+    if isinstance(comp, Compressor) or (comp is not None and not isinstance(comp, str)):
+        if hyper:
+            raise InvalidTypeError(f"method {name!r}: hyper-parameters {sorted(hyper)} given with a compressor "
+                                   f"object {comp!r}; pass them to the compressor instead")
+    else:
+        cls = registry.product(name)
+        cname = comp if comp is not None else cls.default_compressor
+        if comp is None and not hyper:
+            hyper = dict(cls.default_compressor_hyper)
+        compressors.registry.check(cname, hyper, also={f"method {name!r}": own})
+        comp = compressors.get(cname, **hyper)
+    return factory(comp, **mine)
+
+
+def build(compressor: str | Compressor | Method = "none", method: str | None = None, **hyper: Any) -> Method:
+    """The method that ``DistributedOptimizer(inner, compressor=..., method=..., **hyper)`` (and the DDP
+    hook) runs: a Method object as given; a Compressor object inside method ``method`` (default
+    ``"none"``); a method name built with ``hyper``; a compressor name (with ``hyper``) inside method
+    ``method``."""
+    if isinstance(compressor, Method):
+        if method is not None or hyper:
+            raise InvalidTypeError(f"a Method object ({compressor!r}) was given; method= and hyper-parameters "
+                                   f"{sorted(hyper)} belong to its constructor")
+        return compressor
+    if isinstance(compressor, str) and compressor in registry:
+        if method is not None:
+            raise InvalidTypeError(f"compressor={compressor!r} is a method; to pick its compressor use "
+                                   f"compressor=<compressor name>, method={compressor!r}")
+        return get(compressor, **hyper)
+    if isinstance(compressor, str) and compressor not in compressors.registry:
+        raise UnknownNameError(f"unknown compressor or method {compressor!r}; methods: {', '.join(available())}; "
+                               f"compressors: {', '.join(compressors.available())}")
+    if not isinstance(compressor, (str, Compressor)):
+        raise InvalidTypeError(f"compressor must be a name, a Compressor or a Method, got {compressor!r}")
+    mname = method or "none"
+    registry.factory(mname)  # unknown method names raise, listing the valid ones
+    if not wraps_compressor(mname):
+        raise HyperParameterError(f"method {mname!r} brings its own operator and takes no compressor; "
+                                  f"use compressor={mname!r} (with its own hyper-parameters)")
+    return get(mname, compressor=compressor, **hyper)
+
+
+__all__ = ["Method", "MethodState", "Warmup", "warmup", "get", "build", "available", "registry",
+           "wraps_compressor", "none", "ef", "ef21", "diana", "dgc", "powersgd", "signsgd", "signum", "onebit"]

@@ -66,15 +66,15 @@ aliases the method's state.
 
 from __future__ import annotations
 
-import inspect
 from abc import ABC, abstractmethod
 
 from typing import Any, ClassVar, Hashable
 
 import torch
 
+from .. import compressors
 from ..compressors.base import Compressor
-from ..errors import HyperParameterError, InvalidTypeError, MismatchError, SparseCommError  # noqa: F401 (re-exported)
+from ..errors import HyperParameterError, IncompatibleError, InvalidTypeError, MismatchError, SparseCommError  # noqa: F401 (re-exported)
 from ..payload import Payload
 from .state import ROUNDS, MethodState, _clone, _state_numel, states_from_dict, states_to_dict  # noqa: F401
 
@@ -125,18 +125,9 @@ class Method(ABC):
     def __init__(self, compressor: str | Compressor | None = None, **compressor_hyper: Any) -> None:
         if compressor is None and not compressor_hyper:
             compressor_hyper = dict(self.default_compressor_hyper)
-        try:
-            self.compressor = resolve_compressor(compressor, compressor_hyper, self.default_compressor,
-                                                 owner=f"method {self.name!r}")
-        except HyperParameterError as e:
-            own = [n for n in inspect.signature(type(self).__init__).parameters
-                   if n not in ("self", "compressor", "compressor_hyper")]
-            raise HyperParameterError(
-                f"{e} (method {self.name!r} itself takes: {', '.join(['compressor'] + own)}; other keyword "
-                f"arguments go to its compressor)") from None
+        self.compressor = resolve_compressor(compressor, compressor_hyper, self.default_compressor,
+                                             owner=f"method {self.name!r}")
         if self.needs_unbiased and not getattr(self.compressor, "unbiased", False):
-            from ..errors import IncompatibleError
-
             raise IncompatibleError(
                 f"method {self.name!r} needs an unbiased compressor (class U(omega)); "
                 f"{self.compressor!r} is biased. Use an unbiased one (randk, qsgd, natural, ...) "
@@ -306,38 +297,15 @@ def dense_payload(x: torch.Tensor) -> Payload:
 
 def resolve_compressor(compressor: str | Compressor | None, hyper: dict[str, Any], default: str,
                        owner: str = "") -> Compressor:
-    """A Compressor from a name (+ hyper-parameters) or an object (then ``hyper`` must be empty)."""
-    from .. import compressors
-
+    """A Compressor from a catalog name (+ hyper-parameters; a keyword the compressor does not take
+    raises there, naming the ones it does) or an object (then ``hyper`` must be empty)."""
     if compressor is None:
         compressor = default
     if isinstance(compressor, Compressor):
         if hyper:
             raise InvalidTypeError(f"{owner}: hyper-parameters {sorted(hyper)} given with a compressor object "
-                            f"{compressor!r}; pass them to the compressor instead")
+                                   f"{compressor!r}; pass them to the compressor instead")
         return compressor
     if isinstance(compressor, str):
-        factory = compressors.registry.factory(compressor)  # unknown names raise, listing the valid ones
-        check_kwargs(factory, hyper, f"compressor {compressor!r}")
-        return factory(**hyper)
+        return compressors.get(compressor, **hyper)   # unknown names raise, listing the valid ones
     raise InvalidTypeError(f"{owner}: compressor must be a registered name or a Compressor, got {compressor!r}")
-
-
-def check_kwargs(factory: Any, kwargs: dict[str, Any], what: str) -> None:
-    """Raise :class:`HyperParameterError` when ``factory`` does not accept some of ``kwargs``."""
-    if not kwargs:
-        return
-    try:
-        sig = inspect.signature(factory)
-    except (TypeError, ValueError):
-        return
-    params = sig.parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return
-    accepted = [n for n, p in params.items()
-                if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-                and n != "self"]
-    bad = sorted(set(kwargs) - set(accepted))
-    if bad:
-        raise HyperParameterError(f"{what} does not take {', '.join(map(repr, bad))}; "
-                                  f"its hyper-parameters: {', '.join(accepted) or 'none'}")

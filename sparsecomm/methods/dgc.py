@@ -37,7 +37,6 @@ from sparsecomm.theory import compressors as th
 
 from ..compressors._common import GeneratorRequiredError, check_ratio, make_payload, raise_nonfinite
 from ..compressors.base import Compressor
-from ._registry import registry
 from .base import Method
 from ..errors import InvalidValueError
 
@@ -83,7 +82,6 @@ class DGCState:
     step: int
 
 
-@registry.register("dgc")
 class DGC(Method):
     """``get("dgc", ratio=0.001, momentum=0.9, sample_ratio=0.01, warmup_steps=0, clip_norm=None)``."""
 

@@ -27,7 +27,6 @@ from typing import Hashable
 import torch
 
 from ..payload import Payload
-from ._registry import registry
 from .base import Method, MethodState
 from ..errors import InvalidValueError
 
@@ -42,7 +41,6 @@ class DianaState:
     h_global: torch.Tensor
 
 
-@registry.register("diana")
 class Diana(Method):
     """DIANA around an unbiased compressor (default: shared-seed rand-k, ratio 0.01)."""
 

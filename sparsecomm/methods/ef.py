@@ -22,7 +22,6 @@ from typing import Hashable
 import torch
 
 from ..payload import Payload
-from ._registry import registry
 from .base import Method, MethodState
 
 
@@ -33,7 +32,6 @@ class EFState:
     error: torch.Tensor
 
 
-@registry.register("ef")
 class ErrorFeedback(Method):
     """Error feedback around any compressor (default: top-k, ratio 0.01)."""
 

@@ -24,7 +24,6 @@ from typing import Hashable
 import torch
 
 from ..payload import Payload
-from ._registry import registry
 from .base import Method, MethodState
 from ..errors import InvalidValueError
 
@@ -39,7 +38,6 @@ class EF21State:
     g_global: torch.Tensor
 
 
-@registry.register("ef21")
 class EF21(Method):
     """EF21 around any (contractive) compressor (default: top-k, ratio 0.01)."""
 

@@ -12,11 +12,9 @@ from typing import Hashable
 import torch
 
 from ..payload import Payload
-from ._registry import registry
 from .base import Method, MethodState
 
 
-@registry.register("none")
 class NoMethod(Method):
     """Compression without memory: ``encode(g) = C(g)``, ``decode(sum) = sum / n``."""
 

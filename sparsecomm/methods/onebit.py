@@ -28,7 +28,6 @@ from sparsecomm.theory import compressors as th
 from ..compressors._common import check_bucket_size, flat_input, make_payload, raise_nonfinite, scale_dtype
 from ..compressors.base import Compressor
 from ..payload import SIGNS, Payload
-from ._registry import registry
 from .base import Method, dense_payload
 from ..errors import InvalidValueError
 
@@ -82,7 +81,6 @@ class OneBitState:
     error: torch.Tensor
 
 
-@registry.register("onebit")
 class OneBitSGD(Method):
     """``get("onebit", bucket_size=512, levels="two")``."""
 

@@ -31,7 +31,6 @@ from sparsecomm.theory import compressors as th
 from ..compressors._common import GeneratorRequiredError, raise_nonfinite
 from ..compressors.base import Compressor
 from ..payload import Payload
-from ._registry import registry
 from .base import Method, dense_payload
 from ..errors import InvalidValueError
 
@@ -68,7 +67,6 @@ class PowerSGDState:
     step: int
 
 
-@registry.register("powersgd")
 class PowerSGD(Method):
     """``get("powersgd", rank=1, min_compression_rate=2, start_iter=0, error_feedback=True,
     warm_start=True)``."""

@@ -31,7 +31,6 @@ from sparsecomm.theory import compressors as th
 from ..compressors._common import flat_input, make_payload, raise_nonfinite
 from ..compressors.base import Compressor
 from ..payload import SIGNS
-from ._registry import registry
 from .base import Method
 
 
@@ -63,7 +62,6 @@ class VoteSign(Compressor):
         return th.sign_vote_bits(d)
 
 
-@registry.register("signsgd")
 class SignSGD(Method):
     """``get("signsgd")``: majority vote of the workers' gradient signs."""
 

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ._registry import registry
 from .signsgd import SignSGD
 from ..errors import InvalidValueError
 
@@ -29,7 +28,6 @@ class SignumState:
     momentum: torch.Tensor
 
 
-@registry.register("signum")
 class Signum(SignSGD):
     """``get("signum", beta=0.9)``."""
 

@@ -1,9 +1,18 @@
 """The ``netbed`` backend of :func:`sparsecomm.launch`: real gloo processes on an emulated rack.
 
-A netbed needs root and real processes, so this is not a doctest; ``tests/test_netbed.py`` runs it::
+A netbed needs root and real processes, so this example is a script (``tests/test_docs.py`` runs it
+under ``-m slow``)::
 
-    sc.launch(fn, world_size=4, backend="netbed", network=sc.Network(bandwidth_gbps=1),
-              services=["switch"], timeout_s=60)
+    import torch
+    import sparsecomm as sc
+
+    def fn(ctx):                                     # the same fn(ctx) as on "sim" and "gloo"
+        t = sc.transports.get("switch", ctx.fabric)
+        return t.allreduce(torch.full((1000,), float(ctx.rank)))[0].item()
+
+    if __name__ == "__main__":
+        assert sc.launch(fn, world_size=4, backend="netbed", network=sc.Network(bandwidth_gbps=1),
+                         services=["switch"], timeout_s=60) == [6.0] * 4
 
 A :class:`~sparsecomm.netbed.topology.Netbed` is built for the run and removed afterwards (on every exit
 path: return, exception, Ctrl-C, SIGTERM). Placement follows the paper testbeds:

@@ -1,0 +1,145 @@
+"""Names -> the method and the transport of a pipeline: the ``compressor=`` / ``method=`` /
+``transport=`` rules of :class:`~sparsecomm.optim.DistributedOptimizer` and the DDP hook (the method
+from :func:`sparsecomm.methods.build`; the transport from its catalog, ``"auto"``, and the check that
+it carries the method's payloads, :func:`check_pair`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import compressors, transports
+from .compressors.base import Compressor
+from .errors import IncompatibleError, InvalidTypeError, SparseCommError
+from .fabric.base import Fabric
+from .fabric.torch_fabric import TorchFabric
+from .launch import current_context
+from .methods import Method
+from .transports.base import Transport
+
+AUTO_ORDER = ("ring", "omnireduce", "switch", "allgather")
+
+
+def default_fabric() -> Fabric:
+    """The fabric of the current :func:`sparsecomm.launch` worker, else a TorchFabric over the default
+    process group."""
+    ctx = current_context()
+    if ctx is not None:
+        return ctx.fabric
+    if dist.is_available() and dist.is_initialized():
+        return TorchFabric()
+    raise SparseCommError("no fabric: call this inside sc.launch(fn, ...), pass fabric=, or initialise "
+                          "torch.distributed first")
+
+
+def _transport_class(name: str) -> Any:
+    return transports.registry.factory(name)  # unknown names raise, listing the valid ones
+
+
+def _payload_traits(comp: Compressor) -> tuple[str, bool]:
+    return comp.payload_kind, bool(getattr(comp, "shared_scale", False))
+
+
+def _carried_compressors(tcls: Any) -> list[str]:
+    out = []
+    for n in compressors.available():
+        f = compressors.registry.product(n)
+        kind = getattr(f, "payload_kind", None)
+        if kind is not None and tcls.can_carry(kind, bool(getattr(f, "shared_scale", False))):
+            out.append(n)
+    return out
+
+
+def check_pair(method: Method, transport_name: str, tcls: Any) -> None:
+    """Raise IncompatibleError when ``tcls`` cannot carry what ``method``'s compressor produces."""
+    kind, shared = _payload_traits(method.compressor)
+    if not hasattr(tcls, "can_carry") or tcls.can_carry(kind, shared):
+        return
+    ok = [n for n in transports.available() if transports.registry.factory(n).can_carry(kind, shared)]
+    scale = " with a per-worker scale" if kind == "quantized" and not shared else ""
+    comp = method.compressor
+    cname = getattr(comp, "name", "") or type(comp).__name__
+    carried = _carried_compressors(tcls)
+    raise IncompatibleError(
+        f"compressor {cname!r} (method {method.name!r}) produces {kind!r} payloads{scale}, which "
+        f"transport {transport_name!r} cannot carry (it carries {', '.join(sorted(tcls.carries))}). "
+        f"Transports that can: {', '.join(ok) or 'none registered'}"
+        + (f"; compressors {transport_name!r} carries: {', '.join(carried)}" if carried else "") + ".")
+
+
+def build_transport(transport: str | Transport, method: Method, fabric: Fabric | None,
+                    transport_kwargs: dict | None) -> Transport:
+    """The transport (checked against the method's payload kind) on ``fabric``."""
+    if isinstance(transport, Transport):
+        if transport_kwargs:
+            raise InvalidTypeError("transport_kwargs given with a Transport object")
+        if fabric is not None and transport.fabric is not fabric:
+            raise SparseCommError("fabric= differs from the fabric of the Transport object")
+        check_pair(method, transport.name or type(transport).__name__, type(transport))
+        return transport
+    if not isinstance(transport, str):
+        raise InvalidTypeError(f"transport must be a name or a Transport, got {transport!r}")
+    fabric = fabric if fabric is not None else default_fabric()
+    if transport == "auto":
+        transport = _auto_transport(method, fabric)
+    tcls = _transport_class(transport)
+    check_pair(method, transport, tcls)
+    kwargs = dict(transport_kwargs or {})
+    if "inplace" not in kwargs and "inplace" in (transports.registry.parameters(transport) or ()):
+        kwargs["inplace"] = True   # the buckets are scratch: let the transport sum into them
+    return transports.get(transport, fabric, **kwargs)   # a keyword it does not take raises there
+
+
+def _auto_transport(method: Method, fabric: Fabric) -> str:
+    """The first of ``AUTO_ORDER`` that carries the payload, steered by bytes on the wire: scattered
+    ``sparse`` payloads go to allgather (through omnireduce each value costs a whole block: ~46x the
+    declared bytes for top-k 1%); payloads whose values travel packed only where no sum is formed on
+    the wire (``packed_values``: natural compression, 9 of 32 bits; majority-vote signs, 1 bit against
+    the ring's int8 partial sums, ``sum_bits``) go to allgather while its ``(n-1)`` packed copies cost
+    less than a ring's ``2 (n-1)/n`` unpacked ones."""
+    comp = method.compressor
+    kind, shared = _payload_traits(comp)
+    order = list(AUTO_ORDER)
+    n = int(fabric.world_size)
+    if kind == "sparse":
+        order.remove("allgather")
+        order.insert(0, "allgather")
+    elif getattr(comp, "packed_values", False) and n > 1:
+        probe = 1 << 20
+        packed = comp.bits(probe, torch.float32) / probe
+        summed = comp.sum_bits(n) if hasattr(comp, "sum_bits") else 32    # a summing transport's unit
+        if (n - 1) * packed < 2.0 * (n - 1) / n * summed:
+            order.remove("allgather")
+            order.insert(0, "allgather")
+    if kind == "dense" and fabric.native_group is not None and order[0] != "allgather":
+        order.insert(0, "native")
+    for name in order:
+        if name in transports.registry and _transport_class(name).can_carry(kind, shared):
+            return name
+    raise IncompatibleError(f"no registered transport carries {kind!r} payloads "
+                            f"(registered: {', '.join(transports.available())})")
+
+
+def warn_unguaranteed(method: Method) -> None:
+    """Warn about a method x compressor pair with no convergence guarantee that diverges in practice:
+    error feedback (EF, EF21) around an unbiased compressor that is not contractive (omega >= 1, e.g.
+    QSGD with few levels): EF's analysis needs ``delta``-contraction (Stich et al. 2018; Richtarik et
+    al. 2021), and a scaled unbiased operator with omega >= 1 expands the error it feeds back."""
+    comp = method.compressor
+    if method.name not in ("ef", "ef21") or not getattr(comp, "unbiased", False):
+        return
+    try:
+        omega = float(comp.omega(1 << 16))
+    except Exception:  # noqa: BLE001 - compressors without omega: nothing to say
+        return
+    if omega >= 1.0:
+        cname = getattr(comp, "name", "") or type(comp).__name__
+        warnings.warn(
+            f"method {method.name!r} with compressor {cname!r} (unbiased, omega={omega:.3g} >= 1) has no "
+            f"convergence guarantee and can diverge (EF + QSGD with 4 levels reached 3.4e7): error "
+            f"feedback needs a contractive compressor (topk, or {cname!r} scaled by 1/(omega+1): "
+            f"'induced'/'compose'), or use 'diana' for unbiased compressors", UserWarning, stacklevel=3)
