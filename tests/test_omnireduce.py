@@ -280,7 +280,8 @@ def test_non_finite_values_raise_by_default_and_are_summed_as_floats_with_pass()
 def test_non_finite_sums_raise_wherever_the_union_puts_them(inplace, dtype):
     """The guard checks only the blocks a call wrote (the union's; the rest of the result is zero): a NaN
     or an overflow in any of them, in every aggregator's range and in the short last block, still raises
-    on every worker, in place (hosted channels summed in the input) or not; the finite rest passes."""
+    on every worker, in place (hosted channels summed in the input) or not, sparse or dense (every block
+    written: one pass over the whole result); the finite rest passes."""
     from sparsecomm.errors import OverflowError_
 
     numel, bs = 16 * 40 + 5, 16            # 41 blocks, the last one short
@@ -289,10 +290,12 @@ def test_non_finite_sums_raise_wherever_the_union_puts_them(inplace, dtype):
     def fn(ctx):
         out = []
         for pos in (0, 16 * 13 + 2, 16 * 27 + 9, 16 * 39 + 7, 16 * 40 + 3):
-            for kind in ("nan", "overflow", "finite"):
+            for kind in ("nan", "overflow", "finite", "dense nan"):
                 x = torch.zeros(numel, dtype=dtype)
                 x[16 * 20 + ctx.rank] = 1.0                          # another block of the union
-                if kind == "nan" and ctx.rank == 1:
+                if kind == "dense nan":                              # every block written
+                    x.fill_(1.0)
+                if kind.endswith("nan") and ctx.rank == 1:
                     x[pos] = float("nan")
                 elif kind != "nan":
                     x[pos] = big if kind == "overflow" else 1.0
@@ -308,7 +311,7 @@ def test_non_finite_sums_raise_wherever_the_union_puts_them(inplace, dtype):
         for pos, kind, err, detail in rank_out:
             if kind != "finite" and inplace:   # the inputs are overwritten: the cause cannot be named
                 assert err == "NonFiniteError" and "summed in place" in detail, (pos, detail)
-            elif kind == "nan":
+            elif kind.endswith("nan"):
                 assert err == "NonFiniteError" and "worker 1" in detail, (pos, detail)
             elif kind == "overflow":
                 assert err == "OverflowError_", (pos, detail)
