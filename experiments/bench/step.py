@@ -234,6 +234,10 @@ def _worker(ctx, a: argparse.Namespace) -> dict:
             return torch.randn(a.mlp_batch, a.mlp_width, generator=g), torch.randn(a.mlp_batch, a.mlp_width, generator=g)
 
         out["mlp"] = _run_rounds(a, setups, make_batch, lambda net, xy: loss_fn(net(xy[0]), xy[1]))
+    from sparsecomm.transports import _fold
+
+    sched = _fold.schedule(ctx.fabric)      # native's calls whose agreement folded into the data
+    out["fold"] = (sched.folded, sched.deviated) if sched is not None else (0, 0)
     return out
 
 
@@ -347,6 +351,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"\n## dense MLP: 8 x Linear({a.mlp_width}, {a.mlp_width}), {mb:.1f} MiB fp32 gradient, "
               f"batch {a.mlp_batch}, buckets of {a.mlp_cap_mb:g} MiB (DDP and ours)")
         _table([r["mlp"] for r in res])
+    folded, deviated = res[0]["fold"]
+    print(f"\n# native calls with the agreement folded into the data (rank 0): {folded}; "
+          f"mispredicted (a NaN join and a handshake): {deviated}")
     return res
 
 

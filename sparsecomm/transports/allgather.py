@@ -43,6 +43,7 @@ import torch
 
 from ..fabric.base import Fabric
 from ..payload import Payload, WireFormatError, check_slot, empty_slot
+from . import _fold
 from .base import registry
 from ..errors import InvalidValueError, MalformedMessage, MismatchError, OverflowError_
 from ._guards import abs_max, all_finite, guard_finite, is_integer, narrow, nonfinite_option
@@ -139,13 +140,25 @@ class AllGather(Transport):
         if self.fabric.world_size == 1:
             _check_counts(p)
             return p.to_dense().clone()
-        return self._sum(p, self.gather(p))
+        return self._sum(p, self._gather(p))
 
     def gather(self, p: Payload) -> list[Payload]:
         """Every worker's payload (this worker's own ``p`` at its rank), in rank order, after the checks
         of the module doc (phases 1-3, without the sum): the same list on every worker. A ``sparse``
         payload may be row-sparse (``bucket_size`` = the row length, agreed by every worker); its
-        indices are checked against the rows ``[0, numel / row_len)``."""
+        indices are checked against the rows ``[0, numel / row_len)``. A ``native`` all-reduce
+        predicted to come next (:mod:`._fold`) is joined and resolved first."""
+        sched = _fold.enter(self.fabric, self.name, "allgather gather")
+        try:
+            out = self._gather(p)
+        except BaseException:
+            if sched is not None:
+                sched.reset()
+            raise
+        _fold.leave(sched, self.name)
+        return out
+
+    def _gather(self, p: Payload) -> list[Payload]:
         f = self.fabric
         n, r = f.world_size, f.rank
         _check_counts(p)

@@ -42,6 +42,7 @@ from ..fabric.base import Fabric
 from ..fabric.stats import CommStats
 from ..payload import Payload
 from ..registry import Registry
+from . import _fold
 
 
 class Transport(ABC):
@@ -53,6 +54,9 @@ class Transport(ABC):
     carries: ClassVar[frozenset[str]] = frozenset({"dense"})
     #: whether ``quantized`` payloads must share their scale across workers to be carried
     quantized_needs_shared_scale: ClassVar[bool] = True
+    #: the transport checks a predicted call inside its data collective and keeps the call record
+    #: itself (``native``; :mod:`._fold`); the others are told of a prediction by :meth:`_call`
+    folds: ClassVar[bool] = False
 
     def __init__(self, fabric: Fabric) -> None:
         self.fabric = fabric
@@ -87,10 +91,21 @@ class Transport(ABC):
         t0_wall = time.perf_counter()
         if isinstance(x, Payload):
             self.check_payload(x)
-            out = self._allreduce_payload(x)
-            out = out.reshape(x.shape).to(x.dtype)
-        else:
-            out = self._allreduce_tensor(x.reshape(-1)).reshape(x.shape)
+        # a call predicted to fold into its data (``native``, :mod:`._fold`) that this one is not:
+        # join it and say so first; a transport that folds (``folds``) keeps its own record
+        sched = None if self.folds else _fold.enter(self.fabric, self.name, f"{self.name} allreduce")
+        try:
+            if isinstance(x, Payload):
+                out = self._allreduce_payload(x)
+                out = out.reshape(x.shape).to(x.dtype)
+            else:
+                out = self._allreduce_tensor(x.reshape(-1)).reshape(x.shape)
+        except BaseException:
+            s = _fold.schedule(self.fabric) if self.folds else sched
+            if s is not None:
+                s.reset()        # raised on every worker alike: every record forgets alike
+            raise
+        _fold.leave(sched, self.name)
         stats = self.fabric.stats - before
         stats.wall_time_s = time.perf_counter() - t0_wall
         stats.modelled_time_s = self._modelled(t0_model)
