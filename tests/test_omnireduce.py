@@ -275,6 +275,50 @@ def test_non_finite_values_raise_by_default_and_are_summed_as_floats_with_pass()
         assert torch.isnan(y[3]) and torch.isnan(y[40]) and y[50] == 1.0 and y[0] == 0
 
 
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_non_finite_sums_raise_wherever_the_union_puts_them(inplace, dtype):
+    """The guard checks only the blocks a call wrote (the union's; the rest of the result is zero): a NaN
+    or an overflow in any of them, in every aggregator's range and in the short last block, still raises
+    on every worker, in place (hosted channels summed in the input) or not, sparse or dense (every block
+    written: one pass over the whole result); the finite rest passes."""
+    from sparsecomm.errors import OverflowError_
+
+    numel, bs = 16 * 40 + 5, 16            # 41 blocks, the last one short
+    big = 60000.0 if dtype == torch.float16 else 3e38
+
+    def fn(ctx):
+        out = []
+        for pos in (0, 16 * 13 + 2, 16 * 27 + 9, 16 * 39 + 7, 16 * 40 + 3):
+            for kind in ("nan", "overflow", "finite", "dense nan"):
+                x = torch.zeros(numel, dtype=dtype)
+                x[16 * 20 + ctx.rank] = 1.0                          # another block of the union
+                if kind == "dense nan":                              # every block written
+                    x.fill_(1.0)
+                if kind.endswith("nan") and ctx.rank == 1:
+                    x[pos] = float("nan")
+                elif kind != "nan":
+                    x[pos] = big if kind == "overflow" else 1.0
+                t = sc.transports.get("omnireduce", ctx.fabric, block_size=bs, inplace=inplace)
+                try:
+                    y = t.allreduce(x)
+                    out.append((pos, kind, None, float(y[pos])))
+                except (NonFiniteError, OverflowError_) as e:
+                    out.append((pos, kind, type(e).__name__, str(e)))
+        return out
+
+    for rank_out in sc.launch(fn, 3):
+        for pos, kind, err, detail in rank_out:
+            if kind != "finite" and inplace:   # the inputs are overwritten: the cause cannot be named
+                assert err == "NonFiniteError" and "summed in place" in detail, (pos, detail)
+            elif kind.endswith("nan"):
+                assert err == "NonFiniteError" and "worker 1" in detail, (pos, detail)
+            elif kind == "overflow":
+                assert err == "OverflowError_", (pos, detail)
+            else:
+                assert err is None and detail == 3.0, (pos, detail)
+
+
 def test_inplace_writes_the_sum_into_the_input_and_threshold_drops_small_blocks():
     def fn(ctx):
         x = torch.zeros(64)

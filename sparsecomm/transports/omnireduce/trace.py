@@ -104,7 +104,7 @@ class TraceFabric:
         return i
 
     def mark(self, label: str) -> None:
-        self.marks.append((time.perf_counter(), label))
+        self.marks.append((time.perf_counter(), label, time.thread_time()))
 
     def dump(self, role: str = "worker") -> None:
         os.makedirs(self._dir, exist_ok=True)
@@ -129,7 +129,10 @@ def report(directory: str, call: int) -> str:
         rows = [(e["post"], f"{e['kind']:4s} peer={e['peer']} tag={e['tag']:#x} {e['bytes']:>10d} B  post "
                  f"{1e3 * (e['post'] - t0):8.2f}  wait {_ms(e['wait0'], t0)}  done {_ms(e['done'], t0)}")
                 for e in r["events"]]
-        rows += [(t, f"mark {label:40s} {1e3 * (t - t0):8.2f}") for t, label in r["marks"]]
+        c0 = r["marks"][0][2] if r["marks"] and len(r["marks"][0]) > 2 else None
+        rows += [(m[0], f"mark {m[1]:40s} {1e3 * (m[0] - t0):8.2f}"
+                  + (f"  (cpu {1e3 * (m[2] - c0):7.2f})" if c0 is not None and len(m) > 2 else ""))
+                 for m in r["marks"]]
         lines += [s for _, s in sorted(rows, key=lambda x: x[0])]
     return "\n".join(lines)
 

@@ -163,6 +163,8 @@ def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: l
     agg = AggCall(own, n, colocated=rank) if own is not None else None
     visit = ([own] if own is not None else []) + [a for a in agg_order(rank, A) if a != own]
     home = home and own is not None
+    mark = getattr(fabric, "mark", lambda label: None)   # a traced call's phase marks (see .trace)
+    mark("start")
 
     def homed(ch: wire.Channel) -> bool:
         """Is hosted channel ``ch`` summed in place (one round, whole blocks only)?"""
@@ -211,6 +213,7 @@ def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: l
                     poll()
         for ch in chans:
             wch[a, ch.slot] = WorkerChannel(ch, source.mask)
+        mark(f"scanned {a}")
 
     def send_round0(aggs: list[int]) -> None:
         """Round 0 to ``aggs``, sent before any wait: a header each; per channel the first look-aheads,
@@ -274,6 +277,7 @@ def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: l
     error = None
     down = None
     sums0 = {}
+    mark("verdict sent")
     for a in visit:
         rh = inbox.take(Key(Msg.REPLY, a)).view(torch.int64).numpy()
         if int(rh[wire.R_STATUS]) != OK:
@@ -317,6 +321,8 @@ def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: l
             elif k:
                 inbox.post(Key(Msg.SUMS0, a, ch.slot), nbytes, aggregators[a], tag)
 
+    mark("downstream posted")
+
     def worker_step(a: int, c: WorkerChannel) -> None:
         """Channel ``c``'s reply of this round: write the sums, advance the lanes, send the next round."""
         g = c.ch.slot
@@ -340,6 +346,7 @@ def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: l
             send_blocks(Buf(Msg.UP, a, g, c.round % 2), a, c, Key(Msg.UP, rank, g))
             if a != own:
                 inbox.post(Key(Msg.DOWN, a, g), c.down_bytes(bs, down), aggregators[a], tag_down(g))
+        mark(f"reply {a}.{g} r{c.round}")
 
     def reply_step(a: int, c: WorkerChannel) -> Step:
         return Step([Key(Msg.WORDS if c.round == 1 else Msg.DOWN, a, c.ch.slot)], lambda: worker_step(a, c))
@@ -360,14 +367,20 @@ def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: l
         # that makes it has run, so a step is a candidate only then; a round of the hosted aggregator
         # waits until this worker has taken the previous round's reply handed over here (it would
         # replace it, and reuse its buffer a round later).
+        def agg_step(ac) -> None:
+            agg.step(ac, inbox, outbox, rank)
+            mark(f"agg {own}.{ac.slot} r{ac.round - 1}")
+
         def steps() -> list:
             aggs = sorted((ac for ac in agg.channels if ac.active and not inbox.has(Key(Msg.WORDS, own, ac.slot))
                            and not inbox.has(Key(Msg.DOWN, own, ac.slot))), key=lambda ac: (ac.round, ac.slot))
             mine = sorted(((a, c) for (a, _), c in wch.items() if c.active),
                           key=lambda ac: (ac[1].round, ac[1].ch.slot, pos[ac[0]]))
-            return ([Step(ac.round_keys(), functools.partial(agg.step, ac, inbox, outbox, rank)) for ac in aggs]
+            return ([Step(ac.round_keys(), functools.partial(agg_step, ac)) for ac in aggs]
                     + [reply_step(a, c) for a, c in mine])
 
         drive(fabric, inbox, outbox, steps)
+    mark("steps done")
     outbox.reap(0)
+    mark("sends done")
     return result, down
