@@ -19,10 +19,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..errors import FabricTimeout, IncompatibleError, InvalidValueError
+from ..errors import FabricTimeout, IncompatibleError
 from ..fabric.base import Fabric
 from .sparse_switch_dataplane import (HEADER, JOB_MASK, NONE, PACKET_ELEMS, T_EMPTY, T_RESULT, T_RETRANSMIT,
                                       T_SKIP, TAG_DOWN, TAG_SKIP, TAG_UP, Header, SparseSwitchConfig)
+from .switch_control import asked_constants
 
 
 @dataclass
@@ -173,11 +174,7 @@ def resolve_program(fabric: Fabric, sim: bool, elems: int | None, slots: int | N
     """The switch program to talk to and its service name: started by the transport on SimFabric; on
     real fabrics the one the launcher started (``services=["sparse-switch..."]``), whose constants are
     the defaults."""
-    if elems is not None and elems not in PACKET_ELEMS:
-        raise InvalidValueError(f"slot_elems must be one of {PACKET_ELEMS}, got {elems!r}")
-    asked = {k: v for k, v in (("elems", elems), ("slots", slots), ("burst", burst)) if v is not None}
-    if audit:
-        asked["audit"] = True
+    asked = asked_constants(PACKET_ELEMS, elems, slots, burst, audit)
     if sim:
         cfg = SparseSwitchConfig(**asked)
         return cfg, cfg.spec()

@@ -71,7 +71,7 @@ from .base import registry
 from .base import Transport
 from . import switch_service  # noqa: F401 - registers the "switch" service
 from .switch_codec import FloatJob, IntJob
-from .switch_control import _DTYPES, _ROUNDING, MODE_FLOAT, MODE_INT, control_round
+from .switch_control import _DTYPES, _ROUNDING, MODE_FLOAT, MODE_INT, asked_constants, control_round
 from .switch_lanes import Inbox, Uplink, run_lanes
 from .switch_dataplane import (
     EXP_MAX, MAX_WORKERS, PACKET_ELEMS, Dataplane, SwitchConfig, service_main,
@@ -322,11 +322,7 @@ def _program(fabric: Fabric, sim: bool, elems: int | None, slots: int | None, bu
     packets, 8192 slots). On real fabrics the launcher started it (``services=["switch..."]``): its
     constants are the defaults, and an explicit conflicting value is an error rather than a garbled
     stream (gloo cannot check message sizes)."""
-    if elems is not None and elems not in PACKET_ELEMS:
-        raise InvalidValueError(f"slot_elems must be one of {PACKET_ELEMS}, got {elems!r}")
-    asked = {k: v for k, v in (("elems", elems), ("slots", slots), ("burst", burst)) if v is not None}
-    if audit:
-        asked["audit"] = True
+    asked = asked_constants(PACKET_ELEMS, elems, slots, burst, audit)
     if sim:
         return SwitchConfig(**asked)
     started = [sp for sp in fabric.services() if sp.partition(":")[0] == "switch"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..errors import MismatchError, NonFiniteError, OverflowError_
+from ..errors import InvalidValueError, MismatchError, NonFiniteError, OverflowError_
 from ._handshake import check_agreement
 from .switch_dataplane import HEADER
 from .switch_lanes import run_lanes
@@ -101,3 +101,16 @@ def check_control(a: np.ndarray, n_words: int, n: int, name: str, agree: tuple[s
     if mode == MODE_INT and total > limit:
         raise OverflowError_(f"{name} allreduce: the workers' largest |values| add up to {total} > {limit}; "
                              f"the switch's integer sum could overflow (it would wrap), so nothing was sent")
+
+
+def asked_constants(packet_elems: tuple[int, ...], elems: int | None, slots: int | None, burst: int | None,
+                    audit: bool) -> dict[str, int | bool]:
+    """The program constants a transport asked for explicitly (``None``: not asked), ``elems`` checked
+    against the switch's ``packet_elems``: what a started switch's constants must match (both switches)."""
+    if elems is not None and elems not in packet_elems:
+        raise InvalidValueError(f"slot_elems must be one of {packet_elems}, got {elems!r}")
+    asked: dict[str, int | bool] = {k: v for k, v in (("elems", elems), ("slots", slots), ("burst", burst))
+                                    if v is not None}
+    if audit:
+        asked["audit"] = True
+    return asked
