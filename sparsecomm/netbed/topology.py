@@ -25,7 +25,7 @@ round trip (this machine's default, BBR) could not cover it: in a 2-rank exchang
 direction fell below the link rate for seconds (the library's ring of 100 MB took 1.09-1.33x its
 modelled time, native 1.04-1.08x; with the cap 1.04-1.07x, as native; BENCHMARKS "SimFabric vs netbed"). A
 real NIC sends a 64 KiB segmentation burst in 5-50 us at 10-100 Gbit/s; capping the burst to 0.5 ms of
-link time keeps the emulated link in that regime (at 1 Gbit/s it is the kernel's own 64 KiB).
+link time keeps the emulated link in that regime (at 1 Gbit/s, 62500 bytes: about the kernel's own 64 KiB).
 
 Namespaces and links are created with pyroute2 (netlink); ``tc`` is run as a subprocess inside the
 namespace (``ip netns exec P-h<i> tc ...``) because pyroute2's tc interface for htb classes is awkward
