@@ -72,3 +72,18 @@ def train(ctx, steps: int, make_opt, dtype=torch.float32):
         loss_fn(model(x), y).backward()
         opt.step()
     return [p.detach().clone() for p in model.parameters()]
+
+
+def compression_stats_after_two_steps(ctx, transport, compressor, kw, d):
+    """Two ``DistributedOptimizer`` steps of a linear loss on ``d`` weights (gradients seeded per rank
+    and step); returns the transport's name and ``compression_stats()``."""
+    import sparsecomm as sc
+
+    w = nn.Parameter(torch.randn(d, generator=torch.Generator().manual_seed(1)))
+    opt = sc.DistributedOptimizer(torch.optim.SGD([w], lr=0.1), compressor=compressor, transport=transport, **kw)
+    for step in range(2):
+        opt.zero_grad()
+        g = torch.randn(d, generator=torch.Generator().manual_seed(10 * ctx.rank + step))
+        (w * g).sum().backward()
+        opt.step()
+    return opt.transport.name, opt.compression_stats()

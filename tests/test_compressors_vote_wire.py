@@ -13,6 +13,8 @@ import sparsecomm as sc
 from sparsecomm.methods.signsgd import VoteSign
 from sparsecomm.transports._guards import int_accumulator
 
+from ._train_common import compression_stats_after_two_steps
+
 D = 1 << 14
 SLACK_BYTES = 1536      # handshakes and headers
 
@@ -62,14 +64,7 @@ def test_ring_vote_sum_beyond_int8_is_exact():
 
 
 def _stats_worker(ctx, transport):
-    w = torch.nn.Parameter(torch.randn(D, generator=torch.Generator().manual_seed(1)))
-    opt = sc.DistributedOptimizer(torch.optim.SGD([w], lr=0.1), compressor="signsgd", transport=transport)
-    for step in range(2):
-        opt.zero_grad()
-        g = torch.randn(D, generator=torch.Generator().manual_seed(10 * ctx.rank + step))
-        (w * g).sum().backward()
-        opt.step()
-    return opt.transport.name, opt.compression_stats()
+    return compression_stats_after_two_steps(ctx, transport, "signsgd", {}, D)
 
 
 def test_compression_stats_and_auto_for_the_vote():

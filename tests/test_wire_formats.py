@@ -28,6 +28,8 @@ from sparsecomm.errors import OverflowError_
 from sparsecomm.payload import (BITMAP, INDEX32, RAW, WireFormatError, check_slot, decode_slot, encode_code,
                                 slot_nbytes)
 
+from ._train_common import compression_stats_after_two_steps
+
 SETTINGS = dict(max_examples=60, deadline=None, derandomize=True)
 
 
@@ -289,16 +291,7 @@ def test_ledger_matches_declared_bits_per_pair(n):
 
 
 def _stats_worker(ctx, transport, compressor, kw):
-    torch.manual_seed(0)   # noqa: the model init only; the compressor draws from its own generators
-    w = torch.nn.Parameter(torch.randn(D, generator=torch.Generator().manual_seed(1)))
-    opt = sc.DistributedOptimizer(torch.optim.SGD([w], lr=0.1), compressor=compressor, transport=transport,
-                                  **kw)
-    for step in range(2):
-        opt.zero_grad()
-        g = torch.randn(D, generator=torch.Generator().manual_seed(10 * ctx.rank + step))
-        (w * g).sum().backward()
-        opt.step()
-    return opt.transport.name, opt.compression_stats()
+    return compression_stats_after_two_steps(ctx, transport, compressor, kw, D)
 
 
 def test_compression_stats_reports_declared_and_sent():
