@@ -10,9 +10,16 @@ workstations", JPDC 2009); see :func:`theory.costs.ring_allreduce`. Before the d
 :mod:`handshake <sparsecomm.transports._handshake>` checks that every worker passes the same length,
 dtype, payload layout and segment size (``ceil(log2 n)`` small messages).
 
-Chunks longer than ``segment_bytes`` (default 4 MiB) travel as pipelined segments: each segment is added
-(or stored) as it arrives and forwarded at once, so additions overlap the transfers and the per-step
-latency is paid once per pipeline rather than per chunk. The two receive buffers (one chunk each) are
+Chunks travel as pipelined segments (:func:`segment_length`): of ``segment_bytes`` if given; by default
+of at most :data:`DEFAULT_SEGMENT_BYTES` (4 MiB), and of at most half the chunk when that half is at least
+:data:`MIN_SEGMENT_BYTES` (1 MiB). Each segment is added (or stored) as it arrives and forwarded at once,
+so additions overlap the transfers and the per-step latency is paid once per pipeline rather than per
+chunk. A chunk in one piece is store-and-forward: every step then pays, on top of its transfer, what
+happens between the last byte in and the first byte out (the receiving thread's wake-up, the addition,
+gloo's rendezvous, the links' last burst). On the netbed (4 workers, 10 MB, 1 Gbit/s: 2.5 MB chunks, once
+one piece each) that was 1-3 ms in each of the six steps, and two segments per chunk took the ring from
+151 to 143 ms, native's 141 (``experiments/bench/ring_trace.py``, paired calls; BENCHMARKS "SimFabric vs
+netbed"); on loopback two segments cost nothing measurable. The two receive buffers (one chunk each) are
 kept by the transport object between calls, because page-faulting fresh buffers on every call of a
 100 MB all-reduce costs as much as a step.
 
@@ -53,8 +60,10 @@ from ._handshake import check_agreement, dtype_code, fingerprint
 from .base import Transport
 
 RING_TAG = 0x5C10
-#: chunks longer than this travel as pipelined segments (the same on every worker: it is in the handshake)
+#: the longest segment by default (the segment is the same on every worker: it is in the handshake)
 DEFAULT_SEGMENT_BYTES = 4 << 20
+#: by default, a chunk of at least twice this travels in at least two segments (:func:`segment_length`)
+MIN_SEGMENT_BYTES = 1 << 20
 
 #: kind codes of the handshake (a plain tensor and a dense payload are the same operand)
 KIND_CODE = {k: i for i, k in enumerate(KINDS)}
@@ -130,6 +139,19 @@ def chunk_bounds(numel: int, n: int) -> list[int]:
     """Boundaries of ``n`` contiguous chunks of sizes ``ceil`` / ``floor`` of ``numel / n``."""
     q, r = divmod(numel, n)
     return [i * q + min(i, r) for i in range(n + 1)]
+
+
+def segment_length(chunk: int, segment: int | None, elem_size: int) -> int:
+    """Elements per segment for chunks of at most ``chunk`` elements: ``segment`` if given (at most the
+    chunk); by default (``None``) at most :data:`DEFAULT_SEGMENT_BYTES`, and at most half the chunk
+    (rounded up) when that half is at least :data:`MIN_SEGMENT_BYTES`, so that every step's forwarding
+    overlaps its own arrival instead of waiting for the whole chunk."""
+    if segment is None:
+        segment = max(1, DEFAULT_SEGMENT_BYTES // elem_size)
+        half = -(-chunk // 2)
+        if half * elem_size >= MIN_SEGMENT_BYTES:
+            segment = min(segment, half)
+    return max(1, min(int(segment), chunk))
 
 
 def _segments(lo: int, hi: int, seg: int) -> list[tuple[int, int]]:
@@ -223,16 +245,17 @@ class Ring(Transport):
     carries = frozenset({"dense", "aligned", "quantized"})
     quantized_needs_shared_scale = True
 
-    def __init__(self, fabric: Fabric, *, tag: int = RING_TAG, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+    def __init__(self, fabric: Fabric, *, tag: int = RING_TAG, segment_bytes: int | None = None,
                  inplace: bool = False, nonfinite: str = "raise") -> None:
         super().__init__(fabric)
         self.nonfinite = nonfinite_option(nonfinite, "ring")
         if not fabric.is_worker:
             raise InvalidValueError("transports run on workers, not on service endpoints")
-        if segment_bytes <= 0:
-            raise InvalidValueError(f"segment_bytes must be positive, got {segment_bytes}")
+        if segment_bytes is not None and segment_bytes <= 0:
+            raise InvalidValueError(f"segment_bytes must be positive (or None: the default rule of "
+                                    f"segment_length), got {segment_bytes}")
         self.tag = tag
-        self.segment_bytes = int(segment_bytes)
+        self.segment_bytes = None if segment_bytes is None else int(segment_bytes)
         self.inplace = inplace   # sum a plain tensor input into itself (scratch buckets) instead of a copy
         self._workspace: dict = {}
 
@@ -245,7 +268,9 @@ class Ring(Transport):
     def _run(self, x: torch.Tensor | Payload) -> torch.Tensor:
         what = "ring allreduce"
         op = linear_operand(x, self.fabric.world_size, self.name)
-        segment = max(1, self.segment_bytes // op.vector.element_size())
+        size = op.vector.element_size()
+        segment = segment_length(-(-op.vector.numel() // max(1, self.fabric.world_size)),
+                                 None if self.segment_bytes is None else max(1, self.segment_bytes // size), size)
         acc = guarded_sum(self.fabric, what, op, dict(segment_length=segment), self.nonfinite,
                           self.inplace and isinstance(x, torch.Tensor),
                           lambda a: ring_allreduce_(self.fabric, a, self.tag, segment, self._workspace))
