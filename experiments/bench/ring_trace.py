@@ -159,7 +159,7 @@ def _rank(ctx, numel: int, calls: int, segment_bytes: int | None, ccs: tuple = (
             if name == "ring":
                 t_start = t0
             if i:
-                times[name].append(t1 - t0)
+                times[name].append((t0, t1))
                 cpu[name].append((c1.user - c0.user, c1.system - c0.system))
                 soft[name].append(s1 - s0)
             if not torch.equal(x, torch.full_like(x, float(ctx.world_size))):
@@ -200,8 +200,12 @@ def main(argv: list[str] | None = None) -> None:
                     **(dict(backend="gloo") if a.loopback else
                        dict(backend="netbed", network=sc.Network(bandwidth_gbps=a.gbps))))
     for name in res[0][0]:
-        per_call = [max(r[0][name][i] for r in res) for i in range(a.calls)]
-        print(f"{name:6s} ms", [round(1e3 * v, 1) for v in per_call], f"median {1e3 * statistics.median(per_call):.1f}")
+        per_call = [max(r[0][name][i][1] - r[0][name][i][0] for r in res) for i in range(a.calls)]
+        all_in = [max(r[0][name][i][1] for r in res) - max(r[0][name][i][0] for r in res) for i in range(a.calls)]
+        skew = [max(r[0][name][i][0] for r in res) - min(r[0][name][i][0] for r in res) for i in range(a.calls)]
+        print(f"{name:6s} ms", [round(1e3 * v, 1) for v in per_call], f"median {1e3 * statistics.median(per_call):.1f}; "
+              f"from the last rank's start: median {1e3 * statistics.median(all_in):.1f} (start skew "
+              f"median {1e3 * statistics.median(skew):.2f}, max {1e3 * max(skew):.2f})")
         print(f"{name:6s} CPU ms per call (user+sys, median) per rank",
               [f"{1e3 * statistics.median(u for u, _ in r[1][name]):.0f}+"
                f"{1e3 * statistics.median(s for _, s in r[1][name]):.0f}" for r in res],
