@@ -17,11 +17,11 @@ so additions overlap the transfers and the per-step latency is paid once per pip
 chunk. A chunk in one piece is store-and-forward: every step then pays, on top of its transfer, what
 happens between the last byte in and the first byte out (the receiving thread's wake-up, the addition,
 gloo's rendezvous, the links' last burst). On the netbed (4 workers, 10 MB, 1 Gbit/s: 2.5 MB chunks, once
-one piece each) that was 1-3 ms in each of the six steps, and two segments per chunk took the ring from
-151 to 143 ms, native's 141 (``experiments/bench/ring_trace.py``, paired calls; BENCHMARKS "SimFabric vs
-netbed"); on loopback two segments cost nothing measurable. The two receive buffers (one chunk each) are
-kept by the transport object between calls, because page-faulting fresh buffers on every call of a
-100 MB all-reduce costs as much as a step.
+one piece each) that was 0.5-2.3 ms in each of the six steps, and two segments per chunk took the ring
+from 151 to 143 ms (native 141; 162 -> 155 at a higher load; ``experiments/bench/ring_trace.py``, calls
+alternated in one launch; BENCHMARKS "SimFabric vs netbed"); on loopback paired runs showed no regression
+within their noise. The two receive buffers (one chunk each) are kept by the transport object between
+calls, because page-faulting fresh buffers on every call of a 100 MB all-reduce costs as much as a step.
 
 Written against :class:`~sparsecomm.fabric.base.Fabric` only (``isend``/``irecv``), so it runs on
 SimFabric and TorchFabric alike, on the tensors' device (CUDA tensors over nccl).
