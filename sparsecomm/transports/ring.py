@@ -195,15 +195,35 @@ def ring_allreduce_(fabric: Fabric, acc: torch.Tensor, tag: int = RING_TAG,
     segs = [_segments(b[c], b[c + 1], seg) for c in range(n)]
     bufs = _workspace(workspace, b[1] - b[0], 2 if n > 2 else 1, acc)
 
+    rs_done = n == 2        # every reduce-scatter receive posted (the all-gather's may follow: same tag)
+
     def post_rs(step: int) -> list:
+        nonlocal rs_done
+        rs_done = rs_done or step == n - 2
         c = (r - step - 1) % n
         buf = bufs[step % len(bufs)]
         return [fabric.irecv(buf[lo - b[c]:hi - b[c]], left, tag) for lo, hi in segs[c]]
+
+    # all-gather step s receives chunk (r - s) into ``acc``, the chunk reduce-scatter step s sent: in
+    # order, region i once the reduce-scatter send i (``sends[i]``) is done with it. gloo sends only to a
+    # posted receive, so these are posted during the reduce-scatter, not after it (a receive posted late
+    # idles the left neighbour's link): after the m-th reduce-scatter segment has arrived, up to region m,
+    # whose send left about when that segment did (once every reduce-scatter receive is posted, so that
+    # messages on the tag still match receives in order)
+    ag = [(s, lo, hi) for s in range(n - 1) for lo, hi in segs[(r - s) % n]]
+    recvs: list = []
+
+    def post_ag(upto: int) -> None:
+        while len(recvs) < min(upto, len(ag)):
+            i = len(recvs)
+            sends[i].wait()
+            recvs.append(fabric.irecv(acc[ag[i][1]:ag[i][2]], left, tag))
 
     # reduce-scatter: step s adds chunk (r-s-1) from the left; each reduced segment goes on to the right
     # at once (it is the next step's outgoing data; after the last step, all-gather step 0's)
     posted = post_rs(0)     # receives first: their "posted" notices then leave before this rank's data
     sends = [fabric.isend(acc[lo:hi], right, tag) for lo, hi in segs[r]]
+    arrived = 0
     for s in range(n - 1):
         c = (r - s - 1) % n
         nxt = post_rs(s + 1) if s + 2 < n and len(bufs) == 2 else None
@@ -212,25 +232,15 @@ def ring_allreduce_(fabric: Fabric, acc: torch.Tensor, tag: int = RING_TAG,
             work.wait()
             acc[lo:hi].add_(buf[lo - b[c]:hi - b[c]])
             sends.append(fabric.isend(acc[lo:hi], right, tag))
+            arrived += 1
+            if rs_done:
+                post_ag(arrived)
         posted = nxt if nxt is not None else (post_rs(s + 1) if s + 2 < n else [])
-    # all-gather step s receives chunk (r - s), the chunk reduce-scatter step s sent: each segment's
-    # receive is posted as soon as that segment's send is done (gloo sends only to a posted receive, so
-    # a receive posted late idles the left neighbour's link)
-    final = len(segs[(r + 1) % n])
-    rs_sends, sends = sends[:len(sends) - final], sends[len(sends) - final:]
-    recvs, k = [], 0
-    for s in range(n - 1):
-        row = []
-        for lo, hi in segs[(r - s) % n]:
-            rs_sends[k].wait()
-            k += 1
-            row.append(fabric.irecv(acc[lo:hi], left, tag))
-        recvs.append(row)
-    for s in range(n - 1):
-        for (lo, hi), work in zip(segs[(r - s) % n], recvs[s]):
-            work.wait()
-            if s < n - 2:
-                sends.append(fabric.isend(acc[lo:hi], right, tag))
+    post_ag(len(ag))
+    for (s, lo, hi), work in zip(ag, recvs):
+        work.wait()
+        if s < n - 2:
+            sends.append(fabric.isend(acc[lo:hi], right, tag))
     for w in sends:
         w.wait()
     fabric.stats.rounds += 2 * (n - 1)
