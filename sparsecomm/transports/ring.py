@@ -20,7 +20,8 @@ gloo's rendezvous, the links' last burst). On the netbed (4 workers, 10 MB, 1 Gb
 one piece each) that was 0.5-2.3 ms in each of the six steps, and two segments per chunk took the ring
 from 151 to 143 ms (native 141; 162 -> 155 at a higher load; ``experiments/bench/ring_trace.py``, calls
 alternated in one launch; BENCHMARKS "SimFabric vs netbed"); on loopback paired runs showed no regression
-within their noise. The two receive buffers (one chunk each) are kept by the transport object between
+within their noise. The all-gather's receives are posted during the reduce-scatter, as soon as the
+regions they overwrite have been sent (:func:`ring_allreduce_`). The two receive buffers (one chunk each) are kept by the transport object between
 calls, because page-faulting fresh buffers on every call of a 100 MB all-reduce costs as much as a step.
 
 Written against :class:`~sparsecomm.fabric.base.Fabric` only (``isend``/``irecv``), so it runs on
@@ -179,7 +180,8 @@ def ring_allreduce_(fabric: Fabric, acc: torch.Tensor, tag: int = RING_TAG,
     the handshake first). Chunks longer than ``segment`` elements travel as segments that are pipelined:
     a worker adds (reduce-scatter) or stores (all-gather) each segment as it arrives and forwards it at
     once, so additions and transfers of consecutive segments overlap; the next step's receives are
-    posted while the current one is processed (two receive buffers, kept in ``workspace`` if given).
+    posted while the current one is processed (two receive buffers, kept in ``workspace`` if given), and the
+    all-gather's receives during the reduce-scatter, each once the region it overwrites has been sent.
     Empty chunks are not sent.
     """
     n, r = fabric.world_size, fabric.rank
