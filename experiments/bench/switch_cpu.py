@@ -27,7 +27,7 @@ SERVICE = "switch:elems=256,burst=1024"
 KWARGS = {"pool_size": 4096, "slot_elems": 256, "burst": 1024, "inplace": True}
 
 
-def _ticks(path: str) -> tuple[int, str] | None:
+def _ticks(path: str) -> tuple[int, int, str] | None:
     try:
         with open(path) as fh:
             s = fh.read()
@@ -35,7 +35,7 @@ def _ticks(path: str) -> tuple[int, str] | None:
         return None
     name = s[s.index("(") + 1:s.rindex(")")]
     rest = s[s.rindex(")") + 2:].split()
-    return int(rest[11]) + int(rest[12]), name       # utime + stime (fields 14, 15)
+    return int(rest[11]), int(rest[12]), name       # utime, stime (fields 14, 15)
 
 
 def _siblings() -> list[int]:
@@ -102,9 +102,10 @@ def worker(ctx, numel: int, calls: int, warmup: int, threads: bool, perf: str | 
         rec.wait()
     hz = os.sysconf("SC_CLK_TCK")
     rows = []
-    for key, (v, name) in after.items():
+    for key, (u, k, name) in after.items():
         if key in before:
-            rows.append((key[0], key[1], name, (v - before[key][0]) / hz / calls))
+            b = before[key]
+            rows.append((key[0], key[1], name, (u + k - b[0] - b[1]) / hz / calls, (k - b[1]) / hz / calls))
     return {"rank": ctx.rank, "pid": os.getpid(), "own_cpu": own / calls, "wall": wall / calls, "rows": rows}
 
 
@@ -124,23 +125,24 @@ def main(argv: list[str] | None = None) -> None:
                     a.workers, backend="gloo", services=(SERVICE,), timeout_s=600.0)
     r0 = res[0]
     pid_rank = {r["pid"]: f"worker {r['rank']}" for r in res}
-    procs = {p: c for p, tid, _n, c in r0["rows"] if tid is None}
-    total = 0.0
+    procs = {p: (c, k) for p, tid, _n, c, k in r0["rows"] if tid is None}
+    total = kernel = 0.0
     print(f"# n = {a.workers}, {a.size_mb:g} MB, {a.calls} calls, wall {r0['wall'] * 1e3:.1f} ms per call "
           f"(barrier to barrier), load average {os.getloadavg()[0]:.1f}")
-    for p, c in sorted(procs.items()):
+    for p, (c, k) in sorted(procs.items()):
         who = pid_rank.get(p, "switch" if c > 0.005 else f"pid {p}")
         if c <= 0.0005:
             continue
         total += c
-        print(f"{who:>10}: {c * 1e3:7.1f} ms CPU per call")
+        kernel += k
+        print(f"{who:>10}: {c * 1e3:7.1f} ms CPU per call ({k * 1e3:.1f} in the kernel)")
         if a.threads:
-            ths = sorted(((c2, tid, n) for p2, tid, n, c2 in r0["rows"] if p2 == p and tid is not None),
+            ths = sorted(((c2, k2, tid, n) for p2, tid, n, c2, k2 in r0["rows"] if p2 == p and tid is not None),
                          reverse=True)
-            for c2, tid, n in ths:
+            for c2, k2, tid, n in ths:
                 if c2 > 0.0005:
-                    print(f"{'':>14}thread {tid} {n}: {c2 * 1e3:6.1f}")
-    print(f"{'total':>10}: {total * 1e3:7.1f} ms CPU per call")
+                    print(f"{'':>14}thread {tid} {n}: {c2 * 1e3:6.1f} ({k2 * 1e3:.1f} kernel)")
+    print(f"{'total':>10}: {total * 1e3:7.1f} ms CPU per call ({kernel * 1e3:.1f} in the kernel)")
 
 
 if __name__ == "__main__":
