@@ -267,7 +267,10 @@ class Dataplane:
         at least as many rows as ``rows`` has data rows, e.g. ``len(rows)``): the service's path, with
         reply buffers it reuses. Returns (multicast rows, unicast rows) written from the front. With
         ``clear``, every row's type is reset to ``T_EMPTY`` as it is read (a receive buffer, ready to be
-        posted again; the audit still sees the rows' other fields)."""
+        posted again; the audit still sees the rows' other fields). ``mc`` may be ``rows`` itself (or the
+        buffer it is the front of): result ``k`` is written over row ``k``, which the program has read by
+        then (``k`` never exceeds the row it answers); the audit, which reads the rows afterwards, then
+        sees results instead (the service keeps separate buffers when it is on)."""
         k = rows.shape[0]
         new = scratch[:k] if scratch is not None and len(scratch) >= k else np.empty(k, dtype=np.uint8)
         counters = np.zeros(len(COUNTERS), dtype=np.int64)
