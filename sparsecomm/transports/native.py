@@ -124,6 +124,7 @@ class Native(Transport):
             acc = op.work_copy(inplace)
             pending = _post_join(self, acc)
             sched.folded += 1
+            sched.posted += 1
             sched.record(key, _fold.Fold(key, v.numel(), v.dtype, v.device, functools.partial(_join, f)))
             return acc, pending
 
