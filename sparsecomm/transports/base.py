@@ -19,7 +19,10 @@ completes. An error on the communication thread is raised by ``wait()`` of that 
 later one on the fabric (the protocols' message streams are then out of step). While calls are in
 flight, do not drive the fabric directly (send/recv, ``barrier``, ``compute``): use ``wait()`` first.
 ``allreduce`` with nothing in flight runs on the calling thread (no thread hop), so synchronous use is
-unchanged.
+unchanged. A transport whose call is a single non-blocking collective (``native``'s predicted calls)
+may instead *post* it on the calling thread while every earlier call is posted too
+(:meth:`CommEngine.post`): the order of messages is the call order all the same, and its completion
+runs on the communication thread in that order.
 
 On SimFabric the communication thread drives the worker's endpoint on its behalf: an endpoint is not
 bound to a thread (its blocking, clock and quiescence bookkeeping are per endpoint), so the data and

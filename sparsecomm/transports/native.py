@@ -17,6 +17,20 @@ another call joins the predicted all-reduce with NaN and runs its handshake, so 
 the fast path see NaN, run theirs, and every worker raises the handshake's MismatchError. Float
 vectors of at most ``fold_max_bytes`` (default 16 MiB, 0 never) fold.
 
+**Posted at once** (``start``, the DDP hook's and the optimizer's overlapped buckets): a predicted call
+is posted to gloo on the calling thread (``async_op``) whenever every call before it on the fabric is
+posted too (:meth:`~sparsecomm.transports.base.CommEngine.post`); the wait, the check above and
+``then`` run on the communication thread in call order. So the next bucket's all-reduce is queued
+behind the running one, as torch's own ``allreduce_hook`` does, instead of leaving the link idle while
+the communication thread wakes, checks, divides and picks the next call (measured on 4 netbed hosts at
+1 Gbit/s, 8 MiB buckets: 1.5-3.5 ms per bucket on a quiet machine, 5-15 ms under load, plus a thread
+hop before the first). A posted call's prediction and record are taken under the engine's lock, so
+every worker posts the same calls in the same order. If resolving a posted call's NaN raises (a worker
+deviated: MismatchError; a non-finite input with ``nonfinite="raise"``: NonFiniteError) while this
+worker has later calls posted, the workers that did not post them never will: the worker then stops
+the job (``TorchFabric.fail``: every rank raises that error class, and the fabric is unusable after),
+where a synchronous call leaves the fabric usable.
+
 ``last_stats``: torch.distributed does not report its traffic, so the all-reduce itself is booked at the
 bandwidth-optimal ring volume, ``2 (n-1)/n`` of the vector each way per worker, in one message per
 direction and ``2 (n-1)`` rounds (an estimate: gloo and NCCL use ring-like algorithms for large
