@@ -147,41 +147,40 @@ class Native(Transport):
             before = f.stats.copy()
             t0 = time.perf_counter()
             try:
-                total = pending()
-                total = self._check_folded(op, total, inplace, eng)
-            except BaseException:
+                total = self._check_folded(op, pending(), inplace, eng)
+                stats = f.stats - before
+                stats.wall_time_s = time.perf_counter() - t0
+                self.last_stats = stats
+                out = op.finish(total).reshape(x.shape).to(x.dtype)
+                return then(out) if then is not None else out
+            except BaseException as exc:
                 sched.reset()
-                raise
-            stats = f.stats - before
-            stats.wall_time_s = time.perf_counter() - t0
-            self.last_stats = stats
-            out = op.finish(total)
-            out = out.reshape(x.shape).to(x.dtype)
-            return then(out) if then is not None else out
+                if eng.resolving():
+                    # this worker's later calls are posted; a worker that has not posted them yet
+                    # never will (its engine now fails every later call): stop the job
+                    from ._handshake import _fail
+
+                    _fail(f, exc)
+                raise        # (the engine stays resolving until it has recorded the failure)
 
         return eng.post(post, complete)
 
     def _check_folded(self, op, total: torch.Tensor, inplace: bool, eng=None) -> torch.Tensor:
         """A folded call's sum: a NaN in it (every element, if a worker deviated) is resolved by the
         handshake, then by the non-finite rules. A posted call (``eng``) resolves with no later call
-        posted meanwhile; if it raises while later calls of this worker are already posted, the job
-        stops (fail-stop, :meth:`TorchFabric.fail`): workers that did not post them never will."""
+        posted meanwhile; if it raises while later calls of this worker are already posted, its
+        completion stops the job (fail-stop, :meth:`TorchFabric.fail`): workers that did not post
+        them never will."""
         v = op.vector
         if self.nonfinite == "raise":
             suspect = not all_finite(total)
         else:
             suspect = bool(torch.isnan(total[:1]).any())
         if suspect:
-            ahead = eng.resolving() if eng is not None else 0
-            try:
-                check_agreement(self.fabric, WHAT, **op.fields)   # MismatchError on every worker if one deviated
-                guard_finite(self.fabric, WHAT, total, v if total is not v else None, self.nonfinite)
-            except BaseException as exc:
-                if ahead:
-                    from ._handshake import _fail
-
-                    _fail(self.fabric, exc)
-                raise            # (the engine stays resolving until it has recorded the failure)
+            if eng is not None:
+                eng.resolving()      # no call is posted while this one runs its handshakes
+            check_agreement(self.fabric, WHAT, **op.fields)   # MismatchError on every worker if one deviated
+            guard_finite(self.fabric, WHAT, total, v if total is not v else None, self.nonfinite)
             if eng is not None:
                 eng.resolved()
         return total
