@@ -4,10 +4,10 @@
     python -m experiments.bench.hook_trace --netbed 1 --workers 4      # root: a 4-host netbed at 1 Gbit/s
 
 For every bucket (median over the timed steps, ms from the step's start, rank 0): when DDP hands it to
-the hook (``call``), when the hook returns (``ret``), when the communication thread starts its job
-(``job``), when gloo's ``all_reduce`` is posted and when it returns (``post``/``done``) and when the
-bucket's future completes (``fut``); then when ``backward()`` returns and when the step ends. Diagnostic
-only: it wraps ``torch.distributed.all_reduce`` in the worker processes it starts to see the posts.
+the hook (``call``), when the hook returns (``ret``: the bucket's all-reduce is posted by then, for
+``allreduce_hook`` and for ours once its calls are predicted) and when the bucket's future completes
+(``fut``: the all-reduce done, checked and divided); then when ``backward()`` returns and when the step
+ends. ``--profile`` adds torch.profiler's collective events of the last step (stock DDP's posts).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from .step import MLP
 
 _T0 = [0.0]
 _EV: list[tuple[str, int, float, str]] = []     # (event, bucket-ish id, t, thread)
-_CUR = threading.local()
 
 
 def _now() -> float:
@@ -37,23 +36,6 @@ def _now() -> float:
 
 def _ev(name: str, ident: int) -> None:
     _EV.append((name, ident, _now(), threading.current_thread().name))
-
-
-def _wrap_all_reduce() -> None:
-    orig = dist.all_reduce
-
-    def all_reduce(tensor, *args, **kw):
-        ident = tensor.numel()
-        _ev("post", ident)
-        w = orig(tensor, *args, **kw)
-        if w is not None and kw.get("async_op"):
-            fut = w.get_future()
-            fut.then(lambda f: _ev("done", ident))
-        else:
-            _ev("done", ident)
-        return w
-
-    dist.all_reduce = all_reduce
 
 
 def _stock_hook(state, bucket):
@@ -87,22 +69,15 @@ def _our_hook(state, bucket):
 
 
 def _worker(ctx, a) -> dict:
-    from sparsecomm.transports import base as tbase
-
     torch.set_num_threads(1)
-    _wrap_all_reduce()
-    orig_submit = tbase.CommEngine.submit
-
-    def submit(self, job):
-        def traced():
-            _ev("job", -1)
-            return job()
-        return orig_submit(self, traced)
-
-    tbase.CommEngine.submit = submit
     loss_fn = nn.MSELoss()
     nets = {}
-    for name in ("ddp", "allreduce_hook", "ours"):
+    for name in ("ddp", "allreduce_hook", "ours", "optimizer"):
+        if name == "optimizer":
+            m = MLP(a.width)
+            nets[name] = (m, sc.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.01), compressor="none",
+                                                     transport="native", bucket_cap_mb=a.cap_mb))
+            continue
         net = nn.parallel.DistributedDataParallel(MLP(a.width), bucket_cap_mb=a.cap_mb)
         if name == "allreduce_hook":
             net.register_comm_hook(None, _stock_hook)
@@ -151,7 +126,7 @@ def _summary(steps: list[list[tuple]]) -> list[str]:
     for evs in steps:
         seen: dict[str, int] = {}
         for name, ident, t, thr in evs:
-            k = (name, seen.get(name, 0), ident if name in ("call", "ret", "fut", "post", "done") else "")
+            k = (name, seen.get(name, 0), ident if name in ("call", "ret", "fut") else "")
             seen[name] = seen.get(name, 0) + 1
             if k not in keyed:
                 keyed[k] = []
@@ -185,12 +160,12 @@ def main(argv=None) -> None:
         ends = [max(s[-1][2] for s in (r[name][i] for r in res)) for i in range(a.steps)]
         print(f"\n## {name}: step (slowest rank) median {statistics.median(ends):.1f} ms; rank {a.rank}'s events:")
         print("\n".join(_summary(res[a.rank][name])))
-        print("  per rank, medians: fwd, first call, first post, last done, last fut, bwd, end")
+        print("  per rank, medians: fwd, first call, first ret, last fut, bwd, end")
         for r, rr in enumerate(res):
             cols = []
-            for pick in (lambda e: e[0] == "fwd", lambda e: e[0] == "call", lambda e: e[0] == "post"):
+            for pick in (lambda e: e[0] == "fwd", lambda e: e[0] == "call", lambda e: e[0] == "ret"):
                 cols.append(statistics.median(next((e[2] for e in s if pick(e)), float("nan")) for s in rr[name]))
-            for ev in ("done", "fut"):
+            for ev in ("fut",):
                 cols.append(statistics.median(max((e[2] for e in s if e[0] == ev), default=float("nan"))
                                               for s in rr[name]))
             for ev in ("bwd", "end"):

@@ -237,7 +237,7 @@ def _worker(ctx, a: argparse.Namespace) -> dict:
     from sparsecomm.transports import _fold
 
     sched = _fold.schedule(ctx.fabric)      # native's calls whose agreement folded into the data
-    out["fold"] = (sched.folded, sched.deviated) if sched is not None else (0, 0)
+    out["fold"] = (sched.folded, sched.deviated, sched.posted) if sched is not None else (0, 0, 0)
     return out
 
 
@@ -351,9 +351,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"\n## dense MLP: 8 x Linear({a.mlp_width}, {a.mlp_width}), {mb:.1f} MiB fp32 gradient, "
               f"batch {a.mlp_batch}, buckets of {a.mlp_cap_mb:g} MiB (DDP and ours)")
         _table([r["mlp"] for r in res])
-    folded, deviated = res[0]["fold"]
-    print(f"\n# native calls with the agreement folded into the data (rank 0): {folded}; "
-          f"mispredicted (a NaN join and a handshake): {deviated}")
+    folded, deviated, posted = res[0]["fold"]
+    print(f"\n# native calls with the agreement folded into the data (rank 0): {folded}, of which posted at once "
+          f"on the calling thread: {posted}; mispredicted (a NaN join and a handshake): {deviated}")
     return res
 
 

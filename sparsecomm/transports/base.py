@@ -225,9 +225,12 @@ class CommEngine:
 
     The thread starts on the first submission and leaves after ``idle_s`` seconds without work (a new
     one starts on the next submission). After a call fails, every later call fails with the same error.
+    ``idle_s`` is long enough for a training loop's (or a benchmark's interleaved) steps to find the thread
+    still there: starting one blocks the submitting thread (the autograd thread, in a DDP hook) until
+    the new thread runs, 10-60 ms on a host with more runnable threads than cores.
     """
 
-    idle_s = 2.0
+    idle_s = 60.0
 
     def __init__(self, name: str = "") -> None:
         self._cond = threading.Condition()
