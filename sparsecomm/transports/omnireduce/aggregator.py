@@ -78,6 +78,10 @@ class AggCall:
                     k0, int(h[wire.F_BLOCK]), up.itemsize, meta=not wire.single(ch)), w, tag_up(ch.slot)))
         return out
 
+    def headers_left(self) -> tuple:
+        """The headers not taken by :meth:`take_early` (:meth:`take_headers` takes them)."""
+        return tuple(Key(Msg.HDR, w) for w in self.order if w not in self._early)
+
     def take_headers(self, inbox: Inbox) -> list:
         """Take every header and validate it (:func:`wire.validate_header`: against the world size, this
         aggregator's index and the protocol limits) before planning anything from it; check agreement;

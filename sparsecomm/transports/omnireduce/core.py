@@ -319,7 +319,7 @@ def aggregator(adm, inbox, outbox, host: int | None = None, ref: np.ndarray | No
             left.remove(k)
             for p in adm.take_early(inbox, k.peer, ref):
                 yield p
-    yield Recv(tuple(Key(Msg.HDR, w) for w in adm.order if w not in adm._early), order=(0,))
+    yield Recv(adm.headers_left(), order=(0,))
     for p in adm.take_headers(inbox):
         yield p
     if adm.status == OK:
