@@ -315,7 +315,7 @@ def aggregator(adm, inbox, outbox, host: int | None = None, ref: np.ndarray | No
     left = [p.key for p in posts] if host is not None else []
     while left:
         yield Recv(tuple(left), order=(0,), any=True)
-        for k in [k for k in left if inbox.ready(k)]:
+        for k in [k for k in left if inbox.ready(k)] or left[:1]:   # (none in: the first, blocking)
             left.remove(k)
             for p in adm.take_early(inbox, k.peer, ref):
                 yield p

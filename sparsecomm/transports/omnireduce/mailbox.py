@@ -176,7 +176,8 @@ class Recv(NamedTuple):
 
     The role can run only once every key is posted or handed over, and none of ``gone`` is still
     waiting to be taken (a local hand-over that a new one would replace). ``order``: preference
-    among the roles that can run (smaller first). ``any``: resume once any one of them is in.
+    among the roles that can run (smaller first). ``any``: resume once any one of them is in (or at
+    once, as any other, when it is the only role able to run: it then takes them in order).
     ``reap``: before choosing among roles, :func:`drive` finishes all but ``keep`` of this endpoint's
     sends if any of them waits with ``reap`` (the lane rounds; not round 0: the sends of a worker whose
     header was rejected never complete)
@@ -239,7 +240,7 @@ class _Scheduler:
                 raise ProtocolError("omnireduce: no role of this call can run (a bug)")
             if any(rw[1].reap for rw in cands):
                 self.outbox.reap(keep)
-            if len(cands) == 1 and not cands[0][1].any:   # the only one: its own takes block (no polling)
+            if len(cands) == 1:   # the only one: its own takes block (no polling)
                 self.resume(cands[0])
                 continue
             groups, owner = [], []   # per candidate its pending receives; an ``any`` one, each alone
