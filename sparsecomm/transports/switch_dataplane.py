@@ -175,19 +175,24 @@ def _program(rows, values, seen, count, exponent, world, mc, uc, new, counters, 
         seen[slot, 1 - v] &= ~bit
         if before & bit == 0:
             e = np.int8(rows[i, 7])
+            acc = values[slot, v]
+            vec = rows[i, 8:]
             if before == 0:                       # the first writer overwrites
                 for j in range(elems):
-                    values[slot, v, j] = rows[i, 8 + j]
+                    acc[j] = vec[j]
                 exponent[slot, v] = e
                 count[slot, v] = n - 1
             else:
-                wrapped = False
+                # two's-complement wrap as the hardware's adds (the workers' scale must prevent it); a
+                # sum wrapped iff both addends' signs differ from its sign: 8 int32 lanes per AVX2 add
+                wrapped = np.int32(0)
                 for j in range(elems):
-                    s = np.int64(values[slot, v, j]) + np.int64(rows[i, 8 + j])
-                    if s > 2147483647 or s < -2147483648:
-                        wrapped = True            # hardware wraps; the workers' scale must prevent it
-                    values[slot, v, j] = s    # truncation to int32: two's-complement wrap
-                if wrapped:
+                    a = acc[j]
+                    b = vec[j]
+                    s = np.int32(np.uint32(a) + np.uint32(b))
+                    wrapped |= (a ^ s) & (b ^ s)
+                    acc[j] = s
+                if wrapped < 0:
                     counters[6] += 1
                 if e > exponent[slot, v]:
                     exponent[slot, v] = e
@@ -262,7 +267,10 @@ class Dataplane:
         at least as many rows as ``rows`` has data rows, e.g. ``len(rows)``): the service's path, with
         reply buffers it reuses. Returns (multicast rows, unicast rows) written from the front. With
         ``clear``, every row's type is reset to ``T_EMPTY`` as it is read (a receive buffer, ready to be
-        posted again; the audit still sees the rows' other fields)."""
+        posted again; the audit still sees the rows' other fields). ``mc`` may be ``rows`` itself (or the
+        buffer it is the front of): result ``k`` is written over row ``k``, which the program has read by
+        then (``k`` never exceeds the row it answers); the audit, which reads the rows afterwards, then
+        sees results instead (the service keeps separate buffers when it is on)."""
         k = rows.shape[0]
         new = scratch[:k] if scratch is not None and len(scratch) >= k else np.empty(k, dtype=np.uint8)
         counters = np.zeros(len(COUNTERS), dtype=np.int64)

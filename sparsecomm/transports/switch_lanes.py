@@ -44,12 +44,14 @@ class Uplink:
     posting from the loop would leave the link idle while the worker encodes and decodes. Messages are
     built in a ring of reusable buffers (:meth:`buffer` waits for a free one: the send-ahead bound),
     kept with the thread across jobs (:meth:`ensure` grows the ring for a job with more lanes; fresh
-    buffers every job cost page faults); :meth:`drain` waits for every send and re-raises a send's error."""
+    buffers every job cost page faults); :meth:`drain` waits for every send and re-raises a send's error.
+    Free buffers are taken last-freed first: the few that a lane window keeps busy stay in the cache
+    (taken in turn, a ring of 16 bursts of 1 MB would pass half a 32 MB cache per window)."""
 
     def __init__(self, fabric, switch: int, burst: int, width: int, depth: int) -> None:
         self.fabric, self.switch, self.burst, self.width = fabric, switch, burst, width
         self.bufs: list[torch.Tensor] = []
-        self.free: queue.SimpleQueue = queue.SimpleQueue()
+        self.free: queue.LifoQueue = queue.LifoQueue()
         self.ensure(depth)
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.error: BaseException | None = None

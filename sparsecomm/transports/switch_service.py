@@ -26,15 +26,18 @@ since gloo writes a prefix, a message of at most one burst leaves row ``burst`` 
 first burst is read (the slack rows are touched only after a longer message).
 
 Per message the CPU goes to the kernel's copies, the program and the Python around them; what was cut
-(a 2-core host drives 4 hosts and this switch at 1 Gbit/s only if the switch's CPU is small): replies
-are written into buffers reused from a pool (:class:`_Replies`: a fresh 1 MB array per message cost
-more in page faults than the adds) and the slack rows are no longer scanned and reset per message.
+(a 2-core host drives 4 hosts and this switch at 1 Gbit/s only if the switch's CPU is small): each result
+is written over the row it answers in the receive buffer, which is then sent as the reply (no reply
+buffer to fill: one write of the summed bytes fewer, into cache-hot rows), receive buffers come from a
+pool reused last-freed first (:class:`_Buffers`: a fresh 1 MB array per message cost more in page
+faults than the adds), and the slack rows are not scanned and reset per message.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+from collections import deque
 from typing import Callable
 
 import numpy as np
@@ -80,10 +83,14 @@ def _serve_datagrams(dp: Dataplane, fabric: Fabric) -> None:
 
 
 # ----------------------------------------------------------------------------- real fabrics
-class _Replies:
-    """Reply buffers reused across messages (a fresh 1 MB array per message cost more in page faults than
-    the program's adds). A buffer returns to the pool when every send of its messages has completed:
-    :meth:`hold` sets how many sends will :meth:`release` it. The pool keeps at most ``keep`` free ones."""
+class _Buffers:
+    """Message buffers reused across messages, shared by the ports (a fresh 1 MB array per message cost
+    more in page faults than the program's adds): receive buffers that become the replies they hold
+    (results are written over the rows they answer, see :func:`_serve_ports`), and, with the audit on,
+    separate reply buffers. A buffer returns to the pool when every send of its messages has completed:
+    :meth:`hold` sets how many sends will :meth:`release` it, and how many leading rows (replies) to
+    reset to ``T_EMPTY`` then (a receive buffer has every row ``T_EMPTY`` when posted). Buffers are taken
+    last-freed first (the few in use stay in the cache); the pool keeps at most ``keep`` free ones."""
 
     def __init__(self, rows: int, width: int, keep: int) -> None:
         self.rows, self.width, self.keep = rows, width, keep
@@ -95,14 +102,14 @@ class _Replies:
         with self.lock:
             if self.free:
                 return self.free.pop()
-        return np.empty((self.rows, self.width), dtype=np.int32)
+        return np.zeros((self.rows, self.width), dtype=np.int32)     # every row T_EMPTY
 
-    def hold(self, buf: np.ndarray, sends: int) -> None:
+    def hold(self, buf: np.ndarray, sends: int, reset: int = 0) -> None:
         if sends == 0:
-            self.give_back(buf)
+            self.give_back(buf, reset)
         else:
             with self.lock:
-                self.pending[id(buf)] = [buf, sends]
+                self.pending[id(buf)] = [buf, sends, reset]
 
     def release(self, key: int | None) -> None:
         """One send of the buffer ``key`` (``id`` of it) is done; ``None``: a message of its own."""
@@ -111,12 +118,14 @@ class _Replies:
         with self.lock:
             entry = self.pending[key]
             entry[1] -= 1
-            if entry[1] == 0:
-                del self.pending[key]
-                if len(self.free) < self.keep:
-                    self.free.append(entry[0])
+            if entry[1]:
+                return
+            del self.pending[key]
+        self.give_back(entry[0], entry[2])
 
-    def give_back(self, buf: np.ndarray) -> None:
+    def give_back(self, buf: np.ndarray, reset: int = 0) -> None:
+        if reset:
+            buf[:reset, F_TYPE] = T_EMPTY
         with self.lock:
             if len(self.free) < self.keep:
                 self.free.append(buf)
@@ -127,7 +136,7 @@ class _Egress:
     socket took the message, about its transmission time on a slow link, so each port sends on its own
     thread and the ports transmit in parallel); past ``cap`` queued replies the port drops."""
 
-    def __init__(self, fabric: Fabric, dst: int, cap: int, failures: list, replies: _Replies) -> None:
+    def __init__(self, fabric: Fabric, dst: int, cap: int, failures: list, replies: _Buffers) -> None:
         self.fabric, self.dst, self.cap, self.failures, self.replies = fabric, dst, cap, failures, replies
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.dropped = 0
@@ -161,29 +170,36 @@ def _serve_ports(dp: Dataplane, fabric: Fabric) -> None:
     failures: list[BaseException] = []
     # a worker awaits at most one result per slot and set: that many replies, plus EGRESS_CAP, never drop
     cap = -(-2 * dp.config.slots // burst) + EGRESS_CAP
-    replies = _Replies(burst * RECV_SLACK, width, keep=4 * n * PORT_DEPTH)
-    egress = [_Egress(fabric, dst, cap, failures, replies) for dst in range(n)]
+    buffers = _Buffers(burst * RECV_SLACK, width, keep=4 * n * PORT_DEPTH)
+    egress = [_Egress(fabric, dst, cap, failures, buffers) for dst in range(n)]
+    # results overwrite the rows they answer (the program writes result k over row k <= the row it answers,
+    # which it has read): the receive buffer is the reply, no copy. The audit reads the rows afterwards, so
+    # with it on, results go to buffers of their own.
+    in_place = dp.audit is None
 
     def port(w: int) -> None:
         try:
-            bufs = [torch.zeros((burst * RECV_SLACK, width), dtype=torch.int32) for _ in range(PORT_DEPTH)]
-            works = [fabric.irecv(b, w, TAG_UP) for b in bufs]
+            posted: deque = deque()
+            for _ in range(PORT_DEPTH):
+                b = buffers.take()
+                posted.append((fabric.irecv(torch.from_numpy(b), w, TAG_UP), b))
             uc = np.empty((burst * RECV_SLACK, width), dtype=np.int32)     # unicasts: rare, copied out
             scratch = np.empty(burst * RECV_SLACK, dtype=np.uint8)
-            i = 0
             while not failures:
-                works[i].wait()
-                arr = bufs[i].numpy()
-                mc = replies.take()
+                work, arr = posted.popleft()
+                work.wait()
+                mc = arr if in_place else buffers.take()
                 # every row is T_EMPTY before the receive is posted and gloo writes a prefix: a message of
                 # at most `burst` rows (all this library's workers send) leaves row `burst` empty
                 rows = arr[:burst] if arr[burst, F_TYPE] == T_EMPTY else arr
                 with registers:
                     nmc, nuc = dp.execute(rows, mc, uc, scratch, clear=True)
-                works[i] = fabric.irecv(bufs[i], w, TAG_UP)
-                i = (i + 1) % PORT_DEPTH
-                mcast = split_messages(mc, nmc, burst)
-                replies.hold(mc, n * len(mcast))
+                b = buffers.take()
+                posted.append((fabric.irecv(torch.from_numpy(b), w, TAG_UP), b))
+                if not in_place:
+                    buffers.give_back(arr)
+                mcast = split_messages(mc, nmc, burst)      # zeroes the last burst's unused rows
+                buffers.hold(mc, n * len(mcast), reset=nmc)
                 for msg in mcast:
                     msg = torch.from_numpy(msg)
                     for e in egress:

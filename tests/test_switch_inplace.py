@@ -1,0 +1,65 @@
+"""The switch service's in-place replies: the program writes each result over the row it answers in the
+received message (``Dataplane.execute(rows, rows, ...)``), and the service sends that buffer back."""
+
+import numpy as np
+
+from sparsecomm.transports.switch_dataplane import HEADER, Dataplane, SwitchConfig, T_EMPTY
+from sparsecomm.transports.switch_service import _Buffers
+
+
+def _random_rows(rng, step: int, k: int, width: int) -> np.ndarray:
+    """Random bursts: distinct and repeated slots, duplicates, forged worker counts, empty rows."""
+    rows = np.zeros((k, width), dtype=np.int32)
+    rows[:, 0] = rng.choice([0, 1, 1, 1, 2], size=k)
+    rows[:, 1], rows[:, 2] = rng.integers(-1, 7, size=k), rng.integers(0, 3, size=k)
+    rows[:, 3], rows[:, 4], rows[:, 5] = rng.integers(0, 3, size=k), step, 1
+    rows[:, 6] = rng.choice([3, 3, 3, 32], size=k)
+    rows[:, 7] = rng.integers(-300, 300, size=k)
+    rows[:, HEADER:] = rng.integers(-2**31, 2**31 - 1, size=(k, 64))
+    return rows
+
+
+def test_results_over_the_rows_they_answer_equal_separate_reply_buffers():
+    """The same random messages through two dataplanes, one writing its multicast results into a buffer
+    of their own (the reference path), one over the received rows: the same results in the same order,
+    the same registers and counters; every row past the results is T_EMPTY (read and cleared)."""
+    rng = np.random.default_rng(1)
+    cfg = SwitchConfig(slots=6)
+    ref, dp = Dataplane(cfg), Dataplane(cfg)
+    ref.world = dp.world = 3
+    width = HEADER + 64
+    multicast = 0
+    for step in range(400):
+        k = int(rng.integers(1, 9))
+        rows = _random_rows(rng, step, k, width)
+        mc, uc = np.empty_like(rows), np.empty_like(rows)
+        nmc, nuc = ref.execute(rows.copy(), mc, uc)
+        own = rows.copy()
+        uc2 = np.empty_like(rows)
+        got = dp.execute(own, own, uc2, clear=True)
+        assert got == (nmc, nuc)
+        assert own[:nmc].tolist() == mc[:nmc].tolist() and uc2[:nuc].tolist() == uc[:nuc].tolist()
+        assert (own[nmc:, 0] == T_EMPTY).all()
+        multicast += nmc
+    for name in ("values", "seen", "count", "exponent"):
+        assert np.array_equal(getattr(dp, name), getattr(ref, name))
+    assert dict(dp.stats) == dict(ref.stats) and multicast > 20 and ref.stats["retransmit"] > 10
+
+
+def test_buffers_return_to_the_pool_empty_after_their_last_send():
+    """A buffer held for n sends comes back (last-freed first) only after the n-th release, with its reply
+    rows reset to T_EMPTY: ready to be posted as a receive again."""
+    pool = _Buffers(rows=8, width=HEADER + 4, keep=4)
+    a = pool.take()
+    assert a.shape == (8, HEADER + 4) and (a[:, 0] == T_EMPTY).all()
+    a[:3, 0] = 2                                   # three reply rows
+    pool.hold(a, 2, reset=3)
+    b = pool.take()
+    assert b is not a                              # still being sent
+    pool.release(id(a))
+    assert id(a) in pool.pending
+    pool.release(id(a))
+    assert not pool.pending and (a[:, 0] == T_EMPTY).all()
+    pool.give_back(b)
+    assert pool.take() is b and pool.take() is a   # last freed first
+    pool.release(None)                             # a message of its own: nothing held
