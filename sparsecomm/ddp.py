@@ -29,7 +29,10 @@ method's ``decode`` dividing the aggregate by the world size (as ``allreduce_hoo
 encodes on the calling (autograd) thread and returns a *pending* future: the transport runs on the
 fabric's communication thread (:meth:`~sparsecomm.transports.base.Transport.start`), the decode right
 after it there, and the future, chained with ``then`` as torch's hooks chain theirs, completes when the
-bucket's communication does, so later buckets' backward runs meanwhile. DDP calls the hook for its
+bucket's communication does, so later buckets' backward runs meanwhile. With ``native`` and plain
+averaging, a bucket whose call is predicted (every step after the first few) is posted to gloo on the
+calling thread at once, behind the buckets still in flight, as torch's ``allreduce_hook`` posts its
+own (:mod:`sparsecomm.transports.native`, "Posted at once"). DDP calls the hook for its
 buckets in index order on every rank, so the calls match across ranks; the results are bit-identical
 to synchronous calls.
 

@@ -219,3 +219,62 @@ def test_workers_leaving_a_folded_call_get_the_handshakes_error_on_every_worker(
         assert [g[0] for g in got] == [cls] * 3, (case, got)
         assert all(g[2] < BOUND for g in got), (case, got)
         assert all(w in g[1] for g in got for w in words), (case, got)
+
+
+def _posted_cases(ctx):
+    cap_address_space()
+    r, f = ctx.rank, ctx.fabric
+    nat = sc.transports.get("native", f)
+    passing = sc.transports.get("native", f, nonfinite="pass")
+    sched = _fold.schedule(f)
+    out = {}
+    a = torch.full((100_000,), float(r + 1))     # 400 KB: all_reduce
+    b = torch.full((1000,), float(r + 1))        # 4 KB: all_gather and a sum
+
+    def round_(t, xa, xb):
+        works = [t.start(xa.clone()), t.start(xb.clone())]
+        return [w.wait() for w in works]
+
+    for _ in range(4):
+        round_(nat, a, b)
+    before = sched.posted
+    ya, yb = round_(nat, a, b)
+    # both calls of a round posted at once on the calling thread, the second before the first completed
+    out["posted"] = (sched.posted - before == 2 and torch.equal(ya, torch.full((100_000,), 6.0))
+                     and torch.equal(yb, torch.full((1000,), 6.0)))
+    # nonfinite="pass", a NaN in element 0 of the first call while the second is posted: the handshake
+    # finds every worker agreeing, the NaN is the data's, the second call completes as posted
+    for _ in range(4):
+        round_(passing, a, b)
+    z = a.clone()
+    if r == 2:
+        z[0] = float("nan")
+    ya, yb = round_(passing, z, b)
+    out["posted pass nan"] = (bool(torch.isnan(ya[0])) and torch.equal(ya[1:], torch.full((99_999,), 6.0))
+                              and torch.equal(yb, torch.full((1000,), 6.0)))
+    out["after"] = torch.equal(nat.allreduce(torch.ones(5)), torch.full((5,), 3.0))
+    # last: worker 2 leaves the predicted call while the others post the next calls behind it: the
+    # handshake's MismatchError on every worker (those with calls posted ahead stop the job)
+    for _ in range(4):
+        round_(nat, a, b)
+    first = nat.start(torch.ones(777) if r == 2 else a.clone())
+    later = [nat.start(b.clone()), nat.start(a.clone())]
+    out["posted length"] = outcome(first.wait)
+    for w in later:
+        outcome(w.wait)
+    # the calls posted ahead can never complete: the job stopped, so nothing after it runs out of step
+    out["stopped"] = outcome(lambda: nat.allreduce(torch.ones(5)))
+    return out
+
+
+@pytest.mark.multiprocess
+def test_calls_posted_ahead_complete_in_order_and_a_deviation_is_still_a_mismatch_on_every_worker():
+    res = sc.launch(_posted_cases, 3, backend="gloo", timeout_s=TIMEOUT)
+    for case in ("posted", "posted pass nan", "after"):
+        assert all(rk[case] for rk in res), (case, [rk[case] for rk in res])
+    got = [rk["posted length"] for rk in res]
+    assert [g[0] for g in got] == ["MismatchError"] * 3, got
+    assert all(g[2] < BOUND for g in got), got
+    assert all("length" in g[1] for g in got), got
+    stopped = [rk["stopped"] for rk in res]
+    assert all(g[0] is not None and g[2] < BOUND for g in stopped), stopped

@@ -203,6 +203,8 @@ def _run_rounds(a, setups, make_batch, forward) -> dict[str, Any]:
         r: dict[str, Any] = {"times": times[name]}
         if isinstance(opt, sc.DistributedOptimizer):
             r["bytes_sent"] = opt.last_stats.bytes_sent
+            r["bytes_received"] = opt.last_stats.bytes_received
+            r["estimated"] = opt.last_stats.estimated
             r["ratio"] = opt.compression_stats()["ratio_sent"]   # measured on the wire, not declared
         res[name] = r
     return res
@@ -237,7 +239,7 @@ def _worker(ctx, a: argparse.Namespace) -> dict:
     from sparsecomm.transports import _fold
 
     sched = _fold.schedule(ctx.fabric)      # native's calls whose agreement folded into the data
-    out["fold"] = (sched.folded, sched.deviated) if sched is not None else (0, 0)
+    out["fold"] = (sched.folded, sched.deviated, sched.posted) if sched is not None else (0, 0, 0)
     return out
 
 
@@ -268,6 +270,8 @@ def _worker_emb(ctx, a: argparse.Namespace, sparse: bool) -> dict:
                   for name, make in cfgs]
         res.update(_run_rounds(a, setups, lambda t: batch(rank, t, a.vocab, tokens, a.bag, a.classes),
                                lambda net, b: loss_fn(net(b[0], b[1]), b[2])))
+        # the last step's rows of this worker's embedding gradient (distinct ids: the coalesced gradient)
+        res["rows"] = int(batch(rank, a.warmup + a.steps - 1, a.vocab, tokens, a.bag, a.classes)[0].unique().numel())
         del setups
         out["density"][density] = res
     return out
@@ -287,6 +291,28 @@ def _table(rs: list[dict]) -> None:
         print(f"{name:28s} {1e3 * t:9.1f} {rel:7.2f}x {1 / rel:8.2f}x "
               f"{'' if mb is None else f'{mb / 1e6:9.2f}':>9s} "
               f"{'' if ratio is None else f'{ratio:11.1f}':>11s}")
+
+
+def _busiest_link(rs: list[dict], dim: int) -> None:
+    """Bytes of the last step on the busiest link direction (a host's up- or downlink), ``sparse=True``.
+
+    ``ddp`` (gloo's sparse all-reduce: every worker's coalesced rows gathered around a ring) by counting:
+    host ``i`` forwards the rows of every worker but its successor, ``k_j (4 dim + 8)`` bytes each
+    (values and an int64 index). Our configurations from their ledgers (``last_stats``: colocated
+    OmniReduce's aggregator ``i`` is worker ``i``, so every byte a worker sends or receives crosses its
+    link; ``native`` books a formula, marked ``est``): the largest of any worker's bytes sent or
+    received. The ratio ``ddp / config`` bounds the speed-up that fewer bytes can bring on a
+    network-bound step."""
+    n = len(rs)
+    rows = [r["rows"] for r in rs]
+    rb = 4 * dim + 8
+    ddp = max(sum(rows[j] for j in range(n) if j != (i + 1) % n) for i in range(n)) * rb
+    print(f"busiest link direction, last step: ddp {ddp / 1e6:.3f} MB (rows per worker {rows}, counted)")
+    names = [k for k in rs[0] if isinstance(rs[0][k], dict) and "bytes_sent" in rs[0][k]]
+    for name in names:
+        b = max(max(r[name]["bytes_sent"], r[name]["bytes_received"]) for r in rs)
+        est = " est" if rs[0][name].get("estimated") else ""
+        print(f"  {name:30s} {b / 1e6:9.3f} MB{est}   ddp / this {ddp / b if b else float('inf'):6.2f}x")
 
 
 def _cpu() -> str:
@@ -346,14 +372,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
             print(f"\n## {label}, target block density {density:.0%}: tokens/worker {rs[0]['tokens']}, "
                   f"measured {rs[0]['block_density']:.2%} per worker, {rs[0]['block_density_union']:.2%} union")
             _table(rs)
+            if key == "sparse":
+                _busiest_link(rs, a.dim)
     if "mlp" in a.models:
         mb = 8 * (a.mlp_width ** 2 + a.mlp_width) * 4 / 2 ** 20
         print(f"\n## dense MLP: 8 x Linear({a.mlp_width}, {a.mlp_width}), {mb:.1f} MiB fp32 gradient, "
               f"batch {a.mlp_batch}, buckets of {a.mlp_cap_mb:g} MiB (DDP and ours)")
         _table([r["mlp"] for r in res])
-    folded, deviated = res[0]["fold"]
-    print(f"\n# native calls with the agreement folded into the data (rank 0): {folded}; "
-          f"mispredicted (a NaN join and a handshake): {deviated}")
+    folded, deviated, posted = res[0]["fold"]
+    print(f"\n# native calls with the agreement folded into the data (rank 0): {folded}, of which posted at once "
+          f"on the calling thread: {posted}; mispredicted (a NaN join and a handshake): {deviated}")
     return res
 
 

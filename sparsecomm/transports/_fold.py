@@ -88,6 +88,8 @@ class Schedule:
         #: calls that took the fast path / deviated from a prediction (for tests and benchmarks)
         self.folded = 0
         self.deviated = 0
+        #: folded calls posted at once on the calling thread (``Native.start``, :meth:`CommEngine.post`)
+        self.posted = 0
 
     def _contexts(self) -> tuple[Hashable, ...]:
         if self._last is None:

@@ -19,7 +19,10 @@ completes. An error on the communication thread is raised by ``wait()`` of that 
 later one on the fabric (the protocols' message streams are then out of step). While calls are in
 flight, do not drive the fabric directly (send/recv, ``barrier``, ``compute``): use ``wait()`` first.
 ``allreduce`` with nothing in flight runs on the calling thread (no thread hop), so synchronous use is
-unchanged.
+unchanged. A transport whose call is a single non-blocking collective (``native``'s predicted calls)
+may instead *post* it on the calling thread while every earlier call is posted too
+(:meth:`CommEngine.post`): the order of messages is the call order all the same, and its completion
+runs on the communication thread in that order.
 
 On SimFabric the communication thread drives the worker's endpoint on its behalf: an endpoint is not
 bound to a thread (its blocking, clock and quiescence bookkeeping are per endpoint), so the data and
@@ -222,17 +225,22 @@ class CommEngine:
 
     The thread starts on the first submission and leaves after ``idle_s`` seconds without work (a new
     one starts on the next submission). After a call fails, every later call fails with the same error.
+    ``idle_s`` is long enough for a training loop's (or a benchmark's interleaved) steps to find the thread
+    still there: starting one blocks the submitting thread (the autograd thread, in a DDP hook) until
+    the new thread runs, 10-60 ms on a host with more runnable threads than cores.
     """
 
-    idle_s = 2.0
+    idle_s = 60.0
 
     def __init__(self, name: str = "") -> None:
         self._cond = threading.Condition()
-        self._queue: deque[tuple[Callable[[], Any], CommWork]] = deque()
+        self._queue: deque[tuple[Callable[[], Any], CommWork, bool]] = deque()
         self._busy = False
         self._thread: threading.Thread | None = None
         self._failed: BaseException | None = None
         self._name = name
+        self._unposted = 0          # queued or running jobs that post their messages themselves
+        self._resolving = False     # a posted call is being resolved (it runs handshakes): no posts
 
     def submit(self, job: Callable[[], Any]) -> CommWork:
         work = CommWork()
@@ -240,13 +248,55 @@ class CommEngine:
             if self._failed is not None:
                 work._finish(exc=self._failed)
                 return work
-            self._queue.append((job, work))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name=f"sparsecomm-comm{self._name}",
-                                                daemon=True)
-                self._thread.start()
-            self._cond.notify_all()
+            self._enqueue(job, work, posted=False)
         return work
+
+    def post(self, post: Callable[[], Any], complete: Callable[[Any], Any]) -> CommWork | None:
+        """Post a call's messages now, on the calling thread, and queue its completion: ``post()`` (it
+        must only post non-blocking collectives, in the order the calls are made) and, on the
+        communication thread in submission order, ``complete(posted)``; ``post()`` returning None
+        posts nothing (the call is not postable after all). Done only while every queued
+        or running job is such a completion and none is being resolved (:meth:`resolving`): then the
+        call's messages follow every earlier call's on every worker, as with :meth:`submit`, and the
+        next call's messages are on their way while this one completes (no idle gap between them).
+        Returns None (post nothing) otherwise; the caller then submits the call (:meth:`submit`)."""
+        work = CommWork()
+        with self._cond:
+            if self._failed is not None or self._unposted or self._resolving:
+                return None
+            try:
+                posted = post()
+            except BaseException as exc:  # noqa: BLE001 - the stream is out of step: later calls fail too
+                self._failed = exc
+                work._finish(exc=exc)
+                return work
+            if posted is None:
+                return None
+            self._enqueue(lambda: complete(posted), work, posted=True)
+        return work
+
+    def resolving(self) -> int:
+        """Called by a posted call's completion before it runs messages of its own (a handshake): no
+        further call is posted until :meth:`resolved`. Returns how many posted calls are queued
+        after it: their messages are already out, so if the resolution raises, the caller must stop
+        the job (fail-stop), since workers that did not post them never will."""
+        with self._cond:
+            self._resolving = True
+            return sum(1 for _, _, posted in self._queue if posted)
+
+    def resolved(self) -> None:
+        with self._cond:
+            self._resolving = False
+
+    def _enqueue(self, job: Callable[[], Any], work: CommWork, posted: bool) -> None:
+        self._queue.append((job, work, posted))
+        if not posted:
+            self._unposted += 1
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name=f"sparsecomm-comm{self._name}",
+                                            daemon=True)
+            self._thread.start()
+        self._cond.notify_all()
 
     def idle(self) -> bool:
         """Nothing queued or running."""
@@ -264,7 +314,7 @@ class CommEngine:
                 if not self._cond.wait_for(lambda: bool(self._queue), self.idle_s):
                     self._thread = None
                     return
-                job, work = self._queue.popleft()
+                job, work, posted = self._queue.popleft()
                 self._busy = True
                 failed = self._failed
             value, exc = None, failed
@@ -277,6 +327,9 @@ class CommEngine:
             with self._cond:
                 if exc is not None and self._failed is None:
                     self._failed = exc
+                if not posted:
+                    self._unposted -= 1
+                self._resolving = False
                 self._busy = False
                 self._cond.notify_all()
             work._finish(value, exc)
