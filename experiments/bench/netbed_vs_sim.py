@@ -4,12 +4,21 @@
     python -m experiments.bench.netbed_vs_sim --workers 2 --sizes-mb 10 --gbps 0.1 --repeats 2
 
 For every (workers, size): on a netbed with links of ``--gbps``, the median over ``--repeats`` calls
-(after one warm-up, each after a barrier, slowest rank) of ``native`` (``torch.distributed.all_reduce``,
-gloo's ring for large CPU tensors) and of ``ring`` (this library's ring over the Fabric), in one launch,
-interleaved; then the SimFabric's modelled time of ``ring`` at the same bandwidth, with the netbed's
-TCP/Ethernet framing (:data:`sparsecomm.fabric.sim.TCP_OVER_ETHERNET`) and its measured one-way latency.
-Both measured transports are compared to that modelled time (the model of a bandwidth-optimal ring; gloo's
+(after one warm-up, each after a barrier) of ``native`` (``torch.distributed.all_reduce``, gloo's ring for
+large CPU tensors) and of ``ring`` (this library's ring over the Fabric), in one launch, interleaved; then
+the SimFabric's modelled time of ``ring`` at the same bandwidth, with the netbed's TCP/Ethernet framing
+(:data:`sparsecomm.fabric.sim.TCP_OVER_ETHERNET`) and the one-way latency of a small message measured over
+the same fabric in the same launch (:func:`sparsecomm.netbed.probe.fabric_latency_s`: the kernel's ~10 us
+plus gloo's rendezvous and the ranks' wake-ups, which on a shared 2-core host are most of it). Both
+measured transports are compared to that modelled time (the model of a bandwidth-optimal ring; gloo's
 native all-reduce moves the same bytes). ``ratio`` = modelled / measured.
+
+A call's measured time runs from the moment its *last* rank called it to the moment its last rank
+returned (one clock, ``time.monotonic``, for every namespace of the machine), as the model's does (every
+rank starts at modelled time 0): the barrier before a call releases the ranks one after another (worker 0
+sends the releases in turn), and no rank of an all-reduce can finish before the last one has started, so
+timing each rank from its own start would add that release skew, 1-6 ms on this loaded machine, to the
+all-reduce. The table shows the skew's median.
 """
 
 from __future__ import annotations
@@ -24,36 +33,46 @@ import torch
 import sparsecomm as sc
 import sparsecomm.transports  # noqa: F401  (registers the transports)
 from sparsecomm.fabric.sim import TCP_OVER_ETHERNET
+from sparsecomm.netbed.probe import fabric_latency_s
 
-#: one-way latency of a netbed path (host - top of rack - host), half the ~20 us round trip measured here
+#: one-way latency of a netbed path in the kernel (host - top of rack - host), half the ~20 us round trip
+#: measured here; the model uses the fabric's own latency measured in the same launch (module docstring)
 NETBED_LATENCY_US = 10.0
 
 
-def _measure(ctx, numel: int, repeats: int) -> dict[str, list[float]]:
+def _measure(ctx, numel: int, repeats: int) -> tuple[float, dict[str, list[tuple[float, float]]]]:
     f = ctx.fabric
+    latency = fabric_latency_s(f)
     cases = {"native": sc.transports.get("native", f, inplace=True),
              "ring": sc.transports.get("ring", f, inplace=True)}
     x = torch.ones(numel)
-    times: dict[str, list[float]] = {k: [] for k in cases}
+    times: dict[str, list[tuple[float, float]]] = {k: [] for k in cases}
     for rep in range(repeats + 1):
         for name, t in cases.items():
             x.fill_(1.0)
             f.barrier()
-            t0 = time.perf_counter()
+            t0 = time.monotonic()
             t.allreduce(x)
             if rep:
-                times[name].append(time.perf_counter() - t0)
+                times[name].append((t0, time.monotonic()))
             if not torch.equal(x, torch.full_like(x, float(ctx.world_size))):
                 raise AssertionError(f"{name}: wrong sum")
-    return times
+    return latency, times
 
 
 def measured(workers: int, size_mb: float, gbps: float, repeats: int = 3) -> dict[str, float]:
-    """Median (over calls) of the slowest rank's time of native and ring on a netbed."""
+    """On a netbed: per transport, the median over calls of the time from the last rank's start to the last
+    rank's end (and, as ``<name>_skew``, the median spread of the ranks' starts); ``latency_s``: the
+    fabric's one-way latency of a small message (:func:`~sparsecomm.netbed.probe.fabric_latency_s`)."""
     numel = int(size_mb * 1e6) // 4
     per_rank = sc.launch(functools.partial(_measure, numel=numel, repeats=repeats), workers, backend="netbed",
                          network=sc.Network(bandwidth_gbps=gbps), timeout_s=600)
-    return {k: statistics.median(max(r[k][i] for r in per_rank) for i in range(repeats)) for k in per_rank[0]}
+    out = {"latency_s": per_rank[0][0]}
+    for k in per_rank[0][1]:
+        calls = [[r[1][k][i] for r in per_rank] for i in range(repeats)]
+        out[k] = statistics.median(max(e for _, e in c) - max(s for s, _ in c) for c in calls)
+        out[k + "_skew"] = statistics.median(max(s for s, _ in c) - min(s for s, _ in c) for c in calls)
+    return out
 
 
 def _model(ctx, numel: int) -> float:
@@ -73,8 +92,9 @@ def modelled(workers: int, size_mb: float, gbps: float, *, framing: float = TCP_
 
 def compare(workers: int, size_mb: float, gbps: float, repeats: int = 3) -> dict[str, float]:
     real = measured(workers, size_mb, gbps, repeats)
-    sim = modelled(workers, size_mb, gbps)
-    return {"native_s": real["native"], "ring_s": real["ring"], "sim_s": sim,
+    sim = modelled(workers, size_mb, gbps, latency_us=real["latency_s"] * 1e6)
+    return {"native_s": real["native"], "ring_s": real["ring"], "sim_s": sim, "latency_s": real["latency_s"],
+            "skew_s": statistics.median([real["native_skew"], real["ring_skew"]]),
             "native_ratio": sim / real["native"], "ring_ratio": sim / real["ring"]}
 
 
@@ -85,15 +105,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gbps", type=float, default=1.0)
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args(argv)
-    print(f"# netbed links {a.gbps:g} Gbit/s; SimFabric: ring, latency {NETBED_LATENCY_US:g} us, payload "
-          f"fraction {TCP_OVER_ETHERNET:.4f}")
-    print("| workers | size MB | netbed native ms | netbed ring ms | SimFabric ms | sim/native | sim/ring |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    with open("/proc/loadavg") as fh:
+        load = " ".join(fh.read().split()[:3])
+    print(f"# netbed links {a.gbps:g} Gbit/s; SimFabric: ring at the fabric latency measured on the netbed, "
+          f"payload fraction {TCP_OVER_ETHERNET:.4f}; load average {load}")
+    print("| workers | size MB | fabric latency us | start skew ms | netbed native ms | netbed ring ms "
+          "| SimFabric ms | sim/native | sim/ring |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n in a.workers:
         for size in a.sizes_mb:
             c = compare(n, size, a.gbps, a.repeats)
-            print(f"| {n} | {size:g} | {c['native_s'] * 1e3:.1f} | {c['ring_s'] * 1e3:.1f} | {c['sim_s'] * 1e3:.1f} "
-                  f"| {c['native_ratio']:.2f} | {c['ring_ratio']:.2f} |", flush=True)
+            print(f"| {n} | {size:g} | {c['latency_s'] * 1e6:.0f} | {c['skew_s'] * 1e3:.1f} | {c['native_s'] * 1e3:.1f} "
+                  f"| {c['ring_s'] * 1e3:.1f} | {c['sim_s'] * 1e3:.1f} | {c['native_ratio']:.2f} "
+                  f"| {c['ring_ratio']:.2f} |", flush=True)
+    with open("/proc/loadavg") as fh:
+        print("# load average at the end", " ".join(fh.read().split()[:3]))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,13 @@ The network model (alpha-beta with NIC serialisation), per endpoint:
 - a full-duplex NIC of ``bandwidth`` payload bytes/s (the link rate times ``payload_fraction``: 1 for an
   ideal link, :data:`TCP_OVER_ETHERNET` for TCP over a 1500-byte MTU as on the netbed) and a latency;
 - the one-way latency of a path is the mean of its two ends' latencies (each end's link contributes
-  half), so every path is symmetric, and a path between two workers has the workers' ``latency_us``;
+  half), so every path is symmetric, and a path between two workers has the workers' ``latency_us``.
+  It is the alpha of the alpha-beta model: a message's fixed cost *as a transport sees it*, the wire's
+  and the hosts' (a rendezvous, the threads' wake-ups) alike. To model a real network, measure it at that
+  level: :func:`sparsecomm.netbed.probe.fabric_latency_s` times ring shifts of a small message over any
+  fabric (on this model it returns ``latency_us`` plus the serialisation). On the netbed it reads
+  0.3-0.8 ms on a loaded 2-core host against the kernel's ~10 us, and a ring all-reduce pays it in every
+  handshake round and once per pipeline (``experiments/bench/netbed_vs_sim.py`` models with it);
 - a send issued at the sender's clock ``t`` starts at ``start = max(t, tx_free)`` and occupies the
   sender's NIC until ``tx_end = start + bytes/bw_src``;
 - the message's head reaches the receiver at ``head = start + latency``. The receiver's NIC takes the

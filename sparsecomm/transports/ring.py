@@ -10,11 +10,19 @@ workstations", JPDC 2009); see :func:`theory.costs.ring_allreduce`. Before the d
 :mod:`handshake <sparsecomm.transports._handshake>` checks that every worker passes the same length,
 dtype, payload layout and segment size (``ceil(log2 n)`` small messages).
 
-Chunks longer than ``segment_bytes`` (default 4 MiB) travel as pipelined segments: each segment is added
-(or stored) as it arrives and forwarded at once, so additions overlap the transfers and the per-step
-latency is paid once per pipeline rather than per chunk. The two receive buffers (one chunk each) are
-kept by the transport object between calls, because page-faulting fresh buffers on every call of a
-100 MB all-reduce costs as much as a step.
+Chunks travel as pipelined segments (:func:`segment_length`): of ``segment_bytes`` if given; by default
+of at most :data:`DEFAULT_SEGMENT_BYTES` (4 MiB), and of at most half the chunk when that half is at least
+:data:`MIN_SEGMENT_BYTES` (1 MiB). Each segment is added (or stored) as it arrives and forwarded at once,
+so additions overlap the transfers and the per-step latency is paid once per pipeline rather than per
+chunk. A chunk in one piece is store-and-forward: every step then pays, on top of its transfer, what
+happens between the last byte in and the first byte out (the receiving thread's wake-up, the addition,
+gloo's rendezvous, the links' last burst). On the netbed (4 workers, 10 MB, 1 Gbit/s: 2.5 MB chunks, once
+one piece each) that was 0.5-2.3 ms in each of the six steps, and two segments per chunk took the ring
+from 151 to 143 ms (native 141; 162 -> 155 at a higher load; ``experiments/bench/ring_trace.py``, calls
+alternated in one launch; BENCHMARKS "SimFabric vs netbed"); on loopback paired runs showed no regression
+within their noise. The all-gather's receives are posted during the reduce-scatter, as soon as the
+regions they overwrite have been sent (:func:`ring_allreduce_`). The two receive buffers (one chunk each) are kept by the transport object between
+calls, because page-faulting fresh buffers on every call of a 100 MB all-reduce costs as much as a step.
 
 Written against :class:`~sparsecomm.fabric.base.Fabric` only (``isend``/``irecv``), so it runs on
 SimFabric and TorchFabric alike, on the tensors' device (CUDA tensors over nccl).
@@ -53,8 +61,10 @@ from ._handshake import check_agreement, dtype_code, fingerprint
 from .base import Transport
 
 RING_TAG = 0x5C10
-#: chunks longer than this travel as pipelined segments (the same on every worker: it is in the handshake)
+#: the longest segment by default (the segment is the same on every worker: it is in the handshake)
 DEFAULT_SEGMENT_BYTES = 4 << 20
+#: by default, a chunk of at least twice this travels in at least two segments (:func:`segment_length`)
+MIN_SEGMENT_BYTES = 1 << 20
 
 #: kind codes of the handshake (a plain tensor and a dense payload are the same operand)
 KIND_CODE = {k: i for i, k in enumerate(KINDS)}
@@ -132,6 +142,19 @@ def chunk_bounds(numel: int, n: int) -> list[int]:
     return [i * q + min(i, r) for i in range(n + 1)]
 
 
+def segment_length(chunk: int, segment: int | None, elem_size: int) -> int:
+    """Elements per segment for chunks of at most ``chunk`` elements: ``segment`` if given (at most the
+    chunk); by default (``None``) at most :data:`DEFAULT_SEGMENT_BYTES`, and at most half the chunk
+    (rounded up) when that half is at least :data:`MIN_SEGMENT_BYTES`, so that every step's forwarding
+    overlaps its own arrival instead of waiting for the whole chunk."""
+    if segment is None:
+        segment = max(1, DEFAULT_SEGMENT_BYTES // elem_size)
+        half = -(-chunk // 2)
+        if half * elem_size >= MIN_SEGMENT_BYTES:
+            segment = min(segment, half)
+    return max(1, min(int(segment), chunk))
+
+
 def _segments(lo: int, hi: int, seg: int) -> list[tuple[int, int]]:
     return [(a, min(a + seg, hi)) for a in range(lo, hi, seg)]
 
@@ -157,7 +180,8 @@ def ring_allreduce_(fabric: Fabric, acc: torch.Tensor, tag: int = RING_TAG,
     the handshake first). Chunks longer than ``segment`` elements travel as segments that are pipelined:
     a worker adds (reduce-scatter) or stores (all-gather) each segment as it arrives and forwards it at
     once, so additions and transfers of consecutive segments overlap; the next step's receives are
-    posted while the current one is processed (two receive buffers, kept in ``workspace`` if given).
+    posted while the current one is processed (two receive buffers, kept in ``workspace`` if given), and the
+    all-gather's receives during the reduce-scatter, each once the region it overwrites has been sent.
     Empty chunks are not sent.
     """
     n, r = fabric.world_size, fabric.rank
@@ -173,15 +197,35 @@ def ring_allreduce_(fabric: Fabric, acc: torch.Tensor, tag: int = RING_TAG,
     segs = [_segments(b[c], b[c + 1], seg) for c in range(n)]
     bufs = _workspace(workspace, b[1] - b[0], 2 if n > 2 else 1, acc)
 
+    rs_done = n == 2        # every reduce-scatter receive posted (the all-gather's may follow: same tag)
+
     def post_rs(step: int) -> list:
+        nonlocal rs_done
+        rs_done = rs_done or step == n - 2
         c = (r - step - 1) % n
         buf = bufs[step % len(bufs)]
         return [fabric.irecv(buf[lo - b[c]:hi - b[c]], left, tag) for lo, hi in segs[c]]
+
+    # all-gather step s receives chunk (r - s) into ``acc``, the chunk reduce-scatter step s sent: in
+    # order, region i once the reduce-scatter send i (``sends[i]``) is done with it. gloo sends only to a
+    # posted receive, so these are posted during the reduce-scatter, not after it (a receive posted late
+    # idles the left neighbour's link): after the m-th reduce-scatter segment has arrived, up to region m,
+    # whose send left about when that segment did (once every reduce-scatter receive is posted, so that
+    # messages on the tag still match receives in order)
+    ag = [(s, lo, hi) for s in range(n - 1) for lo, hi in segs[(r - s) % n]]
+    recvs: list = []
+
+    def post_ag(upto: int) -> None:
+        while len(recvs) < min(upto, len(ag)):
+            i = len(recvs)
+            sends[i].wait()
+            recvs.append(fabric.irecv(acc[ag[i][1]:ag[i][2]], left, tag))
 
     # reduce-scatter: step s adds chunk (r-s-1) from the left; each reduced segment goes on to the right
     # at once (it is the next step's outgoing data; after the last step, all-gather step 0's)
     posted = post_rs(0)     # receives first: their "posted" notices then leave before this rank's data
     sends = [fabric.isend(acc[lo:hi], right, tag) for lo, hi in segs[r]]
+    arrived = 0
     for s in range(n - 1):
         c = (r - s - 1) % n
         nxt = post_rs(s + 1) if s + 2 < n and len(bufs) == 2 else None
@@ -190,25 +234,15 @@ def ring_allreduce_(fabric: Fabric, acc: torch.Tensor, tag: int = RING_TAG,
             work.wait()
             acc[lo:hi].add_(buf[lo - b[c]:hi - b[c]])
             sends.append(fabric.isend(acc[lo:hi], right, tag))
+            arrived += 1
+            if rs_done:
+                post_ag(arrived)
         posted = nxt if nxt is not None else (post_rs(s + 1) if s + 2 < n else [])
-    # all-gather step s receives chunk (r - s), the chunk reduce-scatter step s sent: each segment's
-    # receive is posted as soon as that segment's send is done (gloo sends only to a posted receive, so
-    # a receive posted late idles the left neighbour's link)
-    final = len(segs[(r + 1) % n])
-    rs_sends, sends = sends[:len(sends) - final], sends[len(sends) - final:]
-    recvs, k = [], 0
-    for s in range(n - 1):
-        row = []
-        for lo, hi in segs[(r - s) % n]:
-            rs_sends[k].wait()
-            k += 1
-            row.append(fabric.irecv(acc[lo:hi], left, tag))
-        recvs.append(row)
-    for s in range(n - 1):
-        for (lo, hi), work in zip(segs[(r - s) % n], recvs[s]):
-            work.wait()
-            if s < n - 2:
-                sends.append(fabric.isend(acc[lo:hi], right, tag))
+    post_ag(len(ag))
+    for (s, lo, hi), work in zip(ag, recvs):
+        work.wait()
+        if s < n - 2:
+            sends.append(fabric.isend(acc[lo:hi], right, tag))
     for w in sends:
         w.wait()
     fabric.stats.rounds += 2 * (n - 1)
@@ -223,16 +257,17 @@ class Ring(Transport):
     carries = frozenset({"dense", "aligned", "quantized"})
     quantized_needs_shared_scale = True
 
-    def __init__(self, fabric: Fabric, *, tag: int = RING_TAG, segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+    def __init__(self, fabric: Fabric, *, tag: int = RING_TAG, segment_bytes: int | None = None,
                  inplace: bool = False, nonfinite: str = "raise") -> None:
         super().__init__(fabric)
         self.nonfinite = nonfinite_option(nonfinite, "ring")
         if not fabric.is_worker:
             raise InvalidValueError("transports run on workers, not on service endpoints")
-        if segment_bytes <= 0:
-            raise InvalidValueError(f"segment_bytes must be positive, got {segment_bytes}")
+        if segment_bytes is not None and segment_bytes <= 0:
+            raise InvalidValueError(f"segment_bytes must be positive (or None: the default rule of "
+                                    f"segment_length), got {segment_bytes}")
         self.tag = tag
-        self.segment_bytes = int(segment_bytes)
+        self.segment_bytes = None if segment_bytes is None else int(segment_bytes)
         self.inplace = inplace   # sum a plain tensor input into itself (scratch buckets) instead of a copy
         self._workspace: dict = {}
 
@@ -245,7 +280,9 @@ class Ring(Transport):
     def _run(self, x: torch.Tensor | Payload) -> torch.Tensor:
         what = "ring allreduce"
         op = linear_operand(x, self.fabric.world_size, self.name)
-        segment = max(1, self.segment_bytes // op.vector.element_size())
+        size = op.vector.element_size()
+        segment = segment_length(-(-op.vector.numel() // max(1, self.fabric.world_size)),
+                                 None if self.segment_bytes is None else max(1, self.segment_bytes // size), size)
         acc = guarded_sum(self.fabric, what, op, dict(segment_length=segment), self.nonfinite,
                           self.inplace and isinstance(x, torch.Tensor),
                           lambda a: ring_allreduce_(self.fabric, a, self.tag, segment, self._workspace))
