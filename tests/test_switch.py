@@ -395,6 +395,19 @@ class _Reference:
         return mc, uc
 
 
+def random_rows(rng, step: int, k: int, width: int, big: bool = True) -> np.ndarray:
+    """A random burst of ``k`` switch rows: distinct and repeated slots, duplicates, forged worker
+    counts, empty rows; values over the whole int32 range if ``big`` (wrap-around sums), else small."""
+    rows = np.zeros((k, width), dtype=np.int32)
+    rows[:, 0] = rng.choice([0, 1, 1, 1, 2], size=k)
+    rows[:, 1], rows[:, 2] = rng.integers(-1, 7, size=k), rng.integers(0, 3, size=k)
+    rows[:, 3], rows[:, 4], rows[:, 5] = rng.integers(0, 3, size=k), step, 1
+    rows[:, 6] = rng.choice([3, 3, 3, 32], size=k)
+    rows[:, 7] = rng.integers(-300, 300, size=k)
+    rows[:, HEADER:] = rng.integers(-2**31 if big else -1000, 2**31 - 1 if big else 1000, size=(k, width - HEADER))
+    return rows
+
+
 def test_compiled_program_equals_the_reference_packet_by_packet():
     """Random bursts -- distinct and repeated slots, duplicates, forged worker counts, wrap-around sums,
     exponents beyond int8 -- give the same replies, registers and counters as the plain-Python model."""
@@ -405,14 +418,7 @@ def test_compiled_program_equals_the_reference_packet_by_packet():
     width = HEADER + 64
     for step in range(300):
         k = int(rng.integers(1, 6))
-        rows = np.zeros((k, width), dtype=np.int32)
-        rows[:, 0] = rng.choice([0, 1, 1, 1, 2], size=k)
-        rows[:, 1], rows[:, 2] = rng.integers(-1, 7, size=k), rng.integers(0, 3, size=k)
-        rows[:, 3], rows[:, 4], rows[:, 5] = rng.integers(0, 3, size=k), step, 1
-        rows[:, 6] = rng.choice([3, 3, 3, 32], size=k)
-        rows[:, 7] = rng.integers(-300, 300, size=k)
-        big = step % 7 == 0
-        rows[:, HEADER:] = rng.integers(-2**31 if big else -1000, 2**31 - 1 if big else 1000, size=(k, 64))
+        rows = random_rows(rng, step, k, width, big=step % 7 == 0)
         got = dp.process(rows)
         want = ref.process(rows)
         for x, y in zip(got, want):

@@ -6,17 +6,7 @@ import numpy as np
 from sparsecomm.transports.switch_dataplane import HEADER, Dataplane, SwitchConfig, T_EMPTY
 from sparsecomm.transports.switch_service import _Buffers
 
-
-def _random_rows(rng, step: int, k: int, width: int) -> np.ndarray:
-    """Random bursts: distinct and repeated slots, duplicates, forged worker counts, empty rows."""
-    rows = np.zeros((k, width), dtype=np.int32)
-    rows[:, 0] = rng.choice([0, 1, 1, 1, 2], size=k)
-    rows[:, 1], rows[:, 2] = rng.integers(-1, 7, size=k), rng.integers(0, 3, size=k)
-    rows[:, 3], rows[:, 4], rows[:, 5] = rng.integers(0, 3, size=k), step, 1
-    rows[:, 6] = rng.choice([3, 3, 3, 32], size=k)
-    rows[:, 7] = rng.integers(-300, 300, size=k)
-    rows[:, HEADER:] = rng.integers(-2**31, 2**31 - 1, size=(k, 64))
-    return rows
+from .test_switch import random_rows
 
 
 def test_results_over_the_rows_they_answer_equal_separate_reply_buffers():
@@ -31,7 +21,7 @@ def test_results_over_the_rows_they_answer_equal_separate_reply_buffers():
     multicast = 0
     for step in range(400):
         k = int(rng.integers(1, 9))
-        rows = _random_rows(rng, step, k, width)
+        rows = random_rows(rng, step, k, width)
         mc, uc = np.empty_like(rows), np.empty_like(rows)
         nmc, nuc = ref.execute(rows.copy(), mc, uc)
         own = rows.copy()

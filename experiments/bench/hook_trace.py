@@ -38,34 +38,34 @@ def _ev(name: str, ident: int) -> None:
     _EV.append((name, ident, _now(), threading.current_thread().name))
 
 
+def _traced(hook):
+    """``hook`` with its call, its return and its future's completion recorded per bucket."""
+
+    def traced(state, bucket):
+        i = bucket.index()
+        _ev("call", i)
+        fut = hook(state, bucket)
+        _ev("ret", i)
+
+        def done(f):
+            _ev("fut", i)
+            return f.value()
+
+        return fut.then(done)
+
+    return traced
+
+
 def _stock_hook(state, bucket):
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    i = bucket.index()
-    _ev("call", i)
-    fut = allreduce_hook(state, bucket)
-    _ev("ret", i)
-
-    def done(f):
-        _ev("fut", i)
-        return f.value()
-
-    return fut.then(done)
+    return _traced(allreduce_hook)(state, bucket)
 
 
 def _our_hook(state, bucket):
     from sparsecomm.ddp import comm_hook
 
-    i = bucket.index()
-    _ev("call", i)
-    fut = comm_hook(state, bucket)
-    _ev("ret", i)
-
-    def done(f):
-        _ev("fut", i)
-        return f.value()
-
-    return fut.then(done)
+    return _traced(comm_hook)(state, bucket)
 
 
 def _worker(ctx, a) -> dict:
