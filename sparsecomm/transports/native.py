@@ -70,12 +70,23 @@ WHAT = "native allreduce"
 GATHER_SUM_BYTES = 64 << 10
 
 
-def _all_gather(out: torch.Tensor, inp: torch.Tensor, group=None) -> None:
-    """Every rank's ``inp`` into ``out`` (flat, ``world_size * numel``), torch's current name for it."""
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
+    """Every rank's ``inp`` into ``out`` (flat, ``world_size * numel``), torch's current name for it
+    (with ``async_op``: the pending work)."""
     import torch.distributed as dist
 
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, inp, group=group)
+    return fn(out, inp, group=group, async_op=async_op)
+
+
+def _sum_rows(acc: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
+    """``acc`` = the sum of the ``n`` gathered copies in ``rows``, in rank order (the same bits on
+    every worker)."""
+    r = rows.view(n, -1)
+    acc.copy_(r[0])
+    for j in range(1, n):
+        acc.add_(r[j])
+    return acc
 
 
 @registry.register("native")
@@ -234,15 +245,11 @@ class Native(Transport):
             raise IncompatibleError(f"native gather carries row-sparse payloads, not {p.kind!r} ones")
         return gather(self, p)
 
-    def _collective(self, call) -> None:
+    def _collective(self, call, name: str = "all_gather") -> None:
         try:
             call()
         except RuntimeError as exc:
-            msg = str(exc).strip().splitlines()[-1] if str(exc).strip() else repr(exc)
-            if "Timed out" in msg or "timed out" in msg:
-                raise FabricTimeout(f"worker {self.fabric.rank}: torch.distributed timed out: {msg}") from exc
-            raise PeerFailure(f"worker {self.fabric.rank}: torch.distributed failed, probably because "
-                              f"another rank died: {msg}") from exc
+            raise _translated(self.fabric, name, exc) from exc
 
     def _reduce(self, acc: torch.Tensor) -> torch.Tensor:
         return _join(self.fabric, acc)
@@ -262,8 +269,7 @@ def _post_join(t: "Native", acc: torch.Tensor):
     try:
         if small:
             rows = torch.empty(n * acc.numel(), dtype=acc.dtype, device=acc.device)
-            fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-            handle = fn(rows, acc, group=f.native_group, async_op=True)
+            handle = _all_gather(rows, acc, group=f.native_group, async_op=True)
         else:
             handle = dist.all_reduce(acc, group=f.native_group, async_op=True)
     except RuntimeError as exc:
@@ -275,10 +281,7 @@ def _post_join(t: "Native", acc: torch.Tensor):
         except RuntimeError as exc:
             raise _translated(f, name, exc) from exc
         if small:
-            r = rows.view(n, -1)
-            acc.copy_(r[0])
-            for j in range(1, n):
-                acc.add_(r[j])
+            _sum_rows(acc, rows, n)
         _book_join(f, n, nbytes, small)
         return acc
 
@@ -286,6 +289,8 @@ def _post_join(t: "Native", acc: torch.Tensor):
 
 
 def _translated(f: Fabric, name: str, exc: RuntimeError) -> BaseException:
+    """The library's error for torch.distributed's ``name`` having raised ``exc``: the job's recorded
+    failure if there is one (a rank stopped the job), else a timeout or a peer failure."""
     failed = getattr(f, "_failure", None)
     if failed is not None:
         return f._failure_error()
@@ -324,18 +329,10 @@ def _join(f: Fabric, acc: torch.Tensor) -> torch.Tensor:
         if small:
             rows = torch.empty(n * acc.numel(), dtype=acc.dtype, device=acc.device)
             _all_gather(rows, acc, group=f.native_group)
-            rows = rows.view(n, -1)
-            acc.copy_(rows[0])
-            for j in range(1, n):
-                acc.add_(rows[j])
+            _sum_rows(acc, rows, n)
         else:
             dist.all_reduce(acc, group=f.native_group)
     except RuntimeError as exc:
-        msg = str(exc).strip().splitlines()[-1] if str(exc).strip() else repr(exc)
-        if "Timed out" in msg or "timed out" in msg:
-            raise FabricTimeout(f"worker {f.rank}: torch.distributed {'all_gather' if small else 'all_reduce'} "
-                                f"timed out: {msg}") from exc
-        raise PeerFailure(f"worker {f.rank}: torch.distributed {'all_gather' if small else 'all_reduce'} "
-                          f"failed, probably because another rank died: {msg}") from exc
+        raise _translated(f, "all_gather" if small else "all_reduce", exc) from exc
     _book_join(f, n, nbytes, small)
     return acc
