@@ -28,7 +28,6 @@ import math
 from typing import NamedTuple
 
 from sparsecomm.errors import InvalidValueError
-from sparsecomm.transports.ring import DEFAULT_SEGMENT_BYTES, segment_length
 
 
 class Cost(NamedTuple):
@@ -79,7 +78,8 @@ def handshake(n: int, fields: int, *, bandwidth_gbps: float = 100.0, latency_us:
 
 
 # ----------------------------------------------------------------------------- ring
-RING_SEGMENT_BYTES = DEFAULT_SEGMENT_BYTES    # the ring transport's longest default segment
+RING_SEGMENT_BYTES = 4 << 20        # the ring transport's longest default segment (sparsecomm/transports/ring.py)
+RING_MIN_SEGMENT_BYTES = 1 << 20    # by default a chunk of twice this or more travels in >= 2 segments (same)
 
 
 def ring_allreduce(n: int, nbytes: int, *, elem_size: int = 4, bandwidth_gbps: float = 100.0,
@@ -94,8 +94,8 @@ def ring_allreduce(n: int, nbytes: int, *, elem_size: int = 4, bandwidth_gbps: f
         T = handshake + 2 (n-1) (alpha + c / B)
 
     Chunks travel as pipelined segments of ``s = min(segment_bytes, c)`` bytes; by default (``None``)
-    the transport's own rule, :func:`sparsecomm.transports.ring.segment_length` (at most
-    :data:`RING_SEGMENT_BYTES`, and half the chunk when that half is at least 1 MiB) (a segment is forwarded as
+    ``segment_bytes`` is :data:`RING_SEGMENT_BYTES`, or half the chunk (rounded up to an element) when that
+    half is at least :data:`RING_MIN_SEGMENT_BYTES` and shorter (a segment is forwarded as
     soon as it has arrived and been added), so the time is the larger of the first segment's trip
     through the ``2 (n-1)`` hops, followed by the rest of its chunk, and the ``2 (n-1) c`` bytes that
     every NIC must send after one latency::
@@ -112,8 +112,12 @@ def ring_allreduce(n: int, nbytes: int, *, elem_size: int = 4, bandwidth_gbps: f
     B, alpha = link(bandwidth_gbps, latency_us)
     numel = nbytes // elem_size
     chunk = math.ceil(numel / n) * elem_size
-    seg_elems = None if segment_bytes is None else segment_bytes // elem_size
-    seg = elem_size * segment_length(chunk // elem_size, seg_elems, elem_size)
+    if segment_bytes is None:
+        segment_bytes = RING_SEGMENT_BYTES
+        half = math.ceil(chunk / elem_size / 2) * elem_size
+        if half >= RING_MIN_SEGMENT_BYTES:
+            segment_bytes = min(segment_bytes, half)
+    seg = min(max(elem_size, (segment_bytes // elem_size) * elem_size), chunk)
     steps = 2 * (n - 1)
     moved = 2 * (n - 1) * nbytes / n
     if chunk:
