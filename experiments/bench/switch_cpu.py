@@ -68,7 +68,8 @@ def _snapshot(pids: list[int], threads: bool) -> dict:
     return snap
 
 
-def worker(ctx, numel: int, calls: int, warmup: int, threads: bool, perf: str | None = None):
+def worker(ctx, numel: int, calls: int, warmup: int, threads: bool, perf: str | None = None,
+           perf_args: tuple[str, ...] = ()):
     f = ctx.fabric
     t = sc.transports.get("switch", f, **KWARGS)
     x = torch.randn(numel, generator=torch.Generator().manual_seed(ctx.rank))
@@ -81,7 +82,11 @@ def worker(ctx, numel: int, calls: int, warmup: int, threads: bool, perf: str | 
     if perf and ctx.rank == 0:      # sample every process of the job during the timed calls
         import subprocess
 
-        rec = subprocess.Popen(["perf", "record", "-F", "1999", "-o", perf, "-p", ",".join(map(str, pids))],
+        cmd = (["perf", "stat", "--per-thread", "-x", ",", "-o", perf, *perf_args] if perf_args[:1] == ("stat",)
+               else ["perf", "record", "-F", "1999", *perf_args, "-o", perf])
+        if cmd[1] == "stat":
+            del cmd[cmd.index("stat", 2)]
+        rec = subprocess.Popen([*cmd, "-p", ",".join(map(str, pids))],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(1.0)
     f.barrier()
@@ -118,10 +123,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", action="store_true", help="also each thread's CPU (busiest first)")
     ap.add_argument("--perf", default=None, metavar="FILE",
                     help="also `perf record` every process of the job during the timed calls into FILE")
+    ap.add_argument("--perf-args", default="", metavar="ARGS",
+                    help="extra arguments for `perf record`, e.g. '-g' (call graphs); 'stat -e EVENTS' runs "
+                         "`perf stat --per-thread -e EVENTS` instead (e.g. syscall counts per thread into FILE)")
     a = ap.parse_args(argv)
     numel = int(a.size_mb * 1e6) // 4
     res = sc.launch(functools.partial(worker, numel=numel, calls=a.calls, warmup=a.warmup, threads=a.threads,
-                                      perf=a.perf),
+                                      perf=a.perf, perf_args=tuple(a.perf_args.split())),
                     a.workers, backend="gloo", services=(SERVICE,), timeout_s=600.0)
     r0 = res[0]
     pid_rank = {r["pid"]: f"worker {r['rank']}" for r in res}
