@@ -132,9 +132,11 @@ class _Buffers:
 
 
 class _Egress:
-    """One output port: a thread sends the queued replies in order (a gloo send returns only once the
-    socket took the message, about its transmission time on a slow link, so each port sends on its own
-    thread and the ports transmit in parallel); past ``cap`` queued replies the port drops."""
+    """One output port. The port threads post its replies' sends themselves (``isend``: gloo writes a
+    message at once when the worker's receive is posted, else its event loop writes it when the notice
+    comes; no thread hand-off before the bytes leave); this thread only waits for the sends in order and
+    returns their buffers to the pool. Past ``cap`` unfinished sends the port drops, as a full egress queue
+    does."""
 
     def __init__(self, fabric: Fabric, dst: int, cap: int, failures: list, replies: _Buffers) -> None:
         self.fabric, self.dst, self.cap, self.failures, self.replies = fabric, dst, cap, failures, replies
@@ -148,7 +150,7 @@ class _Egress:
             self.dropped += 1
             self.replies.release(key)
             return
-        self.q.put((msg, key))
+        self.q.put((self.fabric.isend(msg, self.dst, TAG_DOWN, reliable=False), key))
 
     def _run(self) -> None:
         while True:
@@ -156,7 +158,7 @@ class _Egress:
             if item is None:
                 return
             try:
-                self.fabric.send(item[0], self.dst, TAG_DOWN, reliable=False)
+                item[0].wait()
             except BaseException as exc:  # noqa: BLE001 - handed to the service's main thread
                 self.failures.append(exc)
                 return
