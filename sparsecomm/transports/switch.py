@@ -90,17 +90,17 @@ class _WorkerState:
     shift: int = 0
     job: int = 0
     _inbox: Inbox | None = None    # real fabrics: receives from the switch posted ahead, kept across jobs
-    _uplink: Uplink | None = None  # real fabrics: the sending thread and its buffers, kept across jobs
+    _uplink: Uplink | None = None  # real fabrics: the send buffers and unfinished sends, kept across jobs
 
     def inbox(self, fabric: Fabric, switch: int, burst: int, width: int) -> Inbox:
         if self._inbox is None:
             self._inbox = Inbox(fabric, switch, burst, width)
         return self._inbox
 
-    def uplink(self, fabric: Fabric, switch: int, burst: int, width: int, depth: int) -> Uplink:
+    def uplink(self, fabric: Fabric, switch: int, burst: int, width: int, keep: int) -> Uplink:
         if self._uplink is None or self._uplink.error is not None:
-            self._uplink = Uplink(fabric, switch, burst, width, depth)
-        self._uplink.ensure(depth)
+            self._uplink = Uplink(fabric, switch, burst, width, keep)
+        self._uplink.ensure(keep)
         return self._uplink
 
 
