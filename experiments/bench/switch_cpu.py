@@ -69,9 +69,9 @@ def _snapshot(pids: list[int], threads: bool) -> dict:
 
 
 def worker(ctx, numel: int, calls: int, warmup: int, threads: bool, perf: str | None = None,
-           perf_args: tuple[str, ...] = ()):
+           perf_args: tuple[str, ...] = (), kwargs: dict | None = None):
     f = ctx.fabric
-    t = sc.transports.get("switch", f, **KWARGS)
+    t = sc.transports.get("switch", f, **(kwargs or KWARGS))
     x = torch.randn(numel, generator=torch.Generator().manual_seed(ctx.rank))
     for _ in range(warmup):
         x.normal_(generator=torch.Generator().manual_seed(ctx.rank))
@@ -126,16 +126,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--perf-args", default="", metavar="ARGS",
                     help="extra arguments for `perf record`, e.g. '-g' (call graphs); 'stat -e EVENTS' runs "
                          "`perf stat --per-thread -e EVENTS` instead (e.g. syscall counts per thread into FILE)")
+    ap.add_argument("--burst", type=int, default=KWARGS["burst"], help="packets per message (the switch rank's)")
+    ap.add_argument("--pool", type=int, default=KWARGS["pool_size"], help="the transport's pool_size")
     a = ap.parse_args(argv)
+    kwargs = dict(KWARGS, burst=a.burst, pool_size=a.pool)
+    service = f"switch:elems={KWARGS['slot_elems']},burst={a.burst}"
     numel = int(a.size_mb * 1e6) // 4
     res = sc.launch(functools.partial(worker, numel=numel, calls=a.calls, warmup=a.warmup, threads=a.threads,
-                                      perf=a.perf, perf_args=tuple(a.perf_args.split())),
-                    a.workers, backend="gloo", services=(SERVICE,), timeout_s=600.0)
+                                      perf=a.perf, perf_args=tuple(a.perf_args.split()), kwargs=kwargs),
+                    a.workers, backend="gloo", services=(service,), timeout_s=600.0)
     r0 = res[0]
     pid_rank = {r["pid"]: f"worker {r['rank']}" for r in res}
     procs = {p: (c, k) for p, tid, _n, c, k in r0["rows"] if tid is None}
     total = kernel = 0.0
-    print(f"# n = {a.workers}, {a.size_mb:g} MB, {a.calls} calls, wall {r0['wall'] * 1e3:.1f} ms per call "
+    print(f"# n = {a.workers}, {a.size_mb:g} MB, pool {a.pool}, burst {a.burst}, {a.calls} calls, wall {r0['wall'] * 1e3:.1f} ms per call "
           f"(barrier to barrier), load average {os.getloadavg()[0]:.1f}")
     for p, (c, k) in sorted(procs.items()):
         who = pid_rank.get(p, "switch" if c > 0.005 else f"pid {p}")

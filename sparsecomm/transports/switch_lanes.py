@@ -32,7 +32,8 @@ from .switch_dataplane import (EXP_MIN, F_TYPE, HEADER, T_DATA, T_EMPTY, T_RESUL
                                TAG_UP)
 
 #: receives a worker keeps posted from the switch (real fabrics)
-INBOX_DEPTH = 8
+#: (two: one filling while the last is decoded; more cost CPU on gloo, see ``switch_service.PORT_DEPTH``)
+INBOX_DEPTH = 2
 
 
 class Uplink:

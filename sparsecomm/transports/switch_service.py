@@ -48,8 +48,11 @@ from ..fabric.base import Fabric
 from .switch_dataplane import (F_TYPE, HEADER, RECV_SLACK, T_EMPTY, TAG_DOWN, TAG_UP, Dataplane, SwitchConfig,
                                split_messages)
 
-#: receives each port keeps posted from its worker (real fabrics)
-PORT_DEPTH = 8
+#: receives each port keeps posted from its worker (real fabrics): two, one filling while the last is
+#: processed. More cost CPU on gloo: each posted receive sends the worker a notice, and a notice that
+#: arrives while a worker's thread writes a message to the same pair makes gloo's event loop spin on the
+#: pair's lock until the write ends (BENCHMARKS.md, "Session 7 (switch7)")
+PORT_DEPTH = 2
 #: replies a port may have queued before it drops, beyond the most a worker can await (real fabrics)
 EGRESS_CAP = 64
 
