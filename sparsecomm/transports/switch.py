@@ -50,7 +50,7 @@ switch program's constants (``slot_elems``, ``burst``, ``switch_slots``) default
 
 On SimFabric one packet is one datagram; on real fabrics ``burst`` packets share one fabric message
 (each keeps its own slot semantics), the switch serves its ports in parallel and the workers keep
-receives posted and send from a thread of their own (:mod:`.switch_service`, :mod:`.switch_lanes`): a
+receives posted and post their sends without a thread hand-off (:mod:`.switch_service`, :mod:`.switch_lanes`): a
 software switch that adds at the rate its ports deliver, as far as the host's CPU allows.
 """
 

@@ -8,13 +8,14 @@ thread per port, as a multi-queue NIC gives each port its own RX ring. Each port
 receives posted from its worker (gloo moves a message only once the receiver has posted for it, so a
 receive posted ahead lets the worker's next burst flow at once, with no round trip), runs the program on
 each burst as it arrives (one compiled call, under the lock of the shared registers; the rest of the
-loop runs while another port holds it) and queues the replies on the egress ports. Each egress port is a
-thread sending its queue in order: a gloo send returns only once the socket took the message (about its
-transmission time on a slow link), so a multicast sent from the receive thread would serialise the n
-copies; on their own threads the ports transmit in parallel. A port with a full queue drops further replies, as a full egress queue does (SwitchML's retransmission recovers a dropped result when
-a timer is set; only a worker that stops receiving can fill it: the queue holds every result a worker
-can be waiting for, one per slot and set, plus ``EGRESS_CAP``). Ports never wait for each other: a
-worker that sends more or fewer messages than the others (retransmissions, forged packets) cannot hold
+loop runs while another port holds it) and posts the replies' sends itself (``isend``, one per egress
+port: gloo writes a message at once when the worker's receive is posted, else its event loop writes it
+when the notice comes; the poster never waits for it, so the n copies of a multicast leave in parallel).
+Each egress port is a thread that only waits for its sends in order and returns their buffers. A port
+with ``cap`` unfinished sends drops further replies, as a full egress queue does (SwitchML's
+retransmission recovers a dropped result when a timer is set; only a worker that stops receiving can
+fill it: the queue holds every result a worker can be waiting for, one per slot and set, plus
+``EGRESS_CAP``). Ports never wait for each other: a worker that sends more or fewer messages than the others (retransmissions, forged packets) cannot hold
 the other ports back, which a single loop taking the ports in turn would.
 
 A message longer than the switch's receive is beyond reach: gloo aborts the receiving process on it, and
