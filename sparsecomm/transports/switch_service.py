@@ -15,8 +15,9 @@ Each egress port is a thread that only waits for its sends in order and returns 
 with ``cap`` unfinished sends drops further replies, as a full egress queue does (SwitchML's
 retransmission recovers a dropped result when a timer is set; only a worker that stops receiving can
 fill it: the queue holds every result a worker can be waiting for, one per slot and set, plus
-``EGRESS_CAP``). Ports never wait for each other: a worker that sends more or fewer messages than the others (retransmissions, forged packets) cannot hold
-the other ports back, which a single loop taking the ports in turn would.
+``EGRESS_CAP``). Ports never wait for each other: a worker that sends more or fewer messages than the
+others (retransmissions, forged packets) cannot hold the other ports back, which a single loop taking the
+ports in turn would.
 
 A message longer than the switch's receive is beyond reach: gloo aborts the receiving process on it, and
 torch.distributed offers no receive of unknown size. So every switch receive holds ``RECV_SLACK`` bursts,
