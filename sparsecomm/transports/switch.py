@@ -50,7 +50,7 @@ switch program's constants (``slot_elems``, ``burst``, ``switch_slots``) default
 
 On SimFabric one packet is one datagram; on real fabrics ``burst`` packets share one fabric message
 (each keeps its own slot semantics), the switch serves its ports in parallel and the workers keep
-receives posted and post their sends without a thread hand-off (:mod:`.switch_service`, :mod:`.switch_lanes`): a
+receives posted and send from a thread of their own (:mod:`.switch_service`, :mod:`.switch_lanes`): a
 software switch that adds at the rate its ports deliver, as far as the host's CPU allows.
 """
 
@@ -90,17 +90,17 @@ class _WorkerState:
     shift: int = 0
     job: int = 0
     _inbox: Inbox | None = None    # real fabrics: receives from the switch posted ahead, kept across jobs
-    _uplink: Uplink | None = None  # real fabrics: the send buffers and unfinished sends, kept across jobs
+    _uplink: Uplink | None = None  # real fabrics: the sending thread and its buffers, kept across jobs
 
     def inbox(self, fabric: Fabric, switch: int, burst: int, width: int) -> Inbox:
         if self._inbox is None:
             self._inbox = Inbox(fabric, switch, burst, width)
         return self._inbox
 
-    def uplink(self, fabric: Fabric, switch: int, burst: int, width: int, keep: int) -> Uplink:
+    def uplink(self, fabric: Fabric, switch: int, burst: int, width: int, depth: int) -> Uplink:
         if self._uplink is None or self._uplink.error is not None:
-            self._uplink = Uplink(fabric, switch, burst, width, keep)
-        self._uplink.ensure(keep)
+            self._uplink = Uplink(fabric, switch, burst, width, depth)
+        self._uplink.ensure(depth)
         return self._uplink
 
 

@@ -13,15 +13,16 @@ How results are received is the only difference between fabrics:
 - SimFabric (one datagram per packet, modelled loss): one blocking receive at a time, with the timer.
 - Real fabrics: an :class:`Inbox` of ``INBOX_DEPTH`` receives posted ahead from the switch, kept across
   jobs (gloo moves a message only once its receive is posted; with receives waiting, the switch's
-  results flow as soon as they are sent), and an :class:`Uplink` of send buffers whose sends the loop
-  posts itself (``isend``; no thread hand-off), at most one lane window of bursts unfinished.
+  results flow as soon as they are sent), and an :class:`Uplink` thread posting the sends, at most
+  ``SEND_AHEAD`` lane windows of bursts queued.
 """
 
 from __future__ import annotations
 
 import math
+import queue
+import threading
 import time
-from collections import deque
 
 import numpy as np
 import torch
@@ -32,63 +33,66 @@ from .switch_dataplane import (EXP_MIN, F_TYPE, HEADER, T_DATA, T_EMPTY, T_RESUL
                                TAG_UP)
 
 #: receives a worker keeps posted from the switch (real fabrics)
-#: (two: one filling while the last is decoded; more cost CPU on gloo, see ``switch_service.PORT_DEPTH``)
-INBOX_DEPTH = 2
+INBOX_DEPTH = 8
+#: a worker waits for its oldest send once more than this many bursts per lane window are unfinished
+SEND_AHEAD = 4
 
 
 class Uplink:
-    """The worker's sends to the switch on real fabrics, posted from the worker's loop (``isend``: gloo
-    writes a message at once when the switch's receive is posted, else its event loop writes it when the
-    notice comes, so the link never waits for the loop). Messages are built in reusable buffers kept
-    across jobs (:meth:`ensure` grows them for a job with more lanes; fresh buffers every job cost page
-    faults). :meth:`buffer` takes a free one, last-freed first (the few in use stay in the cache), after
-    waiting for the oldest send once more than ``keep`` are unfinished (the send-ahead bound; a send the
-    switch has not taken yet waits for the switch, which never waits for a worker); :meth:`drain` waits
-    for every send. A send's error is re-raised by the next call."""
+    """The worker's sends to the switch on real fabrics, posted by a thread of their own: a gloo send
+    returns only once the socket took the message (about its transmission time on a slow link), so
+    posting from the loop would leave the link idle while the worker encodes and decodes. Messages are
+    built in a ring of reusable buffers (:meth:`buffer` waits for a free one: the send-ahead bound),
+    kept with the thread across jobs (:meth:`ensure` grows the ring for a job with more lanes; fresh
+    buffers every job cost page faults); :meth:`drain` waits for every send and re-raises a send's error.
+    Free buffers are taken last-freed first: the few that a lane window keeps busy stay in the cache
+    (taken in turn, a ring of 16 bursts of 1 MB would pass half a 32 MB cache per window)."""
 
-    def __init__(self, fabric, switch: int, burst: int, width: int, keep: int) -> None:
+    def __init__(self, fabric, switch: int, burst: int, width: int, depth: int) -> None:
         self.fabric, self.switch, self.burst, self.width = fabric, switch, burst, width
         self.bufs: list[torch.Tensor] = []
-        self.free: list[int] = []
-        self.sent: deque = deque()          # (buffer index, work), oldest first
-        self.keep = 1
+        self.free: queue.LifoQueue = queue.LifoQueue()
+        self.ensure(depth)
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.error: BaseException | None = None
-        self.ensure(keep)
+        self.thread = threading.Thread(target=self._run, name="switch-uplink", daemon=True)
+        self.thread.start()
 
-    def ensure(self, keep: int) -> None:
-        """At most ``keep`` sends unfinished, and the buffers for it (call between jobs only)."""
-        self.keep = max(1, keep)
-        while len(self.bufs) < self.keep + 1:
-            self.free.append(len(self.bufs))
+    def ensure(self, depth: int) -> None:
+        """At least ``max(2, depth)`` buffers (call between jobs only)."""
+        while len(self.bufs) < max(2, depth):
+            self.free.put(len(self.bufs))
             self.bufs.append(torch.empty((self.burst, self.width), dtype=torch.int32))
 
-    def _reap(self) -> None:
-        i, work = self.sent.popleft()
-        try:
-            work.wait()
-        except BaseException as exc:  # noqa: BLE001 - re-raised by this and every later call
-            self.error = exc
-            raise
-        self.free.append(i)
+    def _run(self) -> None:
+        while True:
+            i = self.q.get()
+            if i is None:
+                return
+            try:
+                if self.error is None:
+                    self.fabric.send(self.bufs[i], self.switch, TAG_UP, reliable=False)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by the worker's loop
+                self.error = exc
+            self.free.put(i)
 
     def buffer(self) -> tuple[int, np.ndarray]:
         """A free message buffer (its index and rows)."""
         if self.error is not None:
             raise self.error
-        while len(self.sent) >= self.keep or not self.free:
-            self._reap()
-        i = self.free.pop()
+        i = self.free.get()
         return i, self.bufs[i].numpy()
 
     def put(self, i: int) -> None:
-        self.sent.append((i, self.fabric.isend(self.bufs[i], self.switch, TAG_UP, reliable=False)))
+        self.q.put(i)
 
     def drain(self) -> None:
-        """Wait until every send is done; re-raise a send's error."""
+        """Wait until every buffer is free again (every send done); re-raise a send's error."""
+        idle = [self.free.get() for _ in self.bufs]
+        for i in idle:
+            self.free.put(i)
         if self.error is not None:
             raise self.error
-        while self.sent:
-            self._reap()
 
 
 class Inbox:
@@ -142,7 +146,7 @@ def run_lanes(t, lane_slots: np.ndarray, P: int, pkt_base: int, payload, consume
     timeout, threshold, expiries = t.timeout, t.timeout_threshold, 0
     info = {"packets": 0, "retransmissions": 0, "results": 0, "ignored": 0}
     inbox = None if t.sim else st.inbox(fab, sw, K, width)
-    uplink = None if t.sim else st.uplink(fab, sw, K, width, -(-L // K))   # one lane window unfinished
+    uplink = None if t.sim else st.uplink(fab, sw, K, width, SEND_AHEAD * max(1, -(-L // K)))
 
     def send(lanes: np.ndarray, fresh: bool) -> None:
         for i in range(0, len(lanes), K):            # one message of K rows per K lanes

@@ -8,16 +8,14 @@ thread per port, as a multi-queue NIC gives each port its own RX ring. Each port
 receives posted from its worker (gloo moves a message only once the receiver has posted for it, so a
 receive posted ahead lets the worker's next burst flow at once, with no round trip), runs the program on
 each burst as it arrives (one compiled call, under the lock of the shared registers; the rest of the
-loop runs while another port holds it) and posts the replies' sends itself (``isend``, one per egress
-port: gloo writes a message at once when the worker's receive is posted, else its event loop writes it
-when the notice comes; the poster never waits for it, so the n copies of a multicast leave in parallel).
-Each egress port is a thread that only waits for its sends in order and returns their buffers. A port
-with ``cap`` unfinished sends drops further replies, as a full egress queue does (SwitchML's
-retransmission recovers a dropped result when a timer is set; only a worker that stops receiving can
-fill it: the queue holds every result a worker can be waiting for, one per slot and set, plus
-``EGRESS_CAP``). Ports never wait for each other: a worker that sends more or fewer messages than the
-others (retransmissions, forged packets) cannot hold the other ports back, which a single loop taking the
-ports in turn would.
+loop runs while another port holds it) and queues the replies on the egress ports. Each egress port is a
+thread sending its queue in order: a gloo send returns only once the socket took the message (about its
+transmission time on a slow link), so a multicast sent from the receive thread would serialise the n
+copies; on their own threads the ports transmit in parallel. A port with a full queue drops further replies, as a full egress queue does (SwitchML's retransmission recovers a dropped result when
+a timer is set; only a worker that stops receiving can fill it: the queue holds every result a worker
+can be waiting for, one per slot and set, plus ``EGRESS_CAP``). Ports never wait for each other: a
+worker that sends more or fewer messages than the others (retransmissions, forged packets) cannot hold
+the other ports back, which a single loop taking the ports in turn would.
 
 A message longer than the switch's receive is beyond reach: gloo aborts the receiving process on it, and
 torch.distributed offers no receive of unknown size. So every switch receive holds ``RECV_SLACK`` bursts,
@@ -50,11 +48,8 @@ from ..fabric.base import Fabric
 from .switch_dataplane import (F_TYPE, HEADER, RECV_SLACK, T_EMPTY, TAG_DOWN, TAG_UP, Dataplane, SwitchConfig,
                                split_messages)
 
-#: receives each port keeps posted from its worker (real fabrics): two, one filling while the last is
-#: processed. More cost CPU on gloo: each posted receive sends the worker a notice, and a notice that
-#: arrives while a worker's thread writes a message to the same pair makes gloo's event loop spin on the
-#: pair's lock until the write ends (BENCHMARKS.md, "Session 7 (switch7)")
-PORT_DEPTH = 2
+#: receives each port keeps posted from its worker (real fabrics)
+PORT_DEPTH = 8
 #: replies a port may have queued before it drops, beyond the most a worker can await (real fabrics)
 EGRESS_CAP = 64
 
@@ -137,11 +132,9 @@ class _Buffers:
 
 
 class _Egress:
-    """One output port. The port threads post its replies' sends themselves (``isend``: gloo writes a
-    message at once when the worker's receive is posted, else its event loop writes it when the notice
-    comes; no thread hand-off before the bytes leave); this thread only waits for the sends in order and
-    returns their buffers to the pool. Past ``cap`` unfinished sends the port drops, as a full egress queue
-    does."""
+    """One output port: a thread sends the queued replies in order (a gloo send returns only once the
+    socket took the message, about its transmission time on a slow link, so each port sends on its own
+    thread and the ports transmit in parallel); past ``cap`` queued replies the port drops."""
 
     def __init__(self, fabric: Fabric, dst: int, cap: int, failures: list, replies: _Buffers) -> None:
         self.fabric, self.dst, self.cap, self.failures, self.replies = fabric, dst, cap, failures, replies
@@ -155,7 +148,7 @@ class _Egress:
             self.dropped += 1
             self.replies.release(key)
             return
-        self.q.put((self.fabric.isend(msg, self.dst, TAG_DOWN, reliable=False), key))
+        self.q.put((msg, key))
 
     def _run(self) -> None:
         while True:
@@ -163,7 +156,7 @@ class _Egress:
             if item is None:
                 return
             try:
-                item[0].wait()
+                self.fabric.send(item[0], self.dst, TAG_DOWN, reliable=False)
             except BaseException as exc:  # noqa: BLE001 - handed to the service's main thread
                 self.failures.append(exc)
                 return
