@@ -2,6 +2,9 @@
 
     python -m experiments.bench.switch_cpu                      # n = 2, 100 MB, 10 timed calls
     python -m experiments.bench.switch_cpu --workers 4 --calls 5 --threads
+    python -m experiments.bench.switch_cpu --perf /tmp/p.data --perf-args=-g        # perf record, call graphs
+    python -m experiments.bench.switch_cpu --perf /tmp/s.txt --perf-args "stat -e syscalls:sys_enter_epoll_wait"
+    python -m experiments.bench.switch_cpu --burst 256                              # per-message cost
 
 Launches ``n`` workers and the switch rank as ``experiments.bench.transports`` does for its switch case
 (pool 4096, 256-element packets, bursts of 1024, in place), runs ``--warmup`` untimed calls, then reads
