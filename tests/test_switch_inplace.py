@@ -2,6 +2,7 @@
 received message (``Dataplane.execute(rows, rows, ...)``), and the service sends that buffer back."""
 
 import numpy as np
+import pytest
 
 from sparsecomm.transports.switch_dataplane import HEADER, Dataplane, SwitchConfig, T_EMPTY
 from sparsecomm.transports.switch_service import _Buffers
@@ -9,19 +10,21 @@ from sparsecomm.transports.switch_service import _Buffers
 from .test_switch import random_rows
 
 
-def test_results_over_the_rows_they_answer_equal_separate_reply_buffers():
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_results_over_the_rows_they_answer_equal_separate_reply_buffers(world):
     """The same random messages through two dataplanes, one writing its multicast results into a buffer
     of their own (the reference path), one over the received rows: the same results in the same order,
-    the same registers and counters; every row past the results is T_EMPTY (read and cleared)."""
-    rng = np.random.default_rng(1)
+    the same registers and counters; every row past the results is T_EMPTY (read and cleared). Every
+    world size: with one worker the first contribution completes a slot (written over its own row)."""
+    rng = np.random.default_rng(world)
     cfg = SwitchConfig(slots=6)
     ref, dp = Dataplane(cfg), Dataplane(cfg)
-    ref.world = dp.world = 3
+    ref.world = dp.world = world
     width = HEADER + 64
     multicast = 0
     for step in range(400):
         k = int(rng.integers(1, 9))
-        rows = random_rows(rng, step, k, width)
+        rows = random_rows(rng, step, k, width, world=world)
         mc, uc = np.empty_like(rows), np.empty_like(rows)
         nmc, nuc = ref.execute(rows.copy(), mc, uc)
         own = rows.copy()
