@@ -50,6 +50,12 @@ from .switch_dataplane import (F_TYPE, HEADER, RECV_SLACK, T_EMPTY, TAG_DOWN, TA
 
 #: receives each port keeps posted from its worker (real fabrics)
 PORT_DEPTH = 8
+#: a port posts its receives again in groups of this many (at least PORT_DEPTH - PORT_GROUP stay
+#: posted): each post sends the worker a "receive posted" notice on the connection its send thread
+#: writes on, and gloo's event loop spins while a write holds the connection; grouped, the notices
+#: arrive together, during one write rather than during nearly every write (see ``Inbox`` in
+#: :mod:`.switch_lanes`)
+PORT_GROUP = 4
 #: replies a port may have queued before it drops, beyond the most a worker can await (real fabrics)
 EGRESS_CAP = 64
 
@@ -194,8 +200,10 @@ def _serve_ports(dp: Dataplane, fabric: Fabric) -> None:
                 rows = arr[:burst] if arr[burst, F_TYPE] == T_EMPTY else arr
                 with registers:
                     nmc, nuc = dp.execute(rows, mc, uc, scratch, clear=True)
-                b = buffers.take()
-                posted.append((fabric.irecv(torch.from_numpy(b), w, TAG_UP), b))
+                if len(posted) <= PORT_DEPTH - PORT_GROUP:
+                    for _ in range(PORT_GROUP):
+                        b = buffers.take()
+                        posted.append((fabric.irecv(torch.from_numpy(b), w, TAG_UP), b))
                 if not in_place:
                     buffers.give_back(arr)
                 mcast = split_messages(mc, nmc, burst)      # zeroes the last burst's unused rows
