@@ -13,7 +13,7 @@ How results are received is the only difference between fabrics:
 - SimFabric (one datagram per packet, modelled loss): one blocking receive at a time, with the timer.
 - Real fabrics: an :class:`Inbox` of ``INBOX_DEPTH`` receives posted ahead from the switch, kept across
   jobs (gloo moves a message only once its receive is posted; with receives waiting, the switch's
-  results flow as soon as they are sent), and an :class:`Uplink` thread posting the sends, at most
+  results flow as soon as they are sent; posted again ``REPOST_GROUP`` at a time), and an :class:`Uplink` thread posting the sends, at most
   ``SEND_AHEAD`` lane windows of bursts queued.
 """
 
@@ -33,9 +33,9 @@ from .switch_dataplane import (EXP_MIN, F_TYPE, HEADER, T_DATA, T_EMPTY, T_RESUL
                                TAG_UP)
 
 #: receives a worker keeps posted from the switch (real fabrics)
-INBOX_DEPTH = 8
+INBOX_DEPTH = 16
 #: taken receives are posted again in groups of this many (see :class:`Inbox`)
-REPOST_GROUP = 4
+REPOST_GROUP = 8
 #: a worker waits for its oldest send once more than this many bursts per lane window are unfinished
 SEND_AHEAD = 4
 

@@ -6,7 +6,8 @@ program and replies with ``isend`` that it never waits for, so the per-port link
 **Real fabrics** (gloo over TCP; a message carries ``burst`` packets): a software switch with one receive
 thread per port, as a multi-queue NIC gives each port its own RX ring. Each port keeps ``PORT_DEPTH``
 receives posted from its worker (gloo moves a message only once the receiver has posted for it, so a
-receive posted ahead lets the worker's next burst flow at once, with no round trip), runs the program on
+receive posted ahead lets the worker's next burst flow at once, with no round trip; they are posted
+again ``PORT_GROUP`` at a time, which keeps gloo's event loop at the worker from spinning), runs the program on
 each burst as it arrives (one compiled call, under the lock of the shared registers; the rest of the
 loop runs while another port holds it) and queues the replies on the egress ports. Each egress port is a
 thread sending its queue in order: a gloo send returns only once the socket took the message (about its
@@ -49,13 +50,13 @@ from .switch_dataplane import (F_TYPE, HEADER, RECV_SLACK, T_EMPTY, TAG_DOWN, TA
                                split_messages)
 
 #: receives each port keeps posted from its worker (real fabrics)
-PORT_DEPTH = 8
+PORT_DEPTH = 16
 #: a port posts its receives again in groups of this many (at least PORT_DEPTH - PORT_GROUP stay
 #: posted): each post sends the worker a "receive posted" notice on the connection its send thread
 #: writes on, and gloo's event loop spins while a write holds the connection; grouped, the notices
 #: arrive together, during one write rather than during nearly every write (see ``Inbox`` in
 #: :mod:`.switch_lanes`)
-PORT_GROUP = 4
+PORT_GROUP = 8
 #: replies a port may have queued before it drops, beyond the most a worker can await (real fabrics)
 EGRESS_CAP = 64
 
