@@ -226,8 +226,8 @@ def run_lanes(t, lane_slots: np.ndarray, P: int, pkt_base: int, payload, consume
             threshold += t.timeout_increment
             expiries = 0
 
-    rbuf = torch.zeros((K, width), dtype=torch.int32)
-    rarr = rbuf.numpy()
+    rbuf = torch.zeros((K, width), dtype=torch.int32) if inbox is None else None    # SimFabric's receive
+    rarr = rbuf.numpy() if rbuf is not None else None
     at, pks, lanes = (np.empty(K, dtype=np.int64) for _ in range(3))    # _accept's outputs
     send(np.arange(L), True)
     done = 0
