@@ -146,7 +146,8 @@ class SwitchConfig:
 
 # ----------------------------------------------------------------------------- the program
 @njit(cache=True, nogil=True)
-def _program(rows, values, seen, count, exponent, world, mc, uc, new, counters, clear, alias):  # pragma: no cover - numba
+def _program(rows, values, seen, count, exponent, world, mc, uc, new, counters, clear,
+             alias):  # pragma: no cover - numba
     """Run the per-packet program (module docstring) on every row of one message, in order.
 
     Results go to ``mc`` (multicast) and ``uc`` (unicast to the sender), rows of the same width, filled

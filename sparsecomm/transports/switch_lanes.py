@@ -13,8 +13,8 @@ How results are received is the only difference between fabrics:
 - SimFabric (one datagram per packet, modelled loss): one blocking receive at a time, with the timer.
 - Real fabrics: an :class:`Inbox` of ``INBOX_DEPTH`` receives posted ahead from the switch, kept across
   jobs (gloo moves a message only once its receive is posted; with receives waiting, the switch's
-  results flow as soon as they are sent; posted again ``REPOST_GROUP`` at a time), and an :class:`Uplink` thread posting the sends, at most
-  ``SEND_AHEAD`` lane windows of bursts queued.
+  results flow as soon as they are sent; posted again ``REPOST_GROUP`` at a time), and an
+  :class:`Uplink` thread posting the sends, at most ``SEND_AHEAD`` lane windows of bursts queued.
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@ program and replies with ``isend`` that it never waits for, so the per-port link
 thread per port, as a multi-queue NIC gives each port its own RX ring. Each port keeps ``PORT_DEPTH``
 receives posted from its worker (gloo moves a message only once the receiver has posted for it, so a
 receive posted ahead lets the worker's next burst flow at once, with no round trip; they are posted
-again ``PORT_GROUP`` at a time, which keeps gloo's event loop at the worker from spinning), runs the program on
-each burst as it arrives (one compiled call, under the lock of the shared registers; the rest of the
+again ``PORT_GROUP`` at a time, which keeps gloo's event loop at the worker from spinning), runs the
+program on each burst as it arrives (one compiled call, under the lock of the shared registers; the rest of the
 loop runs while another port holds it) and queues the replies on the egress ports. Each egress port is a
 thread sending its queue in order: a gloo send returns only once the socket took the message (about its
 transmission time on a slow link), so a multicast sent from the receive thread would serialise the n
