@@ -68,7 +68,7 @@ from ..errors import FabricTimeout, IncompatibleError, InvalidValueError, Mismat
 from .base import Fabric, ServiceNotStarted, ServiceShutdown, Work
 from .stats import CommStats
 from .torch_failure import MAX_TAG, FailStop, decode_failure, encode_failure  # noqa: F401 (re-exported)
-from .torch_waiters import _Pending, _TorchWork, wait_any_blocking
+from .torch_waiters import _FOREVER, _Pending, _TorchWork, wait_any_blocking
 
 __all__ = ["TorchFabric", "ServiceNotStarted", "ServiceShutdown", "encode_failure", "decode_failure"]
 
@@ -287,6 +287,10 @@ class TorchFabric(FailStop, Fabric):
         else:
             limit = timeout if timeout is not None else (None if service else self.timeout_s)
             self._wait_timed(pend, limit, service)
+        return self._account(pend, out)
+
+    def _account(self, pend: _Pending, out: torch.Tensor | None) -> int | None:
+        """A completed operation: for a receive, copy it out (``out``), count it and return its source."""
         if not pend.is_recv:
             return None
         with torch.no_grad():
@@ -295,6 +299,42 @@ class TorchFabric(FailStop, Fabric):
         source = pend.source if pend.source is not None else pend.src
         self.stats.record_recv(source, self.rank, pend.buf.numel() * pend.buf.element_size())
         return source
+
+    def wait_unbounded(self, work: Work) -> int | None:
+        """Wait for ``work`` (posted by this fabric) on the calling thread itself, with no deadline and no
+        helper thread; for a receive, return its source. For a service's own receive threads: a
+        service's wait (``work.wait()``) is otherwise done by a helper thread, which the caller polls
+        for the end of the run, one more thread hand-off per message. Here the end of the run is not
+        seen (the service watches it on another thread: :meth:`wait_for_shutdown` with ``stop``); a
+        failure is (the tripped group ends the wait with the failure's error). Once the fabric is
+        closed, a wait that ends with an error raises :class:`ServiceShutdown` (the run is over)."""
+        if not isinstance(work, _TorchWork) or work._fabric is not self:
+            raise InvalidValueError("wait_unbounded takes a Work posted by this fabric")
+        if work._finished:
+            return work._result
+        pend = work._pend
+        if self._deferred:
+            self._flush()
+        if pend.waited:            # a helper thread already waits on it: wait for its report
+            pend.done.wait()
+            if pend.error is not None:
+                if self._closed:
+                    raise ServiceShutdown("the run is over")
+                raise self._translate(pend.error, pend, None) from pend.error
+        elif self._cuda:
+            self._poll_cuda(pend, None, False)
+        else:
+            try:
+                pend.work.wait(_FOREVER)
+                if pend.is_recv and pend.src is None:
+                    pend.source = pend.work._source_rank()
+            except RuntimeError as exc:
+                if self._closed:
+                    raise ServiceShutdown("the run is over") from exc
+                raise self._translate(exc, pend, None) from exc
+        work._result = self._account(pend, work._out)
+        work._finished = True
+        return work._result
 
     def _wait_blocking(self, pend: _Pending) -> None:
         if self._cuda:             # bounded by timeout_s and the failure record, like every gloo wait
@@ -371,12 +411,17 @@ class TorchFabric(FailStop, Fabric):
         except RuntimeError:   # the store is gone: the job is over
             return True
 
-    def wait_for_shutdown(self) -> None:
-        """On a service rank: block until every worker has finished (the end of the run)."""
+    def wait_for_shutdown(self, stop: Callable[[], bool] | None = None) -> bool:
+        """On a service rank: block until every worker has finished (the end of the run: ``True``) or,
+        with ``stop``, until ``stop()`` is true (checked as often: ``False``). Without a rendezvous store
+        the end cannot be seen: it returns at once without ``stop``, and waits for ``stop()`` with it."""
         while not self._workers_done():
-            if self._store is None:
-                return
+            if stop is not None and stop():
+                return False
+            if self._store is None and stop is None:
+                return False
             time.sleep(_SERVICE_POLL_S)
+        return True
 
     # --------------------------------------------------------------- services
     def service(self, name: str, main: Callable[[Fabric], None] | None = None, **link) -> int:
