@@ -63,6 +63,7 @@ class Msg(IntEnum):
     SUMS0 = 5      #: aggregator -> worker, per channel: the position-0 sums
     UP = 6         #: worker -> aggregator, per channel, rounds >= 1: held blocks + look-aheads
     DOWN = 7       #: aggregator -> worker, per channel, rounds >= 1: sums + next pending blocks
+    GO = 8         #: local only, colocated worker -> its hosted aggregator: every verdict is OK
 
 
 class Key(NamedTuple):
