@@ -5,6 +5,8 @@ a role that can never run as a bug instead of hanging."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -121,3 +123,52 @@ def _crossing(ctx):
 def test_crossing_exchanges_between_endpoints_complete(backend):
     out = sc.launch(_crossing, 3, backend=backend)
     assert out == [{p: float(p) for p in range(3) if p != r} for r in range(3)]
+
+
+def _sums(ctx, deployment):
+    """Two sparse and one dense call; returns whether each was exact."""
+    out = []
+    for i, (numel, d) in enumerate([(20_005, 0.2), (20_005, 0.2), (9_000, 1.0)]):
+        t = sc.transports.get("omnireduce", ctx.fabric, block_size=64, lanes=4096 if i < 2 else 16, channels=2,
+                              deployment=deployment)
+        xs = []
+        for r in range(ctx.world_size):
+            g = torch.Generator().manual_seed(100 * i + r)
+            keep = (torch.rand(-(-numel // 64), generator=g) < d).repeat_interleave(64)[:numel]
+            xs.append(torch.randint(-5, 6, (numel,), generator=g).double() * keep)
+        out.append(torch.equal(t.allreduce(xs[ctx.rank]), sum(xs)))
+    return out
+
+
+@pytest.mark.parametrize("deployment", ["colocated", "dedicated"])
+def test_a_role_takes_only_messages_its_wait_named(monkeypatch, deployment):
+    """Every message a role takes was named in the ``Recv`` it was resumed from, so the scheduler never
+    blocks on a message (e.g. round 0's sums, large) that it did not choose to wait for while another
+    role's messages are in (a hosted aggregator's data waiting behind its worker's take)."""
+    import threading
+
+    from sparsecomm.transports.omnireduce import mailbox
+
+    local, bad = threading.local(), []
+    resume, take = mailbox._Scheduler.resume, mailbox.Inbox.take
+
+    def spy_resume(self, rw):
+        stack = local.__dict__.setdefault("stack", [])
+        stack.append(set(rw[1].keys))
+        try:
+            resume(self, rw)
+        finally:
+            stack.pop()
+
+    def spy_take(self, key):
+        stack = getattr(local, "stack", [])
+        if not stack or key not in stack[-1]:
+            bad.append(key)
+        return take(self, key)
+
+    monkeypatch.setattr(mailbox._Scheduler, "resume", spy_resume)
+    monkeypatch.setattr(mailbox.Inbox, "take", spy_take)
+    out = sc.launch(functools.partial(_sums, deployment=deployment), 3,
+                    network=sc.Network(bandwidth_gbps=100, latency_us=2))
+    assert out == [[True] * 3] * 3
+    assert bad == []

@@ -5,7 +5,8 @@
 
 Each rank runs ``--calls`` calls of native ``all_reduce`` and ``omnireduce`` interleaved (the benchmark's
 block-sparse input and settings: 100 MB float32, 256-element blocks, ``lanes=65536``, in place, colocated)
-and traces only the last omnireduce call (``SPARSECOMM_OMNIREDUCE_TRACE`` set around it); it prints each
+and traces only the last omnireduce call (``SPARSECOMM_OMNIREDUCE_TRACE`` set around it; ``--every``: every
+call after the first, ``rank{R}.call{K}.json``, to compare slow calls with fast ones); it prints each
 call's time (slowest rank), each rank's process CPU per call and the paired native / omnireduce ratio.
 Needs root (network namespaces).
 """
@@ -24,7 +25,7 @@ from sparsecomm.transports.omnireduce import trace
 from .transports import block_sparse
 
 
-def _rank(ctx, numel: int, density: float, calls: int, directory: str) -> tuple[list, list, list]:
+def _rank(ctx, numel: int, density: float, calls: int, directory: str, every: bool = False) -> tuple[list, list, list]:
     f = ctx.fabric
     pristine = block_sparse(numel, density, 256, seed=1000 * ctx.rank + int(density * 1e4))
     native = sc.transports.get("native", f, inplace=True)
@@ -33,7 +34,7 @@ def _rank(ctx, numel: int, density: float, calls: int, directory: str) -> tuple[
     times, ntimes, cpu = [], [], []
     for i in range(calls):
         for t, out in ((native, ntimes), (omni, times)):
-            if t is omni and i == calls - 1:
+            if t is omni and (i == calls - 1 or (every and i > 0)):
                 os.environ[trace.ENV] = directory
             x.copy_(pristine)
             f.barrier()
@@ -54,9 +55,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gbps", type=float, default=1.0)
     ap.add_argument("--calls", type=int, default=6)
     ap.add_argument("--dir", required=True, help="trace directory (rank{R}.call0.json per rank)")
+    ap.add_argument("--every", action="store_true",
+                    help="trace every call after the first (rank{R}.call{K}.json, K = 0, 1, ...), not only the last")
     a = ap.parse_args(argv)
     numel = int(a.size_mb * 1e6) // 4
-    res = sc.launch(functools.partial(_rank, numel=numel, density=a.density, calls=a.calls, directory=a.dir),
+    res = sc.launch(functools.partial(_rank, numel=numel, density=a.density, calls=a.calls, directory=a.dir,
+                                      every=a.every),
                     a.workers, backend="netbed", network=sc.Network(bandwidth_gbps=a.gbps), timeout_s=600)
     om = [max(r[0][i] for r in res) for i in range(a.calls)]
     na = [max(r[1][i] for r in res) for i in range(a.calls)]

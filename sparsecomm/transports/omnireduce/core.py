@@ -35,7 +35,7 @@ from ...errors import MalformedMessage, ProtocolError
 from .._handshake import _fail
 from . import strategies, wire
 from .mailbox import Hand, Poll, Post, Recv, Send, Spawn
-from .wire import HDR, OK, TAG_HDR_DOWN, TAG_HDR_UP, Buf, Key, Msg, tag_down, tag_up
+from .wire import HDR, OK, TAG_HDR_DOWN, TAG_HDR_UP, Buf, Key, Msg, tag_down, tag_sums0, tag_up
 
 
 #: pieces a colocated worker's scan is cut into, with a ``Poll`` between them (see :func:`scan`)
@@ -280,7 +280,10 @@ def worker_lane(call, a: int, c: WorkerChannel):
     """A worker's lanes of aggregator ``a``'s channel ``c``: take each round's reply (the completed sums
     and the prompt), answer the prompt, until every lane is done."""
     g, pos, bs = c.ch.slot, call.pos[a], call.spec.block_size
-    yield Recv((Key(Msg.WORDS, a, g),), order=(2, c.round, g, pos), reap=True)
+    # round 0's reply: the lane words and (if any) the sums, both waited for here, so that this role never
+    # blocks on the sums (large) while its hosted aggregator's data is in and waits to be summed
+    words = Key(Msg.WORDS, a, g)
+    yield Recv((words, Key(Msg.SUMS0, a, g)) if call.sums0[a, g] else (words,), order=(2, c.round, g, pos), reap=True)
     newc, summed = wire.decode_words(call.inbox.take(Key(Msg.WORDS, a, g)), c.ch)   # round 0's reply
     if int(summed.sum()) != call.sums0[a, g]:
         raise ProtocolError("omnireduce: the round-0 sums do not match their lane words")
@@ -390,7 +393,7 @@ def send_down(adm, c: AggChannel, out, host: int | None):
             else:
                 yield Send(words, w, tag)
                 if sums is not None:
-                    yield Send(sums, w, tag, Buf(Msg.DOWN, slot=c.slot, parity=0))
+                    yield Send(sums, w, tag_sums0(c.slot), Buf(Msg.DOWN, slot=c.slot, parity=0))
         return
     for w in adm.order:
         if w == host:

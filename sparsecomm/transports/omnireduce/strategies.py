@@ -24,7 +24,7 @@ from ...errors import ProtocolError
 from . import wire
 from .blocks import block_run
 from .mailbox import Hand, Post, PostInto, Send
-from .wire import Buf, Key, Msg, tag_down, tag_up
+from .wire import Buf, Key, Msg, tag_sums0, tag_up
 
 
 # ------------------------------------------------------------------ how blocks go up
@@ -158,7 +158,7 @@ class HomeSums:
 def post_sums0(call, a: int, ch: wire.Channel, k: int):
     """The receive of remote aggregator ``a``'s round-0 sums of channel ``ch`` (``k`` blocks): straight
     into the result when the whole channel is summed and its bytes are the result's, else pooled."""
-    tag, sink, down = tag_down(ch.slot), call.sink, call.down
+    tag, sink, down = tag_sums0(ch.slot), call.sink, call.down
     nbytes = wire.block_bytes(k, call.spec.block_size, down.itemsize, meta=False)
     if (k == ch.size and call.result.dtype == down and ch.lo + ch.size <= sink.full
             and nbytes == k * call.spec.block_size * down.itemsize):

@@ -45,7 +45,7 @@ from .._handshake import dtype_code as _hs_dtype_code
 from .._handshake import dtype_from_code as _hs_dtype_from_code
 from .._handshake import _error as _mismatch
 
-MAGIC = 0x4F4D4E49_0002  # "OMNI", wire version 2
+MAGIC = 0x4F4D4E49_0003  # "OMNI", wire version 3 (3: round-0 sums on their own tag, tag_sums0)
 MAX_CHANNELS = 16
 HDR = 12 + MAX_CHANNELS    # int64 fields: 12 scalars, then one count per channel (slot)
 TAG_HDR_UP = 0x4F4F01     # round-0 header, worker -> aggregator
@@ -60,7 +60,7 @@ class Msg(IntEnum):
     FIRSTS = 2     #: worker -> aggregator, per channel: first look-aheads (round-0 metadata)
     BLOCKS0 = 3    #: worker -> aggregator, per channel: its position-0 blocks
     WORDS = 4      #: aggregator -> worker, per channel: round-0 lane words
-    SUMS0 = 5      #: aggregator -> worker, per channel: the position-0 sums
+    SUMS0 = 5      #: aggregator -> worker, per channel: the position-0 sums (on :func:`tag_sums0`)
     UP = 6         #: worker -> aggregator, per channel, rounds >= 1: held blocks + look-aheads
     DOWN = 7       #: aggregator -> worker, per channel, rounds >= 1: sums + next pending blocks
     GO = 8         #: local only, colocated worker -> its hosted aggregator: every verdict is OK
@@ -95,6 +95,13 @@ def tag_up(slot: int) -> int:
 def tag_down(slot: int) -> int:
     """Tag of channel ``slot``'s aggregator -> worker stream (its rounds in order)."""
     return 0x4F6000 + slot
+
+
+def tag_sums0(slot: int) -> int:
+    """Tag of channel ``slot``'s round-0 sums (aggregator -> worker): a stream of their own, so that a
+    worker waits for them together with the round's lane words (on :func:`tag_down`) in one
+    ``wait_any`` element (which takes at most one receive per source and tag)."""
+    return 0x4F7000 + slot
 
 
 WHAT = "omnireduce allreduce"
