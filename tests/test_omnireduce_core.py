@@ -172,3 +172,74 @@ def test_a_role_takes_only_messages_its_wait_named(monkeypatch, deployment):
                     network=sc.Network(bandwidth_gbps=100, latency_us=2))
     assert out == [[True] * 3] * 3
     assert bad == []
+
+
+def _late_own_range(ctx, record):
+    """Rank 2 is slow (50 ms of modelled time) after scanning its own range, which it scans last."""
+    from sparsecomm.transports.omnireduce import core, strategies
+
+    scan, land = core.scan, strategies.land_sums0
+
+    def slow_scan(call, a):
+        yield from scan(call, a)
+        if call.rank == 2 and a == 2:
+            call.fabric.compute(0.05)
+            record["slow until", call.rank] = call.fabric.now()
+
+    def spy_land(call, a, g, ids):
+        record.setdefault(("landed", call.rank, a), call.fabric.now())
+        return land(call, a, g, ids)
+
+    core.scan, strategies.land_sums0 = slow_scan, spy_land   # (restored by the test's monkeypatch)
+    t = sc.transports.get("omnireduce", ctx.fabric, block_size=64, lanes=4096, channels=2)
+    g = torch.Generator().manual_seed(ctx.rank)
+    x = torch.randint(-5, 6, (20_005,), generator=g).double()
+    return torch.equal(t.allreduce(x.clone()), sum(torch.randint(-5, 6, (20_005,), generator=torch.Generator()
+                                                                   .manual_seed(r)).double() for r in range(3)))
+
+
+def test_an_aggregator_whose_data_is_in_does_not_wait_for_another_aggregators_verdict(monkeypatch):
+    """Rank 2 is late only for its own aggregator (it scans that range last): aggregators 0 and 1 have
+    every block, so their sums reach rank 0 before rank 2 is done, instead of waiting, as a round-0
+    barrier made them, until every aggregator's verdict is in."""
+    from sparsecomm.transports.omnireduce import core, strategies
+
+    monkeypatch.setattr(core, "scan", core.scan)
+    monkeypatch.setattr(strategies, "land_sums0", strategies.land_sums0)
+    record: dict = {}
+    out = sc.launch(functools.partial(_late_own_range, record=record), 3,
+                    network=sc.Network(bandwidth_gbps=100, latency_us=2))
+    assert out == [True] * 3
+    slow = record["slow until", 2]
+    assert record["landed", 0, 1] < slow - 0.04, record
+    assert record["landed", 0, 2] >= slow, record
+
+
+@pytest.mark.parametrize("field", ["F_K0", "F_MAGIC"])
+def test_a_header_forged_for_one_aggregator_is_an_error_on_every_worker_after_the_others_finish(field):
+    """Worker 1 forges only its header to aggregator 0: aggregator 0 rejects it, aggregators 1 and 2 run
+    their lanes to the end (every worker takes their sums: no receive is left posted), then every worker
+    raises aggregator 0's error."""
+    from sparsecomm.errors import MalformedMessage
+    from sparsecomm.transports.omnireduce import wire
+
+    from ._faults_common import CorruptingFabric
+
+    def fn(ctx):
+        f = ctx.fabric
+        if ctx.rank == 1:
+            def rw(t, dst, tag):
+                if tag == wire.TAG_HDR_UP and dst == 0:
+                    out = t.detach().clone()
+                    out.view(torch.int64)[getattr(wire, field)] = 2**40
+                    return out
+            f = CorruptingFabric(f, rw)
+        t = sc.transports.get("omnireduce", f, block_size=16, lanes=4, channels=2)
+        try:
+            t.allreduce(torch.ones(200))
+        except MalformedMessage as e:
+            return str(e)
+        return None
+
+    out = sc.launch(fn, 3, timeout_s=30)
+    assert all(o is not None and "worker 1" in o for o in out), out

@@ -23,7 +23,7 @@ exactly the holders of the next block (see :mod:`.core`, :mod:`.wire`).
 Reading order for a newcomer: :mod:`.core` top to bottom (the lane state machines,
 :class:`.core.WorkerChannel` and :class:`.core.AggChannel`: announce, add, complete, prompt; then the
 roles as generators: :func:`.core.worker` -- round 0's header, first look-aheads and position-0
-blocks, the verdicts -- and :func:`.core.worker_lane`; :func:`.core.aggregator` -- headers, verdict,
+blocks; :func:`.core.verdict`, one per aggregator -- and :func:`.core.worker_lane`; :func:`.core.aggregator` -- headers, verdict,
 drain -- and :func:`.core.agg_lane`). The roles yield typed requests (send, post a receive, receive
 into the result, hand over locally, wait) to one scheduler per endpoint, :func:`.mailbox.drive`, whose
 docstring carries the deadlock-freedom argument; the colocated worker runs its worker role and its

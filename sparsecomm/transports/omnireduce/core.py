@@ -187,31 +187,59 @@ class AggChannel:
 
 # ================================================================ the worker's roles
 def worker(call):
-    """One worker's call (``call``: its :class:`.worker.Call`). Round 0 up, before any wait: per aggregator the header, every channel's first
-    look-aheads, its position-0 blocks (colocated: each remote aggregator's as soon as its range is
-    scanned, the hosted one last; the scan lets the hosted aggregator run between pieces). Then every
-    aggregator's verdict; then the lanes."""
+    """One worker's call (``call``: its :class:`.worker.Call`). Round 0 up, before any wait: per
+    aggregator the header, every channel's first look-aheads, its position-0 blocks (colocated: each
+    remote aggregator's as soon as its range is scanned, the hosted one last; the scan lets the other
+    roles run between pieces). Each aggregator's verdict is then taken by its own role
+    (:func:`verdict`), which starts that aggregator's lanes: no aggregator waits for another's."""
     for batch in call.round0_batches():
         for a in batch:
             yield from scan(call, a)
         yield from send_round0(call, batch)
+        for a in batch:
+            yield Spawn(verdict(call, a))
         yield Poll()
-    call.mark("verdict sent")
-    yield Recv(tuple(Key(Msg.REPLY, a) for a in call.visit), order=(0,))
-    down, sums0 = verdicts(call)
-    call.down, call.sums0 = down, sums0
-    call.result, call.sink = call.make_sink(down)
-    if call.own is not None:    # every verdict is OK: the hosted aggregator's lanes may start
-        yield Hand(Key(Msg.GO, call.rank), strategies.home_rows(call))
-    for a in call.visit:        # the round-0 replies' receives, all at once
-        if a != call.own:
-            for ch in call.plans[a]:
-                yield Post(Key(Msg.WORDS, a, ch.slot), wire.meta_bytes(ch), call.aggregators[a], tag_down(ch.slot))
-                yield from strategies.post_sums0(call, a, ch, sums0[a, ch.slot])
-    call.mark("downstream posted")
-    for a in call.visit:
+    call.mark("round 0 sent")
+
+
+def verdict(call, a: int):
+    """Aggregator ``a``'s verdict (its reply to the round-0 headers). OK: the downstream dtype and each
+    channel's number of position-0 sums; this worker's result is made (at the first OK verdict), the
+    receives of ``a``'s round-0 replies are posted (the hosted aggregator is told to start, ``GO``), and
+    ``a``'s lanes start. Not OK: ``a`` sends nothing more to anyone; the error is recorded
+    (``call.errors``) and raised once every other aggregator's lanes are done (:func:`.worker.run_worker`),
+    so that no message of theirs is left on the fabric. Every verdict goes to every worker alike, so every
+    worker posts exactly the receives that match the aggregators' sends."""
+    yield Recv((Key(Msg.REPLY, a),), order=(0, call.pos[a]))
+    rh = call.inbox.take(Key(Msg.REPLY, a)).view(torch.int64).numpy()
+    if int(rh[wire.R_STATUS]) != OK:
+        call.errors[a] = rh.copy()
+        return
+    try:
+        down = wire.code_dtype(rh[wire.R_DOWN_DTYPE])
+        if call.down is not None and down != call.down:
+            raise MalformedMessage(f"omnireduce: aggregator {a} announces sums of {down}, another one "
+                                   f"{call.down} (this is worker {call.rank})")
         for ch in call.plans[a]:
-            yield Spawn(worker_lane(call, a, call.wch[a, ch.slot]))
+            k = int(rh[wire.R_K + ch.slot])
+            if not 0 <= k <= ch.lanes:
+                raise MalformedMessage(f"omnireduce: aggregator {a} announces {k} round-0 sums in a "
+                                       f"channel of {ch.lanes} lanes (this is worker {call.rank})")
+            call.sums0[a, ch.slot] = k
+    except MalformedMessage as exc:
+        raise _fail(call.fabric, exc) from None
+    if call.sink is None:
+        call.down = down
+        call.result, call.sink = call.make_sink(down)
+    if a == call.own:           # the hosted aggregator's lanes may start
+        yield Hand(Key(Msg.GO, call.rank), strategies.home_rows(call))
+    else:                       # the round-0 replies' receives
+        for ch in call.plans[a]:
+            yield Post(Key(Msg.WORDS, a, ch.slot), wire.meta_bytes(ch), call.aggregators[a], tag_down(ch.slot))
+            yield from strategies.post_sums0(call, a, ch, call.sums0[a, ch.slot])
+    call.mark(f"downstream posted {a}")
+    for ch in call.plans[a]:
+        yield Spawn(worker_lane(call, a, call.wch[a, ch.slot]))
 
 
 def scan(call, a: int):
@@ -250,32 +278,6 @@ def send_round0(call, aggs: list[int]):
                                               Key(Msg.BLOCKS0, call.rank, g))
 
 
-def verdicts(call) -> tuple[torch.dtype, dict]:
-    """Every aggregator's verdict: the downstream dtype and each channel's number of position-0 sums;
-    any error is raised here, on every worker alike."""
-    error, down, sums0 = None, None, {}
-    for a in call.visit:
-        rh = call.inbox.take(Key(Msg.REPLY, a)).view(torch.int64).numpy()
-        if int(rh[wire.R_STATUS]) != OK:
-            error = rh.copy()
-            continue
-        try:
-            down = wire.code_dtype(rh[wire.R_DOWN_DTYPE])
-            for ch in call.plans[a]:
-                k = int(rh[wire.R_K + ch.slot])
-                if not 0 <= k <= ch.lanes:
-                    raise MalformedMessage(f"omnireduce: aggregator {a} announces {k} round-0 sums in a "
-                                           f"channel of {ch.lanes} lanes (this is worker {call.rank})")
-                sums0[a, ch.slot] = k
-        except MalformedMessage as exc:
-            raise _fail(call.fabric, exc) from None
-    if error is not None:
-        if not (int(error[wire.R_STATUS]) == wire.MALFORMED and int(error[wire.R_WMIN]) == call.rank):
-            call.outbox.reap(0)   # (a worker whose header was rejected: nothing of it is received, no wait)
-        wire.raise_for_reply(error, call.spec.header(call.n).numpy(), call.rank)
-    return down, sums0
-
-
 def worker_lane(call, a: int, c: WorkerChannel):
     """A worker's lanes of aggregator ``a``'s channel ``c``: take each round's reply (the completed sums
     and the prompt), answer the prompt, until every lane is done."""
@@ -309,7 +311,8 @@ def aggregator(adm, inbox, outbox, host: int | None = None, ref: np.ndarray | No
     (colocated: as they arrive, each agreeing one's round-0 receives posted at once, ``ref`` being the
     host's own header), validate them, take the first look-aheads, send the verdict (after a failed
     one, drain); then its lanes. ``host``: the colocated worker, which gets its messages by hand and
-    starts the lanes (``GO``) once it has every aggregator's verdict."""
+    starts the lanes (``GO``) once it has taken this verdict (its result is then made: in place, the
+    lanes sum into it). No lane waits for another aggregator's verdict."""
     posts = adm.post_headers()
     for p in posts:
         yield p

@@ -63,7 +63,7 @@ class Msg(IntEnum):
     SUMS0 = 5      #: aggregator -> worker, per channel: the position-0 sums (on :func:`tag_sums0`)
     UP = 6         #: worker -> aggregator, per channel, rounds >= 1: held blocks + look-aheads
     DOWN = 7       #: aggregator -> worker, per channel, rounds >= 1: sums + next pending blocks
-    GO = 8         #: local only, colocated worker -> its hosted aggregator: every verdict is OK
+    GO = 8         #: local only, colocated worker -> its hosted aggregator: its verdict is taken, start
 
 
 class Key(NamedTuple):

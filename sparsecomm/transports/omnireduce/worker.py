@@ -71,6 +71,7 @@ class Call:
         self.into_sink: set = set()     # (a, slot): round-0 sums received straight into the result
         self.result = self.sink = self.down = None
         self.sums0: dict = {}
+        self.errors: dict = {}          # aggregator -> its verdict, where it is not OK (raised at the end)
         self.mark = getattr(fabric, "mark", lambda label: None)   # a traced call's phase marks (.trace)
 
     def round0_batches(self) -> list[list[int]]:
@@ -103,6 +104,11 @@ def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: l
                                         ref=spec.header(call.n).numpy(), mark=call.mark))
     drive(fabric, call.inbox, call.outbox, roles, keep=64 if own is not None else 0)
     call.mark("steps done")
+    if call.errors:   # (every worker has every verdict: the lowest aggregator's error, on every worker)
+        error = call.errors[min(call.errors)]
+        if not (int(error[wire.R_STATUS]) == wire.MALFORMED and int(error[wire.R_WMIN]) == call.rank):
+            call.outbox.reap(0)   # (a worker whose header was rejected: nothing of it is received, no wait)
+        wire.raise_for_reply(error, spec.header(call.n).numpy(), call.rank)
     call.outbox.reap(0)
     call.mark("sends done")
     return call.result, call.down
