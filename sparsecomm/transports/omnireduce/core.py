@@ -40,6 +40,10 @@ from .wire import HDR, OK, TAG_HDR_DOWN, TAG_HDR_UP, Buf, Key, Msg, tag_down, ta
 
 #: pieces a colocated worker's scan is cut into, with a ``Poll`` between them (see :func:`scan`)
 SCAN_PIECES = 8
+#: what a scan's ``Poll`` runs: the roles that post receives or send (headers, verdicts, the hosted
+#: aggregator's rounds), not this worker's lanes (landing sums), which wait until round 0 is sent: the
+#: scan is on the critical path of every aggregator (the hosted one's data is complete only after it)
+POLL_SCAN = (2,)
 
 
 # ================================================================ the lane state machines
@@ -198,7 +202,7 @@ def worker(call):
         yield from send_round0(call, batch)
         for a in batch:
             yield Spawn(verdict(call, a))
-        yield Poll()
+        yield Poll(POLL_SCAN)
     call.mark("round 0 sent")
 
 
@@ -252,7 +256,7 @@ def scan(call, a: int):
         for s in range(lo, hi, step):
             call.source.scan(s, min(hi, s + step))
             if call.own is not None:
-                yield Poll()
+                yield Poll(POLL_SCAN)
     for ch in chans:
         call.wch[a, ch.slot] = WorkerChannel(ch, call.source.mask)
     call.mark(f"scanned {a}")

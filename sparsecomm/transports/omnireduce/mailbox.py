@@ -196,7 +196,11 @@ class Recv(NamedTuple):
 
 class Poll(NamedTuple):
     """Run every other role whose messages are in already, then resume (between pieces of long local
-    work, so that receives that depend on arrived messages get posted meanwhile)."""
+    work, so that receives that depend on arrived messages get posted meanwhile). ``below``: only the
+    roles whose ``Recv.order`` is smaller (the cheap ones that post receives or send; work that is off
+    the polling role's critical path waits until it is done)."""
+
+    below: tuple | None = None
 
 
 class Spawn(NamedTuple):
@@ -280,7 +284,7 @@ class _Scheduler:
                 if not self.polling:
                     self.polling = True
                     try:
-                        self.poll()
+                        self.poll(req.below)
                     finally:
                         self.polling = False
             elif t is Recv:
@@ -300,11 +304,13 @@ class _Scheduler:
         self.waiting.remove(rw)
         self.advance(rw[0])
 
-    def poll(self) -> None:
-        """Run the roles whose messages are in already (without blocking), best first, until none is."""
+    def poll(self, below: tuple | None = None) -> None:
+        """Run the roles whose messages are in already (without blocking), best first, until none is
+        (``below``: only those whose order is smaller)."""
         ready = self.inbox.ready
         while True:
-            now = [rw for rw in self.runnable() if (any if rw[1].any else all)(ready(k) for k in rw[1].keys)]
+            now = [rw for rw in self.runnable() if (below is None or rw[1].order < below)
+                   and (any if rw[1].any else all)(ready(k) for k in rw[1].keys)]
             if not now:
                 return
             self.resume(now[0])
