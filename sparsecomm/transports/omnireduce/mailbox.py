@@ -307,10 +307,12 @@ class _Scheduler:
     def poll(self, below: tuple | None = None) -> None:
         """Run the roles whose messages are in already (without blocking), best first, until none is
         (``below``: only those whose order is smaller)."""
-        ready = self.inbox.ready
-        while True:
-            now = [rw for rw in self.runnable() if (below is None or rw[1].order < below)
-                   and (any if rw[1].any else all)(ready(k) for k in rw[1].keys)]
+        ready, has = self.inbox.ready, self.inbox.has
+        while True:   # (the roles at or past ``below`` are skipped before any look at their messages)
+            now = sorted((rw for rw in self.waiting if (below is None or rw[1].order < below)
+                          and all(has(k) for k in rw[1].keys) and not any(has(k) for k in rw[1].gone)
+                          and (any if rw[1].any else all)(ready(k) for k in rw[1].keys)),
+                         key=lambda rw: rw[1].order)
             if not now:
                 return
             self.resume(now[0])
