@@ -38,12 +38,9 @@ from .mailbox import Hand, Poll, Post, Recv, Send, Spawn
 from .wire import HDR, OK, TAG_HDR_DOWN, TAG_HDR_UP, Buf, Key, Msg, tag_down, tag_sums0, tag_up
 
 
-#: pieces a colocated worker's scan is cut into, with a ``Poll`` between them (see :func:`scan`)
-SCAN_PIECES = 8
-#: what a scan's ``Poll`` runs: the roles that post receives or send (headers, verdicts, the hosted
-#: aggregator's rounds), not this worker's lanes (landing sums), which wait until round 0 is sent: the
-#: scan is on the critical path of every aggregator (the hosted one's data is complete only after it)
-POLL_SCAN = (2,)
+#: pieces a colocated worker's scan is cut into, a ``Poll`` between them (:func:`scan`) running the roles
+#: ordered below ``POLL_SCAN`` (headers, verdicts, hosted rounds; not the lanes landing sums)
+SCAN_PIECES, POLL_SCAN = 8, (2,)
 
 
 # ================================================================ the lane state machines
@@ -191,11 +188,9 @@ class AggChannel:
 
 # ================================================================ the worker's roles
 def worker(call):
-    """One worker's call (``call``: its :class:`.worker.Call`). Round 0 up, before any wait: per
-    aggregator the header, every channel's first look-aheads, its position-0 blocks (colocated: each
-    remote aggregator's as soon as its range is scanned, the hosted one last; the scan lets the other
-    roles run between pieces). Each aggregator's verdict is then taken by its own role
-    (:func:`verdict`), which starts that aggregator's lanes: no aggregator waits for another's."""
+    """One worker's call (``call``: :class:`.worker.Call`). Round 0 up, before any wait: per aggregator
+    the header, first look-aheads, position-0 blocks (colocated: each remote one's once its range is
+    scanned, the hosted one last). Each verdict has its own role (:func:`verdict`): none waits for another."""
     for batch in call.round0_batches():
         for a in batch:
             yield from scan(call, a)
@@ -207,13 +202,10 @@ def worker(call):
 
 
 def verdict(call, a: int):
-    """Aggregator ``a``'s verdict (its reply to the round-0 headers). OK: the downstream dtype and each
-    channel's number of position-0 sums; this worker's result is made (at the first OK verdict), the
-    receives of ``a``'s round-0 replies are posted (the hosted aggregator is told to start, ``GO``), and
-    ``a``'s lanes start. Not OK: ``a`` sends nothing more to anyone; the error is recorded
-    (``call.errors``) and raised once every other aggregator's lanes are done (:func:`.worker.run_worker`),
-    so that no message of theirs is left on the fabric. Every verdict goes to every worker alike, so every
-    worker posts exactly the receives that match the aggregators' sends."""
+    """Aggregator ``a``'s verdict. OK (the downstream dtype, each channel's count of round-0 sums): make
+    the result (first OK verdict), post ``a``'s round-0 receives (hosted: ``GO``), start ``a``'s lanes.
+    Not OK: ``a`` sends nothing more; the error is raised once the other aggregators' lanes are done
+    (:func:`.worker.run_worker`). Every worker gets every verdict, so its receives match the sends."""
     yield Recv((Key(Msg.REPLY, a),), order=(0, call.pos[a]))
     rh = call.inbox.take(Key(Msg.REPLY, a)).view(torch.int64).numpy()
     if int(rh[wire.R_STATUS]) != OK:
@@ -286,8 +278,7 @@ def worker_lane(call, a: int, c: WorkerChannel):
     """A worker's lanes of aggregator ``a``'s channel ``c``: take each round's reply (the completed sums
     and the prompt), answer the prompt, until every lane is done."""
     g, pos, bs = c.ch.slot, call.pos[a], call.spec.block_size
-    # round 0's reply: the lane words and (if any) the sums, both waited for here, so that this role never
-    # blocks on the sums (large) while its hosted aggregator's data is in and waits to be summed
+    # round 0's reply: words and sums waited for together (never a blocking take of the large sums)
     words = Key(Msg.WORDS, a, g)
     yield Recv((words, Key(Msg.SUMS0, a, g)) if call.sums0[a, g] else (words,), order=(2, c.round, g, pos), reap=True)
     newc, summed = wire.decode_words(call.inbox.take(Key(Msg.WORDS, a, g)), c.ch)   # round 0's reply
@@ -315,8 +306,7 @@ def aggregator(adm, inbox, outbox, host: int | None = None, ref: np.ndarray | No
     (colocated: as they arrive, each agreeing one's round-0 receives posted at once, ``ref`` being the
     host's own header), validate them, take the first look-aheads, send the verdict (after a failed
     one, drain); then its lanes. ``host``: the colocated worker, which gets its messages by hand and
-    starts the lanes (``GO``) once it has taken this verdict (its result is then made: in place, the
-    lanes sum into it). No lane waits for another aggregator's verdict."""
+    starts the lanes (``GO``) once it has taken this verdict (its result, where in place they sum, made)."""
     posts = adm.post_headers()
     for p in posts:
         yield p
