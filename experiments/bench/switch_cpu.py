@@ -2,6 +2,9 @@
 
     python -m experiments.bench.switch_cpu                      # n = 2, 100 MB, 10 timed calls
     python -m experiments.bench.switch_cpu --workers 4 --calls 5 --threads
+    python -m experiments.bench.switch_cpu --perf /tmp/p.data --perf-args=-g        # perf record, call graphs
+    python -m experiments.bench.switch_cpu --perf /tmp/s.txt --perf-args "stat -e syscalls:sys_enter_epoll_wait"
+    python -m experiments.bench.switch_cpu --burst 256                              # per-message cost
 
 Launches ``n`` workers and the switch rank as ``experiments.bench.transports`` does for its switch case
 (pool 4096, 256-element packets, bursts of 1024, in place), runs ``--warmup`` untimed calls, then reads
@@ -68,9 +71,10 @@ def _snapshot(pids: list[int], threads: bool) -> dict:
     return snap
 
 
-def worker(ctx, numel: int, calls: int, warmup: int, threads: bool, perf: str | None = None):
+def worker(ctx, numel: int, calls: int, warmup: int, threads: bool, perf: str | None = None,
+           perf_args: tuple[str, ...] = (), kwargs: dict | None = None):
     f = ctx.fabric
-    t = sc.transports.get("switch", f, **KWARGS)
+    t = sc.transports.get("switch", f, **(kwargs or KWARGS))
     x = torch.randn(numel, generator=torch.Generator().manual_seed(ctx.rank))
     for _ in range(warmup):
         x.normal_(generator=torch.Generator().manual_seed(ctx.rank))
@@ -81,7 +85,11 @@ def worker(ctx, numel: int, calls: int, warmup: int, threads: bool, perf: str | 
     if perf and ctx.rank == 0:      # sample every process of the job during the timed calls
         import subprocess
 
-        rec = subprocess.Popen(["perf", "record", "-F", "1999", "-o", perf, "-p", ",".join(map(str, pids))],
+        cmd = (["perf", "stat", "--per-thread", "-x", ",", "-o", perf, *perf_args] if perf_args[:1] == ("stat",)
+               else ["perf", "record", "-F", "1999", *perf_args, "-o", perf])
+        if cmd[1] == "stat":
+            del cmd[cmd.index("stat", 2)]
+        rec = subprocess.Popen([*cmd, "-p", ",".join(map(str, pids))],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(1.0)
     f.barrier()
@@ -118,16 +126,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", action="store_true", help="also each thread's CPU (busiest first)")
     ap.add_argument("--perf", default=None, metavar="FILE",
                     help="also `perf record` every process of the job during the timed calls into FILE")
+    ap.add_argument("--perf-args", default="", metavar="ARGS",
+                    help="extra arguments for `perf record`, e.g. '-g' (call graphs); 'stat -e EVENTS' runs "
+                         "`perf stat --per-thread -e EVENTS` instead (e.g. syscall counts per thread into FILE)")
+    ap.add_argument("--burst", type=int, default=KWARGS["burst"], help="packets per message (the switch rank's)")
+    ap.add_argument("--pool", type=int, default=KWARGS["pool_size"], help="the transport's pool_size")
     a = ap.parse_args(argv)
+    kwargs = dict(KWARGS, burst=a.burst, pool_size=a.pool)
+    service = f"switch:elems={KWARGS['slot_elems']},burst={a.burst}"
     numel = int(a.size_mb * 1e6) // 4
     res = sc.launch(functools.partial(worker, numel=numel, calls=a.calls, warmup=a.warmup, threads=a.threads,
-                                      perf=a.perf),
-                    a.workers, backend="gloo", services=(SERVICE,), timeout_s=600.0)
+                                      perf=a.perf, perf_args=tuple(a.perf_args.split()), kwargs=kwargs),
+                    a.workers, backend="gloo", services=(service,), timeout_s=600.0)
     r0 = res[0]
     pid_rank = {r["pid"]: f"worker {r['rank']}" for r in res}
     procs = {p: (c, k) for p, tid, _n, c, k in r0["rows"] if tid is None}
     total = kernel = 0.0
-    print(f"# n = {a.workers}, {a.size_mb:g} MB, {a.calls} calls, wall {r0['wall'] * 1e3:.1f} ms per call "
+    print(f"# n = {a.workers}, {a.size_mb:g} MB, pool {a.pool}, burst {a.burst}, {a.calls} calls, wall {r0['wall'] * 1e3:.1f} ms per call "
           f"(barrier to barrier), load average {os.getloadavg()[0]:.1f}")
     for p, (c, k) in sorted(procs.items()):
         who = pid_rank.get(p, "switch" if c > 0.005 else f"pid {p}")
