@@ -85,10 +85,8 @@ def worker(ctx, numel: int, calls: int, warmup: int, threads: bool, perf: str | 
     if perf and ctx.rank == 0:      # sample every process of the job during the timed calls
         import subprocess
 
-        cmd = (["perf", "stat", "--per-thread", "-x", ",", "-o", perf, *perf_args] if perf_args[:1] == ("stat",)
+        cmd = (["perf", "stat", "--per-thread", "-x", ",", "-o", perf, *perf_args[1:]] if perf_args[:1] == ("stat",)
                else ["perf", "record", "-F", "1999", *perf_args, "-o", perf])
-        if cmd[1] == "stat":
-            del cmd[cmd.index("stat", 2)]
         rec = subprocess.Popen([*cmd, "-p", ",".join(map(str, pids))],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(1.0)
