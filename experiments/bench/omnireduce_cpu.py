@@ -1,0 +1,187 @@
+"""Process CPU per call of the ``omnireduce`` transport on local gloo processes, and an old/new A/B.
+
+    python -m experiments.bench.omnireduce_cpu                                   # n = 2 4, d = 0.01 0.1 1
+    python -m experiments.bench.omnireduce_cpu --workers 2 --densities 0.01 --profile /tmp/prof
+    python -m experiments.bench.omnireduce_cpu --trees /tmp/omni_old . --rounds 5   # alternated A/B
+
+Each of ``n`` gloo ranks on this host builds the benchmark's colocated case (``block_size=256,
+lanes=65536, inplace=True``, as ``experiments.bench.transports``) and calls ``allreduce`` on 100 MB of
+its block-sparse input (:func:`experiments.bench.transports.block_sparse`, the same seeds), restored
+before every call (untimed). Per call, ``time.process_time()`` (the rank's whole process: its main
+thread, gloo's threads and the fabric's helper threads) and the wall time, barrier to return, are taken
+around ``allreduce``; the densities are interleaved per repetition. Printed: per (n, d) the median CPU
+per call of every rank, the median over ranks of those, and the median wall time of the slowest rank.
+CPU per call is what this measures: on a shared 2-core host the wall times are load-bound, the CPU
+figures much less so.
+
+``--profile DIR``: each rank runs its timed calls under cProfile and writes
+``DIR/n{n}.d{d}.rank{R}.prof`` (read with ``python -m pstats``); the CPU figures then include the
+profiler's overhead.
+
+``--trees A B ...``: run this benchmark once per tree and round, alternating the trees' order each
+round, each with ``PYTHONPATH=<tree>`` and ``NUMBA_CACHE_DIR=<tree>/.numba_cache`` (so the transport's
+code is the tree's; the input maker is the tree's ``experiments/bench/transports.py``), and print per
+(n, d) and tree the per-round medians (over ranks) and their median. A tree is any checkout, e.g.
+``git worktree add --detach /tmp/omni_old main``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+KWARGS = {"block_size": 256, "lanes": 65536, "inplace": True}
+
+
+def worker(ctx, numel: int, densities: list[float], calls: int, warmup: int, profile: str | None,
+           kwargs: dict) -> dict:
+    import sparsecomm as sc
+    from experiments.bench.transports import block_sparse
+
+    f = ctx.fabric
+    t = sc.transports.get("omnireduce", f, **kwargs)
+    pristine = {d: block_sparse(numel, d, kwargs["block_size"], seed=1000 * ctx.rank + int(d * 1e4))
+                for d in densities}
+    work = {d: x.clone() for d, x in pristine.items()}
+    cpu = {d: [] for d in densities}
+    wall = {d: [] for d in densities}
+    profs = {}
+    if profile:
+        import cProfile
+
+        profs = {d: cProfile.Profile() for d in densities}
+
+    def call(d: float, timed: bool) -> None:
+        x = work[d]
+        x.copy_(pristine[d])
+        f.barrier()
+        p = profs.get(d) if timed else None
+        if p is not None:
+            p.enable()
+        c0, w0 = time.process_time(), time.perf_counter()
+        t.allreduce(x)
+        c1, w1 = time.process_time(), time.perf_counter()
+        if p is not None:
+            p.disable()
+        if timed:
+            cpu[d].append(c1 - c0)
+            wall[d].append(w1 - w0)
+
+    for _ in range(warmup):
+        for d in densities:
+            call(d, False)
+    for _ in range(calls):
+        for d in densities:
+            call(d, True)
+    f.barrier()
+    if profile:
+        os.makedirs(profile, exist_ok=True)
+        for d, p in profs.items():
+            p.dump_stats(os.path.join(profile, f"n{ctx.world_size}.d{d:g}.rank{ctx.rank}.prof"))
+    return {"rank": ctx.rank, "cpu": cpu, "wall": wall}
+
+
+def measure(workers: int, size_mb: float, densities: list[float], calls: int, warmup: int,
+            profile: str | None, kwargs: dict) -> dict:
+    """One launch of ``workers`` gloo ranks; per density: every rank's median CPU per call (s), the
+    median over ranks, and the median of the slowest rank's wall time per call."""
+    import sparsecomm as sc
+
+    numel = int(size_mb * 1e6) // 4
+    res = sc.launch(functools.partial(worker, numel=numel, densities=densities, calls=calls, warmup=warmup,
+                                      profile=profile, kwargs=kwargs),
+                    workers, backend="gloo", timeout_s=600.0)
+    out = {}
+    for d in densities:
+        per_rank = [statistics.median(r["cpu"][d]) for r in res]
+        slowest = [max(r["wall"][d][j] for r in res) for j in range(calls)]
+        out[d] = {"cpu_ranks": per_rank, "cpu": statistics.median(per_rank),
+                  "wall": statistics.median(slowest)}
+    return out
+
+
+def ab(trees: list[str], rounds: int, argv: list[str]) -> None:
+    """Alternated runs of this benchmark, one subprocess per tree and round (see the module docstring)."""
+    here = os.path.abspath(__file__)
+    res: dict = {}
+    for r in range(rounds):
+        order = trees if r % 2 == 0 else trees[::-1]
+        for tree in order:
+            root = os.path.abspath(tree)
+            with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as fh:
+                out = fh.name
+            env = dict(os.environ, PYTHONPATH=root, NUMBA_CACHE_DIR=os.path.join(root, ".numba_cache"))
+            t0 = time.time()
+            subprocess.run([sys.executable, here, *argv, "--json", out], env=env, cwd=root, check=True,
+                           stdout=subprocess.DEVNULL)
+            with open(out) as fh:
+                rows = json.load(fh)
+            os.unlink(out)
+            for row in rows:
+                res.setdefault((row["workers"], row["density"]), {}).setdefault(tree, []).append(row)
+            print(f"# round {r}, {tree}: {time.time() - t0:.0f} s, load {os.getloadavg()[0]:.1f}", flush=True)
+    print("| n | d | tree | CPU ms per call per rank, median over ranks, per round | median | wall ms (median) |")
+    print("|---:|---:|---|---|---:|---:|")
+    for (n, d), per in sorted(res.items()):
+        for tree in trees:
+            rows = per.get(tree, [])
+            cpus = [row["cpu"] * 1e3 for row in rows]
+            walls = [row["wall"] * 1e3 for row in rows]
+            print(f"| {n} | {d:g} | {tree} | {' '.join(f'{c:.1f}' for c in cpus)} | "
+                  f"{statistics.median(cpus):.1f} | {statistics.median(walls):.1f} |")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workers", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--size-mb", type=float, default=100.0)
+    ap.add_argument("--densities", type=float, nargs="+", default=[0.01, 0.1, 1.0])
+    ap.add_argument("--calls", type=int, default=15)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--channels", type=int, default=None, help="the transport's channels (default: its own)")
+    ap.add_argument("--profile", default=None, metavar="DIR", help="cProfile every rank's timed calls into DIR")
+    ap.add_argument("--json", default=None, help="also write the rows to this file")
+    ap.add_argument("--trees", nargs="+", default=None, metavar="TREE",
+                    help="alternated A/B: run this benchmark in each tree (PYTHONPATH=TREE) per round")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds of --trees")
+    a = ap.parse_args(argv)
+    if a.trees:
+        rest, skip = [], False
+        for arg in argv:   # everything but --trees/--rounds goes to each run
+            if skip and not arg.startswith("--"):
+                continue
+            skip = arg.startswith("--trees") or arg.startswith("--rounds")
+            if not skip:
+                rest.append(arg)
+        ab(a.trees, a.rounds, rest)
+        return
+    kwargs = dict(KWARGS)
+    if a.channels is not None:
+        kwargs["channels"] = a.channels
+    rows = []
+    print(f"# {a.size_mb:g} MB, {kwargs}, {a.calls} calls, load {os.getloadavg()[0]:.1f}, torch {torch.__version__}")
+    print("| n | d | CPU ms per call, per rank | median over ranks | wall ms (slowest rank, median) |")
+    print("|---:|---:|---|---:|---:|")
+    for n in a.workers:
+        res = measure(n, a.size_mb, a.densities, a.calls, a.warmup, a.profile, kwargs)
+        for d, r in res.items():
+            rows.append(dict(workers=n, density=d, **r))
+            print(f"| {n} | {d:g} | {' '.join(f'{c * 1e3:.1f}' for c in r['cpu_ranks'])} | {r['cpu'] * 1e3:.1f} | "
+                  f"{r['wall'] * 1e3:.1f} |", flush=True)
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(rows, fh)
+
+
+if __name__ == "__main__":
+    main()
