@@ -243,3 +243,50 @@ def test_a_header_forged_for_one_aggregator_is_an_error_on_every_worker_after_th
 
     out = sc.launch(fn, 3, timeout_s=30)
     assert all(o is not None and "worker 1" in o for o in out), out
+
+
+def _mixed_channels(ctx, posted, lock, inplace):
+    """n = 2, two aggregators of two one-round channels of 8 blocks each: channel 0 of each aggregator
+    has 3 non-zero blocks per worker (some summed, not all), channel 1 all 8 (summed everywhere)."""
+    from sparsecomm.fabric.sim import SimFabric
+
+    f = ctx.fabric
+    irecv = SimFabric.irecv
+
+    def spy(tensor, src=None, tag=0):
+        with lock:
+            posted[f.rank, src, tag] += 1
+        return irecv(f, tensor, src, tag)
+
+    f.irecv = spy
+    bs = 16
+    x = torch.zeros(32, bs, dtype=torch.float64)
+    g = torch.Generator().manual_seed(ctx.rank)
+    for a in range(2):
+        x[16 * a + ctx.rank: 16 * a + ctx.rank + 3] = torch.randint(-5, 6, (3, bs), generator=g).double()
+        x[16 * a + 8: 16 * a + 16] = torch.randint(-5, 6, (8, bs), generator=g).double()
+    t = sc.transports.get("omnireduce", f, block_size=bs, lanes=4096, channels=2, inplace=inplace)
+    y = t.allreduce(x.reshape(-1).clone())
+    return y.clone(), x.reshape(-1)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_round0_sums_of_a_channel_not_summed_everywhere_travel_with_its_lane_words(inplace):
+    """A remote aggregator's round-0 reply of a channel with some blocks summed is one message (the sums,
+    then the lane words: one receive and one rendezvous fewer); a channel summed everywhere still gets its
+    sums apart, on their own tag (so that they can be received straight into the result). Exact sums,
+    also where the hosted aggregator sums in place (in place, the sums are copied out of the result)."""
+    import collections
+    import threading
+
+    from sparsecomm.transports.omnireduce import wire
+
+    posted, lock = collections.Counter(), threading.Lock()
+    out = sc.launch(functools.partial(_mixed_channels, posted=posted, lock=lock, inplace=inplace), 2,
+                    network=sc.Network(bandwidth_gbps=100, latency_us=2))
+    total = out[0][1] + out[1][1]
+    assert all(torch.equal(y, total) for y, _ in out)
+    for me, agg in ((0, 1), (1, 0)):
+        assert posted[me, agg, wire.tag_down(0)] == 1 and posted[me, agg, wire.tag_down(1)] == 1, posted
+        assert posted[me, agg, wire.tag_sums0(0)] == 0, posted       # fused with the words
+        assert posted[me, agg, wire.tag_sums0(1)] == 1, posted       # every block summed: apart

@@ -9,14 +9,15 @@ lanes=65536, inplace=True``, as ``experiments.bench.transports``) and calls ``al
 its block-sparse input (:func:`experiments.bench.transports.block_sparse`, the same seeds), restored
 before every call (untimed). Per call, ``time.process_time()`` (the rank's whole process: its main
 thread, gloo's threads and the fabric's helper threads) and the wall time, barrier to return, are taken
-around ``allreduce``; the densities are interleaved per repetition. Printed: per (n, d) the median CPU
+around ``allreduce``, and ``time.thread_time()`` (the main thread alone); the densities are interleaved per repetition. Printed: per (n, d) the median CPU
 per call of every rank, the median over ranks of those, and the median wall time of the slowest rank.
 CPU per call is what this measures: on a shared 2-core host the wall times are load-bound, the CPU
 figures much less so.
 
 ``--profile DIR``: each rank runs its timed calls under cProfile and writes
-``DIR/n{n}.d{d}.rank{R}.prof`` (read with ``python -m pstats``); the CPU figures then include the
-profiler's overhead.
+``DIR/n{n}.d{d}.rank{R}.prof`` (read with ``python -m pstats``), timed by the main thread's CPU
+(``time.thread_time``: other threads' CPU is not in it, nor is waiting); the CPU figures then include
+the profiler's overhead.
 
 ``--trees A B ...``: run this benchmark once per tree and round, alternating the trees' order each
 round, each with ``PYTHONPATH=<tree>`` and ``NUMBA_CACHE_DIR=<tree>/.numba_cache`` (so the transport's
@@ -53,12 +54,13 @@ def worker(ctx, numel: int, densities: list[float], calls: int, warmup: int, pro
                 for d in densities}
     work = {d: x.clone() for d, x in pristine.items()}
     cpu = {d: [] for d in densities}
+    main = {d: [] for d in densities}
     wall = {d: [] for d in densities}
     profs = {}
     if profile:
         import cProfile
 
-        profs = {d: cProfile.Profile() for d in densities}
+        profs = {d: cProfile.Profile(time.thread_time) for d in densities}   # the main thread's CPU
 
     def call(d: float, timed: bool) -> None:
         x = work[d]
@@ -67,13 +69,14 @@ def worker(ctx, numel: int, densities: list[float], calls: int, warmup: int, pro
         p = profs.get(d) if timed else None
         if p is not None:
             p.enable()
-        c0, w0 = time.process_time(), time.perf_counter()
+        c0, m0, w0 = time.process_time(), time.thread_time(), time.perf_counter()
         t.allreduce(x)
-        c1, w1 = time.process_time(), time.perf_counter()
+        c1, m1, w1 = time.process_time(), time.thread_time(), time.perf_counter()
         if p is not None:
             p.disable()
         if timed:
             cpu[d].append(c1 - c0)
+            main[d].append(m1 - m0)
             wall[d].append(w1 - w0)
 
     for _ in range(warmup):
@@ -87,7 +90,7 @@ def worker(ctx, numel: int, densities: list[float], calls: int, warmup: int, pro
         os.makedirs(profile, exist_ok=True)
         for d, p in profs.items():
             p.dump_stats(os.path.join(profile, f"n{ctx.world_size}.d{d:g}.rank{ctx.rank}.prof"))
-    return {"rank": ctx.rank, "cpu": cpu, "wall": wall}
+    return {"rank": ctx.rank, "cpu": cpu, "main": main, "wall": wall}
 
 
 def measure(workers: int, size_mb: float, densities: list[float], calls: int, warmup: int,
@@ -104,7 +107,8 @@ def measure(workers: int, size_mb: float, densities: list[float], calls: int, wa
     for d in densities:
         per_rank = [statistics.median(r["cpu"][d]) for r in res]
         slowest = [max(r["wall"][d][j] for r in res) for j in range(calls)]
-        out[d] = {"cpu_ranks": per_rank, "cpu": statistics.median(per_rank),
+        main = statistics.median(statistics.median(r["main"][d]) for r in res)
+        out[d] = {"cpu_ranks": per_rank, "cpu": statistics.median(per_rank), "main": main,
                   "wall": statistics.median(slowest)}
     return out
 
@@ -129,15 +133,17 @@ def ab(trees: list[str], rounds: int, argv: list[str]) -> None:
             for row in rows:
                 res.setdefault((row["workers"], row["density"]), {}).setdefault(tree, []).append(row)
             print(f"# round {r}, {tree}: {time.time() - t0:.0f} s, load {os.getloadavg()[0]:.1f}", flush=True)
-    print("| n | d | tree | CPU ms per call per rank, median over ranks, per round | median | wall ms (median) |")
-    print("|---:|---:|---|---|---:|---:|")
+    print("| n | d | tree | CPU ms per call per rank, median over ranks, per round | median | main thread | "
+          "wall ms (median) |")
+    print("|---:|---:|---|---|---:|---:|---:|")
     for (n, d), per in sorted(res.items()):
         for tree in trees:
             rows = per.get(tree, [])
             cpus = [row["cpu"] * 1e3 for row in rows]
             walls = [row["wall"] * 1e3 for row in rows]
+            mains = [row["main"] * 1e3 for row in rows]
             print(f"| {n} | {d:g} | {tree} | {' '.join(f'{c:.1f}' for c in cpus)} | "
-                  f"{statistics.median(cpus):.1f} | {statistics.median(walls):.1f} |")
+                  f"{statistics.median(cpus):.1f} | {statistics.median(mains):.1f} | {statistics.median(walls):.1f} |")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -170,14 +176,14 @@ def main(argv: list[str] | None = None) -> None:
         kwargs["channels"] = a.channels
     rows = []
     print(f"# {a.size_mb:g} MB, {kwargs}, {a.calls} calls, load {os.getloadavg()[0]:.1f}, torch {torch.__version__}")
-    print("| n | d | CPU ms per call, per rank | median over ranks | wall ms (slowest rank, median) |")
-    print("|---:|---:|---|---:|---:|")
+    print("| n | d | CPU ms per call, per rank | median over ranks | main thread | wall ms (slowest rank, median) |")
+    print("|---:|---:|---|---:|---:|---:|")
     for n in a.workers:
         res = measure(n, a.size_mb, a.densities, a.calls, a.warmup, a.profile, kwargs)
         for d, r in res.items():
             rows.append(dict(workers=n, density=d, **r))
             print(f"| {n} | {d:g} | {' '.join(f'{c * 1e3:.1f}' for c in r['cpu_ranks'])} | {r['cpu'] * 1e3:.1f} | "
-                  f"{r['wall'] * 1e3:.1f} |", flush=True)
+                  f"{r['main'] * 1e3:.1f} | {r['wall'] * 1e3:.1f} |", flush=True)
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(rows, fh)

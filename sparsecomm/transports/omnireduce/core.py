@@ -21,11 +21,13 @@ docstring holds the deadlock-freedom argument. A worker endpoint runs :func:`wor
 its hosted aggregator's :func:`aggregator`); a dedicated aggregator runs :func:`aggregator` alone
 (:mod:`.service`). Each spawns one lane role per channel (:func:`worker_lane`, :func:`agg_lane`).
 The fast paths are strategies (:mod:`.strategies`) called at named points: how blocks go up
-(``send_up``), where the sums land (``MessageSums`` / ``HomeSums``; ``post_sums0``/``land_sums0``).
+(``send_up``), where the sums land (``MessageSums`` / ``HomeSums``; ``post_reply0``/``take_reply0``).
 Message identities: :class:`.wire.Key` (inbox) and :class:`.wire.Buf` (pooled send buffers).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -167,14 +169,18 @@ class AggChannel:
 
     def finish(self):
         """Complete every pending block; each lane's next pending block is the smallest announced one.
-        The downstream: round 0, ``(lane words, sums or None)``; later rounds, one message."""
+        The downstream: round 0, a :class:`Reply0`; later rounds, one message."""
         newc = (np.full(self.act.size, self.ch.size, dtype=np.int64) if self.single
                 else self.nxt[:, self.act].min(axis=0))
         if not (newc > self.cur).all():
             raise ProtocolError("omnireduce: a lane's pending block did not complete in its round")
         msg, tail = self.sums.finish(self)
         if self.round == 0:
-            out = (wire.encode_words(newc, self.summed, self.ch), msg if self.k else None)
+            words = wire.encode_words(newc, self.summed, self.ch)
+            fused = wire.fused0(self.ch, self.k)
+            if fused:   # the words ride in the sums' message, after them (the strategy left room)
+                tail.view(torch.uint8)[:words.numel()].copy_(words)
+            out = Reply0(words, msg if self.k or fused else None, fused, self.k)
         else:
             tail.copy_(torch.from_numpy(newc))
             out = msg
@@ -184,6 +190,16 @@ class AggChannel:
         if not self.single:
             self.held = None
         return out
+
+
+class Reply0(NamedTuple):
+    """A channel's round-0 downstream: the lane words; the message of the ``k`` sums (``None`` if there
+    are none and nothing rides with them); ``fused``: the words ride in it (:func:`.wire.fused0`)."""
+
+    words: torch.Tensor
+    sums: torch.Tensor | None
+    fused: bool
+    k: int
 
 
 # ================================================================ the worker's roles
@@ -231,8 +247,7 @@ def verdict(call, a: int):
         yield Hand(Key(Msg.GO, call.rank), strategies.home_rows(call))
     else:                       # the round-0 replies' receives
         for ch in call.plans[a]:
-            yield Post(Key(Msg.WORDS, a, ch.slot), wire.meta_bytes(ch), call.aggregators[a], tag_down(ch.slot))
-            yield from strategies.post_sums0(call, a, ch, call.sums0[a, ch.slot])
+            yield from strategies.post_reply0(call, a, ch, call.sums0[a, ch.slot])
     call.mark(f"downstream posted {a}")
     for ch in call.plans[a]:
         yield Spawn(worker_lane(call, a, call.wch[a, ch.slot]))
@@ -278,15 +293,12 @@ def worker_lane(call, a: int, c: WorkerChannel):
     """A worker's lanes of aggregator ``a``'s channel ``c``: take each round's reply (the completed sums
     and the prompt), answer the prompt, until every lane is done."""
     g, pos, bs = c.ch.slot, call.pos[a], call.spec.block_size
-    # round 0's reply: words and sums waited for together (never a blocking take of the large sums)
+    # round 0's reply: words and sums in one message, or waited for together (never a blocking take of
+    # large sums)
     words = Key(Msg.WORDS, a, g)
-    yield Recv((words, Key(Msg.SUMS0, a, g)) if call.sums0[a, g] else (words,), order=(2, c.round, g, pos), reap=True)
-    newc, summed = wire.decode_words(call.inbox.take(Key(Msg.WORDS, a, g)), c.ch)   # round 0's reply
-    if int(summed.sum()) != call.sums0[a, g]:
-        raise ProtocolError("omnireduce: the round-0 sums do not match their lane words")
-    if call.sums0[a, g]:
-        strategies.land_sums0(call, a, g, np.flatnonzero(summed) + c.ch.lo)
-    c.start(newc)
+    yield Recv((words, Key(Msg.SUMS0, a, g)) if strategies.sums0_apart(call, a, c.ch) else (words,),
+               order=(2, c.round, g, pos), reap=True)
+    c.start(strategies.take_reply0(call, a, c.ch))
     while True:
         if c.active:   # answer the prompt; post the receive of the reply
             yield from strategies.send_up(call, Buf(Msg.UP, a, g, c.round % 2), a, c, Key(Msg.UP, call.rank, g))
@@ -377,20 +389,22 @@ def agg_lane(adm, c: AggChannel, inbox, outbox, host: int | None, mark=None):
 
 
 def send_down(adm, c: AggChannel, out, host: int | None):
-    """A completed round to every worker (by hand to the host): round 0's lane words and sums, or a
-    later round's message (double-buffered: :class:`.wire.Buf` by round parity)."""
+    """A completed round to every worker (by hand to the host): round 0's lane words and sums (one
+    message, or two: :class:`Reply0`), or a later round's message (double-buffered: :class:`.wire.Buf`
+    by round parity)."""
     tag = tag_down(c.slot)
     if c.round == 1:
-        words, sums = out
         for w in adm.order:
-            if w == host:
-                yield Hand(Key(Msg.WORDS, adm.index, c.slot), words)
-                if sums is not None:   # (None to the host: already in place in its result)
-                    yield Hand(Key(Msg.SUMS0, adm.index, c.slot), None if c.sums.in_place else sums)
+            if w == host:   # by hand: words and sums apart (the sums None: already in its result)
+                yield Hand(Key(Msg.WORDS, adm.index, c.slot), out.words)
+                if out.k:
+                    yield Hand(Key(Msg.SUMS0, adm.index, c.slot), None if c.sums.in_place else out.sums)
+            elif out.fused:
+                yield Send(out.sums, w, tag, Buf(Msg.DOWN, slot=c.slot, parity=0))
             else:
-                yield Send(words, w, tag)
-                if sums is not None:
-                    yield Send(sums, w, tag_sums0(c.slot), Buf(Msg.DOWN, slot=c.slot, parity=0))
+                yield Send(out.words, w, tag)
+                if out.k:
+                    yield Send(out.sums, w, tag_sums0(c.slot), Buf(Msg.DOWN, slot=c.slot, parity=0))
         return
     for w in adm.order:
         if w == host:

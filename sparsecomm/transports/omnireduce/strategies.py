@@ -10,9 +10,9 @@ None of them changes what travels or which blocks are summed; they change only w
   default) or :class:`HomeSums` (colocated, in place: a one-round channel of the hosting worker's
   in-place call is summed straight into its input, which already holds its own blocks, and the sums
   are sent from there), chosen by :func:`home_rows` / :func:`sum_at_home`;
-* where round-0 sums land at a worker (:func:`post_sums0`, :func:`land_sums0`): a whole channel,
-  summed everywhere, is received straight into the result; otherwise into a pooled buffer, then
-  written.
+* where round-0 sums land at a worker (:func:`post_reply0`, :func:`take_reply0`): with the lane words
+  in one message (:func:`.wire.fused0`), written; a whole channel, summed everywhere, apart and
+  straight into the result; otherwise into a pooled buffer, then written.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from ...errors import ProtocolError
 from . import wire
 from .blocks import block_run
 from .mailbox import Hand, Post, PostInto, Send
-from .wire import Buf, Key, Msg, tag_sums0, tag_up
+from .wire import Buf, Key, Msg, tag_down, tag_sums0, tag_up
 
 
 # ------------------------------------------------------------------ how blocks go up
@@ -91,7 +91,8 @@ class MessageSums:
 
     def begin(self, c, outbox) -> None:
         key = Buf(Msg.DOWN, slot=c.slot, parity=c.round % 2)
-        self.msg, self.data, self.tail = outbox.message(key, c.k, c.bs, c.down, meta=c.round > 0)
+        extra = wire.words_ints(c.ch) if c.round == 0 and wire.fused0(c.ch, c.k) else 0   # (room for the words)
+        self.msg, self.data, self.tail = outbox.message(key, c.k, c.bs, c.down, extra=extra, meta=c.round > 0)
         self.acc = self.data if c.acc_dtype == c.down else torch.empty(c.k, c.bs, dtype=c.acc_dtype)
         self.fresh = True   # acc not yet written: the first contribution is copied, not added
 
@@ -142,22 +143,67 @@ class HomeSums:
                 self.rows.index_add_(0, torch.from_numpy(lanes), blocks)
 
     def finish(self, c):
-        """The message: the summed rows (a view when they are one run)."""
+        """The message: the summed rows (a view when they are one run and travel alone), or a copy of
+        them with room for the lane words (:func:`.wire.fused0`)."""
         ids = np.flatnonzero(c.summed)
         run = block_run(ids)
-        msg = None
-        if run is not None and c.k * c.bs * c.down.itemsize % 4 == 0:
-            msg = self.rows[run[0]:run[1]].reshape(-1).view(torch.uint8)
+        fused = wire.fused0(c.ch, c.k)
+        if not fused and run is not None and c.k * c.bs * c.down.itemsize % 4 == 0:
+            return self.rows[run[0]:run[1]].reshape(-1).view(torch.uint8), None
+        if not (fused or c.k):
+            return None, None
+        msg, data, tail = self.outbox.message(Buf(Msg.DOWN, slot=c.slot, parity=0), c.k, c.bs, c.down,
+                                              extra=wire.words_ints(c.ch) if fused else 0, meta=False)
+        if run is not None:
+            data.copy_(self.rows[run[0]:run[1]])
         elif c.k:
-            msg, data, _ = self.outbox.message(Buf(Msg.DOWN, slot=c.slot, parity=0), c.k, c.bs, c.down, meta=False)
             torch.index_select(self.rows, 0, torch.from_numpy(ids), out=data)
-        return msg, None
+        return msg, tail
 
 
 # ------------------------------------------------------------------ where sums land: worker
+def post_reply0(call, a: int, ch: wire.Channel, k: int):
+    """The receives of remote aggregator ``a``'s round-0 reply of channel ``ch`` (``k`` sums): one
+    message, the sums then the lane words (:func:`.wire.fused0`); or, every block summed, the words,
+    then the sums on their own tag (:func:`post_sums0`)."""
+    src, bs, down = call.aggregators[a], call.spec.block_size, call.down
+    if wire.fused0(ch, k):
+        yield Post(Key(Msg.WORDS, a, ch.slot), wire.block_bytes(k, bs, down.itemsize, wire.words_ints(ch), meta=False),
+                   src, tag_down(ch.slot))
+        return
+    yield Post(Key(Msg.WORDS, a, ch.slot), wire.meta_bytes(ch), src, tag_down(ch.slot))
+    yield from post_sums0(call, a, ch, k)
+
+
+def sums0_apart(call, a: int, ch: wire.Channel) -> bool:
+    """Do aggregator ``a``'s round-0 sums of ``ch`` come as a message of their own (``Msg.SUMS0``)?"""
+    k = call.sums0[a, ch.slot]
+    return bool(k) and (a == call.own or not wire.fused0(ch, k))
+
+
+def take_reply0(call, a: int, ch: wire.Channel) -> np.ndarray:
+    """Take round 0's reply of aggregator ``a``'s channel ``ch`` and land its sums in the result; return
+    every lane's next pending block."""
+    k, bs = call.sums0[a, ch.slot], call.spec.block_size
+    buf = call.inbox.take(Key(Msg.WORDS, a, ch.slot))
+    fused = a != call.own and wire.fused0(ch, k)
+    if fused:
+        data, tail = wire.split(buf, k, bs, call.down, wire.words_ints(ch), meta=False)
+        buf = tail.view(torch.uint8)[:wire.meta_bytes(ch)]
+    newc, summed = wire.decode_words(buf, ch)
+    if int(summed.sum()) != k:
+        raise ProtocolError("omnireduce: the round-0 sums do not match their lane words")
+    if fused:
+        if k:
+            call.sink.write(np.flatnonzero(summed) + ch.lo, data)
+    elif k:
+        land_sums0(call, a, ch.slot, np.flatnonzero(summed) + ch.lo)
+    return newc
+
+
 def post_sums0(call, a: int, ch: wire.Channel, k: int):
-    """The receive of remote aggregator ``a``'s round-0 sums of channel ``ch`` (``k`` blocks): straight
-    into the result when the whole channel is summed and its bytes are the result's, else pooled."""
+    """The receive of remote aggregator ``a``'s round-0 sums of channel ``ch`` apart (``k`` blocks, all
+    of the channel's): straight into the result when its bytes are the result's, else pooled."""
     tag, sink, down = tag_sums0(ch.slot), call.sink, call.down
     nbytes = wire.block_bytes(k, call.spec.block_size, down.itemsize, meta=False)
     if (k == ch.size and call.result.dtype == down and ch.lo + ch.size <= sink.full

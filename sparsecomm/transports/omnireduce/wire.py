@@ -45,7 +45,8 @@ from .._handshake import dtype_code as _hs_dtype_code
 from .._handshake import dtype_from_code as _hs_dtype_from_code
 from .._handshake import _error as _mismatch
 
-MAGIC = 0x4F4D4E49_0003  # "OMNI", wire version 3 (3: round-0 sums on their own tag, tag_sums0)
+MAGIC = 0x4F4D4E49_0004  # "OMNI", wire version 4 (3: round-0 sums on their own tag, tag_sums0; 4: a
+#                          round-0 reply's sums and lane words in one message unless the channel is all summed)
 MAX_CHANNELS = 16
 HDR = 12 + MAX_CHANNELS    # int64 fields: 12 scalars, then one count per channel (slot)
 TAG_HDR_UP = 0x4F4F01     # round-0 header, worker -> aggregator
@@ -59,8 +60,8 @@ class Msg(IntEnum):
     REPLY = 1      #: aggregator -> worker: the verdict (reply header), on ``TAG_HDR_DOWN``
     FIRSTS = 2     #: worker -> aggregator, per channel: first look-aheads (round-0 metadata)
     BLOCKS0 = 3    #: worker -> aggregator, per channel: its position-0 blocks
-    WORDS = 4      #: aggregator -> worker, per channel: round-0 lane words
-    SUMS0 = 5      #: aggregator -> worker, per channel: the position-0 sums (on :func:`tag_sums0`)
+    WORDS = 4      #: aggregator -> worker, per channel: round-0 lane words, after the sums (:func:`fused0`)
+    SUMS0 = 5      #: aggregator -> worker, per channel, every block summed: the sums alone (:func:`tag_sums0`)
     UP = 6         #: worker -> aggregator, per channel, rounds >= 1: held blocks + look-aheads
     DOWN = 7       #: aggregator -> worker, per channel, rounds >= 1: sums + next pending blocks
     GO = 8         #: local only, colocated worker -> its hosted aggregator: its verdict is taken, start
@@ -272,6 +273,19 @@ def single(ch: Channel) -> bool:
     of round 0 shrinks to one bit (a first look-ahead can only be "position 0" or "none"; the next
     pending block after round 0 is always "none")."""
     return ch.lanes >= ch.size
+
+
+def fused0(ch: Channel, k: int) -> bool:
+    """Do a channel's ``k`` round-0 sums travel in the lane words' message (``k`` blocks, then the words
+    padded to 4 bytes: :func:`words_ints` int32 of tail, see :func:`split`)? Yes unless every block of
+    the channel is summed: then the words go alone, the sums apart on :func:`tag_sums0` (so that a worker
+    can receive them straight into its result). One receive and one rendezvous per channel fewer."""
+    return k < ch.size
+
+
+def words_ints(ch: Channel) -> int:
+    """The int32 words of tail a fused round-0 reply (:func:`fused0`) carries its lane words in."""
+    return pad4(meta_bytes(ch)) // 4
 
 
 def meta_bytes(ch: Channel) -> int:
