@@ -290,3 +290,20 @@ def test_round0_sums_of_a_channel_not_summed_everywhere_travel_with_its_lane_wor
         assert posted[me, agg, wire.tag_down(0)] == 1 and posted[me, agg, wire.tag_down(1)] == 1, posted
         assert posted[me, agg, wire.tag_sums0(0)] == 0, posted       # fused with the words
         assert posted[me, agg, wire.tag_sums0(1)] == 1, posted       # every block summed: apart
+
+
+def test_a_workers_first_look_aheads_of_every_channel_are_one_message():
+    """Round 0 up, per worker and aggregator: the header, one message of every channel's first
+    look-aheads (on ``TAG_FIRSTS``), then one message of position-0 blocks per channel (on its tag)."""
+    import collections
+    import threading
+
+    from sparsecomm.transports.omnireduce import wire
+
+    posted, lock = collections.Counter(), threading.Lock()
+    out = sc.launch(functools.partial(_mixed_channels, posted=posted, lock=lock, inplace=False), 2,
+                    network=sc.Network(bandwidth_gbps=100, latency_us=2))
+    assert all(torch.equal(y, out[0][1] + out[1][1]) for y, _ in out)
+    for agg, w in ((0, 1), (1, 0)):
+        assert posted[agg, w, wire.TAG_HDR_UP] == 1 and posted[agg, w, wire.TAG_FIRSTS] == 1, posted
+        assert posted[agg, w, wire.tag_up(0)] == 1 and posted[agg, w, wire.tag_up(1)] == 1, posted

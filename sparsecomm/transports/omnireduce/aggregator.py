@@ -18,7 +18,7 @@ from ...errors import ProtocolError, SparseCommError  # noqa: F401 (ProtocolErro
 from . import wire
 from .core import AggChannel
 from .mailbox import Inbox, Outbox, Post
-from .wire import HDR, OK, TAG_HDR_UP, Buf, Key, Msg, tag_up
+from .wire import HDR, OK, TAG_FIRSTS, TAG_HDR_UP, Buf, Key, Msg, tag_up
 
 
 class AggCall:
@@ -67,11 +67,12 @@ class AggCall:
         return []
 
     def _post_round0(self, w: int, h: np.ndarray) -> list:
-        """Worker ``w``'s round-0 receives: every channel's (small) first look-aheads, then its
-        position-0 blocks (a pair's messages on one tag arrive in the order they were sent)."""
+        """Worker ``w``'s round-0 receives: its channels' (small) first look-aheads, one message, then
+        its position-0 blocks per channel."""
         up = wire.code_dtype(h[wire.F_DTYPE])
-        out = [Post(Key(Msg.FIRSTS, w, ch.slot), wire.meta_bytes(ch), w, tag_up(ch.slot)) for ch in self._chans_of[w]]
-        for ch in self._chans_of[w]:
+        chans = self._chans_of[w]
+        out = [Post(Key(Msg.FIRSTS, w), wire.firsts_bytes(chans), w, TAG_FIRSTS)] if chans else []
+        for ch in chans:
             k0 = int(h[wire.F_K0 + ch.slot])
             if k0:
                 out.append(Post(Key(Msg.BLOCKS0, w, ch.slot), wire.block_bytes(
@@ -149,22 +150,25 @@ class AggCall:
         firsts, blocks = [], []
         for w in self.remote():
             if w in self._drain:
+                if self._chans_of[w]:
+                    firsts.append(Key(Msg.FIRSTS, w))
                 for ch in self._chans_of[w]:
-                    firsts.append(Key(Msg.FIRSTS, w, ch.slot))
                     if int(self.headers[w][wire.F_K0 + ch.slot]):
                         blocks.append(Key(Msg.BLOCKS0, w, ch.slot))
         return firsts, blocks
 
     def firsts(self) -> list:
         """The first look-aheads' keys (:meth:`prepare` takes them)."""
-        return [Key(Msg.FIRSTS, w, c.slot) for c in self.channels for w in self.order]
+        return [Key(Msg.FIRSTS, w) for w in self.order] if self.channels else []
 
     def prepare(self, inbox: Inbox) -> None:
         """Take every channel's first look-aheads (small, sent before anything else): each channel's
         round-0 pending blocks and holders are then known."""
+        chans = [c.ch for c in self.channels]
+        for w in self.order if chans else ():
+            for c, part in zip(self.channels, wire.split_firsts(inbox.take(Key(Msg.FIRSTS, w)), chans)):
+                c.set_firsts(w, part)
         for c in self.channels:
-            for w in self.order:
-                c.set_firsts(w, inbox.take(Key(Msg.FIRSTS, w, c.slot)))
             counts = c.expect()
             if any(int(counts[w]) != int(self.headers[w][wire.F_K0 + c.slot]) for w in self.order):
                 raise ProtocolError("omnireduce: round-0 blocks do not match their look-aheads")

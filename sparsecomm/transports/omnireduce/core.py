@@ -37,7 +37,7 @@ from ...errors import MalformedMessage, ProtocolError
 from .._handshake import _fail
 from . import strategies, wire
 from .mailbox import Hand, Poll, Post, Recv, Send, Spawn
-from .wire import HDR, OK, TAG_HDR_DOWN, TAG_HDR_UP, Buf, Key, Msg, tag_down, tag_sums0, tag_up
+from .wire import HDR, OK, TAG_FIRSTS, TAG_HDR_DOWN, TAG_HDR_UP, Buf, Key, Msg, tag_down, tag_sums0, tag_up
 
 
 #: pieces a colocated worker's scan is cut into, a ``Poll`` between them (:func:`scan`) running the roles
@@ -270,18 +270,18 @@ def scan(call, a: int):
 
 
 def send_round0(call, aggs: list[int]):
-    """Round 0 to ``aggs``: a header each; then every channel's first look-aheads (small), then the
-    position-0 blocks (slot-major; per slot the heaviest aggregators first)."""
+    """Round 0 to ``aggs``: a header each; then to each its channels' first look-aheads (small, one
+    message), then the position-0 blocks (slot-major; per slot the heaviest aggregators first)."""
     for a in aggs:
         hdr = call.spec.header(call.n, {ch.slot: call.wch[a, ch.slot].pending0() for ch in call.plans[a]})
         yield from call.up(a, Key(Msg.HDR, call.rank), hdr.view(torch.uint8), TAG_HDR_UP)
         if a != call.own:
             yield Post(Key(Msg.REPLY, a), 8 * HDR, call.aggregators[a], TAG_HDR_DOWN)
-    for g in range(call.spec.channels):
-        for a in aggs:
-            c = call.wch.get((a, g))
-            if c is not None:
-                yield from call.up(a, Key(Msg.FIRSTS, call.rank, g), wire.encode_firsts(c.mine, c.ch), tag_up(g))
+    for a in aggs:
+        chans = [call.wch[a, ch.slot] for ch in call.plans[a]]
+        if chans:
+            firsts = torch.cat([wire.encode_firsts(c.mine, c.ch) for c in chans])
+            yield from call.up(a, Key(Msg.FIRSTS, call.rank), firsts, TAG_FIRSTS)
     for g in range(call.spec.channels):
         for a in sorted(aggs, key=lambda a: -call.wch[a, g].pending0() if (a, g) in call.wch else 0):
             if (a, g) in call.wch:

@@ -46,11 +46,13 @@ from .._handshake import dtype_from_code as _hs_dtype_from_code
 from .._handshake import _error as _mismatch
 
 MAGIC = 0x4F4D4E49_0004  # "OMNI", wire version 4 (3: round-0 sums on their own tag, tag_sums0; 4: a
-#                          round-0 reply's sums and lane words in one message unless the channel is all summed)
+#                          round-0 reply's sums and lane words in one message unless the channel is all summed,
+#                          and a worker's first look-aheads of every channel in one message, TAG_FIRSTS)
 MAX_CHANNELS = 16
 HDR = 12 + MAX_CHANNELS    # int64 fields: 12 scalars, then one count per channel (slot)
 TAG_HDR_UP = 0x4F4F01     # round-0 header, worker -> aggregator
 TAG_HDR_DOWN = 0x4F4F02   # round-0 reply header, aggregator -> worker
+TAG_FIRSTS = 0x4F4F03     # round-0 first look-aheads of every channel, worker -> aggregator
 
 
 class Msg(IntEnum):
@@ -58,7 +60,7 @@ class Msg(IntEnum):
 
     HDR = 0        #: worker -> aggregator: the round-0 header (``int64[HDR]``), on ``TAG_HDR_UP``
     REPLY = 1      #: aggregator -> worker: the verdict (reply header), on ``TAG_HDR_DOWN``
-    FIRSTS = 2     #: worker -> aggregator, per channel: first look-aheads (round-0 metadata)
+    FIRSTS = 2     #: worker -> aggregator: every channel's first look-aheads, one message (on ``TAG_FIRSTS``)
     BLOCKS0 = 3    #: worker -> aggregator, per channel: its position-0 blocks
     WORDS = 4      #: aggregator -> worker, per channel: round-0 lane words, after the sums (:func:`fused0`)
     SUMS0 = 5      #: aggregator -> worker, per channel, every block summed: the sums alone (:func:`tag_sums0`)
@@ -305,7 +307,22 @@ def decode_firsts(buf: torch.Tensor, ch: Channel) -> np.ndarray:
     if single(ch):
         bits = np.unpackbits(buf.numpy(), bitorder="little", count=ch.lanes).astype(bool)
         return np.where(bits, np.arange(ch.lanes), ch.size)
-    return buf.view(torch.int32).numpy().astype(np.int64)
+    return buf.numpy().view(np.int32).astype(np.int64)   # (numpy: at any byte offset in the message)
+
+
+def firsts_bytes(chans: list[Channel]) -> int:
+    """Bytes of a worker's round-0 metadata to one aggregator: its channels' first look-aheads, one after
+    another in slot order (:func:`encode_firsts`), one message."""
+    return sum(meta_bytes(ch) for ch in chans)
+
+
+def split_firsts(buf: torch.Tensor, chans: list[Channel]) -> list[torch.Tensor]:
+    """Each channel's part of a :func:`firsts_bytes` message."""
+    out, off = [], 0
+    for ch in chans:
+        out.append(buf[off: off + meta_bytes(ch)])
+        off += meta_bytes(ch)
+    return out
 
 
 def encode_words(newc: np.ndarray, summed: np.ndarray, ch: Channel) -> torch.Tensor:
