@@ -307,3 +307,45 @@ def test_a_workers_first_look_aheads_of_every_channel_are_one_message():
     for agg, w in ((0, 1), (1, 0)):
         assert posted[agg, w, wire.TAG_HDR_UP] == 1 and posted[agg, w, wire.TAG_FIRSTS] == 1, posted
         assert posted[agg, w, wire.tag_up(0)] == 1 and posted[agg, w, wire.tag_up(1)] == 1, posted
+
+
+def test_a_sure_wait_is_resumed_without_watching_its_receives():
+    """A role whose messages come whatever this endpoint does (``Recv.sure``: round 0 up) is resumed at
+    once when it is the preferred candidate: its receive is taken blocking, never polled for arrival
+    (on gloo each poll of a receive costs a helper thread) and ``wait_any`` is not needed."""
+    looked, log = [], []
+
+    class _Work:
+        def __init__(self, name):
+            self.name = name
+
+        def is_completed(self):
+            looked.append(self.name)
+            return True
+
+        def wait(self):
+            log.append(f"wait {self.name}")
+
+    class _Fabric(_LocalFabric):
+        def irecv(self, buf, src, tag):
+            return _Work(tag)
+
+        def wait_any(self, groups):
+            log.append("wait_any")
+            return 0
+
+    f, pool = _Fabric(), Pool()
+    inbox = Inbox(f, pool)
+
+    def sure():
+        yield Post(("a",), 4, 0, 1)
+        yield Recv((("a",),), order=(0,), sure=True)
+        inbox.take(("a",))
+
+    def other():
+        yield Post(("b",), 4, 0, 2)
+        yield Recv((("b",),), order=(1,))
+        inbox.take(("b",))
+
+    drive(f, inbox, Outbox(f, pool), [sure(), other()])
+    assert 1 not in looked and log == ["wait 1", "wait 2"], (looked, log)

@@ -335,7 +335,7 @@ def aggregator(adm, inbox, outbox, host: int | None = None, ref: np.ndarray | No
     for p in adm.take_headers(inbox):
         yield p
     if adm.status == OK:
-        yield Recv(tuple(adm.firsts()), order=(0,))
+        yield Recv(tuple(adm.firsts()), order=(0,), sure=True)   # (each right after its header, taken)
         adm.prepare(inbox)
     reply = adm.reply(outbox)
     for w in adm.order:
@@ -343,7 +343,7 @@ def aggregator(adm, inbox, outbox, host: int | None = None, ref: np.ndarray | No
             yield Send(reply, w, TAG_HDR_DOWN, Buf(Msg.REPLY))
     if adm.status != OK:
         for keys in adm.drain():
-            yield Recv(tuple(keys), order=(0,))
+            yield Recv(tuple(keys), order=(0,), sure=True)
             for k in keys:
                 inbox.take(k)
     if host is not None:

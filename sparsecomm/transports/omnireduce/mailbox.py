@@ -183,7 +183,10 @@ class Recv(NamedTuple):
     once, as any other, when it is the only role able to run: it then takes them in order).
     ``reap``: before choosing among roles, :func:`drive` finishes all but ``keep`` of this endpoint's
     sends if any of them waits with ``reap`` (the lane rounds; not round 0: the sends of a worker whose
-    header was rejected never complete)
+    header was rejected never complete). ``sure``: every peer sends these messages before its first
+    wait (round 0 up), so a blocking take of them ends whatever this endpoint does: when the role is the
+    most preferred one able to run, it is resumed at once (no watch for their arrival: on gloo that
+    costs a helper thread per receive, :mod:`sparsecomm.fabric.torch_waiters`)
     A role that is the only one able to run is resumed at once: its takes then block in order, so that
     it works on the first messages while the later ones arrive."""
 
@@ -192,6 +195,7 @@ class Recv(NamedTuple):
     gone: tuple = ()
     any: bool = False
     reap: bool = False
+    sure: bool = False
 
 
 class Poll(NamedTuple):
@@ -222,9 +226,10 @@ def drive(fabric: Fabric, inbox: Inbox, outbox: Outbox, roles: list, keep: int =
     of round ``r - 1``, which it has sent; round 0 waits only for what every worker sends before its
     first wait (the headers, first look-aheads, position-0 blocks) and for the verdicts sent on them; a
     hand-over between two roles of one endpoint is in once handed, and ``gone`` waits only for a take
-    by a role that can run at once; (3) the scheduler never blocks on one role while another could run (a role is a candidate
-    only once every message it waits for is posted or handed over, and it blocks only on the one
-    candidate, or on whichever candidate completes first). So every wait ends, on any fabric and
+    by a role that can run at once; (3) the scheduler never blocks on one role while another could run,
+    unless the one's messages come whatever this endpoint does (a role is a candidate only once every
+    message it waits for is posted or handed over, and it blocks only on the one candidate, on a
+    ``sure`` one, or on whichever candidate completes first). So every wait ends, on any fabric and
     whatever its buffering; a role left with nothing to run is a bug, reported as such.
     """
     _Scheduler(fabric, inbox, outbox).run(roles, keep)
@@ -247,7 +252,7 @@ class _Scheduler:
                 raise ProtocolError("omnireduce: no role of this call can run (a bug)")
             if any(rw[1].reap for rw in cands):
                 self.outbox.reap(keep)
-            if len(cands) == 1:   # the only one: its own takes block (no polling)
+            if len(cands) == 1 or cands[0][1].sure:   # the only one, or sure: its own takes block
                 self.resume(cands[0])
                 continue
             groups, owner = [], []   # per candidate its pending receives; an ``any`` one, each alone
@@ -311,7 +316,7 @@ class _Scheduler:
         while True:   # (the roles at or past ``below`` are skipped before any look at their messages)
             now = sorted((rw for rw in self.waiting if (below is None or rw[1].order < below)
                           and all(has(k) for k in rw[1].keys) and not any(has(k) for k in rw[1].gone)
-                          and (any if rw[1].any else all)(ready(k) for k in rw[1].keys)),
+                          and (rw[1].sure or (any if rw[1].any else all)(ready(k) for k in rw[1].keys))),
                          key=lambda rw: rw[1].order)
             if not now:
                 return
