@@ -364,7 +364,7 @@ def agg_lane(adm, c: AggChannel, inbox, outbox, host: int | None, mark=None):
     gone = (Key(Msg.WORDS, adm.index, c.slot), Key(Msg.DOWN, adm.index, c.slot)) if host is not None else ()
     while c.active:
         r0 = c.round == 0
-        yield Recv(c.round_keys(), order=(1, c.round, c.slot), gone=gone, reap=True)
+        yield Recv(c.round_keys(), order=(1, c.round, c.slot), gone=gone, reap=True, sure=r0)   # (round 0 up)
         if r0:
             c.begin(outbox)
         for w in sorted(adm.order, key=lambda v: c.counts[v]):

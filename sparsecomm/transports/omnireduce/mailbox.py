@@ -186,7 +186,8 @@ class Recv(NamedTuple):
     header was rejected never complete). ``sure``: every peer sends these messages before its first
     wait (round 0 up), so a blocking take of them ends whatever this endpoint does: when the role is the
     most preferred one able to run, it is resumed at once (no watch for their arrival: on gloo that
-    costs a helper thread per receive, :mod:`sparsecomm.fabric.torch_waiters`)
+    costs a helper thread per receive, :mod:`sparsecomm.fabric.torch_waiters`), and a ``Poll`` resumes
+    it as if its messages were in (it then blocks until they are, which they will be)
     A role that is the only one able to run is resumed at once: its takes then block in order, so that
     it works on the first messages while the later ones arrive."""
 
