@@ -9,8 +9,11 @@ lanes=65536, inplace=True``, as ``experiments.bench.transports``) and calls ``al
 its block-sparse input (:func:`experiments.bench.transports.block_sparse`, the same seeds), restored
 before every call (untimed). Per call, ``time.process_time()`` (the rank's whole process: its main
 thread, gloo's threads and the fabric's helper threads) and the wall time, barrier to return, are taken
-around ``allreduce``, and ``time.thread_time()`` (the main thread alone); the densities are interleaved per repetition. Printed: per (n, d) the median CPU
-per call of every rank, the median over ranks of those, and the median wall time of the slowest rank.
+around ``allreduce``, and ``time.thread_time()`` (the main thread alone); the densities are
+interleaved per repetition. Printed: per (n, d) the median CPU per call of every rank, the median
+over ranks of those, and the median wall time of the slowest rank; and per call (median over ranks and calls) the receives and sends this rank posted on the fabric and
+the receives handed to a helper thread to learn of their completion (gloo reports completion only
+through a blocking wait: :mod:`sparsecomm.fabric.torch_waiters`).
 CPU per call is what this measures: on a shared 2-core host the wall times are load-bound, the CPU
 figures much less so.
 
@@ -50,11 +53,13 @@ def worker(ctx, numel: int, densities: list[float], calls: int, warmup: int, pro
 
     f = ctx.fabric
     t = sc.transports.get("omnireduce", f, **kwargs)
+    ops = _count_ops(f)
     pristine = {d: block_sparse(numel, d, kwargs["block_size"], seed=1000 * ctx.rank + int(d * 1e4))
                 for d in densities}
     work = {d: x.clone() for d, x in pristine.items()}
     cpu = {d: [] for d in densities}
     main = {d: [] for d in densities}
+    counts = {d: [] for d in densities}
     wall = {d: [] for d in densities}
     profs = {}
     if profile:
@@ -69,14 +74,17 @@ def worker(ctx, numel: int, densities: list[float], calls: int, warmup: int, pro
         p = profs.get(d) if timed else None
         if p is not None:
             p.enable()
+        before = dict(ops)
         c0, m0, w0 = time.process_time(), time.thread_time(), time.perf_counter()
         t.allreduce(x)
         c1, m1, w1 = time.process_time(), time.thread_time(), time.perf_counter()
+        after = dict(ops)
         if p is not None:
             p.disable()
         if timed:
             cpu[d].append(c1 - c0)
             main[d].append(m1 - m0)
+            counts[d].append({k: after[k] - before.get(k, 0) for k in after})
             wall[d].append(w1 - w0)
 
     for _ in range(warmup):
@@ -90,7 +98,27 @@ def worker(ctx, numel: int, densities: list[float], calls: int, warmup: int, pro
         os.makedirs(profile, exist_ok=True)
         for d, p in profs.items():
             p.dump_stats(os.path.join(profile, f"n{ctx.world_size}.d{d:g}.rank{ctx.rank}.prof"))
-    return {"rank": ctx.rank, "cpu": cpu, "main": main, "wall": wall}
+    return {"rank": ctx.rank, "cpu": cpu, "main": main, "wall": wall, "counts": counts}
+
+
+def _count_ops(f) -> dict:
+    """Count, from now on, this rank's receives and sends posted on the fabric and (gloo) the receives
+    handed to a helper thread to learn of their completion (:mod:`sparsecomm.fabric.torch_waiters`):
+    wrappers on this process's own objects, for this benchmark only."""
+    from sparsecomm.fabric import torch_waiters
+
+    ops = {"recvs": 0, "sends": 0, "handoffs": 0}
+
+    def counting(name, fn):
+        def wrapped(*args, **kwargs):
+            ops[name] += 1
+            return fn(*args, **kwargs)
+        return wrapped
+
+    f._post_recv = counting("recvs", f._post_recv)
+    f._post_send = counting("sends", f._post_send)
+    torch_waiters._WAITERS.submit = counting("handoffs", torch_waiters._WAITERS.submit)
+    return ops
 
 
 def measure(workers: int, size_mb: float, densities: list[float], calls: int, warmup: int,
@@ -108,7 +136,8 @@ def measure(workers: int, size_mb: float, densities: list[float], calls: int, wa
         per_rank = [statistics.median(r["cpu"][d]) for r in res]
         slowest = [max(r["wall"][d][j] for r in res) for j in range(calls)]
         main = statistics.median(statistics.median(r["main"][d]) for r in res)
-        out[d] = {"cpu_ranks": per_rank, "cpu": statistics.median(per_rank), "main": main,
+        ops = {k: statistics.median(c[k] for r in res for c in r["counts"][d]) for k in ("recvs", "sends", "handoffs")}
+        out[d] = {"cpu_ranks": per_rank, "cpu": statistics.median(per_rank), "main": main, "ops": ops,
                   "wall": statistics.median(slowest)}
     return out
 
@@ -134,16 +163,18 @@ def ab(trees: list[str], rounds: int, argv: list[str]) -> None:
                 res.setdefault((row["workers"], row["density"]), {}).setdefault(tree, []).append(row)
             print(f"# round {r}, {tree}: {time.time() - t0:.0f} s, load {os.getloadavg()[0]:.1f}", flush=True)
     print("| n | d | tree | CPU ms per call per rank, median over ranks, per round | median | main thread | "
-          "wall ms (median) |")
-    print("|---:|---:|---|---|---:|---:|---:|")
+          "wall ms (median) | receives / sends / hand-offs |")
+    print("|---:|---:|---|---|---:|---:|---:|---|")
     for (n, d), per in sorted(res.items()):
         for tree in trees:
             rows = per.get(tree, [])
             cpus = [row["cpu"] * 1e3 for row in rows]
             walls = [row["wall"] * 1e3 for row in rows]
             mains = [row["main"] * 1e3 for row in rows]
+            ops = " / ".join(f"{statistics.median(row['ops'][k] for row in rows):g}" for k in ("recvs", "sends", "handoffs"))
             print(f"| {n} | {d:g} | {tree} | {' '.join(f'{c:.1f}' for c in cpus)} | "
-                  f"{statistics.median(cpus):.1f} | {statistics.median(mains):.1f} | {statistics.median(walls):.1f} |")
+                  f"{statistics.median(cpus):.1f} | {statistics.median(mains):.1f} | {statistics.median(walls):.1f} | "
+                  f"{ops} |")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -176,14 +207,16 @@ def main(argv: list[str] | None = None) -> None:
         kwargs["channels"] = a.channels
     rows = []
     print(f"# {a.size_mb:g} MB, {kwargs}, {a.calls} calls, load {os.getloadavg()[0]:.1f}, torch {torch.__version__}")
-    print("| n | d | CPU ms per call, per rank | median over ranks | main thread | wall ms (slowest rank, median) |")
-    print("|---:|---:|---|---:|---:|---:|")
+    print("| n | d | CPU ms per call, per rank | median over ranks | main thread | wall ms (slowest rank, median) "
+          "| receives / sends / hand-offs per call |")
+    print("|---:|---:|---|---:|---:|---:|---|")
     for n in a.workers:
         res = measure(n, a.size_mb, a.densities, a.calls, a.warmup, a.profile, kwargs)
         for d, r in res.items():
             rows.append(dict(workers=n, density=d, **r))
             print(f"| {n} | {d:g} | {' '.join(f'{c * 1e3:.1f}' for c in r['cpu_ranks'])} | {r['cpu'] * 1e3:.1f} | "
-                  f"{r['main'] * 1e3:.1f} | {r['wall'] * 1e3:.1f} |", flush=True)
+                  f"{r['main'] * 1e3:.1f} | {r['wall'] * 1e3:.1f} | {r['ops']['recvs']:g} / {r['ops']['sends']:g} / "
+                  f"{r['ops']['handoffs']:g} |", flush=True)
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(rows, fh)
