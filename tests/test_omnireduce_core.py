@@ -272,10 +272,10 @@ def _mixed_channels(ctx, posted, lock, inplace):
 
 @pytest.mark.parametrize("inplace", [False, True])
 def test_round0_sums_of_a_channel_not_summed_everywhere_travel_with_its_lane_words(inplace):
-    """A remote aggregator's round-0 reply of a channel with some blocks summed is one message (the sums,
-    then the lane words: one receive and one rendezvous fewer); a channel summed everywhere still gets its
-    sums apart, on their own tag (so that they can be received straight into the result). Exact sums,
-    also where the hosted aggregator sums in place (in place, the sums are copied out of the result)."""
+    """A remote aggregator's round-0 reply of a channel is one message: with some blocks summed, the
+    sums then the lane words; with every block summed, the sums alone on their own tag (the words are
+    implied; the sums can be received straight into the result). Exact sums, also where the hosted
+    aggregator sums in place (the sums are then copied out of the result)."""
     import collections
     import threading
 
@@ -287,9 +287,8 @@ def test_round0_sums_of_a_channel_not_summed_everywhere_travel_with_its_lane_wor
     total = out[0][1] + out[1][1]
     assert all(torch.equal(y, total) for y, _ in out)
     for me, agg in ((0, 1), (1, 0)):
-        assert posted[me, agg, wire.tag_down(0)] == 1 and posted[me, agg, wire.tag_down(1)] == 1, posted
-        assert posted[me, agg, wire.tag_sums0(0)] == 0, posted       # fused with the words
-        assert posted[me, agg, wire.tag_sums0(1)] == 1, posted       # every block summed: apart
+        assert posted[me, agg, wire.tag_down(0)] == 1 and posted[me, agg, wire.tag_sums0(0)] == 0, posted
+        assert posted[me, agg, wire.tag_down(1)] == 0 and posted[me, agg, wire.tag_sums0(1)] == 1, posted
 
 
 def test_a_workers_first_look_aheads_of_every_channel_are_one_message():

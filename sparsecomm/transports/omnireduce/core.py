@@ -295,9 +295,7 @@ def worker_lane(call, a: int, c: WorkerChannel):
     g, pos, bs = c.ch.slot, call.pos[a], call.spec.block_size
     # round 0's reply: words and sums in one message, or waited for together (never a blocking take of
     # large sums)
-    words = Key(Msg.WORDS, a, g)
-    yield Recv((words, Key(Msg.SUMS0, a, g)) if strategies.sums0_apart(call, a, c.ch) else (words,),
-               order=(2, c.round, g, pos), reap=True)
+    yield Recv(strategies.reply0_keys(call, a, c.ch), order=(2, c.round, g, pos), reap=True)
     c.start(strategies.take_reply0(call, a, c.ch))
     while True:
         if c.active:   # answer the prompt; post the receive of the reply
@@ -401,10 +399,8 @@ def send_down(adm, c: AggChannel, out, host: int | None):
                     yield Hand(Key(Msg.SUMS0, adm.index, c.slot), None if c.sums.in_place else out.sums)
             elif out.fused:
                 yield Send(out.sums, w, tag, Buf(Msg.DOWN, slot=c.slot, parity=0))
-            else:
-                yield Send(out.words, w, tag)
-                if out.k:
-                    yield Send(out.sums, w, tag_sums0(c.slot), Buf(Msg.DOWN, slot=c.slot, parity=0))
+            else:   # every block summed: the words are implied
+                yield Send(out.sums, w, tag_sums0(c.slot), Buf(Msg.DOWN, slot=c.slot, parity=0))
         return
     for w in adm.order:
         if w == host:

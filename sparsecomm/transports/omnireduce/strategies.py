@@ -164,40 +164,50 @@ class HomeSums:
 # ------------------------------------------------------------------ where sums land: worker
 def post_reply0(call, a: int, ch: wire.Channel, k: int):
     """The receives of remote aggregator ``a``'s round-0 reply of channel ``ch`` (``k`` sums): one
-    message, the sums then the lane words (:func:`.wire.fused0`); or, every block summed, the words,
-    then the sums on their own tag (:func:`post_sums0`)."""
+    message, the sums then the lane words (:func:`.wire.fused0`); or, every block summed (the words are
+    then implied), the sums alone on their own tag (:func:`post_sums0`)."""
     src, bs, down = call.aggregators[a], call.spec.block_size, call.down
     if wire.fused0(ch, k):
         yield Post(Key(Msg.WORDS, a, ch.slot), wire.block_bytes(k, bs, down.itemsize, wire.words_ints(ch), meta=False),
                    src, tag_down(ch.slot))
-        return
-    yield Post(Key(Msg.WORDS, a, ch.slot), wire.meta_bytes(ch), src, tag_down(ch.slot))
-    yield from post_sums0(call, a, ch, k)
+    else:
+        yield from post_sums0(call, a, ch, k)
 
 
-def sums0_apart(call, a: int, ch: wire.Channel) -> bool:
-    """Do aggregator ``a``'s round-0 sums of ``ch`` come as a message of their own (``Msg.SUMS0``)?"""
+def reply0_keys(call, a: int, ch: wire.Channel) -> tuple:
+    """The messages of aggregator ``a``'s round-0 reply of ``ch``: by hand from the hosted one, the words
+    and (if any) the sums; from a remote one, a single message (:func:`post_reply0`)."""
     k = call.sums0[a, ch.slot]
-    return bool(k) and (a == call.own or not wire.fused0(ch, k))
+    if a == call.own:
+        return (Key(Msg.WORDS, a, ch.slot), Key(Msg.SUMS0, a, ch.slot)) if k else (Key(Msg.WORDS, a, ch.slot),)
+    return (Key(Msg.WORDS if wire.fused0(ch, k) else Msg.SUMS0, a, ch.slot),)
 
 
 def take_reply0(call, a: int, ch: wire.Channel) -> np.ndarray:
     """Take round 0's reply of aggregator ``a``'s channel ``ch`` and land its sums in the result; return
     every lane's next pending block."""
     k, bs = call.sums0[a, ch.slot], call.spec.block_size
-    buf = call.inbox.take(Key(Msg.WORDS, a, ch.slot))
-    fused = a != call.own and wire.fused0(ch, k)
-    if fused:
-        data, tail = wire.split(buf, k, bs, call.down, wire.words_ints(ch), meta=False)
-        buf = tail.view(torch.uint8)[:wire.meta_bytes(ch)]
-    newc, summed = wire.decode_words(buf, ch)
-    if int(summed.sum()) != k:
-        raise ProtocolError("omnireduce: the round-0 sums do not match their lane words")
-    if fused:
+    ids = None
+    if a == call.own:
+        newc, summed = wire.decode_words(call.inbox.take(Key(Msg.WORDS, a, ch.slot)), ch)
+    elif wire.fused0(ch, k):
+        data, tail = wire.split(call.inbox.take(Key(Msg.WORDS, a, ch.slot)), k, bs, call.down,
+                                wire.words_ints(ch), meta=False)
+        newc, summed = wire.decode_words(tail.view(torch.uint8)[:wire.meta_bytes(ch)], ch)
+        if int(summed.sum()) != k:
+            raise ProtocolError("omnireduce: the round-0 sums do not match their lane words")
         if k:
             call.sink.write(np.flatnonzero(summed) + ch.lo, data)
-    elif k:
-        land_sums0(call, a, ch.slot, np.flatnonzero(summed) + ch.lo)
+        return newc
+    else:   # every block summed: one block per lane, nothing follows
+        newc, ids = np.full(ch.lanes, ch.size, dtype=np.int64), np.arange(ch.lo, ch.lo + ch.size)
+        summed = None
+    if ids is None:
+        if int(summed.sum()) != k:
+            raise ProtocolError("omnireduce: the round-0 sums do not match their lane words")
+        ids = np.flatnonzero(summed) + ch.lo
+    if k:
+        land_sums0(call, a, ch.slot, ids)
     return newc
 
 

@@ -46,7 +46,7 @@ from .._handshake import dtype_from_code as _hs_dtype_from_code
 from .._handshake import _error as _mismatch
 
 MAGIC = 0x4F4D4E49_0004  # "OMNI", wire version 4 (3: round-0 sums on their own tag, tag_sums0; 4: a
-#                          round-0 reply's sums and lane words in one message unless the channel is all summed,
+#                          round-0 reply's sums and lane words in one message; all summed: the sums alone,
 #                          and a worker's first look-aheads of every channel in one message, TAG_FIRSTS)
 MAX_CHANNELS = 16
 HDR = 12 + MAX_CHANNELS    # int64 fields: 12 scalars, then one count per channel (slot)
@@ -62,7 +62,7 @@ class Msg(IntEnum):
     REPLY = 1      #: aggregator -> worker: the verdict (reply header), on ``TAG_HDR_DOWN``
     FIRSTS = 2     #: worker -> aggregator: every channel's first look-aheads, one message (on ``TAG_FIRSTS``)
     BLOCKS0 = 3    #: worker -> aggregator, per channel: its position-0 blocks
-    WORDS = 4      #: aggregator -> worker, per channel: round-0 lane words, after the sums (:func:`fused0`)
+    WORDS = 4      #: aggregator -> worker, per channel: round-0 sums, then lane words (:func:`fused0`)
     SUMS0 = 5      #: aggregator -> worker, per channel, every block summed: the sums alone (:func:`tag_sums0`)
     UP = 6         #: worker -> aggregator, per channel, rounds >= 1: held blocks + look-aheads
     DOWN = 7       #: aggregator -> worker, per channel, rounds >= 1: sums + next pending blocks
@@ -101,9 +101,8 @@ def tag_down(slot: int) -> int:
 
 
 def tag_sums0(slot: int) -> int:
-    """Tag of channel ``slot``'s round-0 sums (aggregator -> worker): a stream of their own, so that a
-    worker waits for them together with the round's lane words (on :func:`tag_down`) in one
-    ``wait_any`` element (which takes at most one receive per source and tag)."""
+    """Tag of channel ``slot``'s round-0 sums when every block of it is summed (aggregator -> worker;
+    the lane words are then implied, :func:`fused0`): received straight into the worker's result."""
     return 0x4F7000 + slot
 
 
@@ -280,8 +279,9 @@ def single(ch: Channel) -> bool:
 def fused0(ch: Channel, k: int) -> bool:
     """Do a channel's ``k`` round-0 sums travel in the lane words' message (``k`` blocks, then the words
     padded to 4 bytes: :func:`words_ints` int32 of tail, see :func:`split`)? Yes unless every block of
-    the channel is summed: then the words go alone, the sums apart on :func:`tag_sums0` (so that a worker
-    can receive them straight into its result). One receive and one rendezvous per channel fewer."""
+    the channel is summed (then it has one block per lane, and the words, every lane summed and nothing
+    following, are implied): then the sums alone, on :func:`tag_sums0` (so that a worker can receive
+    them straight into its result). Either way one message per channel."""
     return k < ch.size
 
 
