@@ -308,10 +308,12 @@ def test_a_workers_first_look_aheads_of_every_channel_are_one_message():
         assert posted[agg, w, wire.tag_up(0)] == 1 and posted[agg, w, wire.tag_up(1)] == 1, posted
 
 
-def test_a_sure_wait_is_resumed_without_watching_its_receives():
+@pytest.mark.parametrize("poll", [False, True])
+def test_a_sure_wait_is_resumed_without_watching_its_receives(poll):
     """A role whose messages come whatever this endpoint does (``Recv.sure``: round 0 up) is resumed at
     once when it is the preferred candidate: its receive is taken blocking, never polled for arrival
-    (on gloo each poll of a receive costs a helper thread) and ``wait_any`` is not needed."""
+    (on gloo each poll of a receive costs a helper thread) and ``wait_any`` is not needed. A ``Poll``
+    never runs it (a poll never blocks): the other role runs there, the sure one after."""
     looked, log = [], []
 
     class _Work:
@@ -346,5 +348,11 @@ def test_a_sure_wait_is_resumed_without_watching_its_receives():
         yield Recv((("b",),), order=(1,))
         inbox.take(("b",))
 
-    drive(f, inbox, Outbox(f, pool), [sure(), other()])
-    assert 1 not in looked and log == ["wait 1", "wait 2"], (looked, log)
+    def poller():
+        log.append("poll")
+        yield Poll()
+        log.append("polled")
+
+    drive(f, inbox, Outbox(f, pool), [sure(), other()] + ([poller()] if poll else []))
+    assert 1 not in looked, looked
+    assert log == (["poll", "wait 2", "polled", "wait 1"] if poll else ["wait 1", "wait 2"]), log

@@ -183,11 +183,12 @@ class Recv(NamedTuple):
     once, as any other, when it is the only role able to run: it then takes them in order).
     ``reap``: before choosing among roles, :func:`drive` finishes all but ``keep`` of this endpoint's
     sends if any of them waits with ``reap`` (the lane rounds; not round 0: the sends of a worker whose
-    header was rejected never complete). ``sure``: every peer sends these messages before its first
-    wait (round 0 up), so a blocking take of them ends whatever this endpoint does: when the role is the
+    header was rejected never complete). ``sure``: these messages come whatever this endpoint does from
+    now on (round 0 up: every peer sends them before its first wait; a round-0 reply: see
+    :func:`.core.worker_lane`), so a blocking take of them ends: when the role is the
     most preferred one able to run, it is resumed at once (no watch for their arrival: on gloo that
-    costs a helper thread per receive, :mod:`sparsecomm.fabric.torch_waiters`), and a ``Poll`` resumes
-    it as if its messages were in (it then blocks until they are, which they will be)
+    costs a helper thread per receive, :mod:`sparsecomm.fabric.torch_waiters`); a ``Poll`` skips it
+    (a poll never blocks: the poller may not have sent its own round 0 yet)
     A role that is the only one able to run is resumed at once: its takes then block in order, so that
     it works on the first messages while the later ones arrive."""
 
@@ -203,7 +204,8 @@ class Poll(NamedTuple):
     """Run every other role whose messages are in already, then resume (between pieces of long local
     work, so that receives that depend on arrived messages get posted meanwhile). ``below``: only the
     roles whose ``Recv.order`` is smaller (the cheap ones that post receives or send; work that is off
-    the polling role's critical path waits until it is done)."""
+    the polling role's critical path waits until it is done). Never the ``sure`` ones: a poll never
+    blocks (the scheduler resumes them later)."""
 
     below: tuple | None = None
 
@@ -317,7 +319,7 @@ class _Scheduler:
         while True:   # (the roles at or past ``below`` are skipped before any look at their messages)
             now = sorted((rw for rw in self.waiting if (below is None or rw[1].order < below)
                           and all(has(k) for k in rw[1].keys) and not any(has(k) for k in rw[1].gone)
-                          and (rw[1].sure or (any if rw[1].any else all)(ready(k) for k in rw[1].keys))),
+                          and not rw[1].sure and (any if rw[1].any else all)(ready(k) for k in rw[1].keys)),
                          key=lambda rw: rw[1].order)
             if not now:
                 return
