@@ -90,15 +90,38 @@ def worker(ctx, numel: int, densities: list[float], calls: int, warmup: int, pro
     for _ in range(warmup):
         for d in densities:
             call(d, False)
+    threads0 = _thread_ticks()
     for _ in range(calls):
         for d in densities:
             call(d, True)
+    threads1 = _thread_ticks()
     f.barrier()
     if profile:
         os.makedirs(profile, exist_ok=True)
         for d, p in profs.items():
             p.dump_stats(os.path.join(profile, f"n{ctx.world_size}.d{d:g}.rank{ctx.rank}.prof"))
-    return {"rank": ctx.rank, "cpu": cpu, "main": main, "wall": wall, "counts": counts}
+    hz = os.sysconf("SC_CLK_TCK")
+    threads: dict = {}
+    for tid, (name, ticks) in threads1.items():
+        threads[name] = threads.get(name, 0.0) + (ticks - threads0.get(tid, (name, 0))[1]) / hz / (calls * len(densities))
+    return {"rank": ctx.rank, "cpu": cpu, "main": main, "wall": wall, "counts": counts, "threads": threads}
+
+
+def _thread_ticks() -> dict:
+    """``{thread id: (name, utime + stime ticks)}`` of this process's threads (``/proc/self/task``)."""
+    import threading
+
+    out, main = {}, threading.main_thread().native_id
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as fh:
+                st = fh.read()
+        except OSError:
+            continue
+        rest = st[st.rindex(")") + 2:].split()
+        name = "main" if int(tid) == main else st[st.index("(") + 1:st.rindex(")")]
+        out[int(tid)] = (name, int(rest[11]) + int(rest[12]))
+    return out
 
 
 def _count_ops(f) -> dict:
@@ -132,6 +155,11 @@ def measure(workers: int, size_mb: float, densities: list[float], calls: int, wa
                                       profile=profile, kwargs=kwargs),
                     workers, backend="gloo", timeout_s=600.0)
     out = {}
+    names = sorted({k for r in res for k in r["threads"]})
+    by_name = {k: statistics.median(r["threads"].get(k, 0.0) for r in res) for k in names}
+    print("# CPU ms per call by thread (main; others by name), barrier to barrier, all densities together, "
+          "median over ranks: "
+          + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])), flush=True)
     for d in densities:
         per_rank = [statistics.median(r["cpu"][d]) for r in res]
         slowest = [max(r["wall"][d][j] for r in res) for j in range(calls)]

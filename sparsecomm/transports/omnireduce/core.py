@@ -291,18 +291,11 @@ def send_round0(call, aggs: list[int]):
 
 def worker_lane(call, a: int, c: WorkerChannel):
     """A worker's lanes of aggregator ``a``'s channel ``c``: take each round's reply (the completed sums
-    and the prompt), answer the prompt, until every lane is done.
-
-    Round 0's reply is waited for ``sure``: its aggregator sends it once it has every worker's round 0
-    up (sent before any wait), and every endpoint gets there whatever the others do: its aggregator
-    role and round-0 lanes come before its worker lanes in preference and wait only for round 0 up
-    (``sure``) or for whichever candidate completes first (a lane becomes a candidate only by a role
-    running, never while the scheduler blocks). Later rounds are not: their replies answer this
-    worker's own up-messages."""
+    and the prompt), answer the prompt, until every lane is done."""
     g, pos, bs = c.ch.slot, call.pos[a], call.spec.block_size
     # round 0's reply: words and sums in one message, or waited for together (never a blocking take of
     # large sums)
-    yield Recv(strategies.reply0_keys(call, a, c.ch), order=(2, c.round, g, pos), reap=True, sure=True)
+    yield Recv(strategies.reply0_keys(call, a, c.ch), order=(2, c.round, g, pos), reap=True)
     c.start(strategies.take_reply0(call, a, c.ch))
     while True:
         if c.active:   # answer the prompt; post the receive of the reply

@@ -183,9 +183,8 @@ class Recv(NamedTuple):
     once, as any other, when it is the only role able to run: it then takes them in order).
     ``reap``: before choosing among roles, :func:`drive` finishes all but ``keep`` of this endpoint's
     sends if any of them waits with ``reap`` (the lane rounds; not round 0: the sends of a worker whose
-    header was rejected never complete). ``sure``: these messages come whatever this endpoint does from
-    now on (round 0 up: every peer sends them before its first wait; a round-0 reply: see
-    :func:`.core.worker_lane`), so a blocking take of them ends: when the role is the
+    header was rejected never complete). ``sure``: every peer sends these messages before its first
+    wait (round 0 up), so a blocking take of them ends whatever this endpoint does: when the role is the
     most preferred one able to run, it is resumed at once (no watch for their arrival: on gloo that
     costs a helper thread per receive, :mod:`sparsecomm.fabric.torch_waiters`); a ``Poll`` skips it
     (a poll never blocks: the poller may not have sent its own round 0 yet)
