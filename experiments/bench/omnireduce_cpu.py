@@ -11,9 +11,11 @@ before every call (untimed). Per call, ``time.process_time()`` (the rank's whole
 thread, gloo's threads and the fabric's helper threads) and the wall time, barrier to return, are taken
 around ``allreduce``, and ``time.thread_time()`` (the main thread alone); the densities are
 interleaved per repetition. Printed: per (n, d) the median CPU per call of every rank, the median
-over ranks of those, and the median wall time of the slowest rank; and per call (median over ranks and calls) the receives and sends this rank posted on the fabric and
-the receives handed to a helper thread to learn of their completion (gloo reports completion only
-through a blocking wait: :mod:`sparsecomm.fabric.torch_waiters`).
+over ranks of those, and the median wall time of the slowest rank; and per call (median over ranks
+and calls) the receives and sends this rank posted on the fabric and the receives handed to a helper
+thread to learn of their completion (gloo reports completion only through a blocking wait:
+:mod:`sparsecomm.fabric.torch_waiters`); and the CPU per call of each thread (the main thread; the
+others by name: gloo's, the helpers), barrier to barrier.
 CPU per call is what this measures: on a shared 2-core host the wall times are load-bound, the CPU
 figures much less so.
 
@@ -22,11 +24,11 @@ figures much less so.
 (``time.thread_time``: other threads' CPU is not in it, nor is waiting); the CPU figures then include
 the profiler's overhead.
 
-``--trees A B ...``: run this benchmark once per tree and round, alternating the trees' order each
-round, each with ``PYTHONPATH=<tree>`` and ``NUMBA_CACHE_DIR=<tree>/.numba_cache`` (so the transport's
-code is the tree's; the input maker is the tree's ``experiments/bench/transports.py``), and print per
-(n, d) and tree the per-round medians (over ranks) and their median. A tree is any checkout, e.g.
-``git worktree add --detach /tmp/omni_old main``.
+``--trees A B ...`` (run from the repository root): run this benchmark once per tree and round,
+alternating the trees' order each round, each with the tree's ``sparsecomm`` first on the path (a
+symbolic link in a temporary folder; this benchmark and its input maker stay this checkout's) and
+``NUMBA_CACHE_DIR=<tree>/.numba_cache``, and print per (n, d) and tree the per-round medians (over
+ranks) and their median. A tree is any checkout, e.g. ``git worktree add --detach /tmp/omni_old main``.
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ KWARGS = {"block_size": 256, "lanes": 65536, "inplace": True}
 def worker(ctx, numel: int, densities: list[float], calls: int, warmup: int, profile: str | None,
            kwargs: dict) -> dict:
     import sparsecomm as sc
-    from experiments.bench.transports import block_sparse
+
+    from .transports import block_sparse
 
     f = ctx.fabric
     t = sc.transports.get("omnireduce", f, **kwargs)
@@ -103,7 +106,8 @@ def worker(ctx, numel: int, densities: list[float], calls: int, warmup: int, pro
     hz = os.sysconf("SC_CLK_TCK")
     threads: dict = {}
     for tid, (name, ticks) in threads1.items():
-        threads[name] = threads.get(name, 0.0) + (ticks - threads0.get(tid, (name, 0))[1]) / hz / (calls * len(densities))
+        spent = (ticks - threads0.get(tid, (name, 0))[1]) / hz / (calls * len(densities))
+        threads[name] = threads.get(name, 0.0) + spent
     return {"rank": ctx.rank, "cpu": cpu, "main": main, "wall": wall, "counts": counts, "threads": threads}
 
 
@@ -172,21 +176,22 @@ def measure(workers: int, size_mb: float, densities: list[float], calls: int, wa
 
 def ab(trees: list[str], rounds: int, argv: list[str]) -> None:
     """Alternated runs of this benchmark, one subprocess per tree and round (see the module docstring)."""
-    here = os.path.abspath(__file__)
+    root = os.getcwd()
     res: dict = {}
     for r in range(rounds):
         order = trees if r % 2 == 0 else trees[::-1]
         for tree in order:
-            root = os.path.abspath(tree)
-            with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as fh:
-                out = fh.name
-            env = dict(os.environ, PYTHONPATH=root, NUMBA_CACHE_DIR=os.path.join(root, ".numba_cache"))
-            t0 = time.time()
-            subprocess.run([sys.executable, here, *argv, "--json", out], env=env, cwd=root, check=True,
-                           stdout=subprocess.DEVNULL)
-            with open(out) as fh:
-                rows = json.load(fh)
-            os.unlink(out)
+            code = os.path.abspath(tree)
+            with tempfile.TemporaryDirectory(prefix="omnireduce_cpu_") as tmp:
+                os.symlink(os.path.join(code, "sparsecomm"), os.path.join(tmp, "sparsecomm"))
+                out = os.path.join(tmp, "rows.json")
+                env = dict(os.environ, PYTHONPATH=f"{tmp}{os.pathsep}{root}",
+                           NUMBA_CACHE_DIR=os.path.join(code, ".numba_cache"))
+                t0 = time.time()
+                subprocess.run([sys.executable, "-m", "experiments.bench.omnireduce_cpu", *argv, "--json", out],
+                               env=env, cwd=tmp, check=True, stdout=subprocess.DEVNULL)   # (-m: cwd first on the path)
+                with open(out) as fh:
+                    rows = json.load(fh)
             for row in rows:
                 res.setdefault((row["workers"], row["density"]), {}).setdefault(tree, []).append(row)
             print(f"# round {r}, {tree}: {time.time() - t0:.0f} s, load {os.getloadavg()[0]:.1f}", flush=True)
@@ -199,7 +204,8 @@ def ab(trees: list[str], rounds: int, argv: list[str]) -> None:
             cpus = [row["cpu"] * 1e3 for row in rows]
             walls = [row["wall"] * 1e3 for row in rows]
             mains = [row["main"] * 1e3 for row in rows]
-            ops = " / ".join(f"{statistics.median(row['ops'][k] for row in rows):g}" for k in ("recvs", "sends", "handoffs"))
+            ops = " / ".join(f"{statistics.median(row['ops'][k] for row in rows):g}"
+                             for k in ("recvs", "sends", "handoffs"))
             print(f"| {n} | {d:g} | {tree} | {' '.join(f'{c:.1f}' for c in cpus)} | "
                   f"{statistics.median(cpus):.1f} | {statistics.median(mains):.1f} | {statistics.median(walls):.1f} | "
                   f"{ops} |")
