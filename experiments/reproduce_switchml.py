@@ -126,7 +126,7 @@ def e3_loss(args, R, net_kw) -> dict:
             times, retx, same = [], 0, True
             for sd in seeds:
                 s = _run("switch", n, numel, sc.Network(**net_kw, loss=loss, seed=sd), args.seed,
-                         pool_size=pool, timeout=to)
+                         pool_size=pool, timeout=to, keep_fixed=True)
                 if ref is None:
                     ref = s["sums"]
                 same &= bool(torch.equal(s["sums"], ref))

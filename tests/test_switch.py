@@ -32,7 +32,7 @@ def test_lossless_integer_sum_and_quantisation_bound(n):
     numel = 1000   # not a multiple of 64: the last chunk is partial
 
     def fn(ctx):
-        t = sc.transports.get("switch", ctx.fabric, pool_size=4)
+        t = sc.transports.get("switch", ctx.fabric, pool_size=4, keep_fixed=True)
         x = _data(ctx.rank, numel)
         y = t.allreduce(x)
         return x, y, t.last_fixed
@@ -95,7 +95,8 @@ def test_aligned_payload_sums_values_at_shared_indices():
 
 def test_stochastic_rounding_is_deterministic_and_within_one_step():
     def fn(ctx):
-        t = sc.transports.get("switch", ctx.fabric, pool_size=4, rounding="stochastic", seed=7)
+        t = sc.transports.get("switch", ctx.fabric, pool_size=4, rounding="stochastic", seed=7,
+                              keep_fixed=True)
         x = _data(ctx.rank, 700)
         return x, t.allreduce(x), t.last_fixed
 
@@ -109,7 +110,7 @@ def test_stochastic_rounding_is_deterministic_and_within_one_step():
 # ----------------------------------------------------------------------------- loss recovery
 def _lossy_run(n: int, loss: float, numel: int, pool: int, jobs: int = 1):
     def fn(ctx):
-        t = sc.transports.get("switch", ctx.fabric, pool_size=pool, audit=True)
+        t = sc.transports.get("switch", ctx.fabric, pool_size=pool, audit=True, keep_fixed=True)
         res = []
         for j in range(jobs):
             y = t.allreduce(_data(ctx.rank, numel, j))
@@ -395,38 +396,42 @@ class _Reference:
         return mc, uc
 
 
-def random_rows(rng, step: int, k: int, width: int, big: bool = True) -> np.ndarray:
-    """A random burst of ``k`` switch rows: distinct and repeated slots, duplicates, forged worker
-    counts, empty rows; values over the whole int32 range if ``big`` (wrap-around sums), else small."""
+def random_rows(rng, step: int, k: int, width: int, big: bool = True, world: int = 3) -> np.ndarray:
+    """A random burst of ``k`` switch rows of a ``world``-worker job: distinct and repeated slots,
+    duplicates, forged worker counts, empty rows; values over the whole int32 range if ``big``
+    (wrap-around sums), else small."""
     rows = np.zeros((k, width), dtype=np.int32)
     rows[:, 0] = rng.choice([0, 1, 1, 1, 2], size=k)
     rows[:, 1], rows[:, 2] = rng.integers(-1, 7, size=k), rng.integers(0, 3, size=k)
-    rows[:, 3], rows[:, 4], rows[:, 5] = rng.integers(0, 3, size=k), step, 1
-    rows[:, 6] = rng.choice([3, 3, 3, 32], size=k)
+    rows[:, 3], rows[:, 4], rows[:, 5] = rng.integers(0, world, size=k), step, 1
+    rows[:, 6] = rng.choice([world, world, world, 32], size=k)
     rows[:, 7] = rng.integers(-300, 300, size=k)
     rows[:, HEADER:] = rng.integers(-2**31 if big else -1000, 2**31 - 1 if big else 1000, size=(k, width - HEADER))
     return rows
 
 
-def test_compiled_program_equals_the_reference_packet_by_packet():
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_compiled_program_equals_the_reference_packet_by_packet(world):
     """Random bursts -- distinct and repeated slots, duplicates, forged worker counts, wrap-around sums,
     exponents beyond int8 -- give the same replies, registers and counters as the plain-Python model."""
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(world)
     cfg = SwitchConfig(slots=6, audit=True)
-    dp, ref = Dataplane(cfg), _Reference(cfg, world=3)
-    dp.world = 3
+    dp, ref = Dataplane(cfg), _Reference(cfg, world=world)
+    dp.world = world
     width = HEADER + 64
     for step in range(300):
         k = int(rng.integers(1, 6))
-        rows = random_rows(rng, step, k, width, big=step % 7 == 0)
+        rows = random_rows(rng, step, k, width, big=step % 7 == 0, world=world)
         got = dp.process(rows)
         want = ref.process(rows)
         for x, y in zip(got, want):
             assert x.shape == (len(y), width) and x.tolist() == y
     assert np.array_equal(dp.values, ref.values) and np.array_equal(dp.exponent, ref.exponent)
     assert np.array_equal(dp.seen.astype(np.int64), ref.seen) and np.array_equal(dp.count, ref.count)
-    assert dict(dp.stats) == ref.stats and ref.stats["multicast"] > 10 and ref.stats["overflow"] > 0
-    assert ref.stats["malformed"] > 10 and ref.stats["dropped"] > 10 and ref.stats["retransmit"] > 10
+    assert dict(dp.stats) == ref.stats and ref.stats["multicast"] > 10
+    assert ref.stats["malformed"] > 10 and ref.stats["retransmit"] > 10
+    # one worker completes a slot with its first packet: no adds, no duplicates before completion
+    assert world == 1 or (ref.stats["dropped"] > 10 and ref.stats["overflow"] > 0)
     assert sum(dp.audit.values()) == ref.stats["consumed"]
 
 
@@ -440,6 +445,30 @@ def test_in_place_gives_the_same_bits_into_the_input():
 
     for ref, out, y in sc.launch(fn, 3):
         assert torch.equal(ref, out) and torch.equal(y, ref) and out.data_ptr() == y.data_ptr()
+
+
+def test_fixed_result_only_when_asked_and_the_same_bits_either_way():
+    """``keep_fixed=False`` (the default) keeps no int32 sums (``last_fixed`` is ``None``, also after a
+    job that kept them); the float result is bit-identical to a job that keeps them, in place or not,
+    and the kept sums divided by the scales give exactly that result."""
+    def fn(ctx):
+        x = _data(ctx.rank, 64 * 11 + 3)
+        kept = sc.transports.get("switch", ctx.fabric, pool_size=4, keep_fixed=True)
+        plain = sc.transports.get("switch", ctx.fabric, pool_size=4)
+        a = kept.allreduce(x.clone())
+        fixed = kept.last_fixed
+        b = plain.allreduce(x.clone())
+        y = x.clone()
+        c = sc.transports.get("switch", ctx.fabric, pool_size=4, inplace=True).allreduce(y)
+        kept.keep_fixed = False
+        d = kept.allreduce(x.clone())
+        return a, b, c, d, fixed, plain.last_fixed, kept.last_fixed
+
+    for a, b, c, d, fixed, none1, none2 in sc.launch(fn, 3):
+        assert torch.equal(a, b) and torch.equal(a, c) and torch.equal(a, d)
+        assert fixed is not None and none1 is None and none2 is None
+        scale = fixed.scales.repeat_interleave(64)[:a.numel()]
+        assert torch.equal((fixed.sums.double() / scale).float(), a)
 
 
 def test_a_worker_takes_each_outstanding_result_once_and_refuses_a_forged_exponent():

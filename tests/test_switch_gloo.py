@@ -14,7 +14,7 @@ pytestmark = pytest.mark.multiprocess
 
 
 def _jobs(ctx):
-    t = sc.transports.get("switch", ctx.fabric, pool_size=16)
+    t = sc.transports.get("switch", ctx.fabric, pool_size=16, keep_fixed=True)
     out = []
     for k, numel in enumerate((3000, 64 * 40 + 7, 1)):
         x = torch.randn(numel, generator=torch.Generator().manual_seed(10 * ctx.rank + k))

@@ -2,6 +2,7 @@
 received message (``Dataplane.execute(rows, rows, ...)``), and the service sends that buffer back."""
 
 import numpy as np
+import pytest
 
 from sparsecomm.transports.switch_dataplane import HEADER, Dataplane, SwitchConfig, T_EMPTY
 from sparsecomm.transports.switch_service import _Buffers
@@ -9,19 +10,21 @@ from sparsecomm.transports.switch_service import _Buffers
 from .test_switch import random_rows
 
 
-def test_results_over_the_rows_they_answer_equal_separate_reply_buffers():
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_results_over_the_rows_they_answer_equal_separate_reply_buffers(world):
     """The same random messages through two dataplanes, one writing its multicast results into a buffer
     of their own (the reference path), one over the received rows: the same results in the same order,
-    the same registers and counters; every row past the results is T_EMPTY (read and cleared)."""
-    rng = np.random.default_rng(1)
+    the same registers and counters; every row past the results is T_EMPTY (read and cleared). Every
+    world size: with one worker the first contribution completes a slot (written over its own row)."""
+    rng = np.random.default_rng(world)
     cfg = SwitchConfig(slots=6)
     ref, dp = Dataplane(cfg), Dataplane(cfg)
-    ref.world = dp.world = 3
+    ref.world = dp.world = world
     width = HEADER + 64
     multicast = 0
     for step in range(400):
         k = int(rng.integers(1, 9))
-        rows = random_rows(rng, step, k, width)
+        rows = random_rows(rng, step, k, width, world=world)
         mc, uc = np.empty_like(rows), np.empty_like(rows)
         nmc, nuc = ref.execute(rows.copy(), mc, uc)
         own = rows.copy()
@@ -53,3 +56,48 @@ def test_buffers_return_to_the_pool_empty_after_their_last_send():
     pool.give_back(b)
     assert pool.take() is b and pool.take() is a   # last freed first
     pool.release(None)                             # a message of its own: nothing held
+
+
+def test_inbox_posts_taken_receives_again_in_groups_and_never_takes_an_unposted_one():
+    """The worker's inbox (real fabrics) posts its taken receives again ``group`` at a time, in ring
+    order, and the receive it takes next is always posted: at least ``depth - group`` stay posted."""
+    from sparsecomm.errors import InvalidValueError
+    from sparsecomm.transports.switch_lanes import Inbox
+
+    class _Work:
+        def __init__(self, log, buf):
+            self.log, self.buf, self.done = log, buf, False
+
+        def wait(self, timeout=None):
+            assert not self.done, "a receive taken twice without being posted again"
+            self.done = True
+
+        def is_completed(self):
+            return True
+
+    class _Fabric:
+        def __init__(self):
+            self.posts = []
+
+        def irecv(self, buf, src, tag):
+            self.posts.append(buf.data_ptr())
+            return _Work(self.posts, buf)
+
+    fab = _Fabric()
+    inbox = Inbox(fab, switch=2, burst=4, width=HEADER + 4, depth=6, group=4)
+    ptrs = [b.data_ptr() for b in inbox.bufs]
+    assert fab.posts == ptrs
+    taken = []
+    for step in range(40):
+        inbox.take(None)
+        taken.append(inbox.bufs[inbox.i].data_ptr())
+        inbox.release()
+        posted = sum(not w.done for w in inbox.works)
+        assert posted >= 6 - 4 and not inbox.works[inbox.i].done
+    assert taken == [ptrs[k % 6] for k in range(40)]
+    # reposts come in groups of 4, each the 4 buffers taken last, in ring order
+    again = fab.posts[6:]
+    assert len(again) == 40 // 4 * 4
+    assert again == [ptrs[k % 6] for k in range(len(again))]
+    with pytest.raises(InvalidValueError):
+        Inbox(fab, switch=2, burst=4, width=HEADER + 4, depth=4, group=4)

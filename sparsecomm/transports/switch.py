@@ -131,7 +131,11 @@ class SwitchTransport(Transport):
     contribution, tests only) are compile-time constants of the switch program and name its service
     (``SwitchConfig.spec()``); on real fabrics they default to the started switch's.
     ``inplace``: a contiguous float32/float64 CPU tensor input receives the sum (no result tensor to
-    allocate; as ``native``'s option). ``last_fixed.sums`` is reused by the next job: clone it to keep it.
+    allocate; as ``native``'s option). ``keep_fixed``: after each float job, ``last_fixed`` holds its
+    integer side (:class:`FixedResult`: the switch's int32 sums, the agreed exponents and scales), for
+    tests and diagnostics; it costs one more write of the whole tensor's sums per call, so by default
+    (``False``) it is not kept and ``last_fixed`` is ``None``. ``last_fixed.sums`` is reused by the next
+    job: clone it to keep it.
     ``bandwidth_gbps``/``latency_us`` set the switch's link on SimFabric. ``give_up_s``: a packet unanswered for that long (default: the
     fabric's ``timeout_s``) raises :class:`FabricTimeout`.
     """
@@ -145,7 +149,8 @@ class SwitchTransport(Transport):
                  rounding: str = "nearest", seed: int = 0, burst: int | None = None,
                  switch_slots: int | None = None, bandwidth_gbps: float | None = None,
                  latency_us: float | None = None, give_up_s: float | None = None, audit: bool = False,
-                 max_exponent: int = DEFAULT_MAX_EXPONENT, nonfinite: str = "raise", inplace: bool = False) -> None:
+                 max_exponent: int = DEFAULT_MAX_EXPONENT, nonfinite: str = "raise", inplace: bool = False,
+                 keep_fixed: bool = False) -> None:
         super().__init__(fabric)
         if nonfinite != "raise":
             raise IncompatibleError(
@@ -199,6 +204,7 @@ class SwitchTransport(Transport):
         self.last_fixed: FixedResult | None = None
         self.last_info: dict = {}
         self.inplace = bool(inplace)
+        self.keep_fixed = bool(keep_fixed)
         self._sums: torch.Tensor | None = None
 
     def wire_copies(self) -> float:
@@ -267,12 +273,14 @@ class SwitchTransport(Transport):
             job_seed = int(np.random.SeedSequence([self.seed, self.fabric.rank, self._state.job]).generate_state(1)[0])
         # in place: each chunk is encoded (read) before its result arrives (written), so x can take the sum
         out = x if inplace and x.data_ptr() == flat.data_ptr() else torch.empty(N, dtype=x.dtype)
-        sums = self._sums_buffer(M * E)
+        sums = self._sums_buffer(M * E) if self.keep_fixed else None
+        self.last_fixed = None
         job = FloatJob(x, out, sums, e_loc, E, min(self.pool_size, M), n, job_seed)
         self._stream(job)
-        eg_t = torch.from_numpy(job.exponents.astype(np.int32))
-        scales = codec.scale_from_exponents(eg_t, n)
-        self.last_fixed = FixedResult(sums[:N], eg_t, scales, E)
+        if sums is not None:
+            eg_t = torch.from_numpy(job.exponents.astype(np.int32))
+            scales = codec.scale_from_exponents(eg_t, n)
+            self.last_fixed = FixedResult(sums[:N], eg_t, scales, E)
         return out.to(device=device, dtype=out_dtype)
 
     def _sums_buffer(self, size: int) -> torch.Tensor:

@@ -60,12 +60,13 @@ def _encode(x, E, M, pre, pkts, e_loc, scales, rows):  # pragma: no cover - numb
 
 
 @njit(cache=True, nogil=True)
-def _decode(rows, pkts, M, pre, table, exponents, scales, sums, out):  # pragma: no cover - numba
+def _decode(rows, pkts, M, pre, table, exponents, scales, sums, keep, out):  # pragma: no cover - numba
     """The results ``rows[k]`` of packets ``p = pkts[k]``: chunk ``p``'s agreed exponent and scale
     (``p < M``; ``scales = table[e - EXP_MIN]``), and chunk ``c = p - pre``'s sums (``p >= pre``):
-    ``sums[chunk c] = rows[k, HEADER:]``, ``out[chunk c] = that / scales[c]`` (float64 quotient, rounded
-    once to ``out``'s dtype; ``out`` may end inside the last chunk). Returns -1, or the first packet whose
-    exponent no int8 register holds (a forged result; the rows before it are taken)."""
+    ``out[chunk c] = rows[k, HEADER:] / scales[c]`` (float64 quotient, rounded once to ``out``'s dtype;
+    ``out`` may end inside the last chunk), and with ``keep`` also ``sums[chunk c] = rows[k, HEADER:]``
+    (otherwise ``sums`` is not touched). Returns -1, or the first packet whose exponent no int8 register
+    holds (a forged result; the rows before it are taken)."""
     N = out.size
     E = rows.shape[1] - 8
     for k in range(pkts.size):
@@ -82,7 +83,8 @@ def _decode(rows, pkts, M, pre, table, exponents, scales, sums, out):  # pragma:
         s = scales[c]
         base = c * E
         row = rows[k, 8:]
-        sums[base:base + E] = row
+        if keep:
+            sums[base:base + E] = row
         o = out[base:min(base + E, N)]
         for j in range(o.size):
             o[j] = np.float64(row[j]) / s
@@ -104,11 +106,14 @@ def scale_table(n: int) -> np.ndarray:
 class FloatJob:
     """Encoder / decoder of one float job's packets (see the module docstring): the flat input ``x``, the
     result ``out`` (may be ``x`` itself: each chunk is encoded before its result arrives), the int32
-    ``sums`` (``M E`` of them), the local exponents ``e_loc`` and ``lanes``, ``n`` workers."""
+    ``sums`` (``M E`` of them; ``None``: not kept, which saves a write of the sums per job), the local
+    exponents ``e_loc`` and ``lanes``, ``n`` workers."""
 
-    def __init__(self, x: torch.Tensor, out: torch.Tensor, sums: torch.Tensor, e_loc: np.ndarray, E: int,
+    def __init__(self, x: torch.Tensor, out: torch.Tensor, sums: torch.Tensor | None, e_loc: np.ndarray, E: int,
                  lanes: int, n: int, seed: int | None) -> None:
-        self.x, self.xnp, self.onp, self.snp = x, x.numpy(), out.numpy(), sums.numpy()
+        self.x, self.xnp, self.onp = x, x.numpy(), out.numpy()
+        self.keep = sums is not None
+        self.snp = sums.numpy() if sums is not None else np.zeros(0, dtype=np.int32)
         self.e_loc, self.seed, self.E = e_loc, seed, E
         M = -(-x.numel() // E)
         self.M, self.pre = M, lanes
@@ -138,7 +143,8 @@ class FloatJob:
             rows[r, HEADER + len(codes):] = 0
 
     def consume(self, pkts: np.ndarray, rows: np.ndarray) -> None:
-        bad = _decode(rows, pkts, self.M, self.pre, self.table, self.exponents, self.scales, self.snp, self.onp)
+        bad = _decode(rows, pkts, self.M, self.pre, self.table, self.exponents, self.scales, self.snp, self.keep,
+                      self.onp)
         if bad >= 0:
             raise ProtocolError(f"switch allreduce: the result of packet {bad} carries an exponent outside "
                                 f"[{EXP_MIN}, {EXP_MAX}] (forged or corrupted packet)")

@@ -146,13 +146,17 @@ class SwitchConfig:
 
 # ----------------------------------------------------------------------------- the program
 @njit(cache=True, nogil=True)
-def _program(rows, values, seen, count, exponent, world, mc, uc, new, counters, clear):  # pragma: no cover - numba
+def _program(rows, values, seen, count, exponent, world, mc, uc, new, counters, clear,
+             alias):  # pragma: no cover - numba
     """Run the per-packet program (module docstring) on every row of one message, in order.
 
     Results go to ``mc`` (multicast) and ``uc`` (unicast to the sender), rows of the same width, filled
     from the front; ``new[i]`` marks row ``i`` as a new contribution (for the audit). Returns the
     number of rows written to each. ``counters`` accumulates :data:`COUNTERS`. With ``clear``, each
-    row's type is reset to ``T_EMPTY`` once read (a receive buffer made ready for its next message)."""
+    row's type is reset to ``T_EMPTY`` once read (a receive buffer made ready for its next message).
+    ``alias``: ``mc`` starts at ``rows``' first row (results over the rows they answer); a result written
+    over the very row it answers is then written in the add's loop through that row (a loop through
+    another view of it would be compiled without vector instructions: the views might overlap)."""
     slots, elems = values.shape[0], values.shape[2]
     nmc = 0
     nuc = 0
@@ -177,30 +181,60 @@ def _program(rows, values, seen, count, exponent, world, mc, uc, new, counters, 
             e = np.int8(rows[i, 7])
             acc = values[slot, v]
             vec = rows[i, 8:]
+            # the contribution that completes the slot writes the result's values as it stores them
+            # (into mc[nmc], which may be this very row: each element is read before it is written)
+            left = n - 1 if before == 0 else count[slot, v] - 1
             if before == 0:                       # the first writer overwrites
-                for j in range(elems):
-                    acc[j] = vec[j]
+                if left == 0 and not (alias and nmc == i):
+                    res = mc[nmc, 8:]
+                    for j in range(elems):
+                        b = vec[j]
+                        acc[j] = b
+                        res[j] = b
+                else:
+                    for j in range(elems):
+                        acc[j] = vec[j]
                 exponent[slot, v] = e
-                count[slot, v] = n - 1
             else:
                 # two's-complement wrap as the hardware's adds (the workers' scale must prevent it); a
                 # sum wrapped iff both addends' signs differ from its sign: 8 int32 lanes per AVX2 add
                 wrapped = np.int32(0)
-                for j in range(elems):
-                    a = acc[j]
-                    b = vec[j]
-                    s = np.int32(np.uint32(a) + np.uint32(b))
-                    wrapped |= (a ^ s) & (b ^ s)
-                    acc[j] = s
+                if left == 0 and alias and nmc == i:     # the result goes over this very row
+                    for j in range(elems):
+                        a = acc[j]
+                        b = vec[j]
+                        s = np.int32(np.uint32(a) + np.uint32(b))
+                        wrapped |= (a ^ s) & (b ^ s)
+                        acc[j] = s
+                        vec[j] = s
+                elif left == 0:
+                    res = mc[nmc, 8:]
+                    for j in range(elems):
+                        a = acc[j]
+                        b = vec[j]
+                        s = np.int32(np.uint32(a) + np.uint32(b))
+                        wrapped |= (a ^ s) & (b ^ s)
+                        acc[j] = s
+                        res[j] = s
+                else:
+                    for j in range(elems):
+                        a = acc[j]
+                        b = vec[j]
+                        s = np.int32(np.uint32(a) + np.uint32(b))
+                        wrapped |= (a ^ s) & (b ^ s)
+                        acc[j] = s
                 if wrapped < 0:
                     counters[6] += 1
                 if e > exponent[slot, v]:
                     exponent[slot, v] = e
-                count[slot, v] -= 1
+            count[slot, v] = left
             counters[2] += 1
             new[i] = 1
-            if count[slot, v] == 0:
-                _reply(rows, i, values, exponent, slot, v, 2, mc, nmc)
+            if left == 0:                         # multicast: the header (values written above)
+                for j in range(8):
+                    mc[nmc, j] = rows[i, j]
+                mc[nmc, 0] = 2
+                mc[nmc, 7] = exponent[slot, v]
                 nmc += 1
                 counters[3] += 1
         elif count[slot, v] == 0:                 # duplicate after completion: the stored result
@@ -274,8 +308,10 @@ class Dataplane:
         k = rows.shape[0]
         new = scratch[:k] if scratch is not None and len(scratch) >= k else np.empty(k, dtype=np.uint8)
         counters = np.zeros(len(COUNTERS), dtype=np.int64)
+        alias = bool(mc.shape[1] == rows.shape[1] and mc.__array_interface__["data"][0]
+                     == rows.__array_interface__["data"][0])
         nmc, nuc = _program(rows, self.values, self.seen, self.count, self.exponent,
-                            self.world if self.world is not None else 0, mc, uc, new, counters, clear)
+                            self.world if self.world is not None else 0, mc, uc, new, counters, clear, alias)
         for name, c in zip(COUNTERS, counters.tolist()):
             if c:
                 self.stats[name] += c

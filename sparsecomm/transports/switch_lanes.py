@@ -13,8 +13,8 @@ How results are received is the only difference between fabrics:
 - SimFabric (one datagram per packet, modelled loss): one blocking receive at a time, with the timer.
 - Real fabrics: an :class:`Inbox` of ``INBOX_DEPTH`` receives posted ahead from the switch, kept across
   jobs (gloo moves a message only once its receive is posted; with receives waiting, the switch's
-  results flow as soon as they are sent), and an :class:`Uplink` thread posting the sends, at most
-  ``SEND_AHEAD`` lane windows of bursts queued.
+  results flow as soon as they are sent; posted again ``REPOST_GROUP`` at a time), and an
+  :class:`Uplink` thread posting the sends, at most ``SEND_AHEAD`` lane windows of bursts queued.
 """
 
 from __future__ import annotations
@@ -28,12 +28,14 @@ import numpy as np
 import torch
 from numba import njit
 
-from ..errors import FabricTimeout
+from ..errors import FabricTimeout, InvalidValueError
 from .switch_dataplane import (EXP_MIN, F_TYPE, HEADER, T_DATA, T_EMPTY, T_RESULT, T_RETRANSMIT, TAG_DOWN,
                                TAG_UP)
 
 #: receives a worker keeps posted from the switch (real fabrics)
-INBOX_DEPTH = 8
+INBOX_DEPTH = 16
+#: taken receives are posted again in groups of this many (see :class:`Inbox`)
+REPOST_GROUP = 8
 #: a worker waits for its oldest send once more than this many bursts per lane window are unfinished
 SEND_AHEAD = 4
 
@@ -97,13 +99,24 @@ class Uplink:
 
 class Inbox:
     """Receives from the switch posted ahead, in a ring (real fabrics); kept across jobs, since results
-    of one job may not fill a whole ring."""
+    of one job may not fill a whole ring.
 
-    def __init__(self, fabric, switch: int, burst: int, width: int, depth: int = INBOX_DEPTH) -> None:
-        self.fabric, self.switch = fabric, switch
+    Taken receives are posted again ``group`` at a time (at least ``depth - group + 1`` stay posted).
+    Why: each post sends the switch a small "receive posted" notice on the connection that the
+    switch's egress thread is writing a result message on; gloo's event loop, finding the connection
+    locked by that write, returns to ``epoll_wait`` at once and spins until the write ends (BENCHMARKS.md,
+    SwitchML, session 7). Posted one by one, a notice arrives during nearly every write; in groups, the
+    notices of a group arrive together, during one write."""
+
+    def __init__(self, fabric, switch: int, burst: int, width: int, depth: int = INBOX_DEPTH,
+                 group: int = REPOST_GROUP) -> None:
+        if not 1 <= group < depth:
+            raise InvalidValueError(f"group must be in [1, depth - 1], got {group} for depth {depth}")
+        self.fabric, self.switch, self.group = fabric, switch, group
         self.bufs = [torch.zeros((burst, width), dtype=torch.int32) for _ in range(depth)]
         self.works = [fabric.irecv(b, switch, TAG_DOWN) for b in self.bufs]
         self.i = 0
+        self.unposted = 0         # taken receives behind self.i not posted again yet
 
     def take(self, timeout: float | None) -> np.ndarray | None:
         """The next message's rows (valid until :meth:`release`), or ``None`` if none came in ``timeout``
@@ -122,9 +135,14 @@ class Inbox:
         return self.bufs[self.i].numpy()
 
     def release(self) -> None:
-        """Post the taken buffer's receive again."""
-        self.works[self.i] = self.fabric.irecv(self.bufs[self.i], self.switch, TAG_DOWN)
-        self.i = (self.i + 1) % len(self.bufs)
+        """Done with the taken buffer; its receive is posted again with the group it completes."""
+        D = len(self.bufs)
+        self.i = (self.i + 1) % D
+        self.unposted += 1
+        if self.unposted == self.group:
+            for k in range(self.i - self.group, self.i):
+                self.works[k % D] = self.fabric.irecv(self.bufs[k % D], self.switch, TAG_DOWN)
+            self.unposted = 0
 
 
 def run_lanes(t, lane_slots: np.ndarray, P: int, pkt_base: int, payload, consume, phase: str) -> None:
@@ -208,8 +226,8 @@ def run_lanes(t, lane_slots: np.ndarray, P: int, pkt_base: int, payload, consume
             threshold += t.timeout_increment
             expiries = 0
 
-    rbuf = torch.zeros((K, width), dtype=torch.int32)
-    rarr = rbuf.numpy()
+    rbuf = torch.zeros((K, width), dtype=torch.int32) if inbox is None else None    # SimFabric's receive
+    rarr = rbuf.numpy() if rbuf is not None else None
     at, pks, lanes = (np.empty(K, dtype=np.int64) for _ in range(3))    # _accept's outputs
     send(np.arange(L), True)
     done = 0

@@ -6,8 +6,9 @@ program and replies with ``isend`` that it never waits for, so the per-port link
 **Real fabrics** (gloo over TCP; a message carries ``burst`` packets): a software switch with one receive
 thread per port, as a multi-queue NIC gives each port its own RX ring. Each port keeps ``PORT_DEPTH``
 receives posted from its worker (gloo moves a message only once the receiver has posted for it, so a
-receive posted ahead lets the worker's next burst flow at once, with no round trip), runs the program on
-each burst as it arrives (one compiled call, under the lock of the shared registers; the rest of the
+receive posted ahead lets the worker's next burst flow at once, with no round trip; they are posted
+again ``PORT_GROUP`` at a time, which keeps gloo's event loop at the worker from spinning), runs the
+program on each burst as it arrives (one compiled call, under the lock of the shared registers; the rest of the
 loop runs while another port holds it) and queues the replies on the egress ports. Each egress port is a
 thread sending its queue in order: a gloo send returns only once the socket took the message (about its
 transmission time on a slow link), so a multicast sent from the receive thread would serialise the n
@@ -49,7 +50,13 @@ from .switch_dataplane import (F_TYPE, HEADER, RECV_SLACK, T_EMPTY, TAG_DOWN, TA
                                split_messages)
 
 #: receives each port keeps posted from its worker (real fabrics)
-PORT_DEPTH = 8
+PORT_DEPTH = 16
+#: a port posts its receives again in groups of this many (at least PORT_DEPTH - PORT_GROUP stay
+#: posted): each post sends the worker a "receive posted" notice on the connection its send thread
+#: writes on, and gloo's event loop spins while a write holds the connection; grouped, the notices
+#: arrive together, during one write rather than during nearly every write (see ``Inbox`` in
+#: :mod:`.switch_lanes`)
+PORT_GROUP = 8
 #: replies a port may have queued before it drops, beyond the most a worker can await (real fabrics)
 EGRESS_CAP = 64
 
@@ -194,8 +201,10 @@ def _serve_ports(dp: Dataplane, fabric: Fabric) -> None:
                 rows = arr[:burst] if arr[burst, F_TYPE] == T_EMPTY else arr
                 with registers:
                     nmc, nuc = dp.execute(rows, mc, uc, scratch, clear=True)
-                b = buffers.take()
-                posted.append((fabric.irecv(torch.from_numpy(b), w, TAG_UP), b))
+                if len(posted) <= PORT_DEPTH - PORT_GROUP:
+                    for _ in range(PORT_GROUP):
+                        b = buffers.take()
+                        posted.append((fabric.irecv(torch.from_numpy(b), w, TAG_UP), b))
                 if not in_place:
                     buffers.give_back(arr)
                 mcast = split_messages(mc, nmc, burst)      # zeroes the last burst's unused rows
