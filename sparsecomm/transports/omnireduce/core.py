@@ -176,8 +176,7 @@ class AggChannel:
             raise ProtocolError("omnireduce: a lane's pending block did not complete in its round")
         msg, tail = self.sums.finish(self)
         if self.round == 0:
-            words = wire.encode_words(newc, self.summed, self.ch)
-            fused = wire.fused0(self.ch, self.k)
+            words, fused = wire.encode_words(newc, self.summed, self.ch), wire.fused0(self.ch, self.k)
             if fused:   # the words ride in the sums' message, after them (the strategy left room)
                 tail.view(torch.uint8)[:words.numel()].copy_(words)
             out = Reply0(words, msg if self.k or fused else None, fused, self.k)
@@ -193,9 +192,8 @@ class AggChannel:
 
 
 class Reply0(NamedTuple):
-    """A channel's round-0 downstream: the lane words; the message of the ``k`` sums (``None`` if there
-    are none and nothing rides with them); ``fused``: the words ride in it (:func:`.wire.fused0`)."""
-
+    """A channel's round-0 downstream: lane words, the message of the ``k`` sums (``None``: none and
+    nothing rides with them), ``fused``: the words ride in it (:func:`.wire.fused0`)."""
     words: torch.Tensor
     sums: torch.Tensor | None
     fused: bool
@@ -277,11 +275,9 @@ def send_round0(call, aggs: list[int]):
         yield from call.up(a, Key(Msg.HDR, call.rank), hdr.view(torch.uint8), TAG_HDR_UP)
         if a != call.own:
             yield Post(Key(Msg.REPLY, a), 8 * HDR, call.aggregators[a], TAG_HDR_DOWN)
-    for a in aggs:
-        chans = [call.wch[a, ch.slot] for ch in call.plans[a]]
-        if chans:
-            firsts = torch.cat([wire.encode_firsts(c.mine, c.ch) for c in chans])
-            yield from call.up(a, Key(Msg.FIRSTS, call.rank), firsts, TAG_FIRSTS)
+    for a in (a for a in aggs if call.plans[a]):
+        firsts = torch.cat([wire.encode_firsts(call.wch[a, ch.slot].mine, ch) for ch in call.plans[a]])
+        yield from call.up(a, Key(Msg.FIRSTS, call.rank), firsts, TAG_FIRSTS)
     for g in range(call.spec.channels):
         for a in sorted(aggs, key=lambda a: -call.wch[a, g].pending0() if (a, g) in call.wch else 0):
             if (a, g) in call.wch:
@@ -318,8 +314,7 @@ def aggregator(adm, inbox, outbox, host: int | None = None, ref: np.ndarray | No
     one, drain); then its lanes. ``host``: the colocated worker, which gets its messages by hand and
     starts the lanes (``GO``) once it has taken this verdict (its result, where in place they sum, made)."""
     posts = adm.post_headers()
-    for p in posts:
-        yield p
+    yield from posts
     for p in posts:
         inbox.ready(p.key)        # (starts watching it: a later poll sees it arrived)
     left = [p.key for p in posts] if host is not None else []
@@ -327,11 +322,9 @@ def aggregator(adm, inbox, outbox, host: int | None = None, ref: np.ndarray | No
         yield Recv(tuple(left), order=(0,), any=True)
         for k in [k for k in left if inbox.ready(k)] or left[:1]:   # (none in: the first, blocking)
             left.remove(k)
-            for p in adm.take_early(inbox, k.peer, ref):
-                yield p
+            yield from adm.take_early(inbox, k.peer, ref)
     yield Recv(adm.headers_left(), order=(0,))
-    for p in adm.take_headers(inbox):
-        yield p
+    yield from adm.take_headers(inbox)
     if adm.status == OK:
         yield Recv(tuple(adm.firsts()), order=(0,), sure=True)   # (each right after its header, taken)
         adm.prepare(inbox)
@@ -387,9 +380,8 @@ def agg_lane(adm, c: AggChannel, inbox, outbox, host: int | None, mark=None):
 
 
 def send_down(adm, c: AggChannel, out, host: int | None):
-    """A completed round to every worker (by hand to the host): round 0's lane words and sums (one
-    message, or two: :class:`Reply0`), or a later round's message (double-buffered: :class:`.wire.Buf`
-    by round parity)."""
+    """A completed round to every worker (by hand to the host): round 0's :class:`Reply0`, or a later
+    round's message (double-buffered: :class:`.wire.Buf` by round parity)."""
     tag = tag_down(c.slot)
     if c.round == 1:
         for w in adm.order:
@@ -397,10 +389,8 @@ def send_down(adm, c: AggChannel, out, host: int | None):
                 yield Hand(Key(Msg.WORDS, adm.index, c.slot), out.words)
                 if out.k:
                     yield Hand(Key(Msg.SUMS0, adm.index, c.slot), None if c.sums.in_place else out.sums)
-            elif out.fused:
-                yield Send(out.sums, w, tag, Buf(Msg.DOWN, slot=c.slot, parity=0))
-            else:   # every block summed: the words are implied
-                yield Send(out.sums, w, tag_sums0(c.slot), Buf(Msg.DOWN, slot=c.slot, parity=0))
+            else:   # the words ride with the sums, or (every block summed) are implied
+                yield Send(out.sums, w, tag if out.fused else tag_sums0(c.slot), Buf(Msg.DOWN, slot=c.slot, parity=0))
         return
     for w in adm.order:
         if w == host:
