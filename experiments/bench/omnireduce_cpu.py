@@ -24,6 +24,10 @@ figures much less so.
 (``time.thread_time``: other threads' CPU is not in it, nor is waiting); the CPU figures then include
 the profiler's overhead.
 
+``--netbed GBPS``: the ranks run on the netbed (each in its own network namespace, links of ``GBPS``
+Gbit/s; needs root), where the kernel's shaping and forwarding and gloo's slower writes add CPU that
+loopback does not show.
+
 ``--trees A B ...`` (run from the repository root): run this benchmark once per tree and round,
 alternating the trees' order each round, each with the tree's ``sparsecomm`` first on the path (a
 symbolic link in a temporary folder; this benchmark and its input maker stay this checkout's) and
@@ -149,7 +153,7 @@ def _count_ops(f) -> dict:
 
 
 def measure(workers: int, size_mb: float, densities: list[float], calls: int, warmup: int,
-            profile: str | None, kwargs: dict) -> dict:
+            profile: str | None, kwargs: dict, netbed: float | None = None) -> dict:
     """One launch of ``workers`` gloo ranks; per density: every rank's median CPU per call (s), the
     median over ranks, and the median of the slowest rank's wall time per call."""
     import sparsecomm as sc
@@ -157,7 +161,9 @@ def measure(workers: int, size_mb: float, densities: list[float], calls: int, wa
     numel = int(size_mb * 1e6) // 4
     res = sc.launch(functools.partial(worker, numel=numel, densities=densities, calls=calls, warmup=warmup,
                                       profile=profile, kwargs=kwargs),
-                    workers, backend="gloo", timeout_s=600.0)
+                    workers, timeout_s=600.0,
+                    **({"backend": "gloo"} if netbed is None else
+                       {"backend": "netbed", "network": sc.Network(bandwidth_gbps=netbed)}))
     out = {}
     names = sorted({k for r in res for k in r["threads"]})
     by_name = {k: statistics.median(r["threads"].get(k, 0.0) for r in res) for k in names}
@@ -222,6 +228,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--channels", type=int, default=None, help="the transport's channels (default: its own)")
     ap.add_argument("--profile", default=None, metavar="DIR", help="cProfile every rank's timed calls into DIR")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
+    ap.add_argument("--netbed", type=float, default=None, metavar="GBPS",
+                    help="run the ranks on the netbed (links of GBPS Gbit/s; needs root) instead of loopback")
     ap.add_argument("--trees", nargs="+", default=None, metavar="TREE",
                     help="alternated A/B: run this benchmark in each tree (PYTHONPATH=TREE) per round")
     ap.add_argument("--rounds", type=int, default=5, help="rounds of --trees")
@@ -240,12 +248,13 @@ def main(argv: list[str] | None = None) -> None:
     if a.channels is not None:
         kwargs["channels"] = a.channels
     rows = []
-    print(f"# {a.size_mb:g} MB, {kwargs}, {a.calls} calls, load {os.getloadavg()[0]:.1f}, torch {torch.__version__}")
+    where = "loopback" if a.netbed is None else f"netbed {a.netbed:g} Gbit/s"
+    print(f"# {a.size_mb:g} MB, {where}, {kwargs}, {a.calls} calls, load {os.getloadavg()[0]:.1f}, torch {torch.__version__}")
     print("| n | d | CPU ms per call, per rank | median over ranks | main thread | wall ms (slowest rank, median) "
           "| receives / sends / hand-offs per call |")
     print("|---:|---:|---|---:|---:|---:|---|")
     for n in a.workers:
-        res = measure(n, a.size_mb, a.densities, a.calls, a.warmup, a.profile, kwargs)
+        res = measure(n, a.size_mb, a.densities, a.calls, a.warmup, a.profile, kwargs, a.netbed)
         for d, r in res.items():
             rows.append(dict(workers=n, density=d, **r))
             print(f"| {n} | {d:g} | {' '.join(f'{c * 1e3:.1f}' for c in r['cpu_ranks'])} | {r['cpu'] * 1e3:.1f} | "
