@@ -202,9 +202,12 @@ def _kill(ctx, role, transport, outdir):
     else:
         t = sc.transports.get(transport, f)
     t.allreduce(torch.ones(64))
+    store.set(f"first/{ctx.rank}", "1")
     if role == "worker" and ctx.rank == 2:
         os.kill(os.getpid(), signal.SIGKILL)
     if role == "service" and ctx.rank == 0:
+        # (every worker's first call is over: the one a dead service fails is the second)
+        store.wait([f"first/{r}" for r in range(ctx.world_size)])
         workers = {int(store.get(f"pid/{r}")) for r in range(ctx.world_size)}
         for pid in os.listdir("/proc"):
             if pid.isdigit() and int(pid) not in workers and int(pid) != os.getpid():

@@ -18,18 +18,22 @@ The tensor is cut into blocks of ``block_size`` elements; aggregators own disjoi
 blocks are dealt into lanes, and per lane a worker sends a non-zero block together with the offset of
 its own next non-zero block in that lane (4 bytes). The aggregator completes a block once the smallest
 announced next offset is past it and returns the sum with that offset to every worker, which prompts
-exactly the holders of the next block (see :mod:`.aggregator`, :mod:`.worker`, :mod:`.wire`).
+exactly the holders of the next block (see :mod:`.core`, :mod:`.wire`).
 
-Reading order for a newcomer: the lane state machine is :class:`.aggregator.AggChannel` (``expect``:
-who holds each lane's pending block, i.e. the announce; ``add``; ``finish``: complete the blocks and
-announce each lane's next one) and :class:`.worker.WorkerChannel` (``take_up``: answer a prompt with the
-held blocks and their look-aheads; ``start``/``down``: take the sums and the next prompt). Message
-identities are :class:`.wire.Msg` / :class:`.wire.Key`; every endpoint's rounds run on one scheduler,
-:func:`.mailbox.drive` (each step names the messages it waits for; whichever candidate is ready runs),
-which carries the deadlock-freedom argument. The fast paths sit beside the core: one-round channels
-(``wire.single``: bitmaps instead of look-aheads), in-place sums at the hosted aggregator
-(``AggChannel.set_home``), sends as views of the tensor and receives straight into the result
-(:func:`.worker.run_worker`). A per-message trace of a call: :mod:`.trace`.
+Reading order for a newcomer: :mod:`.core` top to bottom (the lane state machines,
+:class:`.core.WorkerChannel` and :class:`.core.AggChannel`: announce, add, complete, prompt; then the
+roles as generators: :func:`.core.worker` -- round 0's header, first look-aheads and position-0
+blocks; :func:`.core.verdict`, one per aggregator -- and :func:`.core.worker_lane`; :func:`.core.aggregator` -- headers, verdict,
+drain -- and :func:`.core.agg_lane`). The roles yield typed requests (send, post a receive, receive
+into the result, hand over locally, wait) to one scheduler per endpoint, :func:`.mailbox.drive`, whose
+docstring carries the deadlock-freedom argument; the colocated worker runs its worker role and its
+hosted aggregator's on it together, a dedicated aggregator (:mod:`.service`) its own alone, on the
+SimFabric and on torch alike. Then the fast paths, :mod:`.strategies` (how blocks go up: by hand, as
+views of the tensor or copied; where sums land: a message, in place in the input, or straight into
+the result); message identities and formats, :mod:`.wire` (:class:`.wire.Msg`, :class:`.wire.Key`,
+:class:`.wire.Buf`); the aggregator's header checks, :mod:`.aggregator`; the call's state and entry
+point, :mod:`.worker`; the data as blocks, :mod:`.blocks`. A per-message trace of a call: :mod:`.trace`.
+
 Per call and worker (``M`` = the tensor's bytes, ``d_w`` its non-zero block fraction, ``d_u`` the
 union's, ``nb`` blocks, ``L`` lanes):
 

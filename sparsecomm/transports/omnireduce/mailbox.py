@@ -1,19 +1,23 @@
-"""OmniReduce endpoints' message plumbing: pooled buffers, receives posted ahead, asynchronous sends.
+"""OmniReduce endpoints' scheduler and message plumbing: the requests a role yields, :func:`drive`
+(the one scheduler of an endpoint), pooled buffers, receives posted ahead, asynchronous sends.
 
-Shared by the worker (:mod:`.worker`) and the aggregator (:mod:`.aggregator`) of one endpoint; nothing
-here knows the protocol, only ``(key, buffer)`` pairs on a :class:`~sparsecomm.fabric.base.Fabric`.
+A role (:mod:`.core`) is a generator; it yields typed requests (:class:`Send`, :class:`Post`,
+:class:`PostInto`, :class:`Hand`, :class:`Recv`, :class:`Poll`, :class:`Spawn`) and never touches the
+fabric itself. Nothing here knows the protocol, only ``(key, buffer)`` pairs on a
+:class:`~sparsecomm.fabric.base.Fabric`.
 """
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Generator, NamedTuple
 
 import torch
 
 from ...fabric.base import Fabric
+from ...errors import ProtocolError
 from . import wire
 
-__all__ = ["Inbox", "Outbox", "Pool", "Step", "drive"]
+__all__ = ["Inbox", "Outbox", "Pool", "Send", "Post", "PostInto", "Hand", "Recv", "Poll", "Spawn", "drive"]
 
 
 class Pool:
@@ -126,33 +130,196 @@ class Outbox:
             self.pool.release()
 
 
-class Step(NamedTuple):
-    """A step an endpoint can take: the inbox keys of the messages it waits for (it is a candidate once
-    every one is posted or put), and what it does then."""
-
-    keys: list
-    run: Callable[[], None]
+# ----------------------------------------------------------------------------------------- requests
+# A role (a generator: one side of the protocol, see :mod:`.core`) yields these to :func:`drive`.
+# Send, Post, PostInto, Hand and Spawn never block: the scheduler performs them and resumes the role at
+# once. Recv suspends it until its messages are in; Poll lets the others run meanwhile.
 
 
-def drive(fabric: Fabric, inbox: Inbox, outbox: Outbox, steps: Callable[[], list], keep: int = 64) -> None:
-    """The one scheduler of an endpoint's rounds: until ``steps()`` (the candidates, in order of
-    preference) is empty, run the first candidate whose messages are in by the time the first one is
-    (:meth:`Fabric.wait_any`), finishing all but ``keep`` of the sends first.
+class Send(NamedTuple):
+    """Send ``buf`` to endpoint ``dst`` on ``tag`` (asynchronous). ``hold``: the role of the pooled
+    buffer (:class:`.wire.Buf`), which is not reused before this send has completed."""
 
-    It never blocks on one step while another could run; with steps that each wait only for messages
-    sent by earlier steps (of any endpoint) and asynchronous sends, no cycle of waits can form.
+    buf: torch.Tensor
+    dst: int
+    tag: int
+    hold: object = None
+
+
+class Post(NamedTuple):
+    """Post the receive of message ``key``: ``nbytes`` from ``src`` on ``tag``, into a pooled buffer."""
+
+    key: object
+    nbytes: int
+    src: int
+    tag: int
+
+
+class PostInto(NamedTuple):
+    """Post the receive of message ``key`` straight into ``buf`` (contiguous bytes, e.g. the result's)."""
+
+    key: object
+    buf: torch.Tensor
+    src: int
+    tag: int
+
+
+class Hand(NamedTuple):
+    """Hand message ``key`` to another role of this endpoint (no fabric: it is in at once)."""
+
+    key: object
+    msg: object
+
+
+class Recv(NamedTuple):
+    """Suspend until the messages ``keys`` are in; the role then ``take``s them from the inbox. A role
+    takes only messages its ``Recv`` named (``tests/test_omnireduce_core.py`` holds it), so the scheduler
+    never blocks in a take it did not choose while another role's messages are in (e.g. a worker on a
+    large round-0 sum while its hosted aggregator's data waits to be summed).
+
+    The role can run only once every key is posted or handed over, and none of ``gone`` is still
+    waiting to be taken (a local hand-over that a new one would replace). ``order``: preference
+    among the roles that can run (smaller first). ``any``: resume once any one of them is in (or at
+    once, as any other, when it is the only role able to run: it then takes them in order).
+    ``reap``: before choosing among roles, :func:`drive` finishes all but ``keep`` of this endpoint's
+    sends if any of them waits with ``reap`` (the lane rounds; not round 0: the sends of a worker whose
+    header was rejected never complete). ``sure``: every peer sends these messages before its first
+    wait (round 0 up), so a blocking take of them ends whatever this endpoint does: when the role is the
+    most preferred one able to run, it is resumed at once (no watch for their arrival: on gloo that
+    costs a helper thread per receive, :mod:`sparsecomm.fabric.torch_waiters`); a ``Poll`` skips it
+    (a poll never blocks: the poller may not have sent its own round 0 yet)
+    A role that is the only one able to run is resumed at once: its takes then block in order, so that
+    it works on the first messages while the later ones arrive."""
+
+    keys: tuple
+    order: tuple = ()
+    gone: tuple = ()
+    any: bool = False
+    reap: bool = False
+    sure: bool = False
+
+
+class Poll(NamedTuple):
+    """Run every other role whose messages are in already, then resume (between pieces of long local
+    work, so that receives that depend on arrived messages get posted meanwhile). ``below``: only the
+    roles whose ``Recv.order`` is smaller (the cheap ones that post receives or send; work that is off
+    the polling role's critical path waits until it is done). Never the ``sure`` ones: a poll never
+    blocks (the scheduler resumes them later)."""
+
+    below: tuple | None = None
+
+
+class Spawn(NamedTuple):
+    """Start another role on this endpoint (run at once up to its first wait)."""
+
+    role: Generator
+
+
+def drive(fabric: Fabric, inbox: Inbox, outbox: Outbox, roles: list, keep: int = 64) -> None:
+    """The one scheduler of an endpoint: run the roles (generators yielding the requests above) until
+    every one has returned. While some wait, run the first (in ``Recv.order``) of those able to run whose
+    messages are in by the time the first such is (:meth:`Fabric.wait_any`), finishing all but ``keep``
+    of the sends first (``Recv.reap``). A role's exception ends the call (it propagates to the caller).
+
+    Deadlock freedom, held by this structure rather than by any hand-made order: (1) sends never block
+    (Send is asynchronous, Hand is a local put); (2) every Recv waits only for messages sent by steps
+    that do not wait on it: a worker's round ``r`` answers its aggregator's round ``r - 1``, which it
+    has received, and an aggregator's round ``r`` waits for the up-messages its holders send on receipt
+    of round ``r - 1``, which it has sent; round 0 waits only for what every worker sends before its
+    first wait (the headers, first look-aheads, position-0 blocks) and for the verdicts sent on them; a
+    hand-over between two roles of one endpoint is in once handed, and ``gone`` waits only for a take
+    by a role that can run at once; (3) the scheduler never blocks on one role while another could run,
+    unless the one's messages come whatever this endpoint does (a role is a candidate only once every
+    message it waits for is posted or handed over, and it blocks only on the one candidate, on a
+    ``sure`` one, or on whichever candidate completes first). So every wait ends, on any fabric and
+    whatever its buffering; a role left with nothing to run is a bug, reported as such.
     """
-    from .wire import ProtocolError
+    _Scheduler(fabric, inbox, outbox).run(roles, keep)
 
-    while True:
-        outbox.reap(keep)
-        cands = steps()
-        if not cands:
-            return
-        ready = [st for st in cands if all(inbox.has(k) for k in st.keys)]
-        if not ready:
-            raise ProtocolError("omnireduce: no step of this call can run (a bug)")
-        if len(ready) == 1:     # the only step that can run: its own blocking waits (no polling)
-            ready[0].run()
-        else:
-            ready[fabric.wait_any([inbox.pending(st.keys) for st in ready])].run()
+
+class _Scheduler:
+    """:func:`drive`'s state: the suspended roles, each with the :class:`Recv` it waits on."""
+
+    def __init__(self, fabric: Fabric, inbox: Inbox, outbox: Outbox) -> None:
+        self.fabric, self.inbox, self.outbox = fabric, inbox, outbox
+        self.waiting: list = []     # [role, Recv], in the order the roles were started
+        self.polling = False
+
+    def run(self, roles: list, keep: int) -> None:
+        for role in roles:
+            self.advance(role)
+        while self.waiting:
+            cands = self.runnable()
+            if not cands:
+                raise ProtocolError("omnireduce: no role of this call can run (a bug)")
+            if any(rw[1].reap for rw in cands):
+                self.outbox.reap(keep)
+            if len(cands) == 1 or cands[0][1].sure:   # the only one, or sure: its own takes block
+                self.resume(cands[0])
+                continue
+            groups, owner = [], []   # per candidate its pending receives; an ``any`` one, each alone
+            for i, (_, req) in enumerate(cands):
+                pend = self.inbox.pending(req.keys)
+                if req.any and len(pend) == len(req.keys):
+                    groups += [[w] for w in pend]
+                    owner += [i] * len(pend)
+                else:
+                    groups.append([] if req.any else pend)
+                    owner.append(i)
+            self.resume(cands[owner[self.fabric.wait_any(groups)]])
+
+    def advance(self, role) -> None:
+        """Run ``role`` until it waits (or returns), performing its non-blocking requests."""
+        inbox, outbox = self.inbox, self.outbox
+        while True:
+            try:
+                req = next(role)
+            except StopIteration:
+                return
+            t = type(req)
+            if t is Send:
+                outbox.send(req.buf, req.dst, req.tag, key=req.hold)
+            elif t is Post:
+                inbox.post(req.key, req.nbytes, req.src, req.tag)
+            elif t is PostInto:
+                inbox.post_into(req.key, req.buf, req.src, req.tag)
+            elif t is Hand:
+                inbox.put(req.key, req.msg)
+            elif t is Spawn:
+                self.advance(req.role)
+            elif t is Poll:
+                if not self.polling:
+                    self.polling = True
+                    try:
+                        self.poll(req.below)
+                    finally:
+                        self.polling = False
+            elif t is Recv:
+                self.waiting.append([role, req])
+                return
+            else:
+                raise ProtocolError(f"omnireduce: a role asked for {req!r} (a bug)")
+
+    def runnable(self) -> list:
+        """The roles that can run (every awaited message posted or handed over, no ``gone`` one left),
+        in order of preference."""
+        has = self.inbox.has
+        return sorted((rw for rw in self.waiting if all(has(k) for k in rw[1].keys)
+                       and not any(has(k) for k in rw[1].gone)), key=lambda rw: rw[1].order)
+
+    def resume(self, rw) -> None:
+        self.waiting.remove(rw)
+        self.advance(rw[0])
+
+    def poll(self, below: tuple | None = None) -> None:
+        """Run the roles whose messages are in already (without blocking), best first, until none is
+        (``below``: only those whose order is smaller)."""
+        ready, has = self.inbox.ready, self.inbox.has
+        while True:   # (the roles at or past ``below`` are skipped before any look at their messages)
+            now = sorted((rw for rw in self.waiting if (below is None or rw[1].order < below)
+                          and all(has(k) for k in rw[1].keys) and not any(has(k) for k in rw[1].gone)
+                          and not rw[1].sure and (any if rw[1].any else all)(ready(k) for k in rw[1].keys)),
+                         key=lambda rw: rw[1].order)
+            if not now:
+                return
+            self.resume(now[0])

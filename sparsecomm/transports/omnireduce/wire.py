@@ -45,11 +45,14 @@ from .._handshake import dtype_code as _hs_dtype_code
 from .._handshake import dtype_from_code as _hs_dtype_from_code
 from .._handshake import _error as _mismatch
 
-MAGIC = 0x4F4D4E49_0002  # "OMNI", wire version 2
+MAGIC = 0x4F4D4E49_0004  # "OMNI", wire version 4 (3: round-0 sums on their own tag, tag_sums0; 4: a
+#                          round-0 reply's sums and lane words in one message; all summed: the sums alone,
+#                          and a worker's first look-aheads of every channel in one message, TAG_FIRSTS)
 MAX_CHANNELS = 16
 HDR = 12 + MAX_CHANNELS    # int64 fields: 12 scalars, then one count per channel (slot)
 TAG_HDR_UP = 0x4F4F01     # round-0 header, worker -> aggregator
 TAG_HDR_DOWN = 0x4F4F02   # round-0 reply header, aggregator -> worker
+TAG_FIRSTS = 0x4F4F03     # round-0 first look-aheads of every channel, worker -> aggregator
 
 
 class Msg(IntEnum):
@@ -57,12 +60,13 @@ class Msg(IntEnum):
 
     HDR = 0        #: worker -> aggregator: the round-0 header (``int64[HDR]``), on ``TAG_HDR_UP``
     REPLY = 1      #: aggregator -> worker: the verdict (reply header), on ``TAG_HDR_DOWN``
-    FIRSTS = 2     #: worker -> aggregator, per channel: first look-aheads (round-0 metadata)
+    FIRSTS = 2     #: worker -> aggregator: every channel's first look-aheads, one message (on ``TAG_FIRSTS``)
     BLOCKS0 = 3    #: worker -> aggregator, per channel: its position-0 blocks
-    WORDS = 4      #: aggregator -> worker, per channel: round-0 lane words
-    SUMS0 = 5      #: aggregator -> worker, per channel: the position-0 sums
+    WORDS = 4      #: aggregator -> worker, per channel: round-0 sums, then lane words (:func:`fused0`)
+    SUMS0 = 5      #: aggregator -> worker, per channel, every block summed: the sums alone (:func:`tag_sums0`)
     UP = 6         #: worker -> aggregator, per channel, rounds >= 1: held blocks + look-aheads
     DOWN = 7       #: aggregator -> worker, per channel, rounds >= 1: sums + next pending blocks
+    GO = 8         #: local only, colocated worker -> its hosted aggregator: its verdict is taken, start
 
 
 class Key(NamedTuple):
@@ -94,6 +98,12 @@ def tag_up(slot: int) -> int:
 def tag_down(slot: int) -> int:
     """Tag of channel ``slot``'s aggregator -> worker stream (its rounds in order)."""
     return 0x4F6000 + slot
+
+
+def tag_sums0(slot: int) -> int:
+    """Tag of channel ``slot``'s round-0 sums when every block of it is summed (aggregator -> worker;
+    the lane words are then implied, :func:`fused0`): received straight into the worker's result."""
+    return 0x4F7000 + slot
 
 
 WHAT = "omnireduce allreduce"
@@ -266,6 +276,20 @@ def single(ch: Channel) -> bool:
     return ch.lanes >= ch.size
 
 
+def fused0(ch: Channel, k: int) -> bool:
+    """Do a channel's ``k`` round-0 sums travel in the lane words' message (``k`` blocks, then the words
+    padded to 4 bytes: :func:`words_ints` int32 of tail, see :func:`split`)? Yes unless every block of
+    the channel is summed (then it has one block per lane, and the words, every lane summed and nothing
+    following, are implied): then the sums alone, on :func:`tag_sums0` (so that a worker can receive
+    them straight into its result). Either way one message per channel."""
+    return k < ch.size
+
+
+def words_ints(ch: Channel) -> int:
+    """The int32 words of tail a fused round-0 reply (:func:`fused0`) carries its lane words in."""
+    return pad4(meta_bytes(ch)) // 4
+
+
 def meta_bytes(ch: Channel) -> int:
     """Bytes of a channel's round-0 per-lane metadata (first look-aheads up, lane words down)."""
     return -(-ch.lanes // 8) if single(ch) else 4 * ch.lanes
@@ -283,7 +307,22 @@ def decode_firsts(buf: torch.Tensor, ch: Channel) -> np.ndarray:
     if single(ch):
         bits = np.unpackbits(buf.numpy(), bitorder="little", count=ch.lanes).astype(bool)
         return np.where(bits, np.arange(ch.lanes), ch.size)
-    return buf.view(torch.int32).numpy().astype(np.int64)
+    return buf.numpy().view(np.int32).astype(np.int64)   # (numpy: at any byte offset in the message)
+
+
+def firsts_bytes(chans: list[Channel]) -> int:
+    """Bytes of a worker's round-0 metadata to one aggregator: its channels' first look-aheads, one after
+    another in slot order (:func:`encode_firsts`), one message."""
+    return sum(meta_bytes(ch) for ch in chans)
+
+
+def split_firsts(buf: torch.Tensor, chans: list[Channel]) -> list[torch.Tensor]:
+    """Each channel's part of a :func:`firsts_bytes` message."""
+    out, off = [], 0
+    for ch in chans:
+        out.append(buf[off: off + meta_bytes(ch)])
+        off += meta_bytes(ch)
+    return out
 
 
 def encode_words(newc: np.ndarray, summed: np.ndarray, ch: Channel) -> torch.Tensor:

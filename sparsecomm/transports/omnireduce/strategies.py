@@ -1,0 +1,236 @@
+"""OmniReduce's fast paths: strategies the core (:mod:`.core`) calls at named points.
+
+None of them changes what travels or which blocks are summed; they change only where bytes are copied:
+
+* how a worker's blocks go up (:func:`send_up`): to the hosted aggregator by hand (a view of the
+  tensor when the blocks are one run, nothing at all when they are summed in place), to a remote one
+  as a view of the tensor when a one-round channel's blocks are one run of whole blocks (the message
+  is the data itself), otherwise copied into a pooled message with their look-aheads;
+* where the sums land at an aggregator: :class:`MessageSums` (a pooled downstream message; the
+  default) or :class:`HomeSums` (colocated, in place: a one-round channel of the hosting worker's
+  in-place call is summed straight into its input, which already holds its own blocks, and the sums
+  are sent from there), chosen by :func:`home_rows` / :func:`sum_at_home`;
+* where round-0 sums land at a worker (:func:`post_reply0`, :func:`take_reply0`): with the lane words
+  in one message (:func:`.wire.fused0`), written; a whole channel, summed everywhere, apart and
+  straight into the result; otherwise into a pooled buffer, then written.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ...errors import ProtocolError
+from . import wire
+from .blocks import block_run
+from .mailbox import Hand, Post, PostInto, Send
+from .wire import Buf, Key, Msg, tag_down, tag_sums0, tag_up
+
+
+# ------------------------------------------------------------------ how blocks go up
+def send_up(call, key: Buf, a: int, c, local_key: Key):
+    """This round's blocks of channel ``c`` (:meth:`.core.WorkerChannel.take_up`) with their look-aheads,
+    to aggregator ``a`` (no look-aheads in round 0 of a one-round channel: they would all be "none")."""
+    meta = not (c.round == 0 and wire.single(c.ch))
+    b, look = c.take_up()
+    if not b.size:
+        return
+    ids = b + c.ch.lo
+    source = call.source
+    if a == call.own:          # to the hosted aggregator: by hand; a view of the data if it can
+        if homed(call, c.ch):  # the blocks already are where their sums go
+            yield Hand(local_key, (None, None))
+            return
+        v = source.view(ids)
+        if v is not None:      # (these blocks are written only once their sums are complete, later)
+            yield Hand(local_key, (v, torch.from_numpy(look) if meta else None))
+            return
+    elif not meta:             # a run of whole blocks is the message itself: sent without a copy
+        v = source.view(ids)   # (overwritten in place only after the aggregator has it all)
+        if v is not None and v.numel() * v.element_size() % 4 == 0:
+            yield Send(v.reshape(-1).view(torch.uint8), call.aggregators[a], tag_up(c.ch.slot))
+            return
+    buf, data, tail = call.outbox.message(key, b.size, call.spec.block_size, call.spec.up, meta=meta)
+    source.gather(ids, data)
+    if meta:
+        tail.copy_(torch.from_numpy(look))
+    if a == call.own:
+        yield Hand(local_key, buf)
+    else:
+        yield Send(buf, call.aggregators[a], tag_up(c.ch.slot), key)
+
+
+# ------------------------------------------------------------------ where sums land: aggregator
+def homed(call, ch: wire.Channel) -> bool:
+    """Is the hosted channel ``ch`` summed in place (an in-place call, one round, whole blocks only)?"""
+    return call.home and ch.agg == call.own and wire.single(ch) and ch.lo + ch.size <= call.source.full
+
+
+def home_rows(call) -> dict:
+    """The rows of the in-place result in which the hosted aggregator sums, per slot (the ``GO``
+    hand-over's content; empty unless the call is in place)."""
+    if not call.home:
+        return {}
+    if call.result.data_ptr() != call.source.flat.data_ptr():
+        raise ProtocolError("omnireduce: an in-place call's result is not its input")
+    return {ch.slot: call.sink.rows[ch.lo: ch.lo + ch.size] for ch in call.plans[call.own] if homed(call, ch)}
+
+
+def sum_at_home(channels: list, rows: dict, host: int) -> None:
+    """Switch the channels named in ``rows`` to :class:`HomeSums` (before their round 0)."""
+    for c in channels:
+        if c.slot in rows:
+            c.sums = HomeSums(c, rows[c.slot], host)
+
+
+class MessageSums:
+    """The sums accumulate in a pooled downstream message (double-buffered across rounds), in the
+    accumulation dtype first if the downstream dtype is narrower."""
+
+    in_place = False
+
+    def begin(self, c, outbox) -> None:
+        key = Buf(Msg.DOWN, slot=c.slot, parity=c.round % 2)
+        extra = wire.words_ints(c.ch) if c.round == 0 and wire.fused0(c.ch, c.k) else 0   # (room for the words)
+        self.msg, self.data, self.tail = outbox.message(key, c.k, c.bs, c.down, extra=extra, meta=c.round > 0)
+        self.acc = self.data if c.acc_dtype == c.down else torch.empty(c.k, c.bs, dtype=c.acc_dtype)
+        self.fresh = True   # acc not yet written: the first contribution is copied, not added
+
+    def add(self, c, w: int, pos: np.ndarray, blocks: torch.Tensor) -> None:
+        if blocks.dtype != c.acc_dtype:
+            blocks = blocks.to(c.acc_dtype)
+        if pos.size == c.k:            # it holds every summed lane: rows in order, no scatter
+            if self.fresh:
+                self.acc.copy_(blocks)
+            else:
+                self.acc.add_(blocks)
+        else:
+            if self.fresh:
+                self.acc.zero_()
+            self.acc.index_add_(0, torch.from_numpy(c.rows[pos]), blocks)
+        self.fresh = False
+
+    def finish(self, c):
+        if self.acc is not self.data:
+            self.data.copy_(self.acc)
+        out = self.msg, self.tail
+        self.msg = self.acc = self.data = self.tail = None
+        return out
+
+
+class HomeSums:
+    """Colocated, in place: the sums of a one-round channel accumulate in ``rows`` (its blocks of the
+    hosting worker ``w``'s result, which already hold that worker's own blocks: they are not added)."""
+
+    in_place = True
+
+    def __init__(self, c, rows: torch.Tensor, w: int) -> None:
+        if not c.single or rows.dtype != c.acc_dtype or rows.dtype != c.down:
+            raise ProtocolError("omnireduce: in-place aggregation needs a one-round channel and the "
+                                "accumulation dtype")
+        self.rows, self.w = rows, w
+
+    def begin(self, c, outbox) -> None:
+        self.outbox = outbox
+
+    def add(self, c, w: int, pos: np.ndarray, blocks: torch.Tensor) -> None:
+        if w != self.w:    # round 0 of a one-round channel: lane j holds local block j
+            lanes = c.act[pos]
+            run = block_run(lanes)
+            if run is not None:
+                self.rows[run[0]:run[1]].add_(blocks)
+            else:
+                self.rows.index_add_(0, torch.from_numpy(lanes), blocks)
+
+    def finish(self, c):
+        """The message: the summed rows (a view when they are one run and travel alone), or a copy of
+        them with room for the lane words (:func:`.wire.fused0`)."""
+        ids = np.flatnonzero(c.summed)
+        run = block_run(ids)
+        fused = wire.fused0(c.ch, c.k)
+        if not fused and run is not None and c.k * c.bs * c.down.itemsize % 4 == 0:
+            return self.rows[run[0]:run[1]].reshape(-1).view(torch.uint8), None
+        if not (fused or c.k):
+            return None, None
+        msg, data, tail = self.outbox.message(Buf(Msg.DOWN, slot=c.slot, parity=0), c.k, c.bs, c.down,
+                                              extra=wire.words_ints(c.ch) if fused else 0, meta=False)
+        if run is not None:
+            data.copy_(self.rows[run[0]:run[1]])
+        elif c.k:
+            torch.index_select(self.rows, 0, torch.from_numpy(ids), out=data)
+        return msg, tail
+
+
+# ------------------------------------------------------------------ where sums land: worker
+def post_reply0(call, a: int, ch: wire.Channel, k: int):
+    """The receives of remote aggregator ``a``'s round-0 reply of channel ``ch`` (``k`` sums): one
+    message, the sums then the lane words (:func:`.wire.fused0`); or, every block summed (the words are
+    then implied), the sums alone on their own tag (:func:`post_sums0`)."""
+    src, bs, down = call.aggregators[a], call.spec.block_size, call.down
+    if wire.fused0(ch, k):
+        yield Post(Key(Msg.WORDS, a, ch.slot), wire.block_bytes(k, bs, down.itemsize, wire.words_ints(ch), meta=False),
+                   src, tag_down(ch.slot))
+    else:
+        yield from post_sums0(call, a, ch, k)
+
+
+def reply0_keys(call, a: int, ch: wire.Channel) -> tuple:
+    """The messages of aggregator ``a``'s round-0 reply of ``ch``: by hand from the hosted one, the words
+    and (if any) the sums; from a remote one, a single message (:func:`post_reply0`)."""
+    k = call.sums0[a, ch.slot]
+    if a == call.own:
+        return (Key(Msg.WORDS, a, ch.slot), Key(Msg.SUMS0, a, ch.slot)) if k else (Key(Msg.WORDS, a, ch.slot),)
+    return (Key(Msg.WORDS if wire.fused0(ch, k) else Msg.SUMS0, a, ch.slot),)
+
+
+def take_reply0(call, a: int, ch: wire.Channel) -> np.ndarray:
+    """Take round 0's reply of aggregator ``a``'s channel ``ch`` and land its sums in the result; return
+    every lane's next pending block."""
+    k, bs = call.sums0[a, ch.slot], call.spec.block_size
+    ids = None
+    if a == call.own:
+        newc, summed = wire.decode_words(call.inbox.take(Key(Msg.WORDS, a, ch.slot)), ch)
+    elif wire.fused0(ch, k):
+        data, tail = wire.split(call.inbox.take(Key(Msg.WORDS, a, ch.slot)), k, bs, call.down,
+                                wire.words_ints(ch), meta=False)
+        newc, summed = wire.decode_words(tail.view(torch.uint8)[:wire.meta_bytes(ch)], ch)
+        if int(summed.sum()) != k:
+            raise ProtocolError("omnireduce: the round-0 sums do not match their lane words")
+        if k:
+            call.sink.write(np.flatnonzero(summed) + ch.lo, data)
+        return newc
+    else:   # every block summed: one block per lane, nothing follows
+        newc, ids = np.full(ch.lanes, ch.size, dtype=np.int64), np.arange(ch.lo, ch.lo + ch.size)
+        summed = None
+    if ids is None:
+        if int(summed.sum()) != k:
+            raise ProtocolError("omnireduce: the round-0 sums do not match their lane words")
+        ids = np.flatnonzero(summed) + ch.lo
+    if k:
+        land_sums0(call, a, ch.slot, ids)
+    return newc
+
+
+def post_sums0(call, a: int, ch: wire.Channel, k: int):
+    """The receive of remote aggregator ``a``'s round-0 sums of channel ``ch`` apart (``k`` blocks, all
+    of the channel's): straight into the result when its bytes are the result's, else pooled."""
+    tag, sink, down = tag_sums0(ch.slot), call.sink, call.down
+    nbytes = wire.block_bytes(k, call.spec.block_size, down.itemsize, meta=False)
+    if (k == ch.size and call.result.dtype == down and ch.lo + ch.size <= sink.full
+            and nbytes == k * call.spec.block_size * down.itemsize):
+        call.into_sink.add((a, ch.slot))
+        yield PostInto(Key(Msg.SUMS0, a, ch.slot), sink.rows[ch.lo: ch.lo + ch.size].reshape(-1).view(torch.uint8),
+                       call.aggregators[a], tag)
+    elif k:
+        yield Post(Key(Msg.SUMS0, a, ch.slot), nbytes, call.aggregators[a], tag)
+
+
+def land_sums0(call, a: int, g: int, ids: np.ndarray) -> None:
+    """Round-0 sums of blocks ``ids`` into the result (recorded only, when they were received or summed
+    in place there)."""
+    got = call.inbox.take(Key(Msg.SUMS0, a, g))
+    if got is None or (a, g) in call.into_sink:
+        call.sink.mark(ids)
+    else:
+        data, _ = wire.split(got, ids.size, call.spec.block_size, call.down, meta=False)
+        call.sink.write(ids, data)
