@@ -83,7 +83,11 @@ def _direct(ctx, outdir):
     if ctx.rank == 0:
         f.send(torch.arange(4, dtype=torch.float32), 1, tag=3)
         f.recv(torch.zeros(1), 1, tag=4)           # rank 1 has checked the first message
-        raise ValueError("rank 0 stops on purpose")
+        f.fail(ValueError("rank 0 stops on purpose"))
+        deadline = time.monotonic() + 30            # stay (not a crash) until rank 1 has seen it
+        while not os.path.exists(os.path.join(outdir, "rank1.txt")) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return []
     buf = torch.zeros(4)
     work = f.irecv(buf, 0, tag=3)
     src = f.wait_unbounded(work)
@@ -128,7 +132,7 @@ def test_wait_unbounded_returns_the_source_and_ends_with_the_peers_failure(tmp_p
     service's port thread must see it."""
     import functools
 
-    with pytest.raises(ValueError, match="on purpose"):
+    with pytest.raises(Exception, match="on purpose"):   # the job's recorded failure
         sc.launch(functools.partial(_direct, outdir=str(tmp_path)), 2, backend="gloo", timeout_s=60)
     kind, seconds, problems, text = (tmp_path / "rank1.txt").read_text().split("|", 3)
     assert problems == "", problems

@@ -68,7 +68,7 @@ from ..errors import FabricTimeout, IncompatibleError, InvalidValueError, Mismat
 from .base import Fabric, ServiceNotStarted, ServiceShutdown, Work
 from .stats import CommStats
 from .torch_failure import MAX_TAG, FailStop, decode_failure, encode_failure  # noqa: F401 (re-exported)
-from .torch_waiters import _FOREVER, _Pending, _TorchWork, wait_any_blocking
+from .torch_waiters import DirectWait, _Pending, _TorchWork, wait_any_blocking
 
 __all__ = ["TorchFabric", "ServiceNotStarted", "ServiceShutdown", "encode_failure", "decode_failure"]
 
@@ -78,7 +78,7 @@ BARRIER_TAG = Fabric.barrier_tag
 _SERVICE_POLL_S = 0.05
 
 
-class TorchFabric(FailStop, Fabric):
+class TorchFabric(FailStop, DirectWait, Fabric):
     """One rank of a torch.distributed job seen as a :class:`Fabric` (see the module docstring).
 
     ``world_size`` is the number of workers (default: all ranks minus ``len(services)``); ``services``
@@ -289,53 +289,6 @@ class TorchFabric(FailStop, Fabric):
             self._wait_timed(pend, limit, service)
         return self._account(pend, out)
 
-    def _account(self, pend: _Pending, out: torch.Tensor | None) -> int | None:
-        """A completed operation: for a receive, copy it out (``out``), count it and return its source."""
-        if not pend.is_recv:
-            return None
-        with torch.no_grad():
-            if out is not None:
-                out.copy_(pend.buf.reshape(out.shape))
-        source = pend.source if pend.source is not None else pend.src
-        self.stats.record_recv(source, self.rank, pend.buf.numel() * pend.buf.element_size())
-        return source
-
-    def wait_unbounded(self, work: Work) -> int | None:
-        """Wait for ``work`` (posted by this fabric) on the calling thread itself, with no deadline and no
-        helper thread; for a receive, return its source. For a service's own receive threads: a
-        service's wait (``work.wait()``) is otherwise done by a helper thread, which the caller polls
-        for the end of the run, one more thread hand-off per message. Here the end of the run is not
-        seen (the service watches it on another thread: :meth:`wait_for_shutdown` with ``stop``); a
-        failure is (the tripped group ends the wait with the failure's error). Once the fabric is
-        closed, a wait that ends with an error raises :class:`ServiceShutdown` (the run is over)."""
-        if not isinstance(work, _TorchWork) or work._fabric is not self:
-            raise InvalidValueError("wait_unbounded takes a Work posted by this fabric")
-        if work._finished:
-            return work._result
-        pend = work._pend
-        if self._deferred:
-            self._flush()
-        if pend.waited:            # a helper thread already waits on it: wait for its report
-            pend.done.wait()
-            if pend.error is not None:
-                if self._closed:
-                    raise ServiceShutdown("the run is over")
-                raise self._translate(pend.error, pend, None) from pend.error
-        elif self._cuda:
-            self._poll_cuda(pend, None, False)
-        else:
-            try:
-                pend.work.wait(_FOREVER)
-                if pend.is_recv and pend.src is None:
-                    pend.source = pend.work._source_rank()
-            except RuntimeError as exc:
-                if self._closed:
-                    raise ServiceShutdown("the run is over") from exc
-                raise self._translate(exc, pend, None) from exc
-        work._result = self._account(pend, work._out)
-        work._finished = True
-        return work._result
-
     def _wait_blocking(self, pend: _Pending) -> None:
         if self._cuda:             # bounded by timeout_s and the failure record, like every gloo wait
             if not self._poll_cuda(pend, time.monotonic() + self.timeout_s, False):
@@ -412,13 +365,9 @@ class TorchFabric(FailStop, Fabric):
             return True
 
     def wait_for_shutdown(self, stop: Callable[[], bool] | None = None) -> bool:
-        """On a service rank: block until every worker has finished (the end of the run: ``True``) or,
-        with ``stop``, until ``stop()`` is true (checked as often: ``False``). Without a rendezvous store
-        the end cannot be seen: it returns at once without ``stop``, and waits for ``stop()`` with it."""
+        """On a service rank: wait for every worker to finish (True) or for ``stop()`` (False)."""
         while not self._workers_done():
-            if stop is not None and stop():
-                return False
-            if self._store is None and stop is None:
+            if stop() if stop is not None else self._store is None:    # no store: no end to see
                 return False
             time.sleep(_SERVICE_POLL_S)
         return True
