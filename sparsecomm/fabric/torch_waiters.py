@@ -175,6 +175,8 @@ class DirectWait:
     use (a mixin: it uses the fabric's ``_flush``, ``_deferred``, ``_cuda``, ``_poll_cuda``, ``_closed``,
     ``_translate``, ``stats``, ``rank``)."""
 
+    direct_waits = True   # the capability (:mod:`sparsecomm.fabric.base`)
+
     def _account(self, pend: _Pending, out: torch.Tensor | None) -> int | None:
         """A completed operation: for a receive, copy it out (into ``out``), count it, return its source."""
         if not pend.is_recv:

@@ -186,10 +186,8 @@ def _serve_ports(dp: Dataplane, fabric: Fabric) -> None:
     # a port thread waits on its receives itself where the fabric offers it (one wake-up per message:
     # gloo's loop -> the port), while this thread watches the end of the run; else each wait is a
     # helper thread's, which the port polls for the end of the run (gloo's loop -> helper -> port)
-    direct = getattr(fabric, "wait_unbounded", None)
-    watch = getattr(fabric, "wait_for_shutdown", None) if direct is not None else None
-    if watch is None:
-        direct = None
+    direct = fabric.wait_unbounded if fabric.direct_waits else None
+    watch = fabric.wait_for_shutdown if fabric.direct_waits else None
 
     def port(w: int) -> None:
         try:
