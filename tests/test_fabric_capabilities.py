@@ -12,12 +12,13 @@ from sparsecomm.fabric.sim import SimWorld
 
 def test_the_base_declares_a_plain_real_fabric():
     assert Fabric.modelled_time is False and Fabric.in_process_services is False and Fabric.serial_pairs is False
+    assert Fabric.direct_waits is False
 
 
 def test_sim_fabric_capabilities_and_scratch():
     world = SimWorld(2)
     a, b = world.fabric(0), world.fabric(1)
-    assert a.modelled_time and a.in_process_services and not a.serial_pairs
+    assert a.modelled_time and a.in_process_services and not a.serial_pairs and not a.direct_waits
     assert a.native_group is None and a.device == torch.device("cpu")
     # scratch: one per endpoint, kept across lookups; world_scratch: one per simulated world
     a.scratch["k"] = 1
@@ -59,11 +60,11 @@ def _torch_caps(ctx):
     f = ctx.fabric
     f.scratch["k"] = ctx.rank
     return (f.modelled_time, f.in_process_services, f.serial_pairs, f.native_group is not None,
-            f.world_scratch is f.scratch, f.scratch["k"], str(f.device))
+            f.world_scratch is f.scratch, f.scratch["k"], str(f.device), f.direct_waits)
 
 
 def test_torch_fabric_capabilities():
     """gloo: wall time, services are launcher ranks, a native group of the workers, a scratch per rank
-    (one rank per process, so the job's shared scratch is the rank's own)."""
+    (one rank per process, so the job's shared scratch is the rank's own), waits on the caller's thread."""
     got = sc.launch(_torch_caps, 2, backend="gloo", timeout_s=60)
-    assert got == [(False, False, False, True, True, r, "cpu") for r in range(2)]
+    assert got == [(False, False, False, True, True, r, "cpu", True) for r in range(2)]

@@ -33,6 +33,9 @@ Capabilities. Layers above ask a fabric what it can do, never which class it is:
   collectives (``all_reduce``) run, or ``None`` where there is none.
 - ``device``: where message tensors live. ``serial_pairs``: a pair's messages share one ordered channel
   whatever their tag or direction (nccl).
+- ``direct_waits``: ``wait_unbounded(work)`` waits on the calling thread itself, with no deadline and no
+  helper thread (a service's receive threads, one wake-up per message), and ``wait_for_shutdown(stop)``
+  watches a service rank's end of the run for them; ``False``: a service thread waits with ``work.wait()``.
 - ``scratch``: a dict that lives and dies with this endpoint, where a layer above keeps its per-fabric
   state (a transport's caches) instead of a module-level dict keyed by fabric; ``world_scratch``: a
   dict shared by every endpoint of this job that lives in this process (the simulated world's; on a
@@ -75,6 +78,7 @@ class Fabric(ABC):
     modelled_time: bool = False
     in_process_services: bool = False
     serial_pairs: bool = False
+    direct_waits: bool = False
 
     @property
     def native_group(self) -> object | None:

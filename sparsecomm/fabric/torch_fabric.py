@@ -68,7 +68,7 @@ from ..errors import FabricTimeout, IncompatibleError, InvalidValueError, Mismat
 from .base import Fabric, ServiceNotStarted, ServiceShutdown, Work
 from .stats import CommStats
 from .torch_failure import MAX_TAG, FailStop, decode_failure, encode_failure  # noqa: F401 (re-exported)
-from .torch_waiters import _Pending, _TorchWork, wait_any_blocking
+from .torch_waiters import DirectWait, _Pending, _TorchWork, wait_any_blocking
 
 __all__ = ["TorchFabric", "ServiceNotStarted", "ServiceShutdown", "encode_failure", "decode_failure"]
 
@@ -78,7 +78,7 @@ BARRIER_TAG = Fabric.barrier_tag
 _SERVICE_POLL_S = 0.05
 
 
-class TorchFabric(FailStop, Fabric):
+class TorchFabric(FailStop, DirectWait, Fabric):
     """One rank of a torch.distributed job seen as a :class:`Fabric` (see the module docstring).
 
     ``world_size`` is the number of workers (default: all ranks minus ``len(services)``); ``services``
@@ -287,14 +287,7 @@ class TorchFabric(FailStop, Fabric):
         else:
             limit = timeout if timeout is not None else (None if service else self.timeout_s)
             self._wait_timed(pend, limit, service)
-        if not pend.is_recv:
-            return None
-        with torch.no_grad():
-            if out is not None:
-                out.copy_(pend.buf.reshape(out.shape))
-        source = pend.source if pend.source is not None else pend.src
-        self.stats.record_recv(source, self.rank, pend.buf.numel() * pend.buf.element_size())
-        return source
+        return self._account(pend, out)
 
     def _wait_blocking(self, pend: _Pending) -> None:
         if self._cuda:             # bounded by timeout_s and the failure record, like every gloo wait
@@ -371,12 +364,13 @@ class TorchFabric(FailStop, Fabric):
         except RuntimeError:   # the store is gone: the job is over
             return True
 
-    def wait_for_shutdown(self) -> None:
-        """On a service rank: block until every worker has finished (the end of the run)."""
+    def wait_for_shutdown(self, stop: Callable[[], bool] | None = None) -> bool:
+        """On a service rank: wait for every worker to finish (True) or for ``stop()`` (False)."""
         while not self._workers_done():
-            if self._store is None:
-                return
+            if stop() if stop is not None else self._store is None:    # no store: no end to see
+                return False
             time.sleep(_SERVICE_POLL_S)
+        return True
 
     # --------------------------------------------------------------- services
     def service(self, name: str, main: Callable[[Fabric], None] | None = None, **link) -> int:

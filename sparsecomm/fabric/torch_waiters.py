@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..errors import InvalidValueError, ServiceShutdown
 from .base import Work
 
 if TYPE_CHECKING:
@@ -167,3 +168,58 @@ class _TorchWork(Work):
             return bool(self._pend.work.is_completed())
         self._pend.start_waiter()   # gloo reports completion only through wait()
         return self._pend.done.is_set()
+
+
+class DirectWait:
+    """The completion half of :class:`~sparsecomm.fabric.torch_fabric.TorchFabric` that service threads
+    use (a mixin: it uses the fabric's ``_flush``, ``_deferred``, ``_cuda``, ``_poll_cuda``, ``_closed``,
+    ``_translate``, ``stats``, ``rank``)."""
+
+    direct_waits = True   # the capability (:mod:`sparsecomm.fabric.base`)
+
+    def _account(self, pend: _Pending, out: torch.Tensor | None) -> int | None:
+        """A completed operation: for a receive, copy it out (into ``out``), count it, return its source."""
+        if not pend.is_recv:
+            return None
+        with torch.no_grad():
+            if out is not None:
+                out.copy_(pend.buf.reshape(out.shape))
+        source = pend.source if pend.source is not None else pend.src
+        self.stats.record_recv(source, self.rank, pend.buf.numel() * pend.buf.element_size())
+        return source
+
+    def wait_unbounded(self, work: Work) -> int | None:
+        """Wait for ``work`` (posted by this fabric) on the calling thread itself, with no deadline and no
+        helper thread; for a receive, return its source. For a service's own receive threads: a
+        service's wait (``work.wait()``) is otherwise done by a helper thread, which the caller polls
+        for the end of the run, one more thread hand-off per message. Here the end of the run is not
+        seen (the service watches it on another thread: :meth:`wait_for_shutdown` with ``stop``); a
+        failure is (the tripped group ends the wait with the failure's error). Once the fabric is
+        closed, a wait that ends with an error raises :class:`ServiceShutdown` (the run is over)."""
+        if not isinstance(work, _TorchWork) or work._fabric is not self:
+            raise InvalidValueError("wait_unbounded takes a Work posted by this fabric")
+        if work._finished:
+            return work._result
+        pend = work._pend
+        if self._deferred:
+            self._flush()
+        if pend.waited:            # a helper thread already waits on it: wait for its report
+            pend.done.wait()
+            if pend.error is not None:
+                if self._closed:
+                    raise ServiceShutdown("the run is over")
+                raise self._translate(pend.error, pend, None) from pend.error
+        elif self._cuda:
+            self._poll_cuda(pend, None, False)
+        else:
+            try:
+                pend.work.wait(_FOREVER)
+                if pend.is_recv and pend.src is None:
+                    pend.source = pend.work._source_rank()
+            except RuntimeError as exc:
+                if self._closed:
+                    raise ServiceShutdown("the run is over") from exc
+                raise self._translate(exc, pend, None) from exc
+        work._result = self._account(pend, work._out)
+        work._finished = True
+        return work._result

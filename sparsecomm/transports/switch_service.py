@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from ..fabric import services
-from ..fabric.base import Fabric
+from ..fabric.base import Fabric, ServiceShutdown
 from .switch_dataplane import (F_TYPE, HEADER, RECV_SLACK, T_EMPTY, TAG_DOWN, TAG_UP, Dataplane, SwitchConfig,
                                split_messages)
 
@@ -183,6 +183,11 @@ def _serve_ports(dp: Dataplane, fabric: Fabric) -> None:
     # which it has read): the receive buffer is the reply, no copy. The audit reads the rows afterwards, so
     # with it on, results go to buffers of their own.
     in_place = dp.audit is None
+    # a port thread waits on its receives itself where the fabric offers it (one wake-up per message:
+    # gloo's loop -> the port), while this thread watches the end of the run; else each wait is a
+    # helper thread's, which the port polls for the end of the run (gloo's loop -> helper -> port)
+    direct = fabric.wait_unbounded if fabric.direct_waits else None
+    watch = fabric.wait_for_shutdown if fabric.direct_waits else None
 
     def port(w: int) -> None:
         try:
@@ -194,7 +199,10 @@ def _serve_ports(dp: Dataplane, fabric: Fabric) -> None:
             scratch = np.empty(burst * RECV_SLACK, dtype=np.uint8)
             while not failures:
                 work, arr = posted.popleft()
-                work.wait()
+                if direct is not None:
+                    direct(work)
+                else:
+                    work.wait()
                 mc = arr if in_place else buffers.take()
                 # every row is T_EMPTY before the receive is posted and gloo writes a prefix: a message of
                 # at most `burst` rows (all this library's workers send) leaves row `burst` empty
@@ -223,11 +231,17 @@ def _serve_ports(dp: Dataplane, fabric: Fabric) -> None:
     threads = [threading.Thread(target=port, args=(w,), name=f"switch-port-{w}", daemon=True) for w in range(n)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
-    for e in egress:
-        e.q.put(None)
-    raise failures[0]
+    try:
+        if watch is not None:
+            if watch(lambda: bool(failures)):       # the run is over; the ports stay blocked (daemons)
+                raise ServiceShutdown("every worker has finished")
+        else:
+            for t in threads:
+                t.join()
+        raise failures[0]
+    finally:
+        for e in egress:
+            e.q.put(None)
 
 
 @services.registry.register("switch")
