@@ -356,3 +356,48 @@ def test_a_sure_wait_is_resumed_without_watching_its_receives(poll):
     drive(f, inbox, Outbox(f, pool), [sure(), other()] + ([poller()] if poll else []))
     assert 1 not in looked, looked
     assert log == (["poll", "wait 2", "polled", "wait 1"] if poll else ["wait 1", "wait 2"]), log
+
+
+def test_sends_are_reaped_only_when_every_role_able_to_run_reaps():
+    """``Recv.reap`` finishes this endpoint's sends before a wait only when every role able to run asks
+    for it: a role without it (a verdict, which posts the receives of an aggregator's replies) runs
+    first. A dedicated deployment's worker (``keep=0``) otherwise waited for all its round-0 blocks to
+    leave before posting the second aggregator's receives, and that aggregator's sums for them."""
+    log = []
+
+    class _Work:
+        def is_completed(self):
+            return True
+
+        def wait(self):
+            pass
+
+    class _Fabric(_LocalFabric):
+        def irecv(self, buf, src, tag):
+            return _Work()
+
+        def wait_any(self, groups):
+            log.append("wait_any")
+            return 0
+
+    class _Reaping(Outbox):
+        def reap(self, keep=64):
+            log.append(f"reap {keep}")
+
+    f, pool = _Fabric(), Pool()
+    inbox = Inbox(f, pool)
+
+    def lane():
+        yield Post(("down",), 4, 0, 1)
+        yield Recv((("down",),), order=(2,), reap=True)
+        inbox.take(("down",))
+        log.append("lane")
+
+    def verdict():
+        yield Post(("verdict",), 4, 0, 2)
+        yield Recv((("verdict",),), order=(0,))
+        inbox.take(("verdict",))
+        log.append("verdict")
+
+    drive(f, inbox, _Reaping(f, pool), [lane(), verdict()], keep=0)
+    assert log == ["wait_any", "verdict", "reap 0", "lane"], log

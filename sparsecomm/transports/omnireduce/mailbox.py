@@ -182,8 +182,11 @@ class Recv(NamedTuple):
     among the roles that can run (smaller first). ``any``: resume once any one of them is in (or at
     once, as any other, when it is the only role able to run: it then takes them in order).
     ``reap``: before choosing among roles, :func:`drive` finishes all but ``keep`` of this endpoint's
-    sends if any of them waits with ``reap`` (the lane rounds; not round 0: the sends of a worker whose
-    header was rejected never complete). ``sure``: every peer sends these messages before its first
+    sends if every one of them waits with ``reap`` (the lane rounds; not round 0: the sends of a worker
+    whose header was rejected never complete; and not while a role without it, e.g. a verdict that posts
+    the receives of an aggregator's replies, can still run: a dedicated deployment's worker, ``keep=0``,
+    would otherwise wait for all its round-0 blocks to leave before posting the second aggregator's
+    receives, and that aggregator's sums would wait for them). ``sure``: every peer sends these messages before its first
     wait (round 0 up), so a blocking take of them ends whatever this endpoint does: when the role is the
     most preferred one able to run, it is resumed at once (no watch for their arrival: on gloo that
     costs a helper thread per receive, :mod:`sparsecomm.fabric.torch_waiters`); a ``Poll`` skips it
@@ -252,7 +255,7 @@ class _Scheduler:
             cands = self.runnable()
             if not cands:
                 raise ProtocolError("omnireduce: no role of this call can run (a bug)")
-            if any(rw[1].reap for rw in cands):
+            if all(rw[1].reap for rw in cands):
                 self.outbox.reap(keep)
             if len(cands) == 1 or cands[0][1].sure:   # the only one, or sure: its own takes block
                 self.resume(cands[0])
