@@ -401,3 +401,54 @@ def test_sends_are_reaped_only_when_every_role_able_to_run_reaps():
 
     drive(f, inbox, _Reaping(f, pool), [lane(), verdict()], keep=0)
     assert log == ["wait_any", "verdict", "reap 0", "lane"], log
+
+
+def test_a_role_reusing_a_send_buffer_waits_in_the_scheduler_not_blocking():
+    """``Recv.free``: a role about to reuse a pooled send buffer whose send has not completed (its
+    receive not yet posted by the peer, which may first need this endpoint's other roles) is resumed only
+    once the send completes; meanwhile another role runs. Without it the role, preferred, would be
+    resumed at once and block in the pool."""
+    log = []
+
+    class _Work:
+        def __init__(self, name, done):
+            self.name, self.done = name, done
+
+        def is_completed(self):
+            return self.done
+
+        def wait(self):
+            if not self.done:
+                log.append(f"blocked on {self.name}")
+                self.done = True
+
+    class _Fabric(_LocalFabric):
+        def isend(self, buf, dst, tag):
+            return _Work("send", False)
+
+        def irecv(self, buf, src, tag):
+            return _Work("recv", True)
+
+    f, pool = _Fabric(), Pool()
+    inbox, outbox = Inbox(f, pool), Outbox(f, pool)
+
+    def sender(free):
+        buf = pool.get(("out", "msg"), 8)
+        yield Send(buf, 1, 7, hold="msg")
+        yield Recv((), order=(0,), free="msg" if free else None)
+        pool.get(("out", "msg"), 8)
+        log.append("reused")
+
+    def other():
+        yield Post(("b",), 4, 1, 8)
+        yield Recv((("b",),), order=(1,))
+        inbox.take(("b",))
+        log.append("other")
+
+    drive(f, inbox, outbox, [sender(True), other()])
+    assert log[0] == "other" and log[-1] == "reused", log
+    log.clear()   # the contrast, on a fresh endpoint (the roles see the new pool and inbox)
+    pool = Pool()
+    inbox, outbox = Inbox(f, pool), Outbox(f, pool)
+    drive(f, inbox, outbox, [sender(False), other()])
+    assert log[:2] == ["blocked on send", "reused"], log

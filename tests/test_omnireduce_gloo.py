@@ -62,3 +62,30 @@ def test_gloo_dedicated_aggregator_ranks():
     out = sc.launch(functools.partial(_gloo_checks, deployment="dedicated"), 2, backend="gloo", timeout_s=60,
                     services=["omnireduce-agg:0", "omnireduce-agg:1"])
     assert out == [[], []]
+
+
+def _lanes_ahead(ctx):
+    """n = 2, colocated, one channel of 4 lanes per aggregator (8 rounds): each worker holds every block
+    of its own aggregator's range but only position 0 of the other's, so each aggregator's rounds >= 1
+    have its host as their only holder and run ahead of the other worker's lane."""
+    bs, lanes, per = 16, 4, 32
+    me, other = ctx.rank, 1 - ctx.rank
+    x = torch.zeros(2 * per, bs, dtype=torch.float64)
+    x[me * per:(me + 1) * per] = torch.arange(per * bs, dtype=torch.float64).view(per, bs) + me
+    x[other * per: other * per + lanes] = 2.0
+    t = sc.transports.get("omnireduce", ctx.fabric, block_size=bs, lanes=lanes, channels=1)
+    exp = torch.zeros_like(x)
+    for r in (0, 1):
+        exp[r * per:(r + 1) * per] += torch.arange(per * bs, dtype=torch.float64).view(per, bs) + r
+        exp[(1 - r) * per: (1 - r) * per + lanes] += 2.0
+    return [torch.equal(t.allreduce(x.reshape(-1).clone()), exp.reshape(-1)) for _ in range(3)]
+
+
+@pytest.mark.multiprocess
+def test_gloo_an_aggregator_running_ahead_does_not_wait_blocking_for_its_old_sends():
+    """An aggregator reuses a round's message buffer two rounds later, once that buffer's sends have
+    completed; a gloo send completes only when the peer has posted its receive, which the peer's lane
+    does only when its scheduler runs it. Both aggregators waiting blocking for that (each for the other's
+    lane) never ended (a FabricTimeout); the wait is now the scheduler's (``Recv.free``), and the lanes run."""
+    out = sc.launch(_lanes_ahead, 2, backend="gloo", timeout_s=30)
+    assert out == [[True] * 3] * 2

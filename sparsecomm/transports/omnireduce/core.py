@@ -355,9 +355,11 @@ def agg_lane(adm, c: AggChannel, inbox, outbox, host: int | None, mark=None):
     gone = (Key(Msg.WORDS, adm.index, c.slot), Key(Msg.DOWN, adm.index, c.slot)) if host is not None else ()
     while c.active:
         r0 = c.round == 0
-        yield Recv(c.round_keys(), order=(1, c.round, c.slot), gone=gone, reap=True, sure=r0)   # (round 0 up)
-        if r0:
-            c.begin(outbox)
+        # (round 0 up: sure; a later round also waits for its message buffer's last sends, two rounds ago,
+        # whose receives the workers post only as their lanes run: never a blocking wait for them)
+        yield Recv(c.round_keys(), order=(1, c.round, c.slot), gone=gone, reap=True, sure=r0,
+                   free=None if r0 else c.sums.buffer(c))
+        c.begin(outbox)
         for w in sorted(adm.order, key=lambda v: c.counts[v]):
             k = int(c.counts[w])
             if k:
@@ -369,7 +371,6 @@ def agg_lane(adm, c: AggChannel, inbox, outbox, host: int | None, mark=None):
         out = c.finish()
         if c.active:   # the next round's holders (the prompt just computed): post their receives
             counts = c.expect()
-            c.begin(outbox)
             for w in adm.order:
                 if w != host and counts[w]:
                     yield Post(Key(Msg.UP, w, c.slot), wire.block_bytes(int(counts[w]), c.bs, c.up.itemsize),

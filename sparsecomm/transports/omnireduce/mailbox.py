@@ -44,6 +44,10 @@ class Pool:
     def hold(self, key, work) -> None:
         self._busy.setdefault(key, []).append(work)
 
+    def busy(self, key) -> list:
+        """The sends still holding the send buffer of role ``key`` (:meth:`get` would wait for them)."""
+        return [w for w in self._busy.get(("out", key), ()) if not w.is_completed()]
+
     def release(self) -> None:
         """Forget the completed sends (call after waiting for them all)."""
         self._busy.clear()
@@ -192,7 +196,12 @@ class Recv(NamedTuple):
     costs a helper thread per receive, :mod:`sparsecomm.fabric.torch_waiters`); a ``Poll`` skips it
     (a poll never blocks: the poller may not have sent its own round 0 yet)
     A role that is the only one able to run is resumed at once: its takes then block in order, so that
-    it works on the first messages while the later ones arrive."""
+    it works on the first messages while the later ones arrive.
+
+    ``free``: also wait until the sends holding the pooled send buffer of that role (:class:`.wire.Buf`)
+    have completed, so that the role then reuses it without blocking (a send completes once the peer
+    has posted its receive, which it may do only once its own roles run: two endpoints each blocked on
+    such a send to the other would wait forever)."""
 
     keys: tuple
     order: tuple = ()
@@ -200,6 +209,7 @@ class Recv(NamedTuple):
     any: bool = False
     reap: bool = False
     sure: bool = False
+    free: object = None
 
 
 class Poll(NamedTuple):
@@ -225,7 +235,10 @@ def drive(fabric: Fabric, inbox: Inbox, outbox: Outbox, roles: list, keep: int =
     of the sends first (``Recv.reap``). A role's exception ends the call (it propagates to the caller).
 
     Deadlock freedom, held by this structure rather than by any hand-made order: (1) sends never block
-    (Send is asynchronous, Hand is a local put); (2) every Recv waits only for messages sent by steps
+    (Send is asynchronous, Hand is a local put), and a role reuses a pooled send buffer only once the
+    scheduler has seen its sends complete (``Recv.free``: a send completes once its receive is posted,
+    which a peer may do only as its own lanes run, so a role blocking on it could wait for a peer
+    blocked the same way); (2) every Recv waits only for messages sent by steps
     that do not wait on it: a worker's round ``r`` answers its aggregator's round ``r - 1``, which it
     has received, and an aggregator's round ``r`` waits for the up-messages its holders send on receipt
     of round ``r - 1``, which it has sent; round 0 waits only for what every worker sends before its
@@ -262,7 +275,7 @@ class _Scheduler:
                 continue
             groups, owner = [], []   # per candidate its pending receives; an ``any`` one, each alone
             for i, (_, req) in enumerate(cands):
-                pend = self.inbox.pending(req.keys)
+                pend = self.inbox.pending(req.keys) + (self.outbox.pool.busy(req.free) if req.free is not None else [])
                 if req.any and len(pend) == len(req.keys):
                     groups += [[w] for w in pend]
                     owner += [i] * len(pend)
@@ -321,7 +334,8 @@ class _Scheduler:
         while True:   # (the roles at or past ``below`` are skipped before any look at their messages)
             now = sorted((rw for rw in self.waiting if (below is None or rw[1].order < below)
                           and all(has(k) for k in rw[1].keys) and not any(has(k) for k in rw[1].gone)
-                          and not rw[1].sure and (any if rw[1].any else all)(ready(k) for k in rw[1].keys)),
+                          and not rw[1].sure and (any if rw[1].any else all)(ready(k) for k in rw[1].keys)
+                          and (rw[1].free is None or not self.outbox.pool.busy(rw[1].free))),
                          key=lambda rw: rw[1].order)
             if not now:
                 return

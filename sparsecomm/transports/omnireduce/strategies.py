@@ -89,8 +89,13 @@ class MessageSums:
 
     in_place = False
 
+    @staticmethod
+    def buffer(c) -> Buf:
+        """The pooled message of round ``c.round``'s sums (two, by round parity)."""
+        return Buf(Msg.DOWN, slot=c.slot, parity=c.round % 2)
+
     def begin(self, c, outbox) -> None:
-        key = Buf(Msg.DOWN, slot=c.slot, parity=c.round % 2)
+        key = self.buffer(c)
         extra = wire.words_ints(c.ch) if c.round == 0 and wire.fused0(c.ch, c.k) else 0   # (room for the words)
         self.msg, self.data, self.tail = outbox.message(key, c.k, c.bs, c.down, extra=extra, meta=c.round > 0)
         self.acc = self.data if c.acc_dtype == c.down else torch.empty(c.k, c.bs, dtype=c.acc_dtype)
@@ -123,6 +128,10 @@ class HomeSums:
     hosting worker ``w``'s result, which already hold that worker's own blocks: they are not added)."""
 
     in_place = True
+
+    @staticmethod
+    def buffer(c) -> None:
+        return None   # (one round: its message, where it is a copy, is reused by the next call only)
 
     def __init__(self, c, rows: torch.Tensor, w: int) -> None:
         if not c.single or rows.dtype != c.acc_dtype or rows.dtype != c.down:
