@@ -199,9 +199,10 @@ class Recv(NamedTuple):
     it works on the first messages while the later ones arrive.
 
     ``free``: also wait until the sends holding the pooled send buffer of that role (:class:`.wire.Buf`)
-    have completed, so that the role then reuses it without blocking (a send completes once the peer
-    has posted its receive, which it may do only once its own roles run: two endpoints each blocked on
-    such a send to the other would wait forever)."""
+    have completed, so that the role then reuses it without blocking while another role could run (a
+    send completes once the peer has posted its receive, which it may do only once its own roles run:
+    two endpoints each blocked on such a send to the other would wait forever). As the only role able to
+    run it is resumed at once, as any other, and waits in the pool: nothing else here could run."""
 
     keys: tuple
     order: tuple = ()
