@@ -45,7 +45,8 @@ class Pool:
         self._busy.setdefault(key, []).append(work)
 
     def busy(self, key) -> list:
-        """The sends still holding the send buffer of role ``key`` (:meth:`get` would wait for them)."""
+        """The sends still holding the send buffer of role ``key`` (:meth:`get` would wait for them; none
+        for ``key=None``)."""
         return [w for w in self._busy.get(("out", key), ()) if not w.is_completed()]
 
     def release(self) -> None:
@@ -276,7 +277,7 @@ class _Scheduler:
                 continue
             groups, owner = [], []   # per candidate its pending receives; an ``any`` one, each alone
             for i, (_, req) in enumerate(cands):
-                pend = self.inbox.pending(req.keys) + (self.outbox.pool.busy(req.free) if req.free is not None else [])
+                pend = self.inbox.pending(req.keys) + self.outbox.pool.busy(req.free)
                 if req.any and len(pend) == len(req.keys):
                     groups += [[w] for w in pend]
                     owner += [i] * len(pend)
@@ -336,7 +337,7 @@ class _Scheduler:
             now = sorted((rw for rw in self.waiting if (below is None or rw[1].order < below)
                           and all(has(k) for k in rw[1].keys) and not any(has(k) for k in rw[1].gone)
                           and not rw[1].sure and (any if rw[1].any else all)(ready(k) for k in rw[1].keys)
-                          and (rw[1].free is None or not self.outbox.pool.busy(rw[1].free))),
+                          and not self.outbox.pool.busy(rw[1].free)),
                          key=lambda rw: rw[1].order)
             if not now:
                 return
