@@ -90,10 +90,11 @@ import torch.distributed as dist
 from .errors import IncompatibleError, InvalidValueError
 from .fabric.stats import CommStats
 from .pipeline import CommPipeline
+from .replicas import VERIFY_EVERY, check_verify_every, verify_replicas
 from .transports.base import CommWork
 
 _HYPER = ("compressor", "transport", "method", "transport_kwargs", "warmup_steps", "min_compress_size",
-          "seed", "sparse_rows", "hyper")
+          "seed", "sparse_rows", "verify_replicas_every", "hyper")
 
 
 def _torch_fabric(process_group: Any) -> Any:
@@ -117,8 +118,12 @@ class CommHookState:
 
     ``CommHookState(process_group=None, compressor="none", transport="auto", *, method=None,
     transport_kwargs=None, warmup_steps=0, min_compress_size=0, seed=0, model=None,
-    sparse_rows="gather", **hyper)``;
-    ``model`` (the DDP module) names the parameters that key the method state; ``compressor``,
+    sparse_rows="gather", verify_replicas_every=VERIFY_EVERY, **hyper)``;
+    ``model`` (the DDP module) names the parameters that key the method state (and those the replica
+    guard checks: ``verify_replicas_every=N`` compares the workers' parameters at the start of every
+    N-th iteration and raises :class:`~sparsecomm.errors.MismatchError` on every worker, naming the
+    first parameter that differs, :func:`sparsecomm.replicas.verify_replicas`; 0 turns it off);
+    ``compressor``,
     ``method``, ``transport`` and ``**hyper`` as for :class:`~sparsecomm.DistributedOptimizer`
     (objects are accepted but then the state cannot be pickled and rebuilt).
     """
@@ -126,9 +131,10 @@ class CommHookState:
     def __init__(self, process_group: Any = None, compressor: Any = "none", transport: Any = "auto", *,
                  method: str | None = None, transport_kwargs: dict | None = None, warmup_steps: int = 0,
                  min_compress_size: int = 0, seed: int = 0, model: torch.nn.Module | None = None,
-                 sparse_rows: str = "gather", **hyper: Any) -> None:
+                 sparse_rows: str = "gather", verify_replicas_every: int = VERIFY_EVERY, **hyper: Any) -> None:
         if warmup_steps < 0 or min_compress_size < 0:
             raise InvalidValueError("warmup_steps and min_compress_size must be non-negative")
+        self.verify_replicas_every = check_verify_every(verify_replicas_every)
         # hyper-parameters
         self.compressor = compressor
         self.transport = transport
@@ -143,15 +149,21 @@ class CommHookState:
         self.process_group = process_group
         self.pipeline = self._build()
         self.param_names: dict[int, str] = {}
+        self._checked: list[tuple[str, torch.Tensor]] = []     # what the replica guard compares
         if model is not None:
             self.set_model(model)
         # internal state
         self.iter = 0
         self._iter_started = False
+        #: the library error that failed a bucket's communication (DDP's backward re-raises it as a
+        #: ``RuntimeError`` whose text names it: torch's C++ layer keeps only the text), else None
+        self.error: BaseException | None = None
 
     def set_model(self, model: torch.nn.Module) -> None:
-        """Key the method state by the names of ``model``'s parameters (see the module doc)."""
+        """Key the method state by the names of ``model``'s parameters (see the module doc); the replica
+        guard checks its parameters that require grad."""
         self.param_names = {id(p): n for n, p in model.named_parameters()}
+        self._checked = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
     def bucket_key(self, params: list[torch.Tensor], index: int) -> Any:
         """The state key of a bucket holding ``params``: a digest of their names (else the index)."""
@@ -198,6 +210,9 @@ class CommHookState:
         """Encode the bucket now and start its communication; ``wait()`` gives the average, shaped
         and typed as ``buffer`` (a sparse buffer gives the coalesced sparse average)."""
         if not self._iter_started:
+            every = self.verify_replicas_every
+            if every and self.iter and self.iter % every == 0 and self._checked:
+                verify_replicas(self.pipeline.fabric, self._checked, when=f"at iteration {self.iter}")
             self.pipeline.begin_step()
             self._iter_started = True
         try:
@@ -218,12 +233,18 @@ class CommHookState:
             inner = self.pipeline.start(flat, key, compress=compress, shapes=shapes,
                                         segments=segments)
             work = CommWork()
-            inner.add_done_callback(lambda w: work._finish(*_reshaped(w, shape, dtype)))
+            inner.add_done_callback(lambda w: work._finish(*self._reshaped(w, shape, dtype)))
             return work
         finally:
             if is_last:
                 self.iter += 1
                 self._iter_started = False
+
+    def _reshaped(self, w: CommWork, shape: torch.Size, dtype: torch.dtype) -> tuple[Any, BaseException | None]:
+        if w._exc is not None:
+            self.error = w._exc
+            return None, w._exc
+        return w._value.to(dtype).reshape(shape), None
 
     def _start_sparse(self, buffer: torch.Tensor, index: int, params: list[torch.Tensor] | None) -> CommWork:
         pipe = self.pipeline
@@ -245,17 +266,16 @@ class CommHookState:
         return {"hyper": {k: getattr(self, k) for k in _HYPER}, "state": self.state_dict()}
 
     def __setstate__(self, d: dict[str, Any]) -> None:
+        self.verify_replicas_every = VERIFY_EVERY
         for k, v in d["hyper"].items():
             setattr(self, k, v)
         self.process_group = None          # rebinds to the default process group
         self.pipeline = self._build()
+        self.param_names, self._checked = {}, []
+        self.error = None
         self.load_state_dict(d["state"])
 
 
-def _reshaped(w: CommWork, shape: torch.Size, dtype: torch.dtype) -> tuple[Any, BaseException | None]:
-    if w._exc is not None:
-        return None, w._exc
-    return w._value.to(dtype).reshape(shape), None
 
 
 def sparse_message(state: CommHookState) -> str:

@@ -66,7 +66,12 @@ sparse (the rows whose estimate is non-zero).
 buffers of ``module=``, if given) are copied to every worker, as DDP does, after checking that every
 worker has the same shapes and dtypes (:class:`~sparsecomm.errors.MismatchError` on every worker
 otherwise). ``"check"`` compares them (a digest of their bytes) and raises ``MismatchError`` on every
-worker if any differs; ``"off"`` does nothing.
+worker if any differs; ``"off"`` does nothing. During training, ``verify_replicas_every=N`` (default
+:data:`~sparsecomm.replicas.VERIFY_EVERY`, 0: never) compares the workers' parameters after every
+N-th step (a checksum each, :func:`~sparsecomm.replicas.verify_replicas`) and raises ``MismatchError``
+on every worker, naming the first parameter that differs (by its name in ``module=``, else by its
+place in ``param_groups``), so that replicas that drift apart stop the run instead of training on
+silently.
 
 **Non-finite gradients.** ``nonfinite="raise"`` (default) or ``"pass"``: see :mod:`sparsecomm.pipeline`.
 
@@ -137,7 +142,7 @@ from .pipeline import CommPipeline
 # the builders, re-exported: ``sparsecomm.optim.check_pair`` etc. are documented names
 from .resolve import AUTO_ORDER, build_transport, check_pair, default_fabric
 from .transports.base import CommWork, Transport
-from .replicas import sync_replicas
+from .replicas import VERIFY_EVERY, check_verify_every, sync_replicas, verify_replicas
 
 __all__ = ["DistributedOptimizer", "AUTO_ORDER", "CompressionStats", "build_transport", "check_pair",
            "default_fabric"]
@@ -152,7 +157,7 @@ class DistributedOptimizer(BucketRounds):
     ``DistributedOptimizer(inner, compressor="none", transport="auto", *, method=None,
     transport_kwargs=None, fabric=None, bucket_cap_mb=25, warmup_steps=0, min_compress_size=0,
     seed=0, overlap=True, backward_passes_per_step=1, init_sync="broadcast", module=None,
-    nonfinite="raise", sparse_rows="gather", **hyper)``
+    nonfinite="raise", sparse_rows="gather", verify_replicas_every=VERIFY_EVERY, **hyper)``
     """
 
     def __new__(cls, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any):
@@ -174,7 +179,8 @@ class DistributedOptimizer(BucketRounds):
                  bucket_cap_mb: float = 25.0, warmup_steps: int = 0, min_compress_size: int = 0,
                  seed: int = 0, overlap: bool = True, backward_passes_per_step: int = 1,
                  init_sync: str = "broadcast", module: torch.nn.Module | None = None,
-                 nonfinite: str = "raise", sparse_rows: str = "gather", **hyper: Any) -> None:
+                 nonfinite: str = "raise", sparse_rows: str = "gather",
+                 verify_replicas_every: int = VERIFY_EVERY, **hyper: Any) -> None:
         if backward_passes_per_step < 1:
             raise InvalidValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
         if init_sync not in ("broadcast", "check", "off"):
@@ -212,6 +218,8 @@ class DistributedOptimizer(BucketRounds):
         self._sc_bucket_of: dict[int, _Bucket] = {}
         self._sc_hooks: list[Any] = []
         self._sc_in_step = False
+        self._sc_verify_every = check_verify_every(verify_replicas_every)
+        self._sc_names = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
         if init_sync != "off":
             tensors = [p for g in self.param_groups for p in g["params"]]
             if module is not None:
@@ -274,16 +282,29 @@ class DistributedOptimizer(BucketRounds):
 
             self._sc_synced = False
             try:
-                return super().step(synced)  # type: ignore[misc]
+                loss = super().step(synced)  # type: ignore[misc]
             finally:
                 self._sc_mark_inner_called()
+            self._sc_verify()
+            return loss
         if not (self._sc_synced or self._sc_skip):
             self.synchronize()
         self._sc_synced = False
         try:
-            return super().step()  # type: ignore[misc]
+            out = super().step()  # type: ignore[misc]
         finally:
             self._sc_mark_inner_called()
+        self._sc_verify()
+        return out
+
+    def _sc_verify(self) -> None:
+        """The replica guard (``verify_replicas_every``), after the inner step of every N-th step."""
+        every = self._sc_verify_every
+        if every and self._sc_steps and self._sc_steps % every == 0:
+            named = [(self._sc_names.get(id(p), f"param_groups[{g}]['params'][{i}]"), p)
+                     for g, group in enumerate(self.param_groups) for i, p in enumerate(group["params"])
+                     if p.requires_grad]
+            verify_replicas(self._sc_pipeline.fabric, named, when=f"after step {self._sc_steps}")
 
     def _sc_mark_inner_called(self) -> None:
         # an LR scheduler attached to the inner optimizer before wrapping watches the inner's step

@@ -48,7 +48,7 @@ from .payload import Payload, check_sum_finite
 from .pipeline_states import PipelineStates
 from .resolve import AUTO_ORDER, build_transport, check_pair, default_fabric, warn_unguaranteed  # noqa: F401 (re-exported)
 from .sparse_rows import SPARSE_ROWS, SparseRows, row_sparse_parts  # noqa: F401 (re-exported)
-from .transports.base import CommWork, Transport
+from .transports.base import CallId, CommWork, Transport
 
 
 class CommPipeline(PipelineStates, SparseRows):
@@ -88,6 +88,8 @@ class CommPipeline(PipelineStates, SparseRows):
         self._plain = self.method.name == "none" and getattr(self.method.compressor, "name", "") == "identity"
         self.stats = CompressionStats()
         self.last_stats = CommStats()
+        #: steps begun (:meth:`begin_step`): part of every call's identity, and of checkpoints
+        self.step = 0
         self._outs: dict[Hashable, torch.Tensor] = {}
         #: the method state of every key (bucket, or ``("param", name)``): the pipeline holds them
         self.states: dict[Hashable, MethodState] = {}
@@ -158,6 +160,7 @@ class CommPipeline(PipelineStates, SparseRows):
         dense_bytes = flat.numel() * flat.element_size()
         n = self.world_size
         check = self.nonfinite == "raise"
+        next_round = None
         if not compress or self._plain:
             payload = dense_payload(flat)
             sent = flat
@@ -208,29 +211,40 @@ class CommPipeline(PipelineStates, SparseRows):
             if poison:
                 _poison(payload, key)
             sent = payload
-            multi = self.method.multi_round
+            if self.method.multi_round:
+                # a method of several rounds (PowerSGD: P, then Q): the transport runs the later rounds
+                # in the same call, right after each sum (the same order on every worker)
+                last = [payload]
 
-            def finish(agg: torch.Tensor) -> torch.Tensor:
+                def next_round(agg: torch.Tensor) -> Payload | None:
+                    if last[0] is payload:
+                        check_first(agg, payload)
+                    elif check:
+                        _check_aggregate(agg, key)
+                    else:
+                        check_sum_finite(last[0], agg, f"transport {self.transport.name!r}")
+                    nxt = self.method.next_round(agg, n, ms)[0]
+                    if nxt is not None:
+                        self.last_stats = self.last_stats + self.transport.last_stats
+                        self.stats.rounds += 1
+                        self.stats.bytes_payload += _payload_bytes(nxt)
+                        self.stats.bytes_declared_sent += _wire_copies(self.transport) * _payload_bytes(nxt)
+                        last[0] = nxt
+                    return nxt
+
+            def check_first(agg: torch.Tensor, p: Payload) -> None:
                 if check and not _finite(agg):
                     if not bool(torch.isnan(agg).any()):
                         # inputs were finite (checked) and no worker sent NaN: narrow floats (fp16) summed
                         # in their own dtype overflowed; say so (OverflowError_, on every worker)
-                        check_sum_finite(payload, agg, f"transport {self.transport.name!r}")
+                        check_sum_finite(p, agg, f"transport {self.transport.name!r}")
                     _check_aggregate(agg, key)
                 else:       # narrow floats summed in their dtype: an overflow is not a passed-through NaN
-                    check_sum_finite(payload, agg, f"transport {self.transport.name!r}")
-                # a method of several rounds (PowerSGD: P, then Q): the later rounds run here, on the
-                # communication thread, right after the first (same order on every worker)
-                while multi and (nxt := self.method.next_round(agg, n, ms)[0]) is not None:
-                    self.last_stats = self.last_stats + self.transport.last_stats
-                    self.stats.rounds += 1
-                    self.stats.bytes_payload += _payload_bytes(nxt)
-                    self.stats.bytes_declared_sent += _wire_copies(self.transport) * _payload_bytes(nxt)
-                    agg = self.transport._call(nxt)
-                    if check:
-                        _check_aggregate(agg, key)
-                    else:
-                        check_sum_finite(nxt, agg, f"transport {self.transport.name!r}")
+                    check_sum_finite(p, agg, f"transport {self.transport.name!r}")
+
+            def finish(agg: torch.Tensor) -> torch.Tensor:
+                if next_round is None:       # (a method of several rounds checked each sum already)
+                    check_first(agg, payload)
                 # the estimate has the bucket's length (a last round's aggregate may be shorter)
                 return self.method.decode(agg, n, ms, out=self._out(key, flat))[0]
 
@@ -246,7 +260,12 @@ class CommPipeline(PipelineStates, SparseRows):
             self.last_stats = self.last_stats + self.transport.last_stats
             return out
 
-        return self.transport.start(sent, then=then)
+        return self.transport.start(sent, then=then, next_round=next_round, call=self.call_id(key))
+
+    def call_id(self, key: Hashable, round: int = 0) -> CallId:
+        """The identity of this step's call for bucket ``key`` (what every worker's agreement
+        compares: :class:`~sparsecomm.transports.base.CallId`)."""
+        return CallId(key, self.step, round)
 
     def _out(self, key: Hashable, like: torch.Tensor) -> torch.Tensor:
         """The persistent estimate buffer of bucket ``key`` (reused every round: no fresh allocation)."""
@@ -256,7 +275,9 @@ class CommPipeline(PipelineStates, SparseRows):
         return buf
 
     def begin_step(self) -> None:
-        """Start a new ``last_stats`` accumulation (one per optimizer step)."""
+        """Start a new step: its calls' identity (:meth:`call_id`) and a new ``last_stats``
+        accumulation (one per optimizer step)."""
+        self.step += 1
         self.stats.comm = self.stats.comm + self.last_stats
         self.last_stats = CommStats()
 

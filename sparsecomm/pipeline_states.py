@@ -110,7 +110,7 @@ class PipelineStates:
                 "generators": {str(d): g.get_state() for d, g in self._generators.items()},
                 "param_generators": {(nm, str(d)): g.get_state() for (nm, d), g in self._param_generators.items()},
                 "rank": self.rank, "world_size": self.world_size, "seed": self.seed,
-                "shared_randomness": self.shared_randomness}
+                "shared_randomness": self.shared_randomness, "step": self.step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         # a stateless method with shared (or no) randomness has nothing rank-specific
@@ -122,6 +122,7 @@ class PipelineStates:
                 f"cannot be loaded on rank {self.rank} of {self.world_size} (the method state is per "
                 f"worker); delete the 'sparsecomm' entry to load only the inner optimizer's state")
         self.states = states_from_dict(self.method, state["method"])
+        self.step = int(state.get("step", 0))
         self._segments = dict(state.get("segments", {}))
         self._owner = dict(state.get("owner", {}))
         self._generators = {}

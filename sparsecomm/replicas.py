@@ -1,5 +1,6 @@
 """Replica consistency: rank 0's initial parameters and buffers on every worker (as DDP broadcasts them),
-or a check that every worker already holds them.
+or a check that every worker already holds them; and the guard that checks, during training, that the
+replicas are still identical (:func:`verify_replicas`).
 
 ``sync_replicas(fabric, tensors, mode="broadcast"|"check")`` over any :class:`~sparsecomm.fabric.Fabric`
 (point-to-point messages through rank 0, so it runs on SimFabric and TorchFabric alike):
@@ -10,6 +11,13 @@ or a check that every worker already holds them.
 2. on a mismatch every worker raises the same :class:`~sparsecomm.errors.MismatchError`; otherwise,
    for ``broadcast``, rank 0 sends its tensors' bytes (one message per dtype) and every worker copies
    them in.
+
+``verify_replicas(fabric, named)`` (the ``verify_replicas_every=N`` option of
+:class:`~sparsecomm.DistributedOptimizer` and of the DDP hook) compares the workers' tensors by their
+checksums (:func:`sparsecomm.codec.checksum.checksum`, one pass over the memory): every worker sends rank
+0 a fixed-size header (tensor count, a digest of the names, shapes and dtypes, and a digest of the
+per-tensor checksums); only if the digests differ does rank 0 ask for the per-tensor checksums, to name
+the first tensor that differs. Every worker raises the same :class:`~sparsecomm.errors.MismatchError`.
 
 Nothing a peer sends is unpickled or sized by the peer: every receive buffer has the size this rank
 computed from its own tensors, after the header agreed.
@@ -27,8 +35,20 @@ from .errors import InvalidValueError, MismatchError
 
 #: the tag of these messages (top of the int32 range, below the barrier's)
 TAG = 2**31 - 6
+#: the tag of :func:`verify_replicas`'s messages
+VERIFY_TAG = 2**31 - 7
 
 _OK, _SHAPES, _VALUES = 0, 1, 2
+
+#: the default of ``verify_replicas_every``: the replicas are compared every this many steps
+VERIFY_EVERY = 100
+
+
+def check_verify_every(every) -> int:
+    """``verify_replicas_every`` checked: a non-negative int (0: never)."""
+    if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+        raise InvalidValueError(f"verify_replicas_every must be a non-negative int (0: never), got {every!r}")
+    return every
 
 
 def _digest(data: bytes) -> int:
@@ -122,3 +142,75 @@ def sync_replicas(fabric, tensors: Sequence[torch.Tensor], mode: str = "broadcas
                 k = t.numel()
                 t.copy_(flat[off:off + k].view_as(t))
                 off += k
+
+
+@torch.no_grad()
+def verify_replicas(fabric, named: Sequence[tuple[str, torch.Tensor]], *, when: str = "") -> None:
+    """Raise :class:`~sparsecomm.errors.MismatchError` on every worker unless every worker holds the
+    same ``(name, tensor)`` list, bit for bit; the error names the first tensor (in this order) that
+    differs and two workers that disagree on it. Every worker must call it at the same point of its
+    training (``when`` says which, in the message: ``"after step 200"``). Cost: one checksum pass over
+    the tensors and, when they agree, one fixed-size message to rank 0 and one back per worker."""
+    from .codec.checksum import checksum
+    from .transports.base import drain
+
+    n, rank = int(fabric.world_size), int(fabric.rank)
+    if n == 1:
+        return
+    drain(fabric)                       # nothing of ours may be in flight on the fabric
+    dev = fabric.device
+    sums = torch.tensor([checksum(t) for _, t in named], dtype=torch.int64)
+    layout = _digest(repr([(nm, tuple(t.shape), str(t.dtype)) for nm, t in named]).encode())
+    header = torch.tensor([len(named), layout, _digest(sums.numpy().tobytes())], dtype=torch.int64)
+    if rank == 0:
+        heads = [header]
+        for r in range(1, n):
+            h = torch.zeros(3, dtype=torch.int64, device=dev)
+            fabric.recv(h, r, VERIFY_TAG)
+            heads.append(h.cpu())
+        bad = next((r for r in range(1, n) if not torch.equal(heads[r][:2], header[:2])), -1)
+        differ = [r for r in range(1, n) if int(heads[r][2]) != int(header[2])]
+        decision = torch.tensor([_SHAPES if bad >= 0 else (_VALUES if differ else _OK), bad, -1, -1],
+                                dtype=torch.int64)
+        for r in range(1, n):
+            fabric.send(decision.to(dev), r, VERIFY_TAG)
+        if int(decision[0]) == _VALUES:         # name the first tensor that differs, and who has it
+            rows = [sums]
+            for r in range(1, n):
+                v = torch.zeros(len(named), dtype=torch.int64, device=dev)
+                fabric.recv(v, r, VERIFY_TAG)
+                rows.append(v.cpu())
+            table = torch.stack(rows)
+            col = int((table != table[0]).any(0).nonzero()[0])
+            other = int((table[:, col] != table[0, col]).nonzero()[0])
+            decision = torch.tensor([_VALUES, other, col, 0], dtype=torch.int64)
+            for r in range(1, n):
+                fabric.send(decision.to(dev), r, VERIFY_TAG)
+    else:
+        fabric.send(header.to(dev), 0, VERIFY_TAG)
+        decision = torch.zeros(4, dtype=torch.int64, device=dev)
+        fabric.recv(decision, 0, VERIFY_TAG)
+        decision = decision.cpu()
+        if int(decision[0]) == _VALUES:
+            fabric.send(sums.to(dev), 0, VERIFY_TAG)
+            fabric.recv(decision, 0, VERIFY_TAG)
+            decision = decision.cpu()
+    kind, who, col = int(decision[0]), int(decision[1]), int(decision[2])
+    at = f" {when}" if when else ""
+    if kind == _SHAPES:
+        raise MismatchError(f"replica check{at}: the workers' parameters differ in their names, shapes or "
+                            f"dtypes (worker {who} disagrees with worker 0): every worker must train the "
+                            f"same model")
+    if kind == _VALUES:
+        if not 0 <= col < len(named) or not 0 <= who < n:
+            from .errors import MalformedMessage
+
+            raise MalformedMessage(f"replica check{at}: rank 0 named tensor {col} of {len(named)} and worker "
+                                   f"{who} of {n}")
+        name, t = named[col]
+        raise MismatchError(
+            f"replica check{at}: the replicas have drifted apart: parameter {name!r} (shape "
+            f"{list(t.shape)}) differs between worker 0 and worker {who}; the first of the "
+            f"{len(named)} checked that differs. Every worker must apply the same update: look for a "
+            f"worker-specific step (a learning rate, a skipped step, gradient clipping before "
+            f"synchronising) or report it with the method and transport used")

@@ -14,6 +14,7 @@ from .nonfinite import _check_aggregate, _finite
 from .payload import Payload
 from .transports import registry as _transports
 from .transports.allgather import AllGather
+from .transports._handshake import calling
 from .transports.base import CommWork, engine
 
 #: how :meth:`SparseRows.start_sparse` averages a row-sparse gradient
@@ -61,15 +62,16 @@ class SparseRows:
             marks = torch.zeros(nrows, dtype=torch.float32)
             marks[rows] = 1.0
         elt = torch.empty(0, dtype=dtype).element_size()
+        call = self.call_id(key)
 
         def job() -> torch.Tensor:
-            counts = self.transport._call(marks)
+            counts = self.transport._call(marks, call)
             st = self.transport.last_stats
             union = counts.nonzero().flatten()
             mine = torch.zeros(union.numel(), row_len, dtype=dtype)
             if rows.numel():
                 mine[torch.searchsorted(union, rows)] = vals
-            total = self.transport._call(mine.reshape(-1)) if union.numel() else mine.reshape(-1)
+            total = self.transport._call(mine.reshape(-1), call.next_round()) if union.numel() else mine.reshape(-1)
             if check:
                 _check_aggregate(total, key)
             total = total.reshape(union.numel(), *shape[1:]).div_(n)
@@ -108,10 +110,12 @@ class SparseRows:
             self._gatherer = self._make_gatherer()
         gatherer = self._gatherer
         elt = vals.element_size()
+        call = self.call_id(key)
 
         def job() -> torch.Tensor:
             before = self.fabric.stats.copy()
-            parts = gatherer.gather(payload)
+            with calling(call):
+                parts = gatherer.gather(payload)
             comm = self.fabric.stats - before
             idx = torch.cat([q.indices.reshape(-1) for q in parts])
             v = torch.cat([q.values.reshape(-1, row_len) for q in parts])

@@ -57,9 +57,9 @@ def add(*costs: Cost) -> Cost:
 
 # ----------------------------------------------------------------------------- agreement handshake
 HANDSHAKE_FIELD_BYTES = 32          # (min, argmin, max, argmax) as int64, per word of the header
-#: every handshake message, whatever the number of fields: a 32-word int64 header (preamble, 16 field
-#: slots, merge state, checksum): sparsecomm.transports._handshake.HEADER_BYTES
-HANDSHAKE_BYTES = 8 * 32
+#: every handshake message, whatever the number of fields: a 34-word int64 header (preamble, 16 field
+#: slots, merge state, the call's identity, checksum): sparsecomm.transports._handshake.HEADER_BYTES
+HANDSHAKE_BYTES = 8 * 34
 #: handshake fields of the ring / native transports per operand kind (plain tensors count as dense)
 RING_HANDSHAKE_FIELDS = {"dense": 6, "aligned": 7, "quantized": 8}
 

@@ -8,7 +8,8 @@ check the prediction.
 
 **History.** Each worker keeps, per fabric (:func:`schedule`), a record of its completed collective
 calls: the last one's key (the transport and, for ``native``, every field its handshake compares:
-length, dtype, payload kind, ...) and how many times in a row it came, and for each *context* the call
+length, dtype, payload kind, ..., and the call's identity, :class:`~._handshake.CallId`: its bucket,
+its round and how many steps it is past the previous call, :meth:`Schedule.call_key`) and how many times in a row it came, and for each *context* the call
 that followed it and how many times in a row. A context is a key with its run length (exact) or
 without (general); the exact one is asked first, the general one only for a run length never seen
 before. So a run of equal buckets, ``K K K K`` then ``L``, predicts ``K`` inside the run and ``L`` at
@@ -37,6 +38,12 @@ the fold. If every worker deviated alike (the pattern changed everywhere), their
 the call runs as an unfolded one. If none did, the NaN is the data's and the non-finite rules of
 :mod:`._guards` apply.
 
+**Identity.** A worker whose call is another bucket or round than the prediction, or that is a step
+ahead or behind (a step skipped or repeated), deviates like any other: the step enters the key as the
+number of steps since the previous call (0 inside a step, 1 at its first call in steady training), so
+a stable training loop keeps being predicted while a worker whose step count jumps deviates at once,
+and its handshake names the step.
+
 What stays true: in the folded all-reduce every worker posts the predicted length and dtype, and in a
 handshake one fixed-size header, so no worker receives a message longer than it posted (gloo aborts
 on that); workers that disagree get a MismatchError on every worker, never a wrong sum.
@@ -52,6 +59,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Hashable
 
 import torch
+
+from ._handshake import current_call
 
 #: a successor must have followed this many times in a row before it is predicted
 CONFIRMATIONS = 2
@@ -90,6 +99,16 @@ class Schedule:
         self.deviated = 0
         #: folded calls posted at once on the calling thread (``Native.start``, :meth:`CommEngine.post`)
         self.posted = 0
+        self._step: int | None = None      # the step of the last recorded call that had an identity
+
+    def call_key(self) -> tuple:
+        """The part of a key that names the call running on this thread (:func:`current_call`): its
+        bucket code, its round and its step relative to the previous recorded call's."""
+        call = current_call()
+        if call is None:
+            return ()
+        bucket, step, rnd = call.words
+        return (("call", bucket, rnd, None if self._step is None else step - self._step),)
 
     def _contexts(self) -> tuple[Hashable, ...]:
         if self._last is None:
@@ -107,7 +126,11 @@ class Schedule:
         return e[1] if e is not None and e[2] >= CONFIRMATIONS else None
 
     def record(self, key: Hashable, fold: Fold | None = None) -> None:
-        """A call with ``key`` completed on every worker (``fold``: it is foldable)."""
+        """A call with ``key`` completed on every worker (``fold``: it is foldable); made on the thread
+        that ran the call, inside its :func:`~._handshake.calling` block."""
+        call = current_call()
+        if call is not None:
+            self._step = int(call.step)
         for ctx in self._contexts():
             e = self._next.get(ctx)
             if e is None:
@@ -131,6 +154,7 @@ class Schedule:
     def reset(self) -> None:
         """Forget everything (after an error raised on every worker)."""
         self._last, self._run = None, 0
+        self._step = None
         self._next.clear()
 
 
@@ -168,4 +192,4 @@ def enter(fabric, transport: str, what: str, **fields) -> Schedule | None:
 def leave(s: Schedule | None, transport: str) -> None:
     """End a call begun with :func:`enter`: record it (its key is the transport's name)."""
     if s is not None:
-        s.record(("call", transport))
+        s.record(("call", transport) + s.call_key())

@@ -19,13 +19,22 @@ messages of :data:`HEADER_BYTES` bytes sent and received, ``ceil(log2 n)`` laten
 
 **Fixed-size header.** Every message has the same size whatever the transport and its fields
 (``int64[HEADER_WORDS]``: ``[magic, transport code, layout code, field count, fields ..., reference
-rank, disagreement record, info ranks, checksum]``), so workers that disagree on the transport, the payload
+rank, disagreement record, info ranks, call identity, checksum]``), so workers that disagree on the transport, the payload
 kind or the options never post receives of different sizes (gloo aborts the process on a message longer
 than its receive): they exchange headers and all raise :class:`MismatchError` naming both sides. A header
 that fails its checksum or names impossible ranks is :class:`MalformedMessage` (reported to the other
 ranks through the fabric's ``fail`` capability, since only this worker may have seen it). ``info`` fields
 travel in the same header but are not compared: each worker learns their maximum and who holds it
 (non-finite flags, integer bounds) at no extra cost.
+
+**The call's identity.** Every header carries the identity of the collective call it belongs to
+(:class:`CallId`: the bucket, the step, the round of a method of several rounds), compared like a
+field: two workers whose calls are paired by the fabric but are different calls (a worker a step ahead,
+a bucket skipped, calls posted in another order) get a :class:`MismatchError` naming the part that
+differs, never a sum of different tensors. The identity is the one of the call running on this thread
+(:func:`calling`, which :meth:`Transport._call <sparsecomm.transports.base.Transport._call>` enters
+for the call it is given); a call made without one (a plain ``allreduce``) carries ``-1`` words, so it
+matches only calls made without one.
 
 Fields are Python ints or 0-d integer tensors (e.g. a :func:`fingerprint`, computed on the fabric's
 device without a host round trip). A field whose name ends in ``dtype`` is printed as a dtype name in
@@ -42,8 +51,11 @@ prediction by ``Transport._call`` before its first message, so this function nee
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import zlib
-from typing import Sequence
+from dataclasses import dataclass, replace
+from typing import Hashable, Iterator, Sequence
 
 import torch
 
@@ -52,8 +64,8 @@ from ..errors import InvalidValueError, MalformedMessage, MismatchError
 #: tag of the handshake messages (kept apart from the transports' data tags)
 HANDSHAKE_TAG = 0x5C00
 
-#: first word of every agreement header ("SCHS", header version 3)
-MAGIC = 0x53434853_0003
+#: first word of every agreement header ("SCHS", header version 4: the call identity words)
+MAGIC = 0x53434853_0004
 #: fields per header (transports use fewer; the rest are zero); at most MAX_INFO of them ``info`` fields
 MAX_FIELDS = 16
 MAX_INFO = 4
@@ -61,9 +73,64 @@ _PRE = 4          # magic, transport code, layout code (field names), number of 
 _REF = _PRE + MAX_FIELDS          # the rank whose header the fields are (the lowest merged so far)
 _DIS = _REF + 1                   # a disagreement seen: word index (-1: none), rank a, value a, rank b, value b
 _ARG = _DIS + 5                   # the rank holding each info field's maximum
+_CALL = _ARG + MAX_INFO           # the call identity: bucket code, step, round (compared as fields)
 #: int64 words of every handshake message: preamble, fields, reference rank, disagreement, info ranks,
-#: a reserved word and a checksum
-HEADER_WORDS = _ARG + MAX_INFO + 2
+#: the call identity and a checksum
+HEADER_WORDS = _CALL + 4
+_CALL_NAMES = ("bucket", "step", "round")
+
+
+@dataclass(frozen=True)
+class CallId:
+    """The identity of one collective call, which every worker must agree on: ``bucket`` (any
+    hashable key with a stable ``repr``: a bucket index, a digest of its parameters' names), ``step``
+    (the synchronisation the call belongs to) and ``round`` (0, then 1, 2, ... for the later rounds of
+    a method of several rounds, such as PowerSGD's P and Q)."""
+
+    bucket: Hashable
+    step: int
+    round: int = 0
+
+    @property
+    def words(self) -> tuple[int, int, int]:
+        """The header words: a 31-bit code of the bucket's ``repr``, the step and the round."""
+        return (zlib.crc32(repr(self.bucket).encode()) & 0x7FFFFFFF, int(self.step), int(self.round))
+
+    def next_round(self) -> "CallId":
+        return replace(self, round=self.round + 1)
+
+    def __str__(self) -> str:
+        return f"round {self.round} of bucket {self.bucket!r} in step {self.step}"
+
+
+#: the words of a call made without an identity
+NO_CALL = (-1, -1, -1)
+_current = threading.local()
+
+
+@contextlib.contextmanager
+def calling(call: CallId | None) -> Iterator[None]:
+    """Make ``call`` the identity of the collective call this thread runs inside the block (what its
+    agreement headers and folded keys carry); ``None`` leaves the current one."""
+    if call is None:
+        yield
+        return
+    prev = getattr(_current, "call", None)
+    _current.call = call
+    try:
+        yield
+    finally:
+        _current.call = prev
+
+
+def current_call() -> CallId | None:
+    """The identity of the call this thread runs (:func:`calling`), or None."""
+    return getattr(_current, "call", None)
+
+
+def call_words() -> tuple[int, int, int]:
+    call = current_call()
+    return NO_CALL if call is None else call.words
 #: bytes of every handshake message
 HEADER_BYTES = 8 * HEADER_WORDS
 
@@ -160,6 +227,24 @@ def _error(what: str, name: str, vmin: int, rmin: int, vmax: int, rmax: int, min
         f"pass the same {name}")
 
 
+def call_mismatch(what: str, part: str, va: int, ra: int, vb: int, rb: int, rank: int) -> MismatchError:
+    """The error for two workers whose paired calls are different calls (their identities differ in
+    ``part``: ``bucket``, ``step`` or ``round``)."""
+    def show(v: int) -> str:
+        if v == -1:
+            return "a call without identity (a plain allreduce)"
+        return f"bucket code {v}" if part == "bucket" else f"{part} {v}"
+
+    here = current_call()
+    return MismatchError(
+        f"{what}: workers are making different collective calls: worker {ra} is at {show(va)}, worker "
+        f"{rb} at {show(vb)} (this is worker {rank}, at "
+        f"{here if here is not None else 'a call without identity'}); every worker must make the same "
+        f"calls in the same order: the same buckets, rounds and steps (a worker that skipped or repeated "
+        f"a step or a bucket, or calls started from several threads in an order that differs between "
+        f"workers)")
+
+
 def transport_code(name: str) -> int:
     """A stable non-negative integer naming the transport ``name`` (the agreement header's word 1)."""
     return zlib.crc32(("transport:" + name).encode()) & 0x7FFFFFFF
@@ -210,7 +295,7 @@ def header_state(rank: int, transport: str, names: Sequence[str], info: Sequence
     words += [int(torch.as_tensor(v).reshape(()).item()) if isinstance(v, torch.Tensor) else int(v)
               for v in values]
     words += [0] * (_REF - len(words))
-    words += [rank, -1, 0, 0, 0, 0] + [rank] * MAX_INFO + [0, 0]
+    words += [rank, -1, 0, 0, 0, 0] + [rank] * MAX_INFO + list(call_words()) + [0]
     state = torch.tensor(words, dtype=torch.int64, device=device)
     state[-1] = _checksum(state)
     return state
@@ -226,7 +311,7 @@ def validate_state(buf: torch.Tensor, src: int, what: str, rank: int, n: int) ->
         raise MalformedMessage(f"{what}: worker {src} sent an agreement header of another protocol version "
                                f"(magic {w[0]:#x}, expected {MAGIC:#x}); this is worker {rank}")
     ranks = [w[_REF]] + w[_ARG:_ARG + MAX_INFO] + ([w[_DIS + 1], w[_DIS + 3]] if w[_DIS] >= 0 else [])
-    if not all(0 <= x < n for x in ranks) or not -1 <= w[_DIS] < _REF or not 0 <= w[3] <= MAX_FIELDS:
+    if not all(0 <= x < n for x in ranks) or not (-1 <= w[_DIS] < _REF or _CALL <= w[_DIS] < _CALL + 3) or not 0 <= w[3] <= MAX_FIELDS:
         raise MalformedMessage(f"{what}: the agreement header from worker {src} names ranks outside "
                                f"0..{n - 1} or words outside the header; this is worker {rank}")
 
@@ -280,7 +365,7 @@ def check_agreement(fabric, what: str, *, tag: int = HANDSHAKE_TAG, transport: s
     state = header_state(rank, transport, names, inames, list(fields.values()) + list(info.values()),
                          fabric.device)
     mine = state.tolist()
-    compared = [0, 1] + list(range(_PRE, _PRE + len(names))) + [2, 3]
+    compared = [0, 1] + list(range(_PRE, _PRE + len(names))) + [2, 3] + list(range(_CALL, _CALL + 3))
     info_words = range(_PRE + len(names), _PRE + len(names) + len(inames))
     cur = mine
     buf = torch.empty_like(state)
@@ -309,6 +394,8 @@ def check_agreement(fabric, what: str, *, tag: int = HANDSHAKE_TAG, transport: s
                 f"{what}: workers disagree on the transport: worker {ra} runs {_transport_name(va)}, "
                 f"worker {rb} runs {_transport_name(vb)} (this is worker {rank}, running {transport!r}); "
                 f"every worker must call the same transport in the same order")) from None
+        if _CALL <= j < _CALL + 3:
+            raise call_mismatch(what, _CALL_NAMES[j - _CALL], va, ra, vb, rb, rank)
         if j in (0, 2, 3):
             raise MismatchError(
                 f"{what}: workers {ra} and {rb} describe their calls with different fields (another "

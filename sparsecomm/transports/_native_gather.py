@@ -56,9 +56,10 @@ def gather(t, p: Payload) -> list[Payload]:
     # compared): an error names the length or the payload kind that differs
     desc = dict(length=p.numel, dtype=dtype_code(p.dtype), payload_kind=KIND_CODE["sparse"],
                 values_length=p.numel, values_dtype=dtype_code(p.values.dtype))
-    key = ("native gather", p.numel, row, desc["dtype"], desc["values_dtype"])
     packed = p.values.element_size() == 4 and rows <= 2**31
     sched = _fold.schedule(f)
+    key = ("native gather", p.numel, row, desc["dtype"], desc["values_dtype"]) + \
+        (sched.call_key() if sched is not None else ())
     predicted = sched.predicted() if sched is not None else None
     try:
         if predicted is not None and packed and predicted.key == key:

@@ -47,8 +47,8 @@ from . import _fold
 from .base import registry
 from ..errors import InvalidValueError, MalformedMessage, MismatchError, OverflowError_
 from ._guards import abs_max, all_finite, guard_finite, is_integer, narrow, nonfinite_option
-from ._handshake import (HANDSHAKE_TAG, _DIS, _PRE, _REF, _fail, _transport_name, dtype_code, fingerprint, header_state,
-                         mismatch_error, transport_code, validate_state)
+from ._handshake import (_CALL, _CALL_NAMES, HANDSHAKE_TAG, _DIS, _PRE, _REF, _fail, _transport_name, call_mismatch,
+                         dtype_code, fingerprint, header_state, mismatch_error, transport_code, validate_state)
 from .base import Transport
 from .ring import KIND_CODE
 
@@ -95,7 +95,12 @@ def _read_header(buf: torch.Tensor, src: int, rank: int, n: int) -> list[int]:
     if w[3] != HEADER_FIELDS or w[_REF] != src:
         raise MalformedMessage(f"{what}: worker {src}'s header has {w[3]} fields for worker {w[_REF]}, "
                                f"expected {HEADER_FIELDS} for worker {src}; this is worker {rank}")
-    return w[_PRE:_PRE + HEADER_FIELDS]
+    return _fields(w)
+
+
+def _fields(w: list[int]) -> list[int]:
+    """A header's fields, then its call identity's words (:class:`~._handshake.CallId`)."""
+    return w[_PRE:_PRE + HEADER_FIELDS] + w[_CALL:_CALL + 3]
 
 
 def _check_counts(p: Payload) -> None:
@@ -177,7 +182,7 @@ class AllGather(Transport):
         headers: list[list[int]] = [[] for _ in range(n)]
         for src in range(n):
             try:
-                headers[src] = (header[_PRE:_PRE + HEADER_FIELDS].tolist() if src == r
+                headers[src] = (_fields(header.tolist()) if src == r
                                 else _read_header(hbufs[src], src, r, n))
             except (MalformedMessage, MismatchError) as exc:   # possibly seen by this worker only
                 raise _fail(f, exc) from None
@@ -291,6 +296,11 @@ class AllGather(Transport):
             checks += [("number of values", 6), ("values dtype", 7), ("shared indices (checksum)", _INDICES)]
         elif kind == KIND_CODE["quantized"]:
             checks += [("shared_scale flag", _SHARED), ("codes length", 6)]
+        for part, name in enumerate(_CALL_NAMES):      # the same call first: the fields follow from it
+            col = [h[HEADER_FIELDS + part] for h in headers]
+            if min(col) != max(col):
+                a, b = col.index(min(col)), col.index(max(col))
+                raise call_mismatch(what, name, col[a], a, col[b], b, rank)
         for name, i in checks:
             col = [h[i] for h in headers]
             if min(col) != max(col):

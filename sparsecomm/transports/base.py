@@ -24,6 +24,14 @@ may instead *post* it on the calling thread while every earlier call is posted t
 (:meth:`CommEngine.post`): the order of messages is the call order all the same, and its completion
 runs on the communication thread in that order.
 
+**Calls of several rounds** (``start(x, then, next_round=f)``: PowerSGD's P, then Q) run their later
+rounds inside the same call, before any message of a later call, so a later call is never posted while
+an earlier one still has rounds to send. **Identity**: ``start(x, call=CallId(bucket, step))`` names
+the call; every agreement the call makes (the handshake's header, the folded key of ``native``)
+carries it, so workers whose paired calls are different calls raise
+:class:`~sparsecomm.errors.MismatchError` instead of summing different tensors
+(:class:`~._handshake.CallId`).
+
 On SimFabric the communication thread drives the worker's endpoint on its behalf: an endpoint is not
 bound to a thread (its blocking, clock and quiescence bookkeeping are per endpoint), so the data and
 the modelled communication times are those of the synchronous calls in the same order; only
@@ -46,6 +54,7 @@ from ..fabric.stats import CommStats
 from ..payload import Payload
 from ..registry import Registry
 from . import _fold
+from ._handshake import CallId, calling
 
 
 class Transport(ABC):
@@ -66,29 +75,45 @@ class Transport(ABC):
         self.last_stats = CommStats()
 
     # ------------------------------------------------------------------ public
-    def allreduce(self, x: torch.Tensor | Payload) -> torch.Tensor:
+    def allreduce(self, x: torch.Tensor | Payload, *, call: CallId | None = None) -> torch.Tensor:
         """Sum of ``x`` over all workers, on every worker; ``last_stats`` holds this call's CommStats.
 
-        ``start(x).wait()``; with nothing in flight on this fabric it runs on the calling thread."""
+        ``start(x, call=call).wait()``; with nothing in flight on this fabric it runs on the calling
+        thread. ``call`` (a :class:`~._handshake.CallId`) is the call's identity, which the workers'
+        agreement compares (a worker making another call raises :class:`~sparsecomm.errors.MismatchError`
+        on every worker)."""
         eng = engine(self.fabric, create=False)
         if eng is None or eng.idle():
-            return self._call(x)
-        return self.start(x).wait()
+            return self._call(x, call)
+        return self.start(x, call=call).wait()
 
-    def start(self, x: torch.Tensor | Payload,
-              then: Callable[[torch.Tensor], Any] | None = None) -> "CommWork":
+    def start(self, x: torch.Tensor | Payload, then: Callable[[torch.Tensor], Any] | None = None, *,
+              next_round: Callable[[torch.Tensor], Payload | torch.Tensor | None] | None = None,
+              call: CallId | None = None) -> "CommWork":
         """Queue ``allreduce(x)`` (then ``then(sum)``) on the fabric's communication thread; returns a
-        :class:`CommWork` at once. ``x`` must stay untouched until the work completes."""
+        :class:`CommWork` at once. ``x`` must stay untouched until the work completes.
+
+        A call of several rounds (PowerSGD: P, then Q): ``next_round(sum)`` returns the next round's
+        input (or None: no more rounds); each later round runs in the same call, right after the
+        previous sum and before any message of a later call on this fabric, with identity
+        ``call.next_round()``; ``then`` gets the last round's sum. ``call``: the identity of the first
+        round (:meth:`allreduce`)."""
         if isinstance(x, Payload):
             self.check_payload(x)     # a bad pair fails here, on the caller's thread
+        return engine(self.fabric).submit(lambda: self._later_rounds(self._call(x, call), then, next_round, call))
 
-        def job() -> Any:
-            out = self._call(x)
-            return then(out) if then is not None else out
+    def _later_rounds(self, out: torch.Tensor, then, next_round, call: CallId | None) -> Any:
+        """Run a started call's later rounds (:meth:`start`) from its first sum ``out``, then ``then``."""
+        while next_round is not None and (nxt := next_round(out)) is not None:
+            call = call.next_round() if call is not None else None
+            out = self._call(nxt, call)
+        return then(out) if then is not None else out
 
-        return engine(self.fabric).submit(job)
+    def _call(self, x: torch.Tensor | Payload, call: CallId | None = None) -> torch.Tensor:
+        with calling(call):
+            return self._call_now(x)
 
-    def _call(self, x: torch.Tensor | Payload) -> torch.Tensor:
+    def _call_now(self, x: torch.Tensor | Payload) -> torch.Tensor:
         before = self.fabric.stats.copy()
         t0_model = self.fabric.now()
         t0_wall = time.perf_counter()
@@ -188,17 +213,20 @@ class CommWork:
         fn(self)
 
     def get_future(self) -> "torch.futures.Future[Any]":
-        """A ``torch.futures.Future`` completed with the result (or the error) of this call."""
+        """A ``torch.futures.Future`` completed with the result (or the error) of this call.
+
+        The error is the future's error as torch's C++ layer sees it too (a DDP comm hook's future is
+        waited on there): the future is chained with ``then`` from one that carries the outcome, so a
+        failed call fails the chained future with this call's exception, which DDP's backward re-raises
+        (a ``RuntimeError`` whose text starts with the exception's). ``Future.set_exception`` would
+        store the exception as the value, and DDP would try to use it as the bucket's tensor."""
         fut: torch.futures.Future = torch.futures.Future()
 
         def done(w: "CommWork") -> None:
-            if w._exc is not None:
-                fut.set_exception(w._exc)
-            else:
-                fut.set_result(w._value)
+            fut.set_result((w._value, w._exc))
 
         self.add_done_callback(done)
-        return fut
+        return fut.then(_unwrap_outcome)
 
     def _finish(self, value: Any = None, exc: BaseException | None = None) -> None:
         with self._lock:
@@ -220,6 +248,13 @@ class CommWork:
         return w
 
 
+def _unwrap_outcome(fut: "torch.futures.Future[Any]") -> Any:
+    value, exc = fut.value()
+    if exc is not None:
+        raise exc
+    return value
+
+
 class CommEngine:
     """One fabric's communication thread: runs submitted calls one at a time in submission order.
 
@@ -234,35 +269,41 @@ class CommEngine:
 
     def __init__(self, name: str = "") -> None:
         self._cond = threading.Condition()
-        self._queue: deque[tuple[Callable[[], Any], CommWork, bool]] = deque()
+        # (job, work, posted: its first messages are out, issues: it sends messages when it runs)
+        self._queue: deque[tuple[Callable[[], Any], CommWork, bool, bool]] = deque()
         self._busy = False
         self._thread: threading.Thread | None = None
         self._failed: BaseException | None = None
         self._name = name
-        self._unposted = 0          # queued or running jobs that post their messages themselves
+        self._issuing = 0           # queued or running jobs that send messages when they run
         self._resolving = False     # a posted call is being resolved (it runs handshakes): no posts
 
     def submit(self, job: Callable[[], Any]) -> CommWork:
+        """Queue ``job`` (which sends its messages when it runs, on the communication thread)."""
         work = CommWork()
         with self._cond:
             if self._failed is not None:
                 work._finish(exc=self._failed)
                 return work
-            self._enqueue(job, work, posted=False)
+            self._enqueue(job, work, posted=False, issues=True)
         return work
 
-    def post(self, post: Callable[[], Any], complete: Callable[[Any], Any]) -> CommWork | None:
+    def post(self, post: Callable[[], Any], complete: Callable[[Any], Any], *,
+             issues: bool = False) -> CommWork | None:
         """Post a call's messages now, on the calling thread, and queue its completion: ``post()`` (it
         must only post non-blocking collectives, in the order the calls are made) and, on the
         communication thread in submission order, ``complete(posted)``; ``post()`` returning None
-        posts nothing (the call is not postable after all). Done only while every queued
-        or running job is such a completion and none is being resolved (:meth:`resolving`): then the
-        call's messages follow every earlier call's on every worker, as with :meth:`submit`, and the
-        next call's messages are on their way while this one completes (no idle gap between them).
-        Returns None (post nothing) otherwise; the caller then submits the call (:meth:`submit`)."""
+        posts nothing (the call is not postable after all). Done only while no queued or running job
+        sends messages when it runs (every one is the completion of a posted call that sends nothing
+        more) and none is being resolved (:meth:`resolving`): then the call's messages follow every
+        earlier call's on every worker, as with :meth:`submit`, and the next call's messages are on
+        their way while this one completes (no idle gap between them). ``issues``: the completion
+        sends messages of its own (the later rounds of a call of several rounds), so no call is posted
+        until it has run. Returns None (post nothing) otherwise; the caller then submits the call
+        (:meth:`submit`)."""
         work = CommWork()
         with self._cond:
-            if self._failed is not None or self._unposted or self._resolving:
+            if self._failed is not None or self._issuing or self._resolving:
                 return None
             try:
                 posted = post()
@@ -272,7 +313,7 @@ class CommEngine:
                 return work
             if posted is None:
                 return None
-            self._enqueue(lambda: complete(posted), work, posted=True)
+            self._enqueue(lambda: complete(posted), work, posted=True, issues=issues)
         return work
 
     def resolving(self) -> int:
@@ -282,16 +323,16 @@ class CommEngine:
         the job (fail-stop), since workers that did not post them never will."""
         with self._cond:
             self._resolving = True
-            return sum(1 for _, _, posted in self._queue if posted)
+            return sum(1 for _, _, posted, _ in self._queue if posted)
 
     def resolved(self) -> None:
         with self._cond:
             self._resolving = False
 
-    def _enqueue(self, job: Callable[[], Any], work: CommWork, posted: bool) -> None:
-        self._queue.append((job, work, posted))
-        if not posted:
-            self._unposted += 1
+    def _enqueue(self, job: Callable[[], Any], work: CommWork, posted: bool, issues: bool) -> None:
+        self._queue.append((job, work, posted, issues))
+        if issues:
+            self._issuing += 1
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name=f"sparsecomm-comm{self._name}",
                                             daemon=True)
@@ -314,7 +355,7 @@ class CommEngine:
                 if not self._cond.wait_for(lambda: bool(self._queue), self.idle_s):
                     self._thread = None
                     return
-                job, work, posted = self._queue.popleft()
+                job, work, posted, issues = self._queue.popleft()
                 self._busy = True
                 failed = self._failed
             value, exc = None, failed
@@ -327,8 +368,8 @@ class CommEngine:
             with self._cond:
                 if exc is not None and self._failed is None:
                     self._failed = exc
-                if not posted:
-                    self._unposted -= 1
+                if issues:
+                    self._issuing -= 1
                 self._resolving = False
                 self._busy = False
                 self._cond.notify_all()

@@ -60,7 +60,7 @@ from ..payload import Payload
 from . import _fold
 from .base import registry
 from ._guards import all_finite, guard_finite, nonfinite_option
-from ._handshake import check_agreement
+from ._handshake import calling, check_agreement
 from .base import Transport
 from .ring import guarded_sum, linear_operand
 
@@ -114,16 +114,18 @@ class Native(Transport):
         if not fabric.is_worker:
             raise InvalidValueError("transports run on workers, not on service endpoints")
 
-    def start(self, x: torch.Tensor | Payload, then=None):
+    def start(self, x: torch.Tensor | Payload, then=None, *, next_round=None, call=None):
         """As :meth:`Transport.start`; a call predicted to fold (:mod:`._fold`) is *posted* at once on
         the calling thread when every call before it is posted too (:meth:`CommEngine.post`), so
         that gloo has it queued while the calls before it complete (a DDP bucket's all-reduce follows
         the previous one's with no idle link between them); its completion (the wait, the non-finite
-        check, ``then``) runs on the communication thread in call order."""
-        work = self._post_folded(x, then)
-        return work if work is not None else super().start(x, then)
+        check, the later rounds of a call of several rounds, ``then``) runs on the communication
+        thread in call order, and no call is posted while an earlier one has rounds left to send."""
+        with calling(call):
+            work = self._post_folded(x, then, next_round, call)
+        return work if work is not None else super().start(x, then, next_round=next_round, call=call)
 
-    def _post_folded(self, x: torch.Tensor | Payload, then):
+    def _post_folded(self, x: torch.Tensor | Payload, then, next_round, call):
         from .base import engine
 
         f = self.fabric
@@ -136,13 +138,13 @@ class Native(Transport):
         v = op.vector
         if op.codes or not v.is_floating_point() or not 0 < v.numel() * v.element_size() <= self.fold_max_bytes:
             return None
-        key = ("native",) + tuple((k, int(val)) for k, val in op.fields.items())
         inplace = self.inplace and isinstance(x, torch.Tensor)
         eng = engine(f)
 
         def post():
-            # under the engine's lock, with nothing unposted queued: the prediction, the record and the
-            # posts in call order
+            # under the engine's lock, with nothing queued that sends messages when it runs: the
+            # prediction, the record and the posts in call order
+            key = _native_key(op, sched)
             predicted = sched.predicted()
             if predicted is None or predicted.key != key:
                 return None
@@ -158,12 +160,13 @@ class Native(Transport):
             before = f.stats.copy()
             t0 = time.perf_counter()
             try:
-                total = self._check_folded(op, pending(), inplace, eng)
+                with calling(call):
+                    total = self._check_folded(op, pending(), inplace, eng)
                 stats = f.stats - before
                 stats.wall_time_s = time.perf_counter() - t0
                 self.last_stats = stats
                 out = op.finish(total).reshape(x.shape).to(x.dtype)
-                return then(out) if then is not None else out
+                return self._later_rounds(out, then, next_round, call)
             except BaseException as exc:
                 sched.reset()
                 if eng.resolving():
@@ -174,7 +177,7 @@ class Native(Transport):
                     _fail(f, exc)
                 raise        # (the engine stays resolving until it has recorded the failure)
 
-        return eng.post(post, complete)
+        return eng.post(post, complete, issues=next_round is not None)
 
     def _check_folded(self, op, total: torch.Tensor, inplace: bool, eng=None) -> torch.Tensor:
         """A folded call's sum: a NaN in it (every element, if a worker deviated) is resolved by the
@@ -211,7 +214,7 @@ class Native(Transport):
             return op.finish(guarded_sum(f, WHAT, op, {}, self.nonfinite, inplace, self._reduce,
                                          int_floor=torch.int32))
         v = op.vector
-        key = ("native",) + tuple((k, int(val)) for k, val in op.fields.items())
+        key = _native_key(op, sched)
         fold = None
         if (v.is_floating_point() and 0 < v.numel() * v.element_size() <= self.fold_max_bytes
                 and not op.codes):
@@ -253,6 +256,12 @@ class Native(Transport):
 
     def _reduce(self, acc: torch.Tensor) -> torch.Tensor:
         return _join(self.fabric, acc)
+
+
+def _native_key(op, sched: _fold.Schedule) -> tuple:
+    """The fold record's key of a ``native`` all-reduce: what its handshake compares (the operand's
+    fields) and the identity of the call running on this thread (:meth:`_fold.Schedule.call_key`)."""
+    return ("native",) + tuple((k, int(val)) for k, val in op.fields.items()) + sched.call_key()
 
 
 def _post_join(t: "Native", acc: torch.Tensor):

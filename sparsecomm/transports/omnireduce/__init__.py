@@ -186,8 +186,8 @@ class OmniReduce(Transport):
         return 2.0 * (n - 1) / n if self.deployment == "colocated" else 1.0
 
     # ------------------------------------------------------------------ public
-    def allreduce(self, x):
-        out = super().allreduce(x)
+    def allreduce(self, x, *, call=None):
+        out = super().allreduce(x, call=call)
         if self.inplace and isinstance(x, torch.Tensor) and out.data_ptr() != x.data_ptr():
             x.copy_(out)
             return x
