@@ -111,9 +111,14 @@ class CommPipeline(PipelineStates, SparseRows):
 
     @property
     def per_parameter(self) -> bool:
-        """Whether :meth:`start` can run the method per parameter (``segments=``): a one-round method
-        whose payloads concatenate (``dense``, ``aligned``, ``sparse``)."""
-        kind = getattr(self.method.compressor, "payload_kind", None)
+        """Whether :meth:`start` runs the method per parameter (``segments=``): a one-round method
+        whose payloads concatenate (``dense``, ``aligned``, ``sparse``), unless the method keeps no
+        state and its compressor is ``elementwise`` (the fp16/bf16 casts): then the whole bucket's
+        round is the same numbers, in one call."""
+        c = self.method.compressor
+        kind = getattr(c, "payload_kind", None)
+        if self.method.State is None and getattr(c, "elementwise", False):
+            return False
         return not self.method.multi_round and not self.method.uses_shapes and \
             kind in ("dense", "aligned", "sparse")
 
@@ -160,15 +165,15 @@ class CommPipeline(PipelineStates, SparseRows):
         dense_bytes = flat.numel() * flat.element_size()
         n = self.world_size
         check = self.nonfinite == "raise"
+        # a transport that raises on a non-finite sum itself has checked it: no second pass
+        transport_checks = check and getattr(self.transport, "nonfinite", None) == "raise"
         next_round = None
         if not compress or self._plain:
             payload = dense_payload(flat)
             sent = flat
-            # a transport that raises on a non-finite sum itself has checked it: no second pass
-            recheck = check and getattr(self.transport, "nonfinite", None) != "raise"
 
             def finish(agg: torch.Tensor) -> torch.Tensor:
-                if recheck:
+                if check and not transport_checks:
                     _check_aggregate(agg, key)
                 return agg.div_(n)
         elif segments is not None and self.per_parameter:
@@ -190,9 +195,9 @@ class CommPipeline(PipelineStates, SparseRows):
             sent = payload
 
             def finish(agg: torch.Tensor) -> torch.Tensor:
-                if check:
+                if check and not transport_checks:
                     _check_aggregate(agg, key)
-                else:
+                elif not check:
                     check_sum_finite(payload, agg, f"transport {self.transport.name!r}")
                 out = self._out(key, flat)
                 a, o = agg.reshape(-1), 0
@@ -219,9 +224,9 @@ class CommPipeline(PipelineStates, SparseRows):
                 def next_round(agg: torch.Tensor) -> Payload | None:
                     if last[0] is payload:
                         check_first(agg, payload)
-                    elif check:
+                    elif check and not transport_checks:
                         _check_aggregate(agg, key)
-                    else:
+                    elif not check:
                         check_sum_finite(last[0], agg, f"transport {self.transport.name!r}")
                     nxt = self.method.next_round(agg, n, ms)[0]
                     if nxt is not None:
@@ -233,6 +238,8 @@ class CommPipeline(PipelineStates, SparseRows):
                     return nxt
 
             def check_first(agg: torch.Tensor, p: Payload) -> None:
+                if transport_checks:
+                    return          # the transport raised on a non-finite sum (and on an overflow)
                 if check and not _finite(agg):
                     if not bool(torch.isnan(agg).any()):
                         # inputs were finite (checked) and no worker sent NaN: narrow floats (fp16) summed

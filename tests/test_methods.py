@@ -322,3 +322,37 @@ def test_warmup_wrapper_composes_and_resumes():
     kinds2, ests2 = run(True)
     assert kinds2 == kinds and all(torch.equal(a, b) for a, b in zip(ests, ests2))
     assert sc.methods.warmup(sc.methods.none(), 0).name == "none"
+
+
+def _storages(obj) -> set[int]:
+    from dataclasses import fields, is_dataclass
+
+    out = set()
+    for f in fields(obj) if is_dataclass(obj) else ():
+        v = getattr(obj, f.name)
+        if isinstance(v, torch.Tensor) and v.numel():
+            out.add(v.untyped_storage().data_ptr())
+    return out
+
+
+@pytest.mark.parametrize("name", sc.methods.available())
+def test_no_payload_aliases_the_method_state(name):
+    """The contract a transport's in-place sum relies on (``native(inplace=True)`` sums a dense payload's
+    values where they lie): every round's payload of every method, exact rounds included, shares no
+    storage with the method's state (it may alias the scratch gradient with ``inplace=True``)."""
+    hyper = {"ratio": 0.25} if name in ("diana", "ef", "ef21", "dgc") else {}
+    m = sc.methods.warmup(sc.methods.get(name, **hyper), 1)
+    st = m.init(48)
+    g = torch.Generator().manual_seed(0)
+    for t in range(4):
+        grad = torch.randn(48, generator=g)
+        p, st = m.encode(grad, st, torch.Generator().manual_seed(t), inplace=True, shapes=[torch.Size([6, 8])])
+        agg = p.to_dense()
+        while p is not None:
+            for v in (p.values, p.indices, p.scale):
+                if isinstance(v, torch.Tensor) and v.numel():
+                    assert v.untyped_storage().data_ptr() not in _storages(st.state), (name, t)
+            p, st = m.next_round(agg, 1, st)
+            if p is not None:
+                agg = p.to_dense()
+        _, st = m.decode(agg, 1, st)

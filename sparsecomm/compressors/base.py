@@ -11,7 +11,10 @@ It declares the properties that ``theory/`` and the validators read:
 - ``delta(d)``: contraction constant, E||C(x) - x||^2 <= (1 - delta) ||x||^2 (class B(delta));
 - ``payload_kind``: which transports can carry its output;
 - ``shared_randomness``: every worker must use the same generator seed (shared-seed rand-k), which
-  the optimizer arranges.
+  the optimizer arranges;
+- ``elementwise``: C acts on each coordinate alone, deterministically (identity, the fp16/bf16
+  casts), so compressing a concatenation is concatenating the compressions: the pipeline may then
+  compress a whole bucket at once instead of parameter by parameter.
 
 A random operator called with ``generator=None`` uses a generator of its own seeded from its ``seed``
 hyper-parameter, and raises ``GeneratorRequiredError`` when it has none (``_common.py``).
@@ -35,6 +38,7 @@ class Compressor(ABC):
     payload_kind: ClassVar[str] = "dense"
     unbiased: ClassVar[bool] = False
     shared_randomness: ClassVar[bool] = False
+    elementwise: ClassVar[bool] = False
 
     @abstractmethod
     def compress(self, x: torch.Tensor, generator: torch.Generator | None = None) -> Payload:

@@ -13,9 +13,9 @@ declared for calls where it holds, and every call checks it: ``compress`` measur
 ``(1 - delta) ||x||^2``, raises :class:`UnderflowError` (``underflow="raise"``, the default; a vector
 with a few tiny entries among normal ones passes, as the normal entries' rounding error is far below
 its bound). ``underflow="allow"`` compresses anything finite and declares ``delta = 0`` (no
-contraction is promised, only ``|C(x)_i - x_i| <= |x_i|``). The check costs about one copy of the
-input (measured under load: 64-133 ms against 105-128 ms for a 102 MB float32 copy and 72-76 ms for
-the cast itself); ``underflow="allow"`` skips it.
+contraction is promised, only ``|C(x)_i - x_i| <= |x_i|``). The check is one pass over the input and
+the rounded values, which also finds a non-finite or overflowing input (the range check, a pass of
+its own with ``underflow="allow"``).
 """
 
 from __future__ import annotations
@@ -39,15 +39,18 @@ from ..errors import UnderflowError  # noqa: F401 (re-exported)
 
 @njit(cache=True, nogil=True, fastmath={"reassoc", "contract", "nsz"})
 def _cast_error(x, ybits, is_bf16):
-    """(sum (y_i - x_i)^2, sum x_i^2) in float64, y given by its float16 / bfloat16 bit patterns
-    (int16). Chunks of 4096: the bit patterns become float32 patterns in an integer pass (bfloat16:
-    ``<< 16``; float16: magnitude ``<< 13`` then times 2^112, exact for normals and subnormals), then
-    a pass accumulates in float64 (reassociated, so it vectorises; the sums serve a comparison)."""
+    """(sum (y_i - x_i)^2, sum x_i^2, special) in float64, y given by its float16 / bfloat16 bit
+    patterns (int16); ``special`` counts the y that are Inf or NaN (an input that was not finite, or
+    overflowed the narrow dtype: the caller then finds out which). Chunks of 4096: the bit patterns
+    become float32 patterns in an integer pass (bfloat16: ``<< 16``; float16: magnitude ``<< 13`` then
+    times 2^112, exact for normals and subnormals), then a pass accumulates in float64 (reassociated,
+    so it vectorises; the sums serve a comparison)."""
     C = 4096
     tmp = np.empty(C, dtype=np.int32)
     tf = tmp.view(np.float32)
     err = 0.0
     nrm = 0.0
+    special = 0
     n = x.size
     scale = np.float32(1.0) if is_bf16 else np.float32(2.0 ** 112)
     for s in range(0, n, C):
@@ -56,10 +59,13 @@ def _cast_error(x, ybits, is_bf16):
         t = tmp[:m]
         if is_bf16:
             for i in range(m):
-                t[i] = np.int32(yb[i]) << 16
+                h = np.int32(yb[i])
+                special += (h & 0x7F80) == 0x7F80
+                t[i] = h << 16
         else:
             for i in range(m):
                 h = np.int32(yb[i])
+                special += (h & 0x7C00) == 0x7C00
                 t[i] = ((h & 0x7FFF) << 13) | ((h & 0x8000) << 16)
         xs = x[s: s + m]
         v = tf[:m]
@@ -68,11 +74,12 @@ def _cast_error(x, ybits, is_bf16):
             d = np.float64(v[i] * scale) - xi
             err += d * d
             nrm += xi * xi
-    return err, nrm
+    return err, nrm, special
 
 
 class _Dense(Compressor):
     payload_kind = "dense"
+    elementwise = True
 
     def values_len(self, d: int) -> int:
         """Number of values in a payload of a length-d input (used by ``compose``)."""
@@ -121,27 +128,37 @@ class _Cast(_Dense):
     def hyper(self):
         return {"underflow": self.underflow}
 
-    def _contraction_error(self, flat: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
-        """(||C(x) - x||^2, ||x||^2) in float64."""
+    def _contraction_error(self, flat: torch.Tensor, y: torch.Tensor) -> tuple[float, float, bool]:
+        """(||C(x) - x||^2, ||x||^2, whether some y is Inf or NaN) in float64: one pass on the CPU."""
         if flat.device.type == "cpu" and flat.dtype in (torch.float32, torch.float64):
-            return _cast_error(flat.numpy(), y.view(torch.int16).numpy(), self.target == torch.bfloat16)
+            err, nrm, special = _cast_error(flat.numpy(), y.view(torch.int16).numpy(),
+                                            self.target == torch.bfloat16)
+            return err, nrm, bool(special)
         xd = flat.to(torch.float64)
-        return float(((y.to(torch.float64) - xd) ** 2).sum()), float((xd * xd).sum())
+        return (float(((y.to(torch.float64) - xd) ** 2).sum()), float((xd * xd).sum()),
+                not bool(torch.isfinite(y).all()))
 
-    def compress(self, x, generator=None):
-        flat = flat_input(x, self.name)
+    def _check_range(self, flat: torch.Tensor, y: torch.Tensor) -> None:
+        """NonFiniteError for a non-finite input, OverflowError_ for one beyond the narrow dtype."""
         big = abs_max(flat)
         if not math.isfinite(big):
             raise_nonfinite(self.name)
+        if big > torch.finfo(self.target).max and bool(torch.isinf(y).any()):
+            raise OverflowError_(f"{self.name}: |x| up to {big:g} overflows {self.target} "
+                                 f"(max {torch.finfo(self.target).max:g}); rescale the input first")
+
+    def compress(self, x, generator=None):
+        flat = flat_input(x, self.name)
         if flat.device.type == "cpu":
             y = cpu_empty(flat.numel(), self.target).copy_(flat)
         else:
             y = flat.to(self.target, copy=True)
-        if big > torch.finfo(self.target).max and bool(torch.isinf(y).any()):
-            raise OverflowError_(f"{self.name}: |x| up to {big:g} overflows {self.target} "
-                                 f"(max {torch.finfo(self.target).max:g}); rescale the input first")
-        if self.underflow == "raise" and flat.dtype != self.target and flat.numel():
-            err, nrm = self._contraction_error(flat, y)
+        if not (self.underflow == "raise" and flat.dtype != self.target and flat.numel()):
+            self._check_range(flat, y)
+        else:       # the contraction check's pass also finds a non-finite or overflowing input
+            err, nrm, special = self._contraction_error(flat, y)
+            if special or not math.isfinite(err):
+                self._check_range(flat, y)
             if err > (1.0 - self.delta(flat.numel())) * nrm:
                 tiny = torch.finfo(self.target).tiny
                 raise UnderflowError(

@@ -60,8 +60,9 @@ Every worker must call ``encode``/``decode`` for the same keys, in the same orde
 **Memory.** By default both calls are pure with respect to their arguments and return fresh
 tensors. For large buckets the optimizer avoids fresh allocations (page faults dominate on some
 hosts): ``encode(..., inplace=True)`` lets the method overwrite ``grad`` (the caller's scratch), and
-``decode(..., out=buf)`` writes the estimate into ``buf`` and returns it. The returned estimate never
-aliases the method's state.
+``decode(..., out=buf)`` writes the estimate into ``buf`` and returns it. Neither the payload nor the
+returned estimate ever aliases the method's state (a payload may alias ``grad`` with ``inplace=True``),
+so a transport may sum a payload in place (``native``'s ``inplace``).
 """
 
 from __future__ import annotations
