@@ -20,7 +20,7 @@ import sparsecomm.transports  # noqa: F401
 from sparsecomm.errors import PeerFailure
 from sparsecomm.payload import Payload
 
-from ._faults_common import CorruptingFabric, cap_address_space, outcome
+from ._faults_common import CorruptingFabric, cap_address_space, outcome, run_in_place
 
 pytestmark = pytest.mark.multiprocess
 
@@ -229,6 +229,7 @@ def _kill(ctx, role, transport, outdir):
 
 @pytest.mark.parametrize("role, transport, dead", [
     ("worker", "ring", "worker 2"),
+    ("worker", "native", "worker 2"),
     ("worker", "switch", "worker 2"),           # named, not the switch that stopped because of it
     ("service", "switch", "service 'switch'"),
     ("service", "omnireduce", "service 'omnireduce-agg:0'"),
@@ -247,6 +248,52 @@ def test_kill_9_of_any_role_stops_every_rank_quickly_naming_the_dead_one(role, t
         assert line is not None and "PeerFailure" in line and dead in line, notes
         kind, seconds = (tmp_path / f"rank{r}.txt").read_text().split()
         assert kind == "PeerFailure" and float(seconds) < BOUND, (r, kind, seconds)
+
+
+IN_PLACE_KILL = '''
+import os, signal, sys, time, torch
+import sparsecomm as sc
+
+def fn(ctx):
+    t = sc.transports.get(sys.argv[1], ctx.fabric)
+    x = torch.ones(int(sys.argv[2]))
+    for _ in range(3):                  # native: the next call is predicted, so it goes straight to gloo
+        t.allreduce(x)
+    ctx.fabric.barrier()
+    if ctx.rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        t.allreduce(x)
+        out = "None -"
+    except Exception as e:
+        out = f"{type(e).__name__} {e}"
+    with open(f"out{ctx.rank}.txt", "w") as fh:
+        fh.write(f"{time.monotonic() - t0:.3f} {out}")
+
+if __name__ == "__main__":
+    try:
+        sc.launch(fn, 3, backend="gloo", timeout_s=30)
+    except Exception:
+        pass
+'''
+
+
+@pytest.mark.parametrize("transport, numel", [
+    ("native", 64),             # gathered and summed locally (all_gather)
+    ("native", 100_000),        # all_reduce
+    ("ring", 64),
+])
+def test_kill_9_under_torchrun_every_survivor_names_the_dead_worker(transport, numel, tmp_path):
+    """In place (torchrun's environment, no agent to stop the survivors, so no launcher writes a failure
+    record): a collective on a lost connection names the dead worker, as a point-to-point wait does."""
+    (tmp_path / "job.py").write_text(IN_PLACE_KILL)
+    codes = run_in_place(tmp_path / "job.py", 3, tmp_path, args=(transport, str(numel)), torchrun=False)
+    logs = "\n".join((tmp_path / f"log{r}.txt").read_text() for r in range(3))
+    assert codes == [0, 0, -signal.SIGKILL], (codes, logs)
+    for r in (0, 1):
+        seconds, kind, text = (tmp_path / f"out{r}.txt").read_text().split(" ", 2)
+        assert kind == "PeerFailure" and "worker 2" in text and float(seconds) < 5.0, (r, seconds, kind, text)
 
 
 CASES = {

@@ -54,7 +54,7 @@ import time
 
 import torch
 
-from ..errors import FabricTimeout, IncompatibleError, InvalidValueError, PeerFailure
+from ..errors import IncompatibleError, InvalidValueError
 from ..fabric.base import Fabric
 from ..payload import Payload
 from . import _fold
@@ -289,16 +289,10 @@ def _post_join(t: "Native", acc: torch.Tensor):
 
 
 def _translated(f: Fabric, name: str, exc: RuntimeError) -> BaseException:
-    """The library's error for torch.distributed's ``name`` having raised ``exc``: the job's recorded
-    failure if there is one (a rank stopped the job), else a timeout or a peer failure."""
-    failed = getattr(f, "_failure", None)
-    if failed is not None:
-        return f._failure_error()
-    msg = str(exc).strip().splitlines()[-1] if str(exc).strip() else repr(exc)
-    if "Timed out" in msg or "timed out" in msg:
-        return FabricTimeout(f"worker {f.rank}: torch.distributed {name} timed out: {msg}")
-    return PeerFailure(f"worker {f.rank}: torch.distributed {name} failed, probably because another rank "
-                       f"died: {msg}")
+    """The library's error for torch.distributed's ``name`` having raised ``exc``: the fabric's
+    (:meth:`~sparsecomm.fabric.torch_failure.FailStop.collective_error`: the job's recorded failure, a
+    timeout, or a peer failure naming the rank that died), reported to every rank."""
+    return f.collective_error(exc, name)
 
 
 def _book_join(f: Fabric, n: int, nbytes: int, small: bool) -> None:
