@@ -29,7 +29,9 @@ every worker posts the same calls in the same order. If resolving a posted call'
 deviated: MismatchError; a non-finite input with ``nonfinite="raise"``: NonFiniteError) while this
 worker has later calls posted, the workers that did not post them never will: the worker then stops
 the job (``TorchFabric.fail``: every rank raises that error class, and the fabric is unusable after),
-where a synchronous call leaves the fabric usable.
+where a synchronous call leaves the fabric usable. A collective that fails (a rank died, raised or
+timed out) raises the fabric's error naming the rank that failed first
+(:meth:`~sparsecomm.fabric.torch_failure.FailStop.collective_error`), on every rank.
 
 ``last_stats``: torch.distributed does not report its traffic, so the all-reduce itself is booked at the
 bandwidth-optimal ring volume, ``2 (n-1)/n`` of the vector each way per worker, in one message per
