@@ -282,7 +282,6 @@ if __name__ == "__main__":
 @pytest.mark.parametrize("transport, numel", [
     ("native", 64),             # gathered and summed locally (all_gather)
     ("native", 100_000),        # all_reduce
-    ("ring", 64),
 ])
 def test_kill_9_under_torchrun_every_survivor_names_the_dead_worker(transport, numel, tmp_path):
     """In place (torchrun's environment, no agent to stop the survivors, so no launcher writes a failure
