@@ -4,7 +4,7 @@
 numpy arrays and scalars of numeric dtypes (dtype, shape, raw bytes), as JSON plus the arrays' bytes
 (:func:`encode_result` / :func:`decode_result`); :func:`_gather_results` gives every rank every rank's
 result. Limits, the same on both sides (what encodes decodes): at most 256 MiB per result, 64 levels of
-nesting, 2^21 JSON lists (one per value, so about a million values outside arrays: return an array for
+nesting, 2^21 JSON lists (one per value, so about two million values outside arrays: return an array for
 more), 64 dimensions per array.
 """
 
@@ -128,8 +128,9 @@ def encode_result(obj: Any) -> bytes:
 
     doc = json.dumps(enc(obj, 0)).encode()
     if doc.count(b"[") > _MAX_LISTS:
-        raise InvalidValueError(f"the result holds more than {_MAX_LISTS} values outside arrays; return a "
-                                f"tensor or a numpy array for long sequences of numbers")
+        raise InvalidValueError(f"the result's JSON has more than {_MAX_LISTS} '[' (one per value outside "
+                                f"arrays, and any in its strings); return a tensor or a numpy array for long "
+                                f"sequences of numbers")
     return len(doc).to_bytes(8, "little") + doc + b"".join(blobs)
 
 
