@@ -57,3 +57,44 @@ def flip_word(t: torch.Tensor, index: int, value: int) -> torch.Tensor:
     out = t.detach().clone()
     out.view(-1)[index] = value
     return out
+
+
+def run_in_place(script, n: int, cwd, args=(), torchrun: bool = True, timeout: float = 120.0) -> list[int]:
+    """Run ``script`` as ``n`` ranks of one job in place (``sc.launch`` then runs in the calling process, as
+    under torchrun): under ``torchrun --standalone`` (its agent stops every rank when one dies), or, with
+    ``torchrun=False``, as ``n`` processes given torchrun's environment (``RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``, ``MASTER_PORT``) and no agent, so that the survivors of a killed rank run on. Every
+    process started here is gone on return; returns the exit codes (torchrun: its own, once)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), OMP_NUM_THREADS="1")
+    if torchrun:
+        cmds = [([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n),
+                  str(script), *args], env)]
+    else:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmds = [([sys.executable, str(script), *args],
+                 dict(env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))) for r in range(n)]
+    procs = []
+    try:
+        for i, (cmd, e) in enumerate(cmds):
+            with open(Path(cwd) / f"log{i}.txt", "w") as log:     # the child keeps its own copy
+                procs.append(subprocess.Popen(cmd, env=e, cwd=cwd, stdout=log, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + timeout
+        return [p.wait(timeout=max(0.0, deadline - time.monotonic())) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()              # torchrun passes it on to its ranks
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()

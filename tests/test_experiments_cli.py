@@ -102,3 +102,40 @@ def test_run_progress_draws_a_bar_and_no_progress_hides_it(tmp_path, capsys):
     R = U.Run("reproduce_x", argparse.Namespace(**{**vars(args), "no_progress": True}), {})
     assert list(R.progress(range(3), desc="points")) == [0, 1, 2]
     assert capsys.readouterr().err == ""
+
+
+def _recipe(doc: str, program: str) -> list[str]:
+    """The torchrun command line a study's docstring (its --help) gives, as arguments after ``torchrun``."""
+    line = next(ln.strip() for ln in doc.splitlines() if ln.strip().startswith(f"torchrun ") and program in ln)
+    return line.split()[1:]
+
+
+@pytest.mark.multiprocess
+def test_the_torchrun_recipe_of_convergence_writes_its_results(tmp_path):
+    """The recipe in ``convergence --help`` (torchrun, one process per worker), with 2 ranks and the
+    smallest settings: it trains, gathers every rank's records (numpy block masks among them: they
+    could not cross ranks) and rank 0 writes the CSV and JSON."""
+    import csv
+    import json
+    import math
+    import os
+    import subprocess
+    import sys
+
+    from experiments import convergence
+
+    args = _recipe(convergence.__doc__, "experiments.convergence")
+    args[args.index("--nproc-per-node") + 1] = "2"
+    small = ["--task", "breast-cancer-logreg", "--steps", "2", "--eval-every", "1", "--no-wandb", "--no-progress"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", *args, *small,
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    (path,) = tmp_path.glob("*.csv")
+    rows = list(csv.DictReader(path.open()))
+    assert [r["step"] for r in rows] == ["1", "2"], rows
+    assert all(math.isfinite(float(r[c])) for r in rows for c in ("loss", "test_loss", "test_acc")), rows
+    assert all(0 < float(r["block_density"]) <= float(r["block_density_union"]) <= 1 for r in rows), rows
+    assert all(float(r["bytes_sent"]) > 0 for r in rows), rows
+    config = json.loads(path.with_suffix(".json").read_text())["config"]
+    assert (config["workers"], config["backend"], config["transport"]) == (2, "gloo", "allgather"), config

@@ -293,6 +293,84 @@ def test_the_safe_result_encoding_round_trips_and_refuses_anything_else():
         decode_result(b"\xff" * 8 + b"{}")
 
 
+def _result_message(doc, blob: bytes = b"") -> bytes:
+    """A message in the safe result encoding with a hand-written JSON document (a crafted header)."""
+    import json
+
+    text = doc if isinstance(doc, bytes) else json.dumps(doc).encode()
+    return len(text).to_bytes(8, "little") + text + blob
+
+
+CRAFTED_RESULTS = {
+    "100000 dims": (["T", "torch.float32", [1] * 100_000, 0, 4], bytes(4)),
+    "65 dims": (["T", "torch.float32", [1] * 65, 0, 4], bytes(4)),
+    "65 numpy dims": (["A", "<f4", [1] * 65, 0, 4], bytes(4)),
+    "huge factors": (["T", "torch.float32", [10**4000] * 200, 0, 4], bytes(4)),
+    "dim past int64": (["T", "torch.float32", [0, 10**30], 0, 0], b""),
+    "negative dims": (["T", "torch.float32", [-1, -4], 0, 4], bytes(4)),
+    "bool dim": (["T", "torch.float32", [True, 4], 0, 16], bytes(16)),
+    "more than sent": (["T", "torch.float32", [2**40], 0, 2**42], bytes(16)),
+    "shared bytes": (["l", [["T", "torch.uint8", [16], 0, 16]] * 1000], bytes(16)),
+    "out of order": (["l", [["T", "torch.uint8", [8], 8, 8], ["T", "torch.uint8", [8], 0, 8]]], bytes(16)),
+    "unclaimed bytes": (["T", "torch.uint8", [8], 0, 8], bytes(16)),
+    "numpy objects": (["A", "|O", [1], 0, 8], bytes(8)),
+    "big endian": (["A", ">f8", [1], 0, 8], bytes(8)),
+    "short scalar": (["a", "<f8", 0, 4], bytes(4)),
+    "deep nesting": (b"[" * 100_000 + b"]" * 100_000, b""),
+    "too many lists": (b'["l", [' + b'["n"],' * (1 << 21) + b'["n"]]]', b""),
+    "list of a string": (["l", ["n"]], b""),
+    "bool of a list": (["b", [1]], b""),
+    "none with data": (["n", 1], b""),
+    "long int": (["i", "9" * 5000], b""),
+    "long float": (["f", "1" * 100_000], b""),
+    "odd hex": (["y", "abc"], b""),
+    "dict entry": (["d", [["n"]]], b""),
+    "unhashable key": (["d", [[["l", []], ["n"]]]], b""),
+    "string of an int": (["s", 3], b""),
+    "object": ({"T": 1}, b""),
+    "offset as text": (["T", "torch.float32", [1], "0", 4], bytes(4)),
+}
+
+
+@pytest.mark.parametrize("case", list(CRAFTED_RESULTS))
+def test_a_crafted_result_header_is_malformed_at_once(case):
+    """Every size, count, depth, dimension and offset a peer writes into a result (launch under
+    torchrun) is checked before anything is allocated from it or recursed into: MalformedMessage,
+    at once, never a RecursionError or an allocation sized by the header."""
+    import time
+
+    from sparsecomm.launch.results import decode_result
+
+    data = _result_message(*CRAFTED_RESULTS[case])
+    t0 = time.monotonic()
+    with pytest.raises(MalformedMessage):
+        decode_result(data)
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_numeric_numpy_results_cross_ranks_as_plain_data():
+    """numpy arrays and scalars of numeric dtypes travel like tensors (dtype, shape, bytes): the same
+    values, dtype and shape come back; object arrays are refused; numpy strings stay strings."""
+    from sparsecomm.errors import InvalidTypeError, InvalidValueError
+    from sparsecomm.launch.results import decode_result, encode_result
+
+    arrays = [(np.arange(12) % 5).astype(dt).reshape(3, 4) for dt in
+              (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
+               np.float16, np.float32, np.float64, np.complex64, np.complex128)]
+    arrays += [np.arange(6, dtype=">f8")[::2], np.zeros((0, 5)), np.array(3.5), np.packbits([1, 0, 1])]
+    scalars = [np.float32(1.25), np.float64(-2.5), np.int64(2**62), np.bool_(True), np.uint8(7)]
+    back = decode_result(encode_result({"a": arrays, "s": scalars, "t": torch.ones(2), "u": np.str_("x")}))
+    for a, b in zip(arrays, back["a"]):
+        assert type(b) is np.ndarray and b.shape == a.shape and b.dtype == a.dtype.newbyteorder("=")
+        assert np.array_equal(a, b) and b.flags.writeable
+    assert [(type(v), v) for v in back["s"]] == [(type(v), v) for v in scalars]
+    assert torch.equal(back["t"], torch.ones(2)) and back["u"] == "x"
+    with pytest.raises(InvalidTypeError, match="dtype object"):
+        encode_result(np.array([1, "a"], dtype=object))
+    with pytest.raises(InvalidValueError, match="dimensions"):
+        encode_result(torch.zeros([1] * 65))
+
+
 def test_the_cost_model_books_the_fixed_size_handshake():
     from sparsecomm.transports._handshake import HEADER_BYTES, handshake_bytes
     from theory import costs

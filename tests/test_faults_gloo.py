@@ -20,7 +20,7 @@ import sparsecomm.transports  # noqa: F401
 from sparsecomm.errors import PeerFailure
 from sparsecomm.payload import Payload
 
-from ._faults_common import CorruptingFabric, cap_address_space, outcome
+from ._faults_common import CorruptingFabric, cap_address_space, outcome, run_in_place
 
 pytestmark = pytest.mark.multiprocess
 
@@ -229,6 +229,7 @@ def _kill(ctx, role, transport, outdir):
 
 @pytest.mark.parametrize("role, transport, dead", [
     ("worker", "ring", "worker 2"),
+    ("worker", "native", "worker 2"),
     ("worker", "switch", "worker 2"),           # named, not the switch that stopped because of it
     ("service", "switch", "service 'switch'"),
     ("service", "omnireduce", "service 'omnireduce-agg:0'"),
@@ -247,6 +248,111 @@ def test_kill_9_of_any_role_stops_every_rank_quickly_naming_the_dead_one(role, t
         assert line is not None and "PeerFailure" in line and dead in line, notes
         kind, seconds = (tmp_path / f"rank{r}.txt").read_text().split()
         assert kind == "PeerFailure" and float(seconds) < BOUND, (r, kind, seconds)
+
+
+IN_PLACE_KILL = '''
+import os, signal, sys, time, torch
+import sparsecomm as sc
+
+def fn(ctx):
+    t = sc.transports.get(sys.argv[1], ctx.fabric)
+    x = torch.ones(int(sys.argv[2]))
+    for _ in range(3):                  # native: the next call is predicted, so it goes straight to gloo
+        t.allreduce(x)
+    ctx.fabric.barrier()
+    if ctx.rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        t.allreduce(x)
+        out = "None -"
+    except Exception as e:
+        out = f"{type(e).__name__} {e}"
+    with open(f"out{ctx.rank}.txt", "w") as fh:
+        fh.write(f"{time.monotonic() - t0:.3f} {out}")
+
+if __name__ == "__main__":
+    try:
+        sc.launch(fn, 3, backend="gloo", timeout_s=30)
+    except Exception:
+        pass
+'''
+
+
+@pytest.mark.parametrize("transport, numel", [
+    ("native", 64),             # gathered and summed locally (all_gather)
+    ("native", 100_000),        # all_reduce
+])
+def test_kill_9_under_torchrun_every_survivor_names_the_dead_worker(transport, numel, tmp_path):
+    """In place (torchrun's environment, no agent to stop the survivors, so no launcher writes a failure
+    record): a collective on a lost connection names the dead worker, as a point-to-point wait does."""
+    (tmp_path / "job.py").write_text(IN_PLACE_KILL)
+    codes = run_in_place(tmp_path / "job.py", 3, tmp_path, args=(transport, str(numel)), torchrun=False)
+    logs = "\n".join((tmp_path / f"log{r}.txt").read_text() for r in range(3))
+    assert codes == [0, 0, -signal.SIGKILL], (codes, logs)
+    for r in (0, 1):
+        seconds, kind, text = (tmp_path / f"out{r}.txt").read_text().split(" ", 2)
+        assert kind == "PeerFailure" and "worker 2" in text and float(seconds) < 5.0, (r, seconds, kind, text)
+
+
+TORCHRUN_RESULTS = '''
+import json, os, time
+import torch.distributed as dist
+import sparsecomm as sc
+from sparsecomm.launch import results
+
+def returns(ctx):
+    return ctx.rank
+
+def raises_late(ctx):
+    if ctx.rank == 1:
+        time.sleep(0.5)           # rank 0 has returned from fn: it waits in the results gather
+        raise ValueError("rank one fails late")
+    return ctx.rank
+
+def crafted(result):              # rank 1's result header claims a tensor of 100,000 dimensions
+    doc = json.dumps(["T", "torch.float32", [1] * 100_000, 0, 4]).encode()
+    return len(doc).to_bytes(8, "little") + doc + bytes(4)
+
+def outcome(fn):
+    t0 = time.monotonic()
+    try:
+        sc.launch(fn, 2, backend="gloo", timeout_s=30)
+        return [None, "", time.monotonic() - t0]
+    except Exception as e:
+        return [type(e).__name__, str(e), time.monotonic() - t0]
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo")          # one group for both launches (launch runs in place)
+    rank = dist.get_rank()
+    honest = results.encode_result
+    if rank == 1:
+        results.encode_result = crafted
+    out = {"crafted": outcome(returns)}
+    results.encode_result = honest
+    out["raises"] = outcome(raises_late)
+    with open(f"out{rank}.json", "w") as fh:
+        json.dump(out, fh)
+    dist.destroy_process_group()
+'''
+
+
+def test_under_torchrun_a_failed_or_crafted_result_is_a_library_error_on_every_rank(tmp_path):
+    """The results gather after ``fn`` (launch in place): a result header crafted by rank 1 is
+    MalformedMessage on both ranks; rank 1 raising after rank 0 returned is, on rank 0, a PeerFailure
+    naming worker 1 and its error (not gloo's "Connection closed by peer"); each in well under 5 s."""
+    import json
+
+    (tmp_path / "job.py").write_text(TORCHRUN_RESULTS)
+    codes = run_in_place(tmp_path / "job.py", 2, tmp_path)
+    logs = (tmp_path / "log0.txt").read_text()
+    assert codes == [0], logs
+    out = [json.loads((tmp_path / f"out{r}.json").read_text()) for r in range(2)]
+    assert [o["crafted"][0] for o in out] == ["MalformedMessage"] * 2, out
+    assert "rank 1" in out[0]["crafted"][1], out
+    assert [o["raises"][0] for o in out] == ["PeerFailure", "ValueError"], out
+    assert all(s in out[0]["raises"][1] for s in ("worker 1", "ValueError", "rank one fails late")), out
+    assert all(o[k][2] < 5.0 for o in out for k in o), out
 
 
 CASES = {

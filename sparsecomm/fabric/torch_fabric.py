@@ -119,6 +119,7 @@ class TorchFabric(FailStop, DirectWait, Fabric):
         self._failure: tuple[str, int, str] | None = None
         self._closed = False
         self._watchdog: threading.Thread | None = None
+        self._probes: list = []            # receives posted to find closed connections (torch_failure)
         self._fail_key = shutdown_key + "/failed"
         self.stats = CommStats()
         #: gloo: messages from a lower to a higher rank travel on the default group, the other way on a

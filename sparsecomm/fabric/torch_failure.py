@@ -14,6 +14,15 @@ rank wrote it. Every wait that ends that way raises the recorded error's class (
 gloo errors raised while *posting* a send or receive (a connection already closed) are
 :class:`PeerFailure` too, never a raw ``RuntimeError``. On nccl, waits poll ``is_completed()`` under
 the same ``timeout_s`` and the failure record, so no wait is unbounded.
+
+Naming the dead rank. A rank that loses a connection first waits up to ``_ROOT_GRACE_S`` for a failure
+record (a rank that raised, timed out or tripped wrote one before closing its connections; the
+spawning launcher writes one for a rank that died). Without one, a point-to-point wait names the peer
+of the closed connection; a collective (:meth:`FailStop.collective_error`: ``native``'s all-reduce and
+all-gather, the launcher's results gather) names a rank whose connection with this one is closed: a
+receive posted on a closed gloo connection fails at once, one posted on an open connection stays
+pending, so one receive posted (never waited for) per peer finds them. Since every trip follows its
+record, a connection found closed with no record in the store is one whose rank died.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ MAX_TAG = 2**31 - 1
 _WATCH_S = 0.05            # how often a rank polls the failure record
 _ROOT_GRACE_S = 1.0        # how long a rank that lost a connection waits for a failure record naming the root
 _TRIP_TAG = MAX_TAG - 7    # the tag of the receive that is timed out on purpose to trip the group
+_PROBE_TAG = MAX_TAG - 8   # the tag of the receives posted (never waited for) to find closed connections
 _SEP = "\x1f"
 
 
@@ -55,6 +65,16 @@ def decode_failure(raw: bytes | str) -> tuple[str, int, str]:
     if len(parts) == 3 and parts[1].lstrip("-").isdigit():
         return parts[0], int(parts[1]), parts[2]
     return "PeerFailure", -1, text
+
+
+def _timed_out(exc: BaseException) -> bool:
+    msg = str(exc)
+    return "Timed out" in msg or "timed out" in msg or "Timeout" in msg
+
+
+def _last_line(exc: BaseException) -> str:
+    msg = str(exc).strip()
+    return msg.splitlines()[-1] if msg else repr(exc)
 
 
 def _watch(ref, store, key: str) -> None:
@@ -78,7 +98,7 @@ def _watch(ref, store, key: str) -> None:
 class FailStop:
     """The failure half of :class:`~sparsecomm.fabric.torch_fabric.TorchFabric` (a mixin: it uses the
     fabric's ``rank``, ``_store``, ``_fail_key``, ``_failure``, ``_cuda``, ``_pg``, ``_pg_down``,
-    ``worker_group``, ``total_ranks`` and ``_name``)."""
+    ``_probes``, ``worker_group``, ``total_ranks`` and ``_name``)."""
 
     def _start_watchdog(self, store) -> None:
         import weakref
@@ -161,26 +181,61 @@ class FailStop:
             raise self._failure_error()
 
     def _translate(self, exc: BaseException, pend: _Pending, limit: float | None) -> BaseException:
-        msg = str(exc)
-        peer = self._name(pend.src)
-        last = msg.strip().splitlines()[-1] if msg.strip() else repr(exc)
+        """The library's error for a point-to-point wait on ``pend`` that raised ``exc``."""
         if self._failure is not None:        # this rank tripped itself after a failure report
             return self._failure_error()
-        if "Timed out" in msg or "timed out" in msg or "Timeout" in msg:
-            err = FabricTimeout(f"{self._name(self.rank)}: no "
-                                f"{'message from' if pend.is_recv else 'send to'} {peer} (tag {pend.tag}) "
-                                f"completed within {limit if limit is not None else self.timeout_s:.6g} s; "
-                                f"torch.distributed: {last}")
-            self.fail(err)
-            return err if self._failure is None or self._failure[1] == self.rank else self._failure_error()
-        # a connection closed: a peer died, or tripped after a failure; name the first failure
+        peer = self._name(pend.src)
+        if _timed_out(exc):
+            return self._timed_out(
+                f"no {'message from' if pend.is_recv else 'send to'} {peer} (tag {pend.tag}) completed within "
+                f"{limit if limit is not None else self.timeout_s:.6g} s", exc)
+        return self._lost(pend.src, f"(tag {pend.tag})", exc)
+
+    def collective_error(self, exc: BaseException, what: str) -> BaseException:
+        """The library's error for the torch.distributed collective ``what`` (on any group of this job)
+        having raised ``exc``: the job's recorded failure if there is one; a timeout is
+        :class:`FabricTimeout`; a lost connection is :class:`PeerFailure` naming the rank that failed first,
+        found as the module docstring says ("Naming the dead rank"). Either is reported to every rank."""
+        if self._failure is not None:
+            return self._failure_error()
+        if _timed_out(exc):
+            return self._timed_out(f"torch.distributed {what} did not complete within {self.timeout_s:.6g} s", exc)
+        return self._lost(None, f"during torch.distributed {what}", exc)
+
+    def _timed_out(self, what: str, exc: BaseException) -> BaseException:
+        err = FabricTimeout(f"{self._name(self.rank)}: {what}; torch.distributed: {_last_line(exc)}")
+        self.fail(err)
+        return err if self._failure is None or self._failure[1] == self.rank else self._failure_error()
+
+    def _lost(self, peer: int | None, where: str, exc: BaseException) -> BaseException:
+        """A connection closed (a peer died, or tripped after a failure report): the first failure, named
+        by its record when one comes within the grace, else the peer of the closed connection (``peer``;
+        for a collective: found by :meth:`_closed_peers`)."""
         raw = self._await_record(_ROOT_GRACE_S)
         if raw is not None:
             self._adopt(raw)
             return self._failure_error()
-        self.fail(f"lost the connection with {peer} (tag {pend.tag}): it died or was killed "
-                  f"(torch.distributed: {last})", rank=pend.src if pend.src is not None else -1)
+        closed = [peer] if peer is not None else self._closed_peers()
+        who = " and ".join(self._name(r) for r in closed) or "a rank"
+        self.fail(f"lost the connection with {who} {where}: it died or was killed "
+                  f"(torch.distributed: {_last_line(exc)})", rank=closed[0] if closed else -1)
         return self._failure_error()
+
+    def _closed_peers(self) -> list[int]:
+        """The ranks whose gloo connection with this rank is closed, found by posting one receive per peer
+        (module docstring); the receives stay posted, kept with the fabric, which is unusable after a
+        failure anyway. Empty on nccl (no per-connection state to read)."""
+        if self._cuda:
+            return []
+        closed = []
+        for peer in range(self.total_ranks):
+            if peer == self.rank:
+                continue
+            try:
+                self._probes.append(self._pg.recv([torch.zeros(1)], peer, _PROBE_TAG))
+            except RuntimeError:
+                closed.append(peer)
+        return closed
 
     def _await_record(self, grace: float):
         """The failure record, waiting up to ``grace`` s for one (the launcher writes it when a rank dies)."""

@@ -33,10 +33,14 @@ process group is already initialised: this process is one rank; the job must hav
 ``world_size + len(services)`` ranks. Worker ranks run ``fn``, service ranks serve; then every rank gets
 the list of all workers' results, so code after ``launch`` behaves the same on every rank. Results
 cross ranks in a documented safe encoding, never pickled (unpickling what a peer sends runs its code):
-``None``, ``bool``, ``int``, ``float``, ``str``, ``bytes``, lists, tuples, dicts of those and CPU tensors
-(dtype, shape, raw bytes), as JSON plus the tensors' bytes (:func:`encode_result` /
-:func:`decode_result`; at most 256 MiB per result). A result of any other type is a ``TypeError`` on
-every rank. The process group is left initialised.
+``None``, ``bool``, ``int``, ``float``, ``str``, ``bytes``, lists, tuples, dicts of those, CPU tensors and
+numpy arrays and scalars of numeric dtypes (dtype, shape, raw bytes), as JSON plus the arrays' bytes
+(:func:`encode_result` / :func:`decode_result`; at most 256 MiB per result, and the limits of
+:mod:`.results`). A result of any other type is a ``TypeError`` on every rank; a malformed one
+(crafted, or corrupted) is :class:`~sparsecomm.errors.MalformedMessage` on every rank; a rank that
+raises in ``fn`` or dies while the others wait in the results gather gives them the fabric's error
+naming it (its error class and message when it raised). A process group that ``launch`` initialised
+is destroyed when it returns or raises; one the caller initialised is left initialised.
 
 Trust. Spawned children report to their own parent over a multiprocessing pipe with pickle (the
 parent started them with its own code: parent-trusts-child, as ``multiprocessing`` does); no rank ever
@@ -154,7 +158,7 @@ def _run_in_place(backend: str, fn: Callable, world_size: int, timeout_s: float,
         fabric.close()
         raise
     try:
-        gathered = _gather_results(result if rank < world_size else None, rank, total)
+        gathered = _gather_results(result if rank < world_size else None, rank, total, fabric)
     finally:
         fabric.close()
         if owned:

@@ -29,7 +29,9 @@ every worker posts the same calls in the same order. If resolving a posted call'
 deviated: MismatchError; a non-finite input with ``nonfinite="raise"``: NonFiniteError) while this
 worker has later calls posted, the workers that did not post them never will: the worker then stops
 the job (``TorchFabric.fail``: every rank raises that error class, and the fabric is unusable after),
-where a synchronous call leaves the fabric usable.
+where a synchronous call leaves the fabric usable. A collective that fails (a rank died, raised or
+timed out) raises the fabric's error naming the rank that failed first
+(:meth:`~sparsecomm.fabric.torch_failure.FailStop.collective_error`), on every rank.
 
 ``last_stats``: torch.distributed does not report its traffic, so the all-reduce itself is booked at the
 bandwidth-optimal ring volume, ``2 (n-1)/n`` of the vector each way per worker, in one message per
@@ -54,7 +56,7 @@ import time
 
 import torch
 
-from ..errors import FabricTimeout, IncompatibleError, InvalidValueError, PeerFailure
+from ..errors import IncompatibleError, InvalidValueError
 from ..fabric.base import Fabric
 from ..payload import Payload
 from . import _fold
@@ -300,16 +302,10 @@ def _post_join(t: "Native", acc: torch.Tensor):
 
 
 def _translated(f: Fabric, name: str, exc: RuntimeError) -> BaseException:
-    """The library's error for torch.distributed's ``name`` having raised ``exc``: the job's recorded
-    failure if there is one (a rank stopped the job), else a timeout or a peer failure."""
-    failed = getattr(f, "_failure", None)
-    if failed is not None:
-        return f._failure_error()
-    msg = str(exc).strip().splitlines()[-1] if str(exc).strip() else repr(exc)
-    if "Timed out" in msg or "timed out" in msg:
-        return FabricTimeout(f"worker {f.rank}: torch.distributed {name} timed out: {msg}")
-    return PeerFailure(f"worker {f.rank}: torch.distributed {name} failed, probably because another rank "
-                       f"died: {msg}")
+    """The library's error for torch.distributed's ``name`` having raised ``exc``: the fabric's
+    (:meth:`~sparsecomm.fabric.torch_failure.FailStop.collective_error`: the job's recorded failure, a
+    timeout, or a peer failure naming the rank that died), reported to every rank."""
+    return f.collective_error(exc, name)
 
 
 def _book_join(f: Fabric, n: int, nbytes: int, small: bool) -> None:
