@@ -22,7 +22,7 @@ Configurations (those whose transport is registered):
 * ``ef+topk/omnireduce``  error feedback + top-k (ratio = ``--topk-ratio``)
 * ``diana+randk/omnireduce``  DIANA + shared-seed rand-k (ratio = ``--randk-ratio``)
 
-``--models`` also runs (default ``mlp,emb,emb-sparse``):
+``--models`` also runs (default ``mlp,emb,emb-sparse``; ``hooks`` on request):
 
 * ``mlp``: a dense 8-layer MLP (``--mlp-width``, ``--mlp-cap-mb`` buckets for DDP and ours alike:
   several buckets), ``ddp`` against ``hook none/native`` and ``none/native`` (DistributedOptimizer with
@@ -32,6 +32,15 @@ Configurations (those whose transport is registered):
   once and coalesced, ``p.grad`` sparse; the dense head through the named transport), the hook on
   native and omnireduce, and ``none/omnireduce rows=transport`` (the union of the rows, then the
   union's rows, through omnireduce), with SGD on sparse gradients.
+
+* ``hooks``: DDP with torch's own comm hooks against this library's hook with the same wire format, on
+  MLPs of 4 x Linear(w, w) for each ``--hook-widths`` (default 512 and 144: 1.05M and 84k parameters),
+  every configuration with the library's defaults: ``sc fp16`` (``register(net, compressor="fp16")``)
+  against torch's ``fp16_compress_hook``, ``sc bf16`` against ``bf16_compress_hook`` (called through a
+  wrapper: DDP refuses that hook by name off CUDA/NCCL, but gloo sums bfloat16), ``sc none`` against
+  DDP's built-in allreduce; and ``sc none, replicas checked every step`` (``verify_replicas_every=1``)
+  against ``sc none``, whose difference is the cost of one replica check (the default checks every
+  100 steps). Target: each pair within 1.05x.
 
 All configurations are built first; then each round runs one step of every configuration in turn
 (``--warmup`` untimed rounds, then ``--steps`` timed ones), so that other load on the machine hits them
@@ -177,6 +186,39 @@ def _sparse_configs(a: argparse.Namespace) -> list[tuple[str, Any]]:
     return cfg
 
 
+def _bf16_compress_hook(state, bucket):
+    """torch's ``bf16_compress_hook`` under another name (DDP refuses the original by name off CUDA/NCCL)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return default_hooks.bf16_compress_hook(state, bucket)
+
+
+#: (configuration, baseline) pairs of the ``hooks`` case
+HOOK_PAIRS = (("sc fp16", "torch fp16"), ("sc bf16", "torch bf16"), ("sc none", "ddp"),
+              ("sc none, replicas checked every step", "sc none"))
+
+
+def _hook_configs() -> list[tuple[str, Any]]:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return [("ddp", None), ("torch fp16", ("torch", default_hooks.fp16_compress_hook)),
+            ("sc fp16", ("hook", dict(compressor="fp16"))),
+            ("torch bf16", ("torch", _bf16_compress_hook)), ("sc bf16", ("hook", dict(compressor="bf16"))),
+            ("sc none", ("hook", {})),
+            ("sc none, replicas checked every step", ("hook", dict(verify_replicas_every=1)))]
+
+
+def _pairs_table(r: dict, pairs) -> None:
+    """Per pair: the slower rank's step time of each, medians, and the median over rounds of the paired
+    ratio (the two ran in the same round)."""
+    print(f"{'configuration':40s} {'step ms':>9s} {'baseline':>12s} {'ms':>8s} {'ratio':>7s}")
+    slow = {k: [max(ts) for ts in zip(*(rr[k]["times"] for rr in r))] for k in r[0] if "times" in r[0][k]}
+    for name, base in pairs:
+        rel = statistics.median(x / b for x, b in zip(slow[name], slow[base]))
+        print(f"{name:40s} {1e3 * statistics.median(slow[name]):9.2f} {base:>12s} "
+              f"{1e3 * statistics.median(slow[base]):8.2f} {rel:6.3f}x")
+
+
 def _select(cfg: list, a: argparse.Namespace) -> list:
     if a.only:
         keep = set(a.only.split(","))
@@ -213,7 +255,9 @@ def _run_rounds(a, setups, make_batch, forward) -> dict[str, Any]:
 def _build(name, make, model, ddp_cap):
     if name == "ddp" or isinstance(make, tuple):
         net = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=ddp_cap)
-        if isinstance(make, tuple):
+        if isinstance(make, tuple) and make[0] == "torch":
+            net.register_comm_hook(None, make[1])
+        elif isinstance(make, tuple):
             from sparsecomm import ddp as scddp
 
             scddp.register(net, **make[1])
@@ -236,6 +280,18 @@ def _worker(ctx, a: argparse.Namespace) -> dict:
             return torch.randn(a.mlp_batch, a.mlp_width, generator=g), torch.randn(a.mlp_batch, a.mlp_width, generator=g)
 
         out["mlp"] = _run_rounds(a, setups, make_batch, lambda net, xy: loss_fn(net(xy[0]), xy[1]))
+    if "hooks" in a.models:
+        torch.set_num_threads(a.threads)
+        out["hooks"] = {}
+        for width in a.hook_widths:
+            setups = [(name, *_build(name, make, MLP(width, depth=4), 25)) for name, make in _hook_configs()]
+
+            def make_batch(t, width=width):
+                g = torch.Generator().manual_seed(10_000 * ctx.rank + t)
+                return torch.randn(32, width, generator=g), torch.randn(32, width, generator=g)
+
+            out["hooks"][width] = _run_rounds(a, setups, make_batch,
+                                              lambda net, xy: ((net(xy[0]) - xy[1]) ** 2).sum() / 32)
     from sparsecomm.transports import _fold
 
     sched = _fold.schedule(ctx.fabric)      # native's calls whose agreement folded into the data
@@ -348,6 +404,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--mlp-width", type=int, default=1024)
     p.add_argument("--mlp-batch", type=int, default=64)
     p.add_argument("--mlp-cap-mb", type=float, default=8.0, help="bucket cap of DDP and ours for the MLP")
+    p.add_argument("--hook-widths", default="512,144", help="widths of the hooks case's 4-layer MLPs")
     p.add_argument("--netbed", type=float, default=None, metavar="GBPS",
                    help="run the processes on a netbed (own namespaces, links shaped to GBPS; needs root)")
     a = p.parse_args(argv)
@@ -356,6 +413,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     a.densities = [float(x) for x in a.density.split(",") if x]
     a.extra = [x for x in a.extra.split(",") if x]
     a.models = [x for x in a.models.split(",") if x]
+    a.hook_widths = [int(x) for x in a.hook_widths.split(",") if x]
     from .transports import launch_options
 
     res = sc.launch(functools.partial(_worker, a=a), world_size=a.workers, **launch_options(a.netbed))
@@ -379,6 +437,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"\n## dense MLP: 8 x Linear({a.mlp_width}, {a.mlp_width}), {mb:.1f} MiB fp32 gradient, "
               f"batch {a.mlp_batch}, buckets of {a.mlp_cap_mb:g} MiB (DDP and ours)")
         _table([r["mlp"] for r in res])
+    for width in a.hook_widths if "hooks" in a.models else ():
+        params = 4 * (width * width + width)
+        print(f"\n## comm hooks: 4 x Linear({width}, {width}), {params / 1e6:.3g}M parameters, batch 32, "
+              f"DDP's default buckets; the library's defaults")
+        _pairs_table([r["hooks"][width] for r in res], HOOK_PAIRS)
     folded, deviated, posted = res[0]["fold"]
     print(f"\n# native calls with the agreement folded into the data (rank 0): {folded}, of which posted at once "
           f"on the calling thread: {posted}; mispredicted (a NaN join and a handshake): {deviated}")
