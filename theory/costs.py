@@ -448,6 +448,8 @@ def omnireduce_allreduce(n: int, numel: int, *, density: float = 1.0, union_dens
 
 # ----------------------------------------------------------------------------- sparse switch
 SPARSE_SWITCH_HEADER_BYTES = 16     # int32 [W0, slot, pos, next] (sparsecomm/transports/sparse_switch_dataplane.py)
+#: the sparse switch workers' agreement header fields (switch rank, slot_elems, burst, pool_size: as the switch's)
+SPARSE_SWITCH_HANDSHAKE_FIELDS = SWITCHML_HANDSHAKE_FIELDS
 
 
 def sparse_switch_waves(n: int, numel: int, union_density: float, *, slot_elems: int = 256,
@@ -477,7 +479,8 @@ def sparse_switch_allreduce(n: int, numel: int, *, density: float = 1.0, union_d
                             bandwidth_gbps: float = 100.0, latency_us: float = 2.0,
                             switch_bandwidth_gbps: float | None = None, switch_latency_us: float | None = None,
                             header_bytes: int = SPARSE_SWITCH_HEADER_BYTES, own_blocks: float | None = None,
-                            union_blocks: float | None = None, waves: list[float] | None = None) -> Cost:
+                            union_blocks: float | None = None, waves: list[float] | None = None,
+                            handshake_fields: int = SPARSE_SWITCH_HANDSHAKE_FIELDS) -> Cost:
     """``sparse-switch`` (OmniReduce's look-ahead on a SwitchML slot pool; ``sparsecomm/transports/
     sparse_switch.py``) of ``numel`` int32/fixed-point elements whose ``k``-element blocks are non-zero
     with density ``d_w = density`` on each worker.
@@ -499,7 +502,9 @@ def sparse_switch_allreduce(n: int, numel: int, *, density: float = 1.0, union_d
     stream is bandwidth-bound, ``sum A_r tau = R tau``); the last result is back a round trip after
     the last packet leaves. Few lanes with many union blocks each is
     pool pressure: ``P d_u`` waves of one round trip each (SwitchML's ``pool * b / RTT`` throughput
-    limit when ``d_u = 1``). Nothing depends on ``n`` beyond ``d_u``. ``own_blocks``, ``union_blocks``
+    limit when ``d_u = 1``). Nothing depends on ``n`` beyond ``d_u`` and, before the control packet, the
+    agreement header the workers exchange among themselves (:func:`handshake`: ``ceil(log2 n)`` small
+    messages, so that a worker running another transport is told so). ``own_blocks``, ``union_blocks``
     and ``waves`` (the measured ``A_r``, each wave then certain) override the expectations.
     """
     if n < 1 or numel <= 0:
@@ -530,7 +535,8 @@ def sparse_switch_allreduce(n: int, numel: int, *, density: float = 1.0, union_d
     sent = b + p_la * b + o * b + (R - o) * header_bytes
     received = b + p_la * b + R * b
     steps = 2 + (int(math.ceil(sum(p for p, _ in shape))) + 1 if R > 0 else 0)
-    return Cost(t, sent, received, 1 + p_la + R, steps)
+    return add(handshake(n, handshake_fields, bandwidth_gbps=bandwidth_gbps, latency_us=latency_us),
+               Cost(t, sent, received, 1 + p_la + R, steps))
 
 
 #: the cost model of every registered transport, by its registry name (one entry per transport:

@@ -12,6 +12,10 @@ The tensor is cut into blocks of ``k`` elements (``k`` = the switch's packet, 64
 ``b`` in lane ``j = b mod L`` at position ``p = b div L`` (``L = min(pool_size, blocks)`` lanes, one
 switch slot each).
 
+0. **Agreement** (among the workers, not through the switch): the fixed-size header every transport
+   exchanges first (:func:`._handshake.check_agreement`: the transport's name, the switch rank and the
+   program's constants), so that a worker running another transport gets a ``MismatchError`` naming
+   both, on every rank, instead of a wait for packets that never come.
 1. **Control** (slot 0, one packet per worker, summed): validity flags and the values workers must
    agree on (length, dtype, pool size, packet size), encoded so that the integer sum reveals a
    disagreement (``n sum b^2 == (sum b)^2`` per byte ``b``, as ``switch``). Every worker receives the
@@ -119,7 +123,7 @@ from ..errors import (FabricTimeout, IncompatibleError, InvalidValueError, Misma
                       NonFiniteError, OverflowError_, ProtocolError, SparseCommError)
 from ..fabric.base import Fabric
 from ..payload import Payload
-from ._handshake import crc_fingerprint
+from ._handshake import check_agreement, crc_fingerprint
 from .base import Transport, registry
 from .switch_control import _DTYPES, MODE_FLOAT, MODE_INT, check_control, control_vector
 from .sparse_switch_dataplane import (F_NEXT, HEADER, MAX_WORKERS, NONE, T_DATA, T_MIN, T_SKIP, JOB_MASK,
@@ -300,7 +304,11 @@ class SparseSwitch(Transport):
     # ================================================================== phase 1: control
     def _control(self, mode: int, numel: int, dtype: torch.dtype, *, nonfinite: bool, too_large: bool,
                  cap: int, limit: int = INT32_MAX, fingerprint: int = 0) -> None:
-        """The validity / agreement round on the control slot: the same error on every worker."""
+        """The validity / agreement round on the control slot: the same error on every worker. The
+        workers' fixed-size agreement header goes first (as every transport's), so that a worker running
+        another transport gets a MismatchError naming both instead of a wait for packets that never come."""
+        check_agreement(self.fabric, "sparse-switch allreduce", transport=self.name, switch=self.switch,
+                        slot_elems=self.k, burst=self.burst, pool_size=self.pool_size)
         st = self._state
         st.job = (st.job + 1) % (JOB_MASK + 1)
         words = [numel & 0xFFFFFFFF, (numel >> 32) & 0xFFFFFFFF, (mode << 8) | _DTYPES.get(dtype, 0),
