@@ -62,25 +62,32 @@ def test_switch_int_sums_that_could_overflow_raise_before_sending():
 
 
 # ----------------------------------------------------------------------------- floats
-@pytest.mark.parametrize("name", ["ring", "allgather", "omnireduce"])
+@pytest.mark.parametrize("name", ["ring", "allgather", "omnireduce", "switch", "sparse-switch"])
 def test_fp16_overflow_to_inf_is_an_overflow_error_on_every_worker(name):
     def fn(ctx):
         t = sc.transports.get(name, ctx.fabric)
-        return outcome(lambda: t.allreduce(torch.full((16,), 30000.0, dtype=torch.float16)))
-    _same_error_everywhere(sc.launch(fn, 3), OverflowError_, "float16")
+        err = outcome(lambda: t.allreduce(torch.full((16,), 30000.0, dtype=torch.float16)))
+        return err, t.allreduce(torch.full((16,), 20000.0, dtype=torch.float16) * (ctx.rank == 0))   # still usable
+    out = sc.launch(fn, 3)
+    _same_error_everywhere([o[0] for o in out], OverflowError_, "float16")
+    assert all(y.dtype == torch.float16 and torch.equal(y, torch.full((16,), 20000.0, dtype=torch.float16))
+               for _, y in out)
 
 
-def test_switch_refuses_to_zero_a_chunk_around_a_huge_value():
+@pytest.mark.parametrize("name", ["switch", "sparse-switch"])
+def test_the_switches_refuse_to_zero_the_values_around_a_huge_one(name):
+    """1e30 among 1e-3: the fixed-point quantum of the block (the sparse switch: of the job) would round
+    every 1e-3 to 0; both switches raise instead, on every worker, and stay usable."""
     def fn(ctx):
-        t = sc.transports.get("switch", ctx.fabric, pool_size=4)
-        x = torch.ones(128)
+        t = sc.transports.get(name, ctx.fabric, pool_size=4)
+        x = torch.full((512,), 1e-3)
         if ctx.rank == 1:
             x[5] = 1e30
         err = outcome(lambda: t.allreduce(x))
-        return err, t.allreduce(torch.ones(128))   # still usable
+        return err, t.allreduce(torch.full((512,), 1e-3))
     out = sc.launch(fn, 3)
     _same_error_everywhere([o[0] for o in out], OverflowError_, "max_exponent")
-    assert all(torch.equal(y, torch.full((128,), 3.0)) for _, y in out)
+    assert all(torch.allclose(y, torch.full((512,), 3e-3), rtol=1e-6) for _, y in out)
 
 
 @pytest.mark.parametrize("name", SIM)

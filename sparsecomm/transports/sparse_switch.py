@@ -70,7 +70,12 @@ a disagreement is an error on every worker before anything else is sent.
 
 *Scale.* One exponent per job (not per packet as SwitchML's) because the scale must be agreed before
 the stream and every worker sends in a different subset of the rounds: elements far below the
-tensor's maximum keep ``31 - log2 n - (E - e_elem)`` bits. Error per element ``<= n * 0.5 / f``.
+tensor's maximum keep ``31 - log2 n - (E - e_elem)`` bits. Error per element ``<= n * 0.5 / f``. As on
+``switch``, a magnitude ``>= 2^max_exponent`` (default 2^64) is :class:`~sparsecomm.errors.OverflowError_`
+on every worker (the control round's too-large flag): past it the quantum ``n 2^(E-31)`` exceeds
+``2^33 n`` and every ordinary value of the job would silently become 0 (one 1e30 among 1e-3 zeroed
+them). Half-precision inputs are summed in float32; a sum beyond their dtype's range is
+``OverflowError_`` on every worker, never ``inf`` (:func:`.switch_control.narrowed`).
 
 Match-action pipeline (one pass per 64 values; 256 values with SwitchML's recirculation)
 ----------------------------------------------------------------------------------------
@@ -125,7 +130,8 @@ from ..fabric.base import Fabric
 from ..payload import Payload
 from ._handshake import check_agreement, crc_fingerprint
 from .base import Transport, registry
-from .switch_control import _DTYPES, MODE_FLOAT, MODE_INT, check_control, control_vector
+from .switch_control import (_DTYPES, DEFAULT_MAX_EXPONENT, MODE_FLOAT, MODE_INT, check_control, control_vector,
+                             max_exponent_option, narrowed, too_large_text)
 from .sparse_switch_dataplane import (F_NEXT, HEADER, MAX_WORKERS, NONE, T_DATA, T_MIN, T_SKIP, JOB_MASK,
                                       Dataplane, service_main)
 from .sparse_switch_rounds import _WorkerState, lane_slots, packet, resolve_program, run_rounds, to_pos
@@ -163,6 +169,8 @@ class SparseSwitch(Transport):
     unanswered that long raises :class:`FabricTimeout`. ``bandwidth_gbps``/``latency_us``: the switch's
     link on SimFabric. ``burst``: packets per fabric message (default 1 on SimFabric, 32 elsewhere;
     a program constant). ``audit``: the switch counts every accepted contribution (tests only).
+    ``max_exponent`` (default 64, as ``switch``'s): a magnitude ``>= 2^max_exponent`` on any worker is
+    :class:`OverflowError_` on every worker (module docstring, "Scale").
     """
 
     name = "sparse-switch"
@@ -172,7 +180,8 @@ class SparseSwitch(Transport):
     def __init__(self, fabric: Fabric, *, pool_size: int = 256, slot_elems: int | None = None,
                  switch_slots: int | None = None, timeout: float | None = None, timeout_threshold: int = 100,
                  give_up_s: float | None = None, bandwidth_gbps: float | None = None,
-                 latency_us: float | None = None, burst: int | None = None, audit: bool = False) -> None:
+                 latency_us: float | None = None, burst: int | None = None, audit: bool = False,
+                 max_exponent: int = DEFAULT_MAX_EXPONENT) -> None:
         super().__init__(fabric)
         if not fabric.is_worker:
             raise IncompatibleError("the sparse-switch transport runs on workers, not on a service endpoint")
@@ -190,6 +199,7 @@ class SparseSwitch(Transport):
             timeout = 1e-3
         if timeout is not None and not timeout > 0:
             raise InvalidValueError(f"timeout must be positive (or None: no timer), got {timeout!r}")
+        self.max_exponent = max_exponent_option(max_exponent, EXP_FLOOR, EXP_CEIL)
         self.pool_size, self.k = pool_size, self.config.elems
         self.burst = self.config.burst_for(fabric)
         self.timeout, self.timeout_threshold = timeout, int(timeout_threshold)
@@ -259,7 +269,7 @@ class SparseSwitch(Transport):
             e = EXP_FLOOR
             if finite and N:
                 e = max(EXP_FLOOR, int(codec.chunk_exponents(x, N)[0]))
-            self._control(mode, N, flat.dtype, nonfinite=not finite, too_large=e > EXP_CEIL, cap=0,
+            self._control(mode, N, flat.dtype, nonfinite=not finite, too_large=e > self.max_exponent, cap=0,
                           fingerprint=fingerprint)
         else:
             v = x.to(torch.int64)
@@ -299,7 +309,7 @@ class SparseSwitch(Transport):
         q = torch.from_numpy(sums.reshape(-1)[:N].copy())
         self.last_fixed = FixedResult(q, E, scale)
         work = torch.float64 if x.dtype == torch.float64 else torch.float32
-        return codec.from_fixed(q, scale, dtype=work).to(device=device, dtype=out_dtype)
+        return narrowed(codec.from_fixed(q, scale, dtype=work), out_dtype, "sparse-switch").to(device)
 
     # ================================================================== phase 1: control
     def _control(self, mode: int, numel: int, dtype: torch.dtype, *, nonfinite: bool, too_large: bool,
@@ -322,7 +332,7 @@ class SparseSwitch(Transport):
 
         run_rounds(self, np.array([CONTROL_SLOT]), [packet(self, T_DATA, CONTROL_SLOT, 0, NONE, vec)], on_result, "control")
         check_control(got["v"], len(words), self.fabric.world_size, "sparse-switch", _AGREE, mode=mode,
-                      limit=limit, too_large="a magnitude >= 2^127",
+                      limit=limit, too_large=too_large_text(self.max_exponent, "job"),
                       settings="a tensor of the same length and dtype, with the same transport settings")
 
     # ================================================================== phase 2: look-ahead (MIN)

@@ -31,8 +31,12 @@ ahead: the first ``L`` packets carry exponents only (SwitchML's extra batch for 
 1.8e19; the int8 exponent register would allow 2^127) is a fixed-point overflow,
 :class:`~sparsecomm.errors.OverflowError_` on every worker: with such a chunk maximum the quantum
 ``n 2^(e-31)`` exceeds ``2^33 n``, so every ordinary value sharing its chunk would silently become 0
-(one 1e30 zeroed its 63 neighbours). ``quantized`` payloads with a shared scale, and integer
-tensors, are summed as they are ("bypass", SwitchML's int32 jobs).
+(one 1e30 zeroed its 63 neighbours). Half-precision inputs (float16, bfloat16) are summed in float32
+and the sum returned in their dtype; a sum beyond that dtype's range (three float16 30000s) is
+:class:`~sparsecomm.errors.OverflowError_` on every worker, never ``inf`` (every worker decodes the same
+integer sums with the same scales, so every worker raises alike: :func:`.switch_control.narrowed`).
+``quantized`` payloads with a shared scale, and integer tensors, are summed as they are ("bypass",
+SwitchML's int32 jobs).
 
 **Control round.** Before streaming, every worker sends one packet on the control slot with its
 validity flags (non-finite values, magnitudes an int8 exponent or int32 cannot represent) and the
@@ -71,15 +75,14 @@ from .base import registry
 from .base import Transport
 from . import switch_service  # noqa: F401 - registers the "switch" service
 from .switch_codec import FloatJob, IntJob
-from .switch_control import _DTYPES, _ROUNDING, MODE_FLOAT, MODE_INT, asked_constants, control_round
+from .switch_control import (_DTYPES, _ROUNDING, DEFAULT_MAX_EXPONENT, MODE_FLOAT, MODE_INT, asked_constants,
+                             control_round, max_exponent_option, narrowed)
 from .switch_lanes import Inbox, Uplink, run_lanes
 from .switch_dataplane import (
     EXP_MAX, MAX_WORKERS, PACKET_ELEMS, Dataplane, SwitchConfig, service_main,
 )
 
 INT32_MAX = 2**31 - 1
-#: values of magnitude >= 2^DEFAULT_MAX_EXPONENT are a fixed-point overflow (see the module docstring)
-DEFAULT_MAX_EXPONENT = 64
 EXP_FLOOR = -126          # float32's smallest reported exponent; also used for float64 (safe: 2^e > max|x|)
 
 @dataclass
@@ -158,10 +161,7 @@ class SwitchTransport(Transport):
                 f"supports nonfinite='raise' (got {nonfinite!r}); transports that can pass them through: "
                 f"ring, native, allgather, omnireduce")
         self.nonfinite = nonfinite
-        if isinstance(max_exponent, bool) or not isinstance(max_exponent, int) or not \
-                EXP_FLOOR <= max_exponent <= EXP_MAX:
-            raise InvalidValueError(f"max_exponent must be an integer in [{EXP_FLOOR}, {EXP_MAX}], got {max_exponent!r}")
-        self.max_exponent = max_exponent
+        self.max_exponent = max_exponent_option(max_exponent, EXP_FLOOR, EXP_MAX)
         self.sim = fabric.modelled_time
         self.config = _program(fabric, fabric.in_process_services, slot_elems, switch_slots, burst, audit)
         slot_elems, switch_slots = self.config.elems, self.config.slots
@@ -281,7 +281,7 @@ class SwitchTransport(Transport):
             eg_t = torch.from_numpy(job.exponents.astype(np.int32))
             scales = codec.scale_from_exponents(eg_t, n)
             self.last_fixed = FixedResult(sums[:N], eg_t, scales, E)
-        return out.to(device=device, dtype=out_dtype)
+        return narrowed(out, out_dtype, "switch").to(device)
 
     def _sums_buffer(self, size: int) -> torch.Tensor:
         """The int32 sums of a float job (``last_fixed.sums``), reused by the next job of the same size."""

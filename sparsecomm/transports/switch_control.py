@@ -27,6 +27,9 @@ _DTYPES = {torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16:
 _KINDS = {"tensor": 1, "dense": 1, "aligned": 2, "quantized": 3}
 _ROUNDING = {"nearest": 0, "stochastic": 1}
 
+#: values of magnitude >= 2^DEFAULT_MAX_EXPONENT are a fixed-point overflow on both switches (``max_exponent``)
+DEFAULT_MAX_EXPONENT = 64
+
 # validity vector layout (payload of the control packet)
 V_NONFINITE, V_TOOLARGE, V_COUNT, V_CAP_HI, V_CAP_LO, V_WORDS = range(6)
 _AGREE = ("numel (low word)", "numel (high word)", "dtype / payload kind / rounding", "pool_size",
@@ -57,11 +60,41 @@ def control_round(t, mode: int, numel: int, dtype: torch.dtype, kind: str, finge
 
     run_lanes(t, np.array([CONTROL_SLOT]), 1, -1, payload, consume, "control")
     check_control(agg["v"], len(words), t.fabric.world_size, "switch", _AGREE, mode=mode, limit=limit,
-                  too_large=(f"a magnitude >= 2^{t.max_exponent} (max_exponent), past which the chunk's "
-                             f"fixed-point quantum (n 2^(e-31)) would round every ordinary value of the chunk "
-                             f"to zero"),
+                  too_large=too_large_text(t.max_exponent, "chunk"),
                   settings="a tensor/payload of the same shape, dtype and kind (and the same transport "
                            "settings)")
+
+
+def max_exponent_option(value, lo: int, hi: int) -> int:
+    """``max_exponent`` checked: an integer in ``[lo, hi]`` (the exponents the switch's scale can take)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise InvalidValueError(f"max_exponent must be an integer in [{lo}, {hi}], got {value!r}")
+    return value
+
+
+def too_large_text(max_exponent: int, scope: str) -> str:
+    """What a worker's too-large flag means (the control round's :class:`OverflowError_`): a magnitude
+    ``>= 2^max_exponent``, past which the fixed-point quantum ``n 2^(e-31)`` of the ``scope`` it sets the
+    exponent of (the switch: its chunk; the sparse switch: the whole job) would round every ordinary value
+    of that scope to zero."""
+    return (f"a magnitude >= 2^{max_exponent} (max_exponent), past which the {scope}'s fixed-point quantum "
+            f"(n 2^(e-31)) would round every ordinary value of the {scope} to zero")
+
+
+def narrowed(out: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
+    """The sum ``out`` (in the job's working precision, float32 or float64) as the input's ``dtype``. A sum
+    beyond a narrower dtype's range (float16: 65504) is :class:`OverflowError_`, never an ``inf``: every
+    worker holds the same integer sums and scale, hence the same ``out``, so every worker raises alike
+    without a message, and the transport stays usable."""
+    y = out.to(dtype)
+    if y.dtype != out.dtype and y.is_floating_point() and y.numel():
+        bad = ~torch.isfinite(y)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise OverflowError_(f"{name} allreduce: the sum at element {i}, {float(out.reshape(-1)[i])!r}, is "
+                                 f"beyond the range of the inputs' dtype {dtype} (largest "
+                                 f"{torch.finfo(dtype).max!r}); sum in a wider dtype")
+    return y
 
 
 def control_vector(words: list[int], k: int, *, nonfinite: bool, too_large: bool, cap: int) -> np.ndarray:
