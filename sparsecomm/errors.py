@@ -82,7 +82,8 @@ class NetbedError(SparseCommError, RuntimeError):
 #: the error classes a rank may name when it reports a failure to the others (through the rendezvous
 #: store, as text: nothing a peer sends is unpickled); any other class is reported as PeerFailure
 REPORTABLE = {c.__name__: c for c in (UnknownNameError, IncompatibleError, MismatchError, NonFiniteError,
-                                      OverflowError_, FabricTimeout, PeerFailure, MalformedMessage)}
+                                      OverflowError_, FabricTimeout, PeerFailure, MalformedMessage,
+                                      ProtocolError)}
 
 
 class CodecError(SparseCommError, ValueError):

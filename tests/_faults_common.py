@@ -30,6 +30,20 @@ class CorruptingFabric:
         return self._inner.isend(self._sub(tensor, dst, tag), dst, tag, reliable=reliable)
 
 
+def switch_corruption(words: int):
+    """A :class:`CorruptingFabric` rewrite: the first ``words`` int32 words of every message to a switch
+    (``switch`` or ``sparse-switch``) become 0x7fffffff."""
+    from sparsecomm.transports import sparse_switch_dataplane as sdp
+    from sparsecomm.transports import switch_dataplane as dp
+
+    def rw(t, dst, tag):
+        if tag in (dp.TAG_UP, sdp.TAG_UP, sdp.TAG_SKIP) and t.dtype == torch.int32:
+            out = t.detach().clone()
+            out.view(-1)[:words] = 0x7FFFFFFF
+            return out
+    return rw
+
+
 def cap_address_space(extra_bytes: int = 3 << 30) -> int:
     """Cap this process's address space at its current size plus ``extra_bytes`` (RLIMIT_AS), so that a
     peer-sized allocation fails here instead of exhausting the machine; returns the cap."""

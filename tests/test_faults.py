@@ -20,7 +20,7 @@ from sparsecomm.errors import (IncompatibleError, MalformedMessage, MismatchErro
                                OverflowError_, SparseCommError)
 from sparsecomm.payload import Payload
 
-from ._faults_common import CorruptingFabric, outcome
+from ._faults_common import CorruptingFabric, outcome, switch_corruption
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -247,7 +247,9 @@ def test_the_switch_drops_packets_claiming_another_worker_count():
     assert not d.seen.any()
 
 
-def test_a_forged_packet_does_not_kill_the_switch():
+def test_a_forged_packet_is_dropped_and_reported_to_every_worker():
+    """The switch cannot tell a forged extra packet from a corrupted one a job needs (which would leave
+    every worker waiting for its slot): it drops it and tells every worker, naming the sender's port."""
     from sparsecomm.transports import switch_dataplane as dp
 
     def fn(ctx):
@@ -256,8 +258,21 @@ def test_a_forged_packet_does_not_kill_the_switch():
             row = torch.zeros((1, dp.HEADER + 64), dtype=torch.int32)
             row[0, dp.F_TYPE], row[0, dp.F_SLOT], row[0, dp.F_NW], row[0, dp.F_WORKER] = dp.T_DATA, 3, 32, 31
             ctx.fabric.send(row, t.switch, dp.TAG_UP)
-        return t.allreduce(torch.ones(200) * (ctx.rank + 1))
-    assert all(torch.equal(y, torch.full((200,), 6.0)) for y in sc.launch(fn, 3))
+        return outcome(lambda: t.allreduce(torch.ones(200) * (ctx.rank + 1)))
+    out = sc.launch(fn, 3, timeout_s=30)
+    _same_error_everywhere(out, MalformedMessage, "worker 0")
+    assert all(o[2] < 5 for o in out), out
+
+
+@pytest.mark.parametrize("name, words", [("switch", 1), ("switch", 8), ("sparse-switch", 2), ("sparse-switch", 4)])
+def test_a_peer_whose_switch_packets_are_corrupted_stops_every_worker_at_once(name, words):
+    def fn(ctx):
+        f = CorruptingFabric(ctx.fabric, switch_corruption(words)) if ctx.rank == 1 else ctx.fabric
+        t = sc.transports.get(name, f, pool_size=4)
+        return outcome(lambda: t.allreduce(torch.ones(1000) * (ctx.rank + 1)))
+    out = sc.launch(fn, 3, timeout_s=30)
+    _same_error_everywhere(out, MalformedMessage, "worker 1", "cannot parse")
+    assert all(o[2] < 5 for o in out), out
 
 
 # ----------------------------------------------------------------------------- no pickle from peers

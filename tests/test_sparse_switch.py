@@ -194,9 +194,10 @@ def test_program_adds_holders_takes_min_lookahead_and_answers_duplicates():
     assert np.array_equal(mc[dp.HEADER:], np.minimum(a, 63 - a))
 
 
-@pytest.mark.parametrize("bad", ["worker", "size", "lookahead", "slot", "type", "step"])
+@pytest.mark.parametrize("bad", ["worker", "size", "lookahead", "slot", "type", "step", "world"])
 def test_program_drops_malformed_and_out_of_step_packets(bad):
     plane = dp.Dataplane(dp.SparseSwitchConfig(elems=64, slots=4))
+    plane.world = 2            # the job's worker count, as the service knows it from its fabric
     a = np.ones(64, dtype=np.int32)
     plane.process(_pkt(dp.T_DATA, 1, 0, 0, 2, 5, 9, a))
     row = {"worker": _pkt(dp.T_DATA, 1, 0, 3, 2, 5, 9, a),       # worker id >= n
@@ -204,7 +205,8 @@ def test_program_drops_malformed_and_out_of_step_packets(bad):
            "lookahead": _pkt(dp.T_DATA, 1, 0, 1, 2, 5, 5, a),    # next must be after pos
            "slot": _pkt(dp.T_DATA, 7, 0, 1, 2, 5, 9, a),
            "type": _pkt(dp.T_RESULT, 1, 0, 1, 2, 5, 9, a),
-           "step": _pkt(dp.T_DATA, 1, 0, 1, 2, 6, 9, a)}[bad]      # another position of an open round
+           "step": _pkt(dp.T_DATA, 1, 0, 1, 2, 6, 9, a),           # another position of an open round
+           "world": _pkt(dp.T_DATA, 2, 0, 3, 5, 5, 9, a)}[bad]     # 5 workers: never multicast to ranks 2..4
     assert plane.process(row) == (None, None)
     assert plane.stats["malformed" if bad != "step" else "out_of_step"] == 1
     assert int(plane.count[1, 0]) == 1 and np.array_equal(plane.values[1, 0], a)   # nothing was added

@@ -362,11 +362,12 @@ class _Reference:
     def process(self, rows):
         mc, uc = [], []
         for row in rows.tolist():
-            if row[0] != 1:
+            if row[0] == 0:                                 # an unused row of a burst
                 continue
             self._bump("packets")
             slot, v, w, n, e = row[1], row[2], row[3], row[6], row[7]
-            if not (0 <= slot < self.slots and v in (0, 1) and 0 <= w < n <= 32 and n == self.world):
+            if not (row[0] == 1 and 0 <= slot < self.slots and v in (0, 1) and 0 <= w < n <= 32
+                    and n == self.world):
                 self._bump("malformed")
                 continue
             before = int(self.seen[slot, v])
@@ -483,8 +484,8 @@ def test_a_worker_takes_each_outstanding_result_once_and_refuses_a_forged_expone
     rows[:, F_TYPE], rows[:, F_JOB], rows[:, F_PKT] = T_RESULT, 7, [2, 2, 0, 5, 1, 3]
     rows[4, F_JOB], rows[5, F_TYPE] = 6, T_EMPTY     # a second copy of 2, 5 not outstanding, another job's
     at, pks, lanes = (np.empty(6, dtype=np.int64) for _ in range(3))
-    got, ignored, nxt = _accept(rows, lane_pkt, lane_slots, parity, 7, 0, P, at, pks, lanes)
-    assert (got, ignored, nxt) == (2, 3, 1)
+    got, ignored, nxt, rej = _accept(rows, lane_pkt, lane_slots, parity, 7, 0, P, at, pks, lanes)
+    assert (got, ignored, nxt, rej) == (2, 3, 1, -1)
     assert at[:2].tolist() == [0, 2] and pks[:2].tolist() == [2, 0] and lanes[:1].tolist() == [0]
     assert lane_pkt.tolist() == [4, 1, -1, 3] and parity.tolist() == [0, 1, 0, 1, 0, 0, 0, 0]
 

@@ -26,11 +26,11 @@ def test_results_over_the_rows_they_answer_equal_separate_reply_buffers(world):
         k = int(rng.integers(1, 9))
         rows = random_rows(rng, step, k, width, world=world)
         mc, uc = np.empty_like(rows), np.empty_like(rows)
-        nmc, nuc = ref.execute(rows.copy(), mc, uc)
+        nmc, nuc, bad = ref.execute(rows.copy(), mc, uc)
         own = rows.copy()
         uc2 = np.empty_like(rows)
         got = dp.execute(own, own, uc2, clear=True)
-        assert got == (nmc, nuc)
+        assert got == (nmc, nuc, bad)
         assert own[:nmc].tolist() == mc[:nmc].tolist() and uc2[:nuc].tolist() == uc[:nuc].tolist()
         assert (own[nmc:, 0] == T_EMPTY).all()
         multicast += nmc

@@ -274,13 +274,14 @@ def _checksum(state: torch.Tensor) -> torch.Tensor:
     return ((v ^ (w * 0x5851F42D4C957F2D)) * 0x9E3779B1 + w).sum()
 
 
-def _fail(fabric, exc: BaseException) -> BaseException:
+def _fail(fabric, exc: BaseException, rank: int | None = None) -> BaseException:
     """Tell the other ranks about an error only this rank may have seen (a malformed message), so that
-    their waits end at once instead of at the timeout (a fabric capability: ``fail``)."""
+    their waits end at once instead of at the timeout (a fabric capability: ``fail``); ``rank``: the rank
+    it names as the one that failed first (default: this one)."""
     fail = getattr(fabric, "fail", None)
     if fail is not None:
         try:
-            fail(exc)
+            fail(exc, rank)
         except Exception:  # noqa: BLE001 - reporting must not mask the error
             pass
     return exc

@@ -135,6 +135,7 @@ from .switch_control import (_DTYPES, DEFAULT_MAX_EXPONENT, MODE_FLOAT, MODE_INT
 from .sparse_switch_dataplane import (F_NEXT, HEADER, MAX_WORKERS, NONE, T_DATA, T_MIN, T_SKIP, JOB_MASK,
                                       Dataplane, service_main)
 from .sparse_switch_rounds import _WorkerState, lane_slots, packet, resolve_program, run_rounds, to_pos
+from .switch_lanes import abandoning
 
 INT32_MAX = 2**31 - 1
 EXP_FLOOR, EXP_CEIL = -126, 127
@@ -278,38 +279,43 @@ class SparseSwitch(Transport):
             self._control(mode, N, flat.dtype, nonfinite=False, too_large=amax > INT32_MAX,
                           cap=min(amax, INT32_MAX), limit=limit, fingerprint=fingerprint)
             e = 0
-        nb = -(-N // k)
-        if nb == 0:
-            self.last_fixed = None
-            return torch.zeros(0, dtype=out_dtype, device=device)
-        mask = codec.nonzero_blocks(x, k)
-        L = min(self.pool_size, nb)
-        la = codec.next_nonzero(mask, L)
-        lanes = np.arange(L, dtype=np.int64)
-        first = to_pos(la.first.numpy(), lanes, L, nb)
-        # ---- look-ahead round: agreed exponent and every lane's first union position
-        agreed = self._lookahead(np.concatenate([[-e], first]), L)
-        E = -int(agreed[0])
-        start = agreed[1:]
-        if mode == MODE_FLOAT:
-            if not EXP_FLOOR <= E <= EXP_CEIL:
-                raise ProtocolError(f"sparse-switch: the agreed exponent {E} is outside [{EXP_FLOOR}, {EXP_CEIL}]")
-            scale = float(codec.scale_from_exponents(torch.tensor([E]), n)[0])
-            xp = torch.zeros(nb * k, dtype=x.dtype)
-            xp[:N] = x
-            codes = codec.to_fixed(xp, scale).numpy().reshape(nb, k)
-        else:
-            codes = np.zeros((nb, k), dtype=np.int32)
-            codes.reshape(-1)[:N] = x.to(torch.int32).numpy()
-        # ---- stream: only the union's blocks, one round each
-        sums = self._stream(codes, mask.numpy(), la.next.numpy(), first, start, L, nb)
-        if mode == MODE_INT:
-            self.last_fixed = None
-            return torch.from_numpy(sums.reshape(-1)[:N].copy()).to(device=device, dtype=out_dtype)
-        q = torch.from_numpy(sums.reshape(-1)[:N].copy())
-        self.last_fixed = FixedResult(q, E, scale)
-        work = torch.float64 if x.dtype == torch.float64 else torch.float32
-        return narrowed(codec.from_fixed(q, scale, dtype=work), out_dtype, "sparse-switch").to(device)
+        # after the control round every worker is committed to the look-ahead round and the stream: an
+        # error here would leave the others waiting for this worker's packets (switch_lanes.abandoning)
+        with abandoning(self.fabric):
+            nb = -(-N // k)
+            if nb == 0:
+                self.last_fixed = None
+                return torch.zeros(0, dtype=out_dtype, device=device)
+            mask = codec.nonzero_blocks(x, k)
+            L = min(self.pool_size, nb)
+            la = codec.next_nonzero(mask, L)
+            lanes = np.arange(L, dtype=np.int64)
+            first = to_pos(la.first.numpy(), lanes, L, nb)
+            # ---- look-ahead round: agreed exponent and every lane's first union position
+            agreed = self._lookahead(np.concatenate([[-e], first]), L)
+            E = -int(agreed[0])
+            start = agreed[1:]
+            if mode == MODE_FLOAT:
+                if not max(EXP_FLOOR, e) <= E <= EXP_CEIL:
+                    raise ProtocolError(f"sparse-switch: the look-ahead round agreed on exponent {E}, outside "
+                                        f"[{max(EXP_FLOOR, e)}, {EXP_CEIL}] (this worker's own is {e}; forged or "
+                                        f"corrupted packet)")
+                scale = float(codec.scale_from_exponents(torch.tensor([E]), n)[0])
+                xp = torch.zeros(nb * k, dtype=x.dtype)
+                xp[:N] = x
+                codes = codec.to_fixed(xp, scale).numpy().reshape(nb, k)
+            else:
+                codes = np.zeros((nb, k), dtype=np.int32)
+                codes.reshape(-1)[:N] = x.to(torch.int32).numpy()
+            # ---- stream: only the union's blocks, one round each
+            sums = self._stream(codes, mask.numpy(), la.next.numpy(), first, start, L, nb)
+            if mode == MODE_INT:
+                self.last_fixed = None
+                return torch.from_numpy(sums.reshape(-1)[:N].copy()).to(device=device, dtype=out_dtype)
+            q = torch.from_numpy(sums.reshape(-1)[:N].copy())
+            self.last_fixed = FixedResult(q, E, scale)
+            total = codec.from_fixed(q, scale, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
+        return narrowed(total, out_dtype, "sparse-switch").to(device)     # the same sum, so the same error, everywhere
 
     # ================================================================== phase 1: control
     def _control(self, mode: int, numel: int, dtype: torch.dtype, *, nonfinite: bool, too_large: bool,

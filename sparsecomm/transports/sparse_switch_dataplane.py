@@ -15,6 +15,17 @@ declares them with their widths, and :meth:`Dataplane.state_bits` measures what 
 - ``held[S, 2]`` one bit: some worker contributed data (a result without it is counted as
   ``"empty"`` -- the protocol never produces one).
 
+A malformed packet (a type, slot, set, worker id, worker count -- it must equal the job's, known from the
+fabric -- or width the program cannot match, or a next position not after the packet's own) is dropped
+and counted (``"malformed"``), as a P4 parser drops it; an out-of-step one is refused (``"out_of_step"``).
+Neither reaches a register or a multicast, and both are *reported*: the service tells every worker (a
+``REJECT`` row naming the worker whose port the packet came on, the reason and the count,
+:func:`rejection`), and every worker stops the job (``MalformedMessage`` / ``ProtocolError`` naming that
+worker). No worker of this library sends either (on FIFO links a round's packets all carry its
+position), and the switch cannot tell a forged extra packet from a corrupted one that a round needs:
+a needed contribution that never arrives would leave every worker waiting for its slot until the
+timeout.
+
 Per packet ``(type, slot s, set v, worker w, n, pos p, next m, [vector])``::
 
     before = seen[s,v]; seen[s,v] |= bit(w); seen[s,1-v] &= ~bit(w)   # as SwitchML: w consumed set 1-v
@@ -61,9 +72,12 @@ class Kind(IntEnum):
     MIN = 3          # worker -> switch: a look-ahead round vector (element-wise minimum)
     RESULT = 4       # switch -> workers: a completed round (multicast)
     RETRANSMIT = 5   # switch -> one worker: a completed round again, for a duplicate
+    REJECT = 6       # switch -> every worker: it dropped packets of worker ``worker`` (their port)
 
 
-T_EMPTY, T_DATA, T_SKIP, T_MIN, T_RESULT, T_RETRANSMIT = (int(k) for k in Kind)
+T_EMPTY, T_DATA, T_SKIP, T_MIN, T_RESULT, T_RETRANSMIT, T_REJECT = (int(k) for k in Kind)
+#: why the switch dropped a packet (a REJECT row's ``pos``; its ``next`` is how many the message held)
+MALFORMED, OUT_OF_STEP = 1, 2
 TYPES_UP = (T_DATA, T_SKIP, T_MIN)
 TAG_UP, TAG_SKIP, TAG_DOWN = 0x5B51, 0x5B53, 0x5B52
 
@@ -181,6 +195,9 @@ class Dataplane:
         self.held = np.zeros((s, 2), dtype=np.bool_)
         self.stats = Counter()                 # packet counters (not switch state)
         self.audit: Counter | None = Counter() if config.audit else None
+        #: the job's number of workers, known from the fabric once serving; a packet claiming another
+        #: worker count is malformed (never multicast to ranks that do not exist)
+        self.world: int | None = None
 
     # ------------------------------------------------------------------ declared vs held state
     def declared_bits(self) -> int:
@@ -222,6 +239,7 @@ class Dataplane:
         kind, v, w, n, slot, p, m = h.kind, h.set, h.worker, h.n, h.slot, h.pos, h.next
         width = row.shape[0]
         ok = (kind in TYPES_UP and 0 <= slot < cfg.slots and 0 <= w < n <= MAX_WORKERS
+              and (self.world is None or n == self.world)
               and width == (HEADER if kind == T_SKIP else HEADER + cfg.elems)
               and 0 <= p and (kind == T_MIN or p < m))
         self.stats["packets"] += 1
@@ -287,10 +305,11 @@ class Dataplane:
         16-byte skip headers on their own tags (whichever is first). With bursts (real fabrics, where
         a message costs far more than its bytes) a message is ``burst`` rows of ``HEADER + k`` words,
         skips padded, unused rows ``T_EMPTY``; the replies to a message's rows leave in messages of
-        ``burst`` rows."""
+        ``burst`` rows. Malformed and out-of-step packets are reported to every worker (module docstring)."""
         k, K = self.config.elems, self.config.burst_for(fabric)
         width = HEADER + k
         sim = fabric.modelled_time
+        world = self.world = fabric.world_size
         single = K == 1 and sim
         bufs = [torch.zeros(width, dtype=torch.int32), torch.zeros(HEADER, dtype=torch.int32)]
         tags = (TAG_UP, TAG_SKIP)
@@ -309,22 +328,25 @@ class Dataplane:
                 kinds = unpack_w0(arr[:, W0])[0]
                 rows = [arr[r, :HEADER].copy() if kinds[r] == T_SKIP else arr[r].copy()
                         for r in np.flatnonzero(kinds != T_EMPTY)]
-            mcast: dict[int, list] = {}
+            mcast: list = []
             ucast: list = []
+            before = self.stats["malformed"], self.stats["out_of_step"]
             for row in rows:
                 mc, uc = self.process(row)
                 if mc is not None:
-                    mcast.setdefault(Header.of(mc).n, []).append(mc)
+                    mcast.append(mc)
                 if uc is not None:
                     ucast.append(uc)
-            sends = []
-            for n, group in mcast.items():
-                for msg in _messages(group, K, width, single):
-                    sends += [(msg, dst) for dst in range(n)]
+            malformed, out_of_step = self.stats["malformed"] - before[0], self.stats["out_of_step"] - before[1]
+            sends = [(msg, dst, False) for msg in _messages(mcast, K, width, single) for dst in range(world)]
             if src is not None:
-                sends += [(msg, src) for msg in _messages(ucast, K, width, single)]
-            for msg, dst in sends:
-                wk = fabric.isend(msg, dst, TAG_DOWN, reliable=False)
+                sends += [(msg, src, False) for msg in _messages(ucast, K, width, single)]
+            if (malformed or out_of_step) and src is not None and 0 <= src < world:
+                notice = rejection(k, src, world, OUT_OF_STEP if out_of_step else MALFORMED, malformed + out_of_step)
+                sends = [(msg, dst, True) for msg in _messages([notice], K, width, single)
+                         for dst in range(world)] + sends
+            for msg, dst, reliable in sends:
+                wk = fabric.isend(msg, dst, TAG_DOWN, reliable=reliable)
                 if not sim:
                     pending.append((wk, msg))
             while pending and (len(pending) > 4 * MAX_WORKERS or pending[0][0].is_completed()):
@@ -341,6 +363,15 @@ def _messages(rows: list, K: int, width: int, single: bool) -> list[torch.Tensor
         msg[: len(rows[i:i + K])] = rows[i:i + K]
         out.append(torch.from_numpy(msg))
     return out
+
+
+def rejection(k: int, worker: int, world: int, reason: int, count: int) -> np.ndarray:
+    """The ``REJECT`` row telling every worker that the switch dropped ``count`` packets that came on
+    ``worker``'s port, for ``reason`` (:data:`MALFORMED` or :data:`OUT_OF_STEP`, in ``pos``; the count in
+    ``next``)."""
+    row = np.zeros(HEADER + k, dtype=np.int32)
+    Header(T_REJECT, 0, worker, world, 0, 0, reason, count).write(row)
+    return row
 
 
 def service_main(config: SparseSwitchConfig) -> Callable[[Fabric], None]:

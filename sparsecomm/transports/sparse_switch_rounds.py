@@ -21,9 +21,10 @@ import torch
 
 from ..errors import FabricTimeout, IncompatibleError
 from ..fabric.base import Fabric
-from .sparse_switch_dataplane import (HEADER, JOB_MASK, NONE, PACKET_ELEMS, T_EMPTY, T_RESULT, T_RETRANSMIT,
-                                      T_SKIP, TAG_DOWN, TAG_SKIP, TAG_UP, Header, SparseSwitchConfig)
+from .sparse_switch_dataplane import (HEADER, JOB_MASK, NONE, OUT_OF_STEP, PACKET_ELEMS, T_EMPTY, T_REJECT, T_RESULT,
+                                      T_RETRANSMIT, T_SKIP, TAG_DOWN, TAG_SKIP, TAG_UP, Header, SparseSwitchConfig)
 from .switch_control import asked_constants
+from .switch_lanes import abandoning, rejected
 
 
 @dataclass
@@ -57,7 +58,9 @@ def run_rounds(t, slots: np.ndarray, rows: list[np.ndarray], on_result, phase: s
     set and position) the slot's parity flips and ``on_result(lane, result)`` returns the lane's
     next packet, or ``None`` when the lane is done (``lane`` = ``lanes[i]``, default ``i``). A
     packet unanswered within the timer is resent unchanged; after ``timeout_threshold`` expiries
-    the timer doubles; unanswered for ``give_up_s`` raises :class:`FabricTimeout`.
+    the timer doubles; unanswered for ``give_up_s`` raises :class:`FabricTimeout`. The switch's
+    rejection notice raises :func:`.switch_lanes.rejected`'s error; any error stops every rank
+    (:func:`.switch_lanes.abandoning`: the others would wait for this worker's packets).
     """
     fab, st, sw, K = t.fabric, t._state, t.switch, t.burst
     S = len(slots)
@@ -107,60 +110,63 @@ def run_rounds(t, slots: np.ndarray, rows: list[np.ndarray], on_result, phase: s
                     pending.popleft()[0].wait()
         queue.clear()
 
-    for i in range(S):
-        send(i, True)
-    flush()
-    live = S
-    buf = torch.zeros((K, HEADER + t.k), dtype=torch.int32)
-    msg_rows = buf.numpy()
-    while live:
-        try:
-            if timeout is None:
-                fab.recv(buf, sw, TAG_DOWN)
-            else:
-                fab.recv(buf, sw, TAG_DOWN, timeout=max(float(deadline.min()) - fab.now(), 1e-9))
-        except FabricTimeout:
-            if timeout is None:
-                raise
-            now = fab.now()
-            for i in np.flatnonzero(deadline <= now + 1e-12):
-                if now - since[i] > t.give_up_s:
-                    raise FabricTimeout(
-                        f"worker {fab.rank}: sparse-switch {phase} packet on slot {int(slots[i])} of job "
-                        f"{st.job} unanswered for {now - since[i]:.3g} s despite retransmissions: a peer "
-                        f"or the switch is gone") from None
-                expiries += 1
-                info["retransmissions"] += 1
-                send(int(i), False)
-            flush()
-            if expiries >= threshold:
-                timeout *= 2
-                threshold += t.timeout_threshold
-                expiries = 0
-            continue
-        for res in msg_rows:
-            h = Header.of(res)
-            if h.kind == T_EMPTY:
-                continue                       # an unused row of a burst
-            i = index.get(h.slot)
-            if h.kind not in (T_RESULT, T_RETRANSMIT) or h.job != st.job or i is None or out[i] is None:
-                info["ignored"] += 1
-                continue
-            sent = Header.of(out[i])
-            if (h.set, h.pos) != (sent.set, sent.pos):
-                info["ignored"] += 1           # a stale result (an earlier round of this slot)
-                continue
-            info["results"] += 1
-            st.parity[slots[i]] ^= 1
-            out[i] = on_result(int(lanes[i]), res.copy())
-            if out[i] is None:
-                deadline[i] = math.inf
-                live -= 1
-            else:
-                send(i, True)
+    with abandoning(fab):
+        for i in range(S):
+            send(i, True)
         flush()
-    while pending:
-        pending.popleft()[0].wait()
+        live = S
+        buf = torch.zeros((K, HEADER + t.k), dtype=torch.int32)
+        msg_rows = buf.numpy()
+        while live:
+            try:
+                if timeout is None:
+                    fab.recv(buf, sw, TAG_DOWN)
+                else:
+                    fab.recv(buf, sw, TAG_DOWN, timeout=max(float(deadline.min()) - fab.now(), 1e-9))
+            except FabricTimeout:
+                if timeout is None:
+                    raise
+                now = fab.now()
+                for i in np.flatnonzero(deadline <= now + 1e-12):
+                    if now - since[i] > t.give_up_s:
+                        raise FabricTimeout(
+                            f"worker {fab.rank}: sparse-switch {phase} packet on slot {int(slots[i])} of job "
+                            f"{st.job} unanswered for {now - since[i]:.3g} s despite retransmissions: a peer "
+                            f"or the switch is gone") from None
+                    expiries += 1
+                    info["retransmissions"] += 1
+                    send(int(i), False)
+                flush()
+                if expiries >= threshold:
+                    timeout *= 2
+                    threshold += t.timeout_threshold
+                    expiries = 0
+                continue
+            for res in msg_rows:
+                h = Header.of(res)
+                if h.kind == T_EMPTY:
+                    continue                       # an unused row of a burst
+                if h.kind == T_REJECT:             # the switch dropped packets it cannot take: the job is over
+                    raise rejected(fab, "sparse-switch allreduce", h.worker, h.next, h.pos == OUT_OF_STEP)
+                i = index.get(h.slot)
+                if h.kind not in (T_RESULT, T_RETRANSMIT) or h.job != st.job or i is None or out[i] is None:
+                    info["ignored"] += 1
+                    continue
+                sent = Header.of(out[i])
+                if (h.set, h.pos) != (sent.set, sent.pos):
+                    info["ignored"] += 1           # a stale result (an earlier round of this slot)
+                    continue
+                info["results"] += 1
+                st.parity[slots[i]] ^= 1
+                out[i] = on_result(int(lanes[i]), res.copy())
+                if out[i] is None:
+                    deadline[i] = math.inf
+                    live -= 1
+                else:
+                    send(i, True)
+            flush()
+        while pending:
+            pending.popleft()[0].wait()
 
 
 def to_pos(blocks: np.ndarray, lanes: np.ndarray, L: int, nb: int) -> np.ndarray:

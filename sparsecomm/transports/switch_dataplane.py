@@ -27,11 +27,17 @@ operation both coincide (a set's bitmap and count return to 0 together); keying 
 a job abandoned half-way can never leave a stale count behind. The int32 adds wrap as the hardware's
 do (counted in ``stats["overflow"]``: the workers' scale must prevent it).
 
-Malformed input never reaches a register or a multicast: a packet whose slot, set, worker id or worker
-count (it must equal the job's, which the switch knows from its fabric) is out of range is counted in
-``stats["malformed"]`` and dropped, as a P4 parser drops what it cannot match; one forged packet
-claiming 32 workers cannot make the switch send to ranks that do not exist. Nothing grows with the
-number of packets except the optional ``audit`` counter (test instrumentation, not switch state).
+Malformed input never reaches a register or a multicast: a packet of another type than ``DATA`` (or an
+empty row), or whose slot, set, worker id or worker count (it must equal the job's, which the switch
+knows from its fabric) is out of range is counted in ``stats["malformed"]`` and dropped, as a P4 parser
+drops what it cannot match; one forged packet claiming 32 workers cannot make the switch send to ranks
+that do not exist. It is also *reported*: the service tells every worker (a ``REJECT`` row naming the
+worker whose port the packet came on, :func:`rejection`), and every worker stops the job with
+:class:`~sparsecomm.errors.MalformedMessage` naming it. The switch cannot tell a forged extra packet
+from a corrupted one that a job needs, and a needed contribution that never arrives would leave every
+worker waiting for its slot until the timeout (as a peer whose messages were corrupted on the way did).
+Nothing grows with the number of packets except the optional ``audit`` counter (test instrumentation,
+not switch state).
 
 Wire format: one int32 row per packet, ``HEADER`` fields (:class:`Field`) then ``slot_elems`` values; a
 fabric message carries ``burst`` rows (unused rows have type ``T_EMPTY``), workers -> switch on
@@ -72,11 +78,14 @@ class PacketType(IntEnum):
     DATA = 1         # worker -> switch: a contribution
     RESULT = 2       # switch -> workers: multicast of a completed slot
     RETRANSMIT = 3   # switch -> one worker: the stored result, for a duplicate after completion
+    REJECT = 4       # switch -> every worker: it dropped packets of worker WORKER (their port) it cannot parse
 
 
 F_TYPE, F_SLOT, F_SET, F_WORKER, F_PKT, F_JOB, F_NW, F_EXP = (int(f) for f in Field)
 HEADER = len(Field)
-T_EMPTY, T_DATA, T_RESULT, T_RETRANSMIT = (int(t) for t in PacketType)
+T_EMPTY, T_DATA, T_RESULT, T_RETRANSMIT, T_REJECT = (int(t) for t in PacketType)
+#: a REJECT row's fields: the worker whose port the packets came on, and how many the message held
+F_REJECTED, F_REJECTED_COUNT = F_WORKER, F_JOB
 TAG_UP = 0x5A51
 TAG_DOWN = 0x5A52
 
@@ -152,7 +161,8 @@ def _program(rows, values, seen, count, exponent, world, mc, uc, new, counters, 
 
     Results go to ``mc`` (multicast) and ``uc`` (unicast to the sender), rows of the same width, filled
     from the front; ``new[i]`` marks row ``i`` as a new contribution (for the audit). Returns the
-    number of rows written to each. ``counters`` accumulates :data:`COUNTERS`. With ``clear``, each
+    number of rows written to each. ``counters`` accumulates :data:`COUNTERS` (a row of another type
+    than ``EMPTY`` or ``DATA`` is a packet, and malformed). With ``clear``, each
     row's type is reset to ``T_EMPTY`` once read (a receive buffer made ready for its next message).
     ``alias``: ``mc`` starts at ``rows``' first row (results over the rows they answer); a result written
     over the very row it answers is then written in the add's loop through that row (a loop through
@@ -165,11 +175,11 @@ def _program(rows, values, seen, count, exponent, world, mc, uc, new, counters, 
         kind = rows[i, 0]
         if clear:
             rows[i, 0] = 0
-        if kind != 1:                             # T_DATA only
+        if kind == 0:                             # an unused row of a burst
             continue
         counters[0] += 1
         slot, v, w, n = rows[i, 1], rows[i, 2], rows[i, 3], rows[i, 6]
-        if not (0 <= slot < slots and (v == 0 or v == 1) and 0 <= w < n <= 32
+        if not (kind == 1 and 0 <= slot < slots and (v == 0 or v == 1) and 0 <= w < n <= 32
                 and (world <= 0 or n == world) and rows.shape[1] == 8 + elems):
             counters[1] += 1                      # a parser drops what it cannot match
             continue
@@ -290,7 +300,7 @@ class Dataplane:
         cap = data if burst is None else -(-data // burst) * burst
         mc = np.empty((cap, width), dtype=np.int32)
         uc = np.empty((cap, width), dtype=np.int32)
-        nmc, nuc = self.execute(rows, mc, uc)
+        nmc, nuc, _ = self.execute(rows, mc, uc)
         if burst is None:
             return mc[:nmc], uc[:nuc]
         return split_messages(mc, nmc, burst), split_messages(uc, nuc, burst)
@@ -299,7 +309,8 @@ class Dataplane:
                 clear: bool = False):
         """:meth:`process` into the caller's reply buffers (int32, C-contiguous, as wide as ``rows`` and
         at least as many rows as ``rows`` has data rows, e.g. ``len(rows)``): the service's path, with
-        reply buffers it reuses. Returns (multicast rows, unicast rows) written from the front. With
+        reply buffers it reuses. Returns (multicast rows, unicast rows) written from the front, and how
+        many rows were malformed (dropped; the service reports them, :func:`rejection`). With
         ``clear``, every row's type is reset to ``T_EMPTY`` as it is read (a receive buffer, ready to be
         posted again; the audit still sees the rows' other fields). ``mc`` may be ``rows`` itself (or the
         buffer it is the front of): result ``k`` is written over row ``k``, which the program has read by
@@ -318,7 +329,7 @@ class Dataplane:
         if self.audit is not None:
             for r in rows[new.astype(bool)]:
                 self.audit[(int(r[F_JOB]), int(r[F_PKT]), int(r[F_WORKER]))] += 1
-        return int(nmc), int(nuc)
+        return int(nmc), int(nuc), int(counters[1])
 
     # ------------------------------------------------------------------ service loop
     def serve(self, fabric: Fabric) -> None:
@@ -335,6 +346,15 @@ def split_messages(out: np.ndarray, used: int, burst: int) -> list[np.ndarray]:
     end = -(-used // burst) * burst
     out[used:end] = 0                                     # padding rows: T_EMPTY
     return [out[i:i + burst] for i in range(0, used, burst)]
+
+
+def rejection(width: int, burst: int, worker: int, world: int, count: int) -> np.ndarray:
+    """The message (``burst`` rows of ``width`` words) telling every worker that the switch dropped
+    ``count`` malformed packets that came on ``worker``'s port: row 0 of type ``REJECT`` with
+    ``F_REJECTED = worker``, ``F_NW = world`` and ``F_REJECTED_COUNT = count``; the others ``T_EMPTY``."""
+    msg = np.zeros((burst, width), dtype=np.int32)
+    msg[0, F_TYPE], msg[0, F_REJECTED], msg[0, F_NW], msg[0, F_REJECTED_COUNT] = T_REJECT, worker, world, count
+    return msg
 
 
 def service_main(config: SwitchConfig):

@@ -15,6 +15,13 @@ How results are received is the only difference between fabrics:
   jobs (gloo moves a message only once its receive is posted; with receives waiting, the switch's
   results flow as soon as they are sent; posted again ``REPOST_GROUP`` at a time), and an
   :class:`Uplink` thread posting the sends, at most ``SEND_AHEAD`` lane windows of bursts queued.
+
+**An error inside a stream ends the job on every worker** (:func:`abandoning`, both switches): the
+other workers wait for this worker's packets (a slot completes only with every worker's), so a worker
+that leaves a stream -- a forged or corrupted result it refuses, a violated protocol invariant, the
+switch's rejection notice (:func:`rejected`) -- stops every rank at once (the fabric's ``fail``), rather
+than leaving them to wait for the timeout. Errors that every worker raises alike after a completed round
+(the control round's verdict) leave the transport usable.
 """
 
 from __future__ import annotations
@@ -28,9 +35,12 @@ import numpy as np
 import torch
 from numba import njit
 
-from ..errors import FabricTimeout, InvalidValueError
-from .switch_dataplane import (EXP_MIN, F_TYPE, HEADER, T_DATA, T_EMPTY, T_RESULT, T_RETRANSMIT, TAG_DOWN,
-                               TAG_UP)
+from contextlib import contextmanager
+
+from ..errors import FabricTimeout, InvalidValueError, MalformedMessage, ProtocolError, SparseCommError
+from ._handshake import _fail
+from .switch_dataplane import (EXP_MIN, F_REJECTED, F_REJECTED_COUNT, F_TYPE, HEADER, T_DATA, T_EMPTY, T_REJECT,
+                               T_RESULT, T_RETRANSMIT, TAG_DOWN, TAG_UP)
 
 #: receives a worker keeps posted from the switch (real fabrics)
 INBOX_DEPTH = 16
@@ -38,6 +48,39 @@ INBOX_DEPTH = 16
 REPOST_GROUP = 8
 #: a worker waits for its oldest send once more than this many bursts per lane window are unfinished
 SEND_AHEAD = 4
+
+
+@contextmanager
+def abandoning(fabric):
+    """Around a stream (or the part of a job after its control round): an error raised inside leaves the
+    other workers waiting for this worker's packets, so it stops every rank (``fail``) on its way out."""
+    try:
+        yield
+    except Exception as exc:
+        _fail(fabric, exc)
+        raise
+
+
+def rejected(fabric, name: str, worker: int, count: int, out_of_step: bool = False) -> SparseCommError:
+    """The error of the switch's rejection notice: it dropped ``count`` packets that came on ``worker``'s
+    port, which it cannot parse (:class:`MalformedMessage`) or which are for another round than their slot
+    holds (``out_of_step``, the sparse switch: :class:`ProtocolError`). A slot now holds part of a round
+    that can never complete, so the job is over: every rank is stopped, naming ``worker``."""
+    n = fabric.world_size
+    if not 0 <= worker < n:
+        return _fail(fabric, ProtocolError(f"{name}: the switch's rejection notice names worker {worker}, "
+                                           f"outside 0..{n - 1}"))
+    if out_of_step:
+        exc: SparseCommError = ProtocolError(
+            f"{name}: the switch refused {count} packet(s) of worker {worker} for another round than the one "
+            f"their slot holds (no worker of this job sends one: forged or corrupted on the way); the job is "
+            f"over")
+    else:
+        exc = MalformedMessage(
+            f"{name}: the switch dropped {count} packet(s) of worker {worker} that it cannot parse (a type, "
+            f"slot, set, worker id or worker count outside the job): worker {worker}'s messages were "
+            f"corrupted on the way, or are not this library's; the job is over")
+    return _fail(fabric, exc, rank=worker)
 
 
 class Uplink:
@@ -150,7 +193,8 @@ def run_lanes(t, lane_slots: np.ndarray, P: int, pkt_base: int, payload, consume
 
     ``payload(pkts, rows)`` fills new rows (their headers are set), ``consume(pkts, rows)`` takes
     accepted results (distinct packet numbers). A lane unanswered for ``t.give_up_s`` raises
-    :class:`~sparsecomm.errors.FabricTimeout`. Per-phase counts land in ``t.last_info[phase]``.
+    :class:`~sparsecomm.errors.FabricTimeout`; the switch's rejection notice, :func:`rejected`'s error;
+    any error stops every rank (:func:`abandoning`). Per-phase counts land in ``t.last_info[phase]``.
     """
     fab, st, sw = t.fabric, t._state, t.switch
     L, E, K = len(lane_slots), t.slot_elems, t.burst
@@ -229,28 +273,32 @@ def run_lanes(t, lane_slots: np.ndarray, P: int, pkt_base: int, payload, consume
     rbuf = torch.zeros((K, width), dtype=torch.int32) if inbox is None else None    # SimFabric's receive
     rarr = rbuf.numpy() if rbuf is not None else None
     at, pks, lanes = (np.empty(K, dtype=np.int64) for _ in range(3))    # _accept's outputs
-    send(np.arange(L), True)
-    done = 0
-    while done < P:
-        wait = None
-        if timed:
-            wait = max(float(lane_deadline[lane_pkt >= 0].min()) - fab.now(), 1e-9)
-        rows = receive(wait)
-        if rows is None:
-            expire()
-            continue
-        got, ignored, nxt = _accept(rows, lane_pkt, lane_slots, st.parity, job, pkt_base, P, at, pks, lanes)
-        info["ignored"] += ignored
-        if got:
-            consume(pks[:got], rows if got == len(rows) and at[got - 1] == got - 1 else rows[at[:got]])
-        if inbox is not None:
-            inbox.release()
-        done += got
-        info["results"] += got
-        if nxt:
-            send(lanes[:nxt].copy(), True)
-    if uplink is not None:
-        uplink.drain()
+    with abandoning(fab):
+        send(np.arange(L), True)
+        done = 0
+        while done < P:
+            wait = None
+            if timed:
+                wait = max(float(lane_deadline[lane_pkt >= 0].min()) - fab.now(), 1e-9)
+            rows = receive(wait)
+            if rows is None:
+                expire()
+                continue
+            got, ignored, nxt, rej = _accept(rows, lane_pkt, lane_slots, st.parity, job, pkt_base, P, at, pks,
+                                             lanes)
+            if rej >= 0:
+                raise rejected(fab, "switch allreduce", int(rows[rej, F_REJECTED]), int(rows[rej, F_REJECTED_COUNT]))
+            info["ignored"] += ignored
+            if got:
+                consume(pks[:got], rows if got == len(rows) and at[got - 1] == got - 1 else rows[at[:got]])
+            if inbox is not None:
+                inbox.release()
+            done += got
+            info["results"] += got
+            if nxt:
+                send(lanes[:nxt].copy(), True)
+        if uplink is not None:
+            uplink.drain()
     info["final_timeout"] = timeout
     if t.last_info.get("job") != job:
         t.last_info = {"job": job}
@@ -278,12 +326,16 @@ def _accept(rows, lane_pkt, lane_slots, parity, job, pkt_base, P, at, pks, lanes
     """Take the results in ``rows`` for packets still outstanding, in row order: row ``at[i]`` answers
     packet ``pks[i]``; the lane's slot flips its set and the lane moves to its next packet (``-1``: done).
     Anything else -- a duplicate, a previous job's result, padding -- is ignored. Returns (results taken,
-    results ignored, lanes with a next packet: ``lanes[:that]``)."""
+    results ignored, lanes with a next packet: ``lanes[:that]``, the first row that is the switch's
+    rejection notice or -1)."""
     L = lane_pkt.size
     got = 0
     ignored = 0
+    rej = -1
     for r in range(rows.shape[0]):
         kind = rows[r, 0]
+        if kind == T_REJECT and rej < 0:
+            rej = r
         if kind != T_RESULT and kind != T_RETRANSMIT:
             continue
         pk = np.int64(rows[r, 4]) - pkt_base
@@ -302,4 +354,4 @@ def _accept(rows, lane_pkt, lane_slots, parity, job, pkt_base, P, at, pks, lanes
         if lane_pkt[j] >= 0:
             lanes[nxt] = j
             nxt += 1
-    return got, ignored, nxt
+    return got, ignored, nxt, rej

@@ -47,7 +47,7 @@ import torch
 from ..fabric import services
 from ..fabric.base import Fabric, ServiceShutdown
 from .switch_dataplane import (F_TYPE, HEADER, RECV_SLACK, T_EMPTY, TAG_DOWN, TAG_UP, Dataplane, SwitchConfig,
-                               split_messages)
+                               rejection, split_messages)
 
 #: receives each port keeps posted from its worker (real fabrics)
 PORT_DEPTH = 16
@@ -73,14 +73,20 @@ def serve(dp: Dataplane, fabric: Fabric) -> None:
 # ----------------------------------------------------------------------------- SimFabric
 def _serve_datagrams(dp: Dataplane, fabric: Fabric) -> None:
     burst = dp.config.burst_for(fabric)
-    buf = torch.zeros((burst, HEADER + dp.config.elems), dtype=torch.int32)
+    width = HEADER + dp.config.elems
+    buf = torch.zeros((burst, width), dtype=torch.int32)
     arr = buf.numpy()
     while True:
         src = fabric.recv(buf, None, TAG_UP)
         if not 0 <= src < dp.world:        # only workers talk to the switch
             dp.stats["malformed"] += 1
             continue
+        before = dp.stats["malformed"]
         mcast, ucast = dp.process(arr, burst)
+        if dp.stats["malformed"] > before:     # reported to every worker (the dataplane's docstring)
+            notice = torch.from_numpy(rejection(width, burst, src, dp.world, dp.stats["malformed"] - before))
+            for dst in range(dp.world):
+                fabric.isend(notice, dst, TAG_DOWN)
         for msg in mcast:
             msg = torch.from_numpy(msg)
             for dst in range(dp.world):
@@ -208,7 +214,11 @@ def _serve_ports(dp: Dataplane, fabric: Fabric) -> None:
                 # at most `burst` rows (all this library's workers send) leaves row `burst` empty
                 rows = arr[:burst] if arr[burst, F_TYPE] == T_EMPTY else arr
                 with registers:
-                    nmc, nuc = dp.execute(rows, mc, uc, scratch, clear=True)
+                    nmc, nuc, bad = dp.execute(rows, mc, uc, scratch, clear=True)
+                if bad:       # malformed rows, dropped: reported to every worker (the dataplane's docstring)
+                    notice = torch.from_numpy(rejection(width, burst, w, n, bad))
+                    for e in egress:
+                        e.send(notice, None)
                 if len(posted) <= PORT_DEPTH - PORT_GROUP:
                     for _ in range(PORT_GROUP):
                         b = buffers.take()

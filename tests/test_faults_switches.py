@@ -1,0 +1,116 @@
+"""Faults of the SwitchML transports (``switch``, ``sparse-switch``) on real gloo processes: every rank gets
+the library's error class within ``BOUND`` seconds under a ``TIMEOUT`` fabric timeout (never the timeout
+itself, an abort or a silently wrong number). Every rank runs under the address-space cap of the fault
+suite.
+
+- ``sparse-switch`` against another transport: its workers exchange the fixed-size agreement header every
+  transport exchanges before any packet goes to the switch (:mod:`sparsecomm.transports._handshake`), so a
+  ring / native / omnireduce / switch worker reads it as its own transport's header: ``MismatchError``
+  naming both transports.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import sparsecomm as sc
+import sparsecomm.transports  # noqa: F401
+
+from ._faults_common import CorruptingFabric, cap_address_space, outcome, switch_corruption
+
+pytestmark = pytest.mark.multiprocess
+
+TIMEOUT = 30.0
+BOUND = 5.0       # seconds: every rank must have its error well within this (vs TIMEOUT)
+
+
+def _sparse_vs(ctx, other: str, odd: int):
+    cap_address_space()
+    f = ctx.fabric
+    sparse = sc.transports.get("sparse-switch", f, pool_size=4, slot_elems=64)
+    good = sparse.allreduce(torch.ones(300) * (ctx.rank + 1))      # the sparse switch works before the mistake
+    ok = torch.equal(good, torch.full((300,), float(sum(range(1, f.world_size + 1)))))
+    if ctx.rank == odd:
+        kw = {"block_size": 16, "lanes": 8} if other == "omnireduce" else {"pool_size": 4} if other == "switch" else {}
+        t = sc.transports.get(other, f, **kw)
+    else:
+        t = sparse
+    return ok, outcome(lambda: t.allreduce(torch.ones(640)))
+
+
+@pytest.mark.parametrize("other, n, odd", [("ring", 2, 1), ("omnireduce", 3, 0), ("switch", 2, 0),
+                                           ("native", 3, 2)])
+def test_sparse_switch_vs_another_transport_is_a_mismatch_error_on_every_rank_quickly(other, n, odd):
+    services = ["sparse-switch:elems=64"] + (["switch"] if other == "switch" else [])
+    res = sc.launch(functools.partial(_sparse_vs, other=other, odd=odd), n, backend="gloo", timeout_s=TIMEOUT,
+                    services=services)
+    assert all(ok for ok, _ in res), res
+    got = [o for _, o in res]
+    assert [o[0] for o in got] == ["MismatchError"] * n, got
+    assert all(o[2] < BOUND for o in got), got
+    for _, msg, _ in got:
+        assert "disagree on the transport" in msg and "'sparse-switch'" in msg and f"'{other}'" in msg, msg
+
+
+# ----------------------------------------------------------------------------- a corrupting peer
+def _corrupt(ctx, name: str, words: int):
+    cap_address_space()
+    f = CorruptingFabric(ctx.fabric, switch_corruption(words)) if ctx.rank == 1 else ctx.fabric
+    t = sc.transports.get(name, f, pool_size=4)
+    return outcome(lambda: t.allreduce(torch.ones(3000) * (ctx.rank + 1)))
+
+
+@pytest.mark.parametrize("name, words", [("switch", 4), ("sparse-switch", 2)])
+def test_a_peer_whose_switch_packets_are_corrupted_stops_every_rank_quickly(name, words):
+    """Worker 1's messages to the switch have their first int32 words (the first row's header: its type,
+    slot, ...) rewritten to 0x7fffffff. The switch drops what it cannot parse and tells every worker, who
+    stop the job: MalformedMessage naming worker 1 on every rank, not the switch's slots waiting for the
+    contribution that never comes until the timeout."""
+    res = sc.launch(functools.partial(_corrupt, name=name, words=words), 3, backend="gloo", timeout_s=TIMEOUT,
+                    services=[name])
+    assert [o[0] for o in res] == ["MalformedMessage"] * 3, res
+    assert all(o[2] < BOUND and "worker 1" in o[1] for o in res), res
+
+
+# ----------------------------------------------------------------------------- a lying sparse-switch peer
+def _lie(ctx, mode: str):
+    """Worker 1 rewrites its own well-formed packets on the wire: ``hide``: its look-ahead (MIN) packet
+    announces no block in any lane, which it then sends; ``next``: its stream packets announce no next
+    block, then it has one; ``step``: its MIN packet claims position 5 (the round is at 0)."""
+    from sparsecomm.transports import sparse_switch_dataplane as sdp
+
+    cap_address_space()
+    f = ctx.fabric
+    if ctx.rank == 1:
+        def rw(t, dst, tag):
+            if tag != sdp.TAG_UP or t.dtype != torch.int32:
+                return None
+            out = t.detach().clone()
+            rows = out.numpy().reshape(-1, t.shape[-1])
+            kinds = sdp.unpack_w0(rows[:, sdp.W0])[0]
+            if mode == "next":
+                rows[((kinds == sdp.T_DATA) | (kinds == sdp.T_SKIP)) & (rows[:, sdp.F_SLOT] != 0), sdp.F_NEXT] = sdp.NONE
+            elif mode == "hide":
+                rows[kinds == sdp.T_MIN, sdp.HEADER + 1:] = sdp.NONE
+            else:
+                rows[kinds == sdp.T_MIN, sdp.F_POS] = 5
+            return out
+        f = CorruptingFabric(f, rw)
+    t = sc.transports.get("sparse-switch", f, pool_size=4)
+    x = torch.zeros(16, 256)
+    x[ctx.rank::3] = ctx.rank + 1.0            # every lane has blocks of every worker
+    return outcome(lambda: t.allreduce(x.reshape(-1)))
+
+
+@pytest.mark.parametrize("mode", ["hide", "next", "step"])
+def test_a_sparse_switch_peer_breaking_its_look_ahead_stops_every_rank_quickly(mode):
+    """A look-ahead the sender then does not keep is a violated invariant: the liar's own check sees the
+    agreed lane start (or next position) pass a block it holds; a position out of step is refused by the
+    switch, which tells every worker. Either way every rank stops with ProtocolError, not a stall."""
+    res = sc.launch(functools.partial(_lie, mode=mode), 3, backend="gloo", timeout_s=TIMEOUT,
+                    services=["sparse-switch"])
+    assert [o[0] for o in res] == ["ProtocolError"] * 3, res
+    assert all(o[2] < BOUND for o in res), res
