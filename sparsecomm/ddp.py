@@ -98,17 +98,21 @@ _HYPER = ("compressor", "transport", "method", "transport_kwargs", "warmup_steps
 
 
 def _torch_fabric(process_group: Any) -> Any:
-    """The fabric of the current :func:`sparsecomm.launch` worker, else a new TorchFabric over the
-    default process group (a collective call: every rank builds its hook state)."""
+    """The fabric of the current :func:`sparsecomm.launch` worker (``process_group``: ``None``, the
+    default group or that worker's ``fabric.native_group``, the workers' group when the launch has
+    services), else a new TorchFabric over the default process group (a collective call: every rank
+    builds its hook state)."""
     from .fabric.torch_fabric import TorchFabric
     from .launch import current_context
 
-    if process_group is not None and process_group is not dist.group.WORLD and \
-            process_group != dist.distributed_c10d._get_default_group():
-        raise NotImplementedError("sparsecomm's DDP hook runs over the default process group only "
-                                  "(TorchFabric); pass process_group=None")
     ctx = current_context()
-    if ctx is not None and ctx.fabric.native_group is not None:
+    workers = ctx.fabric.native_group if ctx is not None else None
+    if process_group is not None and process_group is not dist.group.WORLD and \
+            process_group != dist.distributed_c10d._get_default_group() and process_group is not workers:
+        raise NotImplementedError("sparsecomm's DDP hook runs over the default process group or, under "
+                                  "sparsecomm.launch, the workers' group (ctx.fabric.native_group) only "
+                                  "(TorchFabric); pass process_group=None")
+    if workers is not None:
         return ctx.fabric
     return TorchFabric()
 
@@ -304,7 +308,26 @@ comm_hook.__annotations__.update(state=CommHookState, bucket=dist.GradBucket,
 
 def register(model: torch.nn.parallel.DistributedDataParallel, process_group: Any = None,
              **options: Any) -> CommHookState:
-    """``model.register_comm_hook(CommHookState(process_group, **options), comm_hook)``; returns the state."""
+    """``model.register_comm_hook(CommHookState(process_group, **options), comm_hook)``; returns the state.
+
+    Under :func:`sparsecomm.launch` with services (``"switch"``, ``"sparse-switch"``, dedicated
+    OmniReduce aggregators) the default process group also holds the service ranks, which never join
+    DDP's own collectives (its construction, bucket rebuild and buffer broadcasts would wait for them
+    until the timeout): build DDP over the workers' group,
+    ``DistributedDataParallel(net, process_group=ctx.fabric.native_group)``. A model over a group of
+    another size is refused here with that advice (:class:`IncompatibleError`)."""
+    from .launch import current_context
+
+    ctx = current_context()
+    group = getattr(model, "process_group", None)
+    if ctx is not None and group is not None and ctx.fabric.services() and \
+            dist.get_world_size(group) != ctx.fabric.world_size:
+        raise IncompatibleError(
+            f"sparsecomm.ddp.register: this DDP model runs its own collectives over a process group of "
+            f"{dist.get_world_size(group)} ranks, but the job has {ctx.fabric.world_size} workers plus the "
+            f"service rank(s) {sorted(ctx.fabric.services())}, which never join them (DDP would wait for "
+            f"them until the timeout); build DDP over the workers' group: "
+            f"DistributedDataParallel(model, process_group=ctx.fabric.native_group)")
     state = CommHookState(process_group, model=model, **options)
     sparse = [n for n, m in model.named_modules()
               if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse]

@@ -114,3 +114,38 @@ def test_a_sparse_switch_peer_breaking_its_look_ahead_stops_every_rank_quickly(m
                     services=["sparse-switch"])
     assert [o[0] for o in res] == ["ProtocolError"] * 3, res
     assert all(o[2] < BOUND for o in res), res
+
+
+# ----------------------------------------------------------------------------- DDP with a switch service
+def _ddp(ctx):
+    from torch import nn
+
+    cap_address_space()
+    workers = ctx.fabric.native_group          # the workers' group: the default one holds the switches too
+    out = {}
+    for name in ("ring", "switch", "sparse-switch"):
+        torch.manual_seed(0)
+        net = nn.parallel.DistributedDataParallel(nn.Linear(8, 1), process_group=workers)
+        group = workers if name == "switch" else None          # both spellings of the launch's group
+        sc.ddp.register(net, process_group=group, transport=name, verify_replicas_every=1)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(ctx.rank))
+        for _ in range(3):
+            opt.zero_grad()
+            net(x).square().mean().backward()
+            opt.step()
+        out[name] = net.module.weight.detach().clone()
+    # a model over the default group (init_sync=False: its construction would wait for the switches)
+    net = nn.parallel.DistributedDataParallel(nn.Linear(8, 1), init_sync=False)
+    out["default group"] = outcome(lambda: sc.ddp.register(net, transport="switch"))
+    return out
+
+
+def test_ddp_over_the_workers_group_runs_the_switch_transports_and_the_default_group_is_refused():
+    res = sc.launch(_ddp, 2, backend="gloo", timeout_s=TIMEOUT, services=["switch", "sparse-switch"])
+    for name in ("switch", "sparse-switch"):
+        assert torch.equal(res[0][name], res[1][name]), name                    # replicas identical
+        assert torch.allclose(res[0][name], res[0]["ring"], atol=1e-6), name    # the fixed-point sum's bound
+    refused = [r["default group"] for r in res]
+    assert [o[0] for o in refused] == ["IncompatibleError"] * 2, refused
+    assert all("process_group=ctx.fabric.native_group" in o[1] and o[2] < BOUND for o in refused), refused
