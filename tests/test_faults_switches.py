@@ -12,6 +12,13 @@ suite.
 from __future__ import annotations
 
 import functools
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +32,7 @@ pytestmark = pytest.mark.multiprocess
 
 TIMEOUT = 30.0
 BOUND = 5.0       # seconds: every rank must have its error well within this (vs TIMEOUT)
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _sparse_vs(ctx, other: str, odd: int):
@@ -149,3 +157,75 @@ def test_ddp_over_the_workers_group_runs_the_switch_transports_and_the_default_g
     refused = [r["default group"] for r in res]
     assert [o[0] for o in refused] == ["IncompatibleError"] * 2, refused
     assert all("process_group=ctx.fabric.native_group" in o[1] and o[2] < BOUND for o in refused), refused
+
+
+# ----------------------------------------------------------------------------- a clean exit, in place
+EXIT_SCRIPT = '''
+import os, sys, time, torch
+import sparsecomm as sc
+import sparsecomm.transports
+
+NAME, MARK = sys.argv[1], "finalizing"
+
+
+class LateExit:
+    """A module global of the service rank, so deleted while its interpreter finalizes: it marks that
+    moment and stays in it, so that the workers' exits (their connections closing) land there."""
+
+    def __del__(self, _open=open, _sleep=time.sleep, _mark=MARK):     # builtins may be gone by then
+        _open(_mark, "w").close()
+        _sleep(2.0)
+
+
+def fn(ctx):
+    t = sc.transports.get(NAME, ctx.fabric, pool_size=4)
+    return t.allreduce(torch.full((1000,), float(ctx.rank + 1)))[:2].tolist()
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    res = sc.launch(fn, 2, backend="gloo", services=[NAME], timeout_s=30)
+    with open(f"result{os.environ['RANK']}.txt", "w") as fh:
+        fh.write(repr(res))
+    if int(os.environ["RANK"]) == 2:
+        late = LateExit()
+    else:
+        deadline = time.monotonic() + 20
+        while not os.path.exists(MARK) and time.monotonic() < deadline:
+            time.sleep(0.01)
+'''
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("name", ["switch", pytest.param("sparse-switch", marks=pytest.mark.slow)])
+def test_every_process_of_a_switch_job_started_as_torchrun_does_exits_cleanly(name, tmp_path):
+    """Two workers and the switch, each a process started with torch.distributed's environment variables
+    (launch runs in place, as under torchrun): the job is right and every process exits with 0. The
+    service rank's interpreter stays in its finalization while the workers exit (LateExit), where a
+    thread of it still blocked in a receive from them woke and aborted the process (SIGABRT, 134)."""
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(EXIT_SCRIPT))
+    port = _free_port()
+    procs = []
+    try:
+        for rank in range(3):
+            env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="3", MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(port), PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+            procs.append(subprocess.Popen([sys.executable, str(script), name], cwd=tmp_path, env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        deadline = time.monotonic() + 150
+        outs = [p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    codes = [p.returncode for p in procs]
+    assert codes == [0, 0, 0], (codes, outs)
+    results = [(tmp_path / f"result{r}.txt").read_text() for r in range(3)]
+    assert results == ["[[3.0, 3.0], [3.0, 3.0]]"] * 3, results

@@ -68,7 +68,7 @@ from ..errors import FabricTimeout, IncompatibleError, InvalidValueError, Mismat
 from .base import Fabric, ServiceNotStarted, ServiceShutdown, Work
 from .stats import CommStats
 from .torch_failure import MAX_TAG, FailStop, decode_failure, encode_failure  # noqa: F401 (re-exported)
-from .torch_waiters import DirectWait, _Pending, _TorchWork, wait_any_blocking
+from .torch_waiters import DirectWait, _Pending, _TorchWork, gloo_wait, wait_any_blocking, waits_ended
 
 __all__ = ["TorchFabric", "ServiceNotStarted", "ServiceShutdown", "encode_failure", "decode_failure"]
 
@@ -298,7 +298,8 @@ class TorchFabric(FailStop, DirectWait, Fabric):
                                     f"{self.timeout_s:.6g} s")
             return
         try:
-            pend.work.wait(timedelta(seconds=self.timeout_s))
+            with gloo_wait():
+                pend.work.wait(timedelta(seconds=self.timeout_s))
             if pend.is_recv and pend.src is None:
                 pend.source = pend.work._source_rank()
         except RuntimeError as exc:
@@ -372,6 +373,28 @@ class TorchFabric(FailStop, DirectWait, Fabric):
                 return False
             time.sleep(_SERVICE_POLL_S)
         return True
+
+    def release(self, grace_s: float = 5.0) -> bool:
+        """End the run on this rank after its last collective, before its process group is destroyed
+        (the launcher calls it on every rank of a group it owns; :meth:`close` first). Once every rank has
+        got here (a counter in the store: no rank may still be inside the last collective), close this
+        rank's connections (the failure trip, without a failure), which ends every wait still posted on
+        them -- a service's receives from workers that have finished, a stale receive's helper thread --
+        and wait up to ``grace_s`` until no thread of this process is inside a gloo wait (True then).
+        A thread left blocked in one is woken when a peer's process exits; if this interpreter is then
+        finalizing, the thread is killed inside C++ code and the process aborts (SIGABRT)."""
+        if self._cuda or self.total_ranks < 2:
+            return True
+        key = self._shutdown_key + "/released"
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            self._store.add(key, 1)
+            while int(self._store.add(key, 0)) < self.total_ranks and time.monotonic() < deadline:
+                time.sleep(0.005)
+        except Exception:  # noqa: BLE001 - the store's host has left, which it does only once all arrived
+            pass
+        self._trip()
+        return waits_ended(grace_s)
 
     # --------------------------------------------------------------- services
     def service(self, name: str, main: Callable[[Fabric], None] | None = None, **link) -> int:

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from ..errors import REPORTABLE, FabricTimeout, PeerFailure
+from ..errors import REPORTABLE, FabricTimeout, PeerFailure, ServiceShutdown
 
 if TYPE_CHECKING:
     from .torch_waiters import _Pending
@@ -184,6 +184,8 @@ class FailStop:
         """The library's error for a point-to-point wait on ``pend`` that raised ``exc``."""
         if self._failure is not None:        # this rank tripped itself after a failure report
             return self._failure_error()
+        if self._closed:                     # the run is over (a wait left posted, ended by ``release``)
+            return ServiceShutdown("the run is over")
         peer = self._name(pend.src)
         if _timed_out(exc):
             return self._timed_out(

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -32,6 +34,38 @@ if TYPE_CHECKING:
     from .torch_fabric import TorchFabric
 
 _FOREVER = timedelta(days=365)
+
+#: how many threads of this process are inside a gloo wait now (notified on every exit from one).
+#: A thread blocked in one until its connection closes is woken by the close; if that happens while the
+#: interpreter finalizes, the thread is killed inside C++ code and the process aborts (std::terminate,
+#: SIGABRT), so :meth:`~sparsecomm.fabric.torch_failure.FailStop.release` waits for none to be left
+_IN_WAIT = threading.Condition()
+_in_wait = [0]
+
+
+@contextmanager
+def gloo_wait():
+    """Around a blocking gloo ``Work.wait()``: counted in :data:`_in_wait`."""
+    with _IN_WAIT:
+        _in_wait[0] += 1
+    try:
+        yield
+    finally:
+        with _IN_WAIT:
+            _in_wait[0] -= 1
+            _IN_WAIT.notify_all()
+
+
+def waits_ended(timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds until no thread but this one is inside a gloo wait (True then)."""
+    deadline = time.monotonic() + timeout
+    with _IN_WAIT:
+        while _in_wait[0] > 0:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            _IN_WAIT.wait(remaining)
+    return True
 
 
 class _Waiters:
@@ -106,7 +140,8 @@ class _Pending:
 
     def run(self) -> None:
         try:
-            self.work.wait(_FOREVER)
+            with gloo_wait():
+                self.work.wait(_FOREVER)
             if self.is_recv and self.src is None:
                 self.source = self.work._source_rank()
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
@@ -213,7 +248,8 @@ class DirectWait:
             self._poll_cuda(pend, None, False)
         else:
             try:
-                pend.work.wait(_FOREVER)
+                with gloo_wait():
+                    pend.work.wait(_FOREVER)
                 if pend.is_recv and pend.src is None:
                     pend.source = pend.work._source_rank()
             except RuntimeError as exc:

@@ -164,9 +164,12 @@ def _run_in_place(backend: str, fn: Callable, world_size: int, timeout_s: float,
         if owned:
             # Tear down what we set up while every rank is here (also when the results could not be
             # gathered: every rank raises that alike): left to interpreter exit, gloo's destructors race
-            # the fabric's waiter threads and abort ("terminate called ...").
+            # the fabric's waiter threads and abort ("terminate called ..."). After the last collective,
+            # release ends the waits still posted (a service's receives from the workers), whose threads
+            # would otherwise wake when a peer exits, maybe while this interpreter finalizes: an abort too.
             if fabric.failure is None:
                 dist.barrier()
+                fabric.release()
             dist.destroy_process_group()
     return gathered[:world_size]
 
