@@ -38,7 +38,7 @@ _FOREVER = timedelta(days=365)
 #: how many threads of this process are inside a gloo wait now (notified on every exit from one).
 #: A thread blocked in one until its connection closes is woken by the close; if that happens while the
 #: interpreter finalizes, the thread is killed inside C++ code and the process aborts (std::terminate,
-#: SIGABRT), so :meth:`~sparsecomm.fabric.torch_failure.FailStop.release` waits for none to be left
+#: SIGABRT), so :meth:`~sparsecomm.fabric.torch_fabric.TorchFabric.release` waits for none to be left
 _IN_WAIT = threading.Condition()
 _in_wait = [0]
 
@@ -57,7 +57,7 @@ def gloo_wait():
 
 
 def waits_ended(timeout: float) -> bool:
-    """Wait up to ``timeout`` seconds until no thread but this one is inside a gloo wait (True then)."""
+    """Wait up to ``timeout`` seconds until no thread of this process is inside a gloo wait (True then)."""
     deadline = time.monotonic() + timeout
     with _IN_WAIT:
         while _in_wait[0] > 0:

@@ -30,12 +30,11 @@ import math
 import queue
 import threading
 import time
+from contextlib import contextmanager
 
 import numpy as np
 import torch
 from numba import njit
-
-from contextlib import contextmanager
 
 from ..errors import FabricTimeout, InvalidValueError, MalformedMessage, ProtocolError, SparseCommError
 from ._handshake import _fail
