@@ -7,6 +7,11 @@ suite.
   transport exchanges before any packet goes to the switch (:mod:`sparsecomm.transports._handshake`), so a
   ring / native / omnireduce / switch worker reads it as its own transport's header: ``MismatchError``
   naming both transports.
+- A peer whose packets are corrupted on the way, or a sparse-switch peer that breaks its look-ahead: the
+  switch reports what it drops, a worker that refuses what it receives stops every rank.
+- DDP with a switch service: over the workers' group it runs; over the default group ``register`` refuses.
+- A job started as torchrun starts it (launch in place): every process exits with status 0.
+(The values -- fp16 sums, a huge value among small ones -- are the same on every fabric: ``test_faults.py``.)
 """
 
 from __future__ import annotations
