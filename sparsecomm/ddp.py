@@ -67,8 +67,9 @@ by parameter, or raises :class:`~sparsecomm.errors.MismatchError` (a state that 
 coordinate). Iteration 0 is always averaged uncompressed and bypasses the method;
 compression starts at iteration ``max(1, warmup_steps)``
 and iterations ``1 .. warmup_steps - 1`` are exact rounds of the method (warm-starting its state:
-the method is wrapped in :func:`sparsecomm.methods.warmup` with ``warmup_steps - 1`` rounds, counted
-in each state).
+the method is wrapped in :func:`sparsecomm.methods.warmup` with ``warmup_steps`` rounds, counted in
+each state from iteration 0, since a state's round count starts at the iteration of its first round);
+PowerSGD's ``start_powerSGD_iter`` counts the same way, so it means what it means in torch's hook.
 Buckets with fewer than ``min_compress_size`` elements are averaged uncompressed (per bucket: a DDP
 bucket mixes tensors). The process group, fabric and transport are never pickled (``__getstate__``);
 unpickling rebinds to the default process group. ``state_dict()``/``load_state_dict()`` checkpoint the
@@ -87,7 +88,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .errors import IncompatibleError, InvalidValueError
+from .errors import IncompatibleError, InvalidTypeError, InvalidValueError
 from .fabric.stats import CommStats
 from .pipeline import CommPipeline
 from .replicas import VERIFY_EVERY, check_verify_every, verify_replicas
@@ -183,7 +184,7 @@ class CommHookState:
         return CommPipeline(self.compressor, self.transport, method=self.method,
                             transport_kwargs=self.transport_kwargs or None,
                             fabric=_torch_fabric(self.process_group), seed=self.seed,
-                            warmup_steps=max(0, self.warmup_steps - 1),
+                            warmup_steps=self.warmup_steps,
                             sparse_rows=getattr(self, "sparse_rows", "gather"), **self.hyper)
 
     # ---------------------------------------------------------------- accessors
@@ -304,7 +305,15 @@ comm_hook.__annotations__.update(state=CommHookState, bucket=dist.GradBucket,
 
 def register(model: torch.nn.parallel.DistributedDataParallel, process_group: Any = None,
              **options: Any) -> CommHookState:
-    """``model.register_comm_hook(CommHookState(process_group, **options), comm_hook)``; returns the state."""
+    """``model.register_comm_hook(CommHookState(process_group, **options), comm_hook)``; returns the state.
+    ``model`` must be a :class:`~torch.nn.parallel.DistributedDataParallel` (the hook is DDP's): anything
+    else raises :class:`~sparsecomm.errors.InvalidTypeError` before any communication."""
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise InvalidTypeError(
+            f"sparsecomm.ddp.register installs a DDP communication hook, so it needs a model wrapped in "
+            f"torch.nn.parallel.DistributedDataParallel; got a {type(model).__name__}. Wrap it first "
+            f"(net = DistributedDataParallel(model); sparsecomm.ddp.register(net, ...)), or use "
+            f"sparsecomm.DistributedOptimizer(optimizer, ...) on the bare model")
     state = CommHookState(process_group, model=model, **options)
     sparse = [n for n, m in model.named_modules()
               if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse]

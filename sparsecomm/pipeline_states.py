@@ -19,9 +19,14 @@ class PipelineStates:
     """The state half of :class:`~sparsecomm.pipeline.CommPipeline`."""
 
     def _state_of(self, key: Hashable) -> MethodState:
+        """The state of ``key``; a new one counts the steps begun before this one as its rounds
+        (:attr:`MethodState.rounds` counts the frontend's steps, so that a schedule in rounds, such as
+        ``warmup_steps`` or PowerSGD's ``start_powerSGD_iter``, means the same steps under the optimizer,
+        whose first step is a round of the method, and under the DDP hook, whose first is not)."""
         ms = self.states.get(key)
         if ms is None:
             ms = self.states[key] = self.method.init()
+            ms.rounds = max(0, self.step - 1)
         return ms
 
     def keys(self) -> list[Hashable]:

@@ -254,3 +254,12 @@ def test_hook_sparse_embedding_matches_ddp_and_rejects_compression():
         for a, b in zip(r["builtin"], r["hook"]):
             torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
         assert "sparse" in r["reject"] and "DistributedOptimizer" in r["reject"] and "emb" in r["reject"]
+
+
+def test_register_needs_a_ddp_model():
+    """A bare module gets a library error that says to wrap it (before any process group is needed)."""
+    from sparsecomm.errors import InvalidTypeError
+
+    with pytest.raises(InvalidTypeError, match="DistributedDataParallel") as e:
+        sc.ddp.register(nn.Sequential(nn.Linear(2, 2)), compressor="powersgd")
+    assert "Sequential" in str(e.value) and "Wrap it first" in str(e.value)

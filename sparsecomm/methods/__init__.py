@@ -35,6 +35,7 @@ from sparsecomm.theory import compressors as th
 
 from .. import compressors
 from ..compressors.base import Compressor
+from ..deprecation import warn_renamed
 from ..errors import HyperParameterError, InvalidTypeError, UnknownNameError
 from ._registry import registry
 from .base import Method, MethodState
@@ -79,11 +80,33 @@ def dgc(ratio: float = th.DGC_RATIO, *, momentum: float = th.DGC_MOMENTUM,
                clip_norm=clip_norm)
 
 
-def powersgd(rank: int = 1, *, min_compression_rate: float = 2.0, start_iter: int = 0,
-             error_feedback: bool = True, warm_start: bool = True) -> PowerSGD:
-    """PowerSGD of ``rank`` (two rounds per step)."""
-    return PowerSGD(rank, min_compression_rate=min_compression_rate, start_iter=start_iter,
-                    error_feedback=error_feedback, warm_start=warm_start)
+def powersgd(matrix_approximation_rank: int = 1, *, start_powerSGD_iter: int = 0,
+             min_compression_rate: float = 2.0, use_error_feedback: bool = True, warm_start: bool = True,
+             rank: int | None = None, start_iter: int | None = None,
+             error_feedback: bool | None = None) -> PowerSGD:
+    """PowerSGD (two rounds per step) with the keywords of torch's ``PowerSGDState``, so that
+    ``powerSGD_hook`` moves over by name: ``matrix_approximation_rank``, ``start_powerSGD_iter`` (the
+    frontend's steps ``0 .. start_powerSGD_iter - 1`` are averaged uncompressed), ``min_compression_rate``,
+    ``use_error_feedback``, ``warm_start``. ``rank``, ``start_iter`` and ``error_feedback`` are
+    deprecated aliases (a :class:`FutureWarning`; ``rank`` read as the process rank)."""
+    given = {"matrix_approximation_rank": (rank, matrix_approximation_rank, 1),
+             "start_powerSGD_iter": (start_iter, start_powerSGD_iter, 0),
+             "use_error_feedback": (error_feedback, use_error_feedback, True)}
+    old_names = {"matrix_approximation_rank": "rank", "start_powerSGD_iter": "start_iter",
+                 "use_error_feedback": "error_feedback"}
+    value = {}
+    for new, (alias, current, default) in given.items():
+        value[new] = current
+        if alias is not None:
+            old = old_names[new]
+            if current != default and current != alias:
+                raise HyperParameterError(f"powersgd: {old}={alias!r} and {new}={current!r} given; {old} is "
+                                          f"the deprecated name of {new}: pass {new} only")
+            warn_renamed(f"powersgd's {old}=", f"{new}=")
+            value[new] = alias
+    return PowerSGD(value["matrix_approximation_rank"], start_powerSGD_iter=value["start_powerSGD_iter"],
+                    min_compression_rate=min_compression_rate, use_error_feedback=value["use_error_feedback"],
+                    warm_start=warm_start)
 
 
 def signsgd() -> SignSGD:

@@ -28,7 +28,9 @@ class MethodState:
     length: int | None = None
     shapes: tuple | None = None
     last_round: bool = False
-    #: rounds encoded so far (saved in checkpoints: wrappers such as :class:`Warmup` read it)
+    #: rounds encoded so far, counting the caller's steps before the state's first round (the pipeline
+    #: starts a state created at step ``s`` at ``s``); saved in checkpoints: :class:`Warmup` and
+    #: PowerSGD's ``start_powerSGD_iter`` read it
     rounds: int = 0
 
     def take_pending(self, method: str = "") -> Any:
