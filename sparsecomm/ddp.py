@@ -61,14 +61,24 @@ run restored from a checkpoint into a fresh DDP (any ``bucket_cap_mb``) is bit-i
 uninterrupted run whenever the transport's per-element sum does not depend on the layout either
 (allgather: rank order; any transport at 2 workers), as ``test_hook_resume_diana_randk_any_layout``
 checks. Other methods (several rounds, quantized payloads: PowerSGD, the sign methods) keep one state
-per bucket, keyed by a digest of its parameters' names, with their segments recorded
-(:meth:`CommPipeline.bind`): a state restored onto another layout is reassembled exactly, parameter
-by parameter, or raises :class:`~sparsecomm.errors.MismatchError` (a state that is not one value per
-coordinate). Iteration 0 is always averaged uncompressed and bypasses the method;
+per bucket, keyed by a digest of its parameters' names, with their segments and shapes recorded
+(:meth:`CommPipeline.bind`): a state restored onto another layout is split into one piece per
+parameter and rejoined, as the method declares its state splits
+(:meth:`~sparsecomm.methods.base.Method.state_sizes`: per coordinate by default; PowerSGD's warm-start
+Q per matrix), so it is reassembled exactly. **PowerSGD's resume** is bit-identical to the
+uninterrupted run (under the same condition on the transport) whenever no fresh Q is drawn on a layout
+the uninterrupted run did not draw on: with ``warm_start=True`` (the default) and a checkpoint taken
+after the first compressed step (any ``bucket_cap_mb``), or taken before it with at least one
+iteration between the restore and the first compressed step (the same ``bucket_cap_mb``), as
+``test_hook_resume_powersgd_exact`` checks. It is *not* bit-identical with ``warm_start=False``, or
+when the first iteration after the restore is the first compressed step: fresh Qs are drawn from the
+shared generator bucket by bucket (torch's ``powerSGD_hook`` order, which the parity with torch
+needs), and a restored process's first iteration has DDP's initial layout, so its draws follow other
+buckets than the uninterrupted run's. Iteration 0 is always averaged uncompressed and bypasses the method;
 compression starts at iteration ``max(1, warmup_steps)``
 and iterations ``1 .. warmup_steps - 1`` are exact rounds of the method (warm-starting its state:
-the method is wrapped in :func:`sparsecomm.methods.warmup` with ``warmup_steps`` rounds, counted in
-each state from iteration 0, since a state's round count starts at the iteration of its first round);
+the method is wrapped in :func:`sparsecomm.methods.warmup` with ``warmup_steps`` rounds: a state's round
+count starts at the number of iterations before its first round, so it counts iterations from 0);
 PowerSGD's ``start_powerSGD_iter`` counts the same way, so it means what it means in torch's hook.
 Buckets with fewer than ``min_compress_size`` elements are averaged uncompressed (per bucket: a DDP
 bucket mixes tensors). The process group, fabric and transport are never pickled (``__getstate__``);
@@ -229,7 +239,7 @@ class CommHookState:
                     if self.pipeline.per_parameter:
                         segments = segs          # state, generator and step per parameter
                     else:
-                        self.pipeline.bind(key, segs)
+                        self.pipeline.bind(key, segs, [p.shape for p in params])
             shape, dtype = buffer.shape, buffer.dtype
             inner = self.pipeline.start(flat, key, compress=compress, shapes=shapes,
                                         segments=segments)

@@ -97,6 +97,7 @@ class CommPipeline(PipelineStates, SparseRows):
         # the key that holds the current state of each named segment
         self._segments: dict[Hashable, tuple[tuple[str, int], ...]] = {}
         self._owner: dict[str, Hashable] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}      # each named segment's shape (bind)
 
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
         """This worker's compressor generator on ``device`` (``seed`` everywhere if shared, else

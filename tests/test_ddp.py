@@ -247,6 +247,34 @@ def test_hook_resume_diana_randk_any_layout():
         assert torch.equal(a, b)
 
 
+def _powersgd_resume(ctx):
+    # after the first compressed step (iterations 1..3 compressed before the checkpoint at 4): any layout
+    runs = [_resume_worker(ctx, dict(compressor="powersgd", matrix_approximation_rank=2, seed=5),
+                           resume_cap=cap, probe=False) for cap in (3_000, 60_000)]
+    # before it, with iterations in between: the first Qs are drawn on the same (rebuilt) layout
+    runs.append(_resume_worker(ctx, dict(compressor="powersgd", start_powerSGD_iter=6, seed=5), probe=False))
+    return runs
+
+
+@pytest.mark.multiprocess
+def test_hook_resume_powersgd_exact():
+    """PowerSGD through the hook keeps one state per bucket: the error per coordinate and the warm-start
+    Q per matrix (``PowerSGD.state_sizes``). Restored into a fresh DDP, whose first iteration has the
+    initial bucket layout and the next the rebuilt one (and, here, another ``bucket_cap_mb``), the state
+    is split per parameter and rejoined for each layout, and the run ends bit-identical to the
+    uninterrupted one: checkpointed after the first compressed step (warm start: no Q drawn after the
+    restore), or before it with an iteration between the restore and the first draw."""
+    res = sc.launch(_powersgd_resume, world_size=2, backend="gloo")
+    for runs in res:
+        for straight, resumed, n_keys, _ in runs:
+            assert n_keys >= 2
+            for a, b in zip(straight, resumed):
+                assert torch.equal(a, b)
+            assert any(not torch.equal(a, b.detach()) for a, b in zip(straight, Deep().parameters()))
+    for a, b in zip(res[0][0][0], res[1][0][0]):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.multiprocess
 def test_hook_sparse_embedding_matches_ddp_and_rejects_compression():
     res = sc.launch(_sparse_all, world_size=2, backend="gloo")

@@ -323,3 +323,32 @@ def test_torch_keywords_and_deprecated_aliases():
             assert sc.methods.get("powersgd", **{old: v}).hyper()[new] == v
     with pytest.raises(HyperParameterError, match="matrix_approximation_rank"):
         sc.methods.get("powersgd", rank=2, matrix_approximation_rank=3)
+
+
+def test_state_splits_per_tensor_and_rejoins_onto_another_layout():
+    """``state_sizes``: the error per coordinate, the warm-start Q per compressed matrix (m r values),
+    nothing for a tensor sent whole; split into one piece per tensor and joined in another grouping,
+    a bucket's state is the state that bucket would hold (what the DDP hook's ``bind`` does after a
+    bucket rebuild), and joining the pieces back gives the original bit for bit."""
+    from sparsecomm.errors import MismatchError
+    from sparsecomm.methods.state import join_state, split_state
+
+    gen = torch.Generator().manual_seed(9)
+    ms = [sc.methods.get("powersgd", matrix_approximation_rank=1) for _ in range(2)]
+    for step in range(2):
+        run_step(ms, [torch.randn(D, generator=gen) for _ in range(2)], step)
+    m, st = ms[0], ms[0].states[0].state
+    shapes = [torch.Size(s) for s in SHAPES]
+    assert m.state_sizes(shapes) == {"q": [6, 0, 10, 0]}
+    pieces = split_state(m, st, shapes)
+    assert [p.error.numel() for p in pieces] == [48, 5, 120, 6] and [p.q.numel() for p in pieces] == [6, 0, 10, 0]
+    back = join_state(m, pieces, shapes)
+    assert torch.equal(back.error, st.error) and torch.equal(back.q, st.q)
+    # another bucket holding (12, 10) then (5,): its Q is that matrix's, its error those coordinates
+    other = join_state(m, [pieces[2], pieces[1]], [shapes[2], shapes[1]])
+    assert torch.equal(other.q, st.q[6:]) and torch.equal(other.error, torch.cat([st.error[53:173], st.error[48:53]]))
+    # a bias-only bucket before any warm start holds no Q: joined with a matrix piece, the Q is the matrix's
+    bias = type(st)(error=torch.zeros(5), q=None)
+    assert torch.equal(join_state(m, [pieces[0], bias], [shapes[0], shapes[1]]).q, st.q[:6])
+    with pytest.raises(MismatchError, match="'q'"):
+        split_state(m, st, [torch.Size([D])])           # the shapes of another model

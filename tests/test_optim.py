@@ -146,7 +146,8 @@ def test_diana_randk_reaches_uncompressed_loss(transport):
 def _ckpt_run(ctx, transport, name, steps, resume_from=None, save_at=None):
     torch.manual_seed(0)
     model = tc.MLP(0)
-    comp, hyper = (("diana", {"ratio": 0.3}) if name == "diana" else ("topk", {"method": "ef", "ratio": 0.3}))
+    comp, hyper = {"diana": ("diana", {"ratio": 0.3}), "ef": ("topk", {"method": "ef", "ratio": 0.3}),
+                   "powersgd": ("powersgd", {"matrix_approximation_rank": 2})}[name]
     opt = sc.DistributedOptimizer(tc.make_inner(model), compressor=comp, seed=5,
                                   transport=transport, bucket_cap_mb=SMALL_CAP, **hyper)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
@@ -172,7 +173,7 @@ def _ckpt_run(ctx, transport, name, steps, resume_from=None, save_at=None):
     return [p.detach().clone() for p in model.parameters()], saved
 
 
-@pytest.mark.parametrize("name", ["diana", "ef"])
+@pytest.mark.parametrize("name", ["diana", "ef", "powersgd"])
 def test_checkpoint_resume_identical(name):
     transport = "allgather"
     world, steps, k = 3, 7, 3

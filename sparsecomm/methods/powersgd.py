@@ -3,7 +3,7 @@ distributed optimization", NeurIPS 2019 (the algorithm as torch's ``powerSGD_hoo
 
 Each tensor of the bucket is viewed as an n x m matrix M = (grad + e)_j (``theory.powersgd_matrix``);
 those worth it (``theory.powersgd_compresses``: (n+m) r * min_compression_rate < n m) get rank
-r = min(n, m, rank), the others travel whole. Two aggregation rounds per step::
+r = min(n, m, matrix_approximation_rank), the others travel whole. Two aggregation rounds per step::
 
     round 1: send [uncompressed tensors, P_j = M_j Q_j]          Q_j: warm start (last step's mean Q,
     round 2: P^_j = orth(sum_w P_j);  send Q_j = M_j^T P^_j              orthonormalised) or Gaussian
@@ -12,13 +12,30 @@ r = min(n, m, rank), the others travel whole. Two aggregation rounds per step::
 
 The estimate is P^ P^^T mean_w M_w, a projection of the mean (linear in the workers' matrices, hence
 summable by every transport as dense payloads). Q is drawn from the pipeline's generator, shared by
-every worker (``shared_randomness``), matrix by matrix in torch's order: seeded alike, this method and
-``powerSGD_hook`` follow the same trajectory to float rounding (tests/test_methods_powersgd.py).
-``start_iter`` (torch's ``start_powerSGD_iter``): the first ``start_iter`` steps of a bucket are
-exact rounds (plain averaging, error flushed); the optimizer's and the DDP hook's ``warmup_steps`` do
-the same for every method. Orthogonalisation is a reduced QR
-(sign conventions cancel in P^ P^^T; a zero sum still yields an orthonormal basis, never NaN), in
-float32 for bfloat16/float16 buckets (the bases are rounded back to the bucket's dtype).
+every worker (``shared_randomness``), matrix by matrix in torch's order, bucket by bucket: seeded alike,
+this method and ``powerSGD_hook`` follow the same trajectory to float rounding
+(tests/test_methods_powersgd.py). The keywords are torch's ``PowerSGDState``'s
+(``matrix_approximation_rank``, ``start_powerSGD_iter``, ``min_compression_rate``,
+``use_error_feedback``, ``warm_start``), so moving from ``powerSGD_hook`` to
+``sparsecomm.ddp.register(model, compressor="powersgd", ...)`` keeps them. ``start_powerSGD_iter``:
+the steps ``0 .. start_powerSGD_iter - 1`` of the optimizer or the DDP hook are exact rounds (plain
+averaging, error flushed), as torch counts its iterations (the rounds of a
+:class:`~sparsecomm.methods.state.MethodState` count the frontend's steps); the optimizer's and the
+DDP hook's ``warmup_steps`` do the same for every method.
+
+**State and resume.** A bucket's state is the error (per coordinate) and the warm-start Q (m_j r_j
+values per compressed matrix, r_j from the matrix's shape and the hyper-parameters): it splits into
+one piece per tensor (:meth:`PowerSGD.state_sizes`), so the DDP hook remaps it exactly onto another
+bucket layout. A resume is bit-exact (given a transport whose sum does not depend on the layout) unless
+fresh Qs are drawn on a layout other than the uninterrupted run's: under the DDP hook that is the
+case with ``warm_start=False`` (fresh Qs every step) or when the first iteration after the restore,
+which has DDP's initial bucket layout, is the first compressed step; :mod:`sparsecomm.ddp` states the
+exact cases. Under :class:`~sparsecomm.DistributedOptimizer` the layout is fixed and a resume is
+always bit-exact.
+
+Orthogonalisation is a reduced QR (sign conventions cancel in P^ P^^T; a zero sum still yields an
+orthonormal basis, never NaN), in float32 for bfloat16/float16 buckets (the bases are rounded back to
+the bucket's dtype).
 """
 
 from __future__ import annotations
@@ -96,10 +113,15 @@ class PowerSGD(Method):
                 "start_powerSGD_iter": self.start_powerSGD_iter, "min_compression_rate": self.min_compression_rate,
                 "use_error_feedback": self.use_error_feedback, "warm_start": self.warm_start}
 
-    def _layout(self, ms, d):
+    def state_sizes(self, shapes):
+        """The error is per coordinate; the warm-start ``q`` holds m_j r_j values per compressed
+        matrix, none for a tensor sent whole."""
+        return {"q": [m * r for _, _, _, m, r in self._layout(shapes)]}
+
+    def _layout(self, shapes):
         """(offset, numel, n, m, r) of every tensor; r = 0 for those sent whole."""
         out, off = [], 0
-        for s in ms.shapes_of(d):
+        for s in shapes:
             n, m = th.powersgd_matrix(s)
             rank = self.matrix_approximation_rank
             r = min(n, m, rank) if th.powersgd_compresses(n, m, rank, self.min_compression_rate) else 0
@@ -118,7 +140,7 @@ class PowerSGD(Method):
             st.error.zero_()
             ms.pending = ("exact",)
             return dense_payload(mat)
-        lay = self._layout(ms, grad.numel())
+        lay = self._layout(ms.shapes_of(grad.numel()))
         nq = sum(m * r for _, _, _, m, r in lay)
         if st.q is None or not self.warm_start or st.q.numel() != nq:
             st.q = _gaussian_q(lay, _need(generator), grad)
