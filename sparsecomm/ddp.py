@@ -48,9 +48,9 @@ every forward with ``broadcast_buffers=True``), so the hook adds nothing there.
 
 :class:`CommHookState` follows ``PowerSGDState``: hyper-parameters (compressor, method, transport,
 ``warmup_steps``, ``min_compress_size``, ``seed``) apart from internal state (the method's per-bucket
-state, the generator, the iteration counter). The method state is keyed by the *parameters* (their
-names, known when the state is built by :func:`register` or given ``model=``; else by
-``bucket.index()``): DDP rebuilds its buckets after the first iteration (also after a restore into a
+state, the generator, the step counter :attr:`CommHookState.steps`; a step is one DDP iteration).
+The method state is keyed by the *parameters* (their names, known when the state is built by :func:`register` or given ``model=``; else by
+``bucket.index()``): DDP rebuilds its buckets after the first step (also after a restore into a
 fresh process), so nothing may depend on the layout. A one-round method whose payloads concatenate
 (``dense``, ``aligned``, ``sparse``: EF, EF21, DIANA, DGC around top-k, rand-k, ...) runs *per
 parameter* (:attr:`CommPipeline.per_parameter`): each parameter has its own state, its own compressor
@@ -69,17 +69,18 @@ Q per matrix), so it is reassembled exactly. **PowerSGD's resume** is bit-identi
 uninterrupted run (under the same condition on the transport) whenever no fresh Q is drawn on a layout
 the uninterrupted run did not draw on: with ``warm_start=True`` (the default) and a checkpoint taken
 after the first compressed step (any ``bucket_cap_mb``), or taken before it with at least one
-iteration between the restore and the first compressed step (the same ``bucket_cap_mb``), as
+step between the restore and the first compressed step (the same ``bucket_cap_mb``), as
 ``test_hook_resume_powersgd_exact`` checks. It is *not* bit-identical with ``warm_start=False``, or
-when the first iteration after the restore is the first compressed step: fresh Qs are drawn from the
+when the first step after the restore is the first compressed step: fresh Qs are drawn from the
 shared generator bucket by bucket (torch's ``powerSGD_hook`` order, which the parity with torch
-needs), and a restored process's first iteration has DDP's initial layout, so its draws follow other
-buckets than the uninterrupted run's. Iteration 0 is always averaged uncompressed and bypasses the method;
-compression starts at iteration ``max(1, warmup_steps)``
-and iterations ``1 .. warmup_steps - 1`` are exact rounds of the method (warm-starting its state:
+needs), and a restored process's first step has DDP's initial layout, so its draws follow other
+buckets than the uninterrupted run's. Step 0 is always averaged uncompressed and bypasses the method;
+compression starts at step ``max(1, warmup_steps)``
+and steps ``1 .. warmup_steps - 1`` are exact rounds of the method (warm-starting its state:
 the method is wrapped in :func:`sparsecomm.methods.warmup` with ``warmup_steps`` rounds: a state's round
-count starts at the number of iterations before its first round, so it counts iterations from 0);
-PowerSGD's ``start_powerSGD_iter`` counts the same way, so it means what it means in torch's hook.
+count starts at the number of steps before its first round, so it counts steps from 0);
+PowerSGD's ``start_powerSGD_iter`` counts the same way, so it means what it means in torch's hook
+(whose iterations are these steps).
 Buckets with fewer than ``min_compress_size`` elements are averaged uncompressed (per bucket: a DDP
 bucket mixes tensors). The process group, fabric and transport are never pickled (``__getstate__``);
 unpickling rebinds to the default process group. ``state_dict()``/``load_state_dict()`` checkpoint the
@@ -98,6 +99,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .deprecation import warn_renamed
 from .errors import IncompatibleError, InvalidTypeError, InvalidValueError
 from .fabric.stats import CommStats
 from .pipeline import CommPipeline
@@ -132,7 +134,7 @@ class CommHookState:
     sparse_rows="gather", verify_replicas_every=VERIFY_EVERY, **hyper)``;
     ``model`` (the DDP module) names the parameters that key the method state (and those the replica
     guard checks: ``verify_replicas_every=N`` compares the workers' parameters at the start of every
-    N-th iteration and raises :class:`~sparsecomm.errors.MismatchError` on every worker, naming the
+    N-th step and raises :class:`~sparsecomm.errors.MismatchError` on every worker, naming the
     first parameter that differs, :func:`sparsecomm.replicas.verify_replicas`; 0 turns it off);
     ``compressor``,
     ``method``, ``transport`` and ``**hyper`` as for :class:`~sparsecomm.DistributedOptimizer`
@@ -164,7 +166,8 @@ class CommHookState:
         if model is not None:
             self.set_model(model)
         # internal state
-        self.iter = 0
+        #: steps (DDP iterations: backward passes) the hook has completed
+        self.steps = 0
         self._iter_started = False
         #: the library error that failed a bucket's communication (DDP's backward re-raises it as a
         #: ``RuntimeError`` whose text names it: torch's C++ layer keeps only the text), else None
@@ -200,14 +203,22 @@ class CommHookState:
     # ---------------------------------------------------------------- accessors
     @property
     def last_stats(self) -> CommStats:
-        """The last iteration's CommStats summed over buckets (so far, during an iteration)."""
+        """The last step's CommStats summed over buckets (so far, during a step)."""
         return self.pipeline.last_stats
 
+    @property
+    def iter(self) -> int:
+        """Deprecated name of :attr:`steps` (torch's ``PowerSGDState.iter``)."""
+        warn_renamed("CommHookState.iter", "CommHookState.steps")
+        return self.steps
+
     def compression_stats(self) -> dict[str, float]:
-        """Cumulative bytes before/after compression, their ratio (declared), and the transport's
-        counters with the ratio measured on the wire (``ratio_sent``, ``sent_over_declared``)."""
+        """Cumulative bytes before/after compression and their ``compression_factor`` (declared), the
+        transport's counters with the factor measured on the wire (``compression_factor_sent``,
+        ``sent_over_declared``: :meth:`~sparsecomm.compression_stats.CompressionStats.as_dict`), and
+        ``steps``, as the optimizer's (``iterations``: its deprecated name)."""
         d = self.pipeline.totals().as_dict()
-        d["iterations"] = self.iter
+        d["steps"] = self.steps
         return d
 
     # ---------------------------------------------------------------- hook body
@@ -222,15 +233,15 @@ class CommHookState:
         and typed as ``buffer`` (a sparse buffer gives the coalesced sparse average)."""
         if not self._iter_started:
             every = self.verify_replicas_every
-            if every and self.iter and self.iter % every == 0 and self._checked:
-                verify_replicas(self.pipeline.fabric, self._checked, when=f"at iteration {self.iter}")
+            if every and self.steps and self.steps % every == 0 and self._checked:
+                verify_replicas(self.pipeline.fabric, self._checked, when=f"at step {self.steps}")
             self.pipeline.begin_step()
             self._iter_started = True
         try:
             if buffer.is_sparse:
                 return self._start_sparse(buffer, index, params)
             flat = buffer.reshape(-1)
-            compress = self.iter >= 1 and flat.numel() >= self.min_compress_size
+            compress = self.steps >= 1 and flat.numel() >= self.min_compress_size
             key, segments = index, None
             if params is not None and compress:
                 key = self.bucket_key(params, index)
@@ -248,7 +259,7 @@ class CommHookState:
             return work
         finally:
             if is_last:
-                self.iter += 1
+                self.steps += 1
                 self._iter_started = False
 
     def _reshaped(self, w: CommWork, shape: torch.Size, dtype: torch.dtype) -> tuple[Any, BaseException | None]:
@@ -266,11 +277,11 @@ class CommHookState:
 
     # ---------------------------------------------------------------- checkpoints / pickling
     def state_dict(self) -> dict[str, Any]:
-        return {"pipeline": self.pipeline.state_dict(), "iter": self.iter}
+        return {"pipeline": self.pipeline.state_dict(), "steps": self.steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.pipeline.load_state_dict(state["pipeline"])
-        self.iter = int(state["iter"])
+        self.steps = int(state["steps"] if "steps" in state else state["iter"])   # ("iter": older checkpoints)
         self._iter_started = False
 
     def __getstate__(self) -> dict[str, Any]:

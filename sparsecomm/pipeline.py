@@ -237,7 +237,7 @@ class CommPipeline(PipelineStates, SparseRows):
                 if check and not _finite(agg):
                     if not bool(torch.isnan(agg).any()):
                         # inputs were finite (checked) and no worker sent NaN: narrow floats (fp16) summed
-                        # in their own dtype overflowed; say so (OverflowError_, on every worker)
+                        # in their own dtype overflowed; say so (SumOverflowError, on every worker)
                         check_sum_finite(p, agg, f"transport {self.transport.name!r}")
                     _check_aggregate(agg, key)
                 else:       # narrow floats summed in their dtype: an overflow is not a passed-through NaN

@@ -36,7 +36,11 @@ def _worker(ctx, steps: int, compressed: dict):
     out = {}
     out["builtin"], _ = _run(ctx, "builtin", steps)
     out["hook"], state = _run(ctx, "hook", steps, compressor="none")
-    out["iter"] = state.iter
+    out["iter"] = state.steps
+    with pytest.warns(FutureWarning, match="use CommHookState.steps"):
+        out["iter_alias"] = state.iter
+    with pytest.warns(FutureWarning, match="'steps'"):
+        out["iterations_key"] = state.compression_stats()["iterations"]
     out["transport"] = state.pipeline.transport.name
     # a compressed method under DDP: every rank ends with the same parameters; the state pickles
     # without its process group and comes back bound to the default group with the same state
@@ -45,7 +49,7 @@ def _worker(ctx, steps: int, compressed: dict):
     back = pickle.loads(blob)
     out["pickle_has_pg"] = b"ProcessGroup" in blob or b"Fabric" in blob
     sd, sd2 = st.state_dict(), back.state_dict()
-    out["roundtrip"] = (sd["iter"] == sd2["iter"] and
+    out["roundtrip"] = (sd["steps"] == sd2["steps"] and
                         all(torch.equal(a.error, back.pipeline.state(k).error)
                             for k, a in ((k, st.pipeline.state(k)) for k in st.pipeline.keys())))
     out["keys"] = sorted(st.pipeline.keys())
@@ -66,12 +70,12 @@ def test_hook_equals_builtin_allreduce_gloo():
         for a, b, c in zip(r["builtin"], r["hook"], ref):
             torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
             torch.testing.assert_close(b, c, rtol=0, atol=1e-6)
-        assert r["iter"] == STEPS
+        assert r["iter"] == r["iter_alias"] == r["iterations_key"] == STEPS
         assert not r["pickle_has_pg"] and r["roundtrip"]
         # keyed by parameters (EF + top-k runs per parameter: one state per parameter name)
         assert r["keys"] == [("param", n) for n in ("module.l1.bias", "module.l1.weight", "module.l2.bias",
                                                     "module.l2.weight")]
-        assert r["stats"]["ratio"] > 1
+        assert r["stats"]["compression_factor"] > 1 and r["stats"]["steps"] == STEPS
     for a, b in zip(res[0]["ef"], res[1]["ef"]):
         assert torch.equal(a, b)
     # the compressed run really differs from the uncompressed one

@@ -134,7 +134,17 @@ del _name, _factory, _cls
 
 
 def available() -> list[str]:
+    """The registered methods (``compressor=`` of the optimizer and the DDP hook takes these names as
+    well as the compressors': :func:`compressor_choices` lists both)."""
     return registry.available()
+
+
+def compressor_choices() -> dict[str, list[str]]:
+    """Every name ``compressor=`` of :class:`~sparsecomm.DistributedOptimizer` and of the DDP hook
+    accepts (:func:`build`): ``{"methods": [...], "compressors": [...]}``. A method name builds that
+    method with its default compressor; a compressor name builds method ``method=`` (``"none"`` by
+    default) around it (``sc.compressors.available()`` lists only the compressors)."""
+    return {"methods": available(), "compressors": compressors.available()}
 
 
 def wraps_compressor(name: str) -> bool:
@@ -184,7 +194,8 @@ def build(compressor: str | Compressor | Method = "none", method: str | None = N
         return get(compressor, **hyper)
     if isinstance(compressor, str) and compressor not in compressors.registry:
         raise UnknownNameError(f"unknown compressor or method {compressor!r}; methods: {', '.join(available())}; "
-                               f"compressors: {', '.join(compressors.available())}")
+                               f"compressors: {', '.join(compressors.available())} "
+                               f"(sparsecomm.methods.compressor_choices() lists both)")
     if not isinstance(compressor, (str, Compressor)):
         raise InvalidTypeError(f"compressor must be a name, a Compressor or a Method, got {compressor!r}")
     mname = method or "none"
@@ -195,5 +206,5 @@ def build(compressor: str | Compressor | Method = "none", method: str | None = N
     return get(mname, compressor=compressor, **hyper)
 
 
-__all__ = ["Method", "MethodState", "Warmup", "warmup", "get", "build", "available", "registry",
-           "wraps_compressor", "none", "ef", "ef21", "diana", "dgc", "powersgd", "signsgd", "signum", "onebit"]
+__all__ = ["Method", "MethodState", "Warmup", "warmup", "get", "build", "available", "compressor_choices",
+           "registry", "wraps_compressor", "none", "ef", "ef21", "diana", "dgc", "powersgd", "signsgd", "signum", "onebit"]
