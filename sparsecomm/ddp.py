@@ -43,6 +43,12 @@ once by default, ``sparse_rows="transport"`` for the two rounds through the tran
 coalesced sparse average. A compressing method is rejected by :func:`register` with an error naming
 the alternatives (plain averaging, or :class:`~sparsecomm.DistributedOptimizer`).
 
+**Settings**: building the state is a collective: every worker checks that every worker built it with
+the same settings (method, compressor, their hyper-parameters, transport and options, ``warmup_steps``,
+``seed``, ``min_compress_size``, ...: :func:`sparsecomm.settings.agree`) and raises
+:class:`~sparsecomm.errors.MismatchError` naming the first that differs, with both values and both
+workers.
+
 **Replicas**: DDP itself broadcasts rank 0's parameters and buffers at construction (and buffers at
 every forward with ``broadcast_buffers=True``), so the hook adds nothing there.
 
@@ -104,6 +110,7 @@ from .errors import IncompatibleError, InvalidTypeError, InvalidValueError
 from .fabric.stats import CommStats
 from .pipeline import CommPipeline
 from .replicas import VERIFY_EVERY, check_verify_every, verify_replicas
+from .settings import agree
 from .transports.base import CommWork
 
 _HYPER = ("compressor", "transport", "method", "transport_kwargs", "warmup_steps", "min_compress_size",
@@ -161,6 +168,7 @@ class CommHookState:
         # binding (never pickled)
         self.process_group = process_group
         self.pipeline = self._build()
+        self._agree()
         self.param_names: dict[int, str] = {}
         self._checked: list[tuple[str, torch.Tensor]] = []     # what the replica guard compares
         if model is not None:
@@ -192,6 +200,13 @@ class CommHookState:
                                     "unpickling it or building it without model=")
             return index
         return "p:" + hashlib.blake2b("\x00".join(names).encode(), digest_size=8).hexdigest()
+
+    def _agree(self) -> None:
+        """Check, on every worker, that every worker built its hook state with the same settings
+        (:func:`sparsecomm.settings.agree`: a collective, at construction and at unpickling)."""
+        agree(self.pipeline.fabric, "sparsecomm.ddp hook state", self.pipeline.settings() + [
+            ("min_compress_size", repr(self.min_compress_size)),
+            ("verify_replicas_every", repr(self.verify_replicas_every))])
 
     def _build(self) -> CommPipeline:
         return CommPipeline(self.compressor, self.transport, method=self.method,
@@ -293,6 +308,7 @@ class CommHookState:
             setattr(self, k, v)
         self.process_group = None          # rebinds to the default process group
         self.pipeline = self._build()
+        self._agree()
         self.param_names, self._checked = {}, []
         self.error = None
         self.load_state_dict(d["state"])

@@ -62,6 +62,14 @@ back as a coalesced sparse tensor over the union of the rows, as DDP's sparse al
 are scattered into the bucket, which goes through the method as a dense bucket, and ``p.grad`` comes back
 sparse (the rows whose estimate is non-zero).
 
+**Settings.** At construction every worker checks that every worker was built with the same settings
+(the method, the compressor and their hyper-parameters, the transport and ``transport_kwargs``,
+``warmup_steps``, ``seed``, ``nonfinite``, ``sparse_rows``, ``bucket_cap_mb``, ``min_compress_size``,
+``init_sync``, ``verify_replicas_every``: :func:`sparsecomm.settings.agree`, a digest per worker): a
+difference raises :class:`~sparsecomm.errors.MismatchError` on every worker, naming the first setting
+that differs with both values and both workers (``ratio of compressor 'randk' is 0.25 on worker 0 and
+0.1 on worker 1``).
+
 **Replicas.** ``init_sync="broadcast"`` (default): at construction rank 0's parameters (and the
 buffers of ``module=``, if given) are copied to every worker, as DDP does, after checking that every
 worker has the same shapes and dtypes (:class:`~sparsecomm.errors.MismatchError` on every worker
@@ -143,6 +151,7 @@ from .pipeline import CommPipeline
 from .resolve import AUTO_ORDER, build_transport, check_pair, default_fabric
 from .transports.base import CommWork, Transport
 from .replicas import VERIFY_EVERY, check_verify_every, sync_replicas, verify_replicas
+from .settings import agree
 
 __all__ = ["DistributedOptimizer", "AUTO_ORDER", "CompressionStats", "build_transport", "check_pair",
            "default_fabric"]
@@ -220,6 +229,9 @@ class DistributedOptimizer(BucketRounds):
         self._sc_in_step = False
         self._sc_verify_every = check_verify_every(verify_replicas_every)
         self._sc_names = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
+        agree(self._sc_pipeline.fabric, "DistributedOptimizer", self._sc_pipeline.settings() + [
+            ("bucket_cap_mb", repr(float(bucket_cap_mb))), ("min_compress_size", repr(int(min_compress_size))),
+            ("init_sync", repr(init_sync)), ("verify_replicas_every", repr(self._sc_verify_every))])
         if init_sync != "off":
             tensors = [p for g in self.param_groups for p in g["params"]]
             if module is not None:
