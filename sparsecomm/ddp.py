@@ -105,6 +105,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import step_size
 from .deprecation import warn_renamed
 from .errors import IncompatibleError, InvalidTypeError, InvalidValueError
 from .fabric.stats import CommStats
@@ -173,6 +174,8 @@ class CommHookState:
         self._checked: list[tuple[str, torch.Tensor]] = []     # what the replica guard compares
         if model is not None:
             self.set_model(model)
+        if self.pipeline.rank == 0:
+            step_size.check(self.step_size_hint, [], "state.step_size_hint")
         # internal state
         #: steps (DDP iterations: backward passes) the hook has completed
         self.steps = 0
@@ -186,6 +189,13 @@ class CommHookState:
         guard checks its parameters that require grad."""
         self.param_names = {id(p): n for n, p in model.named_parameters()}
         self._checked = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+    @property
+    def step_size_hint(self) -> step_size.StepSizeHint:
+        """What theory says about the step size of this method (:mod:`sparsecomm.step_size`), at the sizes
+        of the model's parameters (:meth:`set_model`; unknown without it)."""
+        sizes = [p.numel() for _, p in self._checked if p.numel() >= self.min_compress_size]
+        return step_size.hint(self.pipeline.method, self.pipeline.world_size, sizes)
 
     def bucket_key(self, params: list[torch.Tensor], index: int) -> Any:
         """The state key of a bucket holding ``params``: a digest of their names (else the index)."""

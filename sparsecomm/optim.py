@@ -144,7 +144,8 @@ from .fabric.base import Fabric
 from .fabric.stats import CommStats
 from .methods.base import Method
 from .bucket_rounds import BucketRounds
-from .buckets import Bucket as _Bucket
+from . import step_size
+from .buckets import Bucket as _Bucket, layout as _bucket_layout
 from .compression_stats import CompressionStats
 from .pipeline import CommPipeline
 # the builders, re-exported: ``sparsecomm.optim.check_pair`` etc. are documented names
@@ -229,6 +230,12 @@ class DistributedOptimizer(BucketRounds):
         self._sc_in_step = False
         self._sc_verify_every = check_verify_every(verify_replicas_every)
         self._sc_names = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
+        #: what theory says about the step size of this method (:mod:`sparsecomm.step_size`)
+        compressed = [b.numel for b in _bucket_layout(self._trainable(), self._sc_cap_bytes, self._sc_min_compress)
+                      if b.compress]
+        self.step_size_hint = step_size.hint(self.method, self._sc_pipeline.world_size, compressed)
+        if self._sc_pipeline.rank == 0:
+            step_size.check(self.step_size_hint, [g.get("lr") for g in self.param_groups], "opt.step_size_hint")
         agree(self._sc_pipeline.fabric, "DistributedOptimizer", self._sc_pipeline.settings() + [
             ("bucket_cap_mb", repr(float(bucket_cap_mb))), ("min_compress_size", repr(int(min_compress_size))),
             ("init_sync", repr(init_sync)), ("verify_replicas_every", repr(self._sc_verify_every))])

@@ -32,8 +32,8 @@ LAYERS: list[tuple[str, ...]] = [
      "nonfinite", "compression_stats"),  # the pipeline's NaN/Inf rule and byte counts
     ("launch",),                       # run fn on n workers (threads over SimFabric, or real processes)
     ("resolve", "sparse_rows",         # names -> method, transport; row-sparse rounds;
-     "pipeline_states", "settings"),   # the per-key method states and checkpoints; the configuration
-                                       # the workers agree on
+     "pipeline_states", "settings",    # the per-key method states and checkpoints; the configuration
+     "step_size"),                     # the workers agree on; the step size theory prescribes
     ("pipeline", "netbed", "buckets"),  # method -> transport -> method; an emulated rack (a launch
                                        # backend); gradient -> flat buckets
     ("bucket_rounds",),                # the optimizer's synchronisation over its buckets

@@ -81,15 +81,21 @@ def test_a_forged_settings_header_is_malformed():
 
 
 def _hook(ctx, per_rank):
+    import warnings
+
     from sparsecomm import ddp as scddp
+    from sparsecomm.step_size import StepSizeWarning
 
     net = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4)))
     kw = {k: (v[ctx.rank] if isinstance(v, list) else v) for k, v in per_rank.items()}
     try:
-        scddp.register(net, **kw)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            state = scddp.register(net, **kw)
     except MismatchError as e:
         return str(e)
-    return None
+    # built alike: the step-size hint at the parameters' sizes, warned on rank 0 only
+    return state.step_size_hint, [str(w.message) for w in caught if issubclass(w.category, StepSizeWarning)]
 
 
 def _hooks(ctx):
@@ -106,4 +112,6 @@ def test_the_hook_names_the_differing_setting_on_every_gloo_rank():
                f"(this is worker {rank})" in rank_msg
         assert "sparsecomm.ddp hook state" in rank_msg
         assert f"method is 'diana' on worker 0 and 'ef21' on worker 1 (this is worker {rank})" in method_msg
-        assert same is None
+        hint, warned = same             # DIANA + rand-k(0.25): omega = 3 on the 16x16 and 4x16 weights
+        assert hint.variance == "omega" and hint.factor == pytest.approx(3.0) and hint.n_eff == 1
+        assert len(warned) == (1 if rank == 0 else 0) and (not warned or "state.step_size_hint" in warned[0])
