@@ -55,12 +55,12 @@ every forward with ``broadcast_buffers=True``), so the hook adds nothing there.
 :class:`CommHookState` follows ``PowerSGDState``: hyper-parameters (compressor, method, transport,
 ``warmup_steps``, ``min_compress_size``, ``seed``) apart from internal state (the method's per-bucket
 state, the generator, the step counter :attr:`CommHookState.steps`; a step is one DDP iteration).
-The method state is keyed by the *parameters* (their names, known when the state is built by :func:`register` or given ``model=``; else by
-``bucket.index()``): DDP rebuilds its buckets after the first step (also after a restore into a
-fresh process), so nothing may depend on the layout. A one-round method whose payloads concatenate
-(``dense``, ``aligned``, ``sparse``: EF, EF21, DIANA, DGC around top-k, rand-k, ...) runs *per
-parameter* (:attr:`CommPipeline.per_parameter`): each parameter has its own state, its own compressor
-generator (seeded from ``seed`` and its name) and its own constants (rand-k's ``k``, DIANA's
+The method state is keyed by the *parameters* (their names, known when the state is built by
+:func:`register` or given ``model=``; else by ``bucket.index()``): DDP rebuilds its buckets after the
+first step (also after a restore into a fresh process), so nothing may depend on the layout. A
+one-round method whose payloads concatenate (``dense``, ``aligned``, ``sparse``: EF, EF21, DIANA, DGC
+around top-k, rand-k, ...) runs *per parameter* (:attr:`CommPipeline.per_parameter`): each
+parameter has its own state, its own compressor generator (seeded from ``seed`` and its name) and its own constants (rand-k's ``k``, DIANA's
 ``alpha``), the parameters' payloads travel concatenated as the bucket's one message, and the
 aggregate is decoded slice by slice. **Promise**: the numbers do not depend on the bucket layout, so a
 run restored from a checkpoint into a fresh DDP (any ``bucket_cap_mb``) is bit-identical to the

@@ -104,7 +104,9 @@ def _error(what: str, mine: list[Setting], theirs: list[Setting], r: int, rank: 
     elif a is None and b is None:
         detail = f"their settings differ beyond the first {TEXT_BYTES} bytes of their description"
     else:
-        show = (lambda s, w: f"worker {w} has {s[0]} = {s[1]}" if s is not None else f"worker {w} has no further setting")
+        def show(s: Setting | None, w: int) -> str:
+            return f"worker {w} has {s[0]} = {s[1]}" if s is not None else f"worker {w} has no further setting"
+
         detail = f"{show(a, 0)} where {show(b, r)}"
     return MismatchError(f"{what}: the workers were built with different settings: {detail} (this is worker "
                          f"{rank}); every worker must pass the same method, compressor, transport and options")

@@ -15,9 +15,9 @@ The theory does not know the problem's smoothness L, so the hint is a factor, no
 warning is given for the methods whose step bound carries the variance factor (DIANA, and method
 ``"none"`` around an unbiased compressor: DCGD), when the scale is below :data:`WARN_BELOW`, i.e.
 when the optimizer's learning rate is more than that many times what theory allows *if* it was chosen
-for uncompressed training. Not for EF21 (its theoretical step is known to be conservative: its
-authors scale it up by tuned multipliers) nor for methods with no bound of this form (EF, PowerSGD,
-DGC, the sign methods: :func:`~sparsecomm.theory.rates.step_scale` returns ``None``).
+for uncompressed training. Not for EF21 (its theoretical step is conservative: the EF21 experiments
+run multiples 1, 2, 4, ... of it, arXiv 2106.05203) nor for methods with no bound of this form (EF,
+PowerSGD, DGC, the sign methods: :func:`~sparsecomm.theory.rates.step_scale` returns ``None``).
 """
 
 from __future__ import annotations

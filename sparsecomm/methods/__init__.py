@@ -89,24 +89,20 @@ def powersgd(matrix_approximation_rank: int = 1, *, start_powerSGD_iter: int = 0
     frontend's steps ``0 .. start_powerSGD_iter - 1`` are averaged uncompressed), ``min_compression_rate``,
     ``use_error_feedback``, ``warm_start``. ``rank``, ``start_iter`` and ``error_feedback`` are
     deprecated aliases (a :class:`FutureWarning`; ``rank`` read as the process rank)."""
-    given = {"matrix_approximation_rank": (rank, matrix_approximation_rank, 1),
-             "start_powerSGD_iter": (start_iter, start_powerSGD_iter, 0),
-             "use_error_feedback": (error_feedback, use_error_feedback, True)}
-    old_names = {"matrix_approximation_rank": "rank", "start_powerSGD_iter": "start_iter",
-                 "use_error_feedback": "error_feedback"}
-    value = {}
-    for new, (alias, current, default) in given.items():
-        value[new] = current
-        if alias is not None:
-            old = old_names[new]
-            if current != default and current != alias:
-                raise HyperParameterError(f"powersgd: {old}={alias!r} and {new}={current!r} given; {old} is "
-                                          f"the deprecated name of {new}: pass {new} only")
-            warn_renamed(f"powersgd's {old}=", f"{new}=")
-            value[new] = alias
-    return PowerSGD(value["matrix_approximation_rank"], start_powerSGD_iter=value["start_powerSGD_iter"],
-                    min_compression_rate=min_compression_rate, use_error_feedback=value["use_error_feedback"],
-                    warm_start=warm_start)
+    values = {"matrix_approximation_rank": matrix_approximation_rank, "start_powerSGD_iter": start_powerSGD_iter,
+              "use_error_feedback": use_error_feedback}
+    defaults = {"matrix_approximation_rank": 1, "start_powerSGD_iter": 0, "use_error_feedback": True}
+    for old, new, alias in (("rank", "matrix_approximation_rank", rank),
+                            ("start_iter", "start_powerSGD_iter", start_iter),
+                            ("error_feedback", "use_error_feedback", error_feedback)):
+        if alias is None:
+            continue
+        if values[new] not in (defaults[new], alias):
+            raise HyperParameterError(f"powersgd: {old}={alias!r} and {new}={values[new]!r} given; {old} is the "
+                                      f"deprecated name of {new}: pass {new} only")
+        warn_renamed(f"powersgd's {old}=", f"{new}=")
+        values[new] = alias
+    return PowerSGD(**values, min_compression_rate=min_compression_rate, warm_start=warm_start)
 
 
 def signsgd() -> SignSGD:
@@ -207,4 +203,5 @@ def build(compressor: str | Compressor | Method = "none", method: str | None = N
 
 
 __all__ = ["Method", "MethodState", "Warmup", "warmup", "get", "build", "available", "compressor_choices",
-           "registry", "wraps_compressor", "none", "ef", "ef21", "diana", "dgc", "powersgd", "signsgd", "signum", "onebit"]
+           "registry", "wraps_compressor", "none", "ef", "ef21", "diana", "dgc", "powersgd", "signsgd", "signum",
+           "onebit"]
