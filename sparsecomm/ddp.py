@@ -60,9 +60,9 @@ The method state is keyed by the *parameters* (their names, known when the state
 first step (also after a restore into a fresh process), so nothing may depend on the layout. A
 one-round method whose payloads concatenate (``dense``, ``aligned``, ``sparse``: EF, EF21, DIANA, DGC
 around top-k, rand-k, ...) runs *per parameter* (:attr:`CommPipeline.per_parameter`): each
-parameter has its own state, its own compressor generator (seeded from ``seed`` and its name) and its own constants (rand-k's ``k``, DIANA's
-``alpha``), the parameters' payloads travel concatenated as the bucket's one message, and the
-aggregate is decoded slice by slice. **Promise**: the numbers do not depend on the bucket layout, so a
+parameter has its own state, its own compressor generator (seeded from ``seed`` and its name) and
+its own constants (rand-k's ``k``, DIANA's ``alpha``), the parameters' payloads travel concatenated as
+the bucket's one message, and the aggregate is decoded slice by slice. **Promise**: the numbers do not depend on the bucket layout, so a
 run restored from a checkpoint into a fresh DDP (any ``bucket_cap_mb``) is bit-identical to the
 uninterrupted run whenever the transport's per-element sum does not depend on the layout either
 (allgather: rank order; any transport at 2 workers), as ``test_hook_resume_diana_randk_any_layout``
