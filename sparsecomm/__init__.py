@@ -10,9 +10,7 @@
 [0, 1, 2, 3, 4, 5, 6, 7]
 """
 
-from __future__ import annotations
-
-import importlib
+from importlib import import_module as _import_module
 
 __version__ = "0.1.0"
 
@@ -53,11 +51,17 @@ def __getattr__(name: str):
         module, attr = _LAZY[name]
     except KeyError:
         raise AttributeError(f"module 'sparsecomm' has no attribute {name!r}") from None
-    mod = importlib.import_module(module)
+    mod = _import_module(module)
     value = mod if attr is None else getattr(mod, attr)
     globals()[name] = value
     return value
 
 
+#: the public names of the package (``dir(sparsecomm)``; the sub-packages and classes above are loaded on
+#: first use)
+__all__ = sorted({"__version__", "errors", "registry", "Payload", "Context", "current_context", "launch",
+                  "Network", "SimFabric", *_LAZY})
+
+
 def __dir__():
-    return sorted(list(globals()) + list(_LAZY))
+    return list(__all__)

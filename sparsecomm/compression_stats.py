@@ -4,11 +4,32 @@ figures every round adds to it (:func:`payload_bytes`, :func:`wire_copies`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
+from .deprecation import warn_renamed
 from .fabric.stats import CommStats
+
+
+class Stats(dict):
+    """The dict ``compression_stats()`` returns: renamed keys stay readable (``stats["ratio"]``, ``.get``)
+    with a :class:`FutureWarning` naming the new key; they are not listed among its keys."""
+
+    renamed: ClassVar[dict[str, str]] = {"ratio": "compression_factor", "ratio_sent": "compression_factor_sent",
+                                         "iterations": "steps"}
+
+    def __missing__(self, key: Any) -> Any:
+        new = self.renamed.get(key)
+        if new is None or new not in self:
+            raise KeyError(key)
+        warn_renamed(f"compression_stats()[{key!r}]", f"[{new!r}]")
+        return self[new]
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        if key in self or (self.renamed.get(key) in self):
+            return self[key]
+        return default
 
 
 @dataclass
@@ -22,24 +43,26 @@ class CompressionStats:
     bytes_declared_sent: float = 0.0   # declared bytes x the transport's wire_copies()
     bytes_dense_sent: float = 0.0      # dense bytes x the transport's wire_copies()
 
-    def as_dict(self) -> dict[str, float]:
-        """Declared figures (``bytes_payload``, ``ratio``: what the compressor's ``bits`` count) next to
-        measured ones (``bytes_sent`` from the transport's ledger, headers included), and how they
-        compare: ``bytes_declared_sent`` is what the ledger would show if every payload travelled as
-        declared (declared bytes x the transport's ``wire_copies()``), ``sent_over_declared`` the
-        measured / that (about 1 when the wire carries the declared bits; 3.56 for natural on a
-        summing transport, tens for scattered top-k through omnireduce's blocks), ``ratio_sent`` the
-        compression ratio measured on the wire (dense bytes x ``wire_copies()`` / bytes sent)."""
+    def as_dict(self) -> Stats:
+        """Declared figures (``bytes_payload``; ``compression_factor``, dense bytes / declared payload
+        bytes: 4.0 for ``ratio=0.25`` rand-k, whose ``ratio`` is the kept fraction) next to measured ones
+        (``bytes_sent`` from the transport's ledger, headers included), and how they compare:
+        ``bytes_declared_sent`` is what the ledger would show if every payload travelled as declared
+        (declared bytes x the transport's ``wire_copies()``), ``sent_over_declared`` the measured / that
+        (about 1 when the wire carries the declared bits; 3.56 for natural on a summing transport, tens
+        for scattered top-k through omnireduce's blocks), ``compression_factor_sent`` the compression
+        factor measured on the wire (dense bytes x ``wire_copies()`` / bytes sent). (``ratio`` and
+        ``ratio_sent`` are deprecated names of the two factors: :class:`Stats`.)"""
         nan = float("nan")
         sent = self.comm.bytes_sent
-        return {"rounds": self.rounds, "bytes_dense": self.bytes_dense,
-                "bytes_payload": self.bytes_payload,
-                "ratio": self.bytes_dense / self.bytes_payload if self.bytes_payload else nan,
-                "bytes_sent": sent, "bytes_received": self.comm.bytes_received,
-                "messages": self.comm.messages, "modelled_time_s": self.comm.modelled_time_s,
-                "bytes_declared_sent": self.bytes_declared_sent,
-                "sent_over_declared": sent / self.bytes_declared_sent if self.bytes_declared_sent else nan,
-                "ratio_sent": self.bytes_dense_sent / sent if sent else nan}
+        return Stats({
+            "rounds": self.rounds, "bytes_dense": self.bytes_dense, "bytes_payload": self.bytes_payload,
+            "compression_factor": self.bytes_dense / self.bytes_payload if self.bytes_payload else nan,
+            "bytes_sent": sent, "bytes_received": self.comm.bytes_received,
+            "messages": self.comm.messages, "modelled_time_s": self.comm.modelled_time_s,
+            "bytes_declared_sent": self.bytes_declared_sent,
+            "sent_over_declared": sent / self.bytes_declared_sent if self.bytes_declared_sent else nan,
+            "compression_factor_sent": self.bytes_dense_sent / sent if sent else nan})
 
 
 def wire_copies(transport: Any) -> float:

@@ -43,32 +43,50 @@ once by default, ``sparse_rows="transport"`` for the two rounds through the tran
 coalesced sparse average. A compressing method is rejected by :func:`register` with an error naming
 the alternatives (plain averaging, or :class:`~sparsecomm.DistributedOptimizer`).
 
+**Settings**: building the state is a collective: every worker checks that every worker built it with
+the same settings (method, compressor, their hyper-parameters, transport and options, ``warmup_steps``,
+``seed``, ``min_compress_size``, ...: :func:`sparsecomm.settings.agree`) and raises
+:class:`~sparsecomm.errors.MismatchError` naming the first that differs, with both values and both
+workers.
+
 **Replicas**: DDP itself broadcasts rank 0's parameters and buffers at construction (and buffers at
 every forward with ``broadcast_buffers=True``), so the hook adds nothing there.
 
 :class:`CommHookState` follows ``PowerSGDState``: hyper-parameters (compressor, method, transport,
 ``warmup_steps``, ``min_compress_size``, ``seed``) apart from internal state (the method's per-bucket
-state, the generator, the iteration counter). The method state is keyed by the *parameters* (their
-names, known when the state is built by :func:`register` or given ``model=``; else by
-``bucket.index()``): DDP rebuilds its buckets after the first iteration (also after a restore into a
-fresh process), so nothing may depend on the layout. A one-round method whose payloads concatenate
-(``dense``, ``aligned``, ``sparse``: EF, EF21, DIANA, DGC around top-k, rand-k, ...) runs *per
-parameter* (:attr:`CommPipeline.per_parameter`): each parameter has its own state, its own compressor
-generator (seeded from ``seed`` and its name) and its own constants (rand-k's ``k``, DIANA's
-``alpha``), the parameters' payloads travel concatenated as the bucket's one message, and the
-aggregate is decoded slice by slice. **Promise**: the numbers do not depend on the bucket layout, so a
+state, the generator, the step counter :attr:`CommHookState.steps`; a step is one DDP iteration).
+The method state is keyed by the *parameters* (their names, known when the state is built by
+:func:`register` or given ``model=``; else by ``bucket.index()``): DDP rebuilds its buckets after the
+first step (also after a restore into a fresh process), so nothing may depend on the layout. A
+one-round method whose payloads concatenate (``dense``, ``aligned``, ``sparse``: EF, EF21, DIANA, DGC
+around top-k, rand-k, ...) runs *per parameter* (:attr:`CommPipeline.per_parameter`): each
+parameter has its own state, its own compressor generator (seeded from ``seed`` and its name) and
+its own constants (rand-k's ``k``, DIANA's ``alpha``), the parameters' payloads travel concatenated as
+the bucket's one message, and the aggregate is decoded slice by slice. **Promise**: the numbers do not depend on the bucket layout, so a
 run restored from a checkpoint into a fresh DDP (any ``bucket_cap_mb``) is bit-identical to the
 uninterrupted run whenever the transport's per-element sum does not depend on the layout either
 (allgather: rank order; any transport at 2 workers), as ``test_hook_resume_diana_randk_any_layout``
 checks. Other methods (several rounds, quantized payloads: PowerSGD, the sign methods) keep one state
-per bucket, keyed by a digest of its parameters' names, with their segments recorded
-(:meth:`CommPipeline.bind`): a state restored onto another layout is reassembled exactly, parameter
-by parameter, or raises :class:`~sparsecomm.errors.MismatchError` (a state that is not one value per
-coordinate). Iteration 0 is always averaged uncompressed and bypasses the method;
-compression starts at iteration ``max(1, warmup_steps)``
-and iterations ``1 .. warmup_steps - 1`` are exact rounds of the method (warm-starting its state:
-the method is wrapped in :func:`sparsecomm.methods.warmup` with ``warmup_steps - 1`` rounds, counted
-in each state).
+per bucket, keyed by a digest of its parameters' names, with their segments and shapes recorded
+(:meth:`CommPipeline.bind`): a state restored onto another layout is split into one piece per
+parameter and rejoined, as the method declares its state splits
+(:meth:`~sparsecomm.methods.base.Method.state_sizes`: per coordinate by default; PowerSGD's warm-start
+Q per matrix), so it is reassembled exactly. **PowerSGD's resume** is bit-identical to the
+uninterrupted run (under the same condition on the transport) whenever no fresh Q is drawn on a layout
+the uninterrupted run did not draw on: with ``warm_start=True`` (the default) and a checkpoint taken
+after the first compressed step (any ``bucket_cap_mb``), or taken before it with at least one
+step between the restore and the first compressed step (the same ``bucket_cap_mb``), as
+``test_hook_resume_powersgd_exact`` checks. It is *not* bit-identical with ``warm_start=False``, or
+when the first step after the restore is the first compressed step: fresh Qs are drawn from the
+shared generator bucket by bucket (torch's ``powerSGD_hook`` order, which the parity with torch
+needs), and a restored process's first step has DDP's initial layout, so its draws follow other
+buckets than the uninterrupted run's. Step 0 is always averaged uncompressed and bypasses the method;
+compression starts at step ``max(1, warmup_steps)``
+and steps ``1 .. warmup_steps - 1`` are exact rounds of the method (warm-starting its state:
+the method is wrapped in :func:`sparsecomm.methods.warmup` with ``warmup_steps`` rounds: a state's round
+count starts at the number of steps before its first round, so it counts steps from 0);
+PowerSGD's ``start_powerSGD_iter`` counts the same way, so it means what it means in torch's hook
+(whose iterations are these steps).
 Buckets with fewer than ``min_compress_size`` elements are averaged uncompressed (per bucket: a DDP
 bucket mixes tensors). The process group, fabric and transport are never pickled (``__getstate__``);
 unpickling rebinds to the default process group. ``state_dict()``/``load_state_dict()`` checkpoint the
@@ -87,10 +105,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .errors import IncompatibleError, InvalidValueError
+from . import step_size
+from .deprecation import warn_renamed
+from .errors import IncompatibleError, InvalidTypeError, InvalidValueError
 from .fabric.stats import CommStats
 from .pipeline import CommPipeline
 from .replicas import VERIFY_EVERY, check_verify_every, verify_replicas
+from .settings import agree
 from .transports.base import CommWork
 
 _HYPER = ("compressor", "transport", "method", "transport_kwargs", "warmup_steps", "min_compress_size",
@@ -125,7 +146,7 @@ class CommHookState:
     sparse_rows="gather", verify_replicas_every=VERIFY_EVERY, **hyper)``;
     ``model`` (the DDP module) names the parameters that key the method state (and those the replica
     guard checks: ``verify_replicas_every=N`` compares the workers' parameters at the start of every
-    N-th iteration and raises :class:`~sparsecomm.errors.MismatchError` on every worker, naming the
+    N-th step and raises :class:`~sparsecomm.errors.MismatchError` on every worker, naming the
     first parameter that differs, :func:`sparsecomm.replicas.verify_replicas`; 0 turns it off);
     ``compressor``,
     ``method``, ``transport`` and ``**hyper`` as for :class:`~sparsecomm.DistributedOptimizer`
@@ -152,12 +173,16 @@ class CommHookState:
         # binding (never pickled)
         self.process_group = process_group
         self.pipeline = self._build()
+        self._agree()
         self.param_names: dict[int, str] = {}
         self._checked: list[tuple[str, torch.Tensor]] = []     # what the replica guard compares
         if model is not None:
             self.set_model(model)
+        if self.pipeline.rank == 0:
+            step_size.check(self.step_size_hint, [], "state.step_size_hint")
         # internal state
-        self.iter = 0
+        #: steps (DDP iterations: backward passes) the hook has completed
+        self.steps = 0
         self._iter_started = False
         #: the library error that failed a bucket's communication (DDP's backward re-raises it as a
         #: ``RuntimeError`` whose text names it: torch's C++ layer keeps only the text), else None
@@ -168,6 +193,13 @@ class CommHookState:
         guard checks its parameters that require grad."""
         self.param_names = {id(p): n for n, p in model.named_parameters()}
         self._checked = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+    @property
+    def step_size_hint(self) -> step_size.StepSizeHint:
+        """What theory says about the step size of this method (:mod:`sparsecomm.step_size`), at the sizes
+        of the model's parameters (:meth:`set_model`; unknown without it)."""
+        sizes = [p.numel() for _, p in self._checked if p.numel() >= self.min_compress_size]
+        return step_size.hint(self.pipeline.method, self.pipeline.world_size, sizes)
 
     def bucket_key(self, params: list[torch.Tensor], index: int) -> Any:
         """The state key of a bucket holding ``params``: a digest of their names (else the index)."""
@@ -183,24 +215,39 @@ class CommHookState:
             return index
         return "p:" + hashlib.blake2b("\x00".join(names).encode(), digest_size=8).hexdigest()
 
+    def _agree(self) -> None:
+        """Check, on every worker, that every worker built its hook state with the same settings
+        (:func:`sparsecomm.settings.agree`: a collective, at construction and at unpickling)."""
+        agree(self.pipeline.fabric, "sparsecomm.ddp hook state", self.pipeline.settings() + [
+            ("min_compress_size", repr(self.min_compress_size)),
+            ("verify_replicas_every", repr(self.verify_replicas_every))])
+
     def _build(self) -> CommPipeline:
         return CommPipeline(self.compressor, self.transport, method=self.method,
                             transport_kwargs=self.transport_kwargs or None,
                             fabric=_torch_fabric(self.process_group), seed=self.seed,
-                            warmup_steps=max(0, self.warmup_steps - 1),
+                            warmup_steps=self.warmup_steps,
                             sparse_rows=getattr(self, "sparse_rows", "gather"), **self.hyper)
 
     # ---------------------------------------------------------------- accessors
     @property
     def last_stats(self) -> CommStats:
-        """The last iteration's CommStats summed over buckets (so far, during an iteration)."""
+        """The last step's CommStats summed over buckets (so far, during a step)."""
         return self.pipeline.last_stats
 
+    @property
+    def iter(self) -> int:
+        """Deprecated name of :attr:`steps` (torch's ``PowerSGDState.iter``)."""
+        warn_renamed("CommHookState.iter", "CommHookState.steps")
+        return self.steps
+
     def compression_stats(self) -> dict[str, float]:
-        """Cumulative bytes before/after compression, their ratio (declared), and the transport's
-        counters with the ratio measured on the wire (``ratio_sent``, ``sent_over_declared``)."""
+        """Cumulative bytes before/after compression and their ``compression_factor`` (declared), the
+        transport's counters with the factor measured on the wire (``compression_factor_sent``,
+        ``sent_over_declared``: :meth:`~sparsecomm.compression_stats.CompressionStats.as_dict`), and
+        ``steps``, as the optimizer's (``iterations``: its deprecated name)."""
         d = self.pipeline.totals().as_dict()
-        d["iterations"] = self.iter
+        d["steps"] = self.steps
         return d
 
     # ---------------------------------------------------------------- hook body
@@ -215,15 +262,15 @@ class CommHookState:
         and typed as ``buffer`` (a sparse buffer gives the coalesced sparse average)."""
         if not self._iter_started:
             every = self.verify_replicas_every
-            if every and self.iter and self.iter % every == 0 and self._checked:
-                verify_replicas(self.pipeline.fabric, self._checked, when=f"at iteration {self.iter}")
+            if every and self.steps and self.steps % every == 0 and self._checked:
+                verify_replicas(self.pipeline.fabric, self._checked, when=f"at step {self.steps}")
             self.pipeline.begin_step()
             self._iter_started = True
         try:
             if buffer.is_sparse:
                 return self._start_sparse(buffer, index, params)
             flat = buffer.reshape(-1)
-            compress = self.iter >= 1 and flat.numel() >= self.min_compress_size
+            compress = self.steps >= 1 and flat.numel() >= self.min_compress_size
             key, segments = index, None
             if params is not None and compress:
                 key = self.bucket_key(params, index)
@@ -232,7 +279,7 @@ class CommHookState:
                     if self.pipeline.per_parameter:
                         segments = segs          # state, generator and step per parameter
                     else:
-                        self.pipeline.bind(key, segs)
+                        self.pipeline.bind(key, segs, [p.shape for p in params])
             shape, dtype = buffer.shape, buffer.dtype
             inner = self.pipeline.start(flat, key, compress=compress, shapes=shapes,
                                         segments=segments)
@@ -241,7 +288,7 @@ class CommHookState:
             return work
         finally:
             if is_last:
-                self.iter += 1
+                self.steps += 1
                 self._iter_started = False
 
     def _reshaped(self, w: CommWork, shape: torch.Size, dtype: torch.dtype) -> tuple[Any, BaseException | None]:
@@ -259,11 +306,11 @@ class CommHookState:
 
     # ---------------------------------------------------------------- checkpoints / pickling
     def state_dict(self) -> dict[str, Any]:
-        return {"pipeline": self.pipeline.state_dict(), "iter": self.iter}
+        return {"pipeline": self.pipeline.state_dict(), "steps": self.steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.pipeline.load_state_dict(state["pipeline"])
-        self.iter = int(state["iter"])
+        self.steps = int(state["steps"] if "steps" in state else state["iter"])   # ("iter": older checkpoints)
         self._iter_started = False
 
     def __getstate__(self) -> dict[str, Any]:
@@ -275,6 +322,7 @@ class CommHookState:
             setattr(self, k, v)
         self.process_group = None          # rebinds to the default process group
         self.pipeline = self._build()
+        self._agree()
         self.param_names, self._checked = {}, []
         self.error = None
         self.load_state_dict(d["state"])
@@ -315,7 +363,16 @@ def register(model: torch.nn.parallel.DistributedDataParallel, process_group: An
     DDP's own collectives (its construction, bucket rebuild and buffer broadcasts would wait for them
     until the timeout): build DDP over the workers' group,
     ``DistributedDataParallel(net, process_group=ctx.fabric.native_group)``. A model over a group of
-    another size is refused here with that advice (:class:`IncompatibleError`)."""
+    another size is refused here with that advice (:class:`IncompatibleError`).
+
+    ``model`` must be a :class:`~torch.nn.parallel.DistributedDataParallel` (the hook is DDP's): anything
+    else raises :class:`~sparsecomm.errors.InvalidTypeError` before any communication."""
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise InvalidTypeError(
+            f"sparsecomm.ddp.register installs a DDP communication hook, so it needs a model wrapped in "
+            f"torch.nn.parallel.DistributedDataParallel; got a {type(model).__name__}. Wrap it first "
+            f"(net = DistributedDataParallel(model); sparsecomm.ddp.register(net, ...)), or use "
+            f"sparsecomm.DistributedOptimizer(optimizer, ...) on the bare model")
     from .launch import current_context
 
     ctx = current_context()

@@ -34,8 +34,13 @@ class NonFiniteError(SparseCommError, ValueError):
     """A NaN or Inf where only finite values can be carried (fixed point, quantisation)."""
 
 
-class OverflowError_(SparseCommError, OverflowError):
-    """A value that cannot be represented in the target integer format (never wrapped silently)."""
+class SumOverflowError(SparseCommError, OverflowError):
+    """A value or a sum that cannot be represented in the target format (an integer or fixed-point
+    code, an fp16 sum past 65504): never wrapped or saturated silently."""
+
+
+#: the former name of :class:`SumOverflowError` (deprecated; CHANGELOG.md)
+OverflowError_ = SumOverflowError
 
 
 class FabricTimeout(SparseCommError, TimeoutError):
@@ -82,7 +87,7 @@ class NetbedError(SparseCommError, RuntimeError):
 #: the error classes a rank may name when it reports a failure to the others (through the rendezvous
 #: store, as text: nothing a peer sends is unpickled); any other class is reported as PeerFailure
 REPORTABLE = {c.__name__: c for c in (UnknownNameError, IncompatibleError, MismatchError, NonFiniteError,
-                                      OverflowError_, FabricTimeout, PeerFailure, MalformedMessage,
+                                      SumOverflowError, FabricTimeout, PeerFailure, MalformedMessage,
                                       ProtocolError)}
 
 

@@ -62,6 +62,14 @@ back as a coalesced sparse tensor over the union of the rows, as DDP's sparse al
 are scattered into the bucket, which goes through the method as a dense bucket, and ``p.grad`` comes back
 sparse (the rows whose estimate is non-zero).
 
+**Settings.** At construction every worker checks that every worker was built with the same settings
+(the method, the compressor and their hyper-parameters, the transport and ``transport_kwargs``,
+``warmup_steps``, ``seed``, ``nonfinite``, ``sparse_rows``, ``bucket_cap_mb``, ``min_compress_size``,
+``init_sync``, ``verify_replicas_every``: :func:`sparsecomm.settings.agree`, a digest per worker): a
+difference raises :class:`~sparsecomm.errors.MismatchError` on every worker, naming the first setting
+that differs with both values and both workers (``ratio of compressor 'randk' is 0.25 on worker 0 and
+0.1 on worker 1``).
+
 **Replicas.** ``init_sync="broadcast"`` (default): at construction rank 0's parameters (and the
 buffers of ``module=``, if given) are copied to every worker, as DDP does, after checking that every
 worker has the same shapes and dtypes (:class:`~sparsecomm.errors.MismatchError` on every worker
@@ -109,12 +117,19 @@ the compressor, seeded ``seed`` on every worker when the compressor declares ``s
 (so shared-seed rand-k draws the same coordinates everywhere and advances identically), else
 ``seed + rank``.
 
+**Step size.** ``opt.step_size_hint`` (:mod:`sparsecomm.step_size`): the method's variance factor
+(omega or delta at the compressed buckets' sizes) and the scale theory puts on a learning rate that
+suits uncompressed training (DIANA: 1/(1 + 6 omega/n)); rank 0 warns once at construction
+(:class:`~sparsecomm.step_size.StepSizeWarning`) where that scale is below 1/4 for a method whose
+step bound carries omega.
+
 **Logging.** ``last_stats``: the last synchronisation's :class:`~sparsecomm.fabric.stats.CommStats`
 summed over buckets (bytes, messages; modelled time on SimFabric). :meth:`compression_stats`:
-cumulative bytes before (dense) and after (declared payload bits) compression and their ratio, next to
-the bytes the transport's ledger counted (``bytes_sent``), what it would count if payloads travelled as
-declared (``bytes_declared_sent``), their quotient ``sent_over_declared`` and the compression ratio
-measured on the wire (``ratio_sent``); see :class:`~sparsecomm.compression_stats.CompressionStats`.
+cumulative bytes before (dense) and after (declared payload bits) compression and their quotient
+``compression_factor``, next to the bytes the transport's ledger counted (``bytes_sent``), what it would
+count if payloads travelled as declared (``bytes_declared_sent``), their quotient ``sent_over_declared``
+and the compression factor measured on the wire (``compression_factor_sent``); see
+:class:`~sparsecomm.compression_stats.CompressionStats`.
 
 **Checkpoints.** ``state_dict()`` is the inner optimizer's plus a ``"sparsecomm"`` entry: the method
 state (per worker: EF residuals, DIANA's h_i), the step counter, the generator state, the bucket
@@ -136,13 +151,15 @@ from .fabric.base import Fabric
 from .fabric.stats import CommStats
 from .methods.base import Method
 from .bucket_rounds import BucketRounds
-from .buckets import Bucket as _Bucket
+from . import step_size
+from .buckets import Bucket as _Bucket, layout as _bucket_layout
 from .compression_stats import CompressionStats
 from .pipeline import CommPipeline
 # the builders, re-exported: ``sparsecomm.optim.check_pair`` etc. are documented names
 from .resolve import AUTO_ORDER, build_transport, check_pair, default_fabric
 from .transports.base import CommWork, Transport
 from .replicas import VERIFY_EVERY, check_verify_every, sync_replicas, verify_replicas
+from .settings import agree
 
 __all__ = ["DistributedOptimizer", "AUTO_ORDER", "CompressionStats", "build_transport", "check_pair",
            "default_fabric"]
@@ -220,6 +237,14 @@ class DistributedOptimizer(BucketRounds):
         self._sc_in_step = False
         self._sc_verify_every = check_verify_every(verify_replicas_every)
         self._sc_names = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
+        compressed = [b.numel for b in _bucket_layout(self._trainable(), self._sc_cap_bytes, self._sc_min_compress)
+                      if b.compress]
+        self._sc_step_hint = step_size.hint(self.method, self._sc_pipeline.world_size, compressed)
+        if self._sc_pipeline.rank == 0:
+            step_size.check(self.step_size_hint, [g.get("lr") for g in self.param_groups], "opt.step_size_hint")
+        agree(self._sc_pipeline.fabric, "DistributedOptimizer", self._sc_pipeline.settings() + [
+            ("bucket_cap_mb", repr(float(bucket_cap_mb))), ("min_compress_size", repr(int(min_compress_size))),
+            ("init_sync", repr(init_sync)), ("verify_replicas_every", repr(self._sc_verify_every))])
         if init_sync != "off":
             tensors = [p for g in self.param_groups for p in g["params"]]
             if module is not None:
@@ -238,6 +263,13 @@ class DistributedOptimizer(BucketRounds):
         """The method's state of every bucket (key -> :class:`~sparsecomm.methods.base.MethodState`;
         ``.state`` is the typed state: EF's error, DIANA's shifts); the method object holds none."""
         return self._sc_pipeline.states
+
+    @property
+    def step_size_hint(self) -> step_size.StepSizeHint:
+        """What theory says about the step size of this method, at the sizes of the compressed buckets
+        (:mod:`sparsecomm.step_size`): its variance factor and the scale on a learning rate that suits
+        uncompressed training."""
+        return self._sc_step_hint
 
     @property
     def transport(self) -> Transport:
@@ -259,10 +291,11 @@ class DistributedOptimizer(BucketRounds):
 
     def compression_stats(self) -> dict[str, float]:
         """Cumulative ``bytes_dense`` (before), ``bytes_payload`` (after, as declared by the
-        compressor), their ``ratio``, and the transport's measured ``bytes_sent``/``bytes_received``/
-        ``messages`` (and ``modelled_time_s`` on SimFabric), per worker; next to them the declared
-        bytes scaled to the transport (``bytes_declared_sent``), ``sent_over_declared`` and the ratio
-        measured on the wire (``ratio_sent``): see :meth:`CompressionStats.as_dict`."""
+        compressor), their quotient ``compression_factor``, and the transport's measured
+        ``bytes_sent``/``bytes_received``/``messages`` (and ``modelled_time_s`` on SimFabric), per
+        worker; next to them the declared bytes scaled to the transport (``bytes_declared_sent``),
+        ``sent_over_declared`` and the factor measured on the wire (``compression_factor_sent``), and
+        ``steps``: see :meth:`CompressionStats.as_dict`."""
         d = self._sc_pipeline.totals().as_dict()
         d["steps"] = self._sc_steps
         return d

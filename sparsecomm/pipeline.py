@@ -46,6 +46,7 @@ from .methods.base import Method, MethodState, dense_payload
 from .nonfinite import NONFINITE, _check_aggregate, _finite, _poison
 from .payload import Payload, check_sum_finite
 from .pipeline_states import PipelineStates
+from .settings import describe
 from .resolve import AUTO_ORDER, build_transport, check_pair, default_fabric, warn_unguaranteed  # noqa: F401 (re-exported)
 from .sparse_rows import SPARSE_ROWS, SparseRows, row_sparse_parts  # noqa: F401 (re-exported)
 from .transports.base import CallId, CommWork, Transport
@@ -73,6 +74,8 @@ class CommPipeline(PipelineStates, SparseRows):
         self.method = methods.warmup(methods.build(compressor, method, **hyper), warmup_steps)
         warn_unguaranteed(self.method)
         self.transport = build_transport(transport, self.method, fabric, transport_kwargs)
+        self.transport_kwargs = dict(transport_kwargs or {})
+        self.warmup_steps = int(warmup_steps)
         if nonfinite == "pass" and getattr(self.transport, "nonfinite", "pass") != "pass":
             self.transport.nonfinite = "pass"   # the transport's own NaN/Inf rule follows the optimizer's
         self.fabric = self.transport.fabric
@@ -97,6 +100,16 @@ class CommPipeline(PipelineStates, SparseRows):
         # the key that holds the current state of each named segment
         self._segments: dict[Hashable, tuple[tuple[str, int], ...]] = {}
         self._owner: dict[str, Hashable] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}      # each named segment's shape (bind)
+
+    def settings(self) -> list[tuple[str, str]]:
+        """The configuration the workers must share (:mod:`sparsecomm.settings`): the method, its
+        compressor, their hyper-parameters, the transport and its options, then ``warmup_steps``,
+        ``seed``, ``nonfinite`` and ``sparse_rows``; the frontends add their own and agree on them at
+        construction (:func:`sparsecomm.settings.agree`)."""
+        return describe(self.method, self.transport, self.transport_kwargs) + [
+            ("warmup_steps", repr(self.warmup_steps)), ("seed", repr(self.seed)),
+            ("nonfinite", repr(self.nonfinite)), ("sparse_rows", repr(self.sparse_rows))]
 
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
         """This worker's compressor generator on ``device`` (``seed`` everywhere if shared, else
@@ -243,7 +256,7 @@ class CommPipeline(PipelineStates, SparseRows):
                 if check and not _finite(agg):
                     if not bool(torch.isnan(agg).any()):
                         # inputs were finite (checked) and no worker sent NaN: narrow floats (fp16) summed
-                        # in their own dtype overflowed; say so (OverflowError_, on every worker)
+                        # in their own dtype overflowed; say so (SumOverflowError, on every worker)
                         check_sum_finite(p, agg, f"transport {self.transport.name!r}")
                     _check_aggregate(agg, key)
                 else:       # narrow floats summed in their dtype: an overflow is not a passed-through NaN

@@ -165,7 +165,7 @@ def _powersgd_ddp(ctx, delay: float, fold_max_bytes: int | None):
     net = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
     ddp = nn.parallel.DistributedDataParallel(net, bucket_cap_mb=0.2)
     kw = {} if fold_max_bytes is None else {"transport_kwargs": {"fold_max_bytes": fold_max_bytes}}
-    sc.ddp.register(ddp, compressor="powersgd", rank=1, warmup_steps=2, transport="native", **kw)
+    sc.ddp.register(ddp, compressor="powersgd", matrix_approximation_rank=1, warmup_steps=2, transport="native", **kw)
     if delay and ctx.rank == 0:
         inner = PowerSGD._next_round
 

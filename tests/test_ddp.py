@@ -36,7 +36,11 @@ def _worker(ctx, steps: int, compressed: dict):
     out = {}
     out["builtin"], _ = _run(ctx, "builtin", steps)
     out["hook"], state = _run(ctx, "hook", steps, compressor="none")
-    out["iter"] = state.iter
+    out["iter"] = state.steps
+    with pytest.warns(FutureWarning, match="use CommHookState.steps"):
+        out["iter_alias"] = state.iter
+    with pytest.warns(FutureWarning, match="'steps'"):
+        out["iterations_key"] = state.compression_stats()["iterations"]
     out["transport"] = state.pipeline.transport.name
     # a compressed method under DDP: every rank ends with the same parameters; the state pickles
     # without its process group and comes back bound to the default group with the same state
@@ -45,7 +49,7 @@ def _worker(ctx, steps: int, compressed: dict):
     back = pickle.loads(blob)
     out["pickle_has_pg"] = b"ProcessGroup" in blob or b"Fabric" in blob
     sd, sd2 = st.state_dict(), back.state_dict()
-    out["roundtrip"] = (sd["iter"] == sd2["iter"] and
+    out["roundtrip"] = (sd["steps"] == sd2["steps"] and
                         all(torch.equal(a.error, back.pipeline.state(k).error)
                             for k, a in ((k, st.pipeline.state(k)) for k in st.pipeline.keys())))
     out["keys"] = sorted(st.pipeline.keys())
@@ -66,12 +70,12 @@ def test_hook_equals_builtin_allreduce_gloo():
         for a, b, c in zip(r["builtin"], r["hook"], ref):
             torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
             torch.testing.assert_close(b, c, rtol=0, atol=1e-6)
-        assert r["iter"] == STEPS
+        assert r["iter"] == r["iter_alias"] == r["iterations_key"] == STEPS
         assert not r["pickle_has_pg"] and r["roundtrip"]
         # keyed by parameters (EF + top-k runs per parameter: one state per parameter name)
         assert r["keys"] == [("param", n) for n in ("module.l1.bias", "module.l1.weight", "module.l2.bias",
                                                     "module.l2.weight")]
-        assert r["stats"]["ratio"] > 1
+        assert r["stats"]["compression_factor"] > 1 and r["stats"]["steps"] == STEPS
     for a, b in zip(res[0]["ef"], res[1]["ef"]):
         assert torch.equal(a, b)
     # the compressed run really differs from the uncompressed one
@@ -247,6 +251,34 @@ def test_hook_resume_diana_randk_any_layout():
         assert torch.equal(a, b)
 
 
+def _powersgd_resume(ctx):
+    # after the first compressed step (iterations 1..3 compressed before the checkpoint at 4): any layout
+    runs = [_resume_worker(ctx, dict(compressor="powersgd", matrix_approximation_rank=2, seed=5),
+                           resume_cap=cap, probe=False) for cap in (3_000, 60_000)]
+    # before it, with iterations in between: the first Qs are drawn on the same (rebuilt) layout
+    runs.append(_resume_worker(ctx, dict(compressor="powersgd", start_powerSGD_iter=6, seed=5), probe=False))
+    return runs
+
+
+@pytest.mark.multiprocess
+def test_hook_resume_powersgd_exact():
+    """PowerSGD through the hook keeps one state per bucket: the error per coordinate and the warm-start
+    Q per matrix (``PowerSGD.state_sizes``). Restored into a fresh DDP, whose first iteration has the
+    initial bucket layout and the next the rebuilt one (and, here, another ``bucket_cap_mb``), the state
+    is split per parameter and rejoined for each layout, and the run ends bit-identical to the
+    uninterrupted one: checkpointed after the first compressed step (warm start: no Q drawn after the
+    restore), or before it with an iteration between the restore and the first draw."""
+    res = sc.launch(_powersgd_resume, world_size=2, backend="gloo")
+    for runs in res:
+        for straight, resumed, n_keys, _ in runs:
+            assert n_keys >= 2
+            for a, b in zip(straight, resumed):
+                assert torch.equal(a, b)
+            assert any(not torch.equal(a, b.detach()) for a, b in zip(straight, Deep().parameters()))
+    for a, b in zip(res[0][0][0], res[1][0][0]):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.multiprocess
 def test_hook_sparse_embedding_matches_ddp_and_rejects_compression():
     res = sc.launch(_sparse_all, world_size=2, backend="gloo")
@@ -254,3 +286,12 @@ def test_hook_sparse_embedding_matches_ddp_and_rejects_compression():
         for a, b in zip(r["builtin"], r["hook"]):
             torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
         assert "sparse" in r["reject"] and "DistributedOptimizer" in r["reject"] and "emb" in r["reject"]
+
+
+def test_register_needs_a_ddp_model():
+    """A bare module gets a library error that says to wrap it (before any process group is needed)."""
+    from sparsecomm.errors import InvalidTypeError
+
+    with pytest.raises(InvalidTypeError, match="DistributedDataParallel") as e:
+        sc.ddp.register(nn.Sequential(nn.Linear(2, 2)), compressor="powersgd")
+    assert "Sequential" in str(e.value) and "Wrap it first" in str(e.value)

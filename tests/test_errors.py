@@ -110,6 +110,9 @@ def test_old_import_names_are_the_same_classes():
     assert OmniProtocolError is SwitchProtocolError is E.ProtocolError
     assert AlgConfigError is ExpConfigError is E.ConfigError
     assert NetbedError is E.NetbedError
+    # renamed: the old name is the same class (CHANGELOG.md)
+    assert E.OverflowError_ is E.SumOverflowError and issubclass(E.SumOverflowError, OverflowError)
+    assert E.SumOverflowError.__name__ == "SumOverflowError" and "SumOverflowError" in E.REPORTABLE
 
 
 @pytest.mark.parametrize("call", [

@@ -89,7 +89,7 @@ def test_a_bad_keyword_names_the_accepted_parameters_once():
     msg = str(_raised(lambda: sc.methods.get("diana", compressor="randk", ratio=0.1, aplha=0.5)))
     assert "'aplha'" in msg and "ratio, k, seed, independent" in msg and "compressor, alpha, init" in msg
     msg = str(_raised(lambda: sc.methods.get("powersgd", ratio=0.1)))
-    assert "rank, min_compression_rate" in msg
+    assert "matrix_approximation_rank, start_powerSGD_iter, min_compression_rate" in msg
     msg = str(_raised(lambda: sc.transports.get("ring", None, block_size=3)))
     assert "'block_size'" in msg and "transport 'ring'" in msg
 

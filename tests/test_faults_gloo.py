@@ -73,7 +73,7 @@ def _values_and_mismatches(ctx):
 
 def test_values_and_negotiated_fields_on_real_processes():
     res = _launch("values")
-    expect = {"int32 overflow": "OverflowError_", "fp16 overflow": "OverflowError_", "nan": "NonFiniteError",
+    expect = {"int32 overflow": "SumOverflowError", "fp16 overflow": "SumOverflowError", "nan": "NonFiniteError",
               "length": "MismatchError", "dtype": "MismatchError", "kind": "MismatchError"}
     for name in ("ring", "allgather", "native"):
         for case, cls in expect.items():
@@ -84,7 +84,7 @@ def test_values_and_negotiated_fields_on_real_processes():
     assert all(rk["native", "estimated"] for rk in res)
     assert [rk["ring vs native"][0] for rk in res] == ["MismatchError"] * 3, res
     assert "'native'" in res[0]["ring vs native"][1] and "'ring'" in res[0]["ring vs native"][1]
-    assert [rk["omnireduce overflow"][0] for rk in res] == ["OverflowError_"] * 3
+    assert [rk["omnireduce overflow"][0] for rk in res] == ["SumOverflowError"] * 3
     assert all(rk["omnireduce int32"] and rk["after"] for rk in res)
 
 

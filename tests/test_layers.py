@@ -20,7 +20,8 @@ PKG = Path(__file__).resolve().parents[1] / "sparsecomm"
 #: A unit may import units of *lower* rows only (not its own row: units on one row are independent).
 #: ``sparsecomm/__init__.py`` is the package's top (the public facade) and may import anything.
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "_tree"),               # _tree: the source tree's theory/ etc. under sparsecomm. names
+    ("errors", "_tree", "deprecation"),  # _tree: the source tree's theory/ etc. under sparsecomm. names;
+                                       # deprecation: the one warning of a renamed name
     ("registry", "theory"),            # theory/ (installed as sparsecomm.theory): the closed forms
     ("kernels", "fabric"),             # Numba helpers; point-to-point messages
     ("codec",),                        # block kernels (scan, pack, fixed point)
@@ -31,7 +32,8 @@ LAYERS: list[tuple[str, ...]] = [
      "nonfinite", "compression_stats"),  # the pipeline's NaN/Inf rule and byte counts
     ("launch",),                       # run fn on n workers (threads over SimFabric, or real processes)
     ("resolve", "sparse_rows",         # names -> method, transport; row-sparse rounds;
-     "pipeline_states"),               # the per-key method states and checkpoints
+     "pipeline_states", "settings",    # the per-key method states and checkpoints; the configuration
+     "step_size"),                     # the workers agree on; the step size theory prescribes
     ("pipeline", "netbed", "buckets"),  # method -> transport -> method; an emulated rack (a launch
                                        # backend); gradient -> flat buckets
     ("bucket_rounds",),                # the optimizer's synchronisation over its buckets

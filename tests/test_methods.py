@@ -245,7 +245,7 @@ def test_typed_factories_match_the_catalog():
              (sc.methods.ef21(init="zeros"), sc.methods.get("ef21", init="zeros")),
              (sc.methods.none(), sc.methods.get("none")),
              (sc.methods.dgc(0.05), sc.methods.get("dgc", ratio=0.05)),
-             (sc.methods.powersgd(2), sc.methods.get("powersgd", rank=2)),
+             (sc.methods.powersgd(2), sc.methods.get("powersgd", matrix_approximation_rank=2)),
              (sc.methods.signsgd(), sc.methods.get("signsgd")),
              (sc.methods.signum(0.5), sc.methods.get("signum", beta=0.5)),
              (sc.methods.onebit(16), sc.methods.get("onebit", bucket_size=16))]
@@ -256,7 +256,7 @@ def test_typed_factories_match_the_catalog():
 
 @pytest.mark.parametrize("name,hyper", [("diana", {"ratio": 0.2}), ("ef", {"ratio": 0.2}),
                                         ("ef21", {"ratio": 0.2}), ("onebit", {"bucket_size": 8}),
-                                        ("powersgd", {"rank": 1})])
+                                        ("powersgd", {"matrix_approximation_rank": 1})])
 def test_pure_state_equals_keyed_and_holds_everything(name, hyper):
     """One method object, two explicit states (two workers): ``encode``/``next_round``/``decode`` on
     states give bit-identically what two keyed method objects give, the method object keeps nothing

@@ -43,7 +43,7 @@ def run_step(methods, grads, gen_seed, shapes=SHAPES):
 
 def test_two_rounds_error_feedback_identity_float64():
     n, gen = 3, torch.Generator().manual_seed(1)
-    ms = [sc.methods.get("powersgd", rank=1) for _ in range(n)]
+    ms = [sc.methods.get("powersgd", matrix_approximation_rank=1) for _ in range(n)]
     for step in range(4):
         grads = [torch.randn(D, generator=gen, dtype=torch.float64) for _ in range(n)]
         before = [m.state(0).error.clone() if m.state(0) else torch.zeros(D, dtype=torch.float64) for m in ms]
@@ -59,20 +59,20 @@ def test_two_rounds_error_feedback_identity_float64():
         torch.testing.assert_close(est[0][-6:], mean[-6:], rtol=0, atol=1e-12)
         # warm start: q is the mean of the round-2 Qs (m r per compressed matrix)
         assert ms[0].state(0).q.numel() == 6 + 10
-        assert ms[0].state(0).step == step + 1
+        assert ms[0].states[0].rounds == step + 1
 
 
 def test_exact_when_the_workers_share_a_rank_r_column_space():
     n, r, gen = 4, 2, torch.Generator().manual_seed(2)
     u = torch.randn(12, r, generator=gen, dtype=torch.float64)
-    ms = [sc.methods.get("powersgd", rank=r, error_feedback=False) for _ in range(n)]
+    ms = [sc.methods.get("powersgd", matrix_approximation_rank=r, use_error_feedback=False) for _ in range(n)]
     grads = [(u @ torch.randn(r, 10, generator=gen, dtype=torch.float64)).reshape(-1) for _ in range(n)]
     est, rounds = run_step(ms, grads, 0, shapes=[(12, 10)])
     assert rounds == 2
     torch.testing.assert_close(est[0], sum(grads) / n, rtol=0, atol=1e-10)
     # a rank-(r+1) sum is not recovered by rank r: the projection loses energy, bounded by ||mean||
     v = [torch.randn(12, 10, generator=gen, dtype=torch.float64).reshape(-1) for _ in range(n)]
-    ms = [sc.methods.get("powersgd", rank=r, error_feedback=False) for _ in range(n)]
+    ms = [sc.methods.get("powersgd", matrix_approximation_rank=r, use_error_feedback=False) for _ in range(n)]
     est, _ = run_step(ms, v, 0, shapes=[(12, 10)])
     mean = sum(v) / n
     assert 0 < (est[0] - mean).norm() < mean.norm()
@@ -85,7 +85,7 @@ def test_warm_start_converges_to_the_best_rank_r_approximation():
     m = torch.randn(12, 10, generator=gen, dtype=torch.float64)
     s = torch.linalg.svdvals(m)
     best = s[2:].square().sum().sqrt()
-    meth = [sc.methods.get("powersgd", rank=2, error_feedback=False)]
+    meth = [sc.methods.get("powersgd", matrix_approximation_rank=2, use_error_feedback=False)]
     errs = [(run_step(meth, [m.reshape(-1)], k, shapes=[(12, 10)])[0][0] - m.reshape(-1)).norm()
             for k in range(60)]
     assert errs[-1] <= best * (1 + 1e-6) and errs[-1] >= best * (1 - 1e-9)
@@ -96,7 +96,7 @@ def test_warm_start_converges_to_the_best_rank_r_approximation():
 
 def test_start_iter_and_exact_rounds_are_plain_averages():
     n, gen = 2, torch.Generator().manual_seed(4)
-    ms = [sc.methods.get("powersgd", start_iter=2) for _ in range(n)]
+    ms = [sc.methods.get("powersgd", start_powerSGD_iter=2) for _ in range(n)]
     for step in range(3):
         grads = [torch.randn(D, generator=gen, dtype=torch.float64) for _ in range(n)]
         est, rounds = run_step(ms, grads, step)
@@ -127,7 +127,7 @@ def test_bits_and_layout_follow_theory():
     assert not th.powersgd_compresses(3, 2, 1)
     assert th.powersgd_bits(SHAPES, 1) == 32 * ((8 + 6) + 5 + (12 + 10) + 6)
     with pytest.raises(ValueError):
-        sc.methods.get("powersgd", rank=0)
+        sc.methods.get("powersgd", matrix_approximation_rank=0)
 
 
 def _sim_worker(ctx, transport):
@@ -214,13 +214,15 @@ def _parity_worker(ctx):
 
     out = {"plain": _train(None, None, ctx.rank, STEPS)[0], "start": _train(None, None, ctx.rank, 0)[0]}
     out["torch"] = _train(ph.powerSGD_hook, lambda: torch_state(matrix_approximation_rank=RANK), ctx.rank, STEPS)
+    # torch's keywords (start_powerSGD_iter counts the hook's iterations, as torch's does)
     out["ours"] = _train(scddp.comm_hook, lambda: scddp.CommHookState(
-        compressor="powersgd", rank=RANK, warmup_steps=WARM, seed=SEED), ctx.rank, STEPS)
+        compressor="powersgd", matrix_approximation_rank=RANK, start_powerSGD_iter=WARM, seed=SEED), ctx.rank, STEPS)
     # full rank and no size rule: both are the exact average
     out["torch_full"] = _train(ph.powerSGD_hook, lambda: torch_state(
         matrix_approximation_rank=32, min_compression_rate=0), ctx.rank, STEPS)[0]
     out["ours_full"] = _train(scddp.comm_hook, lambda: scddp.CommHookState(
-        compressor="powersgd", rank=32, min_compression_rate=0, warmup_steps=WARM), ctx.rank, STEPS)[0]
+        compressor="powersgd", matrix_approximation_rank=32, min_compression_rate=0, warmup_steps=WARM), ctx.rank,
+        STEPS)[0]
     # the other methods with their own operator under the DDP hook (20 steps each); the sign methods take steps
     # of lr per coordinate, signum and dgc carry their own momentum
     for name, kw, lr, mom in (("signsgd", {"transport": "native"}, 0.01, 0.9),
@@ -251,7 +253,7 @@ def test_parity_with_torch_powerSGD_hook_gloo():
 
 
 def test_single_worker_operator_is_a_rank_r_projection():
-    c = sc.methods.get("powersgd", rank=2).compressor
+    c = sc.methods.get("powersgd", matrix_approximation_rank=2).compressor
     g = torch.Generator().manual_seed(6)
     low = torch.randn(9, 2, generator=g, dtype=torch.float64) @ torch.randn(2, 7, generator=g, dtype=torch.float64)
     torch.testing.assert_close(c.decompress(c.compress(low, g)), low, rtol=0, atol=1e-10)
@@ -259,3 +261,94 @@ def test_single_worker_operator_is_a_rank_r_projection():
     err = (c.decompress(c.compress(x, g)) - x).norm()
     assert torch.linalg.svdvals(x)[2:].square().sum().sqrt() <= err * (1 + 1e-12) and err <= x.norm()
     assert c.compress(x, g).bits == th.powersgd_bits([(9, 7)], 2, 0.0, 64) == 64 * 2 * 16
+
+
+# ------------------------------------------------------------------ half precision
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_orthogonalises_in_float32(dtype):
+    """CPU QR has no half-precision kernel: PowerSGD orthogonalises the Ps and Qs in float32 and casts
+    the bases back, so a bf16/fp16 bucket runs, and follows the float32 run of the same (rounded)
+    gradients from the same warm start to the half type's precision: measured within 3.4 eps of the
+    largest entry after 3 steps over 5 seeds; 16 eps leaves room for that but not for an algorithmic
+    difference (another subspace is O(1) away). (The warm start is shared because fresh Gaussian Qs of
+    16 or more values differ between dtypes: torch draws them with another kernel.)"""
+    gen = torch.Generator().manual_seed(8)
+    g0 = [torch.randn(D, generator=gen) for _ in range(2)]
+    half = [sc.methods.get("powersgd", matrix_approximation_rank=2) for _ in range(2)]
+    full = [sc.methods.get("powersgd", matrix_approximation_rank=2) for _ in range(2)]
+    run_step(half, g0, 0)
+    run_step(full, g0, 0)
+    for m in half:
+        st = m.states[0].state
+        st.error, st.q = st.error.to(dtype), st.q.to(dtype)
+    for step in range(1, 4):
+        grads = [torch.randn(D, generator=gen).to(dtype) for _ in range(2)]
+        eh, rounds = run_step(half, grads, step)
+        ef, _ = run_step(full, [g.float() for g in grads], step)
+        assert rounds == 2 and eh[0].dtype == dtype and half[0].states[0].state.q.dtype == dtype
+        assert float((eh[0].float() - ef[0]).abs().max()) <= 16 * torch.finfo(dtype).eps * float(ef[0].abs().max())
+
+
+def _bf16_worker(ctx):
+    with ctx.seeded(0):
+        model = nn.Sequential(nn.Linear(10, 12), nn.Tanh(), nn.Linear(12, 3)).to(torch.bfloat16)
+    opt = sc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), compressor="powersgd",
+                                  transport="ring")
+    g = torch.Generator().manual_seed(ctx.rank)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(16, 10, generator=g).to(torch.bfloat16)).square().mean().backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_bf16_model_trains_through_the_optimizer():
+    p0, p1 = sc.launch(_bf16_worker, world_size=2, backend="sim")
+    for a, b in zip(p0, p1):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+
+
+def test_torch_keywords_and_deprecated_aliases():
+    """torch's ``PowerSGDState`` keywords are the names; the old ones still work with a warning that
+    names the replacement, and both at once is an error."""
+    from sparsecomm.errors import HyperParameterError
+
+    m = sc.methods.get("powersgd", matrix_approximation_rank=3, start_powerSGD_iter=5, min_compression_rate=1.5,
+                       use_error_feedback=False, warm_start=False)
+    assert m.hyper() == {"matrix_approximation_rank": 3, "start_powerSGD_iter": 5, "min_compression_rate": 1.5,
+                         "use_error_feedback": False, "warm_start": False}
+    for old, new, v in (("rank", "matrix_approximation_rank", 2), ("start_iter", "start_powerSGD_iter", 4),
+                        ("error_feedback", "use_error_feedback", False)):
+        with pytest.warns(FutureWarning, match=f"{old}=.*use {new}="):
+            assert sc.methods.get("powersgd", **{old: v}).hyper()[new] == v
+    with pytest.raises(HyperParameterError, match="matrix_approximation_rank"):
+        sc.methods.get("powersgd", rank=2, matrix_approximation_rank=3)
+
+
+def test_state_splits_per_tensor_and_rejoins_onto_another_layout():
+    """``state_sizes``: the error per coordinate, the warm-start Q per compressed matrix (m r values),
+    nothing for a tensor sent whole; split into one piece per tensor and joined in another grouping,
+    a bucket's state is the state that bucket would hold (what the DDP hook's ``bind`` does after a
+    bucket rebuild), and joining the pieces back gives the original bit for bit."""
+    from sparsecomm.errors import MismatchError
+    from sparsecomm.methods.state import join_state, split_state
+
+    gen = torch.Generator().manual_seed(9)
+    ms = [sc.methods.get("powersgd", matrix_approximation_rank=1) for _ in range(2)]
+    for step in range(2):
+        run_step(ms, [torch.randn(D, generator=gen) for _ in range(2)], step)
+    m, st = ms[0], ms[0].states[0].state
+    shapes = [torch.Size(s) for s in SHAPES]
+    assert m.state_sizes(shapes) == {"q": [6, 0, 10, 0]}
+    pieces = split_state(m, st, shapes)
+    assert [p.error.numel() for p in pieces] == [48, 5, 120, 6] and [p.q.numel() for p in pieces] == [6, 0, 10, 0]
+    back = join_state(m, pieces, shapes)
+    assert torch.equal(back.error, st.error) and torch.equal(back.q, st.q)
+    # another bucket holding (12, 10) then (5,): its Q is that matrix's, its error those coordinates
+    other = join_state(m, [pieces[2], pieces[1]], [shapes[2], shapes[1]])
+    assert torch.equal(other.q, st.q[6:]) and torch.equal(other.error, torch.cat([st.error[53:173], st.error[48:53]]))
+    # a bias-only bucket before any warm start holds no Q: joined with a matrix piece, the Q is the matrix's
+    bias = type(st)(error=torch.zeros(5), q=None)
+    assert torch.equal(join_state(m, [pieces[0], bias], [shapes[0], shapes[1]]).q, st.q[:6])
+    with pytest.raises(MismatchError, match="'q'"):
+        split_state(m, st, [torch.Size([D])])           # the shapes of another model

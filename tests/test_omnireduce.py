@@ -314,7 +314,7 @@ def test_non_finite_sums_raise_wherever_the_union_puts_them(inplace, dtype):
             elif kind.endswith("nan"):
                 assert err == "NonFiniteError" and "worker 1" in detail, (pos, detail)
             elif kind == "overflow":
-                assert err == "OverflowError_", (pos, detail)
+                assert err == "SumOverflowError", (pos, detail)
             else:
                 assert err is None and detail == 3.0, (pos, detail)
 

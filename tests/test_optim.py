@@ -137,7 +137,7 @@ def test_diana_randk_reaches_uncompressed_loss(transport):
     assert f_gd - f_star <= 1e-7 * gap0
     assert f_diana <= f_gd + 1e-6 * gap0, ((f_diana - f_star) / gap0)
     stats = diana[0][1]
-    assert stats["ratio"] > 3.5          # it did compress: >= 4x fewer bytes declared (8x vs float64)
+    assert stats["compression_factor"] > 3.5          # it did compress: >= 4x fewer bytes declared (8x vs float64)
     for w, _ in diana[1:]:
         assert torch.equal(w, diana[0][0])
 
@@ -146,7 +146,8 @@ def test_diana_randk_reaches_uncompressed_loss(transport):
 def _ckpt_run(ctx, transport, name, steps, resume_from=None, save_at=None):
     torch.manual_seed(0)
     model = tc.MLP(0)
-    comp, hyper = (("diana", {"ratio": 0.3}) if name == "diana" else ("topk", {"method": "ef", "ratio": 0.3}))
+    comp, hyper = {"diana": ("diana", {"ratio": 0.3}), "ef": ("topk", {"method": "ef", "ratio": 0.3}),
+                   "powersgd": ("powersgd", {"matrix_approximation_rank": 2})}[name]
     opt = sc.DistributedOptimizer(tc.make_inner(model), compressor=comp, seed=5,
                                   transport=transport, bucket_cap_mb=SMALL_CAP, **hyper)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
@@ -172,7 +173,7 @@ def _ckpt_run(ctx, transport, name, steps, resume_from=None, save_at=None):
     return [p.detach().clone() for p in model.parameters()], saved
 
 
-@pytest.mark.parametrize("name", ["diana", "ef"])
+@pytest.mark.parametrize("name", ["diana", "ef", "powersgd"])
 def test_checkpoint_resume_identical(name):
     transport = "allgather"
     world, steps, k = 3, 7, 3
@@ -236,7 +237,15 @@ def test_warmup_min_compress_size_and_schedulers():
                 assert torch.equal(a, b)
     assert r0["lrs"] == [0.05, 0.025, 0.0125, 0.00625]
     st = r0["stats"]
-    assert st["steps"] == 4 and st["bytes_dense"] > st["bytes_payload"] > 0 and st["ratio"] > 1
+    assert st["steps"] == 4 and st["bytes_dense"] > st["bytes_payload"] > 0 and st["compression_factor"] > 1
+    # one name, one meaning: the kept fraction is `ratio`, the stats' factor `compression_factor`; the
+    # old keys stay readable with a warning naming the new one, and are not listed
+    assert "ratio" not in st and "ratio_sent" not in st
+    with pytest.warns(FutureWarning, match="'compression_factor'"):
+        assert st["ratio"] == st["compression_factor"]
+    with pytest.warns(FutureWarning, match="'compression_factor_sent'"):
+        assert st.get("ratio_sent") == st["compression_factor_sent"]
+    assert st.get("no such key", 7) == 7
     assert st["bytes_sent"] > 0
     assert r0["last"].bytes_sent > 0 and r0["last"].modelled_time_s > 0
     # top-k draws no shared randomness: the generator is seeded seed + rank

@@ -24,7 +24,7 @@ __all__ = [
     "L_tilde", "iterations_for", "dcgd", "dcgd_neighbourhood", "dcgd_iterations",
     "diana", "diana_rate", "diana_iterations", "diana_lyapunov_coefficient", "diana_nonconvex",
     "vr_diana", "vr_diana_iterations", "is_sgd", "is_sgd_factor", "is_sgd_iterations", "is_optimal_tau",
-    "ef21_theta_beta", "ef21", "ef21_pl", "marina",
+    "ef21_theta_beta", "ef21", "ef21_pl", "marina", "step_scale",
 ]
 
 
@@ -310,3 +310,28 @@ def marina(L: float, L_tilde: float, omega: float, n: int, p: float | None = Non
     if not 0.0 < p <= 1.0:
         raise InvalidValueError(f"p must be in (0, 1], got {p!r}")
     return 1.0 / (L + L_tilde * math.sqrt((1.0 - p) * omega / (p * n))), p
+
+
+# ------------------------------------------------------------------------- relative to uncompressed GD
+def step_scale(method: str, *, omega: float | None = None, delta: float | None = None,
+               n: int = 1) -> float | None:
+    """gamma L: the step size theory allows ``method`` as a fraction of uncompressed gradient descent's
+    1/L, for f_i of equal smoothness (L_max = L_tilde = L), so that a learning rate tuned without
+    compression scales by it:
+
+        "diana": 1/(1 + 6 omega/n)            (:func:`diana`; Sadiev et al., arXiv 2206.07021, Thm 2.2)
+        "dcgd":  1/(1 + 2 omega/n)            (:func:`dcgd`, derived; the method "none" around C in U(omega))
+        "ef21":  1/(1 + sqrt(beta/theta))     (:func:`ef21`; arXiv 2106.05203, the authors' constants)
+
+    ``omega``: the per-worker variance constant of an unbiased compressor, ``delta``: the contraction
+    of a contractive one; ``n``: the workers over which the compression errors average out (the number
+    of workers for independent compressors, 1 when every worker uses the same random coordinates:
+    :func:`diana_lyapunov_coefficient`'s n_eff). ``None`` for a method this module holds no bound of this
+    form for (error feedback "ef", PowerSGD, DGC, the sign methods)."""
+    if method == "diana":
+        return diana(1.0, omega, n)[0]
+    if method == "dcgd":
+        return dcgd(1.0, omega, n)
+    if method == "ef21":
+        return ef21(1.0, 1.0, delta)
+    return None

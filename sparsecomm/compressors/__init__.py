@@ -40,6 +40,8 @@ def get(name: str, **hyper) -> Compressor:
 
 
 def available() -> list[str]:
+    """The registered compressors. ``compressor=`` of the optimizer and the DDP hook also takes method
+    names (``sc.methods.available()``; ``sc.methods.compressor_choices()`` lists both)."""
     return registry.available()
 
 

@@ -35,6 +35,7 @@ from sparsecomm.theory import compressors as th
 
 from .. import compressors
 from ..compressors.base import Compressor
+from ..deprecation import warn_renamed
 from ..errors import HyperParameterError, InvalidTypeError, UnknownNameError
 from ._registry import registry
 from .base import Method, MethodState
@@ -79,11 +80,29 @@ def dgc(ratio: float = th.DGC_RATIO, *, momentum: float = th.DGC_MOMENTUM,
                clip_norm=clip_norm)
 
 
-def powersgd(rank: int = 1, *, min_compression_rate: float = 2.0, start_iter: int = 0,
-             error_feedback: bool = True, warm_start: bool = True) -> PowerSGD:
-    """PowerSGD of ``rank`` (two rounds per step)."""
-    return PowerSGD(rank, min_compression_rate=min_compression_rate, start_iter=start_iter,
-                    error_feedback=error_feedback, warm_start=warm_start)
+def powersgd(matrix_approximation_rank: int = 1, *, start_powerSGD_iter: int = 0,
+             min_compression_rate: float = 2.0, use_error_feedback: bool = True, warm_start: bool = True,
+             rank: int | None = None, start_iter: int | None = None,
+             error_feedback: bool | None = None) -> PowerSGD:
+    """PowerSGD (two rounds per step) with the keywords of torch's ``PowerSGDState``, so that
+    ``powerSGD_hook`` moves over by name: ``matrix_approximation_rank``, ``start_powerSGD_iter`` (the
+    frontend's steps ``0 .. start_powerSGD_iter - 1`` are averaged uncompressed), ``min_compression_rate``,
+    ``use_error_feedback``, ``warm_start``. ``rank``, ``start_iter`` and ``error_feedback`` are
+    deprecated aliases (a :class:`FutureWarning`; ``rank`` read as the process rank)."""
+    values = {"matrix_approximation_rank": matrix_approximation_rank, "start_powerSGD_iter": start_powerSGD_iter,
+              "use_error_feedback": use_error_feedback}
+    defaults = {"matrix_approximation_rank": 1, "start_powerSGD_iter": 0, "use_error_feedback": True}
+    for old, new, alias in (("rank", "matrix_approximation_rank", rank),
+                            ("start_iter", "start_powerSGD_iter", start_iter),
+                            ("error_feedback", "use_error_feedback", error_feedback)):
+        if alias is None:
+            continue
+        if values[new] not in (defaults[new], alias):
+            raise HyperParameterError(f"powersgd: {old}={alias!r} and {new}={values[new]!r} given; {old} is the "
+                                      f"deprecated name of {new}: pass {new} only")
+        warn_renamed(f"powersgd's {old}=", f"{new}=")
+        values[new] = alias
+    return PowerSGD(**values, min_compression_rate=min_compression_rate, warm_start=warm_start)
 
 
 def signsgd() -> SignSGD:
@@ -111,7 +130,17 @@ del _name, _factory, _cls
 
 
 def available() -> list[str]:
+    """The registered methods (``compressor=`` of the optimizer and the DDP hook takes these names as
+    well as the compressors': :func:`compressor_choices` lists both)."""
     return registry.available()
+
+
+def compressor_choices() -> dict[str, list[str]]:
+    """Every name ``compressor=`` of :class:`~sparsecomm.DistributedOptimizer` and of the DDP hook
+    accepts (:func:`build`): ``{"methods": [...], "compressors": [...]}``. A method name builds that
+    method with its default compressor; a compressor name builds method ``method=`` (``"none"`` by
+    default) around it (``sc.compressors.available()`` lists only the compressors)."""
+    return {"methods": available(), "compressors": compressors.available()}
 
 
 def wraps_compressor(name: str) -> bool:
@@ -161,7 +190,8 @@ def build(compressor: str | Compressor | Method = "none", method: str | None = N
         return get(compressor, **hyper)
     if isinstance(compressor, str) and compressor not in compressors.registry:
         raise UnknownNameError(f"unknown compressor or method {compressor!r}; methods: {', '.join(available())}; "
-                               f"compressors: {', '.join(compressors.available())}")
+                               f"compressors: {', '.join(compressors.available())} "
+                               f"(sparsecomm.methods.compressor_choices() lists both)")
     if not isinstance(compressor, (str, Compressor)):
         raise InvalidTypeError(f"compressor must be a name, a Compressor or a Method, got {compressor!r}")
     mname = method or "none"
@@ -172,5 +202,6 @@ def build(compressor: str | Compressor | Method = "none", method: str | None = N
     return get(mname, compressor=compressor, **hyper)
 
 
-__all__ = ["Method", "MethodState", "Warmup", "warmup", "get", "build", "available", "registry",
-           "wraps_compressor", "none", "ef", "ef21", "diana", "dgc", "powersgd", "signsgd", "signum", "onebit"]
+__all__ = ["Method", "MethodState", "Warmup", "warmup", "get", "build", "available", "compressor_choices",
+           "registry", "wraps_compressor", "none", "ef", "ef21", "diana", "dgc", "powersgd", "signsgd", "signum",
+           "onebit"]

@@ -220,6 +220,16 @@ class Method(ABC):
             raise SparseCommError(f"method {self.name!r}: decode for bucket {key!r} without a preceding encode")
         return ms
 
+    def state_sizes(self, shapes: tuple[torch.Size, ...]) -> dict[str, list[int]]:
+        """How the typed state of a bucket holding tensors of ``shapes`` (in order) splits into one
+        piece per tensor: for a tensor field that is not per coordinate, how many of its values belong
+        to each tensor (the field is their concatenation in that order). Every tensor field not named is
+        per coordinate (``numel`` values per tensor): the default names none; a method whose state holds
+        something per matrix (PowerSGD's warm-start Qs) names it. :func:`~sparsecomm.methods.state.split_state`
+        and :func:`~sparsecomm.methods.state.join_state` read it to remap a state onto another bucket
+        layout (the DDP hook after DDP's bucket rebuild, :meth:`sparsecomm.pipeline.CommPipeline.bind`)."""
+        return {}
+
     def hyper(self) -> dict[str, Any]:
         """The method's hyper-parameters (not its state), for logging and ``repr``."""
         return {"compressor": self.compressor}

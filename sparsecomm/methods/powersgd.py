@@ -3,7 +3,7 @@ distributed optimization", NeurIPS 2019 (the algorithm as torch's ``powerSGD_hoo
 
 Each tensor of the bucket is viewed as an n x m matrix M = (grad + e)_j (``theory.powersgd_matrix``);
 those worth it (``theory.powersgd_compresses``: (n+m) r * min_compression_rate < n m) get rank
-r = min(n, m, rank), the others travel whole. Two aggregation rounds per step::
+r = min(n, m, matrix_approximation_rank), the others travel whole. Two aggregation rounds per step::
 
     round 1: send [uncompressed tensors, P_j = M_j Q_j]          Q_j: warm start (last step's mean Q,
     round 2: P^_j = orth(sum_w P_j);  send Q_j = M_j^T P^_j              orthonormalised) or Gaussian
@@ -12,17 +12,35 @@ r = min(n, m, rank), the others travel whole. Two aggregation rounds per step::
 
 The estimate is P^ P^^T mean_w M_w, a projection of the mean (linear in the workers' matrices, hence
 summable by every transport as dense payloads). Q is drawn from the pipeline's generator, shared by
-every worker (``shared_randomness``), matrix by matrix in torch's order: seeded alike, this method and
-``powerSGD_hook`` follow the same trajectory to float rounding (tests/test_methods_powersgd.py).
-``start_iter`` (torch's ``start_powerSGD_iter``): the first ``start_iter`` steps of a bucket are
-exact rounds (plain averaging, error flushed); the optimizer's and the DDP hook's ``warmup_steps`` do
-the same for every method. Orthogonalisation is a reduced QR
-(sign conventions cancel in P^ P^^T; a zero sum still yields an orthonormal basis, never NaN).
+every worker (``shared_randomness``), matrix by matrix in torch's order, bucket by bucket: seeded alike,
+this method and ``powerSGD_hook`` follow the same trajectory to float rounding
+(tests/test_methods_powersgd.py). The keywords are torch's ``PowerSGDState``'s
+(``matrix_approximation_rank``, ``start_powerSGD_iter``, ``min_compression_rate``,
+``use_error_feedback``, ``warm_start``), so moving from ``powerSGD_hook`` to
+``sparsecomm.ddp.register(model, compressor="powersgd", ...)`` keeps them. ``start_powerSGD_iter``:
+the steps ``0 .. start_powerSGD_iter - 1`` of the optimizer or the DDP hook are exact rounds (plain
+averaging, error flushed), as torch counts its iterations (the rounds of a
+:class:`~sparsecomm.methods.state.MethodState` count the frontend's steps); the optimizer's and the
+DDP hook's ``warmup_steps`` do the same for every method.
+
+**State and resume.** A bucket's state is the error (per coordinate) and the warm-start Q (m_j r_j
+values per compressed matrix, r_j from the matrix's shape and the hyper-parameters): it splits into
+one piece per tensor (:meth:`PowerSGD.state_sizes`), so the DDP hook remaps it exactly onto another
+bucket layout. A resume is bit-exact (given a transport whose sum does not depend on the layout) unless
+fresh Qs are drawn on a layout other than the uninterrupted run's: under the DDP hook that is the
+case with ``warm_start=False`` (fresh Qs every step) or when the first iteration after the restore,
+which has DDP's initial bucket layout, is the first compressed step; :mod:`sparsecomm.ddp` states the
+exact cases. Under :class:`~sparsecomm.DistributedOptimizer` the layout is fixed and a resume is
+always bit-exact.
+
+Orthogonalisation is a reduced QR (sign conventions cancel in P^ P^^T; a zero sum still yields an
+orthonormal basis, never NaN), in float32 for bfloat16/float16 buckets (the bases are rounded back to
+the bucket's dtype).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 
 import torch
 
@@ -41,56 +59,72 @@ class LowRank(Compressor):
 
     name, payload_kind, shared_randomness = "powersgd", "dense", True
 
-    def __init__(self, rank: int = 1) -> None:
-        self.rank = rank
+    def __init__(self, matrix_approximation_rank: int = 1) -> None:
+        self.matrix_approximation_rank = matrix_approximation_rank
 
     def compress(self, x, generator=None):
+        r = self.matrix_approximation_rank
         m = x.detach().reshape(*th.powersgd_matrix(x.shape)).to(torch.float64)
-        q = torch.randn(m.shape[1], min(self.rank, *m.shape), generator=_need(generator), dtype=m.dtype)
+        q = torch.randn(m.shape[1], min(r, *m.shape), generator=_need(generator), dtype=m.dtype)
         p = torch.linalg.qr(m @ q).Q
         return Payload("dense", (p @ (m.T @ p).T).reshape(-1).to(x.dtype), x.shape, x.dtype,
-                       bits=th.powersgd_bits([x.shape], self.rank, 0.0, torch.finfo(x.dtype).bits))
+                       bits=th.powersgd_bits([x.shape], r, 0.0, torch.finfo(x.dtype).bits))
 
     def delta(self, d):
         return 0.0   # no worst-case contraction (theory.lowrank_delta is the best rank-r's)
 
     def hyper(self):
-        return {"rank": self.rank}
+        return {"matrix_approximation_rank": self.matrix_approximation_rank}
 
 
 @dataclass
 class PowerSGDState:
-    """Per-bucket state: the error ``e`` (bucket length), the warm-start ``q`` (all Q_j), the step."""
+    """Per-bucket state: the error ``e`` (bucket length) and the warm-start ``q`` (all Q_j, m_j r_j
+    values each, in the order of the bucket's compressed matrices; ``None`` before the first compressed
+    step). (``step``: accepted from older checkpoints and ignored; the start rule counts the rounds of
+    the :class:`~sparsecomm.methods.state.MethodState`.)"""
 
     error: torch.Tensor
     q: torch.Tensor | None
-    step: int
+    step: InitVar[int | None] = None
 
 
 class PowerSGD(Method):
-    """``get("powersgd", rank=1, min_compression_rate=2, start_iter=0, error_feedback=True,
-    warm_start=True)``."""
+    """``get("powersgd", matrix_approximation_rank=1, start_powerSGD_iter=0, min_compression_rate=2,
+    use_error_feedback=True, warm_start=True)``: the keywords of torch's ``PowerSGDState``, with the
+    same meaning (see the module doc)."""
 
     name, uses_shapes, multi_round, State = "powersgd", True, True, PowerSGDState
 
-    def __init__(self, rank: int = 1, *, min_compression_rate: float = 2.0, start_iter: int = 0,
-                 error_feedback: bool = True, warm_start: bool = True) -> None:
-        if int(rank) < 1 or start_iter < 0 or min_compression_rate < 0:
-            raise InvalidValueError("powersgd: rank >= 1, start_iter >= 0 and min_compression_rate >= 0")
-        self.rank, self.rate, self.start_iter = int(rank), float(min_compression_rate), int(start_iter)
-        self.error_feedback, self.warm_start = bool(error_feedback), bool(warm_start)
-        super().__init__(LowRank(self.rank))
+    def __init__(self, matrix_approximation_rank: int = 1, *, start_powerSGD_iter: int = 0,
+                 min_compression_rate: float = 2.0, use_error_feedback: bool = True,
+                 warm_start: bool = True) -> None:
+        if int(matrix_approximation_rank) < 1 or start_powerSGD_iter < 0 or min_compression_rate < 0:
+            raise InvalidValueError("powersgd: matrix_approximation_rank >= 1, start_powerSGD_iter >= 0 and "
+                                    "min_compression_rate >= 0")
+        self.matrix_approximation_rank = int(matrix_approximation_rank)
+        self.start_powerSGD_iter = int(start_powerSGD_iter)
+        self.min_compression_rate = float(min_compression_rate)
+        self.use_error_feedback, self.warm_start = bool(use_error_feedback), bool(warm_start)
+        super().__init__(LowRank(self.matrix_approximation_rank))
 
     def hyper(self):
-        return {"rank": self.rank, "min_compression_rate": self.rate, "start_iter": self.start_iter,
-                "error_feedback": self.error_feedback, "warm_start": self.warm_start}
+        return {"matrix_approximation_rank": self.matrix_approximation_rank,
+                "start_powerSGD_iter": self.start_powerSGD_iter, "min_compression_rate": self.min_compression_rate,
+                "use_error_feedback": self.use_error_feedback, "warm_start": self.warm_start}
 
-    def _layout(self, ms, d):
+    def state_sizes(self, shapes):
+        """The error is per coordinate; the warm-start ``q`` holds m_j r_j values per compressed
+        matrix, none for a tensor sent whole."""
+        return {"q": [m * r for _, _, _, m, r in self._layout(shapes)]}
+
+    def _layout(self, shapes):
         """(offset, numel, n, m, r) of every tensor; r = 0 for those sent whole."""
         out, off = [], 0
-        for s in ms.shapes_of(d):
+        for s in shapes:
             n, m = th.powersgd_matrix(s)
-            r = min(n, m, self.rank) if th.powersgd_compresses(n, m, self.rank, self.rate) else 0
+            rank = self.matrix_approximation_rank
+            r = min(n, m, rank) if th.powersgd_compresses(n, m, rank, self.min_compression_rate) else 0
             out.append((off, n * m, n, m, r))
             off += n * m
         return out
@@ -98,23 +132,22 @@ class PowerSGD(Method):
     def _encode(self, grad, ms, generator, exact):
         st = ms.state
         if st is None:
-            st = ms.state = PowerSGDState(torch.zeros_like(grad), None, 0)
-        st.step += 1
-        mat = grad.add_(st.error) if self.error_feedback else grad
+            st = ms.state = PowerSGDState(torch.zeros_like(grad), None)
+        mat = grad.add_(st.error) if self.use_error_feedback else grad
         if not bool(torch.isfinite(mat).all()):
             raise_nonfinite(self.name)
-        if exact or st.step <= self.start_iter:
+        if exact or ms.rounds < self.start_powerSGD_iter:
             st.error.zero_()
             ms.pending = ("exact",)
             return dense_payload(mat)
-        lay = self._layout(ms, grad.numel())
+        lay = self._layout(ms.shapes_of(grad.numel()))
         nq = sum(m * r for _, _, _, m, r in lay)
         if st.q is None or not self.warm_start or st.q.numel() != nq:
             st.q = _gaussian_q(lay, _need(generator), grad)
         parts, qoff = [mat[o:o + k] for o, k, _, _, r in lay if r == 0], 0
         for o, k, n, m, r in lay:
             if r:
-                q = torch.linalg.qr(st.q[qoff:qoff + m * r].view(m, r)).Q
+                q = _orthonormal(st.q[qoff:qoff + m * r].view(m, r))
                 parts.append((mat[o:o + k].view(n, m) @ q).reshape(-1))
                 qoff += m * r
         ms.pending = ("P", mat, lay)
@@ -129,7 +162,7 @@ class PowerSGD(Method):
         pos, ps, qs = unc, [], []
         for o, k, n, m, r in lay:
             if r:
-                p = torch.linalg.qr(aggregate[pos:pos + n * r].view(n, r)).Q
+                p = _orthonormal(aggregate[pos:pos + n * r].view(n, r))
                 ps.append(p)
                 qs.append((mat[o:o + k].view(n, m).T @ p).reshape(-1))
                 pos += n * r
@@ -154,8 +187,17 @@ class PowerSGD(Method):
                 torch.mm(p, qmean[j:j + m * r].view(m, r).T, out=out[o:o + k].view(n, m))
                 j += m * r
             st.q = qmean
-        if self.error_feedback:
+        if self.use_error_feedback:
             torch.sub(mat, out, out=st.error)
+
+
+def _orthonormal(x: torch.Tensor) -> torch.Tensor:
+    """An orthonormal basis of ``x``'s columns (reduced QR's Q), in ``x``'s dtype. Half-precision
+    inputs (bfloat16, float16: no QR kernel on CPU, and too few bits for Householder reflections)
+    are orthogonalised in float32 and the basis rounded back."""
+    if x.dtype in (torch.float16, torch.bfloat16):
+        return torch.linalg.qr(x.float()).Q.to(x.dtype)
+    return torch.linalg.qr(x).Q
 
 
 def _dense(x: torch.Tensor) -> Payload:

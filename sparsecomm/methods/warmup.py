@@ -37,6 +37,9 @@ class Warmup(Method):
     def hyper(self) -> dict[str, Any]:
         return {"inner": self.inner, "steps": self.steps}
 
+    def state_sizes(self, shapes):
+        return self.inner.state_sizes(shapes)
+
     def init(self, d: int | None = None) -> MethodState:
         return self.inner.init(d)
 
