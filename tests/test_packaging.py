@@ -8,6 +8,7 @@ import configparser
 import email
 import functools
 import importlib
+import os
 import shutil
 import subprocess
 import sys
@@ -176,3 +177,17 @@ def test_no_default_output_inside_the_package():
     bad = [b for b in bad if b.split(":")[0] not in allowed]
     assert not bad, "paths built from __file__:\n" + "\n".join(bad)
 
+
+
+@pytest.mark.parametrize("module", ["experiments.convergence", "sparsecomm.experiments.convergence",
+                                    "sparsecomm.experiments.bench.codec"])
+def test_source_tree_runs_both_names_with_dash_m(module):
+    """``python -m experiments.X`` and ``python -m sparsecomm.experiments.X`` both run from the source tree
+    (runpy asks the finder's loader for the module's code), once, as ``__main__``, without runpy's warning
+    about a module imported before it runs."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), WANDB_MODE="disabled", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", module, "--help"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("usage:"), proc.stdout[:500]
+    assert "Traceback" not in proc.stderr and "found in sys.modules" not in proc.stderr, proc.stderr[-2000:]
