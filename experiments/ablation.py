@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
                 "workers": r["workers"], "records": r["records"], "summary": r["summary"]}
                for r in finished if r["records"]]
     if plotted:
-        print(f"plot: {plots.ablation_figure(plotted, target, out / 'ablation.png')}")
+        print(f"plot: {plots.save(plots.ablation_figure(plotted, target), out / 'ablation.png')}")
     print(tracking.sync_hint(out))
     return 0
 

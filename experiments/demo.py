@@ -101,7 +101,7 @@ class Cell:
 
 
 def plan(tasks_: tuple[str, ...], schemes: tuple[Scheme, ...], transports: tuple[str, ...], *,
-         steps: int | None, workers: int, seed: int) -> list[Cell]:
+         steps: int | None, workers: int, seed: int, eval_every: int = EVAL_EVERY) -> list[Cell]:
     """Every (task, scheme, transport) cell, validated before anything runs.
 
     Unknown names and bad settings raise here; an incompatible compressor x transport pair becomes a
@@ -114,7 +114,7 @@ def plan(tasks_: tuple[str, ...], schemes: tuple[Scheme, ...], transports: tuple
                 tkw = {**TRANSPORT_KW.get(t, {}), **TASK_TRANSPORT_KW.get((task, t), {})}
                 base = C.RunConfig(task=task, compressor=s.compressor, method=s.method, transport=t,
                                    compressor_kw=dict(s.compressor_kw), transport_kw=tkw, workers=workers,
-                                   steps=steps, eval_every=EVAL_EVERY, block_size=BLOCK_SIZE, seed=seed,
+                                   steps=steps, eval_every=eval_every, block_size=BLOCK_SIZE, seed=seed,
                                    bandwidth_gbps=BANDWIDTHS[0], latency_us=LATENCY_US)
                 reason = C.incompatibility(base)
                 if reason is not None:
@@ -169,7 +169,7 @@ def save_cell(c: Cell, out: Path, group: str, *, wandb: bool = True) -> tuple[di
     summ = dict(res.summary)
     for bw in BANDWIDTHS:
         summ[f"modelled_comm_per_step_s_{bw:g}gbps"] = comm_per_step(c, bw)
-    stem = f"{c.task}__{c.cfg.scheme}__{c.transport}".replace("/", "_").replace(" ", "")
+    stem = f"{c.task}__{C.slug(c.cfg.scheme)}__{c.transport}"
     tracking.write_csv(out / "csv" / f"{stem}.csv", recs)
     conf = {**c.cfg.as_dict(), "scheme": c.scheme.name, "bandwidths_gbps": list(BANDWIDTHS),
             "modelled_time_source": "SimFabric virtual clock"}
@@ -244,17 +244,19 @@ def main(argv: list[str] | None = None) -> int:
     p = cli.base_parser("python -m experiments.demo", __doc__,
                         out_help=f"output folder: CSV, PNG, wandb runs (default {DEFAULT_OUT})")
     p.add_argument("--steps", type=int, default=None, help="training steps per run (default: the task's)")
-    p.add_argument("--tiny", action="store_true", help="smoke size: 2 steps, 2 workers (seconds)")
+    p.add_argument("--tiny", action="store_true",
+                   help="smoke size: every cell at 2 steps, 2 workers, evaluated every step")
     p.add_argument("--workers", type=int, default=WORKERS)
     p.add_argument("--docs", action="store_true", help="also copy the figure to docs/demo.png")
     args = p.parse_args(argv)
-    steps, workers = args.steps, args.workers
+    steps, workers, eval_every = args.steps, args.workers, EVAL_EVERY
     if args.tiny:
-        steps, workers = steps or 2, min(workers, 2)
+        steps, workers, eval_every = steps or 2, min(workers, 2), 1
     train.set_cpu_threads()
     t0 = time.perf_counter()
     try:
-        cells = plan(TASKS, SCHEMES, TRANSPORTS, steps=steps, workers=workers, seed=args.seed)
+        cells = plan(TASKS, SCHEMES, TRANSPORTS, steps=steps, workers=workers, seed=args.seed,
+                     eval_every=eval_every)
     except (C.ConfigError, C.UnknownNameError, C.IncompatibleError) as e:
         print(f"demo: invalid configuration: {e}", file=sys.stderr)
         return 2
@@ -276,10 +278,11 @@ def main(argv: list[str] | None = None) -> int:
     tracking.write_csv(out / "summary.csv", summary_rows)
     text = print_tables(cells, BANDWIDTHS)
     (out / "table.txt").write_text(text.lstrip() + "\n")
-    fig = plots.demo_figure(by_task, BANDWIDTHS, out / "demo.png",
-                            title=f"sparsecomm demo: {workers} simulated workers; modelled times from the "
-                                  f"SimFabric ({', '.join(f'{b:g}' for b in BANDWIDTHS)} Gbps, "
-                                  f"{LATENCY_US:g} us)")
+    fig = plots.save(plots.demo_figure(by_task, BANDWIDTHS,
+                                       title=f"sparsecomm demo: {workers} simulated workers; modelled times from "
+                                             f"the SimFabric ({', '.join(f'{b:g}' for b in BANDWIDTHS)} Gbps, "
+                                             f"{LATENCY_US:g} µs latency)"),
+                     out / "demo.png")
     if args.docs:
         DOCS.mkdir(exist_ok=True)
         shutil.copyfile(fig, DOCS / "demo.png")

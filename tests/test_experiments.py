@@ -14,7 +14,9 @@ import torch
 
 from experiments import ablation, convergence, demo
 from experiments.common import config as C
-from experiments.common import tracking
+from experiments.common import plots, tracking
+
+from ._figures import problems
 
 
 @pytest.fixture(autouse=True)
@@ -29,7 +31,10 @@ def _no_wandb_files(root):
     return not any(p.name == "wandb" or p.name.startswith("offline-run") for p in root.rglob("*"))
 
 
-def test_demo_tiny(tmp_path, capsys):
+def test_demo_tiny(tmp_path, capsys, monkeypatch):
+    figures = []
+    save = plots.save
+    monkeypatch.setattr(plots, "save", lambda fig, path: (figures.append(fig), save(fig, path))[1])
     assert demo.main(["--tiny", "--out", str(tmp_path), "--no-progress"]) == 0
     out = capsys.readouterr().out
     # the table: every runnable cell has numbers, the rejected pairs carry the library's reason
@@ -52,6 +57,9 @@ def test_demo_tiny(tmp_path, capsys):
     assert max(sparse) < 0.5  # the recommendation model's gradients are block-sparse
     assert (tmp_path / "demo.png").stat().st_size > 10_000
     assert _no_wandb_files(tmp_path)
+    # the figure keeps the rules of tests/_figures.py (no empty panel: --tiny evaluates every step)
+    (fig,) = figures
+    assert problems(fig) == []
 
 
 def test_ablation_one_cell_resumes(tmp_path, capsys):
