@@ -104,3 +104,41 @@ def test_convergence_writes_a_plot_under_a_clean_name(tmp_path, saved):
     stem = "breast-cancer-logreg_ef-topk-ratio-0.3_allgather_n2_s0"
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"{stem}.csv", f"{stem}.json", f"{stem}.png"]
     assert problems(saved[f"{stem}.png"]) == []
+
+
+#: each reproduction at a size that runs in seconds (its figures are the same functions as at full size)
+REPRODUCTIONS = {
+    "reproduce_diana": ["--iters", "40", "--multipliers", "1,4", "--ratio", "1"],   # 6-digit bit counts
+    "reproduce_ef21": ["--iters", "40", "--multipliers", "1,4"],
+    "reproduce_marina": ["--iters", "40", "--ks", "1,5"],
+    "reproduce_99": ["--ns", "4,10", "--m", "20", "--eps", "1e-3"],
+    "reproduce_rates": ["--omegas", "0,1,3", "--ns", "1,4", "--d", "8", "--rows", "64"],
+    "reproduce_switchml": [],
+    "reproduce_omnireduce": ["--numel", "16384", "--densities", "1", "0.1"],
+    "reproduce_sparse_switch": ["--numel", "16384", "--ns", "2", "4", "--densities", "1", "0.1"],
+}
+
+
+#: the switch emulation of the quick SwitchML reproduction takes about 20 s
+SLOW = {"reproduce_switchml"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW else []) for n in sorted(REPRODUCTIONS)])
+def test_reproduction_figures_keep_the_rules(name, tmp_path, monkeypatch):
+    import importlib
+
+    from experiments.common import reproduce as U
+
+    figures = {}
+    real = U.Run.save_figure
+
+    def keep(self, fig, stem):
+        figures[stem] = fig
+        return real(self, fig, stem)
+
+    monkeypatch.setattr(U.Run, "save_figure", keep)
+    mod = importlib.import_module(f"experiments.{name}")
+    mod.main(["--quick", "--no-progress", "--no-wandb", "--out", str(tmp_path), *REPRODUCTIONS[name]])
+    assert figures, f"{name} drew no figure"
+    found = {stem: problems(fig) for stem, fig in figures.items()}
+    assert found == {stem: [] for stem in figures}

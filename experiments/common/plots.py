@@ -86,6 +86,15 @@ def log_axis(axis, lo: float, hi: float) -> None:
     axis.set_minor_formatter(NullFormatter())
 
 
+def log_axes(ax, xs: Sequence[float] | None = None, ys: Sequence[float] | None = None) -> None:
+    """:func:`log_axis` on the x axis over ``xs`` and the y axis over ``ys`` (the data drawn), where given."""
+    for axis, values in ((ax.xaxis, xs), (ax.yaxis, ys)):
+        v = _finite(values) if values is not None else np.array([])
+        v = v[v > 0]
+        if v.size:
+            log_axis(axis, v.min(), v.max())
+
+
 def si_axis(axis) -> None:
     """Large counts (bits, bytes) as ``50k``, ``1.5M``: short labels that do not run into each other."""
     axis.set_major_formatter(FuncFormatter(lambda v, _: _number(v)))
