@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,8 @@ from experiments.common import config as C
 from experiments.common import plots, tracking
 
 from ._figures import problems
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -144,3 +147,26 @@ def test_ablation_records_a_diverged_cell_and_goes_on(tmp_path, capsys):
     assert "NaN or Inf" in rec["summary"]["diverged"] and rec["records"] == []
     out = capsys.readouterr().out      # the library's NonFiniteError (raised on every worker), recorded as a result
     assert "diverged: " in out and "NaN or Inf" in out
+
+
+def test_memory_around_the_identity_is_the_uncompressed_run():
+    """EF, EF21 and DIANA around the identity feed back nothing (the error or shift of an exact operator is
+    zero, or cancels): such a cell is the 'none' cell, run once."""
+    spec = ablation.merge_args({}, ablation.parser().parse_args(
+        ["--task", "digits-mlp", "--compressor", "identity", "topk", "--method", "none", "ef", "ef21", "diana",
+         "--transport", "allgather", "--density", "0.1", "--skip-incompatible"]))
+    cells, incompatible = ablation.expand(spec)
+    assert sorted(c["cfg"].label for c in cells) == [
+        "ef+topk(ratio=0.1) / allgather", "ef21+topk(ratio=0.1) / allgather", "none / allgather",
+        "topk(ratio=0.1) / allgather"]
+    assert [c["cfg"].label for c in incompatible] == ["diana+topk(ratio=0.1) / allgather"]  # biased top-k
+
+
+def test_shipped_grid_has_a_baseline_and_no_duplicate_runs():
+    path = ROOT / "experiments" / "ablation.yaml"
+    spec = ablation.merge_args(ablation.load_spec(path), ablation.parser().parse_args(["--config", str(path)]))
+    cells, _ = ablation.expand(spec)
+    cfgs = [c["cfg"] for c in cells]
+    assert all(c.method == "none" for c in cfgs if c.compressor == "identity")
+    assert {c.transport for c in cfgs if c.compressor == "identity"} == set(spec["grid"]["transport"])
+    assert len({c.key() for c in cfgs}) == len(cfgs)
