@@ -10,7 +10,8 @@ MLP on scikit-learn's digits. Each is trained with four compression schemes
     QSGD            QSGD quantisation, no memory (unbiased)
 
 over each transport (ring all-reduce, OmniReduce block-sparse aggregation, SwitchML in-network
-aggregation, and allgather, the carrier for sparse or unshared payloads). A pair the library rejects
+aggregation, the sparse switch (OmniReduce's look-ahead in the switch), and allgather, the carrier for
+sparse or unshared payloads). A pair the library rejects
 (``sparsecomm.optim.check_pair``: e.g. top-k's worker-specific indices on ``ring``) is not run; the
 table shows the library's reason.
 
@@ -23,12 +24,13 @@ the fabric's ledger (``opt.last_stats``), never from the compressors' declared b
 (``compression_stats()["sent_over_declared"]``: 1.00x where the wire carries the declared bits, more
 where a transport forms sums on the wire or ships whole blocks, README "Bytes on the wire").
 
-Output: a progress bar per run, a table per task, ``demo.png`` (held-out loss vs step and vs modelled
-time, bytes per step, modelled time per step at both bandwidths), per-step CSVs, and one wandb run per
+Output: a progress bar per run, a table per task, ``demo.png`` (held-out loss vs training step, with a
+scheme's coinciding transports drawn once, and vs modelled time; bytes per step; modelled time per step at
+both bandwidths), per-step CSVs, and one wandb run per
 configuration (``WANDB_MODE``: ``offline`` by default, ``disabled`` writes nothing).
 
     python -m experiments.demo                  # the full demo (a few minutes on 2 cores)
-    python -m experiments.demo --tiny           # a smoke-sized run (seconds)
+    python -m experiments.demo --tiny           # every cell at 2 workers, 2 steps (about 10 s of CPU)
     python -m experiments.demo --docs           # also refresh docs/demo.png (the README picture)
 """
 

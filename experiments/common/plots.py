@@ -123,10 +123,12 @@ def _same(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray], sp
     return True
 
 
-def plot_series(ax, series: list[dict[str, Any]], *, xlog: bool = False, ylog: bool = False) -> None:
+def plot_series(ax, series: list[dict[str, Any]], *, xlog: bool = False, ylog: bool = False,
+                label_group=None) -> None:
     """Draw ``series`` (dicts ``x``, ``y``, ``label`` and line keywords ``color``, ``ls``, ...) on ``ax``,
-    each curve once: series that coincide are drawn as the first of them, labelled ``"A = B = C"`` (the
-    legend says which curves lie on top of each other). A series of one point is drawn as a marker."""
+    each curve once: series that coincide are drawn as the first of them, labelled by ``label_group(labels)``
+    (default :func:`coincide_label`: ``"A = B (same curve)"``), so the legend says which curves lie on top
+    of each other. A series of one point is drawn as a marker."""
     pts = [(np.asarray(s["x"], dtype=float), np.asarray(s["y"], dtype=float)) for s in series]
     if not pts:
         return
@@ -143,7 +145,7 @@ def plot_series(ax, series: list[dict[str, Any]], *, xlog: bool = False, ylog: b
             groups.append([i])
     for g in groups:
         s = series[g[0]]
-        label = s["label"] if len(g) == 1 else coincide_label([series[i]["label"] for i in g])
+        label = s["label"] if len(g) == 1 else (label_group or coincide_label)([series[i]["label"] for i in g])
         kw = {k: v for k, v in s.items() if k not in ("x", "y", "label")}
         x, y = pts[g[0]]
         if np.sum(np.isfinite(x) & np.isfinite(y)) == 1:
@@ -189,8 +191,19 @@ def demo_figure(by_task: dict[str, list[dict]], bandwidths: Sequence[float], tit
             recs = ([e["initial"]] if e.get("initial") else []) + e["records"]
             steps.append([(r["step"], r["test_loss"]) for r in recs if "test_loss" in r])
         # the transport does not change training: a scheme's curves coincide, and are drawn once
+        ran = {}
+        for e in entries:
+            ran.setdefault(e["scheme"], set()).add(e["transport"])
+
+        def every_transport(labels: list[str]) -> str:
+            schemes = list(dict.fromkeys(lab.partition(" / ")[0] for lab in labels))
+            if all({lab.partition(" / ")[2] for lab in labels if lab.startswith(f"{sc} / ")} == ran[sc]
+                   for sc in schemes):
+                return " = ".join(f"{sc} / all {len(ran[sc])} transports" for sc in schemes) + " (same curve)"
+            return coincide_label(labels)
+
         plot_series(ax_step, [dict(x=[p[0] for p in s], y=[p[1] for p in s], label=f"{e['scheme']} / {e['transport']}",
-                                   **style[id(e)]) for e, s in zip(entries, steps)])
+                                   **style[id(e)]) for e, s in zip(entries, steps)], label_group=every_transport)
         ax_step.set(title=f"{task}: held-out loss vs training step", xlabel="training step",
                     ylabel="held-out loss")
         count_axis(ax_step.xaxis)
