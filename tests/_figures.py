@@ -96,9 +96,10 @@ def _covers(top: Line2D, under: Line2D) -> bool:
 
 def _tick_overlaps(axis) -> list[str]:
     lo, hi = sorted(axis.get_view_interval())
-    boxes = [(t.get_text(), t.get_window_extent()) for tk, t in
-             ((tk, tk.label1) for tk in axis.get_major_ticks() + axis.get_minor_ticks())
-             if t.get_visible() and t.get_text() and lo - 1e-9 * abs(hi - lo) <= tk.get_loc() <= hi + 1e-9 * abs(hi - lo)]
+    eps = 1e-9 * abs(hi - lo)
+    boxes = [(tk.label1.get_text(), tk.label1.get_window_extent())
+             for tk in axis.get_major_ticks() + axis.get_minor_ticks()
+             if tk.label1.get_visible() and tk.label1.get_text() and lo - eps <= tk.get_loc() <= hi + eps]
     out = []
     for i in range(len(boxes)):
         for j in range(i + 1, len(boxes)):

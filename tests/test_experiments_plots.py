@@ -123,7 +123,8 @@ REPRODUCTIONS = {
 SLOW = {"reproduce_switchml"}
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW else []) for n in sorted(REPRODUCTIONS)])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW else [])
+                                  for n in sorted(REPRODUCTIONS)])
 def test_reproduction_figures_keep_the_rules(name, tmp_path, monkeypatch):
     import importlib
 

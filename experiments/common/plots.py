@@ -72,7 +72,8 @@ def _number(v: float) -> str:
 
 def log_axis(axis, lo: float, hi: float) -> None:
     """A log axis over the data range [lo, hi]: ticks at 1-2-5 steps when it spans less than two decades
-    (finer under 0.7), else at decades (every second or third when there are many); plain-number labels; minor ticks unlabelled."""
+    (finer under 0.7), else at decades (every second or third when there are many); plain-number labels;
+    minor ticks unlabelled."""
     lo, hi = max(lo, 1e-300), max(hi, 1e-300)
     decades = math.log10(hi / lo) if hi > lo else 0.0
     if decades < 0.7:
@@ -161,7 +162,8 @@ def coincide_label(labels: Sequence[str]) -> str:
     for lab in labels:
         head, sep, tail = lab.partition(" / ")
         by_head.setdefault(head, []).append(tail if sep else "")
-    parts = [head + (" / " + ", ".join(t for t in tails if t) if any(tails) else "") for head, tails in by_head.items()]
+    parts = [head + (" / " + ", ".join(t for t in tails if t) if any(tails) else "")
+             for head, tails in by_head.items()]
     return textwrap.fill(" = ".join(parts) + " (same curve)", width=60)
 
 

@@ -175,7 +175,8 @@ def _launch_netbed(fn: Callable[[Context], Any], world_size: int, *, network: Ne
             namespaces = [bed.tor_ns if h is None else bed.host_ns(h) for h in where]
             ifnames = [bed.ifname(ns) for ns in namespaces]
             return lt._spawn("gloo", fn, world_size, timeout_s, services, start_method,
-                             make_store=functools.partial(_store_in, bed.tor_ns, bed.tor_addr), master_addr=bed.tor_addr,
+                             make_store=functools.partial(_store_in, bed.tor_ns, bed.tor_addr),
+                             master_addr=bed.tor_addr,
                              prologue=functools.partial(enter_namespace, tuple(namespaces), tuple(ifnames)))
         finally:
             bed.close()

@@ -42,8 +42,9 @@ DNS server, which is unreachable from the namespace, and c10d's rendezvous store
 :class:`NetbedError` saying so; nothing is silently ignored.
 
 Clean-up: :meth:`Netbed.close` deletes every namespace (which deletes its links and qdiscs) and its
-``/etc/netns/<ns>`` folder, and is idempotent; :class:`Netbed` is a context manager, and :func:`cleanup_stale` removes the namespaces of
-netbeds whose owner process is gone (``python -m sparsecomm.netbed cleanup``).
+``/etc/netns/<ns>`` folder, and is idempotent; :class:`Netbed` is a context manager, and
+:func:`cleanup_stale` removes the namespaces of netbeds whose owner process is gone (``python -m
+sparsecomm.netbed cleanup``).
 """
 
 from __future__ import annotations
