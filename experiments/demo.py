@@ -11,9 +11,8 @@ MLP on scikit-learn's digits. Each is trained with four compression schemes
 
 over each transport (ring all-reduce, OmniReduce block-sparse aggregation, SwitchML in-network
 aggregation, the sparse switch (OmniReduce's look-ahead in the switch), and allgather, the carrier for
-sparse or unshared payloads). A pair the library rejects
-(``sparsecomm.optim.check_pair``: e.g. top-k's worker-specific indices on ``ring``) is not run; the
-table shows the library's reason.
+sparse or unshared payloads). A pair the library rejects (``sparsecomm.optim.check_pair``: e.g. top-k's
+worker-specific indices on ``ring``) is not run; the table shows the library's reason.
 
 Every run uses 8 workers as threads over a SimFabric. Each configuration is trained once per network
 model (10 and 100 Gbps per worker link, 2 us latency, no loss): training is identical on both
@@ -26,8 +25,8 @@ where a transport forms sums on the wire or ships whole blocks, README "Bytes on
 
 Output: a progress bar per run, a table per task, ``demo.png`` (held-out loss vs training step, with a
 scheme's coinciding transports drawn once, and vs modelled time; bytes per step; modelled time per step at
-both bandwidths), per-step CSVs, and one wandb run per
-configuration (``WANDB_MODE``: ``offline`` by default, ``disabled`` writes nothing).
+both bandwidths), per-step CSVs, and one wandb run per configuration (``WANDB_MODE``: ``offline`` by
+default, ``disabled`` writes nothing).
 
     python -m experiments.demo                  # the full demo (a few minutes on 2 cores)
     python -m experiments.demo --tiny           # every cell at 2 workers, 2 steps (about 10 s of CPU)
@@ -280,15 +279,15 @@ def main(argv: list[str] | None = None) -> int:
     tracking.write_csv(out / "summary.csv", summary_rows)
     text = print_tables(cells, BANDWIDTHS)
     (out / "table.txt").write_text(text.lstrip() + "\n")
-    fig = plots.save(plots.demo_figure(by_task, BANDWIDTHS,
+    png = plots.save(plots.demo_figure(by_task, BANDWIDTHS,
                                        title=f"sparsecomm demo: {workers} simulated workers; modelled times from "
                                              f"the SimFabric ({', '.join(f'{b:g}' for b in BANDWIDTHS)} Gbps, "
                                              f"{LATENCY_US:g} µs latency)"),
                      out / "demo.png")
     if args.docs:
         DOCS.mkdir(exist_ok=True)
-        shutil.copyfile(fig, DOCS / "demo.png")
-    print(f"\nplot: {fig}" + (f" (copied to {DOCS / 'demo.png'})" if args.docs else ""))
+        shutil.copyfile(png, DOCS / "demo.png")
+    print(f"\nplot: {png}" + (f" (copied to {DOCS / 'demo.png'})" if args.docs else ""))
     print(f"per-step CSVs: {out / 'csv'}; summary: {out / 'summary.csv'}")
     print(tracking.sync_hint(out))
     print(f"total time: {time.perf_counter() - t0:.0f} s")
