@@ -35,6 +35,7 @@ default, ``disabled`` writes nothing).
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 import time
@@ -241,6 +242,13 @@ def print_tables(cells: list[Cell], bandwidths: tuple[float, ...]) -> str:
     return text
 
 
+def contents(workers: int) -> dict[str, Any]:
+    """What the figure shows, written into the PNG (``Description``): tests compare the README's picture
+    (``docs/demo.png``) with the demo as it is."""
+    return {"tasks": list(TASKS), "schemes": [s.name for s in SCHEMES], "transports": list(TRANSPORTS),
+            "bandwidths_gbps": list(BANDWIDTHS), "workers": workers}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = cli.base_parser("python -m experiments.demo", __doc__,
                         out_help=f"output folder: CSV, PNG, wandb runs (default {DEFAULT_OUT})")
@@ -283,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
                                        title=f"sparsecomm demo: {workers} simulated workers; modelled times from "
                                              f"the SimFabric ({', '.join(f'{b:g}' for b in BANDWIDTHS)} Gbps, "
                                              f"{LATENCY_US:g} µs latency)"),
-                     out / "demo.png")
+                     out / "demo.png", description=json.dumps(contents(workers)))
     if args.docs:
         DOCS.mkdir(exist_ok=True)
         shutil.copyfile(png, DOCS / "demo.png")

@@ -38,7 +38,7 @@ def _no_wandb_files(root):
 def test_demo_tiny(tmp_path, capsys, monkeypatch):
     figures = []
     save = plots.save
-    monkeypatch.setattr(plots, "save", lambda fig, path: (figures.append(fig), save(fig, path))[1])
+    monkeypatch.setattr(plots, "save", lambda fig, path, **kw: (figures.append(fig), save(fig, path, **kw))[1])
     cpu = time.process_time()
     assert demo.main(["--tiny", "--out", str(tmp_path), "--no-progress"]) == 0
     # README: "about 10 s of CPU time" (imports aside, which this process has paid; a cold Numba cache adds
@@ -68,6 +68,17 @@ def test_demo_tiny(tmp_path, capsys, monkeypatch):
     # the figure keeps the rules of tests/_figures.py (no empty panel: --tiny evaluates every step)
     (fig,) = figures
     assert problems(fig) == []
+
+
+def test_readme_picture_is_the_current_demo():
+    """docs/demo.png (the README's picture) is the full demo's figure for the demo as it is now (its tasks,
+    schemes, transports, network models and workers: the PNG records them); `python -m experiments.demo
+    --docs` regenerates it."""
+    from PIL import Image
+
+    with Image.open(ROOT / "docs" / "demo.png") as img:
+        shown = json.loads(img.text.get("Description", "{}"))
+    assert shown == demo.contents(demo.WORKERS)
 
 
 def test_ablation_one_cell_resumes(tmp_path, capsys):

@@ -33,9 +33,9 @@ def saved(monkeypatch):
     figures = {}
     real = plots.save
 
-    def keep(fig, path):
+    def keep(fig, path, **kw):
         figures[path.name] = fig
-        return real(fig, path)
+        return real(fig, path, **kw)
 
     monkeypatch.setattr(plots, "save", keep)
     return figures

@@ -40,11 +40,12 @@ def _colours(keys: Sequence[str]) -> dict[str, Any]:
     return {k: cmap(i % cmap.N) for i, k in enumerate(keys)}
 
 
-def save(fig, path: Path) -> Path:
-    """Write ``fig`` as a PNG (creating the folder) and release it."""
+def save(fig, path: Path, description: str | None = None) -> Path:
+    """Write ``fig`` as a PNG (creating the folder), with ``description`` in its ``Description`` text chunk
+    when given, and release it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=DPI)
+    fig.savefig(path, dpi=DPI, metadata={"Description": description} if description else None)
     plt.close(fig)
     return path
 
