@@ -139,16 +139,16 @@ def problems(fig: Figure) -> list[str]:
                 if any(abs(t - round(t)) > 1e-9 for t in ticks):
                     found.append(f"{name}: {which} axis counts ({label!r}) but has ticks {ticks}")
             found += [f"{name}: {which} axis: {p}" for p in _tick_overlaps(axis)]
+        hidden = set()
         for i, ln in enumerate(shown):
             for later in shown[i + 1:]:
                 if ln.get_zorder() <= later.get_zorder() and _covers(later, ln):
+                    hidden.add(id(ln))
                     found.append(f"{name}: line {ln.get_label()!r} is hidden under {later.get_label()!r} "
                                  f"(draw coinciding curves once and say so in the legend)")
         for ln in shown:
             if ln.get_label() not in legend_labels and _style(ln) not in legend_styles:
                 found.append(f"{name}: line {ln.get_label()!r} {_style(ln)[1:]} is in no legend")
-        hidden = {id(ln) for i, ln in enumerate(shown) for later in shown[i + 1:]
-                  if ln.get_zorder() <= later.get_zorder() and _covers(later, ln)}
         visible_styles |= {_style(ln) for ln in shown if id(ln) not in hidden}
         visible_styles |= {_style(p) for p in _bars(ax)}
     for leg in legends:
