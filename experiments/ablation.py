@@ -16,7 +16,10 @@ Axes:
 - ``block_size``: OmniReduce's block size (given to every transport that takes ``block_size``) and the
   block of the gradient-density measurement; for other transports the axis collapses to its first value;
 - ``density``: the kept fraction ``ratio`` of sparsifying compressors (top-k, rand-k); for compressors
-  without ``ratio`` the axis collapses (no duplicate runs).
+  without ``ratio`` the axis collapses (no duplicate runs);
+- ``method`` around the ``identity`` compressor: ``ef``, ``ef21`` and ``diana`` have nothing to correct
+  (the identity's error is zero) and train as ``none`` does, up to floating-point rounding: those cells
+  collapse to ``none``.
 
 Before anything runs, every cell is checked with the library's own checks (names, hyper-parameters,
 compressor x transport compatibility). An unknown name or a bad setting stops the study; incompatible
@@ -133,6 +136,8 @@ def expand(spec: dict[str, Any]) -> tuple[list[dict], list[dict]]:
     fixed = {k: spec[k] for k in FIXED if spec.get(k) is not None}
     runnable, incompatible, seen = [], [], set()
     for comp, meth, trans, workers, block, density in itertools.product(*(grid[a] for a in AXES)):
+        if _no_op_memory(meth, comp):  # the same run as no method at all: collapse it
+            meth = "none"
         ckw = _kw_for(spec, "compressor_kw", comp)
         applies = density is not None and C.accepts(sc.compressors.registry.factory(comp), "ratio")
         if applies:
@@ -154,6 +159,14 @@ def expand(spec: dict[str, Any]) -> tuple[list[dict], list[dict]]:
             seen.add((comp, meth, trans))
             incompatible.append({**cell, "cfg": cfg, "reason": reason})
     return runnable, incompatible
+
+
+def _no_op_memory(method: str, compressor: str) -> bool:
+    """A method that keeps memory around its compressor (EF's error, EF21's and DIANA's shifts) around the
+    identity: the error is zero and the shifts cancel in the estimate, so it trains as ``none`` does (up to
+    floating-point rounding)."""
+    return (method != "none" and sc.methods.wraps_compressor(method)
+            and sc.compressors.registry.product(compressor) is sc.compressors.registry.product("identity"))
 
 
 def _check_names(task: str, grid: dict[str, list]) -> None:
@@ -313,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
                 "workers": r["workers"], "records": r["records"], "summary": r["summary"]}
                for r in finished if r["records"]]
     if plotted:
-        print(f"plot: {plots.ablation_figure(plotted, target, out / 'ablation.png')}")
+        print(f"plot: {plots.save(plots.ablation_figure(plotted, target), out / 'ablation.png')}")
     print(tracking.sync_hint(out))
     return 0
 

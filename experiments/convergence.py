@@ -19,12 +19,13 @@ Examples::
     python -m experiments.convergence --list     # every task, compressor, method and transport
 
 Every step logs (to wandb, mode from ``WANDB_MODE``, ``offline`` by default, and to
-``<out>/<name>.csv``): training loss, held-out loss and accuracy (every ``--eval-every`` steps), the
-local gradient norm, bits sent per worker, the gradient's block density (per worker and the union
-over workers), the modelled communication time (SimFabric's clock; 0 on real fabrics) and the
-measured wall-clock time of the collectives; the run's configuration goes to the wandb config and
-``<out>/<name>.json``. ``--seed`` fixes data, model initialisation and compressor randomness: two
-runs with the same arguments give the same numbers.
+``<out>/<name>.csv``; ``<name>`` is e.g. ``recsys-zipf_ef-topk-ratio-0.01_omnireduce_n8_s0``): training
+loss, held-out loss and accuracy (every ``--eval-every`` steps), the local gradient norm, bits sent per
+worker, the gradient's block density (per worker and the union over workers), the modelled communication
+time (SimFabric's clock; 0 on real fabrics) and the measured wall-clock time of the collectives; the
+run's configuration goes to the wandb config and ``<out>/<name>.json``; ``<out>/<name>.png`` plots loss
+and accuracy vs step and held-out loss vs communication time. ``--seed`` fixes data, model
+initialisation and compressor randomness: two runs with the same arguments give the same numbers.
 
 An unknown name or a pair the library cannot run (e.g. top-k's sparse payload on ``ring``) stops
 before anything runs, with the library's message.
@@ -37,7 +38,7 @@ import json
 import os
 import sys
 
-from .common import cli, tracking, train
+from .common import cli, plots, tracking, train
 from .common import config as C
 
 DEFAULT_OUT = tracking.OUT_ROOT / "convergence"
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     except C.INVALID as e:
         p.exit(2, f"{p.prog}: invalid configuration: {e}\n")
     train.set_cpu_threads()
-    name = args.name or f"{cfg.task} {cfg.label} n{cfg.workers} s{cfg.seed}".replace(" / ", "-")
+    name = args.name or cfg.stem
     if is_writer():
         print(f"{cfg.label} on {cfg.task}: {cfg.workers} workers ({cfg.backend}), {cfg.steps} steps, "
               f"lr {cfg.lr:g}, batch {cfg.batch_size}/worker"
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     if not is_writer():
         return 0
     out = args.out or DEFAULT_OUT
-    stem = "".join(ch if ch.isalnum() or ch in "-_.=" else "_" for ch in name)
+    stem = "_".join(C.slug(part) for part in name.split("_"))
     csv_path = tracking.write_csv(out / f"{stem}.csv", result.records, train.STEP_COLUMNS)
     (out / f"{stem}.json").write_text(json.dumps({"config": cfg.as_dict(), "summary": result.summary,
                                                   "initial": result.initial}, indent=2, default=str))
@@ -118,11 +119,15 @@ def main(argv: list[str] | None = None) -> int:
     if "diverged" in s:
         print(f"the run diverged: {s['diverged']}")
         return 1
+    where = (f"SimFabric, {cfg.bandwidth_gbps:g} Gbps" if cfg.backend == "sim" else cfg.backend)
+    png = plots.save(plots.convergence_figure(result.records, result.initial, modelled=cfg.backend == "sim",
+                                              title=f"{cfg.label} on {cfg.task}: {cfg.workers} workers ({where})"),
+                     out / f"{stem}.png")
     print(f"held-out loss {s['final_test_loss']:.4f}, accuracy {s['final_test_acc']:.4f}; "
           f"{s['bytes_per_step']:.0f} B/worker/step, block density {s['block_density']:.3f} "
           f"(union {s['block_density_union']:.3f}); modelled comm. {s['modelled_comm_per_step_s'] * 1e6:.1f} "
           f"us/step, measured {s['measured_comm_per_step_s'] * 1e3:.2f} ms/step; {result.wall_s:.1f} s wall")
-    print(f"per-step CSV: {csv_path}")
+    print(f"per-step CSV: {csv_path}; plot: {png}")
     print(tracking.sync_hint(out))
     return 0
 

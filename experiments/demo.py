@@ -10,9 +10,9 @@ MLP on scikit-learn's digits. Each is trained with four compression schemes
     QSGD            QSGD quantisation, no memory (unbiased)
 
 over each transport (ring all-reduce, OmniReduce block-sparse aggregation, SwitchML in-network
-aggregation, and allgather, the carrier for sparse or unshared payloads). A pair the library rejects
-(``sparsecomm.optim.check_pair``: e.g. top-k's worker-specific indices on ``ring``) is not run; the
-table shows the library's reason.
+aggregation, the sparse switch (OmniReduce's look-ahead in the switch), and allgather, the carrier for
+sparse or unshared payloads). A pair the library rejects (``sparsecomm.optim.check_pair``: e.g. top-k's
+worker-specific indices on ``ring``) is not run; the table shows the library's reason.
 
 Every run uses 8 workers as threads over a SimFabric. Each configuration is trained once per network
 model (10 and 100 Gbps per worker link, 2 us latency, no loss): training is identical on both
@@ -23,17 +23,19 @@ the fabric's ledger (``opt.last_stats``), never from the compressors' declared b
 (``compression_stats()["sent_over_declared"]``: 1.00x where the wire carries the declared bits, more
 where a transport forms sums on the wire or ships whole blocks, README "Bytes on the wire").
 
-Output: a progress bar per run, a table per task, ``demo.png`` (held-out loss vs step and vs modelled
-time, bytes per step, modelled time per step at both bandwidths), per-step CSVs, and one wandb run per
-configuration (``WANDB_MODE``: ``offline`` by default, ``disabled`` writes nothing).
+Output: a progress bar per run, a table per task, ``demo.png`` (held-out loss vs training step, with a
+scheme's coinciding transports drawn once, and vs modelled time; bytes per step; modelled time per step at
+both bandwidths), per-step CSVs, and one wandb run per configuration (``WANDB_MODE``: ``offline`` by
+default, ``disabled`` writes nothing).
 
     python -m experiments.demo                  # the full demo (a few minutes on 2 cores)
-    python -m experiments.demo --tiny           # a smoke-sized run (seconds)
+    python -m experiments.demo --tiny           # every cell at 2 workers, 2 steps (about 10 s of CPU)
     python -m experiments.demo --docs           # also refresh docs/demo.png (the README picture)
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 import time
@@ -101,7 +103,7 @@ class Cell:
 
 
 def plan(tasks_: tuple[str, ...], schemes: tuple[Scheme, ...], transports: tuple[str, ...], *,
-         steps: int | None, workers: int, seed: int) -> list[Cell]:
+         steps: int | None, workers: int, seed: int, eval_every: int = EVAL_EVERY) -> list[Cell]:
     """Every (task, scheme, transport) cell, validated before anything runs.
 
     Unknown names and bad settings raise here; an incompatible compressor x transport pair becomes a
@@ -114,7 +116,7 @@ def plan(tasks_: tuple[str, ...], schemes: tuple[Scheme, ...], transports: tuple
                 tkw = {**TRANSPORT_KW.get(t, {}), **TASK_TRANSPORT_KW.get((task, t), {})}
                 base = C.RunConfig(task=task, compressor=s.compressor, method=s.method, transport=t,
                                    compressor_kw=dict(s.compressor_kw), transport_kw=tkw, workers=workers,
-                                   steps=steps, eval_every=EVAL_EVERY, block_size=BLOCK_SIZE, seed=seed,
+                                   steps=steps, eval_every=eval_every, block_size=BLOCK_SIZE, seed=seed,
                                    bandwidth_gbps=BANDWIDTHS[0], latency_us=LATENCY_US)
                 reason = C.incompatibility(base)
                 if reason is not None:
@@ -169,7 +171,7 @@ def save_cell(c: Cell, out: Path, group: str, *, wandb: bool = True) -> tuple[di
     summ = dict(res.summary)
     for bw in BANDWIDTHS:
         summ[f"modelled_comm_per_step_s_{bw:g}gbps"] = comm_per_step(c, bw)
-    stem = f"{c.task}__{c.cfg.scheme}__{c.transport}".replace("/", "_").replace(" ", "")
+    stem = f"{c.task}__{C.slug(c.cfg.scheme)}__{c.transport}"
     tracking.write_csv(out / "csv" / f"{stem}.csv", recs)
     conf = {**c.cfg.as_dict(), "scheme": c.scheme.name, "bandwidths_gbps": list(BANDWIDTHS),
             "modelled_time_source": "SimFabric virtual clock"}
@@ -240,21 +242,30 @@ def print_tables(cells: list[Cell], bandwidths: tuple[float, ...]) -> str:
     return text
 
 
+def contents(workers: int) -> dict[str, Any]:
+    """What the figure shows, written into the PNG (``Description``): tests compare the README's picture
+    (``docs/demo.png``) with the demo as it is."""
+    return {"tasks": list(TASKS), "schemes": [s.name for s in SCHEMES], "transports": list(TRANSPORTS),
+            "bandwidths_gbps": list(BANDWIDTHS), "workers": workers}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = cli.base_parser("python -m experiments.demo", __doc__,
                         out_help=f"output folder: CSV, PNG, wandb runs (default {DEFAULT_OUT})")
     p.add_argument("--steps", type=int, default=None, help="training steps per run (default: the task's)")
-    p.add_argument("--tiny", action="store_true", help="smoke size: 2 steps, 2 workers (seconds)")
+    p.add_argument("--tiny", action="store_true",
+                   help="smoke size: every cell at 2 steps, 2 workers, evaluated every step")
     p.add_argument("--workers", type=int, default=WORKERS)
     p.add_argument("--docs", action="store_true", help="also copy the figure to docs/demo.png")
     args = p.parse_args(argv)
-    steps, workers = args.steps, args.workers
+    steps, workers, eval_every = args.steps, args.workers, EVAL_EVERY
     if args.tiny:
-        steps, workers = steps or 2, min(workers, 2)
+        steps, workers, eval_every = steps or 2, min(workers, 2), 1
     train.set_cpu_threads()
     t0 = time.perf_counter()
     try:
-        cells = plan(TASKS, SCHEMES, TRANSPORTS, steps=steps, workers=workers, seed=args.seed)
+        cells = plan(TASKS, SCHEMES, TRANSPORTS, steps=steps, workers=workers, seed=args.seed,
+                     eval_every=eval_every)
     except (C.ConfigError, C.UnknownNameError, C.IncompatibleError) as e:
         print(f"demo: invalid configuration: {e}", file=sys.stderr)
         return 2
@@ -276,14 +287,15 @@ def main(argv: list[str] | None = None) -> int:
     tracking.write_csv(out / "summary.csv", summary_rows)
     text = print_tables(cells, BANDWIDTHS)
     (out / "table.txt").write_text(text.lstrip() + "\n")
-    fig = plots.demo_figure(by_task, BANDWIDTHS, out / "demo.png",
-                            title=f"sparsecomm demo: {workers} simulated workers; modelled times from the "
-                                  f"SimFabric ({', '.join(f'{b:g}' for b in BANDWIDTHS)} Gbps, "
-                                  f"{LATENCY_US:g} us)")
+    png = plots.save(plots.demo_figure(by_task, BANDWIDTHS,
+                                       title=f"sparsecomm demo: {workers} simulated workers; modelled times from "
+                                             f"the SimFabric ({', '.join(f'{b:g}' for b in BANDWIDTHS)} Gbps, "
+                                             f"{LATENCY_US:g} µs latency)"),
+                     out / "demo.png", description=json.dumps(contents(workers)))
     if args.docs:
         DOCS.mkdir(exist_ok=True)
-        shutil.copyfile(fig, DOCS / "demo.png")
-    print(f"\nplot: {fig}" + (f" (copied to {DOCS / 'demo.png'})" if args.docs else ""))
+        shutil.copyfile(png, DOCS / "demo.png")
+    print(f"\nplot: {png}" + (f" (copied to {DOCS / 'demo.png'})" if args.docs else ""))
     print(f"per-step CSVs: {out / 'csv'}; summary: {out / 'summary.csv'}")
     print(tracking.sync_hint(out))
     print(f"total time: {time.perf_counter() - t0:.0f} s")

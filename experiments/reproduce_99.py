@@ -30,6 +30,7 @@ from sparsecomm.algorithms import ISDIANA, ISSGD
 from sparsecomm.theory import problems as P
 from sparsecomm.theory import rates
 
+from .common import plots
 from .common import reproduce as U
 
 
@@ -132,14 +133,14 @@ def main(argv=None) -> dict:
                            lw=1, alpha=0.8, label=f"n={n} iters(m) (1+(m/tau-1)/n)")
         if args.tune:
             axes[0].loglog(taus, [r["tuned"][t] for t in taus], "x", color=c, label=f"n={n} tuned")
-        axes[0].axvline(m / n, color=c, ls=":", lw=1)
+        axes[0].axvline(m / n, color=c, ls=":", lw=1, label=f"n={n}: tau = m/n = {m / n:g}")
         axes[1].loglog(taus, [r["bits"][t] for t in taus], "o-", color=c, label=f"n={n}")
-        axes[1].axvline(m / n, color=c, ls=":", lw=1)
-    axes[0].set_xlabel("blocks per worker tau"), axes[0].set_ylabel(f"iterations to eps={args.eps:g}")
-    axes[1].set_xlabel("blocks per worker tau"), axes[1].set_ylabel("bits per worker to eps")
+        axes[1].axvline(m / n, color=c, ls=":", lw=1, label=f"n={n}: tau = m/n = {m / n:g}")
+    axes[0].set_xlabel("blocks per worker tau"), axes[0].set_ylabel(f"iterations to reach eps = {args.eps:g}")
+    axes[1].set_xlabel("blocks per worker tau"), axes[1].set_ylabel(f"bits per worker to reach eps = {args.eps:g}")
     axes[0].legend(fontsize=7), axes[1].legend(fontsize=7)
     fig.suptitle(f"E4 '99%': {args.method}, m={m} blocks, kappa={args.kappa:g}; "
-                 f"prediction kappa(1+(m/tau-1)/n)log(1/eps); dotted: tau=m/n")
+                 f"prediction kappa(1+(m/tau-1)/n)log(1/eps)")
     R.save_figure(fig, "iterations_vs_tau")
     summary = {f"n{n}": {"knee": r["knee"], "m_over_n": m / n, "best_bits_tau": r["best_bits_tau"],
                          "ratio": {str(t): v for t, v in r["ratio"].items()},

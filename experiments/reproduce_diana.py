@@ -31,6 +31,7 @@ from sparsecomm.algorithms import DCGD, DIANA
 from sparsecomm.theory import problems as P
 from sparsecomm.theory import rates
 
+from .common import plots
 from .common import reproduce as U
 
 TOL = 1e-10
@@ -126,10 +127,12 @@ def main(argv=None) -> dict:
             r = results[(name, mult)]
             axes[0].semilogy(r["its"], r["dist"], ls, color=colors[j % len(colors)], label=f"{name} {mult:g}x")
             axes[1].semilogy([b / prob.n for b in r["bits"]], r["dist"], ls, color=colors[j % len(colors)])
-    axes[0].axhline(TOL, color="k", lw=0.5)
+    axes[0].axhline(TOL, color="k", lw=0.5, label=f"tolerance {TOL:g}")
     axes[0].set_xlabel("iteration"), axes[1].set_xlabel("bits sent per worker")
+    plots.count_axis(axes[0].xaxis)
+    plots.si_axis(axes[1].xaxis)
     for a in axes:
-        a.set_ylabel(r"$\|x - x^*\|^2$")
+        a.set_ylabel(r"squared distance to the optimum $\|x - x^*\|^2$")
     axes[0].legend(fontsize=7, ncol=2)
     fig.suptitle(f"E1: DIANA vs DCGD, {prob.name}, n={prob.n}, rand-{k} of {prob.d}, gamma x {args.multipliers}")
     R.save_figure(fig, "diana_vs_dcgd")

@@ -23,6 +23,7 @@ from sparsecomm.algorithms import EF, EF21
 from sparsecomm.theory import problems as P
 from sparsecomm.theory import rates
 
+from .common import plots
 from .common import reproduce as U
 
 
@@ -87,7 +88,9 @@ def main(argv=None) -> dict:
         r = results[("EF", m)]
         axes[1].semilogy([b / prob.n for b in r["bits"]], r["gn"], "--", color=colors[j], label=f"EF {m:g}x")
     for a in axes:
-        a.set_xlabel("bits sent per worker"), a.set_ylabel(r"$\|\nabla f(x)\|^2$"), a.legend(fontsize=7)
+        a.set_xlabel("bits sent per worker"), a.set_ylabel(r"squared gradient norm $\|\nabla f(x)\|^2$")
+        a.legend(fontsize=7)
+        plots.si_axis(a.xaxis)
     axes[0].set_title(f"EF21, gamma x multiplier (theory gamma={gamma:.3g})")
     axes[1].set_title("EF (no theoretical step), same grid")
     fig.suptitle(f"E2: top-{args.k}, {prob.name}, n={prob.n}, nc_lam={args.nc_lam}")
@@ -96,7 +99,8 @@ def main(argv=None) -> dict:
     for name, m, ls in (("EF21", 1.0, "-"), ("EF21", best_ef21, "-"), ("EF", best_ef, "--")):
         r = results[(name, m)]
         ax.semilogy([b / prob.n for b in r["bits"]], r["gn"], ls, label=f"{name} {m:g}x")
-    ax.set_xlabel("bits sent per worker"), ax.set_ylabel(r"$\|\nabla f(x)\|^2$"), ax.legend()
+    ax.set_xlabel("bits sent per worker"), ax.set_ylabel(r"squared gradient norm $\|\nabla f(x)\|^2$"), ax.legend()
+    plots.si_axis(ax.xaxis)
     ax.set_title("EF21 (theory and best) vs tuned EF")
     R.save_figure(fig, "ef21_vs_tuned_ef")
     summary = {f"{n}_x{m:g}": {k: v for k, v in r.items() if k not in ("its", "gn", "bits")}

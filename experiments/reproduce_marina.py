@@ -24,6 +24,7 @@ from sparsecomm.algorithms import DIANA, MARINA
 from sparsecomm.theory import problems as P
 from sparsecomm.theory import rates
 
+from .common import plots
 from .common import reproduce as U
 
 
@@ -72,8 +73,10 @@ def main(argv=None) -> dict:
             axes[0].semilogy(r["its"], r["gn"], ls, color=colors[j], label=f"{name} K={k}")
             axes[1].semilogy([b / prob.n for b in r["bits"]], r["gn"], ls, color=colors[j], label=f"{name} K={k}")
     axes[0].set_xlabel("iteration"), axes[1].set_xlabel("bits sent per worker")
+    plots.count_axis(axes[0].xaxis)
+    plots.si_axis(axes[1].xaxis)
     for a in axes:
-        a.set_ylabel(r"$\|\nabla f(x)\|^2$"), a.legend(fontsize=7)
+        a.set_ylabel(r"squared gradient norm $\|\nabla f(x)\|^2$"), a.legend(fontsize=7)
     fig.suptitle(f"E3: MARINA vs DIANA at theoretical steps, {prob.name}, n={prob.n}, nc_lam={args.nc_lam}")
     R.save_figure(fig, "marina_vs_diana")
     summary = {f"{n}_K{k}": {a: v for a, v in r.items() if a not in ("its", "gn", "bits")}

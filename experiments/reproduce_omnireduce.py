@@ -48,6 +48,7 @@ import sparsecomm as sc
 from sparsecomm.transports.omnireduce import wire
 from sparsecomm.theory import costs
 
+from .common import plots
 from .common import reproduce as U
 
 NUMEL = 1 << 20           # 4 MiB of float32: the 64-worker simulation stays fast; modelled time scales
@@ -209,56 +210,55 @@ HEADER = ("Gbps   dens   n |  omni(us)  form(us)    err  expct(us) |  R  imbD | 
           " ring/omni")
 
 
-def plot(points: list[Point], out: str, numel: int = NUMEL) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    files = []
+def plot(points: list[Point], numel: int = NUMEL) -> dict:
+    """The figures by file stem: time per all-reduce vs block density, and vs workers, per bandwidth."""
+    plt = U.pyplot()
+    figs = {}
     bws = sorted({p.bandwidth_gbps for p in points})
-    fig, axes = plt.subplots(1, len(bws), figsize=(6 * len(bws), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(bws), figsize=(6.5 * len(bws), 4.6), squeeze=False)
     for ax, bw in zip(axes[0], bws):
         pts = [p for p in points if p.bandwidth_gbps == bw]
         for n in sorted({p.n for p in pts}):
             row = sorted((p for p in pts if p.n == n), key=lambda p: p.density)
-            line, = ax.plot([p.density for p in row], [p.omni_s * 1e3 for p in row], "o-", label=f"omni n={n}")
+            line, = ax.plot([p.density for p in row], [p.omni_s * 1e3 for p in row], "o-",
+                            label=f"OmniReduce, n={n} (simulated)")
             ax.plot([p.density for p in row], [p.closed_form_s * 1e3 for p in row], "--", color=line.get_color(),
-                    alpha=0.6)
-            ax.plot([p.density for p in row], [p.ring_s * 1e3 for p in row], ":", color=line.get_color())
+                    alpha=0.6, label=f"OmniReduce, n={n} (closed form)")
+            ax.plot([p.density for p in row], [p.ring_s * 1e3 for p in row], ":", color=line.get_color(),
+                    label=f"ring, n={n} (simulated)")
         ax.set_xscale("log")
         ax.set_yscale("log")
-        ax.set_xlabel("block density")
+        plots.log_axes(ax, [p.density for p in pts], [v for p in pts for v in (p.omni_s * 1e3, p.ring_s * 1e3,
+                                                                          p.closed_form_s * 1e3)])
+        ax.set_xlabel("block density (fraction of blocks holding a non-zero)")
         ax.set_ylabel("time per all-reduce (ms, modelled)")
-        ax.set_title(f"{bw:g} Gbps: OmniReduce (o-), closed form (--), ring (:)")
-        ax.legend(fontsize=7)
+        ax.set_title(f"{bw:g} Gbps: OmniReduce vs ring")
+        ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    f = os.path.join(out, "omnireduce_vs_density.png")
-    fig.savefig(f, dpi=120)
-    plt.close(fig)
-    files.append(f)
+    figs["omnireduce_vs_density"] = fig
 
-    fig, axes = plt.subplots(1, len(bws), figsize=(6 * len(bws), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(bws), figsize=(6.5 * len(bws), 4.6), squeeze=False)
     for ax, bw in zip(axes[0], bws):
         pts = [p for p in points if p.bandwidth_gbps == bw]
         for d in sorted({p.density for p in pts}, reverse=True):
             row = sorted((p for p in pts if p.density == d), key=lambda p: p.n)
-            line, = ax.plot([p.n for p in row], [p.omni_s * 1e3 for p in row], "o-", label=f"omni d={d:g}")
-            ax.plot([p.n for p in row], [p.closed_form_s * 1e3 for p in row], "--", color=line.get_color(), alpha=0.6)
+            line, = ax.plot([p.n for p in row], [p.omni_s * 1e3 for p in row], "o-",
+                            label=f"OmniReduce, density {d:g} (simulated)")
+            ax.plot([p.n for p in row], [p.closed_form_s * 1e3 for p in row], "--", color=line.get_color(),
+                    alpha=0.6, label=f"OmniReduce, density {d:g} (closed form)")
         row = sorted((p for p in pts if p.density == max(p.density for p in pts)), key=lambda p: p.n)
-        ax.plot([p.n for p in row], [p.ring_s * 1e3 for p in row], "k:", label="ring (any density)")
+        ax.plot([p.n for p in row], [p.ring_s * 1e3 for p in row], "k:", label="ring, any density (simulated)")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("workers n (dedicated aggregators: one per worker)")
+        plots.log_axes(ax, None, [v for p in pts for v in (p.omni_s * 1e3, p.ring_s * 1e3, p.closed_form_s * 1e3)])
+        plots.count_axis(ax.xaxis, [p.n for p in pts])
+        ax.set_xlabel("workers (one dedicated aggregator per worker)")
         ax.set_ylabel("time per all-reduce (ms, modelled)")
         ax.set_title(f"{bw:g} Gbps, {numel * 4 / 2**20:g} MiB float32")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    f = os.path.join(out, "omnireduce_vs_workers.png")
-    fig.savefig(f, dpi=120)
-    plt.close(fig)
-    files.append(f)
-    return files
+    figs["omnireduce_vs_workers"] = fig
+    return figs
 
 
 def main(argv=None) -> list[Point]:
@@ -301,8 +301,8 @@ def main(argv=None) -> list[Point]:
         w.writeheader()
         for p in points:
             w.writerow(asdict(p))
-    for f in plot(points, out, args.numel):
-        print("wrote", f)
+    for stem, fig in plot(points, args.numel).items():
+        print("wrote", R.save_figure(fig, stem))
     R.finish({"points": [asdict(p) for p in points], "max_abs_error": max(errs)})
     return points
 

@@ -48,6 +48,7 @@ from sparsecomm.transports.sparse_switch_dataplane import MAX_WORKERS as SPARSE_
 from sparsecomm.transports.switch_dataplane import MAX_WORKERS as SWITCH_MAX
 from sparsecomm.theory import costs
 
+from .common import plots
 from .common import reproduce as U
 from .reproduce_omnireduce import CHANNELS, lanes_for, masks
 
@@ -295,63 +296,72 @@ def summary(points: list[Point], ns, densities, log=print) -> None:
         f"{sum(e <= 0.15 for e in errs)}/{len(errs)} within 15%")
 
 
-def plot(points: list[Point], pool_points: list[Point], out: str, ns, densities) -> list[str]:
-    import matplotlib
+#: how each transport is drawn (marker and line style; colours from the default cycle)
+STYLE = {"ring": "k:", "switch": "s--", "omni-colocated": "^-.", "omni-dedicated": "v-", "sparse-switch": "o-"}
+LABEL = {"ring": "ring", "switch": "switch (dense)", "omni-colocated": "OmniReduce, colocated aggregators",
+         "omni-dedicated": "OmniReduce, dedicated aggregators", "sparse-switch": "sparse-switch (simulated)"}
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    files = []
-    style = {"ring": "k:", "switch": "s--", "omni-colocated": "^-.", "omni-dedicated": "v-", "sparse-switch": "o-"}
+def plot(points: list[Point], pool_points: list[Point], ns, densities) -> dict:
+    """The figures by file stem: E1 time vs density and vs workers, E2 time vs pool size."""
+    plt = U.pyplot()
+    figs = {}
     ncol = [n for n in (8, 32) if n in ns] or [max(ns)]
-    fig, axes = plt.subplots(1, len(ncol), figsize=(6 * len(ncol), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(ncol), figsize=(6.5 * len(ncol), 4.6), squeeze=False)
     for ax, n in zip(axes[0], ncol):
         row = sorted((p for p in points if p.n == n), key=lambda p: p.density)
         for t in TRANSPORTS:
-            ax.plot([p.density for p in row], [p.times_us[t] for p in row], style[t], label=t)
-        ax.plot([p.density for p in row], [p.form_us for p in row], "r:", lw=2, label="sparse-switch closed form")
+            ax.plot([p.density for p in row], [p.times_us[t] for p in row], STYLE[t], label=LABEL[t])
+        ax.plot([p.density for p in row], [p.form_us for p in row], "r:", lw=2, label="sparse-switch (closed form)")
         ax.set_xscale("log"), ax.set_yscale("log")
-        ax.set_xlabel("block density"), ax.set_ylabel("time per all-reduce (us, modelled)")
+        plots.log_axes(ax, [p.density for p in row], [v for p in row for v in (*p.times_us.values(), p.form_us)])
+        ax.set_xlabel("block density (fraction of blocks holding a non-zero)")
+        ax.set_ylabel("time per all-reduce (µs, modelled)")
         ax.set_title(f"n={n}, {points[0].numel * 4 / 2**20:g} MiB, {BANDWIDTH:g} Gbit/s")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    files.append(os.path.join(out, "sparse_switch_vs_density.png"))
-    fig.savefig(files[-1], dpi=120)
-    plt.close(fig)
+    figs["sparse_switch_vs_density"] = fig
 
-    fig, axes = plt.subplots(1, len(densities), figsize=(4.5 * len(densities), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(densities), figsize=(5 * len(densities), 4.6), squeeze=False)
     for ax, d in zip(axes[0], sorted(densities, reverse=True)):
         row = sorted((p for p in points if p.density == d), key=lambda p: p.n)
         for t in TRANSPORTS:
-            ax.plot([p.n for p in row], [p.times_us[t] for p in row], style[t], label=t)
-        ax.plot([p.n for p in row], [p.form_us for p in row], "r:", lw=2, label="closed form")
+            ax.plot([p.n for p in row], [p.times_us[t] for p in row], STYLE[t], label=LABEL[t])
+        ax.plot([p.n for p in row], [p.form_us for p in row], "r:", lw=2, label="sparse-switch (closed form)")
         ax.set_xscale("log", base=2), ax.set_yscale("log")
-        ax.set_xlabel("workers n"), ax.set_title(f"density {d:g}")
-        ax.set_ylabel("time (us, modelled)")
+        plots.log_axes(ax, None, [v for p in row for v in (*p.times_us.values(), p.form_us)])
+        plots.count_axis(ax.xaxis, [p.n for p in row])
+        ax.set_xlabel("workers"), ax.set_title(f"density {d:g}")
+        ax.set_ylabel("time per all-reduce (µs, modelled)")
         ax.legend(fontsize=6)
     fig.tight_layout()
-    files.append(os.path.join(out, "sparse_switch_vs_workers.png"))
-    fig.savefig(files[-1], dpi=120)
-    plt.close(fig)
+    figs["sparse_switch_vs_workers"] = fig
 
     if pool_points:
-        fig, ax = plt.subplots(figsize=(6, 4.2))
+        fig, ax = plt.subplots(figsize=(6.5, 4.6))
         for d in sorted({p.density for p in pool_points}, reverse=True):
             row = sorted((p for p in pool_points if p.density == d), key=lambda p: p.pool)
             line, = ax.plot([p.pool for p in row], [p.times_us["sparse-switch"] for p in row], "o-",
-                            label=f"sparse-switch d={d:g}")
-            ax.plot([p.pool for p in row], [p.form_us for p in row], ":", color=line.get_color())
-            ax.plot([p.pool for p in row], [p.times_us["switch"] for p in row], "s--", color=line.get_color(),
-                    alpha=0.5, label=f"switch (dense) d={d:g}")
+                            label=f"sparse-switch, density {d:g} (simulated)")
+            ax.plot([p.pool for p in row], [p.form_us for p in row], ":", color=line.get_color(),
+                    label=f"sparse-switch, density {d:g} (closed form)")
+        # the dense switch sends every block whatever the density: its curves coincide, drawn once
+        dense = []
+        for d in sorted({p.density for p in pool_points}, reverse=True):
+            row = sorted((p for p in pool_points if p.density == d), key=lambda p: p.pool)
+            dense.append(dict(x=[p.pool for p in row], y=[p.times_us["switch"] for p in row], marker="s", ls="--",
+                              color="0.4", label=f"switch (dense), density {d:g}"))
         ax.set_xscale("log", base=2), ax.set_yscale("log")
-        ax.set_xlabel("pool (switch slots in flight)"), ax.set_ylabel("time (us, modelled)")
-        ax.set_title("E2: pool pressure, n=8 (dotted: closed form)")
+        plots.plot_series(ax, dense, xlog=True, ylog=True)
+        plots.log_axes(ax, None, [v for p in pool_points for v in (p.times_us["sparse-switch"], p.form_us,
+                                                                    p.times_us["switch"])])
+        plots.count_axis(ax.xaxis, [p.pool for p in pool_points])
+        ax.set_xlabel("switch slots in flight (pool size)"), ax.set_ylabel("time per all-reduce (µs, modelled)")
+        ax.set_title(f"E2: pool pressure, n={pool_points[0].n}")
         ax.legend(fontsize=7)
         fig.tight_layout()
-        files.append(os.path.join(out, "sparse_switch_pool.png"))
-        fig.savefig(files[-1], dpi=120)
-        plt.close(fig)
-    return files
+        figs["sparse_switch_pool"] = fig
+    return figs
 
 
 def main(argv=None) -> dict:
@@ -397,8 +407,8 @@ def main(argv=None) -> dict:
                 w.writerow([name, p.n, p.density, p.numel, p.pool, p.overlap, p.union_density,
                             *(p.times_us.get(t, float("nan")) for t in TRANSPORTS), p.form_us, p.expected_us,
                             p.sparse_bytes, p.ideal_bytes])
-    for f in plot(points, pool_points, out, ns, densities):
-        print("wrote", f)
+    for stem, fig in plot(points, pool_points, ns, densities).items():
+        print("wrote", R.save_figure(fig, stem))
     print(f"total {time.perf_counter() - t0:.0f} s")
     R.finish({"E1": [asdict(p) for p in points], "E2": [asdict(p) for p in pool_points],
               "E3": [asdict(p) for p in small]})

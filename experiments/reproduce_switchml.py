@@ -25,6 +25,7 @@ import torch
 import sparsecomm as sc
 from sparsecomm.theory.costs import ring_allreduce, switchml_allreduce, switchml_lossy_time, switchml_throughput
 
+from .common import plots
 from .common import reproduce as U
 
 
@@ -70,7 +71,8 @@ def e1_workers(args, R, net_kw) -> dict:
     ax.plot(x, [r["ring"] * 1e6 for r in rows], "s-", label="ring (sim)")
     ax.plot(x, [r["ring_model"] * 1e6 for r in rows], "k--", lw=0.8, label="ring (model)")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("workers n"), ax.set_ylabel("all-reduce time (us, modelled)")
+    plots.count_axis(ax.xaxis, x)
+    ax.set_xlabel("workers"), ax.set_ylabel("time per all-reduce (µs, modelled)")
     ax.set_title(f"E1: {numel * 4 / 2**20:.2f} MiB, 100 Gb/s: switch flat in n")
     ax.legend()
     R.save_figure(fig, "switchml_vs_workers")
@@ -102,9 +104,9 @@ def e2_pool(args, R, net_kw) -> dict:
     ax.plot(x, [r["goodput_gbps"] for r in rows], "o-", label="switch (sim)")
     ax.plot(x, [r["model_gbps"] for r in rows], "k:", label="model (this size)")
     ax.plot(x, [r["steady_gbps"] for r in rows], "k--", lw=0.8, label="min(line, pool*256B/RTT)")
-    ax.axvline(bdp, color="gray", lw=0.8)
-    ax.text(bdp, 1, " BDP", color="gray")
+    ax.axvline(bdp, color="gray", lw=0.8, label=f"bandwidth-delay product ({bdp:.0f} slots)")
     ax.set_xscale("log", base=2)
+    plots.count_axis(ax.xaxis, x)
     ax.set_xlabel("pool size (slots)"), ax.set_ylabel("goodput (Gb/s, payload)")
     ax.set_title(f"E2: n={n}, 100 Gb/s, 2 us: goodput vs pool")
     ax.legend()
@@ -145,12 +147,13 @@ def e3_loss(args, R, net_kw) -> dict:
     for to in timeouts:
         rr = [r for r in rows if r["timeout"] == to and r["loss"] > 0]
         line, = ax.plot([r["loss"] for r in rr], [r["goodput_gbps"] for r in rr], "o-", label=f"timeout {to * 1e3:g} ms")
-        ax.plot([r["loss"] for r in rr], [r["model_gbps"] for r in rr], ":", color=line.get_color())
+        ax.plot([r["loss"] for r in rr], [r["model_gbps"] for r in rr], ":", color=line.get_color(),
+                label=f"timeout {to * 1e3:g} ms (rough model)")
     lossless = next(r["goodput_gbps"] for r in rows if r["loss"] == 0)
     ax.axhline(lossless, color="k", lw=0.8, label="lossless")
     ax.set_xscale("log"), ax.set_yscale("log")
-    ax.set_xlabel("loss rate per link"), ax.set_ylabel("goodput (Gb/s)")
-    ax.set_title(f"E3: n={n}, pool {pool}: goodput vs loss (dotted: rough model)")
+    ax.set_xlabel("packet loss rate per link"), ax.set_ylabel("goodput (Gb/s)")
+    ax.set_title(f"E3: n={n}, pool {pool}: goodput vs loss")
     ax.legend(fontsize=8)
     R.save_figure(fig, "switchml_vs_loss")
     return {"rows": rows, "all_bit_identical": all(r["bit_identical"] for r in rows)}

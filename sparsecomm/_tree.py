@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -24,17 +25,32 @@ from pathlib import Path
 MAPPED = ("theory", "algorithms", "experiments")
 
 
-class _SameModule(importlib.abc.Loader):
-    """Loads ``sparsecomm.<name>[...]`` as the already imported ``<name>[...]`` (no second execution)."""
+class _SameModule(importlib.abc.InspectLoader):
+    """Loads ``sparsecomm.<name>[...]`` as the module ``<name>[...]`` (imported under that name once: a
+    second name, never a second execution).
 
-    def __init__(self, module) -> None:
-        self.module = module
+    ``get_code``/``get_source``/``is_package`` answer for the folder's own module (``spec``), so that runpy
+    can run it: ``python -m sparsecomm.experiments.demo`` executes ``experiments/demo.py`` as ``__main__``
+    (with ``__package__`` ``sparsecomm.experiments``), as ``python -m experiments.demo`` does.
+    """
+
+    def __init__(self, spec: importlib.machinery.ModuleSpec) -> None:
+        self.spec = spec
 
     def create_module(self, spec):
-        return self.module
+        return importlib.import_module(self.spec.name)
 
     def exec_module(self, module) -> None:
-        return None
+        module.__spec__ = self.spec  # the import system set it to the alias's spec: the module keeps its own
+
+    def get_code(self, fullname):
+        return self.spec.loader.get_code(self.spec.name)
+
+    def get_source(self, fullname):
+        return self.spec.loader.get_source(self.spec.name)
+
+    def is_package(self, fullname) -> bool:
+        return self.spec.submodule_search_locations is not None
 
 
 class _SourceTreeFinder(importlib.abc.MetaPathFinder):
@@ -42,14 +58,18 @@ class _SourceTreeFinder(importlib.abc.MetaPathFinder):
         parts = fullname.split(".")
         if len(parts) < 2 or parts[0] != "sparsecomm" or parts[1] not in MAPPED:
             return None
+        name = ".".join(parts[1:])
         try:
-            module = importlib.import_module(".".join(parts[1:]))
+            real = importlib.util.find_spec(name)  # imports the parents, not the module itself
         except ModuleNotFoundError as e:
-            if e.name == ".".join(parts[1:2]):  # the folder is not importable here: let others try
+            if e.name == parts[1]:  # the folder is not importable here: let others try
                 return None
             raise
-        spec = importlib.machinery.ModuleSpec(fullname, _SameModule(module),
-                                              is_package=hasattr(module, "__path__"))
+        if real is None or real.loader is None:
+            return None
+        spec = importlib.machinery.ModuleSpec(fullname, _SameModule(real), origin=real.origin,
+                                              is_package=real.submodule_search_locations is not None)
+        spec.has_location = real.has_location
         return spec
 
 

@@ -84,6 +84,12 @@ class NetbedError(SparseCommError, RuntimeError):
     """The netbed cannot be set up (missing privilege, tool or kernel feature) or was misused."""
 
 
+class MissingExtraError(SparseCommError, ModuleNotFoundError):
+    """A part of the project that needs an optional extra was imported without it; ``name`` is the first
+    missing package, the message names every missing one and the ``pip install "sparsecomm[<extra>]"``
+    that provides them."""
+
+
 #: the error classes a rank may name when it reports a failure to the others (through the rendezvous
 #: store, as text: nothing a peer sends is unpickled); any other class is reported as PeerFailure
 REPORTABLE = {c.__name__: c for c in (UnknownNameError, IncompatibleError, MismatchError, NonFiniteError,

@@ -103,12 +103,14 @@ def test_script_examples_are_found():
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("code", SCRIPTS)
-def test_script_examples_run(code, tmp_path):
+def test_script_examples_run(code, tmp_path, request, capsys):
     """Every README Python block and every guarded docstring script runs as ``__main__`` (a failing
-    assertion or error in the example fails here)."""
+    assertion or error in the example fails here); a README block prints what it computes."""
     path = tmp_path / "example.py"
     path.write_text(code)
     runpy.run_path(str(path), run_name="__main__")
+    if request.node.callspec.id.startswith("README.md"):
+        assert capsys.readouterr().out.strip(), "the example prints nothing"
 
 
 def _sources():

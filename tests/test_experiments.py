@@ -8,13 +8,19 @@ from __future__ import annotations
 import csv
 import json
 import re
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from experiments import ablation, convergence, demo
 from experiments.common import config as C
-from experiments.common import tracking
+from experiments.common import plots, tracking
+
+from ._figures import problems
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -29,8 +35,15 @@ def _no_wandb_files(root):
     return not any(p.name == "wandb" or p.name.startswith("offline-run") for p in root.rglob("*"))
 
 
-def test_demo_tiny(tmp_path, capsys):
+def test_demo_tiny(tmp_path, capsys, monkeypatch):
+    figures = []
+    save = plots.save
+    monkeypatch.setattr(plots, "save", lambda fig, path, **kw: (figures.append(fig), save(fig, path, **kw))[1])
+    cpu = time.process_time()
     assert demo.main(["--tiny", "--out", str(tmp_path), "--no-progress"]) == 0
+    # README: "about 10 s of CPU time" (imports aside, which this process has paid; a cold Numba cache adds
+    # its compilation): 4x that fails, whatever the load on the machine (CPU time, not wall time)
+    assert time.process_time() - cpu < 40
     out = capsys.readouterr().out
     # the table: every runnable cell has numbers, the rejected pairs carry the library's reason
     assert re.search(r"top-k \+ EF +ring +n/a \(incompatible: compressor 'topk'", out)
@@ -52,6 +65,20 @@ def test_demo_tiny(tmp_path, capsys):
     assert max(sparse) < 0.5  # the recommendation model's gradients are block-sparse
     assert (tmp_path / "demo.png").stat().st_size > 10_000
     assert _no_wandb_files(tmp_path)
+    # the figure keeps the rules of tests/_figures.py (no empty panel: --tiny evaluates every step)
+    (fig,) = figures
+    assert problems(fig) == []
+
+
+def test_readme_picture_is_the_current_demo():
+    """docs/demo.png (the README's picture) is the full demo's figure for the demo as it is now (its tasks,
+    schemes, transports, network models and workers: the PNG records them); `python -m experiments.demo
+    --docs` regenerates it."""
+    from PIL import Image
+
+    with Image.open(ROOT / "docs" / "demo.png") as img:
+        shown = json.loads(img.text.get("Description", "{}"))
+    assert shown == demo.contents(demo.WORKERS)
 
 
 def test_ablation_one_cell_resumes(tmp_path, capsys):
@@ -136,3 +163,26 @@ def test_ablation_records_a_diverged_cell_and_goes_on(tmp_path, capsys):
     assert "NaN or Inf" in rec["summary"]["diverged"] and rec["records"] == []
     out = capsys.readouterr().out      # the library's NonFiniteError (raised on every worker), recorded as a result
     assert "diverged: " in out and "NaN or Inf" in out
+
+
+def test_memory_around_the_identity_is_the_uncompressed_run():
+    """EF, EF21 and DIANA around the identity feed back nothing (the error or shift of an exact operator is
+    zero, or cancels): such a cell is the 'none' cell, run once."""
+    spec = ablation.merge_args({}, ablation.parser().parse_args(
+        ["--task", "digits-mlp", "--compressor", "identity", "topk", "--method", "none", "ef", "ef21", "diana",
+         "--transport", "allgather", "--density", "0.1", "--skip-incompatible"]))
+    cells, incompatible = ablation.expand(spec)
+    assert sorted(c["cfg"].label for c in cells) == [
+        "ef+topk(ratio=0.1) / allgather", "ef21+topk(ratio=0.1) / allgather", "none / allgather",
+        "topk(ratio=0.1) / allgather"]
+    assert [c["cfg"].label for c in incompatible] == ["diana+topk(ratio=0.1) / allgather"]  # biased top-k
+
+
+def test_shipped_grid_has_a_baseline_and_no_duplicate_runs():
+    path = ROOT / "experiments" / "ablation.yaml"
+    spec = ablation.merge_args(ablation.load_spec(path), ablation.parser().parse_args(["--config", str(path)]))
+    cells, _ = ablation.expand(spec)
+    cfgs = [c["cfg"] for c in cells]
+    assert all(c.method == "none" for c in cfgs if c.compressor == "identity")
+    assert {c.transport for c in cfgs if c.compressor == "identity"} == set(spec["grid"]["transport"])
+    assert len({c.key() for c in cfgs}) == len(cfgs)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -19,7 +20,7 @@ import sparsecomm as sc
 import sparsecomm.transports  # noqa: F401  (registers the transports and services)
 from sparsecomm.netbed import Netbed, NetbedError, list_netbed_namespaces
 from sparsecomm.netbed.probe import round_trip_s, transfer_rate_bps
-from sparsecomm.netbed.topology import _NAME_RE, gso_max_size
+from sparsecomm.netbed.topology import ETC_NETNS, _NAME_RE, gso_max_size
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.netbed]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,6 +60,13 @@ class _Seen:
         assert self.bed is not None
         left = [ns for ns in list_netbed_namespaces() if ns.startswith(self.bed.prefix + "-")]
         assert left == [], f"namespaces left behind: {left}"
+        etc = [n for n in _etc_netns() if n.startswith(self.bed.prefix + "-")]
+        assert etc == [], f"{ETC_NETNS} entries left behind: {etc}"
+
+
+def _etc_netns() -> list[str]:
+    """What is under /etc/netns (the namespaces' files: a netbed host's hosts file)."""
+    return os.listdir(ETC_NETNS) if os.path.isdir(ETC_NETNS) else []
 
 
 # ----------------------------------------------------------------------------- set-up and errors
@@ -80,6 +88,24 @@ def test_without_privileges_one_clear_error():
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("sparsecomm.errors.NetbedError") and "CAP_NET_ADMIN" in last, proc.stderr
+
+
+def test_cleanup_removes_a_dead_owners_hosts_folder():
+    """An owner killed between removing a namespace and its /etc/netns folder leaves only the folder: it is
+    still listed as that netbed's and removed with it."""
+    from sparsecomm.netbed import cleanup_stale
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    name = f"scnb{dead.pid}xbeef-h0"
+    os.makedirs(os.path.join(ETC_NETNS, name))
+    try:
+        open(os.path.join(ETC_NETNS, name, "hosts"), "w").close()
+        assert name in list_netbed_namespaces()
+        assert name in cleanup_stale()
+        assert name not in _etc_netns() and name not in list_netbed_namespaces()
+    finally:
+        subprocess.run(["rm", "-rf", os.path.join(ETC_NETNS, name)])
 
 
 # ----------------------------------------------------------------------------- honesty of the emulation
@@ -144,6 +170,36 @@ def test_native_allreduce_is_shaped_exact_and_cleaned_up():
     assert _root_links() == links
 
 
+def _ring_sum(ctx):
+    t = sc.transports.get("ring", ctx.fabric)
+    return t.allreduce(torch.full((1000,), float(ctx.rank + 1)))[0].item(), socket.gethostbyaddr("10.77.1.2")[0]
+
+
+def test_hosts_have_names_and_c10d_does_not_warn(capfd):
+    """Every namespace resolves the rack's addresses from its own hosts file (/etc/netns/<ns>/hosts, as
+    `ip netns exec` uses it): the rendezvous store's reverse look-up of a connecting rank succeeds, so c10d
+    prints no "hostname of the client socket cannot be retrieved" warning (it did, once per connection,
+    when the look-up fell through to a DNS server unreachable from the namespace)."""
+    seen, files = _Seen(), {}
+
+    def on(bed):
+        seen(bed)
+        files.update({ns: open(os.path.join(ETC_NETNS, ns, "hosts")).read() for ns in bed.namespaces})
+
+    out = sc.launch(_ring_sum, 2, backend="netbed", network=sc.Network(bandwidth_gbps=1), timeout_s=60,
+                    on_netbed=on)
+    assert out == [(3.0, "h1"), (3.0, "h1")]
+    err = capfd.readouterr().err
+    assert "hostname of the client socket cannot be retrieved" not in err, err[-2000:]
+    assert len(files) == 3   # two hosts and the top of rack
+    for text in files.values():
+        lines = set(text.splitlines())
+        assert {"10.77.0.2 h0", "10.77.1.2 h1", "10.77.0.1 tor-p0", "10.77.1.1 tor-p1"} <= lines, text
+        assert {"::ffff:10.77.0.2 h0", "::ffff:10.77.0.1 tor-p0"} <= lines, text   # a dual-stack socket's view
+        assert any(line.split()[1:2] == ["localhost"] for line in lines)  # the machine's own entries stay
+    seen.assert_removed()
+
+
 def _raise_on_1(ctx):
     if ctx.rank == 1:
         raise KeyError("boom on rank 1")
@@ -186,6 +242,7 @@ def test_sigterm_to_a_launch_removes_everything(tmp_path):
     assert p.returncode != 0 and "KeyboardInterrupt" in err and "SIGTERM" in err, err[-2000:]
     assert all(_gone(int(f.read_text())) for f in tmp_path.glob("pid*"))
     assert not [ns for ns in list_netbed_namespaces() if ns.startswith(f"scnb{p.pid}x")]
+    assert not [ns for ns in _etc_netns() if ns.startswith(f"scnb{p.pid}x")]
 
 
 def _every_transport(ctx, numel=3001):
@@ -280,7 +337,7 @@ def test_cli_environment_and_clean_up_on_every_exit_path(tmp_path):
         d = tmp_path / how
         d.mkdir()
         cmd = (f"echo $RANK $WORLD_SIZE $MASTER_ADDR $MASTER_PORT $LOCAL_RANK $GLOO_SOCKET_IFNAME {{host_addr}}"
-               f" > {d}/env{{rank}}; echo $$ > {d}/pid-sh{{rank}}; sleep 300 & echo $! > {d}/pid-sleep{{rank}}; ")
+               f" $(getent hosts {{host_addr}}) > {d}/env{{rank}}; echo $$ > {d}/pid-sh{{rank}}; sleep 300 & echo $! > {d}/pid-sleep{{rank}}; ")
         cmd += "if [ $RANK = 1 ]; then sleep 1; exit 3; fi; wait" if how == "failure" else "wait"
         extra = ["--timeout", "8"] if how == "timeout" else []
         runners[how] = (d, _cli("run", "--hosts", "2", "--gbps", "1", "--port", "29611", "--grace", "1", *extra,
@@ -300,8 +357,10 @@ def test_cli_environment_and_clean_up_on_every_exit_path(tmp_path):
         assert len(pids) == 4, how
         assert all(_gone(pid) for pid in pids), how
         envs = sorted((d / f"env{r}").read_text().strip() for r in range(2))
-        assert envs == [f"{r} 2 10.77.0.2 29611 0 eth0 10.77.{r}.2" for r in range(2)]
-    assert _owned_by({p.pid for _, p in runners.values()}) == []
+        assert envs == [f"{r} 2 10.77.0.2 29611 0 eth0 10.77.{r}.2 10.77.{r}.2 h{r}" for r in range(2)]
+    owners = {p.pid for _, p in runners.values()}
+    assert _owned_by(owners) == []
+    assert [ns for ns in _etc_netns() if _NAME_RE.match(ns) and int(_NAME_RE.match(ns).group(1)) in owners] == []
 
 
 def test_torchrun_recipe_distributed_optimizer_step(tmp_path):
@@ -317,6 +376,7 @@ def test_torchrun_recipe_distributed_optimizer_step(tmp_path):
     out, err = p.communicate(timeout=200)
     assert p.returncode == 0, err[-3000:]
     assert "rank 0/2 on 10.77.0.2" in out and "rank 1/2 on 10.77.1.2" in out
+    assert "hostname of the client socket cannot be retrieved" not in err, err[-3000:]   # hosts have names
     want = reference(2)
     for r in range(2):
         got = torch.load(tmp_path / f"rank{r}.pt")

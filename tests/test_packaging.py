@@ -8,6 +8,8 @@ import configparser
 import email
 import functools
 import importlib
+import json
+import os
 import shutil
 import subprocess
 import sys
@@ -176,3 +178,73 @@ def test_no_default_output_inside_the_package():
     bad = [b for b in bad if b.split(":")[0] not in allowed]
     assert not bad, "paths built from __file__:\n" + "\n".join(bad)
 
+
+
+@pytest.mark.parametrize("module", ["experiments.convergence", "sparsecomm.experiments.convergence",
+                                    "sparsecomm.experiments.bench.codec"])
+def test_source_tree_runs_both_names_with_dash_m(module):
+    """``python -m experiments.X`` and ``python -m sparsecomm.experiments.X`` both run from the source tree
+    (runpy asks the finder's loader for the module's code), once, as ``__main__``, without runpy's warning
+    about a module imported before it runs."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), WANDB_MODE="disabled", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", module, "--help"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("usage:"), proc.stdout[:500]
+    assert "Traceback" not in proc.stderr and "found in sys.modules" not in proc.stderr, proc.stderr[-2000:]
+
+
+#: hides installed packages from a subprocess, as if they were not installed (``find_spec`` and ``import``
+#: both fail with ModuleNotFoundError)
+_HIDE = """
+import importlib.abc, sys
+HIDDEN = set(sys.argv[1].split(","))
+class Hide(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in HIDDEN:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, Hide())
+"""
+
+
+def _experiment_modules() -> list[str]:
+    return sorted("sparsecomm." + ".".join(p.relative_to(ROOT).with_suffix("").parts).replace(".__init__", "")
+                  for p in (ROOT / "experiments").rglob("*.py"))
+
+
+def test_experiments_without_their_extra_name_it():
+    """Without the ``experiments`` extra (here: matplotlib hidden), importing ``sparsecomm.experiments`` or any
+    module under it raises one error that names the missing package and the install command; the library
+    itself still imports and works."""
+    code = _HIDE + """
+import json
+import sparsecomm as sc
+from sparsecomm.errors import MissingExtraError
+assert sc.compressors.get("topk", ratio=0.5).delta(4) == 0.5      # the library needs no extra
+out = {}
+for name in sys.argv[2:]:
+    try:
+        __import__(name)
+        out[name] = None
+    except ImportError as e:
+        out[name] = [type(e).__name__, isinstance(e, MissingExtraError), e.name, str(e)]
+print(json.dumps(out))
+"""
+    modules = _experiment_modules()
+    assert "sparsecomm.experiments" in modules and "sparsecomm.experiments.demo" in modules
+    env = dict(os.environ, PYTHONPATH=str(ROOT), WANDB_MODE="disabled", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", code, "matplotlib", *modules], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for name, err in json.loads(proc.stdout.splitlines()[-1]).items():
+        assert err is not None, f"{name} imported without matplotlib"
+        kind, ours, missing, text = err
+        assert ours and missing == "matplotlib", (name, err)
+        assert 'pip install "sparsecomm[experiments]"' in text and "matplotlib" in text, (name, text)
+
+
+def test_experiments_extra_check_matches_setup_cfg():
+    """The packages ``sparsecomm.experiments`` checks for are the ``experiments`` extra of setup.cfg."""
+    import experiments
+
+    assert {DIST_OF.get(m, m) for m in experiments.EXTRA} == _extras()["experiments"]

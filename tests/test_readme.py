@@ -33,6 +33,14 @@ def test_readme_has_examples():
     assert len(_blocks()) >= 3
 
 
+def test_every_example_prints_what_it_computes():
+    """A reader who runs an example sees its result (tests/test_docs.py checks that each one prints when it
+    runs); the netbed block too."""
+    text = (ROOT / "README.md").read_text()
+    silent = [b.splitlines()[0] for b in re.findall(r"```python\n(.*?)```", text, flags=re.S) if "print(" not in b]
+    assert not silent, f"README examples that print nothing (first lines): {silent}"
+
+
 def test_missing_main_guard_reports_its_cause(tmp_path):
     """A script that launches spawned processes at module level fails at once with an error naming the
     guard, instead of ranks dying while bootstrapping ("exited with code 1")."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -78,6 +79,11 @@ class RunConfig:
     def label(self) -> str:
         return f"{self.scheme} / {self.transport}"
 
+    @property
+    def stem(self) -> str:
+        """The run as a file name: ``recsys-zipf_ef-topk-ratio-0.01_omnireduce_n8_s0``."""
+        return "_".join([self.task, slug(self.scheme), self.transport, f"n{self.workers}", f"s{self.seed}"])
+
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -93,6 +99,12 @@ class RunConfig:
         if unknown:
             raise InvalidValueError(f"unknown run setting(s) {', '.join(unknown)}; valid: {', '.join(sorted(names))}")
         return cls(**d)
+
+
+def slug(text: str) -> str:
+    """``text`` as part of a file name: runs of anything but letters, digits and ``.`` become one ``-``
+    (``ef+topk(ratio=0.01)`` -> ``ef-topk-ratio-0.01``)."""
+    return re.sub(r"[^A-Za-z0-9.]+", "-", text).strip("-")
 
 
 def _kw_label(kw: dict[str, Any]) -> str:

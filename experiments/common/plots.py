@@ -1,10 +1,19 @@
 """Figures of the studies (matplotlib, Agg backend: no display needed).
 
-Colour = compression scheme, line style / hatch = transport, so one legend reads every panel.
+Colour = compression scheme, line style / hatch = transport, so one legend reads every panel. The figure
+functions return the ``Figure`` (tests inspect it: ``tests/_figures.py``); :func:`save` writes it.
+
+What every figure keeps: axes labelled in words with their units; integer ticks on an axis that counts
+(:func:`count_axis`); log axes labelled with plain numbers at 1-2-5 steps or decades, never overlapping
+(:func:`log_axis`); no empty panel (a series of one point is drawn as a marker); legends that match what is
+drawn: curves that coincide (within :data:`COINCIDE` of the panel's range everywhere, under a pixel on
+these panels) are drawn once, labelled with every series they stand for (:func:`plot_series`).
 """
 
 from __future__ import annotations
 
+import math
+import textwrap
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -13,137 +22,357 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, MaxNLocator, NullFormatter  # noqa: E402
 
-
-LINESTYLES = {"ring": "-", "omnireduce": "--", "switch": ":", "allgather": "-.", "native": (0, (1, 1))}
-HATCHES = {"ring": "", "omnireduce": "//", "switch": "..", "allgather": "xx", "native": "--"}
+#: line style per transport (a dash pattern each, so that no two transports look alike)
+LINESTYLES = {"ring": "-", "omnireduce": "--", "switch": ":", "sparse-switch": (0, (4, 1.5, 1, 1.5, 1, 1.5)),
+              "allgather": "-.", "native": (0, (1, 1))}
+HATCHES = {"ring": "", "omnireduce": "//", "switch": "..", "sparse-switch": "\\\\", "allgather": "xx",
+           "native": "--"}
+#: two curves closer than this fraction of the panel's data range, at every point, are drawn as one
+COINCIDE = 2e-3
+DPI = 110
 
 
 def _colours(keys: Sequence[str]) -> dict[str, Any]:
-    cmap = plt.get_cmap("tab10")
-    return {k: cmap(i % 10) for i, k in enumerate(dict.fromkeys(keys))}
+    keys = list(dict.fromkeys(keys))
+    cmap = plt.get_cmap("tab10" if len(keys) <= 10 else "tab20")
+    return {k: cmap(i % cmap.N) for i, k in enumerate(keys)}
 
 
-def _curve(records: list[dict], x: str, y: str) -> tuple[np.ndarray, np.ndarray]:
-    pts = [(r[x], r[y]) for r in records if y in r and x in r]
+def save(fig, path: Path, description: str | None = None) -> Path:
+    """Write ``fig`` as a PNG (creating the folder), with ``description`` in its ``Description`` text chunk
+    when given, and release it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=DPI, metadata={"Description": description} if description else None)
+    plt.close(fig)
+    return path
+
+
+# ------------------------------------------------------------------------------------- axes
+def count_axis(axis, values: Sequence[float] | None = None) -> None:
+    """An axis that counts (steps, workers, iterations): integer ticks; at ``values`` when given."""
+    if values is not None:
+        axis.set_major_locator(FixedLocator(sorted(set(int(v) for v in values))))
+        axis.set_major_formatter(FuncFormatter(lambda v, _: f"{int(round(v))}"))
+    else:
+        axis.set_major_locator(MaxNLocator(integer=True))
+
+
+def _number(v: float) -> str:
+    """A tick value as a short plain number (``0.02``, ``300``, ``2k``, ``1.5M``), ``1e-05`` when tiny."""
+    if v == 0:
+        return "0"
+    a = abs(v)
+    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if a >= scale:
+            return f"{v / scale:g}{suffix}"
+    return f"{v:g}"
+
+
+def log_axis(axis, lo: float, hi: float) -> None:
+    """A log axis over the data range [lo, hi]: ticks at 1-2-5 steps when it spans less than two decades
+    (finer under 0.7), else at decades (every second or third when there are many); plain-number labels;
+    minor ticks unlabelled."""
+    lo, hi = max(lo, 1e-300), max(hi, 1e-300)
+    decades = math.log10(hi / lo) if hi > lo else 0.0
+    if decades < 0.7:
+        locator = LogLocator(base=10, subs=(1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 7.0), numticks=12)
+    elif decades < 2:
+        locator = LogLocator(base=10, subs=(1.0, 2.0, 5.0), numticks=12)
+    else:
+        locator = LogLocator(base=10, numticks=7)
+    axis.set_major_locator(locator)
+    axis.set_major_formatter(FuncFormatter(lambda v, _: _number(v)))
+    axis.set_minor_formatter(NullFormatter())
+
+
+def log_axes(ax, xs: Sequence[float] | None = None, ys: Sequence[float] | None = None) -> None:
+    """:func:`log_axis` on the x axis over ``xs`` and the y axis over ``ys`` (the data drawn), where given."""
+    for axis, values in ((ax.xaxis, xs), (ax.yaxis, ys)):
+        v = _finite(values) if values is not None else np.array([])
+        v = v[v > 0]
+        if v.size:
+            log_axis(axis, v.min(), v.max())
+
+
+def si_axis(axis) -> None:
+    """Large counts (bits, bytes) as ``50k``, ``1.5M``: short labels that do not run into each other."""
+    axis.set_major_formatter(FuncFormatter(lambda v, _: _number(v)))
+
+
+def _span(values: np.ndarray, log: bool) -> float:
+    v = values[np.isfinite(values)]
+    if log:
+        v = np.log10(v[v > 0])
+    return float(v.max() - v.min()) if v.size else 0.0
+
+
+def _same(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray], span: tuple[float, float],
+          log: tuple[bool, bool]) -> bool:
+    """Do two curves coincide: the same number of points, each within COINCIDE of the panel's range."""
+    if a[0].shape != b[0].shape:
+        return False
+    for k in (0, 1):
+        u, v = a[k], b[k]
+        if log[k]:
+            if np.any(u <= 0) or np.any(v <= 0):
+                return False
+            u, v = np.log10(u), np.log10(v)
+        if np.any(np.abs(u - v) > COINCIDE * max(span[k], 1e-300)):
+            return False
+    return True
+
+
+def plot_series(ax, series: list[dict[str, Any]], *, xlog: bool = False, ylog: bool = False,
+                label_group=None) -> None:
+    """Draw ``series`` (dicts ``x``, ``y``, ``label`` and line keywords ``color``, ``ls``, ...) on ``ax``,
+    each curve once: series that coincide are drawn as the first of them, labelled by ``label_group(labels)``
+    (default :func:`coincide_label`: ``"A = B (same curve)"``), so the legend says which curves lie on top
+    of each other. A series of one point is drawn as a marker."""
+    pts = [(np.asarray(s["x"], dtype=float), np.asarray(s["y"], dtype=float)) for s in series]
     if not pts:
-        return np.array([]), np.array([])
-    a = np.array(pts, dtype=float)
-    return a[:, 0], a[:, 1]
+        return
+    allx = np.concatenate([p[0] for p in pts])
+    ally = np.concatenate([p[1] for p in pts])
+    span = (_span(allx, xlog), _span(ally, ylog))
+    groups: list[list[int]] = []
+    for i, p in enumerate(pts):
+        for g in groups:
+            if _same(pts[g[0]], p, span, (xlog, ylog)):
+                g.append(i)
+                break
+        else:
+            groups.append([i])
+    for g in groups:
+        s = series[g[0]]
+        label = s["label"] if len(g) == 1 else (label_group or coincide_label)([series[i]["label"] for i in g])
+        kw = {k: v for k, v in s.items() if k not in ("x", "y", "label")}
+        x, y = pts[g[0]]
+        if np.sum(np.isfinite(x) & np.isfinite(y)) == 1:
+            kw.setdefault("marker", "o")
+        ax.plot(x, y, label=label, **kw)
 
 
-def _with_origin(records: list[dict], initial: dict | None) -> list[dict]:
-    return ([initial] if initial else []) + records
+def coincide_label(labels: Sequence[str]) -> str:
+    """The label of curves drawn as one: ``"A = B (same curve)"``; labels ``"scheme / transport"`` that
+    share their scheme are listed once (``"none / ring, switch = QSGD / allgather (same curve)"``); wrapped
+    to stay narrow."""
+    by_head: dict[str, list[str]] = {}
+    for lab in labels:
+        head, sep, tail = lab.partition(" / ")
+        by_head.setdefault(head, []).append(tail if sep else "")
+    parts = [head + (" / " + ", ".join(t for t in tails if t) if any(tails) else "")
+             for head, tails in by_head.items()]
+    return textwrap.fill(" = ".join(parts) + " (same curve)", width=60)
 
 
-def demo_figure(by_task: dict[str, list[dict]], bandwidths: Sequence[float], path: Path,
-                title: str = "") -> Path:
-    """One row per task: held-out loss vs step, held-out loss vs modelled communication time (at the
-    first bandwidth), bytes sent per worker per step, modelled communication time per step at each
-    bandwidth. ``by_task[task]`` holds entries ``{"scheme", "transport", "records", "initial",
-    "summary", "comm_per_step": {bw: seconds}}``."""
+def _finite(values) -> np.ndarray:
+    a = np.asarray(list(values), dtype=float)
+    return a[np.isfinite(a)]
+
+
+# ------------------------------------------------------------------------------------- the demo
+def demo_figure(by_task: dict[str, list[dict]], bandwidths: Sequence[float], title: str = ""):
+    """One row per task: held-out loss vs training step; held-out loss vs cumulative modelled communication
+    time (at the first bandwidth); bytes sent per worker per step; modelled communication time per step at
+    each bandwidth. ``by_task[task]`` holds entries ``{"scheme", "transport", "records", "initial",
+    "summary", "comm_per_step": {bw: seconds}}``. Returns the figure."""
     tasks_ = list(by_task)
-    fig, axes = plt.subplots(len(tasks_), 4, figsize=(22, 4.6 * len(tasks_)), squeeze=False)
+    fig, axes = plt.subplots(len(tasks_), 4, figsize=(23, 5.4 * len(tasks_)), squeeze=False,
+                             gridspec_kw={"width_ratios": (1, 1, 1.15, 1.15)})
     colours = _colours([e["scheme"] for es in by_task.values() for e in es])
     bw0 = bandwidths[0]
     for row, task in enumerate(tasks_):
         entries = by_task[task]
         ax_step, ax_time, ax_bytes, ax_comm = axes[row]
+        style = {id(e): dict(color=colours[e["scheme"]], ls=LINESTYLES.get(e["transport"], "-"), lw=1.6)
+                 for e in entries}
+        steps = []
         for e in entries:
-            recs = _with_origin(e["records"], e.get("initial"))
-            style = dict(color=colours[e["scheme"]], ls=LINESTYLES.get(e["transport"], "-"), lw=1.6)
-            ax_step.plot(*_curve(recs, "step", "test_loss"), **style, label=f"{e['scheme']} / {e['transport']}")
-            xs, ys = _curve(e["records"], "modelled_time_s", "test_loss")
-            ax_time.plot(xs * 1e3, ys, **style)
-        ax_step.set(title=f"{task}: held-out loss vs step", xlabel="step", ylabel="held-out loss")
-        ax_time.set(title=f"{task}: held-out loss vs modelled comm. time ({bw0:g} Gbps)",
-                    xlabel="cumulative modelled communication time (ms, log)", ylabel="held-out loss")
+            recs = ([e["initial"]] if e.get("initial") else []) + e["records"]
+            steps.append([(r["step"], r["test_loss"]) for r in recs if "test_loss" in r])
+        # the transport does not change training: a scheme's curves coincide, and are drawn once
+        ran = {}
+        for e in entries:
+            ran.setdefault(e["scheme"], set()).add(e["transport"])
+
+        def every_transport(labels: list[str]) -> str:
+            schemes = list(dict.fromkeys(lab.partition(" / ")[0] for lab in labels))
+            if all({lab.partition(" / ")[2] for lab in labels if lab.startswith(f"{sc} / ")} == ran[sc]
+                   for sc in schemes):
+                return " = ".join(f"{sc} / all {len(ran[sc])} transports" for sc in schemes) + " (same curve)"
+            return coincide_label(labels)
+
+        plot_series(ax_step, [dict(x=[p[0] for p in s], y=[p[1] for p in s], label=f"{e['scheme']} / {e['transport']}",
+                                   **style[id(e)]) for e, s in zip(entries, steps)], label_group=every_transport)
+        ax_step.set(title=f"{task}: held-out loss vs training step", xlabel="training step",
+                    ylabel="held-out loss")
+        count_axis(ax_step.xaxis)
+        ax_step.legend(fontsize=7)
+        times = []
+        for e in entries:
+            pts = [(r["modelled_time_s"] * 1e3, r["test_loss"]) for r in e["records"] if "test_loss" in r]
+            times.append(pts)
+            ax_time.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3,
+                         label=f"{e['scheme']} / {e['transport']}", **style[id(e)])
+        ax_time.set(title=f"{task}: held-out loss vs communication time ({bw0:g} Gbps)",
+                    xlabel="cumulative modelled communication time (ms, log scale)", ylabel="held-out loss")
         ax_time.set_xscale("log")
+        xs = _finite(p[0] for pts in times for p in pts)
+        if xs.size:
+            log_axis(ax_time.xaxis, xs.min(), xs.max())
         labels = [f"{e['scheme']}\n{e['transport']}" for e in entries]
         x = np.arange(len(entries))
         cols = [colours[e["scheme"]] for e in entries]
         hatches = [HATCHES.get(e["transport"], "") for e in entries]
-        bars = ax_bytes.bar(x, [e["summary"]["bytes_per_step"] for e in entries], color=cols)
+        vals = [e["summary"]["bytes_per_step"] for e in entries]
+        bars = ax_bytes.bar(x, vals, color=cols, edgecolor="black", linewidth=0.4)
         for b, h in zip(bars, hatches):
             b.set_hatch(h)
         ax_bytes.set_yscale("log")
-        ax_bytes.set(title=f"{task}: bytes sent per worker per step", ylabel="bytes (log)")
+        log_axis(ax_bytes.yaxis, min(vals), max(vals))
+        ax_bytes.set(title=f"{task}: bytes sent per worker per step",
+                     ylabel="bytes sent per worker per step (log scale)")
         width = 0.8 / max(1, len(bandwidths))
+        comm = []
         for j, bw in enumerate(bandwidths):
-            vals = [e["comm_per_step"].get(bw, np.nan) * 1e6 for e in entries]
-            bars = ax_comm.bar(x + (j - (len(bandwidths) - 1) / 2) * width, vals, width, color=cols,
+            v = [e["comm_per_step"].get(bw, np.nan) * 1e6 for e in entries]
+            comm += v
+            bars = ax_comm.bar(x + (j - (len(bandwidths) - 1) / 2) * width, v, width, color=cols,
                                alpha=1.0 if j == 0 else 0.45, edgecolor="black", linewidth=0.4)
             for b, h in zip(bars, hatches):
                 b.set_hatch(h)
         ax_comm.set_yscale("log")
-        ax_comm.set(title=f"{task}: modelled comm. time per step\n(solid: {bandwidths[0]:g} Gbps, "
+        c = _finite(comm)
+        if c.size:
+            log_axis(ax_comm.yaxis, c.min(), c.max())
+        ax_comm.set(title=f"{task}: modelled communication time per step\n(solid: {bandwidths[0]:g} Gbps, "
                           f"pale: {', '.join(f'{b:g}' for b in bandwidths[1:])} Gbps)",
-                    ylabel="microseconds (log)")
+                    ylabel="modelled communication time per step (µs, log scale)")
         for ax in (ax_bytes, ax_comm):
-            ax.set_xticks(x, labels, rotation=60, ha="right", fontsize=7)
-        for ax in (ax_step, ax_time):
+            ax.set_xticks(x, labels, rotation=90, fontsize=7)
+            ax.set_xlabel("compression scheme / transport")
+        for ax in axes[row]:
             ax.grid(alpha=0.3)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=min(6, len(labels)), fontsize=9,
+    handles, labels = axes[0][1].get_legend_handles_labels()
+    ncol = min(6, len(labels))
+    fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=9,
                title="colour: compression scheme; line style / hatch: transport", title_fontsize=9)
     if title:
         fig.suptitle(title)
-    fig.tight_layout(rect=(0, 0.09 + 0.02 * (len(labels) > 12), 1, 0.98))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    rows = -(-len(labels) // ncol)
+    fig.tight_layout(rect=(0, (0.035 + 0.022 * rows) * 2 / len(tasks_), 1, 0.98))
+    return fig
 
 
-def ablation_figure(cells: list[dict], target: float | None, path: Path, metric: str = "test_acc") -> Path:
-    """Three panels over finished cells ``{"label", "series", "scheme", "transport", "workers",
-    "records", "summary"}`` (a series is a cell without its worker count): the best held-out accuracy
-    so far vs modelled communication time (time-to-accuracy) and vs cumulative bytes sent per worker
-    (bytes-to-accuracy), for the largest worker count; modelled communication time per step vs
-    workers. One colour per series, line style = transport."""
-    fig, (ax_t, ax_b, ax_w) = plt.subplots(1, 3, figsize=(20, 5.5))
+# ------------------------------------------------------------------------------------- ablations
+def ablation_figure(cells: list[dict], target: float | None, metric: str = "test_acc",
+                    metric_name: str = "held-out accuracy"):
+    """Three panels over finished cells ``{"label", "series", "scheme", "transport", "workers", "records",
+    "summary"}`` (a series is a cell without its worker count): the best ``metric_name`` so far vs modelled
+    communication time (time to accuracy) and vs cumulative bytes sent per worker (bytes to accuracy), at
+    the largest worker count; modelled communication time per step vs workers. One colour per series, line
+    style = transport; the target is a labelled line. Returns the figure."""
+    fig, (ax_t, ax_b, ax_w) = plt.subplots(1, 3, figsize=(20, 5.8))
     series = list(dict.fromkeys(c["series"] for c in cells))
-    cmap = plt.get_cmap("tab20" if len(series) > 10 else "tab10")
-    colour = {k: cmap(i % cmap.N) for i, k in enumerate(series)}
+    colour = _colours(series)
     top = max((c["workers"] for c in cells), default=0)
+    tcurves, bcurves = [], []
     for c in cells:
         if c["workers"] != top:
             continue
         style = dict(color=colour[c["series"]], ls=LINESTYLES.get(c["transport"], "-"), lw=1.4)
-        evals = [(r["modelled_time_s"], sum(x["bytes_sent"] for x in c["records"] if x["step"] <= r["step"]),
-                  r[metric]) for r in c["records"] if metric in r]
+        evals = [(r["modelled_time_s"] * 1e3,
+                  sum(x["bytes_sent"] for x in c["records"] if x["step"] <= r["step"]), r[metric])
+                 for r in c["records"] if metric in r]
         if not evals:
             continue
         a = np.array(evals, dtype=float)
         best = np.maximum.accumulate(a[:, 2])
-        ax_t.plot(a[:, 0] * 1e3, best, **style)
-        ax_b.plot(a[:, 1], best, **style)
+        tcurves.append(dict(x=a[:, 0], y=best, label=c["series"], **style))
+        bcurves.append(dict(x=a[:, 1], y=best, label=c["series"], **style))
+    plot_series(ax_t, tcurves, xlog=True)
+    plot_series(ax_b, bcurves, xlog=True)
     if target is not None:
         for ax in (ax_t, ax_b):
-            ax.axhline(target, color="grey", lw=0.8, ls="--")
-    ax_t.set(title=f"time to accuracy ({top} workers)", xlabel="modelled communication time (ms, log)",
-             ylabel=f"best {metric} so far")
-    ax_b.set(title=f"bytes to accuracy ({top} workers)", xlabel="cumulative bytes sent per worker (log)",
-             ylabel=f"best {metric} so far")
-    for ax in (ax_t, ax_b):
+            ax.axhline(target, color="0.45", lw=1.0, ls=(0, (6, 3)), label=f"target {metric_name} {target:g}")
+    ylabel = f"best {metric_name} so far"
+    ax_t.set(title=f"time to accuracy ({top} workers)", xlabel="modelled communication time (ms, log scale)",
+             ylabel=ylabel)
+    ax_b.set(title=f"bytes to accuracy ({top} workers)",
+             xlabel="cumulative bytes sent per worker (log scale)", ylabel=ylabel)
+    for ax, curves in ((ax_t, tcurves), (ax_b, bcurves)):
         ax.set_xscale("log")
+        xs = _finite(v for s in curves for v in s["x"])
+        if xs.size:
+            log_axis(ax.xaxis, xs.min(), xs.max())
+    wcurves, workers = [], set()
     for key in series:
-        pts = sorted((c["workers"], c["summary"]["modelled_comm_per_step_s"]) for c in cells if c["series"] == key)
-        a = np.array(pts, dtype=float)
+        pts = sorted((c["workers"], c["summary"]["modelled_comm_per_step_s"] * 1e6)
+                     for c in cells if c["series"] == key)
+        workers |= {p[0] for p in pts}
         tr = next(c["transport"] for c in cells if c["series"] == key)
-        ax_w.plot(a[:, 0], a[:, 1] * 1e6, marker="o", color=colour[key], ls=LINESTYLES.get(tr, "-"), label=key)
+        wcurves.append(dict(x=[p[0] for p in pts], y=[p[1] for p in pts], label=key, marker="o",
+                            color=colour[key], ls=LINESTYLES.get(tr, "-")))
+    plot_series(ax_w, wcurves, ylog=True)
     ax_w.set(title="modelled communication time per step vs workers", xlabel="workers",
-             ylabel="microseconds (log)")
+             ylabel="modelled communication time per step (µs, log scale)")
     ax_w.set_yscale("log")
+    ys = _finite(v for s in wcurves for v in s["y"])
+    if ys.size:
+        log_axis(ax_w.yaxis, ys.min(), ys.max())
+    count_axis(ax_w.xaxis, workers)
     for ax in (ax_t, ax_b, ax_w):
         ax.grid(alpha=0.3)
-    handles, labels = ax_w.get_legend_handles_labels()
-    ncol = 3 if len(labels) > 6 else len(labels) or 1
+    # one legend for the three panels: each curve's label once (a shared curve names every series it is)
+    handles, labels = [], []
+    for ax in (ax_w, ax_t, ax_b):
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
+    ncol = 2 if len(labels) > 4 else len(labels) or 1
     fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=8)
-    fig.tight_layout(rect=(0, 0.03 + 0.028 * -(-len(labels) // ncol), 1, 1))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    lines = sum(lab.count("\n") + 1 for lab in labels[::ncol]) if labels else 1
+    fig.tight_layout(rect=(0, min(0.6, 0.03 + 0.032 * lines), 1, 1))
+    return fig
+
+
+# ------------------------------------------------------------------------------------- one run
+def convergence_figure(records: list[dict], initial: dict | None, title: str, *, modelled: bool):
+    """One run: training and held-out loss vs training step; held-out accuracy vs training step; held-out
+    loss vs cumulative communication time (modelled by the SimFabric when ``modelled``, else the measured
+    wall-clock time of the collectives). Returns the figure."""
+    fig, (ax_l, ax_a, ax_c) = plt.subplots(1, 3, figsize=(17, 4.8))
+    recs = ([initial] if initial else []) + records
+    steps = [r["step"] for r in records]
+    ax_l.plot(steps, [r["loss"] for r in records], color="tab:blue", lw=1.2, label="training loss (mini-batches)")
+    ev = [r for r in recs if "test_loss" in r]
+    ax_l.plot([r["step"] for r in ev], [r["test_loss"] for r in ev], color="tab:orange", marker="o", ms=3,
+              lw=1.6, label="held-out loss")
+    ax_l.set(title="loss vs training step", xlabel="training step", ylabel="loss")
+    ax_l.legend(fontsize=8)
+    ax_a.plot([r["step"] for r in ev], [r["test_acc"] for r in ev], color="tab:green", marker="o", ms=3,
+              label="held-out accuracy")
+    ax_a.set(title="held-out accuracy vs training step", xlabel="training step", ylabel="held-out accuracy")
+    ax_a.legend(fontsize=8)
+    what = "modelled" if modelled else "measured"
+    cum, t = {0: 0.0}, 0.0
+    for r in records:
+        t += r["modelled_comm_s"] if modelled else r["measured_comm_s"]
+        cum[r["step"]] = t * 1e3
+    pts = [(cum[r["step"]], r["test_loss"]) for r in ev if r["step"] in cum]
+    ax_c.plot([p[0] for p in pts], [p[1] for p in pts], color="tab:orange", marker="o", ms=3,
+              label="held-out loss")
+    ax_c.set(title=f"held-out loss vs {what} communication time",
+             xlabel=f"cumulative {what} communication time (ms)", ylabel="held-out loss")
+    ax_c.legend(fontsize=8)
+    for ax in (ax_l, ax_a):
+        count_axis(ax.xaxis)
+    for ax in (ax_l, ax_a, ax_c):
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig

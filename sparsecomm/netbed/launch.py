@@ -49,7 +49,7 @@ from typing import Any, Callable, Sequence
 
 from ..fabric.sim_network import Network
 from ..launch import Context, backends
-from .topology import Netbed, NetbedError, check_shaping
+from .topology import Netbed, NetbedError, check_shaping, resolve_as
 from ..errors import InvalidTypeError, InvalidValueError
 
 _DEFAULT_LATENCY_US = Network.__dataclass_fields__["latency_us"].default
@@ -87,16 +87,20 @@ def check_network(network: Network | None) -> float | None:
 
 
 def enter_namespace(namespaces: Sequence[str], ifnames: Sequence[str], rank: int) -> None:
-    """Child prologue: move this process into rank ``rank``'s namespace and point gloo at its link."""
+    """Child prologue: move this process into rank ``rank``'s namespace (with its hosts file, as under
+    ``ip netns exec``) and point gloo at its link."""
     from pyroute2 import netns
 
     netns.setns(namespaces[rank])
+    resolve_as(namespaces[rank])
     os.environ["GLOO_SOCKET_IFNAME"] = ifnames[rank]
 
 
-def _store_in(ns: str, total: int, timeout_s: float):
-    """A master TCPStore listening inside namespace ``ns`` (created by a thread that enters ``ns``:
-    a network namespace is per thread, so the caller's own stays as it is)."""
+def _store_in(ns: str, addr: str, total: int, timeout_s: float):
+    """A master TCPStore listening inside namespace ``ns`` (created by a thread that enters ``ns`` and its
+    hosts file: namespaces are per thread, so the caller's own stay as they are; the store's threads, started
+    by that thread, resolve the ranks' addresses to their names). The store listens on every address of
+    ``ns``; its own client connects to ``addr``, one of them."""
     import torch.distributed as dist
     from pyroute2 import netns
 
@@ -105,7 +109,8 @@ def _store_in(ns: str, total: int, timeout_s: float):
     def make() -> None:
         try:
             netns.setns(ns)
-            out["store"] = dist.TCPStore("0.0.0.0", 0, total, is_master=True, wait_for_workers=False,
+            resolve_as(ns)
+            out["store"] = dist.TCPStore(addr, 0, total, is_master=True, wait_for_workers=False,
                                          timeout=timedelta(seconds=timeout_s))
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
             out["error"] = exc
@@ -170,7 +175,8 @@ def _launch_netbed(fn: Callable[[Context], Any], world_size: int, *, network: Ne
             namespaces = [bed.tor_ns if h is None else bed.host_ns(h) for h in where]
             ifnames = [bed.ifname(ns) for ns in namespaces]
             return lt._spawn("gloo", fn, world_size, timeout_s, services, start_method,
-                             make_store=functools.partial(_store_in, bed.tor_ns), master_addr=bed.tor_addr,
+                             make_store=functools.partial(_store_in, bed.tor_ns, bed.tor_addr),
+                             master_addr=bed.tor_addr,
                              prologue=functools.partial(enter_namespace, tuple(namespaces), tuple(ifnames)))
         finally:
             bed.close()

@@ -31,16 +31,25 @@ Namespaces and links are created with pyroute2 (netlink); ``tc`` is run as a sub
 namespace (``ip netns exec P-h<i> tc ...``) because pyroute2's tc interface for htb classes is awkward
 and version-dependent, while the ``tc`` command line is stable and its error text is the kernel's.
 
+Names: every namespace gets ``/etc/netns/<ns>/hosts`` (the machine's ``/etc/hosts`` plus ``10.77.<i>.2
+h<i>`` and ``10.77.<i>.1 tor-p<i>``), the file ``ip netns exec`` binds over ``/etc/hosts``; a process that
+enters a namespace with ``setns`` instead (the launch backend) calls :func:`resolve_as` for the same view.
+A reverse look-up of a rack address is then answered from that file: without it glibc asks the machine's
+DNS server, which is unreachable from the namespace, and c10d's rendezvous store warns once per connection
+("The hostname of the client socket cannot be retrieved").
+
 ``netem`` (delay, loss) is not available on these machines: asking for latency or loss raises
 :class:`NetbedError` saying so; nothing is silently ignored.
 
-Clean-up: :meth:`Netbed.close` deletes every namespace (which deletes its links and qdiscs) and is
-idempotent; :class:`Netbed` is a context manager, and :func:`cleanup_stale` removes the namespaces of
-netbeds whose owner process is gone (``python -m sparsecomm.netbed cleanup``).
+Clean-up: :meth:`Netbed.close` deletes every namespace (which deletes its links and qdiscs) and its
+``/etc/netns/<ns>`` folder, and is idempotent; :class:`Netbed` is a context manager, and
+:func:`cleanup_stale` removes the namespaces of netbeds whose owner process is gone (``python -m
+sparsecomm.netbed cleanup``).
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import secrets
@@ -54,6 +63,7 @@ from ..errors import InvalidValueError, NetbedError, SparseCommError  # noqa: F4
 NS_PREFIX = "scnb"
 _NAME_RE = re.compile(rf"^{NS_PREFIX}(\d+)x([0-9a-f]{{4}})-(h\d+|tor)$")
 NETNS_DIR = "/var/run/netns"
+ETC_NETNS = "/etc/netns"
 HOST_IFNAME = "eth0"
 MAX_HOSTS = 250
 
@@ -178,12 +188,29 @@ class Netbed:
         return "p0" if ns == self.tor_ns else HOST_IFNAME
 
     # ----------------------------------------------------------------- set-up
+    def hosts_text(self) -> str:
+        """The namespaces' ``/etc/hosts``: the machine's own entries, then a name for every rack address."""
+        try:
+            with open("/etc/hosts") as f:
+                machine = f.read()
+        except FileNotFoundError:
+            machine = "127.0.0.1 localhost\n"
+        names = [(host_address(i), f"h{i}") for i in range(self.hosts)]
+        names += [(tor_address(i), f"tor-p{i}") for i in range(self.hosts)]
+        # and as IPv4-mapped IPv6 addresses: how a dual-stack socket (c10d's) reports an IPv4 peer
+        rack = [f"{a} {n}" for a, n in names] + [f"::ffff:{a} {n}" for a, n in names]
+        return machine.rstrip("\n") + "\n# the netbed's hosts and top-of-rack ports\n" + "\n".join(rack) + "\n"
+
     def _build(self) -> None:
         from pyroute2 import NetNS
 
+        hosts = self.hosts_text()
         for ns in [self.tor_ns] + [self.host_ns(i) for i in range(self.hosts)]:
             self._namespaces.append(ns)
             _run(["ip", "netns", "add", ns])
+            os.makedirs(os.path.join(ETC_NETNS, ns), exist_ok=True)
+            with open(hosts_file(ns), "w") as f:
+                f.write(hosts)
         _run(["ip", "netns", "exec", self.tor_ns, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1"])
         with NetNS(self.tor_ns, flags=0) as tor:
             tor.link("set", index=tor.link_lookup(ifname="lo")[0], state="up")
@@ -241,9 +268,41 @@ class Netbed:
         self.close()
 
 
+def hosts_file(ns: str) -> str:
+    """Namespace ``ns``'s hosts file (what ``ip netns exec`` binds over ``/etc/hosts``)."""
+    return os.path.join(ETC_NETNS, ns, "hosts")
+
+
+_CLONE_NEWNS, _MS_REC, _MS_SLAVE, _MS_BIND = 0x20000, 0x4000, 1 << 19, 0x1000
+
+
+def resolve_as(ns: str) -> None:
+    """Make the calling thread, and the threads it starts afterwards, read ``ns``'s hosts file as
+    ``/etc/hosts``, as a process under ``ip netns exec <ns>`` does: a mount namespace of their own
+    (``unshare(CLONE_NEWNS)``, mounts made slaves of the machine's) with the file bound over ``/etc/hosts``.
+    The process's other threads keep the machine's view. :class:`NetbedError` if the kernel refuses."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    steps = (("unshare(CLONE_NEWNS)", lambda: libc.unshare(_CLONE_NEWNS)),
+             ("mount --make-rslave /", lambda: libc.mount(None, b"/", None, _MS_REC | _MS_SLAVE, None)),
+             (f"mount --bind {hosts_file(ns)} /etc/hosts",
+              lambda: libc.mount(hosts_file(ns).encode(), b"/etc/hosts", None, _MS_BIND, None)))
+    for what, call in steps:
+        if call() != 0:
+            err = ctypes.get_errno()
+            raise NetbedError(f"cannot give namespace {ns} its hosts file: {what} failed ({os.strerror(err)})")
+
+
 def _delete_ns(ns: str) -> None:
     from pyroute2 import netns
 
+    try:   # first: a namespace whose folder is left is found again by list_netbed_namespaces
+        os.remove(hosts_file(ns))
+    except FileNotFoundError:
+        pass
+    try:
+        os.rmdir(os.path.join(ETC_NETNS, ns))
+    except FileNotFoundError:
+        pass
     if os.path.exists(os.path.join(NETNS_DIR, ns)):
         netns.remove(ns)
 
@@ -266,11 +325,14 @@ def _kill_all_in(ns: str) -> None:
 
 
 def list_netbed_namespaces() -> list[str]:
-    """Every namespace on this machine that a netbed created (any owner)."""
-    try:
-        names = os.listdir(NETNS_DIR)
-    except FileNotFoundError:
-        return []
+    """Every namespace on this machine that a netbed created (any owner), including one of which only the
+    ``/etc/netns`` folder is left."""
+    names: set[str] = set()
+    for where in (NETNS_DIR, ETC_NETNS):
+        try:
+            names.update(os.listdir(where))
+        except FileNotFoundError:
+            pass
     return sorted(n for n in names if _NAME_RE.match(n))
 
 
