@@ -247,7 +247,7 @@ def _run_rounds(a, setups, make_batch, forward) -> dict[str, Any]:
             r["bytes_sent"] = opt.last_stats.bytes_sent
             r["bytes_received"] = opt.last_stats.bytes_received
             r["estimated"] = opt.last_stats.estimated
-            r["ratio"] = opt.compression_stats()["ratio_sent"]   # measured on the wire, not declared
+            r["factor"] = opt.compression_stats()["compression_factor_sent"]   # measured on the wire
         res[name] = r
     return res
 
@@ -336,14 +336,14 @@ def _worker_emb(ctx, a: argparse.Namespace, sparse: bool) -> dict:
 def _table(rs: list[dict]) -> None:
     """Print one case: the slowest rank's time per round, medians, paired ratios to ddp."""
     print(f"{'configuration':28s} {'step ms':>9s} {'vs ddp':>8s} {'speed-up':>9s} {'MB sent':>9s} "
-          f"{'ratio sent':>11s}")
+          f"{'factor sent':>11s}")
     names = [k for k in rs[0] if isinstance(rs[0][k], dict) and "times" in rs[0][k]]
     slow = {k: [max(ts) for ts in zip(*(r[k]["times"] for r in rs))] for k in names}
     for name, ts in slow.items():
         t = statistics.median(ts)
         rel = statistics.median(x / d for x, d in zip(ts, slow["ddp"]))   # paired, per round
         mb = rs[0][name].get("bytes_sent")
-        ratio = rs[0][name].get("ratio")
+        ratio = rs[0][name].get("factor")
         print(f"{name:28s} {1e3 * t:9.1f} {rel:7.2f}x {1 / rel:8.2f}x "
               f"{'' if mb is None else f'{mb / 1e6:9.2f}':>9s} "
               f"{'' if ratio is None else f'{ratio:11.1f}':>11s}")

@@ -205,8 +205,8 @@ def summarize(records: list[dict[str, Any]], per_rank: list[dict[str, Any]] | No
     if per_rank:
         comp = per_rank[0].get("compression") or {}
         # declared (the compressor's bits) and measured (the fabric's ledger) side by side
-        s["compression_ratio"] = comp.get("ratio", float("nan"))
-        s["compression_ratio_sent"] = comp.get("ratio_sent", float("nan"))
+        s["compression_factor"] = comp.get("compression_factor", float("nan"))
+        s["compression_factor_sent"] = comp.get("compression_factor_sent", float("nan"))
         s["sent_over_declared"] = comp.get("sent_over_declared", float("nan"))
     return s
 
