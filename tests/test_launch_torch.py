@@ -192,3 +192,19 @@ def test_under_torchrun_results_cross_ranks_without_pickle(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     outs = [(tmp_path / f"out{r}.txt").read_text() for r in range(2)]
     assert outs == ["[0, 1] [0, 1, 2] TypeError True"] * 2, outs
+
+
+def _threads(ctx):
+    return torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+
+
+@pytest.mark.multiprocess
+def test_ranks_get_cores_over_ranks_threads_unless_omp_num_threads_is_set(monkeypatch):
+    from sparsecomm.launch.base import threads_per_rank
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    k = threads_per_rank(2)
+    assert sc.launch(_threads, 2, backend="gloo") == [(k, str(k))] * 2
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert sc.launch(_threads, 2, backend="gloo") == [(3, "3")] * 2
+    assert threads_per_rank(1) == max(1, os.cpu_count() or 1) and threads_per_rank(10 ** 6) == 1

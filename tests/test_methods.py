@@ -337,9 +337,9 @@ def _storages(obj) -> set[int]:
 
 @pytest.mark.parametrize("name", sc.methods.available())
 def test_no_payload_aliases_the_method_state(name):
-    """The contract a transport's in-place sum relies on (``native(inplace=True)`` sums a dense payload's
-    values where they lie): every round's payload of every method, exact rounds included, shares no
-    storage with the method's state (it may alias the scratch gradient with ``inplace=True``)."""
+    """Every round's payload of every method, exact rounds included, shares no storage with the method's
+    state (it may alias the scratch gradient with ``inplace=True``): whatever a transport or a caller
+    does with a payload cannot corrupt the state."""
     hyper = {"ratio": 0.25} if name in ("diana", "ef", "ef21", "dgc") else {}
     m = sc.methods.warmup(sc.methods.get(name, **hyper), 1)
     st = m.init(48)

@@ -316,10 +316,10 @@ def test_every_transport_exact_on_three_hosts():
 
 
 # ----------------------------------------------------------------------------- command line
-def _cli(*args, **kw):
+def _cli(*args, env=None, **kw):
     return subprocess.Popen([sys.executable, "-m", "sparsecomm.netbed", *args], cwd=ROOT,
-                            env={**os.environ, "PYTHONPATH": ROOT}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, **kw)
+                            env={**(os.environ if env is None else env), "PYTHONPATH": ROOT},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
 def _owned_by(pids: set[int]) -> list[str]:
@@ -381,3 +381,24 @@ def test_torchrun_recipe_distributed_optimizer_step(tmp_path):
     for r in range(2):
         got = torch.load(tmp_path / f"rank{r}.pt")
         assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(got, want))
+
+
+def test_cli_gives_each_host_cores_over_hosts_threads_unless_set(tmp_path):
+    """Each host's command gets ``OMP_NUM_THREADS = max(1, cores // hosts)`` (said on stderr), unless the
+    user set it: torch's default of a thread per core in every host oversubscribes the shared cores."""
+    from sparsecomm.launch.base import threads_per_rank
+
+    cmd = f"echo $OMP_NUM_THREADS > {tmp_path}/omp{{rank}}"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    p = _cli("run", "--hosts", "2", "--gbps", "0", "--port", "29613", "--", "sh", "-c", cmd, env=env)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    want = str(threads_per_rank(2))
+    assert [(tmp_path / f"omp{r}").read_text().strip() for r in range(2)] == [want, want]
+    assert f"OMP_NUM_THREADS={want}" in err
+    p = _cli("run", "--hosts", "2", "--gbps", "0", "--port", "29613", "--", "sh", "-c", cmd,
+             env={**env, "OMP_NUM_THREADS": "3"})
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    assert [(tmp_path / f"omp{r}").read_text().strip() for r in range(2)] == ["3", "3"]
+    assert "OMP_NUM_THREADS=" not in err

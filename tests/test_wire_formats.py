@@ -412,7 +412,11 @@ def test_cast_error_kernel_matches_torch():
     for tgt, is_bf16 in ((torch.float16, False), (torch.bfloat16, True)):
         y = x.to(tgt)
         y = torch.where(torch.isfinite(y), y, torch.zeros_like(y))
-        err, nrm = _cast_error(x.numpy(), y.view(torch.int16).numpy(), is_bf16)
+        err, nrm, special = _cast_error(x.numpy(), y.view(torch.int16).numpy(), is_bf16)
         xd = x.double()
         assert err == pytest.approx(float(((y.double() - xd) ** 2).sum()), rel=1e-9)
         assert nrm == pytest.approx(float(xd @ xd), rel=1e-9)
+        assert special == 0
+        # an Inf or NaN among the rounded values is counted (the caller's range check then runs)
+        y[7], y[11] = float("inf"), float("nan")
+        assert _cast_error(x.numpy(), y.view(torch.int16).numpy(), is_bf16)[2] == 2

@@ -1,13 +1,22 @@
-"""The registry of launch backends and the check that spawning backends run under a main guard."""
+"""The registry of launch backends, the check that spawning backends run under a main guard, and the
+threads each rank gets by default."""
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable
 
 from ..registry import Registry
 
 #: name -> ``runner(fn, world_size, *, network, timeout_s, services, **options) -> list``
 backends: Registry[Callable[..., list]] = Registry("launch backend")
+
+
+def threads_per_rank(ranks: int) -> int:
+    """The torch/OpenMP threads each of ``ranks`` processes sharing this machine gets by default:
+    ``max(1, cores // ranks)`` (torchrun gives 1 to each of several processes per node), so that the
+    ranks do not oversubscribe the cores; ``OMP_NUM_THREADS``, when set, is the user's choice."""
+    return max(1, (os.cpu_count() or 1) // max(1, int(ranks)))
 
 
 def check_main_guard() -> None:

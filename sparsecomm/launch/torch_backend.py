@@ -25,8 +25,9 @@ parent hosts on a free port of 127.0.0.1, and form one process group: ranks ``0 
 (after unpickling ``fn``, so that a service registered in ``fn``'s module is known there too).
 Each worker runs ``fn(ctx)`` (with :func:`~sparsecomm.launch.set_context` installed process-wide) and
 sends its pickled result to the parent, which returns them in rank order. ``fn`` must be picklable (a
-module-level function or a ``functools.partial`` of one); so must the results. Children run with one
-OpenMP/torch thread (``OMP_NUM_THREADS=1`` unless set), and with nccl rank ``r`` uses GPU ``r``.
+module-level function or a ``functools.partial`` of one); so must the results. Children run with
+``max(1, cores // ranks)`` OpenMP/torch threads each (:func:`~.base.threads_per_rank`; ``OMP_NUM_THREADS``
+when set), and with nccl rank ``r`` uses GPU ``r``.
 
 **In place** under torchrun (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` set) or when a
 process group is already initialised: this process is one rank; the job must have
@@ -68,7 +69,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
-from .base import backends
+from .base import backends, threads_per_rank
 from .context import Context, set_context
 from .results import _gather_results, decode_result, encode_result  # noqa: F401  (re-exported)
 from .supervise import DONE_KEY as _DONE_KEY
@@ -249,11 +250,14 @@ def _spawn(backend: str, fn: Callable, world_size: int, timeout_s: float,
     procs = []
     ok = False
     try:
-        with _child_env({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}):
+        # the parent's OMP_NUM_THREADS now, else cores // ranks (a fork server keeps the environment it
+        # started with, so the count travels as an argument)
+        threads = int(os.environ.get("OMP_NUM_THREADS") or threads_per_rank(total))
+        with _child_env({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}):
             for r in range(total):
                 p = ctx.Process(target=_child_main, name=f"sparsecomm-{backend}-rank{r}",
                                 args=(r, world_size, services, store.port, backend, timeout_s, fn_bytes, queue,
-                                      master_addr, prologue))
+                                      master_addr, prologue, threads))
                 p.start()
                 procs.append(p)
         results = _supervise(procs, queue, world_size, services, timeout_s, store)
@@ -274,7 +278,7 @@ def _loaded_library_packages() -> list[str]:
 
 def _child_main(rank: int, world_size: int, services: tuple[str, ...], port: int, backend: str,
                 timeout_s: float, fn_bytes: bytes, queue, master_addr: str = "127.0.0.1",
-                prologue: Callable[[int], None] | None = None) -> None:
+                prologue: Callable[[int], None] | None = None, threads: int = 1) -> None:
     """Entry point of a spawned rank (module level, so that spawn start-up stays cheap)."""
     code = 0
     fabric = None
@@ -286,7 +290,8 @@ def _child_main(rank: int, world_size: int, services: tuple[str, ...], port: int
 
         from ..fabric.torch_fabric import TorchFabric
 
-        torch.set_num_threads(1)
+        os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
         total = world_size + len(services)
         store = dist.TCPStore(master_addr, port, total, is_master=False, timeout=timedelta(seconds=timeout_s))
         if backend == "nccl":

@@ -61,8 +61,7 @@ Every worker must call ``encode``/``decode`` for the same keys, in the same orde
 tensors. For large buckets the optimizer avoids fresh allocations (page faults dominate on some
 hosts): ``encode(..., inplace=True)`` lets the method overwrite ``grad`` (the caller's scratch), and
 ``decode(..., out=buf)`` writes the estimate into ``buf`` and returns it. Neither the payload nor the
-returned estimate ever aliases the method's state (a payload may alias ``grad`` with ``inplace=True``),
-so a transport may sum a payload in place (``native``'s ``inplace``).
+returned estimate ever aliases the method's state (a payload may alias ``grad`` with ``inplace=True``).
 """
 
 from __future__ import annotations

@@ -12,6 +12,11 @@ replaced per host (``{rank}``, ``{world_size}``, ``{master_addr}``, ``{master_po
         torchrun --nnodes 2 --nproc-per-node 1 --node-rank {rank} \\
                  --master-addr {master_addr} --master-port {master_port} train.py
 
+Every host shares this machine's cores: unless ``OMP_NUM_THREADS`` is set, each host's command gets
+``OMP_NUM_THREADS = max(1, cores // hosts)`` (torch reads it at start-up; torchrun does the same for
+several processes per node), and ``run`` says so on stderr: with torch's default of one thread per core
+in every host, the hosts oversubscribe the cores and every protocol figure is slower.
+
 Each host's command runs under ``ip netns exec`` in a session of its own; when one fails, the others
 are terminated (after ``--grace`` seconds), and on exit, Ctrl-C, SIGTERM or ``--timeout`` every process
 group is killed and the namespaces are removed.
@@ -31,6 +36,7 @@ import sys
 import time
 
 from ..errors import InvalidValueError
+from ..launch.base import threads_per_rank
 
 from .launch import terminate_as_interrupt
 from .topology import Netbed, NetbedError, check_shaping, cleanup_stale, list_netbed_namespaces
@@ -58,12 +64,18 @@ def run(cmd: list[str], hosts: int, gbps: float | None, *, port: int = 29500, ti
     """Run ``cmd`` on every host of a fresh netbed; the first non-zero exit status (0 if all succeed)."""
     if not cmd:
         raise InvalidValueError("no command given (python -m sparsecomm.netbed run --hosts N -- CMD ...)")
+    threads = {}
+    if "OMP_NUM_THREADS" not in {**os.environ, **(env or {})}:
+        k = threads_per_rank(hosts)
+        threads = {"OMP_NUM_THREADS": str(k)}
+        print(f"netbed: OMP_NUM_THREADS={k} on each of the {hosts} hosts (cores // hosts; set "
+              f"OMP_NUM_THREADS to choose)", file=sys.stderr)
     with terminate_as_interrupt():
         bed = Netbed(hosts, gbps)
         procs: list[subprocess.Popen] = []
         try:
             for r in range(hosts):
-                penv = {**os.environ, **(env or {}), **host_env(bed, r, port)}
+                penv = {**os.environ, **threads, **(env or {}), **host_env(bed, r, port)}
                 procs.append(subprocess.Popen(["ip", "netns", "exec", bed.host_ns(r)] +
                                               host_command(cmd, bed, r, port), env=penv, start_new_session=True))
             deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -124,7 +136,8 @@ def check(gbps: float) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sparsecomm.netbed", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="what", required=True)
-    r = sub.add_parser("run", help="run a command on every host of a fresh netbed")
+    r = sub.add_parser("run", help="run a command on every host of a fresh netbed (OMP_NUM_THREADS = "
+                                   "max(1, cores // hosts) per host unless set)")
     r.add_argument("--hosts", type=int, required=True)
     r.add_argument("--gbps", type=float, default=1.0, help="link rate; 0 = unshaped")
     r.add_argument("--latency-us", type=float, default=0.0, help="not available (no netem): must be 0")

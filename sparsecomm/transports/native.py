@@ -107,9 +107,7 @@ class Native(Transport):
             raise InvalidValueError(f"fold_max_bytes must be >= 0 (0: never fold), got {fold_max_bytes}")
         self.fold_max_bytes = int(fold_max_bytes)
         self.nonfinite = nonfinite_option(nonfinite, "native")
-        # all-reduce in place, no copy: a tensor input's storage, or a dense payload's values, is scratch
-        # (the pipeline's buckets, and its payloads, which never alias a method's state)
-        self.inplace = inplace
+        self.inplace = inplace   # all-reduce a plain tensor input in place (scratch buckets), no copy
         if fabric.native_group is None:
             raise IncompatibleError(
                 f"transport 'native' calls torch.distributed.all_reduce, so it needs a TorchFabric "
@@ -142,7 +140,7 @@ class Native(Transport):
         v = op.vector
         if op.codes or not v.is_floating_point() or not 0 < v.numel() * v.element_size() <= self.fold_max_bytes:
             return None
-        inplace = self.inplace and (isinstance(x, torch.Tensor) or x.kind == "dense")
+        inplace = self.inplace and isinstance(x, torch.Tensor)
         eng = engine(f)
 
         def post():
@@ -212,7 +210,7 @@ class Native(Transport):
     def _run(self, x: torch.Tensor | Payload) -> torch.Tensor:
         f = self.fabric
         op = linear_operand(x, f.world_size, self.name)
-        inplace = self.inplace and (isinstance(x, torch.Tensor) or x.kind == "dense")
+        inplace = self.inplace and isinstance(x, torch.Tensor)
         sched = _fold.schedule(f)
         if sched is None:
             return op.finish(guarded_sum(f, WHAT, op, {}, self.nonfinite, inplace, self._reduce,
