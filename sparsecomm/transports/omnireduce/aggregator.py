@@ -1,12 +1,15 @@
 """OmniReduce aggregator's admission of a call: the round-0 headers, the verdict, the drain.
 
 Before an aggregator plans or allocates anything for a call it checks every worker's header
-(:func:`wire.validate_header`: the world size, its own index, the protocol limits) and their agreement
-(:func:`wire.check_headers`); the verdict (the reply header) goes to every worker, which raises the
-error it describes on every rank. After a failed check the round-0 messages of the workers whose
-announced size is bounded are drained, so that the fabric stays clean. The lanes themselves (the
-:class:`.core.AggChannel` state machine and the :func:`.core.aggregator` role that runs this) are in
-:mod:`.core`.
+(:func:`header.validate_header`: the world size, its own index, the protocol limits, the checksum) and
+their agreement (:func:`header.check_headers`); the verdict (the reply header) goes to every worker, which
+raises the error it describes on every rank. Round-0 receives are posted from the headers only for an
+agreeing, well-formed call (colocated, a header that agrees with the hosting worker's own call as soon
+as it is in). After a verdict that is not OK nothing is received by a header, which may be the wrong
+one: every remote worker sends a manifest of what it sent in round 0 (:func:`header.manifest`), and the
+aggregator consumes exactly those messages, so that the fabric is clean for the next call and nothing a
+header announces is allocated. The lanes themselves (the :class:`.core.AggChannel` state machine and the
+:func:`.core.aggregator` role that runs this) are in :mod:`.core`.
 """
 
 from __future__ import annotations
@@ -14,10 +17,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ...errors import ProtocolError, SparseCommError  # noqa: F401 (ProtocolError: re-exported)
-from . import wire
+from ...errors import MalformedMessage, ProtocolError, SparseCommError  # noqa: F401 (ProtocolError: re-exported)
+from .._handshake import _fail
+from . import header, wire
 from .core import AggChannel
-from .mailbox import Inbox, Outbox, Post
+from .mailbox import Inbox, Outbox, Post, PostInto, Recv
 from .wire import HDR, OK, TAG_FIRSTS, TAG_HDR_UP, Buf, Key, Msg, tag_up
 
 
@@ -39,10 +43,8 @@ class AggCall:
         self.channels: list[AggChannel] = []
         self.status = OK
         self.headers: list = [None] * n
-        self._chans_of: dict[int, list[wire.Channel]] = {}
-        self._drain: set[int] = set()
         self._early: dict[int, np.ndarray] = {}   # remote headers taken before take_headers
-        self._posted: set[int] = set()            # workers whose round-0 receives are posted
+        self._posted: dict[int, list] = {}        # worker -> the keys of its round-0 receives, posted
 
     def remote(self) -> list[int]:
         return [w for w in self.order if w != self.colocated]
@@ -59,24 +61,18 @@ class AggCall:
         that its blocks travel while this endpoint works (gloo sends a message only to a posted receive)."""
         h = inbox.take(Key(Msg.HDR, w)).view(torch.int64).numpy().copy()
         self._early[w] = h
-        if (wire.validate_header(h, self.n, self.index, True) is None
+        if (header.validate_header(h, self.n, self.index, True) is None
                 and all(int(h[f]) == int(ref[f]) for f in wire.AGREE)):
-            self._chans_of[w] = wire.plan_from_header(h)[self.index]
-            self._posted.add(w)
             return self._post_round0(w, h)
         return []
 
     def _post_round0(self, w: int, h: np.ndarray) -> list:
-        """Worker ``w``'s round-0 receives: its channels' (small) first look-aheads, one message, then
-        its position-0 blocks per channel."""
-        up = wire.code_dtype(h[wire.F_DTYPE])
-        chans = self._chans_of[w]
-        out = [Post(Key(Msg.FIRSTS, w), wire.firsts_bytes(chans), w, TAG_FIRSTS)] if chans else []
-        for ch in chans:
-            k0 = int(h[wire.F_K0 + ch.slot])
-            if k0:
-                out.append(Post(Key(Msg.BLOCKS0, w, ch.slot), wire.block_bytes(
-                    k0, int(h[wire.F_BLOCK]), up.itemsize, meta=not wire.single(ch)), w, tag_up(ch.slot)))
+        """Worker ``w``'s round-0 receives, as its (validated) header announces them: its channels'
+        (small) first look-aheads, one message, then its position-0 blocks per channel."""
+        firsts, blocks = header.round0_sizes(h, self.index)
+        out = [Post(Key(Msg.FIRSTS, w), firsts, w, TAG_FIRSTS)] if firsts else []
+        out += [Post(Key(Msg.BLOCKS0, w, g), nbytes, w, tag_up(g)) for g, nbytes in blocks.items()]
+        self._posted[w] = [p.key for p in out]
         return out
 
     def headers_left(self) -> tuple:
@@ -84,56 +80,37 @@ class AggCall:
         return tuple(Key(Msg.HDR, w) for w in self.order if w not in self._early)
 
     def take_headers(self, inbox: Inbox) -> list:
-        """Take every header and validate it (:func:`wire.validate_header`: against the world size, this
-        aggregator's index and the protocol limits) before planning anything from it; check agreement;
-        then post every round-0 receive (their sizes are in the headers: each worker's layout, and its
-        position-0 blocks per channel). A malformed header gets a ``MALFORMED`` verdict (every worker
-        raises :class:`~sparsecomm.errors.MalformedMessage`) and nothing of that worker is received;
-        after a disagreement, the workers' round-0 messages are drained only where their announced size
-        is bounded (:data:`wire.DRAIN_SLACK_BYTES`). Workers whose receives :meth:`take_early` posted
-        are drained in any case. Returns the round-0 receives to post."""
+        """Take every header and validate it (:func:`header.validate_header`: against the world size, this
+        aggregator's index, the protocol limits and its checksum) before planning anything from it; check
+        agreement. A malformed header gets a ``MALFORMED`` verdict naming its worker (every worker raises
+        :class:`~sparsecomm.errors.MalformedMessage`). Returns the round-0 receives left to post: if the
+        verdict is OK, every remote worker's (their sizes are in the headers: each worker's layout, and
+        its position-0 blocks per channel); otherwise none (:meth:`drain_plan` consumes the messages)."""
         bad = None
         for w in self.order:
             h = self._early[w] if w in self._early else inbox.take(Key(Msg.HDR, w)).view(torch.int64).numpy().copy()
             self.headers[w] = h
-            why = wire.validate_header(h, self.n, self.index, self.colocated is not None)
+            why = header.validate_header(h, self.n, self.index, self.colocated is not None)
             if why is not None and bad is None:
-                bad = (w, why[0], int(h[why[0]]) if why[0] < HDR else 0)
-        valid = [w for w in self.order if bad is None or w != bad[0]]
-        for w in valid:
-            if w in self._posted:
-                continue
-            if wire.validate_header(self.headers[w], self.n, self.index, self.colocated is not None) is None:
-                self._chans_of[w] = wire.plan_from_header(self.headers[w])[self.index]
-            else:
-                self._chans_of[w] = []
+                bad = (w, why[0], int(h[why[0]]))
         if bad is not None:
             self.reply_hdr = np.zeros(HDR, dtype=np.int64)
             self.reply_hdr[[wire.R_STATUS, wire.R_FIELD, wire.R_WMIN, wire.R_VMIN]] = [wire.MALFORMED, bad[1],
                                                                                        bad[0], bad[2]]
         else:
-            self.reply_hdr = wire.check_headers(self.headers)
-        if bad is None and int(self.reply_hdr[wire.R_STATUS]) == OK:
-            self._drain = set(self.order)
-        else:   # drain the well-formed workers whose announced size is bounded; nothing of the others
-            ok = [w for w in self.order if wire.validate_header(self.headers[w], self.n, self.index,
-                                                                self.colocated is not None) is None]
-            sizes = {w: wire.round0_bytes(self.headers[w], self.index) for w in ok}
-            cap = 2 * min(sizes.values(), default=0) + wire.DRAIN_SLACK_BYTES
-            self._drain = {w for w in ok if sizes[w] <= cap} | self._posted
+            self.reply_hdr = header.check_headers(self.headers)
         self.status = int(self.reply_hdr[wire.R_STATUS])
+        if self.status != OK:
+            return []
         posts = []
-        for w in self.order:
-            if w == self.colocated or w not in self._drain or w in self._posted:
-                continue
-            posts += self._post_round0(w, self.headers[w])
-            self._posted.add(w)
-        if self.status == OK:
-            h = self.headers[0]
-            up = wire.code_dtype(h[wire.F_DTYPE])
-            down = wire.code_dtype(self.reply_hdr[wire.R_DOWN_DTYPE])
-            self.channels = [AggChannel(ch, self.n, int(h[wire.F_BLOCK]), up, wire.accumulate_dtype(up), down)
-                             for ch in wire.plan_from_header(h)[self.index]]
+        for w in self.remote():
+            if w not in self._posted:
+                posts += self._post_round0(w, self.headers[w])
+        h = self.headers[0]
+        up = wire.code_dtype(h[wire.F_DTYPE])
+        down = wire.code_dtype(self.reply_hdr[wire.R_DOWN_DTYPE])
+        self.channels = [AggChannel(ch, self.n, int(h[wire.F_BLOCK]), up, wire.accumulate_dtype(up), down)
+                         for ch in wire.plan_from_header(h)[self.index]]
         return posts
 
     def reply(self, outbox: Outbox) -> torch.Tensor:
@@ -145,22 +122,40 @@ class AggCall:
         buf.view(torch.int64).copy_(torch.from_numpy(self.reply_hdr))
         return buf
 
-    def drain(self) -> tuple[list, list]:
-        """After a failed validation: the round-0 messages to consume (first look-aheads, then blocks)."""
-        firsts, blocks = [], []
+    # ------------------------------------------------------------------ after a verdict that is not OK
+    def drain(self, inbox: Inbox):
+        """A generator of requests (for the role to ``yield from``): take every remote worker's manifest
+        (:func:`.header.manifest`, fixed size), then consume exactly the round-0 messages it lists, one
+        at a time into one scratch buffer; a worker whose round-0 receives :meth:`take_early` posted has
+        those taken instead. A manifest changed on the way, or announcing a message over
+        :data:`.header.DRAIN_MAX_BYTES`, ends the job (:class:`~sparsecomm.errors.MalformedMessage`,
+        reported to every rank): its messages would stay on the fabric."""
+        keys = [Key(Msg.MANIFEST, w) for w in self.remote()]
+        for k in keys:
+            yield Post(k, 8 * wire.MAN, k.peer, wire.TAG_MANIFEST)
+        yield Recv(tuple(keys), order=(0,))
+        todo = []
         for w in self.remote():
-            if w in self._drain:
-                if self._chans_of[w]:
-                    firsts.append(Key(Msg.FIRSTS, w))
-                for ch in self._chans_of[w]:
-                    if int(self.headers[w][wire.F_K0 + ch.slot]):
-                        blocks.append(Key(Msg.BLOCKS0, w, ch.slot))
-        return firsts, blocks
+            try:
+                firsts, blocks = header.read_manifest(inbox.take(Key(Msg.MANIFEST, w)).view(torch.int64).numpy(), w)
+            except MalformedMessage as exc:
+                raise _fail(inbox.fabric, exc) from None
+            if w in self._posted:
+                todo += [(k, None, w, None) for k in self._posted[w]]
+                continue
+            if firsts:
+                todo.append((Key(Msg.FIRSTS, w), firsts, w, TAG_FIRSTS))
+            todo += [(Key(Msg.BLOCKS0, w, g), nbytes, w, tag_up(g)) for g, nbytes in blocks.items()]
+        scratch = torch.empty(max((nb for _, nb, _, _ in todo if nb), default=0), dtype=torch.uint8)
+        for key, nbytes, src, tag in todo:
+            if nbytes is not None:
+                yield PostInto(key, scratch[:nbytes], src, tag)
+            yield Recv((key,), order=(0,), sure=True)   # (round 0 up: sent before the worker's first wait)
+            inbox.take(key)
 
     def firsts(self) -> list:
         """The first look-aheads' keys (:meth:`prepare` takes them)."""
         return [Key(Msg.FIRSTS, w) for w in self.order] if self.channels else []
-
     def prepare(self, inbox: Inbox) -> None:
         """Take every channel's first look-aheads (small, sent before anything else): each channel's
         round-0 pending blocks and holders are then known."""

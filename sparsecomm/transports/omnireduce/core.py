@@ -35,7 +35,7 @@ import torch
 from ... import codec
 from ...errors import MalformedMessage, ProtocolError
 from .._handshake import _fail
-from . import strategies, wire
+from . import header, strategies, wire
 from .mailbox import Hand, Poll, Post, Recv, Send, Spawn
 from .wire import HDR, OK, TAG_FIRSTS, TAG_HDR_DOWN, TAG_HDR_UP, Buf, Key, Msg, tag_down, tag_sums0, tag_up
 
@@ -218,12 +218,14 @@ def worker(call):
 def verdict(call, a: int):
     """Aggregator ``a``'s verdict. OK (the downstream dtype, each channel's count of round-0 sums): make
     the result (first OK verdict), post ``a``'s round-0 receives (hosted: ``GO``), start ``a``'s lanes.
-    Not OK: ``a`` sends nothing more; the error is raised once the other aggregators' lanes are done
-    (:func:`.worker.run_worker`). Every worker gets every verdict, so its receives match the sends."""
+    Not OK: a remote ``a`` gets this worker's manifest (:meth:`.aggregator.AggCall.drain`), then sends
+    nothing more; the error is raised once the other aggregators' lanes are done (:func:`.worker.run_worker`)."""
     yield Recv((Key(Msg.REPLY, a),), order=(0, call.pos[a]))
     rh = call.inbox.take(Key(Msg.REPLY, a)).view(torch.int64).numpy()
     if int(rh[wire.R_STATUS]) != OK:
         call.errors[a] = rh.copy()
+        if a != call.own:
+            yield Send(header.manifest(call.hdr0[a], a).view(torch.uint8), call.aggregators[a], wire.TAG_MANIFEST)
         return
     try:
         down = wire.code_dtype(rh[wire.R_DOWN_DTYPE])
@@ -272,6 +274,7 @@ def send_round0(call, aggs: list[int]):
     message), then the position-0 blocks (slot-major; per slot the heaviest aggregators first)."""
     for a in aggs:
         hdr = call.spec.header(call.n, {ch.slot: call.wch[a, ch.slot].pending0() for ch in call.plans[a]})
+        call.hdr0[a] = hdr.numpy()
         yield from call.up(a, Key(Msg.HDR, call.rank), hdr.view(torch.uint8), TAG_HDR_UP)
         if a != call.own:
             yield Post(Key(Msg.REPLY, a), 8 * HDR, call.aggregators[a], TAG_HDR_DOWN)
@@ -333,10 +336,7 @@ def aggregator(adm, inbox, outbox, host: int | None = None, ref: np.ndarray | No
         if w != host:
             yield Send(reply, w, TAG_HDR_DOWN, Buf(Msg.REPLY))
     if adm.status != OK:
-        for keys in adm.drain():
-            yield Recv(tuple(keys), order=(0,), sure=True)
-            for k in keys:
-                inbox.take(k)
+        yield from adm.drain(inbox)
     if host is not None:
         yield Hand(Key(Msg.REPLY, adm.index), reply)
     if adm.status != OK:

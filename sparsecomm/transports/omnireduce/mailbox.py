@@ -187,9 +187,10 @@ class Recv(NamedTuple):
     among the roles that can run (smaller first). ``any``: resume once any one of them is in (or at
     once, as any other, when it is the only role able to run: it then takes them in order).
     ``reap``: before choosing among roles, :func:`drive` finishes all but ``keep`` of this endpoint's
-    sends if every one of them waits with ``reap`` (the lane rounds; not round 0: the sends of a worker
-    whose header was rejected never complete; and not while a role without it, e.g. a verdict that posts
-    the receives of an aggregator's replies, can still run: a dedicated deployment's worker, ``keep=0``,
+    sends if every one of them waits with ``reap`` (the lane rounds; not round 0: the round-0 sends to an
+    aggregator that rejected the call complete only after this worker's manifest,
+    :meth:`.aggregator.AggCall.drain`; and not while a role without it, e.g. a verdict that posts the
+    receives of an aggregator's replies, can still run: a dedicated deployment's worker, ``keep=0``,
     would otherwise wait for all its round-0 blocks to leave before posting the second aggregator's
     receives, and that aggregator's sums would wait for them). ``sure``: every peer sends these messages before its first
     wait (round 0 up), so a blocking take of them ends whatever this endpoint does: when the role is the
