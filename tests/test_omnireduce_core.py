@@ -393,6 +393,26 @@ def test_a_sure_wait_is_resumed_without_watching_its_receives(poll):
     assert log == (["poll", "wait 2", "polled", "wait 1"] if poll else ["wait 1", "wait 2"]), log
 
 
+def test_a_window_posts_receives_in_order_while_its_ring_has_room():
+    """A window's receives are posted in the order they are queued, each at a multiple of ``ALIGN`` of one
+    ring, as long as it has room; consuming the oldest frees its room (wrapping around to the start)."""
+    from sparsecomm.transports.omnireduce.window import ALIGN, Window
+
+    ring = torch.empty(3 * ALIGN, dtype=torch.uint8)
+    w = Window(ring)
+    for k, nbytes in enumerate((ALIGN + 8, ALIGN, 2 * ALIGN, ALIGN)):
+        w.want(k, nbytes, 0, 7)
+    starts = lambda posts: [p.buf.data_ptr() - ring.data_ptr() for p in posts]   # noqa: E731
+    assert starts(w.feed()) == [0, 2 * ALIGN] and w.posted() == [0, 1]        # 2: no room after 1, nor before
+    assert starts(w.done(0)) == [0] and w.posted() == [1, 2]                    # 2 wraps around, up to 1
+    assert starts(w.done(1)) == [2 * ALIGN] and w.posted() == [2, 3]
+    assert starts(w.done(2)) == [] and w.posted() == [3]
+    with pytest.raises(ProtocolError):
+        w.done(2)                                                                # not the oldest posted
+    with pytest.raises(ProtocolError):
+        w.want(9, 3 * ALIGN + 1, 0, 7)                                           # larger than the ring
+
+
 def test_sends_are_reaped_only_when_every_role_able_to_run_reaps():
     """``Recv.reap`` finishes this endpoint's sends before a wait only when every role able to run asks
     for it: a role without it (a verdict, which posts the receives of an aggregator's replies) runs

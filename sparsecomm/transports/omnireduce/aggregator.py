@@ -22,17 +22,37 @@ from .._handshake import _fail
 from . import header, wire
 from .core import AggChannel
 from .mailbox import Inbox, Outbox, Post, PostInto, Recv
+from .window import ALIGN, Window
 from .wire import HDR, OK, TAG_FIRSTS, TAG_HDR_UP, Buf, Key, Msg, tag_up
+
+
+#: a channel's receive ring (:class:`.window.Window`) holds this many of its largest messages: one is
+#: summed while the next arrives, and the aggregator's memory does not depend on the number of workers
+WINDOW_MESSAGES = 2
+
+
+def may_defer(worker: int, index: int, n: int) -> bool:
+    """May aggregator ``index`` post its receive of ``worker``'s data (first look-aheads, blocks) late?
+    Its window takes the workers in :attr:`AggCall.order` and always has room for the first
+    :data:`WINDOW_MESSAGES` of them (each message is at most a channel's largest); a later one's
+    receive may wait for earlier messages to be summed, so its sender must not wait for that send
+    before its own next steps (:meth:`.mailbox.Outbox.reap`)."""
+    return (worker - index - 1) % n >= WINDOW_MESSAGES
+FIRSTS = -1   #: the key of the first look-aheads' window in :attr:`AggCall.windows` (the others: slots)
 
 
 class AggCall:
     """Aggregator ``index``'s admission of one call: its headers, its verdict, and (if it is OK) its
     channels (:class:`.core.AggChannel`). The methods that post receives return them as requests
-    (:class:`.mailbox.Post`) for the role that runs this (:func:`.core.aggregator`) to yield.
+    (:class:`.mailbox.PostInto`) for the role that runs this (:func:`.core.aggregator`) to yield.
 
-    ``colocated``: the worker hosting it (whose messages are put into the inbox locally). Round 0 of a
-    channel: per worker its first look-aheads and (if any) its position-0 blocks, on the channel's
-    upstream tag, in that order.
+    ``colocated``: the worker hosting it (whose messages are put into the inbox locally). Round 0: per
+    worker its first look-aheads (one message) and, per channel, its position-0 blocks (if any), on the
+    channel's upstream tag. Every receive of the workers' data goes through a window
+    (:class:`.window.Window`; one per channel, one for the first look-aheads) and is consumed in the
+    order it was posted, which is the order of the sums: round 0 in the order of :attr:`order`
+    (dedicated: the fewest position-0 blocks first; colocated, where receives are posted as the headers
+    arrive, in :attr:`order` itself), later rounds the fewest blocks first (:meth:`.core.AggChannel.expect`).
     """
 
     def __init__(self, index: int, n: int, colocated: int | None = None) -> None:
@@ -44,7 +64,9 @@ class AggCall:
         self.status = OK
         self.headers: list = [None] * n
         self._early: dict[int, np.ndarray] = {}   # remote headers taken before take_headers
-        self._posted: dict[int, list] = {}        # worker -> the keys of its round-0 receives, posted
+        self._agreed: list[int] = []              # colocated: early headers that agree with the host's
+        self._queued: list[int] = []              # workers whose round-0 receives are queued, in order
+        self.windows: dict[int, Window] = {}      # slot -> its window; FIRSTS: the first look-aheads'
 
     def remote(self) -> list[int]:
         return [w for w in self.order if w != self.colocated]
@@ -54,38 +76,63 @@ class AggCall:
         """The receives of the remote workers' headers."""
         return [Post(Key(Msg.HDR, w), 8 * HDR, w, TAG_HDR_UP) for w in self.remote()]
 
+    def open_windows(self, h: np.ndarray, pool) -> None:
+        """The receive windows of the call that (validated) header ``h`` describes, from ``pool``: per
+        channel :data:`WINDOW_MESSAGES` of its largest message, and as many first look-ahead messages."""
+        up = wire.code_dtype(h[wire.F_DTYPE])
+        chans = wire.plan_from_header(h)[self.index]
+        room = lambda nbytes: WINDOW_MESSAGES * -(-nbytes // ALIGN) * ALIGN   # noqa: E731
+        for ch in chans:
+            nbytes = room(wire.block_bytes(ch.lanes, int(h[wire.F_BLOCK]), up.itemsize))
+            self.windows[ch.slot] = Window(pool.get(("in", Buf(Msg.UP, slot=ch.slot)), nbytes))
+        if chans:
+            self.windows[FIRSTS] = Window(pool.get(("in", Buf(Msg.FIRSTS)), room(wire.firsts_bytes(chans))))
+
     def take_early(self, inbox: Inbox, w: int, ref: np.ndarray) -> list:
         """Colocated, while the hosting worker still scans: take worker ``w``'s header (it is in); if it
         is well-formed and agrees with the hosting worker's own call (``ref``, its header), its round-0
-        receives (returned) are posted at once (their sizes are bounded by this worker's own tensor), so
-        that its blocks travel while this endpoint works (gloo sends a message only to a posted receive)."""
+        receives are queued once those of every worker before it in :attr:`order` are, and the ones that
+        fit are posted at once (returned), so that its blocks travel while this endpoint works (gloo
+        sends a message only to a posted receive)."""
         h = inbox.take(Key(Msg.HDR, w)).view(torch.int64).numpy().copy()
         self._early[w] = h
         if (header.validate_header(h, self.n, self.index, True) is None
                 and all(int(h[f]) == int(ref[f]) for f in wire.AGREE)):
-            return self._post_round0(w, h)
-        return []
+            if not self.windows:
+                self.open_windows(ref, inbox.pool)
+            self._agreed.append(w)
+        remote = self.remote()
+        while len(self._queued) < len(remote) and remote[len(self._queued)] in self._agreed:
+            w = remote[len(self._queued)]
+            self._queue(w, self._early[w], self.windows)
+            self._queued.append(w)
+        return self._feed()
 
-    def _post_round0(self, w: int, h: np.ndarray) -> list:
-        """Worker ``w``'s round-0 receives, as its (validated) header announces them: its channels'
-        (small) first look-aheads, one message, then its position-0 blocks per channel."""
+    def _queue(self, w: int, h: np.ndarray, windows: dict) -> None:
+        """Queue worker ``w``'s round-0 receives into those of ``windows`` (by slot, and :data:`FIRSTS`)
+        they go through, as its (validated) header ``h`` announces them."""
         firsts, blocks = header.round0_sizes(h, self.index)
-        out = [Post(Key(Msg.FIRSTS, w), firsts, w, TAG_FIRSTS)] if firsts else []
-        out += [Post(Key(Msg.BLOCKS0, w, g), nbytes, w, tag_up(g)) for g, nbytes in blocks.items()]
-        self._posted[w] = [p.key for p in out]
-        return out
+        if firsts and FIRSTS in windows:
+            windows[FIRSTS].want(Key(Msg.FIRSTS, w), firsts, w, TAG_FIRSTS)
+        for g, nbytes in blocks.items():
+            if g in windows:
+                windows[g].want(Key(Msg.BLOCKS0, w, g), nbytes, w, tag_up(g))
+
+    def _feed(self) -> list:
+        return [p for win in self.windows.values() for p in win.feed()]
 
     def headers_left(self) -> tuple:
         """The headers not taken by :meth:`take_early` (:meth:`take_headers` takes them)."""
         return tuple(Key(Msg.HDR, w) for w in self.order if w not in self._early)
 
     def take_headers(self, inbox: Inbox) -> list:
-        """Take every header and validate it (:func:`header.validate_header`: against the world size, this
+        """Take every header and validate it (:func:`.header.validate_header`: against the world size, this
         aggregator's index, the protocol limits and its checksum) before planning anything from it; check
         agreement. A malformed header gets a ``MALFORMED`` verdict naming its worker (every worker raises
-        :class:`~sparsecomm.errors.MalformedMessage`). Returns the round-0 receives left to post: if the
-        verdict is OK, every remote worker's (their sizes are in the headers: each worker's layout, and
-        its position-0 blocks per channel); otherwise none (:meth:`drain_plan` consumes the messages)."""
+        :class:`~sparsecomm.errors.MalformedMessage`). If the verdict is OK, the remote workers' round-0
+        receives are queued (their sizes are in the headers: each worker's layout, and its position-0
+        blocks per channel); returned, the ones that fit now. Otherwise nothing more is received by a
+        header (:meth:`drain` consumes the messages)."""
         bad = None
         for w in self.order:
             h = self._early[w] if w in self._early else inbox.take(Key(Msg.HDR, w)).view(torch.int64).numpy().copy()
@@ -102,16 +149,23 @@ class AggCall:
         self.status = int(self.reply_hdr[wire.R_STATUS])
         if self.status != OK:
             return []
-        posts = []
-        for w in self.remote():
-            if w not in self._posted:
-                posts += self._post_round0(w, self.headers[w])
         h = self.headers[0]
         up = wire.code_dtype(h[wire.F_DTYPE])
         down = wire.code_dtype(self.reply_hdr[wire.R_DOWN_DTYPE])
         self.channels = [AggChannel(ch, self.n, int(h[wire.F_BLOCK]), up, wire.accumulate_dtype(up), down)
                          for ch in wire.plan_from_header(h)[self.index]]
-        return posts
+        if not self.windows:
+            self.open_windows(h, inbox.pool)
+        rest = self.remote()[len(self._queued):]   # (colocated: those not queued as they arrived)
+        for w in rest:
+            self._queue(w, self.headers[w], {k: v for k, v in self.windows.items() if k == FIRSTS})
+        for c in self.channels:
+            c.order = [w for w in self.order if int(self.headers[w][wire.F_K0 + c.slot])]
+            c.window = self.windows[c.slot]
+            for w in c.order:
+                if w in rest:
+                    self._queue(w, self.headers[w], {c.slot: c.window})
+        return self._feed()
 
     def reply(self, outbox: Outbox) -> torch.Tensor:
         """The reply header (the same for every worker): the verdict and, after :meth:`prepare`, the
@@ -122,48 +176,49 @@ class AggCall:
         buf.view(torch.int64).copy_(torch.from_numpy(self.reply_hdr))
         return buf
 
+    def prepare(self, inbox: Inbox):
+        """A generator of requests (for the role to ``yield from``): take every worker's first
+        look-aheads (small, sent before anything else), in :attr:`order`, through their window; each
+        channel's round-0 pending blocks and holders are then known."""
+        chans = [c.ch for c in self.channels]
+        for w in self.order if chans else ():
+            key = Key(Msg.FIRSTS, w)
+            yield Recv((key,), order=(0,), sure=True)   # (each right after its header)
+            for c, part in zip(self.channels, wire.split_firsts(inbox.take(key), chans)):
+                c.set_firsts(w, part)
+            if w != self.colocated:
+                yield from self.windows[FIRSTS].done(key)
+        for c in self.channels:
+            counts = c.expect()
+            if any(int(counts[w]) != int(self.headers[w][wire.F_K0 + c.slot]) for w in self.order):
+                raise ProtocolError("omnireduce: round-0 blocks do not match their look-aheads")
+
     # ------------------------------------------------------------------ after a verdict that is not OK
     def drain(self, inbox: Inbox):
         """A generator of requests (for the role to ``yield from``): take every remote worker's manifest
-        (:func:`.header.manifest`, fixed size), then consume exactly the round-0 messages it lists, one
-        at a time into one scratch buffer; a worker whose round-0 receives :meth:`take_early` posted has
-        those taken instead. A manifest changed on the way, or announcing a message over
+        (:func:`.header.manifest`, fixed size), then consume the round-0 receives already posted (through
+        the windows, from headers that agreed), and the other round-0 messages the manifests list, one at
+        a time into one scratch buffer. A manifest changed on the way, or announcing a message over
         :data:`.header.DRAIN_MAX_BYTES`, ends the job (:class:`~sparsecomm.errors.MalformedMessage`,
         reported to every rank): its messages would stay on the fabric."""
         keys = [Key(Msg.MANIFEST, w) for w in self.remote()]
         for k in keys:
             yield Post(k, 8 * wire.MAN, k.peer, wire.TAG_MANIFEST)
         yield Recv(tuple(keys), order=(0,))
-        todo = []
+        posted = [k for win in self.windows.values() for k in win.posted()]
+        todo = [(k, None, None, None) for k in posted]
         for w in self.remote():
             try:
-                firsts, blocks = header.read_manifest(inbox.take(Key(Msg.MANIFEST, w)).view(torch.int64).numpy(), w)
+                man = inbox.take(Key(Msg.MANIFEST, w)).view(torch.int64).numpy()
+                firsts, blocks = header.read_manifest(man, w)
             except MalformedMessage as exc:
                 raise _fail(inbox.fabric, exc) from None
-            if w in self._posted:
-                todo += [(k, None, w, None) for k in self._posted[w]]
-                continue
-            if firsts:
-                todo.append((Key(Msg.FIRSTS, w), firsts, w, TAG_FIRSTS))
-            todo += [(Key(Msg.BLOCKS0, w, g), nbytes, w, tag_up(g)) for g, nbytes in blocks.items()]
+            sent = [(Key(Msg.FIRSTS, w), firsts, w, TAG_FIRSTS)] if firsts else []
+            sent += [(Key(Msg.BLOCKS0, w, g), nbytes, w, tag_up(g)) for g, nbytes in blocks.items()]
+            todo += [m for m in sent if m[0] not in posted]
         scratch = torch.empty(max((nb for _, nb, _, _ in todo if nb), default=0), dtype=torch.uint8)
         for key, nbytes, src, tag in todo:
             if nbytes is not None:
                 yield PostInto(key, scratch[:nbytes], src, tag)
             yield Recv((key,), order=(0,), sure=True)   # (round 0 up: sent before the worker's first wait)
             inbox.take(key)
-
-    def firsts(self) -> list:
-        """The first look-aheads' keys (:meth:`prepare` takes them)."""
-        return [Key(Msg.FIRSTS, w) for w in self.order] if self.channels else []
-    def prepare(self, inbox: Inbox) -> None:
-        """Take every channel's first look-aheads (small, sent before anything else): each channel's
-        round-0 pending blocks and holders are then known."""
-        chans = [c.ch for c in self.channels]
-        for w in self.order if chans else ():
-            for c, part in zip(self.channels, wire.split_firsts(inbox.take(Key(Msg.FIRSTS, w)), chans)):
-                c.set_firsts(w, part)
-        for c in self.channels:
-            counts = c.expect()
-            if any(int(counts[w]) != int(self.headers[w][wire.F_K0 + c.slot]) for w in self.order):
-                raise ProtocolError("omnireduce: round-0 blocks do not match their look-aheads")

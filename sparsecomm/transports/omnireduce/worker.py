@@ -11,7 +11,7 @@ import torch
 
 from ...fabric.base import Fabric
 from . import core, header, wire
-from .aggregator import AggCall
+from .aggregator import AggCall, may_defer
 from .mailbox import Hand, Inbox, Outbox, Pool, Send, drive
 from .wire import HDR
 
@@ -84,9 +84,15 @@ class Call:
             return [self.visit]
         return [[a] for a in self.visit[1:]] + [[self.own]]
 
-    def up(self, a: int, key: wire.Key, buf: torch.Tensor, tag: int):
-        """A round-0 message to aggregator ``a``: by hand to the hosted one, else sent."""
-        yield Hand(key, buf) if a == self.own else Send(buf, self.aggregators[a], tag)
+    def up(self, a: int, key: wire.Key, buf: torch.Tensor, tag: int, data: bool = False):
+        """A round-0 message to aggregator ``a``: by hand to the hosted one, else sent (``data``: received
+        through ``a``'s window, :meth:`deferrable`)."""
+        yield Hand(key, buf) if a == self.own else Send(buf, self.aggregators[a], tag,
+                                                         deferrable=data and self.deferrable(a))
+
+    def deferrable(self, a: int) -> bool:
+        """May aggregator ``a`` post its receives of this worker's data late (:func:`.aggregator.may_defer`)?"""
+        return may_defer(self.rank, a, self.n)
 
 
 def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: list[int],
@@ -109,7 +115,7 @@ def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: l
     call.mark("steps done")
     # every send completes (an aggregator that rejected the call consumes its round 0 by the manifest), and
     # none may be dropped before: gloo would lose a send whose buffer is freed before the peer's receive
-    call.outbox.reap(0)
+    call.outbox.finish()
     if call.errors:   # (every worker has every verdict: the lowest aggregator's error, on every worker)
         header.raise_for_reply(call.errors[min(call.errors)], spec.header(call.n).numpy(), call.rank)
     call.mark("sends done")
