@@ -29,6 +29,7 @@ from .wire import HDR, OK, TAG_FIRSTS, TAG_HDR_UP, Buf, Key, Msg, tag_up
 #: a channel's receive ring (:class:`.window.Window`) holds this many of its largest messages: one is
 #: summed while the next arrives, and the aggregator's memory does not depend on the number of workers
 WINDOW_MESSAGES = 2
+FIRSTS = -1   #: the key of the first look-aheads' window in :attr:`AggCall.windows` (the others: slots)
 
 
 def may_defer(worker: int, index: int, n: int) -> bool:
@@ -38,7 +39,6 @@ def may_defer(worker: int, index: int, n: int) -> bool:
     receive may wait for earlier messages to be summed, so its sender must not wait for that send
     before its own next steps (:meth:`.mailbox.Outbox.reap`)."""
     return (worker - index - 1) % n >= WINDOW_MESSAGES
-FIRSTS = -1   #: the key of the first look-aheads' window in :attr:`AggCall.windows` (the others: slots)
 
 
 class AggCall:
@@ -49,10 +49,11 @@ class AggCall:
     ``colocated``: the worker hosting it (whose messages are put into the inbox locally). Round 0: per
     worker its first look-aheads (one message) and, per channel, its position-0 blocks (if any), on the
     channel's upstream tag. Every receive of the workers' data goes through a window
-    (:class:`.window.Window`; one per channel, one for the first look-aheads) and is consumed in the
-    order it was posted, which is the order of the sums: round 0 in the order of :attr:`order`
-    (dedicated: the fewest position-0 blocks first; colocated, where receives are posted as the headers
-    arrive, in :attr:`order` itself), later rounds the fewest blocks first (:meth:`.core.AggChannel.expect`).
+    (:class:`.window.Window`; one per channel, one for the first look-aheads), posted and consumed in
+    :attr:`order` (``index + 1, index + 2, ...``: the order in which the workers' round 0 reaches this
+    aggregator, each worker visiting ``rank - 1`` first), which is the order of the sums in every round.
+    Colocated, a worker's round-0 receives are queued as soon as its header and those of the workers
+    before it are in and agree with the host's call.
     """
 
     def __init__(self, index: int, n: int, colocated: int | None = None) -> None:
@@ -103,20 +104,17 @@ class AggCall:
             self._agreed.append(w)
         remote = self.remote()
         while len(self._queued) < len(remote) and remote[len(self._queued)] in self._agreed:
-            w = remote[len(self._queued)]
-            self._queue(w, self._early[w], self.windows)
-            self._queued.append(w)
+            self._queue(remote[len(self._queued)], self._early)
         return self._feed()
 
-    def _queue(self, w: int, h: np.ndarray, windows: dict) -> None:
-        """Queue worker ``w``'s round-0 receives into those of ``windows`` (by slot, and :data:`FIRSTS`)
-        they go through, as its (validated) header ``h`` announces them."""
-        firsts, blocks = header.round0_sizes(h, self.index)
-        if firsts and FIRSTS in windows:
-            windows[FIRSTS].want(Key(Msg.FIRSTS, w), firsts, w, TAG_FIRSTS)
+    def _queue(self, w: int, headers) -> None:
+        """Queue worker ``w``'s round-0 receives in the windows, as its (validated) header announces them."""
+        firsts, blocks = header.round0_sizes(headers[w], self.index)
+        if firsts:
+            self.windows[FIRSTS].want(Key(Msg.FIRSTS, w), firsts, w, TAG_FIRSTS)
         for g, nbytes in blocks.items():
-            if g in windows:
-                windows[g].want(Key(Msg.BLOCKS0, w, g), nbytes, w, tag_up(g))
+            self.windows[g].want(Key(Msg.BLOCKS0, w, g), nbytes, w, tag_up(g))
+        self._queued.append(w)
 
     def _feed(self) -> list:
         return [p for win in self.windows.values() for p in win.feed()]
@@ -156,15 +154,11 @@ class AggCall:
                          for ch in wire.plan_from_header(h)[self.index]]
         if not self.windows:
             self.open_windows(h, inbox.pool)
-        rest = self.remote()[len(self._queued):]   # (colocated: those not queued as they arrived)
-        for w in rest:
-            self._queue(w, self.headers[w], {k: v for k, v in self.windows.items() if k == FIRSTS})
         for c in self.channels:
             c.order = [w for w in self.order if int(self.headers[w][wire.F_K0 + c.slot])]
             c.window = self.windows[c.slot]
-            for w in c.order:
-                if w in rest:
-                    self._queue(w, self.headers[w], {c.slot: c.window})
+        for w in self.remote()[len(self._queued):]:   # (colocated: those not queued as their headers came)
+            self._queue(w, self.headers)
         return self._feed()
 
     def reply(self, outbox: Outbox) -> torch.Tensor:

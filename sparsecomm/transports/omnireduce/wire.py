@@ -71,7 +71,7 @@ class Msg(IntEnum):
     UP = 6         #: worker -> aggregator, per channel, rounds >= 1: held blocks + look-aheads
     DOWN = 7       #: aggregator -> worker, per channel, rounds >= 1: sums + next pending blocks
     GO = 8         #: local only, colocated worker -> its hosted aggregator: its verdict is taken, start
-    MANIFEST = 9   #: worker -> aggregator, after a verdict that is not OK: what it sent in round 0 (:func:`manifest`)
+    MANIFEST = 9   #: worker -> aggregator, after a verdict that is not OK: its round 0 (:func:`.header.manifest`)
 
 
 class Key(NamedTuple):
