@@ -5,8 +5,9 @@ flat tensor of ``numel`` elements is cut into ``nb = ceil(numel / block_size)`` 
 ``a`` of ``A`` owns the contiguous range ``[a*nb//A, (a+1)*nb//A)``, split into ``channels``
 contiguous sub-ranges (the paper's *slots*: independent self-clocked streams, so that one aggregator's
 up- and downstream overlap). A channel of ``size`` blocks has ``L = min(size, lanes)`` lanes; its local
-block ``j`` is in lane ``j % L`` at position ``j // L``. Aggregator memory is ``L`` blocks per channel,
-bounded by ``lanes``, not by the tensor.
+block ``j`` is in lane ``j % L`` at position ``j // L``. An aggregator's memory is a few messages of at
+most ``L`` blocks per channel (its receive ring, :mod:`.window`, and its sums, double-buffered): bounded
+by ``lanes``, not by the tensor nor by the number of workers.
 
 Every message fuses one block per lane of a channel (the paper's block fusion). ``k`` blocks travel as
 ``[k x block_size values | pad to 4 bytes | int32 x k look-aheads]`` (a look-ahead is a channel-local
