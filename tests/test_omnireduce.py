@@ -368,6 +368,46 @@ def test_aggregator_memory_is_bounded_by_its_lanes(monkeypatch):
     assert largest[0] == largest[1] == 8 * (32 * 4 + 4)
 
 
+@pytest.mark.parametrize("density", [1.0, 0.3])
+def test_a_dedicated_aggregators_message_buffers_do_not_grow_with_the_workers(monkeypatch, density):
+    """An aggregator receives the workers' blocks through one ring per channel of a fixed number of its
+    largest messages, summing each message as it comes in (the paper's ``lanes`` blocks per slot), so
+    its message buffers (:meth:`.mailbox.Pool.nbytes`, kept for reuse across calls) are the same at
+    n = 2, 4 and 8 and within that bound, but for each worker's 224-byte round-0 header (all of them are
+    checked before anything is planned). They used to hold every worker's message (2 + n of them per
+    channel, dense)."""
+    from sparsecomm.transports.omnireduce import aggregator, mailbox, service, window
+
+    pools = []
+
+    class _Pool(mailbox.Pool):
+        def __init__(self):
+            super().__init__()
+            pools.append(self)
+
+    monkeypatch.setattr(service, "Pool", _Pool)
+    bs, lanes, channels, numel = 16, 16, 2, 16 * 1024   # >= 2 rounds in every channel at n = 8
+
+    def fn(ctx):
+        x = make_x(ctx.rank, numel, bs, density, 5)
+        t = sc.transports.get("omnireduce", ctx.fabric, block_size=bs, lanes=lanes, channels=channels,
+                              deployment="dedicated")
+        return all(torch.equal(t.allreduce(x), sum(make_x(r, numel, bs, density, 5) for r in range(ctx.world_size)))
+                   for _ in range(2))
+
+    full = wire.block_bytes(lanes, bs, 8)        # a channel's largest message (float64 blocks, look-aheads)
+    ring = aggregator.WINDOW_MESSAGES * -(-full // window.ALIGN) * window.ALIGN
+    firsts = aggregator.WINDOW_MESSAGES * -(-(4 * lanes * channels) // window.ALIGN) * window.ALIGN
+    bound = channels * (ring + 2 * full) + firsts + 8 * wire.HDR   # + the sums, double-buffered; the verdict
+    held = {}
+    for n in (2, 4, 8):
+        pools.clear()
+        assert sc.launch(fn, n, network=NET) == [True] * n
+        held[n] = max(p.nbytes() for p in pools) - n * 8 * wire.HDR   # (less the headers)
+    assert max(held.values()) <= bound, (held, bound)
+    assert density < 1 or held[2] == held[4] == held[8], held   # (dense: every round's messages are full)
+
+
 def test_cached_results_are_reused_only_when_released_and_hold_no_stale_blocks():
     """Results come from a small cache of buffers: a buffer the caller still holds is never reused,
     and a reused one holds exactly the new sum (blocks non-zero last time, zero now, are cleared)."""

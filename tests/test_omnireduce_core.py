@@ -245,6 +245,41 @@ def test_a_header_forged_for_one_aggregator_is_an_error_on_every_worker_after_th
     assert all(o is not None and "worker 1" in o for o in out), out
 
 
+@pytest.mark.parametrize("deployment", ["colocated", "dedicated"])
+def test_a_header_changed_on_the_way_fails_its_checksum_and_the_next_call_is_exact(deployment):
+    """Worker 1's integer bound rewritten to 0 on the way (in range, so only the checksum shows it): the
+    aggregators would pick int8 sums for a sum of 150 and return -106 on every worker. Instead every worker
+    raises ``MalformedMessage``; the aggregators consume worker 1's round 0 by its manifest, so the next
+    call through the same transport is exact."""
+    from sparsecomm.errors import MalformedMessage
+    from sparsecomm.transports.omnireduce import wire
+
+    from ._faults_common import CorruptingFabric
+
+    def fn(ctx):
+        forge = [True]
+        f = ctx.fabric
+        if ctx.rank == 1:
+            def rw(t, dst, tag):
+                if tag == wire.TAG_HDR_UP and forge[0]:
+                    out = t.detach().clone()
+                    out.view(torch.int64)[wire.F_ABSMAX] = 0
+                    return out
+            f = CorruptingFabric(f, rw)
+        t = sc.transports.get("omnireduce", f, block_size=16, lanes=4, deployment=deployment)
+        x = torch.full((100,), 50, dtype=torch.int32)
+        try:
+            got = t.allreduce(x)[:1].tolist()
+        except MalformedMessage as e:
+            got = str(e)
+        forge[0] = False
+        return got, t.allreduce(x)[:1].tolist()
+
+    out = sc.launch(fn, 3, timeout_s=30)
+    assert all(isinstance(o[0], str) and "worker 1" in o[0] and "checksum" in o[0] for o in out), out
+    assert all(o[1] == [150] for o in out), out
+
+
 def _mixed_channels(ctx, posted, lock, inplace):
     """n = 2, two aggregators of two one-round channels of 8 blocks each: channel 0 of each aggregator
     has 3 non-zero blocks per worker (some summed, not all), channel 1 all 8 (summed everywhere)."""
@@ -356,6 +391,26 @@ def test_a_sure_wait_is_resumed_without_watching_its_receives(poll):
     drive(f, inbox, Outbox(f, pool), [sure(), other()] + ([poller()] if poll else []))
     assert 1 not in looked, looked
     assert log == (["poll", "wait 2", "polled", "wait 1"] if poll else ["wait 1", "wait 2"]), log
+
+
+def test_a_window_posts_receives_in_order_while_its_ring_has_room():
+    """A window's receives are posted in the order they are queued, each at a multiple of ``ALIGN`` of one
+    ring, as long as it has room; consuming the oldest frees its room (wrapping around to the start)."""
+    from sparsecomm.transports.omnireduce.window import ALIGN, Window
+
+    ring = torch.empty(3 * ALIGN, dtype=torch.uint8)
+    w = Window(ring)
+    for k, nbytes in enumerate((ALIGN + 8, ALIGN, 2 * ALIGN, ALIGN)):
+        w.want(k, nbytes, 0, 7)
+    starts = lambda posts: [p.buf.data_ptr() - ring.data_ptr() for p in posts]   # noqa: E731
+    assert starts(w.feed()) == [0, 2 * ALIGN] and w.posted() == [0, 1]        # 2: no room after 1, nor before
+    assert starts(w.done(0)) == [0] and w.posted() == [1, 2]                    # 2 wraps around, up to 1
+    assert starts(w.done(1)) == [2 * ALIGN] and w.posted() == [2, 3]
+    assert starts(w.done(2)) == [] and w.posted() == [3]
+    with pytest.raises(ProtocolError):
+        w.done(2)                                                                # not the oldest posted
+    with pytest.raises(ProtocolError):
+        w.want(9, 3 * ALIGN + 1, 0, 7)                                           # larger than the ring
 
 
 def test_sends_are_reaped_only_when_every_role_able_to_run_reaps():

@@ -89,3 +89,30 @@ def test_gloo_an_aggregator_running_ahead_does_not_wait_blocking_for_its_old_sen
     lane) never ended (a FabricTimeout); the wait is now the scheduler's (``Recv.free``), and the lanes run."""
     out = sc.launch(_lanes_ahead, 2, backend="gloo", timeout_s=30)
     assert out == [[True] * 3] * 2
+
+
+def _more_workers_than_windows(ctx):
+    """Dense and sparse multi-round cases, several calls: each aggregator has more holders per round than
+    its windows hold (:data:`~sparsecomm.transports.omnireduce.aggregator.WINDOW_MESSAGES`), so it posts
+    some workers' receives only as earlier messages are summed."""
+    n, r = ctx.world_size, ctx.rank
+    out = []
+    for i in (0, 1):
+        numel, bs, d, lanes, ch = CASES[i]
+        t = sc.transports.get("omnireduce", ctx.fabric, block_size=bs, lanes=lanes, channels=ch,
+                              deployment="dedicated")
+        exp = sum(make_x(v, numel, bs, d, i) for v in range(n))
+        out += [torch.equal(t.allreduce(make_x(r, numel, bs, d, i) * (k + 1)), exp * (k + 1)) for k in range(3)]
+    return out
+
+
+@pytest.mark.multiprocess
+def test_gloo_windows_smaller_than_the_workers_never_deadlock():
+    """n = 3 dedicated aggregators, each taking its workers in its own order through a window of two
+    messages per channel: a worker's send to an aggregator where it comes third may wait for the others'
+    messages there, while a dedicated worker finishes its sends before each wait (``keep=0``). Waiting for
+    such a send could close a cycle (worker 0 waits for worker 2 at aggregator 0, worker 2 for worker 0 at
+    aggregator 2); the worker does not wait for it (:func:`~sparsecomm.transports.omnireduce.aggregator.may_defer`)."""
+    out = sc.launch(_more_workers_than_windows, 3, backend="gloo", timeout_s=60,
+                    services=[f"omnireduce-agg:{i}" for i in range(3)])
+    assert out == [[True] * 6] * 3

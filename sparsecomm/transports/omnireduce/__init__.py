@@ -59,9 +59,11 @@ integer sums are exact (the aggregators add in int64) and range-checked against 
 (:class:`~sparsecomm.errors.OverflowError_`, never wrapped). NaN/Inf in a float sum raise
 :class:`~sparsecomm.errors.NonFiniteError` (finite inputs that overflow, ``OverflowError_``) on every
 worker unless ``nonfinite="pass"`` (:mod:`.._guards`). Aggregators check every header against the world
-size, their own index and the protocol limits before planning or allocating anything from it
-(:func:`.wire.validate_header`): a forged header is a
-:class:`~sparsecomm.errors.MalformedMessage` on every worker, and the aggregator goes on serving.
+size, their own index, the protocol limits and its checksum before planning or allocating anything from
+it (:func:`.header.validate_header`): a forged header is a :class:`~sparsecomm.errors.MalformedMessage` on
+every worker. After any verdict that is not OK an aggregator receives nothing by a header: each worker
+tells it what it sent in round 0 (a fixed-size manifest, :func:`.header.manifest`) and it consumes exactly
+that, so it goes on serving and the next call through it is clean.
 """
 
 from __future__ import annotations

@@ -1,12 +1,15 @@
 """OmniReduce aggregator's admission of a call: the round-0 headers, the verdict, the drain.
 
 Before an aggregator plans or allocates anything for a call it checks every worker's header
-(:func:`wire.validate_header`: the world size, its own index, the protocol limits) and their agreement
-(:func:`wire.check_headers`); the verdict (the reply header) goes to every worker, which raises the
-error it describes on every rank. After a failed check the round-0 messages of the workers whose
-announced size is bounded are drained, so that the fabric stays clean. The lanes themselves (the
-:class:`.core.AggChannel` state machine and the :func:`.core.aggregator` role that runs this) are in
-:mod:`.core`.
+(:func:`header.validate_header`: the world size, its own index, the protocol limits, the checksum) and
+their agreement (:func:`header.check_headers`); the verdict (the reply header) goes to every worker, which
+raises the error it describes on every rank. Round-0 receives are posted from the headers only for an
+agreeing, well-formed call (colocated, a header that agrees with the hosting worker's own call as soon
+as it is in). After a verdict that is not OK nothing is received by a header, which may be the wrong
+one: every remote worker sends a manifest of what it sent in round 0 (:func:`header.manifest`), and the
+aggregator consumes exactly those messages, so that the fabric is clean for the next call and nothing a
+header announces is allocated. The lanes themselves (the :class:`.core.AggChannel` state machine and the
+:func:`.core.aggregator` role that runs this) are in :mod:`.core`.
 """
 
 from __future__ import annotations
@@ -14,21 +17,43 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ...errors import ProtocolError, SparseCommError  # noqa: F401 (ProtocolError: re-exported)
-from . import wire
+from ...errors import MalformedMessage, ProtocolError, SparseCommError  # noqa: F401 (ProtocolError: re-exported)
+from .._handshake import _fail
+from . import header, wire
 from .core import AggChannel
-from .mailbox import Inbox, Outbox, Post
+from .mailbox import Inbox, Outbox, Post, PostInto, Recv
+from .window import ALIGN, Window
 from .wire import HDR, OK, TAG_FIRSTS, TAG_HDR_UP, Buf, Key, Msg, tag_up
+
+
+#: a channel's receive ring (:class:`.window.Window`) holds this many of its largest messages: one is
+#: summed while the next arrives, and the aggregator's memory does not depend on the number of workers
+WINDOW_MESSAGES = 2
+FIRSTS = -1   #: the key of the first look-aheads' window in :attr:`AggCall.windows` (the others: slots)
+
+
+def may_defer(worker: int, index: int, n: int) -> bool:
+    """May aggregator ``index`` post its receive of ``worker``'s data (first look-aheads, blocks) late?
+    Its window takes the workers in :attr:`AggCall.order` and always has room for the first
+    :data:`WINDOW_MESSAGES` of them (each message is at most a channel's largest); a later one's
+    receive may wait for earlier messages to be summed, so its sender must not wait for that send
+    before its own next steps (:meth:`.mailbox.Outbox.reap`)."""
+    return (worker - index - 1) % n >= WINDOW_MESSAGES
 
 
 class AggCall:
     """Aggregator ``index``'s admission of one call: its headers, its verdict, and (if it is OK) its
     channels (:class:`.core.AggChannel`). The methods that post receives return them as requests
-    (:class:`.mailbox.Post`) for the role that runs this (:func:`.core.aggregator`) to yield.
+    (:class:`.mailbox.PostInto`) for the role that runs this (:func:`.core.aggregator`) to yield.
 
-    ``colocated``: the worker hosting it (whose messages are put into the inbox locally). Round 0 of a
-    channel: per worker its first look-aheads and (if any) its position-0 blocks, on the channel's
-    upstream tag, in that order.
+    ``colocated``: the worker hosting it (whose messages are put into the inbox locally). Round 0: per
+    worker its first look-aheads (one message) and, per channel, its position-0 blocks (if any), on the
+    channel's upstream tag. Every receive of the workers' data goes through a window
+    (:class:`.window.Window`; one per channel, one for the first look-aheads), posted and consumed in
+    :attr:`order` (``index + 1, index + 2, ...``: the order in which the workers' round 0 reaches this
+    aggregator, each worker visiting ``rank - 1`` first), which is the order of the sums in every round.
+    Colocated, a worker's round-0 receives are queued as soon as its header and those of the workers
+    before it are in and agree with the host's call.
     """
 
     def __init__(self, index: int, n: int, colocated: int | None = None) -> None:
@@ -39,10 +64,10 @@ class AggCall:
         self.channels: list[AggChannel] = []
         self.status = OK
         self.headers: list = [None] * n
-        self._chans_of: dict[int, list[wire.Channel]] = {}
-        self._drain: set[int] = set()
         self._early: dict[int, np.ndarray] = {}   # remote headers taken before take_headers
-        self._posted: set[int] = set()            # workers whose round-0 receives are posted
+        self._agreed: list[int] = []              # colocated: early headers that agree with the host's
+        self._queued: list[int] = []              # workers whose round-0 receives are queued, in order
+        self.windows: dict[int, Window] = {}      # slot -> its window; FIRSTS: the first look-aheads'
 
     def remote(self) -> list[int]:
         return [w for w in self.order if w != self.colocated]
@@ -52,89 +77,89 @@ class AggCall:
         """The receives of the remote workers' headers."""
         return [Post(Key(Msg.HDR, w), 8 * HDR, w, TAG_HDR_UP) for w in self.remote()]
 
+    def open_windows(self, h: np.ndarray, pool) -> None:
+        """The receive windows of the call that (validated) header ``h`` describes, from ``pool``: per
+        channel :data:`WINDOW_MESSAGES` of its largest message, and as many first look-ahead messages."""
+        up = wire.code_dtype(h[wire.F_DTYPE])
+        chans = wire.plan_from_header(h)[self.index]
+        room = lambda nbytes: WINDOW_MESSAGES * -(-nbytes // ALIGN) * ALIGN   # noqa: E731
+        for ch in chans:
+            nbytes = room(wire.block_bytes(ch.lanes, int(h[wire.F_BLOCK]), up.itemsize))
+            self.windows[ch.slot] = Window(pool.get(("in", Buf(Msg.UP, slot=ch.slot)), nbytes))
+        if chans:
+            self.windows[FIRSTS] = Window(pool.get(("in", Buf(Msg.FIRSTS)), room(wire.firsts_bytes(chans))))
+
     def take_early(self, inbox: Inbox, w: int, ref: np.ndarray) -> list:
         """Colocated, while the hosting worker still scans: take worker ``w``'s header (it is in); if it
         is well-formed and agrees with the hosting worker's own call (``ref``, its header), its round-0
-        receives (returned) are posted at once (their sizes are bounded by this worker's own tensor), so
-        that its blocks travel while this endpoint works (gloo sends a message only to a posted receive)."""
+        receives are queued once those of every worker before it in :attr:`order` are, and the ones that
+        fit are posted at once (returned), so that its blocks travel while this endpoint works (gloo
+        sends a message only to a posted receive)."""
         h = inbox.take(Key(Msg.HDR, w)).view(torch.int64).numpy().copy()
         self._early[w] = h
-        if (wire.validate_header(h, self.n, self.index, True) is None
+        if (header.validate_header(h, self.n, self.index, True) is None
                 and all(int(h[f]) == int(ref[f]) for f in wire.AGREE)):
-            self._chans_of[w] = wire.plan_from_header(h)[self.index]
-            self._posted.add(w)
-            return self._post_round0(w, h)
-        return []
+            if not self.windows:
+                self.open_windows(ref, inbox.pool)
+            self._agreed.append(w)
+        remote = self.remote()
+        while len(self._queued) < len(remote) and remote[len(self._queued)] in self._agreed:
+            self._queue(remote[len(self._queued)], self._early)
+        return self._feed()
 
-    def _post_round0(self, w: int, h: np.ndarray) -> list:
-        """Worker ``w``'s round-0 receives: its channels' (small) first look-aheads, one message, then
-        its position-0 blocks per channel."""
-        up = wire.code_dtype(h[wire.F_DTYPE])
-        chans = self._chans_of[w]
-        out = [Post(Key(Msg.FIRSTS, w), wire.firsts_bytes(chans), w, TAG_FIRSTS)] if chans else []
-        for ch in chans:
-            k0 = int(h[wire.F_K0 + ch.slot])
-            if k0:
-                out.append(Post(Key(Msg.BLOCKS0, w, ch.slot), wire.block_bytes(
-                    k0, int(h[wire.F_BLOCK]), up.itemsize, meta=not wire.single(ch)), w, tag_up(ch.slot)))
-        return out
+    def _queue(self, w: int, headers) -> None:
+        """Queue worker ``w``'s round-0 receives in the windows, as its (validated) header announces them."""
+        firsts, blocks = header.round0_sizes(headers[w], self.index)
+        if firsts:
+            self.windows[FIRSTS].want(Key(Msg.FIRSTS, w), firsts, w, TAG_FIRSTS)
+        for g, nbytes in blocks.items():
+            self.windows[g].want(Key(Msg.BLOCKS0, w, g), nbytes, w, tag_up(g))
+        self._queued.append(w)
+
+    def _feed(self) -> list:
+        return [p for win in self.windows.values() for p in win.feed()]
 
     def headers_left(self) -> tuple:
         """The headers not taken by :meth:`take_early` (:meth:`take_headers` takes them)."""
         return tuple(Key(Msg.HDR, w) for w in self.order if w not in self._early)
 
     def take_headers(self, inbox: Inbox) -> list:
-        """Take every header and validate it (:func:`wire.validate_header`: against the world size, this
-        aggregator's index and the protocol limits) before planning anything from it; check agreement;
-        then post every round-0 receive (their sizes are in the headers: each worker's layout, and its
-        position-0 blocks per channel). A malformed header gets a ``MALFORMED`` verdict (every worker
-        raises :class:`~sparsecomm.errors.MalformedMessage`) and nothing of that worker is received;
-        after a disagreement, the workers' round-0 messages are drained only where their announced size
-        is bounded (:data:`wire.DRAIN_SLACK_BYTES`). Workers whose receives :meth:`take_early` posted
-        are drained in any case. Returns the round-0 receives to post."""
+        """Take every header and validate it (:func:`.header.validate_header`: against the world size, this
+        aggregator's index, the protocol limits and its checksum) before planning anything from it; check
+        agreement. A malformed header gets a ``MALFORMED`` verdict naming its worker (every worker raises
+        :class:`~sparsecomm.errors.MalformedMessage`). If the verdict is OK, the remote workers' round-0
+        receives are queued (their sizes are in the headers: each worker's layout, and its position-0
+        blocks per channel); returned, the ones that fit now. Otherwise nothing more is received by a
+        header (:meth:`drain` consumes the messages)."""
         bad = None
         for w in self.order:
             h = self._early[w] if w in self._early else inbox.take(Key(Msg.HDR, w)).view(torch.int64).numpy().copy()
             self.headers[w] = h
-            why = wire.validate_header(h, self.n, self.index, self.colocated is not None)
+            why = header.validate_header(h, self.n, self.index, self.colocated is not None)
             if why is not None and bad is None:
-                bad = (w, why[0], int(h[why[0]]) if why[0] < HDR else 0)
-        valid = [w for w in self.order if bad is None or w != bad[0]]
-        for w in valid:
-            if w in self._posted:
-                continue
-            if wire.validate_header(self.headers[w], self.n, self.index, self.colocated is not None) is None:
-                self._chans_of[w] = wire.plan_from_header(self.headers[w])[self.index]
-            else:
-                self._chans_of[w] = []
+                bad = (w, why[0], int(h[why[0]]))
         if bad is not None:
             self.reply_hdr = np.zeros(HDR, dtype=np.int64)
             self.reply_hdr[[wire.R_STATUS, wire.R_FIELD, wire.R_WMIN, wire.R_VMIN]] = [wire.MALFORMED, bad[1],
                                                                                        bad[0], bad[2]]
         else:
-            self.reply_hdr = wire.check_headers(self.headers)
-        if bad is None and int(self.reply_hdr[wire.R_STATUS]) == OK:
-            self._drain = set(self.order)
-        else:   # drain the well-formed workers whose announced size is bounded; nothing of the others
-            ok = [w for w in self.order if wire.validate_header(self.headers[w], self.n, self.index,
-                                                                self.colocated is not None) is None]
-            sizes = {w: wire.round0_bytes(self.headers[w], self.index) for w in ok}
-            cap = 2 * min(sizes.values(), default=0) + wire.DRAIN_SLACK_BYTES
-            self._drain = {w for w in ok if sizes[w] <= cap} | self._posted
+            self.reply_hdr = header.check_headers(self.headers)
         self.status = int(self.reply_hdr[wire.R_STATUS])
-        posts = []
-        for w in self.order:
-            if w == self.colocated or w not in self._drain or w in self._posted:
-                continue
-            posts += self._post_round0(w, self.headers[w])
-            self._posted.add(w)
-        if self.status == OK:
-            h = self.headers[0]
-            up = wire.code_dtype(h[wire.F_DTYPE])
-            down = wire.code_dtype(self.reply_hdr[wire.R_DOWN_DTYPE])
-            self.channels = [AggChannel(ch, self.n, int(h[wire.F_BLOCK]), up, wire.accumulate_dtype(up), down)
-                             for ch in wire.plan_from_header(h)[self.index]]
-        return posts
+        if self.status != OK:
+            return []
+        h = self.headers[0]
+        up = wire.code_dtype(h[wire.F_DTYPE])
+        down = wire.code_dtype(self.reply_hdr[wire.R_DOWN_DTYPE])
+        self.channels = [AggChannel(ch, self.n, int(h[wire.F_BLOCK]), up, wire.accumulate_dtype(up), down)
+                         for ch in wire.plan_from_header(h)[self.index]]
+        if not self.windows:
+            self.open_windows(h, inbox.pool)
+        for c in self.channels:
+            c.order = [w for w in self.order if int(self.headers[w][wire.F_K0 + c.slot])]
+            c.window = self.windows[c.slot]
+        for w in self.remote()[len(self._queued):]:   # (colocated: those not queued as their headers came)
+            self._queue(w, self.headers)
+        return self._feed()
 
     def reply(self, outbox: Outbox) -> torch.Tensor:
         """The reply header (the same for every worker): the verdict and, after :meth:`prepare`, the
@@ -145,30 +170,49 @@ class AggCall:
         buf.view(torch.int64).copy_(torch.from_numpy(self.reply_hdr))
         return buf
 
-    def drain(self) -> tuple[list, list]:
-        """After a failed validation: the round-0 messages to consume (first look-aheads, then blocks)."""
-        firsts, blocks = [], []
-        for w in self.remote():
-            if w in self._drain:
-                if self._chans_of[w]:
-                    firsts.append(Key(Msg.FIRSTS, w))
-                for ch in self._chans_of[w]:
-                    if int(self.headers[w][wire.F_K0 + ch.slot]):
-                        blocks.append(Key(Msg.BLOCKS0, w, ch.slot))
-        return firsts, blocks
-
-    def firsts(self) -> list:
-        """The first look-aheads' keys (:meth:`prepare` takes them)."""
-        return [Key(Msg.FIRSTS, w) for w in self.order] if self.channels else []
-
-    def prepare(self, inbox: Inbox) -> None:
-        """Take every channel's first look-aheads (small, sent before anything else): each channel's
-        round-0 pending blocks and holders are then known."""
+    def prepare(self, inbox: Inbox):
+        """A generator of requests (for the role to ``yield from``): take every worker's first
+        look-aheads (small, sent before anything else), in :attr:`order`, through their window; each
+        channel's round-0 pending blocks and holders are then known."""
         chans = [c.ch for c in self.channels]
         for w in self.order if chans else ():
-            for c, part in zip(self.channels, wire.split_firsts(inbox.take(Key(Msg.FIRSTS, w)), chans)):
+            key = Key(Msg.FIRSTS, w)
+            yield Recv((key,), order=(0,), sure=True)   # (each right after its header)
+            for c, part in zip(self.channels, wire.split_firsts(inbox.take(key), chans)):
                 c.set_firsts(w, part)
+            if w != self.colocated:
+                yield from self.windows[FIRSTS].done(key)
         for c in self.channels:
             counts = c.expect()
             if any(int(counts[w]) != int(self.headers[w][wire.F_K0 + c.slot]) for w in self.order):
                 raise ProtocolError("omnireduce: round-0 blocks do not match their look-aheads")
+
+    # ------------------------------------------------------------------ after a verdict that is not OK
+    def drain(self, inbox: Inbox):
+        """A generator of requests (for the role to ``yield from``): take every remote worker's manifest
+        (:func:`.header.manifest`, fixed size), then consume the round-0 receives already posted (through
+        the windows, from headers that agreed), and the other round-0 messages the manifests list, one at
+        a time into one scratch buffer. A manifest changed on the way, or announcing a message over
+        :data:`.header.DRAIN_MAX_BYTES`, ends the job (:class:`~sparsecomm.errors.MalformedMessage`,
+        reported to every rank): its messages would stay on the fabric."""
+        keys = [Key(Msg.MANIFEST, w) for w in self.remote()]
+        for k in keys:
+            yield Post(k, 8 * wire.MAN, k.peer, wire.TAG_MANIFEST)
+        yield Recv(tuple(keys), order=(0,))
+        posted = [k for win in self.windows.values() for k in win.posted()]
+        todo = [(k, None, None, None) for k in posted]
+        for w in self.remote():
+            try:
+                man = inbox.take(Key(Msg.MANIFEST, w)).view(torch.int64).numpy()
+                firsts, blocks = header.read_manifest(man, w)
+            except MalformedMessage as exc:
+                raise _fail(inbox.fabric, exc) from None
+            sent = [(Key(Msg.FIRSTS, w), firsts, w, TAG_FIRSTS)] if firsts else []
+            sent += [(Key(Msg.BLOCKS0, w, g), nbytes, w, tag_up(g)) for g, nbytes in blocks.items()]
+            todo += [m for m in sent if m[0] not in posted]
+        scratch = torch.empty(max((nb for _, nb, _, _ in todo if nb), default=0), dtype=torch.uint8)
+        for key, nbytes, src, tag in todo:
+            if nbytes is not None:
+                yield PostInto(key, scratch[:nbytes], src, tag)
+            yield Recv((key,), order=(0,), sure=True)   # (round 0 up: sent before the worker's first wait)
+            inbox.take(key)

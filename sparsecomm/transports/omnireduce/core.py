@@ -35,9 +35,10 @@ import torch
 from ... import codec
 from ...errors import MalformedMessage, ProtocolError
 from .._handshake import _fail
-from . import strategies, wire
+from . import header, strategies, wire
 from .mailbox import Hand, Poll, Post, Recv, Send, Spawn
-from .wire import HDR, OK, TAG_FIRSTS, TAG_HDR_DOWN, TAG_HDR_UP, Buf, Key, Msg, tag_down, tag_sums0, tag_up
+from .wire import (HDR, OK, TAG_FIRSTS, TAG_HDR_DOWN, TAG_HDR_UP, TAG_MANIFEST, Buf, Key, Msg, tag_down,
+                   tag_sums0, tag_up)
 
 
 #: pieces a colocated worker's scan is cut into, a ``Poll`` between them (:func:`scan`) running the roles
@@ -122,6 +123,7 @@ class AggChannel:
         self.round = 0
         self.counts = np.zeros(n, dtype=np.int64)
         self.sums = strategies.MessageSums()
+        self.order, self.window = [], None   # this round's holders in summing order; the receive window
 
     @property
     def active(self) -> bool:
@@ -130,11 +132,6 @@ class AggChannel:
     @property
     def slot(self) -> int:
         return self.ch.slot
-
-    def round_keys(self) -> tuple:
-        """This round's up-messages: one per holder."""
-        m = Msg.BLOCKS0 if self.round == 0 else Msg.UP
-        return tuple(Key(m, w, self.slot) for w in np.flatnonzero(self.counts))
 
     def set_firsts(self, w: int, buf: torch.Tensor) -> None:
         """Worker ``w``'s announce of round 0: its first non-zero block of every lane."""
@@ -218,12 +215,14 @@ def worker(call):
 def verdict(call, a: int):
     """Aggregator ``a``'s verdict. OK (the downstream dtype, each channel's count of round-0 sums): make
     the result (first OK verdict), post ``a``'s round-0 receives (hosted: ``GO``), start ``a``'s lanes.
-    Not OK: ``a`` sends nothing more; the error is raised once the other aggregators' lanes are done
-    (:func:`.worker.run_worker`). Every worker gets every verdict, so its receives match the sends."""
+    Not OK: a remote ``a`` gets this worker's manifest (:meth:`.aggregator.AggCall.drain`), then sends
+    nothing more; the error is raised once the others' lanes are done (:func:`.worker.run_worker`)."""
     yield Recv((Key(Msg.REPLY, a),), order=(0, call.pos[a]))
     rh = call.inbox.take(Key(Msg.REPLY, a)).view(torch.int64).numpy()
     if int(rh[wire.R_STATUS]) != OK:
         call.errors[a] = rh.copy()
+        if a != call.own:
+            yield Send(header.manifest(call.hdr0[a], a).view(torch.uint8), call.aggregators[a], TAG_MANIFEST)
         return
     try:
         down = wire.code_dtype(rh[wire.R_DOWN_DTYPE])
@@ -272,12 +271,13 @@ def send_round0(call, aggs: list[int]):
     message), then the position-0 blocks (slot-major; per slot the heaviest aggregators first)."""
     for a in aggs:
         hdr = call.spec.header(call.n, {ch.slot: call.wch[a, ch.slot].pending0() for ch in call.plans[a]})
+        call.hdr0[a] = hdr.numpy()
         yield from call.up(a, Key(Msg.HDR, call.rank), hdr.view(torch.uint8), TAG_HDR_UP)
         if a != call.own:
             yield Post(Key(Msg.REPLY, a), 8 * HDR, call.aggregators[a], TAG_HDR_DOWN)
     for a in (a for a in aggs if call.plans[a]):
         firsts = torch.cat([wire.encode_firsts(call.wch[a, ch.slot].mine, ch) for ch in call.plans[a]])
-        yield from call.up(a, Key(Msg.FIRSTS, call.rank), firsts, TAG_FIRSTS)
+        yield from call.up(a, Key(Msg.FIRSTS, call.rank), firsts, TAG_FIRSTS, data=True)
     for g in range(call.spec.channels):
         for a in sorted(aggs, key=lambda a: -call.wch[a, g].pending0() if (a, g) in call.wch else 0):
             if (a, g) in call.wch:
@@ -326,17 +326,13 @@ def aggregator(adm, inbox, outbox, host: int | None = None, ref: np.ndarray | No
     yield Recv(adm.headers_left(), order=(0,))
     yield from adm.take_headers(inbox)
     if adm.status == OK:
-        yield Recv(tuple(adm.firsts()), order=(0,), sure=True)   # (each right after its header, taken)
-        adm.prepare(inbox)
+        yield from adm.prepare(inbox)
     reply = adm.reply(outbox)
     for w in adm.order:
         if w != host:
             yield Send(reply, w, TAG_HDR_DOWN, Buf(Msg.REPLY))
     if adm.status != OK:
-        for keys in adm.drain():
-            yield Recv(tuple(keys), order=(0,), sure=True)
-            for k in keys:
-                inbox.take(k)
+        yield from adm.drain(inbox)
     if host is not None:
         yield Hand(Key(Msg.REPLY, adm.index), reply)
     if adm.status != OK:
@@ -349,32 +345,37 @@ def aggregator(adm, inbox, outbox, host: int | None = None, ref: np.ndarray | No
 
 
 def agg_lane(adm, c: AggChannel, inbox, outbox, host: int | None, mark=None):
-    """The aggregator's lanes of channel ``c``: per round, add every holder's blocks (the smallest
-    messages first: they arrive first), complete, post the next round's receives, send the sums with
-    the prompt to every worker. Colocated, a round waits until the host has taken the previous one."""
+    """The aggregator's lanes of channel ``c``: per round, add each holder's blocks in ``c.order`` (their
+    receives' order in ``c.window``, where each added message frees room for the next receive), complete,
+    queue the next round's receives, send the sums with the prompt to every worker. Colocated, a round
+    waits until the host has taken the previous one."""
     gone = (Key(Msg.WORDS, adm.index, c.slot), Key(Msg.DOWN, adm.index, c.slot)) if host is not None else ()
     while c.active:
         r0 = c.round == 0
-        # (round 0 up: sure; a later round also waits for its message buffer's last sends, two rounds ago,
-        # whose receives the workers post only as their lanes run: never a blocking wait for them)
-        yield Recv(c.round_keys(), order=(1, c.round, c.slot), gone=gone, reap=True, sure=r0,
+        keys = [Key(Msg.BLOCKS0 if r0 else Msg.UP, w, c.slot) for w in c.order]
+        # (the next message and the later ones posted or handed over; round 0 up: sure; later: Recv.free)
+        group = keys[:1] + [k for k in keys[1:] if inbox.has(k)]
+        yield Recv(tuple(group), order=(1, c.round, c.slot), gone=gone, reap=True, sure=r0,
                    free=None if r0 else c.sums.buffer(c))
         c.begin(outbox)
-        for w in sorted(adm.order, key=lambda v: c.counts[v]):
-            k = int(c.counts[w])
-            if k:
-                msg = inbox.take(Key(Msg.BLOCKS0 if r0 else Msg.UP, w, c.slot))
-                # the host may hand over (blocks, look-aheads) directly
-                data, looks = msg if isinstance(msg, tuple) else wire.split(
-                    msg, k, c.bs, c.up, meta=not (r0 and c.single))
-                c.add(w, data, looks)
+        for i, (w, key) in enumerate(zip(c.order, keys)):
+            if key not in group:   # (posted once the window had room, or handed over since)
+                group = [key] + [k for k in keys[i + 1:] if inbox.has(k)]
+                yield Recv(tuple(group), order=(1, c.round, c.slot), reap=True, sure=r0)
+            msg = inbox.take(key)   # (the host may hand over (blocks, look-aheads) directly)
+            data, looks = msg if isinstance(msg, tuple) else wire.split(
+                msg, int(c.counts[w]), c.bs, c.up, meta=not (r0 and c.single))
+            c.add(w, data, looks)
+            if w != host:
+                yield from c.window.done(key)
         out = c.finish()
-        if c.active:   # the next round's holders (the prompt just computed): post their receives
+        if c.active:   # the next round's holders (the prompt just computed): queue their receives
             counts = c.expect()
-            for w in adm.order:
-                if w != host and counts[w]:
-                    yield Post(Key(Msg.UP, w, c.slot), wire.block_bytes(int(counts[w]), c.bs, c.up.itemsize),
-                               w, tag_up(c.slot))
+            c.order = [w for w in adm.order if counts[w]]
+            for w in (w for w in c.order if w != host):
+                c.window.want(Key(Msg.UP, w, c.slot), wire.block_bytes(int(counts[w]), c.bs, c.up.itemsize), w,
+                              tag_up(c.slot))
+            yield from c.window.feed()
         yield from send_down(adm, c, out, host)
         if mark is not None:
             mark(f"agg {adm.index}.{c.slot} r{c.round - 1}")

@@ -53,6 +53,10 @@ class Pool:
         """Forget the completed sends (call after waiting for them all)."""
         self._busy.clear()
 
+    def nbytes(self) -> int:
+        """Bytes of the buffers this pool holds (an endpoint's message memory; they are kept for reuse)."""
+        return sum(b.numel() * b.element_size() for b in self._bufs.values())
+
 
 class Inbox:
     """Receives posted ahead of need, so that a real fabric moves the data while this endpoint works on
@@ -118,21 +122,29 @@ class Outbox:
         data, tail = wire.split(buf, k, block_size, dtype, extra, meta)
         return buf, data, tail
 
-    def send(self, buf: torch.Tensor, dst: int, tag: int, key=None) -> None:
+    def send(self, buf: torch.Tensor, dst: int, tag: int, key=None, deferrable: bool = False) -> None:
         wk = self.fabric.isend(buf, dst, tag)
-        self.pending.append((wk, buf))
+        self.pending.append((wk, buf, deferrable))
         if key is not None:
             self.pool.hold(("out", key), wk)
 
     def reap(self, keep: int = 64) -> None:
-        """Wait for all but the newest ``keep`` sends."""
+        """Wait for all but the newest ``keep`` sends, except the ``deferrable`` ones, left to
+        :meth:`finish`: the receiver may post their receives only once its window (:mod:`.window`) has
+        room, which may wait for this endpoint's own later steps (a wait for them here could be circular)."""
         cut = len(self.pending) - keep
         if cut > 0:
-            for wk, _ in self.pending[:cut]:
-                wk.wait()
-            del self.pending[:cut]
-        if keep == 0:
-            self.pool.release()
+            for wk, _, deferrable in self.pending[:cut]:
+                if not deferrable:
+                    wk.wait()
+            self.pending[:cut] = [p for p in self.pending[:cut] if p[2]]
+
+    def finish(self) -> None:
+        """Wait for every send (the call's last step: all of them complete by then)."""
+        for wk, _, _ in self.pending:
+            wk.wait()
+        self.pending.clear()
+        self.pool.release()
 
 
 # ----------------------------------------------------------------------------------------- requests
@@ -143,12 +155,15 @@ class Outbox:
 
 class Send(NamedTuple):
     """Send ``buf`` to endpoint ``dst`` on ``tag`` (asynchronous). ``hold``: the role of the pooled
-    buffer (:class:`.wire.Buf`), which is not reused before this send has completed."""
+    buffer (:class:`.wire.Buf`), which is not reused before this send has completed. ``deferrable``: the
+    receiver takes it through a window (:mod:`.window`) and may post its receive late (a reap does not
+    wait for it, :meth:`Outbox.reap`)."""
 
     buf: torch.Tensor
     dst: int
     tag: int
     hold: object = None
+    deferrable: bool = False
 
 
 class Post(NamedTuple):
@@ -187,9 +202,10 @@ class Recv(NamedTuple):
     among the roles that can run (smaller first). ``any``: resume once any one of them is in (or at
     once, as any other, when it is the only role able to run: it then takes them in order).
     ``reap``: before choosing among roles, :func:`drive` finishes all but ``keep`` of this endpoint's
-    sends if every one of them waits with ``reap`` (the lane rounds; not round 0: the sends of a worker
-    whose header was rejected never complete; and not while a role without it, e.g. a verdict that posts
-    the receives of an aggregator's replies, can still run: a dedicated deployment's worker, ``keep=0``,
+    sends if every one of them waits with ``reap`` (the lane rounds; not round 0: the round-0 sends to an
+    aggregator that rejected the call complete only after this worker's manifest,
+    :meth:`.aggregator.AggCall.drain`; and not while a role without it, e.g. a verdict that posts the
+    receives of an aggregator's replies, can still run: a dedicated deployment's worker, ``keep=0``,
     would otherwise wait for all its round-0 blocks to leave before posting the second aggregator's
     receives, and that aggregator's sums would wait for them). ``sure``: every peer sends these messages before its first
     wait (round 0 up), so a blocking take of them ends whatever this endpoint does: when the role is the
@@ -236,21 +252,23 @@ def drive(fabric: Fabric, inbox: Inbox, outbox: Outbox, roles: list, keep: int =
     messages are in by the time the first such is (:meth:`Fabric.wait_any`), finishing all but ``keep``
     of the sends first (``Recv.reap``). A role's exception ends the call (it propagates to the caller).
 
-    Deadlock freedom, held by this structure rather than by any hand-made order: (1) sends never block
-    (Send is asynchronous, Hand is a local put), and a role reuses a pooled send buffer only once the
-    scheduler has seen its sends complete (``Recv.free``: a send completes once its receive is posted,
-    which a peer may do only as its own lanes run, so a role blocking on it could wait for a peer
-    blocked the same way); (2) every Recv waits only for messages sent by steps
-    that do not wait on it: a worker's round ``r`` answers its aggregator's round ``r - 1``, which it
-    has received, and an aggregator's round ``r`` waits for the up-messages its holders send on receipt
-    of round ``r - 1``, which it has sent; round 0 waits only for what every worker sends before its
-    first wait (the headers, first look-aheads, position-0 blocks) and for the verdicts sent on them; a
-    hand-over between two roles of one endpoint is in once handed, and ``gone`` waits only for a take
-    by a role that can run at once; (3) the scheduler never blocks on one role while another could run,
-    unless the one's messages come whatever this endpoint does (a role is a candidate only once every
-    message it waits for is posted or handed over, and it blocks only on the one candidate, on a
-    ``sure`` one, or on whichever candidate completes first). So every wait ends, on any fabric and
-    whatever its buffering; a role left with nothing to run is a bug, reported as such.
+    Deadlock freedom, held by this structure rather than by any hand-made order: (1) sends never block (Send
+    is asynchronous, Hand is a local put), and a role reuses a pooled send buffer only once the scheduler
+    has seen its sends complete (``Recv.free``: a send completes once its receive is posted, which a peer
+    may do only as its own lanes run, so a role blocking on it could wait for a peer blocked the same way),
+    and a reap waits only for sends whose receives are posted without this endpoint's later steps (not the
+    ``deferrable`` ones: an aggregator's window may post them only after other workers' messages, whose
+    senders may wait for this one); (2) every Recv waits only for messages sent by steps that do not wait on
+    it: a worker's round ``r`` answers its aggregator's round ``r - 1``, which it has received, and an
+    aggregator's round ``r`` waits for the up-messages its holders send on receipt of round ``r - 1``, which
+    it has sent; round 0 waits only for what every worker sends before its first wait (the headers, first
+    look-aheads, position-0 blocks) and for the verdicts sent on them; a hand-over between two roles of one
+    endpoint is in once handed, and ``gone`` waits only for a take by a role that can run at once; (3) the
+    scheduler never blocks on one role while another could run, unless the one's messages come whatever this
+    endpoint does (a role is a candidate only once every message it waits for is posted or handed over, and
+    it blocks only on the one candidate, on a ``sure`` one, or on whichever candidate completes first). So
+    every wait ends, on any fabric and whatever its buffering; a role left with nothing to run is a bug,
+    reported as such.
     """
     _Scheduler(fabric, inbox, outbox).run(roles, keep)
 
@@ -296,7 +314,7 @@ class _Scheduler:
                 return
             t = type(req)
             if t is Send:
-                outbox.send(req.buf, req.dst, req.tag, key=req.hold)
+                outbox.send(req.buf, req.dst, req.tag, key=req.hold, deferrable=req.deferrable)
             elif t is Post:
                 inbox.post(req.key, req.nbytes, req.src, req.tag)
             elif t is PostInto:

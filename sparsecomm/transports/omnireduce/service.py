@@ -22,4 +22,4 @@ def serve(fabric: Fabric, index: int) -> None:
     inbox, outbox = Inbox(fabric, pool), Outbox(fabric, pool)
     while True:
         drive(fabric, inbox, outbox, [core.aggregator(AggCall(index, n), inbox, outbox)])
-        outbox.reap(0)
+        outbox.finish()

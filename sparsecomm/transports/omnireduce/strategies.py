@@ -48,7 +48,8 @@ def send_up(call, key: Buf, a: int, c, local_key: Key):
     elif not meta:             # a run of whole blocks is the message itself: sent without a copy
         v = source.view(ids)   # (overwritten in place only after the aggregator has it all)
         if v is not None and v.numel() * v.element_size() % 4 == 0:
-            yield Send(v.reshape(-1).view(torch.uint8), call.aggregators[a], tag_up(c.ch.slot))
+            yield Send(v.reshape(-1).view(torch.uint8), call.aggregators[a], tag_up(c.ch.slot),
+                       deferrable=call.deferrable(a))
             return
     buf, data, tail = call.outbox.message(key, b.size, call.spec.block_size, call.spec.up, meta=meta)
     source.gather(ids, data)
@@ -57,7 +58,7 @@ def send_up(call, key: Buf, a: int, c, local_key: Key):
     if a == call.own:
         yield Hand(local_key, buf)
     else:
-        yield Send(buf, call.aggregators[a], tag_up(c.ch.slot), key)
+        yield Send(buf, call.aggregators[a], tag_up(c.ch.slot), key, deferrable=call.deferrable(a))
 
 
 # ------------------------------------------------------------------ where sums land: aggregator

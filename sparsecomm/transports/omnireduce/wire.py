@@ -5,16 +5,17 @@ flat tensor of ``numel`` elements is cut into ``nb = ceil(numel / block_size)`` 
 ``a`` of ``A`` owns the contiguous range ``[a*nb//A, (a+1)*nb//A)``, split into ``channels``
 contiguous sub-ranges (the paper's *slots*: independent self-clocked streams, so that one aggregator's
 up- and downstream overlap). A channel of ``size`` blocks has ``L = min(size, lanes)`` lanes; its local
-block ``j`` is in lane ``j % L`` at position ``j // L``. Aggregator memory is ``L`` blocks per channel,
-bounded by ``lanes``, not by the tensor.
+block ``j`` is in lane ``j % L`` at position ``j // L``. An aggregator's memory is a few messages of at
+most ``L`` blocks per channel (its receive ring, :mod:`.window`, and its sums, double-buffered): bounded
+by ``lanes``, not by the tensor nor by the number of workers.
 
 Every message fuses one block per lane of a channel (the paper's block fusion). ``k`` blocks travel as
 ``[k x block_size values | pad to 4 bytes | int32 x k look-aheads]`` (a look-ahead is a channel-local
 block index, ``size`` = none):
 
 * round 0, worker -> aggregator: a header (``int64[HDR]``: the call's description, checked for
-  agreement, and how many position-0 blocks the worker sends in each channel, so that the aggregator
-  posts every round-0 receive as soon as the header is in) per aggregator; per channel,
+  agreement, how many position-0 blocks the worker sends in each channel, so that the aggregator
+  posts every round-0 receive as soon as the header is in, and a checksum) per aggregator; per channel,
   ``int32[L]``: the worker's first non-zero block of every
   lane (a bitmap when every lane has one block), then the worker's non-zero blocks at position 0 of
   their lane, with their look-aheads (position 0 is every lane's first pending block, so they can
@@ -26,6 +27,9 @@ block index, ``size`` = none):
   ``int32[L]``: each lane's next pending block, encoded ``-1 - next`` where the lane's position 0 was
   non-zero somewhere (a bitmap of those lanes when every lane has one block), then (if any) the sums
   of those position-0 blocks, in lane order.
+* after a round-0 reply that is not OK, worker -> aggregator: the manifest (``int64[MAN]``: the bytes of
+  each round-0 message the worker sent it, checksummed), by which the aggregator consumes them (never by
+  the header, which may be the one that was wrong).
 * round r >= 1, up: the lanes whose pending block this worker holds, with its next look-ahead in each.
 * round r >= 1, down: the sums of every active lane's pending block, with each lane's next pending
   block (the minimum of the announced look-aheads).
@@ -42,17 +46,18 @@ import torch
 
 from ...errors import MalformedMessage, MismatchError, OverflowError_, ProtocolError, SparseCommError  # noqa: F401
 from .._handshake import dtype_code as _hs_dtype_code
-from .._handshake import dtype_from_code as _hs_dtype_from_code
-from .._handshake import _error as _mismatch
 
-MAGIC = 0x4F4D4E49_0004  # "OMNI", wire version 4 (3: round-0 sums on their own tag, tag_sums0; 4: a
+MAGIC = 0x4F4D4E49_0005  # "OMNI", wire version 5 (3: round-0 sums on their own tag, tag_sums0; 4: a
 #                          round-0 reply's sums and lane words in one message; all summed: the sums alone,
-#                          and a worker's first look-aheads of every channel in one message, TAG_FIRSTS)
+#                          and a worker's first look-aheads of every channel in one message, TAG_FIRSTS;
+#                          5: a checksum in the header, and the manifest after a verdict that is not OK)
 MAX_CHANNELS = 16
 HDR = 12 + MAX_CHANNELS    # int64 fields: 12 scalars, then one count per channel (slot)
+MAN = 2 + MAX_CHANNELS     # int64 fields of a manifest: first look-aheads' bytes, blocks' bytes per slot, checksum
 TAG_HDR_UP = 0x4F4F01     # round-0 header, worker -> aggregator
 TAG_HDR_DOWN = 0x4F4F02   # round-0 reply header, aggregator -> worker
 TAG_FIRSTS = 0x4F4F03     # round-0 first look-aheads of every channel, worker -> aggregator
+TAG_MANIFEST = 0x4F4F04   # after a verdict that is not OK: the worker's round-0 messages, worker -> aggregator
 
 
 class Msg(IntEnum):
@@ -67,6 +72,7 @@ class Msg(IntEnum):
     UP = 6         #: worker -> aggregator, per channel, rounds >= 1: held blocks + look-aheads
     DOWN = 7       #: aggregator -> worker, per channel, rounds >= 1: sums + next pending blocks
     GO = 8         #: local only, colocated worker -> its hosted aggregator: its verdict is taken, start
+    MANIFEST = 9   #: worker -> aggregator, after a verdict that is not OK: its round 0 (:func:`.header.manifest`)
 
 
 class Key(NamedTuple):
@@ -118,7 +124,7 @@ DTYPES: tuple[torch.dtype, ...] = (
 
 # header fields (int64); those in AGREE must be equal on every worker
 (F_MAGIC, F_NUMEL, F_DTYPE, F_BLOCK, F_AGGS, F_CHANNELS, F_LANES, F_KIND, F_CHECK, F_WORLD,
- F_ABSMAX) = range(11)
+ F_ABSMAX, F_SUM) = range(12)
 F_K0 = 12     # header[F_K0 + slot]: the worker's position-0 blocks in that channel (sizes its message)
 FIELD_NAMES = {
     F_MAGIC: "wire_version", F_NUMEL: "numel", F_DTYPE: "dtype", F_BLOCK: "block_size",
@@ -126,59 +132,14 @@ FIELD_NAMES = {
     F_CHECK: "shared_indices_or_scale_fingerprint", F_WORLD: "world_size",
 }
 AGREE = tuple(FIELD_NAMES)
+#: how an error message names the header's fields that are not compared
+OTHER_NAMES = {F_ABSMAX: "integer_bound", F_SUM: "checksum",
+               **{F_K0 + g: f"position-0 blocks of channel {g}" for g in range(MAX_CHANNELS)}}
 
 # reply fields
 R_STATUS, R_DOWN_DTYPE, R_FIELD, R_WMIN, R_VMIN, R_WMAX, R_VMAX = range(7)
 R_K = 12      # reply[R_K + slot]: the channel's summed position-0 blocks (sizes its round-0 sums)
 OK, MISMATCH, OVERFLOW, MALFORMED = 0, 1, 2, 3
-
-# protocol limits a header is checked against before anything is planned, allocated or looped over
-MAX_AGGREGATORS = 4096
-MAX_BLOCK = 1 << 20
-MAX_LANES = 1 << 24
-MAX_NUMEL = 1 << 48
-#: a worker whose header disagrees with the others has its round-0 messages drained (so that the fabric
-#: stays clean) only if they are at most twice the smallest worker's plus this slack: a header that
-#: claims a huge tensor makes no one allocate for it
-DRAIN_SLACK_BYTES = 64 << 20
-
-
-def validate_header(h: np.ndarray, n: int, index: int, colocated: bool) -> tuple[int, str] | None:
-    """``(field, reason)`` if a worker's round-0 header is not one this aggregator can serve (checked
-    against the world size, its own index and the protocol limits), else ``None``."""
-    if int(h[F_MAGIC]) != MAGIC:
-        return F_MAGIC, f"wire version {int(h[F_MAGIC]):#x}, expected {MAGIC:#x}"
-    if int(h[F_WORLD]) != n:
-        return F_WORLD, f"world size {int(h[F_WORLD])}, the job has {n} workers"
-    if int(h[F_DTYPE]) not in _DTYPE_CODES:
-        return F_DTYPE, f"dtype code {int(h[F_DTYPE])}, not a dtype the protocol carries"
-    A = int(h[F_AGGS])
-    if not (1 <= A <= MAX_AGGREGATORS and index < A and (not colocated or A == n)):
-        return F_AGGS, (f"num_aggregators {A}; aggregator {index} allows {index + 1}..{MAX_AGGREGATORS}"
-                        + (f" (colocated: exactly {n})" if colocated else ""))
-    checks = ((F_BLOCK, 1, MAX_BLOCK, "block_size"), (F_CHANNELS, 1, MAX_CHANNELS, "channels"),
-              (F_LANES, 1, MAX_LANES, "lanes"), (F_KIND, 0, len(KINDS) - 1, "payload kind"),
-              (F_NUMEL, 0, MAX_NUMEL, "numel"), (F_ABSMAX, 0, 2**62, "integer bound"))
-    for f, lo, hi, name in checks:
-        if not lo <= int(h[f]) <= hi:
-            return f, f"{name} {int(h[f])}, outside [{lo}, {hi}]"
-    chans = {c.slot: c for c in plan_from_header(h)[index]}
-    for g in range(MAX_CHANNELS):
-        k0 = int(h[F_K0 + g])
-        limit = chans[g].lanes if g in chans else 0
-        if not 0 <= k0 <= limit:
-            return F_K0 + g, f"{k0} position-0 blocks in channel {g}, which has {limit} lanes here"
-    return None
-
-
-def round0_bytes(h: np.ndarray, index: int) -> int:
-    """Bytes a worker's validated header announces to aggregator ``index`` in round 0."""
-    up = code_dtype(h[F_DTYPE])
-    total = 0
-    for ch in plan_from_header(h)[index]:
-        total += meta_bytes(ch) + block_bytes(int(h[F_K0 + ch.slot]), int(h[F_BLOCK]), up.itemsize,
-                                              meta=not single(ch))
-    return total
 
 
 def dtype_code(dt: torch.dtype) -> int:
@@ -341,49 +302,3 @@ def decode_words(buf: torch.Tensor, ch: Channel) -> tuple[np.ndarray, np.ndarray
     w = buf.view(torch.int32).numpy().astype(np.int64)
     summed = w < 0
     return np.where(summed, -1 - w, w), summed
-
-
-def check_headers(headers: list[np.ndarray]) -> np.ndarray:
-    """Validate the workers' headers; returns the reply header (status, down dtype, detail)."""
-    reply = np.zeros(HDR, dtype=np.int64)
-    h0 = headers[0]
-    for f in AGREE:
-        vals = [int(h[f]) for h in headers]
-        if min(vals) != max(vals):
-            lo = min(range(len(vals)), key=lambda j: (vals[j], j))
-            hi = max(range(len(vals)), key=lambda j: (vals[j], -j))
-            reply[[R_STATUS, R_FIELD, R_WMIN, R_VMIN, R_WMAX, R_VMAX]] = [MISMATCH, f, lo, vals[lo], hi, vals[hi]]
-            return reply
-    up = code_dtype(h0[F_DTYPE])
-    bound = sum(int(h[F_ABSMAX]) for h in headers)
-    if not up.is_floating_point and bound > torch.iinfo(torch.int64).max:
-        reply[R_STATUS] = OVERFLOW
-        return reply
-    reply[R_DOWN_DTYPE] = dtype_code(down_dtype(up, bound))
-    return reply
-
-
-def raise_for_reply(reply: np.ndarray, header: np.ndarray, rank: int) -> None:
-    """Raise the error a non-OK round-0 reply describes (on every worker; the agreement handshake's
-    wording, :func:`sparsecomm.transports._handshake.mismatch_error`)."""
-    status = int(reply[R_STATUS])
-    if status == OK:
-        return
-    if status == MALFORMED:
-        f = int(reply[R_FIELD])
-        raise MalformedMessage(f"{WHAT}: the aggregator rejected worker {int(reply[R_WMIN])}'s round-0 header "
-                               f"(field {FIELD_NAMES.get(f, f)!s} = {int(reply[R_VMIN])}: out of range for this "
-                               f"job; this is worker {rank})")
-    if status not in (MISMATCH, OVERFLOW):
-        raise MalformedMessage(f"{WHAT}: an aggregator replied with unknown status {status} (this is worker {rank})")
-    if status == OVERFLOW:
-        raise OverflowError_(f"{WHAT}: the sum of the workers' integer codes can exceed int64 (this is "
-                             f"worker {rank}); use fewer quantisation levels or fewer workers")
-    f = int(reply[R_FIELD])
-    raise _mismatch(WHAT, FIELD_NAMES.get(f, str(f)), int(reply[R_VMIN]), int(reply[R_WMIN]),
-                    int(reply[R_VMAX]), int(reply[R_WMAX]), int(header[f]), rank)
-
-
-def check_dtype(dt: torch.dtype) -> None:
-    if dt not in DTYPES:
-        raise MismatchError(f"{WHAT} cannot carry {dt}; supported: {', '.join(str(d) for d in DTYPES)}")

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from ...fabric.base import Fabric
-from . import core, wire
-from .aggregator import AggCall
+from . import core, header, wire
+from .aggregator import AggCall, may_defer
 from .mailbox import Hand, Inbox, Outbox, Pool, Send, drive
 from .wire import HDR
 
@@ -31,7 +31,8 @@ class CallSpec:
     absmax: int = 0
 
     def header(self, world: int, k0: dict[int, int] | None = None) -> torch.Tensor:
-        """The round-0 header; ``k0[slot]``: this worker's position-0 blocks in that channel."""
+        """The round-0 header, sealed (:func:`.header.seal`); ``k0[slot]``: this worker's position-0 blocks in
+        that channel."""
         h = torch.zeros(HDR, dtype=torch.int64)
         for g, k in (k0 or {}).items():
             h[wire.F_K0 + g] = k
@@ -41,6 +42,7 @@ class CallSpec:
                 wire.F_CHECK: self.check, wire.F_WORLD: world, wire.F_ABSMAX: self.absmax}
         for f, v in vals.items():
             h[f] = int(v)
+        header.seal(h.numpy())
         return h
 
 
@@ -72,6 +74,7 @@ class Call:
         self.result = self.sink = self.down = None
         self.sums0: dict = {}
         self.errors: dict = {}          # aggregator -> its verdict, where it is not OK (raised at the end)
+        self.hdr0: dict = {}            # aggregator -> the round-0 header this worker built for it
         self.mark = getattr(fabric, "mark", lambda label: None)   # a traced call's phase marks (.trace)
 
     def round0_batches(self) -> list[list[int]]:
@@ -81,9 +84,15 @@ class Call:
             return [self.visit]
         return [[a] for a in self.visit[1:]] + [[self.own]]
 
-    def up(self, a: int, key: wire.Key, buf: torch.Tensor, tag: int):
-        """A round-0 message to aggregator ``a``: by hand to the hosted one, else sent."""
-        yield Hand(key, buf) if a == self.own else Send(buf, self.aggregators[a], tag)
+    def up(self, a: int, key: wire.Key, buf: torch.Tensor, tag: int, data: bool = False):
+        """A round-0 message to aggregator ``a``: by hand to the hosted one, else sent (``data``: received
+        through ``a``'s window, :meth:`deferrable`)."""
+        yield Hand(key, buf) if a == self.own else Send(buf, self.aggregators[a], tag,
+                                                         deferrable=data and self.deferrable(a))
+
+    def deferrable(self, a: int) -> bool:
+        """May aggregator ``a`` post its receives of this worker's data late (:func:`.aggregator.may_defer`)?"""
+        return may_defer(self.rank, a, self.n)
 
 
 def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: list[int],
@@ -104,11 +113,10 @@ def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: l
                                         ref=spec.header(call.n).numpy(), mark=call.mark))
     drive(fabric, call.inbox, call.outbox, roles, keep=64 if own is not None else 0)
     call.mark("steps done")
+    # every send completes (an aggregator that rejected the call consumes its round 0 by the manifest), and
+    # none may be dropped before: gloo would lose a send whose buffer is freed before the peer's receive
+    call.outbox.finish()
     if call.errors:   # (every worker has every verdict: the lowest aggregator's error, on every worker)
-        error = call.errors[min(call.errors)]
-        if not (int(error[wire.R_STATUS]) == wire.MALFORMED and int(error[wire.R_WMIN]) == call.rank):
-            call.outbox.reap(0)   # (a worker whose header was rejected: nothing of it is received, no wait)
-        wire.raise_for_reply(error, spec.header(call.n).numpy(), call.rank)
-    call.outbox.reap(0)
+        header.raise_for_reply(call.errors[min(call.errors)], spec.header(call.n).numpy(), call.rank)
     call.mark("sends done")
     return call.result, call.down

@@ -1,0 +1,161 @@
+"""OmniReduce's round-0 admission messages: the checks of a worker's header at an aggregator, the
+verdict's meaning at the workers, and the manifest a worker sends after a verdict that is not OK. The
+field layouts are :mod:`.wire`'s.
+
+A header is sealed with a checksum (:func:`seal`) and checked, before anything is planned, allocated or
+received by it, against the world size, the aggregator's index, the protocol's limits and the checksum
+(:func:`validate_header`), then for agreement (:func:`check_headers`). After a verdict that is not OK the
+aggregator receives nothing by any header (the wrong one may be any): each remote worker sends a manifest
+of the round-0 messages it actually sent (:func:`manifest`), and the aggregator consumes exactly those
+(:func:`read_manifest`, each message at most :data:`DRAIN_MAX_BYTES`). A checksum catches a message
+changed on the way, not a peer that lies (it can recompute it); a liar's header that disagrees with the
+others' is a disagreement like any other, consumed by its manifest.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ...errors import MalformedMessage, OverflowError_
+from .._handshake import _error as _mismatch
+from .wire import (AGREE, F_ABSMAX, F_AGGS, F_BLOCK, F_CHANNELS, F_DTYPE, F_K0, F_KIND, F_LANES, F_MAGIC,
+                   F_NUMEL, F_SUM, F_WORLD, FIELD_NAMES, HDR, KINDS, MAGIC, MAN, MAX_CHANNELS, MALFORMED,
+                   MISMATCH, OK, OTHER_NAMES, OVERFLOW, R_DOWN_DTYPE, R_FIELD, R_STATUS, R_VMAX, R_VMIN,
+                   R_WMAX, R_WMIN, WHAT, block_bytes, code_dtype, down_dtype, dtype_code, firsts_bytes,
+                   plan_from_header, single)
+
+# protocol limits a header is checked against before anything is planned, allocated or looped over
+MAX_AGGREGATORS = 4096
+MAX_BLOCK = 1 << 20
+MAX_LANES = 1 << 24
+MAX_NUMEL = 1 << 48
+#: the largest round-0 message an aggregator drains after a verdict that is not OK (:func:`read_manifest`):
+#: a manifest announcing more ends the job (the message cannot be consumed, so the fabric cannot be
+#: cleaned), and no peer makes an aggregator allocate more than this for a call it rejected
+DRAIN_MAX_BYTES = 64 << 20
+
+
+def checksum(words: np.ndarray, skip: int) -> int:
+    """A position-weighted 64-bit checksum of int64 ``words`` but word ``skip`` (where it is stored):
+    it catches a message changed on the way, not a peer that lies (who can recompute it)."""
+    v = np.asarray(words, dtype=np.int64).astype(np.uint64)
+    v[skip] = 0
+    w = np.arange(1, v.size + 1, dtype=np.uint64)
+    s = ((v ^ (w * np.uint64(0x5851F42D4C957F2D))) * np.uint64(0x9E3779B1) + w).sum(dtype=np.uint64)
+    return int(np.array([s], dtype=np.uint64).view(np.int64)[0])
+
+
+def seal(h: np.ndarray) -> None:
+    """Store the header's checksum in it (its last step, after every field is set)."""
+    h[F_SUM] = checksum(h, F_SUM)
+
+
+def validate_header(h: np.ndarray, n: int, index: int, colocated: bool) -> tuple[int, str] | None:
+    """``(field, reason)`` if a worker's round-0 header is not one this aggregator can serve (checked
+    against the world size, its own index and the protocol limits; then its checksum: a header changed
+    on the way sizes no receive), else ``None``."""
+    if int(h[F_MAGIC]) != MAGIC:
+        return F_MAGIC, f"wire version {int(h[F_MAGIC]):#x}, expected {MAGIC:#x}"
+    if int(h[F_WORLD]) != n:
+        return F_WORLD, f"world size {int(h[F_WORLD])}, the job has {n} workers"
+    try:
+        code_dtype(h[F_DTYPE])
+    except MalformedMessage:
+        return F_DTYPE, f"dtype code {int(h[F_DTYPE])}, not a dtype the protocol carries"
+    A = int(h[F_AGGS])
+    if not (1 <= A <= MAX_AGGREGATORS and index < A and (not colocated or A == n)):
+        return F_AGGS, (f"num_aggregators {A}; aggregator {index} allows {index + 1}..{MAX_AGGREGATORS}"
+                        + (f" (colocated: exactly {n})" if colocated else ""))
+    checks = ((F_BLOCK, 1, MAX_BLOCK, "block_size"), (F_CHANNELS, 1, MAX_CHANNELS, "channels"),
+              (F_LANES, 1, MAX_LANES, "lanes"), (F_KIND, 0, len(KINDS) - 1, "payload kind"),
+              (F_NUMEL, 0, MAX_NUMEL, "numel"), (F_ABSMAX, 0, 2**62, "integer bound"))
+    for f, lo, hi, name in checks:
+        if not lo <= int(h[f]) <= hi:
+            return f, f"{name} {int(h[f])}, outside [{lo}, {hi}]"
+    chans = {c.slot: c for c in plan_from_header(h)[index]}
+    for g in range(MAX_CHANNELS):
+        k0 = int(h[F_K0 + g])
+        limit = chans[g].lanes if g in chans else 0
+        if not 0 <= k0 <= limit:
+            return F_K0 + g, f"{k0} position-0 blocks in channel {g}, which has {limit} lanes here"
+    if int(h[F_SUM]) != checksum(h, F_SUM):
+        return F_SUM, "the checksum does not match the header's words"
+    return None
+
+
+def round0_sizes(h: np.ndarray, index: int) -> tuple[int, dict[int, int]]:
+    """The round-0 messages a worker's (validated) header announces to aggregator ``index``: the bytes of
+    its first look-aheads (0: none) and of its position-0 blocks per slot (only slots with some)."""
+    up = code_dtype(h[F_DTYPE])
+    chans = plan_from_header(h)[index]
+    blocks = {ch.slot: block_bytes(int(h[F_K0 + ch.slot]), int(h[F_BLOCK]), up.itemsize, meta=not single(ch))
+              for ch in chans if int(h[F_K0 + ch.slot])}
+    return firsts_bytes(chans), blocks
+
+
+def manifest(h: np.ndarray, index: int) -> torch.Tensor:
+    """A worker's manifest for aggregator ``index`` (``int64[MAN]``, from the header it built, not the one
+    that arrived): the bytes of each round-0 message it sent there (:func:`round0_sizes`), checksummed.
+    Sent after a verdict that is not OK, so that the aggregator consumes exactly those messages."""
+    firsts, blocks = round0_sizes(h, index)
+    m = np.zeros(MAN, dtype=np.int64)
+    m[0] = firsts
+    for g, nbytes in blocks.items():
+        m[1 + g] = nbytes
+    m[-1] = checksum(m, MAN - 1)
+    return torch.from_numpy(m)
+
+
+def read_manifest(m: np.ndarray, worker: int) -> tuple[int, dict[int, int]]:
+    """``(first look-aheads' bytes, {slot: blocks' bytes})`` of a worker's manifest; raises
+    :class:`~sparsecomm.errors.MalformedMessage` if it was changed on the way or announces a message over
+    :data:`DRAIN_MAX_BYTES` (which the aggregator could not consume)."""
+    if int(m[-1]) != checksum(m, MAN - 1):
+        raise MalformedMessage(f"{WHAT}: worker {worker}'s round-0 manifest does not match its checksum")
+    sizes = [int(v) for v in m[:-1]]
+    if not all(0 <= v <= DRAIN_MAX_BYTES for v in sizes):
+        raise MalformedMessage(f"{WHAT}: worker {worker}'s round-0 manifest announces a message of "
+                               f"{max(sizes, key=abs)} bytes, outside [0, {DRAIN_MAX_BYTES}]")
+    return sizes[0], {g: v for g, v in enumerate(sizes[1:]) if v}
+
+
+def check_headers(headers: list[np.ndarray]) -> np.ndarray:
+    """Validate the workers' headers; returns the reply header (status, down dtype, detail)."""
+    reply = np.zeros(HDR, dtype=np.int64)
+    h0 = headers[0]
+    for f in AGREE:
+        vals = [int(h[f]) for h in headers]
+        if min(vals) != max(vals):
+            lo = min(range(len(vals)), key=lambda j: (vals[j], j))
+            hi = max(range(len(vals)), key=lambda j: (vals[j], -j))
+            reply[[R_STATUS, R_FIELD, R_WMIN, R_VMIN, R_WMAX, R_VMAX]] = [MISMATCH, f, lo, vals[lo], hi, vals[hi]]
+            return reply
+    up = code_dtype(h0[F_DTYPE])
+    bound = sum(int(h[F_ABSMAX]) for h in headers)
+    if not up.is_floating_point and bound > torch.iinfo(torch.int64).max:
+        reply[R_STATUS] = OVERFLOW
+        return reply
+    reply[R_DOWN_DTYPE] = dtype_code(down_dtype(up, bound))
+    return reply
+
+
+def raise_for_reply(reply: np.ndarray, header: np.ndarray, rank: int) -> None:
+    """Raise the error a non-OK round-0 reply describes (on every worker; the agreement handshake's
+    wording, :func:`sparsecomm.transports._handshake.mismatch_error`)."""
+    status = int(reply[R_STATUS])
+    if status == OK:
+        return
+    if status == MALFORMED:
+        f = int(reply[R_FIELD])
+        raise MalformedMessage(f"{WHAT}: the aggregator rejected worker {int(reply[R_WMIN])}'s round-0 header "
+                               f"(field {FIELD_NAMES.get(f) or OTHER_NAMES.get(f, f)!s} = {int(reply[R_VMIN])}: "
+                               f"out of range for this job, or changed on the way; this is worker {rank})")
+    if status not in (MISMATCH, OVERFLOW):
+        raise MalformedMessage(f"{WHAT}: an aggregator replied with unknown status {status} (this is worker {rank})")
+    if status == OVERFLOW:
+        raise OverflowError_(f"{WHAT}: the sum of the workers' integer codes can exceed int64 (this is "
+                             f"worker {rank}); use fewer quantisation levels or fewer workers")
+    f = int(reply[R_FIELD])
+    raise _mismatch(WHAT, FIELD_NAMES.get(f, str(f)), int(reply[R_VMIN]), int(reply[R_WMIN]),
+                    int(reply[R_VMAX]), int(reply[R_WMAX]), int(header[f]), rank)

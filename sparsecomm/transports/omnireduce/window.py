@@ -1,0 +1,71 @@
+"""An OmniReduce aggregator's receive windows: receives consumed in the order they are posted, through
+one pooled ring of bytes, so that an aggregator's memory for the workers' messages is the ring's,
+whatever the number of workers (Fei et al., SIGCOMM'21, Sec. 4: ``lanes`` blocks per slot; here each
+channel's ring holds a fixed number of its largest messages, :data:`.aggregator.WINDOW_MESSAGES`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from ...errors import ProtocolError
+from .mailbox import PostInto
+
+__all__ = ["ALIGN", "Window"]
+
+
+#: a message in a :class:`Window` starts at a multiple of this many bytes (any dtype's view of it is aligned)
+ALIGN = 64
+
+
+class Window:
+    """Receives consumed in the order they are posted, through one pooled ring of ``buf.numel()`` bytes:
+    :meth:`want` queues a receive, :meth:`feed` posts the queued ones, in order, while the ring has room
+    for them, :meth:`done` frees the oldest posted one once it is consumed. Its memory is the ring's,
+    however many receives are queued (one larger than the ring is a bug)."""
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        self.buf = buf
+        self.queue: deque = deque()     # (key, nbytes, src, tag), not yet posted
+        self.spans: deque = deque()     # (key, start, stop), posted, oldest first
+
+    def want(self, key, nbytes: int, src: int, tag: int) -> None:
+        if not 0 < nbytes <= self.buf.numel():
+            raise ProtocolError(f"omnireduce: a receive of {nbytes} bytes through a window of "
+                                f"{self.buf.numel()} (a bug)")
+        self.queue.append((key, nbytes, src, tag))
+
+    def posted(self) -> list:
+        """The keys of the receives posted and not yet consumed, oldest first."""
+        return [k for k, _, _ in self.spans]
+
+    def feed(self) -> list:
+        """The requests (:class:`PostInto`) that post the queued receives which fit now, in order."""
+        out = []
+        while self.queue:
+            key, nbytes, src, tag = self.queue[0]
+            start = self._room(nbytes)
+            if start is None:
+                break
+            self.queue.popleft()
+            self.spans.append((key, start, start + nbytes))
+            out.append(PostInto(key, self.buf[start: start + nbytes], src, tag))
+        return out
+
+    def _room(self, nbytes: int) -> int | None:
+        """Where a message of ``nbytes`` fits now (at a multiple of :data:`ALIGN`), or ``None``."""
+        if not self.spans:
+            return 0
+        tail, head = self.spans[0][1], -(-self.spans[-1][2] // ALIGN) * ALIGN
+        if head > tail:                 # [tail, head) in use: room after it, or from 0 up to it
+            return head if head + nbytes <= self.buf.numel() else (0 if nbytes <= tail else None)
+        return head if head + nbytes <= tail else None   # wrapped around: [head, tail) is free
+
+    def done(self, key) -> list:
+        """The oldest posted receive, ``key``, is consumed: its room is free; returns :meth:`feed`'s posts."""
+        if not self.spans or self.spans[0][0] != key:
+            raise ProtocolError(f"omnireduce: {key} consumed out of its window's order (a bug)")
+        self.spans.popleft()
+        return self.feed()
