@@ -249,6 +249,38 @@ def force_backend(name: str):
 
 
 # -------------------------------------------------------------------------------------- payload
+def decompressed(payload: Payload) -> torch.Tensor:
+    """``payload.to_dense()`` (flat), bit for bit: one Numba pass into a numpy-allocated buffer (see
+    :func:`cpu_empty`) for CPU ``quantized`` payloads of float32 / float64 (int8 or int16 codes for
+    float32, any integer codes for float64: the code's conversion is exact and the product rounds once,
+    as in torch) and for CPU ``sparse`` payloads of one value per index; ``Payload.to_dense`` elsewhere."""
+    v, dt = payload.values, payload.dtype
+    if dt not in (torch.float32, torch.float64) or not use_numba(v) or not v.is_contiguous():
+        return payload.to_dense()
+    from . import _kernels
+
+    d = payload.numel
+    if d == 0 or (payload.kind == "quantized" and v.numel() != d):
+        return payload.to_dense()
+    sc = payload.scale
+    if payload.kind == "quantized" and sc is not None and sc.device.type == "cpu" and (
+            v.dtype in (torch.int8, torch.int16) or (dt == torch.float64 and not v.dtype.is_floating_point)):
+        bs = d if sc.numel() == 1 else int(payload.bucket_size or 0)
+        if bs < 1 or sc.numel() != -(-d // bs):
+            return payload.to_dense()
+        out = cpu_empty(d, dt)
+        _kernels.dequantize(v.reshape(-1).numpy(), sc.reshape(-1).to(dt).contiguous().numpy(), bs, out.numpy())
+        return out
+    idx = payload.indices
+    if payload.kind == "sparse" and payload.row_len == 1 and v.dtype == dt and idx is not None and \
+            idx.dtype == torch.int64 and idx.device.type == "cpu" and idx.is_contiguous() and \
+            idx.numel() == v.numel():
+        out = cpu_empty(d, dt)
+        if _kernels.scatter_dense(idx.reshape(-1).numpy(), v.reshape(-1).numpy(), out.numpy()):
+            return out
+    return payload.to_dense()   # (an index out of range raises there)
+
+
 def make_payload(kind: str, x_shape, dtype, values: torch.Tensor, wire_bits: dict[str, int], *,
                  indices=None, scale=None, bucket_size=None, shared_scale=False, values_codec=(0, 0),
                  **meta) -> Payload:

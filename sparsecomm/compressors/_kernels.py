@@ -207,6 +207,37 @@ def sign_codes(x, codes):
     return acc
 
 
+# ------------------------------------------------------------------------------------ decompression
+@njit(cache=True, nogil=True)
+def dequantize(codes, scale, bs, out):
+    """out = codes * scale[bucket] per bucket of ``bs`` entries; ``scale`` is in ``out``'s dtype, so each
+    entry is the exact conversion of its code rounded once by the product (what torch's
+    ``codes.to(dtype) * scale`` computes)."""
+    n = out.size
+    for j in range(scale.size):
+        lo = j * bs
+        cs = codes[lo: min(n, lo + bs)]
+        os_ = out[lo: min(n, lo + bs)]
+        s = scale[j]
+        for t in range(cs.size):
+            os_[t] = cs[t] * s
+
+
+@njit(cache=True, nogil=True)
+def scatter_dense(idx, vals, out):
+    """out[:] = 0, then out[idx[j]] += vals[j] in order of j (``index_add_`` onto zeros); returns False,
+    with ``out`` partly written, at the first index outside [0, out.size)."""
+    n = out.size
+    for i in range(n):
+        out[i] = 0
+    for j in range(idx.size):
+        i = idx[j]
+        if i < 0 or i >= n:
+            return False
+        out[i] += vals[j]
+    return True
+
+
 # ------------------------------------------------------------------------------------ rand-k
 _DEBRUIJN = np.uint64(0x03F79D71B4CB0A89)
 _DEBRUIJN_POS = np.array([0, 1, 48, 2, 57, 49, 28, 3, 61, 58, 50, 42, 38, 29, 17, 4, 62, 55, 59, 36, 53, 51,
