@@ -207,6 +207,59 @@ def sign_codes(x, codes):
     return acc
 
 
+@njit(cache=True, nogil=True, fastmath=_FM)
+def vote_codes(x, codes):
+    """Majority-vote signs: codes = -1 where x < 0 else +1 (sign(0) := +1); returns False if x holds a
+    NaN or Inf (no sum of |x| that a finite float64 input could overflow)."""
+    chk = 0.0
+    for i in range(x.size):
+        v = x[i]
+        codes[i] = 1 - 2 * np.int64(v < 0)
+        chk += np.float64(v) * 0.0
+    return chk == 0.0
+
+
+@njit(cache=True, nogil=True, fastmath=_FM)
+def onebit_sums(x, bs, codes, pos, neg, nneg):
+    """1-bit SGD, per bucket ``j`` of ``bs`` entries (the last may be shorter): codes = sign(x)
+    (sign(0) := +1), ``pos[j]`` / ``neg[j]`` the float64 sums of the non-negative / negative entries
+    and ``nneg[j]`` the count of negative ones. A NaN or Inf in a bucket makes its sums non-finite."""
+    n = x.size
+    for j in range(pos.size):
+        lo = j * bs
+        xs = x[lo: min(n, lo + bs)]
+        cs = codes[lo: min(n, lo + bs)]
+        sp = 0.0
+        sn = 0.0
+        c = 0
+        for t in range(xs.size):
+            v = np.float64(xs[t])
+            m = v < 0
+            cs[t] = 1 - 2 * np.int64(m)
+            sn += v if m else 0.0
+            sp += 0.0 if m else v
+            c += np.int64(m)
+        pos[j] = sp
+        neg[j] = sn
+        nneg[j] = c
+
+
+@njit(cache=True, nogil=True)
+def two_level_residual(p, codes, qpos, qneg, bs, err):
+    """err = p - q with q = ``qneg[j]`` where the code is negative, else ``qpos[j]`` (bucket ``j`` of
+    ``bs`` entries); ``q`` is in ``p``'s dtype, so each entry is one IEEE subtraction."""
+    n = p.size
+    for j in range(qpos.size):
+        lo = j * bs
+        ps = p[lo: min(n, lo + bs)]
+        cs = codes[lo: min(n, lo + bs)]
+        es = err[lo: min(n, lo + bs)]
+        qp = qpos[j]
+        qn = qneg[j]
+        for t in range(ps.size):
+            es[t] = ps[t] - (qn if cs[t] < 0 else qp)
+
+
 # ------------------------------------------------------------------------------------ decompression
 @njit(cache=True, nogil=True)
 def dequantize(codes, scale, bs, out):
