@@ -87,6 +87,19 @@ def test_signum_beta_zero_is_signsgd_and_bad_beta():
     assert set(sd["buckets"][0]) == {"momentum", "__rounds__"}     # the typed state and the round count
 
 
+def test_signum_sends_its_momentum_without_copying_it_but_an_exact_round_copies():
+    """signum's vote reads the momentum in place (its codes never alias it); an exact round's dense
+    payload is a copy, untouched by later rounds."""
+    m = sc.methods.get("signum", beta=0.5)
+    x = torch.randn(64, generator=torch.Generator().manual_seed(1))
+    p = m.encode(x, 0, exact=True)
+    mom = m.state(0).momentum
+    assert p.values.data_ptr() != mom.data_ptr() and torch.equal(p.values, 0.5 * x)
+    q = m.encode(x, 0)
+    assert torch.equal(p.values, 0.5 * x) and torch.equal(mom, 0.75 * x)
+    assert q.values.data_ptr() != mom.data_ptr() and torch.equal(q.to_dense(), torch.where(x < 0, -1.0, 1.0))
+
+
 def test_vote_payload_is_one_bit_integer_codes_with_a_shared_scale():
     p = sc.methods.get("signsgd").encode(torch.randn(1000), 0)
     assert p.kind == "quantized" and p.shared_scale and p.values.dtype == torch.int8

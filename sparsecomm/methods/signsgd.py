@@ -85,7 +85,9 @@ class SignSGD(Method):
 
     def _encode(self, grad, ms, generator, exact):
         ms.pending = exact
-        return self._compress(self._message(grad, ms), generator, exact)
+        msg = self._message(grad, ms)
+        # an exact round's dense payload is the message itself: a copy where the message is state
+        return self._compress(msg.clone() if exact and msg is not grad else msg, generator, exact)
 
     def _decode(self, aggregate, world_size, ms, out):
         ms.take_pending(self.name)
