@@ -515,10 +515,12 @@ def _same_bits(a, b):
 
 @pytest.mark.kernel_paths("numba")
 def test_decompress_kernels_are_to_dense_bit_for_bit():
-    """Compressor.decompress runs one Numba pass (compressors._common.decompressed) for CPU quantized and
-    sparse payloads of float32/float64: the same bits as Payload.to_dense (the codes' exact conversion
-    times the bucket's scale, rounded once; index_add_ onto zeros, so a -0.0 value gives +0.0), including a
-    short last bucket, int16 and int32 codes, and a malformed payload left to to_dense (which raises)."""
+    """Compressor.decompress writes CPU dense, quantized and sparse payloads of float32/float64 into a
+    numpy-allocated buffer, by one Numba pass for the last two (compressors._common.decompressed): the
+    same bits as Payload.to_dense (the codes' exact conversion times the bucket's scale, rounded once;
+    index_add_ onto zeros, so a -0.0 value gives +0.0; torch's cast of float16/bfloat16 values),
+    including a short last bucket, int16 and int32 codes, and a malformed payload left to to_dense
+    (which raises)."""
     from sparsecomm.compressors._common import decompressed
     from sparsecomm.payload import Payload
 
@@ -535,8 +537,12 @@ def test_decompress_kernels_are_to_dense_bit_for_bit():
         vals = torch.randn(300, generator=g, dtype=dt)
         vals[:3] = torch.tensor([-0.0, 0.0, -1e-30], dtype=dt)
         cases.append(Payload("sparse", vals, (5000,), dt, indices=idx))
+        for narrow in (torch.float16, torch.bfloat16):
+            cases.append(Payload("dense", (vals * 1e3).to(narrow), (300,), dt))
     for p in cases:
         assert _same_bits(decompressed(p), p.to_dense()), (p.kind, p.dtype, p.values.dtype, p.bucket_size)
+    same = Payload("dense", vals, (300,), torch.float64)
+    assert decompressed(same).data_ptr() == vals.data_ptr()         # as to_dense: no copy, no cast
     bad = Payload("sparse", torch.ones(2), (10,), torch.float32, indices=torch.tensor([3, 10]))
     with pytest.raises(IndexError):
         decompressed(bad)

@@ -250,18 +250,21 @@ def force_backend(name: str):
 
 # -------------------------------------------------------------------------------------- payload
 def decompressed(payload: Payload) -> torch.Tensor:
-    """``payload.to_dense()`` (flat), bit for bit: one Numba pass into a numpy-allocated buffer (see
-    :func:`cpu_empty`) for CPU ``quantized`` payloads of float32 / float64 (int8 or int16 codes for
-    float32, any integer codes for float64: the code's conversion is exact and the product rounds once,
-    as in torch) and for CPU ``sparse`` payloads of one value per index; ``Payload.to_dense`` elsewhere."""
+    """``payload.to_dense()`` (flat), bit for bit, written into a numpy-allocated buffer (see
+    :func:`cpu_empty`) for CPU payloads of float32 / float64: ``dense`` ones in a narrower dtype by
+    torch's cast, ``quantized`` ones by one Numba pass (int8 or int16 codes for float32, any integer
+    codes for float64: the code's conversion is exact and the product rounds once, as in torch),
+    ``sparse`` ones of one value per index likewise; ``Payload.to_dense`` elsewhere."""
     v, dt = payload.values, payload.dtype
     if dt not in (torch.float32, torch.float64) or not use_numba(v) or not v.is_contiguous():
         return payload.to_dense()
     from . import _kernels
 
     d = payload.numel
-    if d == 0 or (payload.kind == "quantized" and v.numel() != d):
+    if d == 0 or (payload.kind in ("quantized", "dense") and v.numel() != d):
         return payload.to_dense()
+    if payload.kind == "dense":     # a cast (fp16, bf16) into a numpy-allocated buffer, else v itself
+        return v.reshape(-1) if v.dtype == dt else cpu_empty(d, dt).copy_(v.reshape(-1))
     sc = payload.scale
     if payload.kind == "quantized" and sc is not None and sc.device.type == "cpu" and (
             v.dtype in (torch.int8, torch.int16) or (dt == torch.float64 and not v.dtype.is_floating_point)):
