@@ -265,14 +265,14 @@ def decompressed(payload: Payload) -> torch.Tensor:
         return payload.to_dense()
     if payload.kind == "dense":     # a cast (fp16, bf16) into a numpy-allocated buffer, else v itself
         return v.reshape(-1) if v.dtype == dt else cpu_empty(d, dt).copy_(v.reshape(-1))
-    sc = payload.scale
-    if payload.kind == "quantized" and sc is not None and sc.device.type == "cpu" and (
+    scale = payload.scale
+    if payload.kind == "quantized" and scale is not None and scale.device.type == "cpu" and (
             v.dtype in (torch.int8, torch.int16) or (dt == torch.float64 and not v.dtype.is_floating_point)):
-        bs = d if sc.numel() == 1 else int(payload.bucket_size or 0)
-        if bs < 1 or sc.numel() != -(-d // bs):
+        bs = d if scale.numel() == 1 else int(payload.bucket_size or 0)
+        if bs < 1 or scale.numel() != -(-d // bs):
             return payload.to_dense()
         out = cpu_empty(d, dt)
-        _kernels.dequantize(v.reshape(-1).numpy(), sc.reshape(-1).to(dt).contiguous().numpy(), bs, out.numpy())
+        _kernels.dequantize(v.reshape(-1).numpy(), scale.reshape(-1).to(dt).contiguous().numpy(), bs, out.numpy())
         return out
     idx = payload.indices
     if payload.kind == "sparse" and payload.row_len == 1 and v.dtype == dt and idx is not None and \

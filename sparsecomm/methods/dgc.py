@@ -43,8 +43,6 @@ from ..compressors.base import Compressor
 from .base import Method
 from ..errors import InvalidValueError
 
-_NP = {torch.float32: np.float32, torch.float64: np.float64}
-
 
 class SampledTopK(Compressor):
     """The entries of x at or above a threshold estimated from a uniform sample (at most k of them)."""
@@ -88,8 +86,9 @@ def _abs_at(flat: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
         return flat.abs()
     if not _numba(flat):
         return flat[idx].abs()
-    out = np.empty(idx.numel(), dtype=_NP[flat.dtype])
-    K.abs_gather(flat.contiguous().numpy(), idx.numpy(), out)
+    xn = flat.contiguous().numpy()
+    out = np.empty(idx.numel(), dtype=xn.dtype)
+    K.abs_gather(xn, idx.numpy(), out)
     return torch.from_numpy(out)
 
 
