@@ -421,11 +421,11 @@ def test_cast_error_kernel_matches_torch():
 
 def test_fused_cast_kernel_is_torchs_rounding_bit_for_bit():
     """fp16/bf16 on CPU float32 cast, take max |x| and the contraction's sums in one pass
-    (compressors._kernels.cast_narrow): the codes are torch's round-to-nearest-even bit for bit on every
+    (compressors.identity._cast_narrow): the codes are torch's round-to-nearest-even bit for bit on every
     value of the narrow dtype, every midpoint between two neighbours (ties) and the float32 values next
     to both, float32 subnormals and the overflow boundary (all 2^32 float32 patterns were checked once
     offline); the sums match torch's float64 ones, and max |x| is exact."""
-    from sparsecomm.compressors._kernels import cast_narrow
+    from sparsecomm.compressors.identity import _cast_narrow as cast_narrow
 
     for tgt, is_bf16 in ((torch.float16, False), (torch.bfloat16, True)):
         v = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(tgt).to(torch.float32)

@@ -260,67 +260,6 @@ def two_level_residual(p, codes, qpos, qneg, bs, err):
             es[t] = ps[t] - (qn if cs[t] < 0 else qp)
 
 
-# ------------------------------------------------------------------------------- float16 / bfloat16
-_CAST_CHUNK = 4096
-
-
-@njit(cache=True, nogil=True, fastmath=_FM)
-def cast_narrow(xu, is_bf16, with_error, ybits):
-    """float32 (bit patterns ``xu``, uint32) rounded to nearest-even float16 or bfloat16 (bit patterns
-    written to ``ybits``, int16) in one pass; returns (max |x| as float32 bits, sum (y - x)^2,
-    sum x^2), the two sums in float64 (0.0 unless ``with_error``; meaningless where a value
-    overflowed). Bit for bit the IEEE conversion for every finite input (NaN/Inf: max |x| >= 0x7F800000
-    says so, the output is then not defined):
-
-    - bfloat16: the top 16 bits after adding 0x7FFF plus the lowest kept bit (ties to even; a carry
-      into the exponent rounds up to the next binade or to infinity);
-    - float16, |x| >= 2^-14: the exponent rebiased (-112) and the 13 dropped significand bits rounded
-      the same way (0xFFF plus the lowest kept bit), |x| >= 65536 set to infinity (65520 <= |x| carries
-      there by itself); |x| < 2^-14: the subnormal code rint(|x| 2^24), exact in float32 and rounded to
-      even by rint (1024 is the smallest normal's code).
-
-    Chunks of 4096: an integer pass computes the codes and the float32 patterns of their values (the
-    float16 one divided by 2^112, as in ``identity._cast_error``), then a float pass sums the errors."""
-    n = xu.size
-    tmp = np.empty(_CAST_CHUNK, dtype=np.int32)
-    tf = tmp.view(np.float32)
-    xf = xu.view(np.float32)
-    scale = np.float32(1.0) if is_bf16 else np.float32(2.0 ** 112)
-    two24 = np.float32(16777216.0)
-    small = np.float32(2.0 ** -14)
-    top = np.int64(0)
-    err = 0.0
-    nrm = 0.0
-    for s in range(0, n, _CAST_CHUNK):
-        m = min(_CAST_CHUNK, n - s)
-        xs = xu[s: s + m]
-        fs = xf[s: s + m]
-        ys = ybits[s: s + m]
-        t = tmp[:m]
-        for i in range(m):
-            b = np.int64(xs[i])
-            sign = b & 0x80000000
-            f = b ^ sign
-            top = max(top, f)
-            if is_bf16:
-                o = (f + 0x7FFF + ((f >> 16) & 1)) >> 16
-                t[i] = np.int32(o << 16)
-            else:
-                on = (f - (112 << 23) + 0xFFF + ((f >> 13) & 1)) >> 13
-                on = 0x7C00 if f >= 0x47800000 else on
-                osub = np.int64(np.rint(min(abs(fs[i]), small) * two24))
-                o = osub if f < 0x38800000 else on
-                t[i] = np.int32(o << 13)
-            ys[i] = o | (sign >> 16)
-        if with_error:
-            for i in range(m):
-                xi = np.float64(fs[i])
-                d = np.float64(tf[i] * scale) - abs(xi)
-                err += d * d
-                nrm += xi * xi
-    return top, err, nrm
-
-
 # ------------------------------------------------------------------------------------ decompression
 @njit(cache=True, nogil=True)
 def dequantize(codes, scale, bs, out):
