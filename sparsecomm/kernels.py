@@ -19,8 +19,10 @@ test suite's ``kernel_path`` fixture in tests/conftest.py):
 
 - deterministic kernels agree **bit for bit**: block scan, pack, unpack-add, bitmaps, indices, look-ahead,
   chunk exponents, fixed point (nearest and the codec's counter-based stochastic rounding), checked add;
-  the operators top-k, threshold, identity, fp16/bf16 casts, and sign's codes; a scale that is a sum over
-  a bucket (sign's l1 norm) agrees to rounding only (the paths sum in different orders: n ulp for n terms);
+  the operators top-k, threshold, identity, fp16/bf16 casts, sign's and the vote's codes, DGC's sampled
+  selection, every ``decompress``, 1-bit SGD's codes and residual given its levels; a scale that is a sum
+  over a bucket (sign's l1 norm, 1-bit SGD's levels) agrees to rounding only (the paths sum in different
+  orders: n ulp for n terms; the Numba path sums in float64 and rounds once);
 - random operators agree **in distribution only**: rand-k, QSGD, TernGrad, natural compression and
   dithering draw different (equally distributed) values from the same generator state, and advance the
   generator by different amounts (Numba draws one 64-bit key per call; torch draws per element).

@@ -506,3 +506,47 @@ def test_kernel_path_switch_routes_auto_dispatch():
             os.environ["SPARSECOMM_KERNELS"] = before
         importlib.reload(kernels)
         kernels._forced = outer            # the fixture's setting, which its exit restores from
+
+
+def _same_bits(a, b):
+    """Equal values, dtypes and signs of zero."""
+    return a.dtype == b.dtype and torch.equal(a, b) and torch.equal(torch.signbit(a), torch.signbit(b))
+
+
+@pytest.mark.kernel_paths("numba")
+def test_decompress_kernels_are_to_dense_bit_for_bit():
+    """Compressor.decompress writes CPU dense, quantized and sparse payloads of float32/float64 into a
+    numpy-allocated buffer, by one Numba pass for the last two (compressors._common.decompressed): the
+    same bits as Payload.to_dense (the codes' exact conversion times the bucket's scale, rounded once;
+    index_add_ onto zeros, so a -0.0 value gives +0.0; torch's cast of float16/bfloat16 values),
+    including a short last bucket, int16 and int32 codes, and a malformed payload left to to_dense
+    (which raises)."""
+    from sparsecomm.compressors._common import decompressed
+    from sparsecomm.payload import Payload
+
+    g = torch.Generator().manual_seed(3)
+    cases = []
+    for dt in (torch.float32, torch.float64):
+        for cdt, hi in ((torch.int8, 127), (torch.int16, 30000), (torch.int32, 2**30)):
+            codes = torch.randint(-hi, hi + 1, (1003,), generator=g, dtype=torch.int64).to(cdt)
+            for bs in (1003, 16, 1):
+                scale = torch.randn(-(-1003 // bs), generator=g, dtype=torch.float64).to(dt) * 1e-3
+                scale[0] = -0.0
+                cases.append(Payload("quantized", codes, (17, 59), dt, scale=scale, bucket_size=bs))
+        idx = torch.randperm(5000, generator=g)[:300].sort().values
+        vals = torch.randn(300, generator=g, dtype=dt)
+        vals[:3] = torch.tensor([-0.0, 0.0, -1e-30], dtype=dt)
+        cases.append(Payload("sparse", vals, (5000,), dt, indices=idx))
+        for narrow in (torch.float16, torch.bfloat16):
+            cases.append(Payload("dense", (vals * 1e3).to(narrow), (300,), dt))
+    for p in cases:
+        assert _same_bits(decompressed(p), p.to_dense()), (p.kind, p.dtype, p.values.dtype, p.bucket_size)
+    same = Payload("dense", vals, (300,), torch.float64)
+    assert decompressed(same).data_ptr() == vals.data_ptr()         # as to_dense: no copy, no cast
+    bad = Payload("sparse", torch.ones(2), (10,), torch.float32, indices=torch.tensor([3, 10]))
+    with pytest.raises(IndexError):
+        decompressed(bad)
+    short = Payload("quantized", torch.ones(10, dtype=torch.int8), (10,), torch.float32,
+                    scale=torch.ones(2), bucket_size=4)          # 3 buckets, 2 scales
+    with pytest.raises(IndexError):
+        decompressed(short)

@@ -73,6 +73,29 @@ def test_sampled_threshold_sends_a_top_set_of_expected_size():
     assert abs(np.mean(counts) - law.mean()) <= 4 * se + 1.0 / k
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sampled_threshold_is_the_same_on_both_kernel_paths(dtype):
+    """The Numba path (gathered sample, one collecting pass, no |x| temporary) sends the torch path's
+    indices and values, draws the same sample (the generator ends in the same state), and decompresses
+    to the same bits; a NaN in the sample gives a NaN threshold and an empty message on both."""
+    from sparsecomm.methods.dgc import SampledTopK
+
+    x = torch.randn(300_001, generator=torch.Generator().manual_seed(6), dtype=torch.float64).to(dtype)
+    for keep in (0.001, 0.01, 0.3):
+        for y in (x, torch.where(torch.arange(x.numel()) % 7 == 0, torch.nan, x)):
+            out = {}
+            for path in ("numba", "torch"):
+                g = torch.Generator().manual_seed(8)
+                with sc.kernels.force(path):
+                    c = SampledTopK(keep, 0.01)
+                    p = c.compress(y, g)
+                    out[path] = (p.indices, p.values, c.decompress(p), g.get_state())
+            (i1, v1, d1, g1), (i2, v2, d2, g2) = out["numba"], out["torch"]
+            assert torch.equal(i1, i2) and torch.equal(g1, g2)
+            assert torch.equal(v1, v2) and torch.equal(d1, d2) and v1.dtype == d1.dtype == dtype
+            assert (i1.numel() == 0) == (y is not x)
+
+
 def test_sparsity_warmup_schedule():
     assert [1 - th.dgc_keep(t, 0.001, 8) for t in range(9)] == pytest.approx(
         [0.75, 0.75, 0.9375, 0.9375, 0.984375, 0.984375, 0.99609375, 0.99609375, 0.999])

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import sparsecomm as sc
-from sparsecomm.errors import IncompatibleError
+from sparsecomm.errors import IncompatibleError, NonFiniteError
+from sparsecomm.methods.signsgd import VoteSign
 from sparsecomm.pipeline import CommPipeline
 from theory import compressors as th
 
@@ -86,10 +87,46 @@ def test_signum_beta_zero_is_signsgd_and_bad_beta():
     assert set(sd["buckets"][0]) == {"momentum", "__rounds__"}     # the typed state and the round count
 
 
+def test_signum_sends_its_momentum_without_copying_it_but_an_exact_round_copies():
+    """signum's vote reads the momentum in place (its codes never alias it); an exact round's dense
+    payload is a copy, untouched by later rounds."""
+    m = sc.methods.get("signum", beta=0.5)
+    x = torch.randn(64, generator=torch.Generator().manual_seed(1))
+    p = m.encode(x, 0, exact=True)
+    mom = m.state(0).momentum
+    assert p.values.data_ptr() != mom.data_ptr() and torch.equal(p.values, 0.5 * x)
+    q = m.encode(x, 0)
+    assert torch.equal(p.values, 0.5 * x) and torch.equal(mom, 0.75 * x)
+    assert q.values.data_ptr() != mom.data_ptr() and torch.equal(q.to_dense(), torch.where(x < 0, -1.0, 1.0))
+
+
 def test_vote_payload_is_one_bit_integer_codes_with_a_shared_scale():
     p = sc.methods.get("signsgd").encode(torch.randn(1000), 0)
     assert p.kind == "quantized" and p.shared_scale and p.values.dtype == torch.int8
     assert set(p.values.unique().tolist()) <= {-1, 1} and p.bits == th.sign_vote_bits(1000) == 1000
+
+
+def test_vote_codes_agree_on_both_kernel_paths():
+    """VoteSign's one-pass Numba kernel gives the torch path's codes (sign(0) := +1, -0.0 too) and its
+    decompressed votes, refuses NaN/Inf on both paths and accepts huge finite float64 values (the check
+    is per entry, not a sum that could overflow)."""
+    for dt in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        x = torch.randn(4099, generator=torch.Generator().manual_seed(4)).to(dt)
+        x[:3] = torch.tensor([0.0, -0.0, -1e-30]).to(dt)
+        out = {}
+        for path in ("numba", "torch"):
+            with sc.kernels.force(path):
+                p = VoteSign().compress(x)
+                out[path] = (p.values, VoteSign().decompress(p))
+                for bad in (math.nan, math.inf, -math.inf):
+                    y = x.clone()
+                    y[4000] = bad
+                    with pytest.raises(NonFiniteError):
+                        VoteSign().compress(y)
+                big = torch.tensor([1e308, 1e308, -1e308], dtype=torch.float64)
+                assert VoteSign().compress(big).values.tolist() == [1, 1, -1]
+        assert torch.equal(out["numba"][0], out["torch"][0]) and out["numba"][0].dtype == torch.int8
+        assert torch.equal(out["numba"][1], out["torch"][1]) and out["numba"][1].dtype == dt
 
 
 # ------------------------------------------------------------------ onebit
@@ -167,6 +204,40 @@ def test_onebit_residual_stays_bounded(levels):
         G = max(G, float(x.norm()))
         _onebit_step(m, x)
         assert float(m.state(0).error.norm()) <= G * c / (1 - c)
+
+
+@pytest.mark.parametrize("bucket", [512, 7, None])
+def test_onebit_levels_are_rounded_once_and_both_paths_agree(bucket):
+    """The Numba path sums each bucket in float64 and rounds the levels once to float32: they are the
+    float64 levels (the reference: torch float64 sums) rounded to nearest, which the float32 torch path
+    matches to a few ulp; the codes agree bit for bit, and so does the residual e = p - q given the same
+    levels (q = s + a or -s + a per bucket in float32, one subtraction per entry)."""
+    from sparsecomm.methods.onebit import OneBit, _residual
+
+    x = torch.randn(10_007, generator=torch.Generator().manual_seed(5)) + 0.3
+    x[:2] = torch.tensor([0.0, -0.0])
+    x[600:1200] = 1.0                                 # a bucket with no negative entry
+    for two in (True, False):
+        c = OneBit(bucket, two)
+        with sc.kernels.force("numba"):
+            codes, s, a, b = c.levels(x)
+        with sc.kernels.force("torch"):
+            codes_t, s_t, a_t, b_t = c.levels(x)
+        _, s64, a64, _ = OneBit(bucket, two).levels(x.double())
+        assert torch.equal(codes, codes_t) and b == b_t
+        assert torch.equal(s, s64.float())
+        eps = torch.finfo(torch.float32).eps
+        torch.testing.assert_close(s_t, s, rtol=4 * eps, atol=0)
+        if two:
+            assert torch.equal(a, a64.float())
+            torch.testing.assert_close(a_t, a, rtol=0, atol=4 * eps * float(s.max()))
+        errs = []
+        for path in ("numba", "torch"):
+            with sc.kernels.force(path):
+                e = torch.empty_like(x)
+                _residual(x, codes, s, a, b, e)
+                errs.append(e)
+        assert torch.equal(errs[0], errs[1]) and torch.equal(errs[0].signbit(), errs[1].signbit())
 
 
 def _onebit_worker(ctx, levels):

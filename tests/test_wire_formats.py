@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings

@@ -249,6 +249,41 @@ def force_backend(name: str):
 
 
 # -------------------------------------------------------------------------------------- payload
+def decompressed(payload: Payload) -> torch.Tensor:
+    """``payload.to_dense()`` (flat), bit for bit, written into a numpy-allocated buffer (see
+    :func:`cpu_empty`) for CPU payloads of float32 / float64: ``dense`` ones in a narrower dtype by
+    torch's cast, ``quantized`` ones by one Numba pass (int8 or int16 codes for float32, any integer
+    codes for float64: the code's conversion is exact and the product rounds once, as in torch),
+    ``sparse`` ones of one value per index likewise; ``Payload.to_dense`` elsewhere."""
+    v, dt = payload.values, payload.dtype
+    if dt not in (torch.float32, torch.float64) or not use_numba(v) or not v.is_contiguous():
+        return payload.to_dense()
+    from . import _kernels
+
+    d = payload.numel
+    if d == 0 or (payload.kind in ("quantized", "dense") and v.numel() != d):
+        return payload.to_dense()
+    if payload.kind == "dense":     # a cast (fp16, bf16) into a numpy-allocated buffer, else v itself
+        return v.reshape(-1) if v.dtype == dt else cpu_empty(d, dt).copy_(v.reshape(-1))
+    scale = payload.scale
+    if payload.kind == "quantized" and scale is not None and scale.device.type == "cpu" and (
+            v.dtype in (torch.int8, torch.int16) or (dt == torch.float64 and not v.dtype.is_floating_point)):
+        bs = d if scale.numel() == 1 else int(payload.bucket_size or 0)
+        if bs < 1 or scale.numel() != -(-d // bs):
+            return payload.to_dense()
+        out = cpu_empty(d, dt)
+        _kernels.dequantize(v.reshape(-1).numpy(), scale.reshape(-1).to(dt).contiguous().numpy(), bs, out.numpy())
+        return out
+    idx = payload.indices
+    if payload.kind == "sparse" and payload.row_len == 1 and v.dtype == dt and idx is not None and \
+            idx.dtype == torch.int64 and idx.device.type == "cpu" and idx.is_contiguous() and \
+            idx.numel() == v.numel():
+        out = cpu_empty(d, dt)
+        if _kernels.scatter_dense(idx.reshape(-1).numpy(), v.reshape(-1).numpy(), out.numpy()):
+            return out
+    return payload.to_dense()   # (an index out of range raises there)
+
+
 def make_payload(kind: str, x_shape, dtype, values: torch.Tensor, wire_bits: dict[str, int], *,
                  indices=None, scale=None, bucket_size=None, shared_scale=False, values_codec=(0, 0),
                  **meta) -> Payload:

@@ -207,6 +207,90 @@ def sign_codes(x, codes):
     return acc
 
 
+@njit(cache=True, nogil=True, fastmath=_FM)
+def vote_codes(x, codes):
+    """Majority-vote signs: codes = -1 where x < 0 else +1 (sign(0) := +1); returns False if x holds a
+    NaN or Inf (no sum of |x| that a finite float64 input could overflow)."""
+    chk = 0.0
+    for i in range(x.size):
+        v = x[i]
+        codes[i] = 1 - 2 * np.int64(v < 0)
+        chk += np.float64(v) * 0.0
+    return chk == 0.0
+
+
+@njit(cache=True, nogil=True, fastmath=_FM)
+def onebit_sums(x, bs, codes, pos, neg, nneg):
+    """1-bit SGD, per bucket ``j`` of ``bs`` entries (the last may be shorter): codes = sign(x)
+    (sign(0) := +1), ``pos[j]`` / ``neg[j]`` the float64 sums of the non-negative / negative entries
+    and ``nneg[j]`` the count of negative ones. A NaN or Inf in a bucket makes its sums non-finite."""
+    n = x.size
+    for j in range(pos.size):
+        lo = j * bs
+        xs = x[lo: min(n, lo + bs)]
+        cs = codes[lo: min(n, lo + bs)]
+        sp = 0.0
+        sn = 0.0
+        c = 0
+        for t in range(xs.size):
+            v = np.float64(xs[t])
+            m = v < 0
+            cs[t] = 1 - 2 * np.int64(m)
+            sn += v if m else 0.0
+            sp += 0.0 if m else v
+            c += np.int64(m)
+        pos[j] = sp
+        neg[j] = sn
+        nneg[j] = c
+
+
+@njit(cache=True, nogil=True)
+def two_level_residual(p, codes, qpos, qneg, bs, err):
+    """err = p - q with q = ``qneg[j]`` where the code is negative, else ``qpos[j]`` (bucket ``j`` of
+    ``bs`` entries); ``q`` is in ``p``'s dtype, so each entry is one IEEE subtraction."""
+    n = p.size
+    for j in range(qpos.size):
+        lo = j * bs
+        ps = p[lo: min(n, lo + bs)]
+        cs = codes[lo: min(n, lo + bs)]
+        es = err[lo: min(n, lo + bs)]
+        qp = qpos[j]
+        qn = qneg[j]
+        for t in range(ps.size):
+            es[t] = ps[t] - (qn if cs[t] < 0 else qp)
+
+
+# ------------------------------------------------------------------------------------ decompression
+@njit(cache=True, nogil=True)
+def dequantize(codes, scale, bs, out):
+    """out = codes * scale[bucket] per bucket of ``bs`` entries; ``scale`` is in ``out``'s dtype, so each
+    entry is the exact conversion of its code rounded once by the product (what torch's
+    ``codes.to(dtype) * scale`` computes)."""
+    n = out.size
+    for j in range(scale.size):
+        lo = j * bs
+        cs = codes[lo: min(n, lo + bs)]
+        os_ = out[lo: min(n, lo + bs)]
+        s = scale[j]
+        for t in range(cs.size):
+            os_[t] = cs[t] * s
+
+
+@njit(cache=True, nogil=True)
+def scatter_dense(idx, vals, out):
+    """out[:] = 0, then out[idx[j]] += vals[j] in order of j (``index_add_`` onto zeros); returns False,
+    with ``out`` partly written, at the first index outside [0, out.size)."""
+    n = out.size
+    for i in range(n):
+        out[i] = 0
+    for j in range(idx.size):
+        i = idx[j]
+        if i < 0 or i >= n:
+            return False
+        out[i] += vals[j]
+    return True
+
+
 # ------------------------------------------------------------------------------------ rand-k
 _DEBRUIJN = np.uint64(0x03F79D71B4CB0A89)
 _DEBRUIJN_POS = np.array([0, 1, 48, 2, 57, 49, 28, 3, 61, 58, 50, 42, 38, 29, 17, 4, 62, 55, 59, 36, 53, 51,

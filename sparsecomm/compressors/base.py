@@ -29,6 +29,7 @@ from typing import ClassVar
 import torch
 
 from ..payload import Payload
+from ._common import decompressed
 
 
 class Compressor(ABC):
@@ -45,8 +46,9 @@ class Compressor(ABC):
         """Compress ``x`` (any shape, any float dtype; operates on the flattened view)."""
 
     def decompress(self, payload: Payload) -> torch.Tensor:
-        """The decompressed tensor, with the shape and dtype of the compressed input."""
-        return payload.to_dense().reshape(payload.shape)
+        """The decompressed tensor, with the shape and dtype of the compressed input
+        (``payload.to_dense()``, bit for bit: :func:`._common.decompressed`)."""
+        return decompressed(payload).reshape(payload.shape)
 
     def omega(self, d: int) -> float:
         """Variance constant of U(omega); ``inf`` for a biased compressor."""

@@ -21,11 +21,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from sparsecomm.theory import compressors as th
 
-from ..compressors._common import check_bucket_size, flat_input, make_payload, raise_nonfinite, scale_dtype
+from ..compressors import _kernels as K
+from ..compressors._common import (check_bucket_size, cpu_empty, flat_input, make_payload, raise_nonfinite,
+                                   scale_dtype, use_numba, work_dtype)
 from ..compressors.base import Compressor
 from ..payload import SIGNS, Payload
 from .base import Method, dense_payload
@@ -43,11 +46,41 @@ class OneBit(Compressor):
         self.bucket_size, self.two_level = check_bucket_size(bucket_size), two_level
 
     def levels(self, x: torch.Tensor):
-        """(codes, s, a, bucket length b): x is reconstructed as a + s * codes, bucket by bucket."""
+        """(codes, s, a, bucket length b): x is reconstructed as a + s * codes, bucket by bucket
+        (``a`` is ``None`` for the symmetric level). The levels are in ``scale_dtype(x.dtype)``; the
+        Numba path sums each bucket in float64 and rounds the levels once (the torch path sums in that
+        dtype: the two agree to its rounding)."""
         flat = flat_input(x, self.name)
         d = flat.numel()
         b = min(self.bucket_size or max(d, 1), max(d, 1))
-        w = flat.to(scale_dtype(x.dtype))
+        levels = self._levels_numba if use_numba(flat) and d else self._levels_torch
+        codes, s, a, finite = levels(flat, b)
+        if not finite:
+            raise_nonfinite(self.name)
+        return codes, s, a, b
+
+    def _levels_numba(self, flat: torch.Tensor, b: int):
+        """One Numba pass, then numpy on the per-bucket sums (no torch op: small torch ops wake its
+        thread pool, which costs milliseconds on a loaded host)."""
+        w = flat.to(work_dtype(flat.dtype)).numpy()
+        d, nb = w.size, -(-w.size // b)
+        codes = cpu_empty(d, torch.int8)
+        pos, neg, nneg = np.empty(nb), np.empty(nb), np.empty(nb, dtype=np.int64)
+        K.onebit_sums(w, b, codes.numpy(), pos, neg, nneg)
+        cnt = np.full(nb, float(b))
+        cnt[-1] = d - (nb - 1) * b
+        sdt = np.float64 if flat.dtype == torch.float64 else np.float32     # scale_dtype
+        with np.errstate(all="ignore"):       # non-finite sums are reported below
+            if self.two_level:
+                hi, lo = pos / np.maximum(cnt - nneg, 1), neg / np.maximum(nneg, 1)
+                s, a = ((hi - lo) / 2).astype(sdt), ((hi + lo) / 2).astype(sdt)
+            else:
+                s, a = ((pos - neg) / cnt).astype(sdt), None
+        finite = bool(np.isfinite(s).all()) and (a is None or bool(np.isfinite(a).all()))
+        return codes, torch.from_numpy(s), None if a is None else torch.from_numpy(a), finite
+
+    def _levels_torch(self, flat: torch.Tensor, b: int):
+        w = flat.to(scale_dtype(flat.dtype))
         neg = w < 0
         cnt = _per_bucket(torch.ones_like(w), b)
         if self.two_level:
@@ -56,9 +89,8 @@ class OneBit(Compressor):
             s, a = (hi - lo) / 2, (hi + lo) / 2
         else:
             s, a = _per_bucket(w.abs(), b) / cnt, None
-        if not bool(torch.isfinite(s).all()) or (a is not None and not bool(torch.isfinite(a).all())):
-            raise_nonfinite(self.name)
-        return torch.where(neg, -1, 1).to(torch.int8), s, a, b
+        finite = bool(torch.isfinite(s).all()) and (a is None or bool(torch.isfinite(a).all()))
+        return torch.where(neg, -1, 1).to(torch.int8), s, a, finite
 
     def compress(self, x, generator=None):
         codes, s, _, b = OneBit(self.bucket_size, False).levels(x)
@@ -105,10 +137,7 @@ class OneBitSGD(Method):
             ms.pending = ("exact",)
             return dense_payload(p)
         codes, s, a, b = self.compressor.levels(p)
-        q = _expand(s, b, p.numel()) * codes
-        if a is not None:
-            q += _expand(a, b, p.numel())
-        torch.sub(p, q.to(p.dtype), out=st.error)
+        _residual(p, codes, s, a, b, st.error)
         ms.pending = ("codes", a, b)
         return make_payload("quantized", p.shape, p.dtype, codes, scale=s, bucket_size=b, shared_scale=False,
                             wire_bits={"values": codes.numel(), "scale": 8 * s.element_size() * s.numel()},
@@ -129,6 +158,22 @@ class OneBitSGD(Method):
             out.div_(world_size)
         else:
             torch.div(aggregate, world_size, out=out)
+
+
+def _residual(p: torch.Tensor, codes: torch.Tensor, s: torch.Tensor, a: torch.Tensor | None, b: int,
+              err: torch.Tensor) -> None:
+    """err = p - q, q = s * codes (+ a), bucket by bucket, computed in the levels' dtype and rounded to
+    ``p``'s. Numba (one pass) where ``p`` is a contiguous CPU float32/float64 tensor: q takes two values
+    per bucket, ``s + a`` and ``-s + a`` (``s * (+-1)`` is exact), so both paths give the same bits."""
+    if use_numba(p) and p.dtype == s.dtype and p.is_contiguous() and err.is_contiguous() and p.numel():
+        sn = s.numpy()
+        qpos, qneg = (sn, -sn) if a is None else (sn + a.numpy(), -sn + a.numpy())
+        K.two_level_residual(p.numpy(), codes.numpy(), qpos, qneg, b, err.numpy())
+        return
+    q = _expand(s, b, p.numel()) * codes
+    if a is not None:
+        q += _expand(a, b, p.numel())
+    torch.sub(p, q.to(p.dtype), out=err)
 
 
 def _per_bucket(v: torch.Tensor, b: int) -> torch.Tensor:

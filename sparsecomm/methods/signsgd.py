@@ -28,7 +28,8 @@ import torch
 
 from sparsecomm.theory import compressors as th
 
-from ..compressors._common import flat_input, make_payload, raise_nonfinite
+from ..compressors import _kernels as K
+from ..compressors._common import cpu_empty, flat_input, make_payload, raise_nonfinite, use_numba, work_dtype
 from ..compressors.base import Compressor
 from ..payload import SIGNS
 from .base import Method
@@ -50,9 +51,14 @@ class VoteSign(Compressor):
 
     def compress(self, x, generator=None):
         flat = flat_input(x, self.name)
-        if not bool(torch.isfinite(flat).all()):
+        if use_numba(flat):     # one pass: the codes and the finiteness check
+            codes = cpu_empty(flat.numel(), torch.int8)
+            finite = K.vote_codes(flat.to(work_dtype(flat.dtype)).numpy(), codes.numpy())
+        else:
+            finite = bool(torch.isfinite(flat).all())
+            codes = torch.where(flat < 0, -1, 1).to(torch.int8)
+        if not finite:
             raise_nonfinite(self.name)
-        codes = torch.where(flat < 0, -1, 1).to(torch.int8)
         one = torch.ones(1 if flat.numel() else 0, dtype=torch.float32, device=flat.device)
         return make_payload("quantized", x.shape, x.dtype, codes, scale=one, bucket_size=max(flat.numel(), 1),
                             shared_scale=True, wire_bits={"values": th.sign_vote_bits(flat.numel())},
@@ -79,7 +85,9 @@ class SignSGD(Method):
 
     def _encode(self, grad, ms, generator, exact):
         ms.pending = exact
-        return self._compress(self._message(grad, ms), generator, exact)
+        msg = self._message(grad, ms)
+        # an exact round's dense payload is the message itself: a copy where the message is state
+        return self._compress(msg.clone() if exact and msg is not grad else msg, generator, exact)
 
     def _decode(self, aggregate, world_size, ms, out):
         ms.take_pending(self.name)

@@ -48,4 +48,4 @@ class Signum(SignSGD):
         if st is None:
             st = ms.state = SignumState(torch.zeros_like(grad))
         st.momentum.mul_(self.beta).add_(grad, alpha=1.0 - self.beta)
-        return st.momentum.clone()
+        return st.momentum          # the vote's codes never alias it (SignSGD._encode copies it when exact)
