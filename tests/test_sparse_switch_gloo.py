@@ -42,4 +42,4 @@ def test_sparse_switch_over_gloo_exact_sums_and_clean_shutdown():
         assert torch.equal(r[0][3][2], fsums) and torch.equal(r[0][3][1], res[0][0][3][1])
         assert r[1] is not None and "NaN" in r[1]
         assert torch.equal(r[2], torch.full((5,), 3.0))
-        assert r[3] == "sparse-switch:slots=64"
+        assert r[3] == "sparse-switch:slots=64,burst=1024"     # the started program, on a real fabric

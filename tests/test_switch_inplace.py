@@ -17,7 +17,7 @@ def test_results_over_the_rows_they_answer_equal_separate_reply_buffers(world):
     the same registers and counters; every row past the results is T_EMPTY (read and cleared). Every
     world size: with one worker the first contribution completes a slot (written over its own row)."""
     rng = np.random.default_rng(world)
-    cfg = SwitchConfig(slots=6)
+    cfg = SwitchConfig(elems=64, slots=6)
     ref, dp = Dataplane(cfg), Dataplane(cfg)
     ref.world = dp.world = world
     width = HEADER + 64

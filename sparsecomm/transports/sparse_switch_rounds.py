@@ -1,5 +1,5 @@
-"""``sparse-switch`` worker side: self-clocked rounds on switch slots with SwitchML's loss recovery, the
-packets they carry, and which switch program a transport talks to.
+"""``sparse-switch`` worker side: self-clocked rounds on switch slots with SwitchML's loss recovery, and the
+packets they carry (which switch program a transport talks to: :func:`.switch_control.started_program`).
 
 Split from :mod:`.sparse_switch` (the transport: one job top to bottom, its control, look-ahead and stream
 phases); the wire format and the switch program are :mod:`.sparse_switch_dataplane`. A round is one
@@ -19,11 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..errors import FabricTimeout, IncompatibleError
-from ..fabric.base import Fabric
-from .sparse_switch_dataplane import (HEADER, JOB_MASK, NONE, OUT_OF_STEP, PACKET_ELEMS, T_EMPTY, T_REJECT, T_RESULT,
-                                      T_RETRANSMIT, T_SKIP, TAG_DOWN, TAG_SKIP, TAG_UP, Header, SparseSwitchConfig)
-from .switch_control import asked_constants
+from ..errors import FabricTimeout
+from .sparse_switch_dataplane import (HEADER, JOB_MASK, NONE, OUT_OF_STEP, T_EMPTY, T_REJECT, T_RESULT, T_RETRANSMIT,
+                                      T_SKIP, TAG_DOWN, TAG_SKIP, TAG_UP, Header)
 from .switch_lanes import abandoning, rejected
 
 
@@ -174,26 +172,3 @@ def to_pos(blocks: np.ndarray, lanes: np.ndarray, L: int, nb: int) -> np.ndarray
     blocks = np.asarray(blocks, dtype=np.int64)
     return np.where(blocks >= nb, NONE, (blocks - lanes) // L)
 
-
-def resolve_program(fabric: Fabric, sim: bool, elems: int | None, slots: int | None, burst: int | None,
-             audit: bool) -> tuple[SparseSwitchConfig, str]:
-    """The switch program to talk to and its service name: started by the transport on SimFabric; on
-    real fabrics the one the launcher started (``services=["sparse-switch..."]``), whose constants are
-    the defaults."""
-    asked = asked_constants(PACKET_ELEMS, elems, slots, burst, audit)
-    if sim:
-        cfg = SparseSwitchConfig(**asked)
-        return cfg, cfg.spec()
-    started = [sp for sp in fabric.services() if sp.partition(":")[0] == "sparse-switch"]
-    configs = [(SparseSwitchConfig.parse(sp.partition(":")[2] or None), sp) for sp in started]
-    fits = [(c, sp) for c, sp in configs
-            if all((c.burst_for(fabric) if k == "burst" else getattr(c, k)) == v for k, v in asked.items())]
-    if len(fits) == 1:
-        return fits[0]
-    if not started:
-        from ..fabric.base import ServiceNotStarted
-
-        want = SparseSwitchConfig(**asked).spec()
-        raise ServiceNotStarted(f"transport 'sparse-switch' needs a switch rank: launch with services=[{want!r}]")
-    raise IncompatibleError(f"transport 'sparse-switch' asked for a program with {asked or 'the defaults'} but the "
-                            f"launcher started {started}; pass slot_elems / switch_slots matching one of them")

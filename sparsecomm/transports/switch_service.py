@@ -72,7 +72,7 @@ def serve(dp: Dataplane, fabric: Fabric) -> None:
 
 # ----------------------------------------------------------------------------- SimFabric
 def _serve_datagrams(dp: Dataplane, fabric: Fabric) -> None:
-    burst = dp.config.burst_for(fabric)
+    burst = dp.config.burst
     width = HEADER + dp.config.elems
     buf = torch.zeros((burst, width), dtype=torch.int32)
     arr = buf.numpy()
@@ -177,7 +177,7 @@ class _Egress:
 
 
 def _serve_ports(dp: Dataplane, fabric: Fabric) -> None:
-    n, burst = dp.world, dp.config.burst_for(fabric)
+    n, burst = dp.world, dp.config.burst
     width = HEADER + dp.config.elems
     registers = threading.Lock()
     failures: list[BaseException] = []
