@@ -77,7 +77,9 @@ def test_inbox_posts_taken_receives_again_in_groups_and_never_takes_an_unposted_
 
     class _Fabric:
         def __init__(self):
-            self.posts = []
+            from sparsecomm.fabric.stats import CommStats
+
+            self.posts, self.rank, self.stats = [], 0, CommStats()
 
         def irecv(self, buf, src, tag):
             self.posts.append(buf.data_ptr())

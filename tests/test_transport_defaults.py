@@ -46,8 +46,10 @@ def _settings(ctx):
     sp = sc.transports.get("sparse-switch", ctx.fabric)
     x = torch.arange(3000, dtype=torch.float32) * (ctx.rank + 1)
     ints = torch.arange(3000, dtype=torch.int32) * (ctx.rank + 1)
+    y = sw.allreduce(x)
+    stats = sw.last_stats
     return ((sw.slot_elems, sw.burst, sw.pool_size), (sp.k, sp.burst, sp.pool_size, sp.config.slots),
-            sw.allreduce(x), sp.allreduce(ints))
+            y, sp.allreduce(ints), (stats.bytes_sent, stats.bytes_received))
 
 
 def test_the_simulated_switches_keep_the_papers_settings():
@@ -61,9 +63,14 @@ def test_the_simulated_switches_keep_the_papers_settings():
 def test_on_gloo_the_workers_take_the_started_programs_and_the_real_fabrics_defaults():
     """``transport="switch"`` with ``services=["switch"]`` and no keywords is the real fabric's program
     (256-value packets, 1024 to a message, 4096 lanes); a sparse switch started with its own burst gives
-    the workers that burst, and their pool follows it (4 messages of 8 packets)."""
+    the workers that burst, and their pool follows it (4 messages of 8 packets). A small job's messages
+    are as long as its packets, not a burst of 1 MiB each: 3000 values are a control packet, 12 exponent
+    packets and 12 data packets of 264 int32 each way (and the agreement header), and the ledger counts
+    what arrived, not the receives' 1 MiB buffers."""
     res = sc.launch(_settings, 2, backend="gloo", services=["switch", "sparse-switch:burst=8"], timeout_s=60)
     for got in res:
         assert got[0] == (256, 1024, 4096) and got[1] == (256, 8, 32, 1024)
         assert torch.allclose(got[2], torch.arange(3000, dtype=torch.float32) * 3)
         assert torch.equal(got[3], torch.arange(3000, dtype=torch.int32) * 3)
+        sent, received = got[4]
+        assert sent == received and 25 * 264 * 4 <= sent < 25 * 264 * 4 + 2048, got[4]

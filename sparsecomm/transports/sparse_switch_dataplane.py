@@ -334,6 +334,7 @@ class Dataplane:
                 kinds = unpack_w0(arr[:, W0])[0]
                 rows = [arr[r, :HEADER].copy() if kinds[r] == T_SKIP else arr[r].copy()
                         for r in np.flatnonzero(kinds != T_EMPTY)]
+                arr[:, W0] = 0          # every row T_EMPTY again: the next message may be shorter
             mcast: list = []
             ucast: list = []
             before = self.stats["malformed"], self.stats["out_of_step"]
@@ -344,12 +345,12 @@ class Dataplane:
                 if uc is not None:
                     ucast.append(uc)
             malformed, out_of_step = self.stats["malformed"] - before[0], self.stats["out_of_step"] - before[1]
-            sends = [(msg, dst, False) for msg in _messages(mcast, K, width, single) for dst in range(world)]
+            sends = [(msg, dst, False) for msg in _messages(mcast, K, width, single, sim) for dst in range(world)]
             if src is not None:
-                sends += [(msg, src, False) for msg in _messages(ucast, K, width, single)]
+                sends += [(msg, src, False) for msg in _messages(ucast, K, width, single, sim)]
             if (malformed or out_of_step) and src is not None and 0 <= src < world:
                 notice = rejection(k, src, world, OUT_OF_STEP if out_of_step else MALFORMED, malformed + out_of_step)
-                sends = [(msg, dst, True) for msg in _messages([notice], K, width, single)
+                sends = [(msg, dst, True) for msg in _messages([notice], K, width, single, sim)
                          for dst in range(world)] + sends
             for msg, dst, reliable in sends:
                 wk = fabric.isend(msg, dst, TAG_DOWN, reliable=reliable)
@@ -359,14 +360,17 @@ class Dataplane:
                 pending.popleft()[0].wait()
 
 
-def _messages(rows: list, K: int, width: int, single: bool) -> list[torch.Tensor]:
-    """Reply rows as fabric messages: one row each, or ``K`` rows each (unused rows ``T_EMPTY``)."""
+def _messages(rows: list, K: int, width: int, single: bool, pad: bool) -> list[torch.Tensor]:
+    """Reply rows as fabric messages: one row each, or up to ``K`` rows each, the last one padded to
+    ``K`` rows (unused rows ``T_EMPTY``) with ``pad`` (SimFabric: a message has its receive's shape),
+    else as long as its rows (real fabrics: a receive of ``K`` rows takes a shorter message)."""
     if single:
         return [torch.from_numpy(r) for r in rows]
     out = []
     for i in range(0, len(rows), K):
-        msg = np.zeros((K, width), dtype=np.int32)
-        msg[: len(rows[i:i + K])] = rows[i:i + K]
+        part = rows[i:i + K]
+        msg = np.zeros((K if pad else len(part), width), dtype=np.int32)
+        msg[: len(part)] = part
         out.append(torch.from_numpy(msg))
     return out
 

@@ -21,8 +21,8 @@ import torch
 
 from ..errors import FabricTimeout
 from .sparse_switch_dataplane import (HEADER, JOB_MASK, NONE, OUT_OF_STEP, T_EMPTY, T_REJECT, T_RESULT, T_RETRANSMIT,
-                                      T_SKIP, TAG_DOWN, TAG_SKIP, TAG_UP, Header)
-from .switch_lanes import abandoning, rejected
+                                      T_SKIP, TAG_DOWN, TAG_SKIP, TAG_UP, W0, Header)
+from .switch_lanes import abandoning, message_rows, rejected
 
 
 @dataclass
@@ -96,7 +96,9 @@ def run_rounds(t, slots: np.ndarray, rows: list[np.ndarray], on_result, phase: s
                 fab.send(torch.from_numpy(row), sw, TAG_SKIP if row.size == HEADER else TAG_UP,
                          reliable=False)
                 continue
-            msg = np.zeros((K, HEADER + t.k), dtype=np.int32)
+            # a real fabric's message is as long as its packets (a receive of K rows takes it); the
+            # SimFabric's has its receive's shape
+            msg = np.zeros((K if t.sim else len(part), HEADER + t.k), dtype=np.int32)
             for r, row in enumerate(part):
                 msg[r, :row.size] = row
             m = torch.from_numpy(msg)
@@ -140,7 +142,8 @@ def run_rounds(t, slots: np.ndarray, rows: list[np.ndarray], on_result, phase: s
                     threshold += t.timeout_threshold
                     expiries = 0
                 continue
-            for res in msg_rows:
+            filled = len(msg_rows) if t.sim else message_rows(fab, sw, msg_rows)
+            for res in msg_rows[:filled]:
                 h = Header.of(res)
                 if h.kind == T_EMPTY:
                     continue                       # an unused row of a burst
@@ -162,6 +165,7 @@ def run_rounds(t, slots: np.ndarray, rows: list[np.ndarray], on_result, phase: s
                     live -= 1
                 else:
                     send(i, True)
+            msg_rows[:filled, W0] = 0              # every row T_EMPTY again: the next message may be shorter
             flush()
         while pending:
             pending.popleft()[0].wait()

@@ -348,12 +348,13 @@ class Dataplane:
         serve(self, fabric)
 
 
-def split_messages(out: np.ndarray, used: int, burst: int) -> list[np.ndarray]:
+def split_messages(out: np.ndarray, used: int, burst: int, pad: bool = True) -> list[np.ndarray]:
     """The first ``used`` rows of ``out`` as messages of ``burst`` rows, the last one's unused rows
-    ``T_EMPTY`` (``out`` must hold a whole number of bursts past ``used``)."""
-    end = -(-used // burst) * burst
+    ``T_EMPTY`` (``out`` must hold a whole number of bursts past ``used``); ``pad=False``: the last message
+    as long as its rows (real fabrics, :mod:`.switch_lanes`: messages as long as their packets)."""
+    end = -(-used // burst) * burst if pad else used
     out[used:end] = 0                                     # padding rows: T_EMPTY
-    return [out[i:i + burst] for i in range(0, used, burst)]
+    return [out[i:min(i + burst, end)] for i in range(0, used, burst)]
 
 
 def rejection(width: int, burst: int, worker: int, world: int, count: int) -> np.ndarray:
