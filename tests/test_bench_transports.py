@@ -1,5 +1,5 @@
-"""``experiments/bench/transports.py``: its headline rows are the library's defaults (DESIGN.md, "Defaults are
-fast where they run"), its tuned rows say so with their settings."""
+"""``experiments/bench/transports.py``: its headline rows are the library's defaults (README.md, "Transports and
+their defaults"), its tuned rows say so with their settings."""
 
 from __future__ import annotations
 

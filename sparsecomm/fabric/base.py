@@ -45,7 +45,8 @@ Capabilities. Layers above ask a fabric what it can do, never which class it is:
   default, TorchFabric) :data:`MESSAGE_BYTES`, 1 MiB: over gloo and TCP a message costs the hosts
   about 0.3 ms of CPU beyond its bytes (the receiver's "receive posted" notice, system calls, thread
   wake-ups), about what the kernel's copies of 1 MiB cost, and messages of 2 MiB were measured no faster
-  (BENCHMARKS.md, SwitchML, "Per-message cost"). "Defaults are fast where they run" (DESIGN.md).
+  (BENCHMARKS.md, SwitchML, "Per-message cost"). Defaults are fast where they run (README.md,
+  "Transports and their defaults").
 - ``scratch``: a dict that lives and dies with this endpoint, where a layer above keeps its per-fabric
   state (a transport's caches) instead of a module-level dict keyed by fabric; ``world_scratch``: a
   dict shared by every endpoint of this job that lives in this process (the simulated world's; on a

@@ -1,4 +1,5 @@
-"""Transport defaults that depend on the fabric: "Defaults are fast where they run" (DESIGN.md).
+"""Transport defaults that depend on the fabric: defaults are fast where they run (README.md, "Transports
+and their defaults").
 
 A setting that trades a message's fixed cost against pipelining (packets per message, the packet's size,
 the lanes in flight) takes its default from what the fabric declares, its ``message_bytes``
@@ -10,18 +11,21 @@ the lanes in flight) takes its default from what the fabric declares, its ``mess
   ``experiments/reproduce_switchml.py``): one packet per message, the program's first packet size
   (SwitchML's one-pass 64 values), a pool of :data:`SIM_POOL` lanes.
 - a size (real fabrics: 1 MiB over gloo): the program's largest packet (SwitchML's 256 values with
-  recirculation: 8 header words per 256 values instead of per 64), as many packets per message as fill
-  ``message_bytes`` (:func:`packets_per_message`: 1024 of 256 values), and as many lanes as fill
-  :data:`WINDOW_MESSAGES` messages (:func:`pool_size`: 4096), so that the workers send a lane window's
-  next message while the switch answers the one before. Measured on loopback gloo and on the netbed
-  against the paper's settings: BENCHMARKS.md, "Defaults on real processes".
+  recirculation: 8 header words per 256 values instead of per 64), up to as many packets per message as
+  fill ``message_bytes`` (:func:`packets_per_message`: 1024 of 256 values; a message holds only the
+  packets that are ready, so a small job pays its packets' bytes, not a burst's), and as many lanes as
+  fill :data:`WINDOW_MESSAGES` messages (:func:`pool_size`: 4096; the sparse switch's 1024 slots allow
+  1023), so that the workers send a lane window's next message while the switch answers the one before.
+  Measured against the paper's settings on loopback gloo and on the netbed: BENCHMARKS.md, "Defaults on
+  real processes".
 
 The switch program's constants (packet, packets per message) are the switch rank's: a rank started as
 ``services=["switch"]`` runs this fabric's program, and a worker that passes no constants talks to the
 started one (:func:`.switch_control.started_program`), so workers and switch agree without the user
-giving the numbers twice. The other transports' defaults need no such rule: ``ring``'s segments, and
-``omnireduce``'s lanes and channels, are the real fabric's (the simulations that need others pass them),
-and ``allgather`` sends one message per peer.
+giving the numbers twice. The other transports need no rule of their own: their defaults are the real
+fabric's and the simulations that need others pass them (``ring``'s pipelined segments; ``omnireduce``'s
+16384 lanes and 2 channels per aggregator, whose reproduction sets its own lanes), or they have no such
+setting (``allgather``: one message per peer; ``native``: gloo's or NCCL's own algorithm).
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ torch.distributed the switch is the extra rank the launcher started (``services=
 switch program's constants (``slot_elems``, ``burst``, ``switch_slots``) default to that rank's spec, so
 the worker and the switch agree on them without the user giving them twice.
 
-On SimFabric one packet is one datagram; on real fabrics ``burst`` packets share one fabric message
+On SimFabric one packet is one datagram; on real fabrics up to ``burst`` packets share one fabric message
 (each keeps its own slot semantics), the switch serves its ports in parallel and the workers keep
 receives posted and send from a thread of their own (:mod:`.switch_service`, :mod:`.switch_lanes`): a
 software switch that adds at the rate its ports deliver, as far as the host's CPU allows.
@@ -61,13 +61,10 @@ software switch that adds at the rate its ports deliver, as far as the host's CP
 **Defaults** are fast where they run (:mod:`.defaults`, from the fabric's ``message_bytes``): where a
 message is a datagram of a modelled network (SimFabric), the paper's program, 64-value packets one per
 message, and a pool of 256 lanes (the reproductions compare these with their closed forms). On a real
-fabric (gloo; a message costs the hosts ~0.3 ms of CPU beyond its bytes) a switch started as
-``"switch"`` runs 256-value packets, 1024 to a message (1 MiB), and a worker keeps 4096 lanes in flight
-(four messages per lane window): 1.1x native's time on a 4-host netbed at 0.5 Gbit/s where 64-value
-packets 32 to a message took 5x (BENCHMARKS.md, "Defaults on real processes"). A job of fewer packets
-still sends whole messages (the control round: one message each way per worker), so a tensor of a few
-thousand values costs a few MiB of traffic on a real fabric; ``services=["switch:elems=64,burst=8"]``
-starts a program of small messages for such jobs.
+fabric (gloo: a message costs the hosts ~0.3 ms of CPU beyond its bytes) a switch started as
+``"switch"`` runs 256-value packets, up to 1024 to a message (1 MiB), and a worker keeps 4096 lanes in
+flight (four messages per lane window). A message holds only the packets that are ready
+(:mod:`.switch_lanes`), so a small job costs its packets' bytes, not a burst's.
 """
 
 from __future__ import annotations
