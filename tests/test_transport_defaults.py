@@ -19,9 +19,8 @@ MODELLED = SimpleNamespace(message_bytes=None)       # a fabric whose messages a
 REAL = SimpleNamespace(message_bytes=MESSAGE_BYTES)  # a real fabric: 1 MiB amortises a message's cost
 
 
-def test_what_each_fabric_declares():
-    assert Fabric.message_bytes == MESSAGE_BYTES == 1 << 20      # the base is a plain real fabric
-    assert sc.launch(lambda ctx: ctx.fabric.message_bytes, 1) == [None]
+def test_the_base_declares_a_real_fabrics_message_size():
+    assert Fabric.message_bytes == MESSAGE_BYTES == 1 << 20
 
 
 def test_the_rule_on_a_modelled_and_a_real_fabric():
@@ -49,12 +48,12 @@ def _settings(ctx):
     y = sw.allreduce(x)
     stats = sw.last_stats
     return ((sw.slot_elems, sw.burst, sw.pool_size), (sp.k, sp.burst, sp.pool_size, sp.config.slots),
-            y, sp.allreduce(ints), (stats.bytes_sent, stats.bytes_received))
+            y, sp.allreduce(ints), (stats.bytes_sent, stats.bytes_received), ctx.fabric.message_bytes)
 
 
 def test_the_simulated_switches_keep_the_papers_settings():
     for got in sc.launch(_settings, 2):
-        assert got[0] == (64, 1, 256) and got[1] == (256, 1, 256, 1024)
+        assert got[0] == (64, 1, 256) and got[1] == (256, 1, 256, 1024) and got[5] is None
         assert torch.allclose(got[2], torch.arange(3000, dtype=torch.float32) * 3)
         assert torch.equal(got[3], torch.arange(3000, dtype=torch.int32) * 3)
 
@@ -69,7 +68,7 @@ def test_on_gloo_the_workers_take_the_started_programs_and_the_real_fabrics_defa
     what arrived, not the receives' 1 MiB buffers."""
     res = sc.launch(_settings, 2, backend="gloo", services=["switch", "sparse-switch:burst=8"], timeout_s=60)
     for got in res:
-        assert got[0] == (256, 1024, 4096) and got[1] == (256, 8, 32, 1024)
+        assert got[0] == (256, 1024, 4096) and got[1] == (256, 8, 32, 1024) and got[5] == MESSAGE_BYTES
         assert torch.allclose(got[2], torch.arange(3000, dtype=torch.float32) * 3)
         assert torch.equal(got[3], torch.arange(3000, dtype=torch.int32) * 3)
         sent, received = got[4]

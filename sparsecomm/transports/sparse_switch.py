@@ -109,14 +109,14 @@ Memory with the defaults (``S = 1024`` slots, ``k = 256``): ``values`` ``1024 * 
 Deployment: as ``switch``. On SimFabric the transport starts the program as a per-port service on
 first use (its link set by ``bandwidth_gbps``/``latency_us``); on torch.distributed it is the rank the
 launcher started (``services=["sparse-switch"]``) and its constants (``slot_elems``,
-``switch_slots``, ``burst``) default to that rank's. There ``burst`` packets share a fabric message
-(padded with empty rows when fewer are ready, as ``switch`` does) and skips travel padded to a value
-packet, since a message costs far more than its bytes; the byte figures above are the SimFabric's,
+``switch_slots``, ``burst``) default to that rank's. There up to ``burst`` packets share a fabric
+message (as many as are ready, not padded, as ``switch``'s) and skips travel padded to a value packet,
+since a message costs far more than its bytes; the byte figures above are the SimFabric's,
 one packet per datagram. The rounds themselves (lanes, timers, bursts) are :mod:`.sparse_switch_rounds`.
 
 Defaults, fast where they run (:mod:`.defaults`, from the fabric's ``message_bytes``): on SimFabric one
 packet per message and a pool of 256 lanes (the settings of the closed form's comparisons); on a real
-fabric a switch started as ``"sparse-switch"`` packs 1024 packets into a message (1 MiB) and a worker
+fabric a switch started as ``"sparse-switch"`` packs up to 1024 packets into a message (1 MiB) and a worker
 keeps every slot but the control slot in flight (1023 lanes of the default 1024 slots).
 """
 

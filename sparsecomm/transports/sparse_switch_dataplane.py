@@ -309,8 +309,9 @@ class Dataplane:
         """Receive a packet, run the program, multicast / unicast the replies (``isend``, never waited
         for on SimFabric, reaped elsewhere). On SimFabric one packet is one datagram, value packets and
         16-byte skip headers on their own tags (whichever is first). With bursts (real fabrics, where
-        a message costs far more than its bytes) a message is ``burst`` rows of ``HEADER + k`` words,
-        skips padded, unused rows ``T_EMPTY``; the replies to a message's rows leave in messages of
+        a message costs far more than its bytes) a message is up to ``burst`` rows of ``HEADER + k`` words,
+        skips padded (a receive of ``burst`` rows, every row ``T_EMPTY`` when posted, takes a shorter
+        message: :mod:`.switch_lanes`); the replies to a message's rows leave in messages of up to
         ``burst`` rows. Malformed and out-of-step packets are reported to every worker (module docstring)."""
         k, K = self.config.elems, self.config.burst
         width = HEADER + k

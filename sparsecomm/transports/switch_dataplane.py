@@ -40,7 +40,8 @@ Nothing grows with the number of packets except the optional ``audit`` counter (
 not switch state).
 
 Wire format: one int32 row per packet, ``HEADER`` fields (:class:`Field`) then ``slot_elems`` values; a
-fabric message carries ``burst`` rows (unused rows have type ``T_EMPTY``), workers -> switch on
+fabric message carries up to ``burst`` rows (on SimFabric exactly ``burst``, unused rows of type
+``T_EMPTY``; on real fabrics as many as are ready, :mod:`.switch_lanes`), workers -> switch on
 ``TAG_UP``, switch -> workers on ``TAG_DOWN``, all ``reliable=False``. How the rows reach the program
 (one datagram per packet on SimFabric, per-port receive threads on real fabrics) is
 :mod:`.switch_service`.
