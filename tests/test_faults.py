@@ -235,7 +235,7 @@ def test_forged_omnireduce_headers_are_rejected_by_the_aggregators(field, value,
 def test_the_switch_drops_packets_claiming_another_worker_count():
     from sparsecomm.transports import switch_dataplane as dp
 
-    d = dp.Dataplane(dp.SwitchConfig())
+    d = dp.Dataplane(dp.SwitchConfig(elems=64))
     d.world = 3
     row = np.zeros((2, dp.HEADER + 64), dtype=np.int32)
     row[:, dp.F_TYPE] = dp.T_DATA

@@ -171,7 +171,7 @@ def _forged_switch_packet(ctx):
 
     t = sc.transports.get("switch", ctx.fabric, pool_size=4)
     if ctx.rank == 0:
-        rows = torch.zeros((t.burst, dp.HEADER + 64), dtype=torch.int32)
+        rows = torch.zeros((t.burst, dp.HEADER + t.slot_elems), dtype=torch.int32)
         rows[:, dp.F_TYPE], rows[:, dp.F_NW], rows[:, dp.F_WORKER] = dp.T_DATA, 32, 31
         rows[:, dp.F_SLOT] = torch.arange(1, t.burst + 1)
         ctx.fabric.send(rows, t.switch, dp.TAG_UP)

@@ -180,7 +180,7 @@ def test_consecutive_jobs_of_various_sizes_under_loss():
 
 
 def test_switch_memory_is_the_fixed_pool():
-    cfg = SwitchConfig(slots=9)
+    cfg = SwitchConfig(elems=64, slots=9, burst=1)
 
     def fn(ctx):
         t = sc.transports.get("switch", ctx.fabric, pool_size=6, switch_slots=9)
@@ -193,14 +193,15 @@ def test_switch_memory_is_the_fixed_pool():
     before, dp = out[0]
     assert before == dp.register_shapes == {
         "values": (9, 2, 64), "seen": (9, 2), "count": (9, 2), "exponent": (9, 2)}
-    assert dp.config == SwitchConfig(slots=9, audit=False) == cfg
+    # the SimFabric runs the paper's program: 64-value packets, one per message (transports/defaults.py)
+    assert dp.config == SwitchConfig(elems=64, slots=9, burst=1, audit=False) == cfg
     # slot 0 (control) and slots 1..6 (the pool) were used; slots 7, 8 never touched
     assert dp.values[1:7].any() and not dp.values[7:].any() and not dp.seen[7:].any()
     assert dp.stats["packets"] >= 4 * 3 * (40 + 6 + 1)
 
 
 def test_dataplane_program_semantics():
-    dp = Dataplane(SwitchConfig(slots=4))
+    dp = Dataplane(SwitchConfig(elems=64, slots=4))
     width = HEADER + 64
 
     def pkt(slot, v, w, n=2, e=0, val=1):
@@ -416,7 +417,7 @@ def test_compiled_program_equals_the_reference_packet_by_packet(world):
     """Random bursts -- distinct and repeated slots, duplicates, forged worker counts, wrap-around sums,
     exponents beyond int8 -- give the same replies, registers and counters as the plain-Python model."""
     rng = np.random.default_rng(world)
-    cfg = SwitchConfig(slots=6, audit=True)
+    cfg = SwitchConfig(elems=64, slots=6, audit=True)
     dp, ref = Dataplane(cfg), _Reference(cfg, world=world)
     dp.world = world
     width = HEADER + 64

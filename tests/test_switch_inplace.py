@@ -17,7 +17,7 @@ def test_results_over_the_rows_they_answer_equal_separate_reply_buffers(world):
     the same registers and counters; every row past the results is T_EMPTY (read and cleared). Every
     world size: with one worker the first contribution completes a slot (written over its own row)."""
     rng = np.random.default_rng(world)
-    cfg = SwitchConfig(slots=6)
+    cfg = SwitchConfig(elems=64, slots=6)
     ref, dp = Dataplane(cfg), Dataplane(cfg)
     ref.world = dp.world = world
     width = HEADER + 64
@@ -77,7 +77,9 @@ def test_inbox_posts_taken_receives_again_in_groups_and_never_takes_an_unposted_
 
     class _Fabric:
         def __init__(self):
-            self.posts = []
+            from sparsecomm.fabric.stats import CommStats
+
+            self.posts, self.rank, self.stats = [], 0, CommStats()
 
         def irecv(self, buf, src, tag):
             self.posts.append(buf.data_ptr())

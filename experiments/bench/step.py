@@ -104,9 +104,18 @@ def block_density(flat: torch.Tensor, block: int) -> float:
     return nz.float().mean().item()
 
 
+def _omni_kwargs(a: argparse.Namespace) -> dict:
+    """OmniReduce's keywords in the configurations: none (the library's defaults, as a user gets them)
+    unless ``--block-size`` asks for another block than the transport's default."""
+    import inspect
+
+    default = inspect.signature(sc.transports.registry.product("omnireduce")).parameters["block_size"].default
+    return {} if a.block_size == default else {"block_size": a.block_size}
+
+
 def _configs(a: argparse.Namespace) -> list[tuple[str, Callable[[nn.Module], Any]]]:
     have = set(sc.transports.available())
-    omni = {"block_size": a.block_size}
+    omni = _omni_kwargs(a)
     cfg: list[tuple[str, Callable]] = [("ddp", None)]  # type: ignore[list-item]
     # the floor: the same step with no communication at all (bounds every speed-up over ddp)
     cfg.append(("local (no comm)", lambda m: torch.optim.SGD(m.parameters(), lr=a.lr)))
@@ -162,7 +171,7 @@ def _mlp_configs(a: argparse.Namespace) -> list[tuple[str, Any]]:
 
 
 def _sparse_configs(a: argparse.Namespace) -> list[tuple[str, Any]]:
-    omni = {"block_size": a.block_size}
+    omni = _omni_kwargs(a)
     cfg: list[tuple[str, Any]] = [("ddp", None), ("local (no comm)", lambda m: torch.optim.SGD(m.parameters(), lr=a.lr))]
     cfg.append(("hook none/omnireduce", ("hook", dict(compressor="none", transport="omnireduce",
                                                       transport_kwargs=omni))))
@@ -387,7 +396,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--classes", type=int, default=16)
     p.add_argument("--bag", type=int, default=8)
     p.add_argument("--density", default="0.01,0.05", help="target block densities, comma-separated")
-    p.add_argument("--block-size", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=256, help="OmniReduce's block (256: its default)")
     p.add_argument("--topk-ratio", type=float, default=0.001,
                    help="top-k ratio (keep it below the gradient's element density: top-k of a vector with "
                         "fewer non-zeros than k selects among ties at zero, its slow path)")

@@ -6,8 +6,10 @@
     python -m experiments.bench.switch_cpu --perf /tmp/s.txt --perf-args "stat -e syscalls:sys_enter_epoll_wait"
     python -m experiments.bench.switch_cpu --burst 256                              # per-message cost
 
-Launches ``n`` workers and the switch rank as ``experiments.bench.transports`` does for its switch case
-(pool 4096, 256-element packets, bursts of 1024, in place), runs ``--warmup`` untimed calls, then reads
+Launches ``n`` workers and the switch rank as ``experiments.bench.transports`` does for its tuned switch
+row: the library's defaults (a rank started as ``"switch"``: on gloo 256-element packets, bursts of
+1024, a pool of 4096), in place; ``--burst`` starts the switch rank with another burst and ``--pool``
+sets the workers' pool. It runs ``--warmup`` untimed calls, then reads
 every sibling process's CPU time (``/proc/<pid>/stat`` utime + stime, and with ``--threads`` each
 thread's) before and after ``--calls`` calls, from rank 0, with a barrier on each side: the CPU-seconds
 per call of each worker and of the switch. Only the calls run between the two readings (the input is
@@ -26,8 +28,8 @@ import torch
 
 import sparsecomm as sc
 
-SERVICE = "switch:elems=256,burst=1024"
-KWARGS = {"pool_size": 4096, "slot_elems": 256, "burst": 1024, "inplace": True}
+SERVICE = "switch"
+KWARGS = {"inplace": True}
 
 
 def _ticks(path: str) -> tuple[int, int, str] | None:
@@ -112,7 +114,8 @@ def worker(ctx, numel: int, calls: int, warmup: int, threads: bool, perf: str | 
         if key in before:
             b = before[key]
             rows.append((key[0], key[1], name, (u + k - b[0] - b[1]) / hz / calls, (k - b[1]) / hz / calls))
-    return {"rank": ctx.rank, "pid": os.getpid(), "own_cpu": own / calls, "wall": wall / calls, "rows": rows}
+    return {"rank": ctx.rank, "pid": os.getpid(), "own_cpu": own / calls, "wall": wall / calls, "rows": rows,
+            "pool": t.pool_size, "burst": t.burst}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -127,11 +130,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--perf-args", default="", metavar="ARGS",
                     help="extra arguments for `perf record`, e.g. '-g' (call graphs); 'stat -e EVENTS' runs "
                          "`perf stat --per-thread -e EVENTS` instead (e.g. syscall counts per thread into FILE)")
-    ap.add_argument("--burst", type=int, default=KWARGS["burst"], help="packets per message (the switch rank's)")
-    ap.add_argument("--pool", type=int, default=KWARGS["pool_size"], help="the transport's pool_size")
+    ap.add_argument("--burst", type=int, default=None,
+                    help="packets per message, the switch rank's (default: the fabric's, 1024 on gloo)")
+    ap.add_argument("--pool", type=int, default=None, help="the transport's pool_size (default: 4 bursts)")
     a = ap.parse_args(argv)
-    kwargs = dict(KWARGS, burst=a.burst, pool_size=a.pool)
-    service = f"switch:elems={KWARGS['slot_elems']},burst={a.burst}"
+    kwargs = dict(KWARGS, **({} if a.pool is None else {"pool_size": a.pool}))
+    service = SERVICE if a.burst is None else f"{SERVICE}:burst={a.burst}"
     numel = int(a.size_mb * 1e6) // 4
     res = sc.launch(functools.partial(worker, numel=numel, calls=a.calls, warmup=a.warmup, threads=a.threads,
                                       perf=a.perf, perf_args=tuple(a.perf_args.split()), kwargs=kwargs),
@@ -140,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     pid_rank = {r["pid"]: f"worker {r['rank']}" for r in res}
     procs = {p: (c, k) for p, tid, _n, c, k in r0["rows"] if tid is None}
     total = kernel = 0.0
-    print(f"# n = {a.workers}, {a.size_mb:g} MB, pool {a.pool}, burst {a.burst}, {a.calls} calls, wall {r0['wall'] * 1e3:.1f} ms per call "
+    print(f"# n = {a.workers}, {a.size_mb:g} MB, pool {r0['pool']}, burst {r0['burst']}, {a.calls} calls, wall {r0['wall'] * 1e3:.1f} ms per call "
           f"(barrier to barrier), load average {os.getloadavg()[0]:.1f}")
     for p, (c, k) in sorted(procs.items()):
         who = pid_rank.get(p, "switch" if c > 0.005 else f"pid {p}")

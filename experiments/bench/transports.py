@@ -15,25 +15,32 @@ sends (up) and receives (down); a dedicated aggregator's link what the workers' 
 received from it; the top of rack has no link of its own. ``native``'s ledger is the ring volume
 (torch.distributed reports no traffic).
 
+**Headline rows use the library's defaults** (defaults are fast where they run: README.md, "Transports
+and their defaults"): each is
+constructed with no keyword arguments, its services started with no program arguments, as a user who
+writes ``transport="switch"`` and ``services=["switch"]`` gets it (on gloo the defaults are the real
+fabric's: :mod:`sparsecomm.transports.defaults`). Rows with settings are labelled ``(tuned: ...)`` with
+them, e.g. in place (``inplace=True``: ``dist.all_reduce``'s own semantics, and no result to allocate
+per call, whose page faults alone cost ~40 ms per 100 MB on a small VM). The reference of every ratio is
+``native (tuned: inplace=True)``, i.e. ``torch.distributed.all_reduce`` itself.
+
 For every (workers, size) every selected case runs in the same launch (same processes, same inputs),
 after ``--warmup`` untimed calls, interleaved (one call of each case per repetition); each timed call
 starts after a barrier and its time is the slowest rank's. The table reports the median (and min) over
-``--repeats`` calls, the algorithmic bandwidth (size / time), the ratio to ``native``
-(``torch.distributed.all_reduce``) of the same run, as a ratio of medians and *paired* (the median over
-repetitions of this case's time over native's in the same repetition, robust to a drifting machine
-load), and the largest relative difference of the result from the first case's with the same input (a
-sanity check: float sums in another order).
+``--repeats`` calls, the algorithmic bandwidth (size / time), the ratio to the reference of the same
+run, as a ratio of medians and *paired* (the median over repetitions of this case's time over the
+reference's in the same repetition, robust to a drifting machine load), and the largest relative
+difference of the result from the first case's with the same input (a sanity check: float sums in
+another order). Every call's input is restored from a pristine copy before it, untimed (in-place cases
+overwrite it). With block-sparse cases the table also has ``scan only`` rows: the time of the codec's
+scan for non-zero blocks of the same input (:func:`sparsecomm.codec.nonzero_blocks`), which any
+block-sparse all-reduce of a dense tensor pays, so ``native / scan`` bounds the speed-up such a
+protocol can show on the machine.
 
-Transports that can run in place do (``inplace=True``: ``dist.all_reduce``'s own semantics, and no
-100 MB result to allocate per call, whose page faults alone cost ~40 ms on a small VM); every call's
-input is restored from a pristine copy before it, untimed. With block-sparse cases the table also has
-``scan only`` rows: the time of the codec's scan for non-zero blocks of the same input
-(:func:`sparsecomm.codec.nonzero_blocks`), which any block-sparse all-reduce of a dense tensor pays,
-so ``native / scan`` bounds the speed-up such a protocol can show on the machine.
-
-Adding a transport: append a :class:`Case` to ``CASES`` (name, constructor kwargs, block densities to
-feed it, services its launch needs). Cases with the same services share one launch; a launch with
-services also times ``native`` again, as its own reference. Cases whose transport is not registered are
+Adding a transport: append a :class:`Case` to ``CASES`` (name, constructor kwargs -- none for its
+headline row --, block densities to feed it, services its launch needs). Cases with the same services
+share one launch; a launch with services also times the reference again. ``--transports`` selects
+cases by transport name (the reference with ``native``); cases whose transport is not registered are
 skipped. Inputs of density ``d < 1`` keep a fraction ``d`` of the ``block``-element blocks non-zero, at
 positions drawn with a seed per rank (independent positions).
 """
@@ -56,6 +63,11 @@ import sparsecomm as sc
 
 @dataclass(frozen=True)
 class Case:
+    """One row group of the table: a transport, its constructor keywords and the services its launch
+    starts. A *headline* row has no keywords and services with no program arguments: the library's
+    defaults, what ``transport="name"`` gives a user. A row with keywords is *tuned*, labelled so, with
+    its settings in its label."""
+
     transport: str
     kwargs: dict = field(default_factory=dict)
     densities: tuple[float, ...] = (1.0,)
@@ -64,27 +76,40 @@ class Case:
     default: bool = True       # part of the default selection (when registered)
 
     @property
-    def label(self) -> str:
-        extra = ",".join(f"{k}={v}" for k, v in self.kwargs.items())
-        return f"{self.transport}({extra})" if extra else self.transport
+    def tuned(self) -> bool:
+        return bool(self.kwargs)
 
+    @property
+    def label(self) -> str:
+        if not self.tuned:
+            return self.transport
+        extra = ", ".join(f"{k}={v}" for k, v in self.kwargs.items())
+        return f"{self.transport} (tuned: {extra})"
+
+
+#: the reference of every ratio: ``torch.distributed.all_reduce`` itself (in place, no result to allocate)
+REFERENCE = Case("native", {"inplace": True})
 
 CASES: list[Case] = [
-    Case("native", {"inplace": True}),
-    Case("ring", {"inplace": True}),
+    REFERENCE,
+    # headline rows: the library's defaults (no keywords; services with no program arguments)
+    Case("native"),
+    Case("ring"),
     Case("allgather", default=False),     # n-1 times the ring's traffic on dense data
+    Case("omnireduce", densities=(1.0, 0.1, 0.01)),
+    Case("switch", services=("switch",)),
+    Case("sparse-switch", densities=(1.0, 0.1, 0.01), services=("sparse-switch",), default=False),
+    # tuned rows. In place: dist.all_reduce's own semantics, and no result to allocate per call (whose page
+    # faults alone cost ~40 ms per 100 MB on a small VM)
+    Case("ring", {"inplace": True}),
     # one block per lane for 100 MB on 2-4 workers: every call is a single round (round trips cost ms here)
-    Case("omnireduce", {"block_size": 256, "lanes": 65536, "inplace": True}, densities=(1.0, 0.1, 0.01)),
+    Case("omnireduce", {"lanes": 65536, "inplace": True}, densities=(1.0, 0.1, 0.01)),
     # one stream per aggregator: fewer messages (sparse data), no overlap of a channel's up- and downstream
-    Case("omnireduce", {"block_size": 256, "lanes": 65536, "channels": 1, "inplace": True},
-         densities=(1.0, 0.1, 0.01)),
+    Case("omnireduce", {"lanes": 65536, "channels": 1, "inplace": True}, densities=(1.0, 0.1, 0.01)),
     # dedicated aggregators on ranks (netbed: hosts) of their own, as in the paper's testbed
-    Case("omnireduce", {"block_size": 256, "lanes": 65536, "deployment": "dedicated", "num_aggregators": 2,
-                        "inplace": True}, densities=(1.0, 0.1, 0.01),
-         services=("omnireduce-agg:0", "omnireduce-agg:1"), default=False),
-    # a software switch rank: bursts of 1024 packets of 256 elements per message amortise per-message costs
-    Case("switch", {"pool_size": 4096, "slot_elems": 256, "burst": 1024, "inplace": True},
-         services=("switch:elems=256,burst=1024",)),
+    Case("omnireduce", {"lanes": 65536, "deployment": "dedicated", "num_aggregators": 2, "inplace": True},
+         densities=(1.0, 0.1, 0.01), services=("omnireduce-agg:0", "omnireduce-agg:1"), default=False),
+    Case("switch", {"inplace": True}, services=("switch",)),
 ]
 
 
@@ -188,17 +213,17 @@ def busiest_link_bytes(items: list[dict], workers: int, services: tuple[str, ...
 
 def run(workers: int, size_mb: float, cases: list[Case], repeats: int, warmup: int, timeout_s: float,
         netbed_gbps: float | None = None) -> list[dict]:
-    """One launch per distinct ``services`` tuple; each launch also times ``native`` (if selected), so that
-    every ratio compares calls interleaved in the same processes."""
+    """One launch per distinct ``services`` tuple; each launch also times :data:`REFERENCE` (if selected),
+    first, so that every ratio compares calls interleaved in the same processes."""
     numel = int(size_mb * 1e6) // 4
-    native = next((c for c in cases if c.transport == "native"), None)
+    reference = REFERENCE if REFERENCE in cases else None
     groups: dict[tuple[str, ...], list[Case]] = {}
     for c in cases:
         groups.setdefault(c.services, []).append(c)
     rows = []
     for svc, group in groups.items():
-        extra = native is not None and native not in group
-        launch_cases = [native] + group if extra else group
+        extra = reference is not None and reference not in group
+        launch_cases = group if reference is None else [reference] + [c for c in group if c != reference]
         per_rank = sc.launch(functools.partial(bench_worker, cases=launch_cases, numel=numel, repeats=repeats,
                                                warmup=warmup), workers, services=svc, timeout_s=timeout_s,
                              **launch_options(netbed_gbps))
@@ -215,7 +240,7 @@ def run(workers: int, size_mb: float, cases: list[Case], repeats: int, warmup: i
                 limit = busiest * 8 / (netbed_gbps * 1e9)
                 group_rows[-1].update(netbed_gbps=netbed_gbps, busiest_link_bytes=busiest, link_limit_s=limit,
                                       efficiency=limit / group_rows[-1]["median_s"])
-        ref = next((r for r in group_rows if r["transport"] == "native"), None)
+        ref = group_rows[0] if reference is not None else None
         for r in group_rows:
             r["vs_native"] = r["median_s"] / ref["median_s"] if ref else None
             # paired: the same repetition's native call ran just before or after (interleaved), so the
@@ -258,6 +283,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="run on a netbed with links of GBPS Gbit/s (needs root); adds link-limited time")
     ap.add_argument("--densities", type=float, nargs="+", default=None,
                     help="override the densities of the block-sparse cases")
+    ap.add_argument("--headline", action="store_true",
+                    help="only the headline rows (the library's defaults) and the reference, no tuned rows")
     args = ap.parse_args(argv)
 
     registered = set(sc.transports.available())
@@ -268,6 +295,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         cases = [c for c in CASES if c.transport in args.transports]
     else:
         cases = [c for c in CASES if c.default]
+    if args.headline:
+        cases = [c for c in cases if not c.tuned or c == REFERENCE]
     skipped = [c.transport for c in cases if c.transport not in registered]
     cases = [c for c in cases if c.transport in registered]
     if args.densities:
@@ -281,8 +310,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"# not registered, skipped: {', '.join(skipped)}")
     rows = []
     nb = args.netbed is not None
-    print("| workers | size MB | transport | density | median ms | min ms | GB/s (size/time) | vs native "
-          "(medians) | vs native (paired) | rel. diff |" + (" link-limited ms | efficiency |" if nb else ""))
+    print("| workers | size MB | transport | density | median ms | min ms | GB/s (size/time) | vs all_reduce "
+          "(medians) | vs all_reduce (paired) | rel. diff |" + (" link-limited ms | efficiency |" if nb else ""))
     print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if nb else ""))
     for n in args.workers:
         for size in args.sizes_mb:

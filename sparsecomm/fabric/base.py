@@ -36,6 +36,17 @@ Capabilities. Layers above ask a fabric what it can do, never which class it is:
 - ``direct_waits``: ``wait_unbounded(work)`` waits on the calling thread itself, with no deadline and no
   helper thread (a service's receive threads, one wake-up per message), and ``wait_for_shutdown(stop)``
   watches a service rank's end of the run for them; ``False``: a service thread waits with ``work.wait()``.
+- ``message_bytes``: how many bytes a message should carry for this fabric's fixed cost per message to be
+  amortised; a protocol that may put several packets in one message (the switches' bursts) fills
+  messages of about this size, and takes its other defaults from it (the transports' module docstrings,
+  "Defaults"). ``None``: a message is one datagram of a modelled network, whose model states its every
+  cost (SimFabric), so protocols send their packets one per message, as the papers do, and keep the
+  papers' settings, which the reproductions compare with their closed forms. On a real fabric (the
+  default, TorchFabric) :data:`MESSAGE_BYTES`, 1 MiB: over gloo and TCP a message costs the hosts
+  about 0.3 ms of CPU beyond its bytes (the receiver's "receive posted" notice, system calls, thread
+  wake-ups), about what the kernel's copies of 1 MiB cost, and messages of 2 MiB were measured no faster
+  (BENCHMARKS.md, SwitchML, "Per-message cost"). Defaults are fast where they run (README.md,
+  "Transports and their defaults").
 - ``scratch``: a dict that lives and dies with this endpoint, where a layer above keeps its per-fabric
   state (a transport's caches) instead of a module-level dict keyed by fabric; ``world_scratch``: a
   dict shared by every endpoint of this job that lives in this process (the simulated world's; on a
@@ -52,6 +63,9 @@ import torch
 from ..errors import IncompatibleError, InvalidValueError, SparseCommError
 from .stats import CommStats
 from ..errors import ServiceShutdown, ServiceNotStarted  # noqa: F401 (re-exported)
+
+#: a real fabric's ``message_bytes`` (module docstring, "Capabilities")
+MESSAGE_BYTES = 1 << 20
 
 
 class Work(ABC):
@@ -79,6 +93,7 @@ class Fabric(ABC):
     in_process_services: bool = False
     serial_pairs: bool = False
     direct_waits: bool = False
+    message_bytes: int | None = MESSAGE_BYTES
 
     @property
     def native_group(self) -> object | None:

@@ -73,6 +73,7 @@ class SimFabric(Fabric):
 
     modelled_time = True
     in_process_services = True
+    message_bytes = None      # a message is one datagram of the model
 
     def __init__(self, world: SimWorld, rank: int) -> None:
         self.world = world

@@ -39,6 +39,13 @@ class CommStats:
         self.messages_received += 1
         self.links[(src, dst)] += nbytes
 
+    def unbook_recv(self, src: int, dst: int, nbytes: int) -> None:
+        """Take back ``nbytes`` of a receive booked at its buffer's size that a shorter message filled (a
+        real fabric fills a prefix of a larger receive; only the protocol that sent the message knows how
+        long it was)."""
+        self.bytes_received -= nbytes
+        self.links[(src, dst)] -= nbytes
+
     @property
     def estimated(self) -> bool:
         """True if some of these figures come from a formula, not from counting messages."""

@@ -34,7 +34,8 @@ Protocol, on worker ``r`` of ``n``:
    unless ``nonfinite="pass"``, on every worker (:mod:`._guards`).
 
 Cost per worker: ``(n-1)`` headers plus ``(n-1)`` payloads up and down, two latency steps (one when
-every payload is empty) on an idle network (:func:`theory.costs.allgather`).
+every payload is empty) on an idle network (:func:`theory.costs.allgather`). No setting depends on the
+fabric (one message per peer and phase; :mod:`.defaults`).
 """
 
 from __future__ import annotations

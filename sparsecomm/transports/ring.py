@@ -25,7 +25,9 @@ regions they overwrite have been sent (:func:`ring_allreduce_`). The two receive
 calls, because page-faulting fresh buffers on every call of a 100 MB all-reduce costs as much as a step.
 
 Written against :class:`~sparsecomm.fabric.base.Fabric` only (``isend``/``irecv``), so it runs on
-SimFabric and TorchFabric alike, on the tensors' device (CUDA tensors over nccl).
+SimFabric and TorchFabric alike, on the tensors' device (CUDA tensors over nccl). Its defaults (the
+segments above) are the real fabric's, measured on the netbed, and the SimFabric's alike: the cost
+model (:func:`theory.costs.ring_allreduce`) prices the same segments (:mod:`.defaults`).
 
 Payloads it sums compactly (a *linear* operand: the element-wise sum of one vector per worker):
 

@@ -109,10 +109,15 @@ Memory with the defaults (``S = 1024`` slots, ``k = 256``): ``values`` ``1024 * 
 Deployment: as ``switch``. On SimFabric the transport starts the program as a per-port service on
 first use (its link set by ``bandwidth_gbps``/``latency_us``); on torch.distributed it is the rank the
 launcher started (``services=["sparse-switch"]``) and its constants (``slot_elems``,
-``switch_slots``, ``burst``) default to that rank's. There ``burst`` packets share a fabric message
-(padded with empty rows when fewer are ready, as ``switch`` does) and skips travel padded to a value
-packet, since a message costs far more than its bytes; the byte figures above are the SimFabric's,
+``switch_slots``, ``burst``) default to that rank's. There up to ``burst`` packets share a fabric
+message (as many as are ready, not padded, as ``switch``'s) and skips travel padded to a value packet,
+since a message costs far more than its bytes; the byte figures above are the SimFabric's,
 one packet per datagram. The rounds themselves (lanes, timers, bursts) are :mod:`.sparse_switch_rounds`.
+
+Defaults, fast where they run (:mod:`.defaults`, from the fabric's ``message_bytes``): on SimFabric one
+packet per message and a pool of 256 lanes (the settings of the closed form's comparisons); on a real
+fabric a switch started as ``"sparse-switch"`` packs up to 1024 packets into a message (1 MiB) and a worker
+keeps every slot but the control slot in flight (1023 lanes of the default 1024 slots).
 """
 
 from __future__ import annotations
@@ -130,11 +135,12 @@ from ..fabric.base import Fabric
 from ..payload import Payload
 from ._handshake import check_agreement, crc_fingerprint
 from .base import Transport, registry
+from . import defaults
 from .switch_control import (_DTYPES, DEFAULT_MAX_EXPONENT, MODE_FLOAT, MODE_INT, check_control, control_vector,
-                             max_exponent_option, narrowed, too_large_text)
+                             max_exponent_option, narrowed, started_program, too_large_text)
 from .sparse_switch_dataplane import (F_NEXT, HEADER, MAX_WORKERS, NONE, T_DATA, T_MIN, T_SKIP, JOB_MASK,
-                                      Dataplane, service_main)
-from .sparse_switch_rounds import _WorkerState, lane_slots, packet, resolve_program, run_rounds, to_pos
+                                      Dataplane, SparseSwitchConfig, service_main)
+from .sparse_switch_rounds import _WorkerState, lane_slots, packet, run_rounds, to_pos
 from .switch_lanes import abandoning
 
 INT32_MAX = 2**31 - 1
@@ -162,13 +168,14 @@ class SparseSwitch(Transport):
     """Block-sparse in-network aggregation (module docstring).
 
     ``pool_size``: lanes (switch slots) a job keeps in flight, ``<= switch_slots - 1`` (slot 0 is the
-    control slot). ``slot_elems`` (64 or 256, default 256: a block is one packet) and ``switch_slots``
+    control slot; default 256 on SimFabric, elsewhere ``min(switch_slots - 1, 4 * burst)``, module
+    docstring). ``slot_elems`` (64 or 256, default 256: a block is one packet) and ``switch_slots``
     (default 1024) are the program's constants and name its service; on real fabrics they default to
     the started switch's. ``timeout``: retransmission timer (modelled seconds on SimFabric, default
     1 ms; wall seconds elsewhere, default ``None``: no timer, gloo never drops); it doubles after
     ``timeout_threshold`` expiries. ``give_up_s`` (default: the fabric's ``timeout_s``): a packet
     unanswered that long raises :class:`FabricTimeout`. ``bandwidth_gbps``/``latency_us``: the switch's
-    link on SimFabric. ``burst``: packets per fabric message (default 1 on SimFabric, 32 elsewhere;
+    link on SimFabric. ``burst``: packets per fabric message (default 1 on SimFabric, 1024 elsewhere;
     a program constant). ``audit``: the switch counts every accepted contribution (tests only).
     ``max_exponent`` (default 64, as ``switch``'s): a magnitude ``>= 2^max_exponent`` on any worker is
     :class:`OverflowError_` on every worker (module docstring, "Scale").
@@ -178,7 +185,7 @@ class SparseSwitch(Transport):
     carries = frozenset({"dense", "aligned", "sparse", "quantized"})
     quantized_needs_shared_scale = True
 
-    def __init__(self, fabric: Fabric, *, pool_size: int = 256, slot_elems: int | None = None,
+    def __init__(self, fabric: Fabric, *, pool_size: int | None = None, slot_elems: int | None = None,
                  switch_slots: int | None = None, timeout: float | None = None, timeout_threshold: int = 100,
                  give_up_s: float | None = None, bandwidth_gbps: float | None = None,
                  latency_us: float | None = None, burst: int | None = None, audit: bool = False,
@@ -192,7 +199,9 @@ class SparseSwitch(Transport):
                 f"transport 'sparse-switch' supports at most {MAX_WORKERS} workers (a 64-bit worker bitmap "
                 f"per slot); this job has {n}; use 'omnireduce' or 'ring'")
         self.sim = fabric.modelled_time
-        self.config, spec = resolve_program(fabric, fabric.in_process_services, slot_elems, switch_slots, burst, audit)
+        self.config, spec = started_program(fabric, SparseSwitchConfig, slot_elems, switch_slots, burst, audit)
+        if pool_size is None:
+            pool_size = defaults.pool_size(fabric, self.config.burst, self.config.slots)
         if isinstance(pool_size, bool) or not isinstance(pool_size, int) or not 1 <= pool_size < self.config.slots:
             raise InvalidValueError(f"pool_size must be an integer in [1, switch_slots - 1 = {self.config.slots - 1}] "
                              f"(slot 0 is the control slot), got {pool_size!r}")
@@ -202,7 +211,7 @@ class SparseSwitch(Transport):
             raise InvalidValueError(f"timeout must be positive (or None: no timer), got {timeout!r}")
         self.max_exponent = max_exponent_option(max_exponent, EXP_FLOOR, EXP_CEIL)
         self.pool_size, self.k = pool_size, self.config.elems
-        self.burst = self.config.burst_for(fabric)
+        self.burst = self.config.burst
         self.timeout, self.timeout_threshold = timeout, int(timeout_threshold)
         self.give_up_s = float(give_up_s if give_up_s is not None else fabric.timeout_s)
         self.dataplane: Dataplane | None = None

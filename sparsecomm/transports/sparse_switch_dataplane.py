@@ -47,7 +47,7 @@ look-ahead, in 16 bytes (on real fabrics padded to a value packet, see :meth:`Da
 from __future__ import annotations
 
 from collections import Counter, deque
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from enum import IntEnum
 from typing import Callable, NamedTuple
 
@@ -57,6 +57,7 @@ import torch
 from ..fabric import services
 from ..fabric.base import Fabric
 from ..errors import InvalidValueError
+from . import defaults
 
 # ----------------------------------------------------------------------------- wire format
 W0, F_SLOT, F_POS, F_NEXT = range(4)
@@ -86,7 +87,7 @@ MAX_WORKERS = 64                  # 64-bit worker bitmap (a register pair, as Sw
 PACKET_ELEMS = (64, 256)          # as SwitchML: one pass, or four with recirculation
 DEFAULT_SLOTS = 1024
 JOB_MASK = 0xFFF
-SIM_BURST, REAL_BURST = 1, 32     # packets per fabric message: one datagram in the sim; amortised on real fabrics
+MAX_BURST = 1024                  # packets per fabric message at most
 
 _TYPE_BITS, _SET_SHIFT, _WORKER_SHIFT, _NW_SHIFT, _JOB_SHIFT = 0x7, 3, 4, 10, 17
 
@@ -133,8 +134,13 @@ class Header(NamedTuple):
 @dataclass(frozen=True)
 class SparseSwitchConfig:
     """Compile-time constants of the program; they name the service (``"sparse-switch:elems=64"``).
-    ``burst``: packets per fabric message (``None``: one on SimFabric, 32 elsewhere; a burst's rows
-    are processed one by one, each with its own slot semantics). ``audit``: count every accepted contribution by ``(job, min round?, slot, pos, worker)`` (tests only)."""
+    ``burst``: packets per fabric message (a burst's rows are processed one by one, each with its own slot
+    semantics); ``None``: the fabric's (:meth:`on`, :mod:`.defaults`: one where a message is a datagram of
+    a modelled network, else as many as fill a 1 MiB message, 1024 of 256 values), which the switch rank
+    and its workers resolve alike. ``audit``: count every accepted contribution by ``(job, min round?,
+    slot, pos, worker)`` (tests only)."""
+
+    NAME = "sparse-switch"
 
     elems: int = 256
     slots: int = DEFAULT_SLOTS
@@ -148,14 +154,14 @@ class SparseSwitchConfig:
         if isinstance(self.slots, bool) or not isinstance(self.slots, int) or not 2 <= self.slots <= 1 << 16:
             raise InvalidValueError(f"switch slots must be an integer in [2, 65536], got {self.slots!r}")
         if self.burst is not None and (isinstance(self.burst, bool) or not isinstance(self.burst, int)
-                                       or not 1 <= self.burst <= 1024):
-            raise InvalidValueError(f"burst must be an integer in [1, 1024], got {self.burst!r}")
+                                       or not 1 <= self.burst <= MAX_BURST):
+            raise InvalidValueError(f"burst must be an integer in [1, {MAX_BURST}], got {self.burst!r}")
 
-    def burst_for(self, fabric: Fabric) -> int:
-        """Packets per fabric message: ``burst``, else one on SimFabric and ``REAL_BURST`` elsewhere."""
+    def on(self, fabric: Fabric) -> "SparseSwitchConfig":
+        """This program on ``fabric``: ``burst`` left ``None`` takes the fabric's default."""
         if self.burst is not None:
-            return self.burst
-        return SIM_BURST if fabric.modelled_time else REAL_BURST
+            return self
+        return replace(self, burst=defaults.packets_per_message(fabric, self.elems, MAX_BURST))
 
     def spec(self) -> str:
         parts = [f"{f.name}={int(getattr(self, f.name))}" for f in fields(self)
@@ -303,10 +309,11 @@ class Dataplane:
         """Receive a packet, run the program, multicast / unicast the replies (``isend``, never waited
         for on SimFabric, reaped elsewhere). On SimFabric one packet is one datagram, value packets and
         16-byte skip headers on their own tags (whichever is first). With bursts (real fabrics, where
-        a message costs far more than its bytes) a message is ``burst`` rows of ``HEADER + k`` words,
-        skips padded, unused rows ``T_EMPTY``; the replies to a message's rows leave in messages of
+        a message costs far more than its bytes) a message is up to ``burst`` rows of ``HEADER + k`` words,
+        skips padded (a receive of ``burst`` rows, every row ``T_EMPTY`` when posted, takes a shorter
+        message: :mod:`.switch_lanes`); the replies to a message's rows leave in messages of up to
         ``burst`` rows. Malformed and out-of-step packets are reported to every worker (module docstring)."""
-        k, K = self.config.elems, self.config.burst_for(fabric)
+        k, K = self.config.elems, self.config.burst
         width = HEADER + k
         sim = fabric.modelled_time
         world = self.world = fabric.world_size
@@ -328,6 +335,7 @@ class Dataplane:
                 kinds = unpack_w0(arr[:, W0])[0]
                 rows = [arr[r, :HEADER].copy() if kinds[r] == T_SKIP else arr[r].copy()
                         for r in np.flatnonzero(kinds != T_EMPTY)]
+                arr[:, W0] = 0          # every row T_EMPTY again: the next message may be shorter
             mcast: list = []
             ucast: list = []
             before = self.stats["malformed"], self.stats["out_of_step"]
@@ -338,12 +346,12 @@ class Dataplane:
                 if uc is not None:
                     ucast.append(uc)
             malformed, out_of_step = self.stats["malformed"] - before[0], self.stats["out_of_step"] - before[1]
-            sends = [(msg, dst, False) for msg in _messages(mcast, K, width, single) for dst in range(world)]
+            sends = [(msg, dst, False) for msg in _messages(mcast, K, width, single, sim) for dst in range(world)]
             if src is not None:
-                sends += [(msg, src, False) for msg in _messages(ucast, K, width, single)]
+                sends += [(msg, src, False) for msg in _messages(ucast, K, width, single, sim)]
             if (malformed or out_of_step) and src is not None and 0 <= src < world:
                 notice = rejection(k, src, world, OUT_OF_STEP if out_of_step else MALFORMED, malformed + out_of_step)
-                sends = [(msg, dst, True) for msg in _messages([notice], K, width, single)
+                sends = [(msg, dst, True) for msg in _messages([notice], K, width, single, sim)
                          for dst in range(world)] + sends
             for msg, dst, reliable in sends:
                 wk = fabric.isend(msg, dst, TAG_DOWN, reliable=reliable)
@@ -353,14 +361,17 @@ class Dataplane:
                 pending.popleft()[0].wait()
 
 
-def _messages(rows: list, K: int, width: int, single: bool) -> list[torch.Tensor]:
-    """Reply rows as fabric messages: one row each, or ``K`` rows each (unused rows ``T_EMPTY``)."""
+def _messages(rows: list, K: int, width: int, single: bool, pad: bool) -> list[torch.Tensor]:
+    """Reply rows as fabric messages: one row each, or up to ``K`` rows each, the last one padded to
+    ``K`` rows (unused rows ``T_EMPTY``) with ``pad`` (SimFabric: a message has its receive's shape),
+    else as long as its rows (real fabrics: a receive of ``K`` rows takes a shorter message)."""
     if single:
         return [torch.from_numpy(r) for r in rows]
     out = []
     for i in range(0, len(rows), K):
-        msg = np.zeros((K, width), dtype=np.int32)
-        msg[: len(rows[i:i + K])] = rows[i:i + K]
+        part = rows[i:i + K]
+        msg = np.zeros((K if pad else len(part), width), dtype=np.int32)
+        msg[: len(part)] = part
         out.append(torch.from_numpy(msg))
     return out
 
@@ -375,8 +386,12 @@ def rejection(k: int, worker: int, world: int, reason: int, count: int) -> np.nd
 
 
 def service_main(config: SparseSwitchConfig) -> Callable[[Fabric], None]:
-    """A fresh program's service loop, for a launcher-started switch rank."""
-    return Dataplane(config).serve
+    """A launcher-started switch rank's loop: a fresh program running ``config`` on the rank's fabric."""
+
+    def main(fabric: Fabric) -> None:
+        Dataplane(config.on(fabric)).serve(fabric)
+
+    return main
 
 
 @services.registry.register("sparse-switch")

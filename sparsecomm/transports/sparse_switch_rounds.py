@@ -1,5 +1,5 @@
-"""``sparse-switch`` worker side: self-clocked rounds on switch slots with SwitchML's loss recovery, the
-packets they carry, and which switch program a transport talks to.
+"""``sparse-switch`` worker side: self-clocked rounds on switch slots with SwitchML's loss recovery, and the
+packets they carry (which switch program a transport talks to: :func:`.switch_control.started_program`).
 
 Split from :mod:`.sparse_switch` (the transport: one job top to bottom, its control, look-ahead and stream
 phases); the wire format and the switch program are :mod:`.sparse_switch_dataplane`. A round is one
@@ -19,12 +19,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..errors import FabricTimeout, IncompatibleError
-from ..fabric.base import Fabric
-from .sparse_switch_dataplane import (HEADER, JOB_MASK, NONE, OUT_OF_STEP, PACKET_ELEMS, T_EMPTY, T_REJECT, T_RESULT,
-                                      T_RETRANSMIT, T_SKIP, TAG_DOWN, TAG_SKIP, TAG_UP, Header, SparseSwitchConfig)
-from .switch_control import asked_constants
-from .switch_lanes import abandoning, rejected
+from ..errors import FabricTimeout
+from .sparse_switch_dataplane import (HEADER, JOB_MASK, NONE, OUT_OF_STEP, T_EMPTY, T_REJECT, T_RESULT, T_RETRANSMIT,
+                                      T_SKIP, TAG_DOWN, TAG_SKIP, TAG_UP, W0, Header)
+from .switch_lanes import abandoning, message_rows, rejected
 
 
 @dataclass
@@ -98,7 +96,9 @@ def run_rounds(t, slots: np.ndarray, rows: list[np.ndarray], on_result, phase: s
                 fab.send(torch.from_numpy(row), sw, TAG_SKIP if row.size == HEADER else TAG_UP,
                          reliable=False)
                 continue
-            msg = np.zeros((K, HEADER + t.k), dtype=np.int32)
+            # a real fabric's message is as long as its packets (a receive of K rows takes it); the
+            # SimFabric's has its receive's shape
+            msg = np.zeros((K if t.sim else len(part), HEADER + t.k), dtype=np.int32)
             for r, row in enumerate(part):
                 msg[r, :row.size] = row
             m = torch.from_numpy(msg)
@@ -142,7 +142,8 @@ def run_rounds(t, slots: np.ndarray, rows: list[np.ndarray], on_result, phase: s
                     threshold += t.timeout_threshold
                     expiries = 0
                 continue
-            for res in msg_rows:
+            filled = len(msg_rows) if t.sim else message_rows(fab, sw, msg_rows)
+            for res in msg_rows[:filled]:
                 h = Header.of(res)
                 if h.kind == T_EMPTY:
                     continue                       # an unused row of a burst
@@ -164,6 +165,7 @@ def run_rounds(t, slots: np.ndarray, rows: list[np.ndarray], on_result, phase: s
                     live -= 1
                 else:
                     send(i, True)
+            msg_rows[:filled, W0] = 0              # every row T_EMPTY again: the next message may be shorter
             flush()
         while pending:
             pending.popleft()[0].wait()
@@ -174,26 +176,3 @@ def to_pos(blocks: np.ndarray, lanes: np.ndarray, L: int, nb: int) -> np.ndarray
     blocks = np.asarray(blocks, dtype=np.int64)
     return np.where(blocks >= nb, NONE, (blocks - lanes) // L)
 
-
-def resolve_program(fabric: Fabric, sim: bool, elems: int | None, slots: int | None, burst: int | None,
-             audit: bool) -> tuple[SparseSwitchConfig, str]:
-    """The switch program to talk to and its service name: started by the transport on SimFabric; on
-    real fabrics the one the launcher started (``services=["sparse-switch..."]``), whose constants are
-    the defaults."""
-    asked = asked_constants(PACKET_ELEMS, elems, slots, burst, audit)
-    if sim:
-        cfg = SparseSwitchConfig(**asked)
-        return cfg, cfg.spec()
-    started = [sp for sp in fabric.services() if sp.partition(":")[0] == "sparse-switch"]
-    configs = [(SparseSwitchConfig.parse(sp.partition(":")[2] or None), sp) for sp in started]
-    fits = [(c, sp) for c, sp in configs
-            if all((c.burst_for(fabric) if k == "burst" else getattr(c, k)) == v for k, v in asked.items())]
-    if len(fits) == 1:
-        return fits[0]
-    if not started:
-        from ..fabric.base import ServiceNotStarted
-
-        want = SparseSwitchConfig(**asked).spec()
-        raise ServiceNotStarted(f"transport 'sparse-switch' needs a switch rank: launch with services=[{want!r}]")
-    raise IncompatibleError(f"transport 'sparse-switch' asked for a program with {asked or 'the defaults'} but the "
-                            f"launcher started {started}; pass slot_elems / switch_slots matching one of them")

@@ -50,12 +50,21 @@ that every transport exchanges (:mod:`._handshake`), so that a worker running an
 **Deployment.** On SimFabric the transport starts the switch as a per-port service endpoint on first
 use (``fabric.service(spec, ...)``, its own line rate; lossy links via ``sc.Network(loss=p)``). On
 torch.distributed the switch is the extra rank the launcher started (``services=["switch"]``); the
-switch program's constants (``slot_elems``, ``burst``, ``switch_slots``) default to that rank's spec.
+switch program's constants (``slot_elems``, ``burst``, ``switch_slots``) default to that rank's spec, so
+the worker and the switch agree on them without the user giving them twice.
 
-On SimFabric one packet is one datagram; on real fabrics ``burst`` packets share one fabric message
+On SimFabric one packet is one datagram; on real fabrics up to ``burst`` packets share one fabric message
 (each keeps its own slot semantics), the switch serves its ports in parallel and the workers keep
 receives posted and send from a thread of their own (:mod:`.switch_service`, :mod:`.switch_lanes`): a
 software switch that adds at the rate its ports deliver, as far as the host's CPU allows.
+
+**Defaults** are fast where they run (:mod:`.defaults`, from the fabric's ``message_bytes``): where a
+message is a datagram of a modelled network (SimFabric), the paper's program, 64-value packets one per
+message, and a pool of 256 lanes (the reproductions compare these with their closed forms). On a real
+fabric (gloo: a message costs the hosts ~0.3 ms of CPU beyond its bytes) a switch started as
+``"switch"`` runs 256-value packets, up to 1024 to a message (1 MiB), and a worker keeps 4096 lanes in
+flight (four messages per lane window). A message holds only the packets that are ready
+(:mod:`.switch_lanes`), so a small job costs its packets' bytes, not a burst's.
 """
 
 from __future__ import annotations
@@ -75,12 +84,11 @@ from .base import registry
 from .base import Transport
 from . import switch_service  # noqa: F401 - registers the "switch" service
 from .switch_codec import FloatJob, IntJob
-from .switch_control import (_DTYPES, _ROUNDING, DEFAULT_MAX_EXPONENT, MODE_FLOAT, MODE_INT, asked_constants,
-                             control_round, max_exponent_option, narrowed)
+from . import defaults
+from .switch_control import (_DTYPES, _ROUNDING, DEFAULT_MAX_EXPONENT, MODE_FLOAT, MODE_INT, control_round,
+                             max_exponent_option, narrowed, started_program)
 from .switch_lanes import Inbox, Uplink, run_lanes
-from .switch_dataplane import (
-    EXP_MAX, MAX_WORKERS, PACKET_ELEMS, Dataplane, SwitchConfig, service_main,
-)
+from .switch_dataplane import EXP_MAX, MAX_WORKERS, Dataplane, SwitchConfig, service_main
 
 INT32_MAX = 2**31 - 1
 EXP_FLOOR = -126          # float32's smallest reported exponent; also used for float64 (safe: 2^e > max|x|)
@@ -124,12 +132,14 @@ _lock = threading.Lock()
 class SwitchTransport(Transport):
     """SwitchML allreduce against a switch endpoint (see the module docstring).
 
-    ``pool_size``: slots (lanes) a job keeps in flight, ``<= switch_slots - 1``; ``slot_elems``: 64
-    (default) or 256 int32 values per packet. ``timeout``: retransmission timer (modelled seconds on SimFabric,
+    ``pool_size``: slots (lanes) a job keeps in flight, ``<= switch_slots - 1`` (default: 256 on
+    SimFabric, ``4 * burst`` elsewhere; module docstring, "Defaults"); ``slot_elems``: 64 or 256 int32
+    values per packet (default: 64 on SimFabric, 256 elsewhere). ``timeout``: retransmission timer (modelled seconds on SimFabric,
     default 10 ms as the reference client; wall seconds elsewhere, default ``None``: no timer, since
     gloo/TCP never drops a message and a timed wait costs TorchFabric a helper thread; waits are then
     bounded by the fabric's ``timeout_s``). ``rounding``: ``"nearest"`` or ``"stochastic"``
-    (with ``seed``). ``burst``: packets per fabric message (default 1 on SimFabric, 32 elsewhere).
+    (with ``seed``). ``burst``: packets per fabric message (default 1 on SimFabric, elsewhere as many as
+    fill 1 MiB: 1024 of 256 values).
     ``switch_slots`` (default 8192), ``burst``, ``slot_elems`` and ``audit`` (count every accepted
     contribution, tests only) are compile-time constants of the switch program and name its service
     (``SwitchConfig.spec()``); on real fabrics they default to the started switch's.
@@ -147,7 +157,7 @@ class SwitchTransport(Transport):
     carries = frozenset({"dense", "aligned", "quantized"})
     quantized_needs_shared_scale = True
 
-    def __init__(self, fabric: Fabric, *, pool_size: int = 256, slot_elems: int | None = None,
+    def __init__(self, fabric: Fabric, *, pool_size: int | None = None, slot_elems: int | None = None,
                  timeout: float | None = None, timeout_threshold: int = 100, timeout_increment: int = 100,
                  rounding: str = "nearest", seed: int = 0, burst: int | None = None,
                  switch_slots: int | None = None, bandwidth_gbps: float | None = None,
@@ -163,8 +173,10 @@ class SwitchTransport(Transport):
         self.nonfinite = nonfinite
         self.max_exponent = max_exponent_option(max_exponent, EXP_FLOOR, EXP_MAX)
         self.sim = fabric.modelled_time
-        self.config = _program(fabric, fabric.in_process_services, slot_elems, switch_slots, burst, audit)
+        self.config, spec = started_program(fabric, SwitchConfig, slot_elems, switch_slots, burst, audit)
         slot_elems, switch_slots = self.config.elems, self.config.slots
+        if pool_size is None:
+            pool_size = defaults.pool_size(fabric, self.config.burst, switch_slots)
         if not fabric.is_worker:
             raise IncompatibleError("the switch transport runs on workers, not on a service endpoint")
         if fabric.world_size > MAX_WORKERS:
@@ -185,8 +197,7 @@ class SwitchTransport(Transport):
         self.timeout_threshold, self.timeout_increment = int(timeout_threshold), int(timeout_increment)
         self.rounding, self.seed = rounding, int(seed)
         self.give_up_s = float(give_up_s if give_up_s is not None else fabric.timeout_s)
-        self.burst = self.config.burst_for(fabric)
-        spec = self.config.spec()
+        self.burst = self.config.burst
         self.dataplane: Dataplane | None = None
         if fabric.in_process_services:
             with _lock:
@@ -323,30 +334,3 @@ class SwitchTransport(Transport):
         run_lanes(self, lane_slots, job.packets, 0, job.payload, job.consume, "data")
         st.shift = (st.shift + job.packets) % self.pool_size
 
-
-def _program(fabric: Fabric, sim: bool, elems: int | None, slots: int | None, burst: int | None,
-             audit: bool) -> SwitchConfig:
-    """The switch program to talk to. On SimFabric the transport starts it (defaults: 64-element
-    packets, 8192 slots). On real fabrics the launcher started it (``services=["switch..."]``): its
-    constants are the defaults, and an explicit conflicting value is an error rather than a garbled
-    stream (gloo cannot check message sizes)."""
-    asked = asked_constants(PACKET_ELEMS, elems, slots, burst, audit)
-    if sim:
-        return SwitchConfig(**asked)
-    started = [sp for sp in fabric.services() if sp.partition(":")[0] == "switch"]
-    configs = [SwitchConfig.parse(sp.partition(":")[2] or None) for sp in started]
-    fits = [c for c in configs
-            if all((c.burst_for(fabric) if k == "burst" else getattr(c, k)) == v for k, v in asked.items())]
-    if len(fits) == 1:
-        return fits[0]
-    if not started:
-        want = SwitchConfig(**asked).spec()
-        from ..fabric.base import ServiceNotStarted
-
-        raise ServiceNotStarted(
-            f"transport 'switch' needs a switch rank: launch with services=[{want!r}] "
-            f"(e.g. sparsecomm.launch(fn, n, backend='gloo', services=[{want!r}]))")
-    raise IncompatibleError(
-        f"transport 'switch' asked for a switch program with {asked or 'the defaults'} but the launcher "
-        f"started {started}; pass slot_elems / burst / switch_slots matching one of them "
-        f"(or omit them to use the started switch's)" + (" -- several match" if len(fits) > 1 else ""))

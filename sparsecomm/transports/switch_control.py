@@ -15,7 +15,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..errors import InvalidValueError, MismatchError, NonFiniteError, OverflowError_
+from ..errors import (IncompatibleError, InvalidValueError, MismatchError, NonFiniteError, OverflowError_,
+                      ServiceNotStarted)
 from ._handshake import check_agreement
 from .switch_dataplane import HEADER
 from .switch_lanes import run_lanes
@@ -136,14 +137,36 @@ def check_control(a: np.ndarray, n_words: int, n: int, name: str, agree: tuple[s
                              f"the switch's integer sum could overflow (it would wrap), so nothing was sent")
 
 
-def asked_constants(packet_elems: tuple[int, ...], elems: int | None, slots: int | None, burst: int | None,
-                    audit: bool) -> dict[str, int | bool]:
-    """The program constants a transport asked for explicitly (``None``: not asked), ``elems`` checked
-    against the switch's ``packet_elems``: what a started switch's constants must match (both switches)."""
-    if elems is not None and elems not in packet_elems:
-        raise InvalidValueError(f"slot_elems must be one of {packet_elems}, got {elems!r}")
-    asked: dict[str, int | bool] = {k: v for k, v in (("elems", elems), ("slots", slots), ("burst", burst))
-                                    if v is not None}
+def started_program(fabric, config_cls, elems: int | None, slots: int | None, burst: int | None,
+                    audit: bool):
+    """The switch program a transport talks to and its service's name (both switches; ``config_cls`` is the
+    program's constants, :class:`.switch_dataplane.SwitchConfig` or its sparse twin, with ``NAME``,
+    ``parse``, ``spec`` and ``on(fabric)``). ``None``: not asked.
+
+    In-process services (SimFabric): the program asked for, the fabric's defaults for the rest
+    (:mod:`.defaults`), named by what was asked (``"switch"`` when nothing was). Otherwise the launcher
+    started it (``services=["switch..."]``): of the started programs of this kind, resolved on this
+    fabric, the one whose constants equal every one asked for; so a transport asking for none takes the
+    started one, and a constant that no started program has is an :class:`IncompatibleError` naming them
+    (gloo cannot check message sizes: a mismatch would garble the stream)."""
+    asked = {k: v for k, v in (("elems", elems), ("slots", slots), ("burst", burst)) if v is not None}
     if audit:
         asked["audit"] = True
-    return asked
+    cfg = config_cls(**asked)            # checks the values asked for
+    name = config_cls.NAME
+    if fabric.in_process_services:
+        return cfg.on(fabric), cfg.spec()
+    started = [sp for sp in fabric.services() if sp.partition(":")[0] == name]
+    programs = [(config_cls.parse(sp.partition(":")[2] or None).on(fabric), sp) for sp in started]
+    fits = [(c, sp) for c, sp in programs if all(getattr(c, k) == v for k, v in asked.items())]
+    if len(fits) == 1:
+        return fits[0]
+    if not started:
+        raise ServiceNotStarted(
+            f"transport {name!r} needs a switch rank: launch with services=[{cfg.spec()!r}] "
+            f"(e.g. sparsecomm.launch(fn, n, backend='gloo', services=[{cfg.spec()!r}]))")
+    mine = ", ".join(f"slot_elems={c.elems}, switch_slots={c.slots}, burst={c.burst}" for c, _ in programs)
+    raise IncompatibleError(
+        f"transport {name!r} asked for a switch program with {asked} but the launcher started {started} "
+        f"({mine} on this fabric); pass slot_elems / burst / switch_slots matching one of them (or none: "
+        f"the started switch's)" + (" -- several match" if len(fits) > 1 else ""))

@@ -40,7 +40,8 @@ Nothing grows with the number of packets except the optional ``audit`` counter (
 not switch state).
 
 Wire format: one int32 row per packet, ``HEADER`` fields (:class:`Field`) then ``slot_elems`` values; a
-fabric message carries ``burst`` rows (unused rows have type ``T_EMPTY``), workers -> switch on
+fabric message carries up to ``burst`` rows (on SimFabric exactly ``burst``, unused rows of type
+``T_EMPTY``; on real fabrics as many as are ready, :mod:`.switch_lanes`), workers -> switch on
 ``TAG_UP``, switch -> workers on ``TAG_DOWN``, all ``reliable=False``. How the rows reach the program
 (one datagram per packet on SimFabric, per-port receive threads on real fabrics) is
 :mod:`.switch_service`.
@@ -49,7 +50,7 @@ fabric message carries ``burst`` rows (unused rows have type ``T_EMPTY``), worke
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from enum import IntEnum
 
 import numpy as np
@@ -57,6 +58,7 @@ from numba import njit
 
 from ..fabric.base import Fabric
 from ..errors import InvalidValueError
+from . import defaults
 
 
 # ----------------------------------------------------------------------------- wire format
@@ -93,7 +95,6 @@ MAX_WORKERS = 32                   # 32-bit worker bitmap (p4/configuration.p4: 
 PACKET_ELEMS = (64, 256)           # the P4 program accepts 64 (one pass) or 256 (recirculation)
 DEFAULT_SLOTS = 8192               # 16384 register entries = 8192 slot pairs (configuration.p4)
 EXP_MIN, EXP_MAX = -128, 127       # int8 exponent registers (exponents.p4)
-SIM_BURST, REAL_BURST = 1, 32      # packets per fabric message: one datagram in the sim; amortised on real fabrics
 RECV_SLACK = 4                     # real fabrics: a switch receive holds this many bursts (see switch_service)
 
 #: the program's packet counters, in the order :func:`_program` keeps them
@@ -104,24 +105,34 @@ COUNTERS = ("packets", "malformed", "consumed", "multicast", "retransmit", "drop
 class SwitchConfig:
     """Compile-time constants of the switch program; they name the service (``"switch:elems=256"``).
 
-    ``burst=None`` means one packet per message on SimFabric and ``REAL_BURST`` elsewhere (workers
-    and switch apply the same rule). ``audit`` makes the switch count every accepted contribution by
-    ``(job, packet, worker)`` (tests only).
+    ``elems`` (values per packet) and ``burst`` (packets per fabric message) left ``None`` are the
+    fabric's (:meth:`on`, :mod:`.defaults`): 64-value packets one per message where a message is a
+    datagram of a modelled network (SimFabric, the paper's), 256-value packets 1024 to a message on a
+    real fabric; the switch rank and its workers resolve them alike. ``audit`` makes the switch count
+    every accepted contribution by ``(job, packet, worker)`` (tests only).
     """
 
-    elems: int = 64
+    NAME = "switch"
+
+    elems: int | None = None
     slots: int = DEFAULT_SLOTS
     burst: int | None = None
     audit: bool = False
 
     def __post_init__(self) -> None:
-        if self.elems not in PACKET_ELEMS:
+        if self.elems is not None and self.elems not in PACKET_ELEMS:
             raise InvalidValueError(f"slot_elems must be one of {PACKET_ELEMS} (the P4 program's packet sizes), "
                              f"got {self.elems}")
         if not isinstance(self.slots, int) or self.slots < 2:
             raise InvalidValueError(f"switch slots must be an integer >= 2, got {self.slots!r}")
         if self.burst is not None and (not isinstance(self.burst, int) or self.burst < 1):
             raise InvalidValueError(f"burst must be a positive integer, got {self.burst!r}")
+
+    def on(self, fabric: Fabric) -> "SwitchConfig":
+        """This program on ``fabric``: the constants left ``None`` take the fabric's defaults."""
+        elems = self.elems if self.elems is not None else defaults.packet_elems(fabric, PACKET_ELEMS)
+        burst = self.burst if self.burst is not None else defaults.packets_per_message(fabric, elems)
+        return replace(self, elems=elems, burst=burst)
 
     def spec(self) -> str:
         """The service spec naming this program: ``"switch"`` for the defaults."""
@@ -146,11 +157,6 @@ class SwitchConfig:
                 raise InvalidValueError(f"unknown switch option {key!r} in {arg!r}; valid: elems, slots, burst, audit")
             kw[key] = bool(int(val)) if key == "audit" else int(val)
         return cls(**kw)
-
-    def burst_for(self, fabric: Fabric) -> int:
-        if self.burst is not None:
-            return self.burst
-        return SIM_BURST if fabric.modelled_time else REAL_BURST
 
 
 # ----------------------------------------------------------------------------- the program
@@ -269,7 +275,10 @@ def _reply(rows, i, values, exponent, slot, v, kind, out, k):  # pragma: no cove
 class Dataplane:
     """The switch's registers and its per-packet program (see the module docstring)."""
 
-    def __init__(self, config: SwitchConfig = SwitchConfig()) -> None:
+    def __init__(self, config: SwitchConfig) -> None:
+        if config.elems is None:
+            raise InvalidValueError(f"a dataplane needs its packet size: SwitchConfig(elems=...) or "
+                                    f"config.on(fabric), got {config}")
         self.config = config
         s, k = config.slots, config.elems
         self.values = np.zeros((s, 2, k), dtype=np.int32)
@@ -340,12 +349,13 @@ class Dataplane:
         serve(self, fabric)
 
 
-def split_messages(out: np.ndarray, used: int, burst: int) -> list[np.ndarray]:
+def split_messages(out: np.ndarray, used: int, burst: int, pad: bool = True) -> list[np.ndarray]:
     """The first ``used`` rows of ``out`` as messages of ``burst`` rows, the last one's unused rows
-    ``T_EMPTY`` (``out`` must hold a whole number of bursts past ``used``)."""
-    end = -(-used // burst) * burst
+    ``T_EMPTY`` (``out`` must hold a whole number of bursts past ``used``); ``pad=False``: the last message
+    as long as its rows (real fabrics, :mod:`.switch_lanes`: messages as long as their packets)."""
+    end = -(-used // burst) * burst if pad else used
     out[used:end] = 0                                     # padding rows: T_EMPTY
-    return [out[i:i + burst] for i in range(0, used, burst)]
+    return [out[i:min(i + burst, end)] for i in range(0, used, burst)]
 
 
 def rejection(width: int, burst: int, worker: int, world: int, count: int) -> np.ndarray:
@@ -358,5 +368,9 @@ def rejection(width: int, burst: int, worker: int, world: int, count: int) -> np
 
 
 def service_main(config: SwitchConfig):
-    """A fresh dataplane's service loop, for a launcher-started switch rank."""
-    return Dataplane(config).serve
+    """A launcher-started switch rank's loop: a fresh dataplane running ``config`` on the rank's fabric."""
+
+    def main(fabric: Fabric) -> None:
+        Dataplane(config.on(fabric)).serve(fabric)
+
+    return main

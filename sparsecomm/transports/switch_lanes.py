@@ -16,6 +16,16 @@ How results are received is the only difference between fabrics:
   results flow as soon as they are sent; posted again ``REPOST_GROUP`` at a time), and an
   :class:`Uplink` thread posting the sends, at most ``SEND_AHEAD`` lane windows of bursts queued.
 
+**Messages as long as their packets** (real fabrics): a message holds the packets that are ready, at most
+a burst, in both directions; it is not padded to the burst. A receive is posted for a whole burst (the
+switch's for ``RECV_SLACK`` of them) with every row's type ``T_EMPTY``, and gloo fills a prefix of it, so
+the rows past the message read as empty; each side resets the types it read before posting the receive
+again. So a job of a few packets (a control round: one) costs a few packets' bytes, not a burst's,
+while a large job's messages are full bursts that amortise a message's fixed cost. The fabric books a
+receive at its buffer's size; the worker takes back the unfilled rows (:meth:`Inbox.take`), so that its
+ledger counts the bytes that arrived. On SimFabric a message is one packet (or a whole burst of rows,
+padded: the SimFabric checks a message's shape against its receive's).
+
 **An error inside a stream ends the job on every worker** (:func:`abandoning`, both switches): the
 other workers wait for this worker's packets (a slot completes only with every worker's), so a worker
 that leaves a stream -- a forged or corrupted result it refuses, a violated protocol invariant, the
@@ -110,12 +120,13 @@ class Uplink:
 
     def _run(self) -> None:
         while True:
-            i = self.q.get()
-            if i is None:
+            item = self.q.get()
+            if item is None:
                 return
+            i, rows = item
             try:
                 if self.error is None:
-                    self.fabric.send(self.bufs[i], self.switch, TAG_UP, reliable=False)
+                    self.fabric.send(self.bufs[i][:rows], self.switch, TAG_UP, reliable=False)
             except BaseException as exc:  # noqa: BLE001 - re-raised by the worker's loop
                 self.error = exc
             self.free.put(i)
@@ -127,8 +138,10 @@ class Uplink:
         i = self.free.get()
         return i, self.bufs[i].numpy()
 
-    def put(self, i: int) -> None:
-        self.q.put(i)
+    def put(self, i: int, rows: int) -> None:
+        """Send the first ``rows`` rows of buffer ``i`` (module docstring: messages as long as their
+        packets)."""
+        self.q.put((i, rows))
 
     def drain(self) -> None:
         """Wait until every buffer is free again (every send done); re-raise a send's error."""
@@ -159,11 +172,12 @@ class Inbox:
         self.works = [fabric.irecv(b, switch, TAG_DOWN) for b in self.bufs]
         self.i = 0
         self.unposted = 0         # taken receives behind self.i not posted again yet
+        self.filled = 0           # rows the taken message filled
 
     def take(self, timeout: float | None) -> np.ndarray | None:
-        """The next message's rows (valid until :meth:`release`), or ``None`` if none came in ``timeout``
-        seconds. A timed wait polls, so that the receive stays this inbox's (a fabric's timed-out
-        receive would be adopted by the next receive on the channel)."""
+        """The next message's rows, as many as it filled (valid until :meth:`release`), or ``None`` if none
+        came in ``timeout`` seconds. A timed wait polls, so that the receive stays this inbox's (a
+        fabric's timed-out receive would be adopted by the next receive on the channel)."""
         work = self.works[self.i]
         if timeout is not None:
             deadline = time.perf_counter() + timeout
@@ -174,10 +188,14 @@ class Inbox:
                 time.sleep(delay)
                 delay = min(2 * delay, 1e-3)
         work.wait()
-        return self.bufs[self.i].numpy()
+        rows = self.bufs[self.i].numpy()
+        self.filled = message_rows(self.fabric, self.switch, rows)
+        return rows[:self.filled]
 
     def release(self) -> None:
-        """Done with the taken buffer; its receive is posted again with the group it completes."""
+        """Done with the taken buffer (its rows' types are reset: the next message may be shorter); its
+        receive is posted again with the group it completes."""
+        self.bufs[self.i][:self.filled, F_TYPE] = T_EMPTY
         D = len(self.bufs)
         self.i = (self.i + 1) % D
         self.unposted += 1
@@ -185,6 +203,18 @@ class Inbox:
             for k in range(self.i - self.group, self.i):
                 self.works[k % D] = self.fabric.irecv(self.bufs[k % D], self.switch, TAG_DOWN)
             self.unposted = 0
+
+
+def message_rows(fabric, src: int, rows: np.ndarray) -> int:
+    """How many rows of a receive posted for ``rows`` (every row's type, column 0, ``T_EMPTY`` when
+    posted; both switches) the message from ``src`` filled: up to its last row of another type (module
+    docstring: messages as long as their packets). The fabric booked the whole receive; the rest is taken
+    back from its ledger."""
+    used = np.flatnonzero(rows[:, 0])
+    m = int(used[-1]) + 1 if used.size else 0
+    if m < len(rows):
+        fabric.stats.unbook_recv(src, fabric.rank, (len(rows) - m) * rows.shape[1] * rows.itemsize)
+    return m
 
 
 def run_lanes(t, lane_slots: np.ndarray, P: int, pkt_base: int, payload, consume, phase: str) -> None:
@@ -225,11 +255,11 @@ def run_lanes(t, lane_slots: np.ndarray, P: int, pkt_base: int, payload, consume
                     lane_rows[part] = rows
             else:
                 rows[:] = lane_rows[part]
-            msg[m:, F_TYPE] = T_EMPTY
             if uplink is None:     # a blocking send models the worker's NIC serialisation
+                msg[m:, F_TYPE] = T_EMPTY
                 fab.send(torch.from_numpy(msg), sw, TAG_UP, reliable=False)
             else:
-                uplink.put(slot)
+                uplink.put(slot, m)
         if timed:
             now = fab.now()
             lane_deadline[lanes] = now + timeout

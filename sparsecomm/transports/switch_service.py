@@ -3,7 +3,8 @@
 **SimFabric** (one datagram per packet, modelled time): one loop receives a packet from any port, runs the
 program and replies with ``isend`` that it never waits for, so the per-port links transmit in parallel.
 
-**Real fabrics** (gloo over TCP; a message carries ``burst`` packets): a software switch with one receive
+**Real fabrics** (gloo over TCP; a message carries up to ``burst`` packets, as many as are ready: no
+padding, in either direction, :mod:`.switch_lanes`): a software switch with one receive
 thread per port, as a multi-queue NIC gives each port its own RX ring. Each port keeps ``PORT_DEPTH``
 receives posted from its worker (gloo moves a message only once the receiver has posted for it, so a
 receive posted ahead lets the worker's next burst flow at once, with no round trip; they are posted
@@ -72,7 +73,7 @@ def serve(dp: Dataplane, fabric: Fabric) -> None:
 
 # ----------------------------------------------------------------------------- SimFabric
 def _serve_datagrams(dp: Dataplane, fabric: Fabric) -> None:
-    burst = dp.config.burst_for(fabric)
+    burst = dp.config.burst
     width = HEADER + dp.config.elems
     buf = torch.zeros((burst, width), dtype=torch.int32)
     arr = buf.numpy()
@@ -177,7 +178,7 @@ class _Egress:
 
 
 def _serve_ports(dp: Dataplane, fabric: Fabric) -> None:
-    n, burst = dp.world, dp.config.burst_for(fabric)
+    n, burst = dp.world, dp.config.burst
     width = HEADER + dp.config.elems
     registers = threading.Lock()
     failures: list[BaseException] = []
@@ -216,7 +217,7 @@ def _serve_ports(dp: Dataplane, fabric: Fabric) -> None:
                 with registers:
                     nmc, nuc, bad = dp.execute(rows, mc, uc, scratch, clear=True)
                 if bad:       # malformed rows, dropped: reported to every worker (the dataplane's docstring)
-                    notice = torch.from_numpy(rejection(width, burst, w, n, bad))
+                    notice = torch.from_numpy(rejection(width, 1, w, n, bad))
                     for e in egress:
                         e.send(notice, None)
                 if len(posted) <= PORT_DEPTH - PORT_GROUP:
@@ -225,14 +226,14 @@ def _serve_ports(dp: Dataplane, fabric: Fabric) -> None:
                         posted.append((fabric.irecv(torch.from_numpy(b), w, TAG_UP), b))
                 if not in_place:
                     buffers.give_back(arr)
-                mcast = split_messages(mc, nmc, burst)      # zeroes the last burst's unused rows
+                mcast = split_messages(mc, nmc, burst, pad=False)
                 buffers.hold(mc, n * len(mcast), reset=nmc)
                 for msg in mcast:
                     msg = torch.from_numpy(msg)
                     for e in egress:
                         e.send(msg, id(mc))
                 if nuc:
-                    ucast = split_messages(uc[:-(-nuc // burst) * burst].copy(), nuc, burst)
+                    ucast = split_messages(uc[:nuc].copy(), nuc, burst, pad=False)
                     for msg in ucast:
                         egress[w].send(torch.from_numpy(msg), None)
         except BaseException as exc:  # noqa: BLE001 - handed to the service's main thread
