@@ -272,7 +272,9 @@ class CommHookState:
             flat = buffer.reshape(-1)
             compress = self.steps >= 1 and flat.numel() >= self.min_compress_size
             key, segments = index, None
-            if params is not None and compress:
+            pipe = self.pipeline
+            if params is not None and compress and (pipe.per_parameter or pipe.method.State is not None):
+                # method state to key by the parameters (a stateless bucket-wide round keeps the index)
                 key = self.bucket_key(params, index)
                 if key != index:
                     segs = tuple((self.param_names[id(p)], p.numel()) for p in params)
@@ -283,6 +285,9 @@ class CommHookState:
             shape, dtype = buffer.shape, buffer.dtype
             inner = self.pipeline.start(flat, key, compress=compress, shapes=shapes,
                                         segments=segments)
+            if buffer.dim() == 1:        # DDP's buckets: the estimate has the buffer's shape and dtype
+                inner.add_done_callback(self._note_error)
+                return inner
             work = CommWork()
             inner.add_done_callback(lambda w: work._finish(*self._reshaped(w, shape, dtype)))
             return work
@@ -291,9 +296,13 @@ class CommHookState:
                 self.steps += 1
                 self._iter_started = False
 
-    def _reshaped(self, w: CommWork, shape: torch.Size, dtype: torch.dtype) -> tuple[Any, BaseException | None]:
+    def _note_error(self, w: CommWork) -> None:
         if w._exc is not None:
             self.error = w._exc
+
+    def _reshaped(self, w: CommWork, shape: torch.Size, dtype: torch.dtype) -> tuple[Any, BaseException | None]:
+        self._note_error(w)
+        if w._exc is not None:
             return None, w._exc
         return w._value.to(dtype).reshape(shape), None
 

@@ -39,7 +39,7 @@ import torch
 from . import methods
 from .compressors.base import Compressor
 from .compression_stats import CompressionStats, payload_bytes as _payload_bytes, wire_copies as _wire_copies
-from .errors import InvalidValueError, MismatchError, SparseCommError
+from .errors import InvalidValueError, MismatchError, NonFiniteError, SparseCommError
 from .fabric.base import Fabric
 from .fabric.stats import CommStats
 from .methods.base import Method, MethodState, dense_payload
@@ -89,6 +89,10 @@ class CommPipeline(PipelineStates, SparseRows):
         # method none + identity is plain averaging: skip the compressor's copy (and, as DDP, its
         # finiteness check)
         self._plain = self.method.name == "none" and getattr(self.method.compressor, "name", "") == "identity"
+        # a stateless method around a compressor that raises NonFiniteError on a non-finite input: the
+        # compressor's check is the pipeline's (start)
+        self._input_checked_by_encode = self.method.State is None and \
+            getattr(self.method.compressor, "checks_finite", False)
         self.stats = CompressionStats()
         self.last_stats = CommStats()
         #: steps begun (:meth:`begin_step`): part of every call's identity, and of checkpoints
@@ -219,13 +223,24 @@ class CommPipeline(PipelineStates, SparseRows):
                     o += k
                 return out
         else:
-            poison = check and not exact and not _finite(flat)
-            if poison:
-                flat.zero_()
             enc_kw = {"shapes": shapes} if shapes is not None else {}
             ms = self._state_of(key)
-            payload, _ = self.method.encode(flat, ms, self.generator(flat.device), exact=exact, inplace=True,
-                                            **enc_kw)
+            gen = self.generator(flat.device)
+            payload = None
+            if check and not exact and self._input_checked_by_encode:
+                # the compressor's own check of its input stands for the pipeline's (one pass less): a
+                # stateless method has changed nothing when it raises, so zeros are encoded instead
+                try:
+                    payload, _ = self.method.encode(flat, ms, gen, exact=exact, inplace=True, **enc_kw)
+                except NonFiniteError:
+                    pass
+                poison = payload is None
+            else:
+                poison = check and not exact and not _finite(flat)
+            if payload is None:
+                if poison:
+                    flat.zero_()
+                payload, _ = self.method.encode(flat, ms, gen, exact=exact, inplace=True, **enc_kw)
             if poison:
                 _poison(payload, key)
             sent = payload

@@ -14,10 +14,12 @@ replicas are still identical (:func:`verify_replicas`).
 
 ``verify_replicas(fabric, named)`` (the ``verify_replicas_every=N`` option of
 :class:`~sparsecomm.DistributedOptimizer` and of the DDP hook) compares the workers' tensors by their
-checksums (:func:`sparsecomm.codec.checksum.checksum`, one pass over the memory): every worker sends rank
-0 a fixed-size header (tensor count, a digest of the names, shapes and dtypes, and a digest of the
-per-tensor checksums); only if the digests differ does rank 0 ask for the per-tensor checksums, to name
-the first tensor that differs. Every worker raises the same :class:`~sparsecomm.errors.MismatchError`.
+checksums (:func:`sparsecomm.codec.checksum.checksum`, one pass over the memory): the workers gather a
+fixed-size header from every worker (tensor count, a digest of the names, shapes and dtypes, and a
+digest of the per-tensor checksums: :func:`gather_words`, one ``all_gather`` on a torch.distributed
+fabric); only if the digests differ do they gather the per-tensor checksums, to name the first tensor
+that differs. Every worker decides from the same table, so every worker raises the same
+:class:`~sparsecomm.errors.MismatchError`.
 
 Nothing a peer sends is unpickled or sized by the peer: every receive buffer has the size this rank
 computed from its own tensors, after the header agreed.
@@ -144,73 +146,67 @@ def sync_replicas(fabric, tensors: Sequence[torch.Tensor], mode: str = "broadcas
                 off += k
 
 
+def gather_words(fabric, words: torch.Tensor) -> torch.Tensor:
+    """Every worker's int64 ``words`` (the same length on every worker), as an ``(n, len)`` table in rank
+    order on every worker: one ``all_gather`` where the fabric has a native process group, else through
+    rank 0 (its receives sized by its own ``words``)."""
+    n, rank = int(fabric.world_size), int(fabric.rank)
+    dev = fabric.device
+    words = words.to(dev)
+    group = fabric.native_group
+    if group is not None:
+        import torch.distributed as dist
+
+        out = torch.empty(n * words.numel(), dtype=torch.int64, device=dev)
+        dist.all_gather_into_tensor(out, words, group=group)
+        return out.view(n, -1).cpu()
+    table = torch.empty(n, words.numel(), dtype=torch.int64, device=dev)
+    if rank == 0:
+        table[0] = words
+        for r in range(1, n):
+            fabric.recv(table[r], r, VERIFY_TAG)
+        for r in range(1, n):
+            fabric.send(table, r, VERIFY_TAG)
+    else:
+        fabric.send(words, 0, VERIFY_TAG)
+        fabric.recv(table, 0, VERIFY_TAG)
+    return table.cpu()
+
+
 @torch.no_grad()
 def verify_replicas(fabric, named: Sequence[tuple[str, torch.Tensor]], *, when: str = "") -> None:
     """Raise :class:`~sparsecomm.errors.MismatchError` on every worker unless every worker holds the
     same ``(name, tensor)`` list, bit for bit; the error names the first tensor (in this order) that
     differs and two workers that disagree on it. Every worker must call it at the same point of its
     training (``when`` says which, in the message: ``"after step 200"``). Cost: one checksum pass over
-    the tensors and, when they agree, one fixed-size message to rank 0 and one back per worker."""
+    the tensors and, when they agree, one gather of three words per worker (:func:`gather_words`);
+    every worker decides alike from the same table."""
     from .codec.checksum import checksum
     from .transports.base import drain
 
-    n, rank = int(fabric.world_size), int(fabric.rank)
+    n = int(fabric.world_size)
     if n == 1:
         return
     drain(fabric)                       # nothing of ours may be in flight on the fabric
-    dev = fabric.device
     sums = torch.tensor([checksum(t) for _, t in named], dtype=torch.int64)
     layout = _digest(repr([(nm, tuple(t.shape), str(t.dtype)) for nm, t in named]).encode())
-    header = torch.tensor([len(named), layout, _digest(sums.numpy().tobytes())], dtype=torch.int64)
-    if rank == 0:
-        heads = [header]
-        for r in range(1, n):
-            h = torch.zeros(3, dtype=torch.int64, device=dev)
-            fabric.recv(h, r, VERIFY_TAG)
-            heads.append(h.cpu())
-        bad = next((r for r in range(1, n) if not torch.equal(heads[r][:2], header[:2])), -1)
-        differ = [r for r in range(1, n) if int(heads[r][2]) != int(header[2])]
-        decision = torch.tensor([_SHAPES if bad >= 0 else (_VALUES if differ else _OK), bad, -1, -1],
-                                dtype=torch.int64)
-        for r in range(1, n):
-            fabric.send(decision.to(dev), r, VERIFY_TAG)
-        if int(decision[0]) == _VALUES:         # name the first tensor that differs, and who has it
-            rows = [sums]
-            for r in range(1, n):
-                v = torch.zeros(len(named), dtype=torch.int64, device=dev)
-                fabric.recv(v, r, VERIFY_TAG)
-                rows.append(v.cpu())
-            table = torch.stack(rows)
-            col = int((table != table[0]).any(0).nonzero()[0])
-            other = int((table[:, col] != table[0, col]).nonzero()[0])
-            decision = torch.tensor([_VALUES, other, col, 0], dtype=torch.int64)
-            for r in range(1, n):
-                fabric.send(decision.to(dev), r, VERIFY_TAG)
-    else:
-        fabric.send(header.to(dev), 0, VERIFY_TAG)
-        decision = torch.zeros(4, dtype=torch.int64, device=dev)
-        fabric.recv(decision, 0, VERIFY_TAG)
-        decision = decision.cpu()
-        if int(decision[0]) == _VALUES:
-            fabric.send(sums.to(dev), 0, VERIFY_TAG)
-            fabric.recv(decision, 0, VERIFY_TAG)
-            decision = decision.cpu()
-    kind, who, col = int(decision[0]), int(decision[1]), int(decision[2])
+    heads = gather_words(fabric, torch.tensor([len(named), layout, _digest(sums.numpy().tobytes())],
+                                              dtype=torch.int64))
     at = f" {when}" if when else ""
-    if kind == _SHAPES:
+    bad = next((r for r in range(1, n) if not torch.equal(heads[r, :2], heads[0, :2])), None)
+    if bad is not None:
         raise MismatchError(f"replica check{at}: the workers' parameters differ in their names, shapes or "
-                            f"dtypes (worker {who} disagrees with worker 0): every worker must train the "
+                            f"dtypes (worker {bad} disagrees with worker 0): every worker must train the "
                             f"same model")
-    if kind == _VALUES:
-        if not 0 <= col < len(named) or not 0 <= who < n:
-            from .errors import MalformedMessage
-
-            raise MalformedMessage(f"replica check{at}: rank 0 named tensor {col} of {len(named)} and worker "
-                                   f"{who} of {n}")
-        name, t = named[col]
-        raise MismatchError(
-            f"replica check{at}: the replicas have drifted apart: parameter {name!r} (shape "
-            f"{list(t.shape)}) differs between worker 0 and worker {who}; the first of the "
-            f"{len(named)} checked that differs. Every worker must apply the same update: look for a "
-            f"worker-specific step (a learning rate, a skipped step, gradient clipping before "
-            f"synchronising) or report it with the method and transport used")
+    if bool((heads[:, 2] == heads[0, 2]).all()):
+        return
+    table = gather_words(fabric, sums)        # the same length everywhere: the layouts agree
+    col = int((table != table[0]).any(0).nonzero()[0])
+    who = int((table[:, col] != table[0, col]).nonzero()[0])
+    name, t = named[col]
+    raise MismatchError(
+        f"replica check{at}: the replicas have drifted apart: parameter {name!r} (shape "
+        f"{list(t.shape)}) differs between worker 0 and worker {who}; the first of the "
+        f"{len(named)} checked that differs. Every worker must apply the same update: look for a "
+        f"worker-specific step (a learning rate, a skipped step, gradient clipping before "
+        f"synchronising) or report it with the method and transport used")

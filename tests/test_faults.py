@@ -399,3 +399,29 @@ def test_the_cost_model_books_the_fixed_size_handshake():
 
     assert costs.HANDSHAKE_BYTES == HEADER_BYTES == handshake_bytes(3) == handshake_bytes(12)
     assert costs.ALLGATHER_HEADER_BYTES == HEADER_BYTES
+
+
+@pytest.mark.parametrize("compressor", ["fp16", "bf16", "identity"])
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+def test_a_non_finite_gradient_through_a_checking_compressor_is_an_error_on_every_worker(compressor, bad):
+    """Method ``none`` around a compressor that checks its own input (``checks_finite``): its
+    NonFiniteError on one worker stands for the pipeline's own check, which that worker then answers by
+    sending zeros poisoned with NaN, so every worker raises. An ``ef`` round (which has state) keeps the
+    pipeline's own check."""
+    def fn(ctx):
+        out = {}
+        for name, method in (("none", "none"), ("ef", "ef")):
+            with ctx.seeded(0):
+                model = torch.nn.Linear(16, 4)
+            opt = sc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), compressor=compressor,
+                                          method=method, transport="ring", verify_replicas_every=0)
+            x = torch.ones(8, 16)
+            if ctx.rank == 1:
+                x[0, 3] = float(bad)
+            opt.zero_grad()
+            model(x).sum().backward()
+            out[name] = outcome(opt.step)
+        return out
+    res = sc.launch(fn, 3)
+    for name in ("none", "ef"):
+        _same_error_everywhere([r[name] for r in res], NonFiniteError)

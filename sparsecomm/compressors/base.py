@@ -14,7 +14,9 @@ It declares the properties that ``theory/`` and the validators read:
   the optimizer arranges;
 - ``elementwise``: C acts on each coordinate alone, deterministically (identity, the fp16/bf16
   casts), so compressing a concatenation is concatenating the compressions: the pipeline may then
-  compress a whole bucket at once instead of parameter by parameter.
+  compress a whole bucket at once instead of parameter by parameter;
+- ``checks_finite``: ``compress`` raises :class:`~sparsecomm.errors.NonFiniteError` on a NaN or Inf in
+  its input, and has no other effect then (the pipeline then needs no check of its own).
 
 A random operator called with ``generator=None`` uses a generator of its own seeded from its ``seed``
 hyper-parameter, and raises ``GeneratorRequiredError`` when it has none (``_common.py``).
@@ -40,6 +42,7 @@ class Compressor(ABC):
     unbiased: ClassVar[bool] = False
     shared_randomness: ClassVar[bool] = False
     elementwise: ClassVar[bool] = False
+    checks_finite: ClassVar[bool] = False
 
     @abstractmethod
     def compress(self, x: torch.Tensor, generator: torch.Generator | None = None) -> Payload:

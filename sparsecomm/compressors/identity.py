@@ -80,6 +80,7 @@ def _cast_error(x, ybits, is_bf16):
 class _Dense(Compressor):
     payload_kind = "dense"
     elementwise = True
+    checks_finite = True
 
     def values_len(self, d: int) -> int:
         """Number of values in a payload of a length-d input (used by ``compose``)."""

@@ -95,17 +95,28 @@ def _watch(ref, store, key: str) -> None:
         return
 
 
+def _close_at_exit(ref) -> None:
+    fab = ref()
+    if fab is not None and not fab._closed:
+        fab.close()
+
+
 class FailStop:
     """The failure half of :class:`~sparsecomm.fabric.torch_fabric.TorchFabric` (a mixin: it uses the
     fabric's ``rank``, ``_store``, ``_fail_key``, ``_failure``, ``_cuda``, ``_pg``, ``_pg_down``,
     ``_probes``, ``worker_group``, ``total_ranks`` and ``_name``)."""
 
     def _start_watchdog(self, store) -> None:
+        import atexit
         import weakref
 
-        self._watchdog = threading.Thread(target=_watch, args=(weakref.ref(self), store, self._fail_key),
+        ref = weakref.ref(self)
+        self._watchdog = threading.Thread(target=_watch, args=(ref, store, self._fail_key),
                                           name="sparsecomm-watchdog", daemon=True)
         self._watchdog.start()
+        # a fabric nobody closes (the DDP hook's, in a user's script): stop the watchdog before the
+        # interpreter finalizes, or a poll of the store still in C++ then aborts the process
+        atexit.register(_close_at_exit, ref)
 
     def close(self) -> None:
         """Stop this fabric's watchdog (before the process group is destroyed: a thread still polling
