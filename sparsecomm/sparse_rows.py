@@ -65,13 +65,13 @@ class SparseRows:
         call = self.call_id(key)
 
         def job() -> torch.Tensor:
-            counts = self.transport._call(marks, call)
+            counts = self.transport.run(marks, call)
             st = self.transport.last_stats
             union = counts.nonzero().flatten()
             mine = torch.zeros(union.numel(), row_len, dtype=dtype)
             if rows.numel():
                 mine[torch.searchsorted(union, rows)] = vals
-            total = self.transport._call(mine.reshape(-1), call.next_round()) if union.numel() else mine.reshape(-1)
+            total = self.transport.run(mine.reshape(-1), call.next_round()) if union.numel() else mine.reshape(-1)
             if check:
                 _check_aggregate(total, key)
             total = total.reshape(union.numel(), *shape[1:]).div_(n)

@@ -32,7 +32,7 @@ travel in the same header but are not compared: each worker learns their maximum
 field: two workers whose calls are paired by the fabric but are different calls (a worker a step ahead,
 a bucket skipped, calls posted in another order) get a :class:`MismatchError` naming the part that
 differs, never a sum of different tensors. The identity is the one of the call running on this thread
-(:func:`calling`, which :meth:`Transport._call <sparsecomm.transports.base.Transport._call>` enters
+(:func:`calling`, which :meth:`Transport.run <sparsecomm.transports.base.Transport.run>` enters
 for the call it is given); a call made without one (a plain ``allreduce``) carries ``-1`` words, so it
 matches only calls made without one.
 
@@ -46,7 +46,7 @@ gathered headers and raise with :func:`mismatch_error`, with no extra messages.
 ``native`` skips the handshake on repeated calls: every worker predicts the call from the same record
 of completed calls and the data all-reduce checks the prediction (a worker making another call joins
 it with NaN and runs this handshake; :mod:`._fold`). Every other transport's call is told of a
-prediction by ``Transport._call`` before its first message, so this function needs no change.
+prediction by ``Transport.run`` before its first message, so this function needs no change.
 """
 
 from __future__ import annotations

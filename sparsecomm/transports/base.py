@@ -67,7 +67,7 @@ class Transport(ABC):
     #: whether ``quantized`` payloads must share their scale across workers to be carried
     quantized_needs_shared_scale: ClassVar[bool] = True
     #: the transport checks a predicted call inside its data collective and keeps the call record
-    #: itself (``native``; :mod:`._fold`); the others are told of a prediction by :meth:`_call`
+    #: itself (``native``; :mod:`._fold`); the others are told of a prediction by :meth:`run`
     folds: ClassVar[bool] = False
 
     def __init__(self, fabric: Fabric) -> None:
@@ -84,7 +84,7 @@ class Transport(ABC):
         on every worker)."""
         eng = engine(self.fabric, create=False)
         if eng is None or eng.idle():
-            return self._call(x, call)
+            return self.run(x, call)
         return self.start(x, call=call).wait()
 
     def start(self, x: torch.Tensor | Payload, then: Callable[[torch.Tensor], Any] | None = None, *,
@@ -100,16 +100,19 @@ class Transport(ABC):
         round (:meth:`allreduce`)."""
         if isinstance(x, Payload):
             self.check_payload(x)     # a bad pair fails here, on the caller's thread
-        return engine(self.fabric).submit(lambda: self._later_rounds(self._call(x, call), then, next_round, call))
+        return engine(self.fabric).submit(lambda: self._later_rounds(self.run(x, call), then, next_round, call))
 
     def _later_rounds(self, out: torch.Tensor, then, next_round, call: CallId | None) -> Any:
         """Run a started call's later rounds (:meth:`start`) from its first sum ``out``, then ``then``."""
         while next_round is not None and (nxt := next_round(out)) is not None:
             call = call.next_round() if call is not None else None
-            out = self._call(nxt, call)
+            out = self.run(nxt, call)
         return then(out) if then is not None else out
 
-    def _call(self, x: torch.Tensor | Payload, call: CallId | None = None) -> torch.Tensor:
+    def run(self, x: torch.Tensor | Payload, call: CallId | None = None) -> torch.Tensor:
+        """The call, on this thread, now: for code that already runs on the fabric's communication thread
+        (a job of :meth:`CommEngine.submit`, such as the pipeline's row-sparse rounds) or with nothing in
+        flight on the fabric; anywhere else use :meth:`start` or :meth:`allreduce`."""
         with calling(call):
             return self._call_now(x)
 
