@@ -81,7 +81,6 @@ class CommPipeline(PipelineStates, SparseRows):
         self.fabric = self.transport.fabric
         self.world_size = int(self.fabric.world_size)
         self.rank = int(self.fabric.rank)
-        self.method.world_size = self.world_size
         self.seed = int(seed)
         self.shared_randomness = bool(getattr(self.method.compressor, "shared_randomness", False))
         self._generators: dict[torch.device, torch.Generator] = {}
@@ -202,8 +201,10 @@ class CommPipeline(PipelineStates, SparseRows):
                 raise MismatchError(f"segments {segs} do not add up to the bucket's {flat.numel()} elements")
             parts, off = [], 0
             for nm, k in segs:
-                payload_k, _ = self.method.encode(flat[off:off + k], self._state_of(("param", nm)),
-                                                  self.param_generator(nm, flat.device), exact=exact, inplace=True)
+                seg = flat[off:off + k]
+                payload_k, _ = self.method.encode(seg, self._state_of(("param", nm), seg),
+                                                  self.param_generator(nm, flat.device), world_size=n,
+                                                  exact=exact, inplace=True)
                 parts.append(payload_k)
                 off += k
             payload = concat_payloads(parts)
@@ -224,14 +225,14 @@ class CommPipeline(PipelineStates, SparseRows):
                 return out
         else:
             enc_kw = {"shapes": shapes} if shapes is not None else {}
-            ms = self._state_of(key)
+            ms = self._state_of(key, flat)
             gen = self.generator(flat.device)
             payload = None
             if check and not exact and self._input_checked_by_encode:
                 # the compressor's own check of its input stands for the pipeline's (one pass less): a
                 # stateless method has changed nothing when it raises, so zeros are encoded instead
                 try:
-                    payload, _ = self.method.encode(flat, ms, gen, exact=exact, inplace=True, **enc_kw)
+                    payload, _ = self.method.encode(flat, ms, gen, world_size=n, exact=exact, inplace=True, **enc_kw)
                 except NonFiniteError:
                     pass
                 poison = payload is None
@@ -240,7 +241,7 @@ class CommPipeline(PipelineStates, SparseRows):
             if payload is None:
                 if poison:
                     flat.zero_()
-                payload, _ = self.method.encode(flat, ms, gen, exact=exact, inplace=True, **enc_kw)
+                payload, _ = self.method.encode(flat, ms, gen, world_size=n, exact=exact, inplace=True, **enc_kw)
             if poison:
                 _poison(payload, key)
             sent = payload

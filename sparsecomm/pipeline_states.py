@@ -12,27 +12,26 @@ from typing import Any, Hashable, Sequence
 import torch
 
 from .errors import MismatchError
-from .methods.base import MethodState, states_from_dict, states_to_dict
-from .methods.state import join_state, split_state
+from .methods.state import MethodState, join_state, split_state, states_from_dict, states_to_dict
 
 
 class PipelineStates:
     """The state half of :class:`~sparsecomm.pipeline.CommPipeline`."""
 
-    def _state_of(self, key: Hashable) -> MethodState:
+    def _state_of(self, key: Hashable, like: torch.Tensor) -> MethodState:
         """The state of ``key``; a new one counts the steps begun before this one as its rounds
         (:attr:`MethodState.rounds` counts the frontend's steps, so that a schedule in rounds, such as
         ``warmup_steps`` or PowerSGD's ``start_powerSGD_iter``, means the same steps under the optimizer,
         whose first step is a round of the method, and under the DDP hook, whose first is not)."""
         ms = self.states.get(key)
         if ms is None:
-            ms = self.states[key] = self.method.init()
+            ms = self.states[key] = self.method.init(like.numel(), like.dtype, like.device)
             ms.rounds = max(0, self.step - 1)
         return ms
 
     def keys(self) -> list[Hashable]:
         """The keys (buckets, or ``("param", name)`` per parameter) that hold a method state."""
-        return [k for k, ms in self.states.items() if ms.state is not None]
+        return [k for k, ms in self.states.items() if ms.held]
 
     def state(self, key: Hashable) -> Any:
         """The method's typed state for ``key`` (``None`` before its first round)."""
@@ -60,7 +59,7 @@ class PipelineStates:
             if math.prod(shape) != numel:
                 raise MismatchError(f"parameter {name!r}: shape {shape} for {numel} elements")
             self._shapes[name] = shape
-        st = {k: ms.state for k, ms in self.states.items() if ms.state is not None}
+        st = {k: ms.state for k, ms in self.states.items() if ms.held}
         names = [n for n, _ in segments]
         current = key in st and self._segments.get(key) == segments and \
             all(self._owner.get(n) == key for n in names)
@@ -91,7 +90,7 @@ class PipelineStates:
             new: dict[Hashable, MethodState] = {}
             for k, v in st.items():
                 ms = self.states.get(k)
-                new[k] = ms if ms is not None and ms.state is v else MethodState(state=v, rounds=rounds[k])
+                new[k] = ms if ms is not None and ms.state is v else MethodState(state=v, rounds=rounds[k], started=True)
             self.states = new
 
     def _shapes_of(self, segments: tuple[tuple[str, int], ...]) -> list[tuple[int, ...]]:

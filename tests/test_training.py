@@ -354,7 +354,7 @@ def test_independent_randk_draws_per_worker_coordinates():
         from sparsecomm.pipeline import CommPipeline
 
         pipe = CommPipeline(m, "allgather", seed=0)
-        p = m.encode(torch.randn(1000), 0, pipe.generator())
+        p, _ = m.encode(torch.randn(1000), m.init(1000), pipe.generator())
         return p.kind, p.indices.clone(), c.omega(1000), c.bits(1000)
 
     res = sc.launch(fn, world_size=2, backend="sim")

@@ -5,13 +5,13 @@ and configs), listed at the bottom of this file:
 
 >>> import sparsecomm as sc
 >>> sc.methods.diana(sc.compressors.randk(ratio=0.01), alpha=0.5)             # typed
-Diana(compressor=RandK(ratio=0.01, seed=None), alpha=0.5, init='zeros')
+Diana(compressor=RandK(ratio=0.01), alpha=0.5, init='zeros')
 >>> sc.methods.get("diana", compressor="randk", ratio=0.01, alpha=0.5)        # by name (the catalog)
-Diana(compressor=RandK(ratio=0.01, seed=None), alpha=0.5, init='zeros')
+Diana(compressor=RandK(ratio=0.01), alpha=0.5, init='zeros')
 >>> sc.methods.get("diana", ratio=0.01, levels=3)
 Traceback (most recent call last):
     ...
-sparsecomm.errors.HyperParameterError: compressor 'randk' does not take 'levels' (compressor 'randk' takes: ratio, k, seed, independent; method 'diana' takes: compressor, alpha, init)
+sparsecomm.errors.HyperParameterError: compressor 'randk' does not take 'levels' (compressor 'randk' takes: ratio, k, independent; method 'diana' takes: compressor, alpha, init)
 
 By name, the method's own keywords (its factory's parameters) go to the method and the others to its
 compressor (a name, built from the compressor catalog); a keyword neither takes raises
@@ -20,8 +20,9 @@ compressor (a name, built from the compressor catalog); a keyword neither takes 
 ``compressor=`` / ``method=`` rule.
 
 Wrappers compose: ``sc.methods.warmup(sc.methods.ef21(), steps=100)`` (the first 100 rounds exact).
-A method holds hyper-parameters only; its state is explicit (:class:`~sparsecomm.methods.base.MethodState`:
-``st = m.init(d)``, ``payload, st = m.encode(g, st, generator)``, ``estimate, st = m.decode(agg, n, st)``).
+A method holds hyper-parameters only; its state is explicit (:class:`~sparsecomm.methods.state.MethodState`:
+``st = m.init(d, dtype, device)``, ``payload, st = m.encode(g, st, generator, world_size=n)``,
+``estimate, st = m.decode(agg, n, st)``; :mod:`sparsecomm.methods.base`).
 
 (As attributes of this package the names below are the factories; the modules of the same names stay
 importable as ``sparsecomm.methods.<name>`` with ``from ... import``.)
