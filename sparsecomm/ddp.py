@@ -9,7 +9,7 @@ is a script on gloo processes (``tests/test_docs.py`` runs it)::
 
     def train(ctx):
         net = nn.parallel.DistributedDataParallel(nn.Linear(8, 1))     # broadcasts rank 0's weights
-        state = sc.ddp.CommHookState(compressor=sc.methods.ef(sc.compressors.topk(ratio=0.25)),
+        state = sc.ddp.CommHookState(method=sc.methods.ef(sc.compressors.topk(ratio=0.25)),
                                      transport="allgather")
         net.register_comm_hook(state, sc.ddp.comm_hook)      # or: state = sc.ddp.register(net, ...)
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
@@ -141,7 +141,7 @@ def _torch_fabric(process_group: Any) -> Any:
 class CommHookState:
     """Per-worker state of :func:`comm_hook` (see the module doc).
 
-    ``CommHookState(process_group=None, compressor="none", transport="auto", *, method=None,
+    ``CommHookState(process_group=None, compressor=None, transport="auto", *, method=None,
     transport_kwargs=None, warmup_steps=0, min_compress_size=0, seed=0, model=None,
     sparse_rows="gather", verify_replicas_every=VERIFY_EVERY, **hyper)``;
     ``model`` (the DDP module) names the parameters that key the method state (and those the replica
@@ -153,8 +153,8 @@ class CommHookState:
     (objects are accepted but then the state cannot be pickled and rebuilt).
     """
 
-    def __init__(self, process_group: Any = None, compressor: Any = "none", transport: Any = "auto", *,
-                 method: str | None = None, transport_kwargs: dict | None = None, warmup_steps: int = 0,
+    def __init__(self, process_group: Any = None, compressor: Any = None, transport: Any = "auto", *,
+                 method: Any = None, transport_kwargs: dict | None = None, warmup_steps: int = 0,
                  min_compress_size: int = 0, seed: int = 0, model: torch.nn.Module | None = None,
                  sparse_rows: str = "gather", verify_replicas_every: int = VERIFY_EVERY, **hyper: Any) -> None:
         if warmup_steps < 0 or min_compress_size < 0:

@@ -83,18 +83,21 @@ silently.
 
 **Non-finite gradients.** ``nonfinite="raise"`` (default) or ``"pass"``: see :mod:`sparsecomm.pipeline`.
 
-**Compressor / method.** ``compressor=`` is a method name (``sc.methods.available()``: builds that
-method with its default compressor), a compressor name (``sc.compressors.available()``: builds method
-``method=`` around it, ``"none"`` by default), a ``Compressor`` or a ``Method`` object. Further
-keyword arguments are hyper-parameters of the method/compressor (a keyword neither takes raises
+**Compressor / method.** ``compressor=`` takes compressors: a name (``sc.compressors.available()``)
+or a ``Compressor`` object; ``method=`` takes methods: a name (``sc.methods.available()``, ``"none"``
+by default) built around the compressor (its default compressor when none is given) or a ``Method``
+object (with its own compressor). The flat form of command lines, ``compressor=<method name>``, builds
+that method with its default compressor (:func:`sparsecomm.methods.build`). Further keyword arguments
+are hyper-parameters of the method/compressor (a keyword neither takes raises
 :class:`~sparsecomm.errors.HyperParameterError` naming both parameter lists)::
 
     DistributedOptimizer(inner, compressor="topk", ratio=0.01)                 # none + top-k
     DistributedOptimizer(inner, compressor="topk", method="ef", ratio=0.01)    # EF + top-k
-    DistributedOptimizer(inner, compressor="diana", ratio=0.01, alpha=0.05)    # DIANA + rand-k
-    DistributedOptimizer(inner, compressor=sc.methods.get("ef21", compressor="topk", ratio=0.01))
+    DistributedOptimizer(inner, compressor="diana", ratio=0.01, alpha=0.05)    # DIANA + rand-k (flat form)
+    DistributedOptimizer(inner, method="diana", ratio=0.01, alpha=0.05)        # the same
+    DistributedOptimizer(inner, method=sc.methods.get("ef21", compressor="topk", ratio=0.01))
     DistributedOptimizer(inner, compressor=sc.compressors.randk(ratio=0.01), method="diana")   # typed
-    DistributedOptimizer(inner, compressor=sc.methods.ef21(sc.compressors.topk(ratio=0.01)))
+    DistributedOptimizer(inner, method=sc.methods.ef21(sc.compressors.topk(ratio=0.01)))
 
 ``transport=`` is a transport name (hyper-parameters in ``transport_kwargs=``; a transport that
 takes ``inplace`` gets ``inplace=True`` unless told otherwise, since the buckets are scratch), a
@@ -171,7 +174,7 @@ _CLASSES: dict[type, type] = {}
 class DistributedOptimizer(BucketRounds):
     """Wrap a torch optimizer so that ``step()`` averages (compressed) gradients first; see the module doc.
 
-    ``DistributedOptimizer(inner, compressor="none", transport="auto", *, method=None,
+    ``DistributedOptimizer(inner, compressor=None, transport="auto", *, method=None,
     transport_kwargs=None, fabric=None, bucket_cap_mb=25, warmup_steps=0, min_compress_size=0,
     seed=0, overlap=True, backward_passes_per_step=1, init_sync="broadcast", module=None,
     nonfinite="raise", sparse_rows="gather", verify_replicas_every=VERIFY_EVERY, **hyper)``
@@ -190,8 +193,8 @@ class DistributedOptimizer(BucketRounds):
             _CLASSES[base] = sub
         return object.__new__(sub)
 
-    def __init__(self, optimizer: torch.optim.Optimizer, compressor: str | Compressor | Method = "none",
-                 transport: str | Transport = "auto", *, method: str | None = None,
+    def __init__(self, optimizer: torch.optim.Optimizer, compressor: str | Compressor | None = None,
+                 transport: str | Transport = "auto", *, method: str | Method | None = None,
                  transport_kwargs: dict | None = None, fabric: Fabric | None = None,
                  bucket_cap_mb: float = 25.0, warmup_steps: int = 0, min_compress_size: int = 0,
                  seed: int = 0, overlap: bool = True, backward_passes_per_step: int = 1,

@@ -58,8 +58,8 @@ class CommPipeline(PipelineStates, SparseRows):
     Shared by :class:`DistributedOptimizer` and the DDP comm hook (:mod:`sparsecomm.ddp`).
     """
 
-    def __init__(self, compressor: str | Compressor | Method = "none", transport: str | Transport = "auto",
-                 *, method: str | None = None, transport_kwargs: dict | None = None,
+    def __init__(self, compressor: str | Compressor | None = None, transport: str | Transport = "auto",
+                 *, method: str | Method | None = None, transport_kwargs: dict | None = None,
                  fabric: Fabric | None = None, seed: int = 0, nonfinite: str = "raise",
                  sparse_rows: str = "gather", warmup_steps: int = 0, **hyper: Any) -> None:
         if sparse_rows not in SPARSE_ROWS:

@@ -379,7 +379,7 @@ def test_unknown_names_and_bad_arguments():
 def test_state_dict_mismatch_and_plain_load():
     def fn(ctx):
         model = tc.MLP(0)
-        opt = sc.DistributedOptimizer(tc.make_inner(model), compressor=sc.methods.get(
+        opt = sc.DistributedOptimizer(tc.make_inner(model), method=sc.methods.get(
             "ef", compressor=sc.compressors.get("topk", ratio=0.2)), transport=AllGather(ctx.fabric))
         x, y = tc.batch(ctx.rank, 0)
         tc.loss_fn(model(x), y).backward()
@@ -390,7 +390,7 @@ def test_state_dict_mismatch_and_plain_load():
 
     def load(ctx):
         model = tc.MLP(0)
-        opt = sc.DistributedOptimizer(tc.make_inner(model), compressor=sc.methods.get(
+        opt = sc.DistributedOptimizer(tc.make_inner(model), method=sc.methods.get(
             "ef", compressor=sc.compressors.get("topk", ratio=0.2)), transport=AllGather(ctx.fabric))
         with pytest.raises(MismatchError, match="rank 1 of 2"):
             opt.load_state_dict(sds[1])                   # another worker's residuals

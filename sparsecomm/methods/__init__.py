@@ -174,16 +174,33 @@ def get(name: str, **hyper: Any) -> Method:
     return factory(comp, **mine)
 
 
-def build(compressor: str | Compressor | Method = "none", method: str | None = None, **hyper: Any) -> Method:
+def build(compressor: str | Compressor | None = None, method: str | Method | None = None, **hyper: Any) -> Method:
     """The method that ``DistributedOptimizer(inner, compressor=..., method=..., **hyper)`` (and the DDP
-    hook) runs: a Method object as given; a Compressor object inside method ``method`` (default
-    ``"none"``); a method name built with ``hyper``; a compressor name (with ``hyper``) inside method
-    ``method``."""
+    hook) runs. ``compressor=`` takes compressors, ``method=`` methods:
+
+    - ``method``: a Method object (as given: its compressor and hyper-parameters are its own), or a
+      method name (default ``"none"``) built with ``hyper`` around ``compressor`` (its default
+      compressor when ``compressor`` is ``None``);
+    - ``compressor``: a Compressor object, or a compressor name built with ``hyper``;
+    - the flat form of command lines and configs: ``compressor=<method name>`` (``method`` not given)
+      builds that method with its default compressor, ``hyper`` routed as :func:`get` routes it
+      (``compressor="diana", ratio=0.01``).
+
+    A Method object given as ``compressor=`` still works, with a :class:`FutureWarning` naming
+    ``method=``."""
     if isinstance(compressor, Method):
-        if method is not None or hyper:
-            raise InvalidTypeError(f"a Method object ({compressor!r}) was given; method= and hyper-parameters "
+        if method is not None:
+            raise InvalidTypeError(f"compressor={compressor!r} is a Method object and method={method!r} was given "
+                                   f"too; pass the method object alone, as method=")
+        warn_renamed("compressor=<a Method object>", "method=<the Method object>", stacklevel=5)
+        compressor, method = None, compressor
+    if isinstance(method, Method):
+        if compressor is not None or hyper:
+            raise InvalidTypeError(f"a Method object ({method!r}) was given; its compressor and hyper-parameters "
                                    f"{sorted(hyper)} belong to its constructor")
-        return compressor
+        return method
+    if method is not None and not isinstance(method, str):
+        raise InvalidTypeError(f"method must be a method name or a Method, got {method!r}")
     if isinstance(compressor, str) and compressor in registry:
         if method is not None:
             raise InvalidTypeError(f"compressor={compressor!r} is a method; to pick its compressor use "
@@ -193,10 +210,13 @@ def build(compressor: str | Compressor | Method = "none", method: str | None = N
         raise UnknownNameError(f"unknown compressor or method {compressor!r}; methods: {', '.join(available())}; "
                                f"compressors: {', '.join(compressors.available())} "
                                f"(sparsecomm.methods.compressor_choices() lists both)")
-    if not isinstance(compressor, (str, Compressor)):
-        raise InvalidTypeError(f"compressor must be a name, a Compressor or a Method, got {compressor!r}")
+    if compressor is not None and not isinstance(compressor, (str, Compressor)):
+        raise InvalidTypeError(f"compressor must be a compressor name or a Compressor (a method goes to method=), "
+                               f"got {compressor!r}")
     mname = method or "none"
     registry.factory(mname)  # unknown method names raise, listing the valid ones
+    if compressor is None:
+        return get(mname, **hyper)
     if not wraps_compressor(mname):
         raise HyperParameterError(f"method {mname!r} brings its own operator and takes no compressor; "
                                   f"use compressor={mname!r} (with its own hyper-parameters)")
