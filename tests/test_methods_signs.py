@@ -245,7 +245,7 @@ def _onebit_worker(ctx, levels):
     pipe = CommPipeline("onebit", "allgather", fabric=ctx.fabric, bucket_size=64, levels=levels)
     x = torch.randn(1000, generator=torch.Generator().manual_seed(ctx.rank))
     out = pipe.reduce(x.clone(), 0).clone()
-    return x - pipe.state(0).error, out, pipe.stats.rounds
+    return x - pipe.states.state(0).error, out, pipe.stats.rounds
 
 
 @pytest.mark.parametrize("levels", ["two", "symmetric"])

@@ -211,7 +211,7 @@ def _options_fn(ctx):
         out["lrs"].append(opt.param_groups[0]["lr"])
     out["stats"] = opt.compression_stats()
     out["last"] = opt.last_stats
-    out["seed"] = opt._sc_pipeline.generator().initial_seed()
+    out["seed"] = opt._sc_pipeline.generators.bucket().initial_seed()
     return out
 
 
@@ -260,7 +260,7 @@ def test_shared_seed_for_shared_randomness():
         x, y = tc.batch(ctx.rank, 0)
         tc.loss_fn(model(x), y).backward()
         opt.step()
-        g = opt._sc_pipeline.generator()
+        g = opt._sc_pipeline.generators.bucket()
         return g.initial_seed(), g.get_state()
     res = sc.launch(fn, world_size=3)
     assert all(s == 11 for s, _ in res)

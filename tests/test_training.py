@@ -89,7 +89,7 @@ def _train_overlap(ctx, overlap, steps=6, **kw):
         opt.zero_grad()
         x, y = tc.batch(ctx.rank, t)
         tc.loss_fn(model(x), y).backward()
-        in_flight.append(len(opt._sc_works))        # buckets started by backward, before step()
+        in_flight.append(opt._sc_scheduler.in_flight)        # buckets started by backward, before step()
         opt.step()
     sd = opt.state_dict()["sparsecomm"]["method"]
     return [p.detach().clone() for p in model.parameters()], sd, in_flight, len(opt.buckets())
@@ -354,7 +354,7 @@ def test_independent_randk_draws_per_worker_coordinates():
         from sparsecomm.pipeline import CommPipeline
 
         pipe = CommPipeline(m, "allgather", seed=0)
-        p, _ = m.encode(torch.randn(1000), m.init(1000), pipe.generator())
+        p, _ = m.encode(torch.randn(1000), m.init(1000), pipe.generators.bucket())
         return p.kind, p.indices.clone(), c.omega(1000), c.bits(1000)
 
     res = sc.launch(fn, world_size=2, backend="sim")
@@ -588,7 +588,7 @@ def test_concat_payloads_keeps_kinds_and_dtypes():
     """The per-parameter round's message: pieces' payloads concatenated with their to_dense() preserved
     (aligned/sparse indices shifted by the pieces' offsets, fp16 values kept fp16 on the wire, mixed
     kinds made dense)."""
-    from sparsecomm.pipeline import concat_payloads
+    from sparsecomm.pipeline.rounds import concat_payloads
 
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(10, generator=g), torch.randn(6, generator=g)]

@@ -70,6 +70,7 @@ returned estimate ever aliases the method's state (a payload may alias ``grad`` 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import fields, is_dataclass
 
 from typing import Any, ClassVar
 
@@ -80,7 +81,7 @@ from ..compressors.base import Compressor
 from ..errors import HyperParameterError, IncompatibleError, InvalidTypeError, MismatchError, NonFiniteError, \
     SparseCommError
 from ..payload import Payload
-from .state import MethodState, first_tensor
+from .state import MethodState
 
 __all__ = ["Method", "MethodState", "dense_payload", "resolve_compressor", "check_finite",
            "HyperParameterError"]     # (HyperParameterError: its import path before sparsecomm.errors)
@@ -166,7 +167,7 @@ class Method(ABC):
         if ms.state is None and self.State is not None:
             # a state restored from a checkpoint taken before its first round: built now
             ms.state = self.init_state(grad.numel(), grad.dtype, grad.device)
-        t = first_tensor(ms.state)
+        t = _first_tensor(ms.state)
         if t is not None and t.numel() != grad.numel():
             raise MismatchError(
                 f"method {self.name!r}: the bucket has {grad.numel()} elements but its state "
@@ -276,6 +277,16 @@ class Method(ABC):
 
 
 # ---------------------------------------------------------------------- helpers
+def _first_tensor(st: Any) -> torch.Tensor | None:
+    """The first tensor field of a typed state (its length, dtype and device are the bucket's)."""
+    if is_dataclass(st):
+        for f in fields(st):
+            v = getattr(st, f.name)
+            if isinstance(v, torch.Tensor):
+                return v
+    return None
+
+
 def dense_payload(x: torch.Tensor) -> Payload:
     """The identity's payload: ``x`` itself (flat), marked as an exact round."""
     flat = x.reshape(-1)

@@ -4,7 +4,7 @@ anything with the traits of :class:`MethodTraits`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Hashable, Protocol, Sequence
 
 import torch
@@ -160,13 +160,3 @@ def _sizes(method: MethodTraits, shapes: Sequence[torch.Size]) -> dict[str | Non
 def clone(v: Any) -> Any:
     """``v`` detached and copied if it is a tensor, else ``v`` (a checkpoint never aliases a state)."""
     return v.detach().clone() if isinstance(v, torch.Tensor) else v
-
-
-def first_tensor(st: Any) -> torch.Tensor | None:
-    """The first tensor field of a typed state (its length, dtype and device are the bucket's)."""
-    if is_dataclass(st):
-        for f in fields(st):
-            v = getattr(st, f.name)
-            if isinstance(v, torch.Tensor):
-                return v
-    return None

@@ -1,7 +1,7 @@
-"""Names -> the method and the transport of a pipeline: the ``compressor=`` / ``method=`` /
-``transport=`` rules of :class:`~sparsecomm.optim.DistributedOptimizer` and the DDP hook (the method
-from :func:`sparsecomm.methods.build`; the transport from its catalog, ``"auto"``, and the check that
-it carries the method's payloads, :func:`check_pair`).
+"""Names -> the transport of a pipeline and the checks of its method: the ``transport=`` rule of
+:class:`~sparsecomm.optim.DistributedOptimizer` and the DDP hook (a catalog name, ``"auto"``, or an
+object; :func:`check_pair`: it carries the method's payloads), the fabric by default, and the warning for
+a method x compressor pair with no guarantee. (The method comes from :func:`sparsecomm.methods.build`.)
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import compressors, transports
-from .compressors.base import Compressor
-from .errors import IncompatibleError, InvalidTypeError, SparseCommError
-from .fabric.base import Fabric
-from .fabric.torch_fabric import TorchFabric
-from .launch import current_context
-from .methods import Method
-from .transports.base import Transport
+from .. import compressors, transports
+from ..compressors.base import Compressor
+from ..errors import IncompatibleError, InvalidTypeError, SparseCommError
+from ..fabric.base import Fabric
+from ..fabric.torch_fabric import TorchFabric
+from ..launch import current_context
+from ..methods import Method
+from ..transports.base import Transport
 
 AUTO_ORDER = ("ring", "omnireduce", "switch", "allgather")
 

@@ -1,5 +1,7 @@
-"""The pipeline's byte counts: :class:`CompressionStats` (declared next to measured bytes) and the two
-figures every round adds to it (:func:`payload_bytes`, :func:`wire_copies`)."""
+"""The pipeline's byte counts, kept in one place for every kind of round: :class:`Accounting` records
+each completed round (its declared payload bytes, scaled by the transport's :func:`wire_copies`, and
+the transport's measured :class:`~sparsecomm.fabric.stats.CommStats`) and each call (the dense bytes it
+stands for) into :class:`CompressionStats`, the cumulative figures ``compression_stats()`` reports."""
 
 from __future__ import annotations
 
@@ -8,8 +10,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from .deprecation import warn_renamed
-from .fabric.stats import CommStats
+from ..deprecation import warn_renamed
+from ..fabric.stats import CommStats
 
 
 class Stats(dict):
@@ -66,6 +68,8 @@ class CompressionStats:
 
 
 def wire_copies(transport: Any) -> float:
+    """How many copies of one worker's payload the transport's sends amount to (its ``wire_copies()``;
+    ring-like ``2 (n-1)/n`` when it declares none)."""
     f = getattr(transport, "wire_copies", None)
     if f is not None:
         return float(f())
@@ -74,9 +78,48 @@ def wire_copies(transport: Any) -> float:
 
 
 def payload_bytes(p: Any) -> int:
+    """The declared bytes of a round's message: a tensor's bytes, a Payload's ``bits`` rounded up to
+    bytes (its wire tensors' bytes when it declares none)."""
     if isinstance(p, torch.Tensor):
         return p.numel() * p.element_size()
     bits = int(getattr(p, "bits", 0) or 0)
     if bits:
         return (bits + 7) // 8
     return sum(t.numel() * t.element_size() for t in p.wire_tensors())
+
+
+class Accounting:
+    """The byte counts of one pipeline: cumulative :attr:`stats` and the current step's
+    :attr:`last_stats` (the transport's CommStats summed over the step's rounds). Every round of every
+    kind (a bucket's, a parameter-wise bucket's, a later round of PowerSGD, a row-sparse gather) is
+    recorded by :meth:`round` once its sum is in, and every call by :meth:`call`."""
+
+    def __init__(self) -> None:
+        self.stats = CompressionStats()
+        self.last_stats = CommStats()
+
+    def round(self, payload: Any, copies: float, comm: CommStats) -> None:
+        """A completed round that sent ``payload`` (a tensor or a Payload: its declared bytes), on a
+        transport whose sends amount to ``copies`` payloads, which measured ``comm``."""
+        pbytes = payload_bytes(payload)
+        self.stats.rounds += 1
+        self.stats.bytes_payload += pbytes
+        self.stats.bytes_declared_sent += copies * pbytes
+        self.last_stats = self.last_stats + comm
+
+    def call(self, dense_bytes: int, copies: float) -> None:
+        """A completed call standing for ``dense_bytes`` of uncompressed gradient (``copies``: the
+        transport's :func:`wire_copies`)."""
+        self.stats.bytes_dense += dense_bytes
+        self.stats.bytes_dense_sent += copies * dense_bytes
+
+    def begin_step(self) -> None:
+        """A new step: the last step's CommStats join the cumulative ones; :attr:`last_stats` restarts."""
+        self.stats.comm = self.stats.comm + self.last_stats
+        self.last_stats = CommStats()
+
+    def totals(self) -> CompressionStats:
+        """The cumulative figures, this step's CommStats included."""
+        s = self.stats
+        return CompressionStats(s.rounds, s.bytes_dense, s.bytes_payload, s.comm + self.last_stats,
+                                s.bytes_declared_sent, s.bytes_dense_sent)
