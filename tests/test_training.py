@@ -256,6 +256,23 @@ def test_sparse_embedding_gradients_end_to_end(transport, sparse_rows, kind):
             assert stats["bytes_payload"] <= stats["bytes_dense"] * 18 / V * 3 + 1
 
 
+def test_row_sparse_rounds_count_what_travelled_when_no_worker_has_a_row():
+    """``sparse_rows="transport"`` with no row on any worker: the second round (the union's rows) is
+    empty and sends nothing, so the step's CommStats are the first round's alone (not counted twice),
+    and both rounds are counted with the bytes they declared."""
+    def fn(ctx):
+        from sparsecomm.pipeline import CommPipeline
+
+        pipe = CommPipeline(transport="ring", fabric=ctx.fabric, sparse_rows="transport")
+        pipe.begin_step()
+        out = pipe.start_sparse(None, torch.Size([50, 4]), 0, torch.float32).wait()
+        return out._nnz(), pipe.last_stats.bytes_sent, pipe.transport.last_stats.bytes_sent, pipe.stats.rounds
+
+    for nnz, step_bytes, first_round_bytes, rounds in sc.launch(fn, world_size=2, backend="sim"):
+        assert nnz == 0 and rounds == 2
+        assert step_bytes == first_round_bytes > 0
+
+
 def test_sparse_gradients_with_a_compressing_method_come_back_sparse():
     """A compressing method averages the rows in a dense bucket; ``p.grad`` is still sparse."""
     def fn(ctx):

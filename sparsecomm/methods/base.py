@@ -61,8 +61,8 @@ Every worker must call ``encode``/``decode`` for the same buckets, in the same o
 ``exact`` flags and the same bucket lengths (the optimizer and the DDP hook guarantee this).
 
 **Memory.** By default both calls are pure with respect to their tensor arguments and return fresh
-tensors. For large buckets the optimizer avoids fresh allocations (page faults dominate on some
-hosts): ``encode(..., inplace=True)`` lets the method overwrite ``grad`` (the caller's scratch), and
+tensors. For large buckets the optimizer avoids fresh allocations (a fresh buffer is paged in at its
+first touch): ``encode(..., inplace=True)`` lets the method overwrite ``grad`` (the caller's scratch), and
 ``decode(..., out=buf)`` writes the estimate into ``buf`` and returns it. Neither the payload nor the
 returned estimate ever aliases the method's state (a payload may alias ``grad`` with ``inplace=True``).
 """

@@ -89,29 +89,32 @@ def payload_bytes(p: Any) -> int:
 
 
 class Accounting:
-    """The byte counts of one pipeline: cumulative :attr:`stats` and the current step's
-    :attr:`last_stats` (the transport's CommStats summed over the step's rounds). Every round of every
-    kind (a bucket's, a parameter-wise bucket's, a later round of PowerSGD, a row-sparse gather) is
-    recorded by :meth:`round` once its sum is in, and every call by :meth:`call`."""
+    """The byte counts of one pipeline over ``transport``: cumulative :attr:`stats` and the current
+    step's :attr:`last_stats` (the transport's CommStats summed over the step's rounds). Every round of
+    every kind (a bucket's, a parameter-wise bucket's, a later round of PowerSGD, a row-sparse gather) is
+    recorded by :meth:`round` once its sum is in, and every call by :meth:`call`; both scale the declared
+    bytes by the transport's :func:`wire_copies` (:attr:`copies`, a property of its configuration)."""
 
-    def __init__(self) -> None:
+    def __init__(self, transport: Any) -> None:
+        self.copies = wire_copies(transport)
         self.stats = CompressionStats()
         self.last_stats = CommStats()
 
-    def round(self, payload: Any, copies: float, comm: CommStats) -> None:
-        """A completed round that sent ``payload`` (a tensor or a Payload: its declared bytes), on a
-        transport whose sends amount to ``copies`` payloads, which measured ``comm``."""
+    def round(self, payload: Any, comm: CommStats, copies: float | None = None) -> None:
+        """A completed round that sent ``payload`` (a tensor or a Payload: its declared bytes) and whose
+        transport measured ``comm`` (``copies``: the sending transport's, when another than the
+        pipeline's sent it)."""
+        copies = self.copies if copies is None else copies
         pbytes = payload_bytes(payload)
         self.stats.rounds += 1
         self.stats.bytes_payload += pbytes
         self.stats.bytes_declared_sent += copies * pbytes
         self.last_stats = self.last_stats + comm
 
-    def call(self, dense_bytes: int, copies: float) -> None:
-        """A completed call standing for ``dense_bytes`` of uncompressed gradient (``copies``: the
-        transport's :func:`wire_copies`)."""
+    def call(self, dense_bytes: int) -> None:
+        """A completed call standing for ``dense_bytes`` of uncompressed gradient."""
         self.stats.bytes_dense += dense_bytes
-        self.stats.bytes_dense_sent += copies * dense_bytes
+        self.stats.bytes_dense_sent += self.copies * dense_bytes
 
     def begin_step(self) -> None:
         """A new step: the last step's CommStats join the cumulative ones; :attr:`last_stats` restarts."""

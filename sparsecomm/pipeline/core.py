@@ -40,7 +40,7 @@ from ..fabric.base import Fabric
 from ..fabric.stats import CommStats
 from ..methods.base import Method
 from ..transports.base import CallId, CommWork, Transport
-from .accounting import Accounting, CompressionStats, wire_copies
+from .accounting import Accounting, CompressionStats
 from .nonfinite import NONFINITE, NonFiniteRule
 from .resolve import build_transport, warn_unguaranteed
 from .rounds import BucketRounds, Call, Outputs, ParameterRounds, PlainRound
@@ -93,7 +93,7 @@ class CommPipeline:
         #: the compressor's generators
         self.generators = Generators(self.seed, self.rank, self.shared_randomness)
         #: the byte counts of every round
-        self.accounting = Accounting()
+        self.accounting = Accounting(self.transport)
         self.rows = SparseRows(sparse_rows, self.transport, self.rule, self.accounting)
         self.sparse_rows = sparse_rows
         outputs = Outputs()
@@ -156,6 +156,7 @@ class CommPipeline:
         how the parameters are grouped into buckets (see :mod:`sparsecomm.ddp`).
         """
         steps_before = max(0, self.step - 1)
+        identity = self.call_id(key)
         if not compress or self.plain:
             call = self._plain_round.begin(flat, key)
         elif segments is not None and self.per_parameter:
@@ -164,23 +165,22 @@ class CommPipeline:
             call = self._bucket_rounds.begin(flat, key, steps_before, exact, shapes)
         later = None if call.next_round is None else (lambda agg: self._next_round(call, agg))
         return self.transport.start(call.sent, then=lambda agg: self._finish(call, agg, then),
-                                    next_round=later, call=self.call_id(key))
+                                    next_round=later, call=identity)
 
     def _next_round(self, call: Call, agg: torch.Tensor) -> Any:
         """A later round's message (on the communication thread); the round just summed is recorded."""
         done = call.last
         nxt = call.next_round(agg)
         if nxt is not None:
-            self.accounting.round(done, wire_copies(self.transport), self.transport.last_stats)
+            self.accounting.round(done, self.transport.last_stats)
         return nxt
 
     def _finish(self, call: Call, agg: torch.Tensor, then: Callable[[torch.Tensor], Any] | None) -> Any:
         """The estimate from the last sum (on the communication thread); the last round and the call
         are recorded."""
         out = call.finish(agg)
-        copies = wire_copies(self.transport)
-        self.accounting.round(call.last, copies, self.transport.last_stats)
-        self.accounting.call(call.dense_bytes, copies)
+        self.accounting.round(call.last, self.transport.last_stats)
+        self.accounting.call(call.dense_bytes)
         return out if then is None else then(out)
 
     def start_sparse(self, grad: torch.Tensor | None, shape: torch.Size, key: Hashable,

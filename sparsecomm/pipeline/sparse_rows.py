@@ -85,10 +85,9 @@ class SparseRows:
             if check:
                 check_aggregate(total, key)
             total = total.reshape(union.numel(), *shape[1:]).div_(n)
-            copies = wire_copies(transport)
-            acc.round(marks, copies, first)
-            acc.round(mine, copies, second)
-            acc.call(int(shape.numel()) * elt, copies)
+            acc.round(marks, first)
+            acc.round(mine, second)
+            acc.call(int(shape.numel()) * elt)
             return torch.sparse_coo_tensor(union[None], total, shape, is_coalesced=True,
                                            check_invariants=False)
 
@@ -130,8 +129,8 @@ class SparseRows:
             t = torch.sparse_coo_tensor(idx[None], v.reshape(idx.numel(), *shape[1:]), shape,
                                         check_invariants=False).coalesce()
             t.values().div_(n)
-            acc.round(payload, wire_copies(gatherer), comm)
-            acc.call(numel * elt, wire_copies(self.transport))
+            acc.round(payload, comm, copies=wire_copies(gatherer))
+            acc.call(numel * elt)
             return t
 
         return engine(fabric).submit(job)
