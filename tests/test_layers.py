@@ -250,8 +250,7 @@ def test_every_module_says_at_its_top_what_it_is():
 
 
 # ----------------------------------------------------------------------------- cohesion
-#: modules in a circle of imports made inside functions, which the restructuring of the house removes
-#: (issue 33); the list only shrinks
+#: modules in a circle of imports made inside functions, still to be restructured; the list only shrinks
 CIRCLES_PENDING: set[str] = {
     "sparsecomm.fabric.sim_network",
     "sparsecomm.fabric.sim_world",
@@ -409,8 +408,7 @@ def test_the_private_read_checker_sees_what_it_should():
                 if "self._compress" in f]
 
 
-#: modules whose private reads of other modules the restructuring of the house removes (issue 33); the
-#: list only shrinks
+#: modules that read other modules' private names, still to be restructured; the list only shrinks
 PRIVATE_READS_PENDING: set[str] = {
     "sparsecomm.bucket_rounds",
     "sparsecomm.compressors._kernels",
