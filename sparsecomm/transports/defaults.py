@@ -21,7 +21,7 @@ the lanes in flight) takes its default from what the fabric declares, its ``mess
 
 The switch program's constants (packet, packets per message) are the switch rank's: a rank started as
 ``services=["switch"]`` runs this fabric's program, and a worker that passes no constants talks to the
-started one (:func:`.switch_control.started_program`), so workers and switch agree without the user
+started one (:func:`.switchml.control.started_program`), so workers and switch agree without the user
 giving the numbers twice. The other transports need no rule of their own: their defaults are the real
 fabric's and the simulations that need others pass them (``ring``'s pipelined segments; ``omnireduce``'s
 16384 lanes and 2 channels per aggregator, whose reproduction sets its own lanes), or they have no such

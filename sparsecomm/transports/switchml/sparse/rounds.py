@@ -1,8 +1,8 @@
 """``sparse-switch`` worker side: self-clocked rounds on switch slots with SwitchML's loss recovery, and the
-packets they carry (which switch program a transport talks to: :func:`.switch_control.started_program`).
+packets they carry (which switch program a transport talks to: :func:`..control.started_program`).
 
-Split from :mod:`.sparse_switch` (the transport: one job top to bottom, its control, look-ahead and stream
-phases); the wire format and the switch program are :mod:`.sparse_switch_dataplane`. A round is one
+Split from :mod:`sparsecomm.transports.switchml.sparse` (the transport: one job top to bottom, its control, look-ahead and stream
+phases); the wire format and the switch program are :mod:`.dataplane`. A round is one
 packet per slot outstanding: its result (matching job, slot, set and position) flips the slot's parity
 and clocks the lane's next packet; a packet unanswered within the timer is resent unchanged (the
 switch's seen-bitmap absorbs a duplicate, a duplicate after completion gets the stored result), the
@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..errors import FabricTimeout
-from .sparse_switch_dataplane import (HEADER, JOB_MASK, NONE, OUT_OF_STEP, T_EMPTY, T_REJECT, T_RESULT, T_RETRANSMIT,
+from ....errors import FabricTimeout
+from .dataplane import (HEADER, JOB_MASK, NONE, OUT_OF_STEP, T_EMPTY, T_REJECT, T_RESULT, T_RETRANSMIT,
                                       T_SKIP, TAG_DOWN, TAG_SKIP, TAG_UP, W0, Header)
-from .switch_lanes import abandoning, message_rows, rejected
+from ..lanes import abandoning, message_rows, rejected
 
 
 @dataclass
@@ -57,8 +57,8 @@ def run_rounds(t, slots: np.ndarray, rows: list[np.ndarray], on_result, phase: s
     next packet, or ``None`` when the lane is done (``lane`` = ``lanes[i]``, default ``i``). A
     packet unanswered within the timer is resent unchanged; after ``timeout_threshold`` expiries
     the timer doubles; unanswered for ``give_up_s`` raises :class:`FabricTimeout`. The switch's
-    rejection notice raises :func:`.switch_lanes.rejected`'s error; any error stops every rank
-    (:func:`.switch_lanes.abandoning`: the others would wait for this worker's packets).
+    rejection notice raises :func:`..lanes.rejected`'s error; any error stops every rank
+    (:func:`..lanes.abandoning`: the others would wait for this worker's packets).
     """
     fab, st, sw, K = t.fabric, t._state, t.switch, t.burst
     S = len(slots)

@@ -41,10 +41,10 @@ not switch state).
 
 Wire format: one int32 row per packet, ``HEADER`` fields (:class:`Field`) then ``slot_elems`` values; a
 fabric message carries up to ``burst`` rows (on SimFabric exactly ``burst``, unused rows of type
-``T_EMPTY``; on real fabrics as many as are ready, :mod:`.switch_lanes`), workers -> switch on
+``T_EMPTY``; on real fabrics as many as are ready, :mod:`.lanes`), workers -> switch on
 ``TAG_UP``, switch -> workers on ``TAG_DOWN``, all ``reliable=False``. How the rows reach the program
 (one datagram per packet on SimFabric, per-port receive threads on real fabrics) is
-:mod:`.switch_service`.
+:mod:`.service`.
 """
 
 from __future__ import annotations
@@ -56,9 +56,9 @@ from enum import IntEnum
 import numpy as np
 from numba import njit
 
-from ..fabric.base import Fabric
-from ..errors import InvalidValueError
-from . import defaults
+from ...fabric.base import Fabric
+from ...errors import InvalidValueError
+from .. import defaults
 
 
 # ----------------------------------------------------------------------------- wire format
@@ -95,7 +95,7 @@ MAX_WORKERS = 32                   # 32-bit worker bitmap (p4/configuration.p4: 
 PACKET_ELEMS = (64, 256)           # the P4 program accepts 64 (one pass) or 256 (recirculation)
 DEFAULT_SLOTS = 8192               # 16384 register entries = 8192 slot pairs (configuration.p4)
 EXP_MIN, EXP_MAX = -128, 127       # int8 exponent registers (exponents.p4)
-RECV_SLACK = 4                     # real fabrics: a switch receive holds this many bursts (see switch_service)
+RECV_SLACK = 4                     # real fabrics: a switch receive holds this many bursts (see .service)
 
 #: the program's packet counters, in the order :func:`_program` keeps them
 COUNTERS = ("packets", "malformed", "consumed", "multicast", "retransmit", "dropped", "overflow")
@@ -342,9 +342,9 @@ class Dataplane:
 
     # ------------------------------------------------------------------ service loop
     def serve(self, fabric: Fabric) -> None:
-        """The switch's main loop (:func:`.switch_service.serve`); returns (or lets the fabric's
+        """The switch's main loop (:func:`.service.serve`); returns (or lets the fabric's
         shutdown exception propagate) when the run ends."""
-        from .switch_service import serve
+        from .service import serve
 
         serve(self, fabric)
 
@@ -352,7 +352,7 @@ class Dataplane:
 def split_messages(out: np.ndarray, used: int, burst: int, pad: bool = True) -> list[np.ndarray]:
     """The first ``used`` rows of ``out`` as messages of ``burst`` rows, the last one's unused rows
     ``T_EMPTY`` (``out`` must hold a whole number of bursts past ``used``); ``pad=False``: the last message
-    as long as its rows (real fabrics, :mod:`.switch_lanes`: messages as long as their packets)."""
+    as long as its rows (real fabrics, :mod:`.lanes`: messages as long as their packets)."""
     end = -(-used // burst) * burst if pad else used
     out[used:end] = 0                                     # padding rows: T_EMPTY
     return [out[i:min(i + burst, end)] for i in range(0, used, burst)]

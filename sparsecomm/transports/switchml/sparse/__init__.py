@@ -75,7 +75,7 @@ tensor's maximum keep ``31 - log2 n - (E - e_elem)`` bits. Error per element ``<
 on every worker (the control round's too-large flag): past it the quantum ``n 2^(E-31)`` exceeds
 ``2^33 n`` and every ordinary value of the job would silently become 0 (one 1e30 among 1e-3 zeroed
 them). Half-precision inputs are summed in float32; a sum beyond their dtype's range is
-``OverflowError_`` on every worker, never ``inf`` (:func:`.switch_control.narrowed`).
+``OverflowError_`` on every worker, never ``inf`` (:func:`..control.narrowed`).
 
 Match-action pipeline (one pass per 64 values; 256 values with SwitchML's recirculation)
 ----------------------------------------------------------------------------------------
@@ -102,8 +102,8 @@ Against SwitchML this adds three registers per set (``pos``, ``nxt``: 32 bits; `
 removes the int8 exponent, and widens the worker bitmap to 64 bits (SwitchML: 32 workers per job).
 Memory with the defaults (``S = 1024`` slots, ``k = 256``): ``values`` ``1024 * 2 * 256 * 4 B =
 2 MiB``; the rest ``1024 * 2 * (64+7+32+32+1)`` bits ``= 34 KiB``.
-:data:`.sparse_switch_dataplane.REGISTERS` declares these widths and
-:meth:`~.sparse_switch_dataplane.Dataplane.state_bits` checks the emulation against them
+:data:`.dataplane.REGISTERS` declares these widths and
+:meth:`~.dataplane.Dataplane.state_bits` checks the emulation against them
 (``tests/test_sparse_switch.py``).
 
 Deployment: as ``switch``. On SimFabric the transport starts the program as a per-port service on
@@ -112,7 +112,7 @@ launcher started (``services=["sparse-switch"]``) and its constants (``slot_elem
 ``switch_slots``, ``burst``) default to that rank's. There up to ``burst`` packets share a fabric
 message (as many as are ready, not padded, as ``switch``'s) and skips travel padded to a value packet,
 since a message costs far more than its bytes; the byte figures above are the SimFabric's,
-one packet per datagram. The rounds themselves (lanes, timers, bursts) are :mod:`.sparse_switch_rounds`.
+one packet per datagram. The rounds themselves (lanes, timers, bursts) are :mod:`.rounds`.
 
 Defaults, fast where they run (:mod:`.defaults`, from the fabric's ``message_bytes``): on SimFabric one
 packet per message and a pool of 256 lanes (the settings of the closed form's comparisons); on a real
@@ -128,25 +128,25 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .. import codec
-from ..errors import (FabricTimeout, IncompatibleError, InvalidValueError, MismatchError,  # noqa: F401
+from .... import codec
+from ....errors import (FabricTimeout, IncompatibleError, InvalidValueError, MismatchError,  # noqa: F401
                       NonFiniteError, OverflowError_, ProtocolError, SparseCommError)
-from ..fabric.base import Fabric
-from ..payload import Payload
-from ._handshake import check_agreement, crc_fingerprint
-from .base import Transport, registry
-from . import defaults
-from .switch_control import (_DTYPES, DEFAULT_MAX_EXPONENT, MODE_FLOAT, MODE_INT, check_control, control_vector,
+from ....fabric.base import Fabric
+from ....payload import Payload
+from ..._handshake import check_agreement, crc_fingerprint
+from ...base import Transport, registry
+from ... import defaults
+from ..control import (_DTYPES, DEFAULT_MAX_EXPONENT, MODE_FLOAT, MODE_INT, check_control, control_vector,
                              max_exponent_option, narrowed, started_program, too_large_text)
-from .sparse_switch_dataplane import (F_NEXT, HEADER, MAX_WORKERS, NONE, T_DATA, T_MIN, T_SKIP, JOB_MASK,
+from .dataplane import (F_NEXT, HEADER, MAX_WORKERS, NONE, T_DATA, T_MIN, T_SKIP, JOB_MASK,
                                       Dataplane, SparseSwitchConfig, service_main)
-from .sparse_switch_rounds import _WorkerState, lane_slots, packet, run_rounds, to_pos
-from .switch_lanes import abandoning
+from .rounds import _WorkerState, lane_slots, packet, run_rounds, to_pos
+from ..lanes import abandoning
 
 INT32_MAX = 2**31 - 1
 EXP_FLOOR, EXP_CEIL = -126, 127
 CONTROL_SLOT = 0
-# the control vector's layout, modes and dtype codes are the switch's (switch_control.control_vector)
+# the control vector's layout, modes and dtype codes are the switch's (..control.control_vector)
 _AGREE = ("numel (low word)", "numel (high word)", "mode / dtype", "pool_size", "slot_elems",
           "shared indices or scale (fingerprint)")
 
@@ -289,7 +289,7 @@ class SparseSwitch(Transport):
                           cap=min(amax, INT32_MAX), limit=limit, fingerprint=fingerprint)
             e = 0
         # after the control round every worker is committed to the look-ahead round and the stream: an
-        # error here would leave the others waiting for this worker's packets (switch_lanes.abandoning)
+        # error here would leave the others waiting for this worker's packets (..lanes.abandoning)
         with abandoning(self.fabric):
             nb = -(-N // k)
             if nb == 0:

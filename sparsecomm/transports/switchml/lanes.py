@@ -1,7 +1,7 @@
 """SwitchML worker side: the self-clocked packet stream of one phase of a job, with loss recovery.
 
-Split from :mod:`.switch` (the transport: job set-up, quantisation, the control round); the wire format
-and the switch program are in :mod:`.switch_dataplane`, the switch's service loops in :mod:`.switch_service`.
+Split from :mod:`sparsecomm.transports.switchml` (the transport: job set-up, quantisation, the control round); the wire format
+and the switch program are in :mod:`.dataplane`, the switch's service loops in :mod:`.service`.
 
 The stream (Sapio et al., NSDI'21, Sec. 4): packet ``p`` goes on lane ``p % L`` (one switch slot per
 lane); the lane's next packet ``p + L`` is sent when ``p``'s result arrives, so the switch's results clock
@@ -46,9 +46,9 @@ import numpy as np
 import torch
 from numba import njit
 
-from ..errors import FabricTimeout, InvalidValueError, MalformedMessage, ProtocolError, SparseCommError
-from ._handshake import _fail
-from .switch_dataplane import (EXP_MIN, F_REJECTED, F_REJECTED_COUNT, F_TYPE, HEADER, T_DATA, T_EMPTY, T_REJECT,
+from ...errors import FabricTimeout, InvalidValueError, MalformedMessage, ProtocolError, SparseCommError
+from .._handshake import _fail
+from .dataplane import (EXP_MIN, F_REJECTED, F_REJECTED_COUNT, F_TYPE, HEADER, T_DATA, T_EMPTY, T_REJECT,
                                T_RESULT, T_RETRANSMIT, TAG_DOWN, TAG_UP)
 
 #: receives a worker keeps posted from the switch (real fabrics)

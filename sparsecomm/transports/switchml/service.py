@@ -1,10 +1,10 @@
-"""How packets reach the switch program (:mod:`.switch_dataplane`) and its results leave: the service loops.
+"""How packets reach the switch program (:mod:`.dataplane`) and its results leave: the service loops.
 
 **SimFabric** (one datagram per packet, modelled time): one loop receives a packet from any port, runs the
 program and replies with ``isend`` that it never waits for, so the per-port links transmit in parallel.
 
 **Real fabrics** (gloo over TCP; a message carries up to ``burst`` packets, as many as are ready: no
-padding, in either direction, :mod:`.switch_lanes`): a software switch with one receive
+padding, in either direction, :mod:`.lanes`): a software switch with one receive
 thread per port, as a multi-queue NIC gives each port its own RX ring. Each port keeps ``PORT_DEPTH``
 receives posted from its worker (gloo moves a message only once the receiver has posted for it, so a
 receive posted ahead lets the worker's next burst flow at once, with no round trip; they are posted
@@ -45,9 +45,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..fabric import services
-from ..fabric.base import Fabric, ServiceShutdown
-from .switch_dataplane import (F_TYPE, HEADER, RECV_SLACK, T_EMPTY, TAG_DOWN, TAG_UP, Dataplane, SwitchConfig,
+from ...fabric import services
+from ...fabric.base import Fabric, ServiceShutdown
+from .dataplane import (F_TYPE, HEADER, RECV_SLACK, T_EMPTY, TAG_DOWN, TAG_UP, Dataplane, SwitchConfig,
                                rejection, split_messages)
 
 #: receives each port keeps posted from its worker (real fabrics)
@@ -56,7 +56,7 @@ PORT_DEPTH = 16
 #: posted): each post sends the worker a "receive posted" notice on the connection its send thread
 #: writes on, and gloo's event loop spins while a write holds the connection; grouped, the notices
 #: arrive together, during one write rather than during nearly every write (see ``Inbox`` in
-#: :mod:`.switch_lanes`)
+#: :mod:`.lanes`)
 PORT_GROUP = 8
 #: replies a port may have queued before it drops, beyond the most a worker can await (real fabrics)
 EGRESS_CAP = 64
@@ -257,6 +257,6 @@ def _serve_ports(dp: Dataplane, fabric: Fabric) -> None:
 
 @services.registry.register("switch")
 def _switch_service(arg: str | None) -> Callable[[Fabric], None]:
-    from .switch_dataplane import service_main
+    from .dataplane import service_main
 
     return service_main(SwitchConfig.parse(arg))

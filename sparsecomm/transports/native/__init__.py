@@ -41,7 +41,7 @@ counts those booked bytes, so ``last_stats.estimated`` is true and the measured 
 none on a folded call) is ``bytes_sent + bytes_received - estimated_bytes``.
 
 :meth:`Native.gather` gathers row-sparse payloads (the pipeline's sparse-gradient path, as gloo's sparse
-allreduce does) in :mod:`._native_gather`: one ``all_gather`` of a slot sized from the last call when
+allreduce does) in :mod:`.gather`: one ``all_gather`` of a slot sized from the last call when
 the call is predicted, else a fixed-size header (length, row length, dtype, row count) checked on every
 worker, then every worker's row indices and values padded to the largest row count.
 
@@ -56,15 +56,15 @@ import time
 
 import torch
 
-from ..errors import IncompatibleError, InvalidValueError
-from ..fabric.base import Fabric
-from ..payload import Payload
-from . import _fold
-from .base import registry
-from ._guards import all_finite, guard_finite, nonfinite_option
-from ._handshake import calling, check_agreement
-from .base import Transport
-from .ring import guarded_sum, linear_operand
+from ...errors import IncompatibleError, InvalidValueError
+from ...fabric.base import Fabric
+from ...payload import Payload
+from .. import _fold
+from ..base import registry
+from .._guards import all_finite, guard_finite, nonfinite_option
+from .._handshake import calling, check_agreement
+from ..base import Transport
+from ..ring import guarded_sum, linear_operand
 
 WHAT = "native allreduce"
 #: vectors of at most this many bytes are summed by an all_gather and a local sum in rank order (half
@@ -128,7 +128,7 @@ class Native(Transport):
         return work if work is not None else super().start(x, then, next_round=next_round, call=call)
 
     def _post_folded(self, x: torch.Tensor | Payload, then, next_round, call):
-        from .base import engine
+        from ..base import engine
 
         f = self.fabric
         sched = _fold.schedule(f)
@@ -174,7 +174,7 @@ class Native(Transport):
                 if eng.resolving():
                     # this worker's later calls are posted; a worker that has not posted them yet
                     # never will (its engine now fails every later call): stop the job
-                    from ._handshake import _fail
+                    from .._handshake import _fail
 
                     _fail(f, exc)
                 raise        # (the engine stays resolving until it has recorded the failure)
@@ -243,8 +243,8 @@ class Native(Transport):
         call it: one ``all_gather`` when the call is predicted (:mod:`._fold`), else two (a header, then
         the rows); workers that disagree on the length, row length or dtype (or make another call) get
         :class:`~sparsecomm.errors.MismatchError`, a row count outside the table is
-        :class:`~sparsecomm.errors.MalformedMessage`, on every worker (:mod:`._native_gather`)."""
-        from ._native_gather import gather
+        :class:`~sparsecomm.errors.MalformedMessage`, on every worker (:mod:`.gather`)."""
+        from .gather import gather
 
         if p.kind != "sparse" or p.indices is None:
             raise IncompatibleError(f"native gather carries row-sparse payloads, not {p.kind!r} ones")

@@ -27,10 +27,10 @@ import math
 
 import torch
 
-from ..errors import InvalidValueError, MalformedMessage, MismatchError
-from ..payload import Payload, WireFormatError
-from . import _fold
-from ._handshake import _fail, check_agreement, dtype_code, mismatch_error
+from ...errors import InvalidValueError, MalformedMessage, MismatchError
+from ...payload import Payload, WireFormatError
+from .. import _fold
+from .._handshake import _fail, check_agreement, dtype_code, mismatch_error
 
 WHAT = "native gather"
 #: first int32 word of a folded slot (any NaN's bits differ from it)
@@ -41,7 +41,7 @@ HEADROOM, MIN_CAP = 1.1, 16
 
 def gather(t, p: Payload) -> list[Payload]:
     """:meth:`Native.gather <sparsecomm.transports.native.Native.gather>` (see the module docstring)."""
-    from .ring import KIND_CODE
+    from ..ring import KIND_CODE
 
     f = t.fabric
     n = f.world_size
@@ -85,7 +85,7 @@ def gather(t, p: Payload) -> list[Payload]:
 
 def _join(t, buf: torch.Tensor) -> torch.Tensor:
     """Every worker's ``buf`` (one slot each), ``(n, numel)``; booked in the fabric's stats."""
-    from .native import _all_gather
+    from . import _all_gather
 
     f = t.fabric
     n = f.world_size
@@ -157,7 +157,7 @@ def _check_counts(f, counts: list[int], rows: int) -> None:
 
 
 def _unfolded(t, p: Payload) -> tuple[list[Payload], int]:
-    from .native import _all_gather
+    from . import _all_gather
 
     f = t.fabric
     n, r = f.world_size, f.rank

@@ -18,9 +18,9 @@ import numpy as np
 import torch
 from numba import njit
 
-from .. import codec
-from ..errors import OverflowError_, ProtocolError
-from .switch_dataplane import EXP_MAX, EXP_MIN, F_EXP, HEADER
+from ... import codec
+from ...errors import OverflowError_, ProtocolError
+from .dataplane import EXP_MAX, EXP_MIN, F_EXP, HEADER
 
 
 @njit(cache=True, nogil=True)

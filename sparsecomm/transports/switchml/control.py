@@ -1,6 +1,6 @@
 """SwitchML control round: before a job's data, every worker sends one packet on the control slot (slot 0)
 with its validity flags and the values the workers must agree on, and the switch's integer sum of them
-tells every worker the same verdict (see :mod:`.switch`, "Control round").
+tells every worker the same verdict (see :mod:`sparsecomm.transports.switchml`, "Control round").
 
 Layout of the control packet's vector (``V_*``): non-finite flag, too-large flag, a count of 1, the
 largest magnitude (two 16-bit halves, integer jobs), then each agreement word as 4 bytes ``b`` and their
@@ -15,11 +15,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..errors import (IncompatibleError, InvalidValueError, MismatchError, NonFiniteError, OverflowError_,
+from ...errors import (IncompatibleError, InvalidValueError, MismatchError, NonFiniteError, OverflowError_,
                       ServiceNotStarted)
-from ._handshake import check_agreement
-from .switch_dataplane import HEADER
-from .switch_lanes import run_lanes
+from .._handshake import check_agreement
+from .dataplane import HEADER
+from .lanes import run_lanes
 
 CONTROL_SLOT = 0
 MODE_FLOAT, MODE_INT = 1, 2
@@ -140,7 +140,7 @@ def check_control(a: np.ndarray, n_words: int, n: int, name: str, agree: tuple[s
 def started_program(fabric, config_cls, elems: int | None, slots: int | None, burst: int | None,
                     audit: bool):
     """The switch program a transport talks to and its service's name (both switches; ``config_cls`` is the
-    program's constants, :class:`.switch_dataplane.SwitchConfig` or its sparse twin, with ``NAME``,
+    program's constants, :class:`.dataplane.SwitchConfig` or its sparse twin, with ``NAME``,
     ``parse``, ``spec`` and ``on(fabric)``). ``None``: not asked.
 
     In-process services (SimFabric): the program asked for, the fabric's defaults for the rest

@@ -1,7 +1,7 @@
 """``switch``: SwitchML-style in-network aggregation (Sapio et al., NSDI'21, arXiv 1903.06701).
 
 Workers stream their tensor, ``slot_elems`` int32 values per packet, through a switch endpoint that
-adds the packets of all workers in a bounded pool of slots (:mod:`.switch_dataplane`). Following the
+adds the packets of all workers in a bounded pool of slots (:mod:`.dataplane`). Following the
 public client (p4lang/p4app-switchML ``client_lib/src/backends/dpdk/dpdk_worker_thread.cc``,
 ``prepostprocessors/cpu_exponent_quantizer_ppp.cc``):
 
@@ -18,7 +18,7 @@ the timeout doubles and the threshold grows by ``timeout_increment`` (reference:
 The switch's seen-bitmaps make a retransmission harmless: it is either dropped (slot incomplete) or
 answered with the stored result (slot complete); a result for a packet that is no longer outstanding
 (a duplicate, or a previous job's) is ignored. A contribution is therefore counted exactly once. (The
-lanes and the retransmission timer are in :mod:`.switch_lanes`.)
+lanes and the retransmission timer are in :mod:`.lanes`.)
 
 **Quantisation** (dense and aligned payloads, float tensors). Each packet carries the exponent ``e``
 of its chunk's largest magnitude (``2^e > max|x|``, :func:`sparsecomm.codec.chunk_exponents`); the
@@ -34,7 +34,7 @@ ahead: the first ``L`` packets carry exponents only (SwitchML's extra batch for 
 (one 1e30 zeroed its 63 neighbours). Half-precision inputs (float16, bfloat16) are summed in float32
 and the sum returned in their dtype; a sum beyond that dtype's range (three float16 30000s) is
 :class:`~sparsecomm.errors.OverflowError_` on every worker, never ``inf`` (every worker decodes the same
-integer sums with the same scales, so every worker raises alike: :func:`.switch_control.narrowed`).
+integer sums with the same scales, so every worker raises alike: :func:`.control.narrowed`).
 ``quantized`` payloads with a shared scale, and integer tensors, are summed as they are ("bypass",
 SwitchML's int32 jobs).
 
@@ -45,7 +45,7 @@ so that the switch's integer sum reveals any disagreement (``n * sum(b^2) == sum
 byte ``b``). Every worker receives the same aggregate and so raises the same error, before any data
 is sent: bad input never hangs a peer. Before it, the workers exchange the fixed-size agreement header
 that every transport exchanges (:mod:`._handshake`), so that a worker running another transport gets a
-:class:`~sparsecomm.errors.MismatchError` naming both, not a wait for packets (:mod:`.switch_control`).
+:class:`~sparsecomm.errors.MismatchError` naming both, not a wait for packets (:mod:`.control`).
 
 **Deployment.** On SimFabric the transport starts the switch as a per-port service endpoint on first
 use (``fabric.service(spec, ...)``, its own line rate; lossy links via ``sc.Network(loss=p)``). On
@@ -55,7 +55,7 @@ the worker and the switch agree on them without the user giving them twice.
 
 On SimFabric one packet is one datagram; on real fabrics up to ``burst`` packets share one fabric message
 (each keeps its own slot semantics), the switch serves its ports in parallel and the workers keep
-receives posted and send from a thread of their own (:mod:`.switch_service`, :mod:`.switch_lanes`): a
+receives posted and send from a thread of their own (:mod:`.service`, :mod:`.lanes`): a
 software switch that adds at the rate its ports deliver, as far as the host's CPU allows.
 
 **Defaults** are fast where they run (:mod:`.defaults`, from the fabric's ``message_bytes``): where a
@@ -64,7 +64,7 @@ message, and a pool of 256 lanes (the reproductions compare these with their clo
 fabric (gloo: a message costs the hosts ~0.3 ms of CPU beyond its bytes) a switch started as
 ``"switch"`` runs 256-value packets, up to 1024 to a message (1 MiB), and a worker keeps 4096 lanes in
 flight (four messages per lane window). A message holds only the packets that are ready
-(:mod:`.switch_lanes`), so a small job costs its packets' bytes, not a burst's.
+(:mod:`.lanes`), so a small job costs its packets' bytes, not a burst's.
 """
 
 from __future__ import annotations
@@ -75,20 +75,20 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .. import codec
-from ..errors import IncompatibleError, InvalidValueError, NonFiniteError
-from ..fabric.base import Fabric
-from ..payload import Payload
-from ._handshake import crc_fingerprint
-from .base import registry
-from .base import Transport
-from . import switch_service  # noqa: F401 - registers the "switch" service
-from .switch_codec import FloatJob, IntJob
-from . import defaults
-from .switch_control import (_DTYPES, _ROUNDING, DEFAULT_MAX_EXPONENT, MODE_FLOAT, MODE_INT, control_round,
+from ... import codec
+from ...errors import IncompatibleError, InvalidValueError, NonFiniteError
+from ...fabric.base import Fabric
+from ...payload import Payload
+from .._handshake import crc_fingerprint
+from ..base import registry
+from ..base import Transport
+from . import service  # noqa: F401 - registers the "switch" service
+from .jobs import FloatJob, IntJob
+from .. import defaults
+from .control import (_DTYPES, _ROUNDING, DEFAULT_MAX_EXPONENT, MODE_FLOAT, MODE_INT, control_round,
                              max_exponent_option, narrowed, started_program)
-from .switch_lanes import Inbox, Uplink, run_lanes
-from .switch_dataplane import EXP_MAX, MAX_WORKERS, Dataplane, SwitchConfig, service_main
+from .lanes import Inbox, Uplink, run_lanes
+from .dataplane import EXP_MAX, MAX_WORKERS, Dataplane, SwitchConfig, service_main
 
 INT32_MAX = 2**31 - 1
 EXP_FLOOR = -126          # float32's smallest reported exponent; also used for float64 (safe: 2^e > max|x|)
@@ -321,13 +321,13 @@ class SwitchTransport(Transport):
 
     # ================================================================== control round
     def _control(self, mode: int, numel: int, dtype: torch.dtype, kind: str, fingerprint: int, **flags) -> None:
-        """The validity / agreement round (:func:`.switch_control.control_round`)."""
+        """The validity / agreement round (:func:`.control.control_round`)."""
         control_round(self, mode, numel, dtype, kind, fingerprint, **flags)
 
     # ================================================================== streaming
     def _stream(self, job: FloatJob | IntJob) -> None:
-        """Stream a job's packets through the pool (:func:`.switch_lanes.run_lanes`); the job's encoder
-        fills them and its decoder takes the results (:mod:`.switch_codec`)."""
+        """Stream a job's packets through the pool (:func:`.lanes.run_lanes`); the job's encoder
+        fills them and its decoder takes the results (:mod:`.jobs`)."""
         st = self._state
         L = min(self.pool_size, job.M)
         lane_slots = 1 + (np.arange(L) + st.shift) % self.pool_size
