@@ -54,7 +54,7 @@ from ..fabric.stats import CommStats
 from ..payload import Payload
 from ..registry import Registry
 from . import _fold
-from ._handshake import CallId, calling
+from ._handshake import CallId, calling, transport_code
 
 
 class Transport(ABC):
@@ -69,6 +69,11 @@ class Transport(ABC):
     #: the transport checks a predicted call inside its data collective and keeps the call record
     #: itself (``native``; :mod:`._fold`); the others are told of a prediction by :meth:`run`
     folds: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kw) -> None:
+        super().__init_subclass__(**kw)
+        if cls.name:
+            transport_code(cls.name)    # an agreement error can name this transport (handshake.transport_name)
 
     def __init__(self, fabric: Fabric) -> None:
         self.fabric = fabric

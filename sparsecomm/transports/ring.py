@@ -56,10 +56,10 @@ import torch
 
 from ..errors import IncompatibleError, InvalidValueError
 from ..fabric.base import Fabric
-from ..payload import KINDS, Payload
+from ..payload import Payload
 from .base import registry
 from ._guards import abs_max, guard_finite, int_accumulator, is_integer, narrow, nonfinite_option
-from ._handshake import check_agreement, dtype_code, fingerprint
+from ._handshake import KIND_CODE, check_agreement, dtype_code, fingerprint
 from .base import Transport
 
 RING_TAG = 0x5C10
@@ -67,9 +67,6 @@ RING_TAG = 0x5C10
 DEFAULT_SEGMENT_BYTES = 4 << 20
 #: by default, a chunk of at least twice this travels in at least two segments (:func:`segment_length`)
 MIN_SEGMENT_BYTES = 1 << 20
-
-#: kind codes of the handshake (a plain tensor and a dense payload are the same operand)
-KIND_CODE = {k: i for i, k in enumerate(KINDS)}
 
 
 @dataclass

@@ -62,7 +62,7 @@ from ...payload import Payload
 from .. import _fold
 from ..base import registry
 from .._guards import all_finite, guard_finite, nonfinite_option
-from .._handshake import calling, check_agreement
+from .._handshake import calling, check_agreement, fail_stop
 from ..base import Transport
 from ..ring import guarded_sum, linear_operand
 
@@ -174,9 +174,7 @@ class Native(Transport):
                 if eng.resolving():
                     # this worker's later calls are posted; a worker that has not posted them yet
                     # never will (its engine now fails every later call): stop the job
-                    from .._handshake import _fail
-
-                    _fail(f, exc)
+                    fail_stop(f, exc)
                 raise        # (the engine stays resolving until it has recorded the failure)
 
         return eng.post(post, complete, issues=next_round is not None)

@@ -30,7 +30,7 @@ import torch
 from ...errors import InvalidValueError, MalformedMessage, MismatchError
 from ...payload import Payload, WireFormatError
 from .. import _fold
-from .._handshake import _fail, check_agreement, dtype_code, mismatch_error
+from .._handshake import KIND_CODE, check_agreement, dtype_code, fail_stop, mismatch_error
 
 WHAT = "native gather"
 #: first int32 word of a folded slot (any NaN's bits differ from it)
@@ -41,8 +41,6 @@ HEADROOM, MIN_CAP = 1.1, 16
 
 def gather(t, p: Payload) -> list[Payload]:
     """:meth:`Native.gather <sparsecomm.transports.native.Native.gather>` (see the module docstring)."""
-    from ..ring import KIND_CODE
-
     f = t.fabric
     n = f.world_size
     row = p.row_len
@@ -132,7 +130,7 @@ def _folded(t, p: Payload, cap: int, desc: dict) -> tuple[list[Payload], int]:
         # a worker deviated from the predicted gather: the handshakes raise on every worker
         check_agreement(f, WHAT, transport="native", **desc)
         j = next(j for j, h in enumerate(heads) if h[0] != MARKER)
-        raise _fail(f, MalformedMessage(f"{WHAT}: worker {j} sent a slot without the marker although every "
+        raise fail_stop(f, MalformedMessage(f"{WHAT}: worker {j} sent a slot without the marker although every "
                                         f"worker agrees on the call; this is worker {f.rank}"))
     counts = [h[1] for h in heads]
     _check_counts(f, counts, rows)
@@ -152,7 +150,7 @@ def _folded(t, p: Payload, cap: int, desc: dict) -> tuple[list[Payload], int]:
 def _check_counts(f, counts: list[int], rows: int) -> None:
     bad = [j for j, c in enumerate(counts) if not 0 <= c <= rows]
     if bad:
-        raise _fail(f, MalformedMessage(f"{WHAT}: worker {bad[0]} announced {counts[bad[0]]} rows of a table "
+        raise fail_stop(f, MalformedMessage(f"{WHAT}: worker {bad[0]} announced {counts[bad[0]]} rows of a table "
                                         f"of {rows}; this is worker {f.rank}"))
 
 

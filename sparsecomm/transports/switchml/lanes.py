@@ -47,7 +47,7 @@ import torch
 from numba import njit
 
 from ...errors import FabricTimeout, InvalidValueError, MalformedMessage, ProtocolError, SparseCommError
-from .._handshake import _fail
+from .._handshake import fail_stop
 from .dataplane import (EXP_MIN, F_REJECTED, F_REJECTED_COUNT, F_TYPE, HEADER, T_DATA, T_EMPTY, T_REJECT,
                                T_RESULT, T_RETRANSMIT, TAG_DOWN, TAG_UP)
 
@@ -66,7 +66,7 @@ def abandoning(fabric):
     try:
         yield
     except Exception as exc:
-        _fail(fabric, exc)
+        fail_stop(fabric, exc)
         raise
 
 
@@ -77,7 +77,7 @@ def rejected(fabric, name: str, worker: int, count: int, out_of_step: bool = Fal
     that can never complete, so the job is over: every rank is stopped, naming ``worker``."""
     n = fabric.world_size
     if not 0 <= worker < n:
-        return _fail(fabric, ProtocolError(f"{name}: the switch's rejection notice names worker {worker}, "
+        return fail_stop(fabric, ProtocolError(f"{name}: the switch's rejection notice names worker {worker}, "
                                            f"outside 0..{n - 1}"))
     if out_of_step:
         exc: SparseCommError = ProtocolError(
@@ -89,7 +89,7 @@ def rejected(fabric, name: str, worker: int, count: int, out_of_step: bool = Fal
             f"{name}: the switch dropped {count} packet(s) of worker {worker} that it cannot parse (a type, "
             f"slot, set, worker id or worker count outside the job): worker {worker}'s messages were "
             f"corrupted on the way, or are not this library's; the job is over")
-    return _fail(fabric, exc, rank=worker)
+    return fail_stop(fabric, exc, rank=worker)
 
 
 class Uplink:
