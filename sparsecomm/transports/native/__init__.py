@@ -60,35 +60,15 @@ from ...errors import IncompatibleError, InvalidValueError
 from ...fabric.base import Fabric
 from ...payload import Payload
 from .. import _fold
-from ..base import registry
+from ..base import engine, registry
 from .._guards import all_finite, guard_finite, nonfinite_option
 from .._handshake import calling, check_agreement, fail_stop
 from ..base import Transport
 from ..ring import guarded_sum, linear_operand
+from .collectives import join, post_join
+from .gather import gather_rows
 
 WHAT = "native allreduce"
-#: vectors of at most this many bytes are summed by an all_gather and a local sum in rank order (half
-#: the latency steps of gloo's ring all-reduce); a constant, so that every worker picks alike
-GATHER_SUM_BYTES = 64 << 10
-
-
-def _all_gather(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
-    """Every rank's ``inp`` into ``out`` (flat, ``world_size * numel``), torch's current name for it
-    (with ``async_op``: the pending work)."""
-    import torch.distributed as dist
-
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(out, inp, group=group, async_op=async_op)
-
-
-def _sum_rows(acc: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
-    """``acc`` = the sum of the ``n`` gathered copies in ``rows``, in rank order (the same bits on
-    every worker)."""
-    r = rows.view(n, -1)
-    acc.copy_(r[0])
-    for j in range(1, n):
-        acc.add_(r[j])
-    return acc
 
 
 @registry.register("native")
@@ -128,8 +108,6 @@ class Native(Transport):
         return work if work is not None else super().start(x, then, next_round=next_round, call=call)
 
     def _post_folded(self, x: torch.Tensor | Payload, then, next_round, call):
-        from ..base import engine
-
         f = self.fabric
         sched = _fold.schedule(f)
         if sched is None or (isinstance(x, Payload) and (x.kind != "dense" or not self.can_carry(x.kind))):
@@ -151,10 +129,10 @@ class Native(Transport):
             if predicted is None or predicted.key != key:
                 return None
             acc = op.work_copy(inplace)
-            pending = _post_join(self, acc)
+            pending = post_join(f, acc)
             sched.folded += 1
             sched.posted += 1
-            sched.record(key, _fold.Fold(key, v.numel(), v.dtype, v.device, functools.partial(_join, f)))
+            sched.record(key, _fold.Fold(key, v.numel(), v.dtype, v.device, functools.partial(join, f)))
             return acc, pending
 
         def complete(posted):
@@ -218,7 +196,7 @@ class Native(Transport):
         fold = None
         if (v.is_floating_point() and 0 < v.numel() * v.element_size() <= self.fold_max_bytes
                 and not op.codes):
-            fold = _fold.Fold(key, v.numel(), v.dtype, v.device, functools.partial(_join, f))
+            fold = _fold.Fold(key, v.numel(), v.dtype, v.device, functools.partial(join, f))
         predicted = sched.predicted()
         if predicted is not None and fold is not None and predicted.key == key:
             sched.folded += 1
@@ -242,100 +220,15 @@ class Native(Transport):
         the rows); workers that disagree on the length, row length or dtype (or make another call) get
         :class:`~sparsecomm.errors.MismatchError`, a row count outside the table is
         :class:`~sparsecomm.errors.MalformedMessage`, on every worker (:mod:`.gather`)."""
-        from .gather import gather
-
         if p.kind != "sparse" or p.indices is None:
             raise IncompatibleError(f"native gather carries row-sparse payloads, not {p.kind!r} ones")
-        return gather(self, p)
-
-    def _collective(self, call, name: str = "all_gather") -> None:
-        try:
-            call()
-        except RuntimeError as exc:
-            raise _translated(self.fabric, name, exc) from exc
+        return gather_rows(self.fabric, p, self.fold_max_bytes)
 
     def _reduce(self, acc: torch.Tensor) -> torch.Tensor:
-        return _join(self.fabric, acc)
+        return join(self.fabric, acc)
 
 
 def _native_key(op, sched: _fold.Schedule) -> tuple:
     """The fold record's key of a ``native`` all-reduce: what its handshake compares (the operand's
     fields) and the identity of the call running on this thread (:meth:`_fold.Schedule.call_key`)."""
     return ("native",) + tuple((k, int(val)) for k, val in op.fields.items()) + sched.call_key()
-
-
-def _post_join(t: "Native", acc: torch.Tensor):
-    """Post :func:`_join`'s collective on ``acc`` without waiting (``async_op``); returns a function that
-    waits for it and gives the sum in ``acc`` (booked in the fabric's stats), as :func:`_join` does."""
-    import torch.distributed as dist
-
-    f = t.fabric
-    n = f.world_size
-    nbytes = acc.numel() * acc.element_size()
-    small = nbytes <= GATHER_SUM_BYTES and acc.is_contiguous()
-    name = "all_gather" if small else "all_reduce"
-    rows = None
-    try:
-        if small:
-            rows = torch.empty(n * acc.numel(), dtype=acc.dtype, device=acc.device)
-            handle = _all_gather(rows, acc, group=f.native_group, async_op=True)
-        else:
-            handle = dist.all_reduce(acc, group=f.native_group, async_op=True)
-    except RuntimeError as exc:
-        raise _translated(f, name, exc) from exc
-
-    def wait() -> torch.Tensor:
-        try:
-            handle.wait()
-        except RuntimeError as exc:
-            raise _translated(f, name, exc) from exc
-        if small:
-            _sum_rows(acc, rows, n)
-        _book_join(f, n, nbytes, small)
-        return acc
-
-    return wait
-
-
-def _translated(f: Fabric, name: str, exc: RuntimeError) -> BaseException:
-    """The library's error for torch.distributed's ``name`` having raised ``exc``: the fabric's
-    (:meth:`~sparsecomm.fabric.torch_failure.FailStop.collective_error`: the job's recorded failure, a
-    timeout, or a peer failure naming the rank that died), reported to every rank."""
-    return f.collective_error(exc, name)
-
-
-def _book_join(f: Fabric, n: int, nbytes: int, small: bool) -> None:
-    moved = (n - 1) * nbytes if small else 2 * (n - 1) * nbytes // n
-    st = f.stats
-    st.bytes_sent += moved
-    st.bytes_received += moved
-    st.messages += 1
-    st.messages_received += 1
-    st.rounds += (n - 1) if small else 2 * (n - 1)
-    st.estimated_bytes += 2 * moved
-
-
-def _join(f: Fabric, acc: torch.Tensor) -> torch.Tensor:
-    """The sum of ``acc`` over the workers' group, in place, booked in ``f.stats`` (an estimate): gloo's
-    ``all_reduce``, or for a vector of at most :data:`GATHER_SUM_BYTES` an ``all_gather`` and a sum in
-    rank order (the same bits on every worker; ``n - 1`` latency steps instead of the ring's ``2 (n - 1)``,
-    for ``n - 1`` instead of ``2 (n - 1) / n`` copies of a vector that small). The choice depends on
-    the length and dtype only, which every worker agreed on, so every worker makes the same one."""
-    import torch.distributed as dist
-
-    n = f.world_size
-    if n <= 1:
-        return acc
-    nbytes = acc.numel() * acc.element_size()
-    small = nbytes <= GATHER_SUM_BYTES and acc.is_contiguous()
-    try:
-        if small:
-            rows = torch.empty(n * acc.numel(), dtype=acc.dtype, device=acc.device)
-            _all_gather(rows, acc, group=f.native_group)
-            _sum_rows(acc, rows, n)
-        else:
-            dist.all_reduce(acc, group=f.native_group)
-    except RuntimeError as exc:
-        raise _translated(f, "all_gather" if small else "all_reduce", exc) from exc
-    _book_join(f, n, nbytes, small)
-    return acc
