@@ -167,21 +167,6 @@ def dtype_from_code(code: int) -> torch.dtype:
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def crc_fingerprint(*objs) -> int:
-    """crc32 of tensors' exact values (as float64 or int64) and other values' text, ``None`` skipped: the
-    32-bit word the switches' control round uses to check that workers share indices or a scale."""
-    crc = 0
-    for o in objs:
-        if o is None:
-            continue
-        if isinstance(o, torch.Tensor):
-            data = o.detach().reshape(-1).to("cpu", torch.float64 if o.is_floating_point() else torch.int64)
-            crc = zlib.crc32(data.numpy().tobytes(), crc)
-        else:
-            crc = zlib.crc32(str(o).encode(), crc)
-    return crc
-
-
 def fingerprint(t: torch.Tensor | None) -> torch.Tensor:
     """A 0-d int64 checksum of ``t``'s length and exact bits (position-weighted), on ``t``'s device.
 

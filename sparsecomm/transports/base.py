@@ -55,17 +55,22 @@ from ..payload import Payload
 from ..registry import Registry
 from . import _fold
 from ._handshake import CallId, calling, transport_code
+from .linear import LinearOperand, linear_operand
 
 
 class Transport(ABC):
-    """Base class of the collectives. Subclasses implement :meth:`_allreduce_tensor` and, for the
-    compressed kinds they carry natively, :meth:`_allreduce_payload`."""
+    """Base class of the collectives. Subclasses implement :meth:`_allreduce_tensor` and, for the payload
+    kinds they sum in compressed form, :meth:`_sum_linear` (the kinds named in :attr:`linear`) or
+    :meth:`_allreduce_payload` (any other)."""
 
     name: ClassVar[str] = ""
     #: payload kinds this transport sums (``dense`` means plain tensors too)
     carries: ClassVar[frozenset[str]] = frozenset({"dense"})
     #: whether ``quantized`` payloads must share their scale across workers to be carried
     quantized_needs_shared_scale: ClassVar[bool] = True
+    #: payload kinds this transport sums as their linear operand (:func:`~.linear.linear_operand`, by
+    #: :meth:`_sum_linear`); :meth:`_allreduce_payload` densifies the others
+    linear: ClassVar[frozenset[str]] = frozenset()
     #: the transport checks a predicted call inside its data collective and keeps the call record
     #: itself (``native``; :mod:`._fold`); the others are told of a prediction by :meth:`run`
     folds: ClassVar[bool] = False
@@ -175,8 +180,18 @@ class Transport(ABC):
         """Sum a flat dense tensor over workers."""
 
     def _allreduce_payload(self, p: Payload) -> torch.Tensor:
-        """Sum payloads; the default densifies, which is right for ``dense`` payloads."""
+        """Sum payloads: a kind in :attr:`linear` as its linear operand (:func:`~.linear.linear_operand`:
+        summed by :meth:`_sum_linear`, then finished into the aggregate); any other densified
+        (``to_dense``) and summed by :meth:`_allreduce_tensor`."""
+        if p.kind in self.linear:
+            op = linear_operand(p, self.name)
+            return op.finish(self._sum_linear(op))
         return self._allreduce_tensor(p.to_dense())
+
+    def _sum_linear(self, op: LinearOperand) -> torch.Tensor:
+        """The element-wise sum over workers of ``op.vector``, in a dtype ``op.finish`` takes: for the
+        transports that declare :attr:`linear` kinds."""
+        raise IncompatibleError(incompatible_message(self.name, op.kind))
 
     def _modelled(self, t0: float) -> float:
         return self.fabric.now() - t0 if self.fabric.modelled_time else 0.0

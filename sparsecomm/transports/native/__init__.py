@@ -64,7 +64,7 @@ from ..base import engine, registry
 from .._guards import all_finite, guard_finite, nonfinite_option
 from .._handshake import calling, check_agreement, fail_stop
 from ..base import Transport
-from ..ring import guarded_sum, linear_operand
+from ..linear import LinearOperand, guarded_sum, linear_operand
 from .collectives import join, post_join
 from .gather import gather_rows
 
@@ -78,6 +78,7 @@ class Native(Transport):
     name = "native"
     carries = frozenset({"dense", "aligned", "quantized"})
     quantized_needs_shared_scale = True
+    linear = frozenset({"dense", "aligned", "quantized"})
     folds = True
 
     def __init__(self, fabric: Fabric, *, inplace: bool = False, nonfinite: str = "raise",
@@ -114,11 +115,10 @@ class Native(Transport):
             return None
         if sched.predicted() is None:
             return None
-        op = linear_operand(x, f.world_size, self.name)
+        op = linear_operand(x, self.name, inplace=self.inplace)
         v = op.vector
         if op.codes or not v.is_floating_point() or not 0 < v.numel() * v.element_size() <= self.fold_max_bytes:
             return None
-        inplace = self.inplace and isinstance(x, torch.Tensor)
         eng = engine(f)
 
         def post():
@@ -128,7 +128,7 @@ class Native(Transport):
             predicted = sched.predicted()
             if predicted is None or predicted.key != key:
                 return None
-            acc = op.work_copy(inplace)
+            acc = op.work_copy()
             pending = post_join(f, acc)
             sched.folded += 1
             sched.posted += 1
@@ -141,7 +141,7 @@ class Native(Transport):
             t0 = time.perf_counter()
             try:
                 with calling(call):
-                    total = self._check_folded(op, pending(), inplace, eng)
+                    total = self._check_folded(op, pending(), eng)
                 stats = f.stats - before
                 stats.wall_time_s = time.perf_counter() - t0
                 self.last_stats = stats
@@ -157,7 +157,7 @@ class Native(Transport):
 
         return eng.post(post, complete, issues=next_round is not None)
 
-    def _check_folded(self, op, total: torch.Tensor, inplace: bool, eng=None) -> torch.Tensor:
+    def _check_folded(self, op: LinearOperand, total: torch.Tensor, eng=None) -> torch.Tensor:
         """A folded call's sum: a NaN in it (every element, if a worker deviated) is resolved by the
         handshake, then by the non-finite rules. A posted call (``eng``) resolves with no later call
         posted meanwhile; if it raises while later calls of this worker are already posted, its
@@ -178,19 +178,16 @@ class Native(Transport):
         return total
 
     def _allreduce_tensor(self, flat: torch.Tensor) -> torch.Tensor:
-        return self._run(flat)
+        op = linear_operand(flat, self.name, inplace=self.inplace)
+        return op.finish(self._sum_linear(op))
 
-    def _allreduce_payload(self, p: Payload) -> torch.Tensor:
-        return self._run(p)
-
-    def _run(self, x: torch.Tensor | Payload) -> torch.Tensor:
+    def _sum_linear(self, op: LinearOperand) -> torch.Tensor:
+        """The operand's sum: folded into the data when predicted (:mod:`._fold`), else after the
+        handshake (:func:`~.linear.guarded_sum`)."""
         f = self.fabric
-        op = linear_operand(x, f.world_size, self.name)
-        inplace = self.inplace and isinstance(x, torch.Tensor)
         sched = _fold.schedule(f)
         if sched is None:
-            return op.finish(guarded_sum(f, WHAT, op, {}, self.nonfinite, inplace, self._reduce,
-                                         int_floor=torch.int32))
+            return guarded_sum(f, WHAT, op, {}, self.nonfinite, self._reduce, int_floor=torch.int32)
         v = op.vector
         key = _native_key(op, sched)
         fold = None
@@ -200,18 +197,13 @@ class Native(Transport):
         predicted = sched.predicted()
         if predicted is not None and fold is not None and predicted.key == key:
             sched.folded += 1
-            total = self._folded(op, inplace)
+            total = self._check_folded(op, self._reduce(op.work_copy()))   # the predicted call, at once
         else:
             if predicted is not None:
                 sched.deviate(predicted)     # then this call's own handshake (in guarded_sum)
-            total = guarded_sum(f, WHAT, op, {}, self.nonfinite, inplace, self._reduce, int_floor=torch.int32)
+            total = guarded_sum(f, WHAT, op, {}, self.nonfinite, self._reduce, int_floor=torch.int32)
         sched.record(key, fold)
-        return op.finish(total)
-
-    def _folded(self, op, inplace: bool) -> torch.Tensor:
-        """The predicted call (:mod:`._fold`): the all-reduce at once; a NaN in the sum (every element
-        of it, if a worker deviated) is resolved by the handshake, then by the non-finite rules."""
-        return self._check_folded(op, self._reduce(op.work_copy(inplace)), inplace)
+        return total
 
     def gather(self, p: Payload) -> list[Payload]:
         """Every worker's row-sparse payload (``sparse`` with ``bucket_size`` = the row length, or plain

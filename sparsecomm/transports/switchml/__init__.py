@@ -78,10 +78,8 @@ import torch
 from ... import codec
 from ...errors import IncompatibleError, InvalidValueError, NonFiniteError
 from ...fabric.base import Fabric
-from ...payload import Payload
-from .._handshake import crc_fingerprint
-from ..base import registry
-from ..base import Transport
+from ..base import Transport, registry
+from ..linear import LinearOperand
 from . import service  # noqa: F401 - registers the "switch" service
 from .jobs import FloatJob, IntJob
 from .. import defaults
@@ -156,6 +154,7 @@ class SwitchTransport(Transport):
     name = "switch"
     carries = frozenset({"dense", "aligned", "quantized"})
     quantized_needs_shared_scale = True
+    linear = frozenset({"aligned", "quantized"})
 
     def __init__(self, fabric: Fabric, *, pool_size: int | None = None, slot_elems: int | None = None,
                  timeout: float | None = None, timeout_threshold: int = 100, timeout_increment: int = 100,
@@ -230,32 +229,13 @@ class SwitchTransport(Transport):
             return self._int_job(flat, flat.dtype, "tensor")
         raise IncompatibleError(f"transport 'switch' sums float and integer tensors, not {flat.dtype}")
 
-    def _allreduce_payload(self, p: Payload) -> torch.Tensor:
-        if p.kind == "dense":
-            return self._allreduce_tensor(p.to_dense())
-        if p.kind == "aligned":
-            idx = p.indices.reshape(-1).to(torch.int64)
-            vals = p.values.reshape(-1)
-            if not vals.is_floating_point():
-                vals = vals.to(p.dtype if p.dtype.is_floating_point else torch.float32)
-            fp = crc_fingerprint(idx)
-            summed = self._float_job(vals, "aligned", fingerprint=fp)
-            out = torch.zeros(p.numel, dtype=p.dtype, device=p.values.device)
-            if summed.numel():
-                out.index_add_(0, idx.to(out.device), summed.to(out.device, p.dtype))
-            return out
-        # quantized with a shared scale: sum the integer codes exactly ("bypass")
-        codes = p.values.reshape(-1)
-        if codes.is_floating_point():
-            if not bool((torch.isfinite(codes) & (codes == codes.round())).all()):
-                raise IncompatibleError("transport 'switch' sums integer codes; this quantized payload's "
-                                        "codes are not integers")
-            codes = codes.to(torch.int64)
-        fp = crc_fingerprint(p.scale, p.bucket_size)
-        sums = self._int_job(codes, torch.float64, "quantized", fingerprint=fp)
-        agg = Payload("quantized", values=sums.to(torch.int64), shape=p.shape, dtype=p.dtype,
-                      scale=p.scale, bucket_size=p.bucket_size, shared_scale=True)
-        return agg.to_dense()
+    def _sum_linear(self, op: LinearOperand) -> torch.Tensor:
+        """An ``aligned`` operand's values (float: fixed point) or a ``quantized`` one's codes (exactly,
+        "bypass"), with the shared indices' or scale's checksum in the control round."""
+        v = op.vector
+        if v.is_floating_point():
+            return self._float_job(v, op.kind, fingerprint=op.check)
+        return self._int_job(v, torch.int64 if op.codes else v.dtype, op.kind, fingerprint=op.check)
 
     # ================================================================== float (fixed point) job
     def _float_job(self, flat: torch.Tensor, kind: str, fingerprint: int = 0, inplace: bool = False) -> torch.Tensor:

@@ -132,9 +132,9 @@ from .... import codec
 from ....errors import (FabricTimeout, IncompatibleError, InvalidValueError, MismatchError,  # noqa: F401
                       NonFiniteError, OverflowError_, ProtocolError, SparseCommError)
 from ....fabric.base import Fabric
-from ....payload import Payload
-from ..._handshake import check_agreement, crc_fingerprint
+from ..._handshake import check_agreement
 from ...base import Transport, registry
+from ...linear import LinearOperand
 from ... import defaults
 from ..control import (_DTYPES, DEFAULT_MAX_EXPONENT, MODE_FLOAT, MODE_INT, check_control, control_vector,
                              max_exponent_option, narrowed, started_program, too_large_text)
@@ -184,6 +184,7 @@ class SparseSwitch(Transport):
     name = "sparse-switch"
     carries = frozenset({"dense", "aligned", "sparse", "quantized"})
     quantized_needs_shared_scale = True
+    linear = frozenset({"aligned", "quantized"})
 
     def __init__(self, fabric: Fabric, *, pool_size: int | None = None, slot_elems: int | None = None,
                  switch_slots: int | None = None, timeout: float | None = None, timeout_threshold: int = 100,
@@ -230,32 +231,12 @@ class SparseSwitch(Transport):
         self.last_info: dict = {}
 
     # ================================================================== payload kinds
-    def _allreduce_payload(self, p: Payload) -> torch.Tensor:
-        """``dense`` and ``sparse`` (worker-specific indices) payloads are summed as the tensor they
-        stand for: only its non-zero blocks travel. ``aligned``: the value vector (indices checked
-        to be shared), then scattered. ``quantized`` with a shared scale: the integer codes, exactly."""
-        if p.kind in ("dense", "sparse"):
-            return self._allreduce_tensor(p.to_dense().reshape(-1))
-        if p.kind == "aligned":
-            idx = p.indices.reshape(-1).to(torch.int64)
-            vals = p.values.reshape(-1)
-            if not vals.is_floating_point():
-                vals = vals.to(p.dtype if p.dtype.is_floating_point else torch.float32)
-            summed = self._job(vals, fingerprint=crc_fingerprint(idx))
-            out = torch.zeros(p.numel, dtype=p.dtype, device=p.values.device)
-            if summed.numel():
-                out.index_add_(0, idx.to(out.device), summed.to(out.device, p.dtype))
-            return out
-        codes = p.values.reshape(-1)
-        if codes.is_floating_point():
-            if not bool((torch.isfinite(codes) & (codes == codes.round())).all()):
-                raise IncompatibleError("transport 'sparse-switch' sums integer codes; this quantized "
-                                        "payload's codes are not integers")
-            codes = codes.to(torch.int64)
-        sums = self._job(codes, fingerprint=crc_fingerprint(p.scale, p.bucket_size), out_dtype=torch.int64)
-        agg = Payload("quantized", values=sums, shape=p.shape, dtype=p.dtype, scale=p.scale,
-                      bucket_size=p.bucket_size, shared_scale=True)
-        return agg.to_dense()
+    def _sum_linear(self, op: LinearOperand) -> torch.Tensor:
+        """``aligned``: the value vector (the indices' checksum in the control round), scattered after;
+        ``quantized`` with a shared scale: the integer codes, exactly. ``dense`` and ``sparse`` payloads
+        (worker-specific indices) are summed as the tensor they stand for (densified): only its
+        non-zero blocks travel."""
+        return self._job(op.vector, fingerprint=op.check, out_dtype=torch.int64 if op.codes else None)
 
     # ================================================================== one job, top to bottom
     def _allreduce_tensor(self, flat: torch.Tensor) -> torch.Tensor:
