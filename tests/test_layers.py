@@ -262,8 +262,6 @@ CIRCLES_PENDING: set[str] = {
     "sparsecomm.launch.torch_backend",
     "sparsecomm.methods.base",
     "sparsecomm.methods.state",
-    "sparsecomm.transports.switchml.dataplane",
-    "sparsecomm.transports.switchml.service",
 }
 
 
@@ -403,11 +401,6 @@ PRIVATE_READS_PENDING: set[str] = {
     "sparsecomm.netbed.launch",
     "sparsecomm.pipeline",
     "sparsecomm.sparse_rows",
-    "sparsecomm.transports.switchml.sparse",
-    "sparsecomm.transports.switchml.sparse.rounds",
-    "sparsecomm.transports.switchml",
-    "sparsecomm.transports.switchml.control",
-    "sparsecomm.transports.switchml.lanes",
 }
 
 

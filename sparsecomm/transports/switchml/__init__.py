@@ -69,6 +69,7 @@ flight (four messages per lane window). A message holds only the packets that ar
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 
@@ -78,39 +79,20 @@ import torch
 from ... import codec
 from ...errors import IncompatibleError, InvalidValueError, NonFiniteError
 from ...fabric.base import Fabric
+from .. import defaults
+from .._handshake import check_agreement
 from ..base import Transport, registry
 from ..linear import LinearOperand
-from . import service  # noqa: F401 - registers the "switch" service
+from .control import (AGREE, CONTROL_SLOT, DEFAULT_MAX_EXPONENT, DTYPES, KINDS, MODE_FLOAT, MODE_INT, ROUNDING,
+                      check_control, control_vector, max_exponent_option, narrowed, started_program,
+                      too_large_text)
+from .dataplane import EXP_MAX, HEADER, MAX_WORKERS, Dataplane, SwitchConfig
 from .jobs import FloatJob, IntJob
-from .. import defaults
-from .control import (_DTYPES, _ROUNDING, DEFAULT_MAX_EXPONENT, MODE_FLOAT, MODE_INT, control_round,
-                             max_exponent_option, narrowed, started_program)
-from .lanes import Inbox, Uplink, run_lanes
-from .dataplane import EXP_MAX, MAX_WORKERS, Dataplane, SwitchConfig, service_main
+from .lanes import Lanes, SlotState, Timer
+from .service import serve, service_main
 
 INT32_MAX = 2**31 - 1
 EXP_FLOOR = -126          # float32's smallest reported exponent; also used for float64 (safe: 2^e > max|x|)
-
-@dataclass
-class _WorkerState:
-    """What a worker must remember between jobs on one switch (identical on every worker)."""
-
-    parity: np.ndarray     # per switch slot: the set its next use takes
-    shift: int = 0
-    job: int = 0
-    _inbox: Inbox | None = None    # real fabrics: receives from the switch posted ahead, kept across jobs
-    _uplink: Uplink | None = None  # real fabrics: the sending thread and its buffers, kept across jobs
-
-    def inbox(self, fabric: Fabric, switch: int, burst: int, width: int) -> Inbox:
-        if self._inbox is None:
-            self._inbox = Inbox(fabric, switch, burst, width)
-        return self._inbox
-
-    def uplink(self, fabric: Fabric, switch: int, burst: int, width: int, depth: int) -> Uplink:
-        if self._uplink is None or self._uplink.error is not None:
-            self._uplink = Uplink(fabric, switch, burst, width, depth)
-        self._uplink.ensure(depth)
-        return self._uplink
 
 
 @dataclass
@@ -185,8 +167,8 @@ class SwitchTransport(Transport):
         if not isinstance(pool_size, int) or not 1 <= pool_size <= switch_slots - 1:
             raise InvalidValueError(f"pool_size must be an integer in [1, switch_slots - 1 = {switch_slots - 1}] "
                              f"(slot 0 is the control slot), got {pool_size!r}")
-        if rounding not in _ROUNDING:
-            raise InvalidValueError(f"rounding must be one of {sorted(_ROUNDING)}, got {rounding!r}")
+        if rounding not in ROUNDING:
+            raise InvalidValueError(f"rounding must be one of {sorted(ROUNDING)}, got {rounding!r}")
         if timeout is None and self.sim:
             timeout = 10e-3
         if timeout is not None and not timeout > 0:
@@ -202,20 +184,26 @@ class SwitchTransport(Transport):
             with _lock:
                 per_world = fabric.world_scratch.setdefault("switch/dataplanes", {})
                 self.dataplane = per_world.setdefault(spec, Dataplane(self.config))
-            main = self.dataplane.serve
+            main = functools.partial(serve, self.dataplane)
         else:
             main = service_main(self.config)
         link = {k: v for k, v in (("bandwidth_gbps", bandwidth_gbps), ("latency_us", latency_us)) if v is not None}
         self.switch = fabric.service(spec, main, per_port=True, **link)
         with _lock:
             per_fabric = fabric.scratch.setdefault("switch/worker_states", {})
-            self._state = per_fabric.setdefault(
-                spec, _WorkerState(parity=np.zeros(switch_slots, dtype=np.int32)))
+            #: the program's slots, kept across jobs and shared by this fabric's transports talking to it
+            self.slots = per_fabric.setdefault(spec, SlotState(parity=np.zeros(switch_slots, dtype=np.int32)))
+        self.lanes = Lanes(fabric, self.switch, self.slots, slot_elems, self.burst,
+                           Timer(self.timeout, self.timeout_threshold, self.timeout_increment, self.give_up_s))
         self.last_fixed: FixedResult | None = None
-        self.last_info: dict = {}
         self.inplace = bool(inplace)
         self.keep_fixed = bool(keep_fixed)
         self._sums: torch.Tensor | None = None
+
+    @property
+    def last_info(self) -> dict:
+        """The last job's per-phase packet counts (:attr:`.lanes.Lanes.info`)."""
+        return self.lanes.info
 
     def wire_copies(self) -> float:
         """Each worker streams its tensor to the switch once (32-bit fixed point per value)."""
@@ -225,7 +213,7 @@ class SwitchTransport(Transport):
     def _allreduce_tensor(self, flat: torch.Tensor) -> torch.Tensor:
         if flat.is_floating_point():
             return self._float_job(flat, "tensor", inplace=self.inplace)
-        if flat.dtype in _DTYPES:
+        if flat.dtype in DTYPES:
             return self._int_job(flat, flat.dtype, "tensor")
         raise IncompatibleError(f"transport 'switch' sums float and integer tensors, not {flat.dtype}")
 
@@ -261,7 +249,7 @@ class SwitchTransport(Transport):
             return torch.zeros(0, dtype=out_dtype, device=device)
         job_seed = None
         if self.rounding == "stochastic":
-            job_seed = int(np.random.SeedSequence([self.seed, self.fabric.rank, self._state.job]).generate_state(1)[0])
+            job_seed = int(np.random.SeedSequence([self.seed, self.fabric.rank, self.slots.job]).generate_state(1)[0])
         # in place: each chunk is encoded (read) before its result arrives (written), so x can take the sum
         out = x if inplace and x.data_ptr() == flat.data_ptr() else torch.empty(N, dtype=x.dtype)
         sums = self._sums_buffer(M * E) if self.keep_fixed else None
@@ -300,17 +288,39 @@ class SwitchTransport(Transport):
         return torch.from_numpy(job.sums.reshape(-1)[:N].copy()).to(device=device, dtype=out_dtype)
 
     # ================================================================== control round
-    def _control(self, mode: int, numel: int, dtype: torch.dtype, kind: str, fingerprint: int, **flags) -> None:
-        """The validity / agreement round (:func:`.control.control_round`)."""
-        control_round(self, mode, numel, dtype, kind, fingerprint, **flags)
+    def _control(self, mode: int, numel: int, dtype: torch.dtype, kind: str, fingerprint: int, *,
+                 nonfinite: bool, too_large: bool, cap: int, limit: int) -> None:
+        """The validity / agreement round on the control slot (module docstring, "Control round"); raises
+        the same error on every worker."""
+        # the workers' fixed-size agreement header first (as every transport exchanges it): ranks that run
+        # another transport get a MismatchError naming both sides instead of a wait for packets that never
+        # come; the values the control round checks (numel, dtype, kind, scale) are not repeated here
+        check_agreement(self.fabric, "switch allreduce", transport=self.name, switch=self.switch,
+                        slot_elems=self.slot_elems, burst=self.burst, pool_size=self.pool_size)
+        self.slots.next_job(2**31 - 1)
+        words = [numel & 0xFFFFFFFF, (numel >> 32) & 0xFFFFFFFF,
+                 (mode << 16) | (DTYPES.get(dtype, 0) << 8) | (KINDS[kind] << 4) | ROUNDING[self.rounding],
+                 self.pool_size, self.slot_elems, fingerprint & 0xFFFFFFFF]
+        vec = control_vector(words, self.slot_elems, nonfinite=nonfinite, too_large=too_large, cap=cap)
+        agg = {}
+
+        def payload(pkts: np.ndarray, rows: np.ndarray) -> None:
+            rows[:, HEADER:] = vec
+
+        def consume(pkts: np.ndarray, rows: np.ndarray) -> None:
+            agg["v"] = rows[0, HEADER:].astype(np.int64)
+
+        self.lanes.run(np.array([CONTROL_SLOT]), 1, -1, payload, consume, "control")
+        check_control(agg["v"], len(words), self.fabric.world_size, "switch", AGREE, mode=mode, limit=limit,
+                      too_large=too_large_text(self.max_exponent, "chunk"),
+                      settings="a tensor/payload of the same shape, dtype and kind (and the same transport "
+                               "settings)")
 
     # ================================================================== streaming
     def _stream(self, job: FloatJob | IntJob) -> None:
-        """Stream a job's packets through the pool (:func:`.lanes.run_lanes`); the job's encoder
-        fills them and its decoder takes the results (:mod:`.jobs`)."""
-        st = self._state
-        L = min(self.pool_size, job.M)
-        lane_slots = 1 + (np.arange(L) + st.shift) % self.pool_size
-        run_lanes(self, lane_slots, job.packets, 0, job.payload, job.consume, "data")
-        st.shift = (st.shift + job.packets) % self.pool_size
+        """Stream a job's packets through the pool (:meth:`.lanes.Lanes.run`); the job's encoder fills them
+        and its decoder takes the results (:mod:`.jobs`)."""
+        lane_slots = self.slots.lane_slots(min(self.pool_size, job.M), self.pool_size)
+        self.lanes.run(lane_slots, job.packets, 0, job.payload, job.consume, "data")
+        self.slots.rotate(job.packets, self.pool_size)
 

@@ -340,14 +340,6 @@ class Dataplane:
                 self.audit[(int(r[F_JOB]), int(r[F_PKT]), int(r[F_WORKER]))] += 1
         return int(nmc), int(nuc), int(counters[1])
 
-    # ------------------------------------------------------------------ service loop
-    def serve(self, fabric: Fabric) -> None:
-        """The switch's main loop (:func:`.service.serve`); returns (or lets the fabric's
-        shutdown exception propagate) when the run ends."""
-        from .service import serve
-
-        serve(self, fabric)
-
 
 def split_messages(out: np.ndarray, used: int, burst: int, pad: bool = True) -> list[np.ndarray]:
     """The first ``used`` rows of ``out`` as messages of ``burst`` rows, the last one's unused rows
@@ -365,12 +357,3 @@ def rejection(width: int, burst: int, worker: int, world: int, count: int) -> np
     msg = np.zeros((burst, width), dtype=np.int32)
     msg[0, F_TYPE], msg[0, F_REJECTED], msg[0, F_NW], msg[0, F_REJECTED_COUNT] = T_REJECT, worker, world, count
     return msg
-
-
-def service_main(config: SwitchConfig):
-    """A launcher-started switch rank's loop: a fresh dataplane running ``config`` on the rank's fabric."""
-
-    def main(fabric: Fabric) -> None:
-        Dataplane(config.on(fabric)).serve(fabric)
-
-    return main

@@ -255,8 +255,15 @@ def _serve_ports(dp: Dataplane, fabric: Fabric) -> None:
             e.q.put(None)
 
 
+def service_main(config: SwitchConfig) -> Callable[[Fabric], None]:
+    """A launcher-started switch rank's loop: a fresh dataplane running ``config`` on the rank's fabric."""
+
+    def main(fabric: Fabric) -> None:
+        serve(Dataplane(config.on(fabric)), fabric)
+
+    return main
+
+
 @services.registry.register("switch")
 def _switch_service(arg: str | None) -> Callable[[Fabric], None]:
-    from .dataplane import service_main
-
     return service_main(SwitchConfig.parse(arg))

@@ -136,12 +136,12 @@ from ..._handshake import check_agreement
 from ...base import Transport, registry
 from ...linear import LinearOperand
 from ... import defaults
-from ..control import (_DTYPES, DEFAULT_MAX_EXPONENT, MODE_FLOAT, MODE_INT, check_control, control_vector,
+from ..control import (DTYPES, DEFAULT_MAX_EXPONENT, MODE_FLOAT, MODE_INT, check_control, control_vector,
                              max_exponent_option, narrowed, started_program, too_large_text)
 from .dataplane import (F_NEXT, HEADER, MAX_WORKERS, NONE, T_DATA, T_MIN, T_SKIP, JOB_MASK,
                                       Dataplane, SparseSwitchConfig, service_main)
-from .rounds import _WorkerState, lane_slots, packet, run_rounds, to_pos
-from ..lanes import abandoning
+from .rounds import Rounds, to_pos
+from ..lanes import SlotState, Timer, abandoning
 
 INT32_MAX = 2**31 - 1
 EXP_FLOOR, EXP_CEIL = -126, 127
@@ -225,10 +225,17 @@ class SparseSwitch(Transport):
         link = {k: v for k, v in (("bandwidth_gbps", bandwidth_gbps), ("latency_us", latency_us)) if v is not None}
         self.switch = fabric.service(spec, main, per_port=True, **link)
         with _lock:
-            self._state = fabric.scratch.setdefault("sparse-switch/worker_states", {}).setdefault(
-                spec, _WorkerState(parity=np.zeros(self.config.slots, dtype=np.int64)))
+            #: the program's slots, kept across jobs and shared by this fabric's transports talking to it
+            self.slots = fabric.scratch.setdefault("sparse-switch/worker_states", {}).setdefault(
+                spec, SlotState(parity=np.zeros(self.config.slots, dtype=np.int64)))
+        self.rounds = Rounds(fabric, self.switch, self.slots, self.k, self.burst,
+                             Timer(self.timeout, self.timeout_threshold, self.timeout_threshold, self.give_up_s))
         self.last_fixed: FixedResult | None = None
-        self.last_info: dict = {}
+
+    @property
+    def last_info(self) -> dict:
+        """The last job's per-phase packet counts (:attr:`.rounds.Rounds.info`)."""
+        return self.rounds.info
 
     # ================================================================== payload kinds
     def _sum_linear(self, op: LinearOperand) -> torch.Tensor:
@@ -247,7 +254,7 @@ class SparseSwitch(Transport):
         out_dtype, device = out_dtype or flat.dtype, flat.device
         if flat.is_floating_point():
             mode = MODE_FLOAT
-        elif flat.dtype in _DTYPES:
+        elif flat.dtype in DTYPES:
             mode = MODE_INT
         else:
             raise IncompatibleError(f"transport 'sparse-switch' sums float and integer tensors, not {flat.dtype}")
@@ -315,9 +322,8 @@ class SparseSwitch(Transport):
         another transport gets a MismatchError naming both instead of a wait for packets that never come."""
         check_agreement(self.fabric, "sparse-switch allreduce", transport=self.name, switch=self.switch,
                         slot_elems=self.k, burst=self.burst, pool_size=self.pool_size)
-        st = self._state
-        st.job = (st.job + 1) % (JOB_MASK + 1)
-        words = [numel & 0xFFFFFFFF, (numel >> 32) & 0xFFFFFFFF, (mode << 8) | _DTYPES.get(dtype, 0),
+        self.slots.next_job(JOB_MASK + 1)
+        words = [numel & 0xFFFFFFFF, (numel >> 32) & 0xFFFFFFFF, (mode << 8) | DTYPES.get(dtype, 0),
                  self.pool_size, self.k, fingerprint & 0xFFFFFFFF]
         vec = control_vector(words, self.k, nonfinite=nonfinite, too_large=too_large, cap=cap)
         got = {}
@@ -326,7 +332,8 @@ class SparseSwitch(Transport):
             got["v"] = res[HEADER:].astype(np.int64)
             return None
 
-        run_rounds(self, np.array([CONTROL_SLOT]), [packet(self, T_DATA, CONTROL_SLOT, 0, NONE, vec)], on_result, "control")
+        self.rounds.run(np.array([CONTROL_SLOT]), [self.rounds.packet(T_DATA, CONTROL_SLOT, 0, NONE, vec)], on_result,
+                        "control")
         check_control(got["v"], len(words), self.fabric.world_size, "sparse-switch", _AGREE, mode=mode,
                       limit=limit, too_large=too_large_text(self.max_exponent, "job"),
                       settings="a tensor of the same length and dtype, with the same transport settings")
@@ -340,15 +347,15 @@ class SparseSwitch(Transport):
         padded = np.full(P * k, NONE, dtype=np.int64)
         padded[:vec.size] = vec
         padded = padded.astype(np.int32).reshape(P, k)
-        slots = lane_slots(self, L)[:P]
+        slots = self.slots.lane_slots(L, self.pool_size)[:P]
         out = np.empty_like(padded)
 
         def on_result(lane: int, res: np.ndarray):
             out[lane] = res[HEADER:]
             return None
 
-        run_rounds(self, slots, [packet(self, T_MIN, int(s), 0, NONE, padded[i]) for i, s in enumerate(slots)],
-                  on_result, "lookahead")
+        self.rounds.run(slots, [self.rounds.packet(T_MIN, int(s), 0, NONE, padded[i]) for i, s in enumerate(slots)],
+                        on_result, "lookahead")
         return out.reshape(-1)[:vec.size].astype(np.int64)
 
     # ================================================================== phase 3: the block stream
@@ -362,7 +369,7 @@ class SparseSwitch(Transport):
         sums = np.zeros((nb, self.k), dtype=np.int32)
         mine = first.copy()                   # my next non-zero position per lane (NONE: none)
         cur = start.copy()                    # the lane's current position
-        slots = lane_slots(self, L)
+        slots = self.slots.lane_slots(L, self.pool_size)
         info = {"data": 0, "skips": 0}
 
         def lane_packet(j: int) -> np.ndarray:
@@ -372,9 +379,9 @@ class SparseSwitch(Transport):
                 nxt = to_pos(nxt_block[b:b + 1], np.array([j]), L, nb)[0]
                 mine[j] = nxt
                 info["data"] += 1
-                return packet(self, T_DATA, int(slots[j]), q, int(nxt), codes[b])
+                return self.rounds.packet(T_DATA, int(slots[j]), q, int(nxt), codes[b])
             info["skips"] += 1
-            return packet(self, T_SKIP, int(slots[j]), q, int(mine[j]))
+            return self.rounds.packet(T_SKIP, int(slots[j]), q, int(mine[j]))
 
         def on_result(j: int, res: np.ndarray):
             q, m = int(cur[j]), int(res[F_NEXT])
@@ -387,8 +394,7 @@ class SparseSwitch(Transport):
             return None if m == NONE else lane_packet(j)
 
         active = np.flatnonzero(start != NONE)
-        run_rounds(self, slots[active], [lane_packet(int(j)) for j in active], on_result, "stream", lanes=active)
-        self.last_info["stream"].update(info)
-        st = self._state
-        st.shift = (st.shift + 1) % self.pool_size
+        self.rounds.run(slots[active], [lane_packet(int(j)) for j in active], on_result, "stream", lanes=active)
+        self.rounds.info["stream"].update(info)
+        self.slots.rotate(1, self.pool_size)
         return sums
