@@ -4,7 +4,15 @@
 ``x.to_dense()`` (a :class:`~sparsecomm.payload.Payload`), with the shape and dtype of the original
 tensor. The call's :class:`CommStats` (bytes, messages, modelled time on SimFabric) is at
 ``last_stats``. A transport never knows which compressor made a payload, only its kind
-(``sparsecomm/payload.py``); ``carries`` declares the kinds it can sum.
+(``sparsecomm/payload.py``); ``carries`` declares the kinds it can sum. The public surface is
+:meth:`Transport.allreduce`, :meth:`Transport.start` and :meth:`Transport.run` (the call on this thread,
+for code already on the communication thread).
+
+**Payloads** are lowered once, here: the kinds a transport lists in ``linear`` (``aligned``, shared-scale
+``quantized``, for some ``dense``) become their linear operand (:mod:`.linear`: the vector whose
+element-wise sum over workers gives the aggregate, how to finish it, what the workers must agree on),
+which the transport sums (``_sum_linear``); other kinds are densified, unless the transport sums them
+itself (``sparse``: OmniReduce's block encoding, allgather's gather).
 
 **Asynchronous calls.** ``work = t.start(x)`` queues the call and returns at once; ``work.wait()``
 returns the sum (``allreduce(x)`` is ``start(x).wait()``). Every fabric has one communication thread
@@ -264,12 +272,6 @@ class CommWork:
 
                 warnings.warn(f"a CommWork done-callback raised {e!r}", RuntimeWarning)
 
-    @classmethod
-    def completed(cls, value: Any) -> "CommWork":
-        w = cls()
-        w._finish(value)
-        return w
-
 
 def _unwrap_outcome(fut: "torch.futures.Future[Any]") -> Any:
     value, exc = fut.value()
@@ -285,7 +287,7 @@ class CommEngine:
     one starts on the next submission). After a call fails, every later call fails with the same error.
     ``idle_s`` is long enough for a training loop's (or a benchmark's interleaved) steps to find the thread
     still there: starting one blocks the submitting thread (the autograd thread, in a DDP hook) until
-    the new thread runs, 10-60 ms on a host with more runnable threads than cores.
+    the new thread runs, which on a host with more runnable threads than cores is a scheduling delay.
     """
 
     idle_s = 60.0

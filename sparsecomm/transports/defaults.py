@@ -34,7 +34,7 @@ from __future__ import annotations
 #: links (100 Gbit/s, 2 us: about 200 slots of 64 values)
 SIM_POOL = 256
 #: on a real fabric a switch job's lanes fill this many messages: while the switch answers one, the
-#: workers send the next (4096 lanes of 1024-packet messages; 8191 measured no faster)
+#: workers send the next (4096 lanes of 1024-packet messages; BENCHMARKS.md, "Defaults on real processes")
 WINDOW_MESSAGES = 4
 
 

@@ -14,22 +14,21 @@ Chunks travel as pipelined segments (:func:`segment_length`): of ``segment_bytes
 of at most :data:`DEFAULT_SEGMENT_BYTES` (4 MiB), and of at most half the chunk when that half is at least
 :data:`MIN_SEGMENT_BYTES` (1 MiB). Each segment is added (or stored) as it arrives and forwarded at once,
 so additions overlap the transfers and the per-step latency is paid once per pipeline rather than per
-chunk. A chunk in one piece is store-and-forward: every step then pays, on top of its transfer, what
+chunk: a chunk in one piece is store-and-forward, and every step would pay, on top of its transfer, what
 happens between the last byte in and the first byte out (the receiving thread's wake-up, the addition,
-gloo's rendezvous, the links' last burst). On the netbed (4 workers, 10 MB, 1 Gbit/s: 2.5 MB chunks, once
-one piece each) that was 0.5-2.3 ms in each of the six steps, and two segments per chunk took the ring
-from 151 to 143 ms (native 141; 162 -> 155 at a higher load; ``experiments/bench/ring_trace.py``, calls
-alternated in one launch; BENCHMARKS "SimFabric vs netbed"); on loopback paired runs showed no regression
-within their noise. The all-gather's receives are posted during the reduce-scatter, as soon as the
-regions they overwrite have been sent (:func:`ring_allreduce_`). The two receive buffers (one chunk each) are kept by the transport object between
-calls, because page-faulting fresh buffers on every call of a 100 MB all-reduce costs as much as a step.
+gloo's rendezvous, the links' last burst). The time per step on the netbed, in one piece and in
+segments: BENCHMARKS.md, "SimFabric vs netbed" (``experiments/bench/ring_trace.py``). The all-gather's
+receives are posted during the reduce-scatter, as soon as the regions they overwrite have been sent
+(:func:`ring_allreduce_`). The two receive buffers (one chunk each) are kept by the transport object
+between calls, so that no call pays the page faults of fresh buffers.
 
 Written against :class:`~sparsecomm.fabric.base.Fabric` only (``isend``/``irecv``), so it runs on
 SimFabric and TorchFabric alike, on the tensors' device (CUDA tensors over nccl). Its defaults (the
-segments above) are the real fabric's, measured on the netbed, and the SimFabric's alike: the cost
-model (:func:`theory.costs.ring_allreduce`) prices the same segments (:mod:`.defaults`).
+segments above) are the real fabric's and the SimFabric's alike: the cost model
+(:func:`theory.costs.ring_allreduce`) prices the same segments (:mod:`.defaults`).
 
-Payloads it sums compactly (a *linear* operand: the element-wise sum of one vector per worker):
+Payloads it sums compactly, as their linear operand (:mod:`.linear`: the element-wise sum of one vector
+per worker):
 
 - ``dense``: the values, summed in the values' dtype (a float16 payload travels and is summed in
   float16, as an fp16 all-reduce does); the result is cast to the payload's dtype.
@@ -41,10 +40,10 @@ Payloads it sums compactly (a *linear* operand: the element-wise sum of one vect
   sum; int16, int32, int64 beyond), then multiplied by the shared scale (its checksum is part of the
   handshake, so a scale that is not shared is a clear error rather than a wrong sum).
 
-Values (:func:`guarded_sum`, :mod:`._guards`): an integer input travels in its own dtype when ``n``
-times the largest magnitude announced in the handshake fits it, else in the narrowest wider integer
-dtype that holds the sum, and the sum is range-checked back (never wrapped); a float sum holding NaN/Inf raises on every worker unless
-``nonfinite="pass"``.
+Values (:func:`~.linear.guarded_sum`, :mod:`._guards`): an integer input travels in its own dtype when
+``n`` times the largest magnitude announced in the handshake fits it, else in the narrowest wider integer
+dtype that holds the sum, and the sum is range-checked back (never wrapped); a float sum holding NaN/Inf
+raises on every worker unless ``nonfinite="pass"``.
 """
 
 from __future__ import annotations

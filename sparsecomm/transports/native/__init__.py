@@ -3,14 +3,13 @@
 Exists only on :class:`~sparsecomm.fabric.torch_fabric.TorchFabric`; with services in the job it reduces
 over the workers' subgroup only. Carries the same kinds as ``ring`` (``dense``; ``aligned`` value
 vectors; ``quantized`` codes with a shared scale, summed as int32/int64: gloo's all_reduce rejects
-int8) through :func:`sparsecomm.transports.ring.linear_operand`, after the same agreement handshake
-(folded into the data for repeated calls, below).
+int8) as their linear operand (:mod:`..linear`), after the same agreement handshake (folded into the
+data for repeated calls, below). The collectives themselves, their booking and their errors:
+:mod:`.collectives` (vectors of at most :data:`~.collectives.GATHER_SUM_BYTES`, 64 KiB, are summed by one
+``all_gather`` and a local sum in rank order: ``n - 1`` latency steps rather than the ring's
+``2 (n - 1)``).
 
-Vectors of at most :data:`GATHER_SUM_BYTES` (64 KiB) are summed by one ``all_gather`` and a local sum in
-rank order instead: ``n - 1`` latency steps rather than the ring's ``2 (n - 1)``, which is what a small
-bucket costs (4 gloo hosts: about half the time of ``all_reduce``).
-
-**The agreement folds into the data** for repeated calls (:mod:`._fold`): once the record of completed
+**The agreement folds into the data** for repeated calls (:mod:`.._fold`): once the record of completed
 calls predicts this call (length, dtype, payload kind, ... as the handshake compares them) on every
 worker, a worker making exactly that call all-reduces at once, without the handshake; a worker making
 another call joins the predicted all-reduce with NaN and runs its handshake, so the workers that took
@@ -22,23 +21,20 @@ is posted to gloo on the calling thread (``async_op``) whenever every call befor
 posted too (:meth:`~sparsecomm.transports.base.CommEngine.post`); the wait, the check above and
 ``then`` run on the communication thread in call order. So the next bucket's all-reduce is queued
 behind the running one, as torch's own ``allreduce_hook`` does, instead of leaving the link idle while
-the communication thread wakes, checks, divides and picks the next call (measured on 4 netbed hosts at
-1 Gbit/s, 8 MiB buckets: 1.5-3.5 ms per bucket on a quiet machine, 5-15 ms under load, plus a thread
-hop before the first). A posted call's prediction and record are taken under the engine's lock, so
+the communication thread wakes, checks, divides and picks the next call (the idle time this removes per
+bucket: BENCHMARKS.md, "Training step"). A posted call's prediction and record are taken under the engine's lock, so
 every worker posts the same calls in the same order. If resolving a posted call's NaN raises (a worker
 deviated: MismatchError; a non-finite input with ``nonfinite="raise"``: NonFiniteError) while this
 worker has later calls posted, the workers that did not post them never will: the worker then stops
 the job (``TorchFabric.fail``: every rank raises that error class, and the fabric is unusable after),
 where a synchronous call leaves the fabric usable. A collective that fails (a rank died, raised or
-timed out) raises the fabric's error naming the rank that failed first
-(:meth:`~sparsecomm.fabric.torch_failure.FailStop.collective_error`), on every rank.
+timed out) raises the fabric's error naming the rank that failed first, on every rank
+(:func:`.collectives.translated`).
 
-``last_stats``: torch.distributed does not report its traffic, so the all-reduce itself is booked at the
-bandwidth-optimal ring volume, ``2 (n-1)/n`` of the vector each way per worker, in one message per
-direction and ``2 (n-1)`` rounds (an estimate: gloo and NCCL use ring-like algorithms for large
-tensors; a gathered small vector: ``n - 1`` copies, ``n - 1`` rounds); ``CommStats.estimated_bytes``
-counts those booked bytes, so ``last_stats.estimated`` is true and the measured part (the handshake,
-none on a folded call) is ``bytes_sent + bytes_received - estimated_bytes``.
+``last_stats``: torch.distributed does not report its traffic, so the collectives are booked as estimates
+(:func:`.collectives.book`: the all-reduce at the bandwidth-optimal ring volume); ``last_stats.estimated``
+is true and the measured part (the handshake, none on a folded call) is ``bytes_sent + bytes_received -
+estimated_bytes``.
 
 :meth:`Native.gather` gathers row-sparse payloads (the pipeline's sparse-gradient path, as gloo's sparse
 allreduce does) in :mod:`.gather`: one ``all_gather`` of a slot sized from the last call when
@@ -46,7 +42,7 @@ the call is predicted, else a fixed-size header (length, row length, dtype, row 
 worker, then every worker's row indices and values padded to the largest row count.
 
 Integer sums that could overflow are summed in a wider integer dtype (at least int32) and
-range-checked; NaN/Inf raise unless ``nonfinite="pass"`` (:mod:`._guards`), on every worker.
+range-checked; NaN/Inf raise unless ``nonfinite="pass"`` (:mod:`.._guards`), on every worker.
 """
 
 from __future__ import annotations
@@ -98,7 +94,7 @@ class Native(Transport):
             raise InvalidValueError("transports run on workers, not on service endpoints")
 
     def start(self, x: torch.Tensor | Payload, then=None, *, next_round=None, call=None):
-        """As :meth:`Transport.start`; a call predicted to fold (:mod:`._fold`) is *posted* at once on
+        """As :meth:`Transport.start`; a call predicted to fold (:mod:`.._fold`) is *posted* at once on
         the calling thread when every call before it is posted too (:meth:`CommEngine.post`), so
         that gloo has it queued while the calls before it complete (a DDP bucket's all-reduce follows
         the previous one's with no idle link between them); its completion (the wait, the non-finite
@@ -182,8 +178,8 @@ class Native(Transport):
         return op.finish(self._sum_linear(op))
 
     def _sum_linear(self, op: LinearOperand) -> torch.Tensor:
-        """The operand's sum: folded into the data when predicted (:mod:`._fold`), else after the
-        handshake (:func:`~.linear.guarded_sum`)."""
+        """The operand's sum: folded into the data when predicted (:mod:`.._fold`), else after the
+        handshake (:func:`~..linear.guarded_sum`)."""
         f = self.fabric
         sched = _fold.schedule(f)
         if sched is None:
@@ -208,7 +204,7 @@ class Native(Transport):
     def gather(self, p: Payload) -> list[Payload]:
         """Every worker's row-sparse payload (``sparse`` with ``bucket_size`` = the row length, or plain
         ``sparse``: rows of one element), in rank order, the same list on every worker. Every worker must
-        call it: one ``all_gather`` when the call is predicted (:mod:`._fold`), else two (a header, then
+        call it: one ``all_gather`` when the call is predicted (:mod:`.._fold`), else two (a header, then
         the rows); workers that disagree on the length, row length or dtype (or make another call) get
         :class:`~sparsecomm.errors.MismatchError`, a row count outside the table is
         :class:`~sparsecomm.errors.MalformedMessage`, on every worker (:mod:`.gather`)."""

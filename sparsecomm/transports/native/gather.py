@@ -7,7 +7,7 @@ the workers disagree; :class:`~sparsecomm.errors.MalformedMessage` for a row cou
 then every worker's rows padded to the largest row count: in one message per worker, the row index's
 int32 bits in column 0 of each row when the values are 4 bytes wide, else indices and values apart.
 
-**Folded** (:mod:`._fold`: the record predicts this gather, the same table, row length and dtypes, on
+**Folded** (:mod:`.._fold`: the record predicts this gather, the same table, row length and dtypes, on
 every worker): one ``all_gather`` of a slot of ``cap + 1`` rows per worker, ``cap`` taken from the
 record (1.1 x the largest row count of the last call, alike on every worker): row 0 holds a marker
 and the worker's row count, rows ``1..`` its rows. A worker with more than ``cap`` rows sends the rest

@@ -31,12 +31,13 @@ ahead: the first ``L`` packets carry exponents only (SwitchML's extra batch for 
 1.8e19; the int8 exponent register would allow 2^127) is a fixed-point overflow,
 :class:`~sparsecomm.errors.OverflowError_` on every worker: with such a chunk maximum the quantum
 ``n 2^(e-31)`` exceeds ``2^33 n``, so every ordinary value sharing its chunk would silently become 0
-(one 1e30 zeroed its 63 neighbours). Half-precision inputs (float16, bfloat16) are summed in float32
+(one 1e30 would zero the other 63 values of its 64-value chunk). Half-precision inputs (float16, bfloat16) are summed in float32
 and the sum returned in their dtype; a sum beyond that dtype's range (three float16 30000s) is
 :class:`~sparsecomm.errors.OverflowError_` on every worker, never ``inf`` (every worker decodes the same
 integer sums with the same scales, so every worker raises alike: :func:`.control.narrowed`).
 ``quantized`` payloads with a shared scale, and integer tensors, are summed as they are ("bypass",
-SwitchML's int32 jobs).
+SwitchML's int32 jobs). Payloads are lowered once, by the base class (:mod:`..linear`): ``aligned`` values
+and ``quantized`` codes are the vector the job sums, ``dense`` payloads the tensor they stand for.
 
 **Control round.** Before streaming, every worker sends one packet on the control slot with its
 validity flags (non-finite values, magnitudes an int8 exponent or int32 cannot represent) and the
@@ -44,7 +45,7 @@ values workers must agree on (numel, dtype and kind, pool size, scale or index f
 so that the switch's integer sum reveals any disagreement (``n * sum(b^2) == sum(b)^2`` for each
 byte ``b``). Every worker receives the same aggregate and so raises the same error, before any data
 is sent: bad input never hangs a peer. Before it, the workers exchange the fixed-size agreement header
-that every transport exchanges (:mod:`._handshake`), so that a worker running another transport gets a
+that every transport exchanges (:mod:`.._handshake`), so that a worker running another transport gets a
 :class:`~sparsecomm.errors.MismatchError` naming both, not a wait for packets (:mod:`.control`).
 
 **Deployment.** On SimFabric the transport starts the switch as a per-port service endpoint on first
@@ -58,10 +59,11 @@ On SimFabric one packet is one datagram; on real fabrics up to ``burst`` packets
 receives posted and send from a thread of their own (:mod:`.service`, :mod:`.lanes`): a
 software switch that adds at the rate its ports deliver, as far as the host's CPU allows.
 
-**Defaults** are fast where they run (:mod:`.defaults`, from the fabric's ``message_bytes``): where a
+**Defaults** are fast where they run (:mod:`..defaults`, from the fabric's ``message_bytes``): where a
 message is a datagram of a modelled network (SimFabric), the paper's program, 64-value packets one per
 message, and a pool of 256 lanes (the reproductions compare these with their closed forms). On a real
-fabric (gloo: a message costs the hosts ~0.3 ms of CPU beyond its bytes) a switch started as
+fabric (gloo: a message costs the hosts CPU time far beyond its bytes' worth, BENCHMARKS.md,
+"SwitchML") a switch started as
 ``"switch"`` runs 256-value packets, up to 1024 to a message (1 MiB), and a worker keeps 4096 lanes in
 flight (four messages per lane window). A message holds only the packets that are ready
 (:mod:`.lanes`), so a small job costs its packets' bytes, not a burst's.

@@ -6,7 +6,7 @@ Layout of the control packet's vector (``V_*``): non-finite flag, too-large flag
 largest magnitude (two 16-bit halves, integer jobs), then each agreement word as 4 bytes ``b`` and their
 squares: the sum over ``n`` workers agrees exactly when ``n * sum(b^2) == sum(b)^2`` for every byte
 (Cauchy-Schwarz with equality only for equal bytes). The workers' agreement header
-(:func:`._handshake.check_agreement`) goes first, so that a worker running another transport is told so
+(:func:`.._handshake.check_agreement`) goes first, so that a worker running another transport is told so
 instead of waiting for the switch.
 """
 
@@ -115,7 +115,7 @@ def started_program(fabric, config_cls, elems: int | None, slots: int | None, bu
     ``parse``, ``spec`` and ``on(fabric)``). ``None``: not asked.
 
     In-process services (SimFabric): the program asked for, the fabric's defaults for the rest
-    (:mod:`.defaults`), named by what was asked (``"switch"`` when nothing was). Otherwise the launcher
+    (:mod:`..defaults`), named by what was asked (``"switch"`` when nothing was). Otherwise the launcher
     started it (``services=["switch..."]``): of the started programs of this kind, resolved on this
     fabric, the one whose constants equal every one asked for; so a transport asking for none takes the
     started one, and a constant that no started program has is an :class:`IncompatibleError` naming them

@@ -106,7 +106,7 @@ class SwitchConfig:
     """Compile-time constants of the switch program; they name the service (``"switch:elems=256"``).
 
     ``elems`` (values per packet) and ``burst`` (packets per fabric message) left ``None`` are the
-    fabric's (:meth:`on`, :mod:`.defaults`): 64-value packets one per message where a message is a
+    fabric's (:meth:`on`, :mod:`..defaults`): 64-value packets one per message where a message is a
     datagram of a modelled network (SimFabric, the paper's), 256-value packets 1024 to a message on a
     real fabric; the switch rank and its workers resolve them alike. ``audit`` makes the switch count
     every accepted contribution by ``(job, packet, worker)`` (tests only).

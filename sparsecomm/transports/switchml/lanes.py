@@ -1,7 +1,8 @@
-"""SwitchML worker side: the self-clocked packet stream of one phase of a job, with loss recovery.
+"""SwitchML worker side: the self-clocked packet stream of one phase of a job, with loss recovery, and the
+state a worker keeps between jobs on one switch program (:class:`SlotState`).
 
-Split from :mod:`sparsecomm.transports.switchml` (the transport: job set-up, quantisation, the control round); the wire format
-and the switch program are in :mod:`.dataplane`, the switch's service loops in :mod:`.service`.
+The transport (job set-up, quantisation, the control round) is :mod:`sparsecomm.transports.switchml`; the
+wire format and the switch program are :mod:`.dataplane`, the switch's service loops :mod:`.service`.
 
 The stream (Sapio et al., NSDI'21, Sec. 4): packet ``p`` goes on lane ``p % L`` (one switch slot per
 lane); the lane's next packet ``p + L`` is sent when ``p``'s result arrives, so the switch's results clock
@@ -161,8 +162,8 @@ class Inbox:
     Why: each post sends the switch a small "receive posted" notice on the connection that the
     switch's egress thread is writing a result message on; gloo's event loop, finding the connection
     locked by that write, returns to ``epoll_wait`` at once and spins until the write ends (BENCHMARKS.md,
-    SwitchML, session 7). Posted one by one, a notice arrives during nearly every write; in groups, the
-    notices of a group arrive together, during one write."""
+    "SwitchML"). Posted one by one, a notice arrives during nearly every write; in groups, the notices of
+    a group arrive together, during one write."""
 
     def __init__(self, fabric, switch: int, burst: int, width: int, depth: int = INBOX_DEPTH,
                  group: int = REPOST_GROUP) -> None:

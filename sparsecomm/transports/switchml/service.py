@@ -27,12 +27,12 @@ which no worker of this library sends, would abort it. The program resets each r
 since gloo writes a prefix, a message of at most one burst leaves row ``burst`` empty, and then only the
 first burst is read (the slack rows are touched only after a longer message).
 
-Per message the CPU goes to the kernel's copies, the program and the Python around them; what was cut
-(a 2-core host drives 4 hosts and this switch at 1 Gbit/s only if the switch's CPU is small): each result
-is written over the row it answers in the receive buffer, which is then sent as the reply (no reply
-buffer to fill: one write of the summed bytes fewer, into cache-hot rows), receive buffers come from a
-pool reused last-freed first (:class:`_Buffers`: a fresh 1 MB array per message cost more in page
-faults than the adds), and the slack rows are not scanned and reset per message.
+Per message the switch's CPU goes to the kernel's copies, the program and the Python around them, and
+nothing else: each result is written over the row it answers in the receive buffer, which is then sent as
+the reply (no reply buffer to fill: one write of the summed bytes fewer, into cache-hot rows), receive
+buffers come from a pool reused last-freed first (:class:`_Buffers`: no page faults of fresh buffers per
+message), and the slack rows are not scanned and reset per message. The switch's CPU per call:
+BENCHMARKS.md, "SwitchML".
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ The tensor is cut into blocks of ``k`` elements (``k`` = the switch's packet, 64
 switch slot each).
 
 0. **Agreement** (among the workers, not through the switch): the fixed-size header every transport
-   exchanges first (:func:`._handshake.check_agreement`: the transport's name, the switch rank and the
+   exchanges first (:func:`..._handshake.check_agreement`: the transport's name, the switch rank and the
    program's constants), so that a worker running another transport gets a ``MismatchError`` naming
    both, on every rank, instead of a wait for packets that never come.
 1. **Control** (slot 0, one packet per worker, summed): validity flags and the values workers must
@@ -73,8 +73,8 @@ the stream and every worker sends in a different subset of the rounds: elements 
 tensor's maximum keep ``31 - log2 n - (E - e_elem)`` bits. Error per element ``<= n * 0.5 / f``. As on
 ``switch``, a magnitude ``>= 2^max_exponent`` (default 2^64) is :class:`~sparsecomm.errors.OverflowError_`
 on every worker (the control round's too-large flag): past it the quantum ``n 2^(E-31)`` exceeds
-``2^33 n`` and every ordinary value of the job would silently become 0 (one 1e30 among 1e-3 zeroed
-them). Half-precision inputs are summed in float32; a sum beyond their dtype's range is
+``2^33 n`` and every ordinary value of the job would silently become 0 (one 1e30 would zero values of
+1e-3 everywhere in the tensor). Half-precision inputs are summed in float32; a sum beyond their dtype's range is
 ``OverflowError_`` on every worker, never ``inf`` (:func:`..control.narrowed`).
 
 Match-action pipeline (one pass per 64 values; 256 values with SwitchML's recirculation)
@@ -114,7 +114,7 @@ message (as many as are ready, not padded, as ``switch``'s) and skips travel pad
 since a message costs far more than its bytes; the byte figures above are the SimFabric's,
 one packet per datagram. The rounds themselves (lanes, timers, bursts) are :mod:`.rounds`.
 
-Defaults, fast where they run (:mod:`.defaults`, from the fabric's ``message_bytes``): on SimFabric one
+Defaults, fast where they run (:mod:`...defaults`, from the fabric's ``message_bytes``): on SimFabric one
 packet per message and a pool of 256 lanes (the settings of the closed form's comparisons); on a real
 fabric a switch started as ``"sparse-switch"`` packs up to 1024 packets into a message (1 MiB) and a worker
 keeps every slot but the control slot in flight (1023 lanes of the default 1024 slots).

@@ -135,7 +135,7 @@ class Header(NamedTuple):
 class SparseSwitchConfig:
     """Compile-time constants of the program; they name the service (``"sparse-switch:elems=64"``).
     ``burst``: packets per fabric message (a burst's rows are processed one by one, each with its own slot
-    semantics); ``None``: the fabric's (:meth:`on`, :mod:`.defaults`: one where a message is a datagram of
+    semantics); ``None``: the fabric's (:meth:`on`, :mod:`...defaults`: one where a message is a datagram of
     a modelled network, else as many as fill a 1 MiB message, 1024 of 256 values), which the switch rank
     and its workers resolve alike. ``audit``: count every accepted contribution by ``(job, min round?,
     slot, pos, worker)`` (tests only)."""

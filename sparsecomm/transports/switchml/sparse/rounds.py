@@ -1,9 +1,9 @@
 """``sparse-switch`` worker side: self-clocked rounds on switch slots with SwitchML's loss recovery, and the
 packets they carry (which switch program a transport talks to: :func:`..control.started_program`).
 
-Split from :mod:`sparsecomm.transports.switchml.sparse` (the transport: one job top to bottom, its control, look-ahead and stream
-phases); the wire format and the switch program are :mod:`.dataplane`. A round is one
-packet per slot outstanding: its result (matching job, slot, set and position) flips the slot's parity
+The transport (one job top to bottom, its control, look-ahead and stream phases) is
+:mod:`sparsecomm.transports.switchml.sparse`; the wire format and the switch program are
+:mod:`.dataplane`. A round is one packet per slot outstanding: its result (matching job, slot, set and position) flips the slot's parity
 and clocks the lane's next packet; a packet unanswered within the timer is resent unchanged (the
 switch's seen-bitmap absorbs a duplicate, a duplicate after completion gets the stored result), the
 timer doubling after ``timeout_threshold`` expiries (Sapio et al., NSDI'21, Sec. 4; the p4app-switchML
