@@ -40,8 +40,9 @@ Fields are Python ints or 0-d integer tensors (e.g. a :func:`fingerprint`, compu
 device without a host round trip). A field whose name ends in ``dtype`` is printed as a dtype name in
 error messages (encode it with :func:`dtype_code`).
 
-Transports that exchange per-worker headers anyway (allgather) can check agreement locally on the
-gathered headers and raise with :func:`mismatch_error`, with no extra messages.
+Transports that exchange per-worker headers anyway (allgather) send this header unmerged
+(:func:`header_state`), read each peer's with :func:`read_header` and check agreement locally on the
+gathered headers (:func:`same_call`, :func:`mismatch_error`), with no extra messages.
 
 ``native`` skips the handshake on repeated calls: every worker predicts the call from the same record
 of completed calls and the data all-reduce checks the prediction (a worker making another call joins
@@ -236,11 +237,6 @@ def call_mismatch(what: str, part: str, va: int, ra: int, vb: int, rb: int, rank
         f"workers)")
 
 
-#: transport code -> name, of every name :func:`transport_code` encoded in this process (every
-#: :class:`~sparsecomm.transports.base.Transport` subclass encodes its name when it is defined)
-_NAMES: dict[int, str] = {}
-
-
 def same_call(what: str, calls: Sequence[Sequence[int]], rank: int) -> None:
     """Raise :func:`call_mismatch` (the first part that differs) unless every worker's call identity
     words (``calls[j]``: worker ``j``'s, as :func:`call_words`) are equal; for transports that hold every
@@ -250,6 +246,11 @@ def same_call(what: str, calls: Sequence[Sequence[int]], rank: int) -> None:
         if min(col) != max(col):
             a, b = col.index(min(col)), col.index(max(col))
             raise call_mismatch(what, name, col[a], a, col[b], b, rank)
+
+
+#: transport code -> name, of every name :func:`transport_code` encoded in this process (every
+#: :class:`~sparsecomm.transports.base.Transport` subclass encodes its name when it is defined)
+_NAMES: dict[int, str] = {}
 
 
 def transport_code(name: str) -> int:

@@ -31,8 +31,9 @@ ahead: the first ``L`` packets carry exponents only (SwitchML's extra batch for 
 1.8e19; the int8 exponent register would allow 2^127) is a fixed-point overflow,
 :class:`~sparsecomm.errors.OverflowError_` on every worker: with such a chunk maximum the quantum
 ``n 2^(e-31)`` exceeds ``2^33 n``, so every ordinary value sharing its chunk would silently become 0
-(one 1e30 would zero the other 63 values of its 64-value chunk). Half-precision inputs (float16, bfloat16) are summed in float32
-and the sum returned in their dtype; a sum beyond that dtype's range (three float16 30000s) is
+(one 1e30 would zero the other 63 values of its 64-value chunk). Half-precision inputs (float16,
+bfloat16) are summed in float32 and the sum returned in their dtype; a sum beyond that dtype's range
+(three float16 30000s) is
 :class:`~sparsecomm.errors.OverflowError_` on every worker, never ``inf`` (every worker decodes the same
 integer sums with the same scales, so every worker raises alike: :func:`.control.narrowed`).
 ``quantized`` payloads with a shared scale, and integer tensors, are summed as they are ("bypass",
@@ -63,9 +64,8 @@ software switch that adds at the rate its ports deliver, as far as the host's CP
 message is a datagram of a modelled network (SimFabric), the paper's program, 64-value packets one per
 message, and a pool of 256 lanes (the reproductions compare these with their closed forms). On a real
 fabric (gloo: a message costs the hosts CPU time far beyond its bytes' worth, BENCHMARKS.md,
-"SwitchML") a switch started as
-``"switch"`` runs 256-value packets, up to 1024 to a message (1 MiB), and a worker keeps 4096 lanes in
-flight (four messages per lane window). A message holds only the packets that are ready
+"SwitchML") a switch started as ``"switch"`` runs 256-value packets, up to 1024 to a message (1 MiB),
+and a worker keeps 4096 lanes in flight (four messages per lane window). A message holds only the packets that are ready
 (:mod:`.lanes`), so a small job costs its packets' bytes, not a burst's.
 """
 
