@@ -253,11 +253,6 @@ def test_every_module_says_at_its_top_what_it_is():
 #: modules in a circle of imports made inside functions, which the restructuring of the house removes
 #: (issue 33); the list only shrinks
 CIRCLES_PENDING: set[str] = {
-    "sparsecomm.fabric.sim_network",
-    "sparsecomm.fabric.sim_world",
-    "sparsecomm.fabric.torch_fabric",
-    "sparsecomm.fabric.torch_failure",
-    "sparsecomm.fabric.torch_waiters",
     "sparsecomm.launch.base",
     "sparsecomm.launch.torch_backend",
     "sparsecomm.methods.base",
@@ -415,10 +410,6 @@ PRIVATE_READS_PENDING: set[str] = {
     "sparsecomm.bucket_rounds",
     "sparsecomm.compressors._kernels",
     "sparsecomm.ddp",
-    "sparsecomm.fabric.sim",
-    "sparsecomm.fabric.torch_fabric",
-    "sparsecomm.fabric.torch_failure",
-    "sparsecomm.fabric.torch_waiters",
     "sparsecomm.launch.base",
     "sparsecomm.launch.supervise",
     "sparsecomm.launch.torch_backend",

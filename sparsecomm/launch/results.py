@@ -241,7 +241,7 @@ def _gather_results(result: Any, rank: int, total: int, fabric) -> list[Any]:
     (one int64 each, with a flag for a result that cannot be encoded), then the encodings padded to the
     longest, then each rank's verdict on the others' (so that a malformed result is
     :class:`MalformedMessage` on every rank). A collective that fails (a rank raised in ``fn`` or died)
-    is the fabric's error (:meth:`~sparsecomm.fabric.torch_failure.FailStop.collective_error`), naming
+    is the fabric's error (:meth:`~sparsecomm.fabric.torch.torch_fabric.TorchFabric.collective_error`), naming
     the rank that failed first."""
     import torch
     import torch.distributed as dist

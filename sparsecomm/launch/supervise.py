@@ -142,7 +142,7 @@ def _record_death(store, rank: int, code: int, world_size: int, services: tuple[
     ``rank`` died without a report, so that they stop at once, naming it."""
     if store is None:
         return
-    from ..fabric.torch_failure import encode_failure
+    from ..fabric.torch.torch_failure import encode_failure
 
     what = "killed by signal " + str(-code) if code is not None and code < 0 else f"exit code {code}"
     text = f"{_describe(rank, world_size, services)} died without reporting ({what})"

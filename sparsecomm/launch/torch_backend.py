@@ -49,7 +49,7 @@ unpickles what another rank sends.
 
 Shutdown protocol. A worker that returns from ``fn`` adds 1 to a counter in the rendezvous store
 (``sparsecomm/.../workers_done``). Service ranks poll the counter while they wait for messages (every
-50 ms) and end their loop (:class:`~sparsecomm.fabric.sim.ServiceShutdown`) once it reaches
+50 ms) and end their loop (:class:`~sparsecomm.errors.ServiceShutdown`) once it reaches
 ``world_size``. Spawned workers stay alive until the counter is complete, so no rank closes its
 connections while a peer may still talk to it; then every child exits.
 
@@ -78,7 +78,8 @@ from ..errors import InvalidTypeError, InvalidValueError
 
 DEFAULT_TIMEOUT_S = 120.0
 #: imported once by the fork server, so that each rank starts in milliseconds instead of importing torch
-_PRELOAD = ("torch", "torch.distributed", "sparsecomm.launch.torch_backend", "sparsecomm.fabric.torch_fabric")
+_PRELOAD = ("torch", "torch.distributed", "sparsecomm.launch.torch_backend",
+            "sparsecomm.fabric.torch.torch_fabric")
 _OPTIONAL_PRELOAD = ("numpy", "numba")
 _in_place_calls = 0
 
@@ -121,7 +122,7 @@ def _run_in_place(backend: str, fn: Callable, world_size: int, timeout_s: float,
     import torch
     import torch.distributed as dist
 
-    from ..fabric.torch_fabric import TorchFabric
+    from ..fabric.torch.torch_fabric import TorchFabric
 
     global _in_place_calls
     owned = not dist.is_initialized()
@@ -179,7 +180,7 @@ def _serve(fabric, spec: str) -> None:
     """Run the service loop for ``spec`` until the workers are done."""
     from .. import transports  # noqa: F401  (the library's services register when it is imported)
 
-    from ..fabric.base import ServiceShutdown
+    from ..errors import ServiceShutdown
     from ..fabric.services import resolve
 
     main = resolve(spec)
@@ -288,7 +289,7 @@ def _child_main(rank: int, world_size: int, services: tuple[str, ...], port: int
         import torch
         import torch.distributed as dist
 
-        from ..fabric.torch_fabric import TorchFabric
+        from ..fabric.torch.torch_fabric import TorchFabric
 
         os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)

@@ -29,7 +29,7 @@ children); each child first enters its namespace (``setns``) and sets ``GLOO_SOC
 link, so every gloo byte crosses the shaped links and the kernel's forwarding. The rendezvous TCPStore is
 hosted by the parent inside the top-of-rack namespace (listening on all of its ports).
 
-``network``: a :class:`~sparsecomm.fabric.sim.Network`; only ``bandwidth_gbps`` applies (and
+``network``: a :class:`~sparsecomm.fabric.sim.sim_network.Network`; only ``bandwidth_gbps`` applies (and
 ``timeout_s`` when ``timeout_s`` is not given). The netbed's latency is the kernel's own (about 10 us
 per hop here), so ``latency_us`` must be left at its default (or 0); latency and loss other than that
 raise :class:`~sparsecomm.errors.NetbedError` (no ``netem`` here), and so do ``stragglers``
@@ -47,7 +47,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
-from ..fabric.sim_network import Network
+from ..fabric.sim.sim_network import Network
 from ..launch import Context, backends
 from .topology import Netbed, NetbedError, check_shaping, resolve_as
 from ..errors import InvalidTypeError, InvalidValueError

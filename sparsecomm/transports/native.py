@@ -1,6 +1,6 @@
 """``native``: ``torch.distributed.all_reduce`` (gloo's or NCCL's own algorithm), the baseline.
 
-Exists only on :class:`~sparsecomm.fabric.torch_fabric.TorchFabric`; with services in the job it reduces
+Exists only on :class:`~sparsecomm.fabric.torch.torch_fabric.TorchFabric`; with services in the job it reduces
 over the workers' subgroup only. Carries the same kinds as ``ring`` (``dense``; ``aligned`` value
 vectors; ``quantized`` codes with a shared scale, summed as int32/int64: gloo's all_reduce rejects
 int8) through :func:`sparsecomm.transports.ring.linear_operand`, after the same agreement handshake
@@ -31,7 +31,7 @@ worker has later calls posted, the workers that did not post them never will: th
 the job (``TorchFabric.fail``: every rank raises that error class, and the fabric is unusable after),
 where a synchronous call leaves the fabric usable. A collective that fails (a rank died, raised or
 timed out) raises the fabric's error naming the rank that failed first
-(:meth:`~sparsecomm.fabric.torch_failure.FailStop.collective_error`), on every rank.
+(:meth:`~sparsecomm.fabric.torch.torch_fabric.TorchFabric.collective_error`), on every rank.
 
 ``last_stats``: torch.distributed does not report its traffic, so the all-reduce itself is booked at the
 bandwidth-optimal ring volume, ``2 (n-1)/n`` of the vector each way per worker, in one message per
@@ -301,7 +301,7 @@ def _post_join(t: "Native", acc: torch.Tensor):
 
 def _translated(f: Fabric, name: str, exc: RuntimeError) -> BaseException:
     """The library's error for torch.distributed's ``name`` having raised ``exc``: the fabric's
-    (:meth:`~sparsecomm.fabric.torch_failure.FailStop.collective_error`: the job's recorded failure, a
+    (:meth:`~sparsecomm.fabric.torch.torch_fabric.TorchFabric.collective_error`: the job's recorded failure, a
     timeout, or a peer failure naming the rank that died), reported to every rank."""
     return f.collective_error(exc, name)
 
