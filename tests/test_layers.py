@@ -191,9 +191,9 @@ def test_the_checker_sees_upward_loads_and_circles():
     # a module loaded by its name (importlib, a registry's provide) is an edge too
     assert "sparsecomm.transports" in _imports("sparsecomm.launch.torch_backend", import_time_only=False)
     # a lazy import inside a function is an edge for the layer check, not for the circle check
-    src = PKG / "launch" / "base.py"
-    assert "sparsecomm.launch.torch_backend" in _imports("sparsecomm.launch.base", import_time_only=False)
-    assert "sparsecomm.launch.torch_backend" not in _imports("sparsecomm.launch.base", import_time_only=True)
+    src = PKG / "launch" / "sim_backend.py"
+    assert "sparsecomm.transports.base" in _imports("sparsecomm.launch.sim_backend", import_time_only=False)
+    assert "sparsecomm.transports.base" not in _imports("sparsecomm.launch.sim_backend", import_time_only=True)
     assert src.exists()
 
 
@@ -253,8 +253,6 @@ def test_every_module_says_at_its_top_what_it_is():
 #: modules in a circle of imports made inside functions, which the restructuring of the house removes
 #: (issue 33); the list only shrinks
 CIRCLES_PENDING: set[str] = {
-    "sparsecomm.launch.base",
-    "sparsecomm.launch.torch_backend",
     "sparsecomm.methods.base",
     "sparsecomm.methods.state",
     "sparsecomm.transports",
@@ -306,6 +304,10 @@ def test_the_pending_lists_only_shrink():
 
 #: underscore names that are public API (namedtuple's; ``os._exit``)
 _PUBLIC_UNDERSCORE = {"_fields", "_replace", "_asdict", "_make", "_exit"}
+#: other libraries' private names that have no public equivalent: torch.distributed's
+#: ``distributed_c10d._get_default_store`` (the rendezvous store of a process group the caller
+#: initialised, where a launch in place keeps its failure record and counters)
+_FOREIGN_NEEDED = {"_get_default_store"}
 
 
 def _defined(tree: ast.AST) -> set[str]:
@@ -379,7 +381,7 @@ def _private_reads(mod: str, tree: ast.AST) -> list[str]:
     for node in ast.walk(tree):
         if not (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and
                 node.attr.startswith("_") and not node.attr.startswith("__") and
-                node.attr not in _PUBLIC_UNDERSCORE and node.attr not in defined):
+                node.attr not in _PUBLIC_UNDERSCORE | _FOREIGN_NEEDED and node.attr not in defined):
             continue
         cls = owners.get(id(node))
         if cls is not None and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
@@ -410,14 +412,10 @@ PRIVATE_READS_PENDING: set[str] = {
     "sparsecomm.bucket_rounds",
     "sparsecomm.compressors._kernels",
     "sparsecomm.ddp",
-    "sparsecomm.launch.base",
-    "sparsecomm.launch.supervise",
-    "sparsecomm.launch.torch_backend",
     "sparsecomm.methods.base",
     "sparsecomm.methods.dgc",
     "sparsecomm.methods.onebit",
     "sparsecomm.methods.signsgd",
-    "sparsecomm.netbed.launch",
     "sparsecomm.pipeline",
     "sparsecomm.sparse_rows",
     "sparsecomm.transports._native_gather",

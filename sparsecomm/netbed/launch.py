@@ -23,11 +23,12 @@ path: return, exception, Ctrl-C, SIGTERM). Placement follows the paper testbeds:
 - every other service (a dedicated OmniReduce aggregator ``"omnireduce-agg:i"``) gets a host of its own
   with its own link, after the workers.
 
-The ranks are the same spawned processes as the ``gloo`` backend (:func:`sparsecomm.launch.torch_backend._spawn`:
-forkserver children, supervision, failure reporting, results back over a queue from the parent's own
-children); each child first enters its namespace (``setns``) and sets ``GLOO_SOCKET_IFNAME`` to its
-link, so every gloo byte crosses the shaped links and the kernel's forwarding. The rendezvous TCPStore is
-hosted by the parent inside the top-of-rack namespace (listening on all of its ports).
+The ranks are the same spawned processes as the ``gloo`` backend
+(:func:`sparsecomm.launch.torch_backend.spawn`: forkserver children, supervision, failure reporting,
+results back over a pipe from the parent's own children); each child first enters its namespace
+(``setns``) and sets ``GLOO_SOCKET_IFNAME`` to its link, so every gloo byte crosses the shaped links and
+the kernel's forwarding. The rendezvous TCPStore is hosted by the parent inside the top-of-rack
+namespace (listening on all of its ports).
 
 ``network``: a :class:`~sparsecomm.fabric.sim.sim_network.Network`; only ``bandwidth_gbps`` applies (and
 ``timeout_s`` when ``timeout_s`` is not given). The netbed's latency is the kernel's own (about 10 us
@@ -174,10 +175,10 @@ def _launch_netbed(fn: Callable[[Context], Any], world_size: int, *, network: Ne
                 on_netbed(bed)
             namespaces = [bed.tor_ns if h is None else bed.host_ns(h) for h in where]
             ifnames = [bed.ifname(ns) for ns in namespaces]
-            return lt._spawn("gloo", fn, world_size, timeout_s, services, start_method,
-                             make_store=functools.partial(_store_in, bed.tor_ns, bed.tor_addr),
-                             master_addr=bed.tor_addr,
-                             prologue=functools.partial(enter_namespace, tuple(namespaces), tuple(ifnames)))
+            return lt.spawn("gloo", fn, world_size, timeout_s, services, start_method,
+                            make_store=functools.partial(_store_in, bed.tor_ns, bed.tor_addr),
+                            master_addr=bed.tor_addr,
+                            prologue=functools.partial(enter_namespace, tuple(namespaces), tuple(ifnames)))
         finally:
             bed.close()
 
