@@ -31,10 +31,10 @@ the kernel's forwarding. The rendezvous TCPStore is hosted by the parent inside 
 namespace (listening on all of its ports).
 
 ``network``: a :class:`~sparsecomm.fabric.sim.sim_network.Network`; only ``bandwidth_gbps`` applies (and
-``timeout_s`` when ``timeout_s`` is not given). The netbed's latency is the kernel's own (about 10 us
-per hop here), so ``latency_us`` must be left at its default (or 0); latency and loss other than that
-raise :class:`~sparsecomm.errors.NetbedError` (no ``netem`` here), and so do ``stragglers``
-and ``crash`` (fault injection of the modelled network). ``bandwidth_gbps=None`` via
+``timeout_s`` when ``timeout_s`` is not given). The netbed's latency is the kernel's own (nothing adds
+delay), so ``latency_us`` must be left at its default (or 0); latency and loss other than that raise
+:class:`~sparsecomm.errors.NetbedError` (the netbed has no ``netem``), and so do ``stragglers`` and
+``crash`` (fault injection of the modelled network). ``bandwidth_gbps=None`` via
 ``netbed_unshaped=True`` runs on unshaped veth links.
 """
 
@@ -48,10 +48,10 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
+from ..errors import InvalidTypeError, InvalidValueError, NetbedError
 from ..fabric.sim.sim_network import Network
 from ..launch import Context, backends
-from .topology import Netbed, NetbedError, check_shaping, resolve_as
-from ..errors import InvalidTypeError, InvalidValueError
+from .topology import Netbed, check_shaping, resolve_as
 
 _DEFAULT_LATENCY_US = Network.__dataclass_fields__["latency_us"].default
 
