@@ -479,7 +479,7 @@ def test_nonfinite_pass_lets_nan_through_like_ddp():
 
 # ============================================================================ unguaranteed pairs
 def test_ef_with_a_non_contractive_unbiased_compressor_warns():
-    from sparsecomm.fabric.sim import SimWorld
+    from sparsecomm.fabric.sim.sim import SimWorld
 
     def msgs(**kw):
         with warnings.catch_warnings(record=True) as w:

@@ -37,7 +37,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool 
 
 def translated(f: Fabric, name: str, exc: RuntimeError) -> BaseException:
     """The library's error for torch.distributed's ``name`` having raised ``exc``: the fabric's
-    (:meth:`~sparsecomm.fabric.torch_failure.FailStop.collective_error`: the job's recorded failure, a
+    (:meth:`~sparsecomm.fabric.torch.torch_fabric.TorchFabric.collective_error`: the job's recorded failure, a
     timeout, or a peer failure naming the rank that died), reported to every rank."""
     return f.collective_error(exc, name)
 
