@@ -8,7 +8,7 @@ rounds (gloo and NCCL use ring-like algorithms for large tensors); an all-gather
 the vector, one message, ``n - 1`` rounds.
 
 A collective that raises (a rank died, raised or timed out) raises the fabric's error naming the rank
-that failed first (:meth:`~sparsecomm.fabric.torch_failure.FailStop.collective_error`), on every rank
+that failed first (:meth:`~sparsecomm.fabric.torch.torch_fabric.TorchFabric.collective_error`), on every rank
 (:func:`translated`).
 """
 
