@@ -246,12 +246,15 @@ def gather_results(result: Any, rank: int, total: int, fabric) -> list[Any]:
     import torch
     import torch.distributed as dist
 
+    from ..fabric.torch.torch_waiters import retain
+
     def all_gather(t: torch.Tensor, what: str) -> list[torch.Tensor]:
         out = [torch.empty_like(t) for _ in range(total)]
         try:
             dist.all_gather(out, t)
         except RuntimeError as exc:
             raise fabric.collective_error(exc, f"all_gather of the results ({what})") from exc
+        retain(out, t)
         return out
 
     try:

@@ -22,6 +22,13 @@ the job's failure record as soon as there is one. A service's own receive thread
 the calling thread with no deadline (:meth:`Waits.unbounded`) and watch the end of the run on another
 (:meth:`Waits.wait_for_shutdown`).
 
+Retention. gloo's worker thread drops its reference to a collective's work only *after* marking it
+complete; if Python has dropped the work's tensors by then, that thread frees their Python objects and
+must take the GIL, and if the interpreter is finalizing (a script that ends right after its last
+collective) the thread is ended inside a C++ destructor, which aborts the process. :func:`retain` keeps
+a finished collective's work and tensors referenced from Python for the next few collectives, so that
+the last reference is Python's.
+
 Failures. Every error a wait meets is the fabric's :class:`~.torch_failure.FailStop`'s to name
 (:meth:`Waits.error`), so that every rank raises the job's first failure.
 """
@@ -52,6 +59,16 @@ _SERVICE_POLL_S = 0.05
 #: SIGABRT), so :meth:`~sparsecomm.fabric.torch.torch_fabric.TorchFabric.release` waits for none to be left
 _IN_WAIT = threading.Condition()
 _in_wait = [0]
+
+
+#: the works and tensors of the last few finished collectives (:func:`retain`)
+_RETAINED: deque = deque(maxlen=8)
+
+
+def retain(*objs) -> None:
+    """Keep ``objs`` (a finished collective's work and tensors) referenced from Python until eight
+    later collectives were retained ("Retention" in the module docstring)."""
+    _RETAINED.append(objs)
 
 
 @contextmanager
