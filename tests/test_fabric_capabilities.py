@@ -7,7 +7,7 @@ import torch
 
 import sparsecomm as sc
 from sparsecomm.fabric.base import Fabric
-from sparsecomm.fabric.sim import SimWorld
+from sparsecomm.fabric.sim.sim import SimWorld
 
 
 def test_the_base_declares_a_plain_real_fabric():
@@ -43,7 +43,7 @@ def test_a_modelled_clock_is_what_transports_report():
 
 
 def test_the_switch_keeps_its_state_on_the_fabric_not_in_module_globals():
-    import sparsecomm.transports.switch as sw
+    import sparsecomm.transports.switchml as sw
 
     def fn(ctx):
         t = sc.transports.get("switch", ctx.fabric)

@@ -4,7 +4,15 @@
 ``x.to_dense()`` (a :class:`~sparsecomm.payload.Payload`), with the shape and dtype of the original
 tensor. The call's :class:`CommStats` (bytes, messages, modelled time on SimFabric) is at
 ``last_stats``. A transport never knows which compressor made a payload, only its kind
-(``sparsecomm/payload.py``); ``carries`` declares the kinds it can sum.
+(``sparsecomm/payload.py``); ``carries`` declares the kinds it can sum. The public surface is
+:meth:`Transport.allreduce`, :meth:`Transport.start` and :meth:`Transport.run` (the call on this thread,
+for code already on the communication thread).
+
+**Payloads** are lowered once, here: the kinds a transport lists in ``linear`` (``aligned``, shared-scale
+``quantized``, for some ``dense``) become their linear operand (:mod:`.linear`: the vector whose
+element-wise sum over workers gives the aggregate, how to finish it, what the workers must agree on),
+which the transport sums (``_sum_linear``); other kinds are densified, unless the transport sums them
+itself (``sparse``: OmniReduce's block encoding, allgather's gather).
 
 **Asynchronous calls.** ``work = t.start(x)`` queues the call and returns at once; ``work.wait()``
 returns the sum (``allreduce(x)`` is ``start(x).wait()``). Every fabric has one communication thread
@@ -40,8 +48,10 @@ the modelled communication times are those of the synchronous calls in the same 
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
+import weakref
 from abc import ABC, abstractmethod
 from collections import deque
 from typing import Any, Callable, ClassVar
@@ -54,21 +64,31 @@ from ..fabric.stats import CommStats
 from ..payload import Payload
 from ..registry import Registry
 from . import _fold
-from ._handshake import CallId, calling
+from ._handshake import CallId, calling, transport_code
+from .linear import LinearOperand, linear_operand
 
 
 class Transport(ABC):
-    """Base class of the collectives. Subclasses implement :meth:`_allreduce_tensor` and, for the
-    compressed kinds they carry natively, :meth:`_allreduce_payload`."""
+    """Base class of the collectives. Subclasses implement :meth:`_allreduce_tensor` and, for the payload
+    kinds they sum in compressed form, :meth:`_sum_linear` (the kinds named in :attr:`linear`) or
+    :meth:`_allreduce_payload` (any other)."""
 
     name: ClassVar[str] = ""
     #: payload kinds this transport sums (``dense`` means plain tensors too)
     carries: ClassVar[frozenset[str]] = frozenset({"dense"})
     #: whether ``quantized`` payloads must share their scale across workers to be carried
     quantized_needs_shared_scale: ClassVar[bool] = True
+    #: payload kinds this transport sums as their linear operand (:func:`~.linear.linear_operand`, by
+    #: :meth:`_sum_linear`); :meth:`_allreduce_payload` densifies the others
+    linear: ClassVar[frozenset[str]] = frozenset()
     #: the transport checks a predicted call inside its data collective and keeps the call record
     #: itself (``native``; :mod:`._fold`); the others are told of a prediction by :meth:`run`
     folds: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kw) -> None:
+        super().__init_subclass__(**kw)
+        if cls.name:
+            transport_code(cls.name)    # an agreement error can name this transport (handshake.transport_name)
 
     def __init__(self, fabric: Fabric) -> None:
         self.fabric = fabric
@@ -170,8 +190,18 @@ class Transport(ABC):
         """Sum a flat dense tensor over workers."""
 
     def _allreduce_payload(self, p: Payload) -> torch.Tensor:
-        """Sum payloads; the default densifies, which is right for ``dense`` payloads."""
+        """Sum payloads: a kind in :attr:`linear` as its linear operand (:func:`~.linear.linear_operand`:
+        summed by :meth:`_sum_linear`, then finished into the aggregate); any other densified
+        (``to_dense``) and summed by :meth:`_allreduce_tensor`."""
+        if p.kind in self.linear:
+            op = linear_operand(p, self.name)
+            return op.finish(self._sum_linear(op))
         return self._allreduce_tensor(p.to_dense())
+
+    def _sum_linear(self, op: LinearOperand) -> torch.Tensor:
+        """The element-wise sum over workers of ``op.vector``, in a dtype ``op.finish`` takes: for the
+        transports that declare :attr:`linear` kinds."""
+        raise IncompatibleError(incompatible_message(self.name, op.kind))
 
     def _modelled(self, t0: float) -> float:
         return self.fabric.now() - t0 if self.fabric.modelled_time else 0.0
@@ -244,12 +274,6 @@ class CommWork:
 
                 warnings.warn(f"a CommWork done-callback raised {e!r}", RuntimeWarning)
 
-    @classmethod
-    def completed(cls, value: Any) -> "CommWork":
-        w = cls()
-        w._finish(value)
-        return w
-
 
 def _unwrap_outcome(fut: "torch.futures.Future[Any]") -> Any:
     value, exc = fut.value()
@@ -265,12 +289,13 @@ class CommEngine:
     one starts on the next submission). After a call fails, every later call fails with the same error.
     ``idle_s`` is long enough for a training loop's (or a benchmark's interleaved) steps to find the thread
     still there: starting one blocks the submitting thread (the autograd thread, in a DDP hook) until
-    the new thread runs, 10-60 ms on a host with more runnable threads than cores.
+    the new thread runs, which on a host with more runnable threads than cores is a scheduling delay.
     """
 
     idle_s = 60.0
 
     def __init__(self, name: str = "") -> None:
+        _live_engines.add(self)
         self._cond = threading.Condition()
         # (job, work, posted: its first messages are out, issues: it sends messages when it runs)
         self._queue: deque[tuple[Callable[[], Any], CommWork, bool, bool]] = deque()
@@ -279,6 +304,7 @@ class CommEngine:
         self._failed: BaseException | None = None
         self._name = name
         self._issuing = 0           # queued or running jobs that send messages when they run
+        self._finishing = 0         # completed jobs whose done-callbacks are still running
         self._resolving = False     # a posted call is being resolved (it runs handshakes): no posts
 
     def submit(self, job: Callable[[], Any]) -> CommWork:
@@ -352,6 +378,15 @@ class CommEngine:
         with self._cond:
             self._cond.wait_for(lambda: not self._queue and not self._busy, timeout)
 
+    def settle(self, timeout: float | None = None) -> bool:
+        """Block until every submitted call has completed *and* its done-callbacks have returned (True
+        then). A callback that completes a ``torch.futures.Future`` (:meth:`CommWork.get_future`) wakes
+        the future's waiter before torch's C++ layer has released the callbacks chained on it; the
+        interpreter must not finalize until it has (see :func:`_settle_at_exit`)."""
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: not self._queue and not self._busy and not self._finishing, timeout)
+
     def _loop(self) -> None:
         while True:
             with self._cond:
@@ -375,8 +410,36 @@ class CommEngine:
                     self._issuing -= 1
                 self._resolving = False
                 self._busy = False
+                self._finishing += 1
                 self._cond.notify_all()
-            work._finish(value, exc)
+            try:
+                work._finish(value, exc)
+            finally:
+                with self._cond:
+                    self._finishing -= 1
+                    self._cond.notify_all()
+
+
+#: every CommEngine not yet collected, for :func:`_settle_at_exit`
+_live_engines: "weakref.WeakSet[CommEngine]" = weakref.WeakSet()
+
+#: how long the interpreter's exit waits for the communication threads' calls to complete
+EXIT_GRACE_S = 10.0
+
+
+def _settle_at_exit() -> None:
+    """Let every communication thread finish its calls (up to :data:`EXIT_GRACE_S` in all) before the
+    interpreter finalizes. The threads are daemons, and a daemon thread that returns into Python from
+    torch's C++ layer once finalization has begun is ended by ``pthread_exit`` inside a C++ destructor,
+    which aborts the process ("terminate called without an active exception", exit -6): this happens
+    when a script ends right after DDP's backward returns, while the comm thread is still releasing
+    the callbacks chained on the bucket's future."""
+    deadline = time.monotonic() + EXIT_GRACE_S
+    for eng in list(_live_engines):
+        eng.settle(max(0.0, deadline - time.monotonic()))
+
+
+atexit.register(_settle_at_exit)
 
 
 _engines_lock = threading.Lock()

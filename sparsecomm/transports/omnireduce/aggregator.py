@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ...errors import MalformedMessage, ProtocolError, SparseCommError  # noqa: F401 (ProtocolError: re-exported)
-from .._handshake import _fail
+from .._handshake import fail_stop as _fail
 from . import header, wire
 from .core import AggChannel
 from .mailbox import Inbox, Outbox, Post, PostInto, Recv

@@ -34,7 +34,7 @@ import torch
 
 from ... import codec
 from ...errors import MalformedMessage, ProtocolError
-from .._handshake import _fail
+from .._handshake import fail_stop as _fail
 from . import header, strategies, wire
 from .mailbox import Hand, Poll, Post, Recv, Send, Spawn
 from .wire import (HDR, OK, TAG_FIRSTS, TAG_HDR_DOWN, TAG_HDR_UP, TAG_MANIFEST, Buf, Key, Msg, tag_down,

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ...errors import MalformedMessage, OverflowError_
-from .._handshake import _error as _mismatch
+from .._handshake import pair_mismatch as _mismatch
 from .wire import (AGREE, F_ABSMAX, F_AGGS, F_BLOCK, F_CHANNELS, F_DTYPE, F_K0, F_KIND, F_LANES, F_MAGIC,
                    F_NUMEL, F_SUM, F_WORLD, FIELD_NAMES, HDR, KINDS, MAGIC, MAN, MAX_CHANNELS, MALFORMED,
                    MISMATCH, OK, OTHER_NAMES, OVERFLOW, R_DOWN_DTYPE, R_FIELD, R_STATUS, R_VMAX, R_VMIN,

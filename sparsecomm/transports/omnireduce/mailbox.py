@@ -210,7 +210,7 @@ class Recv(NamedTuple):
     receives, and that aggregator's sums would wait for them). ``sure``: every peer sends these messages before its first
     wait (round 0 up), so a blocking take of them ends whatever this endpoint does: when the role is the
     most preferred one able to run, it is resumed at once (no watch for their arrival: on gloo that
-    costs a helper thread per receive, :mod:`sparsecomm.fabric.torch_waiters`); a ``Poll`` skips it
+    costs a helper thread per receive, :mod:`sparsecomm.fabric.torch.torch_waiters`); a ``Poll`` skips it
     (a poll never blocks: the poller may not have sent its own round 0 yet)
     A role that is the only one able to run is resumed at once: its takes then block in order, so that
     it works on the first messages while the later ones arrive.
