@@ -156,17 +156,13 @@ from .fabric.base import Fabric
 from .fabric.stats import CommStats
 from .methods.base import Method
 from .pipeline import CommPipeline, step_size
-from .pipeline.accounting import CompressionStats
 from .pipeline.buckets import layout as bucket_layout
-# the builders, re-exported: ``sparsecomm.optim.check_pair`` etc. are documented names
-from .pipeline.resolve import AUTO_ORDER, build_transport, check_pair, default_fabric
 from .pipeline.scheduler import BucketScheduler
 from .pipeline.settings import agree
 from .transports.base import Transport
 from .replicas import VERIFY_EVERY, check_verify_every, sync_replicas, verify_replicas
 
-__all__ = ["DistributedOptimizer", "AUTO_ORDER", "CompressionStats", "build_transport", "check_pair",
-           "default_fabric"]
+__all__ = ["DistributedOptimizer"]
 
 # ============================================================================ the optimizer
 _CLASSES: dict[type, type] = {}
@@ -289,7 +285,8 @@ class DistributedOptimizer:
         ``bytes_sent``/``bytes_received``/``messages`` (and ``modelled_time_s`` on SimFabric), per
         worker; next to them the declared bytes scaled to the transport (``bytes_declared_sent``),
         ``sent_over_declared`` and the factor measured on the wire (``compression_factor_sent``), and
-        ``steps``: see :meth:`CompressionStats.as_dict`."""
+        ``steps``: see :meth:`CompressionStats.as_dict
+        <sparsecomm.pipeline.accounting.CompressionStats.as_dict>`."""
         d = self._sc_pipeline.totals().as_dict()
         d["steps"] = self._sc_scheduler.steps
         return d

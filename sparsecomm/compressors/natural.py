@@ -97,7 +97,6 @@ class Natural(Compressor):
         return d
 
 
-
 class NaturalDithering(BucketQuantizer):
     """``get("natural_dithering", levels=4, bucket_size=None, p=2)``; levels s in [1, 63], p in {2, inf}."""
 

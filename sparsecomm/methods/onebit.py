@@ -82,5 +82,3 @@ class OneBitSGD(Method):
             out.div_(world_size)
         else:
             torch.div(aggregate, world_size, out=out)
-
-
