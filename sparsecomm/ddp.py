@@ -253,7 +253,7 @@ class CommHookState:
         transport's counters with the factor measured on the wire (``compression_factor_sent``,
         ``sent_over_declared``: :meth:`~sparsecomm.pipeline.accounting.CompressionStats.as_dict`), and
         ``steps``, as the optimizer's (``iterations``: its deprecated name)."""
-        d = self.pipeline.totals().as_dict()
+        d = self.pipeline.stats.as_dict()
         d["steps"] = self.steps
         return d
 

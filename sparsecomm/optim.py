@@ -287,7 +287,7 @@ class DistributedOptimizer:
         ``sent_over_declared`` and the factor measured on the wire (``compression_factor_sent``), and
         ``steps``: see :meth:`CompressionStats.as_dict
         <sparsecomm.pipeline.accounting.CompressionStats.as_dict>`."""
-        d = self._sc_pipeline.totals().as_dict()
+        d = self._sc_pipeline.stats.as_dict()
         d["steps"] = self._sc_scheduler.steps
         return d
 

@@ -265,7 +265,7 @@ def _ledger_worker(ctx, method, kw):
     pipe = CommPipeline(method, "allgather", fabric=ctx.fabric, **kw)
     x = torch.randn(1 << 15, generator=torch.Generator().manual_seed(ctx.rank))
     pipe.reduce(x, 0)
-    return pipe.totals().as_dict()
+    return pipe.stats.as_dict()
 
 
 @pytest.mark.parametrize("method,kw", [("signsgd", {}), ("onebit", {"levels": "two"}),

@@ -28,8 +28,9 @@ class MethodState:
     own state dataclass (``state``: EF's error, DIANA's shifts; built by ``Method.init(d, dtype,
     device)``, ``None`` for a stateless method), the rounds encoded so far, and the round in flight:
     what ``encode`` decided for ``decode`` and ``next_round`` (``pending``: an exact round, DIANA's
-    step, PowerSGD's factors), the bucket's length and shapes. A checkpoint is the ``state`` fields and
-    ``rounds``; the round in flight is never saved (checkpoints are taken between steps).
+    step, PowerSGD's factors), the bucket's length and shapes, and the method's constants for that
+    length. A checkpoint is the ``state`` fields and ``rounds``; the round in flight and the constants
+    are never saved (checkpoints are taken between steps).
 
     The caller owns it: ``encode``/``next_round``/``decode`` take it and return it updated (its buffers
     are reused: no fresh allocation per round), and the caller keeps the returned one."""
@@ -46,6 +47,9 @@ class MethodState:
     length: int | None = None
     shapes: tuple | None = None
     last_round: bool = False
+    #: what the method derives once from its hyper-parameters and the bucket's length (DIANA's
+    #: alpha(d)), set at the first round that needs it; never saved (rebuilt after a restore)
+    constants: Any = None
 
     @property
     def held(self) -> bool:

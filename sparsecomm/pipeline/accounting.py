@@ -89,7 +89,7 @@ def payload_bytes(p: Any) -> int:
 
 
 class Accounting:
-    """The byte counts of one pipeline over ``transport``: cumulative :attr:`stats` and the current
+    """The byte counts of one pipeline over ``transport``: the cumulative :attr:`stats` and the current
     step's :attr:`last_stats` (the transport's CommStats summed over the step's rounds). Every round of
     every kind (a bucket's, a parameter-wise bucket's, a later round of PowerSGD, a row-sparse gather) is
     recorded by :meth:`round` once its sum is in, and every call by :meth:`call`; both scale the declared
@@ -97,7 +97,9 @@ class Accounting:
 
     def __init__(self, transport: Any) -> None:
         self.copies = wire_copies(transport)
+        #: the cumulative figures, the current step's rounds included
         self.stats = CompressionStats()
+        #: the current step's CommStats, summed over its rounds
         self.last_stats = CommStats()
 
     def round(self, payload: Any, comm: CommStats, copies: float | None = None) -> None:
@@ -106,23 +108,18 @@ class Accounting:
         pipeline's sent it)."""
         copies = self.copies if copies is None else copies
         pbytes = payload_bytes(payload)
-        self.stats.rounds += 1
-        self.stats.bytes_payload += pbytes
-        self.stats.bytes_declared_sent += copies * pbytes
+        s = self.stats
+        s.rounds += 1
+        s.bytes_payload += pbytes
+        s.bytes_declared_sent += copies * pbytes
+        s.comm = s.comm + comm
         self.last_stats = self.last_stats + comm
 
     def call(self, dense_bytes: int) -> None:
-        """A completed call standing for ``dense_bytes`` of uncompressed gradient."""
+        """A call standing for ``dense_bytes`` of uncompressed gradient."""
         self.stats.bytes_dense += dense_bytes
         self.stats.bytes_dense_sent += self.copies * dense_bytes
 
     def begin_step(self) -> None:
-        """A new step: the last step's CommStats join the cumulative ones; :attr:`last_stats` restarts."""
-        self.stats.comm = self.stats.comm + self.last_stats
+        """A new step: :attr:`last_stats` restarts."""
         self.last_stats = CommStats()
-
-    def totals(self) -> CompressionStats:
-        """The cumulative figures, this step's CommStats included."""
-        s = self.stats
-        return CompressionStats(s.rounds, s.bytes_dense, s.bytes_payload, s.comm + self.last_stats,
-                                s.bytes_declared_sent, s.bytes_dense_sent)

@@ -75,9 +75,9 @@ class CommPipeline:
         self.transport = build_transport(transport, self.method, fabric, transport_kwargs)
         self.transport_kwargs = dict(transport_kwargs or {})
         self.warmup_steps = int(warmup_steps)
-        self.rule = NonFiniteRule(nonfinite, self.transport)
         if nonfinite == "pass" and getattr(self.transport, "nonfinite", "pass") != "pass":
             self.transport.nonfinite = "pass"   # the transport's own NaN/Inf rule follows the pipeline's
+        self.rule = NonFiniteRule(nonfinite, self.transport)
         self.nonfinite = nonfinite
         self.fabric = self.transport.fabric
         self.world_size = int(self.fabric.world_size)
@@ -179,8 +179,8 @@ class CommPipeline:
         """The estimate from the last sum (on the communication thread); the last round and the call
         are recorded."""
         out = call.finish(agg)
-        self.accounting.round(call.last, self.transport.last_stats)
         self.accounting.call(call.dense_bytes)
+        self.accounting.round(call.last, self.transport.last_stats)
         return out if then is None else then(out)
 
     def start_sparse(self, grad: torch.Tensor | None, shape: torch.Size, key: Hashable,
@@ -208,11 +208,8 @@ class CommPipeline:
 
     @property
     def stats(self) -> CompressionStats:
-        """The cumulative counters (this step's CommStats not yet among them: :meth:`totals`)."""
+        """The cumulative counters, the current step's rounds included."""
         return self.accounting.stats
-
-    def totals(self) -> CompressionStats:
-        return self.accounting.totals()
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

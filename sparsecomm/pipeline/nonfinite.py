@@ -32,18 +32,16 @@ _HELP = ("pass nonfinite='pass' to let NaN/Inf through as DDP does, or find the 
 
 class NonFiniteRule:
     """The rule ``mode`` (one of :data:`NONFINITE`) over ``transport``: which checks a round makes,
-    before and after its sum."""
+    before its sum (:meth:`poisoned`) and after it (:meth:`plain_sum`, :meth:`sum`, :meth:`first_sum`,
+    called only where :attr:`checks_sums` holds)."""
 
     def __init__(self, mode: str, transport: Any) -> None:
         self.mode = mode
         self.check = mode == "raise"
-        self.transport = transport
         self.who = f"transport {transport.name!r}"
-
-    @property
-    def transport_checks(self) -> bool:
-        """Whether the transport raises on a non-finite sum itself (then the pipeline does not check)."""
-        return self.check and getattr(self.transport, "nonfinite", None) == "raise"
+        #: whether a sum needs the pipeline's check: not when the transport raises on a non-finite sum (and
+        #: on an overflow) itself, its ``nonfinite="raise"`` (fixed when the pipeline is built)
+        self.checks_sums = not (self.check and getattr(transport, "nonfinite", None) == "raise")
 
     def poisoned(self, x: torch.Tensor, exact: bool) -> bool:
         """Whether a compressed round's input ``x`` must be sent as NaN (see the module doc)."""
@@ -51,22 +49,20 @@ class NonFiniteRule:
 
     def plain_sum(self, agg: torch.Tensor, key: Hashable) -> None:
         """The check of an uncompressed round's sum."""
-        if self.check and not self.transport_checks:
+        if self.check:
             check_aggregate(agg, key)
 
     def sum(self, payload: Any, agg: torch.Tensor, key: Hashable) -> None:
         """The check of a compressed round's sum (a parameter-wise bucket, a later round)."""
-        if self.check and not self.transport_checks:
+        if self.check:
             check_aggregate(agg, key)
-        elif not self.check:
+        else:
             check_sum_finite(payload, agg, self.who)
 
     def first_sum(self, payload: Any, agg: torch.Tensor, key: Hashable) -> None:
         """The check of a bucket-wide round's (first) sum: inputs were checked and no worker sent NaN,
         so a non-finite sum without NaN is narrow floats (fp16) overflowing in their own dtype, which
         :func:`~sparsecomm.payload.check_sum_finite` names (``SumOverflowError``, on every worker)."""
-        if self.transport_checks:
-            return          # the transport raised on a non-finite sum (and on an overflow)
         if self.check and not finite(agg):
             if not bool(torch.isnan(agg).any()):
                 check_sum_finite(payload, agg, self.who)

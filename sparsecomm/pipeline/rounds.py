@@ -68,7 +68,8 @@ class PlainRound:
 
     def begin(self, flat: torch.Tensor, key: Hashable) -> Call:
         def finish(agg: torch.Tensor) -> torch.Tensor:
-            self.rule.plain_sum(agg, key)
+            if self.rule.checks_sums:
+                self.rule.plain_sum(agg, key)
             return agg.div_(self.n)
 
         return Call(flat, _dense_bytes(flat), finish)
@@ -109,7 +110,8 @@ class ParameterRounds(MethodRounds):
             poison(payload, key)
 
         def finish(agg: torch.Tensor) -> torch.Tensor:
-            self.rule.sum(payload, agg, key)
+            if self.rule.checks_sums:
+                self.rule.sum(payload, agg, key)
             out = self.outputs.of(key, flat)
             a, o = agg.reshape(-1), 0
             for nm, k in segs:
@@ -155,17 +157,15 @@ class BucketRounds(MethodRounds):
 
         def finish(agg: torch.Tensor) -> torch.Tensor:
             out = self.outputs.of(key, flat)  # the estimate has the bucket's length (a last round's may not)
-            if call.next_round is None:       # (a method of several rounds checked each sum already)
+            if call.next_round is None and rule.checks_sums:   # (several rounds: each sum checked already)
                 rule.first_sum(first, agg, key)
             return method.decode(agg, n, ms, out=out)[0]
 
         call = Call(first, _dense_bytes(flat), finish)
         if method.multi_round:
             def next_round(agg: torch.Tensor) -> Payload | None:
-                if call.last is first:
-                    rule.first_sum(first, agg, key)
-                else:
-                    rule.sum(call.last, agg, key)
+                if rule.checks_sums:
+                    (rule.first_sum if call.last is first else rule.sum)(call.last, agg, key)
                 nxt = method.next_round(agg, n, ms)[0]
                 if nxt is not None:
                     call.last = nxt

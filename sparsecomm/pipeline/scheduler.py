@@ -159,7 +159,7 @@ class BucketScheduler:
             p = b.params[0]
             work = pipe.start_sparse(p.grad, p.shape, b.key, p.dtype)
         else:
-            work = pipe.start(b.gather(), b.key, compress=b.compress, shapes=[p.shape for p in b.params])
+            work = pipe.start(b.gather(), b.key, compress=b.compress, shapes=b.shapes)
         self._works.append((b, work))
         self._next += 1
 
