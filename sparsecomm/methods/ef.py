@@ -17,6 +17,7 @@ flushes the residual to zero.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 
 from ..payload import Payload

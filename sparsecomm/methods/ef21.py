@@ -19,6 +19,7 @@ Initialisation (``init``):
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 
 from ..payload import Payload
