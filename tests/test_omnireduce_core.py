@@ -176,9 +176,9 @@ def test_a_role_takes_only_messages_its_wait_named(monkeypatch, deployment):
 
 def _late_own_range(ctx, record):
     """Rank 2 is slow (50 ms of modelled time) after scanning its own range, which it scans last."""
-    from sparsecomm.transports.omnireduce import core, strategies
+    from sparsecomm.transports.omnireduce import strategies, worker
 
-    scan, land = core.scan, strategies.land_sums0
+    scan, land = worker.scan, strategies.land_sums0
 
     def slow_scan(call, a):
         yield from scan(call, a)
@@ -190,7 +190,7 @@ def _late_own_range(ctx, record):
         record.setdefault(("landed", call.rank, a), call.fabric.now())
         return land(call, a, g, ids)
 
-    core.scan, strategies.land_sums0 = slow_scan, spy_land   # (restored by the test's monkeypatch)
+    worker.scan, strategies.land_sums0 = slow_scan, spy_land   # (restored by the test's monkeypatch)
     t = sc.transports.get("omnireduce", ctx.fabric, block_size=64, lanes=4096, channels=2)
     g = torch.Generator().manual_seed(ctx.rank)
     x = torch.randint(-5, 6, (20_005,), generator=g).double()
@@ -202,9 +202,9 @@ def test_an_aggregator_whose_data_is_in_does_not_wait_for_another_aggregators_ve
     """Rank 2 is late only for its own aggregator (it scans that range last): aggregators 0 and 1 have
     every block, so their sums reach rank 0 before rank 2 is done, instead of waiting, as a round-0
     barrier made them, until every aggregator's verdict is in."""
-    from sparsecomm.transports.omnireduce import core, strategies
+    from sparsecomm.transports.omnireduce import strategies, worker
 
-    monkeypatch.setattr(core, "scan", core.scan)
+    monkeypatch.setattr(worker, "scan", worker.scan)
     monkeypatch.setattr(strategies, "land_sums0", strategies.land_sums0)
     record: dict = {}
     out = sc.launch(functools.partial(_late_own_range, record=record), 3,

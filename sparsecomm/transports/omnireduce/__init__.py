@@ -21,18 +21,19 @@ announced next offset is past it and returns the sum with that offset to every w
 exactly the holders of the next block (see :mod:`.core`, :mod:`.wire`).
 
 Reading order for a newcomer: :mod:`.core` top to bottom (the lane state machines,
-:class:`.core.WorkerChannel` and :class:`.core.AggChannel`: announce, add, complete, prompt; then the
-roles as generators: :func:`.core.worker` -- round 0's header, first look-aheads and position-0
-blocks; :func:`.core.verdict`, one per aggregator -- and :func:`.core.worker_lane`; :func:`.core.aggregator` -- headers, verdict,
-drain -- and :func:`.core.agg_lane`). The roles yield typed requests (send, post a receive, receive
-into the result, hand over locally, wait) to one scheduler per endpoint, :func:`.mailbox.drive`, whose
-docstring carries the deadlock-freedom argument; the colocated worker runs its worker role and its
-hosted aggregator's on it together, a dedicated aggregator (:mod:`.service`) its own alone, on the
+:class:`.core.WorkerChannel` and :class:`.core.AggChannel`: announce, add, complete, prompt). Then the
+fast driver: the roles, generators that yield typed requests (send, post a receive, receive into the
+result, hand over locally, wait) to one scheduler per endpoint, :func:`.mailbox.drive`, whose docstring
+carries the deadlock-freedom argument. A worker's (:mod:`.worker`): :func:`.worker.worker` -- round 0's
+header, first look-aheads and position-0 blocks --, :func:`.worker.verdict`, one per aggregator, and
+:func:`.worker.worker_lane`; an aggregator's (:mod:`.aggregator`): :func:`.aggregator.aggregator` --
+headers, verdict, drain -- and :func:`.aggregator.agg_lane`. The colocated worker runs its roles and
+its hosted aggregator's together, a dedicated aggregator (:mod:`.service`) its own alone, on the
 SimFabric and on torch alike. Then the fast paths, :mod:`.strategies` (how blocks go up: by hand, as
 views of the tensor or copied; where sums land: a message, in place in the input, or straight into
 the result); message identities and formats, :mod:`.wire` (:class:`.wire.Msg`, :class:`.wire.Key`,
-:class:`.wire.Buf`); the aggregator's header checks, :mod:`.aggregator`; the call's state and entry
-point, :mod:`.worker`; the data as blocks, :mod:`.blocks`. A per-message trace of a call: :mod:`.trace`.
+:class:`.wire.Buf`); a worker's call and the aggregator's checks of it, :mod:`.header`; the data as
+blocks, :mod:`.blocks`. A per-message trace of a call: :mod:`.trace`.
 
 Per call and worker (``M`` = the tensor's bytes, ``d_w`` its non-zero block fraction, ``d_u`` the
 union's, ``nb`` blocks, ``L`` lanes):
@@ -88,7 +89,8 @@ from . import trace, wire
 from .service import serve
 from .mailbox import Pool
 from .blocks import BlockSink, DenseSource, PackedSource, ResultCache, lazy_zeros
-from .worker import CallSpec, run_worker
+from .header import CallSpec
+from .worker import run_worker
 
 __all__ = ["OmniReduce", "service_main"]
 
