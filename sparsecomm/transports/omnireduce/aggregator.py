@@ -23,7 +23,7 @@ from ...errors import MalformedMessage, ProtocolError, SparseCommError  # noqa: 
 from .._handshake import _fail
 from . import header, strategies, wire
 from .core import AggChannel, sum_order
-from .mailbox import Hand, Inbox, Outbox, Post, PostInto, Recv, Send, Spawn
+from .mailbox import Hand, Inbox, Outbox, Phase, Post, PostInto, Recv, Send, Spawn, Stage
 from .window import ALIGN, Window
 from .wire import HDR, OK, TAG_FIRSTS, TAG_HDR_DOWN, TAG_HDR_UP, Buf, Key, Msg, tag_down, tag_sums0, tag_up
 
@@ -169,7 +169,7 @@ class AggCall:
         chans = [c.ch for c in self.channels]
         for w in self.order if chans else ():
             key = Key(Msg.FIRSTS, w)
-            yield Recv((key,), order=(0,), sure=True)   # (each right after its header)
+            yield Recv((key,), Stage(Phase.FIRSTS))   # (each right after its header)
             for c, part in zip(self.channels, wire.split_firsts(inbox.take(key), chans)):
                 c.set_firsts(w, part)
             if w != self.colocated:
@@ -190,7 +190,7 @@ class AggCall:
         keys = [Key(Msg.MANIFEST, w) for w in self.remote()]
         for k in keys:
             yield Post(k, 8 * wire.MAN, k.peer, wire.TAG_MANIFEST)
-        yield Recv(tuple(keys), order=(0,))
+        yield Recv(tuple(keys), Stage(Phase.MANIFESTS))
         posted = [k for win in self.windows.values() for k in win.posted()]
         todo = [(k, None, None, None) for k in posted]
         for w in self.remote():
@@ -206,7 +206,7 @@ class AggCall:
         for key, nbytes, src, tag in todo:
             if nbytes is not None:
                 yield PostInto(key, scratch[:nbytes], src, tag)
-            yield Recv((key,), order=(0,), sure=True)   # (round 0 up: sent before the worker's first wait)
+            yield Recv((key,), Stage(Phase.DRAIN))
             inbox.take(key)
 
 
@@ -223,11 +223,11 @@ def aggregator(adm, inbox, outbox, host: int | None = None, ref: np.ndarray | No
         inbox.ready(p.key)        # (starts watching it: a later poll sees it arrived)
     left = [p.key for p in posts] if host is not None else []
     while left:
-        yield Recv(tuple(left), order=(0,), any=True)
+        yield Recv(tuple(left), Stage(Phase.HEADERS), any=True)
         for k in [k for k in left if inbox.ready(k)] or left[:1]:   # (none in: the first, blocking)
             left.remove(k)
             yield from adm.take_early(inbox, k.peer, ref)
-    yield Recv(adm.headers_left(), order=(0,))
+    yield Recv(adm.headers_left(), Stage(Phase.HEADERS))
     yield from adm.take_headers(inbox)
     if adm.status == OK:
         yield from adm.prepare(inbox)
@@ -242,7 +242,7 @@ def aggregator(adm, inbox, outbox, host: int | None = None, ref: np.ndarray | No
     if adm.status != OK:
         return
     if host is not None:
-        yield Recv((Key(Msg.GO, host),), order=(0,))
+        yield Recv((Key(Msg.GO, host),), Stage(Phase.GO))
         strategies.sum_at_home(adm.channels, inbox.take(Key(Msg.GO, host)), host)
     for c in adm.channels:
         yield Spawn(agg_lane(adm, c, inbox, outbox, host, mark))
@@ -259,13 +259,13 @@ def agg_lane(adm, c: AggChannel, inbox, outbox, host: int | None, mark=None):
         keys = [Key(Msg.BLOCKS0 if r0 else Msg.UP, w, c.slot) for w in c.order]
         # (the next message and the later ones posted or handed over; round 0 up: sure; later: Recv.free)
         group = keys[:1] + [k for k in keys[1:] if inbox.has(k)]
-        yield Recv(tuple(group), order=(1, c.round, c.slot), gone=gone, reap=True, sure=r0,
+        yield Recv(tuple(group), Stage(Phase.AGGREGATE, c.round, c.slot), gone=gone,
                    free=None if r0 else c.sums.buffer(c))
         c.begin(outbox.message)
         for i, (w, key) in enumerate(zip(c.order, keys)):
             if key not in group:   # (posted once the window had room, or handed over since)
                 group = [key] + [k for k in keys[i + 1:] if inbox.has(k)]
-                yield Recv(tuple(group), order=(1, c.round, c.slot), reap=True, sure=r0)
+                yield Recv(tuple(group), Stage(Phase.AGGREGATE, c.round, c.slot))
             msg = inbox.take(key)   # (the host may hand over (blocks, look-aheads) directly)
             data, looks = msg if isinstance(msg, tuple) else wire.split(
                 msg, int(c.counts[w]), c.bs, c.up, meta=not (r0 and c.single))

@@ -15,13 +15,13 @@ from .._handshake import _fail
 from . import core, header, strategies, wire
 from .aggregator import AggCall, aggregator, may_defer
 from .header import CallSpec
-from .mailbox import Hand, Inbox, Outbox, Poll, Pool, Post, Recv, Send, Spawn, drive
+from .mailbox import Hand, Inbox, Outbox, Phase, Poll, Pool, Post, Recv, Send, Spawn, Stage, drive
 from .wire import HDR, OK, TAG_FIRSTS, TAG_HDR_DOWN, TAG_HDR_UP, TAG_MANIFEST, Buf, Key, Msg, tag_down
 
 
 #: pieces a colocated worker's scan is cut into, a ``Poll`` between them (:func:`scan`) running the roles
-#: ordered below ``POLL_SCAN`` (headers, verdicts, hosted rounds; not the lanes landing sums)
-SCAN_PIECES, POLL_SCAN = 8, (2,)
+#: of the phases before ``POLL_SCAN`` (headers, verdicts, hosted rounds; not the lanes landing sums)
+SCAN_PIECES, POLL_SCAN = 8, Phase.LAND
 
 
 def agg_order(rank: int, num_aggregators: int) -> list[int]:
@@ -92,7 +92,7 @@ def verdict(call, a: int):
     the result (first OK verdict), post ``a``'s round-0 receives (hosted: ``GO``), start ``a``'s lanes.
     Not OK: a remote ``a`` gets this worker's manifest (:meth:`.aggregator.AggCall.drain`), then sends
     nothing more; the error is raised once the others' lanes are done (:func:`run_worker`)."""
-    yield Recv((Key(Msg.REPLY, a),), order=(0, call.pos[a]))
+    yield Recv((Key(Msg.REPLY, a),), Stage(Phase.VERDICT, visit=call.pos[a]))
     rh = call.inbox.take(Key(Msg.REPLY, a)).view(torch.int64).numpy()
     if int(rh[wire.R_STATUS]) != OK:
         call.errors[a] = rh.copy()
@@ -166,7 +166,7 @@ def worker_lane(call, a: int, c: core.WorkerChannel):
     g, pos, bs = c.ch.slot, call.pos[a], call.spec.block_size
     # round 0's reply: words and sums in one message, or waited for together (never a blocking take of
     # large sums)
-    yield Recv(strategies.reply0_keys(call, a, c.ch), order=(2, c.round, g, pos), reap=True)
+    yield Recv(strategies.reply0_keys(call, a, c.ch), Stage(Phase.LAND, c.round, g, pos))
     c.start(strategies.take_reply0(call, a, c.ch))
     while True:
         if c.active:   # answer the prompt; post the receive of the reply
@@ -177,7 +177,7 @@ def worker_lane(call, a: int, c: core.WorkerChannel):
         call.mark(f"reply {a}.{g} r{c.round}")
         if not c.active:
             return
-        yield Recv((Key(Msg.DOWN, a, g),), order=(2, c.round, g, pos), reap=True)
+        yield Recv((Key(Msg.DOWN, a, g),), Stage(Phase.LAND, c.round, g, pos))
         c.down(call.inbox.take(Key(Msg.DOWN, a, g)), call.sink, bs, call.down)
 
 
