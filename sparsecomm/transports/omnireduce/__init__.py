@@ -21,10 +21,12 @@ announced next offset is past it and returns the sum with that offset to every w
 exactly the holders of the next block (see :mod:`.core`, :mod:`.wire`).
 
 Reading order for a newcomer: :mod:`.core` top to bottom (the lane state machines,
-:class:`.core.WorkerChannel` and :class:`.core.AggChannel`: announce, add, complete, prompt). Then the
-fast driver: the roles, generators that yield typed requests (send, post a receive, receive into the
-result, hand over locally, wait) to one scheduler per endpoint, :func:`.mailbox.drive`, whose docstring
-carries the deadlock-freedom argument. A worker's (:mod:`.worker`): :func:`.worker.worker` -- round 0's
+:class:`.core.WorkerChannel` and :class:`.core.AggChannel`: announce, add, complete, prompt), then
+:mod:`.reference`, a plain driver of them (one call in a loop of exchanges over the fabric; the fast
+driver's results are checked against it bit for bit). Then the fast driver: the roles, generators that
+yield typed requests (send, post a receive, receive into the result, hand over locally, wait) to one
+scheduler per endpoint, :func:`.mailbox.drive` (its rules and why it cannot deadlock:
+``docs/omnireduce-scheduler.md``). A worker's (:mod:`.worker`): :func:`.worker.worker` -- round 0's
 header, first look-aheads and position-0 blocks --, :func:`.worker.verdict`, one per aggregator, and
 :func:`.worker.worker_lane`; an aggregator's (:mod:`.aggregator`): :func:`.aggregator.aggregator` --
 headers, verdict, drain -- and :func:`.aggregator.agg_lane`. The colocated worker runs its roles and
