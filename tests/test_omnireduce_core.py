@@ -200,8 +200,8 @@ def _late_own_range(ctx, record):
 
 def test_an_aggregator_whose_data_is_in_does_not_wait_for_another_aggregators_verdict(monkeypatch):
     """Rank 2 is late only for its own aggregator (it scans that range last): aggregators 0 and 1 have
-    every block, so their sums reach rank 0 before rank 2 is done, instead of waiting, as a round-0
-    barrier made them, until every aggregator's verdict is in."""
+    every block, so their sums reach rank 0 before rank 2 is done, without waiting for every
+    aggregator's verdict."""
     from sparsecomm.transports.omnireduce import strategies, worker
 
     monkeypatch.setattr(worker, "scan", worker.scan)
@@ -345,7 +345,7 @@ def test_a_workers_first_look_aheads_of_every_channel_are_one_message():
 
 @pytest.mark.parametrize("poll", [False, True])
 def test_a_sure_wait_is_resumed_without_watching_its_receives(poll):
-    """A role whose messages come whatever this endpoint does (``Recv.sure``: round 0 up) is resumed at
+    """A role whose messages come whatever this endpoint does (``Stage.sure``: round-0 data) is resumed at
     once when it is the preferred candidate: its receive is taken blocking, never polled for arrival
     (on gloo each poll of a receive costs a helper thread) and ``wait_any`` is not needed. A ``Poll``
     never runs it (a poll never blocks): the other role runs there, the sure one after."""
@@ -414,10 +414,9 @@ def test_a_window_posts_receives_in_order_while_its_ring_has_room():
 
 
 def test_sends_are_reaped_only_when_every_role_able_to_run_reaps():
-    """``Recv.reap`` finishes this endpoint's sends before a wait only when every role able to run asks
-    for it: a role without it (a verdict, which posts the receives of an aggregator's replies) runs
-    first. A dedicated deployment's worker (``keep=0``) otherwise waited for all its round-0 blocks to
-    leave before posting the second aggregator's receives, and that aggregator's sums for them."""
+    """This endpoint's sends are finished before a wait only when every role able to run waits in a lane
+    round (``Stage.reaps``): a role of another phase (a verdict, which posts the receives of an
+    aggregator's replies) runs first (``docs/omnireduce-scheduler.md``, R6)."""
     log = []
 
     class _Work:

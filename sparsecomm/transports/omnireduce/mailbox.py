@@ -27,9 +27,9 @@ __all__ = ["Inbox", "Outbox", "Pool", "Phase", "Stage", "Send", "Post", "PostInt
 class Pool:
     """Message buffers reused across rounds and calls, keyed by their role.
 
-    Fresh large buffers cost page faults on first touch (tens of ms per 100 MB), more than the copy
-    itself; an endpoint keeps one buffer per role (grown on demand) and reuses it once every send that
-    used it has completed (:meth:`hold` records the sends, :meth:`get` waits for them).
+    Fresh large buffers cost a page fault per page on first touch, more than the copy into them: an
+    endpoint keeps one buffer per role (grown on demand) and reuses it once every send that used it has
+    completed (:meth:`hold` records the sends, :meth:`get` waits for them).
     """
 
     def __init__(self) -> None:

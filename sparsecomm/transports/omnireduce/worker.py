@@ -31,7 +31,8 @@ def agg_order(rank: int, num_aggregators: int) -> list[int]:
 
 
 class Call:
-    """One worker's all-reduce: what its roles and the strategies of :mod:`.strategies` share. ``aggregators[a]``: aggregator ``a``'s endpoint; ``own``: the aggregator this worker hosts
+    """One worker's all-reduce: what its roles and the strategies of :mod:`.strategies` share.
+    ``aggregators[a]``: aggregator ``a``'s endpoint; ``own``: the aggregator this worker hosts
     (colocated), whose messages stay local; ``visit``: the aggregators in the order their replies reach
     this worker (the hosted one first); ``wch[a, slot]``: its lanes of each channel."""
 
