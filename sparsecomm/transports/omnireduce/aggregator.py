@@ -212,7 +212,7 @@ class AggCall:
 
 # ------------------------------------------------------------------ the roles
 def aggregator(adm, inbox, outbox, host: int | None = None, ref: np.ndarray | None = None, mark=None):
-    """Aggregator ``adm.index``'s call (``adm``: its :class:`.aggregator.AggCall`): take the headers
+    """Aggregator ``adm.index``'s call (``adm``: its :class:`AggCall`): take the headers
     (colocated: as they arrive, each agreeing one's round-0 receives posted at once, ``ref`` being the
     host's own header), validate them, take the first look-aheads, send the verdict (after a failed
     one, drain); then its lanes. ``host``: the colocated worker, which gets its messages by hand and
