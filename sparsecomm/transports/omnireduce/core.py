@@ -152,8 +152,8 @@ class AggChannel:
 
     def begin(self, message) -> None:
         """Start a round's sums; ``message(role, k, block_size, dtype, extra=0, meta=True)`` gives a
-        block message ``(buffer, blocks view, int32 tail view)`` (:func:`.wire.new_message`, or a pooled
-        one: :meth:`.mailbox.Outbox.message`)."""
+        block message ``(buffer, blocks view, int32 tail view)``, :func:`.wire.split` (a fresh one, or
+        one pooled by its role: :meth:`.mailbox.Outbox.message`)."""
         self.sums.begin(self, message)
 
     def add(self, w: int, blocks: torch.Tensor | None, looks: torch.Tensor | None) -> None:

@@ -149,7 +149,7 @@ def worker_side(fabric: Fabric, flat: torch.Tensor, spec: CallSpec, aggregators:
         b, look = c.take_up()
         if not b.size:
             return None
-        buf, data, tail = wire.new_message(b.size, bs, spec.up, meta=meta)
+        buf, data, tail = _message(None, b.size, bs, spec.up, meta=meta)
         data.copy_(rows[torch.from_numpy(b + c.ch.lo)])
         if meta:
             tail.copy_(torch.from_numpy(look))
@@ -295,5 +295,8 @@ def _round(c: core.AggChannel, order: list[int], msgs: dict, meta: bool):
 
 
 def _message(_role, k: int, block_size: int, dtype: torch.dtype, extra: int = 0, meta: bool = True):
-    """A fresh block message (the fast driver pools them by role)."""
-    return wire.new_message(k, block_size, dtype, extra, meta)
+    """A fresh block message ``(buffer, blocks view, int32 tail view)`` (the fast driver pools them by
+    role, :meth:`.mailbox.Outbox.message`)."""
+    buf = torch.empty(wire.block_bytes(k, block_size, dtype.itemsize, extra, meta), dtype=torch.uint8)
+    data, tail = wire.split(buf, k, block_size, dtype, extra, meta)
+    return buf, data, tail

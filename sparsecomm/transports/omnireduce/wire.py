@@ -221,13 +221,6 @@ def split(buf: torch.Tensor, k: int, block_size: int, dtype: torch.dtype, extra:
     return data, tail
 
 
-def new_message(k: int, block_size: int, dtype: torch.dtype, extra: int = 0, meta: bool = True):
-    """An empty block message: ``(buffer, blocks view, int32 tail view)``."""
-    buf = torch.empty(block_bytes(k, block_size, dtype.itemsize, extra, meta), dtype=torch.uint8)
-    data, tail = split(buf, k, block_size, dtype, extra, meta)
-    return buf, data, tail
-
-
 def single(ch: Channel) -> bool:
     """One block per lane (``lanes >= size``): round 0 is the whole stream, and the per-lane metadata
     of round 0 shrinks to one bit (a first look-ahead can only be "position 0" or "none"; the next
