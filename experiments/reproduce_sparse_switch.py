@@ -44,8 +44,8 @@ import numpy as np
 import torch
 
 import sparsecomm as sc
-from sparsecomm.transports.sparse_switch_dataplane import MAX_WORKERS as SPARSE_MAX
-from sparsecomm.transports.switch_dataplane import MAX_WORKERS as SWITCH_MAX
+from sparsecomm.transports.switchml.sparse.dataplane import MAX_WORKERS as SPARSE_MAX
+from sparsecomm.transports.switchml.dataplane import MAX_WORKERS as SWITCH_MAX
 from sparsecomm.theory import costs
 
 from .common import plots

@@ -33,8 +33,8 @@ class CorruptingFabric:
 def switch_corruption(words: int):
     """A :class:`CorruptingFabric` rewrite: the first ``words`` int32 words of every message to a switch
     (``switch`` or ``sparse-switch``) become 0x7fffffff."""
-    from sparsecomm.transports import sparse_switch_dataplane as sdp
-    from sparsecomm.transports import switch_dataplane as dp
+    from sparsecomm.transports.switchml.sparse import dataplane as sdp
+    from sparsecomm.transports.switchml import dataplane as dp
 
     def rw(t, dst, tag):
         if tag in (dp.TAG_UP, sdp.TAG_UP, sdp.TAG_SKIP) and t.dtype == torch.int32:

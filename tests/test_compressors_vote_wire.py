@@ -12,6 +12,7 @@ import torch
 import sparsecomm as sc
 from sparsecomm.methods.signsgd import VoteSign
 from sparsecomm.transports._guards import int_accumulator
+from sparsecomm.transports._handshake import HEADER_BYTES
 
 from ._train_common import compression_stats_after_two_steps
 
@@ -60,7 +61,9 @@ def test_ring_vote_sum_beyond_int8_is_exact():
 
     for agg, sent in sc.launch(worker, world_size=2):
         assert torch.equal(agg, torch.full((64,), -200.0))
-        assert sent >= 64 * 2      # 2-byte partial sums
+        # one agreement header, then the ring's reduce-scatter and all-gather of 32 values each: 2-byte
+        # partial sums (int32 ones would be 256 bytes)
+        assert sent == HEADER_BYTES + 64 * 2
 
 
 def _stats_worker(ctx, transport):

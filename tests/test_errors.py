@@ -101,7 +101,7 @@ def test_old_import_names_are_the_same_classes():
     from sparsecomm.methods.base import HyperParameterError
     from sparsecomm.netbed.topology import NetbedError
     from sparsecomm.transports.omnireduce.aggregator import ProtocolError as OmniProtocolError
-    from sparsecomm.transports.sparse_switch import ProtocolError as SwitchProtocolError
+    from sparsecomm.transports.switchml.sparse import ProtocolError as SwitchProtocolError
 
     from algorithms import ConfigError as AlgConfigError
     from experiments.common.config import ConfigError as ExpConfigError

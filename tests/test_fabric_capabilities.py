@@ -43,7 +43,7 @@ def test_a_modelled_clock_is_what_transports_report():
 
 
 def test_the_switch_keeps_its_state_on_the_fabric_not_in_module_globals():
-    import sparsecomm.transports.switch as sw
+    import sparsecomm.transports.switchml as sw
 
     def fn(ctx):
         t = sc.transports.get("switch", ctx.fabric)

@@ -233,7 +233,7 @@ def test_forged_omnireduce_headers_are_rejected_by_the_aggregators(field, value,
 
 
 def test_the_switch_drops_packets_claiming_another_worker_count():
-    from sparsecomm.transports import switch_dataplane as dp
+    from sparsecomm.transports.switchml import dataplane as dp
 
     d = dp.Dataplane(dp.SwitchConfig(elems=64))
     d.world = 3
@@ -250,7 +250,7 @@ def test_the_switch_drops_packets_claiming_another_worker_count():
 def test_a_forged_packet_is_dropped_and_reported_to_every_worker():
     """The switch cannot tell a forged extra packet from a corrupted one a job needs (which would leave
     every worker waiting for its slot): it drops it and tells every worker, naming the sender's port."""
-    from sparsecomm.transports import switch_dataplane as dp
+    from sparsecomm.transports.switchml import dataplane as dp
 
     def fn(ctx):
         t = sc.transports.get("switch", ctx.fabric, pool_size=4)

@@ -167,7 +167,7 @@ def _forged_k0(ctx):
 
 
 def _forged_switch_packet(ctx):
-    from sparsecomm.transports import switch_dataplane as dp
+    from sparsecomm.transports.switchml import dataplane as dp
 
     t = sc.transports.get("switch", ctx.fabric, pool_size=4)
     if ctx.rank == 0:

@@ -93,7 +93,7 @@ def _lie(ctx, mode: str):
     """Worker 1 rewrites its own well-formed packets on the wire: ``hide``: its look-ahead (MIN) packet
     announces no block in any lane, which it then sends; ``next``: its stream packets announce no next
     block, then it has one; ``step``: its MIN packet claims position 5 (the round is at 0)."""
-    from sparsecomm.transports import sparse_switch_dataplane as sdp
+    from sparsecomm.transports.switchml.sparse import dataplane as sdp
 
     cap_address_space()
     f = ctx.fabric

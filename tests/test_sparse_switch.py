@@ -11,8 +11,8 @@ import torch
 import sparsecomm as sc
 from sparsecomm import codec
 from sparsecomm.errors import IncompatibleError, MismatchError, NonFiniteError, OverflowError_, SparseCommError
-from sparsecomm.transports import sparse_switch_dataplane as dp
-from sparsecomm.transports.sparse_switch import INT32_MAX
+from sparsecomm.transports.switchml.sparse import dataplane as dp
+from sparsecomm.transports.switchml.sparse import INT32_MAX
 
 K = 256
 
@@ -156,7 +156,7 @@ def test_switch_state_stays_within_what_it_declares():
 
 
 def test_module_docstring_memory_arithmetic_matches_the_declared_registers():
-    from sparsecomm.transports import sparse_switch
+    from sparsecomm.transports.switchml import sparse as sparse_switch
 
     plane = dp.Dataplane()
     values = plane.config.slots * 2 * plane.config.elems * 32

@@ -13,8 +13,8 @@ import sparsecomm as sc
 from sparsecomm import codec
 from sparsecomm.errors import FabricTimeout, IncompatibleError, MismatchError, NonFiniteError, OverflowError_
 from sparsecomm.payload import Payload
-from sparsecomm.transports.switch import INT32_MAX, SwitchTransport
-from sparsecomm.transports.switch_dataplane import HEADER, Dataplane, SwitchConfig
+from sparsecomm.transports.switchml import INT32_MAX, SwitchTransport
+from sparsecomm.transports.switchml.dataplane import HEADER, Dataplane, SwitchConfig
 
 LOSSES = (0.001, 0.01, 0.05)
 
@@ -475,9 +475,9 @@ def test_fixed_result_only_when_asked_and_the_same_bits_either_way():
 
 def test_a_worker_takes_each_outstanding_result_once_and_refuses_a_forged_exponent():
     from sparsecomm.errors import ProtocolError
-    from sparsecomm.transports.switch_codec import FloatJob
-    from sparsecomm.transports.switch_dataplane import F_EXP, F_JOB, F_PKT, F_TYPE, T_EMPTY, T_RESULT
-    from sparsecomm.transports.switch_lanes import _accept
+    from sparsecomm.transports.switchml.jobs import FloatJob
+    from sparsecomm.transports.switchml.dataplane import F_EXP, F_JOB, F_PKT, F_TYPE, T_EMPTY, T_RESULT
+    from sparsecomm.transports.switchml.lanes import _accept
 
     L, P = 4, 5
     lane_pkt, lane_slots, parity = np.arange(L), np.arange(1, L + 1), np.zeros(8, dtype=np.int32)

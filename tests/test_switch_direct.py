@@ -14,8 +14,8 @@ import torch
 import sparsecomm as sc
 from sparsecomm import codec
 from sparsecomm.errors import OverflowError_
-from sparsecomm.transports.switch_codec import FloatJob
-from sparsecomm.transports.switch_dataplane import EXP_MIN, HEADER
+from sparsecomm.transports.switchml.jobs import FloatJob
+from sparsecomm.transports.switchml.dataplane import EXP_MIN, HEADER
 
 
 # ----------------------------------------------------------------------------- encoder
@@ -39,7 +39,7 @@ def test_encoded_codes_are_the_same_from_the_unchecked_and_the_checked_loop(n):
     still fit for n >= 2): the codes are the float64 rounding's bit for bit, and the same whether a
     chunk takes the unchecked loop (agreed exponent at least the local one) or, forced by a table that
     admits none, the checked one."""
-    from sparsecomm.transports.switch_codec import _encode
+    from sparsecomm.transports.switchml.jobs import _encode
 
     E, chunks = 64, 48
     g = torch.Generator().manual_seed(9)

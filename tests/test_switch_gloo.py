@@ -7,7 +7,7 @@ import torch
 
 import sparsecomm as sc
 from sparsecomm.errors import NonFiniteError
-from sparsecomm.transports.switch_dataplane import (F_EXP, F_NW, F_PKT, F_SLOT, F_TYPE, F_WORKER, HEADER,
+from sparsecomm.transports.switchml.dataplane import (F_EXP, F_NW, F_PKT, F_SLOT, F_TYPE, F_WORKER, HEADER,
                                                     T_DATA, T_RESULT, TAG_DOWN, TAG_UP)
 
 pytestmark = pytest.mark.multiprocess

@@ -4,8 +4,8 @@ received message (``Dataplane.execute(rows, rows, ...)``), and the service sends
 import numpy as np
 import pytest
 
-from sparsecomm.transports.switch_dataplane import HEADER, Dataplane, SwitchConfig, T_EMPTY
-from sparsecomm.transports.switch_service import _Buffers
+from sparsecomm.transports.switchml.dataplane import HEADER, Dataplane, SwitchConfig, T_EMPTY
+from sparsecomm.transports.switchml.service import _Buffers
 
 from .test_switch import random_rows
 
@@ -62,7 +62,7 @@ def test_inbox_posts_taken_receives_again_in_groups_and_never_takes_an_unposted_
     """The worker's inbox (real fabrics) posts its taken receives again ``group`` at a time, in ring
     order, and the receive it takes next is always posted: at least ``depth - group`` stay posted."""
     from sparsecomm.errors import InvalidValueError
-    from sparsecomm.transports.switch_lanes import Inbox
+    from sparsecomm.transports.switchml.lanes import Inbox
 
     class _Work:
         def __init__(self, log, buf):

@@ -12,8 +12,8 @@ import torch
 import sparsecomm as sc
 from sparsecomm.fabric.base import MESSAGE_BYTES, Fabric
 from sparsecomm.transports import defaults
-from sparsecomm.transports.sparse_switch_dataplane import SparseSwitchConfig
-from sparsecomm.transports.switch_dataplane import PACKET_ELEMS, SwitchConfig
+from sparsecomm.transports.switchml.sparse.dataplane import SparseSwitchConfig
+from sparsecomm.transports.switchml.dataplane import PACKET_ELEMS, SwitchConfig
 
 MODELLED = SimpleNamespace(message_bytes=None)       # a fabric whose messages are datagrams of a model
 REAL = SimpleNamespace(message_bytes=MESSAGE_BYTES)  # a real fabric: 1 MiB amortises a message's cost

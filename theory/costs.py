@@ -163,8 +163,8 @@ def allgather(n: int, payload_bytes: float, *, tensors: int = 1, bandwidth_gbps:
 
 
 # ----------------------------------------------------------------------------- SwitchML (switch)
-SWITCHML_HEADER_BYTES = 8 * 4      # int32 header of every packet (sparsecomm/transports/switch_dataplane.py)
-#: the switch workers' agreement header fields (switch rank, slot_elems, burst, pool_size: sparsecomm/transports/switch.py)
+SWITCHML_HEADER_BYTES = 8 * 4      # int32 header of every packet (sparsecomm/transports/switchml/dataplane.py)
+#: the switch workers' agreement header fields (switch rank, slot_elems, burst, pool_size: sparsecomm/transports/switchml/)
 SWITCHML_HANDSHAKE_FIELDS = 4
 
 
@@ -447,7 +447,7 @@ def omnireduce_allreduce(n: int, numel: int, *, density: float = 1.0, union_dens
 
 
 # ----------------------------------------------------------------------------- sparse switch
-SPARSE_SWITCH_HEADER_BYTES = 16     # int32 [W0, slot, pos, next] (sparsecomm/transports/sparse_switch_dataplane.py)
+SPARSE_SWITCH_HEADER_BYTES = 16     # int32 [W0, slot, pos, next] (sparsecomm/transports/switchml/sparse/dataplane.py)
 #: the sparse switch workers' agreement header fields (switch rank, slot_elems, burst, pool_size: as the switch's)
 SPARSE_SWITCH_HANDSHAKE_FIELDS = SWITCHML_HANDSHAKE_FIELDS
 
@@ -482,7 +482,7 @@ def sparse_switch_allreduce(n: int, numel: int, *, density: float = 1.0, union_d
                             union_blocks: float | None = None, waves: list[float] | None = None,
                             handshake_fields: int = SPARSE_SWITCH_HANDSHAKE_FIELDS) -> Cost:
     """``sparse-switch`` (OmniReduce's look-ahead on a SwitchML slot pool; ``sparsecomm/transports/
-    sparse_switch.py``) of ``numel`` int32/fixed-point elements whose ``k``-element blocks are non-zero
+    switchml/sparse/__init__.py``) of ``numel`` int32/fixed-point elements whose ``k``-element blocks are non-zero
     with density ``d_w = density`` on each worker.
 
     ``nb = ceil(numel / k)`` blocks in ``L = min(pool_size, nb)`` lanes of ``P = ceil(nb / L)`` positions;

@@ -124,11 +124,11 @@ def _worker(cfg: RunConfig, progress: bool, ctx) -> dict[str, Any]:
 
 def services_for(cfg: RunConfig, workers: int | None = None) -> list[str]:
     """The service ranks a torch.distributed launch must start for ``cfg``'s transport: the switch
-    program (``sparsecomm.transports.switch_dataplane.SwitchConfig.spec``) or dedicated OmniReduce
+    program (``sparsecomm.transports.switchml.dataplane.SwitchConfig.spec``) or dedicated OmniReduce
     aggregators (``omnireduce-agg:i``). On the SimFabric the transports start their own services."""
     kw = cfg.transport_kwargs()
     if cfg.transport == "switch":
-        from sparsecomm.transports.switch_dataplane import SwitchConfig
+        from sparsecomm.transports.switchml.dataplane import SwitchConfig
 
         names = {"slot_elems": "elems", "switch_slots": "slots", "burst": "burst"}
         return [SwitchConfig(**{names[k]: v for k, v in kw.items() if k in names and v is not None}).spec()]

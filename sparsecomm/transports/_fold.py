@@ -1,24 +1,25 @@
 """The agreement folded into the data: a repeated ``native`` call skips its handshake, safely.
 
-Every transport call starts with the agreement handshake (:mod:`._handshake`): a round trip of a
-fixed-size header before the data. For a small bucket it costs more than the all-reduce itself (on the
-netbed, 4 hosts at 1 Gbit/s: 6.3 ms against 0.5 ms for a 4 KB bucket). Training repeats the same calls
-in the same order every step, so the workers *predict* the next call and let the data collective
-check the prediction.
+Every transport call starts with the agreement handshake (:mod:`._handshake`): ``ceil(log2 n)`` latency
+steps of a fixed-size header before the data (:func:`theory.costs.handshake`), more than a small
+bucket's all-reduce takes (BENCHMARKS.md, "Training step"). Training repeats the same calls in the same
+order every step, so the workers *predict* the next call and let the data collective check the
+prediction.
 
-**History.** Each worker keeps, per fabric (:func:`schedule`), a record of its completed collective
+**Record.** Each worker keeps, per fabric (:func:`schedule`), a record of its completed collective
 calls: the last one's key (the transport and, for ``native``, every field its handshake compares:
 length, dtype, payload kind, ..., and the call's identity, :class:`~._handshake.CallId`: its bucket,
-its round and how many steps it is past the previous call, :meth:`Schedule.call_key`) and how many times in a row it came, and for each *context* the call
-that followed it and how many times in a row. A context is a key with its run length (exact) or
+its round and how many steps it is past the previous call, :meth:`Schedule.call_key`) and how many
+times in a row it came, and for each *context* the call that followed it and how many times in a row. A context is a key with its run length (exact) or
 without (general); the exact one is asked first, the general one only for a run length never seen
 before. So a run of equal buckets, ``K K K K`` then ``L``, predicts ``K`` inside the run and ``L`` at
 its end, and an endless ``K K K ...`` is predicted by ``K`` alone. Every worker completes the same
 calls in the same order, or all raise the same error (which clears the record on each), so every
 worker holds the same record.
 
-**Prediction.** When the call that followed the last context did so :data:`CONFIRMATIONS` times in a row and is *foldable* (a ``native`` all-reduce of a float vector of at most ``fold_max_bytes``, or a
-``native`` gather, :mod:`._native_gather`), the next call is predicted to be it: the same prediction on
+**Prediction.** When the call that followed the last context did so :data:`CONFIRMATIONS` times in a
+row and is *foldable* (a ``native`` all-reduce of a float vector of at most ``fold_max_bytes``, or a
+``native`` gather, :mod:`.native.gather`), the next call is predicted to be it: the same prediction on
 every worker, a function of the same record.
 
 **The next call**, on each worker:

@@ -40,8 +40,9 @@ Fields are Python ints or 0-d integer tensors (e.g. a :func:`fingerprint`, compu
 device without a host round trip). A field whose name ends in ``dtype`` is printed as a dtype name in
 error messages (encode it with :func:`dtype_code`).
 
-Transports that exchange per-worker headers anyway (allgather) can check agreement locally on the
-gathered headers and raise with :func:`mismatch_error`, with no extra messages.
+Transports that exchange per-worker headers anyway (allgather) send this header unmerged
+(:func:`header_state`), read each peer's with :func:`read_header` and check agreement locally on the
+gathered headers (:func:`same_call`, :func:`mismatch_error`), with no extra messages.
 
 ``native`` skips the handshake on repeated calls: every worker predicts the call from the same record
 of completed calls and the data all-reduce checks the prediction (a worker making another call joins
@@ -60,6 +61,7 @@ from typing import Hashable, Iterator, Sequence
 import torch
 
 from ..errors import InvalidValueError, MalformedMessage, MismatchError
+from ..payload import KINDS
 
 #: tag of the handshake messages (kept apart from the transports' data tags)
 HANDSHAKE_TAG = 0x5C00
@@ -129,8 +131,11 @@ def current_call() -> CallId | None:
 
 
 def call_words() -> tuple[int, int, int]:
+    """The header words of the call this thread runs (:data:`NO_CALL` for none)."""
     call = current_call()
     return NO_CALL if call is None else call.words
+
+
 #: bytes of every handshake message
 HEADER_BYTES = 8 * HEADER_WORDS
 
@@ -163,21 +168,6 @@ def dtype_from_code(code: int) -> torch.dtype:
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def crc_fingerprint(*objs) -> int:
-    """crc32 of tensors' exact values (as float64 or int64) and other values' text, ``None`` skipped: the
-    32-bit word the switches' control round uses to check that workers share indices or a scale."""
-    crc = 0
-    for o in objs:
-        if o is None:
-            continue
-        if isinstance(o, torch.Tensor):
-            data = o.detach().reshape(-1).to("cpu", torch.float64 if o.is_floating_point() else torch.int64)
-            crc = zlib.crc32(data.numpy().tobytes(), crc)
-        else:
-            crc = zlib.crc32(str(o).encode(), crc)
-    return crc
-
-
 def fingerprint(t: torch.Tensor | None) -> torch.Tensor:
     """A 0-d int64 checksum of ``t``'s length and exact bits (position-weighted), on ``t``'s device.
 
@@ -197,13 +187,13 @@ def fingerprint(t: torch.Tensor | None) -> torch.Tensor:
     return (v * 0x9E3779B1 + w).mul(w).sum() + v.numel()
 
 
-#: payload kind codes, as the transports encode them (``sparsecomm.payload.KINDS`` order)
-_KINDS = ("dense", "aligned", "sparse", "quantized")
+#: payload kind -> the code a header field ``payload_kind`` carries (``sparsecomm.payload.KINDS`` order)
+KIND_CODE = {k: i for i, k in enumerate(KINDS)}
 
 
 def _fmt(name: str, value: int) -> str:
-    if name.endswith("kind") and 0 <= int(value) < len(_KINDS):
-        return repr(_KINDS[int(value)])
+    if name.endswith("kind") and 0 <= int(value) < len(KINDS):
+        return repr(KINDS[int(value)])
     if name.endswith("dtype"):
         d = _DTYPES.get(int(value))
         return str(d).replace("torch.", "") if d is not None else f"<dtype code {value}>"
@@ -215,11 +205,13 @@ def mismatch_error(what: str, name: str, values: Sequence[int], rank: int) -> Mi
     vals = list(values)
     lo = min(range(len(vals)), key=lambda j: (vals[j], j))
     hi = max(range(len(vals)), key=lambda j: (vals[j], -j))
-    return _error(what, name, vals[lo], lo, vals[hi], hi, vals[rank], rank)
+    return pair_mismatch(what, name, vals[lo], lo, vals[hi], hi, vals[rank], rank)
 
 
-def _error(what: str, name: str, vmin: int, rmin: int, vmax: int, rmax: int, mine: int,
-           rank: int) -> MismatchError:
+def pair_mismatch(what: str, name: str, vmin: int, rmin: int, vmax: int, rmax: int, mine: int,
+                  rank: int) -> MismatchError:
+    """The error for workers disagreeing on ``name``, from two of them: worker ``rmin`` has ``vmin``, worker
+    ``rmax`` has ``vmax``; this worker, ``rank``, has ``mine``."""
     name = name.replace("_", " ")
     return MismatchError(
         f"{what}: workers disagree on the {name}: worker {rmin} has {_fmt(name, vmin)}, worker {rmax} "
@@ -245,22 +237,34 @@ def call_mismatch(what: str, part: str, va: int, ra: int, vb: int, rb: int, rank
         f"workers)")
 
 
+def same_call(what: str, calls: Sequence[Sequence[int]], rank: int) -> None:
+    """Raise :func:`call_mismatch` (the first part that differs) unless every worker's call identity
+    words (``calls[j]``: worker ``j``'s, as :func:`call_words`) are equal; for transports that hold every
+    worker's header (allgather)."""
+    for part, name in enumerate(_CALL_NAMES):
+        col = [c[part] for c in calls]
+        if min(col) != max(col):
+            a, b = col.index(min(col)), col.index(max(col))
+            raise call_mismatch(what, name, col[a], a, col[b], b, rank)
+
+
+#: transport code -> name, of every name :func:`transport_code` encoded in this process (every
+#: :class:`~sparsecomm.transports.base.Transport` subclass encodes its name when it is defined)
+_NAMES: dict[int, str] = {}
+
+
 def transport_code(name: str) -> int:
     """A stable non-negative integer naming the transport ``name`` (the agreement header's word 1)."""
-    return zlib.crc32(("transport:" + name).encode()) & 0x7FFFFFFF
+    code = zlib.crc32(("transport:" + name).encode()) & 0x7FFFFFFF
+    _NAMES.setdefault(code, name)
+    return code
 
 
-def _transport_name(code: int) -> str:
-    try:
-        from . import registry
-
-        names = list(registry.available())
-    except Exception:  # noqa: BLE001 - only for the message
-        names = []
-    for nm in names + ["allgather", "ring", "native", "omnireduce", "switch"]:
-        if transport_code(nm) == code:
-            return repr(nm)
-    return f"<transport code {code}>"
+def transport_name(code: int) -> str:
+    """The name that :func:`transport_code` encoded as ``code``, quoted (for an error message): any
+    transport defined in this process; else ``<transport code N>``."""
+    name = _NAMES.get(int(code))
+    return repr(name) if name is not None else f"<transport code {code}>"
 
 
 def _layout_code(names: Sequence[str], info: Sequence[str]) -> int:
@@ -274,7 +278,7 @@ def _checksum(state: torch.Tensor) -> torch.Tensor:
     return ((v ^ (w * 0x5851F42D4C957F2D)) * 0x9E3779B1 + w).sum()
 
 
-def _fail(fabric, exc: BaseException, rank: int | None = None) -> BaseException:
+def fail_stop(fabric, exc: BaseException, rank: int | None = None) -> BaseException:
     """Tell the other ranks about an error only this rank may have seen (a malformed message), so that
     their waits end at once instead of at the timeout (a fabric capability: ``fail``); ``rank``: the rank
     it names as the one that failed first (default: this one)."""
@@ -315,6 +319,32 @@ def validate_state(buf: torch.Tensor, src: int, what: str, rank: int, n: int) ->
     if not all(0 <= x < n for x in ranks) or not (-1 <= w[_DIS] < _REF or _CALL <= w[_DIS] < _CALL + 3) or not 0 <= w[3] <= MAX_FIELDS:
         raise MalformedMessage(f"{what}: the agreement header from worker {src} names ranks outside "
                                f"0..{n - 1} or words outside the header; this is worker {rank}")
+
+
+def header_fields(words: Sequence[int], nfields: int) -> list[int]:
+    """A header's ``nfields`` fields, then its call identity's three words (:class:`CallId`)."""
+    return list(words[_PRE:_PRE + nfields]) + list(words[_CALL:_CALL + 3])
+
+
+def read_header(buf: torch.Tensor, src: int, what: str, transport: str, nfields: int, rank: int,
+                n: int) -> list[int]:
+    """Worker ``src``'s own header (exchanged as it is, not merged: :func:`header_state`), checked, as
+    :func:`header_fields`. :class:`MalformedMessage` unless it is well-formed (:func:`validate_state`) and
+    holds ``nfields`` fields of ``src``; :class:`MismatchError` naming both transports unless ``src`` runs
+    ``transport`` too. Either may have been seen by this worker only: the caller reports it
+    (:func:`fail_stop`)."""
+    validate_state(buf, src, what, rank, n)
+    w = buf.tolist()
+    mine = transport_code(transport)
+    if w[1] != mine or w[_DIS] >= 0:
+        theirs = w[1] if w[1] != mine else w[_DIS + 4]
+        raise MismatchError(f"{what}: workers disagree on the transport: worker {src} runs "
+                            f"{transport_name(theirs)}, this worker ({rank}) runs {transport!r}; every worker "
+                            f"must call the same transport in the same order")
+    if w[3] != nfields or w[_REF] != src:
+        raise MalformedMessage(f"{what}: worker {src}'s header has {w[3]} fields for worker {w[_REF]}, "
+                               f"expected {nfields} for worker {src}; this is worker {rank}")
+    return header_fields(w, nfields)
 
 
 def _combine(a: list[int], b: list[int], compared: list[int], info: range) -> list[int]:
@@ -379,7 +409,7 @@ def check_agreement(fabric, what: str, *, tag: int = HANDSHAKE_TAG, transport: s
         try:
             validate_state(buf, src, what, rank, n)
         except MalformedMessage as exc:
-            raise _fail(fabric, exc) from None
+            raise fail_stop(fabric, exc) from None
         cur = _combine(cur, buf.tolist(), compared, info_words)
         state = torch.tensor(cur, dtype=torch.int64, device=fabric.device)
         state[-1] = _checksum(state)
@@ -391,9 +421,9 @@ def check_agreement(fabric, what: str, *, tag: int = HANDSHAKE_TAG, transport: s
         if j == 1:
             # transports that disagree may not even agree on who sends what to whom: some worker may be
             # left waiting for a message that never comes, so the other ranks are told (fail-stop)
-            raise _fail(fabric, MismatchError(
-                f"{what}: workers disagree on the transport: worker {ra} runs {_transport_name(va)}, "
-                f"worker {rb} runs {_transport_name(vb)} (this is worker {rank}, running {transport!r}); "
+            raise fail_stop(fabric, MismatchError(
+                f"{what}: workers disagree on the transport: worker {ra} runs {transport_name(va)}, "
+                f"worker {rb} runs {transport_name(vb)} (this is worker {rank}, running {transport!r}); "
                 f"every worker must call the same transport in the same order")) from None
         if _CALL <= j < _CALL + 3:
             raise call_mismatch(what, _CALL_NAMES[j - _CALL], va, ra, vb, rb, rank)
@@ -403,7 +433,7 @@ def check_agreement(fabric, what: str, *, tag: int = HANDSHAKE_TAG, transport: s
                 f"payload kind, dtype class, transport option or library version; this is worker {rank}); "
                 f"every worker must pass the same kind of input with the same options")
         (vmin, rmin), (vmax, rmax) = sorted([(va, ra), (vb, rb)])
-        raise _error(what, names[j - _PRE], vmin, rmin, vmax, rmax, mine[j], rank)
+        raise pair_mismatch(what, names[j - _PRE], vmin, rmin, vmax, rmax, mine[j], rank)
     return {nm: (cur[_PRE + len(names) + i], cur[_ARG + i]) for i, nm in enumerate(inames)}
 
 

@@ -48,10 +48,9 @@ from . import _fold
 from .base import registry
 from ..errors import InvalidValueError, MalformedMessage, MismatchError, OverflowError_
 from ._guards import abs_max, all_finite, guard_finite, is_integer, narrow, nonfinite_option
-from ._handshake import (_CALL, _CALL_NAMES, HANDSHAKE_TAG, _DIS, _PRE, _REF, _fail, _transport_name, call_mismatch,
-                         dtype_code, fingerprint, header_state, mismatch_error, transport_code, validate_state)
+from ._handshake import (HANDSHAKE_TAG, KIND_CODE, dtype_code, dtype_from_code, fail_stop, fingerprint,
+                         header_fields, header_state, mismatch_error, read_header, same_call)
 from .base import Transport
-from .ring import KIND_CODE
 
 #: the headers travel on the agreement handshake's tag, in its fixed-size format, so that a worker
 #: running another transport exchanges headers of the same size and gets a MismatchError, not an abort
@@ -80,28 +79,6 @@ def _header(p: Payload, layout: list, device: torch.device, rank: int) -> torch.
     for lay in layout:
         fields += [lay[0], dtype_code(lay[1]), lay[2]] if lay is not None else [-1, 0, 0]
     return header_state(rank, "allgather", _NAMES, (), fields, device)
-
-
-def _read_header(buf: torch.Tensor, src: int, rank: int, n: int) -> list[int]:
-    """A peer's header fields, after checking that it is a well-formed allgather header."""
-    what = "allgather allreduce"
-    validate_state(buf, src, what, rank, n)
-    w = buf.tolist()
-    mine = transport_code("allgather")
-    if w[1] != mine or w[_DIS] >= 0:
-        theirs = w[1] if w[1] != mine else w[_DIS + 4]
-        raise MismatchError(f"{what}: workers disagree on the transport: worker {src} runs "
-                            f"{_transport_name(theirs)}, this worker ({rank}) runs 'allgather'; every worker "
-                            f"must call the same transport in the same order")
-    if w[3] != HEADER_FIELDS or w[_REF] != src:
-        raise MalformedMessage(f"{what}: worker {src}'s header has {w[3]} fields for worker {w[_REF]}, "
-                               f"expected {HEADER_FIELDS} for worker {src}; this is worker {rank}")
-    return _fields(w)
-
-
-def _fields(w: list[int]) -> list[int]:
-    """A header's fields, then its call identity's words (:class:`~._handshake.CallId`)."""
-    return w[_PRE:_PRE + HEADER_FIELDS] + w[_CALL:_CALL + 3]
 
 
 def _check_counts(p: Payload) -> None:
@@ -183,10 +160,10 @@ class AllGather(Transport):
         headers: list[list[int]] = [[] for _ in range(n)]
         for src in range(n):
             try:
-                headers[src] = (_fields(header.tolist()) if src == r
-                                else _read_header(hbufs[src], src, r, n))
+                headers[src] = (header_fields(header.tolist(), HEADER_FIELDS) if src == r else
+                                read_header(hbufs[src], src, "allgather allreduce", self.name, HEADER_FIELDS, r, n))
             except (MalformedMessage, MismatchError) as exc:   # possibly seen by this worker only
-                raise _fail(f, exc) from None
+                raise fail_stop(f, exc) from None
         # every worker holds every header: agreement (length, dtype, kind, encoding, ...) and each
         # announced slot (against this rank's own tensor) are checked before any data moves or any buffer
         # is allocated, so every worker raises the same error and nothing is left in flight
@@ -194,7 +171,7 @@ class AllGather(Transport):
         try:
             layouts = [self._peer_layout(headers[j], p.numel, j) for j in range(n)]
         except (WireFormatError, MalformedMessage) as exc:   # a lying header: the job stops (fail-stop)
-            raise _fail(f, exc if isinstance(exc, MalformedMessage) else MalformedMessage(str(exc))) from exc
+            raise fail_stop(f, exc if isinstance(exc, MalformedMessage) else MalformedMessage(str(exc))) from exc
         # phase 2: the wire tensors, sized by the checked layouts (empty ones are not sent); receives are
         # posted first, so their "posted" notices leave before this rank's data (gloo sends only to a
         # posted receive)
@@ -266,8 +243,6 @@ class AllGather(Transport):
 
     @staticmethod
     def _peer_layout(h: list[int], numel: int, rank: int) -> list:
-        from ._handshake import dtype_from_code
-
         out = []
         for slot, name in enumerate(_SLOTS):
             count, dcode, code = _slot(h, slot)
@@ -297,11 +272,7 @@ class AllGather(Transport):
             checks += [("number of values", 6), ("values dtype", 7), ("shared indices (checksum)", _INDICES)]
         elif kind == KIND_CODE["quantized"]:
             checks += [("shared_scale flag", _SHARED), ("codes length", 6)]
-        for part, name in enumerate(_CALL_NAMES):      # the same call first: the fields follow from it
-            col = [h[HEADER_FIELDS + part] for h in headers]
-            if min(col) != max(col):
-                a, b = col.index(min(col)), col.index(max(col))
-                raise call_mismatch(what, name, col[a], a, col[b], b, rank)
+        same_call(what, [h[HEADER_FIELDS:] for h in headers], rank)   # the same call first: the fields follow
         for name, i in checks:
             col = [h[i] for h in headers]
             if min(col) != max(col):

@@ -4,7 +4,15 @@
 ``x.to_dense()`` (a :class:`~sparsecomm.payload.Payload`), with the shape and dtype of the original
 tensor. The call's :class:`CommStats` (bytes, messages, modelled time on SimFabric) is at
 ``last_stats``. A transport never knows which compressor made a payload, only its kind
-(``sparsecomm/payload.py``); ``carries`` declares the kinds it can sum.
+(``sparsecomm/payload.py``); ``carries`` declares the kinds it can sum. The public surface is
+:meth:`Transport.allreduce`, :meth:`Transport.start` and :meth:`Transport.run` (the call on this thread,
+for code already on the communication thread).
+
+**Payloads** are lowered once, here: the kinds a transport lists in ``linear`` (``aligned``, shared-scale
+``quantized``, for some ``dense``) become their linear operand (:mod:`.linear`: the vector whose
+element-wise sum over workers gives the aggregate, how to finish it, what the workers must agree on),
+which the transport sums (``_sum_linear``); other kinds are densified, unless the transport sums them
+itself (``sparse``: OmniReduce's block encoding, allgather's gather).
 
 **Asynchronous calls.** ``work = t.start(x)`` queues the call and returns at once; ``work.wait()``
 returns the sum (``allreduce(x)`` is ``start(x).wait()``). Every fabric has one communication thread
@@ -54,21 +62,31 @@ from ..fabric.stats import CommStats
 from ..payload import Payload
 from ..registry import Registry
 from . import _fold
-from ._handshake import CallId, calling
+from ._handshake import CallId, calling, transport_code
+from .linear import LinearOperand, linear_operand
 
 
 class Transport(ABC):
-    """Base class of the collectives. Subclasses implement :meth:`_allreduce_tensor` and, for the
-    compressed kinds they carry natively, :meth:`_allreduce_payload`."""
+    """Base class of the collectives. Subclasses implement :meth:`_allreduce_tensor` and, for the payload
+    kinds they sum in compressed form, :meth:`_sum_linear` (the kinds named in :attr:`linear`) or
+    :meth:`_allreduce_payload` (any other)."""
 
     name: ClassVar[str] = ""
     #: payload kinds this transport sums (``dense`` means plain tensors too)
     carries: ClassVar[frozenset[str]] = frozenset({"dense"})
     #: whether ``quantized`` payloads must share their scale across workers to be carried
     quantized_needs_shared_scale: ClassVar[bool] = True
+    #: payload kinds this transport sums as their linear operand (:func:`~.linear.linear_operand`, by
+    #: :meth:`_sum_linear`); :meth:`_allreduce_payload` densifies the others
+    linear: ClassVar[frozenset[str]] = frozenset()
     #: the transport checks a predicted call inside its data collective and keeps the call record
     #: itself (``native``; :mod:`._fold`); the others are told of a prediction by :meth:`run`
     folds: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kw) -> None:
+        super().__init_subclass__(**kw)
+        if cls.name:
+            transport_code(cls.name)    # an agreement error can name this transport (handshake.transport_name)
 
     def __init__(self, fabric: Fabric) -> None:
         self.fabric = fabric
@@ -170,8 +188,18 @@ class Transport(ABC):
         """Sum a flat dense tensor over workers."""
 
     def _allreduce_payload(self, p: Payload) -> torch.Tensor:
-        """Sum payloads; the default densifies, which is right for ``dense`` payloads."""
+        """Sum payloads: a kind in :attr:`linear` as its linear operand (:func:`~.linear.linear_operand`:
+        summed by :meth:`_sum_linear`, then finished into the aggregate); any other densified
+        (``to_dense``) and summed by :meth:`_allreduce_tensor`."""
+        if p.kind in self.linear:
+            op = linear_operand(p, self.name)
+            return op.finish(self._sum_linear(op))
         return self._allreduce_tensor(p.to_dense())
+
+    def _sum_linear(self, op: LinearOperand) -> torch.Tensor:
+        """The element-wise sum over workers of ``op.vector``, in a dtype ``op.finish`` takes: for the
+        transports that declare :attr:`linear` kinds."""
+        raise IncompatibleError(incompatible_message(self.name, op.kind))
 
     def _modelled(self, t0: float) -> float:
         return self.fabric.now() - t0 if self.fabric.modelled_time else 0.0
@@ -244,12 +272,6 @@ class CommWork:
 
                 warnings.warn(f"a CommWork done-callback raised {e!r}", RuntimeWarning)
 
-    @classmethod
-    def completed(cls, value: Any) -> "CommWork":
-        w = cls()
-        w._finish(value)
-        return w
-
 
 def _unwrap_outcome(fut: "torch.futures.Future[Any]") -> Any:
     value, exc = fut.value()
@@ -265,7 +287,7 @@ class CommEngine:
     one starts on the next submission). After a call fails, every later call fails with the same error.
     ``idle_s`` is long enough for a training loop's (or a benchmark's interleaved) steps to find the thread
     still there: starting one blocks the submitting thread (the autograd thread, in a DDP hook) until
-    the new thread runs, 10-60 ms on a host with more runnable threads than cores.
+    the new thread runs, which on a host with more runnable threads than cores is a scheduling delay.
     """
 
     idle_s = 60.0

@@ -21,7 +21,7 @@ the lanes in flight) takes its default from what the fabric declares, its ``mess
 
 The switch program's constants (packet, packets per message) are the switch rank's: a rank started as
 ``services=["switch"]`` runs this fabric's program, and a worker that passes no constants talks to the
-started one (:func:`.switch_control.started_program`), so workers and switch agree without the user
+started one (:func:`.switchml.control.started_program`), so workers and switch agree without the user
 giving the numbers twice. The other transports need no rule of their own: their defaults are the real
 fabric's and the simulations that need others pass them (``ring``'s pipelined segments; ``omnireduce``'s
 16384 lanes and 2 channels per aggregator, whose reproduction sets its own lanes), or they have no such
@@ -34,7 +34,7 @@ from __future__ import annotations
 #: links (100 Gbit/s, 2 us: about 200 slots of 64 values)
 SIM_POOL = 256
 #: on a real fabric a switch job's lanes fill this many messages: while the switch answers one, the
-#: workers send the next (4096 lanes of 1024-packet messages; 8191 measured no faster)
+#: workers send the next (4096 lanes of 1024-packet messages; BENCHMARKS.md, "Defaults on real processes")
 WINDOW_MESSAGES = 4
 
 

@@ -14,22 +14,21 @@ Chunks travel as pipelined segments (:func:`segment_length`): of ``segment_bytes
 of at most :data:`DEFAULT_SEGMENT_BYTES` (4 MiB), and of at most half the chunk when that half is at least
 :data:`MIN_SEGMENT_BYTES` (1 MiB). Each segment is added (or stored) as it arrives and forwarded at once,
 so additions overlap the transfers and the per-step latency is paid once per pipeline rather than per
-chunk. A chunk in one piece is store-and-forward: every step then pays, on top of its transfer, what
+chunk: a chunk in one piece is store-and-forward, and every step would pay, on top of its transfer, what
 happens between the last byte in and the first byte out (the receiving thread's wake-up, the addition,
-gloo's rendezvous, the links' last burst). On the netbed (4 workers, 10 MB, 1 Gbit/s: 2.5 MB chunks, once
-one piece each) that was 0.5-2.3 ms in each of the six steps, and two segments per chunk took the ring
-from 151 to 143 ms (native 141; 162 -> 155 at a higher load; ``experiments/bench/ring_trace.py``, calls
-alternated in one launch; BENCHMARKS "SimFabric vs netbed"); on loopback paired runs showed no regression
-within their noise. The all-gather's receives are posted during the reduce-scatter, as soon as the
-regions they overwrite have been sent (:func:`ring_allreduce_`). The two receive buffers (one chunk each) are kept by the transport object between
-calls, because page-faulting fresh buffers on every call of a 100 MB all-reduce costs as much as a step.
+gloo's rendezvous, the links' last burst). The time per step on the netbed, in one piece and in
+segments: BENCHMARKS.md, "SimFabric vs netbed" (``experiments/bench/ring_trace.py``). The all-gather's
+receives are posted during the reduce-scatter, as soon as the regions they overwrite have been sent
+(:func:`ring_allreduce_`). The two receive buffers (one chunk each) are kept by the transport object
+between calls, so that no call pays the page faults of fresh buffers.
 
 Written against :class:`~sparsecomm.fabric.base.Fabric` only (``isend``/``irecv``), so it runs on
 SimFabric and TorchFabric alike, on the tensors' device (CUDA tensors over nccl). Its defaults (the
-segments above) are the real fabric's, measured on the netbed, and the SimFabric's alike: the cost
-model (:func:`theory.costs.ring_allreduce`) prices the same segments (:mod:`.defaults`).
+segments above) are the real fabric's and the SimFabric's alike: the cost model
+(:func:`theory.costs.ring_allreduce`) prices the same segments (:mod:`.defaults`).
 
-Payloads it sums compactly (a *linear* operand: the element-wise sum of one vector per worker):
+Payloads it sums compactly, as their linear operand (:mod:`.linear`: the element-wise sum of one vector
+per worker):
 
 - ``dense``: the values, summed in the values' dtype (a float16 payload travels and is summed in
   float16, as an fp16 all-reduce does); the result is cast to the payload's dtype.
@@ -41,101 +40,27 @@ Payloads it sums compactly (a *linear* operand: the element-wise sum of one vect
   sum; int16, int32, int64 beyond), then multiplied by the shared scale (its checksum is part of the
   handshake, so a scale that is not shared is a clear error rather than a wrong sum).
 
-Values (:func:`guarded_sum`, :mod:`._guards`): an integer input travels in its own dtype when ``n``
-times the largest magnitude announced in the handshake fits it, else in the narrowest wider integer
-dtype that holds the sum, and the sum is range-checked back (never wrapped); a float sum holding NaN/Inf raises on every worker unless
-``nonfinite="pass"``.
+Values (:func:`~.linear.guarded_sum`, :mod:`._guards`): an integer input travels in its own dtype when
+``n`` times the largest magnitude announced in the handshake fits it, else in the narrowest wider integer
+dtype that holds the sum, and the sum is range-checked back (never wrapped); a float sum holding NaN/Inf
+raises on every worker unless ``nonfinite="pass"``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
-
 import torch
 
-from ..errors import IncompatibleError, InvalidValueError
+from ..errors import InvalidValueError
 from ..fabric.base import Fabric
-from ..payload import KINDS, Payload
-from .base import registry
-from ._guards import abs_max, guard_finite, int_accumulator, is_integer, narrow, nonfinite_option
-from ._handshake import check_agreement, dtype_code, fingerprint
-from .base import Transport
+from ._guards import nonfinite_option
+from .base import Transport, registry
+from .linear import LinearOperand, guarded_sum, linear_operand
 
 RING_TAG = 0x5C10
 #: the longest segment by default (the segment is the same on every worker: it is in the handshake)
 DEFAULT_SEGMENT_BYTES = 4 << 20
 #: by default, a chunk of at least twice this travels in at least two segments (:func:`segment_length`)
 MIN_SEGMENT_BYTES = 1 << 20
-
-#: kind codes of the handshake (a plain tensor and a dense payload are the same operand)
-KIND_CODE = {k: i for i, k in enumerate(KINDS)}
-
-
-@dataclass
-class LinearOperand:
-    """The vector whose element-wise sum over workers gives the aggregate, and how to finish."""
-
-    vector: torch.Tensor                              # flat; summed in its own dtype
-    finish: Callable[[torch.Tensor], torch.Tensor]    # summed vector -> flat dense aggregate
-    fields: dict                                      # handshake fields every worker must agree on
-    owned: bool = False                               # ``vector`` is already a private copy
-    codes: bool = False                               # integer codes: summed in the narrowest dtype that
-                                                      # holds the n-worker sum, finished in that dtype
-
-    def work_copy(self, inplace: bool = False) -> torch.Tensor:
-        """A vector the caller may overwrite: a copy, unless ``inplace`` allows summing into the input
-        (only for a contiguous float input of the caller's, as with DDP's ``gradient_as_bucket_view``)."""
-        if self.owned or (inplace and self.vector.is_contiguous()):
-            return self.vector
-        return self.vector.clone()
-
-
-def linear_operand(x: torch.Tensor | Payload, n: int, transport: str) -> LinearOperand:
-    """Turn a tensor or a linearly summable payload into a :class:`LinearOperand`."""
-    if isinstance(x, torch.Tensor):
-        flat = x.reshape(-1)
-        return LinearOperand(flat, lambda s: s, dict(length=flat.numel(), dtype=dtype_code(flat.dtype),
-                                                     payload_kind=0, values_length=flat.numel(),
-                                                     values_dtype=dtype_code(flat.dtype)))
-    p = x
-    common = dict(length=p.numel, dtype=dtype_code(p.dtype), payload_kind=KIND_CODE[p.kind])
-    if p.kind == "dense":
-        v = p.values.reshape(-1)
-        if v.numel() != p.numel:
-            raise InvalidValueError(f"dense payload has {v.numel()} values for a tensor of {p.numel} elements")
-        return LinearOperand(v, lambda s: s.to(p.dtype),
-                             dict(common, values_length=v.numel(), values_dtype=dtype_code(v.dtype)))
-    if p.kind == "aligned":
-        v = p.values.reshape(-1)
-        idx = p.indices.reshape(-1)
-
-        def finish_aligned(s: torch.Tensor) -> torch.Tensor:
-            out = torch.zeros(p.numel, dtype=p.dtype, device=s.device)
-            if s.numel():
-                out.index_add_(0, idx, s.to(p.dtype))
-            return out
-
-        return LinearOperand(v, finish_aligned, dict(common, values_length=v.numel(),
-                                                     values_dtype=dtype_code(v.dtype),
-                                                     indices_checksum=fingerprint(idx)))
-    if p.kind == "quantized":
-        if not p.shared_scale:
-            raise IncompatibleError(f"transport {transport!r} sums quantized codes as integers, which needs a "
-                                    f"scale shared by every worker; use 'allgather' for per-worker scales")
-        codes = p.values.reshape(-1)
-        if not is_integer(codes.dtype):
-            raise IncompatibleError(f"transport {transport!r}: quantized codes must be integers, got {codes.dtype}")
-
-        def finish_quantized(s: torch.Tensor) -> torch.Tensor:
-            return Payload("quantized", s, p.shape, p.dtype, scale=p.scale, bucket_size=p.bucket_size,
-                           shared_scale=True).to_dense()
-
-        return LinearOperand(codes, finish_quantized,
-                             dict(common, values_length=codes.numel(), values_dtype=dtype_code(codes.dtype),
-                                  bucket_size=int(p.bucket_size or 0), scale_checksum=fingerprint(p.scale)),
-                             codes=True)
-    raise IncompatibleError(f"transport {transport!r} cannot sum {p.kind!r} payloads in compressed form")
 
 
 def chunk_bounds(numel: int, n: int) -> list[int]:
@@ -258,6 +183,7 @@ class Ring(Transport):
     name = "ring"
     carries = frozenset({"dense", "aligned", "quantized"})
     quantized_needs_shared_scale = True
+    linear = frozenset({"dense", "aligned", "quantized"})
 
     def __init__(self, fabric: Fabric, *, tag: int = RING_TAG, segment_bytes: int | None = None,
                  inplace: bool = False, nonfinite: str = "raise") -> None:
@@ -274,44 +200,12 @@ class Ring(Transport):
         self._workspace: dict = {}
 
     def _allreduce_tensor(self, flat: torch.Tensor) -> torch.Tensor:
-        return self._run(flat)
+        op = linear_operand(flat, self.name, inplace=self.inplace)
+        return op.finish(self._sum_linear(op))
 
-    def _allreduce_payload(self, p: Payload) -> torch.Tensor:
-        return self._run(p)
-
-    def _run(self, x: torch.Tensor | Payload) -> torch.Tensor:
-        what = "ring allreduce"
-        op = linear_operand(x, self.fabric.world_size, self.name)
+    def _sum_linear(self, op: LinearOperand) -> torch.Tensor:
         size = op.vector.element_size()
         segment = segment_length(-(-op.vector.numel() // max(1, self.fabric.world_size)),
                                  None if self.segment_bytes is None else max(1, self.segment_bytes // size), size)
-        acc = guarded_sum(self.fabric, what, op, dict(segment_length=segment), self.nonfinite,
-                          self.inplace and isinstance(x, torch.Tensor),
-                          lambda a: ring_allreduce_(self.fabric, a, self.tag, segment, self._workspace))
-        return op.finish(acc)
-
-
-def guarded_sum(fabric: Fabric, what: str, op: LinearOperand, extra: dict, nonfinite: str, inplace: bool,
-                reduce: Callable[[torch.Tensor], torch.Tensor],
-                int_floor: torch.dtype = torch.int8) -> torch.Tensor:
-    """The agreement handshake (with the integer bound as an ``info`` field), ``reduce`` in a dtype that
-    cannot overflow, then the overflow / non-finite rules of :mod:`._guards`; the summed vector.
-    Quantized codes are summed in the narrowest integer dtype that holds the n-worker sum, integer
-    tensors in their own dtype or wider; never narrower than ``int_floor``, the narrowest integer
-    dtype ``reduce`` takes (``native`` passes int32: gloo's all_reduce rejects int8).
-
-    Every worker holds the same sum, so every check after ``reduce`` raises on every worker alike."""
-    v = op.vector
-    integer = is_integer(v.dtype)
-    info = {"int_bound": abs_max(v)} if integer else {}
-    got = check_agreement(fabric, what, **op.fields, **extra, info=info)
-    if integer:
-        wide = int_accumulator(torch.int8 if op.codes else v.dtype, fabric.world_size, got["int_bound"][0], what)
-        if torch.iinfo(wide).bits < torch.iinfo(int_floor).bits:
-            wide = int_floor
-        if wide != v.dtype:
-            total = reduce(v.to(wide))
-            return total if op.codes else narrow(total, v.dtype, what)
-    total = reduce(op.work_copy(inplace))
-    guard_finite(fabric, what, total, v if total is not v else None, nonfinite)
-    return total
+        return guarded_sum(self.fabric, "ring allreduce", op, dict(segment_length=segment), self.nonfinite,
+                           lambda a: ring_allreduce_(self.fabric, a, self.tag, segment, self._workspace))

@@ -84,12 +84,12 @@ from .._handshake import check_agreement
 from .._guards import abs_max, guard_finite, is_integer, narrow, nonfinite_option
 from ...fabric import services
 from ...payload import Payload
-from ..base import registry
-from ..base import Transport
+from ..base import Transport, registry
+from ..linear import LinearOperand
 from . import trace, wire
 from .service import serve
 from .mailbox import Pool
-from .blocks import BlockSink, DenseSource, PackedSource, ResultCache, lazy_zeros
+from .blocks import BlockSink, DenseSource, PackedSource, ResultCache
 from .header import CallSpec
 from .worker import run_worker
 
@@ -112,13 +112,6 @@ def service_main(index: int):
 def _service_factory(arg: str | None):
     """``"omnireduce-agg:i"`` -> dedicated aggregator ``i`` (for an extra torch.distributed rank)."""
     return service_main(int(arg or 0))
-
-
-def _checksum(t: torch.Tensor | None, extra: int = 0) -> int:
-    """A 64-bit fingerprint of a tensor's values (workers must share aligned indices / scales)."""
-    from .._handshake import fingerprint
-
-    return extra if t is None else int(fingerprint(t)) ^ (extra * 0x9E3779B1)
 
 
 @registry.register("omnireduce")
@@ -146,6 +139,7 @@ class OmniReduce(Transport):
     name = "omnireduce"
     carries = frozenset({"dense", "aligned", "sparse", "quantized"})
     quantized_needs_shared_scale = True
+    linear = frozenset({"dense", "aligned", "quantized"})
 
     def __init__(self, fabric, block_size: int = 256, *, deployment: str = "colocated",
                  num_aggregators: int | None = None, lanes: int = 16384, channels: int = 2,
@@ -297,34 +291,24 @@ class OmniReduce(Transport):
             out = narrow(out.to(torch.int64), flat.dtype, "omnireduce allreduce")
         return out
 
-    def _allreduce_payload(self, p: Payload) -> torch.Tensor:
-        if p.kind == "dense":
-            out = self._sum_blocks(p.values.reshape(-1), "dense")
-            if is_integer(out.dtype) and is_integer(p.dtype):
-                return narrow(out.to(torch.int64), p.dtype, "omnireduce allreduce")
-            return out.to(p.dtype)
-        if p.kind == "aligned":
-            idx = p.indices.reshape(-1)
-            vsum = self._sum_blocks(p.values.reshape(-1), "aligned", check=_checksum(idx))
-            out = lazy_zeros(p.numel, p.dtype)
-            if idx.numel():
-                out.index_add_(0, idx.long(), vsum.to(p.dtype))
-            return out
-        if p.kind == "sparse":
-            self._check_dtype(p.dtype)
-            source = PackedSource(p.indices, p.values, p.numel, self.block_size, p.dtype)
-            integer = is_integer(p.dtype)
-            spec = self._spec(p.numel, p.dtype, "sparse", absmax=abs_max(p.values) if integer else 0)
+    def _sum_linear(self, op: LinearOperand) -> torch.Tensor:
+        """The operand's vector summed as blocks (its kind and shared indices' or scale's checksum in the
+        header); dense integers summed exactly and range-checked against the payload's dtype."""
+        out = self._sum_blocks(op.vector, op.kind, check=op.check)
+        if op.kind == "dense" and is_integer(out.dtype) and is_integer(op.dtype):
+            return narrow(out.to(torch.int64), op.dtype, "omnireduce allreduce")
+        return out
 
-            out, _ = self._run(spec, source, lambda down: self._result(p.numel, down))
-            if integer:
-                return narrow(out.to(torch.int64), p.dtype, "omnireduce allreduce")
-            self._guard(out, p.values)
-            return out
-        # quantized, shared scale: integer codes summed exactly, then scaled
-        codes = p.values.reshape(-1)
-        check = _checksum(p.scale, int(p.bucket_size or 0))
-        total = self._sum_blocks(codes, "quantized", check=check)
-        q = Payload("quantized", total, p.shape, p.dtype, scale=p.scale, bucket_size=p.bucket_size,
-                    shared_scale=True)
-        return q.to_dense()
+    def _allreduce_payload(self, p: Payload) -> torch.Tensor:
+        if p.kind != "sparse":
+            return super()._allreduce_payload(p)
+        self._check_dtype(p.dtype)
+        source = PackedSource(p.indices, p.values, p.numel, self.block_size, p.dtype)
+        integer = is_integer(p.dtype)
+        spec = self._spec(p.numel, p.dtype, "sparse", absmax=abs_max(p.values) if integer else 0)
+
+        out, _ = self._run(spec, source, lambda down: self._result(p.numel, down))
+        if integer:
+            return narrow(out.to(torch.int64), p.dtype, "omnireduce allreduce")
+        self._guard(out, p.values)
+        return out

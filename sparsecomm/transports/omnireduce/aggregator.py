@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ...errors import MalformedMessage, ProtocolError, SparseCommError  # noqa: F401 (ProtocolError: re-exported)
-from .._handshake import _fail
+from .._handshake import fail_stop
 from . import header, strategies, wire
 from .core import AggChannel, sum_order
 from .mailbox import Hand, Inbox, Outbox, Phase, Post, PostInto, Recv, Send, Spawn, Stage
@@ -198,7 +198,7 @@ class AggCall:
                 man = inbox.take(Key(Msg.MANIFEST, w)).view(torch.int64).numpy()
                 firsts, blocks = header.read_manifest(man, w)
             except MalformedMessage as exc:
-                raise _fail(inbox.fabric, exc) from None
+                raise fail_stop(inbox.fabric, exc) from None
             sent = [(Key(Msg.FIRSTS, w), firsts, w, TAG_FIRSTS)] if firsts else []
             sent += [(Key(Msg.BLOCKS0, w, g), nbytes, w, tag_up(g)) for g, nbytes in blocks.items()]
             todo += [m for m in sent if m[0] not in posted]

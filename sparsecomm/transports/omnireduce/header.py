@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ...errors import MalformedMessage, OverflowError_
-from .._handshake import _error as _mismatch
+from .._handshake import pair_mismatch
 from .wire import (AGREE, F_ABSMAX, F_AGGS, F_BLOCK, F_CHANNELS, F_CHECK, F_DTYPE, F_K0, F_KIND, F_LANES,
                    F_MAGIC, F_NUMEL, F_SUM, F_WORLD, FIELD_NAMES, HDR, KINDS, MAGIC, MAN, MAX_CHANNELS, MALFORMED,
                    MISMATCH, OK, OTHER_NAMES, OVERFLOW, R_DOWN_DTYPE, R_FIELD, R_STATUS, R_VMAX, R_VMIN,
@@ -202,5 +202,5 @@ def raise_for_reply(reply: np.ndarray, header: np.ndarray, rank: int) -> None:
         raise OverflowError_(f"{WHAT}: the sum of the workers' integer codes can exceed int64 (this is "
                              f"worker {rank}); use fewer quantisation levels or fewer workers")
     f = int(reply[R_FIELD])
-    raise _mismatch(WHAT, FIELD_NAMES.get(f, str(f)), int(reply[R_VMIN]), int(reply[R_WMIN]),
+    raise pair_mismatch(WHAT, FIELD_NAMES.get(f, str(f)), int(reply[R_VMIN]), int(reply[R_WMIN]),
                     int(reply[R_VMAX]), int(reply[R_WMAX]), int(header[f]), rank)

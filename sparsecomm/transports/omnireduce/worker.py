@@ -11,7 +11,7 @@ import torch
 
 from ...errors import MalformedMessage
 from ...fabric.base import Fabric
-from .._handshake import _fail
+from .._handshake import fail_stop
 from . import core, header, strategies, wire
 from .aggregator import AggCall, aggregator, may_defer
 from .header import CallSpec
@@ -112,7 +112,7 @@ def verdict(call, a: int):
                                        f"channel of {ch.lanes} lanes (this is worker {call.rank})")
             call.sums0[a, ch.slot] = k
     except MalformedMessage as exc:
-        raise _fail(call.fabric, exc) from None
+        raise fail_stop(call.fabric, exc) from None
     if call.sink is None:
         call.down = down
         call.result, call.sink = call.make_sink(down)

@@ -3,14 +3,13 @@
 Exists only on :class:`~sparsecomm.fabric.torch_fabric.TorchFabric`; with services in the job it reduces
 over the workers' subgroup only. Carries the same kinds as ``ring`` (``dense``; ``aligned`` value
 vectors; ``quantized`` codes with a shared scale, summed as int32/int64: gloo's all_reduce rejects
-int8) through :func:`sparsecomm.transports.ring.linear_operand`, after the same agreement handshake
-(folded into the data for repeated calls, below).
+int8) as their linear operand (:mod:`..linear`), after the same agreement handshake (folded into the
+data for repeated calls, below). The collectives themselves, their booking and their errors:
+:mod:`.collectives` (vectors of at most :data:`~.collectives.GATHER_SUM_BYTES`, 64 KiB, are summed by one
+``all_gather`` and a local sum in rank order: ``n - 1`` latency steps rather than the ring's
+``2 (n - 1)``).
 
-Vectors of at most :data:`GATHER_SUM_BYTES` (64 KiB) are summed by one ``all_gather`` and a local sum in
-rank order instead: ``n - 1`` latency steps rather than the ring's ``2 (n - 1)``, which is what a small
-bucket costs (4 gloo hosts: about half the time of ``all_reduce``).
-
-**The agreement folds into the data** for repeated calls (:mod:`._fold`): once the record of completed
+**The agreement folds into the data** for repeated calls (:mod:`.._fold`): once the record of completed
 calls predicts this call (length, dtype, payload kind, ... as the handshake compares them) on every
 worker, a worker making exactly that call all-reduces at once, without the handshake; a worker making
 another call joins the predicted all-reduce with NaN and runs its handshake, so the workers that took
@@ -22,31 +21,28 @@ is posted to gloo on the calling thread (``async_op``) whenever every call befor
 posted too (:meth:`~sparsecomm.transports.base.CommEngine.post`); the wait, the check above and
 ``then`` run on the communication thread in call order. So the next bucket's all-reduce is queued
 behind the running one, as torch's own ``allreduce_hook`` does, instead of leaving the link idle while
-the communication thread wakes, checks, divides and picks the next call (measured on 4 netbed hosts at
-1 Gbit/s, 8 MiB buckets: 1.5-3.5 ms per bucket on a quiet machine, 5-15 ms under load, plus a thread
-hop before the first). A posted call's prediction and record are taken under the engine's lock, so
+the communication thread wakes, checks, divides and picks the next call (the idle time this removes per
+bucket: BENCHMARKS.md, "Training step"). A posted call's prediction and record are taken under the engine's lock, so
 every worker posts the same calls in the same order. If resolving a posted call's NaN raises (a worker
 deviated: MismatchError; a non-finite input with ``nonfinite="raise"``: NonFiniteError) while this
 worker has later calls posted, the workers that did not post them never will: the worker then stops
 the job (``TorchFabric.fail``: every rank raises that error class, and the fabric is unusable after),
 where a synchronous call leaves the fabric usable. A collective that fails (a rank died, raised or
-timed out) raises the fabric's error naming the rank that failed first
-(:meth:`~sparsecomm.fabric.torch_failure.FailStop.collective_error`), on every rank.
+timed out) raises the fabric's error naming the rank that failed first, on every rank
+(:func:`.collectives.translated`).
 
-``last_stats``: torch.distributed does not report its traffic, so the all-reduce itself is booked at the
-bandwidth-optimal ring volume, ``2 (n-1)/n`` of the vector each way per worker, in one message per
-direction and ``2 (n-1)`` rounds (an estimate: gloo and NCCL use ring-like algorithms for large
-tensors; a gathered small vector: ``n - 1`` copies, ``n - 1`` rounds); ``CommStats.estimated_bytes``
-counts those booked bytes, so ``last_stats.estimated`` is true and the measured part (the handshake,
-none on a folded call) is ``bytes_sent + bytes_received - estimated_bytes``.
+``last_stats``: torch.distributed does not report its traffic, so the collectives are booked as estimates
+(:func:`.collectives.book`: the all-reduce at the bandwidth-optimal ring volume); ``last_stats.estimated``
+is true and the measured part (the handshake, none on a folded call) is ``bytes_sent + bytes_received -
+estimated_bytes``.
 
 :meth:`Native.gather` gathers row-sparse payloads (the pipeline's sparse-gradient path, as gloo's sparse
-allreduce does) in :mod:`._native_gather`: one ``all_gather`` of a slot sized from the last call when
+allreduce does) in :mod:`.gather`: one ``all_gather`` of a slot sized from the last call when
 the call is predicted, else a fixed-size header (length, row length, dtype, row count) checked on every
 worker, then every worker's row indices and values padded to the largest row count.
 
 Integer sums that could overflow are summed in a wider integer dtype (at least int32) and
-range-checked; NaN/Inf raise unless ``nonfinite="pass"`` (:mod:`._guards`), on every worker.
+range-checked; NaN/Inf raise unless ``nonfinite="pass"`` (:mod:`.._guards`), on every worker.
 """
 
 from __future__ import annotations
@@ -56,39 +52,19 @@ import time
 
 import torch
 
-from ..errors import IncompatibleError, InvalidValueError
-from ..fabric.base import Fabric
-from ..payload import Payload
-from . import _fold
-from .base import registry
-from ._guards import all_finite, guard_finite, nonfinite_option
-from ._handshake import calling, check_agreement
-from .base import Transport
-from .ring import guarded_sum, linear_operand
+from ...errors import IncompatibleError, InvalidValueError
+from ...fabric.base import Fabric
+from ...payload import Payload
+from .. import _fold
+from ..base import engine, registry
+from .._guards import all_finite, guard_finite, nonfinite_option
+from .._handshake import calling, check_agreement, fail_stop
+from ..base import Transport
+from ..linear import LinearOperand, guarded_sum, linear_operand
+from .collectives import join, post_join
+from .gather import gather_rows
 
 WHAT = "native allreduce"
-#: vectors of at most this many bytes are summed by an all_gather and a local sum in rank order (half
-#: the latency steps of gloo's ring all-reduce); a constant, so that every worker picks alike
-GATHER_SUM_BYTES = 64 << 10
-
-
-def _all_gather(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool = False):
-    """Every rank's ``inp`` into ``out`` (flat, ``world_size * numel``), torch's current name for it
-    (with ``async_op``: the pending work)."""
-    import torch.distributed as dist
-
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(out, inp, group=group, async_op=async_op)
-
-
-def _sum_rows(acc: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
-    """``acc`` = the sum of the ``n`` gathered copies in ``rows``, in rank order (the same bits on
-    every worker)."""
-    r = rows.view(n, -1)
-    acc.copy_(r[0])
-    for j in range(1, n):
-        acc.add_(r[j])
-    return acc
 
 
 @registry.register("native")
@@ -98,6 +74,7 @@ class Native(Transport):
     name = "native"
     carries = frozenset({"dense", "aligned", "quantized"})
     quantized_needs_shared_scale = True
+    linear = frozenset({"dense", "aligned", "quantized"})
     folds = True
 
     def __init__(self, fabric: Fabric, *, inplace: bool = False, nonfinite: str = "raise",
@@ -117,7 +94,7 @@ class Native(Transport):
             raise InvalidValueError("transports run on workers, not on service endpoints")
 
     def start(self, x: torch.Tensor | Payload, then=None, *, next_round=None, call=None):
-        """As :meth:`Transport.start`; a call predicted to fold (:mod:`._fold`) is *posted* at once on
+        """As :meth:`Transport.start`; a call predicted to fold (:mod:`.._fold`) is *posted* at once on
         the calling thread when every call before it is posted too (:meth:`CommEngine.post`), so
         that gloo has it queued while the calls before it complete (a DDP bucket's all-reduce follows
         the previous one's with no idle link between them); its completion (the wait, the non-finite
@@ -128,19 +105,16 @@ class Native(Transport):
         return work if work is not None else super().start(x, then, next_round=next_round, call=call)
 
     def _post_folded(self, x: torch.Tensor | Payload, then, next_round, call):
-        from .base import engine
-
         f = self.fabric
         sched = _fold.schedule(f)
         if sched is None or (isinstance(x, Payload) and (x.kind != "dense" or not self.can_carry(x.kind))):
             return None
         if sched.predicted() is None:
             return None
-        op = linear_operand(x, f.world_size, self.name)
+        op = linear_operand(x, self.name, inplace=self.inplace)
         v = op.vector
         if op.codes or not v.is_floating_point() or not 0 < v.numel() * v.element_size() <= self.fold_max_bytes:
             return None
-        inplace = self.inplace and isinstance(x, torch.Tensor)
         eng = engine(f)
 
         def post():
@@ -150,11 +124,11 @@ class Native(Transport):
             predicted = sched.predicted()
             if predicted is None or predicted.key != key:
                 return None
-            acc = op.work_copy(inplace)
-            pending = _post_join(self, acc)
+            acc = op.work_copy()
+            pending = post_join(f, acc)
             sched.folded += 1
             sched.posted += 1
-            sched.record(key, _fold.Fold(key, v.numel(), v.dtype, v.device, functools.partial(_join, f)))
+            sched.record(key, _fold.Fold(key, v.numel(), v.dtype, v.device, functools.partial(join, f)))
             return acc, pending
 
         def complete(posted):
@@ -163,7 +137,7 @@ class Native(Transport):
             t0 = time.perf_counter()
             try:
                 with calling(call):
-                    total = self._check_folded(op, pending(), inplace, eng)
+                    total = self._check_folded(op, pending(), eng)
                 stats = f.stats - before
                 stats.wall_time_s = time.perf_counter() - t0
                 self.last_stats = stats
@@ -174,14 +148,12 @@ class Native(Transport):
                 if eng.resolving():
                     # this worker's later calls are posted; a worker that has not posted them yet
                     # never will (its engine now fails every later call): stop the job
-                    from ._handshake import _fail
-
-                    _fail(f, exc)
+                    fail_stop(f, exc)
                 raise        # (the engine stays resolving until it has recorded the failure)
 
         return eng.post(post, complete, issues=next_round is not None)
 
-    def _check_folded(self, op, total: torch.Tensor, inplace: bool, eng=None) -> torch.Tensor:
+    def _check_folded(self, op: LinearOperand, total: torch.Tensor, eng=None) -> torch.Tensor:
         """A folded call's sum: a NaN in it (every element, if a worker deviated) is resolved by the
         handshake, then by the non-finite rules. A posted call (``eng``) resolves with no later call
         posted meanwhile; if it raises while later calls of this worker are already posted, its
@@ -202,142 +174,49 @@ class Native(Transport):
         return total
 
     def _allreduce_tensor(self, flat: torch.Tensor) -> torch.Tensor:
-        return self._run(flat)
+        op = linear_operand(flat, self.name, inplace=self.inplace)
+        return op.finish(self._sum_linear(op))
 
-    def _allreduce_payload(self, p: Payload) -> torch.Tensor:
-        return self._run(p)
-
-    def _run(self, x: torch.Tensor | Payload) -> torch.Tensor:
+    def _sum_linear(self, op: LinearOperand) -> torch.Tensor:
+        """The operand's sum: folded into the data when predicted (:mod:`.._fold`), else after the
+        handshake (:func:`~..linear.guarded_sum`)."""
         f = self.fabric
-        op = linear_operand(x, f.world_size, self.name)
-        inplace = self.inplace and isinstance(x, torch.Tensor)
         sched = _fold.schedule(f)
         if sched is None:
-            return op.finish(guarded_sum(f, WHAT, op, {}, self.nonfinite, inplace, self._reduce,
-                                         int_floor=torch.int32))
+            return guarded_sum(f, WHAT, op, {}, self.nonfinite, self._reduce, int_floor=torch.int32)
         v = op.vector
         key = _native_key(op, sched)
         fold = None
         if (v.is_floating_point() and 0 < v.numel() * v.element_size() <= self.fold_max_bytes
                 and not op.codes):
-            fold = _fold.Fold(key, v.numel(), v.dtype, v.device, functools.partial(_join, f))
+            fold = _fold.Fold(key, v.numel(), v.dtype, v.device, functools.partial(join, f))
         predicted = sched.predicted()
         if predicted is not None and fold is not None and predicted.key == key:
             sched.folded += 1
-            total = self._folded(op, inplace)
+            total = self._check_folded(op, self._reduce(op.work_copy()))   # the predicted call, at once
         else:
             if predicted is not None:
                 sched.deviate(predicted)     # then this call's own handshake (in guarded_sum)
-            total = guarded_sum(f, WHAT, op, {}, self.nonfinite, inplace, self._reduce, int_floor=torch.int32)
+            total = guarded_sum(f, WHAT, op, {}, self.nonfinite, self._reduce, int_floor=torch.int32)
         sched.record(key, fold)
-        return op.finish(total)
-
-    def _folded(self, op, inplace: bool) -> torch.Tensor:
-        """The predicted call (:mod:`._fold`): the all-reduce at once; a NaN in the sum (every element
-        of it, if a worker deviated) is resolved by the handshake, then by the non-finite rules."""
-        return self._check_folded(op, self._reduce(op.work_copy(inplace)), inplace)
+        return total
 
     def gather(self, p: Payload) -> list[Payload]:
         """Every worker's row-sparse payload (``sparse`` with ``bucket_size`` = the row length, or plain
         ``sparse``: rows of one element), in rank order, the same list on every worker. Every worker must
-        call it: one ``all_gather`` when the call is predicted (:mod:`._fold`), else two (a header, then
+        call it: one ``all_gather`` when the call is predicted (:mod:`.._fold`), else two (a header, then
         the rows); workers that disagree on the length, row length or dtype (or make another call) get
         :class:`~sparsecomm.errors.MismatchError`, a row count outside the table is
-        :class:`~sparsecomm.errors.MalformedMessage`, on every worker (:mod:`._native_gather`)."""
-        from ._native_gather import gather
-
+        :class:`~sparsecomm.errors.MalformedMessage`, on every worker (:mod:`.gather`)."""
         if p.kind != "sparse" or p.indices is None:
             raise IncompatibleError(f"native gather carries row-sparse payloads, not {p.kind!r} ones")
-        return gather(self, p)
-
-    def _collective(self, call, name: str = "all_gather") -> None:
-        try:
-            call()
-        except RuntimeError as exc:
-            raise _translated(self.fabric, name, exc) from exc
+        return gather_rows(self.fabric, p, self.fold_max_bytes)
 
     def _reduce(self, acc: torch.Tensor) -> torch.Tensor:
-        return _join(self.fabric, acc)
+        return join(self.fabric, acc)
 
 
 def _native_key(op, sched: _fold.Schedule) -> tuple:
     """The fold record's key of a ``native`` all-reduce: what its handshake compares (the operand's
     fields) and the identity of the call running on this thread (:meth:`_fold.Schedule.call_key`)."""
     return ("native",) + tuple((k, int(val)) for k, val in op.fields.items()) + sched.call_key()
-
-
-def _post_join(t: "Native", acc: torch.Tensor):
-    """Post :func:`_join`'s collective on ``acc`` without waiting (``async_op``); returns a function that
-    waits for it and gives the sum in ``acc`` (booked in the fabric's stats), as :func:`_join` does."""
-    import torch.distributed as dist
-
-    f = t.fabric
-    n = f.world_size
-    nbytes = acc.numel() * acc.element_size()
-    small = nbytes <= GATHER_SUM_BYTES and acc.is_contiguous()
-    name = "all_gather" if small else "all_reduce"
-    rows = None
-    try:
-        if small:
-            rows = torch.empty(n * acc.numel(), dtype=acc.dtype, device=acc.device)
-            handle = _all_gather(rows, acc, group=f.native_group, async_op=True)
-        else:
-            handle = dist.all_reduce(acc, group=f.native_group, async_op=True)
-    except RuntimeError as exc:
-        raise _translated(f, name, exc) from exc
-
-    def wait() -> torch.Tensor:
-        try:
-            handle.wait()
-        except RuntimeError as exc:
-            raise _translated(f, name, exc) from exc
-        if small:
-            _sum_rows(acc, rows, n)
-        _book_join(f, n, nbytes, small)
-        return acc
-
-    return wait
-
-
-def _translated(f: Fabric, name: str, exc: RuntimeError) -> BaseException:
-    """The library's error for torch.distributed's ``name`` having raised ``exc``: the fabric's
-    (:meth:`~sparsecomm.fabric.torch_failure.FailStop.collective_error`: the job's recorded failure, a
-    timeout, or a peer failure naming the rank that died), reported to every rank."""
-    return f.collective_error(exc, name)
-
-
-def _book_join(f: Fabric, n: int, nbytes: int, small: bool) -> None:
-    moved = (n - 1) * nbytes if small else 2 * (n - 1) * nbytes // n
-    st = f.stats
-    st.bytes_sent += moved
-    st.bytes_received += moved
-    st.messages += 1
-    st.messages_received += 1
-    st.rounds += (n - 1) if small else 2 * (n - 1)
-    st.estimated_bytes += 2 * moved
-
-
-def _join(f: Fabric, acc: torch.Tensor) -> torch.Tensor:
-    """The sum of ``acc`` over the workers' group, in place, booked in ``f.stats`` (an estimate): gloo's
-    ``all_reduce``, or for a vector of at most :data:`GATHER_SUM_BYTES` an ``all_gather`` and a sum in
-    rank order (the same bits on every worker; ``n - 1`` latency steps instead of the ring's ``2 (n - 1)``,
-    for ``n - 1`` instead of ``2 (n - 1) / n`` copies of a vector that small). The choice depends on
-    the length and dtype only, which every worker agreed on, so every worker makes the same one."""
-    import torch.distributed as dist
-
-    n = f.world_size
-    if n <= 1:
-        return acc
-    nbytes = acc.numel() * acc.element_size()
-    small = nbytes <= GATHER_SUM_BYTES and acc.is_contiguous()
-    try:
-        if small:
-            rows = torch.empty(n * acc.numel(), dtype=acc.dtype, device=acc.device)
-            _all_gather(rows, acc, group=f.native_group)
-            _sum_rows(acc, rows, n)
-        else:
-            dist.all_reduce(acc, group=f.native_group)
-    except RuntimeError as exc:
-        raise _translated(f, "all_gather" if small else "all_reduce", exc) from exc
-    _book_join(f, n, nbytes, small)
-    return acc

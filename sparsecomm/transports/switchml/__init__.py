@@ -1,7 +1,7 @@
 """``switch``: SwitchML-style in-network aggregation (Sapio et al., NSDI'21, arXiv 1903.06701).
 
 Workers stream their tensor, ``slot_elems`` int32 values per packet, through a switch endpoint that
-adds the packets of all workers in a bounded pool of slots (:mod:`.switch_dataplane`). Following the
+adds the packets of all workers in a bounded pool of slots (:mod:`.dataplane`). Following the
 public client (p4lang/p4app-switchML ``client_lib/src/backends/dpdk/dpdk_worker_thread.cc``,
 ``prepostprocessors/cpu_exponent_quantizer_ppp.cc``):
 
@@ -18,7 +18,7 @@ the timeout doubles and the threshold grows by ``timeout_increment`` (reference:
 The switch's seen-bitmaps make a retransmission harmless: it is either dropped (slot incomplete) or
 answered with the stored result (slot complete); a result for a packet that is no longer outstanding
 (a duplicate, or a previous job's) is ignored. A contribution is therefore counted exactly once. (The
-lanes and the retransmission timer are in :mod:`.switch_lanes`.)
+lanes and the retransmission timer are in :mod:`.lanes`.)
 
 **Quantisation** (dense and aligned payloads, float tensors). Each packet carries the exponent ``e``
 of its chunk's largest magnitude (``2^e > max|x|``, :func:`sparsecomm.codec.chunk_exponents`); the
@@ -31,12 +31,14 @@ ahead: the first ``L`` packets carry exponents only (SwitchML's extra batch for 
 1.8e19; the int8 exponent register would allow 2^127) is a fixed-point overflow,
 :class:`~sparsecomm.errors.OverflowError_` on every worker: with such a chunk maximum the quantum
 ``n 2^(e-31)`` exceeds ``2^33 n``, so every ordinary value sharing its chunk would silently become 0
-(one 1e30 zeroed its 63 neighbours). Half-precision inputs (float16, bfloat16) are summed in float32
-and the sum returned in their dtype; a sum beyond that dtype's range (three float16 30000s) is
+(one 1e30 would zero the other 63 values of its 64-value chunk). Half-precision inputs (float16,
+bfloat16) are summed in float32 and the sum returned in their dtype; a sum beyond that dtype's range
+(three float16 30000s) is
 :class:`~sparsecomm.errors.OverflowError_` on every worker, never ``inf`` (every worker decodes the same
-integer sums with the same scales, so every worker raises alike: :func:`.switch_control.narrowed`).
+integer sums with the same scales, so every worker raises alike: :func:`.control.narrowed`).
 ``quantized`` payloads with a shared scale, and integer tensors, are summed as they are ("bypass",
-SwitchML's int32 jobs).
+SwitchML's int32 jobs). Payloads are lowered once, by the base class (:mod:`..linear`): ``aligned`` values
+and ``quantized`` codes are the vector the job sums, ``dense`` payloads the tensor they stand for.
 
 **Control round.** Before streaming, every worker sends one packet on the control slot with its
 validity flags (non-finite values, magnitudes an int8 exponent or int32 cannot represent) and the
@@ -44,8 +46,8 @@ values workers must agree on (numel, dtype and kind, pool size, scale or index f
 so that the switch's integer sum reveals any disagreement (``n * sum(b^2) == sum(b)^2`` for each
 byte ``b``). Every worker receives the same aggregate and so raises the same error, before any data
 is sent: bad input never hangs a peer. Before it, the workers exchange the fixed-size agreement header
-that every transport exchanges (:mod:`._handshake`), so that a worker running another transport gets a
-:class:`~sparsecomm.errors.MismatchError` naming both, not a wait for packets (:mod:`.switch_control`).
+that every transport exchanges (:mod:`.._handshake`), so that a worker running another transport gets a
+:class:`~sparsecomm.errors.MismatchError` naming both, not a wait for packets (:mod:`.control`).
 
 **Deployment.** On SimFabric the transport starts the switch as a per-port service endpoint on first
 use (``fabric.service(spec, ...)``, its own line rate; lossy links via ``sc.Network(loss=p)``). On
@@ -55,64 +57,44 @@ the worker and the switch agree on them without the user giving them twice.
 
 On SimFabric one packet is one datagram; on real fabrics up to ``burst`` packets share one fabric message
 (each keeps its own slot semantics), the switch serves its ports in parallel and the workers keep
-receives posted and send from a thread of their own (:mod:`.switch_service`, :mod:`.switch_lanes`): a
+receives posted and send from a thread of their own (:mod:`.service`, :mod:`.lanes`): a
 software switch that adds at the rate its ports deliver, as far as the host's CPU allows.
 
-**Defaults** are fast where they run (:mod:`.defaults`, from the fabric's ``message_bytes``): where a
+**Defaults** are fast where they run (:mod:`..defaults`, from the fabric's ``message_bytes``): where a
 message is a datagram of a modelled network (SimFabric), the paper's program, 64-value packets one per
 message, and a pool of 256 lanes (the reproductions compare these with their closed forms). On a real
-fabric (gloo: a message costs the hosts ~0.3 ms of CPU beyond its bytes) a switch started as
-``"switch"`` runs 256-value packets, up to 1024 to a message (1 MiB), and a worker keeps 4096 lanes in
-flight (four messages per lane window). A message holds only the packets that are ready
-(:mod:`.switch_lanes`), so a small job costs its packets' bytes, not a burst's.
+fabric (gloo: a message costs the hosts CPU time far beyond its bytes' worth, BENCHMARKS.md,
+"SwitchML") a switch started as ``"switch"`` runs 256-value packets, up to 1024 to a message (1 MiB),
+and a worker keeps 4096 lanes in flight (four messages per lane window). A message holds only the packets that are ready
+(:mod:`.lanes`), so a small job costs its packets' bytes, not a burst's.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from .. import codec
-from ..errors import IncompatibleError, InvalidValueError, NonFiniteError
-from ..fabric.base import Fabric
-from ..payload import Payload
-from ._handshake import crc_fingerprint
-from .base import registry
-from .base import Transport
-from . import switch_service  # noqa: F401 - registers the "switch" service
-from .switch_codec import FloatJob, IntJob
-from . import defaults
-from .switch_control import (_DTYPES, _ROUNDING, DEFAULT_MAX_EXPONENT, MODE_FLOAT, MODE_INT, control_round,
-                             max_exponent_option, narrowed, started_program)
-from .switch_lanes import Inbox, Uplink, run_lanes
-from .switch_dataplane import EXP_MAX, MAX_WORKERS, Dataplane, SwitchConfig, service_main
+from ... import codec
+from ...errors import IncompatibleError, InvalidValueError, NonFiniteError
+from ...fabric.base import Fabric
+from .. import defaults
+from .._handshake import check_agreement
+from ..base import Transport, registry
+from ..linear import LinearOperand
+from .control import (AGREE, CONTROL_SLOT, DEFAULT_MAX_EXPONENT, DTYPES, KINDS, MODE_FLOAT, MODE_INT, ROUNDING,
+                      check_control, control_vector, max_exponent_option, narrowed, started_program,
+                      too_large_text)
+from .dataplane import EXP_MAX, HEADER, MAX_WORKERS, Dataplane, SwitchConfig
+from .jobs import FloatJob, IntJob
+from .lanes import Lanes, SlotState, Timer
+from .service import serve, service_main
 
 INT32_MAX = 2**31 - 1
 EXP_FLOOR = -126          # float32's smallest reported exponent; also used for float64 (safe: 2^e > max|x|)
-
-@dataclass
-class _WorkerState:
-    """What a worker must remember between jobs on one switch (identical on every worker)."""
-
-    parity: np.ndarray     # per switch slot: the set its next use takes
-    shift: int = 0
-    job: int = 0
-    _inbox: Inbox | None = None    # real fabrics: receives from the switch posted ahead, kept across jobs
-    _uplink: Uplink | None = None  # real fabrics: the sending thread and its buffers, kept across jobs
-
-    def inbox(self, fabric: Fabric, switch: int, burst: int, width: int) -> Inbox:
-        if self._inbox is None:
-            self._inbox = Inbox(fabric, switch, burst, width)
-        return self._inbox
-
-    def uplink(self, fabric: Fabric, switch: int, burst: int, width: int, depth: int) -> Uplink:
-        if self._uplink is None or self._uplink.error is not None:
-            self._uplink = Uplink(fabric, switch, burst, width, depth)
-        self._uplink.ensure(depth)
-        return self._uplink
 
 
 @dataclass
@@ -156,6 +138,7 @@ class SwitchTransport(Transport):
     name = "switch"
     carries = frozenset({"dense", "aligned", "quantized"})
     quantized_needs_shared_scale = True
+    linear = frozenset({"aligned", "quantized"})
 
     def __init__(self, fabric: Fabric, *, pool_size: int | None = None, slot_elems: int | None = None,
                  timeout: float | None = None, timeout_threshold: int = 100, timeout_increment: int = 100,
@@ -186,8 +169,8 @@ class SwitchTransport(Transport):
         if not isinstance(pool_size, int) or not 1 <= pool_size <= switch_slots - 1:
             raise InvalidValueError(f"pool_size must be an integer in [1, switch_slots - 1 = {switch_slots - 1}] "
                              f"(slot 0 is the control slot), got {pool_size!r}")
-        if rounding not in _ROUNDING:
-            raise InvalidValueError(f"rounding must be one of {sorted(_ROUNDING)}, got {rounding!r}")
+        if rounding not in ROUNDING:
+            raise InvalidValueError(f"rounding must be one of {sorted(ROUNDING)}, got {rounding!r}")
         if timeout is None and self.sim:
             timeout = 10e-3
         if timeout is not None and not timeout > 0:
@@ -203,20 +186,26 @@ class SwitchTransport(Transport):
             with _lock:
                 per_world = fabric.world_scratch.setdefault("switch/dataplanes", {})
                 self.dataplane = per_world.setdefault(spec, Dataplane(self.config))
-            main = self.dataplane.serve
+            main = functools.partial(serve, self.dataplane)
         else:
             main = service_main(self.config)
         link = {k: v for k, v in (("bandwidth_gbps", bandwidth_gbps), ("latency_us", latency_us)) if v is not None}
         self.switch = fabric.service(spec, main, per_port=True, **link)
         with _lock:
             per_fabric = fabric.scratch.setdefault("switch/worker_states", {})
-            self._state = per_fabric.setdefault(
-                spec, _WorkerState(parity=np.zeros(switch_slots, dtype=np.int32)))
+            #: the program's slots, kept across jobs and shared by this fabric's transports talking to it
+            self.slots = per_fabric.setdefault(spec, SlotState(parity=np.zeros(switch_slots, dtype=np.int32)))
+        self.lanes = Lanes(fabric, self.switch, self.slots, slot_elems, self.burst,
+                           Timer(self.timeout, self.timeout_threshold, self.timeout_increment, self.give_up_s))
         self.last_fixed: FixedResult | None = None
-        self.last_info: dict = {}
         self.inplace = bool(inplace)
         self.keep_fixed = bool(keep_fixed)
         self._sums: torch.Tensor | None = None
+
+    @property
+    def last_info(self) -> dict:
+        """The last job's per-phase packet counts (:attr:`.lanes.Lanes.info`)."""
+        return self.lanes.info
 
     def wire_copies(self) -> float:
         """Each worker streams its tensor to the switch once (32-bit fixed point per value)."""
@@ -226,36 +215,17 @@ class SwitchTransport(Transport):
     def _allreduce_tensor(self, flat: torch.Tensor) -> torch.Tensor:
         if flat.is_floating_point():
             return self._float_job(flat, "tensor", inplace=self.inplace)
-        if flat.dtype in _DTYPES:
+        if flat.dtype in DTYPES:
             return self._int_job(flat, flat.dtype, "tensor")
         raise IncompatibleError(f"transport 'switch' sums float and integer tensors, not {flat.dtype}")
 
-    def _allreduce_payload(self, p: Payload) -> torch.Tensor:
-        if p.kind == "dense":
-            return self._allreduce_tensor(p.to_dense())
-        if p.kind == "aligned":
-            idx = p.indices.reshape(-1).to(torch.int64)
-            vals = p.values.reshape(-1)
-            if not vals.is_floating_point():
-                vals = vals.to(p.dtype if p.dtype.is_floating_point else torch.float32)
-            fp = crc_fingerprint(idx)
-            summed = self._float_job(vals, "aligned", fingerprint=fp)
-            out = torch.zeros(p.numel, dtype=p.dtype, device=p.values.device)
-            if summed.numel():
-                out.index_add_(0, idx.to(out.device), summed.to(out.device, p.dtype))
-            return out
-        # quantized with a shared scale: sum the integer codes exactly ("bypass")
-        codes = p.values.reshape(-1)
-        if codes.is_floating_point():
-            if not bool((torch.isfinite(codes) & (codes == codes.round())).all()):
-                raise IncompatibleError("transport 'switch' sums integer codes; this quantized payload's "
-                                        "codes are not integers")
-            codes = codes.to(torch.int64)
-        fp = crc_fingerprint(p.scale, p.bucket_size)
-        sums = self._int_job(codes, torch.float64, "quantized", fingerprint=fp)
-        agg = Payload("quantized", values=sums.to(torch.int64), shape=p.shape, dtype=p.dtype,
-                      scale=p.scale, bucket_size=p.bucket_size, shared_scale=True)
-        return agg.to_dense()
+    def _sum_linear(self, op: LinearOperand) -> torch.Tensor:
+        """An ``aligned`` operand's values (float: fixed point) or a ``quantized`` one's codes (exactly,
+        "bypass"), with the shared indices' or scale's checksum in the control round."""
+        v = op.vector
+        if v.is_floating_point():
+            return self._float_job(v, op.kind, fingerprint=op.check)
+        return self._int_job(v, torch.int64 if op.codes else v.dtype, op.kind, fingerprint=op.check)
 
     # ================================================================== float (fixed point) job
     def _float_job(self, flat: torch.Tensor, kind: str, fingerprint: int = 0, inplace: bool = False) -> torch.Tensor:
@@ -281,7 +251,7 @@ class SwitchTransport(Transport):
             return torch.zeros(0, dtype=out_dtype, device=device)
         job_seed = None
         if self.rounding == "stochastic":
-            job_seed = int(np.random.SeedSequence([self.seed, self.fabric.rank, self._state.job]).generate_state(1)[0])
+            job_seed = int(np.random.SeedSequence([self.seed, self.fabric.rank, self.slots.job]).generate_state(1)[0])
         # in place: each chunk is encoded (read) before its result arrives (written), so x can take the sum
         out = x if inplace and x.data_ptr() == flat.data_ptr() else torch.empty(N, dtype=x.dtype)
         sums = self._sums_buffer(M * E) if self.keep_fixed else None
@@ -320,17 +290,39 @@ class SwitchTransport(Transport):
         return torch.from_numpy(job.sums.reshape(-1)[:N].copy()).to(device=device, dtype=out_dtype)
 
     # ================================================================== control round
-    def _control(self, mode: int, numel: int, dtype: torch.dtype, kind: str, fingerprint: int, **flags) -> None:
-        """The validity / agreement round (:func:`.switch_control.control_round`)."""
-        control_round(self, mode, numel, dtype, kind, fingerprint, **flags)
+    def _control(self, mode: int, numel: int, dtype: torch.dtype, kind: str, fingerprint: int, *,
+                 nonfinite: bool, too_large: bool, cap: int, limit: int) -> None:
+        """The validity / agreement round on the control slot (module docstring, "Control round"); raises
+        the same error on every worker."""
+        # the workers' fixed-size agreement header first (as every transport exchanges it): ranks that run
+        # another transport get a MismatchError naming both sides instead of a wait for packets that never
+        # come; the values the control round checks (numel, dtype, kind, scale) are not repeated here
+        check_agreement(self.fabric, "switch allreduce", transport=self.name, switch=self.switch,
+                        slot_elems=self.slot_elems, burst=self.burst, pool_size=self.pool_size)
+        self.slots.next_job(2**31 - 1)
+        words = [numel & 0xFFFFFFFF, (numel >> 32) & 0xFFFFFFFF,
+                 (mode << 16) | (DTYPES.get(dtype, 0) << 8) | (KINDS[kind] << 4) | ROUNDING[self.rounding],
+                 self.pool_size, self.slot_elems, fingerprint & 0xFFFFFFFF]
+        vec = control_vector(words, self.slot_elems, nonfinite=nonfinite, too_large=too_large, cap=cap)
+        agg = {}
+
+        def payload(pkts: np.ndarray, rows: np.ndarray) -> None:
+            rows[:, HEADER:] = vec
+
+        def consume(pkts: np.ndarray, rows: np.ndarray) -> None:
+            agg["v"] = rows[0, HEADER:].astype(np.int64)
+
+        self.lanes.run(np.array([CONTROL_SLOT]), 1, -1, payload, consume, "control")
+        check_control(agg["v"], len(words), self.fabric.world_size, "switch", AGREE, mode=mode, limit=limit,
+                      too_large=too_large_text(self.max_exponent, "chunk"),
+                      settings="a tensor/payload of the same shape, dtype and kind (and the same transport "
+                               "settings)")
 
     # ================================================================== streaming
     def _stream(self, job: FloatJob | IntJob) -> None:
-        """Stream a job's packets through the pool (:func:`.switch_lanes.run_lanes`); the job's encoder
-        fills them and its decoder takes the results (:mod:`.switch_codec`)."""
-        st = self._state
-        L = min(self.pool_size, job.M)
-        lane_slots = 1 + (np.arange(L) + st.shift) % self.pool_size
-        run_lanes(self, lane_slots, job.packets, 0, job.payload, job.consume, "data")
-        st.shift = (st.shift + job.packets) % self.pool_size
+        """Stream a job's packets through the pool (:meth:`.lanes.Lanes.run`); the job's encoder fills them
+        and its decoder takes the results (:mod:`.jobs`)."""
+        lane_slots = self.slots.lane_slots(min(self.pool_size, job.M), self.pool_size)
+        self.lanes.run(lane_slots, job.packets, 0, job.payload, job.consume, "data")
+        self.slots.rotate(job.packets, self.pool_size)
 

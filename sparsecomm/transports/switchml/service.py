@@ -1,10 +1,10 @@
-"""How packets reach the switch program (:mod:`.switch_dataplane`) and its results leave: the service loops.
+"""How packets reach the switch program (:mod:`.dataplane`) and its results leave: the service loops.
 
 **SimFabric** (one datagram per packet, modelled time): one loop receives a packet from any port, runs the
 program and replies with ``isend`` that it never waits for, so the per-port links transmit in parallel.
 
 **Real fabrics** (gloo over TCP; a message carries up to ``burst`` packets, as many as are ready: no
-padding, in either direction, :mod:`.switch_lanes`): a software switch with one receive
+padding, in either direction, :mod:`.lanes`): a software switch with one receive
 thread per port, as a multi-queue NIC gives each port its own RX ring. Each port keeps ``PORT_DEPTH``
 receives posted from its worker (gloo moves a message only once the receiver has posted for it, so a
 receive posted ahead lets the worker's next burst flow at once, with no round trip; they are posted
@@ -27,12 +27,12 @@ which no worker of this library sends, would abort it. The program resets each r
 since gloo writes a prefix, a message of at most one burst leaves row ``burst`` empty, and then only the
 first burst is read (the slack rows are touched only after a longer message).
 
-Per message the CPU goes to the kernel's copies, the program and the Python around them; what was cut
-(a 2-core host drives 4 hosts and this switch at 1 Gbit/s only if the switch's CPU is small): each result
-is written over the row it answers in the receive buffer, which is then sent as the reply (no reply
-buffer to fill: one write of the summed bytes fewer, into cache-hot rows), receive buffers come from a
-pool reused last-freed first (:class:`_Buffers`: a fresh 1 MB array per message cost more in page
-faults than the adds), and the slack rows are not scanned and reset per message.
+Per message the switch's CPU goes to the kernel's copies, the program and the Python around them, and
+nothing else: each result is written over the row it answers in the receive buffer, which is then sent as
+the reply (no reply buffer to fill: one write of the summed bytes fewer, into cache-hot rows), receive
+buffers come from a pool reused last-freed first (:class:`_Buffers`: no page faults of fresh buffers per
+message), and the slack rows are not scanned and reset per message. The switch's CPU per call:
+BENCHMARKS.md, "SwitchML".
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..fabric import services
-from ..fabric.base import Fabric, ServiceShutdown
-from .switch_dataplane import (F_TYPE, HEADER, RECV_SLACK, T_EMPTY, TAG_DOWN, TAG_UP, Dataplane, SwitchConfig,
+from ...fabric import services
+from ...fabric.base import Fabric, ServiceShutdown
+from .dataplane import (F_TYPE, HEADER, RECV_SLACK, T_EMPTY, TAG_DOWN, TAG_UP, Dataplane, SwitchConfig,
                                rejection, split_messages)
 
 #: receives each port keeps posted from its worker (real fabrics)
@@ -56,7 +56,7 @@ PORT_DEPTH = 16
 #: posted): each post sends the worker a "receive posted" notice on the connection its send thread
 #: writes on, and gloo's event loop spins while a write holds the connection; grouped, the notices
 #: arrive together, during one write rather than during nearly every write (see ``Inbox`` in
-#: :mod:`.switch_lanes`)
+#: :mod:`.lanes`)
 PORT_GROUP = 8
 #: replies a port may have queued before it drops, beyond the most a worker can await (real fabrics)
 EGRESS_CAP = 64
@@ -255,8 +255,15 @@ def _serve_ports(dp: Dataplane, fabric: Fabric) -> None:
             e.q.put(None)
 
 
+def service_main(config: SwitchConfig) -> Callable[[Fabric], None]:
+    """A launcher-started switch rank's loop: a fresh dataplane running ``config`` on the rank's fabric."""
+
+    def main(fabric: Fabric) -> None:
+        serve(Dataplane(config.on(fabric)), fabric)
+
+    return main
+
+
 @services.registry.register("switch")
 def _switch_service(arg: str | None) -> Callable[[Fabric], None]:
-    from .switch_dataplane import service_main
-
     return service_main(SwitchConfig.parse(arg))

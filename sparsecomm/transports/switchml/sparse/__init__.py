@@ -13,7 +13,7 @@ The tensor is cut into blocks of ``k`` elements (``k`` = the switch's packet, 64
 switch slot each).
 
 0. **Agreement** (among the workers, not through the switch): the fixed-size header every transport
-   exchanges first (:func:`._handshake.check_agreement`: the transport's name, the switch rank and the
+   exchanges first (:func:`..._handshake.check_agreement`: the transport's name, the switch rank and the
    program's constants), so that a worker running another transport gets a ``MismatchError`` naming
    both, on every rank, instead of a wait for packets that never come.
 1. **Control** (slot 0, one packet per worker, summed): validity flags and the values workers must
@@ -73,9 +73,9 @@ the stream and every worker sends in a different subset of the rounds: elements 
 tensor's maximum keep ``31 - log2 n - (E - e_elem)`` bits. Error per element ``<= n * 0.5 / f``. As on
 ``switch``, a magnitude ``>= 2^max_exponent`` (default 2^64) is :class:`~sparsecomm.errors.OverflowError_`
 on every worker (the control round's too-large flag): past it the quantum ``n 2^(E-31)`` exceeds
-``2^33 n`` and every ordinary value of the job would silently become 0 (one 1e30 among 1e-3 zeroed
-them). Half-precision inputs are summed in float32; a sum beyond their dtype's range is
-``OverflowError_`` on every worker, never ``inf`` (:func:`.switch_control.narrowed`).
+``2^33 n`` and every ordinary value of the job would silently become 0 (one 1e30 would zero values of
+1e-3 everywhere in the tensor). Half-precision inputs are summed in float32; a sum beyond their dtype's range is
+``OverflowError_`` on every worker, never ``inf`` (:func:`..control.narrowed`).
 
 Match-action pipeline (one pass per 64 values; 256 values with SwitchML's recirculation)
 ----------------------------------------------------------------------------------------
@@ -102,8 +102,8 @@ Against SwitchML this adds three registers per set (``pos``, ``nxt``: 32 bits; `
 removes the int8 exponent, and widens the worker bitmap to 64 bits (SwitchML: 32 workers per job).
 Memory with the defaults (``S = 1024`` slots, ``k = 256``): ``values`` ``1024 * 2 * 256 * 4 B =
 2 MiB``; the rest ``1024 * 2 * (64+7+32+32+1)`` bits ``= 34 KiB``.
-:data:`.sparse_switch_dataplane.REGISTERS` declares these widths and
-:meth:`~.sparse_switch_dataplane.Dataplane.state_bits` checks the emulation against them
+:data:`.dataplane.REGISTERS` declares these widths and
+:meth:`~.dataplane.Dataplane.state_bits` checks the emulation against them
 (``tests/test_sparse_switch.py``).
 
 Deployment: as ``switch``. On SimFabric the transport starts the program as a per-port service on
@@ -112,9 +112,9 @@ launcher started (``services=["sparse-switch"]``) and its constants (``slot_elem
 ``switch_slots``, ``burst``) default to that rank's. There up to ``burst`` packets share a fabric
 message (as many as are ready, not padded, as ``switch``'s) and skips travel padded to a value packet,
 since a message costs far more than its bytes; the byte figures above are the SimFabric's,
-one packet per datagram. The rounds themselves (lanes, timers, bursts) are :mod:`.sparse_switch_rounds`.
+one packet per datagram. The rounds themselves (lanes, timers, bursts) are :mod:`.rounds`.
 
-Defaults, fast where they run (:mod:`.defaults`, from the fabric's ``message_bytes``): on SimFabric one
+Defaults, fast where they run (:mod:`...defaults`, from the fabric's ``message_bytes``): on SimFabric one
 packet per message and a pool of 256 lanes (the settings of the closed form's comparisons); on a real
 fabric a switch started as ``"sparse-switch"`` packs up to 1024 packets into a message (1 MiB) and a worker
 keeps every slot but the control slot in flight (1023 lanes of the default 1024 slots).
@@ -128,25 +128,25 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .. import codec
-from ..errors import (FabricTimeout, IncompatibleError, InvalidValueError, MismatchError,  # noqa: F401
+from .... import codec
+from ....errors import (FabricTimeout, IncompatibleError, InvalidValueError, MismatchError,  # noqa: F401
                       NonFiniteError, OverflowError_, ProtocolError, SparseCommError)
-from ..fabric.base import Fabric
-from ..payload import Payload
-from ._handshake import check_agreement, crc_fingerprint
-from .base import Transport, registry
-from . import defaults
-from .switch_control import (_DTYPES, DEFAULT_MAX_EXPONENT, MODE_FLOAT, MODE_INT, check_control, control_vector,
+from ....fabric.base import Fabric
+from ..._handshake import check_agreement
+from ...base import Transport, registry
+from ...linear import LinearOperand
+from ... import defaults
+from ..control import (DTYPES, DEFAULT_MAX_EXPONENT, MODE_FLOAT, MODE_INT, check_control, control_vector,
                              max_exponent_option, narrowed, started_program, too_large_text)
-from .sparse_switch_dataplane import (F_NEXT, HEADER, MAX_WORKERS, NONE, T_DATA, T_MIN, T_SKIP, JOB_MASK,
+from .dataplane import (F_NEXT, HEADER, MAX_WORKERS, NONE, T_DATA, T_MIN, T_SKIP, JOB_MASK,
                                       Dataplane, SparseSwitchConfig, service_main)
-from .sparse_switch_rounds import _WorkerState, lane_slots, packet, run_rounds, to_pos
-from .switch_lanes import abandoning
+from .rounds import Rounds, to_pos
+from ..lanes import SlotState, Timer, abandoning
 
 INT32_MAX = 2**31 - 1
 EXP_FLOOR, EXP_CEIL = -126, 127
 CONTROL_SLOT = 0
-# the control vector's layout, modes and dtype codes are the switch's (switch_control.control_vector)
+# the control vector's layout, modes and dtype codes are the switch's (..control.control_vector)
 _AGREE = ("numel (low word)", "numel (high word)", "mode / dtype", "pool_size", "slot_elems",
           "shared indices or scale (fingerprint)")
 
@@ -184,6 +184,7 @@ class SparseSwitch(Transport):
     name = "sparse-switch"
     carries = frozenset({"dense", "aligned", "sparse", "quantized"})
     quantized_needs_shared_scale = True
+    linear = frozenset({"aligned", "quantized"})
 
     def __init__(self, fabric: Fabric, *, pool_size: int | None = None, slot_elems: int | None = None,
                  switch_slots: int | None = None, timeout: float | None = None, timeout_threshold: int = 100,
@@ -224,38 +225,25 @@ class SparseSwitch(Transport):
         link = {k: v for k, v in (("bandwidth_gbps", bandwidth_gbps), ("latency_us", latency_us)) if v is not None}
         self.switch = fabric.service(spec, main, per_port=True, **link)
         with _lock:
-            self._state = fabric.scratch.setdefault("sparse-switch/worker_states", {}).setdefault(
-                spec, _WorkerState(parity=np.zeros(self.config.slots, dtype=np.int64)))
+            #: the program's slots, kept across jobs and shared by this fabric's transports talking to it
+            self.slots = fabric.scratch.setdefault("sparse-switch/worker_states", {}).setdefault(
+                spec, SlotState(parity=np.zeros(self.config.slots, dtype=np.int64)))
+        self.rounds = Rounds(fabric, self.switch, self.slots, self.k, self.burst,
+                             Timer(self.timeout, self.timeout_threshold, self.timeout_threshold, self.give_up_s))
         self.last_fixed: FixedResult | None = None
-        self.last_info: dict = {}
+
+    @property
+    def last_info(self) -> dict:
+        """The last job's per-phase packet counts (:attr:`.rounds.Rounds.info`)."""
+        return self.rounds.info
 
     # ================================================================== payload kinds
-    def _allreduce_payload(self, p: Payload) -> torch.Tensor:
-        """``dense`` and ``sparse`` (worker-specific indices) payloads are summed as the tensor they
-        stand for: only its non-zero blocks travel. ``aligned``: the value vector (indices checked
-        to be shared), then scattered. ``quantized`` with a shared scale: the integer codes, exactly."""
-        if p.kind in ("dense", "sparse"):
-            return self._allreduce_tensor(p.to_dense().reshape(-1))
-        if p.kind == "aligned":
-            idx = p.indices.reshape(-1).to(torch.int64)
-            vals = p.values.reshape(-1)
-            if not vals.is_floating_point():
-                vals = vals.to(p.dtype if p.dtype.is_floating_point else torch.float32)
-            summed = self._job(vals, fingerprint=crc_fingerprint(idx))
-            out = torch.zeros(p.numel, dtype=p.dtype, device=p.values.device)
-            if summed.numel():
-                out.index_add_(0, idx.to(out.device), summed.to(out.device, p.dtype))
-            return out
-        codes = p.values.reshape(-1)
-        if codes.is_floating_point():
-            if not bool((torch.isfinite(codes) & (codes == codes.round())).all()):
-                raise IncompatibleError("transport 'sparse-switch' sums integer codes; this quantized "
-                                        "payload's codes are not integers")
-            codes = codes.to(torch.int64)
-        sums = self._job(codes, fingerprint=crc_fingerprint(p.scale, p.bucket_size), out_dtype=torch.int64)
-        agg = Payload("quantized", values=sums, shape=p.shape, dtype=p.dtype, scale=p.scale,
-                      bucket_size=p.bucket_size, shared_scale=True)
-        return agg.to_dense()
+    def _sum_linear(self, op: LinearOperand) -> torch.Tensor:
+        """``aligned``: the value vector (the indices' checksum in the control round), scattered after;
+        ``quantized`` with a shared scale: the integer codes, exactly. ``dense`` and ``sparse`` payloads
+        (worker-specific indices) are summed as the tensor they stand for (densified): only its
+        non-zero blocks travel."""
+        return self._job(op.vector, fingerprint=op.check, out_dtype=torch.int64 if op.codes else None)
 
     # ================================================================== one job, top to bottom
     def _allreduce_tensor(self, flat: torch.Tensor) -> torch.Tensor:
@@ -266,7 +254,7 @@ class SparseSwitch(Transport):
         out_dtype, device = out_dtype or flat.dtype, flat.device
         if flat.is_floating_point():
             mode = MODE_FLOAT
-        elif flat.dtype in _DTYPES:
+        elif flat.dtype in DTYPES:
             mode = MODE_INT
         else:
             raise IncompatibleError(f"transport 'sparse-switch' sums float and integer tensors, not {flat.dtype}")
@@ -289,7 +277,7 @@ class SparseSwitch(Transport):
                           cap=min(amax, INT32_MAX), limit=limit, fingerprint=fingerprint)
             e = 0
         # after the control round every worker is committed to the look-ahead round and the stream: an
-        # error here would leave the others waiting for this worker's packets (switch_lanes.abandoning)
+        # error here would leave the others waiting for this worker's packets (..lanes.abandoning)
         with abandoning(self.fabric):
             nb = -(-N // k)
             if nb == 0:
@@ -334,9 +322,8 @@ class SparseSwitch(Transport):
         another transport gets a MismatchError naming both instead of a wait for packets that never come."""
         check_agreement(self.fabric, "sparse-switch allreduce", transport=self.name, switch=self.switch,
                         slot_elems=self.k, burst=self.burst, pool_size=self.pool_size)
-        st = self._state
-        st.job = (st.job + 1) % (JOB_MASK + 1)
-        words = [numel & 0xFFFFFFFF, (numel >> 32) & 0xFFFFFFFF, (mode << 8) | _DTYPES.get(dtype, 0),
+        self.slots.next_job(JOB_MASK + 1)
+        words = [numel & 0xFFFFFFFF, (numel >> 32) & 0xFFFFFFFF, (mode << 8) | DTYPES.get(dtype, 0),
                  self.pool_size, self.k, fingerprint & 0xFFFFFFFF]
         vec = control_vector(words, self.k, nonfinite=nonfinite, too_large=too_large, cap=cap)
         got = {}
@@ -345,7 +332,8 @@ class SparseSwitch(Transport):
             got["v"] = res[HEADER:].astype(np.int64)
             return None
 
-        run_rounds(self, np.array([CONTROL_SLOT]), [packet(self, T_DATA, CONTROL_SLOT, 0, NONE, vec)], on_result, "control")
+        self.rounds.run(np.array([CONTROL_SLOT]), [self.rounds.packet(T_DATA, CONTROL_SLOT, 0, NONE, vec)], on_result,
+                        "control")
         check_control(got["v"], len(words), self.fabric.world_size, "sparse-switch", _AGREE, mode=mode,
                       limit=limit, too_large=too_large_text(self.max_exponent, "job"),
                       settings="a tensor of the same length and dtype, with the same transport settings")
@@ -359,15 +347,15 @@ class SparseSwitch(Transport):
         padded = np.full(P * k, NONE, dtype=np.int64)
         padded[:vec.size] = vec
         padded = padded.astype(np.int32).reshape(P, k)
-        slots = lane_slots(self, L)[:P]
+        slots = self.slots.lane_slots(L, self.pool_size)[:P]
         out = np.empty_like(padded)
 
         def on_result(lane: int, res: np.ndarray):
             out[lane] = res[HEADER:]
             return None
 
-        run_rounds(self, slots, [packet(self, T_MIN, int(s), 0, NONE, padded[i]) for i, s in enumerate(slots)],
-                  on_result, "lookahead")
+        self.rounds.run(slots, [self.rounds.packet(T_MIN, int(s), 0, NONE, padded[i]) for i, s in enumerate(slots)],
+                        on_result, "lookahead")
         return out.reshape(-1)[:vec.size].astype(np.int64)
 
     # ================================================================== phase 3: the block stream
@@ -381,7 +369,7 @@ class SparseSwitch(Transport):
         sums = np.zeros((nb, self.k), dtype=np.int32)
         mine = first.copy()                   # my next non-zero position per lane (NONE: none)
         cur = start.copy()                    # the lane's current position
-        slots = lane_slots(self, L)
+        slots = self.slots.lane_slots(L, self.pool_size)
         info = {"data": 0, "skips": 0}
 
         def lane_packet(j: int) -> np.ndarray:
@@ -391,9 +379,9 @@ class SparseSwitch(Transport):
                 nxt = to_pos(nxt_block[b:b + 1], np.array([j]), L, nb)[0]
                 mine[j] = nxt
                 info["data"] += 1
-                return packet(self, T_DATA, int(slots[j]), q, int(nxt), codes[b])
+                return self.rounds.packet(T_DATA, int(slots[j]), q, int(nxt), codes[b])
             info["skips"] += 1
-            return packet(self, T_SKIP, int(slots[j]), q, int(mine[j]))
+            return self.rounds.packet(T_SKIP, int(slots[j]), q, int(mine[j]))
 
         def on_result(j: int, res: np.ndarray):
             q, m = int(cur[j]), int(res[F_NEXT])
@@ -406,8 +394,7 @@ class SparseSwitch(Transport):
             return None if m == NONE else lane_packet(j)
 
         active = np.flatnonzero(start != NONE)
-        run_rounds(self, slots[active], [lane_packet(int(j)) for j in active], on_result, "stream", lanes=active)
-        self.last_info["stream"].update(info)
-        st = self._state
-        st.shift = (st.shift + 1) % self.pool_size
+        self.rounds.run(slots[active], [lane_packet(int(j)) for j in active], on_result, "stream", lanes=active)
+        self.rounds.info["stream"].update(info)
+        self.slots.rotate(1, self.pool_size)
         return sums

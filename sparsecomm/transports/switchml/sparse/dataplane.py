@@ -1,6 +1,6 @@
 """The switch program of ``sparse-switch``: SwitchML's slot pool with OmniReduce's look-ahead.
 
-The design, the pipeline sketch and the arithmetic are in :mod:`.sparse_switch`; this module is the
+The design, the pipeline sketch and the arithmetic are in :mod:`sparsecomm.transports.switchml.sparse`; this module is the
 program itself (registers and per-packet action), its wire format and its service loop.
 
 Registers (``S`` slots, two sets per slot as SwitchML, ``k`` values per slot; :data:`REGISTERS`
@@ -54,10 +54,10 @@ from typing import Callable, NamedTuple
 import numpy as np
 import torch
 
-from ..fabric import services
-from ..fabric.base import Fabric
-from ..errors import InvalidValueError
-from . import defaults
+from ....fabric import services
+from ....fabric.base import Fabric
+from ....errors import InvalidValueError
+from ... import defaults
 
 # ----------------------------------------------------------------------------- wire format
 W0, F_SLOT, F_POS, F_NEXT = range(4)
@@ -135,7 +135,7 @@ class Header(NamedTuple):
 class SparseSwitchConfig:
     """Compile-time constants of the program; they name the service (``"sparse-switch:elems=64"``).
     ``burst``: packets per fabric message (a burst's rows are processed one by one, each with its own slot
-    semantics); ``None``: the fabric's (:meth:`on`, :mod:`.defaults`: one where a message is a datagram of
+    semantics); ``None``: the fabric's (:meth:`on`, :mod:`...defaults`: one where a message is a datagram of
     a modelled network, else as many as fill a 1 MiB message, 1024 of 256 values), which the switch rank
     and its workers resolve alike. ``audit``: count every accepted contribution by ``(job, min round?,
     slot, pos, worker)`` (tests only)."""
@@ -311,7 +311,7 @@ class Dataplane:
         16-byte skip headers on their own tags (whichever is first). With bursts (real fabrics, where
         a message costs far more than its bytes) a message is up to ``burst`` rows of ``HEADER + k`` words,
         skips padded (a receive of ``burst`` rows, every row ``T_EMPTY`` when posted, takes a shorter
-        message: :mod:`.switch_lanes`); the replies to a message's rows leave in messages of up to
+        message: :mod:`..lanes`); the replies to a message's rows leave in messages of up to
         ``burst`` rows. Malformed and out-of-step packets are reported to every worker (module docstring)."""
         k, K = self.config.elems, self.config.burst
         width = HEADER + k

@@ -41,10 +41,10 @@ not switch state).
 
 Wire format: one int32 row per packet, ``HEADER`` fields (:class:`Field`) then ``slot_elems`` values; a
 fabric message carries up to ``burst`` rows (on SimFabric exactly ``burst``, unused rows of type
-``T_EMPTY``; on real fabrics as many as are ready, :mod:`.switch_lanes`), workers -> switch on
+``T_EMPTY``; on real fabrics as many as are ready, :mod:`.lanes`), workers -> switch on
 ``TAG_UP``, switch -> workers on ``TAG_DOWN``, all ``reliable=False``. How the rows reach the program
 (one datagram per packet on SimFabric, per-port receive threads on real fabrics) is
-:mod:`.switch_service`.
+:mod:`.service`.
 """
 
 from __future__ import annotations
@@ -56,9 +56,9 @@ from enum import IntEnum
 import numpy as np
 from numba import njit
 
-from ..fabric.base import Fabric
-from ..errors import InvalidValueError
-from . import defaults
+from ...fabric.base import Fabric
+from ...errors import InvalidValueError
+from .. import defaults
 
 
 # ----------------------------------------------------------------------------- wire format
@@ -95,7 +95,7 @@ MAX_WORKERS = 32                   # 32-bit worker bitmap (p4/configuration.p4: 
 PACKET_ELEMS = (64, 256)           # the P4 program accepts 64 (one pass) or 256 (recirculation)
 DEFAULT_SLOTS = 8192               # 16384 register entries = 8192 slot pairs (configuration.p4)
 EXP_MIN, EXP_MAX = -128, 127       # int8 exponent registers (exponents.p4)
-RECV_SLACK = 4                     # real fabrics: a switch receive holds this many bursts (see switch_service)
+RECV_SLACK = 4                     # real fabrics: a switch receive holds this many bursts (see .service)
 
 #: the program's packet counters, in the order :func:`_program` keeps them
 COUNTERS = ("packets", "malformed", "consumed", "multicast", "retransmit", "dropped", "overflow")
@@ -106,7 +106,7 @@ class SwitchConfig:
     """Compile-time constants of the switch program; they name the service (``"switch:elems=256"``).
 
     ``elems`` (values per packet) and ``burst`` (packets per fabric message) left ``None`` are the
-    fabric's (:meth:`on`, :mod:`.defaults`): 64-value packets one per message where a message is a
+    fabric's (:meth:`on`, :mod:`..defaults`): 64-value packets one per message where a message is a
     datagram of a modelled network (SimFabric, the paper's), 256-value packets 1024 to a message on a
     real fabric; the switch rank and its workers resolve them alike. ``audit`` makes the switch count
     every accepted contribution by ``(job, packet, worker)`` (tests only).
@@ -340,19 +340,11 @@ class Dataplane:
                 self.audit[(int(r[F_JOB]), int(r[F_PKT]), int(r[F_WORKER]))] += 1
         return int(nmc), int(nuc), int(counters[1])
 
-    # ------------------------------------------------------------------ service loop
-    def serve(self, fabric: Fabric) -> None:
-        """The switch's main loop (:func:`.switch_service.serve`); returns (or lets the fabric's
-        shutdown exception propagate) when the run ends."""
-        from .switch_service import serve
-
-        serve(self, fabric)
-
 
 def split_messages(out: np.ndarray, used: int, burst: int, pad: bool = True) -> list[np.ndarray]:
     """The first ``used`` rows of ``out`` as messages of ``burst`` rows, the last one's unused rows
     ``T_EMPTY`` (``out`` must hold a whole number of bursts past ``used``); ``pad=False``: the last message
-    as long as its rows (real fabrics, :mod:`.switch_lanes`: messages as long as their packets)."""
+    as long as its rows (real fabrics, :mod:`.lanes`: messages as long as their packets)."""
     end = -(-used // burst) * burst if pad else used
     out[used:end] = 0                                     # padding rows: T_EMPTY
     return [out[i:min(i + burst, end)] for i in range(0, used, burst)]
@@ -365,12 +357,3 @@ def rejection(width: int, burst: int, worker: int, world: int, count: int) -> np
     msg = np.zeros((burst, width), dtype=np.int32)
     msg[0, F_TYPE], msg[0, F_REJECTED], msg[0, F_NW], msg[0, F_REJECTED_COUNT] = T_REJECT, worker, world, count
     return msg
-
-
-def service_main(config: SwitchConfig):
-    """A launcher-started switch rank's loop: a fresh dataplane running ``config`` on the rank's fabric."""
-
-    def main(fabric: Fabric) -> None:
-        Dataplane(config.on(fabric)).serve(fabric)
-
-    return main

@@ -1,12 +1,12 @@
 """SwitchML control round: before a job's data, every worker sends one packet on the control slot (slot 0)
 with its validity flags and the values the workers must agree on, and the switch's integer sum of them
-tells every worker the same verdict (see :mod:`.switch`, "Control round").
+tells every worker the same verdict (see :mod:`sparsecomm.transports.switchml`, "Control round").
 
 Layout of the control packet's vector (``V_*``): non-finite flag, too-large flag, a count of 1, the
 largest magnitude (two 16-bit halves, integer jobs), then each agreement word as 4 bytes ``b`` and their
 squares: the sum over ``n`` workers agrees exactly when ``n * sum(b^2) == sum(b)^2`` for every byte
 (Cauchy-Schwarz with equality only for equal bytes). The workers' agreement header
-(:func:`._handshake.check_agreement`) goes first, so that a worker running another transport is told so
+(:func:`.._handshake.check_agreement`) goes first, so that a worker running another transport is told so
 instead of waiting for the switch.
 """
 
@@ -15,55 +15,26 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..errors import (IncompatibleError, InvalidValueError, MismatchError, NonFiniteError, OverflowError_,
+from ...errors import (IncompatibleError, InvalidValueError, MismatchError, NonFiniteError, OverflowError_,
                       ServiceNotStarted)
-from ._handshake import check_agreement
-from .switch_dataplane import HEADER
-from .switch_lanes import run_lanes
 
 CONTROL_SLOT = 0
 MODE_FLOAT, MODE_INT = 1, 2
-_DTYPES = {torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16: 4, torch.int8: 5,
-           torch.int16: 6, torch.int32: 7, torch.int64: 8, torch.uint8: 9}
-_KINDS = {"tensor": 1, "dense": 1, "aligned": 2, "quantized": 3}
-_ROUNDING = {"nearest": 0, "stochastic": 1}
+#: dtype codes of the control word (both switches)
+DTYPES = {torch.float32: 1, torch.float64: 2, torch.float16: 3, torch.bfloat16: 4, torch.int8: 5,
+          torch.int16: 6, torch.int32: 7, torch.int64: 8, torch.uint8: 9}
+#: payload kind and rounding codes of the switch's control word
+KINDS = {"tensor": 1, "dense": 1, "aligned": 2, "quantized": 3}
+ROUNDING = {"nearest": 0, "stochastic": 1}
 
 #: values of magnitude >= 2^DEFAULT_MAX_EXPONENT are a fixed-point overflow on both switches (``max_exponent``)
 DEFAULT_MAX_EXPONENT = 64
 
 # validity vector layout (payload of the control packet)
 V_NONFINITE, V_TOOLARGE, V_COUNT, V_CAP_HI, V_CAP_LO, V_WORDS = range(6)
-_AGREE = ("numel (low word)", "numel (high word)", "dtype / payload kind / rounding", "pool_size",
-          "slot_elems", "scale or index fingerprint")
-
-
-def control_round(t, mode: int, numel: int, dtype: torch.dtype, kind: str, fingerprint: int, *,
-                  nonfinite: bool, too_large: bool, cap: int, limit: int) -> None:
-    """The validity / agreement round on the control slot; raises the same error on every worker."""
-    # the workers' fixed-size agreement header first (as every transport exchanges it): ranks that run
-    # another transport get a MismatchError naming both sides instead of a wait for packets that never
-    # come; the values the control round checks (numel, dtype, kind, scale) are not repeated here
-    check_agreement(t.fabric, "switch allreduce", transport="switch", switch=t.switch,
-                    slot_elems=t.slot_elems, burst=t.burst, pool_size=t.pool_size)
-    st = t._state
-    st.job = (st.job + 1) % (2**31 - 1)
-    words = [numel & 0xFFFFFFFF, (numel >> 32) & 0xFFFFFFFF,
-             (mode << 16) | (_DTYPES.get(dtype, 0) << 8) | (_KINDS[kind] << 4) | _ROUNDING[t.rounding],
-             t.pool_size, t.slot_elems, fingerprint & 0xFFFFFFFF]
-    vec = control_vector(words, t.slot_elems, nonfinite=nonfinite, too_large=too_large, cap=cap)
-    agg = {}
-
-    def payload(pkts: np.ndarray, rows: np.ndarray) -> None:
-        rows[:, HEADER:] = vec
-
-    def consume(pkts: np.ndarray, rows: np.ndarray) -> None:
-        agg["v"] = rows[0, HEADER:].astype(np.int64)
-
-    run_lanes(t, np.array([CONTROL_SLOT]), 1, -1, payload, consume, "control")
-    check_control(agg["v"], len(words), t.fabric.world_size, "switch", _AGREE, mode=mode, limit=limit,
-                  too_large=too_large_text(t.max_exponent, "chunk"),
-                  settings="a tensor/payload of the same shape, dtype and kind (and the same transport "
-                           "settings)")
+#: what each agreement word of the switch's control round is, for its MismatchError
+AGREE = ("numel (low word)", "numel (high word)", "dtype / payload kind / rounding", "pool_size",
+         "slot_elems", "scale or index fingerprint")
 
 
 def max_exponent_option(value, lo: int, hi: int) -> int:
@@ -140,11 +111,11 @@ def check_control(a: np.ndarray, n_words: int, n: int, name: str, agree: tuple[s
 def started_program(fabric, config_cls, elems: int | None, slots: int | None, burst: int | None,
                     audit: bool):
     """The switch program a transport talks to and its service's name (both switches; ``config_cls`` is the
-    program's constants, :class:`.switch_dataplane.SwitchConfig` or its sparse twin, with ``NAME``,
+    program's constants, :class:`.dataplane.SwitchConfig` or its sparse twin, with ``NAME``,
     ``parse``, ``spec`` and ``on(fabric)``). ``None``: not asked.
 
     In-process services (SimFabric): the program asked for, the fabric's defaults for the rest
-    (:mod:`.defaults`), named by what was asked (``"switch"`` when nothing was). Otherwise the launcher
+    (:mod:`..defaults`), named by what was asked (``"switch"`` when nothing was). Otherwise the launcher
     started it (``services=["switch..."]``): of the started programs of this kind, resolved on this
     fabric, the one whose constants equal every one asked for; so a transport asking for none takes the
     started one, and a constant that no started program has is an :class:`IncompatibleError` naming them

@@ -1,7 +1,8 @@
-"""SwitchML worker side: the self-clocked packet stream of one phase of a job, with loss recovery.
+"""SwitchML worker side: the self-clocked packet stream of one phase of a job, with loss recovery, and the
+state a worker keeps between jobs on one switch program (:class:`SlotState`).
 
-Split from :mod:`.switch` (the transport: job set-up, quantisation, the control round); the wire format
-and the switch program are in :mod:`.switch_dataplane`, the switch's service loops in :mod:`.switch_service`.
+The transport (job set-up, quantisation, the control round) is :mod:`sparsecomm.transports.switchml`; the
+wire format and the switch program are :mod:`.dataplane`, the switch's service loops :mod:`.service`.
 
 The stream (Sapio et al., NSDI'21, Sec. 4): packet ``p`` goes on lane ``p % L`` (one switch slot per
 lane); the lane's next packet ``p + L`` is sent when ``p``'s result arrives, so the switch's results clock
@@ -41,14 +42,15 @@ import queue
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from numba import njit
 
-from ..errors import FabricTimeout, InvalidValueError, MalformedMessage, ProtocolError, SparseCommError
-from ._handshake import _fail
-from .switch_dataplane import (EXP_MIN, F_REJECTED, F_REJECTED_COUNT, F_TYPE, HEADER, T_DATA, T_EMPTY, T_REJECT,
+from ...errors import FabricTimeout, InvalidValueError, MalformedMessage, ProtocolError, SparseCommError
+from .._handshake import fail_stop
+from .dataplane import (EXP_MIN, F_REJECTED, F_REJECTED_COUNT, F_TYPE, HEADER, T_DATA, T_EMPTY, T_REJECT,
                                T_RESULT, T_RETRANSMIT, TAG_DOWN, TAG_UP)
 
 #: receives a worker keeps posted from the switch (real fabrics)
@@ -66,7 +68,7 @@ def abandoning(fabric):
     try:
         yield
     except Exception as exc:
-        _fail(fabric, exc)
+        fail_stop(fabric, exc)
         raise
 
 
@@ -77,7 +79,7 @@ def rejected(fabric, name: str, worker: int, count: int, out_of_step: bool = Fal
     that can never complete, so the job is over: every rank is stopped, naming ``worker``."""
     n = fabric.world_size
     if not 0 <= worker < n:
-        return _fail(fabric, ProtocolError(f"{name}: the switch's rejection notice names worker {worker}, "
+        return fail_stop(fabric, ProtocolError(f"{name}: the switch's rejection notice names worker {worker}, "
                                            f"outside 0..{n - 1}"))
     if out_of_step:
         exc: SparseCommError = ProtocolError(
@@ -89,7 +91,7 @@ def rejected(fabric, name: str, worker: int, count: int, out_of_step: bool = Fal
             f"{name}: the switch dropped {count} packet(s) of worker {worker} that it cannot parse (a type, "
             f"slot, set, worker id or worker count outside the job): worker {worker}'s messages were "
             f"corrupted on the way, or are not this library's; the job is over")
-    return _fail(fabric, exc, rank=worker)
+    return fail_stop(fabric, exc, rank=worker)
 
 
 class Uplink:
@@ -160,8 +162,8 @@ class Inbox:
     Why: each post sends the switch a small "receive posted" notice on the connection that the
     switch's egress thread is writing a result message on; gloo's event loop, finding the connection
     locked by that write, returns to ``epoll_wait`` at once and spins until the write ends (BENCHMARKS.md,
-    SwitchML, session 7). Posted one by one, a notice arrives during nearly every write; in groups, the
-    notices of a group arrive together, during one write."""
+    "SwitchML"). Posted one by one, a notice arrives during nearly every write; in groups, the notices of
+    a group arrive together, during one write."""
 
     def __init__(self, fabric, switch: int, burst: int, width: int, depth: int = INBOX_DEPTH,
                  group: int = REPOST_GROUP) -> None:
@@ -217,121 +219,190 @@ def message_rows(fabric, src: int, rows: np.ndarray) -> int:
     return m
 
 
-def run_lanes(t, lane_slots: np.ndarray, P: int, pkt_base: int, payload, consume, phase: str) -> None:
-    """Stream packets ``0..P-1`` of transport ``t``'s current job over ``len(lane_slots)`` lanes.
+@dataclass
+class SlotState:
+    """What a worker keeps between jobs on one switch program, the same on every worker: the set each slot's
+    next use takes (``parity``, flipped by each accepted result), the lanes' rotation over the pool
+    (``shift``) and the job counter; on real fabrics also its receives posted ahead (:class:`Inbox`) and its
+    sending thread (:class:`Uplink`). The transports of one fabric that talk to the same program share it
+    (both switches: the sparse switch's rounds keep their parity and job here too)."""
 
-    ``payload(pkts, rows)`` fills new rows (their headers are set), ``consume(pkts, rows)`` takes
-    accepted results (distinct packet numbers). A lane unanswered for ``t.give_up_s`` raises
-    :class:`~sparsecomm.errors.FabricTimeout`; the switch's rejection notice, :func:`rejected`'s error;
-    any error stops every rank (:func:`abandoning`). Per-phase counts land in ``t.last_info[phase]``.
-    """
-    fab, st, sw = t.fabric, t._state, t.switch
-    L, E, K = len(lane_slots), t.slot_elems, t.burst
-    width = HEADER + E
-    job, rank, n = st.job, fab.rank, fab.world_size
-    lane_pkt = np.arange(L, dtype=np.int64)           # outstanding packet per lane (-1: lane done)
-    timed = t.timeout is not None
-    lane_rows = np.zeros((L, width), dtype=np.int32) if timed else None   # what was sent, to resend
-    lane_deadline = np.full(L, math.inf)
-    lane_first = np.zeros(L, dtype=np.float64)
-    timeout, threshold, expiries = t.timeout, t.timeout_threshold, 0
-    info = {"packets": 0, "retransmissions": 0, "results": 0, "ignored": 0}
-    inbox = None if t.sim else st.inbox(fab, sw, K, width)
-    uplink = None if t.sim else st.uplink(fab, sw, K, width, SEND_AHEAD * max(1, -(-L // K)))
+    parity: np.ndarray
+    shift: int = 0
+    job: int = 0
+    _inbox: Inbox | None = None
+    _uplink: Uplink | None = None
 
-    def send(lanes: np.ndarray, fresh: bool) -> None:
-        for i in range(0, len(lanes), K):            # one message of K rows per K lanes
-            part = lanes[i:i + K]
-            m = len(part)
-            if uplink is not None:
-                slot, msg = uplink.buffer()
-            else:
-                msg = np.zeros((K, width), dtype=np.int32)
-            rows = msg[:m]
-            if fresh:
-                _headers(rows, part, lane_pkt, lane_slots, st.parity, rank, job, n, pkt_base)
-                payload(lane_pkt[part], rows)
-                if timed:
-                    lane_rows[part] = rows
-            else:
-                rows[:] = lane_rows[part]
-            if uplink is None:     # a blocking send models the worker's NIC serialisation
-                msg[m:, F_TYPE] = T_EMPTY
-                fab.send(torch.from_numpy(msg), sw, TAG_UP, reliable=False)
-            else:
-                uplink.put(slot, m)
-        if timed:
-            now = fab.now()
-            lane_deadline[lanes] = now + timeout
-            if fresh:
-                lane_first[lanes] = now
-        info["packets"] += len(lanes)
+    def next_job(self, modulus: int) -> int:
+        """Number the next job (the job counter modulo ``modulus``, the width of the packets' job field)."""
+        self.job = (self.job + 1) % modulus
+        return self.job
 
-    def receive(wait: float | None) -> np.ndarray | None:
-        if inbox is not None:
-            return inbox.take(wait)
-        try:
-            fab.recv(rbuf, sw, TAG_DOWN, timeout=wait)
-        except FabricTimeout:
-            if wait is None:
-                raise
-            return None
-        return rarr
+    def lane_slots(self, lanes: int, pool: int) -> np.ndarray:
+        """The switch slots of lanes ``0..lanes-1`` of a pool of ``pool`` slots (slot 0 is the control
+        slot): lane ``j`` owns slot ``1 + (j + shift) mod pool``."""
+        return 1 + (np.arange(lanes, dtype=np.int64) + self.shift) % pool
 
-    def expire() -> None:
-        nonlocal timeout, threshold, expiries
-        now = fab.now()
-        expired = np.nonzero((lane_pkt >= 0) & (lane_deadline <= now + 1e-12))[0]
-        if len(expired) == 0:
-            return
-        stale = expired[now - lane_first[expired] > t.give_up_s]
-        if len(stale):
-            p = int(lane_pkt[stale[0]])
-            raise FabricTimeout(
-                f"worker {rank}: switch {phase} packet {p} of job {job} unanswered for "
-                f"{now - lane_first[stale[0]]:.3g} s despite retransmissions: a peer or the switch "
-                f"is gone, or workers disagree on pool_size / slot_elems")
-        expiries += len(expired)
-        info["retransmissions"] += len(expired)
-        send(expired, False)
-        if expiries >= threshold:            # reference client: double after a threshold
-            timeout *= 2
-            threshold += t.timeout_increment
-            expiries = 0
+    def rotate(self, by: int, pool: int) -> None:
+        """Advance the lanes' rotation by ``by`` slots (after a job)."""
+        self.shift = (self.shift + by) % pool
 
-    rbuf = torch.zeros((K, width), dtype=torch.int32) if inbox is None else None    # SimFabric's receive
-    rarr = rbuf.numpy() if rbuf is not None else None
-    at, pks, lanes = (np.empty(K, dtype=np.int64) for _ in range(3))    # _accept's outputs
-    with abandoning(fab):
-        send(np.arange(L), True)
-        done = 0
-        while done < P:
-            wait = None
+    def inbox(self, fabric, switch: int, burst: int, width: int) -> Inbox:
+        """The receives from the switch posted ahead (real fabrics), created on first use."""
+        if self._inbox is None:
+            self._inbox = Inbox(fabric, switch, burst, width)
+        return self._inbox
+
+    def uplink(self, fabric, switch: int, burst: int, width: int, depth: int) -> Uplink:
+        """The sending thread (real fabrics) with at least ``depth`` buffers; a new one after a send failed."""
+        if self._uplink is None or self._uplink.error is not None:
+            self._uplink = Uplink(fabric, switch, burst, width, depth)
+        self._uplink.ensure(depth)
+        return self._uplink
+
+
+@dataclass(frozen=True)
+class Timer:
+    """SwitchML's retransmission timer (the p4app-switchML client's rule): a packet unanswered for
+    ``timeout`` seconds (modelled on SimFabric) is sent again, unchanged; after ``threshold`` expiries the
+    timeout doubles and the threshold grows by ``increment``; a packet unanswered ``give_up_s`` after it
+    was first sent raises :class:`~sparsecomm.errors.FabricTimeout`. ``timeout=None``: no timer (a
+    fabric that never drops a message)."""
+
+    timeout: float | None
+    threshold: int
+    increment: int
+    give_up_s: float
+
+
+class Lanes:
+    """One worker's packet streams to the switch rank ``switch``: each job phase streams its packets over
+    lanes (module docstring), ``elems`` values and a header per packet, up to ``burst`` packets per fabric
+    message, with the retransmission ``timer``; ``state`` is the program's :class:`SlotState`. ``info``
+    holds the last job's per-phase counts (packets, retransmissions, results, ignored, final timeout)."""
+
+    def __init__(self, fabric, switch: int, state: SlotState, elems: int, burst: int, timer: Timer) -> None:
+        self.fabric, self.switch, self.state = fabric, switch, state
+        self.elems, self.burst, self.timer = elems, burst, timer
+        self.sim = fabric.modelled_time
+        self.info: dict = {}
+
+    def run(self, lane_slots: np.ndarray, P: int, pkt_base: int, payload, consume, phase: str) -> None:
+        """Stream packets ``0..P-1`` of the current job over ``len(lane_slots)`` lanes.
+
+        ``payload(pkts, rows)`` fills new rows (their headers are set), ``consume(pkts, rows)`` takes
+        accepted results (distinct packet numbers). A lane unanswered for the timer's ``give_up_s`` raises
+        :class:`~sparsecomm.errors.FabricTimeout`; the switch's rejection notice, :func:`rejected`'s error;
+        any error stops every rank (:func:`abandoning`). Per-phase counts land in ``info[phase]``.
+        """
+        fab, st, sw = self.fabric, self.state, self.switch
+        L, E, K = len(lane_slots), self.elems, self.burst
+        width = HEADER + E
+        job, rank, n = st.job, fab.rank, fab.world_size
+        lane_pkt = np.arange(L, dtype=np.int64)           # outstanding packet per lane (-1: lane done)
+        timer = self.timer
+        timed = timer.timeout is not None
+        lane_rows = np.zeros((L, width), dtype=np.int32) if timed else None   # what was sent, to resend
+        lane_deadline = np.full(L, math.inf)
+        lane_first = np.zeros(L, dtype=np.float64)
+        timeout, threshold, expiries = timer.timeout, timer.threshold, 0
+        info = {"packets": 0, "retransmissions": 0, "results": 0, "ignored": 0}
+        inbox = None if self.sim else st.inbox(fab, sw, K, width)
+        uplink = None if self.sim else st.uplink(fab, sw, K, width, SEND_AHEAD * max(1, -(-L // K)))
+
+        def send(lanes: np.ndarray, fresh: bool) -> None:
+            for i in range(0, len(lanes), K):            # one message of K rows per K lanes
+                part = lanes[i:i + K]
+                m = len(part)
+                if uplink is not None:
+                    slot, msg = uplink.buffer()
+                else:
+                    msg = np.zeros((K, width), dtype=np.int32)
+                rows = msg[:m]
+                if fresh:
+                    _headers(rows, part, lane_pkt, lane_slots, st.parity, rank, job, n, pkt_base)
+                    payload(lane_pkt[part], rows)
+                    if timed:
+                        lane_rows[part] = rows
+                else:
+                    rows[:] = lane_rows[part]
+                if uplink is None:     # a blocking send models the worker's NIC serialisation
+                    msg[m:, F_TYPE] = T_EMPTY
+                    fab.send(torch.from_numpy(msg), sw, TAG_UP, reliable=False)
+                else:
+                    uplink.put(slot, m)
             if timed:
-                wait = max(float(lane_deadline[lane_pkt >= 0].min()) - fab.now(), 1e-9)
-            rows = receive(wait)
-            if rows is None:
-                expire()
-                continue
-            got, ignored, nxt, rej = _accept(rows, lane_pkt, lane_slots, st.parity, job, pkt_base, P, at, pks,
-                                             lanes)
-            if rej >= 0:
-                raise rejected(fab, "switch allreduce", int(rows[rej, F_REJECTED]), int(rows[rej, F_REJECTED_COUNT]))
-            info["ignored"] += ignored
-            if got:
-                consume(pks[:got], rows if got == len(rows) and at[got - 1] == got - 1 else rows[at[:got]])
+                now = fab.now()
+                lane_deadline[lanes] = now + timeout
+                if fresh:
+                    lane_first[lanes] = now
+            info["packets"] += len(lanes)
+
+        def receive(wait: float | None) -> np.ndarray | None:
             if inbox is not None:
-                inbox.release()
-            done += got
-            info["results"] += got
-            if nxt:
-                send(lanes[:nxt].copy(), True)
-        if uplink is not None:
-            uplink.drain()
-    info["final_timeout"] = timeout
-    if t.last_info.get("job") != job:
-        t.last_info = {"job": job}
-    t.last_info[phase] = info
+                return inbox.take(wait)
+            try:
+                fab.recv(rbuf, sw, TAG_DOWN, timeout=wait)
+            except FabricTimeout:
+                if wait is None:
+                    raise
+                return None
+            return rarr
+
+        def expire() -> None:
+            nonlocal timeout, threshold, expiries
+            now = fab.now()
+            expired = np.nonzero((lane_pkt >= 0) & (lane_deadline <= now + 1e-12))[0]
+            if len(expired) == 0:
+                return
+            stale = expired[now - lane_first[expired] > timer.give_up_s]
+            if len(stale):
+                p = int(lane_pkt[stale[0]])
+                raise FabricTimeout(
+                    f"worker {rank}: switch {phase} packet {p} of job {job} unanswered for "
+                    f"{now - lane_first[stale[0]]:.3g} s despite retransmissions: a peer or the switch "
+                    f"is gone, or workers disagree on pool_size / slot_elems")
+            expiries += len(expired)
+            info["retransmissions"] += len(expired)
+            send(expired, False)
+            if expiries >= threshold:            # reference client: double after a threshold
+                timeout *= 2
+                threshold += timer.increment
+                expiries = 0
+
+        rbuf = torch.zeros((K, width), dtype=torch.int32) if inbox is None else None    # SimFabric's receive
+        rarr = rbuf.numpy() if rbuf is not None else None
+        at, pks, lanes = (np.empty(K, dtype=np.int64) for _ in range(3))    # _accept's outputs
+        with abandoning(fab):
+            send(np.arange(L), True)
+            done = 0
+            while done < P:
+                wait = None
+                if timed:
+                    wait = max(float(lane_deadline[lane_pkt >= 0].min()) - fab.now(), 1e-9)
+                rows = receive(wait)
+                if rows is None:
+                    expire()
+                    continue
+                got, ignored, nxt, rej = _accept(rows, lane_pkt, lane_slots, st.parity, job, pkt_base, P, at, pks,
+                                                 lanes)
+                if rej >= 0:
+                    raise rejected(fab, "switch allreduce", int(rows[rej, F_REJECTED]), int(rows[rej, F_REJECTED_COUNT]))
+                info["ignored"] += ignored
+                if got:
+                    consume(pks[:got], rows if got == len(rows) and at[got - 1] == got - 1 else rows[at[:got]])
+                if inbox is not None:
+                    inbox.release()
+                done += got
+                info["results"] += got
+                if nxt:
+                    send(lanes[:nxt].copy(), True)
+            if uplink is not None:
+                uplink.drain()
+        info["final_timeout"] = timeout
+        if self.info.get("job") != job:
+            self.info = {"job": job}
+        self.info[phase] = info
 
 
 @njit(cache=True, nogil=True)

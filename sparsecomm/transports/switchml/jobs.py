@@ -18,9 +18,9 @@ import numpy as np
 import torch
 from numba import njit
 
-from .. import codec
-from ..errors import OverflowError_, ProtocolError
-from .switch_dataplane import EXP_MAX, EXP_MIN, F_EXP, HEADER
+from ... import codec
+from ...errors import OverflowError_, ProtocolError
+from .dataplane import EXP_MAX, EXP_MIN, F_EXP, HEADER
 
 
 @njit(cache=True, nogil=True)
@@ -33,8 +33,8 @@ def _encode(x, E, M, pre, pkts, e_loc, scales, table, rows):  # pragma: no cover
     No code can leave int32 when the agreed scale is at most the one of the chunk's own exponent
     (``scales[c] <= table[e_loc[c] - EXP_MIN]``, i.e. the agreed exponent is at least the local one:
     ``|x| < 2^e_loc`` gives ``|x f| < Q / n - 1``, :func:`sparsecomm.codec.scale_from_exponents`); such
-    a chunk is encoded without the range check (the same codes, ~15% less time); only a smaller
-    agreed exponent (a forged result) takes the checked loop."""
+    a chunk is encoded without the range check (the same codes, a loop without the check's work); only a
+    smaller agreed exponent (a forged result) takes the checked loop."""
     N = x.size
     for k in range(pkts.size):
         p = pkts[k]

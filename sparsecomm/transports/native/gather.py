@@ -7,7 +7,7 @@ the workers disagree; :class:`~sparsecomm.errors.MalformedMessage` for a row cou
 then every worker's rows padded to the largest row count: in one message per worker, the row index's
 int32 bits in column 0 of each row when the values are 4 bytes wide, else indices and values apart.
 
-**Folded** (:mod:`._fold`: the record predicts this gather, the same table, row length and dtypes, on
+**Folded** (:mod:`.._fold`: the record predicts this gather, the same table, row length and dtypes, on
 every worker): one ``all_gather`` of a slot of ``cap + 1`` rows per worker, ``cap`` taken from the
 record (1.1 x the largest row count of the last call, alike on every worker): row 0 holds a marker
 and the worker's row count, rows ``1..`` its rows. A worker with more than ``cap`` rows sends the rest
@@ -27,10 +27,11 @@ import math
 
 import torch
 
-from ..errors import InvalidValueError, MalformedMessage, MismatchError
-from ..payload import Payload, WireFormatError
-from . import _fold
-from ._handshake import _fail, check_agreement, dtype_code, mismatch_error
+from ...errors import InvalidValueError, MalformedMessage, MismatchError
+from ...payload import Payload, WireFormatError
+from .. import _fold
+from .collectives import all_gather, book, collective
+from .._handshake import KIND_CODE, check_agreement, dtype_code, fail_stop, mismatch_error
 
 WHAT = "native gather"
 #: first int32 word of a folded slot (any NaN's bits differ from it)
@@ -39,11 +40,9 @@ MARKER = 0x53434731
 HEADROOM, MIN_CAP = 1.1, 16
 
 
-def gather(t, p: Payload) -> list[Payload]:
-    """:meth:`Native.gather <sparsecomm.transports.native.Native.gather>` (see the module docstring)."""
-    from .ring import KIND_CODE
-
-    f = t.fabric
+def gather_rows(f, p: Payload, fold_max_bytes: int) -> list[Payload]:
+    """:meth:`Native.gather <sparsecomm.transports.native.Native.gather>` on ``f`` (see the module
+    docstring): a gather folds while its slot is at most ``fold_max_bytes``."""
     n = f.world_size
     row = p.row_len
     k = p.indices.numel()
@@ -64,12 +63,12 @@ def gather(t, p: Payload) -> list[Payload]:
     try:
         if predicted is not None and packed and predicted.key == key:
             sched.folded += 1
-            out, kmax = _folded(t, p, predicted.numel // (row + 1) - 1, desc)
+            out, kmax = _folded(f, p, predicted.numel // (row + 1) - 1, desc)
         else:
             if predicted is not None:
                 sched.deviate(predicted)
                 check_agreement(f, WHAT, transport="native", **desc)
-            out, kmax = _unfolded(t, p)
+            out, kmax = _unfolded(f, p)
     except BaseException:
         if sched is not None:
             sched.reset()          # raised on every worker alike
@@ -77,32 +76,19 @@ def gather(t, p: Payload) -> list[Payload]:
     if sched is not None:
         fold = None
         slot = (max(MIN_CAP, math.ceil(HEADROOM * kmax)) + 1) * (row + 1)
-        if packed and slot * 4 <= t.fold_max_bytes:
-            fold = _fold.Fold(key, slot, p.values.dtype, p.values.device, functools.partial(_join, t))
+        if packed and slot * 4 <= fold_max_bytes:
+            fold = _fold.Fold(key, slot, p.values.dtype, p.values.device, functools.partial(_slots, f))
         sched.record(key, fold)
     return out
 
 
-def _join(t, buf: torch.Tensor) -> torch.Tensor:
+def _slots(f, buf: torch.Tensor) -> torch.Tensor:
     """Every worker's ``buf`` (one slot each), ``(n, numel)``; booked in the fabric's stats."""
-    from .native import _all_gather
-
-    f = t.fabric
     n = f.world_size
     out = torch.empty(n * buf.numel(), dtype=buf.dtype, device=buf.device)
-    t._collective(lambda: _all_gather(out, buf, group=f.native_group))
-    _book(f, (n - 1) * buf.numel() * buf.element_size(), 1)
+    collective(f, lambda: all_gather(out, buf, group=f.native_group))
+    book(f, (n - 1) * buf.numel() * buf.element_size(), 1, 1)
     return out.view(n, -1)
-
-
-def _book(f, nbytes: int, calls: int) -> None:
-    st = f.stats
-    st.bytes_sent += nbytes
-    st.bytes_received += nbytes
-    st.messages += calls
-    st.messages_received += calls
-    st.rounds += calls
-    st.estimated_bytes += 2 * nbytes
 
 
 def _packed(p: Payload, lo: int, hi: int, count: int, row: int, skip: int = 0) -> torch.Tensor:
@@ -117,8 +103,7 @@ def _packed(p: Payload, lo: int, hi: int, count: int, row: int, skip: int = 0) -
     return buf
 
 
-def _folded(t, p: Payload, cap: int, desc: dict) -> tuple[list[Payload], int]:
-    f = t.fabric
+def _folded(f, p: Payload, cap: int, desc: dict) -> tuple[list[Payload], int]:
     n = f.world_size
     row = p.row_len
     rows = p.numel // row
@@ -126,19 +111,19 @@ def _folded(t, p: Payload, cap: int, desc: dict) -> tuple[list[Payload], int]:
     slot = _packed(p, 0, cap, cap + 1, row, skip=1)
     head = slot[0].view(torch.int32)
     head[0], head[1] = MARKER, k
-    out = _join(t, slot.view(-1)).view(n, cap + 1, row + 1)
+    out = _slots(f, slot.view(-1)).view(n, cap + 1, row + 1)
     heads = out[:, 0, :2].contiguous().view(torch.int32).tolist()
     if any(h[0] != MARKER for h in heads):
         # a worker deviated from the predicted gather: the handshakes raise on every worker
         check_agreement(f, WHAT, transport="native", **desc)
         j = next(j for j, h in enumerate(heads) if h[0] != MARKER)
-        raise _fail(f, MalformedMessage(f"{WHAT}: worker {j} sent a slot without the marker although every "
+        raise fail_stop(f, MalformedMessage(f"{WHAT}: worker {j} sent a slot without the marker although every "
                                         f"worker agrees on the call; this is worker {f.rank}"))
     counts = [h[1] for h in heads]
     _check_counts(f, counts, rows)
     kmax = max(counts)
     extra = kmax - cap
-    rest = _join(t, _packed(p, cap, k, extra, row).view(-1)).view(n, extra, row + 1) if extra > 0 else None
+    rest = _slots(f, _packed(p, cap, k, extra, row).view(-1)).view(n, extra, row + 1) if extra > 0 else None
     parts = []
     for j in range(n):
         body = out[j, 1:1 + min(counts[j], cap)]
@@ -152,14 +137,11 @@ def _folded(t, p: Payload, cap: int, desc: dict) -> tuple[list[Payload], int]:
 def _check_counts(f, counts: list[int], rows: int) -> None:
     bad = [j for j, c in enumerate(counts) if not 0 <= c <= rows]
     if bad:
-        raise _fail(f, MalformedMessage(f"{WHAT}: worker {bad[0]} announced {counts[bad[0]]} rows of a table "
+        raise fail_stop(f, MalformedMessage(f"{WHAT}: worker {bad[0]} announced {counts[bad[0]]} rows of a table "
                                         f"of {rows}; this is worker {f.rank}"))
 
 
-def _unfolded(t, p: Payload) -> tuple[list[Payload], int]:
-    from .native import _all_gather
-
-    f = t.fabric
+def _unfolded(f, p: Payload) -> tuple[list[Payload], int]:
     n, r = f.world_size, f.rank
     row = p.row_len
     rows = p.numel // row
@@ -168,7 +150,7 @@ def _unfolded(t, p: Payload) -> tuple[list[Payload], int]:
     dev = p.values.device
     header = torch.tensor([p.numel, row, dtype_code(p.dtype), k], dtype=torch.int64, device=dev)
     hs = torch.empty(n * 4, dtype=torch.int64, device=dev)
-    t._collective(lambda: _all_gather(hs, header, group=group))
+    collective(f, lambda: all_gather(hs, header, group=group))
     h = hs.view(n, 4).tolist()
     for name, i in (("tensor length", 0), ("row length", 1), ("dtype", 2)):
         col = [x[i] for x in h]
@@ -185,7 +167,7 @@ def _unfolded(t, p: Payload) -> tuple[list[Payload], int]:
     vals = p.values.reshape(k, row)
     # one message per worker: its row indices (int32 bits in the values' 4-byte dtype) and values
     if vals.element_size() == 4 and rows <= 2**31:
-        out = _join(t, _packed(p, 0, k, kmax, row).view(-1)).view(n, kmax, row + 1)
+        out = _slots(f, _packed(p, 0, k, kmax, row).view(-1)).view(n, kmax, row + 1)
         idx_all = out[:, :, 0].contiguous().view(torch.int32).to(torch.int64)
         val_all = out[:, :, 1:]
     else:
@@ -193,9 +175,9 @@ def _unfolded(t, p: Payload) -> tuple[list[Payload], int]:
         ib[:k] = p.indices.reshape(-1)
         vb = torch.zeros(kmax, row, dtype=vals.dtype, device=dev)
         vb[:k] = vals
-        idx_all = _join(t, ib)
-        val_all = _join(t, vb.view(-1)).view(n, kmax, row)
-    _book(f, (n - 1) * 4 * 8, 1)
+        idx_all = _slots(f, ib)
+        val_all = _slots(f, vb.view(-1)).view(n, kmax, row)
+    book(f, (n - 1) * 4 * 8, 1, 1)
     return _payloads(f, p, list(idx_all), list(val_all), counts), kmax
 
 

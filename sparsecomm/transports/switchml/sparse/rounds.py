@@ -1,0 +1,177 @@
+"""``sparse-switch`` worker side: self-clocked rounds on switch slots with SwitchML's loss recovery, and the
+packets they carry (which switch program a transport talks to: :func:`..control.started_program`).
+
+The transport (one job top to bottom, its control, look-ahead and stream phases) is
+:mod:`sparsecomm.transports.switchml.sparse`; the wire format and the switch program are
+:mod:`.dataplane`. A round is one packet per slot outstanding: its result (matching job, slot, set and position) flips the slot's parity
+and clocks the lane's next packet; a packet unanswered within the timer is resent unchanged (the
+switch's seen-bitmap absorbs a duplicate, a duplicate after completion gets the stored result), the
+timer doubling after ``timeout_threshold`` expiries (Sapio et al., NSDI'21, Sec. 4; the p4app-switchML
+client's rule).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import numpy as np
+import torch
+
+from ....errors import FabricTimeout
+from .dataplane import (HEADER, JOB_MASK, NONE, OUT_OF_STEP, T_EMPTY, T_REJECT, T_RESULT, T_RETRANSMIT, T_SKIP,
+                        TAG_DOWN, TAG_SKIP, TAG_UP, W0, Header)
+from ..lanes import SlotState, Timer, abandoning, message_rows, rejected
+
+
+class Rounds:
+    """One worker's rounds on the sparse switch rank ``switch``: ``elems`` values per value packet, up to
+    ``burst`` packets per fabric message, the retransmission ``timer``, the program's ``state``
+    (:class:`~..lanes.SlotState`: each slot's parity, the job counter, the lanes' rotation). ``info``
+    holds the last job's per-phase counts (packets, retransmissions, results, ignored)."""
+
+    def __init__(self, fabric, switch: int, state: SlotState, elems: int, burst: int, timer: Timer) -> None:
+        self.fabric, self.switch, self.state = fabric, switch, state
+        self.elems, self.burst, self.timer = elems, burst, timer
+        self.sim = fabric.modelled_time
+        self.info: dict = {}
+
+    def packet(self, kind: int, slot: int, pos: int, nxt: int, vec: np.ndarray | None = None) -> np.ndarray:
+        """A packet for ``slot``'s next round (the set is the slot's current parity)."""
+        row = np.empty(HEADER if kind == T_SKIP else HEADER + self.elems, dtype=np.int32)
+        st = self.state
+        Header(kind, int(st.parity[slot]), self.fabric.rank, self.fabric.world_size, st.job & JOB_MASK,
+               slot, pos, nxt).write(row)
+        if kind != T_SKIP:
+            row[HEADER:] = vec
+        return row
+
+    def run(self, slots: np.ndarray, rows: list[np.ndarray], on_result, phase: str,
+            lanes: np.ndarray | None = None) -> None:
+        """Self-clocked rounds on ``slots`` (one outstanding packet each), with SwitchML's loss recovery.
+
+        ``rows[i]`` is the first packet on ``slots[i]``; when its result arrives (matching job, slot,
+        set and position) the slot's parity flips and ``on_result(lane, result)`` returns the lane's
+        next packet, or ``None`` when the lane is done (``lane`` = ``lanes[i]``, default ``i``). A
+        packet unanswered within the timer is resent unchanged; after ``threshold`` expiries the timer
+        doubles; unanswered for ``give_up_s`` raises :class:`FabricTimeout`. The switch's rejection
+        notice raises :func:`..lanes.rejected`'s error; any error stops every rank
+        (:func:`..lanes.abandoning`: the others would wait for this worker's packets).
+        """
+        fab, st, sw, K = self.fabric, self.state, self.switch, self.burst
+        k, sim, timer = self.elems, self.sim, self.timer
+        S = len(slots)
+        lanes = np.arange(S) if lanes is None else lanes
+        index = {int(s): i for i, s in enumerate(slots)}
+        out: list[np.ndarray | None] = list(rows)
+        deadline = np.full(S, math.inf)
+        since = np.zeros(S)
+        timeout, threshold, expiries = timer.timeout, timer.threshold, 0
+        info = {"packets": 0, "retransmissions": 0, "results": 0, "ignored": 0}
+        pending: deque = deque()
+        if phase == "control" or self.info.get("job") != st.job:
+            self.info = {"job": st.job}
+        self.info[phase] = info
+
+        queue: list[np.ndarray] = []
+
+        def send(i: int, fresh: bool) -> None:
+            queue.append(out[i])
+            now = fab.now()
+            deadline[i] = now + (timeout if timeout is not None else math.inf)
+            if fresh:
+                since[i] = now
+            info["packets"] += 1
+            if K == 1:
+                flush()
+
+        def flush() -> None:
+            """The queued packets: one datagram each on SimFabric (a blocking send models the NIC's
+            serialisation; skips as 16-byte headers on their own tag), else ``K`` rows per message."""
+            for i in range(0, len(queue), K):
+                part = queue[i:i + K]
+                if sim and K == 1:
+                    row = part[0]
+                    fab.send(torch.from_numpy(row), sw, TAG_SKIP if row.size == HEADER else TAG_UP,
+                             reliable=False)
+                    continue
+                # a real fabric's message is as long as its packets (a receive of K rows takes it); the
+                # SimFabric's has its receive's shape
+                msg = np.zeros((K if sim else len(part), HEADER + k), dtype=np.int32)
+                for r, row in enumerate(part):
+                    msg[r, :row.size] = row
+                m = torch.from_numpy(msg)
+                if sim:
+                    fab.send(m, sw, TAG_UP, reliable=False)
+                else:
+                    pending.append((fab.isend(m, sw, TAG_UP, reliable=False), m))
+                    while len(pending) > 64:
+                        pending.popleft()[0].wait()
+            queue.clear()
+
+        with abandoning(fab):
+            for i in range(S):
+                send(i, True)
+            flush()
+            live = S
+            buf = torch.zeros((K, HEADER + k), dtype=torch.int32)
+            msg_rows = buf.numpy()
+            while live:
+                try:
+                    if timeout is None:
+                        fab.recv(buf, sw, TAG_DOWN)
+                    else:
+                        fab.recv(buf, sw, TAG_DOWN, timeout=max(float(deadline.min()) - fab.now(), 1e-9))
+                except FabricTimeout:
+                    if timeout is None:
+                        raise
+                    now = fab.now()
+                    for i in np.flatnonzero(deadline <= now + 1e-12):
+                        if now - since[i] > timer.give_up_s:
+                            raise FabricTimeout(
+                                f"worker {fab.rank}: sparse-switch {phase} packet on slot {int(slots[i])} of job "
+                                f"{st.job} unanswered for {now - since[i]:.3g} s despite retransmissions: a peer "
+                                f"or the switch is gone") from None
+                        expiries += 1
+                        info["retransmissions"] += 1
+                        send(int(i), False)
+                    flush()
+                    if expiries >= threshold:
+                        timeout *= 2
+                        threshold += timer.increment
+                        expiries = 0
+                    continue
+                filled = len(msg_rows) if sim else message_rows(fab, sw, msg_rows)
+                for res in msg_rows[:filled]:
+                    h = Header.of(res)
+                    if h.kind == T_EMPTY:
+                        continue                       # an unused row of a burst
+                    if h.kind == T_REJECT:             # the switch dropped packets it cannot take: the job is over
+                        raise rejected(fab, "sparse-switch allreduce", h.worker, h.next, h.pos == OUT_OF_STEP)
+                    i = index.get(h.slot)
+                    if h.kind not in (T_RESULT, T_RETRANSMIT) or h.job != st.job or i is None or out[i] is None:
+                        info["ignored"] += 1
+                        continue
+                    sent = Header.of(out[i])
+                    if (h.set, h.pos) != (sent.set, sent.pos):
+                        info["ignored"] += 1           # a stale result (an earlier round of this slot)
+                        continue
+                    info["results"] += 1
+                    st.parity[slots[i]] ^= 1
+                    out[i] = on_result(int(lanes[i]), res.copy())
+                    if out[i] is None:
+                        deadline[i] = math.inf
+                        live -= 1
+                    else:
+                        send(i, True)
+                msg_rows[:filled, W0] = 0              # every row T_EMPTY again: the next message may be shorter
+                flush()
+            while pending:
+                pending.popleft()[0].wait()
+
+
+def to_pos(blocks: np.ndarray, lanes: np.ndarray, L: int, nb: int) -> np.ndarray:
+    """Lane positions of block ids (``nb``, the look-ahead's "none", becomes ``NONE``)."""
+    blocks = np.asarray(blocks, dtype=np.int64)
+    return np.where(blocks >= nb, NONE, (blocks - lanes) // L)
+
