@@ -24,7 +24,8 @@ from .payload import Payload  # noqa: F401
 # ``sparsecomm.launch`` is both a module and its main function: bind the function eagerly, so that a
 # later ``import sparsecomm.launch`` (which finds the module already loaded) cannot shadow it.
 from .launch import Context, backends as _backends, current_context, launch  # noqa: E402,F401
-from .fabric.sim import Network, SimFabric  # noqa: E402,F401
+from .fabric.sim.sim import SimFabric  # noqa: E402,F401
+from .fabric.sim.sim_network import Network  # noqa: E402,F401
 
 # the netbed backend sits above launch (it runs the gloo backend's ranks in namespaces): the package's top
 # declares it, and launch imports it on first use
@@ -40,7 +41,7 @@ _LAZY = {
     "transports": ("sparsecomm.transports", None),
     "fabric": ("sparsecomm.fabric", None),
     "ddp": ("sparsecomm.ddp", None),
-    "TorchFabric": ("sparsecomm.fabric.torch_fabric", "TorchFabric"),
+    "TorchFabric": ("sparsecomm.fabric.torch.torch_fabric", "TorchFabric"),
     "CommStats": ("sparsecomm.fabric.stats", "CommStats"),
     "DistributedOptimizer": ("sparsecomm.optim", "DistributedOptimizer"),
 }

@@ -123,7 +123,7 @@ def _torch_fabric(process_group: Any) -> Any:
     default group or that worker's ``fabric.native_group``, the workers' group when the launch has
     services), else a new TorchFabric over the default process group (a collective call: every rank
     builds its hook state)."""
-    from .fabric.torch_fabric import TorchFabric
+    from .fabric.torch.torch_fabric import TorchFabric
     from .launch import current_context
 
     ctx = current_context()

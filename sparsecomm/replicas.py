@@ -158,7 +158,10 @@ def gather_words(fabric, words: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
 
         out = torch.empty(n * words.numel(), dtype=torch.int64, device=dev)
+        from .fabric.torch.torch_waiters import retain
+
         dist.all_gather_into_tensor(out, words, group=group)
+        retain(out, words)
         return out.view(n, -1).cpu()
     table = torch.empty(n, words.numel(), dtype=torch.int64, device=dev)
     if rank == 0:

@@ -16,7 +16,7 @@ from . import compressors, transports
 from .compressors.base import Compressor
 from .errors import IncompatibleError, InvalidTypeError, SparseCommError
 from .fabric.base import Fabric
-from .fabric.torch_fabric import TorchFabric
+from .fabric.torch.torch_fabric import TorchFabric
 from .launch import current_context
 from .methods import Method
 from .transports.base import Transport

@@ -7,7 +7,7 @@ import torch
 
 import sparsecomm as sc
 from sparsecomm.fabric.base import Fabric
-from sparsecomm.fabric.sim import SimWorld
+from sparsecomm.fabric.sim.sim import SimWorld
 
 
 def test_the_base_declares_a_plain_real_fabric():

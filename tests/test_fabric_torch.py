@@ -17,7 +17,7 @@ import sparsecomm as sc
 import sparsecomm.transports  # noqa: F401
 from sparsecomm.errors import FabricTimeout, IncompatibleError, MismatchError
 from sparsecomm.fabric import services
-from sparsecomm.fabric.sim import ServiceShutdown
+from sparsecomm.errors import ServiceShutdown
 
 pytestmark = pytest.mark.multiprocess
 
@@ -28,7 +28,7 @@ def _expect(problems, label, cond, detail=""):
 
 
 def p2p_checks(ctx) -> list[str]:
-    from sparsecomm.fabric.torch_fabric import TorchFabric
+    from sparsecomm.fabric.torch.torch_fabric import TorchFabric
 
     f = ctx.fabric
     r, n = ctx.rank, ctx.world_size
@@ -191,7 +191,7 @@ if "test-echo" not in services.registry:
 
 
 def service_checks(ctx, path) -> list[str]:
-    from sparsecomm.fabric.torch_fabric import ServiceNotStarted
+    from sparsecomm.errors import ServiceNotStarted
 
     f = ctx.fabric
     problems: list[str] = []
@@ -234,7 +234,7 @@ def _ask_for_missing_service(ctx):
 
 
 def test_service_not_started_is_a_clear_error():
-    from sparsecomm.fabric.torch_fabric import ServiceNotStarted
+    from sparsecomm.errors import ServiceNotStarted
 
     with pytest.raises(ServiceNotStarted, match=r"services=\['switch'\]"):
         sc.launch(_ask_for_missing_service, 2, backend="gloo", timeout_s=30)

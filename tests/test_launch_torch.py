@@ -98,7 +98,7 @@ import os, torch
 import sparsecomm as sc
 import sparsecomm.transports
 from sparsecomm.fabric import services
-from sparsecomm.fabric.sim import ServiceShutdown
+from sparsecomm.errors import ServiceShutdown
 
 def doubler(arg):
     def main(fabric):

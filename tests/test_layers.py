@@ -191,9 +191,9 @@ def test_the_checker_sees_upward_loads_and_circles():
     # a module loaded by its name (importlib, a registry's provide) is an edge too
     assert "sparsecomm.transports" in _imports("sparsecomm.launch.torch_backend", import_time_only=False)
     # a lazy import inside a function is an edge for the layer check, not for the circle check
-    src = PKG / "launch" / "base.py"
-    assert "sparsecomm.launch.torch_backend" in _imports("sparsecomm.launch.base", import_time_only=False)
-    assert "sparsecomm.launch.torch_backend" not in _imports("sparsecomm.launch.base", import_time_only=True)
+    src = PKG / "launch" / "sim_backend.py"
+    assert "sparsecomm.transports.base" in _imports("sparsecomm.launch.sim_backend", import_time_only=False)
+    assert "sparsecomm.transports.base" not in _imports("sparsecomm.launch.sim_backend", import_time_only=True)
     assert src.exists()
 
 
@@ -252,13 +252,6 @@ def test_every_module_says_at_its_top_what_it_is():
 # ----------------------------------------------------------------------------- cohesion
 #: modules in a circle of imports made inside functions, still to be restructured; the list only shrinks
 CIRCLES_PENDING: set[str] = {
-    "sparsecomm.fabric.sim_network",
-    "sparsecomm.fabric.sim_world",
-    "sparsecomm.fabric.torch_fabric",
-    "sparsecomm.fabric.torch_failure",
-    "sparsecomm.fabric.torch_waiters",
-    "sparsecomm.launch.base",
-    "sparsecomm.launch.torch_backend",
     "sparsecomm.methods.base",
     "sparsecomm.methods.state",
 }
@@ -282,6 +275,10 @@ def test_the_pending_lists_only_shrink():
 
 #: underscore names that are public API (namedtuple's; ``os._exit``)
 _PUBLIC_UNDERSCORE = {"_fields", "_replace", "_asdict", "_make", "_exit"}
+#: other libraries' private names that have no public equivalent: torch.distributed's
+#: ``distributed_c10d._get_default_store`` (the rendezvous store of a process group the caller
+#: initialised, where a launch in place keeps its failure record and counters)
+_FOREIGN_NEEDED = {"_get_default_store"}
 
 
 def _defined(tree: ast.AST) -> set[str]:
@@ -355,7 +352,7 @@ def _private_reads(mod: str, tree: ast.AST) -> list[str]:
     for node in ast.walk(tree):
         if not (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and
                 node.attr.startswith("_") and not node.attr.startswith("__") and
-                node.attr not in _PUBLIC_UNDERSCORE and node.attr not in defined):
+                node.attr not in _PUBLIC_UNDERSCORE | _FOREIGN_NEEDED and node.attr not in defined):
             continue
         cls = owners.get(id(node))
         if cls is not None and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
@@ -385,18 +382,10 @@ PRIVATE_READS_PENDING: set[str] = {
     "sparsecomm.bucket_rounds",
     "sparsecomm.compressors._kernels",
     "sparsecomm.ddp",
-    "sparsecomm.fabric.sim",
-    "sparsecomm.fabric.torch_fabric",
-    "sparsecomm.fabric.torch_failure",
-    "sparsecomm.fabric.torch_waiters",
-    "sparsecomm.launch.base",
-    "sparsecomm.launch.supervise",
-    "sparsecomm.launch.torch_backend",
     "sparsecomm.methods.base",
     "sparsecomm.methods.dgc",
     "sparsecomm.methods.onebit",
     "sparsecomm.methods.signsgd",
-    "sparsecomm.netbed.launch",
     "sparsecomm.pipeline",
     "sparsecomm.sparse_rows",
 }

@@ -345,7 +345,7 @@ def test_bad_arguments_and_the_service_registry():
 def test_aggregator_memory_is_bounded_by_its_lanes(monkeypatch):
     """A channel's sums live in one message of at most ``lanes`` blocks, whatever the tensor size: the
     largest message on the wire is the same for a 10x larger tensor."""
-    from sparsecomm.fabric import sim
+    from sparsecomm.fabric.sim import sim
 
     sizes = []
     orig = sim.SimFabric._post

@@ -283,7 +283,7 @@ def test_a_header_changed_on_the_way_fails_its_checksum_and_the_next_call_is_exa
 def _mixed_channels(ctx, posted, lock, inplace):
     """n = 2, two aggregators of two one-round channels of 8 blocks each: channel 0 of each aggregator
     has 3 non-zero blocks per worker (some summed, not all), channel 1 all 8 (summed everywhere)."""
-    from sparsecomm.fabric.sim import SimFabric
+    from sparsecomm.fabric.sim.sim import SimFabric
 
     f = ctx.fabric
     irecv = SimFabric.irecv

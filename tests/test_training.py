@@ -59,6 +59,40 @@ def test_start_returns_before_the_communication():
         assert torch.equal(y, torch.full((10,), 2.0))
 
 
+EXIT_AFTER_FUTURE = """
+import time
+from sparsecomm.transports.base import CommEngine
+
+class SlowToRelease:
+    def __del__(self):
+        time.sleep(0.5)          # the comm thread releases the chained callback after the waiter woke
+
+def chained():
+    held = SlowToRelease()
+    return lambda f: (held, f.value())[1]
+
+fut = CommEngine().submit(lambda: 7).get_future().then(chained())
+print(fut.wait(), flush=True)    # the script ends here, as a DDP script ends after its last backward
+"""
+
+
+def test_a_script_that_ends_right_after_a_future_completes_exits_cleanly(tmp_path):
+    """The interpreter's exit waits for the communication thread to leave torch's C++ layer: a script
+    that ends while the thread still releases the callbacks chained on a completed future exits 0
+    (it used to abort: "terminate called without an active exception", exit -6)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "ends.py"
+    script.write_text(EXIT_AFTER_FUTURE)
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1",
+           "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert (out.returncode, out.stdout.strip()) == (0, "7"), out.stderr[-2000:]
+
+
 def test_error_on_comm_thread_reaches_every_wait():
     """A call that fails (lengths differ across workers) raises from ``wait`` on every worker, and later
     calls on the fabric raise the same error instead of running on an out-of-step stream."""
@@ -479,7 +513,7 @@ def test_nonfinite_pass_lets_nan_through_like_ddp():
 
 # ============================================================================ unguaranteed pairs
 def test_ef_with_a_non_contractive_unbiased_compressor_warns():
-    from sparsecomm.fabric.sim import SimWorld
+    from sparsecomm.fabric.sim.sim import SimWorld
 
     def msgs(**kw):
         with warnings.catch_warnings(record=True) as w:

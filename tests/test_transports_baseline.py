@@ -152,7 +152,7 @@ def check_all(ctx, transports=("ring", "allgather")) -> tuple[int, list[str]]:
 
 def check_all_coalesced(ctx, transports) -> tuple[int, list[str]]:
     """``check_all`` over a TorchFabric that defers isend/irecv into groups, as it does for nccl."""
-    from sparsecomm.fabric.torch_fabric import TorchFabric
+    from sparsecomm.fabric.torch.torch_fabric import TorchFabric
     from sparsecomm.launch import Context
 
     fabric = TorchFabric(ctx.world_size, timeout_s=ctx.fabric.timeout_s, coalesce=True)

@@ -1,6 +1,6 @@
 """Closed-form alpha-beta communication costs of the transports, per worker, for ``n`` workers.
 
-The model is the SimFabric's (``sparsecomm/fabric/sim.py``), so that a closed form here and a simulated
+The model is the SimFabric's (``sparsecomm/fabric/sim/``), so that a closed form here and a simulated
 run agree (``tests/test_costs.py`` checks it within 10 % for n in {2, 4, 8, 16, 64}):
 
 - every endpoint has a full-duplex NIC of ``B`` bytes/s (``bandwidth_gbps * 1e9 / 8``) and a per-message

@@ -7,11 +7,11 @@ For every (workers, size): on a netbed with links of ``--gbps``, the median over
 (after one warm-up, each after a barrier) of ``native`` (``torch.distributed.all_reduce``, gloo's ring for
 large CPU tensors) and of ``ring`` (this library's ring over the Fabric), in one launch, interleaved; then
 the SimFabric's modelled time of ``ring`` at the same bandwidth, with the netbed's TCP/Ethernet framing
-(:data:`sparsecomm.fabric.sim.TCP_OVER_ETHERNET`) and the one-way latency of a small message measured over
-the same fabric in the same launch (:func:`sparsecomm.netbed.probe.fabric_latency_s`: the kernel's ~10 us
-plus gloo's rendezvous and the ranks' wake-ups, which on a shared 2-core host are most of it). Both
-measured transports are compared to that modelled time (the model of a bandwidth-optimal ring; gloo's
-native all-reduce moves the same bytes). ``ratio`` = modelled / measured.
+(:data:`sparsecomm.fabric.sim.sim_network.TCP_OVER_ETHERNET`) and the one-way latency of a small message
+measured over the same fabric in the same launch (:func:`sparsecomm.netbed.probe.fabric_latency_s`: the
+kernel's ~10 us plus gloo's rendezvous and the ranks' wake-ups, which on a shared 2-core host are most of
+it). Both measured transports are compared to that modelled time (the model of a bandwidth-optimal ring;
+gloo's native all-reduce moves the same bytes). ``ratio`` = modelled / measured.
 
 A call's measured time runs from the moment its *last* rank called it to the moment its last rank
 returned (one clock, ``time.monotonic``, for every namespace of the machine), as the model's does (every
@@ -32,7 +32,7 @@ import torch
 
 import sparsecomm as sc
 import sparsecomm.transports  # noqa: F401  (registers the transports)
-from sparsecomm.fabric.sim import TCP_OVER_ETHERNET
+from sparsecomm.fabric.sim.sim_network import TCP_OVER_ETHERNET
 from sparsecomm.netbed.probe import fabric_latency_s
 
 #: one-way latency of a netbed path in the kernel (host - top of rack - host), half the ~20 us round trip

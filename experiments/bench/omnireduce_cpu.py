@@ -14,7 +14,7 @@ interleaved per repetition. Printed: per (n, d) the median CPU per call of every
 over ranks of those, and the median wall time of the slowest rank; and per call (median over ranks
 and calls) the receives and sends this rank posted on the fabric and the receives handed to a helper
 thread to learn of their completion (gloo reports completion only through a blocking wait:
-:mod:`sparsecomm.fabric.torch_waiters`); and the CPU per call of each thread (the main thread; the
+:mod:`sparsecomm.fabric.torch.torch_waiters`); and the CPU per call of each thread (the main thread; the
 others by name: gloo's, the helpers), barrier to barrier.
 CPU per call is what this measures: on a shared 2-core host the wall times are load-bound, the CPU
 figures much less so.
@@ -134,9 +134,9 @@ def _thread_ticks() -> dict:
 
 def _count_ops(f) -> dict:
     """Count, from now on, this rank's receives and sends posted on the fabric and (gloo) the receives
-    handed to a helper thread to learn of their completion (:mod:`sparsecomm.fabric.torch_waiters`):
+    handed to a helper thread to learn of their completion (:mod:`sparsecomm.fabric.torch.torch_waiters`):
     wrappers on this process's own objects, for this benchmark only."""
-    from sparsecomm.fabric import torch_waiters
+    from sparsecomm.fabric.torch import torch_waiters
 
     ops = {"recvs": 0, "sends": 0, "handoffs": 0}
 

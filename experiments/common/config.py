@@ -142,7 +142,7 @@ def _trial_transport(name: str, kw_json: str, workers: int) -> None:
     """Build the transport once on a throwaway SimFabric of ``workers`` endpoints, so that its own
     checks of its hyper-parameters and of the world size run before any study starts. (On real
     fabrics the same checks run when the workers build it.)"""
-    from sparsecomm.fabric.sim import SimWorld
+    from sparsecomm.fabric.sim.sim import SimWorld
 
     world = SimWorld(workers)
     try:

@@ -1,9 +1,11 @@
 """Point-to-point fabrics: SimFabric (in-process, modelled network) and TorchFabric (torch.distributed).
 
-The contract and the capabilities every fabric declares are in :mod:`.base`; the simulation is
-:mod:`.sim` (the Fabric API) over :mod:`.sim_world` (the scheduler) and :mod:`.sim_network` (the network
-model); TorchFabric is :mod:`.torch_fabric` with its fail-stop propagation in :mod:`.torch_failure` and
-its completion helpers in :mod:`.torch_waiters`; :mod:`.services` maps service specs to service loops.
+The contract and the capabilities every fabric declares are in :mod:`.base`, the ledger in :mod:`.stats`;
+:mod:`.services` maps service specs to service loops. The two fabrics are sub-packages: :mod:`.sim` (the
+simulation: :mod:`.sim.sim`, the Fabric API, over :mod:`.sim.sim_world`, the scheduler, and
+:mod:`.sim.sim_network`, the network model) and :mod:`.torch` (torch.distributed:
+:mod:`.torch.torch_fabric`, which owns its fail-stop propagation, :mod:`.torch.torch_failure`, and its
+waits, :mod:`.torch.torch_waiters`).
 """
 
 from .base import Fabric, Work

@@ -42,11 +42,10 @@ Capabilities. Layers above ask a fabric what it can do, never which class it is:
   "Defaults"). ``None``: a message is one datagram of a modelled network, whose model states its every
   cost (SimFabric), so protocols send their packets one per message, as the papers do, and keep the
   papers' settings, which the reproductions compare with their closed forms. On a real fabric (the
-  default, TorchFabric) :data:`MESSAGE_BYTES`, 1 MiB: over gloo and TCP a message costs the hosts
-  about 0.3 ms of CPU beyond its bytes (the receiver's "receive posted" notice, system calls, thread
-  wake-ups), about what the kernel's copies of 1 MiB cost, and messages of 2 MiB were measured no faster
-  (BENCHMARKS.md, SwitchML, "Per-message cost"). Defaults are fast where they run (README.md,
-  "Transports and their defaults").
+  default, TorchFabric) :data:`MESSAGE_BYTES`, 1 MiB: over gloo and TCP a message costs the hosts a
+  fixed CPU time beyond its bytes (the receiver's "receive posted" notice, system calls, thread
+  wake-ups), which a message of this size amortises, while longer ones gain nothing more (BENCHMARKS.md
+  has the figures). Defaults are fast where they run (README.md, "Transports and their defaults").
 - ``scratch``: a dict that lives and dies with this endpoint, where a layer above keeps its per-fabric
   state (a transport's caches) instead of a module-level dict keyed by fabric; ``world_scratch``: a
   dict shared by every endpoint of this job that lives in this process (the simulated world's; on a
@@ -60,9 +59,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..errors import IncompatibleError, InvalidValueError, SparseCommError
+from ..errors import InvalidValueError
 from .stats import CommStats
-from ..errors import ServiceShutdown, ServiceNotStarted  # noqa: F401 (re-exported)
 
 #: a real fabric's ``message_bytes`` (module docstring, "Capabilities")
 MESSAGE_BYTES = 1 << 20

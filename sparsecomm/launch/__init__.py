@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from ..fabric.sim_network import Network
+from ..fabric.sim.sim_network import Network
 from .base import backends, check_main_guard
 from .context import Context, current_context, set_context
 from . import sim_backend  # noqa: F401  (registers "sim")

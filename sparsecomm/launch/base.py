@@ -1,5 +1,5 @@
-"""The registry of launch backends, the check that spawning backends run under a main guard, and the
-threads each rank gets by default."""
+"""The registry of launch backends, whether this process already is a rank of a job (nothing to spawn),
+the check that spawning backends run under a main guard, and the threads each rank gets by default."""
 
 from __future__ import annotations
 
@@ -19,6 +19,17 @@ def threads_per_rank(ranks: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, int(ranks)))
 
 
+def in_place() -> bool:
+    """Is this process already one rank of a torch.distributed job: a process group is initialised, or
+    torchrun's environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) is set? Then the
+    torch backends run ``fn`` here instead of spawning ranks."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return True
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
 def check_main_guard() -> None:
     """Raise a clear error when ``launch`` (of a backend that spawns processes) is called from a script's
     module level outside ``if __name__ == "__main__":``: each spawned rank re-imports the script (Python's
@@ -32,9 +43,7 @@ def check_main_guard() -> None:
     if main is None or not path or not str(path).endswith(".py"):
         return
     try:
-        from .torch_backend import _in_place
-
-        if _in_place():
+        if in_place():
             return                 # under torchrun (or an initialised process group): nothing spawns
     except Exception:  # noqa: BLE001 - the check is advisory
         pass

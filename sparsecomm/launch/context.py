@@ -15,7 +15,7 @@ import torch
 from ..fabric.base import Fabric
 
 if TYPE_CHECKING:
-    from ..fabric.sim_network import Network
+    from ..fabric.sim.sim_network import Network
 
 
 @dataclass

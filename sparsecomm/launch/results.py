@@ -2,7 +2,7 @@
 
 ``None``, ``bool``, ``int``, ``float``, ``str``, ``bytes``, lists, tuples, dicts of those, CPU tensors and
 numpy arrays and scalars of numeric dtypes (dtype, shape, raw bytes), as JSON plus the arrays' bytes
-(:func:`encode_result` / :func:`decode_result`); :func:`_gather_results` gives every rank every rank's
+(:func:`encode_result` / :func:`decode_result`); :func:`gather_results` gives every rank every rank's
 result. Limits, the same on both sides (what encodes decodes): at most 256 MiB per result, 64 levels of
 nesting, 2^21 JSON lists (one per value, so about two million values outside arrays: return an array for
 more), 64 dimensions per array.
@@ -236,15 +236,17 @@ def decode_result(data: bytes) -> Any:
     return out
 
 
-def _gather_results(result: Any, rank: int, total: int, fabric) -> list[Any]:
+def gather_results(result: Any, rank: int, total: int, fabric) -> list[Any]:
     """Every rank's result on every rank, in the safe encoding, over the default group: the lengths first
     (one int64 each, with a flag for a result that cannot be encoded), then the encodings padded to the
     longest, then each rank's verdict on the others' (so that a malformed result is
     :class:`MalformedMessage` on every rank). A collective that fails (a rank raised in ``fn`` or died)
-    is the fabric's error (:meth:`~sparsecomm.fabric.torch_failure.FailStop.collective_error`), naming
+    is the fabric's error (:meth:`~sparsecomm.fabric.torch.torch_fabric.TorchFabric.collective_error`), naming
     the rank that failed first."""
     import torch
     import torch.distributed as dist
+
+    from ..fabric.torch.torch_waiters import retain
 
     def all_gather(t: torch.Tensor, what: str) -> list[torch.Tensor]:
         out = [torch.empty_like(t) for _ in range(total)]
@@ -252,6 +254,7 @@ def _gather_results(result: Any, rank: int, total: int, fabric) -> list[Any]:
             dist.all_gather(out, t)
         except RuntimeError as exc:
             raise fabric.collective_error(exc, f"all_gather of the results ({what})") from exc
+        retain(out, t)
         return out
 
     try:

@@ -7,8 +7,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..errors import InvalidTypeError, PeerFailure
-from ..fabric.sim import EndpointCrashed, Network, SimWorld
+from ..errors import EndpointCrashed, InvalidTypeError, PeerFailure
+from ..fabric.sim.sim import SimWorld
+from ..fabric.sim.sim_network import Network
 from .base import backends
 from .context import Context, set_context
 

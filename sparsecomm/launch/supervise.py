@@ -1,11 +1,12 @@
 """Supervision of spawned ranks: their reports, deaths and the root failure the parent re-raises.
 
-A rank that raises reports its exception and traceback to the parent, which terminates every other
-process and re-raises that exception (with the traceback text as a note). A rank that dies without
-reporting is a crash: the parent writes the store's failure record (so the survivors stop at once,
-naming it), gives them up to ``timeout_s`` + 2 s to notice, then terminates the rest and raises
-:class:`PeerFailure` naming the dead rank, with the survivors' errors as notes. Errors that are the
-effect of another rank's failure (:func:`_is_consequence`) never hide the root.
+Every child reports once on the :class:`Reports` channel: its pickled result, or its exception and
+traceback (:func:`pack_error`). For a rank that raises, the parent terminates every other process and
+re-raises that exception (with the traceback text as a note). A rank that dies without reporting is a
+crash: the parent writes the store's failure record (so the survivors stop at once, naming it), gives
+them up to ``timeout_s`` + 2 s to notice, then terminates the rest and raises :class:`PeerFailure`
+naming the dead rank, with the survivors' errors as notes. Errors that are the effect of another rank's
+failure (:func:`_is_consequence`) never hide the root.
 """
 
 from __future__ import annotations
@@ -16,15 +17,35 @@ import traceback
 from multiprocessing.connection import wait as _mp_wait
 from typing import Any
 
-from ..errors import FabricTimeout, PeerFailure, SparseCommError
-from ..errors import WorkerError  # noqa: F401 (re-exported)
+from ..errors import FabricTimeout, PeerFailure, WorkerError
 
 DONE_KEY = "sparsecomm/workers_done"
 _CRASH_GRACE_S = 2.0
 _CONSEQUENCE_GRACE_S = 1.0
 
 
-def _pack_error(exc: BaseException) -> tuple[bytes | None, str, str, str]:
+class Reports:
+    """The channel on which spawned ranks report to their parent: ``("ok", rank, pickled result or None)``
+    or ``("err", rank, pack_error(exc))``. One pipe that every child writes under one lock (so a report
+    is never interleaved with another), read by the parent only, in the order the reports were written;
+    :attr:`reader` is waitable (:func:`multiprocessing.connection.wait`). A child gets it as an argument
+    of its process (while it is spawned)."""
+
+    def __init__(self, ctx) -> None:
+        self.reader, self._writer = ctx.Pipe(duplex=False)
+        self._lock = ctx.Lock()
+
+    def put(self, report: tuple) -> None:
+        with self._lock:
+            self._writer.send(report)
+
+    def close(self) -> None:
+        self.reader.close()
+        self._writer.close()
+
+
+def pack_error(exc: BaseException) -> tuple[bytes | None, str, str, str]:
+    """``exc`` for its parent: pickled if it round-trips, its type's name, its text and its traceback."""
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     try:
         blob = pickle.dumps(exc)
@@ -67,8 +88,11 @@ def _describe(rank: int, world_size: int, services: tuple[str, ...]) -> str:
     return f"worker {rank}" if rank < world_size else f"service {services[rank - world_size]!r} (rank {rank})"
 
 
-def _supervise(procs, queue, world_size: int, services: tuple[str, ...], timeout_s: float,
-               store=None) -> list[Any]:
+def supervise(procs, reports: Reports, world_size: int, services: tuple[str, ...], timeout_s: float,
+              store=None) -> list[Any]:
+    """The workers' results in rank order once every worker has reported one; else raise the root
+    failure (the module docstring), with the other ranks' failures as notes. ``procs`` are the started
+    ranks in rank order, ``store`` the rendezvous store in which a death is recorded."""
     total = len(procs)
     results: list[Any] = [None] * world_size
     done: set[int] = set()                                     # ranks that reported success
@@ -76,11 +100,11 @@ def _supervise(procs, queue, world_size: int, services: tuple[str, ...], timeout
     order: list[int] = []                                      # ranks in order of failure
     deaths: dict[int, int] = {}                                # rank -> exit code, without a report
     fail_since: float | None = None
-    reader = queue._reader
+    reader = reports.reader
 
     def drain() -> None:
         while reader.poll():
-            kind, rank, data = queue.get()
+            kind, rank, data = reader.recv()
             if kind == "ok":
                 done.add(rank)
                 if rank < world_size:
@@ -142,7 +166,7 @@ def _record_death(store, rank: int, code: int, world_size: int, services: tuple[
     ``rank`` died without a report, so that they stop at once, naming it."""
     if store is None:
         return
-    from ..fabric.torch_failure import encode_failure
+    from ..fabric.torch.torch_failure import encode_failure
 
     what = "killed by signal " + str(-code) if code is not None and code < 0 else f"exit code {code}"
     text = f"{_describe(rank, world_size, services)} died without reporting ({what})"
@@ -152,7 +176,7 @@ def _record_death(store, rank: int, code: int, world_size: int, services: tuple[
         pass
 
 
-def _reap(procs, grace_s: float) -> None:
+def reap(procs, grace_s: float) -> None:
     """Give the children ``grace_s`` to exit on their own, then terminate (and if need be kill) the rest."""
     deadline = time.monotonic() + grace_s
     for p in procs:

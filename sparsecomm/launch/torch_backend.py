@@ -36,8 +36,8 @@ the list of all workers' results, so code after ``launch`` behaves the same on e
 cross ranks in a documented safe encoding, never pickled (unpickling what a peer sends runs its code):
 ``None``, ``bool``, ``int``, ``float``, ``str``, ``bytes``, lists, tuples, dicts of those, CPU tensors and
 numpy arrays and scalars of numeric dtypes (dtype, shape, raw bytes), as JSON plus the arrays' bytes
-(:func:`encode_result` / :func:`decode_result`; at most 256 MiB per result, and the limits of
-:mod:`.results`). A result of any other type is a ``TypeError`` on every rank; a malformed one
+(:func:`~.results.encode_result` / :func:`~.results.decode_result`; at most 256 MiB per result, and the
+limits of :mod:`.results`). A result of any other type is a ``TypeError`` on every rank; a malformed one
 (crafted, or corrupted) is :class:`~sparsecomm.errors.MalformedMessage` on every rank; a rank that
 raises in ``fn`` or dies while the others wait in the results gather gives them the fabric's error
 naming it (its error class and message when it raised). A process group that ``launch`` initialised
@@ -49,7 +49,7 @@ unpickles what another rank sends.
 
 Shutdown protocol. A worker that returns from ``fn`` adds 1 to a counter in the rendezvous store
 (``sparsecomm/.../workers_done``). Service ranks poll the counter while they wait for messages (every
-50 ms) and end their loop (:class:`~sparsecomm.fabric.sim.ServiceShutdown`) once it reaches
+50 ms) and end their loop (:class:`~sparsecomm.errors.ServiceShutdown`) once it reaches
 ``world_size``. Spawned workers stay alive until the counter is complete, so no rank closes its
 connections while a peer may still talk to it; then every child exits.
 
@@ -69,16 +69,16 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
-from .base import backends, threads_per_rank
+from ..errors import InvalidTypeError, InvalidValueError, ServiceShutdown
+from .base import backends, in_place, threads_per_rank
 from .context import Context, set_context
-from .results import _gather_results, decode_result, encode_result  # noqa: F401  (re-exported)
-from .supervise import DONE_KEY as _DONE_KEY
-from .supervise import WorkerError, _pack_error, _reap, _supervise  # noqa: F401  (WorkerError re-exported)
-from ..errors import InvalidTypeError, InvalidValueError
+from .results import gather_results
+from .supervise import DONE_KEY, Reports, pack_error, reap, supervise
 
 DEFAULT_TIMEOUT_S = 120.0
 #: imported once by the fork server, so that each rank starts in milliseconds instead of importing torch
-_PRELOAD = ("torch", "torch.distributed", "sparsecomm.launch.torch_backend", "sparsecomm.fabric.torch_fabric")
+_PRELOAD = ("torch", "torch.distributed", "sparsecomm.launch.torch_backend",
+            "sparsecomm.fabric.torch.torch_fabric")
 _OPTIONAL_PRELOAD = ("numpy", "numba")
 _in_place_calls = 0
 
@@ -98,21 +98,13 @@ def _launch(backend: str, fn: Callable[[Context], Any], world_size: int, *, netw
     timeout_s = float(timeout_s) if timeout_s is not None else DEFAULT_TIMEOUT_S
     if timeout_s <= 0:
         raise InvalidValueError(f"timeout_s must be positive, got {timeout_s}")
-    if _in_place():
+    if in_place():
         return _run_in_place(backend, fn, world_size, timeout_s, services)
-    return _spawn(backend, fn, world_size, timeout_s, services, start_method)
+    return spawn(backend, fn, world_size, timeout_s, services, start_method)
 
 
 backends.register("gloo")(functools.partial(_launch, "gloo"))
 backends.register("nccl")(functools.partial(_launch, "nccl"))
-
-
-def _in_place() -> bool:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return True
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
 # ----------------------------------------------------------------------------- in place (torchrun)
@@ -121,7 +113,7 @@ def _run_in_place(backend: str, fn: Callable, world_size: int, timeout_s: float,
     import torch
     import torch.distributed as dist
 
-    from ..fabric.torch_fabric import TorchFabric
+    from ..fabric.torch.torch_fabric import TorchFabric
 
     global _in_place_calls
     owned = not dist.is_initialized()
@@ -138,7 +130,7 @@ def _run_in_place(backend: str, fn: Callable, world_size: int, timeout_s: float,
                          f"{len(services)} service rank(s) {list(services)}; start "
                          f"{world_size + len(services)} processes (torchrun --nproc-per-node ...)")
     _in_place_calls += 1
-    key = f"{_DONE_KEY}/{_in_place_calls}"
+    key = f"{DONE_KEY}/{_in_place_calls}"
     store = dist.distributed_c10d._get_default_store()
     fabric = TorchFabric(world_size, services, timeout_s=timeout_s, store=store, shutdown_key=key)
     rank = dist.get_rank()
@@ -159,7 +151,7 @@ def _run_in_place(backend: str, fn: Callable, world_size: int, timeout_s: float,
         fabric.close()
         raise
     try:
-        gathered = _gather_results(result if rank < world_size else None, rank, total, fabric)
+        gathered = gather_results(result if rank < world_size else None, rank, total, fabric)
     finally:
         fabric.close()
         if owned:
@@ -179,7 +171,6 @@ def _serve(fabric, spec: str) -> None:
     """Run the service loop for ``spec`` until the workers are done."""
     from .. import transports  # noqa: F401  (the library's services register when it is imported)
 
-    from ..fabric.base import ServiceShutdown
     from ..fabric.services import resolve
 
     main = resolve(spec)
@@ -217,13 +208,15 @@ def _start_method(requested: str | None) -> str:
     return requested
 
 
-def _spawn(backend: str, fn: Callable, world_size: int, timeout_s: float,
-           services: tuple[str, ...], start_method: str | None = None, *,
-           make_store: Callable | None = None, master_addr: str = "127.0.0.1",
-           prologue: Callable[[int], None] | None = None) -> list[Any]:
-    """Start and supervise the ranks. The netbed backend places them: ``make_store(total, timeout_s)``
-    returns the rendezvous store the children reach at ``master_addr``, and each child runs the
-    picklable ``prologue(rank)`` first (entering its host's network namespace)."""
+def spawn(backend: str, fn: Callable, world_size: int, timeout_s: float,
+          services: tuple[str, ...], start_method: str | None = None, *,
+          make_store: Callable | None = None, master_addr: str = "127.0.0.1",
+          prologue: Callable[[int], None] | None = None) -> list[Any]:
+    """Start ``world_size`` workers and one rank per service spec as processes, supervise them
+    (:func:`~.supervise.supervise`) and return the workers' results in rank order (the module docstring,
+    "Spawned locally"). The netbed backend places them: ``make_store(total, timeout_s)`` returns the
+    rendezvous store the children reach at ``master_addr``, and each child runs the picklable
+    ``prologue(rank)`` first (entering its host's network namespace)."""
     import torch
     import torch.distributed as dist
     import torch.multiprocessing as mp
@@ -246,7 +239,7 @@ def _spawn(backend: str, fn: Callable, world_size: int, timeout_s: float,
                                    + _loaded_library_packages())
     store = make_store(total, timeout_s) if make_store is not None else dist.TCPStore(
         "127.0.0.1", 0, total, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
-    queue = ctx.SimpleQueue()
+    reports = Reports(ctx)
     procs = []
     ok = False
     try:
@@ -256,16 +249,16 @@ def _spawn(backend: str, fn: Callable, world_size: int, timeout_s: float,
         with _child_env({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}):
             for r in range(total):
                 p = ctx.Process(target=_child_main, name=f"sparsecomm-{backend}-rank{r}",
-                                args=(r, world_size, services, store.port, backend, timeout_s, fn_bytes, queue,
-                                      master_addr, prologue, threads))
+                                args=(r, world_size, services, store.port, backend, timeout_s, fn_bytes,
+                                      reports, master_addr, prologue, threads))
                 p.start()
                 procs.append(p)
-        results = _supervise(procs, queue, world_size, services, timeout_s, store)
+        results = supervise(procs, reports, world_size, services, timeout_s, store)
         ok = True
         return results
     finally:
-        _reap(procs, grace_s=5.0 if ok else 0.0)
-        queue.close()
+        reap(procs, grace_s=5.0 if ok else 0.0)
+        reports.close()
         del store
 
 
@@ -277,7 +270,7 @@ def _loaded_library_packages() -> list[str]:
 
 
 def _child_main(rank: int, world_size: int, services: tuple[str, ...], port: int, backend: str,
-                timeout_s: float, fn_bytes: bytes, queue, master_addr: str = "127.0.0.1",
+                timeout_s: float, fn_bytes: bytes, reports: Reports, master_addr: str = "127.0.0.1",
                 prologue: Callable[[int], None] | None = None, threads: int = 1) -> None:
     """Entry point of a spawned rank (module level, so that spawn start-up stays cheap)."""
     code = 0
@@ -288,7 +281,7 @@ def _child_main(rank: int, world_size: int, services: tuple[str, ...], port: int
         import torch
         import torch.distributed as dist
 
-        from ..fabric.torch_fabric import TorchFabric
+        from ..fabric.torch.torch_fabric import TorchFabric
 
         os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
@@ -298,7 +291,7 @@ def _child_main(rank: int, world_size: int, services: tuple[str, ...], port: int
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, store=store, rank=rank, world_size=total,
                                  timeout=timedelta(seconds=timeout_s))
-        fabric = TorchFabric(world_size, services, timeout_s=timeout_s, store=store, shutdown_key=_DONE_KEY)
+        fabric = TorchFabric(world_size, services, timeout_s=timeout_s, store=store, shutdown_key=DONE_KEY)
         fn = pickle.loads(fn_bytes)   # on service ranks too: services registered beside fn are then known
         if rank < world_size:
             ctx = Context(rank, world_size, fabric, backend, fabric.device)
@@ -309,14 +302,14 @@ def _child_main(rank: int, world_size: int, services: tuple[str, ...], port: int
             except Exception as exc:  # noqa: BLE001
                 raise InvalidTypeError(f"the result of fn on worker {rank} cannot be pickled back to the parent: "
                                 f"{exc}") from exc
-            queue.put(("ok", rank, data))
-            store.add(_DONE_KEY, 1)
+            reports.put(("ok", rank, data))
+            store.add(DONE_KEY, 1)
             parent = os.getppid()
-            while int(store.add(_DONE_KEY, 0)) < world_size and os.getppid() == parent:
+            while int(store.add(DONE_KEY, 0)) < world_size and os.getppid() == parent:
                 time.sleep(0.01)
         else:
             _serve(fabric, services[rank - world_size])
-            queue.put(("ok", rank, None))
+            reports.put(("ok", rank, None))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         code = 1
         if fabric is not None:
@@ -325,7 +318,7 @@ def _child_main(rank: int, world_size: int, services: tuple[str, ...], port: int
             except BaseException:  # noqa: BLE001
                 pass
         try:
-            queue.put(("err", rank, _pack_error(exc)))
+            reports.put(("err", rank, pack_error(exc)))
         except BaseException:  # noqa: BLE001 - the parent is gone
             pass
     for stream in (sys.stdout, sys.stderr):

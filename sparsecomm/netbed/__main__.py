@@ -35,11 +35,11 @@ import subprocess
 import sys
 import time
 
-from ..errors import InvalidValueError
+from ..errors import InvalidValueError, NetbedError
 from ..launch.base import threads_per_rank
 
 from .launch import terminate_as_interrupt
-from .topology import Netbed, NetbedError, check_shaping, cleanup_stale, list_netbed_namespaces
+from .topology import Netbed, check_shaping, cleanup_stale, list_netbed_namespaces
 
 
 def host_env(bed: Netbed, rank: int, port: int) -> dict[str, str]:

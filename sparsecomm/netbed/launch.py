@@ -23,17 +23,18 @@ path: return, exception, Ctrl-C, SIGTERM). Placement follows the paper testbeds:
 - every other service (a dedicated OmniReduce aggregator ``"omnireduce-agg:i"``) gets a host of its own
   with its own link, after the workers.
 
-The ranks are the same spawned processes as the ``gloo`` backend (:func:`sparsecomm.launch.torch_backend._spawn`:
-forkserver children, supervision, failure reporting, results back over a queue from the parent's own
-children); each child first enters its namespace (``setns``) and sets ``GLOO_SOCKET_IFNAME`` to its
-link, so every gloo byte crosses the shaped links and the kernel's forwarding. The rendezvous TCPStore is
-hosted by the parent inside the top-of-rack namespace (listening on all of its ports).
+The ranks are the same spawned processes as the ``gloo`` backend
+(:func:`sparsecomm.launch.torch_backend.spawn`: forkserver children, supervision, failure reporting,
+results back over a pipe from the parent's own children); each child first enters its namespace
+(``setns``) and sets ``GLOO_SOCKET_IFNAME`` to its link, so every gloo byte crosses the shaped links and
+the kernel's forwarding. The rendezvous TCPStore is hosted by the parent inside the top-of-rack
+namespace (listening on all of its ports).
 
-``network``: a :class:`~sparsecomm.fabric.sim.Network`; only ``bandwidth_gbps`` applies (and
-``timeout_s`` when ``timeout_s`` is not given). The netbed's latency is the kernel's own (about 10 us
-per hop here), so ``latency_us`` must be left at its default (or 0); latency and loss other than that
-raise :class:`~sparsecomm.errors.NetbedError` (no ``netem`` here), and so do ``stragglers``
-and ``crash`` (fault injection of the modelled network). ``bandwidth_gbps=None`` via
+``network``: a :class:`~sparsecomm.fabric.sim.sim_network.Network`; only ``bandwidth_gbps`` applies (and
+``timeout_s`` when ``timeout_s`` is not given). The netbed's latency is the kernel's own (nothing adds
+delay), so ``latency_us`` must be left at its default (or 0); latency and loss other than that raise
+:class:`~sparsecomm.errors.NetbedError` (the netbed has no ``netem``), and so do ``stragglers`` and
+``crash`` (fault injection of the modelled network). ``bandwidth_gbps=None`` via
 ``netbed_unshaped=True`` runs on unshaped veth links.
 """
 
@@ -47,10 +48,10 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
-from ..fabric.sim_network import Network
+from ..errors import InvalidTypeError, InvalidValueError, NetbedError
+from ..fabric.sim.sim_network import Network
 from ..launch import Context, backends
-from .topology import Netbed, NetbedError, check_shaping, resolve_as
-from ..errors import InvalidTypeError, InvalidValueError
+from .topology import Netbed, check_shaping, resolve_as
 
 _DEFAULT_LATENCY_US = Network.__dataclass_fields__["latency_us"].default
 
@@ -174,10 +175,10 @@ def _launch_netbed(fn: Callable[[Context], Any], world_size: int, *, network: Ne
                 on_netbed(bed)
             namespaces = [bed.tor_ns if h is None else bed.host_ns(h) for h in where]
             ifnames = [bed.ifname(ns) for ns in namespaces]
-            return lt._spawn("gloo", fn, world_size, timeout_s, services, start_method,
-                             make_store=functools.partial(_store_in, bed.tor_ns, bed.tor_addr),
-                             master_addr=bed.tor_addr,
-                             prologue=functools.partial(enter_namespace, tuple(namespaces), tuple(ifnames)))
+            return lt.spawn("gloo", fn, world_size, timeout_s, services, start_method,
+                            make_store=functools.partial(_store_in, bed.tor_ns, bed.tor_addr),
+                            master_addr=bed.tor_addr,
+                            prologue=functools.partial(enter_namespace, tuple(namespaces), tuple(ifnames)))
         finally:
             bed.close()
 

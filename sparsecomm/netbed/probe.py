@@ -11,10 +11,10 @@ thread), so they measure the kernel path a gloo rank uses: veth, the top of rack
 and, run by every worker of a launch on any fabric (the netbed's ranks, or the SimFabric's):
 
 - :func:`fabric_latency_s`: the one-way latency of a small message *as a transport sees it*: the kernel's
-  path plus gloo's rendezvous and the wake-ups of the ranks' threads, which on a shared 2-core host are
-  most of it (the kernel's own round trip here is ~20 us). This is the ``alpha`` of the alpha-beta model
-  that :class:`~sparsecomm.fabric.sim.Network`'s ``latency_us`` stands for (on the SimFabric it gives
-  back ``latency_us`` plus the message's serialisation; ``tests/test_netbed_probe.py``).
+  path plus gloo's rendezvous and the wake-ups of the ranks' threads, which on a shared host can be most
+  of it. This is the ``alpha`` of the alpha-beta model that
+  :class:`~sparsecomm.fabric.sim.sim_network.Network`'s ``latency_us`` stands for (on the SimFabric it
+  gives back ``latency_us`` plus the message's serialisation; ``tests/test_netbed_probe.py``).
 """
 
 from __future__ import annotations

@@ -11,19 +11,19 @@ netbeds, or two test runs, never collide; every name lives in a namespace this n
 Each veth pair (``eth0`` in the host, ``p<i>`` in the top of rack) is created directly inside the two
 namespaces, so no interface name ever exists in the root namespace. Both ends get a root ``htb``
 qdisc with one class at ``bandwidth_gbps`` (rate = ceil), so every link is shaped in both directions.
-``htb`` and not ``tbf``: a ``tbf`` root qdisc on these veth links added 1.6-3.7 ms to a small message's
-round trip, against ~0.02-0.2 ms with ``htb`` or no shaping, which would punish exactly the protocols
-with round trips. ``htb`` counts the whole frame (Ethernet + IP + TCP headers), so a TCP stream carries
-about 1448/1514 = 95.6% of the configured rate as payload, as a real 1500-MTU link does.
+``htb`` and not ``tbf``: a ``tbf`` root qdisc on veth links adds milliseconds to a small message's round
+trip, where ``htb`` adds about nothing to an unshaped link's (BENCHMARKS.md has the figures), and would
+punish exactly the protocols with round trips. ``htb`` counts the whole frame (Ethernet + IP + TCP
+headers), so a TCP stream carries about 1448/1514 = 95.6% of the configured rate as payload, as a real
+1500-MTU link does.
 
 Each link's largest send burst is capped to :data:`GSO_BURST_S` of link time (:func:`gso_max_size`). The
 kernel hands a veth whole GSO packets of up to 64 KiB, and TCP Small Queues lets a socket keep about two of
 them in the ``htb`` queue; a connection's acknowledgements wait in that queue behind the other direction's
 data. At 1 Gbit/s two 64 KiB bursts are ~1 ms of link time, but at 100 Mbit/s they are ~11 ms, the round
 trip of every flow crossing it grows to that, and a congestion control whose window follows the minimum
-round trip (this machine's default, BBR) could not cover it: in a 2-rank exchange at 100 Mbit/s one
-direction fell below the link rate for seconds (the library's ring of 100 MB took 1.09-1.33x its
-modelled time, native 1.04-1.08x; with the cap 1.04-1.07x, as native; BENCHMARKS "SimFabric vs netbed"). A
+round trip (BBR, a common default) cannot cover it: one direction of an exchange then falls below the
+link rate (BENCHMARKS.md, the simulator against the netbed, has the figures with and without the cap). A
 real NIC sends a 64 KiB segmentation burst in 5-50 us at 10-100 Gbit/s; capping the burst to 0.5 ms of
 link time keeps the emulated link in that regime (at 1 Gbit/s, 62500 bytes: about the kernel's own 64 KiB).
 
@@ -58,7 +58,7 @@ import subprocess
 import threading
 from dataclasses import dataclass, field
 
-from ..errors import InvalidValueError, NetbedError, SparseCommError  # noqa: F401 (NetbedError: re-exported)
+from ..errors import InvalidValueError, NetbedError
 
 NS_PREFIX = "scnb"
 _NAME_RE = re.compile(rf"^{NS_PREFIX}(\d+)x([0-9a-f]{{4}})-(h\d+|tor)$")

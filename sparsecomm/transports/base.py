@@ -48,8 +48,10 @@ the modelled communication times are those of the synchronous calls in the same 
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
+import weakref
 from abc import ABC, abstractmethod
 from collections import deque
 from typing import Any, Callable, ClassVar
@@ -293,6 +295,7 @@ class CommEngine:
     idle_s = 60.0
 
     def __init__(self, name: str = "") -> None:
+        _live_engines.add(self)
         self._cond = threading.Condition()
         # (job, work, posted: its first messages are out, issues: it sends messages when it runs)
         self._queue: deque[tuple[Callable[[], Any], CommWork, bool, bool]] = deque()
@@ -301,6 +304,7 @@ class CommEngine:
         self._failed: BaseException | None = None
         self._name = name
         self._issuing = 0           # queued or running jobs that send messages when they run
+        self._finishing = 0         # completed jobs whose done-callbacks are still running
         self._resolving = False     # a posted call is being resolved (it runs handshakes): no posts
 
     def submit(self, job: Callable[[], Any]) -> CommWork:
@@ -374,6 +378,15 @@ class CommEngine:
         with self._cond:
             self._cond.wait_for(lambda: not self._queue and not self._busy, timeout)
 
+    def settle(self, timeout: float | None = None) -> bool:
+        """Block until every submitted call has completed *and* its done-callbacks have returned (True
+        then). A callback that completes a ``torch.futures.Future`` (:meth:`CommWork.get_future`) wakes
+        the future's waiter before torch's C++ layer has released the callbacks chained on it; the
+        interpreter must not finalize until it has (see :func:`_settle_at_exit`)."""
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: not self._queue and not self._busy and not self._finishing, timeout)
+
     def _loop(self) -> None:
         while True:
             with self._cond:
@@ -397,8 +410,36 @@ class CommEngine:
                     self._issuing -= 1
                 self._resolving = False
                 self._busy = False
+                self._finishing += 1
                 self._cond.notify_all()
-            work._finish(value, exc)
+            try:
+                work._finish(value, exc)
+            finally:
+                with self._cond:
+                    self._finishing -= 1
+                    self._cond.notify_all()
+
+
+#: every CommEngine not yet collected, for :func:`_settle_at_exit`
+_live_engines: "weakref.WeakSet[CommEngine]" = weakref.WeakSet()
+
+#: how long the interpreter's exit waits for the communication threads' calls to complete
+EXIT_GRACE_S = 10.0
+
+
+def _settle_at_exit() -> None:
+    """Let every communication thread finish its calls (up to :data:`EXIT_GRACE_S` in all) before the
+    interpreter finalizes. The threads are daemons, and a daemon thread that returns into Python from
+    torch's C++ layer once finalization has begun is ended by ``pthread_exit`` inside a C++ destructor,
+    which aborts the process ("terminate called without an active exception", exit -6): this happens
+    when a script ends right after DDP's backward returns, while the comm thread is still releasing
+    the callbacks chained on the bucket's future."""
+    deadline = time.monotonic() + EXIT_GRACE_S
+    for eng in list(_live_engines):
+        eng.settle(max(0.0, deadline - time.monotonic()))
+
+
+atexit.register(_settle_at_exit)
 
 
 _engines_lock = threading.Lock()

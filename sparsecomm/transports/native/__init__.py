@@ -1,6 +1,6 @@
 """``native``: ``torch.distributed.all_reduce`` (gloo's or NCCL's own algorithm), the baseline.
 
-Exists only on :class:`~sparsecomm.fabric.torch_fabric.TorchFabric`; with services in the job it reduces
+Exists only on :class:`~sparsecomm.fabric.torch.torch_fabric.TorchFabric`; with services in the job it reduces
 over the workers' subgroup only. Carries the same kinds as ``ring`` (``dense``; ``aligned`` value
 vectors; ``quantized`` codes with a shared scale, summed as int32/int64: gloo's all_reduce rejects
 int8) as their linear operand (:mod:`..linear`), after the same agreement handshake (folded into the

@@ -8,7 +8,7 @@ rounds (gloo and NCCL use ring-like algorithms for large tensors); an all-gather
 the vector, one message, ``n - 1`` rounds.
 
 A collective that raises (a rank died, raised or timed out) raises the fabric's error naming the rank
-that failed first (:meth:`~sparsecomm.fabric.torch_failure.FailStop.collective_error`), on every rank
+that failed first (:meth:`~sparsecomm.fabric.torch.torch_fabric.TorchFabric.collective_error`), on every rank
 (:func:`translated`).
 """
 
@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from ...fabric.base import Fabric
+from ...fabric.torch.torch_waiters import retain
 
 #: vectors of at most this many bytes are summed by an all_gather and a local sum in rank order (``n - 1``
 #: latency steps instead of the ring all-reduce's ``2 (n - 1)``); a constant, so that every worker picks
@@ -32,12 +33,14 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool 
     import torch.distributed as dist
 
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(out, inp, group=group, async_op=async_op)
+    work = fn(out, inp, group=group, async_op=async_op)
+    retain(work, out, inp)
+    return work
 
 
 def translated(f: Fabric, name: str, exc: RuntimeError) -> BaseException:
     """The library's error for torch.distributed's ``name`` having raised ``exc``: the fabric's
-    (:meth:`~sparsecomm.fabric.torch_failure.FailStop.collective_error`: the job's recorded failure, a
+    (:meth:`~sparsecomm.fabric.torch.torch_fabric.TorchFabric.collective_error`: the job's recorded failure, a
     timeout, or a peer failure naming the rank that died), reported to every rank."""
     return f.collective_error(exc, name)
 
@@ -104,6 +107,7 @@ def join(f: Fabric, acc: torch.Tensor) -> torch.Tensor:
             _sum_rows(acc, rows, n)
         else:
             dist.all_reduce(acc, group=f.native_group)
+            retain(acc)
     except RuntimeError as exc:
         raise translated(f, "all_gather" if small else "all_reduce", exc) from exc
     _book_join(f, n, nbytes, small)
@@ -126,6 +130,7 @@ def post_join(f: Fabric, acc: torch.Tensor) -> Callable[[], torch.Tensor]:
             handle = all_gather(rows, acc, group=f.native_group, async_op=True)
         else:
             handle = dist.all_reduce(acc, group=f.native_group, async_op=True)
+            retain(handle, acc)
     except RuntimeError as exc:
         raise translated(f, name, exc) from exc
 

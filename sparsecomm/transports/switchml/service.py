@@ -45,8 +45,9 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ...errors import ServiceShutdown
 from ...fabric import services
-from ...fabric.base import Fabric, ServiceShutdown
+from ...fabric.base import Fabric
 from .dataplane import (F_TYPE, HEADER, RECV_SLACK, T_EMPTY, TAG_DOWN, TAG_UP, Dataplane, SwitchConfig,
                                rejection, split_messages)
 

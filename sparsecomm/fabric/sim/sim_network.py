@@ -9,9 +9,9 @@ The network model (alpha-beta with NIC serialisation), per endpoint:
   It is the alpha of the alpha-beta model: a message's fixed cost *as a transport sees it*, the wire's
   and the hosts' (a rendezvous, the threads' wake-ups) alike. To model a real network, measure it at that
   level: :func:`sparsecomm.netbed.probe.fabric_latency_s` times ring shifts of a small message over any
-  fabric (on this model it returns ``latency_us`` plus the serialisation). On the netbed it reads
-  0.3-0.8 ms on a loaded 2-core host against the kernel's ~10 us, and a ring all-reduce pays it in every
-  handshake round and once per pipeline (``experiments/bench/netbed_vs_sim.py`` models with it);
+  fabric (on this model it returns ``latency_us`` plus the serialisation; on real hosts, more than the
+  kernel's path: BENCHMARKS.md has the netbed's figure). A ring all-reduce pays it in every handshake
+  round and once per pipeline (``experiments/bench/netbed_vs_sim.py`` models with it);
 - a send issued at the sender's clock ``t`` starts at ``start = max(t, tx_free)`` and occupies the
   sender's NIC until ``tx_end = start + bytes/bw_src``;
 - the message's head reaches the receiver at ``head = start + latency``. The receiver's NIC takes the
@@ -35,16 +35,13 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from .stats import CommStats
-from ..errors import InvalidValueError
+from ...errors import InvalidValueError
+from ..stats import CommStats
 
-if TYPE_CHECKING:
-    from .sim_world import World
 
 @dataclass
 class Network:
@@ -93,7 +90,10 @@ TCP_OVER_ETHERNET = 1448 / 1514
 
 
 @dataclass(eq=False)
-class _Msg:
+class Msg:
+    """A message in the model: its bytes and its times (``start``, ``head``, ``tx_end``, ``rx_end``: the
+    module docstring's formulas); ``delivered`` is when the receiving application may take it."""
+
     src: int
     tag: int
     data: torch.Tensor
@@ -111,22 +111,26 @@ class _Msg:
 
 class Endpoint:
     """One endpoint's NIC(s) in the model: its clock, transmit schedule per port, the receive schedule
-    (arrival order) and its mailbox; plus the scheduler's per-endpoint flags (see :mod:`.sim_world`)."""
+    (arrival order) and its mailbox; plus the scheduler's per-endpoint flags (see :mod:`.sim_world`).
 
-    def __init__(self, world: "World", eid: int, bw: float, latency: float, per_port: bool,
-                 name: str) -> None:
+    ``bw`` is its NIC's payload bytes/s before a straggler's factor (``network.stragglers``), ``latency``
+    its link's one-way latency in seconds; ``lock`` is the world's lock, which every method here expects
+    held ("(lock held)"); ``per_port``: one NIC per peer (a switch)."""
+
+    def __init__(self, network: Network, lock: threading.Lock, eid: int, bw: float, latency: float,
+                 per_port: bool, name: str) -> None:
         self.id = eid
         self.name = name
-        self.slow = float(world.network.stragglers.get(eid, 1.0))
+        self.slow = float(network.stragglers.get(eid, 1.0))
         self.bw = bw / self.slow      # a straggler's host stack moves bytes 1/factor as fast, both ways
         self.latency = latency
         self.per_port = per_port
         self.clock = 0.0
         self._tx_free: dict[int, float] = {}
         self._rx_base: dict[int, float] = {}            # port -> end of the taken prefix of its schedule
-        self._rx_sched: dict[int, list[_Msg]] = {}      # port -> messages in the order its NIC takes them
-        self.mailbox: dict[tuple[int, int], deque[_Msg]] = {}
-        self.cond = threading.Condition(world.lock)
+        self._rx_sched: dict[int, list[Msg]] = {}      # port -> messages in the order its NIC takes them
+        self.mailbox: dict[tuple[int, int], deque[Msg]] = {}
+        self.cond = threading.Condition(lock)
         self.deadline: float | None = None   # modelled deadline of the current blocked receive
         self.fire_timeout = False
         self.event: float | None = None      # per_port any-source receive: delivery time of its candidate
@@ -142,10 +146,16 @@ class Endpoint:
     def port(self, peer: int) -> int:
         return peer if self.per_port else -1
 
-    def tx_free(self, peer: int) -> float:
-        return self._tx_free.get(self.port(peer), 0.0)
+    def transmit(self, peer: int, nbytes: int) -> tuple[float, float]:
+        """(lock held) Occupy the NIC (its port towards ``peer``) with ``nbytes`` from ``start = max(clock,
+        when the port is free)`` until ``tx_end = start + nbytes / bw``; return ``(start, tx_end)``."""
+        port = self.port(peer)
+        start = max(self.clock, self._tx_free.get(port, 0.0))
+        tx_end = start + nbytes / self.bw
+        self._tx_free[port] = tx_end
+        return start, tx_end
 
-    def schedule(self, msg: _Msg) -> None:
+    def schedule(self, msg: Msg) -> None:
         """(lock held) Give arriving ``msg`` its place on the receiving NIC: arrival (head) order among the
         messages not yet taken by the application, after every message already taken (whose time has
         been observed and cannot change); the later ones are re-timed."""
@@ -163,7 +173,7 @@ class Endpoint:
                 m.rx_end = max(m.head, t) + m.nbytes / self.bw
                 t = m.rx_end
 
-    def taken(self, msg: _Msg) -> None:
+    def taken(self, msg: Msg) -> None:
         """(lock held) ``msg`` was delivered: fix its slot, drop the schedule's taken prefix."""
         msg.taken = True
         port = self.port(msg.src)

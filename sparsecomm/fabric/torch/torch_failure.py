@@ -1,8 +1,9 @@
-"""TorchFabric's failure propagation: one failure record per job, and every rank stopped at once.
+"""TorchFabric's failure propagation (:class:`FailStop`): one failure record per job, and every rank
+stopped at once.
 
 Failure propagation (fail-stop). The first rank that sees a failure -- an error it raises that the others
 may not see (a malformed message, a transport disagreement only it detected, an exception out of ``fn``:
-:meth:`TorchFabric.fail`), or a connection to a peer that closed (a peer died) -- writes one record
+:meth:`FailStop.fail`), or a connection to a peer that closed (a peer died) -- writes one record
 (error class name, rank, text: plain text, never pickled) under ``<shutdown_key>/failed`` in the
 rendezvous store (first writer wins; the spawning launcher writes it too when a rank exits without a
 report, e.g. after kill -9), then *trips* its process group: a deliberately timed-out receive makes gloo
@@ -27,18 +28,17 @@ record, a connection found closed with no record in the store is one whose rank 
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
+import weakref
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import Sequence
 
 import torch
-import torch.distributed as dist
 
-from ..errors import REPORTABLE, FabricTimeout, PeerFailure, ServiceShutdown
-
-if TYPE_CHECKING:
-    from .torch_waiters import _Pending
+from ...errors import REPORTABLE, FabricTimeout, PeerFailure, ServiceShutdown
+from .torch_ranks import JobRanks
 
 MAX_TAG = 2**31 - 1
 _WATCH_S = 0.05            # how often a rank polls the failure record
@@ -78,92 +78,108 @@ def _last_line(exc: BaseException) -> str:
 
 
 def _watch(ref, store, key: str) -> None:
-    """The watchdog of one fabric (a weak reference): trip it when another rank reports a failure."""
+    """The watchdog of one rank's :class:`FailStop` (a weak reference): trip it when another rank reports
+    a failure."""
     while True:
         time.sleep(_WATCH_S)
-        fab = ref()
-        if fab is None or fab._failure is not None or fab._closed:
+        fs = ref()
+        if fs is None or fs._failure is not None or fs._closed:
             return
         try:
             if not store.check([key]):
-                del fab
+                del fs
                 continue
             raw = store.get(key)
         except Exception:  # noqa: BLE001 - the store is gone: the job is over
             return
-        fab._adopt(raw)
+        fs._adopt(raw)
         return
 
 
 def _close_at_exit(ref) -> None:
-    fab = ref()
-    if fab is not None and not fab._closed:
-        fab.close()
+    fs = ref()
+    if fs is not None and not fs._closed:
+        fs.close()
 
 
 class FailStop:
-    """The failure half of :class:`~sparsecomm.fabric.torch_fabric.TorchFabric` (a mixin: it uses the
-    fabric's ``rank``, ``_store``, ``_fail_key``, ``_failure``, ``_cuda``, ``_pg``, ``_pg_down``,
-    ``_probes``, ``worker_group``, ``total_ranks`` and ``_name``)."""
+    """One rank's part in the job's fail-stop propagation (see the module docstring).
 
-    def _start_watchdog(self, store) -> None:
-        import atexit
-        import weakref
+    ``ranks`` names the job's ranks; ``store`` is the rendezvous store (``None``: no record, no
+    watchdog) and ``key`` the failure record's key in it; ``timeout_s`` the fabric's bound on a wait.
+    ``trips`` lists ``(group, this rank's rank in it, its size)`` for every gloo group of this rank that
+    a trip closes; ``probes`` is the group (of every rank of the job) on which :meth:`collective_error`
+    looks for closed connections. ``cuda`` (nccl): nothing to trip or probe; waits poll :attr:`failure`.
+    With a store and more than one rank, a watchdog thread polls the record until :meth:`close`.
+    """
 
-        ref = weakref.ref(self)
-        self._watchdog = threading.Thread(target=_watch, args=(ref, store, self._fail_key),
-                                          name="sparsecomm-watchdog", daemon=True)
-        self._watchdog.start()
-        # a fabric nobody closes (the DDP hook's, in a user's script): stop the watchdog before the
-        # interpreter finalizes, or a poll of the store still in C++ then aborts the process
-        atexit.register(_close_at_exit, ref)
-
-    def close(self) -> None:
-        """Stop this fabric's watchdog (before the process group is destroyed: a thread still polling
-        the store during teardown can abort the process)."""
-        self._closed = True
-        if self._watchdog is not None and self._watchdog is not threading.current_thread():
-            self._watchdog.join(timeout=2 * _WATCH_S + 1.0)
+    def __init__(self, rank: int, ranks: JobRanks, *, store, key: str, timeout_s: float, cuda: bool,
+                 trips: Sequence[tuple[object, int, int]] = (), probes: object | None = None) -> None:
+        self._rank = rank
+        self._ranks = ranks
+        self._store = store
+        self._key = key
+        self._timeout_s = timeout_s
+        self._cuda = cuda
+        self._trips = list(trips)
+        self._probe_group = probes
+        self._probes: list = []            # receives posted to find closed connections (module docstring)
+        self._failure: tuple[str, int, str] | None = None
+        self._closed = False
+        self._watchdog: threading.Thread | None = None
+        if store is not None and ranks.total > 1:
+            ref = weakref.ref(self)
+            self._watchdog = threading.Thread(target=_watch, args=(ref, store, key),
+                                              name="sparsecomm-watchdog", daemon=True)
+            self._watchdog.start()
+            # a fabric nobody closes (the DDP hook's, in a user's script): stop the watchdog before the
+            # interpreter finalizes, or a poll of the store still in C++ then aborts the process
+            atexit.register(_close_at_exit, ref)
 
     @property
     def failure(self) -> tuple[str, int, str] | None:
         """``(error class name, rank, text)`` of the first failure reported in the job, once known."""
         return self._failure
 
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` was called: the run is over on this rank."""
+        return self._closed
+
+    def close(self) -> None:
+        """Stop the watchdog (before the process group is destroyed: a thread still polling the store
+        during teardown can abort the process)."""
+        self._closed = True
+        if self._watchdog is not None and self._watchdog is not threading.current_thread():
+            self._watchdog.join(timeout=2 * _WATCH_S + 1.0)
+
     def fail(self, exc: BaseException | str, rank: int | None = None) -> None:
         """Report a failure to every rank (see "Failure propagation" in the module docstring): record it
-        in the store unless another failure came first, then trip this rank's process group."""
+        in the store unless another failure came first, then trip this rank's groups."""
         if self._failure is not None:
             return
-        record = encode_failure(exc, self.rank if rank is None else rank)
+        record = encode_failure(exc, self._rank if rank is None else rank)
         if self._store is not None:
             try:
-                record = self._store.compare_set(self._fail_key, "", record)
+                record = self._store.compare_set(self._key, "", record)
             except Exception:  # noqa: BLE001 - the store is gone; keep the local record
                 pass
         self._adopt(record)
 
     def _adopt(self, raw) -> None:
-        """Take ``raw`` as the job's first failure and trip this rank's group (idempotent)."""
+        """Take ``raw`` as the job's first failure and trip this rank's groups (idempotent)."""
         if self._failure is not None:
             return
         self._failure = decode_failure(raw)
-        self._trip()
+        self.trip()
 
-    def _trip(self) -> None:
+    def trip(self) -> None:
         """Close every gloo connection of this rank: a receive timed out on purpose does it (gloo closes
         the context's pairs on a timeout), which ends every pending wait here and every peer's wait on
-        this rank. nccl waits poll ``_failure`` instead."""
-        if self._cuda or self.total_ranks < 2:
+        this rank. nccl waits poll :attr:`failure` instead."""
+        if self._cuda or self._ranks.total < 2:
             return
-        me = self.rank
-        groups = [(self._pg, me, self.total_ranks)]
-        if self._pg_down is not self._pg:
-            groups.append((self._pg_down, me, self.total_ranks))
-        if (self.worker_group is not dist.group.WORLD and self.is_worker and self.world_size > 1
-                and isinstance(self.worker_group, dist.ProcessGroup)):
-            groups.append((self.worker_group, me, self.world_size))   # the workers' subgroup (native's)
-        for g, mine, size in groups:
+        for g, mine, size in self._trips:
             # a receive from a peer whose connection is already closed fails at once without closing the
             # others; only a timed-out one closes the whole context, so try peers until one times out
             for peer in [p for p in range(size) if p != mine]:
@@ -173,13 +189,16 @@ class FailStop:
                     if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
                         break
 
-    def _failure_error(self) -> BaseException:
+    def error(self) -> BaseException:
+        """The job's recorded failure as the error this rank raises (requires :attr:`failure`): its class
+        (from :data:`~sparsecomm.errors.REPORTABLE`; :class:`PeerFailure` otherwise), naming the rank
+        that failed first."""
         kind, rank, text = self._failure
         cls = REPORTABLE.get(kind, PeerFailure)
-        me = self._name(self.rank)
-        if rank == self.rank:
+        me = self._ranks.name(self._rank)
+        if rank == self._rank:
             return cls(f"{me}: {text}")
-        who = self._name(rank) if rank >= 0 else "a rank"
+        who = self._ranks.name(rank) if rank >= 0 else "a rank"
         if cls is PeerFailure and kind != "PeerFailure":
             err = PeerFailure(f"{me}: stopped because {who} failed first: {kind}: {text}")
         else:
@@ -187,22 +206,27 @@ class FailStop:
         err.sparsecomm_origin = rank     # a consequence of another rank's failure (the launcher reads it)
         return err
 
-    def _check_failed(self) -> None:
+    def check(self) -> None:
+        """Raise the job's recorded failure, if there is one."""
         if self._failure is not None:
-            raise self._failure_error()
+            raise self.error()
 
-    def _translate(self, exc: BaseException, pend: _Pending, limit: float | None) -> BaseException:
-        """The library's error for a point-to-point wait on ``pend`` that raised ``exc``."""
+    def wait_error(self, exc: BaseException, *, peer: int | None, tag: int, is_recv: bool,
+                   limit: float | None) -> BaseException:
+        """The library's error for a point-to-point operation with ``peer`` on ``tag`` (a receive if
+        ``is_recv``) whose posting or wait (bounded by ``limit`` s; ``None``: ``timeout_s``) raised
+        ``exc``: the recorded failure; :class:`ServiceShutdown` once closed (a wait left posted, ended by
+        the fabric's release); :class:`FabricTimeout` for a timeout; else a lost connection, named as
+        the module docstring says. A timeout and a lost connection are reported to every rank."""
         if self._failure is not None:        # this rank tripped itself after a failure report
-            return self._failure_error()
+            return self.error()
         if self._closed:                     # the run is over (a wait left posted, ended by ``release``)
             return ServiceShutdown("the run is over")
-        peer = self._name(pend.src)
         if _timed_out(exc):
             return self._timed_out(
-                f"no {'message from' if pend.is_recv else 'send to'} {peer} (tag {pend.tag}) completed within "
-                f"{limit if limit is not None else self.timeout_s:.6g} s", exc)
-        return self._lost(pend.src, f"(tag {pend.tag})", exc)
+                f"no {'message from' if is_recv else 'send to'} {self._ranks.name(peer)} (tag {tag}) "
+                f"completed within {limit if limit is not None else self._timeout_s:.6g} s", exc)
+        return self._lost(peer, f"(tag {tag})", exc)
 
     def collective_error(self, exc: BaseException, what: str) -> BaseException:
         """The library's error for the torch.distributed collective ``what`` (on any group of this job)
@@ -210,15 +234,16 @@ class FailStop:
         :class:`FabricTimeout`; a lost connection is :class:`PeerFailure` naming the rank that failed first,
         found as the module docstring says ("Naming the dead rank"). Either is reported to every rank."""
         if self._failure is not None:
-            return self._failure_error()
+            return self.error()
         if _timed_out(exc):
-            return self._timed_out(f"torch.distributed {what} did not complete within {self.timeout_s:.6g} s", exc)
+            return self._timed_out(f"torch.distributed {what} did not complete within {self._timeout_s:.6g} s",
+                                   exc)
         return self._lost(None, f"during torch.distributed {what}", exc)
 
     def _timed_out(self, what: str, exc: BaseException) -> BaseException:
-        err = FabricTimeout(f"{self._name(self.rank)}: {what}; torch.distributed: {_last_line(exc)}")
+        err = FabricTimeout(f"{self._ranks.name(self._rank)}: {what}; torch.distributed: {_last_line(exc)}")
         self.fail(err)
-        return err if self._failure is None or self._failure[1] == self.rank else self._failure_error()
+        return err if self._failure is None or self._failure[1] == self._rank else self.error()
 
     def _lost(self, peer: int | None, where: str, exc: BaseException) -> BaseException:
         """A connection closed (a peer died, or tripped after a failure report): the first failure, named
@@ -227,25 +252,25 @@ class FailStop:
         raw = self._await_record(_ROOT_GRACE_S)
         if raw is not None:
             self._adopt(raw)
-            return self._failure_error()
+            return self.error()
         closed = [peer] if peer is not None else self._closed_peers()
-        who = " and ".join(self._name(r) for r in closed) or "a rank"
+        who = " and ".join(self._ranks.name(r) for r in closed) or "a rank"
         self.fail(f"lost the connection with {who} {where}: it died or was killed "
                   f"(torch.distributed: {_last_line(exc)})", rank=closed[0] if closed else -1)
-        return self._failure_error()
+        return self.error()
 
     def _closed_peers(self) -> list[int]:
         """The ranks whose gloo connection with this rank is closed, found by posting one receive per peer
-        (module docstring); the receives stay posted, kept with the fabric, which is unusable after a
+        (module docstring); the receives stay posted, kept here, the fabric being unusable after a
         failure anyway. Empty on nccl (no per-connection state to read)."""
-        if self._cuda:
+        if self._cuda or self._probe_group is None:
             return []
         closed = []
-        for peer in range(self.total_ranks):
-            if peer == self.rank:
+        for peer in range(self._ranks.total):
+            if peer == self._rank:
                 continue
             try:
-                self._probes.append(self._pg.recv([torch.zeros(1)], peer, _PROBE_TAG))
+                self._probes.append(self._probe_group.recv([torch.zeros(1)], peer, _PROBE_TAG))
             except RuntimeError:
                 closed.append(peer)
         return closed
@@ -257,8 +282,8 @@ class FailStop:
         deadline = time.monotonic() + grace
         while True:
             try:
-                if self._store.check([self._fail_key]):
-                    return self._store.get(self._fail_key)
+                if self._store.check([self._key]):
+                    return self._store.get(self._key)
             except Exception:  # noqa: BLE001 - the store is gone
                 return None
             if time.monotonic() >= deadline:

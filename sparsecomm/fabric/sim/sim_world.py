@@ -14,7 +14,7 @@ handles its any-source receives in modelled-time order instead: it takes a messa
 other live endpoint is blocked and no earlier deadline or event is pending (conservative
 discrete-event order), so each packet is processed at its own arrival time. Without this, a result
 would leave at the switch's running-maximum clock, which a thread that is ahead in wall time has
-pulled forward, and the error feeds back through self-clocked protocols (measured: 1x-11x).
+pulled forward, and the error would feed back through self-clocked protocols.
 :meth:`SimFabric.wait_any` (wait for whichever of several receives, or groups of receives, is in
 first) uses the same conservative order, so an endpoint of any kind can serve its peers in the
 order their messages arrive in modelled time, deterministically; its NIC then takes those messages
@@ -30,9 +30,8 @@ from __future__ import annotations
 
 import threading
 
-from ..errors import InvalidValueError, SparseCommError
+from ...errors import InvalidValueError
 from .sim_network import Endpoint, Network
-from ..errors import EndpointCrashed  # noqa: F401 (re-exported)
 
 
 class World:
@@ -46,8 +45,8 @@ class World:
         self.world_size = world_size
         self.lock = threading.Lock()
         self.endpoints: list[Endpoint] = [
-            Endpoint(self, r, self.network.bytes_per_s, self.network.latency_us * 1e-6, False,
-                     f"worker{r}")
+            Endpoint(self.network, self.lock, r, self.network.bytes_per_s, self.network.latency_us * 1e-6,
+                     False, f"worker{r}")
             for r in range(world_size)
         ]
         self.live = world_size
@@ -63,6 +62,21 @@ class World:
         self.scratch: dict = {}
 
     # ----------------------------------------------------------------- control
+    def add_endpoint(self, bw: float, latency: float, per_port: bool, name: str) -> Endpoint:
+        """(lock held) A new live endpoint (a service's) with the next id."""
+        ep = Endpoint(self.network, self.lock, len(self.endpoints), bw, latency, per_port, name)
+        self.endpoints.append(ep)
+        self.live += 1
+        return ep
+
+    def block(self, ep: Endpoint, deadline: float | None, waiting_for: tuple[int | None, int]) -> None:
+        """(lock held) ``ep`` starts waiting (until a modelled ``deadline``, if any, for a message from
+        ``waiting_for = (source, tag)``): it counts as blocked until :meth:`wake`, and if every live
+        endpoint now is, the scheduler fires the earliest deadline or event (or declares a deadlock)."""
+        ep.blocked, ep.deadline, ep.waiting_for = True, deadline, waiting_for
+        self.nblocked += 1
+        self._check_quiescent()
+
     def wake(self, ep: Endpoint) -> None:
         """Unblock ``ep`` (lock held): it no longer counts as blocked until it waits again."""
         if ep.blocked:

@@ -2,11 +2,10 @@
 
 The Fabric API of the simulation: each worker's :class:`SimFabric` (sends, receives, ``wait_any``,
 services) and its :class:`~sparsecomm.fabric.base.Work` handles. The world it runs in is modelled
-elsewhere: the links, NICs and message timing in :mod:`sparsecomm.fabric.sim_network` (:class:`Network`),
+elsewhere: the links, NICs and message timing in :mod:`.sim_network` (:class:`~.sim_network.Network`),
 the scheduler that decides in modelled time which blocked endpoint proceeds (timeouts by quiescence,
-ordered any-source receives, deadlock detection, faults) in :mod:`sparsecomm.fabric.sim_world`.
-:class:`SimWorld` is that world with a :meth:`SimWorld.fabric` per rank; ``Network``,
-``TCP_OVER_ETHERNET``, ``EndpointCrashed`` and ``ServiceShutdown`` are importable from here too.
+ordered any-source receives, deadlock detection, faults) in :mod:`.sim_world`. :class:`SimWorld` is
+that world with a :meth:`SimWorld.fabric` per rank.
 """
 
 from __future__ import annotations
@@ -19,17 +18,18 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..errors import FabricTimeout, InvalidTypeError, InvalidValueError, MismatchError, PeerFailure
-from .base import Fabric, ServiceShutdown, Work
-from .sim_network import TCP_OVER_ETHERNET, Endpoint, Network, _Msg
-from .sim_world import EndpointCrashed, World
-from .stats import CommStats
+from ...errors import (EndpointCrashed, FabricTimeout, InvalidTypeError, InvalidValueError, MismatchError,
+                       PeerFailure, ServiceShutdown)
+from ..base import Fabric, Work
+from ..stats import CommStats
+from .sim_network import Msg, Network
+from .sim_world import World
 
-__all__ = ["SimFabric", "SimWorld", "Network", "TCP_OVER_ETHERNET", "EndpointCrashed", "ServiceShutdown"]
+__all__ = ["SimFabric", "SimWorld"]
 
 
 class SimWorld(World):
-    """Shared state of one simulated run (:class:`~sparsecomm.fabric.sim_world.World`): the endpoints,
+    """Shared state of one simulated run (:class:`~.sim_world.World`): the endpoints,
     their mailboxes and the network model; :meth:`fabric` is rank ``r``'s endpoint."""
 
     def fabric(self, rank: int) -> "SimFabric":
@@ -117,10 +117,8 @@ class SimFabric(Fabric):
             if ep.crashed:
                 raise EndpointCrashed(f"{ep.name} has crashed")
             dst_ep = world.endpoints[dst]
-            start = max(ep.clock, ep.tx_free(dst))
-            tx_end = start + nbytes / ep.bw
+            start, tx_end = ep.transmit(dst, nbytes)
             latency = (ep.latency + dst_ep.latency) / 2   # each end's link contributes half: symmetric
-            ep._tx_free[ep.port(dst)] = tx_end
             ep.stats.record_send(self.rank, dst, nbytes)
             dropped = False
             if not reliable and world.network.loss > 0.0:
@@ -129,7 +127,7 @@ class SimFabric(Fabric):
                     rng = ep.loss_rng[dst] = np.random.default_rng([world.network.seed, self.rank, dst])
                 dropped = bool(rng.random() < world.network.loss)
             if not dropped and not dst_ep.crashed:
-                msg = _Msg(self.rank, tag, data, nbytes, start, start + latency, tx_end)
+                msg = Msg(self.rank, tag, data, nbytes, start, start + latency, tx_end)
                 dst_ep.mailbox.setdefault((self.rank, tag), deque()).append(msg)
                 dst_ep.schedule(msg)
                 world.wake(dst_ep)
@@ -154,7 +152,7 @@ class SimFabric(Fabric):
         return _DoneWork(None, done)
 
     # ------------------------------------------------------------- receiving
-    def _match(self, src: int | None, tag: int) -> _Msg | None:
+    def _match(self, src: int | None, tag: int) -> Msg | None:
         box = self._ep.mailbox
         if src is not None:
             q = box.get((src, tag))
@@ -166,7 +164,7 @@ class SimFabric(Fabric):
         return best
 
     @staticmethod
-    def _delivery(msg: _Msg) -> tuple[float, float]:
+    def _delivery(msg: Msg) -> tuple[float, float]:
         return msg.delivered, msg.rx_end
 
     def recv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0, *,
@@ -320,9 +318,7 @@ class SimFabric(Fabric):
         """(lock held) Block this endpoint until a message, a modelled timeout or an ordered event wakes
         it (or a second of wall time passes: the caller loops)."""
         ep, world = self._ep, self.world
-        ep.blocked, ep.deadline, ep.waiting_for = True, deadline, waiting_for
-        world.nblocked += 1
-        world._check_quiescent()
+        world.block(ep, deadline, waiting_for)
         try:
             if ep.blocked:
                 ep.cond.wait(timeout=min(remaining, 1.0))
@@ -345,11 +341,9 @@ class SimFabric(Fabric):
             if name in world.service_ids:
                 return world.service_ids[name]
             net = world.network
-            eid = len(world.endpoints)
             bw = (bandwidth_gbps if bandwidth_gbps is not None else net.bandwidth_gbps) * 1e9 / 8 * net.payload_fraction
             lat = (latency_us if latency_us is not None else net.latency_us) * 1e-6
-            world.endpoints.append(Endpoint(world, eid, bw, lat, per_port, name))
-            world.live += 1
+            eid = world.add_endpoint(bw, lat, per_port, name).id
             world.service_ids[name] = eid
             fabric = SimFabric(world, eid)
             t = threading.Thread(target=_run_service, args=(world, eid, main, fabric),
@@ -360,10 +354,6 @@ class SimFabric(Fabric):
 
     def services(self) -> dict[str, int]:
         return dict(self.world.service_ids)
-
-    def endpoint_stats(self, eid: int) -> CommStats:
-        """The ledger of any endpoint (e.g. a switch or an aggregator) of this simulated world."""
-        return self.world.endpoints[eid].stats
 
 
 def _run_service(world: SimWorld, eid: int, main: Callable[[Fabric], None], fabric: SimFabric) -> None:

@@ -3,8 +3,8 @@ point-to-point messages (gloo on CPU, nccl on GPU; multi-node through torchrun).
 
 Ranks ``0 .. world_size-1`` of the default process group are the workers; services (a SwitchML switch,
 dedicated OmniReduce aggregators) are the extra ranks ``world_size + i`` that the launcher started for
-``services[i]`` (:mod:`sparsecomm.launch.torch_backend`). Every rank, services included, must construct the
-fabric (it creates the workers' subgroup, a collective call).
+``services[i]`` (:mod:`sparsecomm.launch.torch_backend`; :mod:`.torch_ranks` names them). Every rank,
+services included, must construct the fabric (it creates the workers' subgroup, a collective call).
 
 What maps to what:
 
@@ -17,9 +17,9 @@ What maps to what:
   group of the same ranks, so each TCP connection carries data in one direction only. gloo sends a
   message only after the receiver's "receive posted" notice arrives, and a pair queues that notice
   behind whatever data it is already writing; on one connection per pair, a receive posted while the
-  rank sends a large message to the same peer therefore waits for that whole message: two ranks
-  exchanging 10 MB at 1 Gbit/s took 180 ms instead of 90 in about a third of the runs on the netbed
-  (BENCHMARKS.md, "Where the netbed's time went"). Consequence for ``src=None``: it receives messages
+  rank sends a large message to the same peer therefore waits for that whole message, and an exchange
+  of two messages can take the time of both in sequence instead of one (BENCHMARKS.md has the netbed's
+  figures). Consequence for ``src=None``: it receives messages
   from *lower* ranks only (services, the library's only any-source receivers, have the highest ranks);
   rank 0 asking for it raises :class:`IncompatibleError`; ``two_way=False`` restores one group.
 - ``src=None`` (receive from any source) is gloo only; nccl raises :class:`IncompatibleError`. nccl also
@@ -36,8 +36,8 @@ What maps to what:
 - ``stats`` counts bytes and messages of this rank (sends when posted, receives when completed).
 
 Timeouts. Every wait is bounded by ``timeout_s`` (past it: :class:`FabricTimeout`) or by ``timeout=``;
-a timed-out receive stays posted and the next receive on its channel adopts it
-(:mod:`sparsecomm.fabric.torch_waiters` says how and why).
+a timed-out receive stays posted and the next receive on its channel adopts it (the fabric's
+:class:`~.torch_waiters.Waits`; :mod:`.torch_waiters` says how and why).
 
 Message length/dtype. torch.distributed cannot check them: gloo silently accepts a shorter message and
 aborts the process on a longer one. Transports therefore agree on sizes first
@@ -45,46 +45,44 @@ aborts the process on a longer one. Transports therefore agree on sizes first
 :class:`MismatchError`.
 
 Failure propagation (fail-stop): the first failure is recorded once in the rendezvous store and every
-rank's group is tripped, so every wait ends at once naming the rank that failed first; see
-:mod:`sparsecomm.fabric.torch_failure`.
+rank's group is tripped, so every wait ends at once naming the rank that failed first; the fabric's
+:class:`~.torch_failure.FailStop` does it (:mod:`.torch_failure`).
 
 Service ranks: a wait with no ``timeout=`` has no deadline; it raises
-:class:`~sparsecomm.fabric.base.ServiceShutdown` once every worker has finished ``fn`` (the launcher
+:class:`~sparsecomm.errors.ServiceShutdown` once every worker has finished ``fn`` (the launcher
 counts finished workers under ``shutdown_key`` in the rendezvous store; services poll it every 50 ms).
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import deque
 from datetime import timedelta
 from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
-from ..errors import FabricTimeout, IncompatibleError, InvalidValueError, MismatchError
-from .base import Fabric, ServiceNotStarted, ServiceShutdown, Work
-from .stats import CommStats
-from .torch_failure import MAX_TAG, FailStop, decode_failure, encode_failure  # noqa: F401 (re-exported)
-from .torch_waiters import DirectWait, _Pending, _TorchWork, gloo_wait, wait_any_blocking, waits_ended
+from ...errors import IncompatibleError, InvalidValueError, ServiceNotStarted
+from ..base import Fabric, Work
+from ..stats import CommStats
+from .torch_failure import MAX_TAG, FailStop
+from .torch_ranks import JobRanks
+from .torch_waiters import Pending, Waits, waits_ended
 
-__all__ = ["TorchFabric", "ServiceNotStarted", "ServiceShutdown", "encode_failure", "decode_failure"]
-
-#: reserved tags (top of the int32 range); transports use smaller non-negative tags
-BARRIER_TAG = Fabric.barrier_tag
-
-_SERVICE_POLL_S = 0.05
+__all__ = ["TorchFabric"]
 
 
-class TorchFabric(FailStop, DirectWait, Fabric):
+class TorchFabric(Fabric):
     """One rank of a torch.distributed job seen as a :class:`Fabric` (see the module docstring).
 
     ``world_size`` is the number of workers (default: all ranks minus ``len(services)``); ``services``
     lists the service specs of ranks ``world_size, world_size+1, ...`` in order. ``store`` is the
     rendezvous store and ``shutdown_key`` the counter of finished workers that service ranks poll.
+    It owns the job's fail-stop propagation for this rank (a :class:`~.torch_failure.FailStop`) and the
+    waits for its posted operations (a :class:`~.torch_waiters.Waits`).
     """
+
+    direct_waits = True   # the capability (:mod:`sparsecomm.fabric.base`): :meth:`wait_unbounded`
 
     def __init__(self, world_size: int | None = None, services: Sequence[str] = (), *,
                  timeout_s: float = 120.0, store: dist.Store | None = None,
@@ -105,22 +103,15 @@ class TorchFabric(FailStop, DirectWait, Fabric):
         self.timeout_s = float(timeout_s)
         self.backend = str(dist.get_backend())
         self._cuda = self.backend == "nccl"
-        self._pg = dist.distributed_c10d._get_default_group()
-        self._service_ranks = {spec: world_size + i for i, spec in enumerate(services)}
-        self._service_spec = services[self.rank - world_size] if self.rank >= world_size else None
+        self._pg = dist.group.WORLD
+        self._ranks = JobRanks(world_size, services)
         self._store = store
         self._shutdown_key = shutdown_key
-        self._stale: dict[tuple[int | None, int], deque[_Pending]] = {}
         self._coalesce = self._cuda if coalesce is None else bool(coalesce)
         #: messages between two ranks share one ordered channel whatever their tag or direction (nccl):
         #: protocols must not let a pair's sends in one direction wait behind receives posted for later
         self.serial_pairs = self._cuda
-        self._deferred: list[_Pending] = []
-        self._failure: tuple[str, int, str] | None = None
-        self._closed = False
-        self._watchdog: threading.Thread | None = None
-        self._probes: list = []            # receives posted to find closed connections (torch_failure)
-        self._fail_key = shutdown_key + "/failed"
+        self._deferred: list[Pending] = []
         self.stats = CommStats()
         #: gloo: messages from a lower to a higher rank travel on the default group, the other way on a
         #: second group of the same ranks, so each TCP connection carries data one way only (see
@@ -135,8 +126,17 @@ class TorchFabric(FailStop, DirectWait, Fabric):
             self._pg_down = dist.new_group(list(range(total)), timeout=timedelta(seconds=self.timeout_s))
         self.worker_group = (dist.new_group(list(range(world_size)), timeout=timedelta(seconds=self.timeout_s))
                              if services else dist.group.WORLD)
-        if store is not None and self.total_ranks > 1:
-            self._start_watchdog(store)
+        # a trip closes every gloo group of this rank: both directions' and the workers' subgroup (native's)
+        trips = [(self._pg, self.rank, total)]
+        if self._pg_down is not self._pg:
+            trips.append((self._pg_down, self.rank, total))
+        if (self.worker_group is not dist.group.WORLD and self.is_worker and world_size > 1
+                and isinstance(self.worker_group, dist.ProcessGroup)):
+            trips.append((self.worker_group, self.rank, world_size))
+        self._failstop = FailStop(self.rank, self._ranks, store=store, key=shutdown_key + "/failed",
+                                  timeout_s=self.timeout_s, cuda=self._cuda, trips=trips, probes=self._pg)
+        self._waits = Waits(self.rank, self._ranks, self._failstop, service=not self.is_worker,
+                            cuda=self._cuda, timeout_s=self.timeout_s, store=store, shutdown_key=shutdown_key)
 
     # ----------------------------------------------------------------- props
     native_group = property(lambda self: self.worker_group, doc="The workers' group (for collectives).")
@@ -149,45 +149,59 @@ class TorchFabric(FailStop, DirectWait, Fabric):
 
     @property
     def total_ranks(self) -> int:
-        return self.world_size + len(self._service_ranks)
-
-    def _name(self, r: int | None) -> str:
-        if r is None:
-            return "any rank"
-        if r < self.world_size:
-            return f"worker {r}"
-        for spec, sr in self._service_ranks.items():
-            if sr == r:
-                return f"service {spec!r} (rank {r})"
-        return f"rank {r}"
+        return self._ranks.total
 
     def _check_peer(self, peer: int) -> None:
+        me = self._ranks.name(self.rank)
         if not 0 <= peer < self.total_ranks:
-            raise InvalidValueError(f"{self._name(self.rank)}: no rank {peer} (the job has {self.total_ranks})")
+            raise InvalidValueError(f"{me}: no rank {peer} (the job has {self.total_ranks})")
         if peer == self.rank:
-            raise InvalidValueError(f"{self._name(self.rank)}: cannot send to or receive from itself")
+            raise InvalidValueError(f"{me}: cannot send to or receive from itself")
 
     @staticmethod
     def _check_tag(tag: int) -> None:
         if not 0 <= tag <= MAX_TAG:
             raise InvalidValueError(f"tags on TorchFabric must lie in [0, 2**31), got {tag}")
 
+    # -------------------------------------------------------------- failures
+    @property
+    def failure(self) -> tuple[str, int, str] | None:
+        """``(error class name, rank, text)`` of the first failure reported in the job, once known."""
+        return self._failstop.failure
+
+    def fail(self, exc: BaseException | str, rank: int | None = None) -> None:
+        """Report a failure to every rank (:meth:`FailStop.fail <.torch_failure.FailStop.fail>`): every
+        wait of the job ends at once, naming the rank that failed first."""
+        self._failstop.fail(exc, rank)
+
+    def collective_error(self, exc: BaseException, what: str) -> BaseException:
+        """The library's error for the torch.distributed collective ``what`` (on any group of this job)
+        having raised ``exc`` (:meth:`FailStop.collective_error <.torch_failure.FailStop.collective_error>`:
+        the job's recorded failure, a timeout, or a lost connection naming the rank that failed first),
+        reported to every rank."""
+        return self._failstop.collective_error(exc, what)
+
+    def close(self) -> None:
+        """Stop this fabric's watchdog (before the process group is destroyed: a thread still polling
+        the store during teardown can abort the process)."""
+        self._failstop.close()
+
     # --------------------------------------------------------------- sending
-    def _post_send(self, tensor: torch.Tensor, dst: int, tag: int) -> _Pending:
+    def _post_send(self, tensor: torch.Tensor, dst: int, tag: int) -> Pending:
         self._check_peer(dst)
         self._check_tag(tag)
         t = tensor.detach()
         if not t.is_contiguous():
             t = t.contiguous()
-        self._check_failed()
-        pend = _Pending(None, t, dst, tag, is_recv=False)
+        self._failstop.check()
+        pend = Pending(None, t, dst, tag, is_recv=False)
         if self._coalesce:
             self._deferred.append(pend)     # issued at the next wait, in one group
         else:
             try:
                 pend.work = (self._pg if dst > self.rank else self._pg_down).send([t], dst, tag)
             except RuntimeError as exc:
-                raise self._translate(exc, pend, None) from exc
+                raise self._waits.error(exc, pend) from exc
         self.stats.record_send(self.rank, dst, t.numel() * t.element_size())
         return pend
 
@@ -207,7 +221,7 @@ class TorchFabric(FailStop, DirectWait, Fabric):
         try:
             works = dist.batch_isend_irecv(ops)
         except RuntimeError as exc:
-            raise self._translate(exc, pends[0], None) from exc
+            raise self._waits.error(exc, pends[0]) from exc
         if len(works) == len(pends):
             for p, w in zip(pends, works):
                 p.work = w
@@ -216,7 +230,7 @@ class TorchFabric(FailStop, DirectWait, Fabric):
                 p.work = works[-1]
 
     def wait_any(self, works) -> int:   # gloo: blocks until a helper thread reports a completion
-        return super().wait_any(works) if self._cuda or not works else wait_any_blocking(self, works)
+        return super().wait_any(works) if self._cuda or not works else self._waits.any(works)
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0, *, reliable: bool = True) -> None:
         pend = self._post_send(tensor, dst, tag)
@@ -224,13 +238,14 @@ class TorchFabric(FailStop, DirectWait, Fabric):
         self._finish(pend, None, None)
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0, *, reliable: bool = True) -> Work:
-        return _TorchWork(self, self._post_send(tensor, dst, tag), None)
+        return TorchWork(self, self._post_send(tensor, dst, tag), None)
 
     # ------------------------------------------------------------- receiving
-    def _post_recv(self, tensor: torch.Tensor, src: int | None, tag: int) -> tuple[_Pending, torch.Tensor | None]:
+    def _post_recv(self, tensor: torch.Tensor, src: int | None,
+                   tag: int) -> tuple[Pending, torch.Tensor | None]:
         """Post (or adopt a stale) receive; return it and the tensor to copy into on completion."""
         self._check_tag(tag)
-        self._check_failed()
+        self._failstop.check()
         if src is not None:
             self._check_peer(src)
         elif self._cuda:
@@ -240,21 +255,14 @@ class TorchFabric(FailStop, DirectWait, Fabric):
             raise IncompatibleError("with two-way channels (gloo's default here) a receive from any "
                                     "source (src=None) takes messages from lower ranks only, and rank 0 "
                                     "has none; name the source, or build the fabric with two_way=False")
-        q = self._stale.get((src, tag))
-        if q:
-            pend = q[0]
-            if pend.buf.numel() != tensor.numel() or pend.buf.dtype != tensor.dtype:
-                raise MismatchError(
-                    f"{self._name(self.rank)}: a receive from {self._name(src)} (tag {tag}) timed out "
-                    f"earlier and stays posted for {pend.buf.numel()} x {pend.buf.dtype}; this receive "
-                    f"on the same channel expects {tensor.numel()} x {tensor.dtype}")
-            q.popleft()
+        pend = self._waits.adopt(src, tag, tensor)
+        if pend is not None:
             return pend, tensor
         if tensor.is_contiguous():
             buf, out = tensor, None
         else:
             buf, out = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device), tensor
-        pend = _Pending(None, buf, src, tag, is_recv=True)
+        pend = Pending(None, buf, src, tag, is_recv=True)
         if self._coalesce and src is not None:
             self._deferred.append(pend)
         else:
@@ -263,7 +271,7 @@ class TorchFabric(FailStop, DirectWait, Fabric):
                 pend.work = ((self._pg if src < self.rank else self._pg_down).recv([buf], src, tag)
                              if src is not None else self._pg.recv_anysource([buf], tag))
             except RuntimeError as exc:
-                raise self._translate(exc, pend, None) from exc
+                raise self._waits.error(exc, pend) from exc
         return pend, out
 
     def recv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0, *,
@@ -273,106 +281,52 @@ class TorchFabric(FailStop, DirectWait, Fabric):
 
     def irecv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> Work:
         pend, out = self._post_recv(tensor, src, tag)
-        return _TorchWork(self, pend, out)
+        return TorchWork(self, pend, out)
 
     # ------------------------------------------------------------- completion
-    def _finish(self, pend: _Pending, timeout: float | None, out: torch.Tensor | None) -> int | None:
+    def _finish(self, pend: Pending, timeout: float | None, out: torch.Tensor | None) -> int | None:
         """Wait for ``pend`` (bounded as the module docstring says); account and copy a receive."""
         if timeout is not None and timeout < 0:
             raise InvalidValueError("timeout must be non-negative")
         if self._deferred:
             self._flush()
-        service = self._service_spec is not None and pend.is_recv
-        if timeout is None and not service and not pend.waited:
-            self._wait_blocking(pend)
-        else:
-            limit = timeout if timeout is not None else (None if service else self.timeout_s)
-            self._wait_timed(pend, limit, service)
+        self._waits.wait(pend, timeout)
         return self._account(pend, out)
 
-    def _wait_blocking(self, pend: _Pending) -> None:
-        if self._cuda:             # bounded by timeout_s and the failure record, like every gloo wait
-            if not self._poll_cuda(pend, time.monotonic() + self.timeout_s, False):
-                raise FabricTimeout(f"{self._name(self.rank)}: no {'message from' if pend.is_recv else 'send to'} "
-                                    f"{self._name(pend.src)} (tag {pend.tag}) completed within "
-                                    f"{self.timeout_s:.6g} s")
-            return
-        try:
-            with gloo_wait():
-                pend.work.wait(timedelta(seconds=self.timeout_s))
-            if pend.is_recv and pend.src is None:
-                pend.source = pend.work._source_rank()
-        except RuntimeError as exc:
-            raise self._translate(exc, pend, self.timeout_s) from exc
+    def _account(self, pend: Pending, out: torch.Tensor | None) -> int | None:
+        """A completed operation: for a receive, copy it out (into ``out``), count it, return its source."""
+        if not pend.is_recv:
+            return None
+        with torch.no_grad():
+            if out is not None:
+                out.copy_(pend.buf.reshape(out.shape))
+        source = pend.source if pend.source is not None else pend.src
+        self.stats.record_recv(source, self.rank, pend.buf.numel() * pend.buf.element_size())
+        return source
 
-    def _wait_timed(self, pend: _Pending, limit: float | None, stop_on_shutdown: bool) -> None:
-        deadline = None if limit is None else time.monotonic() + limit
-        if self._cuda:
-            done = self._poll_cuda(pend, deadline, stop_on_shutdown)
-        else:
-            pend.start_waiter()
-            done = False
-            while True:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                step = _SERVICE_POLL_S if stop_on_shutdown else remaining
-                if step is not None and remaining is not None:
-                    step = min(step, remaining)
-                if pend.done.wait(max(step, 0.0) if step is not None else None):
-                    done = True
-                    break
-                if stop_on_shutdown and self._workers_done():
-                    raise ServiceShutdown("every worker has finished")
-                if stop_on_shutdown and self._failure is not None:
-                    raise self._failure_error()
-                if deadline is not None and time.monotonic() >= deadline:
-                    break
-        if not done:
-            if pend.is_recv:
-                self._stale.setdefault((pend.src, pend.tag), deque()).append(pend)
-            what = "message from" if pend.is_recv else "send to"
-            raise FabricTimeout(
-                f"{self._name(self.rank)}: no {what} {self._name(pend.src)} (tag {pend.tag}) completed "
-                f"within {limit:.6g} s" + (" (the receive stays posted and the next receive on this "
-                                           "channel adopts it)" if pend.is_recv else ""))
-        if pend.error is not None:
-            raise self._translate(pend.error, pend, limit) from pend.error
-
-    def _poll_cuda(self, pend: _Pending, deadline: float | None, stop_on_shutdown: bool) -> bool:
-        sleep, last_check = 1e-5, time.monotonic()
-        while True:
-            try:
-                if pend.work.is_completed():
-                    pend.work.wait()
-                    return True
-            except RuntimeError as exc:
-                raise self._translate(exc, pend, None) from exc
-            if self._failure is not None:
-                raise self._failure_error()
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                return False
-            if stop_on_shutdown and now - last_check >= _SERVICE_POLL_S:
-                last_check = now
-                if self._workers_done():
-                    raise ServiceShutdown("every worker has finished")
-            time.sleep(sleep)
-            sleep = min(sleep * 2, 1e-3)
-
-    def _workers_done(self) -> bool:
-        if self._store is None:
-            return False
-        try:
-            return int(self._store.add(self._shutdown_key, 0)) >= self.world_size
-        except RuntimeError:   # the store is gone: the job is over
-            return True
+    def wait_unbounded(self, work: Work) -> int | None:
+        """Wait for ``work`` (posted by this fabric) on the calling thread itself, with no deadline and no
+        helper thread; for a receive, return its source. For a service's own receive threads: a
+        service's wait (``work.wait()``) is otherwise done by a helper thread, which the caller polls
+        for the end of the run, one more thread hand-off per message. Here the end of the run is not
+        seen (the service watches it on another thread: :meth:`wait_for_shutdown` with ``stop``); a
+        failure is (the tripped group ends the wait with the failure's error). Once the fabric is
+        closed, a wait that ends with an error raises :class:`~sparsecomm.errors.ServiceShutdown` (the
+        run is over)."""
+        if not isinstance(work, TorchWork) or work._fabric is not self:
+            raise InvalidValueError("wait_unbounded takes a Work posted by this fabric")
+        if work._finished:
+            return work._result
+        if self._deferred:
+            self._flush()
+        self._waits.unbounded(work._pend)
+        work._result = self._account(work._pend, work._out)
+        work._finished = True
+        return work._result
 
     def wait_for_shutdown(self, stop: Callable[[], bool] | None = None) -> bool:
         """On a service rank: wait for every worker to finish (True) or for ``stop()`` (False)."""
-        while not self._workers_done():
-            if stop() if stop is not None else self._store is None:    # no store: no end to see
-                return False
-            time.sleep(_SERVICE_POLL_S)
-        return True
+        return self._waits.wait_for_shutdown(stop)
 
     def release(self, grace_s: float = 5.0) -> bool:
         """End the run on this rank after its last collective, before its process group is destroyed
@@ -393,7 +347,7 @@ class TorchFabric(FailStop, DirectWait, Fabric):
                 time.sleep(0.005)
         except Exception:  # noqa: BLE001 - the store's host has left, which it does only once all arrived
             pass
-        self._trip()
+        self._failstop.trip()
         return waits_ended(grace_s)
 
     # --------------------------------------------------------------- services
@@ -403,16 +357,46 @@ class TorchFabric(FailStop, DirectWait, Fabric):
         ``name`` is the spec given to the launcher (``"switch"``, ``"omnireduce-agg:2"``); a bare name
         also matches a unique ``"name:arg"`` spec.
         """
-        if name in self._service_ranks:
-            return self._service_ranks[name]
-        base = [s for s in self._service_ranks if s.partition(":")[0] == name]
+        ranks = self._ranks.services
+        if name in ranks:
+            return ranks[name]
+        base = [s for s in ranks if s.partition(":")[0] == name]
         if len(base) == 1:
-            return self._service_ranks[base[0]]
-        started = ", ".join(repr(s) for s in self._service_ranks) or "none"
+            return ranks[base[0]]
+        started = ", ".join(repr(s) for s in ranks) or "none"
         raise ServiceNotStarted(
             f"service {name!r} is not running: on torch.distributed a service is an extra rank that the "
             f"launcher starts, e.g. sparsecomm.launch(fn, world_size, backend={self.backend!r}, "
             f"services=[{name!r}]) (or torchrun with one more process per service); started: {started}")
 
     def services(self) -> dict[str, int]:
-        return dict(self._service_ranks)
+        return dict(self._ranks.services)
+
+
+class TorchWork(Work):
+    """The handle of an operation a :class:`TorchFabric` posted (:meth:`~TorchFabric.isend`,
+    :meth:`~TorchFabric.irecv`): ``wait`` completes it (once), ``is_completed`` asks without blocking."""
+
+    def __init__(self, fabric: TorchFabric, pend: Pending, out: torch.Tensor | None) -> None:
+        self._fabric = fabric
+        self._pend = pend
+        self._out = out
+        self._result: int | None = None
+        self._finished = False
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        if not self._finished:
+            self._result = self._fabric._finish(self._pend, timeout, self._out)
+            self._finished = True
+        return self._result
+
+    def is_completed(self) -> bool:
+        if self._finished:
+            return True
+        fabric = self._fabric
+        if fabric._deferred:
+            fabric._flush()
+        if fabric._cuda:
+            return bool(self._pend.work.is_completed())
+        self._pend.start_waiter()   # gloo reports completion only through wait()
+        return self._pend.done.is_set()
