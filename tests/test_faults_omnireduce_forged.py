@@ -76,8 +76,9 @@ def _check(res: list, expected: list[str]) -> None:
 
 
 def test_a_dedicated_aggregator_rejects_forged_lanes_and_goes_on_serving():
-    """``lanes = 2^24`` (within the protocol's limit): the aggregator used to post a receive of the size
-    that header announces and was aborted by gloo on the longer message actually sent."""
+    """``lanes = 2^24`` (within the protocol's limit): the aggregator posts no receive of the size that
+    header announces (gloo aborts on a message longer than its receive), rejects it on every rank and
+    goes on serving."""
     forgeries = [(wire.F_LANES, 2**24, False), (wire.F_LANES, 2**24, True), (wire.F_NUMEL, 2**40, True),
                  (wire.F_K0, 2**40, False)]
     res = _run("dedicated", 1000, {"block_size": 16, "lanes": 4}, forgeries)
@@ -87,8 +88,8 @@ def test_a_dedicated_aggregator_rejects_forged_lanes_and_goes_on_serving():
 def test_colocated_aggregators_reject_forged_headers_on_every_rank_quickly():
     """``num_aggregators`` out of range or not the world size, position-0 blocks in a channel that does
     not exist: the forging worker's hosted aggregator accepts its own (true) header, so it runs its lanes
-    while the others reject; it used to raise before its sends to the others had left, and gloo dropped
-    them (the third rank then waited for the whole timeout)."""
+    while the others reject; it raises only once its sends to the others have left (gloo drops a send
+    whose buffer is freed first), so every rank fails at once, not at the timeout."""
     forgeries = [(wire.F_AGGS, 10**13, False), (wire.F_AGGS, 4096, False), (wire.F_K0 + 5, 1, False),
                  (wire.F_AGGS, 4096, True)]
     res = _run("colocated", 100_000, {}, forgeries)

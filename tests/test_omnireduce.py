@@ -374,8 +374,7 @@ def test_a_dedicated_aggregators_message_buffers_do_not_grow_with_the_workers(mo
     largest messages, summing each message as it comes in (the paper's ``lanes`` blocks per slot), so
     its message buffers (:meth:`.mailbox.Pool.nbytes`, kept for reuse across calls) are the same at
     n = 2, 4 and 8 and within that bound, but for each worker's 224-byte round-0 header (all of them are
-    checked before anything is planned). They used to hold every worker's message (2 + n of them per
-    channel, dense)."""
+    checked before anything is planned)."""
     from sparsecomm.transports.omnireduce import aggregator, mailbox, service, window
 
     pools = []

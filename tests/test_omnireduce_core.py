@@ -12,8 +12,8 @@ import torch
 
 import sparsecomm as sc
 from sparsecomm.errors import ProtocolError
-from sparsecomm.transports.omnireduce.mailbox import (Hand, Inbox, Outbox, Pool, Poll, Post, Recv, Send,
-                                                      Spawn, drive)
+from sparsecomm.transports.omnireduce.mailbox import (Hand, Inbox, Outbox, Phase, Pool, Poll, Post, Recv, Send,
+                                                      Spawn, Stage, drive)
 
 
 class _LocalFabric:
@@ -42,12 +42,12 @@ def test_roles_take_turns_by_hand_over_and_preference():
     def ping():
         for r in range(3):
             yield Hand(("ping", r), r)
-            yield Recv((("pong", r),), order=(1, r))
+            yield Recv((("pong", r),), Stage(Phase.VERDICT, visit=r))
             log.append(("ping got", _inbox[0].take(("pong", r))))
 
     def pong():
         for r in range(3):
-            yield Recv((("ping", r),), order=(0, r))
+            yield Recv((("ping", r),), Stage(Phase.HEADERS, round=r))
             log.append(("pong got", _inbox[0].take(("ping", r))))
             yield Hand(("pong", r), 10 + r)
 
@@ -62,7 +62,7 @@ def test_roles_take_turns_by_hand_over_and_preference():
 
 def test_a_role_that_can_never_run_is_reported_as_a_bug():
     def stuck():
-        yield Recv((("never", 0),))
+        yield Recv((("never", 0),), Stage(Phase.VERDICT))
 
     with pytest.raises(ProtocolError, match="no role"):
         _run([stuck()])
@@ -76,13 +76,13 @@ def test_gone_holds_a_producer_until_its_last_hand_over_is_taken_and_poll_lets_o
 
     def producer():   # may hand round r+1 only once round r has been taken
         for r in range(3):
-            yield Recv((), order=(0,), gone=(("msg",),))
+            yield Recv((), Stage(Phase.HEADERS), gone=(("msg",),))
             log.append(f"hand {r}")
             yield Hand(("msg",), r)
 
     def consumer():
         for r in range(3):
-            yield Recv((("msg",),), order=(1,))
+            yield Recv((("msg",),), Stage(Phase.VERDICT))
             log.append(f"take {box[0].take(('msg',))}")
             yield Poll()      # nothing else is ready: returns at once
 
@@ -111,7 +111,7 @@ def _crossing(ctx):
     def role(peer):
         yield Post(("x", peer), 4 * 100_000, peer, 7)
         yield Send(torch.full((100_000,), float(me)).view(torch.uint8), peer, 7)
-        yield Recv((("x", peer),), order=(peer,))
+        yield Recv((("x", peer),), Stage(Phase.VERDICT, visit=peer))
         got[peer] = float(inbox.take(("x", peer)).view(torch.float32)[0])
 
     drive(f, inbox, outbox, [role(p) for p in range(n) if p != me])
@@ -176,9 +176,9 @@ def test_a_role_takes_only_messages_its_wait_named(monkeypatch, deployment):
 
 def _late_own_range(ctx, record):
     """Rank 2 is slow (50 ms of modelled time) after scanning its own range, which it scans last."""
-    from sparsecomm.transports.omnireduce import core, strategies
+    from sparsecomm.transports.omnireduce import strategies, worker
 
-    scan, land = core.scan, strategies.land_sums0
+    scan, land = worker.scan, strategies.land_sums0
 
     def slow_scan(call, a):
         yield from scan(call, a)
@@ -190,7 +190,7 @@ def _late_own_range(ctx, record):
         record.setdefault(("landed", call.rank, a), call.fabric.now())
         return land(call, a, g, ids)
 
-    core.scan, strategies.land_sums0 = slow_scan, spy_land   # (restored by the test's monkeypatch)
+    worker.scan, strategies.land_sums0 = slow_scan, spy_land   # (restored by the test's monkeypatch)
     t = sc.transports.get("omnireduce", ctx.fabric, block_size=64, lanes=4096, channels=2)
     g = torch.Generator().manual_seed(ctx.rank)
     x = torch.randint(-5, 6, (20_005,), generator=g).double()
@@ -200,11 +200,11 @@ def _late_own_range(ctx, record):
 
 def test_an_aggregator_whose_data_is_in_does_not_wait_for_another_aggregators_verdict(monkeypatch):
     """Rank 2 is late only for its own aggregator (it scans that range last): aggregators 0 and 1 have
-    every block, so their sums reach rank 0 before rank 2 is done, instead of waiting, as a round-0
-    barrier made them, until every aggregator's verdict is in."""
-    from sparsecomm.transports.omnireduce import core, strategies
+    every block, so their sums reach rank 0 before rank 2 is done, without waiting for every
+    aggregator's verdict."""
+    from sparsecomm.transports.omnireduce import strategies, worker
 
-    monkeypatch.setattr(core, "scan", core.scan)
+    monkeypatch.setattr(worker, "scan", worker.scan)
     monkeypatch.setattr(strategies, "land_sums0", strategies.land_sums0)
     record: dict = {}
     out = sc.launch(functools.partial(_late_own_range, record=record), 3,
@@ -345,7 +345,7 @@ def test_a_workers_first_look_aheads_of_every_channel_are_one_message():
 
 @pytest.mark.parametrize("poll", [False, True])
 def test_a_sure_wait_is_resumed_without_watching_its_receives(poll):
-    """A role whose messages come whatever this endpoint does (``Recv.sure``: round 0 up) is resumed at
+    """A role whose messages come whatever this endpoint does (``Stage.sure``: round-0 data) is resumed at
     once when it is the preferred candidate: its receive is taken blocking, never polled for arrival
     (on gloo each poll of a receive costs a helper thread) and ``wait_any`` is not needed. A ``Poll``
     never runs it (a poll never blocks): the other role runs there, the sure one after."""
@@ -375,12 +375,12 @@ def test_a_sure_wait_is_resumed_without_watching_its_receives(poll):
 
     def sure():
         yield Post(("a",), 4, 0, 1)
-        yield Recv((("a",),), order=(0,), sure=True)
+        yield Recv((("a",),), Stage(Phase.FIRSTS))   # round-0 data: sure
         inbox.take(("a",))
 
     def other():
         yield Post(("b",), 4, 0, 2)
-        yield Recv((("b",),), order=(1,))
+        yield Recv((("b",),), Stage(Phase.VERDICT))
         inbox.take(("b",))
 
     def poller():
@@ -414,10 +414,9 @@ def test_a_window_posts_receives_in_order_while_its_ring_has_room():
 
 
 def test_sends_are_reaped_only_when_every_role_able_to_run_reaps():
-    """``Recv.reap`` finishes this endpoint's sends before a wait only when every role able to run asks
-    for it: a role without it (a verdict, which posts the receives of an aggregator's replies) runs
-    first. A dedicated deployment's worker (``keep=0``) otherwise waited for all its round-0 blocks to
-    leave before posting the second aggregator's receives, and that aggregator's sums for them."""
+    """This endpoint's sends are finished before a wait only when every role able to run waits in a lane
+    round (``Stage.reaps``): a role of another phase (a verdict, which posts the receives of an
+    aggregator's replies) runs first (``docs/omnireduce-scheduler.md``, R6)."""
     log = []
 
     class _Work:
@@ -444,13 +443,13 @@ def test_sends_are_reaped_only_when_every_role_able_to_run_reaps():
 
     def lane():
         yield Post(("down",), 4, 0, 1)
-        yield Recv((("down",),), order=(2,), reap=True)
+        yield Recv((("down",),), Stage(Phase.LAND))   # a lane round: reaps
         inbox.take(("down",))
         log.append("lane")
 
     def verdict():
         yield Post(("verdict",), 4, 0, 2)
-        yield Recv((("verdict",),), order=(0,))
+        yield Recv((("verdict",),), Stage(Phase.VERDICT))
         inbox.take(("verdict",))
         log.append("verdict")
 
@@ -490,13 +489,13 @@ def test_a_role_reusing_a_send_buffer_waits_in_the_scheduler_not_blocking():
     def sender(free):
         buf = pool.get(("out", "msg"), 8)
         yield Send(buf, 1, 7, hold="msg")
-        yield Recv((), order=(0,), free="msg" if free else None)
+        yield Recv((), Stage(Phase.HEADERS), free="msg" if free else None)
         pool.get(("out", "msg"), 8)
         log.append("reused")
 
     def other():
         yield Post(("b",), 4, 1, 8)
-        yield Recv((("b",),), order=(1,))
+        yield Recv((("b",),), Stage(Phase.VERDICT))
         inbox.take(("b",))
         log.append("other")
 
@@ -507,3 +506,18 @@ def test_a_role_reusing_a_send_buffer_waits_in_the_scheduler_not_blocking():
     inbox, outbox = Inbox(f, pool), Outbox(f, pool)
     drive(f, inbox, outbox, [sender(False), other()])
     assert log[:2] == ["blocked on send", "reused"], log
+
+
+def test_stages_order_by_phase_then_round_slot_and_visit_and_say_what_blocks_and_reaps():
+    """The scheduler prefers the smallest :class:`Stage` (a tuple: phase, round, slot, visit); a wait
+    for round-0 data is ``sure`` (the workers' first look-aheads, the drained messages, a lane's round
+    0 at the aggregator) and only a lane round's wait ``reaps``."""
+    stages = [Stage(Phase.LAND, 0, 1, 0), Stage(Phase.HEADERS), Stage(Phase.AGGREGATE, 1, 0),
+              Stage(Phase.VERDICT, visit=2), Stage(Phase.AGGREGATE, 0, 1), Stage(Phase.LAND, 0, 0, 3),
+              Stage(Phase.VERDICT, visit=1), Stage(Phase.FIRSTS)]
+    assert sorted(stages) == [Stage(Phase.HEADERS), Stage(Phase.FIRSTS), Stage(Phase.VERDICT, visit=1),
+                              Stage(Phase.VERDICT, visit=2), Stage(Phase.AGGREGATE, 0, 1),
+                              Stage(Phase.AGGREGATE, 1, 0), Stage(Phase.LAND, 0, 0, 3), Stage(Phase.LAND, 0, 1, 0)]
+    sure = {p for p in Phase if Stage(p).sure}
+    assert sure == {Phase.FIRSTS, Phase.DRAIN, Phase.AGGREGATE} and not Stage(Phase.AGGREGATE, 1).sure
+    assert {p for p in Phase if Stage(p).reaps} == {Phase.AGGREGATE, Phase.LAND}

@@ -85,8 +85,9 @@ def _lanes_ahead(ctx):
 def test_gloo_an_aggregator_running_ahead_does_not_wait_blocking_for_its_old_sends():
     """An aggregator reuses a round's message buffer two rounds later, once that buffer's sends have
     completed; a gloo send completes only when the peer has posted its receive, which the peer's lane
-    does only when its scheduler runs it. Both aggregators waiting blocking for that (each for the other's
-    lane) never ended (a FabricTimeout); the wait is now the scheduler's (``Recv.free``), and the lanes run."""
+    does only when its scheduler runs it, so two aggregators each blocking on that would wait for each
+    other. The scheduler waits for those sends instead (``Recv.free``; ``docs/omnireduce-scheduler.md``,
+    R10), and the lanes run."""
     out = sc.launch(_lanes_ahead, 2, backend="gloo", timeout_s=30)
     assert out == [[True] * 3] * 2
 
