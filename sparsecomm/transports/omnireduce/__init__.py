@@ -70,7 +70,7 @@ SimFabric's reproduction sets its own lanes (``experiments/reproduce_omnireduce.
 blocks (the paper's), colocated aggregators, 2 channels per aggregator and 16384 lanes per channel,
 i.e. messages of up to 16 MiB and a 100 MB tensor in 1-2 rounds on 2-4 workers, where each round trip
 costs milliseconds. On 2 netbed hosts at 1 Gbit/s (100 MB, dense and 1% of blocks) 65536 lanes were
-within 5% of them (BENCHMARKS.md, "Defaults on real processes").
+within 5% of them (BENCHMARKS.md, "Transports on the netbed").
 """
 
 from __future__ import annotations
