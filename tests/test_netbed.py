@@ -296,8 +296,8 @@ def _crossing(ctx) -> tuple[float, float]:
 
 
 def test_two_way_channels_a_receive_is_not_queued_behind_a_large_send():
-    """The cause of the 2x slow-down of crossing exchanges on the netbed (BENCHMARKS "Where the
-    netbed's time went"), fixed by TorchFabric's two-way channels."""
+    """The cause of the 2x slow-down of crossing exchanges on the netbed (BENCHMARKS "Crossing
+    exchanges on one gloo pair"), fixed by TorchFabric's two-way channels."""
     _, (t_small, t_big) = sc.launch(_crossing, 2, backend="netbed", network=sc.Network(bandwidth_gbps=0.1),
                                     timeout_s=60)
     assert t_big > 0.6, t_big                 # the 10 MB took most of its 0.8 s at the link rate

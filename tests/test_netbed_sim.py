@@ -20,7 +20,7 @@ GRID = [(n, mb) for n in (2, 4) for mb in (10, 100)]
 
 def test_sim_models_native_and_ring_allreduce_on_a_real_link():
     """Two workers: the library's ring exchanges both ways on one pair, the case that ran at up to half
-    the link rate before TorchFabric's two-way channels (BENCHMARKS "Where the netbed's time went")."""
+    the link rate before TorchFabric's two-way channels (BENCHMARKS "Crossing exchanges on one gloo pair")."""
     real = measured(2, 10, 0.1, repeats=3)
     sim = modelled(2, 10, 0.1, latency_us=real["latency_s"] * 1e6)
     assert 0.8 <= sim / real["native"] <= 1.2, (sim, real)

@@ -72,7 +72,7 @@ Defaults (fast where they run, :mod:`..defaults`): the real fabric's on every fa
 SimFabric's reproduction sets its own lanes (``experiments/reproduce_omnireduce.py``): 256-element
 blocks (the paper's), colocated aggregators, 2 channels per aggregator and 16384 lanes per channel,
 i.e. messages of up to 16 MiB and a 100 MB tensor in 1-2 rounds on 2-4 workers, where each round trip
-costs milliseconds (BENCHMARKS.md measures them against other lane counts on the netbed).
+costs milliseconds (BENCHMARKS.md, "Transports on the netbed", measures them against other lane counts).
 """
 
 from __future__ import annotations

@@ -162,7 +162,7 @@ class Inbox:
     Why: each post sends the switch a small "receive posted" notice on the connection that the
     switch's egress thread is writing a result message on; gloo's event loop, finding the connection
     locked by that write, returns to ``epoll_wait`` at once and spins until the write ends (BENCHMARKS.md,
-    "SwitchML"). Posted one by one, a notice arrives during nearly every write; in groups, the notices of
+    "Switch CPU per call"). Posted one by one, a notice arrives during nearly every write; in groups, the notices of
     a group arrive together, during one write."""
 
     def __init__(self, fabric, switch: int, burst: int, width: int, depth: int = INBOX_DEPTH,

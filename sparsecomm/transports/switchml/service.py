@@ -32,7 +32,7 @@ nothing else: each result is written over the row it answers in the receive buff
 the reply (no reply buffer to fill: one write of the summed bytes fewer, into cache-hot rows), receive
 buffers come from a pool reused last-freed first (:class:`_Buffers`: no page faults of fresh buffers per
 message), and the slack rows are not scanned and reset per message. The switch's CPU per call:
-BENCHMARKS.md, "SwitchML".
+BENCHMARKS.md, "Switch CPU per call".
 """
 
 from __future__ import annotations
