@@ -1,7 +1,7 @@
 """The bit layouts of ``codec.bits`` at the lengths where the fast kernels run (whole 4096-code blocks of
 the lane layout, 8-code words) and their tails, against a reference written from the module docstring's
 definition bit by bit (numpy, independent of the library's torch path); both the Numba and the torch
-path, bit-exact round trips, unaligned receive buffers. Short lengths: tests/test_wire_formats.py."""
+path, bit-exact round trips, unaligned receive buffers. Short lengths: tests/codec/test_wire_formats.py."""
 
 from __future__ import annotations
 

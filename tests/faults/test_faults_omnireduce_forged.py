@@ -3,7 +3,7 @@ error well before the fabric's timeout, nothing sized by the forged header is al
 (every rank runs under the address-space cap), and the aggregators go on serving: the next call through
 the same transport and the same aggregators is exact.
 
-Worker 1 rewrites one field of its round-0 header on the wire (:class:`._faults_common.CorruptingFabric`),
+Worker 1 rewrites one field of its round-0 header on the wire (:class:`tests._faults_common.CorruptingFabric`),
 with the checksum left as it was (a header changed on the way: ``MalformedMessage``) or recomputed (a
 peer that lies within the protocol's limits: a disagreement, ``MismatchError``). Either way the
 aggregator receives nothing by that header: after its verdict every worker tells it what it did send in

@@ -2,7 +2,7 @@
 torchrun (one process per worker, stock DDP and this library's hook), not the library's launcher.
 
 1. the convergence CLI's torchrun recipe (the line its ``--help`` prints) trains and writes its results
-   (``tests/test_experiments_cli.py::test_the_torchrun_recipe_of_convergence_writes_its_results``, run
+   (``tests/frontends/test_experiments_cli.py::test_the_torchrun_recipe_of_convergence_writes_its_results``, run
    from here too);
 2. a PowerSGD hook run checkpointed by every rank and resumed in a *new* torchrun job equals the
    uninterrupted run bit for bit (DDP's first step in the new processes has its initial bucket layout);

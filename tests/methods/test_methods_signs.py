@@ -271,7 +271,7 @@ def _ledger_worker(ctx, method, kw):
                                        ("onebit", {"levels": "symmetric"})])
 def test_one_bit_codes_travel_as_one_bit_through_allgather(method, kw):
     """The codes use the SIGNS wire encoding: the ledger matches the declared bits (one per code plus
-    the levels) within 1.05x plus the headers of each round (tests/test_wire_formats.py's rule)."""
+    the levels) within 1.05x plus the headers of each round (tests/codec/test_wire_formats.py's rule)."""
     s = sc.launch(functools.partial(_ledger_worker, method=method, kw=kw), world_size=3, backend="sim")[0]
     slack = 1536 * s["rounds"]
     assert s["bytes_declared_sent"] <= s["bytes_sent"] <= 1.05 * s["bytes_declared_sent"] + slack

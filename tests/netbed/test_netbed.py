@@ -132,7 +132,7 @@ def _gso_max_size(ns: str, dev: str) -> int:
 def test_send_bursts_are_capped_to_half_a_millisecond_of_link_time():
     """At 100 Mbit/s a 64 KiB GSO packet is 5.2 ms of link time; two of them in a host's queue delayed
     the other direction's acknowledgements by ~11 ms, and the library's 100 MB ring at 100 Mbit/s ran
-    1.09-1.33x its modelled time (tests/test_netbed_sim.py's slow grid shows it; topology's docstring)."""
+    1.09-1.33x its modelled time (tests/netbed/test_netbed_sim.py's slow grid shows it; topology's docstring)."""
     assert gso_max_size(0.1) == 6250 and gso_max_size(1.0) == 62500 and gso_max_size(100.0) == 65536
     assert gso_max_size(0.001) == 2 * 1514
     with Netbed(2, 0.1) as bed:

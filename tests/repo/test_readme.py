@@ -1,6 +1,6 @@
 """The README's Python examples: there are some, and a script that forgets the ``__main__`` guard gets an
 error naming it (run in a fresh interpreter, as a user would). The blocks themselves run as written, gloo
-launches included, in ``tests/test_docs.py::test_script_examples_run`` (the netbed one under ``-m slow``)."""
+launches included, in ``tests/repo/test_docs.py::test_script_examples_run`` (the netbed one under ``-m slow``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _blocks() -> list[str]:
     """The README's ```python blocks, except the netbed one: it needs root and creates network
-    namespaces (tests/test_netbed*.py run the netbed, under the rules for who may create them)."""
+    namespaces (tests/netbed/ runs the netbed, under the rules for who may create them)."""
     text = (ROOT / "README.md").read_text()
     return [b for b in re.findall(r"```python\n(.*?)```", text, flags=re.S) if 'backend="netbed"' not in b]
 
@@ -34,7 +34,7 @@ def test_readme_has_examples():
 
 
 def test_every_example_prints_what_it_computes():
-    """A reader who runs an example sees its result (tests/test_docs.py checks that each one prints when it
+    """A reader who runs an example sees its result (tests/repo/test_docs.py checks that each one prints when it
     runs); the netbed block too."""
     text = (ROOT / "README.md").read_text()
     silent = [b.splitlines()[0] for b in re.findall(r"```python\n(.*?)```", text, flags=re.S) if "print(" not in b]
@@ -48,4 +48,4 @@ def test_missing_main_guard_reports_its_cause(tmp_path):
     r = _run(code, tmp_path, "noguard", timeout=120)
     assert r.returncode != 0
     assert 'if __name__ == "__main__":' in r.stderr and "line 6" in r.stderr, r.stderr[-2000:]
-    # the guarded form runs: tests/test_docs.py::test_script_examples_run and every gloo test
+    # the guarded form runs: tests/repo/test_docs.py::test_script_examples_run and every gloo test

@@ -59,7 +59,7 @@ def _compressor_cases() -> dict[str, dict]:
 # ------------------------------------------------------------------------------------- compressors
 def test_every_compressor_is_in_the_contract_matrix():
     missing = sorted(set(sc.compressors.available()) - set(_compressor_cases()))
-    assert not missing, f"add a case to tests/test_compressors_contract.py CASES for {missing}"
+    assert not missing, f"add a case to tests/compressors/test_compressors_contract.py CASES for {missing}"
 
 
 @pytest.mark.parametrize("name", sc.compressors.available())
@@ -104,7 +104,7 @@ def test_every_method_reads_its_operator_constants_in_theory(name):
 def test_every_method_has_tests():
     names = set().union(*(_string_constants(p) for p in TESTS.rglob("test_methods*.py")))
     missing = sorted(set(sc.methods.available()) - names)
-    assert not missing, f"no tests/test_methods*.py names method(s) {missing}"
+    assert not missing, f"no tests/**/test_methods*.py names method(s) {missing}"
 
 
 # --------------------------------------------------------------------------------------- transports
@@ -115,7 +115,8 @@ def test_every_transport_has_a_cost_model():
 
 
 def test_every_transport_has_tests():
-    """A transport's tests are tests/test_<name>.py; the dense baselines share test_transports_baseline.py."""
+    """A transport's tests are tests/transports/**/test_<name>.py; the dense baselines share
+    tests/transports/test_transports_baseline.py."""
     baseline = _string_constants(TESTS / "transports" / "test_transports_baseline.py")
     missing = [name for name in sc.transports.available()
                if not any((TESTS / "transports").rglob(f"test_{name.replace('-', '_')}.py")) and name not in baseline]

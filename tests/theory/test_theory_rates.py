@@ -10,7 +10,7 @@ Nothing here re-types a formula of ``theory/rates.py``. Four kinds of checks:
 3. **monotonicity**: steps shrink with omega and L, grow with n and delta; iteration counts grow with
    kappa, omega and 1/eps;
 4. **empirical rates on a quadratic**: f_i(x) = ||x - b_i||^2/2 (L_i = mu = 1). For rand-k, whose variance is
-   omega||x||^2 for *every* x (tests/test_compressors_stats.py), one DCGD step from any e = x - x* with
+   omega||x||^2 for *every* x (tests/compressors/test_compressors_stats.py), one DCGD step from any e = x - x* with
    b_i = x* (interpolation) has the exact expectation E||e+||^2 = ((1 - g)^2 + g^2 omega/n) ||e||^2 =: rho(g)
    ||e||^2 (**derived**: e+ = e - g mean_i C_i(e), independent C_i). The library's DCGD is run from a fixed e
    many times and the measured mean ratio must match rho(g) within its Monte-Carlo error and lie below the

@@ -193,9 +193,9 @@ class Hand(NamedTuple):
 
 class Recv(NamedTuple):
     """Suspend until the messages ``keys`` are in; the role then ``take``s them from the inbox. A role
-    takes only messages its ``Recv`` named (``tests/test_omnireduce_core.py`` holds it), so the scheduler
-    never blocks in a take it did not choose while another role's messages are in (e.g. a worker on a
-    large round-0 sum while its hosted aggregator's data waits to be summed).
+    takes only messages its ``Recv`` named (``tests/transports/omnireduce/test_omnireduce_core.py``
+    holds it), so the scheduler never blocks in a take it did not choose while another role's messages are
+    in (e.g. a worker on a large round-0 sum while its hosted aggregator's data waits to be summed).
 
     The role can run only once every key is posted or handed over, and none of ``gone`` is still
     waiting to be taken (a local hand-over that a new one would replace). ``order``: preference
