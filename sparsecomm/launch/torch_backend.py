@@ -1,7 +1,7 @@
 """The ``gloo`` and ``nccl`` backends of :func:`sparsecomm.launch`: real processes over torch.distributed.
 
 Real processes cannot run in a doctest (``fn`` must be importable by them), so this example is a script
-(``tests/test_docs.py`` runs it; the ``__main__`` guard is needed because the ranks are new processes)::
+(``tests/repo/test_docs.py`` runs it; the ``__main__`` guard is needed because the ranks are new processes)::
 
     import torch
     import sparsecomm as sc

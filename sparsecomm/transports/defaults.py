@@ -7,7 +7,7 @@ the lanes in flight) takes its default from what the fabric declares, its ``mess
 
 - ``None``: a message is one datagram of a modelled network, which states its every cost (SimFabric).
   The papers' settings, which the reproductions compare with their closed forms
-  (``tests/test_switch_theory.py``, ``tests/test_sparse_switch_theory.py``,
+  (``tests/theory/test_switch_theory.py``, ``tests/theory/test_sparse_switch_theory.py``,
   ``experiments/reproduce_switchml.py``): one packet per message, the program's first packet size
   (SwitchML's one-pass 64 values), a pool of :data:`SIM_POOL` lanes.
 - a size (real fabrics: 1 MiB over gloo): the program's largest packet (SwitchML's 256 values with

@@ -19,7 +19,7 @@ blocks in :func:`sum_order`, which fixes every float sum's rounding.
 Nothing here sends or receives: a driver moves the messages. :mod:`.reference` is the plain one (a
 loop of exchanges, to be read after this module); the fast one runs the roles of :mod:`.worker` and
 :mod:`.aggregator` on one scheduler per endpoint (:mod:`.mailbox`), with the fast paths of
-:mod:`.strategies`. Both give the same bits (``tests/test_omnireduce_reference.py``), but where the
+:mod:`.strategies`. Both give the same bits (``tests/transports/omnireduce/test_omnireduce_reference.py``), but where the
 fast one sums in place (:class:`.strategies.HomeSums`: the host's blocks first).
 """
 

@@ -1,7 +1,7 @@
 """OmniReduce's reference driver: the lane state machines of :mod:`.core` driven by a plain loop of
 exchanges over the fabric, one call. No scheduler, no pooled buffers, no fast paths: it is to be read
 after :mod:`.core`, and it checks the fast driver (:mod:`.worker`, :mod:`.aggregator`), whose results
-must be the same bits (``tests/test_omnireduce_reference.py``). It is not tuned.
+must be the same bits (``tests/transports/omnireduce/test_omnireduce_reference.py``). It is not tuned.
 
 Every endpoint runs the same steps. A step is one :func:`exchange`: the endpoint posts the receive of
 every message it gets in that step, starts every send it owes, then waits for all of them. Both ends
