@@ -17,7 +17,7 @@ so additions overlap the transfers and the per-step latency is paid once per pip
 chunk: a chunk in one piece is store-and-forward, and every step would pay, on top of its transfer, what
 happens between the last byte in and the first byte out (the receiving thread's wake-up, the addition,
 gloo's rendezvous, the links' last burst). The time per step on the netbed, in one piece and in
-segments: BENCHMARKS.md, "SimFabric vs netbed" (``experiments/bench/ring_trace.py``). The all-gather's
+segments: BENCHMARKS.md, "Simulator vs netbed" (``experiments/bench/ring_trace.py``). The all-gather's
 receives are posted during the reduce-scatter, as soon as the regions they overwrite have been sent
 (:func:`ring_allreduce_`). The two receive buffers (one chunk each) are kept by the transport object
 between calls, so that no call pays the page faults of fresh buffers.
