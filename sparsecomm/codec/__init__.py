@@ -29,8 +29,8 @@ Every function takes and returns torch tensors and accepts ``backend="auto" | "n
 where both paths exist.
 """
 
-from . import bits
 from ..errors import CodecError
+from . import bits
 from ._common import num_blocks
 from .blocks import nonzero_blocks, pack_blocks, packed_numel, unpack_add
 from .fixed import checked_add_, chunk_exponents, from_fixed, scale_from_exponents, to_fixed

@@ -27,8 +27,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import _kernels as K
 from ..errors import CodecError
+from . import _kernels as K
 from ._common import (
     BITS,
     NUMBA_FLOATS,

@@ -17,8 +17,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from . import _kernels as K
 from ..errors import CodecError
+from . import _kernels as K
 from ._common import use_numba
 
 __all__ = ["mask_to_bitmap", "bitmap_to_mask", "mask_to_indices", "indices_to_mask", "LookAhead", "next_nonzero"]
