@@ -18,7 +18,7 @@ class SparseCommError(Exception):
 class UnknownNameError(SparseCommError, KeyError):
     """A registry lookup for a name that is not registered; the message lists the valid names."""
 
-    def __str__(self) -> str:  # KeyError quotes its argument; we want the plain sentence
+    def __str__(self) -> str:  # KeyError quotes its argument; this shows the plain sentence
         return str(self.args[0]) if self.args else ""
 
 

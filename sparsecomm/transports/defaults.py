@@ -16,8 +16,8 @@ the lanes in flight) takes its default from what the fabric declares, its ``mess
   packets that are ready, so a small job pays its packets' bytes, not a burst's), and as many lanes as
   fill :data:`WINDOW_MESSAGES` messages (:func:`pool_size`: 4096; the sparse switch's 1024 slots allow
   1023), so that the workers send a lane window's next message while the switch answers the one before.
-  Measured against the paper's settings on loopback gloo and on the netbed: BENCHMARKS.md, "Transports on
-  loopback" and "The switch at 0.5 Gbit/s".
+These defaults against the paper's settings: BENCHMARKS.md, "Transports on loopback" and "The switch
+at 0.5 Gbit/s".
 
 The switch program's constants (packet, packets per message) are the switch rank's: a rank started as
 ``services=["switch"]`` runs this fabric's program, and a worker that passes no constants talks to the

@@ -25,9 +25,8 @@ from hypothesis import strategies as st
 import sparsecomm as sc
 from sparsecomm.codec import bits as B
 from sparsecomm.compressors.identity import UnderflowError
-from sparsecomm.errors import OverflowError_
-from sparsecomm.payload import (BITMAP, INDEX32, RAW, WireFormatError, check_slot, decode_slot, encode_code,
-                                slot_nbytes)
+from sparsecomm.errors import OverflowError_, WireFormatError
+from sparsecomm.payload import BITMAP, INDEX32, RAW, check_slot, decode_slot, encode_code, slot_nbytes
 
 from tests._train_common import compression_stats_after_two_steps
 

@@ -129,8 +129,7 @@ import numpy as np
 import torch
 
 from .... import codec
-from ....errors import (FabricTimeout, IncompatibleError, InvalidValueError, MismatchError,  # noqa: F401
-                      NonFiniteError, OverflowError_, ProtocolError, SparseCommError)
+from ....errors import IncompatibleError, InvalidValueError, ProtocolError
 from ....fabric.base import Fabric
 from ..._handshake import check_agreement
 from ...base import Transport, registry
