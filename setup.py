@@ -3,7 +3,7 @@
 The repository keeps ``theory/``, ``algorithms/`` and ``experiments/`` as top-level folders; the wheel
 installs them as ``sparsecomm.theory``, ``sparsecomm.algorithms`` and ``sparsecomm.experiments``, so that
 nothing but ``sparsecomm`` lands at the top of site-packages (``sparsecomm/_tree.py`` gives the source
-tree the same names). ``tests/test_packaging.py`` checks the built wheel.
+tree the same names). ``tests/repo/test_packaging.py`` checks the built wheel.
 """
 
 from setuptools import find_packages, setup

@@ -22,7 +22,7 @@ the interpolation step only when the problem exposes ``sigma_star_sq`` and it is
 ``interpolation=True`` insists and raises :class:`ConfigError` when the problem shows it is false;
 ``interpolation=False`` always takes DCGD's step. (On heterogeneous data the interpolation step would be
 up to 2x the certified one, with no guarantee: 1.48x for tau = 5 of 50 on the label-sorted logistic
-problem of tests/test_algorithms.py.)
+problem of tests/algorithms/test_algorithms.py.)
 IS-DIANA: DIANA's (:func:`theory.rates.diana`) with omega = m/tau - 1, certified in both regimes.
 
 Example::

@@ -15,7 +15,7 @@ linearly to x* with stochastic local gradients: O((kappa (1 + omega/n) + m + ome
 (abstract of arXiv 1904.05115; :func:`theory.rates.vr_diana_iterations`).
 
 Default step: :func:`theory.rates.vr_diana` (a documented heuristic, tested at that default in
-tests/test_algorithms_vr_diana.py; the paper's strongly convex constant
+tests/algorithms/test_algorithms_vr_diana.py; the paper's strongly convex constant
 could not be verified). ``grad_evals`` counts per-worker sample gradients (2b per step, + N_i per refresh).
 
 Example::

@@ -28,8 +28,8 @@ scheme's coinciding transports drawn once, and vs modelled time; bytes per step;
 both bandwidths), per-step CSVs, and one wandb run per configuration (``WANDB_MODE``: ``offline`` by
 default, ``disabled`` writes nothing).
 
-    python -m experiments.demo                  # the full demo (a few minutes on 2 cores)
-    python -m experiments.demo --tiny           # every cell at 2 workers, 2 steps (about 10 s of CPU)
+    python -m experiments.demo                  # the full demo
+    python -m experiments.demo --tiny           # every cell at 2 workers, 2 steps
     python -m experiments.demo --docs           # also refresh docs/demo.png (the README picture)
 """
 
@@ -80,10 +80,10 @@ SCHEMES = (
 )
 #: transport settings of the demo: the switch uses the P4 program's larger packets (256 elements).
 TRANSPORT_KW = {"switch": {"slot_elems": 256}}
-#: per-task overrides. The switch emulation costs Python time per packet (about 0.1 ms on 2 busy cores);
-#: on recsys-zipf (~200 packets per worker per step) 8 packets share one simulated message (``burst``).
-#: The emulation pads a message to 8 rows when fewer packets are ready: +8 % modelled time at 10 Gbps
-#: (350 -> 380 us per step, measured against burst=1), for a 4x shorter run.
+#: per-task overrides. The switch emulation costs Python time per packet; on recsys-zipf (~200 packets
+#: per worker per step) 8 packets share one simulated message (``burst``), so the emulation handles a
+#: message per 8 packets. The price is modelled time: a message is padded to 8 rows when fewer packets
+#: are ready, and the padding's bytes cross the modelled links.
 TASK_TRANSPORT_KW = {("recsys-zipf", "switch"): {"burst": 8}}
 
 

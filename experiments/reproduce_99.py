@@ -30,7 +30,6 @@ from sparsecomm.algorithms import ISDIANA, ISSGD
 from sparsecomm.theory import problems as P
 from sparsecomm.theory import rates
 
-from .common import plots
 from .common import reproduce as U
 
 

@@ -16,8 +16,8 @@ up to ~3x DIANA's). Rows above those steps print "n/a" and store ``None`` for th
 ``certified: False``: what they measure is the behaviour beyond the theory, not a check of it. Reproduction "in spirit" on substitute data (synthetic d = 100 by default,
 or scikit-learn's digits, d = 61, k = 1).
 
-    python -m experiments.reproduce_diana                    # minutes on 2 cores
-    python -m experiments.reproduce_diana --quick            # seconds
+    python -m experiments.reproduce_diana                    # the full grid
+    python -m experiments.reproduce_diana --quick            # a reduced grid
     python -m experiments.reproduce_diana --problem digits --out /tmp/e1
 """
 

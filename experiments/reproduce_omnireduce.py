@@ -29,9 +29,8 @@ column ``imbD``), so that what is left is the protocol's and the network's.
 
 prints the table and writes ``omnireduce_vs_density.png``, ``omnireduce_vs_workers.png`` and
 ``omnireduce_<overlap>_<placement>.csv`` under ``DIR`` (default ``experiments/out/reproduce_omnireduce``).
-The full grid took 853 s on a 2-core VM, beside a second run (the 64-worker points 20-130 s each: the
-event-driven order makes the simulation a conservative discrete-event one, one endpoint at a time); ``--quick`` (n <= 16,
-100 Gb/s) about 20 s.
+The 64-worker points take the longest (the event-driven order makes the simulation a conservative
+discrete-event one, one endpoint at a time); ``--quick`` runs n <= 16 at 100 Gb/s only.
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ BLOCK = 256
 POOL = 256
 LATENCY_US = 2.0
 BANDWIDTH = 100.0
-WALL_TIMEOUT_S = 900.0    # the SimFabric's wall-clock guard: 64 simulated endpoints on 2 busy cores are slow
+WALL_TIMEOUT_S = 900.0    # the SimFabric's wall-clock guard: 64 simulated endpoints in one process are slow
 TRANSPORTS = ("ring", "switch", "omni-colocated", "omni-dedicated", "sparse-switch")
 
 

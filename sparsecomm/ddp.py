@@ -1,7 +1,7 @@
 """The same pipeline as a DDP communication hook, so compressors run under stock DistributedDataParallel.
 
 DDP needs a torch.distributed process group, which the ``sim`` backend does not have, so this example
-is a script on gloo processes (``tests/test_docs.py`` runs it)::
+is a script on gloo processes (``tests/repo/test_docs.py`` runs it)::
 
     import torch
     from torch import nn

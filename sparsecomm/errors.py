@@ -5,7 +5,7 @@ launcher collecting failures from many ranks) can tell a user mistake from a bug
 from the builtin a caller would catch without knowing the library (``ValueError``, ``TypeError``,
 ``KeyError``, ...), so ``except ValueError`` keeps working. Never raise a bare ``ValueError`` or
 ``TypeError`` from the library: :class:`InvalidValueError` and :class:`InvalidTypeError` are the general
-cases (``tests/test_errors.py`` fails on a new bare one).
+cases (``tests/repo/test_errors.py`` fails on a new bare one).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ class SparseCommError(Exception):
 class UnknownNameError(SparseCommError, KeyError):
     """A registry lookup for a name that is not registered; the message lists the valid names."""
 
-    def __str__(self) -> str:  # KeyError quotes its argument; we want the plain sentence
+    def __str__(self) -> str:  # KeyError quotes its argument; this shows the plain sentence
         return str(self.args[0]) if self.args else ""
 
 

@@ -14,8 +14,8 @@ run: a Numba kernel never runs on a CUDA tensor). ``"auto"``: no forcing. An exp
 argument of a codec function wins over the switch. The switch is process-wide, not per thread: set it
 around whole runs, not from inside concurrent workers.
 
-**Agreement between the paths** (tests/test_codec.py and tests/test_compressors_*.py run on both; the
-test suite's ``kernel_path`` fixture in tests/conftest.py):
+**Agreement between the paths** (tests/codec/ and tests/compressors/ run on both; the test suite's
+``kernel_path`` fixture in tests/conftest.py):
 
 - deterministic kernels agree **bit for bit**: block scan, pack, unpack-add, bitmaps, indices, look-ahead,
   chunk exponents, fixed point (nearest and the codec's counter-based stochastic rounding), checked add;

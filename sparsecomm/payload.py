@@ -54,14 +54,10 @@ than k bits. They carry the in-memory values (README, "Bytes on the wire").
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
-
 import torch
 
-from .errors import InvalidValueError, SparseCommError
-from .errors import WireFormatError  # noqa: F401 (re-exported)
+from .errors import InvalidValueError, WireFormatError
 
-PayloadKind = Literal["dense", "aligned", "sparse", "quantized"]
 KINDS: tuple[str, ...] = ("dense", "aligned", "sparse", "quantized")
 
 

@@ -1,7 +1,7 @@
 """Closed-form alpha-beta communication costs of the transports, per worker, for ``n`` workers.
 
 The model is the SimFabric's (``sparsecomm/fabric/sim/``), so that a closed form here and a simulated
-run agree (``tests/test_costs.py`` checks it within 10 % for n in {2, 4, 8, 16, 64}):
+run agree (``tests/theory/test_costs.py`` checks it within 10 % for n in {2, 4, 8, 16, 64}):
 
 - every endpoint has a full-duplex NIC of ``B`` bytes/s (``bandwidth_gbps * 1e9 / 8``) and a per-message
   latency ``alpha`` (``latency_us * 1e-6``);
@@ -540,7 +540,7 @@ def sparse_switch_allreduce(n: int, numel: int, *, density: float = 1.0, union_d
 
 
 #: the cost model of every registered transport, by its registry name (one entry per transport:
-#: ``tests/test_registration.py`` fails for a registered transport without one)
+#: ``tests/repo/test_registration.py`` fails for a registered transport without one)
 MODELS = {
     "ring": ring_allreduce,
     "native": native_allreduce,

@@ -138,7 +138,7 @@ def diana_lyapunov_coefficient(omega: float, gamma: float, alpha: float, n: int,
     M is the variance of the averaged message, omega/n by independence. With shared coordinates the
     compressor is one linear map for all workers and Jensen gives omega instead, so M = 4 omega/(alpha n_eff)
     and the weight of the *sum* is 4 omega gamma^2/(alpha n n_eff), with the step of :func:`diana` computed
-    at the same n_eff. Checked empirically: tests/test_algorithms.py (shared seeds, V contracts at
+    at the same n_eff. Checked empirically: tests/algorithms/test_algorithms.py (shared seeds, V contracts at
     1 - gamma mu).
     """
     n_eff = n if n_eff is None else n_eff
@@ -194,7 +194,7 @@ def vr_diana(L_sample: float, omega: float, n: int, m: int, c: float = 6.0) -> t
     here (no verified constant; gamma = 1/((1 + c omega/n)L) with a tunable c is the usual fallback).
     This default combines loopless SVRG's 1/(6L) (Kovalev, Horvath, Richtarik, arXiv 1901.08689) with
     DIANA's (1 + 6 omega/n) factor (:func:`diana`) and is validated only empirically, at this default step
-    (tests/test_algorithms_vr_diana.py: linear convergence to x* on a heterogeneous kappa = 2 logistic
+    (tests/algorithms/test_algorithms_vr_diana.py: linear convergence to x* on a heterogeneous kappa = 2 logistic
     regression with omega = 1.5, where stochastic DIANA at the same step stalls; larger kappa or omega are
     not tested).
     """

@@ -2,7 +2,7 @@
 
     python -m experiments.bench.codec [--n 25600000] [--block 256] [--repeats 11] [--dtype float32]
                                       [--cache cold|warm] [--backend auto|numba|torch]
-    python -m experiments.bench.codec --small          # smoke run: n = 1M, 3 repeats (about a second)
+    python -m experiments.bench.codec --small          # smoke run: n = 1M, 3 repeats
     python -m experiments.bench.codec --bits [--small] [--stat median|min] [--clock wall|thread]  # codec.bits
 
 ``--bits`` times the wire encodings of :mod:`sparsecomm.codec.bits` instead, side by side with
@@ -30,11 +30,11 @@ Cache state (``--cache``). In both modes the calls are interleaved round-robin (
 pack, unpack, kernel-only, copyto, ...; one of each per round) so that on a shared machine the
 ratios compare runs made under the same load, and each timed call is preceded by an untimed one:
 
-* ``cold`` (default): a read of a 96 MiB scratch buffer (3x the L3; read-only, so no dirty lines
-  are left to write back), then the same call on tiny buffers. The call's data come from DRAM, its
-  code does not (a pipeline calls these kernels in a loop; a cold no-op numba call alone costs
-  ~17 us here). This is the conservative figure: a 100 MB gradient does not stay in a 32 MB L3, so
-  a transport packs blocks that mostly come from DRAM.
+* ``cold`` (default): a read of a 96 MiB scratch buffer (larger than the L3 it is meant to evict;
+  read-only, so no dirty lines are left to write back), then the same call on tiny buffers. The call's
+  data come from DRAM, its code does not (a pipeline calls these kernels in a loop, so it does not pay
+  a cold call's dispatch). This is the conservative figure: a 100 MB gradient does not stay in the L3,
+  so a transport packs blocks that mostly come from DRAM.
 * ``warm``: the same call on the same data, back to back. At low density the selected blocks, the
   mask and the output then stay in the L3 between the two, which flatters pack and unpack.
 
@@ -65,7 +65,7 @@ from sparsecomm import codec
 from sparsecomm.codec import _kernels
 
 TARGET = 0.8
-_SCRATCH_BYTES = 96 * 2**20  # read before every cold call: 3x the 32 MiB L3 of the reference machine
+_SCRATCH_BYTES = 96 * 2**20  # read before every cold call: three times a 32 MiB L3
 
 
 def _medians(fns: dict, repeats: int, before: dict, stat=np.median, clock=time.perf_counter) -> dict:
@@ -89,8 +89,8 @@ def _medians(fns: dict, repeats: int, before: dict, stat=np.median, clock=time.p
 def _cold_before(primes: dict) -> dict:
     """Cold data, warm code: a 96 MiB scratch read evicts the caches (read-only, so no dirty lines
     are left to write back), then ``primes[k]`` -- the same call on tiny buffers -- brings the
-    interpreter, dispatcher and kernel code back (a cold no-op numba call alone costs ~17 us on the
-    reference machine, which a pipeline calling these kernels in a loop does not pay)."""
+    interpreter, dispatcher and kernel code back (a cold call's dispatch, which a pipeline calling these
+    kernels in a loop does not pay)."""
     scratch = np.ones(_SCRATCH_BYTES // 8)
 
     def make(prime):

@@ -9,16 +9,16 @@ large CPU tensors) and of ``ring`` (this library's ring over the Fabric), in one
 the SimFabric's modelled time of ``ring`` at the same bandwidth, with the netbed's TCP/Ethernet framing
 (:data:`sparsecomm.fabric.sim.sim_network.TCP_OVER_ETHERNET`) and the one-way latency of a small message
 measured over the same fabric in the same launch (:func:`sparsecomm.netbed.probe.fabric_latency_s`: the
-kernel's ~10 us plus gloo's rendezvous and the ranks' wake-ups, which on a shared 2-core host are most of
-it). Both measured transports are compared to that modelled time (the model of a bandwidth-optimal ring;
+kernel's path plus gloo's rendezvous and the ranks' wake-ups, which on a shared host can be most of it).
+Both measured transports are compared to that modelled time (the model of a bandwidth-optimal ring;
 gloo's native all-reduce moves the same bytes). ``ratio`` = modelled / measured.
 
 A call's measured time runs from the moment its *last* rank called it to the moment its last rank
 returned (one clock, ``time.monotonic``, for every namespace of the machine), as the model's does (every
 rank starts at modelled time 0): the barrier before a call releases the ranks one after another (worker 0
 sends the releases in turn), and no rank of an all-reduce can finish before the last one has started, so
-timing each rank from its own start would add that release skew, 1-6 ms on this loaded machine, to the
-all-reduce. The table shows the skew's median.
+timing each rank from its own start would add that release skew to the all-reduce. The table shows the
+skew's median.
 """
 
 from __future__ import annotations
@@ -35,8 +35,9 @@ import sparsecomm.transports  # noqa: F401  (registers the transports)
 from sparsecomm.fabric.sim.sim_network import TCP_OVER_ETHERNET
 from sparsecomm.netbed.probe import fabric_latency_s
 
-#: one-way latency of a netbed path in the kernel (host - top of rack - host), half the ~20 us round trip
-#: measured here; the model uses the fabric's own latency measured in the same launch (module docstring)
+#: :func:`modelled`'s default one-way latency: a netbed path in the kernel (host - top of rack - host; its
+#: round trip: ``python -m sparsecomm.netbed check``); :func:`compare` passes the fabric's own latency
+#: measured in the same launch instead (module docstring)
 NETBED_LATENCY_US = 10.0
 
 

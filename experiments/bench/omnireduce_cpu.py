@@ -1,8 +1,8 @@
-"""Process CPU per call of the ``omnireduce`` transport on local gloo processes, and an old/new A/B.
+"""Process CPU per call of the ``omnireduce`` transport on local gloo processes, and an A/B of two checkouts.
 
     python -m experiments.bench.omnireduce_cpu                                   # n = 2 4, d = 0.01 0.1 1
     python -m experiments.bench.omnireduce_cpu --workers 2 --densities 0.01 --profile /tmp/prof
-    python -m experiments.bench.omnireduce_cpu --trees /tmp/omni_old . --rounds 5   # alternated A/B
+    python -m experiments.bench.omnireduce_cpu --trees /tmp/omni_base . --rounds 5   # alternated A/B
 
 Each of ``n`` gloo ranks on this host builds the benchmark's colocated case (``block_size=256,
 lanes=65536, inplace=True``, as ``experiments.bench.transports``) and calls ``allreduce`` on 100 MB of
@@ -16,8 +16,8 @@ and calls) the receives and sends this rank posted on the fabric and the receive
 thread to learn of their completion (gloo reports completion only through a blocking wait:
 :mod:`sparsecomm.fabric.torch.torch_waiters`); and the CPU per call of each thread (the main thread; the
 others by name: gloo's, the helpers), barrier to barrier.
-CPU per call is what this measures: on a shared 2-core host the wall times are load-bound, the CPU
-figures much less so.
+CPU per call is what this measures: on a shared host the wall times are load-bound, the CPU figures
+much less so.
 
 ``--profile DIR``: each rank runs its timed calls under cProfile and writes
 ``DIR/n{n}.d{d}.rank{R}.prof`` (read with ``python -m pstats``), timed by the main thread's CPU
@@ -32,7 +32,7 @@ loopback does not show.
 alternating the trees' order each round, each with the tree's ``sparsecomm`` first on the path (a
 symbolic link in a temporary folder; this benchmark and its input maker stay this checkout's) and
 ``NUMBA_CACHE_DIR=<tree>/.numba_cache``, and print per (n, d) and tree the per-round medians (over
-ranks) and their median. A tree is any checkout, e.g. ``git worktree add --detach /tmp/omni_old main``.
+ranks) and their median. A tree is any checkout, e.g. ``git worktree add --detach /tmp/omni_base main``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 stock DDP against DistributedOptimizer (and the DDP comm hook) with several compressor x transport pairs.
 
     python -m experiments.bench.step                     # vocab 400k x 64 (~100 MB of fp32 gradient)
-    python -m experiments.bench.step --small             # ~20 s smoke run
+    python -m experiments.bench.step --small             # a smoke run
     python -m experiments.bench.step --density 0.01,0.05 --steps 15
     python -m experiments.bench.step --netbed 1          # the 2 processes on a netbed at 1 Gbit/s (root)
 

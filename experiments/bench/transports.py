@@ -21,7 +21,7 @@ constructed with no keyword arguments, its services started with no program argu
 writes ``transport="switch"`` and ``services=["switch"]`` gets it (on gloo the defaults are the real
 fabric's: :mod:`sparsecomm.transports.defaults`). Rows with settings are labelled ``(tuned: ...)`` with
 them, e.g. in place (``inplace=True``: ``dist.all_reduce``'s own semantics, and no result to allocate
-per call, whose page faults alone cost ~40 ms per 100 MB on a small VM). The reference of every ratio is
+per call, nor its page faults). The reference of every ratio is
 ``native (tuned: inplace=True)``, i.e. ``torch.distributed.all_reduce`` itself.
 
 For every (workers, size) every selected case runs in the same launch (same processes, same inputs),
@@ -99,10 +99,10 @@ CASES: list[Case] = [
     Case("omnireduce", densities=(1.0, 0.1, 0.01)),
     Case("switch", services=("switch",)),
     Case("sparse-switch", densities=(1.0, 0.1, 0.01), services=("sparse-switch",), default=False),
-    # tuned rows. In place: dist.all_reduce's own semantics, and no result to allocate per call (whose page
-    # faults alone cost ~40 ms per 100 MB on a small VM)
+    # tuned rows. In place: dist.all_reduce's own semantics, and no result to allocate per call (nor its
+    # page faults)
     Case("ring", {"inplace": True}),
-    # one block per lane for 100 MB on 2-4 workers: every call is a single round (round trips cost ms here)
+    # one block per lane for 100 MB on 2-4 workers: every call is a single round (no round trip beyond the first)
     Case("omnireduce", {"lanes": 65536, "inplace": True}, densities=(1.0, 0.1, 0.01)),
     # one stream per aggregator: fewer messages (sparse data), no overlap of a channel's up- and downstream
     Case("omnireduce", {"lanes": 65536, "channels": 1, "inplace": True}, densities=(1.0, 0.1, 0.01)),

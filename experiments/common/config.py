@@ -13,12 +13,11 @@ import functools
 import hashlib
 import json
 import re
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import sparsecomm as sc
-from sparsecomm.errors import (ConfigError, IncompatibleError, InvalidValueError, SparseCommError,  # noqa: F401
-                               UnknownNameError)
+from sparsecomm.errors import ConfigError, IncompatibleError, UnknownNameError
 from sparsecomm.registry import parameters
 
 from . import tasks
@@ -91,14 +90,6 @@ class RunConfig:
         """A stable hash of the configuration (the resumable grid's cell id)."""
         blob = json.dumps(self.as_dict(), sort_keys=True, default=str)
         return hashlib.sha1(blob.encode()).hexdigest()[:12]
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "RunConfig":
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise InvalidValueError(f"unknown run setting(s) {', '.join(unknown)}; valid: {', '.join(sorted(names))}")
-        return cls(**d)
 
 
 def slug(text: str) -> str:

@@ -1,7 +1,7 @@
 """What the paper reproductions (``experiments/reproduce_*.py``) share: their command line (the options of
 :func:`.cli.base_parser` plus ``--quick`` and ``--threads``), a :class:`Run` (output folder, wandb through
 :func:`.tracking.init_wandb`, progress bars) and the single-thread setting (the problems are tiny: one
-intra-op thread is faster than two and does not fight other jobs for the cores).
+intra-op thread each, so that a run does not fight other jobs for the cores).
 """
 
 from __future__ import annotations

@@ -29,21 +29,12 @@ Every function takes and returns torch tensors and accepts ``backend="auto" | "n
 where both paths exist.
 """
 
+from ..errors import CodecError
 from . import bits
-from ._common import CodecError, num_blocks
-from .blocks import (
-    LookAhead,
-    bitmap_to_mask,
-    indices_to_mask,
-    mask_to_bitmap,
-    mask_to_indices,
-    next_nonzero,
-    nonzero_blocks,
-    pack_blocks,
-    packed_numel,
-    unpack_add,
-)
+from ._common import num_blocks
+from .blocks import nonzero_blocks, pack_blocks, packed_numel, unpack_add
 from .fixed import checked_add_, chunk_exponents, from_fixed, scale_from_exponents, to_fixed
+from .masks import LookAhead, bitmap_to_mask, indices_to_mask, mask_to_bitmap, mask_to_indices, next_nonzero
 
 __all__ = [
     "bits",

@@ -6,8 +6,7 @@ import numpy as np
 import torch
 
 from .. import kernels as _kernel_paths
-from ..errors import SparseCommError
-from ..errors import CodecError  # noqa: F401 (re-exported)
+from ..errors import CodecError
 
 BACKENDS = ("auto", "numba", "torch")
 
@@ -47,7 +46,7 @@ def numba_eligible(*tensors: torch.Tensor) -> bool:
 def use_numba(backend: str, dtypes_ok: bool, *tensors: torch.Tensor) -> bool:
     """Resolve ``backend``: numba for CPU contiguous tensors of a supported dtype, torch otherwise.
 
-    On the hot path of every kernel call, so kept to a few attribute reads (~0.3 us).
+    On the hot path of every kernel call, so kept to a few attribute reads.
     """
     if backend == "auto":  # sparsecomm.kernels.force("torch") sends "auto" to torch (CI runs the GPU path)
         return dtypes_ok and not _kernel_paths.torch_forced() and numba_eligible(*tensors)
@@ -64,7 +63,7 @@ def use_numba(backend: str, dtypes_ok: bool, *tensors: torch.Tensor) -> bool:
 def as_np(t: torch.Tensor) -> np.ndarray:
     """Zero-copy flat numpy view of a CPU contiguous tensor (autograd is not tracked)."""
     if t.dim() == 1 and not t.requires_grad:
-        return t.numpy()  # the common case, without the two extra tensor objects (~1 us)
+        return t.numpy()  # the common case, without the two extra tensor objects
     return t.detach().reshape(-1).numpy()
 
 

@@ -5,8 +5,8 @@ compiled lazily (``cache=True``: the machine code is written to the numba cache 
 processes) and with ``nogil=True`` so that simulated workers running as threads execute them
 concurrently. None uses ``parallel=True``: the default numba threading layer (workqueue) aborts when
 two Python threads launch parallel kernels at once, which is exactly what the SimFabric's worker
-threads would do; nested thread pools would oversubscribe the cores those threads already use; and
-on the 2-core reference machine a ``prange`` scan gained only 1.05-1.3x (see BENCHMARKS.md, "Codec").
+threads would do; and nested thread pools would oversubscribe the cores those threads already use
+(the scan is memory-bound, so ``prange`` has little to gain: BENCHMARKS.md, "Codec").
 
 Signatures compiled (kept small on purpose; each costs compile time on the first run):
 
@@ -21,14 +21,12 @@ kernel                specialisations actually used
 ``next_nonzero``      bool mask (one)
 ====================  =================================================================
 
-Performance notes (measured, see BENCHMARKS.md): inner loops index a *slice* of the block
-(``blk = a[s:e]; for i in range(blk.size): ... blk[i]``) rather than ``a[s + i]``: with the latter
-numba's negative-index wrap-around check on ``s + i`` stops LLVM from vectorising the loop (4-5 GB/s
-instead of ~35 GB/s for the scan). Once vectorised the scan is memory-bound: reading float32 data as
-64-bit words (two floats per word) was measured no faster than 32-bit words, so each dtype is read at
-its own width. Copies go through ``llvm.memcpy`` (libc ``memcpy``, the routine ``numpy.copyto``
-uses; a per-element loop reached only ~3 GB/s on a dense mask), and the gather of scattered blocks
-prefetches about 8 KiB of blocks ahead (at 10 % density 1.2x with cold data, 1.8x with warm).
+Performance rules (the figures: BENCHMARKS.md, "Codec"): inner loops index a *slice* of the block
+(``blk = a[s:e]; for i in range(blk.size): ... blk[i]``) rather than ``a[s + i]``, because numba's
+negative-index wrap-around check on ``s + i`` stops LLVM from vectorising the loop. A vectorised scan
+is memory-bound, so each dtype is read at its own width (wider words would not read fewer bytes).
+Copies go through ``llvm.memcpy`` (libc ``memcpy``, the routine ``numpy.copyto`` uses), and the
+gather of scattered blocks prefetches about ``_PREFETCH_AHEAD`` bytes of blocks ahead.
 """
 
 from __future__ import annotations
@@ -160,7 +158,7 @@ def select_blocks(mask, idx):
     The mask is read as 64-bit words (8 entries each) in tiles of 8 words: a tile is first
     OR-reduced (vectorised) and skipped if empty; in a non-empty tile each non-zero word yields its
     set bytes by count-trailing-zeros, so the cost is about one read of the mask plus a few cycles
-    per selected block (~3 us for 100k blocks at 0.1 % density, against ~25 us for a byte loop).
+    per selected block.
     """
     n = mask.size
     nw = n // 8
@@ -195,8 +193,8 @@ _PREFETCH_BYTES = 4096  # at most this many leading bytes of a block are prefetc
 
 @njit(cache=True, nogil=True)
 def _prefetch_distance(block, itemsize):
-    """Selected blocks to prefetch ahead: about 8 KiB of them, between 2 and 32 blocks (measured
-    best on the reference machine: 8 blocks of 256 float32, 32 of 64, 2 of 1024)."""
+    """Selected blocks to prefetch ahead: ``_PREFETCH_AHEAD // (block * itemsize)`` clamped to
+    ``[2, 32]`` (8 blocks of 256 float32, 32 of 64, 2 of 1024)."""
     return max(2, min(32, _PREFETCH_AHEAD // (block * itemsize)))
 
 
@@ -268,8 +266,8 @@ def unpack_add(packed, mask, block, out):
     if packed.size != length:
         return length
     dist = _prefetch_distance(block, out.itemsize)
-    # The run/prefetch loop mirrors pack_blocks on purpose: factored into an inlined helper that
-    # returns a tuple it measured ~20% slower at 10% density (bench.codec), so it stays written out.
+    # The run/prefetch loop mirrors pack_blocks on purpose: numba compiles an inlined helper that
+    # returns a tuple to slower code (experiments/bench/codec.py shows it), so it stays written out.
     o = 0
     j = 0
     pf = 0

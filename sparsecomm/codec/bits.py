@@ -40,9 +40,9 @@ import numpy as np
 import torch
 
 from .. import kernels as _kernel_paths
+from ..errors import CodecError
 from . import _bitkernels as K
 from ._bitkernels import BLOCK_CODES
-from ._common import CodecError
 
 __all__ = ["packed_nbytes", "pack_bits", "unpack_bits", "pack_signs", "unpack_signs", "natural_nbytes",
            "pack_natural", "unpack_natural", "MAX_BITS", "NATURAL_BITS", "lane_width", "BLOCK_CODES"]

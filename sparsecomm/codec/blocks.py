@@ -1,4 +1,5 @@
-"""Block-sparse encoding: non-zero block scan, pack, unpack-add, mask formats, look-ahead metadata.
+"""Block-sparse encoding: non-zero block scan, pack, unpack-add (the mask formats and the look-ahead
+metadata are in :mod:`.masks`).
 
 The format is OmniReduce's (Fei et al., "Efficient Sparse Collective Communication and its
 application to Accelerate Distributed Deep Learning", SIGCOMM'21): a flat tensor of ``n`` elements
@@ -26,11 +27,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..errors import CodecError
 from . import _kernels as K
 from ._common import (
     BITS,
     NUMBA_FLOATS,
-    CodecError,
     as_np,
     check_block_size,
     check_float,
@@ -45,12 +46,6 @@ __all__ = [
     "packed_numel",
     "pack_blocks",
     "unpack_add",
-    "mask_to_bitmap",
-    "bitmap_to_mask",
-    "mask_to_indices",
-    "indices_to_mask",
-    "LookAhead",
-    "next_nonzero",
 ]
 
 
@@ -274,14 +269,3 @@ def _unpack_add_torch(packed, mask, block_size, out):
         flat[: full * block_size].view(full, block_size).index_add_(0, rows, packed[:body].view(-1, block_size))
     if tail_sel:
         flat[full * block_size :].add_(packed[body:])
-
-
-# the mask formats and the look-ahead live in .masks (re-exported: ``codec.blocks.mask_to_bitmap`` etc.)
-from .masks import (  # noqa: E402,F401
-    LookAhead,
-    bitmap_to_mask,
-    indices_to_mask,
-    mask_to_bitmap,
-    mask_to_indices,
-    next_nonzero,
-)

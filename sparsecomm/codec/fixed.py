@@ -29,10 +29,10 @@ import math
 import numpy as np
 import torch
 
-from ..errors import NonFiniteError, OverflowError_
+from ..errors import CodecError, NonFiniteError, OverflowError_
 from . import _fixedkernels as KF
 from . import _kernels as K
-from ._common import BITS, NUMBA_FLOATS, NUMBA_INTS, CodecError, as_np, check_float, use_numba
+from ._common import BITS, NUMBA_FLOATS, NUMBA_INTS, as_np, check_float, use_numba
 
 __all__ = [
     "to_fixed",

@@ -1,5 +1,5 @@
 """Block masks in the formats a block-sparse protocol sends (OmniReduce, Fei et al., SIGCOMM'21), and
-its look-ahead metadata; split from :mod:`.blocks` (which re-exports every name here).
+its look-ahead metadata (the blocks themselves are scanned and packed by :mod:`.blocks`).
 
 * ``mask_to_bitmap(mask)`` / ``bitmap_to_mask(bitmap, nb)``: uint8, block ``b`` = bit ``b % 8`` of
   byte ``b // 8``;
@@ -17,8 +17,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from ..errors import CodecError
 from . import _kernels as K
-from ._common import CodecError, use_numba
+from ._common import use_numba
 
 __all__ = ["mask_to_bitmap", "bitmap_to_mask", "mask_to_indices", "indices_to_mask", "LookAhead", "next_nonzero"]
 

@@ -44,8 +44,9 @@ Capabilities. Layers above ask a fabric what it can do, never which class it is:
   papers' settings, which the reproductions compare with their closed forms. On a real fabric (the
   default, TorchFabric) :data:`MESSAGE_BYTES`, 1 MiB: over gloo and TCP a message costs the hosts a
   fixed CPU time beyond its bytes (the receiver's "receive posted" notice, system calls, thread
-  wake-ups), which a message of this size amortises, while longer ones gain nothing more (BENCHMARKS.md
-  has the figures). Defaults are fast where they run (README.md, "Transports and their defaults").
+  wake-ups), which a message of this size amortises; the fixed cost and what a longer message still
+  gains: BENCHMARKS.md, "Transports on loopback". The defaults each transport derives from it: README.md,
+  "Transports and their defaults".
 - ``scratch``: a dict that lives and dies with this endpoint, where a layer above keeps its per-fabric
   state (a transport's caches) instead of a module-level dict keyed by fabric; ``world_scratch``: a
   dict shared by every endpoint of this job that lives in this process (the simulated world's; on a

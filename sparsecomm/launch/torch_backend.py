@@ -1,7 +1,7 @@
 """The ``gloo`` and ``nccl`` backends of :func:`sparsecomm.launch`: real processes over torch.distributed.
 
 Real processes cannot run in a doctest (``fn`` must be importable by them), so this example is a script
-(``tests/test_docs.py`` runs it; the ``__main__`` guard is needed because the ranks are new processes)::
+(``tests/repo/test_docs.py`` runs it; the ``__main__`` guard is needed because the ranks are new processes)::
 
     import torch
     import sparsecomm as sc
@@ -17,8 +17,8 @@ Two modes:
 
 **Spawned locally** (the default). ``world_size`` worker processes plus one process per service spec are
 started as fresh processes (``start_method="forkserver"`` by default where available: a server process,
-started once per parent with torch preloaded, forks each rank, so a launch costs milliseconds instead of
-one torch import per rank; ``start_method="spawn"`` starts each rank from scratch). Nothing of the
+started once per parent with torch preloaded, forks each rank, so a rank starts with a fork instead of a
+torch import; ``start_method="spawn"`` starts each rank from scratch). Nothing of the
 parent's state is inherited except what ``fn`` carries. The ranks rendezvous through a TCPStore that the
 parent hosts on a free port of 127.0.0.1, and form one process group: ranks ``0 .. world_size-1`` are workers, rank
 ``world_size + i`` serves ``services[i]`` by running ``sparsecomm.fabric.services.resolve(spec)(fabric)``
@@ -76,7 +76,7 @@ from .results import gather_results
 from .supervise import DONE_KEY, Reports, pack_error, reap, supervise
 
 DEFAULT_TIMEOUT_S = 120.0
-#: imported once by the fork server, so that each rank starts in milliseconds instead of importing torch
+#: imported once by the fork server, so that each rank starts with a fork instead of importing torch
 _PRELOAD = ("torch", "torch.distributed", "sparsecomm.launch.torch_backend",
             "sparsecomm.fabric.torch.torch_fabric")
 _OPTIONAL_PRELOAD = ("numpy", "numba")
@@ -155,7 +155,7 @@ def _run_in_place(backend: str, fn: Callable, world_size: int, timeout_s: float,
     finally:
         fabric.close()
         if owned:
-            # Tear down what we set up while every rank is here (also when the results could not be
+            # Tear down what launch set up while every rank is here (also when the results could not be
             # gathered: every rank raises that alike): left to interpreter exit, gloo's destructors race
             # the fabric's waiter threads and abort ("terminate called ..."). After the last collective,
             # release ends the waits still posted (a service's receives from the workers), whose threads

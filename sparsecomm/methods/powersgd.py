@@ -14,7 +14,7 @@ The estimate is P^ P^^T mean_w M_w, a projection of the mean (linear in the work
 summable by every transport as dense payloads). Q is drawn from the pipeline's generator, shared by
 every worker (``shared_randomness``), matrix by matrix in torch's order, bucket by bucket: seeded alike,
 this method and ``powerSGD_hook`` follow the same trajectory to float rounding
-(tests/test_methods_powersgd.py). The keywords are torch's ``PowerSGDState``'s
+(tests/methods/test_methods_powersgd.py). The keywords are torch's ``PowerSGDState``'s
 (``matrix_approximation_rank``, ``start_powerSGD_iter``, ``min_compression_rate``,
 ``use_error_feedback``, ``warm_start``), so moving from ``powerSGD_hook`` to
 ``sparsecomm.ddp.register(model, compressor="powersgd", ...)`` keeps them. ``start_powerSGD_iter``:

@@ -1,6 +1,6 @@
 """The ``netbed`` backend of :func:`sparsecomm.launch`: real gloo processes on an emulated rack.
 
-A netbed needs root and real processes, so this example is a script (``tests/test_docs.py`` runs it
+A netbed needs root and real processes, so this example is a script (``tests/repo/test_docs.py`` runs it
 under ``-m slow``)::
 
     import torch

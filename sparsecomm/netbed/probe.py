@@ -14,7 +14,7 @@ and, run by every worker of a launch on any fabric (the netbed's ranks, or the S
   path plus gloo's rendezvous and the wake-ups of the ranks' threads, which on a shared host can be most
   of it. This is the ``alpha`` of the alpha-beta model that
   :class:`~sparsecomm.fabric.sim.sim_network.Network`'s ``latency_us`` stands for (on the SimFabric it
-  gives back ``latency_us`` plus the message's serialisation; ``tests/test_netbed_probe.py``).
+  gives back ``latency_us`` plus the message's serialisation; ``tests/netbed/test_netbed_probe.py``).
 """
 
 from __future__ import annotations

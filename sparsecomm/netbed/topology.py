@@ -11,9 +11,10 @@ netbeds, or two test runs, never collide; every name lives in a namespace this n
 Each veth pair (``eth0`` in the host, ``p<i>`` in the top of rack) is created directly inside the two
 namespaces, so no interface name ever exists in the root namespace. Both ends get a root ``htb``
 qdisc with one class at ``bandwidth_gbps`` (rate = ceil), so every link is shaped in both directions.
-``htb`` and not ``tbf``: a ``tbf`` root qdisc on veth links adds milliseconds to a small message's round
-trip, where ``htb`` adds about nothing to an unshaped link's (BENCHMARKS.md has the figures), and would
-punish exactly the protocols with round trips. ``htb`` counts the whole frame (Ethernet + IP + TCP
+``htb`` and not ``tbf``: a ``tbf`` root qdisc on veth links delays a small message's round trip, where
+``htb`` keeps an unshaped link's (the honesty check, ``python -m sparsecomm.netbed check``; BENCHMARKS.md,
+"Transports on the netbed"), and a delay per round trip would punish exactly the protocols with round
+trips. ``htb`` counts the whole frame (Ethernet + IP + TCP
 headers), so a TCP stream carries about 1448/1514 = 95.6% of the configured rate as payload, as a real
 1500-MTU link does.
 
@@ -23,7 +24,7 @@ them in the ``htb`` queue; a connection's acknowledgements wait in that queue be
 data. At 1 Gbit/s two 64 KiB bursts are ~1 ms of link time, but at 100 Mbit/s they are ~11 ms, the round
 trip of every flow crossing it grows to that, and a congestion control whose window follows the minimum
 round trip (BBR, a common default) cannot cover it: one direction of an exchange then falls below the
-link rate (BENCHMARKS.md, the simulator against the netbed, has the figures with and without the cap). A
+link rate (with and without the cap: BENCHMARKS.md, "SimFabric vs netbed"). A
 real NIC sends a 64 KiB segmentation burst in 5-50 us at 10-100 Gbit/s; capping the burst to 0.5 ms of
 link time keeps the emulated link in that regime (at 1 Gbit/s, 62500 bytes: about the kernel's own 64 KiB).
 

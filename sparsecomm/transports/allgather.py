@@ -21,7 +21,7 @@ Protocol, on worker ``r`` of ``n``:
    receive everyone's into buffers sized from the headers once each announced slot has been checked
    against this rank's own tensor (:func:`~sparsecomm.payload.check_slot`: at most ``numel`` elements,
    an encoding that fits the dtype; a header that fails raises
-   :class:`~sparsecomm.payload.WireFormatError` on every worker, since every worker receives every
+   :class:`~sparsecomm.errors.WireFormatError` on every worker, since every worker receives every
    header). Empty slots are never sent (``k = 0`` costs only the headers). Each phase posts all its
    sends and receives before waiting, so it is one group on nccl;
 3. (before phase 2) check agreement locally on the gathered headers (every worker sees the same
@@ -43,10 +43,10 @@ from __future__ import annotations
 import torch
 
 from ..fabric.base import Fabric
-from ..payload import Payload, WireFormatError, check_slot, empty_slot
+from ..payload import Payload, check_slot, empty_slot
 from . import _fold
 from .base import registry
-from ..errors import InvalidValueError, MalformedMessage, MismatchError, OverflowError_
+from ..errors import InvalidValueError, MalformedMessage, MismatchError, OverflowError_, WireFormatError
 from ._guards import abs_max, all_finite, guard_finite, is_integer, narrow, nonfinite_option
 from ._handshake import (HANDSHAKE_TAG, KIND_CODE, dtype_code, dtype_from_code, fail_stop, fingerprint,
                          header_fields, header_state, mismatch_error, read_header, same_call)

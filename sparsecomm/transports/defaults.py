@@ -7,7 +7,7 @@ the lanes in flight) takes its default from what the fabric declares, its ``mess
 
 - ``None``: a message is one datagram of a modelled network, which states its every cost (SimFabric).
   The papers' settings, which the reproductions compare with their closed forms
-  (``tests/test_switch_theory.py``, ``tests/test_sparse_switch_theory.py``,
+  (``tests/theory/test_switch_theory.py``, ``tests/theory/test_sparse_switch_theory.py``,
   ``experiments/reproduce_switchml.py``): one packet per message, the program's first packet size
   (SwitchML's one-pass 64 values), a pool of :data:`SIM_POOL` lanes.
 - a size (real fabrics: 1 MiB over gloo): the program's largest packet (SwitchML's 256 values with
@@ -16,8 +16,8 @@ the lanes in flight) takes its default from what the fabric declares, its ``mess
   packets that are ready, so a small job pays its packets' bytes, not a burst's), and as many lanes as
   fill :data:`WINDOW_MESSAGES` messages (:func:`pool_size`: 4096; the sparse switch's 1024 slots allow
   1023), so that the workers send a lane window's next message while the switch answers the one before.
-  Measured against the paper's settings on loopback gloo and on the netbed: BENCHMARKS.md, "Defaults on
-  real processes".
+These defaults against the paper's settings: BENCHMARKS.md, "Transports on loopback" and "The switch
+at 0.5 Gbit/s".
 
 The switch program's constants (packet, packets per message) are the switch rank's: a rank started as
 ``services=["switch"]`` runs this fabric's program, and a worker that passes no constants talks to the
@@ -34,7 +34,7 @@ from __future__ import annotations
 #: links (100 Gbit/s, 2 us: about 200 slots of 64 values)
 SIM_POOL = 256
 #: on a real fabric a switch job's lanes fill this many messages: while the switch answers one, the
-#: workers send the next (4096 lanes of 1024-packet messages; BENCHMARKS.md, "Defaults on real processes")
+#: workers send the next (4096 lanes of 1024-packet messages; BENCHMARKS.md, "Transports on loopback")
 WINDOW_MESSAGES = 4
 
 

@@ -10,7 +10,7 @@ The network model (alpha-beta with NIC serialisation), per endpoint:
   and the hosts' (a rendezvous, the threads' wake-ups) alike. To model a real network, measure it at that
   level: :func:`sparsecomm.netbed.probe.fabric_latency_s` times ring shifts of a small message over any
   fabric (on this model it returns ``latency_us`` plus the serialisation; on real hosts, more than the
-  kernel's path: BENCHMARKS.md has the netbed's figure). A ring all-reduce pays it in every handshake
+  kernel's path: BENCHMARKS.md, "SimFabric vs netbed"). A ring all-reduce pays it in every handshake
   round and once per pipeline (``experiments/bench/netbed_vs_sim.py`` models with it);
 - a send issued at the sender's clock ``t`` starts at ``start = max(t, tx_free)`` and occupies the
   sender's NIC until ``tx_end = start + bytes/bw_src``;

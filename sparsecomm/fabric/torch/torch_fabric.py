@@ -18,8 +18,8 @@ What maps to what:
   message only after the receiver's "receive posted" notice arrives, and a pair queues that notice
   behind whatever data it is already writing; on one connection per pair, a receive posted while the
   rank sends a large message to the same peer therefore waits for that whole message, and an exchange
-  of two messages can take the time of both in sequence instead of one (BENCHMARKS.md has the netbed's
-  figures). Consequence for ``src=None``: it receives messages
+  of two messages would take the time of both in sequence instead of one (BENCHMARKS.md, "Transports on
+  the netbed"). Consequence for ``src=None``: it receives messages
   from *lower* ranks only (services, the library's only any-source receivers, have the highest ranks);
   rank 0 asking for it raises :class:`IncompatibleError`; ``two_way=False`` restores one group.
 - ``src=None`` (receive from any source) is gloo only; nccl raises :class:`IncompatibleError`. nccl also

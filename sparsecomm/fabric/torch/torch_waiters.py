@@ -62,11 +62,11 @@ _in_wait = [0]
 
 
 #: the works and tensors of the last few finished collectives (:func:`retain`)
-_RETAINED: deque = deque(maxlen=8)
+_RETAINED: deque = deque(maxlen=4)
 
 
 def retain(*objs) -> None:
-    """Keep ``objs`` (a finished collective's work and tensors) referenced from Python until eight
+    """Keep ``objs`` (a finished collective's work and tensors) referenced from Python until four
     later collectives were retained ("Retention" in the module docstring)."""
     _RETAINED.append(objs)
 

@@ -17,7 +17,7 @@ its handshake; every worker then runs the handshake describing this gather, whic
 MismatchError on every worker (a wrong marker without a disagreement is a MalformedMessage).
 
 Received row counts are checked against this worker's table before anything is sized by them, and
-every received row index against the rows after (:class:`~sparsecomm.payload.WireFormatError`).
+every received row index against the rows after (:class:`~sparsecomm.errors.WireFormatError`).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import math
 
 import torch
 
-from ...errors import InvalidValueError, MalformedMessage, MismatchError
-from ...payload import Payload, WireFormatError
+from ...errors import InvalidValueError, MalformedMessage, WireFormatError
+from ...payload import Payload
 from .. import _fold
 from .collectives import all_gather, book, collective
 from .._handshake import KIND_CODE, check_agreement, dtype_code, fail_stop, mismatch_error

@@ -21,18 +21,21 @@ announced next offset is past it and returns the sum with that offset to every w
 exactly the holders of the next block (see :mod:`.core`, :mod:`.wire`).
 
 Reading order for a newcomer: :mod:`.core` top to bottom (the lane state machines,
-:class:`.core.WorkerChannel` and :class:`.core.AggChannel`: announce, add, complete, prompt; then the
-roles as generators: :func:`.core.worker` -- round 0's header, first look-aheads and position-0
-blocks; :func:`.core.verdict`, one per aggregator -- and :func:`.core.worker_lane`; :func:`.core.aggregator` -- headers, verdict,
-drain -- and :func:`.core.agg_lane`). The roles yield typed requests (send, post a receive, receive
-into the result, hand over locally, wait) to one scheduler per endpoint, :func:`.mailbox.drive`, whose
-docstring carries the deadlock-freedom argument; the colocated worker runs its worker role and its
-hosted aggregator's on it together, a dedicated aggregator (:mod:`.service`) its own alone, on the
+:class:`.core.WorkerChannel` and :class:`.core.AggChannel`: announce, add, complete, prompt), then
+:mod:`.reference`, a plain driver of them (one call in a loop of exchanges over the fabric; the fast
+driver's results are checked against it bit for bit). Then the fast driver: the roles, generators that
+yield typed requests (send, post a receive, receive into the result, hand over locally, wait) to one
+scheduler per endpoint, :func:`.mailbox.drive` (its rules and why it cannot deadlock:
+``docs/omnireduce-scheduler.md``). A worker's (:mod:`.worker`): :func:`.worker.worker` -- round 0's
+header, first look-aheads and position-0 blocks --, :func:`.worker.verdict`, one per aggregator, and
+:func:`.worker.worker_lane`; an aggregator's (:mod:`.aggregator`): :func:`.aggregator.aggregator` --
+headers, verdict, drain -- and :func:`.aggregator.agg_lane`. The colocated worker runs its roles and
+its hosted aggregator's together, a dedicated aggregator (:mod:`.service`) its own alone, on the
 SimFabric and on torch alike. Then the fast paths, :mod:`.strategies` (how blocks go up: by hand, as
 views of the tensor or copied; where sums land: a message, in place in the input, or straight into
 the result); message identities and formats, :mod:`.wire` (:class:`.wire.Msg`, :class:`.wire.Key`,
-:class:`.wire.Buf`); the aggregator's header checks, :mod:`.aggregator`; the call's state and entry
-point, :mod:`.worker`; the data as blocks, :mod:`.blocks`. A per-message trace of a call: :mod:`.trace`.
+:class:`.wire.Buf`); a worker's call and the aggregator's checks of it, :mod:`.header`; the data as
+blocks, :mod:`.blocks`. A per-message trace of a call: :mod:`.trace`.
 
 Per call and worker (``M`` = the tensor's bytes, ``d_w`` its non-zero block fraction, ``d_u`` the
 union's, ``nb`` blocks, ``L`` lanes):
@@ -69,8 +72,7 @@ Defaults (fast where they run, :mod:`..defaults`): the real fabric's on every fa
 SimFabric's reproduction sets its own lanes (``experiments/reproduce_omnireduce.py``): 256-element
 blocks (the paper's), colocated aggregators, 2 channels per aggregator and 16384 lanes per channel,
 i.e. messages of up to 16 MiB and a 100 MB tensor in 1-2 rounds on 2-4 workers, where each round trip
-costs milliseconds. On 2 netbed hosts at 1 Gbit/s (100 MB, dense and 1% of blocks) 65536 lanes were
-within 5% of them (BENCHMARKS.md, "Defaults on real processes").
+costs milliseconds (BENCHMARKS.md, "Transports on the netbed", measures them against other lane counts).
 """
 
 from __future__ import annotations
@@ -88,7 +90,8 @@ from . import trace, wire
 from .service import serve
 from .mailbox import Pool
 from .blocks import BlockSink, DenseSource, PackedSource, ResultCache
-from .worker import CallSpec, run_worker
+from .header import CallSpec
+from .worker import run_worker
 
 __all__ = ["OmniReduce", "service_main"]
 

@@ -1,4 +1,7 @@
-"""OmniReduce aggregator's admission of a call: the round-0 headers, the verdict, the drain.
+"""An OmniReduce aggregator's call in the fast driver: its admission (the round-0 headers, the verdict,
+the drain; :class:`AggCall`) and its roles (:func:`aggregator`, :func:`agg_lane`), run on the endpoint's
+scheduler (:func:`.mailbox.drive`) by a dedicated aggregator (:mod:`.service`) or, colocated, beside
+its hosting worker's roles (:func:`.worker.run_worker`).
 
 Before an aggregator plans or allocates anything for a call it checks every worker's header
 (:func:`header.validate_header`: the world size, its own index, the protocol limits, the checksum) and
@@ -8,8 +11,7 @@ agreeing, well-formed call (colocated, a header that agrees with the hosting wor
 as it is in). After a verdict that is not OK nothing is received by a header, which may be the wrong
 one: every remote worker sends a manifest of what it sent in round 0 (:func:`header.manifest`), and the
 aggregator consumes exactly those messages, so that the fabric is clean for the next call and nothing a
-header announces is allocated. The lanes themselves (the :class:`.core.AggChannel` state machine and the
-:func:`.core.aggregator` role that runs this) are in :mod:`.core`.
+header announces is allocated. The lanes' state machine is :class:`.core.AggChannel`.
 """
 
 from __future__ import annotations
@@ -18,12 +20,12 @@ import numpy as np
 import torch
 
 from ...errors import MalformedMessage, ProtocolError, SparseCommError  # noqa: F401 (ProtocolError: re-exported)
-from .._handshake import fail_stop as _fail
-from . import header, wire
-from .core import AggChannel
-from .mailbox import Inbox, Outbox, Post, PostInto, Recv
+from .._handshake import fail_stop
+from . import header, strategies, wire
+from .core import AggChannel, sum_order
+from .mailbox import Hand, Inbox, Outbox, Phase, Post, PostInto, Recv, Send, Spawn, Stage
 from .window import ALIGN, Window
-from .wire import HDR, OK, TAG_FIRSTS, TAG_HDR_UP, Buf, Key, Msg, tag_up
+from .wire import HDR, OK, TAG_FIRSTS, TAG_HDR_DOWN, TAG_HDR_UP, Buf, Key, Msg, tag_down, tag_sums0, tag_up
 
 
 #: a channel's receive ring (:class:`.window.Window`) holds this many of its largest messages: one is
@@ -44,14 +46,13 @@ def may_defer(worker: int, index: int, n: int) -> bool:
 class AggCall:
     """Aggregator ``index``'s admission of one call: its headers, its verdict, and (if it is OK) its
     channels (:class:`.core.AggChannel`). The methods that post receives return them as requests
-    (:class:`.mailbox.PostInto`) for the role that runs this (:func:`.core.aggregator`) to yield.
+    (:class:`.mailbox.PostInto`) for the role that runs this (:func:`aggregator`) to yield.
 
     ``colocated``: the worker hosting it (whose messages are put into the inbox locally). Round 0: per
     worker its first look-aheads (one message) and, per channel, its position-0 blocks (if any), on the
     channel's upstream tag. Every receive of the workers' data goes through a window
     (:class:`.window.Window`; one per channel, one for the first look-aheads), posted and consumed in
-    :attr:`order` (``index + 1, index + 2, ...``: the order in which the workers' round 0 reaches this
-    aggregator, each worker visiting ``rank - 1`` first), which is the order of the sums in every round.
+    :attr:`order` (:func:`.core.sum_order`), which is the order of the sums in every round.
     Colocated, a worker's round-0 receives are queued as soon as its header and those of the workers
     before it are in and agree with the host's call.
     """
@@ -60,7 +61,7 @@ class AggCall:
         self.index = index
         self.n = n
         self.colocated = colocated
-        self.order = [(index + 1 + k) % n for k in range(n)]
+        self.order = sum_order(index, n)
         self.channels: list[AggChannel] = []
         self.status = OK
         self.headers: list = [None] * n
@@ -131,19 +132,10 @@ class AggCall:
         receives are queued (their sizes are in the headers: each worker's layout, and its position-0
         blocks per channel); returned, the ones that fit now. Otherwise nothing more is received by a
         header (:meth:`drain` consumes the messages)."""
-        bad = None
         for w in self.order:
-            h = self._early[w] if w in self._early else inbox.take(Key(Msg.HDR, w)).view(torch.int64).numpy().copy()
-            self.headers[w] = h
-            why = header.validate_header(h, self.n, self.index, self.colocated is not None)
-            if why is not None and bad is None:
-                bad = (w, why[0], int(h[why[0]]))
-        if bad is not None:
-            self.reply_hdr = np.zeros(HDR, dtype=np.int64)
-            self.reply_hdr[[wire.R_STATUS, wire.R_FIELD, wire.R_WMIN, wire.R_VMIN]] = [wire.MALFORMED, bad[1],
-                                                                                       bad[0], bad[2]]
-        else:
-            self.reply_hdr = header.check_headers(self.headers)
+            self.headers[w] = (self._early[w] if w in self._early
+                               else inbox.take(Key(Msg.HDR, w)).view(torch.int64).numpy().copy())
+        self.reply_hdr = header.verdict(self.headers, self.order, self.index, self.colocated is not None)
         self.status = int(self.reply_hdr[wire.R_STATUS])
         if self.status != OK:
             return []
@@ -177,7 +169,7 @@ class AggCall:
         chans = [c.ch for c in self.channels]
         for w in self.order if chans else ():
             key = Key(Msg.FIRSTS, w)
-            yield Recv((key,), order=(0,), sure=True)   # (each right after its header)
+            yield Recv((key,), Stage(Phase.FIRSTS))   # (each right after its header)
             for c, part in zip(self.channels, wire.split_firsts(inbox.take(key), chans)):
                 c.set_firsts(w, part)
             if w != self.colocated:
@@ -198,7 +190,7 @@ class AggCall:
         keys = [Key(Msg.MANIFEST, w) for w in self.remote()]
         for k in keys:
             yield Post(k, 8 * wire.MAN, k.peer, wire.TAG_MANIFEST)
-        yield Recv(tuple(keys), order=(0,))
+        yield Recv(tuple(keys), Stage(Phase.MANIFESTS))
         posted = [k for win in self.windows.values() for k in win.posted()]
         todo = [(k, None, None, None) for k in posted]
         for w in self.remote():
@@ -206,7 +198,7 @@ class AggCall:
                 man = inbox.take(Key(Msg.MANIFEST, w)).view(torch.int64).numpy()
                 firsts, blocks = header.read_manifest(man, w)
             except MalformedMessage as exc:
-                raise _fail(inbox.fabric, exc) from None
+                raise fail_stop(inbox.fabric, exc) from None
             sent = [(Key(Msg.FIRSTS, w), firsts, w, TAG_FIRSTS)] if firsts else []
             sent += [(Key(Msg.BLOCKS0, w, g), nbytes, w, tag_up(g)) for g, nbytes in blocks.items()]
             todo += [m for m in sent if m[0] not in posted]
@@ -214,5 +206,100 @@ class AggCall:
         for key, nbytes, src, tag in todo:
             if nbytes is not None:
                 yield PostInto(key, scratch[:nbytes], src, tag)
-            yield Recv((key,), order=(0,), sure=True)   # (round 0 up: sent before the worker's first wait)
+            yield Recv((key,), Stage(Phase.DRAIN))
             inbox.take(key)
+
+
+# ------------------------------------------------------------------ the roles
+def aggregator(adm, inbox, outbox, host: int | None = None, ref: np.ndarray | None = None, mark=None):
+    """Aggregator ``adm.index``'s call (``adm``: its :class:`AggCall`): take the headers
+    (colocated: as they arrive, each agreeing one's round-0 receives posted at once, ``ref`` being the
+    host's own header), validate them, take the first look-aheads, send the verdict (after a failed
+    one, drain); then its lanes. ``host``: the colocated worker, which gets its messages by hand and
+    starts the lanes (``GO``) once it has taken this verdict (its result, where in place they sum, made)."""
+    posts = adm.post_headers()
+    yield from posts
+    for p in posts:
+        inbox.ready(p.key)        # (starts watching it: a later poll sees it arrived)
+    left = [p.key for p in posts] if host is not None else []
+    while left:
+        yield Recv(tuple(left), Stage(Phase.HEADERS), any=True)
+        for k in [k for k in left if inbox.ready(k)] or left[:1]:   # (none in: the first, blocking)
+            left.remove(k)
+            yield from adm.take_early(inbox, k.peer, ref)
+    yield Recv(adm.headers_left(), Stage(Phase.HEADERS))
+    yield from adm.take_headers(inbox)
+    if adm.status == OK:
+        yield from adm.prepare(inbox)
+    reply = adm.reply(outbox)
+    for w in adm.order:
+        if w != host:
+            yield Send(reply, w, TAG_HDR_DOWN, Buf(Msg.REPLY))
+    if adm.status != OK:
+        yield from adm.drain(inbox)
+    if host is not None:
+        yield Hand(Key(Msg.REPLY, adm.index), reply)
+    if adm.status != OK:
+        return
+    if host is not None:
+        yield Recv((Key(Msg.GO, host),), Stage(Phase.GO))
+        strategies.sum_at_home(adm.channels, inbox.take(Key(Msg.GO, host)), host)
+    for c in adm.channels:
+        yield Spawn(agg_lane(adm, c, inbox, outbox, host, mark))
+
+
+def agg_lane(adm, c: AggChannel, inbox, outbox, host: int | None, mark=None):
+    """The aggregator's lanes of channel ``c``: per round, add each holder's blocks in ``c.order`` (their
+    receives' order in ``c.window``, where each added message frees room for the next receive), complete,
+    queue the next round's receives, send the sums with the prompt to every worker. Colocated, a round
+    waits until the host has taken the previous one."""
+    gone = (Key(Msg.WORDS, adm.index, c.slot), Key(Msg.DOWN, adm.index, c.slot)) if host is not None else ()
+    while c.active:
+        r0 = c.round == 0
+        keys = [Key(Msg.BLOCKS0 if r0 else Msg.UP, w, c.slot) for w in c.order]
+        # (the next message and the later ones posted or handed over; round 0 up: sure; later: Recv.free)
+        group = keys[:1] + [k for k in keys[1:] if inbox.has(k)]
+        yield Recv(tuple(group), Stage(Phase.AGGREGATE, c.round, c.slot), gone=gone,
+                   free=None if r0 else c.sums.buffer(c))
+        c.begin(outbox.message)
+        for i, (w, key) in enumerate(zip(c.order, keys)):
+            if key not in group:   # (posted once the window had room, or handed over since)
+                group = [key] + [k for k in keys[i + 1:] if inbox.has(k)]
+                yield Recv(tuple(group), Stage(Phase.AGGREGATE, c.round, c.slot))
+            msg = inbox.take(key)   # (the host may hand over (blocks, look-aheads) directly)
+            data, looks = msg if isinstance(msg, tuple) else wire.split(
+                msg, int(c.counts[w]), c.bs, c.up, meta=not (r0 and c.single))
+            c.add(w, data, looks)
+            if w != host:
+                yield from c.window.done(key)
+        out = c.finish()
+        if c.active:   # the next round's holders (the prompt just computed): queue their receives
+            counts = c.expect()
+            c.order = [w for w in adm.order if counts[w]]
+            for w in (w for w in c.order if w != host):
+                c.window.want(Key(Msg.UP, w, c.slot), wire.block_bytes(int(counts[w]), c.bs, c.up.itemsize), w,
+                              tag_up(c.slot))
+            yield from c.window.feed()
+        yield from send_down(adm, c, out, host)
+        if mark is not None:
+            mark(f"agg {adm.index}.{c.slot} r{c.round - 1}")
+
+
+def send_down(adm, c: AggChannel, out, host: int | None):
+    """A completed round to every worker (by hand to the host): round 0's :class:`Reply0`, or a later
+    round's message (double-buffered: :class:`.wire.Buf` by round parity)."""
+    tag = tag_down(c.slot)
+    if c.round == 1:
+        for w in adm.order:
+            if w == host:   # by hand: words and sums apart (the sums None: already in its result)
+                yield Hand(Key(Msg.WORDS, adm.index, c.slot), out.words)
+                if out.k:
+                    yield Hand(Key(Msg.SUMS0, adm.index, c.slot), None if c.sums.in_place else out.sums)
+            else:   # the words ride with the sums, or (every block summed) are implied
+                yield Send(out.sums, w, tag if out.fused else tag_sums0(c.slot), Buf(Msg.DOWN, slot=c.slot, parity=0))
+        return
+    for w in adm.order:
+        if w == host:
+            yield Hand(Key(Msg.DOWN, adm.index, c.slot), out)
+        else:
+            yield Send(out, w, tag, Buf(Msg.DOWN, slot=c.slot, parity=(c.round - 1) % 2))

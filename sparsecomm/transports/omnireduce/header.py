@@ -1,10 +1,11 @@
-"""OmniReduce's round-0 admission messages: the checks of a worker's header at an aggregator, the
-verdict's meaning at the workers, and the manifest a worker sends after a verdict that is not OK. The
-field layouts are :mod:`.wire`'s.
+"""OmniReduce's round-0 admission messages: a worker's call and its header, the checks of the headers
+at an aggregator and its verdict, the verdict's meaning at the workers, and the manifest a worker sends
+after a verdict that is not OK. The field layouts are :mod:`.wire`'s.
 
-A header is sealed with a checksum (:func:`seal`) and checked, before anything is planned, allocated or
-received by it, against the world size, the aggregator's index, the protocol's limits and the checksum
-(:func:`validate_header`), then for agreement (:func:`check_headers`). After a verdict that is not OK the
+A worker describes its call (:class:`CallSpec`) in a header sealed with a checksum (:func:`seal`). An
+aggregator checks each header, before anything is planned, allocated or received by it, against the
+world size, its own index, the protocol's limits and the checksum (:func:`validate_header`), then the
+headers' agreement (:func:`check_headers`); :func:`verdict` is both. After a verdict that is not OK the
 aggregator receives nothing by any header (the wrong one may be any): each remote worker sends a manifest
 of the round-0 messages it actually sent (:func:`manifest`), and the aggregator consumes exactly those
 (:func:`read_manifest`, each message at most :data:`DRAIN_MAX_BYTES`). A checksum catches a message
@@ -14,13 +15,15 @@ others' is a disagreement like any other, consumed by its manifest.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from ...errors import MalformedMessage, OverflowError_
-from .._handshake import pair_mismatch as _mismatch
-from .wire import (AGREE, F_ABSMAX, F_AGGS, F_BLOCK, F_CHANNELS, F_DTYPE, F_K0, F_KIND, F_LANES, F_MAGIC,
-                   F_NUMEL, F_SUM, F_WORLD, FIELD_NAMES, HDR, KINDS, MAGIC, MAN, MAX_CHANNELS, MALFORMED,
+from .._handshake import pair_mismatch
+from .wire import (AGREE, F_ABSMAX, F_AGGS, F_BLOCK, F_CHANNELS, F_CHECK, F_DTYPE, F_K0, F_KIND, F_LANES,
+                   F_MAGIC, F_NUMEL, F_SUM, F_WORLD, FIELD_NAMES, HDR, KINDS, MAGIC, MAN, MAX_CHANNELS, MALFORMED,
                    MISMATCH, OK, OTHER_NAMES, OVERFLOW, R_DOWN_DTYPE, R_FIELD, R_STATUS, R_VMAX, R_VMIN,
                    R_WMAX, R_WMIN, WHAT, block_bytes, code_dtype, down_dtype, dtype_code, firsts_bytes,
                    plan_from_header, single)
@@ -34,6 +37,35 @@ MAX_NUMEL = 1 << 48
 #: a manifest announcing more ends the job (the message cannot be consumed, so the fabric cannot be
 #: cleaned), and no peer makes an aggregator allocate more than this for a call it rejected
 DRAIN_MAX_BYTES = 64 << 20
+
+
+@dataclass
+class CallSpec:
+    """What a worker tells the aggregators about its call (the round-0 header)."""
+
+    numel: int
+    up: torch.dtype
+    block_size: int
+    num_aggregators: int
+    channels: int
+    lanes: int
+    kind: int
+    check: int = 0
+    absmax: int = 0
+
+    def header(self, world: int, k0: dict[int, int] | None = None) -> torch.Tensor:
+        """The round-0 header, sealed (:func:`seal`); ``k0[slot]``: this worker's position-0 blocks in
+        that channel."""
+        h = torch.zeros(HDR, dtype=torch.int64)
+        for g, k in (k0 or {}).items():
+            h[F_K0 + g] = k
+        vals = {F_MAGIC: MAGIC, F_NUMEL: self.numel, F_DTYPE: dtype_code(self.up), F_BLOCK: self.block_size,
+                F_AGGS: self.num_aggregators, F_CHANNELS: self.channels, F_LANES: self.lanes,
+                F_KIND: self.kind, F_CHECK: self.check, F_WORLD: world, F_ABSMAX: self.absmax}
+        for f, v in vals.items():
+            h[f] = int(v)
+        seal(h.numpy())
+        return h
 
 
 def checksum(words: np.ndarray, skip: int) -> int:
@@ -120,6 +152,19 @@ def read_manifest(m: np.ndarray, worker: int) -> tuple[int, dict[int, int]]:
     return sizes[0], {g: v for g, v in enumerate(sizes[1:]) if v}
 
 
+def verdict(headers: list[np.ndarray], order: list[int], index: int, colocated: bool) -> np.ndarray:
+    """Aggregator ``index``'s verdict on every worker's header (``headers[w]``), the reply header:
+    ``MALFORMED`` naming the first worker in ``order`` whose header :func:`validate_header` rejects
+    (the field and its value), else :func:`check_headers`'."""
+    for w in order:
+        why = validate_header(headers[w], len(headers), index, colocated)
+        if why is not None:
+            reply = np.zeros(HDR, dtype=np.int64)
+            reply[[R_STATUS, R_FIELD, R_WMIN, R_VMIN]] = [MALFORMED, why[0], w, int(headers[w][why[0]])]
+            return reply
+    return check_headers(headers)
+
+
 def check_headers(headers: list[np.ndarray]) -> np.ndarray:
     """Validate the workers' headers; returns the reply header (status, down dtype, detail)."""
     reply = np.zeros(HDR, dtype=np.int64)
@@ -157,5 +202,5 @@ def raise_for_reply(reply: np.ndarray, header: np.ndarray, rank: int) -> None:
         raise OverflowError_(f"{WHAT}: the sum of the workers' integer codes can exceed int64 (this is "
                              f"worker {rank}); use fewer quantisation levels or fewer workers")
     f = int(reply[R_FIELD])
-    raise _mismatch(WHAT, FIELD_NAMES.get(f, str(f)), int(reply[R_VMIN]), int(reply[R_WMIN]),
+    raise pair_mismatch(WHAT, FIELD_NAMES.get(f, str(f)), int(reply[R_VMIN]), int(reply[R_WMIN]),
                     int(reply[R_VMAX]), int(reply[R_WMAX]), int(header[f]), rank)

@@ -1,14 +1,17 @@
-"""OmniReduce endpoints' scheduler and message plumbing: the requests a role yields, :func:`drive`
-(the one scheduler of an endpoint), pooled buffers, receives posted ahead, asynchronous sends.
+"""The fast driver's scheduler and message plumbing: the requests a role yields, what a wait is for
+(:class:`Stage`, :class:`Phase`), :func:`drive` (the one scheduler of an endpoint), pooled buffers,
+receives posted ahead, asynchronous sends.
 
-A role (:mod:`.core`) is a generator; it yields typed requests (:class:`Send`, :class:`Post`,
-:class:`PostInto`, :class:`Hand`, :class:`Recv`, :class:`Poll`, :class:`Spawn`) and never touches the
-fabric itself. Nothing here knows the protocol, only ``(key, buffer)`` pairs on a
-:class:`~sparsecomm.fabric.base.Fabric`.
+A role (:mod:`.worker`, :mod:`.aggregator`) is a generator; it yields typed requests (:class:`Send`,
+:class:`Post`, :class:`PostInto`, :class:`Hand`, :class:`Recv`, :class:`Poll`, :class:`Spawn`) and never
+touches the fabric itself. Nothing here reads a message: the scheduler sees ``(key, buffer)`` pairs on a
+:class:`~sparsecomm.fabric.base.Fabric` and the stage of each wait. Its rules and the argument that
+they cannot deadlock: ``docs/omnireduce-scheduler.md``.
 """
 
 from __future__ import annotations
 
+from enum import IntEnum
 from typing import Generator, NamedTuple
 
 import torch
@@ -17,15 +20,16 @@ from ...fabric.base import Fabric
 from ...errors import ProtocolError
 from . import wire
 
-__all__ = ["Inbox", "Outbox", "Pool", "Send", "Post", "PostInto", "Hand", "Recv", "Poll", "Spawn", "drive"]
+__all__ = ["Inbox", "Outbox", "Pool", "Phase", "Stage", "Send", "Post", "PostInto", "Hand", "Recv", "Poll", "Spawn",
+           "drive"]
 
 
 class Pool:
     """Message buffers reused across rounds and calls, keyed by their role.
 
-    Fresh large buffers cost page faults on first touch (tens of ms per 100 MB), more than the copy
-    itself; an endpoint keeps one buffer per role (grown on demand) and reuses it once every send that
-    used it has completed (:meth:`hold` records the sends, :meth:`get` waits for them).
+    Fresh large buffers cost a page fault per page on first touch, more than the copy into them: an
+    endpoint keeps one buffer per role (grown on demand) and reuses it once every send that used it has
+    completed (:meth:`hold` records the sends, :meth:`get` waits for them).
     """
 
     def __init__(self) -> None:
@@ -147,10 +151,49 @@ class Outbox:
         self.pool.release()
 
 
+# ----------------------------------------------------------------------------------------- waits
+class Phase(IntEnum):
+    """What a role waits for; the scheduler prefers an earlier phase (``docs/omnireduce-scheduler.md``,
+    rule 1). The first five are an aggregator's admission of a call, one role, in the order it meets
+    them; round-0 data (every worker sends it before its first wait) are :data:`FIRSTS`, :data:`DRAIN`
+    and round 0 of :data:`AGGREGATE`."""
+
+    HEADERS = 0     #: aggregator: the workers' round-0 headers
+    FIRSTS = 1      #: aggregator: a worker's first look-aheads
+    MANIFESTS = 2   #: aggregator, after a verdict that is not OK: the workers' manifests
+    DRAIN = 3       #: aggregator, after a verdict that is not OK: a round-0 message a manifest lists
+    GO = 4          #: colocated aggregator: its host has taken the verdict (a hand-over)
+    VERDICT = 5     #: worker: an aggregator's verdict
+    AGGREGATE = 6   #: aggregator: a lane round's blocks from their holders
+    LAND = 7        #: worker: a lane round's sums
+
+
+class Stage(NamedTuple):
+    """What a wait is for: its :class:`Phase` and, in a lane, the round, the channel's slot and the
+    aggregator's place in the worker's visit order. Stages compare as tuples (phase, round, slot,
+    visit): the scheduler resumes the smallest of the roles able to run."""
+
+    phase: Phase
+    round: int = 0
+    slot: int = 0
+    visit: int = 0
+
+    @property
+    def sure(self) -> bool:
+        """Does it wait for round-0 data (sent by every worker before its first wait)?"""
+        return self.phase == Phase.FIRSTS or self.phase == Phase.DRAIN or (
+            self.phase == Phase.AGGREGATE and self.round == 0)
+
+    @property
+    def reaps(self) -> bool:
+        """Is it a lane round's wait (before which this endpoint's sends may be reaped)?"""
+        return self.phase >= Phase.AGGREGATE
+
+
 # ----------------------------------------------------------------------------------------- requests
-# A role (a generator: one side of the protocol, see :mod:`.core`) yields these to :func:`drive`.
-# Send, Post, PostInto, Hand and Spawn never block: the scheduler performs them and resumes the role at
-# once. Recv suspends it until its messages are in; Poll lets the others run meanwhile.
+# A role (a generator: one side of the protocol) yields these to :func:`drive`. Send, Post, PostInto,
+# Hand and Spawn never block: the scheduler performs them and resumes the role at once. Recv suspends it
+# until its messages are in; Poll lets the others run meanwhile.
 
 
 class Send(NamedTuple):
@@ -192,52 +235,27 @@ class Hand(NamedTuple):
 
 
 class Recv(NamedTuple):
-    """Suspend until the messages ``keys`` are in; the role then ``take``s them from the inbox. A role
-    takes only messages its ``Recv`` named (``tests/test_omnireduce_core.py`` holds it), so the scheduler
-    never blocks in a take it did not choose while another role's messages are in (e.g. a worker on a
-    large round-0 sum while its hosted aggregator's data waits to be summed).
-
-    The role can run only once every key is posted or handed over, and none of ``gone`` is still
-    waiting to be taken (a local hand-over that a new one would replace). ``order``: preference
-    among the roles that can run (smaller first). ``any``: resume once any one of them is in (or at
-    once, as any other, when it is the only role able to run: it then takes them in order).
-    ``reap``: before choosing among roles, :func:`drive` finishes all but ``keep`` of this endpoint's
-    sends if every one of them waits with ``reap`` (the lane rounds; not round 0: the round-0 sends to an
-    aggregator that rejected the call complete only after this worker's manifest,
-    :meth:`.aggregator.AggCall.drain`; and not while a role without it, e.g. a verdict that posts the
-    receives of an aggregator's replies, can still run: a dedicated deployment's worker, ``keep=0``,
-    would otherwise wait for all its round-0 blocks to leave before posting the second aggregator's
-    receives, and that aggregator's sums would wait for them). ``sure``: every peer sends these messages before its first
-    wait (round 0 up), so a blocking take of them ends whatever this endpoint does: when the role is the
-    most preferred one able to run, it is resumed at once (no watch for their arrival: on gloo that
-    costs a helper thread per receive, :mod:`sparsecomm.fabric.torch.torch_waiters`); a ``Poll`` skips it
-    (a poll never blocks: the poller may not have sent its own round 0 yet)
-    A role that is the only one able to run is resumed at once: its takes then block in order, so that
-    it works on the first messages while the later ones arrive.
-
-    ``free``: also wait until the sends holding the pooled send buffer of that role (:class:`.wire.Buf`)
-    have completed, so that the role then reuses it without blocking while another role could run (a
-    send completes once the peer has posted its receive, which it may do only once its own roles run:
-    two endpoints each blocked on such a send to the other would wait forever). As the only role able to
-    run it is resumed at once, as any other, and waits in the pool: nothing else here could run."""
+    """Suspend the role until the messages ``keys`` are in; the role then takes them, and only them,
+    from the inbox. ``stage``: what it waits for; it orders the roles able to run, decides whether this
+    endpoint's sends are reaped first (:attr:`Stage.reaps`) and whether the role is resumed to block in
+    its takes at once (:attr:`Stage.sure`). The role is able to run once every key is posted or handed
+    over, no key of ``gone`` is still waiting to be taken, and no send holding the pooled send buffer of
+    role ``free`` (:class:`.wire.Buf`) is incomplete. ``any``: it is in once any one of ``keys`` is.
+    The rules and why each exists: ``docs/omnireduce-scheduler.md``."""
 
     keys: tuple
-    order: tuple = ()
+    stage: Stage
     gone: tuple = ()
     any: bool = False
-    reap: bool = False
-    sure: bool = False
     free: object = None
 
 
 class Poll(NamedTuple):
     """Run every other role whose messages are in already, then resume (between pieces of long local
-    work, so that receives that depend on arrived messages get posted meanwhile). ``below``: only the
-    roles whose ``Recv.order`` is smaller (the cheap ones that post receives or send; work that is off
-    the polling role's critical path waits until it is done). Never the ``sure`` ones: a poll never
-    blocks (the scheduler resumes them later)."""
+    work). ``below``: only the roles of an earlier phase. A poll never blocks: it skips the roles whose
+    wait is :attr:`~Stage.sure`."""
 
-    below: tuple | None = None
+    below: Phase | None = None
 
 
 class Spawn(NamedTuple):
@@ -248,28 +266,14 @@ class Spawn(NamedTuple):
 
 def drive(fabric: Fabric, inbox: Inbox, outbox: Outbox, roles: list, keep: int = 64) -> None:
     """The one scheduler of an endpoint: run the roles (generators yielding the requests above) until
-    every one has returned. While some wait, run the first (in ``Recv.order``) of those able to run whose
-    messages are in by the time the first such is (:meth:`Fabric.wait_any`), finishing all but ``keep``
-    of the sends first (``Recv.reap``). A role's exception ends the call (it propagates to the caller).
-
-    Deadlock freedom, held by this structure rather than by any hand-made order: (1) sends never block (Send
-    is asynchronous, Hand is a local put), and a role reuses a pooled send buffer only once the scheduler
-    has seen its sends complete (``Recv.free``: a send completes once its receive is posted, which a peer
-    may do only as its own lanes run, so a role blocking on it could wait for a peer blocked the same way),
-    and a reap waits only for sends whose receives are posted without this endpoint's later steps (not the
-    ``deferrable`` ones: an aggregator's window may post them only after other workers' messages, whose
-    senders may wait for this one); (2) every Recv waits only for messages sent by steps that do not wait on
-    it: a worker's round ``r`` answers its aggregator's round ``r - 1``, which it has received, and an
-    aggregator's round ``r`` waits for the up-messages its holders send on receipt of round ``r - 1``, which
-    it has sent; round 0 waits only for what every worker sends before its first wait (the headers, first
-    look-aheads, position-0 blocks) and for the verdicts sent on them; a hand-over between two roles of one
-    endpoint is in once handed, and ``gone`` waits only for a take by a role that can run at once; (3) the
-    scheduler never blocks on one role while another could run, unless the one's messages come whatever this
-    endpoint does (a role is a candidate only once every message it waits for is posted or handed over, and
-    it blocks only on the one candidate, on a ``sure`` one, or on whichever candidate completes first). So
-    every wait ends, on any fabric and whatever its buffering; a role left with nothing to run is a bug,
-    reported as such.
-    """
+    every one has returned. While some wait, resume the first (by :class:`Stage`) of those able to run
+    whose messages are in by the time the first such is (:meth:`Fabric.wait_any`); the only one able to
+    run, or a preferred one whose wait is :attr:`~Stage.sure`, at once. Before choosing, when every role
+    able to run waits in a lane round (:attr:`Stage.reaps`), finish all but ``keep`` of this endpoint's
+    sends. A role's exception ends the call (it propagates to the caller); a role that can never run is
+    a bug, reported as :class:`~sparsecomm.errors.ProtocolError`. It never blocks on one role while
+    another could run, unless on messages that come whatever this endpoint does: every wait ends, on
+    any fabric (``docs/omnireduce-scheduler.md``)."""
     _Scheduler(fabric, inbox, outbox).run(roles, keep)
 
 
@@ -288,9 +292,9 @@ class _Scheduler:
             cands = self.runnable()
             if not cands:
                 raise ProtocolError("omnireduce: no role of this call can run (a bug)")
-            if all(rw[1].reap for rw in cands):
+            if all(rw[1].stage.reaps for rw in cands):
                 self.outbox.reap(keep)
-            if len(cands) == 1 or cands[0][1].sure:   # the only one, or sure: its own takes block
+            if len(cands) == 1 or cands[0][1].stage.sure:   # the only one, or sure: its own takes block
                 self.resume(cands[0])
                 continue
             groups, owner = [], []   # per candidate its pending receives; an ``any`` one, each alone
@@ -341,22 +345,22 @@ class _Scheduler:
         in order of preference."""
         has = self.inbox.has
         return sorted((rw for rw in self.waiting if all(has(k) for k in rw[1].keys)
-                       and not any(has(k) for k in rw[1].gone)), key=lambda rw: rw[1].order)
+                       and not any(has(k) for k in rw[1].gone)), key=lambda rw: rw[1].stage)
 
     def resume(self, rw) -> None:
         self.waiting.remove(rw)
         self.advance(rw[0])
 
-    def poll(self, below: tuple | None = None) -> None:
+    def poll(self, below: Phase | None = None) -> None:
         """Run the roles whose messages are in already (without blocking), best first, until none is
-        (``below``: only those whose order is smaller)."""
+        (``below``: only those of an earlier phase)."""
         ready, has = self.inbox.ready, self.inbox.has
         while True:   # (the roles at or past ``below`` are skipped before any look at their messages)
-            now = sorted((rw for rw in self.waiting if (below is None or rw[1].order < below)
+            now = sorted((rw for rw in self.waiting if (below is None or rw[1].stage.phase < below)
                           and all(has(k) for k in rw[1].keys) and not any(has(k) for k in rw[1].gone)
-                          and not rw[1].sure and (any if rw[1].any else all)(ready(k) for k in rw[1].keys)
+                          and not rw[1].stage.sure and (any if rw[1].any else all)(ready(k) for k in rw[1].keys)
                           and not self.outbox.pool.busy(rw[1].free)),
-                         key=lambda rw: rw[1].order)
+                         key=lambda rw: rw[1].stage)
             if not now:
                 return
             self.resume(now[0])

@@ -1,12 +1,11 @@
 """A dedicated OmniReduce aggregator's endpoint loop (a SimFabric service thread or an extra
-torch.distributed rank): per call, the :func:`.core.aggregator` role (and the lane roles it starts) on
-:func:`.mailbox.drive`."""
+torch.distributed rank): per call, the :func:`.aggregator.aggregator` role (and the lane roles it
+starts) on :func:`.mailbox.drive`."""
 
 from __future__ import annotations
 
 from ...fabric.base import Fabric
-from . import core
-from .aggregator import AggCall
+from .aggregator import AggCall, aggregator
 from .mailbox import Inbox, Outbox, Pool, drive
 
 
@@ -21,5 +20,5 @@ def serve(fabric: Fabric, index: int) -> None:
     pool = Pool()
     inbox, outbox = Inbox(fabric, pool), Outbox(fabric, pool)
     while True:
-        drive(fabric, inbox, outbox, [core.aggregator(AggCall(index, n), inbox, outbox)])
+        drive(fabric, inbox, outbox, [aggregator(AggCall(index, n), inbox, outbox)])
         outbox.finish()

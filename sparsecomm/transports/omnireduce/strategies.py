@@ -6,7 +6,7 @@ None of them changes what travels or which blocks are summed; they change only w
   tensor when the blocks are one run, nothing at all when they are summed in place), to a remote one
   as a view of the tensor when a one-round channel's blocks are one run of whole blocks (the message
   is the data itself), otherwise copied into a pooled message with their look-aheads;
-* where the sums land at an aggregator: :class:`MessageSums` (a pooled downstream message; the
+* where the sums land at an aggregator: :class:`.core.MessageSums` (a pooled downstream message; the
   default) or :class:`HomeSums` (colocated, in place: a one-round channel of the hosting worker's
   in-place call is summed straight into its input, which already holds its own blocks, and the sums
   are sent from there), chosen by :func:`home_rows` / :func:`sum_at_home`;
@@ -84,49 +84,12 @@ def sum_at_home(channels: list, rows: dict, host: int) -> None:
             c.sums = HomeSums(c, rows[c.slot], host)
 
 
-class MessageSums:
-    """The sums accumulate in a pooled downstream message (double-buffered across rounds), in the
-    accumulation dtype first if the downstream dtype is narrower."""
-
-    in_place = False
-
-    @staticmethod
-    def buffer(c) -> Buf:
-        """The pooled message of round ``c.round``'s sums (two, by round parity)."""
-        return Buf(Msg.DOWN, slot=c.slot, parity=c.round % 2)
-
-    def begin(self, c, outbox) -> None:
-        key = self.buffer(c)
-        extra = wire.words_ints(c.ch) if c.round == 0 and wire.fused0(c.ch, c.k) else 0   # (room for the words)
-        self.msg, self.data, self.tail = outbox.message(key, c.k, c.bs, c.down, extra=extra, meta=c.round > 0)
-        self.acc = self.data if c.acc_dtype == c.down else torch.empty(c.k, c.bs, dtype=c.acc_dtype)
-        self.fresh = True   # acc not yet written: the first contribution is copied, not added
-
-    def add(self, c, w: int, pos: np.ndarray, blocks: torch.Tensor) -> None:
-        if blocks.dtype != c.acc_dtype:
-            blocks = blocks.to(c.acc_dtype)
-        if pos.size == c.k:            # it holds every summed lane: rows in order, no scatter
-            if self.fresh:
-                self.acc.copy_(blocks)
-            else:
-                self.acc.add_(blocks)
-        else:
-            if self.fresh:
-                self.acc.zero_()
-            self.acc.index_add_(0, torch.from_numpy(c.rows[pos]), blocks)
-        self.fresh = False
-
-    def finish(self, c):
-        if self.acc is not self.data:
-            self.data.copy_(self.acc)
-        out = self.msg, self.tail
-        self.msg = self.acc = self.data = self.tail = None
-        return out
-
-
 class HomeSums:
     """Colocated, in place: the sums of a one-round channel accumulate in ``rows`` (its blocks of the
-    hosting worker ``w``'s result, which already hold that worker's own blocks: they are not added)."""
+    hosting worker ``w``'s result, which already hold that worker's own blocks: they are not added).
+    A lane's sum is thus the host's block, then the others' in :func:`.core.sum_order`: with three or
+    more workers a float sum may round differently from :class:`.core.MessageSums`' (every worker
+    still gets the same bits)."""
 
     in_place = True
 
@@ -140,8 +103,8 @@ class HomeSums:
                                 "accumulation dtype")
         self.rows, self.w = rows, w
 
-    def begin(self, c, outbox) -> None:
-        self.outbox = outbox
+    def begin(self, c, message) -> None:
+        self.message = message
 
     def add(self, c, w: int, pos: np.ndarray, blocks: torch.Tensor) -> None:
         if w != self.w:    # round 0 of a one-round channel: lane j holds local block j
@@ -162,8 +125,8 @@ class HomeSums:
             return self.rows[run[0]:run[1]].reshape(-1).view(torch.uint8), None
         if not (fused or c.k):
             return None, None
-        msg, data, tail = self.outbox.message(Buf(Msg.DOWN, slot=c.slot, parity=0), c.k, c.bs, c.down,
-                                              extra=wire.words_ints(c.ch) if fused else 0, meta=False)
+        msg, data, tail = self.message(Buf(Msg.DOWN, slot=c.slot, parity=0), c.k, c.bs, c.down,
+                                       extra=wire.words_ints(c.ch) if fused else 0, meta=False)
         if run is not None:
             data.copy_(self.rows[run[0]:run[1]])
         elif c.k:

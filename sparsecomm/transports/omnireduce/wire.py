@@ -47,10 +47,8 @@ import torch
 from ...errors import MalformedMessage, MismatchError, OverflowError_, ProtocolError, SparseCommError  # noqa: F401
 from .._handshake import dtype_code as _hs_dtype_code
 
-MAGIC = 0x4F4D4E49_0005  # "OMNI", wire version 5 (3: round-0 sums on their own tag, tag_sums0; 4: a
-#                          round-0 reply's sums and lane words in one message; all summed: the sums alone,
-#                          and a worker's first look-aheads of every channel in one message, TAG_FIRSTS;
-#                          5: a checksum in the header, and the manifest after a verdict that is not OK)
+#: "OMNI" and the wire version: an aggregator rejects a header of another version (:func:`.header.validate_header`)
+MAGIC = 0x4F4D4E49_0005
 MAX_CHANNELS = 16
 HDR = 12 + MAX_CHANNELS    # int64 fields: 12 scalars, then one count per channel (slot)
 MAN = 2 + MAX_CHANNELS     # int64 fields of a manifest: first look-aheads' bytes, blocks' bytes per slot, checksum

@@ -1,49 +1,27 @@
-"""An OmniReduce worker's call: its description (:class:`CallSpec`, the round-0 header), its state
-(:class:`Call`), and :func:`run_worker`, which runs the worker's role (and, colocated, its hosted
-aggregator's) on the endpoint's scheduler. The protocol itself is :mod:`.core`.
+"""An OmniReduce worker's call in the fast driver: its state (:class:`Call`), its roles (:func:`worker`,
+one :func:`verdict` per aggregator, one :func:`worker_lane` per channel) and :func:`run_worker`, which
+runs them (and, colocated, the hosted aggregator's roles, :mod:`.aggregator`) on the endpoint's
+scheduler (:func:`.mailbox.drive`). The lanes' state machine is :class:`.core.WorkerChannel`; the fast
+paths the roles call are :mod:`.strategies`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from ...errors import MalformedMessage
 from ...fabric.base import Fabric
-from . import core, header, wire
-from .aggregator import AggCall, may_defer
-from .mailbox import Hand, Inbox, Outbox, Pool, Send, drive
-from .wire import HDR
+from .._handshake import fail_stop
+from . import core, header, strategies, wire
+from .aggregator import AggCall, aggregator, may_defer
+from .header import CallSpec
+from .mailbox import Hand, Inbox, Outbox, Phase, Poll, Pool, Post, Recv, Send, Spawn, Stage, drive
+from .wire import HDR, OK, TAG_FIRSTS, TAG_HDR_DOWN, TAG_HDR_UP, TAG_MANIFEST, Buf, Key, Msg, tag_down
 
 
-@dataclass
-class CallSpec:
-    """What a worker tells the aggregators about its call (the round-0 header)."""
-
-    numel: int
-    up: torch.dtype
-    block_size: int
-    num_aggregators: int
-    channels: int
-    lanes: int
-    kind: int
-    check: int = 0
-    absmax: int = 0
-
-    def header(self, world: int, k0: dict[int, int] | None = None) -> torch.Tensor:
-        """The round-0 header, sealed (:func:`.header.seal`); ``k0[slot]``: this worker's position-0 blocks in
-        that channel."""
-        h = torch.zeros(HDR, dtype=torch.int64)
-        for g, k in (k0 or {}).items():
-            h[wire.F_K0 + g] = k
-        vals = {wire.F_MAGIC: wire.MAGIC, wire.F_NUMEL: self.numel, wire.F_DTYPE: wire.dtype_code(self.up),
-                wire.F_BLOCK: self.block_size, wire.F_AGGS: self.num_aggregators,
-                wire.F_CHANNELS: self.channels, wire.F_LANES: self.lanes, wire.F_KIND: self.kind,
-                wire.F_CHECK: self.check, wire.F_WORLD: world, wire.F_ABSMAX: self.absmax}
-        for f, v in vals.items():
-            h[f] = int(v)
-        header.seal(h.numpy())
-        return h
+#: pieces a colocated worker's scan is cut into, a ``Poll`` between them (:func:`scan`) running the roles
+#: of the phases before ``POLL_SCAN`` (headers, verdicts, hosted rounds; not the lanes landing sums)
+SCAN_PIECES, POLL_SCAN = 8, Phase.LAND
 
 
 def agg_order(rank: int, num_aggregators: int) -> list[int]:
@@ -53,8 +31,8 @@ def agg_order(rank: int, num_aggregators: int) -> list[int]:
 
 
 class Call:
-    """One worker's all-reduce: what the roles of :mod:`.core` and the strategies of :mod:`.strategies`
-    share. ``aggregators[a]``: aggregator ``a``'s endpoint; ``own``: the aggregator this worker hosts
+    """One worker's all-reduce: what its roles and the strategies of :mod:`.strategies` share.
+    ``aggregators[a]``: aggregator ``a``'s endpoint; ``own``: the aggregator this worker hosts
     (colocated), whose messages stay local; ``visit``: the aggregators in the order their replies reach
     this worker (the hosted one first); ``wch[a, slot]``: its lanes of each channel."""
 
@@ -95,6 +73,115 @@ class Call:
         return may_defer(self.rank, a, self.n)
 
 
+# ------------------------------------------------------------------ the roles
+def worker(call):
+    """One worker's call (``call``: :class:`Call`). Round 0 up, before any wait: per aggregator
+    the header, first look-aheads, position-0 blocks (colocated: each remote one's once its range is
+    scanned, the hosted one last). Each verdict has its own role (:func:`verdict`): none waits for another."""
+    for batch in call.round0_batches():
+        for a in batch:
+            yield from scan(call, a)
+        yield from send_round0(call, batch)
+        for a in batch:
+            yield Spawn(verdict(call, a))
+        yield Poll(POLL_SCAN)
+    call.mark("round 0 sent")
+
+
+def verdict(call, a: int):
+    """Aggregator ``a``'s verdict. OK (the downstream dtype, each channel's count of round-0 sums): make
+    the result (first OK verdict), post ``a``'s round-0 receives (hosted: ``GO``), start ``a``'s lanes.
+    Not OK: a remote ``a`` gets this worker's manifest (:meth:`.aggregator.AggCall.drain`), then sends
+    nothing more; the error is raised once the others' lanes are done (:func:`run_worker`)."""
+    yield Recv((Key(Msg.REPLY, a),), Stage(Phase.VERDICT, visit=call.pos[a]))
+    rh = call.inbox.take(Key(Msg.REPLY, a)).view(torch.int64).numpy()
+    if int(rh[wire.R_STATUS]) != OK:
+        call.errors[a] = rh.copy()
+        if a != call.own:
+            yield Send(header.manifest(call.hdr0[a], a).view(torch.uint8), call.aggregators[a], TAG_MANIFEST)
+        return
+    try:
+        down = wire.code_dtype(rh[wire.R_DOWN_DTYPE])
+        if call.down is not None and down != call.down:
+            raise MalformedMessage(f"omnireduce: aggregator {a} announces sums of {down}, another one "
+                                   f"{call.down} (this is worker {call.rank})")
+        for ch in call.plans[a]:
+            k = int(rh[wire.R_K + ch.slot])
+            if not 0 <= k <= ch.lanes:
+                raise MalformedMessage(f"omnireduce: aggregator {a} announces {k} round-0 sums in a "
+                                       f"channel of {ch.lanes} lanes (this is worker {call.rank})")
+            call.sums0[a, ch.slot] = k
+    except MalformedMessage as exc:
+        raise fail_stop(call.fabric, exc) from None
+    if call.sink is None:
+        call.down = down
+        call.result, call.sink = call.make_sink(down)
+    if a == call.own:           # the hosted aggregator's lanes may start
+        yield Hand(Key(Msg.GO, call.rank), strategies.home_rows(call))
+    else:                       # the round-0 replies' receives
+        for ch in call.plans[a]:
+            yield from strategies.post_reply0(call, a, ch, call.sums0[a, ch.slot])
+    call.mark(f"downstream posted {a}")
+    for ch in call.plans[a]:
+        yield Spawn(worker_lane(call, a, call.wch[a, ch.slot]))
+
+
+def scan(call, a: int):
+    """Find this worker's non-zero blocks in aggregator ``a``'s range (colocated: in pieces, with a
+    ``Poll`` after each); set up its channels."""
+    chans = call.plans[a]
+    if chans:
+        lo, hi = chans[0].lo, chans[-1].lo + chans[-1].size
+        step = hi - lo if call.own is None else max(1, -(-(hi - lo) // SCAN_PIECES))
+        for s in range(lo, hi, step):
+            call.source.scan(s, min(hi, s + step))
+            if call.own is not None:
+                yield Poll(POLL_SCAN)
+    for ch in chans:
+        call.wch[a, ch.slot] = core.WorkerChannel(ch, call.source.mask)
+    call.mark(f"scanned {a}")
+
+
+def send_round0(call, aggs: list[int]):
+    """Round 0 to ``aggs``: a header each; then to each its channels' first look-aheads (small, one
+    message), then the position-0 blocks (slot-major; per slot the heaviest aggregators first)."""
+    for a in aggs:
+        hdr = call.spec.header(call.n, {ch.slot: call.wch[a, ch.slot].pending0() for ch in call.plans[a]})
+        call.hdr0[a] = hdr.numpy()
+        yield from call.up(a, Key(Msg.HDR, call.rank), hdr.view(torch.uint8), TAG_HDR_UP)
+        if a != call.own:
+            yield Post(Key(Msg.REPLY, a), 8 * HDR, call.aggregators[a], TAG_HDR_DOWN)
+    for a in (a for a in aggs if call.plans[a]):
+        firsts = torch.cat([wire.encode_firsts(call.wch[a, ch.slot].mine, ch) for ch in call.plans[a]])
+        yield from call.up(a, Key(Msg.FIRSTS, call.rank), firsts, TAG_FIRSTS, data=True)
+    for g in range(call.spec.channels):
+        for a in sorted(aggs, key=lambda a: -call.wch[a, g].pending0() if (a, g) in call.wch else 0):
+            if (a, g) in call.wch:
+                yield from strategies.send_up(call, Buf(Msg.BLOCKS0, a, g), a, call.wch[a, g],
+                                              Key(Msg.BLOCKS0, call.rank, g))
+
+
+def worker_lane(call, a: int, c: core.WorkerChannel):
+    """A worker's lanes of aggregator ``a``'s channel ``c``: take each round's reply (the completed sums
+    and the prompt), answer the prompt, until every lane is done."""
+    g, pos, bs = c.ch.slot, call.pos[a], call.spec.block_size
+    # round 0's reply: words and sums in one message, or waited for together (never a blocking take of
+    # large sums)
+    yield Recv(strategies.reply0_keys(call, a, c.ch), Stage(Phase.LAND, c.round, g, pos))
+    c.start(strategies.take_reply0(call, a, c.ch))
+    while True:
+        if c.active:   # answer the prompt; post the receive of the reply
+            yield from strategies.send_up(call, Buf(Msg.UP, a, g, c.round % 2), a, c, Key(Msg.UP, call.rank, g))
+            if a != call.own:
+                yield Post(Key(Msg.DOWN, a, g), wire.block_bytes(c.act.size, bs, call.down.itemsize),
+                           call.aggregators[a], tag_down(g))
+        call.mark(f"reply {a}.{g} r{c.round}")
+        if not c.active:
+            return
+        yield Recv((Key(Msg.DOWN, a, g),), Stage(Phase.LAND, c.round, g, pos))
+        c.down(call.inbox.take(Key(Msg.DOWN, a, g)), call.sink, bs, call.down)
+
+
 def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: list[int],
                own: int | None, pool: Pool | None = None, home: bool = False) -> tuple[torch.Tensor, torch.dtype]:
     """One all-reduce on this worker; returns the result (from ``make_sink(down_dtype)``) and its dtype.
@@ -106,10 +193,10 @@ def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: l
     them before each wait (they would only queue behind each other)."""
     call = Call(fabric, spec, source, make_sink, aggregators, own, Pool() if pool is None else pool, home)
     call.mark("start")
-    roles = [core.worker(call)]
+    roles = [worker(call)]
     if own is not None:
         adm = AggCall(own, call.n, colocated=call.rank)
-        roles.insert(0, core.aggregator(adm, call.inbox, call.outbox, host=call.rank,
+        roles.insert(0, aggregator(adm, call.inbox, call.outbox, host=call.rank,
                                         ref=spec.header(call.n).numpy(), mark=call.mark))
     drive(fabric, call.inbox, call.outbox, roles, keep=64 if own is not None else 0)
     call.mark("steps done")

@@ -63,8 +63,8 @@ software switch that adds at the rate its ports deliver, as far as the host's CP
 **Defaults** are fast where they run (:mod:`..defaults`, from the fabric's ``message_bytes``): where a
 message is a datagram of a modelled network (SimFabric), the paper's program, 64-value packets one per
 message, and a pool of 256 lanes (the reproductions compare these with their closed forms). On a real
-fabric (gloo: a message costs the hosts CPU time far beyond its bytes' worth, BENCHMARKS.md,
-"SwitchML") a switch started as ``"switch"`` runs 256-value packets, up to 1024 to a message (1 MiB),
+fabric (gloo: a message costs the hosts a fixed CPU time beyond its bytes' worth, BENCHMARKS.md,
+"Switch CPU per call") a switch started as ``"switch"`` runs 256-value packets, up to 1024 to a message (1 MiB),
 and a worker keeps 4096 lanes in flight (four messages per lane window). A message holds only the packets that are ready
 (:mod:`.lanes`), so a small job costs its packets' bytes, not a burst's.
 """

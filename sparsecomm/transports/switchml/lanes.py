@@ -101,8 +101,8 @@ class Uplink:
     built in a ring of reusable buffers (:meth:`buffer` waits for a free one: the send-ahead bound),
     kept with the thread across jobs (:meth:`ensure` grows the ring for a job with more lanes; fresh
     buffers every job cost page faults); :meth:`drain` waits for every send and re-raises a send's error.
-    Free buffers are taken last-freed first: the few that a lane window keeps busy stay in the cache
-    (taken in turn, a ring of 16 bursts of 1 MB would pass half a 32 MB cache per window)."""
+    Free buffers are taken last-freed first, so the few that a lane window keeps busy stay in the CPU
+    cache (taken in turn, every buffer of the ring would pass through the cache in every window)."""
 
     def __init__(self, fabric, switch: int, burst: int, width: int, depth: int) -> None:
         self.fabric, self.switch, self.burst, self.width = fabric, switch, burst, width
@@ -162,8 +162,8 @@ class Inbox:
     Why: each post sends the switch a small "receive posted" notice on the connection that the
     switch's egress thread is writing a result message on; gloo's event loop, finding the connection
     locked by that write, returns to ``epoll_wait`` at once and spins until the write ends (BENCHMARKS.md,
-    "SwitchML"). Posted one by one, a notice arrives during nearly every write; in groups, the notices of
-    a group arrive together, during one write."""
+    "Switch CPU per call"). Posted one by one, a notice arrives during nearly every write; in groups, the
+    notices of a group arrive together, during one write."""
 
     def __init__(self, fabric, switch: int, burst: int, width: int, depth: int = INBOX_DEPTH,
                  group: int = REPOST_GROUP) -> None:

@@ -32,7 +32,7 @@ nothing else: each result is written over the row it answers in the receive buff
 the reply (no reply buffer to fill: one write of the summed bytes fewer, into cache-hot rows), receive
 buffers come from a pool reused last-freed first (:class:`_Buffers`: no page faults of fresh buffers per
 message), and the slack rows are not scanned and reset per message. The switch's CPU per call:
-BENCHMARKS.md, "SwitchML".
+BENCHMARKS.md, "Switch CPU per call".
 """
 
 from __future__ import annotations
@@ -99,8 +99,8 @@ def _serve_datagrams(dp: Dataplane, fabric: Fabric) -> None:
 
 # ----------------------------------------------------------------------------- real fabrics
 class _Buffers:
-    """Message buffers reused across messages, shared by the ports (a fresh 1 MB array per message cost
-    more in page faults than the program's adds): receive buffers that become the replies they hold
+    """Message buffers reused across messages, shared by the ports (a fresh 1 MiB array per message would
+    pay its page faults on every message): receive buffers that become the replies they hold
     (results are written over the rows they answer, see :func:`_serve_ports`), and, with the audit on,
     separate reply buffers. A buffer returns to the pool when every send of its messages has completed:
     :meth:`hold` sets how many sends will :meth:`release` it, and how many leading rows (replies) to

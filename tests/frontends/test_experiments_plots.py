@@ -1,0 +1,145 @@
+"""The studies' figures keep the rules of ``tests/_figures.py`` (labels in words with units, integer ticks on
+counts, no empty panel, no overlapping tick labels, legends that match what is drawn, coinciding curves drawn
+once and named), checked on the ``Figure`` objects the plotting functions return; and the checker catches
+each defect it names."""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from experiments import ablation, convergence  # noqa: E402
+from experiments.common import plots  # noqa: E402
+
+from tests._figures import problems  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _quiet_env(monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+    plt.close("all")
+
+
+@pytest.fixture
+def saved(monkeypatch):
+    """The figures the code under test hands to ``plots.save``, by file name."""
+    figures = {}
+    real = plots.save
+
+    def keep(fig, path, **kw):
+        figures[path.name] = fig
+        return real(fig, path, **kw)
+
+    monkeypatch.setattr(plots, "save", keep)
+    return figures
+
+
+# ----------------------------------------------------------------------------- the checker can fail
+def _good(ax):
+    ax.plot([1, 2, 3], [3, 1, 2], color="C0", label="measured time")
+    ax.set(xlabel="training step", ylabel="held-out loss")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.legend()
+
+
+@pytest.mark.parametrize("spoil, words", [
+    (lambda fig, ax: None, None),
+    (lambda fig, ax: fig.add_subplot(2, 1, 2).set(xlabel="training step", ylabel="loss"), "empty panel"),
+    (lambda fig, ax: ax.set_ylabel("best test_acc so far"), "not in words"),
+    (lambda fig, ax: ax.set_xlabel(""), "no x label"),
+    (lambda fig, ax: ax.set_ylabel("communication time"), "without its unit"),
+    (lambda fig, ax: ax.xaxis.set_major_locator(matplotlib.ticker.MultipleLocator(0.25)), "counts"),
+    (lambda fig, ax: ax.axhline(2.5, color="grey", ls="--"), "is in no legend"),
+    (lambda fig, ax: (ax.plot([1, 2, 3], [3, 1, 2], color="C1", label="other"), ax.legend()), "hidden under"),
+    (lambda fig, ax: (ax.plot([1, 2, 3], [2, 2, 2], color="C0", label="twin"), ax.legend()), "look the same"),
+    (lambda fig, ax: ax.set_yticks([1 + i / 20 for i in range(41)]), "overlap"),
+    (lambda fig, ax: (ax.plot([], [], color="C3", label="nothing"), ax.legend()), "matches no visible"),
+])
+def test_the_checker_names_each_defect(spoil, words):
+    fig = plt.figure(figsize=(5, 4))
+    ax = fig.add_subplot(2, 1, 1) if words == "empty panel" else fig.add_subplot(1, 1, 1)
+    _good(ax)
+    spoil(fig, ax)
+    found = problems(fig)
+    if words is None:
+        assert found == []
+    else:
+        assert any(words in p for p in found), found
+
+
+# ----------------------------------------------------------------------------- the studies' figures
+def _ablation_argv(tmp_path):
+    # none and ef on allgather send the same bytes: their time per step coincides (and so may the curves)
+    return ["--task", "breast-cancer-logreg", "--compressor", "topk", "--method", "none", "ef", "--transport",
+            "allgather", "--workers", "2", "3", "--density", "0.2", "--steps", "4", "--eval-every", "1",
+            "--target-acc", "0.6", "--out", str(tmp_path), "--no-progress"]
+
+
+def test_ablation_figure_keeps_the_rules_and_names_coinciding_curves(tmp_path, saved):
+    assert ablation.main(_ablation_argv(tmp_path)) == 0
+    fig = saved["ablation.png"]
+    assert problems(fig) == []
+    ax_t, ax_b, ax_w = fig.axes
+    assert ax_t.get_ylabel() == "best held-out accuracy so far"
+    assert [round(t) for t in ax_w.get_xticks()] == [2, 3]
+    labels = [t.get_text() for leg in fig.legends for t in leg.get_texts()]
+    # the two series take the same time per step: one curve in the workers panel, named for both
+    assert any("topk(ratio=0.2) / allgather" in lab and "ef+topk(ratio=0.2)" in lab and "same curve" in lab
+               for lab in labels), labels
+    assert "target held-out accuracy 0.6" in labels
+
+
+def test_convergence_writes_a_plot_under_a_clean_name(tmp_path, saved):
+    argv = ["--task", "breast-cancer-logreg", "--compressor", "topk", "--ratio", "0.3", "--method", "ef",
+            "--transport", "allgather", "--workers", "2", "--steps", "4", "--eval-every", "2", "--no-progress",
+            "--out", str(tmp_path)]
+    assert convergence.main(argv) == 0
+    stem = "breast-cancer-logreg_ef-topk-ratio-0.3_allgather_n2_s0"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{stem}.csv", f"{stem}.json", f"{stem}.png"]
+    assert problems(saved[f"{stem}.png"]) == []
+
+
+#: each reproduction at a size that runs in seconds (its figures are the same functions as at full size)
+REPRODUCTIONS = {
+    "reproduce_diana": ["--iters", "40", "--multipliers", "1,4", "--ratio", "1"],   # 6-digit bit counts
+    "reproduce_ef21": ["--iters", "40", "--multipliers", "1,4"],
+    "reproduce_marina": ["--iters", "40", "--ks", "1,5"],
+    "reproduce_99": ["--ns", "4,10", "--m", "20", "--eps", "1e-3"],
+    "reproduce_rates": ["--omegas", "0,1,3", "--ns", "1,4", "--d", "8", "--rows", "64"],
+    "reproduce_switchml": [],
+    "reproduce_omnireduce": ["--numel", "16384", "--densities", "1", "0.1"],
+    "reproduce_sparse_switch": ["--numel", "16384", "--ns", "2", "4", "--densities", "1", "0.1"],
+}
+
+
+#: the switch emulation of the quick SwitchML reproduction takes about 20 s
+SLOW = {"reproduce_switchml"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW else [])
+                                  for n in sorted(REPRODUCTIONS)])
+def test_reproduction_figures_keep_the_rules(name, tmp_path, monkeypatch):
+    import importlib
+
+    from experiments.common import reproduce as U
+
+    figures = {}
+    real = U.Run.save_figure
+
+    def keep(self, fig, stem):
+        figures[stem] = fig
+        return real(self, fig, stem)
+
+    monkeypatch.setattr(U.Run, "save_figure", keep)
+    mod = importlib.import_module(f"experiments.{name}")
+    mod.main(["--quick", "--no-progress", "--no-wandb", "--out", str(tmp_path), *REPRODUCTIONS[name]])
+    assert figures, f"{name} drew no figure"
+    found = {stem: problems(fig) for stem, fig in figures.items()}
+    assert found == {stem: [] for stem in figures}

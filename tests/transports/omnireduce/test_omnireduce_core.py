@@ -1,0 +1,523 @@
+"""The OmniReduce scheduler (:func:`sparsecomm.transports.omnireduce.mailbox.drive`) on its own: roles
+are generators yielding typed requests; the scheduler runs whichever can, in preference order, lets
+others run while one polls, holds a hand-over's consumer back until it is taken (``gone``), and reports
+a role that can never run as a bug instead of hanging."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import sparsecomm as sc
+from sparsecomm.errors import ProtocolError
+from sparsecomm.transports.omnireduce.mailbox import (Hand, Inbox, Outbox, Phase, Pool, Poll, Post, Recv, Send,
+                                                      Spawn, Stage, drive)
+
+
+class _LocalFabric:
+    """Enough of a fabric for roles that only hand messages to each other."""
+
+    rank, world_size = 0, 1
+
+    def wait_any(self, groups):
+        for i, g in enumerate(groups):
+            if all(w.is_completed() for w in g):
+                return i
+        raise AssertionError("a local-only schedule waited for a fabric operation")
+
+
+def _run(roles):
+    f = _LocalFabric()
+    pool = Pool()
+    inbox = Inbox(f, pool)
+    drive(f, inbox, Outbox(f, pool), roles)
+    return inbox
+
+
+def test_roles_take_turns_by_hand_over_and_preference():
+    log = []
+
+    def ping():
+        for r in range(3):
+            yield Hand(("ping", r), r)
+            yield Recv((("pong", r),), Stage(Phase.VERDICT, visit=r))
+            log.append(("ping got", _inbox[0].take(("pong", r))))
+
+    def pong():
+        for r in range(3):
+            yield Recv((("ping", r),), Stage(Phase.HEADERS, round=r))
+            log.append(("pong got", _inbox[0].take(("ping", r))))
+            yield Hand(("pong", r), 10 + r)
+
+    _inbox = [None]
+    f = _LocalFabric()
+    pool = Pool()
+    _inbox[0] = Inbox(f, pool)
+    drive(f, _inbox[0], Outbox(f, pool), [ping(), pong()])
+    assert log == [("pong got", 0), ("ping got", 10), ("pong got", 1), ("ping got", 11),
+                   ("pong got", 2), ("ping got", 12)]
+
+
+def test_a_role_that_can_never_run_is_reported_as_a_bug():
+    def stuck():
+        yield Recv((("never", 0),), Stage(Phase.VERDICT))
+
+    with pytest.raises(ProtocolError, match="no role"):
+        _run([stuck()])
+    with pytest.raises(ProtocolError, match="asked for"):
+        _run([iter([("not", "a request")])])
+
+
+def test_gone_holds_a_producer_until_its_last_hand_over_is_taken_and_poll_lets_others_run():
+    log = []
+    box = [None]
+
+    def producer():   # may hand round r+1 only once round r has been taken
+        for r in range(3):
+            yield Recv((), Stage(Phase.HEADERS), gone=(("msg",),))
+            log.append(f"hand {r}")
+            yield Hand(("msg",), r)
+
+    def consumer():
+        for r in range(3):
+            yield Recv((("msg",),), Stage(Phase.VERDICT))
+            log.append(f"take {box[0].take(('msg',))}")
+            yield Poll()      # nothing else is ready: returns at once
+
+    def poller():   # long local work in pieces: the others run between them
+        for piece in range(2):
+            log.append(f"piece {piece}")
+            yield Poll()
+        yield Spawn(consumer())
+
+    f = _LocalFabric()
+    pool = Pool()
+    box[0] = Inbox(f, pool)
+    drive(f, box[0], Outbox(f, pool), [producer(), poller()])
+    assert log == ["piece 0", "hand 0", "piece 1", "take 0", "hand 1", "take 1", "hand 2", "take 2"]
+
+
+def _crossing(ctx):
+    """Every rank sends to every other before it waits, and posts its receives as the requests say:
+    a crossing exchange of large messages completes on any fabric."""
+    f = ctx.fabric
+    n, me = f.world_size, f.rank
+    pool = Pool()
+    inbox, outbox = Inbox(f, pool), Outbox(f, pool)
+    got = {}
+
+    def role(peer):
+        yield Post(("x", peer), 4 * 100_000, peer, 7)
+        yield Send(torch.full((100_000,), float(me)).view(torch.uint8), peer, 7)
+        yield Recv((("x", peer),), Stage(Phase.VERDICT, visit=peer))
+        got[peer] = float(inbox.take(("x", peer)).view(torch.float32)[0])
+
+    drive(f, inbox, outbox, [role(p) for p in range(n) if p != me])
+    outbox.reap(0)
+    return got
+
+
+@pytest.mark.parametrize("backend", ["sim", "gloo"])
+def test_crossing_exchanges_between_endpoints_complete(backend):
+    out = sc.launch(_crossing, 3, backend=backend)
+    assert out == [{p: float(p) for p in range(3) if p != r} for r in range(3)]
+
+
+def _sums(ctx, deployment):
+    """Two sparse and one dense call; returns whether each was exact."""
+    out = []
+    for i, (numel, d) in enumerate([(20_005, 0.2), (20_005, 0.2), (9_000, 1.0)]):
+        t = sc.transports.get("omnireduce", ctx.fabric, block_size=64, lanes=4096 if i < 2 else 16, channels=2,
+                              deployment=deployment)
+        xs = []
+        for r in range(ctx.world_size):
+            g = torch.Generator().manual_seed(100 * i + r)
+            keep = (torch.rand(-(-numel // 64), generator=g) < d).repeat_interleave(64)[:numel]
+            xs.append(torch.randint(-5, 6, (numel,), generator=g).double() * keep)
+        out.append(torch.equal(t.allreduce(xs[ctx.rank]), sum(xs)))
+    return out
+
+
+@pytest.mark.parametrize("deployment", ["colocated", "dedicated"])
+def test_a_role_takes_only_messages_its_wait_named(monkeypatch, deployment):
+    """Every message a role takes was named in the ``Recv`` it was resumed from, so the scheduler never
+    blocks on a message (e.g. round 0's sums, large) that it did not choose to wait for while another
+    role's messages are in (a hosted aggregator's data waiting behind its worker's take)."""
+    import threading
+
+    from sparsecomm.transports.omnireduce import mailbox
+
+    local, bad = threading.local(), []
+    resume, take = mailbox._Scheduler.resume, mailbox.Inbox.take
+
+    def spy_resume(self, rw):
+        stack = local.__dict__.setdefault("stack", [])
+        stack.append(set(rw[1].keys))
+        try:
+            resume(self, rw)
+        finally:
+            stack.pop()
+
+    def spy_take(self, key):
+        stack = getattr(local, "stack", [])
+        if not stack or key not in stack[-1]:
+            bad.append(key)
+        return take(self, key)
+
+    monkeypatch.setattr(mailbox._Scheduler, "resume", spy_resume)
+    monkeypatch.setattr(mailbox.Inbox, "take", spy_take)
+    out = sc.launch(functools.partial(_sums, deployment=deployment), 3,
+                    network=sc.Network(bandwidth_gbps=100, latency_us=2))
+    assert out == [[True] * 3] * 3
+    assert bad == []
+
+
+def _late_own_range(ctx, record):
+    """Rank 2 is slow (50 ms of modelled time) after scanning its own range, which it scans last."""
+    from sparsecomm.transports.omnireduce import strategies, worker
+
+    scan, land = worker.scan, strategies.land_sums0
+
+    def slow_scan(call, a):
+        yield from scan(call, a)
+        if call.rank == 2 and a == 2:
+            call.fabric.compute(0.05)
+            record["slow until", call.rank] = call.fabric.now()
+
+    def spy_land(call, a, g, ids):
+        record.setdefault(("landed", call.rank, a), call.fabric.now())
+        return land(call, a, g, ids)
+
+    worker.scan, strategies.land_sums0 = slow_scan, spy_land   # (restored by the test's monkeypatch)
+    t = sc.transports.get("omnireduce", ctx.fabric, block_size=64, lanes=4096, channels=2)
+    g = torch.Generator().manual_seed(ctx.rank)
+    x = torch.randint(-5, 6, (20_005,), generator=g).double()
+    return torch.equal(t.allreduce(x.clone()), sum(torch.randint(-5, 6, (20_005,), generator=torch.Generator()
+                                                                   .manual_seed(r)).double() for r in range(3)))
+
+
+def test_an_aggregator_whose_data_is_in_does_not_wait_for_another_aggregators_verdict(monkeypatch):
+    """Rank 2 is late only for its own aggregator (it scans that range last): aggregators 0 and 1 have
+    every block, so their sums reach rank 0 before rank 2 is done, without waiting for every
+    aggregator's verdict."""
+    from sparsecomm.transports.omnireduce import strategies, worker
+
+    monkeypatch.setattr(worker, "scan", worker.scan)
+    monkeypatch.setattr(strategies, "land_sums0", strategies.land_sums0)
+    record: dict = {}
+    out = sc.launch(functools.partial(_late_own_range, record=record), 3,
+                    network=sc.Network(bandwidth_gbps=100, latency_us=2))
+    assert out == [True] * 3
+    slow = record["slow until", 2]
+    assert record["landed", 0, 1] < slow - 0.04, record
+    assert record["landed", 0, 2] >= slow, record
+
+
+@pytest.mark.parametrize("field", ["F_K0", "F_MAGIC"])
+def test_a_header_forged_for_one_aggregator_is_an_error_on_every_worker_after_the_others_finish(field):
+    """Worker 1 forges only its header to aggregator 0: aggregator 0 rejects it, aggregators 1 and 2 run
+    their lanes to the end (every worker takes their sums: no receive is left posted), then every worker
+    raises aggregator 0's error."""
+    from sparsecomm.errors import MalformedMessage
+    from sparsecomm.transports.omnireduce import wire
+
+    from tests._faults_common import CorruptingFabric
+
+    def fn(ctx):
+        f = ctx.fabric
+        if ctx.rank == 1:
+            def rw(t, dst, tag):
+                if tag == wire.TAG_HDR_UP and dst == 0:
+                    out = t.detach().clone()
+                    out.view(torch.int64)[getattr(wire, field)] = 2**40
+                    return out
+            f = CorruptingFabric(f, rw)
+        t = sc.transports.get("omnireduce", f, block_size=16, lanes=4, channels=2)
+        try:
+            t.allreduce(torch.ones(200))
+        except MalformedMessage as e:
+            return str(e)
+        return None
+
+    out = sc.launch(fn, 3, timeout_s=30)
+    assert all(o is not None and "worker 1" in o for o in out), out
+
+
+@pytest.mark.parametrize("deployment", ["colocated", "dedicated"])
+def test_a_header_changed_on_the_way_fails_its_checksum_and_the_next_call_is_exact(deployment):
+    """Worker 1's integer bound rewritten to 0 on the way (in range, so only the checksum shows it): the
+    aggregators would pick int8 sums for a sum of 150 and return -106 on every worker. Instead every worker
+    raises ``MalformedMessage``; the aggregators consume worker 1's round 0 by its manifest, so the next
+    call through the same transport is exact."""
+    from sparsecomm.errors import MalformedMessage
+    from sparsecomm.transports.omnireduce import wire
+
+    from tests._faults_common import CorruptingFabric
+
+    def fn(ctx):
+        forge = [True]
+        f = ctx.fabric
+        if ctx.rank == 1:
+            def rw(t, dst, tag):
+                if tag == wire.TAG_HDR_UP and forge[0]:
+                    out = t.detach().clone()
+                    out.view(torch.int64)[wire.F_ABSMAX] = 0
+                    return out
+            f = CorruptingFabric(f, rw)
+        t = sc.transports.get("omnireduce", f, block_size=16, lanes=4, deployment=deployment)
+        x = torch.full((100,), 50, dtype=torch.int32)
+        try:
+            got = t.allreduce(x)[:1].tolist()
+        except MalformedMessage as e:
+            got = str(e)
+        forge[0] = False
+        return got, t.allreduce(x)[:1].tolist()
+
+    out = sc.launch(fn, 3, timeout_s=30)
+    assert all(isinstance(o[0], str) and "worker 1" in o[0] and "checksum" in o[0] for o in out), out
+    assert all(o[1] == [150] for o in out), out
+
+
+def _mixed_channels(ctx, posted, lock, inplace):
+    """n = 2, two aggregators of two one-round channels of 8 blocks each: channel 0 of each aggregator
+    has 3 non-zero blocks per worker (some summed, not all), channel 1 all 8 (summed everywhere)."""
+    from sparsecomm.fabric.sim.sim import SimFabric
+
+    f = ctx.fabric
+    irecv = SimFabric.irecv
+
+    def spy(tensor, src=None, tag=0):
+        with lock:
+            posted[f.rank, src, tag] += 1
+        return irecv(f, tensor, src, tag)
+
+    f.irecv = spy
+    bs = 16
+    x = torch.zeros(32, bs, dtype=torch.float64)
+    g = torch.Generator().manual_seed(ctx.rank)
+    for a in range(2):
+        x[16 * a + ctx.rank: 16 * a + ctx.rank + 3] = torch.randint(-5, 6, (3, bs), generator=g).double()
+        x[16 * a + 8: 16 * a + 16] = torch.randint(-5, 6, (8, bs), generator=g).double()
+    t = sc.transports.get("omnireduce", f, block_size=bs, lanes=4096, channels=2, inplace=inplace)
+    y = t.allreduce(x.reshape(-1).clone())
+    return y.clone(), x.reshape(-1)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_round0_sums_of_a_channel_not_summed_everywhere_travel_with_its_lane_words(inplace):
+    """A remote aggregator's round-0 reply of a channel is one message: with some blocks summed, the
+    sums then the lane words; with every block summed, the sums alone on their own tag (the words are
+    implied; the sums can be received straight into the result). Exact sums, also where the hosted
+    aggregator sums in place (the sums are then copied out of the result)."""
+    import collections
+    import threading
+
+    from sparsecomm.transports.omnireduce import wire
+
+    posted, lock = collections.Counter(), threading.Lock()
+    out = sc.launch(functools.partial(_mixed_channels, posted=posted, lock=lock, inplace=inplace), 2,
+                    network=sc.Network(bandwidth_gbps=100, latency_us=2))
+    total = out[0][1] + out[1][1]
+    assert all(torch.equal(y, total) for y, _ in out)
+    for me, agg in ((0, 1), (1, 0)):
+        assert posted[me, agg, wire.tag_down(0)] == 1 and posted[me, agg, wire.tag_sums0(0)] == 0, posted
+        assert posted[me, agg, wire.tag_down(1)] == 0 and posted[me, agg, wire.tag_sums0(1)] == 1, posted
+
+
+def test_a_workers_first_look_aheads_of_every_channel_are_one_message():
+    """Round 0 up, per worker and aggregator: the header, one message of every channel's first
+    look-aheads (on ``TAG_FIRSTS``), then one message of position-0 blocks per channel (on its tag)."""
+    import collections
+    import threading
+
+    from sparsecomm.transports.omnireduce import wire
+
+    posted, lock = collections.Counter(), threading.Lock()
+    out = sc.launch(functools.partial(_mixed_channels, posted=posted, lock=lock, inplace=False), 2,
+                    network=sc.Network(bandwidth_gbps=100, latency_us=2))
+    assert all(torch.equal(y, out[0][1] + out[1][1]) for y, _ in out)
+    for agg, w in ((0, 1), (1, 0)):
+        assert posted[agg, w, wire.TAG_HDR_UP] == 1 and posted[agg, w, wire.TAG_FIRSTS] == 1, posted
+        assert posted[agg, w, wire.tag_up(0)] == 1 and posted[agg, w, wire.tag_up(1)] == 1, posted
+
+
+@pytest.mark.parametrize("poll", [False, True])
+def test_a_sure_wait_is_resumed_without_watching_its_receives(poll):
+    """A role whose messages come whatever this endpoint does (``Stage.sure``: round-0 data) is resumed at
+    once when it is the preferred candidate: its receive is taken blocking, never polled for arrival
+    (on gloo each poll of a receive costs a helper thread) and ``wait_any`` is not needed. A ``Poll``
+    never runs it (a poll never blocks): the other role runs there, the sure one after."""
+    looked, log = [], []
+
+    class _Work:
+        def __init__(self, name):
+            self.name = name
+
+        def is_completed(self):
+            looked.append(self.name)
+            return True
+
+        def wait(self):
+            log.append(f"wait {self.name}")
+
+    class _Fabric(_LocalFabric):
+        def irecv(self, buf, src, tag):
+            return _Work(tag)
+
+        def wait_any(self, groups):
+            log.append("wait_any")
+            return 0
+
+    f, pool = _Fabric(), Pool()
+    inbox = Inbox(f, pool)
+
+    def sure():
+        yield Post(("a",), 4, 0, 1)
+        yield Recv((("a",),), Stage(Phase.FIRSTS))   # round-0 data: sure
+        inbox.take(("a",))
+
+    def other():
+        yield Post(("b",), 4, 0, 2)
+        yield Recv((("b",),), Stage(Phase.VERDICT))
+        inbox.take(("b",))
+
+    def poller():
+        log.append("poll")
+        yield Poll()
+        log.append("polled")
+
+    drive(f, inbox, Outbox(f, pool), [sure(), other()] + ([poller()] if poll else []))
+    assert 1 not in looked, looked
+    assert log == (["poll", "wait 2", "polled", "wait 1"] if poll else ["wait 1", "wait 2"]), log
+
+
+def test_a_window_posts_receives_in_order_while_its_ring_has_room():
+    """A window's receives are posted in the order they are queued, each at a multiple of ``ALIGN`` of one
+    ring, as long as it has room; consuming the oldest frees its room (wrapping around to the start)."""
+    from sparsecomm.transports.omnireduce.window import ALIGN, Window
+
+    ring = torch.empty(3 * ALIGN, dtype=torch.uint8)
+    w = Window(ring)
+    for k, nbytes in enumerate((ALIGN + 8, ALIGN, 2 * ALIGN, ALIGN)):
+        w.want(k, nbytes, 0, 7)
+    starts = lambda posts: [p.buf.data_ptr() - ring.data_ptr() for p in posts]   # noqa: E731
+    assert starts(w.feed()) == [0, 2 * ALIGN] and w.posted() == [0, 1]        # 2: no room after 1, nor before
+    assert starts(w.done(0)) == [0] and w.posted() == [1, 2]                    # 2 wraps around, up to 1
+    assert starts(w.done(1)) == [2 * ALIGN] and w.posted() == [2, 3]
+    assert starts(w.done(2)) == [] and w.posted() == [3]
+    with pytest.raises(ProtocolError):
+        w.done(2)                                                                # not the oldest posted
+    with pytest.raises(ProtocolError):
+        w.want(9, 3 * ALIGN + 1, 0, 7)                                           # larger than the ring
+
+
+def test_sends_are_reaped_only_when_every_role_able_to_run_reaps():
+    """This endpoint's sends are finished before a wait only when every role able to run waits in a lane
+    round (``Stage.reaps``): a role of another phase (a verdict, which posts the receives of an
+    aggregator's replies) runs first (``docs/omnireduce-scheduler.md``, R6)."""
+    log = []
+
+    class _Work:
+        def is_completed(self):
+            return True
+
+        def wait(self):
+            pass
+
+    class _Fabric(_LocalFabric):
+        def irecv(self, buf, src, tag):
+            return _Work()
+
+        def wait_any(self, groups):
+            log.append("wait_any")
+            return 0
+
+    class _Reaping(Outbox):
+        def reap(self, keep=64):
+            log.append(f"reap {keep}")
+
+    f, pool = _Fabric(), Pool()
+    inbox = Inbox(f, pool)
+
+    def lane():
+        yield Post(("down",), 4, 0, 1)
+        yield Recv((("down",),), Stage(Phase.LAND))   # a lane round: reaps
+        inbox.take(("down",))
+        log.append("lane")
+
+    def verdict():
+        yield Post(("verdict",), 4, 0, 2)
+        yield Recv((("verdict",),), Stage(Phase.VERDICT))
+        inbox.take(("verdict",))
+        log.append("verdict")
+
+    drive(f, inbox, _Reaping(f, pool), [lane(), verdict()], keep=0)
+    assert log == ["wait_any", "verdict", "reap 0", "lane"], log
+
+
+def test_a_role_reusing_a_send_buffer_waits_in_the_scheduler_not_blocking():
+    """``Recv.free``: a role about to reuse a pooled send buffer whose send has not completed (its
+    receive not yet posted by the peer, which may first need this endpoint's other roles) is resumed only
+    once the send completes; meanwhile another role runs. Without it the role, preferred, would be
+    resumed at once and block in the pool."""
+    log = []
+
+    class _Work:
+        def __init__(self, name, done):
+            self.name, self.done = name, done
+
+        def is_completed(self):
+            return self.done
+
+        def wait(self):
+            if not self.done:
+                log.append(f"blocked on {self.name}")
+                self.done = True
+
+    class _Fabric(_LocalFabric):
+        def isend(self, buf, dst, tag):
+            return _Work("send", False)
+
+        def irecv(self, buf, src, tag):
+            return _Work("recv", True)
+
+    f, pool = _Fabric(), Pool()
+    inbox, outbox = Inbox(f, pool), Outbox(f, pool)
+
+    def sender(free):
+        buf = pool.get(("out", "msg"), 8)
+        yield Send(buf, 1, 7, hold="msg")
+        yield Recv((), Stage(Phase.HEADERS), free="msg" if free else None)
+        pool.get(("out", "msg"), 8)
+        log.append("reused")
+
+    def other():
+        yield Post(("b",), 4, 1, 8)
+        yield Recv((("b",),), Stage(Phase.VERDICT))
+        inbox.take(("b",))
+        log.append("other")
+
+    drive(f, inbox, outbox, [sender(True), other()])
+    assert log[0] == "other" and log[-1] == "reused", log
+    log.clear()   # the contrast, on a fresh endpoint (the roles see the new pool and inbox)
+    pool = Pool()
+    inbox, outbox = Inbox(f, pool), Outbox(f, pool)
+    drive(f, inbox, outbox, [sender(False), other()])
+    assert log[:2] == ["blocked on send", "reused"], log
+
+
+def test_stages_order_by_phase_then_round_slot_and_visit_and_say_what_blocks_and_reaps():
+    """The scheduler prefers the smallest :class:`Stage` (a tuple: phase, round, slot, visit); a wait
+    for round-0 data is ``sure`` (the workers' first look-aheads, the drained messages, a lane's round
+    0 at the aggregator) and only a lane round's wait ``reaps``."""
+    stages = [Stage(Phase.LAND, 0, 1, 0), Stage(Phase.HEADERS), Stage(Phase.AGGREGATE, 1, 0),
+              Stage(Phase.VERDICT, visit=2), Stage(Phase.AGGREGATE, 0, 1), Stage(Phase.LAND, 0, 0, 3),
+              Stage(Phase.VERDICT, visit=1), Stage(Phase.FIRSTS)]
+    assert sorted(stages) == [Stage(Phase.HEADERS), Stage(Phase.FIRSTS), Stage(Phase.VERDICT, visit=1),
+                              Stage(Phase.VERDICT, visit=2), Stage(Phase.AGGREGATE, 0, 1),
+                              Stage(Phase.AGGREGATE, 1, 0), Stage(Phase.LAND, 0, 0, 3), Stage(Phase.LAND, 0, 1, 0)]
+    sure = {p for p in Phase if Stage(p).sure}
+    assert sure == {Phase.FIRSTS, Phase.DRAIN, Phase.AGGREGATE} and not Stage(Phase.AGGREGATE, 1).sure
+    assert {p for p in Phase if Stage(p).reaps} == {Phase.AGGREGATE, Phase.LAND}
