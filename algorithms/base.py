@@ -8,8 +8,8 @@ several, treated as one flat vector of length d) that simulates n workers in thi
   ``grads(x) -> (n, d)``, e.g. :class:`theory.problems.FiniteSumProblem`) the closure may be omitted.
   ``step`` returns that gradient matrix.
 - per-worker compression goes through one of the library's :mod:`sparsecomm.methods` (hyper-parameters
-  only) and one explicit state per worker (``states[i] = method.init(d)``):
-  ``payload_i, states[i] = method.encode(g_i, states[i], generator_i)``;
+  only) and one explicit state per worker (``states[i] = method.init(d, dtype)``):
+  ``payload_i, states[i] = method.encode(g_i, states[i], generator_i, world_size=n)``;
   ``aggregate = sum_i payload_i.to_dense()``; ``estimate, states[i] = method.decode(aggregate, n, states[i])``
   on every worker (their copies of the global state stay identical);
 - default step sizes come from :mod:`theory.rates` given the problem constants (``problem=`` or
@@ -48,7 +48,8 @@ import torch
 
 from sparsecomm.compressors.base import Compressor
 from sparsecomm.errors import ConfigError, MismatchError, SparseCommError  # noqa: F401 (ConfigError: re-exported)
-from sparsecomm.methods.base import Method, MethodState, resolve_compressor, states_from_dict, states_to_dict
+from sparsecomm.methods.base import Method, resolve_compressor
+from sparsecomm.methods.state import MethodState, states_from_dict, states_to_dict
 from sparsecomm.payload import Payload
 
 
@@ -211,7 +212,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
     def use_method(self, method: Method) -> None:
         """Drive the workers through ``method`` (hyper-parameters only), one fresh state per worker."""
         self.method = method
-        self.states: list[MethodState] = [method.init(self.d) for _ in range(self.n)]
+        self.states: list[MethodState] = [method.init(self.d, self.dtype) for _ in range(self.n)]
 
     def run_methods(self, method: Method, G: torch.Tensor, exact: bool = False) -> torch.Tensor:
         """One round through the library's Method with every worker's state: encode on every worker, sum
@@ -221,7 +222,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         states = self.states
         payloads = []
         for i in range(self.n):
-            p, states[i] = method.encode(G[i], states[i], gens[i], exact=exact)
+            p, states[i] = method.encode(G[i], states[i], gens[i], world_size=self.n, exact=exact)
             payloads.append(p)
         aggregate = sum(p.to_dense() for p in payloads)
         while method.multi_round:
@@ -291,7 +292,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         for a, v in extra["attrs"].items():
             setattr(self, a, _clone(v))
         if "methods" in extra and hasattr(self, "states"):
-            self.states = [states_from_dict(self.method, st).get(0) or self.method.init(self.d)
+            self.states = [states_from_dict(self.method, st).get(0) or self.method.init(self.d, self.dtype)
                            for st in extra["methods"]]
 
     def extra_repr(self) -> str:

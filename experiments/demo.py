@@ -11,8 +11,8 @@ MLP on scikit-learn's digits. Each is trained with four compression schemes
 
 over each transport (ring all-reduce, OmniReduce block-sparse aggregation, SwitchML in-network
 aggregation, the sparse switch (OmniReduce's look-ahead in the switch), and allgather, the carrier for
-sparse or unshared payloads). A pair the library rejects (``sparsecomm.optim.check_pair``: e.g. top-k's
-worker-specific indices on ``ring``) is not run; the table shows the library's reason.
+sparse or unshared payloads). A pair the library rejects (``sparsecomm.pipeline.resolve.check_pair``:
+e.g. top-k's worker-specific indices on ``ring``) is not run; the table shows the library's reason.
 
 Every run uses 8 workers as threads over a SimFabric. Each configuration is trained once per network
 model (10 and 100 Gbps per worker link, 2 us latency, no loss): training is identical on both

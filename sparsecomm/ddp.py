@@ -9,7 +9,7 @@ is a script on gloo processes (``tests/repo/test_docs.py`` runs it)::
 
     def train(ctx):
         net = nn.parallel.DistributedDataParallel(nn.Linear(8, 1))     # broadcasts rank 0's weights
-        state = sc.ddp.CommHookState(compressor=sc.methods.ef(sc.compressors.topk(ratio=0.25)),
+        state = sc.ddp.CommHookState(method=sc.methods.ef(sc.compressors.topk(ratio=0.25)),
                                      transport="allgather")
         net.register_comm_hook(state, sc.ddp.comm_hook)      # or: state = sc.ddp.register(net, ...)
         opt = torch.optim.SGD(net.parameters(), lr=0.1)
@@ -38,14 +38,14 @@ to synchronous calls.
 
 **Sparse gradients** (``nn.Embedding(sparse=True)``): DDP gives such a parameter a bucket of its own
 whose buffer is the sparse gradient; with plain averaging (``compressor="none"``, any transport) the
-rows travel without densifying the table (:meth:`CommPipeline.start_sparse`: gathered and coalesced
+rows travel without densifying the table (:class:`~sparsecomm.pipeline.sparse_rows.SparseRows`: gathered and coalesced
 once by default, ``sparse_rows="transport"`` for the two rounds through the transport) and the future holds the
 coalesced sparse average. A compressing method is rejected by :func:`register` with an error naming
 the alternatives (plain averaging, or :class:`~sparsecomm.DistributedOptimizer`).
 
 **Settings**: building the state is a collective: every worker checks that every worker built it with
 the same settings (method, compressor, their hyper-parameters, transport and options, ``warmup_steps``,
-``seed``, ``min_compress_size``, ...: :func:`sparsecomm.settings.agree`) and raises
+``seed``, ``min_compress_size``, ...: :func:`sparsecomm.pipeline.settings.agree`) and raises
 :class:`~sparsecomm.errors.MismatchError` naming the first that differs, with both values and both
 workers.
 
@@ -59,7 +59,8 @@ The method state is keyed by the *parameters* (their names, known when the state
 :func:`register` or given ``model=``; else by ``bucket.index()``): DDP rebuilds its buckets after the
 first step (also after a restore into a fresh process), so nothing may depend on the layout. A
 one-round method whose payloads concatenate (``dense``, ``aligned``, ``sparse``: EF, EF21, DIANA, DGC
-around top-k, rand-k, ...) runs *per parameter* (:attr:`CommPipeline.per_parameter`): each
+around top-k, rand-k, ...) runs *per parameter* (:attr:`CommPipeline.per_parameter
+<sparsecomm.pipeline.core.CommPipeline.per_parameter>`): each
 parameter has its own state, its own compressor generator (seeded from ``seed`` and its name) and
 its own constants (rand-k's ``k``, DIANA's ``alpha``), the parameters' payloads travel concatenated as
 the bucket's one message, and the aggregate is decoded slice by slice. **Promise**: the numbers do not depend on the bucket layout, so a
@@ -68,7 +69,8 @@ uninterrupted run whenever the transport's per-element sum does not depend on th
 (allgather: rank order; any transport at 2 workers), as ``test_hook_resume_diana_randk_any_layout``
 checks. Other methods (several rounds, quantized payloads: PowerSGD, the sign methods) keep one state
 per bucket, keyed by a digest of its parameters' names, with their segments and shapes recorded
-(:meth:`CommPipeline.bind`): a state restored onto another layout is split into one piece per
+(:meth:`StateStore.bind <sparsecomm.pipeline.states.StateStore.bind>`): a state restored onto another
+layout is split into one piece per
 parameter and rejoined, as the method declares its state splits
 (:meth:`~sparsecomm.methods.base.Method.state_sizes`: per coordinate by default; PowerSGD's warm-start
 Q per matrix), so it is reassembled exactly. **PowerSGD's resume** is bit-identical to the
@@ -99,19 +101,19 @@ over the default process group (only the default group is supported); the defaul
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from . import step_size
 from .deprecation import warn_renamed
 from .errors import IncompatibleError, InvalidTypeError, InvalidValueError
 from .fabric.stats import CommStats
 from .pipeline import CommPipeline
+from .pipeline import step_size
+from .pipeline.scheduler import HookScheduler, sparse_message
+from .pipeline.settings import agree
 from .replicas import VERIFY_EVERY, check_verify_every, verify_replicas
-from .settings import agree
 from .transports.base import CommWork
 
 _HYPER = ("compressor", "transport", "method", "transport_kwargs", "warmup_steps", "min_compress_size",
@@ -128,8 +130,7 @@ def _torch_fabric(process_group: Any) -> Any:
 
     ctx = current_context()
     workers = ctx.fabric.native_group if ctx is not None else None
-    if process_group is not None and process_group is not dist.group.WORLD and \
-            process_group != dist.distributed_c10d._get_default_group() and process_group is not workers:
+    if process_group is not None and process_group is not dist.group.WORLD and process_group is not workers:
         raise NotImplementedError("sparsecomm's DDP hook runs over the default process group or, under "
                                   "sparsecomm.launch, the workers' group (ctx.fabric.native_group) only "
                                   "(TorchFabric); pass process_group=None")
@@ -141,7 +142,7 @@ def _torch_fabric(process_group: Any) -> Any:
 class CommHookState:
     """Per-worker state of :func:`comm_hook` (see the module doc).
 
-    ``CommHookState(process_group=None, compressor="none", transport="auto", *, method=None,
+    ``CommHookState(process_group=None, compressor=None, transport="auto", *, method=None,
     transport_kwargs=None, warmup_steps=0, min_compress_size=0, seed=0, model=None,
     sparse_rows="gather", verify_replicas_every=VERIFY_EVERY, **hyper)``;
     ``model`` (the DDP module) names the parameters that key the method state (and those the replica
@@ -150,11 +151,14 @@ class CommHookState:
     first parameter that differs, :func:`sparsecomm.replicas.verify_replicas`; 0 turns it off);
     ``compressor``,
     ``method``, ``transport`` and ``**hyper`` as for :class:`~sparsecomm.DistributedOptimizer`
-    (objects are accepted but then the state cannot be pickled and rebuilt).
+    (objects are accepted but then the state cannot be pickled and rebuilt). It owns the
+    :class:`~sparsecomm.pipeline.core.CommPipeline` (:attr:`pipeline`) and the
+    :class:`~sparsecomm.pipeline.scheduler.HookScheduler` that runs DDP's buckets through it
+    (:attr:`scheduler`).
     """
 
-    def __init__(self, process_group: Any = None, compressor: Any = "none", transport: Any = "auto", *,
-                 method: str | None = None, transport_kwargs: dict | None = None, warmup_steps: int = 0,
+    def __init__(self, process_group: Any = None, compressor: Any = None, transport: Any = "auto", *,
+                 method: Any = None, transport_kwargs: dict | None = None, warmup_steps: int = 0,
                  min_compress_size: int = 0, seed: int = 0, model: torch.nn.Module | None = None,
                  sparse_rows: str = "gather", verify_replicas_every: int = VERIFY_EVERY, **hyper: Any) -> None:
         if warmup_steps < 0 or min_compress_size < 0:
@@ -172,18 +176,22 @@ class CommHookState:
         self.hyper = dict(hyper)
         # binding (never pickled)
         self.process_group = process_group
-        self.pipeline = self._build()
-        self._agree()
-        self.param_names: dict[int, str] = {}
-        self._checked: list[tuple[str, torch.Tensor]] = []     # what the replica guard compares
+        self._bind()
         if model is not None:
             self.set_model(model)
         if self.pipeline.rank == 0:
             step_size.check(self.step_size_hint, [], "state.step_size_hint")
-        # internal state
-        #: steps (DDP iterations: backward passes) the hook has completed
-        self.steps = 0
-        self._iter_started = False
+
+    def _bind(self) -> None:
+        """Build the pipeline and its scheduler (at construction and at unpickling: a collective, the
+        settings agreement included)."""
+        self.pipeline = CommPipeline(self.compressor, self.transport, method=self.method,
+                                     transport_kwargs=self.transport_kwargs or None,
+                                     fabric=_torch_fabric(self.process_group), seed=self.seed,
+                                     warmup_steps=self.warmup_steps, sparse_rows=self.sparse_rows, **self.hyper)
+        self._agree()
+        self.scheduler = HookScheduler(self.pipeline, self.min_compress_size, self._verify)
+        self._checked: list[tuple[str, torch.Tensor]] = []     # what the replica guard compares
         #: the library error that failed a bucket's communication (DDP's backward re-raises it as a
         #: ``RuntimeError`` whose text names it: torch's C++ layer keeps only the text), else None
         self.error: BaseException | None = None
@@ -191,43 +199,42 @@ class CommHookState:
     def set_model(self, model: torch.nn.Module) -> None:
         """Key the method state by the names of ``model``'s parameters (see the module doc); the replica
         guard checks its parameters that require grad."""
-        self.param_names = {id(p): n for n, p in model.named_parameters()}
+        self.scheduler.names = {id(p): n for n, p in model.named_parameters()}
         self._checked = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
     @property
+    def param_names(self) -> dict[int, str]:
+        """Parameter id -> name, the names that key the method state (:meth:`set_model`)."""
+        return self.scheduler.names
+
+    @property
+    def steps(self) -> int:
+        """Steps (DDP iterations: backward passes) the hook has completed."""
+        return self.scheduler.steps
+
+    @property
     def step_size_hint(self) -> step_size.StepSizeHint:
-        """What theory says about the step size of this method (:mod:`sparsecomm.step_size`), at the sizes
-        of the model's parameters (:meth:`set_model`; unknown without it)."""
+        """What theory says about the step size of this method (:mod:`sparsecomm.pipeline.step_size`), at
+        the sizes of the model's parameters (:meth:`set_model`; unknown without it)."""
         sizes = [p.numel() for _, p in self._checked if p.numel() >= self.min_compress_size]
         return step_size.hint(self.pipeline.method, self.pipeline.world_size, sizes)
 
     def bucket_key(self, params: list[torch.Tensor], index: int) -> Any:
         """The state key of a bucket holding ``params``: a digest of their names (else the index)."""
-        names = [self.param_names.get(id(p)) for p in params]
-        if not params or any(n is None for n in names):
-            if self.pipeline._segments or any(isinstance(k, tuple) and k[:1] == ("param",)
-                                              for k in self.pipeline.keys()):
-                from .errors import MismatchError
-
-                raise MismatchError("this hook state holds method state keyed by parameter names but does "
-                                    "not know the model's names: call state.set_model(ddp_model) after "
-                                    "unpickling it or building it without model=")
-            return index
-        return "p:" + hashlib.blake2b("\x00".join(names).encode(), digest_size=8).hexdigest()
+        return self.scheduler.key(params, index)
 
     def _agree(self) -> None:
         """Check, on every worker, that every worker built its hook state with the same settings
-        (:func:`sparsecomm.settings.agree`: a collective, at construction and at unpickling)."""
+        (:func:`sparsecomm.pipeline.settings.agree`: a collective, at construction and at unpickling)."""
         agree(self.pipeline.fabric, "sparsecomm.ddp hook state", self.pipeline.settings() + [
             ("min_compress_size", repr(self.min_compress_size)),
             ("verify_replicas_every", repr(self.verify_replicas_every))])
 
-    def _build(self) -> CommPipeline:
-        return CommPipeline(self.compressor, self.transport, method=self.method,
-                            transport_kwargs=self.transport_kwargs or None,
-                            fabric=_torch_fabric(self.process_group), seed=self.seed,
-                            warmup_steps=self.warmup_steps,
-                            sparse_rows=getattr(self, "sparse_rows", "gather"), **self.hyper)
+    def _verify(self, steps: int) -> None:
+        """The replica guard, at the start of every ``verify_replicas_every``-th step."""
+        every = self.verify_replicas_every
+        if every and steps and steps % every == 0 and self._checked:
+            verify_replicas(self.pipeline.fabric, self._checked, when=f"at step {steps}")
 
     # ---------------------------------------------------------------- accessors
     @property
@@ -244,9 +251,9 @@ class CommHookState:
     def compression_stats(self) -> dict[str, float]:
         """Cumulative bytes before/after compression and their ``compression_factor`` (declared), the
         transport's counters with the factor measured on the wire (``compression_factor_sent``,
-        ``sent_over_declared``: :meth:`~sparsecomm.compression_stats.CompressionStats.as_dict`), and
+        ``sent_over_declared``: :meth:`~sparsecomm.pipeline.accounting.CompressionStats.as_dict`), and
         ``steps``, as the optimizer's (``iterations``: its deprecated name)."""
-        d = self.pipeline.totals().as_dict()
+        d = self.pipeline.stats.as_dict()
         d["steps"] = self.steps
         return d
 
@@ -259,59 +266,17 @@ class CommHookState:
     def start_bucket(self, buffer: torch.Tensor, index: int, is_last: bool,
                      params: list[torch.Tensor] | None = None, shapes: Any = None) -> CommWork:
         """Encode the bucket now and start its communication; ``wait()`` gives the average, shaped
-        and typed as ``buffer`` (a sparse buffer gives the coalesced sparse average)."""
-        if not self._iter_started:
-            every = self.verify_replicas_every
-            if every and self.steps and self.steps % every == 0 and self._checked:
-                verify_replicas(self.pipeline.fabric, self._checked, when=f"at step {self.steps}")
-            self.pipeline.begin_step()
-            self._iter_started = True
-        try:
-            if buffer.is_sparse:
-                return self._start_sparse(buffer, index, params)
-            flat = buffer.reshape(-1)
-            compress = self.steps >= 1 and flat.numel() >= self.min_compress_size
-            key, segments = index, None
-            pipe = self.pipeline
-            if params is not None and compress and (pipe.per_parameter or pipe.method.State is not None):
-                # method state to key by the parameters (a stateless bucket-wide round keeps the index)
-                key = self.bucket_key(params, index)
-                if key != index:
-                    segs = tuple((self.param_names[id(p)], p.numel()) for p in params)
-                    if self.pipeline.per_parameter:
-                        segments = segs          # state, generator and step per parameter
-                    else:
-                        self.pipeline.bind(key, segs, [p.shape for p in params])
-            shape, dtype = buffer.shape, buffer.dtype
-            inner = self.pipeline.start(flat, key, compress=compress, shapes=shapes,
-                                        segments=segments)
-            if buffer.dim() == 1:        # DDP's buckets: the estimate has the buffer's shape and dtype
-                inner.add_done_callback(self._note_error)
-                return inner
-            work = CommWork()
-            inner.add_done_callback(lambda w: work._finish(*self._reshaped(w, shape, dtype)))
-            return work
-        finally:
-            if is_last:
-                self.steps += 1
-                self._iter_started = False
+        and typed as ``buffer`` (a sparse buffer gives the coalesced sparse average):
+        :meth:`HookScheduler.start <sparsecomm.pipeline.scheduler.HookScheduler.start>`."""
+        work = self.scheduler.start(buffer, index, is_last, params, shapes)
+        work.add_done_callback(self._note_error)
+        return work
 
     def _note_error(self, w: CommWork) -> None:
-        if w._exc is not None:
-            self.error = w._exc
-
-    def _reshaped(self, w: CommWork, shape: torch.Size, dtype: torch.dtype) -> tuple[Any, BaseException | None]:
-        self._note_error(w)
-        if w._exc is not None:
-            return None, w._exc
-        return w._value.to(dtype).reshape(shape), None
-
-    def _start_sparse(self, buffer: torch.Tensor, index: int, params: list[torch.Tensor] | None) -> CommWork:
-        pipe = self.pipeline
-        if not pipe._plain:
-            raise IncompatibleError(sparse_message(self))
-
-        return pipe.start_sparse(buffer, buffer.shape, index)
+        try:
+            w.wait()
+        except BaseException as e:  # noqa: BLE001 - the work's own error, kept for the hook's report
+            self.error = e
 
     # ---------------------------------------------------------------- checkpoints / pickling
     def state_dict(self) -> dict[str, Any]:
@@ -319,34 +284,18 @@ class CommHookState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.pipeline.load_state_dict(state["pipeline"])
-        self.steps = int(state["steps"] if "steps" in state else state["iter"])   # ("iter": older checkpoints)
-        self._iter_started = False
+        self.scheduler.restart(int(state["steps"] if "steps" in state else state["iter"]))  # ("iter": older)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"hyper": {k: getattr(self, k) for k in _HYPER}, "state": self.state_dict()}
 
     def __setstate__(self, d: dict[str, Any]) -> None:
-        self.verify_replicas_every = VERIFY_EVERY
+        self.verify_replicas_every, self.sparse_rows = VERIFY_EVERY, "gather"   # (states pickled before them)
         for k, v in d["hyper"].items():
             setattr(self, k, v)
         self.process_group = None          # rebinds to the default process group
-        self.pipeline = self._build()
-        self._agree()
-        self.param_names, self._checked = {}, []
-        self.error = None
+        self._bind()
         self.load_state_dict(d["state"])
-
-
-
-
-def sparse_message(state: CommHookState) -> str:
-    t = state.pipeline.transport.name
-    return (f"sparsecomm's DDP hook got a sparse gradient bucket (nn.Embedding(sparse=True)), which it "
-            f"averages only plainly (compressor='none'); this hook has method "
-            f"{state.pipeline.method.name!r} with compressor {getattr(state.pipeline.method.compressor, 'name', '?')!r} "
-            f"on transport {t!r}. Use sparsecomm.ddp.register(model, compressor='none', "
-            f"transport='omnireduce'), sparse=False embeddings, or sc.DistributedOptimizer (which "
-            f"averages sparse gradients with any method and returns them sparse)")
 
 
 def comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -397,8 +346,7 @@ def register(model: torch.nn.parallel.DistributedDataParallel, process_group: An
     state = CommHookState(process_group, model=model, **options)
     sparse = [n for n, m in model.named_modules()
               if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse]
-    pipe = state.pipeline
-    if sparse and not pipe._plain:
-        raise IncompatibleError(sparse_message(state) + f" (sparse modules: {', '.join(sparse)})")
+    if sparse and not state.pipeline.plain:
+        raise IncompatibleError(sparse_message(state.pipeline) + f" (sparse modules: {', '.join(sparse)})")
     model.register_comm_hook(state, comm_hook)
     return state

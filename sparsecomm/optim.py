@@ -40,7 +40,8 @@ times on every worker, which holds for SGD/Adam-style optimizers).
 **Overlap** (``overlap=True``, the default). As Horovod does, a hook on every parameter's gradient
 accumulator (``register_post_accumulate_grad_hook``) counts the gradients as backward produces them;
 once every parameter of a bucket has its gradient (``backward_passes_per_step`` accumulations each),
-the bucket is gathered, encoded and *started* (:meth:`CommPipeline.start`): its communication runs on
+the bucket is gathered, encoded and *started* (:meth:`CommPipeline.start
+<sparsecomm.pipeline.core.CommPipeline.start>`): its communication runs on
 the fabric's communication thread while backward goes on. Buckets are started in one fixed order, the
 reverse of the layout (backward produces the last layers first), and a bucket waits for the ones before
 it in that order, so every worker submits the same calls in the same order (no negotiation needed);
@@ -54,7 +55,7 @@ gradients are sparse). Do not change ``p.grad`` between ``backward`` and ``step(
 **Sparse gradients.** At the first synchronisation the workers agree (one tiny all-reduce) on the
 parameters whose gradient is a ``torch.sparse_coo`` tensor (``nn.Embedding(sparse=True)``); each gets a
 bucket of its own. With plain averaging (``compressor="none"``) the table is never densified
-(:meth:`CommPipeline.start_sparse`: ``sparse_rows="gather"``, the default, gathers every worker's rows
+(:class:`~sparsecomm.pipeline.sparse_rows.SparseRows`: ``sparse_rows="gather"``, the default, gathers every worker's rows
 and values once, as gloo's sparse allreduce, and coalesces them; ``sparse_rows="transport"`` takes the
 union of the rows through the transport, then sums the union's rows with it) and ``p.grad`` comes
 back as a coalesced sparse tensor over the union of the rows, as DDP's sparse allreduce gives it (so
@@ -65,7 +66,7 @@ sparse (the rows whose estimate is non-zero).
 **Settings.** At construction every worker checks that every worker was built with the same settings
 (the method, the compressor and their hyper-parameters, the transport and ``transport_kwargs``,
 ``warmup_steps``, ``seed``, ``nonfinite``, ``sparse_rows``, ``bucket_cap_mb``, ``min_compress_size``,
-``init_sync``, ``verify_replicas_every``: :func:`sparsecomm.settings.agree`, a digest per worker): a
+``init_sync``, ``verify_replicas_every``: :func:`sparsecomm.pipeline.settings.agree`, a digest per worker): a
 difference raises :class:`~sparsecomm.errors.MismatchError` on every worker, naming the first setting
 that differs with both values and both workers (``ratio of compressor 'randk' is 0.25 on worker 0 and
 0.1 on worker 1``).
@@ -81,27 +82,30 @@ on every worker, naming the first parameter that differs (by its name in ``modul
 place in ``param_groups``), so that replicas that drift apart stop the run instead of training on
 silently.
 
-**Non-finite gradients.** ``nonfinite="raise"`` (default) or ``"pass"``: see :mod:`sparsecomm.pipeline`.
+**Non-finite gradients.** ``nonfinite="raise"`` (default) or ``"pass"``: see :mod:`sparsecomm.pipeline.nonfinite`.
 
-**Compressor / method.** ``compressor=`` is a method name (``sc.methods.available()``: builds that
-method with its default compressor), a compressor name (``sc.compressors.available()``: builds method
-``method=`` around it, ``"none"`` by default), a ``Compressor`` or a ``Method`` object. Further
-keyword arguments are hyper-parameters of the method/compressor (a keyword neither takes raises
+**Compressor / method.** ``compressor=`` takes compressors: a name (``sc.compressors.available()``)
+or a ``Compressor`` object; ``method=`` takes methods: a name (``sc.methods.available()``, ``"none"``
+by default) built around the compressor (its default compressor when none is given) or a ``Method``
+object (with its own compressor). The flat form of command lines, ``compressor=<method name>``, builds
+that method with its default compressor (:func:`sparsecomm.methods.build`). Further keyword arguments
+are hyper-parameters of the method/compressor (a keyword neither takes raises
 :class:`~sparsecomm.errors.HyperParameterError` naming both parameter lists)::
 
     DistributedOptimizer(inner, compressor="topk", ratio=0.01)                 # none + top-k
     DistributedOptimizer(inner, compressor="topk", method="ef", ratio=0.01)    # EF + top-k
-    DistributedOptimizer(inner, compressor="diana", ratio=0.01, alpha=0.05)    # DIANA + rand-k
-    DistributedOptimizer(inner, compressor=sc.methods.get("ef21", compressor="topk", ratio=0.01))
+    DistributedOptimizer(inner, compressor="diana", ratio=0.01, alpha=0.05)    # DIANA + rand-k (flat form)
+    DistributedOptimizer(inner, method="diana", ratio=0.01, alpha=0.05)        # the same
+    DistributedOptimizer(inner, method=sc.methods.get("ef21", compressor="topk", ratio=0.01))
     DistributedOptimizer(inner, compressor=sc.compressors.randk(ratio=0.01), method="diana")   # typed
-    DistributedOptimizer(inner, compressor=sc.methods.ef21(sc.compressors.topk(ratio=0.01)))
+    DistributedOptimizer(inner, method=sc.methods.ef21(sc.compressors.topk(ratio=0.01)))
 
 ``transport=`` is a transport name (hyper-parameters in ``transport_kwargs=``; a transport that
 takes ``inplace`` gets ``inplace=True`` unless told otherwise, since the buckets are scratch), a
 ``Transport`` object, or ``"auto"`` (the first of ring, omnireduce, switch, allgather that carries the payload;
 ``native`` for dense payloads on a torch.distributed fabric; allgather first for scattered ``sparse``
 payloads such as top-k, and for natural compression while ``n < 64/9``, where it ships fewer bytes:
-see :func:`sparsecomm.resolve._auto_transport`). An invalid compressor x transport pair
+see :mod:`sparsecomm.pipeline.resolve`). An invalid compressor x transport pair
 (top-k's worker-specific indices on ``ring``) raises :class:`~sparsecomm.errors.IncompatibleError`
 at construction, naming the pair, the transports that would carry it and the compressors the
 transport would carry. ``fabric=`` defaults to the one :func:`sparsecomm.launch` set up
@@ -117,10 +121,10 @@ the compressor, seeded ``seed`` on every worker when the compressor declares ``s
 (so shared-seed rand-k draws the same coordinates everywhere and advances identically), else
 ``seed + rank``.
 
-**Step size.** ``opt.step_size_hint`` (:mod:`sparsecomm.step_size`): the method's variance factor
+**Step size.** ``opt.step_size_hint`` (:mod:`sparsecomm.pipeline.step_size`): the method's variance factor
 (omega or delta at the compressed buckets' sizes) and the scale theory puts on a learning rate that
 suits uncompressed training (DIANA: 1/(1 + 6 omega/n)); rank 0 warns once at construction
-(:class:`~sparsecomm.step_size.StepSizeWarning`) where that scale is below 1/4 for a method whose
+(:class:`~sparsecomm.pipeline.step_size.StepSizeWarning`) where that scale is below 1/4 for a method whose
 step bound carries omega.
 
 **Logging.** ``last_stats``: the last synchronisation's :class:`~sparsecomm.fabric.stats.CommStats`
@@ -129,7 +133,7 @@ cumulative bytes before (dense) and after (declared payload bits) compression an
 ``compression_factor``, next to the bytes the transport's ledger counted (``bytes_sent``), what it would
 count if payloads travelled as declared (``bytes_declared_sent``), their quotient ``sent_over_declared``
 and the compression factor measured on the wire (``compression_factor_sent``); see
-:class:`~sparsecomm.compression_stats.CompressionStats`.
+:class:`~sparsecomm.pipeline.accounting.CompressionStats`.
 
 **Checkpoints.** ``state_dict()`` is the inner optimizer's plus a ``"sparsecomm"`` entry: the method
 state (per worker: EF residuals, DIANA's h_i), the step counter, the generator state, the bucket
@@ -141,7 +145,8 @@ optimizer's state (the method then starts afresh, as DeepSpeed does for its erro
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -150,31 +155,29 @@ from .errors import InvalidTypeError, InvalidValueError, MismatchError, SparseCo
 from .fabric.base import Fabric
 from .fabric.stats import CommStats
 from .methods.base import Method
-from .bucket_rounds import BucketRounds
-from . import step_size
-from .buckets import Bucket as _Bucket, layout as _bucket_layout
-from .compression_stats import CompressionStats
-from .pipeline import CommPipeline
-# the builders, re-exported: ``sparsecomm.optim.check_pair`` etc. are documented names
-from .resolve import AUTO_ORDER, build_transport, check_pair, default_fabric
-from .transports.base import CommWork, Transport
+from .pipeline import CommPipeline, step_size
+from .pipeline.buckets import layout as bucket_layout
+from .pipeline.scheduler import BucketScheduler
+from .pipeline.settings import agree
+from .transports.base import Transport
 from .replicas import VERIFY_EVERY, check_verify_every, sync_replicas, verify_replicas
-from .settings import agree
 
-__all__ = ["DistributedOptimizer", "AUTO_ORDER", "CompressionStats", "build_transport", "check_pair",
-           "default_fabric"]
+__all__ = ["DistributedOptimizer"]
 
 # ============================================================================ the optimizer
 _CLASSES: dict[type, type] = {}
 
 
-class DistributedOptimizer(BucketRounds):
+class DistributedOptimizer:
     """Wrap a torch optimizer so that ``step()`` averages (compressed) gradients first; see the module doc.
 
-    ``DistributedOptimizer(inner, compressor="none", transport="auto", *, method=None,
+    ``DistributedOptimizer(inner, compressor=None, transport="auto", *, method=None,
     transport_kwargs=None, fabric=None, bucket_cap_mb=25, warmup_steps=0, min_compress_size=0,
     seed=0, overlap=True, backward_passes_per_step=1, init_sync="broadcast", module=None,
     nonfinite="raise", sparse_rows="gather", verify_replicas_every=VERIFY_EVERY, **hyper)``
+
+    It owns a :class:`~sparsecomm.pipeline.core.CommPipeline` (method + transport) and the
+    :class:`~sparsecomm.pipeline.scheduler.BucketScheduler` that runs its buckets through it.
     """
 
     def __new__(cls, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any):
@@ -190,8 +193,8 @@ class DistributedOptimizer(BucketRounds):
             _CLASSES[base] = sub
         return object.__new__(sub)
 
-    def __init__(self, optimizer: torch.optim.Optimizer, compressor: str | Compressor | Method = "none",
-                 transport: str | Transport = "auto", *, method: str | None = None,
+    def __init__(self, optimizer: torch.optim.Optimizer, compressor: str | Compressor | None = None,
+                 transport: str | Transport = "auto", *, method: str | Method | None = None,
                  transport_kwargs: dict | None = None, fabric: Fabric | None = None,
                  bucket_cap_mb: float = 25.0, warmup_steps: int = 0, min_compress_size: int = 0,
                  seed: int = 0, overlap: bool = True, backward_passes_per_step: int = 1,
@@ -218,26 +221,13 @@ class DistributedOptimizer(BucketRounds):
                                          transport_kwargs=transport_kwargs, fabric=fabric, seed=seed,
                                          nonfinite=nonfinite, sparse_rows=sparse_rows,
                                          warmup_steps=warmup_steps, **hyper)
-        self._sc_cap_bytes = int(bucket_cap_mb * 2 ** 20)
-        self._sc_min_compress = int(min_compress_size)
-        self._sc_steps = 0
-        self._sc_synced = False
+        cap_bytes = int(bucket_cap_mb * 2 ** 20)
+        self._sc_scheduler = BucketScheduler(self._sc_pipeline, self, cap_bytes, int(min_compress_size),
+                                             bool(overlap), int(backward_passes_per_step))
         self._sc_skip = False
-        self._sc_buckets: list[_Bucket] | None = None
-        self._sc_param_ids: tuple[int, ...] = ()
-        self._sc_overlap = bool(overlap)
-        self._sc_passes = int(backward_passes_per_step)
-        self._sc_sparse: frozenset[int] | None = None       # ids of params with sparse grads (agreed)
-        self._sc_order: list[_Bucket] = []                  # start order: the layout reversed
-        self._sc_next = 0                                   # next bucket to start in that order
-        self._sc_works: list[tuple[_Bucket, CommWork]] = []
-        self._sc_fired: dict[int, int] = {}
-        self._sc_bucket_of: dict[int, _Bucket] = {}
-        self._sc_hooks: list[Any] = []
-        self._sc_in_step = False
         self._sc_verify_every = check_verify_every(verify_replicas_every)
         self._sc_names = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
-        compressed = [b.numel for b in _bucket_layout(self._trainable(), self._sc_cap_bytes, self._sc_min_compress)
+        compressed = [b.numel for b in bucket_layout(self._sc_scheduler.params(), cap_bytes, int(min_compress_size))
                       if b.compress]
         self._sc_step_hint = step_size.hint(self.method, self._sc_pipeline.world_size, compressed)
         if self._sc_pipeline.rank == 0:
@@ -260,15 +250,15 @@ class DistributedOptimizer(BucketRounds):
 
     @property
     def method_states(self) -> dict:
-        """The method's state of every bucket (key -> :class:`~sparsecomm.methods.base.MethodState`;
+        """The method's state of every bucket (key -> :class:`~sparsecomm.methods.state.MethodState`;
         ``.state`` is the typed state: EF's error, DIANA's shifts); the method object holds none."""
-        return self._sc_pipeline.states
+        return self._sc_pipeline.states.by_key
 
     @property
     def step_size_hint(self) -> step_size.StepSizeHint:
         """What theory says about the step size of this method, at the sizes of the compressed buckets
-        (:mod:`sparsecomm.step_size`): its variance factor and the scale on a learning rate that suits
-        uncompressed training."""
+        (:mod:`sparsecomm.pipeline.step_size`): its variance factor and the scale on a learning rate that
+        suits uncompressed training."""
         return self._sc_step_hint
 
     @property
@@ -287,7 +277,7 @@ class DistributedOptimizer(BucketRounds):
     @property
     def sync_steps(self) -> int:
         """Number of synchronisations so far (the warm-up counter)."""
-        return self._sc_steps
+        return self._sc_scheduler.steps
 
     def compression_stats(self) -> dict[str, float]:
         """Cumulative ``bytes_dense`` (before), ``bytes_payload`` (after, as declared by the
@@ -295,34 +285,52 @@ class DistributedOptimizer(BucketRounds):
         ``bytes_sent``/``bytes_received``/``messages`` (and ``modelled_time_s`` on SimFabric), per
         worker; next to them the declared bytes scaled to the transport (``bytes_declared_sent``),
         ``sent_over_declared`` and the factor measured on the wire (``compression_factor_sent``), and
-        ``steps``: see :meth:`CompressionStats.as_dict`."""
-        d = self._sc_pipeline.totals().as_dict()
-        d["steps"] = self._sc_steps
+        ``steps``: see :meth:`CompressionStats.as_dict
+        <sparsecomm.pipeline.accounting.CompressionStats.as_dict>`."""
+        d = self._sc_pipeline.stats.as_dict()
+        d["steps"] = self._sc_scheduler.steps
         return d
 
     def buckets(self) -> list[dict[str, Any]]:
         """The bucket layout: key, numel, dtype, whether compressed, and the parameters' indices."""
-        index = {id(p): i for i, p in enumerate(self._trainable())}
+        index = {id(p): i for i, p in enumerate(self._sc_scheduler.params())}
         return [{"key": b.key, "numel": b.numel, "dtype": b.dtype, "compress": b.compress,
-                 "params": [index[id(p)] for p in b.params]} for b in self._layout()]
+                 "params": [index[id(p)] for p in b.params]} for b in self._sc_scheduler.layout()]
+
+    # ------------------------------------------------------------------ steps
+    def synchronize(self) -> None:
+        """Average the gradients over workers now: start the buckets not started yet (in the fixed
+        order) and wait for all of them (:meth:`BucketScheduler.synchronize
+        <sparsecomm.pipeline.scheduler.BucketScheduler.synchronize>`)."""
+        self._sc_scheduler.synchronize()
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Horovod's pattern: ``synchronize(); clip(...); with opt.skip_synchronize(): opt.step()``."""
+        self._sc_skip = True
+        try:
+            yield
+        finally:
+            self._sc_skip = False
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        sched = self._sc_scheduler
         if closure is not None:
             def synced() -> Any:
                 loss = closure()
                 self.synchronize()
                 return loss
 
-            self._sc_synced = False
+            sched.synced = False
             try:
                 loss = super().step(synced)  # type: ignore[misc]
             finally:
                 self._sc_mark_inner_called()
             self._sc_verify()
             return loss
-        if not (self._sc_synced or self._sc_skip):
+        if not (sched.synced or self._sc_skip):
             self.synchronize()
-        self._sc_synced = False
+        sched.synced = False
         try:
             out = super().step()  # type: ignore[misc]
         finally:
@@ -332,12 +340,12 @@ class DistributedOptimizer(BucketRounds):
 
     def _sc_verify(self) -> None:
         """The replica guard (``verify_replicas_every``), after the inner step of every N-th step."""
-        every = self._sc_verify_every
-        if every and self._sc_steps and self._sc_steps % every == 0:
+        every, steps = self._sc_verify_every, self._sc_scheduler.steps
+        if every and steps and steps % every == 0:
             named = [(self._sc_names.get(id(p), f"param_groups[{g}]['params'][{i}]"), p)
                      for g, group in enumerate(self.param_groups) for i, p in enumerate(group["params"])
                      if p.requires_grad]
-            verify_replicas(self._sc_pipeline.fabric, named, when=f"after step {self._sc_steps}")
+            verify_replicas(self._sc_pipeline.fabric, named, when=f"after step {steps}")
 
     def _sc_mark_inner_called(self) -> None:
         # an LR scheduler attached to the inner optimizer before wrapping watches the inner's step
@@ -347,43 +355,28 @@ class DistributedOptimizer(BucketRounds):
     step.hooked = True  # type: ignore[attr-defined]  # torch must not wrap it again (hooks run in the inner step)
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
-        if self._sc_works:
-            raise SparseCommError(
-                f"zero_grad() with {len(self._sc_works)} bucket(s) in flight (started by backward): call "
-                f"step() or synchronize() first, so that every worker completes the same rounds")
-        self._sc_fired = {}
-        for b in self._sc_order:
-            b.ready = 0
-        self._sc_synced = False
+        self._sc_scheduler.clear_ready()
         super().zero_grad(set_to_none)  # type: ignore[misc]
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         sd = super().state_dict()  # type: ignore[misc]
-        layout = [(b.numel, str(b.dtype), b.compress) for b in self._layout()]
-        sparse = None if self._sc_sparse is None else \
-            [i for i, p in enumerate(self._trainable()) if id(p) in self._sc_sparse]
-        sd["sparsecomm"] = {**self._sc_pipeline.state_dict(), "steps": self._sc_steps, "layout": layout,
-                            "sparse": sparse}
+        sched = self._sc_scheduler
+        sd["sparsecomm"] = {**self._sc_pipeline.state_dict(), "steps": sched.steps, "layout": sched.signature(),
+                            "sparse": sched.sparse_indices()}
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         state_dict = dict(state_dict)
         extra = state_dict.pop("sparsecomm", None)
-        if self._sc_works:
+        sched = self._sc_scheduler
+        if sched.in_flight:
             raise SparseCommError("load_state_dict() with buckets in flight: call step() or synchronize() first")
-        params = self._layout() and self._trainable()
+        sched.layout()
         if extra is not None and extra.get("sparse") is not None:
             # the sparse-gradient buckets the checkpoint was taken with (agreed at its first step)
-            idx = extra["sparse"]
-            if any(not 0 <= i < len(params) for i in idx):
-                raise MismatchError(f"the checkpoint's sparse-gradient parameters {idx} do not exist here "
-                                    f"({len(params)} parameters)")
-            want = frozenset(id(params[i]) for i in idx)
-            if want != (self._sc_sparse or frozenset()) or self._sc_sparse is None:
-                self._sc_sparse = want
-                self._build_layout(params)
-        layout = [(b.numel, str(b.dtype), b.compress) for b in self._layout()]
+            sched.restore_sparse(extra["sparse"])
+        layout = sched.signature()
         if extra is not None and [tuple(x) for x in extra.get("layout", [])] != layout:
             raise MismatchError(f"the checkpoint's bucket layout {extra.get('layout')} differs from this "
                                 f"optimizer's {layout} (other parameters, bucket_cap_mb or "
@@ -393,11 +386,11 @@ class DistributedOptimizer(BucketRounds):
         # (an LR scheduler attached to it before wrapping must see the loaded groups)
         self._sc_inner.__dict__.update(state=self.state, param_groups=self.param_groups)
         if extra is None:
-            self._sc_pipeline.reset_states()
+            self._sc_pipeline.states.reset()
             return
         self._sc_pipeline.load_state_dict(extra)
-        self._sc_steps = int(extra.get("steps", 0))
-        self._sc_synced = False
+        sched.steps = int(extra.get("steps", 0))
+        sched.synced = False
 
     def __repr__(self) -> str:
         inner = super().__repr__()  # type: ignore[misc]

@@ -142,9 +142,9 @@ def grace_root(path: str, tmp: str) -> tuple[Path | None, str]:
 def grace_pairs(ratio: float, thr: float) -> list:
     """(GRACE module, its class, its keywords, this library's label, this library's operator: a
     Compressor, or a Method whose encode is timed with its operator's decompress)."""
-    from sparsecomm.methods.dgc import SampledTopK
-    from sparsecomm.methods.onebit import OneBit
-    from sparsecomm.methods.signsgd import VoteSign
+    from sparsecomm.compressors.onebit import OneBit
+    from sparsecomm.compressors.sampled_topk import SampledTopK
+    from sparsecomm.compressors.vote import VoteSign
     from sparsecomm.theory import compressors as th
 
     C = sc.compressors
@@ -171,7 +171,8 @@ def ours(op, x: torch.Tensor):
     """This library's compress + decompress of ``x`` (a method: its encode, then its operator's decompress)."""
     g = torch.Generator().manual_seed(1)
     if isinstance(op, sc.methods.Method):
-        return lambda: op.compressor.decompress(op.encode(x, 0, g))
+        st = op.init(x.numel(), x.dtype, x.device)
+        return lambda: op.compressor.decompress(op.encode(x, st, g)[0])
     return lambda: op.decompress(op.compress(x, g))
 
 

@@ -3,7 +3,7 @@
 A :class:`RunConfig` names a task, a compressor, a method and a transport (each a registered name,
 with hyper-parameters), the workers and the network. :func:`validate` builds the method and looks the
 transport up exactly as :class:`sparsecomm.DistributedOptimizer` will, with the library's own checks
-(:func:`sparsecomm.methods.build`, :func:`sparsecomm.resolve.check_pair`), so an unknown name or an
+(:func:`sparsecomm.methods.build`, :func:`sparsecomm.pipeline.resolve.check_pair`), so an unknown name or an
 invalid compressor x transport pair fails before any run starts, with the library's message.
 """
 
@@ -117,7 +117,7 @@ def check_compatible(cfg: RunConfig) -> None:
     compressor; top-k's sparse payload on ``ring``), ``TypeError`` for a hyper-parameter a component
     does not take.
     """
-    from sparsecomm.resolve import check_pair
+    from sparsecomm.pipeline.resolve import check_pair
 
     method = sc.methods.build(cfg.compressor, cfg.method, **cfg.compressor_kw, **cfg.method_kw)
     tcls = sc.transports.registry.factory(cfg.transport)

@@ -1,13 +1,14 @@
-"""Stateless compression operators.
+"""Stateless compression operators: ``C(x, generator) -> Payload``, randomness only from the generator
+handed in (an operator holds none).
 
 Typed factories are the API; :data:`registry` is the one name -> factory catalog (for command lines and
 configs), listed at the bottom of this file:
 
 >>> import sparsecomm as sc
 >>> sc.compressors.randk(ratio=0.01)                  # typed
-RandK(ratio=0.01, seed=None)
+RandK(ratio=0.01)
 >>> sc.compressors.get("randk", ratio=0.01)           # by name (the catalog)
-RandK(ratio=0.01, seed=None)
+RandK(ratio=0.01)
 >>> sc.compressors.compose(sc.compressors.randk(ratio=0.5), sc.compressors.natural()).omega(1000)
 1.25
 
@@ -75,31 +76,29 @@ def threshold(threshold: float | None = None) -> Threshold:
     return Threshold(threshold)
 
 
-def randk(ratio: float | None = None, *, k: int | None = None, seed: int | None = None,
-          independent: bool = False) -> RandK:
+def randk(ratio: float | None = None, *, k: int | None = None, independent: bool = False) -> RandK:
     """Rand-k scaled by d/k (unbiased); shared-seed positions (``aligned``) unless ``independent``."""
-    return RandK(ratio, k, seed, independent)
+    return RandK(ratio, k, independent)
 
 
-def qsgd(levels: int = 4, *, bucket_size: int | None = None, seed: int | None = None) -> QSGD:
+def qsgd(levels: int = 4, *, bucket_size: int | None = None) -> QSGD:
     """QSGD with ``levels`` levels per bucket of ``bucket_size`` entries (``None``: the whole vector)."""
-    return QSGD(levels, bucket_size, seed)
+    return QSGD(levels, bucket_size)
 
 
-def terngrad(*, bucket_size: int | None = None, seed: int | None = None) -> TernGrad:
+def terngrad(*, bucket_size: int | None = None) -> TernGrad:
     """TernGrad: codes in {-1, 0, 1} times each bucket's max."""
-    return TernGrad(bucket_size, seed)
+    return TernGrad(bucket_size)
 
 
-def natural(*, seed: int | None = None) -> Natural:
+def natural() -> Natural:
     """Natural compression: random rounding to a signed power of two (omega = 1/8)."""
-    return Natural(seed)
+    return Natural()
 
 
-def natural_dithering(levels: int = 4, *, bucket_size: int | None = None, p: float = 2,
-                      seed: int | None = None) -> NaturalDithering:
+def natural_dithering(levels: int = 4, *, bucket_size: int | None = None, p: float = 2) -> NaturalDithering:
     """Natural dithering with ``levels`` levels and the ``p`` norm (2 or inf)."""
-    return NaturalDithering(levels, bucket_size, p, seed)
+    return NaturalDithering(levels, bucket_size, p)
 
 
 def sign() -> ScaledSign:
@@ -107,15 +106,15 @@ def sign() -> ScaledSign:
     return ScaledSign()
 
 
-def compose(first: Compressor, second: Compressor, *, seed: int | None = None) -> Composed:
+def compose(first: Compressor, second: Compressor) -> Composed:
     """``second(first(x))`` for two unbiased operators (``sc.compressors.compose(randk(ratio=0.01),
     natural())``)."""
-    return _compose_by_name(first, second, seed=seed)
+    return _compose_by_name(first, second)
 
 
-def induced(first: Compressor, second: Compressor, *, seed: int | None = None) -> Induced:
+def induced(first: Compressor, second: Compressor) -> Induced:
     """``first(x) + second(x - first(x))``: the compressor induced by a contractive ``first``."""
-    return _induced_by_name(first, second, seed=seed)
+    return _induced_by_name(first, second)
 
 
 # ---------------------------------------------------------------------------- the catalog

@@ -1,12 +1,11 @@
 """Shared plumbing of the operators: errors, hyper-parameter checks, generators, payload building.
 
 Randomness (decided here, once): a random operator draws only from the ``torch.Generator`` handed to
-``compress(x, generator)``. When ``generator`` is ``None`` it falls back to a generator of its own,
-seeded once from the ``seed`` hyper-parameter at construction (so successive calls differ and a run is
-reproducible); without a ``seed`` it raises :class:`GeneratorRequiredError`. The global torch and
-numpy RNGs are never touched. Numba kernels draw one 64-bit key from the generator per call and
-derive per-element uniforms from it with the SplitMix64 finaliser (a counter-based stream), so the
-generator is the only source of randomness and advances by the same amount on every worker.
+``compress(x, generator)`` and holds none of its own (:func:`check_generator`: ``None`` raises
+:class:`GeneratorRequiredError`). The global torch and numpy RNGs are never touched. Numba kernels draw
+one 64-bit key from the generator per call and derive per-element uniforms from it with the SplitMix64
+finaliser (a counter-based stream), so the generator is the only source of randomness and advances by
+the same amount on every worker.
 
 Wire accounting: every payload's ``bits`` is the sum of ``payload.meta["wire_bits"]`` (bits per wire
 tensor role: ``values``, ``indices``, ``scale``) under the encodings documented in
@@ -20,13 +19,12 @@ from __future__ import annotations
 
 import math
 import numbers
-import threading
 
 import numpy as np
 import torch
 
 from .. import kernels as _kernel_paths
-from ..errors import InvalidValueError, NonFiniteError, SparseCommError
+from ..errors import InvalidValueError, NonFiniteError
 from ..payload import Payload
 from ..errors import CompressorConfigError, CompressorInputError, GeneratorRequiredError  # noqa: F401 (re-exported)
 
@@ -52,14 +50,6 @@ def check_int(name: str, value, low: int = 1, high: int | None = None) -> int:
 
 def check_bucket_size(bucket_size) -> int | None:
     return None if bucket_size is None else check_int("bucket_size", bucket_size, 1)
-
-
-def check_seed(seed) -> int | None:
-    if seed is None:
-        return None
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
-        raise CompressorConfigError(f"seed must be a non-negative integer or None, got {seed!r}")
-    return int(seed)
 
 
 class SizeRule:
@@ -101,9 +91,8 @@ _NP_OF = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: n
 
 
 def cpu_empty(n: int, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor whose memory numpy allocated. numpy advises huge pages for large
-    buffers, torch's CPU allocator does not: first-touching a fresh 100 MB torch buffer costs ~40 ms
-    of 4 KiB page faults on the benchmark VM, a numpy one ~5 ms (see BENCHMARKS.md)."""
+    """An uninitialised CPU tensor whose memory numpy allocated: numpy advises huge pages for large
+    buffers (fewer page faults at first touch), torch's CPU allocator does not."""
     if dtype == torch.bfloat16:
         return torch.from_numpy(np.empty(n, dtype=np.int16)).view(torch.bfloat16)
     return torch.from_numpy(np.empty(n, dtype=_NP_OF[dtype]))
@@ -176,55 +165,20 @@ def raise_nonfinite(who: str) -> None:
 
 
 # ------------------------------------------------------------------------------------ randomness
-class RandomMixin:
-    """Generator handling of random operators (see the module docstring for the rule)."""
-
-    seed: int | None = None
-
-    def _init_random(self, seed) -> None:
-        self.seed = check_seed(seed)
-        self._own_generators: dict[str, torch.Generator] = {}
-        self._own_lock = threading.Lock()
-
-    def _generator(self, generator: torch.Generator | None, device: torch.device) -> torch.Generator:
-        if generator is not None:
-            if not isinstance(generator, torch.Generator):
-                raise CompressorInputError(
-                    f"{self.name}: generator must be a torch.Generator, got {type(generator).__name__}")
-            if generator.device.type != device.type:
-                raise CompressorInputError(
-                    f"{self.name}: the generator is on {generator.device} but the tensor is on {device}; "
-                    f"pass torch.Generator(device={device.type!r})")
-            return generator
-        if self.seed is None:
-            raise GeneratorRequiredError(
-                f"{self.name} is random and never uses the global RNG: call compress(x, generator) with a "
-                f"torch.Generator, or build it with seed=<int> to use a generator of its own")
-        key = str(device)
-        with self._own_lock:
-            g = self._own_generators.get(key)
-            if g is None:
-                g = torch.Generator(device=device)
-                g.manual_seed(self.seed)
-                self._own_generators[key] = g
-        return g
-
-    def generator_state(self) -> dict[str, torch.Tensor]:
-        """The states of the generators this operator owns (seeded from ``seed``, used when ``compress``
-        gets no generator), by device; ``{}`` before their first use. Checkpoints store it
-        (``Method.state_dict``) so that a resumed run draws the same randomness."""
-        with self._own_lock:
-            return {dev: g.get_state().clone() for dev, g in self._own_generators.items()}
-
-    def load_generator_state(self, states: dict[str, torch.Tensor]) -> None:
-        """Restore :meth:`generator_state`'s result exactly; devices absent from it restart from ``seed``."""
-        own = {}
-        for dev, st in states.items():
-            g = torch.Generator(device=dev)
-            g.set_state(st.clone())
-            own[dev] = g
-        with self._own_lock:
-            self._own_generators = own
+def check_generator(who: str, generator: torch.Generator | None, device: torch.device) -> torch.Generator:
+    """``generator``, checked: a ``torch.Generator`` on ``device``'s type; ``None`` raises
+    :class:`GeneratorRequiredError` (a random operator never uses the global RNG nor one of its own)."""
+    if generator is None:
+        raise GeneratorRequiredError(
+            f"{who} is random and never uses the global RNG: call compress(x, generator) with a "
+            f"torch.Generator (the optimizer and the DDP hook pass theirs)")
+    if not isinstance(generator, torch.Generator):
+        raise CompressorInputError(f"{who}: generator must be a torch.Generator, got {type(generator).__name__}")
+    if generator.device.type != device.type:
+        raise CompressorInputError(
+            f"{who}: the generator is on {generator.device} but the tensor is on {device}; "
+            f"pass torch.Generator(device={device.type!r})")
+    return generator
 
 
 def draw_key(generator: torch.Generator) -> int:
@@ -293,10 +247,3 @@ def make_payload(kind: str, x_shape, dtype, values: torch.Tensor, wire_bits: dic
     return Payload(kind=kind, values=values, shape=torch.Size(x_shape), dtype=dtype, indices=indices,
                    scale=scale, bucket_size=bucket_size, shared_scale=shared_scale,
                    bits=sum(wire.values()), meta={"wire_bits": wire, **meta}, values_codec=tuple(values_codec))
-
-
-def bucket_view_len(d: int, bucket_size: int | None) -> int:
-    """Effective bucket length: ``bucket_size`` capped at d (the whole vector when ``None``)."""
-    if bucket_size is None:
-        return max(d, 1)
-    return max(1, min(bucket_size, d)) if d > 0 else bucket_size

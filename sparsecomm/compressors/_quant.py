@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from . import _kernels as K
-from ._common import (RandomMixin, draw_key, flat_input, make_payload, raise_nonfinite, scale_dtype,
+from ._common import (check_bucket_size, check_generator, draw_key, flat_input, make_payload, raise_nonfinite,
+                      scale_dtype,
                       use_numba, work_dtype)
 from .base import Compressor
 from ..errors import InvalidValueError
@@ -40,17 +41,14 @@ def _bucketed(t: torch.Tensor, bs: int) -> torch.Tensor:
     return t.view(nb, bs)
 
 
-class BucketQuantizer(RandomMixin, Compressor):
+class BucketQuantizer(Compressor):
     payload_kind = "quantized"
     unbiased = True
     shared_scale = False  # every worker quantises with its own norm
     norm_kind = "l2"  # or "linf"
 
-    def __init__(self, bucket_size=None, seed=None):
-        from ._common import check_bucket_size
-
+    def __init__(self, bucket_size=None):
         self.bucket_size = check_bucket_size(bucket_size)
-        self._init_random(seed)
 
     # -- per-operator pieces -------------------------------------------------------------------
     def max_code(self) -> int:
@@ -86,7 +84,7 @@ class BucketQuantizer(RandomMixin, Compressor):
     def compress(self, x, generator=None):
         flat = flat_input(x, self.name)
         d = flat.numel()
-        g = self._generator(generator, flat.device)
+        g = check_generator(self.name, generator, flat.device)
         bs = self._bs(d)
         nb = -(-d // bs) if d else 0
         cdt = int_dtype_for(self.max_code())

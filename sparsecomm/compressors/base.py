@@ -18,8 +18,10 @@ It declares the properties that ``theory/`` and the validators read:
 - ``checks_finite``: ``compress`` raises :class:`~sparsecomm.errors.NonFiniteError` on a NaN or Inf in
   its input, and has no other effect then (the pipeline then needs no check of its own).
 
-A random operator called with ``generator=None`` uses a generator of its own seeded from its ``seed``
-hyper-parameter, and raises ``GeneratorRequiredError`` when it has none (``_common.py``).
+A random operator holds no generator: called with ``generator=None`` it raises
+:class:`~sparsecomm.errors.GeneratorRequiredError` (``_common.py``: ``check_generator``).
+
+:func:`finite` is the test behind ``checks_finite`` and behind the pipeline's NaN/Inf rule.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import ClassVar
 import torch
 
 from ..payload import Payload
-from ._common import decompressed
+from ._common import abs_max, decompressed
 
 
 class Compressor(ABC):
@@ -73,3 +75,9 @@ class Compressor(ABC):
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.hyper().items())
         return f"{type(self).__name__}({args})"
+
+
+def finite(x: torch.Tensor) -> bool:
+    """Whether every entry of ``x`` is finite (a non-float tensor always is): one Numba pass over a CPU
+    float32/float64 tensor, torch ops elsewhere."""
+    return math.isfinite(abs_max(x.reshape(-1))) if x.is_floating_point() else True

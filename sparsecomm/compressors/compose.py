@@ -19,8 +19,7 @@ merge (``theory.compressors.index_bits``).
 Both take ``first`` and ``second`` as registered names or Compressor instances. Extra keywords go to
 whichever named part accepts them (``get("compose", first="randk", second="natural", ratio=0.01)``;
 ``get("induced", first="topk", second="randk", ratio=0.01)`` gives both parts ratio 0.01);
-``first_kw`` / ``second_kw`` dicts set one part only. ``seed`` belongs to the combined operator: both
-parts then draw from its own generator.
+``first_kw`` / ``second_kw`` dicts set one part only.
 
 Randomness: both stages draw from the one generator handed to ``compress``. With a shared-seed
 generator (rand-k inside), the second stage's draws are then common to all workers too: each
@@ -34,7 +33,7 @@ import torch
 from sparsecomm.theory import compressors as th
 
 from ._registry import registry
-from ._common import CompressorConfigError, RandomMixin, cpu_empty, flat_input, make_payload
+from ._common import CompressorConfigError, cpu_empty, flat_input, make_payload
 from .base import Compressor
 
 _INDEXED = ("aligned", "sparse")
@@ -55,8 +54,6 @@ def _route(who: str, first, second, first_kw, second_kw, shared: dict) -> tuple[
     acc1 = registry.parameters(first) if isinstance(first, str) else []
     acc2 = registry.parameters(second) if isinstance(second, str) else []
     for key, value in shared.items():
-        if key == "seed":
-            continue
         hit = False
         for acc, kw in ((acc1, kw1), (acc2, kw2)):
             if acc is None or key in acc:
@@ -77,13 +74,13 @@ def _index_wire(p) -> int:
     return int(p.meta.get("wire_bits", {}).get("indices", 0))
 
 
-class Composed(RandomMixin, Compressor):
+class Composed(Compressor):
     """second(first(x)) for two unbiased operators; see the module docstring."""
 
     name = "compose"
     unbiased = True
 
-    def __init__(self, first: Compressor, second: Compressor, seed=None):
+    def __init__(self, first: Compressor, second: Compressor):
         for part, label in ((first, "first"), (second, "second")):
             if not part.unbiased:
                 raise CompressorConfigError(
@@ -93,26 +90,19 @@ class Composed(RandomMixin, Compressor):
         self.payload_kind = first.payload_kind if first.payload_kind != "quantized" else second.payload_kind
         self.shared_randomness = first.shared_randomness or second.shared_randomness
         self.packed_values = first.payload_kind != "quantized" and bool(getattr(second, "packed_values", False))
-        self._init_random(seed)
-
-    def _gen(self, generator, device):
-        if generator is None and self.seed is None:
-            return None  # the parts raise (or use their own seeds) as they see fit
-        return self._generator(generator, device)
 
     def _inner_len(self, d: int) -> int:
         return d if self.first.payload_kind == "quantized" else _values_len(self.first, d)
 
     def compress(self, x, generator=None):
         flat = flat_input(x, self.name)
-        g = self._gen(generator, flat.device)
-        p1 = self.first.compress(flat, g)
+        p1 = self.first.compress(flat, generator)      # (a random part checks the generator itself)
         if p1.kind == "quantized":
-            p2 = self.second.compress(p1.to_dense(), g)
+            p2 = self.second.compress(p1.to_dense(), generator)
             return make_payload(p2.kind, x.shape, x.dtype, p2.values, p2.meta["wire_bits"],
                                 indices=p2.indices, scale=p2.scale, bucket_size=p2.bucket_size,
                                 shared_scale=p2.shared_scale, values_codec=p2.values_codec)
-        p2 = self.second.compress(p1.values, g)
+        p2 = self.second.compress(p1.values, generator)
         vals = self.second.decompress(p2)
         wire = {"values": p2.bits}
         if p1.kind in _INDEXED:
@@ -136,16 +126,16 @@ class Composed(RandomMixin, Compressor):
         return _values_len(self.second, self._inner_len(d))
 
     def hyper(self):
-        return {"first": self.first, "second": self.second, "seed": self.seed}
+        return {"first": self.first, "second": self.second}
 
 
-class Induced(RandomMixin, Compressor):
+class Induced(Compressor):
     """C1(x) + C2(x - C1(x)); see the module docstring."""
 
     name = "induced"
     unbiased = True
 
-    def __init__(self, first: Compressor, second: Compressor, seed=None):
+    def __init__(self, first: Compressor, second: Compressor):
         if first.unbiased or first.delta(100) <= 0:
             raise CompressorConfigError(
                 f"induced needs a biased contractive first stage (delta > 0, e.g. topk), got {first!r}")
@@ -155,19 +145,17 @@ class Induced(RandomMixin, Compressor):
         both_indexed = first.payload_kind in _INDEXED and second.payload_kind in _INDEXED
         self.payload_kind = "sparse" if both_indexed else "dense"
         self.shared_randomness = second.shared_randomness
-        self._init_random(seed)
 
     def compress(self, x, generator=None):
         flat = flat_input(x, self.name)
         d = flat.numel()
-        g = None if (generator is None and self.seed is None) else self._generator(generator, flat.device)
-        p1 = self.first.compress(flat, g)
+        p1 = self.first.compress(flat, generator)
         if p1.kind in _INDEXED:  # rest = x - C1(x) with one copy of x
             rest = cpu_empty(d, flat.dtype).copy_(flat) if flat.device.type == "cpu" else flat.clone()
             rest.index_add_(0, p1.indices, p1.values.to(x.dtype), alpha=-1)
         else:
             rest = flat - p1.to_dense()
-        p2 = self.second.compress(rest, g)
+        p2 = self.second.compress(rest, generator)
         if self.payload_kind == "sparse":
             idx = torch.cat([p1.indices, p2.indices])
             vals = torch.cat([p1.values.to(x.dtype), p2.values.to(x.dtype)])
@@ -194,19 +182,19 @@ class Induced(RandomMixin, Compressor):
         return _values_len(self.first, d) + _values_len(self.second, d)
 
     def hyper(self):
-        return {"first": self.first, "second": self.second, "seed": self.seed}
+        return {"first": self.first, "second": self.second}
 
 
-def compose(first, second, *, seed=None, first_kw=None, second_kw=None, **kw) -> Composed:
+def compose(first, second, *, first_kw=None, second_kw=None, **kw) -> Composed:
     """``second(first(x))`` by name (the catalog's ``"compose"``): ``first``/``second`` are names or
     Compressors, further keywords go to the named parts (see module docstring). The typed factory is
     :func:`sparsecomm.compressors.compose`."""
     c1, c2 = _route("compose", first, second, first_kw, second_kw, kw)
-    return Composed(c1, c2, seed=seed)
+    return Composed(c1, c2)
 
 
-def induced(first, second, *, seed=None, first_kw=None, second_kw=None, **kw) -> Induced:
+def induced(first, second, *, first_kw=None, second_kw=None, **kw) -> Induced:
     """``first(x) + second(x - first(x))`` by name (the catalog's ``"induced"``; see module docstring).
     The typed factory is :func:`sparsecomm.compressors.induced`."""
     c1, c2 = _route("induced", first, second, first_kw, second_kw, kw)
-    return Induced(c1, c2, seed=seed)
+    return Induced(c1, c2)

@@ -3,19 +3,20 @@
 All three produce ``dense`` payloads. ``identity`` copies the input (a payload never aliases it).
 ``fp16``/``bf16`` round to nearest into the narrow dtype: biased, deterministic, and contractive with
 ``delta = theory.compressors.rounding_delta(p)`` (p = 11 / 8 significand bits) on inputs in the narrow
-dtype's normal range; values that would overflow it raise :class:`~sparsecomm.errors.OverflowError_`.
+dtype's normal range; values that would overflow it raise :class:`~sparsecomm.errors.SumOverflowError`
+(``OverflowError_``), a NaN or Inf :class:`~sparsecomm.errors.NonFiniteError`.
 
 **Below the normal range** (|x| < 2^-14 for float16, < 2^-126 for bfloat16) rounding is absolute, not
 relative (half the subnormal spacing, down to flushing to zero), so the contraction can fail: a
-vector of entries around 1e-9 comes back as zeros, ||C(x) - x||^2 = ||x||^2. So ``delta()`` is only
-declared for calls where it holds, and every call checks it: ``compress`` measures
-``||C(x) - x||^2`` (one Numba pass over x and the rounded values, in float64) and, when it exceeds
-``(1 - delta) ||x||^2``, raises :class:`UnderflowError` (``underflow="raise"``, the default; a vector
-with a few tiny entries among normal ones passes, as the normal entries' rounding error is far below
-its bound). ``underflow="allow"`` compresses anything finite and declares ``delta = 0`` (no
-contraction is promised, only ``|C(x)_i - x_i| <= |x_i|``). The check is one pass over the input and
-the rounded values, which also finds a non-finite or overflowing input (the range check, a pass of
-its own with ``underflow="allow"``).
+vector of entries around 1e-9 comes back as zeros, ||C(x) - x||^2 = ||x||^2. So the contract of a cast
+depends on ``underflow``:
+
+- ``"raise"`` (default): ``delta()`` holds on every call that returns. ``compress`` computes
+  ``||C(x) - x||^2`` and ``||x||^2`` in float64 and raises :class:`UnderflowError` when
+  ``||C(x) - x||^2 > (1 - delta) ||x||^2`` (a vector with a few tiny entries among normal ones passes:
+  its normal entries' rounding error is far below the bound);
+- ``"allow"``: anything finite is compressed and ``delta = 0`` is declared (no contraction is
+  promised, only ``|C(x)_i - x_i| <= |x_i|``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from sparsecomm.theory import compressors as th
 import numpy as np
 from numba import njit
 
-from ..errors import OverflowError_, SparseCommError
+from ..errors import OverflowError_
 from . import _kernels
 from ._common import (CompressorConfigError, abs_max, cpu_empty, dtype_bits, flat_input, make_payload,
                       raise_nonfinite, use_numba)

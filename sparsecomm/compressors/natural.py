@@ -32,7 +32,7 @@ import torch
 from sparsecomm.theory import compressors as th
 
 from . import _kernels as K
-from ._common import CompressorConfigError, RandomMixin, check_int, draw_key, flat_input, make_payload, \
+from ._common import CompressorConfigError, check_generator, check_int, draw_key, flat_input, make_payload, \
     scale_dtype, use_numba
 from ._quant import BucketQuantizer
 from .base import Compressor
@@ -48,7 +48,7 @@ _NATURAL = {
 }
 
 
-class Natural(RandomMixin, Compressor):
+class Natural(Compressor):
     """``get("natural")``: unbiased random rounding to a signed power of two; omega = 1/8."""
 
     name = "natural"
@@ -57,13 +57,10 @@ class Natural(RandomMixin, Compressor):
     #: the values travel as sign + exponent only where no sum is formed on the wire (allgather)
     packed_values = True
 
-    def __init__(self, seed=None):
-        self._init_random(seed)
-
     def compress(self, x, generator=None):
         flat = flat_input(x, self.name)
         d = flat.numel()
-        g = self._generator(generator, flat.device)
+        g = check_generator(self.name, generator, flat.device)
         cdt, max_field, ebits = _NATURAL[x.dtype]
         a = flat.to(cdt)
         idt = torch.int32 if cdt == torch.float32 else torch.int64
@@ -99,22 +96,19 @@ class Natural(RandomMixin, Compressor):
     def values_len(self, d):
         return d
 
-    def hyper(self):
-        return {"seed": self.seed}
-
 
 class NaturalDithering(BucketQuantizer):
     """``get("natural_dithering", levels=4, bucket_size=None, p=2)``; levels s in [1, 63], p in {2, inf}."""
 
     name = "natural_dithering"
 
-    def __init__(self, levels=4, bucket_size=None, p=2, seed=None):
+    def __init__(self, levels=4, bucket_size=None, p=2):
         self.levels = check_int("levels", levels, 1, 63)
         if p not in (2, math.inf, "inf"):
             raise CompressorConfigError(f"natural_dithering supports p=2 or p=inf, got p={p!r}")
         self.p = 2.0 if p == 2 else math.inf
         self.norm_kind = "l2" if self.p == 2 else "linf"
-        super().__init__(bucket_size, seed)
+        super().__init__(bucket_size)
 
     def max_code(self):
         return 2 ** (self.levels - 1)
@@ -146,4 +140,4 @@ class NaturalDithering(BucketQuantizer):
         return th.natural_dithering_bits(d, self.levels, self.bucket_size, torch.finfo(scale_dtype(dtype)).bits)
 
     def hyper(self):
-        return {"levels": self.levels, "bucket_size": self.bucket_size, "p": self.p, "seed": self.seed}
+        return {"levels": self.levels, "bucket_size": self.bucket_size, "p": self.p}

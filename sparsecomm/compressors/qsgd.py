@@ -26,9 +26,9 @@ class QSGD(BucketQuantizer):
     name = "qsgd"
     norm_kind = "l2"
 
-    def __init__(self, levels=4, bucket_size=None, seed=None):
+    def __init__(self, levels=4, bucket_size=None):
         self.levels = check_int("levels", levels, 1, 2**31 - 1)
-        super().__init__(bucket_size, seed)
+        super().__init__(bucket_size)
 
     def max_code(self):
         return self.levels
@@ -55,4 +55,4 @@ class QSGD(BucketQuantizer):
         return th.qsgd_bits(d, self.levels, self.bucket_size, torch.finfo(scale_dtype(dtype)).bits)
 
     def hyper(self):
-        return {"levels": self.levels, "bucket_size": self.bucket_size, "seed": self.seed}
+        return {"levels": self.levels, "bucket_size": self.bucket_size}

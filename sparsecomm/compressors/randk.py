@@ -32,8 +32,8 @@ import torch
 from sparsecomm.theory import compressors as th
 
 from . import _kernels as K
-from ._common import (RandomMixin, SizeRule, draw_key, dtype_bits, flat_input, gather, make_payload,
-                      raise_nonfinite, use_numba)
+from ._common import (CompressorConfigError, SizeRule, check_generator, draw_key, dtype_bits, flat_input, gather,
+                      make_payload, raise_nonfinite, use_numba)
 from .base import Compressor
 
 
@@ -83,8 +83,8 @@ def sample_subset(d: int, k: int, generator: torch.Generator, device) -> torch.T
     return torch.nonzero(mask).flatten()
 
 
-class RandK(RandomMixin, Compressor):
-    """Rand-k scaled by d/k: ``get("randk", ratio=0.01)`` or ``get("randk", k=1000, seed=0)``.
+class RandK(Compressor):
+    """Rand-k scaled by d/k: ``get("randk", ratio=0.01)`` or ``get("randk", k=1000)``.
 
     omega = d/k - 1 (``theory.compressors.randk_omega``; equality for every x);
     bits = k values (``randk_bits``: indices come from the shared seed).
@@ -95,12 +95,9 @@ class RandK(RandomMixin, Compressor):
     unbiased = True
     shared_randomness = True
 
-    def __init__(self, ratio=None, k=None, seed=None, independent=False):
+    def __init__(self, ratio=None, k=None, independent=False):
         self.size = SizeRule(ratio, k, "randk")
-        self._init_random(seed)
         if not isinstance(independent, bool):
-            from ._common import CompressorConfigError
-
             raise CompressorConfigError(f"independent must be True or False, got {independent!r}")
         self.independent = independent
         if independent:     # instance attributes shadow the class's shared-seed declarations
@@ -110,7 +107,7 @@ class RandK(RandomMixin, Compressor):
     def compress(self, x, generator=None):
         flat = flat_input(x, self.name)
         d = flat.numel()
-        g = self._generator(generator, flat.device)
+        g = check_generator(self.name, generator, flat.device)
         k = self.size(d)
         idx = sample_subset_numba(d, k, g) if use_numba(flat) else sample_subset(d, k, g, flat.device)
         vals, ok = gather(flat, idx, d / k if k else 1.0)
@@ -134,5 +131,4 @@ class RandK(RandomMixin, Compressor):
         return self.size(d)
 
     def hyper(self):
-        return {**self.size.hyper(), "seed": self.seed,
-                **({"independent": True} if self.independent else {})}
+        return {**self.size.hyper(), **({"independent": True} if self.independent else {})}

@@ -47,4 +47,4 @@ class TernGrad(BucketQuantizer):
         return th.terngrad_bits(d, self.bucket_size, torch.finfo(scale_dtype(dtype)).bits)
 
     def hyper(self):
-        return {"bucket_size": self.bucket_size, "seed": self.seed}
+        return {"bucket_size": self.bucket_size}

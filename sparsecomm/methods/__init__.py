@@ -5,13 +5,13 @@ and configs), listed at the bottom of this file:
 
 >>> import sparsecomm as sc
 >>> sc.methods.diana(sc.compressors.randk(ratio=0.01), alpha=0.5)             # typed
-Diana(compressor=RandK(ratio=0.01, seed=None), alpha=0.5, init='zeros')
+Diana(compressor=RandK(ratio=0.01), alpha=0.5, init='zeros')
 >>> sc.methods.get("diana", compressor="randk", ratio=0.01, alpha=0.5)        # by name (the catalog)
-Diana(compressor=RandK(ratio=0.01, seed=None), alpha=0.5, init='zeros')
+Diana(compressor=RandK(ratio=0.01), alpha=0.5, init='zeros')
 >>> sc.methods.get("diana", ratio=0.01, levels=3)
 Traceback (most recent call last):
     ...
-sparsecomm.errors.HyperParameterError: compressor 'randk' does not take 'levels' (compressor 'randk' takes: ratio, k, seed, independent; method 'diana' takes: compressor, alpha, init)
+sparsecomm.errors.HyperParameterError: compressor 'randk' does not take 'levels' (compressor 'randk' takes: ratio, k, independent; method 'diana' takes: compressor, alpha, init)
 
 By name, the method's own keywords (its factory's parameters) go to the method and the others to its
 compressor (a name, built from the compressor catalog); a keyword neither takes raises
@@ -20,8 +20,9 @@ compressor (a name, built from the compressor catalog); a keyword neither takes 
 ``compressor=`` / ``method=`` rule.
 
 Wrappers compose: ``sc.methods.warmup(sc.methods.ef21(), steps=100)`` (the first 100 rounds exact).
-A method holds hyper-parameters only; its state is explicit (:class:`~sparsecomm.methods.base.MethodState`:
-``st = m.init(d)``, ``payload, st = m.encode(g, st, generator)``, ``estimate, st = m.decode(agg, n, st)``).
+A method holds hyper-parameters only; its state is explicit (:class:`~sparsecomm.methods.state.MethodState`:
+``st = m.init(d, dtype, device)``, ``payload, st = m.encode(g, st, generator, world_size=n)``,
+``estimate, st = m.decode(agg, n, st)``; :mod:`sparsecomm.methods.base`).
 
 (As attributes of this package the names below are the factories; the modules of the same names stay
 importable as ``sparsecomm.methods.<name>`` with ``from ... import``.)
@@ -173,16 +174,33 @@ def get(name: str, **hyper: Any) -> Method:
     return factory(comp, **mine)
 
 
-def build(compressor: str | Compressor | Method = "none", method: str | None = None, **hyper: Any) -> Method:
+def build(compressor: str | Compressor | None = None, method: str | Method | None = None, **hyper: Any) -> Method:
     """The method that ``DistributedOptimizer(inner, compressor=..., method=..., **hyper)`` (and the DDP
-    hook) runs: a Method object as given; a Compressor object inside method ``method`` (default
-    ``"none"``); a method name built with ``hyper``; a compressor name (with ``hyper``) inside method
-    ``method``."""
+    hook) runs. ``compressor=`` takes compressors, ``method=`` methods:
+
+    - ``method``: a Method object (as given: its compressor and hyper-parameters are its own), or a
+      method name (default ``"none"``) built with ``hyper`` around ``compressor`` (its default
+      compressor when ``compressor`` is ``None``);
+    - ``compressor``: a Compressor object, or a compressor name built with ``hyper``;
+    - the flat form of command lines and configs: ``compressor=<method name>`` (``method`` not given)
+      builds that method with its default compressor, ``hyper`` routed as :func:`get` routes it
+      (``compressor="diana", ratio=0.01``).
+
+    A Method object given as ``compressor=`` still works, with a :class:`FutureWarning` naming
+    ``method=``."""
     if isinstance(compressor, Method):
-        if method is not None or hyper:
-            raise InvalidTypeError(f"a Method object ({compressor!r}) was given; method= and hyper-parameters "
+        if method is not None:
+            raise InvalidTypeError(f"compressor={compressor!r} is a Method object and method={method!r} was given "
+                                   f"too; pass the method object alone, as method=")
+        warn_renamed("compressor=<a Method object>", "method=<the Method object>", stacklevel=5)
+        compressor, method = None, compressor
+    if isinstance(method, Method):
+        if compressor is not None or hyper:
+            raise InvalidTypeError(f"a Method object ({method!r}) was given; its compressor and hyper-parameters "
                                    f"{sorted(hyper)} belong to its constructor")
-        return compressor
+        return method
+    if method is not None and not isinstance(method, str):
+        raise InvalidTypeError(f"method must be a method name or a Method, got {method!r}")
     if isinstance(compressor, str) and compressor in registry:
         if method is not None:
             raise InvalidTypeError(f"compressor={compressor!r} is a method; to pick its compressor use "
@@ -192,10 +210,13 @@ def build(compressor: str | Compressor | Method = "none", method: str | None = N
         raise UnknownNameError(f"unknown compressor or method {compressor!r}; methods: {', '.join(available())}; "
                                f"compressors: {', '.join(compressors.available())} "
                                f"(sparsecomm.methods.compressor_choices() lists both)")
-    if not isinstance(compressor, (str, Compressor)):
-        raise InvalidTypeError(f"compressor must be a name, a Compressor or a Method, got {compressor!r}")
+    if compressor is not None and not isinstance(compressor, (str, Compressor)):
+        raise InvalidTypeError(f"compressor must be a compressor name or a Compressor (a method goes to method=), "
+                               f"got {compressor!r}")
     mname = method or "none"
     registry.factory(mname)  # unknown method names raise, listing the valid ones
+    if compressor is None:
+        return get(mname, **hyper)
     if not wraps_compressor(mname):
         raise HyperParameterError(f"method {mname!r} brings its own operator and takes no compressor; "
                                   f"use compressor={mname!r} (with its own hyper-parameters)")

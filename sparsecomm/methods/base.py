@@ -1,16 +1,22 @@
-"""The method contract: a per-worker wrapper around any compressor, with explicit state (optax style).
+"""The method contract: a per-worker wrapper around any compressor, with explicit state (optax's
+``init``/``update`` and torch's ``PowerSGDState`` as the models).
 
 A Method object holds hyper-parameters only; everything the rounds of one flat bucket need lives in a
-:class:`MethodState` that the caller holds and passes in (the pipeline one per bucket, the simulated
-algorithms one per worker). One round on worker i::
+:class:`~sparsecomm.methods.state.MethodState` that :meth:`Method.init` builds and the caller holds and
+passes in (the pipeline one per bucket, the simulated algorithms one per worker). One round on worker
+i of n::
 
-    st = method.init(d)                                           # once per bucket
-    payload, st = method.encode(grad_i, st, generator)            # on the worker
+    st = method.init(d, dtype, device)                            # once per bucket: the typed state
+    payload, st = method.encode(grad_i, st, generator, world_size=n)      # on the worker
     aggregate = transport.allreduce(payload)                      # sum over workers of payload.to_dense()
-    estimate, st = method.decode(aggregate, world_size, st)       # the averaged gradient estimate
+    estimate, st = method.decode(aggregate, n, st)                # the averaged gradient estimate
 
-``encode`` leaves in the state what ``decode`` needs for this round (an exact round, DIANA's step):
-nothing is handed between the calls through the object.
+Every call returns its result and the state; the returned state replaces the one passed in (its
+buffers are reused: the calls allocate nothing per round). ``encode`` leaves in the state what
+``decode`` needs for this round (an exact round, DIANA's step): nothing is handed between the calls
+through the object. Randomness comes only from the ``generator`` argument (the compressor holds
+none); ``world_size`` is the number of workers whose messages are summed (DGC's local clipping
+scales its threshold by it).
 
 **Several rounds.** A method may need more than one aggregation per step (PowerSGD: the P factors,
 then the Q factors computed from the orthogonalised sum of the Ps). After each round the caller asks
@@ -18,21 +24,17 @@ then the Q factors computed from the orthogonalised sum of the Ps). After each r
 same way and ask again), ``None`` means ``aggregate`` was the last round's, to be handed to
 ``decode``::
 
-    payload, st = method.encode(grad_i, st, generator)
+    payload, st = method.encode(grad_i, st, generator, world_size=n)
     aggregate = transport.allreduce(payload)
-    while (payload := method.next_round(aggregate, world_size, st)[0]) is not None:
+    while (payload := method.next_round(aggregate, n, st)[0]) is not None:
         aggregate = transport.allreduce(payload)
-    estimate, st = method.decode(aggregate, world_size, st)
+    estimate, st = method.decode(aggregate, n, st)
 
 One-round methods never override it (it returns ``None``). Every round's payload has the kind of the
 method's declared compressor (the pair check at construction covers all rounds); the last aggregate
 may be shorter than the bucket (the estimate always has the bucket's length). Each round is a
 collective: every worker must run the same number of rounds for a bucket, which holds because the
 decision is a function of the state and the (identical) aggregates.
-
-**Keys.** Called with a key (any hashable, default 0) instead of a state, the same calls keep the
-states in the method's public ``states`` dict and return the payload / estimate alone
-(``method.encode(grad, key, generator)``), a convenience for scripts and tests.
 
 **Shapes.** ``encode(..., shapes=[...])`` may tell the method the shapes of the tensors laid out in
 the flat bucket (the optimizer and the DDP hook pass them); methods that set ``uses_shapes`` (PowerSGD
@@ -42,24 +44,25 @@ them.
 ``decode`` is deterministic given the aggregate and the state, so every worker's copy of any global
 state (DIANA's h, EF21's g) stays identical without communication. The typed state (one small
 dataclass per method: ``MethodState.state``) and the round count are what a checkpoint saves
-(:func:`states_to_dict` / :func:`states_from_dict` round-trip them exactly, tensors cloned), never a
-process group or the compressor. Hyper-parameters (the compressor, DIANA's ``alpha``, the ``init``
-rule) live on the method object, apart from the state, as in ``PowerSGDState``. Wrappers compose:
-:class:`Warmup` makes the first rounds of every state exact.
+(:func:`~sparsecomm.methods.state.states_to_dict` / :func:`~sparsecomm.methods.state.states_from_dict`
+round-trip them exactly, tensors cloned), never a process group or the compressor. Hyper-parameters
+(the compressor, DIANA's ``alpha``, the ``init`` rule) live on the method object, apart from the state,
+as in ``PowerSGDState``. Wrappers compose: :class:`~sparsecomm.methods.warmup.Warmup` makes the first
+rounds of every state exact.
 
 **Exact rounds.** ``encode(..., exact=True)`` runs the same method with the identity operator in
 place of the compressor (a dense payload of the full message). The optimizer uses it for its
-``warmup_steps``; EF21 (and DIANA with ``init="grad"``) use it for the first round of a bucket. With
+``warmup_steps``; EF21 (and DIANA with ``init="grad"``) use it for the first round of a state. With
 C = I every method's state stays consistent and is *warm-started*: EF's error is flushed to 0, EF21's
 g_i becomes the gradient, DIANA's h_i becomes the gradient (DIANA's shift step is 1 on an exact
 round: alpha <= 1/(omega+1) = 1 for omega = 0).
 
-Every worker must call ``encode``/``decode`` for the same keys, in the same order, with the same
+Every worker must call ``encode``/``decode`` for the same buckets, in the same order, with the same
 ``exact`` flags and the same bucket lengths (the optimizer and the DDP hook guarantee this).
 
-**Memory.** By default both calls are pure with respect to their arguments and return fresh
-tensors. For large buckets the optimizer avoids fresh allocations (page faults dominate on some
-hosts): ``encode(..., inplace=True)`` lets the method overwrite ``grad`` (the caller's scratch), and
+**Memory.** By default both calls are pure with respect to their tensor arguments and return fresh
+tensors. For large buckets the optimizer avoids fresh allocations (a fresh buffer is paged in at its
+first touch): ``encode(..., inplace=True)`` lets the method overwrite ``grad`` (the caller's scratch), and
 ``decode(..., out=buf)`` writes the estimate into ``buf`` and returns it. Neither the payload nor the
 returned estimate ever aliases the method's state (a payload may alias ``grad`` with ``inplace=True``).
 """
@@ -67,41 +70,42 @@ returned estimate ever aliases the method's state (a payload may alias ``grad`` 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import fields, is_dataclass
 
-from typing import Any, ClassVar, Hashable
+from typing import Any, ClassVar
 
 import torch
 
 from .. import compressors
 from ..compressors.base import Compressor
-from ..errors import HyperParameterError, IncompatibleError, InvalidTypeError, MismatchError, SparseCommError  # noqa: F401 (re-exported)
+from ..errors import HyperParameterError, IncompatibleError, InvalidTypeError, MismatchError, NonFiniteError, \
+    SparseCommError
 from ..payload import Payload
-from .state import ROUNDS, MethodState, _clone, _state_numel, states_from_dict, states_to_dict  # noqa: F401
+from .state import MethodState
+
+__all__ = ["Method", "MethodState", "dense_payload", "resolve_compressor", "check_finite",
+           "HyperParameterError"]     # (HyperParameterError: its import path before sparsecomm.errors)
 
 
 class Method(ABC):
     """Base class of the methods; subclasses are registered by name in ``sc.methods``.
 
     A Method object holds hyper-parameters only (the compressor, DIANA's ``alpha``, an ``init`` rule).
-    Its state is explicit (:class:`MethodState`), in the optax style::
+    Its state is explicit (:class:`~sparsecomm.methods.state.MethodState`), built by :meth:`init`::
 
-        st = method.init(d)
-        payload, st = method.encode(grad, st, generator)              # on the worker
-        aggregate = transport.allreduce(payload)                      # the sum over workers
-        estimate, st = method.decode(aggregate, world_size, st)       # on every worker
+        st = method.init(d, dtype, device)
+        payload, st = method.encode(grad, st, generator, world_size=n)    # on the worker
+        aggregate = transport.allreduce(payload)                          # the sum over workers
+        estimate, st = method.decode(aggregate, n, st)                    # on every worker
 
-    (a multi-round method asks ``nxt, st = method.next_round(aggregate, world_size, st)`` between
-    them). The returned state is the given one updated in place (its buffers are reused: no fresh
-    allocation per round); the caller keeps it (the pipeline holds one per bucket, the simulated
-    algorithms one per worker) and a checkpoint is those states (:func:`states_to_dict`).
+    (a multi-round method asks ``nxt, st = method.next_round(aggregate, n, st)`` between them). The
+    returned state is the given one updated in place (its buffers are reused: no fresh allocation per
+    round); the caller keeps it (the pipeline holds one per bucket, the simulated algorithms one per
+    worker) and a checkpoint is those states (:func:`~sparsecomm.methods.state.states_to_dict`).
 
-    **Keyed convenience.** Called with a key (any hashable, default 0) instead of a state, the same
-    calls keep the states in :attr:`states` (a plain dict ``key -> MethodState``, public) and return
-    the payload / estimate only: ``method.encode(grad, key, generator)``; :meth:`state`, :meth:`keys`,
-    :meth:`state_dict` and :meth:`load_state_dict` read and write that dict.
-
-    Subclasses define ``name``, ``default_compressor``, the ``State`` dataclass, and :meth:`_encode` /
-    :meth:`_decode` (and :meth:`_next_round` for several rounds) over a :class:`MethodState`.
+    Subclasses define ``name``, ``default_compressor``, the ``State`` dataclass with :meth:`init_state`
+    building it, and :meth:`_encode` / :meth:`_decode` (and :meth:`_next_round` for several rounds) over
+    a :class:`~sparsecomm.methods.state.MethodState`.
     """
 
     name: ClassVar[str] = ""
@@ -109,7 +113,7 @@ class Method(ABC):
     default_compressor: ClassVar[str] = "identity"
     #: its hyper-parameters, used only when neither a compressor nor any hyper-parameter is given
     default_compressor_hyper: ClassVar[dict[str, Any]] = {}
-    #: the per-key state dataclass (``None`` for a stateless method)
+    #: the per-bucket state dataclass (``None`` for a stateless method)
     State: ClassVar[type | None] = None
     #: whether the method's guarantees need an unbiased compressor (DIANA)
     needs_unbiased: ClassVar[bool] = False
@@ -119,8 +123,6 @@ class Method(ABC):
     multi_round: ClassVar[bool] = False
 
     compressor: Compressor
-    #: the number of workers, set by the pipeline before the first round (DGC's local clipping reads it)
-    world_size: int | None = None
 
     def __init__(self, compressor: str | Compressor | None = None, **compressor_hyper: Any) -> None:
         if compressor is None and not compressor_hyper:
@@ -132,39 +134,47 @@ class Method(ABC):
                 f"method {self.name!r} needs an unbiased compressor (class U(omega)); "
                 f"{self.compressor!r} is biased. Use an unbiased one (randk, qsgd, natural, ...) "
                 f"or a method for contractive compressors: 'ef21' or 'ef'.")
-        #: the keyed convenience's states (see the class doc); the pure calls never touch it
-        self.states: dict[Hashable, MethodState] = {}
 
-    # ------------------------------------------------------------------ the pure API
-    def init(self, d: int | None = None) -> MethodState:
-        """A fresh state for a bucket of ``d`` elements (the typed state is built at the first round,
-        in the gradient's dtype and device)."""
-        return MethodState(length=None if d is None else int(d))
+    # ------------------------------------------------------------------ the explicit-state API
+    def init(self, d: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> MethodState:
+        """A fresh state for a bucket of ``d`` elements of ``dtype`` on ``device``: its typed state
+        (:meth:`init_state`) and no round yet."""
+        d = int(d)
+        return MethodState(state=self.init_state(d, dtype, torch.device(device)), length=d)
 
-    def encode(self, grad: torch.Tensor, state: "MethodState | Hashable" = 0,
-               generator: torch.Generator | None = None, *, exact: bool = False, inplace: bool = False,
-               shapes: Any = None) -> Any:
-        """The message this worker sends for ``grad`` (flat): ``(payload, state)``, or the payload alone
-        when ``state`` is a key (the keyed convenience).
+    def init_state(self, d: int, dtype: torch.dtype, device: torch.device) -> Any:
+        """The typed state (an instance of ``State``) of a bucket of ``d`` elements before its first
+        round; ``None`` for a stateless method."""
+        return None
 
-        ``exact=True`` replaces the compressor by the identity for this round (see the module doc).
-        ``inplace=True``: ``grad`` is scratch and may be overwritten (the payload may alias it).
-        ``shapes``: the shapes of the tensors laid out in ``grad`` (their numels sum to its length).
+    def encode(self, grad: torch.Tensor, state: MethodState, generator: torch.Generator | None = None, *,
+               world_size: int = 1, exact: bool = False, inplace: bool = False,
+               shapes: Any = None) -> tuple[Payload, MethodState]:
+        """The message this worker sends for ``grad`` (flat) and the updated state: ``(payload, state)``.
+
+        ``generator``: the compressor's randomness (the only source). ``world_size``: the workers whose
+        messages are summed. ``exact=True`` replaces the compressor by the identity for this round (see
+        the module doc). ``inplace=True``: ``grad`` is scratch and may be overwritten (the payload may
+        alias it). ``shapes``: the shapes of the tensors laid out in ``grad`` (their numels sum to its
+        length).
         """
         if not isinstance(state, MethodState):
-            ms = self.states.get(state)
-            if ms is None:
-                ms = self.states[state] = self.init()
-            return self.encode(grad, ms, generator, exact=exact, inplace=inplace, shapes=shapes)[0]
+            raise InvalidTypeError(f"method {self.name!r}: encode takes the MethodState that "
+                                   f"method.init(d, dtype, device) built, got {type(state).__name__}")
         ms = state
         if grad.dim() != 1:
             raise MismatchError(f"method {self.name!r} encodes flat buckets; got shape {tuple(grad.shape)}")
-        if ms.state is not None:
-            n = _state_numel(ms.state)
-            if n is not None and n != grad.numel():
-                raise MismatchError(
-                    f"method {self.name!r}: the bucket has {grad.numel()} elements but its state "
-                    f"has {n} (the bucket layout changed; call reset() or rebuild the optimizer)")
+        if ms.state is None and self.State is not None:
+            # a state restored from a checkpoint taken before its first round: built now
+            ms.state = self.init_state(grad.numel(), grad.dtype, grad.device)
+        t = _first_tensor(ms.state)
+        if t is not None and t.numel() != grad.numel():
+            raise MismatchError(
+                f"method {self.name!r}: the bucket has {grad.numel()} elements but its state "
+                f"has {t.numel()} (the bucket layout changed; build a new state or rebuild the optimizer)")
+        if t is not None and (t.dtype != grad.dtype or t.device != grad.device):
+            raise MismatchError(f"method {self.name!r}: the bucket is {grad.dtype} on {grad.device} but its "
+                                f"state is {t.dtype} on {t.device} (init(d, dtype, device) of the bucket's)")
         if shapes is not None and self.uses_shapes:
             shapes = tuple(torch.Size(s) for s in shapes)
             if sum(s.numel() for s in shapes) != grad.numel():
@@ -173,30 +183,28 @@ class Method(ABC):
             ms.shapes = shapes
         ms.length = grad.numel()
         ms.last_round = False
-        payload = self._encode(grad if inplace else grad.clone(), ms, generator, exact)
+        payload = self._encode(grad if inplace else grad.clone(), ms, generator, exact, int(world_size))
+        ms.started = True
         ms.rounds += 1
         return payload, ms
 
-    def next_round(self, aggregate: torch.Tensor, world_size: int, state: "MethodState | Hashable" = 0) -> Any:
+    def next_round(self, aggregate: torch.Tensor, world_size: int,
+                   state: MethodState) -> tuple[Payload | None, MethodState]:
         """After a round's ``aggregate`` (the sum over workers): ``(payload, state)`` of the next round,
-        or ``(None, state)`` when ``aggregate`` is the last round's (then call :meth:`decode` with it);
-        with a key, the payload or ``None`` alone. See the module doc."""
-        if not isinstance(state, MethodState):
-            return self.next_round(aggregate, world_size, self._keyed(state))[0]
+        or ``(None, state)`` when ``aggregate`` is the last round's (then call :meth:`decode` with it).
+        See the module doc."""
         nxt = self._next_round(aggregate.reshape(-1), int(world_size), state)
         if nxt is None:
             state.last_round = True
         return nxt, state
 
-    def decode(self, aggregate: torch.Tensor, world_size: int, state: "MethodState | Hashable" = 0, *,
-               out: torch.Tensor | None = None) -> Any:
-        """The gradient estimate from the sum over workers of the decompressed (last-round) messages:
-        ``(estimate, state)``, or the estimate alone with a key.
+    def decode(self, aggregate: torch.Tensor, world_size: int, state: MethodState, *,
+               out: torch.Tensor | None = None) -> tuple[torch.Tensor, MethodState]:
+        """The gradient estimate from the sum over workers of the decompressed (last-round) messages,
+        and the updated state: ``(estimate, state)``.
 
         ``out`` (flat, the bucket's length, the aggregate's dtype): write the estimate there and return it.
         """
-        if not isinstance(state, MethodState):
-            return self.decode(aggregate, world_size, self._keyed(state), out=out)[0]
         ms = state
         agg = aggregate.reshape(-1)
         if self.multi_round and not ms.last_round and ms.pending is not None:
@@ -213,12 +221,6 @@ class Method(ABC):
         self._decode(agg, int(world_size), ms, out)
         return out, ms
 
-    def _keyed(self, key: Hashable) -> MethodState:
-        ms = self.states.get(key)
-        if ms is None:
-            raise SparseCommError(f"method {self.name!r}: decode for bucket {key!r} without a preceding encode")
-        return ms
-
     def state_sizes(self, shapes: tuple[torch.Size, ...]) -> dict[str, list[int]]:
         """How the typed state of a bucket holding tensors of ``shapes`` (in order) splits into one
         piece per tensor: for a tensor field that is not per coordinate, how many of its values belong
@@ -226,7 +228,7 @@ class Method(ABC):
         per coordinate (``numel`` values per tensor): the default names none; a method whose state holds
         something per matrix (PowerSGD's warm-start Qs) names it. :func:`~sparsecomm.methods.state.split_state`
         and :func:`~sparsecomm.methods.state.join_state` read it to remap a state onto another bucket
-        layout (the DDP hook after DDP's bucket rebuild, :meth:`sparsecomm.pipeline.CommPipeline.bind`)."""
+        layout (the DDP hook after DDP's bucket rebuild, :meth:`sparsecomm.pipeline.states.StateStore.bind`)."""
         return {}
 
     def hyper(self) -> dict[str, Any]:
@@ -237,36 +239,13 @@ class Method(ABC):
         args = ", ".join(f"{k}={v!r}" for k, v in self.hyper().items())
         return f"{type(self).__name__}({args})"
 
-    # ------------------------------------------------------------------ the keyed convenience
-    def state(self, key: Hashable = 0) -> Any:
-        """The typed state of bucket ``key`` (``None`` before its first round); read-only by convention."""
-        ms = self.states.get(key)
-        return None if ms is None else ms.state
-
-    def keys(self) -> list[Hashable]:
-        return [k for k, ms in self.states.items() if ms.state is not None]
-
-    def state_dict(self) -> dict[str, Any]:
-        """The keyed states (tensors cloned; :func:`states_to_dict`); no process groups, no compressors.
-        A compressor's own generators (one built with ``seed=`` and called without a generator) are part
-        of the run's state: their states are saved under ``"compressor_generators"`` (once used), and
-        loading a state without them restarts those generators from the compressor's seed."""
-        return states_to_dict(self, self.states)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore exactly what :meth:`state_dict` returned (``{}`` resets)."""
-        self.states = states_from_dict(self, state)
-
-    def reset(self) -> None:
-        """Forget all keyed state (e.g. after a world-size change)."""
-        self.load_state_dict({})
-
     # --------------------------------------------------------------- for subclasses
     @abstractmethod
     def _encode(self, grad: torch.Tensor, ms: MethodState, generator: torch.Generator | None,
-                exact: bool) -> Payload:
-        """Encode; ``grad`` is the method's to overwrite (the base class cloned it if needed); update
-        ``ms.state`` and leave in ``ms.pending`` what decode needs."""
+                exact: bool, world_size: int) -> Payload:
+        """Encode; ``grad`` is the method's to overwrite (the base class cloned it if needed);
+        ``ms.state`` is built (:meth:`init_state`) and ``ms.started`` says whether a round used it
+        before; update ``ms.state`` and leave in ``ms.pending`` what decode needs."""
 
     @abstractmethod
     def _decode(self, aggregate: torch.Tensor, world_size: int, ms: MethodState, out: torch.Tensor) -> None:
@@ -298,11 +277,27 @@ class Method(ABC):
 
 
 # ---------------------------------------------------------------------- helpers
+def _first_tensor(st: Any) -> torch.Tensor | None:
+    """The first tensor field of a typed state (its length, dtype and device are the bucket's)."""
+    if is_dataclass(st):
+        for f in fields(st):
+            v = getattr(st, f.name)
+            if isinstance(v, torch.Tensor):
+                return v
+    return None
+
+
 def dense_payload(x: torch.Tensor) -> Payload:
     """The identity's payload: ``x`` itself (flat), marked as an exact round."""
     flat = x.reshape(-1)
     return Payload(kind="dense", values=flat, shape=flat.shape, dtype=flat.dtype,
                    bits=8 * flat.numel() * flat.element_size(), meta={"exact": True})
+
+
+def check_finite(x: torch.Tensor, who: str) -> None:
+    """Raise :class:`~sparsecomm.errors.NonFiniteError` naming ``who`` when ``x`` holds a NaN or Inf."""
+    if not bool(torch.isfinite(x).all()):
+        raise NonFiniteError(f"{who}: the input contains NaN or Inf; only finite tensors can be compressed")
 
 
 def resolve_compressor(compressor: str | Compressor | None, hyper: dict[str, Any], default: str,

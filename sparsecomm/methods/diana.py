@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Hashable
 
 import torch
 
@@ -73,14 +72,21 @@ class Diana(Method):
                              f"pass alpha= explicitly")
         return 1.0 / (omega + 1.0)
 
+    def _alpha(self, ms: MethodState, d: int) -> float:
+        """:meth:`alpha_for` the bucket's length, derived once per state (``ms.constants``)."""
+        if ms.constants is None:
+            ms.constants = self.alpha_for(d)
+        return ms.constants
+
+    def init_state(self, d: int, dtype: torch.dtype, device: torch.device) -> DianaState:
+        return DianaState(h_local=torch.zeros(d, dtype=dtype, device=device),
+                          h_global=torch.zeros(d, dtype=dtype, device=device))
+
     def _encode(self, grad: torch.Tensor, ms: MethodState, generator: torch.Generator | None,
-                exact: bool) -> Payload:
+                exact: bool, world_size: int) -> Payload:
         st = ms.state
-        if st is None:
-            st = DianaState(h_local=torch.zeros_like(grad), h_global=torch.zeros_like(grad))
-            ms.state = st
-            exact = exact or self.init_rule == "grad"
-        alpha = 1.0 if exact else self.alpha_for(grad.numel())
+        exact = exact or (not ms.started and self.init_rule == "grad")
+        alpha = 1.0 if exact else self._alpha(ms, grad.numel())
         msg = self._compress(grad.sub_(st.h_local), generator, exact)   # C(grad - h_i)
         self._add_decompressed(st.h_local, msg, alpha)          # h_i += alpha m_i
         ms.pending = alpha

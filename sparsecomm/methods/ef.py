@@ -17,7 +17,6 @@ flushes the residual to zero.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable
 
 import torch
 
@@ -40,13 +39,14 @@ class ErrorFeedback(Method):
     default_compressor_hyper = {"ratio": 0.01}
     State = EFState
 
+    def init_state(self, d: int, dtype: torch.dtype, device: torch.device) -> EFState:
+        return EFState(error=torch.zeros(d, dtype=dtype, device=device))
+
     def _encode(self, grad: torch.Tensor, ms: MethodState, generator: torch.Generator | None,
-                exact: bool) -> Payload:
+                exact: bool, world_size: int) -> Payload:
         st = ms.state
-        p = grad if st is None else grad.add_(st.error)        # p = g + e (in the scratch copy)
+        p = grad.add_(st.error) if ms.started else grad        # p = g + e (in the scratch copy)
         msg = self._compress(p, generator, exact)
-        if st is None:
-            st = ms.state = EFState(error=torch.empty_like(p))
         err = st.error
         err.copy_(p)
         self._add_decompressed(err, msg, -1.0)                 # e_new = p - decompress(m)

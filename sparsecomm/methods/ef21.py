@@ -19,7 +19,6 @@ Initialisation (``init``):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable
 
 import torch
 
@@ -55,13 +54,14 @@ class EF21(Method):
     def hyper(self) -> dict:
         return {**super().hyper(), "init": self.init_rule}
 
+    def init_state(self, d: int, dtype: torch.dtype, device: torch.device) -> EF21State:
+        return EF21State(g_local=torch.zeros(d, dtype=dtype, device=device),
+                         g_global=torch.zeros(d, dtype=dtype, device=device))
+
     def _encode(self, grad: torch.Tensor, ms: MethodState, generator: torch.Generator | None,
-                exact: bool) -> Payload:
+                exact: bool, world_size: int) -> Payload:
         st = ms.state
-        if st is None:
-            st = EF21State(g_local=torch.zeros_like(grad), g_global=torch.zeros_like(grad))
-            ms.state = st
-            exact = exact or self.init_rule == "grad"
+        exact = exact or (not ms.started and self.init_rule == "grad")
         msg = self._compress(grad.sub_(st.g_local), generator, exact)   # C(grad - g_i)
         self._add_decompressed(st.g_local, msg)                 # g_i += c_i
         ms.pending = exact

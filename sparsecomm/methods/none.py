@@ -7,8 +7,6 @@ compressor the estimate is unbiased with variance <= (omega/n) mean_i ||g_i||^2;
 
 from __future__ import annotations
 
-from typing import Hashable
-
 import torch
 
 from ..payload import Payload
@@ -23,7 +21,7 @@ class NoMethod(Method):
     State = None
 
     def _encode(self, grad: torch.Tensor, ms: MethodState, generator: torch.Generator | None,
-                exact: bool) -> Payload:
+                exact: bool, world_size: int) -> Payload:
         ms.pending = exact
         return self._compress(grad, generator, exact)
 

@@ -46,35 +46,10 @@ import torch
 
 from sparsecomm.theory import compressors as th
 
-from ..compressors._common import GeneratorRequiredError, raise_nonfinite
-from ..compressors.base import Compressor
+from ..compressors.lowrank import LowRank, need_generator
 from ..payload import Payload
-from .base import Method, dense_payload
+from .base import Method, check_finite, dense_payload
 from ..errors import InvalidValueError
-
-
-class LowRank(Compressor):
-    """The traits PowerSGD's rounds declare (dense payloads, a shared generator); ``compress`` is the
-    single-worker operator: one power step from a Gaussian Q on ``x`` viewed as (x.shape[0], -1)."""
-
-    name, payload_kind, shared_randomness = "powersgd", "dense", True
-
-    def __init__(self, matrix_approximation_rank: int = 1) -> None:
-        self.matrix_approximation_rank = matrix_approximation_rank
-
-    def compress(self, x, generator=None):
-        r = self.matrix_approximation_rank
-        m = x.detach().reshape(*th.powersgd_matrix(x.shape)).to(torch.float64)
-        q = torch.randn(m.shape[1], min(r, *m.shape), generator=_need(generator), dtype=m.dtype)
-        p = torch.linalg.qr(m @ q).Q
-        return Payload("dense", (p @ (m.T @ p).T).reshape(-1).to(x.dtype), x.shape, x.dtype,
-                       bits=th.powersgd_bits([x.shape], r, 0.0, torch.finfo(x.dtype).bits))
-
-    def delta(self, d):
-        return 0.0   # no worst-case contraction (theory.lowrank_delta is the best rank-r's)
-
-    def hyper(self):
-        return {"matrix_approximation_rank": self.matrix_approximation_rank}
 
 
 @dataclass
@@ -129,13 +104,13 @@ class PowerSGD(Method):
             off += n * m
         return out
 
-    def _encode(self, grad, ms, generator, exact):
+    def init_state(self, d, dtype, device):
+        return PowerSGDState(torch.zeros(d, dtype=dtype, device=device), None)
+
+    def _encode(self, grad, ms, generator, exact, world_size):
         st = ms.state
-        if st is None:
-            st = ms.state = PowerSGDState(torch.zeros_like(grad), None)
         mat = grad.add_(st.error) if self.use_error_feedback else grad
-        if not bool(torch.isfinite(mat).all()):
-            raise_nonfinite(self.name)
+        check_finite(mat, self.name)
         if exact or ms.rounds < self.start_powerSGD_iter:
             st.error.zero_()
             ms.pending = ("exact",)
@@ -143,7 +118,7 @@ class PowerSGD(Method):
         lay = self._layout(ms.shapes_of(grad.numel()))
         nq = sum(m * r for _, _, _, m, r in lay)
         if st.q is None or not self.warm_start or st.q.numel() != nq:
-            st.q = _gaussian_q(lay, _need(generator), grad)
+            st.q = _gaussian_q(lay, need_generator(generator), grad)
         parts, qoff = [mat[o:o + k] for o, k, _, _, r in lay if r == 0], 0
         for o, k, n, m, r in lay:
             if r:
@@ -202,13 +177,6 @@ def _orthonormal(x: torch.Tensor) -> torch.Tensor:
 
 def _dense(x: torch.Tensor) -> Payload:
     return Payload("dense", x, x.shape, x.dtype, bits=8 * x.numel() * x.element_size())
-
-
-def _need(generator: torch.Generator | None) -> torch.Generator:
-    if generator is None:
-        raise GeneratorRequiredError("powersgd draws its starting Q from a generator shared by every worker "
-                                     "(never the global RNG): pass one (the optimizer and the DDP hook do)")
-    return generator
 
 
 def _gaussian_q(lay, generator: torch.Generator, like: torch.Tensor) -> torch.Tensor:

@@ -43,9 +43,10 @@ class Signum(SignSGD):
     def hyper(self):
         return {"beta": self.beta}
 
+    def init_state(self, d, dtype, device):
+        return SignumState(torch.zeros(d, dtype=dtype, device=device))
+
     def _message(self, grad, ms):
         st = ms.state
-        if st is None:
-            st = ms.state = SignumState(torch.zeros_like(grad))
         st.momentum.mul_(self.beta).add_(grad, alpha=1.0 - self.beta)
         return st.momentum          # the vote's codes never alias it (SignSGD._encode copies it when exact)

@@ -1,37 +1,60 @@
-"""The explicit state of a method (:class:`MethodState`) and its checkpoint form (the leaf of the
-methods package: :mod:`.base` and the wrappers build on it)."""
+"""The explicit state of a method (:class:`MethodState`), its checkpoint form and its remapping onto
+another bucket layout (the leaf of the methods package: it imports none of its modules; a method is
+anything with the traits of :class:`MethodTraits`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, is_dataclass
-from typing import TYPE_CHECKING, Any, Hashable, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, Hashable, Protocol, Sequence
 
 import torch
 
 from ..errors import MismatchError, SparseCommError
 
-if TYPE_CHECKING:
-    from .base import Method
+
+class MethodTraits(Protocol):
+    """What the functions of this module read of a method: its name, its typed-state class and how that
+    state splits per tensor (:meth:`sparsecomm.methods.base.Method.state_sizes`)."""
+
+    name: str
+    State: type | None
+
+    def state_sizes(self, shapes: tuple[torch.Size, ...]) -> dict[str, list[int]]: ...
 
 
 @dataclass
 class MethodState:
     """Everything the rounds of one flat bucket need, explicit and typed (optax style): the method's
-    own state dataclass (``state``: EF's error, DIANA's shifts; ``None`` before the first round and for
-    stateless methods) plus the round in flight: what ``encode`` decided for ``decode`` and
-    ``next_round`` (``pending``: an exact round, DIANA's step, PowerSGD's factors), the bucket's length
-    and shapes. A checkpoint is the ``state`` fields; the round in flight is never saved (checkpoints
-    are taken between steps)."""
+    own state dataclass (``state``: EF's error, DIANA's shifts; built by ``Method.init(d, dtype,
+    device)``, ``None`` for a stateless method), the rounds encoded so far, and the round in flight:
+    what ``encode`` decided for ``decode`` and ``next_round`` (``pending``: an exact round, DIANA's
+    step, PowerSGD's factors), the bucket's length and shapes, and the method's constants for that
+    length. A checkpoint is the ``state`` fields and ``rounds``; the round in flight and the constants
+    are never saved (checkpoints are taken between steps).
+
+    The caller owns it: ``encode``/``next_round``/``decode`` take it and return it updated (its buffers
+    are reused: no fresh allocation per round), and the caller keeps the returned one."""
 
     state: Any = None
+    #: rounds encoded so far, counting the caller's steps before the state's first round (the pipeline
+    #: starts a state at the number of steps it began before that round); saved in checkpoints:
+    #: :class:`~sparsecomm.methods.warmup.Warmup` and PowerSGD's ``start_powerSGD_iter`` read it
+    rounds: int = 0
+    #: whether a round was encoded with this state (a method's ``init`` rule reads it: DIANA's and EF21's
+    #: ``init="grad"`` send the first round exact); a checkpoint holds the typed state of started ones
+    started: bool = False
     pending: Any = None
     length: int | None = None
     shapes: tuple | None = None
     last_round: bool = False
-    #: rounds encoded so far, counting the caller's steps before the state's first round (the pipeline
-    #: starts a state created at step ``s`` at ``s``); saved in checkpoints: :class:`Warmup` and
-    #: PowerSGD's ``start_powerSGD_iter`` read it
-    rounds: int = 0
+    #: what the method derives once from its hyper-parameters and the bucket's length (DIANA's
+    #: alpha(d)), set at the first round that needs it; never saved (rebuilt after a restore)
+    constants: Any = None
+
+    @property
+    def held(self) -> bool:
+        """Whether this state carries a typed state a checkpoint saves (a started stateful method's)."""
+        return self.started and self.state is not None
 
     def take_pending(self, method: str = "") -> Any:
         """What ``encode`` left for the round (consumed: a second decode raises)."""
@@ -49,25 +72,23 @@ class MethodState:
 ROUNDS = "__rounds__"
 
 
-def states_to_dict(method: Method, states: dict[Hashable, MethodState]) -> dict[str, Any]:
-    """A checkpoint of ``states`` (key -> :class:`MethodState`) of ``method``: the typed states' fields,
-    tensors cloned, plus the compressor's own generators (see :meth:`Method.state_dict`)."""
+def states_to_dict(method: MethodTraits, states: dict[Hashable, MethodState]) -> dict[str, Any]:
+    """A checkpoint of ``states`` (key -> :class:`MethodState`) of ``method``: the typed states' fields
+    (tensors cloned) of the started states, and every state's round count."""
     buckets = {}
     for key, ms in states.items():
-        st = ms.state
-        if st is not None or ms.rounds:
-            buckets[key] = {} if st is None else {f.name: _clone(getattr(st, f.name)) for f in fields(st)}
+        if ms.held or ms.rounds:
+            st = ms.state if ms.held else None
+            buckets[key] = {} if st is None else {f.name: clone(getattr(st, f.name)) for f in fields(st)}
             if ms.rounds:
                 buckets[key][ROUNDS] = ms.rounds
-    out = {"method": method.name, "buckets": buckets}
-    gens = method.compressor.generator_state() if hasattr(method.compressor, "generator_state") else {}
-    if gens:
-        out["compressor_generators"] = gens
-    return out
+    return {"method": method.name, "buckets": buckets}
 
 
-def states_from_dict(method: Method, state: dict[str, Any]) -> dict[Hashable, MethodState]:
-    """The states :func:`states_to_dict` saved (``{}``: none), checked against ``method``."""
+def states_from_dict(method: MethodTraits, state: dict[str, Any]) -> dict[Hashable, MethodState]:
+    """The states :func:`states_to_dict` saved (``{}``: none), checked against ``method``. A state saved
+    with typed fields is started; one saved with its round count only has its typed state built at its
+    next round (``Method.encode``)."""
     if not state:
         return {}
     if state.get("method", method.name) != method.name:
@@ -76,16 +97,15 @@ def states_from_dict(method: Method, state: dict[str, Any]) -> dict[Hashable, Me
     buckets = state.get("buckets", {})
     out = {}
     for key, fields_ in buckets.items():
-        typed = {k: _clone(v) for k, v in fields_.items() if k != ROUNDS}
+        typed = {k: clone(v) for k, v in fields_.items() if k != ROUNDS}
         if typed and method.State is None:
             raise MismatchError(f"method {method.name!r} is stateless but the state has fields {sorted(typed)}")
-        out[key] = MethodState(state=method.State(**typed) if typed else None, rounds=int(fields_.get(ROUNDS, 0)))
-    if hasattr(method.compressor, "load_generator_state"):  # absent: not used yet, restart from its seed
-        method.compressor.load_generator_state(state.get("compressor_generators", {}))
+        out[key] = MethodState(state=method.State(**typed) if typed else None,
+                               rounds=int(fields_.get(ROUNDS, 0)), started=bool(typed))
     return out
 
 
-def split_state(method: Method, state: Any, shapes: Sequence[torch.Size]) -> list[Any]:
+def split_state(method: MethodTraits, state: Any, shapes: Sequence[torch.Size]) -> list[Any]:
     """``state`` (the typed state of a bucket holding tensors of ``shapes``) as one state per tensor,
     cut where :meth:`Method.state_sizes <sparsecomm.methods.base.Method.state_sizes>` says (per
     coordinate by default): tensor fields sliced (views), ``None`` fields ``None`` in every piece, other
@@ -108,7 +128,7 @@ def split_state(method: Method, state: Any, shapes: Sequence[torch.Size]) -> lis
     return [type(state)(**{k: vals[i] for k, vals in per.items()}) for i in range(len(sizes[None]))]
 
 
-def join_state(method: Method, pieces: Sequence[Any], shapes: Sequence[torch.Size]) -> Any:
+def join_state(method: MethodTraits, pieces: Sequence[Any], shapes: Sequence[torch.Size]) -> Any:
     """The state of a bucket holding tensors of ``shapes`` from one piece per tensor
     (:func:`split_state`'s pieces, possibly from several buckets): tensor fields concatenated; a field
     that is ``None`` in a piece whose tensor has values in it is ``None`` in the result (the method
@@ -135,20 +155,12 @@ def join_state(method: Method, pieces: Sequence[Any], shapes: Sequence[torch.Siz
     return cls(**out)
 
 
-def _sizes(method: Method, shapes: Sequence[torch.Size]) -> dict[str | None, list[int]]:
+def _sizes(method: MethodTraits, shapes: Sequence[torch.Size]) -> dict[str | None, list[int]]:
     """:meth:`Method.state_sizes`, plus the per-coordinate sizes under the key ``None``."""
     shapes = tuple(torch.Size(s) for s in shapes)
     return {**method.state_sizes(shapes), None: [int(s.numel()) for s in shapes]}
 
 
-def _clone(v: Any) -> Any:
+def clone(v: Any) -> Any:
+    """``v`` detached and copied if it is a tensor, else ``v`` (a checkpoint never aliases a state)."""
     return v.detach().clone() if isinstance(v, torch.Tensor) else v
-
-
-def _state_numel(st: Any) -> int | None:
-    if is_dataclass(st):
-        for f in fields(st):
-            v = getattr(st, f.name)
-            if isinstance(v, torch.Tensor):
-                return v.numel()
-    return None

@@ -11,10 +11,10 @@ from ..errors import InvalidValueError
 
 class Warmup(Method):
     """``inner`` whose first ``steps`` rounds of every state are *exact* (the identity in place of the
-    compressor: uncompressed, warm-starting the state; see the module doc). A wrapper, so it composes
-    with any method and is written once (the optimizer's ``warmup_steps`` and the DDP hook's use it);
-    the round count lives in the state (:attr:`MethodState.rounds`), so a checkpoint resumes it.
-    Name, compressor and traits are ``inner``'s."""
+    compressor: uncompressed, warm-starting the state; see :mod:`sparsecomm.methods.base`). A wrapper,
+    so it composes with any method and is written once (the optimizer's ``warmup_steps`` and the DDP
+    hook's use it); the round count lives in the state (:attr:`MethodState.rounds`), so a checkpoint
+    resumes it. Name, compressor, state and traits are ``inner``'s."""
 
     def __init__(self, inner: Method, steps: int) -> None:
         if int(steps) != steps or steps < 0:
@@ -24,15 +24,6 @@ class Warmup(Method):
         self.name, self.State = inner.name, inner.State
         self.needs_unbiased, self.uses_shapes, self.multi_round = \
             inner.needs_unbiased, inner.uses_shapes, inner.multi_round
-        self.states = {}
-
-    @property
-    def world_size(self) -> int | None:   # type: ignore[override]
-        return self.inner.world_size
-
-    @world_size.setter
-    def world_size(self, n: int | None) -> None:
-        self.inner.world_size = n
 
     def hyper(self) -> dict[str, Any]:
         return {"inner": self.inner, "steps": self.steps}
@@ -40,26 +31,22 @@ class Warmup(Method):
     def state_sizes(self, shapes):
         return self.inner.state_sizes(shapes)
 
-    def init(self, d: int | None = None) -> MethodState:
-        return self.inner.init(d)
+    def init_state(self, d, dtype, device):
+        return self.inner.init_state(d, dtype, device)
 
-    def encode(self, grad, state=0, generator=None, *, exact=False, inplace=False, shapes=None):
-        if not isinstance(state, MethodState):
-            return super().encode(grad, state, generator, exact=exact, inplace=inplace, shapes=shapes)
-        return self.inner.encode(grad, state, generator, exact=exact or state.rounds < self.steps,
+    def encode(self, grad, state: MethodState, generator=None, *, world_size=1, exact=False, inplace=False,
+               shapes=None):
+        return self.inner.encode(grad, state, generator, world_size=world_size,
+                                 exact=exact or (isinstance(state, MethodState) and state.rounds < self.steps),
                                  inplace=inplace, shapes=shapes)
 
-    def next_round(self, aggregate, world_size, state=0):
-        if not isinstance(state, MethodState):
-            return super().next_round(aggregate, world_size, state)
+    def next_round(self, aggregate, world_size, state):
         return self.inner.next_round(aggregate, world_size, state)
 
-    def decode(self, aggregate, world_size, state=0, *, out=None):
-        if not isinstance(state, MethodState):
-            return super().decode(aggregate, world_size, state, out=out)
+    def decode(self, aggregate, world_size, state, *, out=None):
         return self.inner.decode(aggregate, world_size, state, out=out)
 
-    def _encode(self, grad, ms, generator, exact):  # pragma: no cover - encode delegates
+    def _encode(self, grad, ms, generator, exact, world_size):  # pragma: no cover - encode delegates
         raise NotImplementedError
 
     def _decode(self, aggregate, world_size, ms, out):  # pragma: no cover - decode delegates

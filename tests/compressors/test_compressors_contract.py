@@ -14,7 +14,7 @@ import torch
 import sparsecomm as sc
 from sparsecomm.compressors import _kernels
 from sparsecomm.compressors._common import (CompressorConfigError, CompressorInputError,
-                                            GeneratorRequiredError, RandomMixin, force_backend)
+                                            GeneratorRequiredError, force_backend)
 from sparsecomm.errors import NonFiniteError, OverflowError_, SparseCommError, UnknownNameError
 from theory import compressors as th
 
@@ -102,8 +102,6 @@ def test_unknown_name_lists_valid_ones():
     ("threshold", {"threshold": -1.0}, "threshold"),
     ("threshold", {"threshold": math.inf}, "threshold"),
     ("threshold", {}, "threshold"),
-    ("randk", {"ratio": 0.1, "seed": -1}, "seed"),
-    ("natural", {"seed": "x"}, "seed"),
     ("compose", {"first": "topk", "second": "natural", "ratio": 0.1}, "unbiased"),
     ("compose", {"first": "randk", "second": "natural", "ratio": 0.1, "levels": 3}, "levels"),
     ("induced", {"first": "randk", "second": "natural", "ratio": 0.1}, "contractive"),
@@ -246,21 +244,55 @@ RANDOM = [case for case in CASES if build(*case).unbiased and case[0] != "identi
 
 
 @pytest.mark.parametrize("case", RANDOM, ids=case_id)
-def test_random_operator_without_generator_or_seed_raises(case):
+def test_random_operator_without_generator_raises(case):
     c = build(*case)
     with pytest.raises(GeneratorRequiredError, match="generator"):
         c.compress(torch.randn(50), None)
 
 
+def _generators_held(obj, seen=None) -> list:
+    """The torch.Generators reachable from ``obj``'s attributes (dicts, lists and parts included)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, torch.Generator):
+        return [obj]
+    if isinstance(obj, dict):
+        vals = list(obj.values())
+    elif isinstance(obj, (list, tuple, set)):
+        vals = list(obj)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, (torch.Tensor, type)):
+        vals = list(vars(obj).values())
+    else:
+        return []
+    return [g for v in vals for g in _generators_held(v, seen)]
+
+
 @pytest.mark.parametrize("case", RANDOM, ids=case_id)
-def test_seeded_operator_is_reproducible_and_varies_between_calls(case):
+def test_random_operator_holds_no_generator(case):
+    """A compressor is stateless: ``seed=`` is none of its hyper-parameters and it keeps no generator of
+    its own (nothing of it belongs in a checkpoint); the caller's generator is the only randomness, so
+    the same generator state gives the same output and successive draws of one generator differ."""
     name, kw = case
+    with pytest.raises((TypeError, ValueError), match="seed"):
+        build(name, {**kw, "seed": 7})
+    c = build(name, kw)
     x = torch.randn(200, dtype=torch.float64, generator=gen(5))
-    a, b = build(name, {**kw, "seed": 7}), build(name, {**kw, "seed": 7})
-    ya1, ya2 = a.decompress(a.compress(x)), a.decompress(a.compress(x))
-    yb1 = b.decompress(b.compress(x))
-    assert torch.equal(ya1, yb1)
-    assert not torch.equal(ya1, ya2)
+    g = gen(7)
+    y1, y2 = c.decompress(c.compress(x, g)), c.decompress(c.compress(x, g))
+    assert torch.equal(y1, c.decompress(c.compress(x, gen(7)))) and not torch.equal(y1, y2)
+    assert _generators_held(c) == []
+
+
+def test_the_counter_stream_steps_by_the_codec_gamma():
+    """The bucketed kernels offset the counter-based stream by ``lo * GAMMA``, which must be the step of
+    ``codec._fixedkernels.counter_bits``: then bucket j's element t draws element ``lo + t``'s bits."""
+    key = np.uint64(0x1234_5678_9ABC_DEF0)
+    with np.errstate(over="ignore"):                    # uint64 arithmetic wraps, as in the kernels
+        for lo, t in ((0, 0), (5, 3), (4096, 17), (123_457, 999)):
+            assert _kernels._bits(key + np.uint64(lo) * _kernels.GAMMA, t) == _kernels._bits(key, lo + t)
+        assert _kernels._bits(key + np.uint64(5) * (_kernels.GAMMA + np.uint64(2)), 3) != _kernels._bits(key, 8)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -448,7 +480,7 @@ def test_paths_agree_bit_for_bit_for_deterministic_operators(case):
     test_compressors_stats.py and the rand-k uniformity test run on both paths)."""
     name, kw = case
     c = build(name, kw)
-    rand = isinstance(c, RandomMixin)
+    rand = c.unbiased and name != "identity"
     for dtype in DTYPES:
         for n in (1, 37, 1000):
             x = (torch.randn(n, generator=torch.Generator().manual_seed(n), dtype=torch.float64) * 3).to(dtype)

@@ -50,9 +50,9 @@ def _worker(ctx, steps: int, compressed: dict):
     out["pickle_has_pg"] = b"ProcessGroup" in blob or b"Fabric" in blob
     sd, sd2 = st.state_dict(), back.state_dict()
     out["roundtrip"] = (sd["steps"] == sd2["steps"] and
-                        all(torch.equal(a.error, back.pipeline.state(k).error)
-                            for k, a in ((k, st.pipeline.state(k)) for k in st.pipeline.keys())))
-    out["keys"] = sorted(st.pipeline.keys())
+                        all(torch.equal(a.error, back.pipeline.states.state(k).error)
+                            for k, a in ((k, st.pipeline.states.state(k)) for k in st.pipeline.states.keys())))
+    out["keys"] = sorted(st.pipeline.states.keys())
     out["stats"] = st.compression_stats()
     return out
 
@@ -135,7 +135,7 @@ def _resume_worker(ctx, hook, resume_cap=10_000, probe=True):
     _deep_steps(ctx, net, opt, 0, 4)
     ckpt = {"model": {k: v.clone() for k, v in model.state_dict().items()},
             "opt": pickle.loads(pickle.dumps(opt.state_dict())), "hook": pickle.loads(pickle.dumps(state.state_dict()))}
-    n_keys = len(state.pipeline.keys())
+    n_keys = len(state.pipeline.states.keys())
     model, net, state, opt = _deep_ddp(cap=resume_cap, **hook)
     model.load_state_dict(ckpt["model"])
     opt.load_state_dict(ckpt["opt"])

@@ -21,12 +21,12 @@ BY_NAME_ONLY = {"compose", "induced"}
 
 #: a by-name build and its typed twin (the same operator, the same hyper-parameters)
 TWINS = [
-    (lambda: sc.compressors.randk(ratio=0.1, seed=3), lambda: sc.compressors.get("randk", ratio=0.1, seed=3)),
+    (lambda: sc.compressors.randk(ratio=0.1), lambda: sc.compressors.get("randk", ratio=0.1)),
     (lambda: sc.compressors.randk(k=7, independent=True), lambda: sc.compressors.get("randk", k=7, independent=True)),
     (lambda: sc.compressors.topk(ratio=0.2), lambda: sc.compressors.get("topk", ratio=0.2)),
     (lambda: sc.compressors.qsgd(3, bucket_size=64), lambda: sc.compressors.get("qsgd", levels=3, bucket_size=64)),
     (lambda: sc.compressors.terngrad(bucket_size=32), lambda: sc.compressors.get("terngrad", bucket_size=32)),
-    (lambda: sc.compressors.natural(seed=1), lambda: sc.compressors.get("natural", seed=1)),
+    (lambda: sc.compressors.natural(), lambda: sc.compressors.get("natural")),
     (lambda: sc.compressors.natural_dithering(2, p=2), lambda: sc.compressors.get("natural_dithering", levels=2)),
     (lambda: sc.compressors.sign(), lambda: sc.compressors.get("sign")),
     (lambda: sc.compressors.identity(), lambda: sc.compressors.get("identity")),
@@ -85,9 +85,9 @@ def _raised(fn) -> HyperParameterError:
 
 def test_a_bad_keyword_names_the_accepted_parameters_once():
     msg = str(_raised(lambda: sc.compressors.get("qsgd", ratio=0.1)))
-    assert "'ratio'" in msg and "levels, bucket_size, seed" in msg
+    assert "'ratio'" in msg and "takes: levels, bucket_size)" in msg
     msg = str(_raised(lambda: sc.methods.get("diana", compressor="randk", ratio=0.1, aplha=0.5)))
-    assert "'aplha'" in msg and "ratio, k, seed, independent" in msg and "compressor, alpha, init" in msg
+    assert "'aplha'" in msg and "takes: ratio, k, independent;" in msg and "compressor, alpha, init" in msg
     msg = str(_raised(lambda: sc.methods.get("powersgd", ratio=0.1)))
     assert "matrix_approximation_rank, start_powerSGD_iter, min_compression_rate" in msg
     msg = str(_raised(lambda: sc.transports.get("ring", None, block_size=3)))
@@ -104,14 +104,19 @@ def test_a_bad_keyword_names_the_accepted_parameters_once():
 
 def test_the_optimizer_takes_typed_objects_bit_identically():
     """``compressor=sc.compressors.randk(...), method="diana"`` is the run of ``compressor="randk",
-    method="diana", ratio=...``, and so is a typed Method object."""
+    method="diana", ratio=...``, and so is a typed Method object as ``method=``, the flat command-line
+    form ``compressor="diana"`` and, with a FutureWarning naming ``method=``, a Method object given as
+    ``compressor=``."""
     def run(how):
         def fn(ctx):
             with ctx.seeded(0):
                 model = torch.nn.Linear(16, 1)
             kw = {"named": dict(compressor="randk", method="diana", ratio=0.25),
                   "compressor": dict(compressor=sc.compressors.randk(ratio=0.25), method="diana"),
-                  "method": dict(compressor=sc.methods.diana(sc.compressors.randk(ratio=0.25)))}[how]
+                  "method": dict(method=sc.methods.diana(sc.compressors.randk(ratio=0.25))),
+                  "method_name": dict(method="diana", ratio=0.25),
+                  "flat": dict(compressor="diana", ratio=0.25),
+                  "legacy": dict(compressor=sc.methods.diana(sc.compressors.randk(ratio=0.25)))}[how]
             opt = sc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), transport="ring", **kw)
             g = torch.Generator().manual_seed(ctx.rank)
             for _ in range(3):
@@ -122,8 +127,27 @@ def test_the_optimizer_takes_typed_objects_bit_identically():
             return model.weight.detach().clone()
         return sc.launch(fn, world_size=2, backend="sim")
     ref = run("named")
-    for how in ("compressor", "method"):
+    for how in ("compressor", "method", "method_name", "flat"):
         assert all(torch.equal(a, b) for a, b in zip(ref, run(how))), how
+    with pytest.warns(FutureWarning, match="use method="):
+        legacy = run("legacy")
+    assert all(torch.equal(a, b) for a, b in zip(ref, legacy))
+
+
+def test_compressor_takes_compressors_and_method_takes_methods():
+    """A Method object goes to ``method=`` (its compressor is its own); ``method=`` takes no compressor
+    object and ``compressor=`` no other type."""
+    from sparsecomm.errors import InvalidTypeError
+
+    m = sc.methods.ef(sc.compressors.topk(ratio=0.1))
+    assert sc.methods.build(method=m) is m
+    with pytest.raises(InvalidTypeError, match="belong to its constructor"):
+        sc.methods.build(sc.compressors.topk(ratio=0.2), method=m)
+    with pytest.raises(InvalidTypeError, match="method must be"):
+        sc.methods.build(method=sc.compressors.topk(ratio=0.2))
+    with pytest.raises(InvalidTypeError, match="method= was given too|pass the method object alone"):
+        sc.methods.build(m, method="ef")
+    assert sc.methods.build(method="ef").compressor.name == "topk"     # its default compressor
 
 
 def test_only_the_catalog_reads_signatures():

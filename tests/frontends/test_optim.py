@@ -211,7 +211,7 @@ def _options_fn(ctx):
         out["lrs"].append(opt.param_groups[0]["lr"])
     out["stats"] = opt.compression_stats()
     out["last"] = opt.last_stats
-    out["seed"] = opt._sc_pipeline.generator().initial_seed()
+    out["seed"] = opt._sc_pipeline.generators.bucket().initial_seed()
     return out
 
 
@@ -260,7 +260,7 @@ def test_shared_seed_for_shared_randomness():
         x, y = tc.batch(ctx.rank, 0)
         tc.loss_fn(model(x), y).backward()
         opt.step()
-        g = opt._sc_pipeline.generator()
+        g = opt._sc_pipeline.generators.bucket()
         return g.initial_seed(), g.get_state()
     res = sc.launch(fn, world_size=3)
     assert all(s == 11 for s, _ in res)
@@ -379,7 +379,7 @@ def test_unknown_names_and_bad_arguments():
 def test_state_dict_mismatch_and_plain_load():
     def fn(ctx):
         model = tc.MLP(0)
-        opt = sc.DistributedOptimizer(tc.make_inner(model), compressor=sc.methods.get(
+        opt = sc.DistributedOptimizer(tc.make_inner(model), method=sc.methods.get(
             "ef", compressor=sc.compressors.get("topk", ratio=0.2)), transport=AllGather(ctx.fabric))
         x, y = tc.batch(ctx.rank, 0)
         tc.loss_fn(model(x), y).backward()
@@ -390,7 +390,7 @@ def test_state_dict_mismatch_and_plain_load():
 
     def load(ctx):
         model = tc.MLP(0)
-        opt = sc.DistributedOptimizer(tc.make_inner(model), compressor=sc.methods.get(
+        opt = sc.DistributedOptimizer(tc.make_inner(model), method=sc.methods.get(
             "ef", compressor=sc.compressors.get("topk", ratio=0.2)), transport=AllGather(ctx.fabric))
         with pytest.raises(MismatchError, match="rank 1 of 2"):
             opt.load_state_dict(sds[1])                   # another worker's residuals

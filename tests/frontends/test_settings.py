@@ -1,5 +1,5 @@
 """Workers built with different settings get one error naming the setting, on every worker, at
-construction (sparsecomm.settings): on the SimFabric through the optimizer, and on 2 gloo processes
+construction (sparsecomm.pipeline.settings): on the SimFabric through the optimizer, and on 2 gloo processes
 through the DDP hook."""
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def test_settings_given_as_objects_or_names_agree():
 
 
 def test_a_forged_settings_header_is_malformed():
-    from sparsecomm.settings import TAG
+    from sparsecomm.pipeline.settings import TAG
 
     def fn(ctx):
         if ctx.rank == 1:
@@ -84,7 +84,7 @@ def _hook(ctx, per_rank):
     import warnings
 
     from sparsecomm import ddp as scddp
-    from sparsecomm.step_size import StepSizeWarning
+    from sparsecomm.pipeline.step_size import StepSizeWarning
 
     net = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4)))
     kw = {k: (v[ctx.rank] if isinstance(v, list) else v) for k, v in per_rank.items()}

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 import sparsecomm as sc
+from tests._keyed import Worker
 
 
 def _dgc(n, **kw):
-    m = sc.methods.get("dgc", sample_ratio=1.0, **kw)
-    m.world_size = n
-    return m
+    """One worker of ``n`` (``encode``'s ``world_size``)."""
+    return Worker(sc.methods.get("dgc", sample_ratio=1.0, **kw), world_size=n)
 
 
 @pytest.mark.parametrize("n", [1, 4, 9])

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import sparsecomm as sc
-from sparsecomm.methods.signsgd import VoteSign
+from sparsecomm.compressors.vote import VoteSign
 from sparsecomm.transports._guards import int_accumulator
 from sparsecomm.transports._handshake import HEADER_BYTES
 

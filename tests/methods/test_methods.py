@@ -13,7 +13,9 @@ import pytest
 import torch
 
 import sparsecomm as sc
-from sparsecomm.errors import IncompatibleError, MismatchError, UnknownNameError
+from sparsecomm.errors import IncompatibleError, InvalidTypeError, MismatchError, UnknownNameError
+from sparsecomm.methods.state import states_from_dict, states_to_dict
+from tests._keyed import Worker
 
 
 D = 64
@@ -49,7 +51,7 @@ def test_registry_names():
 def test_ef_identity_float64(cname):
     """g + e_old == decompress(m) + e_new on every round (nothing is lost, only delayed)."""
     c = sc.compressors.get(cname, ratio=0.1)
-    m = sc.methods.get("ef", compressor=c)
+    m = Worker(sc.methods.get("ef", compressor=c))
     gen = _gens(c, 1)[0]
     e_old = torch.zeros(D, dtype=torch.float64)
     for t in range(20):
@@ -71,7 +73,7 @@ def test_ef_identity_float64(cname):
 def test_diana_shifts_learn_local_gradients():
     """On a fixed gradient, E||h_i - g_i||^2 contracts by (1 - alpha) per round; h == mean h_i."""
     c = sc.compressors.get("randk", ratio=0.25)            # omega = 3, alpha = 1/4
-    methods = [sc.methods.get("diana", compressor=c) for _ in range(N)]
+    methods = [Worker(sc.methods.get("diana", compressor=c)) for _ in range(N)]
     assert methods[0].alpha_for(D) == pytest.approx(1 / (c.omega(D) + 1))
     grads, gens = _grads(), _gens(c)
     mean = sum(grads) / N
@@ -91,7 +93,7 @@ def test_diana_shifts_learn_local_gradients():
 
 def test_diana_estimate_unbiased_and_exact_round():
     c = sc.compressors.get("randk", ratio=0.25)
-    methods = [sc.methods.get("diana", compressor=c, alpha=0.1) for _ in range(N)]
+    methods = [Worker(sc.methods.get("diana", compressor=c, alpha=0.1)) for _ in range(N)]
     grads, gens = _grads(), _gens(c)
     mean = sum(grads) / N
     _, ests = _round(methods, grads, gens, exact=True)     # warm-up round: exact, shifts jump to g_i
@@ -108,7 +110,7 @@ def test_diana_needs_unbiased():
 @pytest.mark.parametrize("init", ["grad", "zeros"])
 def test_ef21_aggregate_tracks_mean(init):
     c = sc.compressors.get("topk", ratio=0.1)
-    methods = [sc.methods.get("ef21", compressor=c, init=init) for _ in range(N)]
+    methods = [Worker(sc.methods.get("ef21", compressor=c, init=init)) for _ in range(N)]
     gens = _gens(c)
     for t in range(15):
         grads = _grads(seed=t)
@@ -126,7 +128,7 @@ def test_ef21_aggregate_tracks_mean(init):
 
 def test_none_is_the_mean_of_messages():
     c = sc.compressors.get("randk", ratio=0.5)
-    methods = [sc.methods.get("none", compressor=c) for _ in range(N)]
+    methods = [Worker(sc.methods.get("none", compressor=c)) for _ in range(N)]
     msgs, ests = _round(methods, _grads(), _gens(c))
     torch.testing.assert_close(ests[0], sum(p.to_dense() for p in msgs) / N)
     # stateless: a bucket's state is only its round count (which a warm-up wrapper reads)
@@ -147,7 +149,7 @@ def _run(methods, gens, rounds, seed0, keys=(0, "b")):
 @pytest.mark.parametrize("name,cname", [("ef", "topk"), ("ef21", "topk"), ("diana", "randk")])
 def test_state_dict_round_trip(name, cname):
     c = sc.compressors.get(cname, ratio=0.2)
-    methods = [sc.methods.get(name, compressor=c) for _ in range(N)]
+    methods = [Worker(sc.methods.get(name, compressor=c)) for _ in range(N)]
     gens = _gens(c)
     _run(methods, gens, 3, 0)
     # through torch.save, as a checkpoint would
@@ -167,7 +169,7 @@ def test_state_dict_round_trip(name, cname):
         for f, v in fields.items():
             w = snapshot["buckets"][key][f]
             assert torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w
-    fresh = [sc.methods.get(name, compressor=c) for _ in range(N)]
+    fresh = [Worker(sc.methods.get(name, compressor=c)) for _ in range(N)]
     for m, sd in zip(fresh, saved):
         m.load_state_dict(sd)
     for m, m0 in zip(fresh, methods):
@@ -183,14 +185,17 @@ def test_state_dict_round_trip(name, cname):
 def test_load_wrong_method_and_length_mismatch():
     c = sc.compressors.get("topk", ratio=0.1)
     ef = sc.methods.get("ef", compressor=c)
-    ef.encode(torch.ones(D, dtype=torch.float64), 0)
-    ef.decode(torch.ones(D, dtype=torch.float64), 1, 0)
+    st = ef.init(D, torch.float64)
+    _, st = ef.encode(torch.ones(D, dtype=torch.float64), st)
+    _, st = ef.decode(torch.ones(D, dtype=torch.float64), 1, st)
     with pytest.raises(MismatchError, match="ef21"):
-        sc.methods.get("ef21", compressor=c).load_state_dict(ef.state_dict())
+        states_from_dict(sc.methods.get("ef21", compressor=c), states_to_dict(ef, {0: st}))
     with pytest.raises(MismatchError, match="layout"):
-        ef.encode(torch.ones(D + 1, dtype=torch.float64), 0)
-    ef.reset()
-    assert ef.state(0) is None
+        ef.encode(torch.ones(D + 1, dtype=torch.float64), st)
+    with pytest.raises(MismatchError, match="float32"):          # a state of another dtype
+        ef.encode(torch.ones(D, dtype=torch.float64), ef.init(D))
+    with pytest.raises(InvalidTypeError, match="MethodState"):   # no state kept by key in the method
+        ef.encode(torch.ones(D, dtype=torch.float64), 0)
 
 
 def test_hyper_parameters_apart_from_state():
@@ -218,7 +223,7 @@ def test_inplace_encode_and_out_decode_match_pure_calls():
     numbers as the pure calls, and the estimate never aliases the state."""
     for name, cname in (("ef", "topk"), ("ef21", "topk"), ("diana", "randk")):
         c = sc.compressors.get(cname, ratio=0.25)
-        a, b = sc.methods.get(name, compressor=c), sc.methods.get(name, compressor=c)
+        a, b = Worker(sc.methods.get(name, compressor=c)), Worker(sc.methods.get(name, compressor=c))
         ga, gb = _gens(c, 1)[0], _gens(c, 1)[0]
         out = torch.empty(D, dtype=torch.float64)
         for t in range(5):
@@ -257,43 +262,54 @@ def test_typed_factories_match_the_catalog():
 @pytest.mark.parametrize("name,hyper", [("diana", {"ratio": 0.2}), ("ef", {"ratio": 0.2}),
                                         ("ef21", {"ratio": 0.2}), ("onebit", {"bucket_size": 8}),
                                         ("powersgd", {"matrix_approximation_rank": 1})])
-def test_pure_state_equals_keyed_and_holds_everything(name, hyper):
+def test_the_state_holds_everything(name, hyper):
     """One method object, two explicit states (two workers): ``encode``/``next_round``/``decode`` on
-    states give bit-identically what two keyed method objects give, the method object keeps nothing
-    (its keyed ``states`` stay empty), and a state copied between rounds resumes exactly."""
+    states give bit-identically what two method objects, one per worker, give; the method object keeps
+    nothing (no tensor among its attributes), and a state copied between rounds resumes exactly."""
     import copy
 
     m = sc.methods.get(name, **hyper)
-    keyed = [sc.methods.get(name, **hyper) for _ in range(2)]
+    own = [sc.methods.get(name, **hyper) for _ in range(2)]
     sts = [m.init(48) for _ in range(2)]
+    osts = [o.init(48) for o in own]
     g = torch.Generator().manual_seed(0)
     shapes = [torch.Size([6, 8])]
     for t in range(4):
         G = torch.randn(2, 48, generator=g)
         seeds = [torch.Generator().manual_seed(100 * t + i % 2) for i in range(4)]
-        pays = []
+        pays, opays = [], []
         for i in range(2):
             p, sts[i] = m.encode(G[i], sts[i], seeds[i], shapes=shapes)
             pays.append(p)
-        kp = [keyed[i].encode(G[i], 0, seeds[2 + i], shapes=shapes) for i in range(2)]
-        agg, kagg = sum(p.to_dense() for p in pays), sum(p.to_dense() for p in kp)
-        assert torch.equal(agg, kagg)
+            p, osts[i] = own[i].encode(G[i], osts[i], seeds[2 + i], shapes=shapes)
+            opays.append(p)
+        agg, oagg = sum(p.to_dense() for p in pays), sum(p.to_dense() for p in opays)
+        assert torch.equal(agg, oagg)
         while True:
-            nxt = []
+            nxt, onxt = [], []
             for i in range(2):
                 q, sts[i] = m.next_round(agg, 2, sts[i])
                 nxt.append(q)
-            knxt = [k.next_round(kagg, 2, 0) for k in keyed]
+                q, osts[i] = own[i].next_round(oagg, 2, osts[i])
+                onxt.append(q)
             if nxt[0] is None:
-                assert knxt[0] is None
+                assert onxt[0] is None
                 break
-            agg, kagg = sum(p.to_dense() for p in nxt), sum(p.to_dense() for p in knxt)
+            agg, oagg = sum(p.to_dense() for p in nxt), sum(p.to_dense() for p in onxt)
         if t == 1:      # a checkpoint is the states: a deep copy resumes exactly
             sts = [copy.deepcopy(s) for s in sts]
         for i in range(2):
             est, sts[i] = m.decode(agg, 2, sts[i])
-            assert torch.equal(est, keyed[i].decode(kagg, 2, 0))
-    assert m.states == {} and m.keys() == []
+            oest, osts[i] = own[i].decode(oagg, 2, osts[i])
+            assert torch.equal(est, oest)
+    assert not [k for k, v in vars(m).items() if isinstance(v, (torch.Tensor, dict))]
+
+
+def test_init_builds_the_typed_state():
+    """``init(d, dtype, device)`` builds the typed state before any round, in the bucket's dtype."""
+    st = sc.methods.diana(sc.compressors.randk(ratio=0.5)).init(10, torch.float64)
+    assert st.state.h_local.shape == (10,) and st.state.h_local.dtype == torch.float64 and not st.started
+    assert sc.methods.none().init(10).state is None
 
 
 def test_warmup_wrapper_composes_and_resumes():
@@ -306,8 +322,6 @@ def test_warmup_wrapper_composes_and_resumes():
         kinds, ests = [], []
         for t in range(4):
             if split and t == 1:
-                from sparsecomm.methods.base import states_from_dict, states_to_dict
-
                 m = sc.methods.warmup(sc.methods.ef21(sc.compressors.get("topk", ratio=0.25)), 2)
                 st = states_from_dict(m, states_to_dict(m, {0: st}))[0]
             g = torch.randn(16, generator=torch.Generator().manual_seed(t))

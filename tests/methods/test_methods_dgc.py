@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import sparsecomm as sc
+from tests._keyed import Worker
 from theory import compressors as th
 
 
@@ -25,7 +26,7 @@ def _init(model):
 
 
 def test_momentum_correction_and_factor_masking_float64():
-    m = sc.methods.get("dgc", ratio=0.05, momentum=0.9, sample_ratio=1.0)
+    m = Worker(sc.methods.get("dgc", ratio=0.05, momentum=0.9, sample_ratio=1.0))
     g = torch.Generator().manual_seed(0)
     d = 400
     u = torch.zeros(d, dtype=torch.float64)
@@ -56,11 +57,10 @@ def test_sampled_threshold_sends_a_top_set_of_expected_size():
     j = math.ceil(keep * s)
     rng = np.random.default_rng(0)
     law = np.minimum(rng.beta(j, s - j + 1, 200_000) * d, k) / k
-    m = sc.methods.get("dgc", ratio=keep, momentum=0.0)
     g = torch.Generator().manual_seed(1)
     counts = []
     for t in range(T):
-        m.reset()
+        m = Worker(sc.methods.get("dgc", ratio=keep, momentum=0.0))
         x = torch.randn(d, generator=g)
         p = m.encode(x, t, g)
         sent = p.indices
@@ -78,7 +78,7 @@ def test_sampled_threshold_is_the_same_on_both_kernel_paths(dtype):
     """The Numba path (gathered sample, one collecting pass, no |x| temporary) sends the torch path's
     indices and values, draws the same sample (the generator ends in the same state), and decompresses
     to the same bits; a NaN in the sample gives a NaN threshold and an empty message on both."""
-    from sparsecomm.methods.dgc import SampledTopK
+    from sparsecomm.compressors.sampled_topk import SampledTopK
 
     x = torch.randn(300_001, generator=torch.Generator().manual_seed(6), dtype=torch.float64).to(dtype)
     for keep in (0.001, 0.01, 0.3):
@@ -99,7 +99,7 @@ def test_sampled_threshold_is_the_same_on_both_kernel_paths(dtype):
 def test_sparsity_warmup_schedule():
     assert [1 - th.dgc_keep(t, 0.001, 8) for t in range(9)] == pytest.approx(
         [0.75, 0.75, 0.9375, 0.9375, 0.984375, 0.984375, 0.99609375, 0.99609375, 0.999])
-    m = sc.methods.get("dgc", ratio=0.001, warmup_steps=4, sample_ratio=1.0)
+    m = Worker(sc.methods.get("dgc", ratio=0.001, warmup_steps=4, sample_ratio=1.0))
     g = torch.Generator().manual_seed(2)
     sizes = [m.encode(torch.randn(4096, generator=g), 0, g).indices.numel() for _ in range(6)]
     assert sizes == [1024, 256, 64, 16, 4, 4]
@@ -107,16 +107,15 @@ def test_sparsity_warmup_schedule():
 
 def test_local_clipping_uses_the_world_size():
     m = sc.methods.get("dgc", ratio=1.0, momentum=0.0, clip_norm=2.0, sample_ratio=1.0)
-    m.world_size = 4
     x = torch.full((100,), 1.0)                  # ||x|| = 10 > 2/sqrt(4) = 1
-    p = m.encode(x, 0)
+    p, _ = m.encode(x, m.init(100), world_size=4)
     assert float(p.to_dense().norm()) == pytest.approx(1.0, rel=1e-6)
     with pytest.raises(ValueError):
         sc.methods.get("dgc", momentum=1.0)
 
 
 def test_exact_round_is_dense_momentum_sgd():
-    m = sc.methods.get("dgc", momentum=0.5)
+    m = Worker(sc.methods.get("dgc", momentum=0.5))
     a, b = torch.ones(10), 2 * torch.ones(10)
     assert torch.equal(m.encode(a, 0, exact=True).to_dense(), a)
     m.decode(a, 1, 0)

@@ -1,9 +1,9 @@
-"""A method's checkpoint carries its compressor's own generators.
+"""A method's checkpoint is its states; the randomness is the caller's generator.
 
-A compressor built with ``seed=`` and called without a generator draws from a generator of its own
-(sparsecomm/compressors/_common.py); that generator is part of the run's state. Resuming from
-``Method.state_dict()`` into a fresh method with a fresh compressor must continue bit for bit, and the
-test shows that without the saved generator state the continuation differs.
+A compressor holds no generator of its own (sparsecomm/compressors/_common.py): the caller passes one
+to every ``encode``. Resuming from the saved states and the saved generator state into a fresh method
+with a fresh compressor continues bit for bit; the saved states carry nothing of the compressor, and
+without the generator state the continuation differs.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import sparsecomm as sc
+from sparsecomm.methods.state import states_from_dict, states_to_dict
 
 D = 200
 
@@ -22,14 +23,14 @@ def _grads(t: int) -> torch.Tensor:
     return torch.randn(D, generator=torch.Generator().manual_seed(1000 + t), dtype=torch.float64)
 
 
-def _rounds(method, t0: int, t1: int):
-    """Payload values (and indices) and estimates of rounds t0..t1-1, one worker, generator=None."""
+def _rounds(method, st, gen, t0: int, t1: int):
+    """Payload values (and indices) and estimates of rounds t0..t1-1, one worker."""
     out = []
     for t in range(t0, t1):
-        p = method.encode(_grads(t), 0)
-        est = method.decode(p.to_dense().reshape(-1), 1, 0)
+        p, st = method.encode(_grads(t), st, gen)
+        est, st = method.decode(p.to_dense().reshape(-1), 1, st)
         out.append((p.values.clone(), None if p.indices is None else p.indices.clone(), est.clone()))
-    return out
+    return out, st
 
 
 def _same(a, b) -> bool:
@@ -40,22 +41,24 @@ def _same(a, b) -> bool:
 
 @pytest.mark.parametrize("method,cname,hyper", [("none", "randk", {"k": 7}), ("diana", "randk", {"k": 7}),
                                                 ("ef21", "randk", {"k": 7}), ("diana", "qsgd", {"levels": 4})])
-def test_resume_is_bit_identical_with_a_private_generator(method, cname, hyper):
-    make = lambda: sc.methods.get(method, compressor=sc.compressors.get(cname, seed=11, **hyper))  # noqa: E731
+def test_resume_is_bit_identical_from_the_states_and_the_generator(method, cname, hyper):
+    make = lambda: sc.methods.get(method, compressor=sc.compressors.get(cname, **hyper))  # noqa: E731
     m = make()
-    _rounds(m, 0, 4)
+    gen = torch.Generator().manual_seed(11)
+    _, st = _rounds(m, m.init(D, torch.float64), gen, 0, 4)
     buf = io.BytesIO()
-    torch.save(m.state_dict(), buf)                    # through torch.save, as a checkpoint would
+    torch.save({"states": states_to_dict(m, {0: st}), "generator": gen.get_state()}, buf)
     buf.seek(0)
-    sd = torch.load(buf)
-    assert "cpu" in sd["compressor_generators"]
-    cont = _rounds(m, 4, 9)
+    sd = torch.load(buf)                                # through torch.save, as a checkpoint would
+    assert set(sd["states"]) == {"method", "buckets"}  # nothing of the compressor
+    cont, _ = _rounds(m, st, gen, 4, 9)
 
     fresh = make()
-    fresh.load_state_dict(sd)
-    assert _same(cont, _rounds(fresh, 4, 9))
+    g2 = torch.Generator()
+    g2.set_state(sd["generator"])
+    again, _ = _rounds(fresh, states_from_dict(fresh, sd["states"])[0], g2, 4, 9)
+    assert _same(cont, again)
 
-    # the generator state is what makes it identical: without it the continuation draws other coordinates
-    blind = make()
-    blind.load_state_dict({k: v for k, v in sd.items() if k != "compressor_generators"})
-    assert not _same(cont, _rounds(blind, 4, 9))
+    # the generator state is what makes it identical: another one draws other coordinates
+    blind, _ = _rounds(make(), states_from_dict(fresh, sd["states"])[0], torch.Generator().manual_seed(11), 4, 9)
+    assert not _same(cont, blind)

@@ -11,6 +11,7 @@ import torch
 import sparsecomm as sc
 from sparsecomm.errors import IncompatibleError
 from sparsecomm.pipeline import CommPipeline
+from tests._keyed import Worker
 
 TRANSPORTS = ("ring", "allgather", "omnireduce", "switch", "sparse-switch")
 TABLE = {"powersgd": TRANSPORTS, "signsgd": TRANSPORTS, "signum": TRANSPORTS,
@@ -53,14 +54,14 @@ def test_unknown_hyper_parameter_names_the_methods_own():
 def test_non_finite_gradient_raises_clearly(name):
     from sparsecomm.errors import NonFiniteError
 
-    m = sc.methods.get(name)
+    m = Worker(sc.methods.get(name))
     x = torch.ones(64)
     x[7] = float("nan")
     with pytest.raises(NonFiniteError):
         m.encode(x, 0, torch.Generator(), shapes=[(8, 8)])
     x[7] = float("inf")
     with pytest.raises(NonFiniteError):
-        sc.methods.get(name).encode(x, 0, torch.Generator(), shapes=[(8, 8)])
+        Worker(sc.methods.get(name)).encode(x, 0, torch.Generator(), shapes=[(8, 8)])
 
 
 def _alone(m, x, seed):
@@ -75,10 +76,10 @@ def _alone(m, x, seed):
 def test_state_dict_round_trip_continues_identically(name):
     g = torch.Generator().manual_seed(3)
     xs = [torch.randn(64, generator=g) for _ in range(4)]
-    a = sc.methods.get(name)
+    a = Worker(sc.methods.get(name))
     for t in range(2):
         _alone(a, xs[t], t)
-    b = sc.methods.get(name)
+    b = Worker(sc.methods.get(name))
     b.load_state_dict(a.state_dict())
     for t in (2, 3):
         assert torch.equal(_alone(a, xs[t], t), _alone(b, xs[t], t))
@@ -89,7 +90,7 @@ def test_random_methods_never_fall_back_to_the_global_rng(name):
     from sparsecomm.compressors._common import GeneratorRequiredError
 
     with pytest.raises(GeneratorRequiredError):
-        sc.methods.get(name).encode(torch.randn(100_000), 0, None, shapes=[(400, 250)])
+        Worker(sc.methods.get(name)).encode(torch.randn(100_000), 0, None, shapes=[(400, 250)])
 
 
 @pytest.mark.parametrize("name", sorted(TABLE))
@@ -107,7 +108,7 @@ def test_methods_with_their_own_operator_refuse_a_compressor(name):
 def test_decode_before_the_last_round_raises(name):
     from sparsecomm.errors import SparseCommError
 
-    m = sc.methods.get(name)
+    m = Worker(sc.methods.get(name))
     agg = m.encode(torch.randn(64), 0, torch.Generator(), shapes=[(8, 8)]).to_dense()
     with pytest.raises(SparseCommError, match="next_round"):
         m.decode(agg, 1, 0)
@@ -130,7 +131,7 @@ def test_algorithms_runner_takes_every_round():
     m = sc.methods.get("onebit", bucket_size=16)    # one method, one explicit state per worker
     G = torch.randn(3, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     stub = Stub()
-    stub.states = [m.init(64) for _ in range(3)]
+    stub.states = [m.init(64, torch.float64) for _ in range(3)]
     est = ab.CompressedOptimizer.run_methods(stub, m, G)
     local = [G[i] - stub.states[i].state.error for i in range(3)]
     torch.testing.assert_close(est, sum(local) / 3, rtol=0, atol=1e-12)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import sparsecomm as sc
+from tests._keyed import Worker
 from theory import compressors as th
 
 SHAPES = [(8, 6), (5,), (12, 10), (3, 2)]      # (5,) and (3, 2) are sent whole at rate 2
@@ -43,7 +44,7 @@ def run_step(methods, grads, gen_seed, shapes=SHAPES):
 
 def test_two_rounds_error_feedback_identity_float64():
     n, gen = 3, torch.Generator().manual_seed(1)
-    ms = [sc.methods.get("powersgd", matrix_approximation_rank=1) for _ in range(n)]
+    ms = [Worker(sc.methods.get("powersgd", matrix_approximation_rank=1)) for _ in range(n)]
     for step in range(4):
         grads = [torch.randn(D, generator=gen, dtype=torch.float64) for _ in range(n)]
         before = [m.state(0).error.clone() if m.state(0) else torch.zeros(D, dtype=torch.float64) for m in ms]
@@ -65,14 +66,14 @@ def test_two_rounds_error_feedback_identity_float64():
 def test_exact_when_the_workers_share_a_rank_r_column_space():
     n, r, gen = 4, 2, torch.Generator().manual_seed(2)
     u = torch.randn(12, r, generator=gen, dtype=torch.float64)
-    ms = [sc.methods.get("powersgd", matrix_approximation_rank=r, use_error_feedback=False) for _ in range(n)]
+    ms = [Worker(sc.methods.get("powersgd", matrix_approximation_rank=r, use_error_feedback=False)) for _ in range(n)]
     grads = [(u @ torch.randn(r, 10, generator=gen, dtype=torch.float64)).reshape(-1) for _ in range(n)]
     est, rounds = run_step(ms, grads, 0, shapes=[(12, 10)])
     assert rounds == 2
     torch.testing.assert_close(est[0], sum(grads) / n, rtol=0, atol=1e-10)
     # a rank-(r+1) sum is not recovered by rank r: the projection loses energy, bounded by ||mean||
     v = [torch.randn(12, 10, generator=gen, dtype=torch.float64).reshape(-1) for _ in range(n)]
-    ms = [sc.methods.get("powersgd", matrix_approximation_rank=r, use_error_feedback=False) for _ in range(n)]
+    ms = [Worker(sc.methods.get("powersgd", matrix_approximation_rank=r, use_error_feedback=False)) for _ in range(n)]
     est, _ = run_step(ms, v, 0, shapes=[(12, 10)])
     mean = sum(v) / n
     assert 0 < (est[0] - mean).norm() < mean.norm()
@@ -85,7 +86,7 @@ def test_warm_start_converges_to_the_best_rank_r_approximation():
     m = torch.randn(12, 10, generator=gen, dtype=torch.float64)
     s = torch.linalg.svdvals(m)
     best = s[2:].square().sum().sqrt()
-    meth = [sc.methods.get("powersgd", matrix_approximation_rank=2, use_error_feedback=False)]
+    meth = [Worker(sc.methods.get("powersgd", matrix_approximation_rank=2, use_error_feedback=False))]
     errs = [(run_step(meth, [m.reshape(-1)], k, shapes=[(12, 10)])[0][0] - m.reshape(-1)).norm()
             for k in range(60)]
     assert errs[-1] <= best * (1 + 1e-6) and errs[-1] >= best * (1 - 1e-9)
@@ -96,7 +97,7 @@ def test_warm_start_converges_to_the_best_rank_r_approximation():
 
 def test_start_iter_and_exact_rounds_are_plain_averages():
     n, gen = 2, torch.Generator().manual_seed(4)
-    ms = [sc.methods.get("powersgd", start_powerSGD_iter=2) for _ in range(n)]
+    ms = [Worker(sc.methods.get("powersgd", start_powerSGD_iter=2)) for _ in range(n)]
     for step in range(3):
         grads = [torch.randn(D, generator=gen, dtype=torch.float64) for _ in range(n)]
         est, rounds = run_step(ms, grads, step)
@@ -111,9 +112,9 @@ def test_start_iter_and_exact_rounds_are_plain_averages():
 def test_state_dict_round_trip_continues_identically():
     gen = torch.Generator().manual_seed(5)
     grads = [[torch.randn(D, generator=gen, dtype=torch.float64) for _ in range(2)] for _ in range(3)]
-    a = [sc.methods.get("powersgd") for _ in range(2)]
+    a = [Worker(sc.methods.get("powersgd")) for _ in range(2)]
     run_step(a, grads[0], 0)
-    b = [sc.methods.get("powersgd") for _ in range(2)]
+    b = [Worker(sc.methods.get("powersgd")) for _ in range(2)]
     for x, y in zip(a, b):
         y.load_state_dict(x.state_dict())
     for t in (1, 2):
@@ -274,8 +275,8 @@ def test_half_precision_orthogonalises_in_float32(dtype):
     16 or more values differ between dtypes: torch draws them with another kernel.)"""
     gen = torch.Generator().manual_seed(8)
     g0 = [torch.randn(D, generator=gen) for _ in range(2)]
-    half = [sc.methods.get("powersgd", matrix_approximation_rank=2) for _ in range(2)]
-    full = [sc.methods.get("powersgd", matrix_approximation_rank=2) for _ in range(2)]
+    half = [Worker(sc.methods.get("powersgd", matrix_approximation_rank=2)) for _ in range(2)]
+    full = [Worker(sc.methods.get("powersgd", matrix_approximation_rank=2)) for _ in range(2)]
     run_step(half, g0, 0)
     run_step(full, g0, 0)
     for m in half:
@@ -334,7 +335,7 @@ def test_state_splits_per_tensor_and_rejoins_onto_another_layout():
     from sparsecomm.methods.state import join_state, split_state
 
     gen = torch.Generator().manual_seed(9)
-    ms = [sc.methods.get("powersgd", matrix_approximation_rank=1) for _ in range(2)]
+    ms = [Worker(sc.methods.get("powersgd", matrix_approximation_rank=1)) for _ in range(2)]
     for step in range(2):
         run_step(ms, [torch.randn(D, generator=gen) for _ in range(2)], step)
     m, st = ms[0], ms[0].states[0].state

@@ -12,8 +12,9 @@ import torch
 
 import sparsecomm as sc
 from sparsecomm.errors import IncompatibleError, NonFiniteError
-from sparsecomm.methods.signsgd import VoteSign
+from sparsecomm.compressors.vote import VoteSign
 from sparsecomm.pipeline import CommPipeline
+from tests._keyed import Worker
 from theory import compressors as th
 
 D = 4097
@@ -52,7 +53,7 @@ def test_majority_vote_is_exact_in_the_network(method, transport):
 
 
 def test_vote_ties_give_zero_and_exact_round_is_the_sign_of_the_sum():
-    ms = [sc.methods.get("signsgd") for _ in range(2)]
+    ms = [Worker(sc.methods.get("signsgd")) for _ in range(2)]
     x = [torch.tensor([1.0, -2.0, 3.0, -0.5]), torch.tensor([-1.0, -1.0, 1.0, 3.0])]
     agg = sum(m.encode(v, 0).to_dense() for m, v in zip(ms, x))
     assert torch.equal(ms[0].decode(agg, 2, 0), torch.tensor([0.0, -1.0, 1.0, 0.0]))
@@ -65,7 +66,7 @@ def test_vote_error_rate_is_the_binomial_tail(n, p):
     """Each worker's sign is wrong independently with probability p: the vote is wrong (or tied)
     with probability theory.majority_vote_error(n, p); d coordinates are d Bernoulli trials."""
     d, g = 200_000, torch.Generator().manual_seed(n)
-    ms = [sc.methods.get("signsgd") for _ in range(n)]
+    ms = [Worker(sc.methods.get("signsgd")) for _ in range(n)]
     truth = torch.ones(d)
     agg = sum(m.encode(torch.where(torch.rand(d, generator=g) < p, -1.0, 1.0), 0).to_dense() for m in ms)
     est = ms[0].decode(agg, n, 0)
@@ -78,7 +79,7 @@ def test_vote_error_rate_is_the_binomial_tail(n, p):
 
 
 def test_signum_beta_zero_is_signsgd_and_bad_beta():
-    a, b = sc.methods.get("signum", beta=0.0), sc.methods.get("signsgd")
+    a, b = Worker(sc.methods.get("signum", beta=0.0)), Worker(sc.methods.get("signsgd"))
     x = torch.randn(100, generator=torch.Generator().manual_seed(0))
     assert torch.equal(a.encode(x, 0).to_dense(), b.encode(x, 0).to_dense())
     with pytest.raises(ValueError):
@@ -90,7 +91,7 @@ def test_signum_beta_zero_is_signsgd_and_bad_beta():
 def test_signum_sends_its_momentum_without_copying_it_but_an_exact_round_copies():
     """signum's vote reads the momentum in place (its codes never alias it); an exact round's dense
     payload is a copy, untouched by later rounds."""
-    m = sc.methods.get("signum", beta=0.5)
+    m = Worker(sc.methods.get("signum", beta=0.5))
     x = torch.randn(64, generator=torch.Generator().manual_seed(1))
     p = m.encode(x, 0, exact=True)
     mom = m.state(0).momentum
@@ -101,7 +102,7 @@ def test_signum_sends_its_momentum_without_copying_it_but_an_exact_round_copies(
 
 
 def test_vote_payload_is_one_bit_integer_codes_with_a_shared_scale():
-    p = sc.methods.get("signsgd").encode(torch.randn(1000), 0)
+    p = Worker(sc.methods.get("signsgd")).encode(torch.randn(1000), 0)
     assert p.kind == "quantized" and p.shared_scale and p.values.dtype == torch.int8
     assert set(p.values.unique().tolist()) <= {-1, 1} and p.bits == th.sign_vote_bits(1000) == 1000
 
@@ -162,7 +163,7 @@ def _symmetric_error(p, b):
 
 @pytest.mark.parametrize("levels", ["two", "symmetric"])
 def test_onebit_error_feedback_identity_and_exact_contraction(levels):
-    m = sc.methods.get("onebit", bucket_size=16, levels=levels)
+    m = Worker(sc.methods.get("onebit", bucket_size=16, levels=levels))
     g = torch.Generator().manual_seed(1)
     err = torch.zeros(1000, dtype=torch.float64)
     for _ in range(5):
@@ -185,7 +186,7 @@ def test_onebit_error_feedback_identity_and_exact_contraction(levels):
 
 @pytest.mark.parametrize("levels", ["two", "symmetric"])
 def test_onebit_delta_is_tight_at_a_spike(levels):
-    m = sc.methods.get("onebit", bucket_size=8, levels=levels)
+    m = Worker(sc.methods.get("onebit", bucket_size=8, levels=levels))
     x = torch.zeros(8, dtype=torch.float64)
     x[3] = 2.0
     _onebit_step(m, x)
@@ -196,7 +197,7 @@ def test_onebit_delta_is_tight_at_a_spike(levels):
 def test_onebit_residual_stays_bounded(levels):
     """EF with a delta-contractive operator: ||e_t|| <= sqrt(1-delta) (||e_{t-1}|| + ||g_t||), so
     ||e_t|| <= G sqrt(1-delta) / (1 - sqrt(1-delta)) for ||g_t|| <= G (derived)."""
-    m, g = sc.methods.get("onebit", bucket_size=32, levels=levels), torch.Generator().manual_seed(2)
+    m, g = Worker(sc.methods.get("onebit", bucket_size=32, levels=levels)), torch.Generator().manual_seed(2)
     c = math.sqrt(1 - th.onebit_delta(32))
     G = 0.0
     for _ in range(200):
@@ -212,7 +213,7 @@ def test_onebit_levels_are_rounded_once_and_both_paths_agree(bucket):
     float64 levels (the reference: torch float64 sums) rounded to nearest, which the float32 torch path
     matches to a few ulp; the codes agree bit for bit, and so does the residual e = p - q given the same
     levels (q = s + a or -s + a per bucket in float32, one subtraction per entry)."""
-    from sparsecomm.methods.onebit import OneBit, _residual
+    from sparsecomm.compressors.onebit import OneBit, residual
 
     x = torch.randn(10_007, generator=torch.Generator().manual_seed(5)) + 0.3
     x[:2] = torch.tensor([0.0, -0.0])
@@ -235,7 +236,7 @@ def test_onebit_levels_are_rounded_once_and_both_paths_agree(bucket):
         for path in ("numba", "torch"):
             with sc.kernels.force(path):
                 e = torch.empty_like(x)
-                _residual(x, codes, s, a, b, e)
+                residual(x, codes, s, a, b, e)
                 errs.append(e)
         assert torch.equal(errs[0], errs[1]) and torch.equal(errs[0].signbit(), errs[1].signbit())
 
@@ -244,7 +245,7 @@ def _onebit_worker(ctx, levels):
     pipe = CommPipeline("onebit", "allgather", fabric=ctx.fabric, bucket_size=64, levels=levels)
     x = torch.randn(1000, generator=torch.Generator().manual_seed(ctx.rank))
     out = pipe.reduce(x.clone(), 0).clone()
-    return x - pipe.state(0).error, out, pipe.stats.rounds
+    return x - pipe.states.state(0).error, out, pipe.stats.rounds
 
 
 @pytest.mark.parametrize("levels", ["two", "symmetric"])
@@ -264,7 +265,7 @@ def _ledger_worker(ctx, method, kw):
     pipe = CommPipeline(method, "allgather", fabric=ctx.fabric, **kw)
     x = torch.randn(1 << 15, generator=torch.Generator().manual_seed(ctx.rank))
     pipe.reduce(x, 0)
-    return pipe.totals().as_dict()
+    return pipe.stats.as_dict()
 
 
 @pytest.mark.parametrize("method,kw", [("signsgd", {}), ("onebit", {"levels": "two"}),

@@ -1,4 +1,4 @@
-"""What theory says about the step size (sparsecomm.step_size, theory.rates.step_scale): the method's
+"""What theory says about the step size (sparsecomm.pipeline.step_size, theory.rates.step_scale): the method's
 variance factor and the scale on a learning rate tuned without compression, read at construction, and
 the one-line warning for the methods whose step bound carries the variance factor."""
 
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import sparsecomm as sc
-from sparsecomm.step_size import StepSizeWarning
+from sparsecomm.pipeline.step_size import StepSizeWarning
 from theory import rates
 
 

@@ -123,7 +123,7 @@ def _train_overlap(ctx, overlap, steps=6, **kw):
         opt.zero_grad()
         x, y = tc.batch(ctx.rank, t)
         tc.loss_fn(model(x), y).backward()
-        in_flight.append(len(opt._sc_works))        # buckets started by backward, before step()
+        in_flight.append(opt._sc_scheduler.in_flight)        # buckets started by backward, before step()
         opt.step()
     sd = opt.state_dict()["sparsecomm"]["method"]
     return [p.detach().clone() for p in model.parameters()], sd, in_flight, len(opt.buckets())
@@ -290,6 +290,23 @@ def test_sparse_embedding_gradients_end_to_end(transport, sparse_rows, kind):
             assert stats["bytes_payload"] <= stats["bytes_dense"] * 18 / V * 3 + 1
 
 
+def test_row_sparse_rounds_count_what_travelled_when_no_worker_has_a_row():
+    """``sparse_rows="transport"`` with no row on any worker: the second round (the union's rows) is
+    empty and sends nothing, so the step's CommStats are the first round's alone (not counted twice),
+    and both rounds are counted with the bytes they declared."""
+    def fn(ctx):
+        from sparsecomm.pipeline import CommPipeline
+
+        pipe = CommPipeline(transport="ring", fabric=ctx.fabric, sparse_rows="transport")
+        pipe.begin_step()
+        out = pipe.start_sparse(None, torch.Size([50, 4]), 0, torch.float32).wait()
+        return out._nnz(), pipe.last_stats.bytes_sent, pipe.transport.last_stats.bytes_sent, pipe.stats.rounds
+
+    for nnz, step_bytes, first_round_bytes, rounds in sc.launch(fn, world_size=2, backend="sim"):
+        assert nnz == 0 and rounds == 2
+        assert step_bytes == first_round_bytes > 0
+
+
 def test_sparse_gradients_with_a_compressing_method_come_back_sparse():
     """A compressing method averages the rows in a dense bucket; ``p.grad`` is still sparse."""
     def fn(ctx):
@@ -388,7 +405,7 @@ def test_independent_randk_draws_per_worker_coordinates():
         from sparsecomm.pipeline import CommPipeline
 
         pipe = CommPipeline(m, "allgather", seed=0)
-        p = m.encode(torch.randn(1000), 0, pipe.generator())
+        p, _ = m.encode(torch.randn(1000), m.init(1000), pipe.generators.bucket())
         return p.kind, p.indices.clone(), c.omega(1000), c.bits(1000)
 
     res = sc.launch(fn, world_size=2, backend="sim")
@@ -622,7 +639,7 @@ def test_concat_payloads_keeps_kinds_and_dtypes():
     """The per-parameter round's message: pieces' payloads concatenated with their to_dense() preserved
     (aligned/sparse indices shifted by the pieces' offsets, fp16 values kept fp16 on the wire, mixed
     kinds made dense)."""
-    from sparsecomm.pipeline import concat_payloads
+    from sparsecomm.pipeline.rounds import concat_payloads
 
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(10, generator=g), torch.randn(6, generator=g)]

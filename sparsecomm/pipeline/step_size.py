@@ -29,7 +29,7 @@ from typing import Sequence
 
 from sparsecomm.theory import rates
 
-from .methods import Method, Warmup
+from ..methods import Method, Warmup
 
 #: the scale below which the frontends warn (a learning rate 4x or more above theory's)
 WARN_BELOW = 0.25

@@ -25,6 +25,11 @@ class Bucket:
     sparse: bool = False        # one parameter with a sparse gradient, carried as a sparse payload
     ready: int = 0              # parameters whose gradient is in (overlap)
 
+    @property
+    def shapes(self) -> list[torch.Size]:
+        """The shapes of the bucket's parameters, in their order in the flat buffer."""
+        return [p.shape for p in self.params]
+
     def gather(self) -> torch.Tensor:
         if self.buffer is None:
             self.buffer = torch.empty(self.numel, dtype=self.dtype, device=self.device)

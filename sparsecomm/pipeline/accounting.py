@@ -1,5 +1,7 @@
-"""The pipeline's byte counts: :class:`CompressionStats` (declared next to measured bytes) and the two
-figures every round adds to it (:func:`payload_bytes`, :func:`wire_copies`)."""
+"""The pipeline's byte counts, kept in one place for every kind of round: :class:`Accounting` records
+each completed round (its declared payload bytes, scaled by the transport's :func:`wire_copies`, and
+the transport's measured :class:`~sparsecomm.fabric.stats.CommStats`) and each call (the dense bytes it
+stands for) into :class:`CompressionStats`, the cumulative figures ``compression_stats()`` reports."""
 
 from __future__ import annotations
 
@@ -8,8 +10,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from .deprecation import warn_renamed
-from .fabric.stats import CommStats
+from ..deprecation import warn_renamed
+from ..fabric.stats import CommStats
 
 
 class Stats(dict):
@@ -66,6 +68,8 @@ class CompressionStats:
 
 
 def wire_copies(transport: Any) -> float:
+    """How many copies of one worker's payload the transport's sends amount to (its ``wire_copies()``;
+    ring-like ``2 (n-1)/n`` when it declares none)."""
     f = getattr(transport, "wire_copies", None)
     if f is not None:
         return float(f())
@@ -74,9 +78,48 @@ def wire_copies(transport: Any) -> float:
 
 
 def payload_bytes(p: Any) -> int:
+    """The declared bytes of a round's message: a tensor's bytes, a Payload's ``bits`` rounded up to
+    bytes (its wire tensors' bytes when it declares none)."""
     if isinstance(p, torch.Tensor):
         return p.numel() * p.element_size()
     bits = int(getattr(p, "bits", 0) or 0)
     if bits:
         return (bits + 7) // 8
     return sum(t.numel() * t.element_size() for t in p.wire_tensors())
+
+
+class Accounting:
+    """The byte counts of one pipeline over ``transport``: the cumulative :attr:`stats` and the current
+    step's :attr:`last_stats` (the transport's CommStats summed over the step's rounds). Every round of
+    every kind (a bucket's, a parameter-wise bucket's, a later round of PowerSGD, a row-sparse gather) is
+    recorded by :meth:`round` once its sum is in, and every call by :meth:`call`; both scale the declared
+    bytes by the transport's :func:`wire_copies` (:attr:`copies`, a property of its configuration)."""
+
+    def __init__(self, transport: Any) -> None:
+        self.copies = wire_copies(transport)
+        #: the cumulative figures, the current step's rounds included
+        self.stats = CompressionStats()
+        #: the current step's CommStats, summed over its rounds
+        self.last_stats = CommStats()
+
+    def round(self, payload: Any, comm: CommStats, copies: float | None = None) -> None:
+        """A completed round that sent ``payload`` (a tensor or a Payload: its declared bytes) and whose
+        transport measured ``comm`` (``copies``: the sending transport's, when another than the
+        pipeline's sent it)."""
+        copies = self.copies if copies is None else copies
+        pbytes = payload_bytes(payload)
+        s = self.stats
+        s.rounds += 1
+        s.bytes_payload += pbytes
+        s.bytes_declared_sent += copies * pbytes
+        s.comm = s.comm + comm
+        self.last_stats = self.last_stats + comm
+
+    def call(self, dense_bytes: int) -> None:
+        """A call standing for ``dense_bytes`` of uncompressed gradient."""
+        self.stats.bytes_dense += dense_bytes
+        self.stats.bytes_dense_sent += self.copies * dense_bytes
+
+    def begin_step(self) -> None:
+        """A new step: :attr:`last_stats` restarts."""
+        self.last_stats = CommStats()

@@ -35,12 +35,12 @@ from typing import Sequence
 
 import torch
 
-from . import methods
-from .errors import MalformedMessage, MismatchError
-from .methods import Method, Warmup
-from .transports.base import Transport, drain
+from .. import methods
+from ..errors import MalformedMessage, MismatchError
+from ..methods import Method, Warmup
+from ..transports.base import Transport, drain
 
-#: the tag of these messages (below replicas.py's and the fabric's reserved tags)
+#: the tag of these messages (below :mod:`sparsecomm.replicas`'s and the fabric's reserved tags)
 TAG = 2**31 - 9
 #: the first word of every header and decision ("SCCF", version 1)
 MAGIC = 0x53434346_0001

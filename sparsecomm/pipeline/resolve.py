@@ -1,7 +1,7 @@
-"""Names -> the method and the transport of a pipeline: the ``compressor=`` / ``method=`` /
-``transport=`` rules of :class:`~sparsecomm.optim.DistributedOptimizer` and the DDP hook (the method
-from :func:`sparsecomm.methods.build`; the transport from its catalog, ``"auto"``, and the check that
-it carries the method's payloads, :func:`check_pair`).
+"""Names -> the transport of a pipeline and the checks of its method: the ``transport=`` rule of
+:class:`~sparsecomm.optim.DistributedOptimizer` and the DDP hook (a catalog name, ``"auto"``, or an
+object; :func:`check_pair`: it carries the method's payloads), the fabric by default, and the warning for
+a method x compressor pair with no guarantee. (The method comes from :func:`sparsecomm.methods.build`.)
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import compressors, transports
-from .compressors.base import Compressor
-from .errors import IncompatibleError, InvalidTypeError, SparseCommError
-from .fabric.base import Fabric
-from .fabric.torch.torch_fabric import TorchFabric
-from .launch import current_context
-from .methods import Method
-from .transports.base import Transport
+from .. import compressors, transports
+from ..compressors.base import Compressor
+from ..errors import IncompatibleError, InvalidTypeError, SparseCommError
+from ..fabric.base import Fabric
+from ..fabric.torch.torch_fabric import TorchFabric
+from ..launch import current_context
+from ..methods import Method
+from ..transports.base import Transport
 
 AUTO_ORDER = ("ring", "omnireduce", "switch", "allgather")
 
@@ -96,8 +96,8 @@ def build_transport(transport: str | Transport, method: Method, fabric: Fabric |
 
 def _auto_transport(method: Method, fabric: Fabric) -> str:
     """The first of ``AUTO_ORDER`` that carries the payload, steered by bytes on the wire: scattered
-    ``sparse`` payloads go to allgather (through omnireduce each value costs a whole block: ~46x the
-    declared bytes for top-k 1%); payloads whose values travel packed only where no sum is formed on
+    ``sparse`` payloads go to allgather (through omnireduce each scattered value costs a whole block of
+    ``block_size`` values); payloads whose values travel packed only where no sum is formed on
     the wire (``packed_values``: natural compression, 9 of 32 bits; majority-vote signs, 1 bit against
     the ring's int8 partial sums, ``sum_bits``) go to allgather while its ``(n-1)`` packed copies cost
     less than a ring's ``2 (n-1)/n`` unpacked ones."""
@@ -140,6 +140,6 @@ def warn_unguaranteed(method: Method) -> None:
         cname = getattr(comp, "name", "") or type(comp).__name__
         warnings.warn(
             f"method {method.name!r} with compressor {cname!r} (unbiased, omega={omega:.3g} >= 1) has no "
-            f"convergence guarantee and can diverge (EF + QSGD with 4 levels reached 3.4e7): error "
+            f"convergence guarantee and can diverge (its error feedback grows the error it feeds back): error "
             f"feedback needs a contractive compressor (topk, or {cname!r} scaled by 1/(omega+1): "
             f"'induced'/'compose'), or use 'diana' for unbiased compressors", UserWarning, stacklevel=3)

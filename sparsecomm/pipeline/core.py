@@ -1,0 +1,234 @@
+""":class:`CommPipeline`: one worker's method + transport, taking one flat bucket through
+``method.encode -> transport.start -> method.decode``, composed of objects that own their state:
+
+- the method and the transport, built once from names or objects (:func:`sparsecomm.methods.build`,
+  :mod:`sparsecomm.pipeline.resolve`) and checked to fit;
+- :class:`~sparsecomm.pipeline.states.StateStore` (the method states by bucket key) and
+  :class:`~sparsecomm.pipeline.states.Generators` (the compressor's randomness), which checkpoints
+  carry;
+- the round strategies of :meth:`CommPipeline.start` (:mod:`sparsecomm.pipeline.rounds`) and the
+  row-sparse rounds (:class:`~sparsecomm.pipeline.sparse_rows.SparseRows`), all applying the
+  non-finite rule (:mod:`sparsecomm.pipeline.nonfinite`) and recorded by one
+  :class:`~sparsecomm.pipeline.accounting.Accounting`.
+
+It uses only the transport's public API (``start``, ``run``, ``last_stats``, ``can_carry``,
+``wire_copies``).
+
+**Asynchronous rounds.** :meth:`CommPipeline.start` encodes on the calling thread (so the compressor's
+generator and the method state advance in call order, which the optimizer and the hook keep identical
+on every worker and identical to the synchronous order) and hands the payload to the transport's
+communication thread, which decodes right after the sum; ``start(...).wait()`` is :meth:`reduce`.
+A method's state is per bucket key, so decoding bucket ``a`` on the communication thread while bucket
+``b`` is encoded on the caller's thread touches disjoint state: the results are bit-identical to the
+synchronous path.
+
+**Call identity.** Every call of a step is named ``CallId(bucket key, step, round)``
+(:meth:`CommPipeline.call_id`; :meth:`CommPipeline.begin_step` starts a step), which every worker's
+agreement compares.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Hashable
+
+import torch
+
+from .. import methods
+from ..compressors.base import Compressor
+from ..errors import InvalidValueError, MismatchError
+from ..fabric.base import Fabric
+from ..fabric.stats import CommStats
+from ..methods.base import Method
+from ..transports.base import CallId, CommWork, Transport
+from .accounting import Accounting, CompressionStats
+from .nonfinite import NONFINITE, NonFiniteRule
+from .resolve import build_transport, warn_unguaranteed
+from .rounds import BucketRounds, Call, Outputs, ParameterRounds, PlainRound
+from .settings import describe
+from .sparse_rows import SPARSE_ROWS, SparseRows
+from .states import Generators, StateStore
+
+
+class CommPipeline:
+    """One worker's method + transport: ``start(flat, key).wait()`` is the averaged estimate.
+
+    ``CommPipeline(compressor=None, transport="auto", *, method=None, transport_kwargs=None, fabric=None,
+    seed=0, nonfinite="raise", sparse_rows="gather", warmup_steps=0, **hyper)``: ``compressor``,
+    ``method`` and ``**hyper`` as :func:`sparsecomm.methods.build` takes them (the method is wrapped in
+    :func:`sparsecomm.methods.warmup` for ``warmup_steps``), ``transport`` as
+    :func:`~sparsecomm.pipeline.resolve.build_transport`. Shared by
+    :class:`~sparsecomm.DistributedOptimizer` and the DDP comm hook (:mod:`sparsecomm.ddp`).
+    """
+
+    def __init__(self, compressor: str | Compressor | None = None, transport: str | Transport = "auto",
+                 *, method: str | Method | None = None, transport_kwargs: dict | None = None,
+                 fabric: Fabric | None = None, seed: int = 0, nonfinite: str = "raise",
+                 sparse_rows: str = "gather", warmup_steps: int = 0, **hyper: Any) -> None:
+        if sparse_rows not in SPARSE_ROWS:
+            raise InvalidValueError(f"sparse_rows must be one of {', '.join(map(repr, SPARSE_ROWS))}, got {sparse_rows!r}")
+        if nonfinite not in NONFINITE:
+            raise InvalidValueError(f"nonfinite must be one of {', '.join(map(repr, NONFINITE))}, got {nonfinite!r}")
+        if warmup_steps < 0:
+            raise InvalidValueError(f"warmup_steps must be non-negative, got {warmup_steps}")
+        self.method = methods.warmup(methods.build(compressor, method, **hyper), warmup_steps)
+        warn_unguaranteed(self.method)
+        self.transport = build_transport(transport, self.method, fabric, transport_kwargs)
+        self.transport_kwargs = dict(transport_kwargs or {})
+        self.warmup_steps = int(warmup_steps)
+        if nonfinite == "pass" and getattr(self.transport, "nonfinite", "pass") != "pass":
+            self.transport.nonfinite = "pass"   # the transport's own NaN/Inf rule follows the pipeline's
+        self.rule = NonFiniteRule(nonfinite, self.transport)
+        self.nonfinite = nonfinite
+        self.fabric = self.transport.fabric
+        self.world_size = int(self.fabric.world_size)
+        self.rank = int(self.fabric.rank)
+        self.seed = int(seed)
+        self.shared_randomness = bool(getattr(self.method.compressor, "shared_randomness", False))
+        #: whether the method is plain averaging (method ``none`` around the identity): its rounds skip
+        #: the compressor's copy (and, as DDP, its finiteness check), and row-sparse gradients travel as
+        #: rows (:meth:`start_sparse`)
+        self.plain = self.method.name == "none" and getattr(self.method.compressor, "name", "") == "identity"
+        #: the method states by bucket key (the method object holds none)
+        self.states = StateStore(self.method)
+        #: the compressor's generators
+        self.generators = Generators(self.seed, self.rank, self.shared_randomness)
+        #: the byte counts of every round
+        self.accounting = Accounting(self.transport)
+        self.rows = SparseRows(sparse_rows, self.transport, self.rule, self.accounting)
+        self.sparse_rows = sparse_rows
+        outputs = Outputs()
+        self._plain_round = PlainRound(self.rule, self.world_size)
+        self._parameter_rounds = ParameterRounds(self.method, self.states, self.generators, self.rule, outputs,
+                                                 self.world_size)
+        self._bucket_rounds = BucketRounds(self.method, self.states, self.generators, self.rule, outputs,
+                                           self.world_size)
+        #: steps begun (:meth:`begin_step`): part of every call's identity, and of checkpoints
+        self.step = 0
+
+    # ------------------------------------------------------------------ configuration
+    def settings(self) -> list[tuple[str, str]]:
+        """The configuration the workers must share (:mod:`sparsecomm.pipeline.settings`): the method,
+        its compressor, their hyper-parameters, the transport and its options, then ``warmup_steps``,
+        ``seed``, ``nonfinite`` and ``sparse_rows``; the frontends add their own and agree on them at
+        construction (:func:`sparsecomm.pipeline.settings.agree`)."""
+        return describe(self.method, self.transport, self.transport_kwargs) + [
+            ("warmup_steps", repr(self.warmup_steps)), ("seed", repr(self.seed)),
+            ("nonfinite", repr(self.nonfinite)), ("sparse_rows", repr(self.sparse_rows))]
+
+    @property
+    def per_parameter(self) -> bool:
+        """Whether :meth:`start` runs the method per parameter (``segments=``): a one-round method
+        whose payloads concatenate (``dense``, ``aligned``, ``sparse``), unless the method keeps no
+        state and its compressor is ``elementwise`` (the fp16/bf16 casts): then the whole bucket's
+        round is the same numbers, in one call."""
+        c = self.method.compressor
+        kind = getattr(c, "payload_kind", None)
+        if self.method.State is None and getattr(c, "elementwise", False):
+            return False
+        return not self.method.multi_round and not self.method.uses_shapes and \
+            kind in ("dense", "aligned", "sparse")
+
+    # ------------------------------------------------------------------ rounds
+    def reduce(self, flat: torch.Tensor, key: Hashable, *, exact: bool = False,
+               compress: bool = True, shapes: Any = None) -> torch.Tensor:
+        """``start(flat, key, ...).wait()``: the averaged estimate (see :meth:`start`)."""
+        return self.start(flat, key, exact=exact, compress=compress, shapes=shapes).wait()
+
+    def start(self, flat: torch.Tensor, key: Hashable, *, exact: bool = False, compress: bool = True,
+              shapes: Any = None, segments: tuple[tuple[str, int], ...] | None = None,
+              then: Callable[[torch.Tensor], Any] | None = None) -> CommWork:
+        """Start the round of bucket ``key`` on this worker's flat ``flat``; ``wait()`` returns the
+        averaged estimate (or ``then(estimate)``, run on the communication thread).
+
+        ``compress=False`` bypasses the method (plain average, no state); ``exact=True`` runs the
+        method's exact (uncompressed) round. ``flat`` is scratch: the method may overwrite it and a
+        transport built with ``inplace=True`` may write the sum into it. The result is the transport's
+        output divided in place (a fresh tensor, or ``flat`` itself), or the method's estimate written
+        into this bucket's persistent buffer; either stays valid until the next round of ``key``
+        (callers keep views of it, as DDP's ``gradient_as_bucket_view``). ``flat`` must not be touched
+        until the work completes. A method of several rounds (``next_round``,
+        :mod:`sparsecomm.methods.base`) runs its later rounds on the communication thread right after the
+        previous sum; ``shapes`` (the tensors laid out in ``flat``) is passed to the method.
+
+        ``segments`` (``(name, numel)`` of the parameters laid out in ``flat``, in order), where
+        :attr:`per_parameter` holds: the method runs per *parameter*
+        (:class:`~sparsecomm.pipeline.rounds.ParameterRounds`), so that the result does not depend on
+        how the parameters are grouped into buckets (see :mod:`sparsecomm.ddp`).
+        """
+        steps_before = max(0, self.step - 1)
+        identity = self.call_id(key)
+        if not compress or self.plain:
+            call = self._plain_round.begin(flat, key)
+        elif segments is not None and self.per_parameter:
+            call = self._parameter_rounds.begin(flat, key, steps_before, exact, segments)
+        else:
+            call = self._bucket_rounds.begin(flat, key, steps_before, exact, shapes)
+        later = None if call.next_round is None else (lambda agg: self._next_round(call, agg))
+        return self.transport.start(call.sent, then=lambda agg: self._finish(call, agg, then),
+                                    next_round=later, call=identity)
+
+    def _next_round(self, call: Call, agg: torch.Tensor) -> Any:
+        """A later round's message (on the communication thread); the round just summed is recorded."""
+        done = call.last
+        nxt = call.next_round(agg)
+        if nxt is not None:
+            self.accounting.round(done, self.transport.last_stats)
+        return nxt
+
+    def _finish(self, call: Call, agg: torch.Tensor, then: Callable[[torch.Tensor], Any] | None) -> Any:
+        """The estimate from the last sum (on the communication thread); the last round and the call
+        are recorded."""
+        out = call.finish(agg)
+        self.accounting.call(call.dense_bytes)
+        self.accounting.round(call.last, self.transport.last_stats)
+        return out if then is None else then(out)
+
+    def start_sparse(self, grad: torch.Tensor | None, shape: torch.Size, key: Hashable,
+                     dtype: torch.dtype | None = None) -> CommWork:
+        """Start the plain average of a row-sparse gradient of a parameter of ``shape`` (bucket ``key``):
+        :meth:`SparseRows.start <sparsecomm.pipeline.sparse_rows.SparseRows.start>`."""
+        return self.rows.start(grad, shape, key, self.call_id(key), dtype)
+
+    def call_id(self, key: Hashable, round: int = 0) -> CallId:
+        """The identity of this step's call for bucket ``key`` (what every worker's agreement
+        compares: :class:`~sparsecomm.transports.base.CallId`)."""
+        return CallId(key, self.step, round)
+
+    def begin_step(self) -> None:
+        """Start a new step: its calls' identity (:meth:`call_id`) and a new ``last_stats``
+        accumulation (one per optimizer step)."""
+        self.step += 1
+        self.accounting.begin_step()
+
+    # ------------------------------------------------------------------ figures
+    @property
+    def last_stats(self) -> CommStats:
+        """The current step's CommStats, summed over its rounds."""
+        return self.accounting.last_stats
+
+    @property
+    def stats(self) -> CompressionStats:
+        """The cumulative counters, the current step's rounds included."""
+        return self.accounting.stats
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The method states and their layout, the generators, the step, and who saved them."""
+        return {**self.states.state_dict(), **self.generators.state_dict(),
+                "rank": self.rank, "world_size": self.world_size, "seed": self.seed,
+                "shared_randomness": self.shared_randomness, "step": self.step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s result; a state saved on another rank or world size raises
+        :class:`~sparsecomm.errors.MismatchError` (unless it holds nothing rank-specific)."""
+        # a stateless method with shared (or no) randomness has nothing rank-specific
+        rank_free = self.method.State is None and (self.shared_randomness or not (
+            state.get("generators") or state.get("param_generators")))
+        if state.get("world_size") != self.world_size or (state.get("rank") != self.rank and not rank_free):
+            raise MismatchError(
+                f"sparsecomm state saved on rank {state.get('rank')} of {state.get('world_size')} "
+                f"cannot be loaded on rank {self.rank} of {self.world_size} (the method state is per "
+                f"worker); delete the 'sparsecomm' entry to load only the inner optimizer's state")
+        self.states.load_state_dict(state)
+        self.step = int(state.get("step", 0))
+        self.generators.load_state_dict(state)

@@ -1,0 +1,91 @@
+"""The pipeline's non-finite rule (``nonfinite="raise"``, the default; ``"pass"``).
+
+``"raise"``: the same :class:`~sparsecomm.errors.NonFiniteError` on every worker when any worker's
+bucket holds a NaN or Inf, whatever the compressor and transport. A compressed round checks the input
+*before* compression (a sampling compressor would not see an unsampled NaN) and, if it is not finite,
+still encodes (zeros, so that generators and states advance alike) but sends NaN values (or a NaN
+scale: :func:`poison`), so that the aggregate of *every* worker is non-finite; every round checks the
+aggregate after the sum (:func:`check_aggregate`; a transport that cannot carry NaN, fixed point,
+raises its own ``NonFiniteError`` on every worker, and then the pipeline does not check twice).
+
+``"pass"``: as DDP, NaN/Inf flow into the averaged gradient where the compressor keeps them (a sampling
+compressor may drop them; compressors that check their input still raise, on that worker); a sum of
+narrow floats that overflowed in its own dtype still raises :class:`~sparsecomm.errors.SumOverflowError`
+(:func:`~sparsecomm.payload.check_sum_finite`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Hashable
+
+import torch
+
+from ..compressors.base import finite
+from ..errors import NonFiniteError
+from ..payload import Payload, check_sum_finite
+
+NONFINITE = ("raise", "pass")
+
+_HELP = ("pass nonfinite='pass' to let NaN/Inf through as DDP does, or find the cause "
+         "(learning rate, loss scaling, torch.autograd.set_detect_anomaly)")
+
+
+class NonFiniteRule:
+    """The rule ``mode`` (one of :data:`NONFINITE`) over ``transport``: which checks a round makes,
+    before its sum (:meth:`poisoned`) and after it (:meth:`plain_sum`, :meth:`sum`, :meth:`first_sum`,
+    called only where :attr:`checks_sums` holds)."""
+
+    def __init__(self, mode: str, transport: Any) -> None:
+        self.mode = mode
+        self.check = mode == "raise"
+        self.who = f"transport {transport.name!r}"
+        #: whether a sum needs the pipeline's check: not when the transport raises on a non-finite sum (and
+        #: on an overflow) itself, its ``nonfinite="raise"`` (fixed when the pipeline is built)
+        self.checks_sums = not (self.check and getattr(transport, "nonfinite", None) == "raise")
+
+    def poisoned(self, x: torch.Tensor, exact: bool) -> bool:
+        """Whether a compressed round's input ``x`` must be sent as NaN (see the module doc)."""
+        return self.check and not exact and not finite(x)
+
+    def plain_sum(self, agg: torch.Tensor, key: Hashable) -> None:
+        """The check of an uncompressed round's sum."""
+        if self.check:
+            check_aggregate(agg, key)
+
+    def sum(self, payload: Any, agg: torch.Tensor, key: Hashable) -> None:
+        """The check of a compressed round's sum (a parameter-wise bucket, a later round)."""
+        if self.check:
+            check_aggregate(agg, key)
+        else:
+            check_sum_finite(payload, agg, self.who)
+
+    def first_sum(self, payload: Any, agg: torch.Tensor, key: Hashable) -> None:
+        """The check of a bucket-wide round's (first) sum: inputs were checked and no worker sent NaN,
+        so a non-finite sum without NaN is narrow floats (fp16) overflowing in their own dtype, which
+        :func:`~sparsecomm.payload.check_sum_finite` names (``SumOverflowError``, on every worker)."""
+        if self.check and not finite(agg):
+            if not bool(torch.isnan(agg).any()):
+                check_sum_finite(payload, agg, self.who)
+            check_aggregate(agg, key)
+        else:       # narrow floats summed in their dtype: an overflow is not a passed-through NaN
+            check_sum_finite(payload, agg, self.who)
+
+
+def check_aggregate(agg: torch.Tensor, key: Hashable) -> None:
+    """:class:`~sparsecomm.errors.NonFiniteError` when the sum ``agg`` of bucket ``key`` is not finite."""
+    if not finite(agg):
+        raise NonFiniteError(f"the gradients of bucket {key!r} hold a NaN or Inf on at least one worker "
+                             f"(the aggregate is not finite, or a float16/bfloat16 sum overflowed; raised on every "
+                             f"worker); {_HELP}")
+
+
+def poison(p: Payload, key: Hashable) -> None:
+    """Make ``p`` (encoded from zeros) carry NaN, so every worker's aggregate is non-finite."""
+    nan = float("nan")
+    if p.values.is_floating_point() and p.values.numel():
+        p.values.fill_(nan)
+    elif p.scale is not None and p.scale.is_floating_point() and p.scale.numel():
+        p.scale.fill_(nan)
+    else:
+        raise NonFiniteError(f"the gradients of bucket {key!r} hold a NaN or Inf on this worker and its "
+                             f"{p.kind!r} payload cannot carry the fact to the other workers; {_HELP}")

@@ -1,0 +1,207 @@
+"""The round strategies of :meth:`CommPipeline.start <sparsecomm.pipeline.core.CommPipeline.start>`:
+how one flat bucket becomes a call (its first message, its later rounds, its decode), each strategy
+one way of running the method over the bucket:
+
+- :class:`PlainRound`: the plain average (``compress=False``, or method ``none`` around the identity),
+  the bucket itself on the wire, divided by n after the sum;
+- :class:`ParameterRounds`: the method run per *parameter* (``segments=``): each parameter its own
+  state (key ``("param", name)``), generator and constants, the payloads concatenated into the bucket's
+  one message (:func:`concat_payloads`) and the aggregate decoded slice by slice, so that the result
+  does not depend on how parameters are grouped into buckets;
+- :class:`BucketRounds`: the method over the whole bucket, in one round or in several (``next_round``:
+  PowerSGD's P, then Q, each later round run by the transport on its communication thread right after
+  the previous sum).
+
+A strategy encodes on the calling thread (so generators and states advance in call order) and returns
+a :class:`Call`; the pipeline hands it to the transport and records every round of every strategy the
+same way (:class:`~sparsecomm.pipeline.accounting.Accounting`). Each applies the non-finite rule
+(:mod:`sparsecomm.pipeline.nonfinite`) to its input and to every sum.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Hashable
+
+import torch
+
+from ..errors import MismatchError, NonFiniteError, SparseCommError
+from ..methods.base import Method
+from ..payload import Payload
+from .nonfinite import NonFiniteRule, poison
+from .states import Generators, StateStore
+
+
+class Call:
+    """One bucket's call: ``sent`` (the first round's message: a tensor or a Payload), ``finish(sum)``
+    (the estimate from the last round's sum), ``next_round(sum)`` for a method of several rounds (the
+    next message, or ``None`` after the last), and ``last``, the message of the round in flight."""
+
+    def __init__(self, sent: Any, dense_bytes: int, finish: Callable[[torch.Tensor], torch.Tensor],
+                 next_round: Callable[[torch.Tensor], Payload | None] | None = None) -> None:
+        self.sent, self.dense_bytes, self.finish, self.next_round = sent, dense_bytes, finish, next_round
+        self.last = sent
+
+
+class Outputs:
+    """The persistent estimate buffer of each key, reused every round (no fresh allocation); a caller
+    may keep views of it until the key's next round (DDP's ``gradient_as_bucket_view``)."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[Hashable, torch.Tensor] = {}
+
+    def of(self, key: Hashable, like: torch.Tensor) -> torch.Tensor:
+        buf = self._by_key.get(key)
+        if buf is None or buf.numel() != like.numel() or buf.dtype != like.dtype or buf.device != like.device:
+            buf = self._by_key[key] = torch.empty(like.numel(), dtype=like.dtype, device=like.device)
+        return buf
+
+
+def _dense_bytes(flat: torch.Tensor) -> int:
+    return flat.numel() * flat.element_size()
+
+
+class PlainRound:
+    """The plain average: the bucket on the wire, the sum divided in place by n."""
+
+    def __init__(self, rule: NonFiniteRule, world_size: int) -> None:
+        self.rule, self.n = rule, world_size
+
+    def begin(self, flat: torch.Tensor, key: Hashable) -> Call:
+        def finish(agg: torch.Tensor) -> torch.Tensor:
+            if self.rule.checks_sums:
+                self.rule.plain_sum(agg, key)
+            return agg.div_(self.n)
+
+        return Call(flat, _dense_bytes(flat), finish)
+
+
+class MethodRounds:
+    """A strategy that runs ``method`` with the worker's states and generators (:class:`ParameterRounds`,
+    :class:`BucketRounds`)."""
+
+    def __init__(self, method: Method, states: StateStore, generators: Generators, rule: NonFiniteRule,
+                 outputs: Outputs, world_size: int) -> None:
+        self.method, self.states, self.generators = method, states, generators
+        self.rule, self.outputs, self.n = rule, outputs, world_size
+
+
+class ParameterRounds(MethodRounds):
+    """The method per parameter of the bucket (see the module doc)."""
+
+    def begin(self, flat: torch.Tensor, key: Hashable, steps_before: int, exact: bool,
+              segments: tuple[tuple[str, int], ...]) -> Call:
+        n = self.n
+        poisoned = self.rule.poisoned(flat, exact)
+        if poisoned:
+            flat.zero_()
+        segs = tuple((str(nm), int(k)) for nm, k in segments)
+        if sum(k for _, k in segs) != flat.numel():
+            raise MismatchError(f"segments {segs} do not add up to the bucket's {flat.numel()} elements")
+        parts, off = [], 0
+        for nm, k in segs:
+            seg = flat[off:off + k]
+            p, _ = self.method.encode(seg, self.states.get(("param", nm), seg, steps_before),
+                                      self.generators.param(nm, flat.device), world_size=n, exact=exact,
+                                      inplace=True)
+            parts.append(p)
+            off += k
+        payload = concat_payloads(parts)
+        if poisoned:
+            poison(payload, key)
+
+        def finish(agg: torch.Tensor) -> torch.Tensor:
+            if self.rule.checks_sums:
+                self.rule.sum(payload, agg, key)
+            out = self.outputs.of(key, flat)
+            a, o = agg.reshape(-1), 0
+            for nm, k in segs:
+                self.method.decode(a[o:o + k], n, self.states[("param", nm)], out=out[o:o + k])
+                o += k
+            return out
+
+        return Call(payload, _dense_bytes(flat), finish)
+
+
+class BucketRounds(MethodRounds):
+    """The method over the whole bucket, in one round or several (see the module doc)."""
+
+    def __init__(self, method: Method, states: StateStore, generators: Generators, rule: NonFiniteRule,
+                 outputs: Outputs, world_size: int) -> None:
+        super().__init__(method, states, generators, rule, outputs, world_size)
+        # a stateless method around a compressor that raises NonFiniteError on a non-finite input: the
+        # compressor's check of its input stands for the rule's (one pass less)
+        self.input_checked_by_encode = method.State is None and getattr(method.compressor, "checks_finite", False)
+
+    def begin(self, flat: torch.Tensor, key: Hashable, steps_before: int, exact: bool, shapes: Any) -> Call:
+        n, rule, method = self.n, self.rule, self.method
+        enc_kw = {"shapes": shapes} if shapes is not None else {}
+        ms = self.states.get(key, flat, steps_before)
+        gen = self.generators.bucket(flat.device)
+        payload = None
+        if rule.check and not exact and self.input_checked_by_encode:
+            # a stateless method has changed nothing when it raises, so zeros are encoded instead
+            try:
+                payload, _ = method.encode(flat, ms, gen, world_size=n, exact=exact, inplace=True, **enc_kw)
+            except NonFiniteError:
+                pass
+            poisoned = payload is None
+        else:
+            poisoned = rule.poisoned(flat, exact)
+        if payload is None:
+            if poisoned:
+                flat.zero_()
+            payload, _ = method.encode(flat, ms, gen, world_size=n, exact=exact, inplace=True, **enc_kw)
+        if poisoned:
+            poison(payload, key)
+        first = payload
+
+        def finish(agg: torch.Tensor) -> torch.Tensor:
+            out = self.outputs.of(key, flat)  # the estimate has the bucket's length (a last round's may not)
+            if call.next_round is None and rule.checks_sums:   # (several rounds: each sum checked already)
+                rule.first_sum(first, agg, key)
+            return method.decode(agg, n, ms, out=out)[0]
+
+        call = Call(first, _dense_bytes(flat), finish)
+        if method.multi_round:
+            def next_round(agg: torch.Tensor) -> Payload | None:
+                if rule.checks_sums:
+                    (rule.first_sum if call.last is first else rule.sum)(call.last, agg, key)
+                nxt = method.next_round(agg, n, ms)[0]
+                if nxt is not None:
+                    call.last = nxt
+                return nxt
+
+            call.next_round = next_round
+        return call
+
+
+def concat_payloads(parts: list[Payload]) -> Payload:
+    """One payload of the concatenated tensor from the payloads of its consecutive pieces (kinds
+    ``dense``, ``aligned``, ``sparse``; pieces of different kinds, an exact round's dense piece among
+    compressed ones, are all made dense: the sum of their ``to_dense()`` is what matters)."""
+    if len(parts) == 1:
+        return parts[0]
+    kinds = {p.kind for p in parts}
+    dtype = parts[0].dtype
+    total = sum(p.numel for p in parts)
+    bits = sum(int(p.bits or 0) for p in parts)
+    codecs = {tuple(p.values_codec) for p in parts}
+    if len(kinds) == 1 and kinds <= {"aligned", "sparse"} and len(codecs) == 1 and \
+            all(p.row_len == 1 for p in parts):
+        idx, off = [], 0
+        for p in parts:
+            idx.append(p.indices.reshape(-1) + off)
+            off += p.numel
+        return Payload(parts[0].kind, torch.cat([p.values.reshape(-1) for p in parts]), torch.Size([total]),
+                       dtype, indices=torch.cat(idx), bits=bits, values_codec=parts[0].values_codec)
+    if kinds == {"dense"} and len(codecs) == 1 and len({p.values.dtype for p in parts}) == 1:
+        # (fp16 values stay fp16 on the wire)
+        exact = all(p.meta.get("exact") for p in parts)
+        return Payload("dense", torch.cat([p.values.reshape(-1) for p in parts]), torch.Size([total]), dtype,
+                       bits=bits, meta={"exact": True} if exact else {}, values_codec=parts[0].values_codec)
+    if not kinds <= {"dense", "aligned", "sparse"}:
+        raise SparseCommError(f"cannot concatenate payloads of kinds {sorted(kinds)} (per-parameter rounds "
+                              f"take dense, aligned and sparse payloads)")
+    vals = torch.cat([p.values.reshape(-1).to(dtype) if p.kind == "dense" else p.to_dense() for p in parts])
+    exact = all(p.meta.get("exact") for p in parts)
+    return Payload("dense", vals, torch.Size([total]), dtype, bits=bits, meta={"exact": True} if exact else {})

@@ -1,0 +1,283 @@
+"""The bucket schedulers: which bucket goes through the pipeline when, under which key, in which step.
+
+:class:`BucketScheduler` (owned by :class:`~sparsecomm.optim.DistributedOptimizer`; the rules are in
+:mod:`sparsecomm.optim`, "Step", "Overlap" and "Sparse gradients"): the optimizer's buckets
+(:mod:`sparsecomm.pipeline.buckets`, rebuilt when the parameters change), the agreement on the
+sparse-gradient parameters at the first synchronisation, the post-accumulate-grad hooks that start each
+complete bucket in the one fixed order during backward, and :meth:`BucketScheduler.synchronize`, which
+starts what is left, waits and scatters the estimates into ``p.grad``.
+
+:class:`HookScheduler` (owned by the DDP hook's :class:`~sparsecomm.ddp.CommHookState`; the rules are in
+:mod:`sparsecomm.ddp`): DDP makes the buckets; the scheduler brackets DDP's iterations into the
+pipeline's steps, keys each bucket's method state by its parameters' names (so that nothing depends on
+DDP's layout), runs a one-round method per parameter or binds the bucket's state to its parameters,
+and averages step 0 and small buckets uncompressed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from typing import Any, Callable
+
+import torch
+
+from ..errors import IncompatibleError, MismatchError, SparseCommError
+from ..transports.base import CommWork
+from .buckets import Bucket, layout
+from .core import CommPipeline
+
+
+class BucketScheduler:
+    """The buckets of ``optimizer``'s parameters that require grad (:meth:`params`): at most
+    ``cap_bytes`` each, parameters below ``min_compress`` elements in uncompressed buckets; with
+    ``overlap``, a bucket starts as soon as each of its parameters has had ``passes`` gradients
+    accumulated."""
+
+    def __init__(self, pipeline: CommPipeline, optimizer: torch.optim.Optimizer, cap_bytes: int,
+                 min_compress: int, overlap: bool, passes: int) -> None:
+        self.pipeline, self.optimizer = pipeline, optimizer
+        self.cap_bytes, self.min_compress, self.overlap, self.passes = cap_bytes, min_compress, overlap, passes
+        #: synchronisations so far
+        self.steps = 0
+        #: whether the gradients were synchronised since the last inner step (``synchronize()`` called)
+        self.synced = False
+        #: ids of the parameters with sparse gradients (agreed at the first synchronisation; None before)
+        self.sparse: frozenset[int] | None = None
+        self._buckets: list[Bucket] | None = None
+        self._param_ids: tuple[int, ...] = ()
+        self._order: list[Bucket] = []                   # start order: the layout reversed
+        self._bucket_of: dict[int, Bucket] = {}
+        self._hooks: list[Any] = []
+        self._next = 0                                   # next bucket to start in that order
+        self._works: list[tuple[Bucket, CommWork]] = []
+        self._fired: dict[int, int] = {}
+        self._in_step = False
+
+    # ------------------------------------------------------------------ layout
+    def params(self) -> list[torch.nn.Parameter]:
+        """The parameters that require grad, in ``param_groups`` order (read anew: groups may change)."""
+        return [p for g in self.optimizer.param_groups for p in g["params"] if p.requires_grad]
+
+    def layout(self) -> list[Bucket]:
+        """The buckets of the current parameters (rebuilt, with the method state reset and a warning,
+        when they changed)."""
+        params = self.params()
+        if self._buckets is None or tuple(id(p) for p in params) != self._param_ids:
+            if self._buckets is not None:
+                warnings.warn("DistributedOptimizer: the parameters changed; the buckets are rebuilt and "
+                              "the method state is reset", RuntimeWarning, stacklevel=4)
+                self.pipeline.states.reset()
+                self.sparse = None
+            self._build(params)
+        return self._buckets  # type: ignore[return-value]
+
+    def _build(self, params: list[torch.nn.Parameter]) -> None:
+        self._buckets = layout(params, self.cap_bytes, self.min_compress, self.sparse or frozenset())
+        self._param_ids = tuple(id(p) for p in params)
+        self._order = list(reversed(self._buckets))
+        self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self.overlap:
+            for p in params:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self.grad_ready))
+
+    def signature(self) -> list[tuple[int, str, bool]]:
+        """``(numel, dtype, compressed)`` of every bucket (what a checkpoint must match)."""
+        return [(b.numel, str(b.dtype), b.compress) for b in self.layout()]
+
+    def sparse_indices(self) -> list[int] | None:
+        """The indices (in ``params()``) of the sparse-gradient parameters, None before the agreement."""
+        if self.sparse is None:
+            return None
+        return [i for i, p in enumerate(self.params()) if id(p) in self.sparse]
+
+    def restore_sparse(self, indices: list[int]) -> None:
+        """Take a checkpoint's sparse-gradient parameters (``indices`` in ``params()``) as agreed."""
+        params = self.params()
+        if any(not 0 <= i < len(params) for i in indices):
+            raise MismatchError(f"the checkpoint's sparse-gradient parameters {indices} do not exist here "
+                                f"({len(params)} parameters)")
+        want = frozenset(id(params[i]) for i in indices)
+        if want != (self.sparse or frozenset()) or self.sparse is None:
+            self.sparse = want
+            self._build(params)
+
+    def _agree_sparse(self) -> None:
+        """First synchronisation: agree on the parameters with sparse gradients; rebuild the layout if
+        there are any (each gets a bucket of its own)."""
+        params = self.params()
+        flags = torch.tensor([1.0 if p.grad is not None and p.grad.is_sparse else 0.0 for p in params],
+                             dtype=torch.float32)
+        if self.pipeline.world_size > 1 and flags.numel():
+            flags = self.pipeline.transport.allreduce(flags)
+        self.sparse = frozenset(id(p) for p, f in zip(params, flags.tolist()) if f > 0)
+        if self.sparse:
+            if self.pipeline.states.keys():
+                raise MismatchError("the method has state for a layout without the sparse-gradient "
+                                    "buckets (a checkpoint loaded before the first step); load it after one step")
+            self._build(params)
+
+    # ------------------------------------------------------------------ rounds
+    @property
+    def in_flight(self) -> int:
+        """Buckets started and not yet waited for."""
+        return len(self._works)
+
+    def grad_ready(self, p: torch.Tensor) -> None:
+        """Post-accumulate-grad hook: start every bucket that is complete, in the fixed order."""
+        if self.sparse is None or self.synced:
+            return    # the first step (sparse gradients not agreed yet), or a backward after synchronize()
+        n = self._fired.get(id(p), 0) + 1
+        self._fired[id(p)] = n
+        if n > self.passes:
+            raise SparseCommError(
+                f"a gradient was accumulated {n} times before step() but backward_passes_per_step="
+                f"{self.passes}: its bucket was already started with the first gradient. Pass "
+                f"backward_passes_per_step={n} (gradient accumulation) or overlap=False")
+        if n != self.passes:
+            return
+        b = self._bucket_of.get(id(p))
+        if b is None:
+            return
+        b.ready += 1
+        with torch.no_grad():
+            while self._next < len(self._order):
+                nb = self._order[self._next]
+                if nb.ready < len(nb.params):
+                    break
+                self._start(nb)
+
+    def _start(self, b: Bucket) -> None:
+        pipe = self.pipeline
+        if not self._in_step:
+            pipe.begin_step()
+            self._in_step = True
+        if b.sparse and pipe.plain:
+            p = b.params[0]
+            work = pipe.start_sparse(p.grad, p.shape, b.key, p.dtype)
+        else:
+            work = pipe.start(b.gather(), b.key, compress=b.compress, shapes=b.shapes)
+        self._works.append((b, work))
+        self._next += 1
+
+    @torch.no_grad()
+    def synchronize(self) -> None:
+        """Average the gradients over workers now: start the buckets not started yet (in the fixed
+        order), wait for all of them and write the estimates into ``p.grad``."""
+        if self.sparse is None:
+            self.layout()
+            self._agree_sparse()
+        self.layout()
+        try:
+            while self._next < len(self._order):
+                self._start(self._order[self._next])
+            sparse = self.sparse or frozenset()
+            for b, work in self._works:
+                est = work.wait()
+                if b.sparse and self.pipeline.plain:
+                    b.params[0].grad = est
+                else:
+                    b.scatter(est, sparse)
+        finally:
+            self._reset_round()
+        self.steps += 1
+        self.synced = True
+
+    def _reset_round(self) -> None:
+        for b in self._order:
+            b.ready = 0
+        self._works = []
+        self._next = 0
+        self._fired = {}
+        self._in_step = False
+
+    def clear_ready(self) -> None:
+        """Forget the gradients counted so far (``zero_grad()``; nothing may be in flight)."""
+        if self._works:
+            raise SparseCommError(
+                f"zero_grad() with {len(self._works)} bucket(s) in flight (started by backward): call "
+                f"step() or synchronize() first, so that every worker completes the same rounds")
+        self._fired = {}
+        for b in self._order:
+            b.ready = 0
+        self.synced = False
+
+
+class HookScheduler:
+    """The DDP hook's buckets through ``pipeline`` (see the module doc): :meth:`start` is the hook's body.
+    ``on_step(steps)`` runs at the first bucket of every step, before the step begins (the replica
+    guard)."""
+
+    def __init__(self, pipeline: CommPipeline, min_compress_size: int,
+                 on_step: Callable[[int], None] | None = None) -> None:
+        self.pipeline, self.min_compress_size, self.on_step = pipeline, min_compress_size, on_step
+        #: steps (DDP iterations: backward passes) completed
+        self.steps = 0
+        #: parameter id -> name (the model's names, which key the method state)
+        self.names: dict[int, str] = {}
+        self._in_step = False
+
+    def restart(self, steps: int) -> None:
+        """Continue from a checkpoint taken after ``steps`` steps (none in progress)."""
+        self.steps, self._in_step = int(steps), False
+
+    def key(self, params: list[torch.Tensor], index: int) -> Any:
+        """The state key of a bucket holding ``params``: a digest of their names (else the index)."""
+        names = [self.names.get(id(p)) for p in params]
+        if not params or any(n is None for n in names):
+            if self.pipeline.states.keyed_by_names():
+                raise MismatchError("this hook state holds method state keyed by parameter names but does "
+                                    "not know the model's names: call state.set_model(ddp_model) after "
+                                    "unpickling it or building it without model=")
+            return index
+        return "p:" + hashlib.blake2b("\x00".join(names).encode(), digest_size=8).hexdigest()
+
+    def start(self, buffer: torch.Tensor, index: int, is_last: bool, params: list[torch.Tensor] | None = None,
+              shapes: Any = None) -> CommWork:
+        """Encode DDP's bucket ``index`` now and start its communication; ``wait()`` gives the average,
+        shaped and typed as ``buffer`` (a sparse buffer gives the coalesced sparse average)."""
+        pipe = self.pipeline
+        if not self._in_step:
+            if self.on_step is not None:
+                self.on_step(self.steps)
+            pipe.begin_step()
+            self._in_step = True
+        try:
+            if buffer.is_sparse:
+                if not pipe.plain:
+                    raise IncompatibleError(sparse_message(pipe))
+                return pipe.start_sparse(buffer, buffer.shape, index)
+            flat = buffer.reshape(-1)
+            compress = self.steps >= 1 and flat.numel() >= self.min_compress_size
+            key, segments = index, None
+            if params is not None and compress and (pipe.per_parameter or pipe.method.State is not None):
+                # method state to key by the parameters (a stateless bucket-wide round keeps the index)
+                key = self.key(params, index)
+                if key != index:
+                    segs = tuple((self.names[id(p)], p.numel()) for p in params)
+                    if pipe.per_parameter:
+                        segments = segs          # state, generator and step per parameter
+                    else:
+                        pipe.states.bind(key, segs, [p.shape for p in params])
+            shape, dtype = buffer.shape, buffer.dtype
+            # DDP's buckets are flat: the estimate has the buffer's shape and dtype
+            then = None if buffer.dim() == 1 else (lambda est: est.to(dtype).reshape(shape))
+            return pipe.start(flat, key, compress=compress, shapes=shapes, segments=segments, then=then)
+        finally:
+            if is_last:
+                self.steps += 1
+                self._in_step = False
+
+
+def sparse_message(pipeline: CommPipeline) -> str:
+    """Why the DDP hook refuses a sparse gradient bucket under a compressing method, and what to do."""
+    t = pipeline.transport.name
+    return (f"sparsecomm's DDP hook got a sparse gradient bucket (nn.Embedding(sparse=True)), which it "
+            f"averages only plainly (compressor='none'); this hook has method "
+            f"{pipeline.method.name!r} with compressor {getattr(pipeline.method.compressor, 'name', '?')!r} "
+            f"on transport {t!r}. Use sparsecomm.ddp.register(model, compressor='none', "
+            f"transport='omnireduce'), sparse=False embeddings, or sc.DistributedOptimizer (which "
+            f"averages sparse gradients with any method and returns them sparse)")

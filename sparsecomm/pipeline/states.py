@@ -1,0 +1,203 @@
+"""The per-worker state of a pipeline, which checkpoints carry.
+
+:class:`StateStore`: one :class:`~sparsecomm.methods.state.MethodState` per key (a bucket, or
+``("param", name)`` for parameter-wise rounds) and the layout of the named parameter segments behind
+each key, so that a state is reassembled exactly after a bucket rebuild (:meth:`StateStore.bind`).
+
+:class:`Generators`: the compressor's generators, the only randomness the rounds draw (a compressor
+holds none): one per device for bucket-wide rounds, seeded ``seed`` on every worker when the method's
+compressor shares its randomness (shared-seed rand-k draws the same coordinates everywhere) and
+``seed + rank`` otherwise; and one per parameter and device for parameter-wise rounds, seeded from
+``seed``, the parameter's name (and the rank, unless shared) so that its draws depend neither on the
+other parameters nor on the bucket layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Any, Hashable, Sequence
+
+import torch
+
+from ..errors import MismatchError
+from ..methods.base import Method
+from ..methods.state import MethodState, join_state, split_state, states_from_dict, states_to_dict
+
+
+class StateStore:
+    """The states of ``method`` by key (:attr:`by_key`), created at a key's first round."""
+
+    def __init__(self, method: Method) -> None:
+        self.method = method
+        #: key -> :class:`~sparsecomm.methods.state.MethodState` (the method object holds none)
+        self.by_key: dict[Hashable, MethodState] = {}
+        # the (name, numel) segments of each parameter-keyed state, the key holding the current state of
+        # each named segment, and each named segment's shape (bind)
+        self._segments: dict[Hashable, tuple[tuple[str, int], ...]] = {}
+        self._owner: dict[str, Hashable] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+
+    def get(self, key: Hashable, like: torch.Tensor, steps_before: int) -> MethodState:
+        """The state of ``key``, for a round on ``like`` (a new one: ``method.init`` of its length, dtype
+        and device). A new state counts the ``steps_before`` its first round as rounds
+        (:attr:`MethodState.rounds` counts the frontend's steps, so that a schedule in rounds, such as
+        ``warmup_steps`` or PowerSGD's ``start_powerSGD_iter``, means the same steps under the optimizer,
+        whose first step is a round of the method, and under the DDP hook, whose first is not)."""
+        ms = self.by_key.get(key)
+        if ms is None:
+            ms = self.by_key[key] = self.method.init(like.numel(), like.dtype, like.device)
+            ms.rounds = steps_before
+        return ms
+
+    def __getitem__(self, key: Hashable) -> MethodState:
+        return self.by_key[key]
+
+    def keys(self) -> list[Hashable]:
+        """The keys (buckets, or ``("param", name)`` per parameter) that hold a method state."""
+        return [k for k, ms in self.by_key.items() if ms.held]
+
+    def state(self, key: Hashable) -> Any:
+        """The method's typed state for ``key`` (``None`` before its first round)."""
+        ms = self.by_key.get(key)
+        return None if ms is None or not ms.held else ms.state
+
+    def keyed_by_names(self) -> bool:
+        """Whether some state is keyed by parameter names (a bound bucket, or a parameter-wise key)."""
+        return bool(self._segments) or any(isinstance(k, tuple) and k[:1] == ("param",) for k in self.keys())
+
+    def reset(self) -> None:
+        """Forget every method state (a new layout, a world-size change)."""
+        self.by_key = {}
+        self._segments, self._owner, self._shapes = {}, {}, {}
+
+    def bind(self, key: Hashable, segments: tuple[tuple[str, int], ...],
+             shapes: Sequence[Sequence[int]] | None = None) -> None:
+        """Declare that bucket ``key`` holds the named parameter segments ``(name, numel)`` in this
+        order, before its round (``shapes``: those parameters' shapes, for a method whose state is not
+        all per coordinate, :meth:`~sparsecomm.methods.base.Method.state_sizes`; flat by default). When
+        the method's state for ``key`` is missing or stale (its segments now live in other keys' states,
+        after a bucket rebuild or a restore onto another layout), it is reassembled exactly, parameter
+        by parameter, from the keys that hold them (:func:`~sparsecomm.methods.state.split_state`,
+        :func:`~sparsecomm.methods.state.join_state`); a bucket only partly covered by states raises
+        :class:`~sparsecomm.errors.MismatchError`."""
+        segments = tuple((str(n), int(k)) for n, k in segments)
+        for (name, numel), shape in zip(segments, shapes if shapes is not None else [None] * len(segments)):
+            shape = (numel,) if shape is None else tuple(int(x) for x in shape)
+            if math.prod(shape) != numel:
+                raise MismatchError(f"parameter {name!r}: shape {shape} for {numel} elements")
+            self._shapes[name] = shape
+        st = {k: ms.state for k, ms in self.by_key.items() if ms.held}
+        names = [n for n, _ in segments]
+        current = key in st and self._segments.get(key) == segments and \
+            all(self._owner.get(n) == key for n in names)
+        if not current:
+            owned = [n for n in names if n in self._owner and self._owner[n] in st]
+            if owned and len(owned) != len(names):
+                missing = sorted(set(names) - set(owned))
+                raise MismatchError(f"cannot restore the method state of a bucket holding "
+                                    f"{names}: no state for {missing} while the others have one "
+                                    f"(a checkpoint of another model or parameter set)")
+            rounds = {}
+            if owned:
+                # the rebuilt state continues its sources' round count (not that of a state already
+                # advanced in this step)
+                sources = {self._owner[n] for n in names}
+                rounds[key] = max(self.by_key[k].rounds for k in sources)
+                st[key] = self._assemble(segments, st)
+            else:
+                st.pop(key, None)    # a fresh bucket (or stale state of nothing current)
+            self._segments[key] = segments
+            for n in names:
+                self._owner[n] = key
+            # drop states none of whose segments they own any more
+            live = set(self._owner.values())
+            for k in [k for k in list(st) if k not in live and k in self._segments]:
+                del st[k]
+                self._segments.pop(k, None)
+            new: dict[Hashable, MethodState] = {}
+            for k, v in st.items():
+                ms = self.by_key.get(k)
+                new[k] = ms if ms is not None and ms.state is v else MethodState(state=v, rounds=rounds[k], started=True)
+            self.by_key = new
+
+    def _shapes_of(self, segments: tuple[tuple[str, int], ...]) -> list[tuple[int, ...]]:
+        return [self._shapes.get(name, (numel,)) for name, numel in segments]
+
+    def _assemble(self, segments: tuple[tuple[str, int], ...], st: dict[Hashable, Any]) -> Any:
+        """The state of a bucket of ``segments`` from the pieces of the states (``st``) that hold them."""
+        pieces: dict[Hashable, dict[str, Any]] = {}
+        out = []
+        for name, numel in segments:
+            k = self._owner[name]
+            layout = self._segments[k]
+            if dict(layout)[name] != numel:
+                raise MismatchError(f"parameter {name!r} has {numel} elements but {dict(layout)[name]} in "
+                                    f"the saved method state")
+            if k not in pieces:
+                parts = split_state(self.method, st[k], self._shapes_of(layout))
+                pieces[k] = {n: p for (n, _), p in zip(layout, parts)}
+            out.append(pieces[k][name])
+        return join_state(self.method, out, self._shapes_of(segments))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The states (:func:`~sparsecomm.methods.state.states_to_dict`) and the parameter layout."""
+        return {"method": states_to_dict(self.method, self.by_key),
+                "segments": dict(self._segments), "owner": dict(self._owner),
+                "shapes": {n: list(s) for n, s in self._shapes.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self.by_key = states_from_dict(self.method, state["method"])
+        self._segments = dict(state.get("segments", {}))
+        self._owner = dict(state.get("owner", {}))
+        self._shapes = {n: tuple(int(x) for x in s) for n, s in state.get("shapes", {}).items()}
+
+
+class Generators:
+    """This worker's compressor generators (see the module doc), created at first use."""
+
+    def __init__(self, seed: int, rank: int, shared: bool) -> None:
+        self.seed, self.rank, self.shared = int(seed), int(rank), bool(shared)
+        self._bucket: dict[torch.device, torch.Generator] = {}
+        self._param: dict[tuple[str, torch.device], torch.Generator] = {}
+
+    def bucket(self, device: torch.device | str = "cpu") -> torch.Generator:
+        """The generator of bucket-wide rounds on ``device``."""
+        device = torch.device(device)
+        g = self._bucket.get(device)
+        if g is None:
+            g = self._bucket[device] = torch.Generator(device=device)
+            g.manual_seed(self.seed if self.shared else self.seed + self.rank)
+        return g
+
+    def param(self, name: str, device: torch.device | str = "cpu") -> torch.Generator:
+        """The generator of parameter ``name``'s rounds on ``device``."""
+        device = torch.device(device)
+        g = self._param.get((name, device))
+        if g is None:
+            g = self._param[(name, device)] = torch.Generator(device=device)
+            g.manual_seed(name_seed(self.seed, name, None if self.shared else self.rank))
+        return g
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"generators": {str(d): g.get_state() for d, g in self._bucket.items()},
+                "param_generators": {(nm, str(d)): g.get_state() for (nm, d), g in self._param.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s generators exactly (those absent start afresh at first use)."""
+        self._bucket = {torch.device(d): _restored(d, s) for d, s in state.get("generators", {}).items()}
+        self._param = {(nm, torch.device(d)): _restored(d, s)
+                       for (nm, d), s in state.get("param_generators", {}).items()}
+
+
+def _restored(device: str, st: torch.Tensor) -> torch.Generator:
+    g = torch.Generator(device=torch.device(device))
+    g.set_state(st)
+    return g
+
+
+def name_seed(seed: int, name: str, rank: int | None) -> int:
+    """A 63-bit seed from ``(seed, name[, rank])`` (blake2b: stable across processes and runs)."""
+    msg = f"{int(seed)}\x00{name}\x00{'' if rank is None else int(rank)}".encode()
+    return int.from_bytes(hashlib.blake2b(msg, digest_size=8).digest(), "little") & ((1 << 63) - 1)
