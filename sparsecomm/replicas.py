@@ -157,10 +157,10 @@ def gather_words(fabric, words: torch.Tensor) -> torch.Tensor:
     if group is not None:
         import torch.distributed as dist
 
-        out = torch.empty(n * words.numel(), dtype=torch.int64, device=dev)
         from .fabric.torch.torch_waiters import retain
 
-        dist.all_gather_into_tensor(out, words, group=group)
+        out = torch.empty(n * words.numel(), dtype=torch.int64, device=dev)
+        (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, words, group=group)
         retain(out, words)
         return out.view(n, -1).cpu()
     table = torch.empty(n, words.numel(), dtype=torch.int64, device=dev)
