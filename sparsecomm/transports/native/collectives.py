@@ -34,7 +34,8 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group=None, async_op: bool 
 
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     work = fn(out, inp, group=group, async_op=async_op)
-    retain(work, out, inp)
+    if not async_op:
+        retain(out, inp)           # a pending work's caller retains it once it has completed
     return work
 
 
@@ -130,7 +131,6 @@ def post_join(f: Fabric, acc: torch.Tensor) -> Callable[[], torch.Tensor]:
             handle = all_gather(rows, acc, group=f.native_group, async_op=True)
         else:
             handle = dist.all_reduce(acc, group=f.native_group, async_op=True)
-            retain(handle, acc)
     except RuntimeError as exc:
         raise translated(f, name, exc) from exc
 
@@ -139,6 +139,7 @@ def post_join(f: Fabric, acc: torch.Tensor) -> Callable[[], torch.Tensor]:
             handle.wait()
         except RuntimeError as exc:
             raise translated(f, name, exc) from exc
+        retain(handle, acc, rows)
         if small:
             _sum_rows(acc, rows, n)
         _book_join(f, n, nbytes, small)
