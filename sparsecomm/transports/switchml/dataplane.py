@@ -50,12 +50,13 @@ fabric message carries up to ``burst`` rows (on SimFabric exactly ``burst``, unu
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from enum import IntEnum
 
 import numpy as np
 from numba import njit
 
+from ...fabric import services
 from ...fabric.base import Fabric
 from ...errors import InvalidValueError
 from .. import defaults
@@ -136,27 +137,12 @@ class SwitchConfig:
 
     def spec(self) -> str:
         """The service spec naming this program: ``"switch"`` for the defaults."""
-        parts = []
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if v != f.default:
-                parts.append(f"{f.name}={int(v) if isinstance(v, bool) else v}")
-        return "switch" + (":" + ",".join(parts) if parts else "")
+        return services.config_spec("switch", self)
 
     @classmethod
     def parse(cls, arg: str | None) -> "SwitchConfig":
         """Inverse of :meth:`spec` for the part after ``switch:`` (a bare integer means ``elems``)."""
-        if not arg:
-            return cls()
-        kw: dict = {}
-        for item in arg.split(","):
-            key, eq, val = item.partition("=")
-            if not eq:
-                key, val = "elems", key
-            if key not in {f.name for f in fields(cls)}:
-                raise InvalidValueError(f"unknown switch option {key!r} in {arg!r}; valid: elems, slots, burst, audit")
-            kw[key] = bool(int(val)) if key == "audit" else int(val)
-        return cls(**kw)
+        return services.parse_config(cls, "switch", arg, bare="elems")
 
 
 # ----------------------------------------------------------------------------- the program

@@ -47,7 +47,7 @@ look-ahead, in 16 bytes (on real fabrics padded to a value packet, see :meth:`Da
 from __future__ import annotations
 
 from collections import Counter, deque
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from enum import IntEnum
 from typing import Callable, NamedTuple
 
@@ -164,27 +164,13 @@ class SparseSwitchConfig:
         return replace(self, burst=defaults.packets_per_message(fabric, self.elems, MAX_BURST))
 
     def spec(self) -> str:
-        parts = [f"{f.name}={int(getattr(self, f.name))}" for f in fields(self)
-                 if getattr(self, f.name) != f.default]
-        return "sparse-switch" + (":" + ",".join(parts) if parts else "")
+        """The service spec naming this program: ``"sparse-switch"`` for the defaults."""
+        return services.config_spec("sparse-switch", self)
 
     @classmethod
     def parse(cls, arg: str | None) -> "SparseSwitchConfig":
-        if not arg:
-            return cls()
-        kw: dict = {}
-        names = {f.name for f in fields(cls)}
-        for item in arg.split(","):
-            key, eq, val = item.partition("=")
-            if not eq:
-                key, val = "elems", key
-            if key not in names:
-                raise InvalidValueError(f"unknown sparse-switch option {key!r} in {arg!r}; valid: {', '.join(sorted(names))}")
-            try:
-                kw[key] = bool(int(val)) if key == "audit" else int(val)
-            except ValueError:
-                raise InvalidValueError(f"sparse-switch option {key} needs an integer, got {val!r}") from None
-        return cls(**kw)
+        """Inverse of :meth:`spec` for the part after ``sparse-switch:`` (a bare integer means ``elems``)."""
+        return services.parse_config(cls, "sparse-switch", arg, bare="elems")
 
 
 class Dataplane:
