@@ -111,6 +111,7 @@ from .errors import IncompatibleError, InvalidTypeError, InvalidValueError
 from .fabric.stats import CommStats
 from .pipeline import CommPipeline
 from .pipeline import step_size
+from .pipeline.resolve import default_fabric
 from .pipeline.scheduler import HookScheduler, sparse_message
 from .pipeline.settings import agree
 from .replicas import VERIFY_EVERY, check_verify_every, verify_replicas
@@ -118,25 +119,6 @@ from .transports.base import CommWork
 
 _HYPER = ("compressor", "transport", "method", "transport_kwargs", "warmup_steps", "min_compress_size",
           "seed", "sparse_rows", "verify_replicas_every", "hyper")
-
-
-def _torch_fabric(process_group: Any) -> Any:
-    """The fabric of the current :func:`sparsecomm.launch` worker (``process_group``: ``None``, the
-    default group or that worker's ``fabric.native_group``, the workers' group when the launch has
-    services), else a new TorchFabric over the default process group (a collective call: every rank
-    builds its hook state)."""
-    from .fabric.torch.torch_fabric import TorchFabric
-    from .launch import current_context
-
-    ctx = current_context()
-    workers = ctx.fabric.native_group if ctx is not None else None
-    if process_group is not None and process_group is not dist.group.WORLD and process_group is not workers:
-        raise NotImplementedError("sparsecomm's DDP hook runs over the default process group or, under "
-                                  "sparsecomm.launch, the workers' group (ctx.fabric.native_group) only "
-                                  "(TorchFabric); pass process_group=None")
-    if workers is not None:
-        return ctx.fabric
-    return TorchFabric()
 
 
 class CommHookState:
@@ -187,7 +169,7 @@ class CommHookState:
         settings agreement included)."""
         self.pipeline = CommPipeline(self.compressor, self.transport, method=self.method,
                                      transport_kwargs=self.transport_kwargs or None,
-                                     fabric=_torch_fabric(self.process_group), seed=self.seed,
+                                     fabric=default_fabric(self.process_group), seed=self.seed,
                                      warmup_steps=self.warmup_steps, sparse_rows=self.sparse_rows, **self.hyper)
         self._agree()
         self.scheduler = HookScheduler(self.pipeline, self.min_compress_size, self._verify)
@@ -312,6 +294,11 @@ comm_hook.__annotations__.update(state=CommHookState, bucket=dist.GradBucket,
                                  **{"return": torch.futures.Future[torch.Tensor]})
 
 
+def _job_ranks(group: Any) -> list[int] | None:
+    """The job ranks of a process group's members (``None`` for anything that is not a group)."""
+    return dist.get_process_group_ranks(group) if isinstance(group, dist.ProcessGroup) else None
+
+
 def register(model: torch.nn.parallel.DistributedDataParallel, process_group: Any = None,
              **options: Any) -> CommHookState:
     """``model.register_comm_hook(CommHookState(process_group, **options), comm_hook)``; returns the state.
@@ -333,15 +320,22 @@ def register(model: torch.nn.parallel.DistributedDataParallel, process_group: An
             f"sparsecomm.DistributedOptimizer(optimizer, ...) on the bare model")
     from .launch import current_context
 
-    ctx = current_context()
     group = getattr(model, "process_group", None)
-    if ctx is not None and group is not None and ctx.fabric.services() and \
-            dist.get_world_size(group) != ctx.fabric.world_size:
+    model_ranks = _job_ranks(group)
+    if process_group is None:
+        process_group = group
+    elif model_ranks is not None and _job_ranks(process_group) not in (None, model_ranks):
+        raise IncompatibleError(
+            f"sparsecomm.ddp.register: the DDP model runs its collectives over job ranks {model_ranks}, but "
+            f"process_group has job ranks {_job_ranks(process_group)}; the hook must average over the "
+            f"model's own group: pass the process_group the model was built with (or none: the model's)")
+    ctx = current_context()
+    services = sorted(set(ctx.fabric.services().values()) & set(model_ranks or ())) if ctx is not None else []
+    if services:
         raise IncompatibleError(
             f"sparsecomm.ddp.register: this DDP model runs its own collectives over a process group of "
-            f"{dist.get_world_size(group)} ranks, but the job has {ctx.fabric.world_size} workers plus the "
-            f"service rank(s) {sorted(ctx.fabric.services())}, which never join them (DDP would wait for "
-            f"them until the timeout); build DDP over the workers' group: "
+            f"{len(model_ranks)} ranks that holds the service rank(s) {services}, which never join them "
+            f"(DDP would wait for them until the timeout); build DDP over the workers' group: "
             f"DistributedDataParallel(model, process_group=ctx.fabric.native_group)")
     state = CommHookState(process_group, model=model, **options)
     sparse = [n for n, m in model.named_modules()

@@ -157,6 +157,7 @@ from .fabric.stats import CommStats
 from .methods.base import Method
 from .pipeline import CommPipeline, step_size
 from .pipeline.buckets import layout as bucket_layout
+from .pipeline.resolve import default_fabric
 from .pipeline.scheduler import BucketScheduler
 from .pipeline.settings import agree
 from .transports.base import Transport
@@ -172,8 +173,8 @@ class DistributedOptimizer:
     """Wrap a torch optimizer so that ``step()`` averages (compressed) gradients first; see the module doc.
 
     ``DistributedOptimizer(inner, compressor=None, transport="auto", *, method=None,
-    transport_kwargs=None, fabric=None, bucket_cap_mb=25, warmup_steps=0, min_compress_size=0,
-    seed=0, overlap=True, backward_passes_per_step=1, init_sync="broadcast", module=None,
+    transport_kwargs=None, fabric=None, process_group=None, bucket_cap_mb=25, warmup_steps=0,
+    min_compress_size=0, seed=0, overlap=True, backward_passes_per_step=1, init_sync="broadcast", module=None,
     nonfinite="raise", sparse_rows="gather", verify_replicas_every=VERIFY_EVERY, **hyper)``
 
     It owns a :class:`~sparsecomm.pipeline.core.CommPipeline` (method + transport) and the
@@ -196,8 +197,8 @@ class DistributedOptimizer:
     def __init__(self, optimizer: torch.optim.Optimizer, compressor: str | Compressor | None = None,
                  transport: str | Transport = "auto", *, method: str | Method | None = None,
                  transport_kwargs: dict | None = None, fabric: Fabric | None = None,
-                 bucket_cap_mb: float = 25.0, warmup_steps: int = 0, min_compress_size: int = 0,
-                 seed: int = 0, overlap: bool = True, backward_passes_per_step: int = 1,
+                 process_group: Any = None, bucket_cap_mb: float = 25.0, warmup_steps: int = 0,
+                 min_compress_size: int = 0, seed: int = 0, overlap: bool = True, backward_passes_per_step: int = 1,
                  init_sync: str = "broadcast", module: torch.nn.Module | None = None,
                  nonfinite: str = "raise", sparse_rows: str = "gather",
                  verify_replicas_every: int = VERIFY_EVERY, **hyper: Any) -> None:
@@ -209,6 +210,11 @@ class DistributedOptimizer:
             raise InvalidValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
         if warmup_steps < 0 or min_compress_size < 0:
             raise InvalidValueError("warmup_steps and min_compress_size must be non-negative")
+        if process_group is not None:
+            if fabric is not None:
+                raise InvalidValueError("pass fabric= or process_group=, not both (process_group=pg runs the "
+                                        "transport over TorchFabric(group=pg))")
+            fabric = default_fabric(process_group)
         # share everything of the inner optimizer (param_groups, state, defaults, hooks), except
         # instance-level callables bound to it (an LR scheduler's patched ``step``)
         for k, v in optimizer.__dict__.items():

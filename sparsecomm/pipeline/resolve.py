@@ -24,10 +24,15 @@ from ..transports.base import Transport
 AUTO_ORDER = ("ring", "omnireduce", "switch", "allgather")
 
 
-def default_fabric() -> Fabric:
+def default_fabric(process_group: Any = None) -> Fabric:
     """The fabric of the current :func:`sparsecomm.launch` worker, else a TorchFabric over the default
-    process group."""
+    process group; the same for ``process_group`` ``None``, the default group or the launch's workers'
+    group (``ctx.fabric.native_group``). Any other ``process_group``: a new TorchFabric over that group
+    (``TorchFabric(group=process_group)``), on which every transport without services runs."""
     ctx = current_context()
+    if process_group is not None and process_group is not dist.group.WORLD and (
+            ctx is None or process_group is not ctx.fabric.native_group):
+        return TorchFabric(group=process_group)
     if ctx is not None:
         return ctx.fabric
     if dist.is_available() and dist.is_initialized():

@@ -72,6 +72,24 @@ from .torch_waiters import Pending, Waits, waits_ended
 __all__ = ["TorchFabric"]
 
 
+def _members(group, services: Sequence[str]) -> list[int]:
+    """The job ranks of ``group``'s members, in the order of their ranks in it; a group this rank is not
+    a member of, or services beside a group, are refused."""
+    me = dist.get_rank()
+    if not isinstance(group, dist.ProcessGroup) or dist.get_rank(group) < 0:
+        which = (f" (job ranks {dist.get_process_group_ranks(group)})"
+                 if isinstance(group, dist.ProcessGroup) else "")
+        raise InvalidValueError(
+            f"job rank {me} is not a member of the process group it was given{which}: every rank builds "
+            f"the fabric (the DistributedOptimizer, the DDP hook) over the group it belongs to, its own "
+            f"data-parallel group (torch.distributed.new_group returns a placeholder, not a group, on the "
+            f"ranks it does not list)")
+    if services:
+        raise IncompatibleError("a fabric over a process group has no service ranks: services are ranks of "
+                                "the whole job (sparsecomm.launch(..., services=[...]) with group=None)")
+    return dist.get_process_group_ranks(group)
+
+
 class TorchFabric(Fabric):
     """One rank of a torch.distributed job seen as a :class:`Fabric` (see the module docstring).
 
@@ -85,32 +103,35 @@ class TorchFabric(Fabric):
     direct_waits = True   # the capability (:mod:`sparsecomm.fabric.base`): :meth:`wait_unbounded`
 
     def __init__(self, world_size: int | None = None, services: Sequence[str] = (), *,
-                 timeout_s: float = 120.0, store: dist.Store | None = None,
-                 shutdown_key: str = "sparsecomm/workers_done", coalesce: bool | None = None,
-                 two_way: bool | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, timeout_s: float = 120.0,
+                 store: dist.Store | None = None, shutdown_key: str | None = None,
+                 coalesce: bool | None = None, two_way: bool | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("TorchFabric needs an initialised torch.distributed process group "
                                "(use sparsecomm.launch(..., backend='gloo'/'nccl') or torchrun)")
         services = list(services)
-        total = dist.get_world_size()
+        if group is dist.group.WORLD:
+            group = None
+        members = None if group is None else _members(group, services)
+        total = dist.get_world_size() if group is None else len(members)
         if world_size is None:
             world_size = total - len(services)
         if world_size < 1 or world_size + len(services) != total:
             raise InvalidValueError(f"{world_size} workers + {len(services)} services != {total} ranks in the "
                              f"process group")
-        self.rank = dist.get_rank()
+        self.rank = dist.get_rank(group)
         self.world_size = world_size
         self.timeout_s = float(timeout_s)
-        self.backend = str(dist.get_backend())
+        self.backend = str(dist.get_backend(group))
         self._cuda = self.backend == "nccl"
-        self._pg = dist.group.WORLD
-        self._ranks = JobRanks(world_size, services)
+        self._pg = dist.group.WORLD if group is None else group
+        self._ranks = JobRanks(world_size, services, members)
         self._store = store
+        if shutdown_key is None:
+            shutdown_key = ("sparsecomm/workers_done" if members is None else
+                            "sparsecomm/group/" + "-".join(map(str, members)) + "/workers_done")
         self._shutdown_key = shutdown_key
         self._coalesce = self._cuda if coalesce is None else bool(coalesce)
-        #: messages between two ranks share one ordered channel whatever their tag or direction (nccl):
-        #: protocols must not let a pair's sends in one direction wait behind receives posted for later
-        self.serial_pairs = self._cuda
         self._deferred: list[Pending] = []
         self.stats = CommStats()
         #: gloo: messages from a lower to a higher rank travel on the default group, the other way on a
@@ -118,19 +139,26 @@ class TorchFabric(Fabric):
         #: "Two channels per pair" in the module docstring)
         self._pg_down = self._pg
         if two_way is None:
-            two_way = not self._coalesce
+            two_way = not self._coalesce and group is None
         if two_way and (self._cuda or self._coalesce):
             raise IncompatibleError("two_way channels are for gloo without coalesce (nccl and coalesced "
                                     "groups issue sends and receives on one group); pass two_way=False")
+        if two_way and group is not None:
+            raise IncompatibleError("two_way channels need a second group of the same ranks, which every rank "
+                                    "of the job would have to create; over a process group the fabric uses "
+                                    "one channel per pair: pass two_way=False (or leave it unset)")
         if two_way and total > 1:
             self._pg_down = dist.new_group(list(range(total)), timeout=timedelta(seconds=self.timeout_s))
-        self.worker_group = (dist.new_group(list(range(world_size)), timeout=timedelta(seconds=self.timeout_s))
-                             if services else dist.group.WORLD)
+        if group is not None:
+            self.worker_group = group
+        else:
+            self.worker_group = (dist.new_group(list(range(world_size)), timeout=timedelta(seconds=self.timeout_s))
+                                 if services else dist.group.WORLD)
         # a trip closes every gloo group of this rank: both directions' and the workers' subgroup (native's)
         trips = [(self._pg, self.rank, total)]
         if self._pg_down is not self._pg:
             trips.append((self._pg_down, self.rank, total))
-        if (self.worker_group is not dist.group.WORLD and self.is_worker and world_size > 1
+        if (self.worker_group is not self._pg and self.is_worker and world_size > 1
                 and isinstance(self.worker_group, dist.ProcessGroup)):
             trips.append((self.worker_group, self.rank, world_size))
         self._failstop = FailStop(self.rank, self._ranks, store=store, key=shutdown_key + "/failed",
@@ -217,7 +245,8 @@ class TorchFabric(Fabric):
         pends, self._deferred = self._deferred, []
         if not pends:
             return
-        ops = [dist.P2POp(dist.irecv if p.is_recv else dist.isend, p.buf, p.src, tag=p.tag) for p in pends]
+        ops = [dist.P2POp(dist.irecv if p.is_recv else dist.isend, p.buf, group=self._pg, tag=p.tag,
+                          group_peer=p.src) for p in pends]
         try:
             works = dist.batch_isend_irecv(ops)
         except RuntimeError as exc:
@@ -358,6 +387,15 @@ class TorchFabric(Fabric):
         also matches a unique ``"name:arg"`` spec.
         """
         ranks = self._ranks.services
+        if self._ranks.job_ranks is not None:
+            raise ServiceNotStarted(
+                f"service {name!r} is not available over a process group (job ranks "
+                f"{self._ranks.job_ranks}): a service is an extra rank of the whole job that the launcher "
+                f"starts for the job's workers, not for one group of them. Over a process group use a "
+                f"transport without services: 'ring', 'omnireduce' (its aggregators sharded over the "
+                f"workers, the default), 'native' or 'allgather'; or run {name!r} over the whole job "
+                f"(sparsecomm.launch(fn, world_size, backend={self.backend!r}, services=[{name!r}]), "
+                f"process_group=None)")
         if name in ranks:
             return ranks[name]
         base = [s for s in ranks if s.partition(":")[0] == name]

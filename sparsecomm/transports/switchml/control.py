@@ -15,8 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ...errors import (IncompatibleError, InvalidValueError, MismatchError, NonFiniteError, OverflowError_,
-                      ServiceNotStarted)
+from ...errors import IncompatibleError, InvalidValueError, MismatchError, NonFiniteError, OverflowError_
 
 CONTROL_SLOT = 0
 MODE_FLOAT, MODE_INT = 1, 2
@@ -133,9 +132,7 @@ def started_program(fabric, config_cls, elems: int | None, slots: int | None, bu
     if len(fits) == 1:
         return fits[0]
     if not started:
-        raise ServiceNotStarted(
-            f"transport {name!r} needs a switch rank: launch with services=[{cfg.spec()!r}] "
-            f"(e.g. sparsecomm.launch(fn, n, backend='gloo', services=[{cfg.spec()!r}]))")
+        fabric.service(cfg.spec())   # raises ServiceNotStarted: how to start it, or why this fabric has none
     mine = ", ".join(f"slot_elems={c.elems}, switch_slots={c.slots}, burst={c.burst}" for c, _ in programs)
     raise IncompatibleError(
         f"transport {name!r} asked for a switch program with {asked} but the launcher started {started} "
