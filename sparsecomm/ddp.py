@@ -95,8 +95,18 @@ unpickling rebinds to the default process group. ``state_dict()``/``load_state_d
 internal state.
 
 The fabric is the current :func:`sparsecomm.launch` worker's ``TorchFabric``, else a new ``TorchFabric``
-over the default process group (only the default group is supported); the default transport
-``"auto"`` is then ``native`` (``torch.distributed.all_reduce``) for dense payloads.
+over the default process group; the default transport ``"auto"`` is then ``native``
+(``torch.distributed.all_reduce``) for dense payloads.
+
+**Process groups**: the hook averages over the process group the DDP model was built with
+(``DistributedDataParallel(net, process_group=pg)``; :func:`register` takes it from the model, or
+``process_group=pg`` naming the same group): for any other group than the default one or the launch's
+workers' group it builds ``TorchFabric(group=pg)`` (:func:`sparsecomm.pipeline.resolve.default_fabric`),
+whose workers are ``pg``'s members numbered by their rank in ``pg``, so a job split into data-parallel
+groups averages within each group, each on its own channels. Every transport without services runs
+there (ring, omnireduce with its aggregators sharded over the workers, native, allgather); the switch
+and sparse switch need a service rank per group, which the launcher does not start, and are refused
+with :class:`~sparsecomm.errors.ServiceNotStarted` naming those transports.
 """
 
 from __future__ import annotations
@@ -127,7 +137,8 @@ class CommHookState:
     ``CommHookState(process_group=None, compressor=None, transport="auto", *, method=None,
     transport_kwargs=None, warmup_steps=0, min_compress_size=0, seed=0, model=None,
     sparse_rows="gather", verify_replicas_every=VERIFY_EVERY, **hyper)``;
-    ``model`` (the DDP module) names the parameters that key the method state (and those the replica
+    ``process_group``: the group to average over (``None``: the default group or the launch's workers';
+    a subgroup: see "Process groups" in the module doc); ``model`` (the DDP module) names the parameters that key the method state (and those the replica
     guard checks: ``verify_replicas_every=N`` compares the workers' parameters at the start of every
     N-th step and raises :class:`~sparsecomm.errors.MismatchError` on every worker, naming the
     first parameter that differs, :func:`sparsecomm.replicas.verify_replicas`; 0 turns it off);
@@ -307,8 +318,13 @@ def register(model: torch.nn.parallel.DistributedDataParallel, process_group: An
     OmniReduce aggregators) the default process group also holds the service ranks, which never join
     DDP's own collectives (its construction, bucket rebuild and buffer broadcasts would wait for them
     until the timeout): build DDP over the workers' group,
-    ``DistributedDataParallel(net, process_group=ctx.fabric.native_group)``. A model over a group of
-    another size is refused here with that advice (:class:`IncompatibleError`).
+    ``DistributedDataParallel(net, process_group=ctx.fabric.native_group)``. A model over a group that
+    holds a service rank is refused here with that advice (:class:`IncompatibleError`).
+
+    ``process_group``: ``None`` (the default) takes the model's own group (``model.process_group``), so
+    the hook averages over the ranks DDP runs over (a subgroup: see "Process groups" in the module
+    doc); a group with other members than the model's is refused (:class:`IncompatibleError`), and a
+    rank outside the group gets :class:`~sparsecomm.errors.InvalidValueError`.
 
     ``model`` must be a :class:`~torch.nn.parallel.DistributedDataParallel` (the hook is DDP's): anything
     else raises :class:`~sparsecomm.errors.InvalidTypeError` before any communication."""

@@ -112,6 +112,18 @@ transport would carry. ``fabric=`` defaults to the one :func:`sparsecomm.launch`
 (:func:`sparsecomm.launch.current_context`), else a ``TorchFabric`` over an initialised default
 process group.
 
+**Process groups.** ``process_group=pg`` (a ``torch.distributed`` group, instead of ``fabric=``)
+averages over ``pg``'s members only: the transport runs over ``TorchFabric(group=pg)``, whose workers
+are the members numbered by their rank in ``pg`` and whose messages and collectives travel on ``pg``'s
+own channels, so the data-parallel groups of one job (``{0,1}`` and ``{2,3}`` of 4 ranks) each average
+within themselves without meeting; the replicas are broadcast from ``pg``'s rank 0 and the checks above
+compare ``pg``'s members. Every rank builds the optimizer over its own group (a rank outside ``pg``
+gets :class:`~sparsecomm.errors.InvalidValueError`). Every transport without services runs over a
+group (ring, omnireduce with its aggregators sharded over the workers, native, allgather); the switch
+and sparse switch need a service rank per group, which the launcher does not start, and are refused
+with :class:`~sparsecomm.errors.ServiceNotStarted` naming those transports. ``None``, the default
+group or the launch's workers' group: the default fabric, as without it.
+
 **Researcher options.** ``warmup_steps`` (default 0): the first steps communicate uncompressed
 (*exact* rounds of the method, which warm-start its state: see :mod:`sparsecomm.methods.base`); the
 method is wrapped in :func:`sparsecomm.methods.warmup`, whose round count is part of each state.

@@ -9,6 +9,8 @@ messages did not reach it.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -76,7 +78,7 @@ def _reference(members: list[int]) -> list[torch.Tensor]:
 def _checks(ctx) -> dict:
     import torch.distributed as dist
 
-    from sparsecomm.errors import IncompatibleError, InvalidValueError, ServiceNotStarted
+    from sparsecomm.errors import IncompatibleError, InvalidValueError, PeerFailure, ServiceNotStarted
 
     torch.set_num_threads(1)
     me = ctx.rank
@@ -93,6 +95,9 @@ def _checks(ctx) -> dict:
             res[t] = sc.transports.get(t, fabric).allreduce(_vector(me))
         res["allgather-sparse"] = sc.transports.get("allgather", fabric).allreduce(_sparse(me))
         res["omnireduce-sparse"] = sc.transports.get("omnireduce", fabric).allreduce(_sparse(me))
+        # sends and receives issued as one batch (nccl's mode) address the group's ranks too
+        coalesced = sc.TorchFabric(group=pg, timeout_s=60, coalesce=True)
+        res["ring-coalesced"] = sc.transports.get("ring", coalesced).allreduce(_vector(me))
         # point to point in fabric ranks: fabric rank 0 sends its job rank to fabric rank 1
         buf = torch.tensor([me])
         if fabric.rank == 0:
@@ -113,16 +118,23 @@ def _checks(ctx) -> dict:
             res["outside"] = "accepted"
         except InvalidValueError as exc:
             res["outside"] = str(exc)
+        res["optim_refusals"] = []
+        for kw in ({"process_group": other}, {"process_group": pg, "fabric": fabric}):
+            try:
+                sc.DistributedOptimizer(torch.optim.SGD(_model(me).parameters(), lr=LR), **kw)
+                res["optim_refusals"].append("accepted")
+            except InvalidValueError as exc:
+                res["optim_refusals"].append(str(exc))
         # DistributedOptimizer over the group: replicas from the group's rank 0, averages within the group
         model = _model(me)
         opt = sc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR), transport="ring",
                                       process_group=pg)
         res["optim"] = _train(model, me, opt)
         res["optim_world"] = opt.fabric.world_size
-        # the DDP hook over the group the DDP model was built with
+        # the DDP hook over the group the DDP model was built with (named, or taken from the model)
         model = _model(me)
         net = nn.parallel.DistributedDataParallel(model, process_group=pg)
-        state = sc.ddp.register(net, process_group=pg, transport="omnireduce")
+        state = sc.ddp.register(net, process_group=pg if name == "blocks" else None, transport="omnireduce")
         res["ddp"] = _train(net, me, torch.optim.SGD(net.parameters(), lr=LR))
         res["ddp_world"] = state.pipeline.world_size
         # a hook group other than the model's is refused before any communication
@@ -132,6 +144,23 @@ def _checks(ctx) -> dict:
         except IncompatibleError as exc:
             res["ddp_mismatch"] = str(exc)
         out[name] = res
+    # a failure in one group stops that group, naming the rank in both numberings, and not the other
+    pg = groups["blocks"][me // 2]
+    fabric = sc.TorchFabric(group=pg, timeout_s=60)
+    buf = torch.zeros(1)
+    if me == 1:
+        fabric.fail(RuntimeError("deliberate"))
+    try:
+        if me in (0, 1):
+            fabric.recv(buf, 1 - me, tag=4)
+        elif me == 2:
+            time.sleep(0.5)                       # after group {0,1} has failed
+            fabric.send(torch.ones(1), 1, tag=4)
+        elif me == 3:
+            fabric.recv(buf, 0, tag=4)
+        out["failure"] = float(buf)
+    except PeerFailure as exc:
+        out["failure"] = str(exc)
     return out
 
 
@@ -142,8 +171,8 @@ def results():
 
 def _each(results):
     for rank, out in enumerate(results):
-        for name, res in out.items():
-            yield rank, name, res
+        for name in SPLITS:
+            yield rank, name, out[name]
 
 
 def test_every_transport_sums_within_its_group_only(results):
@@ -153,7 +182,7 @@ def test_every_transport_sums_within_its_group_only(results):
         assert res["p2p"] == members[0], (rank, name)
         dense = _vector(members[0]) + _vector(members[1])        # two terms: every order gives these bits
         sparse = _sparse(members[0]).to_dense() + _sparse(members[1]).to_dense()
-        for t in ("native", "ring", "omnireduce", "allgather"):
+        for t in ("native", "ring", "omnireduce", "allgather", "ring-coalesced"):
             assert torch.equal(res[t], dense), (rank, name, t)
         assert torch.equal(res["allgather-sparse"], sparse), (rank, name)
         assert torch.equal(res["omnireduce-sparse"], sparse), (rank, name)
@@ -178,4 +207,12 @@ def test_switches_and_ranks_outside_the_group_are_refused_clearly(results):
             msg = res[t]
             assert "process group" in msg and "ring" in msg and "omnireduce" in msg, (rank, t, msg)
         assert "not a member" in res["outside"], res["outside"]
+        outside, both = res["optim_refusals"]
+        assert "not a member" in outside and "not both" in both, res["optim_refusals"]
         assert "process_group" in res["ddp_mismatch"], res["ddp_mismatch"]
+
+
+def test_a_failure_in_one_group_stops_that_group_only(results):
+    assert "worker 1 (job rank 1): deliberate" in results[1]["failure"], results[1]["failure"]
+    assert "worker 1 (job rank 1) failed first" in results[0]["failure"], results[0]["failure"]
+    assert results[2]["failure"] == 0.0 and results[3]["failure"] == 1.0   # the other group goes on

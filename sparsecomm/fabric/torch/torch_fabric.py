@@ -6,13 +6,27 @@ dedicated OmniReduce aggregators) are the extra ranks ``world_size + i`` that th
 ``services[i]`` (:mod:`sparsecomm.launch.torch_backend`; :mod:`.torch_ranks` names them). Every rank,
 services included, must construct the fabric (it creates the workers' subgroup, a collective call).
 
+Over a process group (``group=pg``, e.g. one data-parallel group of a job that also has tensor- or
+pipeline-parallel groups): the workers are ``pg``'s members, worker ``i`` being the member of rank ``i``
+in ``pg`` (job rank ``dist.get_global_rank(pg, i)``; errors name both, "worker 1 (job rank 3)"), and
+every send, receive and collective runs on ``pg`` itself (``ProcessGroup.send/recv`` take ranks in
+their group; a batch names ``group_peer``). So fabrics over different groups of one job never share a
+channel: their messages cannot meet whatever their tags, and each group's fail-stop trips only its own
+connections and keeps its store keys under ``sparsecomm/group/<job ranks>/`` (with a store). Only
+``pg``'s members construct it (no collective call: it creates no group); a rank outside ``pg``
+gets :class:`InvalidValueError`. Such a fabric has no services (they are ranks of the whole job that
+the launcher starts for all its workers, not for one group): :meth:`~TorchFabric.service` raises
+:class:`ServiceNotStarted` naming the transports that run over a group (ring, omnireduce with its
+aggregators sharded over the workers, native, allgather); and one channel per pair (``two_way=False``:
+a second group of the same ranks would have to be created by every rank of the job).
+
 What maps to what:
 
-- ``send``/``isend``/``recv``/``irecv`` are ``ProcessGroup.send/recv/recvAnysource`` on the default group,
-  with the tag (tags must lie in ``[0, 2**31)``; torch rejects negative tags). Messages of one
-  (src, dst, tag) arrive in order. Tensors stay on their device: nothing here copies to the host, so a
-  CUDA tensor travels over nccl.
-- Two channels per pair (gloo, ``two_way=True``, the default without ``coalesce``): a message from a
+- ``send``/``isend``/``recv``/``irecv`` are ``ProcessGroup.send/recv/recvAnysource`` on the default group
+  (on ``pg`` over a process group), with the tag (tags must lie in ``[0, 2**31)``; torch rejects
+  negative tags). Messages of one (src, dst, tag) arrive in order. Tensors stay on their device:
+  nothing here copies to the host, so a CUDA tensor travels over nccl.
+- Two channels per pair (gloo, ``two_way=True``, the default without ``coalesce`` or ``group``): a message from a
   lower to a higher rank travels on the default group, one from a higher to a lower rank on a second
   group of the same ranks, so each TCP connection carries data in one direction only. gloo sends a
   message only after the receiver's "receive posted" notice arrives, and a pair queues that notice
@@ -94,8 +108,12 @@ class TorchFabric(Fabric):
     """One rank of a torch.distributed job seen as a :class:`Fabric` (see the module docstring).
 
     ``world_size`` is the number of workers (default: all ranks minus ``len(services)``); ``services``
-    lists the service specs of ranks ``world_size, world_size+1, ...`` in order. ``store`` is the
-    rendezvous store and ``shutdown_key`` the counter of finished workers that service ranks poll.
+    lists the service specs of ranks ``world_size, world_size+1, ...`` in order. ``group``: a
+    torch.distributed process group whose members are the workers, numbered by their rank in it (no
+    services; see "Over a process group" in the module docstring); ``None`` or the default group: the
+    whole job. ``store`` is the rendezvous store and ``shutdown_key`` the counter of finished workers
+    that service ranks poll (default ``sparsecomm/workers_done``, over a group
+    ``sparsecomm/group/<job ranks>/workers_done``; the failure record is ``<shutdown_key>/failed``).
     It owns the job's fail-stop propagation for this rank (a :class:`~.torch_failure.FailStop`) and the
     waits for its posted operations (a :class:`~.torch_waiters.Waits`).
     """
