@@ -138,9 +138,9 @@ class CommHookState:
     transport_kwargs=None, warmup_steps=0, min_compress_size=0, seed=0, model=None,
     sparse_rows="gather", verify_replicas_every=VERIFY_EVERY, **hyper)``;
     ``process_group``: the group to average over (``None``: the default group or the launch's workers';
-    a subgroup: see "Process groups" in the module doc); ``model`` (the DDP module) names the parameters that key the method state (and those the replica
-    guard checks: ``verify_replicas_every=N`` compares the workers' parameters at the start of every
-    N-th step and raises :class:`~sparsecomm.errors.MismatchError` on every worker, naming the
+    a subgroup: see "Process groups" in the module doc); ``model`` (the DDP module) names the
+    parameters that key the method state (and those the replica guard checks:
+    ``verify_replicas_every=N`` compares the workers' parameters at the start of every N-th step and raises :class:`~sparsecomm.errors.MismatchError` on every worker, naming the
     first parameter that differs, :func:`sparsecomm.replicas.verify_replicas`; 0 turns it off);
     ``compressor``,
     ``method``, ``transport`` and ``**hyper`` as for :class:`~sparsecomm.DistributedOptimizer`

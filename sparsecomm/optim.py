@@ -186,8 +186,8 @@ class DistributedOptimizer:
 
     ``DistributedOptimizer(inner, compressor=None, transport="auto", *, method=None,
     transport_kwargs=None, fabric=None, process_group=None, bucket_cap_mb=25, warmup_steps=0,
-    min_compress_size=0, seed=0, overlap=True, backward_passes_per_step=1, init_sync="broadcast", module=None,
-    nonfinite="raise", sparse_rows="gather", verify_replicas_every=VERIFY_EVERY, **hyper)``
+    min_compress_size=0, seed=0, overlap=True, backward_passes_per_step=1, init_sync="broadcast",
+    module=None, nonfinite="raise", sparse_rows="gather", verify_replicas_every=VERIFY_EVERY, **hyper)``
 
     It owns a :class:`~sparsecomm.pipeline.core.CommPipeline` (method + transport) and the
     :class:`~sparsecomm.pipeline.scheduler.BucketScheduler` that runs its buckets through it.
@@ -210,7 +210,8 @@ class DistributedOptimizer:
                  transport: str | Transport = "auto", *, method: str | Method | None = None,
                  transport_kwargs: dict | None = None, fabric: Fabric | None = None,
                  process_group: Any = None, bucket_cap_mb: float = 25.0, warmup_steps: int = 0,
-                 min_compress_size: int = 0, seed: int = 0, overlap: bool = True, backward_passes_per_step: int = 1,
+                 min_compress_size: int = 0, seed: int = 0, overlap: bool = True,
+                 backward_passes_per_step: int = 1,
                  init_sync: str = "broadcast", module: torch.nn.Module | None = None,
                  nonfinite: str = "raise", sparse_rows: str = "gather",
                  verify_replicas_every: int = VERIFY_EVERY, **hyper: Any) -> None:

@@ -26,9 +26,9 @@ What maps to what:
   (on ``pg`` over a process group), with the tag (tags must lie in ``[0, 2**31)``; torch rejects
   negative tags). Messages of one (src, dst, tag) arrive in order. Tensors stay on their device:
   nothing here copies to the host, so a CUDA tensor travels over nccl.
-- Two channels per pair (gloo, ``two_way=True``, the default without ``coalesce`` or ``group``): a message from a
-  lower to a higher rank travels on the default group, one from a higher to a lower rank on a second
-  group of the same ranks, so each TCP connection carries data in one direction only. gloo sends a
+- Two channels per pair (gloo, ``two_way=True``, the default without ``coalesce`` or ``group``): a
+  message from a lower to a higher rank travels on the default group, one from a higher to a lower rank
+  on a second group of the same ranks, so each TCP connection carries data in one direction only. gloo sends a
   message only after the receiver's "receive posted" notice arrives, and a pair queues that notice
   behind whatever data it is already writing; on one connection per pair, a receive posted while the
   rank sends a large message to the same peer therefore waits for that whole message, and an exchange
@@ -150,6 +150,9 @@ class TorchFabric(Fabric):
                             "sparsecomm/group/" + "-".join(map(str, members)) + "/workers_done")
         self._shutdown_key = shutdown_key
         self._coalesce = self._cuda if coalesce is None else bool(coalesce)
+        #: messages between two ranks share one ordered channel whatever their tag or direction (nccl):
+        #: protocols must not let a pair's sends in one direction wait behind receives posted for later
+        self.serial_pairs = self._cuda
         self._deferred: list[Pending] = []
         self.stats = CommStats()
         #: gloo: messages from a lower to a higher rank travel on the default group, the other way on a
@@ -170,7 +173,8 @@ class TorchFabric(Fabric):
         if group is not None:
             self.worker_group = group
         else:
-            self.worker_group = (dist.new_group(list(range(world_size)), timeout=timedelta(seconds=self.timeout_s))
+            self.worker_group = (dist.new_group(list(range(world_size)),
+                                                timeout=timedelta(seconds=self.timeout_s))
                                  if services else dist.group.WORLD)
         # a trip closes every gloo group of this rank: both directions' and the workers' subgroup (native's)
         trips = [(self._pg, self.rank, total)]

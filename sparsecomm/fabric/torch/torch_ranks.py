@@ -33,6 +33,8 @@ class JobRanks:
         if rank is None:
             return "any rank"
         if rank < self.world_size:
-            return f"worker {rank}" if self.job_ranks is None else f"worker {rank} (job rank {self.job_ranks[rank]})"
+            if self.job_ranks is None:
+                return f"worker {rank}"
+            return f"worker {rank} (job rank {self.job_ranks[rank]})"
         spec = self.spec(rank)
         return f"service {spec!r} (rank {rank})" if spec is not None else f"rank {rank}"
