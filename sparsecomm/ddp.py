@@ -140,11 +140,10 @@ class CommHookState:
     ``process_group``: the group to average over (``None``: the default group or the launch's workers';
     a subgroup: see "Process groups" in the module doc); ``model`` (the DDP module) names the
     parameters that key the method state (and those the replica guard checks:
-    ``verify_replicas_every=N`` compares the workers' parameters at the start of every N-th step and raises :class:`~sparsecomm.errors.MismatchError` on every worker, naming the
-    first parameter that differs, :func:`sparsecomm.replicas.verify_replicas`; 0 turns it off);
-    ``compressor``,
-    ``method``, ``transport`` and ``**hyper`` as for :class:`~sparsecomm.DistributedOptimizer`
-    (objects are accepted but then the state cannot be pickled and rebuilt). It owns the
+    ``verify_replicas_every=N`` compares the workers' parameters at the start of every N-th step and
+    raises :class:`~sparsecomm.errors.MismatchError` on every worker, naming the first parameter that
+    differs, :func:`sparsecomm.replicas.verify_replicas`; 0 turns it off); ``compressor``, ``method``,
+    ``transport`` and ``**hyper`` as for :class:`~sparsecomm.DistributedOptimizer` (objects are accepted but then the state cannot be pickled and rebuilt). It owns the
     :class:`~sparsecomm.pipeline.core.CommPipeline` (:attr:`pipeline`) and the
     :class:`~sparsecomm.pipeline.scheduler.HookScheduler` that runs DDP's buckets through it
     (:attr:`scheduler`).

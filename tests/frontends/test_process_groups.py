@@ -39,7 +39,7 @@ def _sparse(rank: int) -> sc.Payload:
 
 
 def _model(rank: int) -> nn.Module:
-    torch.manual_seed(rank)           # a different initial model per rank: replicas come from the group's rank 0
+    torch.manual_seed(rank)           # a different model per rank: the replicas come from the group's rank 0
     return nn.Linear(8, 1)
 
 
