@@ -143,7 +143,8 @@ class CommHookState:
     ``verify_replicas_every=N`` compares the workers' parameters at the start of every N-th step and
     raises :class:`~sparsecomm.errors.MismatchError` on every worker, naming the first parameter that
     differs, :func:`sparsecomm.replicas.verify_replicas`; 0 turns it off); ``compressor``, ``method``,
-    ``transport`` and ``**hyper`` as for :class:`~sparsecomm.DistributedOptimizer` (objects are accepted but then the state cannot be pickled and rebuilt). It owns the
+    ``transport`` and ``**hyper`` as for :class:`~sparsecomm.DistributedOptimizer` (objects are
+    accepted but then the state cannot be pickled and rebuilt). It owns the
     :class:`~sparsecomm.pipeline.core.CommPipeline` (:attr:`pipeline`) and the
     :class:`~sparsecomm.pipeline.scheduler.HookScheduler` that runs DDP's buckets through it
     (:attr:`scheduler`).
