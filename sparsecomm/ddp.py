@@ -91,8 +91,9 @@ PowerSGD's ``start_powerSGD_iter`` counts the same way, so it means what it mean
 (whose iterations are these steps).
 Buckets with fewer than ``min_compress_size`` elements are averaged uncompressed (per bucket: a DDP
 bucket mixes tensors). The process group, fabric and transport are never pickled (``__getstate__``);
-unpickling rebinds to the default process group. ``state_dict()``/``load_state_dict()`` checkpoint the
-internal state.
+unpickling rebinds to the default process group (also a state built over a subgroup: build
+``CommHookState(pg, ...)`` there and ``load_state_dict`` it instead; a method state saved at another
+world size or rank is refused). ``state_dict()``/``load_state_dict()`` checkpoint the internal state.
 
 The fabric is the current :func:`sparsecomm.launch` worker's ``TorchFabric``, else a new ``TorchFabric``
 over the default process group; the default transport ``"auto"`` is then ``native``
