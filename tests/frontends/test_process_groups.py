@@ -112,7 +112,7 @@ def _checks(ctx) -> dict:
                 res[t] = "accepted"
             except ServiceNotStarted as exc:
                 res[t] = str(exc)
-        # a rank outside the group (the other group of the split) is refused, naming the group
+        # a rank outside the group (the other group of the split) is refused
         try:
             sc.TorchFabric(group=other)
             res["outside"] = "accepted"
