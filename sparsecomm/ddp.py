@@ -142,9 +142,6 @@ def _torch_fabric(process_group: Any) -> Any:
 class CommHookState:
     """Per-worker state of :func:`comm_hook` (see the module doc).
 
-    ``CommHookState(process_group=None, compressor=None, transport="auto", *, method=None,
-    transport_kwargs=None, warmup_steps=0, min_compress_size=0, seed=0, model=None,
-    sparse_rows="gather", verify_replicas_every=VERIFY_EVERY, **hyper)``;
     ``model`` (the DDP module) names the parameters that key the method state (and those the replica
     guard checks: ``verify_replicas_every=N`` compares the workers' parameters at the start of every
     N-th step and raises :class:`~sparsecomm.errors.MismatchError` on every worker, naming the

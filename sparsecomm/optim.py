@@ -171,11 +171,6 @@ _CLASSES: dict[type, type] = {}
 class DistributedOptimizer:
     """Wrap a torch optimizer so that ``step()`` averages (compressed) gradients first; see the module doc.
 
-    ``DistributedOptimizer(inner, compressor=None, transport="auto", *, method=None,
-    transport_kwargs=None, fabric=None, bucket_cap_mb=25, warmup_steps=0, min_compress_size=0,
-    seed=0, overlap=True, backward_passes_per_step=1, init_sync="broadcast", module=None,
-    nonfinite="raise", sparse_rows="gather", verify_replicas_every=VERIFY_EVERY, **hyper)``
-
     It owns a :class:`~sparsecomm.pipeline.core.CommPipeline` (method + transport) and the
     :class:`~sparsecomm.pipeline.scheduler.BucketScheduler` that runs its buckets through it.
 

@@ -29,8 +29,8 @@ def _target(text: str, module: str, package: str) -> tuple[str, str]:
         title, target = m.group(1).strip(), m.group(2).strip()
     else:
         target = text.strip()
-        title = target.lstrip("~").rsplit(".", 1)[-1] if target.startswith("~") else target
-    target = target.lstrip("~")
+        title = target.lstrip("~").rsplit(".", 1)[-1] if target.startswith("~") else target.lstrip(".")
+    title, target = " ".join(title.split()), "".join(target.lstrip("~").split())
     if target.startswith("."):                        # relative to the object's package
         target = f"{package}.{target.lstrip('.')}"
     elif "." not in target:                           # a name of the object's own module
