@@ -274,15 +274,8 @@ class CommHookState:
     # ---------------------------------------------------------------- hook body
     def reduce_bucket(self, buffer: torch.Tensor, index: int, is_last: bool,
                       params: list[torch.Tensor] | None = None, shapes: Any = None) -> torch.Tensor:
-        """The bucket's average, synchronously (``start_bucket(...).wait()``).
-
-        Args:
-            buffer: the bucket's flat local gradients (DDP's ``bucket.buffer()``).
-            index: DDP's bucket index.
-            is_last: whether it is the step's last bucket.
-            params: the parameters the bucket holds (they key the method state).
-            shapes: their gradients' shapes, for a method that reads them (PowerSGD).
-        """
+        """The bucket's average, synchronously (``start_bucket(...).wait()``; ``buffer``, ``index``,
+        ``is_last``, ``params`` and ``shapes`` as for :meth:`start_bucket`)."""
         return self.start_bucket(buffer, index, is_last, params, shapes).wait()
 
     def start_bucket(self, buffer: torch.Tensor, index: int, is_last: bool,

@@ -455,17 +455,8 @@ def least_squares(dataset: str = "diabetes", *, n_workers: int = 10, split: str 
                   lam: float | None = None, kappa: float | None = None, nc_lam: float = 0.0,
                   bias: bool = False, seed: int = 0) -> FiniteSumProblem:
     """(l2-regularised) least squares on a bundled dataset; classification sets regress the +-1 labels.
-
-    Args:
-        dataset: a name of :func:`load_dataset`.
-        n_workers: workers.
-        split: as for :func:`split_rows`.
-        lam: as for :func:`from_arrays`.
-        kappa: as for :func:`from_arrays`.
-        nc_lam: the non-convex regulariser's weight.
-        bias: append a bias column.
-        seed: seeds the split.
-    """
+    ``dataset``, ``n_workers``, ``split``, ``lam``, ``kappa``, ``nc_lam``, ``bias`` and ``seed`` as for
+    :func:`logistic`."""
     X, y = load_dataset(dataset, bias=bias)
     return from_arrays(X, y, loss="least_squares", n_workers=n_workers, split=split, lam=lam,
                        kappa=kappa, nc_lam=nc_lam, seed=seed, name=f"least_squares/{dataset}/{split}")
