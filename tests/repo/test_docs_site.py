@@ -148,3 +148,23 @@ def test_the_api_pages_cover_the_modules():
     for name in sc.__all__:
         if isinstance(getattr(sc, name), types.ModuleType):
             assert any(r == f"sparsecomm.{name}" or r.startswith(f"sparsecomm.{name}.") for r in rendered), name
+
+
+def test_the_site_builds_strictly(tmp_path):
+    """``mkdocs build --strict`` (what ``make docs`` and CI run) succeeds, and the API pages show the
+    docstrings' reStructuredText as Markdown: no Sphinx role or ``::`` marker is left in the HTML, and a
+    role whose target has a page is a link (docs/hooks/rst_docstrings.py)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    pages = {p.name: p.read_text() for p in (tmp_path / "api").glob("*.html")}
+    assert {f"{Path(p).stem}.html" for p in (ROOT / "docs" / "api").glob("*.md")} == set(pages)
+    leftovers = [name for name, html in pages.items() if re.search(r":(class|func|meth|mod|attr|data):`|::</p>", html)]
+    assert not leftovers, leftovers
+    # :class:`~sparsecomm.errors.MismatchError` in the ddp module docstring links to the errors page
+    assert re.search(r'href="errors\.html#sparsecomm\.errors\.MismatchError"', pages["ddp.html"])
