@@ -1,16 +1,16 @@
-# The two entry points: `make demo` and `make test`. Each creates .venv on first use.
+# The entry points: `make demo`, `make test` and `make docs`. Each creates .venv on first use.
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all bench clean install
+.PHONY: demo test test-all bench clean install docs
 
 $(STAMP): setup.py setup.cfg pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e ".[experiments,netbed,test]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[experiments,netbed,test,docs]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -24,10 +24,14 @@ test: $(STAMP)
 test-all: $(STAMP)
 	WANDB_MODE=disabled NUMBA_CACHE_DIR=$(CURDIR)/.numba_cache $(PY) -m pytest -q -m ""
 
+# the documentation site into site/ (open site/index.html); any warning fails the build (mkdocs.yml: strict)
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
 bench: $(STAMP)
 	$(PY) -m experiments.bench.codec
 	$(PY) -m experiments.bench.compressors
 	$(PY) -m experiments.bench.transports
 
 clean:
-	rm -rf $(VENV) .numba_cache build *.egg-info
+	rm -rf $(VENV) .numba_cache build site *.egg-info

@@ -21,7 +21,7 @@ model (10 and 100 Gbps per worker link, 2 us latency, no loss): training is iden
 the fabric's ledger (``opt.last_stats``), never from the compressors' declared bits; the table's
 ``sent/declared`` column is the ledger over what the declared bits would cost on that transport
 (``compression_stats()["sent_over_declared"]``: 1.00x where the wire carries the declared bits, more
-where a transport forms sums on the wire or ships whole blocks, README "Bytes on the wire").
+where a transport forms sums on the wire or ships whole blocks, docs/transports.md, "Bytes on the wire").
 
 Output: a progress bar per run, a table per task, ``demo.png`` (held-out loss vs training step, with a
 scheme's coinciding transports drawn once, and vs modelled time; bytes per step; modelled time per step at
@@ -30,7 +30,7 @@ default, ``disabled`` writes nothing).
 
     python -m experiments.demo                  # the full demo
     python -m experiments.demo --tiny           # every cell at 2 workers, 2 steps
-    python -m experiments.demo --docs           # also refresh docs/demo.png (the README picture)
+    python -m experiments.demo --docs           # also refresh docs/demo.png (the picture in docs/theory.md)
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ LATENCY_US = 2.0
 WORKERS = 8
 BLOCK_SIZE = 256
 EVAL_EVERY = 5
-#: where ``--docs`` copies the figure (the README's picture; run it from the repository root)
+#: where ``--docs`` copies the figure (the picture in docs/theory.md; run it from the repository root)
 DOCS = Path("docs")
 DEFAULT_OUT = tracking.OUT_ROOT / "demo"
 
@@ -243,7 +243,7 @@ def print_tables(cells: list[Cell], bandwidths: tuple[float, ...]) -> str:
 
 
 def contents(workers: int) -> dict[str, Any]:
-    """What the figure shows, written into the PNG (``Description``): tests compare the README's picture
+    """What the figure shows, written into the PNG (``Description``): tests compare the picture in docs/theory.md
     (``docs/demo.png``) with the demo as it is."""
     return {"tasks": list(TASKS), "schemes": [s.name for s in SCHEMES], "transports": list(TRANSPORTS),
             "bandwidths_gbps": list(BANDWIDTHS), "workers": workers}

@@ -135,20 +135,34 @@ _HYPER = ("compressor", "transport", "method", "transport_kwargs", "warmup_steps
 class CommHookState:
     """Per-worker state of :func:`comm_hook` (see the module doc).
 
-    ``CommHookState(process_group=None, compressor=None, transport="auto", *, method=None,
-    transport_kwargs=None, warmup_steps=0, min_compress_size=0, seed=0, model=None,
-    sparse_rows="gather", verify_replicas_every=VERIFY_EVERY, **hyper)``;
-    ``process_group``: the group to average over (``None``: the default group or the launch's workers';
-    a subgroup: see "Process groups" in the module doc); ``model`` (the DDP module) names the
-    parameters that key the method state (and those the replica guard checks:
-    ``verify_replicas_every=N`` compares the workers' parameters at the start of every N-th step and
-    raises :class:`~sparsecomm.errors.MismatchError` on every worker, naming the first parameter that
-    differs, :func:`sparsecomm.replicas.verify_replicas`; 0 turns it off); ``compressor``, ``method``,
-    ``transport`` and ``**hyper`` as for :class:`~sparsecomm.DistributedOptimizer` (objects are
-    accepted but then the state cannot be pickled and rebuilt). It owns the
+    ``model`` (the DDP module) names the parameters that key the method state (and those the replica
+    guard checks: ``verify_replicas_every=N`` compares the workers' parameters at the start of every
+    N-th step and raises :class:`~sparsecomm.errors.MismatchError` on every worker, naming the
+    first parameter that differs, :func:`sparsecomm.replicas.verify_replicas`; 0 turns it off);
+    ``compressor``,
+    ``method``, ``transport`` and ``**hyper`` as for :class:`~sparsecomm.DistributedOptimizer`
+    (objects are accepted but then the state cannot be pickled and rebuilt). It owns the
     :class:`~sparsecomm.pipeline.core.CommPipeline` (:attr:`pipeline`) and the
     :class:`~sparsecomm.pipeline.scheduler.HookScheduler` that runs DDP's buckets through it
     (:attr:`scheduler`).
+
+    Args:
+        process_group: the group to average over: ``None``, the default group or the current
+            :func:`sparsecomm.launch` worker's ``ctx.fabric.native_group`` (the whole job's workers), or a
+            subgroup (see "Process groups" in the module doc).
+        compressor: as for :class:`~sparsecomm.DistributedOptimizer`.
+        transport: as for :class:`~sparsecomm.DistributedOptimizer` (``"auto"``: ``native`` for dense
+            payloads).
+        method: as for :class:`~sparsecomm.DistributedOptimizer`.
+        transport_kwargs: hyper-parameters of a transport given by name.
+        warmup_steps: steps ``1 .. warmup_steps - 1`` are exact rounds of the method (step 0 is always
+            averaged uncompressed).
+        min_compress_size: buckets with fewer elements are averaged uncompressed.
+        seed: seeds the compressor's generators (per parameter: with its name).
+        model: the DDP module: its parameter names key the method state (else ``bucket.index()``).
+        sparse_rows: ``"gather"`` or ``"transport"``: how a sparse (embedding) bucket is averaged.
+        verify_replicas_every: compare the workers' parameters every N steps (0: never).
+        **hyper: hyper-parameters of the method and its compressor.
     """
 
     def __init__(self, process_group: Any = None, compressor: Any = None, transport: Any = "auto", *,
@@ -254,14 +268,23 @@ class CommHookState:
     # ---------------------------------------------------------------- hook body
     def reduce_bucket(self, buffer: torch.Tensor, index: int, is_last: bool,
                       params: list[torch.Tensor] | None = None, shapes: Any = None) -> torch.Tensor:
-        """The bucket's average, synchronously (``start_bucket(...).wait()``)."""
+        """The bucket's average, synchronously (``start_bucket(...).wait()``; ``buffer``, ``index``,
+        ``is_last``, ``params`` and ``shapes`` as for :meth:`start_bucket`)."""
         return self.start_bucket(buffer, index, is_last, params, shapes).wait()
 
     def start_bucket(self, buffer: torch.Tensor, index: int, is_last: bool,
                      params: list[torch.Tensor] | None = None, shapes: Any = None) -> CommWork:
         """Encode the bucket now and start its communication; ``wait()`` gives the average, shaped
         and typed as ``buffer`` (a sparse buffer gives the coalesced sparse average):
-        :meth:`HookScheduler.start <sparsecomm.pipeline.scheduler.HookScheduler.start>`."""
+        :meth:`HookScheduler.start <sparsecomm.pipeline.scheduler.HookScheduler.start>`.
+
+        Args:
+            buffer: the bucket's flat local gradients (DDP's ``bucket.buffer()``).
+            index: DDP's bucket index.
+            is_last: whether it is the step's last bucket.
+            params: the parameters the bucket holds (they key the method state).
+            shapes: their gradients' shapes, for a method that reads them (PowerSGD).
+        """
         work = self.scheduler.start(buffer, index, is_last, params, shapes)
         work.add_done_callback(self._note_error)
         return work
@@ -274,9 +297,16 @@ class CommHookState:
 
     # ---------------------------------------------------------------- checkpoints / pickling
     def state_dict(self) -> dict[str, Any]:
+        """The internal state to checkpoint: the pipeline's (method states per parameter or bucket,
+        generators) and :attr:`steps`."""
         return {"pipeline": self.pipeline.state_dict(), "steps": self.steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` (into this or a freshly built state; any bucket layout).
+
+        Args:
+            state: what :meth:`state_dict` returned.
+        """
         self.pipeline.load_state_dict(state["pipeline"])
         self.scheduler.restart(int(state["steps"] if "steps" in state else state["iter"]))  # ("iter": older)
 
@@ -294,7 +324,12 @@ class CommHookState:
 
 def comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """A ``register_comm_hook`` hook: the bucket's gradients averaged through the method and transport;
-    returns a pending future that completes when the bucket's communication does."""
+    returns a pending future that completes when the bucket's communication does.
+
+    Args:
+        state: the :class:`CommHookState` given to ``register_comm_hook``.
+        bucket: DDP's ``GradBucket``.
+    """
     shapes = ([g.shape for g in bucket.gradients()]
               if getattr(state.pipeline.method, "uses_shapes", False) else None)
     work = state.start_bucket(bucket.buffer(), bucket.index(), bucket.is_last(), bucket.parameters(), shapes)
@@ -328,7 +363,14 @@ def register(model: torch.nn.parallel.DistributedDataParallel, process_group: An
     rank outside the group gets :class:`~sparsecomm.errors.InvalidValueError`.
 
     ``model`` must be a :class:`~torch.nn.parallel.DistributedDataParallel` (the hook is DDP's): anything
-    else raises :class:`~sparsecomm.errors.InvalidTypeError` before any communication."""
+    else raises :class:`~sparsecomm.errors.InvalidTypeError` before any communication.
+
+    Args:
+        model: the ``DistributedDataParallel`` model.
+        process_group: as for :class:`CommHookState`.
+        **options: the keywords of :class:`CommHookState` (``compressor``, ``method``, ``transport``,
+            ``ratio``, ...); ``model=`` is this model.
+    """
     if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise InvalidTypeError(
             f"sparsecomm.ddp.register installs a DDP communication hook, so it needs a model wrapped in "

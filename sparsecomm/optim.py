@@ -184,13 +184,38 @@ _CLASSES: dict[type, type] = {}
 class DistributedOptimizer:
     """Wrap a torch optimizer so that ``step()`` averages (compressed) gradients first; see the module doc.
 
-    ``DistributedOptimizer(inner, compressor=None, transport="auto", *, method=None,
-    transport_kwargs=None, fabric=None, process_group=None, bucket_cap_mb=25, warmup_steps=0,
-    min_compress_size=0, seed=0, overlap=True, backward_passes_per_step=1, init_sync="broadcast",
-    module=None, nonfinite="raise", sparse_rows="gather", verify_replicas_every=VERIFY_EVERY, **hyper)``
-
     It owns a :class:`~sparsecomm.pipeline.core.CommPipeline` (method + transport) and the
     :class:`~sparsecomm.pipeline.scheduler.BucketScheduler` that runs its buckets through it.
+
+    Args:
+        optimizer: the inner ``torch.optim.Optimizer``; the result is an instance of its class (and of this
+            one) sharing its ``param_groups`` and ``state``.
+        compressor: a compressor name (``sc.compressors.available()``), a ``Compressor``, or the flat form
+            ``compressor=<method name>``; ``None``: the method's default.
+        transport: a transport name (``sc.transports.available()``), a ``Transport``, or ``"auto"``.
+        method: a method name (``sc.methods.available()``, ``"none"`` by default) or a ``Method`` object.
+        transport_kwargs: hyper-parameters of a transport given by name.
+        fabric: the fabric to communicate over; default: the current :func:`sparsecomm.launch` worker's, else
+            a ``TorchFabric`` over the default process group.
+        process_group: a ``torch.distributed`` group to average over instead of ``fabric=`` (its members
+            only; see "Process groups" in the module doc).
+        bucket_cap_mb: the largest bucket, in MiB (a larger tensor gets a bucket of its own).
+        warmup_steps: the first steps communicate uncompressed (exact rounds of the method).
+        min_compress_size: parameters with fewer elements are averaged uncompressed, in buckets of their own.
+        seed: seeds the compressor's generator: ``seed`` on every worker for shared randomness, else ``seed +
+            rank``.
+        overlap: start each bucket's communication during backward (``False``: all in ``step()``;
+            bit-identical).
+        backward_passes_per_step: gradient accumulations per step: a bucket starts after this many backward
+            passes.
+        init_sync: ``"broadcast"`` (rank 0's parameters to every worker), ``"check"`` (compare them) or
+            ``"off"``.
+        module: the model, whose buffers are broadcast too and whose parameter names appear in errors.
+        nonfinite: ``"raise"`` (a NaN/Inf gradient is the same ``NonFiniteError`` on every worker) or
+            ``"pass"``.
+        sparse_rows: how row-sparse (embedding) gradients are averaged: ``"gather"`` or ``"transport"``.
+        verify_replicas_every: compare the workers' parameters every N steps (0: never).
+        **hyper: hyper-parameters of the method and its compressor (``ratio=0.01``, ``alpha=0.5``).
     """
 
     def __new__(cls, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any):
@@ -265,6 +290,7 @@ class DistributedOptimizer:
     # ------------------------------------------------------------------ properties
     @property
     def method(self) -> Method:
+        """The method (:class:`~sparsecomm.methods.base.Method`) that encodes and decodes every bucket."""
         return self._sc_pipeline.method
 
     @property
@@ -282,10 +308,12 @@ class DistributedOptimizer:
 
     @property
     def transport(self) -> Transport:
+        """The transport (:class:`~sparsecomm.transports.base.Transport`) that sums the buckets' payloads."""
         return self._sc_pipeline.transport
 
     @property
     def fabric(self) -> Fabric:
+        """The fabric the transport communicates over."""
         return self._sc_pipeline.fabric
 
     @property
@@ -333,6 +361,13 @@ class DistributedOptimizer:
             self._sc_skip = False
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Synchronise the gradients (unless :meth:`synchronize` already did), then run the inner optimizer's
+        step; see the module doc, "Step".
+
+        Args:
+            closure: re-evaluates the loss, as for the inner optimizer; every evaluation is synchronised (it
+                must run equally often on every worker).
+        """
         sched = self._sc_scheduler
         if closure is not None:
             def synced() -> Any:
@@ -374,11 +409,19 @@ class DistributedOptimizer:
     step.hooked = True  # type: ignore[attr-defined]  # torch must not wrap it again (hooks run in the inner step)
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # type: ignore[override]
+        """The inner optimizer's ``zero_grad``; raises while buckets are in flight (call ``step()`` or
+        ``synchronize()`` first).
+
+        Args:
+            set_to_none: as for torch's optimizers: set the gradients to ``None`` instead of zeroing them.
+        """
         self._sc_scheduler.clear_ready()
         super().zero_grad(set_to_none)  # type: ignore[misc]
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """The inner optimizer's state dict plus a ``"sparsecomm"`` entry: the method state, the step counter,
+        the generator state, the bucket layout, rank and world size (module doc, "Checkpoints")."""
         sd = super().state_dict()  # type: ignore[misc]
         sched = self._sc_scheduler
         sd["sparsecomm"] = {**self._sc_pipeline.state_dict(), "steps": sched.steps, "layout": sched.signature(),
@@ -386,6 +429,13 @@ class DistributedOptimizer:
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Restore a :meth:`state_dict` of this rank; another world size, rank or layout raises
+        :class:`~sparsecomm.errors.MismatchError`.
+
+        Args:
+            state_dict: what :meth:`state_dict` returned (without its ``"sparsecomm"`` entry: the inner
+                optimizer's state only, the method starts afresh).
+        """
         state_dict = dict(state_dict)
         extra = state_dict.pop("sparsecomm", None)
         sched = self._sc_scheduler

@@ -1,6 +1,6 @@
 """What a compressor produces and a transport carries.
 
-A payload's *kind* decides which transports can sum it (the README's table of kinds x transports):
+A payload's *kind* decides which transports can sum it (the table of kinds x transports in docs/transports.md):
 
 ``dense``
     ``values`` is the whole flat tensor (possibly in a narrower float dtype, possibly with zero blocks).
@@ -48,7 +48,7 @@ encoding       what travels                                           bytes for 
 
 Transports that form sums on the wire (ring, omnireduce, switch, native) cannot ship packed codes or
 sign + exponent: a sum of powers of two is not a power of two, a partial sum of k-bit codes needs more
-than k bits. They carry the in-memory values (README, "Bytes on the wire").
+than k bits. They carry the in-memory values (docs/transports.md, "Bytes on the wire").
 """
 
 from __future__ import annotations
@@ -68,6 +68,19 @@ class Payload:
     ``numel``/``shape``/``dtype`` describe the original tensor. ``bits`` is the wire cost in bits
     declared by the compressor (values, indices or bitmap, norms/scales); indices of an ``aligned``
     payload are regenerated from the shared seed and cost nothing.
+
+    Args:
+        kind: ``"dense"``, ``"aligned"``, ``"sparse"`` or ``"quantized"`` (which transports can sum it).
+        values: the values that travel (codes for ``quantized``).
+        shape: the original tensor's shape.
+        dtype: the original tensor's dtype.
+        indices: the positions of ``values`` (``sparse``; an ``aligned`` payload's come from the shared seed).
+        scale: the scales of ``quantized`` codes, one per bucket.
+        bucket_size: entries per scale (``quantized``) or per index (row-sparse ``sparse``).
+        shared_scale: whether every worker uses the same scale (then the codes can be summed as integers).
+        bits: the declared wire cost, bits.
+        meta: what the compressor needs to decompress, beyond the above.
+        values_codec: the wire encoding of ``values``: ``(encoding, parameter)`` (module doc).
     """
 
     kind: str
@@ -90,6 +103,7 @@ class Payload:
 
     @property
     def numel(self) -> int:
+        """Elements of the original tensor."""
         n = 1
         for s in self.shape:
             n *= int(s)
@@ -102,6 +116,7 @@ class Payload:
 
     @property
     def device(self) -> torch.device:
+        """The device of ``values``."""
         return self.values.device
 
     def to_dense(self) -> torch.Tensor:
@@ -191,7 +206,18 @@ class Payload:
     def from_wire(cls, kind: str, shape, dtype: torch.dtype, layout, tensors, *, indices=None,
                   bucket_size: int | None = None, shared_scale: bool = False) -> "Payload":
         """The payload that :meth:`to_wire` encoded, from the received ``tensors`` and their checked
-        ``layout``; ``indices`` are an ``aligned`` payload's (from the shared seed). Bit-exact."""
+        ``layout``; ``indices`` are an ``aligned`` payload's (from the shared seed). Bit-exact.
+
+        Args:
+            kind: the payload kind, as agreed.
+            shape: the original shape.
+            dtype: the original dtype.
+            layout: the checked layout of the wire tensors (:meth:`wire_layout`).
+            tensors: the received tensors.
+            indices: an ``aligned`` payload's indices.
+            bucket_size: as for the constructor.
+            shared_scale: as for the constructor.
+        """
         shape = torch.Size(shape)
         d = 1
         for s_ in shape:

@@ -99,7 +99,13 @@ class Registry(Generic[T]):
 
     def get(self, name: str, *args: Any, **kwargs: Any) -> T:
         """Build the component registered under ``name`` with the given hyper-parameters (a keyword
-        its factory does not take raises :class:`HyperParameterError` naming the ones it does)."""
+        its factory does not take raises :class:`HyperParameterError` naming the ones it does).
+
+        Args:
+            name: a registered name.
+            *args: positional arguments of its factory (a transport's fabric).
+            **kwargs: its hyper-parameters.
+        """
         factory = self.factory(name)
         self.check(name, kwargs)
         return factory(*args, **kwargs)
@@ -120,6 +126,12 @@ def parameters(factory: Callable[..., Any]) -> list[str] | None:
 
 def bad_keywords(what: str, bad: list[str], accepted: dict[str, list[str]]) -> str:
     """The one message for keywords nothing takes: ``what`` does not take ``bad``; the parameters of
-    each component they could have gone to."""
+    each component they could have gone to.
+
+    Args:
+        what: the component refusing them.
+        bad: the keywords.
+        accepted: component name -> the parameters it takes.
+    """
     lists = "; ".join(f"{who} takes: {', '.join(names) or 'none'}" for who, names in accepted.items())
     return f"{what} does not take {', '.join(map(repr, bad))} ({lists})"

@@ -188,6 +188,11 @@ def sign_error_ratio(l1: float, l2sq: float, d: int) -> float:
 
     Derived (codes c_i = +-1 with c_i x_i = |x_i|): ||a c - x||^2 = d a^2 - 2a||x||_1 + ||x||^2 with
     a = ||x||_1/d.
+
+    Args:
+        l1: ||x||_1.
+        l2sq: ||x||_2^2.
+        d: the vector's length.
     """
     if l2sq == 0:
         return 0.0
@@ -210,6 +215,9 @@ def rounding_delta(precision_bits: int) -> float:
     Algorithms*, 2nd ed., Thm 2.2). The 2^-23 slack covers float64 inputs, which torch converts via
     float32 (double rounding: error <= 2^-p|x| + 2^-24|x|(1 + 2^-p)). Outside the normal range
     (subnormal results) only |fl(x) - x| <= |x| holds, i.e. no contraction; overflow is an error.
+
+    Args:
+        precision_bits: p, the target format's significand bits.
     """
     u = 2.0 ** (-precision_bits) + 2.0**-23
     return 1.0 - u * u

@@ -44,14 +44,23 @@ ZERO = Cost(0.0, 0.0, 0.0, 0.0, 0)
 
 
 def link(bandwidth_gbps: float = 100.0, latency_us: float = 2.0) -> tuple[float, float]:
-    """``(B, alpha)``: bytes per second and seconds per message of a NIC."""
+    """``(B, alpha)``: bytes per second and seconds per message of a NIC.
+
+    Args:
+        bandwidth_gbps: the NIC's rate, Gbit/s: B = bandwidth_gbps 1e9 / 8 bytes/s.
+        latency_us: its latency, microseconds: alpha = latency_us 1e-6 s.
+    """
     if bandwidth_gbps <= 0 or latency_us < 0:
         raise InvalidValueError("bandwidth must be positive and latency non-negative")
     return bandwidth_gbps * 1e9 / 8, latency_us * 1e-6
 
 
 def add(*costs: Cost) -> Cost:
-    """Costs of phases run one after the other."""
+    """Costs of phases run one after the other.
+
+    Args:
+        *costs: the phases' costs, in order.
+    """
     return Cost(*(sum(c[i] for c in costs) for i in range(len(Cost._fields))))
 
 
@@ -68,6 +77,12 @@ def handshake(n: int, fields: int, *, bandwidth_gbps: float = 100.0, latency_us:
     """Dissemination min/max of ``fields`` int64 fields: ``ceil(log2 n)`` rounds, each one message of
     ``m = HANDSHAKE_BYTES`` (a fixed-size header, whatever ``fields``) to ``r + 2^k`` and one from
     ``r - 2^k``: ``T = ceil(log2 n) (alpha + m / B)``.
+
+    Args:
+        n: workers.
+        fields: int64 fields of the header.
+        bandwidth_gbps: each worker NIC's rate, Gbit/s (:func:`link`).
+        latency_us: each message's latency, microseconds (:func:`link`).
     """
     if n <= 1 or fields <= 0:
         return ZERO
@@ -106,6 +121,15 @@ def ring_allreduce(n: int, nbytes: int, *, elem_size: int = 4, bandwidth_gbps: f
     ``2 (n-1)/n * nbytes`` per worker on average (for ``N >= n``; empty chunks are not sent).
 
     Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms for clusters of workstations", JPDC 2009.
+
+    Args:
+        n: workers.
+        nbytes: bytes per worker.
+        elem_size: bytes per element.
+        bandwidth_gbps: each worker NIC's rate, Gbit/s (:func:`link`).
+        latency_us: each message's latency, microseconds (:func:`link`).
+        handshake_fields: int64 fields of the transport's agreement header (:func:`handshake`).
+        segment_bytes: see above.
     """
     if n <= 1:
         return ZERO
@@ -131,7 +155,13 @@ def ring_allreduce(n: int, nbytes: int, *, elem_size: int = 4, bandwidth_gbps: f
 
 def native_allreduce(n: int, nbytes: int, **kw) -> Cost:
     """What the ``native`` transport books for ``torch.distributed.all_reduce`` (it cannot measure it):
-    the ring's volume and steps, :func:`ring_allreduce`."""
+    the ring's volume and steps, :func:`ring_allreduce`.
+
+    Args:
+        n: workers.
+        nbytes: bytes per worker.
+        **kw: as for :func:`ring_allreduce`.
+    """
     return ring_allreduce(n, nbytes, **kw)
 
 
@@ -152,6 +182,14 @@ def allgather(n: int, payload_bytes: float, *, tensors: int = 1, bandwidth_gbps:
         bytes sent = bytes received = (n-1) (h + P)
 
     (SparCML, Renggli et al., SC'19; the "AGsparse" baseline of OmniReduce.)
+
+    Args:
+        n: workers.
+        payload_bytes: P, each worker's payload on the wire.
+        tensors: messages the payload takes.
+        bandwidth_gbps: each worker NIC's rate, Gbit/s (:func:`link`).
+        latency_us: each message's latency, microseconds (:func:`link`).
+        header_bytes: h, the size header's bytes.
     """
     if n <= 1:
         return ZERO
@@ -190,6 +228,20 @@ def switchml_allreduce(n: int, nbytes: int, *, elem_size: int = 4, pool_size: in
     only term that grows with ``n``: ``ceil(log2 n)`` small messages), so that a worker running another
     transport is told so instead of waiting for the switch.
     The switch is per-port (one NIC per worker), as SimFabric's ``per_port=True`` models it.
+
+    Args:
+        n: workers.
+        nbytes: bytes per worker.
+        elem_size: bytes per element of the input.
+        pool_size: slots (lanes) of the switch's pool.
+        slot_elems: k, values per packet.
+        fp32: a float job (adds the exponent packets).
+        bandwidth_gbps: each worker NIC's rate, Gbit/s (:func:`link`).
+        latency_us: each message's latency, microseconds (:func:`link`).
+        switch_bandwidth_gbps: the switch ports' rate, Gbit/s (default: ``bandwidth_gbps``).
+        switch_latency_us: the switch's latency, microseconds (default: ``latency_us``).
+        header_bytes: bytes of each packet's header.
+        handshake_fields: int64 fields of the transport's agreement header (:func:`handshake`).
     """
     if n < 1:
         return ZERO
@@ -215,7 +267,15 @@ def switchml_allreduce(n: int, nbytes: int, *, elem_size: int = 4, pool_size: in
 
 def switchml_throughput(*, pool_size: int = 256, slot_elems: int = 64, bandwidth_gbps: float = 100.0,
                         latency_us: float = 2.0, header_bytes: int = SWITCHML_HEADER_BYTES) -> float:
-    """Steady-state goodput in payload bytes/s: ``min(k*4 / tau, pool_size * k*4 / RTT)`` (see above)."""
+    """Steady-state goodput in payload bytes/s: ``min(k*4 / tau, pool_size * k*4 / RTT)`` (see above).
+
+    Args:
+        pool_size: slots of the switch's pool.
+        slot_elems: k, values per packet.
+        bandwidth_gbps: each worker NIC's rate, Gbit/s (:func:`link`).
+        latency_us: each message's latency, microseconds (:func:`link`).
+        header_bytes: bytes of each packet's header.
+    """
     B, alpha = link(bandwidth_gbps, latency_us)
     b = header_bytes + slot_elems * 4
     tau = b / B
@@ -236,6 +296,13 @@ def switchml_lossy_time(n: int, nbytes: int, loss: float, *, timeout_s: float = 
 
     Ignores the timer doubling after repeated expiries and the pipelining of other lanes around a
     stalled one.
+
+    Args:
+        n: workers.
+        nbytes: bytes per worker.
+        loss: see above.
+        timeout_s: the retransmission timeout, seconds.
+        **kw: as for :func:`switchml_allreduce`.
     """
     base = switchml_allreduce(n, nbytes, **kw)
     if loss <= 0:
@@ -287,7 +354,16 @@ def omnireduce_layout(n: int, numel: int, *, block_size: int = 256, num_aggregat
                       channels: int = 2, lanes: int = 16384) -> dict:
     """The block layout of :mod:`sparsecomm.transports.omnireduce` (``wire.plan``), averaged: blocks
     ``nb``, aggregators ``A``, blocks per aggregator ``m``, channels ``G`` per aggregator, channel size
-    ``S``, lanes per channel ``L`` and positions per lane ``P = ceil(S / L)``."""
+    ``S``, lanes per channel ``L`` and positions per lane ``P = ceil(S / L)``.
+
+    Args:
+        n: workers.
+        numel: elements of the tensor.
+        block_size: elements per block.
+        num_aggregators: A (default: one per worker).
+        channels: G, channels per aggregator.
+        lanes: L, lanes per channel at most.
+    """
     A = n if num_aggregators is None else num_aggregators
     nb = math.ceil(numel / block_size)
     m = nb / A
@@ -306,6 +382,12 @@ def omnireduce_rounds(n: int, numel: int, union_density: float, **layout_kw) -> 
     non-zero block per lane). Round ``r >= 1`` carries one block of every lane holding at least ``r``
     union blocks past position 0: with ``q_r = P(Binomial(P-1, d_u) >= r)``, ``f_r = q_r / (P d_u)``
     and ``p_r = 1 - (1 - q_r)^(A G L)`` (some lane of the ``A G L`` needs it).
+
+    Args:
+        n: workers.
+        numel: elements of the tensor.
+        union_density: d_u, the density of the union's blocks.
+        **layout_kw: as for :func:`omnireduce_layout`.
     """
     lay = omnireduce_layout(n, numel, **layout_kw)
     P = lay["P"]
@@ -325,7 +407,16 @@ def omnireduce_imbalance(n: int, numel: int, density: float, *, block_size: int 
     """Expected load of the busiest aggregator relative to the mean, for non-zero blocks at independent
     random positions (balls into bins): ``E[max_a Binomial(c m, d)] / (c m d)`` with ``m`` blocks per
     aggregator and ``c`` independent contributors (1 for the union; ``n`` for the upstream under random
-    overlap). Tends to 1 as ``c m d`` grows; large for few non-zero blocks per aggregator."""
+    overlap). Tends to 1 as ``c m d`` grows; large for few non-zero blocks per aggregator.
+
+    Args:
+        n: workers.
+        numel: elements of the tensor.
+        density: d, the non-zero blocks' density.
+        block_size: elements per block.
+        num_aggregators: A (default: one per worker).
+        contributors: c, see above.
+    """
     A = n if num_aggregators is None else num_aggregators
     m = math.ceil(numel / block_size) // A
     mean = contributors * m * density
@@ -387,6 +478,25 @@ def omnireduce_allreduce(n: int, numel: int, *, density: float = 1.0, union_dens
     ``G >= 2 + 2 alpha / tau`` (enough channels in flight to cover a round trip, as the paper's 64 slots
     per thread do). ``round_fractions`` (the ``f_r`` of every round that ran) and ``imbalance`` default to
     their expectations; pass measured values to model one data set.
+
+    Args:
+        n: workers.
+        numel: elements of the tensor.
+        density: d_w, each worker's non-zero blocks' density.
+        union_density: d_u (default: from ``overlap``).
+        overlap: ``"random"`` or ``"full"``.
+        elem_size: bytes per element.
+        block_size: elements per block.
+        bandwidth_gbps: each worker NIC's rate, Gbit/s (:func:`link`).
+        latency_us: each message's latency, microseconds (:func:`link`).
+        deployment: ``"dedicated"`` aggregators or ``"colocated"`` with the workers.
+        num_aggregators: A (default: one per worker).
+        aggregator_bandwidth_gbps: B_a (default: ``bandwidth_gbps``).
+        channels: G, channels per aggregator.
+        lanes: L, lanes per channel at most.
+        round_fractions: the measured f_r.
+        imbalance: the measured (up, down) excess of the busiest aggregator.
+        channel_load: the measured (k_up, k_dn) of the busiest channel.
     """
     if n < 1 or numel <= 0:
         return ZERO
@@ -457,7 +567,15 @@ def sparse_switch_waves(n: int, numel: int, union_density: float, *, slot_elems:
     """Expected waves of the sparse switch's stream: wave ``r`` (1-based) carries the ``r``-th union block
     of every lane that has one. Returns ``(p_r, A_r)``: the probability that wave ``r`` happens (some lane
     of ``L`` has ``r`` union blocks) and its expected size ``A_r = L P(Binomial(P, d_u) >= r)`` (``P``
-    positions per lane), so that ``sum A_r = L P d_u``, the union's blocks."""
+    positions per lane), so that ``sum A_r = L P d_u``, the union's blocks.
+
+    Args:
+        n: workers.
+        numel: elements of the tensor.
+        union_density: d_u, the union's block density.
+        slot_elems: elements per block (slot).
+        pool_size: slots of the switch's pool.
+    """
     nb = math.ceil(numel / slot_elems)
     L = min(pool_size, nb)
     P = math.ceil(nb / L)
@@ -506,6 +624,24 @@ def sparse_switch_allreduce(n: int, numel: int, *, density: float = 1.0, union_d
     agreement header the workers exchange among themselves (:func:`handshake`: ``ceil(log2 n)`` small
     messages, so that a worker running another transport is told so). ``own_blocks``, ``union_blocks``
     and ``waves`` (the measured ``A_r``, each wave then certain) override the expectations.
+
+    Args:
+        n: workers.
+        numel: elements of the tensor.
+        density: d_w.
+        union_density: d_u (default: from ``overlap``).
+        overlap: ``"random"`` or ``"full"``.
+        slot_elems: k, elements per block.
+        pool_size: slots of the switch's pool.
+        bandwidth_gbps: each worker NIC's rate, Gbit/s (:func:`link`).
+        latency_us: each message's latency, microseconds (:func:`link`).
+        switch_bandwidth_gbps: the switch ports' rate, Gbit/s (default: ``bandwidth_gbps``).
+        switch_latency_us: the switch's latency, microseconds (default: ``latency_us``).
+        header_bytes: bytes of each packet's header.
+        own_blocks: see above.
+        union_blocks: see above.
+        waves: see above.
+        handshake_fields: int64 fields of the transport's agreement header (:func:`handshake`).
     """
     if n < 1 or numel <= 0:
         return ZERO

@@ -31,7 +31,14 @@ def powersgd_matrix(shape) -> tuple[int, int]:
 
 def powersgd_compresses(n: int, m: int, rank: int, min_compression_rate: float = 2.0) -> bool:
     """Whether an n x m matrix is sent as rank-r factors: ``(n + m) r * rate < n m`` with
-    r = min(n, m, rank) (torch's ``_should_compress``; vectors, m = 1, never qualify for rate >= 1)."""
+    r = min(n, m, rank) (torch's ``_should_compress``; vectors, m = 1, never qualify for rate >= 1).
+
+    Args:
+        n: rows.
+        m: columns.
+        rank: r, the approximation rank.
+        min_compression_rate: torch's ``min_compression_rate``.
+    """
     r = min(n, m, rank)
     return r > 0 and (n + m) * r * min_compression_rate < n * m
 
@@ -39,7 +46,14 @@ def powersgd_compresses(n: int, m: int, rank: int, min_compression_rate: float =
 def powersgd_bits(shapes, rank: int, min_compression_rate: float = 2.0, value_bits: int = 32) -> int:
     """Bits one worker sends per step (both rounds): P (n r) and Q (m r) for every compressed matrix,
     the whole tensor for the others (derived from the algorithm: round 1 carries the Ps and the
-    uncompressed tensors, round 2 the Qs)."""
+    uncompressed tensors, round 2 the Qs).
+
+    Args:
+        shapes: the shapes of the tensors (each as a matrix: :func:`powersgd_matrix`).
+        rank: r, the approximation rank.
+        min_compression_rate: torch's ``min_compression_rate``.
+        value_bits: bits per value (32 for float32).
+    """
     total = 0
     for s in shapes:
         n, m = powersgd_matrix(s)
@@ -76,7 +90,11 @@ def majority_vote_error(n: int, p: float) -> float:
 
 def sign_vote_bits(d: int) -> int:
     """signSGD / signum with majority vote: one bit per coordinate, no scale (the scale is the shared
-    constant 1); the vote itself is the sign of the integer sum (Bernstein et al. 2019)."""
+    constant 1); the vote itself is the sign of the integer sum (Bernstein et al. 2019).
+
+    Args:
+        d: the vector's length.
+    """
     return max(d, 0)
 
 
@@ -84,7 +102,14 @@ def onebit_bits(d: int, bucket_size: int | None = None, scale_bits: int = 32, le
     """1-bit SGD (Seide, Fu, Droppo, Li, Yu, "1-bit stochastic gradient descent and its application
     to data-parallel distributed training of speech DNNs", Interspeech 2014): one bit per entry plus
     the ``levels`` reconstruction values of each bucket (column): two in the paper (the means of the
-    non-negative and of the negative entries), one for the symmetric variant."""
+    non-negative and of the negative entries), one for the symmetric variant.
+
+    Args:
+        d: the vector's length.
+        bucket_size: entries per scale (``None``: one bucket).
+        scale_bits: bits per level.
+        levels: levels per bucket (2, or 1 for the symmetric variant).
+    """
     return quantized_bits(d, 1, levels * n_buckets(d, bucket_size), scale_bits)
 
 
@@ -93,7 +118,11 @@ def onebit_delta(bucket_size: int) -> float:
     ||x_b||^2 - ||x_b||_1^2/b (as scaled sign), so delta = 1/b; Seide's two levels (the means of each
     sign class) minimise the error over all reconstructions constant on the sign classes, so they do
     at least as well. **Tight** for both at a single spike in a bucket (derived: x = (1, 0, ..., 0)
-    puts every entry in the non-negative class, level 1/b, error 1 - 1/b)."""
+    puts every entry in the non-negative class, level 1/b, error 1 - 1/b).
+
+    Args:
+        bucket_size: b, entries per bucket.
+    """
     return 1.0 / max(int(bucket_size), 1)
 
 
@@ -101,7 +130,13 @@ def dgc_keep(step: int, ratio: float = 0.001, warmup_steps: int = 0) -> float:
     """DGC's warm-up of the sparsity (Lin, Han, Mao, Wang, Dally, "Deep gradient compression",
     ICLR 2018, §3.4; the schedule 75%, 93.75%, 98.4375%, 99.6%, 99.9% of e.g. PaddlePaddle's
     ``DGCMomentumOptimizer``): the kept fraction is 1/4, 1/16, 1/64, 1/256 over four equal stages of
-    ``warmup_steps`` steps (never below ``ratio``), then ``ratio`` (0.1% in the paper)."""
+    ``warmup_steps`` steps (never below ``ratio``), then ``ratio`` (0.1% in the paper).
+
+    Args:
+        step: the step, from 0.
+        ratio: the kept fraction after warm-up.
+        warmup_steps: the warm-up's length in steps.
+    """
     if warmup_steps <= 0 or step >= warmup_steps:
         return ratio
     stage = (4 * step) // warmup_steps

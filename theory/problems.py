@@ -74,6 +74,10 @@ def load_dataset(name: str, *, bias: bool = False) -> tuple[np.ndarray, np.ndarr
 
     Classification sets return labels in {-1, +1}; ``diabetes`` returns the (standardised) target.
     Zero-variance columns are dropped before standardising; ``bias`` appends a column of ones.
+
+    Args:
+        name: ``"breast_cancer"``, ``"digits"``, ``"wine"`` or ``"diabetes"``.
+        bias: see above.
     """
     from sklearn import datasets as skd
 
@@ -95,7 +99,12 @@ def load_dataset(name: str, *, bias: bool = False) -> tuple[np.ndarray, np.ndarr
 
 
 def standardise(X: np.ndarray, *, bias: bool = False) -> np.ndarray:
-    """Zero-mean, unit-variance columns (constant columns dropped); optionally a bias column."""
+    """Zero-mean, unit-variance columns (constant columns dropped); optionally a bias column.
+
+    Args:
+        X: the data matrix (rows are samples).
+        bias: append a column of ones.
+    """
     std = X.std(axis=0)
     keep = std > 1e-12 * max(1.0, float(np.abs(X).max()))
     X = (X[:, keep] - X[:, keep].mean(axis=0)) / std[keep]
@@ -106,7 +115,14 @@ def standardise(X: np.ndarray, *, bias: bool = False) -> np.ndarray:
 
 def split_rows(y: np.ndarray, n_workers: int, split: str = "iid", seed: int = 0) -> list[np.ndarray]:
     """Row indices of each worker: equal contiguous chunks (N // n rows, remainder to the last worker)
-    of a random permutation (``"iid"``) or of the rows stably sorted by label (``"label"``)."""
+    of a random permutation (``"iid"``) or of the rows stably sorted by label (``"label"``).
+
+    Args:
+        y: the labels (one per row).
+        n_workers: workers.
+        split: ``"iid"`` or ``"label"``.
+        seed: seeds the ``"iid"`` permutation.
+    """
     N = len(y)
     if not 1 <= n_workers <= N:
         raise InvalidValueError(f"need 1 <= n_workers <= number of rows ({N}), got {n_workers}")
@@ -128,6 +144,14 @@ class FiniteSumProblem:
 
     Data is stored padded, ``A`` (n, M, d) with M = max N_i and per-row weights ``w`` (n, M) equal to
     1/N_i on real rows and 0 on padding, so every per-worker quantity is one batched tensor op.
+
+    Args:
+        A_blocks: each worker's rows A_i, (N_i, d).
+        b_blocks: each worker's labels or targets b_i, (N_i,).
+        loss_name: ``"logistic"`` or ``"least_squares"``.
+        lam: the l2 weight (>= 0).
+        nc_lam: the non-convex regulariser's weight (>= 0; module doc).
+        name: a label for tables and plots.
     """
 
     A_blocks: list[torch.Tensor]
@@ -184,6 +208,7 @@ class FiniteSumProblem:
 
     @property
     def convex(self) -> bool:
+        """Whether f is convex (no non-convex regulariser)."""
         return self.nc_lam == 0.0
 
     @property
@@ -277,7 +302,11 @@ class FiniteSumProblem:
         return torch.einsum("nm,nmd->nd", coef, self.A) + self._reg_grad(X)
 
     def grad(self, x: torch.Tensor) -> torch.Tensor:
-        """(d,) the gradient of f."""
+        """(d,) the gradient of f.
+
+        Args:
+            x: the point, (d,).
+        """
         return self.grads(x).mean(0)
 
     def grad_norm_sq(self, x: torch.Tensor) -> float:
@@ -285,7 +314,12 @@ class FiniteSumProblem:
         return float((self.grad(x) ** 2).sum())
 
     def sample_indices(self, batch_size: int, generator: torch.Generator | None = None) -> torch.Tensor:
-        """(n, batch_size) row indices drawn uniformly with replacement from each worker's own rows."""
+        """(n, batch_size) row indices drawn uniformly with replacement from each worker's own rows.
+
+        Args:
+            batch_size: rows per worker.
+            generator: the randomness.
+        """
         u = torch.rand(self.n, batch_size, generator=generator, dtype=DTYPE)
         return torch.minimum((u * self.counts.unsqueeze(1)).long(), (self.counts - 1).unsqueeze(1))
 
@@ -315,7 +349,11 @@ class FiniteSumProblem:
         return H + torch.diag_embed(diag)
 
     def hessian(self, x: torch.Tensor) -> torch.Tensor:
-        """(d, d) Hessian of f."""
+        """(d, d) Hessian of f.
+
+        Args:
+            x: the point, (d,).
+        """
         return self.hessians(x).mean(0)
 
     # --------------------------------------------------------------------------- x*
@@ -361,6 +399,18 @@ def from_arrays(X: np.ndarray, y: np.ndarray, *, loss: str = "logistic", n_worke
     Exactly one of ``lam`` and ``kappa`` may be given; ``kappa`` sets lam so that L/mu = kappa, i.e.
     lam = L0/(kappa - 1) with L0 the smoothness of the unregularised f (and, for least squares, its
     smallest curvature taken into account). Neither: lam = 0 (then mu may be None).
+
+    Args:
+        X: the data matrix.
+        y: labels in {-1, +1} (logistic) or targets.
+        loss: ``"logistic"`` or ``"least_squares"``.
+        n_workers: workers.
+        split: as for :func:`split_rows`.
+        lam: see above.
+        kappa: see above.
+        nc_lam: the non-convex regulariser's weight.
+        seed: seeds the split.
+        name: a label.
     """
     if lam is not None and kappa is not None:
         raise InvalidValueError("give lam or kappa, not both")
@@ -384,7 +434,18 @@ def from_arrays(X: np.ndarray, y: np.ndarray, *, loss: str = "logistic", n_worke
 def logistic(dataset: str = "breast_cancer", *, n_workers: int = 10, split: str = "iid",
              lam: float | None = None, kappa: float | None = None, nc_lam: float = 0.0,
              bias: bool = False, seed: int = 0) -> FiniteSumProblem:
-    """l2-regularised logistic regression on a bundled scikit-learn dataset (see module doc)."""
+    """l2-regularised logistic regression on a bundled scikit-learn dataset (see module doc).
+
+    Args:
+        dataset: a name of :func:`load_dataset`.
+        n_workers: workers.
+        split: as for :func:`split_rows`.
+        lam: as for :func:`from_arrays`.
+        kappa: as for :func:`from_arrays`.
+        nc_lam: the non-convex regulariser's weight.
+        bias: append a bias column.
+        seed: seeds the split.
+    """
     X, y = load_dataset(dataset, bias=bias)
     return from_arrays(X, y, loss="logistic", n_workers=n_workers, split=split, lam=lam, kappa=kappa,
                        nc_lam=nc_lam, seed=seed, name=f"logistic/{dataset}/{split}")
@@ -393,7 +454,9 @@ def logistic(dataset: str = "breast_cancer", *, n_workers: int = 10, split: str 
 def least_squares(dataset: str = "diabetes", *, n_workers: int = 10, split: str = "iid",
                   lam: float | None = None, kappa: float | None = None, nc_lam: float = 0.0,
                   bias: bool = False, seed: int = 0) -> FiniteSumProblem:
-    """(l2-regularised) least squares on a bundled dataset; classification sets regress the +-1 labels."""
+    """(l2-regularised) least squares on a bundled dataset; classification sets regress the +-1 labels.
+    ``dataset``, ``n_workers``, ``split``, ``lam``, ``kappa``, ``nc_lam``, ``bias`` and ``seed`` as for
+    :func:`logistic`."""
     X, y = load_dataset(dataset, bias=bias)
     return from_arrays(X, y, loss="least_squares", n_workers=n_workers, split=split, lam=lam,
                        kappa=kappa, nc_lam=nc_lam, seed=seed, name=f"least_squares/{dataset}/{split}")
@@ -415,7 +478,18 @@ def synthetic_logistic(*, n_workers: int = 20, rows_per_worker: int = 50, d: int
                        nc_lam: float = 0.0, seed: int = 0) -> FiniteSumProblem:
     """Logistic regression on Gaussian features with a decaying spectrum (eigenvalues of A^T A/N
     geometric from 1 to 1e-2), labels sign(a^T x_true) flipped with probability ``noise``, and lam
-    chosen so that L/mu = kappa exactly (mu = lam)."""
+    chosen so that L/mu = kappa exactly (mu = lam).
+
+    Args:
+        n_workers: workers.
+        rows_per_worker: rows each.
+        d: features.
+        kappa: L/mu.
+        split: as for :func:`split_rows`.
+        noise: see above.
+        nc_lam: the non-convex regulariser's weight.
+        seed: seeds the data and the split.
+    """
     rng = np.random.default_rng(seed)
     N = n_workers * rows_per_worker
     eig = np.geomspace(1.0, 1e-2, d)
@@ -440,6 +514,18 @@ def synthetic_least_squares(*, n_workers: int = 10, rows_per_worker: int = 50, d
     its own rows but the same Gram matrix, A_i^T A_i/N_i = A^T A/N (needs rows_per_worker >= d), so
     L_i = L_max = L_tilde = L and the "99%" prediction kappa (1 + omega/n) holds with one kappa; ``split`` is
     then ignored (each worker's block is generated in place).
+
+    Args:
+        n_workers: workers.
+        rows_per_worker: rows each.
+        d: features.
+        kappa: see above.
+        split: as for :func:`split_rows`.
+        interpolate: see above.
+        homogeneous: see above.
+        noise: see above.
+        lam: the l2 weight.
+        seed: seeds the data and the split.
     """
     rng = np.random.default_rng(seed)
     N = n_workers * rows_per_worker

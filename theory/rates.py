@@ -80,7 +80,15 @@ def dcgd(L_max: float, omega: float, n: int, L: float | None = None) -> float:
 def dcgd_neighbourhood(gamma: float, omega: float, n: int, mu: float, sigma_star_sq: float) -> float:
     """DCGD's floor: lim sup E||x^k - x*||^2 <= 2 gamma omega sigma*^2 / (mu n), with
     sigma*^2 = (1/n) sum_i ||grad f_i(x*)||^2 (**derived**, see :func:`dcgd`: the recursion
-    r+ <= (1 - gamma mu) r + gamma^2 D_1 has fixed point gamma D_1/mu)."""
+    r+ <= (1 - gamma mu) r + gamma^2 D_1 has fixed point gamma D_1/mu).
+
+    Args:
+        gamma: the step size.
+        omega: the compressor's variance constant.
+        n: workers.
+        mu: strong convexity of f.
+        sigma_star_sq: sigma*^2.
+    """
     _check_pos(gamma=gamma, mu=mu)
     _check_omega(omega, n)
     return 2.0 * gamma * omega * sigma_star_sq / (mu * n)
@@ -283,7 +291,14 @@ def ef21(L: float, L_tilde: float, delta: float) -> float:
 
 def ef21_pl(L: float, L_tilde: float, delta: float, mu: float) -> float:
     """EF21 under the PL condition ("EF21+" setting of the authors' code):
-    gamma = min{1/(L + L_tilde sqrt(2 beta/theta)), theta/(2 mu)}."""
+    gamma = min{1/(L + L_tilde sqrt(2 beta/theta)), theta/(2 mu)}.
+
+    Args:
+        L: smoothness of f.
+        L_tilde: the quadratic mean of the L_i (:func:`L_tilde`).
+        delta: the compressor's contraction constant (theta, beta: :func:`ef21_theta_beta`).
+        mu: the PL constant.
+    """
     _check_pos(L=L, L_tilde=L_tilde, mu=mu)
     theta, beta = ef21_theta_beta(delta)
     return min(1.0 / (L + L_tilde * math.sqrt(2.0 * beta / theta)), theta / (2.0 * mu))

@@ -15,7 +15,7 @@ sends (up) and receives (down); a dedicated aggregator's link what the workers' 
 received from it; the top of rack has no link of its own. ``native``'s ledger is the ring volume
 (torch.distributed reports no traffic).
 
-**Headline rows use the library's defaults** (defaults are fast where they run: README.md, "Transports
+**Headline rows use the library's defaults** (defaults are fast where they run: docs/transports.md, "Transports
 and their defaults"): each is
 constructed with no keyword arguments, its services started with no program arguments, as a user who
 writes ``transport="switch"`` and ``services=["switch"]`` gets it (on gloo the defaults are the real

@@ -83,6 +83,13 @@ def nonzero_blocks(x: torch.Tensor, block_size: int, threshold: float = 0.0, *, 
     per block with OR (threshold 0) or max (threshold > 0, compared with the threshold's bit pattern,
     valid since non-negative IEEE floats order like their bit patterns and NaN lies above Inf);
     branch-free, vectorised, no early exit.
+
+    Args:
+        x: the tensor.
+        block_size: elements per block.
+        threshold: see above.
+        backend: ``"auto"`` (the Numba kernel on CPU, torch ops elsewhere), ``"numba"`` or ``"torch"``
+            (:mod:`sparsecomm.kernels`).
     """
     if isinstance(x, torch.Tensor) and not x.is_floating_point() and not x.is_complex():
         # integer codes (quantized payloads summed as integers): a block travels iff any code != 0
@@ -133,7 +140,13 @@ def _block_any(nz: torch.Tensor, block_size: int, nb: int) -> torch.Tensor:
 
 def packed_numel(mask: torch.Tensor, block_size: int, n: int) -> int:
     """Number of elements :func:`pack_blocks` produces: the summed lengths of the selected blocks of
-    an ``n``-element tensor (the last block is ``n - (nb - 1) * block_size`` long)."""
+    an ``n``-element tensor (the last block is ``n - (nb - 1) * block_size`` long).
+
+    Args:
+        mask: the block mask.
+        block_size: elements per block.
+        n: the tensor's length.
+    """
     block_size = check_block_size(block_size)
     nb = num_blocks(n, block_size)
     check_mask(mask, nb)
@@ -191,6 +204,14 @@ def pack_blocks(
 
     CPU kernel: runs of consecutive selected blocks are copied with one ``memcpy`` each (a dense
     mask is one copy of the buffer) and isolated blocks are prefetched a few blocks ahead.
+
+    Args:
+        x: the tensor.
+        mask: the blocks to keep.
+        block_size: elements per block.
+        out: see above.
+        backend: ``"auto"`` (the Numba kernel on CPU, torch ops elsewhere), ``"numba"`` or ``"torch"``
+            (:mod:`sparsecomm.kernels`).
     """
     check_float(x)
     block_size = check_block_size(block_size)
@@ -230,6 +251,14 @@ def unpack_add(
     ``out.reshape(-1)[block b] += packed[its slice]`` for each selected ``b``, in place; returns
     ``out``. ``packed`` must hold exactly ``packed_numel(mask, block_size, out.numel())`` elements; it
     is converted to ``out.dtype`` if needed. The receive side of OmniReduce's block stream.
+
+    Args:
+        packed: the packed blocks.
+        mask: their blocks.
+        block_size: elements per block.
+        out: the tensor added to.
+        backend: ``"auto"`` (the Numba kernel on CPU, torch ops elsewhere), ``"numba"`` or ``"torch"``
+            (:mod:`sparsecomm.kernels`).
     """
     check_float(out, "out")
     check_float(packed, "packed")

@@ -163,6 +163,10 @@ def to_fixed(
 
     Raises :class:`NonFiniteError` for a NaN/Inf element and :class:`OverflowError_` when a rounded
     value leaves the range of ``dtype``; the message names the first offending element.
+
+    Args:
+        backend: ``"auto"`` (the Numba kernel on CPU, torch ops elsewhere), ``"numba"`` or ``"torch"``
+            (:mod:`sparsecomm.kernels`).
     """
     check_float(x)
     if dtype not in _RANGE:
@@ -235,6 +239,12 @@ def chunk_exponents(x: torch.Tensor, chunk: int, *, backend: str = "auto") -> to
     subnormal-only) chunk gets the floor ``-126`` (float32) / ``-1022`` (float64), for which
     ``2^e > max|x|`` still holds. float16/bfloat16 (torch path) are handled as their float32 values.
     Returns int32 of ``ceil(n / chunk)`` entries; raises :class:`NonFiniteError` on NaN/Inf.
+
+    Args:
+        x: the float tensor.
+        chunk: elements per chunk.
+        backend: ``"auto"`` (the Numba kernel on CPU, torch ops elsewhere), ``"numba"`` or ``"torch"``
+            (:mod:`sparsecomm.kernels`).
     """
     check_float(x)
     if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
@@ -315,6 +325,12 @@ def checked_add_(acc: torch.Tensor, x: torch.Tensor, *, backend: str = "auto") -
     What a switch aggregator slot does with the workers' fixed-point codes (SwitchML), with the
     overflow that hardware would wrap silently reported, naming the first offending element. On
     error ``acc`` is left unchanged. Returns ``acc``.
+
+    Args:
+        acc: the accumulator, added to in place.
+        x: the codes added.
+        backend: ``"auto"`` (the Numba kernel on CPU, torch ops elsewhere), ``"numba"`` or ``"torch"``
+            (:mod:`sparsecomm.kernels`).
     """
     for name, t in (("acc", acc), ("x", x)):
         if not isinstance(t, torch.Tensor) or t.dtype not in NUMBA_INTS:

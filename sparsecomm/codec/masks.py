@@ -40,6 +40,11 @@ def mask_to_bitmap(mask: torch.Tensor, *, backend: str = "auto") -> torch.Tensor
     ``packbits(..., bitorder="little")``. Padding bits of the last byte are zero. This is the
     per-message block bitmap a block-sparse protocol can send instead of a list of block indices
     (1 bit per block against 8 bytes per selected block: smaller above a density of 1/64).
+
+    Args:
+        mask: the block mask (``torch.bool``).
+        backend: ``"auto"`` (the Numba kernel on CPU, torch ops elsewhere), ``"numba"`` or ``"torch"``
+            (:mod:`sparsecomm.kernels`).
     """
     _check_bool_mask(mask)
     if use_numba(backend, True, mask):
@@ -54,7 +59,14 @@ def mask_to_bitmap(mask: torch.Tensor, *, backend: str = "auto") -> torch.Tensor
 
 def bitmap_to_mask(bitmap: torch.Tensor, num_blocks: int, *, backend: str = "auto") -> torch.Tensor:
     """Inverse of :func:`mask_to_bitmap`; raises :class:`CodecError` on a wrong length or on set
-    padding bits (a corrupt or mismatched bitmap)."""
+    padding bits (a corrupt or mismatched bitmap).
+
+    Args:
+        bitmap: the bitmap.
+        num_blocks: the number of blocks it covers.
+        backend: ``"auto"`` (the Numba kernel on CPU, torch ops elsewhere), ``"numba"`` or ``"torch"``
+            (:mod:`sparsecomm.kernels`).
+    """
     if not isinstance(bitmap, torch.Tensor) or bitmap.dtype != torch.uint8 or bitmap.dim() != 1:
         raise CodecError("bitmap must be a 1-D torch.uint8 tensor")
     nb = int(num_blocks)
@@ -72,7 +84,13 @@ def bitmap_to_mask(bitmap: torch.Tensor, num_blocks: int, *, backend: str = "aut
 
 
 def mask_to_indices(mask: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
-    """Ascending ``int64`` indices of the selected blocks (``torch.nonzero(mask).flatten()``)."""
+    """Ascending ``int64`` indices of the selected blocks (``torch.nonzero(mask).flatten()``).
+
+    Args:
+        mask: the block mask.
+        backend: ``"auto"`` (the Numba kernel on CPU, torch ops elsewhere), ``"numba"`` or ``"torch"``
+            (:mod:`sparsecomm.kernels`).
+    """
     _check_bool_mask(mask)
     if use_numba(backend, True, mask):
         idx = torch.empty(mask.numel(), dtype=torch.int64)
@@ -135,6 +153,12 @@ def next_nonzero(mask: torch.Tensor, num_lanes: int, *, backend: str = "auto") -
 
     CPU kernel: one backward pass keeping the last selected block seen per lane. Torch path (any
     device): a suffix minimum (``cummin`` on the flipped ``(rows, num_lanes)`` grid) per lane.
+
+    Args:
+        mask: the block mask.
+        num_lanes: the number of lanes (OmniReduce's aggregator slots).
+        backend: ``"auto"`` (the Numba kernel on CPU, torch ops elsewhere), ``"numba"`` or ``"torch"``
+            (:mod:`sparsecomm.kernels`).
     """
     _check_bool_mask(mask)
     if isinstance(num_lanes, bool) or not isinstance(num_lanes, (int, np.integer)) or num_lanes < 1:

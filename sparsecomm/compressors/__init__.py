@@ -36,7 +36,12 @@ from .topk import Threshold, TopK
 
 
 def get(name: str, **hyper) -> Compressor:
-    """Build the compressor ``name`` from the catalog; an unknown name raises listing the valid ones."""
+    """Build the compressor ``name`` from the catalog; an unknown name raises listing the valid ones.
+
+    Args:
+        name: a name of :func:`available`.
+        **hyper: the keywords of its factory (``ratio=0.01``).
+    """
     return registry.get(name, **hyper)
 
 
@@ -77,7 +82,13 @@ def threshold(threshold: float | None = None) -> Threshold:
 
 
 def randk(ratio: float | None = None, *, k: int | None = None, independent: bool = False) -> RandK:
-    """Rand-k scaled by d/k (unbiased); shared-seed positions (``aligned``) unless ``independent``."""
+    """Rand-k scaled by d/k (unbiased); shared-seed positions (``aligned``) unless ``independent``.
+
+    Args:
+        ratio: the kept fraction of the coordinates, k = ceil(ratio d).
+        k: a fixed number of coordinates instead of ``ratio``.
+        independent: per-worker positions (a ``sparse`` payload) instead of shared-seed ones.
+    """
     return RandK(ratio, k, independent)
 
 
@@ -87,7 +98,11 @@ def qsgd(levels: int = 4, *, bucket_size: int | None = None) -> QSGD:
 
 
 def terngrad(*, bucket_size: int | None = None) -> TernGrad:
-    """TernGrad: codes in {-1, 0, 1} times each bucket's max."""
+    """TernGrad: codes in {-1, 0, 1} times each bucket's max.
+
+    Args:
+        bucket_size: entries per max-norm (``None``: the whole vector).
+    """
     return TernGrad(bucket_size)
 
 
@@ -97,7 +112,13 @@ def natural() -> Natural:
 
 
 def natural_dithering(levels: int = 4, *, bucket_size: int | None = None, p: float = 2) -> NaturalDithering:
-    """Natural dithering with ``levels`` levels and the ``p`` norm (2 or inf)."""
+    """Natural dithering with ``levels`` levels and the ``p`` norm (2 or inf).
+
+    Args:
+        levels: the number of levels.
+        bucket_size: entries per norm (``None``: the whole vector).
+        p: the norm: 2 or ``inf``.
+    """
     return NaturalDithering(levels, bucket_size, p)
 
 

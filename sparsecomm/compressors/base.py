@@ -48,7 +48,13 @@ class Compressor(ABC):
 
     @abstractmethod
     def compress(self, x: torch.Tensor, generator: torch.Generator | None = None) -> Payload:
-        """Compress ``x`` (any shape, any float dtype; operates on the flattened view)."""
+        """Compress ``x`` (any shape, any float dtype; operates on the flattened view).
+
+        Args:
+            x: the tensor.
+            generator: the only source of randomness of a random compressor (``None`` for a deterministic
+                one).
+        """
 
     def decompress(self, payload: Payload) -> torch.Tensor:
         """The decompressed tensor, with the shape and dtype of the compressed input
@@ -56,11 +62,19 @@ class Compressor(ABC):
         return decompressed(payload).reshape(payload.shape)
 
     def omega(self, d: int) -> float:
-        """Variance constant of U(omega); ``inf`` for a biased compressor."""
+        """Variance constant of U(omega); ``inf`` for a biased compressor.
+
+        Args:
+            d: the vector's length.
+        """
         return math.inf
 
     def delta(self, d: int) -> float:
-        """Contraction constant of B(delta); 0 when the compressor is not contractive."""
+        """Contraction constant of B(delta); 0 when the compressor is not contractive.
+
+        Args:
+            d: the vector's length.
+        """
         return 0.0
 
     def bits(self, d: int, dtype: torch.dtype = torch.float32) -> int:

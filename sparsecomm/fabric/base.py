@@ -45,7 +45,7 @@ Capabilities. Layers above ask a fabric what it can do, never which class it is:
   default, TorchFabric) :data:`MESSAGE_BYTES`, 1 MiB: over gloo and TCP a message costs the hosts a
   fixed CPU time beyond its bytes (the receiver's "receive posted" notice, system calls, thread
   wake-ups), which a message of this size amortises; the fixed cost and what a longer message still
-  gains: BENCHMARKS.md, "Transports on loopback". The defaults each transport derives from it: README.md,
+  gains: BENCHMARKS.md, "Transports on loopback". The defaults each transport derives from it: docs/transports.md,
   "Transports and their defaults".
 - ``scratch``: a dict that lives and dies with this endpoint, where a layer above keeps its per-fabric
   state (a transport's caches) instead of a module-level dict keyed by fabric; ``world_scratch``: a
@@ -72,7 +72,12 @@ class Work(ABC):
 
     @abstractmethod
     def wait(self, timeout: float | None = None) -> int | None:
-        """Block until complete; for a receive, return the source endpoint id."""
+        """Block until complete; for a receive, return the source endpoint id.
+
+        Args:
+            timeout: seconds to wait at most (modelled seconds on SimFabric), raising ``FabricTimeout``;
+                ``None``: the fabric's ``timeout_s``.
+        """
 
     @abstractmethod
     def is_completed(self) -> bool:
@@ -119,11 +124,21 @@ class Fabric(ABC):
 
     @property
     def is_worker(self) -> bool:
+        """True on a worker rank, false on a service rank (a switch, an aggregator)."""
         return self.rank < self.world_size
 
     @abstractmethod
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0, *, reliable: bool = True) -> None:
-        """Send ``tensor`` to endpoint ``dst``; returns when ``tensor`` may be reused."""
+        """Send ``tensor`` to endpoint ``dst``; returns when ``tensor`` may be reused.
+
+        Args:
+            tensor: the message (contiguous).
+            dst: the receiving endpoint.
+            tag: the message tag: a receive takes only messages sent with the same tag (in order per (src,
+                dst, tag))
+            reliable: False marks a datagram the network model may drop (``Network.loss``); real fabrics
+                deliver every message, and reliable sends are never dropped
+        """
 
     @abstractmethod
     def recv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0, *,
@@ -132,15 +147,38 @@ class Fabric(ABC):
 
         ``timeout`` (modelled seconds on SimFabric) raises :class:`FabricTimeout` if nothing
         arrives in time; without it the fabric-wide ``timeout_s`` applies.
+
+        Args:
+            tensor: the buffer the message fills (a shorter message fills a prefix).
+            src: the sending endpoint, ``None`` for any.
+            tag: the message tag: a receive takes only messages sent with the same tag (in order per (src,
+                dst, tag))
+            timeout: see above.
         """
 
     @abstractmethod
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0, *, reliable: bool = True) -> Work:
-        """Start sending ``tensor``; the caller must not modify it until ``wait()`` returns."""
+        """Start sending ``tensor``; the caller must not modify it until ``wait()`` returns.
+
+        Args:
+            tensor: the message.
+            dst: the receiving endpoint.
+            tag: the message tag: a receive takes only messages sent with the same tag (in order per (src,
+                dst, tag))
+            reliable: False marks a datagram the network model may drop (``Network.loss``); real fabrics
+                deliver every message, and reliable sends are never dropped
+        """
 
     @abstractmethod
     def irecv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> Work:
-        """Start receiving into ``tensor``."""
+        """Start receiving into ``tensor``.
+
+        Args:
+            tensor: the buffer the message fills.
+            src: the sending endpoint, ``None`` for any.
+            tag: the message tag: a receive takes only messages sent with the same tag (in order per (src,
+                dst, tag))
+        """
 
     def wait_any(self, works: Sequence[Work | Sequence[Work]]) -> int:
         """Block until one element of ``works`` has completed and return its index; an element is an
@@ -196,7 +234,12 @@ class Fabric(ABC):
         """Tell every endpoint about a failure only this one saw (a malformed message), so that their waits
         end at once naming it rather than at the timeout. The default does nothing: where the endpoints
         share a process (SimFabric) the launcher reports the exception out of ``fn`` to all of them;
-        TorchFabric records it in the rendezvous store and closes its connections."""
+        TorchFabric records it in the rendezvous store and closes its connections.
+
+        Args:
+            exc: the failure (an exception or its text).
+            rank: the rank it is blamed on (default: this one).
+        """
 
     def now(self) -> float:
         """This endpoint's clock in seconds: modelled time on SimFabric, wall time elsewhere."""

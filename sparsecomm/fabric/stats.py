@@ -30,11 +30,13 @@ class CommStats:
     links: Counter = field(default_factory=Counter)
 
     def record_send(self, src: int, dst: int, nbytes: int) -> None:
+        """Count one message of ``nbytes`` sent from endpoint ``src`` to endpoint ``dst``."""
         self.bytes_sent += nbytes
         self.messages += 1
         self.links[(src, dst)] += nbytes
 
     def record_recv(self, src: int, dst: int, nbytes: int) -> None:
+        """Count one message of ``nbytes`` that endpoint ``dst`` received from endpoint ``src``."""
         self.bytes_received += nbytes
         self.messages_received += 1
         self.links[(src, dst)] += nbytes
@@ -42,7 +44,13 @@ class CommStats:
     def unbook_recv(self, src: int, dst: int, nbytes: int) -> None:
         """Take back ``nbytes`` of a receive booked at its buffer's size that a shorter message filled (a
         real fabric fills a prefix of a larger receive; only the protocol that sent the message knows how
-        long it was)."""
+        long it was).
+
+        Args:
+            src: the sending endpoint of the receive.
+            dst: the receiving endpoint.
+            nbytes: the bytes the message was shorter than its buffer.
+        """
         self.bytes_received -= nbytes
         self.links[(src, dst)] -= nbytes
 
@@ -52,6 +60,7 @@ class CommStats:
         return self.estimated_bytes > 0
 
     def copy(self) -> "CommStats":
+        """An independent copy (the ``links`` counter included)."""
         c = CommStats(**{k: getattr(self, k) for k in self._scalars()})
         c.links = Counter(self.links)
         return c

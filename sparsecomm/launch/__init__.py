@@ -53,6 +53,17 @@ def launch(fn: Callable[[Context], Any], world_size: int, backend: str = "sim", 
     ``backend``: ``"sim"`` (threads over a SimFabric with ``network``), ``"gloo"`` or ``"nccl"``
     (torch.distributed processes; ``services`` names the extra service ranks to start, e.g.
     ``["switch"]``). ``timeout_s`` bounds every wait.
+
+    Args:
+        fn: runs on every worker with its :class:`Context`; its return value is that rank's result.
+        world_size: the number of workers.
+        backend: ``"sim"``, ``"gloo"``, ``"nccl"`` or ``"netbed"``.
+        network: the modelled :class:`~sparsecomm.fabric.sim.sim_network.Network` (``sim``) or the links' rate
+            (``netbed``).
+        timeout_s: bound of every wait, seconds.
+        services: service ranks to start beside the workers (``["switch"]``, ``["omnireduce-agg:0"]``).
+        **options: backend options: ``start_method`` (gloo, nccl, netbed), ``netbed_unshaped`` and
+            ``on_netbed`` (netbed); an option the backend does not take raises.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise InvalidValueError(f"world_size must be a positive integer, got {world_size!r}")

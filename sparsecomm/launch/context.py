@@ -20,7 +20,17 @@ if TYPE_CHECKING:
 
 @dataclass
 class Context:
-    """What ``fn`` receives on each worker."""
+    """What ``fn`` receives on each worker.
+
+    Args:
+        rank: this worker's rank, ``0 .. world_size - 1``.
+        world_size: the number of workers (service ranks, such as a switch, not counted).
+        fabric: this worker's :class:`~sparsecomm.fabric.base.Fabric` (a ``SimFabric`` on ``sim``, a
+            ``TorchFabric`` otherwise).
+        backend: the backend ``launch`` ran: ``"sim"``, ``"gloo"``, ``"nccl"`` or ``"netbed"``.
+        device: where this worker's tensors live (``cpu``, or its GPU on ``nccl``).
+        network: the modelled :class:`~sparsecomm.fabric.sim.sim_network.Network` on ``sim``, else ``None``.
+    """
 
     rank: int
     world_size: int
@@ -55,7 +65,13 @@ def current_context() -> Context | None:
 
 
 def set_context(ctx: Context | None, *, process_wide: bool = False) -> None:
-    """Install ``ctx`` as the current context of this thread (or of the whole process)."""
+    """Install ``ctx`` as the current context of this thread (or of the whole process).
+
+    Args:
+        ctx: the context to install (``None`` clears it).
+        process_wide: install it for every thread of the process (the torch backends' ranks, one process
+            each), not only this thread.
+    """
     global _process_context
     if process_wide:
         _process_context = ctx

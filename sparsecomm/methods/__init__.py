@@ -54,7 +54,11 @@ from .signum import Signum
 
 # ---------------------------------------------------------------------------- typed factories
 def none(compressor: Compressor | None = None) -> NoMethod:
-    """No memory: ``C(g)`` averaged (default compressor: the identity, i.e. plain averaging)."""
+    """No memory: ``C(g)`` averaged (default compressor: the identity, i.e. plain averaging).
+
+    Args:
+        compressor: the compressor (default: the identity).
+    """
     return NoMethod(compressor)
 
 
@@ -70,13 +74,27 @@ def ef21(compressor: Compressor | None = None, *, init: str = "grad") -> EF21:
 
 def diana(compressor: Compressor | None = None, *, alpha: float | None = None, init: str = "zeros") -> Diana:
     """DIANA around an unbiased ``compressor`` (default: shared-seed rand-k, ratio 0.01); ``alpha``
-    defaults to 1/(omega+1)."""
+    defaults to 1/(omega+1).
+
+    Args:
+        compressor: an unbiased compressor.
+        alpha: the shifts' step (default 1/(omega+1)).
+        init: ``"zeros"`` (shifts start at 0) or ``"grad"`` (the first round is exact and sets them).
+    """
     return Diana(compressor, alpha=alpha, init=init)
 
 
 def dgc(ratio: float = th.DGC_RATIO, *, momentum: float = th.DGC_MOMENTUM,
         sample_ratio: float = th.DGC_SAMPLE_RATIO, warmup_steps: int = 0, clip_norm: float | None = None) -> DGC:
-    """Deep Gradient Compression (its own sampled top-k)."""
+    """Deep Gradient Compression (its own sampled top-k).
+
+    Args:
+        ratio: the kept fraction after warm-up.
+        momentum: the momentum of the correction.
+        sample_ratio: the share of entries sampled to estimate the threshold.
+        warmup_steps: steps of the sparsity warm-up (four stages).
+        clip_norm: the local gradient clipping norm (``None``: none).
+    """
     return DGC(ratio, momentum=momentum, sample_ratio=sample_ratio, warmup_steps=warmup_steps,
                clip_norm=clip_norm)
 
@@ -112,12 +130,21 @@ def signsgd() -> SignSGD:
 
 
 def signum(beta: float = 0.9) -> Signum:
-    """Signum: the sign of the momentum, majority vote."""
+    """Signum: the sign of the momentum, majority vote.
+
+    Args:
+        beta: the momentum's decay.
+    """
     return Signum(beta)
 
 
 def onebit(bucket_size: int | None = 512, *, levels: str = "two") -> OneBitSGD:
-    """1-bit SGD with error feedback (``levels`` "two" or "symmetric")."""
+    """1-bit SGD with error feedback (``levels`` "two" or "symmetric").
+
+    Args:
+        bucket_size: entries per pair of levels (``None``: the whole bucket).
+        levels: ``"two"`` (the means of each sign) or ``"symmetric"`` (one level).
+    """
     return OneBitSGD(bucket_size, levels=levels)
 
 
@@ -152,7 +179,12 @@ def wraps_compressor(name: str) -> bool:
 def get(name: str, **hyper: Any) -> Method:
     """Build the method ``name`` from the catalog: its own keywords go to it, the others (and
     ``compressor=``, a name or a Compressor) to its compressor; an unknown name raises listing the
-    valid ones, a keyword nothing takes names both parameter lists."""
+    valid ones, a keyword nothing takes names both parameter lists.
+
+    Args:
+        name: a name of :func:`available`.
+        **hyper: the method's keywords, the others (and ``compressor=``) its compressor's.
+    """
     factory = registry.factory(name)
     if not wraps_compressor(name):
         registry.check(name, hyper)

@@ -106,6 +106,10 @@ class Method(ABC):
     Subclasses define ``name``, ``default_compressor``, the ``State`` dataclass with :meth:`init_state`
     building it, and :meth:`_encode` / :meth:`_decode` (and :meth:`_next_round` for several rounds) over
     a :class:`~sparsecomm.methods.state.MethodState`.
+
+    Args:
+        compressor: a compressor name or object (default: the method's ``default_compressor``).
+        **compressor_hyper: the compressor's keywords, with a name.
     """
 
     name: ClassVar[str] = ""
@@ -144,7 +148,13 @@ class Method(ABC):
 
     def init_state(self, d: int, dtype: torch.dtype, device: torch.device) -> Any:
         """The typed state (an instance of ``State``) of a bucket of ``d`` elements before its first
-        round; ``None`` for a stateless method."""
+        round; ``None`` for a stateless method.
+
+        Args:
+            d: the bucket's length.
+            dtype: the bucket's dtype.
+            device: the bucket's device.
+        """
         return None
 
     def encode(self, grad: torch.Tensor, state: MethodState, generator: torch.Generator | None = None, *,
@@ -192,7 +202,13 @@ class Method(ABC):
                    state: MethodState) -> tuple[Payload | None, MethodState]:
         """After a round's ``aggregate`` (the sum over workers): ``(payload, state)`` of the next round,
         or ``(None, state)`` when ``aggregate`` is the last round's (then call :meth:`decode` with it).
-        See the module doc."""
+        See the module doc.
+
+        Args:
+            aggregate: the round's sum over workers.
+            world_size: the number of workers summed.
+            state: this bucket's state.
+        """
         nxt = self._next_round(aggregate.reshape(-1), int(world_size), state)
         if nxt is None:
             state.last_round = True
@@ -204,6 +220,12 @@ class Method(ABC):
         and the updated state: ``(estimate, state)``.
 
         ``out`` (flat, the bucket's length, the aggregate's dtype): write the estimate there and return it.
+
+        Args:
+            aggregate: the last round's sum over workers.
+            world_size: the number of workers summed (the divisor of the average).
+            state: this bucket's state.
+            out: see above.
         """
         ms = state
         agg = aggregate.reshape(-1)

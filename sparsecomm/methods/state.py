@@ -33,7 +33,18 @@ class MethodState:
     are never saved (checkpoints are taken between steps).
 
     The caller owns it: ``encode``/``next_round``/``decode`` take it and return it updated (its buffers
-    are reused: no fresh allocation per round), and the caller keeps the returned one."""
+    are reused: no fresh allocation per round), and the caller keeps the returned one.
+
+    Args:
+        state: the method's typed state (``None`` for a stateless method).
+        rounds: rounds encoded so far.
+        started: whether a round was encoded with this state.
+        pending: what ``encode`` left for ``decode``.
+        length: the bucket's length.
+        shapes: the bucket's tensor shapes (for methods that read them).
+        last_round: whether ``next_round`` said the step's rounds are over.
+        constants: what the method derives once per length (never saved).
+    """
 
     state: Any = None
     #: rounds encoded so far, counting the caller's steps before the state's first round (the pipeline
@@ -57,7 +68,11 @@ class MethodState:
         return self.started and self.state is not None
 
     def take_pending(self, method: str = "") -> Any:
-        """What ``encode`` left for the round (consumed: a second decode raises)."""
+        """What ``encode`` left for the round (consumed: a second decode raises).
+
+        Args:
+            method: the method's name, for the error.
+        """
         if self.pending is None:
             raise SparseCommError(f"method {method!r}: decode without a preceding encode")
         p, self.pending = self.pending, None

@@ -133,6 +133,13 @@ class Netbed:
     ``bandwidth_gbps=None`` leaves the links unshaped (veth speed). Use as a context manager, or call
     :meth:`close` (idempotent). Netbeds whose owner died without closing them are removed by the next
     netbed built on the machine (:func:`cleanup_stale`).
+
+    Args:
+        hosts: the number of host namespaces.
+        bandwidth_gbps: every link's rate, both directions (``None``: unshaped).
+        latency_us: must be 0 (no ``netem``).
+        loss: must be 0 (no ``netem``).
+        prefix: the namespaces' name prefix (default: unique to this process).
     """
 
     hosts: int
@@ -162,16 +169,23 @@ class Netbed:
 
     # ----------------------------------------------------------------- names
     def host_ns(self, i: int) -> str:
+        """The namespace of host ``i``.
+
+        Args:
+            i: the host, ``0 .. hosts - 1``.
+        """
         if not 0 <= i < self.hosts:
             raise InvalidValueError(f"no host {i} (the netbed has {self.hosts})")
         return f"{self.prefix}-h{i}"
 
     @property
     def tor_ns(self) -> str:
+        """The top-of-rack namespace."""
         return f"{self.prefix}-tor"
 
     @property
     def namespaces(self) -> list[str]:
+        """Every namespace built so far (hosts and top of rack)."""
         return list(self._namespaces)
 
     def address(self, i: int) -> str:

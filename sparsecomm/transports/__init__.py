@@ -4,11 +4,18 @@ from .base import Transport, incompatible_message, registry
 
 
 def get(name: str, fabric, **hyper) -> Transport:
-    """Build the transport ``name`` on ``fabric``; an unknown name raises listing the valid ones."""
+    """Build the transport ``name`` on ``fabric``; an unknown name raises listing the valid ones.
+
+    Args:
+        name: a name of :func:`available`.
+        fabric: the fabric it runs over.
+        **hyper: the transport's keywords.
+    """
     return registry.get(name, fabric, **hyper)
 
 
 def available() -> list[str]:
+    """The registered transport names."""
     return registry.available()
 
 

@@ -71,7 +71,11 @@ from .linear import LinearOperand, linear_operand
 class Transport(ABC):
     """Base class of the collectives. Subclasses implement :meth:`_allreduce_tensor` and, for the payload
     kinds they sum in compressed form, :meth:`_sum_linear` (the kinds named in :attr:`linear`) or
-    :meth:`_allreduce_payload` (any other)."""
+    :meth:`_allreduce_payload` (any other).
+
+    Args:
+        fabric: the fabric the collective runs over.
+    """
 
     name: ClassVar[str] = ""
     #: payload kinds this transport sums (``dense`` means plain tensors too)
@@ -132,7 +136,12 @@ class Transport(ABC):
     def run(self, x: torch.Tensor | Payload, call: CallId | None = None) -> torch.Tensor:
         """The call, on this thread, now: for code that already runs on the fabric's communication thread
         (a job of :meth:`CommEngine.submit`, such as the pipeline's row-sparse rounds) or with nothing in
-        flight on the fabric; anywhere else use :meth:`start` or :meth:`allreduce`."""
+        flight on the fabric; anywhere else use :meth:`start` or :meth:`allreduce`.
+
+        Args:
+            x: a tensor or a payload, as for :meth:`allreduce`.
+            call: the call's identity (bucket, step, round) that the workers agree on.
+        """
         with calling(call):
             return self._call_now(x)
 
@@ -173,7 +182,12 @@ class Transport(ABC):
 
     @classmethod
     def can_carry(cls, kind: str, shared_scale: bool = False) -> bool:
-        """True if this transport sums payloads of ``kind`` (with that scale sharing)."""
+        """True if this transport sums payloads of ``kind`` (with that scale sharing).
+
+        Args:
+            kind: a payload kind.
+            shared_scale: for ``quantized``: whether the workers share the scale.
+        """
         if kind not in cls.carries:
             return False
         if kind == "quantized" and cls.quantized_needs_shared_scale and not shared_scale:
@@ -181,6 +195,12 @@ class Transport(ABC):
         return True
 
     def check_payload(self, p: Payload) -> None:
+        """Raise :class:`~sparsecomm.errors.IncompatibleError` if this transport cannot sum ``p``
+        (:meth:`can_carry`).
+
+        Args:
+            p: the payload.
+        """
         if not self.can_carry(p.kind, p.shared_scale):
             raise IncompatibleError(incompatible_message(self.name, p.kind, p.shared_scale))
 
@@ -465,7 +485,14 @@ def drain(fabric: Fabric, timeout: float | None = None) -> None:
 
 
 def incompatible_message(transport: str, kind: str, shared_scale: bool = False, source: str | None = None) -> str:
-    """The error text for a payload kind a transport cannot sum, naming the transports that can."""
+    """The error text for a payload kind a transport cannot sum, naming the transports that can.
+
+    Args:
+        transport: the transport's name.
+        kind: the payload kind.
+        shared_scale: for ``quantized``: whether the scale is shared.
+        source: the compressor or method that produces it, if known.
+    """
     ok = [n for n in registry.available() if registry.factory(n).can_carry(kind, shared_scale)]
     what = f"{source!r} produces {kind!r} payloads" if source else f"{kind!r} payloads"
     if kind == "quantized" and not shared_scale:

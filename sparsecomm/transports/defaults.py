@@ -1,4 +1,4 @@
-"""Transport defaults that depend on the fabric: defaults are fast where they run (README.md, "Transports
+"""Transport defaults that depend on the fabric: defaults are fast where they run (docs/transports.md, "Transports
 and their defaults").
 
 A setting that trades a message's fixed cost against pipelining (packets per message, the packet's size,

@@ -235,7 +235,7 @@ PAIR_CASES = [("identity", {}), ("fp16", {}), ("natural", {}), ("sign", {}), ("t
               ("randk", {"ratio": 0.05}), ("topk", {"ratio": 0.01}), ("threshold", {"threshold": 2.5}),
               ("compose", {"first": "randk", "second": "natural", "ratio": 0.1})]
 TRANSPORTS = ("ring", "allgather", "omnireduce", "switch")
-#: pairs whose wire cannot carry the declared bits, and why (README, "Bytes on the wire")
+#: pairs whose wire cannot carry the declared bits, and why (docs/transports.md, "Bytes on the wire")
 CANNOT = {
     ("natural", "ring"), ("natural", "omnireduce"), ("natural", "switch"),        # sums of powers of 2
     ("compose", "ring"), ("compose", "omnireduce"), ("compose", "switch"),        # (natural values)

@@ -1,4 +1,4 @@
-"""``experiments/bench/transports.py``: its headline rows are the library's defaults (README.md, "Transports and
+"""``experiments/bench/transports.py``: its headline rows are the library's defaults (docs/transports.md, "Transports and
 their defaults"), its tuned rows say so with their settings."""
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ def test_demo_tiny(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(plots, "save", lambda fig, path, **kw: (figures.append(fig), save(fig, path, **kw))[1])
     cpu = time.process_time()
     assert demo.main(["--tiny", "--out", str(tmp_path), "--no-progress"]) == 0
-    # README: "about 10 s of CPU time" (imports aside, which this process has paid; a cold Numba cache adds
+    # docs/theory.md, "The demo": "about 10 s of CPU time" (imports aside, which this process has paid; a cold Numba cache adds
     # its compilation): 4x that fails, whatever the load on the machine (CPU time, not wall time)
     assert time.process_time() - cpu < 40
     out = capsys.readouterr().out
@@ -71,7 +71,7 @@ def test_demo_tiny(tmp_path, capsys, monkeypatch):
 
 
 def test_readme_picture_is_the_current_demo():
-    """docs/demo.png (the README's picture) is the full demo's figure for the demo as it is now (its tasks,
+    """docs/demo.png (the picture in docs/theory.md) is the full demo's figure for the demo as it is now (its tasks,
     schemes, transports, network models and workers: the PNG records them); `python -m experiments.demo
     --docs` regenerates it."""
     from PIL import Image

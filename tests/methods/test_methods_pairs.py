@@ -1,5 +1,5 @@
 """The methods that bring their own operator, by name: accepted by the optimizer's builders, and carried by exactly the
-transports of the README's table (every rank gets the same estimate)."""
+transports of the table in docs/transports.md (every rank gets the same estimate)."""
 
 from __future__ import annotations
 

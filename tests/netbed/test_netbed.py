@@ -364,7 +364,7 @@ def test_cli_environment_and_clean_up_on_every_exit_path(tmp_path):
 
 
 def test_torchrun_recipe_distributed_optimizer_step(tmp_path):
-    """The README's "beyond one machine" recipe: one torchrun per host, 2 hosts, one DistributedOptimizer
+    """The "Beyond one machine" recipe of docs/netbed.md: one torchrun per host, 2 hosts, one DistributedOptimizer
     step; every rank's parameters equal the one-process reference step."""
     from experiments.netbed_train_step import reference
 

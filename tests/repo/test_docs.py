@@ -2,7 +2,8 @@
 and no docstring or comment cites a file that is not in the repository or the history of the work.
 
 Examples that need real processes (gloo, DDP, the netbed) are scripts with an ``if __name__ ==
-"__main__":`` guard: every Python block of the README and every literal (``::``) block of a module
+"__main__":`` guard: every Python block of the README and of the guides (``docs/*.md``) and every literal
+(``::``) block of a module
 docstring that has the guard is written to a file and run as ``__main__`` (:func:`runpy.run_path`, in
 this process, so the fork server of the gloo backend is shared with the other multiprocess tests); the
 netbed ones need root and run under ``-m slow``.
@@ -79,8 +80,13 @@ def _literal_blocks(doc: str) -> list[str]:
     return out
 
 
+#: the Markdown whose Python blocks run: the README and the guides of the documentation site
+GUIDES = ("README.md", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md")))
+
+
 def _script_examples() -> list:
-    found = [(f"README.md#{i}", code) for i, code in enumerate(README_BLOCK.findall((ROOT / "README.md").read_text()))]
+    found = [(f"{page}#{i}", code) for page in GUIDES
+             for i, code in enumerate(README_BLOCK.findall((ROOT / page).read_text()))]
     for path in sorted((ROOT / "sparsecomm").rglob("*.py")):
         doc = ast.get_docstring(ast.parse(path.read_text()))
         for i, code in enumerate(_literal_blocks(doc or "")):
@@ -97,19 +103,21 @@ def test_script_examples_are_found():
     ids = {p.id for p in SCRIPTS}
     assert {"sparsecomm/ddp.py#0", "sparsecomm/launch/torch_backend.py#0", "sparsecomm/netbed/launch.py#0"} <= ids
     readme = [p for p in SCRIPTS if p.id.startswith("README.md")]
-    assert len(readme) >= 4 and sum('backend="gloo"' in p.values[0] for p in readme) >= 2
+    assert len(readme) >= 3 and sum('backend="gloo"' in p.values[0] for p in readme) >= 2
+    assert "docs/netbed.md#0" in ids
     assert _literal_blocks("Run this::\n\n    a = 1\n    b = 2\n\nText.\n") == ["a = 1\nb = 2\n"]
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("code", SCRIPTS)
 def test_script_examples_run(code, tmp_path, request, capsys):
-    """Every README Python block and every guarded docstring script runs as ``__main__`` (a failing
-    assertion or error in the example fails here); a README block prints what it computes."""
+    """Every Python block of the README and the guides and every guarded docstring script runs as
+    ``__main__`` (a failing assertion or error in the example fails here); a Markdown block prints what it
+    computes."""
     path = tmp_path / "example.py"
     path.write_text(code)
     runpy.run_path(str(path), run_name="__main__")
-    if request.node.callspec.id.startswith("README.md"):
+    if request.node.callspec.id.split("#")[0] in GUIDES:
         assert capsys.readouterr().out.strip(), "the example prints nothing"
 
 

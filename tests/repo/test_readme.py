@@ -1,6 +1,7 @@
 """The README's Python examples: there are some, and a script that forgets the ``__main__`` guard gets an
-error naming it (run in a fresh interpreter, as a user would). The blocks themselves run as written, gloo
-launches included, in ``tests/repo/test_docs.py::test_script_examples_run`` (the netbed one under ``-m slow``)."""
+error naming it (run in a fresh interpreter, as a user would). The blocks themselves (and the guides' under
+``docs/``) run as written, gloo launches included, in ``tests/repo/test_docs.py::test_script_examples_run``
+(the netbed one, in docs/netbed.md, under ``-m slow``)."""
 
 from __future__ import annotations
 
@@ -34,9 +35,9 @@ def test_readme_has_examples():
 
 
 def test_every_example_prints_what_it_computes():
-    """A reader who runs an example sees its result (tests/repo/test_docs.py checks that each one prints when it
-    runs); the netbed block too."""
-    text = (ROOT / "README.md").read_text()
+    """A reader who runs an example of the README or a guide (``docs/*.md``) sees its result
+    (tests/repo/test_docs.py checks that each one prints when it runs); the netbed block too."""
+    text = "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
     silent = [b.splitlines()[0] for b in re.findall(r"```python\n(.*?)```", text, flags=re.S) if "print(" not in b]
     assert not silent, f"README examples that print nothing (first lines): {silent}"
 

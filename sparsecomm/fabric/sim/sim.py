@@ -69,7 +69,12 @@ class _RecvWork(Work):
 
 
 class SimFabric(Fabric):
-    """One endpoint of a :class:`SimWorld`; the same interface as ``TorchFabric``."""
+    """One endpoint of a :class:`SimWorld`; the same interface as ``TorchFabric``.
+
+    Args:
+        world: the simulated job (:class:`~sparsecomm.fabric.sim.sim.SimWorld`) this endpoint belongs to.
+        rank: this endpoint's id in it.
+    """
 
     modelled_time = True
     in_process_services = True
@@ -84,6 +89,7 @@ class SimFabric(Fabric):
 
     @property
     def stats(self) -> CommStats:
+        """This endpoint's :class:`~sparsecomm.fabric.stats.CommStats` (the fabric's ledger)."""
         return self._ep.stats
 
     @property
@@ -92,6 +98,7 @@ class SimFabric(Fabric):
 
     @property
     def network(self) -> Network:
+        """The modelled :class:`~sparsecomm.fabric.sim.sim_network.Network`."""
         return self.world.network
 
     def now(self) -> float:

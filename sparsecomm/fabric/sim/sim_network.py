@@ -53,6 +53,16 @@ class Network:
     the share of the link rate that carries message bytes (:data:`TCP_OVER_ETHERNET` for a TCP link).
     ``crash`` maps an endpoint to the number of sends after which it dies silently. ``timeout_s`` bounds every wall-clock wait (a safety net; the
     modelled deadlock detection normally fires first).
+
+    Args:
+        bandwidth_gbps: each NIC's rate, Gbit/s.
+        latency_us: each message's latency, microseconds.
+        loss: the drop probability of unreliable datagrams, in [0, 1).
+        seed: seeds the loss draws.
+        stragglers: endpoint -> slow-down factor (>= 1).
+        crash: endpoint -> sends after which it dies silently.
+        timeout_s: bound of every wall-clock wait, seconds.
+        payload_fraction: the share of the link rate that carries message bytes, in (0, 1].
     """
 
     bandwidth_gbps: float = 100.0

@@ -116,6 +116,16 @@ class TorchFabric(Fabric):
     ``sparsecomm/group/<job ranks>/workers_done``; the failure record is ``<shutdown_key>/failed``).
     It owns the job's fail-stop propagation for this rank (a :class:`~.torch_failure.FailStop`) and the
     waits for its posted operations (a :class:`~.torch_waiters.Waits`).
+
+    Args:
+        world_size: the number of workers (default: all ranks minus ``len(services)``).
+        services: the service specs of the ranks after the workers, in order (``"switch"``,
+            ``"omnireduce-agg:0"``).
+        timeout_s: bound of every wait, seconds (``FabricTimeout``).
+        store: the rendezvous store (fail-stop records, the shutdown counter).
+        shutdown_key: the store counter of finished workers that service ranks poll.
+        coalesce: defer ``isend``/``irecv`` to one batched call (default: on for nccl).
+        two_way: one process group per direction of a pair (default on gloo without ``coalesce``; module doc).
     """
 
     direct_waits = True   # the capability (:mod:`sparsecomm.fabric.base`): :meth:`wait_unbounded`
@@ -199,6 +209,7 @@ class TorchFabric(Fabric):
 
     @property
     def total_ranks(self) -> int:
+        """Workers plus service ranks: the size of the process group."""
         return self._ranks.total
 
     def _check_peer(self, peer: int) -> None:
@@ -221,7 +232,12 @@ class TorchFabric(Fabric):
 
     def fail(self, exc: BaseException | str, rank: int | None = None) -> None:
         """Report a failure to every rank (:meth:`FailStop.fail <.torch_failure.FailStop.fail>`): every
-        wait of the job ends at once, naming the rank that failed first."""
+        wait of the job ends at once, naming the rank that failed first.
+
+        Args:
+            exc: the failure (an exception or its text).
+            rank: the rank it is blamed on (default: this one).
+        """
         self._failstop.fail(exc, rank)
 
     def collective_error(self, exc: BaseException, what: str) -> BaseException:

@@ -187,7 +187,7 @@ class OmniReduce(Transport):
     def wire_copies(self) -> float:
         """Dense payloads: colocated, ``2 (n-1)/n`` (the shards of the other aggregators up, the sums
         of its own down); dedicated, 1 (up; the sums come down). Scattered ``sparse`` payloads cost a
-        whole block per value (see the README's "Bytes on the wire")."""
+        whole block per value (see docs/transports.md, "Bytes on the wire")."""
         n = self.fabric.world_size
         return 2.0 * (n - 1) / n if self.deployment == "colocated" else 1.0
 
