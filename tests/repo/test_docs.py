@@ -5,7 +5,8 @@ Examples that need real processes (gloo, DDP, the netbed) are scripts with an ``
 "__main__":`` guard: every Python block of the README and every literal (``::``) block of a module
 docstring that has the guard is written to a file and run as ``__main__`` (:func:`runpy.run_path`, in
 this process, so the fork server of the gloo backend is shared with the other multiprocess tests); the
-netbed ones need root and run under ``-m slow``.
+netbed ones need root and run under ``-m slow``. A README block that is a script for a launcher (its first
+line ``# <file>.py, run with: <command>``) is run with that command by its own test (``tests/_scripts.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
+from tests._scripts import LAUNCHED
 
 ROOT = Path(__file__).resolve().parents[2]
 #: code whose docstrings are checked (the shipped code and the tests)
@@ -80,7 +83,8 @@ def _literal_blocks(doc: str) -> list[str]:
 
 
 def _script_examples() -> list:
-    found = [(f"README.md#{i}", code) for i, code in enumerate(README_BLOCK.findall((ROOT / "README.md").read_text()))]
+    found = [(f"README.md#{i}", code) for i, code in enumerate(README_BLOCK.findall((ROOT / "README.md").read_text()))
+             if not LAUNCHED.match(code)]     # scripts for a launcher: tests/_scripts.py runs them
     for path in sorted((ROOT / "sparsecomm").rglob("*.py")):
         doc = ast.get_docstring(ast.parse(path.read_text()))
         for i, code in enumerate(_literal_blocks(doc or "")):
