@@ -17,7 +17,8 @@ as ``lightning.pytorch``); without it, importing this module raises
 
 **Why a callback and not** ``DDPStrategy(ddp_comm_hook=sc.ddp.comm_hook, ddp_comm_state=state)``:
 Lightning's ``DDPStrategy`` registers ``ddp_comm_hook`` only when its root device is a CUDA device (on CPU
-the hook is ignored without a word), and ``ddp_comm_state`` is built in the script before Lightning starts
+the hook is ignored without a word: ``DDPStrategy._register_ddp_hooks`` in lightning 2.6's
+``lightning/pytorch/strategies/ddp.py``), and ``ddp_comm_state`` is built in the script before Lightning starts
 the processes and their process group, while :class:`~sparsecomm.ddp.CommHookState` is built by a
 collective over that group (every worker checks that every worker chose the same settings). At
 ``on_fit_start`` the strategy has initialised the process group and wrapped the module in
@@ -87,6 +88,9 @@ class CommHook(Callback):
         self._log: StatsLogger | None = None
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Register the hook on ``trainer.strategy.model`` (the ``DistributedDataParallel`` wrapper of
+        ``pl_module``), a collective on every rank; raises :class:`~sparsecomm.errors.IncompatibleError`
+        for a ``DistributedOptimizer`` among ``trainer.optimizers`` or a module not wrapped in DDP."""
         bad = [type(o).__name__ for o in trainer.optimizers if isinstance(o, DistributedOptimizer)]
         if bad:
             raise IncompatibleError(
@@ -110,5 +114,8 @@ class CommHook(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        """With ``log_every=N``: log the statistics through ``pl_module.log_dict`` when
+        ``trainer.global_step`` is a multiple of N (once per step; ``outputs``, ``batch`` and ``batch_idx``
+        are not used)."""
         if self._log is not None:
             self._log(step=trainer.global_step)
