@@ -61,3 +61,33 @@ def test_comm_hook_refuses_a_distributed_optimizer_and_a_module_without_ddp():
 
     sc.launch(fn, world_size=1, backend="sim")
     assert hook.state is None
+
+
+def _two_fits(ctx):
+    """Two fits of one trainer: each wraps the module in a new DDP; the callback registers its one state
+    on both."""
+    from sparsecomm.integrations.lightning import CommHook
+
+    hook = CommHook(compressor="topk", ratio=0.5, transport="allgather")
+    with ctx.seeded(0):
+        module = torch.nn.Linear(4, 1)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(ctx.rank))
+    states = []
+    for _ in range(2):
+        net = torch.nn.parallel.DistributedDataParallel(module)
+        hook.on_fit_start(_trainer(net), None)
+        states.append(hook.state)
+        for _ in range(3):
+            module.zero_grad()
+            net(x).square().mean().backward()
+    return hook.state.steps, states[0] is states[1], module.weight.grad.clone()
+
+
+@pytest.mark.multiprocess
+def test_comm_hook_keeps_its_state_across_fits():
+    import sparsecomm as sc
+
+    out = sc.launch(_two_fits, world_size=2, backend="gloo")
+    for steps, same, _ in out:
+        assert steps == 6 and same                       # the second DDP wrapper runs the same state's hook
+    assert torch.equal(out[0][2], out[1][2])             # averaged: the same gradient on both ranks
