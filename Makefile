@@ -10,7 +10,7 @@ $(STAMP): setup.py setup.cfg pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e ".[experiments,netbed,test,docs]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[experiments,netbed,test,docs,lightning,accelerate]"
 	touch $(STAMP)
 
 install: $(STAMP)

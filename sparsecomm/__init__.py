@@ -41,6 +41,7 @@ _LAZY = {
     "transports": ("sparsecomm.transports", None),
     "fabric": ("sparsecomm.fabric", None),
     "ddp": ("sparsecomm.ddp", None),
+    "integrations": ("sparsecomm.integrations", None),
     "TorchFabric": ("sparsecomm.fabric.torch.torch_fabric", "TorchFabric"),
     "CommStats": ("sparsecomm.fabric.stats", "CommStats"),
     "DistributedOptimizer": ("sparsecomm.optim", "DistributedOptimizer"),

@@ -147,6 +147,11 @@ count if payloads travelled as declared (``bytes_declared_sent``), their quotien
 and the compression factor measured on the wire (``compression_factor_sent``); see
 :class:`~sparsecomm.pipeline.accounting.CompressionStats`.
 
+**Lightning.** Not as a ``configure_optimizers`` result: Lightning's multi-process strategies wrap the
+module in ``DistributedDataParallel``, which already averages the gradients, and its checkpoints carry
+rank 0's optimizer state to every rank; use the DDP hook there
+(:class:`sparsecomm.integrations.lightning.CommHook`, whose module doc has the details).
+
 **Checkpoints.** ``state_dict()`` is the inner optimizer's plus a ``"sparsecomm"`` entry: the method
 state (per worker: EF residuals, DIANA's h_i), the step counter, the generator state, the bucket
 layout, rank and world size; never a fabric or process group. Every rank saves its own. Loading a

@@ -6,7 +6,8 @@ Examples that need real processes (gloo, DDP, the netbed) are scripts with an ``
 (``::``) block of a module
 docstring that has the guard is written to a file and run as ``__main__`` (:func:`runpy.run_path`, in
 this process, so the fork server of the gloo backend is shared with the other multiprocess tests); the
-netbed ones need root and run under ``-m slow``.
+netbed ones need root and run under ``-m slow``. A README block that is a script for a launcher (its first
+line ``# <file>.py, run with: <command>``) is run with that command by its own test (``tests/_scripts.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
+from tests._scripts import LAUNCHED
 
 ROOT = Path(__file__).resolve().parents[2]
 #: code whose docstrings are checked (the shipped code and the tests)
@@ -86,7 +89,8 @@ GUIDES = ("README.md", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "
 
 def _script_examples() -> list:
     found = [(f"{page}#{i}", code) for page in GUIDES
-             for i, code in enumerate(README_BLOCK.findall((ROOT / page).read_text()))]
+             for i, code in enumerate(README_BLOCK.findall((ROOT / page).read_text()))
+             if not LAUNCHED.match(code)]     # scripts for a launcher: tests/_scripts.py runs them
     for path in sorted((ROOT / "sparsecomm").rglob("*.py")):
         doc = ast.get_docstring(ast.parse(path.read_text()))
         for i, code in enumerate(_literal_blocks(doc or "")):

@@ -34,6 +34,7 @@ LAYERS: list[tuple[str, ...]] = [
                                        # rounds, accounting, schedulers); an emulated rack (a launch backend)
     ("replicas",),                     # the frontends: replica checks over a fabric,
     ("optim", "ddp"),                  # the optimizer and the DDP comm hook
+    ("integrations",),                 # where people train: loggers' scalars, Lightning's callback
 ]
 LEVEL = {unit: i for i, row in enumerate(LAYERS) for unit in row}
 

@@ -10,6 +10,7 @@ import functools
 import importlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -82,7 +83,7 @@ def test_wheel_requires_only_the_library_dependencies(wheel):
     assert plain.isdisjoint({"wandb", "matplotlib", "scikit-learn", "tqdm", "pyyaml", "pyroute2", "pytest",
                              "hypothesis"})
     extras = set(meta.get_all("Provides-Extra"))
-    assert {"experiments", "netbed", "test"} <= extras
+    assert {"experiments", "netbed", "test", "lightning", "accelerate"} <= extras
 
 
 # ----------------------------------------------------------------------------------- source checks
@@ -93,9 +94,10 @@ def _install_requires() -> set[str]:
 
 
 def _extras() -> dict[str, set[str]]:
+    """Each extra's distributions, by name (without their version ranges)."""
     cfg = configparser.ConfigParser()
     cfg.read(ROOT / "setup.cfg")
-    return {k: {line.strip().lower() for line in v.splitlines() if line.strip()}
+    return {k: {re.split(r"[<>=!~ ]", line.strip())[0].lower() for line in v.splitlines() if line.strip()}
             for k, v in cfg["options.extras_require"].items()}
 
 
@@ -127,8 +129,8 @@ def _third_party(name: str) -> bool:
 
 def test_library_imports_only_declared_dependencies():
     """What sparsecomm/ and theory/ import (at module level or inside functions) is in install_requires,
-    or in the ``netbed`` extra for sparsecomm/netbed/, or in ``experiments`` for theory/problems.py's
-    datasets."""
+    or in the ``netbed`` extra for sparsecomm/netbed/, in ``lightning`` for its integration, or in
+    ``experiments`` for theory/problems.py's datasets."""
     base = _install_requires()
     extras = _extras()
     missing = []
@@ -137,6 +139,8 @@ def test_library_imports_only_declared_dependencies():
         allowed = set(base)
         if rel.startswith("sparsecomm/netbed/"):
             allowed |= extras["netbed"]
+        if rel == "sparsecomm/integrations/lightning.py":
+            allowed |= extras["lightning"]
         if rel == "theory/problems.py":
             allowed |= extras["experiments"]
         for name, line in _imports(path):
@@ -248,3 +252,24 @@ def test_experiments_extra_check_matches_setup_cfg():
     import experiments
 
     assert {DIST_OF.get(m, m) for m in experiments.EXTRA} == _extras()["experiments"]
+
+
+def test_lightning_integration_without_its_extra_names_it():
+    """Without the ``lightning`` extra, importing ``sparsecomm.integrations.lightning`` raises one error
+    naming the package and the install command; ``sparsecomm.integrations`` (the loggers' scalars) needs
+    no extra."""
+    code = _HIDE + """
+import sparsecomm as sc
+from sparsecomm.errors import MissingExtraError
+assert sc.integrations.StatsLogger is not None
+try:
+    import sparsecomm.integrations.lightning
+except MissingExtraError as e:
+    print(e.name, "|", e)
+"""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), WANDB_MODE="disabled", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", code, "lightning"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    name, _, text = proc.stdout.strip().partition(" | ")
+    assert name == "lightning" and 'pip install "sparsecomm[lightning]"' in text, proc.stdout
