@@ -4,7 +4,9 @@ SIGCOMM '21, and SwitchML, Sapio et al., NSDI '21).
 
     python -m experiments.reproduce_training --netbed 1 --hosts 4                 # both models (root)
     python -m experiments.reproduce_training --netbed 1 --hosts 4 --models emb    # one model
-    python -m experiments.reproduce_training --netbed 1 --hosts 2 --quick         # a smoke run (~1 min)
+    python -m experiments.reproduce_training --netbed 1 --hosts 2 --quick --models emb   # a smoke run
+    python -m experiments.reproduce_training --netbed 1 --hosts 4 --models emb \
+        --schemes "hook none/switch,hook none/sparse-switch" --time-cap 120 --merge     # redo some, keep the rest
 
 **Models.**
 
@@ -20,6 +22,12 @@ SIGCOMM '21, and SwitchML, Sapio et al., NSDI '21).
 * ``mlp``: a dense MLP ``64 -> WIDTH -> WIDTH -> 10`` on scikit-learn's digits (1797 8x8 images, 20%
   held out); the metric is held-out accuracy. Its gradient has no zero blocks: block sparsity buys
   nothing here (the papers' CNNs gain about 1x too).
+
+With ``nn.Embedding(sparse=True)`` the picture changes: stock DDP then runs gloo's sparse all-reduce,
+which moves only the touched rows, the hook averages the rows without densifying the table
+(:mod:`sparsecomm.ddp`, "Sparse gradients") and refuses compressing methods, so DDP itself is no longer
+network-bound on the table (BENCHMARKS.md, "Embedding model on the netbed"); the dense-format gradient
+with zero rows is the case OmniReduce's block sparsity addresses, and the one this study times.
 
 **Schemes** (each a launch of its own, ``--hosts`` workers on a netbed at ``--netbed`` Gbit/s, the
 switch services on the top of rack): stock DDP (gloo's ring all-reduce); DDP with
@@ -182,7 +190,7 @@ def click_task(quick: bool, batch: int = 256) -> Task:
         ids, y, _ = draw(torch.Generator().manual_seed(1_000_003 * (rank + 1) + t), batch)
         return ids, y
 
-    target = 0.5 + (0.5 if quick else 0.75) * (bayes - 0.5)
+    target = 0.5 + (0.5 if quick else 0.7) * (bayes - 0.5)
     return Task("emb", lambda: ClickModel(fields, vocab, dim), make_batch,
                 lambda m, b: nn.functional.binary_cross_entropy_with_logits(m(b[0]), b[1]),
                 metric, target=target, lr=0.5, momentum=0.0, emb_lr=100.0, max_steps=40 if quick else 1500,
@@ -442,6 +450,41 @@ def figures(results: list[dict], out: Path) -> list[Path]:
     return paths
 
 
+def load(out: Path) -> list[dict]:
+    """The results an earlier run wrote under ``out`` (summary.csv and curves.csv), typed as
+    :func:`run_schemes` returns them (``describe`` empty), so that a run of some schemes can be merged
+    with it (``--merge``)."""
+    if not (out / "summary.csv").exists():
+        return []
+    curves: dict[tuple[str, str], list] = {}
+    with open(out / "curves.csv", newline="") as f:
+        for c in csv.DictReader(f):
+            curves.setdefault((c["model"], c["scheme"]), []).append(
+                (float(c["elapsed_s"]), int(c["step"]), float(c["metric"])))
+    results = []
+    with open(out / "summary.csv", newline="") as f:
+        for r in csv.DictReader(f):
+            row: dict[str, Any] = dict(r)
+            for k in ("time_to_target_s", "bytes_per_step", "comm_fraction", "target", "metric", "compute_s",
+                      "step_s", "modelled_s", "modelled_ratio"):
+                row[k] = float(r[k])
+            row["hosts"] = int(r["hosts"])
+            row["steps_to_target"] = int(r["steps_to_target"]) if r["steps_to_target"] else ""
+            row["reached"] = r["reached"] == "True"
+            results.append({"row": row, "curve": curves.get((r["model"], r["scheme"]), []), "describe": "",
+                            "info": {}})
+    return results
+
+
+def merge(old: list[dict], new: list[dict]) -> list[dict]:
+    """``new`` and the results of ``old`` for (model, scheme) pairs that ``new`` lacks, by model and then
+    in :data:`SCHEMES` order."""
+    done = {(r["row"]["model"], r["row"]["scheme"]) for r in new}
+    order = {s.name: i for i, s in enumerate(SCHEMES)}
+    out = [r for r in old if (r["row"]["model"], r["row"]["scheme"]) not in done] + list(new)
+    return sorted(out, key=lambda r: (r["row"]["model"], order.get(r["row"]["scheme"], len(order))))
+
+
 def _stopped_steps(results: list[dict], row: dict) -> int:
     r = next(x for x in results if x["row"] is row)
     return r["curve"][-1][1] if r["curve"] else 0
@@ -458,17 +501,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--models", default="emb,mlp", help=f"comma-separated, of {', '.join(TASKS)}")
     p.add_argument("--schemes", default="", help="comma-separated scheme names (default: all)")
     p.add_argument("--time-cap", type=float, default=None,
-                   help="stop a scheme after this much training time, s (default 4x DDP's time to target, "
+                   help="stop a scheme after this much training time, s (default --cap-factor x DDP's time to "
+                        "target, "
                         "else 300; --quick: 10)")
+    p.add_argument("--cap-factor", type=float, default=2.0,
+                   help="without --time-cap: stop a scheme after this many times DDP's time to target")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the rows (and curves) of --out's summary.csv that this run does not redo")
     p.add_argument("--timeout-s", type=float, default=900.0, help="a launch's timeout")
     a = p.parse_args(argv)
-    out = Path(a.out) if a.out is not None else U.OUT_DEFAULT / "reproduce_training"
-    out.mkdir(parents=True, exist_ok=True)
     keep = {s for s in a.schemes.split(",") if s}
     unknown = keep - {s.name for s in SCHEMES}
     if unknown:
         p.error(f"unknown schemes {sorted(unknown)}; known: {[s.name for s in SCHEMES]}")
     schemes = [s for s in SCHEMES if not keep or s.name in keep]
+    R = U.Run("reproduce_training", a, {"gbps": a.netbed, "hosts": a.hosts, "models": a.models,
+                                        "schemes": [s.name for s in schemes], "quick": a.quick})
+    out = R.out
     results: list[dict] = []
     for model in [m for m in a.models.split(",") if m]:
         cap = a.time_cap if a.time_cap is not None else (10.0 if a.quick else 300.0)
@@ -476,7 +525,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         groups = [(s,) for s in schemes if s.kind == "ddp"]
         for services in dict.fromkeys(s.services for s in schemes):
             groups.append(tuple(s for s in schemes if s.services == services and s.kind != "ddp"))
-        for group in [g for g in groups if g]:
+        for group in R.progress([g for g in groups if g], desc=f"{model}: launches"):
             for r in run_schemes(model, group, a.hosts, a.netbed, a.quick, cap, a.timeout_s):
                 results.append(r)
                 row = r["row"]
@@ -486,7 +535,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                       f"comm={row['comm_fraction']:.2f} link={row['bytes_per_step'] / 1e6:.3f}MB "
                       f"modelled/measured={row['modelled_ratio']:.2f} {row['note']}", flush=True)
                 if row["scheme"] == "ddp" and row["reached"] and a.time_cap is None and not a.quick:
-                    cap = max(4 * row["time_to_target_s"], 30.0)
+                    cap = max(a.cap_factor * row["time_to_target_s"], 30.0)
+    results = merge(load(out) if a.merge else [], results)
     rows = [r["row"] for r in results]
     write_csv(rows, out / "summary.csv")
     with open(out / "curves.csv", "w", newline="") as f:
@@ -497,7 +547,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 w.writerow((r["row"]["model"], r["row"]["scheme"], f"{c[0]:.4f}", c[1], f"{c[2]:.5f}"))
     figures(results, out)
     for model in dict.fromkeys(r["model"] for r in rows):
-        desc = next(r["describe"] for r in results if r["row"]["model"] == model)
+        desc = next((r["describe"] for r in results if r["row"]["model"] == model and r["describe"]), "")
         mine = [r for r in rows if r["model"] == model]
         ddp = next((r for r in mine if r["scheme"] == "ddp" and r["reached"]), None)
         print(f"\n## {model}: {desc}")
@@ -510,6 +560,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
               f"{1e3 * r['step_s']:.1f}", f"{1e3 * r['compute_s']:.1f}", f"{r['comm_fraction']:.2f}",
               f"{r['bytes_per_step'] / 1e6:.3f}", f"{r['modelled_s']:.2f}", f"{r['modelled_ratio']:.2f}"]
              for r in mine]))
+    R.finish({"rows": rows})
     print(f"\nwrote {out / 'summary.csv'}, {out / 'curves.csv'}, {out / 'time_to_accuracy.png'}, "
           f"{out / 'time_to_target.png'}")
     return rows
