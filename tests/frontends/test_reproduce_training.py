@@ -1,4 +1,4 @@
-"""experiments/reproduce_training.py: time to a held-out target per scheme on a netbed (issue 36).
+"""experiments/reproduce_training.py: time to a held-out target per scheme on a netbed.
 
 The end-to-end case builds a netbed (root, like tests/netbed/) and runs ``--quick`` on 2 hosts; the
 others check the pieces that decide its numbers: the AUC, the CSV's columns and the merge of runs.
