@@ -1,0 +1,579 @@
+"""Time to accuracy on an emulated rack: each scheme trains the same model to the same held-out target
+on real gloo processes over a netbed, against stock DDP (the end-to-end claim of OmniReduce, Fei et al.,
+SIGCOMM '21, and SwitchML, Sapio et al., NSDI '21).
+
+    python -m experiments.reproduce_training --netbed 1 --hosts 4                 # both models (root)
+    python -m experiments.reproduce_training --netbed 1 --hosts 4 --models emb    # one model
+    python -m experiments.reproduce_training --netbed 1 --hosts 2 --quick --models emb   # a smoke run
+    python -m experiments.reproduce_training --netbed 1 --hosts 4 --models emb \
+        --schemes "hook none/switch,hook none/sparse-switch" --time-cap 120 --merge     # redo some, keep the rest
+
+**Models.**
+
+* ``emb``: a recommendation model in the DeepLight / NCF mould: ``FIELDS`` categorical fields, each a
+  table of ``VOCAB`` rows of ``DIM`` floats (one ``nn.Embedding`` holding the tables one after another,
+  ``sparse=False``: its gradient is dense in memory and zero outside the rows a batch touched, the
+  block-sparse form OmniReduce exploits), a small dense tower on the concatenated field vectors and a
+  logistic output. Synthetic click data with a known signal: a field's id is Zipf-distributed (exponent
+  ``ZIPF``, the ranks scattered over the table by a fixed permutation, as hashed ids are), the label is
+  ``Bernoulli(sigmoid(sum_f w_f[id_f]))`` with ``w_f[id] ~ N(0, SIGNAL^2)`` fixed; the metric is the
+  held-out ROC AUC, the target a fixed fraction of the way from 0.5 to the Bayes AUC (the true logits'
+  AUC on the same held-out set), so it is reachable by construction.
+* ``mlp``: a dense MLP ``64 -> WIDTH -> WIDTH -> 10`` on scikit-learn's digits (1797 8x8 images, 20%
+  held out); the metric is held-out accuracy. Its gradient has no zero blocks: block sparsity buys
+  nothing here (the papers' CNNs gain about 1x too).
+
+With ``nn.Embedding(sparse=True)`` the picture changes: stock DDP then runs gloo's sparse all-reduce,
+which moves only the touched rows, the hook averages the rows without densifying the table
+(:mod:`sparsecomm.ddp`, "Sparse gradients") and refuses compressing methods, so DDP itself is no longer
+network-bound on the table (BENCHMARKS.md, "Embedding model on the netbed"); the dense-format gradient
+with zero rows is the case OmniReduce's block sparsity addresses, and the one this study times.
+
+**Schemes** (``--hosts`` workers on a netbed at ``--netbed`` Gbit/s, the switch services on the top of
+rack; stock DDP in a launch of its own, then one launch per set of services, its schemes in turn): stock DDP (gloo's ring all-reduce); DDP with
+:func:`sparsecomm.ddp.register` for ``compressor="none"`` on ``omnireduce``, ``switch`` and
+``sparse-switch``; PowerSGD (rank ``POWERSGD_RANK``) and error feedback + top-k through the same hook
+(transport ``auto``); :class:`~sparsecomm.DistributedOptimizer` with ``none`` on ``omnireduce`` (no DDP
+buckets: the whole gradient after backward, in the optimizer). Every scheme starts from the same
+weights and sees the same batches (worker ``r``'s batch ``t`` is drawn from seed ``(r, t)``).
+
+**Clock.** Each scheme first runs ``WARMUP`` steps on a throwaway replica (first calls: compilation,
+connections, the services), then trains a fresh one. A step is ``zero_grad, forward, backward, step``;
+its wall time is summed per worker; the held-out evaluation every ``eval_every`` steps is not timed
+(the workers evaluate their identical replicas, then agree on the slowest worker's elapsed time and on
+the metric with one small untimed all-reduce). ``time_to_target_s`` is that elapsed time at the first evaluation at or above the target;
+a scheme that does not reach it within ``max_steps``, or within ``--time-cap`` seconds of training
+(default ``--cap-factor`` = 2 times stock DDP's time to target, at least 30 s), is ``reached=False``.
+
+**Columns.** ``bytes_per_step``: bytes on the busiest link direction per step, the mean over the run:
+stock DDP's counted (its ring moves ``2 (n-1)/n`` of the gradient each way per worker), the library's
+from its ledgers (``last_stats``: the larger of a worker's bytes sent and received, the busiest worker).
+``compute_s``: a step with no communication at all (the same model, optimizer and batches, every
+worker at once, so the CPU is shared as in training), the median of ``COMPUTE_STEPS``; ``step_s``: the
+measured mean step; ``comm_fraction = 1 - compute_s / step_s``, the share of a step not spent in the
+model's own forward, backward and update (communication, and for compressors their encoding).
+``modelled_s``: the prediction of the same run, ``steps_to_target * (compute_s + bytes_per_step /
+(rate * TCP_OVER_ETHERNET))``: compute measured, communication at the SimFabric's network model of the
+netbed's links (:data:`sparsecomm.fabric.sim.sim_network.TCP_OVER_ETHERNET`, no overlap of communication
+with compute), and ``modelled_ratio = modelled_s / time_to_target_s``.
+
+Outputs under ``--out`` (default ``experiments/out/reproduce_training``): ``summary.csv`` (one row per
+model and scheme), ``curves.csv`` (every evaluation: model, scheme, elapsed_s, step, metric),
+``time_to_accuracy.png`` (the metric against wall-clock time per scheme, one panel per model) and
+``time_to_target.png`` (time to target as bars, the speed-up over stock DDP above each; a scheme that
+stopped short drawn hatched at its stopping time).
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import sparsecomm as sc
+from sparsecomm.fabric.sim.sim_network import TCP_OVER_ETHERNET
+
+#: the embedding model's shape (the full run): fields, rows per field's table, embedding width
+FIELDS, VOCAB, DIM = 4, 50_000, 32
+#: Zipf exponent of a field's ids, and the standard deviation of an id's true logit contribution
+ZIPF, SIGNAL = 1.1, 1.0
+#: the MLP's hidden width (the full run)
+WIDTH = 1024
+#: PowerSGD's rank and top-k's ratio in the compressing schemes; the click model's top-k keeps fewer
+#: (``EMB_TOPK_RATIO``): below its gradient's share of non-zero elements (about 0.5% per worker), as
+#: top-k of a vector with fewer non-zeros than k selects among ties at zero, its slow path
+POWERSGD_RANK, TOPK_RATIO, EMB_TOPK_RATIO = 4, 0.01, 0.001
+#: untimed steps of each scheme on a throwaway replica before its run
+WARMUP = 2
+#: untimed warm-up and timed steps of the no-communication step (``compute_s``)
+COMPUTE_WARMUP, COMPUTE_STEPS = 2, 6
+#: summary.csv's columns: the required ones first
+COLUMNS = ("model", "scheme", "transport", "hosts", "gbps", "time_to_target_s", "steps_to_target", "reached",
+           "bytes_per_step", "comm_fraction", "target", "metric", "compute_s", "step_s", "modelled_s",
+           "modelled_ratio", "note")
+
+
+# ----------------------------------------------------------------------------- tasks
+@dataclass
+class Task:
+    """A model, its data and its target: ``build()`` a fresh model (fixed seed), ``batch(rank, t)`` the
+    inputs and labels of worker ``rank``'s step ``t``, ``loss(model, batch)``, ``metric(model)`` on the
+    held-out set (higher is better), reached at ``target``; SGD at ``lr`` (``momentum``)."""
+
+    name: str
+    build: Callable[[], nn.Module]
+    batch: Callable[[int, int], tuple]
+    loss: Callable[[nn.Module, tuple], torch.Tensor]
+    metric: Callable[[nn.Module], float]
+    target: float
+    lr: float
+    momentum: float
+    max_steps: int
+    eval_every: int
+    describe: str
+    emb_lr: float = 0.0
+    #: per scheme name, options that replace the scheme's own for this task
+    overrides: dict = field(default_factory=dict)
+    info: dict = field(default_factory=dict)
+
+    def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        """SGD over ``model``'s parameters; an ``emb`` submodule's (the tables) at ``emb_lr``."""
+        emb = getattr(model, "emb", None)
+        tables = set(map(id, emb.parameters())) if emb is not None else set()
+        rest = [p for p in model.parameters() if id(p) not in tables]
+        groups = [{"params": rest}] + ([{"params": list(emb.parameters()), "lr": self.emb_lr}] if tables else [])
+        return torch.optim.SGD(groups, lr=self.lr, momentum=self.momentum)
+
+
+def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
+    """ROC AUC by the rank-sum (Mann-Whitney) formula, ties given their mean rank."""
+    order = torch.argsort(scores)
+    s = scores[order]
+    ranks = torch.empty_like(scores, dtype=torch.float64)
+    ranks[order] = torch.arange(1, len(s) + 1, dtype=torch.float64)
+    # mean rank over ties
+    uniq, inv = torch.unique(scores, return_inverse=True)
+    sums = torch.zeros(len(uniq), dtype=torch.float64).index_add_(0, inv, ranks)
+    counts = torch.zeros(len(uniq), dtype=torch.float64).index_add_(0, inv, torch.ones_like(ranks))
+    ranks = (sums / counts)[inv]
+    pos = labels.bool()
+    n1, n0 = int(pos.sum()), int((~pos).sum())
+    return float((ranks[pos].sum() - n1 * (n1 + 1) / 2) / (n1 * n0))
+
+
+class ClickModel(nn.Module):
+    """``fields`` tables of ``vocab`` x ``dim`` (one embedding, table ``f`` at rows ``f * vocab ..``), the
+    field vectors concatenated into a tower ``Linear(fields * dim, 64) -> ReLU -> Linear(64, 1)``."""
+
+    def __init__(self, fields: int, vocab: int, dim: int, seed: int = 0) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.vocab = vocab
+        self.emb = nn.Embedding(fields * vocab, dim, sparse=False)
+        self.tower = nn.Sequential(nn.Linear(fields * dim, 64), nn.ReLU(), nn.Linear(64, 1))
+        with torch.no_grad():
+            self.emb.weight.copy_(torch.randn(fields * vocab, dim, generator=g) * 0.01)
+            for p in self.tower.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * (1.0 / math.sqrt(p.shape[-1])))
+        self.register_buffer("base", torch.arange(fields) * vocab, persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids + self.base)                         # (batch, fields, dim)
+        return self.tower(x.flatten(1)).squeeze(1)
+
+
+def click_task(quick: bool, batch: int = 256) -> Task:
+    fields, vocab, dim = (FIELDS, 5_000, 16) if quick else (FIELDS, VOCAB, DIM)
+    g = torch.Generator().manual_seed(1234)
+    cdf = torch.cumsum(torch.arange(1, vocab + 1, dtype=torch.float64) ** -ZIPF, 0)
+    cdf /= cdf[-1].clone()
+    perm = torch.stack([torch.randperm(vocab, generator=g) for _ in range(fields)])    # rank -> id, per field
+    truth = torch.randn(fields, vocab, generator=g) * SIGNAL
+
+    def draw(gen: torch.Generator, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        r = torch.searchsorted(cdf, torch.rand(n, fields, generator=gen, dtype=torch.float64)).clamp_(max=vocab - 1)
+        ids = torch.gather(perm, 1, r.T).T                 # (n, fields)
+        logit = truth.gather(1, ids.T).sum(0)
+        y = torch.bernoulli(torch.sigmoid(logit), generator=gen)
+        return ids, y, logit
+
+    held_ids, held_y, held_logit = draw(torch.Generator().manual_seed(99), 20_000)
+    bayes = auc(held_logit, held_y)
+
+    def metric(m: nn.Module) -> float:
+        with torch.no_grad():
+            return auc(m(held_ids), held_y)
+
+    def make_batch(rank: int, t: int) -> tuple:
+        ids, y, _ = draw(torch.Generator().manual_seed(1_000_003 * (rank + 1) + t), batch)
+        return ids, y
+
+    target = 0.5 + (0.5 if quick else 0.7) * (bayes - 0.5)
+    return Task("emb", lambda: ClickModel(fields, vocab, dim), make_batch,
+                lambda m, b: nn.functional.binary_cross_entropy_with_logits(m(b[0]), b[1]),
+                metric, target=target, lr=0.5, momentum=0.0, emb_lr=100.0, max_steps=40 if quick else 1500,
+                eval_every=5 if quick else 10,
+                describe=f"{fields} fields x Embedding({vocab}, {dim}) + tower {fields * dim}-64-1, batch {batch} "
+                         f"per worker, Zipf({ZIPF}) ids; AUC target {target:.3f} (Bayes {bayes:.3f})",
+                overrides={"hook ef+topk": {"ratio": EMB_TOPK_RATIO}},
+                info={"bayes_auc": bayes})
+
+
+def digits_task(quick: bool, batch: int = 32) -> Task:
+    from sklearn.datasets import load_digits
+
+    width = 256 if quick else WIDTH
+    d = load_digits()
+    x = torch.tensor(d.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(d.target, dtype=torch.long)
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
+    held, train = order[: len(y) // 5], order[len(y) // 5:]
+    target = 0.9 if quick else 0.95
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                             nn.Linear(width, 10))
+
+    def make_batch(rank: int, t: int) -> tuple:
+        g = torch.Generator().manual_seed(1_000_003 * (rank + 1) + t)
+        idx = train[torch.randint(0, len(train), (batch,), generator=g)]
+        return x[idx], y[idx]
+
+    def metric(m: nn.Module) -> float:
+        with torch.no_grad():
+            return float((m(x[held]).argmax(1) == y[held]).float().mean())
+
+    return Task("mlp", build, make_batch, lambda m, b: nn.functional.cross_entropy(m(b[0]), b[1]), metric,
+                target=target, lr=0.05, momentum=0.9, max_steps=40 if quick else 1500, eval_every=5,
+                describe=f"MLP 64-{width}-{width}-10 on digits, batch {batch} per worker; accuracy target {target}")
+
+
+TASKS = {"emb": click_task, "mlp": digits_task}
+
+
+# ----------------------------------------------------------------------------- schemes
+@dataclass(frozen=True)
+class Scheme:
+    """One way to average the gradients: ``kind`` ``"ddp"`` (stock DistributedDataParallel), ``"hook"``
+    (DDP with :func:`sparsecomm.ddp.register` ``(**options)``) or ``"optimizer"``
+    (:class:`~sparsecomm.DistributedOptimizer` ``(**options)``), with the ``services`` its launch starts."""
+
+    name: str
+    kind: str
+    options: dict = field(default_factory=dict)
+    services: tuple[str, ...] = ()
+
+
+SCHEMES = (
+    Scheme("ddp", "ddp"),
+    Scheme("hook none/omnireduce", "hook", dict(compressor="none", transport="omnireduce")),
+    Scheme("hook none/switch", "hook", dict(compressor="none", transport="switch"), ("switch",)),
+    Scheme("hook none/sparse-switch", "hook", dict(compressor="none", transport="sparse-switch"), ("sparse-switch",)),
+    Scheme("hook powersgd", "hook", dict(compressor="powersgd", matrix_approximation_rank=POWERSGD_RANK)),
+    Scheme("hook ef+topk", "hook", dict(compressor="topk", method="ef", ratio=TOPK_RATIO)),
+    Scheme("optimizer none/omnireduce", "optimizer", dict(compressor="none", transport="omnireduce")),
+)
+
+
+def _transport_name(transport) -> str:
+    """A transport's catalog name (``auto`` resolves to one per payload: the name of the one it chose)."""
+    return str(getattr(transport, "name", None) or type(transport).__name__)
+
+
+def _compute_step_s(task: Task, rank: int, group) -> float:
+    """Median time of a step with no communication (a fresh model and optimizer, the same batches), every
+    worker at once."""
+    model = task.build()
+    opt = task.optimizer(model)
+    times = []
+    for t in range(COMPUTE_WARMUP + COMPUTE_STEPS):
+        b = task.batch(rank, t)
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        task.loss(model, b).backward()
+        opt.step()
+        if t >= COMPUTE_WARMUP:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _setup(task: Task, scheme: Scheme, group) -> tuple[nn.Module, nn.Module, Any, Any, str]:
+    """``(model, net, optimizer, ledger, transport)``: a fresh model, what the loss is computed through
+    (DDP or the model), the optimizer stepped, the object whose ``last_stats`` books the bytes (None for
+    stock DDP) and the transport's name."""
+    model = task.build()
+    options = {**scheme.options, **task.overrides.get(scheme.name, {})}
+    if scheme.kind == "optimizer":
+        opt = sc.DistributedOptimizer(task.optimizer(model), **options)
+        return model, model, opt, opt, _transport_name(opt.transport)
+    net = nn.parallel.DistributedDataParallel(model, process_group=group)
+    if scheme.kind == "ddp":
+        return model, net, task.optimizer(model), None, "native (gloo ring)"
+    state = sc.ddp.register(net, **options)
+    return model, net, task.optimizer(model), state, _transport_name(state.pipeline.transport)
+
+
+def _train_one(ctx, task: Task, scheme: Scheme, group, time_cap_s: float) -> dict[str, Any]:
+    """One worker's run of ``scheme`` to ``task``'s target (module doc, "Clock"), after ``WARMUP`` steps
+    of the same scheme on a throwaway replica (first calls: compilation, connections, the services)."""
+    n = ctx.world_size
+    _, net, opt, _, _ = _setup(task, scheme, group)
+    for t in range(WARMUP):
+        opt.zero_grad()
+        task.loss(net, task.batch(ctx.rank, -1 - t)).backward()
+        opt.step()
+    del net, opt
+    model, net, opt, ledger, transport = _setup(task, scheme, group)
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    elapsed, link_bytes, curve = 0.0, 0.0, []
+    reached, steps, metric = False, 0, float("nan")
+    for t in range(task.max_steps):
+        b = task.batch(ctx.rank, t)
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        task.loss(net, b).backward()
+        opt.step()
+        elapsed += time.perf_counter() - t0
+        steps = t + 1
+        if ledger is not None:
+            st = ledger.last_stats
+            link_bytes += max(st.bytes_sent, st.bytes_received)
+        else:                        # gloo's ring: 2 (n-1)/n of the gradient each way on every link
+            link_bytes += 2 * (n - 1) / n * grad_bytes
+        if steps % task.eval_every and steps != task.max_steps:
+            continue
+        # untimed: evaluate this replica, then agree on the slowest worker's clock and the lowest metric
+        m = task.metric(model)
+        agreed = torch.tensor([elapsed, -m], dtype=torch.float64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+        metric = -float(agreed[1])
+        curve.append((float(agreed[0]), steps, metric))
+        if metric >= task.target:
+            reached = True
+            break
+        if float(agreed[0]) > time_cap_s:
+            break
+    return {"curve": curve, "reached": reached, "steps": steps, "metric": metric,
+            "link_bytes": link_bytes / steps, "transport": transport}
+
+
+def _train(ctx, task_name: str, quick: bool, schemes: tuple[Scheme, ...], time_cap_s: float) -> dict[str, Any]:
+    """One worker: the no-communication step's time, then every scheme in turn (module doc)."""
+    torch.set_num_threads(1)
+    task = TASKS[task_name](quick)
+    group = ctx.fabric.native_group if ctx.fabric.services() else None
+    out = {"compute_s": _compute_step_s(task, ctx.rank, group), "target": task.target,
+           "describe": task.describe, "info": task.info, "runs": {}}
+    for scheme in schemes:
+        out["runs"][scheme.name] = _train_one(ctx, task, scheme, group, time_cap_s)
+    return out
+
+
+def run_schemes(task_name: str, schemes: tuple[Scheme, ...], hosts: int, gbps: float | None, quick: bool,
+                time_cap_s: float, timeout_s: float) -> list[dict[str, Any]]:
+    """One launch: ``hosts`` workers (and the schemes' services, which must be the same) on a netbed at
+    ``gbps`` (gloo over loopback when ``gbps`` is None) train with each scheme in turn; per scheme the
+    row of summary.csv and the curve."""
+    services = {s.services for s in schemes}
+    if len(services) != 1:
+        raise ValueError(f"one launch runs schemes with the same services, got {sorted(services)}")
+    if gbps is None:
+        opts: dict[str, Any] = {"backend": "gloo"}
+    else:
+        opts = {"backend": "netbed", "network": sc.Network(bandwidth_gbps=gbps)}
+    res = sc.launch(functools.partial(_train, task_name=task_name, quick=quick, schemes=schemes,
+                                      time_cap_s=time_cap_s),
+                    world_size=hosts, services=list(services.pop()), timeout_s=timeout_s, **opts)
+    compute_s = max(r["compute_s"] for r in res)
+    out = []
+    for scheme in schemes:
+        r0 = res[0]["runs"][scheme.name]
+        link = max(r["runs"][scheme.name]["link_bytes"] for r in res)
+        elapsed = r0["curve"][-1][0] if r0["curve"] else float("nan")
+        step_s = elapsed / r0["steps"]
+        modelled = float("nan")
+        if gbps is not None:
+            modelled = r0["steps"] * (compute_s + link / (gbps * 1e9 / 8 * TCP_OVER_ETHERNET))
+        row = {"model": task_name, "scheme": scheme.name, "transport": r0["transport"], "hosts": hosts,
+               "gbps": gbps if gbps is not None else "loopback",
+               "time_to_target_s": elapsed if r0["reached"] else float("nan"),
+               "steps_to_target": r0["steps"] if r0["reached"] else "", "reached": r0["reached"],
+               "bytes_per_step": link, "comm_fraction": max(0.0, 1.0 - compute_s / step_s),
+               "target": res[0]["target"], "metric": r0["metric"], "compute_s": compute_s, "step_s": step_s,
+               "modelled_s": modelled, "modelled_ratio": modelled / elapsed, "note": ""}
+        if not r0["reached"]:
+            row["note"] = (f"stopped at step {r0['steps']} after {elapsed:.1f} s at {r0['metric']:.4f} "
+                           f"(target {res[0]['target']:.4f})")
+        out.append({"row": row, "curve": r0["curve"], "describe": res[0]["describe"], "info": res[0]["info"]})
+    return out
+
+
+# ----------------------------------------------------------------------------- outputs
+def write_csv(rows: list[dict], path: Path) -> Path:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
+    return path
+
+
+def figures(results: list[dict], out: Path) -> list[Path]:
+    """``time_to_accuracy.png``: the held-out metric against the workers' training time, one curve per
+    scheme, the target dashed, one panel per model; ``time_to_target.png``: time to target as bars (a
+    scheme that did not reach it drawn hatched at the time it stopped, labelled so)."""
+    from .common import plots
+
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["row"]["model"] for r in results))
+    colours = plots._colours([s.name for s in SCHEMES])
+    gbps, hosts = results[0]["row"]["gbps"], results[0]["row"]["hosts"]
+    where = f"{hosts} hosts, {gbps} Gbit/s netbed" if gbps != "loopback" else f"{hosts} gloo processes, loopback"
+    fig, axes = plt.subplots(1, len(models), figsize=(6.2 * len(models), 4.4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        mine = [r for r in results if r["row"]["model"] == model]
+        plots.plot_series(ax, [{"x": [c[0] for c in r["curve"]], "y": [c[2] for c in r["curve"]],
+                                "label": r["row"]["scheme"], "color": colours[r["row"]["scheme"]]}
+                               for r in mine if r["curve"]])
+        ax.axhline(mine[0]["row"]["target"], color="k", ls="--", lw=0.8, label="target")
+        ax.set_xlabel("training time, s (evaluation not counted)")
+        ax.set_ylabel("held-out AUC" if model == "emb" else "held-out accuracy")
+        ax.set_title(f"{model}: {where}", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths = [plots.save(fig, out / "time_to_accuracy.png", "held-out metric against training time per scheme")]
+    fig, axes = plt.subplots(1, len(models), figsize=(6.2 * len(models), 4.4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        rows = [r["row"] for r in results if r["row"]["model"] == model]
+        names = [r["scheme"] for r in rows]
+        heights = [r["time_to_target_s"] if r["reached"] else r["step_s"] * _stopped_steps(results, r)
+                   for r in rows]
+        bars = ax.bar(range(len(rows)), heights, color=[colours[s] for s in names])
+        for bar, r in zip(bars, rows):
+            if not r["reached"]:
+                bar.set_hatch("//")
+                bar.set_alpha(0.5)
+            ddp = next((x for x in rows if x["scheme"] == "ddp" and x["reached"]), None)
+            label = "not reached" if not r["reached"] else (
+                f"{ddp['time_to_target_s'] / r['time_to_target_s']:.1f}x" if ddp else "")
+            ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
+                        va="bottom", fontsize=7)
+        ax.set_xticks(range(len(rows)), names, rotation=30, ha="right", fontsize=7)
+        ax.set_ylabel("time to target, s (speed-up over DDP above)")
+        ax.set_title(f"{model}: {where}", fontsize=9)
+    fig.tight_layout()
+    paths.append(plots.save(fig, out / "time_to_target.png", "time to the held-out target per scheme"))
+    plt.close("all")
+    return paths
+
+
+def load(out: Path) -> list[dict]:
+    """The results an earlier run wrote under ``out`` (summary.csv and curves.csv), typed as
+    :func:`run_schemes` returns them (``describe`` empty), so that a run of some schemes can be merged
+    with it (``--merge``)."""
+    if not (out / "summary.csv").exists():
+        return []
+    curves: dict[tuple[str, str], list] = {}
+    with open(out / "curves.csv", newline="") as f:
+        for c in csv.DictReader(f):
+            curves.setdefault((c["model"], c["scheme"]), []).append(
+                (float(c["elapsed_s"]), int(c["step"]), float(c["metric"])))
+    results = []
+    with open(out / "summary.csv", newline="") as f:
+        for r in csv.DictReader(f):
+            row: dict[str, Any] = dict(r)
+            for k in ("time_to_target_s", "bytes_per_step", "comm_fraction", "target", "metric", "compute_s",
+                      "step_s", "modelled_s", "modelled_ratio"):
+                row[k] = float(r[k])
+            row["hosts"] = int(r["hosts"])
+            row["steps_to_target"] = int(r["steps_to_target"]) if r["steps_to_target"] else ""
+            row["reached"] = r["reached"] == "True"
+            results.append({"row": row, "curve": curves.get((r["model"], r["scheme"]), []), "describe": "",
+                            "info": {}})
+    return results
+
+
+def merge(old: list[dict], new: list[dict]) -> list[dict]:
+    """``new`` and the results of ``old`` for (model, scheme) pairs that ``new`` lacks, by model and then
+    in :data:`SCHEMES` order."""
+    done = {(r["row"]["model"], r["row"]["scheme"]) for r in new}
+    order = {s.name: i for i, s in enumerate(SCHEMES)}
+    out = [r for r in old if (r["row"]["model"], r["row"]["scheme"]) not in done] + list(new)
+    return sorted(out, key=lambda r: (r["row"]["model"], order.get(r["row"]["scheme"], len(order))))
+
+
+def _stopped_steps(results: list[dict], row: dict) -> int:
+    r = next(x for x in results if x["row"] is row)
+    return r["curve"][-1][1] if r["curve"] else 0
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    from .common import report
+    from .common import reproduce as U
+
+    p = U.parser("reproduce_training", __doc__)
+    p.add_argument("--netbed", type=float, default=None, metavar="GBPS",
+                   help="links of GBPS Gbit/s on a netbed (needs root); without it: gloo over loopback")
+    p.add_argument("--hosts", type=int, default=4, help="workers (each a netbed host)")
+    p.add_argument("--models", default="emb,mlp", help=f"comma-separated, of {', '.join(TASKS)}")
+    p.add_argument("--schemes", default="", help="comma-separated scheme names (default: all)")
+    p.add_argument("--time-cap", type=float, default=None,
+                   help="stop a scheme after this much training time, s (default --cap-factor x DDP's time to "
+                        "target, "
+                        "else 300; --quick: 10)")
+    p.add_argument("--cap-factor", type=float, default=2.0,
+                   help="without --time-cap: stop a scheme after this many times DDP's time to target")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the rows (and curves) of --out's summary.csv that this run does not redo")
+    p.add_argument("--timeout-s", type=float, default=900.0, help="a launch's timeout")
+    a = p.parse_args(argv)
+    keep = {s for s in a.schemes.split(",") if s}
+    unknown = keep - {s.name for s in SCHEMES}
+    if unknown:
+        p.error(f"unknown schemes {sorted(unknown)}; known: {[s.name for s in SCHEMES]}")
+    schemes = [s for s in SCHEMES if not keep or s.name in keep]
+    R = U.Run("reproduce_training", a, {"gbps": a.netbed, "hosts": a.hosts, "models": a.models,
+                                        "schemes": [s.name for s in schemes], "quick": a.quick})
+    out = R.out
+    results: list[dict] = []
+    for model in [m for m in a.models.split(",") if m]:
+        cap = a.time_cap if a.time_cap is not None else (10.0 if a.quick else 300.0)
+        # stock DDP first (its time sets the others' cap), then one launch per set of services
+        groups = [(s,) for s in schemes if s.kind == "ddp"]
+        for services in dict.fromkeys(s.services for s in schemes):
+            groups.append(tuple(s for s in schemes if s.services == services and s.kind != "ddp"))
+        for group in R.progress([g for g in groups if g], desc=f"{model}: launches"):
+            for r in run_schemes(model, group, a.hosts, a.netbed, a.quick, cap, a.timeout_s):
+                results.append(r)
+                row = r["row"]
+                print(f"{model:4s} {row['scheme']:28s} reached={row['reached']!s:5s} "
+                      f"t={row['time_to_target_s']:.2f}s steps={row['steps_to_target']} "
+                      f"step={1e3 * row['step_s']:.1f}ms compute={1e3 * row['compute_s']:.1f}ms "
+                      f"comm={row['comm_fraction']:.2f} link={row['bytes_per_step'] / 1e6:.3f}MB "
+                      f"modelled/measured={row['modelled_ratio']:.2f} {row['note']}", flush=True)
+                if row["scheme"] == "ddp" and row["reached"] and a.time_cap is None and not a.quick:
+                    cap = max(a.cap_factor * row["time_to_target_s"], 30.0)
+    results = merge(load(out) if a.merge else [], results)
+    rows = [r["row"] for r in results]
+    write_csv(rows, out / "summary.csv")
+    with open(out / "curves.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(("model", "scheme", "elapsed_s", "step", "metric"))
+        for r in results:
+            for c in r["curve"]:
+                w.writerow((r["row"]["model"], r["row"]["scheme"], f"{c[0]:.4f}", c[1], f"{c[2]:.5f}"))
+    figures(results, out)
+    for model in dict.fromkeys(r["model"] for r in rows):
+        desc = next((r["describe"] for r in results if r["row"]["model"] == model and r["describe"]), "")
+        mine = [r for r in rows if r["model"] == model]
+        ddp = next((r for r in mine if r["scheme"] == "ddp" and r["reached"]), None)
+        print(f"\n## {model}: {desc}")
+        print(report.table(
+            ["scheme", "transport", "time to target s", "steps", "vs ddp", "step ms", "compute ms", "comm",
+             "MB/step", "modelled s", "modelled/measured"],
+            [[r["scheme"], r["transport"], f"{r['time_to_target_s']:.2f}" if r["reached"] else "not reached",
+              str(r["steps_to_target"]),
+              f"{ddp['time_to_target_s'] / r['time_to_target_s']:.2f}x" if ddp and r["reached"] else "",
+              f"{1e3 * r['step_s']:.1f}", f"{1e3 * r['compute_s']:.1f}", f"{r['comm_fraction']:.2f}",
+              f"{r['bytes_per_step'] / 1e6:.3f}", f"{r['modelled_s']:.2f}", f"{r['modelled_ratio']:.2f}"]
+             for r in mine]))
+    R.finish({"rows": rows})
+    print(f"\nwrote {out / 'summary.csv'}, {out / 'curves.csv'}, {out / 'time_to_accuracy.png'}, "
+          f"{out / 'time_to_target.png'}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""experiments/reproduce_training.py: time to a held-out target per scheme on a netbed.
+
+The end-to-end case builds a netbed (root, like tests/netbed/) and runs ``--quick`` on 2 hosts; the
+others check the pieces that decide its numbers: the AUC, the CSV's columns and the merge of runs.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+
+import pytest
+import torch
+
+from experiments import reproduce_training as T
+
+REQUIRED = ("model", "scheme", "transport", "hosts", "gbps", "time_to_target_s", "steps_to_target", "reached",
+            "bytes_per_step", "comm_fraction")
+
+
+def test_auc_matches_the_pairwise_definition_with_ties():
+    """AUC = P(score of a positive > score of a negative) + P(tie) / 2, counted over every pair."""
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randint(0, 12, (300,), generator=g).double()      # many ties
+    labels = torch.bernoulli(torch.full((300,), 0.4), generator=g)
+    pos, neg = scores[labels.bool()], scores[~labels.bool()]
+    diff = pos[:, None] - neg[None, :]
+    expected = float(((diff > 0).double() + 0.5 * (diff == 0).double()).mean())
+    assert T.auc(scores, labels) == pytest.approx(expected, abs=1e-12)
+
+
+def test_the_click_target_is_below_the_bayes_auc_and_above_chance():
+    task = T.click_task(quick=True)
+    assert 0.5 < task.target < task.info["bayes_auc"]
+    ids, y = task.batch(0, 0)
+    assert ids.shape == (256, T.FIELDS) and set(y.unique().tolist()) <= {0.0, 1.0}
+    assert not torch.equal(task.batch(1, 0)[0], ids)           # every worker its own batches
+
+
+def _children(pid: int) -> list[int]:
+    """Live (not zombie) child processes of ``pid``."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
+                out.append(int(d))
+    return out
+
+
+def _left_behind() -> list[int]:
+    """This process's live children and grandchildren, but multiprocessing's forkserver and resource
+    tracker themselves (they serve the whole test session): the ranks are the forkserver's children."""
+    left = []
+    for c in _children(os.getpid()):
+        try:
+            with open(f"/proc/{c}/cmdline") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if "multiprocessing.forkserver" in cmd or "multiprocessing.resource_tracker" in cmd:
+            left += _children(c)
+        else:
+            left.append(c)
+    return left
+
+
+@pytest.mark.multiprocess
+@pytest.mark.netbed
+def test_quick_run_on_two_netbed_hosts_trains_every_scheme(tmp_path):
+    from sparsecomm.netbed import list_netbed_namespaces
+
+    before = set(list_netbed_namespaces())
+    assert _left_behind() == []
+    rows = T.main(["--netbed", "1", "--hosts", "2", "--quick", "--models", "emb", "--out", str(tmp_path),
+                   "--no-wandb", "--no-progress"])
+    assert set(list_netbed_namespaces()) == before, "netbed namespaces left behind"
+    assert _left_behind() == [], "processes left behind"
+    with open(tmp_path / "summary.csv", newline="") as f:
+        reader = csv.DictReader(f)
+        assert tuple(reader.fieldnames[:len(REQUIRED)]) == REQUIRED
+        table = list(reader)
+    assert [r["scheme"] for r in table] == [s.name for s in T.SCHEMES]
+    want = {"hook none/omnireduce": "omnireduce", "hook none/switch": "switch",
+            "hook none/sparse-switch": "sparse-switch", "optimizer none/omnireduce": "omnireduce",
+            "hook ef+topk": "allgather"}
+    for r in table:
+        assert r["hosts"] == "2" and float(r["gbps"]) == 1.0
+        assert want.get(r["scheme"], r["transport"]) == r["transport"]
+        assert float(r["bytes_per_step"]) > 0 and 0 <= float(r["comm_fraction"]) <= 1, r
+        assert float(r["step_s"]) > 0 and math.isfinite(float(r["metric"])), r
+        if r["reached"] == "True":
+            assert float(r["metric"]) >= float(r["target"]) and int(r["steps_to_target"]) > 0, r
+        else:
+            assert r["note"].startswith("stopped at step"), r
+    # stock DDP's bytes are counted: gloo's ring moves 2 (n-1)/n of the gradient per link and direction
+    grad = sum(p.numel() * 4 for p in T.click_task(quick=True).build().parameters())
+    assert float(table[0]["bytes_per_step"]) == pytest.approx(grad, rel=1e-5)
+    assert (tmp_path / "time_to_accuracy.png").stat().st_size > 0
+    assert (tmp_path / "time_to_target.png").stat().st_size > 0
+    # the results read back as they were written, and a run of one scheme merged into them replaces its row
+    back = T.load(tmp_path)
+    assert [r["row"]["scheme"] for r in back] == [s.name for s in T.SCHEMES] and all(r["curve"] for r in back)
+    redo = dict(back[0], row=dict(back[0]["row"], note="redone"))
+    merged = T.merge(back, [redo])
+    assert [r["row"]["scheme"] for r in merged] == [s.name for s in T.SCHEMES]
+    assert merged[0]["row"]["note"] == "redone" and merged[1:] == back[1:]
