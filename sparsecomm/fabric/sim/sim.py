@@ -130,7 +130,7 @@ class SimFabric(Fabric):
                 msg = Msg(self.rank, tag, data, nbytes, start, start + latency, tx_end)
                 dst_ep.mailbox.setdefault((self.rank, tag), deque()).append(msg)
                 dst_ep.schedule(msg)
-                world.wake(dst_ep)
+                world.arrived(dst_ep, msg)
             ep.sends += 1
             limit = world.network.crash.get(self.rank)
             if limit is not None and ep.sends >= limit:
@@ -200,7 +200,8 @@ class SimFabric(Fabric):
                     raise FabricTimeout(
                         f"{ep.name}: waited {self.timeout_s:g} s (wall) for "
                         f"{'any endpoint' if src is None else world.endpoints[src].name} (tag {tag})")
-                self._park(deadline, (src, tag), remaining)
+                self._park(deadline, (src, tag), remaining,
+                           self._candidate(src, tag, deadline) if src is None and ep.per_port else None)
             ep.mailbox[(msg.src, msg.tag)].popleft()
             ep.taken(msg)
             ep.clock = max(ep.clock, delivered)
@@ -298,7 +299,8 @@ class SimFabric(Fabric):
                 if remaining <= 0:
                     raise FabricTimeout(f"{ep.name}: waited {self.timeout_s:g} s (wall) for any of "
                                         f"{len(works)} receives")
-                self._park(None, (None, groups[0][0]._args[2]), remaining)
+                self._park(None, (None, groups[0][0]._args[2]), remaining,
+                           lambda: (self._first_of(groups) or (None,))[0])
             g = groups[best[1]]
             heads = sorted(range(len(g)), key=lambda j: self._match(g[j]._args[1], g[j]._args[2]).head)
         for j in heads:      # each the head of its (source, tag) queue: taken at once, in arrival order
@@ -314,17 +316,29 @@ class SimFabric(Fabric):
             raise FabricTimeout(f"{self._ep.name}: deadlock, every endpoint is waiting and none can make "
                                 f"progress ({world.deadlock_info})")
 
-    def _park(self, deadline: float | None, waiting_for: tuple, remaining: float) -> None:
-        """(lock held) Block this endpoint until a message, a modelled timeout or an ordered event wakes
-        it (or a second of wall time passes: the caller loops)."""
+    def _candidate(self, src: int | None, tag: int, deadline: float | None) -> Callable[[], float | None]:
+        """An ordered receive's candidate event: when its first matching message is delivered, if by
+        ``deadline``."""
+        def when() -> float | None:
+            msg = self._match(src, tag)
+            if msg is None or (deadline is not None and msg.delivered > deadline):
+                return None
+            return msg.delivered
+        return when
+
+    def _park(self, deadline: float | None, waiting_for: tuple, remaining: float,
+              candidate: Callable[[], float | None] | None = None) -> None:
+        """(lock held) Block this endpoint until a message it waits for, a modelled timeout or an ordered
+        event wakes it (or a second of wall time passes: the caller loops). ``candidate``: an ordered
+        wait's event (:meth:`~.sim_world.World.arrived`), kept up to date while it is parked."""
         ep, world = self._ep, self.world
-        world.block(ep, deadline, waiting_for)
+        world.block(ep, deadline, waiting_for, candidate)
         try:
             if ep.blocked:
                 ep.cond.wait(timeout=min(remaining, 1.0))
         finally:
             world.wake(ep)
-            ep.deadline, ep.waiting_for, ep.event = None, None, None
+            ep.deadline, ep.waiting_for, ep.event, ep.candidate = None, None, None, None
 
     def _raise_if_failed(self) -> None:
         failure = self.world.failure

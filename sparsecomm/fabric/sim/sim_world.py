@@ -69,13 +69,29 @@ class World:
         self.live += 1
         return ep
 
-    def block(self, ep: Endpoint, deadline: float | None, waiting_for: tuple[int | None, int]) -> None:
+    def block(self, ep: Endpoint, deadline: float | None, waiting_for: tuple[int | None, int],
+              candidate=None) -> None:
         """(lock held) ``ep`` starts waiting (until a modelled ``deadline``, if any, for a message from
         ``waiting_for = (source, tag)``): it counts as blocked until :meth:`wake`, and if every live
-        endpoint now is, the scheduler fires the earliest deadline or event (or declares a deadlock)."""
-        ep.blocked, ep.deadline, ep.waiting_for = True, deadline, waiting_for
+        endpoint now is, the scheduler fires the earliest deadline or event (or declares a deadlock).
+        ``candidate``: an ordered wait's event (``ep.event``, the delivery time of what it would take,
+        or ``None``), re-evaluated by :meth:`arrived`."""
+        ep.blocked, ep.deadline, ep.waiting_for, ep.candidate = True, deadline, waiting_for, candidate
         self.nblocked += 1
         self._check_quiescent()
+
+    def arrived(self, ep: Endpoint, msg) -> None:
+        """(lock held) ``msg`` was put in ``ep``'s mailbox. A blocked plain receive wakes if it matches
+        its ``(source, tag)``. A blocked ordered wait stays blocked (it may take a message only at
+        quiescence, when the earliest event fires, and its sender is running): its event is updated."""
+        if not ep.blocked:
+            return          # running: it looks at its mailbox before it blocks again
+        if ep.candidate is not None:
+            ep.event = ep.candidate()
+            return
+        src, tag = ep.waiting_for
+        if tag == msg.tag and (src is None or src == msg.src):
+            self.wake(ep)
 
     def wake(self, ep: Endpoint) -> None:
         """Unblock ``ep`` (lock held): it no longer counts as blocked until it waits again."""
