@@ -134,22 +134,29 @@ class World:
         """Called with the lock held whenever an endpoint blocks or retires."""
         if self.live <= 0 or self.nblocked < self.live:
             return
-        waiting = [ep for ep in self.endpoints if ep.alive and ep.blocked]
-        timed = [(ep.deadline, 1, ep.id, ep) for ep in waiting
-                 if ep.deadline is not None and not ep.fire_timeout]
-        timed += [(ep.event, 0, ep.id, ep) for ep in waiting if ep.event is not None and not ep.fire_event]
-        if timed:
-            _, kind, _, ep = min(timed, key=lambda c: c[:3])
+        best, worker_waits = None, False    # the earliest (time, event 0 / deadline 1, id) of a waiter
+        for ep in self.endpoints:
+            if not (ep.alive and ep.blocked):
+                continue
+            worker_waits = worker_waits or ep.id < self.world_size
+            if ep.event is not None and not ep.fire_event and (best is None or (ep.event, 0, ep.id) < best[:3]):
+                best = (ep.event, 0, ep.id, ep)
+            if (ep.deadline is not None and not ep.fire_timeout
+                    and (best is None or (ep.deadline, 1, ep.id) < best[:3])):
+                best = (ep.deadline, 1, ep.id, ep)
+        if best is not None:
+            _, kind, _, ep = best
             if kind == 0:
                 ep.fire_event = True
             else:
                 ep.fire_timeout = True
             self.wake(ep)
-        elif any(ep.id < self.world_size for ep in waiting):
+        elif worker_waits:
             self.deadlocked = True
             self.deadlock_info = self.describe_waits()
-            for ep in waiting:
-                self.wake(ep)
+            for ep in self.endpoints:
+                if ep.alive and ep.blocked:
+                    self.wake(ep)
 
     def may_take(self, me: Endpoint, t: float) -> bool:
         """(lock held) May ordered endpoint ``me`` take a message delivered at ``t`` now? Only if every
