@@ -14,8 +14,9 @@ Transports: ``ring``; ``omni-1%`` and ``omni-dense`` (OmniReduce, 256-element bl
 library's defaults; 1% of the blocks non-zero, the same on every worker, or all of them); ``switch``
 (SwitchML's defaults on the SimFabric: 64-value packets, a pool of 256; at most 32 workers, its 32-bit
 worker bitmap) and ``sparse-switch-1%`` (at most 64 workers, its 64-bit bitmap). A point beyond a
-transport's worker limit is printed as ``n/a``; ``--max-wall S`` skips a transport's larger ``n`` once
-one of its launches took longer than ``S`` seconds (default 600).
+transport's worker limit is printed as ``n/a``; a point whose wall time, projected from the
+transport's previous point as ``wall * (n / n_prev)^3`` (messages grow as n^2, and an endpoint's
+scheduler works per message over its n peers), exceeds ``--max-wall`` seconds (default 600) is skipped.
 """
 
 from __future__ import annotations
@@ -74,23 +75,25 @@ def main(argv: list[str] | None = None) -> None:
         measure(label, 2, 4096)
     print(f"{a.numel} float32, 100 Gbit/s, 2 us; wall = one launch")
     print(f"{'transport':>17} {'n':>4} | {'wall s':>8} {'messages':>9} {'us/msg':>8} {'/ring':>6} | {'modelled us':>11}")
-    skip: set = set()
-    for n in a.workers:
+    last: dict = {}     # transport -> (n, wall) of its previous point
+    for n in sorted(a.workers):
         ring_per = None
         for label in labels:
             limit = TRANSPORTS[label][3]
-            if label in skip or (limit is not None and n > limit):
-                why = "n/a" if label not in skip else "skipped"
-                print(f"{label:>17} {n:>4} | {why:>8}", flush=True)
+            if limit is not None and n > limit:
+                print(f"{label:>17} {n:>4} | {'n/a':>8}   (at most {limit} workers)", flush=True)
+                continue
+            if label in last and last[label][1] * (n / last[label][0]) ** 3 > a.max_wall:
+                est = last[label][1] * (n / last[label][0]) ** 3
+                print(f"{label:>17} {n:>4} | {'skipped':>8}   (projected {est:.0f} s > --max-wall)", flush=True)
                 continue
             wall, msgs, modelled = measure(label, n, a.numel)
+            last[label] = (n, wall)
             per = wall / msgs
             ring_per = per if label == "ring" else ring_per
             ratio = f"{per / ring_per:6.2f}" if ring_per else "     -"
             print(f"{label:>17} {n:>4} | {wall:8.2f} {msgs:9d} {1e6 * per:8.1f} {ratio} | {1e6 * modelled:11.2f}",
                   flush=True)
-            if wall > a.max_wall:
-                skip.add(label)
 
 
 if __name__ == "__main__":
