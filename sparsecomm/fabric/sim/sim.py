@@ -137,7 +137,7 @@ class SimFabric(Fabric):
                 msg = Msg(self.rank, tag, data, nbytes, start, start + latency, tx_end)
                 dst_ep.mailbox.setdefault((self.rank, tag), deque()).append(msg)
                 dst_ep.schedule(msg)
-                world.wake(dst_ep)
+                world.arrived(dst_ep, msg)
             ep.sends += 1
             limit = world.network.crash.get(self.rank)
             if limit is not None and ep.sends >= limit:
@@ -207,7 +207,8 @@ class SimFabric(Fabric):
                     raise FabricTimeout(
                         f"{ep.name}: waited {self.timeout_s:g} s (wall) for "
                         f"{'any endpoint' if src is None else world.endpoints[src].name} (tag {tag})")
-                self._park(deadline, (src, tag), remaining)
+                self._park(deadline, (src, tag), remaining,
+                           self._candidate(src, tag, deadline) if src is None and ep.per_port else None)
             ep.mailbox[(msg.src, msg.tag)].popleft()
             ep.taken(msg)
             ep.clock = max(ep.clock, delivered)
@@ -225,31 +226,35 @@ class SimFabric(Fabric):
     def irecv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> Work:
         return _RecvWork(self, tensor, src, tag)
 
-    def _first_of(self, groups, clock_only: bool = False) -> tuple[float, int] | None:
-        """(lock held) ``(t, i)`` for ``groups`` (lists of receives; a group is in once all of its
-        messages are): this NIC serialises the arrived messages in arrival (head) order from its
-        current state; ``t`` is when the first group is in (or this endpoint's clock, if later), ``i``
-        the lowest index in by ``t``. ``clock_only``: only group 0, and only if it is in by the clock."""
+    def _first_of(self, groups: list, clock_only: bool = False) -> tuple[float, int] | None:
+        """(lock held) ``(t, i)`` for ``groups`` (lists of ``(source, tag)`` receives; a group is in once
+        all of its messages are, at the latest of their deliveries): this NIC serialises the arrived
+        messages in arrival (head) order from its current state; ``t`` is when the first group is in (or
+        this endpoint's clock, if later), ``i`` the lowest index in by ``t``. ``clock_only``: only group
+        0, and only if it is in by the clock."""
         ep = self._ep
-        got, complete = [], []
+        box, inn = ep.mailbox, []
         for i, g in enumerate(groups[:1] if clock_only else groups):
-            for w in g:
-                msg = self._match(w._args[1], w._args[2])
+            t = 0.0
+            for src, tag in g:
+                if src is None:
+                    msg = self._match(None, tag)
+                else:
+                    q = box.get((src, tag))
+                    msg = q[0] if q else None
                 if msg is None:
                     break
-                got.append((msg.head, i, msg))
+                d = msg.delivered       # its NIC slot: arrival order (Endpoint.schedule)
+                if d > t:
+                    t = d
             else:
-                complete.append(i)
-        if not complete:
+                inn.append((i, t))
+        if not inn:
             return None
-        when: dict[int, float] = {}
-        for head, i, msg in got:
-            when[i] = max(when.get(i, 0.0), msg.delivered)   # its NIC slot: arrival order (Endpoint.schedule)
-        inn = {i: when[i] for i in complete}
-        t = max(ep.clock, min(inn.values()))
+        t = max(ep.clock, min(d for _, d in inn))
         if clock_only and t > ep.clock:
             return None
-        return t, min(i for i, d in inn.items() if d <= t)
+        return t, next(i for i, d in inn if d <= t)
 
     def wait_any(self, works) -> int:
         """The first element of ``works`` (in list order) that is in by the time the first of them is,
@@ -267,32 +272,35 @@ class SimFabric(Fabric):
         if not works:
             raise InvalidValueError("wait_any needs at least one operation")
         world, ep = self.world, self._ep
-        groups, keys = [], set()
+        groups, keys, seen = [], [], set()      # per element its pending receives, and their (source, tag)
         for i, el in enumerate(works):
-            g = list(el) if isinstance(el, (list, tuple)) else [el]
-            if all(w.is_completed() for w in g):
+            g = el if isinstance(el, (list, tuple)) else (el,)
+            pend = [w for w in g if not w.is_completed()]
+            if not pend:
                 for w in g:
                     w.wait()
                 return i
-            g = [w for w in g if not w.is_completed()]
-            for w in g:
+            gk = []
+            for w in pend:
                 if not isinstance(w, _RecvWork) or w._fabric is not self:
                     raise InvalidTypeError(f"{ep.name}: wait_any takes this endpoint's pending receives and "
-                                    f"sends, got {type(w).__name__}")
+                                           f"sends, got {type(w).__name__}")
                 key = w._args[1:]
-                if key in keys:
+                if key in seen:
                     raise InvalidValueError(f"{ep.name}: wait_any was given two receives on (source, tag) {key};"
-                                     f" only the next one posted on a channel may be waited for")
-                keys.add(key)
-            groups.append(g)
+                                            f" only the next one posted on a channel may be waited for")
+                seen.add(key)
+                gk.append(key)
+            groups.append(pend)
+            keys.append(gk)
         wall_deadline = time.monotonic() + self.timeout_s
         with world.lock:
-            best = self._first_of(groups, clock_only=True)
+            best = self._first_of(keys, clock_only=True)
             while best is None:
                 self._raise_if_failed()
                 if ep.crashed:
                     raise EndpointCrashed(f"{ep.name} has crashed")
-                first = self._first_of(groups)
+                first = self._first_of(keys)
                 ep.event = None
                 if first is not None:
                     if ep.fire_event or world.may_take(ep, first[0]):
@@ -305,7 +313,7 @@ class SimFabric(Fabric):
                 if remaining <= 0:
                     raise FabricTimeout(f"{ep.name}: waited {self.timeout_s:g} s (wall) for any of "
                                         f"{len(works)} receives")
-                self._park(None, (None, groups[0][0]._args[2]), remaining)
+                self._park(None, keys[0][0], remaining, lambda: (self._first_of(keys) or (None,))[0])
             g = groups[best[1]]
             heads = sorted(range(len(g)), key=lambda j: self._match(g[j]._args[1], g[j]._args[2]).head)
         for j in heads:      # each the head of its (source, tag) queue: taken at once, in arrival order
@@ -321,17 +329,29 @@ class SimFabric(Fabric):
             raise FabricTimeout(f"{self._ep.name}: deadlock, every endpoint is waiting and none can make "
                                 f"progress ({world.deadlock_info})")
 
-    def _park(self, deadline: float | None, waiting_for: tuple, remaining: float) -> None:
-        """(lock held) Block this endpoint until a message, a modelled timeout or an ordered event wakes
-        it (or a second of wall time passes: the caller loops)."""
+    def _candidate(self, src: int | None, tag: int, deadline: float | None) -> Callable[[], float | None]:
+        """An ordered receive's candidate event: when its first matching message is delivered, if by
+        ``deadline``."""
+        def when() -> float | None:
+            msg = self._match(src, tag)
+            if msg is None or (deadline is not None and msg.delivered > deadline):
+                return None
+            return msg.delivered
+        return when
+
+    def _park(self, deadline: float | None, waiting_for: tuple, remaining: float,
+              candidate: Callable[[], float | None] | None = None) -> None:
+        """(lock held) Block this endpoint until a message it waits for, a modelled timeout or an ordered
+        event wakes it (or a second of wall time passes: the caller loops). ``candidate``: an ordered
+        wait's event (:meth:`~.sim_world.World.arrived`), kept up to date while it is parked."""
         ep, world = self._ep, self.world
-        world.block(ep, deadline, waiting_for)
+        world.block(ep, deadline, waiting_for, candidate)
         try:
             if ep.blocked:
                 ep.cond.wait(timeout=min(remaining, 1.0))
         finally:
             world.wake(ep)
-            ep.deadline, ep.waiting_for, ep.event = None, None, None
+            ep.deadline, ep.waiting_for, ep.event, ep.candidate = None, None, None, None
 
     def _raise_if_failed(self) -> None:
         failure = self.world.failure

@@ -152,6 +152,7 @@ class Endpoint:
         self.loss_rng: dict[int, np.random.Generator] = {}
         self.stats = CommStats()
         self.waiting_for: tuple[int | None, int] | None = None
+        self.candidate = None                # ordered wait: () -> its event (sim_world.World.arrived)
 
     def port(self, peer: int) -> int:
         return peer if self.per_port else -1

@@ -69,13 +69,29 @@ class World:
         self.live += 1
         return ep
 
-    def block(self, ep: Endpoint, deadline: float | None, waiting_for: tuple[int | None, int]) -> None:
+    def block(self, ep: Endpoint, deadline: float | None, waiting_for: tuple[int | None, int],
+              candidate=None) -> None:
         """(lock held) ``ep`` starts waiting (until a modelled ``deadline``, if any, for a message from
         ``waiting_for = (source, tag)``): it counts as blocked until :meth:`wake`, and if every live
-        endpoint now is, the scheduler fires the earliest deadline or event (or declares a deadlock)."""
-        ep.blocked, ep.deadline, ep.waiting_for = True, deadline, waiting_for
+        endpoint now is, the scheduler fires the earliest deadline or event (or declares a deadlock).
+        ``candidate``: an ordered wait's event (``ep.event``, the delivery time of what it would take,
+        or ``None``), re-evaluated by :meth:`arrived`."""
+        ep.blocked, ep.deadline, ep.waiting_for, ep.candidate = True, deadline, waiting_for, candidate
         self.nblocked += 1
         self._check_quiescent()
+
+    def arrived(self, ep: Endpoint, msg) -> None:
+        """(lock held) ``msg`` was put in ``ep``'s mailbox. A blocked plain receive wakes if it matches
+        its ``(source, tag)``. A blocked ordered wait stays blocked (it may take a message only at
+        quiescence, when the earliest event fires, and its sender is running): its event is updated."""
+        if not ep.blocked:
+            return          # running: it looks at its mailbox before it blocks again
+        if ep.candidate is not None:
+            ep.event = ep.candidate()
+            return
+        src, tag = ep.waiting_for
+        if tag == msg.tag and (src is None or src == msg.src):
+            self.wake(ep)
 
     def wake(self, ep: Endpoint) -> None:
         """Unblock ``ep`` (lock held): it no longer counts as blocked until it waits again."""
@@ -118,22 +134,29 @@ class World:
         """Called with the lock held whenever an endpoint blocks or retires."""
         if self.live <= 0 or self.nblocked < self.live:
             return
-        waiting = [ep for ep in self.endpoints if ep.alive and ep.blocked]
-        timed = [(ep.deadline, 1, ep.id, ep) for ep in waiting
-                 if ep.deadline is not None and not ep.fire_timeout]
-        timed += [(ep.event, 0, ep.id, ep) for ep in waiting if ep.event is not None and not ep.fire_event]
-        if timed:
-            _, kind, _, ep = min(timed, key=lambda c: c[:3])
+        best, worker_waits = None, False    # the earliest (time, event 0 / deadline 1, id) of a waiter
+        for ep in self.endpoints:
+            if not (ep.alive and ep.blocked):
+                continue
+            worker_waits = worker_waits or ep.id < self.world_size
+            if ep.event is not None and not ep.fire_event and (best is None or (ep.event, 0, ep.id) < best[:3]):
+                best = (ep.event, 0, ep.id, ep)
+            if (ep.deadline is not None and not ep.fire_timeout
+                    and (best is None or (ep.deadline, 1, ep.id) < best[:3])):
+                best = (ep.deadline, 1, ep.id, ep)
+        if best is not None:
+            _, kind, _, ep = best
             if kind == 0:
                 ep.fire_event = True
             else:
                 ep.fire_timeout = True
             self.wake(ep)
-        elif any(ep.id < self.world_size for ep in waiting):
+        elif worker_waits:
             self.deadlocked = True
             self.deadlock_info = self.describe_waits()
-            for ep in waiting:
-                self.wake(ep)
+            for ep in self.endpoints:
+                if ep.alive and ep.blocked:
+                    self.wake(ep)
 
     def may_take(self, me: Endpoint, t: float) -> bool:
         """(lock held) May ordered endpoint ``me`` take a message delivered at ``t`` now? Only if every

@@ -355,12 +355,13 @@ class _Scheduler:
         """Run the roles whose messages are in already (without blocking), best first, until none is
         (``below``: only those of an earlier phase)."""
         ready, has = self.inbox.ready, self.inbox.has
-        while True:   # (the roles at or past ``below`` are skipped before any look at their messages)
-            now = sorted((rw for rw in self.waiting if (below is None or rw[1].stage.phase < below)
-                          and all(has(k) for k in rw[1].keys) and not any(has(k) for k in rw[1].gone)
-                          and not rw[1].stage.sure and (any if rw[1].any else all)(ready(k) for k in rw[1].keys)
-                          and not self.outbox.pool.busy(rw[1].free)),
-                         key=lambda rw: rw[1].stage)
-            if not now:
+        while True:   # (the roles at or past ``below``, and sure ones, are skipped before any look at their messages)
+            now = min((rw for rw in self.waiting if (below is None or rw[1].stage.phase < below)
+                       and not rw[1].stage.sure
+                       and all(has(k) for k in rw[1].keys) and not any(has(k) for k in rw[1].gone)
+                       and (any if rw[1].any else all)(ready(k) for k in rw[1].keys)
+                       and not self.outbox.pool.busy(rw[1].free)),
+                      key=lambda rw: rw[1].stage, default=None)
+            if now is None:
                 return
-            self.resume(now[0])
+            self.resume(now)

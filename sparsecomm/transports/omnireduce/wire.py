@@ -37,6 +37,7 @@ block index, ``size`` = none):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import NamedTuple
@@ -187,10 +188,13 @@ class Channel:
     lanes: int
 
 
-def plan(numel: int, block_size: int, num_aggregators: int, channels: int, lanes: int) -> list[list[Channel]]:
-    """The channels of every aggregator (empty channels dropped), in slot order."""
+@functools.lru_cache(maxsize=64)
+def plan(numel: int, block_size: int, num_aggregators: int, channels: int,
+         lanes: int) -> tuple[tuple[Channel, ...], ...]:
+    """The channels of every aggregator (empty channels dropped), in slot order (immutable: one plan is
+    shared by every call, and every header, of the same shape)."""
     nb = -(-numel // block_size) if numel > 0 else 0
-    out: list[list[Channel]] = []
+    out: list[tuple[Channel, ...]] = []
     for a in range(num_aggregators):
         lo, hi = a * nb // num_aggregators, (a + 1) * nb // num_aggregators
         m = hi - lo
@@ -199,11 +203,11 @@ def plan(numel: int, block_size: int, num_aggregators: int, channels: int, lanes
             c_lo, c_hi = lo + g * m // channels, lo + (g + 1) * m // channels
             if c_hi > c_lo:
                 chans.append(Channel(a, g, c_lo, c_hi - c_lo, min(c_hi - c_lo, lanes)))
-        out.append(chans)
-    return out
+        out.append(tuple(chans))
+    return tuple(out)
 
 
-def plan_from_header(h: np.ndarray) -> list[list[Channel]]:
+def plan_from_header(h: np.ndarray) -> tuple[tuple[Channel, ...], ...]:
     return plan(int(h[F_NUMEL]), int(h[F_BLOCK]), int(h[F_AGGS]), int(h[F_CHANNELS]), int(h[F_LANES]))
 
 

@@ -19,9 +19,11 @@ from .mailbox import Hand, Inbox, Outbox, Phase, Poll, Pool, Post, Recv, Send, S
 from .wire import HDR, OK, TAG_FIRSTS, TAG_HDR_DOWN, TAG_HDR_UP, TAG_MANIFEST, Buf, Key, Msg, tag_down
 
 
-#: pieces a colocated worker's scan is cut into, a ``Poll`` between them (:func:`scan`) running the roles
-#: of the phases before ``POLL_SCAN`` (headers, verdicts, hosted rounds; not the lanes landing sums)
-SCAN_PIECES, POLL_SCAN = 8, Phase.LAND
+#: pieces a colocated worker's scan of an aggregator's range is cut into, a ``Poll`` between them
+#: (:func:`scan`) running the roles of the phases before ``POLL_SCAN`` (headers, verdicts, hosted rounds;
+#: not the lanes landing sums); a piece has at least ``SCAN_MIN_BLOCKS`` blocks (a shorter scan is not
+#: long local work: cut finer, its pieces' and polls' fixed costs would exceed it, n^2 of them per call)
+SCAN_PIECES, SCAN_MIN_BLOCKS, POLL_SCAN = 8, 1024, Phase.LAND
 
 
 def agg_order(rank: int, num_aggregators: int) -> list[int]:
@@ -132,7 +134,7 @@ def scan(call, a: int):
     chans = call.plans[a]
     if chans:
         lo, hi = chans[0].lo, chans[-1].lo + chans[-1].size
-        step = hi - lo if call.own is None else max(1, -(-(hi - lo) // SCAN_PIECES))
+        step = hi - lo if call.own is None else max(SCAN_MIN_BLOCKS, -(-(hi - lo) // SCAN_PIECES))
         for s in range(lo, hi, step):
             call.source.scan(s, min(hi, s + step))
             if call.own is not None:
