@@ -15,13 +15,13 @@ form (:data:`sparsecomm.theory.costs.MODELS`) is predicted as
     T_t = a_t * C_t(n, bytes, d_w, d_u; alpha, B).time_s + c_t * C_t(...).messages
 
 (``a_t = 1`` and ``c_t`` the probe's per-message cost until the model is refit, below) and the cheapest is
-chosen. The first ``estimate_steps`` steps run on the default transport (the first of
-:data:`~sparsecomm.pipeline.resolve.AUTO_ORDER` that carries the payload) while the inputs are measured;
-the first decision is made at the start of the next step and the choice is revisited every ``period``
-steps from the last ``estimate_steps`` steps' measurements: the tracked densities are exponential
+chosen. The buckets run on the default transport (the first of :data:`~sparsecomm.pipeline.resolve.AUTO_ORDER`
+that carries the payload) while steps ``2 .. estimate_steps + 1`` are measured (step 1 opens connections
+and allocates); the first decision is made at the start of the next step and the choice is revisited
+every ``period`` steps from the ``estimate_steps`` steps before: the tracked densities are exponential
 averages (weight 1/2 per decision) and a bucket changes transport only if the new one is predicted
 ``margin`` (10 %) faster than the current one (hysteresis: a density that wavers does not flip the
-choice). Each re-decision is logged (logger ``sparsecomm.pipeline.auto``) with its reason.
+choice). Each re-decision is logged (logger ``sparsecomm.pipeline.auto``, by worker 0) with its reason.
 
 **Agreement.** Every worker must make the same choice, so every input is agreed before it is used: the
 union density is read off the sum, which every worker receives alike; the per-worker densities, payload
@@ -198,6 +198,8 @@ class Chooser:
         self.step = 0
         #: refits of a transport's model so far
         self.refits = 0
+        #: whether this worker logs (worker 0: the decisions are the same on every worker)
+        self.speaks = self.fabric.rank == 0
 
     # ------------------------------------------------------------------ candidates
     def services(self) -> set[str]:
@@ -247,11 +249,10 @@ class Chooser:
         return self.transport(rec.chosen)
 
     def observing(self) -> bool:
-        """Whether this step's calls are measured (the ``estimate_steps`` steps before a decision)."""
-        e, p = self.opts["estimate_steps"], self.opts["period"]
-        if self.step <= e:
-            return True
-        return (self.step - e - 1) % p >= p - e
+        """Whether this step's calls are measured: the ``estimate_steps`` steps before a decision (never
+        step 1, whose calls open connections and allocate)."""
+        u = self.step - 2
+        return u >= 0 and u % self.opts["period"] < self.opts["estimate_steps"]
 
     def observe(self, key: Hashable, kind: str, own_density: float, payload_bytes: int, agg: torch.Tensor,
                 seconds: float) -> None:
@@ -269,8 +270,8 @@ class Chooser:
     def begin_step(self, step: int) -> None:
         """Step ``step`` begins (on every worker, nothing in flight): decide if it is a decision step."""
         self.step = step
-        e, p = self.opts["estimate_steps"], self.opts["period"]
-        if step > e and (step - e - 1) % p == 0 and self.records:
+        u = step - 2 - self.opts["estimate_steps"]
+        if u >= 0 and u % self.opts["period"] == 0 and self.records:
             self.decide()
 
     def _agree(self) -> list[BucketRecord]:
@@ -354,6 +355,8 @@ class Chooser:
             if not first and old in pred and pred[best] > (1.0 - self.opts["margin"]) * pred[old]:
                 continue      # hysteresis: not enough faster to switch
             r.chosen = best
+            if not self.speaks:
+                continue
             why = (f"union block density {r.union_density:.4g}, own {r.density:.4g}, predicted "
                    + ", ".join(f"{k} {v * 1e3:.4g} ms" for k, v in sorted(pred.items(), key=lambda kv: kv[1])))
             log.info("transport='auto' step %d: bucket %r (%s, %d elements) %s -> %s (%s)", self.step, r.key,
@@ -369,9 +372,10 @@ class Chooser:
             p = fit.predict(self.cost(r.chosen, r))
             r.measured_on, r.measured_predicted_s = r.chosen, p
             if p > 0 and abs(r.measured_s / p - 1.0) > self.opts["tolerance"]:
-                log.warning("transport='auto' step %d: bucket %r on %s took %.4g ms, predicted %.4g ms "
-                            "(%+.0f%%): refitting %s's model", self.step, r.key, r.chosen, r.measured_s * 1e3,
-                            p * 1e3, 100 * (r.measured_s / p - 1.0), r.chosen)
+                if self.speaks:
+                    log.warning("transport='auto' step %d: bucket %r on %s took %.4g ms, predicted %.4g ms "
+                                "(%+.0f%%): refitting %s's model", self.step, r.key, r.chosen,
+                                r.measured_s * 1e3, p * 1e3, 100 * (r.measured_s / p - 1.0), r.chosen)
                 if r.chosen not in off:
                     off.append(r.chosen)
         for name in off:
@@ -380,8 +384,9 @@ class Chooser:
             fit = self.fits[name]
             fit.refit(obs)
             self.refits += 1
-            log.info("transport='auto': %s refit: time = %.3g x model + %.3g us per message", name, fit.a,
-                     fit.c * 1e6)
+            if self.speaks:
+                    log.info("transport='auto': %s refit: time = %.3g x model + %.3g us per message", name,
+                         fit.a, fit.c * 1e6)
 
     # ------------------------------------------------------------------ figures
     def table(self) -> list[dict[str, Any]]:

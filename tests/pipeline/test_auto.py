@@ -9,89 +9,50 @@ import logging
 
 import pytest
 import torch
-from torch import nn
 
 import sparsecomm as sc
 from sparsecomm.errors import InvalidTypeError, InvalidValueError
 from sparsecomm.pipeline import CommPipeline
 from sparsecomm.pipeline.auto import Fit, block_density
 
+from experiments.bench import auto as bench
+
 VOCAB, DIM = 4096, 64          # the embedding: 262144 elements, 1024 blocks of 256
 
 
-class Model(nn.Module):
-    """An EmbeddingBag (each worker touches 2 rows a step: about 1-2 % of its blocks in the union of 8
-    workers) next to a dense MLP."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.EmbeddingBag(VOCAB, DIM, mode="sum")
-        self.mlp = nn.Sequential(nn.Linear(DIM, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 8))
-
-    def forward(self, ids, offsets):
-        return self.mlp(self.emb(ids, offsets))
-
-
-def _batch(rank: int, step: int):
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    ids = torch.randint(0, VOCAB, (2,), generator=g)
-    return ids, torch.tensor([0]), torch.randint(0, 8, (1,), generator=g)
-
-
-def _train(ctx, steps: int, kw: dict, transport="auto"):
-    torch.set_num_threads(1)
-    with ctx.seeded(0):
-        model = Model()
-    opt = sc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), compressor="none",
-                                  transport=transport, bucket_cap_mb=0.5, transport_kwargs=kw)
-    for s in range(steps):
-        ids, off, y = _batch(ctx.rank, s)
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(ids, off), y).backward()
-        opt.step()
-    stats = opt.compression_stats()
-    return stats.get("transport_decisions"), [p.detach().clone() for p in model.parameters()]
-
-
-#: 8 steps: a decision at step 3 (from steps 1-2 on the default transport) and at step 6, whose window
-#: (steps 4-5) measured every bucket on its chosen transport
+#: 7 steps: a decision at step 4 (from steps 2-3 on the default transport) and at step 7, whose window
+#: (steps 5-6) measured every bucket on its chosen transport
 AUTO = {"estimate_steps": 2, "period": 3}
 STEPS = 7
-
-
-def _per_bucket(table) -> dict:
-    return {row["bucket"]: row for row in table}
-
-
-def _run(net, **kw):
-    out = sc.launch(functools.partial(_train, steps=STEPS, kw={**AUTO, **kw}), 8, network=net)
-    tables = [t for t, _ in out]
-    assert all(t == tables[0] for t in tables), "every worker reports the same decisions"
-    return _per_bucket(tables[0])
 
 
 @pytest.mark.parametrize("gbps", [10.0, 100.0])
 @pytest.mark.parametrize("switch", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_auto_is_within_5_percent_of_the_per_bucket_oracle_and_beats_every_single_transport(gbps, switch):
+    """The model of experiments/bench/auto.py (an EmbeddingBag about 1 % block-dense in the union of 8
+    workers, a dense MLP), 8 workers on the SimFabric: auto's step is within 1.05x of the best transport
+    per bucket after the fact and no slower than any single transport for the whole model; strictly
+    faster than each, except omnireduce without a switch (on the SimFabric it is the fastest for both
+    buckets then, about 15 % faster than the ring on the dense one, so that the oracle is omnireduce's
+    step)."""
     net = sc.Network(bandwidth_gbps=gbps, latency_us=2.0)
     services = ["switch"] if switch else []
-    singles = ["ring", "omnireduce", "allgather"] + (["switch"] if switch else [])
-    auto = _run(net, services=services)
-    single = {t: _run(net, services=services, candidates=[t]) for t in singles}
-    for t, rows in single.items():
-        assert all(r["measured_on"] == t for r in rows.values()), (t, rows)
+    singles = ["ring", "omnireduce", "allgather"] + (["switch", "sparse-switch"] if switch else [])
+    res = bench.run(8, singles, services, STEPS, AUTO["period"], {"network": net}, VOCAB, 2)
+    auto = res["auto"]
+    for t in singles:
+        assert all(r["measured_on"] == t for r in res[f"only {t}"].values()), (t, res[f"only {t}"])
     assert all(r["measured_on"] == r["chosen"] for r in auto.values())
-    step = {t: sum(r["measured_s"] for r in rows.values()) for t, rows in single.items()}
+    step = {t: sum(r["measured_s"] for r in res[f"only {t}"].values()) for t in singles}
     auto_step = sum(r["measured_s"] for r in auto.values())
-    oracle = sum(min(single[t][k]["measured_s"] for t in singles) for k in auto)
+    oracle = sum(min(res[f"only {t}"][k]["measured_s"] for t in singles) for k in auto)
     assert auto_step <= 1.05 * oracle, (auto_step, oracle, {k: r["chosen"] for k, r in auto.items()})
     # the embedding's bucket is sparse in blocks and goes to omnireduce, whatever the rest
     emb = max(auto.values(), key=lambda r: r["numel"])
     assert emb["numel"] == VOCAB * DIM and emb["union_density"] < 0.05 and emb["chosen"] == "omnireduce"
-    for t, s in step.items():
-        assert auto_step <= s * 1.0001, (t, s, auto_step)
-    strictly = [t for t in singles if t != "omnireduce"] if not switch else singles
-    for t in strictly:
+    for t, s in step.items():      # (1 %: the modelled times of two launches of the same choices vary by 0.1 %)
+        assert auto_step <= s * 1.01, (t, s, auto_step)
+    for t in (singles if switch else [t for t in singles if t != "omnireduce"]):
         assert auto_step < step[t], (t, step[t], auto_step)
 
 
@@ -102,7 +63,7 @@ def _densities(ctx, own: float):
     x = torch.zeros(64 * 256)
     nb = 1 + int(own * 63 * ctx.rank)
     x.view(64, 256)[ctx.rank::4][:nb] = 1.0
-    for _ in range(3):
+    for _ in range(3):     # a decision at step 3, from step 2
         pipe.begin_step()
         pipe.reduce(x.clone(), 0)
     (row,) = pipe.stats.decisions
@@ -139,14 +100,14 @@ def test_the_model_is_exact_for_the_ring_on_the_simfabric_and_not_refit(caplog):
 
 def test_a_prediction_off_by_more_than_25_percent_is_reported_and_refit(caplog):
     """The omnireduce closed form (colocated) over-predicts the SimFabric's dense bucket by about 50 %
-    (tests/theory/test_costs.py checks the dedicated deployment): the first window reports it and
-    the refit model predicts the next window within 25 %."""
+    (tests/theory/test_costs.py checks the dedicated deployment): the first window on it reports it
+    and the refit model predicts the next window within 25 %."""
     def run(ctx):
         torch.set_num_threads(1)
         pipe = CommPipeline("none", "auto", transport_kwargs={"estimate_steps": 1, "period": 2,
                                                               "candidates": ["omnireduce"]})
         rows = []
-        for _ in range(6):
+        for _ in range(8):      # decisions at 3 (from ring, the default), 5 (refit), 7 (checked)
             pipe.begin_step()
             pipe.reduce(torch.ones(1 << 16), 0)
             rows.append(dict(pipe.stats.decisions[0]) if pipe.stats.decisions else None)
@@ -199,9 +160,10 @@ def _ef21(ctx, steps: int, plan: list[str] | None):
             if state is not None:
                 pipe.load_state_dict(state)
         pipe.begin_step()
+        g = _grad(ctx.rank, s)
         if plan is None:
-            used.append(pipe.chooser.pick(0, "dense", torch.empty(0)).name)
-        outs.append(pipe.reduce(_grad(ctx.rank, s), 0).clone())
+            used.append(pipe.chooser.pick(0, "dense", g).name)     # the transport of this step's call
+        outs.append(pipe.reduce(g, 0).clone())
     return outs, used
 
 
