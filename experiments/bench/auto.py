@@ -73,7 +73,9 @@ def train(ctx, steps: int, kw: dict, vocab: int = 4096, tokens: int = 2) -> list
 
 def run(workers: int, singles: list[str], services: list[str], steps: int, period: int, launch_kw: dict,
         vocab: int, tokens: int) -> dict[str, dict[str, dict]]:
-    """The decision table of every configuration, by bucket."""
+    """The decision table of every configuration, by bucket (``steps`` 0: enough for the exploration of
+    ``singles`` and two decisions)."""
+    steps = steps or 2 + 2 * len(singles) + period
     out = {}
     for name, extra in [("auto", {})] + [(f"only {t}", {"candidates": [t]}) for t in singles]:
         kw = {"estimate_steps": 2, "period": period, "services": services, **extra}
@@ -95,12 +97,24 @@ def report(res: dict[str, dict[str, dict]], title: str) -> dict[str, float]:
     print("|---|---:|---:|---:|---|---|---:|---:|---:|")
     for k, r in auto.items():
         pred = ", ".join(f"{t} {v * 1e3:.4g}" for t, v in sorted(r["predicted_s"].items(), key=lambda kv: kv[1]))
-        off = r["measured_s"] / r["measured_predicted_s"] - 1
-        print(f"| {k} | {r['numel']} | {r['density']:.4f} | {r['union_density']:.4f} | {pred} | {r['chosen']} | "
-              f"{r['measured_s'] * 1e3:.4g} | {r['measured_predicted_s'] * 1e3:.4g} | {off:+.0%} |")
-    step = {name: sum(r["measured_s"] for r in res[name].values()) for name in res}
-    oracle = sum(min(res[s][k]["measured_s"] for s in singles) for k in auto)
-    best = {k: min(singles, key=lambda s: res[s][k]["measured_s"]).removeprefix("only ") for k in auto}
+        c = r["chosen"]
+        m, p = r["measured_s"][c], r["measured_predicted_s"][c]
+        print(f"| {k} | {r['numel']} | {r['density']:.4f} | {r['union_density']:.4f} | {pred} | {c} | "
+              f"{m * 1e3:.4g} | {p * 1e3:.4g} | {m / p - 1:+.0%} |")
+    print("\nthe single transports, per bucket: measured ms (predicted ms, by the model refit in that run)\n")
+    print("| bucket | " + " | ".join(s.removeprefix("only ") for s in singles) + " |")
+    print("|---|" + "---:|" * len(singles))
+    for k in auto:
+        cells = []
+        for s in singles:
+            t, r = s.removeprefix("only "), res[s][k]
+            cells.append(f"{r['measured_s'][t] * 1e3:.4g} ({r['measured_predicted_s'][t] * 1e3:.4g})")
+        print(f"| {k} | " + " | ".join(cells) + " |")
+    step = {name: sum(r["measured_s"][name.removeprefix("only ")] if name != "auto" else r["measured_s"][r["chosen"]]
+                      for r in res[name].values()) for name in res}
+    oracle = sum(min(res[s][k]["measured_s"][s.removeprefix("only ")] for s in singles) for k in auto)
+    best = {k: min(singles, key=lambda s: res[s][k]["measured_s"][s.removeprefix("only ")]).removeprefix("only ")
+            for k in auto}
     print(f"\noracle per bucket: {best}\n")
     print("| configuration | step ms | / oracle | / auto |")
     print("|---|---:|---:|---:|")
@@ -123,7 +137,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--gbps", default="10,100", help="SimFabric bandwidths, comma-separated")
     p.add_argument("--switch", default="no,yes", help="with a switch service: no, yes or both")
-    p.add_argument("--steps", type=int, default=7)
+    p.add_argument("--steps", type=int, default=0, help="steps per launch (0: the exploration, then two "
+                   "decisions: 2 + estimate_steps * candidates + period)")
     p.add_argument("--period", type=int, default=3)
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--tokens", type=int, default=2)

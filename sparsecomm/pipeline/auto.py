@@ -15,10 +15,13 @@ form (:data:`sparsecomm.theory.costs.MODELS`) is predicted as
     T_t = a_t * C_t(n, bytes, d_w, d_u; alpha, B).time_s + c_t * C_t(...).messages
 
 (``a_t = 1`` and ``c_t`` the probe's per-message cost until the model is refit, below) and the cheapest is
-chosen. The buckets run on the default transport (the first of :data:`~sparsecomm.pipeline.resolve.AUTO_ORDER`
-that carries the payload) while steps ``2 .. estimate_steps + 1`` are measured (step 1 opens connections
-and allocates); the first decision is made at the start of the next step and the choice is revisited
-every ``period`` steps from the ``estimate_steps`` steps before: the tracked densities are exponential
+chosen. Step 1 runs on the default transport (the first of :data:`~sparsecomm.pipeline.resolve.AUTO_ORDER`
+that carries the payload) and is not measured (its calls open connections and allocate). Then the
+*exploration* (``explore=True``): every candidate carries every bucket for ``estimate_steps`` steps in
+turn, so that each transport's model is checked against the machine (and refit) before anything is
+chosen (``explore=False``: the default transport for ``estimate_steps`` steps). The first decision is
+made at the start of the next step and the choice is revisited every ``period`` steps from the
+``estimate_steps`` steps before: the tracked densities are exponential
 averages (weight 1/2 per decision) and a bucket changes transport only if the new one is predicted
 ``margin`` (10 %) faster than the current one (hysteresis: a density that wavers does not flip the
 choice). Each re-decision is logged (logger ``sparsecomm.pipeline.auto``, by worker 0) with its reason.
@@ -29,8 +32,8 @@ bytes and measured times are averaged over the workers by one small all-reduce (
 transport) at each decision; the network's parameters are the probe's, which every worker receives alike.
 Two workers whose own densities differ therefore choose the same transport.
 
-**Learning.** At each decision the measured time of every bucket's chosen transport (mean over the
-window, agreed) is compared with its prediction; a prediction off by more than ``tolerance`` (25 %) is
+**Learning.** At each decision the measured time of every (bucket, transport) of the window (mean over
+the window, agreed) is compared with its prediction; a prediction off by more than ``tolerance`` (25 %) is
 logged as a warning and that transport's ``(a_t, c_t)`` are refit by least squares (``a_t > 0``,
 ``c_t >= 0``) to all its buckets' ``(C.time_s, C.messages) -> measured`` of the window, so that the next
 decision uses the machine's figures.
@@ -66,7 +69,7 @@ log = logging.getLogger("sparsecomm.pipeline.auto")
 
 #: the options of ``transport="auto"`` (its ``transport_kwargs``) and their defaults
 OPTIONS: dict[str, Any] = {"estimate_steps": 2, "period": 50, "margin": 0.1, "tolerance": 0.25,
-                           "services": None, "candidates": None, "block_size": 256}
+                           "explore": True, "services": None, "candidates": None, "block_size": 256}
 #: transports that run on a switch program (a candidate only where a switch service is launched)
 SWITCH_TRANSPORTS = ("switch", "sparse-switch")
 
@@ -159,18 +162,17 @@ class BucketRecord:
     numel: int
     elem_size: int
     chosen: str
-    #: this worker's observations of the current window: (own density, payload bytes, seconds) and the
-    #: agreed union densities read off the sums
-    own: list[tuple[float, float, float]] = field(default_factory=list)
+    #: this worker's observations of the current window: (transport, own density, payload bytes, seconds),
+    #: and the agreed union densities read off the sums
+    own: list[tuple[str, float, float, float]] = field(default_factory=list)
     union: list[float] = field(default_factory=list)
     #: agreed, tracked figures (exponential averages over decisions)
     density: float | None = None
     union_density: float | None = None
     payload_bytes: float | None = None
-    measured_s: float | None = None
-    #: the transport the last window ran on, and its prediction at the agreed densities
-    measured_on: str | None = None
-    measured_predicted_s: float | None = None
+    #: the last window's agreed seconds per transport measured, and the predictions made for them
+    measured_s: dict[str, float] = field(default_factory=dict)
+    measured_predicted_s: dict[str, float] = field(default_factory=dict)
     predicted: dict[str, float] = field(default_factory=dict)
     decisions: int = 0
 
@@ -179,9 +181,10 @@ class Chooser:
     """The per-bucket choice of ``transport="auto"`` (see the module doc).
 
     ``make(name)`` builds a transport of the catalog for this pipeline (the same options on every
-    worker); ``default`` is the pipeline's transport, used until the first decision and for the
-    all-reduce that agrees the inputs; ``kind``/``shared_scale``: the method's payload;
-    ``nonfinite``: the pipeline's rule (``"pass"`` rules out the fixed-point switch transports)."""
+    worker); ``default`` is the pipeline's transport, used until the first decision where nothing is
+    explored and for the all-reduce that agrees the inputs; ``kind``/``shared_scale``: the method's
+    payload; ``nonfinite``: the pipeline's rule (``"pass"`` rules out the fixed-point switch
+    transports)."""
 
     def __init__(self, default: Transport, make: Callable[[str], Transport], kind: str, shared_scale: bool,
                  *, multi_round: bool, nonfinite: str, opts: dict[str, Any]) -> None:
@@ -200,6 +203,9 @@ class Chooser:
         self.refits = 0
         #: whether this worker logs (worker 0: the decisions are the same on every worker)
         self.speaks = self.fabric.rank == 0
+        #: steps of the exploration (``estimate_steps`` on each candidate, in turn), before the first decision
+        cands = max(len(self.candidates(kind)), len(self.candidates("dense")))
+        self.explore_steps = opts["estimate_steps"] * (cands if opts["explore"] else 1)
 
     # ------------------------------------------------------------------ candidates
     def services(self) -> set[str]:
@@ -239,6 +245,31 @@ class Chooser:
             t = self.built[name] = self.make(name)
         return t
 
+    # ------------------------------------------------------------------ the schedule
+    def _phase(self) -> int:
+        """Steps since the first measured one (step 2): negative for step 1."""
+        return self.step - 2
+
+    def exploring(self) -> str | None:
+        """The transport every bucket of this step tries during the exploration, else None."""
+        u = self._phase()
+        if not self.opts["explore"] or not 0 <= u < self.explore_steps:
+            return None
+        return str(u // self.opts["estimate_steps"])
+
+    def observing(self) -> bool:
+        """Whether this step's calls are measured: the exploration, then the ``estimate_steps`` steps
+        before each later decision (never step 1, whose calls open connections and allocate)."""
+        u, x, p = self._phase(), self.explore_steps, self.opts["period"]
+        if u < 0:
+            return False
+        return u < x or (u - x) % p >= p - self.opts["estimate_steps"]
+
+    def deciding(self) -> bool:
+        """Whether a decision is made at the start of this step."""
+        u, x = self._phase(), self.explore_steps
+        return u >= x and (u - x) % self.opts["period"] == 0
+
     # ------------------------------------------------------------------ per call
     def pick(self, key: Hashable, kind: str, flat: torch.Tensor) -> Transport:
         """The transport of bucket ``key``'s call of this step (payload ``kind``)."""
@@ -246,23 +277,21 @@ class Chooser:
         if rec is None:
             rec = self.records[(key, kind)] = BucketRecord(key, kind, flat.numel(), flat.element_size(),
                                                            self.default.name)
+        turn = self.exploring()
+        if turn is not None:
+            cands = self.candidates(kind)
+            return self.transport(cands[int(turn) % len(cands)])
         return self.transport(rec.chosen)
 
-    def observing(self) -> bool:
-        """Whether this step's calls are measured: the ``estimate_steps`` steps before a decision (never
-        step 1, whose calls open connections and allocate)."""
-        u = self.step - 2
-        return u >= 0 and u % self.opts["period"] < self.opts["estimate_steps"]
-
-    def observe(self, key: Hashable, kind: str, own_density: float, payload_bytes: int, agg: torch.Tensor,
-                seconds: float) -> None:
-        """A single-round call of bucket ``key`` in a measured step: this worker's message's block density
-        and bytes, the sum ``agg`` (the same on every worker) and the call's ``seconds`` (on the
-        communication thread)."""
+    def observe(self, key: Hashable, kind: str, name: str, own_density: float, payload_bytes: int,
+                agg: torch.Tensor, seconds: float) -> None:
+        """A single-round call of bucket ``key`` on transport ``name`` in a measured step: this worker's
+        message's block density and bytes, the sum ``agg`` (the same on every worker) and the call's
+        ``seconds`` (on the communication thread)."""
         rec = self.records.get((key, kind))
         if rec is None:
             return
-        rec.own.append((float(own_density), float(payload_bytes), float(seconds)))
+        rec.own.append((name, float(own_density), float(payload_bytes), float(seconds)))
         if agg.numel() == rec.numel:
             rec.union.append(block_density(agg, self.block))
 
@@ -270,36 +299,45 @@ class Chooser:
     def begin_step(self, step: int) -> None:
         """Step ``step`` begins (on every worker, nothing in flight): decide if it is a decision step."""
         self.step = step
-        u = step - 2 - self.opts["estimate_steps"]
-        if u >= 0 and u % self.opts["period"] == 0 and self.records:
+        if self.deciding() and self.records:
             self.decide()
 
     def _agree(self) -> list[BucketRecord]:
-        """Average every bucket's window over the workers (one all-reduce); returns the buckets measured."""
+        """Average every bucket's window over the workers (one all-reduce); returns the buckets measured
+        on every worker. Per bucket the row holds the own density, payload bytes and union density, then
+        the mean seconds and a measured flag of every transport with a cost model."""
         recs = sorted(self.records.values(), key=lambda r: repr((r.key, r.kind)))
+        names = list(costs.MODELS)
+        width = 4 + 2 * len(names)
         rows = []
         for r in recs:
             k = len(r.own)
+            row = [0.0] * width
             if k:
-                own, pb, sec = (sum(x[i] for x in r.own) / k for i in range(3))
-            else:
-                own = pb = sec = 0.0
-            un = sum(r.union) / len(r.union) if r.union else -1.0
-            rows.append([own, pb, sec, un, float(k > 0)])
+                row[0] = sum(x[1] for x in r.own) / k
+                row[1] = sum(x[2] for x in r.own) / k
+                row[3] = 1.0
+            row[2] = sum(r.union) / len(r.union) if r.union else -1.0
+            for i, name in enumerate(names):
+                secs = [x[3] for x in r.own if x[0] == name]
+                if secs:
+                    row[4 + 2 * i], row[5 + 2 * i] = sum(secs) / len(secs), 1.0
+            rows.append(row)
         vec = torch.tensor(rows, dtype=torch.float64).reshape(-1)
         if self.n > 1:
             vec = self.default.allreduce(vec) / self.n
         out = []
-        for r, row in zip(recs, vec.reshape(len(recs), 5).tolist()):
+        for r, row in zip(recs, vec.reshape(len(recs), width).tolist()):
             r.own, r.union = [], []
-            if row[4] < 1.0:      # not measured on every worker this window
+            if row[3] < 1.0:      # not measured on every worker this window
                 continue
-            own, pb, sec, un = row[:4]
+            own, pb, un = row[0], row[1], row[2]
             un = own if un < 0 else un
             w = 0.5 if r.decisions else 1.0
             r.density = own if r.density is None else (1 - w) * r.density + w * own
             r.union_density = un if r.union_density is None else (1 - w) * r.union_density + w * un
-            r.payload_bytes, r.measured_s = pb, sec
+            r.payload_bytes = pb
+            r.measured_s = {name: row[4 + 2 * i] for i, name in enumerate(names) if row[5 + 2 * i] >= 1.0}
             out.append(r)
         return out
 
@@ -332,6 +370,11 @@ class Chooser:
                                                  slot_elems=t.k, pool_size=t.pool_size, **net)
         return costs.MODELS[name](self.n, wire, **net)
 
+    def predict(self, name: str, r: BucketRecord) -> float:
+        """Transport ``name``'s predicted seconds for bucket ``r``: its fitted closed form."""
+        assert self.link is not None
+        return self.fits.setdefault(name, Fit(c=self.link.per_message_s)).predict(self.cost(name, r))
+
     def decide(self) -> None:
         """Agree the window's measurements, check the model against them (refit where it is off) and
         choose every measured bucket's transport."""
@@ -341,10 +384,7 @@ class Chooser:
         self._learn(measured)
         for r in measured:
             names = self.candidates(r.kind)
-            pred = {}
-            for name in names:
-                fit = self.fits.setdefault(name, Fit(c=self.link.per_message_s))
-                pred[name] = fit.predict(self.cost(name, r))
+            pred = {name: self.predict(name, r) for name in names}
             r.predicted = pred
             best = min(pred, key=lambda k: (pred[k], names.index(k)))
             old = r.chosen
@@ -363,38 +403,37 @@ class Chooser:
                      r.kind, r.numel, old, best, why)
 
     def _learn(self, measured: list[BucketRecord]) -> None:
-        """Compare each bucket's measured time with the prediction for the transport it ran on (at the
-        agreed densities); refit the transports off by more than ``tolerance``."""
-        assert self.link is not None
+        """Compare every measured (bucket, transport) time with its prediction (at the agreed densities);
+        refit the transports off by more than ``tolerance`` on some bucket, from all their buckets."""
         off = []
         for r in measured:
-            fit = self.fits.setdefault(r.chosen, Fit(c=self.link.per_message_s))
-            p = fit.predict(self.cost(r.chosen, r))
-            r.measured_on, r.measured_predicted_s = r.chosen, p
-            if p > 0 and abs(r.measured_s / p - 1.0) > self.opts["tolerance"]:
-                if self.speaks:
-                    log.warning("transport='auto' step %d: bucket %r on %s took %.4g ms, predicted %.4g ms "
-                                "(%+.0f%%): refitting %s's model", self.step, r.key, r.chosen,
-                                r.measured_s * 1e3, p * 1e3, 100 * (r.measured_s / p - 1.0), r.chosen)
-                if r.chosen not in off:
-                    off.append(r.chosen)
+            r.measured_predicted_s = {}
+            for name, sec in r.measured_s.items():
+                p = self.predict(name, r)
+                r.measured_predicted_s[name] = p
+                if p > 0 and abs(sec / p - 1.0) > self.opts["tolerance"]:
+                    if self.speaks:
+                        log.warning("transport='auto' step %d: bucket %r on %s took %.4g ms, predicted %.4g ms "
+                                    "(%+.0f%%): refitting %s's model", self.step, r.key, name, sec * 1e3,
+                                    p * 1e3, 100 * (sec / p - 1.0), name)
+                    if name not in off:
+                        off.append(name)
         for name in off:
-            obs = [(c.time_s, c.messages, r.measured_s) for r in measured if r.chosen == name
+            obs = [(c.time_s, c.messages, r.measured_s[name]) for r in measured if name in r.measured_s
                    for c in (self.cost(name, r),)]
             fit = self.fits[name]
             fit.refit(obs)
             self.refits += 1
             if self.speaks:
-                    log.info("transport='auto': %s refit: time = %.3g x model + %.3g us per message", name,
+                log.info("transport='auto': %s refit: time = %.3g x model + %.3g us per message", name,
                          fit.a, fit.c * 1e6)
 
     # ------------------------------------------------------------------ figures
     def table(self) -> list[dict[str, Any]]:
         """Per bucket: key, payload kind, elements, densities (own mean over workers, union), predicted
-        seconds of every candidate and the chosen transport; the transport the last window ran on, its
-        measured seconds (mean over the window and the workers) and its prediction."""
+        seconds of every candidate and the chosen transport; the last window's measured seconds per
+        transport (mean over the window and the workers) and their predictions."""
         return [{"bucket": r.key, "kind": r.kind, "numel": r.numel, "density": r.density,
                  "union_density": r.union_density, "predicted_s": dict(r.predicted), "chosen": r.chosen,
-                 "measured_on": r.measured_on, "measured_s": r.measured_s,
-                 "measured_predicted_s": r.measured_predicted_s}
+                 "measured_s": dict(r.measured_s), "measured_predicted_s": dict(r.measured_predicted_s)}
                 for r in sorted(self.records.values(), key=lambda r: repr((r.key, r.kind)))]

@@ -196,7 +196,7 @@ class CommPipeline:
             t = self.chooser.pick(key, kind, flat)
             if call.next_round is None and self.chooser.observing():
                 # this worker's density, before an in-place transport writes the sum over the message
-                seen = (key, kind, block_density(call.sent, self.chooser.block), payload_bytes(call.sent))
+                seen = (key, kind, t.name, block_density(call.sent, self.chooser.block), payload_bytes(call.sent))
         later = None if call.next_round is None else (lambda agg: self._next_round(call, agg, t))
         return t.start(call.sent, then=lambda agg: self._finish(call, agg, then, t, seen),
                        next_round=later, call=identity)

@@ -2,6 +2,9 @@
 :class:`~sparsecomm.optim.DistributedOptimizer` and the DDP hook (a catalog name, ``"auto"``, or an
 object; :func:`check_pair`: it carries the method's payloads), the fabric by default, and the warning for
 a method x compressor pair with no guarantee. (The method comes from :func:`sparsecomm.methods.build`.)
+
+``"auto"`` resolves here to the *default* transport of the payload kind (:func:`_auto_transport`), which
+carries every bucket until the per-bucket choice of :mod:`sparsecomm.pipeline.auto` has measured them.
 """
 
 from __future__ import annotations
@@ -95,7 +98,9 @@ def build_transport(transport: str | Transport, method: Method, fabric: Fabric |
 
 
 def _auto_transport(method: Method, fabric: Fabric) -> str:
-    """The first of ``AUTO_ORDER`` that carries the payload, steered by bytes on the wire: scattered
+    """``"auto"``'s default transport (before its per-bucket decisions, and for the calls they do not
+    cover: row-sparse gradients, the agreements of the frontends): the first of ``AUTO_ORDER`` that
+    carries the payload, steered by bytes on the wire: scattered
     ``sparse`` payloads go to allgather (through omnireduce each scattered value costs a whole block of
     ``block_size`` values); payloads whose values travel packed only where no sum is formed on
     the wire (``packed_values``: natural compression, 9 of 32 bits; majority-vote signs, 1 bit against
