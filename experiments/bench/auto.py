@@ -72,14 +72,14 @@ def train(ctx, steps: int, kw: dict, vocab: int = 4096, tokens: int = 2) -> list
 
 
 def run(workers: int, singles: list[str], services: list[str], steps: int, period: int, launch_kw: dict,
-        vocab: int, tokens: int) -> dict[str, dict[str, dict]]:
+        vocab: int, tokens: int, estimate: int = 2, decisions: int = 1) -> dict[str, dict[str, dict]]:
     """The decision table of every configuration, by bucket (``steps`` 0: enough for the exploration of
-    ``singles`` and two decisions)."""
-    steps = steps or 2 + 2 * len(singles) + period
+    the configuration's candidates and ``decisions`` decisions after the first)."""
     out = {}
     for name, extra in [("auto", {})] + [(f"only {t}", {"candidates": [t]}) for t in singles]:
-        kw = {"estimate_steps": 2, "period": period, "services": services, **extra}
-        tables = sc.launch(functools.partial(train, steps=steps, kw=kw, vocab=vocab, tokens=tokens), workers,
+        kw = {"estimate_steps": estimate, "period": period, "services": services, **extra}
+        n = steps or 2 + estimate * (len(singles) if name == "auto" else 1) + decisions * period
+        tables = sc.launch(functools.partial(train, steps=n, kw=kw, vocab=vocab, tokens=tokens), workers,
                            **launch_kw)
         if any(t != tables[0] for t in tables):
             raise AssertionError(f"{name}: the workers' decision tables differ")
@@ -93,14 +93,14 @@ def report(res: dict[str, dict[str, dict]], title: str) -> dict[str, float]:
     singles = [k for k in res if k != "auto"]
     print(f"\n### {title}\n")
     print("| bucket | elements | own density | union density | predicted ms (per candidate) | chosen | "
-          "measured ms | predicted ms | off |")
-    print("|---|---:|---:|---:|---|---|---:|---:|---:|")
+          "ran (last window) | measured ms | predicted ms | off |")
+    print("|---|---:|---:|---:|---|---|---|---:|---:|---:|")
     for k, r in auto.items():
         pred = ", ".join(f"{t} {v * 1e3:.4g}" for t, v in sorted(r["predicted_s"].items(), key=lambda kv: kv[1]))
-        c = r["chosen"]
-        m, p = r["measured_s"][c], r["measured_predicted_s"][c]
-        print(f"| {k} | {r['numel']} | {r['density']:.4f} | {r['union_density']:.4f} | {pred} | {c} | "
-              f"{m * 1e3:.4g} | {p * 1e3:.4g} | {m / p - 1:+.0%} |")
+        ran = _ran(r)
+        m, p = r["measured_s"][ran], r["measured_predicted_s"][ran]
+        print(f"| {k} | {r['numel']} | {r['density']:.4f} | {r['union_density']:.4f} | {pred} | {r['chosen']} | "
+              f"{ran} | {m * 1e3:.4g} | {p * 1e3:.4g} | {m / p - 1:+.0%} |")
     print("\nthe single transports, per bucket: measured ms (predicted ms, by the model refit in that run)\n")
     print("| bucket | " + " | ".join(s.removeprefix("only ") for s in singles) + " |")
     print("|---|" + "---:|" * len(singles))
@@ -110,8 +110,7 @@ def report(res: dict[str, dict[str, dict]], title: str) -> dict[str, float]:
             t, r = s.removeprefix("only "), res[s][k]
             cells.append(f"{r['measured_s'][t] * 1e3:.4g} ({r['measured_predicted_s'][t] * 1e3:.4g})")
         print(f"| {k} | " + " | ".join(cells) + " |")
-    step = {name: sum(r["measured_s"][name.removeprefix("only ")] if name != "auto" else r["measured_s"][r["chosen"]]
-                      for r in res[name].values()) for name in res}
+    step = {name: sum(r["measured_s"][_ran(r)] for r in res[name].values()) for name in res}
     oracle = sum(min(res[s][k]["measured_s"][s.removeprefix("only ")] for s in singles) for k in auto)
     best = {k: min(singles, key=lambda s: res[s][k]["measured_s"][s.removeprefix("only ")]).removeprefix("only ")
             for k in auto}
@@ -123,6 +122,12 @@ def report(res: dict[str, dict[str, dict]], title: str) -> dict[str, float]:
     return {"auto": step["auto"], "oracle": oracle, **{k: v for k, v in step.items() if k != "auto"}}
 
 
+def _ran(row: dict) -> str:
+    """The transport a bucket ran on in the last window (the one measured there)."""
+    (ran,) = row["measured_s"]
+    return ran
+
+
 def _cpu() -> str:
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
@@ -132,13 +137,24 @@ def _cpu() -> str:
         return f"{os.cpu_count()} cores"
 
 
+def _dump(path: str, name: str, res: dict) -> None:
+    if path:
+        import json
+
+        with open(path, "a") as f:
+            f.write(json.dumps({"case": name, "tables": res}) + "\n")
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--gbps", default="10,100", help="SimFabric bandwidths, comma-separated")
     p.add_argument("--switch", default="no,yes", help="with a switch service: no, yes or both")
-    p.add_argument("--steps", type=int, default=0, help="steps per launch (0: the exploration, then two "
-                   "decisions: 2 + estimate_steps * candidates + period)")
+    p.add_argument("--steps", type=int, default=0, help="steps per launch (0: the exploration, then "
+                   "--decisions decisions: 2 + estimate_steps * candidates + decisions * period)")
+    p.add_argument("--estimate-steps", type=int, default=2)
+    p.add_argument("--decisions", type=int, default=1, help="decisions after the first (see --steps)")
+    p.add_argument("--json", default="", help="write every configuration's decision table there")
     p.add_argument("--period", type=int, default=3)
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--tokens", type=int, default=2)
@@ -150,7 +166,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if a.netbed is not None:
         launch_kw = {"backend": "netbed", "network": sc.Network(bandwidth_gbps=a.netbed)}
         singles = ["native", "ring", "omnireduce", "allgather"]
-        res = run(a.workers, singles, [], a.steps, a.period, launch_kw, a.vocab, a.tokens)
+        res = run(a.workers, singles, [], a.steps, a.period, launch_kw, a.vocab, a.tokens, a.estimate_steps,
+                  a.decisions)
+        _dump(a.json, f"netbed {a.netbed:g}", res)
         figures.append(report(res, f"netbed, {a.workers} hosts at {a.netbed:g} Gbit/s"))
     else:
         for gbps in [float(x) for x in a.gbps.split(",")]:
@@ -158,7 +176,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 services = ["switch"] if sw == "yes" else []
                 singles = ["ring", "omnireduce", "allgather"] + (["switch", "sparse-switch"] if services else [])
                 launch_kw = {"network": sc.Network(bandwidth_gbps=gbps, latency_us=2.0)}
-                res = run(a.workers, singles, services, a.steps, a.period, launch_kw, a.vocab, a.tokens)
+                res = run(a.workers, singles, services, a.steps, a.period, launch_kw, a.vocab, a.tokens,
+                          a.estimate_steps, a.decisions)
+                _dump(a.json, f"sim {gbps:g} switch {sw}", res)
                 figures.append(report(res, f"SimFabric, {a.workers} workers at {gbps:g} Gbit/s, "
                                            f"switch service: {sw}"))
     print(f"\n# load after: {os.getloadavg()}")
