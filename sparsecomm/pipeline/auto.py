@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
@@ -304,8 +305,9 @@ class Chooser:
 
     def _agree(self) -> list[BucketRecord]:
         """Average every bucket's window over the workers (one all-reduce); returns the buckets measured
-        on every worker. Per bucket the row holds the own density, payload bytes and union density, then
-        the mean seconds and a measured flag of every transport with a cost model."""
+        on every worker. Per bucket the row holds the own density, payload bytes and union density (means
+        over the window), then the median seconds over the window and a measured flag of every transport
+        with a cost model."""
         recs = sorted(self.records.values(), key=lambda r: repr((r.key, r.kind)))
         names = list(costs.MODELS)
         width = 4 + 2 * len(names)
@@ -320,8 +322,8 @@ class Chooser:
             row[2] = sum(r.union) / len(r.union) if r.union else -1.0
             for i, name in enumerate(names):
                 secs = [x[3] for x in r.own if x[0] == name]
-                if secs:
-                    row[4 + 2 * i], row[5 + 2 * i] = sum(secs) / len(secs), 1.0
+                if secs:    # the median of the window: a step slowed by other load does not set the figure
+                    row[4 + 2 * i], row[5 + 2 * i] = statistics.median(secs), 1.0
             rows.append(row)
         vec = torch.tensor(rows, dtype=torch.float64).reshape(-1)
         if self.n > 1:
@@ -432,7 +434,7 @@ class Chooser:
     def table(self) -> list[dict[str, Any]]:
         """Per bucket: key, payload kind, elements, densities (own mean over workers, union), predicted
         seconds of every candidate and the chosen transport; the last window's measured seconds per
-        transport (mean over the window and the workers) and their predictions."""
+        transport (median over the window, mean over the workers) and their predictions."""
         return [{"bucket": r.key, "kind": r.kind, "numel": r.numel, "density": r.density,
                  "union_density": r.union_density, "predicted_s": dict(r.predicted), "chosen": r.chosen,
                  "measured_s": dict(r.measured_s), "measured_predicted_s": dict(r.measured_predicted_s)}
