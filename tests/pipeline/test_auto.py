@@ -36,7 +36,7 @@ def test_auto_is_within_5_percent_of_the_per_bucket_oracle_and_beats_every_singl
     workers, a dense MLP), 8 workers on the SimFabric: auto's step is within 1.05x of the best transport
     per bucket after the fact and no slower than any single transport for the whole model; strictly
     faster than each, except omnireduce without a switch (on the SimFabric it is the fastest for both
-    buckets then, about 15 % faster than the ring on the dense one, so that the oracle is omnireduce's
+    buckets then, 16-37 % less time than the ring on the dense one, so that the oracle is omnireduce's
     step)."""
     net = sc.Network(bandwidth_gbps=gbps, latency_us=2.0)
     services = ["switch"] if switch else []
