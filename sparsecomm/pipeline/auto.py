@@ -32,8 +32,8 @@ bytes and measured times are averaged over the workers by one small all-reduce (
 transport) at each decision; the network's parameters are the probe's, which every worker receives alike.
 Two workers whose own densities differ therefore choose the same transport.
 
-**Learning.** At each decision the measured time of every (bucket, transport) of the window (mean over
-the window, agreed) is compared with its prediction; a prediction off by more than ``tolerance`` (25 %) is
+**Learning.** At each decision the measured time of every (bucket, transport) of the window (the median
+over the window's steps, averaged over the workers) is compared with its prediction; a prediction off by more than ``tolerance`` (25 %) is
 logged as a warning (and counted in :attr:`Chooser.refits`); every transport measured in the window has its
 ``(a_t, c_t)`` refit by least squares (``a_t > 0``, ``c_t >= 0``) to all its buckets'
 ``(C.time_s, C.messages) -> measured`` of the window, so that the decision uses the machine's figures
