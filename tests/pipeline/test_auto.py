@@ -35,9 +35,8 @@ def test_auto_is_within_5_percent_of_the_per_bucket_oracle_and_beats_every_singl
     """The model of experiments/bench/auto.py (an EmbeddingBag about 1 % block-dense in the union of 8
     workers, a dense MLP), 8 workers on the SimFabric: auto's step is within 1.05x of the best transport
     per bucket after the fact and no slower than any single transport for the whole model; strictly
-    faster than each, except omnireduce without a switch (on the SimFabric it is the fastest for both
-    buckets then, 16-37 % less time than the ring on the dense one, so that the oracle is omnireduce's
-    step)."""
+    faster than each that is not the fastest on every bucket (omnireduce without a switch, sparse-switch
+    with one at 10 Gbit/s are: the oracle is then that transport's step)."""
     net = sc.Network(bandwidth_gbps=gbps, latency_us=2.0)
     services = ["switch"] if switch else []
     singles = ["ring", "omnireduce", "allgather"] + (["switch", "sparse-switch"] if switch else [])
@@ -55,8 +54,10 @@ def test_auto_is_within_5_percent_of_the_per_bucket_oracle_and_beats_every_singl
     assert emb["numel"] == VOCAB * DIM and emb["union_density"] < 0.05 and emb["chosen"] == "omnireduce"
     for t, s in step.items():      # (1 %: the modelled times of two launches of the same choices vary by 0.1 %)
         assert auto_step <= s * 1.01, (t, s, auto_step)
-    for t in (singles if switch else [t for t in singles if t != "omnireduce"]):
-        assert auto_step < step[t], (t, step[t], auto_step)
+    best = {min(singles, key=lambda t: res[f"only {t}"][k]["measured_s"][t]) for k in auto}
+    for t in singles:
+        if best != {t}:      # a transport that is not the oracle's for every bucket is strictly slower
+            assert auto_step < step[t], (t, step[t], auto_step)
 
 
 def _densities(ctx, own: float):
