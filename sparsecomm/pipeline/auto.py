@@ -18,7 +18,7 @@ form (:data:`sparsecomm.theory.costs.MODELS`) is predicted as
 chosen. Step 1 runs on the default transport (the first of :data:`~sparsecomm.pipeline.resolve.AUTO_ORDER`
 that carries the payload) and is not measured (its calls open connections and allocate). Then the
 *exploration* (``explore=True``): every candidate carries every bucket for ``estimate_steps`` steps in
-turn, so that each transport's model is checked against the machine (and refit) before anything is
+turn (the default transport first), so that each transport's model is checked against the machine (and refit) before anything is
 chosen (``explore=False``: the default transport for ``estimate_steps`` steps). The first decision is
 made at the start of the next step and the choice is revisited every ``period`` steps from the
 ``estimate_steps`` steps before: the tracked densities are exponential
@@ -280,8 +280,8 @@ class Chooser:
             rec = self.records[(key, kind)] = BucketRecord(key, kind, flat.numel(), flat.element_size(),
                                                            self.default.name)
         turn = self.exploring()
-        if turn is not None:
-            cands = self.candidates(kind)
+        if turn is not None:     # the default transport first, then the other candidates in turn
+            cands = sorted(self.candidates(kind), key=lambda name: name != self.default.name)
             return self.transport(cands[int(turn) % len(cands)])
         return self.transport(rec.chosen)
 
