@@ -49,9 +49,10 @@ def test_auto_is_within_5_percent_of_the_per_bucket_oracle_and_beats_every_singl
     auto_step = sum(r["measured_s"][r["chosen"]] for r in auto.values())
     oracle = sum(min(res[f"only {t}"][k]["measured_s"][t] for t in singles) for k in auto)
     assert auto_step <= 1.05 * oracle, (auto_step, oracle, {k: r["chosen"] for k, r in auto.items()})
-    # the embedding's bucket is sparse in blocks and goes to omnireduce, whatever the rest
+    # the embedding's bucket is sparse in blocks and goes to a transport that sends only non-zero blocks
     emb = max(auto.values(), key=lambda r: r["numel"])
-    assert emb["numel"] == VOCAB * DIM and emb["union_density"] < 0.05 and emb["chosen"] == "omnireduce"
+    assert emb["numel"] == VOCAB * DIM and emb["union_density"] < 0.05
+    assert emb["chosen"] in ("omnireduce", "sparse-switch")
     for t, s in step.items():      # (1 %: the modelled times of two launches of the same choices vary by 0.1 %)
         assert auto_step <= s * 1.01, (t, s, auto_step)
     best = {min(singles, key=lambda t: res[f"only {t}"][k]["measured_s"][t]) for k in auto}
