@@ -33,7 +33,7 @@ with zero rows is the case OmniReduce's block sparsity addresses, and the one th
 rack; stock DDP in a launch of its own, then one launch per set of services, its schemes in turn): stock DDP (gloo's ring all-reduce); DDP with
 :func:`sparsecomm.ddp.register` for ``compressor="none"`` on ``omnireduce``, ``switch`` and
 ``sparse-switch``; PowerSGD (rank ``POWERSGD_RANK``) and error feedback + top-k through the same hook
-(transport ``auto``); :class:`~sparsecomm.DistributedOptimizer` with ``none`` on ``omnireduce`` (no DDP
+(the default transport); :class:`~sparsecomm.DistributedOptimizer` with ``none`` on ``omnireduce`` (no DDP
 buckets: the whole gradient after backward, in the optimizer). Every scheme starts from the same
 weights and sees the same batches (worker ``r``'s batch ``t`` is drawn from seed ``(r, t)``).
 
@@ -266,7 +266,7 @@ SCHEMES = (
 
 
 def _transport_name(transport) -> str:
-    """A transport's catalog name (``auto`` resolves to one per payload: the name of the one it chose)."""
+    """A transport's catalog name (the default transport resolves to one per payload: the name of the one it chose)."""
     return str(getattr(transport, "name", None) or type(transport).__name__)
 
 

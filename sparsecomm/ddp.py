@@ -96,7 +96,7 @@ unpickling rebinds to the default process group (also a state built over a subgr
 world size or rank is refused). ``state_dict()``/``load_state_dict()`` checkpoint the internal state.
 
 The fabric is the current :func:`sparsecomm.launch` worker's ``TorchFabric``, else a new ``TorchFabric``
-over the default process group; the default transport ``"auto"`` is then ``native``
+over the default process group; the default transport (``"default"``) is then ``native``
 (``torch.distributed.all_reduce``) for dense payloads.
 
 **Process groups**: the hook averages over the process group the DDP model was built with
@@ -151,7 +151,7 @@ class CommHookState:
             :func:`sparsecomm.launch` worker's ``ctx.fabric.native_group`` (the whole job's workers), or a
             subgroup (see "Process groups" in the module doc).
         compressor: as for :class:`~sparsecomm.DistributedOptimizer`.
-        transport: as for :class:`~sparsecomm.DistributedOptimizer` (``"auto"``: ``native`` for dense
+        transport: as for :class:`~sparsecomm.DistributedOptimizer` (``"default"``: ``native`` for dense
             payloads).
         method: as for :class:`~sparsecomm.DistributedOptimizer`.
         transport_kwargs: hyper-parameters of a transport given by name.
@@ -165,7 +165,7 @@ class CommHookState:
         **hyper: hyper-parameters of the method and its compressor.
     """
 
-    def __init__(self, process_group: Any = None, compressor: Any = None, transport: Any = "auto", *,
+    def __init__(self, process_group: Any = None, compressor: Any = None, transport: Any = "default", *,
                  method: Any = None, transport_kwargs: dict | None = None, warmup_steps: int = 0,
                  min_compress_size: int = 0, seed: int = 0, model: torch.nn.Module | None = None,
                  sparse_rows: str = "gather", verify_replicas_every: int = VERIFY_EVERY, **hyper: Any) -> None:

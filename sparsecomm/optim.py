@@ -102,10 +102,13 @@ are hyper-parameters of the method/compressor (a keyword neither takes raises
 
 ``transport=`` is a transport name (hyper-parameters in ``transport_kwargs=``; a transport that
 takes ``inplace`` gets ``inplace=True`` unless told otherwise, since the buckets are scratch), a
-``Transport`` object, or ``"auto"`` (the first of ring, omnireduce, switch, allgather that carries the payload;
+``Transport`` object, ``"default"`` (the default: the payload kind's default transport, one for the whole
+model, fixed at construction: the first of ring, omnireduce, switch, allgather that carries the payload;
 ``native`` for dense payloads on a torch.distributed fabric; allgather first for scattered ``sparse``
 payloads such as top-k, and for natural compression while ``n < 64/9``, where it ships fewer bytes:
-see :mod:`sparsecomm.pipeline.resolve`). An invalid compressor x transport pair
+see :mod:`sparsecomm.pipeline.resolve`), or ``"auto"``: a transport per bucket, chosen and revisited
+by a cost model checked against the machine (:mod:`sparsecomm.pipeline.auto`; its decisions depend on
+measured times, so on real processes two runs may sum in different orders). An invalid compressor x transport pair
 (top-k's worker-specific indices on ``ring``) raises :class:`~sparsecomm.errors.IncompatibleError`
 at construction, naming the pair, the transports that would carry it and the compressors the
 transport would carry. ``fabric=`` defaults to the one :func:`sparsecomm.launch` set up
@@ -197,7 +200,8 @@ class DistributedOptimizer:
             one) sharing its ``param_groups`` and ``state``.
         compressor: a compressor name (``sc.compressors.available()``), a ``Compressor``, or the flat form
             ``compressor=<method name>``; ``None``: the method's default.
-        transport: a transport name (``sc.transports.available()``), a ``Transport``, or ``"auto"``.
+        transport: a transport name (``sc.transports.available()``), a ``Transport``, ``"default"`` (the
+            payload kind's default transport) or ``"auto"`` (a transport per bucket, measured).
         method: a method name (``sc.methods.available()``, ``"none"`` by default) or a ``Method`` object.
         transport_kwargs: hyper-parameters of a transport given by name.
         fabric: the fabric to communicate over; default: the current :func:`sparsecomm.launch` worker's, else
@@ -237,7 +241,7 @@ class DistributedOptimizer:
         return object.__new__(sub)
 
     def __init__(self, optimizer: torch.optim.Optimizer, compressor: str | Compressor | None = None,
-                 transport: str | Transport = "auto", *, method: str | Method | None = None,
+                 transport: str | Transport = "default", *, method: str | Method | None = None,
                  transport_kwargs: dict | None = None, fabric: Fabric | None = None,
                  process_group: Any = None, bucket_cap_mb: float = 25.0, warmup_steps: int = 0,
                  min_compress_size: int = 0, seed: int = 0, overlap: bool = True,

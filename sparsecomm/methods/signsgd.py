@@ -15,7 +15,7 @@ sums of up to n votes, which no 1-bit unit holds: the ring sends them in the nar
 that holds n (int8 up to 127 workers, then int16: ``VoteSign.sum_bits``), 2 (n-1)/n copies of 8 bits
 per coordinate, i.e. 8x the declared bits, which ``compression_stats()`` reports as ``sent_over_declared``
 (omnireduce: int8 blocks, also ~8x; the switch: 32-bit fixed point per vote, ~36x with packet headers).
-``transport="auto"`` takes the cheaper of the two: allgather while (n - 1) x 1 bit < 2 (n-1)/n x 8 bits,
+The default transport (``transport="default"``) takes the cheaper of the two: allgather while (n - 1) x 1 bit < 2 (n-1)/n x 8 bits,
 i.e. for n < 16 workers, the ring beyond. The estimate's magnitude is 1 per
 coordinate: the learning rate sets the step (the paper's x <- x - lr sign(sum_i sign(g_i))). If each
 worker's sign is wrong with probability p < 1/2, independently, the vote is wrong with probability

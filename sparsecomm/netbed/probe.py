@@ -10,7 +10,7 @@ thread), so they measure the kernel path a gloo rank uses: veth, the top of rack
 
 and, run by every worker of a launch on any fabric (the netbed's ranks, or the SimFabric's):
 
-- :func:`fabric_latency_s`: the one-way latency of a small message *as a transport sees it*: the kernel's
+- :func:`fabric_latency_s` (:mod:`sparsecomm.fabric.probe`): the one-way latency of a small message *as a transport sees it*: the kernel's
   path plus gloo's rendezvous and the wake-ups of the ranks' threads, which on a shared host can be most
   of it. This is the ``alpha`` of the alpha-beta model that
   :class:`~sparsecomm.fabric.sim.sim_network.Network`'s ``latency_us`` stands for (on the SimFabric it
@@ -24,51 +24,10 @@ import statistics
 import threading
 import time
 
+from ..fabric.probe import LATENCY_TAG, fabric_latency_s  # noqa: F401  (the fabric-level probe)
 from .topology import Netbed
 
 _PORT = 47000
-#: tag of :func:`fabric_latency_s`'s messages (apart from the transports' and the handshake's)
-LATENCY_TAG = 0x5C7A
-
-
-def fabric_latency_s(fabric, *, rounds: int = 30, nbytes: int = 256, tag: int = LATENCY_TAG) -> float:
-    """One-way latency of an ``nbytes`` message between ring neighbours over ``fabric``, seconds.
-
-    Every worker runs ``rounds`` ring shifts after a warm-up one: post the receive from the left, send to
-    the right, wait for both (the pattern of a handshake round or a ring step); in lock-step every shift
-    lasts one message's latency. Returns the median over shifts and workers (every worker gets the same
-    value: the per-worker medians gathered to worker 0 and its median sent back). Must be
-    called by every worker; a world of one returns 0."""
-    import torch
-
-    n, r = fabric.world_size, fabric.rank
-    if n == 1:
-        return 0.0
-    clock = fabric.now
-    out = torch.zeros(max(1, nbytes // 4), dtype=torch.int32)
-    inp = torch.empty_like(out)
-    shifts = []
-    fabric.barrier()
-    for _ in range(rounds + 1):
-        t0 = clock()
-        recv = fabric.irecv(inp, (r - 1) % n, tag)
-        send = fabric.isend(out, (r + 1) % n, tag)
-        recv.wait()
-        send.wait()
-        shifts.append(clock() - t0)
-    mine = torch.tensor([statistics.median(shifts[1:])], dtype=torch.float64)
-    if r == 0:
-        every = [mine.item()]
-        for src in range(1, n):
-            fabric.recv(mine, src, tag)
-            every.append(mine.item())
-        mine.fill_(statistics.median(every))
-        for dst in range(1, n):
-            fabric.send(mine, dst, tag)
-    else:
-        fabric.send(mine, 0, tag)
-        fabric.recv(mine, 0, tag)
-    return float(mine.item())
 
 
 def _in_ns(ns: str, target, *args):

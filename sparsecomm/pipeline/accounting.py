@@ -44,6 +44,8 @@ class CompressionStats:
     comm: CommStats = field(default_factory=CommStats)
     bytes_declared_sent: float = 0.0   # declared bytes x the transport's wire_copies()
     bytes_dense_sent: float = 0.0      # dense bytes x the transport's wire_copies()
+    #: ``transport="auto"``'s decision table (:meth:`sparsecomm.pipeline.auto.Chooser.table`), else empty
+    decisions: list = field(default_factory=list)
 
     def as_dict(self) -> Stats:
         """Declared figures (``bytes_payload``; ``compression_factor``, dense bytes / declared payload
@@ -54,10 +56,12 @@ class CompressionStats:
         (about 1 when the wire carries the declared bits; 3.56 for natural on a summing transport, tens
         for scattered top-k through omnireduce's blocks), ``compression_factor_sent`` the compression
         factor measured on the wire (dense bytes x ``wire_copies()`` / bytes sent). (``ratio`` and
-        ``ratio_sent`` are deprecated names of the two factors: :class:`Stats`.)"""
+        ``ratio_sent`` are deprecated names of the two factors: :class:`Stats`.) Under
+        ``transport="auto"``, ``transport_decisions`` is the table of its per-bucket choices."""
         nan = float("nan")
         sent = self.comm.bytes_sent
-        return Stats({
+        extra = {"transport_decisions": [dict(d) for d in self.decisions]} if self.decisions else {}
+        return Stats({**extra,
             "rounds": self.rounds, "bytes_dense": self.bytes_dense, "bytes_payload": self.bytes_payload,
             "compression_factor": self.bytes_dense / self.bytes_payload if self.bytes_payload else nan,
             "bytes_sent": sent, "bytes_received": self.comm.bytes_received,
@@ -115,10 +119,10 @@ class Accounting:
         s.comm = s.comm + comm
         self.last_stats = self.last_stats + comm
 
-    def call(self, dense_bytes: int) -> None:
-        """A call standing for ``dense_bytes`` of uncompressed gradient."""
+    def call(self, dense_bytes: int, copies: float | None = None) -> None:
+        """A call standing for ``dense_bytes`` of uncompressed gradient (``copies``: as :meth:`round`)."""
         self.stats.bytes_dense += dense_bytes
-        self.stats.bytes_dense_sent += self.copies * dense_bytes
+        self.stats.bytes_dense_sent += (self.copies if copies is None else copies) * dense_bytes
 
     def begin_step(self) -> None:
         """A new step: :attr:`last_stats` restarts."""

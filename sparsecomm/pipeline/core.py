@@ -40,7 +40,8 @@ from ..fabric.base import Fabric
 from ..fabric.stats import CommStats
 from ..methods.base import Method
 from ..transports.base import CallId, CommWork, Transport
-from .accounting import Accounting, CompressionStats
+from .accounting import Accounting, CompressionStats, payload_bytes, wire_copies
+from .auto import Chooser, block_density, options as auto_options
 from .nonfinite import NONFINITE, NonFiniteRule
 from .resolve import build_transport, warn_unguaranteed
 from .rounds import BucketRounds, Call, Outputs, ParameterRounds, PlainRound
@@ -52,7 +53,7 @@ from .states import Generators, StateStore
 class CommPipeline:
     """One worker's method + transport: ``start(flat, key).wait()`` is the averaged estimate.
 
-    ``CommPipeline(compressor=None, transport="auto", *, method=None, transport_kwargs=None, fabric=None,
+    ``CommPipeline(compressor=None, transport="default", *, method=None, transport_kwargs=None, fabric=None,
     seed=0, nonfinite="raise", sparse_rows="gather", warmup_steps=0, **hyper)``: ``compressor``,
     ``method`` and ``**hyper`` as :func:`sparsecomm.methods.build` takes them (the method is wrapped in
     :func:`sparsecomm.methods.warmup` for ``warmup_steps``), ``transport`` as
@@ -60,7 +61,7 @@ class CommPipeline:
     :class:`~sparsecomm.DistributedOptimizer` and the DDP comm hook (:mod:`sparsecomm.ddp`).
     """
 
-    def __init__(self, compressor: str | Compressor | None = None, transport: str | Transport = "auto",
+    def __init__(self, compressor: str | Compressor | None = None, transport: str | Transport = "default",
                  *, method: str | Method | None = None, transport_kwargs: dict | None = None,
                  fabric: Fabric | None = None, seed: int = 0, nonfinite: str = "raise",
                  sparse_rows: str = "gather", warmup_steps: int = 0, **hyper: Any) -> None:
@@ -72,12 +73,27 @@ class CommPipeline:
             raise InvalidValueError(f"warmup_steps must be non-negative, got {warmup_steps}")
         self.method = methods.warmup(methods.build(compressor, method, **hyper), warmup_steps)
         warn_unguaranteed(self.method)
-        self.transport = build_transport(transport, self.method, fabric, transport_kwargs)
+        auto = isinstance(transport, str) and transport == "auto"
+        opts = auto_options(transport_kwargs) if auto else None
+        self.transport = build_transport(transport, self.method, fabric, None if auto else transport_kwargs)
         self.transport_kwargs = dict(transport_kwargs or {})
         self.warmup_steps = int(warmup_steps)
-        if nonfinite == "pass" and getattr(self.transport, "nonfinite", "pass") != "pass":
-            self.transport.nonfinite = "pass"   # the transport's own NaN/Inf rule follows the pipeline's
+        self._follow_rule(self.transport, nonfinite)
         self.rule = NonFiniteRule(nonfinite, self.transport)
+        #: the per-bucket choice of ``transport="auto"`` (:mod:`sparsecomm.pipeline.auto`), else None
+        self.chooser: Chooser | None = None
+        if auto:
+            comp = self.method.compressor
+            fab = self.transport.fabric
+
+            def make(name: str) -> Transport:
+                t = build_transport(name, self.method, fab, None)
+                self._follow_rule(t, nonfinite)
+                return t
+
+            self.chooser = Chooser(self.transport, make, comp.payload_kind, bool(getattr(comp, "shared_scale", False)),
+                                   multi_round=self.method.multi_round, nonfinite=nonfinite, opts=opts)
+            self.rule.checks_sums = self.rule.check   # a chosen transport may not check its sums itself
         self.nonfinite = nonfinite
         self.fabric = self.transport.fabric
         self.world_size = int(self.fabric.world_size)
@@ -105,13 +121,24 @@ class CommPipeline:
         #: steps begun (:meth:`begin_step`): part of every call's identity, and of checkpoints
         self.step = 0
 
+    @staticmethod
+    def _follow_rule(transport: Transport, nonfinite: str) -> None:
+        """The transport's own NaN/Inf rule follows the pipeline's ``"pass"``."""
+        if nonfinite == "pass" and getattr(transport, "nonfinite", "pass") != "pass":
+            transport.nonfinite = "pass"
+
     # ------------------------------------------------------------------ configuration
     def settings(self) -> list[tuple[str, str]]:
         """The configuration the workers must share (:mod:`sparsecomm.pipeline.settings`): the method,
         its compressor, their hyper-parameters, the transport and its options, then ``warmup_steps``,
         ``seed``, ``nonfinite`` and ``sparse_rows``; the frontends add their own and agree on them at
         construction (:func:`sparsecomm.pipeline.settings.agree`)."""
-        return describe(self.method, self.transport, self.transport_kwargs) + [
+        if self.chooser is not None:
+            head = describe(self.method, self.transport) + [("transport_kwargs of 'auto'",
+                                                             repr(sorted(self.transport_kwargs.items())))]
+        else:
+            head = describe(self.method, self.transport, self.transport_kwargs)
+        return head + [
             ("warmup_steps", repr(self.warmup_steps)), ("seed", repr(self.seed)),
             ("nonfinite", repr(self.nonfinite)), ("sparse_rows", repr(self.sparse_rows))]
 
@@ -163,24 +190,36 @@ class CommPipeline:
             call = self._parameter_rounds.begin(flat, key, steps_before, exact, segments)
         else:
             call = self._bucket_rounds.begin(flat, key, steps_before, exact, shapes)
-        later = None if call.next_round is None else (lambda agg: self._next_round(call, agg))
-        return self.transport.start(call.sent, then=lambda agg: self._finish(call, agg, then),
-                                    next_round=later, call=identity)
+        t, seen = self.transport, None
+        if self.chooser is not None:
+            kind = "dense" if not compress or self.plain or exact else self.chooser.kind
+            t = self.chooser.pick(key, kind, flat)
+            if call.next_round is None and self.chooser.observing():
+                # this worker's density, before an in-place transport writes the sum over the message
+                seen = (key, kind, t.name, block_density(call.sent, self.chooser.block), payload_bytes(call.sent))
+        later = None if call.next_round is None else (lambda agg: self._next_round(call, agg, t))
+        return t.start(call.sent, then=lambda agg: self._finish(call, agg, then, t, seen),
+                       next_round=later, call=identity)
 
-    def _next_round(self, call: Call, agg: torch.Tensor) -> Any:
+    def _next_round(self, call: Call, agg: torch.Tensor, t: Transport) -> Any:
         """A later round's message (on the communication thread); the round just summed is recorded."""
         done = call.last
         nxt = call.next_round(agg)
         if nxt is not None:
-            self.accounting.round(done, self.transport.last_stats)
+            self.accounting.round(done, t.last_stats, wire_copies(t))
         return nxt
 
-    def _finish(self, call: Call, agg: torch.Tensor, then: Callable[[torch.Tensor], Any] | None) -> Any:
+    def _finish(self, call: Call, agg: torch.Tensor, then: Callable[[torch.Tensor], Any] | None,
+                t: Transport, seen: tuple | None) -> Any:
         """The estimate from the last sum (on the communication thread); the last round and the call
-        are recorded."""
+        are recorded (and, under ``transport="auto"``, measured)."""
+        if seen is not None:
+            s = t.last_stats
+            self.chooser.observe(*seen, agg, s.modelled_time_s if self.fabric.modelled_time else s.wall_time_s)
         out = call.finish(agg)
-        self.accounting.call(call.dense_bytes)
-        self.accounting.round(call.last, self.transport.last_stats)
+        copies = wire_copies(t)
+        self.accounting.call(call.dense_bytes, copies)
+        self.accounting.round(call.last, t.last_stats, copies)
         return out if then is None else then(out)
 
     def start_sparse(self, grad: torch.Tensor | None, shape: torch.Size, key: Hashable,
@@ -199,6 +238,9 @@ class CommPipeline:
         accumulation (one per optimizer step)."""
         self.step += 1
         self.accounting.begin_step()
+        if self.chooser is not None:
+            self.chooser.begin_step(self.step)
+            self.accounting.stats.decisions = self.chooser.table()
 
     # ------------------------------------------------------------------ figures
     @property

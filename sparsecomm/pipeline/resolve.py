@@ -1,7 +1,12 @@
 """Names -> the transport of a pipeline and the checks of its method: the ``transport=`` rule of
-:class:`~sparsecomm.optim.DistributedOptimizer` and the DDP hook (a catalog name, ``"auto"``, or an
-object; :func:`check_pair`: it carries the method's payloads), the fabric by default, and the warning for
+:class:`~sparsecomm.optim.DistributedOptimizer` and the DDP hook (a catalog name, ``"default"``, ``"auto"``,
+or an object; :func:`check_pair`: it carries the method's payloads), the fabric by default, and the warning for
 a method x compressor pair with no guarantee. (The method comes from :func:`sparsecomm.methods.build`.)
+
+``"default"`` (the frontends' default) is the payload kind's default transport (:func:`_default_transport`),
+one for the whole model, fixed at construction (the same bits run after run). ``"auto"`` resolves here to
+the same transport, which carries every bucket until the per-bucket choice of
+:mod:`sparsecomm.pipeline.auto` has measured them.
 """
 
 from __future__ import annotations
@@ -89,8 +94,8 @@ def build_transport(transport: str | Transport, method: Method, fabric: Fabric |
     if not isinstance(transport, str):
         raise InvalidTypeError(f"transport must be a name or a Transport, got {transport!r}")
     fabric = fabric if fabric is not None else default_fabric()
-    if transport == "auto":
-        transport = _auto_transport(method, fabric)
+    if transport in ("default", "auto"):
+        transport = _default_transport(method, fabric)
     tcls = _transport_class(transport)
     check_pair(method, transport, tcls)
     kwargs = dict(transport_kwargs or {})
@@ -99,8 +104,11 @@ def build_transport(transport: str | Transport, method: Method, fabric: Fabric |
     return transports.get(transport, fabric, **kwargs)   # a keyword it does not take raises there
 
 
-def _auto_transport(method: Method, fabric: Fabric) -> str:
-    """The first of ``AUTO_ORDER`` that carries the payload, steered by bytes on the wire: scattered
+def _default_transport(method: Method, fabric: Fabric) -> str:
+    """The payload kind's default transport: ``"default"``'s, and ``"auto"``'s before its per-bucket
+    decisions and for the calls they do not cover (row-sparse gradients, the agreements of the
+    frontends): the first of ``AUTO_ORDER`` that
+    carries the payload, steered by bytes on the wire: scattered
     ``sparse`` payloads go to allgather (through omnireduce each scattered value costs a whole block of
     ``block_size`` values); payloads whose values travel packed only where no sum is formed on
     the wire (``packed_values``: natural compression, 9 of 32 bits; majority-vote signs, 1 bit against

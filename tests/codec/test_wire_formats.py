@@ -299,14 +299,14 @@ def test_compression_stats_reports_declared_and_sent():
     name, s = sc.launch(functools.partial(_stats_worker, transport="omnireduce", compressor="topk",
                                           kw={"ratio": 0.01}), world_size=2)[0]
     assert s["sent_over_declared"] > 20 and s["compression_factor"] > 20 > s["compression_factor_sent"]
-    # the same through allgather, which `auto` picks for sparse payloads: sent = declared + headers
-    name, s = sc.launch(functools.partial(_stats_worker, transport="auto", compressor="topk",
+    # the same through allgather, which the default transport is for sparse payloads: sent = declared + headers
+    name, s = sc.launch(functools.partial(_stats_worker, transport="default", compressor="topk",
                                           kw={"ratio": 0.01}), world_size=2)[0]
     assert name == "allgather"
     assert 1.0 <= s["sent_over_declared"] <= 1.05 + 2 * SLACK_BYTES / s["bytes_declared_sent"]
     assert s["compression_factor_sent"] == pytest.approx(s["compression_factor"], rel=0.1)
-    # natural: auto ships sign + exponent through allgather at n = 2 (cheaper than a ring of float32)
-    name, s = sc.launch(functools.partial(_stats_worker, transport="auto", compressor="natural", kw={}),
+    # natural: the default transport ships sign + exponent through allgather at n = 2 (cheaper than a ring of float32)
+    name, s = sc.launch(functools.partial(_stats_worker, transport="default", compressor="natural", kw={}),
                         world_size=2)[0]
     assert name == "allgather" and s["sent_over_declared"] < 1.05
     name, s = sc.launch(functools.partial(_stats_worker, transport="ring", compressor="natural", kw={}),

@@ -1,5 +1,5 @@
 """signSGD's majority vote on the wire: the ring sums the votes as int8 partial sums (8x the declared bit
-per coordinate), widening only when n needs it; allgather ships the signs packed, as declared; ``auto``
+per coordinate), widening only when n needs it; allgather ships the signs packed, as declared; the default transport
 takes the cheaper; ``compression_stats()`` reports both figures."""
 
 from __future__ import annotations
@@ -73,6 +73,6 @@ def _stats_worker(ctx, transport):
 def test_compression_stats_and_auto_for_the_vote():
     name, s = sc.launch(functools.partial(_stats_worker, transport="ring"), world_size=2)[0]
     assert s["sent_over_declared"] == pytest.approx(8, rel=0.05)         # int8 sums for 1 declared bit
-    name, s = sc.launch(functools.partial(_stats_worker, transport="auto"), world_size=2)[0]
+    name, s = sc.launch(functools.partial(_stats_worker, transport="default"), world_size=2)[0]
     assert name == "allgather"
     assert 1.0 <= s["sent_over_declared"] <= 1.05 + 2 * SLACK_BYTES / s["bytes_declared_sent"]   # 2 steps' headers
