@@ -24,6 +24,7 @@ def test_incremental_state_matches_a_fresh_measure_after_every_arrival():
         ep.clock = float(rng.uniform(0, 2e-6))
         keys = [[(1, 0)], [(2, 0), (3, 0)], [(None, 1)], [(4, 0), (5, 2), (6, 0)], [(7, 0)]]
         w = OrderedWait(ep, keys)
+        w.recompute()
         fresh = OrderedWait(ep, keys)
         for _ in range(30):
             src, tag = int(rng.integers(1, 9)), int(rng.integers(0, 3))

@@ -267,11 +267,13 @@ class SimFabric(Fabric):
         with world.lock:
             watch = OrderedWait(ep, keys)
             best = watch.first(clock_only=True)
-            ep.watch = watch
-            try:
-                best = best or self._wait_first(watch, wall_deadline, len(works))
-            finally:
-                ep.watch = None
+            if best is None:
+                watch.recompute()
+                ep.watch = watch
+                try:
+                    best = self._wait_first(watch, wall_deadline, len(works))
+                finally:
+                    ep.watch = None
             g = groups[best[1]]
             heads = sorted(range(len(g)), key=lambda j: self._match(g[j]._args[1], g[j]._args[2]).head)
         for j in heads:      # each the head of its (source, tag) queue: taken at once, in arrival order

@@ -20,29 +20,23 @@ from .sim_network import Endpoint, Msg
 
 class OrderedWait:
     """(lock held for every method) The groups ``keys`` (lists of ``(source, tag)``; a ``source`` of
-    ``None`` matches any) of a wait of endpoint ``ep``, with :meth:`arrived` called on each message
-    put in its mailbox while the wait is open."""
+    ``None`` matches any) of a wait of endpoint ``ep``: :meth:`first` with ``clock_only`` measures only
+    group 0; :meth:`recompute` measures them all, after which :meth:`arrived` must be called on each
+    message put in the mailbox while the wait is open."""
 
     def __init__(self, ep: Endpoint, keys: list[list[tuple[int | None, int]]]) -> None:
         self.ep = ep
         self.keys = keys
         self.group: dict[tuple[int | None, int], int] = {}     # receive -> its group's index
         self.any_tag: dict[int, list[int]] = {}                 # tag -> groups with an any-source receive
-        for i, g in enumerate(keys):
-            for key in g:
-                self.group[key] = i
-                if key[0] is None:
-                    self.any_tag.setdefault(key[1], []).append(i)
         self.missing: list[int] = []     # per group: receives without a message yet
         self.latest: list[float] = []    # per group: the latest delivery of its receives' heads
         self.t_min: float | None = None  # min over the groups in of their time
-        self.recompute()
+        self.measured = False            # recompute() has run (first(clock_only=True) needs only group 0)
 
-    def _head(self, src: int | None, tag: int) -> Msg | None:
+    def _any_head(self, tag: int) -> Msg | None:
+        """The first message on ``tag`` from any source (by head, then source)."""
         box = self.ep.mailbox
-        if src is not None:
-            q = box.get((src, tag))
-            return q[0] if q else None
         best = None
         for (s, t), q in box.items():
             if t == tag and q and (best is None or (q[0].head, s) < (best.head, best.src)):
@@ -50,9 +44,13 @@ class OrderedWait:
         return best
 
     def _measure(self, i: int) -> None:
-        missing, latest = 0, 0.0
-        for src, tag in self.keys[i]:
-            msg = self._head(src, tag)
+        missing, latest, box = 0, 0.0, self.ep.mailbox
+        for key in self.keys[i]:
+            if key[0] is None:
+                msg = self._any_head(key[1])
+            else:
+                q = box.get(key)
+                msg = q[0] if q else None
             if msg is None:
                 missing += 1
             else:
@@ -64,6 +62,13 @@ class OrderedWait:
     def recompute(self) -> None:
         """Measure every group from the mailbox."""
         n = len(self.keys)
+        if not self.measured:
+            self.measured = True
+            for i, g in enumerate(self.keys):
+                for key in g:
+                    self.group[key] = i
+                    if key[0] is None:
+                        self.any_tag.setdefault(key[1], []).append(i)
         self.missing, self.latest = [0] * n, [0.0] * n
         for i in range(n):
             self._measure(i)
@@ -104,6 +109,9 @@ class OrderedWait:
         and only if it is in by the clock."""
         clock = self.ep.clock
         if clock_only:
+            if not self.measured:
+                self.missing, self.latest = [0], [0.0]
+                self._measure(0)
             if self.missing[0] or self.latest[0] > clock:
                 return None
             return clock, 0
