@@ -6,10 +6,11 @@ of its queue, at ``t_g = max(0, delivered of those heads)``. The wait's event is
 ``max(clock, min t_g)`` over the groups in, and its choice ``(t, i)`` the lowest ``i`` with ``t_i <= t``.
 Recomputing that from the mailbox costs a pass over every receive of every group; here an arrival costs
 O(1) in the common case: a message that becomes the head of a queue of a group not yet in lowers that
-group's count of missing heads and raises its running maximum. A full pass is made only when the
-arrival re-timed messages already queued (its head is earlier than theirs: the receiving NIC takes it
-first, :meth:`~.sim_network.Endpoint.schedule`) or it matches an any-source receive (it may become the
-new first match). The endpoint's clock and its mailbox's heads change only through this endpoint's own
+group's count of missing heads and raises its running maximum. When the arrival re-timed messages
+already queued (its head is earlier than theirs: the receiving NIC takes it first,
+:meth:`~.sim_network.Endpoint.schedule`), the groups whose heads those are are measured again, and the
+minimum is taken afresh over the groups' kept times; an any-source receive's group is measured again on
+each arrival on its tag (the message may be the new first match). The endpoint's clock and its mailbox's heads change only through this endpoint's own
 thread, which does not take messages while the wait is open, so nothing else invalidates the state.
 """
 
@@ -79,10 +80,21 @@ class OrderedWait:
         if self.t_min is None or t < self.t_min:
             self.t_min = t
 
-    def arrived(self, msg: Msg, retimed: bool) -> None:
-        """``msg`` was put in the mailbox; ``retimed``: its arrival moved messages queued before it."""
+    def arrived(self, msg: Msg, retimed: list[Msg]) -> None:
+        """``msg`` was put in the mailbox; ``retimed``: the queued messages whose deliveries its arrival
+        moved (their groups are measured again, and the minimum taken afresh if one of them is in)."""
         if retimed:
-            self.recompute()
+            box, again = self.ep.mailbox, set()
+            for m in [msg] + retimed:
+                key = (m.src, m.tag)
+                i = self.group.get(key)
+                if i is not None and box[key][0] is m:
+                    again.add(i)
+                again.update(self.any_tag.get(m.tag, ()))
+            for i in again:
+                self._measure(i)
+            if any(not self.missing[i] for i in again):
+                self.t_min = min((d for m, d in zip(self.missing, self.latest) if not m), default=None)
             return
         i = self.group.get((msg.src, msg.tag))
         if i is not None and self.missing[i]:
