@@ -4,7 +4,8 @@ The Fabric API of the simulation: each worker's :class:`SimFabric` (sends, recei
 services) and its :class:`~sparsecomm.fabric.base.Work` handles. The world it runs in is modelled
 elsewhere: the links, NICs and message timing in :mod:`.sim_network` (:class:`~.sim_network.Network`),
 the scheduler that decides in modelled time which blocked endpoint proceeds (timeouts by quiescence,
-ordered any-source receives, deadlock detection, faults) in :mod:`.sim_world`. :class:`SimWorld` is
+ordered any-source receives, deadlock detection, faults) in :mod:`.sim_world`; the state of an open
+``wait_any``, kept per arrival, in :mod:`.sim_wait`. :class:`SimWorld` is
 that world with a :meth:`SimWorld.fabric` per rank.
 """
 
