@@ -10,8 +10,9 @@ group's count of missing heads and raises its running maximum. When the arrival 
 already queued (its head is earlier than theirs: the receiving NIC takes it first,
 :meth:`~.sim_network.Endpoint.schedule`), the groups whose heads those are are measured again, and the
 minimum is taken afresh over the groups' kept times; an any-source receive's group is measured again on
-each arrival on its tag (the message may be the new first match). The endpoint's clock and its mailbox's heads change only through this endpoint's own
-thread, which does not take messages while the wait is open, so nothing else invalidates the state.
+each arrival on its tag (the message may be the new first match). The endpoint's clock and its mailbox's
+heads change only through this endpoint's own thread, which does not take messages while the wait is
+open, so nothing else invalidates the state.
 """
 
 from __future__ import annotations
