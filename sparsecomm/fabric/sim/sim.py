@@ -4,7 +4,8 @@ The Fabric API of the simulation: each worker's :class:`SimFabric` (sends, recei
 services) and its :class:`~sparsecomm.fabric.base.Work` handles. The world it runs in is modelled
 elsewhere: the links, NICs and message timing in :mod:`.sim_network` (:class:`~.sim_network.Network`),
 the scheduler that decides in modelled time which blocked endpoint proceeds (timeouts by quiescence,
-ordered any-source receives, deadlock detection, faults) in :mod:`.sim_world`. :class:`SimWorld` is
+ordered any-source receives, deadlock detection, faults) in :mod:`.sim_world`; the state of an open
+``wait_any``, kept per arrival, in :mod:`.sim_wait`. :class:`SimWorld` is
 that world with a :meth:`SimWorld.fabric` per rank.
 """
 
@@ -23,6 +24,7 @@ from ...errors import (EndpointCrashed, FabricTimeout, InvalidTypeError, Invalid
 from ..base import Fabric, Work
 from ..stats import CommStats
 from .sim_network import Msg, Network
+from .sim_wait import OrderedWait
 from .sim_world import World
 
 __all__ = ["SimFabric", "SimWorld"]
@@ -136,8 +138,7 @@ class SimFabric(Fabric):
             if not dropped and not dst_ep.crashed:
                 msg = Msg(self.rank, tag, data, nbytes, start, start + latency, tx_end)
                 dst_ep.mailbox.setdefault((self.rank, tag), deque()).append(msg)
-                dst_ep.schedule(msg)
-                world.arrived(dst_ep, msg)
+                world.arrived(dst_ep, msg, dst_ep.schedule(msg))
             ep.sends += 1
             limit = world.network.crash.get(self.rank)
             if limit is not None and ep.sends >= limit:
@@ -226,36 +227,6 @@ class SimFabric(Fabric):
     def irecv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> Work:
         return _RecvWork(self, tensor, src, tag)
 
-    def _first_of(self, groups: list, clock_only: bool = False) -> tuple[float, int] | None:
-        """(lock held) ``(t, i)`` for ``groups`` (lists of ``(source, tag)`` receives; a group is in once
-        all of its messages are, at the latest of their deliveries): this NIC serialises the arrived
-        messages in arrival (head) order from its current state; ``t`` is when the first group is in (or
-        this endpoint's clock, if later), ``i`` the lowest index in by ``t``. ``clock_only``: only group
-        0, and only if it is in by the clock."""
-        ep = self._ep
-        box, inn = ep.mailbox, []
-        for i, g in enumerate(groups[:1] if clock_only else groups):
-            t = 0.0
-            for src, tag in g:
-                if src is None:
-                    msg = self._match(None, tag)
-                else:
-                    q = box.get((src, tag))
-                    msg = q[0] if q else None
-                if msg is None:
-                    break
-                d = msg.delivered       # its NIC slot: arrival order (Endpoint.schedule)
-                if d > t:
-                    t = d
-            else:
-                inn.append((i, t))
-        if not inn:
-            return None
-        t = max(ep.clock, min(d for _, d in inn))
-        if clock_only and t > ep.clock:
-            return None
-        return t, next(i for i, d in inn if d <= t)
-
     def wait_any(self, works) -> int:
         """The first element of ``works`` (in list order) that is in by the time the first of them is,
         in modelled time; an element is a receive or a list of receives (in once all of them are).
@@ -295,30 +266,41 @@ class SimFabric(Fabric):
             keys.append(gk)
         wall_deadline = time.monotonic() + self.timeout_s
         with world.lock:
-            best = self._first_of(keys, clock_only=True)
-            while best is None:
-                self._raise_if_failed()
-                if ep.crashed:
-                    raise EndpointCrashed(f"{ep.name} has crashed")
-                first = self._first_of(keys)
-                ep.event = None
-                if first is not None:
-                    if ep.fire_event or world.may_take(ep, first[0]):
-                        ep.fire_event = False
-                        best = first
-                        break
-                    ep.event = first[0]
-                self._raise_if_stuck()
-                remaining = wall_deadline - time.monotonic()
-                if remaining <= 0:
-                    raise FabricTimeout(f"{ep.name}: waited {self.timeout_s:g} s (wall) for any of "
-                                        f"{len(works)} receives")
-                self._park(None, keys[0][0], remaining, lambda: (self._first_of(keys) or (None,))[0])
+            watch = OrderedWait(ep, keys)
+            best = watch.first(clock_only=True)
+            if best is None:
+                watch.recompute()
+                ep.watch = watch
+                try:
+                    best = self._wait_first(watch, wall_deadline, len(works))
+                finally:
+                    ep.watch = None
             g = groups[best[1]]
             heads = sorted(range(len(g)), key=lambda j: self._match(g[j]._args[1], g[j]._args[2]).head)
         for j in heads:      # each the head of its (source, tag) queue: taken at once, in arrival order
             g[j].wait()
         return best[1]
+
+    def _wait_first(self, watch: OrderedWait, wall_deadline: float, nworks: int) -> tuple[float, int]:
+        """(lock held) :meth:`wait_any`'s ordered wait: ``(t, i)`` once group ``i`` may be taken."""
+        world, ep = self.world, self._ep
+        while True:
+            self._raise_if_failed()
+            if ep.crashed:
+                raise EndpointCrashed(f"{ep.name} has crashed")
+            first = watch.first()
+            ep.event = None
+            if first is not None:
+                if ep.fire_event or world.may_take(ep, first[0]):
+                    ep.fire_event = False
+                    return first
+                ep.event = first[0]
+            self._raise_if_stuck()
+            remaining = wall_deadline - time.monotonic()
+            if remaining <= 0:
+                raise FabricTimeout(f"{ep.name}: waited {self.timeout_s:g} s (wall) for any of "
+                                    f"{nworks} receives")
+            self._park(None, watch.keys[0][0], remaining, watch.event)
 
     def _raise_if_stuck(self) -> None:
         """(lock held) Raise if the run is over or every endpoint waits with nothing in flight."""

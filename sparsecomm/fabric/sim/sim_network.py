@@ -153,6 +153,7 @@ class Endpoint:
         self.stats = CommStats()
         self.waiting_for: tuple[int | None, int] | None = None
         self.candidate = None                # ordered wait: () -> its event (sim_world.World.arrived)
+        self.watch = None                    # an open wait_any's state (sim_wait.OrderedWait), told of arrivals
 
     def port(self, peer: int) -> int:
         return peer if self.per_port else -1
@@ -166,10 +167,11 @@ class Endpoint:
         self._tx_free[port] = tx_end
         return start, tx_end
 
-    def schedule(self, msg: Msg) -> None:
+    def schedule(self, msg: Msg) -> list[Msg]:
         """(lock held) Give arriving ``msg`` its place on the receiving NIC: arrival (head) order among the
         messages not yet taken by the application, after every message already taken (whose time has
-        been observed and cannot change); the later ones are re-timed."""
+        been observed and cannot change); the later ones are re-timed. Returns those (their deliveries
+        may have moved; empty if only ``msg`` was timed)."""
         port = self.port(msg.src)
         sched = self._rx_sched.setdefault(port, [])
         i = len(sched)
@@ -183,6 +185,7 @@ class Endpoint:
             else:
                 m.rx_end = max(m.head, t) + m.nbytes / self.bw
                 t = m.rx_end
+        return sched[i + 1:]
 
     def taken(self, msg: Msg) -> None:
         """(lock held) ``msg`` was delivered: fix its slot, drop the schedule's taken prefix."""

@@ -80,10 +80,14 @@ class World:
         self.nblocked += 1
         self._check_quiescent()
 
-    def arrived(self, ep: Endpoint, msg) -> None:
-        """(lock held) ``msg`` was put in ``ep``'s mailbox. A blocked plain receive wakes if it matches
-        its ``(source, tag)``. A blocked ordered wait stays blocked (it may take a message only at
-        quiescence, when the earliest event fires, and its sender is running): its event is updated."""
+    def arrived(self, ep: Endpoint, msg, retimed: list) -> None:
+        """(lock held) ``msg`` was put in ``ep``'s mailbox (``retimed``: the messages queued there that its
+        arrival re-timed, :meth:`~.sim_network.Endpoint.schedule`). An open ``wait_any``'s state
+        (``ep.watch``) is updated. A blocked plain receive wakes if it matches its ``(source, tag)``.
+        A blocked ordered wait stays blocked (it may take a message only at quiescence, when the
+        earliest event fires, and its sender is running): its event is updated."""
+        if ep.watch is not None:
+            ep.watch.arrived(msg, retimed)
         if not ep.blocked:
             return          # running: it looks at its mailbox before it blocks again
         if ep.candidate is not None:

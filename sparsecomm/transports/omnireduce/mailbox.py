@@ -71,17 +71,29 @@ class Inbox:
         self.fabric = fabric
         self.pool = pool
         self._box: dict = {}
+        self._observer = None
+
+    def observe(self, observer) -> None:
+        """Call ``observer(key, present)`` whenever a key is posted or put (``present=True``) or taken
+        (``False``); ``None`` stops it."""
+        self._observer = observer
+
+    def _add(self, key, entry) -> None:
+        new = key not in self._box
+        self._box[key] = entry
+        if new and self._observer is not None:
+            self._observer(key, True)
 
     def post(self, key, nbytes: int, src: int, tag: int) -> None:
         buf = self.pool.get(("in", key), nbytes)
-        self._box[key] = (self.fabric.irecv(buf, src, tag), buf)
+        self._add(key, (self.fabric.irecv(buf, src, tag), buf))
 
     def post_into(self, key, buf: torch.Tensor, src: int, tag: int) -> None:
         """Receive straight into ``buf`` (contiguous bytes, e.g. a view of the result)."""
-        self._box[key] = (self.fabric.irecv(buf, src, tag), buf)
+        self._add(key, (self.fabric.irecv(buf, src, tag), buf))
 
     def put(self, key, buf: torch.Tensor) -> None:
-        self._box[key] = (None, buf)
+        self._add(key, (None, buf))
 
     def work(self, key):
         """The pending receive of ``key`` (``None`` if it was put locally); ``KeyError`` if none."""
@@ -107,6 +119,8 @@ class Inbox:
 
     def take(self, key) -> torch.Tensor:
         work, buf = self._box.pop(key)
+        if self._observer is not None:
+            self._observer(key, False)
         if work is not None:
             work.wait()
         return buf
@@ -278,35 +292,49 @@ def drive(fabric: Fabric, inbox: Inbox, outbox: Outbox, roles: list, keep: int =
 
 
 class _Scheduler:
-    """:func:`drive`'s state: the suspended roles, each with the :class:`Recv` it waits on."""
+    """:func:`drive`'s state: the suspended roles, each with the :class:`Recv` it waits on, and which of
+    them are able to run (rule R1 without ``free``), kept per change of the inbox: a role counts the
+    conditions it still lacks (a key not posted, a ``gone`` key not taken), and a key posted, put or
+    taken updates only the roles that wait on it."""
 
     def __init__(self, fabric: Fabric, inbox: Inbox, outbox: Outbox) -> None:
         self.fabric, self.inbox, self.outbox = fabric, inbox, outbox
-        self.waiting: list = []     # [role, Recv], in the order the roles were started
+        self.waiting: dict = {}     # sequence number -> [role, Recv]; in the order the roles began to wait
+        self.lacks: dict = {}       # sequence number -> conditions of R1 not met yet
+        self.able: set = set()      # sequence numbers with none lacking
+        self.watchers: dict = {}    # key -> [(sequence number, True for a key awaited / False for gone)]
+        self.seq = 0
         self.polling = False
 
     def run(self, roles: list, keep: int) -> None:
+        self.inbox.observe(self.changed)
+        try:
+            self._run(roles, keep)
+        finally:
+            self.inbox.observe(None)
+
+    def _run(self, roles: list, keep: int) -> None:
         for role in roles:
             self.advance(role)
         while self.waiting:
             cands = self.runnable()
             if not cands:
                 raise ProtocolError("omnireduce: no role of this call can run (a bug)")
-            if all(rw[1].stage.reaps for rw in cands):
+            if all(rw[1].stage.reaps for _, rw in cands):
                 self.outbox.reap(keep)
-            if len(cands) == 1 or cands[0][1].stage.sure:   # the only one, or sure: its own takes block
-                self.resume(cands[0])
+            if len(cands) == 1 or cands[0][1][1].stage.sure:   # the only one, or sure: its own takes block
+                self.resume(cands[0][0])
                 continue
             groups, owner = [], []   # per candidate its pending receives; an ``any`` one, each alone
-            for i, (_, req) in enumerate(cands):
+            for s, (_, req) in cands:
                 pend = self.inbox.pending(req.keys) + self.outbox.pool.busy(req.free)
                 if req.any and len(pend) == len(req.keys):
                     groups += [[w] for w in pend]
-                    owner += [i] * len(pend)
+                    owner += [s] * len(pend)
                 else:
                     groups.append([] if req.any else pend)
-                    owner.append(i)
-            self.resume(cands[owner[self.fabric.wait_any(groups)]])
+                    owner.append(s)
+            self.resume(owner[self.fabric.wait_any(groups)])
 
     def advance(self, role) -> None:
         """Run ``role`` until it waits (or returns), performing its non-blocking requests."""
@@ -335,33 +363,62 @@ class _Scheduler:
                     finally:
                         self.polling = False
             elif t is Recv:
-                self.waiting.append([role, req])
+                self.wait(role, req)
                 return
             else:
                 raise ProtocolError(f"omnireduce: a role asked for {req!r} (a bug)")
 
-    def runnable(self) -> list:
-        """The roles that can run (every awaited message posted or handed over, no ``gone`` one left),
-        in order of preference."""
+    def wait(self, role, req: Recv) -> None:
+        """Suspend ``role`` on ``req``: count what it lacks, and watch its keys."""
+        s = self.seq = self.seq + 1
         has = self.inbox.has
-        return sorted((rw for rw in self.waiting if all(has(k) for k in rw[1].keys)
-                       and not any(has(k) for k in rw[1].gone)), key=lambda rw: rw[1].stage)
+        self.waiting[s] = [role, req]
+        self.lacks[s] = sum(not has(k) for k in req.keys) + sum(has(k) for k in req.gone)
+        if not self.lacks[s]:
+            self.able.add(s)
+        for k in req.keys:
+            self.watchers.setdefault(k, []).append((s, True))
+        for k in req.gone:
+            self.watchers.setdefault(k, []).append((s, False))
 
-    def resume(self, rw) -> None:
-        self.waiting.remove(rw)
-        self.advance(rw[0])
+    def changed(self, key, present: bool) -> None:
+        """The inbox's observer: ``key`` was posted or put (``present``) or taken."""
+        for s, awaited in self.watchers.get(key, ()):
+            n = self.lacks[s] + (-1 if awaited == present else 1)
+            self.lacks[s] = n
+            if n:
+                self.able.discard(s)
+            else:
+                self.able.add(s)
+
+    def runnable(self) -> list:
+        """``(sequence number, [role, Recv])`` of the roles that can run (every awaited message posted or
+        handed over, no ``gone`` one left), in order of preference (stage; then the order they began to
+        wait)."""
+        waiting = self.waiting
+        return sorted(((s, waiting[s]) for s in self.able), key=lambda e: (e[1][1].stage, e[0]))
+
+    def resume(self, s: int) -> None:
+        role, req = self.waiting.pop(s)
+        del self.lacks[s]
+        self.able.discard(s)
+        for k in req.keys + req.gone:
+            w = self.watchers[k]
+            w[:] = [e for e in w if e[0] != s]
+            if not w:
+                del self.watchers[k]
+        self.advance(role)
 
     def poll(self, below: Phase | None = None) -> None:
         """Run the roles whose messages are in already (without blocking), best first, until none is
         (``below``: only those of an earlier phase)."""
-        ready, has = self.inbox.ready, self.inbox.has
+        ready, waiting = self.inbox.ready, self.waiting
         while True:   # (the roles at or past ``below``, and sure ones, are skipped before any look at their messages)
-            now = min((rw for rw in self.waiting if (below is None or rw[1].stage.phase < below)
-                       and not rw[1].stage.sure
-                       and all(has(k) for k in rw[1].keys) and not any(has(k) for k in rw[1].gone)
-                       and (any if rw[1].any else all)(ready(k) for k in rw[1].keys)
-                       and not self.outbox.pool.busy(rw[1].free)),
-                      key=lambda rw: rw[1].stage, default=None)
+            now = min((e for e in ((s, waiting[s]) for s in self.able)
+                       if (below is None or e[1][1].stage.phase < below) and not e[1][1].stage.sure
+                       and (any if e[1][1].any else all)(ready(k) for k in e[1][1].keys)
+                       and not self.outbox.pool.busy(e[1][1].free)),
+                      key=lambda e: (e[1][1].stage, e[0]), default=None)
             if now is None:
                 return
-            self.resume(now)
+            self.resume(now[0])

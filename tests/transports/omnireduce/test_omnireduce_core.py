@@ -152,11 +152,11 @@ def test_a_role_takes_only_messages_its_wait_named(monkeypatch, deployment):
     local, bad = threading.local(), []
     resume, take = mailbox._Scheduler.resume, mailbox.Inbox.take
 
-    def spy_resume(self, rw):
+    def spy_resume(self, s):
         stack = local.__dict__.setdefault("stack", [])
-        stack.append(set(rw[1].keys))
+        stack.append(set(self.waiting[s][1].keys))
         try:
-            resume(self, rw)
+            resume(self, s)
         finally:
             stack.pop()
 

@@ -1,0 +1,137 @@
+"""The state of one :meth:`SimFabric.wait_any <sparsecomm.fabric.sim.sim.SimFabric.wait_any>`: when each
+of its groups of receives is in, kept up to date as messages arrive.
+
+A group (a list of ``(source, tag)`` receives) is in once each of its receives has a message at the head
+of its queue, at ``t_g = max(0, delivered of those heads)``. The wait's event is
+``max(clock, min t_g)`` over the groups in, and its choice ``(t, i)`` the lowest ``i`` with ``t_i <= t``.
+Recomputing that from the mailbox costs a pass over every receive of every group; here an arrival costs
+O(1) in the common case: a message that becomes the head of a queue of a group not yet in lowers that
+group's count of missing heads and raises its running maximum. When the arrival re-timed messages
+already queued (its head is earlier than theirs: the receiving NIC takes it first,
+:meth:`~.sim_network.Endpoint.schedule`), the groups whose heads those are are measured again, and the
+minimum is taken afresh over the groups' kept times; an any-source receive's group is measured again on
+each arrival on its tag (the message may be the new first match). The endpoint's clock and its mailbox's
+heads change only through this endpoint's own thread, which does not take messages while the wait is
+open, so nothing else invalidates the state.
+"""
+
+from __future__ import annotations
+
+from .sim_network import Endpoint, Msg
+
+
+class OrderedWait:
+    """(lock held for every method) The groups ``keys`` (lists of ``(source, tag)``; a ``source`` of
+    ``None`` matches any) of a wait of endpoint ``ep``: :meth:`first` with ``clock_only`` measures only
+    group 0; :meth:`recompute` measures them all, after which :meth:`arrived` must be called on each
+    message put in the mailbox while the wait is open."""
+
+    def __init__(self, ep: Endpoint, keys: list[list[tuple[int | None, int]]]) -> None:
+        self.ep = ep
+        self.keys = keys
+        self.group: dict[tuple[int | None, int], int] = {}     # receive -> its group's index
+        self.any_tag: dict[int, list[int]] = {}                 # tag -> groups with an any-source receive
+        self.missing: list[int] = []     # per group: receives without a message yet
+        self.latest: list[float] = []    # per group: the latest delivery of its receives' heads
+        self.t_min: float | None = None  # min over the groups in of their time
+        self.measured = False            # recompute() has run (first(clock_only=True) needs only group 0)
+
+    def _any_head(self, tag: int) -> Msg | None:
+        """The first message on ``tag`` from any source (by head, then source)."""
+        box = self.ep.mailbox
+        best = None
+        for (s, t), q in box.items():
+            if t == tag and q and (best is None or (q[0].head, s) < (best.head, best.src)):
+                best = q[0]
+        return best
+
+    def _measure(self, i: int) -> None:
+        missing, latest, box = 0, 0.0, self.ep.mailbox
+        for key in self.keys[i]:
+            if key[0] is None:
+                msg = self._any_head(key[1])
+            else:
+                q = box.get(key)
+                msg = q[0] if q else None
+            if msg is None:
+                missing += 1
+            else:
+                d = msg.delivered
+                if d > latest:
+                    latest = d
+        self.missing[i], self.latest[i] = missing, latest
+
+    def recompute(self) -> None:
+        """Measure every group from the mailbox."""
+        n = len(self.keys)
+        if not self.measured:
+            self.measured = True
+            for i, g in enumerate(self.keys):
+                for key in g:
+                    self.group[key] = i
+                    if key[0] is None:
+                        self.any_tag.setdefault(key[1], []).append(i)
+        self.missing, self.latest = [0] * n, [0.0] * n
+        for i in range(n):
+            self._measure(i)
+        ins = [self.latest[i] for i in range(n) if not self.missing[i]]
+        self.t_min = min(ins) if ins else None
+
+    def _lower(self, t: float) -> None:
+        if self.t_min is None or t < self.t_min:
+            self.t_min = t
+
+    def arrived(self, msg: Msg, retimed: list[Msg]) -> None:
+        """``msg`` was put in the mailbox; ``retimed``: the queued messages whose deliveries its arrival
+        moved (their groups are measured again, and the minimum taken afresh if one of them is in)."""
+        if retimed:
+            box, again = self.ep.mailbox, set()
+            for m in [msg] + retimed:
+                key = (m.src, m.tag)
+                i = self.group.get(key)
+                if i is not None and box[key][0] is m:
+                    again.add(i)
+                again.update(self.any_tag.get(m.tag, ()))
+            for i in again:
+                self._measure(i)
+            if any(not self.missing[i] for i in again):
+                self.t_min = min((d for m, d in zip(self.missing, self.latest) if not m), default=None)
+            return
+        i = self.group.get((msg.src, msg.tag))
+        if i is not None and self.missing[i]:
+            q = self.ep.mailbox[(msg.src, msg.tag)]
+            if q[0] is msg:          # a new head: one receive fewer missing
+                self.missing[i] -= 1
+                d = msg.delivered
+                if d > self.latest[i]:
+                    self.latest[i] = d
+                if not self.missing[i]:
+                    self._lower(self.latest[i])
+        for j in self.any_tag.get(msg.tag, ()):
+            self._measure(j)
+            if not self.missing[j]:
+                self.recompute()     # a group's time may have risen or fallen: take the minimum afresh
+                return
+
+    def event(self) -> float | None:
+        """When the first group is in (at the earliest this endpoint's clock); ``None`` if none is."""
+        return None if self.t_min is None else max(self.ep.clock, self.t_min)
+
+    def first(self, clock_only: bool = False) -> tuple[float, int] | None:
+        """``(t, i)``: :meth:`event` and the lowest index of a group in by then. ``clock_only``: group 0,
+        and only if it is in by the clock."""
+        clock = self.ep.clock
+        if clock_only:
+            if not self.measured:
+                self.missing, self.latest = [0], [0.0]
+                self._measure(0)
+            if self.missing[0] or self.latest[0] > clock:
+                return None
+            return clock, 0
+        t = self.event()
+        if t is None:
+            return None
+        for i, (m, d) in enumerate(zip(self.missing, self.latest)):
+            if not m and d <= t:
+                return t, i
+        raise AssertionError("unreachable: the earliest group is in by the event")
