@@ -137,9 +137,8 @@ class Task:
 def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
     """ROC AUC by the rank-sum (Mann-Whitney) formula, ties given their mean rank."""
     order = torch.argsort(scores)
-    s = scores[order]
     ranks = torch.empty_like(scores, dtype=torch.float64)
-    ranks[order] = torch.arange(1, len(s) + 1, dtype=torch.float64)
+    ranks[order] = torch.arange(1, len(scores) + 1, dtype=torch.float64)
     # mean rank over ties
     uniq, inv = torch.unique(scores, return_inverse=True)
     sums = torch.zeros(len(uniq), dtype=torch.float64).index_add_(0, inv, ranks)

@@ -8,7 +8,7 @@ For every (workers, size): on a netbed with links of ``--gbps``, the median over
 large CPU tensors) and of ``ring`` (this library's ring over the Fabric), in one launch, interleaved; then
 the SimFabric's modelled time of ``ring`` at the same bandwidth, with the netbed's TCP/Ethernet framing
 (:data:`sparsecomm.fabric.sim.sim_network.TCP_OVER_ETHERNET`) and the one-way latency of a small message
-measured over the same fabric in the same launch (:func:`sparsecomm.netbed.probe.fabric_latency_s`: the
+measured over the same fabric in the same launch (:func:`sparsecomm.fabric.probe.fabric_latency_s`: the
 kernel's path plus gloo's rendezvous and the ranks' wake-ups, which on a shared host can be most of it).
 Both measured transports are compared to that modelled time (the model of a bandwidth-optimal ring;
 gloo's native all-reduce moves the same bytes). ``ratio`` = modelled / measured.
@@ -33,7 +33,7 @@ import torch
 import sparsecomm as sc
 import sparsecomm.transports  # noqa: F401  (registers the transports)
 from sparsecomm.fabric.sim.sim_network import TCP_OVER_ETHERNET
-from sparsecomm.netbed.probe import fabric_latency_s
+from sparsecomm.fabric.probe import fabric_latency_s
 
 #: :func:`modelled`'s default one-way latency: a netbed path in the kernel (host - top of rack - host; its
 #: round trip: ``python -m sparsecomm.netbed check``); :func:`compare` passes the fabric's own latency

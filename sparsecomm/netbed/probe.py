@@ -10,7 +10,7 @@ thread), so they measure the kernel path a gloo rank uses: veth, the top of rack
 
 and, run by every worker of a launch on any fabric (the netbed's ranks, or the SimFabric's):
 
-- :func:`fabric_latency_s` (:mod:`sparsecomm.fabric.probe`): the one-way latency of a small message *as a transport sees it*: the kernel's
+- :func:`sparsecomm.fabric.probe.fabric_latency_s`: the one-way latency of a small message *as a transport sees it*: the kernel's
   path plus gloo's rendezvous and the wake-ups of the ranks' threads, which on a shared host can be most
   of it. This is the ``alpha`` of the alpha-beta model that
   :class:`~sparsecomm.fabric.sim.sim_network.Network`'s ``latency_us`` stands for (on the SimFabric it
@@ -24,7 +24,6 @@ import statistics
 import threading
 import time
 
-from ..fabric.probe import LATENCY_TAG, fabric_latency_s  # noqa: F401  (the fabric-level probe)
 from .topology import Netbed
 
 _PORT = 47000

@@ -61,6 +61,7 @@ from typing import Any, Callable, Hashable
 
 import torch
 
+from ..codec.blocks import nonzero_blocks
 from ..errors import InvalidTypeError, InvalidValueError
 from ..fabric.probe import Link, link_parameters
 from ..payload import Payload
@@ -111,14 +112,10 @@ def block_density(x: torch.Tensor | Payload, block: int) -> float:
             nb = max(1, math.ceil(x.numel / block))
             return float(torch.unique(x.indices.reshape(-1) // block).numel()) / nb if x.indices.numel() else 0.0
         x = x.values
-    flat = x.reshape(-1)
-    n = flat.numel()
-    if n == 0:
+    if x.numel() == 0:
         return 0.0
-    full = n // block * block
-    nz = int(flat[:full].view(-1, block).ne(0).any(dim=1).sum()) if full else 0
-    nz += int(bool(flat[full:].ne(0).any())) if full < n else 0
-    return nz / math.ceil(n / block)
+    mask = nonzero_blocks(x, block)      # OmniReduce's own scan: the blocks it would send
+    return int(mask.sum()) / mask.numel()
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The fabric-level latency probe (sparsecomm.netbed.probe.fabric_latency_s) measures the model's own
+"""The fabric-level latency probe (sparsecomm.fabric.probe.fabric_latency_s) measures the model's own
 alpha: run on the SimFabric it gives back the configured one-way latency plus the message's serialisation,
 on every worker alike, for any world size; so what it measures on the netbed is the quantity that
 ``Network.latency_us`` stands for (experiments/bench/netbed_vs_sim.py models with it)."""
@@ -10,7 +10,7 @@ import functools
 import pytest
 
 import sparsecomm as sc
-from sparsecomm.netbed.probe import fabric_latency_s
+from sparsecomm.fabric.probe import fabric_latency_s
 
 
 def _probe(ctx, nbytes):

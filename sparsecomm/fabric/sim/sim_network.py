@@ -8,7 +8,7 @@ The network model (alpha-beta with NIC serialisation), per endpoint:
   half), so every path is symmetric, and a path between two workers has the workers' ``latency_us``.
   It is the alpha of the alpha-beta model: a message's fixed cost *as a transport sees it*, the wire's
   and the hosts' (a rendezvous, the threads' wake-ups) alike. To model a real network, measure it at that
-  level: :func:`sparsecomm.netbed.probe.fabric_latency_s` times ring shifts of a small message over any
+  level: :func:`sparsecomm.fabric.probe.fabric_latency_s` times ring shifts of a small message over any
   fabric (on this model it returns ``latency_us`` plus the serialisation; on real hosts, more than the
   kernel's path: BENCHMARKS.md, "SimFabric vs netbed"). A ring all-reduce pays it in every handshake
   round and once per pipeline (``experiments/bench/netbed_vs_sim.py`` models with it);
