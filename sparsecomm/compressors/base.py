@@ -16,7 +16,11 @@ It declares the properties that ``theory/`` and the validators read:
   casts), so compressing a concatenation is concatenating the compressions: the pipeline may then
   compress a whole bucket at once instead of parameter by parameter;
 - ``checks_finite``: ``compress`` raises :class:`~sparsecomm.errors.NonFiniteError` on a NaN or Inf in
-  its input, and has no other effect then (the pipeline then needs no check of its own).
+  its input, and has no other effect then (the pipeline then needs no check of its own);
+- ``shared_scale``: a ``quantized`` payload's scale is the same on every worker (so a summing transport
+  can add the integer codes);
+- ``packed_values``: the values travel packed (fewer bits than stored) only where no sum is formed on the
+  wire (allgather); :meth:`Compressor.sum_bits` is what a summing transport sends per element instead.
 
 A random operator holds no generator: called with ``generator=None`` it raises
 :class:`~sparsecomm.errors.GeneratorRequiredError` (``_common.py``: ``check_generator``).
@@ -45,6 +49,8 @@ class Compressor(ABC):
     shared_randomness: ClassVar[bool] = False
     elementwise: ClassVar[bool] = False
     checks_finite: ClassVar[bool] = False
+    shared_scale: ClassVar[bool] = False
+    packed_values: ClassVar[bool] = False
 
     @abstractmethod
     def compress(self, x: torch.Tensor, generator: torch.Generator | None = None) -> Payload:
@@ -81,6 +87,16 @@ class Compressor(ABC):
         """Bits one payload of a length-``d`` input of ``dtype`` costs on the wire (the payload's
         ``bits``; its ``meta["wire_bits"]`` splits it by tensor role)."""
         return 32 * d
+
+    @staticmethod
+    def sum_bits(n: int) -> int:
+        """Bits per element that a transport forming partial sums of ``n`` workers' payloads sends (32:
+        a float32 element; narrower for codes whose sums fit a small integer).
+
+        Args:
+            n: the number of workers.
+        """
+        return 32
 
     def hyper(self) -> dict:
         """The hyper-parameters this compressor was built with (for logging and ``repr``)."""

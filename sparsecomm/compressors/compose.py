@@ -89,7 +89,7 @@ class Composed(Compressor):
         self.first, self.second = first, second
         self.payload_kind = first.payload_kind if first.payload_kind != "quantized" else second.payload_kind
         self.shared_randomness = first.shared_randomness or second.shared_randomness
-        self.packed_values = first.payload_kind != "quantized" and bool(getattr(second, "packed_values", False))
+        self.packed_values = first.payload_kind != "quantized" and second.packed_values
 
     def _inner_len(self, d: int) -> int:
         return d if self.first.payload_kind == "quantized" else _values_len(self.first, d)

@@ -1,5 +1,6 @@
 """The pipeline's byte counts, kept in one place for every kind of round: :class:`Accounting` records
-each completed round (its declared payload bytes, scaled by the transport's :func:`wire_copies`, and
+each completed round (its declared payload bytes, scaled by the transport's
+:meth:`~sparsecomm.transports.base.Transport.wire_copies`, and
 the transport's measured :class:`~sparsecomm.fabric.stats.CommStats`) and each call (the dense bytes it
 stands for) into :class:`CompressionStats`, the cumulative figures ``compression_stats()`` reports."""
 
@@ -71,22 +72,12 @@ class CompressionStats:
             "compression_factor_sent": self.bytes_dense_sent / sent if sent else nan})
 
 
-def wire_copies(transport: Any) -> float:
-    """How many copies of one worker's payload the transport's sends amount to (its ``wire_copies()``;
-    ring-like ``2 (n-1)/n`` when it declares none)."""
-    f = getattr(transport, "wire_copies", None)
-    if f is not None:
-        return float(f())
-    n = transport.fabric.world_size
-    return 2.0 * (n - 1) / n
-
-
 def payload_bytes(p: Any) -> int:
     """The declared bytes of a round's message: a tensor's bytes, a Payload's ``bits`` rounded up to
     bytes (its wire tensors' bytes when it declares none)."""
     if isinstance(p, torch.Tensor):
         return p.numel() * p.element_size()
-    bits = int(getattr(p, "bits", 0) or 0)
+    bits = int(p.bits)
     if bits:
         return (bits + 7) // 8
     return sum(t.numel() * t.element_size() for t in p.wire_tensors())
@@ -97,10 +88,10 @@ class Accounting:
     step's :attr:`last_stats` (the transport's CommStats summed over the step's rounds). Every round of
     every kind (a bucket's, a parameter-wise bucket's, a later round of PowerSGD, a row-sparse gather) is
     recorded by :meth:`round` once its sum is in, and every call by :meth:`call`; both scale the declared
-    bytes by the transport's :func:`wire_copies` (:attr:`copies`, a property of its configuration)."""
+    bytes by the transport's ``wire_copies()`` (:attr:`copies`, a property of its configuration)."""
 
     def __init__(self, transport: Any) -> None:
-        self.copies = wire_copies(transport)
+        self.copies = float(transport.wire_copies())
         #: the cumulative figures, the current step's rounds included
         self.stats = CompressionStats()
         #: the current step's CommStats, summed over its rounds

@@ -66,7 +66,7 @@ from ..errors import InvalidTypeError, InvalidValueError
 from ..fabric.probe import Link, link_parameters
 from ..payload import Payload
 from ..theory import costs
-from ..transports.base import Transport
+from ..transports.base import CallShape, Transport
 
 log = logging.getLogger("sparsecomm.pipeline.auto")
 
@@ -346,29 +346,10 @@ class Chooser:
         assert self.link is not None
         net = {"bandwidth_gbps": min(self.link.bandwidth_Bps, 1e15) * 8 / 1e9,
                "latency_us": self.link.latency_s * 1e6}
-        dense_bytes = r.numel * r.elem_size
-        wire = dense_bytes if r.kind == "dense" else int(r.payload_bytes or dense_bytes)
         dw = min(1.0, max(r.density or 0.0, 0.0))
         du = min(1.0, max(r.union_density or 0.0, dw))
-        t = self.transport(name)
-        if name in ("ring", "native"):
-            return costs.MODELS[name](self.n, wire, elem_size=r.elem_size, **net)
-        if name == "allgather":
-            return costs.allgather(self.n, wire, tensors=1 if r.kind == "dense" else 2, **net)
-        if name == "omnireduce":
-            dep = getattr(t, "deployment", "colocated")
-            return costs.omnireduce_allreduce(
-                self.n, r.numel, density=dw, union_density=du, elem_size=r.elem_size,
-                block_size=getattr(t, "block_size", 256), deployment="colocated" if dep == "colocated" else "dedicated",
-                num_aggregators=getattr(t, "num_aggregators", None), channels=getattr(t, "channels", 2),
-                lanes=getattr(t, "lanes", 16384), **net)
-        if name == "switch":
-            return costs.switchml_allreduce(self.n, r.numel * 4, pool_size=t.pool_size, slot_elems=t.slot_elems,
-                                            **net)
-        if name == "sparse-switch":
-            return costs.sparse_switch_allreduce(self.n, r.numel, density=dw, union_density=du,
-                                                 slot_elems=t.k, pool_size=t.pool_size, **net)
-        return costs.MODELS[name](self.n, wire, **net)
+        call = CallShape(r.numel, r.elem_size, r.kind, int(r.payload_bytes or 0), dw, du)
+        return self.transport(name).cost(call, **net)
 
     def predict(self, name: str, r: BucketRecord) -> float:
         """Transport ``name``'s predicted seconds for bucket ``r``: its fitted closed form."""

@@ -40,7 +40,7 @@ from ..fabric.base import Fabric
 from ..fabric.stats import CommStats
 from ..methods.base import Method
 from ..transports.base import CallId, CommWork, Transport
-from .accounting import Accounting, CompressionStats, payload_bytes, wire_copies
+from .accounting import Accounting, CompressionStats, payload_bytes
 from .auto import Chooser, block_density, options as auto_options
 from .nonfinite import NONFINITE, NonFiniteRule
 from .resolve import build_transport, warn_unguaranteed
@@ -91,7 +91,7 @@ class CommPipeline:
                 self._follow_rule(t, nonfinite)
                 return t
 
-            self.chooser = Chooser(self.transport, make, comp.payload_kind, bool(getattr(comp, "shared_scale", False)),
+            self.chooser = Chooser(self.transport, make, comp.payload_kind, comp.shared_scale,
                                    multi_round=self.method.multi_round, nonfinite=nonfinite, opts=opts)
             self.rule.checks_sums = self.rule.check   # a chosen transport may not check its sums itself
         self.nonfinite = nonfinite
@@ -99,11 +99,11 @@ class CommPipeline:
         self.world_size = int(self.fabric.world_size)
         self.rank = int(self.fabric.rank)
         self.seed = int(seed)
-        self.shared_randomness = bool(getattr(self.method.compressor, "shared_randomness", False))
+        self.shared_randomness = self.method.compressor.shared_randomness
         #: whether the method is plain averaging (method ``none`` around the identity): its rounds skip
         #: the compressor's copy (and, as DDP, its finiteness check), and row-sparse gradients travel as
         #: rows (:meth:`start_sparse`)
-        self.plain = self.method.name == "none" and getattr(self.method.compressor, "name", "") == "identity"
+        self.plain = self.method.name == "none" and self.method.compressor.name == "identity"
         #: the method states by bucket key (the method object holds none)
         self.states = StateStore(self.method)
         #: the compressor's generators
@@ -124,7 +124,7 @@ class CommPipeline:
     @staticmethod
     def _follow_rule(transport: Transport, nonfinite: str) -> None:
         """The transport's own NaN/Inf rule follows the pipeline's ``"pass"``."""
-        if nonfinite == "pass" and getattr(transport, "nonfinite", "pass") != "pass":
+        if nonfinite == "pass" and transport.nonfinite != "pass":
             transport.nonfinite = "pass"
 
     # ------------------------------------------------------------------ configuration
@@ -149,11 +149,10 @@ class CommPipeline:
         state and its compressor is ``elementwise`` (the fp16/bf16 casts): then the whole bucket's
         round is the same numbers, in one call."""
         c = self.method.compressor
-        kind = getattr(c, "payload_kind", None)
-        if self.method.State is None and getattr(c, "elementwise", False):
+        if self.method.State is None and c.elementwise:
             return False
         return not self.method.multi_round and not self.method.uses_shapes and \
-            kind in ("dense", "aligned", "sparse")
+            c.payload_kind in ("dense", "aligned", "sparse")
 
     # ------------------------------------------------------------------ rounds
     def reduce(self, flat: torch.Tensor, key: Hashable, *, exact: bool = False,
@@ -206,7 +205,7 @@ class CommPipeline:
         done = call.last
         nxt = call.next_round(agg)
         if nxt is not None:
-            self.accounting.round(done, t.last_stats, wire_copies(t))
+            self.accounting.round(done, t.last_stats, t.wire_copies())
         return nxt
 
     def _finish(self, call: Call, agg: torch.Tensor, then: Callable[[torch.Tensor], Any] | None,
@@ -217,7 +216,7 @@ class CommPipeline:
             s = t.last_stats
             self.chooser.observe(*seen, agg, s.modelled_time_s if self.fabric.modelled_time else s.wall_time_s)
         out = call.finish(agg)
-        copies = wire_copies(t)
+        copies = t.wire_copies()
         self.accounting.call(call.dense_bytes, copies)
         self.accounting.round(call.last, t.last_stats, copies)
         return out if then is None else then(out)

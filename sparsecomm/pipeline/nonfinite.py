@@ -41,7 +41,7 @@ class NonFiniteRule:
         self.who = f"transport {transport.name!r}"
         #: whether a sum needs the pipeline's check: not when the transport raises on a non-finite sum (and
         #: on an overflow) itself, its ``nonfinite="raise"`` (fixed when the pipeline is built)
-        self.checks_sums = not (self.check and getattr(transport, "nonfinite", None) == "raise")
+        self.checks_sums = not (self.check and transport.nonfinite == "raise")
 
     def poisoned(self, x: torch.Tensor, exact: bool) -> bool:
         """Whether a compressed round's input ``x`` must be sent as NaN (see the module doc)."""

@@ -51,28 +51,27 @@ def _transport_class(name: str) -> Any:
 
 
 def _payload_traits(comp: Compressor) -> tuple[str, bool]:
-    return comp.payload_kind, bool(getattr(comp, "shared_scale", False))
+    return comp.payload_kind, comp.shared_scale
 
 
-def _carried_compressors(tcls: Any) -> list[str]:
+def _carried_compressors(tcls: type[Transport]) -> list[str]:
     out = []
     for n in compressors.available():
         f = compressors.registry.product(n)
-        kind = getattr(f, "payload_kind", None)
-        if kind is not None and tcls.can_carry(kind, bool(getattr(f, "shared_scale", False))):
+        if tcls.can_carry(f.payload_kind, f.shared_scale):
             out.append(n)
     return out
 
 
-def check_pair(method: Method, transport_name: str, tcls: Any) -> None:
+def check_pair(method: Method, transport_name: str, tcls: type[Transport]) -> None:
     """Raise IncompatibleError when ``tcls`` cannot carry what ``method``'s compressor produces."""
     kind, shared = _payload_traits(method.compressor)
-    if not hasattr(tcls, "can_carry") or tcls.can_carry(kind, shared):
+    if tcls.can_carry(kind, shared):
         return
     ok = [n for n in transports.available() if transports.registry.factory(n).can_carry(kind, shared)]
     scale = " with a per-worker scale" if kind == "quantized" and not shared else ""
     comp = method.compressor
-    cname = getattr(comp, "name", "") or type(comp).__name__
+    cname = comp.name or type(comp).__name__
     carried = _carried_compressors(tcls)
     raise IncompatibleError(
         f"compressor {cname!r} (method {method.name!r}) produces {kind!r} payloads{scale}, which "
@@ -121,10 +120,10 @@ def _default_transport(method: Method, fabric: Fabric) -> str:
     if kind == "sparse":
         order.remove("allgather")
         order.insert(0, "allgather")
-    elif getattr(comp, "packed_values", False) and n > 1:
+    elif comp.packed_values and n > 1:
         probe = 1 << 20
         packed = comp.bits(probe, torch.float32) / probe
-        summed = comp.sum_bits(n) if hasattr(comp, "sum_bits") else 32    # a summing transport's unit
+        summed = comp.sum_bits(n)    # a summing transport's unit
         if (n - 1) * packed < 2.0 * (n - 1) / n * summed:
             order.remove("allgather")
             order.insert(0, "allgather")
@@ -143,14 +142,14 @@ def warn_unguaranteed(method: Method) -> None:
     QSGD with few levels): EF's analysis needs ``delta``-contraction (Stich et al. 2018; Richtarik et
     al. 2021), and a scaled unbiased operator with omega >= 1 expands the error it feeds back."""
     comp = method.compressor
-    if method.name not in ("ef", "ef21") or not getattr(comp, "unbiased", False):
+    if method.name not in ("ef", "ef21") or not comp.unbiased:
         return
     try:
         omega = float(comp.omega(1 << 16))
     except Exception:  # noqa: BLE001 - compressors without omega: nothing to say
         return
     if omega >= 1.0:
-        cname = getattr(comp, "name", "") or type(comp).__name__
+        cname = comp.name or type(comp).__name__
         warnings.warn(
             f"method {method.name!r} with compressor {cname!r} (unbiased, omega={omega:.3g} >= 1) has no "
             f"convergence guarantee and can diverge (its error feedback grows the error it feeds back): error "

@@ -130,7 +130,7 @@ class BucketRounds(MethodRounds):
         super().__init__(method, states, generators, rule, outputs, world_size)
         # a stateless method around a compressor that raises NonFiniteError on a non-finite input: the
         # compressor's check of its input stands for the rule's (one pass less)
-        self.input_checked_by_encode = method.State is None and getattr(method.compressor, "checks_finite", False)
+        self.input_checked_by_encode = method.State is None and method.compressor.checks_finite
 
     def begin(self, flat: torch.Tensor, key: Hashable, steps_before: int, exact: bool, shapes: Any) -> Call:
         n, rule, method = self.n, self.rule, self.method

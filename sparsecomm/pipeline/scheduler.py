@@ -277,7 +277,7 @@ def sparse_message(pipeline: CommPipeline) -> str:
     t = pipeline.transport.name
     return (f"sparsecomm's DDP hook got a sparse gradient bucket (nn.Embedding(sparse=True)), which it "
             f"averages only plainly (compressor='none'); this hook has method "
-            f"{pipeline.method.name!r} with compressor {getattr(pipeline.method.compressor, 'name', '?')!r} "
+            f"{pipeline.method.name!r} with compressor {pipeline.method.compressor.name!r} "
             f"on transport {t!r}. Use sparsecomm.ddp.register(model, compressor='none', "
             f"transport='omnireduce'), sparse=False embeddings, or sc.DistributedOptimizer (which "
             f"averages sparse gradients with any method and returns them sparse)")

@@ -61,7 +61,7 @@ def describe(method: Method, transport: Transport, transport_kwargs: dict | None
     comp = method.compressor if methods.wraps_compressor(method.name) else None
     cname = None
     if comp is not None:
-        cname = getattr(comp, "name", "") or type(comp).__name__
+        cname = comp.name or type(comp).__name__
         out.append(("compressor", repr(cname)))
     out += [(f"{k} of method {method.name!r}", repr(v)) for k, v in method.hyper().items() if k != "compressor"]
     if comp is not None:

@@ -15,7 +15,7 @@ from ..errors import SparseCommError
 from ..fabric.stats import CommStats
 from ..payload import Payload
 from ..transports.base import CallId, CommWork, calling, engine
-from .accounting import Accounting, wire_copies
+from .accounting import Accounting
 from .nonfinite import NonFiniteRule, check_aggregate
 
 #: how :meth:`SparseRows.start` averages a row-sparse gradient
@@ -97,7 +97,7 @@ class SparseRows:
         """The transport's own ``gather`` if it has one, else torch.distributed's all-gather where the
         fabric has a native process group (``native``, as DDP), else an allgather on the fabric."""
         if self._gatherer is None:
-            if callable(getattr(self.transport, "gather", None)):
+            if self.transport.gathers:
                 self._gatherer = self.transport
             elif self.fabric.native_group is not None:
                 self._gatherer = transports.get("native", self.fabric, nonfinite="pass")
@@ -129,7 +129,7 @@ class SparseRows:
             t = torch.sparse_coo_tensor(idx[None], v.reshape(idx.numel(), *shape[1:]), shape,
                                         check_invariants=False).coalesce()
             t.values().div_(n)
-            acc.round(payload, comm, copies=wire_copies(gatherer))
+            acc.round(payload, comm, copies=gatherer.wire_copies())
             acc.call(numel * elt)
             return t
 

@@ -81,9 +81,9 @@ def hint(method: Method, world_size: int, sizes: Sequence[int] | None = None) ->
         method = method.inner
     comp = method.compressor
     ds = [int(d) for d in (sizes or ()) if int(d) > 0] or [PROBE_SIZE]
-    n_eff = 1 if getattr(comp, "shared_randomness", False) else max(1, int(world_size))
+    n_eff = 1 if comp.shared_randomness else max(1, int(world_size))
     name = method.name
-    if name in ("diana", "none") and getattr(comp, "unbiased", False):
+    if name in ("diana", "none") and comp.unbiased:
         omega = max(float(comp.omega(d)) for d in ds)
         if name == "diana":
             return StepSizeHint(name, "omega", omega, n_eff, rates.step_scale("diana", omega=omega, n=n_eff),

@@ -50,7 +50,8 @@ from ..errors import InvalidValueError, MalformedMessage, MismatchError, Overflo
 from ._guards import abs_max, all_finite, guard_finite, is_integer, narrow, nonfinite_option
 from ._handshake import (HANDSHAKE_TAG, KIND_CODE, dtype_code, dtype_from_code, fail_stop, fingerprint,
                          header_fields, header_state, mismatch_error, read_header, same_call)
-from .base import Transport
+from ..theory import costs
+from .base import CallShape, Transport
 
 #: the headers travel on the agreement handshake's tag, in its fixed-size format, so that a worker
 #: running another transport exchanges headers of the same size and gets a MismatchError, not an abort
@@ -106,9 +107,17 @@ class AllGather(Transport):
         self.header_tag = header_tag
         self.data_tag = data_tag
 
+    gathers = True
+
     def wire_copies(self) -> float:
         """Every payload goes to each of the ``n - 1`` other workers."""
         return float(self.fabric.world_size - 1)
+
+    def cost(self, call: CallShape, *, bandwidth_gbps: float, latency_us: float) -> costs.Cost:
+        """:func:`~sparsecomm.theory.costs.allgather` of the call's wire bytes (a compressed payload in two
+        messages: its indices or codes, then its values)."""
+        return costs.allgather(self.fabric.world_size, call.wire_bytes, tensors=1 if call.kind == "dense" else 2,
+                               bandwidth_gbps=bandwidth_gbps, latency_us=latency_us)
 
     def _allreduce_tensor(self, flat: torch.Tensor) -> torch.Tensor:
         return self._gather_sum(Payload("dense", flat, flat.shape, flat.dtype))

@@ -54,7 +54,7 @@ import time
 import weakref
 from abc import ABC, abstractmethod
 from collections import deque
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, NamedTuple
 
 import torch
 
@@ -63,9 +63,34 @@ from ..fabric.base import Fabric
 from ..fabric.stats import CommStats
 from ..payload import Payload
 from ..registry import Registry
+from ..theory import costs
 from . import _fold
 from ._handshake import CallId, calling, transport_code
 from .linear import LinearOperand, linear_operand
+
+
+class CallShape(NamedTuple):
+    """One call as a transport's cost model (:meth:`Transport.cost`) sees it, per worker: the figures
+    every worker agrees on before it chooses (``transport="auto"``)."""
+
+    #: elements of the dense tensor
+    numel: int
+    #: bytes per element of the dense tensor
+    elem_size: int
+    #: the payload kind (``dense`` for a plain tensor)
+    kind: str = "dense"
+    #: declared bytes of the payload (0: the dense bytes)
+    payload_bytes: int = 0
+    #: fraction of 256-element blocks holding a non-zero on one worker, and in the sum (the union)
+    density: float = 1.0
+    union_density: float = 1.0
+
+    @property
+    def wire_bytes(self) -> int:
+        """The bytes one worker's message carries: the dense bytes of a ``dense`` call, else the
+        payload's declared bytes."""
+        dense = self.numel * self.elem_size
+        return dense if self.kind == "dense" or not self.payload_bytes else int(self.payload_bytes)
 
 
 class Transport(ABC):
@@ -88,6 +113,13 @@ class Transport(ABC):
     #: the transport checks a predicted call inside its data collective and keeps the call record
     #: itself (``native``; :mod:`._fold`); the others are told of a prediction by :meth:`run`
     folds: ClassVar[bool] = False
+    #: the transport has a :meth:`gather` of its own (every worker's payload, unsummed)
+    gathers: ClassVar[bool] = False
+    #: the transport's own rule for a NaN/Inf in a sum: ``"raise"``, it raises
+    #: :class:`~sparsecomm.errors.NonFiniteError` on every worker itself (so the pipeline need not check),
+    #: or ``"pass"``, it sums them through or has no rule of its own (the pipeline checks); transports
+    #: that take a ``nonfinite=`` option set it per instance
+    nonfinite: str = "pass"
 
     def __init_subclass__(cls, **kw) -> None:
         super().__init_subclass__(**kw)
@@ -179,6 +211,30 @@ class Transport(ABC):
         (``compression_stats()["sent_over_declared"]``)."""
         n = self.fabric.world_size
         return 2.0 * (n - 1) / n
+
+    def cost(self, call: CallShape, *, bandwidth_gbps: float, latency_us: float) -> costs.Cost:
+        """The closed-form cost of ``call`` with this transport's configuration on a link of
+        ``bandwidth_gbps`` and ``latency_us`` (:mod:`sparsecomm.theory.costs`, the SimFabric's model).
+        The base class prices the call's wire bytes with the transport's entry of
+        :data:`~sparsecomm.theory.costs.MODELS`; transports whose cost depends on their options or on the
+        payload's sparsity override it.
+
+        Args:
+            call: the call's shape (agreed by every worker).
+            bandwidth_gbps: the link's rate.
+            latency_us: the link's latency per message.
+        """
+        return costs.MODELS[self.name](self.fabric.world_size, call.wire_bytes, bandwidth_gbps=bandwidth_gbps,
+                                       latency_us=latency_us)
+
+    def gather(self, p: Payload) -> list[Payload]:
+        """Every worker's payload, unsummed, in rank order, on every worker: for the transports that
+        declare :attr:`gathers`.
+
+        Args:
+            p: this worker's payload.
+        """
+        raise IncompatibleError(f"transport {self.name!r} has no gather; use 'allgather' or 'native'")
 
     @classmethod
     def can_carry(cls, kind: str, shared_scale: bool = False) -> bool:

@@ -53,7 +53,8 @@ import torch
 from ..errors import InvalidValueError
 from ..fabric.base import Fabric
 from ._guards import nonfinite_option
-from .base import Transport, registry
+from ..theory import costs
+from .base import CallShape, Transport, registry
 from .linear import LinearOperand, guarded_sum, linear_operand
 
 RING_TAG = 0x5C10
@@ -198,6 +199,11 @@ class Ring(Transport):
         self.segment_bytes = None if segment_bytes is None else int(segment_bytes)
         self.inplace = inplace   # sum a plain tensor input into itself (scratch buckets) instead of a copy
         self._workspace: dict = {}
+
+    def cost(self, call: CallShape, *, bandwidth_gbps: float, latency_us: float) -> costs.Cost:
+        """:func:`~sparsecomm.theory.costs.ring_allreduce` of the call's wire bytes, in its elements."""
+        return costs.ring_allreduce(self.fabric.world_size, call.wire_bytes, elem_size=call.elem_size,
+                                    bandwidth_gbps=bandwidth_gbps, latency_us=latency_us)
 
     def _allreduce_tensor(self, flat: torch.Tensor) -> torch.Tensor:
         op = linear_operand(flat, self.name, inplace=self.inplace)

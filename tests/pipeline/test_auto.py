@@ -218,3 +218,31 @@ def test_the_default_transport_is_one_fixed_transport_and_auto_is_the_per_bucket
     (fixed, fixed_decided), (start, auto_decided) = sc.launch(_default_and_auto, world_size=2)[0]
     assert fixed == start == "ring"
     assert not fixed_decided and auto_decided
+
+
+def _prices(ctx):
+    from sparsecomm.theory import costs
+    from sparsecomm.transports.base import CallShape
+
+    call = CallShape(1 << 20, 4, "dense", 0, 0.05, 0.1)
+    net = {"bandwidth_gbps": 10.0, "latency_us": 5.0}
+    out = {}
+    for name in sc.transports.available():
+        if name == "native":     # torch.distributed's all-reduce: priced as the ring, needs a TorchFabric
+            continue
+        kw = {"block_size": 64, "lanes": 8, "channels": 4} if name == "omnireduce" else {}
+        out[name] = sc.transports.get(name, ctx.fabric, **kw).cost(call, **net)
+    mine = costs.omnireduce_allreduce(2, 1 << 20, density=0.05, union_density=0.1, block_size=64, lanes=8,
+                                      channels=4, deployment="colocated", **net)
+    stock = costs.omnireduce_allreduce(2, 1 << 20, density=0.05, union_density=0.1, deployment="colocated", **net)
+    return out, mine, stock
+
+
+def test_every_transport_prices_a_call_with_its_own_configuration():
+    """``auto`` asks each transport for its cost (``Transport.cost``): a transport built with other options
+    is priced with them, and every registered transport (but ``native``, which needs torch.distributed)
+    has a model."""
+    out, mine, stock = sc.launch(_prices, 2, network=sc.Network(bandwidth_gbps=10.0), services=["switch"])[0]
+    assert set(out) == set(sc.transports.available()) - {"native"}
+    assert out["omnireduce"] == mine and mine != stock
+    assert all(c.time_s > 0 for c in out.values())

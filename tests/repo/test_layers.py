@@ -382,3 +382,34 @@ def test_no_module_reads_another_modules_private_names():
             continue
         offenders += _private_reads(mod, ast.parse(path.read_text(encoding="utf-8")))
     assert offenders == []
+
+
+# ----------------------------------------------------------------------------- declared contracts
+def _guessed_reads(mod: str, tree: ast.AST) -> list[str]:
+    """``getattr(x, "attr", default)`` and ``hasattr(x, "attr")`` with a literal name: a read of a part's
+    attribute that the part's base class does not promise."""
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and len(node.args) >= 2
+                and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
+            continue
+        if (node.func.id == "getattr" and len(node.args) == 3) or node.func.id == "hasattr":
+            found.append(f"{mod}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_the_guessed_read_checker_sees_what_it_should():
+    src = 'getattr(c, "packed_values", False)\nhasattr(c, "sum_bits")\ngetattr(c, name)\nc.shared_scale\n'
+    assert [f.split(" ", 1)[1] for f in _guessed_reads("x", ast.parse(src))] == [
+        "getattr(c, 'packed_values', False)", "hasattr(c, 'sum_bits')"]
+
+
+def test_what_the_pipeline_reads_from_a_part_is_declared_on_its_base_class():
+    """The pipeline reads a compressor's, method's or transport's traits as the base classes declare them
+    (``Compressor.shared_scale``, ``Transport.nonfinite``, ``Transport.cost``, ...), never by guessing
+    with a default: a part that lacks one is a bug the base class catches, not a silent default."""
+    offenders = []
+    for mod, (path, _) in sorted(MODULES.items()):
+        if _unit(mod) == "pipeline":
+            offenders += _guessed_reads(mod, ast.parse(path.read_text(encoding="utf-8")))
+    assert offenders == []

@@ -59,7 +59,8 @@ from .. import _fold
 from ..base import engine, registry
 from .._guards import all_finite, guard_finite, nonfinite_option
 from .._handshake import calling, check_agreement, fail_stop
-from ..base import Transport
+from ...theory import costs
+from ..base import CallShape, Transport
 from ..linear import LinearOperand, guarded_sum, linear_operand
 from .collectives import join, post_join
 from .gather import gather_rows
@@ -76,6 +77,7 @@ class Native(Transport):
     quantized_needs_shared_scale = True
     linear = frozenset({"dense", "aligned", "quantized"})
     folds = True
+    gathers = True
 
     def __init__(self, fabric: Fabric, *, inplace: bool = False, nonfinite: str = "raise",
                  fold_max_bytes: int = _fold.FOLD_MAX_BYTES) -> None:
@@ -172,6 +174,12 @@ class Native(Transport):
             if eng is not None:
                 eng.resolved()
         return total
+
+    def cost(self, call: CallShape, *, bandwidth_gbps: float, latency_us: float) -> costs.Cost:
+        """:func:`~sparsecomm.theory.costs.native_allreduce` (the ring's volume and steps) of the call's
+        wire bytes."""
+        return costs.native_allreduce(self.fabric.world_size, call.wire_bytes, elem_size=call.elem_size,
+                                      bandwidth_gbps=bandwidth_gbps, latency_us=latency_us)
 
     def _allreduce_tensor(self, flat: torch.Tensor) -> torch.Tensor:
         op = linear_operand(flat, self.name, inplace=self.inplace)

@@ -84,7 +84,8 @@ from .._handshake import check_agreement
 from .._guards import abs_max, guard_finite, is_integer, narrow, nonfinite_option
 from ...fabric import services
 from ...payload import Payload
-from ..base import Transport, registry
+from ...theory import costs
+from ..base import CallShape, Transport, registry
 from ..linear import LinearOperand
 from . import trace, wire
 from .service import serve
@@ -190,6 +191,15 @@ class OmniReduce(Transport):
         whole block per value (see docs/transports.md, "Bytes on the wire")."""
         n = self.fabric.world_size
         return 2.0 * (n - 1) / n if self.deployment == "colocated" else 1.0
+
+    def cost(self, call: CallShape, *, bandwidth_gbps: float, latency_us: float) -> costs.Cost:
+        """:func:`~sparsecomm.theory.costs.omnireduce_allreduce` of the call's densities with this
+        transport's blocks, deployment, aggregators, channels and lanes."""
+        return costs.omnireduce_allreduce(
+            self.fabric.world_size, call.numel, density=call.density, union_density=call.union_density,
+            elem_size=call.elem_size, block_size=self.block_size, deployment=self.deployment,
+            num_aggregators=self.num_aggregators, channels=self.channels, lanes=self.lanes,
+            bandwidth_gbps=bandwidth_gbps, latency_us=latency_us)
 
     # ------------------------------------------------------------------ public
     def allreduce(self, x, *, call=None):

@@ -83,7 +83,8 @@ from ...errors import IncompatibleError, InvalidValueError, NonFiniteError
 from ...fabric.base import Fabric
 from .. import defaults
 from .._handshake import check_agreement
-from ..base import Transport, registry
+from ...theory import costs
+from ..base import CallShape, Transport, registry
 from ..linear import LinearOperand
 from .control import (AGREE, CONTROL_SLOT, DEFAULT_MAX_EXPONENT, DTYPES, KINDS, MODE_FLOAT, MODE_INT, ROUNDING,
                       check_control, control_vector, max_exponent_option, narrowed, started_program,
@@ -210,6 +211,13 @@ class SwitchTransport(Transport):
     def wire_copies(self) -> float:
         """Each worker streams its tensor to the switch once (32-bit fixed point per value)."""
         return 1.0
+
+    def cost(self, call: CallShape, *, bandwidth_gbps: float, latency_us: float) -> costs.Cost:
+        """:func:`~sparsecomm.theory.costs.switchml_allreduce` of the call's elements as 32-bit fixed point,
+        with this transport's pool and slots."""
+        return costs.switchml_allreduce(self.fabric.world_size, call.numel * 4, pool_size=self.pool_size,
+                                        slot_elems=self.slot_elems, bandwidth_gbps=bandwidth_gbps,
+                                        latency_us=latency_us)
 
     # ================================================================== payload kinds
     def _allreduce_tensor(self, flat: torch.Tensor) -> torch.Tensor:

@@ -132,7 +132,8 @@ from .... import codec
 from ....errors import IncompatibleError, InvalidValueError, ProtocolError
 from ....fabric.base import Fabric
 from ..._handshake import check_agreement
-from ...base import Transport, registry
+from ....theory import costs
+from ...base import CallShape, Transport, registry
 from ...linear import LinearOperand
 from ... import defaults
 from ..control import (DTYPES, DEFAULT_MAX_EXPONENT, MODE_FLOAT, MODE_INT, check_control, control_vector,
@@ -245,6 +246,14 @@ class SparseSwitch(Transport):
         return self._job(op.vector, fingerprint=op.check, out_dtype=torch.int64 if op.codes else None)
 
     # ================================================================== one job, top to bottom
+    def cost(self, call: CallShape, *, bandwidth_gbps: float, latency_us: float) -> costs.Cost:
+        """:func:`~sparsecomm.theory.costs.sparse_switch_allreduce` of the call's block densities, with this
+        transport's block (slot) size and pool."""
+        return costs.sparse_switch_allreduce(self.fabric.world_size, call.numel, density=call.density,
+                                             union_density=call.union_density, slot_elems=self.k,
+                                             pool_size=self.pool_size, bandwidth_gbps=bandwidth_gbps,
+                                             latency_us=latency_us)
+
     def _allreduce_tensor(self, flat: torch.Tensor) -> torch.Tensor:
         return self._job(flat)
 
