@@ -2,14 +2,15 @@
 and the one scheduler of an endpoint that performs them (:func:`drive`, what :meth:`.base.Fabric.drive` runs).
 
 A role is a generator (one side of a protocol, or one part of an endpoint's work); it yields requests
-(:class:`Send`, :class:`Post`, :class:`PostInto`, :class:`Hand`, :class:`Recv`, :class:`Poll`, :class:`Spawn`)
-and never touches the fabric itself. The roles of an endpoint share an :class:`Inbox` (receives posted ahead
-of need, messages handed over locally), an :class:`Outbox` (asynchronous sends) and a :class:`Pool` (message
-buffers reused across rounds and calls). Nothing here reads a message: the scheduler sees ``(key, buffer)``
-pairs and, for each wait, its :class:`Stage`, a value the protocol defines (what the wait is for, how it is
-preferred). The scheduler's rules and the argument that they cannot deadlock: ``docs/omnireduce-scheduler.md``
-(stated for OmniReduce's roles, the first protocol written as roles; the rules are this module's). A
-``fabric`` below is a :class:`.base.Fabric` (not imported here: the contract imports this module).
+(:class:`Send`, :class:`Post`, :class:`PostInto`, :class:`Hand`, :class:`Recv`, :class:`Poll`, :class:`Spawn`,
+:class:`Flush`) and never touches the fabric itself. The roles of an endpoint share an :class:`Inbox`
+(receives posted ahead of need, messages handed over locally), an :class:`Outbox` (asynchronous sends) and a
+:class:`Pool` (message buffers reused across rounds and calls). Nothing here reads a message: the scheduler
+sees ``(key, buffer)`` pairs and, for each wait, its :class:`Stage`, a value the protocol defines (what the
+wait is for, how it is preferred; :class:`Step` where a protocol needs no preference of its own). The
+scheduler's rules and the argument that they cannot deadlock: ``docs/omnireduce-scheduler.md`` (stated for
+OmniReduce's roles, the first protocol written as roles; the rules are this module's). A ``fabric`` below
+is a :class:`.base.Fabric` (not imported here: the contract imports this module).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import torch
 
 from ..errors import ProtocolError
 
-__all__ = ["Pool", "Inbox", "Outbox", "Stage", "Send", "Post", "PostInto", "Hand", "Recv", "Poll", "Spawn",
-           "drive"]
+__all__ = ["Pool", "Inbox", "Outbox", "Stage", "Step", "Send", "Post", "PostInto", "Hand", "Recv", "Poll", "Spawn",
+           "Flush", "drive"]
 
 
 class Pool:
@@ -55,6 +56,12 @@ class Pool:
         """The sends still holding the send buffer of role ``key`` (:meth:`get` would wait for them; none
         for ``key=None``)."""
         return [w for w in self._busy.get(("out", key), ()) if not w.is_completed()]
+
+    def settle(self, key) -> None:
+        """Wait for every send holding the send buffer of role ``key`` (those :meth:`busy` lists, in the order
+        they started, and the completed ones), and forget them."""
+        for wk in self._busy.pop(("out", key), ()):
+            wk.wait()
 
     def release(self) -> None:
         """Forget the completed sends (call after waiting for them all)."""
@@ -95,8 +102,8 @@ class Inbox:
         self._add(key, (self.fabric.irecv(buf, src, tag), buf))
 
     def post_into(self, key, buf: torch.Tensor, src: int, tag: int) -> None:
-        """Post the receive of ``key`` from endpoint ``src`` on ``tag`` straight into ``buf`` (contiguous
-        bytes, e.g. a view of the result)."""
+        """Post the receive of ``key`` from endpoint ``src`` on ``tag`` straight into ``buf`` (a contiguous
+        tensor, e.g. a view of the result)."""
         self._add(key, (self.fabric.irecv(buf, src, tag), buf))
 
     def put(self, key, buf) -> None:
@@ -193,15 +200,25 @@ class Stage(Protocol):
         to run waits at such a stage?"""
 
 
+class Step(NamedTuple):
+    """A plain :class:`Stage`, for a protocol whose waits need no preference of their own (one role, such as
+    a ring's steps): ordered by ``phase`` (then ``sure``, ``reaps``), neither sure nor reaping by default."""
+
+    phase: int = 0
+    sure: bool = False
+    reaps: bool = False
+
+
 # ----------------------------------------------------------------------------------------- requests
 # A role (a generator) yields these to :func:`drive`. Send, Post, PostInto, Hand and Spawn never block:
 # the scheduler performs them and resumes the role at once. Recv suspends it until its messages are in;
-# Poll lets the others run meanwhile.
+# Poll lets the others run meanwhile; Flush blocks until sends of its own have completed.
 
 
 class Send(NamedTuple):
     """Send ``buf`` to endpoint ``dst`` on ``tag`` (asynchronous). ``hold``: the role of the pooled
-    buffer, which is not reused before this send has completed. ``deferrable``: the receiver may post its
+    buffer, which is not reused before this send has completed (or any name for what ``buf`` is a view
+    of, that a :class:`Flush` waits for). ``deferrable``: the receiver may post its
     receive late, after steps of its own (a reap does not wait for it, :meth:`Outbox.reap`)."""
 
     buf: torch.Tensor
@@ -221,7 +238,8 @@ class Post(NamedTuple):
 
 
 class PostInto(NamedTuple):
-    """Post the receive of message ``key`` straight into ``buf`` (contiguous bytes, e.g. the result's)."""
+    """Post the receive of message ``key`` straight into ``buf`` (a contiguous tensor, e.g. a view of the
+    result)."""
 
     key: object
     buf: torch.Tensor
@@ -264,6 +282,15 @@ class Spawn(NamedTuple):
     """Start another role on this endpoint (run at once up to its first wait)."""
 
     role: Generator
+
+
+class Flush(NamedTuple):
+    """Wait until every send held under ``hold`` (:attr:`Send.hold`) has completed, so that the role may
+    overwrite what they sent (:meth:`Pool.settle`). It blocks this endpoint: as a reap
+    (:meth:`Outbox.reap`), only for sends whose receives the peer posts without this endpoint's later
+    steps (``docs/omnireduce-scheduler.md``, rule R12)."""
+
+    hold: object
 
 
 def drive(fabric, inbox: Inbox, outbox: Outbox, roles: list, keep: int = 64) -> None:
@@ -344,6 +371,8 @@ class _Scheduler:
                 inbox.put(req.key, req.msg)
             elif t is Spawn:
                 self.advance(req.role)
+            elif t is Flush:
+                outbox.pool.settle(req.hold)
             elif t is Poll:
                 if not self.polling:
                     self.polling = True

@@ -1,6 +1,7 @@
 """Roles, what a fabric runs (:mod:`sparsecomm.fabric.roles`): a protocol that is not OmniReduce, with stages of
 its own, runs on ``Fabric.drive`` of a SimFabric; the scheduler resumes the role whose messages come first in
-modelled time among those able to run, and a role that can never run is an error naming the endpoint."""
+modelled time among those able to run, a role that can never run is an error naming the endpoint, and a
+``Flush`` waits for the sends holding a buffer before its role goes on."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ import torch
 import sparsecomm as sc
 from sparsecomm.errors import ProtocolError
 from sparsecomm.fabric.base import Fabric
-from sparsecomm.fabric.roles import Hand, Inbox, Outbox, Pool, Post, Recv, Send, Spawn
+from sparsecomm.fabric.roles import Flush, Hand, Inbox, Outbox, Pool, Post, Recv, Send, Spawn
 
 
-class Step(NamedTuple):
+class OwnStage(NamedTuple):
     """A stage of the test's protocol: ordered by ``phase``; never sure, never reaping."""
 
     phase: int
@@ -33,7 +34,7 @@ def _exchange(ctx, delays: list[float]) -> list[tuple[int, float]]:
 
     def receiver(peer: int):
         yield Post(("v", peer), 4, peer, 5)
-        yield Recv((("v", peer),), Step(phase=1))
+        yield Recv((("v", peer),), OwnStage(phase=1))
         got.append((peer, inbox.take(("v", peer)).view(torch.float32).item()))
 
     def sender():
@@ -45,7 +46,7 @@ def _exchange(ctx, delays: list[float]) -> list[tuple[int, float]]:
 
     def local():   # a hand-over: in at once, preferred to nothing (phase 0 comes first)
         yield Hand("me", float(f.rank))
-        yield Recv(("me",), Step(phase=0))
+        yield Recv(("me",), OwnStage(phase=0))
         got.append((f.rank, inbox.take("me")))
 
     f.drive([receiver(p) for p in range(f.world_size) if p != f.rank] + [sender()], inbox, outbox)
@@ -69,7 +70,7 @@ def test_a_role_that_can_never_run_names_the_endpoint():
         inbox = Inbox(ctx.fabric, pool)
 
         def role():
-            yield Recv((("never",),), Step(phase=0))
+            yield Recv((("never",),), OwnStage(phase=0))
 
         ctx.fabric.drive([role()], inbox, Outbox(ctx.fabric, pool))
 
@@ -82,3 +83,39 @@ def test_every_fabric_runs_the_same_scheduler():
     from sparsecomm.fabric.torch.torch_fabric import TorchFabric
 
     assert SimFabric.drive is Fabric.drive and TorchFabric.drive is Fabric.drive
+
+
+def test_flush_waits_for_the_sends_holding_a_buffer_before_the_role_goes_on():
+    log = []
+
+    class _Work:
+        def __init__(self, name):
+            self.name = name
+
+        def wait(self, timeout=None):
+            log.append(f"wait {self.name}")
+
+        def is_completed(self):
+            return False
+
+    class _Fabric:
+        rank, world_size = 0, 2
+
+        def isend(self, buf, dst, tag):
+            return _Work(f"send {tag}")
+
+    f, pool = _Fabric(), Pool()
+    inbox, outbox = Inbox(f, pool), Outbox(f, pool)
+
+    def role():
+        yield Send(torch.zeros(1), 1, 1, hold="a")
+        yield Send(torch.zeros(1), 1, 2, hold="b")
+        yield Send(torch.zeros(1), 1, 3, hold="a")
+        yield Flush("a")
+        log.append("flushed a")
+        assert [w.name for w in pool.busy("b")] == ["send 2"] and pool.busy("a") == []
+
+    Fabric.drive(f, [role()], inbox, outbox)   # (the generic scheduler, on a fake fabric)
+    assert log == ["wait send 1", "wait send 3", "flushed a"]
+    outbox.finish()
+    assert log[3:] == ["wait send 1", "wait send 2", "wait send 3"]
