@@ -21,6 +21,8 @@ Semantics every implementation keeps (they are what lets one protocol run on :cl
   index, so that an endpoint can serve whichever of its peers is ready first (an event-driven loop);
   SimFabric picks the receive delivered first in *modelled* time, deterministically.
 - ``stats`` is this endpoint's cumulative :class:`CommStats`; transports report per-call deltas.
+- ``drive(roles, inbox, outbox)`` runs a protocol written as roles (generators yielding their I/O,
+  :mod:`.roles`) on this endpoint until every one has returned; every fabric runs the same roles.
 
 Capabilities. Layers above ask a fabric what it can do, never which class it is:
 
@@ -61,6 +63,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..errors import InvalidValueError
+from . import roles as _roles
 from .stats import CommStats
 
 #: a real fabric's ``message_bytes`` (module docstring, "Capabilities")
@@ -211,6 +214,20 @@ class Fabric(ABC):
                                     f"within {self.timeout_s:g} s")
             time.sleep(delay)
             delay = min(2 * delay, 1e-3)
+
+    def drive(self, roles: list, inbox: _roles.Inbox, outbox: _roles.Outbox, *, keep: int = 64) -> None:
+        """Run ``roles`` (generators yielding the requests of :mod:`.roles`) on this endpoint until every
+        one has returned: their sends go out through ``outbox``, their receives are posted in ``inbox``,
+        and a role waiting for its messages (:class:`~.roles.Recv`) is resumed when the scheduler's rules
+        allow (``docs/omnireduce-scheduler.md``). Before choosing a role to resume, when every role able to
+        run waits at a stage that reaps (:attr:`.roles.Stage.reaps`), all but ``keep`` of this endpoint's
+        sends are finished. A role's exception propagates to the caller; roles of which none can ever run
+        raise :class:`~sparsecomm.errors.ProtocolError`.
+
+        This generic version is the one scheduler of :func:`.roles.drive`, on this endpoint alone (its
+        waits are :meth:`wait_any`); every fabric runs it for now.
+        """
+        _roles.drive(self, inbox, outbox, roles, keep)
 
     #: tag reserved for :meth:`barrier` (torch.distributed accepts tags in [0, 2**31))
     barrier_tag: int = 2**31 - 2

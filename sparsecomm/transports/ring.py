@@ -22,10 +22,10 @@ receives are posted during the reduce-scatter, as soon as the regions they overw
 (:func:`ring_allreduce_`). The two receive buffers (one chunk each) are kept by the transport object
 between calls, so that no call pays the page faults of fresh buffers.
 
-Written against :class:`~sparsecomm.fabric.base.Fabric` only (``isend``/``irecv``), so it runs on
-SimFabric and TorchFabric alike, on the tensors' device (CUDA tensors over nccl). Its defaults (the
-segments above) are the real fabric's and the SimFabric's alike: the cost model
-(:func:`theory.costs.ring_allreduce`) prices the same segments (:mod:`.defaults`).
+Written as one role (:mod:`sparsecomm.fabric.roles`: it yields its sends, the receives it posts and its
+waits) that the fabric runs (``Fabric.drive``), so it runs on SimFabric and TorchFabric alike, on the
+tensors' device (CUDA tensors over nccl). Its defaults (the segments above) are the real fabric's and the
+SimFabric's alike: the cost model (:func:`theory.costs.ring_allreduce`) prices the same segments (:mod:`.defaults`).
 
 Payloads it sums compactly, as their linear operand (:mod:`.linear`: the element-wise sum of one vector
 per worker):
@@ -52,6 +52,7 @@ import torch
 
 from ..errors import InvalidValueError
 from ..fabric.base import Fabric
+from ..fabric.roles import Flush, Inbox, Outbox, Pool, PostInto, Recv, Send, Step
 from ._guards import nonfinite_option
 from ..theory import costs
 from .base import CallShape, Transport, registry
@@ -62,6 +63,8 @@ RING_TAG = 0x5C10
 DEFAULT_SEGMENT_BYTES = 4 << 20
 #: by default, a chunk of at least twice this travels in at least two segments (:func:`segment_length`)
 MIN_SEGMENT_BYTES = 1 << 20
+#: the stage of each of the ring's waits (one role: no preference to state)
+_STEP = Step()
 
 
 def chunk_bounds(numel: int, n: int) -> list[int]:
@@ -110,11 +113,28 @@ def ring_allreduce_(fabric: Fabric, acc: torch.Tensor, tag: int = RING_TAG,
     once, so additions and transfers of consecutive segments overlap; the next step's receives are
     posted while the current one is processed (two receive buffers, kept in ``workspace`` if given), and the
     all-gather's receives during the reduce-scatter, each once the region it overwrites has been sent.
-    Empty chunks are not sent.
+    Empty chunks are not sent. The steps are one role (:func:`ring_role`) that ``fabric.drive`` runs.
     """
-    n, r = fabric.world_size, fabric.rank
+    n = fabric.world_size
     if n == 1:
         return acc
+    pool = Pool()
+    inbox, outbox = Inbox(fabric, pool), Outbox(fabric, pool)
+    fabric.drive([ring_role(fabric, acc, inbox, tag, segment, workspace)], inbox, outbox)
+    outbox.finish()
+    fabric.stats.rounds += 2 * (n - 1)
+    return acc
+
+
+def ring_role(fabric: Fabric, acc: torch.Tensor, inbox: Inbox, tag: int = RING_TAG, segment: int | None = None,
+              workspace: dict | None = None):
+    """The ring's steps on this worker (:func:`ring_allreduce_`) as one role (:mod:`sparsecomm.fabric.roles`):
+    it yields its sends (each held under its index among this worker's sends, :class:`~.roles.Send`), the
+    receives it posts into the workspace's buffers or into ``acc``, and a wait for each (:class:`~.roles.Recv`),
+    then takes the message from ``inbox``; before an all-gather receive overwrites a region of ``acc`` it waits
+    for the send of that region (:class:`~.roles.Flush`). ``fabric`` is read for its rank, world size and
+    ``serial_pairs``; ``tag``, ``segment``, ``workspace``: as :func:`ring_allreduce_`."""
+    n, r = fabric.world_size, fabric.rank
     b = chunk_bounds(acc.numel(), n)
     seg = max(1, int(segment)) if segment else max(1, b[1] - b[0])
     if n == 2 and getattr(fabric, "serial_pairs", False):
@@ -124,18 +144,22 @@ def ring_allreduce_(fabric: Fabric, acc: torch.Tensor, tag: int = RING_TAG,
     right, left = (r + 1) % n, (r - 1) % n
     segs = [_segments(b[c], b[c + 1], seg) for c in range(n)]
     bufs = _workspace(workspace, b[1] - b[0], 2 if n > 2 else 1, acc)
-
+    sent = 0                # this worker's sends so far: send i is held under i (an all-gather receive frees it)
     rs_done = n == 2        # every reduce-scatter receive posted (the all-gather's may follow: same tag)
 
-    def post_rs(step: int) -> list:
+    def post_rs(step: int):
         nonlocal rs_done
         rs_done = rs_done or step == n - 2
         c = (r - step - 1) % n
         buf = bufs[step % len(bufs)]
-        return [fabric.irecv(buf[lo - b[c]:hi - b[c]], left, tag) for lo, hi in segs[c]]
+        keys = []
+        for j, (lo, hi) in enumerate(segs[c]):
+            keys.append(("rs", step, j))
+            yield PostInto(keys[-1], buf[lo - b[c]:hi - b[c]], left, tag)
+        return keys
 
     # all-gather step s receives chunk (r - s) into ``acc``, the chunk reduce-scatter step s sent: in
-    # order, region i once the reduce-scatter send i (``sends[i]``) is done with it. gloo sends only to a
+    # order, region i once the reduce-scatter send i is done with it (``Flush(i)``). gloo sends only to a
     # posted receive, so these are posted during the reduce-scatter, not after it (a receive posted late
     # idles the left neighbour's link): after the m-th reduce-scatter segment has arrived, up to region m,
     # whose send left about when that segment did (once every reduce-scatter receive is posted, so that
@@ -143,38 +167,38 @@ def ring_allreduce_(fabric: Fabric, acc: torch.Tensor, tag: int = RING_TAG,
     ag = [(s, lo, hi) for s in range(n - 1) for lo, hi in segs[(r - s) % n]]
     recvs: list = []
 
-    def post_ag(upto: int) -> None:
+    def post_ag(upto: int):
         while len(recvs) < min(upto, len(ag)):
             i = len(recvs)
-            sends[i].wait()
-            recvs.append(fabric.irecv(acc[ag[i][1]:ag[i][2]], left, tag))
+            yield Flush(i)
+            recvs.append(("ag", i))
+            yield PostInto(recvs[-1], acc[ag[i][1]:ag[i][2]], left, tag)
 
     # reduce-scatter: step s adds chunk (r-s-1) from the left; each reduced segment goes on to the right
     # at once (it is the next step's outgoing data; after the last step, all-gather step 0's)
-    posted = post_rs(0)     # receives first: their "posted" notices then leave before this rank's data
-    sends = [fabric.isend(acc[lo:hi], right, tag) for lo, hi in segs[r]]
+    posted = yield from post_rs(0)     # receives first: their "posted" notices then leave before this rank's data
+    for lo, hi in segs[r]:
+        yield Send(acc[lo:hi], right, tag, hold=sent)
+        sent += 1
     arrived = 0
     for s in range(n - 1):
         c = (r - s - 1) % n
-        nxt = post_rs(s + 1) if s + 2 < n and len(bufs) == 2 else None
-        buf = bufs[s % len(bufs)]
-        for (lo, hi), work in zip(segs[c], posted):
-            work.wait()
-            acc[lo:hi].add_(buf[lo - b[c]:hi - b[c]])
-            sends.append(fabric.isend(acc[lo:hi], right, tag))
+        nxt = (yield from post_rs(s + 1)) if s + 2 < n and len(bufs) == 2 else None
+        for (lo, hi), key in zip(segs[c], posted):
+            yield Recv((key,), _STEP)
+            acc[lo:hi].add_(inbox.take(key))
+            yield Send(acc[lo:hi], right, tag, hold=sent)
+            sent += 1
             arrived += 1
             if rs_done:
-                post_ag(arrived)
-        posted = nxt if nxt is not None else (post_rs(s + 1) if s + 2 < n else [])
-    post_ag(len(ag))
-    for (s, lo, hi), work in zip(ag, recvs):
-        work.wait()
+                yield from post_ag(arrived)
+        posted = nxt if nxt is not None else ((yield from post_rs(s + 1)) if s + 2 < n else [])
+    yield from post_ag(len(ag))
+    for (s, lo, hi), key in zip(ag, recvs):
+        yield Recv((key,), _STEP)
+        inbox.take(key)
         if s < n - 2:
-            sends.append(fabric.isend(acc[lo:hi], right, tag))
-    for w in sends:
-        w.wait()
-    fabric.stats.rounds += 2 * (n - 1)
-    return acc
+            yield Send(acc[lo:hi], right, tag)
 
 
 @registry.register("ring")

@@ -25,10 +25,11 @@ Reading order for a newcomer: :mod:`.core` top to bottom (the lane state machine
 :mod:`.reference`, a plain driver of them (one call in a loop of exchanges over the fabric; the fast
 driver's results are checked against it bit for bit). Then the fast driver: the roles, generators that
 yield typed requests (send, post a receive, receive into the result, hand over locally, wait) to one
-scheduler per endpoint, :func:`.mailbox.drive` (its rules and why it cannot deadlock:
-``docs/omnireduce-scheduler.md``). A worker's (:mod:`.worker`): :func:`.worker.worker` -- round 0's
-header, first look-aheads and position-0 blocks --, :func:`.worker.verdict`, one per aggregator, and
-:func:`.worker.worker_lane`; an aggregator's (:mod:`.aggregator`): :func:`.aggregator.aggregator` --
+scheduler per endpoint, ``Fabric.drive`` (:mod:`sparsecomm.fabric.roles`; what the roles wait for,
+:mod:`.stages`; the rules and why they cannot deadlock: ``docs/omnireduce-scheduler.md``). A worker's
+(:mod:`.worker`): :func:`.worker.worker` -- round 0's header, first look-aheads and position-0 blocks --,
+:func:`.worker.verdict`, one per aggregator, and :func:`.worker.worker_lane`; an aggregator's
+(:mod:`.aggregator`): :func:`.aggregator.aggregator` --
 headers, verdict, drain -- and :func:`.aggregator.agg_lane`. The colocated worker runs its roles and
 its hosted aggregator's together, a dedicated aggregator (:mod:`.service`) its own alone, on the
 SimFabric and on torch alike. Then the fast paths, :mod:`.strategies` (how blocks go up: by hand, as
@@ -83,13 +84,13 @@ from ...errors import IncompatibleError, InvalidValueError
 from .._handshake import check_agreement
 from .._guards import abs_max, guard_finite, is_integer, narrow, nonfinite_option
 from ...fabric import services
+from ...fabric.roles import Pool
 from ...payload import Payload
 from ...theory import costs
 from ..base import CallShape, Transport, registry
 from ..linear import LinearOperand
 from . import trace, wire
 from .service import serve
-from .mailbox import Pool
 from .blocks import BlockSink, DenseSource, PackedSource, ResultCache
 from .header import CallSpec
 from .worker import run_worker

@@ -1,6 +1,6 @@
 """An OmniReduce aggregator's call in the fast driver: its admission (the round-0 headers, the verdict,
 the drain; :class:`AggCall`) and its roles (:func:`aggregator`, :func:`agg_lane`), run on the endpoint's
-scheduler (:func:`.mailbox.drive`) by a dedicated aggregator (:mod:`.service`) or, colocated, beside
+scheduler (``Fabric.drive``) by a dedicated aggregator (:mod:`.service`) or, colocated, beside
 its hosting worker's roles (:func:`.worker.run_worker`).
 
 Before an aggregator plans or allocates anything for a call it checks every worker's header
@@ -16,14 +16,17 @@ header announces is allocated. The lanes' state machine is :class:`.core.AggChan
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
 from ...errors import MalformedMessage, ProtocolError, SparseCommError  # noqa: F401 (ProtocolError: re-exported)
+from ...fabric.roles import Hand, Inbox, Outbox, Post, PostInto, Recv, Send, Spawn
 from .._handshake import fail_stop
 from . import header, strategies, wire
 from .core import AggChannel, sum_order
-from .mailbox import Hand, Inbox, Outbox, Phase, Post, PostInto, Recv, Send, Spawn, Stage
+from .stages import Phase, Stage
 from .window import ALIGN, Window
 from .wire import HDR, OK, TAG_FIRSTS, TAG_HDR_DOWN, TAG_HDR_UP, Buf, Key, Msg, tag_down, tag_sums0, tag_up
 
@@ -39,14 +42,14 @@ def may_defer(worker: int, index: int, n: int) -> bool:
     Its window takes the workers in :attr:`AggCall.order` and always has room for the first
     :data:`WINDOW_MESSAGES` of them (each message is at most a channel's largest); a later one's
     receive may wait for earlier messages to be summed, so its sender must not wait for that send
-    before its own next steps (:meth:`.mailbox.Outbox.reap`)."""
+    before its own next steps (:meth:`sparsecomm.fabric.roles.Outbox.reap`)."""
     return (worker - index - 1) % n >= WINDOW_MESSAGES
 
 
 class AggCall:
     """Aggregator ``index``'s admission of one call: its headers, its verdict, and (if it is OK) its
     channels (:class:`.core.AggChannel`). The methods that post receives return them as requests
-    (:class:`.mailbox.PostInto`) for the role that runs this (:func:`aggregator`) to yield.
+    (:class:`sparsecomm.fabric.roles.PostInto`) for the role that runs this (:func:`aggregator`) to yield.
 
     ``colocated``: the worker hosting it (whose messages are put into the inbox locally). Round 0: per
     worker its first look-aheads (one message) and, per channel, its position-0 blocks (if any), on the
@@ -261,7 +264,7 @@ def agg_lane(adm, c: AggChannel, inbox, outbox, host: int | None, mark=None):
         group = keys[:1] + [k for k in keys[1:] if inbox.has(k)]
         yield Recv(tuple(group), Stage(Phase.AGGREGATE, c.round, c.slot), gone=gone,
                    free=None if r0 else c.sums.buffer(c))
-        c.begin(outbox.message)
+        c.begin(functools.partial(wire.message, outbox.pool))
         for i, (w, key) in enumerate(zip(c.order, keys)):
             if key not in group:   # (posted once the window had room, or handed over since)
                 group = [key] + [k for k in keys[i + 1:] if inbox.has(k)]

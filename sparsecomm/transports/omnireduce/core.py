@@ -18,9 +18,10 @@ blocks in :func:`sum_order`, which fixes every float sum's rounding.
 
 Nothing here sends or receives: a driver moves the messages. :mod:`.reference` is the plain one (a
 loop of exchanges, to be read after this module); the fast one runs the roles of :mod:`.worker` and
-:mod:`.aggregator` on one scheduler per endpoint (:mod:`.mailbox`), with the fast paths of
-:mod:`.strategies`. Both give the same bits (``tests/transports/omnireduce/test_omnireduce_reference.py``), but where the
-fast one sums in place (:class:`.strategies.HomeSums`: the host's blocks first).
+:mod:`.aggregator` on one scheduler per endpoint (``Fabric.drive``, :mod:`sparsecomm.fabric.roles`), with the
+fast paths of :mod:`.strategies`. Both give the same bits
+(``tests/transports/omnireduce/test_omnireduce_reference.py``), but where the fast one sums in place
+(:class:`.strategies.HomeSums`: the host's blocks first).
 """
 
 from __future__ import annotations
@@ -154,7 +155,7 @@ class AggChannel:
     def begin(self, message) -> None:
         """Start a round's sums; ``message(role, k, block_size, dtype, extra=0, meta=True)`` gives a
         block message ``(buffer, blocks view, int32 tail view)``, :func:`.wire.split` (a fresh one, or
-        one pooled by its role: :meth:`.mailbox.Outbox.message`)."""
+        one pooled by its role: :func:`.wire.message`)."""
         self.sums.begin(self, message)
 
     def add(self, w: int, blocks: torch.Tensor | None, looks: torch.Tensor | None) -> None:

@@ -296,7 +296,7 @@ def _round(c: core.AggChannel, order: list[int], msgs: dict, meta: bool):
 
 def _message(_role, k: int, block_size: int, dtype: torch.dtype, extra: int = 0, meta: bool = True):
     """A fresh block message ``(buffer, blocks view, int32 tail view)`` (the fast driver pools them by
-    role, :meth:`.mailbox.Outbox.message`)."""
+    role, :func:`.wire.message`)."""
     buf = torch.empty(wire.block_bytes(k, block_size, dtype.itemsize, extra, meta), dtype=torch.uint8)
     data, tail = wire.split(buf, k, block_size, dtype, extra, meta)
     return buf, data, tail

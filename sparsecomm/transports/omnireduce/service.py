@@ -1,12 +1,12 @@
 """A dedicated OmniReduce aggregator's endpoint loop (a SimFabric service thread or an extra
 torch.distributed rank): per call, the :func:`.aggregator.aggregator` role (and the lane roles it
-starts) on :func:`.mailbox.drive`."""
+starts) run by ``Fabric.drive`` (:mod:`sparsecomm.fabric.roles`)."""
 
 from __future__ import annotations
 
 from ...fabric.base import Fabric
 from .aggregator import AggCall, aggregator
-from .mailbox import Inbox, Outbox, Pool, drive
+from ...fabric.roles import Inbox, Outbox, Pool
 
 
 def serve(fabric: Fabric, index: int) -> None:
@@ -20,5 +20,5 @@ def serve(fabric: Fabric, index: int) -> None:
     pool = Pool()
     inbox, outbox = Inbox(fabric, pool), Outbox(fabric, pool)
     while True:
-        drive(fabric, inbox, outbox, [aggregator(AggCall(index, n), inbox, outbox)])
+        fabric.drive([aggregator(AggCall(index, n), inbox, outbox)], inbox, outbox)
         outbox.finish()

@@ -23,7 +23,7 @@ import torch
 from ...errors import ProtocolError
 from . import wire
 from .blocks import block_run
-from .mailbox import Hand, Post, PostInto, Send
+from ...fabric.roles import Hand, Post, PostInto, Send
 from .wire import Buf, Key, Msg, tag_down, tag_sums0, tag_up
 
 
@@ -51,7 +51,7 @@ def send_up(call, key: Buf, a: int, c, local_key: Key):
             yield Send(v.reshape(-1).view(torch.uint8), call.aggregators[a], tag_up(c.ch.slot),
                        deferrable=call.deferrable(a))
             return
-    buf, data, tail = call.outbox.message(key, b.size, call.spec.block_size, call.spec.up, meta=meta)
+    buf, data, tail = wire.message(call.outbox.pool, key, b.size, call.spec.block_size, call.spec.up, meta=meta)
     source.gather(ids, data)
     if meta:
         tail.copy_(torch.from_numpy(look))

@@ -20,6 +20,8 @@ import os
 import sys
 import time
 
+from ...fabric import roles as fabric_roles
+
 ENV = "SPARSECOMM_OMNIREDUCE_TRACE"
 
 
@@ -102,6 +104,11 @@ class TraceFabric:
             if isinstance(w, _Work):
                 w._seen(t0)
         return i
+
+    def drive(self, roles: list, inbox, outbox, *, keep: int = 64) -> None:
+        """Run ``roles`` on the generic scheduler (:func:`sparsecomm.fabric.roles.drive`) over this wrapper,
+        so that the waits of ``inbox`` and ``outbox`` are recorded (``keep``: as ``Fabric.drive``)."""
+        fabric_roles.drive(self, inbox, outbox, roles, keep)
 
     def mark(self, label: str) -> None:
         self.marks.append((time.perf_counter(), label, time.thread_time()))

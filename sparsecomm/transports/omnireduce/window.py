@@ -11,7 +11,7 @@ from collections import deque
 import torch
 
 from ...errors import ProtocolError
-from .mailbox import PostInto
+from ...fabric.roles import PostInto
 
 __all__ = ["ALIGN", "Window"]
 

@@ -225,6 +225,14 @@ def split(buf: torch.Tensor, k: int, block_size: int, dtype: torch.dtype, extra:
     return data, tail
 
 
+def message(pool, role, k: int, block_size: int, dtype: torch.dtype, extra: int = 0, meta: bool = True):
+    """A block message in the send buffer of ``role`` of ``pool`` (a :class:`sparsecomm.fabric.roles.Pool`,
+    reused once its sends have completed): ``(buffer, blocks view, int32 tail view)``, see :func:`split`."""
+    buf = pool.get(("out", role), block_bytes(k, block_size, dtype.itemsize, extra, meta))
+    data, tail = split(buf, k, block_size, dtype, extra, meta)
+    return buf, data, tail
+
+
 def single(ch: Channel) -> bool:
     """One block per lane (``lanes >= size``): round 0 is the whole stream, and the per-lane metadata
     of round 0 shrinks to one bit (a first look-ahead can only be "position 0" or "none"; the next

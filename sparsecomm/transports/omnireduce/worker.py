@@ -1,8 +1,8 @@
 """An OmniReduce worker's call in the fast driver: its state (:class:`Call`), its roles (:func:`worker`,
 one :func:`verdict` per aggregator, one :func:`worker_lane` per channel) and :func:`run_worker`, which
 runs them (and, colocated, the hosted aggregator's roles, :mod:`.aggregator`) on the endpoint's
-scheduler (:func:`.mailbox.drive`). The lanes' state machine is :class:`.core.WorkerChannel`; the fast
-paths the roles call are :mod:`.strategies`.
+scheduler (``Fabric.drive``, :mod:`sparsecomm.fabric.roles`). The lanes' state machine is
+:class:`.core.WorkerChannel`; the fast paths the roles call are :mod:`.strategies`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from .._handshake import fail_stop
 from . import core, header, strategies, wire
 from .aggregator import AggCall, aggregator, may_defer
 from .header import CallSpec
-from .mailbox import Hand, Inbox, Outbox, Phase, Poll, Pool, Post, Recv, Send, Spawn, Stage, drive
+from .stages import Phase, Stage
+from ...fabric.roles import Hand, Inbox, Outbox, Poll, Pool, Post, Recv, Send, Spawn
 from .wire import HDR, OK, TAG_FIRSTS, TAG_HDR_DOWN, TAG_HDR_UP, TAG_MANIFEST, Buf, Key, Msg, tag_down
 
 
@@ -200,7 +201,7 @@ def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: l
         adm = AggCall(own, call.n, colocated=call.rank)
         roles.insert(0, aggregator(adm, call.inbox, call.outbox, host=call.rank,
                                         ref=spec.header(call.n).numpy(), mark=call.mark))
-    drive(fabric, call.inbox, call.outbox, roles, keep=64 if own is not None else 0)
+    fabric.drive(roles, call.inbox, call.outbox, keep=64 if own is not None else 0)
     call.mark("steps done")
     # every send completes (an aggregator that rejected the call consumes its round 0 by the manifest), and
     # none may be dropped before: gloo would lose a send whose buffer is freed before the peer's receive

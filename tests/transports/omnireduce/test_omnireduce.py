@@ -372,14 +372,15 @@ def test_aggregator_memory_is_bounded_by_its_lanes(monkeypatch):
 def test_a_dedicated_aggregators_message_buffers_do_not_grow_with_the_workers(monkeypatch, density):
     """An aggregator receives the workers' blocks through one ring per channel of a fixed number of its
     largest messages, summing each message as it comes in (the paper's ``lanes`` blocks per slot), so
-    its message buffers (:meth:`.mailbox.Pool.nbytes`, kept for reuse across calls) are the same at
+    its message buffers (:meth:`sparsecomm.fabric.roles.Pool.nbytes`, kept for reuse across calls) are the same at
     n = 2, 4 and 8 and within that bound, but for each worker's 224-byte round-0 header (all of them are
     checked before anything is planned)."""
-    from sparsecomm.transports.omnireduce import aggregator, mailbox, service, window
+    from sparsecomm.fabric import roles
+    from sparsecomm.transports.omnireduce import aggregator, service, window
 
     pools = []
 
-    class _Pool(mailbox.Pool):
+    class _Pool(roles.Pool):
         def __init__(self):
             super().__init__()
             pools.append(self)

@@ -1,4 +1,4 @@
-"""The OmniReduce scheduler (:func:`sparsecomm.transports.omnireduce.mailbox.drive`) on its own: roles
+"""The endpoint scheduler (:func:`sparsecomm.fabric.roles.drive`) on its own, with OmniReduce's stages: roles
 are generators yielding typed requests; the scheduler runs whichever can, in preference order, lets
 others run while one polls, holds a hand-over's consumer back until it is taken (``gone``), and reports
 a role that can never run as a bug instead of hanging."""
@@ -12,8 +12,8 @@ import torch
 
 import sparsecomm as sc
 from sparsecomm.errors import ProtocolError
-from sparsecomm.transports.omnireduce.mailbox import (Hand, Inbox, Outbox, Phase, Pool, Poll, Post, Recv, Send,
-                                                      Spawn, Stage, drive)
+from sparsecomm.fabric.roles import Hand, Inbox, Outbox, Pool, Poll, Post, Recv, Send, Spawn, drive
+from sparsecomm.transports.omnireduce.stages import Phase, Stage
 
 
 class _LocalFabric:
@@ -147,10 +147,10 @@ def test_a_role_takes_only_messages_its_wait_named(monkeypatch, deployment):
     role's messages are in (a hosted aggregator's data waiting behind its worker's take)."""
     import threading
 
-    from sparsecomm.transports.omnireduce import mailbox
+    from sparsecomm.fabric import roles
 
     local, bad = threading.local(), []
-    resume, take = mailbox._Scheduler.resume, mailbox.Inbox.take
+    resume, take = roles._Scheduler.resume, roles.Inbox.take
 
     def spy_resume(self, s):
         stack = local.__dict__.setdefault("stack", [])
@@ -166,8 +166,8 @@ def test_a_role_takes_only_messages_its_wait_named(monkeypatch, deployment):
             bad.append(key)
         return take(self, key)
 
-    monkeypatch.setattr(mailbox._Scheduler, "resume", spy_resume)
-    monkeypatch.setattr(mailbox.Inbox, "take", spy_take)
+    monkeypatch.setattr(roles._Scheduler, "resume", spy_resume)
+    monkeypatch.setattr(roles.Inbox, "take", spy_take)
     out = sc.launch(functools.partial(_sums, deployment=deployment), 3,
                     network=sc.Network(bandwidth_gbps=100, latency_us=2))
     assert out == [[True] * 3] * 3

@@ -1,4 +1,4 @@
-"""The fast OmniReduce driver (the transport: the scheduler of :mod:`.mailbox` with the strategies) gives
+"""The fast OmniReduce driver (the transport: the roles on ``Fabric.drive`` with the strategies) gives
 the same bits as the reference driver (:mod:`sparsecomm.transports.omnireduce.reference`: the lane state
 machines in a plain loop of exchanges), over a grid of sizes, densities, block sizes, lanes, channels,
 world sizes, deployments and dtypes, on the SimFabric and on gloo.

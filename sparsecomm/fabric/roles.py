@@ -1,27 +1,28 @@
-"""The fast driver's scheduler and message plumbing: the requests a role yields, what a wait is for
-(:class:`Stage`, :class:`Phase`), :func:`drive` (the one scheduler of an endpoint), pooled buffers,
-receives posted ahead, asynchronous sends.
+"""Roles, what a fabric runs: a protocol's endpoint as generators that yield typed requests for their I/O,
+and the one scheduler of an endpoint that performs them (:func:`drive`, what :meth:`.base.Fabric.drive` runs).
 
-A role (:mod:`.worker`, :mod:`.aggregator`) is a generator; it yields typed requests (:class:`Send`,
-:class:`Post`, :class:`PostInto`, :class:`Hand`, :class:`Recv`, :class:`Poll`, :class:`Spawn`) and never
-touches the fabric itself. Nothing here reads a message: the scheduler sees ``(key, buffer)`` pairs on a
-:class:`~sparsecomm.fabric.base.Fabric` and the stage of each wait. Its rules and the argument that
-they cannot deadlock: ``docs/omnireduce-scheduler.md``.
+A role is a generator (one side of a protocol, or one part of an endpoint's work); it yields requests
+(:class:`Send`, :class:`Post`, :class:`PostInto`, :class:`Hand`, :class:`Recv`, :class:`Poll`, :class:`Spawn`,
+:class:`Flush`) and never touches the fabric itself. The roles of an endpoint share an :class:`Inbox`
+(receives posted ahead of need, messages handed over locally), an :class:`Outbox` (asynchronous sends) and a
+:class:`Pool` (message buffers reused across rounds and calls). Nothing here reads a message: the scheduler
+sees ``(key, buffer)`` pairs and, for each wait, its :class:`Stage`, a value the protocol defines (what the
+wait is for, how it is preferred; :class:`Step` where a protocol needs no preference of its own). The
+scheduler's rules and the argument that they cannot deadlock: ``docs/omnireduce-scheduler.md`` (stated for
+OmniReduce's roles, the first protocol written as roles; the rules are this module's). A ``fabric`` below
+is a :class:`.base.Fabric` (not imported here: the contract imports this module).
 """
 
 from __future__ import annotations
 
-from enum import IntEnum
-from typing import Generator, NamedTuple
+from typing import Generator, NamedTuple, Protocol
 
 import torch
 
-from ...fabric.base import Fabric
-from ...errors import ProtocolError
-from . import wire
+from ..errors import ProtocolError
 
-__all__ = ["Inbox", "Outbox", "Pool", "Phase", "Stage", "Send", "Post", "PostInto", "Hand", "Recv", "Poll", "Spawn",
-           "drive"]
+__all__ = ["Pool", "Inbox", "Outbox", "Stage", "Step", "Send", "Post", "PostInto", "Hand", "Recv", "Poll", "Spawn",
+           "Flush", "drive"]
 
 
 class Pool:
@@ -37,6 +38,8 @@ class Pool:
         self._busy: dict = {}
 
     def get(self, key, nbytes: int) -> torch.Tensor:
+        """The first ``nbytes`` of the buffer of role ``key`` (``uint8``), once every send holding it has
+        completed; it grows if it is shorter."""
         for wk in self._busy.pop(key, ()):
             wk.wait()
         b = self._bufs.get(key)
@@ -46,12 +49,19 @@ class Pool:
         return b[:nbytes]
 
     def hold(self, key, work) -> None:
+        """Record that the send ``work`` uses the buffer of role ``key`` (:meth:`get` waits for it)."""
         self._busy.setdefault(key, []).append(work)
 
     def busy(self, key) -> list:
         """The sends still holding the send buffer of role ``key`` (:meth:`get` would wait for them; none
         for ``key=None``)."""
         return [w for w in self._busy.get(("out", key), ()) if not w.is_completed()]
+
+    def settle(self, key) -> None:
+        """Wait for every send holding the send buffer of role ``key`` (those :meth:`busy` lists, in the order
+        they started, and the completed ones), and forget them."""
+        for wk in self._busy.pop(("out", key), ()):
+            wk.wait()
 
     def release(self) -> None:
         """Forget the completed sends (call after waiting for them all)."""
@@ -63,11 +73,12 @@ class Pool:
 
 
 class Inbox:
-    """Receives posted ahead of need, so that a real fabric moves the data while this endpoint works on
-    something else; messages from the colocated peer are ``put`` directly. Receives on one
-    ``(source, tag)`` must be posted in the order the source sends them."""
+    """Receives posted ahead of need on ``fabric`` (pooled buffers from ``pool``), so that a real fabric
+    moves the data while this endpoint works on something else; messages from another role of this
+    endpoint are ``put`` directly. Receives on one ``(source, tag)`` must be posted in the order the source
+    sends them. A message is known by its ``key`` (any hashable value the protocol chooses)."""
 
-    def __init__(self, fabric: Fabric, pool: Pool) -> None:
+    def __init__(self, fabric, pool: Pool) -> None:
         self.fabric = fabric
         self.pool = pool
         self._box: dict = {}
@@ -85,14 +96,18 @@ class Inbox:
             self._observer(key, True)
 
     def post(self, key, nbytes: int, src: int, tag: int) -> None:
+        """Post the receive of ``key``: ``nbytes`` from endpoint ``src`` on ``tag``, into the pooled buffer
+        of role ``("in", key)``."""
         buf = self.pool.get(("in", key), nbytes)
         self._add(key, (self.fabric.irecv(buf, src, tag), buf))
 
     def post_into(self, key, buf: torch.Tensor, src: int, tag: int) -> None:
-        """Receive straight into ``buf`` (contiguous bytes, e.g. a view of the result)."""
+        """Post the receive of ``key`` from endpoint ``src`` on ``tag`` straight into ``buf`` (a contiguous
+        tensor, e.g. a view of the result)."""
         self._add(key, (self.fabric.irecv(buf, src, tag), buf))
 
-    def put(self, key, buf: torch.Tensor) -> None:
+    def put(self, key, buf) -> None:
+        """Put the message ``buf`` of ``key`` here (from another role of this endpoint: in at once)."""
         self._add(key, (None, buf))
 
     def work(self, key):
@@ -117,7 +132,8 @@ class Inbox:
                 out.append(work)
         return out
 
-    def take(self, key) -> torch.Tensor:
+    def take(self, key):
+        """The message of ``key`` (waiting for its receive to complete), removed from the inbox."""
         work, buf = self._box.pop(key)
         if self._observer is not None:
             self._observer(key, False)
@@ -127,20 +143,16 @@ class Inbox:
 
 
 class Outbox:
-    """Asynchronous sends; a pooled buffer is not reused before its sends have completed."""
+    """Asynchronous sends on ``fabric``; a buffer of ``pool`` is not reused before its sends have completed."""
 
-    def __init__(self, fabric: Fabric, pool: Pool) -> None:
+    def __init__(self, fabric, pool: Pool) -> None:
         self.fabric = fabric
         self.pool = pool
         self.pending: list = []
 
-    def message(self, key, k: int, block_size: int, dtype: torch.dtype, extra: int = 0, meta: bool = True):
-        """A pooled block message ``(buffer, blocks view, int32 tail view)``, see :func:`wire.split`."""
-        buf = self.pool.get(("out", key), wire.block_bytes(k, block_size, dtype.itemsize, extra, meta))
-        data, tail = wire.split(buf, k, block_size, dtype, extra, meta)
-        return buf, data, tail
-
     def send(self, buf: torch.Tensor, dst: int, tag: int, key=None, deferrable: bool = False) -> None:
+        """Start sending ``buf`` to endpoint ``dst`` on ``tag``. ``key``: the role of the pooled buffer it
+        uses (held until the send completes). ``deferrable``: left to :meth:`finish` (:meth:`reap`)."""
         wk = self.fabric.isend(buf, dst, tag)
         self.pending.append((wk, buf, deferrable))
         if key is not None:
@@ -148,8 +160,8 @@ class Outbox:
 
     def reap(self, keep: int = 64) -> None:
         """Wait for all but the newest ``keep`` sends, except the ``deferrable`` ones, left to
-        :meth:`finish`: the receiver may post their receives only once its window (:mod:`.window`) has
-        room, which may wait for this endpoint's own later steps (a wait for them here could be circular)."""
+        :meth:`finish`: their receiver may post its receives late (after a step of its own that may wait
+        for this endpoint's later steps: a wait for them here could be circular)."""
         cut = len(self.pending) - keep
         if cut > 0:
             for wk, _, deferrable in self.pending[:cut]:
@@ -166,55 +178,48 @@ class Outbox:
 
 
 # ----------------------------------------------------------------------------------------- waits
-class Phase(IntEnum):
-    """What a role waits for; the scheduler prefers an earlier phase (``docs/omnireduce-scheduler.md``,
-    rule 1). The first five are an aggregator's admission of a call, one role, in the order it meets
-    them; round-0 data (every worker sends it before its first wait) are :data:`FIRSTS`, :data:`DRAIN`
-    and round 0 of :data:`AGGREGATE`."""
+class Stage(Protocol):
+    """What a wait is for, as :func:`drive` reads it; a protocol defines its stages (a named tuple with
+    these properties). Stages are totally ordered: among the roles able to run, the scheduler resumes the
+    one with the smallest stage (then the one that began to wait first). ``phase`` is what
+    :attr:`Poll.below` is compared with. A ``typing.Protocol``, never instantiated (its constructor's
+    ``*args``, ``**kwargs`` raise ``TypeError``)."""
 
-    HEADERS = 0     #: aggregator: the workers' round-0 headers
-    FIRSTS = 1      #: aggregator: a worker's first look-aheads
-    MANIFESTS = 2   #: aggregator, after a verdict that is not OK: the workers' manifests
-    DRAIN = 3       #: aggregator, after a verdict that is not OK: a round-0 message a manifest lists
-    GO = 4          #: colocated aggregator: its host has taken the verdict (a hand-over)
-    VERDICT = 5     #: worker: an aggregator's verdict
-    AGGREGATE = 6   #: aggregator: a lane round's blocks from their holders
-    LAND = 7        #: worker: a lane round's sums
+    phase: object
 
-
-class Stage(NamedTuple):
-    """What a wait is for: its :class:`Phase` and, in a lane, the round, the channel's slot and the
-    aggregator's place in the worker's visit order. Stages compare as tuples (phase, round, slot,
-    visit): the scheduler resumes the smallest of the roles able to run."""
-
-    phase: Phase
-    round: int = 0
-    slot: int = 0
-    visit: int = 0
+    def __lt__(self, other) -> bool: ...
 
     @property
     def sure(self) -> bool:
-        """Does it wait for round-0 data (sent by every worker before its first wait)?"""
-        return self.phase == Phase.FIRSTS or self.phase == Phase.DRAIN or (
-            self.phase == Phase.AGGREGATE and self.round == 0)
+        """Does the wait end whatever this endpoint does (its messages are sent by every peer before
+        their first wait)? The role is then resumed to block in its takes at once, and a poll skips it."""
 
     @property
     def reaps(self) -> bool:
-        """Is it a lane round's wait (before which this endpoint's sends may be reaped)?"""
-        return self.phase >= Phase.AGGREGATE
+        """May this endpoint's sends be reaped before the wait (:meth:`Outbox.reap`), when every role able
+        to run waits at such a stage?"""
+
+
+class Step(NamedTuple):
+    """A plain :class:`Stage`, for a protocol whose waits need no preference of their own (one role, such as
+    a ring's steps): ordered by ``phase`` (then ``sure``, ``reaps``), neither sure nor reaping by default."""
+
+    phase: int = 0
+    sure: bool = False
+    reaps: bool = False
 
 
 # ----------------------------------------------------------------------------------------- requests
-# A role (a generator: one side of the protocol) yields these to :func:`drive`. Send, Post, PostInto,
-# Hand and Spawn never block: the scheduler performs them and resumes the role at once. Recv suspends it
-# until its messages are in; Poll lets the others run meanwhile.
+# A role (a generator) yields these to :func:`drive`. Send, Post, PostInto, Hand and Spawn never block:
+# the scheduler performs them and resumes the role at once. Recv suspends it until its messages are in;
+# Poll lets the others run meanwhile; Flush blocks until sends of its own have completed.
 
 
 class Send(NamedTuple):
     """Send ``buf`` to endpoint ``dst`` on ``tag`` (asynchronous). ``hold``: the role of the pooled
-    buffer (:class:`.wire.Buf`), which is not reused before this send has completed. ``deferrable``: the
-    receiver takes it through a window (:mod:`.window`) and may post its receive late (a reap does not
-    wait for it, :meth:`Outbox.reap`)."""
+    buffer, which is not reused before this send has completed (or any name for what ``buf`` is a view
+    of, that a :class:`Flush` waits for). ``deferrable``: the receiver may post its
+    receive late, after steps of its own (a reap does not wait for it, :meth:`Outbox.reap`)."""
 
     buf: torch.Tensor
     dst: int
@@ -233,7 +238,8 @@ class Post(NamedTuple):
 
 
 class PostInto(NamedTuple):
-    """Post the receive of message ``key`` straight into ``buf`` (contiguous bytes, e.g. the result's)."""
+    """Post the receive of message ``key`` straight into ``buf`` (a contiguous tensor, e.g. a view of the
+    result)."""
 
     key: object
     buf: torch.Tensor
@@ -250,11 +256,11 @@ class Hand(NamedTuple):
 
 class Recv(NamedTuple):
     """Suspend the role until the messages ``keys`` are in; the role then takes them, and only them,
-    from the inbox. ``stage``: what it waits for; it orders the roles able to run, decides whether this
-    endpoint's sends are reaped first (:attr:`Stage.reaps`) and whether the role is resumed to block in
-    its takes at once (:attr:`Stage.sure`). The role is able to run once every key is posted or handed
-    over, no key of ``gone`` is still waiting to be taken, and no send holding the pooled send buffer of
-    role ``free`` (:class:`.wire.Buf`) is incomplete. ``any``: it is in once any one of ``keys`` is.
+    from the inbox. ``stage``: what it waits for (:class:`Stage`); it orders the roles able to run,
+    decides whether this endpoint's sends are reaped first (:attr:`Stage.reaps`) and whether the role is
+    resumed to block in its takes at once (:attr:`Stage.sure`). The role is able to run once every key is
+    posted or handed over, no key of ``gone`` is still waiting to be taken, and no send holding the pooled
+    send buffer of role ``free`` is incomplete. ``any``: it is in once any one of ``keys`` is.
     The rules and why each exists: ``docs/omnireduce-scheduler.md``."""
 
     keys: tuple
@@ -266,10 +272,10 @@ class Recv(NamedTuple):
 
 class Poll(NamedTuple):
     """Run every other role whose messages are in already, then resume (between pieces of long local
-    work). ``below``: only the roles of an earlier phase. A poll never blocks: it skips the roles whose
-    wait is :attr:`~Stage.sure`."""
+    work). ``below``: only the roles whose stage's ``phase`` is smaller. A poll never blocks: it skips
+    the roles whose wait is :attr:`~Stage.sure`."""
 
-    below: Phase | None = None
+    below: object = None
 
 
 class Spawn(NamedTuple):
@@ -278,16 +284,26 @@ class Spawn(NamedTuple):
     role: Generator
 
 
-def drive(fabric: Fabric, inbox: Inbox, outbox: Outbox, roles: list, keep: int = 64) -> None:
-    """The one scheduler of an endpoint: run the roles (generators yielding the requests above) until
-    every one has returned. While some wait, resume the first (by :class:`Stage`) of those able to run
-    whose messages are in by the time the first such is (:meth:`Fabric.wait_any`); the only one able to
-    run, or a preferred one whose wait is :attr:`~Stage.sure`, at once. Before choosing, when every role
-    able to run waits in a lane round (:attr:`Stage.reaps`), finish all but ``keep`` of this endpoint's
-    sends. A role's exception ends the call (it propagates to the caller); a role that can never run is
-    a bug, reported as :class:`~sparsecomm.errors.ProtocolError`. It never blocks on one role while
-    another could run, unless on messages that come whatever this endpoint does: every wait ends, on
-    any fabric (``docs/omnireduce-scheduler.md``)."""
+class Flush(NamedTuple):
+    """Wait until every send held under ``hold`` (:attr:`Send.hold`) has completed, so that the role may
+    overwrite what they sent (:meth:`Pool.settle`). It blocks this endpoint: as a reap
+    (:meth:`Outbox.reap`), only for sends whose receives the peer posts without this endpoint's later
+    steps (``docs/omnireduce-scheduler.md``, rule R12)."""
+
+    hold: object
+
+
+def drive(fabric, inbox: Inbox, outbox: Outbox, roles: list, keep: int = 64) -> None:
+    """The generic scheduler of an endpoint (what :meth:`.base.Fabric.drive` runs): run the ``roles``
+    (generators yielding the requests above) on ``fabric``, with ``inbox`` and ``outbox``, until every one
+    has returned. While some wait, resume the first (by :class:`Stage`) of those able to run whose messages
+    are in by the time the first such is (:meth:`.base.Fabric.wait_any`); the only one able to run, or a
+    preferred one whose wait is :attr:`~Stage.sure`, at once. Before choosing, when every role able to run
+    waits at a stage that :attr:`~Stage.reaps`, finish all but ``keep`` of this endpoint's sends. A role's
+    exception ends the call (it propagates to the caller); a role that can never run is a bug, reported as
+    :class:`~sparsecomm.errors.ProtocolError`. It never blocks on one role while another could run, unless
+    on messages that come whatever this endpoint does: every wait ends, on any fabric
+    (``docs/omnireduce-scheduler.md``)."""
     _Scheduler(fabric, inbox, outbox).run(roles, keep)
 
 
@@ -297,7 +313,7 @@ class _Scheduler:
     conditions it still lacks (a key not posted, a ``gone`` key not taken), and a key posted, put or
     taken updates only the roles that wait on it."""
 
-    def __init__(self, fabric: Fabric, inbox: Inbox, outbox: Outbox) -> None:
+    def __init__(self, fabric, inbox: Inbox, outbox: Outbox) -> None:
         self.fabric, self.inbox, self.outbox = fabric, inbox, outbox
         self.waiting: dict = {}     # sequence number -> [role, Recv]; in the order the roles began to wait
         self.lacks: dict = {}       # sequence number -> conditions of R1 not met yet
@@ -319,7 +335,7 @@ class _Scheduler:
         while self.waiting:
             cands = self.runnable()
             if not cands:
-                raise ProtocolError("omnireduce: no role of this call can run (a bug)")
+                raise ProtocolError(f"endpoint {self.fabric.rank}: no role of this call can run (a bug)")
             if all(rw[1].stage.reaps for _, rw in cands):
                 self.outbox.reap(keep)
             if len(cands) == 1 or cands[0][1][1].stage.sure:   # the only one, or sure: its own takes block
@@ -355,6 +371,8 @@ class _Scheduler:
                 inbox.put(req.key, req.msg)
             elif t is Spawn:
                 self.advance(req.role)
+            elif t is Flush:
+                outbox.pool.settle(req.hold)
             elif t is Poll:
                 if not self.polling:
                     self.polling = True
@@ -366,7 +384,7 @@ class _Scheduler:
                 self.wait(role, req)
                 return
             else:
-                raise ProtocolError(f"omnireduce: a role asked for {req!r} (a bug)")
+                raise ProtocolError(f"endpoint {self.fabric.rank}: a role asked for {req!r} (a bug)")
 
     def wait(self, role, req: Recv) -> None:
         """Suspend ``role`` on ``req``: count what it lacks, and watch its keys."""
@@ -409,7 +427,7 @@ class _Scheduler:
                 del self.watchers[k]
         self.advance(role)
 
-    def poll(self, below: Phase | None = None) -> None:
+    def poll(self, below=None) -> None:
         """Run the roles whose messages are in already (without blocking), best first, until none is
         (``below``: only those of an earlier phase)."""
         ready, waiting = self.inbox.ready, self.waiting

@@ -1,0 +1,51 @@
+"""What an OmniReduce role waits for: the :class:`Phase` of the protocol and the :class:`Stage` of a wait,
+which the endpoint's scheduler (:func:`sparsecomm.fabric.roles.drive`, run by ``Fabric.drive``) orders the roles
+by and reads :attr:`Stage.sure` and :attr:`Stage.reaps` of. The phases, the rules that use them and why together
+they cannot deadlock: ``docs/omnireduce-scheduler.md``.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import NamedTuple
+
+__all__ = ["Phase", "Stage"]
+
+
+class Phase(IntEnum):
+    """What a role waits for; the scheduler prefers an earlier phase (``docs/omnireduce-scheduler.md``,
+    rule R2). The first five are an aggregator's admission of a call, one role, in the order it meets
+    them; round-0 data (every worker sends it before its first wait) are :data:`FIRSTS`, :data:`DRAIN`
+    and round 0 of :data:`AGGREGATE`."""
+
+    HEADERS = 0     #: aggregator: the workers' round-0 headers
+    FIRSTS = 1      #: aggregator: a worker's first look-aheads
+    MANIFESTS = 2   #: aggregator, after a verdict that is not OK: the workers' manifests
+    DRAIN = 3       #: aggregator, after a verdict that is not OK: a round-0 message a manifest lists
+    GO = 4          #: colocated aggregator: its host has taken the verdict (a hand-over)
+    VERDICT = 5     #: worker: an aggregator's verdict
+    AGGREGATE = 6   #: aggregator: a lane round's blocks from their holders
+    LAND = 7        #: worker: a lane round's sums
+
+
+class Stage(NamedTuple):
+    """What a wait is for: its :class:`Phase` and, in a lane, the round, the channel's slot and the
+    aggregator's place in the worker's visit order. Stages compare as tuples (phase, round, slot,
+    visit): the scheduler resumes the smallest of the roles able to run (a
+    :class:`sparsecomm.fabric.roles.Stage`)."""
+
+    phase: Phase
+    round: int = 0
+    slot: int = 0
+    visit: int = 0
+
+    @property
+    def sure(self) -> bool:
+        """Does it wait for round-0 data (sent by every worker before its first wait)?"""
+        return self.phase == Phase.FIRSTS or self.phase == Phase.DRAIN or (
+            self.phase == Phase.AGGREGATE and self.round == 0)
+
+    @property
+    def reaps(self) -> bool:
+        """Is it a lane round's wait (before which this endpoint's sends may be reaped)?"""
+        return self.phase >= Phase.AGGREGATE

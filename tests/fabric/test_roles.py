@@ -1,0 +1,121 @@
+"""Roles, what a fabric runs (:mod:`sparsecomm.fabric.roles`): a protocol that is not OmniReduce, with stages of
+its own, runs on ``Fabric.drive`` of a SimFabric; the scheduler resumes the role whose messages come first in
+modelled time among those able to run, a role that can never run is an error naming the endpoint, and a
+``Flush`` waits for the sends holding a buffer before its role goes on."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import pytest
+import torch
+
+import sparsecomm as sc
+from sparsecomm.errors import ProtocolError
+from sparsecomm.fabric.base import Fabric
+from sparsecomm.fabric.roles import Flush, Hand, Inbox, Outbox, Pool, Post, Recv, Send, Spawn
+
+
+class OwnStage(NamedTuple):
+    """A stage of the test's protocol: ordered by ``phase``; never sure, never reaping."""
+
+    phase: int
+    sure: bool = False
+    reaps: bool = False
+
+
+def _exchange(ctx, delays: list[float]) -> list[tuple[int, float]]:
+    """Every worker sends its rank to every other after ``delays[rank]`` modelled seconds; one role per peer
+    receives it. Returns the (peer, value) pairs in the order the roles took them."""
+    f: Fabric = ctx.fabric
+    pool = Pool()
+    inbox, outbox = Inbox(f, pool), Outbox(f, pool)
+    got = []
+
+    def receiver(peer: int):
+        yield Post(("v", peer), 4, peer, 5)
+        yield Recv((("v", peer),), OwnStage(phase=1))
+        got.append((peer, inbox.take(("v", peer)).view(torch.float32).item()))
+
+    def sender():
+        f.compute(delays[f.rank])
+        for peer in range(f.world_size):
+            if peer != f.rank:
+                yield Send(torch.tensor([float(f.rank)]).view(torch.uint8), peer, 5)
+        yield Spawn(local())
+
+    def local():   # a hand-over: in at once, preferred to nothing (phase 0 comes first)
+        yield Hand("me", float(f.rank))
+        yield Recv(("me",), OwnStage(phase=0))
+        got.append((f.rank, inbox.take("me")))
+
+    f.drive([receiver(p) for p in range(f.world_size) if p != f.rank] + [sender()], inbox, outbox)
+    outbox.finish()
+    return got
+
+
+def test_roles_of_another_protocol_run_on_the_sim_fabric_in_modelled_arrival_order():
+    # worker 1 sends 1 ms late, the others at once: worker 0 takes 2's message before 1's, though its role
+    # for 1 began to wait first; every worker takes its own hand-over (an earlier phase) first of all
+    delays = [0.0, 1e-3, 0.0]
+    out = sc.launch(lambda ctx: _exchange(ctx, delays), 3, network=sc.Network(bandwidth_gbps=100, latency_us=2))
+    assert out[0] == [(0, 0.0), (2, 2.0), (1, 1.0)]
+    assert out[1] == [(1, 1.0), (0, 0.0), (2, 2.0)]
+    assert out[2] == [(2, 2.0), (0, 0.0), (1, 1.0)]
+
+
+def test_a_role_that_can_never_run_names_the_endpoint():
+    def stuck(ctx):
+        pool = Pool()
+        inbox = Inbox(ctx.fabric, pool)
+
+        def role():
+            yield Recv((("never",),), OwnStage(phase=0))
+
+        ctx.fabric.drive([role()], inbox, Outbox(ctx.fabric, pool))
+
+    with pytest.raises(ProtocolError, match="endpoint 0: no role of this call can run"):
+        sc.launch(stuck, 1)
+
+
+def test_every_fabric_runs_the_same_scheduler():
+    from sparsecomm.fabric.sim.sim import SimFabric
+    from sparsecomm.fabric.torch.torch_fabric import TorchFabric
+
+    assert SimFabric.drive is Fabric.drive and TorchFabric.drive is Fabric.drive
+
+
+def test_flush_waits_for_the_sends_holding_a_buffer_before_the_role_goes_on():
+    log = []
+
+    class _Work:
+        def __init__(self, name):
+            self.name = name
+
+        def wait(self, timeout=None):
+            log.append(f"wait {self.name}")
+
+        def is_completed(self):
+            return False
+
+    class _Fabric:
+        rank, world_size = 0, 2
+
+        def isend(self, buf, dst, tag):
+            return _Work(f"send {tag}")
+
+    f, pool = _Fabric(), Pool()
+    inbox, outbox = Inbox(f, pool), Outbox(f, pool)
+
+    def role():
+        yield Send(torch.zeros(1), 1, 1, hold="a")
+        yield Send(torch.zeros(1), 1, 2, hold="b")
+        yield Send(torch.zeros(1), 1, 3, hold="a")
+        yield Flush("a")
+        log.append("flushed a")
+        assert [w.name for w in pool.busy("b")] == ["send 2"] and pool.busy("a") == []
+
+    Fabric.drive(f, [role()], inbox, outbox)   # (the generic scheduler, on a fake fabric)
+    assert log == ["wait send 1", "wait send 3", "flushed a"]
+    outbox.finish()
+    assert log[3:] == ["wait send 1", "wait send 2", "wait send 3"]
