@@ -31,7 +31,8 @@ fresh Qs are drawn on a layout other than the uninterrupted run's: under the DDP
 case with ``warm_start=False`` (fresh Qs every step) or when the first iteration after the restore,
 which has DDP's initial bucket layout, is the first compressed step; :mod:`sparsecomm.ddp` states the
 exact cases. Under :class:`~sparsecomm.DistributedOptimizer` the layout is fixed and a resume is
-always bit-exact.
+always bit-exact. Every product and QR takes its matrices at a fixed memory alignment (:func:`_aligned`),
+so that its rounding does not depend on a matrix's offset in the bucket, which follows the layout.
 
 Orthogonalisation is a reduced QR (sign conventions cancel in P^ P^^T; a zero sum still yields an
 orthonormal basis, never NaN), in float32 for bfloat16/float16 buckets (the bases are rounded back to
