@@ -82,7 +82,11 @@ step between the restore and the first compressed step (the same ``bucket_cap_mb
 when the first step after the restore is the first compressed step: fresh Qs are drawn from the
 shared generator bucket by bucket (torch's ``powerSGD_hook`` order, which the parity with torch
 needs), and a restored process's first step has DDP's initial layout, so its draws follow other
-buckets than the uninterrupted run's. Step 0 is always averaged uncompressed and bypasses the method;
+buckets than the uninterrupted run's. The sign methods' rounds are per coordinate (any layout); ``onebit``'s
+1-bit blocks run across the bucket, so its resume is bit-identical only from a checkpoint taken in the
+warm-up. A stateless method under ``warmup_steps`` keys its round count by the parameters too
+(``tests/frontends/test_ddp_resume.py`` checks every method). Step 0 is always averaged uncompressed
+and bypasses the method;
 compression starts at step ``max(1, warmup_steps)``
 and steps ``1 .. warmup_steps - 1`` are exact rounds of the method (warm-starting its state:
 the method is wrapped in :func:`sparsecomm.methods.warmup` with ``warmup_steps`` rounds: a state's round

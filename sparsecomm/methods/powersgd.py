@@ -31,7 +31,8 @@ fresh Qs are drawn on a layout other than the uninterrupted run's: under the DDP
 case with ``warm_start=False`` (fresh Qs every step) or when the first iteration after the restore,
 which has DDP's initial bucket layout, is the first compressed step; :mod:`sparsecomm.ddp` states the
 exact cases. Under :class:`~sparsecomm.DistributedOptimizer` the layout is fixed and a resume is
-always bit-exact.
+always bit-exact. Every product and QR takes its matrices at a fixed memory alignment (:func:`_aligned`),
+so that its rounding does not depend on a matrix's offset in the bucket, which follows the layout.
 
 Orthogonalisation is a reduced QR (sign conventions cancel in P^ P^^T; a zero sum still yields an
 orthonormal basis, never NaN), in float32 for bfloat16/float16 buckets (the bases are rounded back to
@@ -120,27 +121,26 @@ class PowerSGD(Method):
         if st.q is None or not self.warm_start or st.q.numel() != nq:
             st.q = _gaussian_q(lay, need_generator(generator), grad)
         parts, qoff = [mat[o:o + k] for o, k, _, _, r in lay if r == 0], 0
-        for o, k, n, m, r in lay:
-            if r:
-                q = _orthonormal(st.q[qoff:qoff + m * r].view(m, r))
-                parts.append((mat[o:o + k].view(n, m) @ q).reshape(-1))
-                qoff += m * r
-        ms.pending = ("P", mat, lay)
+        mats = [_aligned(mat[o:o + k].view(n, m)) for o, k, n, m, r in lay if r]
+        for (o, k, n, m, r), x in zip([t for t in lay if t[4]], mats):
+            q = _orthonormal(_aligned(st.q[qoff:qoff + m * r].view(m, r)))
+            parts.append((x @ q).reshape(-1))
+            qoff += m * r
+        ms.pending = ("P", mat, lay, mats)
         return _dense(torch.cat(parts) if parts else mat[:0])
 
     def _next_round(self, aggregate, world_size, ms):
         pend = ms.pending
         if pend[0] != "P" or not any(r for *_, r in pend[2]):
             return None
-        _, mat, lay = pend
+        _, mat, lay, mats = pend
         unc = sum(k for _, k, _, _, r in lay if r == 0)
         pos, ps, qs = unc, [], []
-        for o, k, n, m, r in lay:
-            if r:
-                p = _orthonormal(aggregate[pos:pos + n * r].view(n, r))
-                ps.append(p)
-                qs.append((mat[o:o + k].view(n, m).T @ p).reshape(-1))
-                pos += n * r
+        for (o, k, n, m, r), x in zip([t for t in lay if t[4]], mats):
+            p = _orthonormal(_aligned(aggregate[pos:pos + n * r].view(n, r)))
+            ps.append(p)
+            qs.append((x.T @ p).reshape(-1))
+            pos += n * r
         ms.pending = ("Q", mat, lay, aggregate[:unc].clone(), ps)   # the sums of the whole tensors
         return _dense(torch.cat(qs))
 
@@ -159,11 +159,34 @@ class PowerSGD(Method):
                     torch.div(unc[u:u + k], world_size, out=out[o:o + k])
                     u += k
             for (o, k, n, m, r), p in zip([t for t in lay if t[4]], ps):
-                torch.mm(p, qmean[j:j + m * r].view(m, r).T, out=out[o:o + k].view(n, m))
+                _mm_into(p, _aligned(qmean[j:j + m * r].view(m, r)).T, out[o:o + k].view(n, m))
                 j += m * r
             st.q = qmean
         if self.use_error_feedback:
             torch.sub(mat, out, out=st.error)
+
+
+#: the address alignment (bytes) of every matrix a product or a QR reads or writes: a fresh tensor's
+#: (torch's CPU allocator aligns to 64 bytes, its CUDA caching allocator to 512). A BLAS kernel may round
+#: differently for a matrix at another address (MKL's gemm does for rows that are not 16-byte aligned),
+#: and a tensor's offset in the flat bucket follows the bucket layout, which DDP rebuilds after its first
+#: iteration (and a restored process starts from its initial one).
+_ALIGN = 64
+
+
+def _aligned(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (contiguous) if its data is :data:`_ALIGN`-byte aligned, else an aligned copy with the same
+    strides: a product's rounding then does not depend on where ``x`` sits in its bucket."""
+    return x if x.data_ptr() % _ALIGN == 0 else x.clone()
+
+
+def _mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """``out <- a @ b``, computed into an aligned buffer when ``out`` (a view into the bucket) is not
+    aligned (:func:`_aligned`)."""
+    if out.data_ptr() % _ALIGN == 0:
+        torch.mm(a, b, out=out)
+    else:
+        out.copy_(torch.mm(a, b))
 
 
 def _orthonormal(x: torch.Tensor) -> torch.Tensor:

@@ -253,8 +253,10 @@ class HookScheduler:
             flat = buffer.reshape(-1)
             compress = self.steps >= 1 and flat.numel() >= self.min_compress_size
             key, segments = index, None
-            if params is not None and compress and (pipe.per_parameter or pipe.method.State is not None):
-                # method state to key by the parameters (a stateless bucket-wide round keeps the index)
+            if params is not None and compress and (pipe.per_parameter or pipe.method.State is not None
+                                                    or pipe.warmup_steps):
+                # method state to key by the parameters: a typed state, or a round count that warm-up reads
+                # (a stateless bucket-wide round without warm-up keeps the index)
                 key = self.key(params, index)
                 if key != index:
                     segs = tuple((self.names[id(p)], p.numel()) for p in params)
