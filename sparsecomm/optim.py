@@ -233,8 +233,8 @@ class DistributedOptimizer:
         init_sync: ``"broadcast"`` (rank 0's parameters to every worker), ``"check"`` (compare them) or
             ``"off"``.
         module: the model, whose buffers are broadcast too and whose parameter names appear in errors.
-        nonfinite: ``"raise"`` (a NaN/Inf gradient is the same ``NonFiniteError`` on every worker) or
-            ``"pass"``.
+        nonfinite: ``"raise"`` (a NaN/Inf gradient is the same ``NonFiniteError`` on every worker), ``"skip"``
+            (such a step is dropped on every worker with nothing changed: mixed precision) or ``"pass"``.
         sparse_rows: how row-sparse (embedding) gradients are averaged: ``"gather"`` or ``"transport"``.
         verify_replicas_every: compare the workers' parameters every N steps (0: never).
         **hyper: hyper-parameters of the method and its compressor (``ratio=0.01``, ``alpha=0.5``).

@@ -91,7 +91,8 @@ class NonFiniteRule:
     def first_sum(self, payload: Any, agg: torch.Tensor, key: Hashable) -> bool:
         """The check of a bucket-wide round's (first) sum: inputs were checked and no worker sent NaN,
         so a non-finite sum without NaN is narrow floats (fp16) overflowing in their own dtype, which
-        :func:`~sparsecomm.payload.check_sum_finite` names (``SumOverflowError``, on every worker; ``"skip"`` skips the step)."""
+        :func:`~sparsecomm.payload.check_sum_finite` names (``SumOverflowError``, on every worker; under
+        ``"skip"`` the step is skipped, as any non-finite sum)."""
         if self.skip:
             return self._flag(agg)
         if self.check and not finite(agg):
