@@ -21,7 +21,8 @@ STEPS, BAD, INIT_SCALE = 5, 2, 2.0 ** 10
 SMALL_CAP = 300 / 2 ** 20          # several buckets: the Inf is in one of them only
 CONFIGS = {"ef": dict(compressor="topk", method="ef", ratio=0.3, transport="allgather"),
            "diana": dict(compressor="randk", method="diana", ratio=0.3, transport="allgather"),
-           "powersgd": dict(compressor="powersgd", transport="allgather")}
+           "powersgd": dict(compressor="powersgd", transport="allgather"),
+           "fp16": dict(compressor="fp16")}        # stateless, on the default transport (native)
 
 
 def _inject(grad: torch.Tensor) -> torch.Tensor:
