@@ -10,8 +10,8 @@ raises its own ``NonFiniteError`` on every worker, and then the pipeline does no
 
 ``"skip"``: the checks of ``"raise"`` (a non-finite input sent as NaN, so that every worker's sum is
 non-finite), but a non-finite sum marks the step (:attr:`NonFiniteRule.flagged`) instead of raising: the
-round leaves its method state alone and its estimate is NaN (so that ``torch.amp.GradScaler`` sees it and
-skips the step), and the pipeline, which journals every method state and generator the step touches
+round runs no further round and no decode, and its estimate is NaN (so that ``torch.amp.GradScaler`` sees
+it and skips the step), and the pipeline, which journals every method state and generator the step touches
 (:meth:`CommPipeline.begin_step <sparsecomm.pipeline.core.CommPipeline.begin_step>`), restores them all
 when the step ends (:meth:`~sparsecomm.pipeline.core.CommPipeline.end_step`): a skipped step changes no
 method state and no generator on any worker, and is counted (``skipped_steps``). It needs a transport
