@@ -232,3 +232,40 @@ def test_fp16_underflow_is_counted_by_default_and_strict_on_request():
         assert out == ["ok"] * 3 and n == 1
     for out, _ in sc.launch(lambda ctx: _fp16_run(ctx, "raise"), 2, backend="sim"):
         assert out == ["ok", "UnderflowError"]
+
+
+def _clip_recipe(ctx, sync_first: bool):
+    """torch's clipping recipe with GradScaler: ``unscale_`` before ``step`` (of this worker's own gradients,
+    or of the averages after ``opt.synchronize()``)."""
+    model = tc.MLP(0, with_unused=False)
+    opt = sc.DistributedOptimizer(tc.make_inner(model), compressor="topk", method="ef", ratio=0.3,
+                                  transport="allgather", nonfinite="skip")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    scales = []
+    for t in range(4):
+        opt.zero_grad()
+        x, y = tc.batch(ctx.rank, t)
+        h = model.l1.weight.register_hook(_inject) if t == BAD and ctx.rank == 1 else None
+        scaler.scale(tc.loss_fn(model(x), y)).backward()
+        if h is not None:
+            h.remove()
+        if sync_first:
+            opt.synchronize()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return scales, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("sync_first", [False, True])
+def test_grad_scaler_clipping_recipe(sync_first):
+    """``scaler.unscale_(opt)`` before the gradients are averaged records this worker's own inf check (rank 0
+    saw none); the optimizer's step checks the averages again, so both scalers back off alike."""
+    res = sc.launch(lambda ctx: _clip_recipe(ctx, sync_first), 2, backend="sim")
+    for scales, params in res:
+        assert scales == [2.0 ** 8] * BAD + [2.0 ** 7] * (4 - BAD), scales
+        assert all(bool(torch.isfinite(p).all()) for p in params)
+    assert _same(res[0][1], res[1][1])
