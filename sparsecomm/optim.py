@@ -86,7 +86,8 @@ silently.
 :mod:`sparsecomm.pipeline.nonfinite`. With ``"skip"``, a step whose gradients hold a NaN or Inf on some
 worker is dropped on every worker: ``step()`` runs no inner step, the method states (EF's error, DIANA's
 h_i, PowerSGD's Q) and the compressor's generators are as before it, the averaged gradients hold NaN
-where the sum was not finite, and ``compression_stats()["skipped_steps"]`` counts it.
+where the sum was not finite, and ``compression_stats()["skipped_steps"]`` counts it (each step copies the
+method states it touches, into a second copy of them kept between steps).
 
 **Mixed precision.** ``torch.amp.GradScaler`` works with the plain recipe (``scaler.scale(loss).backward();
 scaler.step(opt); scaler.update()``) and ``nonfinite="skip"``: the optimizer declares that it handles the
