@@ -82,7 +82,21 @@ on every worker, naming the first parameter that differs (by its name in ``modul
 place in ``param_groups``), so that replicas that drift apart stop the run instead of training on
 silently.
 
-**Non-finite gradients.** ``nonfinite="raise"`` (default) or ``"pass"``: see :mod:`sparsecomm.pipeline.nonfinite`.
+**Non-finite gradients.** ``nonfinite="raise"`` (default), ``"skip"`` or ``"pass"``: see
+:mod:`sparsecomm.pipeline.nonfinite`. With ``"skip"``, a step whose gradients hold a NaN or Inf on some
+worker is dropped on every worker: ``step()`` runs no inner step, the method states (EF's error, DIANA's
+h_i, PowerSGD's Q) and the compressor's generators are as before it, the averaged gradients hold NaN
+where the sum was not finite, and ``compression_stats()["skipped_steps"]`` counts it (each step copies the
+method states it touches, into a second copy of them kept between steps).
+
+**Mixed precision.** ``torch.amp.GradScaler`` works with the plain recipe (``scaler.scale(loss).backward();
+scaler.step(opt); scaler.update()``) and ``nonfinite="skip"``: the optimizer declares that it handles the
+scaling (``_step_supports_amp_scaling``), so ``scaler.step(opt)`` calls ``opt.step(grad_scaler=scaler)``,
+which averages the (scaled) gradients, unscales the averages with the scaler and records the scaler's inf
+check on them: every worker skips the same steps and its scaler lowers its scale alike. (torch warns that
+it will stop passing the scaler, a ``FutureWarning`` once per call site.) ``scaler.unscale_(opt)`` before
+``scaler.step(opt)`` (gradient clipping) unscales this worker's own gradients; call ``opt.synchronize()``
+first to clip the averaged ones, as Horovod's recipe does. A closure is not supported with ``"skip"``.
 
 **Compressor / method.** ``compressor=`` takes compressors: a name (``sc.compressors.available()``)
 or a ``Compressor`` object; ``method=`` takes methods: a name (``sc.methods.available()``, ``"none"``
@@ -220,8 +234,8 @@ class DistributedOptimizer:
         init_sync: ``"broadcast"`` (rank 0's parameters to every worker), ``"check"`` (compare them) or
             ``"off"``.
         module: the model, whose buffers are broadcast too and whose parameter names appear in errors.
-        nonfinite: ``"raise"`` (a NaN/Inf gradient is the same ``NonFiniteError`` on every worker) or
-            ``"pass"``.
+        nonfinite: ``"raise"`` (a NaN/Inf gradient is the same ``NonFiniteError`` on every worker), ``"skip"``
+            (such a step is dropped on every worker with nothing changed: mixed precision) or ``"pass"``.
         sparse_rows: how row-sparse (embedding) gradients are averaged: ``"gather"`` or ``"transport"``.
         verify_replicas_every: compare the workers' parameters every N steps (0: never).
         **hyper: hyper-parameters of the method and its compressor (``ratio=0.01``, ``alpha=0.5``).
@@ -369,16 +383,32 @@ class DistributedOptimizer:
         finally:
             self._sc_skip = False
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    #: ``torch.amp.GradScaler.step(opt)`` hands the whole step to :meth:`step` (with ``grad_scaler=``: torch's
+    #: protocol for an optimizer that handles the scaling itself), which unscales and checks the *averaged*
+    #: gradients, so that every worker skips the same steps and its scaler makes the same update
+    _step_supports_amp_scaling = True
+
+    def step(self, closure: Callable[[], Any] | None = None,  # type: ignore[override]
+             grad_scaler: Any = None) -> Any:
         """Synchronise the gradients (unless :meth:`synchronize` already did), then run the inner optimizer's
-        step; see the module doc, "Step".
+        step; see the module doc, "Step". Under ``nonfinite="skip"``, a synchronisation that the pipeline
+        skipped (a non-finite sum on some worker) runs no inner step, on every worker.
 
         Args:
             closure: re-evaluates the loss, as for the inner optimizer; every evaluation is synchronised (it
-                must run equally often on every worker).
+                must run equally often on every worker; not with ``nonfinite="skip"``, which could not drop
+                a step the inner optimizer runs itself).
+            grad_scaler: the ``torch.amp.GradScaler`` whose ``scaler.step(opt)`` called this (torch passes it):
+                the averaged gradients are unscaled and checked here (module doc, "Mixed precision").
         """
         sched = self._sc_scheduler
         if closure is not None:
+            if self._sc_pipeline.rule.skip:
+                raise InvalidValueError(
+                    "step(closure) with nonfinite='skip': the inner optimizer runs the closure (and its "
+                    "synchronisation) itself, so a skipped synchronisation could not drop its update; call "
+                    "loss = closure() and then step() without a closure, or use nonfinite='raise'")
+
             def synced() -> Any:
                 loss = closure()
                 self.synchronize()
@@ -394,12 +424,30 @@ class DistributedOptimizer:
         if not (sched.synced or self._sc_skip):
             self.synchronize()
         sched.synced = False
+        skipped, sched.skipped = sched.skipped, False
+        if grad_scaler is not None:
+            skipped = self._sc_unscale(grad_scaler) or skipped
+        if skipped:
+            self._sc_verify()
+            return None
         try:
             out = super().step()  # type: ignore[misc]
         finally:
             self._sc_mark_inner_called()
         self._sc_verify()
         return out
+
+    def _sc_unscale(self, scaler: Any) -> bool:
+        """``scaler``'s unscaling and inf check on the averaged gradients (identical on every worker, so
+        every worker's scaler records the same ``found_inf``); returns whether it found an inf or NaN. If
+        ``scaler.unscale_(opt)`` ran before the gradients were averaged (torch's clipping recipe), the check
+        it recorded, of this worker's own gradients, is made again on the averages."""
+        if scaler._found_inf_per_device(self):
+            found = scaler._check_inf_per_device(self)
+        else:
+            scaler.unscale_(self)
+            found = scaler._found_inf_per_device(self)
+        return bool(sum(float(v.item()) for v in found.values()))
 
     def _sc_verify(self) -> None:
         """The replica guard (``verify_replicas_every``), after the inner step of every N-th step."""

@@ -61,13 +61,14 @@ def identity() -> Identity:
 none = identity
 
 
-def fp16(*, underflow: str = "raise") -> FP16:
-    """Cast to float16; ``underflow`` "raise" (delta holds on every call) or "allow"."""
+def fp16(*, underflow: str = "count") -> FP16:
+    """Cast to float16; ``underflow`` "count" (counted in the statistics), "raise" (delta holds on every
+    call) or "allow"."""
     return FP16(underflow)
 
 
-def bf16(*, underflow: str = "raise") -> BF16:
-    """Cast to bfloat16; ``underflow`` "raise" or "allow"."""
+def bf16(*, underflow: str = "count") -> BF16:
+    """Cast to bfloat16; ``underflow`` "count", "raise" or "allow"."""
     return BF16(underflow)
 
 

@@ -9,12 +9,15 @@ dtype's normal range; values that would overflow it raise :class:`~sparsecomm.er
 **Below the normal range** (|x| < 2^-14 for float16, < 2^-126 for bfloat16) rounding is absolute, not
 relative (half the subnormal spacing, down to flushing to zero), so the contraction can fail: a
 vector of entries around 1e-9 comes back as zeros, ||C(x) - x||^2 = ||x||^2. So the contract of a cast
-depends on ``underflow``:
+depends on ``underflow``. ``compress`` computes ``||C(x) - x||^2`` and ``||x||^2`` in float64 and
+finds an *underflow* when ``||C(x) - x||^2 > (1 - delta) ||x||^2`` (a vector with a few tiny entries among
+normal ones does not: its normal entries' rounding error is far below the bound); then
 
-- ``"raise"`` (default): ``delta()`` holds on every call that returns. ``compress`` computes
-  ``||C(x) - x||^2`` and ``||x||^2`` in float64 and raises :class:`UnderflowError` when
-  ``||C(x) - x||^2 > (1 - delta) ||x||^2`` (a vector with a few tiny entries among normal ones passes:
-  its normal entries' rounding error is far below the bound);
+- ``"count"`` (default): it returns the rounded values anyway, as a float16 cast (torch's fp16 DDP hook)
+  does, and marks the payload (``meta["underflow"]``), which the pipeline counts
+  (``compression_stats()["underflow_rounds"]``): ``delta()`` holds on every call that counts none;
+- ``"raise"`` (strict): it raises :class:`UnderflowError`, so ``delta()`` holds on every call that
+  returns;
 - ``"allow"``: anything finite is compressed and ``delta = 0`` is declared (no contraction is
   promised, only ``|C(x)_i - x_i| <= |x_i|``).
 """
@@ -121,10 +124,11 @@ class _Cast(_Dense):
     target: torch.dtype = torch.float16
     precision_bits: int = 11
 
-    def __init__(self, underflow: str = "raise"):
-        if underflow not in ("raise", "allow"):
-            raise CompressorConfigError(f"{self.name}: underflow must be 'raise' (delta holds on every "
-                                        f"call, or an UnderflowError) or 'allow' (delta = 0), got {underflow!r}")
+    def __init__(self, underflow: str = "count"):
+        if underflow not in ("count", "raise", "allow"):
+            raise CompressorConfigError(f"{self.name}: underflow must be 'count' (an underflow is counted in "
+                                        f"the statistics), 'raise' (delta holds on every call, or an "
+                                        f"UnderflowError) or 'allow' (delta = 0), got {underflow!r}")
         self.underflow = underflow
 
     def hyper(self):
@@ -155,13 +159,15 @@ class _Cast(_Dense):
             y = cpu_empty(flat.numel(), self.target).copy_(flat)
         else:
             y = flat.to(self.target, copy=True)
-        if not (self.underflow == "raise" and flat.dtype != self.target and flat.numel()):
+        under = False
+        if not (self.underflow != "allow" and flat.dtype != self.target and flat.numel()):
             self._check_range(flat, y)
         else:       # the contraction check's pass also finds a non-finite or overflowing input
             err, nrm, special = self._contraction_error(flat, y)
             if special or not math.isfinite(err):
                 self._check_range(flat, y)
-            if err > (1.0 - self.delta(flat.numel())) * nrm:
+            under = err > (1.0 - self.delta(flat.numel())) * nrm
+            if under and self.underflow == "raise":
                 tiny = torch.finfo(self.target).tiny
                 raise UnderflowError(
                     f"{self.name}: this input lies below {self.target}'s normal range (|x| < {tiny:g}) on "
@@ -169,11 +175,14 @@ class _Cast(_Dense):
                     f"than the declared 1 - delta = {1.0 - self.delta(flat.numel()):.3g}; rescale it (e.g. "
                     f"loss scaling), use 'bf16' (float32's range) or 'identity', or build "
                     f"{self.name}(underflow='allow'), which declares delta = 0")
+        if under:
+            return make_payload("dense", x.shape, x.dtype, y, {"values": 16 * y.numel()}, underflow=True)
         return make_payload("dense", x.shape, x.dtype, y, {"values": 16 * y.numel()})
 
     def delta(self, d):
-        """1 - (2^-p + 2^-23)^2 (see rounding_delta), checked on every call (``underflow="raise"``);
-        0 with ``underflow="allow"``, which promises no contraction."""
+        """1 - (2^-p + 2^-23)^2 (see rounding_delta), checked on every call (``underflow="raise"``: an
+        UnderflowError where it fails; ``"count"``: the call is counted); 0 with ``underflow="allow"``, which
+        promises no contraction."""
         if self.underflow == "allow":
             return 0.0
         return th.rounding_delta(self.precision_bits)

@@ -45,6 +45,12 @@ class CompressionStats:
     comm: CommStats = field(default_factory=CommStats)
     bytes_declared_sent: float = 0.0   # declared bytes x the transport's wire_copies()
     bytes_dense_sent: float = 0.0      # dense bytes x the transport's wire_copies()
+    #: steps dropped on every worker for a non-finite sum (``nonfinite="skip"``)
+    skipped_steps: int = 0
+    #: rounds whose payload counted an underflow of a rounding cast (``fp16``/``bf16`` with
+    #: ``underflow="count"``: entries rounded below the declared contraction), summed over the workers'
+    #: own payloads on this worker
+    underflow_rounds: int = 0
     #: ``transport="auto"``'s decision table (:meth:`sparsecomm.pipeline.auto.Chooser.table`), else empty
     decisions: list = field(default_factory=list)
 
@@ -58,7 +64,9 @@ class CompressionStats:
         for scattered top-k through omnireduce's blocks), ``compression_factor_sent`` the compression
         factor measured on the wire (dense bytes x ``wire_copies()`` / bytes sent). (``ratio`` and
         ``ratio_sent`` are deprecated names of the two factors: :class:`Stats`.) Under
-        ``transport="auto"``, ``transport_decisions`` is the table of its per-bucket choices."""
+        ``transport="auto"``, ``transport_decisions`` is the table of its per-bucket choices. ``skipped_steps``:
+        the steps ``nonfinite="skip"`` dropped; ``underflow_rounds``: this worker's rounds whose fp16/bf16 cast
+        lost more than its declared contraction to underflow (``underflow="count"``)."""
         nan = float("nan")
         sent = self.comm.bytes_sent
         extra = {"transport_decisions": [dict(d) for d in self.decisions]} if self.decisions else {}
@@ -69,7 +77,8 @@ class CompressionStats:
             "messages": self.comm.messages, "modelled_time_s": self.comm.modelled_time_s,
             "bytes_declared_sent": self.bytes_declared_sent,
             "sent_over_declared": sent / self.bytes_declared_sent if self.bytes_declared_sent else nan,
-            "compression_factor_sent": self.bytes_dense_sent / sent if sent else nan})
+            "compression_factor_sent": self.bytes_dense_sent / sent if sent else nan,
+            "skipped_steps": self.skipped_steps, "underflow_rounds": self.underflow_rounds})
 
 
 def payload_bytes(p: Any) -> int:
@@ -105,6 +114,8 @@ class Accounting:
         pbytes = payload_bytes(payload)
         s = self.stats
         s.rounds += 1
+        if not isinstance(payload, torch.Tensor) and payload.meta.get("underflow"):
+            s.underflow_rounds += 1
         s.bytes_payload += pbytes
         s.bytes_declared_sent += copies * pbytes
         s.comm = s.comm + comm

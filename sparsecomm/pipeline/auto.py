@@ -182,7 +182,7 @@ class Chooser:
     ``make(name)`` builds a transport of the catalog for this pipeline (the same options on every
     worker); ``default`` is the pipeline's transport, used until the first decision where nothing is
     explored and for the all-reduce that agrees the inputs; ``kind``/``shared_scale``: the method's
-    payload; ``nonfinite``: the pipeline's rule (``"pass"`` rules out the fixed-point switch
+    payload; ``nonfinite``: the pipeline's rule (``"pass"`` and ``"skip"`` rule out the fixed-point switch
     transports)."""
 
     def __init__(self, default: Transport, make: Callable[[str], Transport], kind: str, shared_scale: bool,
@@ -232,7 +232,7 @@ class Chooser:
                 continue
             if name == "native" and self.fabric.native_group is None:
                 continue
-            if name in SWITCH_TRANSPORTS and ("switch" not in services or self.nonfinite == "pass"
+            if name in SWITCH_TRANSPORTS and ("switch" not in services or self.nonfinite in ("pass", "skip")
                                               or self.n > 32):
                 continue
             out.append(name)

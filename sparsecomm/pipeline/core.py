@@ -22,6 +22,13 @@ A method's state is per bucket key, so decoding bucket ``a`` on the communicatio
 ``b`` is encoded on the caller's thread touches disjoint state: the results are bit-identical to the
 synchronous path.
 
+**Transactions** (``nonfinite="skip"``). :meth:`CommPipeline.begin_step` opens a journal of the method
+states and generators (:mod:`sparsecomm.pipeline.states`) and :meth:`CommPipeline.end_step`, called by the
+frontend once every call of the step has completed, commits it, or rolls it back when a round of the step
+had a non-finite sum (the same on every worker: every worker's sum is the same non-finite one), so that a
+skipped step leaves every worker as it found it; the frontends skip the rest of the step (the optimizer its
+inner step, a ``GradScaler`` the optimizer's step after DDP's backward).
+
 **Call identity.** Every call of a step is named ``CallId(bucket key, step, round)``
 (:meth:`CommPipeline.call_id`; :meth:`CommPipeline.begin_step` starts a step), which every worker's
 agreement compares.
@@ -35,13 +42,13 @@ import torch
 
 from .. import methods
 from ..compressors.base import Compressor
-from ..errors import InvalidValueError, MismatchError
+from ..errors import IncompatibleError, InvalidValueError, MismatchError
 from ..fabric.base import Fabric
 from ..fabric.stats import CommStats
 from ..methods.base import Method
 from ..transports.base import CallId, CommWork, Transport
 from .accounting import Accounting, CompressionStats, payload_bytes
-from .auto import Chooser, block_density, options as auto_options
+from .auto import SWITCH_TRANSPORTS, Chooser, block_density, options as auto_options
 from .nonfinite import NONFINITE, NonFiniteRule
 from .resolve import build_transport, warn_unguaranteed
 from .rounds import BucketRounds, Call, Outputs, ParameterRounds, PlainRound
@@ -71,6 +78,10 @@ class CommPipeline:
             raise InvalidValueError(f"nonfinite must be one of {', '.join(map(repr, NONFINITE))}, got {nonfinite!r}")
         if warmup_steps < 0:
             raise InvalidValueError(f"warmup_steps must be non-negative, got {warmup_steps}")
+        if nonfinite == "skip" and isinstance(transport, str) and transport in SWITCH_TRANSPORTS:
+            raise IncompatibleError(f"nonfinite='skip' needs a transport that sums NaN/Inf through; transport "
+                                    f"{transport!r} (fixed point) raises NonFiniteError on them. Use ring, "
+                                    f"omnireduce, allgather or native, or nonfinite='raise'")
         self.method = methods.warmup(methods.build(compressor, method, **hyper), warmup_steps)
         warn_unguaranteed(self.method)
         auto = isinstance(transport, str) and transport == "auto"
@@ -120,11 +131,17 @@ class CommPipeline:
                                            self.world_size)
         #: steps begun (:meth:`begin_step`): part of every call's identity, and of checkpoints
         self.step = 0
+        #: steps skipped (``nonfinite="skip"``: :meth:`end_step` rolled them back), among :attr:`step`
+        self.skipped = 0
+        self._open = False          # a step begun and not yet ended (end_step)
 
     @staticmethod
     def _follow_rule(transport: Transport, nonfinite: str) -> None:
-        """The transport's own NaN/Inf rule follows the pipeline's ``"pass"``."""
-        if nonfinite == "pass" and transport.nonfinite != "pass":
+        """The transport's own NaN/Inf rule follows the pipeline's ``"pass"`` and ``"skip"``."""
+        if nonfinite == "skip" and not transport.sums_nonfinite:
+            raise IncompatibleError(f"nonfinite='skip' needs a transport that sums NaN/Inf through; transport "
+                                    f"{transport.name!r} (fixed point) raises NonFiniteError on them")
+        if nonfinite in ("pass", "skip") and transport.nonfinite != "pass":
             transport.nonfinite = "pass"
 
     # ------------------------------------------------------------------ configuration
@@ -181,7 +198,7 @@ class CommPipeline:
         (:class:`~sparsecomm.pipeline.rounds.ParameterRounds`), so that the result does not depend on
         how the parameters are grouped into buckets (see :mod:`sparsecomm.ddp`).
         """
-        steps_before = max(0, self.step - 1)
+        steps_before = max(0, self.step - 1 - self.skipped)    # (the steps committed before this one)
         identity = self.call_id(key)
         if not compress or self.plain:
             call = self._plain_round.begin(flat, key)
@@ -234,12 +251,41 @@ class CommPipeline:
 
     def begin_step(self) -> None:
         """Start a new step: its calls' identity (:meth:`call_id`) and a new ``last_stats``
-        accumulation (one per optimizer step)."""
+        accumulation (one per optimizer step); under ``nonfinite="skip"``, a journal of the method states
+        and generators the step touches (a step begun and never ended is ended here first:
+        :meth:`end_step`)."""
+        if self._open:
+            self.end_step()
         self.step += 1
+        self._open = True
+        if self.rule.skip:
+            self.rule.flagged = False
+            self.states.begin()
+            self.generators.begin()
         self.accounting.begin_step()
         if self.chooser is not None:
             self.chooser.begin_step(self.step)
             self.accounting.stats.decisions = self.chooser.table()
+
+    def end_step(self) -> bool:
+        """End the step begun by :meth:`begin_step`, once every call of it has completed; returns whether
+        it was skipped: under ``nonfinite="skip"``, when a round had a non-finite sum (the same answer on
+        every worker), every method state and generator is put back as it was before the step and the
+        step is counted in ``skipped_steps``; otherwise the step's changes are kept. A second call (or one
+        with no step begun) returns False and does nothing."""
+        if not self._open:
+            return False
+        self._open = False
+        if self.rule.skip and self.rule.flagged:
+            self.rule.flagged = False
+            self.states.rollback()
+            self.generators.rollback()
+            self.skipped += 1
+            self.accounting.stats.skipped_steps += 1
+            return True
+        self.states.commit()
+        self.generators.commit()
+        return False
 
     # ------------------------------------------------------------------ figures
     @property
@@ -257,7 +303,7 @@ class CommPipeline:
         """The method states and their layout, the generators, the step, and who saved them."""
         return {**self.states.state_dict(), **self.generators.state_dict(),
                 "rank": self.rank, "world_size": self.world_size, "seed": self.seed,
-                "shared_randomness": self.shared_randomness, "step": self.step}
+                "shared_randomness": self.shared_randomness, "step": self.step, "skipped": self.skipped}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s result; a state saved on another rank or world size raises
@@ -270,6 +316,8 @@ class CommPipeline:
                 f"sparsecomm state saved on rank {state.get('rank')} of {state.get('world_size')} "
                 f"cannot be loaded on rank {self.rank} of {self.world_size} (the method state is per "
                 f"worker); delete the 'sparsecomm' entry to load only the inner optimizer's state")
+        self._open = False
         self.states.load_state_dict(state)
         self.step = int(state.get("step", 0))
+        self.skipped = int(state.get("skipped", 0))
         self.generators.load_state_dict(state)

@@ -15,7 +15,10 @@ one way of running the method over the bucket:
 A strategy encodes on the calling thread (so generators and states advance in call order) and returns
 a :class:`Call`; the pipeline hands it to the transport and records every round of every strategy the
 same way (:class:`~sparsecomm.pipeline.accounting.Accounting`). Each applies the non-finite rule
-(:mod:`sparsecomm.pipeline.nonfinite`) to its input and to every sum.
+(:mod:`sparsecomm.pipeline.nonfinite`) to its input and to every sum; under ``nonfinite="skip"`` a
+non-finite sum ends the call's rounds there (on every worker alike: the sums are the same) and its estimate
+is NaN, with the method's decode left out (the step is rolled back: :meth:`CommPipeline.end_step
+<sparsecomm.pipeline.core.CommPipeline.end_step>`).
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ class Call:
                  next_round: Callable[[torch.Tensor], Payload | None] | None = None) -> None:
         self.sent, self.dense_bytes, self.finish, self.next_round = sent, dense_bytes, finish, next_round
         self.last = sent
+        #: False once a sum of the call was not finite (``nonfinite="skip"``: its rounds end there)
+        self.finite = True
 
 
 class Outputs:
@@ -69,7 +74,7 @@ class PlainRound:
     def begin(self, flat: torch.Tensor, key: Hashable) -> Call:
         def finish(agg: torch.Tensor) -> torch.Tensor:
             if self.rule.checks_sums:
-                self.rule.plain_sum(agg, key)
+                self.rule.plain_sum(agg, key)       # (skipped: the average below is not finite either)
             return agg.div_(self.n)
 
         return Call(flat, _dense_bytes(flat), finish)
@@ -110,9 +115,9 @@ class ParameterRounds(MethodRounds):
             poison(payload, key)
 
         def finish(agg: torch.Tensor) -> torch.Tensor:
-            if self.rule.checks_sums:
-                self.rule.sum(payload, agg, key)
             out = self.outputs.of(key, flat)
+            if self.rule.checks_sums and not self.rule.sum(payload, agg, key):
+                return out.fill_(float("nan"))      # a skipped step: no decode (see the module doc)
             a, o = agg.reshape(-1), 0
             for nm, k in segs:
                 self.method.decode(a[o:o + k], n, self.states[("param", nm)], out=out[o:o + k])
@@ -158,14 +163,18 @@ class BucketRounds(MethodRounds):
         def finish(agg: torch.Tensor) -> torch.Tensor:
             out = self.outputs.of(key, flat)  # the estimate has the bucket's length (a last round's may not)
             if call.next_round is None and rule.checks_sums:   # (several rounds: each sum checked already)
-                rule.first_sum(first, agg, key)
+                call.finite = rule.first_sum(first, agg, key)
+            if not call.finite:
+                return out.fill_(float("nan"))      # a skipped step: no decode (see the module doc)
             return method.decode(agg, n, ms, out=out)[0]
 
         call = Call(first, _dense_bytes(flat), finish)
         if method.multi_round:
             def next_round(agg: torch.Tensor) -> Payload | None:
                 if rule.checks_sums:
-                    (rule.first_sum if call.last is first else rule.sum)(call.last, agg, key)
+                    call.finite = (rule.first_sum if call.last is first else rule.sum)(call.last, agg, key)
+                    if not call.finite:
+                        return None                 # a skipped step: no further round, on every worker
                 nxt = method.next_round(agg, n, ms)[0]
                 if nxt is not None:
                     call.last = nxt
@@ -193,15 +202,22 @@ def concat_payloads(parts: list[Payload]) -> Payload:
             idx.append(p.indices.reshape(-1) + off)
             off += p.numel
         return Payload(parts[0].kind, torch.cat([p.values.reshape(-1) for p in parts]), torch.Size([total]),
-                       dtype, indices=torch.cat(idx), bits=bits, values_codec=parts[0].values_codec)
+                       dtype, indices=torch.cat(idx), bits=bits, values_codec=parts[0].values_codec,
+                       meta=_joint_meta(parts))
     if kinds == {"dense"} and len(codecs) == 1 and len({p.values.dtype for p in parts}) == 1:
         # (fp16 values stay fp16 on the wire)
-        exact = all(p.meta.get("exact") for p in parts)
         return Payload("dense", torch.cat([p.values.reshape(-1) for p in parts]), torch.Size([total]), dtype,
-                       bits=bits, meta={"exact": True} if exact else {}, values_codec=parts[0].values_codec)
+                       bits=bits, meta=_joint_meta(parts), values_codec=parts[0].values_codec)
     if not kinds <= {"dense", "aligned", "sparse"}:
         raise SparseCommError(f"cannot concatenate payloads of kinds {sorted(kinds)} (per-parameter rounds "
                               f"take dense, aligned and sparse payloads)")
     vals = torch.cat([p.values.reshape(-1).to(dtype) if p.kind == "dense" else p.to_dense() for p in parts])
-    exact = all(p.meta.get("exact") for p in parts)
-    return Payload("dense", vals, torch.Size([total]), dtype, bits=bits, meta={"exact": True} if exact else {})
+    return Payload("dense", vals, torch.Size([total]), dtype, bits=bits, meta=_joint_meta(parts))
+
+
+def _joint_meta(parts: list[Payload]) -> dict:
+    """The meta a concatenation keeps: ``exact`` when every piece is, ``underflow`` when one is."""
+    meta = {"exact": True} if all(p.meta.get("exact") for p in parts) else {}
+    if any(p.meta.get("underflow") for p in parts):
+        meta["underflow"] = True
+    return meta

@@ -17,6 +17,7 @@ and averages step 0 and small buckets uncompressed.
 from __future__ import annotations
 
 import hashlib
+import threading
 import warnings
 from typing import Any, Callable
 
@@ -53,6 +54,9 @@ class BucketScheduler:
         self._works: list[tuple[Bucket, CommWork]] = []
         self._fired: dict[int, int] = {}
         self._in_step = False
+        #: whether the last synchronisation was skipped on every worker (``nonfinite="skip"``: a round had a
+        #: non-finite sum; the method states and generators are as before it, the gradients hold NaN)
+        self.skipped = False
 
     # ------------------------------------------------------------------ layout
     def params(self) -> list[torch.nn.Parameter]:
@@ -166,7 +170,10 @@ class BucketScheduler:
     @torch.no_grad()
     def synchronize(self) -> None:
         """Average the gradients over workers now: start the buckets not started yet (in the fixed
-        order), wait for all of them and write the estimates into ``p.grad``."""
+        order), wait for all of them and write the estimates into ``p.grad``; then end the pipeline's
+        step (:meth:`CommPipeline.end_step <sparsecomm.pipeline.core.CommPipeline.end_step>`, whose answer
+        is :attr:`skipped`)."""
+        self.skipped = False
         if self.sparse is None:
             self.layout()
             self._agree_sparse()
@@ -183,6 +190,7 @@ class BucketScheduler:
                     b.scatter(est, sparse)
         finally:
             self._reset_round()
+            self.skipped = self.pipeline.end_step()
         self.steps += 1
         self.synced = True
 
@@ -219,10 +227,36 @@ class HookScheduler:
         #: parameter id -> name (the model's names, which key the method state)
         self.names: dict[int, str] = {}
         self._in_step = False
+        # the calls of the step in progress not yet complete, and whether its last bucket was started: the
+        # step ends (CommPipeline.end_step) when both say it is over, before DDP sees the last result
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._last_started = False
 
     def restart(self, steps: int) -> None:
         """Continue from a checkpoint taken after ``steps`` steps (none in progress)."""
         self.steps, self._in_step = int(steps), False
+        self._pending, self._last_started = 0, False
+
+    def _track(self, work: CommWork, is_last: bool) -> CommWork:
+        """Count ``work`` among the step's calls; the last one to complete, once the step's last bucket is
+        started, ends the pipeline's step (commit, or roll back a skipped step: :meth:`CommPipeline.end_step
+        <sparsecomm.pipeline.core.CommPipeline.end_step>`) before its own result is handed on."""
+        with self._lock:
+            self._pending += 1
+            if is_last:
+                self._last_started = True
+        work.add_done_callback(self._completed)
+        return work
+
+    def _completed(self, _work: CommWork) -> None:
+        with self._lock:
+            self._pending -= 1
+            over = self._last_started and self._pending == 0
+            if over:
+                self._last_started = False
+        if over:
+            self.pipeline.end_step()
 
     def key(self, params: list[torch.Tensor], index: int) -> Any:
         """The state key of a bucket holding ``params``: a digest of their names (else the index)."""
@@ -249,7 +283,7 @@ class HookScheduler:
             if buffer.is_sparse:
                 if not pipe.plain:
                     raise IncompatibleError(sparse_message(pipe))
-                return pipe.start_sparse(buffer, buffer.shape, index)
+                return self._track(pipe.start_sparse(buffer, buffer.shape, index), is_last)
             flat = buffer.reshape(-1)
             compress = self.steps >= 1 and flat.numel() >= self.min_compress_size
             key, segments = index, None
@@ -267,7 +301,8 @@ class HookScheduler:
             shape, dtype = buffer.shape, buffer.dtype
             # DDP's buckets are flat: the estimate has the buffer's shape and dtype
             then = None if buffer.dim() == 1 else (lambda est: est.to(dtype).reshape(shape))
-            return pipe.start(flat, key, compress=compress, shapes=shapes, segments=segments, then=then)
+            return self._track(pipe.start(flat, key, compress=compress, shapes=shapes, segments=segments,
+                                          then=then), is_last)
         finally:
             if is_last:
                 self.steps += 1

@@ -16,7 +16,7 @@ from ..fabric.stats import CommStats
 from ..payload import Payload
 from ..transports.base import CallId, CommWork, calling, engine
 from .accounting import Accounting
-from .nonfinite import NonFiniteRule, check_aggregate
+from .nonfinite import NonFiniteRule
 
 #: how :meth:`SparseRows.start` averages a row-sparse gradient
 SPARSE_ROWS = ("gather", "transport")
@@ -58,7 +58,7 @@ class SparseRows:
         nrows = int(shape[0]) if len(shape) else 1
         rows, vals = row_sparse_parts(grad, shape, dtype)
         row_len = vals.shape[1]
-        n, check, transport, acc = self.n, self.rule.check, self.transport, self.accounting
+        n, rule, check, transport, acc = self.n, self.rule, self.rule.check, self.transport, self.accounting
         if check and not finite(vals):
             vals = torch.full_like(vals, float("nan"))
         ones = torch.ones(rows.numel(), dtype=torch.float32)
@@ -83,7 +83,7 @@ class SparseRows:
             else:           # no worker has a row: the second round is empty, nothing travels
                 total, second = mine.reshape(-1), CommStats()
             if check:
-                check_aggregate(total, key)
+                rule.plain_sum(total, key)      # (raises, or marks a skipped step: nonfinite="skip")
             total = total.reshape(union.numel(), *shape[1:]).div_(n)
             acc.round(marks, first)
             acc.round(mine, second)
@@ -109,7 +109,7 @@ class SparseRows:
                       dtype: torch.dtype) -> CommWork:
         rows, vals = row_sparse_parts(grad, shape, dtype)
         row_len = vals.shape[1]
-        n, check, acc, fabric = self.n, self.rule.check, self.accounting, self.fabric
+        n, rule, check, acc, fabric = self.n, self.rule, self.rule.check, self.accounting, self.fabric
         numel = int(shape.numel())
         payload = Payload(kind="sparse", values=vals.reshape(-1), indices=rows, shape=torch.Size([numel]),
                           dtype=dtype, bucket_size=row_len, bits=8 * (vals.numel() * vals.element_size()
@@ -125,7 +125,7 @@ class SparseRows:
             idx = torch.cat([q.indices.reshape(-1) for q in parts])
             v = torch.cat([q.values.reshape(-1, row_len) for q in parts])
             if check:
-                check_aggregate(v, key)
+                rule.plain_sum(v, key)          # (raises, or marks a skipped step: nonfinite="skip")
             t = torch.sparse_coo_tensor(idx[None], v.reshape(idx.numel(), *shape[1:]), shape,
                                         check_invariants=False).coalesce()
             t.values().div_(n)

@@ -10,12 +10,20 @@ compressor shares its randomness (shared-seed rand-k draws the same coordinates 
 ``seed + rank`` otherwise; and one per parameter and device for parameter-wise rounds, seeded from
 ``seed``, the parameter's name (and the rank, unless shared) so that its draws depend neither on the
 other parameters nor on the bucket layout.
+
+**Transactions** (``nonfinite="skip"``, :mod:`sparsecomm.pipeline.nonfinite`): between ``begin()`` and
+``commit()`` / ``rollback()`` both journal what a step changes: :class:`StateStore` copies each state before
+the step's first use of it (and keeps the layout it had), :class:`Generators` the state of each generator
+before its first draw; ``rollback()`` puts everything back as it was before the step (the states and
+generators the step created are forgotten), ``commit()`` keeps the step's. The copies go into buffers kept
+from the previous step, so a steady run allocates nothing per step.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+from dataclasses import fields, replace
 from typing import Any, Hashable, Sequence
 
 import torch
@@ -37,6 +45,47 @@ class StateStore:
         self._segments: dict[Hashable, tuple[tuple[str, int], ...]] = {}
         self._owner: dict[str, Hashable] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
+        # the journal of the step in progress (begin): key -> (the state the step found, its copy) or None
+        # for a state the step created, the states and the layout before the step; None: not journaling
+        self._undo: dict[Hashable, tuple[MethodState, MethodState] | None] | None = None
+        self._before: tuple[dict, dict, dict, dict] | None = None
+        # states no longer live, whose buffers the next copies reuse
+        self._spare: dict[Hashable, MethodState] = {}
+
+    # ------------------------------------------------------------------ transactions
+    def begin(self) -> None:
+        """Journal the step that begins (see the module doc); an open journal is committed first."""
+        self.commit()
+        self._undo = {}
+        self._before = (dict(self.by_key), dict(self._segments), dict(self._owner), dict(self._shapes))
+
+    def commit(self) -> None:
+        """Keep what the step changed and close the journal (nothing when none is open)."""
+        if self._undo is None:
+            return
+        for key, entry in self._undo.items():
+            if entry is not None:
+                self._spare[key] = entry[1]
+        self._undo, self._before = None, None
+
+    def rollback(self) -> None:
+        """Put every state and the layout back as they were at :meth:`begin` and close the journal."""
+        if self._undo is None or self._before is None:
+            return
+        by_key, self._segments, self._owner, self._shapes = self._before
+        for key, entry in self._undo.items():
+            ms = self.by_key.get(key)
+            if entry is not None and by_key.get(key) is entry[0]:
+                by_key[key] = entry[1]
+            if ms is not None and ms is not by_key.get(key):
+                self._spare[key] = ms
+        self.by_key = by_key
+        self._undo, self._before = None, None
+
+    def _journal(self, key: Hashable, ms: MethodState | None) -> None:
+        """Before the step's first use of ``key``'s state ``ms`` (None: a state the step creates)."""
+        if self._undo is not None and key not in self._undo:
+            self._undo[key] = None if ms is None else (ms, copy_state(ms, self._spare.pop(key, None)))
 
     def get(self, key: Hashable, like: torch.Tensor, steps_before: int) -> MethodState:
         """The state of ``key``, for a round on ``like`` (a new one: ``method.init`` of its length, dtype
@@ -45,6 +94,7 @@ class StateStore:
         ``warmup_steps`` or PowerSGD's ``start_powerSGD_iter``, means the same steps under the optimizer,
         whose first step is a round of the method, and under the DDP hook, whose first is not)."""
         ms = self.by_key.get(key)
+        self._journal(key, ms)
         if ms is None:
             ms = self.by_key[key] = self.method.init(like.numel(), like.dtype, like.device)
             ms.rounds = steps_before
@@ -67,9 +117,11 @@ class StateStore:
         return bool(self._segments) or any(isinstance(k, tuple) and k[:1] == ("param",) for k in self.keys())
 
     def reset(self) -> None:
-        """Forget every method state (a new layout, a world-size change)."""
+        """Forget every method state (a new layout, a world-size change); closes a journal (committed)."""
+        self.commit()
         self.by_key = {}
         self._segments, self._owner, self._shapes = {}, {}, {}
+        self._spare = {}
 
     def bind(self, key: Hashable, segments: tuple[tuple[str, int], ...],
              shapes: Sequence[Sequence[int]] | None = None) -> None:
@@ -147,7 +199,9 @@ class StateStore:
                 "shapes": {n: list(s) for n, s in self._shapes.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
+        """Restore what :meth:`state_dict` returned (a journal in progress is closed)."""
+        self.commit()
+        self._spare = {}
         self.by_key = states_from_dict(self.method, state["method"])
         self._segments = dict(state.get("segments", {}))
         self._owner = dict(state.get("owner", {}))
@@ -161,11 +215,48 @@ class Generators:
         self.seed, self.rank, self.shared = int(seed), int(rank), bool(shared)
         self._bucket: dict[torch.device, torch.Generator] = {}
         self._param: dict[tuple[str, torch.device], torch.Generator] = {}
+        # the journal of the step in progress (begin): generator -> its state before the step's first
+        # draw, and the generators the step created; None: not journaling
+        self._undo: dict[Hashable, torch.Tensor | None] | None = None
+        self._created: list[Hashable] = []
+
+    def begin(self) -> None:
+        """Journal the step that begins (see the module doc); an open journal is committed first."""
+        self._undo, self._created = {}, []
+
+    def commit(self) -> None:
+        """Keep the step's draws and close the journal."""
+        self._undo, self._created = None, []
+
+    def rollback(self) -> None:
+        """Put every generator back as it was at :meth:`begin` (those the step created are forgotten, so
+        they start afresh at their next use) and close the journal."""
+        if self._undo is None:
+            return
+        for key in self._created:
+            if isinstance(key, torch.device):
+                self._bucket.pop(key, None)
+            else:
+                self._param.pop(key, None)
+        for key, st in self._undo.items():
+            g = self._bucket.get(key) if isinstance(key, torch.device) else self._param.get(key)
+            if g is not None and st is not None:
+                g.set_state(st)
+        self.commit()
+
+    def _journal(self, key: Hashable, g: torch.Generator | None) -> None:
+        if self._undo is not None and key not in self._undo:
+            if g is None:
+                self._created.append(key)
+                self._undo[key] = None      # (created: nothing to restore)
+            else:
+                self._undo[key] = g.get_state()
 
     def bucket(self, device: torch.device | str = "cpu") -> torch.Generator:
         """The generator of bucket-wide rounds on ``device``."""
         device = torch.device(device)
         g = self._bucket.get(device)
+        self._journal(device, g)
         if g is None:
             g = self._bucket[device] = torch.Generator(device=device)
             g.manual_seed(self.seed if self.shared else self.seed + self.rank)
@@ -175,6 +266,7 @@ class Generators:
         """The generator of parameter ``name``'s rounds on ``device``."""
         device = torch.device(device)
         g = self._param.get((name, device))
+        self._journal((name, device), g)
         if g is None:
             g = self._param[(name, device)] = torch.Generator(device=device)
             g.manual_seed(name_seed(self.seed, name, None if self.shared else self.rank))
@@ -185,10 +277,33 @@ class Generators:
                 "param_generators": {(nm, str(d)): g.get_state() for (nm, d), g in self._param.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s generators exactly (those absent start afresh at first use)."""
+        """Restore :meth:`state_dict`'s generators exactly (those absent start afresh at first use); a
+        journal in progress is closed."""
+        self.commit()
         self._bucket = {torch.device(d): _restored(d, s) for d, s in state.get("generators", {}).items()}
         self._param = {(nm, torch.device(d)): _restored(d, s)
                        for (nm, d), s in state.get("param_generators", {}).items()}
+
+
+def copy_state(ms: MethodState, spare: MethodState | None = None) -> MethodState:
+    """A copy of ``ms`` that shares no tensor with it: its typed state's tensor fields copied into
+    ``spare``'s (a state no longer live) where they fit, else cloned; every other field as it is (the
+    round in flight, ``pending``, is not copied: a copy is taken between rounds)."""
+    st = ms.state
+    if st is not None:
+        old = spare.state if spare is not None and type(spare.state) is type(st) else None
+        vals = {}
+        for f in fields(st):
+            v = getattr(st, f.name)
+            if isinstance(v, torch.Tensor):
+                w = getattr(old, f.name, None)
+                fits = isinstance(w, torch.Tensor) and w is not v and w.shape == v.shape and \
+                    w.dtype == v.dtype and w.device == v.device
+                vals[f.name] = w.copy_(v) if fits else v.detach().clone()
+            else:
+                vals[f.name] = v
+        st = type(st)(**vals)
+    return replace(ms, state=st, pending=None)
 
 
 def _restored(device: str, st: torch.Tensor) -> torch.Generator:

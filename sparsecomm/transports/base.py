@@ -58,7 +58,7 @@ from typing import Any, Callable, ClassVar, NamedTuple
 
 import torch
 
-from ..errors import IncompatibleError
+from ..errors import IncompatibleError, NonFiniteError
 from ..fabric.base import Fabric
 from ..fabric.stats import CommStats
 from ..payload import Payload
@@ -120,6 +120,9 @@ class Transport(ABC):
     #: or ``"pass"``, it sums them through or has no rule of its own (the pipeline checks); transports
     #: that take a ``nonfinite=`` option set it per instance
     nonfinite: str = "pass"
+    #: the transport can sum NaN/Inf through (``nonfinite="pass"``, the pipeline's ``"skip"``); the
+    #: fixed-point switches cannot
+    sums_nonfinite: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kw) -> None:
         super().__init_subclass__(**kw)
@@ -362,7 +365,10 @@ class CommEngine:
     """One fabric's communication thread: runs submitted calls one at a time in submission order.
 
     The thread starts on the first submission and leaves after ``idle_s`` seconds without work (a new
-    one starts on the next submission). After a call fails, every later call fails with the same error.
+    one starts on the next submission). After a call fails, every later call fails with the same error,
+    unless it is a :class:`~sparsecomm.errors.NonFiniteError`: that one is raised by every worker after the
+    same sum (the non-finite rule's checks, :mod:`sparsecomm.pipeline.nonfinite`, and the transports' own),
+    so the workers' streams of calls are still in step and later calls run.
     ``idle_s`` is long enough for a training loop's (or a benchmark's interleaved) steps to find the thread
     still there: starting one blocks the submitting thread (the autograd thread, in a DDP hook) until
     the new thread runs, which on a host with more runnable threads than cores is a scheduling delay.
@@ -480,7 +486,7 @@ class CommEngine:
                 except BaseException as e:  # noqa: BLE001 - handed to the waiter
                     exc = e
             with self._cond:
-                if exc is not None and self._failed is None:
+                if exc is not None and self._failed is None and not isinstance(exc, NonFiniteError):
                     self._failed = exc
                 if issues:
                     self._issuing -= 1

@@ -164,7 +164,7 @@ def test_scaled_sign_error_identity_and_contraction(backend):
 
 @pytest.mark.parametrize("name,p", [("fp16", 11), ("bf16", 8)])
 def test_casts_are_contractive_in_the_normal_range(name, p):
-    c = sc.compressors.get(name)
+    c = sc.compressors.get(name, underflow="raise")      # (the strict option; the default counts)
     lo = 2.0**-14 if name == "fp16" else 2.0**-126
     hi = 60000.0 if name == "fp16" else 1e38
     g = gen(11)
@@ -178,11 +178,13 @@ def test_casts_are_contractive_in_the_normal_range(name, p):
     # the rounding bound is attained up to a hair: delta is not loose by much
     rel = ((c.decompress(c.compress(x64.float())).double() - x64.float().double()).abs() / x64.float().double().abs())
     assert float(rel.max()) > 0.99 * 2.0**-p
-    # below the normal range only |C(x) - x| <= |x| holds: the declared delta fails, so the default
-    # compressor refuses such an input and underflow="allow" (delta = 0) takes it
+    # below the normal range only |C(x) - x| <= |x| holds: the declared delta fails, so the strict
+    # compressor refuses such an input, the default one counts it and underflow="allow" (delta = 0) takes it
     tiny = torch.tensor([lo / 3, -lo / 1000], dtype=torch.float64)
     with pytest.raises(UnderflowError):
         c.compress(tiny)
+    assert sc.compressors.get(name).compress(tiny).meta.get("underflow") is True
+    assert not sc.compressors.get(name).compress(x64.float()).meta.get("underflow")
     lax = sc.compressors.get(name, underflow="allow")
     y = lax.decompress(lax.compress(tiny)).double()
     assert bool(((y - tiny).abs() <= tiny.abs()).all())

@@ -271,8 +271,11 @@ def test_the_pending_lists_only_shrink():
 _PUBLIC_UNDERSCORE = {"_fields", "_replace", "_asdict", "_make", "_exit"}
 #: other libraries' private names that have no public equivalent: torch.distributed's
 #: ``distributed_c10d._get_default_store`` (the rendezvous store of a process group the caller
-#: initialised, where a launch in place keeps its failure record and counters)
-_FOREIGN_NEEDED = {"_get_default_store"}
+#: initialised, where a launch in place keeps its failure record and counters); torch.amp.GradScaler's
+#: ``_found_inf_per_device`` / ``_check_inf_per_device``, what its protocol for an optimizer that handles the
+#: scaling itself (``_step_supports_amp_scaling``) expects that optimizer to call (the inf check it records
+#: for ``update()``, made on the averaged gradients)
+_FOREIGN_NEEDED = {"_get_default_store", "_found_inf_per_device", "_check_inf_per_device"}
 
 
 def _defined(tree: ast.AST) -> set[str]:

@@ -137,6 +137,7 @@ class SwitchTransport(Transport):
     """
 
     name = "switch"
+    sums_nonfinite = False
     carries = frozenset({"dense", "aligned", "quantized"})
     quantized_needs_shared_scale = True
     linear = frozenset({"aligned", "quantized"})

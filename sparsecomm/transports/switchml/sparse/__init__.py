@@ -182,6 +182,7 @@ class SparseSwitch(Transport):
     """
 
     name = "sparse-switch"
+    sums_nonfinite = False
     carries = frozenset({"dense", "aligned", "sparse", "quantized"})
     quantized_needs_shared_scale = True
     linear = frozenset({"aligned", "quantized"})
