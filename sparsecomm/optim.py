@@ -182,6 +182,7 @@ from .pipeline.scheduler import BucketScheduler
 from .pipeline.settings import agree
 from .transports.base import Transport
 from .replicas import VERIFY_EVERY, check_verify_every, sync_replicas, verify_replicas
+from .validate import check_int, check_real, check_seed
 
 __all__ = ["DistributedOptimizer"]
 
@@ -249,14 +250,14 @@ class DistributedOptimizer:
                  init_sync: str = "broadcast", module: torch.nn.Module | None = None,
                  nonfinite: str = "raise", sparse_rows: str = "gather",
                  verify_replicas_every: int = VERIFY_EVERY, **hyper: Any) -> None:
-        if backward_passes_per_step < 1:
-            raise InvalidValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+        who = "DistributedOptimizer"
+        backward_passes_per_step = check_int("backward_passes_per_step", backward_passes_per_step, low=1, what=who)
         if init_sync not in ("broadcast", "check", "off"):
             raise InvalidValueError(f"init_sync must be 'broadcast', 'check' or 'off', got {init_sync!r}")
-        if bucket_cap_mb <= 0:
-            raise InvalidValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
-        if warmup_steps < 0 or min_compress_size < 0:
-            raise InvalidValueError("warmup_steps and min_compress_size must be non-negative")
+        bucket_cap_mb = check_real("bucket_cap_mb", bucket_cap_mb, low=0.0, low_open=True, what=who)
+        warmup_steps = check_int("warmup_steps", warmup_steps, low=0, what=who)
+        min_compress_size = check_int("min_compress_size", min_compress_size, low=0, what=who)
+        seed = check_seed("seed", seed, what=who)
         if process_group is not None:
             if fabric is not None:
                 raise InvalidValueError("pass fabric= or process_group=, not both (process_group=pg runs the "

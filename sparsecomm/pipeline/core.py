@@ -40,6 +40,7 @@ from ..fabric.base import Fabric
 from ..fabric.stats import CommStats
 from ..methods.base import Method
 from ..transports.base import CallId, CommWork, Transport
+from ..validate import check_int, check_seed
 from .accounting import Accounting, CompressionStats, payload_bytes, wire_copies
 from .auto import Chooser, block_density, options as auto_options
 from .nonfinite import NONFINITE, NonFiniteRule
@@ -69,8 +70,8 @@ class CommPipeline:
             raise InvalidValueError(f"sparse_rows must be one of {', '.join(map(repr, SPARSE_ROWS))}, got {sparse_rows!r}")
         if nonfinite not in NONFINITE:
             raise InvalidValueError(f"nonfinite must be one of {', '.join(map(repr, NONFINITE))}, got {nonfinite!r}")
-        if warmup_steps < 0:
-            raise InvalidValueError(f"warmup_steps must be non-negative, got {warmup_steps}")
+        warmup_steps = check_int("warmup_steps", warmup_steps, low=0)
+        seed = check_seed("seed", seed)
         self.method = methods.warmup(methods.build(compressor, method, **hyper), warmup_steps)
         warn_unguaranteed(self.method)
         auto = isinstance(transport, str) and transport == "auto"
