@@ -234,10 +234,16 @@ class CommPipeline:
         compares: :class:`~sparsecomm.transports.base.CallId`)."""
         return CallId(key, self.step, round)
 
-    def begin_step(self) -> None:
+    def begin_step(self, step: int | None = None) -> None:
         """Start a new step: its calls' identity (:meth:`call_id`) and a new ``last_stats``
-        accumulation (one per optimizer step)."""
-        self.step += 1
+        accumulation (one per optimizer step).
+
+        Args:
+            step: the step's number (1 for the first) as the frontend counts its steps (the counter its
+                checkpoints restore and its replica guard reads), so that workers whose counters differ
+                make different calls, which their agreement refuses; ``None``: the next number.
+        """
+        self.step = self.step + 1 if step is None else int(step)
         self.accounting.begin_step()
         if self.chooser is not None:
             self.chooser.begin_step(self.step)

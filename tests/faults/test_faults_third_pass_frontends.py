@@ -163,3 +163,45 @@ def test_a_stats_loggers_step_must_be_an_integer():
     out, logged = sc.launch(fn, 1)[0]
     assert [c for c, _, _ in out] == ["InvalidTypeError", "InvalidValueError", "InvalidTypeError"]
     assert all("step" in text for _, text, _ in out) and logged
+
+
+# ------------------------------------------------------------------ a worker's step counter differs
+def _tampered_steps(ctx, transport: str, every: int, keys: tuple[str, ...]):
+    """Two clean steps, then every rank reloads its own checkpoint, rank 1's with its step counter one
+    ahead (the ``keys`` of its ``"sparsecomm"`` entry); the outcome of the next step on this rank."""
+    torch.set_num_threads(1)
+    model = _model()
+    kw = dict(compressor="topk", method="ef", ratio=0.25) if transport == "allgather" else {}
+    opt = sc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), transport=transport,
+                                  verify_replicas_every=every, **kw)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(ctx.rank))
+
+    def step():
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    for _ in range(2):
+        step()
+    sd = opt.state_dict()
+    if ctx.rank == 1:
+        for k in keys:
+            sd["sparsecomm"][k] += 1
+    opt.load_state_dict(sd)
+    return outcome(step)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("transport, every, keys", [
+    ("native", 5, ("steps",)),          # the counter the replica guard reads (every 5th step: the 3rd is not)
+    ("native", 3, ("steps",)),          # ... and one rank's 3rd step would be a guarded one
+    ("native", 100, ("steps",)),        # the default: accepted before
+    ("native", 3, ("steps", "step")),   # a checkpoint of another step altogether
+    ("allgather", 3, ("steps",)),
+    ("ring", 3, ("steps",)),
+])
+def test_a_step_counter_that_differs_is_a_mismatch_at_the_next_step_on_every_rank(transport, every, keys):
+    res = sc.launch(functools.partial(_tampered_steps, transport=transport, every=every, keys=keys), 2,
+                    backend="gloo", timeout_s=TIMEOUT)
+    for cls, text, secs in res:
+        assert cls == "MismatchError" and "step" in text, (cls, text)
+        assert secs < BOUND, secs
