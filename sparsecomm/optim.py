@@ -150,6 +150,13 @@ count if payloads travelled as declared (``bytes_declared_sent``), their quotien
 and the compression factor measured on the wire (``compression_factor_sent``); see
 :class:`~sparsecomm.pipeline.accounting.CompressionStats`.
 
+**Under DDP.** Parameters that a stock ``DistributedDataParallel`` averages (it all-reduces the dense
+gradient in backward) are refused with :class:`~sparsecomm.errors.IncompatibleError`, however the
+optimizer reaches them (the wrapper's or its module's parameters, param groups, ``module=``): at
+construction, or at the first step for a model wrapped after the optimizer was built
+(:mod:`sparsecomm.ddp_wrapped`). Train the bare module with this optimizer, or keep DDP with a plain
+torch optimizer and compress in its hook (:func:`sparsecomm.ddp.register`).
+
 **Lightning.** Not as a ``configure_optimizers`` result: Lightning's multi-process strategies wrap the
 module in ``DistributedDataParallel``, which already averages the gradients, and its checkpoints carry
 rank 0's optimizer state to every rank; use the DDP hook there
@@ -171,6 +178,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .compressors.base import Compressor
+from .ddp_wrapped import refuse_wrapped
 from .errors import InvalidTypeError, InvalidValueError, MismatchError, SparseCommError
 from .fabric.base import Fabric
 from .fabric.stats import CommStats
@@ -258,6 +266,8 @@ class DistributedOptimizer:
         warmup_steps = check_int("warmup_steps", warmup_steps, low=0, what=who)
         min_compress_size = check_int("min_compress_size", min_compress_size, low=0, what=who)
         seed = check_seed("seed", seed, what=who)
+        # parameters that stock DDP already averages (built before this optimizer; after it: at the first step)
+        refuse_wrapped([p for g in optimizer.param_groups for p in g["params"]], module)
         if process_group is not None:
             if fabric is not None:
                 raise InvalidValueError("pass fabric= or process_group=, not both (process_group=pg runs the "
@@ -359,6 +369,9 @@ class DistributedOptimizer:
         """Average the gradients over workers now: start the buckets not started yet (in the fixed
         order) and wait for all of them (:meth:`BucketScheduler.synchronize
         <sparsecomm.pipeline.scheduler.BucketScheduler.synchronize>`)."""
+        if self._sc_scheduler.sparse is None:          # the first synchronisation (of this layout)
+            refuse_wrapped(self._sc_scheduler.params(), when="at the first step: DDP wrapped the model after "
+                                                           "the optimizer was built")
         self._sc_scheduler.synchronize()
 
     @contextlib.contextmanager

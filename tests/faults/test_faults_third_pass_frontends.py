@@ -205,3 +205,63 @@ def test_a_step_counter_that_differs_is_a_mismatch_at_the_next_step_on_every_ran
     for cls, text, secs in res:
         assert cls == "MismatchError" and "step" in text, (cls, text)
         assert secs < BOUND, secs
+
+
+# ------------------------------------------------------------------ DistributedOptimizer under stock DDP
+def _under_ddp(ctx):
+    """Every way of building DistributedOptimizer over parameters that DDP averages, then one that
+    does not overlap DDP's: ``(case, outcome)`` per case on this rank."""
+    torch.set_num_threads(1)
+    DDP = torch.nn.parallel.DistributedDataParallel
+    sc.methods.build("topk", ratio=0.25)                # imports the optimizer's parts outside the timing
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(ctx.rank))
+    out = []
+
+    def build(params, **kw):
+        return sc.DistributedOptimizer(torch.optim.SGD(params, lr=0.1), compressor="topk", ratio=0.25,
+                                       transport="allgather", **kw)
+
+    ddp = DDP(_model())
+    out.append(("ddp parameters", outcome(lambda: build(ddp.parameters()))))
+    out.append(("inner module's parameters", outcome(lambda: build(ddp.module.parameters()))))
+    out.append(("param groups", outcome(lambda: build([{"params": ddp.module[0].parameters()},
+                                                       {"params": ddp.module[2].parameters(), "lr": 0.01}]))))
+    out.append(("module=", outcome(lambda: build(_model().parameters(), module=ddp))))
+    hooked = DDP(_model())
+    sc.ddp.register(hooked, transport="allgather")
+    out.append(("ddp with sparsecomm's hook", outcome(lambda: build(hooked.parameters()))))
+
+    model = _model()
+    opt = build(model.parameters())                     # the optimizer first, DDP after it
+    late = DDP(model)
+
+    def first_step():
+        opt.zero_grad()
+        late(x).square().mean().backward()
+        opt.step()
+    out.append(("wrapped after the optimizer", outcome(first_step)))
+
+    other, ddp_part = _model(), DDP(torch.nn.Linear(8, 1))  # DDP elsewhere in the process: not ours
+    fine = build(other.parameters())
+
+    def unrelated():
+        fine.zero_grad()
+        other(x).square().mean().backward()
+        ddp_part(x).sum().backward()
+        fine.step()
+    out.append(("unrelated DDP", outcome(unrelated)))
+    return out
+
+
+@pytest.mark.multiprocess
+def test_distributed_optimizer_over_a_ddp_model_is_refused_on_every_rank_however_it_is_built():
+    res = sc.launch(_under_ddp, 2, backend="gloo", timeout_s=TIMEOUT)
+    for cases in res:
+        *refused, (name, (cls, text, secs)) = cases
+        assert name == "unrelated DDP" and cls is None, (cls, text)
+        for name, (cls, text, secs) in refused:
+            assert cls == "IncompatibleError", (name, cls, text)
+            assert "DistributedDataParallel" in text and "DistributedOptimizer" in text, text
+            assert "unwrap the model" in text and "sparsecomm.ddp.register" in text, text
+            assert secs < BOUND, (name, secs)
+        assert "at the first step" in dict(refused)["wrapped after the optimizer"][1]

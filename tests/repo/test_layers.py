@@ -33,7 +33,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("launch",),                       # run fn on n workers (threads over SimFabric, or real processes)
     ("pipeline", "netbed"),            # bucket -> method -> transport -> method, by composition (states,
                                        # rounds, accounting, schedulers); an emulated rack (a launch backend)
-    ("replicas",),                     # the frontends: replica checks over a fabric,
+    ("replicas", "ddp_wrapped"),       # the frontends: replica checks over a fabric, the DDP wrappers,
     ("optim", "ddp"),                  # the optimizer and the DDP comm hook
     ("integrations",),                 # where people train: loggers' scalars, Lightning's callback
 ]
