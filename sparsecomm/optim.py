@@ -452,8 +452,8 @@ class DistributedOptimizer:
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        """Restore a :meth:`state_dict` of this rank; another world size, rank or layout raises
-        :class:`~sparsecomm.errors.MismatchError`.
+        """Restore a :meth:`state_dict` of this rank; another world size, rank, layout, method or compressor
+        raises :class:`~sparsecomm.errors.MismatchError`.
 
         Args:
             state_dict: what :meth:`state_dict` returned (without its ``"sparsecomm"`` entry: the inner
@@ -461,6 +461,8 @@ class DistributedOptimizer:
         """
         state_dict = dict(state_dict)
         extra = state_dict.pop("sparsecomm", None)
+        if extra is not None:               # before anything is loaded: another method's or compressor's state
+            self._sc_pipeline.check_saved_by(extra)
         sched = self._sc_scheduler
         if sched.in_flight:
             raise SparseCommError("load_state_dict() with buckets in flight: call step() or synchronize() first")

@@ -265,11 +265,45 @@ class CommPipeline:
         """The method states and their layout, the generators, the step, and who saved them."""
         return {**self.states.state_dict(), **self.generators.state_dict(),
                 "rank": self.rank, "world_size": self.world_size, "seed": self.seed,
-                "shared_randomness": self.shared_randomness, "step": self.step}
+                "shared_randomness": self.shared_randomness, "step": self.step,
+                "compressor": self.compressor_name}
+
+    @property
+    def compressor_name(self) -> str:
+        """The name of the method's compressor (its class name if it has none), as checkpoints record it."""
+        comp = self.method.compressor
+        return getattr(comp, "name", "") or type(comp).__name__
+
+    def check_saved_by(self, state: dict[str, Any]) -> None:
+        """Raise :class:`~sparsecomm.errors.MismatchError` naming both unless ``state`` (a
+        :meth:`state_dict`) was saved by this method with this compressor (a state from before checkpoints
+        named the compressor: the method, and whether the generators were shared across workers)."""
+        saved = state.get("method")
+        method = saved.get("method") if isinstance(saved, dict) else None
+        comp = state.get("compressor")
+        shared = state.get("shared_randomness")
+        differs = (method is not None and method != self.method.name) or (
+            comp is not None and comp != self.compressor_name)
+        if comp is None and shared is not None and bool(shared) != self.shared_randomness and (
+                state.get("generators") or state.get("param_generators")):
+            differs = True      # generators seeded per worker loaded as shared ones, or the reverse
+        if not differs:
+            return
+        was = f"method {method!r} with compressor {comp!r}" if comp is not None else (
+            f"method {method!r} with a compressor whose randomness was "
+            f"{'shared by' if shared else 'its own on'} every worker")
+        raise MismatchError(
+            f"this checkpoint's sparsecomm state was saved by {was}; it cannot be loaded into method "
+            f"{self.method.name!r} with compressor {self.compressor_name!r} (its method state and generators "
+            f"are that method's and compressor's). Build the optimizer or hook state with the checkpoint's "
+            f"method and compressor, or start the method afresh: load the optimizer's state dict without "
+            f"its 'sparsecomm' entry (the DDP hook: do not load its state)")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s result; a state saved on another rank or world size raises
-        :class:`~sparsecomm.errors.MismatchError` (unless it holds nothing rank-specific)."""
+        :class:`~sparsecomm.errors.MismatchError` (unless it holds nothing rank-specific), as does one saved
+        by another method or compressor (:meth:`check_saved_by`)."""
+        self.check_saved_by(state)
         # a stateless method with shared (or no) randomness has nothing rank-specific
         rank_free = self.method.State is None and (self.shared_randomness or not (
             state.get("generators") or state.get("param_generators")))

@@ -265,3 +265,40 @@ def test_distributed_optimizer_over_a_ddp_model_is_refused_on_every_rank_however
             assert "unwrap the model" in text and "sparsecomm.ddp.register" in text, text
             assert secs < BOUND, (name, secs)
         assert "at the first step" in dict(refused)["wrapped after the optimizer"][1]
+
+
+# ------------------------------------------------------------------ checkpoints of another method or compressor
+def _saved_then_loaded(ctx, saved: dict, loaded: dict):
+    """Rank ``ctx.rank`` trains two steps with ``saved``'s method and compressor, checkpoints, and
+    loads its own checkpoint into an optimizer built with ``loaded``'s; the outcome of loading."""
+    model = _model()
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(ctx.rank))
+
+    def build(kw):
+        return sc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), transport="allgather", **kw)
+    opt = build(saved)
+    for _ in range(2):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    sd = opt.state_dict()
+    other = build(loaded)
+    return outcome(lambda: other.load_state_dict(sd))
+
+
+@pytest.mark.parametrize("loaded, names", [
+    (dict(method="ef", compressor="randk", ratio=0.25), ("'topk'", "'randk'")),
+    (dict(compressor="randk", ratio=0.25), ("'ef'", "'none'", "'topk'", "'randk'")),
+])
+def test_a_checkpoint_of_another_method_or_compressor_is_refused_naming_both(loaded, names):
+    saved = dict(method="ef", compressor="topk", ratio=0.25)
+    res = sc.launch(functools.partial(_saved_then_loaded, saved=saved, loaded=loaded), 2)
+    for cls, text, _ in res:
+        assert cls == "MismatchError" and "checkpoint" in text and "shared indices" not in text, (cls, text)
+        assert all(n in text for n in names), text
+
+
+def test_a_checkpoint_of_the_same_method_and_compressor_still_loads():
+    kw = dict(method="ef", compressor="topk", ratio=0.25)
+    res = sc.launch(functools.partial(_saved_then_loaded, saved=kw, loaded=dict(kw, ratio=0.5)), 2)
+    assert [cls for cls, _, _ in res] == [None, None]
