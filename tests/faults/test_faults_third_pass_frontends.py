@@ -302,3 +302,23 @@ def test_a_checkpoint_of_the_same_method_and_compressor_still_loads():
     kw = dict(method="ef", compressor="topk", ratio=0.25)
     res = sc.launch(functools.partial(_saved_then_loaded, saved=kw, loaded=dict(kw, ratio=0.5)), 2)
     assert [cls for cls, _, _ in res] == [None, None]
+
+
+def _hook_saved_then_loaded(ctx):
+    torch.set_num_threads(1)
+    net = torch.nn.parallel.DistributedDataParallel(_model())
+    state = sc.ddp.register(net, method="ef", compressor="topk", ratio=0.25, transport="allgather")
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(ctx.rank))
+    for _ in range(3):
+        net.zero_grad()
+        net(x).square().mean().backward()
+    sd = state.state_dict()
+    other = sc.ddp.CommHookState(method="ef", compressor="randk", ratio=0.25, transport="allgather")
+    return outcome(lambda: other.load_state_dict(sd))
+
+
+@pytest.mark.multiprocess
+def test_a_hook_state_refuses_a_checkpoint_of_another_compressor_on_every_rank():
+    for cls, text, secs in sc.launch(_hook_saved_then_loaded, 2, backend="gloo", timeout_s=TIMEOUT):
+        assert cls == "MismatchError" and "'topk'" in text and "'randk'" in text, (cls, text)
+        assert secs < BOUND
