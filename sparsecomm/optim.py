@@ -164,8 +164,9 @@ rank 0's optimizer state to every rank; use the DDP hook there
 
 **Checkpoints.** ``state_dict()`` is the inner optimizer's plus a ``"sparsecomm"`` entry: the method
 state (per worker: EF residuals, DIANA's h_i), the step counter, the generator state, the bucket
-layout, rank and world size; never a fabric or process group. Every rank saves its own. Loading a
-state saved with another world size or rank, or another layout, raises
+layout, rank and world size, the compressor's name; never a fabric or process group. Every rank saves
+its own (:mod:`sparsecomm.checkpoint` saves a file whole and names a truncated one). Loading a state
+saved with another world size or rank, another layout, or by another method or compressor raises
 :class:`~sparsecomm.errors.MismatchError`; delete the ``"sparsecomm"`` entry to load only the inner
 optimizer's state (the method then starts afresh, as DeepSpeed does for its error feedback).
 """

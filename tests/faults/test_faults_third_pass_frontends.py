@@ -322,3 +322,43 @@ def test_a_hook_state_refuses_a_checkpoint_of_another_compressor_on_every_rank()
     for cls, text, secs in sc.launch(_hook_saved_then_loaded, 2, backend="gloo", timeout_s=TIMEOUT):
         assert cls == "MismatchError" and "'topk'" in text and "'randk'" in text, (cls, text)
         assert secs < BOUND
+
+
+# ------------------------------------------------------------------ checkpoint files
+def test_a_truncated_checkpoint_file_is_named_and_called_truncated(tmp_path):
+    from sparsecomm import checkpoint
+
+    def fn(ctx):
+        model = _model()
+        opt = sc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), method="ef",
+                                      compressor="topk", ratio=0.25)
+        model(torch.ones(2, 8)).sum().backward()
+        opt.step()
+        checkpoint.save(opt.state_dict(), tmp_path / "rank0.pt")
+        back = checkpoint.load(tmp_path / "rank0.pt")
+        opt.load_state_dict(back)
+        return back["sparsecomm"]["steps"]
+    assert sc.launch(fn, 1) == [1]
+    whole = (tmp_path / "rank0.pt").read_bytes()
+    assert not [p.name for p in tmp_path.iterdir() if p.name != "rank0.pt"]       # no temporary left
+    for cut in (len(whole) - 1, len(whole) - 21, len(whole) - 22, len(whole) - 30, len(whole) // 2, 10, 0):
+        bad = tmp_path / f"cut{cut}.pt"
+        bad.write_bytes(whole[:cut])
+        with pytest.raises(InvalidValueError) as e:
+            checkpoint.load(bad)
+        assert str(bad) in str(e.value) and "truncated" in str(e.value), (cut, str(e.value))
+    junk = tmp_path / "junk.pt"
+    junk.write_bytes(b"not a checkpoint at all")
+    with pytest.raises(InvalidValueError, match="junk.pt"):
+        checkpoint.load(junk)
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint_whole(tmp_path):
+    from sparsecomm import checkpoint
+
+    target = tmp_path / "ckpt.pt"
+    checkpoint.save({"steps": 1}, target)
+    with pytest.raises(Exception):
+        checkpoint.save({"steps": 2, "bad": lambda: None}, target)     # a lambda cannot be pickled
+    assert checkpoint.load(target) == {"steps": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]

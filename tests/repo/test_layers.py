@@ -22,8 +22,9 @@ PKG = Path(__file__).resolve().parents[2] / "sparsecomm"
 LAYERS: list[tuple[str, ...]] = [
     ("errors", "_tree", "deprecation"),  # _tree: the source tree's theory/ etc. under sparsecomm. names;
                                        # deprecation: the one warning of a renamed name
-    ("registry", "theory", "validate"),  # theory/ (installed as sparsecomm.theory): the closed forms;
-                                       # validate: the checks of user-given numbers
+    ("registry", "theory", "validate", "checkpoint"),  # theory/ (installed as sparsecomm.theory): the
+                                       # closed forms; validate: the checks of user-given numbers;
+                                       # checkpoint: files saved whole, and a truncated one named
     ("kernels", "fabric"),             # Numba helpers; point-to-point messages
     ("codec",),                        # block kernels (scan, pack, fixed point)
     ("payload",),                      # what a compressor produces and a transport carries
