@@ -1,4 +1,4 @@
-"""Nothing silently wrong at the frontends (issue 42, third pass).
+"""Nothing silently wrong at the frontends.
 
 - bad numbers at construction are an ``InvalidValueError`` / ``InvalidTypeError`` naming the argument
   (:mod:`sparsecomm.validate`), not a value accepted and a raw Python error later (a ``ZeroDivisionError``
