@@ -19,6 +19,9 @@ from . import _tree
 _tree.install()  # source tree: sparsecomm.theory etc. are the top-level folders (see _tree.py)
 
 from . import errors, registry  # noqa: F401
+from . import ddp_wrapped as _ddp_wrapped
+
+_ddp_wrapped.install()  # records DistributedDataParallel wrappers, which DistributedOptimizer refuses
 from .payload import Payload  # noqa: F401
 
 # ``sparsecomm.launch`` is both a module and its main function: bind the function eagerly, so that a

@@ -122,7 +122,7 @@ import torch
 import torch.distributed as dist
 
 from .deprecation import warn_renamed
-from .errors import IncompatibleError, InvalidTypeError, InvalidValueError
+from .errors import IncompatibleError, InvalidTypeError
 from .fabric.stats import CommStats
 from .pipeline import CommPipeline
 from .pipeline import step_size
@@ -131,6 +131,7 @@ from .pipeline.scheduler import HookScheduler, sparse_message
 from .pipeline.settings import agree
 from .replicas import VERIFY_EVERY, check_verify_every, verify_replicas
 from .transports.base import CommWork
+from .validate import check_int, check_seed
 
 _HYPER = ("compressor", "transport", "method", "transport_kwargs", "warmup_steps", "min_compress_size",
           "seed", "sparse_rows", "verify_replicas_every", "hyper")
@@ -173,8 +174,10 @@ class CommHookState:
                  method: Any = None, transport_kwargs: dict | None = None, warmup_steps: int = 0,
                  min_compress_size: int = 0, seed: int = 0, model: torch.nn.Module | None = None,
                  sparse_rows: str = "gather", verify_replicas_every: int = VERIFY_EVERY, **hyper: Any) -> None:
-        if warmup_steps < 0 or min_compress_size < 0:
-            raise InvalidValueError("warmup_steps and min_compress_size must be non-negative")
+        who = "sparsecomm.ddp hook state"
+        warmup_steps = check_int("warmup_steps", warmup_steps, low=0, what=who)
+        min_compress_size = check_int("min_compress_size", min_compress_size, low=0, what=who)
+        seed = check_seed("seed", seed, what=who)
         self.verify_replicas_every = check_verify_every(verify_replicas_every)
         # hyper-parameters
         self.compressor = compressor

@@ -164,6 +164,13 @@ count if payloads travelled as declared (``bytes_declared_sent``), their quotien
 and the compression factor measured on the wire (``compression_factor_sent``); see
 :class:`~sparsecomm.pipeline.accounting.CompressionStats`.
 
+**Under DDP.** Parameters that a stock ``DistributedDataParallel`` averages (it all-reduces the dense
+gradient in backward) are refused with :class:`~sparsecomm.errors.IncompatibleError`, however the
+optimizer reaches them (the wrapper's or its module's parameters, param groups, ``module=``): at
+construction, or at the first step for a model wrapped after the optimizer was built
+(:mod:`sparsecomm.ddp_wrapped`). Train the bare module with this optimizer, or keep DDP with a plain
+torch optimizer and compress in its hook (:func:`sparsecomm.ddp.register`).
+
 **Lightning.** Not as a ``configure_optimizers`` result: Lightning's multi-process strategies wrap the
 module in ``DistributedDataParallel``, which already averages the gradients, and its checkpoints carry
 rank 0's optimizer state to every rank; use the DDP hook there
@@ -171,8 +178,9 @@ rank 0's optimizer state to every rank; use the DDP hook there
 
 **Checkpoints.** ``state_dict()`` is the inner optimizer's plus a ``"sparsecomm"`` entry: the method
 state (per worker: EF residuals, DIANA's h_i), the step counter, the generator state, the bucket
-layout, rank and world size; never a fabric or process group. Every rank saves its own. Loading a
-state saved with another world size or rank, or another layout, raises
+layout, rank and world size, the compressor's name; never a fabric or process group. Every rank saves
+its own (:mod:`sparsecomm.checkpoint` saves a file whole and names a truncated one). Loading a state
+saved with another world size or rank, another layout, or by another method or compressor raises
 :class:`~sparsecomm.errors.MismatchError`; delete the ``"sparsecomm"`` entry to load only the inner
 optimizer's state (the method then starts afresh, as DeepSpeed does for its error feedback).
 """
@@ -185,6 +193,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .compressors.base import Compressor
+from .ddp_wrapped import refuse_wrapped
 from .errors import InvalidTypeError, InvalidValueError, MismatchError, SparseCommError
 from .fabric.base import Fabric
 from .fabric.stats import CommStats
@@ -196,6 +205,7 @@ from .pipeline.scheduler import BucketScheduler
 from .pipeline.settings import agree
 from .transports.base import Transport
 from .replicas import VERIFY_EVERY, check_verify_every, sync_replicas, verify_replicas
+from .validate import check_int, check_real, check_seed
 
 __all__ = ["DistributedOptimizer"]
 
@@ -263,14 +273,16 @@ class DistributedOptimizer:
                  init_sync: str = "broadcast", module: torch.nn.Module | None = None,
                  nonfinite: str = "raise", sparse_rows: str = "gather",
                  verify_replicas_every: int = VERIFY_EVERY, **hyper: Any) -> None:
-        if backward_passes_per_step < 1:
-            raise InvalidValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+        who = "DistributedOptimizer"
+        backward_passes_per_step = check_int("backward_passes_per_step", backward_passes_per_step, low=1, what=who)
         if init_sync not in ("broadcast", "check", "off"):
             raise InvalidValueError(f"init_sync must be 'broadcast', 'check' or 'off', got {init_sync!r}")
-        if bucket_cap_mb <= 0:
-            raise InvalidValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
-        if warmup_steps < 0 or min_compress_size < 0:
-            raise InvalidValueError("warmup_steps and min_compress_size must be non-negative")
+        bucket_cap_mb = check_real("bucket_cap_mb", bucket_cap_mb, low=0.0, low_open=True, what=who)
+        warmup_steps = check_int("warmup_steps", warmup_steps, low=0, what=who)
+        min_compress_size = check_int("min_compress_size", min_compress_size, low=0, what=who)
+        seed = check_seed("seed", seed, what=who)
+        # parameters that stock DDP already averages (built before this optimizer; after it: at the first step)
+        refuse_wrapped([p for g in optimizer.param_groups for p in g["params"]], module)
         if process_group is not None:
             if fabric is not None:
                 raise InvalidValueError("pass fabric= or process_group=, not both (process_group=pg runs the "
@@ -372,6 +384,9 @@ class DistributedOptimizer:
         """Average the gradients over workers now: start the buckets not started yet (in the fixed
         order) and wait for all of them (:meth:`BucketScheduler.synchronize
         <sparsecomm.pipeline.scheduler.BucketScheduler.synchronize>`)."""
+        if self._sc_scheduler.sparse is None:          # the first synchronisation (of this layout)
+            refuse_wrapped(self._sc_scheduler.params(), when="at the first step: DDP wrapped the model after "
+                                                           "the optimizer was built")
         self._sc_scheduler.synchronize()
 
     @contextlib.contextmanager
@@ -486,8 +501,8 @@ class DistributedOptimizer:
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        """Restore a :meth:`state_dict` of this rank; another world size, rank or layout raises
-        :class:`~sparsecomm.errors.MismatchError`.
+        """Restore a :meth:`state_dict` of this rank; another world size, rank, layout, method or compressor
+        raises :class:`~sparsecomm.errors.MismatchError`.
 
         Args:
             state_dict: what :meth:`state_dict` returned (without its ``"sparsecomm"`` entry: the inner
@@ -495,6 +510,8 @@ class DistributedOptimizer:
         """
         state_dict = dict(state_dict)
         extra = state_dict.pop("sparsecomm", None)
+        if extra is not None:               # before anything is loaded: another method's or compressor's state
+            self._sc_pipeline.check_saved_by(extra)
         sched = self._sc_scheduler
         if sched.in_flight:
             raise SparseCommError("load_state_dict() with buckets in flight: call step() or synchronize() first")

@@ -41,6 +41,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ..errors import InvalidTypeError, InvalidValueError
+from ..validate import check_int
 
 #: the names :func:`scalars` returns (before the prefix), in this order
 NAMES = ("bytes_dense", "bytes_payload", "bytes_saved", "compression_factor", "bytes_sent",
@@ -96,7 +97,8 @@ class StatsLogger:
         self._last: int | None = None
 
     def __call__(self, step: int | None = None) -> dict[str, float] | None:
-        step = int(self.source.compression_stats()["steps"] if step is None else step)
+        step = int(self.source.compression_stats()["steps"]) if step is None else \
+            check_int("step", step, low=0, what="StatsLogger")
         if step % self.every or step == self._last:
             return None
         self._last = step

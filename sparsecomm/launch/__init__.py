@@ -37,7 +37,7 @@ from ..fabric.sim.sim_network import Network
 from .base import backends, check_main_guard
 from .context import Context, current_context, set_context
 from . import sim_backend  # noqa: F401  (registers "sim")
-from ..errors import InvalidValueError
+from ..validate import check_int, check_real
 
 __all__ = ["launch", "Context", "current_context", "set_context", "backends", "check_main_guard"]
 
@@ -65,8 +65,9 @@ def launch(fn: Callable[[Context], Any], world_size: int, backend: str = "sim", 
         **options: backend options: ``start_method`` (gloo, nccl, netbed), ``netbed_unshaped`` and
             ``on_netbed`` (netbed); an option the backend does not take raises.
     """
-    if not isinstance(world_size, int) or world_size < 1:
-        raise InvalidValueError(f"world_size must be a positive integer, got {world_size!r}")
+    world_size = check_int("world_size", world_size, low=1, what="sparsecomm.launch")
+    if timeout_s is not None:
+        timeout_s = check_real("timeout_s", timeout_s, low=0.0, low_open=True, what="sparsecomm.launch")
     runner = backends.factory(backend)
     if backend != "sim":
         check_main_guard()

@@ -67,6 +67,7 @@ from ..fabric.probe import Link, link_parameters
 from ..payload import Payload
 from ..theory import costs
 from ..transports.base import CallShape, Transport
+from ..validate import check_int, check_real
 
 log = logging.getLogger("sparsecomm.pipeline.auto")
 
@@ -92,15 +93,13 @@ def options(kwargs: dict | None) -> dict[str, Any]:
             raise InvalidValueError(f"transport='auto': candidates must name transports with a cost model "
                                     f"({', '.join(costs.MODELS)}), got {list(out['candidates'])!r}")
         out["candidates"] = tuple(out["candidates"])
-    for k in ("estimate_steps", "period"):
-        if not isinstance(out[k], int) or out[k] < 1:
-            raise InvalidValueError(f"transport='auto': {k} must be a positive integer, got {out[k]!r}")
+    for k in ("estimate_steps", "period", "block_size"):
+        out[k] = check_int(k, out[k], low=1, what="transport='auto' (transport_kwargs)")
     if out["period"] <= out["estimate_steps"]:
         raise InvalidValueError(f"transport='auto': period ({out['period']}) must exceed estimate_steps "
                                 f"({out['estimate_steps']}), whose steps it measures")
     for k in ("margin", "tolerance"):
-        if not 0.0 <= float(out[k]) < 1.0:
-            raise InvalidValueError(f"transport='auto': {k} must be in [0, 1), got {out[k]!r}")
+        out[k] = check_real(k, out[k], low=0.0, high=1.0, high_open=True, what="transport='auto' (transport_kwargs)")
     return out
 
 

@@ -47,6 +47,7 @@ from ..fabric.base import Fabric
 from ..fabric.stats import CommStats
 from ..methods.base import Method
 from ..transports.base import CallId, CommWork, Transport
+from ..validate import check_int, check_seed
 from .accounting import Accounting, CompressionStats, payload_bytes
 from .auto import SWITCH_TRANSPORTS, Chooser, block_density, options as auto_options
 from .nonfinite import NONFINITE, NonFiniteRule
@@ -76,8 +77,8 @@ class CommPipeline:
             raise InvalidValueError(f"sparse_rows must be one of {', '.join(map(repr, SPARSE_ROWS))}, got {sparse_rows!r}")
         if nonfinite not in NONFINITE:
             raise InvalidValueError(f"nonfinite must be one of {', '.join(map(repr, NONFINITE))}, got {nonfinite!r}")
-        if warmup_steps < 0:
-            raise InvalidValueError(f"warmup_steps must be non-negative, got {warmup_steps}")
+        warmup_steps = check_int("warmup_steps", warmup_steps, low=0)
+        seed = check_seed("seed", seed)
         if nonfinite == "skip" and isinstance(transport, str) and transport in SWITCH_TRANSPORTS:
             raise IncompatibleError(f"nonfinite='skip' needs a transport that sums NaN/Inf through; transport "
                                     f"{transport!r} (fixed point) raises NonFiniteError on them. Use ring, "
@@ -249,14 +250,20 @@ class CommPipeline:
         compares: :class:`~sparsecomm.transports.base.CallId`)."""
         return CallId(key, self.step, round)
 
-    def begin_step(self) -> None:
+    def begin_step(self, step: int | None = None) -> None:
         """Start a new step: its calls' identity (:meth:`call_id`) and a new ``last_stats``
         accumulation (one per optimizer step); under ``nonfinite="skip"``, a journal of the method states
         and generators the step touches (a step begun and never ended is ended here first:
-        :meth:`end_step`)."""
+        :meth:`end_step`).
+
+        Args:
+            step: the step's number (1 for the first) as the frontend counts its steps (the counter its
+                checkpoints restore and its replica guard reads), so that workers whose counters differ
+                make different calls, which their agreement refuses; ``None``: the next number.
+        """
         if self._open:
             self.end_step()
-        self.step += 1
+        self.step = self.step + 1 if step is None else int(step)
         self._open = True
         if self.rule.skip:
             self.rule.flagged = False
@@ -303,11 +310,45 @@ class CommPipeline:
         """The method states and their layout, the generators, the step, and who saved them."""
         return {**self.states.state_dict(), **self.generators.state_dict(),
                 "rank": self.rank, "world_size": self.world_size, "seed": self.seed,
-                "shared_randomness": self.shared_randomness, "step": self.step, "skipped": self.skipped}
+                "shared_randomness": self.shared_randomness, "step": self.step, "skipped": self.skipped,
+                "compressor": self.compressor_name}
+
+    @property
+    def compressor_name(self) -> str:
+        """The name of the method's compressor (its class name if it has none), as checkpoints record it."""
+        comp = self.method.compressor
+        return comp.name or type(comp).__name__
+
+    def check_saved_by(self, state: dict[str, Any]) -> None:
+        """Raise :class:`~sparsecomm.errors.MismatchError` naming both unless ``state`` (a
+        :meth:`state_dict`) was saved by this method with this compressor (a state from before checkpoints
+        named the compressor: the method, and whether the generators were shared across workers)."""
+        saved = state.get("method")
+        method = saved.get("method") if isinstance(saved, dict) else None
+        comp = state.get("compressor")
+        shared = state.get("shared_randomness")
+        differs = (method is not None and method != self.method.name) or (
+            comp is not None and comp != self.compressor_name)
+        if comp is None and shared is not None and bool(shared) != self.shared_randomness and (
+                state.get("generators") or state.get("param_generators")):
+            differs = True      # generators seeded per worker loaded as shared ones, or the reverse
+        if not differs:
+            return
+        was = f"method {method!r} with compressor {comp!r}" if comp is not None else (
+            f"method {method!r} with a compressor whose randomness was "
+            f"{'shared by' if shared else 'its own on'} every worker")
+        raise MismatchError(
+            f"this checkpoint's sparsecomm state was saved by {was}; it cannot be loaded into method "
+            f"{self.method.name!r} with compressor {self.compressor_name!r} (its method state and generators "
+            f"are that method's and compressor's). Build the optimizer or hook state with the checkpoint's "
+            f"method and compressor, or start the method afresh: load the optimizer's state dict without "
+            f"its 'sparsecomm' entry (the DDP hook: do not load its state)")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s result; a state saved on another rank or world size raises
-        :class:`~sparsecomm.errors.MismatchError` (unless it holds nothing rank-specific)."""
+        :class:`~sparsecomm.errors.MismatchError` (unless it holds nothing rank-specific), as does one saved
+        by another method or compressor (:meth:`check_saved_by`)."""
+        self.check_saved_by(state)
         # a stateless method with shared (or no) randomness has nothing rank-specific
         rank_free = self.method.State is None and (self.shared_randomness or not (
             state.get("generators") or state.get("param_generators")))

@@ -157,7 +157,7 @@ class BucketScheduler:
     def _start(self, b: Bucket) -> None:
         pipe = self.pipeline
         if not self._in_step:
-            pipe.begin_step()
+            pipe.begin_step(self.steps + 1)        # the identity of this step's calls carries our counter
             self._in_step = True
         if b.sparse and pipe.plain:
             p = b.params[0]
@@ -277,7 +277,7 @@ class HookScheduler:
         if not self._in_step:
             if self.on_step is not None:
                 self.on_step(self.steps)
-            pipe.begin_step()
+            pipe.begin_step(self.steps + 1)        # the identity of this step's calls carries our counter
             self._in_step = True
         try:
             if buffer.is_sparse:

@@ -22,7 +22,9 @@ PKG = Path(__file__).resolve().parents[2] / "sparsecomm"
 LAYERS: list[tuple[str, ...]] = [
     ("errors", "_tree", "deprecation"),  # _tree: the source tree's theory/ etc. under sparsecomm. names;
                                        # deprecation: the one warning of a renamed name
-    ("registry", "theory"),            # theory/ (installed as sparsecomm.theory): the closed forms
+    ("registry", "theory", "validate", "checkpoint"),  # theory/ (installed as sparsecomm.theory): the
+                                       # closed forms; validate: the checks of user-given numbers;
+                                       # checkpoint: files saved whole, and a truncated one named
     ("kernels", "fabric"),             # Numba helpers; point-to-point messages
     ("codec",),                        # block kernels (scan, pack, fixed point)
     ("payload",),                      # what a compressor produces and a transport carries
@@ -32,7 +34,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("launch",),                       # run fn on n workers (threads over SimFabric, or real processes)
     ("pipeline", "netbed"),            # bucket -> method -> transport -> method, by composition (states,
                                        # rounds, accounting, schedulers); an emulated rack (a launch backend)
-    ("replicas",),                     # the frontends: replica checks over a fabric,
+    ("replicas", "ddp_wrapped"),       # the frontends: replica checks over a fabric, the DDP wrappers,
     ("optim", "ddp"),                  # the optimizer and the DDP comm hook
     ("integrations",),                 # where people train: loggers' scalars, Lightning's callback
 ]

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ...errors import InvalidValueError
+from ...validate import check_int, check_real, check_seed
 from ..stats import CommStats
 
 
@@ -75,17 +75,20 @@ class Network:
     payload_fraction: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.bandwidth_gbps <= 0:
-            raise InvalidValueError(f"bandwidth_gbps must be positive, got {self.bandwidth_gbps}")
-        if self.latency_us < 0:
-            raise InvalidValueError(f"latency_us must be non-negative, got {self.latency_us}")
-        if not 0.0 <= self.loss < 1.0:
-            raise InvalidValueError(f"loss must be in [0, 1), got {self.loss}")
-        if not 0.0 < self.payload_fraction <= 1.0:
-            raise InvalidValueError(f"payload_fraction must be in (0, 1], got {self.payload_fraction}")
-        for eid, f in self.stragglers.items():
-            if not f >= 1.0:
-                raise InvalidValueError(f"a straggler's factor must be >= 1, got {f} for endpoint {eid}")
+        who = "Network"
+        self.bandwidth_gbps = check_real("bandwidth_gbps", self.bandwidth_gbps, low=0.0, low_open=True, what=who)
+        self.latency_us = check_real("latency_us", self.latency_us, low=0.0, what=who)
+        self.loss = check_real("loss", self.loss, low=0.0, high=1.0, high_open=True, what=who)
+        self.seed = check_seed("seed", self.seed, what=who)
+        self.timeout_s = check_real("timeout_s", self.timeout_s, low=0.0, low_open=True, what=who)
+        self.payload_fraction = check_real("payload_fraction", self.payload_fraction, low=0.0, high=1.0,
+                                           low_open=True, what=who)
+        self.stragglers = {check_int("a straggler's endpoint", eid, low=0, what=who):
+                           check_real(f"the factor of straggler {eid}", f, low=1.0, what=who)
+                           for eid, f in self.stragglers.items()}
+        self.crash = {check_int("a crashing endpoint", eid, low=0, what=who):
+                      check_int(f"the sends before endpoint {eid} crashes", k, low=0, what=who)
+                      for eid, k in self.crash.items()}
 
     @property
     def bytes_per_s(self) -> float:

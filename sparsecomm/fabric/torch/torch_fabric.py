@@ -82,6 +82,7 @@ from ..stats import CommStats
 from .torch_failure import MAX_TAG, FailStop
 from .torch_ranks import JobRanks
 from .torch_waiters import Pending, Waits, waits_ended
+from ...validate import check_real
 
 __all__ = ["TorchFabric"]
 
@@ -134,6 +135,7 @@ class TorchFabric(Fabric):
                  group: dist.ProcessGroup | None = None, timeout_s: float = 120.0,
                  store: dist.Store | None = None, shutdown_key: str | None = None,
                  coalesce: bool | None = None, two_way: bool | None = None) -> None:
+        timeout_s = check_real("timeout_s", timeout_s, low=0.0, low_open=True, what="TorchFabric")
         if not dist.is_initialized():
             raise RuntimeError("TorchFabric needs an initialised torch.distributed process group "
                                "(use sparsecomm.launch(..., backend='gloo'/'nccl') or torchrun)")
@@ -149,7 +151,7 @@ class TorchFabric(Fabric):
                              f"process group")
         self.rank = dist.get_rank(group)
         self.world_size = world_size
-        self.timeout_s = float(timeout_s)
+        self.timeout_s = timeout_s
         self.backend = str(dist.get_backend(group))
         self._cuda = self.backend == "nccl"
         self._pg = dist.group.WORLD if group is None else group
