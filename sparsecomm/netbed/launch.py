@@ -97,11 +97,11 @@ def enter_namespace(namespaces: Sequence[str], ifnames: Sequence[str], rank: int
     os.environ["GLOO_SOCKET_IFNAME"] = ifnames[rank]
 
 
-def _store_in(ns: str, addr: str, total: int, timeout_s: float):
-    """A master TCPStore listening inside namespace ``ns`` (created by a thread that enters ``ns`` and its
-    hosts file: namespaces are per thread, so the caller's own stay as they are; the store's threads, started
-    by that thread, resolve the ranks' addresses to their names). The store listens on every address of
-    ``ns``; its own client connects to ``addr``, one of them."""
+def _store_in(ns: str, addr: str, total: int, timeout_s: float, port: int = 0):
+    """A master TCPStore listening inside namespace ``ns`` on ``port`` (0: a free one), created by a thread
+    that enters ``ns`` and its hosts file: namespaces are per thread, so the caller's own stay as they are;
+    the store's threads, started by that thread, resolve the ranks' addresses to their names. The store
+    listens on every address of ``ns``; its own client connects to ``addr``, one of them."""
     import torch.distributed as dist
     from pyroute2 import netns
 
@@ -111,7 +111,7 @@ def _store_in(ns: str, addr: str, total: int, timeout_s: float):
         try:
             netns.setns(ns)
             resolve_as(ns)
-            out["store"] = dist.TCPStore(addr, 0, total, is_master=True, wait_for_workers=False,
+            out["store"] = dist.TCPStore(addr, port, total, is_master=True, wait_for_workers=False,
                                          timeout=timedelta(seconds=timeout_s))
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
             out["error"] = exc
