@@ -135,6 +135,23 @@ def test_no_communication_thread_is_left_when_the_interpreter_finalizes(tmp_path
     assert out.stdout.split() == ["done", "released", "alive", "[]"], out.stdout
 
 
+def test_close_completes_the_calls_then_ends_the_thread_and_a_later_call_starts_a_new_one():
+    """``CommEngine.close`` waits for the queued calls, ends the thread and joins it; the engine stays
+    usable (a later submission starts a new thread)."""
+    from sparsecomm.transports.base import CommEngine
+
+    eng = CommEngine("-close")
+    gate = threading.Event()
+    first = eng.submit(lambda: gate.wait(30))
+    second = eng.submit(lambda: 2)
+    threading.Timer(0.2, gate.set).start()
+    assert eng.close(timeout=30)
+    assert first.is_completed() and second.wait() == 2
+    assert not [t for t in threading.enumerate() if t.name == "sparsecomm-comm-close"]
+    assert eng.submit(lambda: 3).wait(30) == 3
+    assert eng.close(timeout=30)
+
+
 def test_error_on_comm_thread_reaches_every_wait():
     """A call that fails (lengths differ across workers) raises from ``wait`` on every worker, and later
     calls on the fabric raise the same error instead of running on an out-of-step stream."""
