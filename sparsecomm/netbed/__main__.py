@@ -49,7 +49,7 @@ import time
 from ..errors import InvalidValueError, NetbedError
 from ..launch.base import threads_per_rank
 
-from .launch import _store_in, terminate_as_interrupt
+from .launch import store_in, terminate_as_interrupt
 from .topology import Netbed, check_shaping, cleanup_stale, list_netbed_namespaces
 
 
@@ -95,7 +95,7 @@ def run(cmd: list[str], hosts: int, gbps: float | None, *, port: int = 29500, ti
         store = None
         try:
             if any(f in arg for arg in cmd for f in STORE_FIELDS):
-                store = _store_in(bed.tor_ns, bed.tor_addr, hosts, timeout_s or 300.0, store_port)
+                store = store_in(bed.tor_ns, bed.tor_addr, hosts, timeout_s or 300.0, store_port)
             for r in range(hosts):
                 penv = {**os.environ, **threads, **(env or {}), **host_env(bed, r, port)}
                 procs.append(subprocess.Popen(["ip", "netns", "exec", bed.host_ns(r)] +
