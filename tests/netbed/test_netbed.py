@@ -385,6 +385,21 @@ def test_torchrun_recipe_distributed_optimizer_step(tmp_path):
         assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(got, want))
 
 
+def test_cli_fields_name_the_rendezvous_store_on_the_top_of_rack():
+    """``{store_addr}``/``{store_port}`` in a host's command are the top of rack's address and the store's
+    port (``--port`` + 1 unless given), the same on every host; only such a command gets the store."""
+    from types import SimpleNamespace
+
+    from sparsecomm.netbed.__main__ import STORE_FIELDS, host_command
+    from sparsecomm.netbed.topology import host_address, tor_address
+
+    bed = SimpleNamespace(hosts=2, address=host_address, tor_addr=tor_address(0))
+    cmd = ["torchrun", "--rdzv-endpoint", "{store_addr}:{store_port}", "--local-addr", "{host_addr}"]
+    assert host_command(cmd, bed, 1, 29500)[2:] == [f"{tor_address(0)}:29501", "--local-addr", host_address(1)]
+    assert host_command(cmd, bed, 0, 29500, 29400)[2] == f"{tor_address(0)}:29400"
+    assert not any(f in arg for arg in ["--master-addr", "{master_addr}"] for f in STORE_FIELDS)
+
+
 def test_cli_gives_each_host_cores_over_hosts_threads_unless_set(tmp_path):
     """Each host's command gets ``OMP_NUM_THREADS = max(1, cores // hosts)`` (said on stderr), unless the
     user set it: torch's default of a thread per core in every host oversubscribes the shared cores."""
