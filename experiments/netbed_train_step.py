@@ -3,9 +3,11 @@
 Run one torchrun per host (here: per netbed host; on a real cluster: per machine)::
 
     python -m sparsecomm.netbed run --hosts 2 --gbps 1 -- \\
-        torchrun --nnodes 2 --nproc-per-node 1 --node-rank {rank} \\
-                 --master-addr {master_addr} --master-port {master_port} \\
-                 -m experiments.netbed_train_step --out /tmp/step
+        torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-id netbed \\
+                 --rdzv-endpoint {store_addr}:{store_port} --rdzv-conf is_host=false \\
+                 --local-addr {host_addr} -m experiments.netbed_train_step --out /tmp/step
+
+(the rendezvous store on the netbed's top of rack, which outlives every agent: docs/netbed.md).
 
 Every rank builds the same small model (fixed seed), computes a gradient on its own batch, and takes
 one ``DistributedOptimizer`` step (plain SGD, gradients averaged by ``--transport``); with ``--out DIR``

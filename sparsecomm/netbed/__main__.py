@@ -6,11 +6,22 @@ netbed, exit with the first non-zero status. The environment of host ``i``: ``RA
 ``LOCAL_RANK=0``, ``WORLD_SIZE=N``, ``MASTER_ADDR`` (host 0's address), ``MASTER_PORT`` (``--port``),
 ``GLOO_SOCKET_IFNAME`` (the host's link), ``NETBED_HOST_ADDR``. The same names in braces in CMD are
 replaced per host (``{rank}``, ``{world_size}``, ``{master_addr}``, ``{master_port}``, ``{host_addr}``,
-``{ifname}``), which is how one torchrun per host is started (the "beyond one machine" recipe)::
+``{ifname}``, ``{store_addr}``, ``{store_port}``), which is how one torchrun per host is started (the
+"beyond one machine" recipe)::
 
     python -m sparsecomm.netbed run --hosts 2 --gbps 1 -- \\
-        torchrun --nnodes 2 --nproc-per-node 1 --node-rank {rank} \\
-                 --master-addr {master_addr} --master-port {master_port} train.py
+        torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-id netbed \\
+                 --rdzv-endpoint {store_addr}:{store_port} --rdzv-conf is_host=false \\
+                 --local-addr {host_addr} train.py
+
+**The rendezvous store** of such a job: when CMD names ``{store_addr}`` or ``{store_port}``, ``run`` hosts a
+TCPStore on the top of rack (``store_addr``, every host reaches it; ``--store-port``, default ``--port`` + 1)
+from before the first command starts until every command has ended. torchrun's agents (``--rdzv-conf
+is_host=false``: none hosts a store) rendezvous and meet at their exit barrier there. With the store
+hosted by an agent (``--master-addr``/``--master-port``, or c10d's ``is_host`` on host 0), that agent
+exits as soon as it has passed the barrier, taking the store with it, while another agent may still be
+waiting on it: that one logs torch-elastic's "Error waiting on exit barrier" with the store's C++ stack
+trace (the job's status is still 0; pytorch/pytorch#69520).
 
 Every host shares this machine's cores: unless ``OMP_NUM_THREADS`` is set, each host's command gets
 ``OMP_NUM_THREADS = max(1, cores // hosts)`` (torch reads it at start-up; torchrun does the same for
@@ -38,7 +49,7 @@ import time
 from ..errors import InvalidValueError, NetbedError
 from ..launch.base import threads_per_rank
 
-from .launch import terminate_as_interrupt
+from .launch import store_in, terminate_as_interrupt
 from .topology import Netbed, check_shaping, cleanup_stale, list_netbed_namespaces
 
 
@@ -48,9 +59,14 @@ def host_env(bed: Netbed, rank: int, port: int) -> dict[str, str]:
             "NETBED_HOST_ADDR": bed.address(rank)}
 
 
-def host_command(cmd: list[str], bed: Netbed, rank: int, port: int) -> list[str]:
+#: the fields of CMD that make ``run`` host the rendezvous store (module docstring)
+STORE_FIELDS = ("{store_addr}", "{store_port}")
+
+
+def host_command(cmd: list[str], bed: Netbed, rank: int, port: int, store_port: int | None = None) -> list[str]:
     fields = {"rank": rank, "world_size": bed.hosts, "master_addr": bed.address(0), "master_port": port,
-              "host_addr": bed.address(rank), "ifname": "eth0"}
+              "host_addr": bed.address(rank), "ifname": "eth0", "store_addr": bed.tor_addr,
+              "store_port": port + 1 if store_port is None else store_port}
     out = []
     for arg in cmd:
         for k, v in fields.items():
@@ -60,8 +76,10 @@ def host_command(cmd: list[str], bed: Netbed, rank: int, port: int) -> list[str]
 
 
 def run(cmd: list[str], hosts: int, gbps: float | None, *, port: int = 29500, timeout_s: float | None = None,
-        grace_s: float = 5.0, env: dict[str, str] | None = None) -> int:
-    """Run ``cmd`` on every host of a fresh netbed; the first non-zero exit status (0 if all succeed)."""
+        grace_s: float = 5.0, env: dict[str, str] | None = None, store_port: int | None = None) -> int:
+    """Run ``cmd`` on every host of a fresh netbed; the first non-zero exit status (0 if all succeed). A
+    ``cmd`` that names ``{store_addr}`` or ``{store_port}`` gets the rendezvous store on the top of rack
+    (``store_port``, default ``port + 1``), up until every host's command has ended (module docstring)."""
     if not cmd:
         raise InvalidValueError("no command given (python -m sparsecomm.netbed run --hosts N -- CMD ...)")
     threads = {}
@@ -70,14 +88,19 @@ def run(cmd: list[str], hosts: int, gbps: float | None, *, port: int = 29500, ti
         threads = {"OMP_NUM_THREADS": str(k)}
         print(f"netbed: OMP_NUM_THREADS={k} on each of the {hosts} hosts (cores // hosts; set "
               f"OMP_NUM_THREADS to choose)", file=sys.stderr)
+    store_port = port + 1 if store_port is None else store_port
     with terminate_as_interrupt():
         bed = Netbed(hosts, gbps)
         procs: list[subprocess.Popen] = []
+        store = None
         try:
+            if any(f in arg for arg in cmd for f in STORE_FIELDS):
+                store = store_in(bed.tor_ns, bed.tor_addr, hosts, timeout_s or 300.0, store_port)
             for r in range(hosts):
                 penv = {**os.environ, **threads, **(env or {}), **host_env(bed, r, port)}
                 procs.append(subprocess.Popen(["ip", "netns", "exec", bed.host_ns(r)] +
-                                              host_command(cmd, bed, r, port), env=penv, start_new_session=True))
+                                              host_command(cmd, bed, r, port, store_port), env=penv,
+                                              start_new_session=True))
             deadline = None if timeout_s is None else time.monotonic() + timeout_s
             failed_at = None
             while True:
@@ -96,6 +119,7 @@ def run(cmd: list[str], hosts: int, gbps: float | None, *, port: int = 29500, ti
                 time.sleep(0.05)
         finally:
             _stop(procs)
+            del store          # after every command has ended: no agent is left to wait on it
             bed.close()
 
 
@@ -143,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--latency-us", type=float, default=0.0, help="not available (no netem): must be 0")
     r.add_argument("--loss", type=float, default=0.0, help="not available (no netem): must be 0")
     r.add_argument("--port", type=int, default=29500, help="MASTER_PORT")
+    r.add_argument("--store-port", type=int, default=None,
+                   help="port of the rendezvous store on the top of rack, {store_port} (default: --port + 1)")
     r.add_argument("--timeout", type=float, default=None, help="seconds before every command is terminated")
     r.add_argument("--grace", type=float, default=5.0,
                    help="seconds the other hosts' commands get to end after one fails")
@@ -156,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         if a.what == "run":
             check_shaping(a.latency_us, a.loss)
             cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
-            return run(cmd, a.hosts, a.gbps or None, port=a.port, timeout_s=a.timeout, grace_s=a.grace)
+            return run(cmd, a.hosts, a.gbps or None, port=a.port, timeout_s=a.timeout, grace_s=a.grace,
+                       store_port=a.store_port)
         if a.what == "check":
             for k, v in check(a.gbps).items():
                 print(f"{k}: {v:.4g}")

@@ -97,11 +97,11 @@ def enter_namespace(namespaces: Sequence[str], ifnames: Sequence[str], rank: int
     os.environ["GLOO_SOCKET_IFNAME"] = ifnames[rank]
 
 
-def _store_in(ns: str, addr: str, total: int, timeout_s: float):
-    """A master TCPStore listening inside namespace ``ns`` (created by a thread that enters ``ns`` and its
-    hosts file: namespaces are per thread, so the caller's own stay as they are; the store's threads, started
-    by that thread, resolve the ranks' addresses to their names). The store listens on every address of
-    ``ns``; its own client connects to ``addr``, one of them."""
+def store_in(ns: str, addr: str, total: int, timeout_s: float, port: int = 0):
+    """A master TCPStore listening inside namespace ``ns`` on ``port`` (0: a free one), created by a thread
+    that enters ``ns`` and its hosts file: namespaces are per thread, so the caller's own stay as they are;
+    the store's threads, started by that thread, resolve the ranks' addresses to their names. The store
+    listens on every address of ``ns``; its own client connects to ``addr``, one of them."""
     import torch.distributed as dist
     from pyroute2 import netns
 
@@ -111,7 +111,7 @@ def _store_in(ns: str, addr: str, total: int, timeout_s: float):
         try:
             netns.setns(ns)
             resolve_as(ns)
-            out["store"] = dist.TCPStore(addr, 0, total, is_master=True, wait_for_workers=False,
+            out["store"] = dist.TCPStore(addr, port, total, is_master=True, wait_for_workers=False,
                                          timeout=timedelta(seconds=timeout_s))
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
             out["error"] = exc
@@ -176,7 +176,7 @@ def _launch_netbed(fn: Callable[[Context], Any], world_size: int, *, network: Ne
             namespaces = [bed.tor_ns if h is None else bed.host_ns(h) for h in where]
             ifnames = [bed.ifname(ns) for ns in namespaces]
             return lt.spawn("gloo", fn, world_size, timeout_s, services, start_method,
-                            make_store=functools.partial(_store_in, bed.tor_ns, bed.tor_addr),
+                            make_store=functools.partial(store_in, bed.tor_ns, bed.tor_addr),
                             master_addr=bed.tor_addr,
                             prologue=functools.partial(enter_namespace, tuple(namespaces), tuple(ifnames)))
         finally:

@@ -364,11 +364,11 @@ def _unwrap_outcome(fut: "torch.futures.Future[Any]") -> Any:
 class CommEngine:
     """One fabric's communication thread: runs submitted calls one at a time in submission order.
 
-    The thread starts on the first submission and leaves after ``idle_s`` seconds without work (a new
-    one starts on the next submission). After a call fails, every later call fails with the same error,
-    unless it is a :class:`~sparsecomm.errors.NonFiniteError`: that one is raised by every worker after the
-    same sum (the non-finite rule's checks, :mod:`sparsecomm.pipeline.nonfinite`, and the transports' own),
-    so the workers' streams of calls are still in step and later calls run.
+    The thread starts on the first submission and leaves after ``idle_s`` seconds without work, or at
+    :meth:`close` (a new one starts on the next submission). After a call fails, every later call fails
+    with the same error, unless it is a :class:`~sparsecomm.errors.NonFiniteError`: that one is raised by
+    every worker after the same sum (the non-finite rule's checks, :mod:`sparsecomm.pipeline.nonfinite`, and
+    the transports' own), so the workers' streams of calls are still in step and later calls run.
     ``idle_s`` is long enough for a training loop's (or a benchmark's interleaved) steps to find the thread
     still there: starting one blocks the submitting thread (the autograd thread, in a DDP hook) until
     the new thread runs, which on a host with more runnable threads than cores is a scheduling delay.
@@ -388,6 +388,7 @@ class CommEngine:
         self._issuing = 0           # queued or running jobs that send messages when they run
         self._finishing = 0         # completed jobs whose done-callbacks are still running
         self._resolving = False     # a posted call is being resolved (it runs handshakes): no posts
+        self._closing = False       # close(): the thread leaves once nothing is queued
 
     def submit(self, job: Callable[[], Any]) -> CommWork:
         """Queue ``job`` (which sends its messages when it runs, on the communication thread)."""
@@ -469,11 +470,32 @@ class CommEngine:
             return self._cond.wait_for(
                 lambda: not self._queue and not self._busy and not self._finishing, timeout)
 
+    def close(self, timeout: float | None = None) -> bool:
+        """Let every submitted call complete and its done-callbacks return (:meth:`settle`), then end the
+        communication thread and join it, within ``timeout`` seconds in all; True once no thread is left.
+        The thread's last call (its job, work and result: tensors, torch futures, a posted collective's
+        gloo work) is released on that thread, with the interpreter whole. A later submission starts
+        a new thread."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self.settle(timeout):
+            return False
+        with self._cond:
+            thread = self._thread
+            if thread is None:
+                return True
+            self._closing = True
+            self._cond.notify_all()
+        if thread is not threading.current_thread():
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return not thread.is_alive()
+
     def _loop(self) -> None:
         while True:
             with self._cond:
-                if not self._cond.wait_for(lambda: bool(self._queue), self.idle_s):
+                if not self._cond.wait_for(lambda: bool(self._queue) or self._closing, self.idle_s) \
+                        or not self._queue:
                     self._thread = None
+                    self._closing = False
                     return
                 job, work, posted, issues = self._queue.popleft()
                 self._busy = True
@@ -510,15 +532,18 @@ EXIT_GRACE_S = 10.0
 
 
 def _settle_at_exit() -> None:
-    """Let every communication thread finish its calls (up to :data:`EXIT_GRACE_S` in all) before the
-    interpreter finalizes. The threads are daemons, and a daemon thread that returns into Python from
-    torch's C++ layer once finalization has begun is ended by ``pthread_exit`` inside a C++ destructor,
-    which aborts the process ("terminate called without an active exception", exit -6): this happens
-    when a script ends right after DDP's backward returns, while the comm thread is still releasing
-    the callbacks chained on the bucket's future."""
+    """Close every communication engine (:meth:`CommEngine.close`: its calls complete, its thread ends and
+    is joined; up to :data:`EXIT_GRACE_S` in all) before the interpreter finalizes, so that no thread of
+    the library is alive then. The threads are daemons, and a daemon thread that returns into Python
+    from torch's C++ layer once finalization has begun is ended by ``pthread_exit`` inside a C++
+    destructor, which aborts the process ("terminate called without an active exception", exit -6):
+    this happens when a script ends right after DDP's backward returns, while the comm thread is still
+    releasing the callbacks chained on the bucket's future. A thread left parked would also keep its
+    last call (a posted collective's gloo work, its tensors, the bucket's futures) referenced until
+    the process is gone; joined, it releases them first, on its own thread."""
     deadline = time.monotonic() + EXIT_GRACE_S
     for eng in list(_live_engines):
-        eng.settle(max(0.0, deadline - time.monotonic()))
+        eng.close(max(0.0, deadline - time.monotonic()))
 
 
 atexit.register(_settle_at_exit)

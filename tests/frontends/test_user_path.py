@@ -95,3 +95,52 @@ def test_ranks_with_different_settings_are_told_which_setting(tmp_path):
     assert len(errors) == 2 and all(e.startswith("MismatchError") for e in errors), log[-3000:]
     assert all("ratio" in e and "0.25" in e and "0.1" in e and "worker 0" in e and "worker 1" in e
                for e in errors), errors
+
+
+ENDS = textwrap.dedent('''
+    """A user's script that ends right after its last step: DDP over 2 buckets, the PowerSGD hook."""
+    import sys
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    import sparsecomm as sc
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    net = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.02)      # 2 buckets
+    sc.ddp.register(net, compressor="powersgd", transport=sys.argv[1], matrix_approximation_rank=1,
+                    start_powerSGD_iter=2)
+    opt = torch.optim.SGD(net.parameters(), lr=0.02)
+    for step in range(8):
+        g = torch.Generator().manual_seed(1000 * rank + step)
+        x, y = torch.randn(32, 16, generator=g), torch.randn(32, 4, generator=g)
+        opt.zero_grad()
+        nn.functional.mse_loss(net(x), y).backward()
+        opt.step()
+    if sys.argv[2] == "destroy":
+        dist.destroy_process_group()
+    open(f"ended{rank}", "w").close()                        # (the ranks' prints interleave in the log)
+''')
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["auto", "default"])
+def test_a_hook_script_that_ends_after_its_last_step_exits_cleanly_every_time(transport, tmp_path):
+    """The script ends right after DDP's last backward, with and without ``destroy_process_group``, ten
+    times each (the abort at exit, "terminate called without an active exception", was intermittent):
+    every torchrun job exits 0 and no rank prints an abort."""
+    script = tmp_path / "ends.py"
+    script.write_text(ENDS)
+    bad = []
+    for i in range(10):
+        mode = "destroy" if i % 2 else "keep"
+        for r in range(2):
+            (tmp_path / f"ended{r}").unlink(missing_ok=True)
+        codes = run_in_place(script, 2, tmp_path, args=(transport, mode))
+        log = (tmp_path / "log0.txt").read_text()
+        ended = [(tmp_path / f"ended{r}").exists() for r in range(2)]
+        if codes != [0] or "terminate called" in log or ended != [True, True]:
+            bad.append((i, mode, codes, log[-1500:]))
+    assert not bad, bad

@@ -365,22 +365,39 @@ def test_cli_environment_and_clean_up_on_every_exit_path(tmp_path):
 
 def test_torchrun_recipe_distributed_optimizer_step(tmp_path):
     """The "Beyond one machine" recipe of docs/netbed.md: one torchrun per host, 2 hosts, one DistributedOptimizer
-    step; every rank's parameters equal the one-process reference step."""
+    step; every rank's parameters equal the one-process reference step, and the agents end cleanly: the
+    rendezvous store on the top of rack outlives them, so none logs "Error waiting on exit barrier"."""
     from experiments.netbed_train_step import reference
 
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     p = _cli("run", "--hosts", "2", "--gbps", "1", "--timeout", "150", "--port", "29612", "--",
-             torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", "{rank}",
-             "--master-addr", "{master_addr}", "--master-port", "{master_port}",
-             "-m", "experiments.netbed_train_step", "--out", str(tmp_path))
+             torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-id", "netbed",
+             "--rdzv-endpoint", "{store_addr}:{store_port}", "--rdzv-conf", "is_host=false",
+             "--local-addr", "{host_addr}", "-m", "experiments.netbed_train_step", "--out", str(tmp_path))
     out, err = p.communicate(timeout=200)
     assert p.returncode == 0, err[-3000:]
     assert "rank 0/2 on 10.77.0.2" in out and "rank 1/2 on 10.77.1.2" in out
     assert "hostname of the client socket cannot be retrieved" not in err, err[-3000:]   # hosts have names
+    assert "exit barrier" not in err and "Exception raised from" not in err, err[-3000:]
     want = reference(2)
     for r in range(2):
         got = torch.load(tmp_path / f"rank{r}.pt")
         assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(got, want))
+
+
+def test_cli_fields_name_the_rendezvous_store_on_the_top_of_rack():
+    """``{store_addr}``/``{store_port}`` in a host's command are the top of rack's address and the store's
+    port (``--port`` + 1 unless given), the same on every host; only such a command gets the store."""
+    from types import SimpleNamespace
+
+    from sparsecomm.netbed.__main__ import STORE_FIELDS, host_command
+    from sparsecomm.netbed.topology import host_address, tor_address
+
+    bed = SimpleNamespace(hosts=2, address=host_address, tor_addr=tor_address(0))
+    cmd = ["torchrun", "--rdzv-endpoint", "{store_addr}:{store_port}", "--local-addr", "{host_addr}"]
+    assert host_command(cmd, bed, 1, 29500)[2:] == [f"{tor_address(0)}:29501", "--local-addr", host_address(1)]
+    assert host_command(cmd, bed, 0, 29500, 29400)[2] == f"{tor_address(0)}:29400"
+    assert not any(f in arg for arg in ["--master-addr", "{master_addr}"] for f in STORE_FIELDS)
 
 
 def test_cli_gives_each_host_cores_over_hosts_threads_unless_set(tmp_path):

@@ -93,6 +93,65 @@ def test_a_script_that_ends_right_after_a_future_completes_exits_cleanly(tmp_pat
     assert (out.returncode, out.stdout.strip()) == (0, "7"), out.stderr[-2000:]
 
 
+EXIT_WITH_A_PARKED_THREAD = """
+import atexit
+import threading
+
+
+def last():                      # registered before the library's handler, so it runs after it
+    print("alive", [t.name for t in threading.enumerate() if t.name.startswith("sparsecomm-comm")], flush=True)
+
+
+atexit.register(last)
+from sparsecomm.transports.base import CommEngine
+
+
+class Held:                      # what a call leaves on its thread: a result, a posted collective's work
+    def __del__(self):
+        print("released", flush=True)
+
+
+CommEngine().submit(lambda: Held()).wait()
+print("done", flush=True)        # the script ends with the thread parked, waiting for the next call
+"""
+
+
+def test_no_communication_thread_is_left_when_the_interpreter_finalizes(tmp_path):
+    """At exit the library closes its communication threads (``CommEngine.close``): the thread ends and
+    is joined before the interpreter finalizes, and releases its last call's objects on its own thread
+    first. A parked daemon thread kept them (a posted collective's gloo work, the bucket's tensors and
+    futures) referenced into finalization, never released."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "parked.py"
+    script.write_text(EXIT_WITH_A_PARKED_THREAD)
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1",
+           "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["done", "released", "alive", "[]"], out.stdout
+
+
+def test_close_completes_the_calls_then_ends_the_thread_and_a_later_call_starts_a_new_one():
+    """``CommEngine.close`` waits for the queued calls, ends the thread and joins it; the engine stays
+    usable (a later submission starts a new thread)."""
+    from sparsecomm.transports.base import CommEngine
+
+    eng = CommEngine("-close")
+    gate = threading.Event()
+    first = eng.submit(lambda: gate.wait(30))
+    second = eng.submit(lambda: 2)
+    threading.Timer(0.2, gate.set).start()
+    assert eng.close(timeout=30)
+    assert first.is_completed() and second.wait() == 2
+    assert not [t for t in threading.enumerate() if t.name == "sparsecomm-comm-close"]
+    assert eng.submit(lambda: 3).wait(30) == 3
+    assert eng.close(timeout=30)
+
+
 def test_error_on_comm_thread_reaches_every_wait():
     """A call that fails (lengths differ across workers) raises from ``wait`` on every worker, and later
     calls on the fabric raise the same error instead of running on an out-of-step stream."""
