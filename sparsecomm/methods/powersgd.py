@@ -16,8 +16,21 @@ every worker (``shared_randomness``), matrix by matrix in torch's order, bucket 
 this method and ``powerSGD_hook`` follow the same trajectory to float rounding
 (tests/methods/test_methods_powersgd.py). The keywords are torch's ``PowerSGDState``'s
 (``matrix_approximation_rank``, ``start_powerSGD_iter``, ``min_compression_rate``,
-``use_error_feedback``, ``warm_start``), so moving from ``powerSGD_hook`` to
-``sparsecomm.ddp.register(model, compressor="powersgd", ...)`` keeps them. ``start_powerSGD_iter``:
+``use_error_feedback``, ``warm_start``, and ``orthogonalization_epsilon``, ``batch_tensors_with_same_shape``,
+``compression_stats_logging_frequency``), so moving from ``powerSGD_hook`` to
+``sparsecomm.ddp.register(model, compressor="powersgd", ...)`` keeps them. Of the last three, none changes
+the numbers here: the reduced QR needs no epsilon (torch adds it to a column's norm only to avoid dividing
+by zero; a zero matrix still gets an orthonormal basis here, and torch agrees to O(epsilon) when it is
+given), the matrices are processed one by one (torch's batching is a speed option), and
+``compression_stats()`` reports the bytes at any time (torch logs them every that many iterations).
+**Parity with torch's hook** (tests/methods/test_methods_powersgd.py): torch draws a fresh Q with
+``torch.manual_seed(state.rng.randint(1_000_000_000))``, ``state.rng = numpy.random.RandomState(random_seed)``;
+this method draws from the generator the pipeline passes, shared by every worker and seeded with the
+frontend's ``seed=`` (what torch's ``random_seed`` is for). The two draw the same starting Qs where that
+seed is the integer torch's rng draws for the bucket, ``seed=numpy.random.RandomState(random_seed).randint(
+1_000_000_000)`` for a model of one bucket (torch draws a new seed per bucket; the test pins ``state.rng``),
+with the same values of the keywords that change numbers: ``matrix_approximation_rank``,
+``start_powerSGD_iter``, ``min_compression_rate``, ``use_error_feedback``, ``warm_start``. ``start_powerSGD_iter``:
 the steps ``0 .. start_powerSGD_iter - 1`` of the optimizer or the DDP hook are exact rounds (plain
 averaging, error flushed), as torch counts its iterations (the rounds of a
 :class:`~sparsecomm.methods.state.MethodState` count the frontend's steps); the optimizer's and the
@@ -66,17 +79,27 @@ class PowerSGDState:
 
 class PowerSGD(Method):
     """``get("powersgd", matrix_approximation_rank=1, start_powerSGD_iter=0, min_compression_rate=2,
-    use_error_feedback=True, warm_start=True)``: the keywords of torch's ``PowerSGDState``, with the
-    same meaning (see the module doc)."""
+    use_error_feedback=True, warm_start=True, orthogonalization_epsilon=0, batch_tensors_with_same_shape=False,
+    compression_stats_logging_frequency=10000)``: the keywords of torch's ``PowerSGDState`` (``random_seed``:
+    the frontend's ``seed=``), with the same meaning (see the module doc)."""
 
     name, uses_shapes, multi_round, State = "powersgd", True, True, PowerSGDState
 
     def __init__(self, matrix_approximation_rank: int = 1, *, start_powerSGD_iter: int = 0,
                  min_compression_rate: float = 2.0, use_error_feedback: bool = True,
-                 warm_start: bool = True) -> None:
+                 warm_start: bool = True, orthogonalization_epsilon: float = 0.0,
+                 batch_tensors_with_same_shape: bool = False,
+                 compression_stats_logging_frequency: int = 10_000) -> None:
         if int(matrix_approximation_rank) < 1 or start_powerSGD_iter < 0 or min_compression_rate < 0:
             raise InvalidValueError("powersgd: matrix_approximation_rank >= 1, start_powerSGD_iter >= 0 and "
                                     "min_compression_rate >= 0")
+        if not orthogonalization_epsilon >= 0 or int(compression_stats_logging_frequency) < 1:
+            raise InvalidValueError(f"powersgd: orthogonalization_epsilon >= 0 and compression_stats_logging_frequency "
+                                    f">= 1 (got {orthogonalization_epsilon!r}, {compression_stats_logging_frequency!r})")
+        #: torch's keywords, accepted so that a ``PowerSGDState`` moves over by name (see the module doc)
+        self.orthogonalization_epsilon = float(orthogonalization_epsilon)
+        self.batch_tensors_with_same_shape = bool(batch_tensors_with_same_shape)
+        self.compression_stats_logging_frequency = int(compression_stats_logging_frequency)
         self.matrix_approximation_rank = int(matrix_approximation_rank)
         self.start_powerSGD_iter = int(start_powerSGD_iter)
         self.min_compression_rate = float(min_compression_rate)

@@ -26,8 +26,9 @@ from ..payload import Payload, check_sum_finite
 
 NONFINITE = ("raise", "pass")
 
-_HELP = ("pass nonfinite='pass' to let NaN/Inf through as DDP does, or find the cause "
-         "(learning rate, loss scaling, torch.autograd.set_detect_anomaly)")
+_HELP = ("a diverging model is the usual cause: lower the learning rate (opt.step_size_hint.lr(lr) is what "
+         "theory allows a compressed method if lr suits uncompressed training), check loss scaling, or find the "
+         "first NaN with torch.autograd.set_detect_anomaly; nonfinite='pass' lets NaN/Inf through as DDP does")
 
 
 class NonFiniteRule:
