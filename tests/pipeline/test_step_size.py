@@ -107,3 +107,30 @@ def test_the_warning_quotes_the_users_lr_not_a_parameter_groups():
     assert f"if lr=0.5 suits uncompressed training, use lr <= {h.lr(0.5):.3g} (opt.step_size_hint.lr(0.5))" in w[0]
     assert f"or lr <= {h.lr(0.5, 'iid'):.3g} by the i.i.d.-data rule" in w[0]
     assert "parameter groups at lr=20 scale by the same factor" in w[0] and "if lr=20" not in w[0]
+
+
+def _diverged(ctx, transport_kwargs):
+    with ctx.seeded(0):
+        model = nn.Linear(32, 4)
+    opt = sc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), compressor="qsgd",
+                                  transport="allgather", transport_kwargs=transport_kwargs)
+    model(torch.ones(2, 32)).sum().backward()
+    if ctx.rank == 0:
+        model.weight.grad[0, 0] = float("nan")
+    try:
+        opt.step()
+    except sc.errors.NonFiniteError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("transport_kwargs", [None, {"nonfinite": "pass"}], ids=["transport", "pipeline"])
+def test_a_divergence_advises_a_smaller_learning_rate_before_letting_nan_through(transport_kwargs):
+    """The transport's check and the pipeline's: the same advice on every worker, the learning rate
+    (``opt.step_size_hint``) first, ``nonfinite='pass'`` last."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", StepSizeWarning)
+        msgs = sc.launch(functools.partial(_diverged, transport_kwargs=transport_kwargs), world_size=2, backend="sim")
+    for m in msgs:
+        assert m is not None and "lower the learning rate" in m and "opt.step_size_hint" in m, m
+        assert m.index("learning rate") < m.index("nonfinite='pass'"), m
