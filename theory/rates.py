@@ -350,7 +350,7 @@ def step_scale(method: str, *, omega: float | None = None, delta: float | None =
     n independent C in U(omega) of the same g average to an estimate with E||.||^2 = (1 + omega/n)||g||^2,
     and the descent lemma f(x - gamma ghat) <= f(x) - gamma ||g||^2 + (L gamma^2/2)(1 + omega/n)||g||^2
     has its largest guaranteed decrease at gamma L = 1/(1 + omega/n) (DIANA's shifts only remove
-    variance). It is 3x (DCGD) to 6x (DIANA) larger than the worst case when omega/n is large; it is no
+    variance). It is up to 2x (DCGD) and 6x (DIANA) larger than the worst case when omega/n is large; it is no
     guarantee on heterogeneous data. "ef21" has no such rule (its worst-case step is returned).
 
     ``omega``: the per-worker variance constant of an unbiased compressor, ``delta``: the contraction

@@ -98,8 +98,9 @@ class PowerSGD(Method):
             raise InvalidValueError("powersgd: matrix_approximation_rank >= 1, start_powerSGD_iter >= 0 and "
                                     "min_compression_rate >= 0")
         if not orthogonalization_epsilon >= 0 or int(compression_stats_logging_frequency) < 1:
-            raise InvalidValueError(f"powersgd: orthogonalization_epsilon >= 0 and compression_stats_logging_frequency "
-                                    f">= 1 (got {orthogonalization_epsilon!r}, {compression_stats_logging_frequency!r})")
+            raise InvalidValueError(f"powersgd: orthogonalization_epsilon >= 0 and "
+                                    f"compression_stats_logging_frequency >= 1 (got {orthogonalization_epsilon!r}, "
+                                    f"{compression_stats_logging_frequency!r})")
         #: torch's keywords, accepted so that a ``PowerSGDState`` moves over by name (see the module doc)
         self.orthogonalization_epsilon = float(orthogonalization_epsilon)
         self.batch_tensors_with_same_shape = bool(batch_tensors_with_same_shape)

@@ -16,7 +16,7 @@ rules (:func:`~sparsecomm.theory.rates.step_scale`): the theorems' **worst case*
 ``hint.lr(base)``: any data split; the default, and what the warning's threshold uses) and the
 **i.i.d.-data rule** 1/(1 + omega/n) (``hint.iid_scale``, ``hint.lr(base, rule="iid")``: every worker's
 gradient estimates the same full gradient, as in data-parallel training on shuffled shards; derived, no
-guarantee on heterogeneous data), which is 3x (DCGD) to 6x (DIANA) larger when omega/n is large: the
+guarantee on heterogeneous data), up to 2x (DCGD) and 6x (DIANA) larger when omega/n is large: the
 worst case is safe but slow, start from the i.i.d. rule and tune. The
 warning is given for the methods whose step bound carries the variance factor (DIANA, and method
 ``"none"`` around an unbiased compressor: DCGD), when the scale is below :data:`WARN_BELOW`, i.e.

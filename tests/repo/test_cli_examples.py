@@ -23,7 +23,7 @@ def documented_commands() -> list[list[str]]:
     ``--list`` and ``--out`` dropped)."""
     from experiments import convergence
 
-    texts = [convergence.__doc__, (ROOT / "docs" / "theory.md").read_text()]
+    texts = [convergence.__doc__, (ROOT / "docs/theory.md").read_text()]
     out = []
     for text in texts:
         joined = text.replace("\\\n", " ")
