@@ -1,11 +1,11 @@
-"""Ablation grids: compressor x method x transport x workers x block size x density, resumable.
+"""Ablation grids: compressor x method x transport x workers x block size x ratio, resumable.
 
 A grid comes from a small YAML file (``experiments/ablation.yaml`` is an example) and/or command-line
 lists (which override the file's)::
 
     python -m experiments.ablation --config experiments/ablation.yaml
     python -m experiments.ablation --task digits-mlp --compressor identity topk --method none ef \\
-        --transport ring omnireduce allgather --workers 2 4 8 --block-size 64 256 --density 0.01 0.1 \\
+        --transport ring omnireduce allgather --workers 2 4 8 --block-size 64 256 --ratio 0.01 0.1 \\
         --steps 40 --target-acc 0.9 --skip-incompatible
     python -m experiments.ablation --config experiments/ablation.yaml --dry-run   # validate, list cells
 
@@ -14,9 +14,10 @@ Axes:
 - ``compressor``, ``method``, ``transport``: registered names (``--list`` shows them);
 - ``workers``: simulated workers;
 - ``block_size``: OmniReduce's block size (given to every transport that takes ``block_size``) and the
-  block of the gradient-density measurement; for other transports the axis collapses to its first value;
-- ``density``: the kept fraction ``ratio`` of sparsifying compressors (top-k, rand-k); for compressors
-  without ``ratio`` the axis collapses (no duplicate runs);
+  block of the block-density measurement; for other transports the axis collapses to its first value;
+- ``ratio``: the kept fraction of sparsifying compressors (top-k, rand-k: their ``ratio``); for compressors
+  without ``ratio`` the axis collapses (no duplicate runs). ``density`` (``--density``) is an alias of it
+  (earlier files; "block density" is another quantity: the fraction of non-zero blocks);
 - ``method`` around the ``identity`` compressor: ``ef``, ``ef21`` and ``diana`` have nothing to correct
   (the identity's error is zero) and train as ``none`` does, up to floating-point rounding: those cells
   collapse to ``none``.
@@ -46,9 +47,11 @@ import sparsecomm as sc
 from .common import cli, plots, report, tracking, train
 from .common import config as C
 
-AXES = ("compressor", "method", "transport", "workers", "block_size", "density")
+AXES = ("compressor", "method", "transport", "workers", "block_size", "ratio")
+#: other names of axes, accepted in files and on the command line
+AXIS_ALIASES = {"density": "ratio"}
 DEFAULTS: dict[str, Any] = {"compressor": ["identity"], "method": ["none"], "transport": ["ring"],
-                            "workers": [8], "block_size": [256], "density": [None]}
+                            "workers": [8], "block_size": [256], "ratio": [None]}
 FIXED = ("task", "steps", "batch_size", "lr", "warmup_steps", "eval_every", "seed", "backend",
          "bandwidth_gbps", "latency_us", "loss")
 #: per-name hyper-parameters: ``compressor_kw: {qsgd: {levels: 8}}`` (same for method_kw, transport_kw)
@@ -78,6 +81,12 @@ def load_spec(path: Path | None) -> dict[str, Any]:
     if unknown:
         raise C.ConfigError(f"{path}: unknown key(s) {', '.join(unknown)}; valid: {', '.join(sorted(SPEC_KEYS))}")
     grid = spec.get("grid") or {}
+    for old, new in AXIS_ALIASES.items():
+        if old in grid:
+            if new in grid:
+                raise C.ConfigError(f"{path}: grid axes {old!r} and {new!r} are one axis ({old!r} is an alias "
+                                    f"of {new!r}); keep {new!r}")
+            grid[new] = grid.pop(old)
     bad = sorted(set(grid) - set(AXES))
     if bad:
         raise C.ConfigError(f"{path}: unknown grid axis {', '.join(bad)}; axes: {', '.join(AXES)}")
@@ -112,6 +121,8 @@ def merge_args(spec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
     for k in ("group", "target_acc"):
         if getattr(args, k) is not None:
             spec[k] = getattr(args, k)
+    if "compressor" in spec["grid"]:  # "none" is the identity's alias (C.COMPRESSOR_ALIASES)
+        spec["grid"]["compressor"] = list(dict.fromkeys(C.compressor_name(n) for n in spec["grid"]["compressor"]))
     spec["skip_incompatible"] = bool(args.skip_incompatible or spec.get("skip_incompatible", False))
     spec["task"] = spec.get("task") or "recsys-zipf"
     spec["group"] = spec.get("group") or f"ablation-{spec['task']}"
@@ -127,7 +138,7 @@ def _kw_for(spec: dict[str, Any], key: str, name: str) -> dict[str, Any]:
 def expand(spec: dict[str, Any]) -> tuple[list[dict], list[dict]]:
     """All distinct cells of the grid, validated: ``(runnable, incompatible)``.
 
-    Each cell is ``{"cfg", "density", "block", "reason"}`` (``density``/``block`` are ``None`` where the
+    Each cell is ``{"cfg", "ratio", "block", "reason"}`` (``ratio``/``block`` are ``None`` where the
     axis does not apply). Unknown names and bad settings raise (``UnknownNameError`` /
     ``ConfigError``); incompatible pairs are returned with the library's message.
     """
@@ -135,13 +146,13 @@ def expand(spec: dict[str, Any]) -> tuple[list[dict], list[dict]]:
     _check_names(spec["task"], grid)
     fixed = {k: spec[k] for k in FIXED if spec.get(k) is not None}
     runnable, incompatible, seen = [], [], set()
-    for comp, meth, trans, workers, block, density in itertools.product(*(grid[a] for a in AXES)):
+    for comp, meth, trans, workers, block, ratio in itertools.product(*(grid[a] for a in AXES)):
         if _no_op_memory(meth, comp):  # the same run as no method at all: collapse it
             meth = "none"
         ckw = _kw_for(spec, "compressor_kw", comp)
-        applies = density is not None and C.accepts(sc.compressors.registry.factory(comp), "ratio")
+        applies = ratio is not None and C.accepts(sc.compressors.registry.factory(comp), "ratio")
         if applies:
-            ckw["ratio"] = density
+            ckw["ratio"] = ratio
         block_applies = C.accepts(sc.transports.registry.factory(trans), "block_size")
         if not block_applies:  # the axis then only sets the density measurement's block: collapse it
             block = grid["block_size"][0]
@@ -151,7 +162,7 @@ def expand(spec: dict[str, Any]) -> tuple[list[dict], list[dict]]:
         if cfg.key() in seen:
             continue
         seen.add(cfg.key())
-        cell = {"density": density if applies else None, "block": int(block) if block_applies else None}
+        cell = {"ratio": ratio if applies else None, "block": int(block) if block_applies else None}
         reason = C.incompatibility(cfg)
         if reason is None:
             runnable.append({**cell, "cfg": C.validate(cfg)})
@@ -184,9 +195,9 @@ def _check_names(task: str, grid: dict[str, list]) -> None:
         for v in grid[axis]:
             if not isinstance(v, int) or v < 1:
                 problems.append(f"{axis} {v!r} (must be a positive integer)")
-    for v in grid["density"]:
+    for v in grid["ratio"]:
         if v is not None and not (isinstance(v, (int, float)) and 0 < v <= 1):
-            problems.append(f"density {v!r} (must be in (0, 1])")
+            problems.append(f"ratio {v!r} (the kept fraction: must be in (0, 1])")
     if problems:
         raise C.ConfigError("unknown or invalid grid value(s): " + "; ".join(problems))
 
@@ -219,11 +230,11 @@ def run_grid(cells: list[dict], spec: dict[str, Any], out: Path, *, progress: bo
         res = train.run(cfg, progress=progress)
         rec = {"key": cfg.key(), "name": name, "series": series_name(c),
                "scheme": cfg.scheme, "transport": cfg.transport, "workers": cfg.workers,
-               "block_size": c["block"], "density": c["density"], "config": cfg.as_dict(),
+               "block_size": c["block"], "ratio": c["ratio"], "config": cfg.as_dict(),
                "summary": res.summary, "initial": res.initial, "records": res.records, "wall_s": res.wall_s}
         tracking.write_csv(out / "cells" / f"{cfg.key()}.csv", res.records, train.STEP_COLUMNS)
         tracking.log_run(res.records, {**res.summary, **targets(res.records, spec.get("target_acc"))},
-                         {**cfg.as_dict(), "density": c["density"], "scheme": cfg.scheme, "cell": cfg.key()},
+                         {**cfg.as_dict(), "ratio": c["ratio"], "scheme": cfg.scheme, "cell": cfg.key()},
                          name=name, group=group, wandb_dir=out, project=project, job_type="ablation",
                          enabled=wandb)
         tracking.append_jsonl(results_path, rec)
@@ -244,16 +255,21 @@ def targets(records: list[dict], target: float | None) -> dict[str, Any]:
             "bytes_to_target": train.cumulative_bytes(records, hit["step"])}
 
 
+def _ratio(r: dict) -> float | None:
+    """A finished cell's kept fraction (``"density"`` in results written before the axis was named ``ratio``)."""
+    return r["ratio"] if "ratio" in r else r.get("density")
+
+
 def summary_table(finished: list[dict], skipped: list[dict], target: float | None) -> str:
     tgt = f"{target:g}" if target is not None else "-"
-    headers = ["cell", "scheme / transport", "workers", "block", "density", "final acc",
+    headers = ["cell", "scheme / transport", "workers", "block", "ratio", "final acc",
                f"steps to {tgt}", f"time to {tgt}", f"bytes to {tgt}", "comm/step", "bytes/step"]
     rows: list[Any] = []
     for r in finished:
         s, t = r["summary"], targets(r["records"], target)
         cell = (r["key"], f"{r['scheme']} / {r['transport']}", r["workers"],
                 "-" if r["block_size"] is None else r["block_size"],
-                "-" if r["density"] is None else f"{r['density']:g}")
+                "-" if _ratio(r) is None else f"{_ratio(r):g}")
         if "diverged" in s:
             rows.append((*cell, f"diverged: {report.first_sentence(s['diverged'], 60)}"))
             continue
@@ -275,12 +291,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--config", type=Path, default=None, help="YAML grid (see experiments/ablation.yaml)")
     g = p.add_argument_group("grid axes (override the file's)")
     g.add_argument("--task", default=None, help="recsys-zipf | digits-mlp | breast-cancer-logreg")
-    g.add_argument("--compressor", nargs="+", default=None)
+    g.add_argument("--compressor", nargs="+", default=None,
+                   help="registered compressors (identity = no compression, alias: none)")
     g.add_argument("--method", nargs="+", default=None)
     g.add_argument("--transport", nargs="+", default=None)
     g.add_argument("--workers", nargs="+", type=int, default=None)
     g.add_argument("--block-size", dest="block_size", nargs="+", type=int, default=None)
-    g.add_argument("--density", nargs="+", type=float, default=None, help="kept fraction (ratio) of sparsifiers")
+    g.add_argument("--ratio", "--density", dest="ratio", nargs="+", type=float, default=None,
+                   help="kept fraction of sparsifiers (top-k, rand-k: their ratio); --density is an alias")
     g.add_argument("--target-acc", type=float, default=None, help="accuracy of time-/bytes-to-accuracy")
     g.add_argument("--skip-incompatible", action="store_true",
                    help="skip (and report) compressor x transport pairs the library rejects")
@@ -327,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
                for r in finished if r["records"]]
     if plotted:
         print(f"plot: {plots.save(plots.ablation_figure(plotted, target), out / 'ablation.png')}")
-    print(tracking.sync_hint(out))
+    tracking.print_sync_hint(out, enabled=not args.no_wandb)
     return 0
 
 

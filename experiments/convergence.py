@@ -11,10 +11,11 @@ Examples::
     python -m experiments.convergence --task breast-cancer-logreg --compressor randk --ratio 0.1 \\
         --method diana --transport switch
 
-    # real processes (torch.distributed, gloo) ...
-    python -m experiments.convergence --backend gloo --workers 4 --compressor qsgd --transport allgather
+    # real processes (torch.distributed, gloo) ...; QSGD's variance (omega ~ 57 at 4 levels) needs a smaller
+    # step than the task's uncompressed --lr 0.5 (which diverges with it): --lr 0.1
+    python -m experiments.convergence --backend gloo --workers 4 --compressor qsgd --transport allgather --lr 0.1
     # ... or under torchrun (one process per worker; only rank 0 writes results)
-    torchrun --nproc-per-node 4 -m experiments.convergence --compressor qsgd --transport allgather
+    torchrun --nproc-per-node 4 -m experiments.convergence --compressor qsgd --transport allgather --lr 0.1
 
     python -m experiments.convergence --list     # every task, compressor, method and transport
 
@@ -28,7 +29,12 @@ and accuracy vs step and held-out loss vs communication time. ``--seed`` fixes d
 initialisation and compressor randomness: two runs with the same arguments give the same numbers.
 
 An unknown name or a pair the library cannot run (e.g. top-k's sparse payload on ``ring``) stops
-before anything runs, with the library's message.
+before anything runs, with the library's message. ``--lr`` defaults to the task's learning rate, tuned
+for uncompressed training; an unbiased compressor (QSGD, rand-k) without memory may need a smaller one:
+the start-up warning and a diverged run say what theory allows at the ``--lr`` given (the worst case
+and the i.i.d.-data rule, ``opt.step_size_hint``). A run that diverges keeps the steps before it in the
+CSV and exits with status 1. Progress bars are drawn only on a terminal; the last line on stdout is
+``final key=value ...`` (training and held-out loss, accuracy, bytes per step, ...).
 """
 
 from __future__ import annotations
@@ -50,8 +56,9 @@ def parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("what to run")
     g.add_argument("--task", default="recsys-zipf", help="recsys-zipf | digits-mlp | breast-cancer-logreg")
     g.add_argument("--compressor", default="identity",
-                   help="a registered compressor (identity = no compression; see --list)")
-    g.add_argument("--ratio", type=float, default=None, help="kept fraction for sparsifiers (top-k, rand-k)")
+                   help="a registered compressor (identity = no compression, alias: none; see --list)")
+    g.add_argument("--ratio", type=float, default=None,
+                   help="kept fraction of sparsifiers (top-k, rand-k: their ratio)")
     g.add_argument("--method", default="none", help="none | ef | ef21 | diana")
     g.add_argument("--transport", default="ring", help="ring | omnireduce | switch | allgather | native")
     g.add_argument("--block-size", type=int, default=256,
@@ -117,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
                      job_type="convergence", enabled=not args.no_wandb)
     s = result.summary
     if "diverged" in s:
-        print(f"the run diverged: {s['diverged']}")
+        print(f"the run diverged {s['diverged']}")
+        print(lr_advice(cfg.lr, result.step_size_hint))
+        print(f"per-step CSV (the steps before it): {csv_path}")
         return 1
     where = (f"SimFabric, {cfg.bandwidth_gbps:g} Gbps" if cfg.backend == "sim" else cfg.backend)
     png = plots.save(plots.convergence_figure(result.records, result.initial, modelled=cfg.backend == "sim",
@@ -128,8 +137,20 @@ def main(argv: list[str] | None = None) -> int:
           f"(union {s['block_density_union']:.3f}); modelled comm. {s['modelled_comm_per_step_s'] * 1e6:.1f} "
           f"us/step, measured {s['measured_comm_per_step_s'] * 1e3:.2f} ms/step; {result.wall_s:.1f} s wall")
     print(f"per-step CSV: {csv_path}; plot: {png}")
-    print(tracking.sync_hint(out))
+    tracking.print_sync_hint(out, enabled=not args.no_wandb)
+    print(tracking.metrics_line(s))
     return 0
+
+
+def lr_advice(lr: float, hint: dict | None) -> str:
+    """What to try after a divergence at ``--lr lr``: a smaller ``--lr``, with what theory allows
+    (``hint``: :attr:`train.RunResult.step_size_hint`) if ``lr`` suits uncompressed training."""
+    if not hint or hint.get("scale") is None:
+        return f"try a smaller --lr than {lr:g} (theory gives no step bound for this method: opt.step_size_hint)"
+    iid = (f", or --lr {lr * hint['iid_scale']:.3g} by the i.i.d.-data rule"
+           if hint.get("iid_scale") is not None else "")
+    return (f"try a smaller --lr: if --lr {lr:g} suits uncompressed training, theory allows --lr "
+            f"{lr * hint['scale']:.3g} in the worst case{iid} ({hint['text']}; opt.step_size_hint)")
 
 
 if __name__ == "__main__":

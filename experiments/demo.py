@@ -19,9 +19,10 @@ model (10 and 100 Gbps per worker link, 2 us latency, no loss): training is iden
 (no loss, no timeouts), and the **modelled communication time is the SimFabric's virtual clock**
 (the slowest worker's clock advance per step; compute is not modelled). Bytes and messages come from
 the fabric's ledger (``opt.last_stats``), never from the compressors' declared bits; the table's
-``sent/declared`` column is the ledger over what the declared bits would cost on that transport
-(``compression_stats()["sent_over_declared"]``: 1.00x where the wire carries the declared bits, more
-where a transport forms sums on the wire or ships whole blocks, docs/transports.md, "Bytes on the wire").
+``compression factor`` column is the one the library reports, measured on the wire
+(``compression_stats()["compression_factor_sent"]``: the bytes uncompressed gradients would cost on that
+transport over the bytes sent; below 1x where a transport ships more than the dense gradient, e.g. whole
+blocks or every worker's payload; docs/transports.md, "Bytes on the wire").
 
 Output: a progress bar per run, a table per task, ``demo.png`` (held-out loss vs training step, with a
 scheme's coinciding transports drawn once, and vs modelled time; bytes per step; modelled time per step at
@@ -129,24 +130,16 @@ def plan(tasks_: tuple[str, ...], schemes: tuple[Scheme, ...], transports: tuple
 
 def run_cells(cells: list[Cell], bandwidths: tuple[float, ...], *, progress: bool) -> None:
     todo = [c for c in cells if c.cfg is not None]
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(todo) * len(bandwidths), desc="demo", unit="run", dynamic_ncols=True)
+    bar = tracking.progress(desc="demo", total=len(todo) * len(bandwidths), enabled=progress, unit="run")
     for c in todo:
         for bw in bandwidths:
-            if bar is not None:
-                bar.set_description(f"demo: {c.task} | {c.scheme.name} / {c.transport} @ {bw:g} Gbps")
+            bar.set_description(f"demo: {c.task} | {c.scheme.name} / {c.transport} @ {bw:g} Gbps")
             c.results[bw] = train.run(replace(c.cfg, bandwidth_gbps=bw), progress=progress)
-            if bar is not None:
-                bar.update(1)
+            bar.update(1)
             if c.diverged:  # training does not depend on the bandwidth
-                if bar is not None:
-                    bar.update(len(bandwidths) - len(c.results))
+                bar.update(len(bandwidths) - len(c.results))
                 break
-    if bar is not None:
-        bar.close()
+    bar.close()
 
 
 def merged_records(c: Cell, bandwidths: tuple[float, ...]) -> list[dict[str, Any]]:
@@ -187,17 +180,16 @@ def comm_per_step(c: Cell, bw: float) -> float:
     return c.results[bw].summary["modelled_comm_per_step_s"]
 
 
-def _sent_over_declared(s: dict) -> str:
-    """The ledger's bytes over what the compressor's declared bits would cost on this transport
-    (``compression_stats()["sent_over_declared"]``): ~1.00x where the wire carries the declared bits."""
-    v = s.get("sent_over_declared", float("nan"))
-    return f"{v:.2f}x" if v == v else "-"
+def _compression_factor(s: dict) -> str:
+    """The compression factor measured on the wire (``compression_stats()["compression_factor_sent"]``)."""
+    v = s.get("compression_factor_sent", float("nan"))
+    return f"{v:.3g}x" if v == v else "-"
 
 
 def print_tables(cells: list[Cell], bandwidths: tuple[float, ...]) -> str:
     lo, hi = bandwidths[0], bandwidths[-1]
     headers = ["scheme", "transport", "final loss", "accuracy", "bytes/worker/step",
-               "sent/declared", "block density (worker/union)", f"comm/step @{lo:g}G", f"@{hi:g}G",
+               "compression factor", "block density (worker/union)", f"comm/step @{lo:g}G", f"@{hi:g}G",
                f"speed-up @{lo:g}G", f"@{hi:g}G"]
     out = []
     notes: list[str] = []
@@ -223,7 +215,7 @@ def print_tables(cells: list[Cell], bandwidths: tuple[float, ...]) -> str:
                 speed.append(f"{ref / mine:.2f}x" if mine > 0 else "-")
             rows.append((c.scheme.name, c.transport, report.fmt_num(s["final_test_loss"]),
                          report.fmt_num(s["final_test_acc"]), report.fmt_bytes(s["bytes_per_step"]),
-                         _sent_over_declared(s),
+                         _compression_factor(s),
                          f"{s['block_density']:.3f} / {s['block_density_union']:.3f}",
                          report.fmt_time(comm_per_step(c, lo)), report.fmt_time(comm_per_step(c, hi)),
                          speed[0], speed[1]))
@@ -297,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.copyfile(png, DOCS / "demo.png")
     print(f"\nplot: {png}" + (f" (copied to {DOCS / 'demo.png'})" if args.docs else ""))
     print(f"per-step CSVs: {out / 'csv'}; summary: {out / 'summary.csv'}")
-    print(tracking.sync_hint(out))
+    tracking.print_sync_hint(out, enabled=not args.no_wandb)
     print(f"total time: {time.perf_counter() - t0:.0f} s")
     return 0
 

@@ -310,7 +310,8 @@ class DistributedOptimizer:
                       if b.compress]
         self._sc_step_hint = step_size.hint(self.method, self._sc_pipeline.world_size, compressed)
         if self._sc_pipeline.rank == 0:
-            step_size.check(self.step_size_hint, [g.get("lr") for g in self.param_groups], "opt.step_size_hint")
+            step_size.check(self.step_size_hint, [g.get("lr") for g in self.param_groups], "opt.step_size_hint",
+                            base=optimizer.defaults.get("lr"))
         agree(self._sc_pipeline.fabric, "DistributedOptimizer", self._sc_pipeline.settings() + [
             ("bucket_cap_mb", repr(float(bucket_cap_mb))), ("min_compress_size", repr(int(min_compress_size))),
             ("init_sync", repr(init_sync)), ("verify_replicas_every", repr(self._sc_verify_every))])

@@ -24,6 +24,14 @@ from . import tasks
 
 #: ``sim``: threads over a SimFabric (modelled network); ``gloo``: torch.distributed processes
 BACKENDS = ("sim", "gloo")
+#: other names of compressors on the command line: ``none`` (Python's flat ``compressor="none"``, plain
+#: averaging) is the ``identity`` compressor, the one name the studies print and record
+COMPRESSOR_ALIASES = {"none": "identity"}
+
+
+def compressor_name(name: str) -> str:
+    """The compressor's one name (:data:`COMPRESSOR_ALIASES` resolved)."""
+    return COMPRESSOR_ALIASES.get(name, name) if isinstance(name, str) else name
 
 
 @dataclass
@@ -53,9 +61,11 @@ class RunConfig:
 
     # ----------------------------------------------------------------- derived
     def resolved(self) -> "RunConfig":
-        """A copy with the task's defaults filled in for ``steps``, ``batch_size`` and ``lr``."""
+        """A copy with the task's defaults filled in for ``steps``, ``batch_size`` and ``lr`` (and the
+        compressor's alias resolved: :data:`COMPRESSOR_ALIASES`)."""
         t = tasks.registry.factory(self.task)
-        return replace(self, steps=self.steps if self.steps is not None else t.steps,
+        return replace(self, compressor=compressor_name(self.compressor),
+                       steps=self.steps if self.steps is not None else t.steps,
                        batch_size=self.batch_size if self.batch_size is not None else t.batch_size,
                        lr=self.lr if self.lr is not None else t.lr)
 

@@ -66,12 +66,17 @@ def log_run(records: list[dict[str, Any]], summary: dict[str, Any], config: dict
 def progress(iterable: Iterable | None = None, *, desc: str, total: int | None = None, enabled: bool = True,
              unit: str = "it", leave: bool = True):
     """A tqdm progress bar on stderr over ``iterable`` (or a manual one, ``.update()``, when it is
-    ``None``); a silent stand-in with the same ``update``/``close``/``set_postfix_str`` when
-    ``enabled`` is false (``--no-progress``)."""
+    ``None``), drawn only when stderr is a terminal: redirected to a file or a pipe (a batch job, a CI
+    log) it draws nothing, as with ``enabled`` false (``--no-progress``); the stand-in keeps
+    ``update``/``close``/``set_postfix_str``."""
+    import sys
+
     from tqdm.auto import tqdm
 
-    return tqdm(iterable, desc=desc, total=total, unit=unit, leave=leave, dynamic_ncols=True,
-                disable=not enabled)
+    err = sys.stderr
+    on_terminal = bool(getattr(err, "isatty", None) and err.isatty())
+    return tqdm(iterable, desc=desc, total=total, unit=unit, leave=leave, dynamic_ncols=True, file=err,
+                disable=not (enabled and on_terminal))
 
 
 def _loggable(v: Any) -> bool:
@@ -127,9 +132,29 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
-def sync_hint(wandb_dir: Path) -> str:
-    """How to upload offline runs."""
+def sync_hint(wandb_dir: Path, enabled: bool = True) -> str | None:
+    """How to upload offline runs; ``None`` (print nothing) with ``--no-wandb`` (``enabled`` false)."""
+    if not enabled:
+        return None
     if wandb_mode() == "disabled":
         return "wandb is disabled (WANDB_MODE=disabled): no runs were written."
     return (f"wandb runs ({wandb_mode()}) are in {Path(wandb_dir) / 'wandb'}; upload them with:\n"
             f"    wandb sync {Path(wandb_dir) / 'wandb'}/offline-run-*")
+
+
+def print_sync_hint(wandb_dir: Path, enabled: bool = True) -> None:
+    """Print :func:`sync_hint` (nothing with ``--no-wandb``)."""
+    hint = sync_hint(wandb_dir, enabled)
+    if hint:
+        print(hint)
+
+
+def metrics_line(summary: dict[str, Any]) -> str:
+    """The one line a study ends with on stdout, ``key=value`` pairs a script can parse:
+    ``final train_loss=0.6328 test_loss=0.6271 test_acc=0.6470 bytes_per_step=77727 ...``."""
+    keys = (("train_loss", "final_train_loss", ".4f"), ("test_loss", "final_test_loss", ".4f"),
+            ("test_acc", "final_test_acc", ".4f"), ("bytes_per_step", "bytes_per_step", ".0f"),
+            ("compression_factor_sent", "compression_factor_sent", ".3g"),
+            ("modelled_comm_per_step_s", "modelled_comm_per_step_s", ".3g"))
+    parts = [f"{name}={summary[k]:{fmt}}" for name, k, fmt in keys if isinstance(summary.get(k), (int, float))]
+    return "final " + " ".join(parts)

@@ -37,7 +37,7 @@ import torch
 import sparsecomm as sc
 from sparsecomm.errors import NonFiniteError
 
-from . import tasks
+from . import tasks, tracking
 from .config import RunConfig
 
 STEP_COLUMNS = ["step", "loss", "test_loss", "test_acc", "grad_norm", "block_density",
@@ -53,6 +53,9 @@ class RunResult:
     wall_s: float
     #: the held-out evaluation before training (``step`` 0, ``modelled_time_s`` 0)
     initial: dict[str, Any] = field(default_factory=dict)
+    #: what theory allows (``opt.step_size_hint``): ``text``, and ``scale`` / ``iid_scale``, the factors on a
+    #: learning rate that suits uncompressed training (``None`` where theory gives none)
+    step_size_hint: dict[str, Any] | None = None
 
 
 _task_lock = threading.Lock()
@@ -79,12 +82,10 @@ def _worker(cfg: RunConfig, progress: bool, ctx) -> dict[str, Any]:
                                   **cfg.compressor_kw, **cfg.method_kw)
     params = [p for g in inner.param_groups for p in g["params"]]
     rank, n = ctx.rank, ctx.world_size
-    bar = None
-    if progress and rank == 0:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=cfg.steps, desc=f"  {cfg.label}", leave=False, unit="step", dynamic_ncols=True)
+    bar = tracking.progress(desc=f"  {cfg.label}", total=cfg.steps, enabled=progress and rank == 0,
+                            unit="step", leave=False)
     rows, masks = [], []
+    diverged = None
     initial = {}
     if rank == 0:
         loss0, acc0 = task.evaluate(model)
@@ -111,15 +112,18 @@ def _worker(cfg: RunConfig, progress: bool, ctx) -> dict[str, Any]:
             if rank == 0 and (step % cfg.eval_every == 0 or step == cfg.steps):
                 row["test_loss"], row["test_acc"] = task.evaluate(model)
             rows.append(row)
-            if bar is not None:
-                bar.update(1)
-                if "test_acc" in row:
-                    bar.set_postfix(loss=f"{row['test_loss']:.3f}", acc=f"{row['test_acc']:.3f}")
+            bar.update(1)
+            if "test_acc" in row:
+                bar.set_postfix_str(f"loss={row['test_loss']:.3f}, acc={row['test_acc']:.3f}")
+    except NonFiniteError as e:  # raised alike on every worker: keep the steps before it
+        diverged = f"at step {len(rows) + 1}: {str(e).splitlines()[0]}"
     finally:
-        if bar is not None:
-            bar.close()
-    return {"rank": rank, "rows": rows, "masks": masks, "nblocks": int(mask.numel()), "initial": initial,
-            "compression": opt.compression_stats()}
+        bar.close()
+    h = opt.step_size_hint
+    return {"rank": rank, "rows": rows, "masks": masks,
+            "nblocks": int(mask.numel()) if rows else 0, "initial": initial,
+            "compression": opt.compression_stats(), "diverged": diverged,
+            "step_size_hint": {"text": str(h), "scale": h.scale, "iid_scale": h.iid_scale}}
 
 
 def services_for(cfg: RunConfig, workers: int | None = None) -> list[str]:
@@ -140,8 +144,9 @@ def services_for(cfg: RunConfig, workers: int | None = None) -> list[str]:
 def run(cfg: RunConfig, *, progress: bool = False) -> RunResult:
     """Train ``cfg`` (validated and resolved by the caller) and aggregate the per-rank records.
 
-    A run whose model diverges (a compressor or transport refuses NaN/Inf) returns no records and a
-    summary ``{"diverged": <the library's message>}``.
+    A run whose model diverges (a compressor or transport refuses NaN/Inf, on every worker alike) returns
+    the records of the steps before it and ``"diverged"`` (the step and the library's message) in its
+    summary; :attr:`RunResult.step_size_hint` is what theory allows.
     """
     fn = functools.partial(_worker, cfg, progress)
     t0 = time.perf_counter()
@@ -156,9 +161,13 @@ def run(cfg: RunConfig, *, progress: bool = False) -> RunResult:
         return RunResult(cfg, [], {"diverged": str(e).splitlines()[0]}, time.perf_counter() - t0)
     wall = time.perf_counter() - t0
     per_rank = [r for r in per_rank if r is not None]
-    records = aggregate(per_rank)
+    diverged = next((r["diverged"] for r in per_rank if r.get("diverged")), None)
+    records = aggregate(per_rank) if per_rank and per_rank[0]["rows"] else []
     initial = next((r["initial"] for r in per_rank if r["rank"] == 0), {})
-    return RunResult(cfg, records, summarize(records, per_rank), wall, initial)
+    summary = summarize(records, per_rank) if records else {}
+    if diverged:
+        summary["diverged"] = diverged
+    return RunResult(cfg, records, summary, wall, initial, per_rank[0]["step_size_hint"] if per_rank else None)
 
 
 def aggregate(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -102,11 +102,15 @@ def dgc(ratio: float = th.DGC_RATIO, *, momentum: float = th.DGC_MOMENTUM,
 def powersgd(matrix_approximation_rank: int = 1, *, start_powerSGD_iter: int = 0,
              min_compression_rate: float = 2.0, use_error_feedback: bool = True, warm_start: bool = True,
              rank: int | None = None, start_iter: int | None = None,
-             error_feedback: bool | None = None) -> PowerSGD:
+             error_feedback: bool | None = None, orthogonalization_epsilon: float = 0.0,
+             batch_tensors_with_same_shape: bool = False,
+             compression_stats_logging_frequency: int = 10_000, random_seed: int | None = None) -> PowerSGD:
     """PowerSGD (two rounds per step) with the keywords of torch's ``PowerSGDState``, so that
     ``powerSGD_hook`` moves over by name: ``matrix_approximation_rank``, ``start_powerSGD_iter`` (the
     frontend's steps ``0 .. start_powerSGD_iter - 1`` are averaged uncompressed), ``min_compression_rate``,
-    ``use_error_feedback``, ``warm_start``. ``rank``, ``start_iter`` and ``error_feedback`` are
+    ``use_error_feedback``, ``warm_start``, ``orthogonalization_epsilon``, ``batch_tensors_with_same_shape``,
+    ``compression_stats_logging_frequency`` (these three change no number), ``random_seed`` (the starting Qs
+    as torch's hook draws them; without it the frontend's ``seed=``: :mod:`sparsecomm.methods.powersgd`). ``rank``, ``start_iter`` and ``error_feedback`` are
     deprecated aliases (a :class:`FutureWarning`; ``rank`` read as the process rank)."""
     values = {"matrix_approximation_rank": matrix_approximation_rank, "start_powerSGD_iter": start_powerSGD_iter,
               "use_error_feedback": use_error_feedback}
@@ -121,7 +125,11 @@ def powersgd(matrix_approximation_rank: int = 1, *, start_powerSGD_iter: int = 0
                                       f"deprecated name of {new}: pass {new} only")
         warn_renamed(f"powersgd's {old}=", f"{new}=")
         values[new] = alias
-    return PowerSGD(**values, min_compression_rate=min_compression_rate, warm_start=warm_start)
+    return PowerSGD(**values, min_compression_rate=min_compression_rate, warm_start=warm_start,
+                    orthogonalization_epsilon=orthogonalization_epsilon,
+                    batch_tensors_with_same_shape=batch_tensors_with_same_shape,
+                    compression_stats_logging_frequency=compression_stats_logging_frequency,
+                    random_seed=random_seed)
 
 
 def signsgd() -> SignSGD:

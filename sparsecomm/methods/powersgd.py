@@ -16,8 +16,24 @@ every worker (``shared_randomness``), matrix by matrix in torch's order, bucket 
 this method and ``powerSGD_hook`` follow the same trajectory to float rounding
 (tests/methods/test_methods_powersgd.py). The keywords are torch's ``PowerSGDState``'s
 (``matrix_approximation_rank``, ``start_powerSGD_iter``, ``min_compression_rate``,
-``use_error_feedback``, ``warm_start``), so moving from ``powerSGD_hook`` to
-``sparsecomm.ddp.register(model, compressor="powersgd", ...)`` keeps them. ``start_powerSGD_iter``:
+``use_error_feedback``, ``warm_start``, and ``orthogonalization_epsilon``, ``batch_tensors_with_same_shape``,
+``compression_stats_logging_frequency``), so moving from ``powerSGD_hook`` to
+``sparsecomm.ddp.register(model, compressor="powersgd", ...)`` keeps them. Of the last three, none changes
+the numbers here: the reduced QR needs no epsilon (torch adds it to a column's norm only to avoid dividing
+by zero; a zero matrix still gets an orthonormal basis here, and torch agrees to O(epsilon) when it is
+given), the matrices are processed one by one (torch's batching is a speed option), and
+``compression_stats()`` reports the bytes at any time (torch logs them every that many iterations).
+**Parity with torch's hook** (tests/methods/test_methods_powersgd.py): torch draws a fresh Q with
+``torch.manual_seed(state.rng.randint(1_000_000_000))``, ``state.rng = numpy.random.RandomState(random_seed)``;
+this method draws from the generator the pipeline passes, shared by every worker and seeded with the
+frontend's ``seed=`` (the default, ``random_seed=None``). Given torch's ``random_seed``, it draws every
+fresh Q from a generator on the bucket's device seeded with the integer torch's rng draws first,
+``numpy.random.RandomState(random_seed).randint(1_000_000_000)``; on CPU that is torch's draw for a model
+of one bucket with ``warm_start=True`` (torch draws a new integer for each further bucket and, without
+warm start, each step; here they all start from that one). Equivalently, ``seed=`` that integer with
+``random_seed=None`` (how tests/methods/test_methods_powersgd.py pins torch's ``state.rng``). The other
+keywords that change numbers must match too: ``matrix_approximation_rank``, ``start_powerSGD_iter``,
+``min_compression_rate``, ``use_error_feedback``, ``warm_start``. ``start_powerSGD_iter``:
 the steps ``0 .. start_powerSGD_iter - 1`` of the optimizer or the DDP hook are exact rounds (plain
 averaging, error flushed), as torch counts its iterations (the rounds of a
 :class:`~sparsecomm.methods.state.MethodState` count the frontend's steps); the optimizer's and the
@@ -43,6 +59,7 @@ from __future__ import annotations
 
 from dataclasses import InitVar, dataclass
 
+import numpy as np
 import torch
 
 from sparsecomm.theory import compressors as th
@@ -67,17 +84,35 @@ class PowerSGDState:
 
 class PowerSGD(Method):
     """``get("powersgd", matrix_approximation_rank=1, start_powerSGD_iter=0, min_compression_rate=2,
-    use_error_feedback=True, warm_start=True)``: the keywords of torch's ``PowerSGDState``, with the
-    same meaning (see the module doc)."""
+    use_error_feedback=True, warm_start=True, orthogonalization_epsilon=0, batch_tensors_with_same_shape=False,
+    compression_stats_logging_frequency=10000, random_seed=None)``: the keywords of torch's ``PowerSGDState``,
+    with the same meaning (see the module doc; without ``random_seed`` the frontend's ``seed=`` seeds the Qs)."""
 
     name, uses_shapes, multi_round, State = "powersgd", True, True, PowerSGDState
 
     def __init__(self, matrix_approximation_rank: int = 1, *, start_powerSGD_iter: int = 0,
                  min_compression_rate: float = 2.0, use_error_feedback: bool = True,
-                 warm_start: bool = True) -> None:
+                 warm_start: bool = True, orthogonalization_epsilon: float = 0.0,
+                 batch_tensors_with_same_shape: bool = False,
+                 compression_stats_logging_frequency: int = 10_000, random_seed: int | None = None) -> None:
         if int(matrix_approximation_rank) < 1 or start_powerSGD_iter < 0 or min_compression_rate < 0:
             raise InvalidValueError("powersgd: matrix_approximation_rank >= 1, start_powerSGD_iter >= 0 and "
                                     "min_compression_rate >= 0")
+        if not orthogonalization_epsilon >= 0 or int(compression_stats_logging_frequency) < 1:
+            raise InvalidValueError(f"powersgd: orthogonalization_epsilon >= 0 and "
+                                    f"compression_stats_logging_frequency >= 1 (got {orthogonalization_epsilon!r}, "
+                                    f"{compression_stats_logging_frequency!r})")
+        #: torch's keywords, accepted so that a ``PowerSGDState`` moves over by name (see the module doc)
+        self.orthogonalization_epsilon = float(orthogonalization_epsilon)
+        self.batch_tensors_with_same_shape = bool(batch_tensors_with_same_shape)
+        self.compression_stats_logging_frequency = int(compression_stats_logging_frequency)
+        if random_seed is not None and (isinstance(random_seed, bool) or not isinstance(random_seed, int)
+                                        or not 0 <= random_seed < 2 ** 32):
+            raise InvalidValueError(f"powersgd: random_seed must be an integer in [0, 2**32) or None, "
+                                    f"got {random_seed!r}")
+        self.random_seed = random_seed
+        #: the seed torch's hook draws its first bucket's Qs with, ``RandomState(random_seed).randint(10**9)``
+        self._q_seed = None if random_seed is None else int(np.random.RandomState(random_seed).randint(1_000_000_000))
         self.matrix_approximation_rank = int(matrix_approximation_rank)
         self.start_powerSGD_iter = int(start_powerSGD_iter)
         self.min_compression_rate = float(min_compression_rate)
@@ -85,9 +120,17 @@ class PowerSGD(Method):
         super().__init__(LowRank(self.matrix_approximation_rank))
 
     def hyper(self):
+        seeded = {} if self.random_seed is None else {"random_seed": self.random_seed}
         return {"matrix_approximation_rank": self.matrix_approximation_rank,
                 "start_powerSGD_iter": self.start_powerSGD_iter, "min_compression_rate": self.min_compression_rate,
-                "use_error_feedback": self.use_error_feedback, "warm_start": self.warm_start}
+                "use_error_feedback": self.use_error_feedback, "warm_start": self.warm_start, **seeded}
+
+    def encode(self, grad, state, generator=None, **kw):
+        """:meth:`Method.encode`; with ``random_seed``, fresh Qs come from a generator seeded as torch's hook
+        seeds its first bucket's (see the module doc), not from ``generator``."""
+        if self._q_seed is not None:
+            generator = torch.Generator(device=grad.device).manual_seed(self._q_seed)
+        return super().encode(grad, state, generator, **kw)
 
     def state_sizes(self, shapes):
         """The error is per coordinate; the warm-start ``q`` holds m_j r_j values per compressed

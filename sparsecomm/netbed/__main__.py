@@ -32,6 +32,10 @@ Each host's command runs under ``ip netns exec`` in a session of its own; when o
 are terminated (after ``--grace`` seconds), and on exit, Ctrl-C, SIGTERM or ``--timeout`` every process
 group is killed and the namespaces are removed.
 
+The netbed shapes bandwidth only: latency and loss need the ``netem`` qdisc (or ``prio`` with a filter,
+or nftables), which this kernel lacks, so ``run`` offers neither (``--latency-us`` or ``--loss`` other
+than 0 is refused, naming the SimFabric, which models both: ``--backend sim`` in the studies).
+
 ``python -m sparsecomm.netbed check --gbps G``: the honesty check (round trip shaped vs unshaped, bulk
 rate vs configured). ``python -m sparsecomm.netbed list`` / ``cleanup``: the netbeds on this machine /
 remove those whose owner is gone.
@@ -164,8 +168,10 @@ def main(argv: list[str] | None = None) -> int:
                                    "max(1, cores // hosts) per host unless set)")
     r.add_argument("--hosts", type=int, required=True)
     r.add_argument("--gbps", type=float, default=1.0, help="link rate; 0 = unshaped")
-    r.add_argument("--latency-us", type=float, default=0.0, help="not available (no netem): must be 0")
-    r.add_argument("--loss", type=float, default=0.0, help="not available (no netem): must be 0")
+    # not offered (absent from --help): this kernel has no netem, prio or nftables; given, they are refused
+    # with the reason and the SimFabric alternative (check_shaping)
+    r.add_argument("--latency-us", type=float, default=0.0, help=argparse.SUPPRESS)
+    r.add_argument("--loss", type=float, default=0.0, help=argparse.SUPPRESS)
     r.add_argument("--port", type=int, default=29500, help="MASTER_PORT")
     r.add_argument("--store-port", type=int, default=None,
                    help="port of the rendezvous store on the top of rack, {store_port} (default: --port + 1)")

@@ -112,12 +112,15 @@ def check_privileges() -> None:
 
 
 def check_shaping(latency_us: float = 0.0, loss: float = 0.0) -> None:
-    """Latency and loss would need the ``netem`` qdisc, which these machines lack: refuse them."""
+    """Latency and loss would need the ``netem`` qdisc (or a ``prio`` qdisc with a filter, or nftables to
+    drop packets), which these machines' kernel lacks: refuse them, naming the SimFabric, which models both."""
     if latency_us or loss:
         raise NetbedError(
-            f"the netbed cannot emulate latency_us={latency_us} or loss={loss}: that needs the tc `netem` "
-            f"qdisc (kernel module sch_netem), which is not available on this machine; the netbed shapes "
-            f"bandwidth only (htb). Use latency_us=0, loss=0 on the netbed, or backend='sim' to model them")
+            f"the netbed cannot emulate latency_us={latency_us:g} or loss={loss:g}: this kernel has no tc `netem` "
+            f"qdisc (sch_netem), no `prio` qdisc and no nftables to delay or drop packets, so the netbed shapes "
+            f"bandwidth only (htb) and adds no latency or loss of its own. The SimFabric models both: "
+            f"sc.Network(latency_us=..., loss=...) with backend='sim', or --backend sim --latency-us ... --loss ... "
+            f"in the studies (python -m experiments.convergence)")
 
 
 def _run(cmd: list[str]) -> None:

@@ -35,9 +35,11 @@ from ..payload import Payload, check_sum_finite
 
 NONFINITE = ("raise", "skip", "pass")
 
-_HELP = ("pass nonfinite='skip' to drop such a step on every worker with nothing changed (mixed precision: "
-         "torch.amp.GradScaler), nonfinite='pass' to let NaN/Inf through as DDP does, or find the cause "
-         "(learning rate, loss scaling, torch.autograd.set_detect_anomaly)")
+_HELP = ("a diverging model is the usual cause: lower the learning rate (opt.step_size_hint.lr(lr) is what "
+         "theory allows a compressed method if lr suits uncompressed training), check loss scaling, or find the "
+         "first NaN with torch.autograd.set_detect_anomaly; nonfinite='skip' drops such a step on every worker "
+         "with nothing changed (mixed precision: torch.amp.GradScaler), nonfinite='pass' lets NaN/Inf through "
+         "as DDP does")
 
 
 class NonFiniteRule:

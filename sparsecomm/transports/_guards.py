@@ -25,6 +25,9 @@ import torch
 from ..errors import InvalidValueError, NonFiniteError, OverflowError_
 
 NONFINITE = ("raise", "pass")
+#: the advice of a non-finite sum, before the option that lets NaN/Inf through
+_LR_FIRST = ("a diverging model is the usual cause: lower the learning rate (opt.step_size_hint.lr(lr): what "
+             "theory allows if lr suits uncompressed training)")
 
 
 def nonfinite_option(value: str, transport: str) -> str:
@@ -110,14 +113,14 @@ def guard_finite(fabric, what: str, result: torch.Tensor, local: torch.Tensor | 
         if not flag and got["input_overwritten"][0]:
             raise NonFiniteError(f"{what}: the sum holds NaN or Inf: an input held "
                                  f"NaN/Inf or the sum overflowed {result.dtype} (summed in place, the inputs "
-                                 f"are overwritten); pass nonfinite='pass' to sum them through")
+                                 f"are overwritten); {_LR_FIRST}; nonfinite='pass' sums them through")
     else:
         who = cause()
         flag = int(who >= 0)
     if flag:
         src = f"worker {who}" if who is not None else "a worker"
-        raise NonFiniteError(f"{what}: {src} passed NaN or Inf values; pass "
-                             f"nonfinite='pass' to the transport to sum them through as torch.distributed does")
+        raise NonFiniteError(f"{what}: {src} passed NaN or Inf values; {_LR_FIRST}; nonfinite='pass' "
+                             f"to the transport sums them through as torch.distributed does")
     fi = torch.finfo(result.dtype)
     raise OverflowError_(f"{what}: the sum over workers overflowed {result.dtype} (largest finite value "
                          f"{fi.max:g}) although every worker's input is finite; sum in "

@@ -91,11 +91,17 @@ def test_every_reproduction_shows_progress(name):
     assert uses, f"{name}: no progress bar (R.progress)"
 
 
-def test_run_progress_draws_a_bar_and_no_progress_hides_it(tmp_path, capsys):
+def test_run_progress_draws_a_bar_only_on_a_terminal_and_no_progress_hides_it(tmp_path, capsys, monkeypatch):
+    """A bar on a terminal; none on a redirected stderr (a log file, a pipe), none with --no-progress."""
+    import sys
+
     from experiments.common import reproduce as U
 
     args = argparse.Namespace(out=tmp_path, threads=1, no_progress=False, no_wandb=True, quick=True)
     R = U.Run("reproduce_x", args, {})
+    assert list(R.progress(range(3), desc="points")) == [0, 1, 2]
+    assert capsys.readouterr().err == ""                     # captured stderr is not a terminal
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     assert list(R.progress(range(3), desc="points")) == [0, 1, 2]
     err = capsys.readouterr().err
     assert "reproduce_x: points" in err and "3/3" in err

@@ -353,3 +353,42 @@ def test_state_splits_per_tensor_and_rejoins_onto_another_layout():
     assert torch.equal(join_state(m, [pieces[0], bias], [shapes[0], shapes[1]]).q, st.q[:6])
     with pytest.raises(MismatchError, match="'q'"):
         split_state(m, st, [torch.Size([D])])           # the shapes of another model
+
+
+def test_torchs_other_state_keywords_are_taken_and_change_no_number():
+    """``orthogonalization_epsilon``, ``batch_tensors_with_same_shape`` and
+    ``compression_stats_logging_frequency`` of torch's ``PowerSGDState`` are accepted by name (and checked);
+    the estimate is the same with them as without."""
+    kw = dict(orthogonalization_epsilon=1e-8, batch_tensors_with_same_shape=True,
+              compression_stats_logging_frequency=100)
+    m = sc.methods.get("powersgd", matrix_approximation_rank=2, **kw)
+    assert (m.orthogonalization_epsilon, m.batch_tensors_with_same_shape, m.compression_stats_logging_frequency) \
+        == (1e-8, True, 100)
+    gen = torch.Generator().manual_seed(11)
+    grads = [torch.randn(D, generator=gen, dtype=torch.float64) for _ in range(2)]
+    plain = [Worker(sc.methods.get("powersgd", matrix_approximation_rank=2)) for _ in range(2)]
+    torchy = [Worker(sc.methods.get("powersgd", matrix_approximation_rank=2, **kw)) for _ in range(2)]
+    assert torch.equal(run_step(plain, grads, 3)[0][0], run_step(torchy, grads, 3)[0][0])
+    for bad in (dict(orthogonalization_epsilon=-1.0), dict(compression_stats_logging_frequency=0)):
+        with pytest.raises(sc.errors.InvalidValueError, match="powersgd"):
+            sc.methods.get("powersgd", **bad)
+
+
+def test_random_seed_draws_the_qs_torchs_rng_seeds():
+    """``random_seed=s`` draws the starting Qs from ``RandomState(s).randint(10**9)``, the integer torch's hook
+    seeds its first bucket's Qs with: the same step as passing that integer as the generator's seed, whatever
+    generator the frontend passes; it is a setting every worker must share (in ``hyper()``)."""
+    import numpy as np
+
+    gen = torch.Generator().manual_seed(12)
+    grads = [torch.randn(D, generator=gen, dtype=torch.float64) for _ in range(2)]
+    torch_int = int(np.random.RandomState(7).randint(1_000_000_000))
+    seeded = [Worker(sc.methods.get("powersgd", matrix_approximation_rank=2, random_seed=7)) for _ in range(2)]
+    plain = [Worker(sc.methods.get("powersgd", matrix_approximation_rank=2)) for _ in range(2)]
+    got, ref = run_step(seeded, grads, 123)[0][0], run_step(plain, grads, torch_int)[0][0]
+    assert torch.equal(got, ref)
+    assert not torch.equal(got, run_step([Worker(sc.methods.get("powersgd", matrix_approximation_rank=2))
+                                          for _ in range(2)], grads, 123)[0][0])
+    assert seeded[0].method.hyper()["random_seed"] == 7 and "random_seed" not in plain[0].method.hyper()
+    with pytest.raises(sc.errors.InvalidValueError, match="random_seed"):
+        sc.methods.get("powersgd", random_seed=-1)

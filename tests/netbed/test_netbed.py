@@ -80,6 +80,21 @@ def test_latency_and_loss_are_refused_not_ignored():
         sc.launch(lambda ctx: None, 2, backend="netbed", network=sc.Network(stragglers={0: 2.0}))
 
 
+def test_the_cli_offers_no_latency_or_loss_and_refuses_them_naming_the_simfabric(capsys):
+    """Absent from ``run --help`` (this kernel has no netem, prio or nftables); given, one line on stderr
+    and status 2, before any namespace is made."""
+    from sparsecomm.netbed.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    helptext = capsys.readouterr().out
+    assert "--gbps" in helptext and "--latency-us" not in helptext and "--loss" not in helptext
+    for extra in (["--latency-us", "50"], ["--loss", "0.01"]):
+        assert main(["run", "--hosts", "2", *extra, "--", "true"]) == 2
+        err = capsys.readouterr().err
+        assert "netem" in err and "nftables" in err and "--backend sim" in err, err
+
+
 def test_without_privileges_one_clear_error():
     code = "from sparsecomm.netbed import Netbed\nNetbed(2, 1.0)"
     proc = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all",

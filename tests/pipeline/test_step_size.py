@@ -71,3 +71,67 @@ def test_no_warning_where_theory_has_no_variance_scaled_bound(kw, variance, scal
         assert h.scale == pytest.approx(rates.step_scale("ef21", delta=h.factor)) and h.scale < 0.25
     else:
         assert h.scale == scale
+
+
+def test_iid_rule_is_one_over_one_plus_omega_over_n_and_the_default_is_the_worst_case():
+    """The i.i.d.-data rule 1/(1 + omega/n) next to the theorems' worst case (DIANA 1/(1 + 6 omega/n),
+    DCGD 1/(1 + 2 omega/n)); ``lr(base)`` uses the worst case unless told ``rule="iid"``."""
+    assert rates.step_scale("diana", omega=3.0, n=2, rule="iid") == pytest.approx(1 / 2.5)
+    assert rates.step_scale("dcgd", omega=3.0, n=2, rule="iid") == pytest.approx(1 / 2.5)
+    assert rates.step_scale("ef21", delta=0.25, rule="iid") == rates.step_scale("ef21", delta=0.25)
+    with pytest.raises(sc.errors.InvalidValueError, match="worst-case"):
+        rates.step_scale("diana", omega=3.0, n=2, rule="practical")
+    h, _, _ = _run(compressor="diana", ratio=0.25)
+    assert h.iid_scale == pytest.approx(1 / (1 + h.factor))
+    assert h.iid_scale == pytest.approx(h.scale * (1 + 6 * h.factor) / (1 + h.factor))     # 4.75x the worst case
+    assert h.lr(0.05) == pytest.approx(0.05 * h.scale) and h.lr(0.05, rule="iid") == pytest.approx(0.05 * h.iid_scale)
+    with pytest.raises(sc.errors.InvalidValueError, match="rule"):
+        h.lr(0.05, rule="fast")
+
+
+def _build_groups(ctx):
+    """The recsys task's layout: the user's lr 0.5 on the dense layers, 40x that on the embeddings."""
+    with ctx.seeded(0):
+        emb, dense = nn.Embedding(512, 64), nn.Linear(64, 1)
+    inner = torch.optim.SGD([{"params": emb.parameters(), "lr": 20.0}, {"params": dense.parameters()}], lr=0.5)
+    return sc.DistributedOptimizer(inner, compressor="qsgd", transport="allgather").step_size_hint
+
+
+def test_the_warning_quotes_the_users_lr_not_a_parameter_groups():
+    """The optimizer's own lr (``defaults["lr"]``, what the user set), the value allowed by each rule, and the
+    other groups named to scale alike; never "if lr=20" (the embedding group's internal rate)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        h, _ = sc.launch(_build_groups, world_size=2, backend="sim")
+    w = [str(x.message) for x in caught if issubclass(x.category, StepSizeWarning)]
+    assert len(w) == 1 and h.method == "none" and h.warns
+    assert f"if lr=0.5 suits uncompressed training, use lr <= {h.lr(0.5):.3g} (opt.step_size_hint.lr(0.5))" in w[0]
+    assert f"or lr <= {h.lr(0.5, 'iid'):.3g} by the i.i.d.-data rule" in w[0]
+    assert "parameter groups at lr=20 scale by the same factor" in w[0] and "if lr=20" not in w[0]
+
+
+def _diverged(ctx, transport_kwargs):
+    with ctx.seeded(0):
+        model = nn.Linear(32, 4)
+    opt = sc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), compressor="qsgd",
+                                  transport="allgather", transport_kwargs=transport_kwargs)
+    model(torch.ones(2, 32)).sum().backward()
+    if ctx.rank == 0:
+        model.weight.grad[0, 0] = float("nan")
+    try:
+        opt.step()
+    except sc.errors.NonFiniteError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("transport_kwargs", [None, {"nonfinite": "pass"}], ids=["transport", "pipeline"])
+def test_a_divergence_advises_a_smaller_learning_rate_before_letting_nan_through(transport_kwargs):
+    """The transport's check and the pipeline's: the same advice on every worker, the learning rate
+    (``opt.step_size_hint``) first, ``nonfinite='pass'`` last."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", StepSizeWarning)
+        msgs = sc.launch(functools.partial(_diverged, transport_kwargs=transport_kwargs), world_size=2, backend="sim")
+    for m in msgs:
+        assert m is not None and "lower the learning rate" in m and "opt.step_size_hint" in m, m
+        assert m.index("learning rate") < m.index("nonfinite='pass'"), m

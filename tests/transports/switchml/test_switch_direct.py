@@ -1,4 +1,4 @@
-"""The switch path's session-9 cuts: the switch's port threads wait on their receives themselves
+"""The switch path's direct waits: the switch's port threads wait on their receives themselves
 (``TorchFabric.wait_unbounded``, with the service's main thread watching the end of the run through
 ``wait_for_shutdown(stop)``), and the encoder's range check skipped where no code can leave int32."""
 
