@@ -89,15 +89,15 @@ def test_a_peer_whose_switch_packets_are_corrupted_stops_every_rank_quickly(name
 
 
 # ----------------------------------------------------------------------------- a lying sparse-switch peer
-def _lie(ctx, mode: str):
-    """Worker 1 rewrites its own well-formed packets on the wire: ``hide``: its look-ahead (MIN) packet
+def _lie(ctx, mode: str, liar: int = 1):
+    """Worker ``liar`` rewrites its own well-formed packets on the wire: ``hide``: its look-ahead (MIN) packet
     announces no block in any lane, which it then sends; ``next``: its stream packets announce no next
     block, then it has one; ``step``: its MIN packet claims position 5 (the round is at 0)."""
     from sparsecomm.transports.switchml.sparse import dataplane as sdp
 
     cap_address_space()
     f = ctx.fabric
-    if ctx.rank == 1:
+    if ctx.rank == liar:
         def rw(t, dst, tag):
             if tag != sdp.TAG_UP or t.dtype != torch.int32:
                 return None
@@ -118,15 +118,20 @@ def _lie(ctx, mode: str):
     return outcome(lambda: t.allreduce(x.reshape(-1)))
 
 
-@pytest.mark.parametrize("mode", ["hide", "next", "step"])
-def test_a_sparse_switch_peer_breaking_its_look_ahead_stops_every_rank_quickly(mode):
+@pytest.mark.parametrize("mode, liar", [("hide", 1), ("next", 1), ("step", 1), ("step", 0)])
+def test_a_sparse_switch_peer_breaking_its_look_ahead_stops_every_rank_quickly(mode, liar):
     """A look-ahead the sender then does not keep is a violated invariant: the liar's own check sees the
     agreed lane start (or next position) pass a block it holds; a position out of step is refused by the
-    switch, which tells every worker. Either way every rank stops with ProtocolError, not a stall."""
-    res = sc.launch(functools.partial(_lie, mode=mode), 3, backend="gloo", timeout_s=TIMEOUT,
+    switch, which tells every worker. Either way every rank stops with ProtocolError, not a stall. Out of
+    step, the switch cannot tell whether the refused packet or those that opened the round are the forged
+    ones (the liar's may come first and open it): the error names both sides, so the liar among them."""
+    res = sc.launch(functools.partial(_lie, mode=mode, liar=liar), 3, backend="gloo", timeout_s=TIMEOUT,
                     services=["sparse-switch"])
     assert [o[0] for o in res] == ["ProtocolError"] * 3, res
     assert all(o[2] < BOUND for o in res), res
+    if mode == "step":
+        assert all(f"worker {liar}" in o[1] and "the sender of the wrong packet is unknown" in o[1]
+                   for o in res), res
 
 
 # ----------------------------------------------------------------------------- DDP with a switch service
