@@ -134,6 +134,51 @@ def test_a_sparse_switch_peer_breaking_its_look_ahead_stops_every_rank_quickly(m
                    for o in res), res
 
 
+# ----------------------------------------------------------------------------- a switch that a burst aborts
+def _burst(ctx, name: str, how: str):
+    """After a good call (kernels compiled, connections open), worker 1 sends the switch a message one burst
+    longer than the switch's receive (``RECV_SLACK`` bursts at the switch, one at the sparse switch): gloo
+    aborts the switch's process. ``stream``: the message replaces worker 1's first packet message of the
+    next call; ``direct``: worker 1 sends it on its own, then calls."""
+    from sparsecomm.transports.switchml import dataplane as dp
+    from sparsecomm.transports.switchml.sparse import dataplane as sdp
+
+    cap_address_space()
+    torch.set_num_threads(1)
+    up = dp.TAG_UP if name == "switch" else sdp.TAG_UP
+    armed = []
+
+    def rw(x, dst, tag):
+        if armed and tag == up and x.dtype == torch.int32:
+            m = x.detach().reshape(-1, x.shape[-1])
+            return m.repeat(-(-armed[0] // m.shape[0]), 1)
+    f = CorruptingFabric(ctx.fabric, rw) if ctx.rank == 1 and how == "stream" else ctx.fabric
+    t = sc.transports.get(name, f, pool_size=4)
+    good = t.allreduce(torch.ones(3000)).tolist() == [3.0] * 3000
+    rows = ((dp.RECV_SLACK if name == "switch" else 1) + 1) * t.config.burst
+    if ctx.rank == 1 and how == "direct":
+        head = dp.HEADER if name == "switch" else sdp.HEADER
+        big = torch.zeros((rows, head + t.config.elems), dtype=torch.int32)
+        return good, outcome(lambda: (f.send(big, t.switch, up), t.allreduce(torch.ones(3000))))
+    armed.append(rows)
+    return good, outcome(lambda: t.allreduce(torch.ones(3000)))
+
+
+@pytest.mark.parametrize("name, how", [("switch", "stream"), ("switch", "direct"), ("sparse-switch", "stream"),
+                                       ("sparse-switch", "direct")])
+def test_a_switch_that_a_longer_message_aborts_is_a_failure_of_the_switch_on_every_rank_at_once(name, how):
+    """gloo aborts a process that receives a message longer than its receive: the switch's process dies
+    as under kill -9, and every worker -- the sender of the message too -- gets PeerFailure naming the
+    switch within a second, not at the timeout."""
+    res = sc.launch(functools.partial(_burst, name=name, how=how), 3, backend="gloo", timeout_s=TIMEOUT,
+                    services=[name])
+    assert all(good for good, _ in res), res
+    got = [o for _, o in res]
+    assert [o[0] for o in got] == ["PeerFailure"] * 3, got
+    assert all(f"service {name!r}" in o[1] for o in got), got
+    assert all(o[2] < 1.0 for o in got), [o[2] for o in got]
+
+
 # ----------------------------------------------------------------------------- DDP with a switch service
 def _ddp(ctx):
     from torch import nn
