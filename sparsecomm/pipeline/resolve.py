@@ -33,31 +33,20 @@ def default_fabric(process_group: Any = None) -> Fabric:
     """The fabric of the current :func:`sparsecomm.launch` worker, else a TorchFabric over the default
     process group; the same for ``process_group`` ``None``, the default group or the launch's workers'
     group (``ctx.fabric.native_group``). Any other ``process_group``: a new TorchFabric over that group
-    (``TorchFabric(group=process_group)``), on which every transport without services runs, bounded by the
-    launch's ``timeout_s`` inside :func:`sparsecomm.launch`, else by the group's own timeout
-    (``torch.distributed.new_group(timeout=)``) where it is shorter than TorchFabric's default."""
+    (``TorchFabric(group=process_group)``), on which every transport without services runs, its waits
+    bounded by the launch's ``timeout_s`` inside :func:`sparsecomm.launch` (else TorchFabric's default;
+    pass ``fabric=TorchFabric(group=pg, timeout_s=...)`` to the optimizer for another bound)."""
     ctx = current_context()
     if process_group is not None and process_group is not dist.group.WORLD and (
             ctx is None or process_group is not ctx.fabric.native_group):
-        return TorchFabric(group=process_group, timeout_s=_group_timeout(process_group, ctx))
+        bound = ctx.fabric.timeout_s if ctx is not None else DEFAULT_TIMEOUT_S
+        return TorchFabric(group=process_group, timeout_s=bound)
     if ctx is not None:
         return ctx.fabric
     if dist.is_available() and dist.is_initialized():
         return TorchFabric()
     raise SparseCommError("no fabric: call this inside sc.launch(fn, ...), pass fabric=, or initialise "
                           "torch.distributed first")
-
-
-def _group_timeout(process_group: Any, ctx: Any) -> float:
-    """The wait bound of a new fabric over ``process_group`` (:func:`default_fabric`)."""
-    if ctx is not None:
-        return float(ctx.fabric.timeout_s)
-    try:   # the timeout torch.distributed keeps for the group (no public accessor)
-        dev = torch.device("cuda" if dist.get_backend(process_group) == "nccl" else "cpu")
-        own = process_group._get_backend(dev).options._timeout.total_seconds()
-    except Exception:  # noqa: BLE001 - another torch build: the fabric's default
-        return DEFAULT_TIMEOUT_S
-    return min(float(own), DEFAULT_TIMEOUT_S) if own > 0 else DEFAULT_TIMEOUT_S
 
 
 def _transport_class(name: str) -> Any:
