@@ -195,7 +195,8 @@ class OmniReduce(Transport):
     def allreduce(self, x, *, call=None):
         out = super().allreduce(x, call=call)
         if self.inplace and isinstance(x, torch.Tensor) and out.data_ptr() != x.data_ptr():
-            x.copy_(out)
+            with torch.no_grad():      # the sum is data, as the call's input (Transport.check_input)
+                x.copy_(out)
             return x
         return out
 
