@@ -2,8 +2,9 @@
 
 ``allreduce(x)`` returns, on every worker, the sum over workers of ``x`` (a tensor) or of
 ``x.to_dense()`` (a :class:`~sparsecomm.payload.Payload`), with the shape and dtype of the original
-tensor. The call's :class:`CommStats` (bytes, messages, modelled time on SimFabric) is at
-``last_stats``. A transport never knows which compressor made a payload, only its kind
+tensor (so a ``bool`` tensor, which cannot hold a sum, is refused: :meth:`Transport.check_input`; a
+tensor that requires grad is summed as data). The call's :class:`CommStats` (bytes, messages, modelled
+time on SimFabric) is at ``last_stats``. A transport never knows which compressor made a payload, only its kind
 (``sparsecomm/payload.py``); ``carries`` declares the kinds it can sum. The public surface is
 :meth:`Transport.allreduce`, :meth:`Transport.start` and :meth:`Transport.run` (the call on this thread,
 for code already on the communication thread).

@@ -12,8 +12,6 @@ and the transport stays usable after a refused call.
 
 from __future__ import annotations
 
-import functools
-import time
 
 import pytest
 import torch
