@@ -12,7 +12,6 @@ and the transport stays usable after a refused call.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.distributed as dist
