@@ -66,6 +66,12 @@ class InvalidTypeError(SparseCommError, TypeError):
     """An argument of a type the function does not accept (the message names the accepted types)."""
 
 
+class UnsupportedDtypeError(InvalidTypeError, IncompatibleError):
+    """A tensor of a dtype a transport cannot sum into a result of that dtype (``bool`` on every transport,
+    complex on the block and switch transports): the message names the dtype, the dtypes the transport sums
+    and what to do. Both an :class:`InvalidTypeError` and an :class:`IncompatibleError`."""
+
+
 class HyperParameterError(SparseCommError, TypeError):
     """A keyword argument that the component it was passed to does not take."""
 

@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     else:
         for gbps in [float(x) for x in a.gbps.split(",")]:
             for sw in a.switch.split(","):
-                services = ["switch"] if sw == "yes" else []
+                services = ["switch", "sparse-switch"] if sw == "yes" else []
                 singles = ["ring", "omnireduce", "allgather"] + (["switch", "sparse-switch"] if services else [])
                 launch_kw = {"network": sc.Network(bandwidth_gbps=gbps, latency_us=2.0)}
                 res = run(a.workers, singles, services, a.steps, a.period, launch_kw, a.vocab, a.tokens,

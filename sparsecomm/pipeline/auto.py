@@ -4,7 +4,8 @@ it runs on (:class:`Chooser`).
 **Inputs.** For each bucket (its key and payload kind): its length, the payload's bytes, its *block
 density* (the fraction of ``block_size``-element blocks holding a non-zero) on each worker and that of the
 *sum* (the union of the workers' blocks), the number of workers ``n``, the services launched (a switch
-program is a candidate only where one runs: ``services=``, or the fabric's started services; the
+program is a candidate only where its own program runs -- ``switch`` where the ``"switch"`` service does,
+``sparse-switch`` where ``"sparse-switch"`` does: ``services=``, or the fabric's started services; the
 ``candidates=`` option restricts the catalog) and the
 network's parameters measured on the fabric itself (:func:`sparsecomm.fabric.probe.link_parameters`:
 latency ``alpha``, bandwidth ``B`` and the host's cost of a message).
@@ -74,7 +75,7 @@ log = logging.getLogger("sparsecomm.pipeline.auto")
 #: the options of ``transport="auto"`` (its ``transport_kwargs``) and their defaults
 OPTIONS: dict[str, Any] = {"estimate_steps": 2, "period": 50, "margin": 0.1, "tolerance": 0.25,
                            "explore": True, "services": None, "candidates": None, "block_size": 256}
-#: transports that run on a switch program (a candidate only where a switch service is launched)
+#: transports that run on a switch program (a candidate only where the service of its name is launched)
 SWITCH_TRANSPORTS = ("switch", "sparse-switch")
 
 
@@ -231,8 +232,8 @@ class Chooser:
                 continue
             if name == "native" and self.fabric.native_group is None:
                 continue
-            if name in SWITCH_TRANSPORTS and ("switch" not in services or self.nonfinite in ("pass", "skip")
-                                              or self.n > 32):
+            if name in SWITCH_TRANSPORTS and (name not in services or self.nonfinite in ("pass", "skip")
+                                              or self.n > 32):     # its own program must run
                 continue
             out.append(name)
         return out or [self.default.name]

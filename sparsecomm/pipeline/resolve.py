@@ -21,7 +21,7 @@ from .. import compressors, transports
 from ..compressors.base import Compressor
 from ..errors import IncompatibleError, InvalidTypeError, SparseCommError
 from ..fabric.base import Fabric
-from ..fabric.torch.torch_fabric import TorchFabric
+from ..fabric.torch.torch_fabric import DEFAULT_TIMEOUT_S, TorchFabric
 from ..launch import current_context
 from ..methods import Method
 from ..transports.base import Transport
@@ -33,11 +33,14 @@ def default_fabric(process_group: Any = None) -> Fabric:
     """The fabric of the current :func:`sparsecomm.launch` worker, else a TorchFabric over the default
     process group; the same for ``process_group`` ``None``, the default group or the launch's workers'
     group (``ctx.fabric.native_group``). Any other ``process_group``: a new TorchFabric over that group
-    (``TorchFabric(group=process_group)``), on which every transport without services runs."""
+    (``TorchFabric(group=process_group)``), on which every transport without services runs, its waits
+    bounded by the launch's ``timeout_s`` inside :func:`sparsecomm.launch` (else TorchFabric's default;
+    pass ``fabric=TorchFabric(group=pg, timeout_s=...)`` to the optimizer for another bound)."""
     ctx = current_context()
     if process_group is not None and process_group is not dist.group.WORLD and (
             ctx is None or process_group is not ctx.fabric.native_group):
-        return TorchFabric(group=process_group)
+        bound = ctx.fabric.timeout_s if ctx is not None else DEFAULT_TIMEOUT_S
+        return TorchFabric(group=process_group, timeout_s=bound)
     if ctx is not None:
         return ctx.fabric
     if dist.is_available() and dist.is_initialized():

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import InvalidValueError, NonFiniteError, OverflowError_
+from ..errors import InvalidValueError, NonFiniteError, OverflowError_, UnsupportedDtypeError
 
 NONFINITE = ("raise", "pass")
 #: the advice of a non-finite sum, before the option that lets NaN/Inf through
@@ -37,6 +37,23 @@ def nonfinite_option(value: str, transport: str) -> str:
                          f"worker, the default) or 'pass' (summed through, as torch.distributed does), "
                          f"got {value!r}")
     return value
+
+
+def check_dtype(dtype: torch.dtype, transport: str, supported: tuple[torch.dtype, ...] | None = None) -> None:
+    """Raise :class:`~sparsecomm.errors.UnsupportedDtypeError` unless ``transport`` sums ``dtype`` tensors.
+
+    ``bool`` is refused by every transport: the result has the input's dtype, and a ``bool`` cannot hold
+    a sum (three ``True`` would come back ``True``, a logical or). ``supported``: the only dtypes the
+    transport carries (its wire format's), ``None``: any other dtype."""
+    if dtype == torch.bool:
+        raise UnsupportedDtypeError(
+            f"transport {transport!r} cannot sum torch.bool tensors: the result has the input's dtype, and a bool "
+            f"cannot hold a sum (three True would read True); to count, pass x.to(torch.int32) (the sum is then "
+            f"exact); for a logical or, compare that sum with 0")
+    if supported is not None and dtype not in supported:
+        raise UnsupportedDtypeError(
+            f"transport {transport!r} cannot carry {dtype} tensors; it sums "
+            f"{', '.join(str(d).replace('torch.', '') for d in supported)}")
 
 
 def is_integer(dtype: torch.dtype) -> bool:

@@ -2,8 +2,9 @@
 
 ``allreduce(x)`` returns, on every worker, the sum over workers of ``x`` (a tensor) or of
 ``x.to_dense()`` (a :class:`~sparsecomm.payload.Payload`), with the shape and dtype of the original
-tensor. The call's :class:`CommStats` (bytes, messages, modelled time on SimFabric) is at
-``last_stats``. A transport never knows which compressor made a payload, only its kind
+tensor (so a ``bool`` tensor, which cannot hold a sum, is refused: :meth:`Transport.check_input`; a
+tensor that requires grad is summed as data). The call's :class:`CommStats` (bytes, messages, modelled
+time on SimFabric) is at ``last_stats``. A transport never knows which compressor made a payload, only its kind
 (``sparsecomm/payload.py``); ``carries`` declares the kinds it can sum. The public surface is
 :meth:`Transport.allreduce`, :meth:`Transport.start` and :meth:`Transport.run` (the call on this thread,
 for code already on the communication thread).
@@ -65,6 +66,7 @@ from ..payload import Payload
 from ..registry import Registry
 from ..theory import costs
 from . import _fold
+from ._guards import check_dtype
 from ._handshake import CallId, calling, transport_code
 from .linear import LinearOperand, linear_operand
 
@@ -157,8 +159,7 @@ class Transport(ABC):
         previous sum and before any message of a later call on this fabric, with identity
         ``call.next_round()``; ``then`` gets the last round's sum. ``call``: the identity of the first
         round (:meth:`allreduce`)."""
-        if isinstance(x, Payload):
-            self.check_payload(x)     # a bad pair fails here, on the caller's thread
+        x = self.check_input(x)       # a bad pair or dtype fails here, on the caller's thread
         return engine(self.fabric).submit(lambda: self._later_rounds(self.run(x, call), then, next_round, call))
 
     def _later_rounds(self, out: torch.Tensor, then, next_round, call: CallId | None) -> Any:
@@ -184,8 +185,7 @@ class Transport(ABC):
         before = self.fabric.stats.copy()
         t0_model = self.fabric.now()
         t0_wall = time.perf_counter()
-        if isinstance(x, Payload):
-            self.check_payload(x)
+        x = self.check_input(x)
         # a call predicted to fold into its data (``native``, :mod:`._fold`) that this one is not:
         # join it and say so first; a transport that folds (``folds``) keeps its own record
         sched = None if self.folds else _fold.enter(self.fabric, self.name, f"{self.name} allreduce")
@@ -252,6 +252,20 @@ class Transport(ABC):
         if kind == "quantized" and cls.quantized_needs_shared_scale and not shared_scale:
             return False
         return True
+
+    def check_input(self, x: torch.Tensor | Payload) -> torch.Tensor | Payload:
+        """``x`` as the call sums it: a tensor detached from autograd (the sum is data, as
+        ``torch.distributed.all_reduce`` gives; a tensor that requires grad is summed like any other);
+        raises :class:`~sparsecomm.errors.UnsupportedDtypeError` for a dtype no transport sums into a
+        result of that dtype (``bool``, :func:`._guards.check_dtype`) and
+        :class:`~sparsecomm.errors.IncompatibleError` for a payload this transport cannot sum
+        (:meth:`check_payload`), on the calling worker, before anything is sent."""
+        if isinstance(x, Payload):
+            check_dtype(x.dtype, self.name)
+            self.check_payload(x)
+            return x
+        check_dtype(x.dtype, self.name)
+        return x.detach()
 
     def check_payload(self, p: Payload) -> None:
         """Raise :class:`~sparsecomm.errors.IncompatibleError` if this transport cannot sum ``p``

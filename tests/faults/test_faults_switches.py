@@ -89,15 +89,15 @@ def test_a_peer_whose_switch_packets_are_corrupted_stops_every_rank_quickly(name
 
 
 # ----------------------------------------------------------------------------- a lying sparse-switch peer
-def _lie(ctx, mode: str):
-    """Worker 1 rewrites its own well-formed packets on the wire: ``hide``: its look-ahead (MIN) packet
+def _lie(ctx, mode: str, liar: int = 1):
+    """Worker ``liar`` rewrites its own well-formed packets on the wire: ``hide``: its look-ahead (MIN) packet
     announces no block in any lane, which it then sends; ``next``: its stream packets announce no next
     block, then it has one; ``step``: its MIN packet claims position 5 (the round is at 0)."""
     from sparsecomm.transports.switchml.sparse import dataplane as sdp
 
     cap_address_space()
     f = ctx.fabric
-    if ctx.rank == 1:
+    if ctx.rank == liar:
         def rw(t, dst, tag):
             if tag != sdp.TAG_UP or t.dtype != torch.int32:
                 return None
@@ -118,15 +118,65 @@ def _lie(ctx, mode: str):
     return outcome(lambda: t.allreduce(x.reshape(-1)))
 
 
-@pytest.mark.parametrize("mode", ["hide", "next", "step"])
-def test_a_sparse_switch_peer_breaking_its_look_ahead_stops_every_rank_quickly(mode):
+@pytest.mark.parametrize("mode, liar", [("hide", 1), ("next", 1), ("step", 1), ("step", 0)])
+def test_a_sparse_switch_peer_breaking_its_look_ahead_stops_every_rank_quickly(mode, liar):
     """A look-ahead the sender then does not keep is a violated invariant: the liar's own check sees the
     agreed lane start (or next position) pass a block it holds; a position out of step is refused by the
-    switch, which tells every worker. Either way every rank stops with ProtocolError, not a stall."""
-    res = sc.launch(functools.partial(_lie, mode=mode), 3, backend="gloo", timeout_s=TIMEOUT,
+    switch, which tells every worker. Either way every rank stops with ProtocolError, not a stall. Out of
+    step, the switch cannot tell whether the refused packet or those that opened the round are the forged
+    ones (the liar's may come first and open it): the error names both sides, so the liar among them."""
+    res = sc.launch(functools.partial(_lie, mode=mode, liar=liar), 3, backend="gloo", timeout_s=TIMEOUT,
                     services=["sparse-switch"])
     assert [o[0] for o in res] == ["ProtocolError"] * 3, res
     assert all(o[2] < BOUND for o in res), res
+    if mode == "step":
+        assert all(f"worker {liar}" in o[1] and "the sender of the wrong packet is unknown" in o[1]
+                   for o in res), res
+
+
+# ----------------------------------------------------------------------------- a switch that a burst aborts
+def _burst(ctx, name: str, how: str):
+    """After a good call (kernels compiled, connections open), worker 1 sends the switch a message one burst
+    longer than the switch's receive (``RECV_SLACK`` bursts at the switch, one at the sparse switch): gloo
+    aborts the switch's process. ``stream``: the message replaces worker 1's first packet message of the
+    next call; ``direct``: worker 1 sends it on its own, then calls."""
+    from sparsecomm.transports.switchml import dataplane as dp
+    from sparsecomm.transports.switchml.sparse import dataplane as sdp
+
+    cap_address_space()
+    torch.set_num_threads(1)
+    up = dp.TAG_UP if name == "switch" else sdp.TAG_UP
+    armed = []
+
+    def rw(x, dst, tag):
+        if armed and tag == up and x.dtype == torch.int32:
+            m = x.detach().reshape(-1, x.shape[-1])
+            return m.repeat(-(-armed[0] // m.shape[0]), 1)
+    f = CorruptingFabric(ctx.fabric, rw) if ctx.rank == 1 and how == "stream" else ctx.fabric
+    t = sc.transports.get(name, f, pool_size=4)
+    good = t.allreduce(torch.ones(3000)).tolist() == [3.0] * 3000
+    rows = ((dp.RECV_SLACK if name == "switch" else 1) + 1) * t.config.burst
+    if ctx.rank == 1 and how == "direct":
+        head = dp.HEADER if name == "switch" else sdp.HEADER
+        big = torch.zeros((rows, head + t.config.elems), dtype=torch.int32)
+        return good, outcome(lambda: (f.send(big, t.switch, up), t.allreduce(torch.ones(3000))))
+    armed.append(rows)
+    return good, outcome(lambda: t.allreduce(torch.ones(3000)))
+
+
+@pytest.mark.parametrize("name, how", [("switch", "stream"), ("switch", "direct"), ("sparse-switch", "stream"),
+                                       ("sparse-switch", "direct")])
+def test_a_switch_that_a_longer_message_aborts_is_a_failure_of_the_switch_on_every_rank_at_once(name, how):
+    """gloo aborts a process that receives a message longer than its receive: the switch's process dies
+    as under kill -9, and every worker -- the sender of the message too -- gets PeerFailure naming the
+    switch within a second, not at the timeout."""
+    res = sc.launch(functools.partial(_burst, name=name, how=how), 3, backend="gloo", timeout_s=TIMEOUT,
+                    services=[name])
+    assert all(good for good, _ in res), res
+    got = [o for _, o in res]
+    assert [o[0] for o in got] == ["PeerFailure"] * 3, got
+    assert all(f"service {name!r}" in o[1] for o in got), got
+    assert all(o[2] < 1.0 for o in got), [o[2] for o in got]
 
 
 # ----------------------------------------------------------------------------- DDP with a switch service

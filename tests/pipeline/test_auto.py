@@ -38,7 +38,7 @@ def test_auto_is_within_5_percent_of_the_per_bucket_oracle_and_beats_every_singl
     faster than each that is not the fastest on every bucket (omnireduce without a switch, sparse-switch
     with one at 10 Gbit/s are: the oracle is then that transport's step)."""
     net = sc.Network(bandwidth_gbps=gbps, latency_us=2.0)
-    services = ["switch"] if switch else []
+    services = ["switch", "sparse-switch"] if switch else []
     singles = ["ring", "omnireduce", "allgather"] + (["switch", "sparse-switch"] if switch else [])
     res = bench.run(8, singles, services, _steps(len(singles)), AUTO["period"], {"network": net}, VOCAB, 2)
     auto = res["auto"]

@@ -86,6 +86,9 @@ from ...validate import check_real
 
 __all__ = ["TorchFabric"]
 
+#: the bound of every wait when no ``timeout_s`` is given (the launcher's default too)
+DEFAULT_TIMEOUT_S = 120.0
+
 
 def _members(group, services: Sequence[str]) -> list[int]:
     """The job ranks of ``group``'s members, in the order of their ranks in it; a group this rank is not
@@ -132,7 +135,7 @@ class TorchFabric(Fabric):
     direct_waits = True   # the capability (:mod:`sparsecomm.fabric.base`): :meth:`wait_unbounded`
 
     def __init__(self, world_size: int | None = None, services: Sequence[str] = (), *,
-                 group: dist.ProcessGroup | None = None, timeout_s: float = 120.0,
+                 group: dist.ProcessGroup | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  store: dist.Store | None = None, shutdown_key: str | None = None,
                  coalesce: bool | None = None, two_way: bool | None = None) -> None:
         timeout_s = check_real("timeout_s", timeout_s, low=0.0, low_open=True, what="TorchFabric")

@@ -30,7 +30,10 @@ a finished collective's work and tensors referenced from Python for the next few
 the last reference is Python's.
 
 Failures. Every error a wait meets is the fabric's :class:`~.torch_failure.FailStop`'s to name
-(:meth:`Waits.error`), so that every rank raises the job's first failure.
+(:meth:`Waits.error`), so that every rank raises the job's first failure. gloo does not end a send that its
+receiver's death cut off mid-message when the job is tripped, so a send of at least
+:data:`WATCHED_SEND_BYTES` is waited for by a helper thread and ends as soon as the job's failure record is
+known (polled every ``_SERVICE_POLL_S``).
 """
 
 from __future__ import annotations
@@ -52,6 +55,12 @@ from .torch_ranks import JobRanks
 
 _FOREVER = timedelta(days=365)
 _SERVICE_POLL_S = 0.05
+#: a gloo send of at least this many bytes is waited for by a helper thread while the caller watches the
+#: failure record: a send cut off mid-message by its receiver's death (gloo aborts a process that receives a
+#: message longer than its receive: a 5 MiB one to the switch) stays blocked in gloo after the job's trip.
+#: Smaller sends, which the sockets' buffers mostly absorb whole, keep the calling thread's wait (no thread
+#: hop on the small messages of the latency-bound protocols; beside a 1 MiB transmission a hop is noise)
+WATCHED_SEND_BYTES = 1 << 20
 
 #: how many threads of this process are inside a gloo wait now (notified on every exit from one).
 #: A thread blocked in one until its connection closes is woken by the close; if that happens while the
@@ -230,7 +239,10 @@ class Waits:
         (a service's receive: until the run ends), as the module docstring says."""
         service = self._service and pend.is_recv
         if timeout is None and not service and not pend.waited:
-            self._blocking(pend)
+            if self._cuda or pend.is_recv or pend.buf.numel() * pend.buf.element_size() < WATCHED_SEND_BYTES:
+                self._blocking(pend)
+            else:
+                self._watched(pend)
         else:
             limit = timeout if timeout is not None else (None if service else self._timeout_s)
             self._timed(pend, limit, service)
@@ -247,6 +259,19 @@ class Waits:
             pend.wait_here(timedelta(seconds=self._timeout_s))
         except RuntimeError as exc:
             raise self.error(exc, pend, self._timeout_s) from exc
+
+    def _watched(self, pend: Pending) -> None:
+        """A large gloo send (:data:`WATCHED_SEND_BYTES`), bounded by ``timeout_s`` like :meth:`_blocking`
+        and ended by the job's failure record as soon as there is one (a helper thread waits in gloo)."""
+        pend.start_waiter()
+        deadline = time.monotonic() + self._timeout_s
+        while not pend.done.wait(_SERVICE_POLL_S):
+            if self._failstop.failure is not None:
+                raise self._failstop.error()
+            if time.monotonic() >= deadline:
+                raise self.error(RuntimeError(f"Timed out after {self._timeout_s:g} s"), pend, self._timeout_s)
+        if pend.error is not None:
+            raise self.error(pend.error, pend, self._timeout_s) from pend.error
 
     def _timed(self, pend: Pending, limit: float | None, stop_on_shutdown: bool) -> None:
         deadline = None if limit is None else time.monotonic() + limit

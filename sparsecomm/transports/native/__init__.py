@@ -102,6 +102,7 @@ class Native(Transport):
         the previous one's with no idle link between them); its completion (the wait, the non-finite
         check, the later rounds of a call of several rounds, ``then``) runs on the communication
         thread in call order, and no call is posted while an earlier one has rounds left to send."""
+        x = self.check_input(x)
         with calling(call):
             work = self._post_folded(x, then, next_round, call)
         return work if work is not None else super().start(x, then, next_round=next_round, call=call)

@@ -80,9 +80,9 @@ from __future__ import annotations
 
 import torch
 
-from ...errors import IncompatibleError, InvalidValueError
+from ...errors import InvalidValueError
 from .._handshake import check_agreement
-from .._guards import abs_max, guard_finite, is_integer, narrow, nonfinite_option
+from .._guards import abs_max, check_dtype, guard_finite, is_integer, narrow, nonfinite_option
 from ...fabric import services
 from ...fabric.roles import Pool
 from ...payload import Payload
@@ -206,7 +206,8 @@ class OmniReduce(Transport):
     def allreduce(self, x, *, call=None):
         out = super().allreduce(x, call=call)
         if self.inplace and isinstance(x, torch.Tensor) and out.data_ptr() != x.data_ptr():
-            x.copy_(out)
+            with torch.no_grad():      # the sum is data, as the call's input (Transport.check_input)
+                x.copy_(out)
             return x
         return out
 
@@ -254,9 +255,7 @@ class OmniReduce(Transport):
 
     @staticmethod
     def _check_dtype(dt: torch.dtype) -> None:
-        if dt not in wire.DTYPES:
-            raise IncompatibleError(f"transport 'omnireduce' cannot carry {dt} tensors; supported: "
-                                    f"{', '.join(str(d) for d in wire.DTYPES)}")
+        check_dtype(dt, "omnireduce", wire.DTYPES)
 
     def _sum_blocks(self, flat: torch.Tensor, kind: str, check: int = 0, inplace: bool = False) -> torch.Tensor:
         """Sum a flat dense tensor (float, or integer codes) over workers, skipping zero blocks."""

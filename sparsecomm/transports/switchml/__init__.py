@@ -82,6 +82,7 @@ from ... import codec
 from ...errors import IncompatibleError, InvalidValueError, NonFiniteError
 from ...fabric.base import Fabric
 from .. import defaults
+from .._guards import check_dtype
 from .._handshake import check_agreement
 from ...theory import costs
 from ..base import CallShape, Transport, registry
@@ -224,9 +225,8 @@ class SwitchTransport(Transport):
     def _allreduce_tensor(self, flat: torch.Tensor) -> torch.Tensor:
         if flat.is_floating_point():
             return self._float_job(flat, "tensor", inplace=self.inplace)
-        if flat.dtype in DTYPES:
-            return self._int_job(flat, flat.dtype, "tensor")
-        raise IncompatibleError(f"transport 'switch' sums float and integer tensors, not {flat.dtype}")
+        check_dtype(flat.dtype, "switch", tuple(DTYPES))     # float or one of the switch's integer dtypes
+        return self._int_job(flat, flat.dtype, "tensor")
 
     def _sum_linear(self, op: LinearOperand) -> torch.Tensor:
         """An ``aligned`` operand's values (float: fixed point) or a ``quantized`` one's codes (exactly,

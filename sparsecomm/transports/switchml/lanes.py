@@ -72,25 +72,38 @@ def abandoning(fabric):
         raise
 
 
-def rejected(fabric, name: str, worker: int, count: int, out_of_step: bool = False) -> SparseCommError:
+def rejected(fabric, name: str, worker: int, count: int, out_of_step: bool = False,
+             refused: tuple[int, int, int, list[int]] | None = None) -> SparseCommError:
     """The error of the switch's rejection notice: it dropped ``count`` packets that came on ``worker``'s
-    port, which it cannot parse (:class:`MalformedMessage`) or which are for another round than their slot
-    holds (``out_of_step``, the sparse switch: :class:`ProtocolError`). A slot now holds part of a round
-    that can never complete, so the job is over: every rank is stopped, naming ``worker``."""
+    port, which it cannot parse (:class:`MalformedMessage`, naming ``worker``: its packets are the broken
+    ones) or which are for another round than their slot holds (``out_of_step``, the sparse switch:
+    :class:`ProtocolError`). Out of step, the refused packet and the packets that opened the round
+    disagree, and either may be the forged one: ``refused`` (``(slot, refused position, the round's
+    position, the workers that opened it)``, :func:`.sparse.dataplane.refusal`) names both sides and the
+    error says that the sender of the wrong packet is unknown. A slot now holds part of a round that can
+    never complete, so the job is over: every rank is stopped."""
     n = fabric.world_size
     if not 0 <= worker < n:
         return fail_stop(fabric, ProtocolError(f"{name}: the switch's rejection notice names worker {worker}, "
                                            f"outside 0..{n - 1}"))
     if out_of_step:
+        if refused is None:
+            side = "for another round than the one their slot holds"
+        else:
+            slot, pos, at, openers = refused
+            who = ", ".join(f"worker {w}" for w in openers) or "no worker"
+            side = (f"for position {pos} of slot {slot}, whose round is at position {at}, opened by the "
+                    f"packet(s) of {who}")
         exc: SparseCommError = ProtocolError(
-            f"{name}: the switch refused {count} packet(s) of worker {worker} for another round than the one "
-            f"their slot holds (no worker of this job sends one: forged or corrupted on the way); the job is "
-            f"over")
-    else:
-        exc = MalformedMessage(
-            f"{name}: the switch dropped {count} packet(s) of worker {worker} that it cannot parse (a type, "
-            f"slot, set, worker id or worker count outside the job): worker {worker}'s messages were "
-            f"corrupted on the way, or are not this library's; the job is over")
+            f"{name}: the switch refused {count} packet(s) that came on worker {worker}'s port {side}; no worker "
+            f"of this job sends packets that disagree on a round, so one was forged or corrupted on the way, "
+            f"and the switch cannot tell whose: the sender of the wrong packet is unknown (worker {worker}, or "
+            f"the workers that opened the round); the job is over")
+        return fail_stop(fabric, exc)
+    exc = MalformedMessage(
+        f"{name}: the switch dropped {count} packet(s) of worker {worker} that it cannot parse (a type, "
+        f"slot, set, worker id or worker count outside the job): worker {worker}'s messages were "
+        f"corrupted on the way, or are not this library's; the job is over")
     return fail_stop(fabric, exc, rank=worker)
 
 

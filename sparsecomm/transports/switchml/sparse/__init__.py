@@ -131,6 +131,7 @@ import torch
 from .... import codec
 from ....errors import IncompatibleError, InvalidValueError, ProtocolError
 from ....fabric.base import Fabric
+from ..._guards import check_dtype
 from ..._handshake import check_agreement
 from ....theory import costs
 from ...base import CallShape, Transport, registry
@@ -263,10 +264,9 @@ class SparseSwitch(Transport):
         out_dtype, device = out_dtype or flat.dtype, flat.device
         if flat.is_floating_point():
             mode = MODE_FLOAT
-        elif flat.dtype in DTYPES:
-            mode = MODE_INT
         else:
-            raise IncompatibleError(f"transport 'sparse-switch' sums float and integer tensors, not {flat.dtype}")
+            check_dtype(flat.dtype, "sparse-switch", tuple(DTYPES))   # float or one of the switch's integers
+            mode = MODE_INT
         x = flat.detach().reshape(-1).to("cpu")
         N, k, n = x.numel(), self.k, self.fabric.world_size
         # ---- local facts: validity, magnitude, non-zero blocks

@@ -190,6 +190,9 @@ class Dataplane:
         #: the job's number of workers, known from the fabric once serving; a packet claiming another
         #: worker count is malformed (never multicast to ranks that do not exist)
         self.world: int | None = None
+        #: the last packet refused as out of step: ``(slot, its position, the round's position, the
+        #: round's worker bitmap)``, what the rejection notice tells the workers (packet metadata, no register)
+        self.refused: tuple[int, int, int, int] | None = None
 
     # ------------------------------------------------------------------ declared vs held state
     def declared_bits(self) -> int:
@@ -242,6 +245,7 @@ class Dataplane:
         before = self.seen[slot, v]
         if before and not before & bit and self.pos[slot, v] != p:
             self.stats["out_of_step"] += 1       # a packet for another round of this set: refused
+            self.refused = (slot, p, int(self.pos[slot, v]), int(before))
             return None, None
         self.seen[slot, v] = before | bit
         self.seen[slot, 1 - v] &= ~bit
@@ -336,7 +340,8 @@ class Dataplane:
             if src is not None:
                 sends += [(msg, src, False) for msg in _messages(ucast, K, width, single, sim)]
             if (malformed or out_of_step) and src is not None and 0 <= src < world:
-                notice = rejection(k, src, world, OUT_OF_STEP if out_of_step else MALFORMED, malformed + out_of_step)
+                notice = rejection(k, src, world, OUT_OF_STEP if out_of_step else MALFORMED, malformed + out_of_step,
+                                   self.refused if out_of_step else None)
                 sends = [(msg, dst, True) for msg in _messages([notice], K, width, single, sim)
                          for dst in range(world)] + sends
             for msg, dst, reliable in sends:
@@ -362,13 +367,28 @@ def _messages(rows: list, K: int, width: int, single: bool, pad: bool) -> list[t
     return out
 
 
-def rejection(k: int, worker: int, world: int, reason: int, count: int) -> np.ndarray:
+def rejection(k: int, worker: int, world: int, reason: int, count: int,
+              refused: tuple[int, int, int, int] | None = None) -> np.ndarray:
     """The ``REJECT`` row telling every worker that the switch dropped ``count`` packets that came on
     ``worker``'s port, for ``reason`` (:data:`MALFORMED` or :data:`OUT_OF_STEP`, in ``pos``; the count in
-    ``next``)."""
+    ``next``). Out of step, ``refused`` (:attr:`Dataplane.refused`) travels too: the slot (in ``slot``), then
+    as values the refused packet's position, the round's position and the round's worker bitmap (low and
+    high 32 bits): the workers whose packets opened the round, which the refused packet contradicts."""
     row = np.zeros(HEADER + k, dtype=np.int32)
-    Header(T_REJECT, 0, worker, world, 0, 0, reason, count).write(row)
+    slot = 0
+    if refused is not None:
+        slot, pos, at, seen = refused
+        row[HEADER:HEADER + 4] = np.array([pos, at, seen & 0xFFFFFFFF, seen >> 32], dtype=np.uint32).view(np.int32)
+    Header(T_REJECT, 0, worker, world, 0, slot, reason, count).write(row)
     return row
+
+
+def refusal(row: np.ndarray) -> tuple[int, int, int, list[int]]:
+    """``(slot, refused position, the round's position, the round's workers)`` of an out-of-step ``REJECT``
+    row (:func:`rejection`)."""
+    pos, at, lo, hi = (int(w) for w in row[HEADER:HEADER + 4].view(np.uint32))
+    seen = lo | (hi << 32)
+    return int(row[F_SLOT]), pos, at, [w for w in range(MAX_WORKERS) if seen >> w & 1]
 
 
 def service_main(config: SparseSwitchConfig) -> Callable[[Fabric], None]:

@@ -20,7 +20,7 @@ import torch
 
 from ....errors import FabricTimeout
 from .dataplane import (HEADER, JOB_MASK, NONE, OUT_OF_STEP, T_EMPTY, T_REJECT, T_RESULT, T_RETRANSMIT, T_SKIP,
-                        TAG_DOWN, TAG_SKIP, TAG_UP, W0, Header)
+                        TAG_DOWN, TAG_SKIP, TAG_UP, W0, Header, refusal)
 from ..lanes import SlotState, Timer, abandoning, message_rows, rejected
 
 
@@ -147,7 +147,9 @@ class Rounds:
                     if h.kind == T_EMPTY:
                         continue                       # an unused row of a burst
                     if h.kind == T_REJECT:             # the switch dropped packets it cannot take: the job is over
-                        raise rejected(fab, "sparse-switch allreduce", h.worker, h.next, h.pos == OUT_OF_STEP)
+                        out_of_step = h.pos == OUT_OF_STEP
+                        raise rejected(fab, "sparse-switch allreduce", h.worker, h.next, out_of_step,
+                                       refusal(res) if out_of_step else None)
                     i = index.get(h.slot)
                     if h.kind not in (T_RESULT, T_RETRANSMIT) or h.job != st.job or i is None or out[i] is None:
                         info["ignored"] += 1
