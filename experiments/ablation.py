@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import sparsecomm as sc
-from .common import cli, plots, report, tracking, train
+from .common import cli, plots, report, tasks, tracking, train
 from .common import config as C
 
 AXES = ("compressor", "method", "transport", "workers", "block_size", "density")
@@ -114,7 +114,7 @@ def merge_args(spec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
             spec[k] = getattr(args, k)
     spec["skip_incompatible"] = bool(args.skip_incompatible or spec.get("skip_incompatible", False))
     spec["task"] = spec.get("task") or "recsys-zipf"
-    spec["group"] = spec.get("group") or f"ablation-{spec['task']}"
+    spec["group"] = spec.get("group") or f"ablation-{C.slug(tasks.display_name(spec['task']))}"
     return spec
 
 
@@ -171,11 +171,13 @@ def _no_op_memory(method: str, compressor: str) -> bool:
 
 def _check_names(task: str, grid: dict[str, list]) -> None:
     """Every name of every axis at once, so one message lists all the unknown ones."""
-    from .common import tasks
-
     regs = {"compressor": sc.compressors.registry, "method": sc.methods.registry,
             "transport": sc.transports.registry}
-    problems = [] if task in tasks.registry else [f"task {task!r} (valid: {', '.join(tasks.available())})"]
+    problems = []
+    if tasks.is_external(task):
+        tasks.check(task)  # a researcher's task: its own one-line error (ConfigError) if it does not build
+    elif task not in tasks.registry:
+        problems.append(f"task {task!r} (valid: {', '.join(tasks.available())}, or module:function)")
     for axis, reg in regs.items():
         for name in grid[axis]:
             if name not in reg:
@@ -274,7 +276,7 @@ def parser() -> argparse.ArgumentParser:
                         out_help="folder for results and wandb runs (default experiments/out/ablation/<group>)")
     p.add_argument("--config", type=Path, default=None, help="YAML grid (see experiments/ablation.yaml)")
     g = p.add_argument_group("grid axes (override the file's)")
-    g.add_argument("--task", default=None, help="recsys-zipf | digits-mlp | breast-cancer-logreg")
+    g.add_argument("--task", default=None, help=cli.TASK_HELP)
     g.add_argument("--compressor", nargs="+", default=None)
     g.add_argument("--method", nargs="+", default=None)
     g.add_argument("--transport", nargs="+", default=None)

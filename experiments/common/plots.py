@@ -341,33 +341,59 @@ def ablation_figure(cells: list[dict], target: float | None, metric: str = "test
 
 
 # ------------------------------------------------------------------------------------- one run
-def convergence_figure(records: list[dict], initial: dict | None, title: str, *, modelled: bool):
-    """One run: training and held-out loss vs training step; held-out accuracy vs training step; held-out
-    loss vs cumulative communication time (modelled by the SimFabric when ``modelled``, else the measured
-    wall-clock time of the collectives). Returns the figure."""
+def mean_std(runs: Sequence[Sequence[dict]], key: str, x: str = "step") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(x, mean, std)`` of ``key`` over ``runs`` (lists of records), at the ``x`` values every run has
+    (sorted); std is the sample standard deviation (``ddof=1``; 0 for a single run)."""
+    per_run = [{r[x]: r[key] for r in recs if key in r and x in r} for recs in runs]
+    common = sorted(set.intersection(*(set(d) for d in per_run))) if per_run else []
+    vals = np.array([[d[k] for k in common] for d in per_run], dtype=float).reshape(len(per_run), len(common))
+    mean = vals.mean(0) if len(per_run) else np.array([])
+    std = vals.std(0, ddof=1) if len(per_run) > 1 else np.zeros_like(mean)
+    return np.asarray(common, dtype=float), mean, std
+
+
+def _band(ax, x: np.ndarray, mean: np.ndarray, std: np.ndarray, n: int, color: str, label: str, **kw) -> None:
+    """A mean curve, with a shaded band of +- one standard deviation when there are several runs."""
+    if n > 1:
+        ax.fill_between(x, mean - std, mean + std, color=color, alpha=0.2, lw=0)
+        label = f"{label}, mean ± std of {n} seeds"
+    ax.plot(x, mean, color=color, label=label, **kw)
+
+
+def convergence_figure(runs: Sequence[tuple[list[dict], dict | None]], title: str, *, modelled: bool,
+                       metric_name: str = "held-out accuracy"):
+    """One configuration over one or more seeds (``runs``: ``(records, initial)`` per seed): training and
+    held-out loss vs training step; ``metric_name`` vs training step; held-out loss vs cumulative
+    communication time (modelled by the SimFabric when ``modelled``, else the measured wall-clock time of
+    the collectives). Several runs are drawn as their mean with a shaded band of +- one standard deviation.
+    Returns the figure."""
     fig, (ax_l, ax_a, ax_c) = plt.subplots(1, 3, figsize=(17, 4.8))
-    recs = ([initial] if initial else []) + records
-    steps = [r["step"] for r in records]
-    ax_l.plot(steps, [r["loss"] for r in records], color="tab:blue", lw=1.2, label="training loss (mini-batches)")
-    ev = [r for r in recs if "test_loss" in r]
-    ax_l.plot([r["step"] for r in ev], [r["test_loss"] for r in ev], color="tab:orange", marker="o", ms=3,
-              lw=1.6, label="held-out loss")
+    n = len(runs)
+    recs = [([initial] if initial else []) + list(records) for records, initial in runs]
+    _band(ax_l, *mean_std([r for r, _ in runs], "loss"), n, "tab:blue", "training loss (mini-batches)", lw=1.2)
+    _band(ax_l, *mean_std(recs, "test_loss"), n, "tab:orange", "held-out loss", marker="o", ms=3, lw=1.6)
     ax_l.set(title="loss vs training step", xlabel="training step", ylabel="loss")
     ax_l.legend(fontsize=8)
-    ax_a.plot([r["step"] for r in ev], [r["test_acc"] for r in ev], color="tab:green", marker="o", ms=3,
-              label="held-out accuracy")
-    ax_a.set(title="held-out accuracy vs training step", xlabel="training step", ylabel="held-out accuracy")
+    _band(ax_a, *mean_std(recs, "test_acc"), n, "tab:green", metric_name, marker="o", ms=3)
+    ax_a.set(title=f"{metric_name} vs training step", xlabel="training step", ylabel=metric_name)
     ax_a.legend(fontsize=8)
     what = "modelled" if modelled else "measured"
-    cum, t = {0: 0.0}, 0.0
-    for r in records:
-        t += r["modelled_comm_s"] if modelled else r["measured_comm_s"]
-        cum[r["step"]] = t * 1e3
-    pts = [(cum[r["step"]], r["test_loss"]) for r in ev if r["step"] in cum]
-    ax_c.plot([p[0] for p in pts], [p[1] for p in pts], color="tab:orange", marker="o", ms=3,
-              label="held-out loss")
+    timed = []
+    for records, initial in runs:
+        cum, t = ([{"step": 0, "comm_ms": 0.0}] if initial else []), 0.0
+        for r in records:
+            t += r["modelled_comm_s"] if modelled else r["measured_comm_s"]
+            cum.append({"step": r["step"], "comm_ms": t * 1e3})
+        timed.append(cum)
+    steps, loss, std = mean_std(recs, "test_loss")
+    _, comm, _ = mean_std(timed, "comm_ms")
+    at = {s: c for s, c in zip(mean_std(timed, "comm_ms")[0], comm)}
+    keep = [i for i, s in enumerate(steps) if s in at]
+    x = np.array([at[steps[i]] for i in keep])
+    _band(ax_c, x, loss[keep], std[keep], n, "tab:orange", "held-out loss", marker="o", ms=3)
     ax_c.set(title=f"held-out loss vs {what} communication time",
-             xlabel=f"cumulative {what} communication time (ms)", ylabel="held-out loss")
+             xlabel=f"cumulative {what} communication time (ms{', mean of the seeds' if n > 1 else ''})",
+             ylabel="held-out loss")
     ax_c.legend(fontsize=8)
     for ax in (ax_l, ax_a):
         count_axis(ax.xaxis)
