@@ -133,7 +133,7 @@ def main(argv=None) -> dict:
     plots.si_axis(axes[1].xaxis)
     for a in axes:
         a.set_ylabel(r"squared distance to the optimum $\|x - x^*\|^2$")
-    axes[0].legend(fontsize=7, ncol=2)
+    plots.legend_below(axes[0], ncol=3)
     fig.suptitle(f"E1: DIANA vs DCGD, {prob.name}, n={prob.n}, rand-{k} of {prob.d}, gamma x {args.multipliers}")
     R.save_figure(fig, "diana_vs_dcgd")
     summary = {f"{name}_x{m:g}": {k2: v for k2, v in r.items() if k2 not in ("its", "dist", "bits")}
