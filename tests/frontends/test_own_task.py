@@ -28,7 +28,7 @@ from experiments.common import plots, tasks  # noqa: E402
 from tests._figures import problems  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-GUIDE = ROOT / "docs" / "your-own-task.md"
+GUIDE = ROOT / "docs/your-own-task.md"
 EXAMPLE = ROOT / "docs" / "examples" / "my_task"
 
 
