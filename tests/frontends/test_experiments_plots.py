@@ -204,3 +204,24 @@ def test_bars_on_a_log_axis_start_at_a_stated_decade():
     assert plots.log_bars(ax, [350.0, 2e4, 1.2e5]) == 100.0
     assert ax.get_yscale() == "log" and ax.get_ylim()[0] == 100.0
     plt.close(fig)
+
+
+def test_a_reproduction_over_seeds_draws_the_mean_with_a_band(tmp_path, monkeypatch, capsys):
+    from experiments import reproduce_diana
+    from experiments.common import reproduce as U
+
+    figures = {}
+    real = U.Run.save_figure
+
+    def keep(self, fig, stem):
+        figures[stem] = fig
+        return real(self, fig, stem)
+
+    monkeypatch.setattr(U.Run, "save_figure", keep)
+    summary = reproduce_diana.main(["--quick", "--no-progress", "--no-wandb", "--out", str(tmp_path), "--iters", "40",
+                                    "--multipliers", "1", "--ratio", "0.1", "--seeds", "3"])
+    assert summary["DIANA_x1"]["seeds"]["seeds"] == [0, 1, 2]
+    assert len(set(summary["DIANA_x1"]["seeds"]["final"])) == 3, "the seeds drew the same rand-k"
+    assert "over 3 seeds: log10 final" in capsys.readouterr().out
+    fig = figures["diana_vs_dcgd"]
+    assert problems(fig) == [] and all(ax.collections for ax in fig.axes)
