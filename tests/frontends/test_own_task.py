@@ -240,3 +240,30 @@ def test_seeds_must_be_positive(capsys):
     with pytest.raises(SystemExit) as e:
         convergence.main(["--task", "breast-cancer-logreg", "--seeds", "0", "--no-progress"])
     assert e.value.code == 2 and "--seeds must be a positive integer" in capsys.readouterr().err
+
+
+def test_an_ablation_over_seeds_keeps_each_seed_and_shows_mean_and_std(tmp_path, capsys, monkeypatch):
+    from experiments.common import tracking
+
+    figures = {}
+    real = plots.save
+
+    def keep(fig, path, **kw):
+        figures[path.name] = fig
+        return real(fig, path, **kw)
+
+    monkeypatch.setattr(plots, "save", keep)
+    argv = ["--task", "breast-cancer-logreg", "--compressor", "topk", "--method", "ef", "--transport", "allgather",
+            "--workers", "2", "3", "--density", "0.2", "--steps", "4", "--eval-every", "2", "--target-acc", "0.5",
+            "--out", str(tmp_path), "--no-progress", "--seeds", "2", "--seed", "3"]
+    assert ablation.main(argv) == 0
+    records = tracking.read_jsonl(tmp_path / "results.jsonl")
+    assert sorted((r["workers"], r["seed"]) for r in records) == [(2, 3), (2, 4), (3, 3), (3, 4)]
+    table = (tmp_path / "summary.txt").read_text().splitlines()
+    rows = [line for line in table if "ef+topk(ratio=0.2) / allgather" in line]
+    assert len(rows) == 2 and all("±" in line and "(2/2)" in line for line in rows), table
+    fig = figures["ablation.png"]
+    assert problems(fig) == [] and fig.axes[0].collections, "no band over the seeds"
+    capsys.readouterr()
+    assert ablation.main(argv) == 0
+    assert "resuming: 4 of 4 cells already" in capsys.readouterr().out
