@@ -33,6 +33,13 @@ where it stopped (delete the file, or use another ``--out``, to start over). At 
 (final accuracy, steps / modelled time / bytes to reach ``target_acc``, modelled communication time
 per step) and ``<out>/ablation.png``: time-to-accuracy, bytes-to-accuracy, and modelled time per step
 vs workers.
+
+``--seeds K`` (``seeds: K`` in the file) runs every cell for the seeds ``seed`` .. ``seed + K - 1``
+(each one a record of its own, so a resumed study keeps finished seeds); the table shows mean ± std over
+the seeds, the figure the mean with a ± std band (error bars in the workers panel).
+
+``--task`` (``task:``) takes a bundled name or ``module:function``, a researcher's ``build(seed) ->
+TaskSpec`` (docs/your-own-task.md).
 """
 
 from __future__ import annotations
@@ -40,11 +47,14 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 import sparsecomm as sc
-from .common import cli, plots, report, tracking, train
+from .common import cli, plots, report, tasks, tracking, train
 from .common import config as C
 
 AXES = ("compressor", "method", "transport", "workers", "block_size", "ratio")
@@ -56,7 +66,7 @@ FIXED = ("task", "steps", "batch_size", "lr", "warmup_steps", "eval_every", "see
          "bandwidth_gbps", "latency_us", "loss")
 #: per-name hyper-parameters: ``compressor_kw: {qsgd: {levels: 8}}`` (same for method_kw, transport_kw)
 PER_NAME = ("compressor_kw", "method_kw", "transport_kw")
-SPEC_KEYS = set(FIXED) | set(PER_NAME) | {"group", "target_acc", "skip_incompatible", "grid"}
+SPEC_KEYS = set(FIXED) | set(PER_NAME) | {"group", "target_acc", "skip_incompatible", "grid", "seeds"}
 
 
 # ------------------------------------------------------------------------------------- the spec
@@ -118,14 +128,14 @@ def merge_args(spec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
         extra = C.parse_kv(getattr(args, opt))
         if extra:  # command-line hyper-parameters apply to every name of that axis
             spec[k] = {**(spec.get(k) or {}), "*": extra}
-    for k in ("group", "target_acc"):
+    for k in ("group", "target_acc", "seeds"):
         if getattr(args, k) is not None:
             spec[k] = getattr(args, k)
     if "compressor" in spec["grid"]:  # "none" is the identity's alias (C.COMPRESSOR_ALIASES)
         spec["grid"]["compressor"] = list(dict.fromkeys(C.compressor_name(n) for n in spec["grid"]["compressor"]))
     spec["skip_incompatible"] = bool(args.skip_incompatible or spec.get("skip_incompatible", False))
     spec["task"] = spec.get("task") or "recsys-zipf"
-    spec["group"] = spec.get("group") or f"ablation-{spec['task']}"
+    spec["group"] = spec.get("group") or f"ablation-{C.slug(tasks.display_name(spec['task']))}"
     return spec
 
 
@@ -139,12 +149,14 @@ def expand(spec: dict[str, Any]) -> tuple[list[dict], list[dict]]:
     """All distinct cells of the grid, validated: ``(runnable, incompatible)``.
 
     Each cell is ``{"cfg", "ratio", "block", "reason"}`` (``ratio``/``block`` are ``None`` where the
-    axis does not apply). Unknown names and bad settings raise (``UnknownNameError`` /
-    ``ConfigError``); incompatible pairs are returned with the library's message.
+    axis does not apply); a runnable cell appears once per seed of :func:`seed_list`, in turn. Unknown
+    names and bad settings raise (``UnknownNameError`` / ``ConfigError``); incompatible pairs are returned
+    with the library's message.
     """
     grid = {a: list(spec["grid"].get(a, DEFAULTS[a])) for a in AXES}
     _check_names(spec["task"], grid)
     fixed = {k: spec[k] for k in FIXED if spec.get(k) is not None}
+    seeds = seed_list(spec)
     runnable, incompatible, seen = [], [], set()
     for comp, meth, trans, workers, block, ratio in itertools.product(*(grid[a] for a in AXES)):
         if _no_op_memory(meth, comp):  # the same run as no method at all: collapse it
@@ -165,11 +177,19 @@ def expand(spec: dict[str, Any]) -> tuple[list[dict], list[dict]]:
         cell = {"ratio": ratio if applies else None, "block": int(block) if block_applies else None}
         reason = C.incompatibility(cfg)
         if reason is None:
-            runnable.append({**cell, "cfg": C.validate(cfg)})
+            runnable += [{**cell, "cfg": C.validate(replace(cfg, seed=seed))} for seed in seeds]
         elif (comp, meth, trans) not in seen:  # reported once per combination, not per cell
             seen.add((comp, meth, trans))
             incompatible.append({**cell, "cfg": cfg, "reason": reason})
     return runnable, incompatible
+
+
+def seed_list(spec: dict[str, Any]) -> list[int]:
+    """The seeds of every cell: ``seed`` (default 0) and the ``seeds - 1`` after it."""
+    k, first = spec.get("seeds") or 1, spec.get("seed") or 0
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise C.ConfigError(f"seeds must be a positive integer (the number of seeds per cell), got {k!r}")
+    return [int(first) + i for i in range(k)]
 
 
 def _no_op_memory(method: str, compressor: str) -> bool:
@@ -182,11 +202,13 @@ def _no_op_memory(method: str, compressor: str) -> bool:
 
 def _check_names(task: str, grid: dict[str, list]) -> None:
     """Every name of every axis at once, so one message lists all the unknown ones."""
-    from .common import tasks
-
     regs = {"compressor": sc.compressors.registry, "method": sc.methods.registry,
             "transport": sc.transports.registry}
-    problems = [] if task in tasks.registry else [f"task {task!r} (valid: {', '.join(tasks.available())})"]
+    problems = []
+    if tasks.is_external(task):
+        tasks.check(task)  # a researcher's task: its own one-line error (ConfigError) if it does not build
+    elif task not in tasks.registry:
+        problems.append(f"task {task!r} (valid: {', '.join(tasks.available())}, or module:function)")
     for axis, reg in regs.items():
         for name in grid[axis]:
             if name not in reg:
@@ -209,8 +231,9 @@ def series_name(cell: dict) -> str:
     return f"{cfg.scheme} / {cfg.transport}{b}"
 
 
-def cell_name(cell: dict) -> str:
-    return f"{series_name(cell)} n={cell['cfg'].workers}"
+def cell_name(cell: dict, seeded: bool = False) -> str:
+    """A cell's name (with its seed when ``seeded``: a grid of several seeds)."""
+    return f"{series_name(cell)} n={cell['cfg'].workers}" + (f" seed={cell['cfg'].seed}" if seeded else "")
 
 
 # ------------------------------------------------------------------------------------- running
@@ -223,13 +246,14 @@ def run_grid(cells: list[dict], spec: dict[str, Any], out: Path, *, progress: bo
     if len(todo) < len(cells):
         print(f"resuming: {len(cells) - len(todo)} of {len(cells)} cells already in {results_path}")
     group = spec["group"]
+    seeded = len(seed_list(spec)) > 1
     bar = tracking.progress(desc="ablation", total=len(todo), enabled=progress and bool(todo), unit="cell")
     for c in todo:
-        cfg, name = c["cfg"], cell_name(c)
+        cfg, name = c["cfg"], cell_name(c, seeded)
         bar.set_description(f"ablation: {name}")
         res = train.run(cfg, progress=progress)
         rec = {"key": cfg.key(), "name": name, "series": series_name(c),
-               "scheme": cfg.scheme, "transport": cfg.transport, "workers": cfg.workers,
+               "scheme": cfg.scheme, "transport": cfg.transport, "workers": cfg.workers, "seed": cfg.seed,
                "block_size": c["block"], "ratio": c["ratio"], "config": cfg.as_dict(),
                "summary": res.summary, "initial": res.initial, "records": res.records, "wall_s": res.wall_s}
         tracking.write_csv(out / "cells" / f"{cfg.key()}.csv", res.records, train.STEP_COLUMNS)
@@ -261,27 +285,51 @@ def _ratio(r: dict) -> float | None:
 
 
 def summary_table(finished: list[dict], skipped: list[dict], target: float | None) -> str:
+    """One row per cell; the cells of several seeds as one row of mean ± std over the seeds (steps, time
+    and bytes to target over the seeds that reached it, ``k/K`` when not all did)."""
     tgt = f"{target:g}" if target is not None else "-"
     headers = ["cell", "scheme / transport", "workers", "block", "ratio", "final acc",
                f"steps to {tgt}", f"time to {tgt}", f"bytes to {tgt}", "comm/step", "bytes/step"]
-    rows: list[Any] = []
+    groups: dict[tuple, list[dict]] = {}
     for r in finished:
-        s, t = r["summary"], targets(r["records"], target)
+        groups.setdefault((r["series"], r["workers"]), []).append(r)
+    rows: list[Any] = []
+    for recs in groups.values():
+        r = recs[0]
         cell = (r["key"], f"{r['scheme']} / {r['transport']}", r["workers"],
                 "-" if r["block_size"] is None else r["block_size"],
                 "-" if _ratio(r) is None else f"{_ratio(r):g}")
-        if "diverged" in s:
-            rows.append((*cell, f"diverged: {report.first_sentence(s['diverged'], 60)}"))
+        diverged = [x for x in recs if "diverged" in x["summary"]]
+        if diverged:
+            seeds = f" ({len(diverged)} of {len(recs)} seeds)" if len(recs) > 1 else ""
+            rows.append((*cell, f"diverged{seeds}: "
+                                f"{report.first_sentence(diverged[0]['summary']['diverged'], 60)}"))
             continue
-        rows.append((*cell, report.fmt_num(s["final_test_acc"]),
-                     "-" if t.get("steps_to_target") is None else t["steps_to_target"],
-                     report.fmt_time(t.get("time_to_target_s")), report.fmt_bytes(t.get("bytes_to_target")),
-                     report.fmt_time(s["modelled_comm_per_step_s"]), report.fmt_bytes(s["bytes_per_step"])))
+        hits = [t for t in (targets(x["records"], target) for x in recs) if t.get("steps_to_target") is not None]
+        reached = f" ({len(hits)}/{len(recs)})" if len(recs) > 1 and target is not None else ""
+
+        def over(key: str, fmt, note: str = "") -> str:
+            v = [t[key] for t in hits]
+            return (_mean_std(v, fmt) + note) if v else "-"
+
+        rows.append((*cell, report.fmt_mean_std([x["summary"]["final_test_acc"] for x in recs]),
+                     over("steps_to_target", lambda x: f"{x:g}", reached), over("time_to_target_s", report.fmt_time),
+                     over("bytes_to_target", report.fmt_bytes),
+                     _mean_std([x["summary"]["modelled_comm_per_step_s"] for x in recs], report.fmt_time),
+                     _mean_std([x["summary"]["bytes_per_step"] for x in recs], report.fmt_bytes)))
     for c in skipped:
         cfg = c["cfg"]
         rows.append(("skipped", f"{cfg.scheme} / {cfg.transport}",
                      f"n/a (incompatible: {report.first_sentence(c['reason'])})"))
     return report.table(headers, rows, align="llrrrrrrrrr")
+
+
+def _mean_std(values: list[float], fmt) -> str:
+    """``fmt(mean) ± fmt(std)`` (sample std); one value as ``fmt(value)``."""
+    v = np.asarray(values, dtype=float)
+    if v.size == 1:
+        return fmt(float(v[0]))
+    return f"{fmt(float(v.mean()))} ± {fmt(float(v.std(ddof=1)))}"
 
 
 # ------------------------------------------------------------------------------------- CLI
@@ -290,7 +338,7 @@ def parser() -> argparse.ArgumentParser:
                         out_help="folder for results and wandb runs (default experiments/out/ablation/<group>)")
     p.add_argument("--config", type=Path, default=None, help="YAML grid (see experiments/ablation.yaml)")
     g = p.add_argument_group("grid axes (override the file's)")
-    g.add_argument("--task", default=None, help="recsys-zipf | digits-mlp | breast-cancer-logreg")
+    g.add_argument("--task", default=None, help=cli.TASK_HELP)
     g.add_argument("--compressor", nargs="+", default=None,
                    help="registered compressors (identity = no compression, alias: none)")
     g.add_argument("--method", nargs="+", default=None)
@@ -304,7 +352,9 @@ def parser() -> argparse.ArgumentParser:
                    help="skip (and report) compressor x transport pairs the library rejects")
     g.add_argument("--dry-run", action="store_true", help="validate the grid, list its cells, run nothing")
     cli.add_common(p)
-    p.set_defaults(**{k: None for k in FIXED})  # so that the file's values stand unless given here
+    cli.add_seeds(p)
+    # so that the file's values stand unless given here
+    p.set_defaults(**{k: None for k in FIXED}, seeds=None)
     return p
 
 
@@ -329,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
              if incompatible else "") + f"; results in {out}")
     if args.dry_run:
         for c in cells:
-            print(f"  {c['cfg'].key()}  {cell_name(c)}")
+            print(f"  {c['cfg'].key()}  {cell_name(c, len(seed_list(spec)) > 1)}")
         return 0
     train.set_cpu_threads()
     finished = run_grid(cells, spec, out, progress=not args.no_progress, project=args.project,
@@ -339,7 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     (out / "summary.txt").write_text(text + "\n")
     tracking.write_csv(out / "summary.csv", [
-        {"key": r["key"], "name": r["name"], **r["summary"], **targets(r["records"], target)} for r in finished])
+        {"key": r["key"], "name": r["name"], "seed": r["config"]["seed"], **r["summary"],
+         **targets(r["records"], target)} for r in finished])
     plotted = [{"label": r["name"], "series": r["series"], "scheme": r["scheme"], "transport": r["transport"],
                 "workers": r["workers"], "records": r["records"], "summary": r["summary"]}
                for r in finished if r["records"]]

@@ -19,6 +19,13 @@ or scikit-learn's digits, d = 61, k = 1).
     python -m experiments.reproduce_diana                    # the full grid
     python -m experiments.reproduce_diana --quick            # a reduced grid
     python -m experiments.reproduce_diana --problem digits --out /tmp/e1
+    python -m experiments.reproduce_diana --quick --seeds 5  # rand-k's draws over 5 seeds: mean and band
+
+``--seeds K`` keeps the problem (``--seed``) and runs every method and step for rand-k seeds ``--seed`` ..
+``--seed + K - 1``: the printed lines give the log10 of the final distance and the iteration that reaches
+the tolerance as mean ± std over them, the figure their geometric mean with a band of one geometric
+standard deviation; the per-row numbers of summary.json stay the first seed's, with the seeds' under
+``seeds``.
 """
 
 from __future__ import annotations
@@ -31,7 +38,9 @@ from sparsecomm.algorithms import DCGD, DIANA
 from sparsecomm.theory import problems as P
 from sparsecomm.theory import rates
 
-from .common import plots
+from sparsecomm.errors import ConfigError
+
+from .common import cli, plots, report
 from .common import reproduce as U
 
 TOL = 1e-10
@@ -69,7 +78,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--ratio", type=float, default=0.02, help="k/d of rand-k (k = max(1, round(ratio d)))")
     ap.add_argument("--multipliers", default="1,2,4,8", help="step-size multipliers of the theoretical gamma")
     ap.add_argument("--iters", type=int, default=None, help="iteration cap per run (default: 4x the theorem's count)")
+    cli.add_seeds(ap)
     args = ap.parse_args(argv)
+    try:
+        seeds = cli.seed_list(args)
+    except ConfigError as e:
+        ap.exit(2, f"{ap.prog}: {e}\n")
     prob = build_problem(args.problem, args.quick, args.seed)
     k = max(1, round(args.ratio * prob.d))
     omega = prob.d / k - 1
@@ -90,11 +104,14 @@ def main(argv=None) -> dict:
     results = {}
     for mult in R.progress(mults, desc="step multipliers"):
         for name, cls in (("DIANA", DIANA), ("DCGD", DCGD)):
-            x = torch.zeros(prob.d, dtype=torch.float64)
-            opt = cls([x], compressor="randk", k=k, problem=prob, lr=mult * gamma, seed=args.seed)
             stop = TOL / 1000 if name == "DIANA" else None
             iters = cap if name == "DIANA" else min(cap, max(2000, results.get(("DIANA", mult), {}).get("iters", cap)))
-            its, dist, bits = run(opt, x, prob, iters, every, stop)
+            per_seed = []
+            for seed in seeds:             # the problem stays; rand-k's draws change with the seed
+                x = torch.zeros(prob.d, dtype=torch.float64)
+                opt = cls([x], compressor="randk", k=k, problem=prob, lr=mult * gamma, seed=seed)
+                per_seed.append(run(opt, x, prob, iters, every, stop))
+            its, dist, bits = per_seed[0]
             hit = next((i for i, e in zip(its, dist) if e < TOL), None)
             tail = [e for i, e in zip(its, dist) if i > its[-1] / 2]
             q_meas = U.fit_rate([e for e in dist if TOL / 1e3 < e < d0 * 1e-2],
@@ -107,7 +124,16 @@ def main(argv=None) -> dict:
                        rate_theorem=rates.diana_rate(step, prob.mu) if name == "DIANA" and certified else None,
                        floor_dcgd=(rates.dcgd_neighbourhood(step, omega, prob.n, prob.mu, prob.sigma_star_sq)
                                    if name == "DCGD" and certified else None),
-                       bits_per_worker=bits[-1] / prob.n, its=its, dist=dist, bits=bits)
+                       bits_per_worker=bits[-1] / prob.n, its=its, dist=dist, bits=bits, per_seed=per_seed)
+            if len(seeds) > 1:
+                finals = [r[1][-1] for r in per_seed]
+                hits = [next((i for i, e in zip(r[0], r[1]) if e < TOL), None) for r in per_seed]
+                res["seeds"] = dict(seeds=seeds, final=finals, hit_tol_at=hits)
+                reached = [h for h in hits if h is not None]
+                over_seeds = (f"{name:5s} x{mult:<3g} over {len(seeds)} seeds: log10 final "
+                      f"{report.fmt_mean_std([math.log10(f) for f in finals if 0 < f < math.inf], '.2f')}; "
+                      f"hit {TOL:g} in {len(reached)}/{len(seeds)}"
+                              + (f" at {report.fmt_mean_std(reached, '.0f')}" if reached else ""))
             results[(name, mult)] = res
             for i, e, b in zip(its, dist, bits):
                 R.log({f"{name}_x{mult:g}/dist": e, f"{name}_x{mult:g}/bits_per_worker": b / prob.n})
@@ -119,30 +145,51 @@ def main(argv=None) -> dict:
                          else f"floor bound n/a (step {step / gamma_dcgd:.3g}x DCGD's, not certified)")
             print(f"{name:5s} x{mult:<3g} iters={its[-1]:6d} final={dist[-1]:.3e} hit {TOL:g} at {hit} "
                   f"tail mean={res['tail_mean']:.3e} rate={q_meas:.6f}; {bound}")
+            if len(seeds) > 1:
+                print(over_seeds)
     plt = U.pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for j, mult in enumerate(mults):
         for name, ls in (("DIANA", "-"), ("DCGD", "--")):
-            r = results[(name, mult)]
-            axes[0].semilogy(r["its"], r["dist"], ls, color=colors[j % len(colors)], label=f"{name} {mult:g}x")
-            axes[1].semilogy([b / prob.n for b in r["bits"]], r["dist"], ls, color=colors[j % len(colors)])
+            col = colors[j % len(colors)]
+            its, bits, mid, lo, hi = _geometric_band(results[(name, mult)]["per_seed"], prob.n)
+            if len(seeds) > 1:
+                axes[0].fill_between(its, lo, hi, color=col, alpha=0.2, lw=0)
+                axes[1].fill_between(bits, lo, hi, color=col, alpha=0.2, lw=0)
+            axes[0].semilogy(its, mid, ls, color=col, label=f"{name} {mult:g}x")
+            axes[1].semilogy(bits, mid, ls, color=col)
     axes[0].axhline(TOL, color="k", lw=0.5, label=f"tolerance {TOL:g}")
     axes[0].set_xlabel("iteration"), axes[1].set_xlabel("bits sent per worker")
     plots.count_axis(axes[0].xaxis)
     plots.si_axis(axes[1].xaxis)
     for a in axes:
         a.set_ylabel(r"squared distance to the optimum $\|x - x^*\|^2$")
-    axes[0].legend(fontsize=7, ncol=2)
-    fig.suptitle(f"E1: DIANA vs DCGD, {prob.name}, n={prob.n}, rand-{k} of {prob.d}, gamma x {args.multipliers}")
+    plots.legend_below(axes[0], ncol=3)
+    fig.suptitle(f"E1: DIANA vs DCGD, {prob.name}, n={prob.n}, rand-{k} of {prob.d}, gamma x {args.multipliers}"
+                 + (f"\ngeometric mean of {len(seeds)} seeds, shaded: x/÷ one geometric standard deviation"
+                    if len(seeds) > 1 else ""))
     R.save_figure(fig, "diana_vs_dcgd")
-    summary = {f"{name}_x{m:g}": {k2: v for k2, v in r.items() if k2 not in ("its", "dist", "bits")}
+    summary = {f"{name}_x{m:g}": {k2: v for k2, v in r.items() if k2 not in ("its", "dist", "bits", "per_seed")}
                for (name, m), r in results.items()}
     summary.update(problem=repr(prob), k=k, omega=omega, gamma=gamma, gamma_dcgd=gamma_dcgd, alpha=alpha,
                    theorem_iterations=bound_iters)
     path = R.finish(summary)
     print(f"outputs in {R.out} ({path.name})")
     return summary
+
+
+def _geometric_band(per_seed: list[tuple], n: int):
+    """``(iterations, bits per worker, geometric mean, mean / gsd, mean * gsd)`` of the squared distance over
+    the seeds' runs, at the iterations every run reached with a finite positive distance (one run: its
+    own curve, the band collapsed onto it)."""
+    common = set.intersection(*({i for i, e in zip(r[0], r[1]) if 0 < e < math.inf} for r in per_seed))
+    its = sorted(common)
+    logs = torch.tensor([[math.log(dict(zip(r[0], r[1]))[i]) for i in its] for r in per_seed], dtype=torch.float64)
+    bits = [sum(dict(zip(r[0], r[2]))[i] for r in per_seed) / len(per_seed) / n for i in its]
+    mean = logs.mean(0)
+    std = logs.std(0) if len(per_seed) > 1 else torch.zeros_like(mean)
+    return its, bits, mean.exp().tolist(), (mean - std).exp().tolist(), (mean + std).exp().tolist()
 
 
 if __name__ == "__main__":

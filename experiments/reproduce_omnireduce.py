@@ -232,7 +232,7 @@ def plot(points: list[Point], numel: int = NUMEL) -> dict:
         ax.set_xlabel("block density (fraction of blocks holding a non-zero)")
         ax.set_ylabel("time per all-reduce (ms, modelled)")
         ax.set_title(f"{bw:g} Gbps: OmniReduce vs ring")
-        ax.legend(fontsize=7, ncol=2)
+        plots.legend_below(ax, ncol=2)
     fig.tight_layout()
     figs["omnireduce_vs_density"] = fig
 
@@ -254,7 +254,7 @@ def plot(points: list[Point], numel: int = NUMEL) -> dict:
         ax.set_xlabel("workers (one dedicated aggregator per worker)")
         ax.set_ylabel("time per all-reduce (ms, modelled)")
         ax.set_title(f"{bw:g} Gbps, {numel * 4 / 2**20:g} MiB float32")
-        ax.legend(fontsize=7)
+        plots.legend_below(ax, ncol=2)
     fig.tight_layout()
     figs["omnireduce_vs_workers"] = fig
     return figs

@@ -14,6 +14,11 @@ from . import config as C
 from . import tasks
 
 
+#: the ``--task`` option's help: the bundled names and a researcher's own ``module:attr``
+TASK_HELP = ("recsys-zipf | digits-mlp | breast-cancer-logreg, or module:function naming your own "
+             "build(seed) -> TaskSpec (e.g. my_task.tasks:build; docs/your-own-task.md)")
+
+
 def base_parser(prog: str, doc: str | None, *, out_help: str = "output folder") -> argparse.ArgumentParser:
     """A parser with the options every study takes: ``--out``, ``--seed``, ``--no-progress``,
     ``--no-wandb``."""
@@ -25,6 +30,22 @@ def base_parser(prog: str, doc: str | None, *, out_help: str = "output folder") 
     o.add_argument("--no-progress", action="store_true", help="no progress bars")
     o.add_argument("--no-wandb", action="store_true", help="do not log to wandb (also: WANDB_MODE=disabled)")
     return p
+
+
+def add_seeds(p: argparse.ArgumentParser) -> None:
+    """``--seeds K``: repeat every run for the seeds ``--seed``, ``--seed + 1``, ..., ``--seed + K - 1``
+    (:func:`seed_list`); tables show mean +- std over them, figures the mean with a band."""
+    p.add_argument("--seeds", type=int, default=1, metavar="K",
+                   help="repeat each run for K seeds (--seed, --seed+1, ...): tables show mean ± std, "
+                        "plots the mean with a ± std band (default 1)")
+
+
+def seed_list(args: argparse.Namespace) -> list[int]:
+    """The seeds ``--seed`` and ``--seeds`` name; a ``--seeds`` below 1 raises ConfigError."""
+    k = int(args.seeds)
+    if k < 1:
+        raise C.ConfigError(f"--seeds must be a positive integer (the number of seeds to run), got {k}")
+    return [int(args.seed) + i for i in range(k)]
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
@@ -66,7 +87,7 @@ def fixed_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 def list_components() -> str:
     """What can be named on the command line, with the payload kind and carrying transports."""
-    lines = ["tasks:"]
+    lines = ["tasks (or module:function naming your own build(seed) -> TaskSpec):"]
     for name in tasks.available():
         lines.append(f"  {name:22s} {tasks.registry.factory(name).describe()}")
     lines.append("compressors (payload kind -> transports that carry it):")

@@ -38,6 +38,7 @@ def compressor_name(name: str) -> str:
 class RunConfig:
     """Everything that determines a run. ``None`` task defaults are filled by :meth:`resolved`."""
 
+    #: a bundled task's name, or ``module:attr`` naming a researcher's ``build(seed) -> TaskSpec``
     task: str = "recsys-zipf"
     compressor: str = "identity"
     method: str = "none"
@@ -63,11 +64,11 @@ class RunConfig:
     def resolved(self) -> "RunConfig":
         """A copy with the task's defaults filled in for ``steps``, ``batch_size`` and ``lr`` (and the
         compressor's alias resolved: :data:`COMPRESSOR_ALIASES`)."""
-        t = tasks.registry.factory(self.task)
+        steps, batch_size, lr = tasks.defaults(self.task, self.seed)
         return replace(self, compressor=compressor_name(self.compressor),
-                       steps=self.steps if self.steps is not None else t.steps,
-                       batch_size=self.batch_size if self.batch_size is not None else t.batch_size,
-                       lr=self.lr if self.lr is not None else t.lr)
+                       steps=self.steps if self.steps is not None else steps,
+                       batch_size=self.batch_size if self.batch_size is not None else batch_size,
+                       lr=self.lr if self.lr is not None else lr)
 
     def transport_kwargs(self) -> dict[str, Any]:
         """``transport_kw`` plus ``block_size`` when the transport takes one."""
@@ -91,7 +92,8 @@ class RunConfig:
     @property
     def stem(self) -> str:
         """The run as a file name: ``recsys-zipf_ef-topk-ratio-0.01_omnireduce_n8_s0``."""
-        return "_".join([self.task, slug(self.scheme), self.transport, f"n{self.workers}", f"s{self.seed}"])
+        return "_".join([slug(tasks.display_name(self.task, self.seed)), slug(self.scheme), self.transport,
+                         f"n{self.workers}", f"s{self.seed}"])
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -154,7 +156,7 @@ def _trial_transport(name: str, kw_json: str, workers: int) -> None:
 
 def validate(cfg: RunConfig) -> RunConfig:
     """Check every name and setting of ``cfg`` (raising a clear error) and return it resolved."""
-    tasks.registry.factory(cfg.task)  # unknown task names raise, listing the bundled ones
+    tasks.check(cfg.task, cfg.seed)  # an unknown name, or a researcher's task that does not build, raises
     if cfg.backend not in BACKENDS:
         raise ConfigError(f"unknown backend {cfg.backend!r}; valid: {', '.join(BACKENDS)}")
     for name in ("workers", "block_size", "eval_every"):

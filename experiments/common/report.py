@@ -31,6 +31,19 @@ def fmt_num(x: Any, spec: str = ".3f") -> str:
     return format(x, spec)
 
 
+def fmt_mean_std(values: Sequence[float], spec: str = ".3f") -> str:
+    """``mean ± std`` of ``values`` (sample std, ``ddof=1``); a single value as is; NaNs ignored (``-``
+    when none is left)."""
+    v = [float(x) for x in values if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    if not v:
+        return "-"
+    if len(v) == 1:
+        return format(v[0], spec)
+    mean = sum(v) / len(v)
+    std = math.sqrt(sum((x - mean) ** 2 for x in v) / (len(v) - 1))
+    return f"{format(mean, spec)} ± {format(std, spec)}"
+
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, align: str | None = None) -> str:
     """A fixed-width table. A row with fewer cells than columns fills the first columns and its last
     cell spans the rest (e.g. ``("top-k", "ring", "n/a (incompatible: ...)")``)."""

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import os
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,18 +57,9 @@ class RunResult:
     step_size_hint: dict[str, Any] | None = None
 
 
-_task_lock = threading.Lock()
-
-
-@functools.lru_cache(maxsize=8)
-def _cached_task(name: str, seed: int) -> tasks.Task:
-    return tasks.get(name, seed=seed)
-
-
 def get_task(name: str, seed: int) -> tasks.Task:
-    """The task, built once per process (simulated workers share its read-only data)."""
-    with _task_lock:
-        return _cached_task(name, seed)
+    """The task, built once per process (simulated workers share its read-only data): :func:`tasks.get`."""
+    return tasks.get(name, seed=seed)
 
 
 def _worker(cfg: RunConfig, progress: bool, ctx) -> dict[str, Any]:

@@ -82,7 +82,7 @@ def _ablation_argv(tmp_path):
             "--target-acc", "0.6", "--out", str(tmp_path), "--no-progress"]
 
 
-def test_ablation_figure_keeps_the_rules_and_names_coinciding_curves(tmp_path, saved):
+def test_ablation_figure_keeps_the_rules_and_shows_coinciding_curves(tmp_path, saved):
     assert ablation.main(_ablation_argv(tmp_path)) == 0
     fig = saved["ablation.png"]
     assert problems(fig) == []
@@ -90,10 +90,17 @@ def test_ablation_figure_keeps_the_rules_and_names_coinciding_curves(tmp_path, s
     assert ax_t.get_ylabel() == "best held-out accuracy so far"
     assert [round(t) for t in ax_w.get_xticks()] == [2, 3]
     labels = [t.get_text() for leg in fig.legends for t in leg.get_texts()]
-    # the two series take the same time per step: one curve in the workers panel, named for both
-    assert any("topk(ratio=0.2) / allgather" in lab and "ef+topk(ratio=0.2)" in lab and "same curve" in lab
-               for lab in labels), labels
-    assert "target held-out accuracy 0.6" in labels
+    # the two series take the same time per step: both curves drawn in the workers panel, told apart by
+    # their markers, each once in the legend (no entry merging them, none twice)
+    assert labels == ["topk(ratio=0.2) / allgather", "ef+topk(ratio=0.2) / allgather",
+                      "target held-out accuracy 0.6"], labels
+    lines = {ln.get_label(): ln for ln in ax_w.get_lines()}
+    a, b = lines["topk(ratio=0.2) / allgather"], lines["ef+topk(ratio=0.2) / allgather"]
+    assert list(a.get_ydata()) == list(b.get_ydata()) and a.get_marker() != b.get_marker()
+    # the legend is outside the panels (below them)
+    fig.canvas.draw()
+    legend_top = fig.legends[0].get_window_extent().y1
+    assert all(legend_top <= ax.get_window_extent().y0 for ax in fig.axes)
 
 
 def test_convergence_writes_a_plot_under_a_clean_name(tmp_path, saved):
@@ -143,3 +150,78 @@ def test_reproduction_figures_keep_the_rules(name, tmp_path, monkeypatch):
     assert figures, f"{name} drew no figure"
     found = {stem: problems(fig) for stem, fig in figures.items()}
     assert found == {stem: [] for stem in figures}
+    for stem in LEGENDS_OUTSIDE.intersection(figures):
+        assert _legends_inside(figures[stem]) == [], stem
+
+
+#: figures whose legends would cover their curves: drawn outside the panels
+LEGENDS_OUTSIDE = {"diana_vs_dcgd", "omnireduce_vs_density", "omnireduce_vs_workers"}
+
+
+def _legends_inside(fig) -> list[str]:
+    """The panels whose own legend overlaps their plotting area."""
+    fig.canvas.draw()
+    out = []
+    for ax in fig.axes:
+        leg = ax.get_legend()
+        if leg is not None and leg.get_window_extent().overlaps(ax.get_window_extent()):
+            out.append(ax.get_title() or "panel")
+    return out
+
+
+# ----------------------------------------------------------------------------- the drawing rules
+def test_curves_that_differ_but_coincide_are_all_drawn_with_their_own_markers():
+    fig, ax = plt.subplots()
+    x = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
+    y = [5.0, 4.0, 3.5, 3.0, 2.8, 2.7, 2.6]
+    close = [v + 1e-3 for v in y]                       # differs, but under a pixel on this panel
+    plots.plot_series(ax, [dict(x=x, y=y, label="none / ring", color="C0"),
+                           dict(x=x, y=close, label="top-k + EF / ring", color="C1")])
+    ax.set(xlabel="training step", ylabel="held-out loss")
+    ax.legend()
+    lines = ax.get_lines()
+    assert [ln.get_label() for ln in lines] == ["none / ring", "top-k + EF / ring"]
+    assert lines[0].get_marker() != lines[1].get_marker()
+    assert problems(fig) == []
+    plt.close(fig)
+
+
+def test_only_the_same_numbers_or_one_merge_key_are_one_curve():
+    fig, ax = plt.subplots()
+    x, y = [1.0, 2.0, 3.0], [3.0, 2.0, 1.5]
+    plots.plot_series(ax, [dict(x=x, y=y, label="a / ring", color="C0"),
+                           dict(x=x, y=list(y), label="a / switch", color="C0"),
+                           dict(x=x, y=[v + 1e-4 for v in y], label="b / ring", color="C1", merge="b"),
+                           dict(x=x, y=[v + 2e-4 for v in y], label="b / switch", color="C1", merge="b")])
+    labels = [ln.get_label() for ln in ax.get_lines()]
+    assert labels == ["a / ring, switch (same curve)", "b / ring, switch (same curve)"], labels
+    plt.close(fig)
+
+
+def test_bars_on_a_log_axis_start_at_a_stated_decade():
+    fig, ax = plt.subplots()
+    ax.bar([0, 1, 2], [350.0, 2e4, 1.2e5])
+    assert plots.log_bars(ax, [350.0, 2e4, 1.2e5]) == 100.0
+    assert ax.get_yscale() == "log" and ax.get_ylim()[0] == 100.0
+    plt.close(fig)
+
+
+def test_a_reproduction_over_seeds_draws_the_mean_with_a_band(tmp_path, monkeypatch, capsys):
+    from experiments import reproduce_diana
+    from experiments.common import reproduce as U
+
+    figures = {}
+    real = U.Run.save_figure
+
+    def keep(self, fig, stem):
+        figures[stem] = fig
+        return real(self, fig, stem)
+
+    monkeypatch.setattr(U.Run, "save_figure", keep)
+    summary = reproduce_diana.main(["--quick", "--no-progress", "--no-wandb", "--out", str(tmp_path), "--iters", "40",
+                                    "--multipliers", "1", "--ratio", "0.1", "--seeds", "3"])
+    assert summary["DIANA_x1"]["seeds"]["seeds"] == [0, 1, 2]
+    assert len(set(summary["DIANA_x1"]["seeds"]["final"])) == 3, "the seeds drew the same rand-k"
+    assert "over 3 seeds: log10 final" in capsys.readouterr().out
+    fig = figures["diana_vs_dcgd"]
+    assert problems(fig) == [] and all(ax.collections for ax in fig.axes)

@@ -110,3 +110,48 @@ def test_quick_run_on_two_netbed_hosts_trains_every_scheme(tmp_path):
     merged = T.merge(back, [redo])
     assert [r["row"]["scheme"] for r in merged] == [s.name for s in T.SCHEMES]
     assert merged[0]["row"]["note"] == "redone" and merged[1:] == back[1:]
+
+
+def _result(model: str, scheme: str, curve: list, target: float, reached: bool) -> dict:
+    elapsed = curve[-1][0]
+    row = {"model": model, "scheme": scheme, "transport": "x", "hosts": 2, "gbps": "loopback",
+           "time_to_target_s": elapsed if reached else float("nan"), "steps_to_target": curve[-1][1] if reached else "",
+           "reached": reached, "bytes_per_step": 1e6, "comm_fraction": 0.5, "target": target,
+           "metric": curve[-1][2], "compute_s": 0.01, "step_s": elapsed / curve[-1][1], "modelled_s": float("nan"),
+           "modelled_ratio": float("nan"), "note": ""}
+    return {"row": row, "curve": curve, "describe": "", "info": {}}
+
+
+def test_figures_show_every_curve_and_say_when_nothing_reached(tmp_path, monkeypatch):
+    """DDP and the hook's uncompressed switch train the same model in about the same time: both curves show
+    (their own markers); a model on which no scheme reached the target gets a note, not a panel of hatching;
+    the legends sit under the panels."""
+    from tests._figures import problems
+
+    from experiments.common import plots
+
+    figs = {}
+    real = plots.save
+
+    def keep(fig, path, *a, **kw):
+        figs[path.name] = fig
+        return real(fig, path, *a, **kw)
+
+    monkeypatch.setattr(plots, "save", keep)
+    same = [(0.5 * t, 5 * t, 0.6 + 0.02 * t) for t in range(1, 9)]
+    near = [(x + 1e-4, s, m) for x, s, m in same]
+    results = [_result("emb", "ddp", same, 0.7, True), _result("emb", "hook none/switch", near, 0.7, True),
+               _result("emb", "hook powersgd", [(0.4 * t, 5 * t, 0.6 + 0.01 * t) for t in range(1, 9)], 0.7, False),
+               _result("mlp", "ddp", [(0.3 * t, 5 * t, 0.1 * t) for t in range(1, 6)], 0.9, False),
+               _result("mlp", "hook powersgd", [(0.2 * t, 5 * t, 0.09 * t) for t in range(1, 6)], 0.9, False)]
+    T.figures(results, tmp_path)
+    acc, ttt = figs["time_to_accuracy.png"], figs["time_to_target.png"]
+    assert problems(acc) == [] and problems(ttt) == []
+    lines = {ln.get_label(): ln for ln in acc.axes[0].get_lines()}
+    assert lines["ddp"].get_marker() != lines["hook none/switch"].get_marker()
+    acc.canvas.draw()
+    for ax in acc.axes:
+        assert not ax.get_legend().get_window_extent().overlaps(ax.get_window_extent())
+    emb, mlp = ttt.axes
+    assert emb.axison and len(emb.patches) == 3
+    assert not mlp.axison and "no scheme reached the target" in " ".join(t.get_text() for t in mlp.texts)
