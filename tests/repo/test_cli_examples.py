@@ -20,7 +20,8 @@ PROGRAM = "experiments.convergence"
 
 def documented_commands() -> list[list[str]]:
     """The convergence runs the docs give, as argument lists after the program (continuations joined;
-    ``--list`` and ``--out`` dropped)."""
+    ``--list`` and ``--out`` dropped; a run of a researcher's own ``--task module:function`` needs that
+    package, and tests/frontends/test_own_task.py runs it from the guide's example project)."""
     from experiments import convergence
 
     texts = [convergence.__doc__, (ROOT / "docs/theory.md").read_text()]
@@ -32,7 +33,10 @@ def documented_commands() -> list[list[str]]:
             if PROGRAM not in line or "--list" in line:
                 continue
             words = shlex.split(line)
-            args = words[words.index(PROGRAM) + 1:]
+            at = next(i for i, w in enumerate(words) if w.endswith(PROGRAM))
+            args = words[at + 1:]
+            if "--task" in args and ":" in args[args.index("--task") + 1]:
+                continue
             if words[0] == "torchrun":      # one process per rank: the same run as gloo workers
                 args += ["--backend", "gloo", "--workers", words[words.index("--nproc-per-node") + 1]]
             if "--out" in args:
