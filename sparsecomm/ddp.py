@@ -130,7 +130,7 @@ from .pipeline.resolve import default_fabric
 from .pipeline.scheduler import HookScheduler, sparse_message
 from .pipeline.settings import agree
 from .replicas import VERIFY_EVERY, check_verify_every, verify_replicas
-from .transports.base import CommWork
+from .fabric.engine import CommWork
 from .validate import check_int, check_seed
 
 _HYPER = ("compressor", "transport", "method", "transport_kwargs", "warmup_steps", "min_compress_size",

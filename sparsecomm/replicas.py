@@ -34,6 +34,7 @@ from typing import Sequence
 import torch
 
 from .errors import InvalidValueError, MismatchError
+from .fabric.engine import drain
 
 #: the tag of these messages (top of the int32 range, below the barrier's)
 TAG = 2**31 - 6
@@ -78,8 +79,6 @@ def _groups(tensors: Sequence[torch.Tensor]) -> dict[torch.dtype, list[torch.Ten
 @torch.no_grad()
 def sync_replicas(fabric, tensors: Sequence[torch.Tensor], mode: str = "broadcast") -> None:
     """Make (``broadcast``) or verify (``check``) ``tensors`` identical on every worker (see module doc)."""
-    from .transports.base import drain
-
     if mode not in ("broadcast", "check"):
         raise InvalidValueError(f"mode must be 'broadcast' or 'check', got {mode!r}")
     n, rank = int(fabric.world_size), int(fabric.rank)
@@ -185,7 +184,6 @@ def verify_replicas(fabric, named: Sequence[tuple[str, torch.Tensor]], *, when: 
     the tensors and, when they agree, one gather of three words per worker (:func:`gather_words`);
     every worker decides alike from the same table."""
     from .codec.checksum import checksum
-    from .transports.base import drain
 
     n = int(fabric.world_size)
     if n == 1:

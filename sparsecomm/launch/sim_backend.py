@@ -8,6 +8,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..errors import EndpointCrashed, InvalidTypeError, PeerFailure
+from ..fabric.engine import drain
 from ..fabric.sim.sim import SimWorld
 from ..fabric.sim.sim_network import Network
 from .base import backends
@@ -31,8 +32,6 @@ def _launch_sim(fn: Callable[[Context], Any], world_size: int, *, network: Netwo
         set_context(ctx)
         try:
             results[rank] = fn(ctx)
-            from ..transports.base import drain   # lazily: importing sparsecomm stays light
-
             drain(ctx.fabric)     # calls started but never waited for finish before the endpoint retires
             world.finished(rank)
         except EndpointCrashed as exc:

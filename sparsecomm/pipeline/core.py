@@ -44,9 +44,10 @@ from .. import methods
 from ..compressors.base import Compressor
 from ..errors import IncompatibleError, InvalidValueError, MismatchError
 from ..fabric.base import Fabric
+from ..fabric.engine import CommWork
 from ..fabric.stats import CommStats
 from ..methods.base import Method
-from ..transports.base import CallId, CommWork, Transport
+from ..transports.base import CallId, Transport
 from ..validate import check_int, check_seed
 from .accounting import Accounting, CompressionStats, payload_bytes
 from .auto import SWITCH_TRANSPORTS, Chooser, block_density, options as auto_options

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import IncompatibleError, MismatchError, SparseCommError
-from ..transports.base import CommWork
+from ..fabric.engine import CommWork
 from .buckets import Bucket, layout
 from .core import CommPipeline
 

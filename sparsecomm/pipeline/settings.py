@@ -37,8 +37,9 @@ import torch
 
 from .. import methods
 from ..errors import MalformedMessage, MismatchError
+from ..fabric.engine import drain
 from ..methods import Method, Warmup
-from ..transports.base import Transport, drain
+from ..transports.base import Transport
 
 #: the tag of these messages (below :mod:`sparsecomm.replicas`'s and the fabric's reserved tags)
 TAG = 2**31 - 9

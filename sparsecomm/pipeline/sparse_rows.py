@@ -12,9 +12,10 @@ import torch
 from .. import transports
 from ..compressors.base import finite
 from ..errors import SparseCommError
+from ..fabric.engine import CommWork, engine
 from ..fabric.stats import CommStats
 from ..payload import Payload
-from ..transports.base import CallId, CommWork, calling, engine
+from ..transports.base import CallId, calling
 from .accounting import Accounting
 from .nonfinite import NonFiniteRule
 

@@ -33,6 +33,9 @@ Protocol, on worker ``r`` of ``n``:
    :class:`~sparsecomm.errors.NonFiniteError` (or ``OverflowError_`` for finite inputs that overflow)
    unless ``nonfinite="pass"``, on every worker (:mod:`._guards`).
 
+Phases 1 and 2 are one role (:mod:`sparsecomm.fabric.roles`: it yields the receives it posts, its sends and its
+waits) that the fabric runs (``Fabric.drive``), on SimFabric and TorchFabric alike.
+
 Cost per worker: ``(n-1)`` headers plus ``(n-1)`` payloads up and down, two latency steps (one when
 every payload is empty) on an idle network (:func:`theory.costs.allgather`). No setting depends on the
 fabric (one message per peer and phase; :mod:`.defaults`).
@@ -43,6 +46,7 @@ from __future__ import annotations
 import torch
 
 from ..fabric.base import Fabric
+from ..fabric.roles import Flush, Inbox, Outbox, Pool, PostInto, Recv, Send, Step
 from ..payload import Payload, check_slot, empty_slot
 from . import _fold
 from .base import registry
@@ -57,6 +61,8 @@ from .base import CallShape, Transport
 #: running another transport exchanges headers of the same size and gets a MismatchError, not an abort
 HEADER_TAG = HANDSHAKE_TAG
 DATA_TAG = 0x5C21
+#: the stage of each of the role's waits (one role: no preference to state)
+_STEP = Step()
 
 # header layout (int64): six scalars, then (count, dtype code, encoding code) for each of the three slots
 _NUMEL, _DTYPE, _KIND, _SHARED, _BUCKET, _INDICES = range(6)
@@ -156,53 +162,16 @@ class AllGather(Transport):
         _check_counts(p)
         if n == 1:
             return [p]
-        dev = p.values.device
-        layout = p.wire_layout()
-        wire = p.to_wire()
-        # phase 1: headers, every worker to every worker (the handshake's fixed-size format)
-        header = _header(p, layout, dev, r)
-        hbufs = [torch.empty_like(header) for _ in range(n)]
-        works = [f.irecv(hbufs[(r - k) % n], (r - k) % n, self.header_tag) for k in range(1, n)]
-        works += [f.isend(header, (r + k) % n, self.header_tag) for k in range(1, n)]
-        for w in works:
-            w.wait()
-        headers: list[list[int]] = [[] for _ in range(n)]
-        for src in range(n):
-            try:
-                headers[src] = (header_fields(header.tolist(), HEADER_FIELDS) if src == r else
-                                read_header(hbufs[src], src, "allgather allreduce", self.name, HEADER_FIELDS, r, n))
-            except (MalformedMessage, MismatchError) as exc:   # possibly seen by this worker only
-                raise fail_stop(f, exc) from None
-        # every worker holds every header: agreement (length, dtype, kind, encoding, ...) and each
-        # announced slot (against this rank's own tensor) are checked before any data moves or any buffer
-        # is allocated, so every worker raises the same error and nothing is left in flight
-        self._check(headers, r)
-        try:
-            layouts = [self._peer_layout(headers[j], p.numel, j) for j in range(n)]
-        except (WireFormatError, MalformedMessage) as exc:   # a lying header: the job stops (fail-stop)
-            raise fail_stop(f, exc if isinstance(exc, MalformedMessage) else MalformedMessage(str(exc))) from exc
-        # phase 2: the wire tensors, sized by the checked layouts (empty ones are not sent); receives are
-        # posted first, so their "posted" notices leave before this rank's data (gloo sends only to a
-        # posted receive)
-        works = []
-        received: list[list[torch.Tensor | None]] = [[] for _ in range(n)]
-        received[r] = wire
-        for k in range(1, n):
-            src = (r - k) % n
-            for lay in layouts[src]:
-                if lay is None:
-                    received[src].append(None)
-                    continue
-                buf = empty_slot(*lay, numel=p.numel, device=dev)
-                if buf.numel():
-                    works.append(f.irecv(buf, src, self.data_tag))
-                received[src].append(buf)
-        for k in range(1, n):
-            dst = (r + k) % n
-            works += [f.isend(t, dst, self.data_tag) for t in wire if t is not None and t.numel()]
-        for w in works:
-            w.wait()
+        pool = Pool()
+        inbox, outbox = Inbox(f, pool), Outbox(f, pool)
+        out: dict = {}
+        f.drive([self._exchange(p, inbox, out)], inbox, outbox)
+        if "fail" in out:     # a malformed header, possibly seen by this worker only: the job stops (fail-stop)
+            exc, cause = out["fail"]
+            raise fail_stop(f, exc) from cause
+        outbox.finish()
         f.stats.rounds += 2
+        headers, layouts, received = out["headers"], out["layouts"], out["received"]
         pjs = []
         for j in range(n):
             h = headers[j]
@@ -217,6 +186,75 @@ class AllGather(Transport):
                     raise WireFormatError(f"allgather: worker {j} sent indices outside [0, {rows})")
             pjs.append(pj)
         return pjs
+
+    def _exchange(self, p: Payload, inbox: Inbox, out: dict):
+        """Phases 1 and 2 of the module doc on this worker, as one role (:mod:`sparsecomm.fabric.roles`) that
+        :meth:`_gather` has the fabric run: it yields the receives it posts, its sends and a wait for each
+        phase's receives (:class:`~sparsecomm.fabric.roles.Recv`, then it takes them from ``inbox``) and for its
+        header sends (:class:`~sparsecomm.fabric.roles.Flush`); the data sends are left to the outbox's
+        ``finish``. It fills ``out``: ``headers``, ``layouts`` and ``received`` (each worker's wire tensors,
+        ``None`` for an absent slot), or ``fail``, ``(error, cause)`` for a header that only this worker may
+        have seen malformed, which :meth:`_gather` reports to the others (``fail_stop``) once the role has
+        returned; a mismatch every worker sees is raised from the role."""
+        n, r = self.fabric.world_size, self.fabric.rank
+        dev = p.values.device
+        layout = p.wire_layout()
+        wire = p.to_wire()
+        # phase 1: headers, every worker to every worker (the handshake's fixed-size format)
+        header = _header(p, layout, dev, r)
+        hbufs = [torch.empty_like(header) for _ in range(n)]
+        keys = [("header", (r - k) % n) for k in range(1, n)]
+        for key in keys:
+            yield PostInto(key, hbufs[key[1]], key[1], self.header_tag)
+        for k in range(1, n):
+            yield Send(header, (r + k) % n, self.header_tag, hold="header")
+        yield Recv(tuple(keys), _STEP)
+        for key in keys:
+            inbox.take(key)
+        yield Flush("header")
+        headers: list[list[int]] = [[] for _ in range(n)]
+        for src in range(n):
+            try:
+                headers[src] = (header_fields(header.tolist(), HEADER_FIELDS) if src == r else
+                                read_header(hbufs[src], src, "allgather allreduce", self.name, HEADER_FIELDS, r, n))
+            except (MalformedMessage, MismatchError) as exc:   # possibly seen by this worker only
+                out["fail"] = (exc, None)
+                return
+        # every worker holds every header: agreement (length, dtype, kind, encoding, ...) and each
+        # announced slot (against this rank's own tensor) are checked before any data moves or any buffer
+        # is allocated, so every worker raises the same error and nothing is left in flight
+        self._check(headers, r)
+        try:
+            layouts = [self._peer_layout(headers[j], p.numel, j) for j in range(n)]
+        except (WireFormatError, MalformedMessage) as exc:   # a lying header
+            out["fail"] = (exc if isinstance(exc, MalformedMessage) else MalformedMessage(str(exc)), exc)
+            return
+        # phase 2: the wire tensors, sized by the checked layouts (empty ones are not sent); receives are
+        # posted first, so their "posted" notices leave before this rank's data (gloo sends only to a
+        # posted receive)
+        keys = []
+        received: list[list[torch.Tensor | None]] = [[] for _ in range(n)]
+        received[r] = wire
+        for k in range(1, n):
+            src = (r - k) % n
+            for i, lay in enumerate(layouts[src]):
+                if lay is None:
+                    received[src].append(None)
+                    continue
+                buf = empty_slot(*lay, numel=p.numel, device=dev)
+                if buf.numel():
+                    keys.append(("data", src, i))
+                    yield PostInto(keys[-1], buf, src, self.data_tag)
+                received[src].append(buf)
+        for k in range(1, n):
+            dst = (r + k) % n
+            for t in wire:
+                if t is not None and t.numel():
+                    yield Send(t, dst, self.data_tag)
+        yield Recv(tuple(keys), _STEP)
+        for key in keys:
+            inbox.take(key)
+        out.update(headers=headers, layouts=layouts, received=received)
 
     def _sum(self, p: Payload, pjs: list[Payload]) -> torch.Tensor:
         """Every worker's payload, summed in rank order (the same bits on every worker): integers in

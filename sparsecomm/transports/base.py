@@ -15,23 +15,17 @@ element-wise sum over workers gives the aggregate, how to finish it, what the wo
 which the transport sums (``_sum_linear``); other kinds are densified, unless the transport sums them
 itself (``sparse``: OmniReduce's block encoding, allgather's gather).
 
-**Asynchronous calls.** ``work = t.start(x)`` queues the call and returns at once; ``work.wait()``
-returns the sum (``allreduce(x)`` is ``start(x).wait()``). Every fabric has one communication thread
-(:class:`CommEngine`, as Horovod's background thread) that runs the calls of *all* transports on that
-fabric one at a time, in submission order. Since every worker submits its calls in the same order,
-the protocols' messages match exactly as in synchronous use, and every protocol gets the asynchronous
-API without being rewritten. ``start(x, then=f)`` runs ``f(sum)`` on the communication thread right
-after the sum (the DDP hook decodes there) and ``wait()`` returns ``f``'s result;
-``work.get_future()`` is a ``torch.futures.Future`` completed at the same moment, for chaining with
-``then`` as torch's DDP hooks do. ``x`` (and a payload's tensors) must not be modified until the work
-completes. An error on the communication thread is raised by ``wait()`` of that call and of every
-later one on the fabric (the protocols' message streams are then out of step). While calls are in
-flight, do not drive the fabric directly (send/recv, ``barrier``, ``compute``): use ``wait()`` first.
-``allreduce`` with nothing in flight runs on the calling thread (no thread hop), so synchronous use is
-unchanged. A transport whose call is a single non-blocking collective (``native``'s predicted calls)
-may instead *post* it on the calling thread while every earlier call is posted too
-(:meth:`CommEngine.post`): the order of messages is the call order all the same, and its completion
-runs on the communication thread in that order.
+**Asynchronous calls.** ``work = t.start(x)`` queues the call on the fabric's communication thread
+(:class:`~sparsecomm.fabric.engine.CommEngine`: one per fabric, running the calls of *all* transports on
+that fabric one at a time, in submission order; its rules on order, errors and exit are
+:mod:`sparsecomm.fabric.engine`'s) and returns at once; ``work.wait()`` returns the sum
+(``allreduce(x)`` is ``start(x).wait()``). ``start(x, then=f)`` runs ``f(sum)`` on the communication
+thread right after the sum (the DDP hook decodes there) and ``wait()`` returns ``f``'s result;
+``work.get_future()`` is a ``torch.futures.Future`` completed at the same moment. ``x`` (and a
+payload's tensors) must not be modified until the work completes. ``allreduce`` with nothing in flight
+runs on the calling thread (no thread hop), so synchronous use is unchanged. A transport whose call is a
+single non-blocking collective (``native``'s predicted calls) may instead *post* it on the calling thread
+(:meth:`~sparsecomm.fabric.engine.CommEngine.post`).
 
 **Calls of several rounds** (``start(x, then, next_round=f)``: PowerSGD's P, then Q) run their later
 rounds inside the same call, before any message of a later call, so a later call is never posted while
@@ -40,27 +34,19 @@ the call; every agreement the call makes (the handshake's header, the folded key
 carries it, so workers whose paired calls are different calls raise
 :class:`~sparsecomm.errors.MismatchError` instead of summing different tensors
 (:class:`~._handshake.CallId`).
-
-On SimFabric the communication thread drives the worker's endpoint on its behalf: an endpoint is not
-bound to a thread (its blocking, clock and quiescence bookkeeping are per endpoint), so the data and
-the modelled communication times are those of the synchronous calls in the same order; only
-``compute()`` (the modelled compute clock) must not be called while calls are in flight.
 """
 
 from __future__ import annotations
 
-import atexit
-import threading
 import time
-import weakref
 from abc import ABC, abstractmethod
-from collections import deque
 from typing import Any, Callable, ClassVar, NamedTuple
 
 import torch
 
-from ..errors import IncompatibleError, NonFiniteError
+from ..errors import IncompatibleError
 from ..fabric.base import Fabric
+from ..fabric.engine import CommWork, engine
 from ..fabric.stats import CommStats
 from ..payload import Payload
 from ..registry import Registry
@@ -150,9 +136,9 @@ class Transport(ABC):
 
     def start(self, x: torch.Tensor | Payload, then: Callable[[torch.Tensor], Any] | None = None, *,
               next_round: Callable[[torch.Tensor], Payload | torch.Tensor | None] | None = None,
-              call: CallId | None = None) -> "CommWork":
+              call: CallId | None = None) -> CommWork:
         """Queue ``allreduce(x)`` (then ``then(sum)``) on the fabric's communication thread; returns a
-        :class:`CommWork` at once. ``x`` must stay untouched until the work completes.
+        :class:`~sparsecomm.fabric.engine.CommWork` at once. ``x`` must stay untouched until the work completes.
 
         A call of several rounds (PowerSGD: P, then Q): ``next_round(sum)`` returns the next round's
         input (or None: no more rounds); each later round runs in the same call, right after the
@@ -171,8 +157,8 @@ class Transport(ABC):
 
     def run(self, x: torch.Tensor | Payload, call: CallId | None = None) -> torch.Tensor:
         """The call, on this thread, now: for code that already runs on the fabric's communication thread
-        (a job of :meth:`CommEngine.submit`, such as the pipeline's row-sparse rounds) or with nothing in
-        flight on the fabric; anywhere else use :meth:`start` or :meth:`allreduce`.
+        (a job of :meth:`~sparsecomm.fabric.engine.CommEngine.submit`, such as the pipeline's row-sparse
+        rounds) or with nothing in flight on the fabric; anywhere else use :meth:`start` or :meth:`allreduce`.
 
         Args:
             x: a tensor or a payload, as for :meth:`allreduce`.
@@ -302,287 +288,6 @@ class Transport(ABC):
 
 #: name -> transport class; every transport module registers itself here (``sc.transports.get``)
 registry: "Registry[Transport]" = Registry("transport")
-
-
-# ============================================================================ asynchronous calls
-class CommWork:
-    """Handle of a started collective: ``wait()`` returns its result (or raises its error)."""
-
-    def __init__(self) -> None:
-        self._done = threading.Event()
-        self._value: Any = None
-        self._exc: BaseException | None = None
-        self._callbacks: list[Callable[["CommWork"], None]] = []
-        self._lock = threading.Lock()
-
-    def wait(self, timeout: float | None = None) -> Any:
-        """Block until the call completed and return its result; re-raise its error. ``timeout``
-        (wall seconds) raises :class:`~sparsecomm.errors.FabricTimeout` (the fabric's own timeouts
-        normally end a stuck call first)."""
-        if not self._done.wait(timeout):
-            from ..errors import FabricTimeout
-
-            raise FabricTimeout(f"a started collective did not complete within {timeout:g} s")
-        if self._exc is not None:
-            raise self._exc
-        return self._value
-
-    def is_completed(self) -> bool:
-        return self._done.is_set()
-
-    def add_done_callback(self, fn: Callable[["CommWork"], None]) -> None:
-        """Call ``fn(work)`` once complete (at once if it is; else on the communication thread)."""
-        with self._lock:
-            if not self._done.is_set():
-                self._callbacks.append(fn)
-                return
-        fn(self)
-
-    def get_future(self) -> "torch.futures.Future[Any]":
-        """A ``torch.futures.Future`` completed with the result (or the error) of this call.
-
-        The error is the future's error as torch's C++ layer sees it too (a DDP comm hook's future is
-        waited on there): the future is chained with ``then`` from one that carries the outcome, so a
-        failed call fails the chained future with this call's exception, which DDP's backward re-raises
-        (a ``RuntimeError`` whose text starts with the exception's). ``Future.set_exception`` would
-        store the exception as the value, and DDP would try to use it as the bucket's tensor."""
-        fut: torch.futures.Future = torch.futures.Future()
-
-        def done(w: "CommWork") -> None:
-            fut.set_result((w._value, w._exc))
-
-        self.add_done_callback(done)
-        return fut.then(_unwrap_outcome)
-
-    def _finish(self, value: Any = None, exc: BaseException | None = None) -> None:
-        with self._lock:
-            self._value, self._exc = value, exc
-            self._done.set()
-            cbs, self._callbacks = self._callbacks, []
-        for cb in cbs:
-            try:
-                cb(self)
-            except Exception as e:  # noqa: BLE001 - a callback's error must not kill the comm thread
-                import warnings
-
-                warnings.warn(f"a CommWork done-callback raised {e!r}", RuntimeWarning)
-
-
-def _unwrap_outcome(fut: "torch.futures.Future[Any]") -> Any:
-    value, exc = fut.value()
-    if exc is not None:
-        raise exc
-    return value
-
-
-class CommEngine:
-    """One fabric's communication thread: runs submitted calls one at a time in submission order.
-
-    The thread starts on the first submission and leaves after ``idle_s`` seconds without work, or at
-    :meth:`close` (a new one starts on the next submission). After a call fails, every later call fails
-    with the same error, unless it is a :class:`~sparsecomm.errors.NonFiniteError`: that one is raised by
-    every worker after the same sum (the non-finite rule's checks, :mod:`sparsecomm.pipeline.nonfinite`, and
-    the transports' own), so the workers' streams of calls are still in step and later calls run.
-    ``idle_s`` is long enough for a training loop's (or a benchmark's interleaved) steps to find the thread
-    still there: starting one blocks the submitting thread (the autograd thread, in a DDP hook) until
-    the new thread runs, which on a host with more runnable threads than cores is a scheduling delay.
-    """
-
-    idle_s = 60.0
-
-    def __init__(self, name: str = "") -> None:
-        _live_engines.add(self)
-        self._cond = threading.Condition()
-        # (job, work, posted: its first messages are out, issues: it sends messages when it runs)
-        self._queue: deque[tuple[Callable[[], Any], CommWork, bool, bool]] = deque()
-        self._busy = False
-        self._thread: threading.Thread | None = None
-        self._failed: BaseException | None = None
-        self._name = name
-        self._issuing = 0           # queued or running jobs that send messages when they run
-        self._finishing = 0         # completed jobs whose done-callbacks are still running
-        self._resolving = False     # a posted call is being resolved (it runs handshakes): no posts
-        self._closing = False       # close(): the thread leaves once nothing is queued
-
-    def submit(self, job: Callable[[], Any]) -> CommWork:
-        """Queue ``job`` (which sends its messages when it runs, on the communication thread)."""
-        work = CommWork()
-        with self._cond:
-            if self._failed is not None:
-                work._finish(exc=self._failed)
-                return work
-            self._enqueue(job, work, posted=False, issues=True)
-        return work
-
-    def post(self, post: Callable[[], Any], complete: Callable[[Any], Any], *,
-             issues: bool = False) -> CommWork | None:
-        """Post a call's messages now, on the calling thread, and queue its completion: ``post()`` (it
-        must only post non-blocking collectives, in the order the calls are made) and, on the
-        communication thread in submission order, ``complete(posted)``; ``post()`` returning None
-        posts nothing (the call is not postable after all). Done only while no queued or running job
-        sends messages when it runs (every one is the completion of a posted call that sends nothing
-        more) and none is being resolved (:meth:`resolving`): then the call's messages follow every
-        earlier call's on every worker, as with :meth:`submit`, and the next call's messages are on
-        their way while this one completes (no idle gap between them). ``issues``: the completion
-        sends messages of its own (the later rounds of a call of several rounds), so no call is posted
-        until it has run. Returns None (post nothing) otherwise; the caller then submits the call
-        (:meth:`submit`)."""
-        work = CommWork()
-        with self._cond:
-            if self._failed is not None or self._issuing or self._resolving:
-                return None
-            try:
-                posted = post()
-            except BaseException as exc:  # noqa: BLE001 - the stream is out of step: later calls fail too
-                self._failed = exc
-                work._finish(exc=exc)
-                return work
-            if posted is None:
-                return None
-            self._enqueue(lambda: complete(posted), work, posted=True, issues=issues)
-        return work
-
-    def resolving(self) -> int:
-        """Called by a posted call's completion before it runs messages of its own (a handshake): no
-        further call is posted until :meth:`resolved`. Returns how many posted calls are queued
-        after it: their messages are already out, so if the resolution raises, the caller must stop
-        the job (fail-stop), since workers that did not post them never will."""
-        with self._cond:
-            self._resolving = True
-            return sum(1 for _, _, posted, _ in self._queue if posted)
-
-    def resolved(self) -> None:
-        with self._cond:
-            self._resolving = False
-
-    def _enqueue(self, job: Callable[[], Any], work: CommWork, posted: bool, issues: bool) -> None:
-        self._queue.append((job, work, posted, issues))
-        if issues:
-            self._issuing += 1
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name=f"sparsecomm-comm{self._name}",
-                                            daemon=True)
-            self._thread.start()
-        self._cond.notify_all()
-
-    def idle(self) -> bool:
-        """Nothing queued or running."""
-        with self._cond:
-            return not self._queue and not self._busy
-
-    def drain(self, timeout: float | None = None) -> None:
-        """Block until every submitted call has completed (errors are left to their works)."""
-        with self._cond:
-            self._cond.wait_for(lambda: not self._queue and not self._busy, timeout)
-
-    def settle(self, timeout: float | None = None) -> bool:
-        """Block until every submitted call has completed *and* its done-callbacks have returned (True
-        then). A callback that completes a ``torch.futures.Future`` (:meth:`CommWork.get_future`) wakes
-        the future's waiter before torch's C++ layer has released the callbacks chained on it; the
-        interpreter must not finalize until it has (see :func:`_settle_at_exit`)."""
-        with self._cond:
-            return self._cond.wait_for(
-                lambda: not self._queue and not self._busy and not self._finishing, timeout)
-
-    def close(self, timeout: float | None = None) -> bool:
-        """Let every submitted call complete and its done-callbacks return (:meth:`settle`), then end the
-        communication thread and join it, within ``timeout`` seconds in all; True once no thread is left.
-        The thread's last call (its job, work and result: tensors, torch futures, a posted collective's
-        gloo work) is released on that thread, with the interpreter whole. A later submission starts
-        a new thread."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if not self.settle(timeout):
-            return False
-        with self._cond:
-            thread = self._thread
-            if thread is None:
-                return True
-            self._closing = True
-            self._cond.notify_all()
-        if thread is not threading.current_thread():
-            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        return not thread.is_alive()
-
-    def _loop(self) -> None:
-        while True:
-            with self._cond:
-                if not self._cond.wait_for(lambda: bool(self._queue) or self._closing, self.idle_s) \
-                        or not self._queue:
-                    self._thread = None
-                    self._closing = False
-                    return
-                job, work, posted, issues = self._queue.popleft()
-                self._busy = True
-                failed = self._failed
-            value, exc = None, failed
-            if failed is None:
-                try:
-                    with torch.no_grad():
-                        value = job()
-                except BaseException as e:  # noqa: BLE001 - handed to the waiter
-                    exc = e
-            with self._cond:
-                if exc is not None and self._failed is None and not isinstance(exc, NonFiniteError):
-                    self._failed = exc
-                if issues:
-                    self._issuing -= 1
-                self._resolving = False
-                self._busy = False
-                self._finishing += 1
-                self._cond.notify_all()
-            try:
-                work._finish(value, exc)
-            finally:
-                with self._cond:
-                    self._finishing -= 1
-                    self._cond.notify_all()
-
-
-#: every CommEngine not yet collected, for :func:`_settle_at_exit`
-_live_engines: "weakref.WeakSet[CommEngine]" = weakref.WeakSet()
-
-#: how long the interpreter's exit waits for the communication threads' calls to complete
-EXIT_GRACE_S = 10.0
-
-
-def _settle_at_exit() -> None:
-    """Close every communication engine (:meth:`CommEngine.close`: its calls complete, its thread ends and
-    is joined; up to :data:`EXIT_GRACE_S` in all) before the interpreter finalizes, so that no thread of
-    the library is alive then. The threads are daemons, and a daemon thread that returns into Python
-    from torch's C++ layer once finalization has begun is ended by ``pthread_exit`` inside a C++
-    destructor, which aborts the process ("terminate called without an active exception", exit -6):
-    this happens when a script ends right after DDP's backward returns, while the comm thread is still
-    releasing the callbacks chained on the bucket's future. A thread left parked would also keep its
-    last call (a posted collective's gloo work, its tensors, the bucket's futures) referenced until
-    the process is gone; joined, it releases them first, on its own thread."""
-    deadline = time.monotonic() + EXIT_GRACE_S
-    for eng in list(_live_engines):
-        eng.close(max(0.0, deadline - time.monotonic()))
-
-
-atexit.register(_settle_at_exit)
-
-
-_engines_lock = threading.Lock()
-
-
-def engine(fabric: Fabric, create: bool = True) -> CommEngine | None:
-    """The communication engine of ``fabric`` (created on first use when ``create``)."""
-    eng = fabric.scratch.get("transports/comm_engine")
-    if eng is None and create:
-        with _engines_lock:
-            eng = fabric.scratch.get("transports/comm_engine")
-            if eng is None:
-                eng = CommEngine(str(fabric.rank))
-                fabric.scratch["transports/comm_engine"] = eng
-    return eng
-
-
-def drain(fabric: Fabric, timeout: float | None = None) -> None:
-    """Wait for every call started on ``fabric`` (the launcher does so before a worker finishes)."""
-    eng = engine(fabric, create=False)
-    if eng is not None:
-        eng.drain(timeout)
 
 
 def incompatible_message(transport: str, kind: str, shared_scale: bool = False, source: str | None = None) -> str:

@@ -124,7 +124,7 @@ def _deep_steps(ctx, net, opt, t0, t1, record=None):
 
 
 def _resume_worker(ctx, hook, resume_cap=10_000, probe=True):
-    from sparsecomm.transports.base import engine
+    from sparsecomm.fabric.engine import engine
 
     # uninterrupted: 8 steps
     model, net, state, opt = _deep_ddp(**hook)

@@ -13,7 +13,7 @@ from torch import nn
 
 import sparsecomm as sc
 from sparsecomm.errors import MismatchError, NonFiniteError, SparseCommError
-from sparsecomm.transports.base import engine
+from sparsecomm.fabric.engine import engine
 
 from tests import _train_common as tc
 
@@ -61,7 +61,7 @@ def test_start_returns_before_the_communication():
 
 EXIT_AFTER_FUTURE = """
 import time
-from sparsecomm.transports.base import CommEngine
+from sparsecomm.fabric.engine import CommEngine
 
 class SlowToRelease:
     def __del__(self):
@@ -103,7 +103,7 @@ def last():                      # registered before the library's handler, so i
 
 
 atexit.register(last)
-from sparsecomm.transports.base import CommEngine
+from sparsecomm.fabric.engine import CommEngine
 
 
 class Held:                      # what a call leaves on its thread: a result, a posted collective's work
@@ -138,7 +138,7 @@ def test_no_communication_thread_is_left_when_the_interpreter_finalizes(tmp_path
 def test_close_completes_the_calls_then_ends_the_thread_and_a_later_call_starts_a_new_one():
     """``CommEngine.close`` waits for the queued calls, ends the thread and joins it; the engine stays
     usable (a later submission starts a new thread)."""
-    from sparsecomm.transports.base import CommEngine
+    from sparsecomm.fabric.engine import CommEngine
 
     eng = CommEngine("-close")
     gate = threading.Event()

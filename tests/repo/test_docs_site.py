@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 MODULES = ("sparsecomm", "sparsecomm.optim", "sparsecomm.ddp", "sparsecomm.compressors", "sparsecomm.methods",
            "sparsecomm.transports", "sparsecomm.launch", "sparsecomm.netbed", "sparsecomm.errors",
            "sparsecomm.codec", "sparsecomm.registry", "sparsecomm.kernels", "sparsecomm.fabric.base",
-           "sparsecomm.fabric.roles",
+           "sparsecomm.fabric.roles", "sparsecomm.fabric.engine",
            "theory.compressors", "theory.rates", "theory.costs",
            "theory.problems", "theory.bits", "theory.method_operators")
 

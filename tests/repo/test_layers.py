@@ -190,9 +190,10 @@ def test_the_checker_sees_upward_loads_and_circles():
     # a module loaded by its name (importlib, a registry's provide) is an edge too
     assert "sparsecomm.transports" in _imports("sparsecomm.launch.torch_backend", import_time_only=False)
     # a lazy import inside a function is an edge for the layer check, not for the circle check
-    src = PKG / "launch" / "sim_backend.py"
-    assert "sparsecomm.transports.base" in _imports("sparsecomm.launch.sim_backend", import_time_only=False)
-    assert "sparsecomm.transports.base" not in _imports("sparsecomm.launch.sim_backend", import_time_only=True)
+    src = PKG / "launch" / "torch_backend.py"
+    lazy = "sparsecomm.fabric.torch.torch_fabric"
+    assert lazy in _imports("sparsecomm.launch.torch_backend", import_time_only=False)
+    assert lazy not in _imports("sparsecomm.launch.torch_backend", import_time_only=True)
     assert src.exists()
 
 

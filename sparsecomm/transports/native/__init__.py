@@ -18,7 +18,7 @@ vectors of at most ``fold_max_bytes`` (default 16 MiB, 0 never) fold.
 
 **Posted at once** (``start``, the DDP hook's and the optimizer's overlapped buckets): a predicted call
 is posted to gloo on the calling thread (``async_op``) whenever every call before it on the fabric is
-posted too (:meth:`~sparsecomm.transports.base.CommEngine.post`); the wait, the check above and
+posted too (:meth:`~sparsecomm.fabric.engine.CommEngine.post`); the wait, the check above and
 ``then`` run on the communication thread in call order. So the next bucket's all-reduce is queued
 behind the running one, as torch's own ``allreduce_hook`` does, instead of leaving the link idle while
 the communication thread wakes, checks, divides and picks the next call (the idle time this removes per
@@ -54,9 +54,10 @@ import torch
 
 from ...errors import IncompatibleError, InvalidValueError
 from ...fabric.base import Fabric
+from ...fabric.engine import engine
 from ...payload import Payload
 from .. import _fold
-from ..base import engine, registry
+from ..base import registry
 from .._guards import all_finite, guard_finite, nonfinite_option
 from .._handshake import calling, check_agreement, fail_stop
 from ...theory import costs
@@ -97,11 +98,11 @@ class Native(Transport):
 
     def start(self, x: torch.Tensor | Payload, then=None, *, next_round=None, call=None):
         """As :meth:`Transport.start`; a call predicted to fold (:mod:`.._fold`) is *posted* at once on
-        the calling thread when every call before it is posted too (:meth:`CommEngine.post`), so
-        that gloo has it queued while the calls before it complete (a DDP bucket's all-reduce follows
-        the previous one's with no idle link between them); its completion (the wait, the non-finite
-        check, the later rounds of a call of several rounds, ``then``) runs on the communication
-        thread in call order, and no call is posted while an earlier one has rounds left to send."""
+        the calling thread when every call before it is posted too
+        (:meth:`~sparsecomm.fabric.engine.CommEngine.post`), so that gloo has it queued while the calls
+        before it complete (a DDP bucket's all-reduce follows the previous one's with no idle link between
+        them); its completion (the wait, the non-finite check, the later rounds of a call of several
+        rounds, ``then``) runs on the communication thread in call order, and no call is posted while an earlier one has rounds left to send."""
         x = self.check_input(x)
         with calling(call):
             work = self._post_folded(x, then, next_round, call)

@@ -1,0 +1,340 @@
+"""The communication thread of a fabric: one per fabric, running the asynchronous calls of every protocol on it
+one at a time, in submission order (:class:`CommEngine`, as Horovod's background thread), with the handle of a
+started call (:class:`CommWork`) and the engines' settling at interpreter exit.
+
+**Order.** A job (:meth:`CommEngine.submit`) sends its messages when it runs, on the communication thread. Since
+every worker submits its jobs in the same order, the protocols' messages match exactly as in synchronous use,
+and every protocol gets an asynchronous API without being rewritten (``Transport.start``,
+:mod:`sparsecomm.transports.base`). A job whose call is a single non-blocking collective may instead *post* it on
+the calling thread while every earlier job is posted too (:meth:`CommEngine.post`): the order of messages is the
+submission order all the same, and its completion runs on the communication thread in that order.
+
+**Errors.** A job's error is raised by ``wait()`` of its :class:`CommWork` and of every later one on the
+fabric (the protocols' message streams are then out of step), except a
+:class:`~sparsecomm.errors.NonFiniteError`, which every worker raises after the same sum, so the streams are
+still in step. While jobs are in flight, do not drive the fabric directly (send/recv, ``barrier``,
+``compute``): wait for them first (:func:`drain`).
+
+**Futures.** :meth:`CommWork.get_future` is a ``torch.futures.Future`` completed with the job's result, for
+chaining with ``then`` as torch's DDP hooks do; a failed job fails the chained future with its exception.
+
+**Exit.** At interpreter exit every engine completes its jobs, ends its thread and joins it, within
+:data:`EXIT_GRACE_S` (``_settle_at_exit``), so that no thread of the library is alive when the interpreter
+finalizes.
+
+On SimFabric the communication thread drives the worker's endpoint on its behalf: an endpoint is not bound to a
+thread (its blocking, clock and quiescence bookkeeping are per endpoint), so the data and the modelled
+communication times are those of the synchronous calls in the same order; only ``compute()`` (the modelled
+compute clock) must not be called while jobs are in flight.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+import time
+import weakref
+from collections import deque
+from typing import Any, Callable
+
+import torch
+
+from ..errors import FabricTimeout, NonFiniteError
+from .base import Fabric
+
+__all__ = ["CommWork", "CommEngine", "engine", "drain", "EXIT_GRACE_S"]
+
+
+class CommWork:
+    """Handle of a started collective: ``wait()`` returns its result (or raises its error)."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._value: Any = None
+        self._exc: BaseException | None = None
+        self._callbacks: list[Callable[["CommWork"], None]] = []
+        self._lock = threading.Lock()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until the call completed and return its result; re-raise its error. ``timeout``
+        (wall seconds) raises :class:`~sparsecomm.errors.FabricTimeout` (the fabric's own timeouts
+        normally end a stuck call first)."""
+        if not self._done.wait(timeout):
+            raise FabricTimeout(f"a started collective did not complete within {timeout:g} s")
+        if self._exc is not None:
+            raise self._exc
+        return self._value
+
+    def is_completed(self) -> bool:
+        """True once the call completed (with a result or an error)."""
+        return self._done.is_set()
+
+    def add_done_callback(self, fn: Callable[["CommWork"], None]) -> None:
+        """Call ``fn(work)`` once complete (at once if it is; else on the communication thread)."""
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def get_future(self) -> "torch.futures.Future[Any]":
+        """A ``torch.futures.Future`` completed with the result (or the error) of this call.
+
+        The error is the future's error as torch's C++ layer sees it too (a DDP comm hook's future is
+        waited on there): the future is chained with ``then`` from one that carries the outcome, so a
+        failed call fails the chained future with this call's exception, which DDP's backward re-raises
+        (a ``RuntimeError`` whose text starts with the exception's). ``Future.set_exception`` would
+        store the exception as the value, and DDP would try to use it as the bucket's tensor."""
+        fut: torch.futures.Future = torch.futures.Future()
+
+        def done(w: "CommWork") -> None:
+            fut.set_result((w._value, w._exc))
+
+        self.add_done_callback(done)
+        return fut.then(_unwrap_outcome)
+
+    def _finish(self, value: Any = None, exc: BaseException | None = None) -> None:
+        with self._lock:
+            self._value, self._exc = value, exc
+            self._done.set()
+            cbs, self._callbacks = self._callbacks, []
+        for cb in cbs:
+            try:
+                cb(self)
+            except Exception as e:  # noqa: BLE001 - a callback's error must not kill the comm thread
+                import warnings
+
+                warnings.warn(f"a CommWork done-callback raised {e!r}", RuntimeWarning)
+
+
+def _unwrap_outcome(fut: "torch.futures.Future[Any]") -> Any:
+    value, exc = fut.value()
+    if exc is not None:
+        raise exc
+    return value
+
+
+class CommEngine:
+    """One fabric's communication thread: runs submitted calls one at a time in submission order.
+
+    The thread starts on the first submission and leaves after ``idle_s`` seconds without work, or at
+    :meth:`close` (a new one starts on the next submission). After a call fails, every later call fails
+    with the same error, unless it is a :class:`~sparsecomm.errors.NonFiniteError`: that one is raised by
+    every worker after the same sum (the non-finite rule's checks, :mod:`sparsecomm.pipeline.nonfinite`, and
+    the transports' own), so the workers' streams of calls are still in step and later calls run.
+    ``idle_s`` is long enough for a training loop's (or a benchmark's interleaved) steps to find the thread
+    still there: starting one blocks the submitting thread (the autograd thread, in a DDP hook) until
+    the new thread runs, which on a host with more runnable threads than cores is a scheduling delay.
+
+    Args:
+        name: the suffix of the thread's name (``sparsecomm-comm<name>``; :func:`engine` gives the rank).
+    """
+
+    idle_s = 60.0
+
+    def __init__(self, name: str = "") -> None:
+        _live_engines.add(self)
+        self._cond = threading.Condition()
+        # (job, work, posted: its first messages are out, issues: it sends messages when it runs)
+        self._queue: deque[tuple[Callable[[], Any], CommWork, bool, bool]] = deque()
+        self._busy = False
+        self._thread: threading.Thread | None = None
+        self._failed: BaseException | None = None
+        self._name = name
+        self._issuing = 0           # queued or running jobs that send messages when they run
+        self._finishing = 0         # completed jobs whose done-callbacks are still running
+        self._resolving = False     # a posted call is being resolved (it runs handshakes): no posts
+        self._closing = False       # close(): the thread leaves once nothing is queued
+
+    def submit(self, job: Callable[[], Any]) -> CommWork:
+        """Queue ``job`` (which sends its messages when it runs, on the communication thread)."""
+        work = CommWork()
+        with self._cond:
+            if self._failed is not None:
+                work._finish(exc=self._failed)
+                return work
+            self._enqueue(job, work, posted=False, issues=True)
+        return work
+
+    def post(self, post: Callable[[], Any], complete: Callable[[Any], Any], *,
+             issues: bool = False) -> CommWork | None:
+        """Post a call's messages now, on the calling thread, and queue its completion: ``post()`` (it
+        must only post non-blocking collectives, in the order the calls are made) and, on the
+        communication thread in submission order, ``complete(posted)``; ``post()`` returning None
+        posts nothing (the call is not postable after all). Done only while no queued or running job
+        sends messages when it runs (every one is the completion of a posted call that sends nothing
+        more) and none is being resolved (:meth:`resolving`): then the call's messages follow every
+        earlier call's on every worker, as with :meth:`submit`, and the next call's messages are on
+        their way while this one completes (no idle gap between them). ``issues``: the completion
+        sends messages of its own (the later rounds of a call of several rounds), so no call is posted
+        until it has run. Returns None (post nothing) otherwise; the caller then submits the call
+        (:meth:`submit`)."""
+        work = CommWork()
+        with self._cond:
+            if self._failed is not None or self._issuing or self._resolving:
+                return None
+            try:
+                posted = post()
+            except BaseException as exc:  # noqa: BLE001 - the stream is out of step: later calls fail too
+                self._failed = exc
+                work._finish(exc=exc)
+                return work
+            if posted is None:
+                return None
+            self._enqueue(lambda: complete(posted), work, posted=True, issues=issues)
+        return work
+
+    def resolving(self) -> int:
+        """Called by a posted call's completion before it runs messages of its own (a handshake): no
+        further call is posted until :meth:`resolved`. Returns how many posted calls are queued
+        after it: their messages are already out, so if the resolution raises, the caller must stop
+        the job (fail-stop), since workers that did not post them never will."""
+        with self._cond:
+            self._resolving = True
+            return sum(1 for _, _, posted, _ in self._queue if posted)
+
+    def resolved(self) -> None:
+        """Called once the resolution announced by :meth:`resolving` is over: calls may be posted again."""
+        with self._cond:
+            self._resolving = False
+
+    def _enqueue(self, job: Callable[[], Any], work: CommWork, posted: bool, issues: bool) -> None:
+        self._queue.append((job, work, posted, issues))
+        if issues:
+            self._issuing += 1
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name=f"sparsecomm-comm{self._name}",
+                                            daemon=True)
+            self._thread.start()
+        self._cond.notify_all()
+
+    def idle(self) -> bool:
+        """Nothing queued or running."""
+        with self._cond:
+            return not self._queue and not self._busy
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Block until every submitted call has completed (errors are left to their works), or for at most
+        ``timeout`` wall seconds (None: no limit)."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._queue and not self._busy, timeout)
+
+    def settle(self, timeout: float | None = None) -> bool:
+        """Block until every submitted call has completed *and* its done-callbacks have returned (True
+        then; False when ``timeout`` wall seconds passed first). A callback that completes a
+        ``torch.futures.Future`` (:meth:`CommWork.get_future`) wakes the future's waiter before torch's C++
+        layer has released the callbacks chained on it; the interpreter must not finalize until it has
+        (see :func:`_settle_at_exit`)."""
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: not self._queue and not self._busy and not self._finishing, timeout)
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Let every submitted call complete and its done-callbacks return (:meth:`settle`), then end the
+        communication thread and join it, within ``timeout`` seconds in all; True once no thread is left.
+        The thread's last call (its job, work and result: tensors, torch futures, a posted collective's
+        gloo work) is released on that thread, with the interpreter whole. A later submission starts
+        a new thread."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self.settle(timeout):
+            return False
+        with self._cond:
+            thread = self._thread
+            if thread is None:
+                return True
+            self._closing = True
+            self._cond.notify_all()
+        if thread is not threading.current_thread():
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return not thread.is_alive()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                if not self._cond.wait_for(lambda: bool(self._queue) or self._closing, self.idle_s) \
+                        or not self._queue:
+                    self._thread = None
+                    self._closing = False
+                    return
+                job, work, posted, issues = self._queue.popleft()
+                self._busy = True
+                failed = self._failed
+            value, exc = None, failed
+            if failed is None:
+                try:
+                    with torch.no_grad():
+                        value = job()
+                except BaseException as e:  # noqa: BLE001 - handed to the waiter
+                    exc = e
+            with self._cond:
+                if exc is not None and self._failed is None and not isinstance(exc, NonFiniteError):
+                    self._failed = exc
+                if issues:
+                    self._issuing -= 1
+                self._resolving = False
+                self._busy = False
+                self._finishing += 1
+                self._cond.notify_all()
+            try:
+                work._finish(value, exc)
+            finally:
+                with self._cond:
+                    self._finishing -= 1
+                    self._cond.notify_all()
+
+
+#: every CommEngine not yet collected, for :func:`_settle_at_exit`
+_live_engines: "weakref.WeakSet[CommEngine]" = weakref.WeakSet()
+
+#: how long the interpreter's exit waits for the communication threads' calls to complete
+EXIT_GRACE_S = 10.0
+
+
+def _settle_at_exit() -> None:
+    """Close every communication engine (:meth:`CommEngine.close`: its calls complete, its thread ends and
+    is joined; up to :data:`EXIT_GRACE_S` in all) before the interpreter finalizes, so that no thread of
+    the library is alive then. The threads are daemons, and a daemon thread that returns into Python
+    from torch's C++ layer once finalization has begun is ended by ``pthread_exit`` inside a C++
+    destructor, which aborts the process ("terminate called without an active exception", exit -6):
+    this happens when a script ends right after DDP's backward returns, while the comm thread is still
+    releasing the callbacks chained on the bucket's future. A thread left parked would also keep its
+    last call (a posted collective's gloo work, its tensors, the bucket's futures) referenced until
+    the process is gone; joined, it releases them first, on its own thread."""
+    deadline = time.monotonic() + EXIT_GRACE_S
+    for eng in list(_live_engines):
+        eng.close(max(0.0, deadline - time.monotonic()))
+
+
+atexit.register(_settle_at_exit)
+
+
+_engines_lock = threading.Lock()
+
+
+def engine(fabric: Fabric, create: bool = True) -> CommEngine | None:
+    """The communication engine of ``fabric`` (created on first use when ``create``; else None until then).
+
+    Args:
+        fabric: the fabric whose calls the engine runs (its ``scratch`` holds the engine).
+        create: create the engine if the fabric has none yet.
+    """
+    eng = fabric.scratch.get("fabric/comm_engine")
+    if eng is None and create:
+        with _engines_lock:
+            eng = fabric.scratch.get("fabric/comm_engine")
+            if eng is None:
+                eng = CommEngine(str(fabric.rank))
+                fabric.scratch["fabric/comm_engine"] = eng
+    return eng
+
+
+def drain(fabric: Fabric, timeout: float | None = None) -> None:
+    """Wait for every call started on ``fabric`` (the launcher does so before a worker finishes).
+
+    Args:
+        fabric: the fabric whose engine to wait for (nothing to wait for if it has none).
+        timeout: the most wall seconds to wait (None: no limit).
+    """
+    eng = engine(fabric, create=False)
+    if eng is not None:
+        eng.drain(timeout)
