@@ -293,18 +293,53 @@ class Flush(NamedTuple):
     hold: object
 
 
+class WaitAny(NamedTuple):
+    """What :func:`schedule` waits for: the first element of ``groups`` (lists of pending receives, in order
+    of preference) that is in, by :meth:`.base.Fabric.wait_any`'s rule; the generator is sent its index."""
+
+    groups: list
+
+
+class WaitAll(NamedTuple):
+    """What :func:`schedule` waits for: every receive of ``works`` completed (in this order)."""
+
+    works: list
+
+
+def schedule(fabric, inbox: Inbox, outbox: Outbox, roles: list, keep: int = 64) -> Generator:
+    """The scheduler of an endpoint as a generator (the sans-I/O core of :func:`drive`): it runs the
+    ``roles`` and yields only what it must wait for, a :class:`WaitAny` (sent back the index chosen) or a
+    :class:`WaitAll`; its driver performs those waits (:func:`drive` blocks in them; the SimFabric makes
+    them events of its loop). Sends are never waited for here beyond what :class:`Outbox` and
+    :class:`Pool` do, which on every fabric completes without another endpoint's progress (rule R12)."""
+    return _Scheduler(fabric, inbox, outbox).run(roles, keep)
+
+
 def drive(fabric, inbox: Inbox, outbox: Outbox, roles: list, keep: int = 64) -> None:
     """The generic scheduler of an endpoint (what :meth:`.base.Fabric.drive` runs): run the ``roles``
     (generators yielding the requests above) on ``fabric``, with ``inbox`` and ``outbox``, until every one
     has returned. While some wait, resume the first (by :class:`Stage`) of those able to run whose messages
     are in by the time the first such is (:meth:`.base.Fabric.wait_any`); the only one able to run, or a
-    preferred one whose wait is :attr:`~Stage.sure`, at once. Before choosing, when every role able to run
-    waits at a stage that :attr:`~Stage.reaps`, finish all but ``keep`` of this endpoint's sends. A role's
-    exception ends the call (it propagates to the caller); a role that can never run is a bug, reported as
+    preferred one whose wait is :attr:`~Stage.sure`, once its messages are in (an ``any`` wait with none
+    in: its first key's). Before choosing, when every role able to run waits at a stage that
+    :attr:`~Stage.reaps`, finish all but ``keep`` of this endpoint's sends. A role's exception ends the
+    call (it propagates to the caller); a role that can never run is a bug, reported as
     :class:`~sparsecomm.errors.ProtocolError`. It never blocks on one role while another could run, unless
     on messages that come whatever this endpoint does: every wait ends, on any fabric
-    (``docs/omnireduce-scheduler.md``)."""
-    _Scheduler(fabric, inbox, outbox).run(roles, keep)
+    (``docs/omnireduce-scheduler.md``). This driver performs :func:`schedule`'s waits by blocking."""
+    sched = schedule(fabric, inbox, outbox, roles, keep)
+    value = None
+    while True:
+        try:
+            req = sched.send(value)
+        except StopIteration:
+            return
+        if type(req) is WaitAny:
+            value = fabric.wait_any(req.groups)
+        else:
+            for w in req.works:
+                w.wait()
+            value = None
 
 
 class _Scheduler:
@@ -322,24 +357,32 @@ class _Scheduler:
         self.seq = 0
         self.polling = False
 
-    def run(self, roles: list, keep: int) -> None:
+    def run(self, roles: list, keep: int) -> Generator:
         self.inbox.observe(self.changed)
         try:
-            self._run(roles, keep)
+            yield from self._run(roles, keep)
         finally:
             self.inbox.observe(None)
 
-    def _run(self, roles: list, keep: int) -> None:
+    def _run(self, roles: list, keep: int) -> Generator:
         for role in roles:
-            self.advance(role)
+            yield from self.advance(role)
         while self.waiting:
             cands = self.runnable()
             if not cands:
                 raise ProtocolError(f"endpoint {self.fabric.rank}: no role of this call can run (a bug)")
             if all(rw[1].stage.reaps for _, rw in cands):
                 self.outbox.reap(keep)
-            if len(cands) == 1 or cands[0][1][1].stage.sure:   # the only one, or sure: its own takes block
-                self.resume(cands[0][0])
+            if len(cands) == 1 or cands[0][1][1].stage.sure:   # the only one, or sure: its messages, then it
+                req = cands[0][1][1]
+                pend = self.inbox.pending(req.keys)
+                if req.any and len(pend) == len(req.keys):
+                    pend = pend[:1]            # none in: the first (the one such a role takes first)
+                elif req.any:
+                    pend = []
+                if pend:
+                    yield WaitAll(pend)
+                yield from self.resume(cands[0][0])
                 continue
             groups, owner = [], []   # per candidate its pending receives; an ``any`` one, each alone
             for s, (_, req) in cands:
@@ -350,10 +393,12 @@ class _Scheduler:
                 else:
                     groups.append([] if req.any else pend)
                     owner.append(s)
-            self.resume(owner[self.fabric.wait_any(groups)])
+            i = yield WaitAny(groups)
+            yield from self.resume(owner[i])
 
-    def advance(self, role) -> None:
-        """Run ``role`` until it waits (or returns), performing its non-blocking requests."""
+    def advance(self, role) -> Generator:
+        """Run ``role`` until it waits (or returns), performing its non-blocking requests (a generator: a
+        :class:`Poll` may resume others, whose waits it yields)."""
         inbox, outbox = self.inbox, self.outbox
         while True:
             try:
@@ -370,14 +415,14 @@ class _Scheduler:
             elif t is Hand:
                 inbox.put(req.key, req.msg)
             elif t is Spawn:
-                self.advance(req.role)
+                yield from self.advance(req.role)
             elif t is Flush:
                 outbox.pool.settle(req.hold)
             elif t is Poll:
                 if not self.polling:
                     self.polling = True
                     try:
-                        self.poll(req.below)
+                        yield from self.poll(req.below)
                     finally:
                         self.polling = False
             elif t is Recv:
@@ -416,7 +461,7 @@ class _Scheduler:
         waiting = self.waiting
         return sorted(((s, waiting[s]) for s in self.able), key=lambda e: (e[1][1].stage, e[0]))
 
-    def resume(self, s: int) -> None:
+    def resume(self, s: int) -> Generator:
         role, req = self.waiting.pop(s)
         del self.lacks[s]
         self.able.discard(s)
@@ -425,9 +470,9 @@ class _Scheduler:
             w[:] = [e for e in w if e[0] != s]
             if not w:
                 del self.watchers[k]
-        self.advance(role)
+        yield from self.advance(role)
 
-    def poll(self, below=None) -> None:
+    def poll(self, below=None) -> Generator:
         """Run the roles whose messages are in already (without blocking), best first, until none is
         (``below``: only those of an earlier phase)."""
         ready, waiting = self.inbox.ready, self.waiting
@@ -439,4 +484,4 @@ class _Scheduler:
                       key=lambda e: (e[1][1].stage, e[0]), default=None)
             if now is None:
                 return
-            self.resume(now[0])
+            yield from self.resume(now[0])
