@@ -301,16 +301,21 @@ class WaitAny(NamedTuple):
 
 
 class WaitAll(NamedTuple):
-    """What :func:`schedule` waits for: every receive of ``works`` completed (in this order)."""
+    """What :func:`schedule` says before it resumes a role that takes the messages ``keys`` (its
+    :class:`Recv`'s) at once, whether they are in or not (the only role able to run, or a :attr:`~Stage.sure`
+    one): a driver whose waits are not calls that block (the SimFabric's loop) completes those receives first,
+    in this order (``any``: only the first, and only if none of them is in); a blocking driver (:func:`drive`)
+    lets the role's own takes block, as they would. The generator is sent nothing back."""
 
-    works: list
+    keys: tuple
+    any: bool = False
 
 
 def schedule(fabric, inbox: Inbox, outbox: Outbox, roles: list, keep: int = 64) -> Generator:
     """The scheduler of an endpoint as a generator (the sans-I/O core of :func:`drive`): it runs the
     ``roles`` and yields only what it must wait for, a :class:`WaitAny` (sent back the index chosen) or a
-    :class:`WaitAll`; its driver performs those waits (:func:`drive` blocks in them; the SimFabric makes
-    them events of its loop). Sends are never waited for here beyond what :class:`Outbox` and
+    :class:`WaitAll`; its driver performs those waits (:func:`drive` blocks in them, or in the role's takes;
+    the SimFabric makes them events of its loop). Sends are never waited for here beyond what :class:`Outbox` and
     :class:`Pool` do, which on every fabric completes without another endpoint's progress (rule R12)."""
     return _Scheduler(fabric, inbox, outbox).run(roles, keep)
 
@@ -334,12 +339,7 @@ def drive(fabric, inbox: Inbox, outbox: Outbox, roles: list, keep: int = 64) -> 
             req = sched.send(value)
         except StopIteration:
             return
-        if type(req) is WaitAny:
-            value = fabric.wait_any(req.groups)
-        else:
-            for w in req.works:
-                w.wait()
-            value = None
+        value = fabric.wait_any(req.groups) if type(req) is WaitAny else None   # (WaitAll: the takes block)
 
 
 class _Scheduler:
@@ -373,15 +373,9 @@ class _Scheduler:
                 raise ProtocolError(f"endpoint {self.fabric.rank}: no role of this call can run (a bug)")
             if all(rw[1].stage.reaps for _, rw in cands):
                 self.outbox.reap(keep)
-            if len(cands) == 1 or cands[0][1][1].stage.sure:   # the only one, or sure: its messages, then it
+            if len(cands) == 1 or cands[0][1][1].stage.sure:   # the only one, or sure: its own takes block
                 req = cands[0][1][1]
-                pend = self.inbox.pending(req.keys)
-                if req.any and len(pend) == len(req.keys):
-                    pend = pend[:1]            # none in: the first (the one such a role takes first)
-                elif req.any:
-                    pend = []
-                if pend:
-                    yield WaitAll(pend)
+                yield WaitAll(req.keys, req.any)
                 yield from self.resume(cands[0][0])
                 continue
             groups, owner = [], []   # per candidate its pending receives; an ``any`` one, each alone

@@ -105,4 +105,4 @@ def test_the_scheduler_is_sans_io_its_waits_are_yielded():
 
     sched = roles.schedule(fab, inbox, outbox, [role()])
     req = next(sched)
-    assert isinstance(req, roles.WaitAll) and len(req.works) == 1
+    assert isinstance(req, roles.WaitAll) and req.keys == ("k",)

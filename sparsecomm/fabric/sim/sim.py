@@ -281,11 +281,16 @@ class SimFabric(Fabric):
                 return
             if type(req) is _roles.WaitAny:
                 value = yield from self._wait_any_process(req.groups)
-            else:
-                for w in req.works:
-                    if not w.is_completed():
-                        yield from w.process()
-                value = None
+                continue
+            value = None        # WaitAll: the role takes these at once; they are received first, here
+            works = [w for w in map(inbox.work, req.keys) if w is not None]
+            if req.any:
+                if len(works) < len(req.keys) or any(w.is_completed() for w in works):
+                    continue    # one is in (or was handed over)
+                works = works[:1]
+            for w in works:
+                if not w.is_completed():
+                    yield from w.process()
 
     def _raise_if_failed(self) -> None:
         failure = self.world.failure
