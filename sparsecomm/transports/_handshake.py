@@ -53,7 +53,7 @@ prediction by ``Transport.run`` before its first message, so this function needs
 from __future__ import annotations
 
 import contextlib
-import threading
+import contextvars
 import zlib
 from dataclasses import dataclass, replace
 from typing import Hashable, Iterator, Sequence
@@ -107,7 +107,7 @@ class CallId:
 
 #: the words of a call made without an identity
 NO_CALL = (-1, -1, -1)
-_current = threading.local()
+_current: contextvars.ContextVar[CallId | None] = contextvars.ContextVar("sparsecomm_call", default=None)
 
 
 @contextlib.contextmanager
@@ -117,17 +117,17 @@ def calling(call: CallId | None) -> Iterator[None]:
     if call is None:
         yield
         return
-    prev = getattr(_current, "call", None)
-    _current.call = call
+    token = _current.set(call)
     try:
         yield
     finally:
-        _current.call = prev
+        _current.reset(token)
 
 
 def current_call() -> CallId | None:
-    """The identity of the call this thread runs (:func:`calling`), or None."""
-    return getattr(_current, "call", None)
+    """The identity of the call this thread runs (:func:`calling`), or None. A context variable: a process
+    of the SimFabric's loop runs in the context of the thread that handed it over."""
+    return _current.get()
 
 
 def call_words() -> tuple[int, int, int]:

@@ -36,6 +36,7 @@ sends, so that its peers can only notice by timing out.
 
 from __future__ import annotations
 
+import contextvars
 import heapq
 from collections import deque
 from typing import Callable, Generator
@@ -76,13 +77,16 @@ class Proc:
     """A process of endpoint ``ep``: the generator ``gen``, what it waits for (``wait``, ``None`` while
     able to run), what it is resumed with next (``value``, or ``exc`` thrown in), and once it has returned
     (``done``) its ``result`` or ``error``. ``owner``: a thread parked on it (:mod:`sparsecomm.fabric.sim_gate`),
-    whose endpoint runs again the moment it is done."""
+    whose endpoint runs again the moment it is done. It runs in the context (:mod:`contextvars`) of the code that
+    spawned it, whichever thread runs the loop."""
 
     __slots__ = ("ep", "gen", "seq", "wait", "value", "exc", "done", "result", "error", "owner", "no",
-                 "event", "queued", "retry")
+                 "event", "queued", "retry", "context")
 
     def __init__(self, ep: Endpoint, gen: Generator, seq: int, owner: bool) -> None:
         self.ep, self.gen, self.seq, self.owner = ep, gen, seq, owner
+        #: the context variables it runs with: those of the code that handed it over (a call's identity)
+        self.context = contextvars.copy_context()
         self.wait: RecvWait | AnyWait | None = None
         self.value: object = None
         self.exc: BaseException | None = None
@@ -228,15 +232,15 @@ class World:
             if not self._try(p, req):
                 self._block(p, req)
                 return
-        gen = p.gen
+        gen, run = p.gen, p.context.run
         while True:
             try:
                 if p.exc is not None:
                     exc, p.exc = p.exc, None
-                    req = gen.throw(exc)
+                    req = run(gen.throw, exc)
                 else:
                     value, p.value = p.value, None
-                    req = gen.send(value)
+                    req = run(gen.send, value)
             except StopIteration as stop:
                 self._done(p, stop.value, None)
                 return
