@@ -15,11 +15,12 @@ is a :class:`.base.Fabric` (not imported here: the contract imports this module)
 
 from __future__ import annotations
 
+import time
 from typing import Generator, NamedTuple, Protocol
 
 import torch
 
-from ..errors import ProtocolError
+from ..errors import FabricTimeout, ProtocolError
 
 __all__ = ["Pool", "Inbox", "Outbox", "Stage", "Step", "Send", "Post", "PostInto", "Hand", "Recv", "Poll", "Spawn",
            "Flush", "drive"]
@@ -212,7 +213,8 @@ class Step(NamedTuple):
 # ----------------------------------------------------------------------------------------- requests
 # A role (a generator) yields these to :func:`drive`. Send, Post, PostInto, Hand and Spawn never block:
 # the scheduler performs them and resumes the role at once. Recv suspends it until its messages are in;
-# Poll lets the others run meanwhile; Flush blocks until sends of its own have completed.
+# Poll lets the others run meanwhile; Flush blocks until sends of its own have completed; RecvWithin and
+# AwaitWithin wait with a deadline, blocking this endpoint (for an endpoint of one role).
 
 
 class Send(NamedTuple):
@@ -293,6 +295,28 @@ class Flush(NamedTuple):
     hold: object
 
 
+class RecvWithin(NamedTuple):
+    """Receive into ``buf`` from endpoint ``src`` (``None``: any) on ``tag``, waiting at most ``timeout``
+    seconds (modelled seconds on a SimFabric, wall seconds elsewhere); the role is resumed with the
+    source, or ``None`` once the time has passed without a message. It blocks this endpoint: no other role
+    of it runs meanwhile, so it is for an endpoint that runs one role (a switch's port, a worker's stream of
+    packets under a retransmission timer)."""
+
+    buf: torch.Tensor
+    src: int | None
+    tag: int
+    timeout: float
+
+
+class AwaitWithin(NamedTuple):
+    """Wait until the posted receive of message ``key`` is in, or ``timeout`` seconds have passed (as
+    :class:`RecvWithin`); the role is resumed with whether it is in. A receive still out stays posted: the
+    next message on its channel goes to it. It blocks this endpoint, as :class:`RecvWithin`."""
+
+    key: object
+    timeout: float
+
+
 class WaitAny(NamedTuple):
     """What :func:`schedule` waits for: the first element of ``groups`` (lists of pending receives, in order
     of preference) that is in, by :meth:`.base.Fabric.wait_any`'s rule; the generator is sent its index."""
@@ -339,7 +363,41 @@ def drive(fabric, inbox: Inbox, outbox: Outbox, roles: list, keep: int = 64) -> 
             req = sched.send(value)
         except StopIteration:
             return
-        value = fabric.wait_any(req.groups) if type(req) is WaitAny else None   # (WaitAll: the takes block)
+        t = type(req)
+        if t is WaitAny:
+            value = fabric.wait_any(req.groups)
+        elif t is RecvWithin:
+            try:
+                value = fabric.recv(req.buf, req.src, req.tag, timeout=req.timeout)
+            except FabricTimeout:
+                value = None
+        elif t is AwaitWithin:
+            value = _await_within(fabric, inbox.work(req.key), req.timeout)
+        else:
+            value = None        # WaitAll: the role's takes block
+
+
+def _await_within(fabric, work, timeout: float) -> bool:
+    """:class:`AwaitWithin` by blocking: is ``work`` (a posted receive, ``None`` if put locally) complete
+    within ``timeout``? A modelled fabric's timed wait leaves a receive that timed out posted; elsewhere the
+    wait polls, so that the receive stays the inbox's (a real fabric's timed-out receive would be adopted by
+    the next receive posted on its channel)."""
+    if work is None or work.is_completed():
+        return True
+    if fabric.modelled_time:
+        try:
+            work.wait(timeout=timeout)
+        except FabricTimeout:
+            return False
+        return True
+    deadline = time.perf_counter() + timeout
+    delay = 2e-5
+    while not work.is_completed():
+        if time.perf_counter() >= deadline:
+            return False
+        time.sleep(delay)
+        delay = min(2 * delay, 1e-3)
+    return True
 
 
 class _Scheduler:
@@ -394,11 +452,13 @@ class _Scheduler:
         """Run ``role`` until it waits (or returns), performing its non-blocking requests (a generator: a
         :class:`Poll` may resume others, whose waits it yields)."""
         inbox, outbox = self.inbox, self.outbox
+        value = None
         while True:
             try:
-                req = next(role)
+                req = role.send(value)
             except StopIteration:
                 return
+            value = None
             t = type(req)
             if t is Send:
                 outbox.send(req.buf, req.dst, req.tag, key=req.hold, deferrable=req.deferrable)
@@ -422,6 +482,8 @@ class _Scheduler:
             elif t is Recv:
                 self.wait(role, req)
                 return
+            elif t is RecvWithin or t is AwaitWithin:
+                value = yield req       # the driver's wait, this endpoint's alone (no other role runs meanwhile)
             else:
                 raise ProtocolError(f"endpoint {self.fabric.rank}: a role asked for {req!r} (a bug)")
 

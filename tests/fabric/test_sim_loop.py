@@ -106,3 +106,33 @@ def test_the_scheduler_is_sans_io_its_waits_are_yielded():
     sched = roles.schedule(fab, inbox, outbox, [role()])
     req = next(sched)
     assert isinstance(req, roles.WaitAll) and req.keys == ("k",)
+
+
+def test_a_timed_receive_of_a_role_resumes_at_its_deadline_or_with_the_message():
+    from sparsecomm.fabric.roles import AwaitWithin, RecvWithin
+
+    def fn(ctx):
+        f = ctx.fabric
+        if ctx.rank == 1:
+            f.compute(5e-3)
+            f.send(torch.ones(2), 0, 4)
+            f.send(torch.ones(2), 0, 5)
+            return None
+        pool = Pool()
+        inbox, outbox = Inbox(f, pool), Outbox(f, pool)
+        got = []
+
+        def role():
+            buf = torch.zeros(2)
+            got.append(((yield RecvWithin(buf, 1, 4, 1e-3)), f.now()))      # nothing by 1 ms
+            got.append(((yield RecvWithin(buf, None, 4, 1.0)), buf.tolist()))
+            yield PostInto("k", torch.zeros(2), 1, 5)
+            got.append((yield AwaitWithin("k", 1.0)))
+            inbox.take("k")
+
+        f.drive([role()], inbox, outbox)
+        return got
+
+    got = sc.launch(fn, 2, network=sc.Network(bandwidth_gbps=100, latency_us=2))[0]
+    assert got[0] == (None, pytest.approx(1e-3))
+    assert got[1] == (1, [1.0, 1.0]) and got[2] is True

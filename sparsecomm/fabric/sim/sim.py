@@ -20,7 +20,8 @@ from typing import Callable, Generator
 import numpy as np
 import torch
 
-from ...errors import EndpointCrashed, InvalidTypeError, InvalidValueError, MismatchError, PeerFailure
+from ...errors import (EndpointCrashed, FabricTimeout, InvalidTypeError, InvalidValueError, MismatchError,
+                       PeerFailure)
 from .. import roles as _roles
 from ..base import Fabric, Work
 from ..sim_gate import Gate
@@ -85,10 +86,11 @@ class _RecvWork(Work):
             self._done = True
         return self._result
 
-    def process(self) -> Generator:
-        """The receive as a process of the loop (the world's gate runs it for :meth:`wait`)."""
+    def process(self, timeout: float | None = None) -> Generator:
+        """The receive as a process of the loop (the world's gate runs it for :meth:`wait`); ``timeout``:
+        modelled seconds, after which it raises :class:`FabricTimeout` and stays posted."""
         if not self._done:
-            self._result = yield from self._fabric._recv_process(*self._args, None)
+            self._result = yield from self._fabric._recv_process(*self._args, timeout)
             self._done = True
         return self._result
 
@@ -279,8 +281,23 @@ class SimFabric(Fabric):
                 req = sched.send(value)
             except StopIteration:
                 return
-            if type(req) is _roles.WaitAny:
+            t = type(req)
+            if t is _roles.WaitAny:
                 value = yield from self._wait_any_process(req.groups)
+                continue
+            if t is _roles.RecvWithin:
+                try:
+                    value = yield from self._recv_process(req.buf, req.src, req.tag, req.timeout)
+                except FabricTimeout:
+                    value = None
+                continue
+            if t is _roles.AwaitWithin:
+                w, value = inbox.work(req.key), True
+                if w is not None and not w.is_completed():
+                    try:
+                        yield from w.process(req.timeout)
+                    except FabricTimeout:
+                        value = False
                 continue
             value = None        # WaitAll: the role takes these at once; they are received first, here
             works = [w for w in map(inbox.work, req.keys) if w is not None]
