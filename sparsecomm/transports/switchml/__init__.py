@@ -57,8 +57,10 @@ the worker and the switch agree on them without the user giving them twice.
 
 On SimFabric one packet is one datagram; on real fabrics up to ``burst`` packets share one fabric message
 (each keeps its own slot semantics), the switch serves its ports in parallel and the workers keep
-receives posted and send from a thread of their own (:mod:`.service`, :mod:`.lanes`): a
-software switch that adds at the rate its ports deliver, as far as the host's CPU allows.
+receives posted and their sends in flight (:mod:`.service`, :mod:`.lanes`): a software switch that adds
+at the rate its ports deliver, as far as the host's CPU allows. A worker's stream is one role that the
+fabric drives (:mod:`sparsecomm.fabric.roles`; its datagrams and timed waits, :mod:`.datagrams`); so is the
+switch on SimFabric (on real fabrics its ports are threads, :mod:`.service`).
 
 **Defaults** are fast where they run (:mod:`..defaults`, from the fabric's ``message_bytes``): where a
 message is a datagram of a modelled network (SimFabric), the paper's program, 64-value packets one per
