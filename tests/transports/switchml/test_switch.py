@@ -313,6 +313,13 @@ def test_more_workers_than_the_programs_bitmap_holds_is_refused_on_every_worker(
     for bad in (16, 48, 2048, True):
         with pytest.raises(InvalidValueError, match="multiple of 32"):
             SwitchConfig(workers=bad)
+    # by default the program holds the job: the reference program's one word up to 32 workers
+    from types import SimpleNamespace
+
+    def width(n):
+        return SwitchConfig().on(SimpleNamespace(message_bytes=None, world_size=n)).workers
+
+    assert [width(n) for n in (1, 32, 33, 64, 65, 1024, 5000)] == [None, None, 64, 64, 96, 1024, 1024]
 
 
 def test_64_workers_sum_exactly_through_a_two_word_bitmap_under_loss():
