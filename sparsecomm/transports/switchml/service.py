@@ -75,19 +75,19 @@ def serve(dp: Dataplane, fabric: Fabric) -> None:
     if fabric.modelled_time:
         pool = Pool()
         inbox, outbox = Inbox(fabric, pool), Outbox(fabric, pool)
-        drive(fabric, inbox, outbox, [switch_role(dp, fabric, inbox)])
+        drive(fabric, inbox, outbox, [switch_role(dp, inbox)])
     else:
         _serve_ports(dp, fabric)
 
 
 # ----------------------------------------------------------------------------- SimFabric
-def switch_role(dp: Dataplane, fabric: Fabric, inbox: Inbox):
+def switch_role(dp: Dataplane, inbox: Inbox):
     """The switch on a modelled fabric as one role (:mod:`sparsecomm.fabric.roles`, :mod:`.datagrams`),
     forever: it posts a receive of one message from any port (``inbox`` key ``"up"``), waits for it, runs
     the program on it and yields its replies, datagrams that it never waits for (:class:`~.datagrams.Datagram`
     with no ``hold``: the per-port links transmit in parallel); the rejection notice of malformed packets
-    is a reliable :class:`~sparsecomm.fabric.roles.Send` to every worker (the dataplane's docstring).
-    ``fabric`` is read for its rank and world size only; a message's port is its receive's source."""
+    is a reliable :class:`~sparsecomm.fabric.roles.Send` to every worker (the dataplane's docstring). A
+    message's port is its receive's source; the workers are ``dp.world`` (set by :func:`serve`)."""
     burst = dp.config.burst
     width = HEADER + dp.config.elems
     buf = torch.zeros((burst, width), dtype=torch.int32)
