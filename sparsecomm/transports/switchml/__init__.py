@@ -57,8 +57,10 @@ the worker and the switch agree on them without the user giving them twice.
 
 On SimFabric one packet is one datagram; on real fabrics up to ``burst`` packets share one fabric message
 (each keeps its own slot semantics), the switch serves its ports in parallel and the workers keep
-receives posted and send from a thread of their own (:mod:`.service`, :mod:`.lanes`): a
-software switch that adds at the rate its ports deliver, as far as the host's CPU allows.
+receives posted and their sends in flight (:mod:`.service`, :mod:`.lanes`): a software switch that adds
+at the rate its ports deliver, as far as the host's CPU allows. A worker's stream is one role that the
+fabric drives (:mod:`sparsecomm.fabric.roles`; its datagrams and timed waits, :mod:`.datagrams`); so is the
+switch on SimFabric (on real fabrics its ports are threads, :mod:`.service`).
 
 **Defaults** are fast where they run (:mod:`..defaults`, from the fabric's ``message_bytes``): where a
 message is a datagram of a modelled network (SimFabric), the paper's program, 64-value packets one per
@@ -90,7 +92,7 @@ from ..linear import LinearOperand
 from .control import (AGREE, CONTROL_SLOT, DEFAULT_MAX_EXPONENT, DTYPES, KINDS, MODE_FLOAT, MODE_INT, ROUNDING,
                       check_control, control_vector, max_exponent_option, narrowed, started_program,
                       too_large_text)
-from .dataplane import EXP_MAX, HEADER, MAX_WORKERS, Dataplane, SwitchConfig
+from .dataplane import EXP_MAX, HEADER, WIDEST, Dataplane, SwitchConfig
 from .jobs import FloatJob, IntJob
 from .lanes import Lanes, SlotState, Timer
 from .service import serve, service_main
@@ -124,9 +126,11 @@ class SwitchTransport(Transport):
     bounded by the fabric's ``timeout_s``). ``rounding``: ``"nearest"`` or ``"stochastic"``
     (with ``seed``). ``burst``: packets per fabric message (default 1 on SimFabric, elsewhere as many as
     fill 1 MiB: 1024 of 256 values).
-    ``switch_slots`` (default 8192), ``burst``, ``slot_elems`` and ``audit`` (count every accepted
-    contribution, tests only) are compile-time constants of the switch program and name its service
-    (``SwitchConfig.spec()``); on real fabrics they default to the started switch's.
+    ``switch_slots`` (default 8192), ``burst``, ``slot_elems``, ``switch_workers`` (the most workers its
+    bitmap holds, a multiple of 32; default: 32, or the job's workers rounded up to a multiple of 32 past 32,
+    :class:`.dataplane.SwitchConfig`) and ``audit`` (count every accepted contribution, tests only) are
+    compile-time constants of the switch program and name its service (``SwitchConfig.spec()``); on real
+    fabrics they default to the started switch's.
     ``inplace``: a contiguous float32/float64 CPU tensor input receives the sum (no result tensor to
     allocate; as ``native``'s option). ``keep_fixed``: after each float job, ``last_fixed`` holds its
     integer side (:class:`FixedResult`: the switch's int32 sums, the agreed exponents and scales), for
@@ -149,7 +153,7 @@ class SwitchTransport(Transport):
                  switch_slots: int | None = None, bandwidth_gbps: float | None = None,
                  latency_us: float | None = None, give_up_s: float | None = None, audit: bool = False,
                  max_exponent: int = DEFAULT_MAX_EXPONENT, nonfinite: str = "raise", inplace: bool = False,
-                 keep_fixed: bool = False) -> None:
+                 keep_fixed: bool = False, switch_workers: int | None = None) -> None:
         super().__init__(fabric)
         if nonfinite != "raise":
             raise IncompatibleError(
@@ -159,16 +163,20 @@ class SwitchTransport(Transport):
         self.nonfinite = nonfinite
         self.max_exponent = max_exponent_option(max_exponent, EXP_FLOOR, EXP_MAX)
         self.sim = fabric.modelled_time
-        self.config, spec = started_program(fabric, SwitchConfig, slot_elems, switch_slots, burst, audit)
+        self.config, spec = started_program(fabric, SwitchConfig, slot_elems, switch_slots, burst, audit,
+                                            workers=switch_workers)
         slot_elems, switch_slots = self.config.elems, self.config.slots
         if pool_size is None:
             pool_size = defaults.pool_size(fabric, self.config.burst, switch_slots)
         if not fabric.is_worker:
             raise IncompatibleError("the switch transport runs on workers, not on a service endpoint")
-        if fabric.world_size > MAX_WORKERS:
+        if fabric.world_size > self.config.width:
+            width = self.config.width
             raise IncompatibleError(
-                f"transport 'switch' supports at most {MAX_WORKERS} workers (the switch keeps a 32-bit "
-                f"worker bitmap per slot); this job has {fabric.world_size}; use 'ring' or 'omnireduce'")
+                f"transport 'switch' supports at most {width} workers with this switch program (its worker "
+                f"bitmap per slot is {width // 32} 32-bit word(s), switch_workers={width}); this job has "
+                f"{fabric.world_size}; leave switch_workers unset (the job's size, up to {WIDEST}) or start "
+                f"the switch for more (services=['switch:workers=...']), or use 'ring' or 'omnireduce'")
         if not isinstance(pool_size, int) or not 1 <= pool_size <= switch_slots - 1:
             raise InvalidValueError(f"pool_size must be an integer in [1, switch_slots - 1 = {switch_slots - 1}] "
                              f"(slot 0 is the control slot), got {pool_size!r}")
