@@ -46,7 +46,7 @@ look-ahead, in 16 bytes (on real fabrics padded to a value packet, see :meth:`Da
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, replace
 from enum import IntEnum
 from typing import Callable, NamedTuple
@@ -56,8 +56,10 @@ import torch
 
 from ....fabric import services
 from ....fabric.base import Fabric
+from ....fabric.roles import Inbox, Outbox, Pool, PostInto, Recv, Step
 from ....errors import InvalidValueError
 from ... import defaults
+from .requests import Datagram, lowered
 
 # ----------------------------------------------------------------------------- wire format
 W0, F_SLOT, F_POS, F_NEXT = range(4)
@@ -88,6 +90,7 @@ PACKET_ELEMS = (64, 256)          # as SwitchML: one pass, or four with recircul
 DEFAULT_SLOTS = 1024
 JOB_MASK = 0xFFF
 MAX_BURST = 1024                  # packets per fabric message at most
+_SERVICE_KEEP = 4 * MAX_WORKERS   # the switch's replies left unreaped (real fabrics)
 
 _TYPE_BITS, _SET_SHIFT, _WORKER_SHIFT, _NW_SHIFT, _JOB_SHIFT = 0x7, 3, 4, 10, 17
 
@@ -296,60 +299,89 @@ class Dataplane:
 
     # ------------------------------------------------------------------ service loop
     def serve(self, fabric: Fabric) -> None:
-        """Receive a packet, run the program, multicast / unicast the replies (``isend``, never waited
-        for on SimFabric, reaped elsewhere). On SimFabric one packet is one datagram, value packets and
-        16-byte skip headers on their own tags (whichever is first). With bursts (real fabrics, where
-        a message costs far more than its bytes) a message is up to ``burst`` rows of ``HEADER + k`` words,
-        skips padded (a receive of ``burst`` rows, every row ``T_EMPTY`` when posted, takes a shorter
-        message: :mod:`..lanes`); the replies to a message's rows leave in messages of up to
-        ``burst`` rows. Malformed and out-of-step packets are reported to every worker (module docstring)."""
+        """The switch's endpoint until the run ends: its roles (:meth:`roles`) run by ``Fabric.drive``
+        (their datagrams lowered by :func:`.requests.lowered`); ``ServiceShutdown`` ends it."""
+        pool = Pool()
+        inbox, outbox = Inbox(fabric, pool), Outbox(fabric, pool)
+        fabric.drive([lowered(r, fabric, inbox, outbox, _SERVICE_KEEP) for r in self.roles(fabric, inbox)],
+                     inbox, outbox, keep=_SERVICE_KEEP)
+
+    def roles(self, fabric: Fabric, inbox: Inbox) -> list:
+        """The switch's ports as roles (:mod:`sparsecomm.fabric.roles`, with :class:`.requests.Datagram`), which
+        never return: receive a packet, run the program, multicast / unicast the replies.
+
+        On SimFabric (one packet per datagram) two roles, one per tag, each with its any-source receive
+        posted: value packets on ``TAG_UP`` and 16-byte skip headers on ``TAG_SKIP``, whichever is in first
+        in modelled time served first (the value packets' on a tie); replies are sent ``tracked=False`` (never
+        waited for: the ports transmit in parallel). With bursts (real fabrics, where a message costs far
+        more than its bytes; or a burst set on SimFabric) one role: a message is up to ``burst`` rows of
+        ``HEADER + k`` words, skips padded (a receive of ``burst`` rows, every row ``T_EMPTY`` when posted,
+        takes a shorter message: :mod:`..lanes`); the replies to a message's rows leave in messages of up to
+        ``burst`` rows, reaped by the scheduler before its next wait (all but :data:`_SERVICE_KEEP`) except on
+        SimFabric. Malformed and out-of-step packets are reported to every worker (module docstring)."""
         k, K = self.config.elems, self.config.burst
         width = HEADER + k
         sim = fabric.modelled_time
-        world = self.world = fabric.world_size
-        single = K == 1 and sim
-        bufs = [torch.zeros(width, dtype=torch.int32), torch.zeros(HEADER, dtype=torch.int32)]
-        tags = (TAG_UP, TAG_SKIP)
-        posted = [fabric.irecv(bufs[i], None, tags[i]) for i in range(2)] if single else None
-        burst = torch.zeros((K, width), dtype=torch.int32)
-        pending: deque = deque()
+        self.world = fabric.world_size
+        if K == 1 and sim:
+            return [self._port(fabric, inbox, ("up", tag), torch.zeros(w, dtype=torch.int32), tag, Step(phase))
+                    for phase, (tag, w) in enumerate(((TAG_UP, width), (TAG_SKIP, HEADER)))]
+        return [self._port(fabric, inbox, ("up", TAG_UP), torch.zeros((K, width), dtype=torch.int32), TAG_UP,
+                           Step(0, reaps=True))]
+
+    def _port(self, fabric: Fabric, inbox: Inbox, key, buf: torch.Tensor, tag: int, stage: Step):
+        """One of :meth:`roles`: packets on ``tag`` from any worker into ``buf`` (one row, or ``burst`` rows),
+        under inbox ``key``, waiting at ``stage``; the next receive posted at once (one row) or once the
+        message is served (a burst)."""
+        K = self.config.burst
+        sim = fabric.modelled_time
+        single = buf.dim() == 1
+        arr = buf.numpy()
+        if single:
+            yield PostInto(key, buf, None, tag)
         while True:
+            if not single:
+                yield PostInto(key, buf, None, tag)
+            yield Recv((key,), stage)
+            work = inbox.work(key)
+            inbox.take(key)
+            src = work.wait()               # completed: the port it came on
             if single:
-                i = fabric.wait_any(posted)
-                src = posted[i].wait()
-                rows = [bufs[i].numpy().copy()]
-                posted[i] = fabric.irecv(bufs[i], None, tags[i])
+                rows = [arr.copy()]
+                yield PostInto(key, buf, None, tag)
             else:
-                src = fabric.recv(burst, None, TAG_UP)
-                arr = burst.numpy()
                 kinds = unpack_w0(arr[:, W0])[0]
                 rows = [arr[r, :HEADER].copy() if kinds[r] == T_SKIP else arr[r].copy()
                         for r in np.flatnonzero(kinds != T_EMPTY)]
                 arr[:, W0] = 0          # every row T_EMPTY again: the next message may be shorter
-            mcast: list = []
-            ucast: list = []
-            before = self.stats["malformed"], self.stats["out_of_step"]
-            for row in rows:
-                mc, uc = self.process(row)
-                if mc is not None:
-                    mcast.append(mc)
-                if uc is not None:
-                    ucast.append(uc)
-            malformed, out_of_step = self.stats["malformed"] - before[0], self.stats["out_of_step"] - before[1]
-            sends = [(msg, dst, False) for msg in _messages(mcast, K, width, single, sim) for dst in range(world)]
-            if src is not None:
-                sends += [(msg, src, False) for msg in _messages(ucast, K, width, single, sim)]
-            if (malformed or out_of_step) and src is not None and 0 <= src < world:
-                notice = rejection(k, src, world, OUT_OF_STEP if out_of_step else MALFORMED, malformed + out_of_step,
-                                   self.refused if out_of_step else None)
-                sends = [(msg, dst, True) for msg in _messages([notice], K, width, single, sim)
-                         for dst in range(world)] + sends
-            for msg, dst, reliable in sends:
-                wk = fabric.isend(msg, dst, TAG_DOWN, reliable=reliable)
-                if not sim:
-                    pending.append((wk, msg))
-            while pending and (len(pending) > 4 * MAX_WORKERS or pending[0][0].is_completed()):
-                pending.popleft()[0].wait()
+            for msg, dst, reliable in self._replies(rows, src, K, single, sim):
+                yield Datagram(msg, dst, TAG_DOWN, reliable=reliable, tracked=not sim)
+
+    def _replies(self, rows: list, src: int | None, K: int, single: bool, sim: bool) -> list:
+        """Run the program on ``rows`` (a message from ``src``); its replies as ``(message, destination,
+        reliable)``: a rejection notice to every worker first if the message held a malformed or out-of-step
+        packet, then the results to every worker, then the retransmissions to ``src``."""
+        k, world = self.config.elems, self.world
+        width = HEADER + k
+        mcast: list = []
+        ucast: list = []
+        before = self.stats["malformed"], self.stats["out_of_step"]
+        for row in rows:
+            mc, uc = self.process(row)
+            if mc is not None:
+                mcast.append(mc)
+            if uc is not None:
+                ucast.append(uc)
+        malformed, out_of_step = self.stats["malformed"] - before[0], self.stats["out_of_step"] - before[1]
+        sends = [(msg, dst, False) for msg in _messages(mcast, K, width, single, sim) for dst in range(world)]
+        if src is not None:
+            sends += [(msg, src, False) for msg in _messages(ucast, K, width, single, sim)]
+        if (malformed or out_of_step) and src is not None and 0 <= src < world:
+            notice = rejection(k, src, world, OUT_OF_STEP if out_of_step else MALFORMED, malformed + out_of_step,
+                               self.refused if out_of_step else None)
+            sends = [(msg, dst, True) for msg in _messages([notice], K, width, single, sim)
+                     for dst in range(world)] + sends
+        return sends
 
 
 def _messages(rows: list, K: int, width: int, single: bool, pad: bool) -> list[torch.Tensor]:
