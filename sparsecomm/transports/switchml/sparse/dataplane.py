@@ -56,10 +56,10 @@ import torch
 
 from ....fabric import services
 from ....fabric.base import Fabric
-from ....fabric.roles import Inbox, Outbox, Pool, PostInto, Recv, Step
+from ....fabric.roles import Inbox, Outbox, Pool, Step
 from ....errors import InvalidValueError
 from ... import defaults
-from .requests import Datagram, lowered
+from .requests import Datagram, RecvFor, lowered
 
 # ----------------------------------------------------------------------------- wire format
 W0, F_SLOT, F_POS, F_NEXT = range(4)
@@ -303,15 +303,15 @@ class Dataplane:
         (their datagrams lowered by :func:`.requests.lowered`); ``ServiceShutdown`` ends it."""
         pool = Pool()
         inbox, outbox = Inbox(fabric, pool), Outbox(fabric, pool)
-        fabric.drive([lowered(r, fabric, inbox, outbox, _SERVICE_KEEP) for r in self.roles(fabric, inbox)],
+        fabric.drive([lowered(r, fabric, inbox, outbox, _SERVICE_KEEP) for r in self.roles(fabric)],
                      inbox, outbox, keep=_SERVICE_KEEP)
 
-    def roles(self, fabric: Fabric, inbox: Inbox) -> list:
+    def roles(self, fabric: Fabric) -> list:
         """The switch's ports as roles (:mod:`sparsecomm.fabric.roles`, with :class:`.requests.Datagram`), which
         never return: receive a packet, run the program, multicast / unicast the replies.
 
-        On SimFabric (one packet per datagram) two roles, one per tag, each with its any-source receive
-        posted: value packets on ``TAG_UP`` and 16-byte skip headers on ``TAG_SKIP``, whichever is in first
+        On SimFabric (one packet per datagram) two roles, one per tag, each waiting for an any-source receive:
+        value packets on ``TAG_UP`` and 16-byte skip headers on ``TAG_SKIP``, whichever is in first
         in modelled time served first (the value packets' on a tie); replies are sent ``tracked=False`` (never
         waited for: the ports transmit in parallel). With bursts (real fabrics, where a message costs far
         more than its bytes; or a burst set on SimFabric) one role: a message is up to ``burst`` rows of
@@ -324,31 +324,23 @@ class Dataplane:
         sim = fabric.modelled_time
         self.world = fabric.world_size
         if K == 1 and sim:
-            return [self._port(fabric, inbox, ("up", tag), torch.zeros(w, dtype=torch.int32), tag, Step(phase))
+            return [self._port(fabric, ("up", tag), torch.zeros(w, dtype=torch.int32), tag, Step(phase))
                     for phase, (tag, w) in enumerate(((TAG_UP, width), (TAG_SKIP, HEADER)))]
-        return [self._port(fabric, inbox, ("up", TAG_UP), torch.zeros((K, width), dtype=torch.int32), TAG_UP,
+        return [self._port(fabric, ("up", TAG_UP), torch.zeros((K, width), dtype=torch.int32), TAG_UP,
                            Step(0, reaps=True))]
 
-    def _port(self, fabric: Fabric, inbox: Inbox, key, buf: torch.Tensor, tag: int, stage: Step):
+    def _port(self, fabric: Fabric, key, buf: torch.Tensor, tag: int, stage: Step):
         """One of :meth:`roles`: packets on ``tag`` from any worker into ``buf`` (one row, or ``burst`` rows),
-        under inbox ``key``, waiting at ``stage``; the next receive posted at once (one row) or once the
-        message is served (a burst)."""
+        under inbox ``key``, waiting at ``stage`` (:class:`.requests.RecvFor` without a timer: the port they
+        came on is the source it resumes with)."""
         K = self.config.burst
         sim = fabric.modelled_time
         single = buf.dim() == 1
         arr = buf.numpy()
-        if single:
-            yield PostInto(key, buf, None, tag)
         while True:
-            if not single:
-                yield PostInto(key, buf, None, tag)
-            yield Recv((key,), stage)
-            work = inbox.work(key)
-            inbox.take(key)
-            src = work.wait()               # completed: the port it came on
+            src = yield RecvFor(key, buf, None, tag, None, stage)
             if single:
                 rows = [arr.copy()]
-                yield PostInto(key, buf, None, tag)
             else:
                 kinds = unpack_w0(arr[:, W0])[0]
                 rows = [arr[r, :HEADER].copy() if kinds[r] == T_SKIP else arr[r].copy()
