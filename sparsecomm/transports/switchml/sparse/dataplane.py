@@ -45,11 +45,12 @@ worker's bit of that set was cleared by its packet to the other set, which it se
 no register needs a scan of the whole bitmap (with one word, ``n <= 64``, this is SwitchML's ``before == 0``).
 
 Wire format: int32 words. Every packet starts with the 4-word header ``[W0, SLOT, POS, NEXT]``
-(``W0`` packs ``type:3 | set:1 | worker:6 | n:7 | job:12``, the low bits of the worker id and count; ``SLOT``
-packs ``slot:16 | worker_hi:5 | n_hi:5``, their high bits, zero below 64 workers, and six zero bits); a DATA, MIN or RESULT packet carries
-``k`` values after it (``HEADER + k`` words, on ``TAG_UP`` / ``TAG_DOWN``); a SKIP packet is the
-header alone (``TAG_SKIP``): a worker that does not hold the round's block still reports its
-look-ahead, in 16 bytes (on real fabrics padded to a value packet, see :meth:`Dataplane.serve`).
+(``W0`` packs ``type:3 | set:1 | worker:6 | n:7 | job:12``, the low bits of the worker id and count;
+``SLOT`` packs ``slot:16 | worker_hi:5 | n_hi:5``, their high bits, zero up to 64 workers, and six zero
+bits); a DATA, MIN or RESULT packet carries ``k`` values after it (``HEADER + k`` words, on ``TAG_UP`` /
+``TAG_DOWN``); a SKIP packet is the header alone (``TAG_SKIP``): a worker that does not hold the round's
+block still reports its look-ahead, in 16 bytes (on real fabrics padded to a value packet, see
+:meth:`Dataplane.roles`).
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ The transport (one job top to bottom, its control, look-ahead and stream phases)
 and clocks the lane's next packet; a packet unanswered within the timer is resent unchanged (the
 switch's seen-bitmap absorbs a duplicate, a duplicate after completion gets the stored result), the
 timer doubling after ``timeout_threshold`` expiries (Sapio et al., NSDI'21, Sec. 4; the p4app-switchML
-client's rule).
+client's rule). A phase's rounds are one role (:meth:`Rounds.role`, :mod:`sparsecomm.fabric.roles`) that
+yields its packets as :class:`.requests.Datagram` and waits for results with :class:`.requests.RecvFor` (its
+timer); :meth:`Rounds.run` has ``Fabric.drive`` run it.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ def test_128_workers_sum_exactly_on_the_simfabric():
     # every union block went round once; each worker sent its own blocks and a skip for the others'
     union = _union_blocks([o[0] for o in out])
     for x, _, info, _, _ in out:
-        mine = int(dp.np.count_nonzero(sc.codec.nonzero_blocks(x, 256).numpy()))
+        mine = int(np.count_nonzero(sc.codec.nonzero_blocks(x, 256).numpy()))
         assert (info["data"], info["data"] + info["skips"], info["results"]) == (mine, union, union)
     plane = out[0][4]
     assert plane.seen.shape == (16, 2, 2) and plane.state_bits() == plane.declared_bits()
