@@ -17,22 +17,19 @@ says so with two requests:
   its channel still goes to it, so a later wait on the same key takes it). On SimFabric the endpoint's
   clock then stands at the deadline. ``timeout=None`` is a plain ``Recv``.
 
-:func:`drive` runs roles yielding these on any fabric, through :meth:`.Fabric.drive`, until a fabric runs
-them itself: each role is wrapped by an adapter that performs the two requests and hands every other one
-to the fabric's scheduler. The adapter's timed wait blocks the endpoint (the switches' roles are one role
-per endpoint, so nothing else could run meanwhile); a fabric that runs :class:`RecvBy` natively resumes the
-role at the earlier of the arrival and the deadline instead.
+:func:`drive` runs roles yielding these on any fabric, through :meth:`.Fabric.drive`: each role is wrapped
+by an adapter that sends a :class:`Datagram` itself and lowers a :class:`RecvBy` with a deadline to the
+scheduler's :class:`~sparsecomm.fabric.roles.AwaitWithin` (which blocks the endpoint: the switches' roles
+are one role per endpoint, so nothing else could run meanwhile), handing every other request on.
 """
 
 from __future__ import annotations
 
-import time
 from typing import NamedTuple
 
 import torch
 
-from ...errors import FabricTimeout
-from ...fabric.roles import Inbox, Outbox, Recv, Spawn, Stage
+from ...fabric.roles import AwaitWithin, Inbox, Outbox, Recv, Spawn, Stage
 
 __all__ = ["Datagram", "RecvBy", "drive"]
 
@@ -77,7 +74,7 @@ def _adapt(fabric, inbox: Inbox, outbox: Outbox, role):
             if req.timeout is None:
                 yield Recv((req.key,), req.stage)
             else:
-                _wait_by(fabric, inbox, req.key, req.timeout)
+                yield AwaitWithin(req.key, req.timeout)
         elif t is Spawn:
             yield Spawn(_adapt(fabric, inbox, outbox, req.role))
         else:
@@ -94,24 +91,3 @@ def _send(fabric, outbox: Outbox, req: Datagram) -> None:
     outbox.pending.append((wk, req.buf, False))
     if req.hold is not None:
         outbox.pool.hold(("out", req.hold), wk)
-
-
-def _wait_by(fabric, inbox: Inbox, key, timeout: float) -> None:
-    """Block until the receive of ``key`` has completed or ``timeout`` seconds have passed. A modelled
-    fabric's timed wait leaves a receive that timed out posted; elsewhere the wait polls, so that the
-    receive stays the inbox's (a real fabric's timed-out receive would be adopted by the next receive
-    posted on its channel)."""
-    work = inbox.work(key)
-    if work is None or work.is_completed():
-        return
-    if fabric.modelled_time:
-        try:
-            work.wait(timeout=timeout)
-        except FabricTimeout:
-            pass
-        return
-    deadline = time.perf_counter() + timeout
-    delay = 2e-5
-    while not work.is_completed() and time.perf_counter() < deadline:
-        time.sleep(delay)
-        delay = min(2 * delay, 1e-3)

@@ -10,9 +10,10 @@ waits for its replies. :class:`~sparsecomm.fabric.roles.Send` is reliable and al
 - :class:`RecvFor`: a receive whose wait also ends after ``timeout`` (modelled seconds where the fabric's time
   is modelled); the role is resumed with the message's source, or ``None`` when the timer expired first.
 
-:func:`lowered` runs a role that yields them on today's ``Fabric.drive``: it performs these two itself and
-yields every other request on. A fabric that runs them natively (an event loop: the timer is an event at
-``now + timeout``) drops the lowering: the roles stay as they are.
+:func:`lowered` runs a role that yields them on ``Fabric.drive``: it sends a :class:`Datagram` itself and lowers
+a :class:`RecvFor` to :class:`~sparsecomm.fabric.roles.PostInto` and :class:`~sparsecomm.fabric.roles.Recv`, or,
+with a timer, to the scheduler's :class:`~sparsecomm.fabric.roles.RecvWithin` (on the SimFabric an event of
+its loop at ``now + timeout``); every other request is yielded on.
 """
 
 from __future__ import annotations
@@ -21,8 +22,7 @@ from typing import Generator, NamedTuple
 
 import torch
 
-from ....errors import FabricTimeout
-from ....fabric.roles import Inbox, Outbox, PostInto, Recv, Stage
+from ....fabric.roles import Inbox, Outbox, PostInto, Recv, RecvWithin, Stage
 
 __all__ = ["Datagram", "RecvFor", "lowered"]
 
@@ -68,8 +68,8 @@ def lowered(role: Generator, fabric, inbox: Inbox, outbox: Outbox, keep: int = 6
     (``Fabric.isend``; a tracked one joins ``outbox``'s sends, held under its ``hold``), its :class:`RecvFor`
     requests are lowered (no timer: :class:`~sparsecomm.fabric.roles.PostInto` and
     :class:`~sparsecomm.fabric.roles.Recv`, then the message taken and its source read; with a timer: the
-    sends reaped to ``keep`` if the stage reaps, then ``Fabric.recv`` with ``timeout`` on the calling thread,
-    its :class:`~sparsecomm.errors.FabricTimeout` the timer's expiry); every other request is yielded on, and
+    sends reaped to ``keep`` if the stage reaps, then the scheduler's :class:`~sparsecomm.fabric.roles.RecvWithin`,
+    ``None`` the timer's expiry); every other request is yielded on, and
     what the scheduler resumes the role with is passed back to it."""
     value = None
     while True:
@@ -95,9 +95,6 @@ def lowered(role: Generator, fabric, inbox: Inbox, outbox: Outbox, keep: int = 6
             else:
                 if req.stage.reaps:
                     outbox.reap(keep)
-                try:
-                    value = fabric.recv(req.buf, req.src, req.tag, timeout=req.timeout)
-                except FabricTimeout:
-                    value = None
+                value = yield RecvWithin(req.buf, req.src, req.tag, req.timeout)
         else:
             value = yield req
