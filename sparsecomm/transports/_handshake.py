@@ -382,7 +382,8 @@ def agreement_role(fabric, inbox, what: str, *, tag: int = HANDSHAKE_TAG, transp
     ``stage``, default a plain :class:`~sparsecomm.fabric.roles.Step`), then takes the header from ``inbox``
     and waits for its own send (:class:`~sparsecomm.fabric.roles.Flush`) before the next round; it returns
     what :func:`check_agreement` returns and raises what it raises. A role that runs the agreement first
-    writes ``got = yield from agreement_role(fabric, inbox, ...)`` in the same drive as its data.
+    writes ``got = yield from agreement_role(fabric, inbox, ...)`` in the same drive as its data. Its inbox keys
+    are ``("agreement", tag, k)``: two agreements on one tag in one drive must run one after the other.
 
     This worker's header (the fields, and the identity of the call running on this thread,
     :func:`calling`) is built when this function is called, not when the role first runs, so a fabric may
