@@ -1,4 +1,4 @@
-"""The shape issue 43 gives the library, checked on the source: the SimFabric runs without threads of its
+"""The shape of the library's protocols, checked on the source: the SimFabric runs without threads of its
 own, and protocol code does not block on a receive itself (it yields its receives as a role,
 :mod:`sparsecomm.fabric.roles`, and a fabric runs it: ``Fabric.drive``).
 
@@ -82,8 +82,8 @@ def test_the_checks_find_what_they_look_for():
 
 @pytest.mark.xfail(strict=True, reason="the SimFabric event loop lands in the next step")
 def test_the_simfabric_imports_no_threading():
-    """No module under ``sparsecomm/fabric/sim/`` imports :mod:`threading` (issue 43: one event loop in
-    modelled time, no thread per endpoint or service)."""
+    """No module under ``sparsecomm/fabric/sim/`` imports :mod:`threading` (one event loop in modelled time, no
+    thread per endpoint or service)."""
     found = {_rel(p): sorted(imported_modules(p.read_text()) & set(THREAD_MODULES))
              for p in sorted((PKG / "fabric" / "sim").rglob("*.py"))}
     assert not {k: v for k, v in found.items() if v}, "modules of the SimFabric that import threads"
