@@ -27,10 +27,8 @@ NOT_PROTOCOL = ("transports/native/",)
 
 #: protocol modules that still call a receive themselves: path (relative to the package) -> reason
 ALLOWED: dict[str, str] = {
-    "transports/switchml/service.py": "converted in the switch's step",
-    "transports/switchml/lanes.py": "converted in the switch's step",
-    "transports/switchml/sparse/dataplane.py": "converted in the switch's step",
-    "transports/switchml/sparse/rounds.py": "converted in the switch's step",
+    "transports/switchml/service.py": "the switch's ports on a real fabric (threads per port, gloo's receives); "
+                                      "on the SimFabric it is a role",
     "transports/omnireduce/reference.py": "a blocking reference by design",
     "transports/omnireduce/trace.py": "a Fabric wrapper (TraceFabric): it forwards the fabric's own "
                                       "receive methods to the fabric it wraps, and receives nothing itself",
@@ -80,7 +78,6 @@ def test_the_checks_find_what_they_look_for():
     assert imported_modules("from .sim_world import World\nimport heapq\n") == {"heapq"}
 
 
-@pytest.mark.xfail(strict=True, reason="the SimFabric event loop lands in the next step")
 def test_the_simfabric_imports_no_threading():
     """No module under ``sparsecomm/fabric/sim/`` imports :mod:`threading` (one event loop in modelled time, no
     thread per endpoint or service)."""
