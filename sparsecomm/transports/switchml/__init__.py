@@ -68,7 +68,10 @@ message, and a pool of 256 lanes (the reproductions compare these with their clo
 fabric (gloo: a message costs the hosts a fixed CPU time beyond its bytes' worth, BENCHMARKS.md,
 "Switch CPU per call") a switch started as ``"switch"`` runs 256-value packets, up to 1024 to a message (1 MiB),
 and a worker keeps 4096 lanes in flight (four messages per lane window). A message holds only the packets that are ready
-(:mod:`.lanes`), so a small job costs its packets' bytes, not a burst's.
+(:mod:`.lanes`), so a small job costs its packets' bytes, not a burst's. A float job's first lane window carries
+exponents only (above, "Quantisation"), one whole packet per lane, so there a float job of ``M`` chunks keeps at
+most ``M / 8`` lanes in flight (at least ``min(M, 256)``; :meth:`SwitchTransport._float_lanes`): with the 4096
+lanes, a 4 MiB gradient would go on the wire twice.
 """
 
 from __future__ import annotations
@@ -98,6 +101,15 @@ from .lanes import Lanes, SlotState, Timer
 from .service import serve, service_main
 
 INT32_MAX = 2**31 - 1
+#: real fabrics, default pool: a float job's exponent look-ahead round (its first ``L`` packets, one per lane,
+#: each a whole row that carries an exponent and no codes) is at most this share of its chunks ...
+LOOKAHEAD_SHARE = 8
+#: ... unless the job has no more chunks than this (a small job keeps its two lane windows) ...
+LOOKAHEAD_FLOOR = 256
+#: ... and its lane window is split into this many messages (fewer, smaller windows than the default pool's:
+#: a message costs the hosts about as much CPU as 0.3 MB of the tensor, BENCHMARKS.md "Switch CPU per call",
+#: and two per window keep the uplink busy while the switch answers the one before)
+LOOKAHEAD_MESSAGES = 2
 EXP_FLOOR = -126          # float32's smallest reported exponent; also used for float64 (safe: 2^e > max|x|)
 
 
@@ -166,6 +178,8 @@ class SwitchTransport(Transport):
         self.config, spec = started_program(fabric, SwitchConfig, slot_elems, switch_slots, burst, audit,
                                             workers=switch_workers)
         slot_elems, switch_slots = self.config.elems, self.config.slots
+        #: a float job's lanes follow its size (:meth:`_float_lanes`): the default pool of a real fabric
+        self.sized_lanes = pool_size is None and fabric.message_bytes is not None
         if pool_size is None:
             pool_size = defaults.pool_size(fabric, self.config.burst, switch_slots)
         if not fabric.is_worker:
@@ -224,8 +238,9 @@ class SwitchTransport(Transport):
 
     def cost(self, call: CallShape, *, bandwidth_gbps: float, latency_us: float) -> costs.Cost:
         """:func:`~sparsecomm.theory.costs.switchml_allreduce` of the call's elements as 32-bit fixed point,
-        with this transport's pool and slots."""
-        return costs.switchml_allreduce(self.fabric.world_size, call.numel * 4, pool_size=self.pool_size,
+        with this transport's slots and the lanes a float job of that size takes (:meth:`_float_lanes`)."""
+        lanes = self._float_lanes(-(-call.numel // self.slot_elems))[0]
+        return costs.switchml_allreduce(self.fabric.world_size, call.numel * 4, pool_size=max(1, lanes),
                                         slot_elems=self.slot_elems, bandwidth_gbps=bandwidth_gbps,
                                         latency_us=latency_us)
 
@@ -273,13 +288,32 @@ class SwitchTransport(Transport):
         out = x if inplace and x.data_ptr() == flat.data_ptr() else torch.empty(N, dtype=x.dtype)
         sums = self._sums_buffer(M * E) if self.keep_fixed else None
         self.last_fixed = None
-        job = FloatJob(x, out, sums, e_loc, E, min(self.pool_size, M), n, job_seed)
-        self._stream(job)
+        lanes, rows = self._float_lanes(M)
+        job = FloatJob(x, out, sums, e_loc, E, lanes, n, job_seed)
+        self._stream(job, lanes, rows)
         if sums is not None:
             eg_t = torch.from_numpy(job.exponents.astype(np.int32))
             scales = codec.scale_from_exponents(eg_t, n)
             self.last_fixed = FixedResult(sums[:N], eg_t, scales, E)
         return narrowed(out, out_dtype, "switch").to(device)
+
+    def _float_lanes(self, chunks: int) -> tuple[int, int | None]:
+        """``(lanes, packets per message)`` of a float job of ``chunks`` chunks.
+
+        The job's first ``lanes`` packets carry only their chunk's exponent (:mod:`.jobs`: the look-ahead
+        that lets each chunk's codes use the agreed scale), each a whole packet of zeros, so the job sends
+        ``chunks + lanes`` packets. With ``pool_size`` given, or on SimFabric (the paper's pool of 256 lanes,
+        which the closed forms model): ``min(pool_size, chunks)`` lanes, ``burst`` packets per message.
+        With a real fabric's default pool (4096 lanes: a job of up to 4096 chunks, 4 MiB of float32, would
+        send every value twice): at most ``chunks / LOOKAHEAD_SHARE`` lanes (at least
+        ``min(chunks, LOOKAHEAD_FLOOR)``), ``LOOKAHEAD_MESSAGES`` messages per lane window, so the workers
+        still send a window's next message while the switch answers the one before. The lanes change neither a chunk's scale nor its codes: the sums are the same
+        bit for bit."""
+        lanes = min(self.pool_size, chunks)
+        if not self.sized_lanes:
+            return lanes, None
+        lanes = min(lanes, max(LOOKAHEAD_FLOOR, -(-chunks // LOOKAHEAD_SHARE)))
+        return lanes, min(self.burst, max(1, -(-lanes // LOOKAHEAD_MESSAGES)))
 
     def _sums_buffer(self, size: int) -> torch.Tensor:
         """The int32 sums of a float job (``last_fixed.sums``), reused by the next job of the same size."""
@@ -336,10 +370,12 @@ class SwitchTransport(Transport):
                                "settings)")
 
     # ================================================================== streaming
-    def _stream(self, job: FloatJob | IntJob) -> None:
-        """Stream a job's packets through the pool (:meth:`.lanes.Lanes.run`); the job's encoder fills them
-        and its decoder takes the results (:mod:`.jobs`)."""
-        lane_slots = self.slots.lane_slots(min(self.pool_size, job.M), self.pool_size)
-        self.lanes.run(lane_slots, job.packets, 0, job.payload, job.consume, "data")
+    def _stream(self, job: FloatJob | IntJob, lanes: int | None = None, rows: int | None = None) -> None:
+        """Stream a job's packets through the pool (:meth:`.lanes.Lanes.run`) on ``lanes`` lanes (default
+        ``min(pool_size, chunks)``), ``rows`` packets per message at most (default ``burst``); the job's
+        encoder fills them and its decoder takes the results (:mod:`.jobs`)."""
+        lanes = min(self.pool_size, job.M) if lanes is None else lanes
+        lane_slots = self.slots.lane_slots(lanes, self.pool_size)
+        self.lanes.run(lane_slots, job.packets, 0, job.payload, job.consume, "data", rows=rows)
         self.slots.rotate(job.packets, self.pool_size)
 

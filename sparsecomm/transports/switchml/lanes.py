@@ -280,8 +280,10 @@ class Lanes:
         self.sim = fabric.modelled_time
         self.info: dict = {}
 
-    def run(self, lane_slots: np.ndarray, P: int, pkt_base: int, payload, consume, phase: str) -> None:
-        """Stream packets ``0..P-1`` of the current job over ``len(lane_slots)`` lanes: :meth:`role`, driven
+    def run(self, lane_slots: np.ndarray, P: int, pkt_base: int, payload, consume, phase: str,
+            rows: int | None = None) -> None:
+        """Stream packets ``0..P-1`` of the current job over ``len(lane_slots)`` lanes, at most ``rows``
+        packets per message (default and at most ``burst``; real fabrics): :meth:`role`, driven
         by the fabric (:func:`.datagrams.drive`) with the worker's :class:`Link`.
 
         ``payload(pkts, rows)`` fills new rows (their headers are set), ``consume(pkts, rows)`` takes
@@ -294,14 +296,14 @@ class Lanes:
         info = {"packets": 0, "retransmissions": 0, "results": 0, "ignored": 0}
         with abandoning(fab):
             drive(fab, link.inbox, link.outbox, [self.role(link, lane_slots, P, pkt_base, payload, consume, phase,
-                                                           info)])
+                                                           info, rows)])
             link.finish()
         if self.info.get("job") != self.state.job:
             self.info = {"job": self.state.job}
         self.info[phase] = info
 
     def role(self, link: Link, lane_slots: np.ndarray, P: int, pkt_base: int, payload, consume, phase: str,
-             info: dict):
+             info: dict, rows: int | None = None):
         """The stream of :meth:`run` as a role (:mod:`sparsecomm.fabric.roles`, :mod:`.datagrams`): it
         yields its messages to the switch (:class:`~.datagrams.Datagram`, each in a buffer of ``link``;
         on SimFabric each is flushed at once, a blocking send: the worker's NIC serialises them) and, per
@@ -310,9 +312,10 @@ class Lanes:
         timeout it ends with too, ``final_timeout``)."""
         fab, st, sw = self.fabric, self.state, self.switch
         L, K = len(lane_slots), self.burst
+        S = K if rows is None or self.sim else max(1, min(K, int(rows)))     # packets per message sent
         job, rank, n = st.job, fab.rank, fab.world_size
         sim = self.sim
-        cap = 1 if sim else SEND_AHEAD * max(1, -(-L // K))
+        cap = 1 if sim else SEND_AHEAD * max(1, -(-L // S))
         lane_pkt = np.arange(L, dtype=np.int64)           # outstanding packet per lane (-1: lane done)
         timer = self.timer
         timed = timer.timeout is not None
@@ -322,8 +325,8 @@ class Lanes:
         timeout, threshold, expiries = timer.timeout, timer.threshold, 0
 
         def send(lanes: np.ndarray, fresh: bool):
-            for i in range(0, len(lanes), K):            # one message of up to K rows per K lanes
-                part = lanes[i:i + K]
+            for i in range(0, len(lanes), S):            # one message of up to S rows per S lanes
+                part = lanes[i:i + S]
                 m = len(part)
                 j, msg = yield from link.buffer(cap)
                 rows = msg[:m]
