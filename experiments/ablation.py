@@ -397,6 +397,9 @@ def main(argv: list[str] | None = None) -> int:
     if plotted:
         print(f"plot: {plots.save(plots.ablation_figure(plotted, target), out / 'ablation.png')}")
     tracking.print_sync_hint(out, enabled=not args.no_wandb)
+    for r in finished:                  # last on stdout: one parseable line per run
+        print(tracking.metrics_line(r["summary"], {"cell": r["series"], "workers": r["workers"],
+                                                   "seed": r["config"]["seed"]}))
     return 0
 
 

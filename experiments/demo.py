@@ -291,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"per-step CSVs: {out / 'csv'}; summary: {out / 'summary.csv'}")
     tracking.print_sync_hint(out, enabled=not args.no_wandb)
     print(f"total time: {time.perf_counter() - t0:.0f} s")
+    for c, row in zip(cells, summary_rows):     # last on stdout: one parseable line per run
+        if c.cfg is not None and not c.diverged:
+            print(tracking.metrics_line(row, {"task": c.task, "scheme": c.scheme.name, "transport": c.transport}))
     return 0
 
 
