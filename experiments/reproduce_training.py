@@ -500,7 +500,7 @@ def figures(results: list[dict], out: Path) -> list[Path]:
         bars = ax.bar(range(len(names)), heights, color=[colours[s] for s in names],
                       yerr=errs if nseeds > 1 else None, ecolor="0.2")
         ddp = mine.get("ddp") if mine.get("ddp", {}).get("reached") else None
-        for bar, (scheme, a) in zip(bars, mine.items()):
+        for bar, err, (scheme, a) in zip(bars, errs, mine.items()):
             if not a["reached"]:
                 bar.set_hatch("//")
                 bar.set_alpha(0.5)
@@ -508,7 +508,7 @@ def figures(results: list[dict], out: Path) -> list[Path]:
                 f"{ddp['time']['mean'] / a['time']['mean']:.2g}x" if ddp else "")
             if a["reached"] and a["reached"] < a["n"]:
                 label += f" ({a['reached']}/{a['n']} reached)"
-            ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
+            ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height() + err), ha="center",
                         va="bottom", fontsize=7)
         ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=7)
         ax.set_ylabel("time to target (s; speed-up over DDP above)" if nseeds == 1 else
