@@ -62,6 +62,9 @@ def test_stats_ignore_nans_and_use_the_sample_std():
 
 
 # ----------------------------------------------------------------------------- the algorithm reproductions
+#: ~10 s of CPU; in the default suite instead: the band's tests above, test_marina_over_seeds_... below (the same
+#: per-seed loop and figure) and test_experiments_plots.py::test_reproduction_figures_keep_the_rules[reproduce_ef21]
+@pytest.mark.slow
 def test_ef21_over_seeds_draws_x0_per_seed_and_shows_mean_and_band(tmp_path, monkeypatch, capsys):
     from experiments import reproduce_ef21
 
