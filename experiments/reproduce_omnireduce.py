@@ -226,15 +226,16 @@ def by_point(points: list[Point]) -> dict[tuple[float, float, int], list[Point]]
 def mean_point(runs: list[Point]) -> Point:
     """One grid point's seeds as one :class:`Point`: every number their mean (the rounds rounded), ``seed``
     the first seed's."""
+    grid = ("n", "density", "overlap", "bandwidth_gbps", "seed")      # the point's coordinates, kept as they are
     num = {k: float(np.mean([getattr(p, k) for p in runs])) for k, v in asdict(runs[0]).items()
-           if isinstance(v, float)}
+           if isinstance(v, float) and k not in grid}
     return Point(**{**asdict(runs[0]), **num, "rounds": int(round(np.mean([p.rounds for p in runs])))})
 
 
 def seeds_table(points: list[Point]) -> str:
     """Per grid point, OmniReduce's time and the closed form's error as mean ± std over the seeds."""
     rows = [(f"{bw:g}", f"{d:g}", str(n), report.fmt_mean_std([p.omni_s * 1e6 for p in runs], ".1f"),
-             report.fmt_mean_std([100 * p.error for p in runs], "+.1f"),
+             report.fmt_mean_std([100 * p.error for p in runs], ".1f"),
              report.fmt_mean_std([p.imbalance_down for p in runs], ".2f"))
             for (bw, d, n), runs in by_point(points).items()]
     return report.table(("Gbps", "density", "n", "omni (us)", "error (%)", "imbD"), rows, align="rrrrrr")

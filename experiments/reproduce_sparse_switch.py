@@ -246,7 +246,7 @@ def mean_point(runs: list[Point]) -> Point:
 def seeds_table(points: list[Point]) -> str:
     """E1's modelled times (us) per point as mean ± std over the seeds, and the closed form's error."""
     rows = [(f"{d:g}", str(n), *(report.fmt_mean_std([p.times_us[t] for p in runs], ".1f") for t in TRANSPORTS),
-             report.fmt_mean_std([100 * p.error for p in runs], "+.1f"))
+             report.fmt_mean_std([100 * p.error for p in runs], ".1f"))
             for (n, d, _, _), runs in by_point(points).items()]
     return report.table(("dens", "n", *TRANSPORTS, "error (%)"), rows, align="r" * (3 + len(TRANSPORTS)))
 

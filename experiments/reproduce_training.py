@@ -654,20 +654,28 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for model in dict.fromkeys(r["model"] for r in rows):
         desc = next((r["describe"] for r in results if r["row"]["model"] == model and r["describe"]), "")
         mine = [r for r in rows if r["model"] == model]
-        ddp = next((r for r in mine if r["scheme"] == "ddp" and r["reached"]), None)
+        # speed-ups against stock DDP of the same seed (the same initial weights and batches)
+        ddp = {r.get("seed", 0): r for r in mine if r["scheme"] == "ddp" and r["reached"]}
+        seeded = len({r.get("seed", 0) for r in mine}) > 1
         print(f"\n## {model}: {desc}")
         modelled = any(math.isfinite(r["modelled_s"]) for r in mine)   # a netbed's link model; not on loopback
-        headers = ["scheme", "transport", "time to target s", "steps", "vs ddp", "step ms", "compute ms", "comm",
-                   "MB/step"] + (["modelled s", "modelled/measured"] if modelled else [])
+        headers = ["scheme"] + (["seed"] if seeded else []) + [
+            "transport", "time to target s", "steps", "vs ddp", "step ms", "compute ms", "comm",
+            "MB/step"] + (["modelled s", "modelled/measured"] if modelled else [])
+
+        def speedup(r: dict) -> str:
+            base = ddp.get(r.get("seed", 0))
+            return f"{base['time_to_target_s'] / r['time_to_target_s']:.2f}x" if base and r["reached"] else ""
+
         print(report.table(
             headers,
-            [[r["scheme"], r["transport"], f"{r['time_to_target_s']:.2f}" if r["reached"] else "not reached",
-              str(r["steps_to_target"]),
-              f"{ddp['time_to_target_s'] / r['time_to_target_s']:.2f}x" if ddp and r["reached"] else "",
+            [[r["scheme"]] + ([str(r.get("seed", 0))] if seeded else []) + [
+              r["transport"], f"{r['time_to_target_s']:.2f}" if r["reached"] else "not reached",
+              str(r["steps_to_target"]), speedup(r),
               f"{1e3 * r['step_s']:.1f}", f"{1e3 * r['compute_s']:.1f}", f"{r['comm_fraction']:.2f}",
               f"{r['bytes_per_step'] / 1e6:.3f}"] + ([f"{r['modelled_s']:.2f}", f"{r['modelled_ratio']:.2f}"]
                                                      if modelled else [])
-             for r in mine]))
+             for r in mine], align="lr" + "l" + "r" * (len(headers) - 3) if seeded else None))
         if len({r.get("seed", 0) for r in mine}) > 1:
             print(seeds_table([r for r in results if r["row"]["model"] == model]))
         if not any(r["reached"] for r in mine):

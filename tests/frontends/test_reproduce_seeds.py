@@ -4,6 +4,7 @@ not depend on the seed say so instead."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -143,6 +144,9 @@ def test_omnireduce_over_seeds_draws_positions_per_seed(tmp_path):
     assert any(a.omni_s != b.omni_s for a, b in zip(pts[::2], pts[1::2])), "the seeds drew the same positions"
     table = R.seeds_table(pts)
     assert " ± " in table and len(table.splitlines()) == 2 + 4
+    third = [dataclasses.replace(p, seed=2) for p in pts[::2]]            # three seeds: 0.1 * 3 / 3 != 0.1
+    means = [R.mean_point(runs) for runs in R.by_point(pts + third).values()]
+    assert sorted((p.n, p.density) for p in means) == [(2, 0.05), (2, 0.5), (4, 0.05), (4, 0.5)]
     for stem, fig in R.plot(pts, 8192).items():
         assert problems(fig) == [] and fig.axes[0].collections, stem
 
