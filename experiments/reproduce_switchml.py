@@ -127,7 +127,7 @@ def e3_loss(args, R, net_kw, seeds: list[int]) -> dict:
     rows, ref = [], None
     print(f"\nE3: n={n}, {numel * 4 / 2**20:.2f} MiB, pool {pool}, loss on every link both ways, "
           f"mean over {len(seeds)} loss seed(s)")
-    print(f"{'timeout':>8} {'loss':>7} {'sim us':>10} {'goodput Gb/s':>13} {'model Gb/s':>11} {'retx':>6} {'exact':>6}")
+    print(f"{'timeout':>8} {'loss':>7} {'sim us':>10} {'goodput Gb/s':>15} {'model Gb/s':>11} {'retx':>6} {'exact':>6}")
     for to in R.progress(timeouts, desc="timeouts"):
         for loss in losses:
             times, goodputs, retx, same = [], [], 0, True
@@ -145,11 +145,11 @@ def e3_loss(args, R, net_kw, seeds: list[int]) -> dict:
             g, gm = numel * 32 / t / 1e9, numel * 32 / m / 1e9
             rows.append(dict(timeout=to, loss=loss, time=t, goodput_gbps=g, model_gbps=gm,
                              goodput_over_seeds=S.stats(goodputs), retransmissions=retx, bit_identical=same))
-            print(f"{to * 1e3:>6.1f}ms {loss:>7.4f} {t * 1e6:>10.1f} {report.fmt_mean_std(goodputs):>13} "
+            print(f"{to * 1e3:>6.1f}ms {loss:>7.4f} {t * 1e6:>10.1f} {report.fmt_mean_std(goodputs):>15} "
                   f"{gm:>11.3f} {retx:>6d} {'yes' if same else 'NO':>6}")
             R.log({f"e3/goodput_gbps_timeout_{to * 1e3:g}ms": g, "e3/loss": loss})
     plt = U.pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(6.5, 5.2))
     for to in timeouts:
         rr = [r for r in rows if r["timeout"] == to and r["loss"] > 0]
         per_seed = [[r["goodput_over_seeds"]["per_seed"][i] for r in rr] for i in range(len(seeds))]
@@ -163,7 +163,8 @@ def e3_loss(args, R, net_kw, seeds: list[int]) -> dict:
     ax.set_xscale("log"), ax.set_yscale("log")
     ax.set_xlabel("packet loss rate per link"), ax.set_ylabel("goodput (Gb/s)")
     ax.set_title(f"E3: n={n}, pool {pool}: goodput vs loss")
-    ax.legend(fontsize=8)
+    plots.legend_below(ax, ncol=2)
+    fig.tight_layout()
     R.save_figure(fig, "switchml_vs_loss")
     return {"rows": rows, "all_bit_identical": all(r["bit_identical"] for r in rows)}
 
