@@ -335,6 +335,8 @@ def summary(points: list[Point], ns, densities, log=print) -> None:
         f"{sum(e <= 0.15 for e in errs)}/{len(errs)} within 15%")
 
 
+#: the transports whose time depends on where the non-zero blocks are (the others move the dense tensor)
+DATA_DEPENDENT = ("omni-colocated", "omni-dedicated", "sparse-switch")
 #: how each transport is drawn (marker and line style; colours from the default cycle)
 STYLE = {"ring": "k:", "switch": "s--", "omni-colocated": "^-.", "omni-dedicated": "v-", "sparse-switch": "o-"}
 LABEL = {"ring": "ring", "switch": "switch (dense)", "omni-colocated": "OmniReduce, colocated aggregators",
@@ -352,7 +354,7 @@ def plot(points: list[Point], pool_points: list[Point], ns, densities) -> dict:
     for ax, n in zip(axes[0], ncol):
         row = [p for p in points if p.n == n]
         for t in TRANSPORTS:
-            S.draw(ax, _band(row, "density", lambda p: p.times_us[t]), **_style(t), label=LABEL[t] + mean)
+            S.draw(ax, _band(row, "density", lambda p: p.times_us[t]), **_style(t), label=LABEL[t] + (mean if t in DATA_DEPENDENT else ""))
         S.draw(ax, _band(row, "density", lambda p: p.form_us), ls=":", color="r", lw=2,
                label="sparse-switch (closed form)" + mean)
         ax.set_xscale("log"), ax.set_yscale("log")
@@ -368,7 +370,7 @@ def plot(points: list[Point], pool_points: list[Point], ns, densities) -> dict:
     for ax, d in zip(axes[0], sorted(densities, reverse=True)):
         row = [p for p in points if p.density == d]
         for t in TRANSPORTS:
-            S.draw(ax, _band(row, "n", lambda p: p.times_us[t]), **_style(t), label=LABEL[t] + mean)
+            S.draw(ax, _band(row, "n", lambda p: p.times_us[t]), **_style(t), label=LABEL[t] + (mean if t in DATA_DEPENDENT else ""))
         S.draw(ax, _band(row, "n", lambda p: p.form_us), ls=":", color="r", lw=2,
                label="sparse-switch (closed form)" + mean)
         ax.set_xscale("log", base=2), ax.set_yscale("log")
