@@ -32,7 +32,8 @@ the hash of its configuration; a rerun skips the cells already there, so an inte
 where it stopped (delete the file, or use another ``--out``, to start over). At the end: a summary table
 (final accuracy, steps / modelled time / bytes to reach ``target_acc``, modelled communication time
 per step) and ``<out>/ablation.png``: time-to-accuracy, bytes-to-accuracy, and modelled time per step
-vs workers.
+vs workers; the last lines on stdout are one ``final cell=... workers=... seed=... train_loss=... ...`` per
+cell, for scripts.
 
 ``--seeds K`` (``seeds: K`` in the file) runs every cell for the seeds ``seed`` .. ``seed + K - 1``
 (each one a record of its own, so a resumed study keeps finished seeds); the table shows mean ± std over
@@ -397,6 +398,9 @@ def main(argv: list[str] | None = None) -> int:
     if plotted:
         print(f"plot: {plots.save(plots.ablation_figure(plotted, target), out / 'ablation.png')}")
     tracking.print_sync_hint(out, enabled=not args.no_wandb)
+    for r in finished:                  # last on stdout: one parseable line per run
+        print(tracking.metrics_line(r["summary"], {"cell": r["series"], "workers": r["workers"],
+                                                   "seed": r["config"]["seed"]}))
     return 0
 
 

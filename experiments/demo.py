@@ -27,7 +27,8 @@ blocks or every worker's payload; docs/transports.md, "Bytes on the wire").
 Output: a progress bar per run, a table per task, ``demo.png`` (held-out loss vs training step, with a
 scheme's coinciding transports drawn once, and vs modelled time; bytes per step; modelled time per step at
 both bandwidths), per-step CSVs, and one wandb run per configuration (``WANDB_MODE``: ``offline`` by
-default, ``disabled`` writes nothing).
+default, ``disabled`` writes nothing); the last lines on stdout are one ``final task=... scheme=...
+transport=... train_loss=... ...`` per configuration that ran, for scripts.
 
     python -m experiments.demo                  # the full demo
     python -m experiments.demo --tiny           # every cell at 2 workers, 2 steps
@@ -291,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"per-step CSVs: {out / 'csv'}; summary: {out / 'summary.csv'}")
     tracking.print_sync_hint(out, enabled=not args.no_wandb)
     print(f"total time: {time.perf_counter() - t0:.0f} s")
+    for c, row in zip(cells, summary_rows):     # last on stdout: one parseable line per run
+        if c.cfg is not None and not c.diverged:
+            print(tracking.metrics_line(row, {"task": c.task, "scheme": c.scheme.name, "transport": c.transport}))
     return 0
 
 

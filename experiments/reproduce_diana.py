@@ -38,9 +38,8 @@ from sparsecomm.algorithms import DCGD, DIANA
 from sparsecomm.theory import problems as P
 from sparsecomm.theory import rates
 
-from sparsecomm.errors import ConfigError
-
 from .common import cli, plots, report
+from .common import seeds as S
 from .common import reproduce as U
 
 TOL = 1e-10
@@ -80,10 +79,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--iters", type=int, default=None, help="iteration cap per run (default: 4x the theorem's count)")
     cli.add_seeds(ap)
     args = ap.parse_args(argv)
-    try:
-        seeds = cli.seed_list(args)
-    except ConfigError as e:
-        ap.exit(2, f"{ap.prog}: {e}\n")
+    seeds = S.seeds_of(ap, args)
     prob = build_problem(args.problem, args.quick, args.seed)
     k = max(1, round(args.ratio * prob.d))
     omega = prob.d / k - 1
@@ -153,12 +149,12 @@ def main(argv=None) -> dict:
     for j, mult in enumerate(mults):
         for name, ls in (("DIANA", "-"), ("DCGD", "--")):
             col = colors[j % len(colors)]
-            its, bits, mid, lo, hi = _geometric_band(results[(name, mult)]["per_seed"], prob.n)
-            if len(seeds) > 1:
-                axes[0].fill_between(its, lo, hi, color=col, alpha=0.2, lw=0)
-                axes[1].fill_between(bits, lo, hi, color=col, alpha=0.2, lw=0)
-            axes[0].semilogy(its, mid, ls, color=col, label=f"{name} {mult:g}x")
-            axes[1].semilogy(bits, mid, ls, color=col)
+            runs = results[(name, mult)]["per_seed"]
+            its, dist = [r[0] for r in runs], [r[1] for r in runs]
+            S.draw(axes[0], S.band(its, dist, log=True), ls=ls, color=col, label=f"{name} {mult:g}x")
+            S.draw(axes[1], S.band(its, dist, [[b / prob.n for b in r[2]] for r in runs], log=True), ls=ls, color=col)
+    for a in axes:
+        a.set_yscale("log")
     axes[0].axhline(TOL, color="k", lw=0.5, label=f"tolerance {TOL:g}")
     axes[0].set_xlabel("iteration"), axes[1].set_xlabel("bits sent per worker")
     plots.count_axis(axes[0].xaxis)
@@ -167,8 +163,7 @@ def main(argv=None) -> dict:
         a.set_ylabel(r"squared distance to the optimum $\|x - x^*\|^2$")
     plots.legend_below(axes[0], ncol=3)
     fig.suptitle(f"E1: DIANA vs DCGD, {prob.name}, n={prob.n}, rand-{k} of {prob.d}, gamma x {args.multipliers}"
-                 + (f"\ngeometric mean of {len(seeds)} seeds, shaded: x/÷ one geometric standard deviation"
-                    if len(seeds) > 1 else ""))
+                 + (f"\n{S.caption(len(seeds), log=True)}" if len(seeds) > 1 else ""))
     R.save_figure(fig, "diana_vs_dcgd")
     summary = {f"{name}_x{m:g}": {k2: v for k2, v in r.items() if k2 not in ("its", "dist", "bits", "per_seed")}
                for (name, m), r in results.items()}
@@ -177,19 +172,6 @@ def main(argv=None) -> dict:
     path = R.finish(summary)
     print(f"outputs in {R.out} ({path.name})")
     return summary
-
-
-def _geometric_band(per_seed: list[tuple], n: int):
-    """``(iterations, bits per worker, geometric mean, mean / gsd, mean * gsd)`` of the squared distance over
-    the seeds' runs, at the iterations every run reached with a finite positive distance (one run: its
-    own curve, the band collapsed onto it)."""
-    common = set.intersection(*({i for i, e in zip(r[0], r[1]) if 0 < e < math.inf} for r in per_seed))
-    its = sorted(common)
-    logs = torch.tensor([[math.log(dict(zip(r[0], r[1]))[i]) for i in its] for r in per_seed], dtype=torch.float64)
-    bits = [sum(dict(zip(r[0], r[2]))[i] for r in per_seed) / len(per_seed) / n for i in its]
-    mean = logs.mean(0)
-    std = logs.std(0) if len(per_seed) > 1 else torch.zeros_like(mean)
-    return its, bits, mean.exp().tolist(), (mean - std).exp().tolist(), (mean + std).exp().tolist()
 
 
 if __name__ == "__main__":

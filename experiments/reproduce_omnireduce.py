@@ -31,6 +31,12 @@ prints the table and writes ``omnireduce_vs_density.png``, ``omnireduce_vs_worke
 ``omnireduce_<overlap>_<placement>.csv`` under ``DIR`` (default ``experiments/out/reproduce_omnireduce``).
 The 64-worker points take the longest (the event-driven order makes the simulation a conservative
 discrete-event one, one endpoint at a time); ``--quick`` runs n <= 16 at 100 Gb/s only.
+
+``--seed`` draws the non-zero blocks' positions, on which the rounds, the busiest aggregator and so the time
+depend. ``--seeds K`` runs every point for position seeds ``--seed`` .. ``--seed + K - 1``: the CSV has a row
+per seed (column ``seed``), the printed table a line per seed and then OmniReduce's time and the closed
+form's error as mean ± std over the seeds, the figures the mean with a ± std band. Ring's time does not
+depend on the data.
 """
 
 from __future__ import annotations
@@ -47,7 +53,8 @@ import sparsecomm as sc
 from sparsecomm.transports.omnireduce import wire
 from sparsecomm.theory import costs
 
-from .common import plots
+from .common import cli, plots, report
+from .common import seeds as S
 from .common import reproduce as U
 
 NUMEL = 1 << 20           # 4 MiB of float32: the 64-worker simulation stays fast; modelled time scales
@@ -74,6 +81,7 @@ class Point:
     ring_form_s: float
     bytes_sent: float
     bytes_received: float
+    seed: int = 0
 
     @property
     def error(self) -> float:
@@ -186,23 +194,51 @@ def run_point(n: int, density: float, bandwidth_gbps: float, overlap: str = "ful
     return Point(n, density, overlap, bandwidth_gbps, du, len(fractions), imb_up, imb_dn,
                  max(s.modelled_time_s for s in stats), closed.time_s, expected.time_s, ring_s,
                  ring_form.time_s, float(np.mean([s.bytes_sent for s in stats])),
-                 float(np.mean([s.bytes_received for s in stats])))
+                 float(np.mean([s.bytes_received for s in stats])), seed)
 
 
 def run_grid(ns, densities, bandwidths, overlap: str, numel: int = NUMEL, log=print,
-             placement: str = "random", progress=None) -> list[Point]:
-    """Every (bandwidth, density, n) point; ``progress`` (e.g. ``Run.progress``) wraps the loop in a bar."""
+             placement: str = "random", progress=None, seeds=(0,)) -> list[Point]:
+    """Every (bandwidth, density, n) point for every position seed of ``seeds`` (the seeds of a point one
+    after the other); ``progress`` (e.g. ``Run.progress``) wraps the loop in a bar."""
     points = []
-    grid = [(bw, d, n) for bw in bandwidths for d in densities for n in ns]
-    for bw, d, n in (progress(grid, desc="points") if progress is not None else grid):
+    grid = [(bw, d, n, sd) for bw in bandwidths for d in densities for n in ns for sd in seeds]
+    for bw, d, n, sd in (progress(grid, desc="points") if progress is not None else grid):
         t0 = time.perf_counter()
-        p = run_point(n, d, bw, overlap, numel, placement=placement)
+        p = run_point(n, d, bw, overlap, numel, placement=placement, seed=sd)
         points.append(p)
         log(f"{bw:>5g} {d:>6g} {n:>3d} | {p.omni_s * 1e6:9.1f} {p.closed_form_s * 1e6:9.1f} "
             f"{100 * p.error:+6.1f}% {p.expected_form_s * 1e6:9.1f} | {p.rounds:2d} "
             f"{p.imbalance_down:5.2f} | {p.ring_s * 1e6:9.1f} {p.ring_form_s * 1e6:9.1f} | "
-            f"{p.ring_s / p.omni_s:6.2f}x  ({time.perf_counter() - t0:.1f} s)")
+            f"{p.ring_s / p.omni_s:6.2f}x  ({time.perf_counter() - t0:.1f} s)"
+            + (f" seed {sd}" if len(seeds) > 1 else ""))
     return points
+
+
+def by_point(points: list[Point]) -> dict[tuple[float, float, int], list[Point]]:
+    """The points by ``(bandwidth, density, n)``, each the list of its seeds' runs."""
+    out: dict[tuple[float, float, int], list[Point]] = {}
+    for p in points:
+        out.setdefault((p.bandwidth_gbps, p.density, p.n), []).append(p)
+    return out
+
+
+def mean_point(runs: list[Point]) -> Point:
+    """One grid point's seeds as one :class:`Point`: every number their mean (the rounds rounded), ``seed``
+    the first seed's."""
+    grid = ("n", "density", "overlap", "bandwidth_gbps", "seed")      # the point's coordinates, kept as they are
+    num = {k: float(np.mean([getattr(p, k) for p in runs])) for k, v in asdict(runs[0]).items()
+           if isinstance(v, float) and k not in grid}
+    return Point(**{**asdict(runs[0]), **num, "rounds": int(round(np.mean([p.rounds for p in runs])))})
+
+
+def seeds_table(points: list[Point]) -> str:
+    """Per grid point, OmniReduce's time and the closed form's error as mean ± std over the seeds."""
+    rows = [(f"{bw:g}", f"{d:g}", str(n), report.fmt_mean_std([p.omni_s * 1e6 for p in runs], ".1f"),
+             report.fmt_mean_std([100 * p.error for p in runs], ".1f"),
+             report.fmt_mean_std([p.imbalance_down for p in runs], ".2f"))
+            for (bw, d, n), runs in by_point(points).items()]
+    return report.table(("Gbps", "density", "n", "omni (us)", "error (%)", "imbD"), rows, align="rrrrrr")
 
 
 HEADER = ("Gbps   dens   n |  omni(us)  form(us)    err  expct(us) |  R  imbD |  ring(us) rform(us) |"
@@ -214,17 +250,19 @@ def plot(points: list[Point], numel: int = NUMEL) -> dict:
     plt = U.pyplot()
     figs = {}
     bws = sorted({p.bandwidth_gbps for p in points})
+    nseeds = len({p.seed for p in points})
+    mean = f", mean ± std of {nseeds} seeds" if nseeds > 1 else ""
     fig, axes = plt.subplots(1, len(bws), figsize=(6.5 * len(bws), 4.6), squeeze=False)
     for ax, bw in zip(axes[0], bws):
         pts = [p for p in points if p.bandwidth_gbps == bw]
         for n in sorted({p.n for p in pts}):
-            row = sorted((p for p in pts if p.n == n), key=lambda p: p.density)
-            line, = ax.plot([p.density for p in row], [p.omni_s * 1e3 for p in row], "o-",
-                            label=f"OmniReduce, n={n} (simulated)")
-            ax.plot([p.density for p in row], [p.closed_form_s * 1e3 for p in row], "--", color=line.get_color(),
-                    alpha=0.6, label=f"OmniReduce, n={n} (closed form)")
-            ax.plot([p.density for p in row], [p.ring_s * 1e3 for p in row], ":", color=line.get_color(),
-                    label=f"ring, n={n} (simulated)")
+            row = [p for p in pts if p.n == n]
+            line = S.draw(ax, _band(row, "density", "omni_s"), marker="o", ls="-",
+                          label=f"OmniReduce, n={n} (simulated{mean})")
+            S.draw(ax, _band(row, "density", "closed_form_s"), ls="--", color=line.get_color(), alpha=0.6,
+                   label=f"OmniReduce, n={n} (closed form{mean})")
+            S.draw(ax, _band(row, "density", "ring_s"), ls=":", color=line.get_color(),
+                   label=f"ring, n={n} (simulated)")
         ax.set_xscale("log")
         ax.set_yscale("log")
         plots.log_axes(ax, [p.density for p in pts], [v for p in pts for v in (p.omni_s * 1e3, p.ring_s * 1e3,
@@ -240,13 +278,13 @@ def plot(points: list[Point], numel: int = NUMEL) -> dict:
     for ax, bw in zip(axes[0], bws):
         pts = [p for p in points if p.bandwidth_gbps == bw]
         for d in sorted({p.density for p in pts}, reverse=True):
-            row = sorted((p for p in pts if p.density == d), key=lambda p: p.n)
-            line, = ax.plot([p.n for p in row], [p.omni_s * 1e3 for p in row], "o-",
-                            label=f"OmniReduce, density {d:g} (simulated)")
-            ax.plot([p.n for p in row], [p.closed_form_s * 1e3 for p in row], "--", color=line.get_color(),
-                    alpha=0.6, label=f"OmniReduce, density {d:g} (closed form)")
-        row = sorted((p for p in pts if p.density == max(p.density for p in pts)), key=lambda p: p.n)
-        ax.plot([p.n for p in row], [p.ring_s * 1e3 for p in row], "k:", label="ring, any density (simulated)")
+            row = [p for p in pts if p.density == d]
+            line = S.draw(ax, _band(row, "n", "omni_s"), marker="o", ls="-",
+                          label=f"OmniReduce, density {d:g} (simulated{mean})")
+            S.draw(ax, _band(row, "n", "closed_form_s"), ls="--", color=line.get_color(), alpha=0.6,
+                   label=f"OmniReduce, density {d:g} (closed form{mean})")
+        row = [p for p in pts if p.density == max(p.density for p in pts)]
+        S.draw(ax, _band(row, "n", "ring_s"), ls=":", color="k", label="ring, any density (simulated)")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         plots.log_axes(ax, None, [v for p in pts for v in (p.omni_s * 1e3, p.ring_s * 1e3, p.closed_form_s * 1e3)])
@@ -260,6 +298,13 @@ def plot(points: list[Point], numel: int = NUMEL) -> dict:
     return figs
 
 
+def _band(points: list[Point], key: str, attr: str) -> S.Band:
+    """``attr`` (a time, drawn in ms) against ``key`` (``"n"`` or ``"density"``) over the points' seeds."""
+    runs = [sorted((p for p in points if p.seed == sd), key=lambda p: getattr(p, key))
+            for sd in dict.fromkeys(p.seed for p in points)]
+    return S.band([[getattr(p, key) for p in r] for r in runs], [[getattr(p, attr) * 1e3 for p in r] for r in runs])
+
+
 def main(argv=None) -> list[Point]:
     ap = U.parser("python -m experiments.reproduce_omnireduce", __doc__)
     ap.add_argument("--overlap", choices=("full", "random"), default="full",
@@ -269,12 +314,15 @@ def main(argv=None) -> list[Point]:
     ap.add_argument("--numel", type=int, default=NUMEL, help="float32 elements of the tensor")
     ap.add_argument("--densities", type=float, nargs="+", default=[1.0, 0.5, 0.1, 0.01])
     ap.add_argument("--bandwidths", type=float, nargs="+", default=None, help="Gbit/s (default 10 and 100)")
+    cli.add_seeds(ap)
     args = ap.parse_args(argv)
+    seeds = S.seeds_of(ap, args)
     ns = [2, 4, 8, 16] if args.quick else [2, 4, 8, 16, 32, 64]
     bws = args.bandwidths or ([100.0] if args.quick else [10.0, 100.0])
     densities = args.densities
     R = U.Run("reproduce_omnireduce", args, dict(ns=ns, bandwidths=bws, densities=densities, numel=args.numel,
-                                               overlap=args.overlap, placement=args.placement))
+                                               overlap=args.overlap, placement=args.placement,
+                                               seeds=seeds))
     out = str(R.out)
     print(f"OmniReduce (dedicated aggregators, {CHANNELS} channels, {POSITIONS} blocks per lane) vs ring, "
           f"{args.numel} float32, block {BLOCK}, latency {LATENCY_US} us, overlap={args.overlap}, "
@@ -283,14 +331,18 @@ def main(argv=None) -> list[Point]:
           "their expectations; R: rounds; imbD: busiest aggregator's union load / mean")
     print(HEADER)
     points = run_grid(ns, densities, bws, args.overlap, numel=args.numel, placement=args.placement,
-                      progress=R.progress)
+                      progress=R.progress, seeds=seeds)
+    if len(seeds) > 1:
+        print(f"\nover {len(seeds)} position seeds ({seeds[0]}..{seeds[-1]}): mean ± std")
+        print(seeds_table(points))
     errs = [abs(p.error) for p in points]
     within = sum(e <= 0.15 for e in errs)
     print(f"closed form vs simulation: max |error| {100 * max(errs):.1f}%, mean {100 * np.mean(errs):.1f}%, "
           f"{within}/{len(errs)} points within 15%")
+    means = [mean_point(runs) for runs in by_point(points).values()]
     for bw in bws:
         for d in densities:
-            row = [p for p in points if p.bandwidth_gbps == bw and p.density == d]
+            row = [p for p in means if p.bandwidth_gbps == bw and p.density == d]
             ts = [p.omni_s for p in row]
             print(f"{bw:g} Gbps, density {d:g}: omni max/min over n = {max(ts) / min(ts):.2f}; ring at n={row[-1].n}: "
                   f"{row[-1].ring_s / row[0].ring_s:.2f}x its n={row[0].n} time")

@@ -30,6 +30,12 @@ prints the tables and writes ``sparse_switch_vs_density.png``, ``sparse_switch_v
 ``sparse_switch_pool.png`` and ``sparse_switch_<overlap>.csv`` under ``DIR`` (default
 ``experiments/out/reproduce_sparse_switch``). ``--quick``: n <= 8, three densities, 256 KiB (about a minute
 on 2 busy cores).
+
+``--seed`` draws the non-zero blocks' positions (E1-E3), on which the union, the waves and so the sparse
+transports' times depend (ring's and the dense switch's do not). ``--seeds K`` runs every E1-E3 point for
+position seeds ``--seed`` .. ``--seed + K - 1``: the CSV has a row per seed (column ``seed``), the tables a
+line per seed and then E1's times as mean ± std over the seeds, the verdict the means, and the figures the
+mean with a ± std band. E4 (the netbed) measures wall time on one draw and takes no ``--seeds``.
 """
 
 from __future__ import annotations
@@ -48,7 +54,8 @@ from sparsecomm.transports.switchml.sparse.dataplane import MAX_WORKERS as SPARS
 from sparsecomm.transports.switchml.dataplane import MAX_WORKERS as SWITCH_MAX
 from sparsecomm.theory import costs
 
-from .common import plots
+from .common import cli, plots, report
+from .common import seeds as S
 from .common import reproduce as U
 from .reproduce_omnireduce import CHANNELS, lanes_for, masks
 
@@ -74,6 +81,7 @@ class Point:
     expected_us: float = float("nan")               # closed form, expectations only
     sparse_bytes: float = float("nan")              # sparse-switch bytes sent + received per worker
     ideal_bytes: float = float("nan")               # own blocks up + union down, 4-byte look-aheads, firsts
+    seed: int = 0                                   # the non-zero blocks' positions
 
     @property
     def error(self) -> float:
@@ -132,7 +140,7 @@ def run_point(n: int, density: float, *, numel: int = NUMEL, pool: int = POOL, o
     ms = [np.asarray(x.view(-1, BLOCK).ne(0).any(1)) if numel % BLOCK == 0 else
           np.asarray(torch.nn.functional.pad(x, (0, -numel % BLOCK)).view(-1, BLOCK).ne(0).any(1)) for x in xs]
     union = np.logical_or.reduce(ms)
-    p = Point(n, density, numel, pool, overlap, float(union.mean()))
+    p = Point(n, density, numel, pool, overlap, float(union.mean()), seed=seed)
     for t in transports:
         if (t == "switch" and n > SWITCH_MAX) or (t == "sparse-switch" and n > SPARSE_MAX) or (t == "ring" and n == 1):
             p.times_us[t] = float("nan")
@@ -177,39 +185,70 @@ def _plain(iterable, **_):
     return iterable
 
 
-def e1(ns, densities, numel, overlap, log=print, progress=_plain) -> list[Point]:
+def _seed_note(p: Point, seeds) -> str:
+    return f" seed {p.seed}" if len(seeds) > 1 else ""
+
+
+def e1(ns, densities, numel, overlap, log=print, progress=_plain, seeds=(0,)) -> list[Point]:
     log(f"\nE1: {numel * 4 / 2**20:g} MiB float32, block {BLOCK}, pool {POOL}, overlap={overlap}; modelled us")
     log(HEADER)
     points = []
-    for d, n in progress([(d, n) for d in densities for n in ns], desc="E1 points"):
+    for d, n, sd in progress([(d, n, sd) for d in densities for n in ns for sd in seeds], desc="E1 points"):
         t0 = time.perf_counter()
-        p = run_point(n, d, numel=numel, overlap=overlap)
+        p = run_point(n, d, numel=numel, overlap=overlap, seed=sd)
         points.append(p)
-        log(_row(p) + f"   ({time.perf_counter() - t0:.1f} s)")
+        log(_row(p) + f"   ({time.perf_counter() - t0:.1f} s)" + _seed_note(p, seeds))
     return points
 
 
-def e2(pools, numel, log=print, progress=_plain) -> list[Point]:
+def e2(pools, numel, log=print, progress=_plain, seeds=(0,)) -> list[Point]:
     log(f"\nE2: pool pressure, n=8, {numel * 4 / 2**20:g} MiB; sparse-switch vs switch with the same pool (us)")
     log(f"{'dens':>4} {'pool':>5} | {'switch':>8} {'sparse':>8} {'form':>8} | sparse/switch")
     out = []
-    for d, pool in progress([(d, pool) for d in (1.0, 0.1) for pool in pools], desc="E2 points"):
-        p = run_point(8, d, numel=numel, pool=pool, transports=("switch", "sparse-switch"))
+    for d, pool, sd in progress([(d, pool, sd) for d in (1.0, 0.1) for pool in pools for sd in seeds],
+                                desc="E2 points"):
+        p = run_point(8, d, numel=numel, pool=pool, transports=("switch", "sparse-switch"), seed=sd)
         out.append(p)
         log(f"{d:>4g} {pool:>5d} | {p.times_us['switch']:8.1f} {p.times_us['sparse-switch']:8.1f} "
-            f"{p.form_us:8.1f} | {p.times_us['sparse-switch'] / p.times_us['switch']:.2f}")
+            f"{p.form_us:8.1f} | {p.times_us['sparse-switch'] / p.times_us['switch']:.2f}" + _seed_note(p, seeds))
     return out
 
 
-def e3(sizes, log=print, progress=_plain) -> list[Point]:
+def e3(sizes, log=print, progress=_plain, seeds=(0,)) -> list[Point]:
     log("\nE3: small tensors, n=8, density 0.5 (us)")
     log(HEADER)
     out = []
-    for numel in progress(sizes, desc="E3 sizes"):
-        p = run_point(8, 0.5, numel=numel)
+    for numel, sd in progress([(numel, sd) for numel in sizes for sd in seeds], desc="E3 sizes"):
+        p = run_point(8, 0.5, numel=numel, seed=sd)
         out.append(p)
-        log(f"[{numel * 4 / 1024:g} KiB] " + _row(p))
+        log(f"[{numel * 4 / 1024:g} KiB] " + _row(p) + _seed_note(p, seeds))
     return out
+
+
+def by_point(points: list[Point]) -> dict[tuple, list[Point]]:
+    """The points by ``(n, density, numel, pool)``, each the list of its seeds' runs."""
+    out: dict[tuple, list[Point]] = {}
+    for p in points:
+        out.setdefault((p.n, p.density, p.numel, p.pool), []).append(p)
+    return out
+
+
+def mean_point(runs: list[Point]) -> Point:
+    """One point's seeds as one :class:`Point`: every time and byte count their mean, ``seed`` the first's."""
+    mean = lambda f: float(np.mean([f(p) for p in runs]))  # noqa: E731
+    p0 = runs[0]
+    return Point(p0.n, p0.density, p0.numel, p0.pool, p0.overlap, mean(lambda p: p.union_density),
+                 {t: mean(lambda p: p.times_us[t]) for t in p0.times_us}, mean(lambda p: p.form_us),
+                 mean(lambda p: p.expected_us), mean(lambda p: p.sparse_bytes), mean(lambda p: p.ideal_bytes),
+                 p0.seed)
+
+
+def seeds_table(points: list[Point]) -> str:
+    """E1's modelled times (us) per point as mean ± std over the seeds, and the closed form's error."""
+    rows = [(f"{d:g}", str(n), *(report.fmt_mean_std([p.times_us[t] for p in runs], ".1f") for t in TRANSPORTS),
+             report.fmt_mean_std([100 * p.error for p in runs], ".1f"))
+            for (n, d, _, _), runs in by_point(points).items()]
+    return report.table(("dens", "n", *TRANSPORTS, "error (%)"), rows, align="r" * (3 + len(TRANSPORTS)))
 
 
 def _netbed_worker(ctx, name, kw, xs, repeats):
@@ -296,6 +335,8 @@ def summary(points: list[Point], ns, densities, log=print) -> None:
         f"{sum(e <= 0.15 for e in errs)}/{len(errs)} within 15%")
 
 
+#: the transports whose time depends on where the non-zero blocks are (the others move the dense tensor)
+DATA_DEPENDENT = ("omni-colocated", "omni-dedicated", "sparse-switch")
 #: how each transport is drawn (marker and line style; colours from the default cycle)
 STYLE = {"ring": "k:", "switch": "s--", "omni-colocated": "^-.", "omni-dedicated": "v-", "sparse-switch": "o-"}
 LABEL = {"ring": "ring", "switch": "switch (dense)", "omni-colocated": "OmniReduce, colocated aggregators",
@@ -306,13 +347,16 @@ def plot(points: list[Point], pool_points: list[Point], ns, densities) -> dict:
     """The figures by file stem: E1 time vs density and vs workers, E2 time vs pool size."""
     plt = U.pyplot()
     figs = {}
+    nseeds = len({p.seed for p in points})
+    mean = f", mean ± std of {nseeds} seeds" if nseeds > 1 else ""
     ncol = [n for n in (8, 32) if n in ns] or [max(ns)]
     fig, axes = plt.subplots(1, len(ncol), figsize=(6.5 * len(ncol), 4.6), squeeze=False)
     for ax, n in zip(axes[0], ncol):
-        row = sorted((p for p in points if p.n == n), key=lambda p: p.density)
+        row = [p for p in points if p.n == n]
         for t in TRANSPORTS:
-            ax.plot([p.density for p in row], [p.times_us[t] for p in row], STYLE[t], label=LABEL[t])
-        ax.plot([p.density for p in row], [p.form_us for p in row], "r:", lw=2, label="sparse-switch (closed form)")
+            S.draw(ax, _band(row, "density", lambda p: p.times_us[t]), **_style(t), label=LABEL[t] + (mean if t in DATA_DEPENDENT else ""))
+        S.draw(ax, _band(row, "density", lambda p: p.form_us), ls=":", color="r", lw=2,
+               label="sparse-switch (closed form)" + mean)
         ax.set_xscale("log"), ax.set_yscale("log")
         plots.log_axes(ax, [p.density for p in row], [v for p in row for v in (*p.times_us.values(), p.form_us)])
         ax.set_xlabel("block density (fraction of blocks holding a non-zero)")
@@ -324,10 +368,11 @@ def plot(points: list[Point], pool_points: list[Point], ns, densities) -> dict:
 
     fig, axes = plt.subplots(1, len(densities), figsize=(5 * len(densities), 4.6), squeeze=False)
     for ax, d in zip(axes[0], sorted(densities, reverse=True)):
-        row = sorted((p for p in points if p.density == d), key=lambda p: p.n)
+        row = [p for p in points if p.density == d]
         for t in TRANSPORTS:
-            ax.plot([p.n for p in row], [p.times_us[t] for p in row], STYLE[t], label=LABEL[t])
-        ax.plot([p.n for p in row], [p.form_us for p in row], "r:", lw=2, label="sparse-switch (closed form)")
+            S.draw(ax, _band(row, "n", lambda p: p.times_us[t]), **_style(t), label=LABEL[t] + (mean if t in DATA_DEPENDENT else ""))
+        S.draw(ax, _band(row, "n", lambda p: p.form_us), ls=":", color="r", lw=2,
+               label="sparse-switch (closed form)" + mean)
         ax.set_xscale("log", base=2), ax.set_yscale("log")
         plots.log_axes(ax, None, [v for p in row for v in (*p.times_us.values(), p.form_us)])
         plots.count_axis(ax.xaxis, [p.n for p in row])
@@ -340,16 +385,16 @@ def plot(points: list[Point], pool_points: list[Point], ns, densities) -> dict:
     if pool_points:
         fig, ax = plt.subplots(figsize=(6.5, 4.6))
         for d in sorted({p.density for p in pool_points}, reverse=True):
-            row = sorted((p for p in pool_points if p.density == d), key=lambda p: p.pool)
-            line, = ax.plot([p.pool for p in row], [p.times_us["sparse-switch"] for p in row], "o-",
-                            label=f"sparse-switch, density {d:g} (simulated)")
-            ax.plot([p.pool for p in row], [p.form_us for p in row], ":", color=line.get_color(),
-                    label=f"sparse-switch, density {d:g} (closed form)")
+            row = [p for p in pool_points if p.density == d]
+            line = S.draw(ax, _band(row, "pool", lambda p: p.times_us["sparse-switch"]), marker="o", ls="-",
+                          label=f"sparse-switch, density {d:g} (simulated{mean})")
+            S.draw(ax, _band(row, "pool", lambda p: p.form_us), ls=":", color=line.get_color(),
+                   label=f"sparse-switch, density {d:g} (closed form{mean})")
         # the dense switch sends every block whatever the density: its curves coincide, drawn once
         dense = []
         for d in sorted({p.density for p in pool_points}, reverse=True):
-            row = sorted((p for p in pool_points if p.density == d), key=lambda p: p.pool)
-            dense.append(dict(x=[p.pool for p in row], y=[p.times_us["switch"] for p in row], marker="s", ls="--",
+            b = _band([p for p in pool_points if p.density == d], "pool", lambda p: p.times_us["switch"])
+            dense.append(dict(x=b.x, y=b.mid, marker="s", ls="--",
                               color="0.4", label=f"switch (dense), density {d:g}"))
         ax.set_xscale("log", base=2), ax.set_yscale("log")
         plots.plot_series(ax, dense, xlog=True, ylog=True)
@@ -364,6 +409,20 @@ def plot(points: list[Point], pool_points: list[Point], ns, densities) -> dict:
     return figs
 
 
+def _style(t: str) -> dict:
+    """:data:`STYLE`'s format string of transport ``t`` as line keywords."""
+    fmt = STYLE[t]                      # a colour or a marker, then the line style
+    return dict(ls=fmt[1:], **({"color": fmt[0]} if fmt[0] == "k" else {"marker": fmt[0]}))
+
+
+def _band(points: list[Point], key: str, value) -> S.Band:
+    """``value(point)`` against the attribute ``key`` (``"n"``, ``"density"``, ``"pool"``) over the points'
+    seeds; a NaN (a transport that did not run there) leaves the point out."""
+    runs = [sorted((p for p in points if p.seed == sd), key=lambda p: getattr(p, key))
+            for sd in dict.fromkeys(p.seed for p in points)]
+    return S.band([[getattr(p, key) for p in r] for r in runs], [[value(p) for p in r] for r in runs])
+
+
 def main(argv=None) -> dict:
     ap = U.parser("python -m experiments.reproduce_sparse_switch", __doc__)
     ap.add_argument("--overlap", choices=("full", "random"), default="full")
@@ -374,12 +433,18 @@ def main(argv=None) -> dict:
     ap.add_argument("--netbed", type=float, default=None, metavar="GBPS",
                     help="only E4: the transports on a netbed with links of GBPS Gbit/s, n=4 (needs root)")
     ap.add_argument("--repeats", type=int, default=3, help="E4: timed calls per transport")
+    cli.add_seeds(ap, help="repeat every E1-E3 point for K position seeds (--seed, --seed+1, ...): tables show "
+                           "mean ± std, plots the mean with a ± std band (default 1); not with --netbed")
     args = ap.parse_args(argv)
+    seeds = S.seeds_of(ap, args)
+    if args.netbed is not None and len(seeds) > 1:
+        ap.error("--seeds applies to the simulated E1-E3; --netbed (E4) measures one draw: leave --seeds out")
     ns = args.ns or ([2, 4, 8] if args.quick else [2, 4, 8, 16, 32, 64])
     densities = args.densities or ([1.0, 0.1, 0.01] if args.quick else [1.0, 0.5, 0.1, 0.01])
     numel = args.numel or (1 << 16 if args.quick else NUMEL)
     R = U.Run("reproduce_sparse_switch", args, dict(ns=ns, densities=densities, numel=numel, overlap=args.overlap,
-                                                  netbed_gbps=args.netbed, repeats=args.repeats))
+                                                  netbed_gbps=args.netbed, repeats=args.repeats,
+                                                  seeds=seeds))
     out = str(R.out)
     t0 = time.perf_counter()
     if args.netbed is not None:
@@ -391,22 +456,27 @@ def main(argv=None) -> dict:
         print(f"total {time.perf_counter() - t0:.0f} s")
         R.finish({"E4": rows})
         return {"E4": rows}
-    points = e1(ns, densities, numel, args.overlap, progress=R.progress)
-    summary(points, ns, densities)
+    points = e1(ns, densities, numel, args.overlap, progress=R.progress, seeds=seeds)
+    if len(seeds) > 1:
+        print(f"\nE1 over {len(seeds)} position seeds ({seeds[0]}..{seeds[-1]}): modelled us, mean ± std")
+        print(seeds_table(points))
+    summary([mean_point(runs) for runs in by_point(points).values()], ns, densities)
     pool_points, small = [], []
     if not args.skip_extra:
-        pool_points = e2([4, 16, 64] if args.quick else [4, 8, 16, 32, 64, 128, 256], numel, progress=R.progress)
-        small = e3([256, 4096] if args.quick else [256, 1024, 4096, 16384, 65536, 262144], progress=R.progress)
+        pool_points = e2([4, 16, 64] if args.quick else [4, 8, 16, 32, 64, 128, 256], numel, progress=R.progress,
+                         seeds=seeds)
+        small = e3([256, 4096] if args.quick else [256, 1024, 4096, 16384, 65536, 262144], progress=R.progress,
+                   seeds=seeds)
     tag = "" if numel == NUMEL else f"_{numel}"
     with open(os.path.join(out, f"sparse_switch_{args.overlap}{tag}.csv"), "w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(["experiment", "n", "density", "numel", "pool", "overlap", "union_density", *TRANSPORTS,
-                    "form_us", "expected_us", "sparse_bytes", "ideal_bytes"])
+                    "form_us", "expected_us", "sparse_bytes", "ideal_bytes", "seed"])
         for name, pts in (("E1", points), ("E2", pool_points), ("E3", small)):
             for p in pts:
                 w.writerow([name, p.n, p.density, p.numel, p.pool, p.overlap, p.union_density,
                             *(p.times_us.get(t, float("nan")) for t in TRANSPORTS), p.form_us, p.expected_us,
-                            p.sparse_bytes, p.ideal_bytes])
+                            p.sparse_bytes, p.ideal_bytes, p.seed])
     for stem, fig in plot(points, pool_points, ns, densities).items():
         print("wrote", R.save_figure(fig, stem))
     print(f"total {time.perf_counter() - t0:.0f} s")

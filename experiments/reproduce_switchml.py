@@ -15,7 +15,12 @@ E3  goodput vs loss rate: every datagram, both directions, dropped with probabil
 Modelled times come from the SimFabric's network model (100 Gb/s, 2 us per hop by default; the switch is
 a per-port endpoint with the same links). Usage::
 
-    python -m experiments.reproduce_switchml [--quick] [--out DIR]
+    python -m experiments.reproduce_switchml [--quick] [--out DIR] [--seeds K]
+
+Seeds: E1 and E2 are deterministic in the seed (the modelled time of a dense all-reduce depends on the
+tensor's size, not on its values; ``--seed`` only draws the values), so they run once. E3's loss is random:
+``--seeds K`` runs every point for loss seeds ``--seed`` .. ``--seed + K - 1`` (default 4, ``--quick`` 1),
+the table shows the goodput as mean ± std over them and the figure the mean with a ± std band.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ import torch
 import sparsecomm as sc
 from sparsecomm.theory.costs import ring_allreduce, switchml_allreduce, switchml_lossy_time, switchml_throughput
 
-from .common import plots
+from .common import cli, plots, report
+from .common import seeds as S
 from .common import reproduce as U
 
 
@@ -114,18 +120,17 @@ def e2_pool(args, R, net_kw) -> dict:
     return {"rows": rows, "bdp_slots": bdp}
 
 
-def e3_loss(args, R, net_kw) -> dict:
+def e3_loss(args, R, net_kw, seeds: list[int]) -> dict:
     n, numel, pool = 4, 64 * (512 if args.quick else 1024), 64
     losses = [0.0, 1e-3, 1e-2, 5e-2] if args.quick else [0.0, 1e-4, 1e-3, 3e-3, 1e-2, 3e-2, 5e-2]
     timeouts = [1e-3, 1e-4] if args.quick else [10e-3, 1e-3, 1e-4]
-    seeds = [args.seed] if args.quick else [args.seed + i for i in range(4)]
     rows, ref = [], None
     print(f"\nE3: n={n}, {numel * 4 / 2**20:.2f} MiB, pool {pool}, loss on every link both ways, "
           f"mean over {len(seeds)} loss seed(s)")
-    print(f"{'timeout':>8} {'loss':>7} {'sim us':>10} {'goodput Gb/s':>13} {'model Gb/s':>11} {'retx':>6} {'exact':>6}")
+    print(f"{'timeout':>8} {'loss':>7} {'sim us':>10} {'goodput Gb/s':>15} {'model Gb/s':>11} {'retx':>6} {'exact':>6}")
     for to in R.progress(timeouts, desc="timeouts"):
         for loss in losses:
-            times, retx, same = [], 0, True
+            times, goodputs, retx, same = [], [], 0, True
             for sd in seeds:
                 s = _run("switch", n, numel, sc.Network(**net_kw, loss=loss, seed=sd), args.seed,
                          pool_size=pool, timeout=to, keep_fixed=True)
@@ -133,20 +138,24 @@ def e3_loss(args, R, net_kw) -> dict:
                     ref = s["sums"]
                 same &= bool(torch.equal(s["sums"], ref))
                 times.append(s["time"])
+                goodputs.append(numel * 32 / s["time"] / 1e9)
                 retx += s["retx"]
             t = sum(times) / len(times)
             m = switchml_lossy_time(n, numel * 4, loss, timeout_s=to, pool_size=pool, **net_kw)
             g, gm = numel * 32 / t / 1e9, numel * 32 / m / 1e9
             rows.append(dict(timeout=to, loss=loss, time=t, goodput_gbps=g, model_gbps=gm,
-                             retransmissions=retx, bit_identical=same))
-            print(f"{to * 1e3:>6.1f}ms {loss:>7.4f} {t * 1e6:>10.1f} {g:>13.3f} {gm:>11.3f} "
-                  f"{retx:>6d} {'yes' if same else 'NO':>6}")
+                             goodput_over_seeds=S.stats(goodputs), retransmissions=retx, bit_identical=same))
+            print(f"{to * 1e3:>6.1f}ms {loss:>7.4f} {t * 1e6:>10.1f} {report.fmt_mean_std(goodputs):>15} "
+                  f"{gm:>11.3f} {retx:>6d} {'yes' if same else 'NO':>6}")
             R.log({f"e3/goodput_gbps_timeout_{to * 1e3:g}ms": g, "e3/loss": loss})
     plt = U.pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(6.5, 5.2))
     for to in timeouts:
         rr = [r for r in rows if r["timeout"] == to and r["loss"] > 0]
-        line, = ax.plot([r["loss"] for r in rr], [r["goodput_gbps"] for r in rr], "o-", label=f"timeout {to * 1e3:g} ms")
+        per_seed = [[r["goodput_over_seeds"]["per_seed"][i] for r in rr] for i in range(len(seeds))]
+        line = S.draw(ax, S.band([[r["loss"] for r in rr]] * len(seeds), per_seed), marker="o", ls="-",
+                      label=f"timeout {to * 1e3:g} ms" + (f", mean ± std of {len(seeds)} seeds" if len(seeds) > 1
+                                                         else ""))
         ax.plot([r["loss"] for r in rr], [r["model_gbps"] for r in rr], ":", color=line.get_color(),
                 label=f"timeout {to * 1e3:g} ms (rough model)")
     lossless = next(r["goodput_gbps"] for r in rows if r["loss"] == 0)
@@ -154,7 +163,8 @@ def e3_loss(args, R, net_kw) -> dict:
     ax.set_xscale("log"), ax.set_yscale("log")
     ax.set_xlabel("packet loss rate per link"), ax.set_ylabel("goodput (Gb/s)")
     ax.set_title(f"E3: n={n}, pool {pool}: goodput vs loss")
-    ax.legend(fontsize=8)
+    plots.legend_below(ax, ncol=2)
+    fig.tight_layout()
     R.save_figure(fig, "switchml_vs_loss")
     return {"rows": rows, "all_bit_identical": all(r["bit_identical"] for r in rows)}
 
@@ -163,13 +173,19 @@ def main(argv=None) -> dict:
     ap = U.parser("python -m experiments.reproduce_switchml", __doc__)
     ap.add_argument("--bandwidth-gbps", type=float, default=100.0)
     ap.add_argument("--latency-us", type=float, default=2.0)
+    cli.add_seeds(ap, default=None, help="E3's loss seeds (--seed, --seed+1, ...; default 4, --quick 1): its table "
+                                          "shows goodput mean ± std, its plot the mean with a ± std band; E1 and E2 "
+                                          "are deterministic in the seed and run once")
     args = ap.parse_args(argv)
+    if args.seeds is None:              # E3's loss seeds: 4, or 1 for --quick
+        args.seeds = 1 if args.quick else 4
+    seeds = S.seeds_of(ap, args)
     net_kw = dict(bandwidth_gbps=args.bandwidth_gbps, latency_us=args.latency_us)
-    R = U.Run("reproduce_switchml", args, dict(quick=args.quick, **net_kw))
+    R = U.Run("reproduce_switchml", args, dict(quick=args.quick, e3_seeds=seeds, **net_kw))
     summary = {"network": net_kw,
                "e1_workers": e1_workers(args, R, net_kw),
                "e2_pool": e2_pool(args, R, net_kw),
-               "e3_loss": e3_loss(args, R, net_kw)}
+               "e3_loss": e3_loss(args, R, net_kw, seeds)}
     rel = [abs(r["switch"] / r["switch_model"] - 1) for r in summary["e1_workers"]["rows"]]
     rel += [abs(r["time"] / r["model"] - 1) for r in summary["e2_pool"]["rows"]]
     summary["max_model_error"] = max(rel)

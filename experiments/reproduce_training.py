@@ -57,6 +57,14 @@ model's own forward, backward and update (communication, and for compressors the
 netbed's links (:data:`sparsecomm.fabric.sim.sim_network.TCP_OVER_ETHERNET`, no overlap of communication
 with compute), and ``modelled_ratio = modelled_s / time_to_target_s``.
 
+**Seeds.** ``--seed`` (default 0) draws the model's initial weights and the workers' batches; the click
+data's true model and the held-out sets stay fixed. ``--seeds K`` runs every scheme for seeds ``--seed`` ..
+``--seed + K - 1`` (each seed's schemes capped by that seed's DDP time): summary.csv and curves.csv have a
+row per seed (column ``seed``), the printed tables a table per seed and then, per scheme, the time and
+steps to target as mean ± std over the seeds that reached it (with how many did), the figures the mean
+curve with a ± std band (over the evaluations every seed ran) and the mean time to target with ± std error
+bars.
+
 Outputs under ``--out`` (default ``experiments/out/reproduce_training``): ``summary.csv`` (one row per
 model and scheme), ``curves.csv`` (every evaluation: model, scheme, elapsed_s, step, metric),
 ``time_to_accuracy.png`` (the metric against wall-clock time per scheme, one panel per model) and
@@ -99,7 +107,7 @@ COMPUTE_WARMUP, COMPUTE_STEPS = 2, 6
 #: summary.csv's columns: the required ones first
 COLUMNS = ("model", "scheme", "transport", "hosts", "gbps", "time_to_target_s", "steps_to_target", "reached",
            "bytes_per_step", "comm_fraction", "target", "metric", "compute_s", "step_s", "modelled_s",
-           "modelled_ratio", "note")
+           "modelled_ratio", "note", "seed")
 
 
 # ----------------------------------------------------------------------------- tasks
@@ -170,7 +178,11 @@ class ClickModel(nn.Module):
         return self.tower(x.flatten(1)).squeeze(1)
 
 
-def click_task(quick: bool, batch: int = 256) -> Task:
+#: a seed's offset of the batch streams (seed 0 keeps the streams ``(rank, t)`` of the module doc)
+SEED_STRIDE = 1_000_000_007
+
+
+def click_task(quick: bool, batch: int = 256, seed: int = 0) -> Task:
     fields, vocab, dim = (FIELDS, 5_000, 16) if quick else (FIELDS, VOCAB, DIM)
     g = torch.Generator().manual_seed(1234)
     cdf = torch.cumsum(torch.arange(1, vocab + 1, dtype=torch.float64) ** -ZIPF, 0)
@@ -193,11 +205,11 @@ def click_task(quick: bool, batch: int = 256) -> Task:
             return auc(m(held_ids), held_y)
 
     def make_batch(rank: int, t: int) -> tuple:
-        ids, y, _ = draw(torch.Generator().manual_seed(1_000_003 * (rank + 1) + t), batch)
+        ids, y, _ = draw(torch.Generator().manual_seed(1_000_003 * (rank + 1) + t + SEED_STRIDE * seed), batch)
         return ids, y
 
     target = 0.5 + (0.5 if quick else 0.7) * (bayes - 0.5)
-    return Task("emb", lambda: ClickModel(fields, vocab, dim), make_batch,
+    return Task("emb", lambda: ClickModel(fields, vocab, dim, seed=seed), make_batch,
                 lambda m, b: nn.functional.binary_cross_entropy_with_logits(m(b[0]), b[1]),
                 metric, target=target, lr=0.5, momentum=0.0, emb_lr=100.0, max_steps=40 if quick else 1500,
                 eval_every=1 if quick else 10,        # --quick reaches its target in a few steps: show them
@@ -207,7 +219,7 @@ def click_task(quick: bool, batch: int = 256) -> Task:
                 info={"bayes_auc": bayes})
 
 
-def digits_task(quick: bool, batch: int = 32) -> Task:
+def digits_task(quick: bool, batch: int = 32, seed: int = 0) -> Task:
     from sklearn.datasets import load_digits
 
     width = 256 if quick else WIDTH
@@ -220,12 +232,12 @@ def digits_task(quick: bool, batch: int = 32) -> Task:
     target = 0.85 if quick else 0.95
 
     def build() -> nn.Module:
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         return nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
                              nn.Linear(width, 10))
 
     def make_batch(rank: int, t: int) -> tuple:
-        g = torch.Generator().manual_seed(1_000_003 * (rank + 1) + t)
+        g = torch.Generator().manual_seed(1_000_003 * (rank + 1) + t + SEED_STRIDE * seed)
         idx = train[torch.randint(0, len(train), (batch,), generator=g)]
         return x[idx], y[idx]
 
@@ -348,10 +360,11 @@ def _train_one(ctx, task: Task, scheme: Scheme, group, time_cap_s: float) -> dic
             "link_bytes": link_bytes / steps, "transport": transport}
 
 
-def _train(ctx, task_name: str, quick: bool, schemes: tuple[Scheme, ...], time_cap_s: float) -> dict[str, Any]:
+def _train(ctx, task_name: str, quick: bool, schemes: tuple[Scheme, ...], time_cap_s: float,
+           seed: int = 0) -> dict[str, Any]:
     """One worker: the no-communication step's time, then every scheme in turn (module doc)."""
     torch.set_num_threads(1)
-    task = TASKS[task_name](quick)
+    task = TASKS[task_name](quick, seed=seed)
     group = ctx.fabric.native_group if ctx.fabric.services() else None
     out = {"compute_s": _compute_step_s(task, ctx.rank, group), "target": task.target,
            "describe": task.describe, "info": task.info, "runs": {}}
@@ -361,7 +374,7 @@ def _train(ctx, task_name: str, quick: bool, schemes: tuple[Scheme, ...], time_c
 
 
 def run_schemes(task_name: str, schemes: tuple[Scheme, ...], hosts: int, gbps: float | None, quick: bool,
-                time_cap_s: float, timeout_s: float) -> list[dict[str, Any]]:
+                time_cap_s: float, timeout_s: float, seed: int = 0) -> list[dict[str, Any]]:
     """One launch: ``hosts`` workers (and the schemes' services, which must be the same) on a netbed at
     ``gbps`` (gloo over loopback when ``gbps`` is None) train with each scheme in turn; per scheme the
     row of summary.csv and the curve."""
@@ -373,7 +386,7 @@ def run_schemes(task_name: str, schemes: tuple[Scheme, ...], hosts: int, gbps: f
     else:
         opts = {"backend": "netbed", "network": sc.Network(bandwidth_gbps=gbps)}
     res = sc.launch(functools.partial(_train, task_name=task_name, quick=quick, schemes=schemes,
-                                      time_cap_s=time_cap_s),
+                                      time_cap_s=time_cap_s, seed=seed),
                     world_size=hosts, services=list(services.pop()), timeout_s=timeout_s, **opts)
     compute_s = max(r["compute_s"] for r in res)
     out = []
@@ -391,7 +404,7 @@ def run_schemes(task_name: str, schemes: tuple[Scheme, ...], hosts: int, gbps: f
                "steps_to_target": r0["steps"] if r0["reached"] else "", "reached": r0["reached"],
                "bytes_per_step": link, "comm_fraction": max(0.0, 1.0 - compute_s / step_s),
                "target": res[0]["target"], "metric": r0["metric"], "compute_s": compute_s, "step_s": step_s,
-               "modelled_s": modelled, "modelled_ratio": modelled / elapsed, "note": ""}
+               "modelled_s": modelled, "modelled_ratio": modelled / elapsed, "note": "", "seed": seed}
         if not r0["reached"]:
             row["note"] = (f"stopped at step {r0['steps']} after {elapsed:.1f} s at {r0['metric']:.4f} "
                            f"(target {res[0]['target']:.4f})")
@@ -409,57 +422,99 @@ def write_csv(rows: list[dict], path: Path) -> Path:
     return path
 
 
+def by_scheme(results: list[dict]) -> dict[tuple[str, str], list[dict]]:
+    """The results by ``(model, scheme)``, each the list of its seeds' results (in run order)."""
+    out: dict[tuple[str, str], list[dict]] = {}
+    for r in results:
+        out.setdefault((r["row"]["model"], r["row"]["scheme"]), []).append(r)
+    return out
+
+
+def over_seeds(runs: list[dict]) -> dict[str, Any]:
+    """One scheme's seeds: how many reached the target, the time and steps to it over those (mean and std,
+    :func:`.common.seeds.stats`), the time at which the others stopped, and the link bytes per step."""
+    from .common import seeds as S
+
+    rows = [r["row"] for r in runs]
+    hit = [r for r in rows if r["reached"]]
+    return {"n": len(rows), "reached": len(hit), "time": S.stats([r["time_to_target_s"] for r in hit]),
+            "steps": S.stats([r["steps_to_target"] for r in hit]),
+            "stopped": S.stats([r["step_s"] * _stopped_steps(runs, r) for r in rows if not r["reached"]]),
+            "bytes_per_step": S.stats([r["bytes_per_step"] for r in rows]), "target": rows[0]["target"]}
+
+
 def figures(results: list[dict], out: Path) -> list[Path]:
     """``time_to_accuracy.png``: the held-out metric against the workers' training time, one curve per
-    scheme, the target dashed, one panel per model; ``time_to_target.png``: time to target as bars (a
-    scheme that did not reach it drawn hatched at the time it stopped, labelled so)."""
+    scheme (over several seeds the mean at the evaluations every seed ran, with a ± std band), the target
+    dashed, one panel per model; ``time_to_target.png``: time to target as bars (over several seeds the mean
+    over the seeds that reached it, ± std error bars; a scheme that reached it in none drawn hatched at the
+    time it stopped, labelled so)."""
     from .common import plots
+    from .common import seeds as S
 
     import matplotlib.pyplot as plt
 
-    models = list(dict.fromkeys(r["row"]["model"] for r in results))
+    groups = by_scheme(results)
+    nseeds = max(len(g) for g in groups.values())
+    models = list(dict.fromkeys(m for m, _ in groups))
     colours = plots._colours([s.name for s in SCHEMES])
     gbps, hosts = results[0]["row"]["gbps"], results[0]["row"]["hosts"]
     where = f"{hosts} hosts, {gbps} Gbit/s netbed" if gbps != "loopback" else f"{hosts} gloo processes, loopback"
+    seeds_note = f"; mean ± std of {nseeds} seeds" if nseeds > 1 else ""
     fig, axes = plt.subplots(1, len(models), figsize=(6.2 * len(models), 4.4), squeeze=False)
     for ax, model in zip(axes[0], models):
-        mine = [r for r in results if r["row"]["model"] == model]
-        plots.plot_series(ax, [{"x": [c[0] for c in r["curve"]], "y": [c[2] for c in r["curve"]],
-                                "label": r["row"]["scheme"], "color": colours[r["row"]["scheme"]]}
-                               for r in mine if r["curve"]])
-        ax.axhline(mine[0]["row"]["target"], color="k", ls="--", lw=0.8, label="target")
+        series, bands = [], []
+        for (m, scheme), runs in groups.items():
+            curves = [r["curve"] for r in runs if r["curve"]]
+            if m != model or not curves:
+                continue
+            b = S.band([[c[1] for c in cv] for cv in curves], [[c[2] for c in cv] for cv in curves],
+                       [[c[0] for c in cv] for cv in curves])
+            series.append({"x": b.x, "y": b.mid, "label": scheme, "color": colours[scheme]})
+            bands.append((b, colours[scheme]))
+        plots.plot_series(ax, series)
+        for b, colour in bands:
+            if b.n > 1:
+                ax.fill_between(b.x, b.lo, b.hi, color=colour, alpha=0.15, lw=0)
+        ax.axhline(groups[next(k for k in groups if k[0] == model)][0]["row"]["target"], color="k", ls="--",
+                   lw=0.8, label="target")
         ax.set_xlabel("training time (s, evaluation not counted)")
         ax.set_ylabel("held-out AUC" if model == "emb" else "held-out accuracy")
-        ax.set_title(f"{model}: {where}", fontsize=9)
+        ax.set_title(f"{model}: {where}{seeds_note}", fontsize=9)
         plots.legend_below(ax, ncol=2)
     fig.tight_layout()
     paths = [plots.save(fig, out / "time_to_accuracy.png", "held-out metric against training time per scheme")]
     fig, axes = plt.subplots(1, len(models), figsize=(6.2 * len(models), 4.4), squeeze=False)
     for ax, model in zip(axes[0], models):
-        rows = [r["row"] for r in results if r["row"]["model"] == model]
-        names = [r["scheme"] for r in rows]
-        if not any(r["reached"] for r in rows):  # nothing to compare: say so instead of a panel of hatching
+        mine = {scheme: over_seeds(runs) for (m, scheme), runs in groups.items() if m == model}
+        names = list(mine)
+        if not any(a["reached"] for a in mine.values()):  # nothing to compare: a note, not a panel of hatching
             ax.axis("off")
-            ax.text(0.5, 0.5, f"{model}: {where}\n\nno scheme reached the target {rows[0]['target']:.3g}\n"
+            ax.text(0.5, 0.5, f"{model}: {where}\n\nno scheme reached the target "
+                              f"{next(iter(mine.values()))['target']:.3g}\n"
                               f"(stock DDP included) within its steps or time cap;\nsee time_to_accuracy.png "
                               f"and summary.csv", ha="center", va="center", fontsize=9, transform=ax.transAxes)
             continue
-        heights = [r["time_to_target_s"] if r["reached"] else r["step_s"] * _stopped_steps(results, r)
-                   for r in rows]
-        bars = ax.bar(range(len(rows)), heights, color=[colours[s] for s in names])
-        for bar, r in zip(bars, rows):
-            if not r["reached"]:
+        heights = [a["time"]["mean"] if a["reached"] else a["stopped"]["mean"] for a in mine.values()]
+        errs = [a["time"]["std"] if a["reached"] > 1 else 0.0 for a in mine.values()]
+        bars = ax.bar(range(len(names)), heights, color=[colours[s] for s in names],
+                      yerr=errs if nseeds > 1 else None, ecolor="0.2")
+        ddp = mine.get("ddp") if mine.get("ddp", {}).get("reached") else None
+        for bar, err, (scheme, a) in zip(bars, errs, mine.items()):
+            if not a["reached"]:
                 bar.set_hatch("//")
                 bar.set_alpha(0.5)
-            ddp = next((x for x in rows if x["scheme"] == "ddp" and x["reached"]), None)
-            label = "not reached" if not r["reached"] else (
-                f"{ddp['time_to_target_s'] / r['time_to_target_s']:.2g}x" if ddp else "")
-            ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
+            label = "not reached" if not a["reached"] else (
+                f"{ddp['time']['mean'] / a['time']['mean']:.2g}x" if ddp else "")
+            if a["reached"] and a["reached"] < a["n"]:
+                label += f" ({a['reached']}/{a['n']} reached)"
+            ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height() + err), ha="center",
                         va="bottom", fontsize=7)
-        ax.set_xticks(range(len(rows)), names, rotation=30, ha="right", fontsize=7)
-        ax.set_ylabel("time to target (s; speed-up over DDP above)")
+        ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=7)
+        ax.set_ylabel("time to target (s; speed-up over DDP above)" if nseeds == 1 else
+                      "time to target (s, mean ± std; speed-up over DDP above)", fontsize=8)
         ax.set_xlabel("scheme (hatched: stopped short of the target)")
-        ax.set_title(f"{model}: {where}", fontsize=9)
+        ax.set_title(f"{model}: {where}{seeds_note}", fontsize=9)
     fig.tight_layout()
     paths.append(plots.save(fig, out / "time_to_target.png", "time to the held-out target per scheme"))
     plt.close("all")
@@ -472,10 +527,10 @@ def load(out: Path) -> list[dict]:
     with it (``--merge``)."""
     if not (out / "summary.csv").exists():
         return []
-    curves: dict[tuple[str, str], list] = {}
+    curves: dict[tuple[str, str, int], list] = {}
     with open(out / "curves.csv", newline="") as f:
         for c in csv.DictReader(f):
-            curves.setdefault((c["model"], c["scheme"]), []).append(
+            curves.setdefault((c["model"], c["scheme"], int(c.get("seed") or 0)), []).append(
                 (float(c["elapsed_s"]), int(c["step"]), float(c["metric"])))
     results = []
     with open(out / "summary.csv", newline="") as f:
@@ -487,18 +542,41 @@ def load(out: Path) -> list[dict]:
             row["hosts"] = int(r["hosts"])
             row["steps_to_target"] = int(r["steps_to_target"]) if r["steps_to_target"] else ""
             row["reached"] = r["reached"] == "True"
-            results.append({"row": row, "curve": curves.get((r["model"], r["scheme"]), []), "describe": "",
+            row["seed"] = int(r.get("seed") or 0)
+            results.append({"row": row, "curve": curves.get((r["model"], r["scheme"], row["seed"]), []),
+                            "describe": "",
                             "info": {}})
     return results
 
 
 def merge(old: list[dict], new: list[dict]) -> list[dict]:
-    """``new`` and the results of ``old`` for (model, scheme) pairs that ``new`` lacks, by model and then
-    in :data:`SCHEMES` order."""
-    done = {(r["row"]["model"], r["row"]["scheme"]) for r in new}
+    """``new`` and the results of ``old`` for (model, scheme, seed) triples that ``new`` lacks, by model, then
+    in :data:`SCHEMES` order, then by seed."""
+    def key(r: dict) -> tuple:
+        return r["row"]["model"], r["row"]["scheme"], r["row"].get("seed", 0)
+
+    done = {key(r) for r in new}
     order = {s.name: i for i, s in enumerate(SCHEMES)}
-    out = [r for r in old if (r["row"]["model"], r["row"]["scheme"]) not in done] + list(new)
-    return sorted(out, key=lambda r: (r["row"]["model"], order.get(r["row"]["scheme"], len(order))))
+    out = [r for r in old if key(r) not in done] + list(new)
+    return sorted(out, key=lambda r: (r["row"]["model"], order.get(r["row"]["scheme"], len(order)),
+                                      r["row"].get("seed", 0)))
+
+
+def seeds_table(results: list[dict]) -> str:
+    """Per scheme of one model, over its seeds: how many reached the target, the time and steps to it
+    (mean ± std over those that did), the speed-up of the mean time over stock DDP's, the link MB per step."""
+    from .common import report
+
+    groups = {scheme: over_seeds(runs) for (_, scheme), runs in by_scheme(results).items()}
+    ddp = groups.get("ddp") if groups.get("ddp", {}).get("reached") else None
+    rows = [[scheme, f"{a['reached']}/{a['n']}", report.fmt_mean_std(a["time"]["per_seed"], ".2f"),
+             report.fmt_mean_std(a["steps"]["per_seed"], ".0f"),
+             f"{ddp['time']['mean'] / a['time']['mean']:.2f}x" if ddp and a["reached"] else "",
+             report.fmt_mean_std([b / 1e6 for b in a["bytes_per_step"]["per_seed"]], ".3f")]
+            for scheme, a in groups.items()]
+    n = max(a["n"] for a in groups.values())
+    return (f"over {n} seeds (mean ± std over the seeds that reached the target):\n"
+            + report.table(["scheme", "reached", "time to target s", "steps", "vs ddp", "MB/step"], rows))
 
 
 def _stopped_steps(results: list[dict], row: dict) -> int:
@@ -507,8 +585,9 @@ def _stopped_steps(results: list[dict], row: dict) -> int:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    from .common import report
+    from .common import cli, report
     from .common import reproduce as U
+    from .common import seeds as S
 
     p = U.parser("reproduce_training", __doc__)
     p.add_argument("--netbed", type=float, default=None, metavar="GBPS",
@@ -525,14 +604,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--merge", action="store_true",
                    help="keep the rows (and curves) of --out's summary.csv that this run does not redo")
     p.add_argument("--timeout-s", type=float, default=900.0, help="a launch's timeout")
+    cli.add_seeds(p, help="run every scheme for K seeds (--seed, --seed+1, ...: initial weights and batches): "
+                          "tables show mean ± std over the seeds that reached the target, plots the mean with "
+                          "a ± std band (default 1)")
     a = p.parse_args(argv)
+    seeds = S.seeds_of(p, a)
     keep = {s for s in a.schemes.split(",") if s}
     unknown = keep - {s.name for s in SCHEMES}
     if unknown:
         p.error(f"unknown schemes {sorted(unknown)}; known: {[s.name for s in SCHEMES]}")
     schemes = [s for s in SCHEMES if not keep or s.name in keep]
     R = U.Run("reproduce_training", a, {"gbps": a.netbed, "hosts": a.hosts, "models": a.models,
-                                        "schemes": [s.name for s in schemes], "quick": a.quick})
+                                        "schemes": [s.name for s in schemes], "quick": a.quick,
+                                        "seeds": seeds})
     out = R.out
     results: list[dict] = []
     for model in [m for m in a.models.split(",") if m]:
@@ -541,8 +625,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         groups = [(s,) for s in schemes if s.kind == "ddp"]
         for services in dict.fromkeys(s.services for s in schemes):
             groups.append(tuple(s for s in schemes if s.services == services and s.kind != "ddp"))
-        for group in R.progress([g for g in groups if g], desc=f"{model}: launches"):
-            for r in run_schemes(model, group, a.hosts, a.netbed, a.quick, cap, a.timeout_s):
+        launches = [(g, seed) for seed in seeds for g in groups if g]
+        for group, seed in R.progress(launches, desc=f"{model}: launches"):
+            for r in run_schemes(model, group, a.hosts, a.netbed, a.quick, cap, a.timeout_s, seed=seed):
                 results.append(r)
                 row = r["row"]
                 reach = (f"t={row['time_to_target_s']:.2f}s steps={row['steps_to_target']}" if row["reached"]
@@ -552,7 +637,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 print(f"{model:4s} {row['scheme']:28s} {reach} "
                       f"step={1e3 * row['step_s']:.1f}ms compute={1e3 * row['compute_s']:.1f}ms "
                       f"comm={row['comm_fraction']:.2f} link={row['bytes_per_step'] / 1e6:.3f}MB"
-                      f"{modelled} {row['note']}", flush=True)
+                      f"{modelled} {row['note']}" + (f" seed={seed}" if len(seeds) > 1 else ""), flush=True)
                 if row["scheme"] == "ddp" and row["reached"] and a.time_cap is None and not a.quick:
                     cap = max(a.cap_factor * row["time_to_target_s"], 30.0)
     results = merge(load(out) if a.merge else [], results)
@@ -560,28 +645,39 @@ def main(argv: list[str] | None = None) -> list[dict]:
     write_csv(rows, out / "summary.csv")
     with open(out / "curves.csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(("model", "scheme", "elapsed_s", "step", "metric"))
+        w.writerow(("model", "scheme", "elapsed_s", "step", "metric", "seed"))
         for r in results:
             for c in r["curve"]:
-                w.writerow((r["row"]["model"], r["row"]["scheme"], f"{c[0]:.4f}", c[1], f"{c[2]:.5f}"))
+                w.writerow((r["row"]["model"], r["row"]["scheme"], f"{c[0]:.4f}", c[1], f"{c[2]:.5f}",
+                            r["row"].get("seed", 0)))
     figures(results, out)
     for model in dict.fromkeys(r["model"] for r in rows):
         desc = next((r["describe"] for r in results if r["row"]["model"] == model and r["describe"]), "")
         mine = [r for r in rows if r["model"] == model]
-        ddp = next((r for r in mine if r["scheme"] == "ddp" and r["reached"]), None)
+        # speed-ups against stock DDP of the same seed (the same initial weights and batches)
+        ddp = {r.get("seed", 0): r for r in mine if r["scheme"] == "ddp" and r["reached"]}
+        seeded = len({r.get("seed", 0) for r in mine}) > 1
         print(f"\n## {model}: {desc}")
         modelled = any(math.isfinite(r["modelled_s"]) for r in mine)   # a netbed's link model; not on loopback
-        headers = ["scheme", "transport", "time to target s", "steps", "vs ddp", "step ms", "compute ms", "comm",
-                   "MB/step"] + (["modelled s", "modelled/measured"] if modelled else [])
+        headers = ["scheme"] + (["seed"] if seeded else []) + [
+            "transport", "time to target s", "steps", "vs ddp", "step ms", "compute ms", "comm",
+            "MB/step"] + (["modelled s", "modelled/measured"] if modelled else [])
+
+        def speedup(r: dict) -> str:
+            base = ddp.get(r.get("seed", 0))
+            return f"{base['time_to_target_s'] / r['time_to_target_s']:.2f}x" if base and r["reached"] else ""
+
         print(report.table(
             headers,
-            [[r["scheme"], r["transport"], f"{r['time_to_target_s']:.2f}" if r["reached"] else "not reached",
-              str(r["steps_to_target"]),
-              f"{ddp['time_to_target_s'] / r['time_to_target_s']:.2f}x" if ddp and r["reached"] else "",
+            [[r["scheme"]] + ([str(r.get("seed", 0))] if seeded else []) + [
+              r["transport"], f"{r['time_to_target_s']:.2f}" if r["reached"] else "not reached",
+              str(r["steps_to_target"]), speedup(r),
               f"{1e3 * r['step_s']:.1f}", f"{1e3 * r['compute_s']:.1f}", f"{r['comm_fraction']:.2f}",
               f"{r['bytes_per_step'] / 1e6:.3f}"] + ([f"{r['modelled_s']:.2f}", f"{r['modelled_ratio']:.2f}"]
                                                      if modelled else [])
-             for r in mine]))
+             for r in mine], align="lr" + "l" + "r" * (len(headers) - 3) if seeded else None))
+        if len({r.get("seed", 0) for r in mine}) > 1:
+            print(seeds_table([r for r in results if r["row"]["model"] == model]))
         if not any(r["reached"] for r in mine):
             print(f"no scheme reached the target {mine[0]['target']:.3g} on {model} (stock DDP included): raise "
                   f"--time-cap, or see curves.csv for how far each got")

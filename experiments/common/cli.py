@@ -32,12 +32,14 @@ def base_parser(prog: str, doc: str | None, *, out_help: str = "output folder") 
     return p
 
 
-def add_seeds(p: argparse.ArgumentParser) -> None:
+def add_seeds(p: argparse.ArgumentParser, *, default: int | None = 1, help: str | None = None) -> None:
     """``--seeds K``: repeat every run for the seeds ``--seed``, ``--seed + 1``, ..., ``--seed + K - 1``
-    (:func:`seed_list`); tables show mean +- std over them, figures the mean with a band."""
-    p.add_argument("--seeds", type=int, default=1, metavar="K",
-                   help="repeat each run for K seeds (--seed, --seed+1, ...): tables show mean ± std, "
-                        "plots the mean with a ± std band (default 1)")
+    (:func:`seed_list`); tables show mean +- std over them, figures the mean with a band. ``default`` and
+    ``help`` replace the usual ones where a study runs several seeds by default or repeats only some of
+    its parts (``default=None``: the study picks the count itself)."""
+    p.add_argument("--seeds", type=int, default=default, metavar="K",
+                   help=help or "repeat each run for K seeds (--seed, --seed+1, ...): tables show mean ± std, "
+                                "plots the mean with a ± std band (default 1)")
 
 
 def seed_list(args: argparse.Namespace) -> list[int]:

@@ -11,6 +11,7 @@ import csv
 import json
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -149,12 +150,15 @@ def print_sync_hint(wandb_dir: Path, enabled: bool = True) -> None:
         print(hint)
 
 
-def metrics_line(summary: dict[str, Any]) -> str:
-    """The one line a study ends with on stdout, ``key=value`` pairs a script can parse:
-    ``final train_loss=0.6328 test_loss=0.6271 test_acc=0.6470 bytes_per_step=77727 ...``."""
+def metrics_line(summary: dict[str, Any], labels: dict[str, Any] | None = None) -> str:
+    """The one line a study ends with on stdout per run, ``key=value`` pairs a script can parse:
+    ``final train_loss=0.6328 test_loss=0.6271 test_acc=0.6470 bytes_per_step=77727 ...``; ``labels`` (a
+    study of several runs: which run) come first, their values without spaces
+    (``final task=digits-mlp scheme=ef-topk transport=ring train_loss=...``)."""
     keys = (("train_loss", "final_train_loss", ".4f"), ("test_loss", "final_test_loss", ".4f"),
             ("test_acc", "final_test_acc", ".4f"), ("bytes_per_step", "bytes_per_step", ".0f"),
             ("compression_factor_sent", "compression_factor_sent", ".3g"),
             ("modelled_comm_per_step_s", "modelled_comm_per_step_s", ".3g"))
-    parts = [f"{name}={summary[k]:{fmt}}" for name, k, fmt in keys if isinstance(summary.get(k), (int, float))]
+    parts = [f"{k}={re.sub(r'[^A-Za-z0-9.+_-]+', '-', str(v)).strip('-')}" for k, v in (labels or {}).items()]
+    parts += [f"{name}={summary[k]:{fmt}}" for name, k, fmt in keys if isinstance(summary.get(k), (int, float))]
     return "final " + " ".join(parts)
