@@ -50,7 +50,8 @@ class Gate:
             try:
                 ran = False
                 while not p.done:
-                    if world.running == 0 and self._looper is None and not ran:
+                    ending = world.closed or world.failure is not None   # (its wait raises at once)
+                    if (world.running == 0 or ending) and self._looper is None and not ran:
                         self._run()         # (once per wake-up: a loop that stopped short waits for a thread)
                         ran = True
                         continue

@@ -136,3 +136,21 @@ def test_a_timed_receive_of_a_role_resumes_at_its_deadline_or_with_the_message()
     got = sc.launch(fn, 2, network=sc.Network(bandwidth_gbps=100, latency_us=2))[0]
     assert got[0] == (None, pytest.approx(1e-3))
     assert got[1] == (1, [1.0, 1.0]) and got[2] is True
+
+
+def test_a_service_thread_that_starts_after_the_run_closed_leaves_at_once():
+    # a world closed before its service thread's first wait (a transport built on a throwaway world): the
+    # service's wait raises ServiceShutdown at once, and close() returns without waiting for its timeout
+    import time
+
+    from sparsecomm.fabric.sim.sim import SimWorld
+
+    def main(fabric):
+        time.sleep(0.5)                       # its first wait comes after the close
+        fabric.recv(torch.empty(1), 0, 3)
+
+    world = SimWorld(2, sc.Network(timeout_s=60))
+    world.fabric(0).service("late", main)
+    t0 = time.monotonic()
+    world.close()                             # joins the service thread (up to the network's timeout)
+    assert time.monotonic() - t0 < 10
