@@ -21,6 +21,9 @@ fabric); only if the digests differ do they gather the per-tensor checksums, to 
 that differs. Every worker decides from the same table, so every worker raises the same
 :class:`~sparsecomm.errors.MismatchError`.
 
+Both exchanges are roles (:func:`sync_role`, :func:`gather_role`: they yield their sends and receives) that
+the fabric runs (``Fabric.drive``), each send waited for before the next step as a blocking send.
+
 Nothing a peer sends is unpickled or sized by the peer: every receive buffer has the size this rank
 computed from its own tensors, after the header agreed.
 """
@@ -35,6 +38,7 @@ import torch
 
 from .errors import InvalidValueError, MismatchError
 from .fabric.engine import drain
+from .fabric.roles import Flush, Inbox, Outbox, Pool, PostInto, Recv, Send, Step
 
 #: the tag of these messages (top of the int32 range, below the barrier's)
 TAG = 2**31 - 6
@@ -76,15 +80,51 @@ def _groups(tensors: Sequence[torch.Tensor]) -> dict[torch.dtype, list[torch.Ten
     return out
 
 
+#: the stage of each wait of these exchanges (one role each: no preference to state)
+_STEP = Step()
+#: the role of the pooled send buffer of every send (each is waited for before the next, as a blocking send)
+_SENT = "replicas"
+
+
+def _drive(fabric, make) -> None:
+    """Run the role ``make(inbox)`` alone on ``fabric`` (``Fabric.drive``), with an inbox and outbox of its own."""
+    pool = Pool()
+    inbox, outbox = Inbox(fabric, pool), Outbox(fabric, pool)
+    fabric.drive([make(inbox)], inbox, outbox)
+    outbox.finish()
+
+
+def _send(buf: torch.Tensor, dst: int, tag: int):
+    """Send ``buf`` to ``dst`` and wait until the send has completed (a blocking send, as requests)."""
+    yield Send(buf, dst, tag, hold=_SENT)
+    yield Flush(_SENT)
+
+
+def _receive(inbox: Inbox, buf: torch.Tensor, src: int, tag: int, key):
+    """Receive ``buf`` from ``src`` (a blocking receive, as requests); the received tensor."""
+    yield PostInto(key, buf, src, tag)
+    yield Recv((key,), _STEP)
+    return inbox.take(key)
+
+
 @torch.no_grad()
 def sync_replicas(fabric, tensors: Sequence[torch.Tensor], mode: str = "broadcast") -> None:
-    """Make (``broadcast``) or verify (``check``) ``tensors`` identical on every worker (see module doc)."""
+    """Make (``broadcast``) or verify (``check``) ``tensors`` identical on every worker (see module doc); the
+    exchange is one role (:func:`sync_role`) that ``fabric.drive`` runs."""
     if mode not in ("broadcast", "check"):
         raise InvalidValueError(f"mode must be 'broadcast' or 'check', got {mode!r}")
-    n, rank = int(fabric.world_size), int(fabric.rank)
-    if n == 1:
+    if int(fabric.world_size) == 1:
         return
     drain(fabric)                       # nothing of ours may be in flight on the fabric
+    _drive(fabric, lambda inbox: sync_role(fabric, inbox, tensors, mode))
+
+
+def sync_role(fabric, inbox: Inbox, tensors: Sequence[torch.Tensor], mode: str):
+    """:func:`sync_replicas`'s exchange on this worker as a role (:mod:`sparsecomm.fabric.roles`): in the order
+    of the module doc, each send followed by a wait for its completion and each receive posted, waited for
+    and taken from ``inbox``; it raises what :func:`sync_replicas` raises. ``fabric`` is read for its rank,
+    world size and device. For two workers or more."""
+    n, rank = int(fabric.world_size), int(fabric.rank)
     dev = fabric.device
     # dedupe (a tensor listed twice, shared parameters)
     seen: set[int] = set()
@@ -94,11 +134,10 @@ def sync_replicas(fabric, tensors: Sequence[torch.Tensor], mode: str = "broadcas
     values = _value_digest(ts) if mode == "check" else 0
     if rank == 0:
         for r in range(1, n):
-            fabric.send(header.to(dev), r, TAG)
+            yield from _send(header.to(dev), r, TAG)
         worst, bad_rank = _OK, -1
         for r in range(1, n):
-            reply = torch.zeros(2, dtype=torch.int64, device=dev)
-            fabric.recv(reply, r, TAG)
+            reply = yield from _receive(inbox, torch.zeros(2, dtype=torch.int64, device=dev), r, TAG, ("reply", r))
             verdict = int(reply[0])
             if verdict == _OK and mode == "check" and int(reply[1]) != values:
                 verdict = _VALUES
@@ -106,15 +145,13 @@ def sync_replicas(fabric, tensors: Sequence[torch.Tensor], mode: str = "broadcas
                 worst, bad_rank = verdict, r
         decision = torch.tensor([worst, bad_rank], dtype=torch.int64)
         for r in range(1, n):
-            fabric.send(decision.to(dev), r, TAG)
+            yield from _send(decision.to(dev), r, TAG)
     else:
-        theirs = torch.zeros(3, dtype=torch.int64, device=dev)
-        fabric.recv(theirs, 0, TAG)
+        theirs = yield from _receive(inbox, torch.zeros(3, dtype=torch.int64, device=dev), 0, TAG, "header")
         ok = torch.equal(theirs.cpu(), header)
         reply = torch.tensor([_OK if ok else _SHAPES, values], dtype=torch.int64)
-        fabric.send(reply.to(dev), 0, TAG)
-        decision = torch.zeros(2, dtype=torch.int64, device=dev)
-        fabric.recv(decision, 0, TAG)
+        yield from _send(reply.to(dev), 0, TAG)
+        decision = yield from _receive(inbox, torch.zeros(2, dtype=torch.int64, device=dev), 0, TAG, "decision")
         decision = decision.cpu()
     worst, bad_rank = int(decision[0]), int(decision[1])
     if worst == _SHAPES:
@@ -134,22 +171,24 @@ def sync_replicas(fabric, tensors: Sequence[torch.Tensor], mode: str = "broadcas
         if rank == 0:
             flat = torch.cat([t.detach().reshape(-1) for t in group]).to(dev)
             for r in range(1, n):
-                fabric.send(flat, r, TAG)
+                yield from _send(flat, r, TAG)
         else:
-            flat = torch.empty(flat_len, dtype=dtype, device=dev)
-            fabric.recv(flat, 0, TAG)
-            off = 0
-            for t in group:
-                k = t.numel()
-                t.copy_(flat[off:off + k].view_as(t))
-                off += k
+            flat = yield from _receive(inbox, torch.empty(flat_len, dtype=dtype, device=dev), 0, TAG,
+                                       ("values", dtype))
+            with torch.no_grad():       # (the parameters are leaves: no_grad on the thread that runs the role)
+                off = 0
+                for t in group:
+                    k = t.numel()
+                    t.copy_(flat[off:off + k].view_as(t))
+                    off += k
 
 
 def gather_words(fabric, words: torch.Tensor) -> torch.Tensor:
     """Every worker's int64 ``words`` (the same length on every worker), as an ``(n, len)`` table in rank
     order on every worker: one ``all_gather`` where the fabric has a native process group, else through
-    rank 0 (its receives sized by its own ``words``)."""
-    n, rank = int(fabric.world_size), int(fabric.rank)
+    rank 0 (its receives sized by its own ``words``; one role, :func:`gather_role`, that ``fabric.drive``
+    runs)."""
+    n = int(fabric.world_size)
     dev = fabric.device
     words = words.to(dev)
     group = fabric.native_group
@@ -163,16 +202,23 @@ def gather_words(fabric, words: torch.Tensor) -> torch.Tensor:
         retain(out, words)
         return out.view(n, -1).cpu()
     table = torch.empty(n, words.numel(), dtype=torch.int64, device=dev)
+    _drive(fabric, lambda inbox: gather_role(fabric, inbox, words, table))
+    return table.cpu()
+
+
+def gather_role(fabric, inbox: Inbox, words: torch.Tensor, table: torch.Tensor):
+    """:func:`gather_words` through rank 0 on this worker as a role (:mod:`sparsecomm.fabric.roles`): it fills
+    ``table`` (``(n, len)``, on the fabric's device) with every worker's ``words``, in rank order."""
+    n, rank = int(fabric.world_size), int(fabric.rank)
     if rank == 0:
         table[0] = words
         for r in range(1, n):
-            fabric.recv(table[r], r, VERIFY_TAG)
+            yield from _receive(inbox, table[r], r, VERIFY_TAG, ("words", r))
         for r in range(1, n):
-            fabric.send(table, r, VERIFY_TAG)
+            yield from _send(table, r, VERIFY_TAG)
     else:
-        fabric.send(words, 0, VERIFY_TAG)
-        fabric.recv(table, 0, VERIFY_TAG)
-    return table.cpu()
+        yield from _send(words, 0, VERIFY_TAG)
+        yield from _receive(inbox, table, 0, VERIFY_TAG, "table")
 
 
 @torch.no_grad()

@@ -1,6 +1,6 @@
 """Wall time per simulated message of each transport on the SimFabric, side by side with the ring.
 
-    python -m experiments.bench.sim_scale                               # n = 16, 64, 256; every transport
+    python -m experiments.bench.sim_scale                               # n = 64, 256, 1024; every transport
     python -m experiments.bench.sim_scale --workers 16 64 --transports ring omni-1% omni-dense
 
 One all-reduce of ``--numel`` float32 (default 1M) at 100 Gbit/s, 2 us, per transport and number of
@@ -8,12 +8,16 @@ simulated workers ``n`` (``sc.launch(fn, world_size=n, backend="sim")``), each l
 return; a launch at n = 2 first loads what every transport imports (not timed). A simulated message is
 one ``send`` of any endpoint (workers and services: aggregators, the switch), counted from each
 endpoint's :class:`~sparsecomm.fabric.stats.CommStats`; the table gives the wall time, the messages,
-wall time per message and its ratio to the ring's at the same ``n``, and the modelled time.
+wall time per message and its ratio to the ring's at the same ``n``, the modelled time, and the process's
+peak resident memory after the point (``ru_maxrss``: a peak, so the points run in increasing ``n``) with its
+growth over the peak before the first point, per simulated worker.
 
 Transports: ``ring``; ``omni-1%`` and ``omni-dense`` (OmniReduce, 256-element blocks, colocated, the
 library's defaults; 1% of the blocks non-zero, the same on every worker, or all of them); ``switch``
-(SwitchML's defaults on the SimFabric: 64-value packets, a pool of 256; at most 32 workers, its 32-bit
-worker bitmap) and ``sparse-switch-1%`` (at most 64 workers, its 64-bit bitmap). A point beyond a
+(SwitchML's defaults on the SimFabric: 64-value packets, a pool of 256; past 32 workers a bitmap of one
+32-bit word per 32 workers, at most :data:`~sparsecomm.transports.switchml.dataplane.WIDEST`) and
+``sparse-switch-1%`` (a bitmap as wide as the job, at most
+:data:`~sparsecomm.transports.switchml.sparse.dataplane.MAX_WORKERS`). A point beyond a
 transport's worker limit is printed as ``n/a``; a point whose wall time, projected from the
 transport's previous point as ``wall * (n / n_prev)^3`` (messages grow as n^2, and an endpoint's
 scheduler works per message over its n peers), exceeds ``--max-wall`` seconds (default 600) is skipped.
@@ -23,12 +27,13 @@ from __future__ import annotations
 
 import argparse
 import functools
+import resource
 import time
 
 import torch
 
 import sparsecomm as sc
-from sparsecomm.transports.switchml.dataplane import MAX_WORKERS as SWITCH_MAX
+from sparsecomm.transports.switchml.dataplane import WIDEST as SWITCH_MAX
 from sparsecomm.transports.switchml.sparse.dataplane import MAX_WORKERS as SPARSE_MAX
 
 from .transports import block_sparse
@@ -62,9 +67,14 @@ def measure(label: str, n: int, numel: int, gbps: float = 100.0) -> tuple[float,
     return wall, msgs, max(r[0] for r in res)
 
 
+def _peak_mib() -> float:
+    """The process's peak resident memory so far, MiB (Linux: ``ru_maxrss`` in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workers", type=int, nargs="+", default=[16, 64, 256])
+    ap.add_argument("--workers", type=int, nargs="+", default=[64, 256, 1024])
     ap.add_argument("--transports", nargs="+", default=list(TRANSPORTS), choices=list(TRANSPORTS))
     ap.add_argument("--numel", type=int, default=1 << 20)
     ap.add_argument("--max-wall", type=float, default=600.0)
@@ -74,7 +84,10 @@ def main(argv: list[str] | None = None) -> None:
     for label in labels:     # warm-up: imports and compiled kernels, not timed
         measure(label, 2, 4096)
     print(f"{a.numel} float32, 100 Gbit/s, 2 us; wall = one launch")
-    print(f"{'transport':>17} {'n':>4} | {'wall s':>8} {'messages':>9} {'us/msg':>8} {'/ring':>6} | {'modelled us':>11}")
+    base = _peak_mib()
+    print(f"peak memory before the first point: {base:.0f} MiB")
+    print(f"{'transport':>17} {'n':>4} | {'wall s':>8} {'messages':>9} {'us/msg':>8} {'/ring':>6} | {'modelled us':>11}"
+          f" | {'peak MiB':>8} {'KiB/worker':>10}")
     last: dict = {}     # transport -> (n, wall) of its previous point
     for n in sorted(a.workers):
         ring_per = None
@@ -92,8 +105,9 @@ def main(argv: list[str] | None = None) -> None:
             per = wall / msgs
             ring_per = per if label == "ring" else ring_per
             ratio = f"{per / ring_per:6.2f}" if ring_per else "     -"
-            print(f"{label:>17} {n:>4} | {wall:8.2f} {msgs:9d} {1e6 * per:8.1f} {ratio} | {1e6 * modelled:11.2f}",
-                  flush=True)
+            peak = _peak_mib()
+            print(f"{label:>17} {n:>4} | {wall:8.2f} {msgs:9d} {1e6 * per:8.1f} {ratio} | {1e6 * modelled:11.2f}"
+                  f" | {peak:8.0f} {1024 * (peak - base) / n:10.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@ chaining with ``then`` as torch's DDP hooks do; a failed job fails the chained f
 finalizes.
 
 On SimFabric the communication thread drives the worker's endpoint on its behalf: an endpoint is not bound to a
-thread (its blocking, clock and quiescence bookkeeping are per endpoint), so the data and the modelled
+thread (what it waits for is a process of the world's loop, and whether it runs is counted per endpoint,
+:mod:`sparsecomm.fabric.sim_gate`), so the data and the modelled
 communication times are those of the synchronous calls in the same order; only ``compute()`` (the modelled
 compute clock) must not be called while jobs are in flight.
 """

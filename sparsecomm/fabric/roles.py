@@ -15,11 +15,12 @@ is a :class:`.base.Fabric` (not imported here: the contract imports this module)
 
 from __future__ import annotations
 
+import time
 from typing import Generator, NamedTuple, Protocol
 
 import torch
 
-from ..errors import ProtocolError
+from ..errors import FabricTimeout, ProtocolError
 
 __all__ = ["Pool", "Inbox", "Outbox", "Stage", "Step", "Send", "Post", "PostInto", "Hand", "Recv", "Poll", "Spawn",
            "Flush", "drive"]
@@ -212,7 +213,8 @@ class Step(NamedTuple):
 # ----------------------------------------------------------------------------------------- requests
 # A role (a generator) yields these to :func:`drive`. Send, Post, PostInto, Hand and Spawn never block:
 # the scheduler performs them and resumes the role at once. Recv suspends it until its messages are in;
-# Poll lets the others run meanwhile; Flush blocks until sends of its own have completed.
+# Poll lets the others run meanwhile; Flush blocks until sends of its own have completed; RecvWithin and
+# AwaitWithin wait with a deadline, blocking this endpoint (for an endpoint of one role).
 
 
 class Send(NamedTuple):
@@ -293,18 +295,109 @@ class Flush(NamedTuple):
     hold: object
 
 
+class RecvWithin(NamedTuple):
+    """Receive into ``buf`` from endpoint ``src`` (``None``: any) on ``tag``, waiting at most ``timeout``
+    seconds (modelled seconds on a SimFabric, wall seconds elsewhere); the role is resumed with the
+    source, or ``None`` once the time has passed without a message. It blocks this endpoint: no other role
+    of it runs meanwhile, so it is for an endpoint that runs one role (a switch's port, a worker's stream of
+    packets under a retransmission timer)."""
+
+    buf: torch.Tensor
+    src: int | None
+    tag: int
+    timeout: float
+
+
+class AwaitWithin(NamedTuple):
+    """Wait until the posted receive of message ``key`` is in, or ``timeout`` seconds have passed (as
+    :class:`RecvWithin`); the role is resumed with whether it is in. A receive still out stays posted: the
+    next message on its channel goes to it. It blocks this endpoint, as :class:`RecvWithin`."""
+
+    key: object
+    timeout: float
+
+
+class WaitAny(NamedTuple):
+    """What :func:`schedule` waits for: the first element of ``groups`` (lists of pending receives, in order
+    of preference) that is in, by :meth:`.base.Fabric.wait_any`'s rule; the generator is sent its index."""
+
+    groups: list
+
+
+class WaitAll(NamedTuple):
+    """What :func:`schedule` says before it resumes a role that takes the messages ``keys`` (its
+    :class:`Recv`'s) at once, whether they are in or not (the only role able to run, or a :attr:`~Stage.sure`
+    one): a driver whose waits are not calls that block (the SimFabric's loop) completes those receives first,
+    in this order (``any``: only the first, and only if none of them is in); a blocking driver (:func:`drive`)
+    lets the role's own takes block, as they would. The generator is sent nothing back."""
+
+    keys: tuple
+    any: bool = False
+
+
+def schedule(fabric, inbox: Inbox, outbox: Outbox, roles: list, keep: int = 64) -> Generator:
+    """The scheduler of an endpoint as a generator (the sans-I/O core of :func:`drive`): it runs the
+    ``roles`` and yields only what it must wait for, a :class:`WaitAny` (sent back the index chosen) or a
+    :class:`WaitAll`; its driver performs those waits (:func:`drive` blocks in them, or in the role's takes;
+    the SimFabric makes them events of its loop). Sends are never waited for here beyond what :class:`Outbox` and
+    :class:`Pool` do, which on every fabric completes without another endpoint's progress (rule R12)."""
+    return _Scheduler(fabric, inbox, outbox).run(roles, keep)
+
+
 def drive(fabric, inbox: Inbox, outbox: Outbox, roles: list, keep: int = 64) -> None:
     """The generic scheduler of an endpoint (what :meth:`.base.Fabric.drive` runs): run the ``roles``
     (generators yielding the requests above) on ``fabric``, with ``inbox`` and ``outbox``, until every one
     has returned. While some wait, resume the first (by :class:`Stage`) of those able to run whose messages
     are in by the time the first such is (:meth:`.base.Fabric.wait_any`); the only one able to run, or a
-    preferred one whose wait is :attr:`~Stage.sure`, at once. Before choosing, when every role able to run
-    waits at a stage that :attr:`~Stage.reaps`, finish all but ``keep`` of this endpoint's sends. A role's
-    exception ends the call (it propagates to the caller); a role that can never run is a bug, reported as
+    preferred one whose wait is :attr:`~Stage.sure`, once its messages are in (an ``any`` wait with none
+    in: its first key's). Before choosing, when every role able to run waits at a stage that
+    :attr:`~Stage.reaps`, finish all but ``keep`` of this endpoint's sends. A role's exception ends the
+    call (it propagates to the caller); a role that can never run is a bug, reported as
     :class:`~sparsecomm.errors.ProtocolError`. It never blocks on one role while another could run, unless
     on messages that come whatever this endpoint does: every wait ends, on any fabric
-    (``docs/omnireduce-scheduler.md``)."""
-    _Scheduler(fabric, inbox, outbox).run(roles, keep)
+    (``docs/omnireduce-scheduler.md``). This driver performs :func:`schedule`'s waits by blocking."""
+    sched = schedule(fabric, inbox, outbox, roles, keep)
+    value = None
+    while True:
+        try:
+            req = sched.send(value)
+        except StopIteration:
+            return
+        t = type(req)
+        if t is WaitAny:
+            value = fabric.wait_any(req.groups)
+        elif t is RecvWithin:
+            try:
+                value = fabric.recv(req.buf, req.src, req.tag, timeout=req.timeout)
+            except FabricTimeout:
+                value = None
+        elif t is AwaitWithin:
+            value = _await_within(fabric, inbox.work(req.key), req.timeout)
+        else:
+            value = None        # WaitAll: the role's takes block
+
+
+def _await_within(fabric, work, timeout: float) -> bool:
+    """:class:`AwaitWithin` by blocking: is ``work`` (a posted receive, ``None`` if put locally) complete
+    within ``timeout``? A modelled fabric's timed wait leaves a receive that timed out posted; elsewhere the
+    wait polls, so that the receive stays the inbox's (a real fabric's timed-out receive would be adopted by
+    the next receive posted on its channel)."""
+    if work is None or work.is_completed():
+        return True
+    if fabric.modelled_time:
+        try:
+            work.wait(timeout=timeout)
+        except FabricTimeout:
+            return False
+        return True
+    deadline = time.perf_counter() + timeout
+    delay = 2e-5
+    while not work.is_completed():
+        if time.perf_counter() >= deadline:
+            return False
+        time.sleep(delay)
+        delay = min(2 * delay, 1e-3)
+    return True
 
 
 class _Scheduler:
@@ -322,16 +415,16 @@ class _Scheduler:
         self.seq = 0
         self.polling = False
 
-    def run(self, roles: list, keep: int) -> None:
+    def run(self, roles: list, keep: int) -> Generator:
         self.inbox.observe(self.changed)
         try:
-            self._run(roles, keep)
+            yield from self._run(roles, keep)
         finally:
             self.inbox.observe(None)
 
-    def _run(self, roles: list, keep: int) -> None:
+    def _run(self, roles: list, keep: int) -> Generator:
         for role in roles:
-            self.advance(role)
+            yield from self.advance(role)
         while self.waiting:
             cands = self.runnable()
             if not cands:
@@ -339,7 +432,9 @@ class _Scheduler:
             if all(rw[1].stage.reaps for _, rw in cands):
                 self.outbox.reap(keep)
             if len(cands) == 1 or cands[0][1][1].stage.sure:   # the only one, or sure: its own takes block
-                self.resume(cands[0][0])
+                req = cands[0][1][1]
+                yield WaitAll(req.keys, req.any)
+                yield from self.resume(cands[0][0])
                 continue
             groups, owner = [], []   # per candidate its pending receives; an ``any`` one, each alone
             for s, (_, req) in cands:
@@ -350,16 +445,20 @@ class _Scheduler:
                 else:
                     groups.append([] if req.any else pend)
                     owner.append(s)
-            self.resume(owner[self.fabric.wait_any(groups)])
+            i = yield WaitAny(groups)
+            yield from self.resume(owner[i])
 
-    def advance(self, role) -> None:
-        """Run ``role`` until it waits (or returns), performing its non-blocking requests."""
+    def advance(self, role) -> Generator:
+        """Run ``role`` until it waits (or returns), performing its non-blocking requests (a generator: a
+        :class:`Poll` may resume others, whose waits it yields)."""
         inbox, outbox = self.inbox, self.outbox
+        value = None
         while True:
             try:
-                req = next(role)
+                req = role.send(value)
             except StopIteration:
                 return
+            value = None
             t = type(req)
             if t is Send:
                 outbox.send(req.buf, req.dst, req.tag, key=req.hold, deferrable=req.deferrable)
@@ -370,19 +469,21 @@ class _Scheduler:
             elif t is Hand:
                 inbox.put(req.key, req.msg)
             elif t is Spawn:
-                self.advance(req.role)
+                yield from self.advance(req.role)
             elif t is Flush:
                 outbox.pool.settle(req.hold)
             elif t is Poll:
                 if not self.polling:
                     self.polling = True
                     try:
-                        self.poll(req.below)
+                        yield from self.poll(req.below)
                     finally:
                         self.polling = False
             elif t is Recv:
                 self.wait(role, req)
                 return
+            elif t is RecvWithin or t is AwaitWithin:
+                value = yield req       # the driver's wait, this endpoint's alone (no other role runs meanwhile)
             else:
                 raise ProtocolError(f"endpoint {self.fabric.rank}: a role asked for {req!r} (a bug)")
 
@@ -416,7 +517,7 @@ class _Scheduler:
         waiting = self.waiting
         return sorted(((s, waiting[s]) for s in self.able), key=lambda e: (e[1][1].stage, e[0]))
 
-    def resume(self, s: int) -> None:
+    def resume(self, s: int) -> Generator:
         role, req = self.waiting.pop(s)
         del self.lacks[s]
         self.able.discard(s)
@@ -425,9 +526,9 @@ class _Scheduler:
             w[:] = [e for e in w if e[0] != s]
             if not w:
                 del self.watchers[k]
-        self.advance(role)
+        yield from self.advance(role)
 
-    def poll(self, below=None) -> None:
+    def poll(self, below=None) -> Generator:
         """Run the roles whose messages are in already (without blocking), best first, until none is
         (``below``: only those of an earlier phase)."""
         ready, waiting = self.inbox.ready, self.waiting
@@ -439,4 +540,4 @@ class _Scheduler:
                       key=lambda e: (e[1][1].stage, e[0]), default=None)
             if now is None:
                 return
-            self.resume(now[0])
+            yield from self.resume(now[0])

@@ -21,6 +21,8 @@ only on a difference:
    every worker its own text and ``r``'s in two such buffers;
 4. every worker raises the same error, computed from the two texts.
 
+The exchange is one role (:func:`agree_role`: it yields its sends and receives) that the fabric runs
+(``Fabric.drive``), in the order above, each send waited for before the next step as a blocking send.
 Every message has a size fixed by this module; nothing received is unpickled (the texts are decoded
 as UTF-8 with invalid bytes replaced, and only shown); a decision naming a worker outside
 ``1 .. n-1`` or a wrong magic word is :class:`~sparsecomm.errors.MalformedMessage`. Cost: two messages
@@ -38,6 +40,7 @@ import torch
 from .. import methods
 from ..errors import MalformedMessage, MismatchError
 from ..fabric.engine import drain
+from ..fabric.roles import Flush, Inbox, Outbox, Pool, PostInto, Recv, Send, Step
 from ..methods import Method, Warmup
 from ..transports.base import Transport
 
@@ -117,19 +120,50 @@ def _error(what: str, mine: list[Setting], theirs: list[Setting], r: int, rank: 
 def agree(fabric, what: str, settings: Sequence[Setting]) -> None:
     """Raise :class:`~sparsecomm.errors.MismatchError` on every worker unless every worker passes the same
     ``settings`` (see the module doc); ``what`` names the object being built in the message. Every
-    worker must call it at the same point (the frontends call it in their constructors)."""
-    n, rank = int(fabric.world_size), int(fabric.rank)
-    if n == 1:
+    worker must call it at the same point (the frontends call it in their constructors). The exchange is
+    one role (:func:`agree_role`) that ``fabric.drive`` runs."""
+    if int(fabric.world_size) == 1:
         return
     drain(fabric)                       # nothing of ours may be in flight on the fabric
+    pool = Pool()
+    inbox, outbox = Inbox(fabric, pool), Outbox(fabric, pool)
+    fabric.drive([agree_role(fabric, inbox, what, settings)], inbox, outbox)
+    outbox.finish()
+
+
+#: the stage of each of the exchange's waits (one role: no preference to state)
+_STEP = Step()
+#: the role of the pooled send buffer of every send (each is waited for before the next, as a blocking send)
+_SENT = "settings"
+
+
+def _send(buf: torch.Tensor, dst: int):
+    """Send ``buf`` to ``dst`` and wait until the send has completed (a blocking send, as requests)."""
+    yield Send(buf, dst, TAG, hold=_SENT)
+    yield Flush(_SENT)
+
+
+def _receive(inbox: Inbox, buf: torch.Tensor, src: int, key):
+    """Receive ``buf`` from ``src`` (a blocking receive, as requests); the received tensor."""
+    yield PostInto(key, buf, src, TAG)
+    yield Recv((key,), _STEP)
+    return inbox.take(key)
+
+
+def agree_role(fabric, inbox: Inbox, what: str, settings: Sequence[Setting]):
+    """:func:`agree`'s exchange on this worker as a role (:mod:`sparsecomm.fabric.roles`): it yields its
+    sends, each followed by a wait for its completion (:class:`~sparsecomm.fabric.roles.Flush`), and per
+    receive the receive it posts and a wait for it, then takes the message from ``inbox``, in the order of
+    the module doc; it raises what :func:`agree` raises. ``fabric`` is read for its rank, world size and
+    device. For two workers or more."""
+    n, rank = int(fabric.world_size), int(fabric.rank)
     dev = fabric.device
     text = _text(settings)
     header = torch.tensor([MAGIC, _digest(text)], dtype=torch.int64)
     if rank == 0:
         differ = -1
         for src in range(1, n):
-            h = torch.zeros(2, dtype=torch.int64, device=dev)
-            fabric.recv(h, src, TAG)
+            h = yield from _receive(inbox, torch.zeros(2, dtype=torch.int64, device=dev), src, ("header", src))
             h = h.cpu()
             if int(h[0]) != MAGIC:
                 raise MalformedMessage(f"{what}: worker {src} sent a settings header of another protocol or "
@@ -138,11 +172,10 @@ def agree(fabric, what: str, settings: Sequence[Setting]) -> None:
                 differ = src
         decision = torch.tensor([MAGIC, int(differ >= 0), differ], dtype=torch.int64)
         for dst in range(1, n):
-            fabric.send(decision.to(dev), dst, TAG)
+            yield from _send(decision.to(dev), dst)
     else:
-        fabric.send(header.to(dev), 0, TAG)
-        decision = torch.zeros(3, dtype=torch.int64, device=dev)
-        fabric.recv(decision, 0, TAG)
+        yield from _send(header.to(dev), 0)
+        decision = yield from _receive(inbox, torch.zeros(3, dtype=torch.int64, device=dev), 0, "decision")
         decision = decision.cpu()
     magic, status, r = (int(x) for x in decision)
     if magic != MAGIC or status not in (0, 1) or (status == 1 and not 1 <= r < n):
@@ -154,13 +187,13 @@ def agree(fabric, what: str, settings: Sequence[Setting]) -> None:
     first, theirs = (torch.zeros(TEXT_BYTES, dtype=torch.uint8, device=dev) for _ in range(2))
     if rank == 0:
         first = mine
-        fabric.recv(theirs, r, TAG)
+        yield from _receive(inbox, theirs, r, "text")
         for dst in range(1, n):
-            fabric.send(first, dst, TAG)
-            fabric.send(theirs, dst, TAG)
+            yield from _send(first, dst)
+            yield from _send(theirs, dst)
     else:
         if rank == r:
-            fabric.send(mine, 0, TAG)
-        fabric.recv(first, 0, TAG)
-        fabric.recv(theirs, 0, TAG)
+            yield from _send(mine, 0)
+        yield from _receive(inbox, first, 0, "first")
+        yield from _receive(inbox, theirs, 0, "theirs")
     raise _error(what, _lines(first), _lines(theirs), r, rank)

@@ -16,6 +16,9 @@ non-powers of two are harmless). After ``ceil(log2 n)`` rounds every worker know
 raises if not; the error names two disagreeing workers and their values. Cost per worker: ``ceil(log2 n)``
 messages of :data:`HEADER_BYTES` bytes sent and received, ``ceil(log2 n)`` latency steps (see
 :func:`theory.costs.handshake`); they go through the fabric, so they are counted in ``CommStats``.
+The rounds are a role (:func:`agreement_role`, :mod:`sparsecomm.fabric.roles`): :func:`check_agreement` has
+the fabric run it alone (``Fabric.drive``), and a transport written as roles may run it first in its own
+drive (``got = yield from agreement_role(...)``) with the same messages.
 
 **Fixed-size header.** Every message has the same size whatever the transport and its fields
 (``int64[HEADER_WORDS]``: ``[magic, transport code, layout code, field count, fields ..., reference
@@ -53,7 +56,7 @@ prediction by ``Transport.run`` before its first message, so this function needs
 from __future__ import annotations
 
 import contextlib
-import threading
+import contextvars
 import zlib
 from dataclasses import dataclass, replace
 from typing import Hashable, Iterator, Sequence
@@ -61,6 +64,7 @@ from typing import Hashable, Iterator, Sequence
 import torch
 
 from ..errors import InvalidValueError, MalformedMessage, MismatchError
+from ..fabric.roles import Flush, Inbox, Outbox, Pool, PostInto, Recv, Send, Step
 from ..payload import KINDS
 
 #: tag of the handshake messages (kept apart from the transports' data tags)
@@ -107,7 +111,8 @@ class CallId:
 
 #: the words of a call made without an identity
 NO_CALL = (-1, -1, -1)
-_current = threading.local()
+_current: contextvars.ContextVar[CallId | None] = contextvars.ContextVar("sparsecomm_call", default=None)
+_THIS_THREAD = object()   # (call_mismatch's default: the call running on this thread)
 
 
 @contextlib.contextmanager
@@ -117,17 +122,17 @@ def calling(call: CallId | None) -> Iterator[None]:
     if call is None:
         yield
         return
-    prev = getattr(_current, "call", None)
-    _current.call = call
+    token = _current.set(call)
     try:
         yield
     finally:
-        _current.call = prev
+        _current.reset(token)
 
 
 def current_call() -> CallId | None:
-    """The identity of the call this thread runs (:func:`calling`), or None."""
-    return getattr(_current, "call", None)
+    """The identity of the call this thread runs (:func:`calling`), or None. A context variable: a process
+    of the SimFabric's loop runs in the context of the thread that handed it over."""
+    return _current.get()
 
 
 def call_words() -> tuple[int, int, int]:
@@ -219,15 +224,18 @@ def pair_mismatch(what: str, name: str, vmin: int, rmin: int, vmax: int, rmax: i
         f"pass the same {name}")
 
 
-def call_mismatch(what: str, part: str, va: int, ra: int, vb: int, rb: int, rank: int) -> MismatchError:
+def call_mismatch(what: str, part: str, va: int, ra: int, vb: int, rb: int, rank: int, *,
+                  here: "CallId | None | object" = _THIS_THREAD) -> MismatchError:
     """The error for two workers whose paired calls are different calls (their identities differ in
-    ``part``: ``bucket``, ``step`` or ``round``)."""
+    ``part``: ``bucket``, ``step`` or ``round``); ``here``: this worker's call (default: the one running on
+    this thread, :func:`current_call`)."""
     def show(v: int) -> str:
         if v == -1:
             return "a call without identity (a plain allreduce)"
         return f"bucket code {v}" if part == "bucket" else f"{part} {v}"
 
-    here = current_call()
+    if here is _THIS_THREAD:
+        here = current_call()
     return MismatchError(
         f"{what}: workers are making different collective calls: worker {ra} is at {show(va)}, worker "
         f"{rb} at {show(vb)} (this is worker {rank}, at "
@@ -366,35 +374,48 @@ def _combine(a: list[int], b: list[int], compared: list[int], info: range) -> li
     return out
 
 
-def check_agreement(fabric, what: str, *, tag: int = HANDSHAKE_TAG, transport: str | None = None,
-                    info: dict | None = None, **fields: int | torch.Tensor) -> dict[str, tuple[int, int]]:
-    """Raise :class:`MismatchError` on every worker unless all workers pass equal ``fields``.
+def agreement_role(fabric, inbox, what: str, *, tag: int = HANDSHAKE_TAG, transport: str | None = None,
+                   info: dict | None = None, stage=None, **fields: int | torch.Tensor):
+    """The agreement of :func:`check_agreement` on this worker as a role (:mod:`sparsecomm.fabric.roles`): a
+    generator that yields, per round of the dissemination, its send (held under ``("agreement", tag, k)``),
+    the receive it posts into its own buffer, a wait for it (:class:`~sparsecomm.fabric.roles.Recv` at
+    ``stage``, default a plain :class:`~sparsecomm.fabric.roles.Step`), then takes the header from ``inbox``
+    and waits for its own send (:class:`~sparsecomm.fabric.roles.Flush`) before the next round; it returns
+    what :func:`check_agreement` returns and raises what it raises. A role that runs the agreement first
+    writes ``got = yield from agreement_role(fabric, inbox, ...)`` in the same drive as its data. Its inbox keys
+    are ``("agreement", tag, k)``: two agreements on one tag in one drive must run one after the other.
 
-    ``what`` names the operation in the message (e.g. ``"ring allreduce"``); ``transport`` (default: its
-    first word) is part of the header, so workers running different transports get a MismatchError
-    naming both (and, since their message patterns may differ, the failure is reported to every rank:
-    the job stops). ``info`` fields (at most :data:`MAX_INFO`) are not compared: the result maps each to
-    ``(max over workers, the lowest worker holding it)``. Must be called by every worker (not by
-    services) in the same order relative to other traffic on ``tag``. Every message is one fixed-size
-    header (:data:`HEADER_BYTES`), whatever the transport and the fields, so a worker never receives a
-    message of another size than it posted; a malformed one raises :class:`MalformedMessage`.
-
-    State merged by the dissemination: the fields of the lowest rank merged so far, the first
-    disagreement seen (word, two ranks, their values), and each info field's maximum and its rank. A
-    merged set of workers holds a disagreement record exactly when two of its members' headers differ
-    (by induction over the merges), so after ``ceil(log2 n)`` rounds every worker knows whether all
-    agree, and names two that do not.
-    """
+    This worker's header (the fields, and the identity of the call running on this thread,
+    :func:`calling`) is built when this function is called, not when the role first runs, so a fabric may
+    run the role on another thread. ``fabric`` is read for its rank, world size, device and ``stats``, and
+    told of an error only this worker may have seen (:func:`fail_stop`); ``inbox`` is the endpoint's inbox
+    of the drive that runs the role. The arguments are :func:`check_agreement`'s; with one worker the role
+    yields nothing."""
     n, rank = fabric.world_size, fabric.rank
     info = dict(info or {})
     if n <= 1:
-        return {k: (int(torch.as_tensor(v)), rank) for k, v in info.items()}
+        return _returns({k: (int(torch.as_tensor(v)), rank) for k, v in info.items()})
     if rank >= n:
         raise RuntimeError("check_agreement is for workers only")
     transport = transport or what.split()[0]
     names, inames = list(fields), list(info)
     state = header_state(rank, transport, names, inames, list(fields.values()) + list(info.values()),
                          fabric.device)
+    return _disseminate(fabric, inbox, what, tag, transport, names, inames, state, current_call(),
+                        Step() if stage is None else stage)
+
+
+def _returns(value):
+    """A role that yields nothing and returns ``value``."""
+    return value
+    yield  # noqa: unreachable - makes this a generator
+
+
+def _disseminate(fabric, inbox, what: str, tag: int, transport: str, names: list[str], inames: list[str],
+                 state: torch.Tensor, here: CallId | None, stage):
+    """:func:`agreement_role`'s rounds, from this worker's header ``state``; ``here``: the identity of the
+    call (for the error of a call mismatch)."""
+    n, rank = fabric.world_size, fabric.rank
     mine = state.tolist()
     compared = [0, 1] + list(range(_PRE, _PRE + len(names))) + [2, 3] + list(range(_CALL, _CALL + 3))
     info_words = range(_PRE + len(names), _PRE + len(names) + len(inames))
@@ -403,9 +424,12 @@ def check_agreement(fabric, what: str, *, tag: int = HANDSHAKE_TAG, transport: s
     k = 1
     while k < n:
         src = (rank - k) % n
-        work = fabric.isend(state, (rank + k) % n, tag)
-        fabric.recv(buf, src, tag)
-        work.wait()
+        key = ("agreement", tag, k)
+        yield Send(state, (rank + k) % n, tag, hold=key)
+        yield PostInto(key, buf, src, tag)
+        yield Recv((key,), stage)
+        inbox.take(key)
+        yield Flush(key)
         try:
             validate_state(buf, src, what, rank, n)
         except MalformedMessage as exc:
@@ -426,7 +450,7 @@ def check_agreement(fabric, what: str, *, tag: int = HANDSHAKE_TAG, transport: s
                 f"worker {rb} runs {transport_name(vb)} (this is worker {rank}, running {transport!r}); "
                 f"every worker must call the same transport in the same order")) from None
         if _CALL <= j < _CALL + 3:
-            raise call_mismatch(what, _CALL_NAMES[j - _CALL], va, ra, vb, rb, rank)
+            raise call_mismatch(what, _CALL_NAMES[j - _CALL], va, ra, vb, rb, rank, here=here)
         if j in (0, 2, 3):
             raise MismatchError(
                 f"{what}: workers {ra} and {rb} describe their calls with different fields (another "
@@ -435,6 +459,52 @@ def check_agreement(fabric, what: str, *, tag: int = HANDSHAKE_TAG, transport: s
         (vmin, rmin), (vmax, rmax) = sorted([(va, ra), (vb, rb)])
         raise pair_mismatch(what, names[j - _PRE], vmin, rmin, vmax, rmax, mine[j], rank)
     return {nm: (cur[_PRE + len(names) + i], cur[_ARG + i]) for i, nm in enumerate(inames)}
+
+
+def check_agreement(fabric, what: str, *, tag: int = HANDSHAKE_TAG, transport: str | None = None,
+                    info: dict | None = None, **fields: int | torch.Tensor) -> dict[str, tuple[int, int]]:
+    """Raise :class:`MismatchError` on every worker unless all workers pass equal ``fields``.
+
+    ``what`` names the operation in the message (e.g. ``"ring allreduce"``); ``transport`` (default: its
+    first word) is part of the header, so workers running different transports get a MismatchError
+    naming both (and, since their message patterns may differ, the failure is reported to every rank:
+    the job stops). ``info`` fields (at most :data:`MAX_INFO`) are not compared: the result maps each to
+    ``(max over workers, the lowest worker holding it)``. Must be called by every worker (not by
+    services) in the same order relative to other traffic on ``tag``. Every message is one fixed-size
+    header (:data:`HEADER_BYTES`), whatever the transport and the fields, so a worker never receives a
+    message of another size than it posted; a malformed one raises :class:`MalformedMessage`.
+
+    State merged by the dissemination: the fields of the lowest rank merged so far, the first
+    disagreement seen (word, two ranks, their values), and each info field's maximum and its rank. A
+    merged set of workers holds a disagreement record exactly when two of its members' headers differ
+    (by induction over the merges), so after ``ceil(log2 n)`` rounds every worker knows whether all
+    agree, and names two that do not.
+
+    The rounds are one role (:func:`agreement_role`) that ``fabric.drive`` runs, with an inbox and outbox
+    of their own; every send has completed when this returns.
+    """
+    pool = Pool()
+    inbox, outbox = Inbox(fabric, pool), Outbox(fabric, pool)
+    role = agreement_role(fabric, inbox, what, tag=tag, transport=transport, info=info, **fields)
+    if fabric.world_size <= 1:
+        return _value(role)
+    out: dict = {}
+
+    def into():
+        out["got"] = yield from role
+
+    fabric.drive([into()], inbox, outbox)
+    outbox.finish()
+    return out["got"]
+
+
+def _value(role):
+    """What a role that yields nothing returns."""
+    try:
+        req = next(role)
+    except StopIteration as stop:
+        return stop.value
+    raise AssertionError(f"a one-worker agreement asked for {req!r}")
 
 
 def handshake_bytes(nfields: int | None = None) -> int:

@@ -18,7 +18,8 @@ switches' control round, OmniReduce's round 0). :meth:`Transport._allreduce_payl
 <sparsecomm.transports.base.Transport._allreduce_payload>` lowers the kinds a transport declares
 (``Transport.linear``) and hands the operand to the transport's ``_sum_linear``, so no transport lowers
 a payload by hand. :func:`guarded_sum` is the sum of an operand that the dense baselines (``ring``,
-``native``) share: the handshake, an integer accumulator that cannot overflow, the non-finite rules.
+``native``) share: the handshake, an integer accumulator that cannot overflow, the non-finite rules
+(:func:`guarded_sum_role` and :func:`guarded_finish`: the same, for a reduction that is a role).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from ..errors import IncompatibleError, InvalidValueError
 from ..fabric.base import Fabric
 from ..payload import Payload
 from ._guards import abs_max, guard_finite, int_accumulator, is_integer, narrow
-from ._handshake import KIND_CODE, check_agreement, dtype_code, fingerprint
+from ._handshake import KIND_CODE, agreement_role, check_agreement, dtype_code, fingerprint
 
 #: mixes a quantized payload's bucket size into its scale's checksum (:attr:`LinearOperand.check`)
 _BUCKET_MIX = 0x9E3779B1
@@ -137,18 +138,51 @@ def guarded_sum(fabric: Fabric, what: str, op: LinearOperand, extra: dict, nonfi
     tensors in their own dtype or wider; never narrower than ``int_floor``, the narrowest integer
     dtype ``reduce`` takes (``native`` passes int32: gloo's all_reduce rejects int8).
 
-    Every worker holds the same sum, so every check after ``reduce`` raises on every worker alike."""
+    Every worker holds the same sum, so every check after ``reduce`` raises on every worker alike.
+    :func:`guarded_sum_role` is the same for a transport whose reduction is a role."""
+    got = check_agreement(fabric, what, **op.fields, **extra, info=_guard_info(op))
+    vec, wide = _to_sum(fabric, what, op, got, int_floor)
+    return guarded_finish(fabric, what, op, reduce(vec), wide, nonfinite)
+
+
+def guarded_sum_role(fabric: Fabric, inbox, what: str, op: LinearOperand, extra: dict, reduce_role,
+                     int_floor: torch.dtype = torch.int8):
+    """:func:`guarded_sum`'s handshake and reduction as one role (:mod:`sparsecomm.fabric.roles`), so that a
+    transport whose reduction is a role runs both in one drive: the agreement
+    (:func:`~._handshake.agreement_role`, on ``inbox``), then ``reduce_role(vector)`` (a role that returns the
+    summed vector) on the vector in the dtype :func:`guarded_sum` would choose. It returns ``(total,
+    widened)``, which :func:`guarded_finish` checks once the drive is over (its non-finite check may be a
+    handshake of its own)."""
+    got = yield from agreement_role(fabric, inbox, what, **op.fields, **extra, info=_guard_info(op))
+    vec, wide = _to_sum(fabric, what, op, got, int_floor)
+    total = yield from reduce_role(vec)
+    return total, wide
+
+
+def _guard_info(op: LinearOperand) -> dict:
+    """The handshake's ``info`` fields of ``op``: the largest magnitude of an integer vector."""
+    return {"int_bound": abs_max(op.vector)} if is_integer(op.vector.dtype) else {}
+
+
+def _to_sum(fabric: Fabric, what: str, op: LinearOperand, got: dict,
+            int_floor: torch.dtype) -> tuple[torch.Tensor, bool]:
+    """The vector to reduce, given the handshake's result ``got``, and whether it is a widened copy (an
+    integer vector summed in a wider dtype: :func:`guarded_finish` narrows it back)."""
     v = op.vector
-    integer = is_integer(v.dtype)
-    info = {"int_bound": abs_max(v)} if integer else {}
-    got = check_agreement(fabric, what, **op.fields, **extra, info=info)
-    if integer:
+    if is_integer(v.dtype):
         wide = int_accumulator(torch.int8 if op.codes else v.dtype, fabric.world_size, got["int_bound"][0], what)
         if torch.iinfo(wide).bits < torch.iinfo(int_floor).bits:
             wide = int_floor
         if wide != v.dtype:
-            total = reduce(v.to(wide))
-            return total if op.codes else narrow(total, v.dtype, what)
-    total = reduce(op.work_copy())
-    guard_finite(fabric, what, total, v if total is not v else None, nonfinite)
+            return v.to(wide), True
+    return op.work_copy(), False
+
+
+def guarded_finish(fabric: Fabric, what: str, op: LinearOperand, total: torch.Tensor, widened: bool,
+                   nonfinite: str) -> torch.Tensor:
+    """The summed vector after :func:`guarded_sum`'s rules: a widened integer sum narrowed back (range-checked;
+    quantized codes stay wide), a float sum checked for NaN/Inf (:func:`._guards.guard_finite`)."""
+    if widened:
+        return total if op.codes else narrow(total, op.vector.dtype, what)
+    guard_finite(fabric, what, total, op.vector if total is not op.vector else None, nonfinite)
     return total

@@ -8,7 +8,8 @@ chunk ``(r - s - 1) mod n`` received from ``r - 1``; after ``n - 1`` steps it ho
 ``2 (n-1)`` latency steps (Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms for clusters of
 workstations", JPDC 2009); see :func:`theory.costs.ring_allreduce`. Before the data, a
 :mod:`handshake <sparsecomm.transports._handshake>` checks that every worker passes the same length,
-dtype, payload layout and segment size (``ceil(log2 n)`` small messages).
+dtype, payload layout and segment size (``ceil(log2 n)`` small messages), as the first part of the same
+role (:func:`~.linear.guarded_sum_role`): one drive per call.
 
 Chunks travel as pipelined segments (:func:`segment_length`): of ``segment_bytes`` if given; by default
 of at most :data:`DEFAULT_SEGMENT_BYTES` (4 MiB), and of at most half the chunk when that half is at least
@@ -56,7 +57,7 @@ from ..fabric.roles import Flush, Inbox, Outbox, Pool, PostInto, Recv, Send, Ste
 from ._guards import nonfinite_option
 from ..theory import costs
 from .base import CallShape, Transport, registry
-from .linear import LinearOperand, guarded_sum, linear_operand
+from .linear import LinearOperand, guarded_finish, guarded_sum, guarded_sum_role, linear_operand
 
 RING_TAG = 0x5C10
 #: the longest segment by default (the segment is the same on every worker: it is in the handshake)
@@ -237,5 +238,25 @@ class Ring(Transport):
         size = op.vector.element_size()
         segment = segment_length(-(-op.vector.numel() // max(1, self.fabric.world_size)),
                                  None if self.segment_bytes is None else max(1, self.segment_bytes // size), size)
-        return guarded_sum(self.fabric, "ring allreduce", op, dict(segment_length=segment), self.nonfinite,
-                           lambda a: ring_allreduce_(self.fabric, a, self.tag, segment, self._workspace))
+        f, what, extra = self.fabric, "ring allreduce", dict(segment_length=segment)
+        n = f.world_size
+        if n == 1:
+            return guarded_sum(f, what, op, extra, self.nonfinite, lambda a: a)
+
+        def reduce_role(a: torch.Tensor):
+            yield from ring_role(f, a, inbox, self.tag, segment, self._workspace)
+            return a
+
+        # the handshake and the ring's steps in one drive: the agreement's rounds first, each done (its
+        # send completed) before the next, then the ring's, as two drives would send them
+        pool = Pool()
+        inbox, outbox = Inbox(f, pool), Outbox(f, pool)
+        out: dict = {}
+
+        def role():
+            out["sum"] = yield from guarded_sum_role(f, inbox, what, op, extra, reduce_role)
+
+        f.drive([role()], inbox, outbox)
+        outbox.finish()
+        f.stats.rounds += 2 * (n - 1)
+        return guarded_finish(f, what, op, *out["sum"], self.nonfinite)

@@ -54,14 +54,14 @@ def test_diana_reaches_x_star_where_dcgd_stalls(hetero):
     y = torch.zeros(prob.d, dtype=torch.float64)
     dcgd = DCGD([y], compressor="randk", k=k, problem=prob, lr=gamma, seed=1)
     tail = []
-    for it in range(1, 1201):
+    for it in range(1, 601):        # 1 - gamma mu = 0.994: the start's 3.5 is below 0.1 by step 300
         dcgd.step()
-        if it > 600:
+        if it > 300:
             tail.append(_dist(y, prob))
     floor = rates.dcgd_neighbourhood(gamma, omega, prob.n, prob.mu, prob.sigma_star_sq)
     assert min(tail) > 1e-4, "DCGD should stall at a neighbourhood of x*"
     assert np.mean(tail) < floor
-    assert diana.bits_sent == hit * prob.n * k * 64 and dcgd.bits_sent == 1200 * prob.n * k * 64
+    assert diana.bits_sent == hit * prob.n * k * 64 and dcgd.bits_sent == 600 * prob.n * k * 64
 
 
 # ------------------------------------------------------------------------ E4, fast version
@@ -282,7 +282,7 @@ def test_ef21_theoretical_step_decreases_gradient_norm_and_beats_ef_in_bits():
     opt = EF21([x], compressor="topk", k=1, problem=prob)
     assert opt.lr == pytest.approx(rates.ef21(prob.L, prob.L_tilde, 1 / prob.d))
     g0 = prob.grad_norm_sq(x)
-    T, acc = 1500, 0.0
+    T, acc = 750, 0.0                  # (measured: below g0 / 100 from step 523 on, g0 / 175 at step 750)
     for _ in range(T):
         acc += prob.grad_norm_sq(x)
         opt.step()
@@ -299,7 +299,7 @@ def test_marina_full_rounds_and_convergence():
     assert opt.p == pytest.approx(1 / (omega + 1))
     assert opt.lr == pytest.approx(rates.marina(prob.L, prob.L_tilde, omega, prob.n)[0])
     g0 = prob.grad_norm_sq(x)
-    K = 1500
+    K = 750                            # (measured: below g0 / 1e3 from step 373 on)
     for _ in range(K):
         opt.step()
     assert prob.grad_norm_sq(x) < g0 / 1e3

@@ -78,11 +78,23 @@ def test_a_role_that_can_never_run_names_the_endpoint():
         sc.launch(stuck, 1)
 
 
-def test_every_fabric_runs_the_same_scheduler():
-    from sparsecomm.fabric.sim.sim import SimFabric
+def test_every_fabric_runs_the_same_scheduler(monkeypatch):
+    # TorchFabric blocks in the waits of roles.schedule (Fabric.drive); the SimFabric makes them events of
+    # its loop: both run that one scheduler
+    from sparsecomm.fabric import roles
     from sparsecomm.fabric.torch.torch_fabric import TorchFabric
 
-    assert SimFabric.drive is Fabric.drive and TorchFabric.drive is Fabric.drive
+    assert TorchFabric.drive is Fabric.drive
+    calls = []
+    real = roles.schedule
+
+    def counted(fabric, *a, **k):
+        calls.append(type(fabric).__name__)
+        return real(fabric, *a, **k)
+
+    monkeypatch.setattr(roles, "schedule", counted)
+    sc.launch(lambda ctx: sc.transports.get("ring", ctx.fabric).allreduce(torch.ones(64)), 2)
+    assert calls and set(calls) == {"SimFabric"}
 
 
 def test_flush_waits_for_the_sends_holding_a_buffer_before_the_role_goes_on():

@@ -20,7 +20,7 @@ def _state(w: OrderedWait):
 def test_incremental_state_matches_a_fresh_measure_after_every_arrival():
     rng = np.random.default_rng(0)
     for trial in range(40):
-        ep = Endpoint(Network(), None, 0, 1e9, 1e-6, bool(trial % 2), "ep")
+        ep = Endpoint(Network(), 0, 1e9, 1e-6, bool(trial % 2), "ep")
         ep.clock = float(rng.uniform(0, 2e-6))
         keys = [[(1, 0)], [(2, 0), (3, 0)], [(None, 1)], [(4, 0), (5, 2), (6, 0)], [(7, 0)]]
         w = OrderedWait(ep, keys)

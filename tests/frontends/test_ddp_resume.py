@@ -13,7 +13,7 @@ from torch import nn
 
 import sparsecomm as sc
 
-STEPS = 10
+STEPS = 8
 #: steps 1 .. WARMUP - 1 are exact rounds; step WARMUP is the first compressed one
 WARMUP = 3
 #: checkpoints after these many steps: before DDP's bucket rebuild (0) and right after it (1), in the

@@ -2,9 +2,9 @@
 torchrun (one process per worker, stock DDP and this library's hook), not the library's launcher.
 
 1. the convergence CLI's torchrun recipe (the line its ``--help`` prints) trains and writes its results
-   (``tests/frontends/test_experiments_cli.py::test_the_torchrun_recipe_of_convergence_writes_its_results``, run
-   from here too);
-2. a PowerSGD hook run checkpointed by every rank and resumed in a *new* torchrun job equals the
+   (``tests/frontends/test_experiments_cli.py::test_the_torchrun_recipe_of_convergence_writes_its_results``; run
+   from here too with the slow cases);
+2. a PowerSGD hook run checkpointed by every rank mid-run and resumed in a *new* torchrun job equals the
    uninterrupted run bit for bit (DDP's first step in the new processes has its initial bucket layout);
 3. ranks started with different settings get, on every rank, an error that names the setting and both
    values, before any gradient moves.
@@ -30,6 +30,7 @@ TRAIN = textwrap.dedent('''
     import sparsecomm as sc
 
     mode, first, last, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    ckpt_at = int(sys.argv[5]) if len(sys.argv) > 5 else None      # "full": checkpoint before this step
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -52,19 +53,21 @@ TRAIN = textwrap.dedent('''
         opt.load_state_dict(ck["opt"])
         state.load_state_dict(ck["hook"])
     for step in range(first, last):
+        if step == ckpt_at:
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()},
+                       f"{out}/ckpt{rank}.pt")
+            torch.save(torch.cat([p.detach().reshape(-1) for p in model.parameters()]), f"{out}/save{rank}.pt")
         g = torch.Generator().manual_seed(1000 * rank + step)       # each worker its own data
         x, y = torch.randn(32, 16, generator=g), torch.randn(32, 4, generator=g)
         opt.zero_grad()
         nn.functional.mse_loss(net(x), y).backward()
         opt.step()
-    if mode == "save":
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "hook": state.state_dict()},
-                   f"{out}/ckpt{rank}.pt")
     torch.save(torch.cat([p.detach().reshape(-1) for p in model.parameters()]), f"{out}/{mode}{rank}.pt")
     dist.destroy_process_group()
 ''')
 
 
+@pytest.mark.slow    # default suite: test_experiments_cli.py runs this very test (the torchrun recipe of convergence)
 def test_the_convergence_recipe_runs_under_torchrun(tmp_path):
     _convergence(tmp_path)
 
@@ -74,8 +77,9 @@ def test_a_powersgd_hook_checkpoint_resumes_in_a_new_job_bit_for_bit(tmp_path):
 
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
-    for args in (("full", "0", "10"), ("save", "0", "5"), ("resume", "5", "10")):
-        codes = run_in_place(script, 2, tmp_path, args=(*args, str(tmp_path)))
+    # one job trains 10 steps and checkpoints before step 5; a second, new job resumes from it
+    for args in (("full", "0", "10", str(tmp_path), "5"), ("resume", "5", "10", str(tmp_path))):
+        codes = run_in_place(script, 2, tmp_path, args=args)
         assert codes == [0], (args, (tmp_path / "log0.txt").read_text()[-3000:])
     full = [torch.load(tmp_path / f"full{r}.pt") for r in range(2)]
     resumed = [torch.load(tmp_path / f"resume{r}.pt") for r in range(2)]

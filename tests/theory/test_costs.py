@@ -16,6 +16,19 @@ NET = dict(bandwidth_gbps=100.0, latency_us=2.0)
 NS = (2, 4, 8, 16, 64)
 
 
+def _grid(sizes, default_at_64):
+    """``(*size, n)`` for every size and every n of NS. At 64 workers (seconds a case on the SimFabric) one
+    size per closed form, ``default_at_64``, runs in the default suite; the others are slow (default suite:
+    the same size at n <= 16 and ``default_at_64`` at n = 64 cover that closed form)."""
+    cases = []
+    for size in sizes:
+        size = size if isinstance(size, tuple) else (size,)
+        for n in NS:
+            slow = n == 64 and size != (default_at_64 if isinstance(default_at_64, tuple) else (default_at_64,))
+            cases.append(pytest.param(*size, n, marks=pytest.mark.slow) if slow else (*size, n))
+    return cases
+
+
 def _ring(ctx, numel, segment_bytes=costs.RING_SEGMENT_BYTES):
     t = sc.transports.get("ring", ctx.fabric, segment_bytes=segment_bytes)
     t.allreduce(torch.ones(numel))
@@ -36,8 +49,7 @@ def _measured(stats):
             sum(s.bytes_received for s in stats) / n, sum(s.messages for s in stats) / n)
 
 
-@pytest.mark.parametrize("n", NS)
-@pytest.mark.parametrize("numel", [1000, 1 << 16])
+@pytest.mark.parametrize("numel, n", _grid([1000, 1 << 16], default_at_64=1000))
 def test_ring_time_and_bytes_match_the_closed_form(n, numel):
     stats = sc.launch(functools.partial(_ring, numel=numel), n, network=sc.Network(**NET))
     time_s, sent, received, msgs = _measured(stats)
@@ -49,8 +61,8 @@ def test_ring_time_and_bytes_match_the_closed_form(n, numel):
     assert c.bytes_sent - costs.handshake(n, costs.RING_HANDSHAKE_FIELDS["dense"]).bytes_sent == pytest.approx(2 * (n - 1) / n * 4 * numel)
 
 
-@pytest.mark.parametrize("n", NS)
-@pytest.mark.parametrize("numel,segment_bytes", [(1 << 16, 4096), (1 << 18, 1 << 17)])
+@pytest.mark.parametrize("numel, segment_bytes, n", _grid([(1 << 16, 4096), (1 << 18, 1 << 17)],
+                                                         default_at_64=(1 << 16, 4096)))
 def test_pipelined_ring_matches_the_closed_form(n, numel, segment_bytes):
     stats = sc.launch(functools.partial(_ring, numel=numel, segment_bytes=segment_bytes), n,
                       network=sc.Network(**NET))
@@ -63,8 +75,7 @@ def test_pipelined_ring_matches_the_closed_form(n, numel, segment_bytes):
     assert time_s <= costs.ring_allreduce(n, 4 * numel, segment_bytes=1 << 40, **NET).time_s * 1.000001
 
 
-@pytest.mark.parametrize("n", NS)
-@pytest.mark.parametrize("k", [0, 300, 4096])
+@pytest.mark.parametrize("k, n", _grid([0, 300, 4096], default_at_64=0))
 def test_allgather_time_and_bytes_match_the_closed_form(n, k):
     stats = sc.launch(functools.partial(_allgather_sparse, k=k), n, network=sc.Network(**NET))
     time_s, sent, received, msgs = _measured(stats)

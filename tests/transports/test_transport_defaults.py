@@ -15,8 +15,8 @@ from sparsecomm.transports import defaults
 from sparsecomm.transports.switchml.sparse.dataplane import SparseSwitchConfig
 from sparsecomm.transports.switchml.dataplane import PACKET_ELEMS, SwitchConfig
 
-MODELLED = SimpleNamespace(message_bytes=None)       # a fabric whose messages are datagrams of a model
-REAL = SimpleNamespace(message_bytes=MESSAGE_BYTES)  # a real fabric: 1 MiB amortises a message's cost
+MODELLED = SimpleNamespace(message_bytes=None, world_size=4)     # a fabric whose messages are datagrams of a model
+REAL = SimpleNamespace(message_bytes=MESSAGE_BYTES, world_size=4)  # a real fabric: 1 MiB amortises a message's cost
 
 
 def test_the_base_declares_a_real_fabrics_message_size():

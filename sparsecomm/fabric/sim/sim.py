@@ -1,42 +1,59 @@
-"""SimFabric: n endpoints as threads in one process, over a modelled network.
+"""SimFabric: n endpoints of one simulated world, over a modelled network, in modelled time.
 
 The Fabric API of the simulation: each worker's :class:`SimFabric` (sends, receives, ``wait_any``,
-services) and its :class:`~sparsecomm.fabric.base.Work` handles. The world it runs in is modelled
-elsewhere: the links, NICs and message timing in :mod:`.sim_network` (:class:`~.sim_network.Network`),
-the scheduler that decides in modelled time which blocked endpoint proceeds (timeouts by quiescence,
-ordered any-source receives, deadlock detection, faults) in :mod:`.sim_world`; the state of an open
-``wait_any``, kept per arrival, in :mod:`.sim_wait`. :class:`SimWorld` is
-that world with a :meth:`SimWorld.fabric` per rank.
+``drive``, services) and its :class:`~sparsecomm.fabric.base.Work` handles. The world it runs in is modelled
+elsewhere: the links, NICs and message timing in :mod:`.sim_network` (:class:`~.sim_network.Network`), the
+loop that runs every endpoint's processes in modelled time (ordered receives, timeouts, deadlock detection,
+faults) in :mod:`.sim_world`; the state of an open ``wait_any``, kept per arrival, in :mod:`.sim_wait`.
+Every wait is a process of that loop: a blocking call from a thread of user code (a worker's training
+loop) hands its process to the world through the world's gate (:mod:`sparsecomm.fabric.sim_gate`) and
+parks; a transport's roles (``drive``) are one process for the whole call. :class:`SimWorld` is that
+world with a :meth:`SimWorld.fabric` per rank.
 """
 
 from __future__ import annotations
 
-import threading
-import time
+import inspect
 from collections import deque
-from typing import Callable
+from typing import Callable, Generator
 
 import numpy as np
 import torch
 
 from ...errors import (EndpointCrashed, FabricTimeout, InvalidTypeError, InvalidValueError, MismatchError,
-                       PeerFailure, ServiceShutdown)
+                       PeerFailure)
+from .. import roles as _roles
 from ..base import Fabric, Work
+from ..sim_gate import Gate
 from ..stats import CommStats
 from .sim_network import Msg, Network
-from .sim_wait import OrderedWait
-from .sim_world import World
+from .sim_world import AnyWait, RecvWait, World
 
 __all__ = ["SimFabric", "SimWorld"]
 
 
 class SimWorld(World):
-    """Shared state of one simulated run (:class:`~.sim_world.World`): the endpoints,
-    their mailboxes and the network model; :meth:`fabric` is rank ``r``'s endpoint."""
+    """Shared state of one simulated run (:class:`~.sim_world.World`): the endpoints, their mailboxes, the
+    network model and the loop, with the :class:`~sparsecomm.fabric.sim_gate.Gate` through which threads
+    of user code call into it; :meth:`fabric` is rank ``r``'s endpoint."""
+
+    def __init__(self, world_size: int, network: Network | None = None) -> None:
+        super().__init__(world_size, network)
+        self.gate = Gate(self)
 
     def fabric(self, rank: int) -> "SimFabric":
         return SimFabric(self, rank)
 
+    # the thread-facing ends of a run (the launcher's), through the gate (its lock is re-entrant: the loop's
+    # own calls of these pass through it too)
+    def finished(self, eid: int) -> None:
+        self.gate.finished(eid)
+
+    def fail(self, eid: int, exc: BaseException) -> None:
+        self.gate.fail(eid, exc)
+
+    def close(self) -> None:
+        self.gate.close()
 
 class _DoneWork(Work):
     def __init__(self, result: int | None = None, on_wait: Callable[[], None] | None = None) -> None:
@@ -54,6 +71,9 @@ class _DoneWork(Work):
 
 
 class _RecvWork(Work):
+    """A posted receive: it takes its message when waited for (:meth:`wait` from a thread, :meth:`process`
+    inside the loop), never before."""
+
     def __init__(self, fabric: "SimFabric", tensor: torch.Tensor, src: int | None, tag: int) -> None:
         self._args = (tensor, src, tag)
         self._fabric = fabric
@@ -65,6 +85,19 @@ class _RecvWork(Work):
             self._result = self._fabric.recv(*self._args, timeout=timeout)
             self._done = True
         return self._result
+
+    def process(self, timeout: float | None = None) -> Generator:
+        """The receive as a process of the loop (the world's gate runs it for :meth:`wait`); ``timeout``:
+        modelled seconds, after which it raises :class:`FabricTimeout` and stays posted."""
+        if not self._done:
+            self._result = yield from self._fabric._recv_process(*self._args, timeout)
+            self._done = True
+        return self._result
+
+    def complete(self, msg: Msg) -> None:
+        """Complete with ``msg``, taken for it by a ``wait_any``."""
+        self._result = self._fabric._deliver(msg, self._args[0], self._args[2])
+        self._done = True
 
     def is_completed(self) -> bool:
         return self._done
@@ -121,7 +154,7 @@ class SimFabric(Fabric):
             raise InvalidValueError(f"{ep.name}: cannot send to itself")
         data = tensor.detach().to("cpu", copy=True).contiguous()
         nbytes = data.numel() * data.element_size()
-        with world.lock:
+        with world.gate.lock:
             self._raise_if_failed()
             if ep.crashed:
                 raise EndpointCrashed(f"{ep.name} has crashed")
@@ -160,69 +193,31 @@ class SimFabric(Fabric):
         return _DoneWork(None, done)
 
     # ------------------------------------------------------------- receiving
-    def _match(self, src: int | None, tag: int) -> Msg | None:
-        box = self._ep.mailbox
-        if src is not None:
-            q = box.get((src, tag))
-            return q[0] if q else None
-        best = None
-        for (s, t), q in box.items():
-            if t == tag and q and (best is None or (q[0].head, s) < (best.head, best.src)):
-                best = q[0]
-        return best
-
-    @staticmethod
-    def _delivery(msg: Msg) -> tuple[float, float]:
-        return msg.delivered, msg.rx_end
-
-    def recv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0, *,
-             timeout: float | None = None) -> int:
-        world, ep = self.world, self._ep
-        wall_deadline = time.monotonic() + self.timeout_s
-        with world.lock:
-            deadline = None if timeout is None else ep.clock + timeout
-            while True:
-                self._raise_if_failed()
-                if ep.crashed:
-                    raise EndpointCrashed(f"{ep.name} has crashed")
-                msg = self._match(src, tag)
-                ep.event = None
-                if msg is not None:
-                    delivered, rx_end = self._delivery(msg)
-                    if deadline is None or delivered <= deadline:
-                        if (src is not None or not ep.per_port or ep.fire_event
-                                or world.may_take(ep, delivered)):
-                            ep.fire_timeout = ep.fire_event = False
-                            break
-                        ep.event = delivered    # ordered: wait until it is the earliest event
-                if ep.fire_timeout:
-                    ep.fire_timeout = False
-                    ep.clock = max(ep.clock, deadline)
-                    raise FabricTimeout(
-                        f"{ep.name}: no message from "
-                        f"{'any endpoint' if src is None else world.endpoints[src].name} (tag {tag}) "
-                        f"within {timeout:.6g} modelled seconds")
-                self._raise_if_stuck()
-                remaining = wall_deadline - time.monotonic()
-                if remaining <= 0:
-                    raise FabricTimeout(
-                        f"{ep.name}: waited {self.timeout_s:g} s (wall) for "
-                        f"{'any endpoint' if src is None else world.endpoints[src].name} (tag {tag})")
-                self._park(deadline, (src, tag), remaining,
-                           self._candidate(src, tag, deadline) if src is None and ep.per_port else None)
-            ep.mailbox[(msg.src, msg.tag)].popleft()
-            ep.taken(msg)
-            ep.clock = max(ep.clock, delivered)
-            ep.stats.record_recv(msg.src, self.rank, msg.nbytes)
+    def _deliver(self, msg: Msg, tensor: torch.Tensor, tag: int) -> int:
+        """Copy taken ``msg`` into ``tensor`` (a message of another length or dtype: ``MismatchError``)."""
         if msg.data.numel() != tensor.numel() or msg.data.dtype != tensor.dtype:
+            world = self.world
             raise MismatchError(
-                f"{ep.name} expected {tensor.numel()} x {tensor.dtype} from "
+                f"{self._ep.name} expected {tensor.numel()} x {tensor.dtype} from "
                 f"{world.endpoints[msg.src].name} (tag {tag}) but received "
                 f"{msg.data.numel()} x {msg.data.dtype}: workers disagree on the message's length "
                 f"or dtype")
         with torch.no_grad():
             tensor.copy_(msg.data.reshape(tensor.shape))
         return msg.src
+
+    def _recv_process(self, tensor: torch.Tensor, src: int | None, tag: int, timeout: float | None) -> Generator:
+        """A receive as a process of the world's loop (:class:`~.sim_world.RecvWait`): a ``per_port``
+        endpoint's any-source receive is ordered."""
+        ep = self._ep
+        deadline = None if timeout is None else ep.clock + timeout
+        msg = yield RecvWait(src, tag, deadline, src is None and ep.per_port, timeout)
+        return self._deliver(msg, tensor, tag)
+
+    def recv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0, *,
+             timeout: float | None = None) -> int:
+        who = "any endpoint" if src is None else self.world.endpoints[src].name
+        return self.world.gate.call(self._ep, self._recv_process(tensor, src, tag, timeout), f"{who} (tag {tag})")
 
     def irecv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> Work:
         return _RecvWork(self, tensor, src, tag)
@@ -235,14 +230,17 @@ class SimFabric(Fabric):
         the messages are there, and whichever arrives first is served when none is.
 
         Ordered, like a ``per_port`` endpoint's any-source receive: unless the first element is in by
-        this endpoint's clock already, the choice is made only once every other live endpoint is
-        blocked and no earlier deadline or event is pending, so a message that a thread behind in wall
-        time has yet to send cannot be overtaken, and the choice is deterministic. This NIC serialises
+        this endpoint's clock already, the choice is made when the first element's arrival is the
+        world's earliest event (:mod:`.sim_world`), so the choice is deterministic. This NIC serialises
         the messages in their arrival order, not in the order a fixed loop would have asked for them.
         """
+        return self.world.gate.call(self._ep, self._wait_any_process(works), f"any of {len(works)} receives")
+
+    def _wait_any_process(self, works) -> Generator:
+        """:meth:`wait_any` as a process of the loop (:class:`~.sim_world.AnyWait`)."""
         if not works:
             raise InvalidValueError("wait_any needs at least one operation")
-        world, ep = self.world, self._ep
+        ep = self._ep
         groups, keys, seen = [], [], set()      # per element its pending receives, and their (source, tag)
         for i, el in enumerate(works):
             g = el if isinstance(el, (list, tuple)) else (el,)
@@ -264,76 +262,52 @@ class SimFabric(Fabric):
                 gk.append(key)
             groups.append(pend)
             keys.append(gk)
-        wall_deadline = time.monotonic() + self.timeout_s
-        with world.lock:
-            watch = OrderedWait(ep, keys)
-            best = watch.first(clock_only=True)
-            if best is None:
-                watch.recompute()
-                ep.watch = watch
-                try:
-                    best = self._wait_first(watch, wall_deadline, len(works))
-                finally:
-                    ep.watch = None
-            g = groups[best[1]]
-            heads = sorted(range(len(g)), key=lambda j: self._match(g[j]._args[1], g[j]._args[2]).head)
-        for j in heads:      # each the head of its (source, tag) queue: taken at once, in arrival order
-            g[j].wait()
-        return best[1]
+        i, msgs = yield AnyWait(keys)
+        for w, msg in zip(groups[i], msgs):
+            w.complete(msg)
+        return i
 
-    def _wait_first(self, watch: OrderedWait, wall_deadline: float, nworks: int) -> tuple[float, int]:
-        """(lock held) :meth:`wait_any`'s ordered wait: ``(t, i)`` once group ``i`` may be taken."""
-        world, ep = self.world, self._ep
+    def drive(self, roles: list, inbox: _roles.Inbox, outbox: _roles.Outbox, *, keep: int = 64) -> None:
+        """Run ``roles`` (:meth:`.base.Fabric.drive`) as one process of the world's loop: the scheduler of
+        :func:`.roles.schedule`, whose waits are this endpoint's receives and ``wait_any``."""
+        self.world.gate.call(self._ep, self.drive_process(roles, inbox, outbox, keep), "a message of its roles")
+
+    def drive_process(self, roles: list, inbox: _roles.Inbox, outbox: _roles.Outbox, keep: int = 64) -> Generator:
+        """:meth:`drive` as a process of the loop, for a service whose main is one (``yield from``)."""
+        sched = _roles.schedule(self, inbox, outbox, roles, keep)
+        value = None
         while True:
-            self._raise_if_failed()
-            if ep.crashed:
-                raise EndpointCrashed(f"{ep.name} has crashed")
-            first = watch.first()
-            ep.event = None
-            if first is not None:
-                if ep.fire_event or world.may_take(ep, first[0]):
-                    ep.fire_event = False
-                    return first
-                ep.event = first[0]
-            self._raise_if_stuck()
-            remaining = wall_deadline - time.monotonic()
-            if remaining <= 0:
-                raise FabricTimeout(f"{ep.name}: waited {self.timeout_s:g} s (wall) for any of "
-                                    f"{nworks} receives")
-            self._park(None, watch.keys[0][0], remaining, watch.event)
-
-    def _raise_if_stuck(self) -> None:
-        """(lock held) Raise if the run is over or every endpoint waits with nothing in flight."""
-        world = self.world
-        if world.closed:
-            raise ServiceShutdown("the run is over")
-        if world.deadlocked:
-            raise FabricTimeout(f"{self._ep.name}: deadlock, every endpoint is waiting and none can make "
-                                f"progress ({world.deadlock_info})")
-
-    def _candidate(self, src: int | None, tag: int, deadline: float | None) -> Callable[[], float | None]:
-        """An ordered receive's candidate event: when its first matching message is delivered, if by
-        ``deadline``."""
-        def when() -> float | None:
-            msg = self._match(src, tag)
-            if msg is None or (deadline is not None and msg.delivered > deadline):
-                return None
-            return msg.delivered
-        return when
-
-    def _park(self, deadline: float | None, waiting_for: tuple, remaining: float,
-              candidate: Callable[[], float | None] | None = None) -> None:
-        """(lock held) Block this endpoint until a message it waits for, a modelled timeout or an ordered
-        event wakes it (or a second of wall time passes: the caller loops). ``candidate``: an ordered
-        wait's event (:meth:`~.sim_world.World.arrived`), kept up to date while it is parked."""
-        ep, world = self._ep, self.world
-        world.block(ep, deadline, waiting_for, candidate)
-        try:
-            if ep.blocked:
-                ep.cond.wait(timeout=min(remaining, 1.0))
-        finally:
-            world.wake(ep)
-            ep.deadline, ep.waiting_for, ep.event, ep.candidate = None, None, None, None
+            try:
+                req = sched.send(value)
+            except StopIteration:
+                return
+            t = type(req)
+            if t is _roles.WaitAny:
+                value = yield from self._wait_any_process(req.groups)
+                continue
+            if t is _roles.RecvWithin:
+                try:
+                    value = yield from self._recv_process(req.buf, req.src, req.tag, req.timeout)
+                except FabricTimeout:
+                    value = None
+                continue
+            if t is _roles.AwaitWithin:
+                w, value = inbox.work(req.key), True
+                if w is not None and not w.is_completed():
+                    try:
+                        yield from w.process(req.timeout)
+                    except FabricTimeout:
+                        value = False
+                continue
+            value = None        # WaitAll: the role takes these at once; they are received first, here
+            works = [w for w in map(inbox.work, req.keys) if w is not None]
+            if req.any:
+                if len(works) < len(req.keys) or any(w.is_completed() for w in works):
+                    continue    # one is in (or was handed over)
+                works = works[:1]
+            for w in works:
+                if not w.is_completed():
+                    yield from w.process()
 
     def _raise_if_failed(self) -> None:
         failure = self.world.failure
@@ -345,35 +319,24 @@ class SimFabric(Fabric):
     # --------------------------------------------------------------- services
     def service(self, name: str, main: Callable[[Fabric], None], *, bandwidth_gbps: float | None = None,
                 latency_us: float | None = None, per_port: bool = False) -> int:
+        """:meth:`.base.Fabric.service`; a ``main`` that is a generator function is a process of the world's
+        loop (no thread), any other ``main`` runs on a thread of its own (:mod:`sparsecomm.fabric.sim_gate`)."""
         world = self.world
-        with world.lock:
+        with world.gate.lock:
             if name in world.service_ids:
                 return world.service_ids[name]
             net = world.network
             bw = (bandwidth_gbps if bandwidth_gbps is not None else net.bandwidth_gbps) * 1e9 / 8 * net.payload_fraction
             lat = (latency_us if latency_us is not None else net.latency_us) * 1e-6
-            eid = world.add_endpoint(bw, lat, per_port, name).id
-            world.service_ids[name] = eid
-            fabric = SimFabric(world, eid)
-            t = threading.Thread(target=_run_service, args=(world, eid, main, fabric),
-                                 name=f"sparsecomm-{name}", daemon=True)
-            world.service_threads.append(t)
-        t.start()
-        return eid
+            process = inspect.isgeneratorfunction(main)
+            ep = world.add_endpoint(bw, lat, per_port, name, threaded=not process)
+            world.service_ids[name] = ep.id
+            fabric = SimFabric(world, ep.id)
+            if process:
+                world.spawn(ep, main(fabric))
+            else:
+                world.gate.start_service(ep.id, name, main, fabric)
+            return ep.id
 
     def services(self) -> dict[str, int]:
         return dict(self.world.service_ids)
-
-
-def _run_service(world: SimWorld, eid: int, main: Callable[[Fabric], None], fabric: SimFabric) -> None:
-    try:
-        main(fabric)
-    except (ServiceShutdown, EndpointCrashed):
-        pass
-    except PeerFailure:
-        pass
-    except BaseException as exc:  # noqa: BLE001 - reported to every worker
-        world.service_errors.append((eid, exc))
-        world.fail(eid, exc)
-        return
-    world.finished(eid)

@@ -32,7 +32,6 @@ switch one NIC per peer (ports work in parallel, as a switch's do).
 
 from __future__ import annotations
 
-import threading
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -124,14 +123,16 @@ class Msg:
 
 class Endpoint:
     """One endpoint's NIC(s) in the model: its clock, transmit schedule per port, the receive schedule
-    (arrival order) and its mailbox; plus the scheduler's per-endpoint flags (see :mod:`.sim_world`).
+    (arrival order) and its mailbox; plus what the world's loop keeps per endpoint (:mod:`.sim_world`):
+    the processes waiting on it, and, for an endpoint that a thread of user code owns, how many of its
+    threads are parked in the world.
 
     ``bw`` is its NIC's payload bytes/s before a straggler's factor (``network.stragglers``), ``latency``
-    its link's one-way latency in seconds; ``lock`` is the world's lock, which every method here expects
-    held ("(lock held)"); ``per_port``: one NIC per peer (a switch)."""
+    its link's one-way latency in seconds; ``per_port``: one NIC per peer (a switch); ``threaded``: a
+    thread outside the loop acts for it (a worker's training loop; a service whose main blocks)."""
 
-    def __init__(self, network: Network, lock: threading.Lock, eid: int, bw: float, latency: float,
-                 per_port: bool, name: str) -> None:
+    def __init__(self, network: Network, eid: int, bw: float, latency: float, per_port: bool, name: str,
+                 threaded: bool = True) -> None:
         self.id = eid
         self.name = name
         self.slow = float(network.stragglers.get(eid, 1.0))
@@ -143,26 +144,20 @@ class Endpoint:
         self._rx_base: dict[int, float] = {}            # port -> end of the taken prefix of its schedule
         self._rx_sched: dict[int, list[Msg]] = {}      # port -> messages in the order its NIC takes them
         self.mailbox: dict[tuple[int, int], deque[Msg]] = {}
-        self.cond = threading.Condition(lock)
-        self.deadline: float | None = None   # modelled deadline of the current blocked receive
-        self.fire_timeout = False
-        self.event: float | None = None      # per_port any-source receive: delivery time of its candidate
-        self.fire_event = False
-        self.blocked = False
+        self.threaded = threaded
+        self.parked = 0                      # its threads waiting in the world (running while none is)
+        self.waiters: list = []              # its blocked processes (sim_world.Proc)
         self.alive = True
         self.crashed = False
         self.sends = 0
         self.loss_rng: dict[int, np.random.Generator] = {}
         self.stats = CommStats()
-        self.waiting_for: tuple[int | None, int] | None = None
-        self.candidate = None                # ordered wait: () -> its event (sim_world.World.arrived)
-        self.watch = None                    # an open wait_any's state (sim_wait.OrderedWait), told of arrivals
 
     def port(self, peer: int) -> int:
         return peer if self.per_port else -1
 
     def transmit(self, peer: int, nbytes: int) -> tuple[float, float]:
-        """(lock held) Occupy the NIC (its port towards ``peer``) with ``nbytes`` from ``start = max(clock,
+        """Occupy the NIC (its port towards ``peer``) with ``nbytes`` from ``start = max(clock,
         when the port is free)`` until ``tx_end = start + nbytes / bw``; return ``(start, tx_end)``."""
         port = self.port(peer)
         start = max(self.clock, self._tx_free.get(port, 0.0))
@@ -171,7 +166,7 @@ class Endpoint:
         return start, tx_end
 
     def schedule(self, msg: Msg) -> list[Msg]:
-        """(lock held) Give arriving ``msg`` its place on the receiving NIC: arrival (head) order among the
+        """Give arriving ``msg`` its place on the receiving NIC: arrival (head) order among the
         messages not yet taken by the application, after every message already taken (whose time has
         been observed and cannot change); the later ones are re-timed. Returns those (their deliveries
         may have moved; empty if only ``msg`` was timed)."""
@@ -191,7 +186,7 @@ class Endpoint:
         return sched[i + 1:]
 
     def taken(self, msg: Msg) -> None:
-        """(lock held) ``msg`` was delivered: fix its slot, drop the schedule's taken prefix."""
+        """``msg`` was delivered: fix its slot, drop the schedule's taken prefix."""
         msg.taken = True
         port = self.port(msg.src)
         sched = self._rx_sched[port]

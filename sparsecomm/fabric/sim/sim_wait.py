@@ -11,7 +11,7 @@ already queued (its head is earlier than theirs: the receiving NIC takes it firs
 :meth:`~.sim_network.Endpoint.schedule`), the groups whose heads those are are measured again, and the
 minimum is taken afresh over the groups' kept times; an any-source receive's group is measured again on
 each arrival on its tag (the message may be the new first match). The endpoint's clock and its mailbox's
-heads change only through this endpoint's own thread, which does not take messages while the wait is
+heads change only through this endpoint's own process, which does not take messages while the wait is
 open, so nothing else invalidates the state.
 """
 
@@ -21,7 +21,7 @@ from .sim_network import Endpoint, Msg
 
 
 class OrderedWait:
-    """(lock held for every method) The groups ``keys`` (lists of ``(source, tag)``; a ``source`` of
+    """The groups ``keys`` (lists of ``(source, tag)``; a ``source`` of
     ``None`` matches any) of a wait of endpoint ``ep``: :meth:`first` with ``clock_only`` measures only
     group 0; :meth:`recompute` measures them all, after which :meth:`arrived` must be called on each
     message put in the mailbox while the wait is open."""

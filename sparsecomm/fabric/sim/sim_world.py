@@ -1,186 +1,423 @@
-"""The SimFabric's scheduler: which blocked endpoint runs next, in modelled time.
+"""The SimFabric's world: one discrete-event loop over every endpoint's processes, in modelled time.
 
-Timeouts are in *modelled* seconds and are decided by quiescence: a receive with a deadline whose
-message has not arrived in modelled time keeps waiting until every live endpoint is blocked; then the
-blocked endpoint with the earliest deadline times out (discrete-event semantics without real sleeps).
-If every live endpoint is blocked and none has a deadline while a worker is waiting, the run is
-deadlocked (for instance a peer crashed) and every waiting worker raises :class:`FabricTimeout`.
+Everything an endpoint waits for in the simulation is a *process* (:class:`Proc`): a generator that
+yields what it waits for, a :class:`RecvWait` (one receive) or an :class:`AnyWait` (whichever of several
+groups of receives is in first), and is resumed with the messages it takes. A worker's call (a
+transport's roles run by ``Fabric.drive``, a blocking receive, a ``wait_any``), a service's main: each
+is one process of its endpoint. :meth:`World.run` steps them, one at a time, in one thread, in a fixed
+order: the processes able to run first (a plain receive whose message is in), first in first out; then,
+once none is and no endpoint's own thread is running (*quiescence*), the earliest pending *event* or
+*deadline* of a blocked process, from a heap keyed ``(modelled time, event before deadline, endpoint,
+process)``. No lock, no condition variable, no thread: code outside (a worker's training loop, which keeps
+its thread up to the call) hands its processes to the world and parks (:mod:`sparsecomm.fabric.sim_gate`),
+and the loop runs when every endpoint's thread has parked or finished.
 
-Receives from any source take, among the messages already posted, the one whose head arrives first
-in modelled time. A message that a slower thread has not posted yet cannot be considered, so for
-any-source protocols the modelled times can vary between runs; the data, and everything for
-point-to-point protocols (ring, allgather), is deterministic. A ``per_port`` endpoint (a switch)
-handles its any-source receives in modelled-time order instead: it takes a message only once every
-other live endpoint is blocked and no earlier deadline or event is pending (conservative
-discrete-event order), so each packet is processed at its own arrival time. Without this, a result
-would leave at the switch's running-maximum clock, which a thread that is ahead in wall time has
-pulled forward, and the error would feed back through self-clocked protocols.
-:meth:`SimFabric.wait_any` (wait for whichever of several receives, or groups of receives, is in
-first) uses the same conservative order, so an endpoint of any kind can serve its peers in the
-order their messages arrive in modelled time, deterministically; its NIC then takes those messages
-in arrival order (a fixed sequence of blocking receives would serialise them in the order asked).
+Semantics (the same as a conservative parallel discrete-event simulation, deterministic):
 
-Faults (:class:`Network`): ``loss`` drops datagrams sent with ``reliable=False`` with that probability,
-decided by a generator per directed link seeded from ``(seed, src, dst)`` (deterministic for a seed);
-``stragglers`` slows an endpoint's compute and its NIC; ``crash`` makes an endpoint die silently after a number of
+- a *plain* receive (from one source, or from any source on an endpoint that is not ``per_port``) takes
+  the first matching message as soon as it is in the mailbox (within its deadline, if any);
+- an *ordered* wait (an any-source receive of a ``per_port`` endpoint, a switch; every ``wait_any``
+  whose first group is not in by the endpoint's clock) takes a message only when its delivery is the
+  earliest event of the world, so a packet is handled at its own arrival time and a self-clocked
+  protocol sees the order of modelled time, not of the threads;
+- a deadline (a receive's ``timeout=``, modelled seconds) fires when it is the earliest event;
+- with nothing able to run and no event or deadline pending while a worker waits, the run is
+  deadlocked: every waiting process raises :class:`FabricTimeout` naming what each waits for.
+
+Since processes run only while no endpoint's thread runs, and what a running thread does to the world
+(sends: appending to a channel's queue, placing a message on a NIC's schedule by its head) commutes,
+modelled times do not depend on how threads are scheduled: two runs give identical values.
+
+Faults (:class:`~.sim_network.Network`): ``loss`` drops datagrams sent with ``reliable=False`` with that
+probability, decided by a generator per directed link seeded from ``(seed, src, dst)``; ``stragglers``
+slows an endpoint's compute and its NIC; ``crash`` makes an endpoint die silently after a number of
 sends, so that its peers can only notice by timing out.
 """
 
 from __future__ import annotations
 
-import threading
+import contextvars
+import heapq
+from collections import deque
+from typing import Callable, Generator
 
-from ...errors import InvalidValueError
-from .sim_network import Endpoint, Network
+from ...errors import EndpointCrashed, FabricTimeout, InvalidValueError, PeerFailure, ServiceShutdown
+from .sim_network import Endpoint, Msg, Network
+from .sim_wait import OrderedWait
+
+__all__ = ["World", "Proc", "RecvWait", "AnyWait"]
+
+
+class RecvWait:
+    """Wait for the first message from ``src`` (``None``: any source) on ``tag``, delivered by ``deadline``
+    (modelled seconds; ``None``: none) if any; ``ordered``: take it only when its delivery is the world's
+    earliest event. The process is resumed with the :class:`~.sim_network.Msg` it took (or a
+    :class:`FabricTimeout` at the deadline; ``timeout``: the seconds it was given, for the message)."""
+
+    __slots__ = ("src", "tag", "deadline", "ordered", "timeout")
+
+    def __init__(self, src: int | None, tag: int, deadline: float | None = None, ordered: bool = False,
+                 timeout: float | None = None) -> None:
+        self.src, self.tag, self.deadline, self.ordered, self.timeout = src, tag, deadline, ordered, timeout
+
+
+class AnyWait:
+    """Wait for whichever of the groups ``keys`` (lists of ``(source, tag)``) is in first in modelled time
+    (:class:`~.sim_wait.OrderedWait`); resumed with ``(index, messages)``: the group chosen and its
+    messages, in the group's order, taken in the order of their arrival."""
+
+    __slots__ = ("keys", "watch")
+
+    def __init__(self, keys: list[list[tuple[int | None, int]]]) -> None:
+        self.keys = keys
+        self.watch: OrderedWait | None = None
+
+
+class Proc:
+    """A process of endpoint ``ep``: the generator ``gen``, what it waits for (``wait``, ``None`` while
+    able to run), what it is resumed with next (``value``, or ``exc`` thrown in), and once it has returned
+    (``done``) its ``result`` or ``error``. ``owner``: a thread parked on it (:mod:`sparsecomm.fabric.sim_gate`),
+    whose endpoint runs again the moment it is done. It runs in the context (:mod:`contextvars`) of the code that
+    spawned it, whichever thread runs the loop."""
+
+    __slots__ = ("ep", "gen", "seq", "wait", "value", "exc", "done", "result", "error", "owner", "no",
+                 "event", "queued", "retry", "context")
+
+    def __init__(self, ep: Endpoint, gen: Generator, seq: int, owner: bool) -> None:
+        self.ep, self.gen, self.seq, self.owner = ep, gen, seq, owner
+        #: the context variables it runs with: those of the code that handed it over (a call's identity)
+        self.context = contextvars.copy_context()
+        self.wait: RecvWait | AnyWait | None = None
+        self.value: object = None
+        self.exc: BaseException | None = None
+        self.done = False
+        self.result: object = None
+        self.error: BaseException | None = None
+        self.no = 0                  # how many times it has blocked (a heap entry names the wait it is for)
+        self.event: float | None = None     # an ordered wait's event, as last pushed
+        self.queued = False
+        self.retry: RecvWait | AnyWait | None = None    # woken without an outcome: try this wait again
 
 
 class World:
-    """Shared state of one simulated run: the endpoints, their mailboxes and the network model, and the
-    scheduler's bookkeeping (how many endpoints are live and blocked; the first failure)."""
+    """Shared state of one simulated run: the endpoints, their mailboxes, the network model, and the loop
+    (:meth:`run`) over their processes. Not thread-safe: every call comes from the one thread that holds
+    the world (:mod:`sparsecomm.fabric.sim_gate` serialises the threads of user code)."""
 
     def __init__(self, world_size: int, network: Network | None = None) -> None:
         if world_size < 1:
             raise InvalidValueError(f"world_size must be >= 1, got {world_size}")
         self.network = network or Network()
         self.world_size = world_size
-        self.lock = threading.Lock()
         self.endpoints: list[Endpoint] = [
-            Endpoint(self.network, self.lock, r, self.network.bytes_per_s, self.network.latency_us * 1e-6,
-                     False, f"worker{r}")
+            Endpoint(self.network, r, self.network.bytes_per_s, self.network.latency_us * 1e-6, False,
+                     f"worker{r}")
             for r in range(world_size)
         ]
-        self.live = world_size
-        self.nblocked = 0
+        #: endpoints whose thread is running (outside the world): the loop fires events only when none is
+        self.running = world_size
         self.failure: tuple[int, BaseException] | None = None
         self.closed = False
         self.deadlocked = False
         self.deadlock_info = ""
         self.service_ids: dict[str, int] = {}
-        self.service_threads: list[threading.Thread] = []
         self.service_errors: list[tuple[int, BaseException]] = []
         #: state the layers above share between this world's endpoints (``Fabric.world_scratch``)
         self.scratch: dict = {}
+        self._runq: deque[Proc] = deque()
+        self._heap: list = []
+        self._blocked = 0
+        self._seq = 0
+        self.looping = False
 
-    # ----------------------------------------------------------------- control
-    def add_endpoint(self, bw: float, latency: float, per_port: bool, name: str) -> Endpoint:
-        """(lock held) A new live endpoint (a service's) with the next id."""
-        ep = Endpoint(self.network, self.lock, len(self.endpoints), bw, latency, per_port, name)
+    # ----------------------------------------------------------------- endpoints
+    def add_endpoint(self, bw: float, latency: float, per_port: bool, name: str, threaded: bool) -> Endpoint:
+        """A new live endpoint (a service's) with the next id; ``threaded``: a thread acts for it."""
+        ep = Endpoint(self.network, len(self.endpoints), bw, latency, per_port, name, threaded)
         self.endpoints.append(ep)
-        self.live += 1
+        if threaded:
+            self.running += 1
         return ep
 
-    def block(self, ep: Endpoint, deadline: float | None, waiting_for: tuple[int | None, int],
-              candidate=None) -> None:
-        """(lock held) ``ep`` starts waiting (until a modelled ``deadline``, if any, for a message from
-        ``waiting_for = (source, tag)``): it counts as blocked until :meth:`wake`, and if every live
-        endpoint now is, the scheduler fires the earliest deadline or event (or declares a deadlock).
-        ``candidate``: an ordered wait's event (``ep.event``, the delivery time of what it would take,
-        or ``None``), re-evaluated by :meth:`arrived`."""
-        ep.blocked, ep.deadline, ep.waiting_for, ep.candidate = True, deadline, waiting_for, candidate
-        self.nblocked += 1
-        self._check_quiescent()
+    def park(self, ep: Endpoint) -> None:
+        """A thread of ``ep`` waits in the world: once none of its threads runs, it counts as blocked."""
+        if ep.parked == 0 and ep.alive and ep.threaded:
+            self.running -= 1
+        ep.parked += 1
 
-    def arrived(self, ep: Endpoint, msg, retimed: list) -> None:
-        """(lock held) ``msg`` was put in ``ep``'s mailbox (``retimed``: the messages queued there that its
-        arrival re-timed, :meth:`~.sim_network.Endpoint.schedule`). An open ``wait_any``'s state
-        (``ep.watch``) is updated. A blocked plain receive wakes if it matches its ``(source, tag)``.
-        A blocked ordered wait stays blocked (it may take a message only at quiescence, when the
-        earliest event fires, and its sender is running): its event is updated."""
-        if ep.watch is not None:
-            ep.watch.arrived(msg, retimed)
-        if not ep.blocked:
-            return          # running: it looks at its mailbox before it blocks again
-        if ep.candidate is not None:
-            ep.event = ep.candidate()
-            return
-        src, tag = ep.waiting_for
-        if tag == msg.tag and (src is None or src == msg.src):
-            self.wake(ep)
-
-    def wake(self, ep: Endpoint) -> None:
-        """Unblock ``ep`` (lock held): it no longer counts as blocked until it waits again."""
-        if ep.blocked:
-            ep.blocked = False
-            self.nblocked -= 1
-        ep.cond.notify_all()
-
-    def fail(self, eid: int, exc: BaseException) -> None:
-        """Record that endpoint ``eid`` failed and wake every waiter (they raise PeerFailure)."""
-        with self.lock:
-            if self.failure is None:
-                self.failure = (eid, exc)
-            self._retire(eid)
-            for ep in self.endpoints:
-                self.wake(ep)
+    def unpark(self, ep: Endpoint) -> None:
+        """A thread of ``ep`` leaves the world (its process is done, or it gave up)."""
+        ep.parked -= 1
+        if ep.parked == 0 and ep.alive and ep.threaded:
+            self.running += 1
 
     def finished(self, eid: int) -> None:
-        """Endpoint ``eid``'s thread has returned (or crashed)."""
-        with self.lock:
-            self._retire(eid)
-
-    def _retire(self, eid: int) -> None:
+        """Endpoint ``eid``'s thread has returned (or crashed): it will send nothing more."""
         ep = self.endpoints[eid]
         if ep.alive:
             ep.alive = False
-            self.live -= 1
-            self._check_quiescent()
+            if ep.threaded and ep.parked == 0:
+                self.running -= 1
+
+    def fail(self, eid: int, exc: BaseException) -> None:
+        """Record that endpoint ``eid`` failed: every wait of every other endpoint raises :class:`PeerFailure`."""
+        if self.failure is None:
+            self.failure = (eid, exc)
+        World.finished(self, eid)
+        self._wake_all()
 
     def close(self) -> None:
-        """End the run: services leave their loops; waits raise ServiceShutdown."""
-        with self.lock:
-            self.closed = True
-            for ep in self.endpoints:
-                self.wake(ep)
-        for t in self.service_threads:
-            t.join(timeout=self.network.timeout_s)
+        """End the run: the processes still waiting (services) raise :class:`ServiceShutdown`."""
+        self.closed = True
+        self._wake_all()
 
-    def _check_quiescent(self) -> None:
-        """Called with the lock held whenever an endpoint blocks or retires."""
-        if self.live <= 0 or self.nblocked < self.live:
+    def _wake_all(self) -> None:
+        for ep in self.endpoints:
+            for p in list(ep.waiters):
+                self._unblock(p, retry=True)
+
+    # ----------------------------------------------------------------- processes
+    def spawn(self, ep: Endpoint, gen: Generator, owner: bool = False) -> Proc:
+        """Hand the process ``gen`` of ``ep`` to the loop (it runs at the loop's next :meth:`run`)."""
+        self._seq += 1
+        p = Proc(ep, gen, self._seq, owner)
+        self._ready(p)
+        return p
+
+    def cancel(self, p: Proc) -> None:
+        """Withdraw ``p`` (its thread gave up waiting): it is closed and runs no more."""
+        if p.done:
             return
-        best, worker_waits = None, False    # the earliest (time, event 0 / deadline 1, id) of a waiter
-        for ep in self.endpoints:
-            if not (ep.alive and ep.blocked):
-                continue
-            worker_waits = worker_waits or ep.id < self.world_size
-            if ep.event is not None and not ep.fire_event and (best is None or (ep.event, 0, ep.id) < best[:3]):
-                best = (ep.event, 0, ep.id, ep)
-            if (ep.deadline is not None and not ep.fire_timeout
-                    and (best is None or (ep.deadline, 1, ep.id) < best[:3])):
-                best = (ep.deadline, 1, ep.id, ep)
-        if best is not None:
-            _, kind, _, ep = best
-            if kind == 0:
-                ep.fire_event = True
-            else:
-                ep.fire_timeout = True
-            self.wake(ep)
-        elif worker_waits:
-            self.deadlocked = True
-            self.deadlock_info = self.describe_waits()
-            for ep in self.endpoints:
-                if ep.alive and ep.blocked:
-                    self.wake(ep)
+        if p.wait is not None:
+            p.ep.waiters.remove(p)
+            p.wait = None
+            self._blocked -= 1
+        if p.queued:
+            self._runq.remove(p)
+            p.queued = False
+        p.done = True
+        p.gen.close()
 
-    def may_take(self, me: Endpoint, t: float) -> bool:
-        """(lock held) May ordered endpoint ``me`` take a message delivered at ``t`` now? Only if every
-        other live endpoint is blocked with no deadline or event before ``t``."""
-        if self.nblocked < self.live - 1:
+    def run(self, until: Callable[[], bool] | None = None) -> None:
+        """Step the processes able to run; at quiescence (none able to run, no endpoint's thread running)
+        fire the earliest event or deadline; repeat until nothing can happen without a thread. An
+        exception of the loop itself (never a process's) propagates."""
+        runq = self._runq
+        self.looping = True
+        try:
+            while True:
+                while runq:
+                    p = runq.popleft()
+                    p.queued = False
+                    self._step(p)
+                if self.running > 0 or not self._blocked:
+                    return
+                if not self._fire():
+                    self._deadlock()
+                    if not runq:
+                        return
+        finally:
+            self.looping = False
+
+    def _ready(self, p: Proc) -> None:
+        if not p.queued:
+            p.queued = True
+            self._runq.append(p)
+
+    def _step(self, p: Proc) -> None:
+        """Resume ``p`` and run it until it waits for what is not in, or returns."""
+        req = p.retry
+        if req is not None:
+            p.retry = None
+            if not self._try(p, req):
+                self._block(p, req)
+                return
+        gen, run = p.gen, p.context.run
+        while True:
+            try:
+                if p.exc is not None:
+                    exc, p.exc = p.exc, None
+                    req = run(gen.throw, exc)
+                else:
+                    value, p.value = p.value, None
+                    req = run(gen.send, value)
+            except StopIteration as stop:
+                self._done(p, stop.value, None)
+                return
+            except BaseException as exc:  # noqa: BLE001 - the process's outcome, given to its owner
+                self._done(p, None, exc)
+                return
+            if not self._try(p, req):
+                self._block(p, req)
+                return
+
+    def _done(self, p: Proc, result: object, error: BaseException | None) -> None:
+        p.done, p.result, p.error = True, result, error
+        if p.owner:
+            self.unpark(p.ep)       # its thread runs from now on: no event fires before it parks again
+        elif error is not None and not isinstance(error, (ServiceShutdown, EndpointCrashed, PeerFailure)):
+            self.service_errors.append((p.ep.id, error))      # a service's main, a process of the loop
+            World.fail(self, p.ep.id, error)
+        elif not p.ep.threaded:
+            World.finished(self, p.ep.id)
+
+    def _check(self, p: Proc) -> BaseException | None:
+        """The error a wait of ``p`` raises at once, if any (a failed peer, the end of the run, ...)."""
+        ep, failure = p.ep, self.failure
+        if failure is not None and failure[0] != ep.id:
+            eid, exc = failure
+            err = PeerFailure(f"{self.endpoints[eid].name} failed: {type(exc).__name__}: {exc}")
+            err.__cause__ = exc
+            return err
+        if ep.crashed:
+            return EndpointCrashed(f"{ep.name} has crashed")
+        if self.closed:
+            return ServiceShutdown("the run is over")
+        if self.deadlocked:
+            return FabricTimeout(f"{ep.name}: deadlock, every endpoint is waiting and none can make "
+                                 f"progress ({self.deadlock_info})")
+        return None
+
+    def _try(self, p: Proc, req) -> bool:
+        """Satisfy ``req`` of ``p`` now if it may be (setting what ``p`` is resumed with)."""
+        err = self._check(p)
+        if err is not None:
+            p.exc = err
+            return True
+        ep = p.ep
+        if type(req) is RecvWait:
+            if req.ordered:
+                return False
+            msg = match(ep, req.src, req.tag)
+            if msg is not None and (req.deadline is None or msg.delivered <= req.deadline):
+                p.value = self._take(ep, msg)
+                return True
             return False
-        for ep in self.endpoints:
-            if ep is me or not ep.alive or not ep.blocked:
-                continue
-            if ep.deadline is not None and not ep.fire_timeout and ep.deadline < t:
+        if type(req) is AnyWait:
+            watch = req.watch = OrderedWait(ep, req.keys)
+            best = watch.first(clock_only=True)
+            if best is None:
                 return False
-            if ep.event is not None and not ep.fire_event and ep.event < t:
-                return False
+            p.value = (0, self._take_group(ep, req.keys[0]))
+            return True
+        p.exc = InvalidValueError(f"{ep.name}: a simulated process waited for {req!r}, which is not a wait")
         return True
+
+    def _block(self, p: Proc, req) -> None:
+        ep = p.ep
+        p.wait = req
+        p.no += 1
+        p.event = None
+        ep.waiters.append(p)
+        self._blocked += 1
+        if type(req) is RecvWait:
+            if req.deadline is not None:
+                heapq.heappush(self._heap, (req.deadline, 1, ep.id, p.seq, p.no, p))
+            if req.ordered:
+                self._reevent(p, self._candidate(p))
+        else:
+            req.watch.recompute()
+            self._reevent(p, req.watch.event())
+
+    def _reevent(self, p: Proc, t: float | None) -> None:
+        if t is not None and t != p.event:
+            heapq.heappush(self._heap, (t, 0, p.ep.id, p.seq, p.no, p))
+        p.event = t
+
+    def _candidate(self, p: Proc) -> float | None:
+        """An ordered receive's event: when its first matching message is delivered, if by its deadline."""
+        req = p.wait
+        msg = match(p.ep, req.src, req.tag)
+        if msg is None or (req.deadline is not None and msg.delivered > req.deadline):
+            return None
+        return msg.delivered
+
+    def _unblock(self, p: Proc, retry: bool = False) -> None:
+        """``p`` waits no more: it runs at the loop's next turn, with its outcome set (``retry``: its wait
+        is tried again then)."""
+        p.ep.waiters.remove(p)
+        if retry:
+            p.retry = p.wait
+        p.wait = None
+        p.event = None
+        self._blocked -= 1
+        self._ready(p)
+
+    def arrived(self, ep: Endpoint, msg: Msg, retimed: list[Msg]) -> None:
+        """``msg`` was put in ``ep``'s mailbox (``retimed``: the queued messages its arrival re-timed): a
+        plain receive it matches can run; an ordered wait's event is updated."""
+        for p in list(ep.waiters):
+            req = p.wait
+            if type(req) is RecvWait:
+                if req.ordered:
+                    self._reevent(p, self._candidate(p))
+                elif req.tag == msg.tag and (req.src is None or req.src == msg.src):
+                    self._unblock(p, retry=True)
+            else:
+                req.watch.arrived(msg, retimed)
+                self._reevent(p, req.watch.event())
+
+    def _fire(self) -> bool:
+        """Fire the earliest valid event or deadline; False if there is none."""
+        heap = self._heap
+        while heap:
+            t, kind, _, _, no, p = heapq.heappop(heap)
+            req = p.wait
+            if req is None or no != p.no or (kind == 0 and t != p.event):
+                continue                # stale: that wait is over, or its event moved
+            ep = p.ep
+            if kind == 1:
+                self._unblock(p)
+                ep.clock = max(ep.clock, t)
+                who = "any endpoint" if req.src is None else self.endpoints[req.src].name
+                p.exc = FabricTimeout(f"{ep.name}: no message from {who} (tag {req.tag}) within "
+                                      f"{req.timeout:.6g} modelled seconds")
+            elif type(req) is RecvWait:
+                msg = match(ep, req.src, req.tag)
+                self._unblock(p)
+                p.value = self._take(ep, msg)
+            else:
+                best = req.watch.first()
+                self._unblock(p)
+                p.value = (best[1], self._take_group(ep, req.keys[best[1]]))
+            return True
+        return False
+
+    def _deadlock(self) -> None:
+        """At quiescence with nothing to fire: if a worker waits, every waiting process raises."""
+        waits = [p for ep in self.endpoints for p in ep.waiters]
+        if not any(p.ep.id < self.world_size for p in waits):
+            return          # only services wait (for the next call, or the end of the run)
+        self.deadlocked = True
+        self.deadlock_info = self.describe_waits()
+        for p in waits:
+            self._unblock(p, retry=True)
+
+    # ----------------------------------------------------------------- messages
+    def _take(self, ep: Endpoint, msg: Msg) -> Msg:
+        """Deliver ``msg`` to ``ep``'s application: off the mailbox, its NIC slot fixed, the clock moved."""
+        ep.mailbox[(msg.src, msg.tag)].popleft()
+        ep.taken(msg)
+        ep.clock = max(ep.clock, msg.delivered)
+        ep.stats.record_recv(msg.src, ep.id, msg.nbytes)
+        return msg
+
+    def _take_group(self, ep: Endpoint, keys: list[tuple[int | None, int]]) -> list[Msg]:
+        """Take the head message of each receive of ``keys`` (all in), in arrival order; in ``keys``' order."""
+        msgs = [match(ep, s, t) for s, t in keys]
+        for j in sorted(range(len(msgs)), key=lambda j: msgs[j].head):
+            self._take(ep, msgs[j])
+        return msgs
 
     def describe_waits(self) -> str:
         parts = []
         for ep in self.endpoints:
-            if ep.alive and ep.blocked and ep.waiting_for is not None:
-                src, tag = ep.waiting_for
+            for p in ep.waiters:
+                req = p.wait
+                if type(req) is RecvWait:
+                    src, tag = req.src, req.tag
+                else:
+                    src, tag = req.keys[0][0]
                 parts.append(f"{ep.name} waits for {'any' if src is None else self.endpoints[src].name}"
                              f" (tag {tag})")
         dead = [ep.name for ep in self.endpoints if ep.crashed]
@@ -188,3 +425,17 @@ class World:
         if dead:
             s += f"; crashed: {', '.join(dead)}"
         return s
+
+
+def match(ep: Endpoint, src: int | None, tag: int) -> Msg | None:
+    """The message a receive from ``src`` (``None``: any, the earliest head, then the lowest source) on
+    ``tag`` would take from ``ep``'s mailbox, or ``None``."""
+    box = ep.mailbox
+    if src is not None:
+        q = box.get((src, tag))
+        return q[0] if q else None
+    best = None
+    for (s, t), q in box.items():
+        if t == tag and q and (best is None or (q[0].head, s) < (best.head, best.src)):
+            best = q[0]
+    return best

@@ -56,8 +56,8 @@ value vector, then scatters), ``quantized`` with a shared scale (integer codes s
 integers, downstream in the narrowest integer type that holds the sum, then scaled). Workers that
 disagree on the length, dtype, kind, block size or shared indices/scale all raise
 :class:`~sparsecomm.errors.MismatchError` after the first round; before it, the workers run the
-agreement handshake every transport runs (:func:`.._handshake.check_agreement`, one fixed-size header
-with the transport's name), so a rank that calls another transport is a ``MismatchError`` naming both
+agreement handshake every transport runs (:func:`.._handshake.agreement_role`, one fixed-size header
+with the transport's name, run to its end first in the call's own drive), so a rank that calls another transport is a ``MismatchError`` naming both
 on every rank, not a timeout. The result has the input's dtype:
 integer sums are exact (the aggregators add in int64) and range-checked against it
 (:class:`~sparsecomm.errors.OverflowError_`, never wrapped). NaN/Inf in a float sum raise
@@ -78,10 +78,12 @@ costs milliseconds (BENCHMARKS.md, "Transports on the netbed", measures them aga
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ...errors import InvalidValueError
-from .._handshake import check_agreement
+from .._handshake import agreement_role
 from .._guards import abs_max, check_dtype, guard_finite, is_integer, narrow, nonfinite_option
 from ...fabric import services
 from ...fabric.roles import Pool
@@ -218,8 +220,9 @@ class OmniReduce(Transport):
 
     def _run(self, spec: CallSpec, source, make_sink, home: bool = False):
         # the agreement header every transport's workers exchange first (fixed size, the transport's name
-        # in it): a rank that runs another transport gets a MismatchError naming both, on every rank
-        check_agreement(self.fabric, wire.WHAT, transport=self.name)
+        # in it): a rank that runs another transport gets a MismatchError naming both, on every rank. It
+        # runs to its end first, in the call's own drive (the role is made by run_worker on this thread)
+        first = functools.partial(agreement_role, self.fabric, what=wire.WHAT, transport=self.name)
         self._pending = None
         self._last_sink = None
 
@@ -234,7 +237,7 @@ class OmniReduce(Transport):
             fabric = trace.TraceFabric(fabric, trace.enabled(), self._traced)
         try:
             out = run_worker(fabric, spec, source, sink_of, self.aggregators, self.own, self._pool,
-                             home=home)
+                             home=home, first=first)
             if fabric is not self.fabric:
                 fabric.dump()
         except BaseException:

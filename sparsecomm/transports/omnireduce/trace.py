@@ -1,8 +1,8 @@
 """A per-message trace of OmniReduce calls, off by default (a diagnostic, not part of the protocol).
 
 Set ``SPARSECOMM_OMNIREDUCE_TRACE=DIR`` in the environment of every rank: each call of a worker then
-runs on a :class:`TraceFabric` wrapped around the endpoint's fabric (the agreement handshake before it
-and dedicated aggregators are not traced), and writes ``DIR/rank{R}.call{K}.json`` (``K``: the
+runs on a :class:`TraceFabric` wrapped around the endpoint's fabric (its agreement handshake, which
+runs first in the call's drive, included; dedicated aggregators are not traced), and writes ``DIR/rank{R}.call{K}.json`` (``K``: the
 transport's traced calls so far): one record per message (``send`` or ``recv``, peer, tag, bytes, when
 it was posted, when the endpoint first waited for it, when that wait ended) and any marks a caller adds
 (:meth:`TraceFabric.mark`). Times are ``time.perf_counter()`` (CLOCK_MONOTONIC: comparable across processes of one machine, e.g. the

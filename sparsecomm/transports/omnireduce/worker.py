@@ -186,10 +186,12 @@ def worker_lane(call, a: int, c: core.WorkerChannel):
 
 
 def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: list[int],
-               own: int | None, pool: Pool | None = None, home: bool = False) -> tuple[torch.Tensor, torch.dtype]:
+               own: int | None, pool: Pool | None = None, home: bool = False,
+               first=None) -> tuple[torch.Tensor, torch.dtype]:
     """One all-reduce on this worker; returns the result (from ``make_sink(down_dtype)``) and its dtype.
 
-    ``pool`` keeps message buffers across calls. ``home``: the call is in place on a float32/float64
+    ``first``: ``first(inbox)`` is a role run to its end in the same drive before the call's roles start
+    (the agreement handshake, :func:`.._handshake.agreement_role`). ``pool`` keeps message buffers across calls. ``home``: the call is in place on a float32/float64
     :class:`.blocks.DenseSource` (``make_sink`` returns the source tensor itself); the hosted aggregator
     then sums its one-round channels straight into that tensor (:class:`.strategies.HomeSums`).
     Colocated, the sends are reaped lazily (all but 64 in flight); with dedicated aggregators, all of
@@ -201,6 +203,8 @@ def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: l
         adm = AggCall(own, call.n, colocated=call.rank)
         roles.insert(0, aggregator(adm, call.inbox, call.outbox, host=call.rank,
                                         ref=spec.header(call.n).numpy(), mark=call.mark))
+    if first is not None:
+        roles = [_after(first(call.inbox), roles)]
     fabric.drive(roles, call.inbox, call.outbox, keep=64 if own is not None else 0)
     call.mark("steps done")
     # every send completes (an aggregator that rejected the call consumes its round 0 by the manifest), and
@@ -210,3 +214,10 @@ def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: l
         header.raise_for_reply(call.errors[min(call.errors)], spec.header(call.n).numpy(), call.rank)
     call.mark("sends done")
     return call.result, call.down
+
+
+def _after(first, roles: list):
+    """A role that runs ``first`` to its end, then starts ``roles`` in their order (as a drive starts them)."""
+    yield from first
+    for role in roles:
+        yield Spawn(role)

@@ -57,8 +57,10 @@ the worker and the switch agree on them without the user giving them twice.
 
 On SimFabric one packet is one datagram; on real fabrics up to ``burst`` packets share one fabric message
 (each keeps its own slot semantics), the switch serves its ports in parallel and the workers keep
-receives posted and send from a thread of their own (:mod:`.service`, :mod:`.lanes`): a
-software switch that adds at the rate its ports deliver, as far as the host's CPU allows.
+receives posted and their sends in flight (:mod:`.service`, :mod:`.lanes`): a software switch that adds
+at the rate its ports deliver, as far as the host's CPU allows. A worker's stream is one role that the
+fabric drives (:mod:`sparsecomm.fabric.roles`; its datagrams and timed waits, :mod:`.datagrams`); so is the
+switch on SimFabric (on real fabrics its ports are threads, :mod:`.service`).
 
 **Defaults** are fast where they run (:mod:`..defaults`, from the fabric's ``message_bytes``): where a
 message is a datagram of a modelled network (SimFabric), the paper's program, 64-value packets one per
@@ -66,7 +68,10 @@ message, and a pool of 256 lanes (the reproductions compare these with their clo
 fabric (gloo: a message costs the hosts a fixed CPU time beyond its bytes' worth, BENCHMARKS.md,
 "Switch CPU per call") a switch started as ``"switch"`` runs 256-value packets, up to 1024 to a message (1 MiB),
 and a worker keeps 4096 lanes in flight (four messages per lane window). A message holds only the packets that are ready
-(:mod:`.lanes`), so a small job costs its packets' bytes, not a burst's.
+(:mod:`.lanes`), so a small job costs its packets' bytes, not a burst's. A float job's first lane window carries
+exponents only (above, "Quantisation"), one whole packet per lane, so there a float job of ``M`` chunks keeps at
+most ``M / 8`` lanes in flight (at least ``min(M, 256)``; :meth:`SwitchTransport._float_lanes`): with the 4096
+lanes, a 4 MiB gradient would go on the wire twice.
 """
 
 from __future__ import annotations
@@ -90,12 +95,21 @@ from ..linear import LinearOperand
 from .control import (AGREE, CONTROL_SLOT, DEFAULT_MAX_EXPONENT, DTYPES, KINDS, MODE_FLOAT, MODE_INT, ROUNDING,
                       check_control, control_vector, max_exponent_option, narrowed, started_program,
                       too_large_text)
-from .dataplane import EXP_MAX, HEADER, MAX_WORKERS, Dataplane, SwitchConfig
+from .dataplane import EXP_MAX, HEADER, WIDEST, Dataplane, SwitchConfig
 from .jobs import FloatJob, IntJob
 from .lanes import Lanes, SlotState, Timer
 from .service import serve, service_main
 
 INT32_MAX = 2**31 - 1
+#: real fabrics, default pool: a float job's exponent look-ahead round (its first ``L`` packets, one per lane,
+#: each a whole row that carries an exponent and no codes) is at most this share of its chunks ...
+LOOKAHEAD_SHARE = 8
+#: ... unless the job has no more chunks than this (a small job keeps its two lane windows) ...
+LOOKAHEAD_FLOOR = 256
+#: ... and its lane window is split into this many messages (fewer, smaller windows than the default pool's:
+#: a message costs the hosts about as much CPU as 0.3 MB of the tensor, BENCHMARKS.md "Switch CPU per call",
+#: and two per window keep the uplink busy while the switch answers the one before)
+LOOKAHEAD_MESSAGES = 2
 EXP_FLOOR = -126          # float32's smallest reported exponent; also used for float64 (safe: 2^e > max|x|)
 
 
@@ -124,9 +138,11 @@ class SwitchTransport(Transport):
     bounded by the fabric's ``timeout_s``). ``rounding``: ``"nearest"`` or ``"stochastic"``
     (with ``seed``). ``burst``: packets per fabric message (default 1 on SimFabric, elsewhere as many as
     fill 1 MiB: 1024 of 256 values).
-    ``switch_slots`` (default 8192), ``burst``, ``slot_elems`` and ``audit`` (count every accepted
-    contribution, tests only) are compile-time constants of the switch program and name its service
-    (``SwitchConfig.spec()``); on real fabrics they default to the started switch's.
+    ``switch_slots`` (default 8192), ``burst``, ``slot_elems``, ``switch_workers`` (the most workers its
+    bitmap holds, a multiple of 32; default: 32, or the job's workers rounded up to a multiple of 32 past 32,
+    :class:`.dataplane.SwitchConfig`) and ``audit`` (count every accepted contribution, tests only) are
+    compile-time constants of the switch program and name its service (``SwitchConfig.spec()``); on real
+    fabrics they default to the started switch's.
     ``inplace``: a contiguous float32/float64 CPU tensor input receives the sum (no result tensor to
     allocate; as ``native``'s option). ``keep_fixed``: after each float job, ``last_fixed`` holds its
     integer side (:class:`FixedResult`: the switch's int32 sums, the agreed exponents and scales), for
@@ -149,7 +165,7 @@ class SwitchTransport(Transport):
                  switch_slots: int | None = None, bandwidth_gbps: float | None = None,
                  latency_us: float | None = None, give_up_s: float | None = None, audit: bool = False,
                  max_exponent: int = DEFAULT_MAX_EXPONENT, nonfinite: str = "raise", inplace: bool = False,
-                 keep_fixed: bool = False) -> None:
+                 keep_fixed: bool = False, switch_workers: int | None = None) -> None:
         super().__init__(fabric)
         if nonfinite != "raise":
             raise IncompatibleError(
@@ -159,16 +175,22 @@ class SwitchTransport(Transport):
         self.nonfinite = nonfinite
         self.max_exponent = max_exponent_option(max_exponent, EXP_FLOOR, EXP_MAX)
         self.sim = fabric.modelled_time
-        self.config, spec = started_program(fabric, SwitchConfig, slot_elems, switch_slots, burst, audit)
+        self.config, spec = started_program(fabric, SwitchConfig, slot_elems, switch_slots, burst, audit,
+                                            workers=switch_workers)
         slot_elems, switch_slots = self.config.elems, self.config.slots
+        #: a float job's lanes follow its size (:meth:`_float_lanes`): the default pool of a real fabric
+        self.sized_lanes = pool_size is None and fabric.message_bytes is not None
         if pool_size is None:
             pool_size = defaults.pool_size(fabric, self.config.burst, switch_slots)
         if not fabric.is_worker:
             raise IncompatibleError("the switch transport runs on workers, not on a service endpoint")
-        if fabric.world_size > MAX_WORKERS:
+        if fabric.world_size > self.config.width:
+            width = self.config.width
             raise IncompatibleError(
-                f"transport 'switch' supports at most {MAX_WORKERS} workers (the switch keeps a 32-bit "
-                f"worker bitmap per slot); this job has {fabric.world_size}; use 'ring' or 'omnireduce'")
+                f"transport 'switch' supports at most {width} workers with this switch program (its worker "
+                f"bitmap per slot is {width // 32} 32-bit word(s), switch_workers={width}); this job has "
+                f"{fabric.world_size}; leave switch_workers unset (the job's size, up to {WIDEST}) or start "
+                f"the switch for more (services=['switch:workers=...']), or use 'ring' or 'omnireduce'")
         if not isinstance(pool_size, int) or not 1 <= pool_size <= switch_slots - 1:
             raise InvalidValueError(f"pool_size must be an integer in [1, switch_slots - 1 = {switch_slots - 1}] "
                              f"(slot 0 is the control slot), got {pool_size!r}")
@@ -216,8 +238,9 @@ class SwitchTransport(Transport):
 
     def cost(self, call: CallShape, *, bandwidth_gbps: float, latency_us: float) -> costs.Cost:
         """:func:`~sparsecomm.theory.costs.switchml_allreduce` of the call's elements as 32-bit fixed point,
-        with this transport's pool and slots."""
-        return costs.switchml_allreduce(self.fabric.world_size, call.numel * 4, pool_size=self.pool_size,
+        with this transport's slots and the lanes a float job of that size takes (:meth:`_float_lanes`)."""
+        lanes = self._float_lanes(-(-call.numel // self.slot_elems))[0]
+        return costs.switchml_allreduce(self.fabric.world_size, call.numel * 4, pool_size=max(1, lanes),
                                         slot_elems=self.slot_elems, bandwidth_gbps=bandwidth_gbps,
                                         latency_us=latency_us)
 
@@ -265,13 +288,32 @@ class SwitchTransport(Transport):
         out = x if inplace and x.data_ptr() == flat.data_ptr() else torch.empty(N, dtype=x.dtype)
         sums = self._sums_buffer(M * E) if self.keep_fixed else None
         self.last_fixed = None
-        job = FloatJob(x, out, sums, e_loc, E, min(self.pool_size, M), n, job_seed)
-        self._stream(job)
+        lanes, rows = self._float_lanes(M)
+        job = FloatJob(x, out, sums, e_loc, E, lanes, n, job_seed)
+        self._stream(job, lanes, rows)
         if sums is not None:
             eg_t = torch.from_numpy(job.exponents.astype(np.int32))
             scales = codec.scale_from_exponents(eg_t, n)
             self.last_fixed = FixedResult(sums[:N], eg_t, scales, E)
         return narrowed(out, out_dtype, "switch").to(device)
+
+    def _float_lanes(self, chunks: int) -> tuple[int, int | None]:
+        """``(lanes, packets per message)`` of a float job of ``chunks`` chunks.
+
+        The job's first ``lanes`` packets carry only their chunk's exponent (:mod:`.jobs`: the look-ahead
+        that lets each chunk's codes use the agreed scale), each a whole packet of zeros, so the job sends
+        ``chunks + lanes`` packets. With ``pool_size`` given, or on SimFabric (the paper's pool of 256 lanes,
+        which the closed forms model): ``min(pool_size, chunks)`` lanes, ``burst`` packets per message.
+        With a real fabric's default pool (4096 lanes: a job of up to 4096 chunks, 4 MiB of float32, would
+        send every value twice): at most ``chunks / LOOKAHEAD_SHARE`` lanes (at least
+        ``min(chunks, LOOKAHEAD_FLOOR)``), ``LOOKAHEAD_MESSAGES`` messages per lane window, so the workers
+        still send a window's next message while the switch answers the one before. The lanes change neither a chunk's scale nor its codes: the sums are the same
+        bit for bit."""
+        lanes = min(self.pool_size, chunks)
+        if not self.sized_lanes:
+            return lanes, None
+        lanes = min(lanes, max(LOOKAHEAD_FLOOR, -(-chunks // LOOKAHEAD_SHARE)))
+        return lanes, min(self.burst, max(1, -(-lanes // LOOKAHEAD_MESSAGES)))
 
     def _sums_buffer(self, size: int) -> torch.Tensor:
         """The int32 sums of a float job (``last_fixed.sums``), reused by the next job of the same size."""
@@ -328,10 +370,12 @@ class SwitchTransport(Transport):
                                "settings)")
 
     # ================================================================== streaming
-    def _stream(self, job: FloatJob | IntJob) -> None:
-        """Stream a job's packets through the pool (:meth:`.lanes.Lanes.run`); the job's encoder fills them
-        and its decoder takes the results (:mod:`.jobs`)."""
-        lane_slots = self.slots.lane_slots(min(self.pool_size, job.M), self.pool_size)
-        self.lanes.run(lane_slots, job.packets, 0, job.payload, job.consume, "data")
+    def _stream(self, job: FloatJob | IntJob, lanes: int | None = None, rows: int | None = None) -> None:
+        """Stream a job's packets through the pool (:meth:`.lanes.Lanes.run`) on ``lanes`` lanes (default
+        ``min(pool_size, chunks)``), ``rows`` packets per message at most (default ``burst``); the job's
+        encoder fills them and its decoder takes the results (:mod:`.jobs`)."""
+        lanes = min(self.pool_size, job.M) if lanes is None else lanes
+        lane_slots = self.slots.lane_slots(lanes, self.pool_size)
+        self.lanes.run(lane_slots, job.packets, 0, job.payload, job.consume, "data", rows=rows)
         self.slots.rotate(job.packets, self.pool_size)
 

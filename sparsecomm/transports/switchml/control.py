@@ -108,10 +108,11 @@ def check_control(a: np.ndarray, n_words: int, n: int, name: str, agree: tuple[s
 
 
 def started_program(fabric, config_cls, elems: int | None, slots: int | None, burst: int | None,
-                    audit: bool):
+                    audit: bool, workers: int | None = None):
     """The switch program a transport talks to and its service's name (both switches; ``config_cls`` is the
     program's constants, :class:`.dataplane.SwitchConfig` or its sparse twin, with ``NAME``,
-    ``parse``, ``spec`` and ``on(fabric)``). ``None``: not asked.
+    ``parse``, ``spec`` and ``on(fabric)``; ``workers``: the switch's bitmap width, only that program has
+    it). ``None``: not asked.
 
     In-process services (SimFabric): the program asked for, the fabric's defaults for the rest
     (:mod:`..defaults`), named by what was asked (``"switch"`` when nothing was). Otherwise the launcher
@@ -122,6 +123,8 @@ def started_program(fabric, config_cls, elems: int | None, slots: int | None, bu
     asked = {k: v for k, v in (("elems", elems), ("slots", slots), ("burst", burst)) if v is not None}
     if audit:
         asked["audit"] = True
+    if workers is not None:
+        asked["workers"] = workers
     cfg = config_cls(**asked)            # checks the values asked for
     name = config_cls.NAME
     if fabric.in_process_services:

@@ -6,7 +6,9 @@ implementation p4lang/p4app-switchML (``dev_root/p4/bitmap_checker.p4``, ``worke
 ``slots`` slots, each with **two sets** (the P4 pool index carries the set bit), every set holding
 
 - ``values[slot, set, :]``: ``slot_elems`` int32 accumulators (64 per pass, 256 with recirculation);
-- ``seen[slot, set]``: a 32-bit worker bitmap (hence at most 32 workers per job);
+- ``seen[slot, set]``: a 32-bit worker bitmap (hence at most 32 workers per job); a program compiled for
+  more workers (``SwitchConfig.workers``, below) keeps ``seen[slot, set, word]``, one 32-bit word per 32
+  workers;
 - ``count[slot, set]``: contributions still missing;
 - ``exponent[slot, set]``: the int8 maximum of the workers' exponents (quantisation, see ``switch.py``).
 
@@ -26,6 +28,16 @@ first writer is recognised by the bitmap (``before == 0``) and resets the count 
 operation both coincide (a set's bitmap and count return to 0 together); keying on the bitmap means
 a job abandoned half-way can never leave a stale count behind. The int32 adds wrap as the hardware's
 do (counted in ``stats["overflow"]``: the workers' scale must prevent it).
+
+**Past 32 workers: a multi-word bitmap.** The reference program's bitmap is one 32-bit register per slot and
+set (``configuration.p4``: ``max_num_workers = 32``). A job of ``n > 32`` workers runs a program compiled
+with ``W = ceil(n / 32)`` such registers (``workers = 32 W``): worker ``w``'s bit is bit ``w mod 32`` of word
+``w // 32``, its packet reads and sets that word alone, and the first writer is recognised by every word of
+the set being 0. On a switch, each further word is one more register array (one more stage's register
+access: W is bounded by the pipeline's stages, which this model does not count); the adds, the count and
+the exponent are unchanged, so one tree level of ``n`` ports aggregates ``n`` workers exactly as 32. (The
+other way past the bitmap, a tree of switches each aggregating up to 32 workers, as ATP's hierarchical
+aggregation does, Lao et al., NSDI'21, changes the topology and the loss recovery; not modelled here.)
 
 Malformed input never reaches a register or a multicast: a packet of another type than ``DATA`` (or an
 empty row), or whose slot, set, worker id or worker count (it must equal the job's, which the switch
@@ -93,6 +105,7 @@ TAG_UP = 0x5A51
 TAG_DOWN = 0x5A52
 
 MAX_WORKERS = 32                   # 32-bit worker bitmap (p4/configuration.p4: max_num_workers)
+WIDEST = 1024                      # the most workers a program may be compiled for (32 words of bitmap)
 PACKET_ELEMS = (64, 256)           # the P4 program accepts 64 (one pass) or 256 (recirculation)
 DEFAULT_SLOTS = 8192               # 16384 register entries = 8192 slot pairs (configuration.p4)
 EXP_MIN, EXP_MAX = -128, 127       # int8 exponent registers (exponents.p4)
@@ -110,7 +123,10 @@ class SwitchConfig:
     fabric's (:meth:`on`, :mod:`..defaults`): 64-value packets one per message where a message is a
     datagram of a modelled network (SimFabric, the paper's), 256-value packets 1024 to a message on a
     real fabric; the switch rank and its workers resolve them alike. ``audit`` makes the switch count
-    every accepted contribution by ``(job, packet, worker)`` (tests only).
+    every accepted contribution by ``(job, packet, worker)`` (tests only). ``workers``: the most workers
+    the program's bitmap holds (module docstring, "Past 32 workers"), a multiple of 32 up to
+    :data:`WIDEST`; ``None``: the reference program's 32, or the job's workers rounded up to a multiple
+    of 32 when there are more (:meth:`on`: the fabric's world size, the same on the switch rank).
     """
 
     NAME = "switch"
@@ -119,6 +135,7 @@ class SwitchConfig:
     slots: int = DEFAULT_SLOTS
     burst: int | None = None
     audit: bool = False
+    workers: int | None = None
 
     def __post_init__(self) -> None:
         if self.elems is not None and self.elems not in PACKET_ELEMS:
@@ -128,12 +145,24 @@ class SwitchConfig:
             raise InvalidValueError(f"switch slots must be an integer >= 2, got {self.slots!r}")
         if self.burst is not None and (not isinstance(self.burst, int) or self.burst < 1):
             raise InvalidValueError(f"burst must be a positive integer, got {self.burst!r}")
+        if self.workers is not None and (not isinstance(self.workers, int) or isinstance(self.workers, bool)
+                                         or not MAX_WORKERS <= self.workers <= WIDEST or self.workers % 32):
+            raise InvalidValueError(f"switch workers (the bitmap's width) must be a multiple of 32 in "
+                                    f"[{MAX_WORKERS}, {WIDEST}], got {self.workers!r}")
+
+    @property
+    def width(self) -> int:
+        """The most workers the program's bitmap holds (``workers``, or the reference program's 32)."""
+        return self.workers if self.workers is not None else MAX_WORKERS
 
     def on(self, fabric: Fabric) -> "SwitchConfig":
         """This program on ``fabric``: the constants left ``None`` take the fabric's defaults."""
         elems = self.elems if self.elems is not None else defaults.packet_elems(fabric, PACKET_ELEMS)
         burst = self.burst if self.burst is not None else defaults.packets_per_message(fabric, elems)
-        return replace(self, elems=elems, burst=burst)
+        workers = self.workers
+        if workers is None and fabric.world_size > MAX_WORKERS:
+            workers = min(WIDEST, -(-fabric.world_size // 32) * 32)
+        return replace(self, elems=elems, burst=burst, workers=workers)
 
     def spec(self) -> str:
         """The service spec naming this program: ``"switch"`` for the defaults."""
@@ -159,7 +188,7 @@ def _program(rows, values, seen, count, exponent, world, mc, uc, new, counters, 
     ``alias``: ``mc`` starts at ``rows``' first row (results over the rows they answer); a result written
     over the very row it answers is then written in the add's loop through that row (a loop through
     another view of it would be compiled without vector instructions: the views might overlap)."""
-    slots, elems = values.shape[0], values.shape[2]
+    slots, elems, words = values.shape[0], values.shape[2], seen.shape[2]
     nmc = 0
     nuc = 0
     for i in range(rows.shape[0]):
@@ -171,22 +200,28 @@ def _program(rows, values, seen, count, exponent, world, mc, uc, new, counters, 
             continue
         counters[0] += 1
         slot, v, w, n = rows[i, 1], rows[i, 2], rows[i, 3], rows[i, 6]
-        if not (kind == 1 and 0 <= slot < slots and (v == 0 or v == 1) and 0 <= w < n <= 32
+        if not (kind == 1 and 0 <= slot < slots and (v == 0 or v == 1) and 0 <= w < n <= 32 * words
                 and (world <= 0 or n == world) and rows.shape[1] == 8 + elems):
             counters[1] += 1                      # a parser drops what it cannot match
             continue
-        bit = np.uint32(1) << np.uint32(w)
-        before = seen[slot, v]
-        seen[slot, v] = before | bit
-        seen[slot, 1 - v] &= ~bit
+        k = w >> 5                                # the bitmap word of worker w
+        bit = np.uint32(1) << np.uint32(w & 31)
+        before = seen[slot, v, k]
+        empty = before == 0                       # the set holds no contribution yet: every word 0
+        if empty:
+            for q in range(words):
+                if seen[slot, v, q] != 0:
+                    empty = False
+        seen[slot, v, k] = before | bit
+        seen[slot, 1 - v, k] &= ~bit
         if before & bit == 0:
             e = np.int8(rows[i, 7])
             acc = values[slot, v]
             vec = rows[i, 8:]
             # the contribution that completes the slot writes the result's values as it stores them
             # (into mc[nmc], which may be this very row: each element is read before it is written)
-            left = n - 1 if before == 0 else count[slot, v] - 1
-            if before == 0:                       # the first writer overwrites
+            left = n - 1 if empty else count[slot, v] - 1
+            if empty:                             # the first writer overwrites
                 if left == 0 and not (alias and nmc == i):
                     res = mc[nmc, 8:]
                     for j in range(elems):
@@ -268,7 +303,10 @@ class Dataplane:
         self.config = config
         s, k = config.slots, config.elems
         self.values = np.zeros((s, 2, k), dtype=np.int32)
-        self.seen = np.zeros((s, 2), dtype=np.uint32)
+        words = config.width // 32
+        #: the bitmap: ``(slots, 2)`` as the reference program's, ``(slots, 2, words)`` when wider
+        self.seen = np.zeros((s, 2) if words == 1 else (s, 2, words), dtype=np.uint32)
+        self._bitmap = self.seen.reshape(s, 2, words)       # the same registers, as the program reads them
         self.count = np.zeros((s, 2), dtype=np.int32)
         self.exponent = np.zeros((s, 2), dtype=np.int8)
         # packet counters (the P4 next_step_selector keeps the same ones per pool index)
@@ -316,7 +354,7 @@ class Dataplane:
         counters = np.zeros(len(COUNTERS), dtype=np.int64)
         alias = bool(mc.shape[1] == rows.shape[1] and mc.__array_interface__["data"][0]
                      == rows.__array_interface__["data"][0])
-        nmc, nuc = _program(rows, self.values, self.seen, self.count, self.exponent,
+        nmc, nuc = _program(rows, self.values, self._bitmap, self.count, self.exponent,
                             self.world if self.world is not None else 0, mc, uc, new, counters, clear, alias)
         for name, c in zip(COUNTERS, counters.tolist()):
             if c:

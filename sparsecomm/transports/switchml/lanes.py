@@ -9,13 +9,17 @@ lane); the lane's next packet ``p + L`` is sent when ``p``'s result arrives, so 
 the workers. A lane whose result does not come within the timer is sent again, unchanged; the timer
 doubles after ``timeout_threshold`` expiries (as the reference client does).
 
-How results are received is the only difference between fabrics:
+The stream is one role (:mod:`sparsecomm.fabric.roles`: a generator that yields its I/O, never waits
+itself), :meth:`Lanes.role`, that the fabric drives (:func:`.datagrams.drive`: packets are datagrams, and
+the timer is a receive with a deadline, :class:`~.datagrams.RecvBy`). Its messages go through the worker's
+:class:`Link`, kept across jobs: a ring of ``INBOX_DEPTH`` receives posted ahead from the switch (gloo
+moves a message only once its receive is posted; with receives waiting, the switch's results flow as soon
+as they are sent; posted again ``REPOST_GROUP`` at a time) and the send buffers, at most ``SEND_AHEAD``
+lane windows of bursts in flight. The fabrics differ in what a message is:
 
-- SimFabric (one datagram per packet, modelled loss): one blocking receive at a time, with the timer.
-- Real fabrics: an :class:`Inbox` of ``INBOX_DEPTH`` receives posted ahead from the switch, kept across
-  jobs (gloo moves a message only once its receive is posted; with receives waiting, the switch's
-  results flow as soon as they are sent; posted again ``REPOST_GROUP`` at a time), and an
-  :class:`Uplink` thread posting the sends, at most ``SEND_AHEAD`` lane windows of bursts queued.
+- SimFabric: one datagram of the model per packet (modelled loss), a whole burst of rows, padded, sent as
+  a blocking send (the worker NIC's serialisation), the timer in modelled seconds.
+- Real fabrics: messages as long as their packets (below), sends asynchronous.
 
 **Messages as long as their packets** (real fabrics): a message holds the packets that are ready, at most
 a burst, in both directions; it is not padded to the burst. A receive is posted for a whole burst (the
@@ -23,7 +27,7 @@ switch's for ``RECV_SLACK`` of them) with every row's type ``T_EMPTY``, and gloo
 the rows past the message read as empty; each side resets the types it read before posting the receive
 again. So a job of a few packets (a control round: one) costs a few packets' bytes, not a burst's,
 while a large job's messages are full bursts that amortise a message's fixed cost. The fabric books a
-receive at its buffer's size; the worker takes back the unfilled rows (:meth:`Inbox.take`), so that its
+receive at its buffer's size; the worker takes back the unfilled rows (:meth:`Link.take`), so that its
 ledger counts the bytes that arrived. On SimFabric a message is one packet (or a whole burst of rows,
 padded: the SimFabric checks a message's shape against its receive's).
 
@@ -38,9 +42,7 @@ than leaving them to wait for the timeout. Errors that every worker raises alike
 from __future__ import annotations
 
 import math
-import queue
-import threading
-import time
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -49,16 +51,20 @@ import torch
 from numba import njit
 
 from ...errors import FabricTimeout, InvalidValueError, MalformedMessage, ProtocolError, SparseCommError
+from ...fabric.roles import Flush, Inbox, Outbox, Pool, PostInto, Step
 from .._handshake import fail_stop
 from .dataplane import (EXP_MIN, F_REJECTED, F_REJECTED_COUNT, F_TYPE, HEADER, T_DATA, T_EMPTY, T_REJECT,
                                T_RESULT, T_RETRANSMIT, TAG_DOWN, TAG_UP)
+from .datagrams import Datagram, RecvBy, drive
 
-#: receives a worker keeps posted from the switch (real fabrics)
+#: receives a worker keeps posted from the switch
 INBOX_DEPTH = 16
-#: taken receives are posted again in groups of this many (see :class:`Inbox`)
+#: taken receives are posted again in groups of this many (see :class:`Link`)
 REPOST_GROUP = 8
 #: a worker waits for its oldest send once more than this many bursts per lane window are unfinished
 SEND_AHEAD = 4
+#: the stage of the stream's waits (one role: no preference to state)
+_STEP = Step()
 
 
 @contextmanager
@@ -107,117 +113,99 @@ def rejected(fabric, name: str, worker: int, count: int, out_of_step: bool = Fal
     return fail_stop(fabric, exc, rank=worker)
 
 
-class Uplink:
-    """The worker's sends to the switch on real fabrics, posted by a thread of their own: a gloo send
-    returns only once the socket took the message (about its transmission time on a slow link), so
-    posting from the loop would leave the link idle while the worker encodes and decodes. Messages are
-    built in a ring of reusable buffers (:meth:`buffer` waits for a free one: the send-ahead bound),
-    kept with the thread across jobs (:meth:`ensure` grows the ring for a job with more lanes; fresh
-    buffers every job cost page faults); :meth:`drain` waits for every send and re-raises a send's error.
-    Free buffers are taken last-freed first, so the few that a lane window keeps busy stay in the CPU
-    cache (taken in turn, every buffer of the ring would pass through the cache in every window)."""
+class Link:
+    """One worker's messages to and from the switch rank ``switch``, kept across jobs (:class:`SlotState`):
+    the roles' :class:`~sparsecomm.fabric.roles.Pool`, :class:`~sparsecomm.fabric.roles.Inbox` and
+    :class:`~sparsecomm.fabric.roles.Outbox` a stream is driven with, a ring of ``depth`` receives from the
+    switch posted ahead (``burst x width`` int32 buffers) and the buffers its messages to the switch are
+    built in. What it posts and sends, a stream's role yields (:meth:`post`, :meth:`release`,
+    :meth:`buffer`); nothing here waits.
 
-    def __init__(self, fabric, switch: int, burst: int, width: int, depth: int) -> None:
-        self.fabric, self.switch, self.burst, self.width = fabric, switch, burst, width
-        self.bufs: list[torch.Tensor] = []
-        self.free: queue.LifoQueue = queue.LifoQueue()
-        self.ensure(depth)
-        self.q: queue.SimpleQueue = queue.SimpleQueue()
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name="switch-uplink", daemon=True)
-        self.thread.start()
-
-    def ensure(self, depth: int) -> None:
-        """At least ``max(2, depth)`` buffers (call between jobs only)."""
-        while len(self.bufs) < max(2, depth):
-            self.free.put(len(self.bufs))
-            self.bufs.append(torch.empty((self.burst, self.width), dtype=torch.int32))
-
-    def _run(self) -> None:
-        while True:
-            item = self.q.get()
-            if item is None:
-                return
-            i, rows = item
-            try:
-                if self.error is None:
-                    self.fabric.send(self.bufs[i][:rows], self.switch, TAG_UP, reliable=False)
-            except BaseException as exc:  # noqa: BLE001 - re-raised by the worker's loop
-                self.error = exc
-            self.free.put(i)
-
-    def buffer(self) -> tuple[int, np.ndarray]:
-        """A free message buffer (its index and rows)."""
-        if self.error is not None:
-            raise self.error
-        i = self.free.get()
-        return i, self.bufs[i].numpy()
-
-    def put(self, i: int, rows: int) -> None:
-        """Send the first ``rows`` rows of buffer ``i`` (module docstring: messages as long as their
-        packets)."""
-        self.q.put((i, rows))
-
-    def drain(self) -> None:
-        """Wait until every buffer is free again (every send done); re-raise a send's error."""
-        idle = [self.free.get() for _ in self.bufs]
-        for i in idle:
-            self.free.put(i)
-        if self.error is not None:
-            raise self.error
-
-
-class Inbox:
-    """Receives from the switch posted ahead, in a ring (real fabrics); kept across jobs, since results
-    of one job may not fill a whole ring.
-
-    Taken receives are posted again ``group`` at a time (at least ``depth - group + 1`` stay posted).
-    Why: each post sends the switch a small "receive posted" notice on the connection that the
-    switch's egress thread is writing a result message on; gloo's event loop, finding the connection
+    Receives: gloo moves a message only once its receive is posted; with receives waiting, the switch's
+    results flow as soon as they are sent. They are kept across jobs, since the results of one job may not
+    fill a whole ring. Taken receives are posted again ``group`` at a time (at least ``depth - group + 1``
+    stay posted). Why: each post sends the switch a small "receive posted" notice on the connection that
+    the switch's egress thread is writing a result message on; gloo's event loop, finding the connection
     locked by that write, returns to ``epoll_wait`` at once and spins until the write ends (BENCHMARKS.md,
     "Switch CPU per call"). Posted one by one, a notice arrives during nearly every write; in groups, the
-    notices of a group arrive together, during one write."""
+    notices of a group arrive together, during one write.
+
+    Sends: a message is built in a buffer of the ring, which is not reused before its send has completed;
+    at most ``cap`` buffers (:meth:`buffer`: the send-ahead bound), taken last-freed first so that the few
+    a lane window keeps busy stay in the CPU cache."""
 
     def __init__(self, fabric, switch: int, burst: int, width: int, depth: int = INBOX_DEPTH,
                  group: int = REPOST_GROUP) -> None:
         if not 1 <= group < depth:
             raise InvalidValueError(f"group must be in [1, depth - 1], got {group} for depth {depth}")
-        self.fabric, self.switch, self.group = fabric, switch, group
+        self.switch, self.burst, self.width, self.group = switch, burst, width, group
+        self.pool = Pool()
+        self.inbox, self.outbox = Inbox(fabric, self.pool), Outbox(fabric, self.pool)
         self.bufs = [torch.zeros((burst, width), dtype=torch.int32) for _ in range(depth)]
-        self.works = [fabric.irecv(b, switch, TAG_DOWN) for b in self.bufs]
-        self.i = 0
+        self.posted = False       # the ring's first receives are posted
+        self.i = 0                # the ring position of the next receive to take
         self.unposted = 0         # taken receives behind self.i not posted again yet
         self.filled = 0           # rows the taken message filled
+        self.out: list[torch.Tensor] = []   # send buffers
+        self.free: list[int] = []           # free send buffers (taken from the end: last freed first)
+        self.busy: deque = deque()          # send buffers in use, oldest first
 
-    def take(self, timeout: float | None) -> np.ndarray | None:
-        """The next message's rows, as many as it filled (valid until :meth:`release`), or ``None`` if none
-        came in ``timeout`` seconds. A timed wait polls, so that the receive stays this inbox's (a
-        fabric's timed-out receive would be adopted by the next receive on the channel)."""
-        work = self.works[self.i]
-        if timeout is not None:
-            deadline = time.perf_counter() + timeout
-            delay = 2e-5
-            while not work.is_completed():
-                if time.perf_counter() >= deadline:
-                    return None
-                time.sleep(delay)
-                delay = min(2 * delay, 1e-3)
-        work.wait()
-        rows = self.bufs[self.i].numpy()
-        self.filled = message_rows(self.fabric, self.switch, rows)
+    @property
+    def key(self):
+        """The inbox key of the next receive to take."""
+        return ("down", self.i)
+
+    def post(self):
+        """(role) Post the ring's receives, the first time."""
+        if not self.posted:
+            self.posted = True
+            for k, b in enumerate(self.bufs):
+                yield PostInto(("down", k), b, self.switch, TAG_DOWN)
+
+    def take(self, fabric, whole: bool) -> np.ndarray:
+        """The rows of the message of :attr:`key`, which is in (valid until :meth:`release`): all of them
+        (``whole``: a message is one padded datagram, SimFabric), or as many as it filled
+        (:func:`message_rows`: the rest is taken back from ``fabric``'s ledger)."""
+        rows = self.inbox.take(self.key).numpy()
+        self.filled = len(rows) if whole else message_rows(fabric, self.switch, rows)
         return rows[:self.filled]
 
-    def release(self) -> None:
-        """Done with the taken buffer (its rows' types are reset: the next message may be shorter); its
-        receive is posted again with the group it completes."""
+    def release(self):
+        """(role) Done with the taken buffer (its rows' types are reset: the next message may be shorter);
+        its receive is posted again with the group it completes."""
         self.bufs[self.i][:self.filled, F_TYPE] = T_EMPTY
         D = len(self.bufs)
         self.i = (self.i + 1) % D
         self.unposted += 1
         if self.unposted == self.group:
             for k in range(self.i - self.group, self.i):
-                self.works[k % D] = self.fabric.irecv(self.bufs[k % D], self.switch, TAG_DOWN)
+                yield PostInto(("down", k % D), self.bufs[k % D], self.switch, TAG_DOWN)
             self.unposted = 0
+
+    def buffer(self, cap: int):
+        """(role) A free send buffer ``(index, its rows as an array)``, held under ``("up", index)`` by the
+        send it is given to; with ``cap`` in use, the oldest one's send is waited for first (``Flush``)."""
+        if not self.free and len(self.out) < cap:
+            self.free.append(len(self.out))
+            self.out.append(torch.empty((self.burst, self.width), dtype=torch.int32))
+        if not self.free:
+            j = self.busy.popleft()
+            yield Flush(("up", j))
+            self.free.append(j)
+        j = self.free.pop()
+        self.busy.append(j)
+        return j, self.out[j].numpy()
+
+    def flushed(self, j: int) -> None:
+        """Send buffer ``j`` is free again (its send was flushed)."""
+        self.busy.remove(j)
+        self.free.append(j)
+
+    def finish(self) -> None:
+        """Wait for every send (a stream's end); every send buffer is free again, the latest freed last."""
+        self.outbox.finish()
+        self.free.extend(self.busy)
+        self.busy.clear()
 
 
 def message_rows(fabric, src: int, rows: np.ndarray) -> int:
@@ -236,15 +224,14 @@ def message_rows(fabric, src: int, rows: np.ndarray) -> int:
 class SlotState:
     """What a worker keeps between jobs on one switch program, the same on every worker: the set each slot's
     next use takes (``parity``, flipped by each accepted result), the lanes' rotation over the pool
-    (``shift``) and the job counter; on real fabrics also its receives posted ahead (:class:`Inbox`) and its
-    sending thread (:class:`Uplink`). The transports of one fabric that talk to the same program share it
-    (both switches: the sparse switch's rounds keep their parity and job here too)."""
+    (``shift``) and the job counter; also its messages' endpoints (:class:`Link`: receives posted ahead,
+    send buffers). The transports of one fabric that talk to the same program share it (both switches: the
+    sparse switch's rounds keep their parity and job here too)."""
 
     parity: np.ndarray
     shift: int = 0
     job: int = 0
-    _inbox: Inbox | None = None
-    _uplink: Uplink | None = None
+    _link: Link | None = None
 
     def next_job(self, modulus: int) -> int:
         """Number the next job (the job counter modulo ``modulus``, the width of the packets' job field)."""
@@ -260,18 +247,11 @@ class SlotState:
         """Advance the lanes' rotation by ``by`` slots (after a job)."""
         self.shift = (self.shift + by) % pool
 
-    def inbox(self, fabric, switch: int, burst: int, width: int) -> Inbox:
-        """The receives from the switch posted ahead (real fabrics), created on first use."""
-        if self._inbox is None:
-            self._inbox = Inbox(fabric, switch, burst, width)
-        return self._inbox
-
-    def uplink(self, fabric, switch: int, burst: int, width: int, depth: int) -> Uplink:
-        """The sending thread (real fabrics) with at least ``depth`` buffers; a new one after a send failed."""
-        if self._uplink is None or self._uplink.error is not None:
-            self._uplink = Uplink(fabric, switch, burst, width, depth)
-        self._uplink.ensure(depth)
-        return self._uplink
+    def link(self, fabric, switch: int, burst: int, width: int) -> Link:
+        """The worker's :class:`Link` to the switch, created on first use."""
+        if self._link is None:
+            self._link = Link(fabric, switch, burst, width)
+        return self._link
 
 
 @dataclass(frozen=True)
@@ -300,37 +280,55 @@ class Lanes:
         self.sim = fabric.modelled_time
         self.info: dict = {}
 
-    def run(self, lane_slots: np.ndarray, P: int, pkt_base: int, payload, consume, phase: str) -> None:
-        """Stream packets ``0..P-1`` of the current job over ``len(lane_slots)`` lanes.
+    def run(self, lane_slots: np.ndarray, P: int, pkt_base: int, payload, consume, phase: str,
+            rows: int | None = None) -> None:
+        """Stream packets ``0..P-1`` of the current job over ``len(lane_slots)`` lanes, at most ``rows``
+        packets per message (default and at most ``burst``; real fabrics): :meth:`role`, driven
+        by the fabric (:func:`.datagrams.drive`) with the worker's :class:`Link`.
 
         ``payload(pkts, rows)`` fills new rows (their headers are set), ``consume(pkts, rows)`` takes
         accepted results (distinct packet numbers). A lane unanswered for the timer's ``give_up_s`` raises
         :class:`~sparsecomm.errors.FabricTimeout`; the switch's rejection notice, :func:`rejected`'s error;
         any error stops every rank (:func:`abandoning`). Per-phase counts land in ``info[phase]``.
         """
+        fab = self.fabric
+        link = self.state.link(fab, self.switch, self.burst, HEADER + self.elems)
+        info = {"packets": 0, "retransmissions": 0, "results": 0, "ignored": 0}
+        with abandoning(fab):
+            drive(fab, link.inbox, link.outbox, [self.role(link, lane_slots, P, pkt_base, payload, consume, phase,
+                                                           info, rows)])
+            link.finish()
+        if self.info.get("job") != self.state.job:
+            self.info = {"job": self.state.job}
+        self.info[phase] = info
+
+    def role(self, link: Link, lane_slots: np.ndarray, P: int, pkt_base: int, payload, consume, phase: str,
+             info: dict, rows: int | None = None):
+        """The stream of :meth:`run` as a role (:mod:`sparsecomm.fabric.roles`, :mod:`.datagrams`): it
+        yields its messages to the switch (:class:`~.datagrams.Datagram`, each in a buffer of ``link``;
+        on SimFabric each is flushed at once, a blocking send: the worker's NIC serialises them) and, per
+        result message, a wait bounded by the earliest lane's deadline (:class:`~.datagrams.RecvBy`); a
+        wait that ends without the message sends the expired lanes again. Counts go to ``info`` (the
+        timeout it ends with too, ``final_timeout``)."""
         fab, st, sw = self.fabric, self.state, self.switch
-        L, E, K = len(lane_slots), self.elems, self.burst
-        width = HEADER + E
+        L, K = len(lane_slots), self.burst
+        S = K if rows is None or self.sim else max(1, min(K, int(rows)))     # packets per message sent
         job, rank, n = st.job, fab.rank, fab.world_size
+        sim = self.sim
+        cap = 1 if sim else SEND_AHEAD * max(1, -(-L // S))
         lane_pkt = np.arange(L, dtype=np.int64)           # outstanding packet per lane (-1: lane done)
         timer = self.timer
         timed = timer.timeout is not None
-        lane_rows = np.zeros((L, width), dtype=np.int32) if timed else None   # what was sent, to resend
+        lane_rows = np.zeros((L, HEADER + self.elems), dtype=np.int32) if timed else None   # to resend
         lane_deadline = np.full(L, math.inf)
         lane_first = np.zeros(L, dtype=np.float64)
         timeout, threshold, expiries = timer.timeout, timer.threshold, 0
-        info = {"packets": 0, "retransmissions": 0, "results": 0, "ignored": 0}
-        inbox = None if self.sim else st.inbox(fab, sw, K, width)
-        uplink = None if self.sim else st.uplink(fab, sw, K, width, SEND_AHEAD * max(1, -(-L // K)))
 
-        def send(lanes: np.ndarray, fresh: bool) -> None:
-            for i in range(0, len(lanes), K):            # one message of K rows per K lanes
-                part = lanes[i:i + K]
+        def send(lanes: np.ndarray, fresh: bool):
+            for i in range(0, len(lanes), S):            # one message of up to S rows per S lanes
+                part = lanes[i:i + S]
                 m = len(part)
-                if uplink is not None:
-                    slot, msg = uplink.buffer()
-                else:
-                    msg = np.zeros((K, width), dtype=np.int32)
+                j, msg = yield from link.buffer(cap)
                 rows = msg[:m]
                 if fresh:
                     _headers(rows, part, lane_pkt, lane_slots, st.parity, rank, job, n, pkt_base)
@@ -339,11 +337,13 @@ class Lanes:
                         lane_rows[part] = rows
                 else:
                     rows[:] = lane_rows[part]
-                if uplink is None:     # a blocking send models the worker's NIC serialisation
-                    msg[m:, F_TYPE] = T_EMPTY
-                    fab.send(torch.from_numpy(msg), sw, TAG_UP, reliable=False)
-                else:
-                    uplink.put(slot, m)
+                if sim:        # one padded datagram, sent as a blocking send (the worker NIC's serialisation)
+                    msg[m:] = 0
+                    yield Datagram(link.out[j], sw, TAG_UP, hold=("up", j))
+                    yield Flush(("up", j))
+                    link.flushed(j)
+                else:          # as long as its packets
+                    yield Datagram(link.out[j][:m], sw, TAG_UP, hold=("up", j))
             if timed:
                 now = fab.now()
                 lane_deadline[lanes] = now + timeout
@@ -351,18 +351,7 @@ class Lanes:
                     lane_first[lanes] = now
             info["packets"] += len(lanes)
 
-        def receive(wait: float | None) -> np.ndarray | None:
-            if inbox is not None:
-                return inbox.take(wait)
-            try:
-                fab.recv(rbuf, sw, TAG_DOWN, timeout=wait)
-            except FabricTimeout:
-                if wait is None:
-                    raise
-                return None
-            return rarr
-
-        def expire() -> None:
+        def expire():
             nonlocal timeout, threshold, expiries
             now = fab.now()
             expired = np.nonzero((lane_pkt >= 0) & (lane_deadline <= now + 1e-12))[0]
@@ -377,45 +366,38 @@ class Lanes:
                     f"is gone, or workers disagree on pool_size / slot_elems")
             expiries += len(expired)
             info["retransmissions"] += len(expired)
-            send(expired, False)
+            yield from send(expired, False)
             if expiries >= threshold:            # reference client: double after a threshold
                 timeout *= 2
                 threshold += timer.increment
                 expiries = 0
 
-        rbuf = torch.zeros((K, width), dtype=torch.int32) if inbox is None else None    # SimFabric's receive
-        rarr = rbuf.numpy() if rbuf is not None else None
         at, pks, lanes = (np.empty(K, dtype=np.int64) for _ in range(3))    # _accept's outputs
-        with abandoning(fab):
-            send(np.arange(L), True)
-            done = 0
-            while done < P:
-                wait = None
-                if timed:
-                    wait = max(float(lane_deadline[lane_pkt >= 0].min()) - fab.now(), 1e-9)
-                rows = receive(wait)
-                if rows is None:
-                    expire()
-                    continue
-                got, ignored, nxt, rej = _accept(rows, lane_pkt, lane_slots, st.parity, job, pkt_base, P, at, pks,
-                                                 lanes)
-                if rej >= 0:
-                    raise rejected(fab, "switch allreduce", int(rows[rej, F_REJECTED]), int(rows[rej, F_REJECTED_COUNT]))
-                info["ignored"] += ignored
-                if got:
-                    consume(pks[:got], rows if got == len(rows) and at[got - 1] == got - 1 else rows[at[:got]])
-                if inbox is not None:
-                    inbox.release()
-                done += got
-                info["results"] += got
-                if nxt:
-                    send(lanes[:nxt].copy(), True)
-            if uplink is not None:
-                uplink.drain()
+        yield from link.post()
+        yield from send(np.arange(L), True)
+        done = 0
+        while done < P:
+            wait = None
+            if timed:
+                wait = max(float(lane_deadline[lane_pkt >= 0].min()) - fab.now(), 1e-9)
+            yield RecvBy(link.key, _STEP, wait)
+            if timed and not link.inbox.ready(link.key):
+                yield from expire()
+                continue
+            rows = link.take(fab, sim)
+            got, ignored, nxt, rej = _accept(rows, lane_pkt, lane_slots, st.parity, job, pkt_base, P, at, pks,
+                                             lanes)
+            if rej >= 0:
+                raise rejected(fab, "switch allreduce", int(rows[rej, F_REJECTED]), int(rows[rej, F_REJECTED_COUNT]))
+            info["ignored"] += ignored
+            if got:
+                consume(pks[:got], rows if got == len(rows) and at[got - 1] == got - 1 else rows[at[:got]])
+            yield from link.release()
+            done += got
+            info["results"] += got
+            if nxt:
+                yield from send(lanes[:nxt].copy(), True)
         info["final_timeout"] = timeout
-        if self.info.get("job") != job:
-            self.info = {"job": job}
-        self.info[phase] = info
 
 
 @njit(cache=True, nogil=True)

@@ -1,7 +1,8 @@
 """How packets reach the switch program (:mod:`.dataplane`) and its results leave: the service loops.
 
-**SimFabric** (one datagram per packet, modelled time): one loop receives a packet from any port, runs the
-program and replies with ``isend`` that it never waits for, so the per-port links transmit in parallel.
+**SimFabric** (one datagram per packet, modelled time): one role (:func:`switch_role`, driven by the fabric)
+receives a packet from any port, runs the program and replies with datagrams that it never waits for, so
+the per-port links transmit in parallel.
 
 **Real fabrics** (gloo over TCP; a message carries up to ``burst`` packets, as many as are ready: no
 padding, in either direction, :mod:`.lanes`): a software switch with one receive
@@ -48,38 +49,55 @@ import torch
 from ...errors import ServiceShutdown
 from ...fabric import services
 from ...fabric.base import Fabric
+from ...fabric.roles import Inbox, Outbox, Pool, PostInto, Recv, Send, Step
 from .dataplane import (F_TYPE, HEADER, RECV_SLACK, T_EMPTY, TAG_DOWN, TAG_UP, Dataplane, SwitchConfig,
                                rejection, split_messages)
+from .datagrams import Datagram, drive
 
 #: receives each port keeps posted from its worker (real fabrics)
 PORT_DEPTH = 16
 #: a port posts its receives again in groups of this many (at least PORT_DEPTH - PORT_GROUP stay
 #: posted): each post sends the worker a "receive posted" notice on the connection its send thread
 #: writes on, and gloo's event loop spins while a write holds the connection; grouped, the notices
-#: arrive together, during one write rather than during nearly every write (see ``Inbox`` in
+#: arrive together, during one write rather than during nearly every write (see ``Link`` in
 #: :mod:`.lanes`)
 PORT_GROUP = 8
 #: replies a port may have queued before it drops, beyond the most a worker can await (real fabrics)
 EGRESS_CAP = 64
+#: the stage of the switch role's waits (one role: no preference to state)
+_STEP = Step()
 
 
 def serve(dp: Dataplane, fabric: Fabric) -> None:
-    """The switch's main loop on ``fabric`` until the run ends (the fabric's shutdown exception)."""
+    """The switch's main loop on ``fabric`` until the run ends (the fabric's shutdown exception): on a
+    modelled fabric its role (:func:`switch_role`) driven by the fabric, elsewhere the ports' threads."""
     dp.world = fabric.world_size
     if fabric.modelled_time:
-        _serve_datagrams(dp, fabric)
+        pool = Pool()
+        inbox, outbox = Inbox(fabric, pool), Outbox(fabric, pool)
+        drive(fabric, inbox, outbox, [switch_role(dp, inbox)])
     else:
         _serve_ports(dp, fabric)
 
 
 # ----------------------------------------------------------------------------- SimFabric
-def _serve_datagrams(dp: Dataplane, fabric: Fabric) -> None:
+def switch_role(dp: Dataplane, inbox: Inbox):
+    """The switch on a modelled fabric as one role (:mod:`sparsecomm.fabric.roles`, :mod:`.datagrams`),
+    forever: it posts a receive of one message from any port (``inbox`` key ``"up"``), waits for it, runs
+    the program on it and yields its replies, datagrams that it never waits for (:class:`~.datagrams.Datagram`
+    with no ``hold``: the per-port links transmit in parallel); the rejection notice of malformed packets
+    is a reliable :class:`~sparsecomm.fabric.roles.Send` to every worker (the dataplane's docstring). A
+    message's port is its receive's source; the workers are ``dp.world`` (set by :func:`serve`)."""
     burst = dp.config.burst
     width = HEADER + dp.config.elems
     buf = torch.zeros((burst, width), dtype=torch.int32)
     arr = buf.numpy()
     while True:
-        src = fabric.recv(buf, None, TAG_UP)
+        yield PostInto("up", buf, None, TAG_UP)
+        work = inbox.work("up")
+        yield Recv(("up",), _STEP)
+        inbox.take("up")
+        src = work.wait()                  # completed by the take: the port the message came on
         if not 0 <= src < dp.world:        # only workers talk to the switch
             dp.stats["malformed"] += 1
             continue
@@ -88,13 +106,13 @@ def _serve_datagrams(dp: Dataplane, fabric: Fabric) -> None:
         if dp.stats["malformed"] > before:     # reported to every worker (the dataplane's docstring)
             notice = torch.from_numpy(rejection(width, burst, src, dp.world, dp.stats["malformed"] - before))
             for dst in range(dp.world):
-                fabric.isend(notice, dst, TAG_DOWN)
+                yield Send(notice, dst, TAG_DOWN)
         for msg in mcast:
             msg = torch.from_numpy(msg)
             for dst in range(dp.world):
-                fabric.isend(msg, dst, TAG_DOWN, reliable=False)
+                yield Datagram(msg, dst, TAG_DOWN)
         for msg in ucast:
-            fabric.isend(torch.from_numpy(msg), src, TAG_DOWN, reliable=False)
+            yield Datagram(torch.from_numpy(msg), src, TAG_DOWN)
 
 
 # ----------------------------------------------------------------------------- real fabrics

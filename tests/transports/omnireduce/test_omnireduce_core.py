@@ -145,23 +145,21 @@ def test_a_role_takes_only_messages_its_wait_named(monkeypatch, deployment):
     """Every message a role takes was named in the ``Recv`` it was resumed from, so the scheduler never
     blocks on a message (e.g. round 0's sums, large) that it did not choose to wait for while another
     role's messages are in (a hosted aggregator's data waiting behind its worker's take)."""
-    import threading
-
     from sparsecomm.fabric import roles
 
-    local, bad = threading.local(), []
+    stacks, bad = {}, []        # per endpoint's inbox: the keys of the roles being resumed, innermost last
     resume, take = roles._Scheduler.resume, roles.Inbox.take
 
     def spy_resume(self, s):
-        stack = local.__dict__.setdefault("stack", [])
+        stack = stacks.setdefault(id(self.inbox), [])
         stack.append(set(self.waiting[s][1].keys))
         try:
-            resume(self, s)
+            yield from resume(self, s)
         finally:
             stack.pop()
 
     def spy_take(self, key):
-        stack = getattr(local, "stack", [])
+        stack = stacks.get(id(self), [])
         if not stack or key not in stack[-1]:
             bad.append(key)
         return take(self, key)

@@ -8,7 +8,7 @@ import json
 import torch
 
 import sparsecomm as sc
-from sparsecomm.transports._handshake import HEADER_BYTES
+from sparsecomm.transports._handshake import HANDSHAKE_TAG, HEADER_BYTES
 from sparsecomm.transports.omnireduce import trace
 
 
@@ -51,9 +51,12 @@ def test_trace_is_off_by_default_and_records_every_message_when_on(tmp_path, mon
         assert torch.equal(y, _expected())          # the traced call's sum is the sum
         rec = json.loads((tmp_path / f"rank{r}.call0.json").read_text())
         ev = rec["events"]
-        # everything but the agreement handshake (ceil(log2 3) = 2 headers each way) goes through the trace
-        assert sum(e["bytes"] for e in ev if e["kind"] == "send") == sent - 2 * HEADER_BYTES
-        assert sum(e["bytes"] for e in ev if e["kind"] == "recv") == received - 2 * HEADER_BYTES
+        # every message goes through the trace, the agreement handshake's too (ceil(log2 3) = 2 headers each
+        # way: it runs first in the call's own drive)
+        assert sum(e["bytes"] for e in ev if e["kind"] == "send") == sent
+        assert sum(e["bytes"] for e in ev if e["kind"] == "recv") == received
+        hs = [(e["kind"], e["bytes"]) for e in ev if e["tag"] == HANDSHAKE_TAG]
+        assert sorted(hs) == [("recv", HEADER_BYTES)] * 2 + [("send", HEADER_BYTES)] * 2
         assert all(e["done"] is not None and e["post"] <= e["done"] for e in ev)
     text = trace.report(str(tmp_path), 0)
     assert all(f"== rank {r} (worker)" in text for r in range(3))

@@ -11,7 +11,8 @@ import torch
 
 import sparsecomm as sc
 from sparsecomm import codec
-from sparsecomm.errors import FabricTimeout, IncompatibleError, MismatchError, NonFiniteError, OverflowError_
+from sparsecomm.errors import (FabricTimeout, IncompatibleError, InvalidValueError, MismatchError, NonFiniteError,
+                               OverflowError_)
 from sparsecomm.payload import Payload
 from sparsecomm.transports.switchml import INT32_MAX, SwitchTransport
 from sparsecomm.transports.switchml.dataplane import HEADER, Dataplane, SwitchConfig
@@ -306,9 +307,47 @@ def test_bad_input_raises_the_same_clear_error_on_every_worker_and_recovers(case
     assert "switch allreduce" in out[0][1]
 
 
-def test_more_than_32_workers_is_refused_on_every_worker():
-    out = _errors(lambda ctx: sc.transports.get("switch", ctx.fabric), 33)
+def test_more_workers_than_the_programs_bitmap_holds_is_refused_on_every_worker():
+    out = _errors(lambda ctx: sc.transports.get("switch", ctx.fabric, switch_workers=32), 33)
     assert all(o is not None and o[0] == "IncompatibleError" and "at most 32" in o[1] for o in out)
+    for bad in (16, 48, 2048, True):
+        with pytest.raises(InvalidValueError, match="multiple of 32"):
+            SwitchConfig(workers=bad)
+    # by default the program holds the job: the reference program's one word up to 32 workers
+    from types import SimpleNamespace
+
+    def width(n):
+        return SwitchConfig().on(SimpleNamespace(message_bytes=None, world_size=n)).workers
+
+    assert [width(n) for n in (1, 32, 33, 64, 65, 1024, 5000)] == [None, None, 64, 64, 96, 1024, 1024]
+
+
+def test_64_workers_sum_exactly_through_a_two_word_bitmap_under_loss():
+    """Past SwitchML's 32-worker bitmap: 64 workers (a program compiled for them by default, two 32-bit
+    words per slot and set) sum integers exactly, and floats within the quantisation bound, with lost
+    packets and results recovered (a contribution counted once, whichever word holds its bit)."""
+    n, numel = 64, 64 * 6 + 5
+
+    def fn(ctx):
+        t = sc.transports.get("switch", ctx.fabric, pool_size=3, audit=True, keep_fixed=True)
+        xi = (torch.arange(numel, dtype=torch.int32) - 100) * (ctx.rank + 1)
+        yi = t.allreduce(xi)
+        yf = t.allreduce(_data(ctx.rank, numel, 0))
+        return yi, yf, t.dataplane, t.config, t.last_fixed.scales
+
+    out = sc.launch(fn, n, network=sc.Network(loss=0.01, seed=9))
+    want_i = (torch.arange(numel, dtype=torch.int32) - 100) * (n * (n + 1) // 2)
+    exact = sum(_data(r, numel, 0).double() for r in range(n))
+    dp, cfg, scales = out[0][2], out[0][3], out[0][4]
+    assert cfg.workers == 64 and dp.seen.shape == (cfg.slots, 2, 2)
+    bound = n * 0.5 / scales.repeat_interleave(64)[:numel] + exact.abs() * 2.0**-24
+    for yi, yf, _, _, _ in out:
+        assert torch.equal(yi, want_i) and torch.equal(yf, out[0][1])
+        assert ((yf.double() - exact).abs() <= bound).all()
+    # every contribution of workers 32..63 (the second word) was counted exactly once
+    assert dp.audit and set(dp.audit.values()) == {1}
+    assert {w for (_, _, w) in dp.audit} == set(range(n))
+    assert dp.stats["dropped"] + dp.stats["retransmit"] > 0         # losses happened and were recovered
 
 
 def test_invalid_arguments_and_per_worker_scales():
@@ -352,10 +391,10 @@ class _Reference:
 
     def __init__(self, cfg: SwitchConfig, world: int) -> None:
         self.values = np.zeros((cfg.slots, 2, cfg.elems), dtype=np.int64)
-        self.seen = np.zeros((cfg.slots, 2), dtype=np.int64)
+        self.seen = np.zeros((cfg.slots, 2), dtype=object)      # Python ints: a bitmap of any width
         self.count = np.zeros((cfg.slots, 2), dtype=np.int64)
         self.exponent = np.zeros((cfg.slots, 2), dtype=np.int64)
-        self.world, self.slots, self.stats = world, cfg.slots, {}
+        self.world, self.slots, self.width, self.stats = world, cfg.slots, cfg.width, {}
 
     def _bump(self, key):
         self.stats[key] = self.stats.get(key, 0) + 1
@@ -367,7 +406,7 @@ class _Reference:
                 continue
             self._bump("packets")
             slot, v, w, n, e = row[1], row[2], row[3], row[6], row[7]
-            if not (row[0] == 1 and 0 <= slot < self.slots and v in (0, 1) and 0 <= w < n <= 32
+            if not (row[0] == 1 and 0 <= slot < self.slots and v in (0, 1) and 0 <= w < n <= self.width
                     and n == self.world):
                 self._bump("malformed")
                 continue
@@ -412,24 +451,51 @@ def random_rows(rng, step: int, k: int, width: int, big: bool = True, world: int
     return rows
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
+def round_rows(rng, step: int, world: int, width: int) -> np.ndarray:
+    """One round of a ``world``-worker job on slots 1..3 (set ``step % 2``): every worker's packet once, in a
+    random order, with repeats of a quarter of them (before and after the slot completes) and two packets
+    claiming 32 workers; values over the whole int32 range every fourth round (wrap-around sums)."""
+    big = step % 4 == 0
+    rows = []
+    for slot in (1, 2, 3):
+        seq = list(rng.permutation(world)) + list(rng.choice(world, size=max(1, world // 4)))
+        seq = seq[:world // 2] + list(rng.permutation(seq[world // 2:]))     # repeats before and after
+        for w in seq:
+            rows.append([1, slot, step % 2, w, step, 1, world, int(rng.integers(-300, 300))])
+        rows.append([1, slot, step % 2, 0, step, 1, 32, 0])                 # forged worker count
+    out = np.zeros((len(rows), width), dtype=np.int32)
+    out[:, :HEADER] = rows
+    out[:, HEADER:] = rng.integers(-2**31 if big else -1000, 2**31 - 1 if big else 1000,
+                                   size=(len(rows), width - HEADER))
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 40, 70])
 def test_compiled_program_equals_the_reference_packet_by_packet(world):
     """Random bursts -- distinct and repeated slots, duplicates, forged worker counts, wrap-around sums,
-    exponents beyond int8 -- give the same replies, registers and counters as the plain-Python model."""
+    exponents beyond int8 -- give the same replies, registers and counters as the plain-Python model; past
+    32 workers with a bitmap of 3 words (the model's bitmap is one integer of any width)."""
     rng = np.random.default_rng(world)
-    cfg = SwitchConfig(elems=64, slots=6, audit=True)
+    cfg = SwitchConfig(elems=64, slots=6, audit=True, workers=None if world <= 32 else 96)
     dp, ref = Dataplane(cfg), _Reference(cfg, world=world)
     dp.world = world
     width = HEADER + 64
-    for step in range(300):
-        k = int(rng.integers(1, 6))
-        rows = random_rows(rng, step, k, width, big=step % 7 == 0, world=world)
+    if world <= 32:
+        bursts = [random_rows(rng, step, int(rng.integers(1, 6)), width, big=step % 7 == 0, world=world)
+                  for step in range(300)]
+    else:      # random rows would hardly ever complete a slot of so many workers: whole rounds, in bursts
+        rows = np.concatenate([round_rows(rng, step, world, width) for step in range(12)])
+        cuts = np.cumsum(rng.integers(1, 6, size=len(rows)))
+        bursts = np.split(rows, cuts[cuts < len(rows)])
+    for rows in bursts:
         got = dp.process(rows)
         want = ref.process(rows)
         for x, y in zip(got, want):
             assert x.shape == (len(y), width) and x.tolist() == y
     assert np.array_equal(dp.values, ref.values) and np.array_equal(dp.exponent, ref.exponent)
-    assert np.array_equal(dp.seen.astype(np.int64), ref.seen) and np.array_equal(dp.count, ref.count)
+    words = dp.seen.reshape(cfg.slots, 2, -1).astype(object)
+    seen = sum(words[:, :, q] << (32 * q) for q in range(words.shape[2]))
+    assert np.array_equal(seen, ref.seen) and np.array_equal(dp.count, ref.count)
     assert dict(dp.stats) == ref.stats and ref.stats["multicast"] > 10
     assert ref.stats["malformed"] > 10 and ref.stats["retransmit"] > 10
     # one worker completes a slot with its first packet: no adds, no duplicates before completion

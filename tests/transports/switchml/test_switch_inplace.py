@@ -58,11 +58,13 @@ def test_buffers_return_to_the_pool_empty_after_their_last_send():
     pool.release(None)                             # a message of its own: nothing held
 
 
-def test_inbox_posts_taken_receives_again_in_groups_and_never_takes_an_unposted_one():
-    """The worker's inbox (real fabrics) posts its taken receives again ``group`` at a time, in ring
-    order, and the receive it takes next is always posted: at least ``depth - group`` stay posted."""
+def test_link_posts_taken_receives_again_in_groups_and_never_takes_an_unposted_one():
+    """The worker's link posts its taken receives again ``group`` at a time, in ring order, and the
+    receive it takes next is always posted: at least ``depth - group`` stay posted. Its role methods yield
+    the posts (:class:`~sparsecomm.fabric.roles.PostInto`), performed here as a fabric's driver would."""
     from sparsecomm.errors import InvalidValueError
-    from sparsecomm.transports.switchml.lanes import Inbox
+    from sparsecomm.fabric.roles import PostInto
+    from sparsecomm.transports.switchml.lanes import Link
 
     class _Work:
         def __init__(self, log, buf):
@@ -85,21 +87,29 @@ def test_inbox_posts_taken_receives_again_in_groups_and_never_takes_an_unposted_
             self.posts.append(buf.data_ptr())
             return _Work(self.posts, buf)
 
+    def perform(link, requests):
+        for req in requests:
+            assert type(req) is PostInto
+            link.inbox.post_into(req.key, req.buf, req.src, req.tag)
+
     fab = _Fabric()
-    inbox = Inbox(fab, switch=2, burst=4, width=HEADER + 4, depth=6, group=4)
-    ptrs = [b.data_ptr() for b in inbox.bufs]
+    link = Link(fab, switch=2, burst=4, width=HEADER + 4, depth=6, group=4)
+    ptrs = [b.data_ptr() for b in link.bufs]
+    perform(link, link.post())
+    perform(link, link.post())           # posted once only
     assert fab.posts == ptrs
     taken = []
     for step in range(40):
-        inbox.take(None)
-        taken.append(inbox.bufs[inbox.i].data_ptr())
-        inbox.release()
-        posted = sum(not w.done for w in inbox.works)
-        assert posted >= 6 - 4 and not inbox.works[inbox.i].done
+        assert link.inbox.has(link.key)
+        link.take(fab, whole=False)
+        taken.append(link.bufs[link.i].data_ptr())
+        perform(link, link.release())
+        posted = sum(link.inbox.has(("down", k)) for k in range(6))
+        assert posted >= 6 - 4 and link.inbox.has(link.key)
     assert taken == [ptrs[k % 6] for k in range(40)]
     # reposts come in groups of 4, each the 4 buffers taken last, in ring order
     again = fab.posts[6:]
     assert len(again) == 40 // 4 * 4
     assert again == [ptrs[k % 6] for k in range(len(again))]
     with pytest.raises(InvalidValueError):
-        Inbox(fab, switch=2, burst=4, width=HEADER + 4, depth=4, group=4)
+        Link(fab, switch=2, burst=4, width=HEADER + 4, depth=4, group=4)

@@ -85,10 +85,12 @@ register ALU updating one 32-bit value or a pair (SwitchML's 64 values use 8 sta
 stage  action                                                             registers (per slot, 2 sets)
 =====  =================================================================  ========================
 0      parse ``W0, slot, pos, next``; table: job -> n, worker bit; set    --
-1      ``seen`` RMW: ``before = seen[v]; seen[v] |= bit``; ``seen[1-v]``  seen 2 x 64 b
-       cleared (n <= 64: two 32-bit halves, one register ALU each)
-2      ``count`` RMW (n-1 if ``before == 0`` else -1, if new); ``pos``   count 2 x 7 b, pos 2 x 32 b
-       RMW (write if first, else compare: out-of-step packets dropped)
+1      ``seen`` RMW on the worker's 64-bit word ``u = w div 64``:        seen 2 x B b (B/64 words
+       ``before = seen[v][u]; seen[v][u] |= bit``; ``seen[1-v][u]``     of 64 b; B = 64 up to
+       cleared (two 32-bit halves as a pair: one register ALU)          64 workers)
+2      ``count`` RMW (if new: n-1 if ``count == 0``, the round's first  count 2 x (log2 B + 1) b,
+       packet, else -1); ``pos`` RMW (write if first, else compare:     pos 2 x 32 b
+       out-of-step packets dropped)
 3      ``nxt`` RMW: first writer stores ``next``, others ``min``;       nxt 2 x 32 b, held 2 x 1 b
        ``held`` OR
 4-11   ``values``: SwitchML's 64 int32 adders (4 register ALUs x 2      values 2 x 64 x 32 b
@@ -99,10 +101,16 @@ egress if ``count == 0``: multicast group of the job (result) / unicast
 =====  =================================================================  ========================
 
 Against SwitchML this adds three registers per set (``pos``, ``nxt``: 32 bits; ``held``: 1 bit),
-removes the int8 exponent, and widens the worker bitmap to 64 bits (SwitchML: 32 workers per job).
+removes the int8 exponent, and widens the worker bitmap (SwitchML: 32 workers per job) to ``B`` bits:
+64 up to 64 workers, beyond the job's count rounded up to a multiple of 64, up to 1024 (the program's
+``workers``, a compile-time width: :class:`.dataplane.SparseSwitchConfig`). A packet reads and writes only
+its worker's 64-bit word, and a round's first packet is known by ``count == 0`` rather than an empty bitmap,
+so a wider bitmap costs memory, not stages or register ALUs; the header carries the high bits of the worker
+id and count in the slot word (zero up to 64 workers: the packets are those of the 64-bit program).
 Memory with the defaults (``S = 1024`` slots, ``k = 256``): ``values`` ``1024 * 2 * 256 * 4 B =
-2 MiB``; the rest ``1024 * 2 * (64+7+32+32+1)`` bits ``= 34 KiB``.
-:data:`.dataplane.REGISTERS` declares these widths and
+2 MiB``; the rest ``1024 * 2 * (64+7+32+32+1)`` bits ``= 34 KiB`` (``B = 64``; at 1024 workers
+``1024 * 2 * (1024+11+32+32+1)`` bits ``= 275 KiB``).
+:func:`.dataplane.registers` declares these widths and
 :meth:`~.dataplane.Dataplane.state_bits` checks the emulation against them
 (``tests/transports/switchml/sparse/test_sparse_switch.py``).
 
@@ -199,10 +207,15 @@ class SparseSwitch(Transport):
         n = fabric.world_size
         if n > MAX_WORKERS:
             raise IncompatibleError(
-                f"transport 'sparse-switch' supports at most {MAX_WORKERS} workers (a 64-bit worker bitmap "
-                f"per slot); this job has {n}; use 'omnireduce' or 'ring'")
+                f"transport 'sparse-switch' supports at most {MAX_WORKERS} workers (the widest worker bitmap of "
+                f"its switch program); this job has {n}; use 'omnireduce' or 'ring'")
         self.sim = fabric.modelled_time
         self.config, spec = started_program(fabric, SparseSwitchConfig, slot_elems, switch_slots, burst, audit)
+        if n > self.config.width:
+            raise IncompatibleError(
+                f"transport 'sparse-switch': the switch program {spec!r} was started for at most "
+                f"{self.config.width} workers (its worker bitmap); this job has {n}; start it with "
+                f"workers={-(-n // 64) * 64} or without workers (the job's count)")
         if pool_size is None:
             pool_size = defaults.pool_size(fabric, self.config.burst, self.config.slots)
         if isinstance(pool_size, bool) or not isinstance(pool_size, int) or not 1 <= pool_size < self.config.slots:

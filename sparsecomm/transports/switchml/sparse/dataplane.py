@@ -8,7 +8,10 @@ declares them with their widths, and :meth:`Dataplane.state_bits` measures what 
 
 - ``values[S, 2, k]`` int32 accumulators (fixed-point codes; also the element-wise minimum of a
   look-ahead round);
-- ``seen[S, 2]`` 64-bit worker bitmap; ``count[S, 2]`` contributions still missing (7 bits, n <= 64);
+- ``seen[S, 2, B/64]`` the worker bitmap, ``B`` bits (the program's ``workers``, a multiple of 64: 64 unless a
+  job has more workers), kept as 64-bit words of which a packet reads and writes only its worker's
+  (``w div 64``, a register pair addressed by slot, set and word: one register ALU per pass however wide);
+  ``count[S, 2]`` contributions still missing (``log2 B + 1`` bits: 7 for 64 workers);
 - ``nxt[S, 2]`` the minimum next position announced in the round (32 bits);
 - ``pos[S, 2]`` the lane position the round aggregates (32 bits; a packet for another position
   while the round is open is refused, counted as ``"out_of_step"``);
@@ -26,27 +29,33 @@ position), and the switch cannot tell a forged extra packet from a corrupted one
 a needed contribution that never arrives would leave every worker waiting for its slot until the
 timeout.
 
-Per packet ``(type, slot s, set v, worker w, n, pos p, next m, [vector])``::
+Per packet ``(type, slot s, set v, worker w, n, pos p, next m, [vector])``, ``u = w div 64`` its bitmap word::
 
-    before = seen[s,v]; seen[s,v] |= bit(w); seen[s,1-v] &= ~bit(w)   # as SwitchML: w consumed set 1-v
+    before = seen[s,v,u]; seen[s,v,u] |= bit(w); seen[s,1-v,u] &= ~bit(w)   # as SwitchML: w consumed set 1-v
     if w not in before:
-        if before == 0: values = vector or 0; nxt = m; pos = p; held = has_vector; count = n-1
+        if count == 0:  values = vector or 0; nxt = m; pos = p; held = has_vector; count = n-1
         else:           values = values + vector   (MIN round: min(values, vector));
                         nxt = min(nxt, m); held |= has_vector; count -= 1
         if count == 0:  multicast (values, pos, nxt) to the n workers
     elif count == 0:    unicast the stored result to w          # a retransmission after completion
     else:               drop
 
+A round's first packet is the first new one after the set's last round completed (``count == 0``): every
+worker's bit of that set was cleared by its packet to the other set, which it sent only after the result, so
+no register needs a scan of the whole bitmap (with one word, ``n <= 64``, this is SwitchML's ``before == 0``).
+
 Wire format: int32 words. Every packet starts with the 4-word header ``[W0, SLOT, POS, NEXT]``
-(``W0`` packs ``type:3 | set:1 | worker:6 | n:7 | job:12``); a DATA, MIN or RESULT packet carries
-``k`` values after it (``HEADER + k`` words, on ``TAG_UP`` / ``TAG_DOWN``); a SKIP packet is the
-header alone (``TAG_SKIP``): a worker that does not hold the round's block still reports its
-look-ahead, in 16 bytes (on real fabrics padded to a value packet, see :meth:`Dataplane.serve`).
+(``W0`` packs ``type:3 | set:1 | worker:6 | n:7 | job:12``, the low bits of the worker id and count;
+``SLOT`` packs ``slot:16 | worker_hi:5 | n_hi:5``, their high bits, zero up to 64 workers, and six zero
+bits); a DATA, MIN or RESULT packet carries ``k`` values after it (``HEADER + k`` words, on ``TAG_UP`` /
+``TAG_DOWN``); a SKIP packet is the header alone (``TAG_SKIP``): a worker that does not hold the round's
+block still reports its look-ahead, in 16 bytes (on real fabrics padded to a value packet, see
+:meth:`Dataplane.roles`).
 """
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, replace
 from enum import IntEnum
 from typing import Callable, NamedTuple
@@ -56,8 +65,10 @@ import torch
 
 from ....fabric import services
 from ....fabric.base import Fabric
+from ....fabric.roles import Inbox, Outbox, Pool, Step
 from ....errors import InvalidValueError
 from ... import defaults
+from .requests import Datagram, RecvFor, lowered
 
 # ----------------------------------------------------------------------------- wire format
 W0, F_SLOT, F_POS, F_NEXT = range(4)
@@ -83,34 +94,47 @@ TYPES_UP = (T_DATA, T_SKIP, T_MIN)
 TAG_UP, TAG_SKIP, TAG_DOWN = 0x5B51, 0x5B53, 0x5B52
 
 NONE = 2**31 - 1                  # "no next block in this lane": larger than any position
-MAX_WORKERS = 64                  # 64-bit worker bitmap (a register pair, as SwitchML pairs its values)
+MAX_WORKERS = 1024                # the widest worker bitmap a program takes (module docstring, Registers)
+WORD = 64                         # bits per bitmap word (a register pair, as SwitchML pairs its values)
 PACKET_ELEMS = (64, 256)          # as SwitchML: one pass, or four with recirculation
 DEFAULT_SLOTS = 1024
 JOB_MASK = 0xFFF
 MAX_BURST = 1024                  # packets per fabric message at most
+_SERVICE_KEEP = 256               # the switch's replies left unreaped (real fabrics)
 
 _TYPE_BITS, _SET_SHIFT, _WORKER_SHIFT, _NW_SHIFT, _JOB_SHIFT = 0x7, 3, 4, 10, 17
+_SLOT_BITS, _WORKER_HI, _NW_HI, _HI_BITS = 0xFFFF, 16, 21, 0x1F    # the SLOT word: slot, high bits of worker, n
 
-#: declared registers: name -> (entries per slot, bits per entry)
-REGISTERS = {"values": (None, 32), "seen": (2, 64), "count": (2, 7), "nxt": (2, 32), "pos": (2, 32),
-             "held": (2, 1)}
+
+def registers(workers: int = WORD) -> dict:
+    """The program's registers for a bitmap of ``workers`` bits: name -> (entries per slot, bits per entry)
+    (``None`` entries: ``2 k`` values). ``seen`` holds ``2 workers / 64`` words of 64 bits."""
+    return {"values": (None, 32), "seen": (2 * (workers // WORD), WORD), "count": (2, workers.bit_length()),
+            "nxt": (2, 32), "pos": (2, 32), "held": (2, 1)}
+
+
+#: the registers of a program for up to 64 workers (the default)
+REGISTERS = registers()
 
 
 def pack_w0(kind, set_, worker, nw, job) -> np.ndarray | int:
-    """The first header word (vectorised over numpy arrays)."""
-    return (kind | (set_ << _SET_SHIFT) | (worker << _WORKER_SHIFT) | (nw << _NW_SHIFT)
+    """The first header word (vectorised over numpy arrays): the low 6 bits of ``worker`` and 7 of ``nw``
+    (the rest go in the SLOT word, :class:`Header`)."""
+    return (kind | (set_ << _SET_SHIFT) | ((worker & 0x3F) << _WORKER_SHIFT) | ((nw & 0x7F) << _NW_SHIFT)
             | ((job & JOB_MASK) << _JOB_SHIFT))
 
 
 def unpack_w0(w0):
-    """``(type, set, worker, n, job)`` of first header words (vectorised)."""
+    """``(type, set, worker, n, job)`` of first header words (vectorised; the low bits of worker and n)."""
     w0 = np.asarray(w0, dtype=np.int64)
     return (w0 & _TYPE_BITS, (w0 >> _SET_SHIFT) & 1, (w0 >> _WORKER_SHIFT) & 0x3F,
             (w0 >> _NW_SHIFT) & 0x7F, (w0 >> _JOB_SHIFT) & JOB_MASK)
 
 
 class Header(NamedTuple):
-    """A packet's header, decoded: what every endpoint reads before it uses a packet."""
+    """A packet's header, decoded: what every endpoint reads before it uses a packet (the worker id and count
+    from their low bits in ``W0`` and high bits in the SLOT word; ``rest``: the SLOT word's top six bits,
+    zero in every packet of this library)."""
 
     kind: int
     set: int
@@ -120,14 +144,19 @@ class Header(NamedTuple):
     slot: int
     pos: int
     next: int
+    rest: int = 0
 
     @classmethod
     def of(cls, row: np.ndarray) -> "Header":
-        return cls(*(int(a) for a in unpack_w0(row[W0])), int(row[F_SLOT]), int(row[F_POS]), int(row[F_NEXT]))
+        kind, set_, worker, n, job = (int(a) for a in unpack_w0(row[W0]))
+        sw = int(row[F_SLOT]) & 0xFFFFFFFF
+        return cls(kind, set_, worker | ((sw >> _WORKER_HI) & _HI_BITS) << 6, n | ((sw >> _NW_HI) & _HI_BITS) << 7,
+                   job, sw & _SLOT_BITS, int(row[F_POS]), int(row[F_NEXT]), sw >> (_NW_HI + 5))
 
     def write(self, row: np.ndarray) -> np.ndarray:
         row[W0] = pack_w0(self.kind, self.set, self.worker, self.n, self.job)
-        row[F_SLOT], row[F_POS], row[F_NEXT] = self.slot, self.pos, self.next
+        row[F_SLOT] = self.slot | (self.worker >> 6) << _WORKER_HI | (self.n >> 7) << _NW_HI
+        row[F_POS], row[F_NEXT] = self.pos, self.next
         return row
 
 
@@ -138,7 +167,10 @@ class SparseSwitchConfig:
     semantics); ``None``: the fabric's (:meth:`on`, :mod:`...defaults`: one where a message is a datagram of
     a modelled network, else as many as fill a 1 MiB message, 1024 of 256 values), which the switch rank
     and its workers resolve alike. ``audit``: count every accepted contribution by ``(job, min round?,
-    slot, pos, worker)`` (tests only)."""
+    slot, pos, worker)`` (tests only). ``workers``: the width of the worker bitmap, the most workers a job may
+    have (a multiple of 64, at most :data:`MAX_WORKERS`); ``None``: the job's workers rounded up to a multiple
+    of 64 (at least 64), resolved by :meth:`on` alike on the switch and its workers (left ``None`` up to 64
+    workers)."""
 
     NAME = "sparse-switch"
 
@@ -146,6 +178,7 @@ class SparseSwitchConfig:
     slots: int = DEFAULT_SLOTS
     burst: int | None = None
     audit: bool = False
+    workers: int | None = None
 
     def __post_init__(self) -> None:
         if self.elems not in PACKET_ELEMS:
@@ -156,12 +189,27 @@ class SparseSwitchConfig:
         if self.burst is not None and (isinstance(self.burst, bool) or not isinstance(self.burst, int)
                                        or not 1 <= self.burst <= MAX_BURST):
             raise InvalidValueError(f"burst must be an integer in [1, {MAX_BURST}], got {self.burst!r}")
+        if self.workers is not None and (isinstance(self.workers, bool) or not isinstance(self.workers, int)
+                                         or not WORD <= self.workers <= MAX_WORKERS or self.workers % WORD):
+            raise InvalidValueError(f"workers (the switch's worker bitmap) must be a multiple of {WORD} in "
+                                    f"[{WORD}, {MAX_WORKERS}], got {self.workers!r}")
+
+    @property
+    def width(self) -> int:
+        """The worker bitmap's bits: ``workers``, or 64 before :meth:`on` resolved it."""
+        return self.workers or WORD
 
     def on(self, fabric: Fabric) -> "SparseSwitchConfig":
-        """This program on ``fabric``: ``burst`` left ``None`` takes the fabric's default."""
-        if self.burst is not None:
+        """This program on ``fabric``: ``burst`` left ``None`` takes the fabric's default, ``workers`` left
+        ``None`` the job's worker count rounded up to a multiple of 64 where it is more than 64 (at most
+        :data:`MAX_WORKERS`: a larger job is refused by the transport)."""
+        burst = self.burst if self.burst is not None else defaults.packets_per_message(fabric, self.elems, MAX_BURST)
+        workers = self.workers
+        if workers is None and fabric.world_size > WORD:     # (up to 64 workers: left None, the 64-bit program)
+            workers = min(MAX_WORKERS, -(-fabric.world_size // WORD) * WORD)
+        if (burst, workers) == (self.burst, self.workers):
             return self
-        return replace(self, burst=defaults.packets_per_message(fabric, self.elems, MAX_BURST))
+        return replace(self, burst=burst, workers=workers)
 
     def spec(self) -> str:
         """The service spec naming this program: ``"sparse-switch"`` for the defaults."""
@@ -180,8 +228,8 @@ class Dataplane:
         self.config = config
         s, k = config.slots, config.elems
         self.values = np.zeros((s, 2, k), dtype=np.int32)
-        self.seen = np.zeros((s, 2), dtype=np.uint64)
-        self.count = np.zeros((s, 2), dtype=np.int8)
+        self.seen = np.zeros((s, 2, config.width // WORD), dtype=np.uint64)
+        self.count = np.zeros((s, 2), dtype=np.int16)
         self.nxt = np.zeros((s, 2), dtype=np.int32)
         self.pos = np.zeros((s, 2), dtype=np.int32)
         self.held = np.zeros((s, 2), dtype=np.bool_)
@@ -191,30 +239,32 @@ class Dataplane:
         #: worker count is malformed (never multicast to ranks that do not exist)
         self.world: int | None = None
         #: the last packet refused as out of step: ``(slot, its position, the round's position, the
-        #: round's worker bitmap)``, what the rejection notice tells the workers (packet metadata, no register)
-        self.refused: tuple[int, int, int, int] | None = None
+        #: round's bitmap word of the refused packet's worker, that word's index)``, what the rejection notice
+        #: tells the workers (packet metadata, no register)
+        self.refused: tuple[int, int, int, int, int] | None = None
 
     # ------------------------------------------------------------------ declared vs held state
     def declared_bits(self) -> int:
-        """Register memory the program declares (:data:`REGISTERS`), in bits."""
+        """Register memory the program declares (:func:`registers` of its bitmap's width), in bits."""
         s, k = self.config.slots, self.config.elems
-        return sum(s * (2 * k if per is None else per) * bits for per, bits in REGISTERS.values())
+        return sum(s * (2 * k if per is None else per) * bits for per, bits in registers(self.config.width).values())
 
     def state_bits(self) -> int:
         """Register memory the emulation holds: every array attribute, at its declared width; raises
         if an array is not a declared register, is larger than declared, or holds a value that does
         not fit its declared width."""
         s, k = self.config.slots, self.config.elems
+        declared = registers(self.config.width)
         total = 0
         for name, val in vars(self).items():
             if not isinstance(val, np.ndarray):
                 continue
-            if name not in REGISTERS:
+            if name not in declared:
                 raise AssertionError(f"sparse switch holds an undeclared array {name!r} {val.shape}")
-            per, bits = REGISTERS[name]
-            want = (s, 2, k) if per is None else (s, per)
-            if val.shape != want:
-                raise AssertionError(f"register {name!r} has shape {val.shape}, declared {want}")
+            per, bits = declared[name]
+            want = (s, 2 * k if per is None else per)
+            if (val.shape[0], int(np.prod(val.shape[1:]))) != want:
+                raise AssertionError(f"register {name!r} has shape {val.shape}, declared {want} entries")
             if val.size and val.dtype != np.bool_ and bits < 64:
                 v = val.astype(np.int64)
                 lo = -(1 << (bits - 1)) if val.dtype.kind == "i" and bits == 32 else 0
@@ -233,7 +283,7 @@ class Dataplane:
         h = Header.of(row)
         kind, v, w, n, slot, p, m = h.kind, h.set, h.worker, h.n, h.slot, h.pos, h.next
         width = row.shape[0]
-        ok = (kind in TYPES_UP and 0 <= slot < cfg.slots and 0 <= w < n <= MAX_WORKERS
+        ok = (kind in TYPES_UP and 0 <= slot < cfg.slots and 0 <= w < n <= cfg.width and h.rest == 0
               and (self.world is None or n == self.world)
               and width == (HEADER if kind == T_SKIP else HEADER + cfg.elems)
               and 0 <= p and (kind == T_MIN or p < m))
@@ -241,17 +291,17 @@ class Dataplane:
         if not ok:
             self.stats["malformed"] += 1
             return None, None
-        bit = np.uint64(1 << w)
-        before = self.seen[slot, v]
-        if before and not before & bit and self.pos[slot, v] != p:
+        u, bit = w // WORD, np.uint64(1 << (w % WORD))
+        before = self.seen[slot, v, u]
+        if self.count[slot, v] and not before & bit and self.pos[slot, v] != p:
             self.stats["out_of_step"] += 1       # a packet for another round of this set: refused
-            self.refused = (slot, p, int(self.pos[slot, v]), int(before))
+            self.refused = (slot, p, int(self.pos[slot, v]), int(before), u)
             return None, None
-        self.seen[slot, v] = before | bit
-        self.seen[slot, 1 - v] &= ~bit
+        self.seen[slot, v, u] = before | bit
+        self.seen[slot, 1 - v, u] &= ~bit
         if not before & bit:
             vec = row[HEADER:]
-            if before == 0:
+            if self.count[slot, v] == 0:         # the round's first packet (module docstring)
                 if kind == T_SKIP:
                     self.values[slot, v] = 0
                 else:
@@ -296,60 +346,81 @@ class Dataplane:
 
     # ------------------------------------------------------------------ service loop
     def serve(self, fabric: Fabric) -> None:
-        """Receive a packet, run the program, multicast / unicast the replies (``isend``, never waited
-        for on SimFabric, reaped elsewhere). On SimFabric one packet is one datagram, value packets and
-        16-byte skip headers on their own tags (whichever is first). With bursts (real fabrics, where
-        a message costs far more than its bytes) a message is up to ``burst`` rows of ``HEADER + k`` words,
-        skips padded (a receive of ``burst`` rows, every row ``T_EMPTY`` when posted, takes a shorter
-        message: :mod:`..lanes`); the replies to a message's rows leave in messages of up to
-        ``burst`` rows. Malformed and out-of-step packets are reported to every worker (module docstring)."""
+        """The switch's endpoint until the run ends: its roles (:meth:`roles`) run by ``Fabric.drive``
+        (their datagrams lowered by :func:`.requests.lowered`); ``ServiceShutdown`` ends it."""
+        pool = Pool()
+        inbox, outbox = Inbox(fabric, pool), Outbox(fabric, pool)
+        fabric.drive([lowered(r, fabric, inbox, outbox, _SERVICE_KEEP) for r in self.roles(fabric)],
+                     inbox, outbox, keep=_SERVICE_KEEP)
+
+    def roles(self, fabric: Fabric) -> list:
+        """The switch's ports as roles (:mod:`sparsecomm.fabric.roles`, with :class:`.requests.Datagram`), which
+        never return: receive a packet, run the program, multicast / unicast the replies.
+
+        On SimFabric (one packet per datagram) two roles, one per tag, each waiting for an any-source receive:
+        value packets on ``TAG_UP`` and 16-byte skip headers on ``TAG_SKIP``, whichever is in first
+        in modelled time served first (the value packets' on a tie); replies are sent ``tracked=False`` (never
+        waited for: the ports transmit in parallel). With bursts (real fabrics, where a message costs far
+        more than its bytes; or a burst set on SimFabric) one role: a message is up to ``burst`` rows of
+        ``HEADER + k`` words, skips padded (a receive of ``burst`` rows, every row ``T_EMPTY`` when posted,
+        takes a shorter message: :mod:`..lanes`); the replies to a message's rows leave in messages of up to
+        ``burst`` rows, reaped by the scheduler before its next wait (all but :data:`_SERVICE_KEEP`) except on
+        SimFabric. Malformed and out-of-step packets are reported to every worker (module docstring)."""
         k, K = self.config.elems, self.config.burst
         width = HEADER + k
         sim = fabric.modelled_time
-        world = self.world = fabric.world_size
-        single = K == 1 and sim
-        bufs = [torch.zeros(width, dtype=torch.int32), torch.zeros(HEADER, dtype=torch.int32)]
-        tags = (TAG_UP, TAG_SKIP)
-        posted = [fabric.irecv(bufs[i], None, tags[i]) for i in range(2)] if single else None
-        burst = torch.zeros((K, width), dtype=torch.int32)
-        pending: deque = deque()
+        self.world = fabric.world_size
+        if K == 1 and sim:
+            return [self._port(fabric, ("up", tag), torch.zeros(w, dtype=torch.int32), tag, Step(phase))
+                    for phase, (tag, w) in enumerate(((TAG_UP, width), (TAG_SKIP, HEADER)))]
+        return [self._port(fabric, ("up", TAG_UP), torch.zeros((K, width), dtype=torch.int32), TAG_UP,
+                           Step(0, reaps=True))]
+
+    def _port(self, fabric: Fabric, key, buf: torch.Tensor, tag: int, stage: Step):
+        """One of :meth:`roles`: packets on ``tag`` from any worker into ``buf`` (one row, or ``burst`` rows),
+        under inbox ``key``, waiting at ``stage`` (:class:`.requests.RecvFor` without a timer: the port they
+        came on is the source it resumes with)."""
+        K = self.config.burst
+        sim = fabric.modelled_time
+        single = buf.dim() == 1
+        arr = buf.numpy()
         while True:
+            src = yield RecvFor(key, buf, None, tag, None, stage)
             if single:
-                i = fabric.wait_any(posted)
-                src = posted[i].wait()
-                rows = [bufs[i].numpy().copy()]
-                posted[i] = fabric.irecv(bufs[i], None, tags[i])
+                rows = [arr.copy()]
             else:
-                src = fabric.recv(burst, None, TAG_UP)
-                arr = burst.numpy()
                 kinds = unpack_w0(arr[:, W0])[0]
                 rows = [arr[r, :HEADER].copy() if kinds[r] == T_SKIP else arr[r].copy()
                         for r in np.flatnonzero(kinds != T_EMPTY)]
                 arr[:, W0] = 0          # every row T_EMPTY again: the next message may be shorter
-            mcast: list = []
-            ucast: list = []
-            before = self.stats["malformed"], self.stats["out_of_step"]
-            for row in rows:
-                mc, uc = self.process(row)
-                if mc is not None:
-                    mcast.append(mc)
-                if uc is not None:
-                    ucast.append(uc)
-            malformed, out_of_step = self.stats["malformed"] - before[0], self.stats["out_of_step"] - before[1]
-            sends = [(msg, dst, False) for msg in _messages(mcast, K, width, single, sim) for dst in range(world)]
-            if src is not None:
-                sends += [(msg, src, False) for msg in _messages(ucast, K, width, single, sim)]
-            if (malformed or out_of_step) and src is not None and 0 <= src < world:
-                notice = rejection(k, src, world, OUT_OF_STEP if out_of_step else MALFORMED, malformed + out_of_step,
-                                   self.refused if out_of_step else None)
-                sends = [(msg, dst, True) for msg in _messages([notice], K, width, single, sim)
-                         for dst in range(world)] + sends
-            for msg, dst, reliable in sends:
-                wk = fabric.isend(msg, dst, TAG_DOWN, reliable=reliable)
-                if not sim:
-                    pending.append((wk, msg))
-            while pending and (len(pending) > 4 * MAX_WORKERS or pending[0][0].is_completed()):
-                pending.popleft()[0].wait()
+            for msg, dst, reliable in self._replies(rows, src, K, single, sim):
+                yield Datagram(msg, dst, TAG_DOWN, reliable=reliable, tracked=not sim)
+
+    def _replies(self, rows: list, src: int | None, K: int, single: bool, sim: bool) -> list:
+        """Run the program on ``rows`` (a message from ``src``); its replies as ``(message, destination,
+        reliable)``: a rejection notice to every worker first if the message held a malformed or out-of-step
+        packet, then the results to every worker, then the retransmissions to ``src``."""
+        k, world = self.config.elems, self.world
+        width = HEADER + k
+        mcast: list = []
+        ucast: list = []
+        before = self.stats["malformed"], self.stats["out_of_step"]
+        for row in rows:
+            mc, uc = self.process(row)
+            if mc is not None:
+                mcast.append(mc)
+            if uc is not None:
+                ucast.append(uc)
+        malformed, out_of_step = self.stats["malformed"] - before[0], self.stats["out_of_step"] - before[1]
+        sends = [(msg, dst, False) for msg in _messages(mcast, K, width, single, sim) for dst in range(world)]
+        if src is not None:
+            sends += [(msg, src, False) for msg in _messages(ucast, K, width, single, sim)]
+        if (malformed or out_of_step) and src is not None and 0 <= src < world:
+            notice = rejection(k, src, world, OUT_OF_STEP if out_of_step else MALFORMED, malformed + out_of_step,
+                               self.refused if out_of_step else None)
+            sends = [(msg, dst, True) for msg in _messages([notice], K, width, single, sim)
+                     for dst in range(world)] + sends
+        return sends
 
 
 def _messages(rows: list, K: int, width: int, single: bool, pad: bool) -> list[torch.Tensor]:
@@ -368,27 +439,30 @@ def _messages(rows: list, K: int, width: int, single: bool, pad: bool) -> list[t
 
 
 def rejection(k: int, worker: int, world: int, reason: int, count: int,
-              refused: tuple[int, int, int, int] | None = None) -> np.ndarray:
+              refused: tuple[int, int, int, int, int] | None = None) -> np.ndarray:
     """The ``REJECT`` row telling every worker that the switch dropped ``count`` packets that came on
     ``worker``'s port, for ``reason`` (:data:`MALFORMED` or :data:`OUT_OF_STEP`, in ``pos``; the count in
     ``next``). Out of step, ``refused`` (:attr:`Dataplane.refused`) travels too: the slot (in ``slot``), then
-    as values the refused packet's position, the round's position and the round's worker bitmap (low and
-    high 32 bits): the workers whose packets opened the round, which the refused packet contradicts."""
+    as values the refused packet's position, the round's position, the round's bitmap word that holds the
+    refused packet's worker (low and high 32 bits) and that word's index: the workers whose packets opened the
+    round, which the refused packet contradicts (all of them up to 64 workers; beyond, those of that word: the
+    program reads one word per packet)."""
     row = np.zeros(HEADER + k, dtype=np.int32)
     slot = 0
     if refused is not None:
-        slot, pos, at, seen = refused
-        row[HEADER:HEADER + 4] = np.array([pos, at, seen & 0xFFFFFFFF, seen >> 32], dtype=np.uint32).view(np.int32)
+        slot, pos, at, seen, u = refused
+        row[HEADER:HEADER + 5] = np.array([pos, at, seen & 0xFFFFFFFF, seen >> 32, u],
+                                          dtype=np.uint32).view(np.int32)
     Header(T_REJECT, 0, worker, world, 0, slot, reason, count).write(row)
     return row
 
 
 def refusal(row: np.ndarray) -> tuple[int, int, int, list[int]]:
-    """``(slot, refused position, the round's position, the round's workers)`` of an out-of-step ``REJECT``
-    row (:func:`rejection`)."""
-    pos, at, lo, hi = (int(w) for w in row[HEADER:HEADER + 4].view(np.uint32))
+    """``(slot, refused position, the round's position, the round's workers in the word it reports)`` of an
+    out-of-step ``REJECT`` row (:func:`rejection`)."""
+    pos, at, lo, hi, u = (int(w) for w in row[HEADER:HEADER + 5].view(np.uint32))
     seen = lo | (hi << 32)
-    return int(row[F_SLOT]), pos, at, [w for w in range(MAX_WORKERS) if seen >> w & 1]
+    return Header.of(row).slot, pos, at, [u * WORD + b for b in range(WORD) if seen >> b & 1]
 
 
 def service_main(config: SparseSwitchConfig) -> Callable[[Fabric], None]:

@@ -7,21 +7,28 @@ The transport (one job top to bottom, its control, look-ahead and stream phases)
 and clocks the lane's next packet; a packet unanswered within the timer is resent unchanged (the
 switch's seen-bitmap absorbs a duplicate, a duplicate after completion gets the stored result), the
 timer doubling after ``timeout_threshold`` expiries (Sapio et al., NSDI'21, Sec. 4; the p4app-switchML
-client's rule).
+client's rule). A phase's rounds are one role (:meth:`Rounds.role`, :mod:`sparsecomm.fabric.roles`) that
+yields its packets as :class:`.requests.Datagram` and waits for results with :class:`.requests.RecvFor` (its
+timer); :meth:`Rounds.run` has ``Fabric.drive`` run it.
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
 
 import numpy as np
 import torch
 
 from ....errors import FabricTimeout
+from ....fabric.roles import Flush, Inbox, Outbox, Pool, Step
 from .dataplane import (HEADER, JOB_MASK, NONE, OUT_OF_STEP, T_EMPTY, T_REJECT, T_RESULT, T_RETRANSMIT, T_SKIP,
                         TAG_DOWN, TAG_SKIP, TAG_UP, W0, Header, refusal)
 from ..lanes import SlotState, Timer, abandoning, message_rows, rejected
+from .requests import Datagram, RecvFor, lowered
+
+_UP, _DOWN = "up", "down"      # what the worker's packets are held under; the key of its receive of results
+_STAGE = Step(0, reaps=True)   # the one role's wait for results: its sends are reaped first
+_KEEP = 64                     # sends left unreaped (real fabrics: bursts in flight)
 
 
 class Rounds:
@@ -35,6 +42,7 @@ class Rounds:
         self.elems, self.burst, self.timer = elems, burst, timer
         self.sim = fabric.modelled_time
         self.info: dict = {}
+        self.pool = Pool()
 
     def packet(self, kind: int, slot: int, pos: int, nxt: int, vec: np.ndarray | None = None) -> np.ndarray:
         """A packet for ``slot``'s next round (the set is the slot's current parity)."""
@@ -48,15 +56,30 @@ class Rounds:
 
     def run(self, slots: np.ndarray, rows: list[np.ndarray], on_result, phase: str,
             lanes: np.ndarray | None = None) -> None:
-        """Self-clocked rounds on ``slots`` (one outstanding packet each), with SwitchML's loss recovery.
+        """The rounds of :meth:`role` on this worker, run by ``Fabric.drive`` (its datagrams and timed receives
+        lowered by :func:`.requests.lowered`); every send has completed when it returns. Any error stops every
+        rank (:func:`..lanes.abandoning`: the others would wait for this worker's packets)."""
+        fab = self.fabric
+        inbox, outbox = Inbox(fab, self.pool), Outbox(fab, self.pool)
+        with abandoning(fab):
+            fab.drive([lowered(self.role(slots, rows, on_result, phase, lanes), fab, inbox, outbox, _KEEP)],
+                      inbox, outbox, keep=_KEEP)
+            outbox.finish()
+
+    def role(self, slots: np.ndarray, rows: list[np.ndarray], on_result, phase: str,
+             lanes: np.ndarray | None = None):
+        """Self-clocked rounds on ``slots`` (one outstanding packet each), with SwitchML's loss recovery, as a
+        role (:mod:`sparsecomm.fabric.roles`, with :class:`.requests.Datagram` and :class:`.requests.RecvFor`).
 
         ``rows[i]`` is the first packet on ``slots[i]``; when its result arrives (matching job, slot,
         set and position) the slot's parity flips and ``on_result(lane, result)`` returns the lane's
         next packet, or ``None`` when the lane is done (``lane`` = ``lanes[i]``, default ``i``). A
         packet unanswered within the timer is resent unchanged; after ``threshold`` expiries the timer
         doubles; unanswered for ``give_up_s`` raises :class:`FabricTimeout`. The switch's rejection
-        notice raises :func:`..lanes.rejected`'s error; any error stops every rank
-        (:func:`..lanes.abandoning`: the others would wait for this worker's packets).
+        notice raises :func:`..lanes.rejected`'s error. Packets go up as datagrams (``reliable=False``): on
+        SimFabric one per message, each waited for as it leaves (:class:`~sparsecomm.fabric.roles.Flush`: the
+        worker's NIC serialises them, and its timers start from its clock), skips as 16-byte headers on their
+        own tag; elsewhere ``burst`` rows per message, reaped by the scheduler.
         """
         fab, st, sw, K = self.fabric, self.state, self.switch, self.burst
         k, sim, timer = self.elems, self.sim, self.timer
@@ -68,14 +91,13 @@ class Rounds:
         since = np.zeros(S)
         timeout, threshold, expiries = timer.timeout, timer.threshold, 0
         info = {"packets": 0, "retransmissions": 0, "results": 0, "ignored": 0}
-        pending: deque = deque()
         if phase == "control" or self.info.get("job") != st.job:
             self.info = {"job": st.job}
         self.info[phase] = info
 
         queue: list[np.ndarray] = []
 
-        def send(i: int, fresh: bool) -> None:
+        def send(i: int, fresh: bool):
             queue.append(out[i])
             now = fab.now()
             deadline[i] = now + (timeout if timeout is not None else math.inf)
@@ -83,17 +105,17 @@ class Rounds:
                 since[i] = now
             info["packets"] += 1
             if K == 1:
-                flush()
+                yield from flush()
 
-        def flush() -> None:
-            """The queued packets: one datagram each on SimFabric (a blocking send models the NIC's
-            serialisation; skips as 16-byte headers on their own tag), else ``K`` rows per message."""
+        def flush():
+            """The queued packets: one datagram each on SimFabric (waited for: the NIC's serialisation; skips as
+            16-byte headers on their own tag), else ``K`` rows per message."""
             for i in range(0, len(queue), K):
                 part = queue[i:i + K]
                 if sim and K == 1:
                     row = part[0]
-                    fab.send(torch.from_numpy(row), sw, TAG_SKIP if row.size == HEADER else TAG_UP,
-                             reliable=False)
+                    yield Datagram(torch.from_numpy(row), sw, TAG_SKIP if row.size == HEADER else TAG_UP, hold=_UP)
+                    yield Flush(_UP)
                     continue
                 # a real fabric's message is as long as its packets (a receive of K rows takes it); the
                 # SimFabric's has its receive's shape
@@ -102,74 +124,65 @@ class Rounds:
                     msg[r, :row.size] = row
                 m = torch.from_numpy(msg)
                 if sim:
-                    fab.send(m, sw, TAG_UP, reliable=False)
+                    yield Datagram(m, sw, TAG_UP, hold=_UP)
+                    yield Flush(_UP)
                 else:
-                    pending.append((fab.isend(m, sw, TAG_UP, reliable=False), m))
-                    while len(pending) > 64:
-                        pending.popleft()[0].wait()
+                    yield Datagram(m, sw, TAG_UP)
             queue.clear()
 
-        with abandoning(fab):
-            for i in range(S):
-                send(i, True)
-            flush()
-            live = S
-            buf = torch.zeros((K, HEADER + k), dtype=torch.int32)
-            msg_rows = buf.numpy()
-            while live:
-                try:
-                    if timeout is None:
-                        fab.recv(buf, sw, TAG_DOWN)
-                    else:
-                        fab.recv(buf, sw, TAG_DOWN, timeout=max(float(deadline.min()) - fab.now(), 1e-9))
-                except FabricTimeout:
-                    if timeout is None:
-                        raise
-                    now = fab.now()
-                    for i in np.flatnonzero(deadline <= now + 1e-12):
-                        if now - since[i] > timer.give_up_s:
-                            raise FabricTimeout(
-                                f"worker {fab.rank}: sparse-switch {phase} packet on slot {int(slots[i])} of job "
-                                f"{st.job} unanswered for {now - since[i]:.3g} s despite retransmissions: a peer "
-                                f"or the switch is gone") from None
-                        expiries += 1
-                        info["retransmissions"] += 1
-                        send(int(i), False)
-                    flush()
-                    if expiries >= threshold:
-                        timeout *= 2
-                        threshold += timer.increment
-                        expiries = 0
+        for i in range(S):
+            yield from send(i, True)
+        yield from flush()
+        live = S
+        buf = torch.zeros((K, HEADER + k), dtype=torch.int32)
+        msg_rows = buf.numpy()
+        while live:
+            wait = None if timeout is None else max(float(deadline.min()) - fab.now(), 1e-9)
+            src = yield RecvFor(_DOWN, buf, sw, TAG_DOWN, wait, _STAGE)
+            if src is None:                            # the timer expired
+                now = fab.now()
+                for i in np.flatnonzero(deadline <= now + 1e-12):
+                    if now - since[i] > timer.give_up_s:
+                        raise FabricTimeout(
+                            f"worker {fab.rank}: sparse-switch {phase} packet on slot {int(slots[i])} of job "
+                            f"{st.job} unanswered for {now - since[i]:.3g} s despite retransmissions: a peer "
+                            f"or the switch is gone") from None
+                    expiries += 1
+                    info["retransmissions"] += 1
+                    yield from send(int(i), False)
+                yield from flush()
+                if expiries >= threshold:
+                    timeout *= 2
+                    threshold += timer.increment
+                    expiries = 0
+                continue
+            filled = len(msg_rows) if sim else message_rows(fab, sw, msg_rows)
+            for res in msg_rows[:filled]:
+                h = Header.of(res)
+                if h.kind == T_EMPTY:
+                    continue                       # an unused row of a burst
+                if h.kind == T_REJECT:             # the switch dropped packets it cannot take: the job is over
+                    out_of_step = h.pos == OUT_OF_STEP
+                    raise rejected(fab, "sparse-switch allreduce", h.worker, h.next, out_of_step,
+                                   refusal(res) if out_of_step else None)
+                i = index.get(h.slot)
+                if h.kind not in (T_RESULT, T_RETRANSMIT) or h.job != st.job or i is None or out[i] is None:
+                    info["ignored"] += 1
                     continue
-                filled = len(msg_rows) if sim else message_rows(fab, sw, msg_rows)
-                for res in msg_rows[:filled]:
-                    h = Header.of(res)
-                    if h.kind == T_EMPTY:
-                        continue                       # an unused row of a burst
-                    if h.kind == T_REJECT:             # the switch dropped packets it cannot take: the job is over
-                        out_of_step = h.pos == OUT_OF_STEP
-                        raise rejected(fab, "sparse-switch allreduce", h.worker, h.next, out_of_step,
-                                       refusal(res) if out_of_step else None)
-                    i = index.get(h.slot)
-                    if h.kind not in (T_RESULT, T_RETRANSMIT) or h.job != st.job or i is None or out[i] is None:
-                        info["ignored"] += 1
-                        continue
-                    sent = Header.of(out[i])
-                    if (h.set, h.pos) != (sent.set, sent.pos):
-                        info["ignored"] += 1           # a stale result (an earlier round of this slot)
-                        continue
-                    info["results"] += 1
-                    st.parity[slots[i]] ^= 1
-                    out[i] = on_result(int(lanes[i]), res.copy())
-                    if out[i] is None:
-                        deadline[i] = math.inf
-                        live -= 1
-                    else:
-                        send(i, True)
-                msg_rows[:filled, W0] = 0              # every row T_EMPTY again: the next message may be shorter
-                flush()
-            while pending:
-                pending.popleft()[0].wait()
+                sent = Header.of(out[i])
+                if (h.set, h.pos) != (sent.set, sent.pos):
+                    info["ignored"] += 1           # a stale result (an earlier round of this slot)
+                    continue
+                info["results"] += 1
+                st.parity[slots[i]] ^= 1
+                out[i] = on_result(int(lanes[i]), res.copy())
+                if out[i] is None:
+                    deadline[i] = math.inf
+                    live -= 1
+                else:
+                    yield from send(i, True)
+            msg_rows[:filled, W0] = 0              # every row T_EMPTY again: the next message may be shorter
+            yield from flush()
 
 
 def to_pos(blocks: np.ndarray, lanes: np.ndarray, L: int, nb: int) -> np.ndarray:

@@ -264,8 +264,10 @@ def test_invalid_arguments():
 
     errs = sc.launch(fn, 1)[0]
     assert len(errs) == 4 and "pool_size" in errs[0] and "slot_elems" in errs[2]
-    with pytest.raises(IncompatibleError, match="at most 64 workers"):
-        sc.launch(lambda ctx: sc.transports.get("sparse-switch", ctx.fabric), 65)
+    with pytest.raises(IncompatibleError, match="at most 64 workers"):     # (the widest bitmap: 1024, set low)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(sc.transports.switchml.sparse, "MAX_WORKERS", 64)
+            sc.launch(lambda ctx: sc.transports.get("sparse-switch", ctx.fabric), 65)
     cfg = dp.SparseSwitchConfig(elems=64, slots=128)
     assert cfg.spec() == "sparse-switch:elems=64,slots=128"
     assert dp.SparseSwitchConfig.parse("elems=64,slots=128") == cfg and dp.SparseSwitchConfig.parse(None) == dp.SparseSwitchConfig()

@@ -1,0 +1,156 @@
+"""The SimFabric as one event loop: deterministic modelled times, services as processes, no hidden threads."""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import pytest
+import torch
+
+import sparsecomm as sc
+from sparsecomm.errors import ProtocolError
+from sparsecomm.fabric import roles
+from sparsecomm.fabric.roles import Inbox, Outbox, Pool, PostInto, Recv, Send, Step
+
+
+def _omnireduce_times(ctx, deployment: str) -> list[float]:
+    t = sc.transports.get("omnireduce", ctx.fabric, lanes=2, deployment=deployment)
+    x = torch.randn(1 << 13, generator=torch.Generator().manual_seed(ctx.rank))
+    x[torch.rand(1 << 13, generator=torch.Generator().manual_seed(ctx.rank + 99)) < 0.7] = 0
+    out = []
+    for _ in range(2):
+        t.allreduce(x.clone())
+        out.append(t.last_stats.modelled_time_s)
+    return out
+
+
+@pytest.mark.parametrize("deployment", ["colocated", "dedicated"])
+def test_modelled_times_of_an_any_source_protocol_are_identical_between_runs(deployment):
+    # OmniReduce's aggregators take the workers' blocks in the order they arrive (wait_any): with threads
+    # that order could depend on the threads' timing; as one loop, three runs give the same bits
+    runs = [sc.launch(functools.partial(_omnireduce_times, deployment=deployment), 6) for _ in range(3)]
+    assert [[t.hex() for t in r] for r in runs[0]] == [[t.hex() for t in r] for r in runs[1]] \
+        == [[t.hex() for t in r] for r in runs[2]]
+
+
+def _echo(fabric):
+    """A service as a process of the loop: echo one 4-float message from each worker, as roles."""
+    n = fabric.world_size
+    inbox, outbox = Inbox(fabric, Pool()), None
+    outbox = Outbox(fabric, inbox.pool)
+    bufs = {w: torch.empty(4) for w in range(n)}
+
+    def role(w):
+        yield PostInto(("in", w), bufs[w], w, 5)
+        yield Recv((("in", w),), Step())
+        buf = inbox.take(("in", w))
+        yield Send(buf * 2, w, 6)
+
+    yield from fabric.drive_process([role(w) for w in range(n)], inbox, outbox)
+    outbox.finish()
+
+
+def test_a_service_whose_main_is_a_generator_runs_in_the_loop_without_a_thread():
+    seen = {}
+
+    def fn(ctx):
+        before = threading.active_count()
+        sid = ctx.fabric.service("echo", _echo)
+        seen[ctx.rank] = threading.active_count() - before
+        ctx.fabric.send(torch.full((4,), float(ctx.rank)), sid, 5)
+        out = torch.empty(4)
+        ctx.fabric.recv(out, sid, 6)
+        return out.tolist()
+
+    res = sc.launch(fn, 3)
+    assert res == [[2.0 * r] * 4 for r in range(3)]
+    assert set(seen.values()) == {0}       # no thread started for the service
+
+
+def test_a_process_that_blocks_on_a_receive_itself_is_a_protocol_error():
+    def bad(fabric):
+        fabric.recv(torch.empty(1), 0, 3)     # a blocking call inside the loop: it would wait for itself
+        yield
+
+    def fn(ctx):
+        ctx.fabric.service("bad", bad)
+        ctx.fabric.barrier()
+
+    with pytest.raises(ProtocolError, match="blocked on a wait itself"):
+        sc.launch(fn, 2)
+
+
+def test_the_scheduler_is_sans_io_its_waits_are_yielded():
+    # the roles' scheduler performs no wait itself: it yields them (a driver performs them)
+    class NoWaits:
+        rank, world_size, device = 0, 2, torch.device("cpu")
+
+        def irecv(self, buf, src, tag):
+            class W:
+                def is_completed(self):
+                    return False
+
+                def wait(self):
+                    raise AssertionError("the scheduler waited itself")
+            return W()
+
+    fab = NoWaits()
+    inbox = Inbox(fab, Pool())
+    outbox = Outbox(fab, inbox.pool)
+
+    def role():
+        yield PostInto("k", torch.empty(1), 1, 0)
+        yield Recv(("k",), Step())
+
+    sched = roles.schedule(fab, inbox, outbox, [role()])
+    req = next(sched)
+    assert isinstance(req, roles.WaitAll) and req.keys == ("k",)
+
+
+def test_a_timed_receive_of_a_role_resumes_at_its_deadline_or_with_the_message():
+    from sparsecomm.fabric.roles import AwaitWithin, RecvWithin
+
+    def fn(ctx):
+        f = ctx.fabric
+        if ctx.rank == 1:
+            f.compute(5e-3)
+            f.send(torch.ones(2), 0, 4)
+            f.send(torch.ones(2), 0, 5)
+            return None
+        pool = Pool()
+        inbox, outbox = Inbox(f, pool), Outbox(f, pool)
+        got = []
+
+        def role():
+            buf = torch.zeros(2)
+            got.append(((yield RecvWithin(buf, 1, 4, 1e-3)), f.now()))      # nothing by 1 ms
+            got.append(((yield RecvWithin(buf, None, 4, 1.0)), buf.tolist()))
+            yield PostInto("k", torch.zeros(2), 1, 5)
+            got.append((yield AwaitWithin("k", 1.0)))
+            inbox.take("k")
+
+        f.drive([role()], inbox, outbox)
+        return got
+
+    got = sc.launch(fn, 2, network=sc.Network(bandwidth_gbps=100, latency_us=2))[0]
+    assert got[0] == (None, pytest.approx(1e-3))
+    assert got[1] == (1, [1.0, 1.0]) and got[2] is True
+
+
+def test_a_service_thread_that_starts_after_the_run_closed_leaves_at_once():
+    # a world closed before its service thread's first wait (a transport built on a throwaway world): the
+    # service's wait raises ServiceShutdown at once, and close() returns without waiting for its timeout
+    import time
+
+    from sparsecomm.fabric.sim.sim import SimWorld
+
+    def main(fabric):
+        time.sleep(0.5)                       # its first wait comes after the close
+        fabric.recv(torch.empty(1), 0, 3)
+
+    world = SimWorld(2, sc.Network(timeout_s=60))
+    world.fabric(0).service("late", main)
+    t0 = time.monotonic()
+    world.close()                             # joins the service thread (up to the network's timeout)
+    assert time.monotonic() - t0 < 10

@@ -1,0 +1,123 @@
+"""The switch's ledger against what it puts on the wire, under the DDP hook and the optimizer.
+
+Every message a worker sends goes through its fabric's ``send``/``isend``; the tests count those bytes
+themselves and compare them with the pipeline's ledger (``last_stats``, ``compression_stats()``), step by
+step. On gloo (the default pool of 4096 lanes) a float job's exponent look-ahead (one whole packet per
+lane, :mod:`sparsecomm.transports.switchml.jobs`) must stay a small share of the gradient: the 4.5 MB of a
+64-1024-1024-10 MLP take at most 1.25 times their bytes in fixed point with headers (4096 lanes of
+look-ahead would take 2.05). The lanes change no number: the hook's averaged gradients are bit-identical
+to those of an explicit ``pool_size=4096``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+import sparsecomm as sc
+from sparsecomm.transports.switchml.dataplane import HEADER
+
+TIMEOUT = 120.0
+
+
+def _count_wire(fabric) -> dict:
+    """Wrap ``fabric``'s ``send`` and ``isend`` (instance attributes): the bytes of every message sent."""
+    wire = {"bytes": 0, "messages": 0}
+    for name in ("send", "isend"):
+        orig = getattr(fabric, name)
+
+        def counted(t, dst, tag=0, *, reliable=True, _orig=orig):
+            wire["bytes"] += t.numel() * t.element_size()
+            wire["messages"] += 1
+            return _orig(t, dst, tag, reliable=reliable)
+
+        setattr(fabric, name, counted)
+    return wire
+
+
+def _mlp(widths) -> nn.Module:
+    layers = []
+    for a, b in zip(widths[:-1], widths[1:]):
+        layers += [nn.Linear(a, b), nn.ReLU()]
+    return nn.Sequential(*layers[:-1])
+
+
+def _batch(rank: int, step: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * rank + step)
+    return torch.randn(32, width, generator=g), torch.randint(0, 10, (32,), generator=g)
+
+
+def _hook_steps(ctx, steps: int):
+    """Two DDP replicas of the 64-1024-1024-10 MLP over the switch, the default lanes and an explicit
+    ``pool_size=4096``, on the same batches: per step the default's ledger, its wire bytes, and whether
+    the two hooks' averaged gradients are bit-identical."""
+    torch.set_num_threads(1)
+    f = ctx.fabric
+    wire = _count_wire(f)
+    nets, states = [], []
+    for kwargs in ({}, {"pool_size": 4096}):
+        with ctx.seeded(0):
+            model = _mlp((64, 1024, 1024, 10))
+        net = nn.parallel.DistributedDataParallel(model, process_group=f.native_group)
+        states.append(sc.ddp.register(net, transport="switch", transport_kwargs=kwargs or None))
+        nets.append(net)
+    grad_bytes = sum(p.numel() * p.element_size() for p in nets[0].parameters())
+    rows = []
+    for step in range(steps):
+        x, y = _batch(ctx.rank, step, 64)
+        before = wire["bytes"]
+        nn.functional.cross_entropy(nets[0](x), y).backward()
+        sent = wire["bytes"] - before
+        st = states[0].last_stats
+        nn.functional.cross_entropy(nets[1](x), y).backward()
+        same = all(torch.equal(a.grad, b.grad) for a, b in zip(nets[0].parameters(), nets[1].parameters()))
+        rows.append((st.bytes_sent, sent, same))
+        for net in nets:
+            net.zero_grad()
+    elems = states[0].pipeline.transport.slot_elems
+    return grad_bytes, elems, rows, states[0].compression_stats()["bytes_sent"], wire["bytes"]
+
+
+@pytest.mark.multiprocess
+def test_hook_switch_bytes_per_step_are_its_wire_bytes_near_the_gradient_on_gloo():
+    res = sc.launch(functools.partial(_hook_steps, steps=3), 2, backend="gloo", timeout_s=TIMEOUT,
+                    services=["switch"])
+    for grad_bytes, elems, rows, total_ledger, total_wire in res:
+        on_wire = grad_bytes * (1 + HEADER / elems)        # the gradient once, int32 codes with headers
+        for ledger, sent, same in rows:
+            assert ledger == sent, rows                    # the ledger books what the worker sent, no more
+            assert same, rows                              # the lanes change no number
+        # every step after DDP's bucket rebuild (two buckets: 4148 and 260 chunks of 256 values): a
+        # look-ahead of 519 + 256 packets
+        for ledger, _, _ in rows[1:]:
+            assert ledger <= 1.25 * on_wire, (ledger / grad_bytes, rows)
+        # the ledger of the whole run books the steps only, the wire also the hooks' construction
+        assert total_ledger == sum(r[0] for r in rows) <= total_wire
+
+
+def _optimizer_sim(ctx, steps: int):
+    """``DistributedOptimizer`` (plain averaging) over the switch on SimFabric: per step the ledger and
+    the wire bytes."""
+    f = ctx.fabric
+    wire = _count_wire(f)
+    with ctx.seeded(0):
+        model = _mlp((16, 256, 10))
+    opt = sc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), transport="switch")
+    rows = []
+    for step in range(steps):
+        x, y = _batch(ctx.rank, step, 16)
+        before = wire["bytes"]          # (buckets start during backward from the second step on)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        rows.append((opt.last_stats.bytes_sent, wire["bytes"] - before))
+    return rows, opt.compression_stats()["bytes_sent"]
+
+
+def test_optimizer_switch_ledger_is_its_wire_bytes_on_simfabric():
+    for rows, total in sc.launch(functools.partial(_optimizer_sim, steps=2), 2):
+        assert all(ledger == sent > 0 for ledger, sent in rows), rows
+        assert total == sum(r[0] for r in rows)
