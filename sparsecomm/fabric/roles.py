@@ -455,7 +455,7 @@ class _Scheduler:
         value = None
         while True:
             try:
-                req = role.send(value)
+                req = next(role) if value is None else role.send(value)   # (a role may be a plain iterator)
             except StopIteration:
                 return
             value = None

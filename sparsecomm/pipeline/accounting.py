@@ -121,13 +121,6 @@ class Accounting:
         s.comm = s.comm + comm
         self.last_stats = self.last_stats + comm
 
-    def extra(self, comm: CommStats) -> None:
-        """Communication of the step that is no round (the optimizer's agreement on its sparse-gradient
-        parameters, through the transport, at its first synchronisation): in the bytes sent and received
-        and in :attr:`last_stats`, not in the rounds or the declared bytes."""
-        self.stats.comm = self.stats.comm + comm
-        self.last_stats = self.last_stats + comm
-
     def call(self, dense_bytes: int, copies: float | None = None) -> None:
         """A call standing for ``dense_bytes`` of uncompressed gradient (``copies``: as :meth:`round`)."""
         self.stats.bytes_dense += dense_bytes

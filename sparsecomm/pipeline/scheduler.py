@@ -25,7 +25,6 @@ import torch
 
 from ..errors import IncompatibleError, MismatchError, SparseCommError
 from ..fabric.engine import CommWork
-from ..fabric.stats import CommStats
 from .buckets import Bucket, layout
 from .core import CommPipeline
 
@@ -55,7 +54,6 @@ class BucketScheduler:
         self._works: list[tuple[Bucket, CommWork]] = []
         self._fired: dict[int, int] = {}
         self._in_step = False
-        self._unbooked: CommStats | None = None          # the sparse agreement's traffic, until its step begins
         #: whether the last synchronisation was skipped on every worker (``nonfinite="skip"``: a round had a
         #: non-finite sum; the method states and generators are as before it, the gradients hold NaN)
         self.skipped = False
@@ -118,9 +116,7 @@ class BucketScheduler:
         flags = torch.tensor([1.0 if p.grad is not None and p.grad.is_sparse else 0.0 for p in params],
                              dtype=torch.float32)
         if self.pipeline.world_size > 1 and flags.numel():
-            t = self.pipeline.transport
-            flags = t.allreduce(flags)
-            self._unbooked = t.last_stats        # booked in the step it precedes (_start)
+            flags = self.pipeline.transport.allreduce(flags)
         self.sparse = frozenset(id(p) for p, f in zip(params, flags.tolist()) if f > 0)
         if self.sparse:
             if self.pipeline.states.keys():
@@ -163,9 +159,6 @@ class BucketScheduler:
         if not self._in_step:
             pipe.begin_step(self.steps + 1)        # the identity of this step's calls carries our counter
             self._in_step = True
-            if self._unbooked is not None:
-                pipe.accounting.extra(self._unbooked)
-                self._unbooked = None
         if b.sparse and pipe.plain:
             p = b.params[0]
             work = pipe.start_sparse(p.grad, p.shape, b.key, p.dtype)

@@ -269,11 +269,25 @@ class SimFabric(Fabric):
 
     def drive(self, roles: list, inbox: _roles.Inbox, outbox: _roles.Outbox, *, keep: int = 64) -> None:
         """Run ``roles`` (:meth:`.base.Fabric.drive`) as one process of the world's loop: the scheduler of
-        :func:`.roles.schedule`, whose waits are this endpoint's receives and ``wait_any``."""
+        :func:`.roles.schedule`, whose waits are this endpoint's receives and ``wait_any``.
+
+        Args:
+            roles: the generators to run (:mod:`sparsecomm.fabric.roles`).
+            inbox: where their receives are posted.
+            outbox: through which they send.
+            keep: the sends left unfinished when the scheduler reaps (:meth:`.roles.Outbox.reap`).
+        """
         self.world.gate.call(self._ep, self.drive_process(roles, inbox, outbox, keep), "a message of its roles")
 
     def drive_process(self, roles: list, inbox: _roles.Inbox, outbox: _roles.Outbox, keep: int = 64) -> Generator:
-        """:meth:`drive` as a process of the loop, for a service whose main is one (``yield from``)."""
+        """:meth:`drive` as a process of the loop, for a service whose main is one (``yield from``).
+
+        Args:
+            roles: the generators to run (:mod:`sparsecomm.fabric.roles`).
+            inbox: where their receives are posted.
+            outbox: through which they send.
+            keep: the sends left unfinished when the scheduler reaps (:meth:`.roles.Outbox.reap`).
+        """
         sched = _roles.schedule(self, inbox, outbox, roles, keep)
         value = None
         while True:
@@ -320,7 +334,15 @@ class SimFabric(Fabric):
     def service(self, name: str, main: Callable[[Fabric], None], *, bandwidth_gbps: float | None = None,
                 latency_us: float | None = None, per_port: bool = False) -> int:
         """:meth:`.base.Fabric.service`; a ``main`` that is a generator function is a process of the world's
-        loop (no thread), any other ``main`` runs on a thread of its own (:mod:`sparsecomm.fabric.sim_gate`)."""
+        loop (no thread), any other ``main`` runs on a thread of its own (:mod:`sparsecomm.fabric.sim_gate`).
+
+        Args:
+            name: the service's name (every worker asking for it gets the same endpoint).
+            main: its body, called with the service's own fabric.
+            bandwidth_gbps: its link's rate (default: the network's).
+            latency_us: its link's latency (default: the network's).
+            per_port: one NIC per peer (a switch's ports work in parallel).
+        """
         world = self.world
         with world.gate.lock:
             if name in world.service_ids:

@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextvars
 import heapq
 from collections import deque
-from typing import Callable, Generator
+from typing import Generator
 
 from ...errors import EndpointCrashed, FabricTimeout, InvalidValueError, PeerFailure, ServiceShutdown
 from .sim_network import Endpoint, Msg, Network
@@ -198,7 +198,7 @@ class World:
         p.done = True
         p.gen.close()
 
-    def run(self, until: Callable[[], bool] | None = None) -> None:
+    def run(self) -> None:
         """Step the processes able to run; at quiescence (none able to run, no endpoint's thread running)
         fire the earliest event or deadline; repeat until nothing can happen without a thread. An
         exception of the loop itself (never a process's) propagates."""

@@ -118,6 +118,9 @@ def _optimizer_sim(ctx, steps: int):
 
 
 def test_optimizer_switch_ledger_is_its_wire_bytes_on_simfabric():
-    for rows, total in sc.launch(functools.partial(_optimizer_sim, steps=2), 2):
-        assert all(ledger == sent > 0 for ledger, sent in rows), rows
+    # the first step's wire also carries the optimizer's one-time agreement on which parameters have sparse
+    # gradients (at its first synchronisation), which the ledger leaves out as it leaves out construction
+    for rows, total in sc.launch(functools.partial(_optimizer_sim, steps=3), 2):
+        assert 0 < rows[0][0] < rows[0][1], rows
+        assert all(ledger == sent > 0 for ledger, sent in rows[1:]), rows
         assert total == sum(r[0] for r in rows)

@@ -1,0 +1,106 @@
+"""How often one training step crosses from one source file of the library into another, per simulated worker.
+
+    python -m experiments.bench.file_crossings                 # diana + rand-k over omnireduce, n = 2, 4, 8
+    python -m experiments.bench.file_crossings --workers 2 16
+
+A reader follows a call by reading the files it enters: a protocol whose one step enters many files many
+times is hard to read. This counts, for one ``DistributedOptimizer.step()`` of ``--method`` /
+``--compressor`` over ``--transport`` on the SimFabric (after one untimed step), every Python call whose
+callee's file differs from its caller's, both under ``sparsecomm/``, in every thread of the process (the
+workers' threads, their communication threads, and the thread that runs the SimFabric's loop), divided by
+the number of workers. ``sys.setprofile`` and ``threading.setprofile`` see the calls; C functions are not
+counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+import sparsecomm as sc
+
+PKG = str(Path(sc.__file__).resolve().parent)
+
+
+class Crossings:
+    """A profile function counting calls from one file of the package into another."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.by_pair: dict[tuple[str, str], int] = {}
+        self.on = False
+
+    def __call__(self, frame, event, arg):
+        if not self.on or event != "call":
+            return
+        back = frame.f_back
+        if back is None:
+            return
+        callee, caller = frame.f_code.co_filename, back.f_code.co_filename
+        if callee != caller and callee.startswith(PKG) and caller.startswith(PKG):
+            self.count += 1
+            key = (caller[len(PKG) + 1:], callee[len(PKG) + 1:])
+            self.by_pair[key] = self.by_pair.get(key, 0) + 1
+
+
+def _step(ctx, args, prof: Crossings, barrier: threading.Barrier):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    opt = sc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), method=args.method,
+                                  compressor=args.compressor, transport=args.transport, fabric=ctx.fabric)
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(ctx.rank))
+
+    def one():
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+
+    one()                       # builds, compiles and agrees: not counted
+    barrier.wait()
+    if ctx.rank == 0:
+        prof.on = True
+    barrier.wait()
+    one()
+    barrier.wait()
+    prof.on = False
+
+
+def count(n: int, args) -> tuple[float, dict]:
+    """Crossings per worker of one step on ``n`` simulated workers, and the 10 most frequent file pairs."""
+    prof = Crossings()
+    barrier = threading.Barrier(n)
+    threading.setprofile(prof)
+    sys.setprofile(prof)
+    try:
+        sc.launch(lambda ctx: _step(ctx, args, prof, barrier), n)
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+    top = dict(sorted(prof.by_pair.items(), key=lambda kv: -kv[1])[:10])
+    return prof.count / n, top
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--method", default="diana")
+    ap.add_argument("--compressor", default="randk")
+    ap.add_argument("--transport", default="omnireduce")
+    ap.add_argument("--pairs", action="store_true", help="print the most frequent file pairs")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    print(f"{args.method} + {args.compressor} over {args.transport}: file crossings of one step, per worker")
+    for n in args.workers:
+        per, top = count(n, args)
+        print(f"n = {n:3d}: {per:8.1f}", flush=True)
+        if args.pairs:
+            for (a, b), c in top.items():
+                print(f"      {c / n:8.1f}  {a} -> {b}")
+
+
+if __name__ == "__main__":
+    main()
