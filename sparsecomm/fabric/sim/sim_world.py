@@ -128,7 +128,6 @@ class World:
         self._heap: list = []
         self._blocked = 0
         self._seq = 0
-        self.looping = False
 
     # ----------------------------------------------------------------- endpoints
     def add_endpoint(self, bw: float, latency: float, per_port: bool, name: str, threaded: bool) -> Endpoint:
@@ -203,21 +202,17 @@ class World:
         fire the earliest event or deadline; repeat until nothing can happen without a thread. An
         exception of the loop itself (never a process's) propagates."""
         runq = self._runq
-        self.looping = True
-        try:
-            while True:
-                while runq:
-                    p = runq.popleft()
-                    p.queued = False
-                    self._step(p)
-                if self.running > 0 or not self._blocked:
+        while True:
+            while runq:
+                p = runq.popleft()
+                p.queued = False
+                self._step(p)
+            if self.running > 0 or not self._blocked:
+                return
+            if not self._fire():
+                self._deadlock()
+                if not runq:
                     return
-                if not self._fire():
-                    self._deadlock()
-                    if not runq:
-                        return
-        finally:
-            self.looping = False
 
     def _ready(self, p: Proc) -> None:
         if not p.queued:
