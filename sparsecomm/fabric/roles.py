@@ -429,7 +429,10 @@ class _Scheduler:
             cands = self.runnable()
             if not cands:
                 raise ProtocolError(f"endpoint {self.fabric.rank}: no role of this call can run (a bug)")
-            if all(rw[1].stage.reaps for _, rw in cands):
+            if len(cands) == 1:
+                if cands[0][1][1].stage.reaps:
+                    self.outbox.reap(keep)
+            elif all(rw[1].stage.reaps for _, rw in cands):
                 self.outbox.reap(keep)
             if len(cands) == 1 or cands[0][1][1].stage.sure:   # the only one, or sure: its own takes block
                 req = cands[0][1][1]
@@ -490,15 +493,24 @@ class _Scheduler:
     def wait(self, role, req: Recv) -> None:
         """Suspend ``role`` on ``req``: count what it lacks, and watch its keys."""
         s = self.seq = self.seq + 1
-        has = self.inbox.has
+        box, watchers = self.inbox._box, self.watchers
         self.waiting[s] = [role, req]
-        self.lacks[s] = sum(not has(k) for k in req.keys) + sum(has(k) for k in req.gone)
-        if not self.lacks[s]:
-            self.able.add(s)
+        lacks = 0
         for k in req.keys:
-            self.watchers.setdefault(k, []).append((s, True))
+            if k not in box:
+                lacks += 1
+            w = watchers.get(k)
+            if w is None:
+                watchers[k] = [(s, True)]
+            else:
+                w.append((s, True))
         for k in req.gone:
-            self.watchers.setdefault(k, []).append((s, False))
+            if k in box:
+                lacks += 1
+            watchers.setdefault(k, []).append((s, False))
+        self.lacks[s] = lacks
+        if not lacks:
+            self.able.add(s)
 
     def changed(self, key, present: bool) -> None:
         """The inbox's observer: ``key`` was posted or put (``present``) or taken."""
@@ -515,17 +527,24 @@ class _Scheduler:
         handed over, no ``gone`` one left), in order of preference (stage; then the order they began to
         wait)."""
         waiting = self.waiting
+        if len(self.able) == 1:
+            for s in self.able:
+                return [(s, waiting[s])]
         return sorted(((s, waiting[s]) for s in self.able), key=lambda e: (e[1][1].stage, e[0]))
 
     def resume(self, s: int) -> Generator:
         role, req = self.waiting.pop(s)
         del self.lacks[s]
         self.able.discard(s)
-        for k in req.keys + req.gone:
-            w = self.watchers[k]
+        watchers = self.watchers
+        for k in req.keys + req.gone if req.gone else req.keys:
+            w = watchers[k]
+            if len(w) == 1:         # (the common case: this role alone waits on the key)
+                del watchers[k]
+                continue
             w[:] = [e for e in w if e[0] != s]
             if not w:
-                del self.watchers[k]
+                del watchers[k]
         yield from self.advance(role)
 
     def poll(self, below=None) -> Generator:

@@ -187,8 +187,9 @@ def ring_role(fabric: Fabric, acc: torch.Tensor, inbox: Inbox, tag: int = RING_T
         nxt = (yield from post_rs(s + 1)) if s + 2 < n and len(bufs) == 2 else None
         for (lo, hi), key in zip(segs[c], posted):
             yield Recv((key,), _STEP)
-            acc[lo:hi].add_(inbox.take(key))
-            yield Send(acc[lo:hi], right, tag, hold=sent)
+            region = acc[lo:hi]
+            region.add_(inbox.take(key))
+            yield Send(region, right, tag, hold=sent)
             sent += 1
             arrived += 1
             if rs_done:

@@ -90,7 +90,13 @@ class _RecvWork(Work):
         """The receive as a process of the loop (the world's gate runs it for :meth:`wait`); ``timeout``:
         modelled seconds, after which it raises :class:`FabricTimeout` and stays posted."""
         if not self._done:
-            self._result = yield from self._fabric._recv_process(*self._args, timeout)
+            fabric = self._fabric
+            tensor, src, tag = self._args
+            msg = fabric.world.take_now(fabric._ep, src, tag, timeout)
+            if msg is None:
+                self._result = yield from fabric._recv_process(tensor, src, tag, timeout)
+            else:               # in already: what the loop would do at once, without the round trip through it
+                self._result = fabric._deliver(msg, tensor, tag)
             self._done = True
         return self._result
 
@@ -152,7 +158,10 @@ class SimFabric(Fabric):
             raise InvalidValueError(f"{ep.name}: no endpoint {dst} (world has {len(world.endpoints)})")
         if dst == self.rank:
             raise InvalidValueError(f"{ep.name}: cannot send to itself")
-        data = tensor.detach().to("cpu", copy=True).contiguous()
+        if tensor.is_cpu and not tensor.requires_grad and tensor.is_contiguous():
+            data = tensor.clone()       # the common case in one operation (a send's copy: the buffer may change)
+        else:
+            data = tensor.detach().to("cpu", copy=True).contiguous()
         nbytes = data.numel() * data.element_size()
         with world.gate.lock:
             self._raise_if_failed()
@@ -195,15 +204,21 @@ class SimFabric(Fabric):
     # ------------------------------------------------------------- receiving
     def _deliver(self, msg: Msg, tensor: torch.Tensor, tag: int) -> int:
         """Copy taken ``msg`` into ``tensor`` (a message of another length or dtype: ``MismatchError``)."""
-        if msg.data.numel() != tensor.numel() or msg.data.dtype != tensor.dtype:
+        data = msg.data
+        if data.dtype is not tensor.dtype or data.numel() != tensor.numel():
             world = self.world
             raise MismatchError(
                 f"{self._ep.name} expected {tensor.numel()} x {tensor.dtype} from "
                 f"{world.endpoints[msg.src].name} (tag {tag}) but received "
                 f"{msg.data.numel()} x {msg.data.dtype}: workers disagree on the message's length "
                 f"or dtype")
-        with torch.no_grad():
-            tensor.copy_(msg.data.reshape(tensor.shape))
+        if data.shape != tensor.shape:
+            data = data.reshape(tensor.shape)
+        if tensor.requires_grad:
+            with torch.no_grad():
+                tensor.copy_(data)
+        else:
+            tensor.copy_(data)
         return msg.src
 
     def _recv_process(self, tensor: torch.Tensor, src: int | None, tag: int, timeout: float | None) -> Generator:

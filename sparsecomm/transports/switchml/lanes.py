@@ -142,6 +142,7 @@ class Link:
         self.pool = Pool()
         self.inbox, self.outbox = Inbox(fabric, self.pool), Outbox(fabric, self.pool)
         self.bufs = [torch.zeros((burst, width), dtype=torch.int32) for _ in range(depth)]
+        self._rows = [b.numpy() for b in self.bufs]      # the same memory as arrays (cheap per-packet writes)
         self.posted = False       # the ring's first receives are posted
         self.i = 0                # the ring position of the next receive to take
         self.unposted = 0         # taken receives behind self.i not posted again yet
@@ -173,7 +174,7 @@ class Link:
     def release(self):
         """(role) Done with the taken buffer (its rows' types are reset: the next message may be shorter);
         its receive is posted again with the group it completes."""
-        self.bufs[self.i][:self.filled, F_TYPE] = T_EMPTY
+        self._rows[self.i][:self.filled, F_TYPE] = T_EMPTY
         D = len(self.bufs)
         self.i = (self.i + 1) % D
         self.unposted += 1
