@@ -188,6 +188,7 @@ def ring_role(fabric: Fabric, acc: torch.Tensor, inbox: Inbox, tag: int = RING_T
         for (lo, hi), key in zip(segs[c], posted):
             yield Recv((key,), _STEP)
             acc[lo:hi].add_(inbox.take(key))
+            fabric.host_work("sum", hi - lo, acc.dtype)
             yield Send(acc[lo:hi], right, tag, hold=sent)
             sent += 1
             arrived += 1
