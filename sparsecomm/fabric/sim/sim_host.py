@@ -75,7 +75,8 @@ class HostModel:
         recv_byte_s: CPU seconds per byte received.
         copy_byte_s: seconds per byte of a ``host_work("copy", nbytes)``.
         sum_element_s: dtype name (:data:`SUM_DTYPES`, or any other ``torch`` dtype's name) -> seconds per
-            element added; a ``host_work("sum", ...)`` of a dtype not in it raises.
+            element added (default: 0 for each of :data:`SUM_DTYPES`); a ``host_work("sum", ...)`` of a dtype
+            not in it raises.
         scan_element_s: seconds per element scanned for non-zero blocks (OmniReduce's block scan).
         switch_packet_s: seconds per packet run through a switch program (SwitchML's dataplane).
         cpu_share: the CPU stretch of every endpoint (>= 1): endpoints sharing cores, e.g. 2 for 4 hosts on
@@ -88,7 +89,7 @@ class HostModel:
     send_byte_s: float = 0.0
     recv_byte_s: float = 0.0
     copy_byte_s: float = 0.0
-    sum_element_s: Mapping[str, float] = field(default_factory=dict)
+    sum_element_s: Mapping[str, float] = field(default_factory=lambda: dict.fromkeys(SUM_DTYPES, 0.0))
     scan_element_s: float = 0.0
     switch_packet_s: float = 0.0
     cpu_share: float = 1.0
