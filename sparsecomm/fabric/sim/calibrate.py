@@ -10,7 +10,8 @@ launched rank is given) and reports the median of its repeats:
   the one-way time of each size (half the median round trip) is fitted by least squares as ``a + b * bytes``;
   ``a`` and ``b`` are split evenly between the sender and the receiver (a round trip cannot tell them
   apart). On loopback the "wire" is the hosts' copies, so the whole one-way time is host time; a fitted
-  value below zero (noise) is written as 0;
+  value below zero (noise) is written as 0. It is the cost a transport pays through the fabric (its waits'
+  helper threads included), several times a bare ``torch.distributed`` round's;
 - ``copy_byte_s``: ``Tensor.copy_`` of a large float32 buffer, per byte;
 - ``sum_element_s``: ``Tensor.add_`` of two large vectors of each dtype of :data:`~.sim_host.SUM_DTYPES`,
   per element (the ring's and OmniReduce's aggregator's sum);
@@ -74,23 +75,24 @@ def _round_trips(ctx, sizes: tuple[int, ...], rounds: int) -> list[float]:
     """Rank 0: the median round trip of each size to rank 1 and back (rank 1 echoes); rank 1: ``[]``."""
     torch.set_num_threads(1)
     f = ctx.fabric
-    out = []
-    for size in sizes:
+
+    def rounds_of(size: int, count: int) -> list[float]:
         buf = torch.zeros(size, dtype=torch.uint8)
         times = []
-        for i in range(rounds + 2):            # the first two: connection set-up and warm-up
+        for _ in range(count):
+            t = time.perf_counter()
             if ctx.rank == 0:
-                t = time.perf_counter()
                 f.send(buf, 1, TAG)
                 f.recv(buf, 1, TAG)
-                if i >= 2:
-                    times.append(time.perf_counter() - t)
             else:
                 f.recv(buf, 0, TAG)
                 f.send(buf, 0, TAG)
-        if ctx.rank == 0:
-            out.append(statistics.median(times))
-    return out
+            times.append(time.perf_counter() - t)
+        return times
+
+    rounds_of(sizes[0], max(10, rounds // 2))       # warm-up: connections, the fabric's helper threads
+    out = [statistics.median(rounds_of(size, rounds)) for size in sizes]
+    return out if ctx.rank == 0 else []
 
 
 def message_costs(quick: bool = False) -> dict:
@@ -178,7 +180,8 @@ def calibrate(quick: bool = False) -> dict:
     date = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()
     method = {"quick": bool(quick), "repeats": REPEATS[quick], "round_trips": ROUNDS[quick],
               "elements": ELEMENTS[quick], "switch_packets": PACKETS[quick], "message_fit": fit,
-              "statistic": "median"}
+              "statistic": "median", "messages_via": "TorchFabric send/recv over gloo, 127.0.0.1",
+              "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
     return profile_dict(host, date=date, machine=machine(), method=method)
 
 
