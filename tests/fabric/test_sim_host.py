@@ -112,6 +112,17 @@ def test_each_transport_declares_its_host_work(name, kw, rates):
     assert max(charged) > max(none)
 
 
+def test_host_model_is_a_value():
+    import copy
+    import pickle
+
+    again = pickle.loads(pickle.dumps(FULL))
+    assert again == FULL and hash(again) == hash(FULL) and copy.deepcopy(FULL) == FULL
+    assert FULL.sum_element_s["float32"] == 1e-10
+    with pytest.raises(TypeError):
+        FULL.sum_element_s["float32"] = 0.0        # frozen, its table too
+
+
 def test_host_model_validates_its_rates():
     with pytest.raises(InvalidValueError, match="send_byte_s"):
         HostModel(send_byte_s=-1.0)

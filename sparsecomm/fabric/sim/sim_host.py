@@ -118,6 +118,16 @@ class HostModel:
              check_real(f"cpu_share_by_endpoint[{e}]", f, low=1.0, what=who)
              for e, f in self.cpu_share_by_endpoint.items()}))
 
+    def _fields(self) -> dict:
+        return {f.name: dict(v) if isinstance(v, MappingProxyType) else v
+                for f in dataclasses.fields(self) for v in (getattr(self, f.name),)}
+
+    def __reduce__(self):
+        return _rebuild, (self._fields(),)
+
+    def __hash__(self) -> int:
+        return hash(tuple(tuple(sorted(v.items())) if isinstance(v, dict) else v for v in self._fields().values()))
+
     def sharing(self, endpoints: int, cores: float) -> "HostModel":
         """This model with ``cpu_share = max(1, endpoints / cores)``: ``endpoints`` busy endpoints on
         ``cores`` cores (a netbed of 4 hosts on 2 cores: ``sharing(4, 2)``, a share of 2)."""
@@ -159,3 +169,8 @@ class HostModel:
         if count < 0:
             raise InvalidValueError(f"host_work({op!r}): count must be >= 0, got {count}")
         return count * rate
+
+
+def _rebuild(fields: dict) -> HostModel:
+    """Unpickle a :class:`HostModel` (its mappings are read-only views, which pickle cannot copy)."""
+    return HostModel(**fields)
