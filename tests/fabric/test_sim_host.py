@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import json
@@ -59,14 +60,8 @@ def test_shared_cores_double_the_cpu_part():
     two = _ring_times(shared)[0]
     assert two - base == pytest.approx(2 * (one - base), rel=1e-12, abs=0)
     # per endpoint: only worker 2 shares its core; the others' CPU part is unchanged
-    own = _ring_times(dataclass_replace(HOST, cpu_share_by_endpoint={2: 3.0}))
+    own = _ring_times(dataclasses.replace(HOST, cpu_share_by_endpoint={2: 3.0}))
     assert own[2] > one
-
-
-def dataclass_replace(model, **kw):
-    import dataclasses
-
-    return dataclasses.replace(model, **kw)
 
 
 def test_a_straggler_stretches_its_host_costs():
@@ -207,6 +202,7 @@ def test_from_profile_refuses_an_unknown_override_and_an_unreadable_file(tmp_pat
         sc.Network.from_profile(path)
 
 
+@pytest.mark.multiprocess
 def test_calibrate_command_writes_a_loadable_profile(tmp_path):
     out = tmp_path / "host.json"
     root = str(Path(sc.__file__).resolve().parents[1])
