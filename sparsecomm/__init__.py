@@ -29,6 +29,7 @@ from .payload import Payload  # noqa: F401
 from .launch import Context, backends as _backends, current_context, launch  # noqa: E402,F401
 from .fabric.sim.sim import SimFabric  # noqa: E402,F401
 from .fabric.sim.sim_network import Network  # noqa: E402,F401
+from .fabric.sim.sim_host import HostModel  # noqa: E402,F401
 
 # the netbed backend sits above launch (it runs the gloo backend's ranks in namespaces): the package's top
 # declares it, and launch imports it on first use
@@ -65,7 +66,7 @@ def __getattr__(name: str):
 #: the public names of the package (``dir(sparsecomm)``; the sub-packages and classes above are loaded on
 #: first use)
 __all__ = sorted({"__version__", "errors", "registry", "Payload", "Context", "current_context", "launch",
-                  "Network", "SimFabric", *_LAZY})
+                  "Network", "HostModel", "SimFabric", *_LAZY})
 
 
 def __dir__():

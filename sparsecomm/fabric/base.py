@@ -267,6 +267,13 @@ class Fabric(ABC):
     def compute(self, seconds: float) -> None:
         """Account ``seconds`` of local computation (advances the modelled clock; no-op elsewhere)."""
 
+    def host_work(self, op: str, count: int, dtype: torch.dtype | None = None) -> None:
+        """Declare host work a protocol has just done, for a fabric that models the hosts' CPU: ``op`` is
+        ``"sum"`` (``count`` elements of ``dtype`` added), ``"scan"`` (elements scanned for non-zero
+        blocks), ``"switch_packet"`` (packets run through a switch program) or ``"copy"`` (bytes copied).
+        A no-op here and on real fabrics (the work took its real time); SimFabric with a host model
+        advances the clock by the model's rate (:mod:`sparsecomm.fabric.sim.sim_host`)."""
+
     @abstractmethod
     def service(self, name: str, main: Callable[["Fabric"], None], **link) -> int:
         """The endpoint id of the service ``name``, started on first use with ``main(fabric)``.

@@ -37,7 +37,9 @@ or nftables), which this kernel lacks, so ``run`` offers neither (``--latency-us
 than 0 is refused, naming the SimFabric, which models both: ``--backend sim`` in the studies).
 
 ``python -m sparsecomm.netbed check --gbps G``: the honesty check (round trip shaped vs unshaped, bulk
-rate vs configured). ``python -m sparsecomm.netbed list`` / ``cleanup``: the netbeds on this machine /
+rate vs configured). ``python -m sparsecomm.netbed calibrate --out host.json [--quick]``: this machine's
+host costs as a profile for ``sc.Network.from_profile`` (:mod:`sparsecomm.fabric.sim.calibrate`; no netbed
+needed). ``python -m sparsecomm.netbed list`` / ``cleanup``: the netbeds on this machine /
 remove those whose owner is gone.
 """
 
@@ -181,6 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS ...")
     c = sub.add_parser("check", help="measure the emulation's round trip and rate")
     c.add_argument("--gbps", type=float, default=1.0)
+    from ..fabric.sim import calibrate as _calibrate
+
+    _calibrate.add_arguments(sub.add_parser("calibrate", help="measure this machine's host costs and write a "
+                                                              "profile for sc.Network.from_profile"))
     sub.add_parser("list", help="netbed namespaces on this machine")
     sub.add_parser("cleanup", help="remove namespaces of netbeds whose owner process is gone")
     a = p.parse_args(argv)
@@ -194,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
             for k, v in check(a.gbps).items():
                 print(f"{k}: {v:.4g}")
             return 0
+        if a.what == "calibrate":
+            return _calibrate.run(a)
         if a.what == "list":
             print("\n".join(list_netbed_namespaces()))
             return 0

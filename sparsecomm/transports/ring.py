@@ -189,6 +189,7 @@ def ring_role(fabric: Fabric, acc: torch.Tensor, inbox: Inbox, tag: int = RING_T
             yield Recv((key,), _STEP)
             region = acc[lo:hi]
             region.add_(inbox.take(key))
+            fabric.host_work("sum", hi - lo, acc.dtype)
             yield Send(region, right, tag, hold=sent)
             sent += 1
             arrived += 1

@@ -151,6 +151,9 @@ class SimFabric(Fabric):
         factor = self.world.network.stragglers.get(self.rank, 1.0)
         self._ep.clock += seconds * factor
 
+    def host_work(self, op: str, count: int, dtype: torch.dtype | None = None) -> None:
+        self._ep.host_work(op, count, dtype)     # the host model's charge (sim_host); none without one
+
     # --------------------------------------------------------------- sending
     def _post(self, tensor: torch.Tensor, dst: int, tag: int, reliable: bool) -> float:
         world, ep = self.world, self._ep

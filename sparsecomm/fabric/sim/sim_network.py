@@ -24,7 +24,11 @@ The network model (alpha-beta with NIC serialisation), per endpoint:
 - ``recv`` advances the receiver's clock to the delivery time; ``compute(s)`` advances it by ``s``;
 - a straggler (``Network.stragglers``: endpoint -> factor f >= 1) is a slow host: its compute takes f
   times as long and its NIC moves bytes at 1/f of the rate, in and out (a host-bound TCP stack), so
-  that it slows what transports do, not only ``compute()``.
+  that it slows what transports do, not only ``compute()``;
+- the hosts' CPU time (``Network.host``, a :class:`~.sim_host.HostModel`; ``None``, the default: none): per
+  message sent, on the sender's clock before its NIC starts; per message taken, on the receiver's clock
+  after its delivery; and the work transports declare (``Fabric.host_work``: sums, block scans, switch
+  packets), each stretched by the endpoint's CPU share and straggler factor (:mod:`.sim_host`).
 
 Service endpoints (dedicated aggregators, a switch) have their own link; ``per_port=True`` gives a
 switch one NIC per peer (ports work in parallel, as a switch's do).
@@ -38,8 +42,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ...errors import InvalidTypeError
 from ...validate import check_int, check_real, check_seed
 from ..stats import CommStats
+from .sim_host import HostModel
 
 
 @dataclass
@@ -51,7 +57,8 @@ class Network:
     (>= 1) multiplying its modelled compute time and dividing its NIC's rate. ``payload_fraction``:
     the share of the link rate that carries message bytes (:data:`TCP_OVER_ETHERNET` for a TCP link).
     ``crash`` maps an endpoint to the number of sends after which it dies silently. ``timeout_s`` bounds every wall-clock wait (a safety net; the
-    modelled deadlock detection normally fires first).
+    modelled deadlock detection normally fires first). ``host``: the hosts' CPU costs
+    (:class:`~.sim_host.HostModel`); ``None`` charges none. :meth:`from_profile` loads a calibrated one.
 
     Args:
         bandwidth_gbps: each NIC's rate, Gbit/s.
@@ -62,6 +69,7 @@ class Network:
         crash: endpoint -> sends after which it dies silently.
         timeout_s: bound of every wall-clock wait, seconds.
         payload_fraction: the share of the link rate that carries message bytes, in (0, 1].
+        host: the hosts' CPU costs, or ``None`` for none.
     """
 
     bandwidth_gbps: float = 100.0
@@ -72,6 +80,7 @@ class Network:
     crash: dict[int, int] = field(default_factory=dict)
     timeout_s: float = 120.0
     payload_fraction: float = 1.0
+    host: HostModel | None = None
 
     def __post_init__(self) -> None:
         who = "Network"
@@ -88,6 +97,22 @@ class Network:
         self.crash = {check_int("a crashing endpoint", eid, low=0, what=who):
                       check_int(f"the sends before endpoint {eid} crashes", k, low=0, what=who)
                       for eid, k in self.crash.items()}
+        if self.host is not None and not isinstance(self.host, HostModel):
+            raise InvalidTypeError(f"{who}: host must be a HostModel or None, got {type(self.host).__name__}")
+
+    @classmethod
+    def from_profile(cls, path, **overrides) -> "Network":
+        """A network whose ``host`` is the :class:`~.sim_host.HostModel` of the host profile at ``path``
+        (written by ``python -m sparsecomm.netbed calibrate --out PATH``; format: :mod:`.sim_profile`).
+
+        Args:
+            path: the profile (a JSON file).
+            **overrides: :class:`Network` fields (``bandwidth_gbps=10``) and :class:`~.sim_host.HostModel`
+                fields (``cpu_share=2``, ``send_message_s=0``) replacing the defaults and the profile's.
+        """
+        from .sim_profile import network_from_profile
+
+        return network_from_profile(cls, path, overrides)
 
     @property
     def bytes_per_s(self) -> float:
@@ -137,6 +162,8 @@ class Endpoint:
         self.name = name
         self.slow = float(network.stragglers.get(eid, 1.0))
         self.bw = bw / self.slow      # a straggler's host stack moves bytes 1/factor as fast, both ways
+        self.host = network.host      # CPU costs (None: none)
+        self.cpu = self.slow * network.host.factor(eid) if network.host is not None else 1.0
         self.latency = latency
         self.per_port = per_port
         self.clock = 0.0
@@ -158,7 +185,10 @@ class Endpoint:
 
     def transmit(self, peer: int, nbytes: int) -> tuple[float, float]:
         """Occupy the NIC (its port towards ``peer``) with ``nbytes`` from ``start = max(clock,
-        when the port is free)`` until ``tx_end = start + nbytes / bw``; return ``(start, tx_end)``."""
+        when the port is free)`` until ``tx_end = start + nbytes / bw``; return ``(start, tx_end)``. With a
+        host model the send's CPU time is charged to the clock first (:mod:`.sim_host`)."""
+        if self.host is not None:
+            self.clock += self.host.send_s(nbytes) * self.cpu
         port = self.port(peer)
         start = max(self.clock, self._tx_free.get(port, 0.0))
         tx_end = start + nbytes / self.bw
@@ -186,8 +216,11 @@ class Endpoint:
         return sched[i + 1:]
 
     def taken(self, msg: Msg) -> None:
-        """``msg`` was delivered: fix its slot, drop the schedule's taken prefix."""
+        """``msg`` was delivered: fix its slot, drop the schedule's taken prefix. With a host model the
+        clock moves to the delivery and on by the receive's CPU time (:mod:`.sim_host`)."""
         msg.taken = True
+        if self.host is not None:
+            self.clock = max(self.clock, msg.delivered) + self.host.recv_s(msg.nbytes) * self.cpu
         port = self.port(msg.src)
         sched = self._rx_sched[port]
         k = 0
@@ -196,3 +229,9 @@ class Endpoint:
         if k:
             self._rx_base[port] = max(self._rx_base.get(port, 0.0), sched[k - 1].rx_end)
             del sched[:k]
+
+    def host_work(self, op: str, count: int, dtype=None) -> None:
+        """Charge ``count`` units of ``op`` to the clock (:meth:`.sim_host.HostModel.work_s`, stretched); no
+        host model: nothing."""
+        if self.host is not None:
+            self.clock += self.host.work_s(op, count, dtype) * self.cpu

@@ -273,6 +273,8 @@ def agg_lane(adm, c: AggChannel, inbox, outbox, host: int | None, mark=None):
             data, looks = msg if isinstance(msg, tuple) else wire.split(
                 msg, int(c.counts[w]), c.bs, c.up, meta=not (r0 and c.single))
             c.add(w, data, looks)
+            if data is not None:     # (each contribution's elements, the first one's copy counted as a sum)
+                inbox.fabric.host_work("sum", data.numel(), c.acc_dtype)
             if w != host:
                 yield from c.window.done(key)
         out = c.finish()

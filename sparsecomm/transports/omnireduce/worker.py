@@ -138,6 +138,8 @@ def scan(call, a: int):
         step = hi - lo if call.own is None else max(SCAN_MIN_BLOCKS, -(-(hi - lo) // SCAN_PIECES))
         for s in range(lo, hi, step):
             call.source.scan(s, min(hi, s + step))
+            bs = call.source.block_size      # the elements scanned: blocks [s, min(hi, s + step))
+            call.fabric.host_work("scan", min(min(hi, s + step) * bs, call.source.numel) - s * bs)
             if call.own is not None:
                 yield Poll(POLL_SCAN)
     for ch in chans:

@@ -103,6 +103,7 @@ def switch_role(dp: Dataplane, inbox: Inbox):
             continue
         before = dp.stats["malformed"]
         mcast, ucast = dp.process(arr, burst)
+        inbox.fabric.host_work("switch_packet", burst)
         if dp.stats["malformed"] > before:     # reported to every worker (the dataplane's docstring)
             notice = torch.from_numpy(rejection(width, burst, src, dp.world, dp.stats["malformed"] - before))
             for dst in range(dp.world):

@@ -27,6 +27,9 @@ class _LocalFabric:
                 return i
         raise AssertionError("a local-only schedule waited for a fabric operation")
 
+    def host_work(self, op, count, dtype=None):
+        """No host model (``Fabric.host_work``)."""
+
 
 def _run(roles):
     f = _LocalFabric()

@@ -1,0 +1,219 @@
+"""Calibration: this machine's host costs, measured with the library's own kernels, as a host profile.
+
+``python -m sparsecomm.netbed calibrate --out host.json`` (or ``python -m sparsecomm.fabric.sim.calibrate``)
+runs :func:`calibrate` and writes its profile (:mod:`.sim_profile`); ``sc.Network.from_profile("host.json")``
+models a run on this machine's hosts. Every measurement runs with one torch thread (as a netbed host or a
+launched rank is given) and reports the median of its repeats:
+
+- ``send_message_s``, ``recv_message_s``, ``send_byte_s``, ``recv_byte_s``: a message round over gloo on
+  127.0.0.1 between two processes (:func:`sparsecomm.launch`, the TorchFabric's ``send``/``recv``):
+  the one-way time of each size (half the median round trip) is fitted by least squares as ``a + b * bytes``;
+  ``a`` and ``b`` are split evenly between the sender and the receiver (a round trip cannot tell them
+  apart). On loopback the "wire" is the hosts' copies, so the whole one-way time is host time; a fitted
+  value below zero (noise) is written as 0. It is the cost a transport pays through the fabric (its waits'
+  helper threads included), several times a bare ``torch.distributed`` round's;
+- ``copy_byte_s``: ``Tensor.copy_`` of a large float32 buffer, per byte;
+- ``sum_element_s``: ``Tensor.add_`` of two large vectors of each dtype of :data:`~.sim_host.SUM_DTYPES`,
+  per element (the ring's and OmniReduce's aggregator's sum);
+- ``scan_element_s``: :func:`sparsecomm.codec.nonzero_blocks` (OmniReduce's block scan, 256-element blocks)
+  of a float32 vector with half of its blocks zero, per element;
+- ``switch_packet_s``: :meth:`~sparsecomm.transports.switchml.dataplane.Dataplane.process` of one 64-value
+  packet, as the SimFabric's switch runs it per message (a two-worker job, slots reused).
+
+When host costs are modelled, ``Network.latency_us`` should be the wire's latency alone: the hosts'
+per-message share, which ``latency_us`` otherwise stands for, is then ``send_message_s + recv_message_s``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from .sim_host import SUM_DTYPES, HostModel
+from .sim_profile import profile_dict
+
+__all__ = ["calibrate", "main", "write_profile"]
+
+#: message sizes (bytes) of the gloo round, quick and full
+MESSAGE_SIZES = {True: (64, 16384, 262144), False: (64, 4096, 65536, 262144, 1 << 20, 4 << 20)}
+#: round trips per size, quick and full
+ROUNDS = {True: 20, False: 200}
+#: elements of the vectors copied, summed and scanned, quick and full
+ELEMENTS = {True: 1 << 18, False: 1 << 22}
+#: repeats of each kernel timing, quick and full
+REPEATS = {True: 5, False: 15}
+#: packets of the switch timing, quick and full
+PACKETS = {True: 200, False: 5000}
+#: the tag of the calibration's messages
+TAG = 7
+
+
+def _median_s(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall seconds of ``fn()`` over ``repeats`` runs, after one run to warm up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _round_trips(ctx, sizes: tuple[int, ...], rounds: int) -> list[float]:
+    """Rank 0: the median round trip of each size to rank 1 and back (rank 1 echoes); rank 1: ``[]``."""
+    torch.set_num_threads(1)
+    f = ctx.fabric
+
+    def rounds_of(size: int, count: int) -> list[float]:
+        buf = torch.zeros(size, dtype=torch.uint8)
+        times = []
+        for _ in range(count):
+            t = time.perf_counter()
+            if ctx.rank == 0:
+                f.send(buf, 1, TAG)
+                f.recv(buf, 1, TAG)
+            else:
+                f.recv(buf, 0, TAG)
+                f.send(buf, 0, TAG)
+            times.append(time.perf_counter() - t)
+        return times
+
+    rounds_of(sizes[0], max(10, rounds // 2))       # warm-up: connections, the fabric's helper threads
+    out = [statistics.median(rounds_of(size, rounds)) for size in sizes]
+    return out if ctx.rank == 0 else []
+
+
+def message_costs(quick: bool = False) -> dict:
+    """The per-message and per-byte costs of a gloo loopback round (module docstring): the four rates and
+    the measurements they were fitted to."""
+    from ... import launch
+
+    sizes = MESSAGE_SIZES[quick]
+    fn = functools.partial(_round_trips, sizes=sizes, rounds=ROUNDS[quick])
+    rtts = launch(fn, 2, backend="gloo", timeout_s=120.0)[0]
+    one_way = np.array(rtts) / 2
+    slope, intercept = np.polyfit(np.array(sizes, dtype=np.float64), one_way, 1)
+    a, b = max(0.0, float(intercept)), max(0.0, float(slope))
+    return {"send_message_s": a / 2, "recv_message_s": a / 2, "send_byte_s": b / 2, "recv_byte_s": b / 2,
+            "fit": {"sizes": list(sizes), "one_way_s": [float(x) for x in one_way],
+                    "intercept_s": float(intercept), "slope_s_per_byte": float(slope)}}
+
+
+def kernel_costs(quick: bool = False) -> dict:
+    """``copy_byte_s``, ``sum_element_s`` (per dtype), ``scan_element_s`` and ``switch_packet_s`` (module
+    docstring), with one torch thread."""
+    from ...codec import nonzero_blocks
+    from ...transports.switchml.dataplane import HEADER, Dataplane, SwitchConfig
+
+    n, reps = ELEMENTS[quick], REPEATS[quick]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(n, generator=gen)
+    y = torch.empty_like(x)
+    copy_byte_s = _median_s(lambda: y.copy_(x), reps) / (n * x.element_size())
+    sums = {}
+    for name in SUM_DTYPES:
+        dt = getattr(torch, name)
+        a = (torch.randn(n, generator=gen) * 100).to(dt)
+        b = (torch.randn(n, generator=gen) * 100).to(dt)
+        if not dt.is_floating_point:
+            a.zero_()                      # int32: no wrap-around over the repeats
+        sums[name] = _median_s(lambda: a.add_(b), reps) / n
+    block = 256
+    half = x.clone().view(-1, block)
+    half[::2] = 0                          # every other block zero
+    scan_element_s = _median_s(lambda: nonzero_blocks(half.view(-1), block), reps) / n
+
+    dp = Dataplane(SwitchConfig(elems=64, slots=64, burst=1))
+    dp.world = 2
+    width = HEADER + 64
+    packets = PACKETS[quick]
+    rows = np.zeros((packets, 1, width), dtype=np.int32)
+    for i in range(packets):           # workers 0 and 1 fill slot s of set v in turn
+        s, w = (i // 2) % 64, i % 2
+        v = (i // 128) % 2
+        rows[i, 0, :HEADER] = [1, s, v, w, i // 2, 1, 2, 0]
+        rows[i, 0, HEADER:] = 1
+
+    def run_switch():
+        for r in rows:
+            dp.process(r, 1)
+
+    switch_packet_s = _median_s(run_switch, max(3, reps // 3)) / packets
+    return {"copy_byte_s": copy_byte_s, "sum_element_s": sums, "scan_element_s": scan_element_s,
+            "switch_packet_s": switch_packet_s}
+
+
+def machine() -> dict:
+    """What the profile was measured on."""
+    return {"platform": platform.platform(), "machine": platform.machine(), "processor": platform.processor(),
+            "cpu_count": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "torch_threads": 1}
+
+
+def calibrate(quick: bool = False) -> dict:
+    """Measure this machine's host costs (module docstring) and return its profile (:mod:`.sim_profile`).
+
+    Args:
+        quick: fewer sizes, rounds and repeats (seconds rather than a minute; for tests, not for use).
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        kernels = kernel_costs(quick)
+        messages = message_costs(quick)
+    finally:
+        torch.set_num_threads(threads)
+    fit = messages.pop("fit")
+    host = HostModel(**messages, **kernels)
+    date = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()
+    method = {"quick": bool(quick), "repeats": REPEATS[quick], "round_trips": ROUNDS[quick],
+              "elements": ELEMENTS[quick], "switch_packets": PACKETS[quick], "message_fit": fit,
+              "statistic": "median", "messages_via": "TorchFabric send/recv over gloo, 127.0.0.1",
+              "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
+    return profile_dict(host, date=date, machine=machine(), method=method)
+
+
+def write_profile(profile: dict, out: str | Path) -> None:
+    """Write ``profile`` as JSON to ``out``."""
+    Path(out).write_text(json.dumps(profile, indent=2) + "\n")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The calibrate command's options."""
+    p.add_argument("--out", required=True, help="where to write the host profile (JSON)")
+    p.add_argument("--quick", action="store_true", help="fewer repeats (seconds; for tests)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """The calibrate command: measure, write ``--out``, print the rates."""
+    profile = calibrate(args.quick)
+    write_profile(profile, args.out)
+    for name, entry in profile["host"].items():
+        value = entry["value"]
+        shown = ", ".join(f"{k} {v:.3g}" for k, v in value.items()) if isinstance(value, dict) else f"{value:.3g}"
+        print(f"{name}: {shown} {entry['unit']}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m sparsecomm.fabric.sim.calibrate",
+                                description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

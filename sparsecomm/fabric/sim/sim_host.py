@@ -1,0 +1,176 @@
+"""The SimFabric's host model: the CPU time an endpoint spends on messages and on the work it does between them.
+
+:class:`HostModel` is a table of rates; ``Network(host=HostModel(...))`` charges them to the endpoints'
+modelled clocks (``host=None``, the default: no host cost, every modelled time as without this module):
+
+- per message sent, ``send_message_s + nbytes * send_byte_s`` on the sender's clock before its NIC starts
+  (:meth:`.sim_network.Endpoint.transmit`);
+- per message taken by the application, ``recv_message_s + nbytes * recv_byte_s`` on the receiver's clock
+  after the message's delivery (:meth:`.sim_network.Endpoint.taken`);
+- the work a transport declares with :meth:`sparsecomm.fabric.base.Fabric.host_work` (:data:`HOST_OPS`):
+  ``"sum"``, elements added into an accumulator (``sum_element_s`` of their dtype); ``"scan"``, elements
+  scanned for non-zero blocks (``scan_element_s``); ``"switch_packet"``, packets run through a switch
+  program (``switch_packet_s``); ``"copy"``, bytes copied (``copy_byte_s``).
+
+Every charge is multiplied by the endpoint's CPU factor (:meth:`HostModel.factor`): its ``cpu_share`` (how
+many times longer its CPU work takes because it shares cores with other busy endpoints: 4 hosts on 2 cores
+is ``cpu_share=2``) times its straggler factor (``Network.stragglers``, a slow host). The share is a fixed
+stretch, exact when the endpoints sharing the cores are busy at the same moments (the workers of a
+bulk-synchronous collective doing the same step) and an over-estimate when one of them would have the cores
+to itself; the model has no scheduler of its own. ``Fabric.compute(s)`` is the caller's figure and is not
+stretched by the share.
+
+All rates default to zero (a model that charges nothing); :func:`sparsecomm.fabric.sim.calibrate.calibrate`
+measures this machine's (``python -m sparsecomm.netbed calibrate --out host.json``) and
+:meth:`.sim_network.Network.from_profile` loads them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
+
+import torch
+
+from ...errors import InvalidTypeError, InvalidValueError
+from ...validate import check_int, check_real
+
+__all__ = ["HOST_OPS", "HostModel", "SUM_DTYPES", "RATE_UNITS"]
+
+#: the operations of :meth:`sparsecomm.fabric.base.Fabric.host_work` and the unit they count
+HOST_OPS = {"sum": "element", "scan": "element", "switch_packet": "packet", "copy": "byte"}
+
+#: the dtypes whose per-element sum cost a profile gives (:func:`.calibrate.calibrate` measures each)
+SUM_DTYPES = ("float32", "float64", "float16", "bfloat16", "int32")
+
+#: each rate of :class:`HostModel` and its unit (the profile's ``"unit"`` fields)
+RATE_UNITS = {
+    "send_message_s": "s/message",
+    "recv_message_s": "s/message",
+    "send_byte_s": "s/byte",
+    "recv_byte_s": "s/byte",
+    "copy_byte_s": "s/byte",
+    "sum_element_s": "s/element",
+    "scan_element_s": "s/element",
+    "switch_packet_s": "s/packet",
+}
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """``torch.float32`` -> ``"float32"`` (a string is returned as it is)."""
+    return dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class HostModel:
+    """Per-operation CPU costs of every endpoint of a SimFabric run (the module docstring says where each is
+    charged). Rates are seconds per unit (:data:`RATE_UNITS`), all zero by default.
+
+    Args:
+        send_message_s: CPU seconds per message sent (system calls, the transport's bookkeeping).
+        recv_message_s: CPU seconds per message taken by the receiving application.
+        send_byte_s: CPU seconds per byte sent (the copies into the network stack).
+        recv_byte_s: CPU seconds per byte received.
+        copy_byte_s: seconds per byte of a ``host_work("copy", nbytes)``.
+        sum_element_s: dtype name (:data:`SUM_DTYPES`, or any other ``torch`` dtype's name) -> seconds per
+            element added (default: 0 for each of :data:`SUM_DTYPES`); a ``host_work("sum", ...)`` of a dtype
+            not in it raises.
+        scan_element_s: seconds per element scanned for non-zero blocks (OmniReduce's block scan).
+        switch_packet_s: seconds per packet run through a switch program (SwitchML's dataplane).
+        cpu_share: the CPU stretch of every endpoint (>= 1): endpoints sharing cores, e.g. 2 for 4 hosts on
+            2 cores (:meth:`sharing`).
+        cpu_share_by_endpoint: endpoint id -> its own stretch (>= 1), overriding ``cpu_share``.
+    """
+
+    send_message_s: float = 0.0
+    recv_message_s: float = 0.0
+    send_byte_s: float = 0.0
+    recv_byte_s: float = 0.0
+    copy_byte_s: float = 0.0
+    sum_element_s: Mapping[str, float] = field(default_factory=lambda: dict.fromkeys(SUM_DTYPES, 0.0))
+    scan_element_s: float = 0.0
+    switch_packet_s: float = 0.0
+    cpu_share: float = 1.0
+    cpu_share_by_endpoint: Mapping[int, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        who = "HostModel"
+        put = object.__setattr__
+        for name in RATE_UNITS:
+            if name != "sum_element_s":
+                put(self, name, check_real(name, getattr(self, name), low=0.0, what=who))
+        if not isinstance(self.sum_element_s, Mapping):
+            raise InvalidTypeError(f"{who}: sum_element_s must map dtype names to seconds per element, got "
+                                   f"{type(self.sum_element_s).__name__}")
+        sums = {}
+        for k, v in self.sum_element_s.items():
+            name = dtype_name(k)
+            if not isinstance(getattr(torch, name, None), torch.dtype):
+                raise InvalidValueError(f"{who}: sum_element_s has key {k!r}, which is no torch dtype (e.g. "
+                                        f"{', '.join(SUM_DTYPES)})")
+            sums[name] = check_real(f"sum_element_s[{name!r}]", v, low=0.0, what=who)
+        put(self, "sum_element_s", MappingProxyType(sums))
+        put(self, "cpu_share", check_real("cpu_share", self.cpu_share, low=1.0, what=who))
+        put(self, "cpu_share_by_endpoint", MappingProxyType(
+            {check_int("an endpoint of cpu_share_by_endpoint", e, low=0, what=who):
+             check_real(f"cpu_share_by_endpoint[{e}]", f, low=1.0, what=who)
+             for e, f in self.cpu_share_by_endpoint.items()}))
+
+    def _fields(self) -> dict:
+        return {f.name: dict(v) if isinstance(v, MappingProxyType) else v
+                for f in dataclasses.fields(self) for v in (getattr(self, f.name),)}
+
+    def __reduce__(self):
+        return _rebuild, (self._fields(),)
+
+    def __hash__(self) -> int:
+        return hash(tuple(tuple(sorted(v.items())) if isinstance(v, dict) else v for v in self._fields().values()))
+
+    def sharing(self, endpoints: int, cores: float) -> "HostModel":
+        """This model with ``cpu_share = max(1, endpoints / cores)``: ``endpoints`` busy endpoints on
+        ``cores`` cores (a netbed of 4 hosts on 2 cores: ``sharing(4, 2)``, a share of 2)."""
+        endpoints = check_int("endpoints", endpoints, low=1, what="HostModel.sharing")
+        cores = check_real("cores", cores, low=0.0, low_open=True, what="HostModel.sharing")
+        return dataclasses.replace(self, cpu_share=max(1.0, endpoints / cores))
+
+    def factor(self, endpoint: int) -> float:
+        """The CPU stretch of ``endpoint`` (its ``cpu_share_by_endpoint`` entry, else ``cpu_share``)."""
+        return self.cpu_share_by_endpoint.get(endpoint, self.cpu_share)
+
+    def send_s(self, nbytes: int) -> float:
+        """Unstretched CPU seconds of sending one message of ``nbytes``."""
+        return self.send_message_s + nbytes * self.send_byte_s
+
+    def recv_s(self, nbytes: int) -> float:
+        """Unstretched CPU seconds of taking one message of ``nbytes``."""
+        return self.recv_message_s + nbytes * self.recv_byte_s
+
+    def work_s(self, op: str, count: int, dtype: torch.dtype | str | None = None) -> float:
+        """Unstretched seconds of ``host_work(op, count, dtype)`` (:data:`HOST_OPS`)."""
+        if op == "sum":
+            if dtype is None:
+                raise InvalidValueError("host_work('sum', ...) needs the dtype of the elements summed")
+            rate = self.sum_element_s.get(dtype_name(dtype))
+            if rate is None:
+                raise InvalidValueError(f"HostModel has no sum rate for {dtype_name(dtype)} (sum_element_s "
+                                        f"has {sorted(self.sum_element_s) or 'none'}): add it to the model "
+                                        f"or the profile")
+        elif op == "scan":
+            rate = self.scan_element_s
+        elif op == "switch_packet":
+            rate = self.switch_packet_s
+        elif op == "copy":
+            rate = self.copy_byte_s
+        else:
+            raise InvalidValueError(f"host_work: unknown operation {op!r}; the operations are "
+                                    f"{', '.join(HOST_OPS)}")
+        if count < 0:
+            raise InvalidValueError(f"host_work({op!r}): count must be >= 0, got {count}")
+        return count * rate
+
+
+def _rebuild(fields: dict) -> HostModel:
+    """Unpickle a :class:`HostModel` (its mappings are read-only views, which pickle cannot copy)."""
+    return HostModel(**fields)

@@ -1,0 +1,137 @@
+"""Host profiles: a machine's measured :class:`~.sim_host.HostModel` as a JSON file.
+
+Written by ``python -m sparsecomm.netbed calibrate --out host.json`` (:mod:`.calibrate`), loaded by
+:meth:`sparsecomm.Network.from_profile`. The format (:data:`FORMAT`, version :data:`VERSION`)::
+
+    {
+      "format": "sparsecomm-host-profile",
+      "version": 1,
+      "date": "2026-11-29T13:50:00+00:00",                 # when it was measured (UTC, ISO 8601)
+      "machine": {"platform": ..., "machine": ..., "processor": ..., "cpu_count": 2,
+                  "python": ..., "torch": ..., "torch_threads": 1},
+      "method": {"quick": false, "repeats": 15, ...},        # how it was measured (free-form)
+      "host": {                                              # every rate of HostModel, with its unit
+        "send_message_s": {"value": 1.1e-05, "unit": "s/message"},
+        ...
+        "sum_element_s": {"value": {"float32": 2.5e-10, ...}, "unit": "s/element"}
+      }
+    }
+
+``host`` holds exactly the rates of :data:`~.sim_host.RATE_UNITS` (a missing or unknown one, a unit other
+than its own, or a negative or non-finite value is refused, naming the key); ``sum_element_s`` gives each of
+:data:`~.sim_host.SUM_DTYPES`. ``date``, ``machine`` and ``method`` are recorded, not interpreted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+from ...errors import InvalidTypeError, InvalidValueError
+from .sim_host import RATE_UNITS, SUM_DTYPES, HostModel
+
+__all__ = ["FORMAT", "VERSION", "host_from_profile", "load_profile", "network_from_profile", "profile_dict"]
+
+#: the ``format`` field of a host profile
+FORMAT = "sparsecomm-host-profile"
+#: the version this library writes and reads
+VERSION = 1
+#: the top-level keys of a profile (the first three required)
+KEYS = ("format", "version", "host", "date", "machine", "method")
+
+
+def profile_dict(host: HostModel, *, date: str, machine: dict, method: dict) -> dict:
+    """The profile of ``host`` (its rates; its CPU shares are a run's setting and are not written)."""
+    rates = {}
+    for name, unit in RATE_UNITS.items():
+        value = getattr(host, name)
+        rates[name] = {"value": dict(value) if name == "sum_element_s" else value, "unit": unit}
+    return {"format": FORMAT, "version": VERSION, "date": date, "machine": dict(machine), "method": dict(method),
+            "host": rates}
+
+
+def _rate(where: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidTypeError(f"{where} must be a number, got {type(value).__name__}")
+    if not math.isfinite(value) or value < 0:
+        raise InvalidValueError(f"{where} must be a finite rate >= 0, got {value!r}")
+    return float(value)
+
+
+def host_from_profile(profile: dict, source: str = "host profile") -> HostModel:
+    """The :class:`~.sim_host.HostModel` of a parsed profile, checked (module docstring); ``source`` names it
+    in errors."""
+    if not isinstance(profile, dict):
+        raise InvalidTypeError(f"{source}: a profile is a JSON object, got {type(profile).__name__}")
+    unknown = sorted(set(profile) - set(KEYS))
+    if unknown:
+        raise InvalidValueError(f"{source}: unknown key(s) {unknown}; a profile has {', '.join(KEYS)}")
+    for key in KEYS[:3]:
+        if key not in profile:
+            raise InvalidValueError(f"{source}: no {key!r} (written by python -m sparsecomm.netbed calibrate?)")
+    if profile["format"] != FORMAT:
+        raise InvalidValueError(f"{source}: format is {profile['format']!r}, expected {FORMAT!r}")
+    if profile["version"] != VERSION:
+        raise InvalidValueError(f"{source}: version {profile['version']!r} is not supported (this library reads "
+                                f"version {VERSION}; calibrate again)")
+    host = profile["host"]
+    if not isinstance(host, dict):
+        raise InvalidTypeError(f"{source}: 'host' is a JSON object of rates, got {type(host).__name__}")
+    unknown = sorted(set(host) - set(RATE_UNITS))
+    if unknown:
+        raise InvalidValueError(f"{source}: unknown rate(s) {unknown} in 'host'; the rates are "
+                                f"{', '.join(RATE_UNITS)}")
+    missing = [k for k in RATE_UNITS if k not in host]
+    if missing:
+        raise InvalidValueError(f"{source}: 'host' lacks the rate(s) {missing}")
+    kw = {}
+    for name, unit in RATE_UNITS.items():
+        entry = host[name]
+        where = f"{source}: host.{name}"
+        if not isinstance(entry, dict) or set(entry) != {"value", "unit"}:
+            raise InvalidValueError(f"{where} must be {{'value': ..., 'unit': {unit!r}}}, got {entry!r}")
+        if entry["unit"] != unit:
+            raise InvalidValueError(f"{where} has unit {entry['unit']!r}, expected {unit!r}")
+        if name == "sum_element_s":
+            sums = entry["value"]
+            if not isinstance(sums, dict):
+                raise InvalidTypeError(f"{where}.value maps dtype names to rates, got {type(sums).__name__}")
+            missing = [d for d in SUM_DTYPES if d not in sums]
+            if missing:
+                raise InvalidValueError(f"{where}.value lacks the dtype(s) {missing}")
+            kw[name] = {d: _rate(f"{where}.value[{d!r}]", v) for d, v in sums.items()}
+        else:
+            kw[name] = _rate(f"{where}.value", entry["value"])
+    try:
+        return HostModel(**kw)
+    except (InvalidValueError, InvalidTypeError) as exc:
+        raise type(exc)(f"{source}: {exc}") from None
+
+
+def load_profile(path: str | Path) -> dict:
+    """The parsed JSON of the profile at ``path`` (unchecked: :func:`host_from_profile` checks)."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise InvalidValueError(f"host profile {str(path)!r} cannot be read: {exc}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidValueError(f"host profile {str(path)!r} is not JSON: {exc}") from None
+
+
+def network_from_profile(cls, path: str | Path, overrides: dict):
+    """:meth:`sparsecomm.Network.from_profile`: ``cls(host=the profile's HostModel)``, with ``overrides``
+    split between the Network's fields and the HostModel's (an unknown one raises, naming both sets)."""
+    host = host_from_profile(load_profile(path), f"host profile {str(path)!r}")
+    net_fields = {f.name for f in dataclasses.fields(cls)} - {"host"}
+    host_fields = {f.name for f in dataclasses.fields(HostModel)}
+    unknown = sorted(set(overrides) - net_fields - host_fields)
+    if unknown:
+        raise InvalidValueError(f"Network.from_profile: unknown override(s) {unknown}; the Network's are "
+                                f"{', '.join(sorted(net_fields))}; the HostModel's "
+                                f"{', '.join(sorted(host_fields))}")
+    host = dataclasses.replace(host, **{k: v for k, v in overrides.items() if k in host_fields})
+    return cls(host=host, **{k: v for k, v in overrides.items() if k in net_fields})

@@ -1,0 +1,235 @@
+"""The SimFabric's host model (:mod:`sparsecomm.fabric.sim.sim_host`), host profiles and the calibrate command."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import sparsecomm as sc
+from sparsecomm.errors import InvalidTypeError, InvalidValueError
+from sparsecomm.fabric.sim.sim_host import RATE_UNITS, SUM_DTYPES, HostModel
+from sparsecomm.fabric.sim.sim_profile import FORMAT, VERSION, profile_dict
+from sparsecomm.transports.ring import ring_allreduce_
+
+N, CHUNK = 4, 1000          # a 4-worker ring over 4 chunks of 1000 float32: one segment per chunk
+
+
+def _ring(ctx) -> float:
+    acc = torch.full((N * CHUNK,), float(ctx.rank + 1))
+    ring_allreduce_(ctx.fabric, acc)
+    assert torch.equal(acc, torch.full_like(acc, sum(range(1, N + 1))))
+    return ctx.fabric.now()
+
+
+def _ring_times(host: HostModel | None) -> list[float]:
+    return sc.launch(_ring, N, network=sc.Network(bandwidth_gbps=10.0, latency_us=5.0, host=host))
+
+
+HOST = HostModel(send_message_s=3e-6, recv_message_s=5e-6, send_byte_s=7e-10, recv_byte_s=1.1e-9,
+                 sum_element_s={"float32": 2.5e-10})
+
+
+def test_ring_allreduce_charges_each_message_and_sum_by_hand():
+    base = _ring_times(None)
+    timed = _ring_times(HOST)
+    nbytes = CHUNK * 4
+    # the ring is one chain of 2(n-1) hops: each a send (its CPU time before the NIC), the transfer, the
+    # receiver taking it; the n-1 reduce-scatter hops add their chunk before the next send
+    send = HOST.send_message_s + nbytes * HOST.send_byte_s
+    recv = HOST.recv_message_s + nbytes * HOST.recv_byte_s
+    extra = 2 * (N - 1) * (send + recv) + (N - 1) * CHUNK * HOST.sum_element_s["float32"]
+    for b, t in zip(base, timed):
+        assert t == pytest.approx(b + extra, rel=1e-12, abs=0)
+
+
+def test_shared_cores_double_the_cpu_part():
+    base = _ring_times(None)[0]
+    one = _ring_times(HOST)[0]
+    shared = HOST.sharing(endpoints=4, cores=2)
+    assert shared.cpu_share == 2.0
+    two = _ring_times(shared)[0]
+    assert two - base == pytest.approx(2 * (one - base), rel=1e-12, abs=0)
+    # per endpoint: only worker 2 shares its core; the others' CPU part is unchanged
+    own = _ring_times(dataclasses.replace(HOST, cpu_share_by_endpoint={2: 3.0}))
+    assert own[2] > one
+
+
+def test_a_straggler_stretches_its_host_costs():
+    t = sc.launch(lambda ctx: (ctx.fabric.host_work("copy", 10), ctx.fabric.now())[1], 2,
+                  network=sc.Network(host=HostModel(copy_byte_s=1e-6), stragglers={1: 3.0}))
+    assert t == pytest.approx([1e-5, 3e-5], rel=1e-12)
+
+
+def _allreduce(ctx, name: str, kw: dict) -> float:
+    x = torch.randn(1 << 12, generator=torch.Generator().manual_seed(ctx.rank))
+    x[: 1 << 11] = 0               # half the blocks zero
+    t = sc.transports.get(name, ctx.fabric, **kw)
+    t.allreduce(x)
+    return t.last_stats.modelled_time_s
+
+
+CASES = [("ring", {}), ("omnireduce", {"lanes": 4}), ("omnireduce", {"lanes": 4, "deployment": "dedicated"}),
+         ("switch", {}), ("sparse-switch", {})]
+
+
+@pytest.mark.parametrize("name, kw", CASES, ids=[c[0] + "-" + "-".join(map(str, c[1].values())) for c in CASES])
+def test_a_model_of_zero_costs_changes_no_modelled_time(name, kw):
+    run = functools.partial(_allreduce, name=name, kw=kw)
+    none = sc.launch(run, 4, network=sc.Network())
+    zero = sc.launch(run, 4, network=sc.Network(host=HostModel(sum_element_s={d: 0.0 for d in SUM_DTYPES})))
+    assert [t.hex() for t in zero] == [t.hex() for t in none]
+
+
+#: each transport's declared host work, alone: a rate that only it charges must lengthen the call
+WORK = [("ring", {}, {"sum_element_s": {"float32": 1e-8}}),
+        ("omnireduce", {"lanes": 4}, {"scan_element_s": 1e-8}),
+        ("omnireduce", {"lanes": 4, "deployment": "dedicated"},
+         {"sum_element_s": {d: 1e-8 for d in SUM_DTYPES}}),
+        ("switch", {}, {"switch_packet_s": 1e-6}),
+        ("sparse-switch", {}, {"switch_packet_s": 1e-6})]
+
+
+@pytest.mark.parametrize("name, kw, rates", WORK, ids=[f"{c[0]}-{next(iter(c[2]))}" for c in WORK])
+def test_each_transport_declares_its_host_work(name, kw, rates):
+    run = functools.partial(_allreduce, name=name, kw=kw)
+    none = sc.launch(run, 4, network=sc.Network())
+    charged = sc.launch(run, 4, network=sc.Network(host=HostModel(**rates)))
+    assert max(charged) > max(none)
+
+
+def test_host_model_is_a_value():
+    import copy
+    import pickle
+
+    again = pickle.loads(pickle.dumps(FULL))
+    assert again == FULL and hash(again) == hash(FULL) and copy.deepcopy(FULL) == FULL
+    assert FULL.sum_element_s["float32"] == 1e-10
+    with pytest.raises(TypeError):
+        FULL.sum_element_s["float32"] = 0.0        # frozen, its table too
+
+
+def test_host_model_validates_its_rates():
+    with pytest.raises(InvalidValueError, match="send_byte_s"):
+        HostModel(send_byte_s=-1.0)
+    with pytest.raises(InvalidValueError, match="cpu_share"):
+        HostModel(cpu_share=0.5)
+    with pytest.raises(InvalidValueError, match="no torch dtype"):
+        HostModel(sum_element_s={"float33": 1e-9})
+    with pytest.raises(InvalidValueError, match="int8"):
+        HostModel().work_s("sum", 3, torch.int8)
+    with pytest.raises(InvalidValueError, match="unknown operation 'add'.*sum, scan, switch_packet, copy"):
+        HostModel().work_s("add", 3)
+    with pytest.raises(InvalidTypeError, match="host must be a HostModel"):
+        sc.Network(host={"send_message_s": 1.0})
+
+
+# ------------------------------------------------------------------------------------------------ profiles
+def _profile(host: HostModel) -> dict:
+    return profile_dict(host, date="2026-01-01T00:00:00+00:00", machine={"cpu_count": 1}, method={})
+
+
+FULL = HostModel(send_message_s=1e-5, recv_message_s=2e-5, send_byte_s=3e-10, recv_byte_s=4e-10, copy_byte_s=5e-11,
+                 sum_element_s={d: (i + 1) * 1e-10 for i, d in enumerate(SUM_DTYPES)}, scan_element_s=6e-10,
+                 switch_packet_s=7e-7)
+
+
+def test_from_profile_round_trips_and_takes_overrides(tmp_path):
+    path = tmp_path / "host.json"
+    path.write_text(json.dumps(_profile(FULL)))
+    net = sc.Network.from_profile(path)
+    assert net.host == FULL and net.bandwidth_gbps == sc.Network().bandwidth_gbps
+    net = sc.Network.from_profile(str(path), bandwidth_gbps=1.0, cpu_share=2.0, send_message_s=0.0)
+    assert net.bandwidth_gbps == 1.0 and net.host.cpu_share == 2.0 and net.host.send_message_s == 0.0
+    assert net.host.recv_message_s == FULL.recv_message_s
+
+
+def _broken(**edit) -> dict:
+    p = _profile(FULL)
+    for where, value in edit.items():
+        *keys, last = where.split("__")
+        d = p
+        for k in keys:
+            d = d[k]
+        if value is None:
+            del d[last]
+        else:
+            d[last] = value
+    return p
+
+
+@pytest.mark.parametrize("profile, error, match", [
+    (_broken(extra=1), InvalidValueError, r"unknown key\(s\) \['extra'\]"),
+    (_broken(version=2), InvalidValueError, "version 2 is not supported"),
+    (_broken(format="x"), InvalidValueError, "format is 'x'"),
+    (_broken(host=None), InvalidValueError, "no 'host'"),
+    (_broken(host__bogus_s={"value": 1.0, "unit": "s"}), InvalidValueError, r"unknown rate\(s\) \['bogus_s'\]"),
+    (_broken(host__copy_byte_s=None), InvalidValueError, r"lacks the rate\(s\) \['copy_byte_s'\]"),
+    (_broken(host__send_byte_s={"value": -1e-9, "unit": "s/byte"}), InvalidValueError,
+     r"host\.send_byte_s\.value must be a finite rate >= 0"),
+    (_broken(host__send_byte_s={"value": "1", "unit": "s/byte"}), InvalidTypeError, r"host\.send_byte_s\.value"),
+    (_broken(host__switch_packet_s={"value": 1e-6, "unit": "s/message"}), InvalidValueError,
+     r"host\.switch_packet_s has unit 's/message', expected 's/packet'"),
+    (_broken(host__sum_element_s__value__bfloat16=None), InvalidValueError, r"lacks the dtype\(s\) \['bfloat16'\]"),
+    (_broken(host__sum_element_s__value__int32=-1.0), InvalidValueError, r"sum_element_s\.value\['int32'\]"),
+], ids=["top-key", "version", "format", "no-host", "rate-key", "missing-rate", "negative", "not-number", "unit",
+        "missing-dtype", "negative-sum"])
+def test_from_profile_refuses_a_bad_profile_naming_the_key(tmp_path, profile, error, match):
+    path = tmp_path / "host.json"
+    path.write_text(json.dumps(profile))
+    with pytest.raises(error, match=match):
+        sc.Network.from_profile(path)
+
+
+def test_from_profile_refuses_an_unknown_override_and_an_unreadable_file(tmp_path):
+    path = tmp_path / "host.json"
+    path.write_text(json.dumps(_profile(FULL)))
+    with pytest.raises(InvalidValueError, match=r"unknown override\(s\) \['bandwith_gbps'\].*bandwidth_gbps"):
+        sc.Network.from_profile(path, bandwith_gbps=1.0)
+    with pytest.raises(InvalidValueError, match="cannot be read"):
+        sc.Network.from_profile(tmp_path / "absent.json")
+    path.write_text("{")
+    with pytest.raises(InvalidValueError, match="is not JSON"):
+        sc.Network.from_profile(path)
+
+
+@pytest.mark.multiprocess
+def test_calibrate_command_writes_a_loadable_profile(tmp_path):
+    out = tmp_path / "host.json"
+    root = str(Path(sc.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "sparsecomm.netbed", "calibrate", "--quick", "--out", str(out)],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    profile = json.loads(out.read_text())
+    assert profile["format"] == FORMAT and profile["version"] == VERSION
+    assert set(profile) == {"format", "version", "date", "machine", "method", "host"}
+    assert datetime.datetime.fromisoformat(profile["date"]).tzinfo is not None
+    m = profile["machine"]
+    assert m["torch"] == torch.__version__ and m["cpu_count"] == os.cpu_count() and m["torch_threads"] == 1
+    assert isinstance(m["platform"], str) and m["platform"]
+    assert profile["method"]["quick"] is True
+    assert set(profile["host"]) == set(RATE_UNITS)
+    for name, unit in RATE_UNITS.items():
+        entry = profile["host"][name]
+        assert entry["unit"] == unit
+        values = entry["value"] if name == "sum_element_s" else {name: entry["value"]}
+        if name == "sum_element_s":
+            assert set(values) == set(SUM_DTYPES)
+        for v in values.values():
+            assert isinstance(v, float) and math.isfinite(v) and v >= 0
+    # kernels that run on this machine take time: their rates are positive
+    assert all(profile["host"]["sum_element_s"]["value"][d] > 0 for d in SUM_DTYPES)
+    assert profile["host"]["scan_element_s"]["value"] > 0 and profile["host"]["switch_packet_s"]["value"] > 0
+    assert profile["host"]["send_message_s"]["value"] + profile["host"]["send_byte_s"]["value"] > 0
+    assert sc.Network.from_profile(out).host.copy_byte_s == profile["host"]["copy_byte_s"]["value"]
