@@ -19,7 +19,7 @@ demo: $(STAMP)
 	WANDB_MODE=offline $(PY) -m experiments.demo
 
 test: $(STAMP)
-	WANDB_MODE=disabled NUMBA_CACHE_DIR=$(CURDIR)/.numba_cache $(PY) -m pytest -q
+	WANDB_MODE=disabled NUMBA_CACHE_DIR=$(CURDIR)/.numba_cache $(PY) -m pytest -q --durations=30
 
 test-all: $(STAMP)
 	WANDB_MODE=disabled NUMBA_CACHE_DIR=$(CURDIR)/.numba_cache $(PY) -m pytest -q -m ""
