@@ -1,4 +1,4 @@
-"""The same all-reduce modelled and measured, as one timeline: where the model and the real run part, message by message.
+"""The same all-reduce modelled and measured, as one timeline: where the model and the real run part, per message.
 
     python -m experiments.bench.trace_compare                                  # ring, 2 workers, 4 MB
     python -m experiments.bench.trace_compare --transport omnireduce --size-mb 16 --gbps 10 --out /tmp/traces

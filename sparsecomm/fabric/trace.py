@@ -4,22 +4,23 @@ A :class:`Recorder` collects, while it is the process's active recording (:func:
 
 - every transport call (``Transport.run``): one complete event (``ph: "X"``) named ``"<transport> allreduce"``
   on the endpoint's ``calls`` track, from the call's start to its end, with its bytes and messages;
-- every message: a ``"send"`` event on the sender's ``sends`` track and a ``"recv"`` event on the receiver's
-  ``receives`` track, with peer, tag and bytes, joined by a flow arrow (the k-th message of a channel
-  ``(src, dst, tag)`` at both ends);
+- every message: a ``"send"`` event on the sender's ``sends`` track and a ``"recv"`` event (of no length, when
+  the receive completed) on the receiver's ``receives`` track, with peer, tag and bytes, joined by a flow
+  arrow (the k-th message of a channel ``(src, dst, tag)`` at both ends); the receiver's wait for it, if it
+  waited, a ``"wait"`` event on its ``waits`` track;
 - modelled computation (``SimFabric.compute``): a ``"compute"`` event on the ``compute`` track.
 
 Clocks. On the SimFabric the timestamps are the endpoint's modelled clock (``fabric.now()``): a call lasts
 exactly the ``last_stats.modelled_time_s`` the transport reports; a send lasts while the sender's NIC
-transmits it; a receive runs from the receiver's clock when it took the message to the message's delivery
-(zero long when the message was in before). On a real fabric (``TorchFabric``) they are the wall clock
-(``time.perf_counter``) since the recorder started: a send lasts from its post until its completion was
-seen, a receive from the start of its wait until it completed. Nothing real is modelled, so on a real fabric
+transmits it; a receive completes at the message's delivery, or at the receiver's clock when it took the
+message if that is later, and the wait runs from that clock to the delivery. On a real fabric
+(``TorchFabric``) they are the wall clock (``time.perf_counter``) since the recorder started: a send lasts
+from its post until its completion was seen, a wait from its start until the receive completed. Nothing real is modelled, so on a real fabric
 ``compute`` records nothing (the computation is the gap between the calls).
 
 Tracks. The process of an endpoint (``pid``) is its rank (services after the workers), named
 ``"modelled rank 0"`` or ``"measured rank 0"`` (a service: ``"modelled switch"``); its tracks
-(``tid = pid * 8 + lane``, unique in a file) are ``calls``, ``sends``, ``receives`` and ``compute``. The
+(``tid = pid * 8 + lane``, unique in a file) are ``calls``, ``sends``, ``receives``, ``waits`` and ``compute``. The
 simulated world of one process records into one file, every endpoint a process of it; each rank of a real
 job records its own file (:func:`rank_path`: ``trace.rank0.json``), which :func:`merge` joins, aligned on
 the wall clock. :func:`merge` also puts a modelled and a measured run of the same code side by side in
@@ -57,7 +58,7 @@ __all__ = ["Recorder", "record", "start", "stop", "active", "rank_path", "merge"
 #: the environment variable that makes ``sparsecomm.launch`` record its run (``SPARSECOMM_TIMELINE=path``)
 ENV = "SPARSECOMM_TIMELINE"
 #: the tracks of an endpoint: name -> lane (``tid = pid * LANE_STRIDE + lane``)
-LANES = {"calls": 1, "sends": 2, "receives": 3, "compute": 4}
+LANES = {"calls": 1, "sends": 2, "receives": 3, "waits": 4, "compute": 5}
 LANE_STRIDE = 8
 #: the pids of the k-th run of a file are ``k * RUN_STRIDE + endpoint``
 RUN_STRIDE = 1000
@@ -160,13 +161,21 @@ class Recorder:
         if not dropped:
             self._flow(run, ev, "send", src, dst, tag)
 
+    def _received(self, run: _Run, src: int, dst: int, tag: int, nbytes: int, t_wait: float,
+                  t_done: float) -> None:
+        """A receive completed at ``t_done`` after ``dst`` waited for it since ``t_wait`` (the run's clock): its
+        wait, if any, and the receive itself, an event of no length at ``t_done`` that ends the message's flow
+        (Perfetto binds a flow's end to an event that starts after the flow's start: the wait may not)."""
+        args = {"src": src, "tag": tag, "bytes": nbytes}
+        if t_done > t_wait:
+            self._event(run, "wait", "wait", dst, "waits", t_wait, t_done, dict(args))
+        ev = self._event(run, "recv", "message", dst, "receives", t_done, t_done, args)
+        self._flow(run, ev, "recv", src, dst, tag)
+
     def sim_received(self, world, src: int, dst: int, tag: int, nbytes: int, clock: float,
                      delivered: float) -> None:
         """``dst`` took a message whose delivery is ``delivered``, its clock being ``clock`` (modelled)."""
-        run = self._sim_run(world)
-        ev = self._event(run, "recv", "message", dst, "receives", min(clock, delivered), max(clock, delivered),
-                         {"src": src, "tag": tag, "bytes": nbytes})
-        self._flow(run, ev, "recv", src, dst, tag)
+        self._received(self._sim_run(world), src, dst, tag, nbytes, clock, max(clock, delivered))
 
     def sim_compute(self, world, eid: int, clock: float, seconds: float) -> None:
         """Endpoint ``eid`` computes ``seconds`` (modelled, a straggler's factor included) from ``clock``."""
@@ -190,11 +199,8 @@ class Recorder:
     def received(self, fabric, src: int, tag: int, nbytes: int, t_wait: float) -> None:
         """``fabric`` completed a receive from ``src`` now, having waited for it since ``t_wait``
         (``time.perf_counter``; 0: now, the recording started during the wait)."""
-        run = self._fabric_run(fabric)
         t = time.perf_counter()
-        ev = self._event(run, "recv", "message", fabric.rank, "receives", t_wait or t, t,
-                         {"src": src, "tag": tag, "bytes": nbytes})
-        self._flow(run, ev, "recv", src, fabric.rank, tag)
+        self._received(self._fabric_run(fabric), src, fabric.rank, tag, nbytes, t_wait or t, t)
 
     # ------------------------------------------------ hooks: transports
     def call(self, fabric, name: str, t0: float, t1: float, args: dict) -> None:
