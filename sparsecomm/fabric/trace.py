@@ -305,7 +305,7 @@ def record(path: str | os.PathLike, *, job: str | None = None) -> Iterator[Recor
     ...     sc.launch(fn, world_size=4, backend="sim")
     [4000.0, 4000.0, 4000.0, 4000.0]
     >>> sorted({e["name"] for e in json.load(open(path))["traceEvents"] if e["ph"] == "X"})
-    ['recv', 'ring allreduce', 'send']
+    ['recv', 'ring allreduce', 'send', 'wait']
 
     Args:
         path: the JSON file written at the end of the block.
