@@ -5,7 +5,7 @@
 
 Runs ``--calls`` calls of ``--transport`` on ``--size-mb`` of float32 per worker, after a barrier, twice: on
 ``--workers`` gloo processes of this machine (loopback) and on the SimFabric with a network of ``--gbps``
-and ``--latency-us``, each run recorded (:mod:`sparsecomm.fabric.trace`). Writes ``OUT/measured.json``,
+and ``--latency-us``, each run recorded (:mod:`sparsecomm.trace`). Writes ``OUT/measured.json``,
 ``OUT/modelled.json`` and ``OUT/side_by_side.json`` (both runs, each shifted so that its first call starts
 at the same time; processes "measured rank r" and "modelled rank r"), and prints each call's duration per
 rank in both. Open ``side_by_side.json`` at https://ui.perfetto.dev ("Open trace file") or in chrome://tracing.
@@ -22,7 +22,7 @@ import torch
 
 import sparsecomm as sc
 import sparsecomm.transports  # noqa: F401  (registers the transports)
-from sparsecomm.fabric import trace
+from sparsecomm import trace
 
 
 def _calls(ctx, transport: str, numel: int, calls: int) -> float:

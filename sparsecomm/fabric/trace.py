@@ -1,13 +1,14 @@
-"""Timelines of a run's communication, per endpoint, in Chrome's trace-event JSON (Perfetto, chrome://tracing).
+"""The recorder of a run's timeline, per endpoint, and its file in Chrome's trace-event JSON (Perfetto).
 
-A :class:`Recorder` collects, while it is the process's active recording (:func:`record`, :func:`start`):
+A :class:`Recorder` collects, while it is the process's active recording (:data:`recorder`, set by the
+switch users call, :mod:`sparsecomm.trace`):
 
 - every transport call (``Transport.run``): one complete event (``ph: "X"``) named ``"<transport> allreduce"``
   on the endpoint's ``calls`` track, from the call's start to its end, with its bytes and messages;
 - every message: a ``"send"`` event on the sender's ``sends`` track and a ``"recv"`` event (of no length, when
   the receive completed) on the receiver's ``receives`` track, with peer, tag and bytes, joined by a flow
-  arrow (the k-th message of a channel ``(src, dst, tag)`` at both ends); the receiver's wait for it, if it
-  waited, a ``"wait"`` event on its ``waits`` track;
+  arrow (``bind_id``: the k-th message of a channel ``(src, dst, tag)`` at both ends, in any process); the
+  receiver's wait for it, if it waited, a ``"wait"`` event on its ``waits`` track;
 - modelled computation (``SimFabric.compute``): a ``"compute"`` event on the ``compute`` track.
 
 Clocks. On the SimFabric the timestamps are the endpoint's modelled clock (``fabric.now()``): a call lasts
@@ -15,48 +16,35 @@ exactly the ``last_stats.modelled_time_s`` the transport reports; a send lasts w
 transmits it; a receive completes at the message's delivery, or at the receiver's clock when it took the
 message if that is later, and the wait runs from that clock to the delivery. On a real fabric
 (``TorchFabric``) they are the wall clock (``time.perf_counter``) since the recorder started: a send lasts
-from its post until its completion was seen, a wait from its start until the receive completed. Nothing real is modelled, so on a real fabric
-``compute`` records nothing (the computation is the gap between the calls).
+from its post until its completion was seen, a wait from its start until the receive completed. Nothing
+real is modelled, so there ``compute`` records nothing (the computation is the gap between the calls).
 
-Tracks. The process of an endpoint (``pid``) is its rank (services after the workers), named
-``"modelled rank 0"`` or ``"measured rank 0"`` (a service: ``"modelled switch"``); its tracks
-(``tid = pid * 8 + lane``, unique in a file) are ``calls``, ``sends``, ``receives``, ``waits`` and ``compute``. The
-simulated world of one process records into one file, every endpoint a process of it; each rank of a real
-job records its own file (:func:`rank_path`: ``trace.rank0.json``), which :func:`merge` joins, aligned on
-the wall clock. :func:`merge` also puts a modelled and a measured run of the same code side by side in
-one file (the second run's processes from pid 1000 on), each run shifted so that its first call starts
-at the same time.
+Processes and tracks. The process of an endpoint (``pid``) is its rank (services after the workers), named
+``"modelled rank 0"`` or ``"measured rank 0"`` (a service: ``"modelled switch"``); the k-th run one recorder
+sees (a second simulated world) has the pids from ``k * RUN_STRIDE``. Its tracks (``tid = pid * LANE_STRIDE
++ lane``, unique in a file, as Perfetto wants) are ``calls``, ``sends``, ``receives``, ``waits`` and
+``compute``, named by metadata events (``ph: "M"``). ``otherData["sparsecomm"]`` says each run's clock and,
+for a real job, its name, and when the recorder started, on the wall clock and on ``time.perf_counter`` (one
+clock for every process of a machine), with the machine's name: what :func:`sparsecomm.trace.merge` aligns.
 
-Cost. Recording off, each hook is one check of the module attribute :data:`recorder`; recording on, it
-appends events and changes neither the results nor the modelled times.
-
-Open a file at https://ui.perfetto.dev ("Open trace file") or in chrome://tracing ("Load"). The format is
-the JSON object format of the Trace Event Format (``traceEvents``; ``otherData`` holds what :func:`merge`
-reads); Horovod's ``HOROVOD_TIMELINE`` and ``torch.profiler``'s ``export_chrome_trace`` write the same.
-The environment variable :data:`ENV` (``SPARSECOMM_TIMELINE=path``) makes :func:`sparsecomm.launch` record
-its run to ``path``, as Horovod's does.
-
-Command line: ``python -m sparsecomm.fabric.trace merge a.json b.json -o both.json``.
+Cost. Recording off, each hook (in ``Transport.run``, the SimFabric's send, take and compute, TorchFabric's
+post and completion) is one check of :data:`recorder`; recording on, it appends events and changes neither
+the results nor the modelled times.
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import hashlib
 import json
 import os
+import socket
 import threading
 import time
 import uuid
-from typing import Any, Iterator, Sequence
+from typing import Any
 
-from ..errors import InvalidValueError
+__all__ = ["Recorder", "recorder", "activate", "flow_id", "LANES", "LANE_STRIDE", "RUN_STRIDE"]
 
-__all__ = ["Recorder", "record", "start", "stop", "active", "rank_path", "merge", "load", "ENV", "LANES"]
-
-#: the environment variable that makes ``sparsecomm.launch`` record its run (``SPARSECOMM_TIMELINE=path``)
-ENV = "SPARSECOMM_TIMELINE"
 #: the tracks of an endpoint: name -> lane (``tid = pid * LANE_STRIDE + lane``)
 LANES = {"calls": 1, "sends": 2, "receives": 3, "waits": 4, "compute": 5}
 LANE_STRIDE = 8
@@ -70,7 +58,7 @@ recorder: "Recorder | None" = None
 _state_lock = threading.Lock()
 
 
-def _flow_id(*key: Any) -> int:
+def flow_id(*key: Any) -> int:
     """A flow's id (``bind_id``) from its key: the same at both ends, in any process; 52 bits (a JSON number)."""
     return int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=8).digest(), "big") >> 12
 
@@ -93,8 +81,8 @@ class Recorder:
 
     Args:
         path: where :meth:`write` puts the file.
-        job: names the real job this process is a rank of: :func:`merge` aligns the files of one job on the
-            wall clock into one set of processes (default: ``TORCHELASTIC_RUN_ID``, else
+        job: names the real job this process is a rank of: :func:`sparsecomm.trace.merge` aligns the files of
+            one job on the wall clock into one set of processes (default: ``TORCHELASTIC_RUN_ID``, else
             ``MASTER_ADDR:MASTER_PORT``, else this recording alone).
     """
 
@@ -105,6 +93,7 @@ class Recorder:
             if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ else uuid.uuid4().hex)
         self.origin = time.perf_counter()
         self.origin_unix_s = time.time()
+        self.host = socket.gethostname()
         self.events: list[dict] = []
         self._runs: dict[int, _Run] = {}
         self._seq: dict[tuple, int] = {}
@@ -145,7 +134,7 @@ class Recorder:
         with self._lock:
             k = self._seq.get(key, 0)
             self._seq[key] = k + 1
-        ev["bind_id"] = _flow_id(run.index, src, dst, tag, k)
+        ev["bind_id"] = flow_id(run.index, src, dst, tag, k)
         ev["flow_out" if end == "send" else "flow_in"] = True
 
     # ---------------------------------------------------- hooks: the SimFabric
@@ -183,12 +172,12 @@ class Recorder:
                     {"seconds": seconds})
 
     # ------------------------------------------------ hooks: a real fabric
-    def sent(self, fabric, dst: int, tag: int, nbytes: int) -> dict:
-        """``fabric`` posted a message to ``dst`` now; returns its event, which :meth:`done` completes."""
+    def sent(self, fabric, dst: int, tag: int, nbytes: int, t_post: float) -> dict:
+        """``fabric`` posted a message to ``dst`` at ``t_post`` (``time.perf_counter``, taken before the post:
+        its receive cannot complete earlier); returns its event, which :meth:`done` completes."""
         run = self._fabric_run(fabric)
-        t = time.perf_counter()
-        ev = self._event(run, "send", "message", fabric.rank, "sends", t, t, {"dst": dst, "tag": tag,
-                                                                                "bytes": nbytes})
+        ev = self._event(run, "send", "message", fabric.rank, "sends", t_post, t_post,
+                         {"dst": dst, "tag": tag, "bytes": nbytes})
         self._flow(run, ev, "send", fabric.rank, dst, tag)
         return ev
 
@@ -221,7 +210,8 @@ class Recorder:
             meta += _metadata(pid, _process_name(run, pid % RUN_STRIDE))
         events = sorted(self.events, key=lambda e: (e["ts"], e["pid"], e["tid"]))
         return {"traceEvents": meta + events, "displayTimeUnit": "ns", "otherData": {"sparsecomm": {
-            "version": VERSION, "origin_unix_s": self.origin_unix_s,
+            "version": VERSION, "origin_unix_s": self.origin_unix_s, "origin_perf_s": self.origin,
+            "host": self.host,
             "runs": [{"pid_base": r.index * RUN_STRIDE, "clock": "modelled" if r.modelled else "wall",
                       "job": None if r.modelled else self.job} for r in runs]}}}
 
@@ -258,197 +248,15 @@ def _metadata(pid: int, name: str) -> list[dict]:
     return meta
 
 
-# ---------------------------------------------------------------------- the switch
-def active() -> Recorder | None:
-    """The active recording of this process, or ``None``."""
-    return recorder
-
-
-def start(path: str | os.PathLike, *, job: str | None = None) -> Recorder:
-    """Make a new :class:`Recorder` writing to ``path`` the process's active recording and return it;
-    :func:`stop` writes it. One recording at a time: another one open raises
-    :class:`~sparsecomm.errors.InvalidValueError` naming its file.
+def activate(rec: Recorder | None) -> Recorder | None:
+    """Make ``rec`` the process's active recording (``None``: recording off); return the one it replaces.
+    The switch users call is :mod:`sparsecomm.trace` (``record``, ``start``, ``stop``).
 
     Args:
-        path: the JSON file :func:`stop` writes.
-        job: the real job this process is a rank of (:class:`Recorder`).
+        rec: the recorder the hooks write to from now on, or ``None``.
     """
     global recorder
     with _state_lock:
-        if recorder is not None:
-            raise InvalidValueError(f"a timeline is already being recorded to {recorder.path!r}; stop it "
-                                    f"(sparsecomm.trace.stop()) or record inside it")
-        recorder = Recorder(path, job=job)
-        return recorder
+        old, recorder = recorder, rec
+    return old
 
-
-def stop(write: bool = True) -> str | None:
-    """End the active recording and write its file (``write=False``: discard it); returns the path
-    written, or ``None`` when nothing was recording or nothing was written."""
-    global recorder
-    with _state_lock:
-        rec, recorder = recorder, None
-    if rec is None or not write:
-        return None
-    return rec.write()
-
-
-@contextlib.contextmanager
-def record(path: str | os.PathLike, *, job: str | None = None) -> Iterator[Recorder]:
-    """Record the block's communication in this process to ``path`` (:func:`start`, then :func:`stop`, also
-    when the block raises: a failed run's timeline is written too).
-
-    >>> import torch, sparsecomm as sc, tempfile, os, json
-    >>> path = os.path.join(tempfile.mkdtemp(), "ring.json")
-    >>> fn = lambda ctx: sc.transports.get("ring", ctx.fabric).allreduce(torch.ones(1000)).sum().item()
-    >>> with sc.trace.record(path):
-    ...     sc.launch(fn, world_size=4, backend="sim")
-    [4000.0, 4000.0, 4000.0, 4000.0]
-    >>> sorted({e["name"] for e in json.load(open(path))["traceEvents"] if e["ph"] == "X"})
-    ['recv', 'ring allreduce', 'send', 'wait']
-
-    Args:
-        path: the JSON file written at the end of the block.
-        job: the real job this process is a rank of (:class:`Recorder`).
-    """
-    rec = start(path, job=job)
-    try:
-        yield rec
-    finally:
-        with _state_lock:
-            mine = recorder is rec
-        if mine:
-            stop()
-
-
-def rank_path(path: str | os.PathLike, rank: int) -> str:
-    """The file of ``rank`` of a real job recording to ``path``: ``out/trace.json`` -> ``out/trace.rank3.json``.
-
-    Args:
-        path: the job's file.
-        rank: the rank (its position in the job, services after the workers).
-    """
-    root, ext = os.path.splitext(os.fspath(path))
-    return f"{root}.rank{int(rank)}{ext or '.json'}"
-
-
-# ---------------------------------------------------------------------- merging
-def load(path: str | os.PathLike) -> dict:
-    """Read a trace file, checking that it is one of this module's (:class:`~sparsecomm.errors.InvalidValueError`
-    naming the file otherwise).
-
-    Args:
-        path: the JSON file.
-    """
-    path = os.fspath(path)
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except (OSError, ValueError) as exc:
-        raise InvalidValueError(f"cannot read trace {path!r}: {exc}") from exc
-    info = data.get("otherData", {}).get("sparsecomm") if isinstance(data, dict) else None
-    if not isinstance(info, dict) or not isinstance(data.get("traceEvents"), list):
-        raise InvalidValueError(f"{path!r} is not a timeline written by sparsecomm.trace (no traceEvents, or "
-                                f"no otherData.sparsecomm); merge takes the files of record() or launch(trace=)")
-    return data
-
-
-def merge(paths: Sequence[str | os.PathLike], out: str | os.PathLike | None = None, *,
-          align: str = "calls") -> dict:
-    """Join trace files into one: the files of one real job (the ranks' ``trace.rankR.json``) become one run,
-    aligned on the wall clock; every other run (a simulated world, another job) gets its own processes
-    (the k-th from pid ``k * 1000``). ``align="calls"`` shifts each run so that its first call starts when
-    the latest run's first call does (a modelled and a measured run of the same code side by side);
-    ``"none"`` keeps each run's own times. Writes ``out`` if given; returns the merged trace.
-
-    Args:
-        paths: the files (:func:`load`).
-        out: the file to write, or ``None``.
-        align: ``"calls"`` or ``"none"``.
-    """
-    if align not in ("calls", "none"):
-        raise InvalidValueError(f"align must be 'calls' or 'none', got {align!r}")
-    if not paths:
-        raise InvalidValueError("merge needs at least one trace file")
-    groups: dict[tuple, dict] = {}      # run key -> index, clock, parts: [(events, pid base, origin)]
-    for p in paths:
-        data = load(p)
-        info = data["otherData"]["sparsecomm"]
-        for r in info.get("runs", []):
-            base = int(r["pid_base"])
-            key = ("wall", r["job"]) if r.get("clock") == "wall" and r.get("job") else ("file", os.fspath(p), base)
-            g = groups.setdefault(key, {"index": len(groups), "parts": [], "clock": r.get("clock")})
-            evs = [e for e in data["traceEvents"] if base <= e.get("pid", -1) < base + RUN_STRIDE]
-            g["parts"].append((evs, base, float(info.get("origin_unix_s", 0.0))))
-    firsts: dict[int, float] = {}       # run -> its first call's start
-    staged: list[tuple[int, dict]] = []
-    for g in groups.values():
-        k = g["index"]
-        origin0 = min(o for _, _, o in g["parts"])
-        for evs, base, origin in g["parts"]:
-            shift = (origin - origin0) * 1e6 if g["clock"] == "wall" else 0.0
-            for e in evs:
-                e = dict(e)
-                pid = k * RUN_STRIDE + (e["pid"] - base)
-                e["tid"] = e["tid"] + (pid - e["pid"]) * LANE_STRIDE
-                e["pid"] = pid
-                if e["ph"] != "M":
-                    e["ts"] = e["ts"] + shift
-                    if e.get("cat") == "call":
-                        firsts[k] = min(firsts.get(k, e["ts"]), e["ts"])
-                if "bind_id" in e and k:
-                    e["bind_id"] = _flow_id("merged", k, e["bind_id"])
-                staged.append((k, e))
-    target = max(firsts.values()) if align == "calls" and firsts else 0.0
-    merged: list[dict] = []
-    seen_meta: set = set()
-    names: set = set()
-    for k, e in staged:
-        if e["ph"] == "M":
-            key = (e["name"], e["pid"], e["tid"])
-            if key in seen_meta:
-                continue
-            seen_meta.add(key)
-            if e["name"] == "process_name":
-                name = e["args"].get("name", "")
-                if name in names:          # two runs of one kind: tell them apart
-                    name = f"{name} (run {k + 1})"
-                names.add(name)
-                e["args"] = {**e["args"], "name": name}
-        elif align == "calls" and k in firsts:
-            e["ts"] = e["ts"] + (target - firsts[k])
-        merged.append(e)
-    merged.sort(key=lambda e: (e["ph"] != "M", e["ts"], e["pid"], e["tid"]))
-    trace = {"traceEvents": merged, "displayTimeUnit": "ns", "otherData": {"sparsecomm": {
-        "version": VERSION, "origin_unix_s": 0.0,
-        "runs": [{"pid_base": g["index"] * RUN_STRIDE, "clock": g["clock"], "job": None} for g in groups.values()],
-        "merged_from": [os.fspath(p) for p in paths], "align": align}}}
-    if out is not None:
-        out = os.fspath(out)
-        if os.path.dirname(out):
-            os.makedirs(os.path.dirname(out), exist_ok=True)
-        with open(out, "w", encoding="utf-8") as fh:
-            json.dump(trace, fh)
-    return trace
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m sparsecomm.fabric.trace merge a.json b.json -o both.json`` (:func:`merge`)."""
-    ap = argparse.ArgumentParser(prog="python -m sparsecomm.fabric.trace",
-                                 description="Join sparsecomm timelines (Chrome trace-event JSON) into one file.")
-    sub = ap.add_subparsers(dest="command", required=True)
-    m = sub.add_parser("merge", help="join trace files: a job's per-rank files, or a modelled and a measured run")
-    m.add_argument("paths", nargs="+", help="trace files written by sparsecomm.trace.record or launch(trace=)")
-    m.add_argument("-o", "--out", required=True, help="the merged file")
-    m.add_argument("--align", choices=("calls", "none"), default="calls",
-                   help="shift each run so that its first call starts together (default), or keep its times")
-    args = ap.parse_args(argv)
-    trace = merge(args.paths, args.out, align=args.align)
-    n = sum(1 for e in trace["traceEvents"] if e["ph"] != "M")
-    print(f"{args.out}: {n} events of {len(trace['otherData']['sparsecomm']['runs'])} run(s); open it at "
-          f"https://ui.perfetto.dev (Open trace file) or chrome://tracing")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -34,7 +34,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Sequence
 
-from ..fabric import trace as _trace
+from .. import trace as _trace
 from ..fabric.sim.sim_network import Network
 from .base import backends, check_main_guard
 from .context import Context, current_context, set_context
@@ -55,7 +55,7 @@ def launch(fn: Callable[[Context], Any], world_size: int, backend: str = "sim", 
     ``backend``: ``"sim"`` (threads over a SimFabric with ``network``), ``"gloo"`` or ``"nccl"``
     (torch.distributed processes; ``services`` names the extra service ranks to start, e.g.
     ``["switch"]``). ``timeout_s`` bounds every wait. ``trace``: record the run's timeline
-    (:mod:`sparsecomm.fabric.trace`) to that JSON file, every rank and service a process of it (real
+    (:mod:`sparsecomm.trace`) to that JSON file, every rank and service a process of it (real
     processes record ``trace.rankR.json`` each, joined into ``trace`` once they are done; under torchrun
     each rank keeps its own file); without it, the environment variable ``SPARSECOMM_TIMELINE`` names the
     file, unless a recording is open in this process already.

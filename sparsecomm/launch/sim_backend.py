@@ -9,7 +9,7 @@ import torch
 
 from ..errors import EndpointCrashed, InvalidTypeError, PeerFailure
 from ..fabric.engine import drain
-from ..fabric.trace import record
+from ..trace import record
 from ..fabric.sim.sim import SimWorld
 from ..fabric.sim.sim_network import Network
 from .base import backends

@@ -72,7 +72,7 @@ from datetime import timedelta
 from typing import Any, Callable, Sequence
 
 from ..errors import InvalidTypeError, InvalidValueError, ServiceShutdown
-from ..fabric import trace as _trace
+from .. import trace as _trace
 from .base import backends, in_place, threads_per_rank
 from .context import Context, set_context
 from .results import gather_results
@@ -114,7 +114,7 @@ backends.register("nccl")(functools.partial(_launch, "nccl"))
 # ----------------------------------------------------------------------------- in place (torchrun)
 def _rank_recording(trace: str | None):
     """Under torchrun, each rank records its own timeline, ``trace.rankR.json`` (merge them with ``python -m
-    sparsecomm.fabric.trace merge``); nothing without ``trace``."""
+    sparsecomm.trace merge``); nothing without ``trace``."""
     if trace is None:
         return contextlib.nullcontext()
     import torch.distributed as dist
@@ -232,8 +232,8 @@ def spawn(backend: str, fn: Callable, world_size: int, timeout_s: float,
     "Spawned locally"). The netbed backend places them: ``make_store(total, timeout_s)`` returns the
     rendezvous store the children reach at ``master_addr``, and each child runs the picklable
     ``prologue(rank)`` first (entering its host's network namespace). ``trace``: each rank records its
-    timeline to ``trace.rankR.json`` (:func:`~sparsecomm.fabric.trace.rank_path`), which are joined into
-    ``trace`` when the ranks are done, also when the run failed (:func:`~sparsecomm.fabric.trace.merge`)."""
+    timeline to ``trace.rankR.json`` (:func:`~sparsecomm.trace.rank_path`), which are joined into
+    ``trace`` when the ranks are done, also when the run failed (:func:`~sparsecomm.trace.merge`)."""
     import torch
     import torch.distributed as dist
     import torch.multiprocessing as mp

@@ -1,5 +1,5 @@
-"""Timelines (sparsecomm.fabric.trace): valid trace-event JSON, events that match the ledger and the modelled
-clock on the SimFabric, nothing changed when recording is off, per-rank wall-clock traces of real processes
+"""Timelines (sparsecomm.trace, sparsecomm.fabric.trace): valid trace-event JSON, events that match the ledger
+and the modelled clock on the SimFabric, nothing changed when recording is off, per-rank wall-clock traces of real processes
 merged into one file, and a modelled and a measured run side by side."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import torch
 import sparsecomm as sc
 import sparsecomm.transports  # noqa: F401  (registers the transports)
 from sparsecomm.errors import InvalidValueError
-from sparsecomm.fabric import trace
+from sparsecomm import trace
+from sparsecomm.fabric import trace as recorder
 
 #: the top-level keys Perfetto's JSON importer reads; it ignores the rest of a file after any other key
 PERFETTO_KEYS = {"traceEvents", "displayTimeUnit", "otherData", "systemTraceEvents", "metadata"}
@@ -89,7 +90,7 @@ def test_sim_ring_trace_matches_the_ledger_and_the_modelled_clock(tmp_path):
         assert into[k]["args"]["src"] == s["pid"] and s["args"]["dst"] == into[k]["pid"]
         assert into[k]["ts"] >= s["ts"] + s["dur"]        # received after its last byte left (Perfetto: end >= start)
     waits = [e for e in xs if e["name"] == "wait"]
-    assert waits and all(e["dur"] > 0 and e["tid"] == e["pid"] * trace.LANE_STRIDE + trace.LANES["waits"]
+    assert waits and all(e["dur"] > 0 and e["tid"] == e["pid"] * recorder.LANE_STRIDE + recorder.LANES["waits"]
                          for e in waits)
     ends = {(e["pid"], e["args"]["src"], e["args"]["tag"], round(e["ts"], 6)) for e in into.values()}
     assert all((w["pid"], w["args"]["src"], w["args"]["tag"], round(w["ts"] + w["dur"], 6)) in ends for w in waits)
@@ -102,9 +103,9 @@ def test_sim_compute_is_on_its_own_track(tmp_path):
         sc.launch(functools_partial_ring_compute, world_size=2, backend="sim",
                   network=sc.Network(stragglers={1: 2.0}))
     xs = check_trace_event_format(json.loads(path.read_text()))
-    comp = {e["pid"]: e for e in xs if e["name"] == "compute" and e["pid"] >= trace.RUN_STRIDE}
+    comp = {e["pid"]: e for e in xs if e["name"] == "compute" and e["pid"] >= recorder.RUN_STRIDE}
     assert comp[1000]["dur"] == pytest.approx(1e-3 * 1e6) and comp[1001]["dur"] == pytest.approx(2 * 2e-3 * 1e6)
-    assert comp[1000]["tid"] == 1000 * trace.LANE_STRIDE + trace.LANES["compute"]
+    assert comp[1000]["tid"] == 1000 * recorder.LANE_STRIDE + recorder.LANES["compute"]
     call = next(e for e in xs if e["pid"] == 1001 and e["cat"] == "call")
     assert call["ts"] == pytest.approx(4e-3 * 1e6)        # the call starts when the straggler's compute ends
     names = {e["pid"]: e["args"]["name"] for e in json.loads(path.read_text())["traceEvents"]

@@ -266,6 +266,8 @@ class TorchFabric(Fabric):
         if not t.is_contiguous():
             t = t.contiguous()
         self._failstop.check()
+        rec = _trace.recorder
+        t_post = time.perf_counter() if rec is not None else 0.0      # before the bytes may leave
         pend = Pending(None, t, dst, tag, is_recv=False)
         if self._coalesce:
             self._deferred.append(pend)     # issued at the next wait, in one group
@@ -275,8 +277,8 @@ class TorchFabric(Fabric):
             except RuntimeError as exc:
                 raise self._waits.error(exc, pend) from exc
         self.stats.record_send(self.rank, dst, t.numel() * t.element_size())
-        if _trace.recorder is not None:
-            pend.trace = (_trace.recorder, _trace.recorder.sent(self, dst, tag, t.numel() * t.element_size()))
+        if rec is not None:
+            pend.trace = (rec, rec.sent(self, dst, tag, t.numel() * t.element_size(), t_post))
         return pend
 
     def _flush(self) -> None:
