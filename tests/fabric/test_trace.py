@@ -149,6 +149,24 @@ def test_environment_variable_records_a_launch(tmp_path, monkeypatch):
     assert sum(e.get("cat") == "call" for e in json.loads(path.read_text())["traceEvents"]) == 2
 
 
+def _fails_on_rank_1(ctx):
+    t = sc.transports.get("ring", ctx.fabric)
+    t.allreduce(torch.ones(100))
+    if ctx.rank == 1:
+        raise ValueError("boom")
+    return t.allreduce(torch.ones(100))
+
+
+def test_a_failed_run_writes_its_timeline(tmp_path):
+    path = tmp_path / "failed.json"
+    with pytest.raises(ValueError, match="boom"):
+        sc.launch(_fails_on_rank_1, world_size=2, backend="sim", trace=str(path))
+    assert trace.active() is None
+    xs = check_trace_event_format(json.loads(path.read_text()))
+    assert sum(e["cat"] == "call" and "error" not in e["args"] for e in xs) == 2      # the first call of each
+    assert [e["pid"] for e in xs if e["cat"] == "call" and "error" in e["args"]] == [0]   # rank 0's second
+
+
 def test_one_recording_at_a_time_and_bad_files(tmp_path):
     with trace.record(tmp_path / "a.json"):
         with pytest.raises(InvalidValueError, match="already being recorded"):
