@@ -46,6 +46,7 @@ _LAZY = {
     "fabric": ("sparsecomm.fabric", None),
     "ddp": ("sparsecomm.ddp", None),
     "integrations": ("sparsecomm.integrations", None),
+    "trace": ("sparsecomm.trace", None),
     "TorchFabric": ("sparsecomm.fabric.torch.torch_fabric", "TorchFabric"),
     "CommStats": ("sparsecomm.fabric.stats", "CommStats"),
     "DistributedOptimizer": ("sparsecomm.optim", "DistributedOptimizer"),

@@ -31,8 +31,10 @@ The worker's :class:`Context` lives in the leaf module :mod:`.context`.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Sequence
 
+from .. import trace as _trace
 from ..fabric.sim.sim_network import Network
 from .base import backends, check_main_guard
 from .context import Context, current_context, set_context
@@ -47,12 +49,16 @@ backends.provide("nccl", "sparsecomm.launch.torch_backend")
 
 def launch(fn: Callable[[Context], Any], world_size: int, backend: str = "sim", *,
            network: Network | None = None, timeout_s: float | None = None,
-           services: Sequence[str] = (), **options: Any) -> list[Any]:
+           services: Sequence[str] = (), trace: str | os.PathLike | None = None, **options: Any) -> list[Any]:
     """Run ``fn(ctx)`` on ``world_size`` workers and return the per-rank results in rank order.
 
     ``backend``: ``"sim"`` (threads over a SimFabric with ``network``), ``"gloo"`` or ``"nccl"``
     (torch.distributed processes; ``services`` names the extra service ranks to start, e.g.
-    ``["switch"]``). ``timeout_s`` bounds every wait.
+    ``["switch"]``). ``timeout_s`` bounds every wait. ``trace``: record the run's timeline
+    (:mod:`sparsecomm.trace`) to that JSON file, every rank and service a process of it (real
+    processes record ``trace.rankR.json`` each, joined into ``trace`` once they are done; under torchrun
+    each rank keeps its own file); without it, the environment variable ``SPARSECOMM_TIMELINE`` names the
+    file, unless a recording is open in this process already.
 
     Args:
         fn: runs on every worker with its :class:`Context`; its return value is that rank's result.
@@ -62,6 +68,7 @@ def launch(fn: Callable[[Context], Any], world_size: int, backend: str = "sim", 
             (``netbed``).
         timeout_s: bound of every wait, seconds.
         services: service ranks to start beside the workers (``["switch"]``, ``["omnireduce-agg:0"]``).
+        trace: the timeline file to write (default: ``$SPARSECOMM_TIMELINE``, else none).
         **options: backend options: ``start_method`` (gloo, nccl, netbed), ``netbed_unshaped`` and
             ``on_netbed`` (netbed); an option the backend does not take raises.
     """
@@ -71,4 +78,8 @@ def launch(fn: Callable[[Context], Any], world_size: int, backend: str = "sim", 
     runner = backends.factory(backend)
     if backend != "sim":
         check_main_guard()
+    if trace is None and _trace.active() is None:
+        trace = os.environ.get(_trace.ENV) or None
+    if trace is not None:
+        options["trace"] = os.fspath(trace)
     return runner(fn, world_size, network=network, timeout_s=timeout_s, services=services, **options)

@@ -9,6 +9,7 @@ import torch
 
 from ..errors import EndpointCrashed, InvalidTypeError, PeerFailure
 from ..fabric.engine import drain
+from ..trace import record
 from ..fabric.sim.sim import SimWorld
 from ..fabric.sim.sim_network import Network
 from .base import backends
@@ -17,9 +18,13 @@ from .context import Context, set_context
 
 @backends.register("sim")
 def _launch_sim(fn: Callable[[Context], Any], world_size: int, *, network: Network | None = None,
-                timeout_s: float | None = None, services: Sequence[str] = (), **options: Any) -> list[Any]:
+                timeout_s: float | None = None, services: Sequence[str] = (), trace: str | None = None,
+                **options: Any) -> list[Any]:
     if options:
         raise InvalidTypeError(f"unexpected options for the sim backend: {sorted(options)}")
+    if trace is not None:     # the simulated world is this process: one file, every endpoint a process of it
+        with record(trace):
+            return _launch_sim(fn, world_size, network=network, timeout_s=timeout_s, services=services)
     network = network or Network()
     if timeout_s is not None:
         network = Network(**{**network.__dict__, "timeout_s": timeout_s})

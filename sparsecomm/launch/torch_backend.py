@@ -60,16 +60,19 @@ torch.distributed collective (the process group's timeout), is bounded by ``time
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import pickle
 import sys
 import time
+import uuid
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
 from ..errors import InvalidTypeError, InvalidValueError, ServiceShutdown
+from .. import trace as _trace
 from .base import backends, in_place, threads_per_rank
 from .context import Context, set_context
 from .results import gather_results
@@ -86,7 +89,7 @@ _in_place_calls = 0
 # ----------------------------------------------------------------------------- entry points
 def _launch(backend: str, fn: Callable[[Context], Any], world_size: int, *, network=None,
             timeout_s: float | None = None, services: Sequence[str] = (), start_method: str | None = None,
-            **options: Any) -> list[Any]:
+            trace: str | None = None, **options: Any) -> list[Any]:
     if options:
         raise InvalidTypeError(f"unexpected options for the {backend} backend: {sorted(options)}")
     if network is not None:
@@ -99,8 +102,9 @@ def _launch(backend: str, fn: Callable[[Context], Any], world_size: int, *, netw
     if timeout_s <= 0:
         raise InvalidValueError(f"timeout_s must be positive, got {timeout_s}")
     if in_place():
-        return _run_in_place(backend, fn, world_size, timeout_s, services)
-    return spawn(backend, fn, world_size, timeout_s, services, start_method)
+        with _rank_recording(trace):
+            return _run_in_place(backend, fn, world_size, timeout_s, services)
+    return spawn(backend, fn, world_size, timeout_s, services, start_method, trace=trace)
 
 
 backends.register("gloo")(functools.partial(_launch, "gloo"))
@@ -108,6 +112,17 @@ backends.register("nccl")(functools.partial(_launch, "nccl"))
 
 
 # ----------------------------------------------------------------------------- in place (torchrun)
+def _rank_recording(trace: str | None):
+    """Under torchrun, each rank records its own timeline, ``trace.rankR.json`` (merge them with ``python -m
+    sparsecomm.trace merge``); nothing without ``trace``."""
+    if trace is None:
+        return contextlib.nullcontext()
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ["RANK"])
+    return _trace.record(_trace.rank_path(trace, rank))
+
+
 def _run_in_place(backend: str, fn: Callable, world_size: int, timeout_s: float,
                   services: tuple[str, ...]) -> list[Any]:
     import torch
@@ -211,12 +226,14 @@ def _start_method(requested: str | None) -> str:
 def spawn(backend: str, fn: Callable, world_size: int, timeout_s: float,
           services: tuple[str, ...], start_method: str | None = None, *,
           make_store: Callable | None = None, master_addr: str = "127.0.0.1",
-          prologue: Callable[[int], None] | None = None) -> list[Any]:
+          prologue: Callable[[int], None] | None = None, trace: str | None = None) -> list[Any]:
     """Start ``world_size`` workers and one rank per service spec as processes, supervise them
     (:func:`~.supervise.supervise`) and return the workers' results in rank order (the module docstring,
     "Spawned locally"). The netbed backend places them: ``make_store(total, timeout_s)`` returns the
     rendezvous store the children reach at ``master_addr``, and each child runs the picklable
-    ``prologue(rank)`` first (entering its host's network namespace)."""
+    ``prologue(rank)`` first (entering its host's network namespace). ``trace``: each rank records its
+    timeline to ``trace.rankR.json`` (:func:`~sparsecomm.trace.rank_path`), which are joined into
+    ``trace`` when the ranks are done, also when the run failed (:func:`~sparsecomm.trace.merge`)."""
     import torch
     import torch.distributed as dist
     import torch.multiprocessing as mp
@@ -242,6 +259,7 @@ def spawn(backend: str, fn: Callable, world_size: int, timeout_s: float,
     reports = Reports(ctx)
     procs = []
     ok = False
+    job = uuid.uuid4().hex        # the ranks' files are one job's: merged on the wall clock
     try:
         # the parent's OMP_NUM_THREADS now, else cores // ranks (a fork server keeps the environment it
         # started with, so the count travels as an argument)
@@ -250,7 +268,8 @@ def spawn(backend: str, fn: Callable, world_size: int, timeout_s: float,
             for r in range(total):
                 p = ctx.Process(target=_child_main, name=f"sparsecomm-{backend}-rank{r}",
                                 args=(r, world_size, services, store.port, backend, timeout_s, fn_bytes,
-                                      reports, master_addr, prologue, threads))
+                                      reports, master_addr, prologue, threads,
+                                      None if trace is None else (_trace.rank_path(trace, r), job)))
                 p.start()
                 procs.append(p)
         results = supervise(procs, reports, world_size, services, timeout_s, store)
@@ -260,6 +279,24 @@ def spawn(backend: str, fn: Callable, world_size: int, timeout_s: float,
         reap(procs, grace_s=5.0 if ok else 0.0)
         reports.close()
         del store
+        if trace is not None:
+            _join_rank_traces(trace, total)
+
+
+def _join_rank_traces(path: str, total: int) -> None:
+    """Merge the ranks' timelines (those written: a rank that died wrote none) into ``path``; remove them."""
+    parts = [p for p in (_trace.rank_path(path, r) for r in range(total)) if os.path.exists(p)]
+    if not parts:
+        return
+    try:
+        _trace.merge(parts, path, align="none")
+    except Exception as exc:  # noqa: BLE001 - a timeline must not hide the run's outcome; the parts stay
+        import warnings
+
+        warnings.warn(f"could not join the ranks' timelines {parts} into {path!r}: {exc}", RuntimeWarning)
+        return
+    for p in parts:
+        os.remove(p)
 
 
 def _loaded_library_packages() -> list[str]:
@@ -271,10 +308,14 @@ def _loaded_library_packages() -> list[str]:
 
 def _child_main(rank: int, world_size: int, services: tuple[str, ...], port: int, backend: str,
                 timeout_s: float, fn_bytes: bytes, reports: Reports, master_addr: str = "127.0.0.1",
-                prologue: Callable[[int], None] | None = None, threads: int = 1) -> None:
-    """Entry point of a spawned rank (module level, so that spawn start-up stays cheap)."""
+                prologue: Callable[[int], None] | None = None, threads: int = 1,
+                trace: tuple[str, str] | None = None) -> None:
+    """Entry point of a spawned rank (module level, so that spawn start-up stays cheap); ``trace``: the
+    file this rank records its timeline to, and the job's name."""
     code = 0
     fabric = None
+    if trace is not None:
+        _trace.start(trace[0], job=trace[1])
     try:
         if prologue is not None:
             prologue(rank)
@@ -321,6 +362,10 @@ def _child_main(rank: int, world_size: int, services: tuple[str, ...], port: int
             reports.put(("err", rank, pack_error(exc)))
         except BaseException:  # noqa: BLE001 - the parent is gone
             pass
+    try:
+        _trace.stop()       # before the exit below, which runs no finalizer
+    except Exception as exc:  # noqa: BLE001 - a timeline must not change the run's outcome
+        print(f"sparsecomm: rank {rank} could not write its timeline: {exc}", file=sys.stderr)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

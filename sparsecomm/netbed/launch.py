@@ -152,8 +152,10 @@ def terminate_as_interrupt():
 def _launch_netbed(fn: Callable[[Context], Any], world_size: int, *, network: Network | None = None,
                    timeout_s: float | None = None, services: Sequence[str] = (),
                    start_method: str | None = None, netbed_unshaped: bool = False,
-                   on_netbed: Callable[[Netbed], None] | None = None, **options: Any) -> list[Any]:
-    """``on_netbed(netbed)`` (optional) is called once the netbed is up (tests use it to see the names)."""
+                   on_netbed: Callable[[Netbed], None] | None = None, trace: str | None = None,
+                   **options: Any) -> list[Any]:
+    """``on_netbed(netbed)`` (optional) is called once the netbed is up (tests use it to see the names);
+    ``trace``: the run's timeline file (the gloo backend's, :func:`sparsecomm.launch`)."""
     from ..launch import torch_backend as lt
 
     if options:
@@ -178,7 +180,8 @@ def _launch_netbed(fn: Callable[[Context], Any], world_size: int, *, network: Ne
             return lt.spawn("gloo", fn, world_size, timeout_s, services, start_method,
                             make_store=functools.partial(store_in, bed.tor_ns, bed.tor_addr),
                             master_addr=bed.tor_addr,
-                            prologue=functools.partial(enter_namespace, tuple(namespaces), tuple(ifnames)))
+                            prologue=functools.partial(enter_namespace, tuple(namespaces), tuple(ifnames)),
+                            trace=trace)
         finally:
             bed.close()
 

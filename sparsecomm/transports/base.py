@@ -45,6 +45,7 @@ from typing import Any, Callable, ClassVar, NamedTuple
 import torch
 
 from ..errors import IncompatibleError
+from ..fabric import trace as _trace
 from ..fabric.base import Fabric
 from ..fabric.engine import CommWork, engine
 from ..fabric.stats import CommStats
@@ -53,7 +54,7 @@ from ..registry import Registry
 from ..theory import costs
 from . import _fold
 from ._guards import check_dtype
-from ._handshake import CallId, calling, transport_code
+from ._handshake import CallId, calling, current_call, transport_code
 from .linear import LinearOperand, linear_operand
 
 
@@ -181,17 +182,41 @@ class Transport(ABC):
                 out = out.reshape(x.shape).to(x.dtype)
             else:
                 out = self._allreduce_tensor(x.reshape(-1)).reshape(x.shape)
-        except BaseException:
+        except BaseException as exc:
             s = _fold.schedule(self.fabric) if self.folds else sched
             if s is not None:
                 s.reset()        # raised on every worker alike: every record forgets alike
+            if _trace.recorder is not None:
+                self._trace_call(x, t0_model, self.fabric.stats - before, exc)
             raise
         _fold.leave(sched, self.name)
         stats = self.fabric.stats - before
         stats.wall_time_s = time.perf_counter() - t0_wall
         stats.modelled_time_s = self._modelled(t0_model)
         self.last_stats = stats
+        if _trace.recorder is not None:
+            self._trace_call(x, t0_model, stats)
         return out
+
+    def _trace_call(self, x: torch.Tensor | Payload, t0: float, stats: CommStats,
+                    exc: BaseException | None = None) -> None:
+        """Record this call on the active timeline (:mod:`sparsecomm.fabric.trace`): from ``t0`` to now on
+        the fabric's clock, with its input, its ledger and its identity."""
+        rec = _trace.recorder
+        if rec is None:
+            return
+        payload = isinstance(x, Payload)
+        args = {"kind": x.kind if payload else "dense", "numel": int(x.numel if payload else x.numel()),
+                "bytes_sent": stats.bytes_sent, "bytes_received": stats.bytes_received,
+                "messages": stats.messages, "messages_received": stats.messages_received}
+        if self.fabric.modelled_time:
+            args["modelled_time_s"] = stats.modelled_time_s
+        call = current_call()
+        if call is not None:
+            args["call"] = str(call)
+        if exc is not None:
+            args["error"] = f"{type(exc).__name__}: {exc}"
+        rec.call(self.fabric, f"{self.name} allreduce", t0, self.fabric.now(), args)
 
     def wire_copies(self) -> float:
         """How many copies of one worker's payload this transport's sends amount to, per worker, when

@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
                                        # closed forms; validate: the checks of user-given numbers;
                                        # checkpoint: files saved whole, and a truncated one named
     ("kernels", "fabric"),             # Numba helpers; point-to-point messages
-    ("codec",),                        # block kernels (scan, pack, fixed point)
+    ("codec", "trace"),                # block kernels (scan, pack, fixed point); timelines (the switch, merging)
     ("payload",),                      # what a compressor produces and a transport carries
     ("compressors", "transports"),     # a compressor never talks to the network; a transport never
                                        # knows which compressor made its payload

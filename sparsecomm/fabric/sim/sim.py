@@ -23,6 +23,7 @@ import torch
 from ...errors import (EndpointCrashed, FabricTimeout, InvalidTypeError, InvalidValueError, MismatchError,
                        PeerFailure)
 from .. import roles as _roles
+from .. import trace as _trace
 from ..base import Fabric, Work
 from ..sim_gate import Gate
 from ..stats import CommStats
@@ -149,6 +150,8 @@ class SimFabric(Fabric):
         if seconds < 0:
             raise InvalidValueError("compute time must be non-negative")
         factor = self.world.network.stragglers.get(self.rank, 1.0)
+        if _trace.recorder is not None:
+            _trace.recorder.sim_compute(self.world, self.rank, self._ep.clock, seconds * factor)
         self._ep.clock += seconds * factor
 
     def host_work(self, op: str, count: int, dtype: torch.dtype | None = None) -> None:
@@ -180,6 +183,8 @@ class SimFabric(Fabric):
                 if rng is None:
                     rng = ep.loss_rng[dst] = np.random.default_rng([world.network.seed, self.rank, dst])
                 dropped = bool(rng.random() < world.network.loss)
+            if _trace.recorder is not None:
+                _trace.recorder.sim_sent(world, self.rank, dst, tag, nbytes, start, tx_end, dropped)
             if not dropped and not dst_ep.crashed:
                 msg = Msg(self.rank, tag, data, nbytes, start, start + latency, tx_end)
                 dst_ep.mailbox.setdefault((self.rank, tag), deque()).append(msg)

@@ -43,6 +43,7 @@ from collections import deque
 from typing import Generator
 
 from ...errors import EndpointCrashed, FabricTimeout, InvalidValueError, PeerFailure, ServiceShutdown
+from .. import trace as _trace
 from .sim_network import Endpoint, Msg, Network
 from .sim_wait import OrderedWait
 
@@ -416,6 +417,8 @@ class World:
         """Deliver ``msg`` to ``ep``'s application: off the mailbox, its NIC slot fixed, the clock moved."""
         ep.mailbox[(msg.src, msg.tag)].popleft()
         ep.taken(msg)
+        if _trace.recorder is not None:
+            _trace.recorder.sim_received(self, msg.src, ep.id, msg.tag, msg.nbytes, ep.clock, msg.delivered)
         ep.clock = max(ep.clock, msg.delivered)
         ep.stats.record_recv(msg.src, ep.id, msg.nbytes)
         return msg

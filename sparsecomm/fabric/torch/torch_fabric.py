@@ -77,6 +77,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import IncompatibleError, InvalidValueError, ServiceNotStarted
+from .. import trace as _trace
 from ..base import Fabric, Work
 from ..stats import CommStats
 from .torch_failure import MAX_TAG, FailStop
@@ -265,6 +266,8 @@ class TorchFabric(Fabric):
         if not t.is_contiguous():
             t = t.contiguous()
         self._failstop.check()
+        rec = _trace.recorder
+        t_post = time.perf_counter() if rec is not None else 0.0      # before the bytes may leave
         pend = Pending(None, t, dst, tag, is_recv=False)
         if self._coalesce:
             self._deferred.append(pend)     # issued at the next wait, in one group
@@ -274,6 +277,8 @@ class TorchFabric(Fabric):
             except RuntimeError as exc:
                 raise self._waits.error(exc, pend) from exc
         self.stats.record_send(self.rank, dst, t.numel() * t.element_size())
+        if rec is not None:
+            pend.trace = (rec, rec.sent(self, dst, tag, t.numel() * t.element_size(), t_post))
         return pend
 
     def _flush(self) -> None:
@@ -362,18 +367,28 @@ class TorchFabric(Fabric):
             raise InvalidValueError("timeout must be non-negative")
         if self._deferred:
             self._flush()
+        t_wait = time.perf_counter() if _trace.recorder is not None else 0.0
         self._waits.wait(pend, timeout)
-        return self._account(pend, out)
+        return self._account(pend, out, t_wait)
 
-    def _account(self, pend: Pending, out: torch.Tensor | None) -> int | None:
-        """A completed operation: for a receive, copy it out (into ``out``), count it, return its source."""
+    def _account(self, pend: Pending, out: torch.Tensor | None, t_wait: float = 0.0) -> int | None:
+        """A completed operation: for a receive, copy it out (into ``out``), count it, return its source;
+        on the active timeline (:mod:`sparsecomm.fabric.trace`), the send's end, or the receive waited for
+        since ``t_wait``."""
         if not pend.is_recv:
+            if pend.trace is not None:
+                rec, ev = pend.trace
+                rec.done(ev)
+                pend.trace = None
             return None
         with torch.no_grad():
             if out is not None:
                 out.copy_(pend.buf.reshape(out.shape))
         source = pend.source if pend.source is not None else pend.src
-        self.stats.record_recv(source, self.rank, pend.buf.numel() * pend.buf.element_size())
+        nbytes = pend.buf.numel() * pend.buf.element_size()
+        self.stats.record_recv(source, self.rank, nbytes)
+        if _trace.recorder is not None:
+            _trace.recorder.received(self, source, pend.tag, nbytes, t_wait)
         return source
 
     def wait_unbounded(self, work: Work) -> int | None:
@@ -391,8 +406,9 @@ class TorchFabric(Fabric):
             return work._result
         if self._deferred:
             self._flush()
+        t_wait = time.perf_counter() if _trace.recorder is not None else 0.0
         self._waits.unbounded(work._pend)
-        work._result = self._account(work._pend, work._out)
+        work._result = self._account(work._pend, work._out, t_wait)
         work._finished = True
         return work._result
 

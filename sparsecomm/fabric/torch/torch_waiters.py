@@ -150,7 +150,7 @@ class Pending:
     and ``tag``; ``source`` is a completed receive's sender. For timed waits on gloo a helper thread waits
     on it (:meth:`start_waiter`), then sets ``done`` (and ``error``, if the wait raised)."""
 
-    __slots__ = ("work", "buf", "src", "tag", "is_recv", "done", "error", "source", "_started")
+    __slots__ = ("work", "buf", "src", "tag", "is_recv", "done", "error", "source", "_started", "trace")
 
     def __init__(self, work, buf: torch.Tensor, src: int | None, tag: int, is_recv: bool) -> None:
         self.work = work
@@ -162,6 +162,9 @@ class Pending:
         self.error: BaseException | None = None
         self.source: int | None = src
         self._started = False
+        #: a send's recorder and event on the active timeline (:mod:`sparsecomm.fabric.trace`), ended when
+        #: the send completes
+        self.trace: tuple | None = None
 
     @property
     def waited(self) -> bool:
