@@ -38,7 +38,7 @@ than 0 is refused, naming the SimFabric, which models both: ``--backend sim`` in
 
 ``python -m sparsecomm.netbed check --gbps G``: the honesty check (round trip shaped vs unshaped, bulk
 rate vs configured). ``python -m sparsecomm.netbed calibrate --out host.json [--quick]``: this machine's
-host costs as a profile for ``sc.Network.from_profile`` (:mod:`sparsecomm.fabric.sim.calibrate`; no netbed
+host costs as a profile for ``sc.Network.from_profile`` (:mod:`sparsecomm.netbed.calibrate`; no netbed
 needed). ``python -m sparsecomm.netbed list`` / ``cleanup``: the netbeds on this machine /
 remove those whose owner is gone.
 """
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS ...")
     c = sub.add_parser("check", help="measure the emulation's round trip and rate")
     c.add_argument("--gbps", type=float, default=1.0)
-    from ..fabric.sim import calibrate as _calibrate
+    from . import calibrate as _calibrate
 
     _calibrate.add_arguments(sub.add_parser("calibrate", help="measure this machine's host costs and write a "
                                                               "profile for sc.Network.from_profile"))

@@ -6,5 +6,6 @@ the run they share); :mod:`.sim_world` the loop that runs every endpoint's proce
 (no thread, no lock: threads of user code call in through :mod:`sparsecomm.fabric.sim_gate`);
 :mod:`.sim_network` the network model (:class:`~.sim_network.Network`: links, NICs, message timing, faults);
 :mod:`.sim_host` the hosts' CPU costs (:class:`~.sim_host.HostModel`, off by default), :mod:`.sim_profile` their
-profiles and :mod:`.calibrate` the command that measures them. The package's public names are on :mod:`sparsecomm` (``sc.SimFabric``, ``sc.Network``).
+profiles (measured by :mod:`sparsecomm.netbed.calibrate`). The package's public names are on :mod:`sparsecomm`
+(``sc.SimFabric``, ``sc.Network``).
 """

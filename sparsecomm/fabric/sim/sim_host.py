@@ -20,7 +20,7 @@ bulk-synchronous collective doing the same step) and an over-estimate when one o
 to itself; the model has no scheduler of its own. ``Fabric.compute(s)`` is the caller's figure and is not
 stretched by the share.
 
-All rates default to zero (a model that charges nothing); :func:`sparsecomm.fabric.sim.calibrate.calibrate`
+All rates default to zero (a model that charges nothing); :func:`sparsecomm.netbed.calibrate.calibrate`
 measures this machine's (``python -m sparsecomm.netbed calibrate --out host.json``) and
 :meth:`.sim_network.Network.from_profile` loads them.
 """
@@ -42,7 +42,7 @@ __all__ = ["HOST_OPS", "HostModel", "SUM_DTYPES", "RATE_UNITS"]
 #: the operations of :meth:`sparsecomm.fabric.base.Fabric.host_work` and the unit they count
 HOST_OPS = {"sum": "element", "scan": "element", "switch_packet": "packet", "copy": "byte"}
 
-#: the dtypes whose per-element sum cost a profile gives (:func:`.calibrate.calibrate` measures each)
+#: the dtypes whose per-element sum cost a profile gives (:func:`sparsecomm.netbed.calibrate.calibrate` measures each)
 SUM_DTYPES = ("float32", "float64", "float16", "bfloat16", "int32")
 
 #: each rate of :class:`HostModel` and its unit (the profile's ``"unit"`` fields)

@@ -1,6 +1,6 @@
 """Host profiles: a machine's measured :class:`~.sim_host.HostModel` as a JSON file.
 
-Written by ``python -m sparsecomm.netbed calibrate --out host.json`` (:mod:`.calibrate`), loaded by
+Written by ``python -m sparsecomm.netbed calibrate --out host.json`` (:mod:`sparsecomm.netbed.calibrate`), loaded by
 :meth:`sparsecomm.Network.from_profile`. The format (:data:`FORMAT`, version :data:`VERSION`)::
 
     {

@@ -1,6 +1,6 @@
 """Calibration: this machine's host costs, measured with the library's own kernels, as a host profile.
 
-``python -m sparsecomm.netbed calibrate --out host.json`` (or ``python -m sparsecomm.fabric.sim.calibrate``)
+``python -m sparsecomm.netbed calibrate --out host.json`` (or ``python -m sparsecomm.netbed.calibrate``)
 runs :func:`calibrate` and writes its profile (:mod:`.sim_profile`); ``sc.Network.from_profile("host.json")``
 models a run on this machine's hosts. Every measurement runs with one torch thread (as a netbed host or a
 launched rank is given) and reports the median of its repeats:
@@ -41,8 +41,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .sim_host import SUM_DTYPES, HostModel
-from .sim_profile import profile_dict
+from ..fabric.sim.sim_host import SUM_DTYPES, HostModel
+from ..fabric.sim.sim_profile import profile_dict
 
 __all__ = ["calibrate", "main", "write_profile"]
 
@@ -98,7 +98,7 @@ def _round_trips(ctx, sizes: tuple[int, ...], rounds: int) -> list[float]:
 def message_costs(quick: bool = False) -> dict:
     """The per-message and per-byte costs of a gloo loopback round (module docstring): the four rates and
     the measurements they were fitted to."""
-    from ... import launch
+    from .. import launch
 
     sizes = MESSAGE_SIZES[quick]
     fn = functools.partial(_round_trips, sizes=sizes, rounds=ROUNDS[quick])
@@ -114,8 +114,8 @@ def message_costs(quick: bool = False) -> dict:
 def kernel_costs(quick: bool = False) -> dict:
     """``copy_byte_s``, ``sum_element_s`` (per dtype), ``scan_element_s`` and ``switch_packet_s`` (module
     docstring), with one torch thread."""
-    from ...codec import nonzero_blocks
-    from ...transports.switchml.dataplane import HEADER, Dataplane, SwitchConfig
+    from ..codec import nonzero_blocks
+    from ..transports.switchml.dataplane import HEADER, Dataplane, SwitchConfig
 
     n, reps = ELEMENTS[quick], REPEATS[quick]
     gen = torch.Generator().manual_seed(0)
@@ -209,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m sparsecomm.fabric.sim.calibrate",
+    p = argparse.ArgumentParser(prog="python -m sparsecomm.netbed.calibrate",
                                 description=__doc__.split("\n\n")[0])
     add_arguments(p)
     return run(p.parse_args(argv))
