@@ -56,7 +56,8 @@ class Pool:
     def busy(self, key) -> list:
         """The sends still holding the send buffer of role ``key`` (:meth:`get` would wait for them; none
         for ``key=None``)."""
-        return [w for w in self._busy.get(("out", key), ()) if not w.is_completed()]
+        held = self._busy.get(("out", key)) if self._busy else None
+        return [w for w in held if not w.is_completed()] if held else []
 
     def settle(self, key) -> None:
         """Wait for every send holding the send buffer of role ``key`` (those :meth:`busy` lists, in the order
@@ -441,7 +442,9 @@ class _Scheduler:
                 continue
             groups, owner = [], []   # per candidate its pending receives; an ``any`` one, each alone
             for s, (_, req) in cands:
-                pend = self.inbox.pending(req.keys) + self.outbox.pool.busy(req.free)
+                pend = self.inbox.pending(req.keys)
+                if req.free is not None:
+                    pend += self.outbox.pool.busy(req.free)
                 if req.any and len(pend) == len(req.keys):
                     groups += [[w] for w in pend]
                     owner += [s] * len(pend)
@@ -530,7 +533,7 @@ class _Scheduler:
         if len(self.able) == 1:
             for s in self.able:
                 return [(s, waiting[s])]
-        return sorted(((s, waiting[s]) for s in self.able), key=lambda e: (e[1][1].stage, e[0]))
+        return [(s, waiting[s]) for _, s in sorted([(waiting[s][1].stage, s) for s in self.able])]
 
     def resume(self, s: int) -> Generator:
         role, req = self.waiting.pop(s)

@@ -259,10 +259,20 @@ class SimFabric(Fabric):
         """
         return self.world.gate.call(self._ep, self._wait_any_process(works), f"any of {len(works)} receives")
 
-    def _wait_any_process(self, works) -> Generator:
-        """:meth:`wait_any` as a process of the loop (:class:`~.sim_world.AnyWait`)."""
+    def _wait_any_process(self, works, checked: bool = False) -> Generator:
+        """:meth:`wait_any` as a process of the loop (:class:`~.sim_world.AnyWait`); ``checked``: ``works`` are
+        lists of this endpoint's pending receives on distinct channels (the roles' scheduler's), taken as
+        they are."""
         if not works:
             raise InvalidValueError("wait_any needs at least one operation")
+        if checked:
+            for i, g in enumerate(works):
+                if not g:
+                    return i
+            i, msgs = yield AnyWait([[w._args[1:] for w in g] for g in works])
+            for w, msg in zip(works[i], msgs):
+                w.complete(msg)
+            return i
         ep = self._ep
         groups, keys, seen = [], [], set()      # per element its pending receives, and their (source, tag)
         for i, el in enumerate(works):
@@ -320,7 +330,7 @@ class SimFabric(Fabric):
                 return
             t = type(req)
             if t is _roles.WaitAny:
-                value = yield from self._wait_any_process(req.groups)
+                value = yield from self._wait_any_process(req.groups, checked=True)
                 continue
             if t is _roles.RecvWithin:
                 try:
