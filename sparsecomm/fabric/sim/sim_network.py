@@ -126,7 +126,7 @@ class Network:
 TCP_OVER_ETHERNET = 1448 / 1514
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Msg:
     """A message in the model: its bytes and its times (``start``, ``head``, ``tx_end``, ``rx_end``: the
     module docstring's formulas); ``delivered`` is when the receiving application may take it."""
@@ -140,10 +140,8 @@ class Msg:
     tx_end: float    # start + bytes / bw_src
     rx_end: float = 0.0      # when the receiving NIC has taken its last byte (its place in arrival order)
     taken: bool = False      # delivered to the application: its NIC slot is fixed from then on
-
-    @property
-    def delivered(self) -> float:
-        return max(self.rx_end, self.tx_end + (self.head - self.start))
+    #: ``max(rx_end, tx_end + (head - start))``, kept by :meth:`Endpoint.schedule` whenever it sets ``rx_end``
+    delivered: float = 0.0
 
 
 class Endpoint:
@@ -211,8 +209,8 @@ class Endpoint:
             if m.taken:
                 t = max(t, m.rx_end)
             else:
-                m.rx_end = max(m.head, t) + m.nbytes / self.bw
-                t = m.rx_end
+                m.rx_end = t = max(m.head, t) + m.nbytes / self.bw
+                m.delivered = max(t, m.tx_end + (m.head - m.start))
         return sched[i + 1:]
 
     def taken(self, msg: Msg) -> None:
