@@ -166,14 +166,25 @@ def test_a_stats_loggers_step_must_be_an_integer():
 
 
 # ------------------------------------------------------------------ a worker's step counter differs
-def _tampered_steps(ctx, transport: str, every: int, keys: tuple[str, ...]):
+#: (transport, verify_replicas_every, keys of rank 1's "sparsecomm" entry moved one step ahead)
+TAMPERED = [
+    ("native", 5, ("steps",)),          # the counter the replica guard reads (every 5th step: the 3rd is not)
+    ("native", 3, ("steps",)),          # ... and one rank's 3rd step would be a guarded one
+    ("native", 100, ("steps",)),        # the default: accepted before
+    ("native", 3, ("steps", "step")),   # a checkpoint of another step altogether
+    ("allgather", 3, ("steps",)),
+    ("ring", 3, ("steps",)),
+]
+
+
+def _tampered_steps(ctx, transport: str, every: int, keys: tuple[str, ...], group=None):
     """Two clean steps, then every rank reloads its own checkpoint, rank 1's with its step counter one
     ahead (the ``keys`` of its ``"sparsecomm"`` entry); the outcome of the next step on this rank."""
     torch.set_num_threads(1)
     model = _model()
     kw = dict(compressor="topk", method="ef", ratio=0.25) if transport == "allgather" else {}
     opt = sc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), transport=transport,
-                                  verify_replicas_every=every, **kw)
+                                  verify_replicas_every=every, process_group=group, **kw)
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(ctx.rank))
 
     def step():
@@ -190,21 +201,28 @@ def _tampered_steps(ctx, transport: str, every: int, keys: tuple[str, ...]):
     return outcome(step)
 
 
+def _every_tampered_case(ctx):
+    """Every case of ``TAMPERED`` in one launch, each on a gloo process group of its own (what one case
+    leaves unreceived after its error cannot reach the next): the outcome per case on this rank."""
+    import torch.distributed as dist
+
+    return [_tampered_steps(ctx, *case, group=dist.new_group(backend="gloo")) for case in TAMPERED]
+
+
+@pytest.fixture(scope="module")
+def tampered_outcomes():
+    """The outcomes of every ``TAMPERED`` case on both ranks, from one 2-process gloo launch."""
+    return sc.launch(_every_tampered_case, 2, backend="gloo", timeout_s=TIMEOUT)
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("transport, every, keys", [
-    ("native", 5, ("steps",)),          # the counter the replica guard reads (every 5th step: the 3rd is not)
-    ("native", 3, ("steps",)),          # ... and one rank's 3rd step would be a guarded one
-    ("native", 100, ("steps",)),        # the default: accepted before
-    ("native", 3, ("steps", "step")),   # a checkpoint of another step altogether
-    ("allgather", 3, ("steps",)),
-    ("ring", 3, ("steps",)),
-])
-def test_a_step_counter_that_differs_is_a_mismatch_at_the_next_step_on_every_rank(transport, every, keys):
-    res = sc.launch(functools.partial(_tampered_steps, transport=transport, every=every, keys=keys), 2,
-                    backend="gloo", timeout_s=TIMEOUT)
-    for cls, text, secs in res:
-        assert cls == "MismatchError" and "step" in text, (cls, text)
-        assert secs < BOUND, secs
+@pytest.mark.parametrize("case", range(len(TAMPERED)), ids=lambda i: "-".join(map(str, TAMPERED[i][:2])) +
+                         "-" + "+".join(TAMPERED[i][2]))
+def test_a_step_counter_that_differs_is_a_mismatch_at_the_next_step_on_every_rank(case, tampered_outcomes):
+    for per_rank in tampered_outcomes:
+        cls, text, secs = per_rank[case]
+        assert cls == "MismatchError" and "step" in text, (TAMPERED[case], cls, text)
+        assert secs < BOUND, (TAMPERED[case], secs)
 
 
 # ------------------------------------------------------------------ DistributedOptimizer under stock DDP
