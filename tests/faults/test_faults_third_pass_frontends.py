@@ -166,14 +166,25 @@ def test_a_stats_loggers_step_must_be_an_integer():
 
 
 # ------------------------------------------------------------------ a worker's step counter differs
-def _tampered_steps(ctx, transport: str, every: int, keys: tuple[str, ...]):
+#: (transport, verify_replicas_every, keys of rank 1's "sparsecomm" entry moved one step ahead)
+TAMPERED = [
+    ("native", 5, ("steps",)),          # the counter the replica guard reads (every 5th step: the 3rd is not)
+    ("native", 3, ("steps",)),          # ... and one rank's 3rd step would be a guarded one
+    ("native", 100, ("steps",)),        # the default: accepted before
+    ("native", 3, ("steps", "step")),   # a checkpoint of another step altogether
+    ("allgather", 3, ("steps",)),
+    ("ring", 3, ("steps",)),
+]
+
+
+def _tampered_steps(ctx, transport: str, every: int, keys: tuple[str, ...], group=None):
     """Two clean steps, then every rank reloads its own checkpoint, rank 1's with its step counter one
     ahead (the ``keys`` of its ``"sparsecomm"`` entry); the outcome of the next step on this rank."""
     torch.set_num_threads(1)
     model = _model()
     kw = dict(compressor="topk", method="ef", ratio=0.25) if transport == "allgather" else {}
     opt = sc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), transport=transport,
-                                  verify_replicas_every=every, **kw)
+                                  verify_replicas_every=every, process_group=group, **kw)
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(ctx.rank))
 
     def step():
@@ -190,21 +201,32 @@ def _tampered_steps(ctx, transport: str, every: int, keys: tuple[str, ...]):
     return outcome(step)
 
 
+def _every_gloo_case(ctx):
+    """This module's real-process cases in one launch, on this rank: ``_under_ddp`` and
+    ``_hook_saved_then_loaded`` first (each builds its own models, DDPs and hooks on the launch's group,
+    and ends with errors at construction or at loading, before any communication), then every case of
+    ``TAMPERED``, each on a gloo process group of its own (what one case leaves unreceived after its
+    MismatchError cannot reach the next)."""
+    import torch.distributed as dist
+
+    return {"under ddp": _under_ddp(ctx), "hook checkpoint": _hook_saved_then_loaded(ctx),
+            "tampered": [_tampered_steps(ctx, *case, group=dist.new_group(backend="gloo")) for case in TAMPERED]}
+
+
+@pytest.fixture(scope="module")
+def gloo_outcomes():
+    """What ``_every_gloo_case`` returned on both ranks, from one 2-process gloo launch."""
+    return sc.launch(_every_gloo_case, 2, backend="gloo", timeout_s=TIMEOUT)
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("transport, every, keys", [
-    ("native", 5, ("steps",)),          # the counter the replica guard reads (every 5th step: the 3rd is not)
-    ("native", 3, ("steps",)),          # ... and one rank's 3rd step would be a guarded one
-    ("native", 100, ("steps",)),        # the default: accepted before
-    ("native", 3, ("steps", "step")),   # a checkpoint of another step altogether
-    ("allgather", 3, ("steps",)),
-    ("ring", 3, ("steps",)),
-])
-def test_a_step_counter_that_differs_is_a_mismatch_at_the_next_step_on_every_rank(transport, every, keys):
-    res = sc.launch(functools.partial(_tampered_steps, transport=transport, every=every, keys=keys), 2,
-                    backend="gloo", timeout_s=TIMEOUT)
-    for cls, text, secs in res:
-        assert cls == "MismatchError" and "step" in text, (cls, text)
-        assert secs < BOUND, secs
+@pytest.mark.parametrize("case", range(len(TAMPERED)), ids=lambda i: "-".join(map(str, TAMPERED[i][:2])) +
+                         "-" + "+".join(TAMPERED[i][2]))
+def test_a_step_counter_that_differs_is_a_mismatch_at_the_next_step_on_every_rank(case, gloo_outcomes):
+    for per_rank in (r["tampered"] for r in gloo_outcomes):
+        cls, text, secs = per_rank[case]
+        assert cls == "MismatchError" and "step" in text, (TAMPERED[case], cls, text)
+        assert secs < BOUND, (TAMPERED[case], secs)
 
 
 # ------------------------------------------------------------------ DistributedOptimizer under stock DDP
@@ -254,8 +276,8 @@ def _under_ddp(ctx):
 
 
 @pytest.mark.multiprocess
-def test_distributed_optimizer_over_a_ddp_model_is_refused_on_every_rank_however_it_is_built():
-    res = sc.launch(_under_ddp, 2, backend="gloo", timeout_s=TIMEOUT)
+def test_distributed_optimizer_over_a_ddp_model_is_refused_on_every_rank_however_it_is_built(gloo_outcomes):
+    res = [r["under ddp"] for r in gloo_outcomes]
     for cases in res:
         *refused, (name, (cls, text, secs)) = cases
         assert name == "unrelated DDP" and cls is None, (cls, text)
@@ -318,8 +340,8 @@ def _hook_saved_then_loaded(ctx):
 
 
 @pytest.mark.multiprocess
-def test_a_hook_state_refuses_a_checkpoint_of_another_compressor_on_every_rank():
-    for cls, text, secs in sc.launch(_hook_saved_then_loaded, 2, backend="gloo", timeout_s=TIMEOUT):
+def test_a_hook_state_refuses_a_checkpoint_of_another_compressor_on_every_rank(gloo_outcomes):
+    for cls, text, secs in (r["hook checkpoint"] for r in gloo_outcomes):
         assert cls == "MismatchError" and "'topk'" in text and "'randk'" in text, (cls, text)
         assert secs < BOUND
 

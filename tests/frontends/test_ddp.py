@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import pickle
 
 import pytest
@@ -57,14 +56,20 @@ def _worker(ctx, steps: int, compressed: dict):
     return out
 
 
-@pytest.mark.multiprocess
-def test_hook_equals_builtin_allreduce_gloo():
+def _carrier():
     have = sc.transports.available()
-    carrier = next((n for n in ("allgather", "omnireduce") if n in have), None)
-    assert carrier is not None, "a transport that carries sparse payloads"
-    compressed = dict(compressor="topk", method="ef", ratio=0.3, transport=carrier)
-    res = sc.launch(functools.partial(_worker, steps=STEPS, compressed=compressed), world_size=2,
-                    backend="gloo")
+    return next((n for n in ("allgather", "omnireduce") if n in have), None)
+
+
+def _builtin_vs_hook(ctx):
+    compressed = dict(compressor="topk", method="ef", ratio=0.3, transport=_carrier())
+    return _worker(ctx, steps=STEPS, compressed=compressed)
+
+
+@pytest.mark.multiprocess
+def test_hook_equals_builtin_allreduce_gloo(launched):
+    assert _carrier() is not None, "a transport that carries sparse payloads"
+    res = _scenario(launched, _builtin_vs_hook)
     ref = tc.reference(2, STEPS, with_unused=False)
     for r in res:
         for a, b, c in zip(r["builtin"], r["hook"], ref):
@@ -161,15 +166,50 @@ def _resume_worker(ctx, hook, resume_cap=10_000, probe=True):
     return straight, resumed, n_keys, pending
 
 
+def _fp16_ef_resume(ctx):
+    return _resume_worker(ctx, hook=dict(compressor="fp16", method="ef", transport="allgather"))
+
+
+def _caught(fn, ctx):
+    """``fn(ctx)``, or the traceback of what it raised (so that one scenario's error fails its own test)."""
+    try:
+        return fn(ctx)
+    except Exception:  # noqa: BLE001 - reported by the test that reads this scenario
+        return __import__("traceback").format_exc()
+
+
+def _every_scenario(ctx):
+    torch.set_num_threads(1)
+    # the probe of pending futures blocks the engine until the hook's next call: that scenario runs last
+    return {fn.__name__: _caught(fn, ctx) for fn in (_builtin_vs_hook, _sparse_all, _diana_resume,
+                                                        _powersgd_resume, _fp16_ef_resume)}
+
+
+@pytest.fixture(scope="module")
+def launched():
+    """Every real-process scenario of this module on both ranks, from one 2-process gloo launch (each builds
+    its own models, DDPs and hooks): a dict per rank, from the scenario's function name to what it returned
+    (or the traceback of what it raised)."""
+    return sc.launch(_every_scenario, world_size=2, backend="gloo")
+
+
+def _scenario(launched, fn):
+    """The scenario ``fn``'s results on both ranks; a failure naming it if it raised on a worker."""
+    res = [r[fn.__name__] for r in launched]
+    for r in res:
+        if isinstance(r, str):
+            pytest.fail(f"{fn.__name__} raised on a worker:\n{r}")
+    return res
+
+
 @pytest.mark.multiprocess
-def test_hook_resume_across_bucket_rebuild_is_exact_and_futures_pending():
+def test_hook_resume_across_bucket_rebuild_is_exact_and_futures_pending(launched):
     """EF + fp16 (element-wise, so the compressed result does not depend on how parameters are grouped)
     through the hook: a run restored from a checkpoint into a fresh DDP, whose first iteration uses
     another bucket layout than the saved one and then rebuilds, ends bit-identical to the uninterrupted
     run (the state is keyed by parameters and remapped exactly; keyed by bucket index it would not even
     load onto the first layout)."""
-    hook = dict(compressor="fp16", method="ef", transport="allgather")
-    res = sc.launch(functools.partial(_resume_worker, hook=hook), world_size=2, backend="gloo")
+    res = _scenario(launched, _fp16_ef_resume)
     for straight, resumed, n_keys, pending in res:
         assert n_keys >= 2                      # several buckets after the rebuild
         for a, b in zip(straight, resumed):
@@ -232,12 +272,12 @@ def _diana_resume(ctx):
 
 
 @pytest.mark.multiprocess
-def test_hook_resume_diana_randk_any_layout():
+def test_hook_resume_diana_randk_any_layout(launched):
     """DIANA + shared-seed rand-k through the hook runs per parameter (state, generator, alpha and k per
     parameter): a run checkpointed after 4 steps and resumed into a fresh DDP with *another*
     ``bucket_cap_mb`` (so other buckets both before and after DDP's rebuild) ends bit-identical to the
     uninterrupted run, on every worker; keyed by bucket, the rand-k draws followed the layout."""
-    res = sc.launch(_diana_resume, world_size=2, backend="gloo")
+    res = _scenario(launched, _diana_resume)
     for runs in res:
         for straight, resumed, n_keys, _ in runs:
             assert n_keys == 12                 # one state per parameter (6 weights + 6 biases)
@@ -261,14 +301,14 @@ def _powersgd_resume(ctx):
 
 
 @pytest.mark.multiprocess
-def test_hook_resume_powersgd_exact():
+def test_hook_resume_powersgd_exact(launched):
     """PowerSGD through the hook keeps one state per bucket: the error per coordinate and the warm-start
     Q per matrix (``PowerSGD.state_sizes``). Restored into a fresh DDP, whose first iteration has the
     initial bucket layout and the next the rebuilt one (and, here, another ``bucket_cap_mb``), the state
     is split per parameter and rejoined for each layout, and the run ends bit-identical to the
     uninterrupted one: checkpointed after the first compressed step (warm start: no Q drawn after the
     restore), or before it with an iteration between the restore and the first draw."""
-    res = sc.launch(_powersgd_resume, world_size=2, backend="gloo")
+    res = _scenario(launched, _powersgd_resume)
     for runs in res:
         for straight, resumed, n_keys, _ in runs:
             assert n_keys >= 2
@@ -280,8 +320,8 @@ def test_hook_resume_powersgd_exact():
 
 
 @pytest.mark.multiprocess
-def test_hook_sparse_embedding_matches_ddp_and_rejects_compression():
-    res = sc.launch(_sparse_all, world_size=2, backend="gloo")
+def test_hook_sparse_embedding_matches_ddp_and_rejects_compression(launched):
+    res = _scenario(launched, _sparse_all)
     for r in res:
         for a, b in zip(r["builtin"], r["hook"]):
             torch.testing.assert_close(b, a, rtol=0, atol=1e-6)

@@ -10,7 +10,6 @@ still had the previous bucket's Q round to send, in an order that differed betwe
 
 from __future__ import annotations
 
-import functools
 import time
 
 import pytest
@@ -178,23 +177,31 @@ def _powersgd_ddp(ctx, delay: float, fold_max_bytes: int | None):
         net[0].register_full_backward_pre_hook(lambda *a: time.sleep(4 * delay))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     g = torch.Generator().manual_seed(ctx.rank)
-    for _ in range(12):
-        x, y = torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
-        opt.zero_grad()
-        nn.functional.cross_entropy(ddp(x), y).backward()
-        opt.step()
+    try:
+        for _ in range(12):
+            x, y = torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
+            opt.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+    finally:
+        if delay and ctx.rank == 0:
+            PowerSGD._next_round = inner
     return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+
+
+def _slow_then_plain(ctx):
+    """The delayed run on a fresh launch (nothing recorded before it), then, in the same processes, the run
+    with nothing posted ahead (``fold_max_bytes=0``: no call folds, whatever the record holds)."""
+    slow = _powersgd_ddp(ctx, delay=0.02, fold_max_bytes=None)
+    return slow, _powersgd_ddp(ctx, delay=0.0, fold_max_bytes=0)
 
 
 @pytest.mark.multiprocess
 def test_powersgd_hook_on_native_with_several_buckets_keeps_the_replicas_identical():
-    slow = sc.launch(functools.partial(_powersgd_ddp, delay=0.02, fold_max_bytes=None), 2, backend="gloo",
-                     timeout_s=TIMEOUT)
-    assert torch.equal(slow[0], slow[1]), (slow[0] - slow[1]).abs().max()
+    (slow0, plain0), (slow1, _) = sc.launch(_slow_then_plain, 2, backend="gloo", timeout_s=TIMEOUT)
+    assert torch.equal(slow0, slow1), (slow0 - slow1).abs().max()
     # and the same trajectory as with nothing posted ahead (no folding at all)
-    plain = sc.launch(functools.partial(_powersgd_ddp, delay=0.0, fold_max_bytes=0), 2, backend="gloo",
-                      timeout_s=TIMEOUT)
-    assert torch.equal(slow[0], plain[0])
+    assert torch.equal(slow0, plain0)
 
 
 # ----------------------------------------------------------------------------- the replica guard
