@@ -1,4 +1,4 @@
-"""The main job (``make demo``): compression x transport on 8 simulated workers, in a few minutes.
+"""The main job (``make demo``): compression x transport on 8 simulated workers, in about 10 minutes on 2 cores.
 
 Two tasks (``experiments.common.tasks``): ``recsys-zipf``, an embedding-heavy click model whose
 gradients are block-sparse (a batch touches a few dozen embedding rows), and ``digits-mlp``, a dense
