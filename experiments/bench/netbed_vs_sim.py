@@ -2,6 +2,13 @@
 
     python -m experiments.bench.netbed_vs_sim                          # n = 2, 4; 10 and 100 MB; 1 Gbit/s
     python -m experiments.bench.netbed_vs_sim --workers 2 --sizes-mb 10 --gbps 0.1 --repeats 2
+    python -m experiments.bench.netbed_vs_sim --workers 2 --sizes-mb 10 --transports native ring omnireduce switch \
+        --profile host.json            # every transport named, link model and a calibrated host model
+
+With ``--transports``: every transport named, at its defaults and at the densities of
+:data:`experiments.bench.transports.CASES`, measured by that benchmark's code on the netbed and modelled on
+the SimFabric by the same calls (:func:`compare_transports`); ``--profile``: a host profile
+(``python -m sparsecomm.netbed calibrate``) modelled as well. Otherwise, as follows.
 
 For every (workers, size): on a netbed with links of ``--gbps``, the median over ``--repeats`` calls
 (after one warm-up, each after a barrier) of ``native`` (``torch.distributed.all_reduce``, gloo's ring for
