@@ -2,6 +2,13 @@
 
     python -m experiments.bench.netbed_vs_sim                          # n = 2, 4; 10 and 100 MB; 1 Gbit/s
     python -m experiments.bench.netbed_vs_sim --workers 2 --sizes-mb 10 --gbps 0.1 --repeats 2
+    python -m experiments.bench.netbed_vs_sim --workers 2 --sizes-mb 10 --transports native ring omnireduce switch \
+        --profile host.json            # every transport named, link model and a calibrated host model
+
+With ``--transports``: every transport named, at its defaults and at the densities of
+:data:`experiments.bench.transports.CASES`, measured by that benchmark's code on the netbed and modelled on
+the SimFabric by the same calls (:func:`compare_transports`); ``--profile``: a host profile
+(``python -m sparsecomm.netbed calibrate``) modelled as well. Otherwise, as follows.
 
 For every (workers, size): on a netbed with links of ``--gbps``, the median over ``--repeats`` calls
 (after one warm-up, each after a barrier) of ``native`` (``torch.distributed.all_reduce``, gloo's ring for
@@ -99,13 +106,106 @@ def compare(workers: int, size_mb: float, gbps: float, repeats: int = 3) -> dict
             "native_ratio": sim / real["native"], "ring_ratio": sim / real["ring"]}
 
 
+def _model_cases(ctx, cases: list, numel: int) -> list[tuple[float, float]]:
+    """On the SimFabric, every rank: per (case, density) of ``cases`` (:class:`.transports.Case`), after one
+    untimed call, the ``(start, end)`` modelled clock of a call that follows a barrier, as ``measured`` times
+    the netbed's (the same inputs: :func:`.transports.block_sparse`)."""
+    from .transports import block_sparse
+
+    f = ctx.fabric
+    out = []
+    for case in cases:
+        # native (gloo's ring all-reduce) is modelled as the library's ring: the same bytes, the same steps
+        t = (sc.transports.get("ring", f) if case.transport == "native"
+             else sc.transports.get(case.transport, f, **case.kwargs))
+        for d in case.densities:
+            x0 = block_sparse(numel, d, case.block, seed=1000 * ctx.rank + int(d * 1e4))
+            for timed in (False, True):
+                x = x0.clone()
+                f.barrier()
+                t0 = f.now()
+                t.allreduce(x)
+                if timed:
+                    out.append((t0, f.now()))
+    return out
+
+
+def modelled_cases(workers: int, size_mb: float, cases: list, network: "sc.Network") -> list[float]:
+    """The SimFabric's time of each (case, density) of ``cases`` on ``network``: from the last rank's start to
+    the last rank's end, as the netbed's is measured (one launch per distinct set of services)."""
+    numel = int(size_mb * 1e6) // 4
+    times = []
+    for case in cases:
+        per_rank = sc.launch(functools.partial(_model_cases, cases=[case], numel=numel), workers,
+                             services=list(case.services), network=network)
+        for i in range(len(case.densities)):
+            times.append(max(r[i][1] for r in per_rank) - max(r[i][0] for r in per_rank))
+    return times
+
+
+def compare_transports(workers: int, size_mb: float, gbps: float, names: list[str], repeats: int,
+                       profile: str | None) -> list[dict]:
+    """Every transport of ``names`` at its defaults (:data:`.transports.CASES`' headline rows, their
+    densities) measured on a netbed (:func:`.transports.run`) and modelled on the SimFabric: the link model
+    alone (the small-message latency measured over the same netbed, TCP framing), and, with ``profile`` (a
+    host profile, ``python -m sparsecomm.netbed calibrate``), the link plus that host model, its CPU share
+    the processes per core of the netbed (workers and services, on this machine's cores) and its wire
+    latency :data:`NETBED_LATENCY_US`."""
+    import os
+
+    from . import transports as tb
+
+    cases = [c for c in tb.CASES if c.transport in names and not c.tuned]
+    real = tb.run(workers, size_mb, cases, repeats, 1, 600.0, netbed_gbps=gbps)
+    latency = measured(workers, 0.001, gbps, repeats=1)["latency_s"]
+    link = sc.Network(bandwidth_gbps=gbps, latency_us=latency * 1e6, payload_fraction=TCP_OVER_ETHERNET)
+    sims = {"link": modelled_cases(workers, size_mb, cases, link)}
+    if profile:
+        host_times = []
+        for c in cases:
+            net = sc.Network.from_profile(profile, bandwidth_gbps=gbps, latency_us=NETBED_LATENCY_US,
+                                          payload_fraction=TCP_OVER_ETHERNET)
+            # the workers and the services (a switch on the top of rack is a process too) on this machine's cores
+            net.host = net.host.sharing(workers + len(c.services), os.cpu_count() or 1)
+            host_times += modelled_cases(workers, size_mb, [c], net)
+        sims["host"] = host_times
+    rows = []
+    for i, r in enumerate(real):
+        row = dict(case=r["case"], density=r["density"], measured_s=r["median_s"],
+                   link_limit_s=r.get("link_limit_s"))
+        for k, v in sims.items():
+            row[k + "_s"] = v[i]
+            row[k + "_ratio"] = v[i] / r["median_s"]
+        rows.append(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workers", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--sizes-mb", type=float, nargs="+", default=[10.0, 100.0])
     ap.add_argument("--gbps", type=float, default=1.0)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--transports", nargs="+", default=None,
+                    help="every transport named (at its defaults and densities) instead of native and ring "
+                         "against the ring's model: e.g. native ring allgather omnireduce switch sparse-switch")
+    ap.add_argument("--profile", default=None,
+                    help="a host profile (python -m sparsecomm.netbed calibrate) to model with as well")
     a = ap.parse_args(argv)
+    if a.transports:
+        print(f"# netbed links {a.gbps:g} Gbit/s; modelled: link only (measured small-message latency), "
+              f"and with the host profile {a.profile or '(none)'}")
+        print("| workers | size MB | transport | density | netbed ms | link-limited ms | link model ms | ratio "
+              "| link + host ms | ratio |")
+        print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+        for n in a.workers:
+            for size in a.sizes_mb:
+                for r in compare_transports(n, size, a.gbps, a.transports, a.repeats, a.profile):
+                    lim = f"{r['link_limit_s'] * 1e3:.1f}" if r.get("link_limit_s") is not None else ""
+                    host = (f"{r['host_s'] * 1e3:.1f} | {r['host_ratio']:.2f}" if "host_s" in r else " | ")
+                    print(f"| {n} | {size:g} | {r['case']} | {r['density']:g} | {r['measured_s'] * 1e3:.1f} | {lim} "
+                          f"| {r['link_s'] * 1e3:.1f} | {r['link_ratio']:.2f} | {host} |", flush=True)
+        return
     with open("/proc/loadavg") as fh:
         load = " ".join(fh.read().split()[:3])
     print(f"# netbed links {a.gbps:g} Gbit/s; SimFabric: ring at the fabric latency measured on the netbed, "
