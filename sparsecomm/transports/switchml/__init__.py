@@ -243,11 +243,12 @@ class SwitchTransport(Transport):
 
     def cost(self, call: CallShape, *, bandwidth_gbps: float, latency_us: float) -> costs.Cost:
         """:func:`~sparsecomm.theory.costs.switchml_allreduce` of the call's elements as 32-bit fixed point,
-        with this transport's slots and the lanes a float job of that size takes (:meth:`_float_lanes`)."""
+        with this transport's slots and the lanes a float job of that size takes (:meth:`_float_lanes`), its
+        exponent look-ahead header-only on a real fabric."""
         lanes = self._float_lanes(-(-call.numel // self.slot_elems))[0]
         return costs.switchml_allreduce(self.fabric.world_size, call.numel * 4, pool_size=max(1, lanes),
                                         slot_elems=self.slot_elems, bandwidth_gbps=bandwidth_gbps,
-                                        latency_us=latency_us)
+                                        latency_us=latency_us, header_only_lookahead=not self.sim)
 
     # ================================================================== payload kinds
     def _allreduce_tensor(self, flat: torch.Tensor) -> torch.Tensor:
