@@ -210,7 +210,8 @@ def switchml_allreduce(n: int, nbytes: int, *, elem_size: int = 4, pool_size: in
                        fp32: bool = True, bandwidth_gbps: float = 100.0, latency_us: float = 2.0,
                        switch_bandwidth_gbps: float | None = None, switch_latency_us: float | None = None,
                        header_bytes: int = SWITCHML_HEADER_BYTES,
-                       handshake_fields: int = SWITCHML_HANDSHAKE_FIELDS) -> Cost:
+                       handshake_fields: int = SWITCHML_HANDSHAKE_FIELDS,
+                       header_only_lookahead: bool = False) -> Cost:
     """SwitchML in-network aggregation (Sapio et al., NSDI'21, arXiv 1903.06701) of ``nbytes`` per worker.
 
     Every worker sends each element once and receives the sum once, whatever ``n`` (<= 32): packets of
@@ -229,6 +230,12 @@ def switchml_allreduce(n: int, nbytes: int, *, elem_size: int = 4, pool_size: in
     transport is told so instead of waiting for the switch.
     The switch is per-port (one NIC per worker), as SimFabric's ``per_port=True`` models it.
 
+    ``header_only_lookahead`` (the library's switch on a real fabric): the ``L`` exponent-only packets are
+    headers alone, ``h`` bytes with ``tau_h = h / min(B, B_s)`` and ``RTT_h = alpha + alpha_s + 2 tau_h``;
+    the ``M`` data packets then start once the first look-ahead result is in and the look-ahead window is
+    serialised, ``max(RTT_h, L tau_h)`` after the control round, and run as above: bytes sent = received =
+    ``(1 + M) b + L h``.
+
     Args:
         n: workers.
         nbytes: bytes per worker.
@@ -242,6 +249,7 @@ def switchml_allreduce(n: int, nbytes: int, *, elem_size: int = 4, pool_size: in
         switch_latency_us: the switch's latency, microseconds (default: ``latency_us``).
         header_bytes: bytes of each packet's header.
         handshake_fields: int64 fields of the transport's agreement header (:func:`handshake`).
+        header_only_lookahead: a float job's exponent-only packets are headers alone (above).
     """
     if n < 1:
         return ZERO
@@ -254,6 +262,13 @@ def switchml_allreduce(n: int, nbytes: int, *, elem_size: int = 4, pool_size: in
     numel = nbytes // elem_size
     M = math.ceil(numel / slot_elems)
     L = min(pool_size, M)
+    if fp32 and header_only_lookahead and M:
+        tau_h = header_bytes / min(B, Bs)
+        t = rtt + max(alpha + alpha_s + 2 * tau_h, L * tau_h)
+        t += max((M - 1) * tau, ((M - 1) // L) * rtt + ((M - 1) % L) * tau) + rtt
+        moved = (1 + M) * b + L * header_bytes
+        return add(handshake(n, handshake_fields, bandwidth_gbps=bandwidth_gbps, latency_us=latency_us),
+                   Cost(t, moved, moved, 1 + L + M, 2 + math.ceil(M / L)))
     P = M + (L if fp32 else 0)
     t = rtt
     if P:

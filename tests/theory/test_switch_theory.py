@@ -50,3 +50,21 @@ def test_throughput_formula():
     assert switchml_throughput(pool_size=256, slot_elems=256, **NET) == pytest.approx(line * 1024 / 1056)
     small = switchml_throughput(pool_size=4, slot_elems=64, **NET)
     assert small == pytest.approx(4 * 256 / (2 * (2e-6 + 288 / line)))
+
+
+def test_header_only_lookahead_moves_a_header_per_lane_and_takes_no_longer():
+    """The library's switch on a real fabric sends a float job's exponent look-ahead header-only: ``(1 + M)``
+    whole packets and ``L`` headers each way, in no more time than the paper's whole look-ahead packets."""
+    numel, pool, elems, h = 1_000_000, 512, 256, 32
+    M = -(-numel // elems)
+    hs = handshake(2, SWITCHML_HANDSHAKE_FIELDS, **NET)
+    whole = switchml_allreduce(2, numel * 4, pool_size=pool, slot_elems=elems, **NET)
+    short = switchml_allreduce(2, numel * 4, pool_size=pool, slot_elems=elems, header_only_lookahead=True, **NET)
+    assert whole.bytes_sent - hs.bytes_sent == (1 + M + pool) * (h + 4 * elems)
+    assert short.bytes_sent - hs.bytes_sent == short.bytes_received - hs.bytes_received
+    assert short.bytes_sent - hs.bytes_sent == (1 + M) * (h + 4 * elems) + pool * h
+    assert short.messages == whole.messages and short.time_s < whole.time_s
+    # an integer job has no look-ahead: the option changes nothing
+    ints = dict(pool_size=pool, slot_elems=elems, fp32=False, **NET)
+    assert switchml_allreduce(2, numel * 4, header_only_lookahead=True, **ints) == switchml_allreduce(2, numel * 4,
+                                                                                                     **ints)

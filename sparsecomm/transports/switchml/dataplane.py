@@ -57,6 +57,14 @@ fabric message carries up to ``burst`` rows (on SimFabric exactly ``burst``, unu
 ``TAG_UP``, switch -> workers on ``TAG_DOWN``, all ``reliable=False``. How the rows reach the program
 (one datagram per packet on SimFabric, per-port receive threads on real fabrics) is
 :mod:`.service`.
+
+**Header-only packets** (real fabrics): a packet that carries no values (a float job's exponent look-ahead,
+:mod:`.jobs`) travels as its ``HEADER`` words alone, in a ``SHORT`` message (:func:`short_frame`): a first
+row ``(SHORT, count, 0, ...)`` then ``count`` header rows, flat. The program takes such a packet as one
+whose values are all zero (the first writer zeroes the slot's accumulators; its exponent counts as any
+packet's) and answers it with a header-only result, in a ``SHORT`` message too. So the look-ahead costs
+``4 * HEADER`` bytes a packet each way, not a whole packet's ``4 * (HEADER + slot_elems)``. SimFabric keeps
+the paper's program: every packet is a whole row, one datagram of the modelled network.
 """
 
 from __future__ import annotations
@@ -94,11 +102,14 @@ class PacketType(IntEnum):
     RESULT = 2       # switch -> workers: multicast of a completed slot
     RETRANSMIT = 3   # switch -> one worker: the stored result, for a duplicate after completion
     REJECT = 4       # switch -> every worker: it dropped packets of worker WORKER (their port) it cannot parse
+    SHORT = 5        # real fabrics: a message of header-only packets (:func:`short_frame`), not a packet itself
 
 
 F_TYPE, F_SLOT, F_SET, F_WORKER, F_PKT, F_JOB, F_NW, F_EXP = (int(f) for f in Field)
 HEADER = len(Field)
-T_EMPTY, T_DATA, T_RESULT, T_RETRANSMIT, T_REJECT = (int(t) for t in PacketType)
+T_EMPTY, T_DATA, T_RESULT, T_RETRANSMIT, T_REJECT, T_SHORT = (int(t) for t in PacketType)
+#: a SHORT message's first row: the number of header rows that follow
+F_SHORT_COUNT = F_SLOT
 #: a REJECT row's fields: the worker whose port the packets came on, and how many the message held
 F_REJECTED, F_REJECTED_COUNT = F_WORKER, F_JOB
 TAG_UP = 0x5A51
@@ -181,7 +192,8 @@ def _program(rows, values, seen, count, exponent, world, mc, uc, new, counters, 
     """Run the per-packet program (module docstring) on every row of one message, in order.
 
     Results go to ``mc`` (multicast) and ``uc`` (unicast to the sender), rows of the same width, filled
-    from the front; ``new[i]`` marks row ``i`` as a new contribution (for the audit). Returns the
+    from the front (header-only ``rows``, ``HEADER`` words each: their values are zero, and their results
+    header-only); ``new[i]`` marks row ``i`` as a new contribution (for the audit). Returns the
     number of rows written to each. ``counters`` accumulates :data:`COUNTERS` (a row of another type
     than ``EMPTY`` or ``DATA`` is a packet, and malformed). With ``clear``, each
     row's type is reset to ``T_EMPTY`` once read (a receive buffer made ready for its next message).
@@ -189,6 +201,7 @@ def _program(rows, values, seen, count, exponent, world, mc, uc, new, counters, 
     over the very row it answers is then written in the add's loop through that row (a loop through
     another view of it would be compiled without vector instructions: the views might overlap)."""
     slots, elems, words = values.shape[0], values.shape[2], seen.shape[2]
+    short = rows.shape[1] == 8                    # header-only packets: their values are all zero
     nmc = 0
     nuc = 0
     for i in range(rows.shape[0]):
@@ -201,7 +214,7 @@ def _program(rows, values, seen, count, exponent, world, mc, uc, new, counters, 
         counters[0] += 1
         slot, v, w, n = rows[i, 1], rows[i, 2], rows[i, 3], rows[i, 6]
         if not (kind == 1 and 0 <= slot < slots and (v == 0 or v == 1) and 0 <= w < n <= 32 * words
-                and (world <= 0 or n == world) and rows.shape[1] == 8 + elems):
+                and (world <= 0 or n == world) and (short or rows.shape[1] == 8 + elems)):
             counters[1] += 1                      # a parser drops what it cannot match
             continue
         k = w >> 5                                # the bitmap word of worker w
@@ -221,7 +234,14 @@ def _program(rows, values, seen, count, exponent, world, mc, uc, new, counters, 
             # the contribution that completes the slot writes the result's values as it stores them
             # (into mc[nmc], which may be this very row: each element is read before it is written)
             left = n - 1 if empty else count[slot, v] - 1
-            if empty:                             # the first writer overwrites
+            if short:                             # values all zero: only the exponent counts
+                if empty:
+                    for j in range(elems):
+                        acc[j] = 0
+                    exponent[slot, v] = e
+                elif e > exponent[slot, v]:
+                    exponent[slot, v] = e
+            elif empty:                           # the first writer overwrites
                 if left == 0 and not (alias and nmc == i):
                     res = mc[nmc, 8:]
                     for j in range(elems):
@@ -289,7 +309,7 @@ def _reply(rows, i, values, exponent, slot, v, kind, out, k):  # pragma: no cove
         out[k, j] = rows[i, j]
     out[k, 0] = kind
     out[k, 7] = exponent[slot, v]
-    for j in range(values.shape[2]):
+    for j in range(out.shape[1] - 8):             # none for a header-only reply
         out[k, 8 + j] = values[slot, v, j]
 
 
@@ -323,7 +343,8 @@ class Dataplane:
     def process(self, rows: np.ndarray, burst: int | None = None):
         """Run the program on the packets of one message (an int32 array of rows); return (rows to
         multicast, rows to unicast to the sender), each of shape ``(k, HEADER + elems)``. One compiled
-        call whatever the number of rows; rows of another width are all malformed. With ``burst``, each
+        call whatever the number of rows; rows of another width than a whole packet's or a header's
+        (header-only packets, module docstring) are all malformed. With ``burst``, each
         is instead a list of messages of ``burst`` rows (unused rows ``T_EMPTY``), ready to send."""
         rows = np.ascontiguousarray(rows, dtype=np.int32)
         if rows.ndim != 2:
@@ -372,6 +393,33 @@ def split_messages(out: np.ndarray, used: int, burst: int, pad: bool = True) -> 
     end = -(-used // burst) * burst if pad else used
     out[used:end] = 0                                     # padding rows: T_EMPTY
     return [out[i:min(i + burst, end)] for i in range(0, used, burst)]
+
+
+def short_frame(buf: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """A ``SHORT`` message of ``count`` header-only packets at the front of ``buf`` (an int32 message buffer,
+    C-contiguous, of at least ``HEADER * (count + 1)`` words): ``(the message, flat; its header rows, a
+    (count, HEADER) view to fill)``, the first row ``(SHORT, count, 0, ...)`` written."""
+    flat = buf.reshape(-1)
+    flat[:HEADER] = 0
+    flat[F_TYPE], flat[F_SHORT_COUNT] = T_SHORT, count
+    end = HEADER * (count + 1)
+    return flat[:end], flat[HEADER:end].reshape(count, HEADER)
+
+
+def short_rows(buf: np.ndarray, most: int) -> np.ndarray | None:
+    """The header rows of the ``SHORT`` message received at the front of ``buf`` (its first row's type is
+    ``SHORT``), a view; ``None`` when its count is outside ``0..most`` or past the buffer (malformed)."""
+    flat = buf.reshape(-1)
+    count = int(flat[F_SHORT_COUNT])
+    if not 0 <= count <= min(most, flat.size // HEADER - 1):
+        return None
+    return flat[HEADER:HEADER * (count + 1)].reshape(count, HEADER)
+
+
+def short_extent(count: int, width: int) -> int:
+    """How many ``width``-word rows of a message buffer a ``SHORT`` message of ``count`` packets covers (the
+    rows whose type word it overwrote)."""
+    return -(-HEADER * (count + 1) // width)
 
 
 def rejection(width: int, burst: int, worker: int, world: int, count: int) -> np.ndarray:

@@ -7,7 +7,9 @@ A float job (Sapio et al., NSDI'21, Sec. 5.3; the p4app-switchML client's expone
 workers that the switch returns) is known one lane window before its codes are sent. Codes are
 ``q = round(x f)`` (half away from zero, the product in float64: :func:`sparsecomm.codec.to_fixed`'s rule)
 and the result is ``sum_w q_w / f`` in the job's working precision (:func:`sparsecomm.codec.from_fixed`'s
-rule), bit for bit; both run as one compiled call per message (:func:`_encode`, :func:`_decode`).
+rule), bit for bit; both run as one compiled call per message (:func:`_encode`, :func:`_decode`). The first
+``L`` packets carry no codes: on real fabrics their rows are ``HEADER`` words wide (header-only packets,
+:mod:`.dataplane`), on SimFabric whole rows of zeros; the encoder and the decoder take either.
 Stochastic rounding goes through :func:`sparsecomm.codec.to_fixed` chunk by chunk (each chunk keeps its
 position in the rounding stream). An integer job ("bypass") sends its int32 values as they are.
 """
@@ -168,6 +170,9 @@ class FloatJob:
 
 class IntJob:
     """Encoder / decoder of an integer ("bypass") job: int32 values as they are, one chunk per packet."""
+
+    #: packets before this one carry no values (none: every packet carries its chunk)
+    pre = 0
 
     def __init__(self, v2d: torch.Tensor) -> None:
         self.xnp = v2d.numpy()

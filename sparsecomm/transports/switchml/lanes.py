@@ -28,8 +28,10 @@ the rows past the message read as empty; each side resets the types it read befo
 again. So a job of a few packets (a control round: one) costs a few packets' bytes, not a burst's,
 while a large job's messages are full bursts that amortise a message's fixed cost. The fabric books a
 receive at its buffer's size; the worker takes back the unfilled rows (:meth:`Link.take`), so that its
-ledger counts the bytes that arrived. On SimFabric a message is one packet (or a whole burst of rows,
-padded: the SimFabric checks a message's shape against its receive's).
+ledger counts the bytes that arrived. Packets that carry no values (a float job's exponent look-ahead) go
+header-only, in ``SHORT`` messages of their own both ways (:mod:`.dataplane`, "Header-only packets"). On
+SimFabric a message is one packet (or a whole burst of rows, padded: the SimFabric checks a message's shape
+against its receive's).
 
 **An error inside a stream ends the job on every worker** (:func:`abandoning`, both switches): the
 other workers wait for this worker's packets (a slot completes only with every worker's), so a worker
@@ -54,7 +56,7 @@ from ...errors import FabricTimeout, InvalidValueError, MalformedMessage, Protoc
 from ...fabric.roles import Flush, Inbox, Outbox, Pool, PostInto, Step
 from .._handshake import fail_stop
 from .dataplane import (EXP_MIN, F_REJECTED, F_REJECTED_COUNT, F_TYPE, HEADER, T_DATA, T_EMPTY, T_REJECT,
-                               T_RESULT, T_RETRANSMIT, TAG_DOWN, TAG_UP)
+                        T_RESULT, T_RETRANSMIT, T_SHORT, TAG_DOWN, TAG_UP, short_extent, short_frame, short_rows)
 from .datagrams import Datagram, RecvBy, drive
 
 #: receives a worker keeps posted from the switch
@@ -166,10 +168,22 @@ class Link:
     def take(self, fabric, whole: bool) -> np.ndarray:
         """The rows of the message of :attr:`key`, which is in (valid until :meth:`release`): all of them
         (``whole``: a message is one padded datagram, SimFabric), or as many as it filled
-        (:func:`message_rows`: the rest is taken back from ``fabric``'s ledger)."""
+        (:func:`message_rows`: the rest is taken back from ``fabric``'s ledger); a ``SHORT`` message's
+        header rows (``HEADER`` words each, :func:`.dataplane.short_frame`; at most a burst of them, else
+        :class:`~sparsecomm.errors.ProtocolError`)."""
         rows = self.inbox.take(self.key).numpy()
-        self.filled = len(rows) if whole else message_rows(fabric, self.switch, rows)
-        return rows[:self.filled]
+        if whole or rows[0, F_TYPE] != T_SHORT:
+            self.filled = len(rows) if whole else message_rows(fabric, self.switch, rows)
+            return rows[:self.filled]
+        short = short_rows(rows, self.burst)
+        if short is None:
+            self.filled = len(rows)          # how much of the buffer it filled is unknown: reset it all
+            raise ProtocolError(f"the switch sent a message of header-only results whose count "
+                                f"{int(rows.reshape(-1)[1])} is outside 0..{self.burst} (the burst): a forged "
+                                f"or corrupted message")
+        self.filled = short_extent(len(short), self.width)
+        fabric.stats.unbook_recv(self.switch, fabric.rank, (rows.size - HEADER * (len(short) + 1)) * rows.itemsize)
+        return short
 
     def release(self):
         """(role) Done with the taken buffer (its rows' types are reset: the next message may be shorter);
@@ -282,10 +296,13 @@ class Lanes:
         self.info: dict = {}
 
     def run(self, lane_slots: np.ndarray, P: int, pkt_base: int, payload, consume, phase: str,
-            rows: int | None = None) -> None:
+            rows: int | None = None, short_below: int = 0) -> None:
         """Stream packets ``0..P-1`` of the current job over ``len(lane_slots)`` lanes, at most ``rows``
         packets per message (default and at most ``burst``; real fabrics): :meth:`role`, driven
-        by the fabric (:func:`.datagrams.drive`) with the worker's :class:`Link`.
+        by the fabric (:func:`.datagrams.drive`) with the worker's :class:`Link`. Packets
+        ``0..short_below-1`` carry no values: on real fabrics they travel header-only, in ``SHORT``
+        messages (:func:`.dataplane.short_frame`; ``payload`` and ``consume`` get ``HEADER``-word rows
+        for them), and their results come back so; on SimFabric every packet is a whole row.
 
         ``payload(pkts, rows)`` fills new rows (their headers are set), ``consume(pkts, rows)`` takes
         accepted results (distinct packet numbers). A lane unanswered for the timer's ``give_up_s`` raises
@@ -297,14 +314,14 @@ class Lanes:
         info = {"packets": 0, "retransmissions": 0, "results": 0, "ignored": 0}
         with abandoning(fab):
             drive(fab, link.inbox, link.outbox, [self.role(link, lane_slots, P, pkt_base, payload, consume, phase,
-                                                           info, rows)])
+                                                           info, rows, short_below)])
             link.finish()
         if self.info.get("job") != self.state.job:
             self.info = {"job": self.state.job}
         self.info[phase] = info
 
     def role(self, link: Link, lane_slots: np.ndarray, P: int, pkt_base: int, payload, consume, phase: str,
-             info: dict, rows: int | None = None):
+             info: dict, rows: int | None = None, short_below: int = 0):
         """The stream of :meth:`run` as a role (:mod:`sparsecomm.fabric.roles`, :mod:`.datagrams`): it
         yields its messages to the switch (:class:`~.datagrams.Datagram`, each in a buffer of ``link``;
         on SimFabric each is flushed at once, a blocking send: the worker's NIC serialises them) and, per
@@ -316,6 +333,7 @@ class Lanes:
         S = K if rows is None or self.sim else max(1, min(K, int(rows)))     # packets per message sent
         job, rank, n = st.job, fab.rank, fab.world_size
         sim = self.sim
+        short_below = 0 if sim else short_below          # SimFabric: the paper's whole rows
         cap = 1 if sim else SEND_AHEAD * max(1, -(-L // S))
         lane_pkt = np.arange(L, dtype=np.int64)           # outstanding packet per lane (-1: lane done)
         timer = self.timer
@@ -326,6 +344,11 @@ class Lanes:
         timeout, threshold, expiries = timer.timeout, timer.threshold, 0
 
         def send(lanes: np.ndarray, fresh: bool):
+            if short_below > 0:                          # header-only packets, in messages of their own
+                short = lane_pkt[lanes] < short_below
+                if short.any():
+                    yield from send_short(lanes[short], fresh)
+                    lanes = lanes[~short]
             for i in range(0, len(lanes), S):            # one message of up to S rows per S lanes
                 part = lanes[i:i + S]
                 m = len(part)
@@ -345,6 +368,26 @@ class Lanes:
                     link.flushed(j)
                 else:          # as long as its packets
                     yield Datagram(link.out[j][:m], sw, TAG_UP, hold=("up", j))
+            if timed:
+                now = fab.now()
+                lane_deadline[lanes] = now + timeout
+                if fresh:
+                    lane_first[lanes] = now
+            info["packets"] += len(lanes)
+
+        def send_short(lanes: np.ndarray, fresh: bool):
+            for i in range(0, len(lanes), S):            # a SHORT message of up to S header rows per S lanes
+                part = lanes[i:i + S]
+                j, msg = yield from link.buffer(cap)
+                flat, rows = short_frame(msg, len(part))
+                if fresh:
+                    _headers(rows, part, lane_pkt, lane_slots, st.parity, rank, job, n, pkt_base)
+                    payload(lane_pkt[part], rows)
+                    if timed:
+                        lane_rows[part, :HEADER] = rows
+                else:
+                    rows[:] = lane_rows[part, :HEADER]
+                yield Datagram(link.out[j].view(-1)[:flat.size], sw, TAG_UP, hold=("up", j))
             if timed:
                 now = fab.now()
                 lane_deadline[lanes] = now + timeout
@@ -390,6 +433,10 @@ class Lanes:
                                              lanes)
             if rej >= 0:
                 raise rejected(fab, "switch allreduce", int(rows[rej, F_REJECTED]), int(rows[rej, F_REJECTED_COUNT]))
+            if got and rows.shape[1] == HEADER and int(pks[:got].max()) >= short_below:
+                raise ProtocolError(f"switch allreduce: a header-only result for {phase} packet "
+                                    f"{int(pks[:got].max())} of job {job}, which carries values (forged or "
+                                    f"corrupted message)")
             info["ignored"] += ignored
             if got:
                 consume(pks[:got], rows if got == len(rows) and at[got - 1] == got - 1 else rows[at[:got]])

@@ -20,6 +20,10 @@ can be waiting for, one per slot and set, plus ``EGRESS_CAP``). Ports never wait
 worker that sends more or fewer messages than the others (retransmissions, forged packets) cannot hold
 the other ports back, which a single loop taking the ports in turn would.
 
+A ``SHORT`` message (header-only packets, the dataplane's docstring) is answered with ``SHORT`` messages, its
+results written over the packets they answer as a burst's are; one whose count is past the receive is
+malformed, reported to every worker as a malformed packet is.
+
 A message longer than the switch's receive is beyond reach: gloo aborts the receiving process on it, and
 torch.distributed offers no receive of unknown size. So every switch receive holds ``RECV_SLACK`` bursts,
 every row of type ``T_EMPTY`` when it is posted (gloo accepts a shorter message, leaving the rest
@@ -50,8 +54,8 @@ from ...errors import ServiceShutdown
 from ...fabric import services
 from ...fabric.base import Fabric
 from ...fabric.roles import Inbox, Outbox, Pool, PostInto, Recv, Send, Step
-from .dataplane import (F_TYPE, HEADER, RECV_SLACK, T_EMPTY, TAG_DOWN, TAG_UP, Dataplane, SwitchConfig,
-                               rejection, split_messages)
+from .dataplane import (F_TYPE, HEADER, RECV_SLACK, T_EMPTY, T_SHORT, TAG_DOWN, TAG_UP, Dataplane, SwitchConfig,
+                        rejection, short_extent, short_frame, short_rows, split_messages)
 from .datagrams import Datagram, drive
 
 #: receives each port keeps posted from its worker (real fabrics)
@@ -216,13 +220,54 @@ def _serve_ports(dp: Dataplane, fabric: Fabric) -> None:
     direct = fabric.wait_unbounded if fabric.direct_waits else None
     watch = fabric.wait_for_shutdown if fabric.direct_waits else None
 
+    def short(w: int, arr: np.ndarray, uc: np.ndarray, scratch: np.ndarray) -> None:
+        """A SHORT message from worker ``w`` in receive buffer ``arr``: its header-only packets through the
+        program, their results as SHORT messages (over the packets they answer, as whole rows are)."""
+        rows = short_rows(arr, burst * RECV_SLACK)
+        if rows is None:                      # a count past the buffer: malformed, reported as any
+            buffers.give_back(arr, len(arr))  # (how much of the buffer it filled is unknown)
+            with registers:
+                dp.stats["malformed"] += 1
+            notice = torch.from_numpy(rejection(width, 1, w, n, 1))
+            for e in egress:
+                e.send(notice, None)
+            return
+        out = arr if in_place else buffers.take()
+        msg, mc = short_frame(out, len(rows))
+        with registers:
+            nmc, nuc, bad = dp.execute(rows, mc, uc, scratch, clear=True)
+        if bad:
+            notice = torch.from_numpy(rejection(width, 1, w, n, bad))
+            for e in egress:
+                e.send(notice, None)
+        if not in_place:
+            buffers.give_back(arr, short_extent(len(rows), width))
+        msg, _ = short_frame(out, nmc)
+        buffers.hold(out, n if nmc else 0, reset=short_extent(len(rows), width))
+        if nmc:
+            reply = torch.from_numpy(msg)
+            for e in egress:
+                e.send(reply, id(out))
+        if nuc:
+            ureply, urows = short_frame(np.empty(HEADER * (nuc + 1), dtype=np.int32), nuc)
+            urows[:] = uc[:nuc]
+            egress[w].send(torch.from_numpy(ureply), None)
+
     def port(w: int) -> None:
         try:
             posted: deque = deque()
+
+            def repost() -> None:
+                if len(posted) <= PORT_DEPTH - PORT_GROUP:
+                    for _ in range(PORT_GROUP):
+                        b = buffers.take()
+                        posted.append((fabric.irecv(torch.from_numpy(b), w, TAG_UP), b))
+
             for _ in range(PORT_DEPTH):
                 b = buffers.take()
                 posted.append((fabric.irecv(torch.from_numpy(b), w, TAG_UP), b))
             uc = np.empty((burst * RECV_SLACK, width), dtype=np.int32)     # unicasts: rare, copied out
+            uc_short = np.empty((burst * RECV_SLACK, HEADER), dtype=np.int32)
             scratch = np.empty(burst * RECV_SLACK, dtype=np.uint8)
             while not failures:
                 work, arr = posted.popleft()
@@ -230,6 +275,10 @@ def _serve_ports(dp: Dataplane, fabric: Fabric) -> None:
                     direct(work)
                 else:
                     work.wait()
+                if arr[0, F_TYPE] == T_SHORT:         # header-only packets (the dataplane's docstring)
+                    short(w, arr, uc_short, scratch)
+                    repost()
+                    continue
                 mc = arr if in_place else buffers.take()
                 # every row is T_EMPTY before the receive is posted and gloo writes a prefix: a message of
                 # at most `burst` rows (all this library's workers send) leaves row `burst` empty
@@ -240,10 +289,7 @@ def _serve_ports(dp: Dataplane, fabric: Fabric) -> None:
                     notice = torch.from_numpy(rejection(width, 1, w, n, bad))
                     for e in egress:
                         e.send(notice, None)
-                if len(posted) <= PORT_DEPTH - PORT_GROUP:
-                    for _ in range(PORT_GROUP):
-                        b = buffers.take()
-                        posted.append((fabric.irecv(torch.from_numpy(b), w, TAG_UP), b))
+                repost()
                 if not in_place:
                     buffers.give_back(arr)
                 mcast = split_messages(mc, nmc, burst, pad=False)

@@ -2,11 +2,12 @@
 
 Every message a worker sends goes through its fabric's ``send``/``isend``; the tests count those bytes
 themselves and compare them with the pipeline's ledger (``last_stats``, ``compression_stats()``), step by
-step. On gloo (the default pool of 4096 lanes) a float job's exponent look-ahead (one whole packet per
-lane, :mod:`sparsecomm.transports.switchml.jobs`) must stay a small share of the gradient: the 4.5 MB of a
-64-1024-1024-10 MLP take at most 1.25 times their bytes in fixed point with headers (4096 lanes of
-look-ahead would take 2.05). The lanes change no number: the hook's averaged gradients are bit-identical
-to those of an explicit ``pool_size=4096``.
+step. On gloo a float job's exponent look-ahead (:mod:`sparsecomm.transports.switchml.jobs`) travels
+header-only, so a step's bytes are the gradient's int32 codes in whole packets with their headers, a control
+packet and an agreement header per bucket, and a header per look-ahead lane (and per message of them): the
+4.5 MB of a 64-1024-1024-10 MLP take 1.038 times their bytes (look-ahead lanes as whole packets took 1.21).
+The lanes change no number: the hook's sums are the codec's fixed-point sums bit for bit, and its averaged
+gradients those of an explicit ``pool_size=4096``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import torch
 from torch import nn
 
 import sparsecomm as sc
+from sparsecomm import codec
+from sparsecomm.transports._handshake import HEADER_BYTES as HANDSHAKE_BYTES
 from sparsecomm.transports.switchml.dataplane import HEADER
 
 TIMEOUT = 120.0
@@ -124,3 +127,77 @@ def test_optimizer_switch_ledger_is_its_wire_bytes_on_simfabric():
         assert 0 < rows[0][0] < rows[0][1], rows
         assert all(ledger == sent > 0 for ledger, sent in rows[1:]), rows
         assert total == sum(r[0] for r in rows)
+
+
+def _hook_jobs(ctx, steps: int):
+    """One DDP replica of the 64-1024-1024-10 MLP over the switch (its default lanes; the two buckets DDP
+    makes of it with ``bucket_cap_mb=1`` after its first step): per step the ledger, the bytes the worker
+    handed to its fabric, and per float job its input, its sum, its chunks and lanes (the inputs of both
+    workers, gathered after the step, outside the counted bytes)."""
+    torch.set_num_threads(1)
+    f = ctx.fabric
+    wire = _count_wire(f)
+    with ctx.seeded(0):
+        model = _mlp((64, 1024, 1024, 10))
+    net = nn.parallel.DistributedDataParallel(model, process_group=f.native_group, bucket_cap_mb=1)
+    state = sc.ddp.register(net, transport="switch")
+    t = state.pipeline.transport
+    jobs = []
+    float_job = t._float_job
+
+    def recorded(flat, *args, **kwargs):
+        x = flat.detach().reshape(-1).clone()
+        out = float_job(flat, *args, **kwargs)
+        chunks = -(-x.numel() // t.slot_elems)
+        jobs.append((x, out.clone(), chunks, t._float_lanes(chunks)[0]))
+        return out
+
+    t._float_job = recorded
+    rows = []
+    for step in range(steps):
+        x, y = _batch(ctx.rank, step, 64)
+        before = wire["bytes"]
+        jobs.clear()
+        nn.functional.cross_entropy(net(x), y).backward()
+        sent = wire["bytes"] - before
+        gathered = []
+        for xj, out, chunks, lanes in jobs:
+            every = [torch.empty_like(xj) for _ in range(ctx.world_size)]
+            torch.distributed.all_gather(every, xj, group=f.native_group)
+            gathered.append((every, out, chunks, lanes))
+        rows.append((state.last_stats.bytes_sent, sent, gathered))
+        net.zero_grad()
+    return rows, t.slot_elems
+
+
+def _fixed_point_sum(xs: list[torch.Tensor], E: int) -> torch.Tensor:
+    """The switch's float sum of the workers' ``xs``, from the codec alone: per chunk of ``E`` values the
+    scale of the largest exponent over the workers, each worker's codes rounded at it, their integer sum
+    divided by it."""
+    e = torch.stack([codec.chunk_exponents(x, E).clamp_min(-126) for x in xs]).max(dim=0).values
+    scales = codec.scale_from_exponents(e, len(xs))
+    q = sum(codec.to_fixed(x, scales, chunk=E).to(torch.int64) for x in xs)
+    return codec.from_fixed(q, scales, chunk=E, dtype=xs[0].dtype)
+
+
+@pytest.mark.multiprocess
+def test_hook_switch_wire_bytes_are_the_gradient_with_headers_and_its_sums_exact_on_gloo():
+    """Per step, over several steps of a two-bucket model: the ledger books exactly the bytes the worker
+    handed to its fabric, and those are the gradient's int32 codes in whole packets with their headers, one
+    control packet per job and the workers' agreement headers, plus the exponent look-ahead at the size of a
+    header per lane (and at most one more per message); the sums are the codec's fixed-point sums bit for
+    bit."""
+    res = sc.launch(functools.partial(_hook_jobs, steps=4), 2, backend="gloo", timeout_s=TIMEOUT,
+                    services=["switch"])
+    rounds = 1                                   # ceil(log2 n) agreement rounds of 2 workers
+    for rows, E in res:
+        packet = 4 * (HEADER + E)
+        assert [len(jobs) for _, _, jobs in rows] == [1] + [2] * (len(rows) - 1)   # DDP rebuilds after step 0
+        for ledger, sent, jobs in rows:
+            assert ledger == sent, (ledger, sent)
+            needed = sum(packet * (chunks + 1) + HANDSHAKE_BYTES * rounds for _, _, chunks, _ in jobs)
+            lookahead = sent - needed
+            lanes = sum(lanes for _, _, _, lanes in jobs)
+            assert 0 <= lookahead <= 2 * 4 * HEADER * lanes, (sent, needed, lanes, lookahead / lanes)
+            for xs, out, _, _ in jobs:
+                assert torch.equal(out, _fixed_point_sum(xs, E))
