@@ -2,6 +2,7 @@
 
     python -m experiments.bench.startup                    # 5 launches, medians
     python -m experiments.bench.startup --launches 3 --profile /tmp/startup.prof   # cProfile of rank 0
+    python -m experiments.bench.startup --start-method spawn   # every rank a fresh interpreter (as torchrun)
 
 What it prints, each a median over ``--launches`` launches:
 
@@ -116,6 +117,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--ratio", type=float, default=0.01)
     p.add_argument("--width", type=int, default=256, help="hidden width of the MLP 64-w-w-10")
     p.add_argument("--later", type=int, default=10, help="the later step timed (>= 3)")
+    p.add_argument("--start-method", default=None, choices=("forkserver", "spawn"),
+                   help="sc.launch's start_method (default: the launcher's, forkserver where available); "
+                        "spawn: every rank a fresh interpreter, as under torchrun")
     p.add_argument("--profile", default=None, help="cProfile rank 0's build and first step into this file")
     a = p.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -130,7 +134,8 @@ def main(argv: list[str] | None = None) -> dict:
         prof = a.profile if i == a.launches - 1 else None
         t0 = time.perf_counter()
         res = sc.launch(functools.partial(worker, ratio=a.ratio, later=max(3, a.later), width=a.width,
-                                          profile=prof), world_size=2, backend="gloo")
+                                          profile=prof), world_size=2, backend="gloo",
+                        **({"start_method": a.start_method} if a.start_method else {}))
         launch_s.append(time.perf_counter() - t0)
         rows.append(res)
     load1 = os.getloadavg()
@@ -143,12 +148,14 @@ def main(argv: list[str] | None = None) -> dict:
                       ("wrap", "DistributedOptimizer(...)"), ("build", "the three together"), ("step1", "step 1"), ("step2", "step 2"), ("stepN", f"step {a.later}")):
         summary[name] = (med(max(r[0][key], r[1][key]) for r in rows), med(r[0][key + "_cpu"] for r in rows))
     print(f"2 gloo ranks, EF + top-k (ratio {a.ratio}), transport {rows[0][0]['transport']!r} (default), "
-          f"MLP 64-{a.width}-{a.width}-10, {a.launches} launches; load average {load0[0]:.2f} before, "
+          f"MLP 64-{a.width}-{a.width}-10, {a.launches} launches ({a.start_method or 'default'} start); "
+          f"load average {load0[0]:.2f} before, "
           f"{load1[0]:.2f} after")
     print(f"{'':38s} {'wall s (slower rank)':>22s} {'cpu s (rank 0)':>16s}")
     for name, (wall, cpu) in summary.items():
         print(f"{name:38s} {wall:22.4f} {cpu:16.4f}")
-    print(f"whole sc.launch(...) call: {launch_s[0]:.2f} s the first (it starts the fork server), "
+    first = "it starts the fork server" if a.start_method != "spawn" else "spawned ranks"
+    print(f"whole sc.launch(...) call: {launch_s[0]:.2f} s the first ({first}), "
           f"{med(launch_s[1:]) if len(launch_s) > 1 else float('nan'):.2f} s the later ones (median)")
     if a.profile:
         import pstats
