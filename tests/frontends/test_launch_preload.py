@@ -34,10 +34,25 @@ def _kernel_results(seed: int) -> dict:
     return {"absmax": abs_max(x), "idx": idx, "vals": vals, "finite": finite}
 
 
+def _fresh_kernel_sum(n: int) -> float:
+    """A kernel compiled here and now (no cache): the forked, pre-initialised target still compiles."""
+    import numba
+    import numpy as np
+
+    @numba.njit(cache=False)
+    def total(a):
+        s = 0.0
+        for v in a:
+            s += v
+        return s
+
+    return float(total(np.arange(n, dtype=np.float64)))
+
+
 def _at_start(ctx, seed: int) -> dict:
     # read before this function imports anything of the library's
     state = {"optim": "sparsecomm.optim" in sys.modules, "numba": _numba_initialised()}
-    return {**state, **_kernel_results(seed)}
+    return {**state, **_kernel_results(seed), "fresh": _fresh_kernel_sum(100)}
 
 
 @pytest.mark.multiprocess
@@ -48,6 +63,7 @@ def test_forked_ranks_start_with_the_optimizer_stack_and_numba_initialised_and_c
     for o in out:
         assert o["absmax"] == here["absmax"] and o["finite"] == here["finite"]
         assert torch.equal(o["idx"], here["idx"]) and torch.equal(o["vals"], here["vals"])
+        assert o["fresh"] == 4950.0
 
 
 def test_the_package_declares_its_preloads_and_preload_keeps_one_entry_per_module(monkeypatch):
