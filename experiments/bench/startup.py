@@ -145,7 +145,8 @@ def main(argv: list[str] | None = None) -> dict:
         "import sparsecomm": (med(r[2] for r in imports), med(r[3] for r in imports)),
     }
     for key, name in (("attr", "sc.DistributedOptimizer (lazy import)"), ("sgd", "torch.optim.SGD(...)"),
-                      ("wrap", "DistributedOptimizer(...)"), ("build", "the three together"), ("step1", "step 1"), ("step2", "step 2"), ("stepN", f"step {a.later}")):
+                      ("wrap", "DistributedOptimizer(...)"), ("build", "the three together"), ("step1", "step 1"),
+                      ("step2", "step 2"), ("stepN", f"step {a.later}")):
         summary[name] = (med(max(r[0][key], r[1][key]) for r in rows), med(r[0][key + "_cpu"] for r in rows))
     print(f"2 gloo ranks, EF + top-k (ratio {a.ratio}), transport {rows[0][0]['transport']!r} (default), "
           f"MLP 64-{a.width}-{a.width}-10, {a.launches} launches ({a.start_method or 'default'} start); "
