@@ -27,6 +27,7 @@ from .payload import Payload  # noqa: F401
 # ``sparsecomm.launch`` is both a module and its main function: bind the function eagerly, so that a
 # later ``import sparsecomm.launch`` (which finds the module already loaded) cannot shadow it.
 from .launch import Context, backends as _backends, current_context, launch  # noqa: E402,F401
+from .launch import base as _launch_base  # noqa: E402
 from .fabric.sim.sim import SimFabric  # noqa: E402,F401
 from .fabric.sim.sim_network import Network  # noqa: E402,F401
 from .fabric.sim.sim_host import HostModel  # noqa: E402,F401
@@ -34,6 +35,9 @@ from .fabric.sim.sim_host import HostModel  # noqa: E402,F401
 # the netbed backend sits above launch (it runs the gloo backend's ranks in namespaces): the package's top
 # declares it, and launch imports it on first use
 _backends.provide("netbed", "sparsecomm.netbed.launch")
+# the fork server of the spawning backends imports the optimizer stack and initialises Numba's CPU target
+# once, before it forks the ranks (each rank would otherwise pay both at its first optimizer and first step)
+_launch_base.preload("sparsecomm.optim", "sparsecomm._numba_warm")
 
 # Sub-packages and top-level names are imported lazily so that ``import sparsecomm`` stays cheap
 # (torch.distributed and numba are only paid for when used).

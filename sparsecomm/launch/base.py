@@ -1,5 +1,6 @@
 """The registry of launch backends, whether this process already is a rank of a job (nothing to spawn),
-the check that spawning backends run under a main guard, and the threads each rank gets by default."""
+the check that spawning backends run under a main guard, the threads each rank gets by default, and the
+modules a fork server imports before it forks the ranks (:func:`preload`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,30 @@ from ..registry import Registry
 
 #: name -> ``runner(fn, world_size, *, network, timeout_s, services, **options) -> list``
 backends: Registry[Callable[..., list]] = Registry("launch backend")
+
+
+#: modules that a higher layer declared for the fork server to import before it forks the ranks (in order)
+_preloads: list[str] = []
+
+
+def preload(*modules: str) -> None:
+    """Declare modules that the fork server of the spawning backends (``start_method="forkserver"``) imports
+    once, before it forks the ranks, so that each rank starts with them loaded instead of importing them
+    (the package's top declares its optimizer stack, a higher layer than this one). A module whose import
+    raises ``ImportError`` is skipped by the server; any other error of its import ends the server, so a
+    declared module must not raise one. Declaring a module twice keeps one entry."""
+    for m in modules:
+        if not isinstance(m, str) or not m:
+            from ..errors import InvalidTypeError
+
+            raise InvalidTypeError(f"preload takes module names (non-empty str), got {m!r}")
+        if m not in _preloads:
+            _preloads.append(m)
+
+
+def preloads() -> list[str]:
+    """The modules declared with :func:`preload`, in order."""
+    return list(_preloads)
 
 
 def threads_per_rank(ranks: int) -> int:

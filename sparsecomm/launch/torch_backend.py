@@ -18,7 +18,11 @@ Two modes:
 **Spawned locally** (the default). ``world_size`` worker processes plus one process per service spec are
 started as fresh processes (``start_method="forkserver"`` by default where available: a server process,
 started once per parent with torch preloaded, forks each rank, so a rank starts with a fork instead of a
-torch import; ``start_method="spawn"`` starts each rank from scratch). Nothing of the
+torch import; the server also imports ``torch._dynamo``, which the first torch optimizer of a process
+imports, and the modules the package's top declares (:func:`~.base.preload`: the optimizer stack, and
+Numba's CPU target initialised), paid once per parent instead of once per rank (so what such a module reads
+from the environment at import, ``SPARSECOMM_KERNELS`` or Numba's ``NUMBA_*`` settings, is read when the
+server starts, at the parent's first launch); ``start_method="spawn"`` starts each rank from scratch). Nothing of the
 parent's state is inherited except what ``fn`` carries. The ranks rendezvous through a TCPStore that the
 parent hosts on a free port of 127.0.0.1, and form one process group: ranks ``0 .. world_size-1`` are workers, rank
 ``world_size + i`` serves ``services[i]`` by running ``sparsecomm.fabric.services.resolve(spec)(fabric)``
@@ -73,14 +77,16 @@ from typing import Any, Callable, Sequence
 
 from ..errors import InvalidTypeError, InvalidValueError, ServiceShutdown
 from .. import trace as _trace
-from .base import backends, in_place, threads_per_rank
+from .base import backends, in_place, preloads, threads_per_rank
 from .context import Context, set_context
 from .results import gather_results
 from .supervise import DONE_KEY, Reports, pack_error, reap, supervise
 
 DEFAULT_TIMEOUT_S = 120.0
-#: imported once by the fork server, so that each rank starts with a fork instead of importing torch
-_PRELOAD = ("torch", "torch.distributed", "sparsecomm.launch.torch_backend",
+#: imported once by the fork server, so that each rank starts with a fork instead of importing torch;
+#: ``torch._dynamo``: the first torch optimizer built in a process imports it (seconds), as every rank's
+#: ``fn`` that trains does
+_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "sparsecomm.launch.torch_backend",
             "sparsecomm.fabric.torch.torch_fabric")
 _OPTIONAL_PRELOAD = ("numpy", "numba")
 _in_place_calls = 0
@@ -250,10 +256,11 @@ def spawn(backend: str, fn: Callable, world_size: int, timeout_s: float,
     method = _start_method(start_method)
     ctx = mp.get_context(method)
     if method == "forkserver":
-        # also the library's packages the parent has already imported (so they are known to import cleanly;
-        # the fork server survives only ImportErrors in its preload)
+        # also the modules that a higher layer declared (base.preload: the optimizer stack) and the library's
+        # packages the parent has already imported (so they are known to import cleanly; the fork server
+        # survives only ImportErrors in its preload)
         ctx.set_forkserver_preload(list(_PRELOAD) + [m for m in _OPTIONAL_PRELOAD if m in sys.modules]
-                                   + _loaded_library_packages())
+                                   + preloads() + _loaded_library_packages())
     store = make_store(total, timeout_s) if make_store is not None else dist.TCPStore(
         "127.0.0.1", 0, total, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
     reports = Reports(ctx)

@@ -25,7 +25,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("registry", "theory", "validate", "checkpoint"),  # theory/ (installed as sparsecomm.theory): the
                                        # closed forms; validate: the checks of user-given numbers;
                                        # checkpoint: files saved whole, and a truncated one named
-    ("kernels", "fabric"),             # Numba helpers; point-to-point messages
+    ("kernels", "fabric", "_numba_warm"),  # Numba helpers; point-to-point messages; Numba's target initialised
+                                       # on import (for the launchers' fork server)
     ("codec", "trace"),                # block kernels (scan, pack, fixed point); timelines (the switch, merging)
     ("payload",),                      # what a compressor produces and a transport carries
     ("compressors", "transports"),     # a compressor never talks to the network; a transport never
