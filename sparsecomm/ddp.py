@@ -205,7 +205,7 @@ class CommHookState:
                                      fabric=default_fabric(self.process_group), seed=self.seed,
                                      warmup_steps=self.warmup_steps, sparse_rows=self.sparse_rows, **self.hyper)
         self._agree()
-        self.scheduler = HookScheduler(self.pipeline, self.min_compress_size, self._verify)
+        self.scheduler = HookScheduler(self.pipeline, self.min_compress_size, self._verify, self._note_error)
         self._checked: list[tuple[str, torch.Tensor]] = []     # what the replica guard compares
         #: the library error that failed a bucket's communication (DDP's backward re-raises it as a
         #: ``RuntimeError`` whose text names it: torch's C++ layer keeps only the text), else None
@@ -292,15 +292,11 @@ class CommHookState:
             params: the parameters the bucket holds (they key the method state).
             shapes: their gradients' shapes, for a method that reads them (PowerSGD).
         """
-        work = self.scheduler.start(buffer, index, is_last, params, shapes)
-        work.add_done_callback(self._note_error)
-        return work
+        return self.scheduler.start(buffer, index, is_last, params, shapes)
 
-    def _note_error(self, w: CommWork) -> None:
-        try:
-            w.wait()
-        except BaseException as e:  # noqa: BLE001 - the work's own error, kept for the hook's report
-            self.error = e
+    def _note_error(self, exc: BaseException) -> None:
+        """The scheduler's report of a bucket's failed communication (kept for the hook's report)."""
+        self.error = exc
 
     # ---------------------------------------------------------------- checkpoints / pickling
     def state_dict(self) -> dict[str, Any]:

@@ -49,8 +49,13 @@ __all__ = ["CommWork", "CommEngine", "engine", "drain", "EXIT_GRACE_S"]
 class CommWork:
     """Handle of a started collective: ``wait()`` returns its result (or raises its error)."""
 
+    __slots__ = ("_latch", "_lock", "_completed", "_value", "_exc", "_callbacks", "__weakref__")
+
     def __init__(self) -> None:
-        self._done = threading.Event()
+        # a lock held until the call completes: a waiter blocks on it (then lets the next waiter through)
+        self._latch = threading.Lock()
+        self._latch.acquire()
+        self._completed = False
         self._value: Any = None
         self._exc: BaseException | None = None
         self._callbacks: list[Callable[["CommWork"], None]] = []
@@ -60,20 +65,26 @@ class CommWork:
         """Block until the call completed and return its result; re-raise its error. ``timeout``
         (wall seconds) raises :class:`~sparsecomm.errors.FabricTimeout` (the fabric's own timeouts
         normally end a stuck call first)."""
-        if not self._done.wait(timeout):
-            raise FabricTimeout(f"a started collective did not complete within {timeout:g} s")
+        if not self._completed:
+            if not self._latch.acquire(True, -1 if timeout is None else max(0.0, timeout)):
+                raise FabricTimeout(f"a started collective did not complete within {timeout:g} s")
+            self._latch.release()
         if self._exc is not None:
             raise self._exc
         return self._value
 
     def is_completed(self) -> bool:
         """True once the call completed (with a result or an error)."""
-        return self._done.is_set()
+        return self._completed
+
+    def exception(self) -> BaseException | None:
+        """The call's error once it completed with one, else None (without waiting)."""
+        return self._exc if self._completed else None
 
     def add_done_callback(self, fn: Callable[["CommWork"], None]) -> None:
         """Call ``fn(work)`` once complete (at once if it is; else on the communication thread)."""
         with self._lock:
-            if not self._done.is_set():
+            if not self._completed:
                 self._callbacks.append(fn)
                 return
         fn(self)
@@ -96,9 +107,12 @@ class CommWork:
 
     def _finish(self, value: Any = None, exc: BaseException | None = None) -> None:
         with self._lock:
+            if self._completed:
+                return
             self._value, self._exc = value, exc
-            self._done.set()
+            self._completed = True
             cbs, self._callbacks = self._callbacks, []
+        self._latch.release()
         for cb in cbs:
             try:
                 cb(self)
@@ -250,6 +264,7 @@ class CommEngine:
         return not thread.is_alive()
 
     def _loop(self) -> None:
+        torch.set_grad_enabled(False)      # (thread-local: every job runs without autograd)
         while True:
             with self._cond:
                 if not self._cond.wait_for(lambda: bool(self._queue) or self._closing, self.idle_s) \
@@ -263,8 +278,7 @@ class CommEngine:
             value, exc = None, failed
             if failed is None:
                 try:
-                    with torch.no_grad():
-                        value = job()
+                    value = job()
                 except BaseException as e:  # noqa: BLE001 - handed to the waiter
                     exc = e
             with self._cond:

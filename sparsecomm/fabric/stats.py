@@ -61,21 +61,43 @@ class CommStats:
 
     def copy(self) -> "CommStats":
         """An independent copy (the ``links`` counter included)."""
-        c = CommStats(**{k: getattr(self, k) for k in self._scalars()})
-        c.links = Counter(self.links)
-        return c
+        return CommStats(self.bytes_sent, self.bytes_received, self.messages, self.messages_received,
+                         self.rounds, self.modelled_time_s, self.wall_time_s, self.estimated_bytes,
+                         Counter(self.links) if self.links else Counter())
 
     def __sub__(self, other: "CommStats") -> "CommStats":
-        c = CommStats(**{k: getattr(self, k) - getattr(other, k) for k in self._scalars()})
-        links = Counter(self.links)
-        links.subtract(other.links)
-        c.links = Counter({k: v for k, v in links.items() if v})
-        return c
+        if self.links or other.links:
+            links = Counter(self.links)
+            links.subtract(other.links)
+            links = Counter({k: v for k, v in links.items() if v})
+        else:
+            links = Counter()
+        return CommStats(self.bytes_sent - other.bytes_sent, self.bytes_received - other.bytes_received,
+                         self.messages - other.messages, self.messages_received - other.messages_received,
+                         self.rounds - other.rounds, self.modelled_time_s - other.modelled_time_s,
+                         self.wall_time_s - other.wall_time_s, self.estimated_bytes - other.estimated_bytes,
+                         links)
 
     def __add__(self, other: "CommStats") -> "CommStats":
-        c = CommStats(**{k: getattr(self, k) + getattr(other, k) for k in self._scalars()})
-        c.links = self.links + other.links
+        c = self.copy()
+        c += other
+        if not other.links:
+            c.links = +c.links      # (the sum of two Counters keeps the positive counts only)
         return c
+
+    def __iadd__(self, other: "CommStats") -> "CommStats":
+        """Add ``other``'s figures into this one (in place)."""
+        self.bytes_sent += other.bytes_sent
+        self.bytes_received += other.bytes_received
+        self.messages += other.messages
+        self.messages_received += other.messages_received
+        self.rounds += other.rounds
+        self.modelled_time_s += other.modelled_time_s
+        self.wall_time_s += other.wall_time_s
+        self.estimated_bytes += other.estimated_bytes
+        if other.links:
+            self.links = self.links + other.links
+        return self
 
     def as_dict(self) -> dict:
         """Scalar fields only, for logging."""

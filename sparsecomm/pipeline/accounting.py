@@ -118,8 +118,8 @@ class Accounting:
             s.underflow_rounds += 1
         s.bytes_payload += pbytes
         s.bytes_declared_sent += copies * pbytes
-        s.comm = s.comm + comm
-        self.last_stats = self.last_stats + comm
+        s.comm += comm
+        self.last_stats += comm
 
     def call(self, dense_bytes: int, copies: float | None = None) -> None:
         """A call standing for ``dense_bytes`` of uncompressed gradient (``copies``: as :meth:`round`)."""

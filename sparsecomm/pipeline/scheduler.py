@@ -217,11 +217,13 @@ class BucketScheduler:
 class HookScheduler:
     """The DDP hook's buckets through ``pipeline`` (see the module doc): :meth:`start` is the hook's body.
     ``on_step(steps)`` runs at the first bucket of every step, before the step begins (the replica
-    guard)."""
+    guard); ``on_error(exc)`` when a bucket's communication failed (on the thread that completed it)."""
 
     def __init__(self, pipeline: CommPipeline, min_compress_size: int,
-                 on_step: Callable[[int], None] | None = None) -> None:
+                 on_step: Callable[[int], None] | None = None,
+                 on_error: Callable[[BaseException], None] | None = None) -> None:
         self.pipeline, self.min_compress_size, self.on_step = pipeline, min_compress_size, on_step
+        self.on_error = on_error
         #: steps (DDP iterations: backward passes) completed
         self.steps = 0
         #: parameter id -> name (the model's names, which key the method state)
@@ -249,7 +251,10 @@ class HookScheduler:
         work.add_done_callback(self._completed)
         return work
 
-    def _completed(self, _work: CommWork) -> None:
+    def _completed(self, work: CommWork) -> None:
+        exc = work.exception()
+        if exc is not None and self.on_error is not None:
+            self.on_error(exc)
         with self._lock:
             self._pending -= 1
             over = self._last_started and self._pending == 0
@@ -284,7 +289,7 @@ class HookScheduler:
                 if not pipe.plain:
                     raise IncompatibleError(sparse_message(pipe))
                 return self._track(pipe.start_sparse(buffer, buffer.shape, index), is_last)
-            flat = buffer.reshape(-1)
+            flat = buffer if buffer.dim() == 1 else buffer.reshape(-1)
             compress = self.steps >= 1 and flat.numel() >= self.min_compress_size
             key, segments = index, None
             if params is not None and compress and (pipe.per_parameter or pipe.method.State is not None

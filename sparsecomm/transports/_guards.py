@@ -20,6 +20,8 @@ cannot carry them (fixed point) and refuses ``"pass"``.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..errors import InvalidValueError, NonFiniteError, OverflowError_, UnsupportedDtypeError
@@ -102,7 +104,8 @@ def all_finite(t: torch.Tensor) -> bool:
     the sum NaN or Inf, so a finite sum proves every element finite (one read of ``t``, where
     ``isfinite(t).all()`` also writes a mask); only a non-finite sum, which finite elements can also
     give by overflowing, takes the exact element-wise check."""
-    if bool(torch.isfinite(t.sum())):
+    total = t.sum()
+    if math.isfinite(total.item()) if not total.is_complex() else bool(torch.isfinite(total)):
         return True
     return bool(torch.isfinite(t).all())
 

@@ -55,11 +55,11 @@ prediction by ``Transport.run`` before its first message, so this function needs
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
+import functools
 import zlib
 from dataclasses import dataclass, replace
-from typing import Hashable, Iterator, Sequence
+from typing import Hashable, Sequence
 
 import torch
 
@@ -97,9 +97,10 @@ class CallId:
     step: int
     round: int = 0
 
-    @property
+    @functools.cached_property
     def words(self) -> tuple[int, int, int]:
-        """The header words: a 31-bit code of the bucket's ``repr``, the step and the round."""
+        """The header words: a 31-bit code of the bucket's ``repr``, the step and the round (computed once
+        per identity: a call's agreement, fold key and headers all read them)."""
         return (zlib.crc32(repr(self.bucket).encode()) & 0x7FFFFFFF, int(self.step), int(self.round))
 
     def next_round(self) -> "CallId":
@@ -115,18 +116,25 @@ _current: contextvars.ContextVar[CallId | None] = contextvars.ContextVar("sparse
 _THIS_THREAD = object()   # (call_mismatch's default: the call running on this thread)
 
 
-@contextlib.contextmanager
-def calling(call: CallId | None) -> Iterator[None]:
-    """Make ``call`` the identity of the collective call this thread runs inside the block (what its
-    agreement headers and folded keys carry); ``None`` leaves the current one."""
-    if call is None:
-        yield
-        return
-    token = _current.set(call)
-    try:
-        yield
-    finally:
-        _current.reset(token)
+class calling:
+    """Make ``call`` the identity of the collective call this thread runs inside the ``with`` block (what
+    its agreement headers and folded keys carry); ``None`` leaves the current one. (A class rather than a
+    generator-based context manager: it is entered on every call of every transport.)"""
+
+    __slots__ = ("_call", "_token")
+
+    def __init__(self, call: CallId | None) -> None:
+        self._call = call
+        self._token = None
+
+    def __enter__(self) -> None:
+        if self._call is not None:
+            self._token = _current.set(self._call)
+
+    def __exit__(self, *exc) -> None:
+        if self._token is not None:
+            _current.reset(self._token)
+            self._token = None
 
 
 def current_call() -> CallId | None:

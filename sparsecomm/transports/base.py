@@ -276,7 +276,7 @@ class Transport(ABC):
             self.check_payload(x)
             return x
         check_dtype(x.dtype, self.name)
-        return x.detach()
+        return x.detach() if x.requires_grad else x
 
     def check_payload(self, p: Payload) -> None:
         """Raise :class:`~sparsecomm.errors.IncompatibleError` if this transport cannot sum ``p``

@@ -74,7 +74,7 @@ def linear_operand(x: torch.Tensor | Payload, transport: str, *, inplace: bool =
     """Turn a tensor or a linearly summable payload into a :class:`LinearOperand` (module docstring);
     ``inplace``: a tensor ``x`` may take its own sum."""
     if isinstance(x, torch.Tensor):
-        flat = x.reshape(-1)
+        flat = x if x.dim() == 1 else x.reshape(-1)
         return LinearOperand(flat, lambda s: s, dict(length=flat.numel(), dtype=dtype_code(flat.dtype),
                                                      payload_kind=0, values_length=flat.numel(),
                                                      values_dtype=dtype_code(flat.dtype)),

@@ -137,15 +137,21 @@ class Native(Transport):
 
         def complete(posted):
             acc, pending = posted
-            before = f.stats.copy()
             t0 = time.perf_counter()
             try:
                 with calling(call):
-                    total = self._check_folded(op, pending(), eng)
-                stats = f.stats - before
+                    total, stats = pending()          # the sum, and what its collective booked
+                    if self._suspect(total):
+                        before = f.stats.copy()
+                        total = self._resolve_folded(op, total, eng)
+                        stats = stats + (f.stats - before)
                 stats.wall_time_s = time.perf_counter() - t0
                 self.last_stats = stats
-                out = op.finish(total).reshape(x.shape).to(x.dtype)
+                out = op.finish(total)
+                if out.shape != x.shape:
+                    out = out.reshape(x.shape)
+                if out.dtype != x.dtype:
+                    out = out.to(x.dtype)
                 return self._later_rounds(out, then, next_round, call)
             except BaseException as exc:
                 sched.reset()
@@ -157,24 +163,30 @@ class Native(Transport):
 
         return eng.post(post, complete, issues=next_round is not None)
 
-    def _check_folded(self, op: LinearOperand, total: torch.Tensor, eng=None) -> torch.Tensor:
-        """A folded call's sum: a NaN in it (every element, if a worker deviated) is resolved by the
+    def _check_folded(self, op: LinearOperand, total: torch.Tensor) -> torch.Tensor:
+        """A folded call's sum (:meth:`_suspect`, then :meth:`_resolve_folded`)."""
+        return self._resolve_folded(op, total) if self._suspect(total) else total
+
+    def _suspect(self, total: torch.Tensor) -> bool:
+        """Whether a folded call's sum may hide a deviating worker's NaN (or, with ``nonfinite="raise"``,
+        a non-finite input): a non-finite sum, or with another rule a NaN first element."""
+        if self.nonfinite == "raise":
+            return not all_finite(total)
+        return bool(torch.isnan(total[:1]).any())
+
+    def _resolve_folded(self, op: LinearOperand, total: torch.Tensor, eng=None) -> torch.Tensor:
+        """A suspect folded sum: a NaN in it (every element, if a worker deviated) is resolved by the
         handshake, then by the non-finite rules. A posted call (``eng``) resolves with no later call
         posted meanwhile; if it raises while later calls of this worker are already posted, its
         completion stops the job (fail-stop, :meth:`TorchFabric.fail`): workers that did not post
         them never will."""
         v = op.vector
-        if self.nonfinite == "raise":
-            suspect = not all_finite(total)
-        else:
-            suspect = bool(torch.isnan(total[:1]).any())
-        if suspect:
-            if eng is not None:
-                eng.resolving()      # no call is posted while this one runs its handshakes
-            check_agreement(self.fabric, WHAT, **op.fields)   # MismatchError on every worker if one deviated
-            guard_finite(self.fabric, WHAT, total, v if total is not v else None, self.nonfinite)
-            if eng is not None:
-                eng.resolved()
+        if eng is not None:
+            eng.resolving()      # no call is posted while this one runs its handshakes
+        check_agreement(self.fabric, WHAT, **op.fields)   # MismatchError on every worker if one deviated
+        guard_finite(self.fabric, WHAT, total, v if total is not v else None, self.nonfinite)
+        if eng is not None:
+            eng.resolved()
         return total
 
     def cost(self, call: CallShape, *, bandwidth_gbps: float, latency_us: float) -> costs.Cost:
@@ -229,4 +241,4 @@ class Native(Transport):
 def _native_key(op, sched: _fold.Schedule) -> tuple:
     """The fold record's key of a ``native`` all-reduce: what its handshake compares (the operand's
     fields) and the identity of the call running on this thread (:meth:`_fold.Schedule.call_key`)."""
-    return ("native",) + tuple((k, int(val)) for k, val in op.fields.items()) + sched.call_key()
+    return ("native", *[(k, int(val)) for k, val in op.fields.items()], *sched.call_key())

@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from ...fabric.base import Fabric
+from ...fabric.stats import CommStats
 from ...fabric.torch.torch_waiters import retain
 
 #: vectors of at most this many bytes are summed by an all_gather and a local sum in rank order (``n - 1``
@@ -54,16 +55,13 @@ def collective(f: Fabric, call: Callable[[], object], name: str = "all_gather") 
         raise translated(f, name, exc) from exc
 
 
-def book(f: Fabric, moved: int, messages: int, rounds: int) -> None:
+def book(f: Fabric, moved: int, messages: int, rounds: int) -> CommStats:
     """Book ``moved`` bytes each way in ``messages`` messages and ``rounds`` latency steps in ``f.stats``,
-    as an estimate (module docstring)."""
-    st = f.stats
-    st.bytes_sent += moved
-    st.bytes_received += moved
-    st.messages += messages
-    st.messages_received += messages
-    st.rounds += rounds
-    st.estimated_bytes += 2 * moved
+    as an estimate (module docstring); returns what was booked."""
+    booked = CommStats(bytes_sent=moved, bytes_received=moved, messages=messages, messages_received=messages,
+                       rounds=rounds, estimated_bytes=2 * moved)
+    f.stats += booked
+    return booked
 
 
 def _sum_rows(acc: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
@@ -76,11 +74,10 @@ def _sum_rows(acc: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
     return acc
 
 
-def _book_join(f: Fabric, n: int, nbytes: int, small: bool) -> None:
+def _book_join(f: Fabric, n: int, nbytes: int, small: bool) -> CommStats:
     if small:
-        book(f, (n - 1) * nbytes, 1, n - 1)
-    else:
-        book(f, 2 * (n - 1) * nbytes // n, 1, 2 * (n - 1))
+        return book(f, (n - 1) * nbytes, 1, n - 1)
+    return book(f, 2 * (n - 1) * nbytes // n, 1, 2 * (n - 1))
 
 
 def _gathers(acc: torch.Tensor) -> bool:
@@ -115,9 +112,10 @@ def join(f: Fabric, acc: torch.Tensor) -> torch.Tensor:
     return acc
 
 
-def post_join(f: Fabric, acc: torch.Tensor) -> Callable[[], torch.Tensor]:
+def post_join(f: Fabric, acc: torch.Tensor) -> Callable[[], tuple[torch.Tensor, CommStats]]:
     """Post :func:`join`'s collective on ``acc`` without waiting (``async_op``); returns a function that
-    waits for it and gives the sum in ``acc`` (booked in the fabric's stats), as :func:`join` does."""
+    waits for it and gives the sum in ``acc`` (booked in the fabric's stats, as :func:`join` does) and
+    what was booked."""
     import torch.distributed as dist
 
     n = f.world_size
@@ -142,7 +140,6 @@ def post_join(f: Fabric, acc: torch.Tensor) -> Callable[[], torch.Tensor]:
         retain(handle, acc, rows)
         if small:
             _sum_rows(acc, rows, n)
-        _book_join(f, n, nbytes, small)
-        return acc
+        return acc, _book_join(f, n, nbytes, small)
 
     return wait
