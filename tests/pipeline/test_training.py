@@ -76,6 +76,38 @@ print(fut.wait(), flush=True)    # the script ends here, as a DDP script ends af
 """
 
 
+def test_commwork_completion_races_callbacks_and_waits():
+    """A callback added while the work completes on another thread runs exactly once, waiters on either
+    side of the completion get the value, ``wait(timeout)`` raises FabricTimeout before it, and
+    ``exception()`` gives the error of a failed work without waiting."""
+    from sparsecomm.errors import FabricTimeout
+    from sparsecomm.fabric.engine import CommWork
+
+    for i in range(300):
+        w = CommWork()
+        calls = []
+        early = []
+        waiter = threading.Thread(target=lambda: early.append(w.wait(5)))
+        waiter.start()
+        done = threading.Thread(target=w._finish, args=(i,))
+        done.start()
+        for _ in range(3):
+            w.add_done_callback(lambda work: calls.append(work.wait()))
+        done.join()
+        waiter.join()
+        assert calls == [i, i, i] and early == [i] and w.wait() == i and w.exception() is None
+    w = CommWork()
+    with pytest.raises(FabricTimeout):
+        w.wait(0.01)
+    assert w.exception() is None and not w.is_completed()
+    err = MismatchError("x")
+    w._finish(exc=err)
+    w._finish(value=1)            # a second completion changes nothing
+    assert w.exception() is err and w.is_completed()
+    with pytest.raises(MismatchError):
+        w.wait()
+
+
 def test_a_script_that_ends_right_after_a_future_completes_exits_cleanly(tmp_path):
     """The interpreter's exit waits for the communication thread to leave torch's C++ layer: a script
     that ends while the thread still releases the callbacks chained on a completed future exits 0
