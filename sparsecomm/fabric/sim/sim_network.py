@@ -228,8 +228,8 @@ class Endpoint:
             self._rx_base[port] = max(self._rx_base.get(port, 0.0), sched[k - 1].rx_end)
             del sched[:k]
 
-    def host_work(self, op: str, count: int, dtype=None) -> None:
+    def host_work(self, op: str, count: int, dtype=None, transport: str | None = None) -> None:
         """Charge ``count`` units of ``op`` to the clock (:meth:`.sim_host.HostModel.work_s`, stretched); no
         host model: nothing."""
         if self.host is not None:
-            self.clock += self.host.work_s(op, count, dtype) * self.cpu
+            self.clock += self.host.work_s(op, count, dtype, transport=transport) * self.cpu

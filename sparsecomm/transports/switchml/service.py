@@ -102,8 +102,10 @@ def switch_role(dp: Dataplane, inbox: Inbox):
             dp.stats["malformed"] += 1
             continue
         before = dp.stats["malformed"]
+        packets = int(np.count_nonzero(arr[:, F_TYPE] != T_EMPTY))     # a burst's padding is no packet
         mcast, ucast = dp.process(arr, burst)
-        inbox.fabric.host_work("switch_packet", burst)
+        inbox.fabric.host_work("switch_message", 1)
+        inbox.fabric.host_work("switch_packet", packets)
         if dp.stats["malformed"] > before:     # reported to every worker (the dataplane's docstring)
             notice = torch.from_numpy(rejection(width, burst, src, dp.world, dp.stats["malformed"] - before))
             for dst in range(dp.world):
