@@ -28,7 +28,7 @@ The network model (alpha-beta with NIC serialisation), per endpoint:
 - the hosts' CPU time (``Network.host``, a :class:`~.sim_host.HostModel`; ``None``, the default: none): per
   message sent, on the sender's clock before its NIC starts; per message taken, on the receiver's clock
   after its delivery; and the work transports declare (``Fabric.host_work``: sums, block scans, switch
-  packets), each stretched by the endpoint's CPU share and straggler factor (:mod:`.sim_host`).
+  packets and messages, each call's own cost), each stretched by the endpoint's CPU share and straggler factor (:mod:`.sim_host`).
 
 Service endpoints (dedicated aggregators, a switch) have their own link; ``per_port=True`` gives a
 switch one NIC per peer (ports work in parallel, as a switch's do).
