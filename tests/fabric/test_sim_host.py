@@ -301,8 +301,12 @@ def test_calibrate_command_writes_a_loadable_profile(tmp_path):
     assert all(profile["host"]["sum_element_s"]["value"][d] > 0 for d in SUM_DTYPES)
     assert profile["host"]["scan_element_s"]["value"] > 0 and profile["host"]["switch_packet_s"]["value"] > 0
     assert profile["host"]["switch_message_s"]["value"] > 0
-    # a call of every transport costs more than its messages: its Python (the agreement, its set-up)
-    assert all(v > 0 for v in profile["host"]["call_s"]["value"].values())
-    assert set(profile["method"]["call_fit"]) == set(profile["host"]["call_s"]["value"])
+    # each call's cost is the measured call less the modelled one (at least 0), both recorded; OmniReduce's
+    # Python per call (its agreement, set-up and aggregators' rounds: ~20 ms) is far above a quick run's noise
+    calls, fit = profile["host"]["call_s"]["value"], profile["method"]["call_fit"]
+    assert set(fit) == set(calls)
+    for name, v in calls.items():
+        assert v == max(0.0, fit[name]["measured_s"] - fit[name]["modelled_s"]) and fit[name]["modelled_s"] > 0
+    assert calls["omnireduce"] > 0
     assert profile["host"]["send_message_s"]["value"] + profile["host"]["send_byte_s"]["value"] > 0
     assert sc.Network.from_profile(out).host.copy_byte_s == profile["host"]["copy_byte_s"]["value"]
