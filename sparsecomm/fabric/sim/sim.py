@@ -142,7 +142,10 @@ class SimFabric(Fabric):
         """``None`` (a message is one datagram of the model, whose every cost it states), or, where the host
         model charges a fixed CPU time per message (:attr:`.sim_host.HostModel.per_message`), a real
         fabric's :data:`~sparsecomm.fabric.base.MESSAGE_BYTES`: the transports then take a real fabric's
-        defaults (the switches' bursts), as the hosts modelled would run them."""
+        defaults (the switches' bursts), as the hosts modelled would run them, and a receive takes a shorter
+        message of its dtype into a prefix of its (contiguous) buffer, the rest untouched, as gloo's does
+        (messages as long as their packets); otherwise a message of another length raises
+        :class:`~sparsecomm.errors.MismatchError`."""
         host = self.world.network.host
         return MESSAGE_BYTES if host is not None and host.per_message else None
 
@@ -222,6 +225,12 @@ class SimFabric(Fabric):
     def _deliver(self, msg: Msg, tensor: torch.Tensor, tag: int) -> int:
         """Copy taken ``msg`` into ``tensor`` (a message of another length or dtype: ``MismatchError``)."""
         data = msg.data
+        if (data.dtype is tensor.dtype and data.numel() < tensor.numel() and tensor.is_contiguous()
+                and self.message_bytes is not None):
+            # a real fabric's receive (gloo), modelled with real hosts: a shorter message fills a prefix of
+            # the buffer, the rest untouched (``message_bytes``)
+            tensor.view(-1)[:data.numel()].copy_(data.reshape(-1))
+            return msg.src
         if data.dtype is not tensor.dtype or data.numel() != tensor.numel():
             world = self.world
             raise MismatchError(
