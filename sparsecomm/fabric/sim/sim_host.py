@@ -21,8 +21,9 @@ modelled clocks (``host=None``, the default: no host cost, every modelled time a
 A model that charges a fixed CPU time per message (``send_message_s + recv_message_s > 0``) is a host
 whose messages want to be long, as a real fabric's are: the SimFabric then declares the real fabric's
 ``message_bytes`` (:attr:`.sim.SimFabric.message_bytes`), so the transports take a real fabric's defaults
-(the switches' packets travel as bursts of up to 1 MiB, one message per burst, with no retransmission timer,
-as they do over gloo). A model without one keeps the SimFabric's (the papers' one packet per datagram).
+(the switches' packets travel as bursts of up to 1 MiB, one message per burst, as long as its packets, with no
+retransmission timer, as they do over gloo), and a receive takes a shorter message into a prefix of its buffer,
+as gloo's does. A model without one keeps the SimFabric's (the papers' one packet per datagram).
 
 Every charge is multiplied by the endpoint's CPU factor (:meth:`HostModel.factor`): its ``cpu_share`` (how
 many times longer its CPU work takes because it shares cores with other busy endpoints: 4 hosts on 2 cores
