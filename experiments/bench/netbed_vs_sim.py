@@ -31,6 +31,7 @@ skew's median.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import statistics
 import time
@@ -144,29 +145,36 @@ def modelled_cases(workers: int, size_mb: float, cases: list, network: "sc.Netwo
 
 
 def compare_transports(workers: int, size_mb: float, gbps: float, names: list[str], repeats: int,
-                       profile: str | None) -> list[dict]:
+                       profile: str | None, link: bool = True) -> list[dict]:
     """Every transport of ``names`` at its defaults (:data:`.transports.CASES`' headline rows, their
     densities) measured on a netbed (:func:`.transports.run`) and modelled on the SimFabric: the link model
     alone (the small-message latency measured over the same netbed, TCP framing), and, with ``profile`` (a
     host profile, ``python -m sparsecomm.netbed calibrate``), the link plus that host model, its CPU share
     the processes per core of the netbed (workers and services, on this machine's cores) and its wire
-    latency :data:`NETBED_LATENCY_US`."""
+    latency :data:`NETBED_LATENCY_US` (``native``, modelled as ``ring``, is charged ``native``'s cost per call);
+    ``link=False``: the host model only (the link model of a large switch call, one datagram per 64-value
+    packet, takes many minutes)."""
     import os
 
     from . import transports as tb
 
     cases = [c for c in tb.CASES if c.transport in names and not c.tuned]
     real = tb.run(workers, size_mb, cases, repeats, 1, 600.0, netbed_gbps=gbps)
-    latency = measured(workers, 0.001, gbps, repeats=1)["latency_s"]
-    link = sc.Network(bandwidth_gbps=gbps, latency_us=latency * 1e6, payload_fraction=TCP_OVER_ETHERNET)
-    sims = {"link": modelled_cases(workers, size_mb, cases, link)}
+    sims = {}
+    if link:
+        latency = measured(workers, 0.001, gbps, repeats=1)["latency_s"]
+        net = sc.Network(bandwidth_gbps=gbps, latency_us=latency * 1e6, payload_fraction=TCP_OVER_ETHERNET)
+        sims["link"] = modelled_cases(workers, size_mb, cases, net)
     if profile:
         host_times = []
         for c in cases:
             net = sc.Network.from_profile(profile, bandwidth_gbps=gbps, latency_us=NETBED_LATENCY_US,
                                           payload_fraction=TCP_OVER_ETHERNET)
             # the workers and the services (a switch on the top of rack is a process too) on this machine's cores
-            net.host = net.host.sharing(workers + len(c.services), os.cpu_count() or 1)
+            host = net.host.sharing(workers + len(c.services), os.cpu_count() or 1)
+            if c.transport == "native":     # modelled as the ring's messages, with native's own cost per call
+                host = dataclasses.replace(host, call_s={**host.call_s, "ring": host.call_s.get("native", 0.0)})
+            net.host = host
             host_times += modelled_cases(workers, size_mb, [c], net)
         sims["host"] = host_times
     rows = []
@@ -191,7 +199,11 @@ def main(argv: list[str] | None = None) -> None:
                          "against the ring's model: e.g. native ring allgather omnireduce switch sparse-switch")
     ap.add_argument("--profile", default=None,
                     help="a host profile (python -m sparsecomm.netbed calibrate) to model with as well")
+    ap.add_argument("--no-link-model", action="store_true",
+                    help="with --transports and --profile: model with the host profile only")
     a = ap.parse_args(argv)
+    if a.no_link_model and not (a.transports and a.profile):
+        ap.error("--no-link-model needs --transports and --profile")
     if a.transports:
         print(f"# netbed links {a.gbps:g} Gbit/s; modelled: link only (measured small-message latency), "
               f"and with the host profile {a.profile or '(none)'}")
@@ -200,11 +212,15 @@ def main(argv: list[str] | None = None) -> None:
         print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
         for n in a.workers:
             for size in a.sizes_mb:
-                for r in compare_transports(n, size, a.gbps, a.transports, a.repeats, a.profile):
+                for r in compare_transports(n, size, a.gbps, a.transports, a.repeats, a.profile,
+                                            link=not a.no_link_model):
                     lim = f"{r['link_limit_s'] * 1e3:.1f}" if r.get("link_limit_s") is not None else ""
                     host = (f"{r['host_s'] * 1e3:.1f} | {r['host_ratio']:.2f}" if "host_s" in r else " | ")
+                    link = f"{r['link_s'] * 1e3:.1f} | {r['link_ratio']:.2f}" if "link_s" in r else " | "
                     print(f"| {n} | {size:g} | {r['case']} | {r['density']:g} | {r['measured_s'] * 1e3:.1f} | {lim} "
-                          f"| {r['link_s'] * 1e3:.1f} | {r['link_ratio']:.2f} | {host} |", flush=True)
+                          f"| {link} | {host} |", flush=True)
+        with open("/proc/loadavg") as fh:
+            print("# load average at the end", " ".join(fh.read().split()[:3]))
         return
     with open("/proc/loadavg") as fh:
         load = " ".join(fh.read().split()[:3])

@@ -267,10 +267,13 @@ class Fabric(ABC):
     def compute(self, seconds: float) -> None:
         """Account ``seconds`` of local computation (advances the modelled clock; no-op elsewhere)."""
 
-    def host_work(self, op: str, count: int, dtype: torch.dtype | None = None) -> None:
+    def host_work(self, op: str, count: int, dtype: torch.dtype | None = None, *,
+                  transport: str | None = None) -> None:
         """Declare host work a protocol has just done, for a fabric that models the hosts' CPU: ``op`` is
         ``"sum"`` (``count`` elements of ``dtype`` added), ``"scan"`` (elements scanned for non-zero
-        blocks), ``"switch_packet"`` (packets run through a switch program) or ``"copy"`` (bytes copied).
+        blocks), ``"switch_packet"`` (packets run through a switch program), ``"switch_message"`` (messages
+        whose packets a switch program ran, one call each), ``"copy"`` (bytes copied) or ``"call"`` (calls of
+        the transport named ``transport``, :meth:`sparsecomm.transports.base.Transport.run`).
         A no-op here and on real fabrics (the work took its real time); SimFabric with a host model
         advances the clock by the model's rate (:mod:`sparsecomm.fabric.sim.sim_host`)."""
 

@@ -17,8 +17,18 @@ launched rank is given) and reports the median of its repeats:
   per element (the ring's and OmniReduce's aggregator's sum);
 - ``scan_element_s``: :func:`sparsecomm.codec.nonzero_blocks` (OmniReduce's block scan, 256-element blocks)
   of a float32 vector with half of its blocks zero, per element;
-- ``switch_packet_s``: :meth:`~sparsecomm.transports.switchml.dataplane.Dataplane.process` of one 64-value
-  packet, as the SimFabric's switch runs it per message (a two-worker job, slots reused).
+- ``switch_message_s``, ``switch_packet_s``: the switch program as a real fabric's switch runs it, one compiled
+  call per message (:meth:`~sparsecomm.transports.switchml.dataplane.Dataplane.execute`, results written over
+  the rows, a real fabric's 256-value packets, a two-worker job whose every pair of packets completes a slot):
+  the median time of a message of each of :data:`SWITCH_BURSTS` packets (less the copy that refills the
+  rows), fitted by least squares as ``switch_message_s + packets * switch_packet_s``;
+- ``call_s``: per transport of :data:`CALL_GROUPS`, a call of :data:`CALL_ELEMS` float32 (dense) between two
+  processes over gloo on 127.0.0.1 (its services started as the netbed's are), the median over calls of the
+  slowest rank's time, less the same call modelled on the SimFabric with every rate above (loopback: no
+  wire of its own, the hosts' copies are the per-byte rates; the processes sharing this machine's cores
+  as :meth:`~.sim_host.HostModel.sharing` says): what a call costs beyond its messages, bytes, sums, scans
+  and packets -- its Python, whatever its size (at least 0). ``native`` is modelled as ``ring`` (gloo's ring
+  moves the same messages).
 
 When host costs are modelled, ``Network.latency_us`` should be the wire's latency alone: the hosts'
 per-message share, which ``latency_us`` otherwise stands for, is then ``send_message_s + recv_message_s``.
@@ -54,10 +64,17 @@ ROUNDS = {True: 20, False: 200}
 ELEMENTS = {True: 1 << 18, False: 1 << 22}
 #: repeats of each kernel timing, quick and full
 REPEATS = {True: 5, False: 15}
-#: packets of the switch timing, quick and full
-PACKETS = {True: 200, False: 5000}
 #: the tag of the calibration's messages
 TAG = 7
+#: packets per message of the switch timing (two points of the line per-message + per-packet), quick and full
+SWITCH_BURSTS = {True: (2, 256), False: (2, 64, 256, 1024)}
+#: the transports whose per-call cost is measured, by the services one launch of them needs
+CALL_GROUPS = {(): ("native", "ring", "allgather", "omnireduce"), ("switch",): ("switch",),
+               ("sparse-switch",): ("sparse-switch",)}
+#: float32 elements of a call of the per-call timing (64 OmniReduce blocks, 16 of the switch's packets)
+CALL_ELEMS = 1 << 14
+#: timed calls per transport (after two untimed), quick and full
+CALLS = {True: 6, False: 30}
 
 
 def _median_s(fn: Callable[[], object], repeats: int) -> float:
@@ -115,7 +132,6 @@ def kernel_costs(quick: bool = False) -> dict:
     """``copy_byte_s``, ``sum_element_s`` (per dtype), ``scan_element_s`` and ``switch_packet_s`` (module
     docstring), with one torch thread."""
     from ..codec import nonzero_blocks
-    from ..transports.switchml.dataplane import HEADER, Dataplane, SwitchConfig
 
     n, reps = ELEMENTS[quick], REPEATS[quick]
     gen = torch.Generator().manual_seed(0)
@@ -135,24 +151,105 @@ def kernel_costs(quick: bool = False) -> dict:
     half[::2] = 0                          # every other block zero
     scan_element_s = _median_s(lambda: nonzero_blocks(half.view(-1), block), reps) / n
 
-    dp = Dataplane(SwitchConfig(elems=64, slots=64, burst=1))
-    dp.world = 2
-    width = HEADER + 64
-    packets = PACKETS[quick]
-    rows = np.zeros((packets, 1, width), dtype=np.int32)
-    for i in range(packets):           # workers 0 and 1 fill slot s of set v in turn
-        s, w = (i // 2) % 64, i % 2
-        v = (i // 128) % 2
-        rows[i, 0, :HEADER] = [1, s, v, w, i // 2, 1, 2, 0]
-        rows[i, 0, HEADER:] = 1
-
-    def run_switch():
-        for r in rows:
-            dp.process(r, 1)
-
-    switch_packet_s = _median_s(run_switch, max(3, reps // 3)) / packets
     return {"copy_byte_s": copy_byte_s, "sum_element_s": sums, "scan_element_s": scan_element_s,
-            "switch_packet_s": switch_packet_s}
+            **switch_costs(quick)}
+
+
+def switch_costs(quick: bool = False) -> dict:
+    """``switch_message_s`` and ``switch_packet_s`` (module docstring), with the measurements fitted."""
+    from ..transports.switchml.dataplane import DEFAULT_SLOTS, HEADER, PACKET_ELEMS, T_DATA, Dataplane, SwitchConfig
+
+    bursts, reps = SWITCH_BURSTS[quick], REPEATS[quick]
+    elems = PACKET_ELEMS[-1]
+    width = HEADER + elems
+    dp = Dataplane(SwitchConfig(elems=elems, slots=DEFAULT_SLOTS, burst=max(bursts)))
+    dp.world = 2
+    times = []
+    for k in bursts:
+        # message m: k packets, workers 0 and 1 in turn, pair j on slot 1 + j of set m % 2 (each slot completes
+        # once per message, the sets alternating as a job's do)
+        tmpl = np.zeros((2, k, width), dtype=np.int32)
+        i = np.arange(k)
+        for v in range(2):
+            tmpl[v, :, :HEADER] = np.stack([np.full(k, T_DATA), 1 + i // 2, np.full(k, v), i % 2, i // 2,
+                                            np.ones(k), np.full(k, 2), np.zeros(k)], axis=1)
+        tmpl[:, :, HEADER:] = 1
+        rows = np.empty((k, width), dtype=np.int32)
+        uc = np.empty_like(rows)
+        scratch = np.empty(k, dtype=np.uint8)
+        count = [0]
+
+        def message():
+            np.copyto(rows, tmpl[count[0] % 2])
+            count[0] += 1
+            nmc, _, bad = dp.execute(rows, rows, uc, scratch, clear=True)
+            if nmc != k // 2 or bad:
+                raise RuntimeError(f"calibrate: the switch program completed {nmc} of {k // 2} slots ({bad} "
+                                   f"malformed) of a message of {k} packets")
+
+        def refill():
+            np.copyto(rows, tmpl[count[0] % 2])
+
+        loops = max(1, 2048 // k)          # a message of a few packets is timed over several
+
+        def many(fn=message):
+            for _ in range(loops):
+                fn()
+
+        count[0] = 0
+        many()                             # the program compiled, the slots' sets in step
+        if count[0] % 2:
+            message()
+        t = _median_s(many, reps) - _median_s(lambda: many(refill), reps)
+        times.append(max(0.0, t) / loops)
+    slope, intercept = np.polyfit(np.array(bursts, dtype=np.float64), np.array(times), 1)
+    return {"switch_message_s": max(0.0, float(intercept)), "switch_packet_s": max(0.0, float(slope)),
+            "switch_fit": {"elems": elems, "packets": list(bursts), "message_s": [float(t) for t in times]}}
+
+
+def _time_calls(ctx, names: tuple[str, ...], numel: int, calls: int) -> dict[str, list[float]]:
+    """Every rank: per transport of ``names``, the time of each of ``calls`` calls of ``numel`` float32 (after
+    two untimed), each after a barrier (``native`` is ``ring`` on a modelled fabric)."""
+    import sparsecomm.transports as transports
+
+    torch.set_num_threads(1)
+    f = ctx.fabric
+    x0 = torch.ones(numel)
+    out = {}
+    for name in names:
+        t = transports.get("ring" if name == "native" and f.modelled_time else name, f)
+        times = []
+        for i in range(calls + 2):
+            x = x0.clone()
+            f.barrier()
+            t0 = f.now()
+            t.allreduce(x)
+            if i >= 2:
+                times.append(f.now() - t0)
+        out[name] = times
+    return out
+
+
+def call_costs(host: HostModel, quick: bool = False) -> dict:
+    """``call_s`` (module docstring): per transport, the measured loopback call less the modelled one, with
+    the measurements."""
+    from .. import launch
+    from ..fabric.sim.sim_network import Network
+
+    calls, cores = CALLS[quick], os.cpu_count() or 1
+    out, fit = {}, {}
+    for services, names in CALL_GROUPS.items():
+        fn = functools.partial(_time_calls, names=names, numel=CALL_ELEMS, calls=calls)
+        real = launch(fn, 2, backend="gloo", services=list(services), timeout_s=120.0)
+        net = Network(bandwidth_gbps=1e4, latency_us=0.0, host=host.sharing(2 + len(services), cores))
+        sim = launch(fn, 2, network=net)
+        for name in names:
+            measured = statistics.median(max(r[name][i] for r in real) for i in range(calls))
+            modelled = statistics.median(max(r[name][i] for r in sim) for i in range(calls))
+            out[name] = max(0.0, measured - modelled)
+            fit[name] = {"measured_s": measured, "modelled_s": modelled}
+    return {"call_s": out, "call_fit": fit}
+
 
 
 def machine() -> dict:
@@ -173,13 +270,17 @@ def calibrate(quick: bool = False) -> dict:
     try:
         kernels = kernel_costs(quick)
         messages = message_costs(quick)
+        fit = messages.pop("fit")
+        switch_fit = kernels.pop("switch_fit")
+        calls = call_costs(HostModel(**messages, **kernels), quick)
     finally:
         torch.set_num_threads(threads)
-    fit = messages.pop("fit")
-    host = HostModel(**messages, **kernels)
+    call_fit = calls.pop("call_fit")
+    host = HostModel(**messages, **kernels, **calls)
     date = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()
     method = {"quick": bool(quick), "repeats": REPEATS[quick], "round_trips": ROUNDS[quick],
-              "elements": ELEMENTS[quick], "switch_packets": PACKETS[quick], "message_fit": fit,
+              "elements": ELEMENTS[quick], "message_fit": fit, "switch_fit": switch_fit,
+              "call_elems": CALL_ELEMS, "calls": CALLS[quick], "call_fit": call_fit,
               "statistic": "median", "messages_via": "TorchFabric send/recv over gloo, 127.0.0.1",
               "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
     return profile_dict(host, date=date, machine=machine(), method=method)

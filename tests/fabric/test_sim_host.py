@@ -16,9 +16,11 @@ import pytest
 import torch
 
 import sparsecomm as sc
-from sparsecomm.errors import InvalidTypeError, InvalidValueError
+from sparsecomm.errors import InvalidTypeError, InvalidValueError, MismatchError
 from sparsecomm.fabric.sim.sim_host import RATE_UNITS, SUM_DTYPES, HostModel
+from sparsecomm.fabric.base import MESSAGE_BYTES
 from sparsecomm.fabric.sim.sim_profile import FORMAT, VERSION, profile_dict
+from sparsecomm.netbed.calibrate import CALL_GROUPS
 from sparsecomm.transports.ring import ring_allreduce_
 
 N, CHUNK = 4, 1000          # a 4-worker ring over 4 chunks of 1000 float32: one segment per chunk
@@ -107,6 +109,87 @@ def test_each_transport_declares_its_host_work(name, kw, rates):
     assert max(charged) > max(none)
 
 
+def _call(ctx, name: str, numel: int) -> tuple[float, int, int | None, int, int]:
+    """One call of ``name``: its modelled time, the messages this worker sent, the fabric's ``message_bytes``,
+    (the switch) the packets this worker streamed, and the bytes it sent."""
+    t = sc.transports.get(name, ctx.fabric)
+    y = t.allreduce(torch.ones(numel))
+    assert torch.equal(y, torch.full_like(y, float(ctx.world_size)))
+    packets = sum(v["packets"] for v in t.last_info.values() if isinstance(v, dict)) if name == "switch" else 0
+    return t.last_stats.modelled_time_s, t.last_stats.messages, ctx.fabric.message_bytes, packets, t.last_stats.bytes_sent
+
+
+def test_a_call_is_charged_once_per_worker_at_its_start_by_hand():
+    run = functools.partial(_call, name="ring", numel=N * CHUNK)
+    net = functools.partial(sc.Network, bandwidth_gbps=10.0, latency_us=5.0)
+    base = [r[0] for r in sc.launch(run, N, network=net())]
+    # every worker's clock moves by the call's cost before its first message: the whole call shifts by it
+    timed = [r[0] for r in sc.launch(run, N, network=net(host=HostModel(call_s={"ring": 1e-3})))]
+    assert timed == pytest.approx([b + 1e-3 for b in base], rel=1e-12, abs=0)
+    # stretched by the CPU share like every host cost
+    shared = [r[0] for r in sc.launch(run, N, network=net(host=HostModel(call_s={"ring": 1e-3}, cpu_share=2.0)))]
+    assert shared == pytest.approx([b + 2e-3 for b in base], rel=1e-12, abs=0)
+    # another transport's cost is not this one's
+    other = [r[0] for r in sc.launch(run, N, network=net(host=HostModel(call_s={"omnireduce": 1.0})))]
+    assert [t.hex() for t in other] == [b.hex() for b in base]
+    with pytest.raises(InvalidValueError, match="needs the name of the transport"):
+        HostModel(call_s={"ring": 1.0}).work_s("call", 1)
+    with pytest.raises(InvalidTypeError, match="call_s has key 3"):
+        HostModel(call_s={3: 1.0})
+
+
+SWITCH_ELEMS = 1 << 16      # 256 packets of the real fabric's 256 values; 1024 of the paper's 64
+
+
+def _switch(host: HostModel) -> tuple[float, int, int | None, int, int]:
+    """A 2-worker switch call's modelled time (the slower worker's), and of worker 0: its messages sent, the
+    fabric's ``message_bytes``, the packets it streamed and its bytes sent."""
+    out = sc.launch(functools.partial(_call, name="switch", numel=SWITCH_ELEMS), 2,
+                    network=sc.Network(bandwidth_gbps=100.0, latency_us=1.0, host=host))
+    assert out[0][1:] == out[1][1:]
+    return (max(o[0] for o in out),) + out[0][1:]
+
+
+def test_a_host_with_a_cost_per_message_sends_the_switch_bursts_charged_per_message():
+    # no cost per message: the paper's one packet per datagram
+    _, sent, mb, _, _ = _switch(HostModel(switch_packet_s=1e-6))
+    assert mb is None and sent > SWITCH_ELEMS // 64                  # a datagram per 64-value packet
+    # a cost per message: a real fabric's message size, so the switch's packets travel as bursts
+    per_msg = dict(send_message_s=1e-9, recv_message_s=1e-9)
+    base, sent, mb, packets, sent_bytes = _switch(HostModel(**per_msg))
+    assert mb == MESSAGE_BYTES and sent <= 8 and packets >= SWITCH_ELEMS // 256   # a few bursts, not 256 messages
+    # messages as long as their packets (as over gloo), not padded to a burst of 1024: the bytes are the packets'
+    row = (8 + 256) * 4
+    assert packets * row <= sent_bytes < (packets + 1) * row       # + the agreement's and the control round's
+    # with the switch's program the bottleneck (rates far above everything else's), the call lengthens by the
+    # switch's serial work: one charge per message of each worker (but about one, which it runs while the
+    # other worker's is on its way) ...
+    S = 1e-2
+    t, *_ = _switch(HostModel(**per_msg, switch_message_s=S))
+    assert 2 * sent - 2 - 0.01 <= (t - base) / S <= 2 * sent
+    # ... and one per data packet of both workers, none per row of padding
+    S = 1e-4
+    t, *_ = _switch(HostModel(**per_msg, switch_packet_s=S))
+    assert 2 * packets - 1 <= (t - base) / S <= 2 * packets + 2 * sent
+
+
+def _short_message(ctx) -> list[float]:
+    if ctx.rank == 0:
+        ctx.fabric.send(torch.ones(3), 1, 5)
+        return []
+    buf = torch.full((5,), 7.0)
+    ctx.fabric.recv(buf, 0, 5)
+    return buf.tolist()
+
+
+def test_a_host_with_a_cost_per_message_receives_a_shorter_message_into_a_prefix_as_gloo():
+    host = HostModel(send_message_s=1e-6)
+    assert sc.launch(_short_message, 2, network=sc.Network(host=host))[1] == [1.0, 1.0, 1.0, 7.0, 7.0]
+    for net in (sc.Network(), sc.Network(host=HostModel(copy_byte_s=1e-9))):   # the model's datagrams
+        with pytest.raises(MismatchError, match="expected 5 x torch.float32 .* but received 3 x torch.float32"):
+            sc.launch(_short_message, 2, network=net)
+
+
 def test_host_model_is_a_value():
     import copy
     import pickle
@@ -127,7 +210,8 @@ def test_host_model_validates_its_rates():
         HostModel(sum_element_s={"float33": 1e-9})
     with pytest.raises(InvalidValueError, match="int8"):
         HostModel().work_s("sum", 3, torch.int8)
-    with pytest.raises(InvalidValueError, match="unknown operation 'add'.*sum, scan, switch_packet, copy"):
+    with pytest.raises(InvalidValueError,
+                       match="unknown operation 'add'.*sum, scan, switch_packet, switch_message, copy, call"):
         HostModel().work_s("add", 3)
     with pytest.raises(InvalidTypeError, match="host must be a HostModel"):
         sc.Network(host={"send_message_s": 1.0})
@@ -140,7 +224,7 @@ def _profile(host: HostModel) -> dict:
 
 FULL = HostModel(send_message_s=1e-5, recv_message_s=2e-5, send_byte_s=3e-10, recv_byte_s=4e-10, copy_byte_s=5e-11,
                  sum_element_s={d: (i + 1) * 1e-10 for i, d in enumerate(SUM_DTYPES)}, scan_element_s=6e-10,
-                 switch_packet_s=7e-7)
+                 switch_packet_s=7e-7, switch_message_s=8e-6, call_s={"ring": 1e-3, "omnireduce": 2e-3})
 
 
 def test_from_profile_round_trips_and_takes_overrides(tmp_path):
@@ -169,7 +253,8 @@ def _broken(**edit) -> dict:
 
 @pytest.mark.parametrize("profile, error, match", [
     (_broken(extra=1), InvalidValueError, r"unknown key\(s\) \['extra'\]"),
-    (_broken(version=2), InvalidValueError, "version 2 is not supported"),
+    (_broken(version=3), InvalidValueError, "version 3 is not supported"),
+    (_broken(version=1), InvalidValueError, "version 1 is not supported any more.*calibrate again"),
     (_broken(format="x"), InvalidValueError, "format is 'x'"),
     (_broken(host=None), InvalidValueError, "no 'host'"),
     (_broken(host__bogus_s={"value": 1.0, "unit": "s"}), InvalidValueError, r"unknown rate\(s\) \['bogus_s'\]"),
@@ -181,8 +266,12 @@ def _broken(**edit) -> dict:
      r"host\.switch_packet_s has unit 's/message', expected 's/packet'"),
     (_broken(host__sum_element_s__value__bfloat16=None), InvalidValueError, r"lacks the dtype\(s\) \['bfloat16'\]"),
     (_broken(host__sum_element_s__value__int32=-1.0), InvalidValueError, r"sum_element_s\.value\['int32'\]"),
-], ids=["top-key", "version", "format", "no-host", "rate-key", "missing-rate", "negative", "not-number", "unit",
-        "missing-dtype", "negative-sum"])
+    (_broken(host__call_s={"value": 1e-3, "unit": "s/call"}), InvalidTypeError,
+     r"host\.call_s\.value maps transport names to rates, got float"),
+    (_broken(host__call_s__value__ring=-1e-3), InvalidValueError, r"host\.call_s\.value\['ring'\] must be a finite"),
+    (_broken(host__switch_message_s=None), InvalidValueError, r"lacks the rate\(s\) \['switch_message_s'\]"),
+], ids=["top-key", "version", "version-1", "format", "no-host", "rate-key", "missing-rate", "negative", "not-number", "unit",
+        "missing-dtype", "negative-sum", "call-not-map", "call-negative", "no-switch-message"])
 def test_from_profile_refuses_a_bad_profile_naming_the_key(tmp_path, profile, error, match):
     path = tmp_path / "host.json"
     path.write_text(json.dumps(profile))
@@ -223,13 +312,23 @@ def test_calibrate_command_writes_a_loadable_profile(tmp_path):
     for name, unit in RATE_UNITS.items():
         entry = profile["host"][name]
         assert entry["unit"] == unit
-        values = entry["value"] if name == "sum_element_s" else {name: entry["value"]}
+        values = entry["value"] if name in ("sum_element_s", "call_s") else {name: entry["value"]}
         if name == "sum_element_s":
             assert set(values) == set(SUM_DTYPES)
+        if name == "call_s":
+            assert set(values) == {t for names in CALL_GROUPS.values() for t in names}
         for v in values.values():
             assert isinstance(v, float) and math.isfinite(v) and v >= 0
     # kernels that run on this machine take time: their rates are positive
     assert all(profile["host"]["sum_element_s"]["value"][d] > 0 for d in SUM_DTYPES)
     assert profile["host"]["scan_element_s"]["value"] > 0 and profile["host"]["switch_packet_s"]["value"] > 0
+    assert profile["host"]["switch_message_s"]["value"] > 0
+    # each call's cost is the measured call less the modelled one (at least 0), both recorded; OmniReduce's
+    # Python per call (its agreement, set-up and aggregators' rounds: ~20 ms) is far above a quick run's noise
+    calls, fit = profile["host"]["call_s"]["value"], profile["method"]["call_fit"]
+    assert set(fit) == set(calls)
+    for name, v in calls.items():
+        assert v == max(0.0, fit[name]["measured_s"] - fit[name]["modelled_s"]) and fit[name]["modelled_s"] > 0
+    assert calls["omnireduce"] > 0
     assert profile["host"]["send_message_s"]["value"] + profile["host"]["send_byte_s"]["value"] > 0
     assert sc.Network.from_profile(out).host.copy_byte_s == profile["host"]["copy_byte_s"]["value"]

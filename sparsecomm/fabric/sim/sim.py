@@ -24,7 +24,7 @@ from ...errors import (EndpointCrashed, FabricTimeout, InvalidTypeError, Invalid
                        PeerFailure)
 from .. import roles as _roles
 from .. import trace as _trace
-from ..base import Fabric, Work
+from ..base import MESSAGE_BYTES, Fabric, Work
 from ..sim_gate import Gate
 from ..stats import CommStats
 from .sim_network import Msg, Network
@@ -120,7 +120,6 @@ class SimFabric(Fabric):
 
     modelled_time = True
     in_process_services = True
-    message_bytes = None      # a message is one datagram of the model
 
     def __init__(self, world: SimWorld, rank: int) -> None:
         self.world = world
@@ -139,6 +138,18 @@ class SimFabric(Fabric):
         return self.world.scratch
 
     @property
+    def message_bytes(self) -> int | None:
+        """``None`` (a message is one datagram of the model, whose every cost it states), or, where the host
+        model charges a fixed CPU time per message (:attr:`.sim_host.HostModel.per_message`), a real
+        fabric's :data:`~sparsecomm.fabric.base.MESSAGE_BYTES`: the transports then take a real fabric's
+        defaults (the switches' bursts), as the hosts modelled would run them, and a receive takes a shorter
+        message of its dtype into a prefix of its (contiguous) buffer, the rest untouched, as gloo's does
+        (messages as long as their packets); otherwise a message of another length raises
+        :class:`~sparsecomm.errors.MismatchError`."""
+        host = self.world.network.host
+        return MESSAGE_BYTES if host is not None and host.per_message else None
+
+    @property
     def network(self) -> Network:
         """The modelled :class:`~sparsecomm.fabric.sim.sim_network.Network`."""
         return self.world.network
@@ -154,8 +165,9 @@ class SimFabric(Fabric):
             _trace.recorder.sim_compute(self.world, self.rank, self._ep.clock, seconds * factor)
         self._ep.clock += seconds * factor
 
-    def host_work(self, op: str, count: int, dtype: torch.dtype | None = None) -> None:
-        self._ep.host_work(op, count, dtype)     # the host model's charge (sim_host); none without one
+    def host_work(self, op: str, count: int, dtype: torch.dtype | None = None, *,
+                  transport: str | None = None) -> None:
+        self._ep.host_work(op, count, dtype, transport)     # the host model's charge (sim_host); none without one
 
     # --------------------------------------------------------------- sending
     def _post(self, tensor: torch.Tensor, dst: int, tag: int, reliable: bool) -> float:
@@ -213,6 +225,12 @@ class SimFabric(Fabric):
     def _deliver(self, msg: Msg, tensor: torch.Tensor, tag: int) -> int:
         """Copy taken ``msg`` into ``tensor`` (a message of another length or dtype: ``MismatchError``)."""
         data = msg.data
+        if (data.dtype is tensor.dtype and data.numel() < tensor.numel() and tensor.is_contiguous()
+                and self.message_bytes is not None):
+            # a real fabric's receive (gloo), modelled with real hosts: a shorter message fills a prefix of
+            # the buffer, the rest untouched (``message_bytes``)
+            tensor.view(-1)[:data.numel()].copy_(data.reshape(-1))
+            return msg.src
         if data.dtype is not tensor.dtype or data.numel() != tensor.numel():
             world = self.world
             raise MismatchError(

@@ -10,7 +10,20 @@ modelled clocks (``host=None``, the default: no host cost, every modelled time a
 - the work a transport declares with :meth:`sparsecomm.fabric.base.Fabric.host_work` (:data:`HOST_OPS`):
   ``"sum"``, elements added into an accumulator (``sum_element_s`` of their dtype); ``"scan"``, elements
   scanned for non-zero blocks (``scan_element_s``); ``"switch_packet"``, packets run through a switch
-  program (``switch_packet_s``); ``"copy"``, bytes copied (``copy_byte_s``).
+  program (``switch_packet_s``); ``"switch_message"``, messages whose packets a switch program ran in one
+  call (``switch_message_s``: the call into the compiled program, its lock and the replies' split, once
+  per message whatever its packets); ``"copy"``, bytes copied (``copy_byte_s``); ``"call"``, one call of
+  a transport (``call_s`` of the transport's name, charged by :meth:`sparsecomm.transports.base.Transport.run`
+  on every worker as the call starts: the Python a call runs whatever its size -- its set-up, the workers'
+  agreement, its rounds' bookkeeping -- beyond the messages, bytes, sums, scans and packets charged above;
+  a transport not in ``call_s`` is charged nothing).
+
+A model that charges a fixed CPU time per message (``send_message_s + recv_message_s > 0``) is a host
+whose messages want to be long, as a real fabric's are: the SimFabric then declares the real fabric's
+``message_bytes`` (:attr:`.sim.SimFabric.message_bytes`), so the transports take a real fabric's defaults
+(the switches' packets travel as bursts of up to 1 MiB, one message per burst, as long as its packets, with no
+retransmission timer, as they do over gloo), and a receive takes a shorter message into a prefix of its buffer,
+as gloo's does. A model without one keeps the SimFabric's (the papers' one packet per datagram).
 
 Every charge is multiplied by the endpoint's CPU factor (:meth:`HostModel.factor`): its ``cpu_share`` (how
 many times longer its CPU work takes because it shares cores with other busy endpoints: 4 hosts on 2 cores
@@ -40,7 +53,8 @@ from ...validate import check_int, check_real
 __all__ = ["HOST_OPS", "HostModel", "SUM_DTYPES", "RATE_UNITS"]
 
 #: the operations of :meth:`sparsecomm.fabric.base.Fabric.host_work` and the unit they count
-HOST_OPS = {"sum": "element", "scan": "element", "switch_packet": "packet", "copy": "byte"}
+HOST_OPS = {"sum": "element", "scan": "element", "switch_packet": "packet", "switch_message": "message",
+            "copy": "byte", "call": "call"}
 
 #: the dtypes whose per-element sum cost a profile gives (:func:`sparsecomm.netbed.calibrate.calibrate` measures each)
 SUM_DTYPES = ("float32", "float64", "float16", "bfloat16", "int32")
@@ -55,6 +69,8 @@ RATE_UNITS = {
     "sum_element_s": "s/element",
     "scan_element_s": "s/element",
     "switch_packet_s": "s/packet",
+    "switch_message_s": "s/message",
+    "call_s": "s/call",
 }
 
 
@@ -79,6 +95,10 @@ class HostModel:
             not in it raises.
         scan_element_s: seconds per element scanned for non-zero blocks (OmniReduce's block scan).
         switch_packet_s: seconds per packet run through a switch program (SwitchML's dataplane).
+        switch_message_s: seconds per message whose packets a switch program runs (one call of the program
+            per message, whatever its packets).
+        call_s: transport name (``"ring"``, ``"omnireduce"``, ...) -> seconds per call of it, on every
+            worker (default: none; a transport not in it is charged nothing).
         cpu_share: the CPU stretch of every endpoint (>= 1): endpoints sharing cores, e.g. 2 for 4 hosts on
             2 cores (:meth:`sharing`).
         cpu_share_by_endpoint: endpoint id -> its own stretch (>= 1), overriding ``cpu_share``.
@@ -92,6 +112,8 @@ class HostModel:
     sum_element_s: Mapping[str, float] = field(default_factory=lambda: dict.fromkeys(SUM_DTYPES, 0.0))
     scan_element_s: float = 0.0
     switch_packet_s: float = 0.0
+    switch_message_s: float = 0.0
+    call_s: Mapping[str, float] = field(default_factory=dict)
     cpu_share: float = 1.0
     cpu_share_by_endpoint: Mapping[int, float] = field(default_factory=dict)
 
@@ -99,7 +121,7 @@ class HostModel:
         who = "HostModel"
         put = object.__setattr__
         for name in RATE_UNITS:
-            if name != "sum_element_s":
+            if name not in ("sum_element_s", "call_s"):
                 put(self, name, check_real(name, getattr(self, name), low=0.0, what=who))
         if not isinstance(self.sum_element_s, Mapping):
             raise InvalidTypeError(f"{who}: sum_element_s must map dtype names to seconds per element, got "
@@ -112,6 +134,15 @@ class HostModel:
                                         f"{', '.join(SUM_DTYPES)})")
             sums[name] = check_real(f"sum_element_s[{name!r}]", v, low=0.0, what=who)
         put(self, "sum_element_s", MappingProxyType(sums))
+        if not isinstance(self.call_s, Mapping):
+            raise InvalidTypeError(f"{who}: call_s must map transport names to seconds per call, got "
+                                   f"{type(self.call_s).__name__}")
+        calls = {}
+        for k, v in self.call_s.items():
+            if not isinstance(k, str) or not k:
+                raise InvalidTypeError(f"{who}: call_s has key {k!r}; its keys are transport names (e.g. 'ring')")
+            calls[k] = check_real(f"call_s[{k!r}]", v, low=0.0, what=who)
+        put(self, "call_s", MappingProxyType(calls))
         put(self, "cpu_share", check_real("cpu_share", self.cpu_share, low=1.0, what=who))
         put(self, "cpu_share_by_endpoint", MappingProxyType(
             {check_int("an endpoint of cpu_share_by_endpoint", e, low=0, what=who):
@@ -147,9 +178,22 @@ class HostModel:
         """Unstretched CPU seconds of taking one message of ``nbytes``."""
         return self.recv_message_s + nbytes * self.recv_byte_s
 
-    def work_s(self, op: str, count: int, dtype: torch.dtype | str | None = None) -> float:
-        """Unstretched seconds of ``host_work(op, count, dtype)`` (:data:`HOST_OPS`)."""
-        if op == "sum":
+    @property
+    def per_message(self) -> bool:
+        """Whether a message costs a fixed CPU time (``send_message_s + recv_message_s > 0``; module
+        docstring: the SimFabric then declares a real fabric's ``message_bytes``)."""
+        return self.send_message_s + self.recv_message_s > 0
+
+    def work_s(self, op: str, count: int, dtype: torch.dtype | str | None = None, *,
+               transport: str | None = None) -> float:
+        """Unstretched seconds of ``host_work(op, count, dtype, transport=...)`` (:data:`HOST_OPS`;
+        ``transport``: the transport whose call ``"call"`` counts)."""
+        if op == "call":
+            if not transport:
+                raise InvalidValueError("host_work('call', ...) needs the name of the transport called "
+                                        "(transport=...)")
+            rate = self.call_s.get(transport, 0.0)
+        elif op == "sum":
             if dtype is None:
                 raise InvalidValueError("host_work('sum', ...) needs the dtype of the elements summed")
             rate = self.sum_element_s.get(dtype_name(dtype))
@@ -161,6 +205,8 @@ class HostModel:
             rate = self.scan_element_s
         elif op == "switch_packet":
             rate = self.switch_packet_s
+        elif op == "switch_message":
+            rate = self.switch_message_s
         elif op == "copy":
             rate = self.copy_byte_s
         else:

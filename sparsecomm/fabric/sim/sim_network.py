@@ -28,7 +28,7 @@ The network model (alpha-beta with NIC serialisation), per endpoint:
 - the hosts' CPU time (``Network.host``, a :class:`~.sim_host.HostModel`; ``None``, the default: none): per
   message sent, on the sender's clock before its NIC starts; per message taken, on the receiver's clock
   after its delivery; and the work transports declare (``Fabric.host_work``: sums, block scans, switch
-  packets), each stretched by the endpoint's CPU share and straggler factor (:mod:`.sim_host`).
+  packets and messages, each call's own cost), each stretched by the endpoint's CPU share and straggler factor (:mod:`.sim_host`).
 
 Service endpoints (dedicated aggregators, a switch) have their own link; ``per_port=True`` gives a
 switch one NIC per peer (ports work in parallel, as a switch's do).
@@ -228,8 +228,8 @@ class Endpoint:
             self._rx_base[port] = max(self._rx_base.get(port, 0.0), sched[k - 1].rx_end)
             del sched[:k]
 
-    def host_work(self, op: str, count: int, dtype=None) -> None:
+    def host_work(self, op: str, count: int, dtype=None, transport: str | None = None) -> None:
         """Charge ``count`` units of ``op`` to the clock (:meth:`.sim_host.HostModel.work_s`, stretched); no
         host model: nothing."""
         if self.host is not None:
-            self.clock += self.host.work_s(op, count, dtype) * self.cpu
+            self.clock += self.host.work_s(op, count, dtype, transport=transport) * self.cpu

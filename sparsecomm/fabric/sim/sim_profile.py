@@ -5,7 +5,7 @@ Written by ``python -m sparsecomm.netbed calibrate --out host.json`` (:mod:`spar
 
     {
       "format": "sparsecomm-host-profile",
-      "version": 1,
+      "version": 2,
       "date": "2026-11-29T13:50:00+00:00",                 # when it was measured (UTC, ISO 8601)
       "machine": {"platform": ..., "machine": ..., "processor": ..., "cpu_count": 2,
                   "python": ..., "torch": ..., "torch_threads": 1},
@@ -13,13 +13,19 @@ Written by ``python -m sparsecomm.netbed calibrate --out host.json`` (:mod:`spar
       "host": {                                              # every rate of HostModel, with its unit
         "send_message_s": {"value": 1.1e-05, "unit": "s/message"},
         ...
-        "sum_element_s": {"value": {"float32": 2.5e-10, ...}, "unit": "s/element"}
+        "sum_element_s": {"value": {"float32": 2.5e-10, ...}, "unit": "s/element"},
+        "call_s": {"value": {"ring": 0.004, "omnireduce": 0.012, ...}, "unit": "s/call"}
       }
     }
 
 ``host`` holds exactly the rates of :data:`~.sim_host.RATE_UNITS` (a missing or unknown one, a unit other
 than its own, or a negative or non-finite value is refused, naming the key); ``sum_element_s`` gives each of
-:data:`~.sim_host.SUM_DTYPES`. ``date``, ``machine`` and ``method`` are recorded, not interpreted.
+:data:`~.sim_host.SUM_DTYPES`, ``call_s`` a rate per transport name (any names). ``date``, ``machine`` and
+``method`` are recorded, not interpreted.
+
+Versions: 2 added ``switch_message_s`` and ``call_s`` and measures ``switch_packet_s`` without the per-message
+part. A version 1 profile is refused, saying to calibrate again: its ``switch_packet_s`` includes a
+message's cost, and it has no per-call costs.
 """
 
 from __future__ import annotations
@@ -37,7 +43,9 @@ __all__ = ["FORMAT", "VERSION", "host_from_profile", "load_profile", "network_fr
 #: the ``format`` field of a host profile
 FORMAT = "sparsecomm-host-profile"
 #: the version this library writes and reads
-VERSION = 1
+VERSION = 2
+#: the rates whose value is a mapping (dtype -> rate, transport -> rate)
+MAPPED = ("sum_element_s", "call_s")
 #: the top-level keys of a profile (the first three required)
 KEYS = ("format", "version", "host", "date", "machine", "method")
 
@@ -47,7 +55,7 @@ def profile_dict(host: HostModel, *, date: str, machine: dict, method: dict) -> 
     rates = {}
     for name, unit in RATE_UNITS.items():
         value = getattr(host, name)
-        rates[name] = {"value": dict(value) if name == "sum_element_s" else value, "unit": unit}
+        rates[name] = {"value": dict(value) if name in MAPPED else value, "unit": unit}
     return {"format": FORMAT, "version": VERSION, "date": date, "machine": dict(machine), "method": dict(method),
             "host": rates}
 
@@ -73,6 +81,10 @@ def host_from_profile(profile: dict, source: str = "host profile") -> HostModel:
             raise InvalidValueError(f"{source}: no {key!r} (written by python -m sparsecomm.netbed calibrate?)")
     if profile["format"] != FORMAT:
         raise InvalidValueError(f"{source}: format is {profile['format']!r}, expected {FORMAT!r}")
+    if profile["version"] == 1:
+        raise InvalidValueError(f"{source}: version 1 is not supported any more: its switch_packet_s includes "
+                                f"a message's cost and it has no switch_message_s or call_s (this library reads "
+                                f"version {VERSION}); calibrate again: python -m sparsecomm.netbed calibrate")
     if profile["version"] != VERSION:
         raise InvalidValueError(f"{source}: version {profile['version']!r} is not supported (this library reads "
                                 f"version {VERSION}; calibrate again)")
@@ -102,6 +114,11 @@ def host_from_profile(profile: dict, source: str = "host profile") -> HostModel:
             if missing:
                 raise InvalidValueError(f"{where}.value lacks the dtype(s) {missing}")
             kw[name] = {d: _rate(f"{where}.value[{d!r}]", v) for d, v in sums.items()}
+        elif name == "call_s":
+            calls = entry["value"]
+            if not isinstance(calls, dict):
+                raise InvalidTypeError(f"{where}.value maps transport names to rates, got {type(calls).__name__}")
+            kw[name] = {t: _rate(f"{where}.value[{t!r}]", v) for t, v in calls.items()}
         else:
             kw[name] = _rate(f"{where}.value", entry["value"])
     try:

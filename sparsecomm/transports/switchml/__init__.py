@@ -140,7 +140,8 @@ class SwitchTransport(Transport):
     values per packet (default: 64 on SimFabric, 256 elsewhere). ``timeout``: retransmission timer (modelled seconds on SimFabric,
     default 10 ms as the reference client; wall seconds elsewhere, default ``None``: no timer, since
     gloo/TCP never drops a message and a timed wait costs TorchFabric a helper thread; waits are then
-    bounded by the fabric's ``timeout_s``). ``rounding``: ``"nearest"`` or ``"stochastic"``
+    bounded by the fabric's ``timeout_s``; ``None`` too on a SimFabric that takes a real fabric's defaults,
+    a host model with a cost per message: pass one there for a lossy network). ``rounding``: ``"nearest"`` or ``"stochastic"``
     (with ``seed``). ``burst``: packets per fabric message (default 1 on SimFabric, elsewhere as many as
     fill 1 MiB: 1024 of 256 values).
     ``switch_slots`` (default 8192), ``burst``, ``slot_elems``, ``switch_workers`` (the most workers its
@@ -201,7 +202,7 @@ class SwitchTransport(Transport):
                              f"(slot 0 is the control slot), got {pool_size!r}")
         if rounding not in ROUNDING:
             raise InvalidValueError(f"rounding must be one of {sorted(ROUNDING)}, got {rounding!r}")
-        if timeout is None and self.sim:
+        if timeout is None and self.sim and fabric.message_bytes is None:   # the papers' defaults (..defaults)
             timeout = 10e-3
         if timeout is not None and not timeout > 0:
             raise InvalidValueError(f"timeout must be positive (or None: no timer), got {timeout!r}")

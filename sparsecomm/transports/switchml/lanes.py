@@ -18,7 +18,9 @@ as they are sent; posted again ``REPOST_GROUP`` at a time) and the send buffers,
 lane windows of bursts in flight. The fabrics differ in what a message is:
 
 - SimFabric: one datagram of the model per packet (modelled loss), a whole burst of rows, padded, sent as
-  a blocking send (the worker NIC's serialisation), the timer in modelled seconds.
+  a blocking send (the worker NIC's serialisation), the timer in modelled seconds; with a host model that
+  charges per message (a real fabric's ``message_bytes``), messages as long as their packets, as below,
+  still sent as blocking sends.
 - Real fabrics: messages as long as their packets (below), sends asynchronous.
 
 **Messages as long as their packets** (real fabrics): a message holds the packets that are ready, at most
@@ -165,15 +167,16 @@ class Link:
             for k, b in enumerate(self.bufs):
                 yield PostInto(("down", k), b, self.switch, TAG_DOWN)
 
-    def take(self, fabric, whole: bool) -> np.ndarray:
+    def take(self, fabric, whole: bool, unbook: bool = True) -> np.ndarray:
         """The rows of the message of :attr:`key`, which is in (valid until :meth:`release`): all of them
         (``whole``: a message is one padded datagram, SimFabric), or as many as it filled
-        (:func:`message_rows`: the rest is taken back from ``fabric``'s ledger); a ``SHORT`` message's
-        header rows (``HEADER`` words each, :func:`.dataplane.short_frame`; at most a burst of them, else
+        (:func:`message_rows`: with ``unbook``, a real fabric, the rest is taken back from ``fabric``'s
+        ledger; a SimFabric books the message's own bytes); a ``SHORT`` message's header rows (``HEADER``
+        words each, :func:`.dataplane.short_frame`; at most a burst of them, else
         :class:`~sparsecomm.errors.ProtocolError`)."""
         rows = self.inbox.take(self.key).numpy()
         if whole or rows[0, F_TYPE] != T_SHORT:
-            self.filled = len(rows) if whole else message_rows(fabric, self.switch, rows)
+            self.filled = len(rows) if whole else message_rows(fabric, self.switch, rows, unbook)
             return rows[:self.filled]
         short = short_rows(rows, self.burst)
         if short is None:
@@ -182,7 +185,9 @@ class Link:
                                 f"{int(rows.reshape(-1)[1])} is outside 0..{self.burst} (the burst): a forged "
                                 f"or corrupted message")
         self.filled = short_extent(len(short), self.width)
-        fabric.stats.unbook_recv(self.switch, fabric.rank, (rows.size - HEADER * (len(short) + 1)) * rows.itemsize)
+        if unbook:
+            fabric.stats.unbook_recv(self.switch, fabric.rank,
+                                     (rows.size - HEADER * (len(short) + 1)) * rows.itemsize)
         return short
 
     def release(self):
@@ -223,14 +228,14 @@ class Link:
         self.busy.clear()
 
 
-def message_rows(fabric, src: int, rows: np.ndarray) -> int:
+def message_rows(fabric, src: int, rows: np.ndarray, unbook: bool = True) -> int:
     """How many rows of a receive posted for ``rows`` (every row's type, column 0, ``T_EMPTY`` when
     posted; both switches) the message from ``src`` filled: up to its last row of another type (module
     docstring: messages as long as their packets). The fabric booked the whole receive; the rest is taken
     back from its ledger."""
     used = np.flatnonzero(rows[:, 0])
     m = int(used[-1]) + 1 if used.size else 0
-    if m < len(rows):
+    if unbook and m < len(rows):
         fabric.stats.unbook_recv(src, fabric.rank, (len(rows) - m) * rows.shape[1] * rows.itemsize)
     return m
 
@@ -330,10 +335,11 @@ class Lanes:
         timeout it ends with too, ``final_timeout``)."""
         fab, st, sw = self.fabric, self.state, self.switch
         L, K = len(lane_slots), self.burst
-        S = K if rows is None or self.sim else max(1, min(K, int(rows)))     # packets per message sent
-        job, rank, n = st.job, fab.rank, fab.world_size
         sim = self.sim
         short_below = 0 if sim else short_below          # SimFabric: the paper's whole rows
+        padded = sim and fab.message_bytes is None      # SimFabric's datagrams (else as long as their packets)
+        S = K if rows is None or padded else max(1, min(K, int(rows)))     # packets per message sent
+        job, rank, n = st.job, fab.rank, fab.world_size
         cap = 1 if sim else SEND_AHEAD * max(1, -(-L // S))
         lane_pkt = np.arange(L, dtype=np.int64)           # outstanding packet per lane (-1: lane done)
         timer = self.timer
@@ -361,9 +367,10 @@ class Lanes:
                         lane_rows[part] = rows
                 else:
                     rows[:] = lane_rows[part]
-                if sim:        # one padded datagram, sent as a blocking send (the worker NIC's serialisation)
-                    msg[m:] = 0
-                    yield Datagram(link.out[j], sw, TAG_UP, hold=("up", j))
+                if sim:        # one datagram, sent as a blocking send (the worker NIC's serialisation)
+                    if padded:
+                        msg[m:] = 0
+                    yield Datagram(link.out[j] if padded else link.out[j][:m], sw, TAG_UP, hold=("up", j))
                     yield Flush(("up", j))
                     link.flushed(j)
                 else:          # as long as its packets
@@ -428,7 +435,7 @@ class Lanes:
             if timed and not link.inbox.ready(link.key):
                 yield from expire()
                 continue
-            rows = link.take(fab, sim)
+            rows = link.take(fab, padded, unbook=not sim)
             got, ignored, nxt, rej = _accept(rows, lane_pkt, lane_slots, st.parity, job, pkt_base, P, at, pks,
                                              lanes)
             if rej >= 0:

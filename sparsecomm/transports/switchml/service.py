@@ -88,7 +88,8 @@ def serve(dp: Dataplane, fabric: Fabric) -> None:
 def switch_role(dp: Dataplane, inbox: Inbox):
     """The switch on a modelled fabric as one role (:mod:`sparsecomm.fabric.roles`, :mod:`.datagrams`),
     forever: it posts a receive of one message from any port (``inbox`` key ``"up"``), waits for it, runs
-    the program on it and yields its replies, datagrams that it never waits for (:class:`~.datagrams.Datagram`
+    the program on it and yields its replies (whole padded bursts; on a SimFabric with a real fabric's
+    ``message_bytes``, messages as long as their packets, both ways), datagrams that it never waits for (:class:`~.datagrams.Datagram`
     with no ``hold``: the per-port links transmit in parallel); the rejection notice of malformed packets
     is a reliable :class:`~sparsecomm.fabric.roles.Send` to every worker (the dataplane's docstring). A
     message's port is its receive's source; the workers are ``dp.world`` (set by :func:`serve`)."""
@@ -96,6 +97,7 @@ def switch_role(dp: Dataplane, inbox: Inbox):
     width = HEADER + dp.config.elems
     buf = torch.zeros((burst, width), dtype=torch.int32)
     arr = buf.numpy()
+    padded = inbox.fabric.message_bytes is None     # the model's datagrams (else as long as their packets)
     while True:
         yield PostInto("up", buf, None, TAG_UP)
         work = inbox.work("up")
@@ -106,8 +108,16 @@ def switch_role(dp: Dataplane, inbox: Inbox):
             dp.stats["malformed"] += 1
             continue
         before = dp.stats["malformed"]
-        mcast, ucast = dp.process(arr, burst)
-        inbox.fabric.host_work("switch_packet", burst)
+        packets = int(np.count_nonzero(arr[:, F_TYPE] != T_EMPTY))     # a burst's padding is no packet
+        if padded:
+            mcast, ucast = dp.process(arr, burst)
+        else:           # messages as long as their packets, both ways (a host model's real fabric defaults)
+            used = np.flatnonzero(arr[:, F_TYPE])
+            mc, uc = dp.process(arr[:int(used[-1]) + 1 if used.size else 0])
+            arr[:, F_TYPE] = T_EMPTY     # the next message may be shorter
+            mcast, ucast = (split_messages(r, len(r), burst, pad=False) for r in (mc, uc))
+        inbox.fabric.host_work("switch_message", 1)
+        inbox.fabric.host_work("switch_packet", packets)
         if dp.stats["malformed"] > before:     # reported to every worker (the dataplane's docstring)
             notice = torch.from_numpy(rejection(width, burst, src, dp.world, dp.stats["malformed"] - before))
             for dst in range(dp.world):

@@ -181,7 +181,9 @@ class SparseSwitch(Transport):
     docstring). ``slot_elems`` (64 or 256, default 256: a block is one packet) and ``switch_slots``
     (default 1024) are the program's constants and name its service; on real fabrics they default to
     the started switch's. ``timeout``: retransmission timer (modelled seconds on SimFabric, default
-    1 ms; wall seconds elsewhere, default ``None``: no timer, gloo never drops); it doubles after
+    1 ms; wall seconds elsewhere, default ``None``: no timer, gloo never drops; ``None`` too on a
+    SimFabric that takes a real fabric's defaults, a host model with a cost per message, whose round
+    trips can outlast 1 ms: pass one there for a lossy network); it doubles after
     ``timeout_threshold`` expiries. ``give_up_s`` (default: the fabric's ``timeout_s``): a packet
     unanswered that long raises :class:`FabricTimeout`. ``bandwidth_gbps``/``latency_us``: the switch's
     link on SimFabric. ``burst``: packets per fabric message (default 1 on SimFabric, 1024 elsewhere;
@@ -221,7 +223,7 @@ class SparseSwitch(Transport):
         if isinstance(pool_size, bool) or not isinstance(pool_size, int) or not 1 <= pool_size < self.config.slots:
             raise InvalidValueError(f"pool_size must be an integer in [1, switch_slots - 1 = {self.config.slots - 1}] "
                              f"(slot 0 is the control slot), got {pool_size!r}")
-        if timeout is None and self.sim:
+        if timeout is None and self.sim and fabric.message_bytes is None:    # the papers' defaults (..defaults)
             timeout = 1e-3
         if timeout is not None and not timeout > 0:
             raise InvalidValueError(f"timeout must be positive (or None: no timer), got {timeout!r}")

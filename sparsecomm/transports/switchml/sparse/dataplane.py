@@ -393,6 +393,7 @@ class Dataplane:
                 rows = [arr[r, :HEADER].copy() if kinds[r] == T_SKIP else arr[r].copy()
                         for r in np.flatnonzero(kinds != T_EMPTY)]
                 arr[:, W0] = 0          # every row T_EMPTY again: the next message may be shorter
+            fabric.host_work("switch_message", 1)
             fabric.host_work("switch_packet", len(rows))
             for msg, dst, reliable in self._replies(rows, src, K, single, sim):
                 yield Datagram(msg, dst, TAG_DOWN, reliable=reliable, tracked=not sim)
