@@ -350,13 +350,14 @@ class Lanes:
         timeout, threshold, expiries = timer.timeout, timer.threshold, 0
 
         def send(lanes: np.ndarray, fresh: bool):
+            rest = lanes
             if short_below > 0:                          # header-only packets, in messages of their own
                 short = lane_pkt[lanes] < short_below
                 if short.any():
                     yield from send_short(lanes[short], fresh)
-                    lanes = lanes[~short]
-            for i in range(0, len(lanes), S):            # one message of up to S rows per S lanes
-                part = lanes[i:i + S]
+                    rest = lanes[~short]
+            for i in range(0, len(rest), S):              # one message of up to S rows per S lanes
+                part = rest[i:i + S]
                 m = len(part)
                 j, msg = yield from link.buffer(cap)
                 rows = msg[:m]
@@ -395,12 +396,6 @@ class Lanes:
                 else:
                     rows[:] = lane_rows[part, :HEADER]
                 yield Datagram(link.out[j].view(-1)[:flat.size], sw, TAG_UP, hold=("up", j))
-            if timed:
-                now = fab.now()
-                lane_deadline[lanes] = now + timeout
-                if fresh:
-                    lane_first[lanes] = now
-            info["packets"] += len(lanes)
 
         def expire():
             nonlocal timeout, threshold, expiries
