@@ -40,7 +40,9 @@ Configurations (those whose transport is registered):
   wrapper: DDP refuses that hook by name off CUDA/NCCL, but gloo sums bfloat16), ``sc none`` against
   DDP's built-in allreduce; and ``sc none, replicas checked every step`` (``verify_replicas_every=1``)
   against ``sc none``, whose difference is the cost of one replica check (the default checks every
-  100 steps). Target: each pair within 1.05x.
+  100 steps); and ``sc powersgd r1`` / ``r2`` (``compressor="powersgd", matrix_approximation_rank=r,
+  start_powerSGD_iter=2``) against torch's ``powerSGD_hook`` with the same rank and start (its
+  ``PowerSGDState`` otherwise at its defaults). Target: each pair within 1.05x (PowerSGD: 1.00x).
 
 All configurations are built first; then each round runs one step of every configuration in turn
 (``--warmup`` untimed rounds, then ``--steps`` timed ones), so that other load on the machine hits them
@@ -202,19 +204,32 @@ def _bf16_compress_hook(state, bucket):
     return default_hooks.bf16_compress_hook(state, bucket)
 
 
+def _torch_powersgd_state(rank: int):
+    """torch's ``PowerSGDState`` at its defaults but the rank, compressing from step 2 (as ours below)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ph
+
+    return ph.PowerSGDState(None, matrix_approximation_rank=rank, start_powerSGD_iter=2)
+
+
 #: (configuration, baseline) pairs of the ``hooks`` case
 HOOK_PAIRS = (("sc fp16", "torch fp16"), ("sc bf16", "torch bf16"), ("sc none", "ddp"),
+              ("sc powersgd r1", "torch powersgd r1"), ("sc powersgd r2", "torch powersgd r2"),
               ("sc none, replicas checked every step", "sc none"))
 
 
 def _hook_configs() -> list[tuple[str, Any]]:
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     return [("ddp", None), ("torch fp16", ("torch", default_hooks.fp16_compress_hook)),
             ("sc fp16", ("hook", dict(compressor="fp16"))),
             ("torch bf16", ("torch", _bf16_compress_hook)), ("sc bf16", ("hook", dict(compressor="bf16"))),
             ("sc none", ("hook", {})),
-            ("sc none, replicas checked every step", ("hook", dict(verify_replicas_every=1)))]
+            ("sc none, replicas checked every step", ("hook", dict(verify_replicas_every=1)))] + [
+            cfg for r in (1, 2) for cfg in (
+                (f"torch powersgd r{r}", ("torch", powerSGD_hook.powerSGD_hook,
+                                          functools.partial(_torch_powersgd_state, r))),
+                (f"sc powersgd r{r}", ("hook", dict(compressor="powersgd", matrix_approximation_rank=r,
+                                                    start_powerSGD_iter=2))))]
 
 
 def _pairs_table(r: dict, pairs) -> None:
@@ -265,7 +280,7 @@ def _build(name, make, model, ddp_cap):
     if name == "ddp" or isinstance(make, tuple):
         net = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=ddp_cap)
         if isinstance(make, tuple) and make[0] == "torch":
-            net.register_comm_hook(None, make[1])
+            net.register_comm_hook(make[2]() if len(make) > 2 else None, make[1])
         elif isinstance(make, tuple):
             from sparsecomm import ddp as scddp
 
