@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import os
 import statistics
 import time
 
@@ -188,6 +189,12 @@ def compare_transports(workers: int, size_mb: float, gbps: float, names: list[st
     return rows
 
 
+
+def _load() -> str:
+    """The load averages over 1, 5 and 15 minutes."""
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workers", type=int, nargs="+", default=[2, 4])
@@ -219,11 +226,9 @@ def main(argv: list[str] | None = None) -> None:
                     link = f"{r['link_s'] * 1e3:.1f} | {r['link_ratio']:.2f}" if "link_s" in r else " | "
                     print(f"| {n} | {size:g} | {r['case']} | {r['density']:g} | {r['measured_s'] * 1e3:.1f} | {lim} "
                           f"| {link} | {host} |", flush=True)
-        with open("/proc/loadavg") as fh:
-            print("# load average at the end", " ".join(fh.read().split()[:3]))
+        print("# load average at the end", _load())
         return
-    with open("/proc/loadavg") as fh:
-        load = " ".join(fh.read().split()[:3])
+    load = _load()
     print(f"# netbed links {a.gbps:g} Gbit/s; SimFabric: ring at the fabric latency measured on the netbed, "
           f"payload fraction {TCP_OVER_ETHERNET:.4f}; load average {load}")
     print("| workers | size MB | fabric latency us | start skew ms | netbed native ms | netbed ring ms "
@@ -235,8 +240,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"| {n} | {size:g} | {c['latency_s'] * 1e6:.0f} | {c['skew_s'] * 1e3:.1f} | {c['native_s'] * 1e3:.1f} "
                   f"| {c['ring_s'] * 1e3:.1f} | {c['sim_s'] * 1e3:.1f} | {c['native_ratio']:.2f} "
                   f"| {c['ring_ratio']:.2f} |", flush=True)
-    with open("/proc/loadavg") as fh:
-        print("# load average at the end", " ".join(fh.read().split()[:3]))
+    print("# load average at the end", _load())
 
 
 if __name__ == "__main__":

@@ -284,35 +284,34 @@ class SimFabric(Fabric):
         if not works:
             raise InvalidValueError("wait_any needs at least one operation")
         if checked:
-            for i, g in enumerate(works):
+            groups = works
+            for i, g in enumerate(groups):
                 if not g:
                     return i
-            i, msgs = yield AnyWait([[w._args[1:] for w in g] for g in works])
-            for w, msg in zip(works[i], msgs):
-                w.complete(msg)
-            return i
-        ep = self._ep
-        groups, keys, seen = [], [], set()      # per element its pending receives, and their (source, tag)
-        for i, el in enumerate(works):
-            g = el if isinstance(el, (list, tuple)) else (el,)
-            pend = [w for w in g if not w.is_completed()]
-            if not pend:
-                for w in g:
-                    w.wait()
-                return i
-            gk = []
-            for w in pend:
-                if not isinstance(w, _RecvWork) or w._fabric is not self:
-                    raise InvalidTypeError(f"{ep.name}: wait_any takes this endpoint's pending receives and "
-                                           f"sends, got {type(w).__name__}")
-                key = w._args[1:]
-                if key in seen:
-                    raise InvalidValueError(f"{ep.name}: wait_any was given two receives on (source, tag) {key};"
-                                            f" only the next one posted on a channel may be waited for")
-                seen.add(key)
-                gk.append(key)
-            groups.append(pend)
-            keys.append(gk)
+            keys = [[w._args[1:] for w in g] for g in groups]
+        else:
+            ep = self._ep
+            groups, keys, seen = [], [], set()      # per element its pending receives, and their (source, tag)
+            for i, el in enumerate(works):
+                g = el if isinstance(el, (list, tuple)) else (el,)
+                pend = [w for w in g if not w.is_completed()]
+                if not pend:
+                    for w in g:
+                        w.wait()
+                    return i
+                gk = []
+                for w in pend:
+                    if not isinstance(w, _RecvWork) or w._fabric is not self:
+                        raise InvalidTypeError(f"{ep.name}: wait_any takes this endpoint's pending receives and "
+                                               f"sends, got {type(w).__name__}")
+                    key = w._args[1:]
+                    if key in seen:
+                        raise InvalidValueError(f"{ep.name}: wait_any was given two receives on (source, tag) "
+                                                f"{key}; only the next one posted on a channel may be waited for")
+                    seen.add(key)
+                    gk.append(key)
+                groups.append(pend)
+                keys.append(gk)
         i, msgs = yield AnyWait(keys)
         for w, msg in zip(groups[i], msgs):
             w.complete(msg)
