@@ -28,6 +28,7 @@ from ..base import MESSAGE_BYTES, Fabric, Work
 from ..sim_gate import Gate
 from ..stats import CommStats
 from .sim_network import Msg, Network
+from .sim_roles import RoleWaits
 from .sim_world import AnyWait, RecvWait, World
 
 __all__ = ["SimFabric", "SimWorld"]
@@ -338,7 +339,19 @@ class SimFabric(Fabric):
             outbox: through which they send.
             keep: the sends left unfinished when the scheduler reaps (:meth:`.roles.Outbox.reap`).
         """
-        sched = _roles.schedule(self, inbox, outbox, roles, keep)
+        ep = self._ep
+        ws = None
+        if ep.watch is None:        # (a drive within a drive on one endpoint builds its groups per choice)
+            ws = ep.watch = RoleWaits(ep, inbox, _RecvWork)
+        try:
+            yield from self._drive_roles(_roles.schedule(self, inbox, outbox, roles, keep, ws), inbox, outbox, ws)
+        finally:
+            if ws is not None:
+                ep.watch = None
+
+    def _drive_roles(self, sched: Generator, inbox: _roles.Inbox, outbox: _roles.Outbox,
+                     ws: RoleWaits | None) -> Generator:
+        """Perform the waits of the scheduler ``sched`` (:meth:`drive_process`); ``ws``: its wait set."""
         value = None
         while True:
             try:
@@ -346,6 +359,23 @@ class SimFabric(Fabric):
             except StopIteration:
                 return
             t = type(req)
+            if t is _roles.Choose:
+                value = ws.choose(req.order)
+                if value is not None:
+                    continue        # an empty group: chosen at once
+                if ws.exact():
+                    token, msgs = yield AnyWait(None, ws)
+                    works = ws.works(token)
+                    for w, msg in zip(works, msgs):
+                        w.complete(msg)
+                    value = token[0]
+                else:               # groups the records do not decide: built as for a WaitAny
+                    waiting = [(s, ws.groups[s].req) for _, s in req.order]
+                    groups, owner = _roles.groups(inbox, outbox, waiting)
+                    i = yield from self._wait_any_process(groups, checked=True)
+                    works, value = groups[i], owner[i]
+                ws.completed(works)
+                continue
             if t is _roles.WaitAny:
                 value = yield from self._wait_any_process(req.groups, checked=True)
                 continue
@@ -362,6 +392,8 @@ class SimFabric(Fabric):
                         yield from w.process(req.timeout)
                     except FabricTimeout:
                         value = False
+                    if ws is not None and w.is_completed():
+                        ws.completed((w,))
                 continue
             value = None        # WaitAll: the role takes these at once; they are received first, here
             works = [w for w in map(inbox.work, req.keys) if w is not None]
@@ -372,6 +404,8 @@ class SimFabric(Fabric):
             for w in works:
                 if not w.is_completed():
                     yield from w.process()
+            if ws is not None:
+                ws.completed(works)
 
     def _raise_if_failed(self) -> None:
         failure = self.world.failure
