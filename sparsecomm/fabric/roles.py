@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from typing import Generator, NamedTuple, Protocol
+from typing import Generator, Iterable, NamedTuple, Protocol
 
 import torch
 
@@ -349,14 +349,18 @@ class Choose(NamedTuple):
 
 class WaitSet(Protocol):
     """A driver's record of the roles able to run, kept across choices (the SimFabric's: the groups of
-    :class:`Choose` measured as messages arrive, rather than once per choice). :func:`schedule` calls
-    :meth:`add` when a role becomes able to run (every key of its :class:`Recv` posted or handed over, no
-    ``gone`` key left) and :meth:`remove` when it no longer is or is about to be resumed (a second
-    :meth:`remove` of one role is a no-op)."""
+    :class:`Choose` measured as messages arrive, rather than once per choice). While two or more roles are
+    able to run (every key of its :class:`Recv` posted or handed over, no ``gone`` key left), :func:`schedule`
+    has :meth:`add` ed each of them and :meth:`remove` s each that no longer is or is about to be resumed (a
+    :meth:`remove` of a role not added is a no-op); with one or none, none is added."""
 
     def add(self, s: int, req: Recv) -> None: ...
 
     def remove(self, s: int) -> None: ...
+
+    def ready(self) -> Iterable[int]:
+        """The roles added whose messages are in (:meth:`Inbox.ready` of every key, of one for an ``any``
+        role) and whose ``free`` sends have completed: those a :class:`Poll` may resume."""
 
 
 def groups(inbox: Inbox, outbox: Outbox, cands) -> tuple[list, list]:
@@ -463,6 +467,8 @@ class _Scheduler:
         self.watchers: dict = {}    # key -> [(sequence number, True for a key awaited / False for gone)]
         self.seq = 0
         self.polling = False
+        self.keep = 64
+        self.solo = False           # one role, none spawned: after its first wait it waits in place (advance)
 
     def run(self, roles: list, keep: int) -> Generator:
         self.inbox.observe(self.changed)
@@ -472,9 +478,21 @@ class _Scheduler:
             self.inbox.observe(None)
 
     def _run(self, roles: list, keep: int) -> Generator:
+        self.keep = keep
         for role in roles:
             yield from self.advance(role)
+        self.solo = len(roles) == 1 and self.solo is not None
         waiting, order, ws = self.waiting, self.order, self.waitset
+        while self.solo and waiting:    # the only role: what the loop below does for it, without the watch
+            s = self.seq
+            req = waiting[s][1]
+            box = self.inbox._box
+            if not all(k in box for k in req.keys) or any(k in box for k in req.gone):
+                raise ProtocolError(f"endpoint {self.fabric.rank}: no role of this call can run (a bug)")
+            if req.stage.reaps:
+                self.outbox.reap(keep)
+            yield WaitAll(req.keys, req.any)
+            yield from self.resume(s)
         while waiting:
             if not order:
                 raise ProtocolError(f"endpoint {self.fabric.rank}: no role of this call can run (a bug)")
@@ -483,7 +501,7 @@ class _Scheduler:
             first = order[0][1]
             req = waiting[first][1]
             if len(order) == 1 or req.stage.sure:   # the only one, or sure: its own takes block
-                if ws is not None:
+                if ws is not None and len(order) > 1:
                     ws.remove(first)
                 yield WaitAll(req.keys, req.any)
                 yield from self.resume(first)
@@ -517,6 +535,7 @@ class _Scheduler:
             elif t is Hand:
                 inbox.put(req.key, req.msg)
             elif t is Spawn:
+                self.solo = None        # (two roles: every wait is watched from now on; none is suspended yet)
                 yield from self.advance(req.role)
             elif t is Flush:
                 outbox.pool.settle(req.hold)
@@ -528,7 +547,11 @@ class _Scheduler:
                     finally:
                         self.polling = False
             elif t is Recv:
-                self.wait(role, req)
+                if self.solo:           # nothing to watch: _run resumes it at once
+                    self.seq += 1
+                    self.waiting[self.seq] = [role, req]
+                else:
+                    self.wait(role, req)
                 return
             elif t is RecvWithin or t is AwaitWithin:
                 value = yield req       # the driver's wait, this endpoint's alone (no other role runs meanwhile)
@@ -560,11 +583,16 @@ class _Scheduler:
     def _able(self, s: int, stage) -> None:
         """Role ``s`` (waiting at ``stage``) has become able to run: into the preference order."""
         self.able.add(s)
-        bisect.insort(self.order, (stage, s))
+        order = self.order
+        bisect.insort(order, (stage, s))
         if not stage.reaps:
             self.stays += 1
-        if self.waitset is not None:
-            self.waitset.add(s, self.waiting[s][1])
+        ws = self.waitset
+        if ws is not None and len(order) > 1:       # (a wait set records the able roles while there is a choice)
+            if len(order) == 2:
+                other = order[0][1] if order[1][1] == s else order[1][1]
+                ws.add(other, self.waiting[other][1])
+            ws.add(s, self.waiting[s][1])
 
     def _unable(self, s: int, stage) -> None:
         """Role ``s`` (able to run, waiting at ``stage``) is no more: out of the preference order."""
@@ -573,14 +601,17 @@ class _Scheduler:
         del order[bisect.bisect_left(order, (stage, s))]
         if not stage.reaps:
             self.stays -= 1
-        if self.waitset is not None:
-            self.waitset.remove(s)
+        ws = self.waitset
+        if ws is not None and order:            # (there were two or more: recorded)
+            ws.remove(s)
+            if len(order) == 1:
+                ws.remove(order[0][1])
 
     def changed(self, key, present: bool | None) -> None:
         """The inbox's observer: ``key`` was posted or put (``present``), taken, or replaced (``None``)."""
         able, lacks = self.able, self.lacks
         if present is None:     # the same conditions; a wait set's record of the receive is stale
-            if self.waitset is not None:
+            if self.waitset is not None and len(self.order) > 1:
                 for s, awaited in self.watchers.get(key, ()):
                     if awaited and s in able:
                         self.waitset.remove(s)
@@ -604,6 +635,9 @@ class _Scheduler:
 
     def resume(self, s: int) -> Generator:
         role, req = self.waiting.pop(s)
+        if s not in self.lacks:     # (suspended without a watch: the only role, _run's first loop)
+            yield from self.advance(role)
+            return
         del self.lacks[s]
         if s in self.able:
             self._unable(s, req.stage)
@@ -621,13 +655,24 @@ class _Scheduler:
     def poll(self, below=None) -> Generator:
         """Run the roles whose messages are in already (without blocking), best first, until none is
         (``below``: only those of an earlier phase)."""
-        ready, waiting, busy = self.inbox.ready, self.waiting, self.outbox.pool.busy
+        ready, waiting, busy, ws = self.inbox.ready, self.waiting, self.outbox.pool.busy, self.waitset
         while True:   # (the roles at or past ``below``, and sure ones, are skipped before any look at their messages)
-            for stage, s in self.order:         # the first in the preference order whose messages are in
-                if (below is None or stage.phase < below) and not stage.sure:
-                    req = waiting[s][1]
-                    if (any if req.any else all)(ready(k) for k in req.keys) and not busy(req.free):
-                        break
+            if ws is not None and len(self.order) > 1:     # the wait set knows which are in
+                best = None
+                for s in ws.ready():
+                    stage = waiting[s][1].stage
+                    if (below is None or stage.phase < below) and not stage.sure \
+                            and (best is None or (stage, s) < best):
+                        best = (stage, s)
+                if best is None:
+                    return
+                s = best[1]
             else:
-                return
+                for stage, s in self.order:         # the first in the preference order whose messages are in
+                    if (below is None or stage.phase < below) and not stage.sure:
+                        req = waiting[s][1]
+                        if (any if req.any else all)(ready(k) for k in req.keys) and not busy(req.free):
+                            break
+                else:
+                    return
             yield from self.resume(s)

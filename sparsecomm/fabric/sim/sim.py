@@ -341,71 +341,67 @@ class SimFabric(Fabric):
         """
         ep = self._ep
         ws = None
-        if ep.watch is None:        # (a drive within a drive on one endpoint builds its groups per choice)
-            ws = ep.watch = RoleWaits(ep, inbox, _RecvWork)
+        if ep.waitset is None:      # (a second drive at once on one endpoint builds its groups per choice)
+            ws = ep.waitset = RoleWaits(ep, inbox, _RecvWork)
+        sched = _roles.schedule(self, inbox, outbox, roles, keep, ws)
         try:
-            yield from self._drive_roles(_roles.schedule(self, inbox, outbox, roles, keep, ws), inbox, outbox, ws)
+            value = None
+            while True:
+                try:
+                    req = sched.send(value)
+                except StopIteration:
+                    return
+                t = type(req)
+                if t is _roles.Choose:
+                    value = ws.choose(req.order)
+                    if value is not None:
+                        continue        # an empty group: chosen at once
+                    if ws.exact():
+                        token, msgs = yield AnyWait(None, ws)
+                        works = ws.works(token)
+                        for w, msg in zip(works, msgs):
+                            w.complete(msg)
+                        value = token[0]
+                    else:               # groups the records do not decide: built as for a WaitAny
+                        waiting = [(s, ws.groups[s].req) for _, s in req.order]
+                        groups, owner = _roles.groups(inbox, outbox, waiting)
+                        i = yield from self._wait_any_process(groups, checked=True)
+                        works, value = groups[i], owner[i]
+                    ws.completed(works)
+                    continue
+                if t is _roles.WaitAny:
+                    value = yield from self._wait_any_process(req.groups, checked=True)
+                    continue
+                if t is _roles.RecvWithin:
+                    try:
+                        value = yield from self._recv_process(req.buf, req.src, req.tag, req.timeout)
+                    except FabricTimeout:
+                        value = None
+                    continue
+                if t is _roles.AwaitWithin:
+                    w, value = inbox.work(req.key), True
+                    if w is not None and not w.is_completed():
+                        try:
+                            yield from w.process(req.timeout)
+                        except FabricTimeout:
+                            value = False
+                        if ws is not None and w.is_completed():
+                            ws.completed((w,))
+                    continue
+                value = None        # WaitAll: the role takes these at once; they are received first, here
+                works = [w for w in map(inbox.work, req.keys) if w is not None]
+                if req.any:
+                    if len(works) < len(req.keys) or any(w.is_completed() for w in works):
+                        continue    # one is in (or was handed over)
+                    works = works[:1]
+                for w in works:
+                    if not w.is_completed():
+                        yield from w.process()
+                if ws is not None and ws.groups:
+                    ws.completed(works)
         finally:
             if ws is not None:
-                ep.watch = None
-
-    def _drive_roles(self, sched: Generator, inbox: _roles.Inbox, outbox: _roles.Outbox,
-                     ws: RoleWaits | None) -> Generator:
-        """Perform the waits of the scheduler ``sched`` (:meth:`drive_process`); ``ws``: its wait set."""
-        value = None
-        while True:
-            try:
-                req = sched.send(value)
-            except StopIteration:
-                return
-            t = type(req)
-            if t is _roles.Choose:
-                value = ws.choose(req.order)
-                if value is not None:
-                    continue        # an empty group: chosen at once
-                if ws.exact():
-                    token, msgs = yield AnyWait(None, ws)
-                    works = ws.works(token)
-                    for w, msg in zip(works, msgs):
-                        w.complete(msg)
-                    value = token[0]
-                else:               # groups the records do not decide: built as for a WaitAny
-                    waiting = [(s, ws.groups[s].req) for _, s in req.order]
-                    groups, owner = _roles.groups(inbox, outbox, waiting)
-                    i = yield from self._wait_any_process(groups, checked=True)
-                    works, value = groups[i], owner[i]
-                ws.completed(works)
-                continue
-            if t is _roles.WaitAny:
-                value = yield from self._wait_any_process(req.groups, checked=True)
-                continue
-            if t is _roles.RecvWithin:
-                try:
-                    value = yield from self._recv_process(req.buf, req.src, req.tag, req.timeout)
-                except FabricTimeout:
-                    value = None
-                continue
-            if t is _roles.AwaitWithin:
-                w, value = inbox.work(req.key), True
-                if w is not None and not w.is_completed():
-                    try:
-                        yield from w.process(req.timeout)
-                    except FabricTimeout:
-                        value = False
-                    if ws is not None and w.is_completed():
-                        ws.completed((w,))
-                continue
-            value = None        # WaitAll: the role takes these at once; they are received first, here
-            works = [w for w in map(inbox.work, req.keys) if w is not None]
-            if req.any:
-                if len(works) < len(req.keys) or any(w.is_completed() for w in works):
-                    continue    # one is in (or was handed over)
-                works = works[:1]
-            for w in works:
-                if not w.is_completed():
-                    yield from w.process()
-            if ws is not None:
-                ws.completed(works)
+                ep.waitset = ep.watch = None
 
     def _raise_if_failed(self) -> None:
         failure = self.world.failure

@@ -173,8 +173,9 @@ class Endpoint:
         self.threaded = threaded
         self.parked = 0                      # its threads waiting in the world (running while none is)
         self.waiters: list = []              # its blocked processes (sim_world.Proc)
-        self.watch = None                    # the wait set of the roles a drive runs on it (sim_roles), told of
-                                             # every message put in or taken from the mailbox
+        self.waitset = None                  # the wait set of the roles a drive runs on it (sim_roles.RoleWaits)
+        self.watch = None                    # that wait set while it records a receive: told of every message
+                                             # put in or taken from the mailbox
         self.alive = True
         self.crashed = False
         self.sends = 0

@@ -48,10 +48,10 @@ class _Group:
 class RoleWaits:
     """The :class:`~sparsecomm.fabric.roles.WaitSet` of one drive on endpoint ``ep`` (its process's), whose
     roles post their receives in ``inbox``; ``recv_type``: the SimFabric's posted receive (a receive of
-    another kind makes the groups odd). While it is the endpoint's ``watch``, the world tells it of every
-    message put in or taken from the mailbox. For the world's loop it is also the state of the wait of a
-    choice (as :class:`~.sim_wait.OrderedWait`: :meth:`first`, :meth:`recompute`, :meth:`event`,
-    :meth:`receives`), over the groups in the order of :meth:`choose`."""
+    another kind makes the groups odd). While it records a receive it is the endpoint's ``watch``, which the
+    world tells of every message put in or taken from the mailbox. For the world's loop it is also the state
+    of the wait of a choice (as :class:`~.sim_wait.OrderedWait`: :meth:`first`, :meth:`recompute`,
+    :meth:`event`, :meth:`receives`), over the groups in the order of :meth:`choose`."""
 
     def __init__(self, ep: Endpoint, inbox, recv_type: type) -> None:
         self.ep, self.inbox, self.recv_type = ep, inbox, recv_type
@@ -83,6 +83,8 @@ class RoleWaits:
             return
         if g.odd:
             self.odd += 1
+        if g.chans and not self.by_chan:
+            self.ep.watch = self     # (told of the mailbox while it records a receive)
         for c in g.chans:
             lst = self.by_chan.get(c)
             if lst is None:
@@ -112,6 +114,8 @@ class RoleWaits:
                 lst.remove(g)
                 if len(lst) == 1:
                     self.odd -= 1
+        if not self.by_chan:
+            self.ep.watch = None
         self.stale = True            # (it may have been the earliest)
 
     def completed(self, works) -> None:
@@ -162,6 +166,11 @@ class RoleWaits:
                 if not g.chosen:
                     self._measure(g)
                     self.stale = True
+
+    def ready(self) -> set[int]:
+        """The roles whose messages are in: those with no receive pending (on a SimFabric a receive is
+        complete once taken, and a send once started), or, for an ``any`` one, with one not pending."""
+        return self.empties
 
     # ------------------------------------------------------------------ a choice
     def exact(self) -> bool:
