@@ -482,13 +482,19 @@ class _Scheduler:
         for role in roles:
             yield from self.advance(role)
         self.solo = len(roles) == 1 and self.solo is not None
+        if self.solo:
+            self.inbox.observe(None)        # (nothing to watch; a Spawn observes again)
         waiting, order, ws = self.waiting, self.order, self.waitset
         while self.solo and waiting:    # the only role: what the loop below does for it, without the watch
             s = self.seq
             req = waiting[s][1]
             box = self.inbox._box
-            if not all(k in box for k in req.keys) or any(k in box for k in req.gone):
-                raise ProtocolError(f"endpoint {self.fabric.rank}: no role of this call can run (a bug)")
+            for k in req.keys:
+                if k not in box:
+                    raise ProtocolError(f"endpoint {self.fabric.rank}: no role of this call can run (a bug)")
+            for k in req.gone:
+                if k in box:
+                    raise ProtocolError(f"endpoint {self.fabric.rank}: no role of this call can run (a bug)")
             if req.stage.reaps:
                 self.outbox.reap(keep)
             yield WaitAll(req.keys, req.any)
@@ -535,6 +541,8 @@ class _Scheduler:
             elif t is Hand:
                 inbox.put(req.key, req.msg)
             elif t is Spawn:
+                if self.solo:
+                    inbox.observe(self.changed)
                 self.solo = None        # (two roles: every wait is watched from now on; none is suspended yet)
                 yield from self.advance(req.role)
             elif t is Flush:

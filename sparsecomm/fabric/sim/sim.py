@@ -102,6 +102,17 @@ class _RecvWork(Work):
             self._done = True
         return self._result
 
+    def take_now(self) -> bool:
+        """Complete now if :meth:`process` would without a step of the loop (its message is in); has it?"""
+        fabric = self._fabric
+        tensor, src, tag = self._args
+        msg = fabric.world.take_now(fabric._ep, src, tag)
+        if msg is None:
+            return False
+        self._result = fabric._deliver(msg, tensor, tag)
+        self._done = True
+        return True
+
     def complete(self, msg: Msg) -> None:
         """Complete with ``msg``, taken for it by a ``wait_any``."""
         self._result = self._fabric._deliver(msg, self._args[0], self._args[2])
@@ -183,7 +194,8 @@ class SimFabric(Fabric):
             data = tensor.detach().to("cpu", copy=True).contiguous()
         nbytes = data.numel() * data.element_size()
         with world.gate.lock:
-            self._raise_if_failed()
+            if world.failure is not None:
+                self._raise_if_failed()
             if ep.crashed:
                 raise EndpointCrashed(f"{ep.name} has crashed")
             dst_ep = world.endpoints[dst]
@@ -226,13 +238,17 @@ class SimFabric(Fabric):
     def _deliver(self, msg: Msg, tensor: torch.Tensor, tag: int) -> int:
         """Copy taken ``msg`` into ``tensor`` (a message of another length or dtype: ``MismatchError``)."""
         data = msg.data
-        if (data.dtype is tensor.dtype and data.numel() < tensor.numel() and tensor.is_contiguous()
+        dn, tn = data.numel(), tensor.numel()
+        if data.dtype is tensor.dtype and dn == tn and not tensor.requires_grad:     # (the common case)
+            tensor.copy_(data if data.shape == tensor.shape else data.reshape(tensor.shape))
+            return msg.src
+        if (data.dtype is tensor.dtype and dn < tn and tensor.is_contiguous()
                 and self.message_bytes is not None):
             # a real fabric's receive (gloo), modelled with real hosts: a shorter message fills a prefix of
             # the buffer, the rest untouched (``message_bytes``)
             tensor.view(-1)[:data.numel()].copy_(data.reshape(-1))
             return msg.src
-        if data.dtype is not tensor.dtype or data.numel() != tensor.numel():
+        if data.dtype is not tensor.dtype or dn != tn:
             world = self.world
             raise MismatchError(
                 f"{self._ep.name} expected {tensor.numel()} x {tensor.dtype} from "
@@ -395,7 +411,7 @@ class SimFabric(Fabric):
                         continue    # one is in (or was handed over)
                     works = works[:1]
                 for w in works:
-                    if not w.is_completed():
+                    if not w._done and not w.take_now():
                         yield from w.process()
                 if ws is not None and ws.groups:
                     ws.completed(works)

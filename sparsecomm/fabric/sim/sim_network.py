@@ -191,7 +191,7 @@ class Endpoint:
         host model the send's CPU time is charged to the clock first (:mod:`.sim_host`)."""
         if self.host is not None:
             self.clock += self.host.send_s(nbytes) * self.cpu
-        port = self.port(peer)
+        port = peer if self.per_port else -1
         start = max(self.clock, self._tx_free.get(port, 0.0))
         tx_end = start + nbytes / self.bw
         self._tx_free[port] = tx_end
@@ -203,7 +203,7 @@ class Endpoint:
         been observed and cannot change); the later ones are re-timed. Returns those whose delivery
         moved (empty if only ``msg`` was timed): once a message's time is what it was, so are the times
         after it (each follows from its predecessor's alone)."""
-        port = self.port(msg.src)
+        port = msg.src if self.per_port else -1
         sched = self._rx_sched.get(port)
         if sched is None:
             sched = self._rx_sched[port] = []
@@ -244,11 +244,13 @@ class Endpoint:
         msg.taken = True
         if self.host is not None:
             self.clock = max(self.clock, msg.delivered) + self.host.recv_s(msg.nbytes) * self.cpu
-        port = self.port(msg.src)
+        port = msg.src if self.per_port else -1
         sched = self._rx_sched[port]
         k = 0
-        while k < len(sched) and sched[k].taken:
-            k += 1
+        if sched[0].taken:
+            k, end = 1, len(sched)
+            while k < end and sched[k].taken:
+                k += 1
         held = self._rx_held.get(port, 0) + 1 - k
         self._rx_held[port] = held
         if k:

@@ -321,7 +321,11 @@ class World:
         if (src is None and ep.per_port) or self.failure is not None or ep.crashed or self.closed \
                 or self.deadlocked:
             return None
-        msg = match(ep, src, tag)
+        if src is None:
+            msg = match(ep, src, tag)
+        else:
+            q = ep.mailbox.get((src, tag))
+            msg = q[0] if q else None
         if msg is None or (timeout is not None and msg.delivered > ep.clock + timeout):
             return None
         return self._take(ep, msg)
