@@ -29,15 +29,18 @@ __all__ = ["RoleWaits"]
 
 class _Group:
     """The record of role ``s``'s group (its :class:`~sparsecomm.fabric.roles.Recv` ``req``): its pending
-    receives ``works`` on ``chans``; ``any``: each receive alone (``heads``: per receive its head's delivery
-    or ``None``); otherwise ``missing`` receives without a head and ``latest``, the latest delivery of the
-    heads. ``empty``: no receive pending (chosen at once); ``odd``: a receive the records cannot follow
-    (an any-source one, or a ``(source, tag)`` twice); ``chosen``: taken by a choice, about to be dropped."""
+    receives ``works`` on ``chans`` (``index``: a channel's place in them), and per receive its head's
+    delivery (at least 0) or ``None`` (``heads``); ``any``: each receive alone; otherwise ``missing`` receives
+    without a head and ``latest``, the latest delivery of the heads (0 if none). ``empty``: no receive pending
+    (chosen at once); ``odd``: a receive the records cannot follow (an any-source one, or a ``(source, tag)``
+    twice); ``chosen``: taken by a choice, about to be dropped."""
 
-    __slots__ = ("s", "req", "works", "chans", "any", "heads", "missing", "latest", "empty", "odd", "chosen")
+    __slots__ = ("s", "req", "works", "chans", "index", "any", "heads", "missing", "latest", "empty", "odd",
+                 "chosen")
 
     def __init__(self, s: int, req, works: list, chans: list, any_: bool) -> None:
         self.s, self.req, self.works, self.chans, self.any = s, req, works, chans, any_
+        self.index = {c: j for j, c in enumerate(chans)}
         self.heads: list = []
         self.missing, self.latest = 0, 0.0
         self.empty = not works and not any_
@@ -137,26 +140,40 @@ class RoleWaits:
         lst = by_chan.get(c)
         if lst is not None and box[c][0] is msg:       # a new head
             d = msg.delivered
+            v = d if d > 0.0 else 0.0
             for g in lst:
                 if g.chosen:
                     continue
+                g.heads[g.index[c]] = v
                 if g.any:
-                    g.heads[g.chans.index(c)] = d if d > 0.0 else 0.0
-                    self._lower(d if d > 0.0 else 0.0)
+                    self._lower(v)
                 else:
                     g.missing -= 1
-                    if d > g.latest:
-                        g.latest = d
+                    if v > g.latest:
+                        g.latest = v
                     if not g.missing:
                         self._lower(g.latest)
-        for m in moved:
+        for m in moved:       # a head whose delivery moved: its groups' latest follows (the minimum is taken afresh)
             c = (m.src, m.tag)
             lst = by_chan.get(c)
             if lst is not None and box[c][0] is m:
+                d = m.delivered
+                v = d if d > 0.0 else 0.0
                 for g in lst:
-                    if not g.chosen:
-                        self._measure(g)
-                        self.stale = True
+                    if g.chosen:
+                        continue
+                    heads, j = g.heads, g.index[c]
+                    old, heads[j] = heads[j], v
+                    if not g.any:
+                        if v > g.latest:
+                            g.latest = v
+                        elif old == g.latest and v < old:     # (the latest came earlier)
+                            latest = 0.0
+                            for h in heads:
+                                if h is not None and h > latest:
+                                    latest = h
+                            g.latest = latest
+                    self.stale = True
 
     def taken(self, msg: Msg) -> None:
         """``msg`` was taken from the mailbox (the next on its channel is the head)."""
@@ -189,27 +206,18 @@ class RoleWaits:
 
     def _measure(self, g: _Group) -> None:
         box = self.ep.mailbox
-        if g.any:
-            heads = []
-            for c in g.chans:
-                q = box.get(c)
-                if q:
-                    d = q[0].delivered
-                    heads.append(d if d > 0.0 else 0.0)
-                else:
-                    heads.append(None)
-            g.heads = heads
-            return
-        missing, latest = 0, 0.0
+        heads, missing, latest = [], 0, 0.0
         for c in g.chans:
             q = box.get(c)
             if q:
                 d = q[0].delivered
                 if d > latest:
                     latest = d
+                heads.append(d if d > 0.0 else 0.0)
             else:
                 missing += 1
-        g.missing, g.latest = missing, latest
+                heads.append(None)
+        g.heads, g.missing, g.latest = heads, missing, latest
 
     def _lower(self, t: float) -> None:
         if not self.stale and (self.t_min is None or t < self.t_min):
