@@ -44,7 +44,7 @@ class _Group:
         self.heads: list = []
         self.missing, self.latest = 0, 0.0
         self.empty = not works and not any_
-        self.odd = any(c[0] is None for c in chans) or len(set(chans)) < len(chans)
+        self.odd = len(self.index) < len(chans) or any(c[0] is None for c in chans)
         self.chosen = False
 
 
@@ -70,16 +70,24 @@ class RoleWaits:
     def add(self, s: int, req) -> None:
         """Role ``s`` is able to run, waiting on ``req``: record its group (measured from the mailbox)."""
         box, recv = self.inbox._box, self.recv_type
-        pend = []
+        pend, chans = [], []
         for k in req.keys:
             w = box[k][0]
-            if w is not None and not w.is_completed():
-                pend.append(w)
+            if w is None:
+                continue
+            if type(w) is recv:
+                if w._done:
+                    continue
+                chans.append(w._args[1:])
+            elif w.is_completed():
+                continue
+            else:
+                chans.append((None, None))      # (a receive of another kind: odd)
+            pend.append(w)
         any_ = req.any and len(pend) == len(req.keys)
         if req.any and not any_:
-            pend = []                # a key is in: an empty group
-        odd = any(type(w) is not recv for w in pend)
-        g = _Group(s, req, pend, [(None, None) if odd else w._args[1:] for w in pend], any_)
+            pend, chans = [], []     # a key is in: an empty group
+        g = _Group(s, req, pend, chans, any_)
         self.groups[s] = g
         if g.empty:
             self.empties.add(s)
