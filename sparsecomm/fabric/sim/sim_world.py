@@ -304,7 +304,7 @@ class World:
             return False
         if type(req) is AnyWait:
             watch = req.watch
-            if watch is None:
+            if req.keys is not None:        # (measured afresh, a retry included; a kept state is current)
                 watch = req.watch = OrderedWait(ep, req.keys)
             best = watch.first(clock_only=True)
             if best is None:
