@@ -15,15 +15,16 @@ is a :class:`.base.Fabric` (not imported here: the contract imports this module)
 
 from __future__ import annotations
 
+import bisect
 import time
-from typing import Generator, NamedTuple, Protocol
+from typing import Generator, Iterable, NamedTuple, Protocol
 
 import torch
 
 from ..errors import FabricTimeout, ProtocolError
 
 __all__ = ["Pool", "Inbox", "Outbox", "Stage", "Step", "Send", "Post", "PostInto", "Hand", "Recv", "Poll", "Spawn",
-           "Flush", "drive"]
+           "Flush", "drive", "schedule", "groups", "WaitSet", "Choose"]
 
 
 class Pool:
@@ -87,15 +88,15 @@ class Inbox:
         self._observer = None
 
     def observe(self, observer) -> None:
-        """Call ``observer(key, present)`` whenever a key is posted or put (``present=True``) or taken
-        (``False``); ``None`` stops it."""
+        """Call ``observer(key, present)`` whenever a key is posted or put (``present=True``), taken
+        (``False``), or posted or put again while there (``None``: its receive replaced); ``None`` stops it."""
         self._observer = observer
 
     def _add(self, key, entry) -> None:
         new = key not in self._box
         self._box[key] = entry
-        if new and self._observer is not None:
-            self._observer(key, True)
+        if self._observer is not None:
+            self._observer(key, True if new else None)
 
     def post(self, key, nbytes: int, src: int, tag: int) -> None:
         """Post the receive of ``key``: ``nbytes`` from endpoint ``src`` on ``tag``, into the pooled buffer
@@ -336,13 +337,62 @@ class WaitAll(NamedTuple):
     any: bool = False
 
 
-def schedule(fabric, inbox: Inbox, outbox: Outbox, roles: list, keep: int = 64) -> Generator:
+class Choose(NamedTuple):
+    """What :func:`schedule` yields instead of a :class:`WaitAny` when its driver keeps a :class:`WaitSet`:
+    ``order``, the ``(stage, sequence number)`` of the roles able to run in order of preference (the
+    scheduler's own list, unchanged until the driver answers). The driver applies :class:`WaitAny`'s rule to
+    the groups that :func:`groups` would build for those roles (from the wait set it keeps) and sends back
+    the sequence number of the role chosen, its group's receives completed."""
+
+    order: list
+
+
+class WaitSet(Protocol):
+    """A driver's record of the roles able to run, kept across choices (the SimFabric's: the groups of
+    :class:`Choose` measured as messages arrive, rather than once per choice). While two or more roles are
+    able to run (every key of its :class:`Recv` posted or handed over, no ``gone`` key left), :func:`schedule`
+    has :meth:`add` ed each of them and :meth:`remove` s each that no longer is or is about to be resumed (a
+    :meth:`remove` of a role not added is a no-op); with one or none, none is added."""
+
+    def add(self, s: int, req: Recv) -> None: ...
+
+    def remove(self, s: int) -> None: ...
+
+    def ready(self) -> Iterable[int]:
+        """The roles added whose messages are in (:meth:`Inbox.ready` of every key, of one for an ``any``
+        role) and whose ``free`` sends have completed: those a :class:`Poll` may resume."""
+
+
+def groups(inbox: Inbox, outbox: Outbox, cands) -> tuple[list, list]:
+    """``(groups, owner)``: what a :class:`WaitAny` waits for, for the roles ``cands`` (``(sequence number,
+    Recv)`` in order of preference): per role the pending receives of its keys and the sends holding its
+    ``free`` buffer (an ``any`` role whose every key is pending: each receive alone; one whose some key is
+    in: an empty group), and for each group its role's sequence number."""
+    out, owner = [], []
+    for s, req in cands:
+        pend = inbox.pending(req.keys)
+        if req.free is not None:
+            pend += outbox.pool.busy(req.free)
+        if req.any and len(pend) == len(req.keys):
+            out += [[w] for w in pend]
+            owner += [s] * len(pend)
+        else:
+            out.append([] if req.any else pend)
+            owner.append(s)
+    return out, owner
+
+
+def schedule(fabric, inbox: Inbox, outbox: Outbox, roles: list, keep: int = 64,
+             waitset: WaitSet | None = None) -> Generator:
     """The scheduler of an endpoint as a generator (the sans-I/O core of :func:`drive`): it runs the
     ``roles`` and yields only what it must wait for, a :class:`WaitAny` (sent back the index chosen) or a
     :class:`WaitAll`; its driver performs those waits (:func:`drive` blocks in them, or in the role's takes;
     the SimFabric makes them events of its loop). Sends are never waited for here beyond what :class:`Outbox` and
-    :class:`Pool` do, which on every fabric completes without another endpoint's progress (rule R12)."""
-    return _Scheduler(fabric, inbox, outbox).run(roles, keep)
+    :class:`Pool` do, which on every fabric completes without another endpoint's progress (rule R12).
+    ``waitset``: the driver's :class:`WaitSet`, told which roles are able to run; the scheduler then yields a
+    :class:`Choose` (sent back the role chosen) where it would yield a :class:`WaitAny`, the same choice
+    without rebuilding the groups each time."""
+    return _Scheduler(fabric, inbox, outbox, waitset).run(roles, keep)
 
 
 def drive(fabric, inbox: Inbox, outbox: Outbox, roles: list, keep: int = 64) -> None:
@@ -407,14 +457,18 @@ class _Scheduler:
     conditions it still lacks (a key not posted, a ``gone`` key not taken), and a key posted, put or
     taken updates only the roles that wait on it."""
 
-    def __init__(self, fabric, inbox: Inbox, outbox: Outbox) -> None:
-        self.fabric, self.inbox, self.outbox = fabric, inbox, outbox
+    def __init__(self, fabric, inbox: Inbox, outbox: Outbox, waitset: WaitSet | None = None) -> None:
+        self.fabric, self.inbox, self.outbox, self.waitset = fabric, inbox, outbox, waitset
         self.waiting: dict = {}     # sequence number -> [role, Recv]; in the order the roles began to wait
         self.lacks: dict = {}       # sequence number -> conditions of R1 not met yet
         self.able: set = set()      # sequence numbers with none lacking
+        self.order: list = []       # (stage, sequence number) of the able ones, sorted: the preference order
+        self.stays: int = 0         # how many able ones wait at a stage that does not reap
         self.watchers: dict = {}    # key -> [(sequence number, True for a key awaited / False for gone)]
         self.seq = 0
         self.polling = False
+        self.keep = 64
+        self.solo = False           # one role, none spawned: after its first wait it waits in place (advance)
 
     def run(self, roles: list, keep: int) -> Generator:
         self.inbox.observe(self.changed)
@@ -424,34 +478,46 @@ class _Scheduler:
             self.inbox.observe(None)
 
     def _run(self, roles: list, keep: int) -> Generator:
+        self.keep = keep
         for role in roles:
             yield from self.advance(role)
-        while self.waiting:
-            cands = self.runnable()
-            if not cands:
-                raise ProtocolError(f"endpoint {self.fabric.rank}: no role of this call can run (a bug)")
-            if len(cands) == 1:
-                if cands[0][1][1].stage.reaps:
-                    self.outbox.reap(keep)
-            elif all(rw[1].stage.reaps for _, rw in cands):
+        self.solo = len(roles) == 1 and self.solo is not None
+        if self.solo:
+            self.inbox.observe(None)        # (nothing to watch; a Spawn observes again)
+        waiting, order, ws = self.waiting, self.order, self.waitset
+        while self.solo and waiting:    # the only role: what the loop below does for it, without the watch
+            s = self.seq
+            req = waiting[s][1]
+            box = self.inbox._box
+            for k in req.keys:
+                if k not in box:
+                    raise ProtocolError(f"endpoint {self.fabric.rank}: no role of this call can run (a bug)")
+            for k in req.gone:
+                if k in box:
+                    raise ProtocolError(f"endpoint {self.fabric.rank}: no role of this call can run (a bug)")
+            if req.stage.reaps:
                 self.outbox.reap(keep)
-            if len(cands) == 1 or cands[0][1][1].stage.sure:   # the only one, or sure: its own takes block
-                req = cands[0][1][1]
+            yield WaitAll(req.keys, req.any)
+            yield from self.resume(s)
+        while waiting:
+            if not order:
+                raise ProtocolError(f"endpoint {self.fabric.rank}: no role of this call can run (a bug)")
+            if not self.stays:          # every role able to run waits at a stage that reaps
+                self.outbox.reap(keep)
+            first = order[0][1]
+            req = waiting[first][1]
+            if len(order) == 1 or req.stage.sure:   # the only one, or sure: its own takes block
+                if ws is not None and len(order) > 1:
+                    ws.remove(first)
                 yield WaitAll(req.keys, req.any)
-                yield from self.resume(cands[0][0])
+                yield from self.resume(first)
                 continue
-            groups, owner = [], []   # per candidate its pending receives; an ``any`` one, each alone
-            for s, (_, req) in cands:
-                pend = self.inbox.pending(req.keys)
-                if req.free is not None:
-                    pend += self.outbox.pool.busy(req.free)
-                if req.any and len(pend) == len(req.keys):
-                    groups += [[w] for w in pend]
-                    owner += [s] * len(pend)
-                else:
-                    groups.append([] if req.any else pend)
-                    owner.append(s)
-            i = yield WaitAny(groups)
+            if ws is not None:
+                s = yield Choose(order)
+                yield from self.resume(s)
+                continue
+            groups_, owner = groups(self.inbox, self.outbox, [(s, waiting[s][1]) for _, s in order])
+            i = yield WaitAny(groups_)
             yield from self.resume(owner[i])
 
     def advance(self, role) -> Generator:
@@ -475,6 +541,9 @@ class _Scheduler:
             elif t is Hand:
                 inbox.put(req.key, req.msg)
             elif t is Spawn:
+                if self.solo:
+                    inbox.observe(self.changed)
+                self.solo = None        # (two roles: every wait is watched from now on; none is suspended yet)
                 yield from self.advance(req.role)
             elif t is Flush:
                 outbox.pool.settle(req.hold)
@@ -486,7 +555,11 @@ class _Scheduler:
                     finally:
                         self.polling = False
             elif t is Recv:
-                self.wait(role, req)
+                if self.solo:           # nothing to watch: _run resumes it at once
+                    self.seq += 1
+                    self.waiting[self.seq] = [role, req]
+                else:
+                    self.wait(role, req)
                 return
             elif t is RecvWithin or t is AwaitWithin:
                 value = yield req       # the driver's wait, this endpoint's alone (no other role runs meanwhile)
@@ -513,32 +586,69 @@ class _Scheduler:
             watchers.setdefault(k, []).append((s, False))
         self.lacks[s] = lacks
         if not lacks:
-            self.able.add(s)
+            self._able(s, req.stage)
 
-    def changed(self, key, present: bool) -> None:
-        """The inbox's observer: ``key`` was posted or put (``present``) or taken."""
+    def _able(self, s: int, stage) -> None:
+        """Role ``s`` (waiting at ``stage``) has become able to run: into the preference order."""
+        self.able.add(s)
+        order = self.order
+        bisect.insort(order, (stage, s))
+        if not stage.reaps:
+            self.stays += 1
+        ws = self.waitset
+        if ws is not None and len(order) > 1:       # (a wait set records the able roles while there is a choice)
+            if len(order) == 2:
+                other = order[0][1] if order[1][1] == s else order[1][1]
+                ws.add(other, self.waiting[other][1])
+            ws.add(s, self.waiting[s][1])
+
+    def _unable(self, s: int, stage) -> None:
+        """Role ``s`` (able to run, waiting at ``stage``) is no more: out of the preference order."""
+        self.able.remove(s)
+        order = self.order
+        del order[bisect.bisect_left(order, (stage, s))]
+        if not stage.reaps:
+            self.stays -= 1
+        ws = self.waitset
+        if ws is not None and order:            # (there were two or more: recorded)
+            ws.remove(s)
+            if len(order) == 1:
+                ws.remove(order[0][1])
+
+    def changed(self, key, present: bool | None) -> None:
+        """The inbox's observer: ``key`` was posted or put (``present``), taken, or replaced (``None``)."""
+        able, lacks = self.able, self.lacks
+        if present is None:     # the same conditions; a wait set's record of the receive is stale
+            if self.waitset is not None and len(self.order) > 1:
+                for s, awaited in self.watchers.get(key, ()):
+                    if awaited and s in able:
+                        self.waitset.remove(s)
+                        self.waitset.add(s, self.waiting[s][1])
+            return
         for s, awaited in self.watchers.get(key, ()):
-            n = self.lacks[s] + (-1 if awaited == present else 1)
-            self.lacks[s] = n
+            n = lacks[s] + (-1 if awaited == present else 1)
+            lacks[s] = n
             if n:
-                self.able.discard(s)
-            else:
-                self.able.add(s)
+                if s in able:
+                    self._unable(s, self.waiting[s][1].stage)
+            elif s not in able:
+                self._able(s, self.waiting[s][1].stage)
 
     def runnable(self) -> list:
         """``(sequence number, [role, Recv])`` of the roles that can run (every awaited message posted or
         handed over, no ``gone`` one left), in order of preference (stage; then the order they began to
         wait)."""
         waiting = self.waiting
-        if len(self.able) == 1:
-            for s in self.able:
-                return [(s, waiting[s])]
-        return [(s, waiting[s]) for _, s in sorted([(waiting[s][1].stage, s) for s in self.able])]
+        return [(s, waiting[s]) for _, s in self.order]
 
     def resume(self, s: int) -> Generator:
         role, req = self.waiting.pop(s)
+        if s not in self.lacks:     # (suspended without a watch: the only role, _run's first loop)
+            yield from self.advance(role)
+            return
         del self.lacks[s]
-        self.able.discard(s)
+        if s in self.able:
+            self._unable(s, req.stage)
         watchers = self.watchers
         for k in req.keys + req.gone if req.gone else req.keys:
             w = watchers[k]
@@ -553,13 +663,24 @@ class _Scheduler:
     def poll(self, below=None) -> Generator:
         """Run the roles whose messages are in already (without blocking), best first, until none is
         (``below``: only those of an earlier phase)."""
-        ready, waiting = self.inbox.ready, self.waiting
+        ready, waiting, busy, ws = self.inbox.ready, self.waiting, self.outbox.pool.busy, self.waitset
         while True:   # (the roles at or past ``below``, and sure ones, are skipped before any look at their messages)
-            now = min((e for e in ((s, waiting[s]) for s in self.able)
-                       if (below is None or e[1][1].stage.phase < below) and not e[1][1].stage.sure
-                       and (any if e[1][1].any else all)(ready(k) for k in e[1][1].keys)
-                       and not self.outbox.pool.busy(e[1][1].free)),
-                      key=lambda e: (e[1][1].stage, e[0]), default=None)
-            if now is None:
-                return
-            yield from self.resume(now[0])
+            if ws is not None and len(self.order) > 1:     # the wait set knows which are in
+                best = None
+                for s in ws.ready():
+                    stage = waiting[s][1].stage
+                    if (below is None or stage.phase < below) and not stage.sure \
+                            and (best is None or (stage, s) < best):
+                        best = (stage, s)
+                if best is None:
+                    return
+                s = best[1]
+            else:
+                for stage, s in self.order:         # the first in the preference order whose messages are in
+                    if (below is None or stage.phase < below) and not stage.sure:
+                        req = waiting[s][1]
+                        if (any if req.any else all)(ready(k) for k in req.keys) and not busy(req.free):
+                            break
+                else:
+                    return
+            yield from self.resume(s)

@@ -28,6 +28,7 @@ from ..base import MESSAGE_BYTES, Fabric, Work
 from ..sim_gate import Gate
 from ..stats import CommStats
 from .sim_network import Msg, Network
+from .sim_roles import RoleWaits
 from .sim_world import AnyWait, RecvWait, World
 
 __all__ = ["SimFabric", "SimWorld"]
@@ -100,6 +101,17 @@ class _RecvWork(Work):
                 self._result = fabric._deliver(msg, tensor, tag)
             self._done = True
         return self._result
+
+    def take_now(self) -> bool:
+        """Complete now if :meth:`process` would without a step of the loop (its message is in); has it?"""
+        fabric = self._fabric
+        tensor, src, tag = self._args
+        msg = fabric.world.take_now(fabric._ep, src, tag)
+        if msg is None:
+            return False
+        self._result = fabric._deliver(msg, tensor, tag)
+        self._done = True
+        return True
 
     def complete(self, msg: Msg) -> None:
         """Complete with ``msg``, taken for it by a ``wait_any``."""
@@ -182,7 +194,8 @@ class SimFabric(Fabric):
             data = tensor.detach().to("cpu", copy=True).contiguous()
         nbytes = data.numel() * data.element_size()
         with world.gate.lock:
-            self._raise_if_failed()
+            if world.failure is not None:
+                self._raise_if_failed()
             if ep.crashed:
                 raise EndpointCrashed(f"{ep.name} has crashed")
             dst_ep = world.endpoints[dst]
@@ -225,13 +238,17 @@ class SimFabric(Fabric):
     def _deliver(self, msg: Msg, tensor: torch.Tensor, tag: int) -> int:
         """Copy taken ``msg`` into ``tensor`` (a message of another length or dtype: ``MismatchError``)."""
         data = msg.data
-        if (data.dtype is tensor.dtype and data.numel() < tensor.numel() and tensor.is_contiguous()
+        dn, tn = data.numel(), tensor.numel()
+        if data.dtype is tensor.dtype and dn == tn and not tensor.requires_grad:     # (the common case)
+            tensor.copy_(data if data.shape == tensor.shape else data.reshape(tensor.shape))
+            return msg.src
+        if (data.dtype is tensor.dtype and dn < tn and tensor.is_contiguous()
                 and self.message_bytes is not None):
             # a real fabric's receive (gloo), modelled with real hosts: a shorter message fills a prefix of
             # the buffer, the rest untouched (``message_bytes``)
             tensor.view(-1)[:data.numel()].copy_(data.reshape(-1))
             return msg.src
-        if data.dtype is not tensor.dtype or data.numel() != tensor.numel():
+        if data.dtype is not tensor.dtype or dn != tn:
             world = self.world
             raise MismatchError(
                 f"{self._ep.name} expected {tensor.numel()} x {tensor.dtype} from "
@@ -338,40 +355,69 @@ class SimFabric(Fabric):
             outbox: through which they send.
             keep: the sends left unfinished when the scheduler reaps (:meth:`.roles.Outbox.reap`).
         """
-        sched = _roles.schedule(self, inbox, outbox, roles, keep)
-        value = None
-        while True:
-            try:
-                req = sched.send(value)
-            except StopIteration:
-                return
-            t = type(req)
-            if t is _roles.WaitAny:
-                value = yield from self._wait_any_process(req.groups, checked=True)
-                continue
-            if t is _roles.RecvWithin:
+        ep = self._ep
+        ws = None
+        if ep.waitset is None:      # (a second drive at once on one endpoint builds its groups per choice)
+            ws = ep.waitset = RoleWaits(ep, inbox, _RecvWork)
+        sched = _roles.schedule(self, inbox, outbox, roles, keep, ws)
+        try:
+            value = None
+            while True:
                 try:
-                    value = yield from self._recv_process(req.buf, req.src, req.tag, req.timeout)
-                except FabricTimeout:
-                    value = None
-                continue
-            if t is _roles.AwaitWithin:
-                w, value = inbox.work(req.key), True
-                if w is not None and not w.is_completed():
+                    req = sched.send(value)
+                except StopIteration:
+                    return
+                t = type(req)
+                if t is _roles.Choose:
+                    value = ws.choose(req.order)
+                    if value is not None:
+                        continue        # an empty group: chosen at once
+                    if ws.exact():
+                        token, msgs = yield AnyWait(None, ws)
+                        works = ws.works(token)
+                        for w, msg in zip(works, msgs):
+                            w.complete(msg)
+                        value = token[0]
+                    else:               # groups the records do not decide: built as for a WaitAny
+                        waiting = [(s, ws.groups[s].req) for _, s in req.order]
+                        groups, owner = _roles.groups(inbox, outbox, waiting)
+                        i = yield from self._wait_any_process(groups, checked=True)
+                        works, value = groups[i], owner[i]
+                    ws.completed(works)
+                    continue
+                if t is _roles.WaitAny:
+                    value = yield from self._wait_any_process(req.groups, checked=True)
+                    continue
+                if t is _roles.RecvWithin:
                     try:
-                        yield from w.process(req.timeout)
+                        value = yield from self._recv_process(req.buf, req.src, req.tag, req.timeout)
                     except FabricTimeout:
-                        value = False
-                continue
-            value = None        # WaitAll: the role takes these at once; they are received first, here
-            works = [w for w in map(inbox.work, req.keys) if w is not None]
-            if req.any:
-                if len(works) < len(req.keys) or any(w.is_completed() for w in works):
-                    continue    # one is in (or was handed over)
-                works = works[:1]
-            for w in works:
-                if not w.is_completed():
-                    yield from w.process()
+                        value = None
+                    continue
+                if t is _roles.AwaitWithin:
+                    w, value = inbox.work(req.key), True
+                    if w is not None and not w.is_completed():
+                        try:
+                            yield from w.process(req.timeout)
+                        except FabricTimeout:
+                            value = False
+                        if ws is not None and w.is_completed():
+                            ws.completed((w,))
+                    continue
+                value = None        # WaitAll: the role takes these at once; they are received first, here
+                works = [w for w in map(inbox.work, req.keys) if w is not None]
+                if req.any:
+                    if len(works) < len(req.keys) or any(w.is_completed() for w in works):
+                        continue    # one is in (or was handed over)
+                    works = works[:1]
+                for w in works:
+                    if not w._done and not w.take_now():
+                        yield from w.process()
+                if ws is not None and ws.groups:
+                    ws.completed(works)
+        finally:
+            if ws is not None:
+                ep.waitset = ep.watch = None
 
     def _raise_if_failed(self) -> None:
         failure = self.world.failure

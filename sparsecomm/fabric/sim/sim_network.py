@@ -168,10 +168,14 @@ class Endpoint:
         self._tx_free: dict[int, float] = {}
         self._rx_base: dict[int, float] = {}            # port -> end of the taken prefix of its schedule
         self._rx_sched: dict[int, list[Msg]] = {}      # port -> messages in the order its NIC takes them
+        self._rx_held: dict[int, int] = {}             # port -> messages taken but still in its schedule
         self.mailbox: dict[tuple[int, int], deque[Msg]] = {}
         self.threaded = threaded
         self.parked = 0                      # its threads waiting in the world (running while none is)
         self.waiters: list = []              # its blocked processes (sim_world.Proc)
+        self.waitset = None                  # the wait set of the roles a drive runs on it (sim_roles.RoleWaits)
+        self.watch = None                    # that wait set while it records a receive: told of every message
+                                             # put in or taken from the mailbox
         self.alive = True
         self.crashed = False
         self.sends = 0
@@ -187,7 +191,7 @@ class Endpoint:
         host model the send's CPU time is charged to the clock first (:mod:`.sim_host`)."""
         if self.host is not None:
             self.clock += self.host.send_s(nbytes) * self.cpu
-        port = self.port(peer)
+        port = peer if self.per_port else -1
         start = max(self.clock, self._tx_free.get(port, 0.0))
         tx_end = start + nbytes / self.bw
         self._tx_free[port] = tx_end
@@ -196,22 +200,43 @@ class Endpoint:
     def schedule(self, msg: Msg) -> list[Msg]:
         """Give arriving ``msg`` its place on the receiving NIC: arrival (head) order among the
         messages not yet taken by the application, after every message already taken (whose time has
-        been observed and cannot change); the later ones are re-timed. Returns those (their deliveries
-        may have moved; empty if only ``msg`` was timed)."""
-        port = self.port(msg.src)
-        sched = self._rx_sched.setdefault(port, [])
+        been observed and cannot change); the later ones are re-timed. Returns those whose delivery
+        moved (empty if only ``msg`` was timed): once a message's time is what it was, so are the times
+        after it (each follows from its predecessor's alone)."""
+        port = msg.src if self.per_port else -1
+        sched = self._rx_sched.get(port)
+        if sched is None:
+            sched = self._rx_sched[port] = []
         i = len(sched)
-        while i > 0 and not sched[i - 1].taken and (sched[i - 1].head, sched[i - 1].src) > (msg.head, msg.src):
+        head, src = msg.head, msg.src
+        while i > 0:
+            m = sched[i - 1]
+            if m.taken or m.head < head or (m.head == head and m.src <= src):
+                break
             i -= 1
-        sched.insert(i, msg)
         t = sched[i - 1].rx_end if i > 0 else self._rx_base.get(port, 0.0)
-        for m in sched[i:]:
+        msg.rx_end = t = max(head, t) + msg.nbytes / self.bw
+        msg.delivered = max(t, msg.tx_end + (head - msg.start))
+        if i == len(sched):
+            sched.append(msg)
+            return []
+        sched.insert(i, msg)
+        moved = []
+        early = not self._rx_held.get(port)     # (a taken one in the schedule may have been timed from less)
+        for k in range(i + 1, len(sched)):
+            m = sched[k]
             if m.taken:
                 t = max(t, m.rx_end)
-            else:
-                m.rx_end = t = max(m.head, t) + m.nbytes / self.bw
-                m.delivered = max(t, m.tx_end + (m.head - m.start))
-        return sched[i + 1:]
+                continue
+            r = max(m.head, t) + m.nbytes / self.bw
+            if early and r == m.rx_end:
+                break           # the same slot as before: every later one keeps its own
+            m.rx_end = t = r
+            d = max(r, m.tx_end + (m.head - m.start))
+            if d != m.delivered:
+                m.delivered = d
+                moved.append(m)
+        return moved
 
     def taken(self, msg: Msg) -> None:
         """``msg`` was delivered: fix its slot, drop the schedule's taken prefix. With a host model the
@@ -219,11 +244,15 @@ class Endpoint:
         msg.taken = True
         if self.host is not None:
             self.clock = max(self.clock, msg.delivered) + self.host.recv_s(msg.nbytes) * self.cpu
-        port = self.port(msg.src)
+        port = msg.src if self.per_port else -1
         sched = self._rx_sched[port]
         k = 0
-        while k < len(sched) and sched[k].taken:
-            k += 1
+        if sched[0].taken:
+            k, end = 1, len(sched)
+            while k < end and sched[k].taken:
+                k += 1
+        held = self._rx_held.get(port, 0) + 1 - k
+        self._rx_held[port] = held
         if k:
             self._rx_base[port] = max(self._rx_base.get(port, 0.0), sched[k - 1].rx_end)
             del sched[:k]

@@ -113,6 +113,10 @@ class OrderedWait:
                 self.recompute()     # a group's time may have risen or fallen: take the minimum afresh
                 return
 
+    def receives(self, i: int) -> list[tuple[int | None, int]]:
+        """The receives of group ``i``."""
+        return self.keys[i]
+
     def event(self) -> float | None:
         """When the first group is in (at the earliest this endpoint's clock); ``None`` if none is."""
         return None if self.t_min is None else max(self.ep.clock, self.t_min)

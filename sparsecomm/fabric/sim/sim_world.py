@@ -66,13 +66,15 @@ class RecvWait:
 class AnyWait:
     """Wait for whichever of the groups ``keys`` (lists of ``(source, tag)``) is in first in modelled time
     (:class:`~.sim_wait.OrderedWait`); resumed with ``(index, messages)``: the group chosen and its
-    messages, in the group's order, taken in the order of their arrival."""
+    messages, in the group's order, taken in the order of their arrival. ``watch``: the state of the wait,
+    kept elsewhere already (a drive's :class:`~.sim_roles.RoleWaits`, whose groups are its own, ``keys``
+    ``None``; the index is then its token); by default an :class:`~.sim_wait.OrderedWait` of ``keys``."""
 
     __slots__ = ("keys", "watch")
 
-    def __init__(self, keys: list[list[tuple[int | None, int]]]) -> None:
+    def __init__(self, keys: list[list[tuple[int | None, int]]] | None, watch=None) -> None:
         self.keys = keys
-        self.watch: OrderedWait | None = None
+        self.watch = watch
 
 
 class Proc:
@@ -301,11 +303,13 @@ class World:
                 return True
             return False
         if type(req) is AnyWait:
-            watch = req.watch = OrderedWait(ep, req.keys)
+            watch = req.watch
+            if req.keys is not None:        # (measured afresh, a retry included; a kept state is current)
+                watch = req.watch = OrderedWait(ep, req.keys)
             best = watch.first(clock_only=True)
             if best is None:
                 return False
-            p.value = (0, self._take_group(ep, req.keys[0]))
+            p.value = (best[1], self._take_group(ep, watch.receives(best[1])))
             return True
         p.exc = InvalidValueError(f"{ep.name}: a simulated process waited for {req!r}, which is not a wait")
         return True
@@ -317,7 +321,11 @@ class World:
         if (src is None and ep.per_port) or self.failure is not None or ep.crashed or self.closed \
                 or self.deadlocked:
             return None
-        msg = match(ep, src, tag)
+        if src is None:
+            msg = match(ep, src, tag)
+        else:
+            q = ep.mailbox.get((src, tag))
+            msg = q[0] if q else None
         if msg is None or (timeout is not None and msg.delivered > ep.clock + timeout):
             return None
         return self._take(ep, msg)
@@ -364,7 +372,11 @@ class World:
 
     def arrived(self, ep: Endpoint, msg: Msg, retimed: list[Msg]) -> None:
         """``msg`` was put in ``ep``'s mailbox (``retimed``: the queued messages its arrival re-timed): a
-        plain receive it matches can run; an ordered wait's event is updated."""
+        plain receive it matches can run; an ordered wait's event is updated (the endpoint's ``watch``, a
+        drive's wait set, first)."""
+        kept = ep.watch
+        if kept is not None:
+            kept.arrived(msg, retimed)
         for p in list(ep.waiters):
             req = p.wait
             if type(req) is RecvWait:
@@ -373,8 +385,10 @@ class World:
                 elif req.tag == msg.tag and (req.src is None or req.src == msg.src):
                     self._unblock(p, retry=True)
             else:
-                req.watch.arrived(msg, retimed)
-                self._reevent(p, req.watch.event())
+                watch = req.watch
+                if watch is not kept:
+                    watch.arrived(msg, retimed)
+                self._reevent(p, watch.event())
 
     def _fire(self) -> bool:
         """Fire the earliest valid event or deadline; False if there is none."""
@@ -398,7 +412,7 @@ class World:
             else:
                 best = req.watch.first()
                 self._unblock(p)
-                p.value = (best[1], self._take_group(ep, req.keys[best[1]]))
+                p.value = (best[1], self._take_group(ep, req.watch.receives(best[1])))
             return True
         return False
 
@@ -417,6 +431,8 @@ class World:
         """Deliver ``msg`` to ``ep``'s application: off the mailbox, its NIC slot fixed, the clock moved."""
         ep.mailbox[(msg.src, msg.tag)].popleft()
         ep.taken(msg)
+        if ep.watch is not None:
+            ep.watch.taken(msg)
         if _trace.recorder is not None:
             _trace.recorder.sim_received(self, msg.src, ep.id, msg.tag, msg.nbytes, ep.clock, msg.delivered)
         ep.clock = max(ep.clock, msg.delivered)
@@ -438,7 +454,7 @@ class World:
                 if type(req) is RecvWait:
                     src, tag = req.src, req.tag
                 else:
-                    src, tag = req.keys[0][0]
+                    src, tag = req.watch.first_key() if req.keys is None else req.keys[0][0]
                 parts.append(f"{ep.name} waits for {'any' if src is None else self.endpoints[src].name}"
                              f" (tag {tag})")
         dead = [ep.name for ep in self.endpoints if ep.crashed]

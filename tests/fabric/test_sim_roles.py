@@ -1,0 +1,112 @@
+"""The SimFabric's wait set of a drive's roles (:mod:`sparsecomm.fabric.sim.sim_roles`): the scheduler's choices
+among the roles able to run, read from records kept across choices, are the choices of the groups built per
+choice (``WaitAny``), in the same order and at the same modelled times, on a randomized protocol of several
+roles per endpoint: stages of their own, messages of random sizes from random peers, ``any`` waits, a
+channel two roles share (the records then do not decide: that choice builds the groups), hand-overs."""
+
+from __future__ import annotations
+
+import random
+from typing import NamedTuple
+
+import pytest
+import torch
+
+import sparsecomm as sc
+from sparsecomm.fabric.roles import Hand, Inbox, Outbox, Pool, Post, Recv, Send
+from sparsecomm.fabric.sim import sim as sim_mod
+from sparsecomm.fabric.sim import sim_roles
+
+
+class Stage(NamedTuple):
+    phase: int
+    sure: bool = False
+    reaps: bool = False
+
+
+ROLES, ROUNDS = 4, 5
+
+
+def _plan(seed: int, n: int) -> dict:
+    """Per (endpoint, role, round) of the receiving end: the message's size, the wait's phase, whether the
+    wait is ``any`` (of the message and a second, small one on another tag) and whether a hand-over comes
+    first."""
+    rng = random.Random(seed)
+    return {(e, j, r): dict(size=4 * rng.choice([1, 16, 256, 4096]), phase=rng.randrange(3),
+                            any=rng.random() < 0.3, hand=rng.random() < 0.2)
+            for e in range(n) for j in range(ROLES) for r in range(ROUNDS)}
+
+
+def _protocol(ctx, plan: dict, shared: bool) -> list:
+    """Role ``j`` of endpoint ``e`` receives each round from role ``j`` of ``(e - 1 - j) % n`` and sends to
+    ``(e + 1 + j) % n`` (a ring per role; every round's send before its wait). ``shared``: role 1 is a second
+    copy of role 0 (the same peers, tags and sizes): two roles' receives on one channel. Returns the resumes
+    of this endpoint's roles, in order, with the clock."""
+    f = ctx.fabric
+    n, e = f.world_size, f.rank
+    pool = Pool()
+    inbox, outbox = Inbox(f, pool), Outbox(f, pool)
+    order = []
+
+    def role(j: int):
+        like = 0 if shared and j == 1 else j          # whose peers, tags and sizes
+        src, dst = (e - 1 - like) % n, (e + 1 + like) % n
+        for r in range(ROUNDS):
+            p_out, p_in = plan[dst, like, r], plan[e, like, r]
+            ta, tb = 100 * like + 2 * r, 100 * like + 2 * r + 1
+            yield Send(torch.full((p_out["size"] // 4,), float(e)).view(torch.uint8), dst, ta)
+            if p_out["any"]:
+                yield Send(torch.full((4,), float(e)).view(torch.uint8), dst, tb)
+            keys = (("m", j, r, 0),) + ((("m", j, r, 1),) if p_in["any"] else ())
+            yield Post(keys[0], p_in["size"], src, ta)
+            if p_in["any"]:
+                yield Post(keys[1], 16, src, tb)
+            if p_in["hand"]:
+                yield Hand(("h", j, r), r)
+                yield Recv((("h", j, r),), Stage(p_in["phase"]))
+                inbox.take(("h", j, r))
+                order.append((j, r, "h", f.now()))
+            yield Recv(keys, Stage(p_in["phase"]), any=p_in["any"])
+            order.append((j, r, 0, f.now()))
+            if p_in["any"]:
+                yield Recv(keys, Stage(p_in["phase"]))     # and the other one
+                order.append((j, r, 1, f.now()))
+            for k in keys:
+                inbox.take(k)
+
+    f.drive([role(j) for j in range(ROLES)], inbox, outbox)
+    outbox.finish()
+    return order
+
+
+def _run(plan: dict, n: int, shared: bool, waitset: bool, monkeypatch) -> tuple:
+    counts = {"exact": 0, "built": 0}
+    choose = sim_roles.RoleWaits.choose
+
+    def spy(self, order):
+        got = choose(self, order)
+        if got is None:
+            counts["exact" if self.exact() else "built"] += 1
+        return got
+
+    with monkeypatch.context() as m:
+        m.setattr(sim_roles.RoleWaits, "choose", spy)
+        if not waitset:     # every choice builds its groups (the scheduler without a wait set)
+            m.setattr(sim_mod, "RoleWaits", lambda *a: None)
+        out = sc.launch(lambda ctx: _protocol(ctx, plan, shared), n,
+                        network=sc.Network(bandwidth_gbps=10, latency_us=2))
+    return out, counts
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_wait_set_chooses_as_the_groups_built_per_choice(monkeypatch, seed, shared):
+    n = 5
+    plan = _plan(seed, n)
+    built, none = _run(plan, n, shared, waitset=False, monkeypatch=monkeypatch)
+    kept, counts = _run(plan, n, shared, waitset=True, monkeypatch=monkeypatch)
+    assert none == {"exact": 0, "built": 0}
+    assert kept == built            # the same resumes, in the same order, at the same modelled times
+    assert counts["exact"] > 0      # the records decided choices that waited
+    if shared:
+        assert counts["built"] > 0  # and a channel two roles share made some choices build their groups
