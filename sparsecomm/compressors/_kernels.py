@@ -451,3 +451,24 @@ def select_exact(vals, idx, k, vk, out):
             c += 1
             need_eq -= 1
     return c
+
+
+# ------------------------------------------------------------------------------ the default path
+def default_path_signatures() -> list:
+    """``(kernel, argument types)`` of every kernel that the default CPU path's first step runs, as its
+    callers type them: error feedback with top-k on float32 (the finiteness pass, the absolute maximum,
+    the sampled threshold's candidates, their exact selection and the gather of the kept values; Python
+    ints are int64, the thresholds float32 scalars). The fork server of ``sc.launch`` loads these from
+    Numba's on-disk cache (:func:`sparsecomm._numba_warm.load_cached`) so that its ranks start with them."""
+    from numba import typeof
+
+    f32, i32, i64 = (typeof(np.zeros(1, dt)) for dt in (np.float32, np.int32, np.int64))
+    n, s32 = typeof(0), typeof(np.float32(0))
+    return [
+        (all_finite, (f32,)),
+        (bucket_absmax_bits, (i32, n, typeof(np.int32(0)), i32)),
+        (collect_ge, (f32, s32, i64)),
+        (abs_gather, (f32, i64, f32)),
+        (select_exact, (f32, i64, n, s32, i64)),
+        (gather_scaled, (f32, i64, s32, f32)),
+    ]
