@@ -33,6 +33,7 @@ def load_cached(kernels) -> int:
     signature the cache lacks is left to its first call. Returns how many the dispatchers now hold; never
     raises (a failed load is skipped)."""
     try:
+        from numba.core.caching import FunctionCache
         from numba.core.compiler_lock import global_compiler_lock
     except Exception:  # noqa: BLE001 - as warm()
         return 0
@@ -40,8 +41,8 @@ def load_cached(kernels) -> int:
     for disp, sig in kernels:
         try:
             with global_compiler_lock:
-                if tuple(sig) not in disp.overloads:
-                    cres = disp._cache.load_overload(tuple(sig), disp.targetctx)
+                if tuple(sig) not in disp.overloads:    # the dispatcher's cache (cache=True) reads the same files
+                    cres = FunctionCache(disp.py_func).load_overload(tuple(sig), disp.targetctx)
                     if cres is None:
                         continue
                     disp.targetctx.insert_user_function(cres.entry_point, cres.fndesc, [cres.library])
@@ -54,10 +55,10 @@ def load_cached(kernels) -> int:
 
 def _load_default_path() -> int:
     try:
-        from .compressors import _kernels
+        from .compressors._kernels import default_path_signatures
     except ImportError:
         return 0
-    return load_cached(_kernels.default_path_signatures())
+    return load_cached(default_path_signatures())
 
 
 WARMED = warm()
