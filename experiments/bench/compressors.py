@@ -28,9 +28,9 @@ operator of ``grace_dl/torch/compressor`` that this library also has, both run `
 ``decompress`` on the same float32 vector; each entry is the median of ``--median-of`` timed calls
 (after one warm-up), the entries interleaved round by round (``--block B``: B calls in a row per entry
 and round, so that torch's thread pool is as warm as in a loop of that entry alone). Columns: the two
-medians, ``GRACE / ours`` (> 1: this library is faster) and each side's min-max range. Settings: this library's defaults, given
-to GRACE where it takes the same parameter (``--ratio`` for top-k, rand-k and the threshold's kept
-fraction, 4 QSGD levels, DGC's 0.1%); GRACE's own defaults otherwise. The pairs (GRACE -> here):
+medians, ``GRACE / ours`` (> 1: this library is faster) and each side's min-max range. Settings: this
+library's defaults, given to GRACE where it takes the same parameter (``--ratio`` for top-k, rand-k and
+the threshold's kept fraction, 4 QSGD levels, DGC's 0.1%); GRACE's own defaults otherwise. The pairs (GRACE -> here):
 ``none`` -> identity, ``fp16`` -> fp16, ``topk`` -> topk, ``randomk`` -> randk (GRACE draws from the
 global torch RNG, reseeded per call), ``threshold`` -> threshold, ``qsgd`` -> qsgd, ``terngrad`` ->
 terngrad, ``efsignsgd`` -> sign (the scaled sign), ``signsgd`` -> the ``signsgd`` method's operator
