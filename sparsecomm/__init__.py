@@ -35,8 +35,9 @@ from .fabric.sim.sim_host import HostModel  # noqa: E402,F401
 # the netbed backend sits above launch (it runs the gloo backend's ranks in namespaces): the package's top
 # declares it, and launch imports it on first use
 _backends.provide("netbed", "sparsecomm.netbed.launch")
-# the fork server of the spawning backends imports the optimizer stack and initialises Numba's CPU target
-# once, before it forks the ranks (each rank would otherwise pay both at its first optimizer and first step)
+# the fork server of the spawning backends imports the optimizer stack, initialises Numba's CPU target and loads
+# the default path's cached kernels once, before it forks the ranks (each rank would otherwise pay them at its
+# first optimizer and first step)
 _launch_base.preload("sparsecomm.optim", "sparsecomm._numba_warm")
 
 # Sub-packages and top-level names are imported lazily so that ``import sparsecomm`` stays cheap

@@ -2,7 +2,7 @@
 and against GRACE's implementation of every operator both libraries have.
 
     python -m experiments.bench.compressors [--n 25600000] [--ratio 0.01] [--repeat 10]
-                                            [--grace PATH] [--median-of 11] [--only throughput|grace]
+                                            [--grace PATH] [--median-of 11] [--block 1] [--only throughput|grace]
 
 Every figure is the best of ``--repeat`` timed calls after one warm-up call (which also compiles the
 Numba kernels or loads them from the cache), all measured in this one run, the entries interleaved
@@ -26,10 +26,11 @@ extracted to a temporary directory); its code is loaded from there at run time, 
 Without ``--grace``, or when PATH holds no GRACE, that table is skipped with a message. For each
 operator of ``grace_dl/torch/compressor`` that this library also has, both run ``compress`` then
 ``decompress`` on the same float32 vector; each entry is the median of ``--median-of`` timed calls
-(after one warm-up), the entries interleaved round by round. Columns: the two medians, ``GRACE / ours``
-(> 1: this library is faster) and each side's min-max range. Settings: this library's defaults, given
-to GRACE where it takes the same parameter (``--ratio`` for top-k, rand-k and the threshold's kept
-fraction, 4 QSGD levels, DGC's 0.1%); GRACE's own defaults otherwise. The pairs (GRACE -> here):
+(after one warm-up), the entries interleaved round by round (``--block B``: B calls in a row per entry
+and round, so that torch's thread pool is as warm as in a loop of that entry alone). Columns: the two
+medians, ``GRACE / ours`` (> 1: this library is faster) and each side's min-max range. Settings: this
+library's defaults, given to GRACE where it takes the same parameter (``--ratio`` for top-k, rand-k and
+the threshold's kept fraction, 4 QSGD levels, DGC's 0.1%); GRACE's own defaults otherwise. The pairs (GRACE -> here):
 ``none`` -> identity, ``fp16`` -> fp16, ``topk`` -> topk, ``randomk`` -> randk (GRACE draws from the
 global torch RNG, reseeded per call), ``threshold`` -> threshold, ``qsgd`` -> qsgd, ``terngrad`` ->
 terngrad, ``efsignsgd`` -> sign (the scaled sign), ``signsgd`` -> the ``signsgd`` method's operator
@@ -65,18 +66,21 @@ import torch
 import sparsecomm as sc
 
 
-def interleaved_samples(fns: dict, rounds: int) -> dict:
+def interleaved_samples(fns: dict, rounds: int, block: int = 1) -> dict:
     """Wall times of each callable over ``rounds`` rounds, the callables interleaved within each round
     (so a burst of load from other processes hits one sample of every entry, not all samples of one
-    entry). Each is called once first as warm-up (JIT compilation / cache load)."""
+    entry), each called ``block`` times in a row per round (a sample per call: with a block, a thread pool
+    stays as warm as in a loop of that callable alone). Each is called once first as warm-up (JIT
+    compilation / cache load)."""
     for fn in fns.values():
         fn()
     times = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
+            for _ in range(block):
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
     return times
 
 
@@ -185,9 +189,10 @@ def theirs(compressor, x: torch.Tensor):
     return run
 
 
-def grace_table(path: str | None, x: torch.Tensor, ratio: float, thr: float, rounds: int) -> None:
+def grace_table(path: str | None, x: torch.Tensor, ratio: float, thr: float, rounds: int, block: int = 1) -> None:
     n = x.numel()
-    print(f"\n# against GRACE: compress + decompress, n = {n:,} float32, median of {rounds} interleaved rounds")
+    print(f"\n# against GRACE: compress + decompress, n = {n:,} float32, median of {rounds} interleaved rounds"
+          + (f" of {block} calls in a row" if block > 1 else ""))
     if not path:
         print("# GRACE comparison skipped: no --grace PATH given (a checkout or git mirror of sands-lab/grace)")
         return
@@ -210,7 +215,7 @@ def grace_table(path: str | None, x: torch.Tensor, ratio: float, thr: float, rou
             fns[("ours", mod)], fns[("grace", mod)] = ours(op, x), theirs(compressor, x)
             labels[mod] = label
         load0 = os.getloadavg()[0]
-        times = interleaved_samples(fns, rounds)
+        times = interleaved_samples(fns, rounds, block)
     print(machine(load0, os.getloadavg()[0]))
     print(f"# GRACE from {path}")
     print(f"{'GRACE':<11}{'this library':<30}{'ours ms':>9}{'GRACE ms':>10}{'GRACE/ours':>11}"
@@ -274,6 +279,7 @@ def main(argv=None) -> None:
     ap.add_argument("--grace", metavar="PATH", help="a checkout or bare git mirror of sands-lab/grace: "
                     "adds the table against GRACE's operators")
     ap.add_argument("--median-of", type=int, default=11, help="rounds of the GRACE table (median of)")
+    ap.add_argument("--block", type=int, default=1, help="GRACE table: calls in a row per entry and round")
     ap.add_argument("--only", choices=("throughput", "grace"), help="print one table only")
     args = ap.parse_args(argv)
     n, ratio = args.n, args.ratio
@@ -285,7 +291,7 @@ def main(argv=None) -> None:
     if args.only != "grace":
         throughput_table(x, ratio, k, thr, args.repeat)
     if args.only != "throughput":
-        grace_table(args.grace, x, ratio, thr, args.median_of)
+        grace_table(args.grace, x, ratio, thr, args.median_of, args.block)
 
 
 if __name__ == "__main__":

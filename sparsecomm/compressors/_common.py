@@ -205,10 +205,12 @@ def force_backend(name: str):
 # -------------------------------------------------------------------------------------- payload
 def decompressed(payload: Payload) -> torch.Tensor:
     """``payload.to_dense()`` (flat), bit for bit, written into a numpy-allocated buffer (see
-    :func:`cpu_empty`) for CPU payloads of float32 / float64: ``dense`` ones in a narrower dtype by
-    torch's cast, ``quantized`` ones by one Numba pass (int8 or int16 codes for float32, any integer
-    codes for float64: the code's conversion is exact and the product rounds once, as in torch),
-    ``sparse`` ones of one value per index likewise; ``Payload.to_dense`` elsewhere."""
+    :func:`cpu_empty`) for CPU payloads of float32 / float64: ``dense`` bfloat16 (and, where
+    ``_kernels.NATIVE_HALF``, float16) ones of float32 by one Numba pass on this thread
+    (:func:`._kernels.widen_bf16`, :func:`._kernels.widen_f16`), other narrower ``dense`` ones by torch's
+    cast, ``quantized`` ones by one Numba pass (int8 or int16 codes for float32, any integer codes for
+    float64: the code's conversion is exact and the product rounds once, as in torch), ``sparse`` ones of
+    one value per index likewise; ``Payload.to_dense`` elsewhere."""
     v, dt = payload.values, payload.dtype
     if dt not in (torch.float32, torch.float64) or not use_numba(v) or not v.is_contiguous():
         return payload.to_dense()
@@ -218,7 +220,14 @@ def decompressed(payload: Payload) -> torch.Tensor:
     if d == 0 or (payload.kind in ("quantized", "dense") and v.numel() != d):
         return payload.to_dense()
     if payload.kind == "dense":     # a cast (fp16, bf16) into a numpy-allocated buffer, else v itself
-        return v.reshape(-1) if v.dtype == dt else cpu_empty(d, dt).copy_(v.reshape(-1))
+        if v.dtype == dt:
+            return v.reshape(-1)
+        out = cpu_empty(d, dt)
+        if dt == torch.float32 and (v.dtype == torch.bfloat16 or (v.dtype == torch.float16 and _kernels.NATIVE_HALF)):
+            widen = _kernels.widen_bf16 if v.dtype == torch.bfloat16 else _kernels.widen_f16
+            widen(v.reshape(-1).view(torch.int16).numpy(), out.numpy())
+            return out
+        return out.copy_(v.reshape(-1))
     scale = payload.scale
     if payload.kind == "quantized" and scale is not None and scale.device.type == "cpu" and (
             v.dtype in (torch.int8, torch.int16) or (dt == torch.float64 and not v.dtype.is_floating_point)):

@@ -13,9 +13,12 @@ Status codes returned by kernels: 0 ok, 1 non-finite input, 2 a value too large 
 from __future__ import annotations
 
 import math
+import platform
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
 
 from ..codec._fixedkernels import counter_bits as _bits
 
@@ -280,6 +283,62 @@ def dequantize(codes, scale, bs, out):
             os_[t] = cs[t] * s
 
 
+def _native_half() -> bool:
+    """Whether the code Numba generates converts float32 <-> float16 in hardware: an x86-64 target with F16C
+    (and AVX, which it needs). Elsewhere LLVM would call a runtime helper that Numba's JIT does not provide
+    (``NUMBA_CPU_NAME=generic`` crashes the process), so the callers keep torch's cast there."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        from llvmlite import binding
+        from numba.core import config
+
+        features = config.CPU_FEATURES if config.CPU_FEATURES is not None else \
+            binding.get_host_cpu_features().flatten()
+        return bool(config.ENABLE_AVX) and "+f16c" in features.split(",") and "+avx" in features.split(",")
+    except Exception:  # noqa: BLE001 - unknown target: torch's cast
+        return False
+
+
+#: float16 <-> float32 in Numba kernels (:func:`f16_bits`, :func:`f16_value`) is safe on this process's target
+NATIVE_HALF = _native_half()
+
+
+@intrinsic
+def f16_bits(typingctx, x):
+    """The float16 bit pattern (int16) of float32 ``x`` rounded to nearest, ties to even (LLVM's
+    ``fptrunc``: the F16C instruction, which torch's CPU cast also uses). Only where :data:`NATIVE_HALF`."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+    return types.int16(types.float32), codegen
+
+
+@intrinsic
+def f16_value(typingctx, h):
+    """The float32 value of the float16 bit pattern ``h`` (int16), exact (LLVM's ``fpext``). Only where
+    :data:`NATIVE_HALF`."""
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    return types.float32(types.int16), codegen
+
+
+@njit(cache=True, nogil=True)
+def widen_f16(hbits, out):
+    """out[i] = the float32 value of the float16 bit pattern ``hbits[i]`` (int16): torch's cast bit for bit
+    (a NaN quieted, as the hardware converts it). Only where :data:`NATIVE_HALF`."""
+    for i in range(hbits.size):
+        out[i] = f16_value(hbits[i])
+
+
+@njit(cache=True, nogil=True)
+def widen_bf16(hbits, out):
+    """out[i] = the float32 value of the bfloat16 bit pattern ``hbits[i]`` (int16): ``h << 16``, torch's cast
+    bit for bit."""
+    ob = out.view(np.int32)
+    for i in range(hbits.size):
+        ob[i] = np.int32(np.int32(hbits[i]) << np.int32(16))
+
+
 @njit(cache=True, nogil=True)
 def scatter_dense(idx, vals, out):
     """out[:] = 0, then out[idx[j]] += vals[j] in order of j (``index_add_`` onto zeros); returns False,
@@ -392,3 +451,24 @@ def select_exact(vals, idx, k, vk, out):
             c += 1
             need_eq -= 1
     return c
+
+
+# ------------------------------------------------------------------------------ the default path
+def default_path_signatures() -> list:
+    """``(kernel, argument types)`` of every kernel that the default CPU path's first step runs, as its
+    callers type them: error feedback with top-k on float32 (the finiteness pass, the absolute maximum,
+    the sampled threshold's candidates, their exact selection and the gather of the kept values; Python
+    ints are int64, the thresholds float32 scalars). The fork server of ``sc.launch`` loads these from
+    Numba's on-disk cache (:func:`sparsecomm._numba_warm.load_cached`) so that its ranks start with them."""
+    from numba import typeof
+
+    f32, i32, i64 = (typeof(np.zeros(1, dt)) for dt in (np.float32, np.int32, np.int64))
+    n, s32 = typeof(0), typeof(np.float32(0))
+    return [
+        (all_finite, (f32,)),
+        (bucket_absmax_bits, (i32, n, typeof(np.int32(0)), i32)),
+        (collect_ge, (f32, s32, i64)),
+        (abs_gather, (f32, i64, f32)),
+        (select_exact, (f32, i64, n, s32, i64)),
+        (gather_scaled, (f32, i64, s32, f32)),
+    ]

@@ -81,6 +81,51 @@ def _cast_error(x, ybits, is_bf16):
     return err, nrm, special
 
 
+_I = np.int32
+_FM = {"reassoc", "contract", "nsz"}
+
+
+@njit(cache=True, nogil=True, fastmath=_FM)
+def _cast_f16(x, ybits):
+    """Round float32 ``x`` to float16 (nearest, ties to even) in hardware (:func:`._kernels.f16_bits`, where
+    ``_kernels.NATIVE_HALF``), writing the bit patterns into ``ybits`` (int16): torch's CPU cast bit for
+    bit; returns ``(sum (y_i - x_i)^2, sum x_i^2)`` in float64 from the same pass. ``y_i - x_i`` is exact
+    in float32 (the error of rounding a float32 to fewer bits), and Inf or NaN where ``x_i`` is Inf or NaN
+    or overflows the narrow dtype, so the first sum is finite iff every ``y_i`` is (the caller then finds
+    out which check failed); reassociated, the sums serve a comparison."""
+    err = 0.0
+    nrm = 0.0
+    for i in range(x.size):
+        xv = x[i]
+        h = _kernels.f16_bits(xv)
+        ybits[i] = h
+        d = np.float64(_kernels.f16_value(h) - xv)
+        err += d * d
+        nrm += np.float64(xv) * np.float64(xv)
+    return err, nrm
+
+
+@njit(cache=True, nogil=True, fastmath=_FM)
+def _cast_bf16(x, ybits):
+    """:func:`_cast_f16` for bfloat16, on the float32 pattern w (int32, wrapping; Numba's default int64
+    would halve the vector width): ``(w + 0x7FFF + bit16(w)) >> 16`` (round to nearest, ties to even; a
+    carry steps the exponent, up to Inf), a NaN as 0xFFFF: torch's vectorised CPU cast bit for bit."""
+    err = 0.0
+    nrm = 0.0
+    xi = x.view(np.int32)
+    for i in range(x.size):
+        w = xi[i]
+        r = _I(w + _I(_I(0x7FFF) + _I(_I(w >> _I(16)) & _I(1))))
+        nan = _I(w & _I(0x7FFFFFFF)) > _I(0x7F800000)
+        ybits[i] = _I(-1) if nan else _I(r >> _I(16))
+        xv = x[i]
+        y = np.float32(np.nan) if nan else _I(r & _I(-0x10000)).view(np.float32)
+        d = np.float64(y - xv)
+        err += d * d
+        nrm += np.float64(xv) * np.float64(xv)
+    return err, nrm
+
+
 class _Dense(Compressor):
     payload_kind = "dense"
     elementwise = True
@@ -155,26 +200,36 @@ class _Cast(_Dense):
 
     def compress(self, x, generator=None):
         flat = flat_input(x, self.name)
-        if flat.device.type == "cpu":
+        bf = self.target == torch.bfloat16
+        fused = use_numba(flat) and flat.dtype == torch.float32 and (bf or _kernels.NATIVE_HALF)
+        if fused:   # the cast and every check in one pass
+            y = cpu_empty(flat.numel(), self.target)
+            err, nrm = (_cast_bf16 if bf else _cast_f16)(flat.numpy(), y.view(torch.int16).numpy())
+        elif flat.device.type == "cpu":
             y = cpu_empty(flat.numel(), self.target).copy_(flat)
         else:
             y = flat.to(self.target, copy=True)
         under = False
-        if not (self.underflow != "allow" and flat.dtype != self.target and flat.numel()):
+        checked = self.underflow != "allow" and flat.dtype != self.target and flat.numel()
+        if fused:   # a non-finite or overflowing input makes err non-finite
+            if not math.isfinite(err):
+                self._check_range(flat, y)
+            under = bool(checked) and err > (1.0 - self.delta(flat.numel())) * nrm
+        elif not checked:
             self._check_range(flat, y)
         else:       # the contraction check's pass also finds a non-finite or overflowing input
             err, nrm, special = self._contraction_error(flat, y)
             if special or not math.isfinite(err):
                 self._check_range(flat, y)
             under = err > (1.0 - self.delta(flat.numel())) * nrm
-            if under and self.underflow == "raise":
-                tiny = torch.finfo(self.target).tiny
-                raise UnderflowError(
-                    f"{self.name}: this input lies below {self.target}'s normal range (|x| < {tiny:g}) on "
-                    f"enough of its mass that rounding loses {err / nrm if nrm else 1.0:.3g} of ||x||^2, more "
-                    f"than the declared 1 - delta = {1.0 - self.delta(flat.numel()):.3g}; rescale it (e.g. "
-                    f"loss scaling), use 'bf16' (float32's range) or 'identity', or build "
-                    f"{self.name}(underflow='allow'), which declares delta = 0")
+        if under and self.underflow == "raise":
+            tiny = torch.finfo(self.target).tiny
+            raise UnderflowError(
+                f"{self.name}: this input lies below {self.target}'s normal range (|x| < {tiny:g}) on "
+                f"enough of its mass that rounding loses {err / nrm if nrm else 1.0:.3g} of ||x||^2, more "
+                f"than the declared 1 - delta = {1.0 - self.delta(flat.numel()):.3g}; rescale it (e.g. "
+                f"loss scaling), use 'bf16' (float32's range) or 'identity', or build "
+                f"{self.name}(underflow='allow'), which declares delta = 0")
         if under:
             return make_payload("dense", x.shape, x.dtype, y, {"values": 16 * y.numel()}, underflow=True)
         return make_payload("dense", x.shape, x.dtype, y, {"values": 16 * y.numel()})

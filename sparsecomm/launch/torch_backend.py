@@ -20,9 +20,10 @@ started as fresh processes (``start_method="forkserver"`` by default where avail
 started once per parent with torch preloaded, forks each rank, so a rank starts with a fork instead of a
 torch import; the server also imports ``torch._dynamo``, which the first torch optimizer of a process
 imports, and the modules the package's top declares (:func:`~.base.preload`: the optimizer stack, and
-Numba's CPU target initialised), paid once per parent instead of once per rank (so what such a module reads
-from the environment at import, ``SPARSECOMM_KERNELS`` or Numba's ``NUMBA_*`` settings, is read when the
-server starts, at the parent's first launch); ``start_method="spawn"`` starts each rank from scratch). Nothing of the
+Numba's CPU target initialised with the default path's kernels loaded from its cache), paid once per parent
+instead of once per rank (so what such a module reads from the environment at import, ``SPARSECOMM_KERNELS``
+or Numba's ``NUMBA_*`` settings, is read when the server starts, at the parent's first launch);
+``start_method="spawn"`` starts each rank from scratch). Nothing of the
 parent's state is inherited except what ``fn`` carries. The ranks rendezvous through a TCPStore that the
 parent hosts on a free port of 127.0.0.1, and form one process group: ranks ``0 .. world_size-1`` are workers, rank
 ``world_size + i`` serves ``services[i]`` by running ``sparsecomm.fabric.services.resolve(spec)(fabric)``

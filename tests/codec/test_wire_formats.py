@@ -420,3 +420,111 @@ def test_cast_error_kernel_matches_torch():
         # an Inf or NaN among the rounded values is counted (the caller's range check then runs)
         y[7], y[11] = float("inf"), float("nan")
         assert _cast_error(x.numpy(), y.view(torch.int16).numpy(), is_bf16)[2] == 2
+
+
+def _cast_patterns() -> np.ndarray:
+    """float32 bit patterns around every float16 / bfloat16 rounding boundary of every exponent (ties,
+    one below and above, both signs), the float16 subnormal and overflow edges, and 2^16 random patterns."""
+    low = np.array([0, 1, 0xFFF, 0x1000, 0x1001, 0x1FFF, 0x2000, 0x3000, 0x7FFF, 0x8000, 0x8001, 0x18000,
+                    0x3FFFFF, 0x400000, 0x400001, 0x7FE000, 0x7FF000, 0x7FFFFF], dtype=np.int64)
+    pats = (np.arange(256, dtype=np.int64)[:, None] << 23 | low[None, :]).ravel()
+    edges = np.array([0x33000000, 0x38800000, 0x477FE000, 0x477FF000, 0x47800000], dtype=np.int64)
+    pats = np.concatenate([pats, (edges[:, None] + np.arange(-40, 41)[None, :]).ravel(),
+                           np.random.default_rng(5).integers(0, 2**31, 2**16)])
+    return np.concatenate([pats, pats | (1 << 31)]).astype(np.uint32).view(np.float32)
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+def test_cast_payload_and_decode_are_torchs_casts_bit_for_bit(name):
+    """The one-pass cast of float32 (``_cast_f16`` / ``_cast_bf16``) writes torch's cast of every pattern,
+    NaN patterns included, and flags the non-finite ones through its error sum; decompress writes
+    torch's widening of every one of the 65,536 narrow patterns; the operator's payload and decoded values
+    equal torch's on every finite pattern that does not overflow."""
+    from sparsecomm.compressors import _kernels
+    from sparsecomm.compressors.identity import _cast_bf16, _cast_f16
+
+    tgt = {"fp16": torch.float16, "bf16": torch.bfloat16}[name]
+    if tgt == torch.float16 and not _kernels.NATIVE_HALF:
+        pytest.skip("no hardware float16 conversion on Numba's target: fp16 keeps torch's cast")
+    x = _cast_patterns()
+    xt = torch.from_numpy(x)
+    ref = xt.to(tgt).view(torch.int16).numpy()
+    kern = _cast_f16 if tgt == torch.float16 else _cast_bf16
+    y = np.empty(x.size, np.int16)
+    err, _ = kern(x, y)
+    assert np.array_equal(y, ref) and not math.isfinite(err)
+    ok = np.isfinite(x) & np.isfinite(xt.to(tgt).float().numpy())
+    for part in (x[ok], x[ok][:1001]):
+        y = np.empty(part.size, np.int16)
+        err, nrm = kern(part, y)
+        yd = torch.from_numpy(part).to(tgt).double()
+        assert err == pytest.approx(float(((yd - torch.from_numpy(part).double()) ** 2).sum()), rel=1e-9)
+        assert nrm == pytest.approx(float((torch.from_numpy(part).double() ** 2).sum()), rel=1e-9)
+    h = np.arange(2**16, dtype=np.int64).astype(np.int16)
+    out = np.empty(h.size, np.float32)
+    (_kernels.widen_f16 if tgt == torch.float16 else _kernels.widen_bf16)(h, out)
+    assert np.array_equal(out.view(np.int32), torch.from_numpy(h).view(tgt).float().view(torch.int32).numpy())
+    c = sc.compressors.get(name, underflow="allow")
+    p = c.compress(xt[ok].reshape(-1, 1))
+    assert torch.equal(p.values.view(torch.int16), xt[ok].to(tgt).view(torch.int16))
+    assert torch.equal(c.decompress(p).view(torch.int32), xt[ok].to(tgt).float().view(torch.int32).reshape(-1, 1))
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+@pytest.mark.parametrize("path", ["numba", "torch"])
+def test_cast_checks_hold_on_both_paths(name, path):
+    """A NaN or Inf anywhere raises NonFiniteError and a value that rounds past the narrow dtype's range
+    OverflowError_, whatever ``underflow`` says; an input below the normal range is marked (``"count"``),
+    raises UnderflowError (``"raise"``) or comes back flushed (``"allow"``); on both kernel paths the payloads
+    and the marks are the same."""
+    big = {"fp16": 65520.0, "bf16": 3.4e38}[name]
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(4))
+    with sc.kernels.force(path):
+        for mode in ("count", "raise", "allow"):
+            c = sc.compressors.get(name, underflow=mode)
+            for bad, err in ((math.nan, sc.errors.NonFiniteError), (math.inf, sc.errors.NonFiniteError),
+                             (-math.inf, sc.errors.NonFiniteError), (big, OverflowError_),
+                             (-big, OverflowError_)):
+                for at in (0, 4097, 4999):
+                    z = x.clone()
+                    z[at] = bad
+                    with pytest.raises(err):
+                        c.compress(z)
+            tiny = torch.full((64,), 1e-40 if name == "bf16" else 1e-9)
+            if mode == "raise":
+                with pytest.raises(UnderflowError):
+                    c.compress(tiny)
+            else:
+                p = c.compress(tiny)
+                assert p.meta.get("underflow", False) == (mode == "count")
+                assert torch.equal(p.values, tiny.to(p.values.dtype))
+            p = c.compress(x)
+            assert "underflow" not in p.meta
+            with sc.kernels.force("torch"):
+                q = c.compress(x)
+            assert torch.equal(p.values.view(torch.int16), q.values.view(torch.int16)) and p.meta == q.meta
+            assert torch.equal(c.decompress(p), x.to(p.values.dtype).float())
+
+
+def test_fp16_without_hardware_half_keeps_torchs_cast(tmp_path):
+    """Where Numba's target has no F16C (``NUMBA_CPU_NAME=generic``) the hardware conversion would call a
+    helper the JIT lacks and crash the process: the operator keeps torch's cast and its checks there."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import torch, sparsecomm as sc\n"
+            "from sparsecomm.compressors import _kernels\n"
+            "x = torch.randn(3000, generator=torch.Generator().manual_seed(0))\n"
+            "c = sc.compressors.fp16()\n"
+            "p = c.compress(x)\n"
+            "assert torch.equal(p.values, x.to(torch.float16)) and torch.equal(c.decompress(p), x.half().float())\n"
+            "x[5] = float('nan')\n"
+            "try:\n    c.compress(x)\nexcept sc.errors.NonFiniteError:\n    print('native', _kernels.NATIVE_HALF)\n")
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, NUMBA_CPU_NAME="generic", NUMBA_CACHE_DIR=str(tmp_path), PYTHONPATH=str(root),
+               OMP_NUM_THREADS="1")
+    env.pop("NUMBA_CPU_FEATURES", None)
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "native False", (r.returncode, r.stdout, r.stderr[-2000:])

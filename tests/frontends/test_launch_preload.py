@@ -115,3 +115,67 @@ def test_ef_topk_steps_are_bit_identical_with_the_preloading_fork_server_and_wit
     spawned = sc.launch(_train, 2, backend="gloo", start_method="spawn", timeout_s=120)
     for f, s in zip(forked, spawned):
         assert all(torch.equal(a, b) for a, b in zip(f, s))
+
+
+def _default_path_overloads(ctx) -> dict:
+    """The signatures the default path's kernels hold in this rank before its first EF + top-k step and after
+    its second (the rank imports nothing of the library's before the first look)."""
+    from sparsecomm.compressors import _kernels
+
+    def held() -> dict:
+        return {d.py_func.__name__: sorted(str(s) for s in d.overloads)
+                for d, _ in _kernels.default_path_signatures()}
+
+    before = held()
+    _train(ctx)
+    return {"before": before, "after": held()}
+
+
+def _warm_the_cache() -> None:
+    """This process runs the default path's kernels once (compiling them if Numba's cache lacks them, which
+    writes them there), so that a fork server started afterwards finds them."""
+    _kernel_results(0)
+
+
+@pytest.mark.multiprocess
+def test_forked_ranks_start_with_the_default_paths_kernels_loaded():
+    """With the kernels in Numba's cache, the fork server loads them (sparsecomm._numba_warm.load_cached):
+    a forked rank's dispatchers hold the declared signatures before its first step, and its steps add none
+    (the declaration is exactly what the default path runs). A fresh interpreter starts the launch, so the
+    fork server is one that starts after the cache is warm."""
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    _warm_the_cache()
+    root = Path(__file__).resolve().parents[2]
+    code = ("import json, sparsecomm as sc\n"
+            "from tests.frontends.test_launch_preload import _default_path_overloads\n"
+            "if __name__ == '__main__':\n"
+            "    print(json.dumps(sc.launch(_default_path_overloads, 2, backend='gloo', timeout_s=120)))\n")
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    from sparsecomm.compressors import _kernels
+
+    declared = {d.py_func.__name__: [str(tuple(s))] for d, s in _kernels.default_path_signatures()}
+    for o in out:
+        assert o["before"] == declared and o["after"] == declared
+
+
+def test_loading_from_the_cache_compiles_nothing():
+    """A signature the cache lacks is left to the kernel's first call: the dispatcher holds no new overload."""
+    import numpy as np
+    from numba import typeof
+
+    from sparsecomm import _numba_warm
+    from sparsecomm.compressors import _kernels
+
+    sig = (typeof(np.zeros(1, np.int8)), typeof(np.zeros(1, np.int8)))    # never called with these types
+    before = set(_kernels.copy_finite.overloads)
+    assert _numba_warm.load_cached([(_kernels.copy_finite, sig)]) == 0
+    assert set(_kernels.copy_finite.overloads) == before and sig not in before
+    assert _numba_warm.load_cached([(_kernels.copy_finite, ("not a type",))]) == 0     # never raises

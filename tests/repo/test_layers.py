@@ -25,13 +25,14 @@ LAYERS: list[tuple[str, ...]] = [
     ("registry", "theory", "validate", "checkpoint"),  # theory/ (installed as sparsecomm.theory): the
                                        # closed forms; validate: the checks of user-given numbers;
                                        # checkpoint: files saved whole, and a truncated one named
-    ("kernels", "fabric", "_numba_warm"),  # Numba helpers; point-to-point messages; Numba's target initialised
-                                       # on import (for the launchers' fork server)
+    ("kernels", "fabric"),             # Numba helpers; point-to-point messages
     ("codec", "trace"),                # block kernels (scan, pack, fixed point); timelines (the switch, merging)
     ("payload",),                      # what a compressor produces and a transport carries
     ("compressors", "transports"),     # a compressor never talks to the network; a transport never
                                        # knows which compressor made its payload
-    ("methods",),                      # stateful wrappers of compressors
+    ("methods", "_numba_warm"),        # stateful wrappers of compressors; Numba's target initialised and the
+                                       # default path's compressor kernels loaded on import (for the
+                                       # launchers' fork server)
     ("launch",),                       # run fn on n workers (threads over SimFabric, or real processes)
     ("pipeline", "netbed"),            # bucket -> method -> transport -> method, by composition (states,
                                        # rounds, accounting, schedulers); an emulated rack (a launch backend)
