@@ -24,7 +24,7 @@ import torch
 from ..errors import FabricTimeout, ProtocolError
 
 __all__ = ["Pool", "Inbox", "Outbox", "Stage", "Step", "Send", "Post", "PostInto", "Hand", "Recv", "Poll", "Spawn",
-           "Flush", "drive", "schedule", "groups", "WaitSet", "Choose"]
+           "Flush", "drive"]
 
 
 class Pool:

@@ -78,6 +78,8 @@ class _RecvWork(Work):
 
     def __init__(self, fabric: "SimFabric", tensor: torch.Tensor, src: int | None, tag: int) -> None:
         self._args = (tensor, src, tag)
+        #: ``(source, tag)`` it receives from (``None``: any source)
+        self.channel = (src, tag)
         self._fabric = fabric
         self._result: int | None = None
         self._done = False

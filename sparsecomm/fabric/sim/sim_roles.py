@@ -69,16 +69,16 @@ class RoleWaits:
     # ------------------------------------------------------------------ the scheduler's calls
     def add(self, s: int, req) -> None:
         """Role ``s`` is able to run, waiting on ``req``: record its group (measured from the mailbox)."""
-        box, recv = self.inbox._box, self.recv_type
+        work, recv = self.inbox.work, self.recv_type
         pend, chans = [], []
         for k in req.keys:
-            w = box[k][0]
+            w = work(k)
             if w is None:
                 continue
             if type(w) is recv:
-                if w._done:
+                if w.is_completed():
                     continue
-                chans.append(w._args[1:])
+                chans.append(w.channel)
             elif w.is_completed():
                 continue
             else:
@@ -135,7 +135,7 @@ class RoleWaits:
         for w in works:
             if type(w) is not self.recv_type:
                 continue
-            for g in list(self.by_chan.get(w._args[1:], ())):
+            for g in list(self.by_chan.get(w.channel, ())):
                 if not g.chosen and self.groups.get(g.s) is g and any(x is w for x in g.works):
                     self.remove(g.s)
                     self.add(g.s, g.req)
