@@ -634,13 +634,6 @@ class _Scheduler:
             elif s not in able:
                 self._able(s, self.waiting[s][1].stage)
 
-    def runnable(self) -> list:
-        """``(sequence number, [role, Recv])`` of the roles that can run (every awaited message posted or
-        handed over, no ``gone`` one left), in order of preference (stage; then the order they began to
-        wait)."""
-        waiting = self.waiting
-        return [(s, waiting[s]) for _, s in self.order]
-
     def resume(self, s: int) -> Generator:
         role, req = self.waiting.pop(s)
         if s not in self.lacks:     # (suspended without a watch: the only role, _run's first loop)

@@ -163,7 +163,7 @@ class Endpoint:
         self.host = network.host      # CPU costs (None: none)
         self.cpu = self.slow * network.host.factor(eid) if network.host is not None else 1.0
         self.latency = latency
-        self.per_port = per_port
+        self.per_port = per_port            # its NIC port towards a peer: the peer's id, else -1 (one NIC)
         self.clock = 0.0
         self._tx_free: dict[int, float] = {}
         self._rx_base: dict[int, float] = {}            # port -> end of the taken prefix of its schedule
@@ -181,9 +181,6 @@ class Endpoint:
         self.sends = 0
         self.loss_rng: dict[int, np.random.Generator] = {}
         self.stats = CommStats()
-
-    def port(self, peer: int) -> int:
-        return peer if self.per_port else -1
 
     def transmit(self, peer: int, nbytes: int) -> tuple[float, float]:
         """Occupy the NIC (its port towards ``peer``) with ``nbytes`` from ``start = max(clock,

@@ -176,11 +176,7 @@ class RoleWaits:
                         if v > g.latest:
                             g.latest = v
                         elif old == g.latest and v < old:     # (the latest came earlier)
-                            latest = 0.0
-                            for h in heads:
-                                if h is not None and h > latest:
-                                    latest = h
-                            g.latest = latest
+                            g.latest = max((h for h in heads if h is not None), default=0.0)
                     self.stale = True
 
     def taken(self, msg: Msg) -> None:
@@ -242,18 +238,10 @@ class RoleWaits:
     def recompute(self) -> None:
         """Take the minimum over the groups in afresh, if a group's time may have risen."""
         if self.stale:
-            self.stale = False
-            t = None
+            self.stale, self.t_min = False, None
             for g in self.groups.values():
-                if g.empty or g.chosen:
-                    continue
-                if g.any:
-                    for d in g.heads:
-                        if d is not None and (t is None or d < t):
-                            t = d
-                elif not g.missing and (t is None or g.latest < t):
-                    t = g.latest
-            self.t_min = t
+                if not (g.empty or g.chosen):
+                    self._lower_group(g)
 
     def event(self) -> float | None:
         """When the first group is in (at the earliest the endpoint's clock); ``None`` if none is."""
