@@ -37,7 +37,7 @@ from typing import ClassVar
 import torch
 
 from ..payload import Payload
-from ._common import abs_max, decompressed
+from ._common import all_finite, decompressed
 
 
 class Compressor(ABC):
@@ -109,5 +109,5 @@ class Compressor(ABC):
 
 def finite(x: torch.Tensor) -> bool:
     """Whether every entry of ``x`` is finite (a non-float tensor always is): one Numba pass over a CPU
-    float32/float64 tensor, torch ops elsewhere."""
-    return math.isfinite(abs_max(x.reshape(-1))) if x.is_floating_point() else True
+    float32/float64 tensor (:func:`._common.all_finite`), torch ops elsewhere."""
+    return all_finite(x) if x.is_floating_point() else True

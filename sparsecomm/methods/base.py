@@ -77,6 +77,7 @@ from typing import Any, ClassVar
 import torch
 
 from .. import compressors
+from ..compressors._common import all_finite
 from ..compressors.base import Compressor
 from ..errors import HyperParameterError, IncompatibleError, InvalidTypeError, MismatchError, NonFiniteError, \
     SparseCommError
@@ -318,7 +319,7 @@ def dense_payload(x: torch.Tensor) -> Payload:
 
 def check_finite(x: torch.Tensor, who: str) -> None:
     """Raise :class:`~sparsecomm.errors.NonFiniteError` naming ``who`` when ``x`` holds a NaN or Inf."""
-    if not bool(torch.isfinite(x).all()):
+    if not all_finite(x):
         raise NonFiniteError(f"{who}: the input contains NaN or Inf; only finite tensors can be compressed")
 
 

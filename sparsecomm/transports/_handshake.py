@@ -153,6 +153,7 @@ def call_words() -> tuple[int, int, int]:
 HEADER_BYTES = 8 * HEADER_WORDS
 
 
+@functools.lru_cache(maxsize=64)    # (a pure function of the dtype, which every call of every transport asks)
 def dtype_code(dtype: torch.dtype) -> int:
     """A stable non-negative integer naming ``dtype`` (the same on every process and machine)."""
     return zlib.crc32(str(dtype).encode()) & 0x7FFFFFFF

@@ -139,7 +139,7 @@ import torch
 from .... import codec
 from ....errors import IncompatibleError, InvalidValueError, ProtocolError
 from ....fabric.base import Fabric
-from ..._guards import check_dtype
+from ..._guards import all_finite, check_dtype
 from ..._handshake import check_agreement
 from ....theory import costs
 from ...base import CallShape, Transport, registry
@@ -287,7 +287,7 @@ class SparseSwitch(Transport):
         # ---- local facts: validity, magnitude, non-zero blocks
         if mode == MODE_FLOAT:
             x = x if x.dtype in (torch.float32, torch.float64) else x.to(torch.float32)
-            finite = bool(torch.isfinite(x).all()) if N else True
+            finite = all_finite(x)
             e = EXP_FLOOR
             if finite and N:
                 e = max(EXP_FLOOR, int(codec.chunk_exponents(x, N)[0]))
