@@ -34,6 +34,8 @@ from .wire import HDR, OK, TAG_FIRSTS, TAG_HDR_DOWN, TAG_HDR_UP, Buf, Key, Msg, 
 #: a channel's receive ring (:class:`.window.Window`) holds this many of its largest messages: one is
 #: summed while the next arrives, and the aggregator's memory does not depend on the number of workers
 WINDOW_MESSAGES = 2
+#: the header words every worker's call must agree on, as an index
+_AGREE = np.asarray(wire.AGREE, dtype=np.int64)
 FIRSTS = -1   #: the key of the first look-aheads' window in :attr:`AggCall.windows` (the others: slots)
 
 
@@ -69,12 +71,14 @@ class AggCall:
         self.status = OK
         self.headers: list = [None] * n
         self._early: dict[int, np.ndarray] = {}   # remote headers taken before take_headers
-        self._agreed: list[int] = []              # colocated: early headers that agree with the host's
+        self._agreed: set[int] = set()            # colocated: early headers that agree with the host's
+        self._remote = tuple(w for w in self.order if w != colocated)
         self._queued: list[int] = []              # workers whose round-0 receives are queued, in order
         self.windows: dict[int, Window] = {}      # slot -> its window; FIRSTS: the first look-aheads'
 
-    def remote(self) -> list[int]:
-        return [w for w in self.order if w != self.colocated]
+    def remote(self) -> tuple[int, ...]:
+        """The workers other than the hosting one, in :attr:`order`."""
+        return self._remote
 
     # ------------------------------------------------------------------ round 0
     def post_headers(self) -> list:
@@ -102,11 +106,11 @@ class AggCall:
         h = inbox.take(Key(Msg.HDR, w)).view(torch.int64).numpy().copy()
         self._early[w] = h
         if (header.validate_header(h, self.n, self.index, True) is None
-                and all(int(h[f]) == int(ref[f]) for f in wire.AGREE)):
+                and bool((h[_AGREE] == ref[_AGREE]).all())):
             if not self.windows:
                 self.open_windows(ref, inbox.pool)
-            self._agreed.append(w)
-        remote = self.remote()
+            self._agreed.add(w)
+        remote = self._remote
         while len(self._queued) < len(remote) and remote[len(self._queued)] in self._agreed:
             self._queue(remote[len(self._queued)], self._early)
         return self._feed()

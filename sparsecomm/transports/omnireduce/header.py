@@ -15,6 +15,7 @@ others' is a disagreement like any other, consumed by its manifest.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,16 +57,27 @@ class CallSpec:
     def header(self, world: int, k0: dict[int, int] | None = None) -> torch.Tensor:
         """The round-0 header, sealed (:func:`seal`); ``k0[slot]``: this worker's position-0 blocks in
         that channel."""
-        h = torch.zeros(HDR, dtype=torch.int64)
+        h = np.zeros(HDR, dtype=np.int64)
         for g, k in (k0 or {}).items():
             h[F_K0 + g] = k
-        vals = {F_MAGIC: MAGIC, F_NUMEL: self.numel, F_DTYPE: dtype_code(self.up), F_BLOCK: self.block_size,
-                F_AGGS: self.num_aggregators, F_CHANNELS: self.channels, F_LANES: self.lanes,
-                F_KIND: self.kind, F_CHECK: self.check, F_WORLD: world, F_ABSMAX: self.absmax}
-        for f, v in vals.items():
-            h[f] = int(v)
-        seal(h.numpy())
-        return h
+        h[_SPEC_FIELDS] = (MAGIC, self.numel, dtype_code(self.up), self.block_size, self.num_aggregators,
+                           self.channels, self.lanes, self.kind, self.check, world, self.absmax)
+        seal(h)
+        return torch.from_numpy(h)
+
+
+#: the header words :meth:`CallSpec.header` sets from the call, in its order
+_SPEC_FIELDS = [F_MAGIC, F_NUMEL, F_DTYPE, F_BLOCK, F_AGGS, F_CHANNELS, F_LANES, F_KIND, F_CHECK, F_WORLD, F_ABSMAX]
+
+
+@functools.lru_cache(maxsize=8)     # (headers and manifests: two lengths)
+def _weights(size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The checksum's weights of ``size`` words, ``w = 1, 2, ...`` and ``w * 0x5851F42D4C957F2D`` (uint64,
+    read-only)."""
+    w = np.arange(1, size + 1, dtype=np.uint64)
+    wk = w * np.uint64(0x5851F42D4C957F2D)
+    w.flags.writeable = wk.flags.writeable = False
+    return w, wk
 
 
 def checksum(words: np.ndarray, skip: int) -> int:
@@ -73,9 +85,9 @@ def checksum(words: np.ndarray, skip: int) -> int:
     it catches a message changed on the way, not a peer that lies (who can recompute it)."""
     v = np.asarray(words, dtype=np.int64).astype(np.uint64)
     v[skip] = 0
-    w = np.arange(1, v.size + 1, dtype=np.uint64)
-    s = ((v ^ (w * np.uint64(0x5851F42D4C957F2D))) * np.uint64(0x9E3779B1) + w).sum(dtype=np.uint64)
-    return int(np.array([s], dtype=np.uint64).view(np.int64)[0])
+    w, wk = _weights(v.size)
+    s = int(((v ^ wk) * np.uint64(0x9E3779B1) + w).sum(dtype=np.uint64))
+    return s - (1 << 64) if s >> 63 else s       # (the uint64 read as int64)
 
 
 def seal(h: np.ndarray) -> None:
@@ -87,33 +99,37 @@ def validate_header(h: np.ndarray, n: int, index: int, colocated: bool) -> tuple
     """``(field, reason)`` if a worker's round-0 header is not one this aggregator can serve (checked
     against the world size, its own index and the protocol limits; then its checksum: a header changed
     on the way sizes no receive), else ``None``."""
-    if int(h[F_MAGIC]) != MAGIC:
-        return F_MAGIC, f"wire version {int(h[F_MAGIC]):#x}, expected {MAGIC:#x}"
-    if int(h[F_WORLD]) != n:
-        return F_WORLD, f"world size {int(h[F_WORLD])}, the job has {n} workers"
+    v = h.tolist()           # (the words as Python ints, read once)
+    if v[F_MAGIC] != MAGIC:
+        return F_MAGIC, f"wire version {v[F_MAGIC]:#x}, expected {MAGIC:#x}"
+    if v[F_WORLD] != n:
+        return F_WORLD, f"world size {v[F_WORLD]}, the job has {n} workers"
     try:
-        code_dtype(h[F_DTYPE])
+        code_dtype(v[F_DTYPE])
     except MalformedMessage:
-        return F_DTYPE, f"dtype code {int(h[F_DTYPE])}, not a dtype the protocol carries"
-    A = int(h[F_AGGS])
+        return F_DTYPE, f"dtype code {v[F_DTYPE]}, not a dtype the protocol carries"
+    A = v[F_AGGS]
     if not (1 <= A <= MAX_AGGREGATORS and index < A and (not colocated or A == n)):
         return F_AGGS, (f"num_aggregators {A}; aggregator {index} allows {index + 1}..{MAX_AGGREGATORS}"
                         + (f" (colocated: exactly {n})" if colocated else ""))
-    checks = ((F_BLOCK, 1, MAX_BLOCK, "block_size"), (F_CHANNELS, 1, MAX_CHANNELS, "channels"),
-              (F_LANES, 1, MAX_LANES, "lanes"), (F_KIND, 0, len(KINDS) - 1, "payload kind"),
-              (F_NUMEL, 0, MAX_NUMEL, "numel"), (F_ABSMAX, 0, 2**62, "integer bound"))
-    for f, lo, hi, name in checks:
-        if not lo <= int(h[f]) <= hi:
-            return f, f"{name} {int(h[f])}, outside [{lo}, {hi}]"
+    for f, lo, hi, name in _LIMITS:
+        if not lo <= v[f] <= hi:
+            return f, f"{name} {v[f]}, outside [{lo}, {hi}]"
     chans = {c.slot: c for c in plan_from_header(h)[index]}
     for g in range(MAX_CHANNELS):
-        k0 = int(h[F_K0 + g])
+        k0 = v[F_K0 + g]
         limit = chans[g].lanes if g in chans else 0
         if not 0 <= k0 <= limit:
             return F_K0 + g, f"{k0} position-0 blocks in channel {g}, which has {limit} lanes here"
-    if int(h[F_SUM]) != checksum(h, F_SUM):
+    if v[F_SUM] != checksum(h, F_SUM):
         return F_SUM, "the checksum does not match the header's words"
     return None
+
+
+#: the header's fields checked against a range: ``(field, low, high, name)``
+_LIMITS = ((F_BLOCK, 1, MAX_BLOCK, "block_size"), (F_CHANNELS, 1, MAX_CHANNELS, "channels"),
+           (F_LANES, 1, MAX_LANES, "lanes"), (F_KIND, 0, len(KINDS) - 1, "payload kind"),
+           (F_NUMEL, 0, MAX_NUMEL, "numel"), (F_ABSMAX, 0, 2**62, "integer bound"))
 
 
 def round0_sizes(h: np.ndarray, index: int) -> tuple[int, dict[int, int]]:
@@ -168,16 +184,18 @@ def verdict(headers: list[np.ndarray], order: list[int], index: int, colocated: 
 def check_headers(headers: list[np.ndarray]) -> np.ndarray:
     """Validate the workers' headers; returns the reply header (status, down dtype, detail)."""
     reply = np.zeros(HDR, dtype=np.int64)
+    table = np.stack(headers)            # (worker, word)
     h0 = headers[0]
     for f in AGREE:
-        vals = [int(h[f]) for h in headers]
-        if min(vals) != max(vals):
+        col = table[:, f]
+        if col.min() != col.max():
+            vals = col.tolist()
             lo = min(range(len(vals)), key=lambda j: (vals[j], j))
             hi = max(range(len(vals)), key=lambda j: (vals[j], -j))
             reply[[R_STATUS, R_FIELD, R_WMIN, R_VMIN, R_WMAX, R_VMAX]] = [MISMATCH, f, lo, vals[lo], hi, vals[hi]]
             return reply
     up = code_dtype(h0[F_DTYPE])
-    bound = sum(int(h[F_ABSMAX]) for h in headers)
+    bound = sum(table[:, F_ABSMAX].tolist())
     if not up.is_floating_point and bound > torch.iinfo(torch.int64).max:
         reply[R_STATUS] = OVERFLOW
         return reply
