@@ -55,7 +55,7 @@ class _Group:
         self.heads: list = []
         self.missing, self.latest = 0, 0.0
         self.empty = not works and not any_
-        self.odd = len(self.index) < len(chans) or any(c[0] is None for c in chans)
+        self.odd = len(self.index) < len(chans) or None in [c[0] for c in chans]
         self.chosen = False
         self.tick, self.lb, self.exact, self.time = -1, 0.0, -1, None
         self.units: list = []
@@ -85,21 +85,17 @@ class RoleWaits:
     # ------------------------------------------------------------------ the scheduler's calls
     def add(self, s: int, req) -> None:
         """Role ``s`` is able to run, waiting on ``req``: record its group (measured from the mailbox)."""
-        work, recv = self.inbox.work, self.recv_type
-        pend, chans = [], []
-        for k in req.keys:
-            w = work(k)
-            if w is None:
-                continue
-            if type(w) is recv:
-                if w.is_completed():
+        recv = self.recv_type
+        works = self.inbox.works(req.keys)
+        if [w for w in works if type(w) is not recv or w.done]:    # (put locally, completed or of another kind)
+            pend, chans = [], []
+            for w in works:
+                if w is None or w.is_completed():
                     continue
-                chans.append(w.channel)
-            elif w.is_completed():
-                continue
-            else:
-                chans.append((None, None))      # (a receive of another kind: odd)
-            pend.append(w)
+                chans.append(w.channel if type(w) is recv else (None, None))    # (another kind: odd)
+                pend.append(w)
+        else:                   # (the common case, with no call per key)
+            pend, chans = works, [w.channel for w in works]
         any_ = req.any and len(pend) == len(req.keys)
         if req.any and not any_:
             pend, chans = [], []     # a key is in: an empty group
@@ -112,14 +108,15 @@ class RoleWaits:
             self.odd += 1
         if g.chans and not self.by_chan:
             self.ep.watch = self     # (told of the mailbox while it records a receive)
+        by_chan = self.by_chan
         for c in g.chans:
-            lst = self.by_chan.get(c)
-            if lst is None:
-                self.by_chan[c] = [g]
-            else:
-                if len(lst) == 1:
+            if c in by_chan:
+                lst = by_chan[c]
+                if not lst[1:]:
                     self.odd += 1
                 lst.append(g)
+            else:
+                by_chan[c] = [g]
         self._measure(g)
 
     def remove(self, s: int) -> None:
@@ -136,13 +133,14 @@ class RoleWaits:
             return
         if g.odd:
             self.odd -= 1
+        by_chan = self.by_chan
         for c in g.chans:
-            lst = self.by_chan[c]
-            if len(lst) == 1:
-                del self.by_chan[c]
+            lst = by_chan[c]
+            if not lst[1:]:          # (g alone)
+                del by_chan[c]
             else:
                 lst.remove(g)
-                if len(lst) == 1:
+                if not lst[1:]:
                     self.odd -= 1
         if not self.by_chan:
             self.ep.watch = None
@@ -213,26 +211,17 @@ class RoleWaits:
 
     def _measure(self, g: _Group) -> None:
         """Read ``g``'s heads from the mailbox (bounds), and enter it in the heaps if it is in earlier."""
-        box = self.ep.mailbox
-        heads, missing, latest, first = [], 0, 0.0, None
-        for c in g.chans:
-            q = box.get(c)
-            if q:
-                d = q[0].delivered
-                v = d if d > 0.0 else 0.0
-                if v > latest:
-                    latest = v
-                if first is None or v < first:
-                    first = v
-                heads.append(v)
-            else:
-                missing += 1
-                heads.append(None)
-        g.heads, g.missing, g.latest, g.exact = heads, missing, latest, -1
+        heads = [(d if (d := q[0].delivered) > 0.0 else 0.0) if q else None
+                 for q in map(self.ep.mailbox.get, g.chans)]       # (no call per receive)
+        missing = heads.count(None)
+        g.heads, g.missing, g.exact = heads, missing, -1
+        g.latest = max([v for v in heads if v is not None] if missing else heads, default=0.0)
         if g.any:
             g.units = units = [(v, j) for j, v in enumerate(heads) if v is not None]
             heapify(units)
-        t = first if g.any else (None if missing else latest)
+            t = units[0][0] if units else None
+        else:
+            t = None if missing else g.latest
         if t is not None and (g.tick < 0 or t < g.lb):
             self._push(g, t)
 
