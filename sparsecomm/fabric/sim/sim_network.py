@@ -254,10 +254,12 @@ class Endpoint:
         if msg.stamp >= self.epoch:
             return msg.delivered
         port = msg.src if self.per_port else -1
-        tail, keys = self._rx_sched[port], self._rx_keys[port]
-        i = bisect_left(keys, (msg.head, msg.src))
-        while tail[i] is not msg:
-            i += 1
+        tail = self._rx_sched[port]
+        i = 0
+        if tail[0] is not msg:
+            i = bisect_left(self._rx_keys[port], (msg.head, msg.src))
+            while tail[i] is not msg:
+                i += 1
         valid, epoch = self._rx_valid[port], self.epoch
         if i >= valid:               # re-time the messages before it in NIC order, and it
             t = tail[valid - 1].rx_end if valid else self._rx_base.get(port, 0.0)
@@ -282,11 +284,15 @@ class Endpoint:
             self.delivery(msg)
             port = msg.src if self.per_port else -1
             tail, keys = self._rx_sched[port], self._rx_keys[port]
-            i = bisect_left(keys, (msg.head, msg.src))
-            while tail[i] is not msg:
-                i += 1
-            for k in range(i + 1):
-                tail[k].stamp = FIXED
+            if tail[0] is msg:       # (the common case: the first on the NIC)
+                i = 0
+            else:
+                i = bisect_left(keys, (msg.head, msg.src))
+                while tail[i] is not msg:
+                    i += 1
+                for k in range(i):
+                    tail[k].stamp = FIXED
+            msg.stamp = FIXED
             self._rx_base[port] = msg.rx_end
             self._rx_valid[port] -= i + 1
             del tail[:i + 1]
