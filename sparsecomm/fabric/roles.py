@@ -117,6 +117,11 @@ class Inbox:
         """The pending receive of ``key`` (``None`` if it was put locally); ``KeyError`` if none."""
         return self._box[key][0]
 
+    def works(self, keys) -> list:
+        """:meth:`work` of each of ``keys``, in order (one call for many keys)."""
+        box = self._box
+        return [box[k][0] for k in keys]
+
     def has(self, key) -> bool:
         """Is a receive of ``key`` posted, or its message put here?"""
         return key in self._box
@@ -572,14 +577,14 @@ class _Scheduler:
         box, watchers = self.inbox._box, self.watchers
         self.waiting[s] = [role, req]
         lacks = 0
-        for k in req.keys:
+        entry = (s, True)
+        for k in req.keys:          # (a loop over many keys: no call but the append to a shared key's watchers)
             if k not in box:
                 lacks += 1
-            w = watchers.get(k)
-            if w is None:
-                watchers[k] = [(s, True)]
+            if k in watchers:
+                watchers[k].append(entry)
             else:
-                w.append((s, True))
+                watchers[k] = [entry]
         for k in req.gone:
             if k in box:
                 lacks += 1
@@ -645,7 +650,7 @@ class _Scheduler:
         watchers = self.watchers
         for k in req.keys + req.gone if req.gone else req.keys:
             w = watchers[k]
-            if len(w) == 1:         # (the common case: this role alone waits on the key)
+            if not w[1:]:           # (the common case: this role alone waits on the key)
                 del watchers[k]
                 continue
             w[:] = [e for e in w if e[0] != s]

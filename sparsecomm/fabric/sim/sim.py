@@ -82,18 +82,19 @@ class _RecvWork(Work):
         self.channel = (src, tag)
         self._fabric = fabric
         self._result: int | None = None
-        self._done = False
+        #: completed (what :meth:`is_completed` says, read as a field where it is hot)
+        self.done = False
 
     def wait(self, timeout: float | None = None) -> int | None:
-        if not self._done:
+        if not self.done:
             self._result = self._fabric.recv(*self._args, timeout=timeout)
-            self._done = True
+            self.done = True
         return self._result
 
     def process(self, timeout: float | None = None) -> Generator:
         """The receive as a process of the loop (the world's gate runs it for :meth:`wait`); ``timeout``:
         modelled seconds, after which it raises :class:`FabricTimeout` and stays posted."""
-        if not self._done:
+        if not self.done:
             fabric = self._fabric
             tensor, src, tag = self._args
             msg = fabric.world.take_now(fabric._ep, src, tag, timeout)
@@ -101,7 +102,7 @@ class _RecvWork(Work):
                 self._result = yield from fabric._recv_process(tensor, src, tag, timeout)
             else:               # in already: what the loop would do at once, without the round trip through it
                 self._result = fabric._deliver(msg, tensor, tag)
-            self._done = True
+            self.done = True
         return self._result
 
     def take_now(self) -> bool:
@@ -112,16 +113,16 @@ class _RecvWork(Work):
         if msg is None:
             return False
         self._result = fabric._deliver(msg, tensor, tag)
-        self._done = True
+        self.done = True
         return True
 
     def complete(self, msg: Msg) -> None:
         """Complete with ``msg``, taken for it by a ``wait_any``."""
         self._result = self._fabric._deliver(msg, self._args[0], self._args[2])
-        self._done = True
+        self.done = True
 
     def is_completed(self) -> bool:
-        return self._done
+        return self.done
 
 
 class SimFabric(Fabric):
@@ -413,7 +414,7 @@ class SimFabric(Fabric):
                         continue    # one is in (or was handed over)
                     works = works[:1]
                 for w in works:
-                    if not w._done and not w.take_now():
+                    if not w.done and not w.take_now():
                         yield from w.process()
                 if ws is not None and ws.groups:
                     ws.completed(works)

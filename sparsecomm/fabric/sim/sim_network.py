@@ -36,6 +36,7 @@ switch one NIC per peer (ports work in parallel, as a switch's do).
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -126,6 +127,10 @@ class Network:
 TCP_OVER_ETHERNET = 1448 / 1514
 
 
+#: :attr:`Msg.stamp` of a message whose NIC slot can no longer change
+FIXED = 1 << 62
+
+
 @dataclass(eq=False, slots=True)
 class Msg:
     """A message in the model: its bytes and its times (``start``, ``head``, ``tx_end``, ``rx_end``: the
@@ -140,8 +145,12 @@ class Msg:
     tx_end: float    # start + bytes / bw_src
     rx_end: float = 0.0      # when the receiving NIC has taken its last byte (its place in arrival order)
     taken: bool = False      # delivered to the application: its NIC slot is fixed from then on
-    #: ``max(rx_end, tx_end + (head - start))``, kept by :meth:`Endpoint.schedule` whenever it sets ``rx_end``
+    #: ``max(rx_end, tx_end + (head - start))``, set with ``rx_end``; read it through
+    #: :meth:`Endpoint.delivery` (it may be a lower bound of the current value, :meth:`Endpoint.schedule`)
     delivered: float = 0.0
+    #: ``rx_end`` and ``delivered`` are exact while this is at least the receiver's ``epoch`` (:data:`FIXED`:
+    #: its NIC slot is fixed)
+    stamp: int = -1
 
 
 class Endpoint:
@@ -166,9 +175,15 @@ class Endpoint:
         self.per_port = per_port            # its NIC port towards a peer: the peer's id, else -1 (one NIC)
         self.clock = 0.0
         self._tx_free: dict[int, float] = {}
-        self._rx_base: dict[int, float] = {}            # port -> end of the taken prefix of its schedule
-        self._rx_sched: dict[int, list[Msg]] = {}      # port -> messages in the order its NIC takes them
-        self._rx_held: dict[int, int] = {}             # port -> messages taken but still in its schedule
+        # per port: the queued messages after the last one taken, in the order its NIC takes them, their
+        # (head, source), how many of them (a prefix) have exact times, and the end of the one before them
+        self._rx_sched: dict[int, list[Msg]] = {}
+        self._rx_keys: dict[int, list[tuple[float, int]]] = {}
+        self._rx_valid: dict[int, int] = {}
+        self._rx_base: dict[int, float] = {}
+        #: bumped whenever messages' times become lower bounds (:meth:`schedule`): a message's times are
+        #: exact if its ``stamp`` is at least this
+        self.epoch = 0
         self.mailbox: dict[tuple[int, int], deque[Msg]] = {}
         self.threaded = threaded
         self.parked = 0                      # its threads waiting in the world (running while none is)
@@ -194,65 +209,96 @@ class Endpoint:
         self._tx_free[port] = tx_end
         return start, tx_end
 
-    def schedule(self, msg: Msg) -> list[Msg]:
+    def schedule(self, msg: Msg) -> bool:
         """Give arriving ``msg`` its place on the receiving NIC: arrival (head) order among the
         messages not yet taken by the application, after every message already taken (whose time has
-        been observed and cannot change); the later ones are re-timed. Returns those whose delivery
-        moved (empty if only ``msg`` was timed): once a message's time is what it was, so are the times
-        after it (each follows from its predecessor's alone)."""
+        been observed and cannot change). Returns whether messages queued after it may have moved (it was
+        placed before some).
+
+        The later messages are re-timed lazily: their ``rx_end`` and ``delivered`` are left as they were, a
+        lower bound of their new values (a message placed before them only delays them), and are brought up
+        to date, in NIC order, when :meth:`delivery` reads one. ``msg``'s own times are exact if the messages
+        before it are, else a lower bound likewise."""
         port = msg.src if self.per_port else -1
-        sched = self._rx_sched.get(port)
-        if sched is None:
-            sched = self._rx_sched[port] = []
-        i = len(sched)
-        head, src = msg.head, msg.src
-        while i > 0:
-            m = sched[i - 1]
-            if m.taken or m.head < head or (m.head == head and m.src <= src):
-                break
-            i -= 1
-        t = sched[i - 1].rx_end if i > 0 else self._rx_base.get(port, 0.0)
+        tail = self._rx_sched.get(port)
+        if tail is None:
+            tail = self._rx_sched[port] = []
+            self._rx_keys[port] = []
+            self._rx_valid[port] = 0
+        keys = self._rx_keys[port]
+        head = msg.head
+        key = (head, msg.src)
+        n = len(tail)
+        i = n if not n or key >= keys[-1] else bisect_right(keys, key)     # (after those of an equal key)
+        t = tail[i - 1].rx_end if i else self._rx_base.get(port, 0.0)
         msg.rx_end = t = max(head, t) + msg.nbytes / self.bw
         msg.delivered = max(t, msg.tx_end + (head - msg.start))
-        if i == len(sched):
-            sched.append(msg)
-            return []
-        sched.insert(i, msg)
-        moved = []
-        early = not self._rx_held.get(port)     # (a taken one in the schedule may have been timed from less)
-        for k in range(i + 1, len(sched)):
-            m = sched[k]
-            if m.taken:
-                t = max(t, m.rx_end)
-                continue
-            r = max(m.head, t) + m.nbytes / self.bw
-            if early and r == m.rx_end:
-                break           # the same slot as before: every later one keeps its own
-            m.rx_end = t = r
-            d = max(r, m.tx_end + (m.head - m.start))
-            if d != m.delivered:
-                m.delivered = d
-                moved.append(m)
-        return moved
+        valid = self._rx_valid[port]
+        if i == n:
+            tail.append(msg)
+            keys.append(key)
+            if i == valid:           # timed from exact times: exact
+                msg.stamp = self.epoch
+                self._rx_valid[port] = valid + 1
+            return False
+        tail.insert(i, msg)
+        keys.insert(i, key)
+        if i <= valid:               # exact; those after it are not any more
+            self.epoch += 1
+            msg.stamp = self.epoch
+            self._rx_valid[port] = i + 1
+        return True
+
+    def delivery(self, msg: Msg) -> float:
+        """The delivery of queued ``msg`` (its ``delivered``, brought up to date: :meth:`schedule`)."""
+        if msg.stamp >= self.epoch:
+            return msg.delivered
+        port = msg.src if self.per_port else -1
+        tail = self._rx_sched[port]
+        i = 0
+        if tail[0] is not msg:
+            i = bisect_left(self._rx_keys[port], (msg.head, msg.src))
+            while tail[i] is not msg:
+                i += 1
+        valid, epoch = self._rx_valid[port], self.epoch
+        if i >= valid:               # re-time the messages before it in NIC order, and it
+            t = tail[valid - 1].rx_end if valid else self._rx_base.get(port, 0.0)
+            bw = self.bw
+            for k in range(valid, i + 1):
+                m = tail[k]
+                head = m.head
+                m.rx_end = t = max(head, t) + m.nbytes / bw
+                m.delivered = max(t, m.tx_end + (head - m.start))
+                m.stamp = epoch
+            self._rx_valid[port] = i + 1
+        else:
+            msg.stamp = epoch
+        return msg.delivered
 
     def taken(self, msg: Msg) -> None:
-        """``msg`` was delivered: fix its slot, drop the schedule's taken prefix. With a host model the
-        clock moves to the delivery and on by the receive's CPU time (:mod:`.sim_host`)."""
+        """``msg`` was delivered: fix its slot (and those of the messages before it on the NIC, still queued:
+        a later arrival is placed after it). With a host model the clock moves to the delivery and on by the
+        receive's CPU time (:mod:`.sim_host`)."""
         msg.taken = True
+        if msg.stamp < FIXED:        # (in the schedule still)
+            self.delivery(msg)
+            port = msg.src if self.per_port else -1
+            tail, keys = self._rx_sched[port], self._rx_keys[port]
+            if tail[0] is msg:       # (the common case: the first on the NIC)
+                i = 0
+            else:
+                i = bisect_left(keys, (msg.head, msg.src))
+                while tail[i] is not msg:
+                    i += 1
+                for k in range(i):
+                    tail[k].stamp = FIXED
+            msg.stamp = FIXED
+            self._rx_base[port] = msg.rx_end
+            self._rx_valid[port] -= i + 1
+            del tail[:i + 1]
+            del keys[:i + 1]
         if self.host is not None:
             self.clock = max(self.clock, msg.delivered) + self.host.recv_s(msg.nbytes) * self.cpu
-        port = msg.src if self.per_port else -1
-        sched = self._rx_sched[port]
-        k = 0
-        if sched[0].taken:
-            k, end = 1, len(sched)
-            while k < end and sched[k].taken:
-                k += 1
-        held = self._rx_held.get(port, 0) + 1 - k
-        self._rx_held[port] = held
-        if k:
-            self._rx_base[port] = max(self._rx_base.get(port, 0.0), sched[k - 1].rx_end)
-            del sched[:k]
 
     def host_work(self, op: str, count: int, dtype=None, transport: str | None = None) -> None:
         """Charge ``count`` units of ``op`` to the clock (:meth:`.sim_host.HostModel.work_s`, stretched); no

@@ -18,9 +18,17 @@ same as with the groups built per choice, provided every group's receives are on
 other group has, each once, and from a named source: where one is not, :meth:`RoleWaits.exact` says so and
 the driver builds the groups as before for that choice (the records are kept all the same). On a SimFabric a
 send is complete once started, so a role's ``free`` sends are never pending and are not recorded.
+
+A record holds lower bounds of its heads' deliveries (the endpoint re-times queued messages lazily: an arrival
+placed before them only delays them, :meth:`~.sim_network.Endpoint.schedule`). The groups in are kept in two
+heaps: by the lower bound of their time, and, once that bound is by a time the wait reached, by the order of
+preference; only a group at the top of one is measured exactly (and moved if it was late). A choice then
+costs O(log g) for g groups, plus the receives of the groups it measures.
 """
 
 from __future__ import annotations
+
+from heapq import heapify, heappop, heappush, heapreplace
 
 from .sim_network import Endpoint, Msg
 
@@ -29,14 +37,17 @@ __all__ = ["RoleWaits"]
 
 class _Group:
     """The record of role ``s``'s group (its :class:`~sparsecomm.fabric.roles.Recv` ``req``): its pending
-    receives ``works`` on ``chans`` (``index``: a channel's place in them), and per receive its head's
-    delivery (at least 0) or ``None`` (``heads``); ``any``: each receive alone; otherwise ``missing`` receives
-    without a head and ``latest``, the latest delivery of the heads (0 if none). ``empty``: no receive pending
+    receives ``works`` on ``chans`` (``index``: a channel's place in them), and per receive a lower bound of its
+    head's delivery (at least 0) or ``None`` (``heads``); ``any``: each receive alone; otherwise ``missing``
+    receives without a head and ``latest``, the latest of the heads (0 if none). ``empty``: no receive pending
     (chosen at once); ``odd``: a receive the records cannot follow (an any-source one, or a ``(source, tag)``
-    twice); ``chosen``: taken by a choice, about to be dropped."""
+    twice); ``chosen``: taken by a choice, about to be dropped. ``tick``: its entry in the wait set's heaps
+    (-1: none), whose time ``lb`` is at most its time; ``exact``: the endpoint's ``epoch`` when ``heads`` were
+    last read exactly (-1: changed since), its time then ``time`` (``None``: not in). ``units``: an ``any`` one's
+    receives with a head, ``(bound, j)``, as a heap (an entry whose bound is not ``heads[j]`` is stale)."""
 
     __slots__ = ("s", "req", "works", "chans", "index", "any", "heads", "missing", "latest", "empty", "odd",
-                 "chosen")
+                 "chosen", "tick", "lb", "exact", "time", "units")
 
     def __init__(self, s: int, req, works: list, chans: list, any_: bool) -> None:
         self.s, self.req, self.works, self.chans, self.any = s, req, works, chans, any_
@@ -44,8 +55,10 @@ class _Group:
         self.heads: list = []
         self.missing, self.latest = 0, 0.0
         self.empty = not works and not any_
-        self.odd = len(self.index) < len(chans) or any(c[0] is None for c in chans)
+        self.odd = len(self.index) < len(chans) or None in [c[0] for c in chans]
         self.chosen = False
+        self.tick, self.lb, self.exact, self.time = -1, 0.0, -1, None
+        self.units: list = []
 
 
 class RoleWaits:
@@ -63,27 +76,26 @@ class RoleWaits:
         self.empties: set[int] = set()
         self.odd = 0                 # odd groups, and channels shared by two groups: the records do not decide
         self.order: list = []        # the scheduler's order of preference, as of the last choose()
-        self.t_min: float | None = None     # min over the groups in of their time (valid unless ``stale``)
-        self.stale = True
+        # the groups in, each once (its ``tick``): by a lower bound of their time, or, once that was by a time
+        # the wait reached, by preference; entries of another tick are stale
+        self.heap: list = []         # (lb, tick, group)
+        self.due: list = []          # (stage, s, tick, group)
+        self.ticks = 0
 
     # ------------------------------------------------------------------ the scheduler's calls
     def add(self, s: int, req) -> None:
         """Role ``s`` is able to run, waiting on ``req``: record its group (measured from the mailbox)."""
-        work, recv = self.inbox.work, self.recv_type
-        pend, chans = [], []
-        for k in req.keys:
-            w = work(k)
-            if w is None:
-                continue
-            if type(w) is recv:
-                if w.is_completed():
+        recv = self.recv_type
+        works = self.inbox.works(req.keys)
+        if [w for w in works if type(w) is not recv or w.done]:    # (put locally, completed or of another kind)
+            pend, chans = [], []
+            for w in works:
+                if w is None or w.is_completed():
                     continue
-                chans.append(w.channel)
-            elif w.is_completed():
-                continue
-            else:
-                chans.append((None, None))      # (a receive of another kind: odd)
-            pend.append(w)
+                chans.append(w.channel if type(w) is recv else (None, None))    # (another kind: odd)
+                pend.append(w)
+        else:                   # (the common case, with no call per key)
+            pend, chans = works, [w.channel for w in works]
         any_ = req.any and len(pend) == len(req.keys)
         if req.any and not any_:
             pend, chans = [], []     # a key is in: an empty group
@@ -96,38 +108,42 @@ class RoleWaits:
             self.odd += 1
         if g.chans and not self.by_chan:
             self.ep.watch = self     # (told of the mailbox while it records a receive)
+        by_chan = self.by_chan
         for c in g.chans:
-            lst = self.by_chan.get(c)
-            if lst is None:
-                self.by_chan[c] = [g]
-            else:
-                if len(lst) == 1:
+            if c in by_chan:
+                lst = by_chan[c]
+                if not lst[1:]:
                     self.odd += 1
                 lst.append(g)
+            else:
+                by_chan[c] = [g]
         self._measure(g)
-        self._lower_group(g)
 
     def remove(self, s: int) -> None:
         """Role ``s`` is resumed or no longer able to run: drop its group (nothing if none)."""
         g = self.groups.pop(s, None)
         if g is None:
             return
+        g.tick = -1
+        if not self.groups:
+            self.heap.clear()
+            self.due.clear()
         if g.empty:
             self.empties.discard(s)
             return
         if g.odd:
             self.odd -= 1
+        by_chan = self.by_chan
         for c in g.chans:
-            lst = self.by_chan[c]
-            if len(lst) == 1:
-                del self.by_chan[c]
+            lst = by_chan[c]
+            if not lst[1:]:          # (g alone)
+                del by_chan[c]
             else:
                 lst.remove(g)
-                if len(lst) == 1:
+                if not lst[1:]:
                     self.odd -= 1
         if not self.by_chan:
             self.ep.watch = None
-        self.stale = True            # (it may have been the earliest)
 
     def completed(self, works) -> None:
         """``works`` (receives of this endpoint) have completed: a group still recording one is recorded
@@ -141,43 +157,29 @@ class RoleWaits:
                     self.add(g.s, g.req)
 
     # ------------------------------------------------------------------ the endpoint's mailbox
-    def arrived(self, msg: Msg, moved: list[Msg]) -> None:
-        """``msg`` was put in the mailbox; ``moved``: the queued messages whose deliveries its arrival moved."""
-        box, by_chan = self.ep.mailbox, self.by_chan
+    def arrived(self, msg: Msg, retimed: bool) -> None:
+        """``msg`` was put in the mailbox (``retimed``: queued messages may have moved; a record's bounds hold)."""
         c = (msg.src, msg.tag)
-        lst = by_chan.get(c)
-        if lst is not None and box[c][0] is msg:       # a new head
+        lst = self.by_chan.get(c)
+        if lst is not None and self.ep.mailbox[c][0] is msg:       # a new head
             d = msg.delivered
             v = d if d > 0.0 else 0.0
             for g in lst:
                 if g.chosen:
                     continue
-                g.heads[g.index[c]] = v
+                j = g.index[c]
+                g.heads[j] = v
+                g.exact = -1
                 if g.any:
-                    self._lower(v)
+                    heappush(g.units, (v, j))
+                    if g.tick < 0 or v < g.lb:
+                        self._push(g, v)
                 else:
                     g.missing -= 1
                     if v > g.latest:
                         g.latest = v
-                    if not g.missing:
-                        self._lower(g.latest)
-        for m in moved:       # a head whose delivery moved: its groups' latest follows (the minimum is taken afresh)
-            c = (m.src, m.tag)
-            lst = by_chan.get(c)
-            if lst is not None and box[c][0] is m:
-                d = m.delivered
-                v = d if d > 0.0 else 0.0
-                for g in lst:
-                    if g.chosen:
-                        continue
-                    heads, j = g.heads, g.index[c]
-                    old, heads[j] = heads[j], v
-                    if not g.any:
-                        if v > g.latest:
-                            g.latest = v
-                        elif old == g.latest and v < old:     # (the latest came earlier)
-                            g.latest = max((h for h in heads if h is not None), default=0.0)
-                    self.stale = True
+                    if not g.missing and (g.tick < 0 or g.latest < g.lb):
+                        self._push(g, g.latest)
 
     def taken(self, msg: Msg) -> None:
         """``msg`` was taken from the mailbox (the next on its channel is the head)."""
@@ -186,7 +188,6 @@ class RoleWaits:
             for g in lst:
                 if not g.chosen:
                     self._measure(g)
-                    self.stale = True
 
     def ready(self) -> set[int]:
         """The roles whose messages are in: those with no receive pending (on a SimFabric a receive is
@@ -209,44 +210,113 @@ class RoleWaits:
         return None
 
     def _measure(self, g: _Group) -> None:
-        box = self.ep.mailbox
-        heads, missing, latest = [], 0, 0.0
-        for c in g.chans:
-            q = box.get(c)
-            if q:
-                d = q[0].delivered
-                if d > latest:
-                    latest = d
-                heads.append(d if d > 0.0 else 0.0)
-            else:
-                missing += 1
-                heads.append(None)
-        g.heads, g.missing, g.latest = heads, missing, latest
-
-    def _lower(self, t: float) -> None:
-        if not self.stale and (self.t_min is None or t < self.t_min):
-            self.t_min = t
-
-    def _lower_group(self, g: _Group) -> None:
+        """Read ``g``'s heads from the mailbox (bounds), and enter it in the heaps if it is in earlier."""
+        heads = [(d if (d := q[0].delivered) > 0.0 else 0.0) if q else None
+                 for q in map(self.ep.mailbox.get, g.chans)]       # (no call per receive)
+        missing = heads.count(None)
+        g.heads, g.missing, g.exact = heads, missing, -1
+        g.latest = max([v for v in heads if v is not None] if missing else heads, default=0.0)
         if g.any:
-            for d in g.heads:
-                if d is not None:
-                    self._lower(d)
-        elif not g.missing:
-            self._lower(g.latest)
+            g.units = units = [(v, j) for j, v in enumerate(heads) if v is not None]
+            heapify(units)
+            t = units[0][0] if units else None
+        else:
+            t = None if missing else g.latest
+        if t is not None and (g.tick < 0 or t < g.lb):
+            self._push(g, t)
+
+    def _push(self, g: _Group, t: float) -> None:
+        """Enter ``g`` in the heaps anew, at lower bound ``t`` (its earlier entry is stale)."""
+        self.ticks = tick = self.ticks + 1
+        g.tick, g.lb = tick, t
+        heappush(self.heap, (t, tick, g))
+
+    def _time(self, g: _Group) -> float | None:
+        """``g``'s time (when it is in; ``None``: not in): the latest of its heads, read exactly, or an ``any``
+        one's earliest (its receives read exactly in the order of their bounds until one is exact)."""
+        ep = self.ep
+        epoch = ep.epoch
+        if g.exact == epoch:
+            return g.time
+        g.exact = epoch
+        box, heads, chans = ep.mailbox, g.heads, g.chans
+        if g.any:
+            units = g.units
+            while units:
+                lb, j = units[0]
+                if heads[j] != lb:
+                    heappop(units)          # (stale)
+                    continue
+                m = box[chans[j]][0]
+                d = m.delivered if m.stamp >= epoch else ep.delivery(m)
+                v = d if d > 0.0 else 0.0
+                if v == lb:
+                    g.time = v
+                    return v
+                heads[j] = v
+                heapreplace(units, (v, j))
+            g.time = None
+            return None
+        if g.missing:
+            g.time = None
+            return None
+        t = 0.0
+        for j, c in enumerate(chans):
+            m = box[c][0]
+            d = m.delivered if m.stamp >= epoch else ep.delivery(m)
+            v = heads[j] = d if d > 0.0 else 0.0
+            if v > t:
+                t = v
+        g.latest = g.time = t
+        return t
+
+    def _due(self, t: float) -> _Group | None:
+        """The first group in order of preference in by ``t``, if any."""
+        heap, due = self.heap, self.due
+        while heap and heap[0][0] <= t:
+            _, tick, g = heappop(heap)
+            if g.tick == tick:
+                heappush(due, (g.req.stage, g.s, tick, g))
+        while due:
+            _, _, tick, g = due[0]
+            if g.tick == tick:
+                e = self._time(g)
+                if e is not None and e <= t:
+                    return g
+                heappop(due)
+                if e is None:
+                    g.tick = -1
+                else:
+                    self._push(g, e)
+            else:
+                heappop(due)
+        return None
 
     def recompute(self) -> None:
-        """Take the minimum over the groups in afresh, if a group's time may have risen."""
-        if self.stale:
-            self.stale, self.t_min = False, None
-            for g in self.groups.values():
-                if not (g.empty or g.chosen):
-                    self._lower_group(g)
+        """Nothing: the records are kept current as messages arrive (the world calls it on every wait)."""
 
     def event(self) -> float | None:
         """When the first group is in (at the earliest the endpoint's clock); ``None`` if none is."""
-        self.recompute()
-        return None if self.t_min is None else max(self.ep.clock, self.t_min)
+        clock = self.ep.clock
+        if self._due(clock) is not None:
+            return clock
+        heap = self.heap
+        while heap:
+            lb, tick, g = heap[0]
+            if g.tick != tick:
+                heappop(heap)
+                continue
+            e = self._time(g)
+            if e == lb:
+                return e
+            if e is None:
+                heappop(heap)
+                g.tick = -1
+            else:
+                self.ticks = tick = self.ticks + 1
+                g.tick, g.lb = tick, e
+                heapreplace(heap, (e, tick, g))
+        return None
 
     def first(self, clock_only: bool = False) -> tuple[float, tuple] | None:
         """``(t, (s, j))``: :meth:`event`, and the first group in order in by then (role ``s``'s; ``j``: the
@@ -260,30 +330,40 @@ class RoleWaits:
                 if g.any:
                     if not g.heads:
                         continue     # (no receive: no group)
-                    d = g.heads[0]
-                    if d is None or d > clock:
+                    if g.heads[0] is None or g.heads[0] > clock:
                         return None
-                    g.chosen = True
+                    ep = self.ep
+                    d = ep.delivery(ep.mailbox[g.chans[0]][0])
+                    if (d if d > 0.0 else 0.0) > clock:
+                        return None
+                    g.chosen, g.tick = True, -1
                     return clock, (s, 0)
                 if g.missing or g.latest > clock:
                     return None
-                g.chosen = True
+                if self._time(g) > clock:
+                    return None
+                g.chosen, g.tick = True, -1
                 return clock, (s, None)
             return None
         t = self.event()
         if t is None:
             return None
-        for _, s in self.order:
-            g = groups[s]
-            if g.any:
-                for j, d in enumerate(g.heads):
-                    if d is not None and d <= t:
-                        g.chosen = True
-                        return t, (s, j)
-            elif not g.missing and g.latest <= t:
-                g.chosen = True
-                return t, (s, None)
-        raise AssertionError("unreachable: the earliest group is in by the event")
+        g = self._due(t)
+        if g is None:
+            raise AssertionError("unreachable: the earliest group is in by the event")
+        g.chosen, g.tick = True, -1
+        if not g.any:
+            return t, (g.s, None)
+        ep, heads, chans, units = self.ep, g.heads, g.chans, g.units    # (the group is dropped after this)
+        box, epoch, pick = ep.mailbox, ep.epoch, None
+        while units and units[0][0] <= t:      # its receives in by t: the first of them in order
+            lb, j = heappop(units)
+            if heads[j] == lb and (pick is None or j < pick):
+                m = box[chans[j]][0]
+                d = m.delivered if m.stamp >= epoch else ep.delivery(m)
+                if d <= t:
+                    pick = j
+        return t, (g.s, pick)
 
     def receives(self, token: tuple) -> list[tuple[int, int]]:
         """The ``(source, tag)`` of the receives of the group ``token`` (of :meth:`first`)."""

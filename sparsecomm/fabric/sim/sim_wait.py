@@ -6,10 +6,10 @@ of its queue, at ``t_g = max(0, delivered of those heads)``. The wait's event is
 ``max(clock, min t_g)`` over the groups in, and its choice ``(t, i)`` the lowest ``i`` with ``t_i <= t``.
 Recomputing that from the mailbox costs a pass over every receive of every group; here an arrival costs
 O(1) in the common case: a message that becomes the head of a queue of a group not yet in lowers that
-group's count of missing heads and raises its running maximum. When the arrival re-timed messages
+group's count of missing heads and raises its running maximum. When the arrival may have re-timed messages
 already queued (its head is earlier than theirs: the receiving NIC takes it first,
-:meth:`~.sim_network.Endpoint.schedule`), the groups whose heads those are are measured again, and the
-minimum is taken afresh over the groups' kept times; an any-source receive's group is measured again on
+:meth:`~.sim_network.Endpoint.schedule`), every group is measured again (deliveries read through
+:meth:`~.sim_network.Endpoint.delivery`); an any-source receive's group is measured again on
 each arrival on its tag (the message may be the new first match). The endpoint's clock and its mailbox's
 heads change only through this endpoint's own process, which does not take messages while the wait is
 open, so nothing else invalidates the state.
@@ -56,7 +56,7 @@ class OrderedWait:
             if msg is None:
                 missing += 1
             else:
-                d = msg.delivered
+                d = self.ep.delivery(msg)
                 if d > latest:
                     latest = d
         self.missing[i], self.latest[i] = missing, latest
@@ -81,28 +81,18 @@ class OrderedWait:
         if self.t_min is None or t < self.t_min:
             self.t_min = t
 
-    def arrived(self, msg: Msg, retimed: list[Msg]) -> None:
-        """``msg`` was put in the mailbox; ``retimed``: the queued messages whose deliveries its arrival
-        moved (their groups are measured again, and the minimum taken afresh if one of them is in)."""
+    def arrived(self, msg: Msg, retimed: bool) -> None:
+        """``msg`` was put in the mailbox; ``retimed``: queued messages may have moved
+        (:meth:`~.sim_network.Endpoint.schedule`; every group is then measured again)."""
         if retimed:
-            box, again = self.ep.mailbox, set()
-            for m in [msg] + retimed:
-                key = (m.src, m.tag)
-                i = self.group.get(key)
-                if i is not None and box[key][0] is m:
-                    again.add(i)
-                again.update(self.any_tag.get(m.tag, ()))
-            for i in again:
-                self._measure(i)
-            if any(not self.missing[i] for i in again):
-                self.t_min = min((d for m, d in zip(self.missing, self.latest) if not m), default=None)
+            self.recompute()
             return
         i = self.group.get((msg.src, msg.tag))
         if i is not None and self.missing[i]:
             q = self.ep.mailbox[(msg.src, msg.tag)]
             if q[0] is msg:          # a new head: one receive fewer missing
                 self.missing[i] -= 1
-                d = msg.delivered
+                d = self.ep.delivery(msg)
                 if d > self.latest[i]:
                     self.latest[i] = d
                 if not self.missing[i]:

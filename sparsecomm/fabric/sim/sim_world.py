@@ -298,7 +298,7 @@ class World:
             if req.ordered:
                 return False
             msg = match(ep, req.src, req.tag)
-            if msg is not None and (req.deadline is None or msg.delivered <= req.deadline):
+            if msg is not None and (req.deadline is None or ep.delivery(msg) <= req.deadline):
                 p.value = self._take(ep, msg)
                 return True
             return False
@@ -326,7 +326,7 @@ class World:
         else:
             q = ep.mailbox.get((src, tag))
             msg = q[0] if q else None
-        if msg is None or (timeout is not None and msg.delivered > ep.clock + timeout):
+        if msg is None or (timeout is not None and ep.delivery(msg) > ep.clock + timeout):
             return None
         return self._take(ep, msg)
 
@@ -355,9 +355,10 @@ class World:
         """An ordered receive's event: when its first matching message is delivered, if by its deadline."""
         req = p.wait
         msg = match(p.ep, req.src, req.tag)
-        if msg is None or (req.deadline is not None and msg.delivered > req.deadline):
+        if msg is None:
             return None
-        return msg.delivered
+        t = p.ep.delivery(msg)
+        return None if req.deadline is not None and t > req.deadline else t
 
     def _unblock(self, p: Proc, retry: bool = False) -> None:
         """``p`` waits no more: it runs at the loop's next turn, with its outcome set (``retry``: its wait
@@ -370,8 +371,9 @@ class World:
         self._blocked -= 1
         self._ready(p)
 
-    def arrived(self, ep: Endpoint, msg: Msg, retimed: list[Msg]) -> None:
-        """``msg`` was put in ``ep``'s mailbox (``retimed``: the queued messages its arrival re-timed): a
+    def arrived(self, ep: Endpoint, msg: Msg, retimed: bool) -> None:
+        """``msg`` was put in ``ep``'s mailbox (``retimed``: queued messages may have moved,
+        :meth:`~.sim_network.Endpoint.schedule`): a
         plain receive it matches can run; an ordered wait's event is updated (the endpoint's ``watch``, a
         drive's wait set, first)."""
         kept = ep.watch
