@@ -146,62 +146,70 @@ def ring_role(fabric: Fabric, acc: torch.Tensor, inbox: Inbox, tag: int = RING_T
     segs = [_segments(b[c], b[c + 1], seg) for c in range(n)]
     bufs = _workspace(workspace, b[1] - b[0], 2 if n > 2 else 1, acc)
     sent = 0                # this worker's sends so far: send i is held under i (an all-gather receive frees it)
-    rs_done = n == 2        # every reduce-scatter receive posted (the all-gather's may follow: same tag)
-
-    def post_rs(step: int):
-        nonlocal rs_done
-        rs_done = rs_done or step == n - 2
-        c = (r - step - 1) % n
-        buf = bufs[step % len(bufs)]
-        keys = []
-        for j, (lo, hi) in enumerate(segs[c]):
-            keys.append(("rs", step, j))
-            yield PostInto(keys[-1], buf[lo - b[c]:hi - b[c]], left, tag)
-        return keys
-
-    # all-gather step s receives chunk (r - s) into ``acc``, the chunk reduce-scatter step s sent: in
+    # reduce-scatter: step s adds chunk (r-s-1) from the left; each reduced segment goes on to the right
+    # at once (it is the next step's outgoing data; after the last step, all-gather step 0's). The
+    # receives of a step are posted one step ahead (two buffers; the keys of step s are ("rs", s, j)).
+    # All-gather step s receives chunk (r - s) into ``acc``, the chunk reduce-scatter step s sent: in
     # order, region i once the reduce-scatter send i is done with it (``Flush(i)``). gloo sends only to a
     # posted receive, so these are posted during the reduce-scatter, not after it (a receive posted late
     # idles the left neighbour's link): after the m-th reduce-scatter segment has arrived, up to region m,
     # whose send left about when that segment did (once every reduce-scatter receive is posted, so that
-    # messages on the tag still match receives in order)
+    # messages on the tag still match receives in order). One generator, no nested ones: each request
+    # passes one frame on its way to the scheduler.
     ag = [(s, lo, hi) for s in range(n - 1) for lo, hi in segs[(r - s) % n]]
-    recvs: list = []
-
-    def post_ag(upto: int):
-        while len(recvs) < min(upto, len(ag)):
-            i = len(recvs)
-            yield Flush(i)
-            recvs.append(("ag", i))
-            yield PostInto(recvs[-1], acc[ag[i][1]:ag[i][2]], left, tag)
-
-    # reduce-scatter: step s adds chunk (r-s-1) from the left; each reduced segment goes on to the right
-    # at once (it is the next step's outgoing data; after the last step, all-gather step 0's)
-    posted = yield from post_rs(0)     # receives first: their "posted" notices then leave before this rank's data
+    n_ag = len(ag)
+    ag_posted = 0           # all-gather receives posted: region i under the key ("ag", i)
+    double = len(bufs) == 2
+    last = n - 2            # the last reduce-scatter step: once its receives are posted, the all-gather's may be
+    rs_done = n == 2
+    c = (r - 1) % n         # post step 0's receives first: their "posted" notices leave before this rank's data
+    buf, base = bufs[0], b[c]
+    for j, (lo, hi) in enumerate(segs[c]):
+        yield PostInto(("rs", 0, j), buf[lo - base:hi - base], left, tag)
+    rs_done = rs_done or last == 0
     for lo, hi in segs[r]:
-        yield Send(acc[lo:hi], right, tag, hold=sent)
+        yield Send(acc[lo:hi], right, tag, sent)
         sent += 1
-    arrived = 0
     for s in range(n - 1):
         c = (r - s - 1) % n
-        nxt = (yield from post_rs(s + 1)) if s + 2 < n and len(bufs) == 2 else None
-        for (lo, hi), key in zip(segs[c], posted):
+        ahead = s + 2 < n
+        if ahead and double:            # the next step's receives, into the other buffer
+            c2 = (c - 1) % n
+            buf, base = bufs[(s + 1) % 2], b[c2]
+            for j, (lo, hi) in enumerate(segs[c2]):
+                yield PostInto(("rs", s + 1, j), buf[lo - base:hi - base], left, tag)
+            rs_done = rs_done or s + 1 == last
+        for j, (lo, hi) in enumerate(segs[c]):
+            key = ("rs", s, j)
             yield Recv((key,), _STEP)
             region = acc[lo:hi]
             region.add_(inbox.take(key))
             fabric.host_work("sum", hi - lo, acc.dtype)
-            yield Send(region, right, tag, hold=sent)
+            yield Send(region, right, tag, sent)
             sent += 1
-            arrived += 1
             if rs_done:
-                yield from post_ag(arrived)
-        posted = nxt if nxt is not None else ((yield from post_rs(s + 1)) if s + 2 < n else [])
-    yield from post_ag(len(ag))
-    for (s, lo, hi), key in zip(ag, recvs):
+                upto = sent - len(segs[r]) if sent - len(segs[r]) < n_ag else n_ag
+                while ag_posted < upto:
+                    yield Flush(ag_posted)
+                    i, ag_posted = ag_posted, ag_posted + 1
+                    yield PostInto(("ag", i), acc[ag[i][1]:ag[i][2]], left, tag)
+        if ahead and not double:        # one buffer: the next step's receives once this step's are taken
+            c2 = (c - 1) % n
+            buf, base = bufs[0], b[c2]
+            for j, (lo, hi) in enumerate(segs[c2]):
+                yield PostInto(("rs", s + 1, j), buf[lo - base:hi - base], left, tag)
+            rs_done = rs_done or s + 1 == last
+    while ag_posted < n_ag:
+        yield Flush(ag_posted)
+        i, ag_posted = ag_posted, ag_posted + 1
+        yield PostInto(("ag", i), acc[ag[i][1]:ag[i][2]], left, tag)
+    for i, (s, lo, hi) in enumerate(ag):
+        key = ("ag", i)
         yield Recv((key,), _STEP)
         inbox.take(key)
-        if s < n - 2:
+        if s < last:
             yield Send(acc[lo:hi], right, tag)
+    return acc
 
 
 @registry.register("ring")
@@ -245,20 +253,19 @@ class Ring(Transport):
         if n == 1:
             return guarded_sum(f, what, op, extra, self.nonfinite, lambda a: a)
 
-        def reduce_role(a: torch.Tensor):
-            yield from ring_role(f, a, inbox, self.tag, segment, self._workspace)
-            return a
-
         # the handshake and the ring's steps in one drive: the agreement's rounds first, each done (its
         # send completed) before the next, then the ring's, as two drives would send them
         pool = Pool()
         inbox, outbox = Inbox(f, pool), Outbox(f, pool)
-        out: dict = {}
+        out: list = []
 
-        def role():
-            out["sum"] = yield from guarded_sum_role(f, inbox, what, op, extra, reduce_role)
+        def reduce_role(a: torch.Tensor):
+            return ring_role(f, a, inbox, self.tag, segment, self._workspace)
+
+        def role():         # (the ring's requests pass two frames: this one's and ring_role's)
+            out.append((yield from guarded_sum_role(f, inbox, what, op, extra, reduce_role)))
 
         f.drive([role()], inbox, outbox)
         outbox.finish()
         f.stats.rounds += 2 * (n - 1)
-        return guarded_finish(f, what, op, *out["sum"], self.nonfinite)
+        return guarded_finish(f, what, op, *out[0], self.nonfinite)
