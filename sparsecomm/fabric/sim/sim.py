@@ -90,13 +90,14 @@ class _RecvWork(Work):
             self._done = True
         return self._result
 
-    def process(self, timeout: float | None = None) -> Generator:
+    def process(self, timeout: float | None = None, tried: bool = False) -> Generator:
         """The receive as a process of the loop (the world's gate runs it for :meth:`wait`); ``timeout``:
-        modelled seconds, after which it raises :class:`FabricTimeout` and stays posted."""
+        modelled seconds, after which it raises :class:`FabricTimeout` and stays posted. ``tried``: its
+        :meth:`take_now` (no timeout) has just found no message (not looked for again)."""
         if not self._done:
             fabric = self._fabric
             tensor, src, tag = self._args
-            msg = fabric.world.take_now(fabric._ep, src, tag, timeout)
+            msg = None if tried else fabric.world.take_now(fabric._ep, src, tag, timeout)
             if msg is None:
                 self._result = yield from fabric._recv_process(tensor, src, tag, timeout)
             else:               # in already: what the loop would do at once, without the round trip through it
@@ -407,14 +408,23 @@ class SimFabric(Fabric):
                             ws.completed((w,))
                     continue
                 value = None        # WaitAll: the role takes these at once; they are received first, here
-                works = [w for w in map(inbox.work, req.keys) if w is not None]
+                keys = req.keys
+                if len(keys) == 1 and not req.any:      # (the common case: one named receive)
+                    w = inbox.work(keys[0])
+                    if w is not None and not w._done:
+                        if not w.take_now():
+                            yield from w.process(tried=True)
+                        if ws is not None and ws.groups:
+                            ws.completed((w,))
+                    continue
+                works = [w for w in map(inbox.work, keys) if w is not None]
                 if req.any:
                     if len(works) < len(req.keys) or any(w.is_completed() for w in works):
                         continue    # one is in (or was handed over)
                     works = works[:1]
                 for w in works:
                     if not w._done and not w.take_now():
-                        yield from w.process()
+                        yield from w.process(tried=True)
                 if ws is not None and ws.groups:
                     ws.completed(works)
         finally:
