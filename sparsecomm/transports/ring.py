@@ -262,10 +262,8 @@ class Ring(Transport):
         def reduce_role(a: torch.Tensor):
             return ring_role(f, a, inbox, self.tag, segment, self._workspace)
 
-        def role():         # (the ring's requests pass two frames: this one's and ring_role's)
-            out.append((yield from guarded_sum_role(f, inbox, what, op, extra, reduce_role)))
-
-        f.drive([role()], inbox, outbox)
+        # (the ring's requests pass two generator frames: guarded_sum_role's and ring_role's)
+        f.drive([guarded_sum_role(f, inbox, what, op, extra, reduce_role, out=out)], inbox, outbox)
         outbox.finish()
         f.stats.rounds += 2 * (n - 1)
         return guarded_finish(f, what, op, *out[0], self.nonfinite)

@@ -57,16 +57,21 @@ class SimWorld(World):
     def close(self) -> None:
         self.gate.close()
 
-class _DoneWork(Work):
-    def __init__(self, result: int | None = None, on_wait: Callable[[], None] | None = None) -> None:
-        self._result = result
-        self._on_wait = on_wait
+class _SentWork(Work):
+    """A started send of endpoint ``ep`` whose last byte leaves at ``tx_end``: complete; a wait moves the
+    endpoint's clock to ``tx_end`` (once)."""
 
-    def wait(self, timeout: float | None = None) -> int | None:
-        if self._on_wait is not None:
-            self._on_wait()
-            self._on_wait = None
-        return self._result
+    __slots__ = ("_ep", "_tx_end")
+
+    def __init__(self, ep, tx_end: float) -> None:
+        self._ep, self._tx_end = ep, tx_end
+
+    def wait(self, timeout: float | None = None) -> None:
+        ep, t = self._ep, self._tx_end
+        if ep is not None:
+            if t > ep.clock:
+                ep.clock = t
+            self._ep = None
 
     def is_completed(self) -> bool:
         return True
@@ -104,6 +109,12 @@ class _RecvWork(Work):
                 self._result = fabric._deliver(msg, tensor, tag)
             self._done = True
         return self._result
+
+    def event(self) -> RecvWait:
+        """What :meth:`process` (no timeout) waits for once :meth:`take_now` has missed: a process that
+        yields it is resumed with the message for :meth:`complete`."""
+        src = self._args[1]
+        return RecvWait(src, self._args[2], None, src is None and self._fabric._ep.per_port)
 
     def take_now(self) -> bool:
         """Complete now if :meth:`process` would without a step of the loop (its message is in); has it?"""
@@ -215,7 +226,10 @@ class SimFabric(Fabric):
                 _trace.recorder.sim_sent(world, self.rank, dst, tag, nbytes, start, tx_end, dropped)
             if not dropped and not dst_ep.crashed:
                 msg = Msg(self.rank, tag, data, nbytes, start, start + latency, tx_end)
-                dst_ep.mailbox.setdefault((self.rank, tag), deque()).append(msg)
+                q = dst_ep.mailbox.get((self.rank, tag))
+                if q is None:
+                    q = dst_ep.mailbox[(self.rank, tag)] = deque()
+                q.append(msg)
                 world.arrived(dst_ep, msg, dst_ep.schedule(msg))
             ep.sends += 1
             limit = world.network.crash.get(self.rank)
@@ -229,20 +243,17 @@ class SimFabric(Fabric):
         self._ep.clock = max(self._ep.clock, tx_end)
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0, *, reliable: bool = True) -> Work:
-        tx_end = self._post(tensor, dst, tag, reliable)
-        ep = self._ep
-
-        def done() -> None:
-            ep.clock = max(ep.clock, tx_end)
-
-        return _DoneWork(None, done)
+        return _SentWork(self._ep, self._post(tensor, dst, tag, reliable))
 
     # ------------------------------------------------------------- receiving
     def _deliver(self, msg: Msg, tensor: torch.Tensor, tag: int) -> int:
         """Copy taken ``msg`` into ``tensor`` (a message of another length or dtype: ``MismatchError``)."""
         data = msg.data
+        if data.dtype is tensor.dtype and data.shape == tensor.shape and not tensor.requires_grad:
+            tensor.copy_(data)      # (the common case)
+            return msg.src
         dn, tn = data.numel(), tensor.numel()
-        if data.dtype is tensor.dtype and dn == tn and not tensor.requires_grad:     # (the common case)
+        if data.dtype is tensor.dtype and dn == tn and not tensor.requires_grad:
             tensor.copy_(data if data.shape == tensor.shape else data.reshape(tensor.shape))
             return msg.src
         if (data.dtype is tensor.dtype and dn < tn and tensor.is_contiguous()
@@ -412,8 +423,8 @@ class SimFabric(Fabric):
                 if len(keys) == 1 and not req.any:      # (the common case: one named receive)
                     w = inbox.work(keys[0])
                     if w is not None and not w._done:
-                        if not w.take_now():
-                            yield from w.process(tried=True)
+                        if not w.take_now():        # (the loop's wait, without process()'s frames)
+                            w.complete((yield w.event()))
                         if ws is not None and ws.groups:
                             ws.completed((w,))
                     continue
