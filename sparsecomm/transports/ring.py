@@ -87,10 +87,6 @@ def segment_length(chunk: int, segment: int | None, elem_size: int) -> int:
     return max(1, min(int(segment), chunk))
 
 
-def _segments(lo: int, hi: int, seg: int) -> list[tuple[int, int]]:
-    return [(a, min(a + seg, hi)) for a in range(lo, hi, seg)]
-
-
 def _workspace(cache: dict | None, numel: int, count: int, like: torch.Tensor) -> list[torch.Tensor]:
     """``count`` buffers of ``numel`` elements like ``like``, reused across calls through ``cache``
     (fresh large allocations cost page faults on every call)."""
@@ -136,15 +132,23 @@ def ring_role(fabric: Fabric, acc: torch.Tensor, inbox: Inbox, tag: int = RING_T
     for the send of that region (:class:`~.roles.Flush`). ``fabric`` is read for its rank, world size and
     ``serial_pairs``; ``tag``, ``segment``, ``workspace``: as :func:`ring_allreduce_`."""
     n, r = fabric.world_size, fabric.rank
-    b = chunk_bounds(acc.numel(), n)
-    seg = max(1, int(segment)) if segment else max(1, b[1] - b[0])
+    q, rem = divmod(acc.numel(), n)     # chunk c is [c q + min(c, rem), (c + 1) q + min(c + 1, rem)) (chunk_bounds)
+    big = q + (1 if rem else 0)         # the longest chunk's length (chunk 0's)
+    seg = max(1, int(segment)) if segment else max(1, big)
     if n == 2 and getattr(fabric, "serial_pairs", False):
         # one ordered channel per pair (nccl): with two workers the left and right neighbours are the
         # same rank, so a forwarded segment would wait behind receives posted for later; no segments
-        seg = max(1, b[1] - b[0])
+        seg = max(1, big)
     right, left = (r + 1) % n, (r - 1) % n
-    segs = [_segments(b[c], b[c + 1], seg) for c in range(n)]
-    bufs = _workspace(workspace, b[1] - b[0], 2 if n > 2 else 1, acc)
+    bufs = _workspace(workspace, big, 2 if n > 2 else 1, acc)
+    views: dict = {}        # (buffer, start, end) -> that view of a workspace buffer (a few: every chunk's alike)
+    # the chunks' bounds and segments are computed where used (a list of them per worker is O(n^2) in all)
+    clo = r * q + (r if r < rem else rem)
+    chi = clo + q + (1 if r < rem else 0)
+    n_own = -(-(chi - clo) // seg)      # this worker's segments (empty chunks are not sent)
+    # every all-gather region, in the order its receives are posted (step s: chunk (r - s)'s segments)
+    c = (r + 1) % n
+    n_ag = rem * -(-(q + 1) // seg) + (n - rem) * -(-q // seg) - -(-(q + (1 if c < rem else 0)) // seg)
     sent = 0                # this worker's sends so far: send i is held under i (an all-gather receive frees it)
     # reduce-scatter: step s adds chunk (r-s-1) from the left; each reduced segment goes on to the right
     # at once (it is the next step's outgoing data; after the last step, all-gather step 0's). The
@@ -156,30 +160,49 @@ def ring_role(fabric: Fabric, acc: torch.Tensor, inbox: Inbox, tag: int = RING_T
     # whose send left about when that segment did (once every reduce-scatter receive is posted, so that
     # messages on the tag still match receives in order). One generator, no nested ones: each request
     # passes one frame on its way to the scheduler.
-    ag = [(s, lo, hi) for s in range(n - 1) for lo, hi in segs[(r - s) % n]]
-    n_ag = len(ag)
     ag_posted = 0           # all-gather receives posted: region i under the key ("ag", i)
-    double = len(bufs) == 2
+    ag_s, ag_lo, ag_hi = 0, clo, chi    # the next region to post is in step ag_s's chunk, [ag_lo, ag_hi)
     last = n - 2            # the last reduce-scatter step: once its receives are posted, the all-gather's may be
+    while ag_lo >= ag_hi and ag_s < last:
+        ag_s += 1
+        c = (r - ag_s) % n
+        ag_lo = c * q + (c if c < rem else rem)
+        ag_hi = ag_lo + q + (1 if c < rem else 0)
+    double = len(bufs) == 2
     rs_done = n == 2
     c = (r - 1) % n         # post step 0's receives first: their "posted" notices leave before this rank's data
-    buf, base = bufs[0], b[c]
-    for j, (lo, hi) in enumerate(segs[c]):
-        yield PostInto(("rs", 0, j), buf[lo - base:hi - base], left, tag)
-    rs_done = rs_done or last == 0
-    for lo, hi in segs[r]:
-        yield Send(acc[lo:hi], right, tag, sent)
+    lo0 = c * q + (c if c < rem else rem)
+    hi0 = lo0 + q + (1 if c < rem else 0)
+    for j, a in enumerate(range(0, hi0 - lo0, seg)):
+        e = a + seg if a + seg < hi0 - lo0 else hi0 - lo0
+        v = views.get((0, a, e))
+        if v is None:
+            v = views[(0, a, e)] = bufs[0][a:e]
+        yield PostInto(("rs", 0, j), v, left, tag)
+    for lo in range(clo, chi, seg):
+        yield Send(acc[lo:lo + seg if lo + seg < chi else chi], right, tag, sent)
         sent += 1
     for s in range(n - 1):
         c = (r - s - 1) % n
+        lo0 = c * q + (c if c < rem else rem)
+        hi0 = lo0 + q + (1 if c < rem else 0)
         ahead = s + 2 < n
-        if ahead and double:            # the next step's receives, into the other buffer
+        if ahead:                       # the next step's receives, into the other buffer (one: after this step)
             c2 = (c - 1) % n
-            buf, base = bufs[(s + 1) % 2], b[c2]
-            for j, (lo, hi) in enumerate(segs[c2]):
-                yield PostInto(("rs", s + 1, j), buf[lo - base:hi - base], left, tag)
-            rs_done = rs_done or s + 1 == last
-        for j, (lo, hi) in enumerate(segs[c]):
+            length = q + (1 if c2 < rem else 0)
+            k = (s + 1) % len(bufs)
+            nxt = []
+            for j, a in enumerate(range(0, length, seg)):
+                e = a + seg if a + seg < length else length
+                v = views.get((k, a, e))
+                if v is None:
+                    v = views[(k, a, e)] = bufs[k][a:e]
+                nxt.append(PostInto(("rs", s + 1, j), v, left, tag))
+            if double:
+                yield from nxt
+                rs_done = rs_done or s + 1 == last
+        for j, lo in enumerate(range(lo0, hi0, seg)):
+            hi = lo + seg if lo + seg < hi0 else hi0
             key = ("rs", s, j)
             yield Recv((key,), _STEP)
             region = acc[lo:hi]
@@ -188,27 +211,44 @@ def ring_role(fabric: Fabric, acc: torch.Tensor, inbox: Inbox, tag: int = RING_T
             yield Send(region, right, tag, sent)
             sent += 1
             if rs_done:
-                upto = sent - len(segs[r]) if sent - len(segs[r]) < n_ag else n_ag
+                upto = sent - n_own if sent - n_own < n_ag else n_ag
                 while ag_posted < upto:
                     yield Flush(ag_posted)
-                    i, ag_posted = ag_posted, ag_posted + 1
-                    yield PostInto(("ag", i), acc[ag[i][1]:ag[i][2]], left, tag)
-        if ahead and not double:        # one buffer: the next step's receives once this step's are taken
-            c2 = (c - 1) % n
-            buf, base = bufs[0], b[c2]
-            for j, (lo, hi) in enumerate(segs[c2]):
-                yield PostInto(("rs", s + 1, j), buf[lo - base:hi - base], left, tag)
+                    e = ag_lo + seg if ag_lo + seg < ag_hi else ag_hi
+                    yield PostInto(("ag", ag_posted), acc[ag_lo:e], left, tag)
+                    ag_posted += 1
+                    ag_lo = e
+                    while ag_lo >= ag_hi and ag_s < last:
+                        ag_s += 1
+                        c = (r - ag_s) % n
+                        ag_lo = c * q + (c if c < rem else rem)
+                        ag_hi = ag_lo + q + (1 if c < rem else 0)
+        if ahead and not double:
+            yield from nxt
             rs_done = rs_done or s + 1 == last
     while ag_posted < n_ag:
         yield Flush(ag_posted)
-        i, ag_posted = ag_posted, ag_posted + 1
-        yield PostInto(("ag", i), acc[ag[i][1]:ag[i][2]], left, tag)
-    for i, (s, lo, hi) in enumerate(ag):
-        key = ("ag", i)
-        yield Recv((key,), _STEP)
-        inbox.take(key)
-        if s < last:
-            yield Send(acc[lo:hi], right, tag)
+        e = ag_lo + seg if ag_lo + seg < ag_hi else ag_hi
+        yield PostInto(("ag", ag_posted), acc[ag_lo:e], left, tag)
+        ag_posted += 1
+        ag_lo = e
+        while ag_lo >= ag_hi and ag_s < last:
+            ag_s += 1
+            c = (r - ag_s) % n
+            ag_lo = c * q + (c if c < rem else rem)
+            ag_hi = ag_lo + q + (1 if c < rem else 0)
+    i = 0
+    for s in range(n - 1):
+        c = (r - s) % n
+        lo0 = c * q + (c if c < rem else rem)
+        hi0 = lo0 + q + (1 if c < rem else 0)
+        for lo in range(lo0, hi0, seg):
+            key = ("ag", i)
+            i += 1
+            yield Recv((key,), _STEP)
+            inbox.take(key)
+            if s < last:
+                yield Send(acc[lo:lo + seg if lo + seg < hi0 else hi0], right, tag)
     return acc
 
 
