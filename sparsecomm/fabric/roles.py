@@ -107,7 +107,11 @@ class Inbox:
     def post_into(self, key, buf: torch.Tensor, src: int, tag: int) -> None:
         """Post the receive of ``key`` from endpoint ``src`` on ``tag`` straight into ``buf`` (a contiguous
         tensor, e.g. a view of the result)."""
-        self._add(key, (self.fabric.irecv(buf, src, tag), buf))
+        box = self._box         # (what _add does, inline: once per message of a ring)
+        new = key not in box
+        box[key] = (self.fabric.irecv(buf, src, tag), buf)
+        if self._observer is not None:
+            self._observer(key, True if new else None)
 
     def put(self, key, buf) -> None:
         """Put the message ``buf`` of ``key`` here (from another role of this endpoint: in at once)."""
@@ -158,8 +162,13 @@ class Outbox:
         uses (held until the send completes). ``deferrable``: left to :meth:`finish` (:meth:`reap`)."""
         wk = self.fabric.isend(buf, dst, tag)
         self.pending.append((wk, buf, deferrable))
-        if key is not None:
-            self.pool.hold(("out", key), wk)
+        if key is not None:         # (Pool.hold, inline)
+            busy = self.pool._busy
+            held = busy.get(("out", key))
+            if held is None:
+                busy[("out", key)] = [wk]
+            else:
+                held.append(wk)
 
     def reap(self, keep: int = 64) -> None:
         """Wait for all but the newest ``keep`` sends, except the ``deferrable`` ones, left to

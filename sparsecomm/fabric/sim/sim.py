@@ -206,7 +206,7 @@ class SimFabric(Fabric):
             data = tensor.clone()       # the common case in one operation (a send's copy: the buffer may change)
         else:
             data = tensor.detach().to("cpu", copy=True).contiguous()
-        nbytes = data.numel() * data.element_size()
+        nbytes = data.nbytes
         with world.gate.lock:
             if world.failure is not None:
                 self._raise_if_failed()
