@@ -242,13 +242,13 @@ def ring_role(fabric: Fabric, acc: torch.Tensor, inbox: Inbox, tag: int = RING_T
         c = (r - s) % n
         lo0 = c * q + (c if c < rem else rem)
         hi0 = lo0 + q + (1 if c < rem else 0)
-        for lo in range(lo0, hi0, seg):
+        for _ in range(lo0, hi0, seg):
             key = ("ag", i)
             i += 1
             yield Recv((key,), _STEP)
-            inbox.take(key)
+            region = inbox.take(key)        # (the view of ``acc`` it was posted into)
             if s < last:
-                yield Send(acc[lo:lo + seg if lo + seg < hi0 else hi0], right, tag)
+                yield Send(region, right, tag)
     return acc
 
 
