@@ -556,14 +556,16 @@ class _Scheduler:
             i = yield WaitAny(groups_)
             yield from self.resume(owner[i])
 
-    def advance(self, role, req=None) -> Generator:
+    def advance(self, role, first=None) -> Generator:
         """Run ``role`` until it waits (or returns), performing its non-blocking requests (a generator: a
-        :class:`Poll` may resume others, whose waits it yields); ``req``: a request it has yielded already,
+        :class:`Poll` may resume others, whose waits it yields); ``first``: a request it has yielded already,
         performed first."""
         inbox, outbox = self.inbox, self.outbox
         value = None
         while True:
-            if req is None:
+            if first is not None:
+                req, first = first, None
+            else:
                 try:
                     req = next(role) if value is None else role.send(value)   # (a role may be a plain iterator)
                 except StopIteration:
@@ -603,7 +605,6 @@ class _Scheduler:
                 value = yield req       # the driver's wait, this endpoint's alone (no other role runs meanwhile)
             else:
                 raise ProtocolError(f"endpoint {self.fabric.rank}: a role asked for {req!r} (a bug)")
-            req = None
 
     def _check_solo(self, req: Recv) -> None:
         """The only role waits on ``req``: able to run (rule R1; else a bug), after the reap its stage asks for."""
