@@ -49,6 +49,8 @@ raises on every worker unless ``nonfinite="pass"``.
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 
 from ..errors import InvalidValueError
@@ -161,13 +163,10 @@ def ring_role(fabric: Fabric, acc: torch.Tensor, inbox: Inbox, tag: int = RING_T
     # messages on the tag still match receives in order). One generator, no nested ones: each request
     # passes one frame on its way to the scheduler.
     ag_posted = 0           # all-gather receives posted: region i under the key ("ag", i)
-    ag_s, ag_lo, ag_hi = 0, clo, chi    # the next region to post is in step ag_s's chunk, [ag_lo, ag_hi)
+    # all-gather region i is the region of this worker's send i (own chunk r, then the reduce-scatter's
+    # chunks r - 1, r - 2, ...: chunk r - s is all-gather step s's): its receive is posted into that view
+    regions: deque = deque()    # the views of the sends whose regions' all-gather receives are not posted yet
     last = n - 2            # the last reduce-scatter step: once its receives are posted, the all-gather's may be
-    while ag_lo >= ag_hi and ag_s < last:
-        ag_s += 1
-        c = (r - ag_s) % n
-        ag_lo = c * q + (c if c < rem else rem)
-        ag_hi = ag_lo + q + (1 if c < rem else 0)
     double = len(bufs) == 2
     rs_done = n == 2
     c = (r - 1) % n         # post step 0's receives first: their "posted" notices leave before this rank's data
@@ -180,7 +179,9 @@ def ring_role(fabric: Fabric, acc: torch.Tensor, inbox: Inbox, tag: int = RING_T
             v = views[(0, a, e)] = bufs[0][a:e]
         yield PostInto(("rs", 0, j), v, left, tag)
     for lo in range(clo, chi, seg):
-        yield Send(acc[lo:lo + seg if lo + seg < chi else chi], right, tag, sent)
+        region = acc[lo:lo + seg if lo + seg < chi else chi]
+        regions.append(region)
+        yield Send(region, right, tag, sent)
         sent += 1
     for s in range(n - 1):
         c = (r - s - 1) % n
@@ -206,6 +207,7 @@ def ring_role(fabric: Fabric, acc: torch.Tensor, inbox: Inbox, tag: int = RING_T
             key = ("rs", s, j)
             yield Recv((key,), _STEP)
             region = acc[lo:hi]
+            regions.append(region)
             region.add_(inbox.take(key))
             fabric.host_work("sum", hi - lo, acc.dtype)
             yield Send(region, right, tag, sent)
@@ -214,29 +216,15 @@ def ring_role(fabric: Fabric, acc: torch.Tensor, inbox: Inbox, tag: int = RING_T
                 upto = sent - n_own if sent - n_own < n_ag else n_ag
                 while ag_posted < upto:
                     yield Flush(ag_posted)
-                    e = ag_lo + seg if ag_lo + seg < ag_hi else ag_hi
-                    yield PostInto(("ag", ag_posted), acc[ag_lo:e], left, tag)
+                    yield PostInto(("ag", ag_posted), regions.popleft(), left, tag)
                     ag_posted += 1
-                    ag_lo = e
-                    while ag_lo >= ag_hi and ag_s < last:
-                        ag_s += 1
-                        c = (r - ag_s) % n
-                        ag_lo = c * q + (c if c < rem else rem)
-                        ag_hi = ag_lo + q + (1 if c < rem else 0)
         if ahead and not double:
             yield from nxt
             rs_done = rs_done or s + 1 == last
     while ag_posted < n_ag:
         yield Flush(ag_posted)
-        e = ag_lo + seg if ag_lo + seg < ag_hi else ag_hi
-        yield PostInto(("ag", ag_posted), acc[ag_lo:e], left, tag)
+        yield PostInto(("ag", ag_posted), regions.popleft(), left, tag)
         ag_posted += 1
-        ag_lo = e
-        while ag_lo >= ag_hi and ag_s < last:
-            ag_s += 1
-            c = (r - ag_s) % n
-            ag_lo = c * q + (c if c < rem else rem)
-            ag_hi = ag_lo + q + (1 if c < rem else 0)
     i = 0
     for s in range(n - 1):
         c = (r - s) % n
