@@ -107,7 +107,11 @@ class Inbox:
     def post_into(self, key, buf: torch.Tensor, src: int, tag: int) -> None:
         """Post the receive of ``key`` from endpoint ``src`` on ``tag`` straight into ``buf`` (a contiguous
         tensor, e.g. a view of the result)."""
-        self._add(key, (self.fabric.irecv(buf, src, tag), buf))
+        box = self._box         # (what _add does, inline: once per message of a ring)
+        new = key not in box
+        box[key] = (self.fabric.irecv(buf, src, tag), buf)
+        if self._observer is not None:
+            self._observer(key, True if new else None)
 
     def put(self, key, buf) -> None:
         """Put the message ``buf`` of ``key`` here (from another role of this endpoint: in at once)."""
@@ -163,8 +167,13 @@ class Outbox:
         uses (held until the send completes). ``deferrable``: left to :meth:`finish` (:meth:`reap`)."""
         wk = self.fabric.isend(buf, dst, tag)
         self.pending.append((wk, buf, deferrable))
-        if key is not None:
-            self.pool.hold(("out", key), wk)
+        if key is not None:         # (Pool.hold, inline)
+            busy = self.pool._busy
+            held = busy.get(("out", key))
+            if held is None:
+                busy[("out", key)] = [wk]
+            else:
+                held.append(wk)
 
     def reap(self, keep: int = 64) -> None:
         """Wait for all but the newest ``keep`` sends, except the ``deferrable`` ones, left to
@@ -476,34 +485,61 @@ class _Scheduler:
         self.solo = False           # one role, none spawned: after its first wait it waits in place (advance)
 
     def run(self, roles: list, keep: int) -> Generator:
-        self.inbox.observe(self.changed)
-        try:
-            yield from self._run(roles, keep)
-        finally:
-            self.inbox.observe(None)
-
-    def _run(self, roles: list, keep: int) -> Generator:
+        """Run ``roles`` (:func:`schedule`). The only role (none spawned), after its first wait, waits in
+        place, nothing watched, and its frequent requests are performed here, in the driver's generator
+        frame; from a rarer one on, :meth:`advance` runs it (after a :class:`Spawn`, up to its next wait, and
+        :meth:`_run` goes on)."""
         self.keep = keep
-        for role in roles:
-            yield from self.advance(role)
-        self.solo = len(roles) == 1 and self.solo is not None
-        if self.solo:
-            self.inbox.observe(None)        # (nothing to watch; a Spawn observes again)
-        waiting, order, ws = self.waiting, self.order, self.waitset
-        while self.solo and waiting:    # the only role: what the loop below does for it, without the watch
-            s = self.seq
-            req = waiting[s][1]
-            box = self.inbox._box
-            for k in req.keys:
-                if k not in box:
-                    raise ProtocolError(f"endpoint {self.fabric.rank}: no role of this call can run (a bug)")
-            for k in req.gone:
-                if k in box:
-                    raise ProtocolError(f"endpoint {self.fabric.rank}: no role of this call can run (a bug)")
-            if req.stage.reaps:
-                self.outbox.reap(keep)
-            yield WaitAll(req.keys, req.any)
-            yield from self.resume(s)
+        inbox, outbox = self.inbox, self.outbox
+        inbox.observe(self.changed)
+        try:
+            for role in roles:
+                yield from self.advance(role)
+            if len(roles) == 1 and self.solo is not None and self.waiting:
+                role, req = self.forget(self.seq)
+                inbox.observe(None)
+                self.solo = True
+                box = inbox._box
+                send, post_into, settle = outbox.send, inbox.post_into, outbox.pool.settle
+                while req is not None:
+                    for k in req.keys:
+                        if k not in box:
+                            raise ProtocolError(f"endpoint {self.fabric.rank}: no role of this call can run (a bug)")
+                    if req.gone:
+                        self._check_solo(req)
+                    elif req.stage.reaps:
+                        outbox.reap(keep)
+                    yield WaitAll(req.keys, req.any)
+                    value = None
+                    while True:
+                        try:
+                            req = next(role) if value is None else role.send(value)
+                        except StopIteration:
+                            req = None
+                            break
+                        value = None
+                        t = type(req)
+                        if t is Send:
+                            send(req.buf, req.dst, req.tag, req.hold, req.deferrable)
+                        elif t is PostInto:
+                            post_into(req.key, req.buf, req.src, req.tag)
+                        elif t is Recv:
+                            break
+                        elif t is Flush:
+                            settle(req.hold)
+                        elif t is RecvWithin or t is AwaitWithin:
+                            value = yield req       # the driver's wait, this endpoint's alone
+                        else:
+                            yield from self.advance(role, req)
+                            req = None
+                            break
+            yield from self._run()
+        finally:
+            inbox.observe(None)
+
+    def _run(self) -> Generator:
+        """Resume the waiting roles by the rules (``docs/omnireduce-scheduler.md``) until none waits."""
+        waiting, order, ws, keep = self.waiting, self.order, self.waitset, self.keep
         while waiting:
             if not order:
                 raise ProtocolError(f"endpoint {self.fabric.rank}: no role of this call can run (a bug)")
@@ -525,16 +561,20 @@ class _Scheduler:
             i = yield WaitAny(groups_)
             yield from self.resume(owner[i])
 
-    def advance(self, role) -> Generator:
+    def advance(self, role, first=None) -> Generator:
         """Run ``role`` until it waits (or returns), performing its non-blocking requests (a generator: a
-        :class:`Poll` may resume others, whose waits it yields)."""
+        :class:`Poll` may resume others, whose waits it yields); ``first``: a request it has yielded already,
+        performed first."""
         inbox, outbox = self.inbox, self.outbox
         value = None
         while True:
-            try:
-                req = next(role) if value is None else role.send(value)   # (a role may be a plain iterator)
-            except StopIteration:
-                return
+            if first is not None:
+                req, first = first, None
+            else:
+                try:
+                    req = next(role) if value is None else role.send(value)   # (a role may be a plain iterator)
+                except StopIteration:
+                    return
             value = None
             t = type(req)
             if t is Send:
@@ -560,16 +600,28 @@ class _Scheduler:
                     finally:
                         self.polling = False
             elif t is Recv:
-                if self.solo:           # nothing to watch: _run resumes it at once
-                    self.seq += 1
-                    self.waiting[self.seq] = [role, req]
-                else:
-                    self.wait(role, req)
+                if self.solo:           # the only role: it waits in place (nothing to watch, no other to run)
+                    self._check_solo(req)
+                    yield WaitAll(req.keys, req.any)
+                    continue
+                self.wait(role, req)
                 return
             elif t is RecvWithin or t is AwaitWithin:
                 value = yield req       # the driver's wait, this endpoint's alone (no other role runs meanwhile)
             else:
                 raise ProtocolError(f"endpoint {self.fabric.rank}: a role asked for {req!r} (a bug)")
+
+    def _check_solo(self, req: Recv) -> None:
+        """The only role waits on ``req``: able to run (rule R1; else a bug), after the reap its stage asks for."""
+        box = self.inbox._box
+        for k in req.keys:
+            if k not in box:
+                raise ProtocolError(f"endpoint {self.fabric.rank}: no role of this call can run (a bug)")
+        for k in req.gone:
+            if k in box:
+                raise ProtocolError(f"endpoint {self.fabric.rank}: no role of this call can run (a bug)")
+        if req.stage.reaps:
+            self.outbox.reap(self.keep)
 
     def wait(self, role, req: Recv) -> None:
         """Suspend ``role`` on ``req``: count what it lacks, and watch its keys."""
@@ -640,10 +692,12 @@ class _Scheduler:
                 self._able(s, self.waiting[s][1].stage)
 
     def resume(self, s: int) -> Generator:
+        """Resume role ``s`` (:meth:`forget` it, then :meth:`advance` it)."""
+        yield from self.advance(self.forget(s)[0])
+
+    def forget(self, s: int) -> tuple:
+        """Role ``s`` waits no more: out of the waiting ones and their watch; ``(role, its Recv)``."""
         role, req = self.waiting.pop(s)
-        if s not in self.lacks:     # (suspended without a watch: the only role, _run's first loop)
-            yield from self.advance(role)
-            return
         del self.lacks[s]
         if s in self.able:
             self._unable(s, req.stage)
@@ -656,7 +710,7 @@ class _Scheduler:
             w[:] = [e for e in w if e[0] != s]
             if not w:
                 del watchers[k]
-        yield from self.advance(role)
+        return role, req
 
     def poll(self, below=None) -> Generator:
         """Run the roles whose messages are in already (without blocking), best first, until none is

@@ -146,16 +146,19 @@ def guarded_sum(fabric: Fabric, what: str, op: LinearOperand, extra: dict, nonfi
 
 
 def guarded_sum_role(fabric: Fabric, inbox, what: str, op: LinearOperand, extra: dict, reduce_role,
-                     int_floor: torch.dtype = torch.int8):
+                     int_floor: torch.dtype = torch.int8, out: list | None = None):
     """:func:`guarded_sum`'s handshake and reduction as one role (:mod:`sparsecomm.fabric.roles`), so that a
     transport whose reduction is a role runs both in one drive: the agreement
     (:func:`~._handshake.agreement_role`, on ``inbox``), then ``reduce_role(vector)`` (a role that returns the
     summed vector) on the vector in the dtype :func:`guarded_sum` would choose. It returns ``(total,
     widened)``, which :func:`guarded_finish` checks once the drive is over (its non-finite check may be a
-    handshake of its own)."""
+    handshake of its own), and appends it to ``out`` if given (so that it can be the drive's role itself,
+    without a frame around it)."""
     got = yield from agreement_role(fabric, inbox, what, **op.fields, **extra, info=_guard_info(op))
     vec, wide = _to_sum(fabric, what, op, got, int_floor)
     total = yield from reduce_role(vec)
+    if out is not None:
+        out.append((total, wide))
     return total, wide
 
 

@@ -49,6 +49,8 @@ raises on every worker unless ``nonfinite="pass"``.
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 
 from ..errors import InvalidValueError
@@ -85,10 +87,6 @@ def segment_length(chunk: int, segment: int | None, elem_size: int) -> int:
         if half * elem_size >= MIN_SEGMENT_BYTES:
             segment = min(segment, half)
     return max(1, min(int(segment), chunk))
-
-
-def _segments(lo: int, hi: int, seg: int) -> list[tuple[int, int]]:
-    return [(a, min(a + seg, hi)) for a in range(lo, hi, seg)]
 
 
 def _workspace(cache: dict | None, numel: int, count: int, like: torch.Tensor) -> list[torch.Tensor]:
@@ -136,72 +134,110 @@ def ring_role(fabric: Fabric, acc: torch.Tensor, inbox: Inbox, tag: int = RING_T
     for the send of that region (:class:`~.roles.Flush`). ``fabric`` is read for its rank, world size and
     ``serial_pairs``; ``tag``, ``segment``, ``workspace``: as :func:`ring_allreduce_`."""
     n, r = fabric.world_size, fabric.rank
-    b = chunk_bounds(acc.numel(), n)
-    seg = max(1, int(segment)) if segment else max(1, b[1] - b[0])
+    q, rem = divmod(acc.numel(), n)     # chunk c is [c q + min(c, rem), (c + 1) q + min(c + 1, rem)) (chunk_bounds)
+    big = q + (1 if rem else 0)         # the longest chunk's length (chunk 0's)
+    seg = max(1, int(segment)) if segment else max(1, big)
     if n == 2 and getattr(fabric, "serial_pairs", False):
         # one ordered channel per pair (nccl): with two workers the left and right neighbours are the
         # same rank, so a forwarded segment would wait behind receives posted for later; no segments
-        seg = max(1, b[1] - b[0])
+        seg = max(1, big)
     right, left = (r + 1) % n, (r - 1) % n
-    segs = [_segments(b[c], b[c + 1], seg) for c in range(n)]
-    bufs = _workspace(workspace, b[1] - b[0], 2 if n > 2 else 1, acc)
+    bufs = _workspace(workspace, big, 2 if n > 2 else 1, acc)
+    views: dict = {}        # (buffer, start, end) -> that view of a workspace buffer (a few: every chunk's alike)
+    # the chunks' bounds and segments are computed where used (a list of them per worker is O(n^2) in all)
+    clo = r * q + (r if r < rem else rem)
+    chi = clo + q + (1 if r < rem else 0)
+    n_own = -(-(chi - clo) // seg)      # this worker's segments (empty chunks are not sent)
+    # every all-gather region, in the order its receives are posted (step s: chunk (r - s)'s segments)
+    c = (r + 1) % n
+    n_ag = rem * -(-(q + 1) // seg) + (n - rem) * -(-q // seg) - -(-(q + (1 if c < rem else 0)) // seg)
     sent = 0                # this worker's sends so far: send i is held under i (an all-gather receive frees it)
-    rs_done = n == 2        # every reduce-scatter receive posted (the all-gather's may follow: same tag)
-
-    def post_rs(step: int):
-        nonlocal rs_done
-        rs_done = rs_done or step == n - 2
-        c = (r - step - 1) % n
-        buf = bufs[step % len(bufs)]
-        keys = []
-        for j, (lo, hi) in enumerate(segs[c]):
-            keys.append(("rs", step, j))
-            yield PostInto(keys[-1], buf[lo - b[c]:hi - b[c]], left, tag)
-        return keys
-
-    # all-gather step s receives chunk (r - s) into ``acc``, the chunk reduce-scatter step s sent: in
+    # reduce-scatter: step s adds chunk (r-s-1) from the left; each reduced segment goes on to the right
+    # at once (it is the next step's outgoing data; after the last step, all-gather step 0's). The
+    # receives of a step are posted one step ahead (two buffers; the keys of step s are ("rs", s, j)).
+    # All-gather step s receives chunk (r - s) into ``acc``, the chunk reduce-scatter step s sent: in
     # order, region i once the reduce-scatter send i is done with it (``Flush(i)``). gloo sends only to a
     # posted receive, so these are posted during the reduce-scatter, not after it (a receive posted late
     # idles the left neighbour's link): after the m-th reduce-scatter segment has arrived, up to region m,
     # whose send left about when that segment did (once every reduce-scatter receive is posted, so that
-    # messages on the tag still match receives in order)
-    ag = [(s, lo, hi) for s in range(n - 1) for lo, hi in segs[(r - s) % n]]
-    recvs: list = []
-
-    def post_ag(upto: int):
-        while len(recvs) < min(upto, len(ag)):
-            i = len(recvs)
-            yield Flush(i)
-            recvs.append(("ag", i))
-            yield PostInto(recvs[-1], acc[ag[i][1]:ag[i][2]], left, tag)
-
-    # reduce-scatter: step s adds chunk (r-s-1) from the left; each reduced segment goes on to the right
-    # at once (it is the next step's outgoing data; after the last step, all-gather step 0's)
-    posted = yield from post_rs(0)     # receives first: their "posted" notices then leave before this rank's data
-    for lo, hi in segs[r]:
-        yield Send(acc[lo:hi], right, tag, hold=sent)
+    # messages on the tag still match receives in order). One generator, no nested ones: each request
+    # passes one frame on its way to the scheduler.
+    ag_posted = 0           # all-gather receives posted: region i under the key ("ag", i)
+    # all-gather region i is the region of this worker's send i (own chunk r, then the reduce-scatter's
+    # chunks r - 1, r - 2, ...: chunk r - s is all-gather step s's): its receive is posted into that view
+    regions: deque = deque()    # the views of the sends whose regions' all-gather receives are not posted yet
+    last = n - 2            # the last reduce-scatter step: once its receives are posted, the all-gather's may be
+    double = len(bufs) == 2
+    rs_done = n == 2
+    c = (r - 1) % n         # post step 0's receives first: their "posted" notices leave before this rank's data
+    lo0 = c * q + (c if c < rem else rem)
+    hi0 = lo0 + q + (1 if c < rem else 0)
+    for j, a in enumerate(range(0, hi0 - lo0, seg)):
+        e = a + seg if a + seg < hi0 - lo0 else hi0 - lo0
+        v = views.get((0, a, e))
+        if v is None:
+            v = views[(0, a, e)] = bufs[0][a:e]
+        yield PostInto(("rs", 0, j), v, left, tag)
+    for lo in range(clo, chi, seg):
+        region = acc[lo:lo + seg if lo + seg < chi else chi]
+        regions.append(region)
+        yield Send(region, right, tag, sent)
         sent += 1
-    arrived = 0
     for s in range(n - 1):
         c = (r - s - 1) % n
-        nxt = (yield from post_rs(s + 1)) if s + 2 < n and len(bufs) == 2 else None
-        for (lo, hi), key in zip(segs[c], posted):
+        lo0 = c * q + (c if c < rem else rem)
+        hi0 = lo0 + q + (1 if c < rem else 0)
+        ahead = s + 2 < n
+        if ahead:                       # the next step's receives, into the other buffer (one: after this step)
+            c2 = (c - 1) % n
+            length = q + (1 if c2 < rem else 0)
+            k = (s + 1) % len(bufs)
+            nxt = []
+            for j, a in enumerate(range(0, length, seg)):
+                e = a + seg if a + seg < length else length
+                v = views.get((k, a, e))
+                if v is None:
+                    v = views[(k, a, e)] = bufs[k][a:e]
+                nxt.append(PostInto(("rs", s + 1, j), v, left, tag))
+            if double:
+                yield from nxt
+                rs_done = rs_done or s + 1 == last
+        for j, lo in enumerate(range(lo0, hi0, seg)):
+            hi = lo + seg if lo + seg < hi0 else hi0
+            key = ("rs", s, j)
             yield Recv((key,), _STEP)
             region = acc[lo:hi]
+            regions.append(region)
             region.add_(inbox.take(key))
             fabric.host_work("sum", hi - lo, acc.dtype)
-            yield Send(region, right, tag, hold=sent)
+            yield Send(region, right, tag, sent)
             sent += 1
-            arrived += 1
             if rs_done:
-                yield from post_ag(arrived)
-        posted = nxt if nxt is not None else ((yield from post_rs(s + 1)) if s + 2 < n else [])
-    yield from post_ag(len(ag))
-    for (s, lo, hi), key in zip(ag, recvs):
-        yield Recv((key,), _STEP)
-        inbox.take(key)
-        if s < n - 2:
-            yield Send(acc[lo:hi], right, tag)
+                upto = sent - n_own if sent - n_own < n_ag else n_ag
+                while ag_posted < upto:
+                    yield Flush(ag_posted)
+                    yield PostInto(("ag", ag_posted), regions.popleft(), left, tag)
+                    ag_posted += 1
+        if ahead and not double:
+            yield from nxt
+            rs_done = rs_done or s + 1 == last
+    while ag_posted < n_ag:
+        yield Flush(ag_posted)
+        yield PostInto(("ag", ag_posted), regions.popleft(), left, tag)
+        ag_posted += 1
+    i = 0
+    for s in range(n - 1):
+        c = (r - s) % n
+        lo0 = c * q + (c if c < rem else rem)
+        hi0 = lo0 + q + (1 if c < rem else 0)
+        for _ in range(lo0, hi0, seg):
+            key = ("ag", i)
+            i += 1
+            yield Recv((key,), _STEP)
+            region = inbox.take(key)        # (the view of ``acc`` it was posted into)
+            if s < last:
+                yield Send(region, right, tag)
+    return acc
 
 
 @registry.register("ring")
@@ -245,20 +281,17 @@ class Ring(Transport):
         if n == 1:
             return guarded_sum(f, what, op, extra, self.nonfinite, lambda a: a)
 
-        def reduce_role(a: torch.Tensor):
-            yield from ring_role(f, a, inbox, self.tag, segment, self._workspace)
-            return a
-
         # the handshake and the ring's steps in one drive: the agreement's rounds first, each done (its
         # send completed) before the next, then the ring's, as two drives would send them
         pool = Pool()
         inbox, outbox = Inbox(f, pool), Outbox(f, pool)
-        out: dict = {}
+        out: list = []
 
-        def role():
-            out["sum"] = yield from guarded_sum_role(f, inbox, what, op, extra, reduce_role)
+        def reduce_role(a: torch.Tensor):
+            return ring_role(f, a, inbox, self.tag, segment, self._workspace)
 
-        f.drive([role()], inbox, outbox)
+        # (the ring's requests pass two generator frames: guarded_sum_role's and ring_role's)
+        f.drive([guarded_sum_role(f, inbox, what, op, extra, reduce_role, out=out)], inbox, outbox)
         outbox.finish()
         f.stats.rounds += 2 * (n - 1)
-        return guarded_finish(f, what, op, *out["sum"], self.nonfinite)
+        return guarded_finish(f, what, op, *out[0], self.nonfinite)

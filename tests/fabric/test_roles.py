@@ -131,3 +131,32 @@ def test_flush_waits_for_the_sends_holding_a_buffer_before_the_role_goes_on():
     assert log == ["wait send 1", "wait send 3", "flushed a"]
     outbox.finish()
     assert log[3:] == ["wait send 1", "wait send 2", "wait send 3"]
+
+
+def test_the_only_role_waits_in_place_once_per_recv_around_a_rarer_request():
+    # one role, none spawned: the scheduler performs its requests in its own frame and yields one WaitAll per
+    # Recv; a rarer request (a Poll) hands the role to the general path, which must do the same
+    from sparsecomm.fabric import roles
+    from sparsecomm.fabric.roles import Poll, Step
+
+    class Local:
+        rank = 0
+
+    inbox = Inbox(Local(), Pool())
+    outbox = Outbox(Local(), inbox.pool)
+    got = []
+
+    def role():
+        for i, key in enumerate(("a", "b", "c", "d")):
+            yield Hand(key, i)
+            yield Recv((key,), Step())
+            got.append(inbox.take(key))
+            if key == "b":
+                yield Poll()
+
+    waits = []
+    for req in roles.schedule(Local(), inbox, outbox, [role()]):
+        assert isinstance(req, roles.WaitAll)
+        waits.append(req.keys)
+        assert len(waits) <= 4, f"the scheduler waits again on {req.keys} (it went round on one Recv)"
+    assert waits == [("a",), ("b",), ("c",), ("d",)] and got == [0, 1, 2, 3]

@@ -57,16 +57,21 @@ class SimWorld(World):
     def close(self) -> None:
         self.gate.close()
 
-class _DoneWork(Work):
-    def __init__(self, result: int | None = None, on_wait: Callable[[], None] | None = None) -> None:
-        self._result = result
-        self._on_wait = on_wait
+class _SentWork(Work):
+    """A started send of endpoint ``ep`` whose last byte leaves at ``tx_end``: complete; a wait moves the
+    endpoint's clock to ``tx_end`` (once)."""
 
-    def wait(self, timeout: float | None = None) -> int | None:
-        if self._on_wait is not None:
-            self._on_wait()
-            self._on_wait = None
-        return self._result
+    __slots__ = ("_ep", "_tx_end")
+
+    def __init__(self, ep, tx_end: float) -> None:
+        self._ep, self._tx_end = ep, tx_end
+
+    def wait(self, timeout: float | None = None) -> None:
+        ep, t = self._ep, self._tx_end
+        if ep is not None:
+            if t > ep.clock:
+                ep.clock = t
+            self._ep = None
 
     def is_completed(self) -> bool:
         return True
@@ -91,19 +96,26 @@ class _RecvWork(Work):
             self.done = True
         return self._result
 
-    def process(self, timeout: float | None = None) -> Generator:
+    def process(self, timeout: float | None = None, tried: bool = False) -> Generator:
         """The receive as a process of the loop (the world's gate runs it for :meth:`wait`); ``timeout``:
-        modelled seconds, after which it raises :class:`FabricTimeout` and stays posted."""
+        modelled seconds, after which it raises :class:`FabricTimeout` and stays posted. ``tried``: its
+        :meth:`take_now` (no timeout) has just found no message (not looked for again)."""
         if not self.done:
             fabric = self._fabric
             tensor, src, tag = self._args
-            msg = fabric.world.take_now(fabric._ep, src, tag, timeout)
+            msg = None if tried else fabric.world.take_now(fabric._ep, src, tag, timeout)
             if msg is None:
                 self._result = yield from fabric._recv_process(tensor, src, tag, timeout)
             else:               # in already: what the loop would do at once, without the round trip through it
                 self._result = fabric._deliver(msg, tensor, tag)
             self.done = True
         return self._result
+
+    def event(self) -> RecvWait:
+        """What :meth:`process` (no timeout) waits for once :meth:`take_now` has missed: a process that
+        yields it is resumed with the message for :meth:`complete`."""
+        src = self._args[1]
+        return RecvWait(src, self._args[2], None, src is None and self._fabric._ep.per_port)
 
     def take_now(self) -> bool:
         """Complete now if :meth:`process` would without a step of the loop (its message is in); has it?"""
@@ -195,7 +207,7 @@ class SimFabric(Fabric):
             data = tensor.clone()       # the common case in one operation (a send's copy: the buffer may change)
         else:
             data = tensor.detach().to("cpu", copy=True).contiguous()
-        nbytes = data.numel() * data.element_size()
+        nbytes = data.nbytes
         with world.gate.lock:
             if world.failure is not None:
                 self._raise_if_failed()
@@ -215,7 +227,10 @@ class SimFabric(Fabric):
                 _trace.recorder.sim_sent(world, self.rank, dst, tag, nbytes, start, tx_end, dropped)
             if not dropped and not dst_ep.crashed:
                 msg = Msg(self.rank, tag, data, nbytes, start, start + latency, tx_end)
-                dst_ep.mailbox.setdefault((self.rank, tag), deque()).append(msg)
+                q = dst_ep.mailbox.get((self.rank, tag))
+                if q is None:
+                    q = dst_ep.mailbox[(self.rank, tag)] = deque()
+                q.append(msg)
                 world.arrived(dst_ep, msg, dst_ep.schedule(msg))
             ep.sends += 1
             limit = world.network.crash.get(self.rank)
@@ -229,20 +244,17 @@ class SimFabric(Fabric):
         self._ep.clock = max(self._ep.clock, tx_end)
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0, *, reliable: bool = True) -> Work:
-        tx_end = self._post(tensor, dst, tag, reliable)
-        ep = self._ep
-
-        def done() -> None:
-            ep.clock = max(ep.clock, tx_end)
-
-        return _DoneWork(None, done)
+        return _SentWork(self._ep, self._post(tensor, dst, tag, reliable))
 
     # ------------------------------------------------------------- receiving
     def _deliver(self, msg: Msg, tensor: torch.Tensor, tag: int) -> int:
         """Copy taken ``msg`` into ``tensor`` (a message of another length or dtype: ``MismatchError``)."""
         data = msg.data
+        if data.dtype is tensor.dtype and data.shape == tensor.shape and not tensor.requires_grad:
+            tensor.copy_(data)      # (the common case)
+            return msg.src
         dn, tn = data.numel(), tensor.numel()
-        if data.dtype is tensor.dtype and dn == tn and not tensor.requires_grad:     # (the common case)
+        if data.dtype is tensor.dtype and dn == tn and not tensor.requires_grad:
             tensor.copy_(data if data.shape == tensor.shape else data.reshape(tensor.shape))
             return msg.src
         if (data.dtype is tensor.dtype and dn < tn and tensor.is_contiguous()
@@ -408,14 +420,23 @@ class SimFabric(Fabric):
                             ws.completed((w,))
                     continue
                 value = None        # WaitAll: the role takes these at once; they are received first, here
-                works = [w for w in map(inbox.work, req.keys) if w is not None]
+                keys = req.keys
+                if len(keys) == 1 and not req.any:      # (the common case: one named receive)
+                    w = inbox.work(keys[0])
+                    if w is not None and not w._done:
+                        if not w.take_now():        # (the loop's wait, without process()'s frames)
+                            w.complete((yield w.event()))
+                        if ws is not None and ws.groups:
+                            ws.completed((w,))
+                    continue
+                works = [w for w in map(inbox.work, keys) if w is not None]
                 if req.any:
                     if len(works) < len(req.keys) or any(w.is_completed() for w in works):
                         continue    # one is in (or was handed over)
                     works = works[:1]
                 for w in works:
                     if not w.done and not w.take_now():
-                        yield from w.process()
+                        yield from w.process(tried=True)
                 if ws is not None and ws.groups:
                     ws.completed(works)
         finally:

@@ -289,15 +289,20 @@ class World:
 
     def _try(self, p: Proc, req) -> bool:
         """Satisfy ``req`` of ``p`` now if it may be (setting what ``p`` is resumed with)."""
-        err = self._check(p)
-        if err is not None:
-            p.exc = err
-            return True
         ep = p.ep
+        if self.failure is not None or ep.crashed or self.closed or self.deadlocked:
+            err = self._check(p)
+            if err is not None:
+                p.exc = err
+                return True
         if type(req) is RecvWait:
             if req.ordered:
                 return False
-            msg = match(ep, req.src, req.tag)
+            if req.src is None:
+                msg = match(ep, None, req.tag)
+            else:
+                q = ep.mailbox.get((req.src, req.tag))
+                msg = q[0] if q else None
             if msg is not None and (req.deadline is None or ep.delivery(msg) <= req.deadline):
                 p.value = self._take(ep, msg)
                 return True
@@ -437,7 +442,8 @@ class World:
             ep.watch.taken(msg)
         if _trace.recorder is not None:
             _trace.recorder.sim_received(self, msg.src, ep.id, msg.tag, msg.nbytes, ep.clock, msg.delivered)
-        ep.clock = max(ep.clock, msg.delivered)
+        if msg.delivered > ep.clock:
+            ep.clock = msg.delivered
         ep.stats.record_recv(msg.src, ep.id, msg.nbytes)
         return msg
 
