@@ -423,7 +423,7 @@ class SimFabric(Fabric):
                 keys = req.keys
                 if len(keys) == 1 and not req.any:      # (the common case: one named receive)
                     w = inbox.work(keys[0])
-                    if w is not None and not w._done:
+                    if w is not None and not w.done:
                         if not w.take_now():        # (the loop's wait, without process()'s frames)
                             w.complete((yield w.event()))
                         if ws is not None and ws.groups:
