@@ -76,6 +76,13 @@ def chunk_bounds(numel: int, n: int) -> list[int]:
     return [i * q + min(i, r) for i in range(n + 1)]
 
 
+def _chunk(c: int, q: int, rem: int) -> tuple[int, int]:
+    """Chunk ``c``'s bounds when the vector is ``n q + rem`` long (``chunk_bounds(numel, n)[c:c + 2]``,
+    without the list of every chunk's)."""
+    lo = c * q + (c if c < rem else rem)
+    return lo, lo + q + (1 if c < rem else 0)
+
+
 def segment_length(chunk: int, segment: int | None, elem_size: int) -> int:
     """Elements per segment for chunks of at most ``chunk`` elements: ``segment`` if given (at most the
     chunk); by default (``None``) at most :data:`DEFAULT_SEGMENT_BYTES`, and at most half the chunk
@@ -134,7 +141,7 @@ def ring_role(fabric: Fabric, acc: torch.Tensor, inbox: Inbox, tag: int = RING_T
     for the send of that region (:class:`~.roles.Flush`). ``fabric`` is read for its rank, world size and
     ``serial_pairs``; ``tag``, ``segment``, ``workspace``: as :func:`ring_allreduce_`."""
     n, r = fabric.world_size, fabric.rank
-    q, rem = divmod(acc.numel(), n)     # chunk c is [c q + min(c, rem), (c + 1) q + min(c + 1, rem)) (chunk_bounds)
+    q, rem = divmod(acc.numel(), n)     # chunk c is _chunk(c, q, rem)
     big = q + (1 if rem else 0)         # the longest chunk's length (chunk 0's)
     seg = max(1, int(segment)) if segment else max(1, big)
     if n == 2 and getattr(fabric, "serial_pairs", False):
@@ -145,8 +152,7 @@ def ring_role(fabric: Fabric, acc: torch.Tensor, inbox: Inbox, tag: int = RING_T
     bufs = _workspace(workspace, big, 2 if n > 2 else 1, acc)
     views: dict = {}        # (buffer, start, end) -> that view of a workspace buffer (a few: every chunk's alike)
     # the chunks' bounds and segments are computed where used (a list of them per worker is O(n^2) in all)
-    clo = r * q + (r if r < rem else rem)
-    chi = clo + q + (1 if r < rem else 0)
+    clo, chi = _chunk(r, q, rem)
     n_own = -(-(chi - clo) // seg)      # this worker's segments (empty chunks are not sent)
     # every all-gather region, in the order its receives are posted (step s: chunk (r - s)'s segments)
     c = (r + 1) % n
@@ -170,8 +176,7 @@ def ring_role(fabric: Fabric, acc: torch.Tensor, inbox: Inbox, tag: int = RING_T
     double = len(bufs) == 2
     rs_done = n == 2
     c = (r - 1) % n         # post step 0's receives first: their "posted" notices leave before this rank's data
-    lo0 = c * q + (c if c < rem else rem)
-    hi0 = lo0 + q + (1 if c < rem else 0)
+    lo0, hi0 = _chunk(c, q, rem)
     for j, a in enumerate(range(0, hi0 - lo0, seg)):
         e = a + seg if a + seg < hi0 - lo0 else hi0 - lo0
         v = views.get((0, a, e))
@@ -185,8 +190,7 @@ def ring_role(fabric: Fabric, acc: torch.Tensor, inbox: Inbox, tag: int = RING_T
         sent += 1
     for s in range(n - 1):
         c = (r - s - 1) % n
-        lo0 = c * q + (c if c < rem else rem)
-        hi0 = lo0 + q + (1 if c < rem else 0)
+        lo0, hi0 = _chunk(c, q, rem)
         ahead = s + 2 < n
         if ahead:                       # the next step's receives, into the other buffer (one: after this step)
             c2 = (c - 1) % n
@@ -227,9 +231,7 @@ def ring_role(fabric: Fabric, acc: torch.Tensor, inbox: Inbox, tag: int = RING_T
         ag_posted += 1
     i = 0
     for s in range(n - 1):
-        c = (r - s) % n
-        lo0 = c * q + (c if c < rem else rem)
-        hi0 = lo0 + q + (1 if c < rem else 0)
+        lo0, hi0 = _chunk((r - s) % n, q, rem)
         for _ in range(lo0, hi0, seg):
             key = ("ag", i)
             i += 1
