@@ -32,11 +32,18 @@ class Gate:
         self.lock = threading.RLock()
         self._cond = threading.Condition(self.lock)
         self._looper: threading.Thread | None = None
+        self.runs = 0                       # runs of the loop finished, for the wall-time bound of a wait
         self.service_threads: list[threading.Thread] = []
 
     def call(self, ep, gen: Generator, what: str = "a message"):
         """Run the process ``gen`` of endpoint ``ep`` from this thread until it returns: its result, or
-        its exception raised here. Waits at most the network's ``timeout_s`` of wall time."""
+        its exception raised here.
+
+        Raises :class:`~sparsecomm.errors.FabricTimeout` when the network's ``timeout_s`` of wall time pass
+        with the loop idle: some endpoint's thread has not yet handed its call to the world (a worker
+        stuck in its own code). Time in which the loop runs does not count: a simulation of many workers
+        may take longer than ``timeout_s`` of wall time for one call, and its waits are bounded in modelled
+        time by the loop itself."""
         world = self.world
         with self._cond:
             if self._looper is threading.current_thread():
@@ -46,7 +53,7 @@ class Gate:
                     f"its waits to the fabric (sparsecomm.fabric.roles) rather than calling recv or wait")
             p = world.spawn(ep, gen, owner=True)
             world.park(ep)
-            deadline = time.monotonic() + world.network.timeout_s
+            deadline, runs = time.monotonic() + world.network.timeout_s, self.runs
             try:
                 ran = False
                 while not p.done:
@@ -55,6 +62,8 @@ class Gate:
                         self._run()         # (once per wake-up: a loop that stopped short waits for a thread)
                         ran = True
                         continue
+                    if self.runs != runs:           # the loop ran meanwhile: the wait counts from its end
+                        runs, deadline = self.runs, time.monotonic() + world.network.timeout_s
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         raise FabricTimeout(f"{ep.name}: waited {world.network.timeout_s:g} s (wall) for {what}")
@@ -76,6 +85,7 @@ class Gate:
             self.world.run()
         finally:
             self._looper = None
+            self.runs += 1
             self._cond.notify_all()
 
     def _kick(self, always: bool = False) -> None:

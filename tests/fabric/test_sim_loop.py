@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 
 import pytest
 import torch
@@ -154,3 +155,42 @@ def test_a_service_thread_that_starts_after_the_run_closed_leaves_at_once():
     t0 = time.monotonic()
     world.close()                             # joins the service thread (up to the network's timeout)
     assert time.monotonic() - t0 < 10
+
+
+def _sleeps_in_the_loop(seconds):
+    time.sleep(seconds)                       # wall time inside the loop, no modelled time
+    return
+    yield
+
+
+def test_wall_time_spent_in_the_loop_does_not_count_against_a_threads_wait():
+    # a simulation of many workers may run its loop longer than the network's timeout_s of wall time; a
+    # thread whose call is still pending after such a run (here rank 0's receive, which only rank 1's next
+    # call completes) is not timed out: only wall time with the loop idle counts
+    def fn(ctx):
+        if ctx.rank == 0:
+            x = torch.zeros(2)
+            ctx.fabric.recv(x, 1, 7)
+            return x.tolist()
+        inbox = Inbox(ctx.fabric, Pool())
+        ctx.fabric.drive([_sleeps_in_the_loop(1.0)], inbox, Outbox(ctx.fabric, inbox.pool))
+        time.sleep(0.1)                       # rank 0's thread sees the first run end with its call pending
+        ctx.fabric.send(torch.ones(2), 0, 7)
+        return None
+
+    assert sc.launch(fn, 2, network=sc.Network(timeout_s=0.3))[0] == [1.0, 1.0]
+
+
+def test_a_worker_stuck_in_its_own_code_times_the_others_out_in_wall_time():
+    from sparsecomm.errors import FabricTimeout
+
+    def fn(ctx):
+        if ctx.rank == 1:
+            time.sleep(2.0)                   # never hands a call to the world within the timeout
+            return None
+        ctx.fabric.recv(torch.zeros(1), 1, 7)
+
+    t0 = time.monotonic()
+    with pytest.raises(FabricTimeout, match=r"s \(wall\)"):
+        sc.launch(fn, 2, network=sc.Network(timeout_s=0.3))
+    assert time.monotonic() - t0 < 30

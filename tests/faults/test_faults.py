@@ -22,6 +22,18 @@ from sparsecomm.payload import Payload
 
 from tests._faults_common import CorruptingFabric, outcome, switch_corruption
 
+#: Modelled seconds within which a detected fault stops a small call: far below any retransmission
+#: timeout, so a fault that was retried or waited out instead of detected fails the bound.
+AT_ONCE_S = 1e-3
+
+
+def _modelled(ctx, call):
+    """:func:`outcome` of ``call()`` with the modelled seconds it took on this worker in place of the wall
+    time (a SimFabric wait costs modelled time, not wall time)."""
+    t0 = ctx.fabric.now()
+    name, msg, _ = outcome(call)
+    return name, msg, ctx.fabric.now() - t0
+
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 SIM = ("ring", "allgather", "omnireduce", "switch")
@@ -158,10 +170,10 @@ def test_every_negotiated_field_mismatch_is_a_mismatch_error_on_every_worker(nam
 def test_workers_running_different_transports_get_a_mismatch_error_naming_both():
     def fn(ctx):
         name = "allgather" if ctx.rank == 1 else "ring"
-        return outcome(lambda: sc.transports.get(name, ctx.fabric).allreduce(torch.ones(16)))
+        return _modelled(ctx, lambda: sc.transports.get(name, ctx.fabric).allreduce(torch.ones(16)))
     out = sc.launch(fn, 3, timeout_s=30)
     _same_error_everywhere(out, MismatchError, "transport")
-    assert all(o[2] < 5 for o in out), out
+    assert all(o[2] < AT_ONCE_S for o in out), [o[2] for o in out]
     assert any("'ring'" in o[1] and "'allgather'" in o[1] for o in out), out
 
 
@@ -226,10 +238,10 @@ def test_forged_omnireduce_headers_are_rejected_by_the_aggregators(field, value,
                     return out
             f = CorruptingFabric(f, rw)
         t = sc.transports.get("omnireduce", f, block_size=16, lanes=4, deployment=deployment)
-        return outcome(lambda: t.allreduce(torch.ones(100)))
+        return _modelled(ctx, lambda: t.allreduce(torch.ones(100)))
     out = sc.launch(fn, 3, timeout_s=30)
     _same_error_everywhere(out, MalformedMessage, "worker 1")
-    assert all(o[2] < 5 for o in out), out
+    assert all(o[2] < AT_ONCE_S for o in out), [o[2] for o in out]
 
 
 def test_the_switch_drops_packets_claiming_another_worker_count():
@@ -258,10 +270,10 @@ def test_a_forged_packet_is_dropped_and_reported_to_every_worker():
             row = torch.zeros((1, dp.HEADER + 64), dtype=torch.int32)
             row[0, dp.F_TYPE], row[0, dp.F_SLOT], row[0, dp.F_NW], row[0, dp.F_WORKER] = dp.T_DATA, 3, 32, 31
             ctx.fabric.send(row, t.switch, dp.TAG_UP)
-        return outcome(lambda: t.allreduce(torch.ones(200) * (ctx.rank + 1)))
+        return _modelled(ctx, lambda: t.allreduce(torch.ones(200) * (ctx.rank + 1)))
     out = sc.launch(fn, 3, timeout_s=30)
     _same_error_everywhere(out, MalformedMessage, "worker 0")
-    assert all(o[2] < 5 for o in out), out
+    assert all(o[2] < AT_ONCE_S for o in out), [o[2] for o in out]
 
 
 @pytest.mark.parametrize("name, words", [("switch", 1), ("switch", 8), ("sparse-switch", 2), ("sparse-switch", 4)])
@@ -269,10 +281,10 @@ def test_a_peer_whose_switch_packets_are_corrupted_stops_every_worker_at_once(na
     def fn(ctx):
         f = CorruptingFabric(ctx.fabric, switch_corruption(words)) if ctx.rank == 1 else ctx.fabric
         t = sc.transports.get(name, f, pool_size=4)
-        return outcome(lambda: t.allreduce(torch.ones(1000) * (ctx.rank + 1)))
+        return _modelled(ctx, lambda: t.allreduce(torch.ones(1000) * (ctx.rank + 1)))
     out = sc.launch(fn, 3, timeout_s=30)
     _same_error_everywhere(out, MalformedMessage, "worker 1", "cannot parse")
-    assert all(o[2] < 5 for o in out), out
+    assert all(o[2] < AT_ONCE_S for o in out), [o[2] for o in out]
 
 
 # ----------------------------------------------------------------------------- no pickle from peers

@@ -57,8 +57,10 @@ class Network:
     unreliable datagrams on every link, both directions. ``stragglers`` maps an endpoint to a factor
     (>= 1) multiplying its modelled compute time and dividing its NIC's rate. ``payload_fraction``:
     the share of the link rate that carries message bytes (:data:`TCP_OVER_ETHERNET` for a TCP link).
-    ``crash`` maps an endpoint to the number of sends after which it dies silently. ``timeout_s`` bounds every wall-clock wait (a safety net; the
-    modelled deadlock detection normally fires first). ``host``: the hosts' CPU costs
+    ``crash`` maps an endpoint to the number of sends after which it dies silently. ``timeout_s`` bounds
+    the wall time a worker's thread waits for the others to hand the world their calls (a worker stuck in
+    its own code); the time the loop runs does not count, so a long simulation is not cut short (a
+    deadlock in the modelled world is detected by the loop). ``host``: the hosts' CPU costs
     (:class:`~.sim_host.HostModel`); ``None`` charges none. :meth:`from_profile` loads a calibrated one.
 
     Args:
@@ -68,7 +70,7 @@ class Network:
         seed: seeds the loss draws.
         stragglers: endpoint -> slow-down factor (>= 1).
         crash: endpoint -> sends after which it dies silently.
-        timeout_s: bound of every wall-clock wait, seconds.
+        timeout_s: bound of a wait for the other workers' calls, wall-clock seconds with the loop idle.
         payload_fraction: the share of the link rate that carries message bytes, in (0, 1].
         host: the hosts' CPU costs, or ``None`` for none.
     """
