@@ -303,14 +303,17 @@ def fit_nonnegative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return best
 
 
-def block_costs(host: HostModel, quick: bool = False) -> dict:
-    """``span_block_s`` and ``index_block_s`` (module docstring), with the measurements fitted."""
+def block_costs(host: HostModel, quick: bool = False, points: tuple | None = None) -> dict:
+    """``span_block_s`` and ``index_block_s`` (module docstring), with the measurements fitted (``block_fit``:
+    the points, the measured and modelled times, the blocks each rate charges per point and the intercept).
+    ``points``: ``(numel, density)`` pairs (a multiple of :data:`BLOCK` each; default :data:`BLOCK_POINTS`)."""
     import dataclasses
 
     from .. import launch
     from ..fabric.sim.sim_network import Network
 
-    points, calls, cores = BLOCK_POINTS[quick], CALLS[quick], os.cpu_count() or 1
+    points = BLOCK_POINTS[quick] if points is None else tuple(points)
+    calls, cores = CALLS[quick], os.cpu_count() or 1
     slowest = lambda runs, i, count: statistics.median(max(r[i][j] for r in runs) for j in range(count))  # noqa: E731
     real = launch(functools.partial(_time_points, points=points, calls=calls), 2, backend="gloo", timeout_s=300.0)
     measured = [slowest(real, i, calls) for i in range(len(points))]

@@ -425,3 +425,23 @@ def test_fit_nonnegative_fits_exactly_and_drops_a_negative_rate():
     assert c[2] == 0.0 and c[1] >= 0
     a = np.column_stack([np.ones(4), x[:, 0]])
     assert c[:2] == pytest.approx(np.linalg.lstsq(a, y, rcond=None)[0], rel=1e-9)
+
+
+@pytest.mark.multiprocess
+def test_calibrate_fits_omnireduce_blocks_on_real_calls():
+    from sparsecomm.netbed.calibrate import BLOCK, block_costs
+
+    points = ((1 << 14, 0.25), (1 << 16, 0.25), (1 << 16, 0.75))
+    out = block_costs(HostModel(send_message_s=1e-5, recv_message_s=1e-5), quick=True, points=points)
+    assert set(out) == {"span_block_s", "index_block_s", "block_fit"}
+    assert all(isinstance(out[k], float) and math.isfinite(out[k]) and out[k] >= 0
+               for k in ("span_block_s", "index_block_s"))
+    fit = out["block_fit"]
+    assert set(fit) == {"points", "block", "measured_s", "modelled_s", "span_blocks", "index_blocks", "intercept_s"}
+    assert fit["points"] == [list(p) for p in points] and fit["block"] == BLOCK
+    assert all(m > 0 for m in fit["measured_s"]) and all(m > 0 for m in fit["modelled_s"])
+    # the blocks each rate charges on the modelled call's critical path: every worker spans the whole tensor
+    assert fit["span_blocks"] == pytest.approx([n / BLOCK for n, _ in points], rel=1e-6)
+    # and moves some of its non-zero blocks by index, more of them in a larger or denser call
+    i = fit["index_blocks"]
+    assert 0 < i[0] < i[1] < i[2] and all(abs(v - round(v)) < 1e-6 for v in i)
