@@ -36,8 +36,8 @@ launched rank is given) and reports the median of its repeats:
   slowest rank's time, less the same call modelled on the SimFabric with every rate above (loopback: no
   wire of its own, the hosts' copies are the per-byte rates; the processes sharing this machine's cores
   as :meth:`~.sim_host.HostModel.sharing` says): what a call costs beyond its messages, bytes, sums, scans
-  and packets (and OmniReduce's blocks, with the two rates above) -- its Python, whatever its size (at least 0). ``native`` is modelled as ``ring`` (gloo's ring
-  moves the same messages).
+  and packets (and OmniReduce's blocks, with the two rates above) -- its Python, whatever its size (at least
+  0). ``native`` is modelled as ``ring`` (gloo's ring moves the same messages).
 
 When host costs are modelled, ``Network.latency_us`` should be the wire's latency alone: the hosts'
 per-message share, which ``latency_us`` otherwise stands for, is then ``send_message_s + recv_message_s``.

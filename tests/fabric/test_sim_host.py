@@ -341,7 +341,8 @@ def test_span_and_index_blocks_are_charged_at_their_rates_by_hand():
     t = sc.launch(lambda ctx: (ctx.fabric.host_work("span", 1000), ctx.fabric.host_work("index", 30 + ctx.rank),
                                ctx.fabric.now())[2], 2, network=sc.Network(host=host))
     assert t == pytest.approx([2.0 * (1000 * 2e-7 + 30 * 3e-6), 2.0 * (1000 * 2e-7 + 31 * 3e-6)], rel=1e-12, abs=0)
-    assert HostModel(span_block_s=1.0).work_s("span", 7) == 7.0 and HostModel(index_block_s=1.0).work_s("index", 4) == 4.0
+    assert HostModel(span_block_s=1.0).work_s("span", 7) == 7.0
+    assert HostModel(index_block_s=1.0).work_s("index", 4) == 4.0
     with pytest.raises(InvalidValueError, match="span_block_s"):
         HostModel(span_block_s=-1.0)
 
