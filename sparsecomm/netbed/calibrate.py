@@ -25,7 +25,7 @@ launched rank is given) and reports the median of its repeats:
 - ``span_block_s``, ``index_block_s``: OmniReduce's per-block costs beyond its bytes, sums and scan, fitted on
   its own calls: a call of each of :data:`BLOCK_POINTS` (two sizes, a sparse and a denser input of random
   non-zero blocks, 256-element float32 blocks as the transport's default) between two processes over gloo on
-  127.0.0.1, the median over calls of the slowest rank's time, less the same call modelled on the SimFabric
+  127.0.0.1, the points taking turns call by call, the median over calls of the slowest rank's time, less the same call modelled on the SimFabric
   with every rate above; the difference is fitted by least squares as ``c + span_block_s * S + index_block_s
   * I``, where ``S`` and ``I`` are how far the modelled call moves per second per block of each (the call
   modelled again with that rate at :data:`PROBE_S`: the blocks charged on its critical path) and ``c`` is the
@@ -262,24 +262,24 @@ def block_sparse(numel: int, density: float, seed: int, block: int = BLOCK) -> t
 
 def _time_points(ctx, points: tuple, calls: int) -> list[list[float]]:
     """Every rank: per ``(numel, density)`` of ``points``, the time of each of ``calls`` OmniReduce calls (after
-    two untimed), each after a barrier; each rank's input its own random blocks (:func:`block_sparse`)."""
+    two untimed), each after a barrier; each rank's input its own random blocks (:func:`block_sparse`). The
+    points take turns, call by call (a change of the machine's load falls on every point alike), each with a
+    transport of its own (its result cache in the state repeated calls of it leave)."""
     import sparsecomm.transports as transports
 
     torch.set_num_threads(1)
     f = ctx.fabric
-    t = transports.get("omnireduce", f, block_size=BLOCK)
-    out = []
-    for k, (numel, density) in enumerate(points):
-        x0 = block_sparse(numel, density, seed=1000 * ctx.rank + k)
-        times = []
-        for i in range(calls + 2):
+    ts = [transports.get("omnireduce", f, block_size=BLOCK) for _ in points]
+    xs = [block_sparse(numel, density, seed=1000 * ctx.rank + k) for k, (numel, density) in enumerate(points)]
+    out: list[list[float]] = [[] for _ in points]
+    for i in range(calls + 2):
+        for t, x0, times in zip(ts, xs, out):
             x = x0.clone()
             f.barrier()
             t0 = f.now()
             t.allreduce(x)
             if i >= 2:
                 times.append(f.now() - t0)
-        out.append(times)
     return out
 
 
