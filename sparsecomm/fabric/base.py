@@ -272,7 +272,8 @@ class Fabric(ABC):
         """Declare host work a protocol has just done, for a fabric that models the hosts' CPU: ``op`` is
         ``"sum"`` (``count`` elements of ``dtype`` added), ``"scan"`` (elements scanned for non-zero
         blocks), ``"switch_packet"`` (packets run through a switch program), ``"switch_message"`` (messages
-        whose packets a switch program ran, one call each), ``"copy"`` (bytes copied) or ``"call"`` (calls of
+        whose packets a switch program ran, one call each), ``"copy"`` (bytes copied), ``"span"`` (blocks of
+        the range a block-sparse worker covers), ``"index"`` (blocks moved by a block index) or ``"call"`` (calls of
         the transport named ``transport``, :meth:`sparsecomm.transports.base.Transport.run`).
         A no-op here and on real fabrics (the work took its real time); SimFabric with a host model
         advances the clock by the model's rate (:mod:`sparsecomm.fabric.sim.sim_host`)."""

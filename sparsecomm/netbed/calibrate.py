@@ -22,13 +22,22 @@ launched rank is given) and reports the median of its repeats:
   the rows, a real fabric's 256-value packets, a two-worker job whose every pair of packets completes a slot):
   the median time of a message of each of :data:`SWITCH_BURSTS` packets (less the copy that refills the
   rows), fitted by least squares as ``switch_message_s + packets * switch_packet_s``;
+- ``span_block_s``, ``index_block_s``: OmniReduce's per-block costs beyond its bytes, sums and scan, fitted on
+  its own calls: a call of each of :data:`BLOCK_POINTS` (two sizes, a sparse and a denser input of random
+  non-zero blocks, 256-element float32 blocks as the transport's default) between two processes over gloo on
+  127.0.0.1, the points taking turns call by call, the median over calls of the slowest rank's time, less the same call modelled on the SimFabric
+  with every rate above; the difference is fitted by least squares as ``c + span_block_s * S + index_block_s
+  * I``, where ``S`` and ``I`` are how far the modelled call moves per second per block of each (the call
+  modelled again with that rate at :data:`PROBE_S`: the blocks charged on its critical path) and ``c`` is the
+  per-call cost (measured next, as ``call_s``); a rate fitted below zero is written as 0, the others fitted
+  again without it;
 - ``call_s``: per transport of :data:`CALL_GROUPS`, a call of :data:`CALL_ELEMS` float32 (dense) between two
   processes over gloo on 127.0.0.1 (its services started as the netbed's are), the median over calls of the
   slowest rank's time, less the same call modelled on the SimFabric with every rate above (loopback: no
   wire of its own, the hosts' copies are the per-byte rates; the processes sharing this machine's cores
   as :meth:`~.sim_host.HostModel.sharing` says): what a call costs beyond its messages, bytes, sums, scans
-  and packets -- its Python, whatever its size (at least 0). ``native`` is modelled as ``ring`` (gloo's ring
-  moves the same messages).
+  and packets (and OmniReduce's blocks, with the two rates above) -- its Python, whatever its size (at least
+  0). ``native`` is modelled as ``ring`` (gloo's ring moves the same messages).
 
 When host costs are modelled, ``Network.latency_us`` should be the wire's latency alone: the hosts'
 per-message share, which ``latency_us`` otherwise stands for, is then ``send_message_s + recv_message_s``.
@@ -75,6 +84,15 @@ CALL_GROUPS = {(): ("native", "ring", "allgather", "omnireduce"), ("switch",): (
 CALL_ELEMS = 1 << 14
 #: timed calls per transport (after two untimed), quick and full
 CALLS = {True: 6, False: 30}
+#: OmniReduce's calls of the per-block fit, (float32 elements, density of non-zero 256-element blocks), quick
+#: and full: two sizes (the larger one, full, beyond a 32 MiB last-level cache, as a large gradient is) at a
+#: sparse and a denser input
+BLOCK_POINTS = {True: ((1 << 16, 0.05), (1 << 16, 0.5), (1 << 22, 0.05), (1 << 22, 0.5)),
+                False: ((1 << 18, 0.02), (1 << 18, 0.3), (1 << 24, 0.02), (1 << 24, 0.3))}
+#: the block of the per-block fit's inputs (OmniReduce's default)
+BLOCK = 256
+#: the rate (s/block) with which a point is modelled again to count the blocks it charges
+PROBE_S = 1e-6
 
 
 def _median_s(fn: Callable[[], object], repeats: int) -> float:
@@ -230,6 +248,90 @@ def _time_calls(ctx, names: tuple[str, ...], numel: int, calls: int) -> dict[str
     return out
 
 
+def block_sparse(numel: int, density: float, seed: int, block: int = BLOCK) -> torch.Tensor:
+    """A float32 vector of ``numel`` (a multiple of ``block``) whose non-zero ``block``-element blocks are a
+    random ``density`` of them (at least one), from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(numel, generator=g)
+    nb = numel // block
+    zero = torch.ones(nb, dtype=torch.bool)
+    zero[torch.randperm(nb, generator=g)[: max(1, round(density * nb))]] = False
+    x.view(nb, block)[zero] = 0
+    return x
+
+
+def _time_points(ctx, points: tuple, calls: int) -> list[list[float]]:
+    """Every rank: per ``(numel, density)`` of ``points``, the time of each of ``calls`` OmniReduce calls (after
+    two untimed), each after a barrier; each rank's input its own random blocks (:func:`block_sparse`). The
+    points take turns, call by call (a change of the machine's load falls on every point alike), each with a
+    transport of its own (its result cache in the state repeated calls of it leave)."""
+    import sparsecomm.transports as transports
+
+    torch.set_num_threads(1)
+    f = ctx.fabric
+    ts = [transports.get("omnireduce", f, block_size=BLOCK) for _ in points]
+    xs = [block_sparse(numel, density, seed=1000 * ctx.rank + k) for k, (numel, density) in enumerate(points)]
+    out: list[list[float]] = [[] for _ in points]
+    for i in range(calls + 2):
+        for t, x0, times in zip(ts, xs, out):
+            x = x0.clone()
+            f.barrier()
+            t0 = f.now()
+            t.allreduce(x)
+            if i >= 2:
+                times.append(f.now() - t0)
+    return out
+
+
+def fit_nonnegative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares ``y ~ c + x @ rates`` with every rate >= 0 (the intercept ``c`` free): the best fit over
+    the subsets of rates left free, the others 0 (few rates: every subset is tried). Returns ``[c, *rates]``."""
+    k = x.shape[1]
+    best, best_err = None, np.inf
+    for mask in range(1 << k):
+        free = [j for j in range(k) if mask >> j & 1]
+        a = np.column_stack([np.ones(len(y))] + [x[:, j] for j in free])
+        coef = np.linalg.lstsq(a, y, rcond=None)[0]
+        if (coef[1:] < 0).any():
+            continue
+        err = float(((a @ coef - y) ** 2).sum())
+        if err < best_err - 1e-30 or best is None:
+            full = np.zeros(k + 1)
+            full[0] = coef[0]
+            full[[1 + j for j in free]] = coef[1:]
+            best, best_err = full, err
+    return best
+
+
+def block_costs(host: HostModel, quick: bool = False, points: tuple | None = None) -> dict:
+    """``span_block_s`` and ``index_block_s`` (module docstring), with the measurements fitted (``block_fit``:
+    the points, the measured and modelled times, the blocks each rate charges per point and the intercept).
+    ``points``: ``(numel, density)`` pairs (a multiple of :data:`BLOCK` each; default :data:`BLOCK_POINTS`)."""
+    import dataclasses
+
+    from .. import launch
+    from ..fabric.sim.sim_network import Network
+
+    points = BLOCK_POINTS[quick] if points is None else tuple(points)
+    calls, cores = CALLS[quick], os.cpu_count() or 1
+    slowest = lambda runs, i, count: statistics.median(max(r[i][j] for r in runs) for j in range(count))  # noqa: E731
+    real = launch(functools.partial(_time_points, points=points, calls=calls), 2, backend="gloo", timeout_s=300.0)
+    measured = [slowest(real, i, calls) for i in range(len(points))]
+    modelled = {}
+    for rate in ("", "span_block_s", "index_block_s"):   # (modelled calls repeat exactly: one is timed)
+        h = dataclasses.replace(host, **({rate: PROBE_S} if rate else {})).sharing(2, cores)
+        sim = launch(functools.partial(_time_points, points=points, calls=1), 2,
+                     network=Network(bandwidth_gbps=1e4, latency_us=0.0, host=h))
+        modelled[rate] = [slowest(sim, i, 1) for i in range(len(points))]
+    base = np.array(modelled[""])
+    counts = np.column_stack([(np.array(modelled[r]) - base) / PROBE_S for r in ("span_block_s", "index_block_s")])
+    c, span, index = fit_nonnegative(counts, np.array(measured) - base)
+    return {"span_block_s": float(span), "index_block_s": float(index),
+            "block_fit": {"points": [list(p) for p in points], "block": BLOCK, "measured_s": measured,
+                          "modelled_s": [float(v) for v in base], "span_blocks": counts[:, 0].tolist(),
+                          "index_blocks": counts[:, 1].tolist(), "intercept_s": float(c)}}
+
+
 def call_costs(host: HostModel, quick: bool = False) -> dict:
     """``call_s`` (module docstring): per transport, the measured loopback call less the modelled one, with
     the measurements."""
@@ -272,14 +374,16 @@ def calibrate(quick: bool = False) -> dict:
         messages = message_costs(quick)
         fit = messages.pop("fit")
         switch_fit = kernels.pop("switch_fit")
-        calls = call_costs(HostModel(**messages, **kernels), quick)
+        blocks = block_costs(HostModel(**messages, **kernels), quick)
+        block_fit = blocks.pop("block_fit")
+        calls = call_costs(HostModel(**messages, **kernels, **blocks), quick)
     finally:
         torch.set_num_threads(threads)
     call_fit = calls.pop("call_fit")
-    host = HostModel(**messages, **kernels, **calls)
+    host = HostModel(**messages, **kernels, **blocks, **calls)
     date = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()
     method = {"quick": bool(quick), "repeats": REPEATS[quick], "round_trips": ROUNDS[quick],
-              "elements": ELEMENTS[quick], "message_fit": fit, "switch_fit": switch_fit,
+              "elements": ELEMENTS[quick], "message_fit": fit, "switch_fit": switch_fit, "block_fit": block_fit,
               "call_elems": CALL_ELEMS, "calls": CALLS[quick], "call_fit": call_fit,
               "statistic": "median", "messages_via": "TorchFabric send/recv over gloo, 127.0.0.1",
               "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -332,3 +333,116 @@ def test_calibrate_command_writes_a_loadable_profile(tmp_path):
     assert calls["omnireduce"] > 0
     assert profile["host"]["send_message_s"]["value"] + profile["host"]["send_byte_s"]["value"] > 0
     assert sc.Network.from_profile(out).host.copy_byte_s == profile["host"]["copy_byte_s"]["value"]
+
+
+# ------------------------------------------------------------------------------ OmniReduce's per-block charges
+def test_span_and_index_blocks_are_charged_at_their_rates_by_hand():
+    host = HostModel(span_block_s=2e-7, index_block_s=3e-6, cpu_share=2.0)
+    t = sc.launch(lambda ctx: (ctx.fabric.host_work("span", 1000), ctx.fabric.host_work("index", 30 + ctx.rank),
+                               ctx.fabric.now())[2], 2, network=sc.Network(host=host))
+    assert t == pytest.approx([2.0 * (1000 * 2e-7 + 30 * 3e-6), 2.0 * (1000 * 2e-7 + 31 * 3e-6)], rel=1e-12, abs=0)
+    assert HostModel(span_block_s=1.0).work_s("span", 7) == 7.0
+    assert HostModel(index_block_s=1.0).work_s("index", 4) == 4.0
+    with pytest.raises(InvalidValueError, match="span_block_s"):
+        HostModel(span_block_s=-1.0)
+
+
+#: 8 blocks of 4 float32, 2 workers, one channel per aggregator: aggregator 0 (hosted by worker 0) sums blocks
+#: 0-3, aggregator 1 (worker 1) blocks 4-7, one block per lane (one round)
+BS, NZ = 4, {0: (0, 2, 4, 6), 1: (0, 1, 5, 7)}
+
+
+def _omni_blocks(ctx) -> None:
+    x = torch.zeros(8 * BS)
+    for b in NZ[ctx.rank]:
+        x[b * BS: (b + 1) * BS] = 1.0 + b
+    y = sc.transports.get("omnireduce", ctx.fabric, block_size=BS, channels=1).allreduce(x)
+    want = torch.zeros(8 * BS)
+    for r in NZ:
+        for b in NZ[r]:
+            want[b * BS: (b + 1) * BS] += 1.0 + b
+    assert torch.equal(y, want)
+
+
+def test_omnireduce_charges_its_span_and_the_blocks_it_moves_by_index_by_hand(monkeypatch):
+    from sparsecomm.fabric.sim.sim import SimFabric
+
+    seen, real = [], SimFabric.host_work
+
+    def record(self, op, count, dtype=None, *, transport=None):
+        if op in ("span", "index") and count:
+            seen.append((self.rank, op, count))
+        return real(self, op, count, dtype, transport=transport)
+
+    monkeypatch.setattr(SimFabric, "host_work", record)
+    sc.launch(_omni_blocks, 2, network=sc.Network(host=HostModel()))
+    total = {(r, op): sum(c for rr, o, c in seen if (rr, o) == (r, op)) for r in (0, 1) for op in ("span", "index")}
+    # span: every worker scans both aggregators' ranges, 4 blocks each
+    assert total[0, "span"] == total[1, "span"] == 8
+    # index, worker 0: its blocks 0, 2 (to its own aggregator, by hand) and 4, 6 (to aggregator 1) are no run:
+    # gathered, 2 + 2; its aggregator adds worker 1's blocks 0, 1 and its own 0, 2 at scattered rows of the 3
+    # summed (0, 1, 2): 2 + 2. Worker 1: blocks 0, 1 are a run (sent as a view); 5, 7 gathered: 2; its
+    # aggregator adds 4, 6 and 5, 7 at scattered rows of the 4 summed: 2 + 2. Every sum lands as a run (0-2, 4-7)
+    assert (total[0, "index"], total[1, "index"]) == (8, 6)
+
+
+def _omni_sparse(ctx) -> float:
+    x = torch.randn(1 << 14, generator=torch.Generator().manual_seed(ctx.rank))
+    x.view(-1, 256)[torch.randperm(64, generator=torch.Generator().manual_seed(10 + ctx.rank))[:48]] = 0
+    t = sc.transports.get("omnireduce", ctx.fabric)
+    t.allreduce(x)
+    return t.last_stats.modelled_time_s
+
+
+def test_zero_block_rates_and_a_profile_without_them_change_no_modelled_time(tmp_path):
+    net = functools.partial(sc.Network, bandwidth_gbps=10.0, latency_us=5.0)
+    base = sc.launch(_omni_sparse, 2, network=net(host=FULL))
+    zero = sc.launch(_omni_sparse, 2, network=net(host=dataclasses.replace(FULL, span_block_s=0.0, index_block_s=0.0)))
+    assert [t.hex() for t in zero] == [t.hex() for t in base]
+    # a version-2 profile written before these rates existed: they are 0, the times it modelled then
+    old = _profile(FULL)
+    for name in ("span_block_s", "index_block_s"):
+        del old["host"][name]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    loaded = sc.Network.from_profile(path, bandwidth_gbps=10.0, latency_us=5.0)
+    assert loaded.host == FULL
+    assert [t.hex() for t in sc.launch(_omni_sparse, 2, network=loaded)] == [t.hex() for t in base]
+    # and charged, they lengthen the call
+    for rate in ("span_block_s", "index_block_s"):
+        more = sc.launch(_omni_sparse, 2, network=net(host=dataclasses.replace(FULL, **{rate: 1e-5})))
+        assert max(more) > max(base)
+
+
+def test_fit_nonnegative_fits_exactly_and_drops_a_negative_rate():
+    from sparsecomm.netbed.calibrate import fit_nonnegative
+
+    x = np.array([[100.0, 10.0], [100.0, 50.0], [1000.0, 10.0], [1000.0, 80.0]])
+    c = fit_nonnegative(x, 0.01 + x @ np.array([2e-7, 3e-6]))
+    assert c == pytest.approx([0.01, 2e-7, 3e-6], rel=1e-9)
+    # a slope that fits below zero is 0, the others fitted again without it
+    y = 0.01 + x @ np.array([2e-7, -3e-6])
+    c = fit_nonnegative(x, y)
+    assert c[2] == 0.0 and c[1] >= 0
+    a = np.column_stack([np.ones(4), x[:, 0]])
+    assert c[:2] == pytest.approx(np.linalg.lstsq(a, y, rcond=None)[0], rel=1e-9)
+
+
+@pytest.mark.multiprocess
+def test_calibrate_fits_omnireduce_blocks_on_real_calls():
+    from sparsecomm.netbed.calibrate import BLOCK, block_costs
+
+    points = ((1 << 14, 0.25), (1 << 16, 0.25), (1 << 16, 0.75))
+    out = block_costs(HostModel(send_message_s=1e-5, recv_message_s=1e-5), quick=True, points=points)
+    assert set(out) == {"span_block_s", "index_block_s", "block_fit"}
+    assert all(isinstance(out[k], float) and math.isfinite(out[k]) and out[k] >= 0
+               for k in ("span_block_s", "index_block_s"))
+    fit = out["block_fit"]
+    assert set(fit) == {"points", "block", "measured_s", "modelled_s", "span_blocks", "index_blocks", "intercept_s"}
+    assert fit["points"] == [list(p) for p in points] and fit["block"] == BLOCK
+    assert all(m > 0 for m in fit["measured_s"]) and all(m > 0 for m in fit["modelled_s"])
+    # the blocks each rate charges on the modelled call's critical path: every worker spans the whole tensor
+    assert fit["span_blocks"] == pytest.approx([n / BLOCK for n, _ in points], rel=1e-6)
+    # and moves some of its non-zero blocks by index, more of them in a larger or denser call
+    i = fit["index_blocks"]
+    assert 0 < i[0] < i[1] < i[2] and all(abs(v - round(v)) < 1e-6 for v in i)

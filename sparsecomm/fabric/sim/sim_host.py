@@ -12,7 +12,13 @@ modelled clocks (``host=None``, the default: no host cost, every modelled time a
   scanned for non-zero blocks (``scan_element_s``); ``"switch_packet"``, packets run through a switch
   program (``switch_packet_s``); ``"switch_message"``, messages whose packets a switch program ran in one
   call (``switch_message_s``: the call into the compiled program, its lock and the replies' split, once
-  per message whatever its packets); ``"copy"``, bytes copied (``copy_byte_s``); ``"call"``, one call of
+  per message whatever its packets); ``"copy"``, bytes copied (``copy_byte_s``); ``"span"``, blocks of the
+  range a block-sparse worker covers (``span_block_s``: OmniReduce's per-block work beyond the scan's kernel,
+  whatever the density -- its lanes' set-up and bookkeeping, the result's bitmap of written blocks --,
+  charged as the worker scans each aggregator's range); ``"index"``, blocks moved by a block index
+  (``index_block_s``: gathered into a message, added into the sums or written into the result at scattered
+  rows -- the rows of an indexed copy, later checked and cleared row by row --, beyond their bytes and sums;
+  a contiguous run of blocks is one copy and is not charged); ``"call"``, one call of
   a transport (``call_s`` of the transport's name, charged by :meth:`sparsecomm.transports.base.Transport.run`
   on every worker as the call starts: the Python a call runs whatever its size -- its set-up, the workers'
   agreement, its rounds' bookkeeping -- beyond the messages, bytes, sums, scans and packets charged above;
@@ -50,11 +56,11 @@ import torch
 from ...errors import InvalidTypeError, InvalidValueError
 from ...validate import check_int, check_real
 
-__all__ = ["HOST_OPS", "HostModel", "SUM_DTYPES", "RATE_UNITS"]
+__all__ = ["HOST_OPS", "HostModel", "OPTIONAL_RATES", "SUM_DTYPES", "RATE_UNITS"]
 
 #: the operations of :meth:`sparsecomm.fabric.base.Fabric.host_work` and the unit they count
 HOST_OPS = {"sum": "element", "scan": "element", "switch_packet": "packet", "switch_message": "message",
-            "copy": "byte", "call": "call"}
+            "copy": "byte", "call": "call", "span": "block", "index": "block"}
 
 #: the dtypes whose per-element sum cost a profile gives (:func:`sparsecomm.netbed.calibrate.calibrate` measures each)
 SUM_DTYPES = ("float32", "float64", "float16", "bfloat16", "int32")
@@ -70,8 +76,13 @@ RATE_UNITS = {
     "scan_element_s": "s/element",
     "switch_packet_s": "s/packet",
     "switch_message_s": "s/message",
+    "span_block_s": "s/block",
+    "index_block_s": "s/block",
     "call_s": "s/call",
 }
+
+#: the rates a version-2 profile may lack (added within version 2; absent: 0, the time the profile modelled)
+OPTIONAL_RATES = ("span_block_s", "index_block_s")
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
@@ -97,6 +108,8 @@ class HostModel:
         switch_packet_s: seconds per packet run through a switch program (SwitchML's dataplane).
         switch_message_s: seconds per message whose packets a switch program runs (one call of the program
             per message, whatever its packets).
+        span_block_s: seconds per block of the range a block-sparse worker covers (``host_work("span", blocks)``).
+        index_block_s: seconds per block moved by a block index (``host_work("index", blocks)``).
         call_s: transport name (``"ring"``, ``"omnireduce"``, ...) -> seconds per call of it, on every
             worker (default: none; a transport not in it is charged nothing).
         cpu_share: the CPU stretch of every endpoint (>= 1): endpoints sharing cores, e.g. 2 for 4 hosts on
@@ -113,6 +126,8 @@ class HostModel:
     scan_element_s: float = 0.0
     switch_packet_s: float = 0.0
     switch_message_s: float = 0.0
+    span_block_s: float = 0.0
+    index_block_s: float = 0.0
     call_s: Mapping[str, float] = field(default_factory=dict)
     cpu_share: float = 1.0
     cpu_share_by_endpoint: Mapping[int, float] = field(default_factory=dict)
@@ -209,6 +224,10 @@ class HostModel:
             rate = self.switch_message_s
         elif op == "copy":
             rate = self.copy_byte_s
+        elif op == "span":
+            rate = self.span_block_s
+        elif op == "index":
+            rate = self.index_block_s
         else:
             raise InvalidValueError(f"host_work: unknown operation {op!r}; the operations are "
                                     f"{', '.join(HOST_OPS)}")

@@ -19,7 +19,9 @@ Written by ``python -m sparsecomm.netbed calibrate --out host.json`` (:mod:`spar
     }
 
 ``host`` holds exactly the rates of :data:`~.sim_host.RATE_UNITS` (a missing or unknown one, a unit other
-than its own, or a negative or non-finite value is refused, naming the key); ``sum_element_s`` gives each of
+than its own, or a negative or non-finite value is refused, naming the key), but for those of
+:data:`~.sim_host.OPTIONAL_RATES` (``span_block_s``, ``index_block_s``: added within version 2; a profile
+without them models them as 0, the times it modelled before they existed); ``sum_element_s`` gives each of
 :data:`~.sim_host.SUM_DTYPES`, ``call_s`` a rate per transport name (any names). ``date``, ``machine`` and
 ``method`` are recorded, not interpreted.
 
@@ -36,7 +38,7 @@ import math
 from pathlib import Path
 
 from ...errors import InvalidTypeError, InvalidValueError
-from .sim_host import RATE_UNITS, SUM_DTYPES, HostModel
+from .sim_host import OPTIONAL_RATES, RATE_UNITS, SUM_DTYPES, HostModel
 
 __all__ = ["FORMAT", "VERSION", "host_from_profile", "load_profile", "network_from_profile", "profile_dict"]
 
@@ -95,11 +97,13 @@ def host_from_profile(profile: dict, source: str = "host profile") -> HostModel:
     if unknown:
         raise InvalidValueError(f"{source}: unknown rate(s) {unknown} in 'host'; the rates are "
                                 f"{', '.join(RATE_UNITS)}")
-    missing = [k for k in RATE_UNITS if k not in host]
+    missing = [k for k in RATE_UNITS if k not in host and k not in OPTIONAL_RATES]
     if missing:
         raise InvalidValueError(f"{source}: 'host' lacks the rate(s) {missing}")
     kw = {}
     for name, unit in RATE_UNITS.items():
+        if name not in host:        # (an optional rate: the model's default, 0)
+            continue
         entry = host[name]
         where = f"{source}: host.{name}"
         if not isinstance(entry, dict) or set(entry) != {"value", "unit"}:

@@ -276,7 +276,8 @@ def agg_lane(adm, c: AggChannel, inbox, outbox, host: int | None, mark=None):
             msg = inbox.take(key)   # (the host may hand over (blocks, look-aheads) directly)
             data, looks = msg if isinstance(msg, tuple) else wire.split(
                 msg, int(c.counts[w]), c.bs, c.up, meta=not (r0 and c.single))
-            c.add(w, data, looks)
+            moved = c.add(w, data, looks)
+            inbox.fabric.host_work("index", moved)     # (blocks added at scattered rows)
             if data is not None:     # (each contribution's elements, the first one's copy counted as a sum)
                 inbox.fabric.host_work("sum", data.numel(), c.acc_dtype)
             if w != host:

@@ -84,16 +84,17 @@ class DenseSource(_Blocks):
         run = block_run(ids)
         return self.rows[run[0]:run[1]] if run is not None and run[1] <= self.full else None
 
-    def gather(self, ids: np.ndarray, out: torch.Tensor) -> None:
-        """``out[i] = block ids[i]`` (global block ids)."""
+    def gather(self, ids: np.ndarray, out: torch.Tensor) -> int:
+        """``out[i] = block ids[i]`` (global block ids); returns how many blocks were moved by their index
+        (0: a run of blocks, one copy; the host model's ``"index"`` count, :mod:`sparsecomm.fabric.sim.sim_host`)."""
         run = block_run(ids)
         if run is not None and run[1] <= self.full:   # a run of full blocks: one copy
             out.copy_(self.rows[run[0]:run[1]])
-            return
+            return 0
         if run is not None:                            # a run ending with the short last block
             out[:-1].copy_(self.rows[run[0]:self.full])
             out[-1].copy_(self._tail_block)
-            return
+            return 0
         t = torch.from_numpy(ids)
         if self._tail_block is not None and ids.size and (ids == self.full).any():
             last = ids == self.full
@@ -102,6 +103,7 @@ class DenseSource(_Blocks):
             out[torch.from_numpy(last)] = self._tail_block
         else:
             torch.index_select(self.rows, 0, t, out=out)
+        return int(ids.size)
 
 
 class PackedSource(_Blocks):
@@ -131,9 +133,11 @@ class PackedSource(_Blocks):
     def view(self, ids: np.ndarray) -> None:
         return None
 
-    def gather(self, ids: np.ndarray, out: torch.Tensor) -> None:
+    def gather(self, ids: np.ndarray, out: torch.Tensor) -> int:
+        """``out[i] = block ids[i]``; returns the blocks moved by index (every one: the packed rows are looked up)."""
         rows = torch.from_numpy(np.searchsorted(self._ids_np, ids))
         torch.index_select(self.packed, 0, rows, out=out)
+        return int(ids.size)
 
 
 class BlockSink:
@@ -149,21 +153,22 @@ class BlockSink:
         self.rows = out[: self.full * block_size].view(self.full, block_size)
         self.tail = self.numel % block_size
 
-    def write(self, ids: np.ndarray, data: torch.Tensor) -> None:
-        """``block ids[i] = data[i]``."""
+    def write(self, ids: np.ndarray, data: torch.Tensor) -> int:
+        """``block ids[i] = data[i]``; returns how many blocks were written by their index (0: none, or a run
+        of blocks, one copy; the host model's ``"index"`` count, :mod:`sparsecomm.fabric.sim.sim_host`)."""
         if not ids.size:
-            return
+            return 0
         self.written.append(ids)
         if data.dtype != self.out.dtype:
             data = data.to(self.out.dtype)
         run = block_run(ids)
         if run is not None and run[1] <= self.full:
             self.rows[run[0]:run[1]].copy_(data)
-            return
+            return 0
         if run is not None:                            # a run ending with the short last block
             self.rows[run[0]:self.full].copy_(data[:-1])
             self.out[self.full * self.block_size:] = data[-1, : self.tail]
-            return
+            return 0
         t = torch.from_numpy(ids)
         if self.tail and (ids == self.full).any():
             last = ids == self.full
@@ -172,6 +177,7 @@ class BlockSink:
             self.out[self.full * self.block_size:] = data[torch.from_numpy(last)][0, : self.tail]
         else:
             self.rows.index_copy_(0, t, data)
+        return int(ids.size)
 
     def mark(self, ids: np.ndarray) -> None:
         """Record blocks ``ids`` as written (their sums were put in place by other means)."""

@@ -87,16 +87,18 @@ class WorkerChannel:
         self.act = np.flatnonzero(newc < self.ch.size)
         self.cur = newc[self.act]
 
-    def down(self, buf: torch.Tensor, sink, bs: int, down: torch.dtype) -> None:
-        """A round's reply: write the completed sums; advance every lane to its next pending block."""
+    def down(self, buf: torch.Tensor, sink, bs: int, down: torch.dtype) -> int:
+        """A round's reply: write the completed sums; advance every lane to its next pending block. Returns
+        the blocks written by their index (:meth:`.blocks.BlockSink.write`)."""
         data, newc = wire.split(buf, self.act.size, bs, down)
         newc = newc.numpy().astype(np.int64)
         if newc.size and (not (newc > self.cur).all() or int(newc.max()) > self.ch.size):
             raise MalformedMessage(f"omnireduce: an aggregator announced next blocks that do not advance "
                                    f"within the channel's {self.ch.size} blocks")
-        sink.write(self.cur + self.ch.lo, data)
+        moved = sink.write(self.cur + self.ch.lo, data)
         keep = newc < self.ch.size
         self.act, self.cur = self.act[keep], newc[keep]
+        return moved
 
 
 class AggChannel:
@@ -158,13 +160,14 @@ class AggChannel:
         one pooled by its role: :func:`.wire.message`)."""
         self.sums.begin(self, message)
 
-    def add(self, w: int, blocks: torch.Tensor | None, looks: torch.Tensor | None) -> None:
+    def add(self, w: int, blocks: torch.Tensor | None, looks: torch.Tensor | None) -> int:
         """Add worker ``w``'s blocks (one per lane it holds, lane order) and take its announced
-        look-aheads (``None`` in round 0 of a one-round channel: nothing follows)."""
+        look-aheads (``None`` in round 0 of a one-round channel: nothing follows). Returns the blocks
+        added at scattered rows (by their index; the host model's ``"index"`` count)."""
         pos = np.flatnonzero(self.held[w])
         if not self.single:
             self.nxt[w, self.act[pos]] = looks.numpy()
-        self.sums.add(self, w, pos, blocks)
+        return self.sums.add(self, w, pos, blocks)
 
     def finish(self):
         """Complete every pending block; each lane's next pending block is the smallest announced one.
@@ -221,9 +224,10 @@ class MessageSums:
         self.acc = self.data if c.acc_dtype == c.down else torch.empty(c.k, c.bs, dtype=c.acc_dtype)
         self.fresh = True   # acc not yet written: the first contribution is copied, not added
 
-    def add(self, c, w: int, pos: np.ndarray, blocks: torch.Tensor) -> None:
+    def add(self, c, w: int, pos: np.ndarray, blocks: torch.Tensor) -> int:
         if blocks.dtype != c.acc_dtype:
             blocks = blocks.to(c.acc_dtype)
+        moved = 0
         if pos.size == c.k:            # it holds every summed lane: rows in order, no scatter
             if self.fresh:
                 self.acc.copy_(blocks)
@@ -233,7 +237,9 @@ class MessageSums:
             if self.fresh:
                 self.acc.zero_()
             self.acc.index_add_(0, torch.from_numpy(c.rows[pos]), blocks)
+            moved = int(pos.size)
         self.fresh = False
+        return moved
 
     def finish(self, c):
         if self.acc is not self.data:

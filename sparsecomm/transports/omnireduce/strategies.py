@@ -52,7 +52,7 @@ def send_up(call, key: Buf, a: int, c, local_key: Key):
                        deferrable=call.deferrable(a))
             return
     buf, data, tail = wire.message(call.outbox.pool, key, b.size, call.spec.block_size, call.spec.up, meta=meta)
-    source.gather(ids, data)
+    call.fabric.host_work("index", source.gather(ids, data))
     if meta:
         tail.copy_(torch.from_numpy(look))
     if a == call.own:
@@ -106,7 +106,8 @@ class HomeSums:
     def begin(self, c, message) -> None:
         self.message = message
 
-    def add(self, c, w: int, pos: np.ndarray, blocks: torch.Tensor) -> None:
+    def add(self, c, w: int, pos: np.ndarray, blocks: torch.Tensor) -> int:
+        """Add worker ``w``'s blocks into the rows; returns the blocks added by index (:meth:`.core.AggChannel.add`)."""
         if w != self.w:    # round 0 of a one-round channel: lane j holds local block j
             lanes = c.act[pos]
             run = block_run(lanes)
@@ -114,6 +115,8 @@ class HomeSums:
                 self.rows[run[0]:run[1]].add_(blocks)
             else:
                 self.rows.index_add_(0, torch.from_numpy(lanes), blocks)
+                return int(lanes.size)
+        return 0
 
     def finish(self, c):
         """The message: the summed rows (a view when they are one run and travel alone), or a copy of
@@ -170,7 +173,7 @@ def take_reply0(call, a: int, ch: wire.Channel) -> np.ndarray:
         if int(summed.sum()) != k:
             raise ProtocolError("omnireduce: the round-0 sums do not match their lane words")
         if k:
-            call.sink.write(np.flatnonzero(summed) + ch.lo, data)
+            call.fabric.host_work("index", call.sink.write(np.flatnonzero(summed) + ch.lo, data))
         return newc
     else:   # every block summed: one block per lane, nothing follows
         newc, ids = np.full(ch.lanes, ch.size, dtype=np.int64), np.arange(ch.lo, ch.lo + ch.size)
@@ -206,4 +209,4 @@ def land_sums0(call, a: int, g: int, ids: np.ndarray) -> None:
         call.sink.mark(ids)
     else:
         data, _ = wire.split(got, ids.size, call.spec.block_size, call.down, meta=False)
-        call.sink.write(ids, data)
+        call.fabric.host_work("index", call.sink.write(ids, data))

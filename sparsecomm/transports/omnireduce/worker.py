@@ -142,6 +142,7 @@ def scan(call, a: int):
             call.fabric.host_work("scan", min(min(hi, s + step) * bs, call.source.numel) - s * bs)
             if call.own is not None:
                 yield Poll(POLL_SCAN)
+        call.fabric.host_work("span", hi - lo)     # the range's per-block work beyond the scan (sim_host)
     for ch in chans:
         call.wch[a, ch.slot] = core.WorkerChannel(ch, call.source.mask)
     call.mark(f"scanned {a}")
@@ -184,7 +185,7 @@ def worker_lane(call, a: int, c: core.WorkerChannel):
         if not c.active:
             return
         yield Recv((Key(Msg.DOWN, a, g),), Stage(Phase.LAND, c.round, g, pos))
-        c.down(call.inbox.take(Key(Msg.DOWN, a, g)), call.sink, bs, call.down)
+        call.fabric.host_work("index", c.down(call.inbox.take(Key(Msg.DOWN, a, g)), call.sink, bs, call.down))
 
 
 def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: list[int],
