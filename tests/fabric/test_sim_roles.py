@@ -110,3 +110,67 @@ def test_the_wait_set_chooses_as_the_groups_built_per_choice(monkeypatch, seed, 
     assert counts["exact"] > 0      # the records decided choices that waited
     if shared:
         assert counts["built"] > 0  # and a channel two roles share made some choices build their groups
+
+
+def _gather(ctx, seed: int) -> list:
+    """Every endpoint sends one message to each other one on tags 7 and 8 (sizes by the pair and the tag, in an
+    order of its own, two at a time, each pair after a tick from the previous endpoint); two roles gather them,
+    one per tag, as an OmniReduce aggregator takes its headers: a wait ``any`` on the keys left, then each key
+    whose message is in (or the first). Returns the takes, with the clock."""
+    f = ctx.fabric
+    n, e = f.world_size, f.rank
+    rng = random.Random(1000 * seed + e)
+    pool = Pool()
+    inbox, outbox = Inbox(f, pool), Outbox(f, pool)
+    size = lambda src, dst, tag: 4 ** (1 + (3 * src + 5 * dst + tag) % 6)   # noqa: E731
+    taken = []
+
+    def sender():       # two messages at a time, then a tick to the next endpoint and one from the previous
+        sends = rng.sample([(d, t) for d in range(n) if d != e for t in (7, 8)], 2 * (n - 1))
+        for j in range(0, len(sends), 2):
+            for dst, tag in sends[j:j + 2]:
+                yield Send(torch.zeros(size(e, dst, tag), dtype=torch.uint8), dst, tag)
+            yield Send(torch.zeros(1, dtype=torch.uint8), (e + 1) % n, 9)
+            yield Post(("tick", j), 1, (e - 1) % n, 9)
+            yield Recv((("tick", j),), Stage(9))
+            inbox.take(("tick", j))
+
+    def gather(tag: int):
+        left = [(tag, src) for src in range(n) if src != e]
+        for k in left:
+            yield Post(k, size(k[1], e, tag), k[1], tag)
+        while left:
+            yield Recv(tuple(left), Stage(tag), any=True)
+            for k in inbox.ready_keys(left) or left[:1]:
+                left.remove(k)
+                inbox.take(k)
+                taken.append((k, f.now()))
+
+    f.drive([gather(7), gather(8), sender()], inbox, outbox)
+    outbox.finish()
+    return taken
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_kept_any_group_chooses_as_the_groups_built_per_choice(monkeypatch, seed):
+    """A role that waits ``any`` on the keys it has left keeps its group from one wait to the next
+    (:attr:`~sparsecomm.fabric.sim.sim_roles.RoleWaits.spare`): the same takes, in the same order, at the same
+    modelled times as with the groups built per choice."""
+    n = 6
+    adopted = []
+    adopt = sim_roles.RoleWaits._adopt
+
+    def spy(self, g, s, req):
+        got = adopt(self, g, s, req)
+        adopted.append(got)
+        return got
+
+    net = sc.Network(bandwidth_gbps=10, latency_us=2)
+    with monkeypatch.context() as m:
+        m.setattr(sim_mod, "RoleWaits", lambda *a: None)
+        built = sc.launch(lambda ctx: _gather(ctx, seed), n, network=net)
+    with monkeypatch.context() as m:
+        m.setattr(sim_roles.RoleWaits, "_adopt", spy)
+        kept = sc.launch(lambda ctx: _gather(ctx, seed), n, network=net)
+    assert kept == built
+    assert sum(adopted) > n         # groups were kept and taken over
