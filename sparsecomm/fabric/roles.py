@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import bisect
 import time
+from itertools import compress
+from operator import itemgetter, methodcaller
 from typing import Generator, Iterable, NamedTuple, Protocol
 
 import torch
@@ -25,6 +27,10 @@ from ..errors import FabricTimeout, ProtocolError
 
 __all__ = ["Pool", "Inbox", "Outbox", "Stage", "Step", "Send", "Post", "PostInto", "Hand", "Recv", "Poll", "Spawn",
            "Flush", "drive"]
+
+
+_entry_work = itemgetter(0)     # an inbox entry's receive
+_is_completed = methodcaller("is_completed")
 
 
 class Pool:
@@ -123,8 +129,7 @@ class Inbox:
 
     def works(self, keys) -> list:
         """:meth:`work` of each of ``keys``, in order (one call for many keys)."""
-        box = self._box
-        return [box[k][0] for k in keys]
+        return list(map(_entry_work, map(self._box.__getitem__, keys)))   # (no bytecode per key)
 
     def has(self, key) -> bool:
         """Is a receive of ``key`` posted, or its message put here?"""
@@ -134,6 +139,14 @@ class Inbox:
         """Has the message of ``key`` arrived (or been put locally)?"""
         work = self._box[key][0]
         return work is None or work.is_completed()
+
+    def ready_keys(self, keys) -> list:
+        """Those of ``keys`` whose messages have arrived (or been put locally), in order (:meth:`ready` of
+        each, in one call: an ``any`` role's look at what is in after its wait)."""
+        works = list(map(_entry_work, map(self._box.__getitem__, keys)))
+        if None in works:
+            return [k for k, w in zip(keys, works) if w is None or w.is_completed()]
+        return list(compress(keys, map(_is_completed, works)))      # (no bytecode per key)
 
     def pending(self, keys) -> list:
         """The receives of ``keys`` (each posted or put) that have not completed yet."""

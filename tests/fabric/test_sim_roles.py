@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import sparsecomm as sc
-from sparsecomm.fabric.roles import Hand, Inbox, Outbox, Pool, Post, Recv, Send
+from sparsecomm.fabric.roles import Hand, Inbox, Outbox, Pool, Post, Recv, RecvWithin, Send
 from sparsecomm.fabric.sim import sim as sim_mod
 from sparsecomm.fabric.sim import sim_roles
 
@@ -110,3 +110,211 @@ def test_the_wait_set_chooses_as_the_groups_built_per_choice(monkeypatch, seed, 
     assert counts["exact"] > 0      # the records decided choices that waited
     if shared:
         assert counts["built"] > 0  # and a channel two roles share made some choices build their groups
+
+
+def _gather(ctx, seed: int) -> list:
+    """Every endpoint sends one message to each other one on tags 7 and 8 (sizes by the pair and the tag, in an
+    order of its own, two at a time, each pair after a tick from the previous endpoint); two roles gather them,
+    one per tag, as an OmniReduce aggregator takes its headers: a wait ``any`` on the keys left, then each key
+    whose message is in (or the first). Returns the takes, with the clock."""
+    f = ctx.fabric
+    n, e = f.world_size, f.rank
+    rng = random.Random(1000 * seed + e)
+    pool = Pool()
+    inbox, outbox = Inbox(f, pool), Outbox(f, pool)
+    size = lambda src, dst, tag: 4 ** (1 + (3 * src + 5 * dst + tag) % 6)   # noqa: E731
+    taken = []
+
+    def sender():       # two messages at a time, then a tick to the next endpoint and one from the previous
+        sends = rng.sample([(d, t) for d in range(n) if d != e for t in (7, 8)], 2 * (n - 1))
+        for j in range(0, len(sends), 2):
+            for dst, tag in sends[j:j + 2]:
+                yield Send(torch.zeros(size(e, dst, tag), dtype=torch.uint8), dst, tag)
+            yield Send(torch.zeros(1, dtype=torch.uint8), (e + 1) % n, 9)
+            yield Post(("tick", j), 1, (e - 1) % n, 9)
+            yield Recv((("tick", j),), Stage(9))
+            inbox.take(("tick", j))
+
+    def gather(tag: int):
+        left = [(tag, src) for src in range(n) if src != e]
+        for k in left:
+            yield Post(k, size(k[1], e, tag), k[1], tag)
+        while left:
+            yield Recv(tuple(left), Stage(tag), any=True)
+            for k in inbox.ready_keys(left) or left[:1]:
+                left.remove(k)
+                inbox.take(k)
+                taken.append((k, f.now()))
+
+    f.drive([gather(7), gather(8), sender()], inbox, outbox)
+    outbox.finish()
+    return taken
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_kept_any_group_chooses_as_the_groups_built_per_choice(monkeypatch, seed):
+    """A role that waits ``any`` on the keys it has left keeps its group from one wait to the next
+    (:attr:`~sparsecomm.fabric.sim.sim_roles.RoleWaits.spare`): the same takes, in the same order, at the same
+    modelled times as with the groups built per choice."""
+    n = 6
+    adopted = []
+    adopt = sim_roles.RoleWaits._adopt
+
+    def spy(self, g, s, req):
+        got = adopt(self, g, s, req)
+        adopted.append(got)
+        return got
+
+    net = sc.Network(bandwidth_gbps=10, latency_us=2)
+    with monkeypatch.context() as m:
+        m.setattr(sim_mod, "RoleWaits", lambda *a: None)
+        built = sc.launch(lambda ctx: _gather(ctx, seed), n, network=net)
+    with monkeypatch.context() as m:
+        m.setattr(sim_roles.RoleWaits, "_adopt", spy)
+        kept = sc.launch(lambda ctx: _gather(ctx, seed), n, network=net)
+    assert kept == built
+    assert sum(adopted) > n         # groups were kept and taken over
+
+
+US = 1e-6
+
+
+def _regather(ctx, case: str) -> list:
+    """Endpoint 0 gathers ``k1``, ``k2``, ``k3`` (64 bytes from endpoints 1, 2, 3 on tag 7) as :func:`_gather`
+    does (a wait ``any`` on the keys left, then each one in, or the first), in role A, while role B, preferred
+    (phase 1), waits for a message of endpoint 4's that comes last (at 100 us): B is never in when A is
+    chosen, so A's choices are made by the wait, not at once by the clock. What happens between A's waits:
+
+    - ``"arrived"``: after its first choice (``k1``), A sends endpoint 3 a go and waits for its tick; endpoint 3
+      answers with ``k3`` and then the tick, so that ``k3`` arrives while A's group is kept, before its next
+      wait (``k2`` comes at 50 us);
+    - ``"taken"``: after its first choice (``k1``, with ``k2``'s first message in), A sends endpoint 2 a go and
+      takes that first message on ``k2``'s channel itself (:class:`RecvWithin`), which leaves the channel empty
+      until the go's answer, ``k2``'s second message (``k3`` comes at 30 us);
+    - ``"heap"``: A first waits for a tick of endpoint 5's (at 10 us), by which ``k1`` and ``k3`` are in
+      (``k2`` comes at 50 us): its first choice, by the wait, finds two receives in, takes ``k1``, and its next
+      wait, at once, must choose ``k3``.
+
+    Returns what endpoint 0 took, in order, with the clock (``float.hex``)."""
+    f = ctx.fabric
+    e = f.rank
+    byte = lambda n: torch.zeros(n, dtype=torch.uint8)     # noqa: E731
+    if e == 1:
+        f.send(byte(64), 0, 7)
+    elif e == 2:
+        if case == "taken":
+            f.send(byte(64), 0, 7)
+            f.recv(byte(1), 0, 10)
+        else:
+            f.compute(50 * US)
+        f.send(byte(64), 0, 7)
+    elif e == 3:
+        if case == "arrived":
+            f.recv(byte(1), 0, 10)
+            f.send(byte(64), 0, 7)
+            f.send(byte(1), 0, 9)
+        else:
+            f.compute(30 * US if case == "taken" else 0.0)
+            f.send(byte(64), 0, 7)
+    elif e == 4:
+        f.compute(100 * US)
+        f.send(byte(64), 0, 20)
+    elif e == 5 and case == "heap":
+        f.compute(10 * US)
+        f.send(byte(1), 0, 9)
+    if e != 0:
+        return []
+    pool = Pool()
+    inbox, outbox = Inbox(f, pool), Outbox(f, pool)
+    taken = []
+
+    def take(k):
+        inbox.take(k)
+        taken.append((k, f.now().hex()))
+
+    def a():
+        left = [("k", src) for src in (1, 2, 3)]
+        for k in left:
+            yield Post(k, 64, k[1], 7)
+        if case == "heap":
+            yield Post("tick", 1, 5, 9)
+            yield Recv(("tick",), Stage(7))
+            take("tick")
+        first = True
+        while left:
+            yield Recv(tuple(left), Stage(7), any=True)
+            for k in inbox.ready_keys(left) or left[:1]:
+                left.remove(k)
+                take(k)
+            if first and case == "arrived":
+                yield Send(byte(1), 3, 10)
+                yield Post("tick", 1, 3, 9)
+                yield Recv(("tick",), Stage(7))
+                take("tick")
+            elif first and case == "taken":
+                yield Send(byte(1), 2, 10)
+                src = yield RecvWithin(byte(64), 2, 7, 1.0)
+                taken.append((("within", src), f.now().hex()))
+            first = False
+
+    def b():
+        yield Post("z", 64, 4, 20)
+        yield Recv(("z",), Stage(1))
+        take("z")
+
+    f.drive([a(), b()], inbox, outbox)
+    outbox.finish()
+    return taken
+
+
+def _regathered(monkeypatch, case: str) -> tuple[list, list, list]:
+    """:func:`_regather` on 6 endpoints with the groups built per choice, and with the wait set; and the wait
+    set's calls of ``_adopt``: (the kept group's ``stale``, whether it waits on the keys of the wait, the
+    receives of its heap in by the clock, taken over)."""
+    adopted = []
+    adopt = sim_roles.RoleWaits._adopt
+
+    def spy(self, g, s, req):
+        clock = self.ep.clock
+        units = [j for lb, j in g.units if g.heads[j] == lb and lb <= clock]
+        seen = (g.stale, g.keys == list(req.keys), len(units))
+        got = adopt(self, g, s, req)
+        adopted.append(seen + (got,))
+        return got
+
+    net = sc.Network(bandwidth_gbps=10, latency_us=2)
+    with monkeypatch.context() as m:
+        m.setattr(sim_mod, "RoleWaits", lambda *a: None)
+        built = sc.launch(lambda ctx: _regather(ctx, case), 6, network=net)[0]
+    with monkeypatch.context() as m:
+        m.setattr(sim_roles.RoleWaits, "_adopt", spy)
+        kept = sc.launch(lambda ctx: _regather(ctx, case), 6, network=net)[0]
+    return built, kept, adopted
+
+
+@pytest.mark.parametrize("case", ["arrived", "taken"])
+def test_a_kept_group_whose_receives_changed_is_not_taken_over(monkeypatch, case):
+    """A message that arrives on (``"arrived"``), or is taken from (``"taken"``), the channel of a live receive of
+    a kept group between the role's resume and its next ``any`` wait on the keys left leaves the group's records
+    behind (``stale``): that wait records its group afresh, and chooses as the groups built per choice."""
+    built, kept, adopted = _regathered(monkeypatch, case)
+    assert kept == built
+    order = [k for k, _ in built]
+    if case == "arrived":   # k3, arrived during A's wait for the tick, is chosen before k2
+        assert order == [("k", 1), "tick", ("k", 3), ("k", 2), "z"]
+    else:                   # k2's first message went to the RecvWithin; its second, after the go, to k2
+        assert order == [("k", 1), ("within", 2), ("k", 2), ("k", 3), "z"]
+    # the kept group was refused for that alone: it waited on the keys of the wait
+    assert (True, True) in [a[:2] for a in adopted]
+
+
+def test_a_kept_group_keeps_the_receives_its_choice_found_in(monkeypatch):
+    """A choice that finds several of a kept group's receives in (``k1`` and ``k3``) takes the first and leaves
+    the others in the group's heap: the role's next wait takes the group over and chooses ``k3`` at once, as the
+    groups built per choice do."""
+    built, kept, adopted = _regathered(monkeypatch, "heap")
+    assert kept == built
+    assert [k for k, _ in built] == ["tick", ("k", 1), ("k", 3), ("k", 2), "z"]
+    assert built[1][1] == built[2][1]       # k3 at once, at k1's time
+    # taken over with a receive in by the clock that the choice had found
+    assert (False, True, 1, True) in adopted

@@ -24,15 +24,27 @@ placed before them only delays them, :meth:`~.sim_network.Endpoint.schedule`). T
 heaps: by the lower bound of their time, and, once that bound is by a time the wait reached, by the order of
 preference; only a group at the top of one is measured exactly (and moved if it was late). A choice then
 costs O(log g) for g groups, plus the receives of the groups it measures.
+
+An ``any`` role that takes the message of its choice and waits again, ``any``, on the rest of its keys (an
+aggregator's headers: one wait per header, over the headers left) would cost a pass over its receives per
+wait to record them afresh. Its group is kept instead (:attr:`RoleWaits.spare`): when the role is resumed by
+a choice of the records, the receive chosen is dropped from the group (its slot left dead: tokens keep their
+places), the others stay recorded with their heads, and the role's next wait, if it is ``any`` on exactly
+those keys with the same receives, takes the group over as it is, unless a message of one of them arrived or
+was taken meanwhile. The choices are those of a group recorded afresh (its bounds may differ; the times read
+exactly do not).
 """
 
 from __future__ import annotations
 
 from heapq import heapify, heappop, heappush, heapreplace
+from operator import attrgetter
 
 from .sim_network import Endpoint, Msg
 
 __all__ = ["RoleWaits"]
+
+_done = attrgetter("done")
 
 
 class _Group:
@@ -44,10 +56,16 @@ class _Group:
     twice); ``chosen``: taken by a choice, about to be dropped. ``tick``: its entry in the wait set's heaps
     (-1: none), whose time ``lb`` is at most its time; ``exact``: the endpoint's ``epoch`` when ``heads`` were
     last read exactly (-1: changed since), its time then ``time`` (``None``: not in). ``units``: an ``any`` one's
-    receives with a head, ``(bound, j)``, as a heap (an entry whose bound is not ``heads[j]`` is stale)."""
+    receives with a head, ``(bound, j)``, as a heap (an entry whose bound is not ``heads[j]`` is stale).
+    An ``any`` group that may be kept (:attr:`RoleWaits.spare`): ``slots``, the keys of its receives as recorded
+    (``req.keys``, slot by slot); ``keys`` and ``live``, the keys and receives of its live slots, in order (else
+    ``None``); ``dead``, the slots of the receives chosen since it was recorded; ``lo``, the first live slot;
+    ``pick``, the slot of the last choice; ``stale``: a message of a live receive arrived or was taken while it
+    was chosen or kept (it is not taken over)."""
 
     __slots__ = ("s", "req", "works", "chans", "index", "any", "heads", "missing", "latest", "empty", "odd",
-                 "chosen", "tick", "lb", "exact", "time", "units")
+                 "chosen", "tick", "lb", "exact", "time", "units", "slots", "keys", "live", "dead", "lo", "pick",
+                 "stale")
 
     def __init__(self, s: int, req, works: list, chans: list, any_: bool) -> None:
         self.s, self.req, self.works, self.chans, self.any = s, req, works, chans, any_
@@ -59,6 +77,8 @@ class _Group:
         self.chosen = False
         self.tick, self.lb, self.exact, self.time = -1, 0.0, -1, None
         self.units: list = []
+        self.slots = self.keys = self.live = self.pick = None
+        self.dead, self.lo, self.stale = (), 0, False
 
 
 class RoleWaits:
@@ -81,10 +101,17 @@ class RoleWaits:
         self.heap: list = []         # (lb, tick, group)
         self.due: list = []          # (stage, s, tick, group)
         self.ticks = 0
+        #: the ``any`` group of a role resumed by a choice, kept for its next wait (not in ``groups``)
+        self.spare: _Group | None = None
 
     # ------------------------------------------------------------------ the scheduler's calls
     def add(self, s: int, req) -> None:
-        """Role ``s`` is able to run, waiting on ``req``: record its group (measured from the mailbox)."""
+        """Role ``s`` is able to run, waiting on ``req``: record its group (measured from the mailbox; or the
+        :attr:`spare`, if ``req`` waits ``any`` on its live receives: another role's wait leaves it kept)."""
+        spare = self.spare
+        if spare is not None and req.any and self._adopt(spare, s, req):
+            self.spare = None
+            return
         recv = self.recv_type
         works = self.inbox.works(req.keys)
         if [w for w in works if type(w) is not recv or w.done]:    # (put locally, completed or of another kind)
@@ -106,17 +133,23 @@ class RoleWaits:
             return
         if g.odd:
             self.odd += 1
+        elif any_ and pend[1:]:      # (an ``any`` one of two receives or more: it may be kept, :attr:`spare`)
+            g.slots, g.keys, g.live, g.dead = req.keys, list(req.keys), list(pend), set()
         if g.chans and not self.by_chan:
             self.ep.watch = self     # (told of the mailbox while it records a receive)
-        by_chan = self.by_chan
+        by_chan, shared = self.by_chan, False
         for c in g.chans:
             if c in by_chan:
                 lst = by_chan[c]
                 if not lst[1:]:
                     self.odd += 1
+                shared = shared or spare in lst
                 lst.append(g)
             else:
                 by_chan[c] = [g]
+        if shared:                   # (a receive of the kept group's: it goes, the records decide again)
+            self.spare = None
+            self._drop(spare)
         self._measure(g)
 
     def remove(self, s: int) -> None:
@@ -131,10 +164,21 @@ class RoleWaits:
         if g.empty:
             self.empties.discard(s)
             return
+        if g.chosen and g.keys is not None and g.keys[1:] and g.pick is not None:
+            # (resumed by a choice of the records, receives left: kept for the role's next wait)
+            if self.spare is not None:
+                self._drop(self.spare)
+            self._kill(g, g.pick)
+            self.spare = g
+            return
+        self._drop(g)
+
+    def _drop(self, g: _Group) -> None:
+        """Forget ``g`` (out of ``groups`` already): its receives are recorded no more."""
         if g.odd:
             self.odd -= 1
         by_chan = self.by_chan
-        for c in g.chans:
+        for c in g.chans if not g.dead else list(g.index):     # (a kept group's live receives)
             lst = by_chan[c]
             if not lst[1:]:          # (g alone)
                 del by_chan[c]
@@ -144,6 +188,41 @@ class RoleWaits:
                     self.odd -= 1
         if not self.by_chan:
             self.ep.watch = None
+
+    def _kill(self, g: _Group, j: int) -> None:
+        """Drop receive ``j`` (chosen) from kept group ``g``; its slot stays, dead."""
+        c = g.chans[j]
+        del g.index[c]
+        lst = self.by_chan[c]
+        if not lst[1:]:
+            del self.by_chan[c]
+        else:
+            lst.remove(g)
+            if not lst[1:]:
+                self.odd -= 1
+        g.dead.add(j)
+        g.keys.remove(g.slots[j])
+        g.live.remove(g.works[j])
+        g.heads[j] = None
+        while g.lo in g.dead:
+            g.lo += 1
+
+    def _adopt(self, g: _Group, s: int, req) -> bool:
+        """Take kept group ``g`` over for role ``s``'s wait ``req`` (``any``) if it waits on ``g``'s live receives,
+        pending, each still the one posted; into the heaps at its earliest head (as :meth:`_measure`)."""
+        if g.stale or len(req.keys) != len(g.keys) or g.keys != list(req.keys):
+            return False
+        live = g.live
+        if self.inbox.works(req.keys) != live or any(map(_done, live)):    # (each the receive posted, pending)
+            return False
+        g.s, g.req, g.chosen, g.pick, g.exact = s, req, False, None, -1
+        self.groups[s] = g
+        units, heads = g.units, g.heads
+        while units and heads[units[0][1]] != units[0][0]:
+            heappop(units)           # (stale)
+        if units:
+            self._push(g, units[0][0])
+        return True
 
     def completed(self, works) -> None:
         """``works`` (receives of this endpoint) have completed: a group still recording one is recorded
@@ -166,6 +245,7 @@ class RoleWaits:
             v = d if d > 0.0 else 0.0
             for g in lst:
                 if g.chosen:
+                    g.stale = True      # (a kept group's records miss it: not taken over)
                     continue
                 j = g.index[c]
                 g.heads[j] = v
@@ -183,11 +263,14 @@ class RoleWaits:
 
     def taken(self, msg: Msg) -> None:
         """``msg`` was taken from the mailbox (the next on its channel is the head)."""
-        lst = self.by_chan.get((msg.src, msg.tag))
+        c = (msg.src, msg.tag)
+        lst = self.by_chan.get(c)
         if lst is not None:
             for g in lst:
                 if not g.chosen:
                     self._measure(g)
+                elif g.index[c] != g.pick:      # (not the message chosen: a kept group would be stale)
+                    g.stale = True
 
     def ready(self) -> set[int]:
         """The roles whose messages are in: those with no receive pending (on a SimFabric a receive is
@@ -213,6 +296,8 @@ class RoleWaits:
         """Read ``g``'s heads from the mailbox (bounds), and enter it in the heaps if it is in earlier."""
         heads = [(d if (d := q[0].delivered) > 0.0 else 0.0) if q else None
                  for q in map(self.ep.mailbox.get, g.chans)]       # (no call per receive)
+        for j in g.dead:             # (a kept group's dead slots)
+            heads[j] = None
         missing = heads.count(None)
         g.heads, g.missing, g.exact = heads, missing, -1
         g.latest = max([v for v in heads if v is not None] if missing else heads, default=0.0)
@@ -330,14 +415,15 @@ class RoleWaits:
                 if g.any:
                     if not g.heads:
                         continue     # (no receive: no group)
-                    if g.heads[0] is None or g.heads[0] > clock:
+                    lo = g.lo        # (its first live receive)
+                    if g.heads[lo] is None or g.heads[lo] > clock:
                         return None
                     ep = self.ep
-                    d = ep.delivery(ep.mailbox[g.chans[0]][0])
+                    d = ep.delivery(ep.mailbox[g.chans[lo]][0])
                     if (d if d > 0.0 else 0.0) > clock:
                         return None
-                    g.chosen, g.tick = True, -1
-                    return clock, (s, 0)
+                    g.chosen, g.tick, g.pick = True, -1, lo
+                    return clock, (s, lo)
                 if g.missing or g.latest > clock:
                     return None
                 if self._time(g) > clock:
@@ -354,15 +440,21 @@ class RoleWaits:
         g.chosen, g.tick = True, -1
         if not g.any:
             return t, (g.s, None)
-        ep, heads, chans, units = self.ep, g.heads, g.chans, g.units    # (the group is dropped after this)
-        box, epoch, pick = ep.mailbox, ep.epoch, None
+        ep, heads, chans, units = self.ep, g.heads, g.chans, g.units
+        box, epoch, pick, seen = ep.mailbox, ep.epoch, None, []
         while units and units[0][0] <= t:      # its receives in by t: the first of them in order
             lb, j = heappop(units)
-            if heads[j] == lb and (pick is None or j < pick):
-                m = box[chans[j]][0]
-                d = m.delivered if m.stamp >= epoch else ep.delivery(m)
-                if d <= t:
-                    pick = j
+            if heads[j] == lb:
+                seen.append((lb, j))
+                if pick is None or j < pick:
+                    m = box[chans[j]][0]
+                    d = m.delivered if m.stamp >= epoch else ep.delivery(m)
+                    if d <= t:
+                        pick = j
+        if g.keys is not None:       # (it may be kept: its heap as it was)
+            for e in seen:
+                heappush(units, e)
+        g.pick = pick
         return t, (g.s, pick)
 
     def receives(self, token: tuple) -> list[tuple[int, int]]:
@@ -382,5 +474,5 @@ class RoleWaits:
         for _, s in self.order:
             g = self.groups.get(s)
             if g is not None and g.chans:
-                return g.chans[0]
+                return g.chans[g.lo]
         return (None, -1)

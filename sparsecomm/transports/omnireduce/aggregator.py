@@ -231,7 +231,7 @@ def aggregator(adm, inbox, outbox, host: int | None = None, ref: np.ndarray | No
     left = [p.key for p in posts] if host is not None else []
     while left:
         yield Recv(tuple(left), Stage(Phase.HEADERS), any=True)
-        for k in [k for k in left if inbox.ready(k)] or left[:1]:   # (none in: the first, blocking)
+        for k in inbox.ready_keys(left) or left[:1]:   # (none in: the first, blocking)
             left.remove(k)
             yield from adm.take_early(inbox, k.peer, ref)
     yield Recv(adm.headers_left(), Stage(Phase.HEADERS))
