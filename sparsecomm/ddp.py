@@ -333,9 +333,13 @@ def comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         state: the :class:`CommHookState` given to ``register_comm_hook``.
         bucket: DDP's ``GradBucket``.
     """
+    buffer, index, is_last = bucket.buffer(), bucket.index(), bucket.is_last()
+    fut = state.scheduler.chained(buffer, index, is_last)
+    if fut is not None:
+        return fut
     shapes = ([g.shape for g in bucket.gradients()]
               if getattr(state.pipeline.method, "uses_shapes", False) else None)
-    work = state.start_bucket(bucket.buffer(), bucket.index(), bucket.is_last(), bucket.parameters(), shapes)
+    work = state.start_bucket(buffer, index, is_last, bucket.parameters(), shapes)
     return work.get_future()
 
 

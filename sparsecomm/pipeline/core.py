@@ -53,7 +53,7 @@ from .accounting import Accounting, CompressionStats, payload_bytes
 from .auto import SWITCH_TRANSPORTS, Chooser, block_density, options as auto_options
 from .nonfinite import NONFINITE, NonFiniteRule
 from .resolve import build_transport, warn_unguaranteed
-from .rounds import BucketRounds, Call, Outputs, ParameterRounds, PlainRound
+from .rounds import BucketRounds, Call, Outputs, ParameterRounds, PlainRound, _dense_bytes
 from .settings import describe
 from .sparse_rows import SPARSE_ROWS, SparseRows
 from .states import Generators, StateStore
@@ -218,6 +218,29 @@ class CommPipeline:
         later = None if call.next_round is None else (lambda agg: self._next_round(call, agg, t))
         return t.start(call.sent, then=lambda agg: self._finish(call, agg, then, t, seen),
                        next_round=later, call=identity)
+
+    def chain(self, flat: torch.Tensor, key: Hashable,
+              done: Callable[[Any, BaseException | None], None] | None = None) -> "torch.futures.Future | None":
+        """The plain average of bucket ``key`` (``flat`` summed in place, then divided by n: what
+        :meth:`start` does with ``compress=False``, with the same checks and the same records) as a
+        ``torch.futures.Future``, its completion chained on the transport's collective
+        (:meth:`Transport.chain <sparsecomm.transports.base.Transport.chain>`: a predicted ``native``
+        all-reduce, the DDP hook's steady state); ``done(value, error)`` runs before the future completes.
+        None when the transport does not chain this call (or under ``transport="auto"``): use :meth:`start`."""
+        if self.chooser is not None:
+            return None
+        n, rule, acc = self.world_size, self.rule, self.accounting
+        t = self.transport
+
+        def finish(agg: torch.Tensor) -> torch.Tensor:
+            if rule.checks_sums:
+                rule.plain_sum(agg, key)
+            out = agg.div_(n)
+            acc.call(_dense_bytes(flat))
+            acc.round(flat, t.last_stats)
+            return out
+
+        return t.chain(flat, CallId(key, self.step, 0), finish, done)
 
     def _next_round(self, call: Call, agg: torch.Tensor, t: Transport) -> Any:
         """A later round's message (on the communication thread); the round just summed is recorded."""

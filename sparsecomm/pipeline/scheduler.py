@@ -234,6 +234,10 @@ class HookScheduler:
         self._lock = threading.Lock()
         self._pending = 0
         self._last_started = False
+        # whether an uncompressed-or-plain bucket is keyed by its index (the key chain() uses)
+        pipe = pipeline
+        self._plain_by_index = pipe.plain and not (pipe.per_parameter or pipe.method.State is not None
+                                                   or pipe.warmup_steps)
 
     def restart(self, steps: int) -> None:
         """Continue from a checkpoint taken after ``steps`` steps (none in progress)."""
@@ -252,7 +256,10 @@ class HookScheduler:
         return work
 
     def _completed(self, work: CommWork) -> None:
-        exc = work.exception()
+        self._settle(None, work.exception())
+
+    def _settle(self, value: Any, exc: BaseException | None) -> None:
+        """A call of the step completed (with ``exc``, its error, or None): see :meth:`_track`."""
         if exc is not None and self.on_error is not None:
             self.on_error(exc)
         with self._lock:
@@ -274,16 +281,47 @@ class HookScheduler:
             return index
         return "p:" + hashlib.blake2b("\x00".join(names).encode(), digest_size=8).hexdigest()
 
+    def _begin(self) -> None:
+        """At the first bucket of a step: ``on_step``, then the pipeline's step."""
+        if not self._in_step:
+            if self.on_step is not None:
+                self.on_step(self.steps)
+            self.pipeline.begin_step(self.steps + 1)   # the identity of this step's calls carries our counter
+            self._in_step = True
+
+    def chained(self, buffer: torch.Tensor, index: int, is_last: bool) -> "torch.futures.Future | None":
+        """DDP's bucket ``index`` plainly averaged as :meth:`start` would (the same key, call, checks,
+        records and step), its completion chained on its collective (:meth:`CommPipeline.chain
+        <sparsecomm.pipeline.core.CommPipeline.chain>`): a future of the average, in ``buffer`` itself;
+        or None when it cannot be (a compressed or sparse bucket, an unpredicted call, ...): then
+        :meth:`start` it. The step's bookkeeping (:meth:`_track`) is the same."""
+        if buffer.is_sparse or buffer.dim() != 1 or not buffer.is_contiguous() or (
+                not self._plain_by_index and self.steps >= 1 and buffer.numel() >= self.min_compress_size):
+            return None
+        self._begin()
+        with self._lock:
+            self._pending += 1
+            last_before, self._last_started = self._last_started, self._last_started or is_last
+        fut, failed = None, True
+        try:
+            fut = self.pipeline.chain(buffer, index, self._settle)
+            failed = False
+        finally:
+            if fut is None:
+                with self._lock:
+                    self._pending -= 1
+                    self._last_started = last_before
+            if is_last and (fut is not None or failed):    # (else start() ends the step's bucket count)
+                self.steps += 1
+                self._in_step = False
+        return fut
+
     def start(self, buffer: torch.Tensor, index: int, is_last: bool, params: list[torch.Tensor] | None = None,
               shapes: Any = None) -> CommWork:
         """Encode DDP's bucket ``index`` now and start its communication; ``wait()`` gives the average,
         shaped and typed as ``buffer`` (a sparse buffer gives the coalesced sparse average)."""
         pipe = self.pipeline
-        if not self._in_step:
-            if self.on_step is not None:
-                self.on_step(self.steps)
-            pipe.begin_step(self.steps + 1)        # the identity of this step's calls carries our counter
-            self._in_step = True
+        self._begin()
         try:
             if buffer.is_sparse:
                 if not pipe.plain:
