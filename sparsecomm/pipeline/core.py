@@ -219,28 +219,43 @@ class CommPipeline:
         return t.start(call.sent, then=lambda agg: self._finish(call, agg, then, t, seen),
                        next_round=later, call=identity)
 
-    def chain(self, flat: torch.Tensor, key: Hashable,
-              done: Callable[[Any, BaseException | None], None] | None = None) -> "torch.futures.Future | None":
-        """The plain average of bucket ``key`` (``flat`` summed in place, then divided by n: what
-        :meth:`start` does with ``compress=False``, with the same checks and the same records) as a
-        ``torch.futures.Future``, its completion chained on the transport's collective
+    def chain(self, flat: torch.Tensor, key: Hashable, *, compress: bool = False,
+              done: Callable[[Any, BaseException | None], None] | None = None) -> "torch.futures.Future | CommWork | None":
+        """Bucket ``key``'s round as :meth:`start` runs it (the same encode, call, checks, decode and records),
+        its completion chained on the transport's collective where the transport chains it
         (:meth:`Transport.chain <sparsecomm.transports.base.Transport.chain>`: a predicted ``native``
-        all-reduce, the DDP hook's steady state); ``done(value, error)`` runs before the future completes.
-        None when the transport does not chain this call (or under ``transport="auto"``): use :meth:`start`."""
+        all-reduce, the DDP hook's steady state): a ``torch.futures.Future`` of the estimate;
+        ``done(value, error)`` runs before it completes. Chained: the plain average (``flat`` summed in
+        place, then divided by n) and, with ``compress``, the round of a stateless one-round method around
+        an elementwise compressor (the fp16/bf16 casts: its payload is the round's own, summed in place,
+        and the sum is widened into ``flat``, as torch's ``fp16_compress_hook`` decompresses into the
+        bucket, before the method's decode) whose sums the transport checks. A compressed round that the transport does not chain after all
+        was encoded: it is started (:meth:`start`'s :class:`~sparsecomm.fabric.engine.CommWork`, which
+        ``done`` is not given). None when nothing was done (any other round, ``transport="auto"``): use
+        :meth:`start`."""
         if self.chooser is not None:
             return None
         n, rule, acc = self.world_size, self.rule, self.accounting
         t = self.transport
+        if not compress or self.plain:
+            def finish(agg: torch.Tensor) -> torch.Tensor:
+                if rule.checks_sums:
+                    rule.plain_sum(agg, key)
+                out = agg.div_(n)
+                acc.call(_dense_bytes(flat))
+                acc.round(flat, t.last_stats)
+                return out
 
-        def finish(agg: torch.Tensor) -> torch.Tensor:
-            if rule.checks_sums:
-                rule.plain_sum(agg, key)
-            out = agg.div_(n)
-            acc.call(_dense_bytes(flat))
-            acc.round(flat, t.last_stats)
-            return out
-
-        return t.chain(flat, CallId(key, self.step, 0), finish, done)
+            return t.chain(flat, CallId(key, self.step, 0), finish, done)
+        m = self.method
+        if not (m.State is None and m.compressor.elementwise and not m.multi_round and not m.uses_shapes
+                and not rule.checks_sums):
+            return None
+        identity = self.call_id(key)
+        call = self._bucket_rounds.begin(flat, key, max(0, self.step - 1 - self.skipped), False, None)
+        finish = lambda agg: self._finish(call, agg, None, t, None)      # noqa: E731
+        fut = t.chain(call.sent, identity, finish, done, scratch=True, out=flat)     # (flat: scratch)
+        return fut if fut is not None else t.start(call.sent, then=finish, call=identity)
 
     def _next_round(self, call: Call, agg: torch.Tensor, t: Transport) -> Any:
         """A later round's message (on the communication thread); the round just summed is recorded."""

@@ -234,10 +234,9 @@ class HookScheduler:
         self._lock = threading.Lock()
         self._pending = 0
         self._last_started = False
-        # whether an uncompressed-or-plain bucket is keyed by its index (the key chain() uses)
+        # whether a compressed bucket is keyed by its index (as chained() keys every bucket)
         pipe = pipeline
-        self._plain_by_index = pipe.plain and not (pipe.per_parameter or pipe.method.State is not None
-                                                   or pipe.warmup_steps)
+        self._by_index = not (pipe.per_parameter or pipe.method.State is not None or pipe.warmup_steps)
 
     def restart(self, steps: int) -> None:
         """Continue from a checkpoint taken after ``steps`` steps (none in progress)."""
@@ -290,13 +289,16 @@ class HookScheduler:
             self._in_step = True
 
     def chained(self, buffer: torch.Tensor, index: int, is_last: bool) -> "torch.futures.Future | None":
-        """DDP's bucket ``index`` plainly averaged as :meth:`start` would (the same key, call, checks,
-        records and step), its completion chained on its collective (:meth:`CommPipeline.chain
-        <sparsecomm.pipeline.core.CommPipeline.chain>`): a future of the average, in ``buffer`` itself;
-        or None when it cannot be (a compressed or sparse bucket, an unpredicted call, ...): then
+        """DDP's bucket ``index`` averaged as :meth:`start` would (the same key, call, checks, records
+        and step), its completion chained on its collective where the pipeline chains it
+        (:meth:`CommPipeline.chain <sparsecomm.pipeline.core.CommPipeline.chain>`: the plain average, in
+        ``buffer`` itself, and the fp16/bf16 casts' round): a future of the average; or None when
+        nothing was done (a sparse bucket, another method, an unpredicted plain call, ...): then
         :meth:`start` it. The step's bookkeeping (:meth:`_track`) is the same."""
-        if buffer.is_sparse or buffer.dim() != 1 or not buffer.is_contiguous() or (
-                not self._plain_by_index and self.steps >= 1 and buffer.numel() >= self.min_compress_size):
+        if buffer.is_sparse or buffer.dim() != 1 or not buffer.is_contiguous():
+            return None
+        compress = self.steps >= 1 and buffer.numel() >= self.min_compress_size
+        if compress and not self._by_index:
             return None
         self._begin()
         with self._lock:
@@ -304,7 +306,10 @@ class HookScheduler:
             last_before, self._last_started = self._last_started, self._last_started or is_last
         fut, failed = None, True
         try:
-            fut = self.pipeline.chain(buffer, index, self._settle)
+            fut = self.pipeline.chain(buffer, index, compress=compress, done=self._settle)
+            if isinstance(fut, CommWork):        # (encoded, then started: tracked as start() tracks it)
+                fut.add_done_callback(self._completed)
+                fut = fut.get_future()
             failed = False
         finally:
             if fut is None:

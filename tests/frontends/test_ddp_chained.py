@@ -96,7 +96,7 @@ def _batch(rank: int, t: int):
     return torch.randn(16, 128, generator=g), torch.randn(16, 128, generator=g)
 
 
-def _train(ctx, chain: bool, steps: int = STEPS, fault: str | None = None):
+def _train(ctx, chain: bool, steps: int = STEPS, fault: str | None = None, compressor: str = "none"):
     from sparsecomm.transports import _fold
     from sparsecomm.transports.native import Native
 
@@ -105,7 +105,7 @@ def _train(ctx, chain: bool, steps: int = STEPS, fault: str | None = None):
         Native.chain = lambda self, *a, **k: None            # (this process only: every call through start)
     net = _net()
     ddp = nn.parallel.DistributedDataParallel(net, bucket_cap_mb=CAP)
-    state = sc.ddp.register(ddp, compressor="none", verify_replicas_every=0)
+    state = sc.ddp.register(ddp, compressor=compressor, verify_replicas_every=0)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     sched = _fold.schedule(state.pipeline.fabric)
     for t in range(steps):
@@ -130,9 +130,11 @@ def _train(ctx, chain: bool, steps: int = STEPS, fault: str | None = None):
 
 
 @pytest.mark.multiprocess
-def test_the_chained_plain_average_is_bit_identical_with_the_same_records_as_the_queued_one():
-    ons = sc.launch(functools.partial(_train, chain=True), 3, backend="gloo", timeout_s=TIMEOUT)
-    offs = sc.launch(functools.partial(_train, chain=False), 3, backend="gloo", timeout_s=TIMEOUT)
+@pytest.mark.parametrize("compressor", ["none", "fp16", "bf16"])
+def test_a_chained_round_is_bit_identical_with_the_same_records_as_the_queued_one(compressor):
+    run = functools.partial(_train, compressor=compressor)
+    ons = sc.launch(functools.partial(run, chain=True), 3, backend="gloo", timeout_s=TIMEOUT)
+    offs = sc.launch(functools.partial(run, chain=False), 3, backend="gloo", timeout_s=TIMEOUT)
     for on, off in zip(ons, offs):
         assert on["chained"] > 0 and off["chained"] == 0, (on["chained"], off["chained"])
         assert on["folded"] == off["folded"]
@@ -148,13 +150,53 @@ def test_the_chained_plain_average_is_bit_identical_with_the_same_records_as_the
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("compressor", ["none", "fp16"])
 @pytest.mark.parametrize("fault, cls", [("nan", "NonFiniteError"), ("step", "MismatchError")])
-def test_a_fault_behind_chained_buckets_is_the_same_error_on_every_worker(fault, cls):
-    res = sc.launch(functools.partial(_train, chain=True, steps=5, fault=fault), 3, backend="gloo",
-                    timeout_s=TIMEOUT)
+def test_a_fault_behind_chained_buckets_is_the_same_error_on_every_worker(fault, cls, compressor):
+    res = sc.launch(functools.partial(_train, chain=True, steps=5, fault=fault, compressor=compressor), 3,
+                    backend="gloo", timeout_s=TIMEOUT)
     for rk in res:
         assert rk["chained"] > 0
         got_cls, text, secs = rk["fault"]
         assert got_cls == "RuntimeError" and f"{cls}: " in text, (got_cls, text)
         assert rk["error"] == cls, rk["error"]
         assert secs < BOUND
+
+
+# ---------------------------------------------------------------------------- the casts' numbers
+N = 40_000                 # 80 KB in fp16: all_reduce, not the small all_gather
+
+
+def _cast_rounds(ctx, compressor: str):
+    from sparsecomm.fabric.engine import CommWork
+    from sparsecomm.pipeline import CommPipeline
+    from sparsecomm.transports import _fold
+
+    torch.set_num_threads(1)
+    pipe = CommPipeline(compressor, "native", fabric=ctx.fabric, transport_kwargs={"inplace": True})
+    sched = _fold.schedule(ctx.fabric)
+    out = []
+    for step in range(1, 7):
+        pipe.begin_step(step)
+        g = torch.Generator().manual_seed(100 * ctx.rank + step)
+        # multiples of 1/8 up to 8 in size: the sum of 3 is exact in fp16 and bf16, in any order
+        x = torch.randint(-64, 65, (N,), generator=g).float() / 8
+        before = sched.chained
+        got = pipe.chain(x.clone(), 0, compress=True)
+        est = got.wait() if isinstance(got, CommWork) else got.wait()
+        pipe.end_step()
+        out.append((x, est.clone(), sched.chained - before))
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("compressor, dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16)])
+def test_a_chained_cast_round_is_the_narrow_sum_widened_then_divided(compressor, dtype):
+    res = sc.launch(functools.partial(_cast_rounds, compressor=compressor), 3, backend="gloo", timeout_s=TIMEOUT)
+    assert [c for _, _, c in res[0]][-2:] == [1, 1]            # the last rounds were chained
+    for step in range(len(res[0])):
+        total = sum(rk[step][0].to(dtype) for rk in res)       # (exact: see _cast_rounds)
+        expected = total.float() / 3                           # torch's fp16 hook: widen, then divide
+        assert not torch.equal((total / 3).float(), expected)  # (dividing before widening is another number)
+        for rk in res:
+            assert torch.equal(rk[step][1], expected), step

@@ -166,18 +166,24 @@ class Native(Transport):
 
         return eng.post(post, complete, issues=next_round is not None)
 
-    def chain(self, x: torch.Tensor, call: CallId, then, done=None):
-        """As :meth:`Transport.chain`: a call predicted to fold (:mod:`.._fold`) whose tensor is summed by
-        ``all_reduce`` in place (``inplace=True``, contiguous, larger than
-        :data:`~.collectives.GATHER_SUM_BYTES`) is posted as :meth:`start` posts it, and its completion (the
-        non-finite check that also resolves a deviation, the booking, ``then``) is chained on gloo's
-        future (:meth:`~sparsecomm.fabric.engine.CommEngine.chain`), in call order, with the same
-        errors and the same fail-stop as :meth:`start`'s. What does not depend on the step (the
-        eligibility, the fold key but for its step) is kept per bucket, length and dtype."""
-        lane = self._lanes.get((call.bucket, call.round, x.numel(), x.dtype))
+    def chain(self, x: torch.Tensor | Payload, call: CallId, then, done=None, *, scratch: bool = False,
+              out: torch.Tensor | None = None):
+        """As :meth:`Transport.chain`: a call predicted to fold (:mod:`.._fold`) whose vector is summed by
+        ``all_reduce`` in place (a tensor with ``inplace=True``, or a ``dense`` payload whose values are
+        ``scratch``; flat, contiguous, larger than :data:`~.collectives.GATHER_SUM_BYTES`) is posted as
+        :meth:`start` posts it, and its completion (the non-finite check that also resolves a deviation,
+        the booking, a payload's sum cast to its dtype, into ``out`` if given, ``then``) is chained on
+        gloo's future
+        (:meth:`~sparsecomm.fabric.engine.CommEngine.chain`), in call order, with the same errors and the
+        same fail-stop as :meth:`start`'s. What does not depend on the step (the eligibility, the fold
+        key but for its step) is kept per bucket, length and dtypes."""
+        tensor = isinstance(x, torch.Tensor)
+        v = x if tensor else x.values
+        lane = self._lanes.get((call.bucket, call.round, v.numel(), v.dtype, x.dtype))
         if lane is None:
-            lane = self._lane(x, call)
-        if not lane or not x.is_contiguous():
+            lane = self._lane(x, v, call)
+        if not lane or not (self.inplace if tensor else scratch) or not v.is_contiguous() or (
+                out is not None and (out.dtype != x.dtype or out.numel() != v.numel())):
             return None
         sched, eng, prefix, code = lane
         f = self.fabric
@@ -191,7 +197,7 @@ class Native(Transport):
             if predicted.key != key:
                 return None
             try:
-                handle = dist.all_reduce(x, group=f.native_group, async_op=True)
+                handle = dist.all_reduce(v, group=f.native_group, async_op=True)
             except RuntimeError as exc:
                 raise translated(f, "all_reduce", exc) from exc
             sched.folded += 1
@@ -209,16 +215,19 @@ class Native(Transport):
                     fut.wait()      # (complete: not the work's wait(), which waits for its callbacks)
                 except RuntimeError as exc:
                     raise translated(f, "all_reduce", exc) from exc
-                retain(handle, x)
-                stats = _book_join(f, f.world_size, x.numel() * x.element_size(), False)
-                if self._suspect(x):
+                retain(handle, v)
+                stats = _book_join(f, f.world_size, v.numel() * v.element_size(), False)
+                if self._suspect(v):
                     before = f.stats.copy()
                     with calling(call):
-                        self._resolve_folded(linear_operand(x, self.name, inplace=True), x, eng)
+                        self._resolve_folded(linear_operand(x, self.name, inplace=True), v, eng)
                     stats = stats + (f.stats - before)
                 stats.wall_time_s = time.perf_counter() - t0
                 self.last_stats = stats
-                return then(x)
+                if tensor:
+                    return then(v)
+                wide = out.copy_(v) if out is not None else v.to(x.dtype)      # (exact: a widening)
+                return then(wide.reshape(x.shape))
             except BaseException as exc:
                 sched.reset()
                 if eng.resolving():
@@ -227,20 +236,21 @@ class Native(Transport):
 
         return eng.chain(post, complete, done)
 
-    def _lane(self, x: torch.Tensor, call: CallId):
+    def _lane(self, x: torch.Tensor | Payload, v: torch.Tensor, call: CallId):
         """What :meth:`chain` keeps of a bucket: False when its calls are not chained, else the fabric's
         schedule and engine, the fold key's part that does not depend on the step, and the bucket's code."""
         f = self.fabric
         sched = _fold.schedule(f)
-        nbytes = x.numel() * x.element_size()
-        ok = (sched is not None and self.inplace and x.dim() == 1 and x.is_floating_point()
-              and GATHER_SUM_BYTES < nbytes <= self.fold_max_bytes)
+        nbytes = v.numel() * v.element_size()
+        ok = (sched is not None and v.dim() == 1 and v.is_floating_point()
+              and GATHER_SUM_BYTES < nbytes <= self.fold_max_bytes
+              and (isinstance(x, torch.Tensor) or (x.kind == "dense" and x.numel == v.numel())))
         lane = False
         if ok:
             op = linear_operand(x, self.name, inplace=True)
             prefix = ("native", *[(k, int(val)) for k, val in op.fields.items()])
             lane = (sched, engine(f), prefix, call.words[0])
-        self._lanes[(call.bucket, call.round, x.numel(), x.dtype)] = lane
+        self._lanes[(call.bucket, call.round, v.numel(), v.dtype, x.dtype)] = lane
         return lane
 
     def _check_folded(self, op: LinearOperand, total: torch.Tensor) -> torch.Tensor:
