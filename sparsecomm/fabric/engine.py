@@ -7,7 +7,10 @@ every worker submits its jobs in the same order, the protocols' messages match e
 and every protocol gets an asynchronous API without being rewritten (``Transport.start``,
 :mod:`sparsecomm.transports.base`). A job whose call is a single non-blocking collective may instead *post* it on
 the calling thread while every earlier job is posted too (:meth:`CommEngine.post`): the order of messages is the
-submission order all the same, and its completion runs on the communication thread in that order.
+submission order all the same, and its completion runs on the communication thread in that order. Or it may
+*chain* its completion on the collective's own ``torch.futures.Future`` (:meth:`CommEngine.chain`) while nothing
+is queued: the chained completions run one at a time in call order, on the thread that completes the collective,
+and a call queued later runs only after them.
 
 **Errors.** A job's error is raised by ``wait()`` of its :class:`CommWork` and of every later one on the
 fabric (the protocols' message streams are then out of step), except a

@@ -23,7 +23,10 @@ posted too (:meth:`~sparsecomm.fabric.engine.CommEngine.post`); the wait, the ch
 behind the running one, as torch's own ``allreduce_hook`` does, instead of leaving the link idle while
 the communication thread wakes, checks, divides and picks the next call (the idle time this removes per
 bucket: BENCHMARKS.md, "Training step"). A posted call's prediction and record are taken under the engine's lock, so
-every worker posts the same calls in the same order. If resolving a posted call's NaN raises (a worker
+every worker posts the same calls in the same order. :meth:`Native.chain` (the DDP hook's steady state) posts
+the same way but chains the completion on gloo's own future instead
+(:meth:`~sparsecomm.fabric.engine.CommEngine.chain`: in call order too, each completion after the previous
+one has returned, and only while nothing is queued on the communication thread, which then waits for them). If resolving a posted call's NaN raises (a worker
 deviated: MismatchError; a non-finite input with ``nonfinite="raise"``: NonFiniteError) while this
 worker has later calls posted, the workers that did not post them never will: the worker then stops
 the job (``TorchFabric.fail``: every rank raises that error class, and the fabric is unusable after),
