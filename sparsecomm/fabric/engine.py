@@ -166,6 +166,9 @@ class CommEngine:
         self._chained = 0           # chained calls (:meth:`chain`) whose completion has not returned
         self._tail: Any = None      # the last chained call's completion (a torch future), or None
         self._watchers = 0          # threads in drain() or settle()
+        # guards _chained where a chained completion returns (not _cond: a post may hold that one while
+        # its collective is enqueued, and the completion must not wait for it)
+        self._chain_lock = threading.Lock()
 
     def submit(self, job: Callable[[], Any]) -> CommWork:
         """Queue ``job`` (which sends its messages when it runs, on the communication thread)."""
@@ -233,7 +236,8 @@ class CommEngine:
                 return None
             gfut, posted = got
             prev = self._tail
-            self._chained += 1
+            with self._chain_lock:
+                self._chained += 1
             dep = gfut if prev is None or prev.done() else torch.futures.collect_all([prev, gfut])
             tail = self._tail = dep.then(lambda _: self._run_chained(complete, posted, done, prev))
         return tail.then(_unwrap_outcome)
@@ -252,12 +256,16 @@ class CommEngine:
             if done is not None:
                 done(value, exc)
         finally:
-            with self._cond:
-                if exc is not None and self._failed is None and not isinstance(exc, NonFiniteError):
-                    self._failed = exc
-                self._resolving = False
+            if exc is not None:
+                with self._cond:
+                    if self._failed is None and not isinstance(exc, NonFiniteError):
+                        self._failed = exc
+            self._resolving = False     # (set by this completion only: no call is posted meanwhile)
+            with self._chain_lock:
                 self._chained -= 1
-                if not self._chained and (self._queue or self._watchers):
+                left = self._chained
+            if not left and (self._queue or self._watchers):
+                with self._cond:
                     self._cond.notify_all()     # (a queued call, or a drain, waits for it)
         return value, exc
 
