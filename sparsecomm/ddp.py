@@ -30,9 +30,13 @@ encodes on the calling (autograd) thread and returns a *pending* future: the tra
 fabric's communication thread (:meth:`~sparsecomm.transports.base.Transport.start`), the decode right
 after it there, and the future, chained with ``then`` as torch's hooks chain theirs, completes when the
 bucket's communication does, so later buckets' backward runs meanwhile. With ``native`` and plain
-averaging, a bucket whose call is predicted (every step after the first few) is posted to gloo on the
-calling thread at once, behind the buckets still in flight, as torch's ``allreduce_hook`` posts its
-own (:mod:`sparsecomm.transports.native`, "Posted at once"). DDP calls the hook for its
+averaging or the ``fp16``/``bf16`` casts, a bucket whose call is predicted (every step after the first
+few) is posted to gloo on the calling thread at once, behind the buckets still in flight, as torch's
+``allreduce_hook`` posts its own, and its completion (the checks, the division, the records, the step's
+end) is chained on gloo's own future, in call order, with no hop through the communication thread
+(:meth:`HookScheduler.chained <sparsecomm.pipeline.scheduler.HookScheduler.chained>`;
+:mod:`sparsecomm.transports.native`, "Posted at once"); a cast's narrow sum is widened into the bucket
+and then divided, as torch's ``fp16_compress_hook`` does. DDP calls the hook for its
 buckets in index order on every rank, so the calls match across ranks; the results are bit-identical
 to synchronous calls.
 
@@ -333,9 +337,13 @@ def comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         state: the :class:`CommHookState` given to ``register_comm_hook``.
         bucket: DDP's ``GradBucket``.
     """
+    buffer, index, is_last = bucket.buffer(), bucket.index(), bucket.is_last()
+    fut = state.scheduler.chained(buffer, index, is_last)
+    if fut is not None:
+        return fut
     shapes = ([g.shape for g in bucket.gradients()]
               if getattr(state.pipeline.method, "uses_shapes", False) else None)
-    work = state.start_bucket(bucket.buffer(), bucket.index(), bucket.is_last(), bucket.parameters(), shapes)
+    work = state.start_bucket(buffer, index, is_last, bucket.parameters(), shapes)
     return work.get_future()
 
 

@@ -7,7 +7,10 @@ every worker submits its jobs in the same order, the protocols' messages match e
 and every protocol gets an asynchronous API without being rewritten (``Transport.start``,
 :mod:`sparsecomm.transports.base`). A job whose call is a single non-blocking collective may instead *post* it on
 the calling thread while every earlier job is posted too (:meth:`CommEngine.post`): the order of messages is the
-submission order all the same, and its completion runs on the communication thread in that order.
+submission order all the same, and its completion runs on the communication thread in that order. Or it may
+*chain* its completion on the collective's own ``torch.futures.Future`` (:meth:`CommEngine.chain`) while nothing
+is queued: the chained completions run one at a time in call order, on the thread that completes the collective,
+and a call queued later runs only after them.
 
 **Errors.** A job's error is raised by ``wait()`` of its :class:`CommWork` and of every later one on the
 fabric (the protocols' message streams are then out of step), except a
@@ -160,6 +163,12 @@ class CommEngine:
         self._finishing = 0         # completed jobs whose done-callbacks are still running
         self._resolving = False     # a posted call is being resolved (it runs handshakes): no posts
         self._closing = False       # close(): the thread leaves once nothing is queued
+        self._chained = 0           # chained calls (:meth:`chain`) whose completion has not returned
+        self._tail: Any = None      # the last chained call's completion (a torch future), or None
+        self._watchers = 0          # threads in drain() or settle()
+        # guards _chained where a chained completion returns (not _cond: a post may hold that one while
+        # its collective is enqueued, and the completion must not wait for it)
+        self._chain_lock = threading.Lock()
 
     def submit(self, job: Callable[[], Any]) -> CommWork:
         """Queue ``job`` (which sends its messages when it runs, on the communication thread)."""
@@ -199,6 +208,67 @@ class CommEngine:
             self._enqueue(lambda: complete(posted), work, posted=True, issues=issues)
         return work
 
+    def chain(self, post: Callable[[], Any], complete: Callable[[Any], Any],
+              done: Callable[[Any, BaseException | None], None] | None = None) -> "torch.futures.Future | None":
+        """Post a call's single non-blocking collective now, on the calling thread, and chain its
+        completion on the collective's own future, with no hop through the communication thread:
+        ``post()`` returns ``(future, posted)`` (the collective's ``torch.futures.Future`` and what
+        ``complete`` needs) or None (not postable after all); ``complete(posted)`` runs once the
+        collective has completed *and* the previous chained call's completion has returned, so the
+        chained completions run one at a time in call order (on whichever thread completes the last of
+        the two: a collective's own thread, or this one), as :meth:`post`'s do on the communication
+        thread; then ``done(value, error)`` (the caller's bookkeeping), then the returned future
+        completes with ``complete``'s value, or fails with its error.
+
+        Done only when nothing is queued or running on the communication thread and nothing blocks
+        :meth:`post` (no call sends messages when it runs, none is being resolved, none failed): the
+        chained calls are then a prefix of the fabric's calls, and a call queued later (submitted or
+        posted) runs its completion only once every chained completion has returned
+        (:meth:`_loop`). Errors are recorded as for a queued call: a chained completion that raises
+        fails every later call, unless its error is a :class:`~sparsecomm.errors.NonFiniteError`.
+        Returns None when not done; the caller then posts or submits the call."""
+        with self._cond:
+            if (self._failed is not None or self._issuing or self._resolving or self._queue
+                    or self._busy):
+                return None
+            got = post()
+            if got is None:
+                return None
+            gfut, posted = got
+            prev = self._tail
+            with self._chain_lock:
+                self._chained += 1
+            dep = gfut if prev is None or prev.done() else torch.futures.collect_all([prev, gfut])
+            tail = self._tail = dep.then(lambda _: self._run_chained(complete, posted, done, prev))
+        return tail.then(_unwrap_outcome)
+
+    def _run_chained(self, complete, posted, done, prev) -> tuple[Any, BaseException | None]:
+        """A chained completion (:meth:`chain`): never raises (its outcome is the value), so that the
+        next one's ``collect_all`` waits for it."""
+        if prev is not None and not prev.done():
+            prev.wait()         # (the collective failed first: collect_all ended early)
+        value, exc = None, None
+        try:
+            value = complete(posted)
+        except BaseException as e:  # noqa: BLE001 - handed to the future
+            exc = e
+        try:
+            if done is not None:
+                done(value, exc)
+        finally:
+            if exc is not None:
+                with self._cond:
+                    if self._failed is None and not isinstance(exc, NonFiniteError):
+                        self._failed = exc
+            self._resolving = False     # (set by this completion only: no call is posted meanwhile)
+            with self._chain_lock:
+                self._chained -= 1
+                left = self._chained
+            if not left and (self._queue or self._watchers):
+                with self._cond:
+                    self._cond.notify_all()     # (a queued call, or a drain, waits for it)
+        return value, exc
+
     def resolving(self) -> int:
         """Called by a posted call's completion before it runs messages of its own (a handshake): no
         further call is posted until :meth:`resolved`. Returns how many posted calls are queued
@@ -206,7 +276,8 @@ class CommEngine:
         the job (fail-stop), since workers that did not post them never will."""
         with self._cond:
             self._resolving = True
-            return sum(1 for _, _, posted, _ in self._queue if posted)
+            # (a chained call resolving: the chained calls after it; they all come before the queue)
+            return sum(1 for _, _, posted, _ in self._queue if posted) + max(0, self._chained - 1)
 
     def resolved(self) -> None:
         """Called once the resolution announced by :meth:`resolving` is over: calls may be posted again."""
@@ -226,13 +297,17 @@ class CommEngine:
     def idle(self) -> bool:
         """Nothing queued or running."""
         with self._cond:
-            return not self._queue and not self._busy
+            return not self._queue and not self._busy and not self._chained
 
     def drain(self, timeout: float | None = None) -> None:
         """Block until every submitted call has completed (errors are left to their works), or for at most
         ``timeout`` wall seconds (None: no limit)."""
         with self._cond:
-            self._cond.wait_for(lambda: not self._queue and not self._busy, timeout)
+            self._watchers += 1
+            try:
+                self._cond.wait_for(lambda: not self._queue and not self._busy and not self._chained, timeout)
+            finally:
+                self._watchers -= 1
 
     def settle(self, timeout: float | None = None) -> bool:
         """Block until every submitted call has completed *and* its done-callbacks have returned (True
@@ -241,8 +316,13 @@ class CommEngine:
         layer has released the callbacks chained on it; the interpreter must not finalize until it has
         (see :func:`_settle_at_exit`)."""
         with self._cond:
-            return self._cond.wait_for(
-                lambda: not self._queue and not self._busy and not self._finishing, timeout)
+            self._watchers += 1
+            try:
+                return self._cond.wait_for(
+                    lambda: not self._queue and not self._busy and not self._chained and not self._finishing,
+                    timeout)
+            finally:
+                self._watchers -= 1
 
     def close(self, timeout: float | None = None) -> bool:
         """Let every submitted call complete and its done-callbacks return (:meth:`settle`), then end the
@@ -254,6 +334,7 @@ class CommEngine:
         if not self.settle(timeout):
             return False
         with self._cond:
+            self._tail = None          # (the last chained call's future: its result, released)
             thread = self._thread
             if thread is None:
                 return True
@@ -267,11 +348,15 @@ class CommEngine:
         torch.set_grad_enabled(False)      # (thread-local: every job runs without autograd)
         while True:
             with self._cond:
-                if not self._cond.wait_for(lambda: bool(self._queue) or self._closing, self.idle_s) \
-                        or not self._queue:
+                # (a queued call runs once every chained call before it has completed: :meth:`chain`)
+                ready = self._cond.wait_for(lambda: (bool(self._queue) and not self._chained) or
+                                            (self._closing and not self._queue), self.idle_s)
+                if not self._queue:
                     self._thread = None
                     self._closing = False
                     return
+                if not ready:
+                    continue        # (still waiting for a chained completion)
                 job, work, posted, issues = self._queue.popleft()
                 self._busy = True
                 failed = self._failed

@@ -53,7 +53,7 @@ from .accounting import Accounting, CompressionStats, payload_bytes
 from .auto import SWITCH_TRANSPORTS, Chooser, block_density, options as auto_options
 from .nonfinite import NONFINITE, NonFiniteRule
 from .resolve import build_transport, warn_unguaranteed
-from .rounds import BucketRounds, Call, Outputs, ParameterRounds, PlainRound
+from .rounds import BucketRounds, Call, Outputs, ParameterRounds, PlainRound, _dense_bytes
 from .settings import describe
 from .sparse_rows import SPARSE_ROWS, SparseRows
 from .states import Generators, StateStore
@@ -218,6 +218,44 @@ class CommPipeline:
         later = None if call.next_round is None else (lambda agg: self._next_round(call, agg, t))
         return t.start(call.sent, then=lambda agg: self._finish(call, agg, then, t, seen),
                        next_round=later, call=identity)
+
+    def chain(self, flat: torch.Tensor, key: Hashable, *, compress: bool = False,
+              done: Callable[[Any, BaseException | None], None] | None = None) -> "torch.futures.Future | CommWork | None":
+        """Bucket ``key``'s round as :meth:`start` runs it (the same encode, call, checks, decode and records),
+        its completion chained on the transport's collective where the transport chains it
+        (:meth:`Transport.chain <sparsecomm.transports.base.Transport.chain>`: a predicted ``native``
+        all-reduce, the DDP hook's steady state): a ``torch.futures.Future`` of the estimate;
+        ``done(value, error)`` runs before it completes. Chained: the plain average (``flat`` summed in
+        place, then divided by n) and, with ``compress``, the round of a stateless one-round method around
+        an elementwise compressor (the fp16/bf16 casts: its payload is the round's own, summed in place,
+        and the sum is widened into ``flat``, as torch's ``fp16_compress_hook`` decompresses into the
+        bucket, before the method's decode) whose sums the transport checks. A compressed round that the transport does not chain after all
+        was encoded: it is started (:meth:`start`'s :class:`~sparsecomm.fabric.engine.CommWork`, which
+        ``done`` is not given). None when nothing was done (any other round, ``transport="auto"``): use
+        :meth:`start`."""
+        if self.chooser is not None:
+            return None
+        n, rule, acc = self.world_size, self.rule, self.accounting
+        t = self.transport
+        if not compress or self.plain:
+            def finish(agg: torch.Tensor) -> torch.Tensor:
+                if rule.checks_sums:
+                    rule.plain_sum(agg, key)
+                out = agg.div_(n)
+                acc.call(_dense_bytes(flat))
+                acc.round(flat, t.last_stats)
+                return out
+
+            return t.chain(flat, CallId(key, self.step, 0), finish, done)
+        m = self.method
+        if not (m.State is None and m.compressor.elementwise and not m.multi_round and not m.uses_shapes
+                and not rule.checks_sums):
+            return None
+        identity = self.call_id(key)
+        call = self._bucket_rounds.begin(flat, key, max(0, self.step - 1 - self.skipped), False, None)
+        finish = lambda agg: self._finish(call, agg, None, t, None)      # noqa: E731
+        fut = t.chain(call.sent, identity, finish, done, scratch=True, out=flat)     # (flat: scratch)
+        return fut if fut is not None else t.start(call.sent, then=finish, call=identity)
 
     def _next_round(self, call: Call, agg: torch.Tensor, t: Transport) -> Any:
         """A later round's message (on the communication thread); the round just summed is recorded."""

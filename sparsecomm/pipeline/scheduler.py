@@ -234,6 +234,9 @@ class HookScheduler:
         self._lock = threading.Lock()
         self._pending = 0
         self._last_started = False
+        # whether a compressed bucket is keyed by its index (as chained() keys every bucket)
+        pipe = pipeline
+        self._by_index = not (pipe.per_parameter or pipe.method.State is not None or pipe.warmup_steps)
 
     def restart(self, steps: int) -> None:
         """Continue from a checkpoint taken after ``steps`` steps (none in progress)."""
@@ -252,7 +255,10 @@ class HookScheduler:
         return work
 
     def _completed(self, work: CommWork) -> None:
-        exc = work.exception()
+        self._settle(None, work.exception())
+
+    def _settle(self, value: Any, exc: BaseException | None) -> None:
+        """A call of the step completed (with ``exc``, its error, or None): see :meth:`_track`."""
         if exc is not None and self.on_error is not None:
             self.on_error(exc)
         with self._lock:
@@ -274,16 +280,53 @@ class HookScheduler:
             return index
         return "p:" + hashlib.blake2b("\x00".join(names).encode(), digest_size=8).hexdigest()
 
+    def _begin(self) -> None:
+        """At the first bucket of a step: ``on_step``, then the pipeline's step."""
+        if not self._in_step:
+            if self.on_step is not None:
+                self.on_step(self.steps)
+            self.pipeline.begin_step(self.steps + 1)   # the identity of this step's calls carries our counter
+            self._in_step = True
+
+    def chained(self, buffer: torch.Tensor, index: int, is_last: bool) -> "torch.futures.Future | None":
+        """DDP's bucket ``index`` averaged as :meth:`start` would (the same key, call, checks, records
+        and step), its completion chained on its collective where the pipeline chains it
+        (:meth:`CommPipeline.chain <sparsecomm.pipeline.core.CommPipeline.chain>`: the plain average, in
+        ``buffer`` itself, and the fp16/bf16 casts' round): a future of the average; or None when
+        nothing was done (a sparse bucket, another method, an unpredicted plain call, ...): then
+        :meth:`start` it. The step's bookkeeping (:meth:`_track`) is the same."""
+        if buffer.is_sparse or buffer.dim() != 1 or not buffer.is_contiguous():
+            return None
+        compress = self.steps >= 1 and buffer.numel() >= self.min_compress_size
+        if compress and not self._by_index:
+            return None
+        self._begin()
+        with self._lock:
+            self._pending += 1
+            last_before, self._last_started = self._last_started, self._last_started or is_last
+        fut, failed = None, True
+        try:
+            fut = self.pipeline.chain(buffer, index, compress=compress, done=self._settle)
+            if isinstance(fut, CommWork):        # (encoded, then started: tracked as start() tracks it)
+                fut.add_done_callback(self._completed)
+                fut = fut.get_future()
+            failed = False
+        finally:
+            if fut is None:
+                with self._lock:
+                    self._pending -= 1
+                    self._last_started = last_before
+            if is_last and (fut is not None or failed):    # (else start() ends the step's bucket count)
+                self.steps += 1
+                self._in_step = False
+        return fut
+
     def start(self, buffer: torch.Tensor, index: int, is_last: bool, params: list[torch.Tensor] | None = None,
               shapes: Any = None) -> CommWork:
         """Encode DDP's bucket ``index`` now and start its communication; ``wait()`` gives the average,
         shaped and typed as ``buffer`` (a sparse buffer gives the coalesced sparse average)."""
         pipe = self.pipeline
-        if not self._in_step:
-            if self.on_step is not None:
-                self.on_step(self.steps)
-            pipe.begin_step(self.steps + 1)        # the identity of this step's calls carries our counter
-            self._in_step = True
+        self._begin()
         try:
             if buffer.is_sparse:
                 if not pipe.plain:

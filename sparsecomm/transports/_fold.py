@@ -100,6 +100,9 @@ class Schedule:
         self.deviated = 0
         #: folded calls posted at once on the calling thread (``Native.start``, :meth:`CommEngine.post`)
         self.posted = 0
+        #: posted calls among them whose completion is chained on the collective's own future
+        #: (``Native.chain``, :meth:`CommEngine.chain`)
+        self.chained = 0
         self._step: int | None = None      # the step of the last recorded call that had an identity
 
     def call_key(self) -> tuple:
@@ -126,12 +129,15 @@ class Schedule:
             e = self._next.get(ctxs[1])
         return e[1] if e is not None and e[2] >= CONFIRMATIONS else None
 
-    def record(self, key: Hashable, fold: Fold | None = None) -> None:
+    def record(self, key: Hashable, fold: Fold | None = None, step: int | None = None) -> None:
         """A call with ``key`` completed on every worker (``fold``: it is foldable); made on the thread
-        that ran the call, inside its :func:`~._handshake.calling` block."""
-        call = current_call()
-        if call is not None:
-            self._step = int(call.step)
+        that ran the call, inside its :func:`~._handshake.calling` block, or given the step of its
+        identity (``step``) where it is made outside one."""
+        if step is None:
+            call = current_call()
+            step = None if call is None else call.step
+        if step is not None:
+            self._step = int(step)
         for ctx in self._contexts():
             e = self._next.get(ctx)
             if e is None:

@@ -149,6 +149,19 @@ class Transport(ABC):
         x = self.check_input(x)       # a bad pair or dtype fails here, on the caller's thread
         return engine(self.fabric).submit(lambda: self._later_rounds(self.run(x, call), then, next_round, call))
 
+    def chain(self, x: torch.Tensor | Payload, call: CallId, then: Callable[[torch.Tensor], Any],
+              done: Callable[[Any, BaseException | None], None] | None = None, *,
+              scratch: bool = False, out: torch.Tensor | None = None) -> "torch.futures.Future | None":
+        """The sum of the flat tensor or ``dense`` payload ``x`` as a ``torch.futures.Future`` of
+        ``then(sum)``, its collective posted now and its completion chained on the collective's own future
+        (:meth:`~sparsecomm.fabric.engine.CommEngine.chain`; ``done(value, error)`` runs before the future
+        completes), or None when this call cannot be chained: the caller then :meth:`start`\\ s it (nothing
+        was sent). A tensor may be summed in place where the transport sums tensors in place
+        (``inplace``), a payload's values where the caller says they are ``scratch`` (nobody else reads
+        them); ``out`` (a payload's length and dtype) takes a payload's sum cast to its dtype, else a new
+        tensor does. The base class chains nothing; ``native`` chains a predicted all-reduce."""
+        return None
+
     def _later_rounds(self, out: torch.Tensor, then, next_round, call: CallId | None) -> Any:
         """Run a started call's later rounds (:meth:`start`) from its first sum ``out``, then ``then``."""
         while next_round is not None and (nxt := next_round(out)) is not None:

@@ -23,7 +23,10 @@ posted too (:meth:`~sparsecomm.fabric.engine.CommEngine.post`); the wait, the ch
 behind the running one, as torch's own ``allreduce_hook`` does, instead of leaving the link idle while
 the communication thread wakes, checks, divides and picks the next call (the idle time this removes per
 bucket: BENCHMARKS.md, "Training step"). A posted call's prediction and record are taken under the engine's lock, so
-every worker posts the same calls in the same order. If resolving a posted call's NaN raises (a worker
+every worker posts the same calls in the same order. :meth:`Native.chain` (the DDP hook's steady state) posts
+the same way but chains the completion on gloo's own future instead
+(:meth:`~sparsecomm.fabric.engine.CommEngine.chain`: in call order too, each completion after the previous
+one has returned, and only while nothing is queued on the communication thread, which then waits for them). If resolving a posted call's NaN raises (a worker
 deviated: MismatchError; a non-finite input with ``nonfinite="raise"``: NonFiniteError) while this
 worker has later calls posted, the workers that did not post them never will: the worker then stops
 the job (``TorchFabric.fail``: every rank raises that error class, and the fabric is unusable after),
@@ -51,6 +54,7 @@ import functools
 import time
 
 import torch
+import torch.distributed as dist
 
 from ...errors import IncompatibleError, InvalidValueError
 from ...fabric.base import Fabric
@@ -61,10 +65,11 @@ from ..base import registry
 from .._guards import all_finite, guard_finite, nonfinite_option
 from .._handshake import calling, check_agreement, fail_stop
 from ...theory import costs
-from ..base import CallShape, Transport
+from ..base import CallId, CallShape, Transport
 from ..linear import LinearOperand, guarded_sum, linear_operand
-from .collectives import join, post_join
+from .collectives import GATHER_SUM_BYTES, _book_join, join, post_join, translated
 from .gather import gather_rows
+from ...fabric.torch.torch_waiters import retain
 
 WHAT = "native allreduce"
 
@@ -88,6 +93,7 @@ class Native(Transport):
         self.fold_max_bytes = int(fold_max_bytes)
         self.nonfinite = nonfinite_option(nonfinite, "native")
         self.inplace = inplace   # all-reduce a plain tensor input in place (scratch buckets), no copy
+        self._lanes: dict = {}   # (bucket, round, numel, dtype) -> what chain() keeps of it (see _lane)
         if fabric.native_group is None:
             raise IncompatibleError(
                 f"transport 'native' calls torch.distributed.all_reduce, so it needs a TorchFabric "
@@ -162,6 +168,93 @@ class Native(Transport):
                 raise        # (the engine stays resolving until it has recorded the failure)
 
         return eng.post(post, complete, issues=next_round is not None)
+
+    def chain(self, x: torch.Tensor | Payload, call: CallId, then, done=None, *, scratch: bool = False,
+              out: torch.Tensor | None = None):
+        """As :meth:`Transport.chain`: a call predicted to fold (:mod:`.._fold`) whose vector is summed by
+        ``all_reduce`` in place (a tensor with ``inplace=True``, or a ``dense`` payload whose values are
+        ``scratch``; flat, contiguous, larger than :data:`~.collectives.GATHER_SUM_BYTES`) is posted as
+        :meth:`start` posts it, and its completion (the non-finite check that also resolves a deviation,
+        the booking, a payload's sum cast to its dtype, into ``out`` if given, ``then``) is chained on
+        gloo's future
+        (:meth:`~sparsecomm.fabric.engine.CommEngine.chain`), in call order, with the same errors and the
+        same fail-stop as :meth:`start`'s. What does not depend on the step (the eligibility, the fold
+        key but for its step) is kept per bucket, length and dtypes."""
+        tensor = isinstance(x, torch.Tensor)
+        v = x if tensor else x.values
+        lane = self._lanes.get((call.bucket, call.round, v.numel(), v.dtype, x.dtype))
+        if lane is None:
+            lane = self._lane(x, v, call)
+        if not lane or not (self.inplace if tensor else scratch) or not v.is_contiguous() or (
+                out is not None and (out.dtype != x.dtype or out.numel() != v.numel())):
+            return None
+        sched, eng, prefix, code = lane
+        f = self.fabric
+
+        def post():
+            # under the engine's lock (CommEngine.chain): the prediction, the post and the record in call order
+            predicted = sched.predicted()
+            if predicted is None:
+                return None
+            key = prefix + (("call", code, call.round, None if sched._step is None else call.step - sched._step),)
+            if predicted.key != key:
+                return None
+            try:
+                handle = dist.all_reduce(v, group=f.native_group, async_op=True)
+            except RuntimeError as exc:
+                raise translated(f, "all_reduce", exc) from exc
+            sched.folded += 1
+            sched.posted += 1
+            sched.chained += 1
+            sched.record(key, predicted, step=call.step)
+            fut = handle.get_future()
+            return fut, (fut, handle)
+
+        def complete(posted):
+            t0 = time.perf_counter()
+            fut, handle = posted
+            try:
+                try:
+                    fut.wait()      # (complete: not the work's wait(), which waits for its callbacks)
+                except RuntimeError as exc:
+                    raise translated(f, "all_reduce", exc) from exc
+                retain(handle, v)
+                stats = _book_join(f, f.world_size, v.numel() * v.element_size(), False)
+                if self._suspect(v):
+                    before = f.stats.copy()
+                    with calling(call):
+                        self._resolve_folded(linear_operand(x, self.name, inplace=True), v, eng)
+                    stats = stats + (f.stats - before)
+                stats.wall_time_s = time.perf_counter() - t0
+                self.last_stats = stats
+                if tensor:
+                    return then(v)
+                wide = out.copy_(v) if out is not None else v.to(x.dtype)      # (exact: a widening)
+                return then(wide.reshape(x.shape))
+            except BaseException as exc:
+                sched.reset()
+                if eng.resolving():
+                    fail_stop(f, exc)      # later calls of this worker are posted: stop the job (see start)
+                raise
+
+        return eng.chain(post, complete, done)
+
+    def _lane(self, x: torch.Tensor | Payload, v: torch.Tensor, call: CallId):
+        """What :meth:`chain` keeps of a bucket: False when its calls are not chained, else the fabric's
+        schedule and engine, the fold key's part that does not depend on the step, and the bucket's code."""
+        f = self.fabric
+        sched = _fold.schedule(f)
+        nbytes = v.numel() * v.element_size()
+        ok = (sched is not None and v.dim() == 1 and v.is_floating_point()
+              and GATHER_SUM_BYTES < nbytes <= self.fold_max_bytes
+              and (isinstance(x, torch.Tensor) or (x.kind == "dense" and x.numel == v.numel())))
+        lane = False
+        if ok:
+            op = linear_operand(x, self.name, inplace=True)
+            prefix = ("native", *[(k, int(val)) for k, val in op.fields.items()])
+            lane = (sched, engine(f), prefix, call.words[0])
+        self._lanes[(call.bucket, call.round, v.numel(), v.dtype, x.dtype)] = lane
+        return lane
 
     def _check_folded(self, op: LinearOperand, total: torch.Tensor) -> torch.Tensor:
         """A folded call's sum (:meth:`_suspect`, then :meth:`_resolve_folded`)."""
