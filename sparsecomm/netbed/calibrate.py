@@ -236,16 +236,19 @@ def _time_calls(ctx, names: tuple[str, ...], numel: int, calls: int) -> dict[str
     out = {}
     for name in names:
         t = transports.get("ring" if name == "native" and f.modelled_time else name, f)
-        times = []
-        for i in range(calls + 2):
-            x = x0.clone()
-            f.barrier()
-            t0 = f.now()
-            t.allreduce(x)
-            if i >= 2:
-                times.append(f.now() - t0)
-        out[name] = times
+        for _ in range(2):          # (untimed)
+            _timed_call(f, t, x0)
+        out[name] = [_timed_call(f, t, x0) for _ in range(calls)]
     return out
+
+
+def _timed_call(f, t, x0: torch.Tensor) -> float:
+    """The time of one ``t.allreduce`` of a copy of ``x0`` after a barrier, on ``f``'s clock."""
+    x = x0.clone()
+    f.barrier()
+    t0 = f.now()
+    t.allreduce(x)
+    return f.now() - t0
 
 
 def block_sparse(numel: int, density: float, seed: int, block: int = BLOCK) -> torch.Tensor:
@@ -274,12 +277,9 @@ def _time_points(ctx, points: tuple, calls: int) -> list[list[float]]:
     out: list[list[float]] = [[] for _ in points]
     for i in range(calls + 2):
         for t, x0, times in zip(ts, xs, out):
-            x = x0.clone()
-            f.barrier()
-            t0 = f.now()
-            t.allreduce(x)
+            took = _timed_call(f, t, x0)
             if i >= 2:
-                times.append(f.now() - t0)
+                times.append(took)
     return out
 
 

@@ -53,7 +53,7 @@ from .accounting import Accounting, CompressionStats, payload_bytes
 from .auto import SWITCH_TRANSPORTS, Chooser, block_density, options as auto_options
 from .nonfinite import NONFINITE, NonFiniteRule
 from .resolve import build_transport, warn_unguaranteed
-from .rounds import BucketRounds, Call, Outputs, ParameterRounds, PlainRound, _dense_bytes
+from .rounds import BucketRounds, Call, Outputs, ParameterRounds, PlainRound, dense_bytes
 from .settings import describe
 from .sparse_rows import SPARSE_ROWS, SparseRows
 from .states import Generators, StateStore
@@ -242,7 +242,7 @@ class CommPipeline:
                 if rule.checks_sums:
                     rule.plain_sum(agg, key)
                 out = agg.div_(n)
-                acc.call(_dense_bytes(flat))
+                acc.call(dense_bytes(flat))
                 acc.round(flat, t.last_stats)
                 return out
 

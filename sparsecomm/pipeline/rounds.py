@@ -61,7 +61,8 @@ class Outputs:
         return buf
 
 
-def _dense_bytes(flat: torch.Tensor) -> int:
+def dense_bytes(flat: torch.Tensor) -> int:
+    """The bytes of ``flat`` on the wire as it is (the plain round's, and a dense payload's)."""
     return flat.numel() * flat.element_size()
 
 
@@ -77,7 +78,7 @@ class PlainRound:
                 self.rule.plain_sum(agg, key)       # (skipped: the average below is not finite either)
             return agg.div_(self.n)
 
-        return Call(flat, _dense_bytes(flat), finish)
+        return Call(flat, dense_bytes(flat), finish)
 
 
 class MethodRounds:
@@ -124,7 +125,7 @@ class ParameterRounds(MethodRounds):
                 o += k
             return out
 
-        return Call(payload, _dense_bytes(flat), finish)
+        return Call(payload, dense_bytes(flat), finish)
 
 
 class BucketRounds(MethodRounds):
@@ -168,7 +169,7 @@ class BucketRounds(MethodRounds):
                 return out.fill_(float("nan"))      # a skipped step: no decode (see the module doc)
             return method.decode(agg, n, ms, out=out)[0]
 
-        call = Call(first, _dense_bytes(flat), finish)
+        call = Call(first, dense_bytes(flat), finish)
         if method.multi_round:
             def next_round(agg: torch.Tensor) -> Payload | None:
                 if rule.checks_sums:

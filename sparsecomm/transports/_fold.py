@@ -105,10 +105,12 @@ class Schedule:
         self.chained = 0
         self._step: int | None = None      # the step of the last recorded call that had an identity
 
-    def call_key(self) -> tuple:
-        """The part of a key that names the call running on this thread (:func:`current_call`): its
-        bucket code, its round and its step relative to the previous recorded call's."""
-        call = current_call()
+    def call_key(self, call=None) -> tuple:
+        """The part of a key that names the call running on this thread (:func:`current_call`), or
+        ``call`` (a :class:`~.base.CallId`) if given: its bucket code, its round and its step relative to
+        the previous recorded call's."""
+        if call is None:
+            call = current_call()
         if call is None:
             return ()
         bucket, step, rnd = call.words

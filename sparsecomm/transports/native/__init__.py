@@ -67,7 +67,7 @@ from .._handshake import calling, check_agreement, fail_stop
 from ...theory import costs
 from ..base import CallId, CallShape, Transport
 from ..linear import LinearOperand, guarded_sum, linear_operand
-from .collectives import GATHER_SUM_BYTES, _book_join, join, post_join, translated
+from .collectives import GATHER_SUM_BYTES, book_join, join, post_join, translated
 from .gather import gather_rows
 from ...fabric.torch.torch_waiters import retain
 
@@ -188,7 +188,7 @@ class Native(Transport):
         if not lane or not (self.inplace if tensor else scratch) or not v.is_contiguous() or (
                 out is not None and (out.dtype != x.dtype or out.numel() != v.numel())):
             return None
-        sched, eng, prefix, code = lane
+        sched, eng, prefix = lane
         f = self.fabric
 
         def post():
@@ -196,7 +196,7 @@ class Native(Transport):
             predicted = sched.predicted()
             if predicted is None:
                 return None
-            key = prefix + (("call", code, call.round, None if sched._step is None else call.step - sched._step),)
+            key = prefix + sched.call_key(call)
             if predicted.key != key:
                 return None
             try:
@@ -219,7 +219,7 @@ class Native(Transport):
                 except RuntimeError as exc:
                     raise translated(f, "all_reduce", exc) from exc
                 retain(handle, v)
-                stats = _book_join(f, f.world_size, v.numel() * v.element_size(), False)
+                stats = book_join(f, f.world_size, v.numel() * v.element_size(), False)
                 if self._suspect(v):
                     before = f.stats.copy()
                     with calling(call):
@@ -241,7 +241,7 @@ class Native(Transport):
 
     def _lane(self, x: torch.Tensor | Payload, v: torch.Tensor, call: CallId):
         """What :meth:`chain` keeps of a bucket: False when its calls are not chained, else the fabric's
-        schedule and engine, the fold key's part that does not depend on the step, and the bucket's code."""
+        schedule and engine, and the fold key's part that does not depend on the call."""
         f = self.fabric
         sched = _fold.schedule(f)
         nbytes = v.numel() * v.element_size()
@@ -252,7 +252,7 @@ class Native(Transport):
         if ok:
             op = linear_operand(x, self.name, inplace=True)
             prefix = ("native", *[(k, int(val)) for k, val in op.fields.items()])
-            lane = (sched, engine(f), prefix, call.words[0])
+            lane = (sched, engine(f), prefix)
         self._lanes[(call.bucket, call.round, v.numel(), v.dtype, x.dtype)] = lane
         return lane
 

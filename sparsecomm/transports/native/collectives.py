@@ -74,7 +74,8 @@ def _sum_rows(acc: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
     return acc
 
 
-def _book_join(f: Fabric, n: int, nbytes: int, small: bool) -> CommStats:
+def book_join(f: Fabric, n: int, nbytes: int, small: bool) -> CommStats:
+    """Book one join of ``nbytes`` by ``n`` workers on ``f`` (``small``: the all-gather sum) and return it."""
     if small:
         return book(f, (n - 1) * nbytes, 1, n - 1)
     return book(f, 2 * (n - 1) * nbytes // n, 1, 2 * (n - 1))
@@ -108,7 +109,7 @@ def join(f: Fabric, acc: torch.Tensor) -> torch.Tensor:
             retain(acc)
     except RuntimeError as exc:
         raise translated(f, "all_gather" if small else "all_reduce", exc) from exc
-    _book_join(f, n, nbytes, small)
+    book_join(f, n, nbytes, small)
     return acc
 
 
@@ -140,6 +141,6 @@ def post_join(f: Fabric, acc: torch.Tensor) -> Callable[[], tuple[torch.Tensor, 
         retain(handle, acc, rows)
         if small:
             _sum_rows(acc, rows, n)
-        return acc, _book_join(f, n, nbytes, small)
+        return acc, book_join(f, n, nbytes, small)
 
     return wait
