@@ -53,7 +53,7 @@ from .accounting import Accounting, CompressionStats, payload_bytes
 from .auto import SWITCH_TRANSPORTS, Chooser, block_density, options as auto_options
 from .nonfinite import NONFINITE, NonFiniteRule
 from .resolve import build_transport, warn_unguaranteed
-from .rounds import BucketRounds, Call, Outputs, ParameterRounds, PlainRound, dense_bytes
+from .rounds import BucketRounds, Call, Outputs, ParameterRounds, PlainRound
 from .settings import describe
 from .sparse_rows import SPARSE_ROWS, SparseRows
 from .states import Generators, StateStore
@@ -235,23 +235,14 @@ class CommPipeline:
         :meth:`start`."""
         if self.chooser is not None:
             return None
-        n, rule, acc = self.world_size, self.rule, self.accounting
-        t = self.transport
+        t, identity = self.transport, self.call_id(key)
         if not compress or self.plain:
-            def finish(agg: torch.Tensor) -> torch.Tensor:
-                if rule.checks_sums:
-                    rule.plain_sum(agg, key)
-                out = agg.div_(n)
-                acc.call(dense_bytes(flat))
-                acc.round(flat, t.last_stats)
-                return out
-
-            return t.chain(flat, CallId(key, self.step, 0), finish, done)
+            call = self._plain_round.begin(flat, key)
+            return t.chain(flat, identity, lambda agg: self._finish(call, agg, None, t, None), done)
         m = self.method
         if not (m.State is None and m.compressor.elementwise and not m.multi_round and not m.uses_shapes
-                and not rule.checks_sums):
+                and not self.rule.checks_sums):
             return None
-        identity = self.call_id(key)
         call = self._bucket_rounds.begin(flat, key, max(0, self.step - 1 - self.skipped), False, None)
         finish = lambda agg: self._finish(call, agg, None, t, None)      # noqa: E731
         fut = t.chain(call.sent, identity, finish, done, scratch=True, out=flat)     # (flat: scratch)
