@@ -726,6 +726,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if unknown:
         p.error(f"unknown schemes {sorted(unknown)}; known: {[s.name for s in SCHEMES]}")
     schemes = [s for s in SCHEMES if not keep or s.name in keep]
+    if a.profile is not None:
+        if a.netbed is None:
+            p.error("--profile models the netbed's hosts: it needs --netbed GBPS (on loopback nothing is modelled)")
+        modelled_network(a.netbed, a.hosts, 0, a.profile)      # a profile that does not load: now, not after training
     R = U.Run("reproduce_training", a, {"gbps": a.netbed, "hosts": a.hosts, "models": a.models,
                                         "schemes": [s.name for s in schemes], "quick": a.quick,
                                         "seeds": seeds})

@@ -237,3 +237,14 @@ def test_ddp_buckets_are_stock_ddps_steady_layout():
     fc1, fc2, fc3 = model[0], model[2], model[4]
     want = [[fc3.bias, fc3.weight, fc2.bias, fc2.weight], [fc1.bias, fc1.weight]]
     assert [[id(p) for p in b] for b in T.ddp_buckets(model)] == [[id(p) for p in b] for b in want]
+
+
+def test_a_profile_is_checked_before_anything_trains(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(T, "run_schemes", lambda *a, **k: pytest.fail("trained before checking --profile"))
+    with pytest.raises(SystemExit):
+        T.main(["--quick", "--profile", str(tmp_path / "host.json"), "--out", str(tmp_path), "--no-wandb"])
+    assert "needs --netbed" in capsys.readouterr().err
+    bad = tmp_path / "host.json"
+    bad.write_text("{}")
+    with pytest.raises(sc.errors.InvalidValueError, match="host.json"):
+        T.main(["--netbed", "1", "--quick", "--profile", str(bad), "--out", str(tmp_path), "--no-wandb"])
