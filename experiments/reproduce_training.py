@@ -52,10 +52,22 @@ from its ledgers (``last_stats``: the larger of a worker's bytes sent and receiv
 worker at once, so the CPU is shared as in training), the median of ``COMPUTE_STEPS``; ``step_s``: the
 measured mean step; ``comm_fraction = 1 - compute_s / step_s``, the share of a step not spent in the
 model's own forward, backward and update (communication, and for compressors their encoding).
-``modelled_s``: the prediction of the same run, ``steps_to_target * (compute_s + bytes_per_step /
-(rate * TCP_OVER_ETHERNET))``: compute measured, communication at the SimFabric's network model of the
-netbed's links (:data:`sparsecomm.fabric.sim.sim_network.TCP_OVER_ETHERNET`, no overlap of communication
-with compute), and ``modelled_ratio = modelled_s / time_to_target_s``.
+``modelled_s``: the prediction of the same run through the SimFabric, ``steps_to_target * (compute_s +
+modelled_comm_s)``, and ``modelled_ratio = modelled_s / time_to_target_s``. ``modelled_comm_s`` is one step's
+communication modelled by running the scheme's own calls on ``sc.launch(..., backend="sim")``
+(:func:`modelled_comm_s`): the same model, batches and real gradients, ``MODEL_STEPS`` steps, the last one
+timed on the modelled clock (step 0 is the hook's uncompressed step); a ``hook`` scheme runs the hook's body
+(``CommHookState.start_bucket``) on stock DDP's steady bucket layout (:func:`ddp_buckets`), stock DDP is the
+hook's plain average on the ``ring`` (gloo's algorithm), the optimizer scheme is ``DistributedOptimizer``.
+The network (:func:`modelled_network`) is the netbed's links at TCP's payload rate
+(:data:`sparsecomm.fabric.sim.sim_network.TCP_OVER_ETHERNET`) and the wire's latency, with the host of
+``--profile PATH`` (``python -m sparsecomm.netbed calibrate --out PATH``: its rates, shared by the hosts and
+services on this machine's cores) or, without one, the SimFabric's default host (no host cost; a full-size
+switch is then modelled one 64-value datagram at a time and takes minutes). Overlap rule: none; the step is
+compute then communication, as a step on the netbed's shared cores runs its host's communication work on
+the cores its compute needs (an upper bound where backward and communication do overlap). ``link_only_s``
+(``link_only_ratio``): the closed form beside it, ``steps_to_target * (compute_s + bytes_per_step /
+(rate * TCP_OVER_ETHERNET))``, the bytes at the link rate with no latency and no host.
 
 **Seeds.** ``--seed`` (default 0) draws the model's initial weights and the workers' batches; the click
 data's true model and the held-out sets stay fixed. ``--seeds K`` runs every scheme for seeds ``--seed`` ..
@@ -75,8 +87,10 @@ stopped short drawn hatched at its stopping time).
 from __future__ import annotations
 
 import csv
+import dataclasses
 import functools
 import math
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -104,10 +118,15 @@ POWERSGD_RANK, TOPK_RATIO, EMB_TOPK_RATIO = 4, 0.01, 0.001
 WARMUP = 2
 #: untimed warm-up and timed steps of the no-communication step (``compute_s``)
 COMPUTE_WARMUP, COMPUTE_STEPS = 2, 6
+#: the steps each worker runs on the SimFabric for the ``modelled`` column; the last one's communication is
+#: the one modelled (step 0 is the hook's uncompressed one, step 1 a method's first compressed round)
+MODEL_STEPS = 3
+#: DDP's bucket caps (torch's defaults: a first bucket of ``dist._DEFAULT_FIRST_BUCKET_BYTES``, then 25 MiB)
+DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES = 1 << 20, 25 << 20
 #: summary.csv's columns: the required ones first
 COLUMNS = ("model", "scheme", "transport", "hosts", "gbps", "time_to_target_s", "steps_to_target", "reached",
            "bytes_per_step", "comm_fraction", "target", "metric", "compute_s", "step_s", "modelled_s",
-           "modelled_ratio", "note", "seed")
+           "modelled_ratio", "note", "seed", "modelled_comm_s", "link_only_s", "link_only_ratio")
 
 
 # ----------------------------------------------------------------------------- tasks
@@ -374,10 +393,12 @@ def _train(ctx, task_name: str, quick: bool, schemes: tuple[Scheme, ...], time_c
 
 
 def run_schemes(task_name: str, schemes: tuple[Scheme, ...], hosts: int, gbps: float | None, quick: bool,
-                time_cap_s: float, timeout_s: float, seed: int = 0) -> list[dict[str, Any]]:
+                time_cap_s: float, timeout_s: float, seed: int = 0, profile: str | None = None
+                ) -> list[dict[str, Any]]:
     """One launch: ``hosts`` workers (and the schemes' services, which must be the same) on a netbed at
     ``gbps`` (gloo over loopback when ``gbps`` is None) train with each scheme in turn; per scheme the
-    row of summary.csv and the curve."""
+    row of summary.csv and the curve. On a netbed each scheme's step is then modelled on the SimFabric
+    (:func:`modelled_comm_s` over :func:`modelled_network` with the host ``profile``, if any)."""
     services = {s.services for s in schemes}
     if len(services) != 1:
         raise ValueError(f"one launch runs schemes with the same services, got {sorted(services)}")
@@ -395,21 +416,107 @@ def run_schemes(task_name: str, schemes: tuple[Scheme, ...], hosts: int, gbps: f
         link = max(r["runs"][scheme.name]["link_bytes"] for r in res)
         elapsed = r0["curve"][-1][0] if r0["curve"] else float("nan")
         step_s = elapsed / r0["steps"]
-        modelled = float("nan")
+        modelled = comm = link_only = float("nan")
         if gbps is not None:
-            modelled = r0["steps"] * (compute_s + link / (gbps * 1e9 / 8 * TCP_OVER_ETHERNET))
+            link_only = r0["steps"] * (compute_s + link / (gbps * 1e9 / 8 * TCP_OVER_ETHERNET))
+            comm = modelled_comm_s(TASKS[task_name](quick, seed=seed), scheme, hosts,
+                                   modelled_network(gbps, hosts, len(scheme.services), profile))
+            modelled = r0["steps"] * (compute_s + comm)
         row = {"model": task_name, "scheme": scheme.name, "transport": r0["transport"], "hosts": hosts,
                "gbps": gbps if gbps is not None else "loopback",
                "time_to_target_s": elapsed if r0["reached"] else float("nan"),
                "steps_to_target": r0["steps"] if r0["reached"] else "", "reached": r0["reached"],
                "bytes_per_step": link, "comm_fraction": max(0.0, 1.0 - compute_s / step_s),
                "target": res[0]["target"], "metric": r0["metric"], "compute_s": compute_s, "step_s": step_s,
-               "modelled_s": modelled, "modelled_ratio": modelled / elapsed, "note": "", "seed": seed}
+               "modelled_s": modelled, "modelled_ratio": modelled / elapsed, "note": "", "seed": seed,
+               "modelled_comm_s": comm, "link_only_s": link_only, "link_only_ratio": link_only / elapsed}
         if not r0["reached"]:
             row["note"] = (f"stopped at step {r0['steps']} after {elapsed:.1f} s at {r0['metric']:.4f} "
                            f"(target {res[0]['target']:.4f})")
         out.append({"row": row, "curve": r0["curve"], "describe": res[0]["describe"], "info": res[0]["info"]})
     return out
+
+
+# ----------------------------------------------------------------------------- the modelled step
+def modelled_network(gbps: float, hosts: int, services: int, profile: str | None = None) -> sc.Network:
+    """The SimFabric's model of the netbed the schemes train on: links of ``gbps`` Gbit/s at TCP's payload
+    rate (:data:`~sparsecomm.fabric.sim.sim_network.TCP_OVER_ETHERNET`), the wire's one-way latency
+    (:data:`experiments.bench.netbed_vs_sim.NETBED_LATENCY_US`), and the hosts: with ``profile`` (written by
+    ``python -m sparsecomm.netbed calibrate --out host.json``) its calibrated :class:`~sparsecomm.HostModel`,
+    shared by the ``hosts + services`` processes on this machine's cores (``HostModel.sharing``) and charging
+    ``native``'s cost per call to the ``ring`` that models it; without one, the SimFabric's default host
+    (``host=None``: no host cost)."""
+    from .bench.netbed_vs_sim import NETBED_LATENCY_US
+
+    link = dict(bandwidth_gbps=gbps, latency_us=NETBED_LATENCY_US, payload_fraction=TCP_OVER_ETHERNET)
+    if profile is None:
+        return sc.Network(**link)
+    net = sc.Network.from_profile(profile, **link)
+    host = net.host.sharing(hosts + services, os.cpu_count() or 1)
+    net.host = dataclasses.replace(host, call_s={**host.call_s, "ring": host.call_s.get("native", 0.0)})
+    return net
+
+
+def ddp_buckets(model: nn.Module) -> list[list[nn.Parameter]]:
+    """The parameters of each of DDP's buckets, in bucket order, as stock DDP lays them out in steady state
+    (torch's ``_compute_bucket_assignment_by_size`` over the parameters in reverse order, a first bucket of
+    :data:`DDP_FIRST_BUCKET_BYTES`, then :data:`DDP_BUCKET_BYTES`: gradients become ready from the last layer)."""
+    params = [p for p in model.parameters() if p.requires_grad][::-1]
+    order, _ = dist._compute_bucket_assignment_by_size(params, [DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES],
+                                                       [False] * len(params))
+    return [[params[i] for i in bucket] for bucket in order]
+
+
+def _model_worker(ctx, task: Task, scheme: Scheme, steps: int) -> list[tuple[float, float]]:
+    """One simulated worker: ``steps`` steps of ``scheme`` on ``task`` (real gradients of its real batches),
+    each step's ``(start, end)`` on the modelled clock. A ``"hook"`` scheme runs the DDP hook's own body
+    (:meth:`sparsecomm.ddp.CommHookState.start_bucket`) on each of DDP's buckets (:func:`ddp_buckets`), every
+    bucket started after backward and then waited for, in DDP's bucket order; stock DDP is the hook's plain
+    average on the ``ring`` (gloo's algorithm); ``"optimizer"`` is :class:`~sparsecomm.DistributedOptimizer`
+    itself. Backward and the update cost no modelled time (they are measured: ``compute_s``)."""
+    torch.set_num_threads(1)
+    model = task.build()
+    inner = task.optimizer(model)
+    options = {**scheme.options, **task.overrides.get(scheme.name, {})}
+    if scheme.kind == "optimizer":
+        opt = sc.DistributedOptimizer(inner, **options)
+        average = None
+    else:
+        if scheme.kind == "ddp":
+            options = dict(compressor="none", transport="ring")
+        state = sc.ddp.CommHookState(None, model=model, **options)
+        buckets = ddp_buckets(model)
+        shaped = state.pipeline.method.uses_shapes
+        opt = inner
+
+        def average() -> None:
+            works = []
+            for i, params in enumerate(buckets):
+                flat = torch.cat([p.grad.reshape(-1) for p in params])
+                works.append(state.start_bucket(flat, i, i == len(buckets) - 1, params,
+                                                [p.shape for p in params] if shaped else None))
+            for params, work in zip(buckets, works):
+                torch.nn.utils.vector_to_parameters(work.wait(), [p.grad for p in params])
+    out = []
+    for t in range(steps):
+        start = ctx.fabric.now()
+        opt.zero_grad()
+        task.loss(model, task.batch(ctx.rank, t)).backward()
+        if average is not None:
+            average()
+        opt.step()
+        out.append((start, ctx.fabric.now()))
+    return out
+
+
+def modelled_comm_s(task: Task, scheme: Scheme, hosts: int, network: sc.Network, steps: int = MODEL_STEPS) -> float:
+    """The modelled communication of one training step of ``scheme`` on ``hosts`` workers (and the scheme's
+    services) over ``network``, on the SimFabric (``sc.launch(..., backend="sim")``): the last of ``steps``
+    steps (:func:`_model_worker`), from the moment the slowest worker starts it to the moment the slowest
+    ends it (a step is bulk-synchronous)."""
+    per_rank = sc.launch(functools.partial(_model_worker, task=task, scheme=scheme, steps=steps), hosts,
+                         backend="sim", services=list(scheme.services), network=network)
+    return max(r[-1][1] for r in per_rank) - max(r[-1][0] for r in per_rank)
 
 
 # ----------------------------------------------------------------------------- outputs
@@ -539,6 +646,8 @@ def load(out: Path) -> list[dict]:
             for k in ("time_to_target_s", "bytes_per_step", "comm_fraction", "target", "metric", "compute_s",
                       "step_s", "modelled_s", "modelled_ratio"):
                 row[k] = float(r[k])
+            for k in ("modelled_comm_s", "link_only_s", "link_only_ratio"):    # (absent from older runs)
+                row[k] = float(r.get(k) or "nan")
             row["hosts"] = int(r["hosts"])
             row["steps_to_target"] = int(r["steps_to_target"]) if r["steps_to_target"] else ""
             row["reached"] = r["reached"] == "True"
@@ -604,6 +713,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--merge", action="store_true",
                    help="keep the rows (and curves) of --out's summary.csv that this run does not redo")
     p.add_argument("--timeout-s", type=float, default=900.0, help="a launch's timeout")
+    p.add_argument("--profile", default=None, metavar="PATH",
+                   help="a host profile (python -m sparsecomm.netbed calibrate --out PATH) for the modelled column "
+                        "(default: the SimFabric's default host, no host cost)")
     cli.add_seeds(p, help="run every scheme for K seeds (--seed, --seed+1, ...: initial weights and batches): "
                           "tables show mean ± std over the seeds that reached the target, plots the mean with "
                           "a ± std band (default 1)")
@@ -614,6 +726,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if unknown:
         p.error(f"unknown schemes {sorted(unknown)}; known: {[s.name for s in SCHEMES]}")
     schemes = [s for s in SCHEMES if not keep or s.name in keep]
+    if a.profile is not None:
+        if a.netbed is None:
+            p.error("--profile models the netbed's hosts: it needs --netbed GBPS (on loopback nothing is modelled)")
+        modelled_network(a.netbed, a.hosts, 0, a.profile)      # a profile that does not load: now, not after training
     R = U.Run("reproduce_training", a, {"gbps": a.netbed, "hosts": a.hosts, "models": a.models,
                                         "schemes": [s.name for s in schemes], "quick": a.quick,
                                         "seeds": seeds})
@@ -627,7 +743,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             groups.append(tuple(s for s in schemes if s.services == services and s.kind != "ddp"))
         launches = [(g, seed) for seed in seeds for g in groups if g]
         for group, seed in R.progress(launches, desc=f"{model}: launches"):
-            for r in run_schemes(model, group, a.hosts, a.netbed, a.quick, cap, a.timeout_s, seed=seed):
+            for r in run_schemes(model, group, a.hosts, a.netbed, a.quick, cap, a.timeout_s, seed=seed,
+                                 profile=a.profile):
                 results.append(r)
                 row = r["row"]
                 reach = (f"t={row['time_to_target_s']:.2f}s steps={row['steps_to_target']}" if row["reached"]
@@ -661,7 +778,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         modelled = any(math.isfinite(r["modelled_s"]) for r in mine)   # a netbed's link model; not on loopback
         headers = ["scheme"] + (["seed"] if seeded else []) + [
             "transport", "time to target s", "steps", "vs ddp", "step ms", "compute ms", "comm",
-            "MB/step"] + (["modelled s", "modelled/measured"] if modelled else [])
+            "MB/step"] + (["modelled s", "modelled/measured", "link-only s", "link-only/measured"] if modelled else [])
 
         def speedup(r: dict) -> str:
             base = ddp.get(r.get("seed", 0))
@@ -673,7 +790,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
               r["transport"], f"{r['time_to_target_s']:.2f}" if r["reached"] else "not reached",
               str(r["steps_to_target"]), speedup(r),
               f"{1e3 * r['step_s']:.1f}", f"{1e3 * r['compute_s']:.1f}", f"{r['comm_fraction']:.2f}",
-              f"{r['bytes_per_step'] / 1e6:.3f}"] + ([f"{r['modelled_s']:.2f}", f"{r['modelled_ratio']:.2f}"]
+              f"{r['bytes_per_step'] / 1e6:.3f}"] + ([f"{r['modelled_s']:.2f}", f"{r['modelled_ratio']:.2f}",
+                                                      f"{r['link_only_s']:.2f}", f"{r['link_only_ratio']:.2f}"]
                                                      if modelled else [])
              for r in mine], align="lr" + "l" + "r" * (len(headers) - 3) if seeded else None))
         if len({r.get("seed", 0) for r in mine}) > 1:

@@ -16,6 +16,7 @@ is a :class:`.base.Fabric` (not imported here: the contract imports this module)
 from __future__ import annotations
 
 import bisect
+import inspect
 import time
 from itertools import compress
 from operator import itemgetter, methodcaller
@@ -478,6 +479,12 @@ def _await_within(fabric, work, timeout: float) -> bool:
     return True
 
 
+def _name_role(exc: BaseException, role, rank: int) -> None:
+    """Note on ``exc``, raised by ``role``'s own code, which role of which endpoint raised it."""
+    name = role.__qualname__ if inspect.isgenerator(role) else type(role).__qualname__
+    exc.add_note(f"(raised by role {name} of endpoint {rank})")
+
+
 class _Scheduler:
     """:func:`drive`'s state: the suspended roles, each with the :class:`Recv` it waits on, and which of
     them are able to run (rule R1 without ``free``), kept per change of the inbox: a role counts the
@@ -530,6 +537,9 @@ class _Scheduler:
                         except StopIteration:
                             req = None
                             break
+                        except Exception as exc:
+                            _name_role(exc, role, self.fabric.rank)
+                            raise
                         value = None
                         t = type(req)
                         if t is Send:
@@ -588,6 +598,9 @@ class _Scheduler:
                     req = next(role) if value is None else role.send(value)   # (a role may be a plain iterator)
                 except StopIteration:
                     return
+                except Exception as exc:
+                    _name_role(exc, role, self.fabric.rank)
+                    raise
             value = None
             t = type(req)
             if t is Send:

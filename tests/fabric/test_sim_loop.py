@@ -194,3 +194,72 @@ def test_a_worker_stuck_in_its_own_code_times_the_others_out_in_wall_time():
     with pytest.raises(FabricTimeout, match=r"s \(wall\)"):
         sc.launch(fn, 2, network=sc.Network(timeout_s=0.3))
     assert time.monotonic() - t0 < 30
+
+
+# ----------------------------------------------------------------------------- who raised
+def _faulty_launch(n: int, target: int, break_role: bool) -> tuple[BaseException, dict]:
+    """Run the randomized roles of :mod:`tests.fabric.test_sim_roles` on ``n`` workers, with a fault on endpoint
+    ``target`` only (``break_role``: its roles raise; else its drive's wait set, patched by the caller): the
+    error the launch raises, and what each rank raised."""
+    from tests.fabric.test_sim_roles import _plan, _protocol
+
+    plan = _plan(0, n)
+    seen: dict = {}
+
+    def fn(ctx):
+        if break_role and ctx.rank == target:
+            real = ctx.fabric.drive
+
+            def drive(rs, inbox, outbox, **kw):
+                def broken(role):
+                    yield next(role)
+                    raise IndexError("broken role")
+                real([broken(r) for r in rs], inbox, outbox, **kw)
+            ctx.fabric.drive = drive
+        try:
+            return _protocol(ctx, plan, False)
+        except BaseException as exc:
+            seen[ctx.rank] = exc
+            raise
+
+    with pytest.raises(IndexError) as info:
+        sc.launch(fn, n, network=sc.Network(bandwidth_gbps=10, latency_us=2, timeout_s=20))
+    return info.value, seen
+
+
+def _check_blamed(exc: BaseException, seen: dict, n: int, target: int) -> None:
+    assert f"(raised on endpoint {target} of {n} workers)" in exc.__notes__
+    assert seen[target] is exc
+    assert sorted(seen) == list(range(n))          # every rank raised, none hung
+    for r in set(range(n)) - {target}:
+        assert isinstance(seen[r], sc.errors.PeerFailure) and f"worker{target} failed: IndexError" in str(seen[r])
+
+
+@pytest.mark.parametrize("target", [0, 3])
+@pytest.mark.parametrize("where", ["arrived", "taken", "event", "first"])
+def test_an_error_of_an_endpoints_wait_set_is_that_endpoints_whichever_thread_runs_the_loop(monkeypatch, where,
+                                                                                         target):
+    # the wait set's records of a drive are touched by the loop (in the thread of whichever worker parked last)
+    # and by the senders of its messages: an error there is the drive's endpoint's, on every rank, not a hang
+    from sparsecomm.fabric.sim import sim_roles
+
+    real = getattr(sim_roles.RoleWaits, where)
+
+    def broken(self, *args, **kwargs):
+        if self.ep.id == target:
+            raise IndexError(f"broken {where}")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(sim_roles.RoleWaits, where, broken)
+    exc, seen = _faulty_launch(6, target, break_role=False)
+    assert str(exc) == f"broken {where}"
+    _check_blamed(exc, seen, 6, target)
+    assert f"(raised by the simulated world's loop on worker{target}'s wait)" in exc.__notes__
+
+
+@pytest.mark.parametrize("target", [0, 3])
+def test_an_error_of_a_role_names_its_endpoint_and_the_role(target):
+    exc, seen = _faulty_launch(6, target, break_role=True)
+    assert str(exc) == "broken role"
+    _check_blamed(exc, seen, 6, target)
+    assert any(n.startswith("(raised by role ") and n.endswith(f".broken of endpoint {target})") for n in exc.__notes__)

@@ -7,12 +7,15 @@ others check the pieces that decide its numbers: the AUC, the CSV's columns and 
 from __future__ import annotations
 
 import csv
+import dataclasses
+import json
 import math
 import os
 
 import pytest
 import torch
 
+import sparsecomm as sc
 from experiments import reproduce_training as T
 
 REQUIRED = ("model", "scheme", "transport", "hosts", "gbps", "time_to_target_s", "steps_to_target", "reached",
@@ -75,10 +78,15 @@ def _left_behind() -> list[int]:
 def test_quick_run_on_two_netbed_hosts_trains_every_scheme(tmp_path):
     from sparsecomm.netbed import list_netbed_namespaces
 
+    from sparsecomm.fabric.sim.sim_profile import profile_dict
+
     before = set(list_netbed_namespaces())
     assert _left_behind() == []
+    profile = tmp_path / "host.json"      # a host with per-message costs: the switches' bursts, modelled quickly
+    profile.write_text(json.dumps(profile_dict(sc.HostModel(send_message_s=1e-5, recv_message_s=1e-5),
+                                               date="2026-01-01", machine={}, method={})))
     rows = T.main(["--netbed", "1", "--hosts", "2", "--quick", "--models", "emb", "--out", str(tmp_path),
-                   "--no-wandb", "--no-progress"])
+                   "--no-wandb", "--no-progress", "--profile", str(profile)])
     assert set(list_netbed_namespaces()) == before, "netbed namespaces left behind"
     assert _left_behind() == [], "processes left behind"
     with open(tmp_path / "summary.csv", newline="") as f:
@@ -94,6 +102,7 @@ def test_quick_run_on_two_netbed_hosts_trains_every_scheme(tmp_path):
         assert want.get(r["scheme"], r["transport"]) == r["transport"]
         assert float(r["bytes_per_step"]) > 0 and 0 <= float(r["comm_fraction"]) <= 1, r
         assert float(r["step_s"]) > 0 and math.isfinite(float(r["metric"])), r
+        assert float(r["modelled_comm_s"]) > 0 and float(r["link_only_s"]) > 0, r
         if r["reached"] == "True":
             assert float(r["metric"]) >= float(r["target"]) and int(r["steps_to_target"]) > 0, r
         else:
@@ -155,3 +164,87 @@ def test_figures_show_every_curve_and_say_when_nothing_reached(tmp_path, monkeyp
     emb, mlp = ttt.axes
     assert emb.axison and len(emb.patches) == 3
     assert not mlp.axison and "no scheme reached the target" in " ".join(t.get_text() for t in mlp.texts)
+
+
+# ----------------------------------------------------------------------------- the modelled column
+def _tiny_task(n: int) -> T.Task:
+    """One ``Linear(n, 1)`` weight (one DDP bucket of ``n`` float32), a regression on random data."""
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Linear(n, 1, bias=False)
+
+    def batch(rank, t):
+        g = torch.Generator().manual_seed(100 * rank + t)
+        return torch.randn(4, n, generator=g), torch.randn(4, 1, generator=g)
+
+    return T.Task("tiny", build, batch, lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]),
+                  lambda m: 0.0, target=1.0, lr=0.1, momentum=0.0, max_steps=3, eval_every=1, describe="tiny")
+
+
+def test_the_modelled_step_of_stock_ddp_is_the_ring_by_hand_and_host_costs_add_per_message():
+    """Stock DDP on 2 hosts is the ring over one bucket: the call's handshake header, then one reduce-scatter and
+    one all-gather step of half the bucket each, every message a latency; a host model adds its per-message costs
+    on the 3 messages of the critical path and the sum of the reduce-scatter's half bucket. The modelled step is
+    then longer than the link-only one (the bytes at the link rate)."""
+    from sparsecomm.fabric.sim.sim_network import TCP_OVER_ETHERNET
+    from sparsecomm.transports._handshake import HEADER_BYTES
+
+    n, ddp = 1000, T.SCHEMES[0]
+    rate, lat = 1e9 / 8 * TCP_OVER_ETHERNET, T.modelled_network(1.0, 2, 0).latency_us * 1e-6
+    plain = T.modelled_comm_s(_tiny_task(n), ddp, 2, T.modelled_network(1.0, 2, 0))
+    assert plain == pytest.approx(HEADER_BYTES / rate + lat + 2 * (4 * n / 2 / rate + lat), rel=1e-9)
+    send, recv, add = 50e-6, 30e-6, 1e-8
+    host = sc.HostModel(send_message_s=send, recv_message_s=recv, sum_element_s={"float32": add})
+    net = dataclasses.replace(T.modelled_network(1.0, 2, 0), host=host)
+    costly = T.modelled_comm_s(_tiny_task(n), ddp, 2, net)
+    assert costly - plain == pytest.approx(3 * (send + recv) + n / 2 * add, rel=1e-9)
+    link_only = 2 * (2 - 1) / 2 * 4 * n / rate         # the closed form's communication: bytes at the link rate
+    assert costly > plain > link_only
+
+
+def test_the_modelled_step_runs_the_schemes_own_calls_and_a_host_costs_more():
+    """OmniReduce through the hook and through the optimizer, on the same gradient, model the same step; host
+    costs lengthen it."""
+    task = _tiny_task(4096)
+    by_name = {s.name: s for s in T.SCHEMES}
+    net = T.modelled_network(1.0, 2, 0)
+    hook = T.modelled_comm_s(task, by_name["hook none/omnireduce"], 2, net)
+    assert hook > 0
+    assert T.modelled_comm_s(task, by_name["optimizer none/omnireduce"], 2, net) == pytest.approx(hook, rel=1e-9)
+    host = sc.HostModel(send_message_s=20e-6, recv_message_s=20e-6, scan_element_s=1e-9)
+    assert T.modelled_comm_s(task, by_name["hook none/omnireduce"], 2,
+                             dataclasses.replace(net, host=host)) > hook
+
+
+def test_the_modelled_network_takes_the_profile_shares_the_cores_and_charges_native_to_the_ring(tmp_path):
+    from sparsecomm.fabric.sim.sim_network import TCP_OVER_ETHERNET
+    from sparsecomm.fabric.sim.sim_profile import profile_dict
+
+    plain = T.modelled_network(1.0, 4, 1)
+    assert plain.host is None and plain.bandwidth_gbps == 1.0 and plain.payload_fraction == TCP_OVER_ETHERNET
+    path = tmp_path / "host.json"
+    host = sc.HostModel(send_message_s=1e-5, call_s={"native": 2e-3, "omnireduce": 5e-3})
+    path.write_text(json.dumps(profile_dict(host, date="2026-01-01", machine={}, method={})))
+    net = T.modelled_network(1.0, 4, 1, str(path))
+    assert net.host.send_message_s == 1e-5 and net.latency_us == plain.latency_us
+    assert net.host.call_s == {"native": 2e-3, "omnireduce": 5e-3, "ring": 2e-3}
+    assert net.host.cpu_share == max(1.0, 5 / (os.cpu_count() or 1))
+
+
+def test_ddp_buckets_are_stock_ddps_steady_layout():
+    """From the last layer: a first bucket closed once past 1 MiB (the MLP's 4 MiB hidden matrix), then the rest."""
+    model = T.digits_task(quick=False).build()
+    fc1, fc2, fc3 = model[0], model[2], model[4]
+    want = [[fc3.bias, fc3.weight, fc2.bias, fc2.weight], [fc1.bias, fc1.weight]]
+    assert [[id(p) for p in b] for b in T.ddp_buckets(model)] == [[id(p) for p in b] for b in want]
+
+
+def test_a_profile_is_checked_before_anything_trains(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(T, "run_schemes", lambda *a, **k: pytest.fail("trained before checking --profile"))
+    with pytest.raises(SystemExit):
+        T.main(["--quick", "--profile", str(tmp_path / "host.json"), "--out", str(tmp_path), "--no-wandb"])
+    assert "needs --netbed" in capsys.readouterr().err
+    bad = tmp_path / "host.json"
+    bad.write_text("{}")
+    with pytest.raises(sc.errors.InvalidValueError, match="host.json"):
+        T.main(["--netbed", "1", "--quick", "--profile", str(bad), "--out", str(tmp_path), "--no-wandb"])

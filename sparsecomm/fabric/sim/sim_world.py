@@ -203,8 +203,9 @@ class World:
 
     def run(self) -> None:
         """Step the processes able to run; at quiescence (none able to run, no endpoint's thread running)
-        fire the earliest event or deadline; repeat until nothing can happen without a thread. An
-        exception of the loop itself (never a process's) propagates."""
+        fire the earliest event or deadline; repeat until nothing can happen without a thread. An exception
+        of a process, or of the loop's handling of its wait (its endpoint's records, :meth:`_fault`), is that
+        process's outcome, whichever thread runs the loop; any other exception of the loop propagates."""
         paused = gc.isenabled()     # the cyclic garbage collector waits while the loop runs (as ``timeit``
         if paused:                  # pauses it): at a few hundred endpoints its full passes over every live
             gc.disable()            # object cost a third of the loop; what the loop leaves in cycles is found later
@@ -238,8 +239,12 @@ class World:
         req = p.retry
         if req is not None:
             p.retry = None
-            if not self._try(p, req):
-                self._block(p, req)
+            try:
+                if not self._try(p, req):
+                    self._block(p, req)
+                    return
+            except Exception as exc:  # noqa: BLE001 - the wait's own code (its endpoint's records) raised
+                self._fault(p, exc)
                 return
         gen, run = p.gen, p.context.run
         while True:
@@ -256,8 +261,12 @@ class World:
             except BaseException as exc:  # noqa: BLE001 - the process's outcome, given to its owner
                 self._done(p, None, exc)
                 return
-            if not self._try(p, req):
-                self._block(p, req)
+            try:
+                if not self._try(p, req):
+                    self._block(p, req)
+                    return
+            except Exception as exc:  # noqa: BLE001 - the wait's own code (its endpoint's records) raised
+                self._fault(p, exc)
                 return
 
     def _done(self, p: Proc, result: object, error: BaseException | None) -> None:
@@ -269,6 +278,28 @@ class World:
             World.fail(self, p.ep.id, error)
         elif not p.ep.threaded:
             World.finished(self, p.ep.id)
+
+    def _fault(self, p: Proc, exc: BaseException) -> None:
+        """The loop's handling of ``p``'s wait raised ``exc``: code of ``p``'s endpoint (the records of its
+        drive's wait set, :mod:`.sim_roles`), whichever thread runs the loop or sends the message. It is ``p``'s
+        outcome, as if ``p`` had raised it (its owner's thread raises it, a service's fails the run): withdrawn
+        from the loop, closed (its ``finally`` blocks run), done."""
+        if p.done:
+            raise exc
+        if p.wait is not None:
+            p.ep.waiters.remove(p)
+            p.wait = None
+            self._blocked -= 1
+        if p.queued:
+            self._runq.remove(p)
+            p.queued = False
+        p.retry = p.value = p.exc = None
+        try:
+            p.context.run(p.gen.close)
+        except Exception as also:  # noqa: BLE001 - the first error is the one reported
+            exc.add_note(f"(closing {p.ep.name}'s process then raised {type(also).__name__}: {also})")
+        exc.add_note(f"(raised by the simulated world's loop on {p.ep.name}'s wait)")
+        self._done(p, None, exc)
 
     def _check(self, p: Proc) -> BaseException | None:
         """The error a wait of ``p`` raises at once, if any (a failed peer, the end of the run, ...)."""
@@ -383,19 +414,40 @@ class World:
         drive's wait set, first)."""
         kept = ep.watch
         if kept is not None:
-            kept.arrived(msg, retimed)
+            try:
+                kept.arrived(msg, retimed)
+            except Exception as exc:  # noqa: BLE001 - ep's records raised, not the sender
+                owner = self._watcher(ep, kept)
+                if owner is None:
+                    exc.add_note(f"(raised by the records of {ep.name}'s drive, on a message to it)")
+                    raise
+                self._fault(owner, exc)
         for p in list(ep.waiters):
             req = p.wait
-            if type(req) is RecvWait:
-                if req.ordered:
-                    self._reevent(p, self._candidate(p))
-                elif req.tag == msg.tag and (req.src is None or req.src == msg.src):
-                    self._unblock(p, retry=True)
-            else:
-                watch = req.watch
-                if watch is not kept:
-                    watch.arrived(msg, retimed)
-                self._reevent(p, watch.event())
+            if req is None:
+                continue        # (failed above)
+            try:
+                if type(req) is RecvWait:
+                    if req.ordered:
+                        self._reevent(p, self._candidate(p))
+                    elif req.tag == msg.tag and (req.src is None or req.src == msg.src):
+                        self._unblock(p, retry=True)
+                else:
+                    watch = req.watch
+                    if watch is not kept:
+                        watch.arrived(msg, retimed)
+                    self._reevent(p, watch.event())
+            except Exception as exc:  # noqa: BLE001 - p's wait raised, not the sender
+                self._fault(p, exc)
+
+    @staticmethod
+    def _watcher(ep: Endpoint, kept) -> Proc | None:
+        """The process of ``ep`` whose drive keeps the records ``kept`` (``ep.watch``): the one that waits on them,
+        else ``ep``'s only waiting process (a drive waiting on one receive); ``None`` if none is known."""
+        for p in ep.waiters:
+            if type(p.wait) is AnyWait and p.wait.watch is kept:
+                return p
+        return ep.waiters[0] if len(ep.waiters) == 1 else None
 
     def _fire(self) -> bool:
         """Fire the earliest valid event or deadline; False if there is none."""
@@ -412,14 +464,18 @@ class World:
                 who = "any endpoint" if req.src is None else self.endpoints[req.src].name
                 p.exc = FabricTimeout(f"{ep.name}: no message from {who} (tag {req.tag}) within "
                                       f"{req.timeout:.6g} modelled seconds")
-            elif type(req) is RecvWait:
-                msg = match(ep, req.src, req.tag)
-                self._unblock(p)
-                p.value = self._take(ep, msg)
-            else:
-                best = req.watch.first()
-                self._unblock(p)
-                p.value = (best[1], self._take_group(ep, req.watch.receives(best[1])))
+                return True
+            try:
+                if type(req) is RecvWait:
+                    msg = match(ep, req.src, req.tag)
+                    self._unblock(p)
+                    p.value = self._take(ep, msg)
+                else:
+                    best = req.watch.first()
+                    self._unblock(p)
+                    p.value = (best[1], self._take_group(ep, req.watch.receives(best[1])))
+            except Exception as exc:  # noqa: BLE001 - p's wait (its endpoint's records) raised
+                self._fault(p, exc)
             return True
         return False
 
