@@ -204,6 +204,23 @@ def force_backend(name: str):
 
 
 # -------------------------------------------------------------------------------------- payload
+def widen_divide(values: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
+    """``out = values / n`` with ``values`` widened into ``out``'s dtype first (exact), bit for bit as
+    ``torch.div(out.copy_(values), n, out=out)``: one Numba pass for float16 (where ``_kernels.NATIVE_HALF``)
+    or bfloat16 ``values`` into a contiguous float32 CPU ``out`` (:func:`._kernels.widen_div_f16`,
+    :func:`._kernels.widen_div_bf16`), those two torch ops elsewhere. Returns ``out``."""
+    v = values.reshape(-1)
+    if out.dtype == torch.float32 and use_numba(v) and v.is_contiguous() and out.is_contiguous() and \
+            out.device.type == "cpu" and v.numel() == out.numel():
+        from . import _kernels
+
+        if v.dtype == torch.bfloat16 or (v.dtype == torch.float16 and _kernels.NATIVE_HALF):
+            widen = _kernels.widen_div_bf16 if v.dtype == torch.bfloat16 else _kernels.widen_div_f16
+            widen(v.view(torch.int16).numpy(), np.float32(n), out.reshape(-1).numpy())
+            return out
+    return torch.div(out.copy_(values.reshape(out.shape)), n, out=out)
+
+
 def decompressed(payload: Payload) -> torch.Tensor:
     """``payload.to_dense()`` (flat), bit for bit, written into a numpy-allocated buffer (see
     :func:`cpu_empty`) for CPU payloads of float32 / float64: ``dense`` bfloat16 (and, where

@@ -1,7 +1,11 @@
-"""The fp16/bf16 casts decide an underflow from float32 partial sums and a proven bound, falling back to
-the float64 sums where the bound leaves the call undecided: their values, errors and flags are pinned here
-against the float64 decision itself (the kernels that computed it alone before), on inputs that flush to
-zero, overflow, hold NaN or Inf, lie in the subnormal ranges, or sit at the underflow threshold."""
+"""The fp16/bf16 casts' one-pass paths, pinned against the formulas they replace.
+
+The casts decide an underflow from float32 partial sums and a proven bound, falling back to the float64
+sums where the bound leaves the call undecided: their values, errors and flags are pinned against the
+float64 decision itself (the kernels that computed it alone before), on inputs that flush to zero,
+overflow, hold NaN or Inf, lie in the subnormal ranges, or sit at the underflow threshold. The narrow sum
+widened and divided in one pass (``widen_divide``, ``none``'s decode of a narrow sum) is pinned against
+widening, then torch's division."""
 
 from __future__ import annotations
 
@@ -143,3 +147,44 @@ def test_the_bound_never_decides_an_underflow_away(name):
     x = torch.randn(1 << 16, generator=g) * 1e-3
     e, q = quick(x.numpy(), np.empty(x.numel(), np.int16))
     assert ident._surely_within(e, q, x.numel(), bound)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("path", ["numba", "torch"])
+def test_widen_divide_is_widening_then_torch_division_bit_for_bit(dtype, path):
+    from sparsecomm.compressors._common import widen_divide
+
+    g = torch.Generator().manual_seed(11)
+    info = torch.finfo(dtype)
+    # every bit pattern of the narrow dtype (NaNs, Infs, subnormals, exact halves and powers of two included)
+    every = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16).view(dtype)
+    special = torch.tensor([0.0, -0.0, info.tiny, -info.tiny, info.tiny / 4, info.max, -info.max, 0.5, 1.5, 3.0,
+                            float("inf"), -float("inf"), float("nan")]).to(dtype)
+    rand = (torch.randn(100_000, generator=g) * 10.0 ** torch.randint(-8, 4, (100_000,), generator=g)).to(dtype)
+    with sc.kernels.force(path):
+        for v in (every, special, rand, rand[1:]):
+            for n in (1, 2, 3, 7, 8, 48, 1000, 2 ** 20 + 1, 123456789):
+                want = torch.div(torch.empty(v.numel()).copy_(v), n)
+                got = widen_divide(v, n, torch.empty(v.numel()))
+                # a NaN stays a NaN; its payload is not pinned (torch's own widening gives 0x7FC00000 in its
+                # vector loop and 0x7FFFFFFF in its scalar tail, by position)
+                nan = torch.isnan(want)
+                assert torch.equal(torch.isnan(got), nan), (dtype, n)
+                assert torch.equal(got.view(torch.int32)[~nan], want.view(torch.int32)[~nan]), (dtype, n)
+
+
+def test_none_decodes_a_narrow_sum_as_the_widened_one():
+    from sparsecomm.methods.state import MethodState
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(5000, generator=g) * 1e-3
+    for name in ("fp16", "bf16"):
+        m = sc.methods.get("none", compressor=name)
+        assert m.decodes_narrow
+        got = []
+        for widen in (True, False):
+            p, ms = m.encode(x.clone(), MethodState(), None, world_size=3)
+            agg = p.values * 3                    # (a sum of three, in the narrow dtype)
+            est, _ = m.decode(agg.float() if widen else agg, 3, ms, out=torch.empty(5000))
+            got.append(est.view(torch.int32).clone())
+        assert torch.equal(got[0], got[1]), name
