@@ -83,6 +83,8 @@ def flat_input(x: torch.Tensor, who: str) -> torch.Tensor:
     if x.dtype not in FLOAT_DTYPES:
         raise CompressorInputError(
             f"{who}.compress expects a float16/bfloat16/float32/float64 tensor, got {x.dtype}")
+    if type(x) is torch.Tensor and x.dim() == 1 and not x.requires_grad and x.is_contiguous():
+        return x        # (already flat, contiguous and outside autograd: the three calls below change nothing)
     return x.detach().reshape(-1).contiguous()
 
 
@@ -209,15 +211,17 @@ def widen_divide(values: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tenso
     ``torch.div(out.copy_(values), n, out=out)``: one Numba pass for float16 (where ``_kernels.NATIVE_HALF``)
     or bfloat16 ``values`` into a contiguous float32 CPU ``out`` (:func:`._kernels.widen_div_f16`,
     :func:`._kernels.widen_div_bf16`), those two torch ops elsewhere. Returns ``out``."""
-    v = values.reshape(-1)
-    if out.dtype == torch.float32 and use_numba(v) and v.is_contiguous() and out.is_contiguous() and \
-            out.device.type == "cpu" and v.numel() == out.numel():
-        from . import _kernels
+    from . import _kernels
 
-        if v.dtype == torch.bfloat16 or (v.dtype == torch.float16 and _kernels.NATIVE_HALF):
-            widen = _kernels.widen_div_bf16 if v.dtype == torch.bfloat16 else _kernels.widen_div_f16
-            widen(v.view(torch.int16).numpy(), np.float32(n), out.reshape(-1).numpy())
-            return out
+    bf = values.dtype == torch.bfloat16
+    if out.dtype == torch.float32 and (bf or (values.dtype == torch.float16 and _kernels.NATIVE_HALF)) and \
+            use_numba(values) and out.device.type == "cpu" and values.numel() == out.numel() and \
+            values.is_contiguous() and out.is_contiguous():
+        v = values if values.dim() == 1 else values.reshape(-1)
+        o = out if out.dim() == 1 else out.reshape(-1)
+        (_kernels.widen_div_bf16 if bf else _kernels.widen_div_f16)(v.view(torch.int16).numpy(), np.float32(n),
+                                                                   o.numpy())
+        return out
     return torch.div(out.copy_(values.reshape(out.shape)), n, out=out)
 
 

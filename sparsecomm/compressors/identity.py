@@ -286,8 +286,8 @@ class _Cast(_Dense):
         checked = self.underflow != "allow" and flat.dtype != self.target and flat.numel()
         under = False
         if fused:   # the cast and every check in one pass; the float64 sums where it leaves them undecided
-            y = cpu_empty(flat.numel(), self.target)
-            xs, ys = flat.numpy(), y.view(torch.int16).numpy()
+            ys = np.empty(flat.numel(), dtype=np.int16)       # (numpy's memory: see cpu_empty)
+            xs, y = flat.numpy(), torch.from_numpy(ys).view(self.target)
             bound = 1.0 - self.delta(flat.numel())
             e, q = (_quick_bf16 if bf else _quick_f16)(xs, ys)
             # e finite: every y is finite; within the bound: no underflow (today's float64 decision, surely)
