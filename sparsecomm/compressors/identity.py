@@ -136,7 +136,7 @@ _CHUNK = 4096
 def _quick_f16(x, ybits):
     """:func:`_cast_f16`'s cast, bit for bit, with its two sums accumulated in float32 per chunk of
     :data:`_CHUNK` elements (the chunks' sums added in float64): the same terms (``y_i - x_i`` exact in float32),
-    a bound on them only, twice the vector width; :func:`_surely_within` reads it."""
+    a bound on them only, twice the vector width; :func:`_verdict` reads it."""
     err = 0.0
     nrm = 0.0
     n = x.size
@@ -185,26 +185,29 @@ def _quick_bf16(x, ybits):
     return err, nrm
 
 
-def _surely_within(e: float, q: float, n: int, bound: float) -> bool:
-    """Whether ``err > bound * nrm`` is surely False for the float64 sums ``err``, ``nrm`` that
-    :func:`_cast_f16` / :func:`_cast_bf16` return, given :func:`_quick_f16` / :func:`_quick_bf16`'s ``e``, ``q``
-    for the same ``n`` elements (False: undecided, not an underflow).
+def _verdict(e: float, q: float, n: int, bound: float) -> bool | None:
+    """``err > bound * nrm`` for the float64 sums ``err``, ``nrm`` that :func:`_cast_f16` / :func:`_cast_bf16`
+    return, where :func:`_quick_f16` / :func:`_quick_bf16`'s ``e``, ``q`` for the same ``n`` elements decide it;
+    ``None`` where they do not.
 
     Their terms are the same non-negative numbers ``(y_i - x_i)^2`` and ``x_i^2``, exact in float64.
     A float32 sum of ``m <= 4096`` of them, in any order, is within ``gamma_m < 2^-11.9`` relatively, plus
     ``2^-126`` absolutely per operation where a result leaves float32's normal range (a flush to zero
-    included); the float64 sums of ``n < 2^31`` terms within ``n * 2^-53 < 2^-22``. So the exact
-    ``err`` is at most ``(e + n 2^-124)(1 + 2^-10)``, the exact ``nrm`` at least ``(q - n 2^-124)(1 - 2^-10)``,
-    and ``err > bound * nrm`` in float64 is False when the first times ``1 + 2^-20`` is at most ``bound``
-    times the second times ``1 - 2^-20`` (the float64 roundings here included). A rounding cast's error is
-    about a third of the bound on typical data (a quarter ulp squared against half an ulp squared), so
-    this decides nearly every call; a call it leaves undecided is run through the float64 sums."""
+    included); the float64 sums of ``n < 2^31`` terms within ``n * 2^-53 < 2^-22``. So the exact ``err`` lies
+    in ``(e -+ n 2^-124)(1 -+ 2^-10)``, the exact ``nrm`` in ``(q -+ n 2^-124)(1 -+ 2^-10)``, and the float64
+    comparison is False when ``err``'s upper end times ``1 + 2^-20`` is at most ``bound`` times ``nrm``'s
+    lower end times ``1 - 2^-20``, True when its lower end times ``1 - 2^-20`` exceeds ``bound`` times
+    ``nrm``'s upper end times ``1 + 2^-20`` (the float64 roundings here included). A rounding cast's error
+    is about a third of the bound on typical data, so this decides nearly every call; a call it leaves
+    undecided (within about 2^-9 of the bound, or beyond float32's range) is run through the float64 sums."""
     if not (n < 2 ** 31 and math.isfinite(e) and math.isfinite(q)):
-        return False
+        return None
     slack = n * 2.0 ** -124
-    e_hi = (e + slack) * (1.0 + 2.0 ** -10)
-    q_lo = (q - slack) * (1.0 - 2.0 ** -10)
-    return e_hi * (1.0 + 2.0 ** -20) <= bound * q_lo * (1.0 - 2.0 ** -20)
+    if (e + slack) * (1.0 + 2.0 ** -10) * (1.0 + 2.0 ** -20) <= bound * (q - slack) * (1.0 - 2.0 ** -10) * (1.0 - 2.0 ** -20):
+        return False
+    if (e - slack) * (1.0 - 2.0 ** -10) * (1.0 - 2.0 ** -20) > bound * (q + slack) * (1.0 + 2.0 ** -10) * (1.0 + 2.0 ** -20):
+        return True
+    return None
 
 
 class _Dense(Compressor):
@@ -290,12 +293,15 @@ class _Cast(_Dense):
             xs, y = flat.numpy(), torch.from_numpy(ys).view(self.target)
             bound = 1.0 - self.delta(flat.numel())
             e, q = (_quick_bf16 if bf else _quick_f16)(xs, ys)
-            # e finite: every y is finite; within the bound: no underflow (today's float64 decision, surely)
-            if not math.isfinite(e) or (checked and not _surely_within(e, q, flat.numel(), bound)):
+            # e finite: every y is finite; then the float64 sums' decision where the float32 ones settle it
+            verdict = (_verdict(e, q, flat.numel(), bound) if checked else False) if math.isfinite(e) else None
+            if verdict is None or (verdict and self.underflow == "raise"):      # ("raise": the exact ratio)
                 err, nrm = (_cast_bf16 if bf else _cast_f16)(xs, ys)     # (the same cast, with float64 sums)
                 if not math.isfinite(err):    # a non-finite or overflowing input makes err non-finite
                     self._check_range(flat, y)
                 under = bool(checked) and err > bound * nrm
+            else:
+                under = verdict
         else:
             y = (cpu_empty(flat.numel(), self.target).copy_(flat) if flat.device.type == "cpu"
                  else flat.to(self.target, copy=True))
