@@ -176,8 +176,7 @@ def _quick_bf16(x, ybits):
             nan = _I(w & _I(0x7FFFFFFF)) > _I(0x7F800000)
             ys[i] = _I(-1) if nan else _I(r >> _I(16))
             xv = xs[i]
-            y = np.float32(np.nan) if nan else _I(r & _I(-0x10000)).view(np.float32)
-            d = y - xv
+            d = _I(r & _I(-0x10000)).view(np.float32) - xv     # (NaN where x is: y's pattern needs no select)
             e += d * d
             q += xv * xv
         err += np.float64(e)
