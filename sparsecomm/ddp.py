@@ -35,8 +35,8 @@ few) is posted to gloo on the calling thread at once, behind the buckets still i
 ``allreduce_hook`` posts its own, and its completion (the checks, the division, the records, the step's
 end) is chained on gloo's own future, in call order, with no hop through the communication thread
 (:meth:`HookScheduler.chained <sparsecomm.pipeline.scheduler.HookScheduler.chained>`;
-:mod:`sparsecomm.transports.native`, "Posted at once"); a cast's narrow sum is widened into the bucket
-and then divided, as torch's ``fp16_compress_hook`` does. DDP calls the hook for its
+:mod:`sparsecomm.transports.native`, "Posted at once"); a cast's narrow sum is widened and then divided
+(torch's ``fp16_compress_hook`` divides before widening), both in one pass. DDP calls the hook for its
 buckets in index order on every rank, so the calls match across ranks; the results are bit-identical
 to synchronous calls.
 

@@ -83,6 +83,8 @@ def flat_input(x: torch.Tensor, who: str) -> torch.Tensor:
     if x.dtype not in FLOAT_DTYPES:
         raise CompressorInputError(
             f"{who}.compress expects a float16/bfloat16/float32/float64 tensor, got {x.dtype}")
+    if type(x) is torch.Tensor and x.dim() == 1 and not x.requires_grad and x.is_contiguous():
+        return x        # (already flat, contiguous and outside autograd: the three calls below change nothing)
     return x.detach().reshape(-1).contiguous()
 
 
@@ -204,6 +206,25 @@ def force_backend(name: str):
 
 
 # -------------------------------------------------------------------------------------- payload
+def widen_divide(values: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
+    """``out = values / n`` with ``values`` widened into ``out``'s dtype first (exact), bit for bit as
+    ``torch.div(out.copy_(values), n, out=out)``: one Numba pass for float16 (where ``_kernels.NATIVE_HALF``)
+    or bfloat16 ``values`` into a contiguous float32 CPU ``out`` (:func:`._kernels.widen_div_f16`,
+    :func:`._kernels.widen_div_bf16`), those two torch ops elsewhere. Returns ``out``."""
+    from . import _kernels
+
+    bf = values.dtype == torch.bfloat16
+    if out.dtype == torch.float32 and (bf or (values.dtype == torch.float16 and _kernels.NATIVE_HALF)) and \
+            use_numba(values) and out.device.type == "cpu" and values.numel() == out.numel() and \
+            values.is_contiguous() and out.is_contiguous():
+        v = values if values.dim() == 1 else values.reshape(-1)
+        o = out if out.dim() == 1 else out.reshape(-1)
+        (_kernels.widen_div_bf16 if bf else _kernels.widen_div_f16)(v.view(torch.int16).numpy(), np.float32(n),
+                                                                   o.numpy())
+        return out
+    return torch.div(out.copy_(values.reshape(out.shape)), n, out=out)
+
+
 def decompressed(payload: Payload) -> torch.Tensor:
     """``payload.to_dense()`` (flat), bit for bit, written into a numpy-allocated buffer (see
     :func:`cpu_empty`) for CPU payloads of float32 / float64: ``dense`` bfloat16 (and, where

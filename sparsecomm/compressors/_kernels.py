@@ -340,6 +340,23 @@ def widen_bf16(hbits, out):
 
 
 @njit(cache=True, nogil=True)
+def widen_div_f16(hbits, d, out):
+    """out[i] = (the float32 value of the float16 bit pattern ``hbits[i]``) / ``d`` (float32): :func:`widen_f16`
+    then torch's float32 division by the scalar (one correctly rounded division), bit for bit, in one pass.
+    Only where :data:`NATIVE_HALF`."""
+    for i in range(hbits.size):
+        out[i] = f16_value(hbits[i]) / d
+
+
+@njit(cache=True, nogil=True)
+def widen_div_bf16(hbits, d, out):
+    """out[i] = (the float32 value of the bfloat16 bit pattern ``hbits[i]``) / ``d`` (float32): :func:`widen_bf16`
+    then torch's float32 division by the scalar, bit for bit, in one pass."""
+    for i in range(hbits.size):
+        out[i] = np.int32(np.int32(hbits[i]) << np.int32(16)).view(np.float32) / d
+
+
+@njit(cache=True, nogil=True)
 def scatter_dense(idx, vals, out):
     """out[:] = 0, then out[idx[j]] += vals[j] in order of j (``index_add_`` onto zeros); returns False,
     with ``out`` partly written, at the first index outside [0, out.size)."""

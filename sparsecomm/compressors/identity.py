@@ -9,9 +9,11 @@ dtype's normal range; values that would overflow it raise :class:`~sparsecomm.er
 **Below the normal range** (|x| < 2^-14 for float16, < 2^-126 for bfloat16) rounding is absolute, not
 relative (half the subnormal spacing, down to flushing to zero), so the contraction can fail: a
 vector of entries around 1e-9 comes back as zeros, ||C(x) - x||^2 = ||x||^2. So the contract of a cast
-depends on ``underflow``. ``compress`` computes ``||C(x) - x||^2`` and ``||x||^2`` in float64 and
-finds an *underflow* when ``||C(x) - x||^2 > (1 - delta) ||x||^2`` (a vector with a few tiny entries among
-normal ones does not: its normal entries' rounding error is far below the bound); then
+depends on ``underflow``. ``compress`` finds an *underflow* when ``||C(x) - x||^2 > (1 - delta) ||x||^2``
+with both sums in float64 (a vector with a few tiny entries among normal ones has none: its normal
+entries' rounding error is far below the bound). On the CPU's float32 path the cast's own pass sums in
+float32 with a proven error bound and decides from it where it can (nearly always), so the float64 sums
+run only where it cannot, and the decision is theirs in every case; then
 
 - ``"count"`` (default): it returns the rounded values anyway, as a float16 cast (torch's fp16 DDP hook)
   does, and marks the payload (``meta["underflow"]``), which the pipeline counts
@@ -126,6 +128,87 @@ def _cast_bf16(x, ybits):
     return err, nrm
 
 
+#: the chunk of :func:`_quick_f16` / :func:`_quick_bf16` (float32 partial sums of at most this many terms)
+_CHUNK = 4096
+
+
+@njit(cache=True, nogil=True, fastmath=_FM)
+def _quick_f16(x, ybits):
+    """:func:`_cast_f16`'s cast, bit for bit, with its two sums accumulated in float32 per chunk of
+    :data:`_CHUNK` elements (the chunks' sums added in float64): the same terms (``y_i - x_i`` exact in float32),
+    a bound on them only, twice the vector width; :func:`_verdict` reads it."""
+    err = 0.0
+    nrm = 0.0
+    n = x.size
+    for s in range(0, n, _CHUNK):
+        xs = x[s: s + _CHUNK]
+        ys = ybits[s: s + _CHUNK]
+        e = np.float32(0.0)
+        q = np.float32(0.0)
+        for i in range(xs.size):
+            xv = xs[i]
+            h = _kernels.f16_bits(xv)
+            ys[i] = h
+            d = _kernels.f16_value(h) - xv
+            e += d * d
+            q += xv * xv
+        err += np.float64(e)
+        nrm += np.float64(q)
+    return err, nrm
+
+
+@njit(cache=True, nogil=True, fastmath=_FM)
+def _quick_bf16(x, ybits):
+    """:func:`_quick_f16` for bfloat16: :func:`_cast_bf16`'s cast, bit for bit, its sums in float32 per chunk."""
+    err = 0.0
+    nrm = 0.0
+    xi = x.view(np.int32)
+    n = x.size
+    for s in range(0, n, _CHUNK):
+        xs = x[s: s + _CHUNK]
+        ws = xi[s: s + _CHUNK]
+        ys = ybits[s: s + _CHUNK]
+        e = np.float32(0.0)
+        q = np.float32(0.0)
+        for i in range(xs.size):
+            w = ws[i]
+            r = _I(w + _I(_I(0x7FFF) + _I(_I(w >> _I(16)) & _I(1))))
+            nan = _I(w & _I(0x7FFFFFFF)) > _I(0x7F800000)
+            ys[i] = _I(-1) if nan else _I(r >> _I(16))
+            xv = xs[i]
+            d = _I(r & _I(-0x10000)).view(np.float32) - xv     # (NaN where x is: y's pattern needs no select)
+            e += d * d
+            q += xv * xv
+        err += np.float64(e)
+        nrm += np.float64(q)
+    return err, nrm
+
+
+def _verdict(e: float, q: float, n: int, bound: float) -> bool | None:
+    """``err > bound * nrm`` for the float64 sums ``err``, ``nrm`` that :func:`_cast_f16` / :func:`_cast_bf16`
+    return, where :func:`_quick_f16` / :func:`_quick_bf16`'s ``e``, ``q`` for the same ``n`` elements decide it;
+    ``None`` where they do not.
+
+    Their terms are the same non-negative numbers ``(y_i - x_i)^2`` and ``x_i^2``, exact in float64.
+    A float32 sum of ``m <= 4096`` of them, in any order, is within ``gamma_m < 2^-11.9`` relatively, plus
+    ``2^-126`` absolutely per operation where a result leaves float32's normal range (a flush to zero
+    included); the float64 sums of ``n < 2^31`` terms within ``n * 2^-53 < 2^-22``. So the exact ``err`` lies
+    in ``(e -+ n 2^-124)(1 -+ 2^-10)``, the exact ``nrm`` in ``(q -+ n 2^-124)(1 -+ 2^-10)``, and the float64
+    comparison is False when ``err``'s upper end times ``1 + 2^-20`` is at most ``bound`` times ``nrm``'s
+    lower end times ``1 - 2^-20``, True when its lower end times ``1 - 2^-20`` exceeds ``bound`` times
+    ``nrm``'s upper end times ``1 + 2^-20`` (the float64 roundings here included). A rounding cast's error
+    is about a third of the bound on typical data, so this decides nearly every call; a call it leaves
+    undecided (within about 2^-9 of the bound, or beyond float32's range) is run through the float64 sums."""
+    if not (n < 2 ** 31 and math.isfinite(e) and math.isfinite(q)):
+        return None
+    slack = n * 2.0 ** -124
+    if (e + slack) * (1.0 + 2.0 ** -10) * (1.0 + 2.0 ** -20) <= bound * (q - slack) * (1.0 - 2.0 ** -10) * (1.0 - 2.0 ** -20):
+        return False
+    if (e - slack) * (1.0 - 2.0 ** -10) * (1.0 - 2.0 ** -20) > bound * (q + slack) * (1.0 + 2.0 ** -10) * (1.0 + 2.0 ** -20):
+        return True
+    return None
+
+
 class _Dense(Compressor):
     payload_kind = "dense"
     elementwise = True
@@ -202,26 +285,32 @@ class _Cast(_Dense):
         flat = flat_input(x, self.name)
         bf = self.target == torch.bfloat16
         fused = use_numba(flat) and flat.dtype == torch.float32 and (bf or _kernels.NATIVE_HALF)
-        if fused:   # the cast and every check in one pass
-            y = cpu_empty(flat.numel(), self.target)
-            err, nrm = (_cast_bf16 if bf else _cast_f16)(flat.numpy(), y.view(torch.int16).numpy())
-        elif flat.device.type == "cpu":
-            y = cpu_empty(flat.numel(), self.target).copy_(flat)
-        else:
-            y = flat.to(self.target, copy=True)
-        under = False
         checked = self.underflow != "allow" and flat.dtype != self.target and flat.numel()
-        if fused:   # a non-finite or overflowing input makes err non-finite
-            if not math.isfinite(err):
+        under = False
+        if fused:   # the cast and every check in one pass; the float64 sums where it leaves them undecided
+            ys = np.empty(flat.numel(), dtype=np.int16)       # (numpy's memory: see cpu_empty)
+            xs, y = flat.numpy(), torch.from_numpy(ys).view(self.target)
+            bound = 1.0 - self.delta(flat.numel())
+            e, q = (_quick_bf16 if bf else _quick_f16)(xs, ys)
+            # e finite: every y is finite; then the float64 sums' decision where the float32 ones settle it
+            verdict = (_verdict(e, q, flat.numel(), bound) if checked else False) if math.isfinite(e) else None
+            if verdict is None or (verdict and self.underflow == "raise"):      # ("raise": the exact ratio)
+                err, nrm = (_cast_bf16 if bf else _cast_f16)(xs, ys)     # (the same cast, with float64 sums)
+                if not math.isfinite(err):    # a non-finite or overflowing input makes err non-finite
+                    self._check_range(flat, y)
+                under = bool(checked) and err > bound * nrm
+            else:
+                under = verdict
+        else:
+            y = (cpu_empty(flat.numel(), self.target).copy_(flat) if flat.device.type == "cpu"
+                 else flat.to(self.target, copy=True))
+            if not checked:
                 self._check_range(flat, y)
-            under = bool(checked) and err > (1.0 - self.delta(flat.numel())) * nrm
-        elif not checked:
-            self._check_range(flat, y)
-        else:       # the contraction check's pass also finds a non-finite or overflowing input
-            err, nrm, special = self._contraction_error(flat, y)
-            if special or not math.isfinite(err):
-                self._check_range(flat, y)
-            under = err > (1.0 - self.delta(flat.numel())) * nrm
+            else:       # the contraction check's pass also finds a non-finite or overflowing input
+                err, nrm, special = self._contraction_error(flat, y)
+                if special or not math.isfinite(err):
+                    self._check_range(flat, y)
+                under = err > (1.0 - self.delta(flat.numel())) * nrm
         if under and self.underflow == "raise":
             tiny = torch.finfo(self.target).tiny
             raise UnderflowError(

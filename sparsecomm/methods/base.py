@@ -126,6 +126,10 @@ class Method(ABC):
     uses_shapes: ClassVar[bool] = False
     #: whether a step may take several rounds (then ``decode`` requires ``next_round`` to have said None)
     multi_round: ClassVar[bool] = False
+    #: whether ``decode`` also takes the sum of ``dense`` payloads' float16/bfloat16 values as summed (that
+    #: dtype, not the estimate's), widening it exactly itself: the same estimate, bit for bit, as from the
+    #: widened sum (the pipeline then hands it the narrow sum, and a pass is saved)
+    decodes_narrow: ClassVar[bool] = False
 
     compressor: Compressor
 
@@ -220,7 +224,8 @@ class Method(ABC):
         """The gradient estimate from the sum over workers of the decompressed (last-round) messages,
         and the updated state: ``(estimate, state)``.
 
-        ``out`` (flat, the bucket's length, the aggregate's dtype): write the estimate there and return it.
+        ``out`` (flat, the bucket's length, the aggregate's dtype; or wider, where :attr:`decodes_narrow` and the
+        aggregate is float16/bfloat16): write the estimate there and return it.
 
         Args:
             aggregate: the last round's sum over workers.
@@ -238,7 +243,8 @@ class Method(ABC):
         d = ms.length if ms.length is not None else agg.numel()
         if out is None:
             out = torch.empty(d, dtype=agg.dtype, device=agg.device)
-        elif out.shape != (d,) or out.dtype != agg.dtype:
+        elif out.shape != (d,) or (out.dtype != agg.dtype and not (
+                self.decodes_narrow and agg.dtype in (torch.float16, torch.bfloat16) and out.is_floating_point())):
             raise MismatchError(f"decode: out has shape {tuple(out.shape)} and dtype {out.dtype}, the "
                                 f"estimate ({d},) and {agg.dtype}")
         self._decode(agg, int(world_size), ms, out)

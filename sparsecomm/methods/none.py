@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ..compressors._common import widen_divide
 from ..payload import Payload
 from .base import Method, MethodState
 
@@ -19,6 +20,7 @@ class NoMethod(Method):
     name = "none"
     default_compressor = "identity"
     State = None
+    decodes_narrow = True
 
     def _encode(self, grad: torch.Tensor, ms: MethodState, generator: torch.Generator | None,
                 exact: bool, world_size: int) -> Payload:
@@ -27,4 +29,7 @@ class NoMethod(Method):
 
     def _decode(self, aggregate: torch.Tensor, world_size: int, ms: MethodState, out: torch.Tensor) -> None:
         ms.take_pending(self.name)
-        torch.div(aggregate, world_size, out=out)
+        if aggregate.dtype == out.dtype:
+            torch.div(aggregate, world_size, out=out)
+        else:       # a narrow sum (decodes_narrow): widened and divided in one pass, the same bits
+            widen_divide(aggregate, world_size, out)

@@ -229,7 +229,8 @@ class CommPipeline:
         place, then divided by n) and, with ``compress``, the round of a stateless one-round method around
         an elementwise compressor (the fp16/bf16 casts: its payload is the round's own, summed in place,
         and the sum is widened into ``flat``, as torch's ``fp16_compress_hook`` decompresses into the
-        bucket, before the method's decode) whose sums the transport checks. A compressed round that the transport does not chain after all
+        bucket, before the method's decode; or widened by the decode itself, in the same pass as its division,
+        where the method :attr:`~sparsecomm.methods.base.Method.decodes_narrow`) whose sums the transport checks. A compressed round that the transport does not chain after all
         was encoded: it is started (:meth:`start`'s :class:`~sparsecomm.fabric.engine.CommWork`, which
         ``done`` is not given). None when nothing was done (any other round, ``transport="auto"``): use
         :meth:`start`."""
@@ -245,7 +246,10 @@ class CommPipeline:
             return None
         call = self._bucket_rounds.begin(flat, key, max(0, self.step - 1 - self.skipped), False, None)
         finish = lambda agg: self._finish(call, agg, None, t, None)      # noqa: E731
-        fut = t.chain(call.sent, identity, finish, done, scratch=True, out=flat)     # (flat: scratch)
+        # a method that widens the narrow sum itself gets it as summed (one pass less), else it is widened
+        # into flat (scratch)
+        fut = t.chain(call.sent, identity, finish, done, scratch=True, out=None if m.decodes_narrow else flat,
+                      narrow=m.decodes_narrow)
         return fut if fut is not None else t.start(call.sent, then=finish, call=identity)
 
     def _next_round(self, call: Call, agg: torch.Tensor, t: Transport) -> Any:

@@ -151,7 +151,8 @@ class Transport(ABC):
 
     def chain(self, x: torch.Tensor | Payload, call: CallId, then: Callable[[torch.Tensor], Any],
               done: Callable[[Any, BaseException | None], None] | None = None, *,
-              scratch: bool = False, out: torch.Tensor | None = None) -> "torch.futures.Future | None":
+              scratch: bool = False, out: torch.Tensor | None = None,
+              narrow: bool = False) -> "torch.futures.Future | None":
         """The sum of the flat tensor or ``dense`` payload ``x`` as a ``torch.futures.Future`` of
         ``then(sum)``, its collective posted now and its completion chained on the collective's own future
         (:meth:`~sparsecomm.fabric.engine.CommEngine.chain`; ``done(value, error)`` runs before the future
@@ -159,7 +160,8 @@ class Transport(ABC):
         was sent). A tensor may be summed in place where the transport sums tensors in place
         (``inplace``), a payload's values where the caller says they are ``scratch`` (nobody else reads
         them); ``out`` (a payload's length and dtype) takes a payload's sum cast to its dtype, else a new
-        tensor does. The base class chains nothing; ``native`` chains a predicted all-reduce."""
+        tensor does; with ``narrow``, ``then`` gets a payload's sum as summed, in its values' dtype (not cast:
+        ``out`` unused). The base class chains nothing; ``native`` chains a predicted all-reduce."""
         return None
 
     def _later_rounds(self, out: torch.Tensor, then, next_round, call: CallId | None) -> Any:

@@ -170,12 +170,13 @@ class Native(Transport):
         return eng.post(post, complete, issues=next_round is not None)
 
     def chain(self, x: torch.Tensor | Payload, call: CallId, then, done=None, *, scratch: bool = False,
-              out: torch.Tensor | None = None):
+              out: torch.Tensor | None = None, narrow: bool = False):
         """As :meth:`Transport.chain`: a call predicted to fold (:mod:`.._fold`) whose vector is summed by
         ``all_reduce`` in place (a tensor with ``inplace=True``, or a ``dense`` payload whose values are
         ``scratch``; flat, contiguous, larger than :data:`~.collectives.GATHER_SUM_BYTES`) is posted as
         :meth:`start` posts it, and its completion (the non-finite check that also resolves a deviation,
-        the booking, a payload's sum cast to its dtype, into ``out`` if given, ``then``) is chained on
+        the booking, a payload's sum cast to its dtype, into ``out`` if given, or as summed with ``narrow``,
+        ``then``) is chained on
         gloo's future
         (:meth:`~sparsecomm.fabric.engine.CommEngine.chain`), in call order, with the same errors and the
         same fail-stop as :meth:`start`'s. What does not depend on the step (the eligibility, the fold
@@ -186,7 +187,7 @@ class Native(Transport):
         if lane is None:
             lane = self._lane(x, v, call)
         if not lane or not (self.inplace if tensor else scratch) or not v.is_contiguous() or (
-                out is not None and (out.dtype != x.dtype or out.numel() != v.numel())):
+                out is not None and not narrow and (out.dtype != x.dtype or out.numel() != v.numel())):
             return None
         sched, eng, prefix = lane
         f = self.fabric
@@ -229,6 +230,8 @@ class Native(Transport):
                 self.last_stats = stats
                 if tensor:
                     return then(v)
+                if narrow:
+                    return then(v.reshape(x.shape))
                 wide = out.copy_(v) if out is not None else v.to(x.dtype)      # (exact: a widening)
                 return then(wide.reshape(x.shape))
             except BaseException as exc:

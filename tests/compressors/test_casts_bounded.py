@@ -1,0 +1,198 @@
+"""The fp16/bf16 casts' one-pass paths, pinned against the formulas they replace.
+
+The casts decide an underflow from float32 partial sums and a proven bound, falling back to the float64
+sums where the bound leaves the call undecided: their values, errors and flags are pinned against the
+float64 decision itself (the kernels that computed it alone before), on inputs that flush to zero,
+overflow, hold NaN or Inf, lie in the subnormal ranges, or sit at the underflow threshold. The narrow sum
+widened and divided in one pass (``widen_divide``, ``none``'s decode of a narrow sum) is pinned against
+widening, then torch's division."""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import sparsecomm as sc
+from sparsecomm.errors import NonFiniteError, OverflowError_, UnderflowError
+
+ident = importlib.import_module("sparsecomm.compressors.identity")
+kern = importlib.import_module("sparsecomm.compressors._kernels")
+
+
+
+
+def _float64_decision(c, x: torch.Tensor):
+    """(bit patterns, outcome) of the cast as decided by the float64 sums alone: the cast kernel with its
+    float64 sums, an error where they are not finite, an underflow where ``err > (1 - delta) nrm``."""
+    flat = x.reshape(-1).contiguous()
+    bf = c.target == torch.bfloat16
+    ys = np.empty(flat.numel(), np.int16)
+    err, nrm = (ident._cast_bf16 if bf else ident._cast_f16)(flat.numpy(), ys)
+    checked = c.underflow != "allow" and flat.numel()
+    y = torch.from_numpy(ys).view(c.target)
+    try:
+        if not math.isfinite(err):
+            c._check_range(flat, y)
+    except (NonFiniteError, OverflowError_) as exc:
+        return ys, type(exc)
+    under = bool(checked) and err > (1.0 - c.delta(flat.numel())) * nrm
+    if under and c.underflow == "raise":
+        return ys, UnderflowError
+    return ys, ("underflow" if under else "ok")
+
+
+def _decision(c, x: torch.Tensor):
+    try:
+        p = c.compress(x)
+    except (NonFiniteError, OverflowError_, UnderflowError) as exc:
+        return None, type(exc)
+    return p.values.view(torch.int16).numpy().copy(), ("underflow" if p.meta.get("underflow") else "ok")
+
+
+def _inputs(name: str):
+    g = torch.Generator().manual_seed(7)
+    tiny = torch.finfo(torch.float16 if name == "fp16" else torch.bfloat16).tiny
+    big = torch.finfo(torch.float16 if name == "fp16" else torch.bfloat16).max
+    n = 50_000
+    cases = {"empty": torch.zeros(0), "zeros": torch.zeros(n), "neg_zeros": -torch.zeros(9000),
+             "one": torch.ones(1), "one_tiny": torch.tensor([1e-30])}
+    for s in (1.0, 1e-2, 1e-4, 1e-5, 1e-6, 1e-7, 1e-9, 1e-20, 1e-39, 1e-44):
+        cases[f"randn*{s:g}"] = torch.randn(n, generator=g) * s
+    # float32 subnormals, values flushed to zero, the narrow type's subnormals and its smallest normals
+    cases["f32_subnormal"] = torch.tensor([1e-45, -3e-42, 1.1754942e-38, 2e-40] * 100)
+    cases["narrow_subnormal"] = (torch.rand(n, generator=g) * tiny).float()
+    cases["flush_mix"] = torch.cat([torch.randn(n, generator=g), torch.full((n,), tiny * 1e-4)])
+    cases["ties"] = torch.tensor([1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11, 2.0 ** -24 * 1.5, 2.0 ** -25, 1.0 + 2.0 ** -8,
+                                  1.0 + 3 * 2.0 ** -8])
+    # overflow, Inf, NaN (alone and among finite values), just below the overflow threshold
+    over = 1e6 if name == "fp16" else torch.finfo(torch.float32).max      # (rounds to Inf in bfloat16)
+    cases["overflow"] = torch.cat([torch.randn(1000, generator=g), torch.tensor([over])])
+    cases["at_max"] = torch.tensor([big, -big, 1.0])
+    cases["inf"] = torch.tensor([1.0, float("inf"), 2.0])
+    cases["nan"] = torch.cat([torch.randn(5000, generator=g), torch.tensor([float("nan")])])
+    cases["nan_tiny"] = torch.tensor([1e-30, float("nan")])
+    if name == "bf16":      # float32 squares overflow (the float32 sums are not finite): the float64 sums decide
+        cases["huge"] = torch.randn(n, generator=g) * 1e25
+        cases["huge_tiny"] = torch.cat([torch.randn(n, generator=g) * 1e30, torch.full((n,), 1e-39)])
+    # around the threshold: normal entries with a growing share of entries that flush to zero
+    base = torch.randn(4096, generator=g)
+    for k in range(40):
+        share = 10.0 ** (-8 + 0.2 * k)
+        cases[f"threshold{k}"] = torch.cat([base, torch.full((64,), math.sqrt(share * 4096 / 64) * tiny * 1e-6)])
+    # at the threshold itself: m exact normal values v and k values t that flush to zero, so that
+    # err / nrm = k t^2 / (m v^2 + k t^2) is the bound 1 - delta times 1 + eps
+    bound = 1.0 - sc.compressors.get(name).delta(1)
+    v, m, k = (2.0 ** -14, 4096, 8192) if name == "fp16" else (2.0 ** -126, 4096, 8192)
+    for eps in (-1e-2, -1e-3, -1e-4, -1e-5, 1e-5, 1e-4, 1e-3, 1e-2):
+        r = bound * (1 + eps)
+        t = math.sqrt(r * m * v * v / (k * (1 - r)))
+        cases[f"edge{eps:g}"] = torch.cat([torch.full((m,), v), torch.full((k,), t)])
+    return cases
+
+
+@pytest.mark.parametrize("mode", ["count", "raise", "allow"])
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+def test_cast_decisions_are_the_float64_ones(name, mode):
+    if name == "fp16" and not kern.NATIVE_HALF:
+        pytest.skip("no hardware float16 conversion: the fused float16 cast does not run here")
+    c = sc.compressors.get(name, underflow=mode)
+    seen = set()
+    for label, x in _inputs(name).items():
+        want_bits, want = _float64_decision(c, x)
+        got_bits, got = _decision(c, x)
+        assert got == want, (label, got, want)
+        if got_bits is not None:
+            assert np.array_equal(got_bits, want_bits), label
+        seen.add(want if isinstance(want, str) else want.__name__)
+    # the cases reach every outcome the mode has
+    expect = {"ok", "NonFiniteError", OverflowError_.__name__} | {"count": {"underflow"}, "raise": {"UnderflowError"},
+                                                           "allow": set()}[mode]
+    assert seen == expect, seen
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+def test_the_float32_sums_decide_only_as_the_float64_ones_do(name):
+    """``_verdict`` says "no underflow" or "underflow" only where the float64 sums say the same, on random
+    vectors whose error ratio sweeps across the threshold (the float32 sums' and the float64 sums' rounding
+    both at work), and it decides the common case (a gradient of normal values with a tail below the
+    range) and the plain underflow (a vector far below the range)."""
+    if name == "fp16" and not kern.NATIVE_HALF:
+        pytest.skip("no hardware float16 conversion")
+    quick, exact = ((ident._quick_bf16, ident._cast_bf16) if name == "bf16" else (ident._quick_f16, ident._cast_f16))
+    c = sc.compressors.get(name)
+    bound = 1.0 - c.delta(1)
+    tiny = torch.finfo(c.target).tiny
+    g = torch.Generator().manual_seed(3)
+    said = {False: 0, True: 0, None: 0}
+    under = 0
+    for k in range(300):
+        n = int(torch.randint(1, 20000, (1,), generator=g))
+        # a vector whose scale sweeps from mostly below the normal range to mostly within it (bfloat16:
+        # from float32's subnormals to where float32 squares are normal)
+        lo, hi = (-1, 4) if name == "fp16" else (-8, 40)
+        x = torch.randn(n, generator=g) * tiny * float(10.0 ** (lo + torch.rand(1, generator=g) * (hi - lo)))
+        xs, ys = x.numpy(), np.empty(n, np.int16)
+        e, q = quick(xs, ys)
+        err, nrm = exact(xs, ys)
+        v = ident._verdict(e, q, n, bound)
+        said[v] += 1
+        if v is not None:
+            assert v == (err > bound * nrm), (k, v, err, nrm, e, q)
+        under += err > bound * nrm
+    assert said[False] > 50 and under > 10, (said, under)
+    # float16: both answers decided, the threshold's neighbourhood aside; bfloat16: an underflow lies among
+    # float32's subnormals, whose float32 squares vanish: the float64 sums decide it
+    assert (said[True] > 20) if name == "fp16" else (said[None] > 20), said
+    # a gradient-like vector: normal values, some below fp16's range; decided without the float64 sums
+    x = torch.randn(1 << 16, generator=g) * 1e-3
+    e, q = quick(x.numpy(), np.empty(x.numel(), np.int16))
+    assert ident._verdict(e, q, x.numel(), bound) is False
+    if name == "fp16":     # and one far below it (bfloat16's: float32's subnormals, whose squares vanish)
+        x = torch.randn(1 << 16, generator=g) * 1e-6
+        e, q = quick(x.numpy(), np.empty(x.numel(), np.int16))
+        assert ident._verdict(e, q, x.numel(), bound) is True
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("path", ["numba", "torch"])
+def test_widen_divide_is_widening_then_torch_division_bit_for_bit(dtype, path):
+    from sparsecomm.compressors._common import widen_divide
+
+    g = torch.Generator().manual_seed(11)
+    info = torch.finfo(dtype)
+    # every bit pattern of the narrow dtype (NaNs, Infs, subnormals, exact halves and powers of two included)
+    every = torch.arange(-2 ** 15, 2 ** 15, dtype=torch.int32).to(torch.int16).view(dtype)
+    special = torch.tensor([0.0, -0.0, info.tiny, -info.tiny, info.tiny / 4, info.max, -info.max, 0.5, 1.5, 3.0,
+                            float("inf"), -float("inf"), float("nan")]).to(dtype)
+    rand = (torch.randn(100_000, generator=g) * 10.0 ** torch.randint(-8, 4, (100_000,), generator=g)).to(dtype)
+    with sc.kernels.force(path):
+        for v in (every, special, rand, rand[1:]):
+            for n in (1, 2, 3, 7, 8, 48, 1000, 2 ** 20 + 1, 123456789):
+                want = torch.div(torch.empty(v.numel()).copy_(v), n)
+                got = widen_divide(v, n, torch.empty(v.numel()))
+                # a NaN stays a NaN; its payload is not pinned (torch's own widening gives 0x7FC00000 in its
+                # vector loop and 0x7FFFFFFF in its scalar tail, by position)
+                nan = torch.isnan(want)
+                assert torch.equal(torch.isnan(got), nan), (dtype, n)
+                assert torch.equal(got.view(torch.int32)[~nan], want.view(torch.int32)[~nan]), (dtype, n)
+
+
+def test_none_decodes_a_narrow_sum_as_the_widened_one():
+    from sparsecomm.methods.state import MethodState
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(5000, generator=g) * 1e-3
+    for name in ("fp16", "bf16"):
+        m = sc.methods.get("none", compressor=name)
+        assert m.decodes_narrow
+        got = []
+        for widen in (True, False):
+            p, ms = m.encode(x.clone(), MethodState(), None, world_size=3)
+            agg = p.values * 3                    # (a sum of three, in the narrow dtype)
+            est, _ = m.decode(agg.float() if widen else agg, 3, ms, out=torch.empty(5000))
+            got.append(est.view(torch.int32).clone())
+        assert torch.equal(got[0], got[1]), name
