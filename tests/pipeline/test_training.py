@@ -108,44 +108,21 @@ def test_commwork_completion_races_callbacks_and_waits():
         w.wait()
 
 
-@pytest.fixture(scope="module")
-def exit_scripts(tmp_path_factory):
-    """``result(name)``: ``(returncode, stdout, stderr)`` of the exit script ``name`` ("ends":
-    :data:`EXIT_AFTER_FUTURE`, "parked": :data:`EXIT_WITH_A_PARKED_THREAD`), each a fresh interpreter. Both
-    start at once (most of a run is torch's import, one core each), so their tests wait for one start-up."""
+def test_a_script_that_ends_right_after_a_future_completes_exits_cleanly(tmp_path):
+    """The interpreter's exit waits for the communication thread to leave torch's C++ layer: a script
+    that ends while the thread still releases the callbacks chained on a completed future exits 0
+    (it used to abort: "terminate called without an active exception", exit -6)."""
     import subprocess
     import sys
     from pathlib import Path
 
-    where = tmp_path_factory.mktemp("exit_scripts")
+    script = tmp_path / "ends.py"
+    script.write_text(EXIT_AFTER_FUTURE)
     env = {"PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1",
            "PATH": "/usr/bin:/bin"}
-    procs = {}
-    for name, text in (("ends", EXIT_AFTER_FUTURE), ("parked", EXIT_WITH_A_PARKED_THREAD)):
-        (where / f"{name}.py").write_text(text)
-        procs[name] = subprocess.Popen([sys.executable, str(where / f"{name}.py")], env=env, text=True,
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    done = {}
-
-    def result(name):
-        if name not in done:
-            out, err = procs[name].communicate(timeout=120)
-            done[name] = (procs[name].returncode, out, err)
-        return done[name]
-
-    yield result
-    for p in procs.values():
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-
-
-def test_a_script_that_ends_right_after_a_future_completes_exits_cleanly(exit_scripts):
-    """The interpreter's exit waits for the communication thread to leave torch's C++ layer: a script
-    that ends while the thread still releases the callbacks chained on a completed future exits 0
-    (it used to abort: "terminate called without an active exception", exit -6)."""
-    code, out, err = exit_scripts("ends")
-    assert (code, out.strip()) == (0, "7"), err[-2000:]
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert (out.returncode, out.stdout.strip()) == (0, "7"), out.stderr[-2000:]
 
 
 EXIT_WITH_A_PARKED_THREAD = """
@@ -171,14 +148,23 @@ print("done", flush=True)        # the script ends with the thread parked, waiti
 """
 
 
-def test_no_communication_thread_is_left_when_the_interpreter_finalizes(exit_scripts):
+def test_no_communication_thread_is_left_when_the_interpreter_finalizes(tmp_path):
     """At exit the library closes its communication threads (``CommEngine.close``): the thread ends and
     is joined before the interpreter finalizes, and releases its last call's objects on its own thread
     first. A parked daemon thread kept them (a posted collective's gloo work, the bucket's tensors and
     futures) referenced into finalization, never released."""
-    code, out, err = exit_scripts("parked")
-    assert code == 0, err[-2000:]
-    assert out.split() == ["done", "released", "alive", "[]"], out
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "parked.py"
+    script.write_text(EXIT_WITH_A_PARKED_THREAD)
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1",
+           "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["done", "released", "alive", "[]"], out.stdout
 
 
 def test_close_completes_the_calls_then_ends_the_thread_and_a_later_call_starts_a_new_one():
