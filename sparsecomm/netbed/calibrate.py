@@ -85,9 +85,9 @@ CALL_ELEMS = 1 << 14
 #: timed calls per transport (after two untimed), quick and full
 CALLS = {True: 6, False: 30}
 #: OmniReduce's calls of the per-block fit, (float32 elements, density of non-zero 256-element blocks), quick
-#: and full: two sizes (the larger one, full, beyond a 32 MiB last-level cache, as a large gradient is) at a
-#: sparse and a denser input
-BLOCK_POINTS = {True: ((1 << 16, 0.05), (1 << 16, 0.5), (1 << 22, 0.05), (1 << 22, 0.5)),
+#: and full: two sizes (the larger one, full, beyond a 32 MiB last-level cache, as a large gradient is; quick,
+#: a smoke run, within it) at a sparse and a denser input
+BLOCK_POINTS = {True: ((1 << 14, 0.05), (1 << 14, 0.5), (1 << 18, 0.05), (1 << 18, 0.5)),
                 False: ((1 << 18, 0.02), (1 << 18, 0.3), (1 << 24, 0.02), (1 << 24, 0.3))}
 #: the block of the per-block fit's inputs (OmniReduce's default)
 BLOCK = 256

@@ -5,7 +5,11 @@ torchrun (one process per worker, stock DDP and this library's hook), not the li
    (``tests/frontends/test_experiments_cli.py::test_the_torchrun_recipe_of_convergence_writes_its_results``; run
    from here too with the slow cases);
 2. a PowerSGD hook run checkpointed by every rank mid-run and resumed in a *new* torchrun job equals the
-   uninterrupted run bit for bit (DDP's first step in the new processes has its initial bucket layout);
+   uninterrupted run bit for bit (DDP's first step in the new processes has its initial bucket layout; run
+   with the slow cases: the default suite pins the same in
+   ``tests/frontends/test_ddp_resume.py::test_hook_resumes_bit_for_bit_for_every_method``, PowerSGD among
+   every method, restored in new processes, and ``tests/frontends/test_ddp.py::test_hook_resume_powersgd_exact``,
+   ``start_powerSGD_iter`` and a fresh DDP's initial layout; a user's torchrun job registering the hook in 3.);
 3. ranks started with different settings get, on every rank, an error that names the setting and both
    values, before any gradient moves.
 """
@@ -72,6 +76,7 @@ def test_the_convergence_recipe_runs_under_torchrun(tmp_path):
     _convergence(tmp_path)
 
 
+@pytest.mark.slow    # default suite: test_ddp_resume.py and test_ddp.py pin the resume (module docstring, 2.)
 def test_a_powersgd_hook_checkpoint_resumes_in_a_new_job_bit_for_bit(tmp_path):
     import torch
 
