@@ -191,13 +191,7 @@ class World:
         """Withdraw ``p`` (its thread gave up waiting): it is closed and runs no more."""
         if p.done:
             return
-        if p.wait is not None:
-            p.ep.waiters.remove(p)
-            p.wait = None
-            self._blocked -= 1
-        if p.queued:
-            self._runq.remove(p)
-            p.queued = False
+        self._withdraw(p)
         p.done = True
         p.gen.close()
 
@@ -279,13 +273,8 @@ class World:
         elif not p.ep.threaded:
             World.finished(self, p.ep.id)
 
-    def _fault(self, p: Proc, exc: BaseException) -> None:
-        """The loop's handling of ``p``'s wait raised ``exc``: code of ``p``'s endpoint (the records of its
-        drive's wait set, :mod:`.sim_roles`), whichever thread runs the loop or sends the message. It is ``p``'s
-        outcome, as if ``p`` had raised it (its owner's thread raises it, a service's fails the run): withdrawn
-        from the loop, closed (its ``finally`` blocks run), done."""
-        if p.done:
-            raise exc
+    def _withdraw(self, p: Proc) -> None:
+        """Take ``p`` out of the loop: off its endpoint's waiters and the run queue."""
         if p.wait is not None:
             p.ep.waiters.remove(p)
             p.wait = None
@@ -293,6 +282,15 @@ class World:
         if p.queued:
             self._runq.remove(p)
             p.queued = False
+
+    def _fault(self, p: Proc, exc: BaseException) -> None:
+        """The loop's handling of ``p``'s wait raised ``exc``: code of ``p``'s endpoint (the records of its
+        drive's wait set, :mod:`.sim_roles`), whichever thread runs the loop or sends the message. It is ``p``'s
+        outcome, as if ``p`` had raised it (its owner's thread raises it, a service's fails the run): withdrawn
+        from the loop, closed (its ``finally`` blocks run), done."""
+        if p.done:
+            raise exc
+        self._withdraw(p)
         p.retry = p.value = p.exc = None
         try:
             p.context.run(p.gen.close)
