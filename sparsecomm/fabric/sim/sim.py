@@ -231,7 +231,9 @@ class SimFabric(Fabric):
                 if q is None:
                     q = dst_ep.mailbox[(self.rank, tag)] = deque()
                 q.append(msg)
-                world.arrived(dst_ep, msg, dst_ep.schedule(msg))
+                retimed = dst_ep.schedule(msg)
+                if dst_ep.waiters or dst_ep.watch is not None:     # (what arrived looks at: none, nothing to do)
+                    world.arrived(dst_ep, msg, retimed)
             ep.sends += 1
             limit = world.network.crash.get(self.rank)
             if limit is not None and ep.sends >= limit:
