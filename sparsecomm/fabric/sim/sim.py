@@ -197,7 +197,7 @@ class SimFabric(Fabric):
         self._ep.host_work(op, count, dtype, transport)     # the host model's charge (sim_host); none without one
 
     # --------------------------------------------------------------- sending
-    def _post(self, tensor: torch.Tensor, dst: int, tag: int, reliable: bool) -> float:
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0, *, reliable: bool = True) -> Work:
         world, ep = self.world, self._ep
         if not 0 <= dst < len(world.endpoints):
             raise InvalidValueError(f"{ep.name}: no endpoint {dst} (world has {len(world.endpoints)})")
@@ -231,20 +231,18 @@ class SimFabric(Fabric):
                 if q is None:
                     q = dst_ep.mailbox[(self.rank, tag)] = deque()
                 q.append(msg)
-                world.arrived(dst_ep, msg, dst_ep.schedule(msg))
+                retimed = dst_ep.schedule(msg)
+                if dst_ep.waiters or dst_ep.watch is not None:     # (what arrived looks at: none, nothing to do)
+                    world.arrived(dst_ep, msg, retimed)
             ep.sends += 1
             limit = world.network.crash.get(self.rank)
             if limit is not None and ep.sends >= limit:
                 ep.crashed = True
                 raise EndpointCrashed(f"{ep.name} crashed after {ep.sends} sends (fault injection)")
-        return tx_end
+        return _SentWork(ep, tx_end)
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0, *, reliable: bool = True) -> None:
-        tx_end = self._post(tensor, dst, tag, reliable)
-        self._ep.clock = max(self._ep.clock, tx_end)
-
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0, *, reliable: bool = True) -> Work:
-        return _SentWork(self._ep, self._post(tensor, dst, tag, reliable))
+        self.isend(tensor, dst, tag, reliable=reliable).wait()      # (the clock moves to the send's tx_end)
 
     # ------------------------------------------------------------- receiving
     def _deliver(self, msg: Msg, tensor: torch.Tensor, tag: int) -> int:

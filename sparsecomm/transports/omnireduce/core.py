@@ -219,7 +219,7 @@ class MessageSums:
         return Buf(Msg.DOWN, slot=c.slot, parity=c.round % 2)
 
     def begin(self, c, message) -> None:
-        extra = wire.words_ints(c.ch) if c.round == 0 and wire.fused0(c.ch, c.k) else 0   # (room for the words)
+        extra = c.ch.words_ints if c.round == 0 and wire.fused0(c.ch, c.k) else 0   # (room for the words)
         self.msg, self.data, self.tail = message(self.buffer(c), c.k, c.bs, c.down, extra=extra, meta=c.round > 0)
         self.acc = self.data if c.acc_dtype == c.down else torch.empty(c.k, c.bs, dtype=c.acc_dtype)
         self.fresh = True   # acc not yet written: the first contribution is copied, not added

@@ -27,7 +27,7 @@ from .wire import (AGREE, F_ABSMAX, F_AGGS, F_BLOCK, F_CHANNELS, F_CHECK, F_DTYP
                    F_MAGIC, F_NUMEL, F_SUM, F_WORLD, FIELD_NAMES, HDR, KINDS, MAGIC, MAN, MAX_CHANNELS, MALFORMED,
                    MISMATCH, OK, OTHER_NAMES, OVERFLOW, R_DOWN_DTYPE, R_FIELD, R_STATUS, R_VMAX, R_VMIN,
                    R_WMAX, R_WMIN, WHAT, block_bytes, code_dtype, down_dtype, dtype_code, firsts_bytes,
-                   plan_from_header, single)
+                   plan_from_header)
 
 # protocol limits a header is checked against before anything is planned, allocated or looped over
 MAX_AGGREGATORS = 4096
@@ -137,7 +137,7 @@ def round0_sizes(h: np.ndarray, index: int) -> tuple[int, dict[int, int]]:
     its first look-aheads (0: none) and of its position-0 blocks per slot (only slots with some)."""
     up = code_dtype(h[F_DTYPE])
     chans = plan_from_header(h)[index]
-    blocks = {ch.slot: block_bytes(int(h[F_K0 + ch.slot]), int(h[F_BLOCK]), up.itemsize, meta=not single(ch))
+    blocks = {ch.slot: block_bytes(int(h[F_K0 + ch.slot]), int(h[F_BLOCK]), up.itemsize, meta=not ch.single)
               for ch in chans if int(h[F_K0 + ch.slot])}
     return firsts_bytes(chans), blocks
 

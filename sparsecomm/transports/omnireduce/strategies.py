@@ -31,7 +31,7 @@ from .wire import Buf, Key, Msg, tag_down, tag_sums0, tag_up
 def send_up(call, key: Buf, a: int, c, local_key: Key):
     """This round's blocks of channel ``c`` (:meth:`.core.WorkerChannel.take_up`) with their look-aheads,
     to aggregator ``a`` (no look-aheads in round 0 of a one-round channel: they would all be "none")."""
-    meta = not (c.round == 0 and wire.single(c.ch))
+    meta = not (c.round == 0 and c.ch.single)
     b, look = c.take_up()
     if not b.size:
         return
@@ -168,8 +168,8 @@ def take_reply0(call, a: int, ch: wire.Channel) -> np.ndarray:
         newc, summed = wire.decode_words(call.inbox.take(Key(Msg.WORDS, a, ch.slot)), ch)
     elif wire.fused0(ch, k):
         data, tail = wire.split(call.inbox.take(Key(Msg.WORDS, a, ch.slot)), k, bs, call.down,
-                                wire.words_ints(ch), meta=False)
-        newc, summed = wire.decode_words(tail.view(torch.uint8)[:wire.meta_bytes(ch)], ch)
+                                ch.words_ints, meta=False)
+        newc, summed = wire.decode_words(tail.view(torch.uint8)[:ch.meta_bytes], ch)
         if int(summed.sum()) != k:
             raise ProtocolError("omnireduce: the round-0 sums do not match their lane words")
         if k:

@@ -38,7 +38,7 @@ block index, ``size`` = none):
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import NamedTuple
 
@@ -179,13 +179,24 @@ def pad4(nbytes: int) -> int:
 
 @dataclass(frozen=True)
 class Channel:
-    """One stream of an aggregator: blocks ``[lo, lo + size)``, ``lanes`` lanes."""
+    """One stream of an aggregator: blocks ``[lo, lo + size)``, ``lanes`` lanes. ``single``, ``meta_bytes`` and
+    ``words_ints`` are those functions' values for it, derived once (they are read per message)."""
 
     agg: int
     slot: int
     lo: int
     size: int
     lanes: int
+    single: bool = field(init=False, repr=False, compare=False)
+    meta_bytes: int = field(init=False, repr=False, compare=False)
+    words_ints: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        one = self.lanes >= self.size
+        meta = -(-self.lanes // 8) if one else 4 * self.lanes
+        object.__setattr__(self, "single", one)                 # (frozen: set once, here)
+        object.__setattr__(self, "meta_bytes", meta)
+        object.__setattr__(self, "words_ints", pad4(meta) // 4)
 
 
 @functools.lru_cache(maxsize=64)
@@ -221,7 +232,8 @@ def split(buf: torch.Tensor, k: int, block_size: int, dtype: torch.dtype, extra:
     """Views of a block message: ``(k, block_size)`` blocks and the ``int32`` tail (look-aheads, extra)."""
     nd = k * block_size * dtype.itemsize
     data = buf[:nd].view(dtype).view(k, block_size)
-    tail = buf[pad4(nd):pad4(nd) + 4 * ((k if meta else 0) + extra)].view(torch.int32)
+    lo = -(-nd // 4) * 4        # (pad4)
+    tail = buf[lo:lo + 4 * ((k if meta else 0) + extra)].view(torch.int32)
     return data, tail
 
 
@@ -236,8 +248,8 @@ def message(pool, role, k: int, block_size: int, dtype: torch.dtype, extra: int 
 def single(ch: Channel) -> bool:
     """One block per lane (``lanes >= size``): round 0 is the whole stream, and the per-lane metadata
     of round 0 shrinks to one bit (a first look-ahead can only be "position 0" or "none"; the next
-    pending block after round 0 is always "none")."""
-    return ch.lanes >= ch.size
+    pending block after round 0 is always "none"). (``ch.single``.)"""
+    return ch.single
 
 
 def fused0(ch: Channel, k: int) -> bool:
@@ -250,25 +262,27 @@ def fused0(ch: Channel, k: int) -> bool:
 
 
 def words_ints(ch: Channel) -> int:
-    """The int32 words of tail a fused round-0 reply (:func:`fused0`) carries its lane words in."""
-    return pad4(meta_bytes(ch)) // 4
+    """The int32 words of tail a fused round-0 reply (:func:`fused0`) carries its lane words in: ``pad4(meta_bytes(ch))
+    // 4`` (``ch.words_ints``)."""
+    return ch.words_ints
 
 
 def meta_bytes(ch: Channel) -> int:
-    """Bytes of a channel's round-0 per-lane metadata (first look-aheads up, lane words down)."""
-    return -(-ch.lanes // 8) if single(ch) else 4 * ch.lanes
+    """Bytes of a channel's round-0 per-lane metadata (first look-aheads up, lane words down): ``ceil(lanes / 8)`` if
+    :func:`single`, else ``4 lanes`` (``ch.meta_bytes``)."""
+    return ch.meta_bytes
 
 
 def encode_firsts(mine: np.ndarray, ch: Channel) -> torch.Tensor:
     """A worker's first non-zero block of every lane (``size`` = none): int32 per lane, or a bitmap
     of "position 0 is non-zero" when every lane has one block."""
-    if single(ch):
+    if ch.single:
         return torch.from_numpy(np.packbits(mine < ch.size, bitorder="little"))
     return torch.from_numpy(mine.astype(np.int32)).view(torch.uint8)
 
 
 def decode_firsts(buf: torch.Tensor, ch: Channel) -> np.ndarray:
-    if single(ch):
+    if ch.single:
         bits = np.unpackbits(buf.numpy(), bitorder="little", count=ch.lanes).astype(bool)
         return np.where(bits, np.arange(ch.lanes), ch.size)
     return buf.numpy().view(np.int32).astype(np.int64)   # (numpy: at any byte offset in the message)
@@ -277,29 +291,29 @@ def decode_firsts(buf: torch.Tensor, ch: Channel) -> np.ndarray:
 def firsts_bytes(chans: list[Channel]) -> int:
     """Bytes of a worker's round-0 metadata to one aggregator: its channels' first look-aheads, one after
     another in slot order (:func:`encode_firsts`), one message."""
-    return sum(meta_bytes(ch) for ch in chans)
+    return sum(ch.meta_bytes for ch in chans)
 
 
 def split_firsts(buf: torch.Tensor, chans: list[Channel]) -> list[torch.Tensor]:
     """Each channel's part of a :func:`firsts_bytes` message."""
     out, off = [], 0
     for ch in chans:
-        out.append(buf[off: off + meta_bytes(ch)])
-        off += meta_bytes(ch)
+        out.append(buf[off: off + ch.meta_bytes])
+        off += ch.meta_bytes
     return out
 
 
 def encode_words(newc: np.ndarray, summed: np.ndarray, ch: Channel) -> torch.Tensor:
     """Round-0 reply per lane: its next pending block, as ``-1 - next`` where its position 0 was
     summed (int32); a bitmap of the summed lanes when every lane has one block (nothing follows)."""
-    if single(ch):
+    if ch.single:
         return torch.from_numpy(np.packbits(summed, bitorder="little"))
     return torch.from_numpy(np.where(summed, -1 - newc, newc).astype(np.int32)).view(torch.uint8)
 
 
 def decode_words(buf: torch.Tensor, ch: Channel) -> tuple[np.ndarray, np.ndarray]:
     """``(next pending block per lane, summed lanes)``."""
-    if single(ch):
+    if ch.single:
         summed = np.unpackbits(buf.numpy(), bitorder="little", count=ch.lanes).astype(bool)
         return np.full(ch.lanes, ch.size, dtype=np.int64), summed
     w = buf.view(torch.int32).numpy().astype(np.int64)

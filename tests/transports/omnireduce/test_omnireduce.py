@@ -348,13 +348,13 @@ def test_aggregator_memory_is_bounded_by_its_lanes(monkeypatch):
     from sparsecomm.fabric.sim import sim
 
     sizes = []
-    orig = sim.SimFabric._post
+    orig = sim.SimFabric.isend       # (every send of the SimFabric: send() is isend().wait())
 
-    def post(self, tensor, dst, tag, reliable):
+    def isend(self, tensor, dst, tag=0, *, reliable=True):
         sizes.append(tensor.numel() * tensor.element_size())
-        return orig(self, tensor, dst, tag, reliable)
+        return orig(self, tensor, dst, tag, reliable=reliable)
 
-    monkeypatch.setattr(sim.SimFabric, "_post", post)
+    monkeypatch.setattr(sim.SimFabric, "isend", isend)
 
     def fn(ctx, numel):
         t = sc.transports.get("omnireduce", ctx.fabric, block_size=32, lanes=8, channels=2, deployment="dedicated")
