@@ -176,11 +176,9 @@ class Native(Transport):
         ``scratch``; flat, contiguous, larger than :data:`~.collectives.GATHER_SUM_BYTES`) is posted as
         :meth:`start` posts it, and its completion (the non-finite check that also resolves a deviation,
         the booking, a payload's sum cast to its dtype, into ``out`` if given, or as summed with ``narrow``,
-        ``then``) is chained on
-        gloo's future
-        (:meth:`~sparsecomm.fabric.engine.CommEngine.chain`), in call order, with the same errors and the
-        same fail-stop as :meth:`start`'s. What does not depend on the step (the eligibility, the fold
-        key but for its step) is kept per bucket, length and dtypes."""
+        ``then``) is chained on gloo's future (:meth:`~sparsecomm.fabric.engine.CommEngine.chain`), in call
+        order, with the same errors and the same fail-stop as :meth:`start`'s. What does not depend on the
+        step (the eligibility, the fold key but for its step) is kept per bucket, length and dtypes."""
         tensor = isinstance(x, torch.Tensor)
         v = x if tensor else x.values
         lane = self._lanes.get((call.bucket, call.round, v.numel(), v.dtype, x.dtype))
