@@ -143,7 +143,8 @@ class Inbox:
 
     def ready_keys(self, keys) -> list:
         """Those of ``keys`` whose messages have arrived (or been put locally), in order (:meth:`ready` of
-        each, in one call: an ``any`` role's look at what is in after its wait)."""
+        each, in one call). A look at every key: an ``any`` role that takes one key per wake takes the one it
+        is resumed with (:class:`Recv`) instead."""
         works = list(map(_entry_work, map(self._box.__getitem__, keys)))
         if None in works:
             return [k for k, w in zip(keys, works) if w is None or w.is_completed()]
@@ -292,7 +293,11 @@ class Recv(NamedTuple):
     decides whether this endpoint's sends are reaped first (:attr:`Stage.reaps`) and whether the role is
     resumed to block in its takes at once (:attr:`Stage.sure`). The role is able to run once every key is
     posted or handed over, no key of ``gone`` is still waiting to be taken, and no send holding the pooled
-    send buffer of role ``free`` is incomplete. ``any``: it is in once any one of ``keys`` is.
+    send buffer of role ``free`` is incomplete. ``any``: it is in once any one of ``keys`` is, and the role is
+    resumed with (``yield`` returns) one key of ``keys`` to take: the one whose arrival chose it, where the
+    scheduler knows it (the SimFabric's choices, a ``wait_any``), else the first that is in, else the first
+    (its take then blocks). A role that takes its keys one at a time, as they come, then never looks at the
+    others: a wake costs it nothing per key left. Without ``any`` it is resumed with ``None``.
     The rules and why each exists: ``docs/omnireduce-scheduler.md``."""
 
     keys: tuple
@@ -359,7 +364,9 @@ class WaitAll(NamedTuple):
     :class:`Recv`'s) at once, whether they are in or not (the only role able to run, or a :attr:`~Stage.sure`
     one): a driver whose waits are not calls that block (the SimFabric's loop) completes those receives first,
     in this order (``any``: only the first, and only if none of them is in); a blocking driver (:func:`drive`)
-    lets the role's own takes block, as they would. The generator is sent nothing back."""
+    lets the role's own takes block, as they would. The generator is sent back, for an ``any`` wait, the key
+    found in or completed (the role's resume value, :class:`Recv`), or ``None``: the scheduler then looks
+    (:meth:`Inbox.ready` of each key, up to the first in)."""
 
     keys: tuple
     any: bool = False
@@ -370,7 +377,9 @@ class Choose(NamedTuple):
     ``order``, the ``(stage, sequence number)`` of the roles able to run in order of preference (the
     scheduler's own list, unchanged until the driver answers). The driver applies :class:`WaitAny`'s rule to
     the groups that :func:`groups` would build for those roles (from the wait set it keeps) and sends back
-    the sequence number of the role chosen, its group's receives completed."""
+    ``(s, key)``: the sequence number of the role chosen, its group's receives completed, and, for an ``any``
+    role chosen by one of its receives, that receive's key (else ``None``; the scheduler then looks, as after
+    a :class:`WaitAll`)."""
 
     order: list
 
@@ -391,12 +400,13 @@ class WaitSet(Protocol):
         role) and whose ``free`` sends have completed: those a :class:`Poll` may resume."""
 
 
-def groups(inbox: Inbox, outbox: Outbox, cands) -> tuple[list, list]:
-    """``(groups, owner)``: what a :class:`WaitAny` waits for, for the roles ``cands`` (``(sequence number,
-    Recv)`` in order of preference): per role the pending receives of its keys and the sends holding its
-    ``free`` buffer (an ``any`` role whose every key is pending: each receive alone; one whose some key is
-    in: an empty group), and for each group its role's sequence number."""
-    out, owner = [], []
+def groups(inbox: Inbox, outbox: Outbox, cands) -> tuple[list, list, list]:
+    """``(groups, owner, picks)``: what a :class:`WaitAny` waits for, for the roles ``cands`` (``(sequence
+    number, Recv)`` in order of preference): per role the pending receives of its keys and the sends holding
+    its ``free`` buffer (an ``any`` role whose every key is pending: each receive alone; one whose some key is
+    in: an empty group), and for each group its role's sequence number and the key it stands for (an ``any``
+    role's receive alone; else ``None``)."""
+    out, owner, picks = [], [], []
     for s, req in cands:
         pend = inbox.pending(req.keys)
         if req.free is not None:
@@ -404,10 +414,12 @@ def groups(inbox: Inbox, outbox: Outbox, cands) -> tuple[list, list]:
         if req.any and len(pend) == len(req.keys):
             out += [[w] for w in pend]
             owner += [s] * len(pend)
+            picks += req.keys if req.free is None else [None] * len(pend)    # (with ``free``: the scheduler looks)
         else:
             out.append([] if req.any else pend)
             owner.append(s)
-    return out, owner
+            picks.append(None)
+    return out, owner, picks
 
 
 def schedule(fabric, inbox: Inbox, outbox: Outbox, roles: list, keep: int = 64,
@@ -453,7 +465,7 @@ def drive(fabric, inbox: Inbox, outbox: Outbox, roles: list, keep: int = 64) -> 
         elif t is AwaitWithin:
             value = _await_within(fabric, inbox.work(req.key), req.timeout)
         else:
-            value = None        # WaitAll: the role's takes block
+            value = None        # WaitAll: the role's takes block (an ``any`` one's key: the scheduler looks)
 
 
 def _await_within(fabric, work, timeout: float) -> bool:
@@ -529,8 +541,8 @@ class _Scheduler:
                         self._check_solo(req)
                     elif req.stage.reaps:
                         outbox.reap(keep)
-                    yield WaitAll(req.keys, req.any)
-                    value = None
+                    got = yield WaitAll(req.keys, req.any)
+                    value = self._woken(req, got) if req.any else None
                     while True:
                         try:
                             req = next(role) if value is None else role.send(value)
@@ -573,23 +585,22 @@ class _Scheduler:
             if len(order) == 1 or req.stage.sure:   # the only one, or sure: its own takes block
                 if ws is not None and len(order) > 1:
                     ws.remove(first)
-                yield WaitAll(req.keys, req.any)
-                yield from self.resume(first)
+                got = yield WaitAll(req.keys, req.any)
+                yield from self.resume(first, got)
                 continue
             if ws is not None:
-                s = yield Choose(order)
-                yield from self.resume(s)
+                s, got = yield Choose(order)
+                yield from self.resume(s, got)
                 continue
-            groups_, owner = groups(self.inbox, self.outbox, [(s, waiting[s][1]) for _, s in order])
+            groups_, owner, picks = groups(self.inbox, self.outbox, [(s, waiting[s][1]) for _, s in order])
             i = yield WaitAny(groups_)
-            yield from self.resume(owner[i])
+            yield from self.resume(owner[i], picks[i])
 
-    def advance(self, role, first=None) -> Generator:
+    def advance(self, role, first=None, value=None) -> Generator:
         """Run ``role`` until it waits (or returns), performing its non-blocking requests (a generator: a
         :class:`Poll` may resume others, whose waits it yields); ``first``: a request it has yielded already,
-        performed first."""
+        performed first; ``value``: what it is resumed with (an ``any`` wait's key)."""
         inbox, outbox = self.inbox, self.outbox
-        value = None
         while True:
             if first is not None:
                 req, first = first, None
@@ -628,7 +639,9 @@ class _Scheduler:
             elif t is Recv:
                 if self.solo:           # the only role: it waits in place (nothing to watch, no other to run)
                     self._check_solo(req)
-                    yield WaitAll(req.keys, req.any)
+                    got = yield WaitAll(req.keys, req.any)
+                    if req.any:
+                        value = self._woken(req, got)
                     continue
                 self.wait(role, req)
                 return
@@ -717,9 +730,24 @@ class _Scheduler:
             elif s not in able:
                 self._able(s, self.waiting[s][1].stage)
 
-    def resume(self, s: int) -> Generator:
-        """Resume role ``s`` (:meth:`forget` it, then :meth:`advance` it)."""
-        yield from self.advance(self.forget(s)[0])
+    def resume(self, s: int, got=None) -> Generator:
+        """Resume role ``s`` (:meth:`forget` it, then :meth:`advance` it); an ``any`` one with the key ``got``
+        (the one whose arrival chose it, as its driver tells), or, if ``None``, the one :meth:`_woken` finds."""
+        role, req = self.forget(s)
+        yield from self.advance(role, value=self._woken(req, got) if req.any else None)
+
+    def _woken(self, req: Recv, got):
+        """The key an ``any`` role waiting on ``req`` is resumed with: ``got`` (what its driver's choice
+        took), else the first of its keys that is in, else its first (its take then blocks). Only without
+        ``got`` does it look at the keys (a scheduler's choice of a role with a key in already, a poll, a
+        blocking driver's :class:`WaitAll`)."""
+        if got is not None:
+            return got
+        ready = self.inbox.ready
+        for k in req.keys:
+            if ready(k):
+                return k
+        return req.keys[0]
 
     def forget(self, s: int) -> tuple:
         """Role ``s`` waits no more: out of the waiting ones and their watch; ``(role, its Recv)``."""
@@ -754,11 +782,18 @@ class _Scheduler:
                     return
                 s = best[1]
             else:
+                got = None
                 for stage, s in self.order:         # the first in the preference order whose messages are in
                     if (below is None or stage.phase < below) and not stage.sure:
                         req = waiting[s][1]
-                        if (any if req.any else all)(ready(k) for k in req.keys) and not busy(req.free):
+                        if req.any:
+                            got = next(filter(ready, req.keys), None)     # (the key it is resumed with)
+                            if got is not None and not busy(req.free):
+                                break
+                        elif all(ready(k) for k in req.keys) and not busy(req.free):
                             break
                 else:
                     return
+                yield from self.resume(s, got)
+                continue
             yield from self.resume(s)

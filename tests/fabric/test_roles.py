@@ -160,3 +160,92 @@ def test_the_only_role_waits_in_place_once_per_recv_around_a_rarer_request():
         waits.append(req.keys)
         assert len(waits) <= 4, f"the scheduler waits again on {req.keys} (it went round on one Recv)"
     assert waits == [("a",), ("b",), ("c",), ("d",)] and got == [0, 1, 2, 3]
+
+
+def _gather_any(ctx, rival: bool) -> list:
+    """Endpoints 1, 2, 3 each send endpoint 0 one message, 3, 1 and 2 ms late; endpoint 0 takes them in one role
+    that waits ``any`` on the keys left and takes the key it is resumed with, and nothing else. ``rival``: a
+    second role, preferred, waits for endpoint 4's message, which comes last (10 ms): the choices are then the
+    scheduler's among two roles, by arrival; alone, the role waits in place (the first key left, blocking).
+    Returns endpoint 0's takes (the key each wake was resumed with) and whether each was in when resumed."""
+    f = ctx.fabric
+    if f.rank:
+        f.compute([0, 3e-3, 1e-3, 2e-3, 10e-3][f.rank])
+        if f.rank < 4 or rival:
+            f.send(torch.ones(1), 0, 7 if f.rank < 4 else 8)
+        return []
+    pool = Pool()
+    inbox, outbox = Inbox(f, pool), Outbox(f, pool)
+    taken = []
+
+    def gather():
+        left = dict.fromkeys(("k", src) for src in (1, 2, 3))
+        for k in left:
+            yield Post(k, 4, k[1], 7)
+        while left:
+            k = yield Recv(tuple(left), OwnStage(phase=1), any=True)
+            taken.append((k, inbox.ready(k)))
+            del left[k]
+            inbox.take(k)
+
+    def late():
+        yield Post("z", 4, 4, 8)
+        yield Recv(("z",), OwnStage(phase=0))
+        taken.append(("z", inbox.ready("z")))
+        inbox.take("z")
+
+    f.drive([gather(), late()] if rival else [gather()], inbox, outbox)
+    outbox.finish()
+    return taken
+
+
+@pytest.mark.parametrize("rival", [True, False])
+def test_an_any_role_is_resumed_with_the_key_whose_arrival_chose_it(rival):
+    # on the SimFabric: with two roles, the keys in the order their messages arrive (2, 3, 1), each in when the role
+    # is resumed with it; the only role waits in place on the first key left (1, then 2 and 3, in by then)
+    out = sc.launch(lambda ctx: _gather_any(ctx, rival), 5, network=sc.Network(bandwidth_gbps=100, latency_us=2))
+    if rival:
+        assert out[0] == [(("k", 2), True), (("k", 3), True), (("k", 1), True), ("z", True)]
+    else:
+        assert out[0] == [(("k", 1), True), (("k", 2), True), (("k", 3), True)]
+
+
+def test_an_any_role_on_a_blocking_driver_is_resumed_with_the_first_key_in_else_the_first():
+    # the generic (blocking) driver, on a fake fabric where only c's message is in: c first, then, none in, the
+    # first key left (a, whose take blocks), then b; each wake looks at the keys only up to the first in
+    looked = []
+
+    class _Work:
+        def __init__(self, name, done):
+            self.name, self.done = name, done
+
+        def is_completed(self):
+            looked.append(self.name)
+            return self.done
+
+        def wait(self, timeout=None):
+            self.done = True
+
+    class _Fabric:
+        rank, world_size = 0, 4
+
+        def irecv(self, buf, src, tag):
+            return _Work("abc"[src - 1], src == 3)
+
+    f, pool = _Fabric(), Pool()
+    inbox, outbox = Inbox(f, pool), Outbox(f, pool)
+    got = []
+
+    def role():
+        left = dict.fromkeys("abc")
+        for src, k in enumerate(left, 1):
+            yield Post(k, 4, src, 1)
+        while left:
+            k = yield Recv(tuple(left), OwnStage(phase=0), any=True)
+            got.append(k)
+            del left[k]
+            inbox.take(k)
+
+    Fabric.drive(f, [role()], inbox, outbox)
+    assert got == ["c", "a", "b"]
+    assert looked == ["a", "b", "c", "a", "b", "b"]
