@@ -213,7 +213,8 @@ class Outbox:
 class Stage(Protocol):
     """What a wait is for, as :func:`drive` reads it; a protocol defines its stages (a named tuple with
     these properties). Stages are totally ordered: among the roles able to run, the scheduler resumes the
-    one with the smallest stage (then the one that began to wait first). ``phase`` is what
+    one with the smallest stage (then the one that began to wait first; an ``any`` wait on the keys left of the
+    role's previous one, :class:`Recv`, began with that one). ``phase`` is what
     :attr:`Poll.below` is compared with. A ``typing.Protocol``, never instantiated (its constructor's
     ``*args``, ``**kwargs`` raise ``TypeError``)."""
 
@@ -501,7 +502,13 @@ class _Scheduler:
     """:func:`drive`'s state: the suspended roles, each with the :class:`Recv` it waits on, and which of
     them are able to run (rule R1 without ``free``), kept per change of the inbox: a role counts the
     conditions it still lacks (a key not posted, a ``gone`` key not taken), and a key posted, put or
-    taken updates only the roles that wait on it."""
+    taken updates only the roles that wait on it.
+
+    An ``any`` role resumed with one of its keys (:meth:`_woken`) keeps its watch of the others (:attr:`kept`);
+    if its next wait is ``any`` on exactly those, in order (an aggregator's headers left), that wait goes on
+    under the same sequence number, with the same watch and count: a wake then costs no pass over the keys
+    in Python (only C's compare of the two tuples). It keeps its place among roles waiting at an equal stage
+    (it began to wait at its first ``any`` wait); any other next request of the role drops the watch."""
 
     def __init__(self, fabric, inbox: Inbox, outbox: Outbox, waitset: WaitSet | None = None) -> None:
         self.fabric, self.inbox, self.outbox, self.waitset = fabric, inbox, outbox, waitset
@@ -515,6 +522,7 @@ class _Scheduler:
         self.polling = False
         self.keep = 64
         self.solo = False           # one role, none spawned: after its first wait it waits in place (advance)
+        self.kept = None            # (sequence number, role, keys left): an ``any`` wait's watch, kept for its next
 
     def run(self, roles: list, keep: int) -> Generator:
         """Run ``roles`` (:func:`schedule`). The only role (none spawned), after its first wait, waits in
@@ -608,6 +616,8 @@ class _Scheduler:
                 try:
                     req = next(role) if value is None else role.send(value)   # (a role may be a plain iterator)
                 except StopIteration:
+                    if self.kept is not None and self.kept[1] is role:
+                        self._drop_kept()
                     return
                 except Exception as exc:
                     _name_role(exc, role, self.fabric.rank)
@@ -663,7 +673,18 @@ class _Scheduler:
             self.outbox.reap(self.keep)
 
     def wait(self, role, req: Recv) -> None:
-        """Suspend ``role`` on ``req``: count what it lacks, and watch its keys."""
+        """Suspend ``role`` on ``req``: count what it lacks, and watch its keys (or go on with its
+        :attr:`kept` watch, for an ``any`` wait on the keys it had left)."""
+        kept = self.kept
+        if kept is not None and kept[1] is role:
+            if req.any and not req.gone and req.keys == kept[2]:
+                self.kept = None
+                s = kept[0]
+                self.waiting[s] = [role, req]
+                if not self.lacks[s]:
+                    self._able(s, req.stage)
+                return
+            self._drop_kept()
         s = self.seq = self.seq + 1
         box, watchers = self.inbox._box, self.watchers
         self.waiting[s] = [role, req]
@@ -727,14 +748,19 @@ class _Scheduler:
             if n:
                 if s in able:
                     self._unable(s, self.waiting[s][1].stage)
-            elif s not in able:
+            elif s not in able and s in self.waiting:       # (not a :attr:`kept` one's)
                 self._able(s, self.waiting[s][1].stage)
 
     def resume(self, s: int, got=None) -> Generator:
         """Resume role ``s`` (:meth:`forget` it, then :meth:`advance` it); an ``any`` one with the key ``got``
         (the one whose arrival chose it, as its driver tells), or, if ``None``, the one :meth:`_woken` finds."""
-        role, req = self.forget(s)
-        yield from self.advance(role, value=self._woken(req, got) if req.any else None)
+        req = self.waiting[s][1]
+        if req.any:
+            got = self._woken(req, got)
+            role = self.forget(s, got)[0]
+            yield from self.advance(role, value=got)
+        else:
+            yield from self.advance(self.forget(s)[0])
 
     def _woken(self, req: Recv, got):
         """The key an ``any`` role waiting on ``req`` is resumed with: ``got`` (what its driver's choice
@@ -749,14 +775,24 @@ class _Scheduler:
                 return k
         return req.keys[0]
 
-    def forget(self, s: int) -> tuple:
-        """Role ``s`` waits no more: out of the waiting ones and their watch; ``(role, its Recv)``."""
+    def forget(self, s: int, got=None) -> tuple:
+        """Role ``s`` waits no more: out of the waiting ones and their watch; ``(role, its Recv)``. ``got``: the
+        key an ``any`` role is resumed with; the watch of its other keys is :attr:`kept` (out of the watch:
+        ``got`` alone)."""
         role, req = self.waiting.pop(s)
-        del self.lacks[s]
         if s in self.able:
             self._unable(s, req.stage)
+        if got is not None and req.keys[1:] and not req.gone:
+            if self.kept is not None:
+                self._drop_kept()
+            keys = req.keys
+            i = keys.index(got)
+            self._unwatch(s, (got,))
+            self.kept = (s, role, keys[:i] + keys[i + 1:])
+            return role, req
+        del self.lacks[s]
         watchers = self.watchers
-        for k in req.keys + req.gone if req.gone else req.keys:
+        for k in req.keys + req.gone if req.gone else req.keys:     # (:meth:`_unwatch`, inline: once per resume)
             w = watchers[k]
             if not w[1:]:           # (the common case: this role alone waits on the key)
                 del watchers[k]
@@ -765,6 +801,25 @@ class _Scheduler:
             if not w:
                 del watchers[k]
         return role, req
+
+    def _drop_kept(self) -> None:
+        """Forget the :attr:`kept` watch (its role waits on something else, or has returned)."""
+        s, _, keys = self.kept
+        self.kept = None
+        del self.lacks[s]
+        self._unwatch(s, keys)
+
+    def _unwatch(self, s: int, keys) -> None:
+        """Role ``s`` watches ``keys`` no more."""
+        watchers = self.watchers
+        for k in keys:
+            w = watchers[k]
+            if not w[1:]:
+                del watchers[k]
+                continue
+            w[:] = [e for e in w if e[0] != s]
+            if not w:
+                del watchers[k]
 
     def poll(self, below=None) -> Generator:
         """Run the roles whose messages are in already (without blocking), best first, until none is

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 from collections import deque
+from operator import attrgetter
 from typing import Callable, Generator
 
 import numpy as np
@@ -32,6 +33,8 @@ from .sim_roles import RoleWaits
 from .sim_world import AnyWait, RecvWait, World
 
 __all__ = ["SimFabric", "SimWorld"]
+
+_done = attrgetter("done")      # a posted receive's completion (:attr:`_RecvWork.done`)
 
 
 class SimWorld(World):
@@ -430,11 +433,11 @@ class SimFabric(Fabric):
                     continue
                 if req.any:
                     works = list(map(inbox.work, keys))
-                    if None in works:                   # (handed over: in)
-                        value = keys[works.index(None)]
-                        continue
-                    done = [w.done if type(w) is _RecvWork else w.is_completed() for w in works]
-                    if True in done:                    # (one is in)
+                    try:
+                        done = list(map(_done, works))      # (no bytecode per key)
+                    except AttributeError:                  # (handed over: None; or a receive of another kind)
+                        done = [w is None or w.is_completed() for w in works]
+                    if True in done:                    # (one is in: the first)
                         value = keys[done.index(True)]
                         continue
                     works, value = works[:1], keys[0]
