@@ -143,7 +143,8 @@ class Inbox:
 
     def ready_keys(self, keys) -> list:
         """Those of ``keys`` whose messages have arrived (or been put locally), in order (:meth:`ready` of
-        each, in one call: an ``any`` role's look at what is in after its wait)."""
+        each, in one call). A look at every key: an ``any`` role that takes one key per wake takes the one it
+        is resumed with (:class:`Recv`) instead."""
         works = list(map(_entry_work, map(self._box.__getitem__, keys)))
         if None in works:
             return [k for k, w in zip(keys, works) if w is None or w.is_completed()]
@@ -212,7 +213,8 @@ class Outbox:
 class Stage(Protocol):
     """What a wait is for, as :func:`drive` reads it; a protocol defines its stages (a named tuple with
     these properties). Stages are totally ordered: among the roles able to run, the scheduler resumes the
-    one with the smallest stage (then the one that began to wait first). ``phase`` is what
+    one with the smallest stage (then the one that began to wait first; an ``any`` wait on the keys left of the
+    role's previous one, :class:`Recv`, began with that one). ``phase`` is what
     :attr:`Poll.below` is compared with. A ``typing.Protocol``, never instantiated (its constructor's
     ``*args``, ``**kwargs`` raise ``TypeError``)."""
 
@@ -292,7 +294,11 @@ class Recv(NamedTuple):
     decides whether this endpoint's sends are reaped first (:attr:`Stage.reaps`) and whether the role is
     resumed to block in its takes at once (:attr:`Stage.sure`). The role is able to run once every key is
     posted or handed over, no key of ``gone`` is still waiting to be taken, and no send holding the pooled
-    send buffer of role ``free`` is incomplete. ``any``: it is in once any one of ``keys`` is.
+    send buffer of role ``free`` is incomplete. ``any``: it is in once any one of ``keys`` is, and the role is
+    resumed with (``yield`` returns) one key of ``keys`` to take: the one whose arrival chose it, where the
+    scheduler knows it (the SimFabric's choices, a ``wait_any``), else the first that is in, else the first
+    (its take then blocks). A role that takes its keys one at a time, as they come, then never looks at the
+    others: a wake costs it nothing per key left. Without ``any`` it is resumed with ``None``.
     The rules and why each exists: ``docs/omnireduce-scheduler.md``."""
 
     keys: tuple
@@ -359,7 +365,9 @@ class WaitAll(NamedTuple):
     :class:`Recv`'s) at once, whether they are in or not (the only role able to run, or a :attr:`~Stage.sure`
     one): a driver whose waits are not calls that block (the SimFabric's loop) completes those receives first,
     in this order (``any``: only the first, and only if none of them is in); a blocking driver (:func:`drive`)
-    lets the role's own takes block, as they would. The generator is sent nothing back."""
+    lets the role's own takes block, as they would. The generator is sent back, for an ``any`` wait, the key
+    found in or completed (the role's resume value, :class:`Recv`), or ``None``: the scheduler then looks
+    (:meth:`Inbox.ready` of each key, up to the first in)."""
 
     keys: tuple
     any: bool = False
@@ -370,7 +378,9 @@ class Choose(NamedTuple):
     ``order``, the ``(stage, sequence number)`` of the roles able to run in order of preference (the
     scheduler's own list, unchanged until the driver answers). The driver applies :class:`WaitAny`'s rule to
     the groups that :func:`groups` would build for those roles (from the wait set it keeps) and sends back
-    the sequence number of the role chosen, its group's receives completed."""
+    ``(s, key)``: the sequence number of the role chosen, its group's receives completed, and, for an ``any``
+    role chosen by one of its receives, that receive's key (else ``None``; the scheduler then looks, as after
+    a :class:`WaitAll`)."""
 
     order: list
 
@@ -391,12 +401,13 @@ class WaitSet(Protocol):
         role) and whose ``free`` sends have completed: those a :class:`Poll` may resume."""
 
 
-def groups(inbox: Inbox, outbox: Outbox, cands) -> tuple[list, list]:
-    """``(groups, owner)``: what a :class:`WaitAny` waits for, for the roles ``cands`` (``(sequence number,
-    Recv)`` in order of preference): per role the pending receives of its keys and the sends holding its
-    ``free`` buffer (an ``any`` role whose every key is pending: each receive alone; one whose some key is
-    in: an empty group), and for each group its role's sequence number."""
-    out, owner = [], []
+def groups(inbox: Inbox, outbox: Outbox, cands) -> tuple[list, list, list]:
+    """``(groups, owner, picks)``: what a :class:`WaitAny` waits for, for the roles ``cands`` (``(sequence
+    number, Recv)`` in order of preference): per role the pending receives of its keys and the sends holding
+    its ``free`` buffer (an ``any`` role whose every key is pending: each receive alone; one whose some key is
+    in: an empty group), and for each group its role's sequence number and the key it stands for (an ``any``
+    role's receive alone; else ``None``)."""
+    out, owner, picks = [], [], []
     for s, req in cands:
         pend = inbox.pending(req.keys)
         if req.free is not None:
@@ -404,10 +415,12 @@ def groups(inbox: Inbox, outbox: Outbox, cands) -> tuple[list, list]:
         if req.any and len(pend) == len(req.keys):
             out += [[w] for w in pend]
             owner += [s] * len(pend)
+            picks += req.keys if req.free is None else [None] * len(pend)    # (with ``free``: the scheduler looks)
         else:
             out.append([] if req.any else pend)
             owner.append(s)
-    return out, owner
+            picks.append(None)
+    return out, owner, picks
 
 
 def schedule(fabric, inbox: Inbox, outbox: Outbox, roles: list, keep: int = 64,
@@ -453,7 +466,7 @@ def drive(fabric, inbox: Inbox, outbox: Outbox, roles: list, keep: int = 64) -> 
         elif t is AwaitWithin:
             value = _await_within(fabric, inbox.work(req.key), req.timeout)
         else:
-            value = None        # WaitAll: the role's takes block
+            value = None        # WaitAll: the role's takes block (an ``any`` one's key: the scheduler looks)
 
 
 def _await_within(fabric, work, timeout: float) -> bool:
@@ -489,7 +502,13 @@ class _Scheduler:
     """:func:`drive`'s state: the suspended roles, each with the :class:`Recv` it waits on, and which of
     them are able to run (rule R1 without ``free``), kept per change of the inbox: a role counts the
     conditions it still lacks (a key not posted, a ``gone`` key not taken), and a key posted, put or
-    taken updates only the roles that wait on it."""
+    taken updates only the roles that wait on it.
+
+    An ``any`` role resumed with one of its keys (:meth:`_woken`) keeps its watch of the others (:attr:`kept`);
+    if its next wait is ``any`` on exactly those, in order (an aggregator's headers left), that wait goes on
+    under the same sequence number, with the same watch and count: a wake then costs no pass over the keys
+    in Python (only C's compare of the two tuples). It keeps its place among roles waiting at an equal stage
+    (it began to wait at its first ``any`` wait); any other next request of the role drops the watch."""
 
     def __init__(self, fabric, inbox: Inbox, outbox: Outbox, waitset: WaitSet | None = None) -> None:
         self.fabric, self.inbox, self.outbox, self.waitset = fabric, inbox, outbox, waitset
@@ -503,6 +522,7 @@ class _Scheduler:
         self.polling = False
         self.keep = 64
         self.solo = False           # one role, none spawned: after its first wait it waits in place (advance)
+        self.kept = None            # (sequence number, role, keys left): an ``any`` wait's watch, kept for its next
 
     def run(self, roles: list, keep: int) -> Generator:
         """Run ``roles`` (:func:`schedule`). The only role (none spawned), after its first wait, waits in
@@ -529,8 +549,8 @@ class _Scheduler:
                         self._check_solo(req)
                     elif req.stage.reaps:
                         outbox.reap(keep)
-                    yield WaitAll(req.keys, req.any)
-                    value = None
+                    got = yield WaitAll(req.keys, req.any)
+                    value = self._woken(req, got) if req.any else None
                     while True:
                         try:
                             req = next(role) if value is None else role.send(value)
@@ -573,23 +593,22 @@ class _Scheduler:
             if len(order) == 1 or req.stage.sure:   # the only one, or sure: its own takes block
                 if ws is not None and len(order) > 1:
                     ws.remove(first)
-                yield WaitAll(req.keys, req.any)
-                yield from self.resume(first)
+                got = yield WaitAll(req.keys, req.any)
+                yield from self.resume(first, got)
                 continue
             if ws is not None:
-                s = yield Choose(order)
-                yield from self.resume(s)
+                s, got = yield Choose(order)
+                yield from self.resume(s, got)
                 continue
-            groups_, owner = groups(self.inbox, self.outbox, [(s, waiting[s][1]) for _, s in order])
+            groups_, owner, picks = groups(self.inbox, self.outbox, [(s, waiting[s][1]) for _, s in order])
             i = yield WaitAny(groups_)
-            yield from self.resume(owner[i])
+            yield from self.resume(owner[i], picks[i])
 
-    def advance(self, role, first=None) -> Generator:
+    def advance(self, role, first=None, value=None) -> Generator:
         """Run ``role`` until it waits (or returns), performing its non-blocking requests (a generator: a
         :class:`Poll` may resume others, whose waits it yields); ``first``: a request it has yielded already,
-        performed first."""
+        performed first; ``value``: what it is resumed with (an ``any`` wait's key)."""
         inbox, outbox = self.inbox, self.outbox
-        value = None
         while True:
             if first is not None:
                 req, first = first, None
@@ -597,6 +616,8 @@ class _Scheduler:
                 try:
                     req = next(role) if value is None else role.send(value)   # (a role may be a plain iterator)
                 except StopIteration:
+                    if self.kept is not None and self.kept[1] is role:
+                        self._drop_kept()
                     return
                 except Exception as exc:
                     _name_role(exc, role, self.fabric.rank)
@@ -628,7 +649,9 @@ class _Scheduler:
             elif t is Recv:
                 if self.solo:           # the only role: it waits in place (nothing to watch, no other to run)
                     self._check_solo(req)
-                    yield WaitAll(req.keys, req.any)
+                    got = yield WaitAll(req.keys, req.any)
+                    if req.any:
+                        value = self._woken(req, got)
                     continue
                 self.wait(role, req)
                 return
@@ -650,7 +673,18 @@ class _Scheduler:
             self.outbox.reap(self.keep)
 
     def wait(self, role, req: Recv) -> None:
-        """Suspend ``role`` on ``req``: count what it lacks, and watch its keys."""
+        """Suspend ``role`` on ``req``: count what it lacks, and watch its keys (or go on with its
+        :attr:`kept` watch, for an ``any`` wait on the keys it had left)."""
+        kept = self.kept
+        if kept is not None and kept[1] is role:
+            if req.any and not req.gone and req.keys == kept[2]:
+                self.kept = None
+                s = kept[0]
+                self.waiting[s] = [role, req]
+                if not self.lacks[s]:
+                    self._able(s, req.stage)
+                return
+            self._drop_kept()
         s = self.seq = self.seq + 1
         box, watchers = self.inbox._box, self.watchers
         self.waiting[s] = [role, req]
@@ -714,21 +748,51 @@ class _Scheduler:
             if n:
                 if s in able:
                     self._unable(s, self.waiting[s][1].stage)
-            elif s not in able:
+            elif s not in able and s in self.waiting:       # (not a :attr:`kept` one's)
                 self._able(s, self.waiting[s][1].stage)
 
-    def resume(self, s: int) -> Generator:
-        """Resume role ``s`` (:meth:`forget` it, then :meth:`advance` it)."""
-        yield from self.advance(self.forget(s)[0])
+    def resume(self, s: int, got=None) -> Generator:
+        """Resume role ``s`` (:meth:`forget` it, then :meth:`advance` it); an ``any`` one with the key ``got``
+        (the one whose arrival chose it, as its driver tells), or, if ``None``, the one :meth:`_woken` finds."""
+        req = self.waiting[s][1]
+        if req.any:
+            got = self._woken(req, got)
+            role = self.forget(s, got)[0]
+            yield from self.advance(role, value=got)
+        else:
+            yield from self.advance(self.forget(s)[0])
 
-    def forget(self, s: int) -> tuple:
-        """Role ``s`` waits no more: out of the waiting ones and their watch; ``(role, its Recv)``."""
+    def _woken(self, req: Recv, got):
+        """The key an ``any`` role waiting on ``req`` is resumed with: ``got`` (what its driver's choice
+        took), else the first of its keys that is in, else its first (its take then blocks). Only without
+        ``got`` does it look at the keys (a scheduler's choice of a role with a key in already, a poll, a
+        blocking driver's :class:`WaitAll`)."""
+        if got is not None:
+            return got
+        ready = self.inbox.ready
+        for k in req.keys:
+            if ready(k):
+                return k
+        return req.keys[0]
+
+    def forget(self, s: int, got=None) -> tuple:
+        """Role ``s`` waits no more: out of the waiting ones and their watch; ``(role, its Recv)``. ``got``: the
+        key an ``any`` role is resumed with; the watch of its other keys is :attr:`kept` (out of the watch:
+        ``got`` alone)."""
         role, req = self.waiting.pop(s)
-        del self.lacks[s]
         if s in self.able:
             self._unable(s, req.stage)
+        if got is not None and req.keys[1:] and not req.gone:
+            if self.kept is not None:
+                self._drop_kept()
+            keys = req.keys
+            i = keys.index(got)
+            self._unwatch(s, (got,))
+            self.kept = (s, role, keys[:i] + keys[i + 1:])
+            return role, req
+        del self.lacks[s]
         watchers = self.watchers
-        for k in req.keys + req.gone if req.gone else req.keys:
+        for k in req.keys + req.gone if req.gone else req.keys:     # (:meth:`_unwatch`, inline: once per resume)
             w = watchers[k]
             if not w[1:]:           # (the common case: this role alone waits on the key)
                 del watchers[k]
@@ -737,6 +801,25 @@ class _Scheduler:
             if not w:
                 del watchers[k]
         return role, req
+
+    def _drop_kept(self) -> None:
+        """Forget the :attr:`kept` watch (its role waits on something else, or has returned)."""
+        s, _, keys = self.kept
+        self.kept = None
+        del self.lacks[s]
+        self._unwatch(s, keys)
+
+    def _unwatch(self, s: int, keys) -> None:
+        """Role ``s`` watches ``keys`` no more."""
+        watchers = self.watchers
+        for k in keys:
+            w = watchers[k]
+            if not w[1:]:
+                del watchers[k]
+                continue
+            w[:] = [e for e in w if e[0] != s]
+            if not w:
+                del watchers[k]
 
     def poll(self, below=None) -> Generator:
         """Run the roles whose messages are in already (without blocking), best first, until none is
@@ -754,11 +837,18 @@ class _Scheduler:
                     return
                 s = best[1]
             else:
+                got = None
                 for stage, s in self.order:         # the first in the preference order whose messages are in
                     if (below is None or stage.phase < below) and not stage.sure:
                         req = waiting[s][1]
-                        if (any if req.any else all)(ready(k) for k in req.keys) and not busy(req.free):
+                        if req.any:
+                            got = next(filter(ready, req.keys), None)     # (the key it is resumed with)
+                            if got is not None and not busy(req.free):
+                                break
+                        elif all(ready(k) for k in req.keys) and not busy(req.free):
                             break
                 else:
                     return
+                yield from self.resume(s, got)
+                continue
             yield from self.resume(s)

@@ -116,7 +116,8 @@ def _gather(ctx, seed: int) -> list:
     """Every endpoint sends one message to each other one on tags 7 and 8 (sizes by the pair and the tag, in an
     order of its own, two at a time, each pair after a tick from the previous endpoint); two roles gather them,
     one per tag, as an OmniReduce aggregator takes its headers: a wait ``any`` on the keys left, then each key
-    whose message is in (or the first). Returns the takes, with the clock."""
+    whose message is in (or the first); each wait is resumed with the one key in (checked). Returns the takes,
+    with the clock."""
     f = ctx.fabric
     n, e = f.world_size, f.rank
     rng = random.Random(1000 * seed + e)
@@ -140,7 +141,8 @@ def _gather(ctx, seed: int) -> list:
         for k in left:
             yield Post(k, size(k[1], e, tag), k[1], tag)
         while left:
-            yield Recv(tuple(left), Stage(tag), any=True)
+            got = yield Recv(tuple(left), Stage(tag), any=True)
+            assert inbox.ready_keys(left) == [got]      # resumed with the one key in (one per wake here)
             for k in inbox.ready_keys(left) or left[:1]:
                 left.remove(k)
                 inbox.take(k)
@@ -242,7 +244,8 @@ def _regather(ctx, case: str) -> list:
             take("tick")
         first = True
         while left:
-            yield Recv(tuple(left), Stage(7), any=True)
+            got = yield Recv(tuple(left), Stage(7), any=True)
+            assert inbox.ready_keys(left) == [got]      # resumed with the one key in (one per wake here)
             for k in inbox.ready_keys(left) or left[:1]:
                 left.remove(k)
                 take(k)

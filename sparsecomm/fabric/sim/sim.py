@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 from collections import deque
+from operator import attrgetter
 from typing import Callable, Generator
 
 import numpy as np
@@ -32,6 +33,8 @@ from .sim_roles import RoleWaits
 from .sim_world import AnyWait, RecvWait, World
 
 __all__ = ["SimFabric", "SimWorld"]
+
+_done = attrgetter("done")      # a posted receive's completion (:attr:`_RecvWork.done`)
 
 
 class SimWorld(World):
@@ -381,21 +384,22 @@ class SimFabric(Fabric):
                 except StopIteration:
                     return
                 t = type(req)
-                if t is _roles.Choose:
-                    value = ws.choose(req.order)
-                    if value is not None:
-                        continue        # an empty group: chosen at once
+                if t is _roles.Choose:       # answered (the role chosen, the key of an ``any`` one's receive)
+                    s = ws.choose(req.order)
+                    if s is not None:
+                        value = (s, None)       # an empty group: chosen at once
+                        continue
                     if ws.exact():
                         token, msgs = yield AnyWait(None, ws)
                         works = ws.works(token)
                         for w, msg in zip(works, msgs):
                             w.complete(msg)
-                        value = token[0]
+                        value = (token[0], ws.key(token))
                     else:               # groups the records do not decide: built as for a WaitAny
                         waiting = [(s, ws.groups[s].req) for _, s in req.order]
-                        groups, owner = _roles.groups(inbox, outbox, waiting)
+                        groups, owner, picks = _roles.groups(inbox, outbox, waiting)
                         i = yield from self._wait_any_process(groups, checked=True)
-                        works, value = groups[i], owner[i]
+                        works, value = groups[i], (owner[i], picks[i])
                     ws.completed(works)
                     continue
                 if t is _roles.WaitAny:
@@ -418,7 +422,7 @@ class SimFabric(Fabric):
                             ws.completed((w,))
                     continue
                 value = None        # WaitAll: the role takes these at once; they are received first, here
-                keys = req.keys
+                keys = req.keys     # (an ``any`` one: answered with the key found in, or the first, completed)
                 if len(keys) == 1 and not req.any:      # (the common case: one named receive)
                     w = inbox.work(keys[0])
                     if w is not None and not w.done:
@@ -427,11 +431,18 @@ class SimFabric(Fabric):
                         if ws is not None and ws.groups:
                             ws.completed((w,))
                     continue
-                works = [w for w in map(inbox.work, keys) if w is not None]
                 if req.any:
-                    if len(works) < len(req.keys) or any(w.is_completed() for w in works):
-                        continue    # one is in (or was handed over)
-                    works = works[:1]
+                    works = list(map(inbox.work, keys))
+                    try:
+                        done = list(map(_done, works))      # (no bytecode per key)
+                    except AttributeError:                  # (handed over: None; or a receive of another kind)
+                        done = [w is None or w.is_completed() for w in works]
+                    if True in done:                    # (one is in: the first)
+                        value = keys[done.index(True)]
+                        continue
+                    works, value = works[:1], keys[0]
+                else:
+                    works = [w for w in map(inbox.work, keys) if w is not None]
                 for w in works:
                     if not w.done and not w.take_now():
                         yield from w.process(tried=True)

@@ -463,6 +463,16 @@ class RoleWaits:
         chans = self.groups[s].chans
         return chans if j is None else [chans[j]]
 
+    def key(self, token: tuple):
+        """The key of the receive that chose the ``any`` group ``token`` (of :meth:`first`): what its role is
+        resumed with (:class:`~sparsecomm.fabric.roles.Recv`); ``None`` for a group of every receive. A kept
+        group's slots are those it was recorded with (:attr:`_Group.slots`), a fresh one's its wait's keys."""
+        s, j = token
+        if j is None:
+            return None
+        g = self.groups[s]
+        return (g.slots if g.slots is not None else g.req.keys)[j]
+
     def works(self, token: tuple) -> list:
         """The pending receives of the group ``token`` (of :meth:`first`), in the order of :meth:`receives`."""
         s, j = token

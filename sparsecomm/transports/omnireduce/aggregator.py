@@ -223,17 +223,22 @@ def aggregator(adm, inbox, outbox, host: int | None = None, ref: np.ndarray | No
     (colocated: as they arrive, each agreeing one's round-0 receives posted at once, ``ref`` being the
     host's own header), validate them, take the first look-aheads, send the verdict (after a failed
     one, drain); then its lanes. ``host``: the colocated worker, which gets its messages by hand and
-    starts the lanes (``GO``) once it has taken this verdict (its result, where in place they sum, made)."""
+    starts the lanes (``GO``) once it has taken this verdict (its result, where in place they sum, made).
+
+    Colocated, each wake of the wait ``any`` on the headers left takes the one header it is resumed with
+    (:class:`~sparsecomm.fabric.roles.Recv`: the one whose arrival chose it), not every one in: the scheduler
+    knows which arrived, and a look at the others would cost each wake a call per header left (O(n) per
+    header, O(n^2) per aggregator). Where several are in at once (gloo), the role is resumed again at once for
+    each of the others."""
     posts = adm.post_headers()
     yield from posts
     for p in posts:
         inbox.ready(p.key)        # (starts watching it: a later poll sees it arrived)
-    left = [p.key for p in posts] if host is not None else []
-    while left:
-        yield Recv(tuple(left), Stage(Phase.HEADERS), any=True)
-        for k in inbox.ready_keys(left) or left[:1]:   # (none in: the first, blocking)
-            left.remove(k)
-            yield from adm.take_early(inbox, k.peer, ref)
+    left = dict.fromkeys(p.key for p in posts) if host is not None else {}   # (in order; O(1) removal)
+    while left:     # one header per wake, the one the scheduler resumes this with: no look at the others
+        k = yield Recv(tuple(left), Stage(Phase.HEADERS), any=True)
+        del left[k]
+        yield from adm.take_early(inbox, k.peer, ref)
     yield Recv(adm.headers_left(), Stage(Phase.HEADERS))
     yield from adm.take_headers(inbox)
     if adm.status == OK:

@@ -158,11 +158,11 @@ def test_a_role_takes_only_messages_its_wait_named(monkeypatch, deployment):
         scheds[id(self.inbox)] = self
         return run(self, roles_, keep)
 
-    def spy_resume(self, s):
+    def spy_resume(self, s, got=None):
         stack = stacks.setdefault(id(self.inbox), [])
         stack.append(set(self.waiting[s][1].keys))
         try:
-            yield from resume(self, s)
+            yield from resume(self, s, got)
         finally:
             stack.pop()
 
@@ -530,3 +530,42 @@ def test_stages_order_by_phase_then_round_slot_and_visit_and_say_what_blocks_and
     sure = {p for p in Phase if Stage(p).sure}
     assert sure == {Phase.FIRSTS, Phase.DRAIN, Phase.AGGREGATE} and not Stage(Phase.AGGREGATE, 1).sure
     assert {p for p in Phase if Stage(p).reaps} == {Phase.AGGREGATE, Phase.LAND}
+
+
+def test_a_colocated_aggregator_looks_at_each_header_a_bounded_number_of_times(monkeypatch):
+    """A colocated aggregator takes its headers as they arrive, one per wake (the key its ``any`` wait is resumed
+    with): no wake looks at the headers left, so the looks at header receives per endpoint grow linearly with
+    the workers, not with their square (a look at every header left per wake: n(n-1)/2 more). Here: the role's
+    first look at each (it starts watching them) and a poll's look before the first is in, 2(n - 1)."""
+    from sparsecomm.fabric import roles
+    from sparsecomm.transports.omnireduce.wire import Msg
+
+    looks = {}
+    ready, ready_keys = roles.Inbox.ready, roles.Inbox.ready_keys
+
+    def count(inbox, keys):
+        n = sum(1 for k in keys if getattr(k, "msg", None) == Msg.HDR)
+        looks[id(inbox)] = looks.get(id(inbox), 0) + n
+
+    def spy_ready(self, key):
+        count(self, (key,))
+        return ready(self, key)
+
+    def spy_ready_keys(self, keys):
+        count(self, keys)
+        return ready_keys(self, keys)
+
+    monkeypatch.setattr(roles.Inbox, "ready", spy_ready)
+    monkeypatch.setattr(roles.Inbox, "ready_keys", spy_ready_keys)
+    n = 12
+
+    def call(ctx):
+        t = sc.transports.get("omnireduce", ctx.fabric, block_size=64, lanes=256, channels=1)
+        g = torch.Generator().manual_seed(ctx.rank)
+        x = torch.randint(-5, 6, (8192,), generator=g).double()
+        x[torch.rand(8192, generator=g) < 0.5] = 0
+        return t.allreduce(x).sum().item()
+
+    out = sc.launch(call, n, network=sc.Network(bandwidth_gbps=100, latency_us=2))
+    assert len(set(out)) == 1
+    assert len(looks) == n and max(looks.values()) <= 3 * (n - 1), looks     # (a look per header left per wake: 88)
