@@ -229,32 +229,26 @@ class World:
             self._runq.append(p)
 
     def _step(self, p: Proc) -> None:
-        """Resume ``p`` and run it until it waits for what is not in, or returns."""
-        req = p.retry
-        if req is not None:
-            p.retry = None
-            try:
-                if not self._try(p, req):
-                    self._block(p, req)
-                    return
-            except Exception as exc:  # noqa: BLE001 - the wait's own code (its endpoint's records) raised
-                self._fault(p, exc)
-                return
+        """Resume ``p`` and run it until it waits for what is not in, or returns (its ``retry`` first)."""
+        req, p.retry = p.retry, None
+        resume = req is None
         gen, run = p.gen, p.context.run
         while True:
-            try:
-                if p.exc is not None:
-                    exc, p.exc = p.exc, None
-                    req = run(gen.throw, exc)
-                else:
-                    value, p.value = p.value, None
-                    req = run(gen.send, value)
-            except StopIteration as stop:
-                self._done(p, stop.value, None)
-                return
-            except BaseException as exc:  # noqa: BLE001 - the process's outcome, given to its owner
-                self._done(p, None, exc)
-                return
+            if resume:
+                try:
+                    if p.exc is not None:
+                        exc, p.exc = p.exc, None
+                        req = run(gen.throw, exc)
+                    else:
+                        value, p.value = p.value, None
+                        req = run(gen.send, value)
+                except StopIteration as stop:
+                    self._done(p, stop.value, None)
+                    return
+                except BaseException as exc:  # noqa: BLE001 - the process's outcome, given to its owner
+                    self._done(p, None, exc)
+                    return
+            resume = True
             try:
                 if not self._try(p, req):
                     self._block(p, req)
