@@ -190,8 +190,7 @@ def ring_role(fabric: Fabric, acc: torch.Tensor, inbox: Inbox, tag: int = RING_T
         sent += 1
     for s in range(n - 1):
         c = (r - s - 1) % n
-        lo0 = c * q + (c if c < rem else rem)      # chunk c's bounds (_chunk's, inline: once a step)
-        hi0 = lo0 + q + (c < rem)
+        lo0, hi0 = _chunk(c, q, rem)
         ahead = s + 2 < n
         if ahead:                       # the next step's receives, into the other buffer (one: after this step)
             c2 = (c - 1) % n
@@ -232,9 +231,7 @@ def ring_role(fabric: Fabric, acc: torch.Tensor, inbox: Inbox, tag: int = RING_T
         ag_posted += 1
     i = 0
     for s in range(n - 1):
-        c = (r - s) % n
-        lo0 = c * q + (c if c < rem else rem)      # (_chunk's, inline)
-        hi0 = lo0 + q + (c < rem)
+        lo0, hi0 = _chunk((r - s) % n, q, rem)
         for _ in range(lo0, hi0, seg):
             key = ("ag", i)
             i += 1

@@ -109,14 +109,14 @@ class AggChannel:
     :meth:`begin`, one :meth:`add` per holder in :func:`sum_order`, :meth:`finish` (complete; the
     downstream message). The sums accumulate in ``sums``: a :class:`MessageSums` unless a driver puts
     another accumulator with its interface there before round 0 (:class:`.strategies.HomeSums`). With
-    one block per lane (``wire.single``) round 0 is the whole stream and the announce is a bitmap of
+    one block per lane (``Channel.single``) round 0 is the whole stream and the announce is a bitmap of
     holders (``held``) instead of ``nxt``."""
 
     def __init__(self, ch: wire.Channel, n: int, block_size: int, up: torch.dtype, acc: torch.dtype,
                  down: torch.dtype) -> None:
         self.ch, self.n, self.bs = ch, n, block_size
         self.up, self.acc_dtype, self.down = up, acc, down
-        self.single = wire.single(ch)
+        self.single = ch.single
         self.nxt = np.empty((n, ch.lanes), dtype=np.int64) if not self.single else None
         self.held = np.empty((n, ch.lanes), dtype=bool) if self.single else None
         self.act = np.arange(ch.lanes, dtype=np.int64)   # round 0: position 0 of every lane is pending

@@ -182,13 +182,13 @@ def worker_side(fabric: Fabric, flat: torch.Tensor, spec: CallSpec, aggregators:
         cs = [lanes[a, ch.slot] for ch in plans[a]]
         sends.append((aggregators[a], TAG_FIRSTS, torch.cat([wire.encode_firsts(c.mine, c.ch) for c in cs])))
         for c in cs:
-            msg = up(c, meta=not wire.single(c.ch))
+            msg = up(c, meta=not c.ch.single)
             if msg is not None:
                 sends.append((aggregators[a], tag_up(c.ch.slot), msg))
     yield sends, []
 
     # 4. round 0's words
-    got = yield [], [(aggregators[a], tag_down(c.ch.slot), wire.meta_bytes(c.ch)) for a, c in live]
+    got = yield [], [(aggregators[a], tag_down(c.ch.slot), c.ch.meta_bytes) for a, c in live]
     words = [wire.decode_words(buf, c.ch) for (_, c), buf in zip(live, got)]
 
     # 5. round 0's sums

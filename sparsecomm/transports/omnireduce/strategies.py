@@ -64,7 +64,7 @@ def send_up(call, key: Buf, a: int, c, local_key: Key):
 # ------------------------------------------------------------------ where sums land: aggregator
 def homed(call, ch: wire.Channel) -> bool:
     """Is the hosted channel ``ch`` summed in place (an in-place call, one round, whole blocks only)?"""
-    return call.home and ch.agg == call.own and wire.single(ch) and ch.lo + ch.size <= call.source.full
+    return call.home and ch.agg == call.own and ch.single and ch.lo + ch.size <= call.source.full
 
 
 def home_rows(call) -> dict:
@@ -129,7 +129,7 @@ class HomeSums:
         if not (fused or c.k):
             return None, None
         msg, data, tail = self.message(Buf(Msg.DOWN, slot=c.slot, parity=0), c.k, c.bs, c.down,
-                                       extra=wire.words_ints(c.ch) if fused else 0, meta=False)
+                                       extra=c.ch.words_ints if fused else 0, meta=False)
         if run is not None:
             data.copy_(self.rows[run[0]:run[1]])
         elif c.k:
@@ -144,7 +144,7 @@ def post_reply0(call, a: int, ch: wire.Channel, k: int):
     then implied), the sums alone on their own tag (:func:`post_sums0`)."""
     src, bs, down = call.aggregators[a], call.spec.block_size, call.down
     if wire.fused0(ch, k):
-        yield Post(Key(Msg.WORDS, a, ch.slot), wire.block_bytes(k, bs, down.itemsize, wire.words_ints(ch), meta=False),
+        yield Post(Key(Msg.WORDS, a, ch.slot), wire.block_bytes(k, bs, down.itemsize, ch.words_ints, meta=False),
                    src, tag_down(ch.slot))
     else:
         yield from post_sums0(call, a, ch, k)

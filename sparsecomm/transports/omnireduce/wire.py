@@ -179,8 +179,15 @@ def pad4(nbytes: int) -> int:
 
 @dataclass(frozen=True)
 class Channel:
-    """One stream of an aggregator: blocks ``[lo, lo + size)``, ``lanes`` lanes. ``single``, ``meta_bytes`` and
-    ``words_ints`` are those functions' values for it, derived once (they are read per message)."""
+    """One stream of an aggregator: blocks ``[lo, lo + size)``, ``lanes`` lanes; derived once (read per message):
+
+    - ``single``: one block per lane (``lanes >= size``): round 0 is the whole stream, and the per-lane metadata
+      of round 0 shrinks to one bit (a first look-ahead can only be "position 0" or "none"; the next pending
+      block after round 0 is always "none");
+    - ``meta_bytes``: bytes of its round-0 per-lane metadata (first look-aheads up, lane words down):
+      ``ceil(lanes / 8)`` if ``single``, else ``4 lanes``;
+    - ``words_ints``: the int32 words of tail a fused round-0 reply (:func:`fused0`) carries its lane words in,
+      ``pad4(meta_bytes) // 4``."""
 
     agg: int
     slot: int
@@ -232,7 +239,7 @@ def split(buf: torch.Tensor, k: int, block_size: int, dtype: torch.dtype, extra:
     """Views of a block message: ``(k, block_size)`` blocks and the ``int32`` tail (look-aheads, extra)."""
     nd = k * block_size * dtype.itemsize
     data = buf[:nd].view(dtype).view(k, block_size)
-    lo = -(-nd // 4) * 4        # (pad4)
+    lo = pad4(nd)
     tail = buf[lo:lo + 4 * ((k if meta else 0) + extra)].view(torch.int32)
     return data, tail
 
@@ -245,32 +252,16 @@ def message(pool, role, k: int, block_size: int, dtype: torch.dtype, extra: int 
     return buf, data, tail
 
 
-def single(ch: Channel) -> bool:
-    """One block per lane (``lanes >= size``): round 0 is the whole stream, and the per-lane metadata
-    of round 0 shrinks to one bit (a first look-ahead can only be "position 0" or "none"; the next
-    pending block after round 0 is always "none"). (``ch.single``.)"""
-    return ch.single
-
 
 def fused0(ch: Channel, k: int) -> bool:
     """Do a channel's ``k`` round-0 sums travel in the lane words' message (``k`` blocks, then the words
-    padded to 4 bytes: :func:`words_ints` int32 of tail, see :func:`split`)? Yes unless every block of
+    padded to 4 bytes: ``ch.words_ints`` int32 of tail, see :func:`split`)? Yes unless every block of
     the channel is summed (then it has one block per lane, and the words, every lane summed and nothing
     following, are implied): then the sums alone, on :func:`tag_sums0` (so that a worker can receive
     them straight into its result). Either way one message per channel."""
     return k < ch.size
 
 
-def words_ints(ch: Channel) -> int:
-    """The int32 words of tail a fused round-0 reply (:func:`fused0`) carries its lane words in: ``pad4(meta_bytes(ch))
-    // 4`` (``ch.words_ints``)."""
-    return ch.words_ints
-
-
-def meta_bytes(ch: Channel) -> int:
-    """Bytes of a channel's round-0 per-lane metadata (first look-aheads up, lane words down): ``ceil(lanes / 8)`` if
-    :func:`single`, else ``4 lanes`` (``ch.meta_bytes``)."""
-    return ch.meta_bytes
 
 
 def encode_firsts(mine: np.ndarray, ch: Channel) -> torch.Tensor:

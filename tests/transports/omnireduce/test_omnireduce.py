@@ -217,7 +217,7 @@ def test_quantized_codes_travel_up_in_their_dtype_and_down_wide_enough():
     # agreement handshake (ceil(log2 3) = 2 fixed-size headers)
     from sparsecomm.transports._handshake import HEADER_BYTES
 
-    meta = sum(wire.meta_bytes(c) for chans in wire.plan(1000, 100, 3, 2, 100) for c in chans)
+    meta = sum(c.meta_bytes for chans in wire.plan(1000, 100, 3, 2, 100) for c in chans)
     assert meta == 6
     assert s.bytes_sent == 2 * HEADER_BYTES + 3 * 8 * wire.HDR + meta + blocks * 100
     assert s.bytes_received >= blocks * 100 * 2
