@@ -40,7 +40,8 @@ launched rank is given) and reports the median of its repeats:
   modelled again with that rate at :data:`PROBE_S`: the blocks charged on its critical path) and ``c`` is the
   per-call cost (measured next, as ``call_s``); a rate fitted below zero is written as 0, the others fitted
   again without it;
-- ``call_s``: per transport of :data:`CALL_GROUPS`, a call of :data:`CALL_ELEMS` float32 (dense) between two
+- ``call_s``: per transport of :data:`CALL_GROUPS`, a call of :data:`CALL_ELEMS` float32 (dense; for those of
+  :data:`SPARSE_CALLS`, the top-k 1% payload they carry) between two
   processes over gloo on 127.0.0.1 (its services started as the netbed's are), the median over calls of the
   slowest rank's time, less the same call modelled on the SimFabric with every rate above (loopback: no
   wire of its own, the hosts' copies are the per-byte rates; the processes sharing this machine's cores
@@ -91,6 +92,9 @@ CALL_GROUPS = {(): ("native", "ring", "allgather", "omnireduce"), ("switch",): (
                ("sparse-switch",): ("sparse-switch",)}
 #: float32 elements of a call of the per-call timing (64 OmniReduce blocks, 16 of the switch's packets)
 CALL_ELEMS = 1 << 14
+#: the transports whose per-call cost is timed on a sparse payload, the kind they carry (a top-k 1%: its values and
+#: indices travel as two messages, which a dense call's one does not show)
+SPARSE_CALLS = ("allgather",)
 #: timed calls per transport (after two untimed), quick and full
 CALLS = {True: 6, False: 30}
 #: OmniReduce's calls of the per-block fit, (float32 elements, density of non-zero 256-element blocks), quick
@@ -273,26 +277,38 @@ def switch_costs(quick: bool = False) -> dict:
             "switch_fit": {"elems": elems, "packets": list(bursts), "message_s": [float(t) for t in times]}}
 
 
+def call_input(name: str, numel: int, rank: int):
+    """What a call of transport ``name`` is timed on: the payload it carries, :data:`SPARSE_CALLS`' a top-k 1%
+    payload of ``numel`` float32 (this rank's own values), the others ``numel`` float32 ones."""
+    if name in SPARSE_CALLS:
+        from ..compressors import get
+
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+        return get("topk", ratio=0.01).compress(x)
+    return torch.ones(numel)
+
+
 def _time_calls(ctx, names: tuple[str, ...], numel: int, calls: int) -> dict[str, list[float]]:
-    """Every rank: per transport of ``names``, the time of each of ``calls`` calls of ``numel`` float32 (after
-    two untimed), each after a barrier (``native`` is ``ring`` on a modelled fabric)."""
+    """Every rank: per transport of ``names``, the time of each of ``calls`` calls on :func:`call_input` of
+    ``numel`` (after two untimed), each after a barrier (``native`` is ``ring`` on a modelled fabric)."""
     import sparsecomm.transports as transports
 
     torch.set_num_threads(1)
     f = ctx.fabric
-    x0 = torch.ones(numel)
     out = {}
     for name in names:
         t = transports.get("ring" if name == "native" and f.modelled_time else name, f)
+        x0 = call_input(name, numel, ctx.rank)
         for _ in range(2):          # (untimed)
             _timed_call(f, t, x0)
         out[name] = [_timed_call(f, t, x0) for _ in range(calls)]
     return out
 
 
-def _timed_call(f, t, x0: torch.Tensor) -> float:
-    """The time of one ``t.allreduce`` of a copy of ``x0`` after a barrier, on ``f``'s clock."""
-    x = x0.clone()
+def _timed_call(f, t, x0) -> float:
+    """The time of one ``t.allreduce`` of a copy of ``x0`` (a tensor; a payload as it is) after a barrier, on
+    ``f``'s clock."""
+    x = x0.clone() if isinstance(x0, torch.Tensor) else x0
     f.barrier()
     t0 = f.now()
     t.allreduce(x)

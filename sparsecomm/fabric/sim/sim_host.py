@@ -26,7 +26,8 @@ modelled clocks (``host=None``, the default: no host cost, every modelled time a
 - the encode and decode of a method and its compressor (:meth:`sparsecomm.methods.base.Method.work`, which
   :mod:`sparsecomm.pipeline.rounds` charges on a fabric with modelled time around each call it makes, in these
   operations): ``"elementwise"``, elements through an elementwise pass (``elementwise_element_s``: an add, a
-  copy, a division, a cast, a finiteness check); ``"select"``, elements a top-k selection runs over
+  copy, a division, a cast, a finiteness check; the allgather transport declares its sum's too: the result
+  zeroed and checked, each worker's values added); ``"select"``, elements a top-k selection runs over
   (``select_element_s``: the partial sort among candidates); ``"sample"``, magnitudes a top-k draws at random
   positions for its threshold (``sample_element_s``); ``"matmul"``, multiply-adds of a product that reads the
   large matrix by rows (``matmul_mac_s``: PowerSGD's ``M Q`` and ``P Q^T``); ``"matmul_t"``, multiply-adds of one
