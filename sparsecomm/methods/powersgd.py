@@ -157,7 +157,7 @@ class PowerSGD(Method):
         if phase == "encode":
             if exact or state.rounds < self.start_powerSGD_iter:
                 return {"elementwise": ef + 2 * d, "kernel": 1}
-            lay = self._layout(tuple(shapes) if shapes is not None and self.uses_shapes else state.shapes_of(d))
+            lay = self._layout(tuple(map(torch.Size, shapes)) if shapes is not None else state.shapes_of(d))
         elif pend is not None and pend[0] in ("P", "Q"):
             lay = pend[2]
         else:
