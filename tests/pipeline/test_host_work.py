@@ -109,14 +109,16 @@ def test_powersgd_declares_its_products_and_passes_and_the_step_grows_by_count_t
 def test_ef_topk_per_parameter_declares_the_selection_and_the_residual(monkeypatch):
     """EF + top-k 1% per parameter: a parameter above the top-k's sampling cutoff samples, collects and selects
     among its candidates; one below it selects among all; each encode passes over its residual (copy, and from
-    the second round the add) and scatters its k values out of it; each decode divides (one pass)."""
+    the second round the add) and scatters its k values out of it; each decode divides (one pass); the allgather
+    that carries the concatenated payload declares its sum (the result zeroed and checked, both workers' values)."""
     steps = _recorded(monkeypatch, "eftopk")
     big, small = SAMPLE_CUTOFF + 1000, 300
     kb, ks = round(0.01 * big), 3
     cand = math.ceil(big * sample_rank(big, kb) / SAMPLE_SIZE)
     for s, adds in ((0, 1), (1, 2)):
         want = {"sample": SAMPLE_SIZE, "select": cand + small,
-                "elementwise": (big + kb + kb + adds * big + big) + (ks + ks + adds * small + small),
+                "elementwise": (big + kb + kb + adds * big + big) + (ks + ks + adds * small + small)
+                + 2 * (big + small) + 2 * (kb + ks),        # (the allgather's sum: zeroed, checked, 2 workers' values)
                 "kernel": 2 * (2 + 1)}
         for rank in (0, 1):
             assert _totals(steps[s], rank) == want
