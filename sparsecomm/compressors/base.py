@@ -22,6 +22,10 @@ It declares the properties that ``theory/`` and the validators read:
 - ``packed_values``: the values travel packed (fewer bits than stored) only where no sum is formed on the
   wire (allgather); :meth:`Compressor.sum_bits` is what a summing transport sends per element instead.
 
+It declares its host work, what a modelled host charges for it (:mod:`sparsecomm.fabric.sim.sim_host`):
+:meth:`Compressor.work` of a ``compress``, :meth:`Compressor.decompress_work` of a ``decompress``, as counts of
+the host model's operations (elements of an elementwise pass, elements a top-k selects among, ...).
+
 A random operator holds no generator: called with ``generator=None`` it raises
 :class:`~sparsecomm.errors.GeneratorRequiredError` (``_common.py``: ``check_generator``).
 
@@ -97,6 +101,27 @@ class Compressor(ABC):
             n: the number of workers.
         """
         return 32
+
+    def work(self, d: int, dtype: torch.dtype = torch.float32) -> dict[str, int]:
+        """The host work of one ``compress`` of a length-``d`` input of ``dtype``: operation of
+        :data:`sparsecomm.fabric.sim.sim_host.CODEC_RATES` -> count. The default: one elementwise pass over
+        the input and one kernel call (the identity's copy, a cast); a compressor whose work differs says so.
+
+        Args:
+            d: the input's length.
+            dtype: the input's dtype.
+        """
+        return {"elementwise": d, "kernel": 1}
+
+    def decompress_work(self, d: int, dtype: torch.dtype = torch.float32) -> dict[str, int]:
+        """The host work of one ``decompress`` (into a length-``d`` output, or added into one) of a payload of
+        a length-``d`` input: as :meth:`work`; the default, one elementwise pass over the output.
+
+        Args:
+            d: the input's length.
+            dtype: the input's dtype.
+        """
+        return {"elementwise": d}
 
     def hyper(self) -> dict:
         """The hyper-parameters this compressor was built with (for logging and ``repr``)."""

@@ -61,6 +61,19 @@ def _exact_among(a: np.ndarray, cand: np.ndarray, k: int) -> np.ndarray:
     return out
 
 
+def sample_magnitudes(a: np.ndarray, m: int = SAMPLE_SIZE) -> np.ndarray:
+    """``|a|`` at ``m`` random positions (a private generator of a fixed seed): the sample the threshold of
+    the fast path is taken from."""
+    return np.abs(a[np.random.default_rng(0x5EED).integers(0, a.size, m)])
+
+
+def sample_rank(d: int, k: int, m: int = SAMPLE_SIZE) -> int:
+    """The sample order statistic (counted from the largest) taken as the fast path's first threshold: the
+    k-th largest's expected rank among ``m`` of ``d`` plus :data:`SAMPLE_MARGIN` standard deviations."""
+    p = k / d
+    return max(1, min(m, int(math.ceil(m * p + SAMPLE_MARGIN * math.sqrt(m * p * (1 - p)) + SAMPLE_MARGIN))))
+
+
 def topk_indices_numba(a: np.ndarray, k: int) -> np.ndarray:
     """Exact top-k indices (increasing) of a float32/float64 numpy vector; see the module docstring."""
     d = a.size
@@ -69,9 +82,8 @@ def topk_indices_numba(a: np.ndarray, k: int) -> np.ndarray:
     thr = -1.0
     if d > SAMPLE_CUTOFF:
         m = SAMPLE_SIZE
-        sample = np.abs(a[np.random.default_rng(0x5EED).integers(0, d, m)])
-        p = k / d
-        r = max(1, min(m, int(math.ceil(m * p + SAMPLE_MARGIN * math.sqrt(m * p * (1 - p)) + SAMPLE_MARGIN))))
+        sample = sample_magnitudes(a, m)
+        r = sample_rank(d, k, m)
         for attempt in range(2):
             thr = float(np.partition(sample, m - r)[m - r])
             c = collect_ge(a, thr, buf)
@@ -146,6 +158,22 @@ class TopK(_Sparse):
 
     def values_len(self, d):
         return self.size(d)
+
+    def work(self, d, dtype=torch.float32):
+        """The selection (module docstring): below :data:`SAMPLE_CUTOFF` every element is a candidate; above
+        it, :data:`SAMPLE_SIZE` magnitudes sampled, one pass collecting the candidates (about ``d r / m``:
+        :func:`sample_rank`) and the selection among them; then the ``k`` values gathered."""
+        k = self.size(d)
+        if k == 0 or k >= d:
+            return {"elementwise": d + k, "kernel": 1}
+        if d <= SAMPLE_CUTOFF:
+            return {"select": d, "elementwise": k, "kernel": 1}
+        cand = min(d, math.ceil(d * sample_rank(d, k) / SAMPLE_SIZE))
+        return {"sample": SAMPLE_SIZE, "elementwise": d + k, "select": cand, "kernel": 1}
+
+    def decompress_work(self, d, dtype=torch.float32):
+        """Its ``k`` values scattered (into the output, or added into a residual)."""
+        return {"elementwise": self.size(d)}
 
     def hyper(self):
         return self.size.hyper()

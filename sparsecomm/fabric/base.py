@@ -273,8 +273,10 @@ class Fabric(ABC):
         ``"sum"`` (``count`` elements of ``dtype`` added), ``"scan"`` (elements scanned for non-zero
         blocks), ``"switch_packet"`` (packets run through a switch program), ``"switch_message"`` (messages
         whose packets a switch program ran, one call each), ``"copy"`` (bytes copied), ``"span"`` (blocks of
-        the range a block-sparse worker covers), ``"index"`` (blocks moved by a block index) or ``"call"`` (calls of
-        the transport named ``transport``, :meth:`sparsecomm.transports.base.Transport.run`).
+        the range a block-sparse worker covers), ``"index"`` (blocks moved by a block index), ``"call"`` (calls of
+        the transport named ``transport``, :meth:`sparsecomm.transports.base.Transport.run`), or one of a method's
+        encode and decode (:meth:`sparsecomm.methods.base.Method.work`: ``"elementwise"``, ``"select"``,
+        ``"sample"``, ``"matmul"``, ``"matmul_t"``, ``"kernel"``; :mod:`sparsecomm.fabric.sim.sim_host`).
         A no-op here and on real fabrics (the work took its real time); SimFabric with a host model
         advances the clock by the model's rate (:mod:`sparsecomm.fabric.sim.sim_host`)."""
 

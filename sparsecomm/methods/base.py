@@ -65,6 +65,11 @@ tensors. For large buckets the optimizer avoids fresh allocations (a fresh buffe
 first touch): ``encode(..., inplace=True)`` lets the method overwrite ``grad`` (the caller's scratch), and
 ``decode(..., out=buf)`` writes the estimate into ``buf`` and returns it. Neither the payload nor the
 returned estimate ever aliases the method's state (a payload may alias ``grad`` with ``inplace=True``).
+
+**Host work.** :meth:`Method.work` declares what each call is about to cost a host, as counts of the host
+model's operations (:data:`sparsecomm.fabric.sim.sim_host.CODEC_RATES`): the pipeline asks before each
+``encode``, ``next_round`` and ``decode`` it makes and, on a fabric with modelled time, charges the counts to
+the worker's clock (:meth:`sparsecomm.fabric.base.Fabric.host_work`); a real fabric's calls take their real time.
 """
 
 from __future__ import annotations
@@ -79,12 +84,12 @@ import torch
 from .. import compressors
 from ..compressors._common import all_finite
 from ..compressors.base import Compressor
-from ..errors import HyperParameterError, IncompatibleError, InvalidTypeError, MismatchError, NonFiniteError, \
-    SparseCommError
+from ..errors import HyperParameterError, IncompatibleError, InvalidTypeError, InvalidValueError, MismatchError, \
+    NonFiniteError, SparseCommError
 from ..payload import Payload
 from .state import MethodState
 
-__all__ = ["Method", "MethodState", "dense_payload", "resolve_compressor", "check_finite",
+__all__ = ["Method", "MethodState", "dense_payload", "resolve_compressor", "check_finite", "add_work",
            "HyperParameterError"]     # (HyperParameterError: its import path before sparsecomm.errors)
 
 
@@ -250,6 +255,31 @@ class Method(ABC):
         self._decode(agg, int(world_size), ms, out)
         return out, ms
 
+    def work(self, phase: str, state: MethodState, d: int, *, exact: bool = False,
+             shapes: Any = None) -> dict[str, int]:
+        """The host work of the call ``phase`` (``"encode"``, ``"next_round"`` or ``"decode"``) about to run with
+        ``state`` on a bucket of ``d`` elements (``exact`` and ``shapes``: encode's arguments), as counts of
+        the host model's operations (:data:`sparsecomm.fabric.sim.sim_host.CODEC_RATES`; module doc, "Host
+        work"). The default: an encode is the compressor's :meth:`~sparsecomm.compressors.base.Compressor.work`
+        (nothing on an exact round: the bucket is the message) and a kernel call; a decode, one elementwise pass
+        (the division by n) and a kernel call; no later round. A method whose calls do more says so.
+
+        Args:
+            phase: the call.
+            state: the bucket's state as the call will get it.
+            d: the bucket's length.
+            exact: encode's ``exact``.
+            shapes: encode's ``shapes``.
+        """
+        if phase == "encode":
+            return {"kernel": 1} if exact else add_work(self.compressor.work(d), {"kernel": 1})
+        if phase == "decode":
+            return {"elementwise": d, "kernel": 1}
+        if phase == "next_round":
+            return {}
+        raise InvalidValueError(f"method {self.name!r}: work of phase {phase!r}; the phases are 'encode', "
+                                f"'next_round' and 'decode'")
+
     def state_sizes(self, shapes: tuple[torch.Size, ...]) -> dict[str, list[int]]:
         """How the typed state of a bucket holding tensors of ``shapes`` (in order) splits into one
         piece per tensor: for a tensor field that is not per coordinate, how many of its values belong
@@ -314,6 +344,15 @@ def _first_tensor(st: Any) -> torch.Tensor | None:
             if isinstance(v, torch.Tensor):
                 return v
     return None
+
+
+def add_work(*works: dict[str, int]) -> dict[str, int]:
+    """The sum of host-work counts (:meth:`Method.work`), operation by operation."""
+    out: dict[str, int] = {}
+    for w in works:
+        for op, n in w.items():
+            out[op] = out.get(op, 0) + int(n)
+    return out
 
 
 def dense_payload(x: torch.Tensor) -> Payload:

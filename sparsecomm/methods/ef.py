@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..payload import Payload
-from .base import Method, MethodState
+from .base import Method, MethodState, add_work
 
 
 @dataclass
@@ -52,6 +52,15 @@ class ErrorFeedback(Method):
         self._add_decompressed(err, msg, -1.0)                 # e_new = p - decompress(m)
         ms.pending = exact
         return msg
+
+    def work(self, phase, state, d, *, exact=False, shapes=None):
+        """Encode: ``g + e`` (after the first round), the compression, the residual's copy and the message
+        decompressed out of it; decode: the division."""
+        if phase != "encode":
+            return super().work(phase, state, d, exact=exact, shapes=shapes)
+        c = self.compressor
+        sent = {"elementwise": d} if exact else add_work(c.work(d), c.decompress_work(d))
+        return add_work(sent, {"elementwise": d * (2 if state.started else 1), "kernel": 1})
 
     def _decode(self, aggregate: torch.Tensor, world_size: int, ms: MethodState, out: torch.Tensor) -> None:
         ms.take_pending(self.name)

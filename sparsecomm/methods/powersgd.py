@@ -148,6 +148,34 @@ class PowerSGD(Method):
             off += n * m
         return out
 
+    def work(self, phase, state, d, *, exact=False, shapes=None):
+        """Per compressed matrix (n x m, rank r): encode ``M Q`` (``matmul``, n m r) and a QR; the P round
+        ``M^T P`` (``matmul_t``) and a QR; decode ``P Q^T`` (``matmul``); and the passes over the bucket (the
+        residual added and subtracted, the finiteness check, the whole tensors' copies and division)."""
+        ef = d if self.use_error_feedback else 0
+        pend = state.pending
+        if phase == "encode":
+            if exact or state.rounds < self.start_powerSGD_iter:
+                return {"elementwise": ef + 2 * d, "kernel": 1}
+            lay = self._layout(tuple(map(torch.Size, shapes)) if shapes is not None else state.shapes_of(d))
+        elif pend is not None and pend[0] in ("P", "Q"):
+            lay = pend[2]
+        else:
+            return {"elementwise": d + ef, "kernel": 1} if phase == "decode" else {"kernel": 1}
+        comp = [(n, m, r) for _, _, n, m, r in lay if r]
+        unc = sum(k for _, k, _, _, r in lay if r == 0)
+        macs = sum(n * m * r for n, m, r in comp)
+        if phase == "encode":
+            return {"elementwise": ef + d + unc + sum(n * r for n, _, r in comp), "matmul": macs,
+                    "kernel": 1 + len(comp)}
+        if phase == "next_round":
+            if pend[0] != "P" or not comp:
+                return {"kernel": 1}
+            return {"elementwise": unc + sum(m * r for _, m, r in comp), "matmul_t": macs, "kernel": 1 + len(comp)}
+        if pend[0] == "P":
+            return {"elementwise": d + ef, "kernel": 1}
+        return {"elementwise": unc + sum(m * r for _, m, r in comp) + ef, "matmul": macs, "kernel": 1 + len(comp)}
+
     def init_state(self, d, dtype, device):
         return PowerSGDState(torch.zeros(d, dtype=dtype, device=device), None)
 

@@ -40,6 +40,10 @@ class Warmup(Method):
                                  exact=exact or (isinstance(state, MethodState) and state.rounds < self.steps),
                                  inplace=inplace, shapes=shapes)
 
+    def work(self, phase, state, d, *, exact=False, shapes=None):
+        return self.inner.work(phase, state, d, shapes=shapes,
+                               exact=exact or (phase == "encode" and state.rounds < self.steps))
+
     def next_round(self, aggregate, world_size, state):
         return self.inner.next_round(aggregate, world_size, state)
 

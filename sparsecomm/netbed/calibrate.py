@@ -22,6 +22,15 @@ launched rank is given) and reports the median of its repeats:
   the rows, a real fabric's 256-value packets, a two-worker job whose every pair of packets completes a slot):
   the median time of a message of each of :data:`SWITCH_BURSTS` packets (less the copy that refills the
   rows), fitted by least squares as ``switch_message_s + packets * switch_packet_s``;
+- the rates of a method's encode and decode (:data:`~.sim_host.CODEC_RATES`), each with the kernel the library
+  runs: ``elementwise_element_s``, ``torch.sub`` of two float32 vectors into a third, per element;
+  ``select_element_s``, :func:`sparsecomm.compressors.topk.topk_indices_numba` of a float32 vector of
+  :data:`SELECT_ELEMS` (below the sampling cutoff: every element a candidate), k 1%, per element;
+  ``sample_element_s``, :func:`sparsecomm.compressors.topk.sample_magnitudes` of a large vector, per sampled
+  magnitude; ``matmul_mac_s`` and ``matmul_t_mac_s``, PowerSGD's products ``M Q`` and ``M^T P`` of a
+  :data:`MATMUL_SHAPE` float32 matrix, per multiply-add; ``kernel_call_s``, a round of method ``ef`` around the
+  identity on :data:`KERNEL_ELEMS` float32 (an encode and a decode, whose size does not count), per kernel call
+  they declare (:meth:`~sparsecomm.methods.base.Method.work`);
 - ``span_block_s``, ``index_block_s``: OmniReduce's per-block costs beyond its bytes, sums and scan, fitted on
   its own calls: a call of each of :data:`BLOCK_POINTS` (two sizes, a sparse and a denser input of random
   non-zero blocks, 256-element float32 blocks as the transport's default) between two processes over gloo on
@@ -31,7 +40,8 @@ launched rank is given) and reports the median of its repeats:
   modelled again with that rate at :data:`PROBE_S`: the blocks charged on its critical path) and ``c`` is the
   per-call cost (measured next, as ``call_s``); a rate fitted below zero is written as 0, the others fitted
   again without it;
-- ``call_s``: per transport of :data:`CALL_GROUPS`, a call of :data:`CALL_ELEMS` float32 (dense) between two
+- ``call_s``: per transport of :data:`CALL_GROUPS`, a call of :data:`CALL_ELEMS` float32 (dense; for those of
+  :data:`SPARSE_CALLS`, the top-k 1% payload they carry) between two
   processes over gloo on 127.0.0.1 (its services started as the netbed's are), the median over calls of the
   slowest rank's time, less the same call modelled on the SimFabric with every rate above (loopback: no
   wire of its own, the hosts' copies are the per-byte rates; the processes sharing this machine's cores
@@ -82,6 +92,9 @@ CALL_GROUPS = {(): ("native", "ring", "allgather", "omnireduce"), ("switch",): (
                ("sparse-switch",): ("sparse-switch",)}
 #: float32 elements of a call of the per-call timing (64 OmniReduce blocks, 16 of the switch's packets)
 CALL_ELEMS = 1 << 14
+#: the transports whose per-call cost is timed on a sparse payload, the kind they carry (a top-k 1%: its values and
+#: indices travel as two messages, which a dense call's one does not show)
+SPARSE_CALLS = ("allgather",)
 #: timed calls per transport (after two untimed), quick and full
 CALLS = {True: 6, False: 30}
 #: OmniReduce's calls of the per-block fit, (float32 elements, density of non-zero 256-element blocks), quick
@@ -93,6 +106,12 @@ BLOCK_POINTS = {True: ((1 << 14, 0.05), (1 << 14, 0.5), (1 << 18, 0.05), (1 << 1
 BLOCK = 256
 #: the rate (s/block) with which a point is modelled again to count the blocks it charges
 PROBE_S = 1e-6
+#: elements of the top-k timed for ``select_element_s`` (below the top-k's sampling cutoff)
+SELECT_ELEMS = 1 << 16
+#: (rows, columns, rank) of PowerSGD's products timed for ``matmul_mac_s`` and ``matmul_t_mac_s``, quick and full
+MATMUL_SHAPE = {True: (256, 256, 4), False: (1024, 1024, 4)}
+#: elements of the round timed for ``kernel_call_s``
+KERNEL_ELEMS = 16
 
 
 def _median_s(fn: Callable[[], object], repeats: int) -> float:
@@ -147,8 +166,8 @@ def message_costs(quick: bool = False) -> dict:
 
 
 def kernel_costs(quick: bool = False) -> dict:
-    """``copy_byte_s``, ``sum_element_s`` (per dtype), ``scan_element_s`` and ``switch_packet_s`` (module
-    docstring), with one torch thread."""
+    """``copy_byte_s``, ``sum_element_s`` (per dtype), ``scan_element_s``, the switch's rates and those of a
+    method's encode and decode (module docstring), with one torch thread."""
     from ..codec import nonzero_blocks
 
     n, reps = ELEMENTS[quick], REPEATS[quick]
@@ -170,7 +189,40 @@ def kernel_costs(quick: bool = False) -> dict:
     scan_element_s = _median_s(lambda: nonzero_blocks(half.view(-1), block), reps) / n
 
     return {"copy_byte_s": copy_byte_s, "sum_element_s": sums, "scan_element_s": scan_element_s,
-            **switch_costs(quick)}
+            **switch_costs(quick), **codec_costs(quick)}
+
+
+def codec_costs(quick: bool = False) -> dict:
+    """The rates of a method's encode and decode (module docstring), with one torch thread."""
+    from .. import methods
+    from ..compressors.topk import SAMPLE_SIZE, sample_magnitudes, topk_indices_numba
+
+    n, reps = ELEMENTS[quick], REPEATS[quick]
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    z = torch.empty_like(x)
+    elementwise = _median_s(lambda: torch.sub(x, y, out=z), reps) / n
+    a = torch.randn(SELECT_ELEMS, generator=gen).numpy()
+    select = _median_s(lambda: topk_indices_numba(a, SELECT_ELEMS // 100), reps) / SELECT_ELEMS
+    big = x.numpy()
+    sample = _median_s(lambda: sample_magnitudes(big, SAMPLE_SIZE), reps) / SAMPLE_SIZE
+    rows, cols, rank = MATMUL_SHAPE[quick]
+    m = torch.randn(rows, cols, generator=gen)
+    q, p = torch.randn(cols, rank, generator=gen), torch.randn(rows, rank, generator=gen)
+    macs = rows * cols * rank
+    matmul = _median_s(lambda: m @ q, reps) / macs
+    matmul_t = _median_s(lambda: m.T @ p, reps) / macs
+    ef = methods.get("ef", compressor="identity")
+    st, g = ef.init(KERNEL_ELEMS), torch.randn(KERNEL_ELEMS, generator=gen)
+
+    def round_():
+        payload, _ = ef.encode(g, st)
+        ef.decode(payload.values, 1, st)
+
+    calls = ef.work("encode", st, KERNEL_ELEMS)["kernel"] + ef.work("decode", st, KERNEL_ELEMS)["kernel"]
+    kernel = _median_s(lambda: [round_() for _ in range(10)], reps) / (10 * calls)
+    return {"elementwise_element_s": elementwise, "select_element_s": select, "sample_element_s": sample,
+            "matmul_mac_s": matmul, "matmul_t_mac_s": matmul_t, "kernel_call_s": kernel}
 
 
 def switch_costs(quick: bool = False) -> dict:
@@ -225,26 +277,38 @@ def switch_costs(quick: bool = False) -> dict:
             "switch_fit": {"elems": elems, "packets": list(bursts), "message_s": [float(t) for t in times]}}
 
 
+def call_input(name: str, numel: int, rank: int):
+    """What a call of transport ``name`` is timed on: the payload it carries, :data:`SPARSE_CALLS`' a top-k 1%
+    payload of ``numel`` float32 (this rank's own values), the others ``numel`` float32 ones."""
+    if name in SPARSE_CALLS:
+        from ..compressors import get
+
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+        return get("topk", ratio=0.01).compress(x)
+    return torch.ones(numel)
+
+
 def _time_calls(ctx, names: tuple[str, ...], numel: int, calls: int) -> dict[str, list[float]]:
-    """Every rank: per transport of ``names``, the time of each of ``calls`` calls of ``numel`` float32 (after
-    two untimed), each after a barrier (``native`` is ``ring`` on a modelled fabric)."""
+    """Every rank: per transport of ``names``, the time of each of ``calls`` calls on :func:`call_input` of
+    ``numel`` (after two untimed), each after a barrier (``native`` is ``ring`` on a modelled fabric)."""
     import sparsecomm.transports as transports
 
     torch.set_num_threads(1)
     f = ctx.fabric
-    x0 = torch.ones(numel)
     out = {}
     for name in names:
         t = transports.get("ring" if name == "native" and f.modelled_time else name, f)
+        x0 = call_input(name, numel, ctx.rank)
         for _ in range(2):          # (untimed)
             _timed_call(f, t, x0)
         out[name] = [_timed_call(f, t, x0) for _ in range(calls)]
     return out
 
 
-def _timed_call(f, t, x0: torch.Tensor) -> float:
-    """The time of one ``t.allreduce`` of a copy of ``x0`` after a barrier, on ``f``'s clock."""
-    x = x0.clone()
+def _timed_call(f, t, x0) -> float:
+    """The time of one ``t.allreduce`` of a copy of ``x0`` (a tensor; a payload as it is) after a barrier, on
+    ``f``'s clock."""
+    x = x0.clone() if isinstance(x0, torch.Tensor) else x0
     f.barrier()
     t0 = f.now()
     t.allreduce(x)

@@ -126,11 +126,11 @@ class CommPipeline:
         self.rows = SparseRows(sparse_rows, self.transport, self.rule, self.accounting)
         self.sparse_rows = sparse_rows
         outputs = Outputs()
-        self._plain_round = PlainRound(self.rule, self.world_size)
+        self._plain_round = PlainRound(self.rule, self.world_size, self.fabric)
         self._parameter_rounds = ParameterRounds(self.method, self.states, self.generators, self.rule, outputs,
-                                                 self.world_size)
+                                                 self.world_size, self.fabric)
         self._bucket_rounds = BucketRounds(self.method, self.states, self.generators, self.rule, outputs,
-                                           self.world_size)
+                                           self.world_size, self.fabric)
         #: steps begun (:meth:`begin_step`): part of every call's identity, and of checkpoints
         self.step = 0
         #: steps skipped (``nonfinite="skip"``: :meth:`end_step` rolled them back), among :attr:`step`

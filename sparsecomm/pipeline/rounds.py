@@ -19,6 +19,12 @@ same way (:class:`~sparsecomm.pipeline.accounting.Accounting`). Each applies the
 non-finite sum ends the call's rounds there (on every worker alike: the sums are the same) and its estimate
 is NaN, with the method's decode left out (the step is rolled back: :meth:`CommPipeline.end_step
 <sparsecomm.pipeline.core.CommPipeline.end_step>`).
+
+On a fabric with modelled time (``fabric.modelled_time``: the SimFabric) every strategy charges the host work
+of the calls it makes to the worker's clock (:meth:`~sparsecomm.fabric.base.Fabric.host_work`), as the method
+declares it (:meth:`~sparsecomm.methods.base.Method.work`: asked before each ``encode``, ``next_round`` and
+``decode``, charged after it); the plain round charges its division (one elementwise pass). A host model without
+these rates charges nothing (every modelled time as without them); a real fabric is not asked.
 """
 
 from __future__ import annotations
@@ -32,6 +38,18 @@ from ..methods.base import Method
 from ..payload import Payload
 from .nonfinite import NonFiniteRule, poison
 from .states import Generators, StateStore
+
+
+def modelled(fabric: Any) -> Any:
+    """``fabric`` where its time is modelled (host work is charged to it), else None."""
+    return fabric if fabric is not None and fabric.modelled_time else None
+
+
+def charge(fabric: Any, work: dict[str, int]) -> None:
+    """Charge host-work counts (:meth:`~sparsecomm.methods.base.Method.work`) to ``fabric``'s clock."""
+    for op, count in work.items():
+        if count:
+            fabric.host_work(op, count)
 
 
 class Call:
@@ -69,14 +87,17 @@ def dense_bytes(flat: torch.Tensor) -> int:
 class PlainRound:
     """The plain average: the bucket on the wire, the sum divided in place by n."""
 
-    def __init__(self, rule: NonFiniteRule, world_size: int) -> None:
-        self.rule, self.n = rule, world_size
+    def __init__(self, rule: NonFiniteRule, world_size: int, fabric: Any = None) -> None:
+        self.rule, self.n, self.fabric = rule, world_size, modelled(fabric)
 
     def begin(self, flat: torch.Tensor, key: Hashable) -> Call:
         def finish(agg: torch.Tensor) -> torch.Tensor:
             if self.rule.checks_sums:
                 self.rule.plain_sum(agg, key)       # (skipped: the average below is not finite either)
-            return agg.div_(self.n)
+            out = agg.div_(self.n)
+            if self.fabric is not None:
+                charge(self.fabric, {"elementwise": agg.numel()})
+            return out
 
         return Call(flat, dense_bytes(flat), finish)
 
@@ -86,9 +107,21 @@ class MethodRounds:
     :class:`BucketRounds`)."""
 
     def __init__(self, method: Method, states: StateStore, generators: Generators, rule: NonFiniteRule,
-                 outputs: Outputs, world_size: int) -> None:
+                 outputs: Outputs, world_size: int, fabric: Any = None) -> None:
         self.method, self.states, self.generators = method, states, generators
         self.rule, self.outputs, self.n = rule, outputs, world_size
+        #: the fabric charged the method's host work (None: not modelled, nothing charged)
+        self.fabric = modelled(fabric)
+
+    def charged(self, phase: str, ms: Any, d: int, run: Callable[[], Any], **kw: Any) -> Any:
+        """``run()`` (the method's call ``phase`` on state ``ms`` of a ``d``-element bucket), its declared host
+        work (``kw``: encode's ``exact`` and ``shapes``) charged after it on a modelled fabric."""
+        if self.fabric is None:
+            return run()
+        work = self.method.work(phase, ms, d, **kw)
+        out = run()
+        charge(self.fabric, work)
+        return out
 
 
 class ParameterRounds(MethodRounds):
@@ -106,9 +139,10 @@ class ParameterRounds(MethodRounds):
         parts, off = [], 0
         for nm, k in segs:
             seg = flat[off:off + k]
-            p, _ = self.method.encode(seg, self.states.get(("param", nm), seg, steps_before),
-                                      self.generators.param(nm, flat.device), world_size=n, exact=exact,
-                                      inplace=True)
+            ms = self.states.get(("param", nm), seg, steps_before)
+            p, _ = self.charged("encode", ms, k, lambda: self.method.encode(
+                seg, ms, self.generators.param(nm, flat.device), world_size=n, exact=exact, inplace=True),
+                exact=exact)
             parts.append(p)
             off += k
         payload = concat_payloads(parts)
@@ -121,7 +155,8 @@ class ParameterRounds(MethodRounds):
                 return out.fill_(float("nan"))      # a skipped step: no decode (see the module doc)
             a, o = agg.reshape(-1), 0
             for nm, k in segs:
-                self.method.decode(a[o:o + k], n, self.states[("param", nm)], out=out[o:o + k])
+                ms = self.states[("param", nm)]
+                self.charged("decode", ms, k, lambda: self.method.decode(a[o:o + k], n, ms, out=out[o:o + k]))
                 o += k
             return out
 
@@ -132,8 +167,8 @@ class BucketRounds(MethodRounds):
     """The method over the whole bucket, in one round or several (see the module doc)."""
 
     def __init__(self, method: Method, states: StateStore, generators: Generators, rule: NonFiniteRule,
-                 outputs: Outputs, world_size: int) -> None:
-        super().__init__(method, states, generators, rule, outputs, world_size)
+                 outputs: Outputs, world_size: int, fabric: Any = None) -> None:
+        super().__init__(method, states, generators, rule, outputs, world_size, fabric)
         # a stateless method around a compressor that raises NonFiniteError on a non-finite input: the
         # compressor's check of its input stands for the rule's (one pass less)
         self.input_checked_by_encode = method.State is None and method.compressor.checks_finite
@@ -143,11 +178,18 @@ class BucketRounds(MethodRounds):
         enc_kw = {"shapes": shapes} if shapes is not None else {}
         ms = self.states.get(key, flat, steps_before)
         gen = self.generators.bucket(flat.device)
+        d = flat.numel()
+
+        def encode() -> Payload:
+            return self.charged("encode", ms, d, lambda: method.encode(flat, ms, gen, world_size=n, exact=exact,
+                                                                       inplace=True, **enc_kw)[0],
+                                exact=exact, shapes=shapes)
+
         payload = None
         if rule.check and not exact and self.input_checked_by_encode:
             # a stateless method has changed nothing when it raises, so zeros are encoded instead
             try:
-                payload, _ = method.encode(flat, ms, gen, world_size=n, exact=exact, inplace=True, **enc_kw)
+                payload = encode()
             except NonFiniteError:
                 pass
             poisoned = payload is None
@@ -156,7 +198,7 @@ class BucketRounds(MethodRounds):
         if payload is None:
             if poisoned:
                 flat.zero_()
-            payload, _ = method.encode(flat, ms, gen, world_size=n, exact=exact, inplace=True, **enc_kw)
+            payload = encode()
         if poisoned:
             poison(payload, key)
         first = payload
@@ -167,7 +209,7 @@ class BucketRounds(MethodRounds):
                 call.finite = rule.first_sum(first, agg, key)
             if not call.finite:
                 return out.fill_(float("nan"))      # a skipped step: no decode (see the module doc)
-            return method.decode(agg, n, ms, out=out)[0]
+            return self.charged("decode", ms, d, lambda: method.decode(agg, n, ms, out=out)[0])
 
         call = Call(first, dense_bytes(flat), finish)
         if method.multi_round:
@@ -176,7 +218,7 @@ class BucketRounds(MethodRounds):
                     call.finite = (rule.first_sum if call.last is first else rule.sum)(call.last, agg, key)
                     if not call.finite:
                         return None                 # a skipped step: no further round, on every worker
-                nxt = method.next_round(agg, n, ms)[0]
+                nxt = self.charged("next_round", ms, d, lambda: method.next_round(agg, n, ms)[0])
                 if nxt is not None:
                     call.last = nxt
                 return nxt

@@ -326,6 +326,8 @@ def test_calibrate_command_writes_a_loadable_profile(tmp_path, capsys):
     # medians of timed kernel runs (each run takes time): positive
     assert all(host["sum_element_s"]["value"][d] > 0 for d in SUM_DTYPES)
     assert host["copy_byte_s"]["value"] > 0 and host["scan_element_s"]["value"] > 0
+    from sparsecomm.fabric.sim.sim_host import CODEC_RATES
+    assert all(host[r]["value"] > 0 for r in CODEC_RATES.values())     # (medians of timed kernel runs too)
     # the message rates: the line through the recorded one-way times (each positive), clipped at 0 and split
     # evenly between sender and receiver; a line through positive points is positive somewhere in their
     # range, so the per-message and per-byte rates are not both 0
@@ -441,6 +443,71 @@ def test_zero_block_rates_and_a_profile_without_them_change_no_modelled_time(tmp
     for rate in ("span_block_s", "index_block_s"):
         more = sc.launch(_omni_sparse, 2, network=net(host=dataclasses.replace(FULL, **{rate: 1e-5})))
         assert max(more) > max(base)
+
+
+def _powersgd_step(ctx) -> float:
+    from sparsecomm.pipeline.core import CommPipeline
+
+    pipe = CommPipeline(method="powersgd", transport="ring", fabric=ctx.fabric, matrix_approximation_rank=1)
+    pipe.begin_step()
+    pipe.reduce(torch.randn(54, generator=torch.Generator().manual_seed(ctx.rank)), "b",
+                shapes=[torch.Size([8, 6]), torch.Size([6])])
+    return ctx.fabric.now()
+
+
+def test_a_profile_without_the_codec_rates_loads_and_models_the_times_it_modelled(tmp_path):
+    """A version-2 profile written before a method's encode/decode rates existed (CODEC_RATES) loads with them
+    0 and models a compressed step to the bit as before; one with them round-trips them."""
+    from sparsecomm.fabric.sim.sim_host import CODEC_RATES
+
+    net = functools.partial(sc.Network, bandwidth_gbps=10.0, latency_us=5.0)
+    base = sc.launch(_powersgd_step, 2, network=net(host=FULL))
+    old = _profile(FULL)
+    for name in CODEC_RATES.values():
+        del old["host"][name]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    loaded = sc.Network.from_profile(path, bandwidth_gbps=10.0, latency_us=5.0)
+    assert loaded.host == FULL and all(getattr(loaded.host, r) == 0.0 for r in CODEC_RATES.values())
+    assert [t.hex() for t in sc.launch(_powersgd_step, 2, network=loaded)] == [t.hex() for t in base]
+    rates = {r: 1e-9 * (i + 1) for i, r in enumerate(CODEC_RATES.values())}
+    path.write_text(json.dumps(_profile(dataclasses.replace(FULL, **rates))))
+    loaded = sc.Network.from_profile(path, bandwidth_gbps=10.0, latency_us=5.0)
+    assert {r: getattr(loaded.host, r) for r in rates} == rates
+    assert min(sc.launch(_powersgd_step, 2, network=loaded)) > max(base)
+    with pytest.raises(InvalidValueError, match="matmul_mac_s"):
+        bad = _profile(FULL)
+        bad["host"]["matmul_mac_s"]["value"] = -1.0
+        path.write_text(json.dumps(bad))
+        sc.Network.from_profile(path)
+
+
+def _allgather_sparse(ctx) -> float:
+    p = sc.compressors.get("topk", k=3 + ctx.rank).compress(torch.randn(100, generator=torch.Generator().manual_seed(ctx.rank)))
+    sc.transports.get("allgather", ctx.fabric).allreduce(p)
+    return ctx.fabric.now()
+
+
+def test_allgather_charges_its_sum_as_elementwise_passes():
+    """By hand: the sum of 2 workers' top-k payloads (3 and 4 values) of 100 elements zeroes and checks the result
+    (200) and adds the 7 values, on each worker; nothing else of the call is elementwise."""
+    net = functools.partial(sc.Network, bandwidth_gbps=10.0, latency_us=5.0)
+    base = sc.launch(_allgather_sparse, 2, network=net(host=FULL))
+    more = sc.launch(_allgather_sparse, 2, network=net(host=dataclasses.replace(FULL, elementwise_element_s=1e-6)))
+    for b, m in zip(base, more):
+        assert m - b == pytest.approx(207 * 1e-6, rel=1e-9, abs=0)
+
+
+def test_codec_rates_quick_are_finite_and_positive():
+    """The rates of a method's encode and decode, measured with the library's kernels (a quick run): one per
+    codec operation, each a median of timed runs over a positive count, so finite and > 0."""
+    from sparsecomm.fabric.sim.sim_host import CODEC_RATES
+    from sparsecomm.netbed.calibrate import codec_costs
+
+    rates = codec_costs(quick=True)
+    assert set(rates) == set(CODEC_RATES.values())
+    assert all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in rates.values()), rates
+    assert HostModel(**rates).work_s("matmul_t", 10) == 10 * rates["matmul_t_mac_s"]
 
 
 def test_fit_nonnegative_fits_exactly_and_drops_a_negative_rate():

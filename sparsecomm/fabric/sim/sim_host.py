@@ -22,7 +22,18 @@ modelled clocks (``host=None``, the default: no host cost, every modelled time a
   a transport (``call_s`` of the transport's name, charged by :meth:`sparsecomm.transports.base.Transport.run`
   on every worker as the call starts: the Python a call runs whatever its size -- its set-up, the workers'
   agreement, its rounds' bookkeeping -- beyond the messages, bytes, sums, scans and packets charged above;
-  a transport not in ``call_s`` is charged nothing).
+  a transport not in ``call_s`` is charged nothing);
+- the encode and decode of a method and its compressor (:meth:`sparsecomm.methods.base.Method.work`, which
+  :mod:`sparsecomm.pipeline.rounds` charges on a fabric with modelled time around each call it makes, in these
+  operations): ``"elementwise"``, elements through an elementwise pass (``elementwise_element_s``: an add, a
+  copy, a division, a cast, a finiteness check; the allgather transport declares its sum's too: the result
+  zeroed and checked, each worker's values added); ``"select"``, elements a top-k selection runs over
+  (``select_element_s``: the partial sort among candidates); ``"sample"``, magnitudes a top-k draws at random
+  positions for its threshold (``sample_element_s``); ``"matmul"``, multiply-adds of a product that reads the
+  large matrix by rows (``matmul_mac_s``: PowerSGD's ``M Q`` and ``P Q^T``); ``"matmul_t"``, multiply-adds of one
+  that reads it by columns (``matmul_t_mac_s``: PowerSGD's ``M^T P``); ``"kernel"``, calls whose fixed cost
+  counts (``kernel_call_s``: a method call's Python, a thin QR, a top-k's set-up). Every rate 0 (the
+  default, and a profile without them): no charge, the modelled times as without them.
 
 A model that charges a fixed CPU time per message (``send_message_s + recv_message_s > 0``) is a host
 whose messages want to be long, as a real fabric's are: the SimFabric then declares the real fabric's
@@ -56,11 +67,17 @@ import torch
 from ...errors import InvalidTypeError, InvalidValueError
 from ...validate import check_int, check_real
 
-__all__ = ["HOST_OPS", "HostModel", "OPTIONAL_RATES", "SUM_DTYPES", "RATE_UNITS"]
+__all__ = ["CODEC_RATES", "HOST_OPS", "HostModel", "OPTIONAL_RATES", "SUM_DTYPES", "RATE_UNITS"]
 
 #: the operations of :meth:`sparsecomm.fabric.base.Fabric.host_work` and the unit they count
 HOST_OPS = {"sum": "element", "scan": "element", "switch_packet": "packet", "switch_message": "message",
-            "copy": "byte", "call": "call", "span": "block", "index": "block"}
+            "copy": "byte", "call": "call", "span": "block", "index": "block",
+            "elementwise": "element", "select": "element", "sample": "element", "matmul": "multiply-add",
+            "matmul_t": "multiply-add", "kernel": "call"}
+
+#: the operations of a method's encode and decode (:meth:`sparsecomm.methods.base.Method.work`) and their rates
+CODEC_RATES = {"elementwise": "elementwise_element_s", "select": "select_element_s", "sample": "sample_element_s",
+               "matmul": "matmul_mac_s", "matmul_t": "matmul_t_mac_s", "kernel": "kernel_call_s"}
 
 #: the dtypes whose per-element sum cost a profile gives (:func:`sparsecomm.netbed.calibrate.calibrate` measures each)
 SUM_DTYPES = ("float32", "float64", "float16", "bfloat16", "int32")
@@ -79,10 +96,16 @@ RATE_UNITS = {
     "span_block_s": "s/block",
     "index_block_s": "s/block",
     "call_s": "s/call",
+    "elementwise_element_s": "s/element",
+    "select_element_s": "s/element",
+    "sample_element_s": "s/element",
+    "matmul_mac_s": "s/multiply-add",
+    "matmul_t_mac_s": "s/multiply-add",
+    "kernel_call_s": "s/call",
 }
 
 #: the rates a version-2 profile may lack (added within version 2; absent: 0, the time the profile modelled)
-OPTIONAL_RATES = ("span_block_s", "index_block_s")
+OPTIONAL_RATES = ("span_block_s", "index_block_s", *CODEC_RATES.values())
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
@@ -110,6 +133,12 @@ class HostModel:
             per message, whatever its packets).
         span_block_s: seconds per block of the range a block-sparse worker covers (``host_work("span", blocks)``).
         index_block_s: seconds per block moved by a block index (``host_work("index", blocks)``).
+        elementwise_element_s: seconds per element of an elementwise pass of a method or compressor.
+        select_element_s: seconds per element a top-k selection runs over.
+        sample_element_s: seconds per magnitude a top-k samples for its threshold.
+        matmul_mac_s: seconds per multiply-add of a product reading its large matrix by rows.
+        matmul_t_mac_s: seconds per multiply-add of a product reading its large matrix by columns.
+        kernel_call_s: seconds per call of a method's or compressor's kernel whose fixed cost counts.
         call_s: transport name (``"ring"``, ``"omnireduce"``, ...) -> seconds per call of it, on every
             worker (default: none; a transport not in it is charged nothing).
         cpu_share: the CPU stretch of every endpoint (>= 1): endpoints sharing cores, e.g. 2 for 4 hosts on
@@ -129,6 +158,12 @@ class HostModel:
     span_block_s: float = 0.0
     index_block_s: float = 0.0
     call_s: Mapping[str, float] = field(default_factory=dict)
+    elementwise_element_s: float = 0.0
+    select_element_s: float = 0.0
+    sample_element_s: float = 0.0
+    matmul_mac_s: float = 0.0
+    matmul_t_mac_s: float = 0.0
+    kernel_call_s: float = 0.0
     cpu_share: float = 1.0
     cpu_share_by_endpoint: Mapping[int, float] = field(default_factory=dict)
 
@@ -228,6 +263,8 @@ class HostModel:
             rate = self.span_block_s
         elif op == "index":
             rate = self.index_block_s
+        elif op in CODEC_RATES:
+            rate = getattr(self, CODEC_RATES[op])
         else:
             raise InvalidValueError(f"host_work: unknown operation {op!r}; the operations are "
                                     f"{', '.join(HOST_OPS)}")

@@ -20,8 +20,9 @@ Written by ``python -m sparsecomm.netbed calibrate --out host.json`` (:mod:`spar
 
 ``host`` holds exactly the rates of :data:`~.sim_host.RATE_UNITS` (a missing or unknown one, a unit other
 than its own, or a negative or non-finite value is refused, naming the key), but for those of
-:data:`~.sim_host.OPTIONAL_RATES` (``span_block_s``, ``index_block_s``: added within version 2; a profile
-without them models them as 0, the times it modelled before they existed); ``sum_element_s`` gives each of
+:data:`~.sim_host.OPTIONAL_RATES` (``span_block_s``, ``index_block_s``, and the rates of a method's encode and
+decode, :data:`~.sim_host.CODEC_RATES`: added within version 2; a profile without them models them as 0, the
+times it modelled before they existed, so it loads as it did); ``sum_element_s`` gives each of
 :data:`~.sim_host.SUM_DTYPES`, ``call_s`` a rate per transport name (any names). ``date``, ``machine`` and
 ``method`` are recorded, not interpreted.
 

@@ -1,0 +1,195 @@
+"""A method's and compressor's declared host work (:meth:`sparsecomm.methods.base.Method.work`,
+:meth:`sparsecomm.compressors.base.Compressor.work`) and its charge to a modelled worker's clock by the pipeline
+(:mod:`sparsecomm.pipeline.rounds`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import types
+
+import pytest
+import torch
+
+import sparsecomm as sc
+from sparsecomm import compressors, methods
+from sparsecomm.compressors.topk import SAMPLE_CUTOFF, SAMPLE_SIZE, sample_rank
+from sparsecomm.errors import InvalidValueError
+from sparsecomm.fabric.sim.sim_host import CODEC_RATES, HOST_OPS, SUM_DTYPES, HostModel
+from sparsecomm.pipeline import rounds
+from sparsecomm.pipeline.core import CommPipeline
+
+#: a rate per operation, each a different power of two (so the charge is exact in binary and no two ops alias)
+RATES = {rate: 2.0 ** -(20 + 3 * i) for i, rate in enumerate(CODEC_RATES.values())}
+#: a host with every transport cost too: the method's work is charged on top of them
+BASE = HostModel(send_message_s=1e-5, recv_message_s=2e-5, send_byte_s=3e-10, recv_byte_s=4e-10,
+                 sum_element_s={d: 1e-10 for d in SUM_DTYPES}, call_s={"ring": 1e-4, "allgather": 2e-4})
+#: PowerSGD's bucket: an 8 x 6 matrix (rank 1 compresses it: 48 / (8 + 6) >= 2) and a bias of 6
+SHAPES = (torch.Size([8, 6]), torch.Size([6]))
+
+
+def _run(ctx, kind: str, steps: int) -> list[float]:
+    """``steps`` rounds of a bucket on this worker (``kind``: ``powersgd``, ``eftopk`` per parameter, ``plain``);
+    the clock after each."""
+    if kind == "powersgd":
+        pipe = CommPipeline(method="powersgd", transport="ring", fabric=ctx.fabric, matrix_approximation_rank=1)
+        d, kw = 54, {"shapes": SHAPES}
+    elif kind == "eftopk":
+        pipe = CommPipeline("topk", "allgather", method="ef", fabric=ctx.fabric, ratio=0.01)
+        d, kw = SAMPLE_CUTOFF + 1000 + 300, {"segments": (("w", SAMPLE_CUTOFF + 1000), ("b", 300))}
+    else:
+        pipe = CommPipeline(transport="ring", fabric=ctx.fabric)
+        d, kw = 1000, {}
+    out = []
+    for t in range(steps):
+        g = torch.Generator().manual_seed(100 * t + ctx.rank)
+        pipe.begin_step()
+        pipe.start(torch.randn(d, generator=g), "b", **kw).wait()
+        pipe.end_step()
+        out.append(ctx.fabric.now())
+    return out
+
+
+def _times(kind: str, host: HostModel, steps: int = 2) -> list[list[float]]:
+    return sc.launch(functools.partial(_run, kind=kind, steps=steps), 2,
+                     network=sc.Network(bandwidth_gbps=10.0, latency_us=5.0, host=host))
+
+
+def _recorded(monkeypatch, kind: str, steps: int = 2) -> list[list[tuple[int, str, int]]]:
+    """Per step, the ``(rank, op, count)`` of every codec charge (the fabric's ``host_work``)."""
+    from sparsecomm.fabric.sim.sim import SimFabric
+
+    seen, real = [], SimFabric.host_work
+
+    def record(self, op, count, dtype=None, *, transport=None):
+        if op in CODEC_RATES:
+            seen.append((self.rank, op, count, self.now()))
+        return real(self, op, count, dtype, transport=transport)
+
+    monkeypatch.setattr(SimFabric, "host_work", record)
+    ends = _times(kind, dataclasses.replace(BASE, **RATES), steps)
+    monkeypatch.undo()
+    return [[(r, op, c) for r, op, c, t in seen if (s == 0 or t >= ends[r][s - 1]) and t < ends[r][s]]
+            for s in range(steps)]
+
+
+def _totals(charges, rank: int) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r, op, c in charges:
+        if r == rank:
+            out[op] = out.get(op, 0) + c
+    return out
+
+
+def _seconds(counts: dict[str, int]) -> float:
+    return math.fsum(c * RATES[CODEC_RATES[op]] for op, c in counts.items())
+
+
+def test_powersgd_declares_its_products_and_passes_and_the_step_grows_by_count_times_rate(monkeypatch):
+    """By hand, PowerSGD rank 1 on an 8 x 6 matrix and a bias of 6 (d = 54), a compressed step: encode adds the
+    residual, checks it (54 + 54), copies the bias and P into the message (6 + 8), ``M Q`` (48 multiply-adds), a
+    QR and the call (2 kernels); the P round: the bias's sum and Q (6 + 6), ``M^T P`` (48), a QR and the call;
+    the Q round's end: the call; decode: the bias's and Q's division and the residual (6 + 6 + 54), ``P Q^T``
+    (48), a QR-free product call and the call (2). The modelled clock grows by exactly the counts times the
+    rates on both workers (a symmetric step: every message shifts by the same charge)."""
+    steps = _recorded(monkeypatch, "powersgd")
+    want = {"elementwise": 122 + 12 + 66, "matmul": 48 + 48, "matmul_t": 48, "kernel": 2 + 2 + 1 + 2}
+    for rank in (0, 1):
+        assert _totals(steps[1], rank) == want
+    base = _times("powersgd", BASE)
+    more = _times("powersgd", dataclasses.replace(BASE, **RATES))
+    first = _totals(steps[0], 0)
+    for rank in (0, 1):
+        assert _totals(steps[0], rank) == first
+        assert more[rank][0] - base[rank][0] == pytest.approx(_seconds(first), rel=1e-9, abs=0)
+        assert more[rank][1] - base[rank][1] == pytest.approx(_seconds(first) + _seconds(want), rel=1e-9, abs=0)
+
+
+def test_ef_topk_per_parameter_declares_the_selection_and_the_residual(monkeypatch):
+    """EF + top-k 1% per parameter: a parameter above the top-k's sampling cutoff samples, collects and selects
+    among its candidates; one below it selects among all; each encode passes over its residual (copy, and from
+    the second round the add) and scatters its k values out of it; each decode divides (one pass); the allgather
+    that carries the concatenated payload declares its sum (the result zeroed and checked, both workers' values)."""
+    steps = _recorded(monkeypatch, "eftopk")
+    big, small = SAMPLE_CUTOFF + 1000, 300
+    kb, ks = round(0.01 * big), 3
+    cand = math.ceil(big * sample_rank(big, kb) / SAMPLE_SIZE)
+    for s, adds in ((0, 1), (1, 2)):
+        want = {"sample": SAMPLE_SIZE, "select": cand + small,
+                "elementwise": (big + kb + kb + adds * big + big) + (ks + ks + adds * small + small)
+                + 2 * (big + small) + 2 * (kb + ks),        # (the allgather's sum: zeroed, checked, 2 workers' values)
+                "kernel": 2 * (2 + 1)}
+        for rank in (0, 1):
+            assert _totals(steps[s], rank) == want
+    base = _times("eftopk", BASE)
+    more = _times("eftopk", dataclasses.replace(BASE, **RATES))
+    for rank in (0, 1):
+        assert more[rank][0] - base[rank][0] == pytest.approx(_seconds(_totals(steps[0], rank)), rel=1e-9, abs=0)
+
+
+def test_the_plain_round_charges_its_division():
+    base = _times("plain", BASE, 1)
+    more = _times("plain", dataclasses.replace(BASE, elementwise_element_s=1e-6), 1)
+    for b, m in zip(base, more):
+        assert m[0] - b[0] == pytest.approx(1000 * 1e-6, rel=1e-9, abs=0)
+
+
+@pytest.mark.parametrize("kind", ["powersgd", "eftopk", "plain"])
+def test_zero_codec_rates_leave_every_modelled_time_bit_identical(monkeypatch, kind):
+    """A host model without the codec rates (0, the default) models the times it modelled before they
+    existed: the same bits as with the pipeline's charge left out."""
+    with_charge = _times(kind, BASE)
+    monkeypatch.setattr(rounds, "charge", lambda fabric, work: None)
+    without = _times(kind, BASE)
+    assert [[t.hex() for t in r] for r in with_charge] == [[t.hex() for t in r] for r in without]
+    # (and the charge is live: a rate lengthens the step)
+    monkeypatch.undo()
+    assert max(_times(kind, dataclasses.replace(BASE, elementwise_element_s=1e-6))[0]) > max(with_charge[0])
+
+
+def test_a_real_fabric_is_not_asked_for_work():
+    """Off a modelled fabric the strategies hold no fabric to charge and never ask ``work`` (a real call takes
+    its real time)."""
+    class Refuses:
+        def work(self, *a, **k):
+            raise AssertionError("work asked on a real fabric")
+
+    real = types.SimpleNamespace(modelled_time=False)
+    assert rounds.modelled(real) is None and rounds.modelled(None) is None
+    assert rounds.PlainRound(None, 2, real).fabric is None
+    strategy = rounds.MethodRounds(Refuses(), None, None, None, None, 2, real)
+    assert strategy.fabric is None
+    assert strategy.charged("encode", None, 10, lambda: 7) == 7
+
+
+def test_declarations_by_hand():
+    """The base compressor: one pass and a call; top-k below and above its cutoff and at k = d; the base
+    method's encode (the compressor's work and a call; an exact round just the call) and decode (the division);
+    an unknown phase names the phases."""
+    assert compressors.get("identity").work(10) == {"elementwise": 10, "kernel": 1}
+    assert compressors.get("identity").decompress_work(10) == {"elementwise": 10}
+    tk = compressors.get("topk", ratio=0.01)
+    assert tk.work(1000) == {"select": 1000, "elementwise": 10, "kernel": 1}
+    d = 4 * SAMPLE_CUTOFF
+    k = tk.size(d)
+    assert tk.work(d) == {"sample": SAMPLE_SIZE, "elementwise": d + k, "kernel": 1,
+                          "select": math.ceil(d * sample_rank(d, k) / SAMPLE_SIZE)}
+    assert k <= tk.work(d)["select"] < 2 * k
+    assert compressors.get("topk", k=5).work(5) == {"elementwise": 10, "kernel": 1}
+    assert tk.decompress_work(1000) == {"elementwise": 10}
+    m = methods.get("none", compressor="fp16")
+    st = m.init(10)
+    assert m.work("encode", st, 10) == {"elementwise": 10, "kernel": 2}
+    assert m.work("encode", st, 10, exact=True) == {"kernel": 1}
+    assert m.work("decode", st, 10) == {"elementwise": 10, "kernel": 1}
+    assert m.work("next_round", st, 10) == {}
+    with pytest.raises(InvalidValueError, match="'encode', 'next_round' and 'decode'"):
+        m.work("round", st, 10)
+    # a warm-up round is the inner method's exact round
+    w = methods.warmup(methods.get("ef", compressor="topk", ratio=0.1), 1)
+    st = w.init(100)
+    assert w.work("encode", st, 100) == {"elementwise": 200, "kernel": 1}
+    st.rounds = 1
+    assert w.work("encode", st, 100) == methods.get("ef", compressor="topk", ratio=0.1).work("encode", st, 100)
+    assert set(CODEC_RATES) <= set(HOST_OPS)
