@@ -305,16 +305,19 @@ def _relative(r: dict) -> list[float]:
 
 
 def paired_ratio(a: dict, b: dict) -> tuple[float, float]:
-    """Row ``a``'s time over row ``b``'s, paired repetition by repetition through each row's reference of
-    its launch (``(t_a / ref_a) / (t_b / ref_b)``: ``t_a / t_b`` when both ran in one launch; the rows of
-    :func:`compare_loopback`), as ``(median, noise)``: the median of the per-repetition ratios and twice the
-    standard error of the median of their logarithm (1.2533 * 1.4826 * MAD / sqrt(n), normal errors)."""
-    logs = [math.log(x / y) for x, y in zip(_relative(a), _relative(b))]
-    if not logs:
-        raise InvalidValueError("paired_ratio: the rows have no repetitions (times_s is empty)")
+    """Row ``a``'s time over row ``b``'s, each relative to its launch's reference (the rows of
+    :func:`compare_loopback`), as ``(ratio, noise)``: ``ratio``, the median over repetitions of ``t_a / ref_a``
+    over that of ``t_b / ref_b`` (the key that ranks the rows, so that the fastest's ratio to any other is at
+    most 1); ``noise``, twice the standard error of the median of the per-repetition log ratios
+    ``ln((t_a / ref_a) / (t_b / ref_b))`` (1.2533 * 1.4826 * MAD / sqrt(n), normal errors)."""
+    ra, rb = _relative(a), _relative(b)
+    if not ra or len(ra) != len(rb):
+        raise InvalidValueError(f"paired_ratio: the rows need the same number of repetitions, at least one "
+                                f"(times_s of {a.get('case')!r}: {len(ra)}, of {b.get('case')!r}: {len(rb)})")
+    logs = [math.log(x / y) for x, y in zip(ra, rb)]
     med = statistics.median(logs)
     mad = statistics.median(abs(v - med) for v in logs)
-    return math.exp(med), 2 * 1.2533 * 1.4826 * mad / math.sqrt(len(logs))
+    return statistics.median(ra) / statistics.median(rb), 2 * 1.2533 * 1.4826 * mad / math.sqrt(len(logs))
 
 
 def agreement(rows: list[dict], tie: float = TIE) -> dict:

@@ -146,8 +146,8 @@ def bench_worker(ctx, cases: list[Case], numel: int, repeats: int, warmup: int, 
     """Runs on every rank: time every (case, density); return this rank's per-call times.
 
     ``probe``: first measure the fabric's :class:`~sparsecomm.fabric.probe.Link` (one-way latency of a small
-    message, rate of a large one, cost of a further message of a burst) in the same processes, after the
-    transports are built, and give it to every row as ``link``.
+    message, rate of a large one, cost of a further message of a burst; the medians of 30 shifts each) in the
+    same processes, after the transports are built, and give it to every row as ``link``.
 
     The cases are interleaved (one call of each per repetition), so that a change in the machine's load
     affects them alike; inputs are shared by the cases with the same density, and restored from a
@@ -163,7 +163,7 @@ def bench_worker(ctx, cases: list[Case], numel: int, repeats: int, warmup: int, 
                 pristine[d] = block_sparse(numel, d, case.block, seed=1000 * ctx.rank + int(d * 1e4))
             runs.append((case, d, t, []))
     work = {d: x.clone() for d, x in pristine.items()}
-    link = list(link_parameters(f)) if probe else None
+    link = list(link_parameters(f, rounds=30)) if probe else None
 
     def call(d: float, t, timed: list | None = None):
         x = work[d]

@@ -114,6 +114,8 @@ def test_the_tie_rule_pairs_through_each_launchs_reference_and_widens_with_the_n
     # the same median without the scatter is a disagreement
     steady = _row("ring", 11, 8, times=[0.010 * math.exp(0.1)] * 5, ref=[0.010] * 5)
     assert agreement([native, steady])["cases"][0]["verdict"] == "disagree"
+    with pytest.raises(InvalidValueError, match="repetitions"):
+        paired_ratio(ring, _row("native", 10, 9, times=[0.010] * 4, ref=[0.010] * 4))
 
 
 def test_the_measured_fastest_is_ranked_by_the_time_relative_to_the_launchs_reference():
@@ -124,6 +126,12 @@ def test_the_measured_fastest_is_ranked_by_the_time_relative_to_the_launchs_refe
     case, = agreement([native, switch])["cases"]
     assert case["measured"] == "native" and case["runner_up"] == "switch" and case["margin"] == pytest.approx(1.8)
     assert case["modelled"] == "switch" and case["verdict"] == "disagree"
+    # one key ranks the rows and gives the runner-up's ratio, so that ratio is at least 1 whatever the scatter:
+    # ring's relative times [1.3, 0.5, 0.5, 1.4, 1.5] (median 1.3) against native's [1.0] * 5: native is the
+    # faster, by 1.3x, though ring is faster in two repetitions
+    ring = _row("ring", 10, 8, times=[0.013, 0.005, 0.005, 0.014, 0.015], ref=[0.010] * 5)
+    case, = agreement([native, ring])["cases"]
+    assert case["measured"] == "native" and case["margin"] == pytest.approx(1.3)
 
 
 @pytest.fixture
