@@ -4,8 +4,8 @@
     python -m experiments.bench.netbed_vs_sim --workers 2 --sizes-mb 10 --gbps 0.1 --repeats 2
     python -m experiments.bench.netbed_vs_sim --workers 2 --sizes-mb 10 --transports native ring omnireduce switch \
         --profile host.json            # every transport named, link model and a calibrated host model
-    python -m experiments.bench.netbed_vs_sim --loopback --profile host.json --workers 2 4 --sizes-mb 1 10 100
-                                       # loopback (no netbed, no root): the fastest, measured and modelled
+    python -m experiments.bench.netbed_vs_sim --loopback --profile host.json --workers 2 4 --sizes-mb 1 10 100 \
+        --repeats 7                    # loopback (no netbed, no root): the fastest, measured and modelled
 
 With ``--transports``: every transport named, at its defaults and at the densities of
 :data:`experiments.bench.transports.CASES`, measured by that benchmark's code on the netbed and modelled on
