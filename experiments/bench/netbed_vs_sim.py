@@ -4,13 +4,52 @@
     python -m experiments.bench.netbed_vs_sim --workers 2 --sizes-mb 10 --gbps 0.1 --repeats 2
     python -m experiments.bench.netbed_vs_sim --workers 2 --sizes-mb 10 --transports native ring omnireduce switch \
         --profile host.json            # every transport named, link model and a calibrated host model
+    python -m experiments.bench.netbed_vs_sim --loopback --profile host.json --workers 2 4 --sizes-mb 1 10 100 \
+        --repeats 7                    # loopback (no netbed, no root): the fastest, measured and modelled
 
 With ``--transports``: every transport named, at its defaults and at the densities of
 :data:`experiments.bench.transports.CASES`, measured by that benchmark's code on the netbed and modelled on
 the SimFabric by the same calls (:func:`compare_transports`); ``--profile``: a host profile
-(``python -m sparsecomm.netbed calibrate``) modelled as well. Otherwise, as follows.
+(``python -m sparsecomm.netbed calibrate``) modelled as well.
 
-For every (workers, size): on a netbed with links of ``--gbps``, the median over ``--repeats`` calls
+With ``--loopback`` (:func:`compare_loopback`, :func:`agreement`; needs ``--profile``, not root): the loopback
+benchmark (:mod:`experiments.bench.transports`: local gloo processes on 127.0.0.1, no shaping) against the
+model. Every case it runs -- each transport named by ``--transports`` (default: the benchmark's default
+selection) at its defaults and the block densities it is fed, for every ``--workers`` and ``--sizes-mb`` --
+is measured by that benchmark's code (one launch per set of services, each with the reference
+``native (tuned: inplace=True)``; a call after a barrier, the slowest rank's time; ``--repeats`` calls,
+interleaved) and modelled on the SimFabric by the same calls. Then, per (workers, size, density): the
+measured fastest (the least median of its calls over its launch's reference's, which cancels a drifting
+load), the modelled fastest, and a verdict: ``agree``, ``tie`` (the model's pick is within the run's noise
+of the measured fastest: their paired ratio within ``--tie``, default 3%, or within twice the standard
+error of its median, whichever is wider) or ``disagree``; a density at which one transport runs has nothing
+to choose and is not counted (with the default selection only ``omnireduce`` is fed sparse blocks:
+``--transports native ring omnireduce switch sparse-switch`` gives the sparse densities a choice). The
+*strict* rate (``agree`` only) is the issue's figure: a tie names a case the measurement cannot decide,
+reported beside it as the *tie-aware* rate, not hidden in it.
+
+What the loopback model assumes:
+
+- no wire of its own (:data:`LOOPBACK_WIRE`, as :mod:`sparsecomm.netbed.calibrate` models its loopback
+  calls): a loopback message is the two hosts' work, all of it in the profile's rates -- its per-message
+  and per-byte send and receive costs were fitted on loopback rounds --, plus the sums, scans, switch
+  packets and per-call costs the transports declare;
+- every process of a launch (the workers and the services, a switch too) busy on ``--cores`` cores
+  (default: this machine's), each host cost stretched by ``max(1, processes / cores)``
+  (:meth:`HostModel.sharing <sparsecomm.fabric.sim.sim_host.HostModel.sharing>`); other jobs' load is not
+  modelled: with no wire every modelled time scales with the host costs, so a uniform slowdown leaves the
+  verdicts alone, but it makes the measured times noisier and their ratios to the model lower. Each launch
+  probes its loopback (:func:`~sparsecomm.fabric.probe.link_parameters`: the one-way latency of a 256-byte
+  message, the rate of 1 MiB, a further message of a burst), printed beside the same probe on the model:
+  where they differ by one factor, the machine is that much slower than when it was calibrated; where by
+  different factors, a rate of the profile is off for this load;
+- ``native`` is modelled as ``ring``'s messages with ``native``'s own per-call cost (as with ``--profile``
+  on the netbed, :func:`profile_network`);
+- the measured time of a call runs from each rank's own start after the barrier (the benchmark's), the
+  modelled one from the last rank's start: the barrier's release skew (tens of microseconds unloaded) is in
+  every measured time and in no modelled one.
+
+Otherwise, for every (workers, size): on a netbed with links of ``--gbps``, the median over ``--repeats`` calls
 (after one warm-up, each after a barrier) of ``native`` (``torch.distributed.all_reduce``, gloo's ring for
 large CPU tensors) and of ``ring`` (this library's ring over the Fabric), in one launch, interleaved; then
 the SimFabric's modelled time of ``ring`` at the same bandwidth, with the netbed's TCP/Ethernet framing
@@ -33,6 +72,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import json
+import math
 import os
 import statistics
 import time
@@ -42,7 +83,8 @@ import torch
 import sparsecomm as sc
 import sparsecomm.transports  # noqa: F401  (registers the transports)
 from sparsecomm.fabric.sim.sim_network import TCP_OVER_ETHERNET
-from sparsecomm.fabric.probe import fabric_latency_s
+from sparsecomm.errors import InvalidValueError
+from sparsecomm.fabric.probe import fabric_latency_s, link_parameters
 
 #: :func:`modelled`'s default one-way latency: a netbed path in the kernel (host - top of rack - host; its
 #: round trip: ``python -m sparsecomm.netbed check``); :func:`compare` passes the fabric's own latency
@@ -145,6 +187,20 @@ def modelled_cases(workers: int, size_mb: float, cases: list, network: "sc.Netwo
     return times
 
 
+def profile_network(profile: str, case, workers: int, cores: float, **wire) -> "sc.Network":
+    """The network of ``case`` (:class:`.transports.Case`) modelled with the host ``profile``: ``wire``'s
+    :class:`~sparsecomm.Network` fields, the profile's host model with the CPU share of the workers and the
+    case's services (each a process, a switch too) on ``cores`` cores (:meth:`~sparsecomm.fabric.sim.sim_host.
+    HostModel.sharing`); ``native``, modelled as ``ring``'s messages, is charged ``native``'s own cost per
+    call."""
+    net = sc.Network.from_profile(profile, **wire)
+    host = net.host.sharing(workers + len(case.services), cores)
+    if case.transport == "native":
+        host = dataclasses.replace(host, call_s={**host.call_s, "ring": host.call_s.get("native", 0.0)})
+    net.host = host
+    return net
+
+
 def compare_transports(workers: int, size_mb: float, gbps: float, names: list[str], repeats: int,
                        profile: str | None, link: bool = True) -> list[dict]:
     """Every transport of ``names`` at its defaults (:data:`.transports.CASES`' headline rows, their
@@ -155,8 +211,6 @@ def compare_transports(workers: int, size_mb: float, gbps: float, names: list[st
     latency :data:`NETBED_LATENCY_US` (``native``, modelled as ``ring``, is charged ``native``'s cost per call);
     ``link=False``: the host model only (the link model of a large switch call, one datagram per 64-value
     packet, takes many minutes)."""
-    import os
-
     from . import transports as tb
 
     cases = [c for c in tb.CASES if c.transport in names and not c.tuned]
@@ -169,13 +223,8 @@ def compare_transports(workers: int, size_mb: float, gbps: float, names: list[st
     if profile:
         host_times = []
         for c in cases:
-            net = sc.Network.from_profile(profile, bandwidth_gbps=gbps, latency_us=NETBED_LATENCY_US,
-                                          payload_fraction=TCP_OVER_ETHERNET)
-            # the workers and the services (a switch on the top of rack is a process too) on this machine's cores
-            host = net.host.sharing(workers + len(c.services), os.cpu_count() or 1)
-            if c.transport == "native":     # modelled as the ring's messages, with native's own cost per call
-                host = dataclasses.replace(host, call_s={**host.call_s, "ring": host.call_s.get("native", 0.0)})
-            net.host = host
+            net = profile_network(profile, c, workers, os.cpu_count() or 1, bandwidth_gbps=gbps,
+                                  latency_us=NETBED_LATENCY_US, payload_fraction=TCP_OVER_ETHERNET)
             host_times += modelled_cases(workers, size_mb, [c], net)
         sims["host"] = host_times
     rows = []
@@ -188,6 +237,129 @@ def compare_transports(workers: int, size_mb: float, gbps: float, names: list[st
         rows.append(row)
     return rows
 
+
+#: the loopback's wire as the model has it: none of its own (as :mod:`sparsecomm.netbed.calibrate` models its
+#: loopback calls): no latency and a rate far beyond the hosts', every loopback cost is the host model's
+LOOPBACK_WIRE = {"bandwidth_gbps": 1e4, "latency_us": 0.0}
+
+#: :func:`agreement`'s default tie tolerance: two transports whose paired ratio is within 3% are a tie
+TIE = 0.03
+
+
+def loopback_cases(names: list[str] | None = None) -> list:
+    """The headline cases (the library's defaults, :data:`.transports.CASES`) of the transports ``names``
+    that are registered; ``None``: the loopback benchmark's default selection."""
+    from . import transports as tb
+
+    registered = set(sc.transports.available())
+    return [c for c in tb.CASES if not c.tuned and c.transport in registered
+            and (c.default if names is None else c.transport in names)]
+
+
+def _probe(ctx) -> tuple[float, float, float]:
+    return tuple(link_parameters(ctx.fabric))
+
+
+def modelled_link(workers: int, network: "sc.Network") -> tuple[float, float, float]:
+    """The :class:`~sparsecomm.fabric.probe.Link` that :func:`~sparsecomm.fabric.probe.link_parameters`
+    measures on the SimFabric with ``network`` (what the model says the loopback's probe should find)."""
+    return sc.launch(_probe, workers, network=network)[0]
+
+
+def compare_loopback(workers: int, size_mb: float, profile: str, names: list[str] | None = None, *,
+                     repeats: int = 5, warmup: int = 1, cores: float | None = None,
+                     timeout_s: float = 600.0) -> dict:
+    """The loopback benchmark's cases measured (:func:`.transports.run` on local gloo processes, the
+    reference :data:`.transports.REFERENCE` in every launch, the fabric probed in the same launch) and
+    modelled on the SimFabric (:func:`modelled_cases`) with the host ``profile`` on :data:`LOOPBACK_WIRE`,
+    every case's processes sharing ``cores`` cores (default: this machine's; :func:`profile_network`).
+
+    Returns ``rows`` (per transport and density: ``measured_s``, the median of the slowest rank's time of
+    a call; ``times_s`` and ``ref_times_s``, its calls and its launch's reference's, repetition by
+    repetition; ``modelled_s``), ``link`` (the probe of every launch: ``(latency_s, bandwidth_Bps,
+    per_message_s)``) and ``modelled_link`` (the same probe on the model)."""
+    from . import transports as tb
+
+    cores = cores or os.cpu_count() or 1
+    cases = loopback_cases(names)
+    real = tb.run(workers, size_mb, [tb.REFERENCE] + cases, repeats, warmup, timeout_s, probe=True)
+    modelled = {}
+    for c in cases:
+        net = profile_network(profile, c, workers, cores, **LOOPBACK_WIRE)
+        modelled.update(zip(((c.label, d) for d in c.densities), modelled_cases(workers, size_mb, [c], net)))
+    link = {tuple(r["services"]): (r["link_latency_s"], r["link_bandwidth_Bps"], r["link_per_message_s"])
+            for r in real}
+    rows = [dict(workers=workers, size_mb=size_mb, case=r["case"], density=r["density"], services=r["services"],
+                 measured_s=r["median_s"], times_s=r["times_s"], ref_times_s=r["ref_times_s"],
+                 modelled_s=modelled[(r["case"], r["density"])])
+            for r in real if (r["case"], r["density"]) in modelled]
+    from .transports import Case
+
+    probe_net = profile_network(profile, Case("ring"), workers, cores, **LOOPBACK_WIRE)
+    return {"rows": rows, "link": link, "modelled_link": modelled_link(workers, probe_net)}
+
+
+def _relative(r: dict) -> list[float]:
+    """Row ``r``'s calls over its launch's reference's, repetition by repetition (its own calls without one)."""
+    return [t / q for t, q in zip(r["times_s"], r.get("ref_times_s") or [1.0] * len(r["times_s"]))]
+
+
+def paired_ratio(a: dict, b: dict) -> tuple[float, float]:
+    """Row ``a``'s time over row ``b``'s, each relative to its launch's reference (the rows of
+    :func:`compare_loopback`), as ``(ratio, noise)``: ``ratio``, the median over repetitions of ``t_a / ref_a``
+    over that of ``t_b / ref_b`` (the key that ranks the rows, so that the fastest's ratio to any other is at
+    most 1); ``noise``, twice the standard error of the median of the per-repetition log ratios
+    ``ln((t_a / ref_a) / (t_b / ref_b))`` (1.2533 * 1.4826 * MAD / sqrt(n), normal errors)."""
+    ra, rb = _relative(a), _relative(b)
+    if not ra or len(ra) != len(rb):
+        raise InvalidValueError(f"paired_ratio: the rows need the same number of repetitions, at least one "
+                                f"(times_s of {a.get('case')!r}: {len(ra)}, of {b.get('case')!r}: {len(rb)})")
+    logs = [math.log(x / y) for x, y in zip(ra, rb)]
+    med = statistics.median(logs)
+    mad = statistics.median(abs(v - med) for v in logs)
+    return statistics.median(ra) / statistics.median(rb), 2 * 1.2533 * 1.4826 * mad / math.sqrt(len(logs))
+
+
+def agreement(rows: list[dict], tie: float = TIE) -> dict:
+    """Which transport is fastest per case (``workers``, ``size_mb``, ``density``) of ``rows`` (each with
+    ``case``, ``modelled_s``, ``times_s``, ``ref_times_s``), measured and modelled, and whether they agree.
+    Measured, the fastest has the least median over repetitions of its time over its launch's reference's
+    (the benchmark's "vs all_reduce (paired)": on a machine whose load drifts, the median of the raw times
+    can rank two transports against the ratio of their calls side by side); modelled, the least ``modelled_s``.
+
+    A case with one transport has nothing to choose (verdict ``single``, not counted). Otherwise the verdict
+    is ``agree`` when the model picks the measured fastest; ``tie`` when it picks another whose measured
+    time is within the run's noise of the fastest's: ``|ln r| <= max(ln(1 + tie), noise)`` for their paired
+    ratio ``r`` and its noise (:func:`paired_ratio`); else ``disagree``. Every counted case also has
+    ``margin``, the measured runner-up's paired ratio to the fastest, and ``close`` (that margin within the
+    same tolerance: an agreement there is a coin toss too).
+
+    Returns ``cases`` (one dict per case) and ``counted``, ``strict`` (the share of ``agree``) and
+    ``tie_aware`` (the share of ``agree`` or ``tie``), ``None`` when nothing is counted."""
+    if tie < 0:
+        raise InvalidValueError(f"agreement: tie must be >= 0 (a relative tolerance, e.g. {TIE}), got {tie}")
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["workers"], r["size_mb"], r["density"]), []).append(r)
+    out = []
+    for (n, mb, d), rs in groups.items():
+        by_measured = sorted(rs, key=lambda r: statistics.median(_relative(r)))
+        fastest, pick = by_measured[0], min(rs, key=lambda r: r["modelled_s"])
+        case = dict(workers=n, size_mb=mb, density=d, measured=fastest["case"], modelled=pick["case"])
+        if len(rs) == 1:
+            out.append({**case, "verdict": "single"})
+            continue
+        ratio, noise = paired_ratio(pick, fastest)
+        margin, margin_noise = paired_ratio(by_measured[1], fastest)
+        tol = math.log1p(tie)
+        verdict = ("agree" if pick is fastest else "tie" if abs(math.log(ratio)) <= max(tol, noise)
+                   else "disagree")
+        out.append({**case, "verdict": verdict, "pick_ratio": ratio, "runner_up": by_measured[1]["case"],
+                    "margin": margin, "close": abs(math.log(margin)) <= max(tol, margin_noise)})
+    counted = [c for c in out if c["verdict"] != "single"]
+    share = (lambda ok: sum(c["verdict"] in ok for c in counted) / len(counted)) if counted else (lambda ok: None)
+    return {"cases": out, "counted": len(counted), "strict": share(("agree",)),
+            "tie_aware": share(("agree", "tie"))}
 
 
 def _load() -> str:
@@ -208,9 +380,22 @@ def main(argv: list[str] | None = None) -> None:
                     help="a host profile (python -m sparsecomm.netbed calibrate) to model with as well")
     ap.add_argument("--no-link-model", action="store_true",
                     help="with --transports and --profile: model with the host profile only")
+    ap.add_argument("--loopback", action="store_true",
+                    help="the loopback benchmark (local gloo processes, no netbed) against the model with "
+                         "--profile: which transport is fastest per case, measured and modelled")
+    ap.add_argument("--tie", type=float, default=TIE,
+                    help="--loopback: the relative difference within which two measured transports tie")
+    ap.add_argument("--cores", type=float, default=None,
+                    help="--loopback: the cores the processes share in the model (default: this machine's)")
+    ap.add_argument("--json", default=None, help="--loopback: also write the rows and verdicts to this file")
     a = ap.parse_args(argv)
     if a.no_link_model and not (a.transports and a.profile):
         ap.error("--no-link-model needs --transports and --profile")
+    if a.loopback:
+        if not a.profile:
+            ap.error("--loopback needs --profile (python -m sparsecomm.netbed calibrate --out host.json)")
+        loopback_main(a)
+        return
     if a.transports:
         print(f"# netbed links {a.gbps:g} Gbit/s; modelled: link only (measured small-message latency), "
               f"and with the host profile {a.profile or '(none)'}")
@@ -241,6 +426,59 @@ def main(argv: list[str] | None = None) -> None:
                   f"| {c['ring_s'] * 1e3:.1f} | {c['sim_s'] * 1e3:.1f} | {c['native_ratio']:.2f} "
                   f"| {c['ring_ratio']:.2f} |", flush=True)
     print("# load average at the end", _load())
+
+
+def loopback_main(a: argparse.Namespace) -> dict:
+    """``--loopback``: the per-transport table, the verdict per case and the agreement rates."""
+    cores = a.cores or os.cpu_count() or 1
+    print(f"# loopback (gloo on 127.0.0.1, no shaping), {a.repeats} calls per case; model: the host profile "
+          f"{a.profile}, no wire of its own, the processes sharing {cores:g} cores; a tie: within {a.tie:.0%} "
+          f"or the pair's noise; load average {_load()}")
+    rows, links = [], []
+    print("| workers | size MB | transport | density | measured ms | vs all_reduce (paired) | modelled ms "
+          "| modelled / measured |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|")
+    for n in a.workers:
+        for size in a.sizes_mb:
+            c = compare_loopback(n, size, a.profile, a.transports, repeats=a.repeats, cores=cores)
+            links.append((n, size, c["link"], c["modelled_link"]))
+            for r in c["rows"]:
+                print(f"| {n} | {size:g} | {r['case']} | {r['density']:g} | {r['measured_s'] * 1e3:.2f} "
+                      f"| {statistics.median(_relative(r)):.2f}x | {r['modelled_s'] * 1e3:.2f} "
+                      f"| {r['modelled_s'] / r['measured_s']:.2f} |", flush=True)
+            rows += c["rows"]
+    print("\n# the loopback probed in each launch (latency of a 256-byte message, rate of 1 MiB, a further "
+          "message of a burst) against the same probe on the model")
+    print("| workers | size MB | launch services | latency us | rate GB/s | per message us "
+          "| model: latency us | rate GB/s | per message us |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+    for n, size, link, (ml, mb, mp) in links:
+        for svc, (lat, bw, pm) in link.items():
+            print(f"| {n} | {size:g} | {','.join(svc) or '-'} | {lat * 1e6:.0f} | {bw / 1e9:.2f} | {pm * 1e6:.0f} "
+                  f"| {ml * 1e6:.0f} | {mb / 1e9:.2f} | {mp * 1e6:.0f} |")
+    ag = agreement(rows, a.tie)
+    print("\n| workers | size MB | density | measured fastest | runner-up (paired ratio) | modelled fastest "
+          "(its paired ratio) | verdict |")
+    print("|---:|---:|---:|---|---|---|---|")
+    for v in ag["cases"]:
+        if v["verdict"] == "single":
+            print(f"| {v['workers']} | {v['size_mb']:g} | {v['density']:g} | {v['measured']} | - | - "
+                  f"| single transport, not counted |")
+            continue
+        close = ", within noise" if v["close"] else ""
+        print(f"| {v['workers']} | {v['size_mb']:g} | {v['density']:g} | {v['measured']} | {v['runner_up']} "
+              f"({v['margin']:.2f}x{close}) | {v['modelled']} ({v['pick_ratio']:.2f}x) | {v['verdict']} |")
+    if ag["counted"]:
+        print(f"# agreement over {ag['counted']} cases: strict {ag['strict']:.0%}, tie-aware {ag['tie_aware']:.0%}")
+    else:
+        print("# no case with two transports or more: nothing to agree on")
+    print("# load average at the end", _load())
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump({"rows": rows, "agreement": ag, "links": [
+                {"workers": n, "size_mb": size, "measured": {",".join(k): v for k, v in link.items()},
+                 "modelled": ml} for n, size, link, ml in links]}, fh, indent=1)
+    return ag
 
 
 if __name__ == "__main__":

@@ -59,6 +59,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 import sparsecomm as sc
+from sparsecomm.fabric.probe import link_parameters
 
 
 @dataclass(frozen=True)
@@ -141,8 +142,12 @@ class ScanOnly:
 SCAN = Case("scan only", densities=(1.0, 0.1, 0.01))
 
 
-def bench_worker(ctx, cases: list[Case], numel: int, repeats: int, warmup: int) -> list[dict]:
+def bench_worker(ctx, cases: list[Case], numel: int, repeats: int, warmup: int, probe: bool = False) -> list[dict]:
     """Runs on every rank: time every (case, density); return this rank's per-call times.
+
+    ``probe``: first measure the fabric's :class:`~sparsecomm.fabric.probe.Link` (one-way latency of a small
+    message, rate of a large one, cost of a further message of a burst; the medians of 30 shifts each) in the
+    same processes, after the transports are built, and give it to every row as ``link``.
 
     The cases are interleaved (one call of each per repetition), so that a change in the machine's load
     affects them alike; inputs are shared by the cases with the same density, and restored from a
@@ -158,6 +163,7 @@ def bench_worker(ctx, cases: list[Case], numel: int, repeats: int, warmup: int) 
                 pristine[d] = block_sparse(numel, d, case.block, seed=1000 * ctx.rank + int(d * 1e4))
             runs.append((case, d, t, []))
     work = {d: x.clone() for d, x in pristine.items()}
+    link = list(link_parameters(f, rounds=30)) if probe else None
 
     def call(d: float, t, timed: list | None = None):
         x = work[d]
@@ -189,7 +195,7 @@ def bench_worker(ctx, cases: list[Case], numel: int, repeats: int, warmup: int) 
         else:
             received, links = 0, []
         out.append(dict(case=case.label, transport=case.transport, density=d, times=times,
-                        rel_err_vs_first=err, bytes_sent=sent, bytes_received=received, links=links))
+                        rel_err_vs_first=err, bytes_sent=sent, bytes_received=received, links=links, link=link))
     return out
 
 
@@ -212,9 +218,12 @@ def busiest_link_bytes(items: list[dict], workers: int, services: tuple[str, ...
 
 
 def run(workers: int, size_mb: float, cases: list[Case], repeats: int, warmup: int, timeout_s: float,
-        netbed_gbps: float | None = None) -> list[dict]:
+        netbed_gbps: float | None = None, probe: bool = False) -> list[dict]:
     """One launch per distinct ``services`` tuple; each launch also times :data:`REFERENCE` (if selected),
-    first, so that every ratio compares calls interleaved in the same processes."""
+    first, so that every ratio compares calls interleaved in the same processes (a row's ``ref_times_s``:
+    the reference's calls of its launch, repetition by repetition). ``probe``: every row also has its
+    launch's measured :class:`~sparsecomm.fabric.probe.Link` as ``link_latency_s``, ``link_bandwidth_Bps``
+    and ``link_per_message_s`` (:func:`bench_worker`)."""
     numel = int(size_mb * 1e6) // 4
     reference = REFERENCE if REFERENCE in cases else None
     groups: dict[tuple[str, ...], list[Case]] = {}
@@ -225,7 +234,7 @@ def run(workers: int, size_mb: float, cases: list[Case], repeats: int, warmup: i
         extra = reference is not None and reference not in group
         launch_cases = group if reference is None else [reference] + [c for c in group if c != reference]
         per_rank = sc.launch(functools.partial(bench_worker, cases=launch_cases, numel=numel, repeats=repeats,
-                                               warmup=warmup), workers, services=svc, timeout_s=timeout_s,
+                                               warmup=warmup, probe=probe), workers, services=svc, timeout_s=timeout_s,
                              **launch_options(netbed_gbps))
         group_rows = []
         for i, item in enumerate(per_rank[0]):
@@ -235,6 +244,9 @@ def run(workers: int, size_mb: float, cases: list[Case], repeats: int, warmup: i
                                    services=list(svc), median_s=statistics.median(slowest), min_s=min(slowest),
                                    times_s=slowest, rel_err=item["rel_err_vs_first"],
                                    bytes_sent=item["bytes_sent"]))
+            if item["link"] is not None:
+                group_rows[-1].update(zip(("link_latency_s", "link_bandwidth_Bps", "link_per_message_s"),
+                                          item["link"]))
             if netbed_gbps is not None and item["transport"] != SCAN.transport:
                 busiest = busiest_link_bytes([rank[i] for rank in per_rank], workers, svc)
                 limit = busiest * 8 / (netbed_gbps * 1e9)
@@ -243,6 +255,7 @@ def run(workers: int, size_mb: float, cases: list[Case], repeats: int, warmup: i
         ref = group_rows[0] if reference is not None else None
         for r in group_rows:
             r["vs_native"] = r["median_s"] / ref["median_s"] if ref else None
+            r["ref_times_s"] = ref["times_s"] if ref else None
             # paired: the same repetition's native call ran just before or after (interleaved), so the
             # ratio of the two cancels most of a drifting machine load
             r["vs_native_paired"] = (statistics.median(a / b for a, b in zip(r["times_s"], ref["times_s"]))
