@@ -7,6 +7,8 @@ SIGCOMM '21, and SwitchML, Sapio et al., NSDI '21).
     python -m experiments.reproduce_training --netbed 1 --hosts 2 --quick --models emb   # a smoke run
     python -m experiments.reproduce_training --netbed 1 --hosts 4 --models emb \
         --schemes "hook none/switch,hook none/sparse-switch" --time-cap 120 --merge     # redo some, keep the rest
+    python -m experiments.reproduce_training --netbed 1 --hosts 2 --models mlp \
+        --schemes "ddp,hook powersgd,torch powersgd" --breakdown     # where a step's time goes, per scheme
 
 **Models.**
 
@@ -33,8 +35,12 @@ with zero rows is the case OmniReduce's block sparsity addresses, and the one th
 rack; stock DDP in a launch of its own, then one launch per set of services, its schemes in turn): stock DDP (gloo's ring all-reduce); DDP with
 :func:`sparsecomm.ddp.register` for ``compressor="none"`` on ``omnireduce``, ``switch`` and
 ``sparse-switch``; PowerSGD (rank ``POWERSGD_RANK``) and error feedback + top-k through the same hook
-(the default transport); :class:`~sparsecomm.DistributedOptimizer` with ``none`` on ``omnireduce`` (no DDP
-buckets: the whole gradient after backward, in the optimizer). Every scheme starts from the same
+(the default transport); torch's own ``powerSGD_hook`` (``torch powersgd``: DDP with ``PowerSGDState(group,
+matrix_approximation_rank=POWERSGD_RANK, start_powerSGD_iter=TORCH_POWERSGD_START)``, torch's smallest start,
+one step after the library hook's first compressed step; the hook called for a bucket once the previous
+bucket's future completed, as gloo needs: :class:`TorchPowerSGD`); :class:`~sparsecomm.DistributedOptimizer`
+with ``none`` on ``omnireduce`` (no DDP buckets: the whole gradient after backward, in the optimizer). Every
+scheme starts from the same
 weights and sees the same batches (worker ``r``'s batch ``t`` is drawn from seed ``(r, t)``).
 
 **Clock.** Each scheme first runs ``WARMUP`` steps on a throwaway replica (first calls: compilation,
@@ -46,8 +52,10 @@ a scheme that does not reach it within ``max_steps``, or within ``--time-cap`` s
 (default ``--cap-factor`` = 2 times stock DDP's time to target, at least 30 s), is ``reached=False``.
 
 **Columns.** ``bytes_per_step``: bytes on the busiest link direction per step, the mean over the run:
-stock DDP's counted (its ring moves ``2 (n-1)/n`` of the gradient each way per worker), the library's
-from its ledgers (``last_stats``: the larger of a worker's bytes sent and received, the busiest worker).
+stock DDP's counted (its ring moves ``2 (n-1)/n`` of the gradient each way per worker), torch's
+PowerSGD hook's counted alike from what it all-reduces (per bucket its uncompressed tensors, its Ps and its Qs;
+the whole bucket before its start: :class:`TorchPowerSGD`), the library's from its ledgers (``last_stats``:
+the larger of a worker's bytes sent and received, the busiest worker).
 ``compute_s``: a step with no communication at all (the same model, optimizer and batches, every
 worker at once, so the CPU is shared as in training), the median of ``COMPUTE_STEPS``; ``step_s``: the
 measured mean step; ``comm_fraction = 1 - compute_s / step_s``, the share of a step not spent in the
@@ -67,7 +75,21 @@ switch is then modelled one 64-value datagram at a time and takes minutes). Over
 compute then communication, as a step on the netbed's shared cores runs its host's communication work on
 the cores its compute needs (an upper bound where backward and communication do overlap). ``link_only_s``
 (``link_only_ratio``): the closed form beside it, ``steps_to_target * (compute_s + bytes_per_step /
-(rate * TCP_OVER_ETHERNET))``, the bytes at the link rate with no latency and no host.
+(rate * TCP_OVER_ETHERNET))``, the bytes at the link rate with no latency and no host. ``torch powersgd`` has
+no modelled column (NaN): its hook calls ``torch.distributed``, which the SimFabric does not run.
+
+**Breakdown** (``--breakdown``). After its timed run each scheme runs ``BREAKDOWN_STEPS`` more steps on the
+trained replica, recorded on a timeline (:func:`sparsecomm.trace.record`: one file per worker,
+``OUT/breakdown/<model>_<scheme>.rankR.json``, to open in Perfetto), and the table ``breakdown.csv`` (printed
+too) splits a step, in ms, the mean over the steps and the workers: ``step`` (wall time), ``compute`` (the
+same batch's step with no communication, on a local replica, right before it: timed under the same load),
+``encode`` (the method's work before a round's send: for PowerSGD the error feedback, the
+products and the orthogonalisation of both rounds), ``transport`` (time inside transport calls: messages,
+sums, and ``wait``, the waits for a message within them; a posted ``native`` all-reduce is the wait for its
+collective), ``decode`` (the estimate from the last sum, the error update) and ``remainder`` (the rest: the
+hook's posting, futures and thread hand-offs). The transport and later rounds run on the communication
+thread while backward goes on, so the remainder is what they do not hide and can be negative. Stock DDP and
+torch's hook make no library call: their communication is all ``remainder``.
 
 **Seeds.** ``--seed`` (default 0) draws the model's initial weights and the workers' batches; the click
 data's true model and the held-out sets stay fixed. ``--seeds K`` runs every scheme for seeds ``--seed`` ..
@@ -78,7 +100,8 @@ curve with a ± std band (over the evaluations every seed ran) and the mean time
 bars.
 
 Outputs under ``--out`` (default ``experiments/out/reproduce_training``): ``summary.csv`` (one row per
-model and scheme), ``curves.csv`` (every evaluation: model, scheme, elapsed_s, step, metric),
+model and scheme), ``breakdown.csv`` (with ``--breakdown``), ``curves.csv`` (every evaluation: model, scheme,
+elapsed_s, step, metric),
 ``time_to_accuracy.png`` (the metric against wall-clock time per scheme, one panel per model) and
 ``time_to_target.png`` (time to target as bars, the speed-up over stock DDP above each; a scheme that
 stopped short drawn hatched at its stopping time).
@@ -114,6 +137,12 @@ WIDTH = 1024
 #: (``EMB_TOPK_RATIO``): below its gradient's share of non-zero elements (about 0.5% per worker), as
 #: top-k of a vector with fewer non-zeros than k selects among ties at zero, its slow path
 POWERSGD_RANK, TOPK_RATIO, EMB_TOPK_RATIO = 4, 0.01, 0.001
+#: the first compressed step of torch's ``powerSGD_hook`` in the ``torch powersgd`` scheme: torch's smallest
+#: (its ``PowerSGDState`` refuses a start below 2 with error feedback or warm start); the library's hook at its
+#: defaults compresses from step 1 (step 0 is always uncompressed)
+TORCH_POWERSGD_START = 2
+#: steps of each scheme recorded for ``--breakdown``, after its timed run, on the trained replica
+BREAKDOWN_STEPS = 10
 #: untimed steps of each scheme on a throwaway replica before its run
 WARMUP = 2
 #: untimed warm-up and timed steps of the no-communication step (``compute_s``)
@@ -276,7 +305,8 @@ TASKS = {"emb": click_task, "mlp": digits_task}
 @dataclass(frozen=True)
 class Scheme:
     """One way to average the gradients: ``kind`` ``"ddp"`` (stock DistributedDataParallel), ``"hook"``
-    (DDP with :func:`sparsecomm.ddp.register` ``(**options)``) or ``"optimizer"``
+    (DDP with :func:`sparsecomm.ddp.register` ``(**options)``), ``"torch-hook"`` (DDP with torch's own
+    ``powerSGD_hook``, ``PowerSGDState(**options)``: :class:`TorchPowerSGD`) or ``"optimizer"``
     (:class:`~sparsecomm.DistributedOptimizer` ``(**options)``), with the ``services`` its launch starts."""
 
     name: str
@@ -292,8 +322,69 @@ SCHEMES = (
     Scheme("hook none/sparse-switch", "hook", dict(compressor="none", transport="sparse-switch"), ("sparse-switch",)),
     Scheme("hook powersgd", "hook", dict(compressor="powersgd", matrix_approximation_rank=POWERSGD_RANK)),
     Scheme("hook ef+topk", "hook", dict(compressor="topk", method="ef", ratio=TOPK_RATIO)),
+    Scheme("torch powersgd", "torch-hook", dict(matrix_approximation_rank=POWERSGD_RANK,
+                                                start_powerSGD_iter=TORCH_POWERSGD_START)),
     Scheme("optimizer none/omnireduce", "optimizer", dict(compressor="none", transport="omnireduce")),
 )
+
+
+class TorchPowerSGD:
+    """torch's own ``powerSGD_hook`` on ``net`` (a DDP model over ``group``), with ``PowerSGDState(group,
+    **options)``, and its bytes per step (:attr:`last_stats`).
+
+    **Order.** torch's hook posts a bucket's P and Q all-reduces from the completion callbacks of its earlier
+    all-reduces, so with two or more buckets the ranks can post a bucket's P and the next bucket's first
+    all-reduce in different orders, which gloo cannot tell apart (on 2 gloo processes the MLP's two buckets
+    aborted the run with gloo's "Received data size doesn't match expected size"). The hook is therefore
+    called for bucket ``k > 0`` once bucket ``k - 1``'s future has completed: torch's code and numbers, in one
+    order on every rank (the last bucket's encoding waits for the previous bucket's rounds).
+
+    **Bytes** (:attr:`last_stats`: the last step's, counted as torch's hook sends them): an uncompressed step
+    (before ``start_powerSGD_iter``) all-reduces the bucket; a compressed one all-reduces per bucket its
+    uncompressed tensors, its Ps and its Qs (torch's ``_should_compress`` decides which tensors), each at
+    gloo's ring volume ``2 (n-1)/n`` of its bytes each way per link, as stock DDP's are counted."""
+
+    def __init__(self, net: nn.parallel.DistributedDataParallel, group, **options: Any) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ph
+
+        self.state = ph.PowerSGDState(process_group=group, **options)
+        self._hook, self._should_compress = ph.powerSGD_hook, ph._should_compress
+        self._ring = 2 * (dist.get_world_size(group) - 1) / dist.get_world_size(group)
+        self._prev: torch.futures.Future | None = None
+        self._bytes = 0.0
+        net.register_comm_hook(self.state, self.hook)
+
+    def hook(self, state, bucket: dist.GradBucket) -> torch.futures.Future:
+        """torch's hook on ``bucket``, after the previous bucket's future (see the class doc)."""
+        if bucket.index() == 0:
+            self._bytes, self._prev = 0.0, None
+        elif self._prev is not None:
+            self._prev.wait()
+        self._bytes += self._ring * self._sent(bucket)
+        self._prev = self._hook(state, bucket)
+        return self._prev
+
+    def _sent(self, bucket: dist.GradBucket) -> int:
+        """The bytes torch's hook all-reduces for ``bucket`` this step (before it runs: ``state.iter`` counts
+        the steps before this one)."""
+        size = bucket.buffer().element_size()
+        if self.state.iter < self.state.start_powerSGD_iter:
+            return bucket.buffer().numel() * size
+        sent = 0
+        for g in bucket.gradients():
+            n, m = g.view(g.shape[0], -1).shape
+            r = min(n, m, self.state.matrix_approximation_rank)
+            sent += (n + m) * r if self._should_compress(n, m, r, self.state.min_compression_rate)[0] else g.numel()
+        return sent * size
+
+    @property
+    def last_stats(self) -> sc.CommStats:
+        """The last step's bytes per link direction (see the class doc), sent and received alike."""
+        return sc.CommStats(bytes_sent=int(self._bytes), bytes_received=int(self._bytes))
+
+
+# DDP checks the hook's annotations as objects (this module's are strings under PEP 563)
+TorchPowerSGD.hook.__annotations__.update(bucket=dist.GradBucket, **{"return": torch.futures.Future[torch.Tensor]})
 
 
 def _transport_name(transport) -> str:
@@ -331,13 +422,17 @@ def _setup(task: Task, scheme: Scheme, group) -> tuple[nn.Module, nn.Module, Any
     net = nn.parallel.DistributedDataParallel(model, process_group=group)
     if scheme.kind == "ddp":
         return model, net, task.optimizer(model), None, "native (gloo ring)"
+    if scheme.kind == "torch-hook":
+        return model, net, task.optimizer(model), TorchPowerSGD(net, group, **options), "native (gloo ring)"
     state = sc.ddp.register(net, **options)
     return model, net, task.optimizer(model), state, _transport_name(state.pipeline.transport)
 
 
-def _train_one(ctx, task: Task, scheme: Scheme, group, time_cap_s: float) -> dict[str, Any]:
+def _train_one(ctx, task: Task, scheme: Scheme, group, time_cap_s: float,
+               breakdown: str | None = None) -> dict[str, Any]:
     """One worker's run of ``scheme`` to ``task``'s target (module doc, "Clock"), after ``WARMUP`` steps
-    of the same scheme on a throwaway replica (first calls: compilation, connections, the services)."""
+    of the same scheme on a throwaway replica (first calls: compilation, connections, the services); with
+    ``breakdown`` (a trace file), then :data:`BREAKDOWN_STEPS` more steps recorded (:func:`_breakdown`)."""
     n = ctx.world_size
     _, net, opt, _, _ = _setup(task, scheme, group)
     for t in range(WARMUP):
@@ -375,12 +470,50 @@ def _train_one(ctx, task: Task, scheme: Scheme, group, time_cap_s: float) -> dic
             break
         if float(agreed[0]) > time_cap_s:
             break
-    return {"curve": curve, "reached": reached, "steps": steps, "metric": metric,
-            "link_bytes": link_bytes / steps, "transport": transport}
+    out = {"curve": curve, "reached": reached, "steps": steps, "metric": metric,
+           "link_bytes": link_bytes / steps, "transport": transport}
+    if breakdown is not None:
+        out["breakdown"] = _breakdown(ctx, task, net, opt, group, steps, breakdown)
+    return out
+
+
+def _breakdown(ctx, task: Task, net: nn.Module, opt, group, t0: int, path: str) -> dict[str, float]:
+    """One worker's step split into phases, the mean of :data:`BREAKDOWN_STEPS` steps (batches ``t0 ..``)
+    recorded on a timeline (:func:`sparsecomm.trace.record`, written to ``path``'s rank file), each after a step
+    of the same batch with no communication (a fresh local replica, every worker at once: ``compute_s``, timed
+    under the same load as the step beside it): ``step_s`` (wall time), ``encode_s`` and ``decode_s`` (the pipeline's ``encode`` and ``decode`` events: the method's work
+    before a round's send, on the calling thread for the first round and the communication thread for later
+    ones, and after the last sum), ``transport_s`` (the transport calls: their messages, waits and sums; a
+    posted ``native`` call, the wait for its collective) and ``wait_s`` (within them, the waits for a
+    message the fabric saw). Stock DDP and torch's hook make no library call: all theirs is in the module
+    doc's ``remainder``."""
+    sums = {"compute_s": 0.0, "step_s": 0.0, "encode_s": 0.0, "decode_s": 0.0, "transport_s": 0.0, "wait_s": 0.0}
+    local = task.build()
+    local_opt = task.optimizer(local)
+    with sc.trace.record(sc.trace.rank_path(path, ctx.rank)) as rec:
+        for t in range(t0, t0 + BREAKDOWN_STEPS):
+            b = task.batch(ctx.rank, t)
+            dist.barrier(group=group)
+            start = time.perf_counter()
+            local_opt.zero_grad()
+            task.loss(local, b).backward()
+            local_opt.step()
+            sums["compute_s"] += time.perf_counter() - start
+            dist.barrier(group=group)
+            start = time.perf_counter()
+            opt.zero_grad()
+            task.loss(net, b).backward()
+            opt.step()
+            sums["step_s"] += time.perf_counter() - start
+        for e in rec.events:
+            key = {"phase": f"{e['name']}_s", "call": "transport_s", "wait": "wait_s"}.get(e["cat"])
+            if key in sums:
+                sums[key] += e["dur"] * 1e-6
+    return {k: v / BREAKDOWN_STEPS for k, v in sums.items()}
 
 
 def _train(ctx, task_name: str, quick: bool, schemes: tuple[Scheme, ...], time_cap_s: float,
-           seed: int = 0) -> dict[str, Any]:
+           seed: int = 0, breakdown: str | None = None) -> dict[str, Any]:
     """One worker: the no-communication step's time, then every scheme in turn (module doc)."""
     torch.set_num_threads(1)
     task = TASKS[task_name](quick, seed=seed)
@@ -388,17 +521,21 @@ def _train(ctx, task_name: str, quick: bool, schemes: tuple[Scheme, ...], time_c
     out = {"compute_s": _compute_step_s(task, ctx.rank, group), "target": task.target,
            "describe": task.describe, "info": task.info, "runs": {}}
     for scheme in schemes:
-        out["runs"][scheme.name] = _train_one(ctx, task, scheme, group, time_cap_s)
+        trace = None if breakdown is None else os.path.join(
+            breakdown, f"{task_name}_{scheme.name.replace(' ', '_').replace('/', '-')}.json")
+        out["runs"][scheme.name] = _train_one(ctx, task, scheme, group, time_cap_s, trace)
     return out
 
 
 def run_schemes(task_name: str, schemes: tuple[Scheme, ...], hosts: int, gbps: float | None, quick: bool,
-                time_cap_s: float, timeout_s: float, seed: int = 0, profile: str | None = None
-                ) -> list[dict[str, Any]]:
+                time_cap_s: float, timeout_s: float, seed: int = 0, profile: str | None = None,
+                breakdown: str | None = None) -> list[dict[str, Any]]:
     """One launch: ``hosts`` workers (and the schemes' services, which must be the same) on a netbed at
     ``gbps`` (gloo over loopback when ``gbps`` is None) train with each scheme in turn; per scheme the
     row of summary.csv and the curve. On a netbed each scheme's step is then modelled on the SimFabric
-    (:func:`modelled_comm_s` over :func:`modelled_network` with the host ``profile``, if any)."""
+    (:func:`modelled_comm_s` over :func:`modelled_network` with the host ``profile``, if any; not torch's
+    hook: NaN). With ``breakdown`` (a folder), each scheme's result has its ``"breakdown"`` (:func:`_breakdown`,
+    the mean over the workers; its timelines under that folder)."""
     services = {s.services for s in schemes}
     if len(services) != 1:
         raise ValueError(f"one launch runs schemes with the same services, got {sorted(services)}")
@@ -407,7 +544,7 @@ def run_schemes(task_name: str, schemes: tuple[Scheme, ...], hosts: int, gbps: f
     else:
         opts = {"backend": "netbed", "network": sc.Network(bandwidth_gbps=gbps)}
     res = sc.launch(functools.partial(_train, task_name=task_name, quick=quick, schemes=schemes,
-                                      time_cap_s=time_cap_s, seed=seed),
+                                      time_cap_s=time_cap_s, seed=seed, breakdown=breakdown),
                     world_size=hosts, services=list(services.pop()), timeout_s=timeout_s, **opts)
     compute_s = max(r["compute_s"] for r in res)
     out = []
@@ -419,6 +556,7 @@ def run_schemes(task_name: str, schemes: tuple[Scheme, ...], hosts: int, gbps: f
         modelled = comm = link_only = float("nan")
         if gbps is not None:
             link_only = r0["steps"] * (compute_s + link / (gbps * 1e9 / 8 * TCP_OVER_ETHERNET))
+        if gbps is not None and scheme.kind != "torch-hook":   # (torch's hook calls torch.distributed: no model)
             comm = modelled_comm_s(TASKS[task_name](quick, seed=seed), scheme, hosts,
                                    modelled_network(gbps, hosts, len(scheme.services), profile))
             modelled = r0["steps"] * (compute_s + comm)
@@ -433,7 +571,11 @@ def run_schemes(task_name: str, schemes: tuple[Scheme, ...], hosts: int, gbps: f
         if not r0["reached"]:
             row["note"] = (f"stopped at step {r0['steps']} after {elapsed:.1f} s at {r0['metric']:.4f} "
                            f"(target {res[0]['target']:.4f})")
-        out.append({"row": row, "curve": r0["curve"], "describe": res[0]["describe"], "info": res[0]["info"]})
+        result = {"row": row, "curve": r0["curve"], "describe": res[0]["describe"], "info": res[0]["info"]}
+        if breakdown is not None:
+            parts = [r["runs"][scheme.name]["breakdown"] for r in res]
+            result["breakdown"] = {k: statistics.mean(p[k] for p in parts) for k in parts[0]}
+        out.append(result)
     return out
 
 
@@ -628,6 +770,36 @@ def figures(results: list[dict], out: Path) -> list[Path]:
     return paths
 
 
+#: the columns of breakdown.csv and of its printed table (ms per step)
+BREAKDOWN = ("step", "compute", "encode", "transport", "wait", "decode", "remainder")
+
+
+def breakdown_table(results: list[dict], path: Path | None = None) -> str:
+    """The ``--breakdown`` of every result (``run_schemes(..., breakdown=)``) as a table of ms per step, and
+    as ``path`` (CSV) if given: ``step`` (the recorded steps' mean wall time), ``compute`` (the same steps with
+    no communication), ``encode``, ``transport`` (``wait`` within it) and ``decode`` (:func:`_breakdown`), and
+    ``remainder = step - compute - encode - transport - decode``: the time in none of them (the hook's and
+    DDP's own posting, futures and thread hand-offs; for stock DDP and torch's hook, all their communication).
+    The phases on the communication thread overlap backward, so the remainder can be below the time they
+    hide (even negative)."""
+    from .common import report
+
+    rows = []
+    for r in results:
+        b = {k[:-2]: v for k, v in r["breakdown"].items()}
+        b["remainder"] = b["step"] - b["compute"] - b["encode"] - b["transport"] - b["decode"]
+        rows.append((r["row"]["model"], r["row"]["scheme"], r["row"].get("seed", 0), b))
+    if path is not None:
+        with open(path, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(("model", "scheme", "seed") + tuple(f"{k}_ms" for k in BREAKDOWN))
+            for model, scheme, seed, b in rows:
+                w.writerow((model, scheme, seed) + tuple(f"{1e3 * b[k]:.3f}" for k in BREAKDOWN))
+    return (f"\n## a step's breakdown, ms (mean of {BREAKDOWN_STEPS} recorded steps over the workers)\n"
+            + report.table(["model", "scheme", "seed", *BREAKDOWN],
+                           [[m, s, str(seed)] + [f"{1e3 * b[k]:.1f}" for k in BREAKDOWN] for m, s, seed, b in rows]))
+
+
 def load(out: Path) -> list[dict]:
     """The results an earlier run wrote under ``out`` (summary.csv and curves.csv), typed as
     :func:`run_schemes` returns them (``describe`` empty), so that a run of some schemes can be merged
@@ -716,6 +888,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--profile", default=None, metavar="PATH",
                    help="a host profile (python -m sparsecomm.netbed calibrate --out PATH) for the modelled column "
                         "(default: the SimFabric's default host, no host cost)")
+    p.add_argument("--breakdown", action="store_true",
+                   help=f"after each scheme's run, record {BREAKDOWN_STEPS} more steps and print a step's breakdown "
+                        f"(compute, encode, transport, decode, remainder; breakdown.csv, timelines under "
+                        f"OUT/breakdown)")
     cli.add_seeds(p, help="run every scheme for K seeds (--seed, --seed+1, ...: initial weights and batches): "
                           "tables show mean ± std over the seeds that reached the target, plots the mean with "
                           "a ± std band (default 1)")
@@ -744,7 +920,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         launches = [(g, seed) for seed in seeds for g in groups if g]
         for group, seed in R.progress(launches, desc=f"{model}: launches"):
             for r in run_schemes(model, group, a.hosts, a.netbed, a.quick, cap, a.timeout_s, seed=seed,
-                                 profile=a.profile):
+                                 profile=a.profile, breakdown=str(out / "breakdown") if a.breakdown else None):
                 results.append(r)
                 row = r["row"]
                 reach = (f"t={row['time_to_target_s']:.2f}s steps={row['steps_to_target']}" if row["reached"]
@@ -799,6 +975,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if not any(r["reached"] for r in mine):
             print(f"no scheme reached the target {mine[0]['target']:.3g} on {model} (stock DDP included): raise "
                   f"--time-cap, or see curves.csv for how far each got")
+    if a.breakdown:
+        print(breakdown_table([r for r in results if "breakdown" in r], out / "breakdown.csv"))
     R.finish({"rows": rows})
     print(f"\nwrote {out / 'summary.csv'}, {out / 'curves.csv'}, {out / 'time_to_accuracy.png'}, "
           f"{out / 'time_to_target.png'}")

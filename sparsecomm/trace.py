@@ -1,8 +1,9 @@
 """Timelines of a run, to open in Perfetto or chrome://tracing: the switch, and the merging of files.
 
 ``with sparsecomm.trace.record("t.json"):`` records every transport call, every message (peer, tag, bytes,
-an arrow from its send to its receive), every wait and the SimFabric's modelled compute of this process, per
-endpoint, and writes them as Chrome trace-event JSON (the recorder and the file's layout:
+an arrow from its send to its receive), every wait, the SimFabric's modelled compute and the pipeline's
+``encode`` and ``decode`` of this process, per endpoint, and writes them as Chrome trace-event JSON (the recorder
+and the file's layout:
 :mod:`sparsecomm.fabric.trace`); ``sparsecomm.launch(..., trace="t.json")`` records its run, and the
 environment variable :data:`ENV` (``SPARSECOMM_TIMELINE=t.json``) makes every ``launch`` do so, as Horovod's
 ``HOROVOD_TIMELINE`` does. Timestamps are the modelled clock on the SimFabric, the wall clock on real

@@ -9,7 +9,11 @@ switch users call, :mod:`sparsecomm.trace`):
   the receive completed) on the receiver's ``receives`` track, with peer, tag and bytes, joined by a flow
   arrow (``bind_id``: the k-th message of a channel ``(src, dst, tag)`` at both ends, in any process); the
   receiver's wait for it, if it waited, a ``"wait"`` event on its ``waits`` track;
-- modelled computation (``SimFabric.compute``): a ``"compute"`` event on the ``compute`` track.
+- modelled computation (``SimFabric.compute``): a ``"compute"`` event on the ``compute`` track;
+- the pipeline's own work around its transport calls (:class:`~sparsecomm.pipeline.core.CommPipeline`): an
+  ``"encode"`` event for a round's message (the method's work before sending: the first round's on the
+  calling thread, a later round's on the communication thread) and a ``"decode"`` event for the estimate
+  from the last sum, on the ``phases`` track, with the call's identity.
 
 Clocks. On the SimFabric the timestamps are the endpoint's modelled clock (``fabric.now()``): a call lasts
 exactly the ``last_stats.modelled_time_s`` the transport reports; a send lasts while the sender's NIC
@@ -22,8 +26,9 @@ real is modelled, so there ``compute`` records nothing (the computation is the g
 Processes and tracks. The process of an endpoint (``pid``) is its rank (services after the workers), named
 ``"modelled rank 0"`` or ``"measured rank 0"`` (a service: ``"modelled switch"``); the k-th run one recorder
 sees (a second simulated world) has the pids from ``k * RUN_STRIDE``. Its tracks (``tid = pid * LANE_STRIDE
-+ lane``, unique in a file, as Perfetto wants) are ``calls``, ``sends``, ``receives``, ``waits`` and
-``compute``, named by metadata events (``ph: "M"``). ``otherData["sparsecomm"]`` says each run's clock and,
++ lane``, unique in a file, as Perfetto wants) are ``calls``, ``sends``, ``receives``, ``waits``,
+``compute`` and ``phases``, named by metadata events (``ph: "M"``). ``otherData["sparsecomm"]`` says each run's
+clock and,
 for a real job, its name, and when the recorder started, on the wall clock and on ``time.perf_counter`` (one
 clock for every process of a machine), with the machine's name: what :func:`sparsecomm.trace.merge` aligns.
 
@@ -46,7 +51,7 @@ from typing import Any
 __all__ = ["Recorder", "recorder", "activate", "flow_id", "LANES", "LANE_STRIDE", "RUN_STRIDE"]
 
 #: the tracks of an endpoint: name -> lane (``tid = pid * LANE_STRIDE + lane``)
-LANES = {"calls": 1, "sends": 2, "receives": 3, "waits": 4, "compute": 5}
+LANES = {"calls": 1, "sends": 2, "receives": 3, "waits": 4, "compute": 5, "phases": 6}
 LANE_STRIDE = 8
 #: the pids of the k-th run of a file are ``k * RUN_STRIDE + endpoint``
 RUN_STRIDE = 1000
@@ -196,6 +201,12 @@ class Recorder:
         """A transport call ``name`` on ``fabric`` from ``t0`` to ``t1`` (``fabric.now()``)."""
         run = self._fabric_run(fabric)
         self._event(run, name, "call", fabric.rank, "calls", t0, t1, args)
+
+    # ------------------------------------------------ hooks: the pipeline
+    def phase(self, fabric, name: str, t0: float, t1: float, args: dict) -> None:
+        """The pipeline's ``name`` (``"encode"``, ``"decode"``) on ``fabric`` from ``t0`` to ``t1``
+        (``fabric.now()``)."""
+        self._event(self._fabric_run(fabric), name, "phase", fabric.rank, "phases", t0, t1, args)
 
     # ------------------------------------------------------------------ file
     def trace(self) -> dict:

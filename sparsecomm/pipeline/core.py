@@ -43,6 +43,7 @@ import torch
 from .. import methods
 from ..compressors.base import Compressor
 from ..errors import IncompatibleError, InvalidValueError, MismatchError
+from ..fabric import trace as _trace
 from ..fabric.base import Fabric
 from ..fabric.engine import CommWork
 from ..fabric.stats import CommStats
@@ -202,12 +203,14 @@ class CommPipeline:
         """
         steps_before = max(0, self.step - 1 - self.skipped)    # (the steps committed before this one)
         identity = self.call_id(key)
+        t0 = self.fabric.now() if _trace.recorder is not None else 0.0
         if not compress or self.plain:
             call = self._plain_round.begin(flat, key)
         elif segments is not None and self.per_parameter:
             call = self._parameter_rounds.begin(flat, key, steps_before, exact, segments)
         else:
             call = self._bucket_rounds.begin(flat, key, steps_before, exact, shapes)
+        self._phase("encode", t0, identity)
         t, seen = self.transport, None
         if self.chooser is not None:
             kind = "dense" if not compress or self.plain or exact else self.chooser.kind
@@ -215,8 +218,8 @@ class CommPipeline:
             if call.next_round is None and self.chooser.observing():
                 # this worker's density, before an in-place transport writes the sum over the message
                 seen = (key, kind, t.name, block_density(call.sent, self.chooser.block), payload_bytes(call.sent))
-        later = None if call.next_round is None else (lambda agg: self._next_round(call, agg, t))
-        return t.start(call.sent, then=lambda agg: self._finish(call, agg, then, t, seen),
+        later = None if call.next_round is None else (lambda agg: self._next_round(call, agg, t, identity))
+        return t.start(call.sent, then=lambda agg: self._finish(call, agg, then, t, seen, identity),
                        next_round=later, call=identity)
 
     def chain(self, flat: torch.Tensor, key: Hashable, *, compress: bool = False,
@@ -239,39 +242,54 @@ class CommPipeline:
         t, identity = self.transport, self.call_id(key)
         if not compress or self.plain:
             call = self._plain_round.begin(flat, key)
-            return t.chain(flat, identity, lambda agg: self._finish(call, agg, None, t, None), done)
+            return t.chain(flat, identity, lambda agg: self._finish(call, agg, None, t, None, identity), done)
         m = self.method
         if not (m.State is None and m.compressor.elementwise and not m.multi_round and not m.uses_shapes
                 and not self.rule.checks_sums):
             return None
+        t0 = self.fabric.now() if _trace.recorder is not None else 0.0
         call = self._bucket_rounds.begin(flat, key, max(0, self.step - 1 - self.skipped), False, None)
-        finish = lambda agg: self._finish(call, agg, None, t, None)      # noqa: E731
+        self._phase("encode", t0, identity)
+        finish = lambda agg: self._finish(call, agg, None, t, None, identity)      # noqa: E731
         # a method that widens the narrow sum itself gets it as summed (one pass less), else it is widened
         # into flat (scratch)
         fut = t.chain(call.sent, identity, finish, done, scratch=True, out=None if m.decodes_narrow else flat,
                       narrow=m.decodes_narrow)
         return fut if fut is not None else t.start(call.sent, then=finish, call=identity)
 
-    def _next_round(self, call: Call, agg: torch.Tensor, t: Transport) -> Any:
+    def _next_round(self, call: Call, agg: torch.Tensor, t: Transport, identity: CallId | None = None) -> Any:
         """A later round's message (on the communication thread); the round just summed is recorded."""
         done = call.last
+        t0 = self.fabric.now() if _trace.recorder is not None else 0.0
         nxt = call.next_round(agg)
+        self._phase("encode", t0, identity)
         if nxt is not None:
             self.accounting.round(done, t.last_stats, t.wire_copies())
         return nxt
 
     def _finish(self, call: Call, agg: torch.Tensor, then: Callable[[torch.Tensor], Any] | None,
-                t: Transport, seen: tuple | None) -> Any:
+                t: Transport, seen: tuple | None, identity: CallId | None = None) -> Any:
         """The estimate from the last sum (on the communication thread); the last round and the call
         are recorded (and, under ``transport="auto"``, measured)."""
         if seen is not None:
             s = t.last_stats
             self.chooser.observe(*seen, agg, s.modelled_time_s if self.fabric.modelled_time else s.wall_time_s)
+        t0 = self.fabric.now() if _trace.recorder is not None else 0.0
         out = call.finish(agg)
+        self._phase("decode", t0, identity)
         copies = t.wire_copies()
         self.accounting.call(call.dense_bytes, copies)
         self.accounting.round(call.last, t.last_stats, copies)
         return out if then is None else then(out)
+
+    def _phase(self, name: str, t0: float, identity: CallId | None) -> None:
+        """Record the pipeline's ``name`` (``"encode"``, ``"decode"``) from ``t0`` to now on the active timeline
+        (:mod:`sparsecomm.trace`; nothing when none records): what a per-step breakdown sets apart from the
+        transport's calls. ``identity``: the call's first round."""
+        rec = _trace.recorder
+        if rec is None:
+            return
+        rec.phase(self.fabric, name, t0, self.fabric.now(), {"call": str(identity)} if identity is not None else {})
 
     def start_sparse(self, grad: torch.Tensor | None, shape: torch.Size, key: Hashable,
                      dtype: torch.dtype | None = None) -> CommWork:

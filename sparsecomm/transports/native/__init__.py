@@ -32,7 +32,8 @@ worker has later calls posted, the workers that did not post them never will: th
 the job (``TorchFabric.fail``: every rank raises that error class, and the fabric is unusable after),
 where a synchronous call leaves the fabric usable. A collective that fails (a rank died, raised or
 timed out) raises the fabric's error naming the rank that failed first, on every rank
-(:func:`.collectives.translated`).
+(:func:`.collectives.translated`). On a timeline (:mod:`sparsecomm.trace`) a posted or chained call is
+the time its completion spent on the collective's wait and checks.
 
 ``last_stats``: torch.distributed does not report its traffic, so the collectives are booked as estimates
 (:func:`.collectives.book`: the all-reduce at the bandwidth-optimal ring volume); ``last_stats.estimated``
@@ -57,6 +58,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import IncompatibleError, InvalidValueError
+from ...fabric import trace as _trace
 from ...fabric.base import Fabric
 from ...fabric.engine import engine
 from ...payload import Payload
@@ -153,6 +155,9 @@ class Native(Transport):
                         stats = stats + (f.stats - before)
                 stats.wall_time_s = time.perf_counter() - t0
                 self.last_stats = stats
+                if _trace.recorder is not None:      # (its completion's wait and checks: the call's time here)
+                    with calling(call):
+                        self._trace_call(x, t0, stats)
                 out = op.finish(total)
                 if out.shape != x.shape:
                     out = out.reshape(x.shape)
@@ -226,6 +231,9 @@ class Native(Transport):
                     stats = stats + (f.stats - before)
                 stats.wall_time_s = time.perf_counter() - t0
                 self.last_stats = stats
+                if _trace.recorder is not None:
+                    with calling(call):
+                        self._trace_call(x, t0, stats)
                 if tensor:
                     return then(v)
                 if narrow:
