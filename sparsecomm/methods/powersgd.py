@@ -195,7 +195,7 @@ class PowerSGD(Method):
         mats = [_aligned(mat[o:o + k].view(n, m)) for o, k, n, m, r in lay if r]
         for (o, k, n, m, r), x in zip([t for t in lay if t[4]], mats):
             q = _orthonormal(_aligned(st.q[qoff:qoff + m * r].view(m, r)))
-            parts.append(_times(x, q).reshape(-1))
+            parts.append(factor_product(x, q).reshape(-1))
             qoff += m * r
         ms.pending = ("P", mat, lay, mats)
         return _dense(torch.cat(parts) if parts else mat[:0])
@@ -210,7 +210,7 @@ class PowerSGD(Method):
         for (o, k, n, m, r), x in zip([t for t in lay if t[4]], mats):
             p = _orthonormal(_aligned(aggregate[pos:pos + n * r].view(n, r)))
             ps.append(p)
-            qs.append(_times(x, p, transpose=True).reshape(-1))
+            qs.append(factor_product(x, p, transpose=True).reshape(-1))
             pos += n * r
         ms.pending = ("Q", mat, lay, aggregate[:unc].clone(), ps)   # the sums of the whole tensors
         return _dense(torch.cat(qs))
@@ -251,7 +251,7 @@ def _aligned(x: torch.Tensor) -> torch.Tensor:
     return x if x.data_ptr() % _ALIGN == 0 else x.clone()
 
 
-def _times(x: torch.Tensor, f: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+def factor_product(x: torch.Tensor, f: torch.Tensor, transpose: bool = False) -> torch.Tensor:
     """``x @ f`` (``transpose``: ``x^T @ f``) for a tall factor ``f`` of r columns, computed as the transpose of
     ``f^T @ x^T`` (``f^T @ x``): the product with the r-row factor on the left, as one contiguous pass over
     ``x``'s rows. On one thread a BLAS gemm of a transposed n x m matrix by a skinny factor can be 10-25x

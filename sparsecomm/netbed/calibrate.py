@@ -27,7 +27,8 @@ launched rank is given) and reports the median of its repeats:
   ``select_element_s``, :func:`sparsecomm.compressors.topk.topk_indices_numba` of a float32 vector of
   :data:`SELECT_ELEMS` (below the sampling cutoff: every element a candidate), k 1%, per element;
   ``sample_element_s``, :func:`sparsecomm.compressors.topk.sample_magnitudes` of a large vector, per sampled
-  magnitude; ``matmul_mac_s`` and ``matmul_t_mac_s``, PowerSGD's products ``M Q`` and ``M^T P`` of a
+  magnitude; ``matmul_mac_s`` and ``matmul_t_mac_s``, PowerSGD's products ``M Q`` and ``M^T P`` (as it computes them,
+  :func:`sparsecomm.methods.powersgd.factor_product`) of a
   :data:`MATMUL_SHAPE` float32 matrix, per multiply-add; ``kernel_call_s``, a round of method ``ef`` around the
   identity on :data:`KERNEL_ELEMS` float32 (an encode and a decode, whose size does not count), per kernel call
   they declare (:meth:`~sparsecomm.methods.base.Method.work`);
@@ -196,6 +197,7 @@ def codec_costs(quick: bool = False) -> dict:
     """The rates of a method's encode and decode (module docstring), with one torch thread."""
     from .. import methods
     from ..compressors.topk import SAMPLE_SIZE, sample_magnitudes, topk_indices_numba
+    from ..methods.powersgd import factor_product
 
     n, reps = ELEMENTS[quick], REPEATS[quick]
     gen = torch.Generator().manual_seed(1)
@@ -210,8 +212,9 @@ def codec_costs(quick: bool = False) -> dict:
     m = torch.randn(rows, cols, generator=gen)
     q, p = torch.randn(cols, rank, generator=gen), torch.randn(rows, rank, generator=gen)
     macs = rows * cols * rank
-    matmul = _median_s(lambda: m @ q, reps) / macs
-    matmul_t = _median_s(lambda: m.T @ p, reps) / macs
+    # (the products as PowerSGD computes them: methods.powersgd.factor_product)
+    matmul = _median_s(lambda: factor_product(m, q), reps) / macs
+    matmul_t = _median_s(lambda: factor_product(m, p, transpose=True), reps) / macs
     ef = methods.get("ef", compressor="identity")
     st, g = ef.init(KERNEL_ELEMS), torch.randn(KERNEL_ELEMS, generator=gen)
 
