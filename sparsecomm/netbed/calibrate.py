@@ -35,12 +35,12 @@ launched rank is given) and reports the median of its repeats:
 - ``span_block_s``, ``index_block_s``: OmniReduce's per-block costs beyond its bytes, sums and scan, fitted on
   its own calls: a call of each of :data:`BLOCK_POINTS` (two sizes, a sparse and a denser input of random
   non-zero blocks, 256-element float32 blocks as the transport's default) between two processes over gloo on
-  127.0.0.1, the points taking turns call by call, the median over calls of the slowest rank's time, less the same call modelled on the SimFabric
-  with every rate above; the difference is fitted by least squares as ``c + span_block_s * S + index_block_s
-  * I``, where ``S`` and ``I`` are how far the modelled call moves per second per block of each (the call
-  modelled again with that rate at :data:`PROBE_S`: the blocks charged on its critical path) and ``c`` is the
-  per-call cost (measured next, as ``call_s``); a rate fitted below zero is written as 0, the others fitted
-  again without it;
+  127.0.0.1, the points taking turns call by call, the median over calls of the slowest rank's time, less the
+  same call modelled on the SimFabric with every rate above; the difference is fitted by least squares as
+  ``c + span_block_s * S + index_block_s * I``, where ``S`` and ``I`` are how far the modelled call moves per
+  second per block of each (the call modelled again with that rate at :data:`PROBE_S`: the blocks charged on its
+  critical path) and ``c`` is the per-call cost (measured next, as ``call_s``); a rate fitted below zero is
+  written as 0, the others fitted again without it;
 - ``call_s``: per transport of :data:`CALL_GROUPS`, a call of :data:`CALL_ELEMS` float32 (dense; for those of
   :data:`SPARSE_CALLS`, the top-k 1% payload they carry) between two
   processes over gloo on 127.0.0.1 (its services started as the netbed's are), the median over calls of the
