@@ -18,9 +18,10 @@ calls in the same order, or all raise the same error (which clears the record on
 worker holds the same record.
 
 **Prediction.** When the call that followed the last context did so :data:`CONFIRMATIONS` times in a
-row and is *foldable* (a ``native`` all-reduce of a float vector of at most ``fold_max_bytes``, or a
-``native`` gather, :mod:`.native.gather`), the next call is predicted to be it: the same prediction on
-every worker, a function of the same record.
+row and is *foldable* (a ``native`` all-reduce of a float vector of at most ``fold_max_bytes``, a
+``native`` gather, :mod:`.native.gather`, or a ``ring`` or ``omnireduce`` all-reduce of a float vector of at
+most :data:`FOLD_MAX_BYTES`, whose predicted call runs its steps without the handshake), the next call is
+predicted to be it: the same prediction on every worker, a function of the same record.
 
 **The next call**, on each worker:
 

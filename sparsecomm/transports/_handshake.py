@@ -47,10 +47,11 @@ Transports that exchange per-worker headers anyway (allgather) send this header 
 (:func:`header_state`), read each peer's with :func:`read_header` and check agreement locally on the
 gathered headers (:func:`same_call`, :func:`mismatch_error`), with no extra messages.
 
-``native`` skips the handshake on repeated calls: every worker predicts the call from the same record
-of completed calls and the data all-reduce checks the prediction (a worker making another call joins
-it with NaN and runs this handshake; :mod:`._fold`). Every other transport's call is told of a
-prediction by ``Transport.run`` before its first message, so this function needs no change.
+``native``, ``ring`` and ``omnireduce`` skip the handshake on repeated calls (real processes): every worker
+predicts the call from the same record of completed calls and the data all-reduce checks the prediction (a
+worker making another call joins it with NaN and runs this handshake; :mod:`._fold`). Every other
+transport's call is told of a prediction by ``Transport.run`` before its first message, so this function
+needs no change.
 """
 
 from __future__ import annotations

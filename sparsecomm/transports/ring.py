@@ -41,6 +41,12 @@ per worker):
   sum; int16, int32, int64 beyond), then multiplied by the shared scale (its checksum is part of the
   handshake, so a scale that is not shared is a clear error rather than a wrong sum).
 
+A repeated call skips its agreement handshake where the fabric keeps a record of the calls (real processes;
+:mod:`._fold`, as ``native``'s): a float call every worker predicts from the same record runs its steps at once,
+and a worker making another call joins the predicted one with NaN first, so the workers that skipped the
+handshake find NaN in the sum and run it (``Ring._sum_linear``), where it meets the deviator's: the same
+``MismatchError`` on every worker as without the skip. The SimFabric keeps no record: nothing changes there.
+
 Values (:func:`~.linear.guarded_sum`, :mod:`._guards`): an integer input travels in its own dtype when
 ``n`` times the largest magnitude announced in the handshake fits it, else in the narrowest wider integer
 dtype that holds the sum, and the sum is range-checked back (never wrapped); a float sum holding NaN/Inf
@@ -49,6 +55,7 @@ raises on every worker unless ``nonfinite="pass"``.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 
 import torch
@@ -56,7 +63,9 @@ import torch
 from ..errors import InvalidValueError
 from ..fabric.base import Fabric
 from ..fabric.roles import Flush, Inbox, Outbox, Pool, PostInto, Recv, Send, Step
+from . import _fold
 from ._guards import nonfinite_option
+from ._handshake import check_agreement
 from ..theory import costs
 from .base import CallShape, Transport, registry
 from .linear import LinearOperand, guarded_finish, guarded_sum, guarded_sum_role, linear_operand
@@ -247,6 +256,7 @@ class Ring(Transport):
     """Reduce-scatter + all-gather ring over the fabric (see the module docstring)."""
 
     name = "ring"
+    folds = True        # a predicted float call skips its handshake (:mod:`._fold`); it keeps the call record
     carries = frozenset({"dense", "aligned", "quantized"})
     quantized_needs_shared_scale = True
     linear = frozenset({"dense", "aligned", "quantized"})
@@ -283,8 +293,10 @@ class Ring(Transport):
         if n == 1:
             return guarded_sum(f, what, op, extra, self.nonfinite, lambda a: a)
 
+        sched, key, fold, fast = self._enter(op, segment)
         # the handshake and the ring's steps in one drive: the agreement's rounds first, each done (its
-        # send completed) before the next, then the ring's, as two drives would send them
+        # send completed) before the next, then the ring's, as two drives would send them; a predicted
+        # call (fast) has no handshake (a deviator joins it with NaN instead: :meth:`_enter`)
         pool = Pool()
         inbox, outbox = Inbox(f, pool), Outbox(f, pool)
         out: list = []
@@ -292,8 +304,53 @@ class Ring(Transport):
         def reduce_role(a: torch.Tensor):
             return ring_role(f, a, inbox, self.tag, segment, self._workspace)
 
-        # (the ring's requests pass two generator frames: guarded_sum_role's and ring_role's)
-        f.drive([guarded_sum_role(f, inbox, what, op, extra, reduce_role, out=out)], inbox, outbox)
+        if fast:
+            f.drive([_into(reduce_role(op.work_copy()), out)], inbox, outbox)
+        else:
+            # (the ring's requests pass two generator frames: guarded_sum_role's and ring_role's)
+            f.drive([guarded_sum_role(f, inbox, what, op, extra, reduce_role, out=out)], inbox, outbox)
         outbox.finish()
         f.stats.rounds += 2 * (n - 1)
+        if fast:
+            sched.folded += 1
+            if bool(torch.isnan(out[0][0][:1]).any()):   # a deviator's NaN fills every element: the handshake
+                check_agreement(f, what, **op.fields, **extra)
+        if sched is not None:
+            sched.record(key, fold)
         return guarded_finish(f, what, op, *out[0], self.nonfinite)
+
+    def _enter(self, op: LinearOperand, segment: int):
+        """The call's place in the fabric's record of calls (:mod:`._fold`): ``(schedule, key, fold, fast)``.
+        ``fold``: how a deviator joins this call (a float vector of at most :data:`._fold.FOLD_MAX_BYTES`;
+        else None); ``fast``: this call is the predicted one (it skips its handshake). A call that is not
+        the predicted one joins the predicted call first (NaN); its own handshake then meets those of the
+        workers that took the fast path. No record (the SimFabric): ``(None, None, None, False)``."""
+        sched = _fold.schedule(self.fabric)
+        if sched is None:
+            return None, None, None, False
+        v = op.vector
+        key = ("ring", *[(k, int(val)) for k, val in op.fields.items()], ("segment_length", segment),
+               *sched.call_key())
+        fold = None
+        if v.is_floating_point() and not op.codes and 0 < v.numel() * v.element_size() <= _fold.FOLD_MAX_BYTES:
+            fold = _fold.Fold(key, v.numel(), v.dtype, v.device, functools.partial(self._join, segment))
+        predicted = sched.predicted()
+        fast = predicted is not None and fold is not None and predicted.key == key
+        if predicted is not None and not fast:
+            sched.deviate(predicted)        # then this call's own handshake (guarded_sum_role's)
+        return sched, key, fold, fast
+
+    def _join(self, segment: int, vector: torch.Tensor) -> None:
+        """A deviator's part in the predicted call (:meth:`_fold.Schedule.deviate`): the ring's steps on
+        ``vector`` (NaN), without a handshake, the sum dropped."""
+        pool = Pool()
+        inbox, outbox = Inbox(self.fabric, pool), Outbox(self.fabric, pool)
+        self.fabric.drive([ring_role(self.fabric, vector, inbox, self.tag, segment, self._workspace)], inbox, outbox)
+        outbox.finish()
+
+
+def _into(role, out: list):
+    """``role``, its value appended to ``out`` as ``(total, False)`` (what :func:`~.linear.guarded_sum_role`
+    appends: a float sum is never widened)."""
+    total = yield from role
+    out.append((total, False))

@@ -58,7 +58,11 @@ disagree on the length, dtype, kind, block size or shared indices/scale all rais
 :class:`~sparsecomm.errors.MismatchError` after the first round; before it, the workers run the
 agreement handshake every transport runs (:func:`.._handshake.agreement_role`, one fixed-size header
 with the transport's name, run to its end first in the call's own drive), so a rank that calls another transport is a ``MismatchError`` naming both
-on every rank, not a timeout. The result has the input's dtype:
+on every rank, not a timeout. A repeated call skips that handshake where the fabric keeps a record of the
+calls (real processes; :mod:`.._fold`): a dense float call that every worker predicts from the same record
+runs at once, and a worker making another call joins the predicted one with NaN first, so the workers that
+skipped it find NaN in the sum and run the handshake of the call (:meth:`OmniReduce._resolve`), which meets
+the deviator's: the same ``MismatchError`` on every worker as without the skip. The result has the input's dtype:
 integer sums are exact (the aggregators add in int64) and range-checked against it
 (:class:`~sparsecomm.errors.OverflowError_`, never wrapped). NaN/Inf in a float sum raise
 :class:`~sparsecomm.errors.NonFiniteError` (finite inputs that overflow, ``OverflowError_``) on every
@@ -83,7 +87,8 @@ import functools
 import torch
 
 from ...errors import InvalidValueError
-from .._handshake import agreement_role
+from .. import _fold
+from .._handshake import KIND_CODE, agreement_role, check_agreement, dtype_code
 from .._guards import abs_max, check_dtype, guard_finite, is_integer, narrow, nonfinite_option
 from ...fabric import services
 from ...fabric.roles import Pool
@@ -141,6 +146,7 @@ class OmniReduce(Transport):
     """
 
     name = "omnireduce"
+    folds = True        # a predicted dense call skips its handshake (:mod:`.._fold`); it keeps the call record
     carries = frozenset({"dense", "aligned", "sparse", "quantized"})
     quantized_needs_shared_scale = True
     linear = frozenset({"dense", "aligned", "quantized"})
@@ -219,10 +225,16 @@ class OmniReduce(Transport):
                         wire.KINDS.index(kind), check, absmax)
 
     def _run(self, spec: CallSpec, source, make_sink, home: bool = False):
+        """One call on this worker: its fold (:meth:`_enter`), the agreement handshake unless the call was
+        predicted, the protocol (:func:`.worker.run_worker`), and a predicted call's check for a deviator
+        (a NaN first element: :meth:`_resolve`); then the call is recorded."""
+        sched, key, fold, fast = self._enter(spec, source)
         # the agreement header every transport's workers exchange first (fixed size, the transport's name
         # in it): a rank that runs another transport gets a MismatchError naming both, on every rank. It
-        # runs to its end first, in the call's own drive (the role is made by run_worker on this thread)
-        first = functools.partial(agreement_role, self.fabric, what=wire.WHAT, transport=self.name)
+        # runs to its end first, in the call's own drive (the role is made by run_worker on this thread).
+        # A predicted call has none (a deviator joins it with NaN instead: :meth:`_enter`)
+        first = None if fast else functools.partial(agreement_role, self.fabric, what=wire.WHAT,
+                                                     transport=self.name)
         self._pending = None
         self._last_sink = None
 
@@ -247,7 +259,64 @@ class OmniReduce(Transport):
         if self._pending is not None:       # a cached result: zero its stale blocks
             ResultCache.done(*self._pending)
             self._pending = None
+        if fast:
+            sched.folded += 1
+            if bool(torch.isnan(out[0][:1]).any()):    # a deviator's NaN fills every block: the handshake
+                self._resolve(spec)
+        if sched is not None:
+            sched.record(key, fold)
         return out
+
+    # ------------------------------------------------------------------ fold
+    def _enter(self, spec: CallSpec, source):
+        """The call's place in the fabric's record of calls (:mod:`.._fold`): ``(schedule, key, fold,
+        fast)``. ``fold``: how a deviator joins this call (a dense float call of at most
+        :data:`.._fold.FOLD_MAX_BYTES`; else None); ``fast``: this call is the predicted one (it skips
+        its handshake). A call that is not the predicted one joins the predicted call first (NaN) and
+        runs its handshake (:meth:`_resolve`), which meets those of the workers that took the fast path
+        (or of the other deviators: all agree when every worker changed alike). No record (the
+        SimFabric, one worker): ``(None, None, None, False)``."""
+        sched = _fold.schedule(self.fabric)
+        if sched is None:
+            return None, None, None, False
+        key = ("omnireduce", self.deployment, *self.aggregators, *self._fields(spec).values(),
+               *sched.call_key())
+        fold = None
+        nbytes = spec.numel * spec.up.itemsize
+        if (isinstance(source, DenseSource) and spec.kind == wire.KINDS.index("dense") and spec.up.is_floating_point
+                and 0 < nbytes <= _fold.FOLD_MAX_BYTES):
+            fold = _fold.Fold(key, spec.numel, spec.up, source.flat.device, functools.partial(self._join, spec))
+        predicted = sched.predicted()
+        fast = predicted is not None and fold is not None and predicted.key == key
+        if predicted is not None and not fast:
+            sched.deviate(predicted)
+            self._resolve(spec)
+        return sched, key, fold, fast
+
+    @staticmethod
+    def _fields(spec: CallSpec) -> dict:
+        """What a fold's handshake compares: the call's description (the round-0 header's fields)."""
+        return {"length": spec.numel, "dtype": dtype_code(spec.up),
+                "payload_kind": KIND_CODE[wire.KINDS[spec.kind]], "block_size": spec.block_size,
+                "aggregators": spec.num_aggregators, "channels": spec.channels, "lanes": spec.lanes,
+                "shared_check": spec.check}
+
+    def _resolve(self, spec: CallSpec) -> None:
+        """The handshake of a call whose fold may have failed (:mod:`.._fold`): a deviator's after it
+        joined the predicted call, a predicted call's whose sum has a NaN first element. Workers that
+        disagree (another call, another transport) raise :class:`~sparsecomm.errors.MismatchError` on every
+        worker; if all agree the NaN is the data's (the non-finite rules then apply)."""
+        check_agreement(self.fabric, wire.WHAT, transport=self.name, **self._fields(spec))
+
+    def _join(self, spec: CallSpec, vector: torch.Tensor) -> None:
+        """A deviator's part in the predicted call ``spec`` (:meth:`_fold.Schedule.deviate`): the protocol run
+        on ``vector`` (NaN in every block), without a handshake, its sum dropped."""
+        def sink(down):
+            out = torch.zeros(spec.numel, dtype=down)
+            return out, BlockSink(out, spec.block_size)
+
+        run_worker(self.fabric, spec, DenseSource(vector, spec.block_size, lazy=True), sink, self.aggregators,
+                   self.own, self._pool)
 
     def _result(self, numel: int, dtype: torch.dtype):
         """A zero result tensor and its sink (from the result cache)."""
