@@ -392,6 +392,16 @@ def _transport_name(transport) -> str:
     return str(getattr(transport, "name", None) or type(transport).__name__)
 
 
+def _timed_step(task: Task, net: nn.Module, opt, b) -> float:
+    """The wall time of one step (``zero_grad``, forward, backward, ``step``) of ``opt`` through ``net`` on
+    batch ``b``."""
+    start = time.perf_counter()
+    opt.zero_grad()
+    task.loss(net, b).backward()
+    opt.step()
+    return time.perf_counter() - start
+
+
 def _compute_step_s(task: Task, rank: int, group) -> float:
     """Median time of a step with no communication (a fresh model and optimizer, the same batches), every
     worker at once."""
@@ -401,12 +411,9 @@ def _compute_step_s(task: Task, rank: int, group) -> float:
     for t in range(COMPUTE_WARMUP + COMPUTE_STEPS):
         b = task.batch(rank, t)
         dist.barrier(group=group)
-        t0 = time.perf_counter()
-        opt.zero_grad()
-        task.loss(model, b).backward()
-        opt.step()
+        took = _timed_step(task, model, opt, b)
         if t >= COMPUTE_WARMUP:
-            times.append(time.perf_counter() - t0)
+            times.append(took)
     return statistics.median(times)
 
 
@@ -445,12 +452,7 @@ def _train_one(ctx, task: Task, scheme: Scheme, group, time_cap_s: float,
     elapsed, link_bytes, curve = 0.0, 0.0, []
     reached, steps, metric = False, 0, float("nan")
     for t in range(task.max_steps):
-        b = task.batch(ctx.rank, t)
-        t0 = time.perf_counter()
-        opt.zero_grad()
-        task.loss(net, b).backward()
-        opt.step()
-        elapsed += time.perf_counter() - t0
+        elapsed += _timed_step(task, net, opt, task.batch(ctx.rank, t))
         steps = t + 1
         if ledger is not None:
             st = ledger.last_stats
@@ -494,17 +496,9 @@ def _breakdown(ctx, task: Task, net: nn.Module, opt, group, t0: int, path: str) 
         for t in range(t0, t0 + BREAKDOWN_STEPS):
             b = task.batch(ctx.rank, t)
             dist.barrier(group=group)
-            start = time.perf_counter()
-            local_opt.zero_grad()
-            task.loss(local, b).backward()
-            local_opt.step()
-            sums["compute_s"] += time.perf_counter() - start
+            sums["compute_s"] += _timed_step(task, local, local_opt, b)
             dist.barrier(group=group)
-            start = time.perf_counter()
-            opt.zero_grad()
-            task.loss(net, b).backward()
-            opt.step()
-            sums["step_s"] += time.perf_counter() - start
+            sums["step_s"] += _timed_step(task, net, opt, b)
         for e in rec.events:
             key = {"phase": f"{e['name']}_s", "call": "transport_s", "wait": "wait_s"}.get(e["cat"])
             if key in sums:
