@@ -28,9 +28,9 @@ Processes and tracks. The process of an endpoint (``pid``) is its rank (services
 sees (a second simulated world) has the pids from ``k * RUN_STRIDE``. Its tracks (``tid = pid * LANE_STRIDE
 + lane``, unique in a file, as Perfetto wants) are ``calls``, ``sends``, ``receives``, ``waits``,
 ``compute`` and ``phases``, named by metadata events (``ph: "M"``). ``otherData["sparsecomm"]`` says each run's
-clock and,
-for a real job, its name, and when the recorder started, on the wall clock and on ``time.perf_counter`` (one
-clock for every process of a machine), with the machine's name: what :func:`sparsecomm.trace.merge` aligns.
+clock and, for a real job, its name, and when the recorder started, on the wall clock and on
+``time.perf_counter`` (one clock for every process of a machine), with the machine's name: what
+:func:`sparsecomm.trace.merge` aligns.
 
 Cost. Recording off, each hook (in ``Transport.run``, the SimFabric's send, take and compute, TorchFabric's
 post and completion) is one check of :data:`recorder`; recording on, it appends events and changes neither
