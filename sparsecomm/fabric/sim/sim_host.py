@@ -29,11 +29,12 @@ modelled clocks (``host=None``, the default: no host cost, every modelled time a
   copy, a division, a cast, a finiteness check; the allgather transport declares its sum's too: the result
   zeroed and checked, each worker's values added); ``"select"``, elements a top-k selection runs over
   (``select_element_s``: the partial sort among candidates); ``"sample"``, magnitudes a top-k draws at random
-  positions for its threshold (``sample_element_s``); ``"matmul"``, multiply-adds of a product that reads the
-  large matrix by rows (``matmul_mac_s``: PowerSGD's ``M Q`` and ``P Q^T``); ``"matmul_t"``, multiply-adds of one
-  that reads it by columns (``matmul_t_mac_s``: PowerSGD's ``M^T P``); ``"kernel"``, calls whose fixed cost
-  counts (``kernel_call_s``: a method call's Python, a thin QR, a top-k's set-up). Every rate 0 (the
-  default, and a profile without them): no charge, the modelled times as without them.
+  positions for its threshold (``sample_element_s``); ``"matmul"``, multiply-adds of a product of the large matrix
+  with a skinny factor (``matmul_mac_s``: PowerSGD's ``M Q`` and ``P Q^T``); ``"matmul_t"``, multiply-adds of one
+  of its transpose (``matmul_t_mac_s``: PowerSGD's ``M^T P``, as :func:`sparsecomm.methods.powersgd.factor_product`
+  computes it); ``"kernel"``, calls whose fixed cost counts (``kernel_call_s``: a method call's Python, a thin
+  QR, a top-k's set-up). Every rate 0 (the default, and a profile without them): no charge, the modelled times
+  as without them.
 
 A model that charges a fixed CPU time per message (``send_message_s + recv_message_s > 0``) is a host
 whose messages want to be long, as a real fabric's are: the SimFabric then declares the real fabric's
@@ -136,8 +137,8 @@ class HostModel:
         elementwise_element_s: seconds per element of an elementwise pass of a method or compressor.
         select_element_s: seconds per element a top-k selection runs over.
         sample_element_s: seconds per magnitude a top-k samples for its threshold.
-        matmul_mac_s: seconds per multiply-add of a product reading its large matrix by rows.
-        matmul_t_mac_s: seconds per multiply-add of a product reading its large matrix by columns.
+        matmul_mac_s: seconds per multiply-add of a product of a large matrix with a skinny factor.
+        matmul_t_mac_s: seconds per multiply-add of a product of a large matrix's transpose with a skinny factor.
         kernel_call_s: seconds per call of a method's or compressor's kernel whose fixed cost counts.
         call_s: transport name (``"ring"``, ``"omnireduce"``, ...) -> seconds per call of it, on every
             worker (default: none; a transport not in it is charged nothing).
