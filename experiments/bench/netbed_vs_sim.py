@@ -293,9 +293,7 @@ def compare_loopback(workers: int, size_mb: float, profile: str, names: list[str
                  measured_s=r["median_s"], times_s=r["times_s"], ref_times_s=r["ref_times_s"],
                  modelled_s=modelled[(r["case"], r["density"])])
             for r in real if (r["case"], r["density"]) in modelled]
-    from .transports import Case
-
-    probe_net = profile_network(profile, Case("ring"), workers, cores, **LOOPBACK_WIRE)
+    probe_net = profile_network(profile, tb.Case("ring"), workers, cores, **LOOPBACK_WIRE)
     return {"rows": rows, "link": link, "modelled_link": modelled_link(workers, probe_net)}
 
 

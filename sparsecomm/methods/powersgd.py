@@ -148,6 +148,11 @@ class PowerSGD(Method):
             off += n * m
         return out
 
+    def _exact_round(self, ms, exact: bool) -> bool:
+        """Whether an encode with ``ms`` sends the bucket uncompressed: an exact round, or a step before
+        ``start_powerSGD_iter`` (what :meth:`_encode` does and :meth:`work` prices)."""
+        return exact or ms.rounds < self.start_powerSGD_iter
+
     def work(self, phase, state, d, *, exact=False, shapes=None):
         """Per compressed matrix (n x m, rank r): encode ``M Q`` (``matmul``, n m r) and a QR; the P round
         ``M^T P`` (``matmul_t``) and a QR; decode ``P Q^T`` (``matmul``); and the passes over the bucket (the
@@ -155,7 +160,7 @@ class PowerSGD(Method):
         ef = d if self.use_error_feedback else 0
         pend = state.pending
         if phase == "encode":
-            if exact or state.rounds < self.start_powerSGD_iter:
+            if self._exact_round(state, exact):
                 return {"elementwise": ef + 2 * d, "kernel": 1}
             lay = self._layout(tuple(map(torch.Size, shapes)) if shapes is not None else state.shapes_of(d))
         elif pend is not None and pend[0] in ("P", "Q"):
@@ -183,7 +188,7 @@ class PowerSGD(Method):
         st = ms.state
         mat = grad.add_(st.error) if self.use_error_feedback else grad
         check_finite(mat, self.name)
-        if exact or ms.rounds < self.start_powerSGD_iter:
+        if self._exact_round(ms, exact):
             st.error.zero_()
             ms.pending = ("exact",)
             return dense_payload(mat)
