@@ -9,7 +9,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from sparsecomm.fabric.sim.sim_network import Endpoint, Msg, Network
+from sparsecomm.fabric.sim.sim_network import FIXED, Endpoint, Msg, Network
 from sparsecomm.fabric.sim.sim_wait import OrderedWait
 
 
@@ -35,3 +35,24 @@ def test_incremental_state_matches_a_fresh_measure_after_every_arrival():
             w.arrived(msg, ep.schedule(msg))
             fresh.recompute()
             assert _state(w) == _state(fresh)
+
+
+def test_a_switch_takes_a_ports_messages_in_arrival_order_whatever_their_tags():
+    """A ``per_port`` endpoint (a switch) whose clock is past two messages of one worker on two tags takes the
+    earlier first, though the wait lists the other tag's receive first; any other endpoint follows the order of
+    preference while both are in, and on a tie a switch does too."""
+    for per_port, ahead in ((True, True), (False, True), (True, False)):
+        ep = Endpoint(Network(), 0, 1e9, 1e-6, per_port, "ep")
+        for tag, start in ((1, 0.0), (0, 1e-6)):           # tag 1 sent first
+            msg = Msg(3, tag, torch.empty(0), 16, start, start + 1e-6, start + 16 / 1e9)
+            ep.mailbox.setdefault((3, tag), deque()).append(msg)
+            ep.schedule(msg)
+        if not ahead:                                      # the same delivery: a tie
+            for q in ep.mailbox.values():
+                q[0].delivered, q[0].stamp = 5e-6, FIXED
+        ep.clock = 1e-3                                    # busy past both
+        w = OrderedWait(ep, [[(None, 0)], [(None, 1)]])
+        want = 1 if per_port and ahead else 0
+        assert w.first(clock_only=True) == (1e-3, want)
+        w.recompute()
+        assert w.first() == (1e-3, want)

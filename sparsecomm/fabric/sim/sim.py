@@ -301,7 +301,10 @@ class SimFabric(Fabric):
         in modelled time; an element is a receive or a list of receives (in once all of them are).
         Its receives are completed (in arrival order); an already completed element (e.g. a send) is
         returned at once. A caller lists the elements in order of preference: that order holds while
-        the messages are there, and whichever arrives first is served when none is.
+        the messages are there, and whichever arrives first is served when none is. On a ``per_port``
+        endpoint (a switch) the element in first is chosen even while several are there (the lowest index
+        on a tie): a switch port's packets are taken in the order they arrived, whatever their tags
+        (:mod:`.sim_wait`).
 
         Ordered, like a ``per_port`` endpoint's any-source receive: unless the first element is in by
         this endpoint's clock already, the choice is made when the first element's arrival is the

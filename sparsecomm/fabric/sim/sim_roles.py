@@ -279,8 +279,9 @@ class RoleWaits:
 
     # ------------------------------------------------------------------ a choice
     def exact(self) -> bool:
-        """Do the records decide the choice (no odd group, no channel two groups share)?"""
-        return not self.odd
+        """Do the records decide the choice (no odd group, no channel two groups share, and not a ``per_port``
+        endpoint, whose choice is by arrival: :mod:`.sim_wait`)?"""
+        return not self.odd and not self.ep.per_port
 
     def choose(self, order: list) -> int | None:
         """Start a choice over the groups of ``order`` (``(stage, sequence number)`` of the roles able to

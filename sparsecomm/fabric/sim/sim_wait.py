@@ -3,7 +3,13 @@ of its groups of receives is in, kept up to date as messages arrive.
 
 A group (a list of ``(source, tag)`` receives) is in once each of its receives has a message at the head
 of its queue, at ``t_g = max(0, delivered of those heads)``. The wait's event is
-``max(clock, min t_g)`` over the groups in, and its choice ``(t, i)`` the lowest ``i`` with ``t_i <= t``.
+``max(clock, min t_g)`` over the groups in, and its choice ``(t, i)`` the lowest ``i`` with ``t_i <= t``
+(the caller's order of preference), except on a ``per_port`` endpoint (a switch): there it is the group in
+first, the lowest ``i`` among those in at ``min t_g``, even when the endpoint's clock is past several of them.
+A switch's port is a queue: a worker's packets are taken in the order they arrived, whatever their tags (the
+sparse switch's value packets and skip headers travel on two), which the switches' loss recovery relies on (a
+worker's retransmission must not be taken after its packet of the slot's next round:
+:mod:`sparsecomm.transports.switchml.sparse.dataplane`).
 Recomputing that from the mailbox costs a pass over every receive of every group; here an arrival costs
 O(1) in the common case: a message that becomes the head of a queue of a group not yet in lowers that
 group's count of missing heads and raises its running maximum. When the arrival may have re-timed messages
@@ -35,6 +41,7 @@ class OrderedWait:
         self.latest: list[float] = []    # per group: the latest delivery of its receives' heads
         self.t_min: float | None = None  # min over the groups in of their time
         self.measured = False            # recompute() has run (first(clock_only=True) needs only group 0)
+        self.arrival = ep.per_port       # choose the group in first, not the first in order (module docstring)
 
     def _any_head(self, tag: int) -> Msg | None:
         """The first message on ``tag`` from any source (by head, then source)."""
@@ -112,9 +119,21 @@ class OrderedWait:
         return None if self.t_min is None else max(self.ep.clock, self.t_min)
 
     def first(self, clock_only: bool = False) -> tuple[float, int] | None:
-        """``(t, i)``: :meth:`event` and the lowest index of a group in by then. ``clock_only``: group 0,
-        and only if it is in by the clock."""
+        """``(t, i)``: :meth:`event` and the lowest index of a group in by then (on a ``per_port`` endpoint
+        the group in first, the lowest index on a tie). ``clock_only``: group 0, and only if it is in by the
+        clock (on a ``per_port`` endpoint the group in first, if it is in by the clock)."""
         clock = self.ep.clock
+        if self.arrival:
+            if clock_only and not self.measured:
+                self.recompute()
+            t = clock if clock_only else self.event()
+            if t is None:
+                return None
+            best = None
+            for i, (m, d) in enumerate(zip(self.missing, self.latest)):
+                if not m and d <= t and (best is None or d < self.latest[best]):
+                    best = i
+            return None if best is None else (t, best)
         if clock_only:
             if not self.measured:
                 self.missing, self.latest = [0], [0.0]

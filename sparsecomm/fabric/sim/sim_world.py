@@ -17,9 +17,9 @@ Semantics (the same as a conservative parallel discrete-event simulation, determ
 - a *plain* receive (from one source, or from any source on an endpoint that is not ``per_port``) takes
   the first matching message as soon as it is in the mailbox (within its deadline, if any);
 - an *ordered* wait (an any-source receive of a ``per_port`` endpoint, a switch; every ``wait_any``
-  whose first group is not in by the endpoint's clock) takes a message only when its delivery is the
-  earliest event of the world, so a packet is handled at its own arrival time and a self-clocked
-  protocol sees the order of modelled time, not of the threads;
+  whose first group -- on a ``per_port`` endpoint, any group -- is not in by the endpoint's clock) takes
+  a message only when its delivery is the earliest event of the world, so a packet is handled at its own
+  arrival time and a self-clocked protocol sees the order of modelled time, not of the threads;
 - a deadline (a receive's ``timeout=``, modelled seconds) fires when it is the earliest event;
 - with nothing able to run and no event or deadline pending while a worker waits, the run is
   deadlocked: every waiting process raises :class:`FabricTimeout` naming what each waits for.

@@ -359,7 +359,10 @@ class Dataplane:
 
         On SimFabric (one packet per datagram) two roles, one per tag, each waiting for an any-source receive:
         value packets on ``TAG_UP`` and 16-byte skip headers on ``TAG_SKIP``, whichever is in first
-        in modelled time served first (the value packets' on a tie); replies are sent ``tracked=False`` (never
+        in modelled time served first (the value packets' on a tie), also while the switch is busy past both
+        (the SimFabric's choice on a ``per_port`` endpoint): a port is one queue, and a worker's retransmission
+        taken after its packet of the slot's next round would be counted as that set's next round (the seen
+        bitmap's rule assumes a port's packets in order, as SwitchML's); replies are sent ``tracked=False`` (never
         waited for: the ports transmit in parallel). With bursts (real fabrics, where a message costs far
         more than its bytes; or a burst set on SimFabric) one role: a message is up to ``burst`` rows of
         ``HEADER + k`` words, skips padded (a receive of ``burst`` rows, every row ``T_EMPTY`` when posted,
