@@ -191,7 +191,7 @@ class BlockSink:
         seen = np.zeros(-(-self.numel // self.block_size), dtype=bool)
         for ids in self.written:
             seen[ids] = True
-        return np.flatnonzero(seen)
+        return seen.nonzero()[0]
 
     def written_finite(self) -> bool:
         """Whether every written block is finite (float results). A call writes only the union's blocks;
