@@ -251,6 +251,10 @@ class Waits:
                 self._watched(pend)
         else:
             limit = timeout if timeout is not None else (None if service else self._timeout_s)
+            if pend.done is not None and pend.done.is_set():    # a helper thread saw it complete: as _timed ends
+                if pend.error is not None:
+                    raise self.error(pend.error, pend, limit) from pend.error
+                return
             self._timed(pend, limit, service)
 
     def _blocking(self, pend: Pending) -> None:
@@ -359,8 +363,7 @@ class Waits:
         groups = [list(el) if isinstance(el, (list, tuple)) else [el] for el in works]
         deadline = time.monotonic() + self._timeout_s
         while True:
-            with COMPLETIONS:
-                seen = _generation[0]
+            seen = _generation[0]      # (an int's read: the wait below compares it under the lock)
             for i, g in enumerate(groups):
                 if all(w.is_completed() for w in g):
                     for w in g:
