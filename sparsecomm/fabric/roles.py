@@ -423,8 +423,16 @@ def groups(inbox: Inbox, outbox: Outbox, cands) -> tuple[list, list, list]:
     return out, owner, picks
 
 
+#: a blocking driver (:func:`drive`) resumes a role able to run whose wait is :attr:`~Stage.sure` at once, ahead
+#: of preferred roles whose waits are not, when the receives it still lacks hold at most this many bytes
+#: (``docs/omnireduce-scheduler.md``, rule R3): such messages were sent before their senders' first wait,
+#: so they are in or on their way, and a few tens of microseconds of wire beat a helper thread per receive
+#: that a :class:`WaitAny` costs on gloo (two thread hand-offs each)
+SURE_BLOCK_BYTES = 1 << 16
+
+
 def schedule(fabric, inbox: Inbox, outbox: Outbox, roles: list, keep: int = 64,
-             waitset: WaitSet | None = None) -> Generator:
+             waitset: WaitSet | None = None, *, blocking: bool = False) -> Generator:
     """The scheduler of an endpoint as a generator (the sans-I/O core of :func:`drive`): it runs the
     ``roles`` and yields only what it must wait for, a :class:`WaitAny` (sent back the index chosen) or a
     :class:`WaitAll`; its driver performs those waits (:func:`drive` blocks in them, or in the role's takes;
@@ -432,8 +440,10 @@ def schedule(fabric, inbox: Inbox, outbox: Outbox, roles: list, keep: int = 64,
     :class:`Pool` do, which on every fabric completes without another endpoint's progress (rule R12).
     ``waitset``: the driver's :class:`WaitSet`, told which roles are able to run; the scheduler then yields a
     :class:`Choose` (sent back the role chosen) where it would yield a :class:`WaitAny`, the same choice
-    without rebuilding the groups each time."""
-    return _Scheduler(fabric, inbox, outbox, waitset).run(roles, keep)
+    without rebuilding the groups each time. ``blocking``: the driver learns of an arrival only by blocking
+    (or by a helper thread per receive, :func:`drive` on gloo): a small :attr:`~Stage.sure` wait is then
+    resumed at once rather than raced in a :class:`WaitAny` (:data:`SURE_BLOCK_BYTES`)."""
+    return _Scheduler(fabric, inbox, outbox, waitset, blocking).run(roles, keep)
 
 
 def drive(fabric, inbox: Inbox, outbox: Outbox, roles: list, keep: int = 64) -> None:
@@ -442,13 +452,14 @@ def drive(fabric, inbox: Inbox, outbox: Outbox, roles: list, keep: int = 64) -> 
     has returned. While some wait, resume the first (by :class:`Stage`) of those able to run whose messages
     are in by the time the first such is (:meth:`.base.Fabric.wait_any`); the only one able to run, or a
     preferred one whose wait is :attr:`~Stage.sure`, once its messages are in (an ``any`` wait with none
-    in: its first key's). Before choosing, when every role able to run waits at a stage that
+    in: its first key's); else the first sure one whose receives are small (:data:`SURE_BLOCK_BYTES`), the
+    same way. Before choosing, when every role able to run waits at a stage that
     :attr:`~Stage.reaps`, finish all but ``keep`` of this endpoint's sends. A role's exception ends the
     call (it propagates to the caller); a role that can never run is a bug, reported as
     :class:`~sparsecomm.errors.ProtocolError`. It never blocks on one role while another could run, unless
     on messages that come whatever this endpoint does: every wait ends, on any fabric
     (``docs/omnireduce-scheduler.md``). This driver performs :func:`schedule`'s waits by blocking."""
-    sched = schedule(fabric, inbox, outbox, roles, keep)
+    sched = schedule(fabric, inbox, outbox, roles, keep, blocking=True)
     value = None
     while True:
         try:
@@ -510,8 +521,10 @@ class _Scheduler:
     in Python (only C's compare of the two tuples). It keeps its place among roles waiting at an equal stage
     (it began to wait at its first ``any`` wait); any other next request of the role drops the watch."""
 
-    def __init__(self, fabric, inbox: Inbox, outbox: Outbox, waitset: WaitSet | None = None) -> None:
+    def __init__(self, fabric, inbox: Inbox, outbox: Outbox, waitset: WaitSet | None = None,
+                 blocking: bool = False) -> None:
         self.fabric, self.inbox, self.outbox, self.waitset = fabric, inbox, outbox, waitset
+        self.blocking = blocking    # (:func:`schedule`: small sure waits are resumed at once, R3)
         self.waiting: dict = {}     # sequence number -> [role, Recv]; in the order the roles began to wait
         self.lacks: dict = {}       # sequence number -> conditions of R1 not met yet
         self.able: set = set()      # sequence numbers with none lacking
@@ -600,9 +613,36 @@ class _Scheduler:
                 s, got = yield Choose(order)
                 yield from self.resume(s, got)
                 continue
+            if self.blocking:
+                s = self._small_sure()
+                if s is not None:       # (its wait ends whatever this endpoint does: R3, R4)
+                    req = waiting[s][1]
+                    got = yield WaitAll(req.keys, req.any)
+                    yield from self.resume(s, got)
+                    continue
             groups_, owner, picks = groups(self.inbox, self.outbox, [(s, waiting[s][1]) for _, s in order])
             i = yield WaitAny(groups_)
             yield from self.resume(owner[i], picks[i])
+
+    def _small_sure(self) -> int | None:
+        """A blocking driver's shortcut (rule R3): the first role able to run, in preference order, whose wait
+        is :attr:`~Stage.sure`, not ``any``, with no ``free`` buffer, whose posted receives (in or not: a look
+        would cost a helper thread) hold at most :data:`SURE_BLOCK_BYTES` in all; else ``None``."""
+        box = self.inbox._box
+        for stage, s in self.order:
+            if not stage.sure:
+                continue
+            req = self.waiting[s][1]
+            if req.any or req.free is not None:
+                continue
+            nbytes = 0
+            for k in req.keys:
+                work, buf = box[k]
+                if work is not None and buf is not None:
+                    nbytes += buf.nbytes
+            if nbytes <= SURE_BLOCK_BYTES:
+                return s
+        return None
 
     def advance(self, role, first=None, value=None) -> Generator:
         """Run ``role`` until it waits (or returns), performing its non-blocking requests (a generator: a

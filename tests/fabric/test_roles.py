@@ -327,3 +327,59 @@ def test_an_any_wait_on_the_keys_left_goes_on_with_the_watch_it_had(monkeypatch)
             value = [g == [w] for g in req.groups].index(True)
     assert got == keys[::-1]
     assert hashed[0] < 10 * n, hashed[0]
+
+
+@pytest.mark.parametrize("large", [False, True])
+def test_a_blocking_driver_resumes_a_small_sure_role_at_once_and_races_a_large_one(large):
+    # the generic (blocking) driver: a preferred role that is not sure waits on "a", a sure one on "b". With b's
+    # receive small, the sure role is resumed at once (its take blocks; no wait_any, so no helper thread per
+    # receive on gloo), then the other; with b's receive over SURE_BLOCK_BYTES, the two are raced in a
+    # wait_any (R3), where the preferred one's message comes first here
+    from sparsecomm.fabric.roles import SURE_BLOCK_BYTES
+
+    events = []
+
+    class _Work:
+        def __init__(self, name):
+            self.name, self.done = name, False
+
+        def is_completed(self):
+            return self.done
+
+        def wait(self, timeout=None):
+            events.append(("wait", self.name))
+            self.done = True
+
+    class _Fabric:
+        rank, world_size = 0, 3
+
+        def irecv(self, buf, src, tag):
+            return _Work("ab"[src - 1])
+
+        def wait_any(self, groups):
+            events.append(("wait_any", len(groups)))
+            for w in groups[0]:
+                w.wait()
+            return 0
+
+    f, pool = _Fabric(), Pool()
+    inbox, outbox = Inbox(f, pool), Outbox(f, pool)
+    taken = []
+
+    def preferred():
+        yield Post("a", 4, 1, 1)
+        yield Recv(("a",), OwnStage(phase=0))
+        taken.append("a")
+        inbox.take("a")
+
+    def sure():
+        yield Post("b", SURE_BLOCK_BYTES + 1 if large else SURE_BLOCK_BYTES, 2, 1)
+        yield Recv(("b",), OwnStage(phase=1, sure=True))
+        taken.append("b")
+        inbox.take("b")
+
+    Fabric.drive(f, [preferred(), sure()], inbox, outbox)
+    if large:
+        assert taken == ["a", "b"] and events[0] == ("wait_any", 2)
+    else:
+        assert taken == ["b", "a"] and events == [("wait", "b"), ("wait", "a")]

@@ -160,6 +160,7 @@ class TorchFabric(Fabric):
         self._cuda = self.backend == "nccl"
         self._pg = dist.group.WORLD if group is None else group
         self._ranks = JobRanks(world_size, services, members)
+        self._total = self._ranks.total     # (:attr:`total_ranks`, read per message)
         self._store = store
         if shutdown_key is None:
             shutdown_key = ("sparsecomm/workers_done" if members is None else
@@ -219,11 +220,11 @@ class TorchFabric(Fabric):
         return self._ranks.total
 
     def _check_peer(self, peer: int) -> None:
-        me = self._ranks.name(self.rank)
-        if not 0 <= peer < self.total_ranks:
+        if not 0 <= peer < self._total or peer == self.rank:      # (the names only for the error)
+            me = self._ranks.name(self.rank)
+            if peer == self.rank:
+                raise InvalidValueError(f"{me}: cannot send to or receive from itself")
             raise InvalidValueError(f"{me}: no rank {peer} (the job has {self.total_ranks})")
-        if peer == self.rank:
-            raise InvalidValueError(f"{me}: cannot send to or receive from itself")
 
     @staticmethod
     def _check_tag(tag: int) -> None:
@@ -260,15 +261,17 @@ class TorchFabric(Fabric):
 
     # --------------------------------------------------------------- sending
     def _post_send(self, tensor: torch.Tensor, dst: int, tag: int) -> Pending:
-        self._check_peer(dst)
-        self._check_tag(tag)
+        if not 0 <= dst < self._total or dst == self.rank:     # (the checks inline: once per message)
+            self._check_peer(dst)
+        if not 0 <= tag <= MAX_TAG:
+            self._check_tag(tag)
         t = tensor.detach()
         if not t.is_contiguous():
             t = t.contiguous()
         self._failstop.check()
         rec = _trace.recorder
         t_post = time.perf_counter() if rec is not None else 0.0      # before the bytes may leave
-        pend = Pending(None, t, dst, tag, is_recv=False)
+        pend = Pending(None, t, dst, tag, False)
         if self._coalesce:
             self._deferred.append(pend)     # issued at the next wait, in one group
         else:
@@ -276,9 +279,10 @@ class TorchFabric(Fabric):
                 pend.work = (self._pg if dst > self.rank else self._pg_down).send([t], dst, tag)
             except RuntimeError as exc:
                 raise self._waits.error(exc, pend) from exc
-        self.stats.record_send(self.rank, dst, t.numel() * t.element_size())
+        nbytes = t.nbytes
+        self.stats.record_send(self.rank, dst, nbytes)
         if rec is not None:
-            pend.trace = (rec, rec.sent(self, dst, tag, t.numel() * t.element_size(), t_post))
+            pend.trace = (rec, rec.sent(self, dst, tag, nbytes, t_post))
         return pend
 
     def _flush(self) -> None:
@@ -321,10 +325,12 @@ class TorchFabric(Fabric):
     def _post_recv(self, tensor: torch.Tensor, src: int | None,
                    tag: int) -> tuple[Pending, torch.Tensor | None]:
         """Post (or adopt a stale) receive; return it and the tensor to copy into on completion."""
-        self._check_tag(tag)
+        if not 0 <= tag <= MAX_TAG:
+            self._check_tag(tag)
         self._failstop.check()
         if src is not None:
-            self._check_peer(src)
+            if not 0 <= src < self._total or src == self.rank:
+                self._check_peer(src)
         elif self._cuda:
             raise IncompatibleError("receive from any source (src=None) is not supported by nccl; "
                                     "name the source, or use the gloo backend")
@@ -332,14 +338,15 @@ class TorchFabric(Fabric):
             raise IncompatibleError("with two-way channels (gloo's default here) a receive from any "
                                     "source (src=None) takes messages from lower ranks only, and rank 0 "
                                     "has none; name the source, or build the fabric with two_way=False")
-        pend = self._waits.adopt(src, tag, tensor)
-        if pend is not None:
-            return pend, tensor
+        if self._waits.stale:
+            pend = self._waits.adopt(src, tag, tensor)
+            if pend is not None:
+                return pend, tensor
         if tensor.is_contiguous():
             buf, out = tensor, None
         else:
             buf, out = torch.empty(tensor.shape, dtype=tensor.dtype, device=tensor.device), tensor
-        pend = Pending(None, buf, src, tag, is_recv=True)
+        pend = Pending(None, buf, src, tag, True)
         if self._coalesce and src is not None:
             self._deferred.append(pend)
         else:
@@ -381,11 +388,11 @@ class TorchFabric(Fabric):
                 rec.done(ev)
                 pend.trace = None
             return None
-        with torch.no_grad():
-            if out is not None:
+        if out is not None:
+            with torch.no_grad():
                 out.copy_(pend.buf.reshape(out.shape))
         source = pend.source if pend.source is not None else pend.src
-        nbytes = pend.buf.numel() * pend.buf.element_size()
+        nbytes = pend.buf.nbytes
         self.stats.record_recv(source, self.rank, nbytes)
         if _trace.recorder is not None:
             _trace.recorder.received(self, source, pend.tag, nbytes, t_wait)

@@ -42,7 +42,6 @@ import queue
 import threading
 import time
 from collections import deque
-from contextlib import contextmanager
 from datetime import timedelta
 from typing import Callable, Sequence
 
@@ -62,12 +61,16 @@ _SERVICE_POLL_S = 0.05
 #: hop on the small messages of the latency-bound protocols; beside a 1 MiB transmission a hop is noise)
 WATCHED_SEND_BYTES = 1 << 20
 
-#: how many threads of this process are inside a gloo wait now (notified on every exit from one).
+#: how many threads of this process are inside a gloo wait now (changed under :data:`_IN_WAIT`).
 #: A thread blocked in one until its connection closes is woken by the close; if that happens while the
 #: interpreter finalizes, the thread is killed inside C++ code and the process aborts (std::terminate,
 #: SIGABRT), so :meth:`~sparsecomm.fabric.torch.torch_fabric.TorchFabric.release` waits for none to be left
-_IN_WAIT = threading.Condition()
+#: (:func:`waits_ended` polls it: a plain lock costs a wait two C calls, where a condition notified on
+#: every exit cost it a dozen Python ones, and only the end of a run looks)
+_IN_WAIT = threading.Lock()
 _in_wait = [0]
+#: how often :func:`waits_ended` looks at :data:`_in_wait`
+_ENDED_POLL_S = 0.001
 
 
 #: the works and tensors of the last few finished collectives (:func:`retain`)
@@ -80,28 +83,13 @@ def retain(*objs) -> None:
     _RETAINED.append(objs)
 
 
-@contextmanager
-def gloo_wait():
-    """Around a blocking gloo ``Work.wait()``: counted in :data:`_in_wait`."""
-    with _IN_WAIT:
-        _in_wait[0] += 1
-    try:
-        yield
-    finally:
-        with _IN_WAIT:
-            _in_wait[0] -= 1
-            _IN_WAIT.notify_all()
-
-
 def waits_ended(timeout: float) -> bool:
     """Wait up to ``timeout`` seconds until no thread of this process is inside a gloo wait (True then)."""
     deadline = time.monotonic() + timeout
-    with _IN_WAIT:
-        while _in_wait[0] > 0:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            _IN_WAIT.wait(remaining)
+    while _in_wait[0] > 0:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(_ENDED_POLL_S)
     return True
 
 
@@ -148,9 +136,10 @@ _generation = [0]
 class Pending:
     """A posted torch.distributed operation (``work``) on ``buf`` with peer ``src`` (``None``: any source)
     and ``tag``; ``source`` is a completed receive's sender. For timed waits on gloo a helper thread waits
-    on it (:meth:`start_waiter`), then sets ``done`` (and ``error``, if the wait raised)."""
+    on it (:meth:`start_waiter`), then sets ``done`` (and ``error``, if the wait raised); ``done`` is
+    ``None`` until then (most operations are waited for on the calling thread: no event to make)."""
 
-    __slots__ = ("work", "buf", "src", "tag", "is_recv", "done", "error", "source", "_started", "trace")
+    __slots__ = ("work", "buf", "src", "tag", "is_recv", "done", "error", "source", "trace")
 
     def __init__(self, work, buf: torch.Tensor, src: int | None, tag: int, is_recv: bool) -> None:
         self.work = work
@@ -158,10 +147,9 @@ class Pending:
         self.src = src
         self.tag = tag
         self.is_recv = is_recv
-        self.done = threading.Event()
+        self.done: threading.Event | None = None
         self.error: BaseException | None = None
         self.source: int | None = src
-        self._started = False
         #: a send's recorder and event on the active timeline (:mod:`sparsecomm.fabric.trace`), ended when
         #: the send completes
         self.trace: tuple | None = None
@@ -169,18 +157,23 @@ class Pending:
     @property
     def waited(self) -> bool:
         """True once a helper thread waits on it (then only ``done`` tells its completion)."""
-        return self._started
+        return self.done is not None
 
     def start_waiter(self) -> None:
-        if not self._started:
-            self._started = True
+        if self.done is None:
+            self.done = threading.Event()
             _WAITERS.submit(self)
 
     def wait_here(self, timeout: timedelta) -> None:
-        """Block this thread in gloo's ``Work.wait`` (counted by :func:`gloo_wait`); learn the source of
-        a receive from any source."""
-        with gloo_wait():
+        """Block this thread in gloo's ``Work.wait`` (counted in :data:`_in_wait`); learn the source of a
+        receive from any source."""
+        with _IN_WAIT:
+            _in_wait[0] += 1
+        try:
             self.work.wait(timeout)
+        finally:
+            with _IN_WAIT:
+                _in_wait[0] -= 1
         if self.is_recv and self.src is None:
             self.source = self.work.source_rank()
 
@@ -214,8 +207,10 @@ class Waits:
         self._timeout_s = timeout_s
         self._store = store
         self._shutdown_key = shutdown_key
-        #: receives that timed out and stay posted, per channel (module docstring, "Timeouts")
-        self._stale: dict[tuple[int | None, int], deque[Pending]] = {}
+        #: receives that timed out and stay posted, per channel (module docstring, "Timeouts"); empty
+        #: (false) when there is none to adopt
+        self.stale: dict[tuple[int | None, int], deque[Pending]] = {}
+        self._limit = timedelta(seconds=timeout_s)      # (a wait's bound, as gloo takes it)
 
     def error(self, exc: BaseException, pend: Pending, limit: float | None = None) -> BaseException:
         """The library's error for posting or waiting for ``pend`` (waited up to ``limit`` s) having
@@ -226,7 +221,7 @@ class Waits:
         """The oldest stale receive on ``(src, tag)``, which a receive into ``tensor`` takes over instead
         of posting its own, or ``None``; :class:`MismatchError` if it was posted for another size or
         dtype."""
-        q = self._stale.get((src, tag))
+        q = self.stale.get((src, tag))
         if not q:
             return None
         pend = q[0]
@@ -235,19 +230,31 @@ class Waits:
                 f"{self._ranks.name(self._rank)}: a receive from {self._ranks.name(src)} (tag {tag}) timed out "
                 f"earlier and stays posted for {pend.buf.numel()} x {pend.buf.dtype}; this receive "
                 f"on the same channel expects {tensor.numel()} x {tensor.dtype}")
-        return q.popleft()
+        q.popleft()
+        if not q:
+            del self.stale[(src, tag)]
+        return pend
 
     def wait(self, pend: Pending, timeout: float | None) -> None:
         """Wait until ``pend`` has completed: within ``timeout`` s if given, else within ``timeout_s``
         (a service's receive: until the run ends), as the module docstring says."""
         service = self._service and pend.is_recv
-        if timeout is None and not service and not pend.waited:
-            if self._cuda or pend.is_recv or pend.buf.numel() * pend.buf.element_size() < WATCHED_SEND_BYTES:
+        if timeout is None and not service and pend.done is None:      # (not waited for by a helper thread)
+            if self._cuda:
                 self._blocking(pend)
+            elif pend.is_recv or pend.buf.nbytes < WATCHED_SEND_BYTES:
+                try:            # (:meth:`_blocking`, inline: once per message)
+                    pend.wait_here(self._limit)
+                except RuntimeError as exc:
+                    raise self.error(exc, pend, self._timeout_s) from exc
             else:
                 self._watched(pend)
         else:
             limit = timeout if timeout is not None else (None if service else self._timeout_s)
+            if pend.done is not None and pend.done.is_set():    # a helper thread saw it complete: as _timed ends
+                if pend.error is not None:
+                    raise self.error(pend.error, pend, limit) from pend.error
+                return
             self._timed(pend, limit, service)
 
     def _blocking(self, pend: Pending) -> None:
@@ -299,7 +306,7 @@ class Waits:
                     break
         if not done:
             if pend.is_recv:
-                self._stale.setdefault((pend.src, pend.tag), deque()).append(pend)
+                self.stale.setdefault((pend.src, pend.tag), deque()).append(pend)
             what = "message from" if pend.is_recv else "send to"
             raise FabricTimeout(
                 f"{self._ranks.name(self._rank)}: no {what} {self._ranks.name(pend.src)} (tag {pend.tag}) "
@@ -356,8 +363,7 @@ class Waits:
         groups = [list(el) if isinstance(el, (list, tuple)) else [el] for el in works]
         deadline = time.monotonic() + self._timeout_s
         while True:
-            with COMPLETIONS:
-                seen = _generation[0]
+            seen = _generation[0]      # (an int's read: the wait below compares it under the lock)
             for i, g in enumerate(groups):
                 if all(w.is_completed() for w in g):
                     for w in g:

@@ -24,7 +24,7 @@ NUMPY = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np
 
 def block_run(ids: np.ndarray) -> tuple[int, int] | None:
     """``(first, stop)`` if ``ids`` is the ascending run ``first, first+1, ..., stop-1``, else None."""
-    if ids.size and int(ids[-1]) - int(ids[0]) + 1 == ids.size and (ids.size == 1 or (np.diff(ids) == 1).all()):
+    if ids.size and int(ids[-1]) - int(ids[0]) + 1 == ids.size and (ids.size == 1 or (ids[1:] - ids[:-1] == 1).all()):
         return int(ids[0]), int(ids[-1]) + 1
     return None
 
@@ -191,7 +191,7 @@ class BlockSink:
         seen = np.zeros(-(-self.numel // self.block_size), dtype=bool)
         for ids in self.written:
             seen[ids] = True
-        return np.flatnonzero(seen)
+        return seen.nonzero()[0]
 
     def written_finite(self) -> bool:
         """Whether every written block is finite (float results). A call writes only the union's blocks;

@@ -84,7 +84,7 @@ class WorkerChannel:
         if newc.size and (int(newc.min()) < 0 or int(newc.max()) > self.ch.size):
             raise MalformedMessage(f"omnireduce: an aggregator announced a next block outside the channel's "
                                    f"{self.ch.size} blocks")
-        self.act = np.flatnonzero(newc < self.ch.size)
+        self.act = (newc < self.ch.size).nonzero()[0]
         self.cur = newc[self.act]
 
     def down(self, buf: torch.Tensor, sink, bs: int, down: torch.dtype) -> int:
@@ -164,7 +164,7 @@ class AggChannel:
         """Add worker ``w``'s blocks (one per lane it holds, lane order) and take its announced
         look-aheads (``None`` in round 0 of a one-round channel: nothing follows). Returns the blocks
         added at scattered rows (by their index; the host model's ``"index"`` count)."""
-        pos = np.flatnonzero(self.held[w])
+        pos = self.held[w].nonzero()[0]
         if not self.single:
             self.nxt[w, self.act[pos]] = looks.numpy()
         return self.sums.add(self, w, pos, blocks)

@@ -186,7 +186,9 @@ def check_headers(headers: list[np.ndarray]) -> np.ndarray:
     reply = np.zeros(HDR, dtype=np.int64)
     table = np.stack(headers)            # (worker, word)
     h0 = headers[0]
-    for f in AGREE:
+    agree = table[:, AGREE]
+    differ = (agree != agree[0]).any(axis=0).nonzero()[0]     # (every field at once: the first that differs)
+    for f in [AGREE[int(differ[0])]] if differ.size else ():
         col = table[:, f]
         if col.min() != col.max():
             vals = col.tolist()

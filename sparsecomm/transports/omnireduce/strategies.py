@@ -121,7 +121,7 @@ class HomeSums:
     def finish(self, c):
         """The message: the summed rows (a view when they are one run and travel alone), or a copy of
         them with room for the lane words (:func:`.wire.fused0`)."""
-        ids = np.flatnonzero(c.summed)
+        ids = c.summed.nonzero()[0]
         run = block_run(ids)
         fused = wire.fused0(c.ch, c.k)
         if not fused and run is not None and c.k * c.bs * c.down.itemsize % 4 == 0:
@@ -173,7 +173,7 @@ def take_reply0(call, a: int, ch: wire.Channel) -> np.ndarray:
         if int(summed.sum()) != k:
             raise ProtocolError("omnireduce: the round-0 sums do not match their lane words")
         if k:
-            call.fabric.host_work("index", call.sink.write(np.flatnonzero(summed) + ch.lo, data))
+            call.fabric.host_work("index", call.sink.write(summed.nonzero()[0] + ch.lo, data))
         return newc
     else:   # every block summed: one block per lane, nothing follows
         newc, ids = np.full(ch.lanes, ch.size, dtype=np.int64), np.arange(ch.lo, ch.lo + ch.size)
@@ -181,7 +181,7 @@ def take_reply0(call, a: int, ch: wire.Channel) -> np.ndarray:
     if ids is None:
         if int(summed.sum()) != k:
             raise ProtocolError("omnireduce: the round-0 sums do not match their lane words")
-        ids = np.flatnonzero(summed) + ch.lo
+        ids = summed.nonzero()[0] + ch.lo
     if k:
         land_sums0(call, a, ch.slot, ids)
     return newc

@@ -151,8 +151,9 @@ def scan(call, a: int):
 def send_round0(call, aggs: list[int]):
     """Round 0 to ``aggs``: a header each; then to each its channels' first look-aheads (small, one
     message), then the position-0 blocks (slot-major; per slot the heaviest aggregators first)."""
+    p0 = {(a, ch.slot): call.wch[a, ch.slot].pending0() for a in aggs for ch in call.plans[a]}   # (once each)
     for a in aggs:
-        hdr = call.spec.header(call.n, {ch.slot: call.wch[a, ch.slot].pending0() for ch in call.plans[a]})
+        hdr = call.spec.header(call.n, {ch.slot: p0[a, ch.slot] for ch in call.plans[a]})
         call.hdr0[a] = hdr.numpy()
         yield from call.up(a, Key(Msg.HDR, call.rank), hdr.view(torch.uint8), TAG_HDR_UP)
         if a != call.own:
@@ -161,7 +162,7 @@ def send_round0(call, aggs: list[int]):
         firsts = torch.cat([wire.encode_firsts(call.wch[a, ch.slot].mine, ch) for ch in call.plans[a]])
         yield from call.up(a, Key(Msg.FIRSTS, call.rank), firsts, TAG_FIRSTS, data=True)
     for g in range(call.spec.channels):
-        for a in sorted(aggs, key=lambda a: -call.wch[a, g].pending0() if (a, g) in call.wch else 0):
+        for a in sorted(aggs, key=lambda a: -p0.get((a, g), 0)):
             if (a, g) in call.wch:
                 yield from strategies.send_up(call, Buf(Msg.BLOCKS0, a, g), a, call.wch[a, g],
                                               Key(Msg.BLOCKS0, call.rank, g))
