@@ -272,7 +272,8 @@ class Fabric(ABC):
         """Declare host work a protocol has just done, for a fabric that models the hosts' CPU: ``op`` is
         ``"sum"`` (``count`` elements of ``dtype`` added), ``"scan"`` (elements scanned for non-zero
         blocks), ``"switch_packet"`` (packets run through a switch program), ``"switch_message"`` (messages
-        whose packets a switch program ran, one call each), ``"copy"`` (bytes copied), ``"span"`` (blocks of
+        whose packets a switch program ran, one call each), ``"copy"`` (bytes copied), ``"fresh"`` (bytes of a
+        buffer allocated in the call, whose pages are touched for the first time), ``"span"`` (blocks of
         the range a block-sparse worker covers), ``"index"`` (blocks moved by a block index), ``"call"`` (calls of
         the transport named ``transport``, :meth:`sparsecomm.transports.base.Transport.run`), or one of a method's
         encode and decode (:meth:`sparsecomm.methods.base.Method.work`: ``"elementwise"``, ``"select"``,

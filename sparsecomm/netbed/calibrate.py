@@ -13,6 +13,13 @@ launched rank is given) and reports the median of its repeats:
   value below zero (noise) is written as 0. It is the cost a transport pays through the fabric (its waits'
   helper threads included), several times a bare ``torch.distributed`` round's;
 - ``copy_byte_s``: ``Tensor.copy_`` of a large float32 buffer, per byte;
+- ``fresh_byte_s``, ``fresh_min_bytes``: a float32 buffer of each of :data:`FRESH_SIZES` filled
+  (``Tensor.fill_``) as ``torch.empty`` returns it, freshly allocated every time, and filled again once it is
+  written (its pages mapped), :data:`FRESH_REPEATS` times each, the fresh fill first then the mapped one in
+  each repeat: ``fresh_min_bytes`` is the smallest size from which every size swept fills at least
+  :data:`FRESH_STEP` times slower fresh (the allocator's step: above its mmap threshold a buffer is mapped
+  afresh on each allocation, below it a freed one's memory is reused), ``fresh_byte_s`` the median over those
+  sizes of the difference per byte; no such size (no step within the sweep): both 0 (:func:`fresh_step`);
 - ``sum_element_s``: ``Tensor.add_`` of two large vectors of each dtype of :data:`~.sim_host.SUM_DTYPES`,
   per element (the ring's and OmniReduce's aggregator's sum);
 - ``scan_element_s``: :func:`sparsecomm.codec.nonzero_blocks` (OmniReduce's block scan, 256-element blocks)
@@ -84,6 +91,13 @@ ROUNDS = {True: 20, False: 200}
 ELEMENTS = {True: 1 << 18, False: 1 << 22}
 #: repeats of each kernel timing, quick and full
 REPEATS = {True: 5, False: 15}
+#: bytes of the buffers of the fresh-buffer sweep, quick and full: below and from glibc's largest mmap threshold
+#: (32 MiB on 64-bit; a request of 32 MiB with its header is above it)
+FRESH_SIZES = {True: (8 << 20, 48 << 20), False: (8 << 20, 16 << 20, 32 << 20, 64 << 20)}
+#: repeats of each fresh and mapped fill, quick and full (a fresh fill above the threshold takes ~0.1 s per 64 MiB)
+FRESH_REPEATS = {True: 3, False: 5}
+#: a size is charged as fresh where its fresh fill takes at least this many times its mapped fill (:func:`fresh_step`)
+FRESH_STEP = 2.0
 #: the tag of the calibration's messages
 TAG = 7
 #: packets per message of the switch timing (two points of the line per-message + per-packet), quick and full
@@ -191,6 +205,49 @@ def kernel_costs(quick: bool = False) -> dict:
 
     return {"copy_byte_s": copy_byte_s, "sum_element_s": sums, "scan_element_s": scan_element_s,
             **switch_costs(quick), **codec_costs(quick)}
+
+
+def fresh_step(sizes, fresh_s, mapped_s, step: float = FRESH_STEP) -> tuple[float, int]:
+    """``(fresh_byte_s, fresh_min_bytes)`` of a sweep (module docstring): ``sizes`` (bytes, increasing) and the
+    time of a fill of each, fresh and mapped. The threshold is the smallest size from which every size's fresh
+    fill takes at least ``step`` times its mapped one, the rate the median over those sizes of
+    ``(fresh - mapped) / size``; none: ``(0.0, 0)``."""
+    costly = [f >= step * m for f, m in zip(fresh_s, mapped_s)]
+    first = len(sizes)
+    while first > 0 and costly[first - 1]:
+        first -= 1
+    if first == len(sizes):
+        return 0.0, 0
+    rate = statistics.median((f - m) / b for b, f, m in zip(sizes[first:], fresh_s[first:], mapped_s[first:]))
+    return float(rate), int(sizes[first])
+
+
+def fresh_costs(quick: bool = False) -> dict:
+    """``fresh_byte_s`` and ``fresh_min_bytes`` (module docstring), with the sweep's times (``fresh_fit``)."""
+    sizes, reps = FRESH_SIZES[quick], FRESH_REPEATS[quick]
+    fresh_s, mapped_s = [], []
+    for nbytes in sizes:
+        n = nbytes // 4
+        mapped = torch.empty(n)
+        mapped.fill_(0.0)                       # (its pages mapped)
+
+        def fresh():
+            torch.empty(n).fill_(1.0)           # (allocated, filled and freed)
+
+        fresh()                                 # (warm-up: the allocator's threshold as a run leaves it)
+        pairs = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fresh()
+            t1 = time.perf_counter()
+            mapped.fill_(1.0)
+            pairs.append((t1 - t, time.perf_counter() - t1))
+        fresh_s.append(statistics.median(p[0] for p in pairs))
+        mapped_s.append(statistics.median(p[1] for p in pairs))
+        del mapped
+    rate, threshold = fresh_step(sizes, fresh_s, mapped_s)
+    return {"fresh_byte_s": rate, "fresh_min_bytes": threshold,
+            "fresh_fit": {"sizes": list(sizes), "fresh_s": fresh_s, "mapped_s": mapped_s, "step": FRESH_STEP}}
 
 
 def codec_costs(quick: bool = False) -> dict:
@@ -438,6 +495,9 @@ def calibrate(quick: bool = False) -> dict:
     torch.set_num_threads(1)
     try:
         kernels = kernel_costs(quick)
+        fresh = fresh_costs(quick)
+        fresh_fit = fresh.pop("fresh_fit")
+        kernels.update(fresh)
         messages = message_costs(quick)
         fit = messages.pop("fit")
         switch_fit = kernels.pop("switch_fit")
@@ -450,7 +510,8 @@ def calibrate(quick: bool = False) -> dict:
     host = HostModel(**messages, **kernels, **blocks, **calls)
     date = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()
     method = {"quick": bool(quick), "repeats": REPEATS[quick], "round_trips": ROUNDS[quick],
-              "elements": ELEMENTS[quick], "message_fit": fit, "switch_fit": switch_fit, "block_fit": block_fit,
+              "elements": ELEMENTS[quick], "message_fit": fit, "switch_fit": switch_fit, "fresh_fit": fresh_fit,
+              "block_fit": block_fit,
               "call_elems": CALL_ELEMS, "calls": CALLS[quick], "call_fit": call_fit,
               "statistic": "median", "messages_via": "TorchFabric send/recv over gloo, 127.0.0.1",
               "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
@@ -474,7 +535,8 @@ def run(args: argparse.Namespace) -> int:
     write_profile(profile, args.out)
     for name, entry in profile["host"].items():
         value = entry["value"]
-        shown = ", ".join(f"{k} {v:.3g}" for k, v in value.items()) if isinstance(value, dict) else f"{value:.3g}"
+        shown = (", ".join(f"{k} {v:.3g}" for k, v in value.items()) if isinstance(value, dict)
+                 else str(value) if isinstance(value, int) else f"{value:.3g}")
         print(f"{name}: {shown} {entry['unit']}")
     print(f"wrote {args.out}")
     return 0

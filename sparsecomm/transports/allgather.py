@@ -265,7 +265,8 @@ class AllGather(Transport):
         integer = is_integer(p.dtype)
         acc = torch.int64 if integer else p.dtype
         out = torch.zeros(p.numel, dtype=acc, device=dev)
-        # the host work (sim_host): the result zeroed and checked, each worker's values added into it
+        # the host work (sim_host): the result allocated, zeroed and checked, each worker's values added into it
+        self.fabric.host_work("fresh", out.nbytes)
         self.fabric.host_work("elementwise", (1 if integer else 2) * p.numel + sum(
             pj.values.numel() if pj.kind in ("sparse", "aligned") else p.numel for pj in pjs))
         for pj in pjs:

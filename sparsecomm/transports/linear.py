@@ -52,12 +52,13 @@ class LinearOperand:
     codes: bool = False                               # integer codes: summed in the narrowest dtype that
                                                       # holds the n-worker sum, finished in that dtype
 
-    def work_copy(self) -> torch.Tensor:
+    def work_copy(self, fabric: Fabric) -> torch.Tensor:
         """A vector the caller may overwrite: a copy, unless the operand may be summed in place (a
-        contiguous input of the caller's, as with DDP's ``gradient_as_bucket_view``)."""
+        contiguous input of the caller's, as with DDP's ``gradient_as_bucket_view``). A copy is declared to
+        ``fabric``'s host model (:func:`fresh_copy`)."""
         if self.inplace and self.vector.is_contiguous():
             return self.vector
-        return self.vector.clone()
+        return fresh_copy(fabric, self.vector.clone())
 
     @property
     def check(self) -> int:
@@ -68,6 +69,15 @@ class LinearOperand:
         if "scale_checksum" in self.fields:
             return int(self.fields["scale_checksum"]) ^ (self.fields["bucket_size"] * _BUCKET_MIX)
         return 0
+
+
+def fresh_copy(fabric: Fabric, t: torch.Tensor) -> torch.Tensor:
+    """``t``, a copy a call has just made into a buffer allocated for it, declared to ``fabric``'s host model
+    (:meth:`~sparsecomm.fabric.base.Fabric.host_work`): its bytes copied (``"copy"``) and a fresh buffer of
+    them (``"fresh"``); returns ``t``."""
+    fabric.host_work("copy", t.nbytes)
+    fabric.host_work("fresh", t.nbytes)
+    return t
 
 
 def linear_operand(x: torch.Tensor | Payload, transport: str, *, inplace: bool = False) -> LinearOperand:
@@ -177,8 +187,8 @@ def _to_sum(fabric: Fabric, what: str, op: LinearOperand, got: dict,
         if torch.iinfo(wide).bits < torch.iinfo(int_floor).bits:
             wide = int_floor
         if wide != v.dtype:
-            return v.to(wide), True
-    return op.work_copy(), False
+            return fresh_copy(fabric, v.to(wide)), True
+    return op.work_copy(fabric), False
 
 
 def guarded_finish(fabric: Fabric, what: str, op: LinearOperand, total: torch.Tensor, widened: bool,

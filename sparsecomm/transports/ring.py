@@ -305,7 +305,7 @@ class Ring(Transport):
             return ring_role(f, a, inbox, self.tag, segment, self._workspace)
 
         if fast:
-            f.drive([_into(reduce_role(op.work_copy()), out)], inbox, outbox)
+            f.drive([_into(reduce_role(op.work_copy(f)), out)], inbox, outbox)
         else:
             # (the ring's requests pass two generator frames: guarded_sum_role's and ring_role's)
             f.drive([guarded_sum_role(f, inbox, what, op, extra, reduce_role, out=out)], inbox, outbox)

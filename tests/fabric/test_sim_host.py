@@ -15,7 +15,7 @@ import torch
 
 import sparsecomm as sc
 from sparsecomm.errors import InvalidTypeError, InvalidValueError, MismatchError
-from sparsecomm.fabric.sim.sim_host import RATE_UNITS, SUM_DTYPES, HostModel
+from sparsecomm.fabric.sim.sim_host import RATE_UNITS, SIZES, SUM_DTYPES, HostModel
 from sparsecomm.fabric.base import MESSAGE_BYTES
 from sparsecomm.fabric.sim.sim_profile import FORMAT, VERSION, profile_dict
 from sparsecomm.netbed.calibrate import CALL_GROUPS
@@ -96,7 +96,12 @@ WORK = [("ring", {}, {"sum_element_s": {"float32": 1e-8}}),
         ("omnireduce", {"lanes": 4, "deployment": "dedicated"},
          {"sum_element_s": {d: 1e-8 for d in SUM_DTYPES}}),
         ("switch", {}, {"switch_packet_s": 1e-6}),
-        ("sparse-switch", {}, {"switch_packet_s": 1e-6})]
+        ("sparse-switch", {}, {"switch_packet_s": 1e-6}),
+        ("ring", {}, {"copy_byte_s": 1e-8}),
+        ("ring", {}, {"fresh_byte_s": 1e-8}),
+        ("switch", {}, {"fresh_byte_s": 1e-8}),
+        ("sparse-switch", {}, {"copy_byte_s": 1e-8}),
+        ("sparse-switch", {}, {"fresh_byte_s": 1e-8})]
 
 
 @pytest.mark.parametrize("name, kw, rates", WORK, ids=[f"{c[0]}-{next(iter(c[2]))}" for c in WORK])
@@ -204,12 +209,18 @@ def test_host_model_validates_its_rates():
         HostModel(send_byte_s=-1.0)
     with pytest.raises(InvalidValueError, match="cpu_share"):
         HostModel(cpu_share=0.5)
+    with pytest.raises(InvalidValueError, match="fresh_byte_s"):
+        HostModel(fresh_byte_s=-1e-9)
+    with pytest.raises(InvalidValueError, match="fresh_min_bytes must be an integer >= 0"):
+        HostModel(fresh_min_bytes=-1)
+    with pytest.raises(InvalidTypeError, match="fresh_min_bytes must be an integer"):
+        HostModel(fresh_min_bytes=1.5)
     with pytest.raises(InvalidValueError, match="no torch dtype"):
         HostModel(sum_element_s={"float33": 1e-9})
     with pytest.raises(InvalidValueError, match="int8"):
         HostModel().work_s("sum", 3, torch.int8)
     with pytest.raises(InvalidValueError,
-                       match="unknown operation 'add'.*sum, scan, switch_packet, switch_message, copy, call"):
+                       match="unknown operation 'add'.*sum, scan, switch_packet, switch_message, copy, fresh, call"):
         HostModel().work_s("add", 3)
     with pytest.raises(InvalidTypeError, match="host must be a HostModel"):
         sc.Network(host={"send_message_s": 1.0})
@@ -268,8 +279,17 @@ def _broken(**edit) -> dict:
      r"host\.call_s\.value maps transport names to rates, got float"),
     (_broken(host__call_s__value__ring=-1e-3), InvalidValueError, r"host\.call_s\.value\['ring'\] must be a finite"),
     (_broken(host__switch_message_s=None), InvalidValueError, r"lacks the rate\(s\) \['switch_message_s'\]"),
+    (_broken(host__fresh_byte_s={"value": -1e-9, "unit": "s/byte"}), InvalidValueError,
+     r"host\.fresh_byte_s\.value must be a finite rate >= 0"),
+    (_broken(host__fresh_min_bytes={"value": -1, "unit": "byte"}), InvalidValueError,
+     r"host\.fresh_min_bytes\.value must be a size >= 0"),
+    (_broken(host__fresh_min_bytes={"value": 1.5, "unit": "byte"}), InvalidTypeError,
+     r"host\.fresh_min_bytes\.value must be an integer \(bytes\), got float"),
+    (_broken(host__fresh_min_bytes={"value": 1, "unit": "s/byte"}), InvalidValueError,
+     r"host\.fresh_min_bytes has unit 's/byte', expected 'byte'"),
 ], ids=["top-key", "version", "version-1", "format", "no-host", "rate-key", "missing-rate", "negative", "not-number", "unit",
-        "missing-dtype", "negative-sum", "call-not-map", "call-negative", "no-switch-message"])
+        "missing-dtype", "negative-sum", "call-not-map", "call-negative", "no-switch-message", "fresh-negative",
+        "fresh-min-negative", "fresh-min-float", "fresh-min-unit"])
 def test_from_profile_refuses_a_bad_profile_naming_the_key(tmp_path, profile, error, match):
     path = tmp_path / "host.json"
     path.write_text(json.dumps(profile))
@@ -322,7 +342,7 @@ def test_calibrate_command_writes_a_loadable_profile(tmp_path, capsys):
         if name == "call_s":
             assert set(values) == {t for names in CALL_GROUPS.values() for t in names}
         for v in values.values():
-            assert isinstance(v, float) and math.isfinite(v) and v >= 0
+            assert isinstance(v, int if name in SIZES else float) and math.isfinite(v) and v >= 0
     # medians of timed kernel runs (each run takes time): positive
     assert all(host["sum_element_s"]["value"][d] > 0 for d in SUM_DTYPES)
     assert host["copy_byte_s"]["value"] > 0 and host["scan_element_s"]["value"] > 0
@@ -345,6 +365,13 @@ def test_calibrate_command_writes_a_loadable_profile(tmp_path, capsys):
     slope, intercept = np.polyfit(np.array(sw["packets"], dtype=np.float64), np.array(sw["message_s"]), 1)
     assert host["switch_message_s"]["value"] == pytest.approx(max(0.0, intercept), rel=1e-9, abs=1e-15)
     assert host["switch_packet_s"]["value"] == pytest.approx(max(0.0, slope), rel=1e-9, abs=1e-15)
+    # a fresh buffer's rate and threshold: the step of the recorded sweep (fresh fills against mapped ones)
+    from sparsecomm.netbed.calibrate import FRESH_SIZES, fresh_step
+    ff = method["fresh_fit"]
+    assert ff["sizes"] == list(FRESH_SIZES[True]) and len(ff["fresh_s"]) == len(ff["mapped_s"]) == len(ff["sizes"])
+    assert all(t > 0 for t in ff["fresh_s"] + ff["mapped_s"])
+    assert (host["fresh_byte_s"]["value"], host["fresh_min_bytes"]["value"]) == fresh_step(
+        ff["sizes"], ff["fresh_s"], ff["mapped_s"], ff["step"])
     # OmniReduce's per-block rates: the non-negative fit of measured less modelled over the blocks charged
     bf = method["block_fit"]
     assert all(t > 0 for t in bf["measured_s"]) and all(t > 0 for t in bf["modelled_s"])
@@ -496,6 +523,99 @@ def test_allgather_charges_its_sum_as_elementwise_passes():
     more = sc.launch(_allgather_sparse, 2, network=net(host=dataclasses.replace(FULL, elementwise_element_s=1e-6)))
     for b, m in zip(base, more):
         assert m - b == pytest.approx(207 * 1e-6, rel=1e-9, abs=0)
+
+
+def _ring_call(ctx, numel: int, inplace: bool) -> float:
+    x = torch.full((numel,), float(ctx.rank + 1))
+    t = sc.transports.get("ring", ctx.fabric, inplace=inplace)
+    y = t.allreduce(x)
+    assert torch.equal(y, torch.full_like(y, 3.0)) and (y.data_ptr() == x.data_ptr()) == inplace
+    return t.last_stats.modelled_time_s
+
+
+def test_a_ring_that_does_not_sum_in_place_charges_its_copy_and_fresh_buffer_by_hand():
+    """By hand: a ring of 2 workers over 1000 float32 copies the caller's 4000 bytes into a buffer allocated for
+    the call when it does not sum in place: ``copy`` of 4000 bytes on each worker (stretched by its CPU
+    share), and ``fresh`` of them from ``fresh_min_bytes`` on; in place, neither."""
+    numel, nbytes = 1000, 4000
+    net = functools.partial(sc.Network, bandwidth_gbps=10.0, latency_us=5.0)
+
+    def times(host: HostModel, inplace: bool) -> list[float]:
+        return sc.launch(functools.partial(_ring_call, numel=numel, inplace=inplace), 2, network=net(host=host))
+
+    base = times(HostModel(), False)
+    assert [t.hex() for t in times(HostModel(), True)] == [t.hex() for t in base]   # (a zero rate: no time)
+    copy = HostModel(copy_byte_s=3e-9, cpu_share=2.0)
+    assert [t.hex() for t in times(copy, True)] == [t.hex() for t in base]          # in place: no copy
+    # each worker's copy (stretched by its share) delays the ring's every step alike: the call ends later by it
+    assert times(copy, False) == pytest.approx([b + nbytes * 3e-9 * 2.0 for b in base], rel=1e-12, abs=0)
+    assert times(dataclasses.replace(copy, cpu_share=1.0), False) == pytest.approx(
+        [b + nbytes * 3e-9 for b in base], rel=1e-12, abs=0)
+    # fresh: charged from the threshold on, at the threshold too
+    for threshold, charged in ((0, True), (nbytes, True), (nbytes + 1, False)):
+        fresh = HostModel(fresh_byte_s=5e-9, fresh_min_bytes=threshold)
+        want = [b + (nbytes * 5e-9 if charged else 0.0) for b in base]
+        assert times(fresh, False) == pytest.approx(want, rel=1e-12, abs=0), threshold
+        assert [t.hex() for t in times(fresh, True)] == [t.hex() for t in base]
+    assert HostModel(fresh_byte_s=1.0, fresh_min_bytes=10).work_s("fresh", 9) == 0.0
+    assert HostModel(fresh_byte_s=1.0, fresh_min_bytes=10).work_s("fresh", 10) == 10.0
+
+
+def test_allgather_charges_its_result_as_a_fresh_buffer():
+    """By hand: the sum of 2 workers' top-k payloads of 100 float32 allocates its 400-byte result, on each worker."""
+    net = functools.partial(sc.Network, bandwidth_gbps=10.0, latency_us=5.0)
+    base = sc.launch(_allgather_sparse, 2, network=net(host=FULL))
+    for threshold, extra in ((400, 400 * 1e-6), (401, 0.0)):
+        more = sc.launch(_allgather_sparse, 2, network=net(
+            host=dataclasses.replace(FULL, fresh_byte_s=1e-6, fresh_min_bytes=threshold)))
+        assert more == pytest.approx([b + extra for b in base], rel=1e-9, abs=0)
+
+
+def test_omnireduce_charges_no_fresh_buffer():
+    """OmniReduce keeps its result buffers from call to call (blocks.ResultCache): no fresh charge."""
+    net = functools.partial(sc.Network, bandwidth_gbps=10.0, latency_us=5.0)
+    base = sc.launch(_omni_sparse, 2, network=net(host=FULL))
+    fresh = sc.launch(_omni_sparse, 2, network=net(host=dataclasses.replace(FULL, fresh_byte_s=1e-6)))
+    assert [t.hex() for t in fresh] == [t.hex() for t in base]
+
+
+def test_a_profile_without_the_fresh_rates_loads_with_them_0_and_one_with_them_round_trips(tmp_path):
+    """A version-2 profile written before ``fresh_byte_s`` and ``fresh_min_bytes`` existed loads with both 0 and
+    models a ring call to the bit as before; one with them round-trips them (the threshold an int)."""
+    run = functools.partial(_ring_call, numel=1000, inplace=False)
+    net = functools.partial(sc.Network, bandwidth_gbps=10.0, latency_us=5.0)
+    base = sc.launch(run, 2, network=net(host=FULL))
+    old = _profile(FULL)
+    del old["host"]["fresh_byte_s"], old["host"]["fresh_min_bytes"]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    loaded = sc.Network.from_profile(path, bandwidth_gbps=10.0, latency_us=5.0)
+    assert loaded.host == FULL and loaded.host.fresh_byte_s == 0.0 and loaded.host.fresh_min_bytes == 0
+    assert [t.hex() for t in sc.launch(run, 2, network=loaded)] == [t.hex() for t in base]
+    host = dataclasses.replace(FULL, fresh_byte_s=2e-9, fresh_min_bytes=32 << 20)
+    profile = _profile(host)
+    assert profile["host"]["fresh_min_bytes"] == {"value": 32 << 20, "unit": "byte"}
+    path.write_text(json.dumps(profile))
+    loaded = sc.Network.from_profile(path, bandwidth_gbps=10.0, latency_us=5.0)
+    assert loaded.host == host and type(loaded.host.fresh_min_bytes) is int
+
+
+def test_fresh_step_finds_the_allocators_step():
+    """The threshold is the smallest size from which every size swept fills markedly slower fresh; the rate the
+    median of their differences per byte; no step: none."""
+    from sparsecomm.netbed.calibrate import fresh_step
+
+    mib = 1 << 20
+    sizes = [8 * mib, 16 * mib, 32 * mib, 64 * mib]
+    mapped = [0.001, 0.002, 0.004, 0.008]
+    # a step at 32 MiB, an 8 MiB size that happened to fault (not a step: 16 MiB did not)
+    fresh = [0.003, 0.002, 0.004 + 32 * mib * 2e-9, 0.008 + 64 * mib * 1e-9]
+    rate, threshold = fresh_step(sizes, fresh, mapped)
+    assert threshold == 32 * mib and rate == pytest.approx(1.5e-9, rel=1e-9)
+    assert fresh_step(sizes, mapped, mapped) == (0.0, 0)
+    assert fresh_step(sizes, [m * 1.9 for m in mapped], mapped) == (0.0, 0)      # (below the step)
+    every = [m + b * 1e-9 * 3 for m, b in zip(mapped, sizes)]
+    assert fresh_step(sizes, every, mapped) == (pytest.approx(3e-9), 8 * mib)
 
 
 def test_codec_rates_quick_are_finite_and_positive():

@@ -12,10 +12,17 @@ modelled clocks (``host=None``, the default: no host cost, every modelled time a
   scanned for non-zero blocks (``scan_element_s``); ``"switch_packet"``, packets run through a switch
   program (``switch_packet_s``); ``"switch_message"``, messages whose packets a switch program ran in one
   call (``switch_message_s``: the call into the compiled program, its lock and the replies' split, once
-  per message whatever its packets); ``"copy"``, bytes copied (``copy_byte_s``); ``"span"``, blocks of the
-  range a block-sparse worker covers (``span_block_s``: OmniReduce's per-block work beyond the scan's kernel,
-  whatever the density -- its lanes' set-up and bookkeeping, the result's bitmap of written blocks --,
-  charged as the worker scans each aggregator's range); ``"index"``, blocks moved by a block index
+  per message whatever its packets); ``"copy"``, bytes copied (``copy_byte_s``: the ring's and ``native``'s
+  work copy of the caller's input in a call that does not sum in place, the sparse switch's padded copy of it
+  and of its sums); ``"fresh"``, bytes of a buffer a transport allocates afresh in a call (``fresh_byte_s`` per
+  byte for a buffer of at least ``fresh_min_bytes``, nothing below: the first touch of its pages, beyond the
+  copy or fill that writes them; glibc's allocator maps a buffer above its mmap threshold afresh on every
+  allocation and unmaps it when it is freed, while a smaller one's memory, up to its largest threshold of 32
+  MiB, is reused from the freed one before): the ring's and ``native``'s work copy, the switch's result, the
+  sparse switch's temporaries, the allgather's sum; not OmniReduce's result buffers, kept from call to call;
+  ``"span"``, blocks of the range a block-sparse worker covers (``span_block_s``: OmniReduce's per-block work
+  beyond the scan's kernel, whatever the density -- its lanes' set-up and bookkeeping, the result's bitmap of
+  written blocks --, charged as the worker scans each aggregator's range); ``"index"``, blocks moved by a block index
   (``index_block_s``: gathered into a message, added into the sums or written into the result at scattered
   rows -- the rows of an indexed copy, later checked and cleared row by row --, beyond their bytes and sums;
   a contiguous run of blocks is one copy and is not charged); ``"call"``, one call of
@@ -68,11 +75,11 @@ import torch
 from ...errors import InvalidTypeError, InvalidValueError
 from ...validate import check_int, check_real
 
-__all__ = ["CODEC_RATES", "HOST_OPS", "HostModel", "OPTIONAL_RATES", "SUM_DTYPES", "RATE_UNITS"]
+__all__ = ["CODEC_RATES", "HOST_OPS", "HostModel", "OPTIONAL_RATES", "SIZES", "SUM_DTYPES", "RATE_UNITS"]
 
 #: the operations of :meth:`sparsecomm.fabric.base.Fabric.host_work` and the unit they count
 HOST_OPS = {"sum": "element", "scan": "element", "switch_packet": "packet", "switch_message": "message",
-            "copy": "byte", "call": "call", "span": "block", "index": "block",
+            "copy": "byte", "fresh": "byte", "call": "call", "span": "block", "index": "block",
             "elementwise": "element", "select": "element", "sample": "element", "matmul": "multiply-add",
             "matmul_t": "multiply-add", "kernel": "call"}
 
@@ -83,13 +90,16 @@ CODEC_RATES = {"elementwise": "elementwise_element_s", "select": "select_element
 #: the dtypes whose per-element sum cost a profile gives (:func:`sparsecomm.netbed.calibrate.calibrate` measures each)
 SUM_DTYPES = ("float32", "float64", "float16", "bfloat16", "int32")
 
-#: each rate of :class:`HostModel` and its unit (the profile's ``"unit"`` fields)
+#: each rate of :class:`HostModel` and its unit (the profile's ``"unit"`` fields), and ``fresh_min_bytes``, the
+#: size (bytes, an integer) from which ``fresh_byte_s`` is charged
 RATE_UNITS = {
     "send_message_s": "s/message",
     "recv_message_s": "s/message",
     "send_byte_s": "s/byte",
     "recv_byte_s": "s/byte",
     "copy_byte_s": "s/byte",
+    "fresh_byte_s": "s/byte",
+    "fresh_min_bytes": "byte",
     "sum_element_s": "s/element",
     "scan_element_s": "s/element",
     "switch_packet_s": "s/packet",
@@ -106,7 +116,10 @@ RATE_UNITS = {
 }
 
 #: the rates a version-2 profile may lack (added within version 2; absent: 0, the time the profile modelled)
-OPTIONAL_RATES = ("span_block_s", "index_block_s", *CODEC_RATES.values())
+OPTIONAL_RATES = ("span_block_s", "index_block_s", *CODEC_RATES.values(), "fresh_byte_s", "fresh_min_bytes")
+
+#: the entries of :data:`RATE_UNITS` that are sizes in bytes (integers), not rates
+SIZES = ("fresh_min_bytes",)
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
@@ -125,6 +138,10 @@ class HostModel:
         send_byte_s: CPU seconds per byte sent (the copies into the network stack).
         recv_byte_s: CPU seconds per byte received.
         copy_byte_s: seconds per byte of a ``host_work("copy", nbytes)``.
+        fresh_byte_s: seconds per byte of a ``host_work("fresh", nbytes)`` of at least ``fresh_min_bytes``: the
+            first touch of a freshly allocated buffer's pages.
+        fresh_min_bytes: the size (bytes) from which a fresh buffer is charged ``fresh_byte_s`` (smaller
+            ones: nothing; 0: every size).
         sum_element_s: dtype name (:data:`SUM_DTYPES`, or any other ``torch`` dtype's name) -> seconds per
             element added (default: 0 for each of :data:`SUM_DTYPES`); a ``host_work("sum", ...)`` of a dtype
             not in it raises.
@@ -152,6 +169,8 @@ class HostModel:
     send_byte_s: float = 0.0
     recv_byte_s: float = 0.0
     copy_byte_s: float = 0.0
+    fresh_byte_s: float = 0.0
+    fresh_min_bytes: int = 0
     sum_element_s: Mapping[str, float] = field(default_factory=lambda: dict.fromkeys(SUM_DTYPES, 0.0))
     scan_element_s: float = 0.0
     switch_packet_s: float = 0.0
@@ -172,7 +191,9 @@ class HostModel:
         who = "HostModel"
         put = object.__setattr__
         for name in RATE_UNITS:
-            if name not in ("sum_element_s", "call_s"):
+            if name in SIZES:
+                put(self, name, check_int(name, getattr(self, name), low=0, what=who))
+            elif name not in ("sum_element_s", "call_s"):
                 put(self, name, check_real(name, getattr(self, name), low=0.0, what=who))
         if not isinstance(self.sum_element_s, Mapping):
             raise InvalidTypeError(f"{who}: sum_element_s must map dtype names to seconds per element, got "
@@ -260,6 +281,8 @@ class HostModel:
             rate = self.switch_message_s
         elif op == "copy":
             rate = self.copy_byte_s
+        elif op == "fresh":
+            rate = self.fresh_byte_s if count >= self.fresh_min_bytes else 0.0
         elif op == "span":
             rate = self.span_block_s
         elif op == "index":

@@ -20,10 +20,12 @@ Written by ``python -m sparsecomm.netbed calibrate --out host.json`` (:mod:`spar
 
 ``host`` holds exactly the rates of :data:`~.sim_host.RATE_UNITS` (a missing or unknown one, a unit other
 than its own, or a negative or non-finite value is refused, naming the key), but for those of
-:data:`~.sim_host.OPTIONAL_RATES` (``span_block_s``, ``index_block_s``, and the rates of a method's encode and
-decode, :data:`~.sim_host.CODEC_RATES`: added within version 2; a profile without them models them as 0, the
-times it modelled before they existed, so it loads as it did); ``sum_element_s`` gives each of
-:data:`~.sim_host.SUM_DTYPES`, ``call_s`` a rate per transport name (any names). ``date``, ``machine`` and
+:data:`~.sim_host.OPTIONAL_RATES` (``span_block_s``, ``index_block_s``, the rates of a method's encode and
+decode, :data:`~.sim_host.CODEC_RATES`, and a fresh buffer's ``fresh_byte_s`` and ``fresh_min_bytes``: added
+within version 2; a profile without them models them as 0, the times it modelled before they existed, so it
+loads as it did); ``sum_element_s`` gives each of :data:`~.sim_host.SUM_DTYPES`, ``call_s`` a rate per
+transport name (any names); ``fresh_min_bytes`` (:data:`~.sim_host.SIZES`) is a size, an integer of bytes
+(unit ``"byte"``), not a rate. ``date``, ``machine`` and
 ``method`` are recorded, not interpreted.
 
 Versions: 2 added ``switch_message_s`` and ``call_s`` and measures ``switch_packet_s`` without the per-message
@@ -39,7 +41,7 @@ import math
 from pathlib import Path
 
 from ...errors import InvalidTypeError, InvalidValueError
-from .sim_host import OPTIONAL_RATES, RATE_UNITS, SUM_DTYPES, HostModel
+from .sim_host import OPTIONAL_RATES, RATE_UNITS, SIZES, SUM_DTYPES, HostModel
 
 __all__ = ["FORMAT", "VERSION", "host_from_profile", "load_profile", "network_from_profile", "profile_dict"]
 
@@ -69,6 +71,14 @@ def _rate(where: str, value) -> float:
     if not math.isfinite(value) or value < 0:
         raise InvalidValueError(f"{where} must be a finite rate >= 0, got {value!r}")
     return float(value)
+
+
+def _size(where: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidTypeError(f"{where} must be an integer (bytes), got {type(value).__name__}")
+    if value < 0:
+        raise InvalidValueError(f"{where} must be a size >= 0, got {value!r}")
+    return value
 
 
 def host_from_profile(profile: dict, source: str = "host profile") -> HostModel:
@@ -124,6 +134,8 @@ def host_from_profile(profile: dict, source: str = "host profile") -> HostModel:
             if not isinstance(calls, dict):
                 raise InvalidTypeError(f"{where}.value maps transport names to rates, got {type(calls).__name__}")
             kw[name] = {t: _rate(f"{where}.value[{t!r}]", v) for t, v in calls.items()}
+        elif name in SIZES:
+            kw[name] = _size(f"{where}.value", entry["value"])
         else:
             kw[name] = _rate(f"{where}.value", entry["value"])
     try:

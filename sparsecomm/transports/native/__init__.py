@@ -136,7 +136,7 @@ class Native(Transport):
             predicted = sched.predicted()
             if predicted is None or predicted.key != key:
                 return None
-            acc = op.work_copy()
+            acc = op.work_copy(f)
             pending = post_join(f, acc)
             sched.folded += 1
             sched.posted += 1
@@ -317,7 +317,7 @@ class Native(Transport):
         predicted = sched.predicted()
         if predicted is not None and fold is not None and predicted.key == key:
             sched.folded += 1
-            total = self._check_folded(op, self._reduce(op.work_copy()))   # the predicted call, at once
+            total = self._check_folded(op, self._reduce(op.work_copy(f)))   # the predicted call, at once
         else:
             if predicted is not None:
                 sched.deviate(predicted)     # then this call's own handshake (in guarded_sum)

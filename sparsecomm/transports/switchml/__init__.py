@@ -96,7 +96,7 @@ from .._guards import check_dtype
 from .._handshake import check_agreement
 from ...theory import costs
 from ..base import CallShape, Transport, registry
-from ..linear import LinearOperand
+from ..linear import LinearOperand, fresh_copy
 from .control import (AGREE, CONTROL_SLOT, DEFAULT_MAX_EXPONENT, DTYPES, KINDS, MODE_FLOAT, MODE_INT, ROUNDING,
                       check_control, control_vector, max_exponent_option, narrowed, started_program,
                       too_large_text)
@@ -293,6 +293,8 @@ class SwitchTransport(Transport):
             job_seed = int(np.random.SeedSequence([self.seed, self.fabric.rank, self.slots.job]).generate_state(1)[0])
         # in place: each chunk is encoded (read) before its result arrives (written), so x can take the sum
         out = x if inplace and x.data_ptr() == flat.data_ptr() else torch.empty(N, dtype=x.dtype)
+        if out is not x:
+            self.fabric.host_work("fresh", out.nbytes)      # (a result allocated per call: sim_host)
         sums = self._sums_buffer(M * E) if self.keep_fixed else None
         self.last_fixed = None
         lanes, rows = self._float_lanes(M)
@@ -344,8 +346,12 @@ class SwitchTransport(Transport):
         vp = torch.zeros(M * E, dtype=torch.int32)
         vp[:N] = v.to(torch.int32)
         job = IntJob(vp.view(M, E))
+        f = self.fabric
+        f.host_work("fresh", vp.nbytes)                     # (the codes and sums allocated per call: sim_host)
+        f.host_work("fresh", job.sums.nbytes)
         self._stream(job)
-        return torch.from_numpy(job.sums.reshape(-1)[:N].copy()).to(device=device, dtype=out_dtype)
+        total = fresh_copy(f, torch.from_numpy(job.sums.reshape(-1)[:N].copy()))
+        return total.to(device=device, dtype=out_dtype)
 
     # ================================================================== control round
     def _control(self, mode: int, numel: int, dtype: torch.dtype, kind: str, fingerprint: int, *,

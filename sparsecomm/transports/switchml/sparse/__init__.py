@@ -143,7 +143,7 @@ from ..._guards import all_finite, check_dtype
 from ..._handshake import check_agreement
 from ....theory import costs
 from ...base import CallShape, Transport, registry
-from ...linear import LinearOperand
+from ...linear import LinearOperand, fresh_copy
 from ... import defaults
 from ..control import (DTYPES, DEFAULT_MAX_EXPONENT, MODE_FLOAT, MODE_INT, check_control, control_vector,
                              max_exponent_option, narrowed, started_program, too_large_text)
@@ -302,7 +302,8 @@ class SparseSwitch(Transport):
             e = 0
         # after the control round every worker is committed to the look-ahead round and the stream: an
         # error here would leave the others waiting for this worker's packets (..lanes.abandoning)
-        with abandoning(self.fabric):
+        f = self.fabric
+        with abandoning(f):
             nb = -(-N // k)
             if nb == 0:
                 self.last_fixed = None
@@ -324,18 +325,22 @@ class SparseSwitch(Transport):
                 scale = float(codec.scale_from_exponents(torch.tensor([E]), n)[0])
                 xp = torch.zeros(nb * k, dtype=x.dtype)
                 xp[:N] = x
+                f.host_work("copy", x.nbytes)
+                f.host_work("fresh", xp.nbytes)
                 codes = codec.to_fixed(xp, scale).numpy().reshape(nb, k)
             else:
                 codes = np.zeros((nb, k), dtype=np.int32)
                 codes.reshape(-1)[:N] = x.to(torch.int32).numpy()
+            f.host_work("fresh", codes.nbytes)              # (a temporary allocated per call: sim_host)
             # ---- stream: only the union's blocks, one round each
             sums = self._stream(codes, mask.numpy(), la.next.numpy(), first, start, L, nb)
+            q = fresh_copy(f, torch.from_numpy(sums.reshape(-1)[:N].copy()))
             if mode == MODE_INT:
                 self.last_fixed = None
-                return torch.from_numpy(sums.reshape(-1)[:N].copy()).to(device=device, dtype=out_dtype)
-            q = torch.from_numpy(sums.reshape(-1)[:N].copy())
+                return q.to(device=device, dtype=out_dtype)
             self.last_fixed = FixedResult(q, E, scale)
             total = codec.from_fixed(q, scale, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
+            f.host_work("fresh", total.nbytes)
         return narrowed(total, out_dtype, "sparse-switch").to(device)     # the same sum, so the same error, everywhere
 
     # ================================================================== phase 1: control
@@ -391,6 +396,7 @@ class SparseSwitch(Transport):
             raise ProtocolError("sparse-switch: the look-ahead round returned a lane start that no worker "
                                 "can have announced (forged or corrupted packet)")
         sums = np.zeros((nb, self.k), dtype=np.int32)
+        self.fabric.host_work("fresh", sums.nbytes)         # (allocated per call: sim_host)
         mine = first.copy()                   # my next non-zero position per lane (NONE: none)
         cur = start.copy()                    # the lane's current position
         slots = self.slots.lane_slots(L, self.pool_size)
