@@ -171,7 +171,7 @@ class PowerSGD(Method):
         elif pend is not None and pend[0] in ("P", "Q"):
             lay = pend[2]
         else:
-            return {"elementwise": d + ef, "kernel": 1} if phase == "decode" else {"kernel": 1}
+            return {"elementwise": d, "kernel": 1} if phase == "decode" else {"kernel": 1}   # exact: the division
         comp = [(n, m, r) for _, _, n, m, r in lay if r]
         unc = sum(k for _, k, _, _, r in lay if r == 0)
         macs = sum(n * m * r for n, m, r in comp)
