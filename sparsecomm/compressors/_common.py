@@ -163,6 +163,32 @@ def all_finite(x: torch.Tensor) -> bool:
     return bool(torch.isfinite(x).all())
 
 
+def add_finite(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor) -> bool:
+    """``out <- x + y`` (flat tensors of one dtype and length; ``out`` is ``x`` or distinct from both) and whether
+    every sum is finite: one Numba pass for float32/float64 CPU tensors, torch's add then :func:`all_finite`
+    elsewhere (the same sums: one IEEE addition each)."""
+    if use_numba(out) and out.dtype in (torch.float32, torch.float64) and x.dtype == y.dtype == out.dtype:
+        from . import _kernels
+
+        if out is x:
+            return bool(_kernels.iadd_finite(x.detach().numpy(), y.detach().numpy()))
+        return bool(_kernels.add_finite(x.detach().numpy(), y.detach().numpy(), out.detach().numpy()))
+    torch.add(x, y, out=out)
+    return all_finite(out)
+
+
+def copy_sub(x: torch.Tensor, m: torch.Tensor, out: torch.Tensor, diff: torch.Tensor) -> None:
+    """``out <- x`` and ``diff <- m - x`` (flat tensors of one dtype and length, ``x`` aliasing neither output):
+    one Numba pass for float32/float64 CPU tensors, torch's copy and subtraction elsewhere (the same values)."""
+    if use_numba(out) and out.dtype in (torch.float32, torch.float64) and x.dtype == m.dtype == out.dtype == diff.dtype:
+        from . import _kernels
+
+        _kernels.copy_sub(x.detach().numpy(), m.detach().numpy(), out.detach().numpy(), diff.detach().numpy())
+        return
+    out.copy_(x)
+    torch.sub(m, x, out=diff)
+
+
 def raise_nonfinite(who: str) -> None:
     raise NonFiniteError(f"{who}: the input contains NaN or Inf; only finite tensors can be compressed")
 

@@ -130,6 +130,39 @@ def copy_finite(src, dst):
     return chk == 0.0
 
 
+@njit(cache=True, nogil=True, fastmath=_FM)
+def add_finite(a, b, out):
+    """out[:] = a[:] + b[:] in one pass (``out`` distinct from ``a`` and ``b``); returns False if a sum is NaN or
+    Inf."""
+    chk = 0.0
+    for i in range(out.size):
+        v = a[i] + b[i]
+        out[i] = v
+        chk += np.float64(v) * 0.0
+    return chk == 0.0
+
+
+@njit(cache=True, nogil=True, fastmath=_FM)
+def iadd_finite(a, b):
+    """a[:] += b[:] in one pass (a loop of its own: ``add_finite(a, b, a)``'s aliased output defeats the
+    vectoriser); returns False if a sum is NaN or Inf."""
+    chk = 0.0
+    for i in range(a.size):
+        v = a[i] + b[i]
+        a[i] = v
+        chk += np.float64(v) * 0.0
+    return chk == 0.0
+
+
+@njit(cache=True, nogil=True)
+def copy_sub(x, m, out, diff):
+    """out[:] = x[:] and diff[:] = m[:] - x[:] in one pass."""
+    for i in range(x.size):
+        v = x[i]
+        out[i] = v
+        diff[i] = m[i] - v
+
+
 # --------------------------------------------------------------------------------- quantisers
 @njit(cache=True, nogil=True)
 def qsgd_codes(x, bs, norms, s, key, codes):

@@ -48,7 +48,10 @@ case with ``warm_start=False`` (fresh Qs every step) or when the first iteration
 which has DDP's initial bucket layout, is the first compressed step; :mod:`sparsecomm.ddp` states the
 exact cases. Under :class:`~sparsecomm.DistributedOptimizer` the layout is fixed and a resume is
 always bit-exact. Every product and QR takes its matrices at a fixed memory alignment (:func:`_aligned`),
-so that its rounding does not depend on a matrix's offset in the bucket, which follows the layout.
+so that its rounding does not depend on a matrix's offset in the bucket, which follows the layout: a
+compressed matrix at an unaligned offset has its residual written into an aligned buffer that the bucket's
+steps reuse (``MethodState.scratch``), and a product whose place in the estimate is unaligned is computed
+into another and copied (in the pass that updates the error).
 
 Orthogonalisation is a reduced QR (sign conventions cancel in P^ P^^T; a zero sum still yields an
 orthonormal basis, never NaN), in float32 for bfloat16/float16 buckets (the bases are rounded back to
@@ -66,6 +69,7 @@ from sparsecomm.theory import compressors as th
 
 from ..compressors.lowrank import LowRank, need_generator
 from ..payload import Payload
+from ..compressors._common import add_finite, copy_sub, raise_nonfinite
 from .base import Method, check_finite, dense_payload
 from ..errors import InvalidValueError
 
@@ -156,22 +160,23 @@ class PowerSGD(Method):
     def work(self, phase, state, d, *, exact=False, shapes=None):
         """Per compressed matrix (n x m, rank r): encode ``M Q`` (``matmul``, n m r) and a QR; the P round
         ``M^T P`` (``matmul_t``) and a QR; decode ``P Q^T`` (``matmul``); and the passes over the bucket (the
-        residual added and subtracted, the finiteness check, the whole tensors' copies and division)."""
+        residual added and checked in one pass, or only checked without error feedback; the residual subtracted;
+        the whole tensors' copies and division; an exact round's error cleared)."""
         ef = d if self.use_error_feedback else 0
         pend = state.pending
         if phase == "encode":
             if self._exact_round(state, exact):
-                return {"elementwise": ef + 2 * d, "kernel": 1}
+                return {"elementwise": 2 * d, "kernel": 1}
             lay = self._layout(tuple(map(torch.Size, shapes)) if shapes is not None else state.shapes_of(d))
         elif pend is not None and pend[0] in ("P", "Q"):
             lay = pend[2]
         else:
-            return {"elementwise": d + ef, "kernel": 1} if phase == "decode" else {"kernel": 1}
+            return {"elementwise": d, "kernel": 1} if phase == "decode" else {"kernel": 1}   # exact: the division
         comp = [(n, m, r) for _, _, n, m, r in lay if r]
         unc = sum(k for _, k, _, _, r in lay if r == 0)
         macs = sum(n * m * r for n, m, r in comp)
         if phase == "encode":
-            return {"elementwise": ef + d + unc + sum(n * r for n, _, r in comp), "matmul": macs,
+            return {"elementwise": d + unc + sum(n * r for n, _, r in comp), "matmul": macs,
                     "kernel": 1 + len(comp)}
         if phase == "next_round":
             if pend[0] != "P" or not comp:
@@ -185,31 +190,48 @@ class PowerSGD(Method):
         return PowerSGDState(torch.zeros(d, dtype=dtype, device=device), None)
 
     def _encode(self, grad, ms, generator, exact, world_size):
-        st = ms.state
-        mat = grad.add_(st.error) if self.use_error_feedback else grad
-        check_finite(mat, self.name)
+        st, ef = ms.state, self.use_error_feedback
         if self._exact_round(ms, exact):
+            if ef:                          # grad + e, added and checked in one pass
+                if not add_finite(grad, st.error, grad):
+                    raise_nonfinite(self.name)
+            else:
+                check_finite(grad, self.name)
             st.error.zero_()
             ms.pending = ("exact",)
-            return dense_payload(mat)
-        lay = self._layout(ms.shapes_of(grad.numel()))
+            return dense_payload(grad)
+        plan = _Plan.of(ms, grad, self._layout)
+        lay = plan.lay
+        if ef:      # M = grad + e (added and checked in one pass): in place, except the matrices at unaligned
+            #         offsets, written into their aligned copies
+            ok = True
+            for o, k, copy in plan.pieces:
+                part = grad[o:o + k]
+                ok = add_finite(part, st.error[o:o + k], part if copy is None else copy) and ok
+            if not ok:
+                raise_nonfinite(self.name)
+        else:
+            check_finite(grad, self.name)
+            for o, k, copy in plan.pieces:
+                if copy is not None:
+                    copy.copy_(grad[o:o + k])
+        mats = [grad[o:o + k].view(n, m) if c is None else c.view(n, m) for (o, k, n, m, _), c in plan.comp]
         nq = sum(m * r for _, _, _, m, r in lay)
         if st.q is None or not self.warm_start or st.q.numel() != nq:
             st.q = _gaussian_q(lay, need_generator(generator), grad)
-        parts, qoff = [mat[o:o + k] for o, k, _, _, r in lay if r == 0], 0
-        mats = [_aligned(mat[o:o + k].view(n, m)) for o, k, n, m, r in lay if r]
+        parts, qoff = [grad[o:o + k] for (o, k), _ in plan.whole], 0
         for (o, k, n, m, r), x in zip([t for t in lay if t[4]], mats):
             q = _orthonormal(_aligned(st.q[qoff:qoff + m * r].view(m, r)))
             parts.append(factor_product(x, q).reshape(-1))
             qoff += m * r
-        ms.pending = ("P", mat, lay, mats)
-        return _dense(torch.cat(parts) if parts else mat[:0])
+        ms.pending = ("P", plan, lay, grad, mats)
+        return _dense(torch.cat(parts) if parts else grad[:0])
 
     def _next_round(self, aggregate, world_size, ms):
         pend = ms.pending
         if pend[0] != "P" or not any(r for *_, r in pend[2]):
             return None
-        _, mat, lay, mats = pend
+        _, plan, lay, mat, mats = pend
         unc = sum(k for _, k, _, _, r in lay if r == 0)
         pos, ps, qs = unc, [], []
         for (o, k, n, m, r), x in zip([t for t in lay if t[4]], mats):
@@ -217,7 +239,7 @@ class PowerSGD(Method):
             ps.append(p)
             qs.append(factor_product(x, p, transpose=True).reshape(-1))
             pos += n * r
-        ms.pending = ("Q", mat, lay, aggregate[:unc].clone(), ps)   # the sums of the whole tensors
+        ms.pending = ("Q", plan, lay, mat, mats, aggregate[:unc].clone(), ps)   # the sums of the whole tensors
         return _dense(torch.cat(qs))
 
     def _decode(self, aggregate, world_size, ms, out):
@@ -225,21 +247,32 @@ class PowerSGD(Method):
         if pend[0] == "exact":
             torch.div(aggregate, world_size, out=out)
             return
-        mat, lay = pend[1], pend[2]
+        plan, mat, ef, err = pend[1], pend[3], self.use_error_feedback, st.error
         if pend[0] == "P":                               # nothing compressed: one round
             torch.div(aggregate, world_size, out=out)
-        else:
-            unc, ps, qmean, u, j = pend[3], pend[4], aggregate / world_size, 0, 0
-            for o, k, n, m, r in lay:
-                if r == 0:
-                    torch.div(unc[u:u + k], world_size, out=out[o:o + k])
-                    u += k
-            for (o, k, n, m, r), p in zip([t for t in lay if t[4]], ps):
-                _mm_into(p, _aligned(qmean[j:j + m * r].view(m, r)).T, out[o:o + k].view(n, m))
-                j += m * r
-            st.q = qmean
-        if self.use_error_feedback:
-            torch.sub(mat, out, out=st.error)
+            if ef:
+                torch.sub(mat, out, out=err)
+            return
+        mats, unc, ps, qmean, j = pend[4], pend[5], pend[6], aggregate / world_size, 0
+        for (o, k), u in plan.whole:
+            torch.div(unc[u:u + k], world_size, out=out[o:o + k])
+        for ((o, k, n, m, r), _), p, x in zip(plan.comp, ps, mats):
+            q, dst = _aligned(qmean[j:j + m * r].view(m, r)).T, out[o:o + k]
+            if dst.data_ptr() % _ALIGN == 0:             # the product written where it goes, e <- M - estimate
+                torch.mm(p, q, out=dst.view(n, m))
+                if ef:
+                    torch.sub(x.view(-1), dst, out=err[o:o + k])
+            else:                                        # into an aligned buffer, then copied (and e) in one pass
+                prod = torch.mm(p, q, out=plan.product(k).view(n, m)).view(-1)
+                if ef:
+                    copy_sub(prod, x.view(-1), dst, err[o:o + k])
+                else:
+                    dst.copy_(prod)
+            j += m * r
+        st.q = qmean
+        if ef:
+            for (o, k), _ in plan.whole:
+                torch.sub(mat[o:o + k], out[o:o + k], out=err[o:o + k])
 
 
 #: the address alignment (bytes) of every matrix a product or a QR reads or writes: a fresh tensor's
@@ -266,13 +299,64 @@ def factor_product(x: torch.Tensor, f: torch.Tensor, transpose: bool = False) ->
     return prod.T
 
 
-def _mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-    """``out <- a @ b``, computed into an aligned buffer when ``out`` (a view into the bucket) is not
-    aligned (:func:`_aligned`)."""
-    if out.data_ptr() % _ALIGN == 0:
-        torch.mm(a, b, out=out)
-    else:
-        out.copy_(torch.mm(a, b))
+def _aligned_zeros(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``n`` zeros whose data is :data:`_ALIGN`-byte aligned (whatever the allocator's alignment)."""
+    raw = torch.zeros(n + _ALIGN, dtype=dtype, device=device)
+    skip = (-raw.data_ptr() % _ALIGN) // raw.element_size()
+    return raw[skip:skip + n]
+
+
+class _Plan:
+    """Where a bucket's compressed steps keep their matrices (in ``MethodState.scratch``, reused while the
+    shapes, the dtype, the device and the bucket's address modulo :data:`_ALIGN` stay the same).
+
+    ``lay``: :meth:`PowerSGD._layout`. ``pieces``: (offset, numel, copy), the bucket in order: a compressed
+    matrix at an unaligned offset is a piece of its own whose ``copy`` is an aligned buffer (its residual
+    M = grad + e is written there and every product reads it there); the rest is residual in place in the
+    bucket (``copy`` ``None``; consecutive tensors one piece). ``comp``: (layout entry, copy) of each
+    compressed matrix. ``whole``: ((offset, numel), offset in the message) of each run of consecutive tensors
+    sent whole. :meth:`product`: the decode's aligned buffer for a product whose place in the estimate is
+    not aligned."""
+
+    def __init__(self, key, lay, like: torch.Tensor) -> None:
+        self.key, self.lay, es = key, lay, like.element_size()
+        self.pieces, self.comp, self.whole = [], [], []
+        base, u = like.data_ptr(), 0
+        for o, k, n, m, r in lay:
+            copy = _aligned_zeros(k, like.dtype, like.device) if r and (base + o * es) % _ALIGN else None
+            if copy is None and self.pieces and self.pieces[-1][2] is None:
+                po, pk, _ = self.pieces[-1]
+                self.pieces[-1] = (po, pk + k, None)
+            else:
+                self.pieces.append((o, k, copy))
+            if r:
+                self.comp.append(((o, k, n, m, r), copy))
+                continue
+            if self.whole and sum(self.whole[-1][0]) == o:
+                (wo, wk), wu = self.whole[-1]
+                self.whole[-1] = ((wo, wk + k), wu)
+            else:
+                self.whole.append(((o, k), u))
+            u += k
+        self._largest = max([k for _, k, _, _, r in lay if r], default=0)
+        self._dtype, self._device, self._prod = like.dtype, like.device, None
+
+    @classmethod
+    def of(cls, ms, grad: torch.Tensor, layout) -> "_Plan":
+        """``ms.scratch`` when it was built for ``grad``'s shapes, dtype, device and address modulo
+        :data:`_ALIGN`, else a new plan (kept there) of the layout ``layout(shapes)``."""
+        shapes = ms.shapes_of(grad.numel())
+        key = (shapes, grad.dtype, grad.device, grad.data_ptr() % _ALIGN)
+        plan = ms.scratch
+        if not isinstance(plan, cls) or plan.key != key:
+            plan = ms.scratch = cls(key, layout(shapes), grad)
+        return plan
+
+    def product(self, k: int) -> torch.Tensor:
+        """An aligned buffer of ``k`` elements (at most the largest compressed matrix's) for a product."""
+        if self._prod is None:
+            self._prod = _aligned_zeros(self._largest, self._dtype, self._device)
+        return self._prod[:k]
 
 
 def _orthonormal(x: torch.Tensor) -> torch.Tensor:

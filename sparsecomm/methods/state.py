@@ -44,6 +44,7 @@ class MethodState:
         shapes: the bucket's tensor shapes (for methods that read them).
         last_round: whether ``next_round`` said the step's rounds are over.
         constants: what the method derives once per length (never saved).
+        scratch: buffers reused from step to step (never saved).
     """
 
     state: Any = None
@@ -61,6 +62,10 @@ class MethodState:
     #: what the method derives once from its hyper-parameters and the bucket's length (DIANA's
     #: alpha(d)), set at the first round that needs it; never saved (rebuilt after a restore)
     constants: Any = None
+    #: buffers the method reuses from step to step instead of allocating them in every round (PowerSGD's
+    #: aligned residual matrices); their contents never outlive a step, so a copy of the state may share
+    #: them and they are never saved
+    scratch: Any = None
 
     @property
     def held(self) -> bool:

@@ -1,9 +1,10 @@
-"""The one-pass finiteness check that the methods, compressors and transports share agrees with torch's."""
+"""The one-pass finiteness check that the methods, compressors and transports share agrees with torch's; so do the
+checked add and the copy-and-subtract of PowerSGD's error feedback."""
 
 import pytest
 import torch
 
-from sparsecomm.compressors._common import all_finite
+from sparsecomm.compressors._common import add_finite, all_finite, copy_sub
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
@@ -28,3 +29,35 @@ def test_all_finite_reads_a_tensor_that_requires_grad():
     x = torch.ones(10, requires_grad=True)
     assert all_finite(x) is True
     assert all_finite(x * float("inf")) is False
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("inplace", [True, False])
+def test_add_finite_is_torchs_add_and_isfinite(dtype, inplace, kernel_path):
+    """The checked add (PowerSGD's residual, in place or into another buffer) writes torch's sums bit for bit and
+    flags a NaN or Inf input, and a sum that overflows."""
+    g = torch.Generator().manual_seed(1)
+    for n in (0, 1, 7, 1000, 4099):
+        x, y = (torch.randn(n, generator=g).to(dtype) for _ in range(2))
+        want = torch.add(x, y)
+        out = x.clone() if inplace else torch.full((n,), 7.0, dtype=dtype)
+        assert add_finite(out if inplace else x, y, out) is True
+        assert torch.equal(out, want)
+        big = torch.finfo(dtype).max
+        for bad in ((float("nan"), 0.0), (float("inf"), 1.0), (big, big)):       # the last: finite, the sum is not
+            for pos in {0, n // 2, n - 1} if n else ():
+                a, b = x.clone(), y.clone()
+                a[pos], b[pos] = bad
+                out = a.clone() if inplace else torch.empty(n, dtype=dtype)
+                assert add_finite(out if inplace else a, b, out) is False, (bad, pos)
+                assert torch.equal(out.isnan(), torch.add(a, b).isnan())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_copy_sub_is_torchs_copy_and_sub(dtype, kernel_path):
+    g = torch.Generator().manual_seed(2)
+    for n in (0, 1, 7, 1000, 4099):
+        x, m = (torch.randn(n, generator=g).to(dtype) for _ in range(2))
+        out, diff = torch.empty(n + 3, dtype=dtype)[3:], torch.empty(n, dtype=dtype)   # an unaligned view too
+        copy_sub(x, m, out, diff)
+        assert torch.equal(out, x) and torch.equal(diff, torch.sub(m, x))
