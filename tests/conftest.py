@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
+
 import pytest
 import torch
 
@@ -26,6 +29,24 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "kernel_paths(*paths): restrict the kernel paths a test of a kernel_path module runs on "
                    "(for tests of one path's internals)")
+
+
+@pytest.fixture(autouse=True)
+def _netbed_one_at_a_time(request, tmp_path_factory):
+    """Under ``make test`` (pytest-xdist workers) the netbed cases run one at a time: they measure shaped
+    links and check that no namespace or link is left behind, which a netbed that another worker builds
+    meanwhile would break. A lock file that the run's workers share (in their temporary folders' parent).
+    (xdist's ``--dist loadgroup`` with an ``xdist_group`` mark would keep them on one worker, but under
+    pytest 9.2 it loses the group and spreads them.)"""
+    if not os.environ.get("PYTEST_XDIST_WORKER") or request.node.get_closest_marker("netbed") is None:
+        yield
+        return
+    with open(tmp_path_factory.getbasetemp().parent / "netbed.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def pytest_generate_tests(metafunc):
