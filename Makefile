@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 # the test suite's worker processes (pytest-xdist; `make test WORKERS=0` runs it in this one process). Two
 # keep both CI cores busy: a case spends much of its time waiting on the processes it launches. The netbed's
-# cases run one at a time (tests/conftest.py: a lock the workers share).
+# cases run one at a time (tests/conftest.py: a lock, one per machine).
 WORKERS ?= 2
 XDIST = -n $(WORKERS) --dist load
 
