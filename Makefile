@@ -6,6 +6,12 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-all bench clean install docs
 
+# the test suite's worker processes (pytest-xdist; `make test WORKERS=0` runs it in this one process). Two
+# keep both CI cores busy: a case spends much of its time waiting on the processes it launches. The netbed's
+# cases run one at a time (tests/conftest.py: a lock, one per machine).
+WORKERS ?= 2
+XDIST = -n $(WORKERS) --dist load
+
 $(STAMP): setup.py setup.cfg pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
@@ -19,10 +25,10 @@ demo: $(STAMP)
 	WANDB_MODE=offline $(PY) -m experiments.demo
 
 test: $(STAMP)
-	WANDB_MODE=disabled NUMBA_CACHE_DIR=$(CURDIR)/.numba_cache $(PY) -m pytest -q --durations=30
+	WANDB_MODE=disabled NUMBA_CACHE_DIR=$(CURDIR)/.numba_cache $(PY) -m pytest -q --durations=30 $(XDIST)
 
 test-all: $(STAMP)
-	WANDB_MODE=disabled NUMBA_CACHE_DIR=$(CURDIR)/.numba_cache $(PY) -m pytest -q -m ""
+	WANDB_MODE=disabled NUMBA_CACHE_DIR=$(CURDIR)/.numba_cache $(PY) -m pytest -q -m "" $(XDIST)
 
 # the documentation site into site/ (open site/index.html); any warning fails the build (mkdocs.yml: strict)
 docs: $(STAMP)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
+import tempfile
+
 import pytest
 import torch
 
@@ -26,6 +30,29 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "kernel_paths(*paths): restrict the kernel paths a test of a kernel_path module runs on "
                    "(for tests of one path's internals)")
+
+
+#: the lock every netbed case of this machine takes (any run, any xdist worker)
+NETBED_LOCK = os.path.join(tempfile.gettempdir(), "sparsecomm-netbed-tests.lock")
+
+
+@pytest.fixture(autouse=True)
+def _netbed_one_at_a_time(request):
+    """The netbed cases run one at a time on a machine, across xdist's workers (``make test`` runs two) and
+    across test runs: they measure shaped links and check that no namespace or link is left behind, which a
+    netbed built meanwhile elsewhere would break. An exclusive ``flock`` on :data:`NETBED_LOCK`, which the
+    kernel releases when its holder ends, however it ends. (xdist's ``--dist loadgroup`` with an
+    ``xdist_group`` mark would keep them on one worker, but under pytest 9.2 it loses the group and spreads
+    them, and it would not order separate runs.)"""
+    if request.node.get_closest_marker("netbed") is None:
+        yield
+        return
+    with open(NETBED_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def pytest_generate_tests(metafunc):
