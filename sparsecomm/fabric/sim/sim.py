@@ -121,6 +121,23 @@ class _RecvWork(Work):
         else:
             q.remove(self)
 
+    def _finish(self, msg: Msg) -> None:
+        """Complete with taken ``msg``: its bytes into this receive's buffer (:meth:`SimFabric._deliver`; none
+        to copy where the send wrote them there)."""
+        if msg.into is self:
+            msg.into = self.holds = None
+            self._result = msg.src
+        else:
+            self._result = self._fabric._deliver(msg, self._args[0], self._args[2], self)
+        self.done = True
+        q = self._posted
+        if q is not None:       # (_unpost, inline: once per message)
+            self._posted = None
+            if q[0] is self:
+                q.popleft()
+            else:
+                q.remove(self)
+
     def wait(self, timeout: float | None = None) -> int | None:
         if not self.done:
             fabric = self._fabric
@@ -143,11 +160,11 @@ class _RecvWork(Work):
             msg = None if tried else fabric.world.take_now(fabric._ep, src, tag, timeout)
             if msg is None:
                 self._result = yield from fabric._recv_process(tensor, src, tag, timeout, self)
+                self.done = True
+                if self._posted is not None:
+                    self._unpost()
             else:               # in already: what the loop would do at once, without the round trip through it
-                self._result = fabric._deliver(msg, tensor, tag, self)
-            self.done = True
-            if self._posted is not None:
-                self._unpost()
+                self._finish(msg)
         return self._result
 
     def event(self) -> RecvWait:
@@ -163,18 +180,12 @@ class _RecvWork(Work):
         msg = fabric.world.take_now(fabric._ep, src, tag)
         if msg is None:
             return False
-        self._result = fabric._deliver(msg, tensor, tag, self)
-        self.done = True
-        if self._posted is not None:
-            self._unpost()
+        self._finish(msg)
         return True
 
     def complete(self, msg: Msg) -> None:
         """Complete with ``msg``, taken for it by a ``wait_any``."""
-        self._result = self._fabric._deliver(msg, self._args[0], self._args[2], self)
-        self.done = True
-        if self._posted is not None:
-            self._unpost()
+        self._finish(msg)
 
     def is_completed(self) -> bool:
         return self.done
@@ -275,8 +286,9 @@ class SimFabric(Fabric):
                 into = None
                 if tensor.is_cpu and not tensor.requires_grad:
                     posted = dst_ep.posted.get(ch)
-                    if posted and len(posted) > len(q):
-                        into = posted[len(q)]
+                    if posted:
+                        into = posted[0] if not q else posted[len(q)] if len(posted) > len(q) else None
+                    if into is not None:
                         buf = into._args[0]
                         if into.holds is None and buf.dtype is tensor.dtype and buf.shape == tensor.shape:
                             buf.copy_(tensor)
@@ -296,7 +308,7 @@ class SimFabric(Fabric):
                 if dst_ep.waiters or dst_ep.watch is not None:     # (what arrived looks at: none, nothing to do)
                     world.arrived(dst_ep, msg, retimed)
             ep.sends += 1
-            limit = world.network.crash.get(self.rank)
+            limit = ep.crash_after
             if limit is not None and ep.sends >= limit:
                 ep.crashed = True
                 raise EndpointCrashed(f"{ep.name} crashed after {ep.sends} sends (fault injection)")
