@@ -82,72 +82,21 @@ class _SentWork(Work):
 
 class _RecvWork(Work):
     """A posted receive: it takes its message when waited for (:meth:`wait` from a thread, :meth:`process`
-    inside the loop), never before. One from a named source into a CPU tensor without grad is listed in its
-    endpoint's :attr:`~.sim_network.Endpoint.posted` until it completes: the message sent on its channel that
-    receives taking them in the order they were posted would give it is written into its buffer at the send
-    (as a real fabric writes a posted receive's buffer when the bytes arrive), instead of into a copy that the
-    receive copies again (:meth:`SimFabric.isend`). Whichever receive takes a message, its bytes are the ones
-    sent: a receive that takes another message than the one its buffer ``holds`` first moves that one's bytes
-    to a copy (:meth:`SimFabric._deliver`). Like a real fabric's, the posted receives of a channel must not
-    share memory, and a receive's buffer is not the caller's until it has completed."""
-
-    __slots__ = ("_args", "channel", "_fabric", "_result", "done", "_posted", "holds")
+    inside the loop), never before."""
 
     def __init__(self, fabric: "SimFabric", tensor: torch.Tensor, src: int | None, tag: int) -> None:
         self._args = (tensor, src, tag)
         #: ``(source, tag)`` it receives from (``None``: any source)
-        self.channel = ch = (src, tag)
+        self.channel = (src, tag)
         self._fabric = fabric
         self._result: int | None = None
         #: completed (what :meth:`is_completed` says, read as a field where it is hot)
         self.done = False
-        #: the endpoint's list of posted receives on its channel it is in (``None``: not listed)
-        self._posted = None
-        #: the queued message whose bytes its buffer holds (:meth:`SimFabric.isend`), if any
-        self.holds: Msg | None = None
-        if src is not None and tensor.is_cpu and not tensor.requires_grad:
-            posted = fabric._ep.posted
-            q = posted.get(ch)
-            if q is None:
-                q = posted[ch] = deque()
-            q.append(self)
-            self._posted = q
-
-    def _unpost(self) -> None:
-        """Completed: off the endpoint's list of posted receives."""
-        q, self._posted = self._posted, None
-        if q[0] is self:
-            q.popleft()
-        else:
-            q.remove(self)
-
-    def _finish(self, msg: Msg) -> None:
-        """Complete with taken ``msg``: its bytes into this receive's buffer (:meth:`SimFabric._deliver`; none
-        to copy where the send wrote them there)."""
-        if msg.into is self:
-            msg.into = self.holds = None
-            self._result = msg.src
-        else:
-            self._result = self._fabric._deliver(msg, self._args[0], self._args[2], self)
-        self.done = True
-        q = self._posted
-        if q is not None:       # (_unpost, inline: once per message)
-            self._posted = None
-            if q[0] is self:
-                q.popleft()
-            else:
-                q.remove(self)
 
     def wait(self, timeout: float | None = None) -> int | None:
         if not self.done:
-            fabric = self._fabric
-            tensor, src, tag = self._args
-            who = "any endpoint" if src is None else fabric.world.endpoints[src].name
-            self._result = fabric.world.gate.call(fabric._ep, fabric._recv_process(tensor, src, tag, timeout, self),
-                                                  f"{who} (tag {tag})")
+            self._result = self._fabric.recv(*self._args, timeout=timeout)
             self.done = True
-            if self._posted is not None:
-                self._unpost()
         return self._result
 
     def process(self, timeout: float | None = None, tried: bool = False) -> Generator:
@@ -159,12 +108,10 @@ class _RecvWork(Work):
             tensor, src, tag = self._args
             msg = None if tried else fabric.world.take_now(fabric._ep, src, tag, timeout)
             if msg is None:
-                self._result = yield from fabric._recv_process(tensor, src, tag, timeout, self)
-                self.done = True
-                if self._posted is not None:
-                    self._unpost()
+                self._result = yield from fabric._recv_process(tensor, src, tag, timeout)
             else:               # in already: what the loop would do at once, without the round trip through it
-                self._finish(msg)
+                self._result = fabric._deliver(msg, tensor, tag)
+            self.done = True
         return self._result
 
     def event(self) -> RecvWait:
@@ -180,12 +127,14 @@ class _RecvWork(Work):
         msg = fabric.world.take_now(fabric._ep, src, tag)
         if msg is None:
             return False
-        self._finish(msg)
+        self._result = fabric._deliver(msg, tensor, tag)
+        self.done = True
         return True
 
     def complete(self, msg: Msg) -> None:
         """Complete with ``msg``, taken for it by a ``wait_any``."""
-        self._finish(msg)
+        self._result = self._fabric._deliver(msg, self._args[0], self._args[2])
+        self.done = True
 
     def is_completed(self) -> bool:
         return self.done
@@ -257,7 +206,11 @@ class SimFabric(Fabric):
             raise InvalidValueError(f"{ep.name}: no endpoint {dst} (world has {len(world.endpoints)})")
         if dst == self.rank:
             raise InvalidValueError(f"{ep.name}: cannot send to itself")
-        nbytes = tensor.nbytes
+        if tensor.is_cpu and not tensor.requires_grad and tensor.is_contiguous():
+            data = tensor.clone()       # the common case in one operation (a send's copy: the buffer may change)
+        else:
+            data = tensor.detach().to("cpu", copy=True).contiguous()
+        nbytes = data.nbytes
         with world.gate.lock:
             if world.failure is not None:
                 self._raise_if_failed()
@@ -276,33 +229,10 @@ class SimFabric(Fabric):
             if _trace.recorder is not None:
                 _trace.recorder.sim_sent(world, self.rank, dst, tag, nbytes, start, tx_end, dropped)
             if not dropped and not dst_ep.crashed:
-                ch = (self.rank, tag)
-                q = dst_ep.mailbox.get(ch)
-                if q is None:
-                    q = dst_ep.mailbox[ch] = deque()
-                # the posted receive that takes this message if the channel's receives take them in the order
-                # they were posted (the k-th posted, with k messages queued before it): its bytes are written
-                # into that receive's buffer, which holds them until the message is taken (_deliver)
-                into = None
-                if tensor.is_cpu and not tensor.requires_grad:
-                    posted = dst_ep.posted.get(ch)
-                    if posted:
-                        into = posted[0] if not q else posted[len(q)] if len(posted) > len(q) else None
-                    if into is not None:
-                        buf = into._args[0]
-                        if into.holds is None and buf.dtype is tensor.dtype and buf.shape == tensor.shape:
-                            buf.copy_(tensor)
-                            data = buf
-                        else:
-                            into = None
-                if into is None:        # a send's copy: the buffer may change before the message is taken
-                    if tensor.is_cpu and not tensor.requires_grad and tensor.is_contiguous():
-                        data = tensor.clone()
-                    else:
-                        data = tensor.detach().to("cpu", copy=True).contiguous()
                 msg = Msg(self.rank, tag, data, nbytes, start, start + latency, tx_end)
-                if into is not None:
-                    msg.into, into.holds = into, msg
+                q = dst_ep.mailbox.get((self.rank, tag))
+                if q is None:
+                    q = dst_ep.mailbox[(self.rank, tag)] = deque()
                 q.append(msg)
                 retimed = dst_ep.schedule(msg)
                 if dst_ep.waiters or dst_ep.watch is not None:     # (what arrived looks at: none, nothing to do)
@@ -318,19 +248,8 @@ class SimFabric(Fabric):
         self.isend(tensor, dst, tag, reliable=reliable).wait()      # (the clock moves to the send's tx_end)
 
     # ------------------------------------------------------------- receiving
-    def _deliver(self, msg: Msg, tensor: torch.Tensor, tag: int, work: _RecvWork | None = None) -> int:
-        """Copy taken ``msg`` into ``tensor``, the buffer of ``work`` if given (a message of another length or
-        dtype: ``MismatchError``). A message whose bytes a posted receive's buffer holds (:meth:`isend`) leaves
-        it; a receive whose buffer holds another message's bytes moves them to a copy first."""
-        into = msg.into
-        if into is not None:
-            msg.into = into.holds = None
-            if into is work:        # (written into this receive's buffer at the send)
-                return msg.src
-        if work is not None and work.holds is not None:
-            later = work.holds      # (a message sent after this one, for the receive posted after it)
-            later.data = tensor.clone()
-            later.into = work.holds = None
+    def _deliver(self, msg: Msg, tensor: torch.Tensor, tag: int) -> int:
+        """Copy taken ``msg`` into ``tensor`` (a message of another length or dtype: ``MismatchError``)."""
         data = msg.data
         if data.dtype is tensor.dtype and data.shape == tensor.shape and not tensor.requires_grad:
             tensor.copy_(data)      # (the common case)
@@ -361,14 +280,13 @@ class SimFabric(Fabric):
             tensor.copy_(data)
         return msg.src
 
-    def _recv_process(self, tensor: torch.Tensor, src: int | None, tag: int, timeout: float | None,
-                      work: _RecvWork | None = None) -> Generator:
-        """A receive (of posted ``work``, if given) as a process of the world's loop
-        (:class:`~.sim_world.RecvWait`): a ``per_port`` endpoint's any-source receive is ordered."""
+    def _recv_process(self, tensor: torch.Tensor, src: int | None, tag: int, timeout: float | None) -> Generator:
+        """A receive as a process of the world's loop (:class:`~.sim_world.RecvWait`): a ``per_port``
+        endpoint's any-source receive is ordered."""
         ep = self._ep
         deadline = None if timeout is None else ep.clock + timeout
         msg = yield RecvWait(src, tag, deadline, src is None and ep.per_port, timeout)
-        return self._deliver(msg, tensor, tag, work)
+        return self._deliver(msg, tensor, tag)
 
     def recv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0, *,
              timeout: float | None = None) -> int:
