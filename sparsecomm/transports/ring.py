@@ -9,7 +9,7 @@ chunk ``(r - s - 1) mod n`` received from ``r - 1``; after ``n - 1`` steps it ho
 workstations", JPDC 2009); see :func:`theory.costs.ring_allreduce`. Before the data, a
 :mod:`handshake <sparsecomm.transports._handshake>` checks that every worker passes the same length,
 dtype, payload layout and segment size (``ceil(log2 n)`` small messages), as the first part of the same
-role (:func:`~.linear.guarded_sum_role`): one drive per call.
+role (:func:`~.linear.guarded_vector_role`, the ring role's prologue): one drive per call.
 
 Chunks travel as pipelined segments (:func:`segment_length`): of ``segment_bytes`` if given; by default
 of at most :data:`DEFAULT_SEGMENT_BYTES` (4 MiB), and of at most half the chunk when that half is at least
@@ -68,7 +68,7 @@ from ._guards import nonfinite_option
 from ._handshake import check_agreement
 from ..theory import costs
 from .base import CallShape, Transport, registry
-from .linear import LinearOperand, guarded_finish, guarded_sum, guarded_sum_role, linear_operand
+from .linear import LinearOperand, guarded_finish, guarded_sum, guarded_vector_role, linear_operand
 
 RING_TAG = 0x5C10
 #: the longest segment by default (the segment is the same on every worker: it is in the handshake)
@@ -141,14 +141,22 @@ def ring_allreduce_(fabric: Fabric, acc: torch.Tensor, tag: int = RING_TAG,
     return acc
 
 
-def ring_role(fabric: Fabric, acc: torch.Tensor, inbox: Inbox, tag: int = RING_TAG, segment: int | None = None,
-              workspace: dict | None = None):
+def ring_role(fabric: Fabric, acc: torch.Tensor | None, inbox: Inbox, tag: int = RING_TAG,
+              segment: int | None = None, workspace: dict | None = None, prologue=None, out: list | None = None):
     """The ring's steps on this worker (:func:`ring_allreduce_`) as one role (:mod:`sparsecomm.fabric.roles`):
     it yields its sends (each held under its index among this worker's sends, :class:`~.roles.Send`), the
     receives it posts into the workspace's buffers or into ``acc``, and a wait for each (:class:`~.roles.Recv`),
     then takes the message from ``inbox``; before an all-gather receive overwrites a region of ``acc`` it waits
     for the send of that region (:class:`~.roles.Flush`). ``fabric`` is read for its rank, world size and
-    ``serial_pairs``; ``tag``, ``segment``, ``workspace``: as :func:`ring_allreduce_`."""
+    ``serial_pairs``; ``tag``, ``segment``, ``workspace``: as :func:`ring_allreduce_`. It returns ``acc``.
+
+    ``prologue``: a role run first, in this frame, that returns ``(vector, note)``: the vector to sum (``acc``
+    is then not used; e.g. :func:`~.linear.guarded_vector_role`, the agreement handshake). The steps' requests
+    then pass no frame around this one. ``out``: the sum is appended to it as ``(sum, note)`` (``note``
+    ``False`` without a prologue)."""
+    note = False
+    if prologue is not None:
+        acc, note = yield from prologue
     n, r = fabric.world_size, fabric.rank
     q, rem = divmod(acc.numel(), n)     # chunk c is _chunk(c, q, rem)
     big = q + (1 if rem else 0)         # the longest chunk's length (chunk 0's)
@@ -199,7 +207,8 @@ def ring_role(fabric: Fabric, acc: torch.Tensor, inbox: Inbox, tag: int = RING_T
         sent += 1
     for s in range(n - 1):
         c = (r - s - 1) % n
-        lo0, hi0 = _chunk(c, q, rem)
+        lo0 = c * q + (c if c < rem else rem)       # (_chunk, inline: once per step)
+        hi0 = lo0 + q + (1 if c < rem else 0)
         ahead = s + 2 < n
         if ahead:                       # the next step's receives, into the other buffer (one: after this step)
             c2 = (c - 1) % n
@@ -240,7 +249,9 @@ def ring_role(fabric: Fabric, acc: torch.Tensor, inbox: Inbox, tag: int = RING_T
         ag_posted += 1
     i = 0
     for s in range(n - 1):
-        lo0, hi0 = _chunk((r - s) % n, q, rem)
+        c = (r - s) % n
+        lo0 = c * q + (c if c < rem else rem)       # (_chunk, inline)
+        hi0 = lo0 + q + (1 if c < rem else 0)
         for _ in range(lo0, hi0, seg):
             key = ("ag", i)
             i += 1
@@ -248,6 +259,8 @@ def ring_role(fabric: Fabric, acc: torch.Tensor, inbox: Inbox, tag: int = RING_T
             region = inbox.take(key)        # (the view of ``acc`` it was posted into)
             if s < last:
                 yield Send(region, right, tag)
+    if out is not None:
+        out.append((acc, note))
     return acc
 
 
@@ -299,16 +312,13 @@ class Ring(Transport):
         # call (fast) has no handshake (a deviator joins it with NaN instead: :meth:`_enter`)
         pool = Pool()
         inbox, outbox = Inbox(f, pool), Outbox(f, pool)
-        out: list = []
-
-        def reduce_role(a: torch.Tensor):
-            return ring_role(f, a, inbox, self.tag, segment, self._workspace)
-
+        out: list = []      # (sum, widened): the ring's steps run in the role's own frame, the handshake first
         if fast:
-            f.drive([_into(reduce_role(op.work_copy(f)), out)], inbox, outbox)
+            role = ring_role(f, op.work_copy(f), inbox, self.tag, segment, self._workspace, out=out)
         else:
-            # (the ring's requests pass two generator frames: guarded_sum_role's and ring_role's)
-            f.drive([guarded_sum_role(f, inbox, what, op, extra, reduce_role, out=out)], inbox, outbox)
+            role = ring_role(f, None, inbox, self.tag, segment, self._workspace, out=out,
+                             prologue=guarded_vector_role(f, inbox, what, op, extra))
+        f.drive([role], inbox, outbox)
         outbox.finish()
         f.stats.rounds += 2 * (n - 1)
         if fast:
@@ -348,9 +358,3 @@ class Ring(Transport):
         self.fabric.drive([ring_role(self.fabric, vector, inbox, self.tag, segment, self._workspace)], inbox, outbox)
         outbox.finish()
 
-
-def _into(role, out: list):
-    """``role``, its value appended to ``out`` as ``(total, False)`` (what :func:`~.linear.guarded_sum_role`
-    appends: a float sum is never widened)."""
-    total = yield from role
-    out.append((total, False))

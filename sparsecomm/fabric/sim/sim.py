@@ -238,7 +238,7 @@ class SimFabric(Fabric):
                 if dst_ep.waiters or dst_ep.watch is not None:     # (what arrived looks at: none, nothing to do)
                     world.arrived(dst_ep, msg, retimed)
             ep.sends += 1
-            limit = world.network.crash.get(self.rank)
+            limit = ep.crash_after
             if limit is not None and ep.sends >= limit:
                 ep.crashed = True
                 raise EndpointCrashed(f"{ep.name} crashed after {ep.sends} sends (fault injection)")

@@ -196,6 +196,8 @@ class Endpoint:
         self.alive = True
         self.crashed = False
         self.sends = 0
+        #: the sends after which it crashes (``network.crash``), if any
+        self.crash_after: int | None = network.crash.get(eid)
         self.loss_rng: dict[int, np.random.Generator] = {}
         self.stats = CommStats()
 
@@ -206,7 +208,9 @@ class Endpoint:
         if self.host is not None:
             self.clock += self.host.send_s(nbytes) * self.cpu
         port = peer if self.per_port else -1
-        start = max(self.clock, self._tx_free.get(port, 0.0))
+        start, free = self.clock, self._tx_free.get(port, 0.0)
+        if free > start:
+            start = free
         tx_end = start + nbytes / self.bw
         self._tx_free[port] = tx_end
         return start, tx_end
@@ -233,8 +237,9 @@ class Endpoint:
         n = len(tail)
         i = n if not n or key >= keys[-1] else bisect_right(keys, key)     # (after those of an equal key)
         t = tail[i - 1].rx_end if i else self._rx_base.get(port, 0.0)
-        msg.rx_end = t = max(head, t) + msg.nbytes / self.bw
-        msg.delivered = max(t, msg.tx_end + (head - msg.start))
+        msg.rx_end = t = (head if head > t else t) + msg.nbytes / self.bw     # (max, inline: once per message)
+        d = msg.tx_end + (head - msg.start)
+        msg.delivered = d if d > t else t
         valid = self._rx_valid[port]
         if i == n:
             tail.append(msg)
