@@ -341,14 +341,7 @@ class OmniReduce(Transport):
         spec = self._spec(flat.numel(), flat.dtype, kind, check, absmax)
 
         def make_sink(down: torch.dtype):
-            if inplace and down == flat.dtype:
-                if thr > 0:  # blocks under the threshold are dropped: zero them where they are
-                    from ... import codec
-
-                    below = codec.nonzero_blocks(flat, self.block_size) & ~source.mask
-                    BlockSink(flat, self.block_size).write(
-                        below.nonzero().flatten().numpy(),
-                        torch.zeros(int(below.sum()), self.block_size, dtype=flat.dtype))
+            if inplace and down == flat.dtype:   # (blocks under the threshold: zeroed range by range, DenseSource.settle)
                 return flat, BlockSink(flat, self.block_size)
             return self._result(flat.numel(), down)
 

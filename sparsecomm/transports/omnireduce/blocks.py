@@ -47,10 +47,15 @@ class _Blocks:
     def scan(self, lo: int, hi: int) -> None:
         """Make ``mask[lo:hi]`` valid (a no-op unless the source scans lazily)."""
 
+    def settle(self, lo: int, hi: int, out: torch.Tensor) -> None:
+        """Before any sum lands in blocks ``[lo, hi)`` of the result ``out`` (once they are scanned): make
+        the blocks that count as zero zero there (a no-op unless the result is the source's own tensor)."""
+
 
 class DenseSource(_Blocks):
     """Blocks of a flat tensor. ``threshold > 0`` (OmniReduce's optional threshold) treats blocks with
-    every ``|x| <= threshold`` as zero; they are then zeroed in ``x`` if the result is written in place.
+    every ``|x| <= threshold`` as zero; they are then zeroed in ``x`` if the result is written in place
+    (:meth:`settle`, range by range: a range's blocks are known only once it is scanned).
     ``lazy=True``: ``mask`` is filled range by range by :meth:`scan` (so that a worker can send one
     aggregator's blocks while it still scans the rest)."""
 
@@ -78,6 +83,27 @@ class DenseSource(_Blocks):
         if self.lazy and hi > lo:
             bs = self.block_size
             self.mask[lo:hi] = codec.nonzero_blocks(self.flat[lo * bs: min(hi * bs, self.numel)], bs, self.threshold)
+
+    def settle(self, lo: int, hi: int, out: torch.Tensor) -> None:
+        """In place (``out`` is this source's tensor) with a threshold: zero the non-zero blocks of
+        ``[lo, hi)`` under it (not in ``mask``). ``mask[lo:hi]`` must be valid (scanned) and no sum written
+        there yet; the caller (:func:`.worker.verdict`, aggregator ``a``'s range at ``a``'s OK verdict) sees to
+        both. Not at the result's making: that is the first OK verdict, which may come before the later
+        ranges are scanned (a ``Poll`` of the scan takes it where receives complete on their own)."""
+        if not (self.threshold > 0 and hi > lo and out.data_ptr() == self.flat.data_ptr()
+                and out.dtype == self.flat.dtype):
+            return
+        bs = self.block_size
+        below = codec.nonzero_blocks(self.flat[lo * bs: min(hi * bs, self.numel)], bs) & ~self.mask[lo:hi]
+        ids = below.nonzero().flatten()
+        if not ids.numel():
+            return
+        ids = ids + lo
+        full = ids[ids < self.full]
+        if full.numel():
+            self.rows.index_fill_(0, full, 0)
+        if full.numel() < ids.numel():     # the short last block
+            self.flat[self.full * bs:] = 0
 
     def view(self, ids: np.ndarray) -> torch.Tensor | None:
         """The blocks ``ids`` as a view of the tensor, when they are a run of full blocks (no copy)."""

@@ -93,7 +93,9 @@ def worker(call):
 
 def verdict(call, a: int):
     """Aggregator ``a``'s verdict. OK (the downstream dtype, each channel's count of round-0 sums): make
-    the result (first OK verdict), post ``a``'s round-0 receives (hosted: ``GO``), start ``a``'s lanes.
+    the result (first OK verdict), settle ``a``'s range in it (in place: its blocks under the threshold
+    zeroed, :meth:`.blocks.DenseSource.settle`; ``a``'s range is scanned, its header went after the scan), post
+    ``a``'s round-0 receives (hosted: ``GO``), start ``a``'s lanes.
     Not OK: a remote ``a`` gets this worker's manifest (:meth:`.aggregator.AggCall.drain`), then sends
     nothing more; the error is raised once the others' lanes are done (:func:`run_worker`)."""
     yield Recv((Key(Msg.REPLY, a),), Stage(Phase.VERDICT, visit=call.pos[a]))
@@ -119,6 +121,9 @@ def verdict(call, a: int):
     if call.sink is None:
         call.down = down
         call.result, call.sink = call.make_sink(down)
+    if call.plans[a]:           # a's range is scanned and holds no sum yet: its blocks that count as zero
+        chans = call.plans[a]
+        call.source.settle(chans[0].lo, chans[-1].lo + chans[-1].size, call.result)
     if a == call.own:           # the hosted aggregator's lanes may start
         yield Hand(Key(Msg.GO, call.rank), strategies.home_rows(call))
     else:                       # the round-0 replies' receives
