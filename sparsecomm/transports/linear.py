@@ -19,8 +19,7 @@ switches' control round, OmniReduce's round 0). :meth:`Transport._allreduce_payl
 (``Transport.linear``) and hands the operand to the transport's ``_sum_linear``, so no transport lowers
 a payload by hand. :func:`guarded_sum` is the sum of an operand that the dense baselines (``ring``,
 ``native``) share: the handshake, an integer accumulator that cannot overflow, the non-finite rules
-(:func:`guarded_sum_role`, :func:`guarded_vector_role` and :func:`guarded_finish`: the same, for a reduction
-that is a role).
+(:func:`guarded_vector_role` and :func:`guarded_finish`: the same, for a reduction that is a role).
 """
 
 from __future__ import annotations
@@ -150,7 +149,8 @@ def guarded_sum(fabric: Fabric, what: str, op: LinearOperand, extra: dict, nonfi
     dtype ``reduce`` takes (``native`` passes int32: gloo's all_reduce rejects int8).
 
     Every worker holds the same sum, so every check after ``reduce`` raises on every worker alike.
-    :func:`guarded_sum_role` is the same for a transport whose reduction is a role."""
+    :func:`guarded_vector_role` and :func:`guarded_finish` are the same for a transport whose reduction is a
+    role."""
     got = check_agreement(fabric, what, **op.fields, **extra, info=_guard_info(op))
     vec, wide = _to_sum(fabric, what, op, got, int_floor)
     return guarded_finish(fabric, what, op, reduce(vec), wide, nonfinite)
@@ -161,25 +161,10 @@ def guarded_vector_role(fabric: Fabric, inbox, what: str, op: LinearOperand, ext
     """:func:`guarded_sum`'s handshake as a role (:mod:`sparsecomm.fabric.roles`): the agreement
     (:func:`~._handshake.agreement_role`, on ``inbox``); it returns ``(vector, widened)``, the vector to
     reduce in the dtype :func:`guarded_sum` would choose and whether it is a widened copy (for
-    :func:`guarded_finish`). A reduction role may run it first in its own frame (the ring's ``prologue``), so
-    that its many requests do not pass a frame around it (:func:`guarded_sum_role`'s)."""
+    :func:`guarded_finish`). A reduction role runs it first in its own frame (the ring's ``prologue``), so
+    that its many requests do not pass a frame around it."""
     got = yield from agreement_role(fabric, inbox, what, **op.fields, **extra, info=_guard_info(op))
     return _to_sum(fabric, what, op, got, int_floor)
-
-
-def guarded_sum_role(fabric: Fabric, inbox, what: str, op: LinearOperand, extra: dict, reduce_role,
-                     int_floor: torch.dtype = torch.int8, out: list | None = None):
-    """:func:`guarded_sum`'s handshake and reduction as one role (:mod:`sparsecomm.fabric.roles`), so that a
-    transport whose reduction is a role runs both in one drive: the agreement
-    (:func:`guarded_vector_role`), then ``reduce_role(vector)`` (a role that returns the summed vector) on
-    the vector in the dtype :func:`guarded_sum` would choose. It returns ``(total, widened)``, which
-    :func:`guarded_finish` checks once the drive is over (its non-finite check may be a handshake of its
-    own), and appends it to ``out`` if given (so that it can be the drive's role itself)."""
-    vec, wide = yield from guarded_vector_role(fabric, inbox, what, op, extra, int_floor)
-    total = yield from reduce_role(vec)
-    if out is not None:
-        out.append((total, wide))
-    return total, wide
 
 
 def _guard_info(op: LinearOperand) -> dict:

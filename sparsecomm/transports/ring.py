@@ -347,7 +347,7 @@ class Ring(Transport):
         predicted = sched.predicted()
         fast = predicted is not None and fold is not None and predicted.key == key
         if predicted is not None and not fast:
-            sched.deviate(predicted)        # then this call's own handshake (guarded_sum_role's)
+            sched.deviate(predicted)        # then this call's own handshake (guarded_vector_role, the ring role's prologue)
         return sched, key, fold, fast
 
     def _join(self, segment: int, vector: torch.Tensor) -> None:
