@@ -176,6 +176,10 @@ class Fabric(ABC):
     def irecv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> Work:
         """Start receiving into ``tensor``.
 
+        The buffer belongs to the fabric from this call until the receive is seen complete (its
+        ``wait()`` returned, or ``wait_any`` returned an element holding it): the caller must neither
+        read nor write it before, as the fabric may write the message into it at any moment between.
+
         Args:
             tensor: the buffer the message fills.
             src: the sending endpoint, ``None`` for any.
