@@ -10,7 +10,12 @@
 With ``--transports``: every transport named, at its defaults and at the densities of
 :data:`experiments.bench.transports.CASES`, measured by that benchmark's code on the netbed and modelled on
 the SimFabric by the same calls (:func:`compare_transports`); ``--profile``: a host profile
-(``python -m sparsecomm.netbed calibrate``) modelled as well.
+(``python -m sparsecomm.netbed calibrate``) modelled as well. ``--transports all``: every transport of
+:data:`VALIDATED` (:func:`validated_cases`), the validation's set: ``native``, ``ring``, ``allgather``,
+``omnireduce`` at densities 1, 0.1 and 0.01, ``switch`` and ``sparse-switch`` (at the same densities)::
+
+    python -m experiments.bench.netbed_vs_sim --workers 2 --sizes-mb 10 100 --transports all \
+        --repeats 5 --profile host.json --no-link-model
 
 With ``--loopback`` (:func:`compare_loopback`, :func:`agreement`; needs ``--profile``, not root): the loopback
 benchmark (:mod:`experiments.bench.transports`: local gloo processes on 127.0.0.1, no shaping) against the
@@ -201,11 +206,28 @@ def profile_network(profile: str, case, workers: int, cores: float, **wire) -> "
     return net
 
 
+#: the transports the model is validated on, every one at its defaults (``--transports all``)
+VALIDATED = ("native", "ring", "allgather", "omnireduce", "switch", "sparse-switch")
+
+
+def validated_cases() -> list:
+    """The headline cases (:data:`.transports.CASES`, the library's defaults) of every transport of
+    :data:`VALIDATED`, with their densities (``omnireduce`` and ``sparse-switch`` at 1, 0.1 and 0.01); raises
+    if one has none (the benchmark's table lost a transport the validation needs)."""
+    from . import transports as tb
+
+    cases = [c for c in tb.CASES if c.transport in VALIDATED and not c.tuned]
+    missing = sorted(set(VALIDATED) - {c.transport for c in cases})
+    if missing:
+        raise InvalidValueError(f"netbed_vs_sim: no headline case of {missing} in experiments.bench.transports.CASES")
+    return cases
+
+
 def compare_transports(workers: int, size_mb: float, gbps: float, names: list[str], repeats: int,
                        profile: str | None, link: bool = True) -> list[dict]:
-    """Every transport of ``names`` at its defaults (:data:`.transports.CASES`' headline rows, their
-    densities) measured on a netbed (:func:`.transports.run`) and modelled on the SimFabric: the link model
-    alone (the small-message latency measured over the same netbed, TCP framing), and, with ``profile`` (a
+    """Every transport of ``names`` (``"all"``: :func:`validated_cases`) at its defaults
+    (:data:`.transports.CASES`' headline rows, their densities) measured on a netbed (:func:`.transports.run`)
+    and modelled on the SimFabric: the link model alone (the small-message latency measured over the same netbed, TCP framing), and, with ``profile`` (a
     host profile, ``python -m sparsecomm.netbed calibrate``), the link plus that host model, its CPU share
     the processes per core of the netbed (workers and services, on this machine's cores) and its wire
     latency :data:`NETBED_LATENCY_US` (``native``, modelled as ``ring``, is charged ``native``'s cost per call);
@@ -213,7 +235,7 @@ def compare_transports(workers: int, size_mb: float, gbps: float, names: list[st
     packet, takes many minutes)."""
     from . import transports as tb
 
-    cases = [c for c in tb.CASES if c.transport in names and not c.tuned]
+    cases = validated_cases() if "all" in names else [c for c in tb.CASES if c.transport in names and not c.tuned]
     real = tb.run(workers, size_mb, cases, repeats, 1, 600.0, netbed_gbps=gbps)
     sims = {}
     if link:
@@ -373,7 +395,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--transports", nargs="+", default=None,
                     help="every transport named (at its defaults and densities) instead of native and ring "
-                         "against the ring's model: e.g. native ring allgather omnireduce switch sparse-switch")
+                         "against the ring's model: e.g. native ring omnireduce switch; 'all': every transport "
+                         "the model is validated on (" + " ".join(VALIDATED) + ")")
     ap.add_argument("--profile", default=None,
                     help="a host profile (python -m sparsecomm.netbed calibrate) to model with as well")
     ap.add_argument("--no-link-model", action="store_true",

@@ -275,10 +275,13 @@ class Fabric(ABC):
                   transport: str | None = None) -> None:
         """Declare host work a protocol has just done, for a fabric that models the hosts' CPU: ``op`` is
         ``"sum"`` (``count`` elements of ``dtype`` added), ``"scan"`` (elements scanned for non-zero
-        blocks), ``"switch_packet"`` (packets run through a switch program), ``"switch_message"`` (messages
-        whose packets a switch program ran, one call each), ``"copy"`` (bytes copied), ``"fresh"`` (bytes of a
+        blocks), ``"scan_zero"`` (the elements of the zero blocks among them), ``"switch_packet"`` (packets
+        run through a switch program), ``"switch_message"`` (messages whose packets a switch program ran, one
+        call each), ``"copy"`` (bytes copied), ``"fresh"`` (bytes of a
         buffer allocated in the call, whose pages are touched for the first time), ``"span"`` (blocks of
-        the range a block-sparse worker covers), ``"index"`` (blocks moved by a block index), ``"call"`` (calls of
+        the range a block-sparse worker covers), ``"index"`` (blocks moved by a block index), ``"move"`` (bytes of
+        blocks copied between a block-sparse endpoint's tensors and its messages), ``"check"`` (elements a
+        finiteness guard reads), ``"call"`` (calls of
         the transport named ``transport``, :meth:`sparsecomm.transports.base.Transport.run`), or one of a method's
         encode and decode (:meth:`sparsecomm.methods.base.Method.work`: ``"elementwise"``, ``"select"``,
         ``"sample"``, ``"matmul"``, ``"matmul_t"``, ``"kernel"``; :mod:`sparsecomm.fabric.sim.sim_host`).

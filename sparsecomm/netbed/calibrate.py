@@ -3,7 +3,10 @@
 ``python -m sparsecomm.netbed calibrate --out host.json`` (or ``python -m sparsecomm.netbed.calibrate``)
 runs :func:`calibrate` and writes its profile (:mod:`.sim_profile`); ``sc.Network.from_profile("host.json")``
 models a run on this machine's hosts. Every measurement runs with one torch thread (as a netbed host or a
-launched rank is given) and reports the median of its repeats:
+launched rank is given) and reports the median of its repeats. A kernel run in this process (every rate below
+but the message costs, ``span_block_s``, ``index_block_s`` and ``call_s``, which are timed over gloo between
+processes) is timed in the calling thread's CPU time (``time.thread_time``: on a quiet machine its wall time,
+on a loaded one without the time other processes hold the core):
 
 - ``send_message_s``, ``recv_message_s``, ``send_byte_s``, ``recv_byte_s``: a message round over gloo on
   127.0.0.1 between two processes (:func:`sparsecomm.launch`, the TorchFabric's ``send``/``recv``):
@@ -22,8 +25,16 @@ launched rank is given) and reports the median of its repeats:
   sizes of the difference per byte; no such size (no step within the sweep): both 0 (:func:`fresh_step`);
 - ``sum_element_s``: ``Tensor.add_`` of two large vectors of each dtype of :data:`~.sim_host.SUM_DTYPES`,
   per element (the ring's and OmniReduce's aggregator's sum);
-- ``scan_element_s``: :func:`sparsecomm.codec.nonzero_blocks` (OmniReduce's block scan, 256-element blocks)
-  of a float32 vector with half of its blocks zero, per element;
+- ``scan_element_s``, ``scan_zero_element_s``: :func:`sparsecomm.codec.nonzero_blocks` (OmniReduce's block
+  scan, 256-element blocks) of a float32 vector whose every block is non-zero at its first element (the scan
+  settles it there), per element; and of a zero vector (every block read to its end), per element, less that;
+- ``move_byte_s``: OmniReduce's block copies as it makes them, :meth:`~sparsecomm.transports.omnireduce.blocks.
+  BlockSink.write` of a message's blocks into a result and :meth:`~sparsecomm.transports.omnireduce.blocks.
+  DenseSource.gather` of a tensor's blocks into a message, each of :data:`MOVE_ELEMS` float32 (a run of
+  256-element blocks; the full run's buffers beyond a 32 MiB last-level cache, as a large gradient's are), per
+  byte copied;
+- ``check_element_s``: a transport's finiteness guard (:func:`sparsecomm.transports._guards.all_finite`) of a
+  float32 vector of :data:`MOVE_ELEMS`, per element;
 - ``switch_message_s``, ``switch_packet_s``: the switch program as a real fabric's switch runs it, one compiled
   call per message (:meth:`~sparsecomm.transports.switchml.dataplane.Dataplane.execute`, results written over
   the rows, a real fabric's 256-value packets, a two-worker job whose every pair of packets completes a slot):
@@ -127,16 +138,20 @@ SELECT_ELEMS = 1 << 16
 MATMUL_SHAPE = {True: (256, 256, 4), False: (1024, 1024, 4)}
 #: elements of the round timed for ``kernel_call_s``
 KERNEL_ELEMS = 16
+#: float32 elements of the buffers of ``move_byte_s`` and ``check_element_s``, quick and full (full: 64 MiB each,
+#: beyond a 32 MiB last-level cache)
+MOVE_ELEMS = {True: 1 << 18, False: 1 << 24}
 
 
 def _median_s(fn: Callable[[], object], repeats: int) -> float:
-    """Median wall seconds of ``fn()`` over ``repeats`` runs, after one run to warm up."""
+    """Median seconds of ``fn()`` over ``repeats`` runs, after one run to warm up, in the calling thread's CPU
+    time (module docstring: ``fn`` runs on this thread alone)."""
     fn()
     times = []
     for _ in range(repeats):
-        t = time.perf_counter()
+        t = time.thread_time()
         fn()
-        times.append(time.perf_counter() - t)
+        times.append(time.thread_time() - t)
     return statistics.median(times)
 
 
@@ -199,12 +214,36 @@ def kernel_costs(quick: bool = False) -> dict:
             a.zero_()                      # int32: no wrap-around over the repeats
         sums[name] = _median_s(lambda: a.add_(b), reps) / n
     block = 256
-    half = x.clone().view(-1, block)
-    half[::2] = 0                          # every other block zero
-    scan_element_s = _median_s(lambda: nonzero_blocks(half.view(-1), block), reps) / n
+    zero = torch.zeros_like(x)
+    scan_element_s = _median_s(lambda: nonzero_blocks(x, block), reps) / n       # (randn: no value is 0)
+    scan_zero_element_s = max(0.0, _median_s(lambda: nonzero_blocks(zero, block), reps) / n - scan_element_s)
 
     return {"copy_byte_s": copy_byte_s, "sum_element_s": sums, "scan_element_s": scan_element_s,
-            **switch_costs(quick), **codec_costs(quick)}
+            "scan_zero_element_s": scan_zero_element_s,
+            **block_copy_costs(quick), **switch_costs(quick), **codec_costs(quick)}
+
+
+def block_copy_costs(quick: bool = False) -> dict:
+    """``move_byte_s`` and ``check_element_s`` (module docstring), with one torch thread."""
+    from ..transports._guards import all_finite
+    from ..transports.omnireduce.blocks import BlockSink, DenseSource
+
+    n, reps = MOVE_ELEMS[quick], REPEATS[quick]
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(n, generator=gen)
+    result, message = torch.zeros(n), torch.zeros(n)
+    ids = np.arange(n // BLOCK)
+    data = message.view(-1, BLOCK)
+    source = DenseSource(x, BLOCK)
+
+    def moves():
+        sink = BlockSink(result, BLOCK)
+        if sink.write(ids, data) or source.gather(ids, data):
+            raise RuntimeError("calibrate: a run of blocks was moved by its index")
+
+    move_byte_s = _median_s(moves, reps) / (2 * n * x.element_size())
+    check_element_s = _median_s(lambda: all_finite(x), reps) / n
+    return {"move_byte_s": move_byte_s, "check_element_s": check_element_s}
 
 
 def fresh_step(sizes, fresh_s, mapped_s, step: float = FRESH_STEP) -> tuple[float, int]:
@@ -237,11 +276,11 @@ def fresh_costs(quick: bool = False) -> dict:
         fresh()                                 # (warm-up: the allocator's threshold as a run leaves it)
         pairs = []
         for _ in range(reps):
-            t = time.perf_counter()
+            t = time.thread_time()              # (CPU time, as _median_s: the page faults are this thread's)
             fresh()
-            t1 = time.perf_counter()
+            t1 = time.thread_time()
             mapped.fill_(1.0)
-            pairs.append((t1 - t, time.perf_counter() - t1))
+            pairs.append((t1 - t, time.thread_time() - t1))
         fresh_s.append(statistics.median(p[0] for p in pairs))
         mapped_s.append(statistics.median(p[1] for p in pairs))
         del mapped

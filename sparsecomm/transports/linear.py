@@ -192,5 +192,7 @@ def guarded_finish(fabric: Fabric, what: str, op: LinearOperand, total: torch.Te
     quantized codes stay wide), a float sum checked for NaN/Inf (:func:`._guards.guard_finite`)."""
     if widened:
         return total if op.codes else narrow(total, op.vector.dtype, what)
+    if nonfinite != "pass" and total.is_floating_point():
+        fabric.host_work("check", total.numel())       # (the guard's pass over the sum: sim_host)
     guard_finite(fabric, what, total, op.vector if total is not op.vector else None, nonfinite)
     return total

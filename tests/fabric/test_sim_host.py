@@ -101,7 +101,12 @@ WORK = [("ring", {}, {"sum_element_s": {"float32": 1e-8}}),
         ("ring", {}, {"fresh_byte_s": 1e-8}),
         ("switch", {}, {"fresh_byte_s": 1e-8}),
         ("sparse-switch", {}, {"copy_byte_s": 1e-8}),
-        ("sparse-switch", {}, {"fresh_byte_s": 1e-8})]
+        ("sparse-switch", {}, {"fresh_byte_s": 1e-8}),
+        ("omnireduce", {"lanes": 4}, {"scan_zero_element_s": 1e-8}),
+        ("omnireduce", {"lanes": 4}, {"move_byte_s": 1e-8}),
+        ("omnireduce", {"lanes": 1, "deployment": "dedicated"}, {"move_byte_s": 1e-8}),
+        ("omnireduce", {"lanes": 4}, {"check_element_s": 1e-8}),
+        ("ring", {}, {"check_element_s": 1e-8})]
 
 
 @pytest.mark.parametrize("name, kw, rates", WORK, ids=[f"{c[0]}-{next(iter(c[2]))}" for c in WORK])
@@ -346,6 +351,7 @@ def test_calibrate_command_writes_a_loadable_profile(tmp_path, capsys):
     # medians of timed kernel runs (each run takes time): positive
     assert all(host["sum_element_s"]["value"][d] > 0 for d in SUM_DTYPES)
     assert host["copy_byte_s"]["value"] > 0 and host["scan_element_s"]["value"] > 0
+    assert host["move_byte_s"]["value"] > 0 and host["check_element_s"]["value"] > 0
     from sparsecomm.fabric.sim.sim_host import CODEC_RATES
     assert all(host[r]["value"] > 0 for r in CODEC_RATES.values())     # (medians of timed kernel runs too)
     # the message rates: the line through the recorded one-way times (each positive), clipped at 0 and split
@@ -442,6 +448,63 @@ def test_omnireduce_charges_its_span_and_the_blocks_it_moves_by_index_by_hand(mo
     # summed (0, 1, 2): 2 + 2. Worker 1: blocks 0, 1 are a run (sent as a view); 5, 7 gathered: 2; its
     # aggregator adds 4, 6 and 5, 7 at scattered rows of the 4 summed: 2 + 2. Every sum lands as a run (0-2, 4-7)
     assert (total[0, "index"], total[1, "index"]) == (8, 6)
+
+
+def test_omnireduce_charges_its_zero_blocks_block_copies_and_check_by_hand(monkeypatch):
+    from sparsecomm.fabric.sim.sim import SimFabric
+
+    ops = ("scan", "scan_zero", "move", "check")
+    seen, real = [], SimFabric.host_work
+
+    def record(self, op, count, dtype=None, *, transport=None):
+        if op in ops:
+            seen.append((self.rank, op, count))
+        return real(self, op, count, dtype, transport=transport)
+
+    monkeypatch.setattr(SimFabric, "host_work", record)
+    sc.launch(_omni_blocks, 2, network=sc.Network(host=HostModel()))
+    total = {(r, op): sum(c for rr, o, c in seen if (rr, o) == (r, op)) for r in (0, 1) for op in ops}
+    # every worker scans both ranges, 8 blocks of 4; 4 of its blocks are zero (worker 0: 1, 3, 5, 7; 1: 2, 3, 4, 6)
+    assert [total[r, "scan"] for r in (0, 1)] == [32, 32]
+    assert [total[r, "scan_zero"] for r in (0, 1)] == [16, 16]
+    # moved (16 bytes a block): worker 0 gathers its blocks 0, 2 (for its own aggregator) and 4, 6 (aggregator 1):
+    # 4 blocks; it writes the 3 sums of its own aggregator (0-2) into its result; aggregator 1's sums of all 4
+    # blocks of its channel are received straight into the result (not moved): 7 blocks. Worker 1: its blocks
+    # 0, 1 go as a view, 5, 7 gathered; it writes aggregator 0's 3 sums (they ride with the lane words) and its
+    # own aggregator's 4: 9 blocks
+    assert [total[r, "move"] for r in (0, 1)] == [7 * 16, 9 * 16]
+    # the union is 7 of the 8 blocks: the guard reads the whole result (32 elements) on each worker
+    assert [total[r, "check"] for r in (0, 1)] == [32, 32]
+
+
+def test_the_new_rates_charge_at_their_rates_and_a_profile_without_them_models_the_times_it_modelled(tmp_path):
+    """``scan_zero_element_s``, ``move_byte_s`` and ``check_element_s``: charged per unit, stretched by the CPU
+    share; a version-2 profile written before they existed loads with them 0 and models an OmniReduce and a
+    ring call to the bit as before."""
+    host = HostModel(scan_zero_element_s=2e-9, move_byte_s=3e-10, check_element_s=5e-10, cpu_share=2.0)
+    t = sc.launch(lambda ctx: (ctx.fabric.host_work("scan_zero", 1000), ctx.fabric.host_work("move", 4000),
+                               ctx.fabric.host_work("check", 100 * (ctx.rank + 1)), ctx.fabric.now())[3], 2,
+                  network=sc.Network(host=host))
+    assert t == pytest.approx([2.0 * (1000 * 2e-9 + 4000 * 3e-10 + k * 100 * 5e-10) for k in (1, 2)], rel=1e-12)
+    net = functools.partial(sc.Network, bandwidth_gbps=10.0, latency_us=5.0)
+    runs = (_omni_sparse, functools.partial(_ring_call, numel=1000, inplace=False))
+    base = [sc.launch(run, 2, network=net(host=FULL)) for run in runs]
+    new = ("scan_zero_element_s", "move_byte_s", "check_element_s")
+    old = _profile(FULL)
+    assert all(old["host"][name]["value"] == 0.0 for name in new)
+    for name in new:
+        del old["host"][name]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    loaded = sc.Network.from_profile(path, bandwidth_gbps=10.0, latency_us=5.0)
+    assert loaded.host == FULL
+    for run, b in zip(runs, base):
+        assert [x.hex() for x in sc.launch(run, 2, network=loaded)] == [x.hex() for x in b]
+    rated = dataclasses.replace(FULL, **dict(zip(new, (1e-9, 2e-10, 3e-10))))
+    path.write_text(json.dumps(_profile(rated)))
+    assert sc.Network.from_profile(path).host == rated
+    for run, b in zip(runs, base):
+        assert max(sc.launch(run, 2, network=net(host=rated))) > max(b)
 
 
 def _omni_sparse(ctx) -> float:

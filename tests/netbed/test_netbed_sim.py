@@ -17,9 +17,11 @@ import pytest
 
 import json
 import math
+import os
 
-from experiments.bench.netbed_vs_sim import (LOOPBACK_WIRE, agreement, measured, modelled, modelled_cases,
-                                             modelled_link, paired_ratio, profile_network)
+from experiments.bench.netbed_vs_sim import (LOOPBACK_WIRE, VALIDATED, agreement, compare_transports, measured,
+                                             modelled, modelled_cases, modelled_link, paired_ratio, profile_network,
+                                             validated_cases)
 from experiments.bench.transports import Case
 from sparsecomm.errors import InvalidValueError
 from sparsecomm.fabric.sim.sim_host import SUM_DTYPES, HostModel
@@ -62,6 +64,51 @@ def test_sim_within_20_percent_of_ring_on_the_netbed(workers, size_mb, gbps):
     real = measured(workers, size_mb, gbps, repeats=2)
     sim = modelled(workers, size_mb, gbps, latency_us=real["latency_s"] * 1e6)
     assert 0.8 <= sim / real["ring"] <= 1.2, (sim, real)
+
+
+# ------------------------------------------------------------------ every transport with the calibrated host
+
+#: the validation's bound on 2 hosts at 1 Gbit/s: modelled (link + calibrated host) within 15% of the measured median
+BOUND = 0.15
+#: the densities the validation runs each block-sparse transport at
+DENSITIES = {"omnireduce": (1.0, 0.1, 0.01), "sparse-switch": (1.0, 0.1, 0.01)}
+
+
+def test_the_validation_covers_every_transport_at_its_densities():
+    """``--transports all``: every transport of the issue's table, at its defaults, the block-sparse ones at
+    densities 1, 0.1 and 0.01 (what the slow case below and BENCHMARKS' table run)."""
+    cases = validated_cases()
+    assert [c.transport for c in cases] == list(VALIDATED)
+    assert all(not c.tuned for c in cases)
+    assert {c.transport: c.densities for c in cases} == {t: DENSITIES.get(t, (1.0,)) for t in VALIDATED}
+    assert [c.services for c in cases if c.services] == [("switch",), ("sparse-switch",)]
+
+
+@pytest.fixture(scope="module")
+def host_profile(tmp_path_factory) -> str:
+    """A host profile of this machine: ``$SPARSECOMM_HOST_PROFILE`` if set (calibrated in a quiet moment, as the
+    validation wants), else calibrated here (``python -m sparsecomm.netbed calibrate``)."""
+    path = os.environ.get("SPARSECOMM_HOST_PROFILE")
+    if path:
+        return path
+    from sparsecomm.netbed.calibrate import calibrate, write_profile
+
+    out = tmp_path_factory.mktemp("profile") / "host.json"
+    write_profile(calibrate(), out)
+    return str(out)
+
+
+@NETBED[0]
+@NETBED[1]
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", VALIDATED)
+def test_each_transport_is_modelled_within_15_percent_with_the_calibrated_host(transport, host_profile):
+    """One point per transport (and density): 2 hosts, 10 MB, 1 Gbit/s, the median of 5 calls against the
+    SimFabric with the link and the calibrated host (``netbed_vs_sim --transports all --profile``)."""
+    rows = compare_transports(2, 10, 1.0, [transport], repeats=5, profile=host_profile, link=False)
+    assert sorted(r["density"] for r in rows) == sorted(DENSITIES.get(transport, (1.0,)))
+    for r in rows:
+        assert 1 - BOUND <= r["host_ratio"] <= 1 + BOUND, r
 
 
 # ------------------------------------------------------------------ the loopback comparison (--loopback)

@@ -9,7 +9,10 @@ modelled clocks (``host=None``, the default: no host cost, every modelled time a
   after the message's delivery (:meth:`.sim_network.Endpoint.taken`);
 - the work a transport declares with :meth:`sparsecomm.fabric.base.Fabric.host_work` (:data:`HOST_OPS`):
   ``"sum"``, elements added into an accumulator (``sum_element_s`` of their dtype); ``"scan"``, elements
-  scanned for non-zero blocks (``scan_element_s``); ``"switch_packet"``, packets run through a switch
+  scanned for non-zero blocks (``scan_element_s``); ``"scan_zero"``, the elements of the zero blocks among them
+  (``scan_zero_element_s``, on top of ``scan_element_s``: the scan settles a non-zero block at its first
+  non-zero value and reads a zero block to its end, so that a dense range costs ``scan_element_s`` per element
+  and an empty one the sum of the two); ``"switch_packet"``, packets run through a switch
   program (``switch_packet_s``); ``"switch_message"``, messages whose packets a switch program ran in one
   call (``switch_message_s``: the call into the compiled program, its lock and the replies' split, once
   per message whatever its packets); ``"copy"``, bytes copied (``copy_byte_s``: the ring's and ``native``'s
@@ -25,7 +28,13 @@ modelled clocks (``host=None``, the default: no host cost, every modelled time a
   written blocks --, charged as the worker scans each aggregator's range); ``"index"``, blocks moved by a block index
   (``index_block_s``: gathered into a message, added into the sums or written into the result at scattered
   rows -- the rows of an indexed copy, later checked and cleared row by row --, beyond their bytes and sums;
-  a contiguous run of blocks is one copy and is not charged); ``"call"``, one call of
+  a contiguous run of blocks is one copy and is not charged); ``"move"``, bytes of blocks copied between a
+  block-sparse endpoint's tensors and its messages (``move_byte_s``: OmniReduce's blocks gathered into a message
+  and its sums written into the result, a run of blocks or blocks by index, on top of ``"index"``'s per-block
+  part; a large tensor's blocks, beyond the last-level cache); ``"check"``, elements a finiteness guard reads
+  (``check_element_s``: the pass over a float sum that proves it holds no NaN or Inf, :mod:`sparsecomm.transports.
+  _guards`, in a transport that sums floats; the allgather counts its check among its ``"elementwise"``
+  passes); ``"call"``, one call of
   a transport (``call_s`` of the transport's name, charged by :meth:`sparsecomm.transports.base.Transport.run`
   on every worker as the call starts: the Python a call runs whatever its size -- its set-up, the workers'
   agreement, its rounds' bookkeeping -- beyond the messages, bytes, sums, scans and packets charged above;
@@ -80,6 +89,7 @@ __all__ = ["CODEC_RATES", "HOST_OPS", "HostModel", "OPTIONAL_RATES", "SIZES", "S
 #: the operations of :meth:`sparsecomm.fabric.base.Fabric.host_work` and the unit they count
 HOST_OPS = {"sum": "element", "scan": "element", "switch_packet": "packet", "switch_message": "message",
             "copy": "byte", "fresh": "byte", "call": "call", "span": "block", "index": "block",
+            "scan_zero": "element", "move": "byte", "check": "element",
             "elementwise": "element", "select": "element", "sample": "element", "matmul": "multiply-add",
             "matmul_t": "multiply-add", "kernel": "call"}
 
@@ -102,10 +112,13 @@ RATE_UNITS = {
     "fresh_min_bytes": "byte",
     "sum_element_s": "s/element",
     "scan_element_s": "s/element",
+    "scan_zero_element_s": "s/element",
     "switch_packet_s": "s/packet",
     "switch_message_s": "s/message",
     "span_block_s": "s/block",
     "index_block_s": "s/block",
+    "move_byte_s": "s/byte",
+    "check_element_s": "s/element",
     "call_s": "s/call",
     "elementwise_element_s": "s/element",
     "select_element_s": "s/element",
@@ -116,7 +129,8 @@ RATE_UNITS = {
 }
 
 #: the rates a version-2 profile may lack (added within version 2; absent: 0, the time the profile modelled)
-OPTIONAL_RATES = ("span_block_s", "index_block_s", *CODEC_RATES.values(), "fresh_byte_s", "fresh_min_bytes")
+OPTIONAL_RATES = ("span_block_s", "index_block_s", *CODEC_RATES.values(), "fresh_byte_s", "fresh_min_bytes",
+                  "move_byte_s", "check_element_s", "scan_zero_element_s")
 
 #: the entries of :data:`RATE_UNITS` that are sizes in bytes (integers), not rates
 SIZES = ("fresh_min_bytes",)
@@ -146,11 +160,15 @@ class HostModel:
             element added (default: 0 for each of :data:`SUM_DTYPES`); a ``host_work("sum", ...)`` of a dtype
             not in it raises.
         scan_element_s: seconds per element scanned for non-zero blocks (OmniReduce's block scan).
+        scan_zero_element_s: seconds per element of a zero block scanned, on top of ``scan_element_s``.
         switch_packet_s: seconds per packet run through a switch program (SwitchML's dataplane).
         switch_message_s: seconds per message whose packets a switch program runs (one call of the program
             per message, whatever its packets).
         span_block_s: seconds per block of the range a block-sparse worker covers (``host_work("span", blocks)``).
         index_block_s: seconds per block moved by a block index (``host_work("index", blocks)``).
+        move_byte_s: seconds per byte of blocks copied between a block-sparse endpoint's tensors and its
+            messages (``host_work("move", nbytes)``).
+        check_element_s: seconds per element a finiteness guard reads (``host_work("check", elements)``).
         elementwise_element_s: seconds per element of an elementwise pass of a method or compressor.
         select_element_s: seconds per element a top-k selection runs over.
         sample_element_s: seconds per magnitude a top-k samples for its threshold.
@@ -173,10 +191,13 @@ class HostModel:
     fresh_min_bytes: int = 0
     sum_element_s: Mapping[str, float] = field(default_factory=lambda: dict.fromkeys(SUM_DTYPES, 0.0))
     scan_element_s: float = 0.0
+    scan_zero_element_s: float = 0.0
     switch_packet_s: float = 0.0
     switch_message_s: float = 0.0
     span_block_s: float = 0.0
     index_block_s: float = 0.0
+    move_byte_s: float = 0.0
+    check_element_s: float = 0.0
     call_s: Mapping[str, float] = field(default_factory=dict)
     elementwise_element_s: float = 0.0
     select_element_s: float = 0.0
@@ -275,6 +296,8 @@ class HostModel:
                                         f"or the profile")
         elif op == "scan":
             rate = self.scan_element_s
+        elif op == "scan_zero":
+            rate = self.scan_zero_element_s
         elif op == "switch_packet":
             rate = self.switch_packet_s
         elif op == "switch_message":
@@ -287,6 +310,10 @@ class HostModel:
             rate = self.span_block_s
         elif op == "index":
             rate = self.index_block_s
+        elif op == "move":
+            rate = self.move_byte_s
+        elif op == "check":
+            rate = self.check_element_s
         elif op in CODEC_RATES:
             rate = getattr(self, CODEC_RATES[op])
         else:

@@ -21,7 +21,8 @@ Written by ``python -m sparsecomm.netbed calibrate --out host.json`` (:mod:`spar
 ``host`` holds exactly the rates of :data:`~.sim_host.RATE_UNITS` (a missing or unknown one, a unit other
 than its own, or a negative or non-finite value is refused, naming the key), but for those of
 :data:`~.sim_host.OPTIONAL_RATES` (``span_block_s``, ``index_block_s``, the rates of a method's encode and
-decode, :data:`~.sim_host.CODEC_RATES`, and a fresh buffer's ``fresh_byte_s`` and ``fresh_min_bytes``: added
+decode, :data:`~.sim_host.CODEC_RATES`, a fresh buffer's ``fresh_byte_s`` and ``fresh_min_bytes``, a block
+copy's ``move_byte_s``, a finiteness guard's ``check_element_s`` and a zero block's ``scan_zero_element_s``: added
 within version 2; a profile without them models them as 0, the times it modelled before they existed, so it
 loads as it did); ``sum_element_s`` gives each of :data:`~.sim_host.SUM_DTYPES`, ``call_s`` a rate per
 transport name (any names); ``fresh_min_bytes`` (:data:`~.sim_host.SIZES`) is a size, an integer of bytes

@@ -117,6 +117,13 @@ def service_main(index: int):
     return main
 
 
+def _checked(sink: BlockSink) -> int:
+    """The elements :meth:`.blocks.BlockSink.written_finite` reads: the whole result where the call wrote most
+    of its blocks, else the written blocks."""
+    ids = sink.written_ids()
+    return 0 if not ids.size else sink.numel if 2 * ids.size > sink.full else int(ids.size) * sink.block_size
+
+
 @services.registry.register("omnireduce-agg")
 def _service_factory(arg: str | None):
     """``"omnireduce-agg:i"`` -> dedicated aggregator ``i`` (for an extra torch.distributed rank)."""
@@ -356,7 +363,12 @@ class OmniReduce(Transport):
         """NaN/Inf in the float sum ``out``: only the blocks the call wrote are checked (the rest is zero;
         :meth:`BlockSink.written_finite`), so a sparse call does not pay a pass over the whole result."""
         sink = self._last_sink
-        if self.nonfinite == "pass" or (sink is not None and sink.out is out and sink.written_finite()):
+        if self.nonfinite == "pass":
+            return
+        own = sink is not None and sink.out is out
+        if self.fabric.modelled_time:    # (the elements the check reads: the host model's "check", sim_host)
+            self.fabric.host_work("check", _checked(sink) if own else out.numel())
+        if own and sink.written_finite():
             return
         guard_finite(self.fabric, "omnireduce allreduce", out, local, self.nonfinite)
 

@@ -53,6 +53,7 @@ def send_up(call, key: Buf, a: int, c, local_key: Key):
             return
     buf, data, tail = wire.message(call.outbox.pool, key, b.size, call.spec.block_size, call.spec.up, meta=meta)
     call.fabric.host_work("index", source.gather(ids, data))
+    call.fabric.host_work("move", data.nbytes)         # (the blocks' bytes copied: sim_host)
     if meta:
         tail.copy_(torch.from_numpy(look))
     if a == call.own:
@@ -174,6 +175,7 @@ def take_reply0(call, a: int, ch: wire.Channel) -> np.ndarray:
             raise ProtocolError("omnireduce: the round-0 sums do not match their lane words")
         if k:
             call.fabric.host_work("index", call.sink.write(summed.nonzero()[0] + ch.lo, data))
+            call.fabric.host_work("move", data.nbytes)
         return newc
     else:   # every block summed: one block per lane, nothing follows
         newc, ids = np.full(ch.lanes, ch.size, dtype=np.int64), np.arange(ch.lo, ch.lo + ch.size)
@@ -210,3 +212,4 @@ def land_sums0(call, a: int, g: int, ids: np.ndarray) -> None:
     else:
         data, _ = wire.split(got, ids.size, call.spec.block_size, call.down, meta=False)
         call.fabric.host_work("index", call.sink.write(ids, data))
+        call.fabric.host_work("move", data.nbytes)

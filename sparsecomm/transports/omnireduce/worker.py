@@ -14,6 +14,7 @@ from ...fabric.base import Fabric
 from .._handshake import fail_stop
 from . import core, header, strategies, wire
 from .aggregator import AggCall, aggregator, may_defer
+from .blocks import DenseSource
 from .header import CallSpec
 from .stages import Phase, Stage
 from ...fabric.roles import Hand, Inbox, Outbox, Poll, Pool, Post, Recv, Send, Spawn
@@ -145,12 +146,24 @@ def scan(call, a: int):
             call.source.scan(s, min(hi, s + step))
             bs = call.source.block_size      # the elements scanned: blocks [s, min(hi, s + step))
             call.fabric.host_work("scan", min(min(hi, s + step) * bs, call.source.numel) - s * bs)
+            if call.fabric.modelled_time and isinstance(call.source, DenseSource):   # (read to their end: sim_host)
+                call.fabric.host_work("scan_zero", _zero_elements(call.source, s, min(hi, s + step)))
             if call.own is not None:
                 yield Poll(POLL_SCAN)
         call.fabric.host_work("span", hi - lo)     # the range's per-block work beyond the scan (sim_host)
     for ch in chans:
         call.wch[a, ch.slot] = core.WorkerChannel(ch, call.source.mask)
     call.mark(f"scanned {a}")
+
+
+def _zero_elements(source: DenseSource, lo: int, hi: int) -> int:
+    """The elements of the zero blocks among ``[lo, hi)`` of a scanned ``source`` (the host model's
+    ``"scan_zero"``: the scan reads a zero block to its end, a non-zero one only to its first non-zero value)."""
+    zero = (~source.mask[lo:hi]).nonzero().flatten()
+    elements = int(zero.numel()) * source.block_size
+    if source.tail and zero.numel() and int(zero[-1]) + lo == source.nb - 1:
+        elements -= source.block_size - source.tail       # (the short last block)
+    return elements
 
 
 def send_round0(call, aggs: list[int]):
@@ -191,7 +204,9 @@ def worker_lane(call, a: int, c: core.WorkerChannel):
         if not c.active:
             return
         yield Recv((Key(Msg.DOWN, a, g),), Stage(Phase.LAND, c.round, g, pos))
+        nbytes = c.act.size * bs * call.down.itemsize     # (the sums' bytes written into the result: sim_host)
         call.fabric.host_work("index", c.down(call.inbox.take(Key(Msg.DOWN, a, g)), call.sink, bs, call.down))
+        call.fabric.host_work("move", nbytes)
 
 
 def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: list[int],
