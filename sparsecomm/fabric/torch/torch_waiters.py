@@ -58,7 +58,10 @@ _SERVICE_POLL_S = 0.05
 #: failure record: a send cut off mid-message by its receiver's death (gloo aborts a process that receives a
 #: message longer than its receive: a 5 MiB one to the switch) stays blocked in gloo after the job's trip.
 #: Smaller sends, which the sockets' buffers mostly absorb whole, keep the calling thread's wait (no thread
-#: hop on the small messages of the latency-bound protocols; beside a 1 MiB transmission a hop is noise)
+#: hop on the small messages of the latency-bound protocols; beside a 1 MiB transmission a hop is noise).
+#: The helper thread of such a send starts waiting when the send is posted, so that by the caller's wait
+#: (a call's last step, for most protocols) it has mostly seen the send end: the caller finds it done
+#: rather than waiting for two thread hand-offs per send
 WATCHED_SEND_BYTES = 1 << 20
 
 #: how many threads of this process are inside a gloo wait now (changed under :data:`_IN_WAIT`).
@@ -239,10 +242,11 @@ class Waits:
         """Wait until ``pend`` has completed: within ``timeout`` s if given, else within ``timeout_s``
         (a service's receive: until the run ends), as the module docstring says."""
         service = self._service and pend.is_recv
-        if timeout is None and not service and pend.done is None:      # (not waited for by a helper thread)
+        watched = not pend.is_recv and not self._cuda and pend.buf.nbytes >= WATCHED_SEND_BYTES
+        if timeout is None and not service and (pend.done is None or watched):   # (else a helper thread's)
             if self._cuda:
                 self._blocking(pend)
-            elif pend.is_recv or pend.buf.nbytes < WATCHED_SEND_BYTES:
+            elif not watched:
                 try:            # (:meth:`_blocking`, inline: once per message)
                     pend.wait_here(self._limit)
                 except RuntimeError as exc:
@@ -272,8 +276,13 @@ class Waits:
 
     def _watched(self, pend: Pending) -> None:
         """A large gloo send (:data:`WATCHED_SEND_BYTES`), bounded by ``timeout_s`` like :meth:`_blocking`
-        and ended by the job's failure record as soon as there is one (a helper thread waits in gloo)."""
+        and ended by the job's failure record as soon as there is one (a helper thread waits in gloo,
+        started when the send was posted: :meth:`.torch_fabric.TorchFabric.isend`)."""
         pend.start_waiter()
+        if pend.done.is_set():      # (seen to end before this wait: no sleep, no wake-up)
+            if pend.error is not None:
+                raise self.error(pend.error, pend, self._timeout_s) from pend.error
+            return
         deadline = time.monotonic() + self._timeout_s
         while not pend.done.wait(_SERVICE_POLL_S):
             if self._failstop.failure is not None:
