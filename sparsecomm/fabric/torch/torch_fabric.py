@@ -501,10 +501,14 @@ class TorchWork(Work):
     def is_completed(self) -> bool:
         if self._finished:
             return True
+        pend = self._pend
+        if pend.ended:              # (a helper thread has seen it end: the common look, no call)
+            return True
         fabric = self._fabric
         if fabric._deferred:
             fabric._flush()
         if fabric._cuda:
-            return bool(self._pend.work.is_completed())
-        self._pend.start_waiter()   # gloo reports completion only through wait()
-        return self._pend.done.is_set()
+            return bool(pend.work.is_completed())
+        if pend.done is None:
+            pend.start_waiter()     # gloo reports completion only through wait()
+        return pend.ended

@@ -140,9 +140,11 @@ class Pending:
     """A posted torch.distributed operation (``work``) on ``buf`` with peer ``src`` (``None``: any source)
     and ``tag``; ``source`` is a completed receive's sender. For timed waits on gloo a helper thread waits
     on it (:meth:`start_waiter`), then sets ``done`` (and ``error``, if the wait raised); ``done`` is
-    ``None`` until then (most operations are waited for on the calling thread: no event to make)."""
+    ``None`` until then (most operations are waited for on the calling thread: no event to make).
+    ``ended``: the helper thread has seen it end (set before ``done``; a look at it is an attribute's
+    read, where ``done.is_set()`` is a call: the schedulers look at their pending receives often)."""
 
-    __slots__ = ("work", "buf", "src", "tag", "is_recv", "done", "error", "source", "trace")
+    __slots__ = ("work", "buf", "src", "tag", "is_recv", "done", "error", "source", "trace", "ended")
 
     def __init__(self, work, buf: torch.Tensor, src: int | None, tag: int, is_recv: bool) -> None:
         self.work = work
@@ -156,6 +158,7 @@ class Pending:
         #: a send's recorder and event on the active timeline (:mod:`sparsecomm.fabric.trace`), ended when
         #: the send completes
         self.trace: tuple | None = None
+        self.ended = False
 
     @property
     def waited(self) -> bool:
@@ -186,6 +189,7 @@ class Pending:
             self.wait_here(_FOREVER)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
             self.error = exc
+        self.ended = True
         self.done.set()
         with COMPLETIONS:
             _generation[0] += 1
