@@ -239,3 +239,29 @@ def test_service_not_started_is_a_clear_error():
     with pytest.raises(ServiceNotStarted, match=r"services=\['switch'\]"):
         sc.launch(_ask_for_missing_service, 2, backend="gloo", timeout_s=30)
 
+
+
+# --------------------------------------------------------------------------- large sends
+def _large_send(ctx) -> list:
+    """A gloo send of at least WATCHED_SEND_BYTES is watched by a helper thread from its post; a smaller one
+    is waited for on the calling thread (no helper); both deliver."""
+    from sparsecomm.fabric.torch.torch_waiters import WATCHED_SEND_BYTES
+
+    f, out = ctx.fabric, []
+    for nbytes in (WATCHED_SEND_BYTES, WATCHED_SEND_BYTES // 2):
+        n = nbytes // 4
+        if ctx.rank == 0:
+            wk = f.isend(torch.arange(n, dtype=torch.float32), 1, tag=11)
+            out.append(wk._pend.waited)          # (the fabric's own record of the send)
+            wk.wait()
+            out.append(wk.is_completed())
+        else:
+            buf = torch.zeros(n)
+            f.recv(buf, 0, tag=11)
+            out.append(torch.equal(buf, torch.arange(n, dtype=torch.float32)))
+    return out
+
+
+def test_a_large_gloo_send_is_watched_from_its_post():
+    got = sc.launch(_large_send, 2, backend="gloo", timeout_s=30)
+    assert got == [[True, True, False, True], [True, True]]

@@ -82,7 +82,7 @@ from ..base import Fabric, Work
 from ..stats import CommStats
 from .torch_failure import MAX_TAG, FailStop
 from .torch_ranks import JobRanks
-from .torch_waiters import Pending, Waits, waits_ended
+from .torch_waiters import WATCHED_SEND_BYTES, Pending, Waits, waits_ended
 from ...validate import check_real
 
 __all__ = ["TorchFabric"]
@@ -279,6 +279,10 @@ class TorchFabric(Fabric):
                 pend.work = (self._pg if dst > self.rank else self._pg_down).send([t], dst, tag)
             except RuntimeError as exc:
                 raise self._waits.error(exc, pend) from exc
+            if t.nbytes >= WATCHED_SEND_BYTES and not self._cuda:
+                # a helper thread waits for it in any case (:meth:`Waits.wait`): from now on, so that by
+                # the caller's wait it has mostly seen it end (no hand-off to wait for then)
+                pend.start_waiter()
         nbytes = t.nbytes
         self.stats.record_send(self.rank, dst, nbytes)
         if rec is not None:
@@ -497,10 +501,14 @@ class TorchWork(Work):
     def is_completed(self) -> bool:
         if self._finished:
             return True
+        pend = self._pend
+        if pend.ended:              # (a helper thread has seen it end: the common look, no call)
+            return True
         fabric = self._fabric
         if fabric._deferred:
             fabric._flush()
         if fabric._cuda:
-            return bool(self._pend.work.is_completed())
-        self._pend.start_waiter()   # gloo reports completion only through wait()
-        return self._pend.done.is_set()
+            return bool(pend.work.is_completed())
+        if pend.done is None:
+            pend.start_waiter()     # gloo reports completion only through wait()
+        return pend.ended

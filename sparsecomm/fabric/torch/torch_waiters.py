@@ -58,7 +58,10 @@ _SERVICE_POLL_S = 0.05
 #: failure record: a send cut off mid-message by its receiver's death (gloo aborts a process that receives a
 #: message longer than its receive: a 5 MiB one to the switch) stays blocked in gloo after the job's trip.
 #: Smaller sends, which the sockets' buffers mostly absorb whole, keep the calling thread's wait (no thread
-#: hop on the small messages of the latency-bound protocols; beside a 1 MiB transmission a hop is noise)
+#: hop on the small messages of the latency-bound protocols; beside a 1 MiB transmission a hop is noise).
+#: The helper thread of such a send starts waiting when the send is posted, so that by the caller's wait
+#: (a call's last step, for most protocols) it has mostly seen the send end: the caller finds it done
+#: rather than waiting for two thread hand-offs per send
 WATCHED_SEND_BYTES = 1 << 20
 
 #: how many threads of this process are inside a gloo wait now (changed under :data:`_IN_WAIT`).
@@ -137,9 +140,11 @@ class Pending:
     """A posted torch.distributed operation (``work``) on ``buf`` with peer ``src`` (``None``: any source)
     and ``tag``; ``source`` is a completed receive's sender. For timed waits on gloo a helper thread waits
     on it (:meth:`start_waiter`), then sets ``done`` (and ``error``, if the wait raised); ``done`` is
-    ``None`` until then (most operations are waited for on the calling thread: no event to make)."""
+    ``None`` until then (most operations are waited for on the calling thread: no event to make).
+    ``ended``: the helper thread has seen it end (set before ``done``; a look at it is an attribute's
+    read, where ``done.is_set()`` is a call: the schedulers look at their pending receives often)."""
 
-    __slots__ = ("work", "buf", "src", "tag", "is_recv", "done", "error", "source", "trace")
+    __slots__ = ("work", "buf", "src", "tag", "is_recv", "done", "error", "source", "trace", "ended")
 
     def __init__(self, work, buf: torch.Tensor, src: int | None, tag: int, is_recv: bool) -> None:
         self.work = work
@@ -153,6 +158,7 @@ class Pending:
         #: a send's recorder and event on the active timeline (:mod:`sparsecomm.fabric.trace`), ended when
         #: the send completes
         self.trace: tuple | None = None
+        self.ended = False
 
     @property
     def waited(self) -> bool:
@@ -183,6 +189,7 @@ class Pending:
             self.wait_here(_FOREVER)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
             self.error = exc
+        self.ended = True
         self.done.set()
         with COMPLETIONS:
             _generation[0] += 1
@@ -239,10 +246,11 @@ class Waits:
         """Wait until ``pend`` has completed: within ``timeout`` s if given, else within ``timeout_s``
         (a service's receive: until the run ends), as the module docstring says."""
         service = self._service and pend.is_recv
-        if timeout is None and not service and pend.done is None:      # (not waited for by a helper thread)
+        watched = not pend.is_recv and not self._cuda and pend.buf.nbytes >= WATCHED_SEND_BYTES
+        if timeout is None and not service and (pend.done is None or watched):   # (else a helper thread's)
             if self._cuda:
                 self._blocking(pend)
-            elif pend.is_recv or pend.buf.nbytes < WATCHED_SEND_BYTES:
+            elif not watched:
                 try:            # (:meth:`_blocking`, inline: once per message)
                     pend.wait_here(self._limit)
                 except RuntimeError as exc:
@@ -272,8 +280,13 @@ class Waits:
 
     def _watched(self, pend: Pending) -> None:
         """A large gloo send (:data:`WATCHED_SEND_BYTES`), bounded by ``timeout_s`` like :meth:`_blocking`
-        and ended by the job's failure record as soon as there is one (a helper thread waits in gloo)."""
+        and ended by the job's failure record as soon as there is one (a helper thread waits in gloo,
+        started when the send was posted: :meth:`.torch_fabric.TorchFabric.isend`)."""
         pend.start_waiter()
+        if pend.done.is_set():      # (seen to end before this wait: no sleep, no wake-up)
+            if pend.error is not None:
+                raise self.error(pend.error, pend, self._timeout_s) from pend.error
+            return
         deadline = time.monotonic() + self._timeout_s
         while not pend.done.wait(_SERVICE_POLL_S):
             if self._failstop.failure is not None:

@@ -78,6 +78,8 @@ SimFabric's reproduction sets its own lanes (``experiments/reproduce_omnireduce.
 blocks (the paper's), colocated aggregators, 2 channels per aggregator and 16384 lanes per channel,
 i.e. messages of up to 16 MiB and a 100 MB tensor in 1-2 rounds on 2-4 workers, where each round trip
 costs milliseconds (BENCHMARKS.md, "Transports on the netbed", measures them against other lane counts).
+On a fabric whose messages want to be long (``fabric.message_bytes``: real processes) a colocated call
+whose aggregator ranges fit in one round runs one channel per aggregator (:meth:`OmniReduce.channels_for`).
 """
 
 from __future__ import annotations
@@ -105,6 +107,8 @@ from .worker import run_worker
 __all__ = ["OmniReduce", "service_main"]
 
 DEPLOYMENTS = ("colocated", "dedicated")
+#: channels per aggregator by default, where several pay (:meth:`OmniReduce.channels_for`)
+CHANNELS = 2
 
 
 def service_main(index: int):
@@ -145,7 +149,8 @@ class OmniReduce(Transport):
     message costs far more than its bytes, fuse aggressively (the default 16384 lanes puts a 100 MB
     tensor on 2 workers in 1-2 rounds); in a simulation, fewer lanes (more rounds, smaller messages)
     pipeline the up- and downstream better. ``channels`` (at most 16): independent streams (the
-    paper's slots) per aggregator, whose up- and downstream overlap. ``threshold > 0``: blocks with every ``|x| <= threshold`` count as zero (lossy, as the
+    paper's slots) per aggregator, whose up- and downstream overlap; by default 2, or 1 where a second
+    one would not pay (:meth:`channels_for`). ``threshold > 0``: blocks with every ``|x| <= threshold`` count as zero (lossy, as the
     reference's threshold). ``inplace=True`` writes the sum into the input tensor, as
     ``dist.all_reduce`` does (only the union's blocks are written). Otherwise results come from a
     cache of ``result_cache`` buffers, reused once the caller holds no reference to them (a fresh
@@ -159,16 +164,18 @@ class OmniReduce(Transport):
     linear = frozenset({"dense", "aligned", "quantized"})
 
     def __init__(self, fabric, block_size: int = 256, *, deployment: str = "colocated",
-                 num_aggregators: int | None = None, lanes: int = 16384, channels: int = 2,
+                 num_aggregators: int | None = None, lanes: int = 16384, channels: int | None = None,
                  threshold: float = 0.0, inplace: bool = False, result_cache: int = 2,
                  aggregator_bandwidth_gbps: float | None = None,
                  aggregator_latency_us: float | None = None, nonfinite: str = "raise") -> None:
         super().__init__(fabric)
         self.nonfinite = nonfinite_option(nonfinite, "omnireduce")
         for nm, v in (("block_size", block_size), ("lanes", lanes), ("channels", channels)):
+            if v is None and nm == "channels":
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise InvalidValueError(f"omnireduce: {nm} must be a positive integer, got {v!r}")
-        if channels > wire.MAX_CHANNELS:
+        if channels is not None and channels > wire.MAX_CHANNELS:
             raise InvalidValueError(f"omnireduce: at most {wire.MAX_CHANNELS} channels per aggregator, got {channels}")
         if deployment not in DEPLOYMENTS:
             raise InvalidValueError(f"omnireduce: deployment must be one of {', '.join(DEPLOYMENTS)}, "
@@ -214,7 +221,7 @@ class OmniReduce(Transport):
         return costs.omnireduce_allreduce(
             self.fabric.world_size, call.numel, density=call.density, union_density=call.union_density,
             elem_size=call.elem_size, block_size=self.block_size, deployment=self.deployment,
-            num_aggregators=self.num_aggregators, channels=self.channels, lanes=self.lanes,
+            num_aggregators=self.num_aggregators, channels=self.channels_for(call.numel), lanes=self.lanes,
             bandwidth_gbps=bandwidth_gbps, latency_us=latency_us)
 
     # ------------------------------------------------------------------ public
@@ -226,9 +233,27 @@ class OmniReduce(Transport):
             return x
         return out
 
+    def channels_for(self, numel: int) -> int:
+        """The channels per aggregator of a call of ``numel`` elements: ``channels`` if it was given; else
+        :data:`CHANNELS` (the paper's several streams per aggregator, whose up- and downstream overlap) on a
+        modelled network (``fabric.message_bytes`` is ``None``) and with dedicated aggregators (a worker's
+        up- and downlink carry different streams), and on a real fabric colocated :data:`CHANNELS` only
+        where one channel would take more than one round (an aggregator's range of more than ``lanes``
+        blocks), else one: colocated, every link direction carries the blocks of one aggregator's range
+        and the sums of another's, so a second stream shortens no link's time, while each stream costs
+        every endpoint its messages, its roles and, on gloo, the helper threads that watch its large
+        receives (BENCHMARKS.md, "Transports on loopback"). Every worker computes the same value from the
+        same call (it is in the call's header, checked for agreement)."""
+        if self.channels is not None:
+            return self.channels
+        if self.fabric.message_bytes is None or self.deployment != "colocated":
+            return CHANNELS
+        nb = -(-numel // self.block_size)
+        return 1 if -(-nb // self.num_aggregators) <= self.lanes else CHANNELS
+
     # --------------------------------------------------------------- protocol
     def _spec(self, numel: int, up: torch.dtype, kind: str, check: int = 0, absmax: int = 0) -> CallSpec:
-        return CallSpec(numel, up, self.block_size, self.num_aggregators, self.channels, self.lanes,
+        return CallSpec(numel, up, self.block_size, self.num_aggregators, self.channels_for(numel), self.lanes,
                         wire.KINDS.index(kind), check, absmax)
 
     def _run(self, spec: CallSpec, source, make_sink, home: bool = False):
