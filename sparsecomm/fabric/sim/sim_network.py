@@ -136,7 +136,9 @@ FIXED = 1 << 62
 @dataclass(eq=False, slots=True)
 class Msg:
     """A message in the model: its bytes and its times (``start``, ``head``, ``tx_end``, ``rx_end``: the
-    module docstring's formulas); ``delivered`` is when the receiving application may take it."""
+    module docstring's formulas); ``delivered`` is when the receiving application may take it. ``data``: the
+    bytes as they were at the send, a copy, or the buffer of the posted receive they were written into
+    (:attr:`Endpoint.posted`), which holds them until the message is taken."""
 
     src: int
     tag: int
@@ -153,6 +155,8 @@ class Msg:
     #: ``rx_end`` and ``delivered`` are exact while this is at least the receiver's ``epoch`` (:data:`FIXED`:
     #: its NIC slot is fixed)
     stamp: int = -1
+    #: the posted receive whose buffer ``data`` is (it holds the bytes until the message is taken), if any
+    into: object = None
 
 
 class Endpoint:
@@ -187,6 +191,10 @@ class Endpoint:
         #: exact if its ``stamp`` is at least this
         self.epoch = 0
         self.mailbox: dict[tuple[int, int], deque[Msg]] = {}
+        #: per ``(source, tag)``: its posted receives from a named source, large enough to be written into at
+        #: the send, not completed yet, in the order they were posted (a message sent with k queued on the
+        #: channel is written into the k-th one's buffer: :class:`~.sim.SimFabric`)
+        self.posted: dict[tuple[int, int], deque] = {}
         self.threaded = threaded
         self.parked = 0                      # its threads waiting in the world (running while none is)
         self.waiters: list = []              # its blocked processes (sim_world.Proc)
