@@ -114,9 +114,10 @@ class _RecvWork(Work):
         self.holds: Msg | None = None
         if src is not None and tensor.nbytes >= WRITE_THROUGH_BYTES and tensor.is_cpu and not tensor.requires_grad:
             posted = fabric._ep.posted
-            q = posted.get(ch)
-            if q is None:
-                q = posted[ch] = deque()
+            if ch in posted:
+                q = posted[ch]
+            else:
+                q = posted[ch] = []
             q.append(self)
             self._posted = q
 
@@ -133,7 +134,7 @@ class _RecvWork(Work):
         if q is not None:
             self._posted = None
             if q[0] is self:
-                q.popleft()
+                del q[0]
             else:
                 q.remove(self)
 
@@ -179,10 +180,24 @@ class _RecvWork(Work):
             if msg is None:
                 return False
         else:                   # (World.take_now's case of a named source, inline: once per message)
-            q = ep.mailbox.get(self.channel)
+            box, ch = ep.mailbox, self.channel
+            if ch not in box:
+                return False
+            q = box[ch]
             if not q:
                 return False
             msg = world.take(ep, q[0])
+            if msg.into is self:    # (_finish's common case, inline: written into this receive's buffer)
+                msg.into = self.holds = None
+                self._result = msg.src
+                self.done = True
+                q = self._posted
+                self._posted = None
+                if q[0] is self:
+                    del q[0]
+                else:
+                    q.remove(self)
+                return True
         self._finish(msg)
         return True
 
@@ -258,17 +273,19 @@ class SimFabric(Fabric):
     # --------------------------------------------------------------- sending
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0, *, reliable: bool = True) -> Work:
         world, ep = self.world, self._ep
-        if not 0 <= dst < len(world.endpoints):
-            raise InvalidValueError(f"{ep.name}: no endpoint {dst} (world has {len(world.endpoints)})")
-        if dst == self.rank:
-            raise InvalidValueError(f"{ep.name}: cannot send to itself")
+        if dst < 0 or dst == self.rank:
+            raise InvalidValueError(f"{ep.name}: cannot send to itself" if dst == self.rank else
+                                    f"{ep.name}: no endpoint {dst} (world has {len(world.endpoints)})")
         nbytes = tensor.nbytes
         with world.gate.lock:
             if world.failure is not None:
                 self._raise_if_failed()
             if ep.crashed:
                 raise EndpointCrashed(f"{ep.name} has crashed")
-            dst_ep = world.endpoints[dst]
+            try:
+                dst_ep = world.endpoints[dst]
+            except IndexError:
+                raise InvalidValueError(f"{ep.name}: no endpoint {dst} (world has {len(world.endpoints)})") from None
             start, tx_end = ep.transmit(dst, nbytes)
             latency = (ep.latency + dst_ep.latency) / 2   # each end's link contributes half: symmetric
             stats = ep.stats            # (CommStats.record_send, inline: once per message)
@@ -286,15 +303,16 @@ class SimFabric(Fabric):
             if not dropped and not dst_ep.crashed:
                 ch = (self.rank, tag)
                 box = dst_ep.mailbox
-                q = box.get(ch)
-                if q is None:
+                if ch in box:
+                    q = box[ch]
+                else:
                     q = box[ch] = deque()
                 # the posted receive that takes this message if the channel's receives take them in the order
                 # they were posted (the k-th posted, with k messages queued before it): its bytes are written
                 # into that receive's buffer, which holds them until the message is taken (_deliver)
                 into = None
-                if nbytes >= WRITE_THROUGH_BYTES:
-                    posted = dst_ep.posted.get(ch)
+                if nbytes >= WRITE_THROUGH_BYTES and ch in dst_ep.posted:
+                    posted = dst_ep.posted[ch]
                     if posted:
                         if not q:
                             into = posted[0]
