@@ -124,9 +124,17 @@ class _RecvWork(Work):
     def _finish(self, msg: Msg) -> None:
         """Complete with taken ``msg``: its bytes into this receive's buffer (:meth:`SimFabric._deliver`; none
         to copy where the send wrote them there), and off the endpoint's list of posted receives."""
-        if msg.into is self:
+        into = msg.into
+        if into is self:
             msg.into = self.holds = None
             self._result = msg.src
+        elif into is None and self.holds is None:   # (_deliver's common case, inline: a copy of the message)
+            tensor, data = self._args[0], msg.data
+            if data.dtype is tensor.dtype and data.shape == tensor.shape and not tensor.requires_grad:
+                tensor.copy_(data)
+                self._result = msg.src
+            else:
+                self._result = self._fabric._deliver(msg, tensor, self._args[2], self)
         else:
             self._result = self._fabric._deliver(msg, self._args[0], self._args[2], self)
         self.done = True

@@ -133,11 +133,6 @@ TCP_OVER_ETHERNET = 1448 / 1514
 FIXED = 1 << 62
 
 
-def _arrival(msg: "Msg") -> tuple[float, int]:
-    """A queued message's place in its receiving NIC's order: ``(head, source)``."""
-    return msg.head, msg.src
-
-
 @dataclass(eq=False, slots=True)
 class Msg:
     """A message in the model: its bytes and its times (``start``, ``head``, ``tx_end``, ``rx_end``: the
@@ -186,8 +181,8 @@ class Endpoint:
         self.per_port = per_port            # its NIC port towards a peer: the peer's id, else -1 (one NIC)
         self.clock = 0.0
         self._tx_free: dict[int, float] = {}
-        # per port, a list: the queued messages after the last one taken, in the order its NIC takes them
-        # (by (head, source)), how many of them (a prefix) have exact times, and the end of the one before them
+        # per port, a list: the queued messages after the last one taken, in the order its NIC takes them,
+        # their (head, source), how many of them (a prefix) have exact times, and the end of the one before them
         self._rx: dict[int, list] = {}
         #: bumped whenever messages' times become lower bounds (:meth:`schedule`): a message's times are
         #: exact if its ``stamp`` is at least this
@@ -238,34 +233,33 @@ class Endpoint:
         port = msg.src if self.per_port else -1
         rx = self._rx.get(port)
         if rx is None:
-            rx = self._rx[port] = [[], 0, 0.0]
-        tail, valid = rx[0], rx[1]
+            rx = self._rx[port] = [[], [], 0, 0.0]
+        tail, keys, valid = rx[0], rx[1], rx[2]
         head = msg.head
+        key = (head, msg.src)
         if not tail:
             i = n = 0
-            t = rx[2]
+            t = rx[3]
         else:
             n = len(tail)
-            last = tail[-1]
-            if head > last.head or (head == last.head and msg.src >= last.src):
-                i = n
-            else:                    # (after those of an equal key)
-                i = bisect_right(tail, (head, msg.src), key=_arrival)
-            t = tail[i - 1].rx_end if i else rx[2]
+            i = n if key >= keys[-1] else bisect_right(keys, key)     # (after those of an equal key)
+            t = tail[i - 1].rx_end if i else rx[3]
         msg.rx_end = t = (head if head > t else t) + msg.nbytes / self.bw     # (max, inline: once per message)
         d = msg.tx_end + (head - msg.start)
         msg.delivered = d if d > t else t
         if i == n:
             tail.append(msg)
+            keys.append(key)
             if i == valid:           # timed from exact times: exact
                 msg.stamp = self.epoch
-                rx[1] = valid + 1
+                rx[2] = valid + 1
             return False
         tail.insert(i, msg)
+        keys.insert(i, key)
         if i <= valid:               # exact; those after it are not any more
             self.epoch += 1
             msg.stamp = self.epoch
-            rx[1] = i + 1
+            rx[2] = i + 1
         return True
 
     def delivery(self, msg: Msg) -> float:
@@ -276,12 +270,12 @@ class Endpoint:
         tail = rx[0]
         i = 0
         if tail[0] is not msg:
-            i = bisect_left(tail, (msg.head, msg.src), key=_arrival)
+            i = bisect_left(rx[1], (msg.head, msg.src))
             while tail[i] is not msg:
                 i += 1
-        valid, epoch = rx[1], self.epoch
+        valid, epoch = rx[2], self.epoch
         if i >= valid:               # re-time the messages before it in NIC order, and it
-            t = tail[valid - 1].rx_end if valid else rx[2]
+            t = tail[valid - 1].rx_end if valid else rx[3]
             bw = self.bw
             for k in range(valid, i + 1):
                 m = tail[k]
@@ -289,7 +283,7 @@ class Endpoint:
                 m.rx_end = t = max(head, t) + m.nbytes / bw
                 m.delivered = max(t, m.tx_end + (head - m.start))
                 m.stamp = epoch
-            rx[1] = i + 1
+            rx[2] = i + 1
         else:
             msg.stamp = epoch
         return msg.delivered
@@ -303,19 +297,20 @@ class Endpoint:
             if msg.stamp < self.epoch:      # (delivery's own test: its times may be a lower bound)
                 self.delivery(msg)
             rx = self._rx[msg.src if self.per_port else -1]
-            tail = rx[0]
+            tail, keys = rx[0], rx[1]
             if tail[0] is msg:       # (the common case: the first on the NIC)
                 i = 0
             else:
-                i = bisect_left(tail, (msg.head, msg.src), key=_arrival)
+                i = bisect_left(keys, (msg.head, msg.src))
                 while tail[i] is not msg:
                     i += 1
                 for k in range(i):
                     tail[k].stamp = FIXED
             msg.stamp = FIXED
-            rx[2] = msg.rx_end
-            rx[1] -= i + 1
+            rx[3] = msg.rx_end
+            rx[2] -= i + 1
             del tail[:i + 1]
+            del keys[:i + 1]
         if self.host is not None:
             self.clock = max(self.clock, msg.delivered) + self.host.recv_s(msg.nbytes) * self.cpu
 

@@ -252,11 +252,24 @@ class World:
                     self._done(p, None, exc)
                     return
             resume = True
-            if (type(req) is RecvWait and req.tried and self.failure is None and not self.closed
-                    and not self.deadlocked and not p.ep.crashed):
-                req.tried = False       # (missed in this step already: it blocks; a retry tries it)
-                self._block(p, req)
-                return
+            if (type(req) is RecvWait and self.failure is None and not self.closed and not self.deadlocked
+                    and not p.ep.crashed):
+                if req.tried:
+                    req.tried = False       # (missed in this step already: it blocks; a retry tries it)
+                    self._block(p, req)
+                    return
+                if not req.ordered and req.src is not None:     # (_try's named receive, inline)
+                    ep = p.ep
+                    box, ch = ep.mailbox, (req.src, req.tag)
+                    q = box[ch] if ch in box else None
+                    try:
+                        if q and (req.deadline is None or ep.delivery(q[0]) <= req.deadline):
+                            p.value = self.take(ep, q[0])
+                            continue
+                        self._block(p, req)
+                    except Exception as exc:  # noqa: BLE001 - the wait's own code (its endpoint's records) raised
+                        self._fault(p, exc)
+                    return
             try:
                 if not self._try(p, req):
                     self._block(p, req)
