@@ -548,7 +548,7 @@ class SimFabric(Fabric):
                     continue
                 value = None        # WaitAll: the role takes these at once; they are received first, here
                 keys = req.keys     # (an ``any`` one: answered with the key found in, or the first, completed)
-                if len(keys) == 1 and not req.any:      # (the common case: one named receive)
+                if not keys[1:] and keys and not req.any:       # (the common case: one named receive)
                     w = inbox.work(keys[0])
                     if w is not None and not w.done:
                         if not w.take_now():        # (the loop's wait, without process()'s frames: event())
@@ -574,9 +574,27 @@ class SimFabric(Fabric):
                         yield from w.process(tried=True)
                 if ws is not None and ws.groups:
                     ws.completed(works)
+        except BaseException:
+            self._unlist()          # (its receives may stay posted, their buffers reused by the next call's)
+            raise
         finally:
             if ws is not None:
                 ep.waitset = ep.watch = None
+
+    def _unlist(self) -> None:
+        """Take this endpoint's posted receives off its lists (:attr:`~.sim_network.Endpoint.posted`), the bytes
+        written into their buffers moved to copies: after a drive that raised, whose receives may stay posted
+        while their buffers (a transport's workspace) are posted again by the next call's, a send must not
+        write into them. They complete as before, from copies."""
+        ep = self._ep
+        for q in ep.posted.values():
+            for w in q:
+                m = w.holds
+                if m is not None:
+                    m.data = w._args[0].clone()
+                    m.into = w.holds = None
+                w._posted = None
+        ep.posted.clear()
 
     def _raise_if_failed(self) -> None:
         failure = self.world.failure
