@@ -166,6 +166,7 @@ def ring_role(fabric: Fabric, acc: torch.Tensor | None, inbox: Inbox, tag: int =
         # same rank, so a forwarded segment would wait behind receives posted for later; no segments
         seg = max(1, big)
     right, left = (r + 1) % n, (r - 1) % n
+    host_work, dtype = fabric.host_work, acc.dtype
     bufs = _workspace(workspace, big, 2 if n > 2 else 1, acc)
     views: dict = {}        # (buffer, start, end) -> that view of a workspace buffer (a few: every chunk's alike)
     # the chunks' bounds and segments are computed where used (a list of them per worker is O(n^2) in all)
@@ -190,7 +191,8 @@ def ring_role(fabric: Fabric, acc: torch.Tensor | None, inbox: Inbox, tag: int =
     # chunks r - 1, r - 2, ...: chunk r - s is all-gather step s's): its receive is posted into that view
     regions: deque = deque()    # the views of the sends whose regions' all-gather receives are not posted yet
     last = n - 2            # the last reduce-scatter step: once its receives are posted, the all-gather's may be
-    double = len(bufs) == 2
+    nbufs = len(bufs)
+    double = nbufs == 2
     rs_done = n == 2
     c = (r - 1) % n         # post step 0's receives first: their "posted" notices leave before this rank's data
     lo0, hi0 = _chunk(c, q, rem)
@@ -213,16 +215,20 @@ def ring_role(fabric: Fabric, acc: torch.Tensor | None, inbox: Inbox, tag: int =
         if ahead:                       # the next step's receives, into the other buffer (one: after this step)
             c2 = (c - 1) % n
             length = q + (1 if c2 < rem else 0)
-            k = (s + 1) % len(bufs)
-            nxt = []
+            k = (s + 1) % nbufs
+            nxt = [] if not double else None    # (one buffer: posted after this step)
             for j, a in enumerate(range(0, length, seg)):
                 e = a + seg if a + seg < length else length
-                v = views.get((k, a, e))
-                if v is None:
-                    v = views[(k, a, e)] = bufs[k][a:e]
-                nxt.append(PostInto(("rs", s + 1, j), v, left, tag))
+                vk = (k, a, e)
+                if vk in views:
+                    v = views[vk]
+                else:
+                    v = views[vk] = bufs[k][a:e]
+                if double:
+                    yield PostInto(("rs", s + 1, j), v, left, tag)
+                else:
+                    nxt.append(PostInto(("rs", s + 1, j), v, left, tag))
             if double:
-                yield from nxt
                 rs_done = rs_done or s + 1 == last
         for j, lo in enumerate(range(lo0, hi0, seg)):
             hi = lo + seg if lo + seg < hi0 else hi0
@@ -231,7 +237,7 @@ def ring_role(fabric: Fabric, acc: torch.Tensor | None, inbox: Inbox, tag: int =
             region = acc[lo:hi]
             regions.append(region)
             region.add_(inbox.take(key))
-            fabric.host_work("sum", hi - lo, acc.dtype)
+            host_work("sum", hi - lo, dtype)
             yield Send(region, right, tag, sent)
             sent += 1
             if rs_done:

@@ -296,3 +296,76 @@ def test_a_service_latency_keeps_links_symmetric():
     there = arrived[0]
     assert there == pytest.approx(back - there, rel=1e-9)
     assert there == pytest.approx(55e-6 + 4e-9)
+
+
+def test_a_message_is_the_bytes_sent_whichever_posted_receive_takes_it():
+    """Sends on a channel with receives posted write into their buffers at the send (the k-th message sent
+    into the k-th receive posted, for messages of at least WRITE_THROUGH_BYTES); receives waited for in another
+    order, or a blocking receive in between, still get the messages in the order sent, each the bytes at its
+    send (the sender's buffer changes after)."""
+    from sparsecomm.fabric.sim.sim import WRITE_THROUGH_BYTES
+
+    numel = WRITE_THROUGH_BYTES // 4
+
+    def fn(ctx):
+        f = ctx.fabric
+        if ctx.rank == 0:
+            f.recv(torch.zeros(1), 1, tag=9)        # rank 1's receives are posted
+            x = torch.zeros(numel)
+            for i in range(5):
+                x.fill_(i + 1)
+                f.send(x, 1, tag=3)
+            x.fill_(-1)
+            return None
+        bufs = [torch.zeros(numel) for _ in range(4)]
+        works = [f.irecv(b, 0, tag=3) for b in bufs[:3]]
+        f.send(torch.zeros(1), 0, tag=9)
+        works[1].wait()                            # first message into the second receive's buffer
+        works[0].wait()
+        tail = torch.zeros(numel)
+        f.recv(tail, 0, tag=3)                     # a blocking receive takes the third
+        works[2].wait()
+        w = f.irecv(bufs[3], 0, tag=3)
+        w.wait()
+        got = [b.unique().tolist() for b in bufs[:3]] + [tail.unique().tolist(), bufs[3].unique().tolist()]
+        return got
+
+    _, got = sc.launch(fn, 2, network=GBPS8)
+    assert got == [[2.0], [1.0], [4.0], [3.0], [5.0]]
+
+
+def test_a_drive_that_raises_leaves_no_receive_for_a_send_to_write_into():
+    """A drive whose role raises may leave a receive posted into a buffer that the next receive is posted
+    into again; the messages sent after are still each the bytes sent (none written over another)."""
+    from sparsecomm.fabric.roles import Inbox, Outbox, Pool, PostInto
+    from sparsecomm.fabric.sim.sim import WRITE_THROUGH_BYTES
+
+    numel = WRITE_THROUGH_BYTES // 4
+
+    def fn(ctx):
+        f = ctx.fabric
+        if ctx.rank == 0:
+            f.recv(torch.zeros(1), 1, tag=9)
+            x = torch.zeros(numel)
+            for i in range(2):
+                x.fill_(i + 1)
+                f.send(x, 1, tag=3)
+            return None
+        buf = torch.zeros(numel)
+
+        def role():
+            yield PostInto("k", buf, 0, 3)
+            raise ValueError("the role fails")
+
+        pool = Pool()
+        with pytest.raises(ValueError):
+            f.drive([role()], Inbox(f, pool), Outbox(f, pool))
+        other = torch.zeros(numel)
+        w1, w2 = f.irecv(buf, 0, tag=3), f.irecv(other, 0, tag=3)     # buf again: the stale one's memory
+        f.send(torch.zeros(1), 0, tag=9)
+        w1.wait()
+        w2.wait()
+        return [buf.unique().tolist(), other.unique().tolist()]
+
+    _, got = sc.launch(fn, 2, network=GBPS8)
+    assert got == [[1.0], [2.0]]

@@ -36,6 +36,11 @@ __all__ = ["SimFabric", "SimWorld"]
 
 _done = attrgetter("done")      # a posted receive's completion (:attr:`_RecvWork.done`)
 
+#: a send of at least this many bytes is written into the buffer of the posted receive that will take it
+#: (:class:`_RecvWork`), rather than copied at the send and again at the take; smaller ones are copied (a
+#: receive listed and unlisted costs more than the copy it saves)
+WRITE_THROUGH_BYTES = 4096
+
 
 class SimWorld(World):
     """Shared state of one simulated run (:class:`~.sim_world.World`): the endpoints, their mailboxes, the
@@ -82,21 +87,74 @@ class _SentWork(Work):
 
 class _RecvWork(Work):
     """A posted receive: it takes its message when waited for (:meth:`wait` from a thread, :meth:`process`
-    inside the loop), never before."""
+    inside the loop), never before.
+
+    One from a named source into a CPU tensor without grad of at least :data:`WRITE_THROUGH_BYTES` is listed
+    in its endpoint's :attr:`~.sim_network.Endpoint.posted` until it completes: the message sent on its channel
+    that receives taking them in the order they were posted would give it is written into its buffer at the
+    send (as a real fabric writes a posted receive's buffer when the bytes arrive), instead of into a copy that
+    the receive copies again (:meth:`SimFabric.isend`). Whichever receive takes a message, its bytes are the
+    ones sent: a receive that takes another message than the one its buffer ``holds`` first moves that one's
+    bytes to a copy (:meth:`SimFabric._deliver`). Like a real fabric's, the posted receives of a channel must
+    not share memory, and a receive's buffer is not the caller's until it has completed."""
+
+    __slots__ = ("_args", "channel", "_fabric", "_result", "done", "_posted", "holds")
 
     def __init__(self, fabric: "SimFabric", tensor: torch.Tensor, src: int | None, tag: int) -> None:
         self._args = (tensor, src, tag)
         #: ``(source, tag)`` it receives from (``None``: any source)
-        self.channel = (src, tag)
+        self.channel = ch = (src, tag)
         self._fabric = fabric
         self._result: int | None = None
         #: completed (what :meth:`is_completed` says, read as a field where it is hot)
         self.done = False
+        #: the endpoint's list of posted receives on its channel it is in (``None``: not listed)
+        self._posted = None
+        #: the queued message whose bytes its buffer holds (:meth:`SimFabric.isend`), if any
+        self.holds: Msg | None = None
+        if src is not None and tensor.nbytes >= WRITE_THROUGH_BYTES and tensor.is_cpu and not tensor.requires_grad:
+            posted = fabric._ep.posted
+            if ch in posted:
+                q = posted[ch]
+            else:
+                q = posted[ch] = []
+            q.append(self)
+            self._posted = q
+
+    def _finish(self, msg: Msg) -> None:
+        """Complete with taken ``msg``: its bytes into this receive's buffer (:meth:`SimFabric._deliver`; none
+        to copy where the send wrote them there), and off the endpoint's list of posted receives."""
+        into = msg.into
+        if into is self:
+            msg.into = self.holds = None
+            self._result = msg.src
+        elif into is None and self.holds is None:   # (_deliver's common case, inline: a copy of the message)
+            tensor, data = self._args[0], msg.data
+            if data.dtype is tensor.dtype and data.shape == tensor.shape and not tensor.requires_grad:
+                tensor.copy_(data)
+                self._result = msg.src
+            else:
+                self._result = self._fabric._deliver(msg, tensor, self._args[2], self)
+        else:
+            self._result = self._fabric._deliver(msg, self._args[0], self._args[2], self)
+        self.done = True
+        q = self._posted
+        if q is not None:
+            self._posted = None
+            if q[0] is self:
+                del q[0]
+            else:
+                q.remove(self)
 
     def wait(self, timeout: float | None = None) -> int | None:
         if not self.done:
-            self._result = self._fabric.recv(*self._args, timeout=timeout)
-            self.done = True
+            # completed, and off the posted list, inside the loop's process (:meth:`process`), not after the
+            # gate returns: another thread woken with this one may send on the channel first, and a send
+            # writes into the buffer of a receive still listed (the message just taken would be overwritten)
+            fabric = self._fabric
+            src, tag = self._args[1], self._args[2]
+            who = "any endpoint" if src is None else fabric.world.endpoints[src].name
+            fabric.world.gate.call(fabric._ep, self.process(timeout), f"{who} (tag {tag})")
         return self._result
 
     def process(self, timeout: float | None = None, tried: bool = False) -> Generator:
@@ -108,33 +166,52 @@ class _RecvWork(Work):
             tensor, src, tag = self._args
             msg = None if tried else fabric.world.take_now(fabric._ep, src, tag, timeout)
             if msg is None:
-                self._result = yield from fabric._recv_process(tensor, src, tag, timeout)
-            else:               # in already: what the loop would do at once, without the round trip through it
-                self._result = fabric._deliver(msg, tensor, tag)
-            self.done = True
+                ep = fabric._ep
+                deadline = None if timeout is None else ep.clock + timeout
+                msg = yield RecvWait(src, tag, deadline, src is None and ep.per_port, timeout, True)
+            self._finish(msg)
         return self._result
 
     def event(self) -> RecvWait:
         """What :meth:`process` (no timeout) waits for once :meth:`take_now` has missed: a process that
         yields it is resumed with the message for :meth:`complete`."""
         src = self._args[1]
-        return RecvWait(src, self._args[2], None, src is None and self._fabric._ep.per_port)
+        return RecvWait(src, self._args[2], None, src is None and self._fabric._ep.per_port, None, True)
 
     def take_now(self) -> bool:
         """Complete now if :meth:`process` would without a step of the loop (its message is in); has it?"""
         fabric = self._fabric
-        tensor, src, tag = self._args
-        msg = fabric.world.take_now(fabric._ep, src, tag)
-        if msg is None:
-            return False
-        self._result = fabric._deliver(msg, tensor, tag)
-        self.done = True
+        world, ep = fabric.world, fabric._ep
+        if (self._args[1] is None or world.failure is not None or ep.crashed or world.closed
+                or world.deadlocked):
+            msg = world.take_now(ep, self._args[1], self._args[2])
+            if msg is None:
+                return False
+        else:                   # (World.take_now's case of a named source, inline: once per message)
+            box, ch = ep.mailbox, self.channel
+            if ch not in box:
+                return False
+            q = box[ch]
+            if not q:
+                return False
+            msg = world.take(ep, q[0])
+            if msg.into is self:    # (_finish's common case, inline: written into this receive's buffer)
+                msg.into = self.holds = None
+                self._result = msg.src
+                self.done = True
+                q = self._posted
+                self._posted = None
+                if q[0] is self:
+                    del q[0]
+                else:
+                    q.remove(self)
+                return True
+        self._finish(msg)
         return True
 
     def complete(self, msg: Msg) -> None:
         """Complete with ``msg``, taken for it by a ``wait_any``."""
-        self._result = self._fabric._deliver(msg, self._args[0], self._args[2])
-        self.done = True
+        self._finish(msg)
 
     def is_completed(self) -> bool:
         return self.done
@@ -197,29 +274,32 @@ class SimFabric(Fabric):
 
     def host_work(self, op: str, count: int, dtype: torch.dtype | None = None, *,
                   transport: str | None = None) -> None:
-        self._ep.host_work(op, count, dtype, transport)     # the host model's charge (sim_host); none without one
+        ep = self._ep
+        if ep.host is not None:     # the host model's charge (sim_host); none without one
+            ep.host_work(op, count, dtype, transport)
 
     # --------------------------------------------------------------- sending
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0, *, reliable: bool = True) -> Work:
         world, ep = self.world, self._ep
-        if not 0 <= dst < len(world.endpoints):
-            raise InvalidValueError(f"{ep.name}: no endpoint {dst} (world has {len(world.endpoints)})")
-        if dst == self.rank:
-            raise InvalidValueError(f"{ep.name}: cannot send to itself")
-        if tensor.is_cpu and not tensor.requires_grad and tensor.is_contiguous():
-            data = tensor.clone()       # the common case in one operation (a send's copy: the buffer may change)
-        else:
-            data = tensor.detach().to("cpu", copy=True).contiguous()
-        nbytes = data.nbytes
+        if dst < 0 or dst == self.rank:
+            raise InvalidValueError(f"{ep.name}: cannot send to itself" if dst == self.rank else
+                                    f"{ep.name}: no endpoint {dst} (world has {len(world.endpoints)})")
+        nbytes = tensor.nbytes
         with world.gate.lock:
             if world.failure is not None:
                 self._raise_if_failed()
             if ep.crashed:
                 raise EndpointCrashed(f"{ep.name} has crashed")
-            dst_ep = world.endpoints[dst]
+            try:
+                dst_ep = world.endpoints[dst]
+            except IndexError:
+                raise InvalidValueError(f"{ep.name}: no endpoint {dst} (world has {len(world.endpoints)})") from None
             start, tx_end = ep.transmit(dst, nbytes)
             latency = (ep.latency + dst_ep.latency) / 2   # each end's link contributes half: symmetric
-            ep.stats.record_send(self.rank, dst, nbytes)
+            stats = ep.stats            # (CommStats.record_send, inline: once per message)
+            stats.bytes_sent += nbytes
+            stats.messages += 1
+            stats.links[(self.rank, dst)] += nbytes
             dropped = False
             if not reliable and world.network.loss > 0.0:
                 rng = ep.loss_rng.get(dst)
@@ -229,10 +309,41 @@ class SimFabric(Fabric):
             if _trace.recorder is not None:
                 _trace.recorder.sim_sent(world, self.rank, dst, tag, nbytes, start, tx_end, dropped)
             if not dropped and not dst_ep.crashed:
+                ch = (self.rank, tag)
+                box = dst_ep.mailbox
+                if ch in box:
+                    q = box[ch]
+                else:
+                    q = box[ch] = deque()
+                # the posted receive that takes this message if the channel's receives take them in the order
+                # they were posted (the k-th posted, with k messages queued before it): its bytes are written
+                # into that receive's buffer, which holds them until the message is taken (_deliver)
+                into = None
+                if nbytes >= WRITE_THROUGH_BYTES and ch in dst_ep.posted:
+                    posted = dst_ep.posted[ch]
+                    if posted:
+                        if not q:
+                            into = posted[0]
+                        else:
+                            k = len(q)
+                            into = posted[k] if k < len(posted) else None
+                        if into is not None:
+                            buf = into._args[0]
+                            if (into.holds is None and buf.dtype is tensor.dtype and buf.shape == tensor.shape
+                                    and tensor.is_cpu and not tensor.requires_grad):
+                                buf.copy_(tensor)
+                                data = buf
+                            else:
+                                into = None
+                if into is None:        # a send's copy: the buffer may change before the message is taken
+                    if tensor.is_cpu and not tensor.requires_grad and tensor.is_contiguous():
+                        data = tensor.clone()       # the common case in one operation
+                    else:
+                        data = tensor.detach().to("cpu", copy=True).contiguous()
                 msg = Msg(self.rank, tag, data, nbytes, start, start + latency, tx_end)
-                q = dst_ep.mailbox.get((self.rank, tag))
-                if q is None:
-                    q = dst_ep.mailbox[(self.rank, tag)] = deque()
+                if into is not None:
+                    msg.into = into
+                    into.holds = msg
                 q.append(msg)
                 retimed = dst_ep.schedule(msg)
                 if dst_ep.waiters or dst_ep.watch is not None:     # (what arrived looks at: none, nothing to do)
@@ -248,8 +359,19 @@ class SimFabric(Fabric):
         self.isend(tensor, dst, tag, reliable=reliable).wait()      # (the clock moves to the send's tx_end)
 
     # ------------------------------------------------------------- receiving
-    def _deliver(self, msg: Msg, tensor: torch.Tensor, tag: int) -> int:
-        """Copy taken ``msg`` into ``tensor`` (a message of another length or dtype: ``MismatchError``)."""
+    def _deliver(self, msg: Msg, tensor: torch.Tensor, tag: int, work: _RecvWork | None = None) -> int:
+        """Copy taken ``msg`` into ``tensor``, the buffer of ``work`` if given (a message of another length or
+        dtype: ``MismatchError``). A message whose bytes a posted receive's buffer holds (:meth:`isend`) leaves
+        it; a receive whose buffer holds another message's bytes moves them to a copy first."""
+        into = msg.into
+        if into is not None:
+            msg.into = into.holds = None
+            if into is work:        # (written into this receive's buffer at the send)
+                return msg.src
+        if work is not None and work.holds is not None:
+            later = work.holds      # (a message sent after this one, for the receive posted after it)
+            later.data = tensor.clone()
+            later.into = work.holds = None
         data = msg.data
         if data.dtype is tensor.dtype and data.shape == tensor.shape and not tensor.requires_grad:
             tensor.copy_(data)      # (the common case)
@@ -396,7 +518,7 @@ class SimFabric(Fabric):
                         token, msgs = yield AnyWait(None, ws)
                         works = ws.works(token)
                         for w, msg in zip(works, msgs):
-                            w.complete(msg)
+                            w._finish(msg)
                         value = (token[0], ws.key(token))
                     else:               # groups the records do not decide: built as for a WaitAny
                         waiting = [(s, ws.groups[s].req) for _, s in req.order]
@@ -426,11 +548,12 @@ class SimFabric(Fabric):
                     continue
                 value = None        # WaitAll: the role takes these at once; they are received first, here
                 keys = req.keys     # (an ``any`` one: answered with the key found in, or the first, completed)
-                if len(keys) == 1 and not req.any:      # (the common case: one named receive)
+                if not keys[1:] and keys and not req.any:       # (the common case: one named receive)
                     w = inbox.work(keys[0])
                     if w is not None and not w.done:
-                        if not w.take_now():        # (the loop's wait, without process()'s frames)
-                            w.complete((yield w.event()))
+                        if not w.take_now():        # (the loop's wait, without process()'s frames: event())
+                            src, tag = w.channel
+                            w._finish((yield RecvWait(src, tag, None, src is None and ep.per_port, None, True)))
                         if ws is not None and ws.groups:
                             ws.completed((w,))
                     continue
@@ -451,9 +574,27 @@ class SimFabric(Fabric):
                         yield from w.process(tried=True)
                 if ws is not None and ws.groups:
                     ws.completed(works)
+        except BaseException:
+            self._unlist()          # (its receives may stay posted, their buffers reused by the next call's)
+            raise
         finally:
             if ws is not None:
                 ep.waitset = ep.watch = None
+
+    def _unlist(self) -> None:
+        """Take this endpoint's posted receives off its lists (:attr:`~.sim_network.Endpoint.posted`), the bytes
+        written into their buffers moved to copies: after a drive that raised, whose receives may stay posted
+        while their buffers (a transport's workspace) are posted again by the next call's, a send must not
+        write into them. They complete as before, from copies."""
+        ep = self._ep
+        for q in ep.posted.values():
+            for w in q:
+                m = w.holds
+                if m is not None:
+                    m.data = w._args[0].clone()
+                    m.into = w.holds = None
+                w._posted = None
+        ep.posted.clear()
 
     def _raise_if_failed(self) -> None:
         failure = self.world.failure

@@ -136,7 +136,9 @@ FIXED = 1 << 62
 @dataclass(eq=False, slots=True)
 class Msg:
     """A message in the model: its bytes and its times (``start``, ``head``, ``tx_end``, ``rx_end``: the
-    module docstring's formulas); ``delivered`` is when the receiving application may take it."""
+    module docstring's formulas); ``delivered`` is when the receiving application may take it. ``data``: the
+    bytes as they were at the send, a copy, or the buffer of the posted receive they were written into
+    (:attr:`Endpoint.posted`), which holds them until the message is taken."""
 
     src: int
     tag: int
@@ -153,6 +155,8 @@ class Msg:
     #: ``rx_end`` and ``delivered`` are exact while this is at least the receiver's ``epoch`` (:data:`FIXED`:
     #: its NIC slot is fixed)
     stamp: int = -1
+    #: the posted receive whose buffer ``data`` is (it holds the bytes until the message is taken), if any
+    into: object = None
 
 
 class Endpoint:
@@ -177,16 +181,17 @@ class Endpoint:
         self.per_port = per_port            # its NIC port towards a peer: the peer's id, else -1 (one NIC)
         self.clock = 0.0
         self._tx_free: dict[int, float] = {}
-        # per port: the queued messages after the last one taken, in the order its NIC takes them, their
-        # (head, source), how many of them (a prefix) have exact times, and the end of the one before them
-        self._rx_sched: dict[int, list[Msg]] = {}
-        self._rx_keys: dict[int, list[tuple[float, int]]] = {}
-        self._rx_valid: dict[int, int] = {}
-        self._rx_base: dict[int, float] = {}
+        # per port, a list: the queued messages after the last one taken, in the order its NIC takes them,
+        # their (head, source), how many of them (a prefix) have exact times, and the end of the one before them
+        self._rx: dict[int, list] = {}
         #: bumped whenever messages' times become lower bounds (:meth:`schedule`): a message's times are
         #: exact if its ``stamp`` is at least this
         self.epoch = 0
         self.mailbox: dict[tuple[int, int], deque[Msg]] = {}
+        #: per ``(source, tag)``: its posted receives from a named source, large enough to be written into at
+        #: the send, not completed yet, in the order they were posted (a message sent with k queued on the
+        #: channel is written into the k-th one's buffer: :class:`~.sim.SimFabric`)
+        self.posted: dict[tuple[int, int], list] = {}
         self.threaded = threaded
         self.parked = 0                      # its threads waiting in the world (running while none is)
         self.waiters: list = []              # its blocked processes (sim_world.Proc)
@@ -226,50 +231,51 @@ class Endpoint:
         to date, in NIC order, when :meth:`delivery` reads one. ``msg``'s own times are exact if the messages
         before it are, else a lower bound likewise."""
         port = msg.src if self.per_port else -1
-        tail = self._rx_sched.get(port)
-        if tail is None:
-            tail = self._rx_sched[port] = []
-            self._rx_keys[port] = []
-            self._rx_valid[port] = 0
-        keys = self._rx_keys[port]
+        rx = self._rx.get(port)
+        if rx is None:
+            rx = self._rx[port] = [[], [], 0, 0.0]
+        tail, keys, valid = rx[0], rx[1], rx[2]
         head = msg.head
         key = (head, msg.src)
-        n = len(tail)
-        i = n if not n or key >= keys[-1] else bisect_right(keys, key)     # (after those of an equal key)
-        t = tail[i - 1].rx_end if i else self._rx_base.get(port, 0.0)
+        if not tail:
+            i = n = 0
+            t = rx[3]
+        else:
+            n = len(tail)
+            i = n if key >= keys[-1] else bisect_right(keys, key)     # (after those of an equal key)
+            t = tail[i - 1].rx_end if i else rx[3]
         msg.rx_end = t = (head if head > t else t) + msg.nbytes / self.bw     # (max, inline: once per message)
         d = msg.tx_end + (head - msg.start)
         msg.delivered = d if d > t else t
-        valid = self._rx_valid[port]
         if i == n:
             tail.append(msg)
             keys.append(key)
             if i == valid:           # timed from exact times: exact
                 msg.stamp = self.epoch
-                self._rx_valid[port] = valid + 1
+                rx[2] = valid + 1
             return False
         tail.insert(i, msg)
         keys.insert(i, key)
         if i <= valid:               # exact; those after it are not any more
             self.epoch += 1
             msg.stamp = self.epoch
-            self._rx_valid[port] = i + 1
+            rx[2] = i + 1
         return True
 
     def delivery(self, msg: Msg) -> float:
         """The delivery of queued ``msg`` (its ``delivered``, brought up to date: :meth:`schedule`)."""
         if msg.stamp >= self.epoch:
             return msg.delivered
-        port = msg.src if self.per_port else -1
-        tail = self._rx_sched[port]
+        rx = self._rx[msg.src if self.per_port else -1]
+        tail = rx[0]
         i = 0
         if tail[0] is not msg:
-            i = bisect_left(self._rx_keys[port], (msg.head, msg.src))
+            i = bisect_left(rx[1], (msg.head, msg.src))
             while tail[i] is not msg:
                 i += 1
-        valid, epoch = self._rx_valid[port], self.epoch
+        valid, epoch = rx[2], self.epoch
         if i >= valid:               # re-time the messages before it in NIC order, and it
-            t = tail[valid - 1].rx_end if valid else self._rx_base.get(port, 0.0)
+            t = tail[valid - 1].rx_end if valid else rx[3]
             bw = self.bw
             for k in range(valid, i + 1):
                 m = tail[k]
@@ -277,7 +283,7 @@ class Endpoint:
                 m.rx_end = t = max(head, t) + m.nbytes / bw
                 m.delivered = max(t, m.tx_end + (head - m.start))
                 m.stamp = epoch
-            self._rx_valid[port] = i + 1
+            rx[2] = i + 1
         else:
             msg.stamp = epoch
         return msg.delivered
@@ -290,8 +296,8 @@ class Endpoint:
         if msg.stamp < FIXED:        # (in the schedule still)
             if msg.stamp < self.epoch:      # (delivery's own test: its times may be a lower bound)
                 self.delivery(msg)
-            port = msg.src if self.per_port else -1
-            tail, keys = self._rx_sched[port], self._rx_keys[port]
+            rx = self._rx[msg.src if self.per_port else -1]
+            tail, keys = rx[0], rx[1]
             if tail[0] is msg:       # (the common case: the first on the NIC)
                 i = 0
             else:
@@ -301,8 +307,8 @@ class Endpoint:
                 for k in range(i):
                     tail[k].stamp = FIXED
             msg.stamp = FIXED
-            self._rx_base[port] = msg.rx_end
-            self._rx_valid[port] -= i + 1
+            rx[3] = msg.rx_end
+            rx[2] -= i + 1
             del tail[:i + 1]
             del keys[:i + 1]
         if self.host is not None:

@@ -54,13 +54,16 @@ class RecvWait:
     """Wait for the first message from ``src`` (``None``: any source) on ``tag``, delivered by ``deadline``
     (modelled seconds; ``None``: none) if any; ``ordered``: take it only when its delivery is the world's
     earliest event. The process is resumed with the :class:`~.sim_network.Msg` it took (or a
-    :class:`FabricTimeout` at the deadline; ``timeout``: the seconds it was given, for the message)."""
+    :class:`FabricTimeout` at the deadline; ``timeout``: the seconds it was given, for the message).
+    ``tried``: :meth:`World.take_now` has just missed it, in the same step (not tried again when it is yielded,
+    unless the run is failing or over)."""
 
-    __slots__ = ("src", "tag", "deadline", "ordered", "timeout")
+    __slots__ = ("src", "tag", "deadline", "ordered", "timeout", "tried")
 
     def __init__(self, src: int | None, tag: int, deadline: float | None = None, ordered: bool = False,
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, tried: bool = False) -> None:
         self.src, self.tag, self.deadline, self.ordered, self.timeout = src, tag, deadline, ordered, timeout
+        self.tried = tried
 
 
 class AnyWait:
@@ -249,6 +252,24 @@ class World:
                     self._done(p, None, exc)
                     return
             resume = True
+            if (type(req) is RecvWait and self.failure is None and not self.closed and not self.deadlocked
+                    and not p.ep.crashed):
+                if req.tried:
+                    req.tried = False       # (missed in this step already: it blocks; a retry tries it)
+                    self._block(p, req)
+                    return
+                if not req.ordered and req.src is not None:     # (_try's named receive, inline)
+                    ep = p.ep
+                    box, ch = ep.mailbox, (req.src, req.tag)
+                    q = box[ch] if ch in box else None
+                    try:
+                        if q and (req.deadline is None or ep.delivery(q[0]) <= req.deadline):
+                            p.value = self.take(ep, q[0])
+                            continue
+                        self._block(p, req)
+                    except Exception as exc:  # noqa: BLE001 - the wait's own code (its endpoint's records) raised
+                        self._fault(p, exc)
+                    return
             try:
                 if not self._try(p, req):
                     self._block(p, req)
@@ -327,7 +348,7 @@ class World:
                 q = ep.mailbox.get((req.src, req.tag))
                 msg = q[0] if q else None
             if msg is not None and (req.deadline is None or ep.delivery(msg) <= req.deadline):
-                p.value = self._take(ep, msg)
+                p.value = self.take(ep, msg)
                 return True
             return False
         if type(req) is AnyWait:
@@ -356,7 +377,7 @@ class World:
             msg = q[0] if q else None
         if msg is None or (timeout is not None and ep.delivery(msg) > ep.clock + timeout):
             return None
-        return self._take(ep, msg)
+        return self.take(ep, msg)
 
     def _block(self, p: Proc, req) -> None:
         ep = p.ep
@@ -391,13 +412,19 @@ class World:
     def _unblock(self, p: Proc, retry: bool = False) -> None:
         """``p`` waits no more: it runs at the loop's next turn, with its outcome set (``retry``: its wait
         is tried again then)."""
-        p.ep.waiters.remove(p)
+        waiters = p.ep.waiters
+        if waiters[-1] is p:
+            del waiters[-1]
+        else:
+            waiters.remove(p)
         if retry:
             p.retry = p.wait
         p.wait = None
         p.event = None
         self._blocked -= 1
-        self._ready(p)
+        if not p.queued:            # (_ready, inline: once per message a process waited for)
+            p.queued = True
+            self._runq.append(p)
 
     def arrived(self, ep: Endpoint, msg: Msg, retimed: bool) -> None:
         """``msg`` was put in ``ep``'s mailbox (``retimed``: queued messages may have moved,
@@ -414,7 +441,7 @@ class World:
                     exc.add_note(f"(raised by the records of {ep.name}'s drive, on a message to it)")
                     raise
                 self._fault(owner, exc)
-        for p in list(ep.waiters):
+        for p in ep.waiters[:]:
             req = p.wait
             if req is None:
                 continue        # (failed above)
@@ -461,7 +488,7 @@ class World:
                 if type(req) is RecvWait:
                     msg = match(ep, req.src, req.tag)
                     self._unblock(p)
-                    p.value = self._take(ep, msg)
+                    p.value = self.take(ep, msg)
                 else:
                     best = req.watch.first()
                     self._unblock(p)
@@ -482,8 +509,10 @@ class World:
             self._unblock(p, retry=True)
 
     # ----------------------------------------------------------------- messages
-    def _take(self, ep: Endpoint, msg: Msg) -> Msg:
-        """Deliver ``msg`` to ``ep``'s application: off the mailbox, its NIC slot fixed, the clock moved."""
+    def take(self, ep: Endpoint, msg: Msg) -> Msg:
+        """Deliver ``msg``, the head of its queue in ``ep``'s mailbox, to ``ep``'s application: off the mailbox,
+        its NIC slot fixed, the clock moved, counted (the world's receive; a process's own take of a message in
+        already, :meth:`take_now`, or a receive's that found it so)."""
         ep.mailbox[(msg.src, msg.tag)].popleft()
         ep.taken(msg)
         if ep.watch is not None:
@@ -492,14 +521,17 @@ class World:
             _trace.recorder.sim_received(self, msg.src, ep.id, msg.tag, msg.nbytes, ep.clock, msg.delivered)
         if msg.delivered > ep.clock:
             ep.clock = msg.delivered
-        ep.stats.record_recv(msg.src, ep.id, msg.nbytes)
+        stats, nbytes = ep.stats, msg.nbytes    # (CommStats.record_recv, inline: once per message)
+        stats.bytes_received += nbytes
+        stats.messages_received += 1
+        stats.links[(msg.src, ep.id)] += nbytes
         return msg
 
     def _take_group(self, ep: Endpoint, keys: list[tuple[int | None, int]]) -> list[Msg]:
         """Take the head message of each receive of ``keys`` (all in), in arrival order; in ``keys``' order."""
         msgs = [match(ep, s, t) for s, t in keys]
         for j in sorted(range(len(msgs)), key=lambda j: msgs[j].head):
-            self._take(ep, msgs[j])
+            self.take(ep, msgs[j])
         return msgs
 
     def describe_waits(self) -> str:
