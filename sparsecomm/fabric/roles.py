@@ -52,10 +52,14 @@ class Pool:
         for wk in self._busy.pop(key, ()):
             wk.wait()
         b = self._bufs.get(key)
-        if b is None or b.numel() < nbytes:
-            b = torch.empty(nbytes, dtype=torch.uint8)
-            self._bufs[key] = b
-        return b[:nbytes]
+        if b is None:
+            b = self._bufs[key] = torch.empty(nbytes, dtype=torch.uint8)
+            return b
+        size = b.numel()
+        if size < nbytes:
+            b = self._bufs[key] = torch.empty(nbytes, dtype=torch.uint8)
+            return b
+        return b if size == nbytes else b[:nbytes]     # (the whole buffer: no view to make)
 
     def hold(self, key, work) -> None:
         """Record that the send ``work`` uses the buffer of role ``key`` (:meth:`get` waits for it)."""

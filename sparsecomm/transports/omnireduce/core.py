@@ -26,6 +26,7 @@ fast paths of :mod:`.strategies`. Both give the same bits
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -45,18 +46,31 @@ def sum_order(index: int, n: int) -> list[int]:
 
 
 # ================================================================ the lane state machines
+@functools.lru_cache(maxsize=64)
+def _nowhere(size: int) -> np.ndarray:
+    """The look-aheads of a one-round channel of ``size`` blocks: ``size`` (none) for every block (read-only,
+    shared by the channels of that size)."""
+    out = np.full(size, size, dtype=np.int64)
+    out.flags.writeable = False
+    return out
+
+
 class WorkerChannel:
     """A worker's lanes of one channel: its own next non-zero block per lane (``mine``, announced) and,
     per active lane, the lane's pending block (``cur``, prompted by the aggregator)."""
 
     def __init__(self, ch: wire.Channel, mask: torch.Tensor) -> None:
         self.ch = ch
-        la = codec.next_nonzero(mask[ch.lo: ch.lo + ch.size], ch.lanes)   # the look-ahead of every block
-        self.next = la.next.numpy()
-        self.mine = la.first.numpy().copy()
         self.act = np.arange(ch.lanes, dtype=np.int64)   # round 0: position 0 of every lane is pending
         self.cur = self.act.copy()
         self.round = 0
+        if ch.single:       # one block per lane: its first block is position 0 or none, nothing follows it
+            self.next = _nowhere(ch.size)
+            self.mine = np.where(mask[ch.lo: ch.lo + ch.size].numpy(), self.act, ch.size)
+            return
+        la = codec.next_nonzero(mask[ch.lo: ch.lo + ch.size], ch.lanes)   # the look-ahead of every block
+        self.next = la.next.numpy()
+        self.mine = la.first.numpy().copy()
 
     @property
     def active(self) -> bool:
@@ -79,8 +93,12 @@ class WorkerChannel:
         self.round += 1
         return b, look
 
-    def start(self, newc: np.ndarray) -> None:
-        """After round 0: the next pending block of every lane."""
+    def start(self, newc: np.ndarray | None) -> None:
+        """After round 0: the next pending block of every lane (``None``: none, every lane is done; a
+        one-round channel's)."""
+        if newc is None:
+            self.act, self.cur = self.act[:0], self.cur[:0]
+            return
         if newc.size and (int(newc.min()) < 0 or int(newc.max()) > self.ch.size):
             raise MalformedMessage(f"omnireduce: an aggregator announced a next block outside the channel's "
                                    f"{self.ch.size} blocks")

@@ -42,10 +42,13 @@ class Stage(NamedTuple):
     @property
     def sure(self) -> bool:
         """Does it wait for round-0 data (sent by every worker before its first wait)?"""
-        return self.phase == Phase.FIRSTS or self.phase == Phase.DRAIN or (
-            self.phase == Phase.AGGREGATE and self.round == 0)
+        phase = self.phase      # (compared with plain ints: a member looked up on an enum class costs more)
+        return phase == _FIRSTS or phase == _DRAIN or (phase == _AGGREGATE and self.round == 0)
 
     @property
     def reaps(self) -> bool:
         """Is it a lane round's wait (before which this endpoint's sends may be reaped)?"""
-        return self.phase >= Phase.AGGREGATE
+        return self.phase >= _AGGREGATE
+
+
+_FIRSTS, _DRAIN, _AGGREGATE = int(Phase.FIRSTS), int(Phase.DRAIN), int(Phase.AGGREGATE)

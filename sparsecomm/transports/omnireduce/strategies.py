@@ -160,10 +160,13 @@ def reply0_keys(call, a: int, ch: wire.Channel) -> tuple:
     return (Key(Msg.WORDS if wire.fused0(ch, k) else Msg.SUMS0, a, ch.slot),)
 
 
-def take_reply0(call, a: int, ch: wire.Channel) -> np.ndarray:
+def take_reply0(call, a: int, ch: wire.Channel) -> np.ndarray | None:
     """Take round 0's reply of aggregator ``a``'s channel ``ch`` and land its sums in the result; return
-    every lane's next pending block."""
+    every lane's next pending block (``None`` for a one-round channel: none follows)."""
     k, bs = call.sums0[a, ch.slot], call.spec.block_size
+    if ch.single:
+        _take_reply0_single(call, a, ch, k, bs)
+        return None
     ids = None
     if a == call.own:
         newc, summed = wire.decode_words(call.inbox.take(Key(Msg.WORDS, a, ch.slot)), ch)
@@ -187,6 +190,34 @@ def take_reply0(call, a: int, ch: wire.Channel) -> np.ndarray:
     if k:
         land_sums0(call, a, ch.slot, ids)
     return newc
+
+
+def _take_reply0_single(call, a: int, ch: wire.Channel, k: int, bs: int) -> None:
+    """:func:`take_reply0` of a one-round channel: the lane words are a bitmap of the summed lanes
+    (:func:`.wire.decode_words`), read as one integer; the lanes are looked up only where ``k`` sums came."""
+    data = None
+    if a == call.own:
+        words = call.inbox.take(Key(Msg.WORDS, a, ch.slot)).numpy()
+    elif wire.fused0(ch, k):
+        msg = call.inbox.take(Key(Msg.WORDS, a, ch.slot))
+        if k:
+            data, tail = wire.split(msg, k, bs, call.down, ch.words_ints, meta=False)
+            words = tail.view(torch.uint8).numpy()[:ch.meta_bytes]
+        else:   # no sums: the words are the message's tail, at its start (:func:`.wire.split` of 0 blocks)
+            words = msg.numpy()[:ch.meta_bytes]
+    else:   # every block summed: one block per lane, nothing follows
+        land_sums0(call, a, ch.slot, np.arange(ch.lo, ch.lo + ch.size))
+        return
+    bits = int.from_bytes(words.tobytes(), "little") & ((1 << ch.lanes) - 1)
+    if bits.bit_count() != k:
+        raise ProtocolError("omnireduce: the round-0 sums do not match their lane words")
+    if not k:
+        return
+    ids = np.unpackbits(words, bitorder="little", count=ch.lanes).astype(bool).nonzero()[0] + ch.lo
+    if data is not None:
+        call.fabric.host_work("index", call.sink.write(ids, data))
+    else:
+        land_sums0(call, a, ch.slot, ids)
 
 
 def post_sums0(call, a: int, ch: wire.Channel, k: int):

@@ -28,6 +28,10 @@ from .wire import HDR, OK, TAG_FIRSTS, TAG_HDR_DOWN, TAG_HDR_UP, TAG_MANIFEST, B
 SCAN_PIECES, SCAN_MIN_BLOCKS, POLL_SCAN = 8, 1024, Phase.LAND
 
 
+def _no_mark(label: str) -> None:
+    """An untraced call's phase mark: nothing."""
+
+
 def agg_order(rank: int, num_aggregators: int) -> list[int]:
     """The order in which a worker visits the aggregators: ``rank-1, rank-2, ...`` (mod ``A``), the
     order in which their replies reach it (each aggregator serves the workers ``a+1, a+2, ...``)."""
@@ -57,7 +61,10 @@ class Call:
         self.sums0: dict = {}
         self.errors: dict = {}          # aggregator -> its verdict, where it is not OK (raised at the end)
         self.hdr0: dict = {}            # aggregator -> the round-0 header this worker built for it
-        self.mark = getattr(fabric, "mark", lambda label: None)   # a traced call's phase marks (.trace)
+        self.hdr_base = spec.header(self.n).numpy()     # the header with no position-0 block (sealed)
+        mark = getattr(fabric, "mark", None)   # a traced call's phase marks (.trace)
+        self.traced = mark is not None          # (a mark per message is formatted only then)
+        self.mark = mark if mark is not None else _no_mark
 
     def round0_batches(self) -> list[list[int]]:
         """Colocated: one aggregator at a time, the hosted one (no message) last, so that the remote
@@ -67,10 +74,10 @@ class Call:
         return [[a] for a in self.visit[1:]] + [[self.own]]
 
     def up(self, a: int, key: wire.Key, buf: torch.Tensor, tag: int, data: bool = False):
-        """A round-0 message to aggregator ``a``: by hand to the hosted one, else sent (``data``: received
-        through ``a``'s window, :meth:`deferrable`)."""
-        yield Hand(key, buf) if a == self.own else Send(buf, self.aggregators[a], tag,
-                                                         deferrable=data and self.deferrable(a))
+        """The request of a round-0 message to aggregator ``a``: by hand to the hosted one, else sent
+        (``data``: received through ``a``'s window, :meth:`deferrable`)."""
+        return Hand(key, buf) if a == self.own else Send(buf, self.aggregators[a], tag,
+                                                          deferrable=data and self.deferrable(a))
 
     def deferrable(self, a: int) -> bool:
         """May aggregator ``a`` post its receives of this worker's data late (:func:`.aggregator.may_defer`)?"""
@@ -101,18 +108,19 @@ def verdict(call, a: int):
     nothing more; the error is raised once the others' lanes are done (:func:`run_worker`)."""
     yield Recv((Key(Msg.REPLY, a),), Stage(Phase.VERDICT, visit=call.pos[a]))
     rh = call.inbox.take(Key(Msg.REPLY, a)).view(torch.int64).numpy()
-    if int(rh[wire.R_STATUS]) != OK:
+    rv = rh.tolist()            # (the words as Python ints, read once)
+    if rv[wire.R_STATUS] != OK:
         call.errors[a] = rh.copy()
         if a != call.own:
             yield Send(header.manifest(call.hdr0[a], a).view(torch.uint8), call.aggregators[a], TAG_MANIFEST)
         return
     try:
-        down = wire.code_dtype(rh[wire.R_DOWN_DTYPE])
+        down = wire.code_dtype(rv[wire.R_DOWN_DTYPE])
         if call.down is not None and down != call.down:
             raise MalformedMessage(f"omnireduce: aggregator {a} announces sums of {down}, another one "
                                    f"{call.down} (this is worker {call.rank})")
         for ch in call.plans[a]:
-            k = int(rh[wire.R_K + ch.slot])
+            k = rv[wire.R_K + ch.slot]
             if not 0 <= k <= ch.lanes:
                 raise MalformedMessage(f"omnireduce: aggregator {a} announces {k} round-0 sums in a "
                                        f"channel of {ch.lanes} lanes (this is worker {call.rank})")
@@ -130,7 +138,8 @@ def verdict(call, a: int):
     else:                       # the round-0 replies' receives
         for ch in call.plans[a]:
             yield from strategies.post_reply0(call, a, ch, call.sums0[a, ch.slot])
-    call.mark(f"downstream posted {a}")
+    if call.traced:
+        call.mark(f"downstream posted {a}")
     for ch in call.plans[a]:
         yield Spawn(worker_lane(call, a, call.wch[a, ch.slot]))
 
@@ -153,7 +162,8 @@ def scan(call, a: int):
         call.fabric.host_work("span", hi - lo)     # the range's per-block work beyond the scan (sim_host)
     for ch in chans:
         call.wch[a, ch.slot] = core.WorkerChannel(ch, call.source.mask)
-    call.mark(f"scanned {a}")
+    if call.traced:
+        call.mark(f"scanned {a}")
 
 
 def _zero_elements(source: DenseSource, lo: int, hi: int) -> int:
@@ -170,17 +180,22 @@ def send_round0(call, aggs: list[int]):
     """Round 0 to ``aggs``: a header each; then to each its channels' first look-aheads (small, one
     message), then the position-0 blocks (slot-major; per slot the heaviest aggregators first)."""
     p0 = {(a, ch.slot): call.wch[a, ch.slot].pending0() for a in aggs for ch in call.plans[a]}   # (once each)
-    for a in aggs:
-        hdr = call.spec.header(call.n, {ch.slot: p0[a, ch.slot] for ch in call.plans[a]})
-        call.hdr0[a] = hdr.numpy()
-        yield from call.up(a, Key(Msg.HDR, call.rank), hdr.view(torch.uint8), TAG_HDR_UP)
+    for a in aggs:      # (spec.header's words: the call's header with a's position-0 counts, resealed)
+        h = call.hdr_base.copy()
+        k0 = [(ch.slot, p0[a, ch.slot]) for ch in call.plans[a]]
+        if any(k for _, k in k0):
+            for g, k in k0:
+                h[wire.F_K0 + g] = k
+            header.seal(h)
+        call.hdr0[a] = h
+        yield call.up(a, Key(Msg.HDR, call.rank), torch.from_numpy(h).view(torch.uint8), TAG_HDR_UP)
         if a != call.own:
             yield Post(Key(Msg.REPLY, a), 8 * HDR, call.aggregators[a], TAG_HDR_DOWN)
     for a in (a for a in aggs if call.plans[a]):
         firsts = torch.cat([wire.encode_firsts(call.wch[a, ch.slot].mine, ch) for ch in call.plans[a]])
-        yield from call.up(a, Key(Msg.FIRSTS, call.rank), firsts, TAG_FIRSTS, data=True)
+        yield call.up(a, Key(Msg.FIRSTS, call.rank), firsts, TAG_FIRSTS, data=True)
     for g in range(call.spec.channels):
-        for a in sorted(aggs, key=lambda a: -p0.get((a, g), 0)):
+        for a in aggs if not aggs[1:] else sorted(aggs, key=lambda a: -p0.get((a, g), 0)):
             if (a, g) in call.wch:
                 yield from strategies.send_up(call, Buf(Msg.BLOCKS0, a, g), a, call.wch[a, g],
                                               Key(Msg.BLOCKS0, call.rank, g))
@@ -200,7 +215,8 @@ def worker_lane(call, a: int, c: core.WorkerChannel):
             if a != call.own:
                 yield Post(Key(Msg.DOWN, a, g), wire.block_bytes(c.act.size, bs, call.down.itemsize),
                            call.aggregators[a], tag_down(g))
-        call.mark(f"reply {a}.{g} r{c.round}")
+        if call.traced:
+            call.mark(f"reply {a}.{g} r{c.round}")
         if not c.active:
             return
         yield Recv((Key(Msg.DOWN, a, g),), Stage(Phase.LAND, c.round, g, pos))
@@ -226,7 +242,7 @@ def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: l
     if own is not None:
         adm = AggCall(own, call.n, colocated=call.rank)
         roles.insert(0, aggregator(adm, call.inbox, call.outbox, host=call.rank,
-                                        ref=spec.header(call.n).numpy(), mark=call.mark))
+                                        ref=call.hdr_base, mark=call.mark if call.traced else None))
     if first is not None:
         roles = [_after(first(call.inbox), roles)]
     fabric.drive(roles, call.inbox, call.outbox, keep=64 if own is not None else 0)
