@@ -216,6 +216,7 @@ def _take_reply0_single(call, a: int, ch: wire.Channel, k: int, bs: int) -> None
     ids = np.unpackbits(words, bitorder="little", count=ch.lanes).astype(bool).nonzero()[0] + ch.lo
     if data is not None:
         call.fabric.host_work("index", call.sink.write(ids, data))
+        call.fabric.host_work("move", data.nbytes)
     else:
         land_sums0(call, a, ch.slot, ids)
 
