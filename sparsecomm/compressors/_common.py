@@ -163,6 +163,20 @@ def all_finite(x: torch.Tensor) -> bool:
     return bool(torch.isfinite(x).all())
 
 
+def divide_finite(x: torch.Tensor, n: int) -> bool:
+    """``x /= n`` in place (``n`` a positive integer) and whether every quotient is finite, i.e. whether every
+    element of ``x`` was: one Numba pass over a flat contiguous float32/float64 CPU tensor
+    (:func:`._kernels.div_finite`: torch's ``div_`` by ``n``, bit for bit), torch's ``div_`` then
+    :func:`all_finite` elsewhere."""
+    if use_numba(x) and x.dtype in (torch.float32, torch.float64) and x.dim() == 1 and x.is_contiguous():
+        from . import _kernels
+
+        a = x.detach().numpy()
+        return bool(_kernels.div_finite(a, a.dtype.type(n)))
+    x.div_(n)
+    return all_finite(x)
+
+
 def add_finite(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor) -> bool:
     """``out <- x + y`` (flat tensors of one dtype and length; ``out`` is ``x`` or distinct from both) and whether
     every sum is finite: one Numba pass for float32/float64 CPU tensors, torch's add then :func:`all_finite`
