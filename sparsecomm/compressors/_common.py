@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from .. import kernels as _kernel_paths
+from . import _kernels as _k
 from ..errors import InvalidValueError, NonFiniteError
 from ..payload import Payload
 from ..errors import CompressorConfigError, CompressorInputError, GeneratorRequiredError  # noqa: F401 (re-exported)
@@ -169,10 +170,8 @@ def divide_finite(x: torch.Tensor, n: int) -> bool:
     (:func:`._kernels.div_finite`: torch's ``div_`` by ``n``, bit for bit), torch's ``div_`` then
     :func:`all_finite` elsewhere."""
     if use_numba(x) and x.dtype in (torch.float32, torch.float64) and x.dim() == 1 and x.is_contiguous():
-        from . import _kernels
-
         a = x.detach().numpy()
-        return bool(_kernels.div_finite(a, a.dtype.type(n)))
+        return bool(_k.div_finite(a, a.dtype.type(n)))
     x.div_(n)
     return all_finite(x)
 
