@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from .. import kernels as _kernel_paths
+from . import _kernels as _k
 from ..errors import InvalidValueError, NonFiniteError
 from ..payload import Payload
 from ..errors import CompressorConfigError, CompressorInputError, GeneratorRequiredError  # noqa: F401 (re-exported)
@@ -161,6 +162,18 @@ def all_finite(x: torch.Tensor) -> bool:
 
         return bool(_kernels.all_finite(x.detach().reshape(-1).numpy()))
     return bool(torch.isfinite(x).all())
+
+
+def divide_finite(x: torch.Tensor, n: int) -> bool:
+    """``x /= n`` in place (``n`` a positive integer) and whether every quotient is finite, i.e. whether every
+    element of ``x`` was: one Numba pass over a flat contiguous float32/float64 CPU tensor
+    (:func:`._kernels.div_finite`: torch's ``div_`` by ``n``, bit for bit), torch's ``div_`` then
+    :func:`all_finite` elsewhere."""
+    if use_numba(x) and x.dtype in (torch.float32, torch.float64) and x.dim() == 1 and x.is_contiguous():
+        a = x.detach().numpy()
+        return bool(_k.div_finite(a, a.dtype.type(n)))
+    x.div_(n)
+    return all_finite(x)
 
 
 def add_finite(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor) -> bool:

@@ -154,6 +154,19 @@ def iadd_finite(a, b):
     return chk == 0.0
 
 
+@njit(cache=True, nogil=True, fastmath=_FM)
+def div_finite(x, d):
+    """x[:] = x / d in place (``d`` a scalar of x's dtype: one correctly rounded division each, torch's ``div_``
+    by that scalar bit for bit) and whether every quotient is finite, in one pass (for an integer ``d >= 1``:
+    whether every element of x was)."""
+    chk = x.dtype.type(0.0)
+    for i in range(x.size):
+        y = x[i] / d
+        x[i] = y
+        chk += y * x.dtype.type(0.0)
+    return chk == 0.0
+
+
 @njit(cache=True, nogil=True)
 def copy_sub(x, m, out, diff):
     """out[:] = x[:] and diff[:] = m[:] - x[:] in one pass."""
@@ -508,8 +521,10 @@ def default_path_signatures() -> list:
     """``(kernel, argument types)`` of every kernel that the default CPU path's first step runs, as its
     callers type them: error feedback with top-k on float32 (the finiteness pass, the absolute maximum,
     the sampled threshold's candidates, their exact selection and the gather of the kept values; Python
-    ints are int64, the thresholds float32 scalars). The fork server of ``sc.launch`` loads these from
-    Numba's on-disk cache (:func:`sparsecomm._numba_warm.load_cached`) so that its ranks start with them."""
+    ints are int64, the thresholds float32 scalars), and the DDP hook's default (the plain average, its
+    division and finiteness check in one pass where chained on its collective). The fork server of
+    ``sc.launch`` loads these from Numba's on-disk cache (:func:`sparsecomm._numba_warm.load_cached`) so that
+    its ranks start with them."""
     from numba import typeof
 
     f32, i32, i64 = (typeof(np.zeros(1, dt)) for dt in (np.float32, np.int32, np.int64))
@@ -521,4 +536,5 @@ def default_path_signatures() -> list:
         (abs_gather, (f32, i64, f32)),
         (select_exact, (f32, i64, n, s32, i64)),
         (gather_scaled, (f32, i64, s32, f32)),
+        (div_finite, (f32, s32)),
     ]

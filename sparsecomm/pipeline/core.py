@@ -241,8 +241,11 @@ class CommPipeline:
             return None
         t, identity = self.transport, self.call_id(key)
         if not compress or self.plain:
-            call = self._plain_round.begin(flat, key)
-            return t.chain(flat, identity, lambda agg: self._finish(call, agg, None, t, None, identity), done)
+            # where the transport checks the sum (not rule.checks_sums), the division's pass checks it for it
+            checks = not self.rule.checks_sums
+            call = self._plain_round.begin(flat, key, checked=checks)
+            return t.chain(flat, identity, lambda agg: self._finish(call, agg, None, t, None, identity, checks),
+                           done, checks=checks)
         m = self.method
         if not (m.State is None and m.compressor.elementwise and not m.multi_round and not m.uses_shapes
                 and not self.rule.checks_sums):
@@ -268,18 +271,26 @@ class CommPipeline:
         return nxt
 
     def _finish(self, call: Call, agg: torch.Tensor, then: Callable[[torch.Tensor], Any] | None,
-                t: Transport, seen: tuple | None, identity: CallId | None = None) -> Any:
+                t: Transport, seen: tuple | None, identity: CallId | None = None, checked: bool = False) -> Any:
         """The estimate from the last sum (on the communication thread); the last round and the call
-        are recorded (and, under ``transport="auto"``, measured)."""
+        are recorded (and, under ``transport="auto"``, measured). ``checked``: the call's finish also
+        checks the sum (:meth:`PlainRound.begin <sparsecomm.pipeline.rounds.PlainRound.begin>`), and so does
+        this: ``(estimate, finite)``, nothing recorded for a non-finite sum (the transport raises)."""
         if seen is not None:
             s = t.last_stats
             self.chooser.observe(*seen, agg, s.modelled_time_s if self.fabric.modelled_time else s.wall_time_s)
         t0 = self.fabric.now() if _trace.recorder is not None else 0.0
         out = call.finish(agg)
+        if checked:
+            out, finite = out
+            if not finite:
+                return out, False
         self._phase("decode", t0, identity)
         copies = t.wire_copies()
         self.accounting.call(call.dense_bytes, copies)
         self.accounting.round(call.last, t.last_stats, copies)
+        if checked:
+            return (out if then is None else then(out)), True
         return out if then is None else then(out)
 
     def _phase(self, name: str, t0: float, identity: CallId | None) -> None:

@@ -33,6 +33,7 @@ from typing import Any, Callable, Hashable
 
 import torch
 
+from ..compressors._common import divide_finite
 from ..errors import MismatchError, NonFiniteError, SparseCommError
 from ..methods.base import Method
 from ..payload import Payload
@@ -90,7 +91,21 @@ class PlainRound:
     def __init__(self, rule: NonFiniteRule, world_size: int, fabric: Any = None) -> None:
         self.rule, self.n, self.fabric = rule, world_size, modelled(fabric)
 
-    def begin(self, flat: torch.Tensor, key: Hashable) -> Call:
+    def begin(self, flat: torch.Tensor, key: Hashable, checked: bool = False) -> Call:
+        """The call; ``checked`` (where the transport checks the sum itself, ``not rule.checks_sums``): its
+        ``finish`` returns ``(average, finite)``, the division checking the sum in the same pass
+        (:func:`~sparsecomm.compressors._common.divide_finite`, bit for bit torch's division), so that a
+        transport that chains it leaves its own pass to it (:meth:`Transport.chain
+        <sparsecomm.transports.base.Transport.chain>`'s ``checks``)."""
+        if checked:
+            def finish(agg: torch.Tensor) -> tuple[torch.Tensor, bool]:
+                ok = divide_finite(agg, self.n)
+                if self.fabric is not None:
+                    charge(self.fabric, {"elementwise": agg.numel()})
+                return agg, ok
+
+            return Call(flat, dense_bytes(flat), finish)
+
         def finish(agg: torch.Tensor) -> torch.Tensor:
             if self.rule.checks_sums:
                 self.rule.plain_sum(agg, key)       # (skipped: the average below is not finite either)

@@ -152,7 +152,7 @@ class Transport(ABC):
     def chain(self, x: torch.Tensor | Payload, call: CallId, then: Callable[[torch.Tensor], Any],
               done: Callable[[Any, BaseException | None], None] | None = None, *,
               scratch: bool = False, out: torch.Tensor | None = None,
-              narrow: bool = False) -> "torch.futures.Future | None":
+              narrow: bool = False, checks: bool = False) -> "torch.futures.Future | None":
         """The sum of the flat tensor or ``dense`` payload ``x`` as a ``torch.futures.Future`` of
         ``then(sum)``, its collective posted now and its completion chained on the collective's own future
         (:meth:`~sparsecomm.fabric.engine.CommEngine.chain`; ``done(value, error)`` runs before the future
@@ -161,7 +161,10 @@ class Transport(ABC):
         (``inplace``), a payload's values where the caller says they are ``scratch`` (nobody else reads
         them); ``out`` (a payload's length and dtype) takes a payload's sum cast to its dtype, else a new
         tensor does; with ``narrow``, ``then`` gets a payload's sum as summed, in its values' dtype (not cast:
-        ``out`` unused). The base class chains nothing; ``native`` chains a predicted all-reduce."""
+        ``out`` unused); with ``checks`` (a tensor ``x``), ``then`` returns ``(value, finite)``, ``finite``
+        whether the sum it read was finite, which stands for the transport's own check of the sum (a
+        non-finite one is handled as that check would, after ``then``). The base class chains nothing;
+        ``native`` chains a predicted all-reduce."""
         return None
 
     def _later_rounds(self, out: torch.Tensor, then, next_round, call: CallId | None) -> Any:

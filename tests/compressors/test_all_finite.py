@@ -1,10 +1,10 @@
 """The one-pass finiteness check that the methods, compressors and transports share agrees with torch's; so do the
-checked add and the copy-and-subtract of PowerSGD's error feedback."""
+checked add and the copy-and-subtract of PowerSGD's error feedback, and the plain average's checked division."""
 
 import pytest
 import torch
 
-from sparsecomm.compressors._common import add_finite, all_finite, copy_sub
+from sparsecomm.compressors._common import add_finite, all_finite, copy_sub, divide_finite
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
@@ -61,3 +61,26 @@ def test_copy_sub_is_torchs_copy_and_sub(dtype, kernel_path):
         out, diff = torch.empty(n + 3, dtype=dtype)[3:], torch.empty(n, dtype=dtype)   # an unaligned view too
         copy_sub(x, m, out, diff)
         assert torch.equal(out, x) and torch.equal(diff, torch.sub(m, x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n", [2, 3, 5, 8])
+def test_divide_finite_is_torchs_div_and_flags_a_nan_or_inf(dtype, n, kernel_path):
+    """The plain average's division (the DDP hook's chained sum): torch's ``div_`` by the worker count bit for bit
+    (values across the whole range, subnormal quotients included), in place, and False exactly where an element
+    is NaN or Inf."""
+    g = torch.Generator().manual_seed(3)
+    lo, hi = {torch.float16: (-30, 13), torch.float64: (-1060, 37)}.get(dtype, (-140, 37))   # (down to subnormals)
+    for size in (0, 1, 7, 1000, 4099):
+        x = (torch.randn(size, generator=g, dtype=torch.float64) * torch.logspace(lo, hi, size, base=2.0,
+                                                                                  dtype=torch.float64)).to(dtype)
+        got = x.clone()
+        assert divide_finite(got, n) is True
+        assert torch.equal(got, x.clone().div_(n))
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            for pos in {0, size // 2, size - 1} if size else ():
+                b = x.clone()
+                b[pos] = bad
+                want = b.clone().div_(n)
+                assert divide_finite(b, n) is False, (bad, pos)
+                assert torch.equal(b.isnan(), want.isnan()) and torch.equal(b[~b.isnan()], want[~want.isnan()])

@@ -24,14 +24,17 @@ def _numba_initialised() -> bool:
 
 
 def _kernel_results(seed: int) -> dict:
-    """The kernels EF + top-k runs on a CPU float32 bucket (abs max, top-k indices, gather), on seeded data."""
-    from sparsecomm.compressors._common import abs_max, gather
+    """The kernels EF + top-k runs on a CPU float32 bucket (abs max, top-k indices, gather), and the DDP hook's
+    plain average (its division with the finiteness check), on seeded data."""
+    from sparsecomm.compressors._common import abs_max, divide_finite, gather
     from sparsecomm.compressors.topk import topk_indices
 
     x = torch.randn(10_000, generator=torch.Generator().manual_seed(seed))
     idx = topk_indices(x, 100)
     vals, finite = gather(x, idx, 0.5)
-    return {"absmax": abs_max(x), "idx": idx, "vals": vals, "finite": finite}
+    avg = x.clone()
+    return {"absmax": abs_max(x), "idx": idx, "vals": vals, "finite": finite,
+            "average": (avg, divide_finite(avg, 2))}
 
 
 def _fresh_kernel_sum(n: int) -> float:
@@ -63,6 +66,7 @@ def test_forked_ranks_start_with_the_optimizer_stack_and_numba_initialised_and_c
     for o in out:
         assert o["absmax"] == here["absmax"] and o["finite"] == here["finite"]
         assert torch.equal(o["idx"], here["idx"]) and torch.equal(o["vals"], here["vals"])
+        assert torch.equal(o["average"][0], here["average"][0]) and o["average"][1] == here["average"][1]
         assert o["fresh"] == 4950.0
 
 

@@ -175,15 +175,19 @@ class Native(Transport):
         return eng.post(post, complete, issues=next_round is not None)
 
     def chain(self, x: torch.Tensor | Payload, call: CallId, then, done=None, *, scratch: bool = False,
-              out: torch.Tensor | None = None, narrow: bool = False):
+              out: torch.Tensor | None = None, narrow: bool = False, checks: bool = False):
         """As :meth:`Transport.chain`: a call predicted to fold (:mod:`.._fold`) whose vector is summed by
         ``all_reduce`` in place (a tensor with ``inplace=True``, or a ``dense`` payload whose values are
         ``scratch``; flat, contiguous, larger than :data:`~.collectives.GATHER_SUM_BYTES`) is posted as
         :meth:`start` posts it, and its completion (the non-finite check that also resolves a deviation,
         the booking, a payload's sum cast to its dtype, into ``out`` if given, or as summed with ``narrow``,
         ``then``) is chained on gloo's future (:meth:`~sparsecomm.fabric.engine.CommEngine.chain`), in call
-        order, with the same errors and the same fail-stop as :meth:`start`'s. What does not depend on the
-        step (the eligibility, the fold key but for its step) is kept per bucket, length and dtypes."""
+        order, with the same errors and the same fail-stop as :meth:`start`'s. With ``checks`` (a tensor, and
+        ``nonfinite="raise"``), ``then`` returns ``(value, finite)`` and its pass over the sum is the
+        non-finite check: a non-finite sum is resolved after it as before it (the same errors), its value
+        dropped. What does not depend on the step (the eligibility, the fold key but for its step, the
+        process group and the all-reduce's options, posted to the group directly) is kept per bucket, length
+        and dtypes."""
         tensor = isinstance(x, torch.Tensor)
         v = x if tensor else x.values
         lane = self._lanes.get((call.bucket, call.round, v.numel(), v.dtype, x.dtype))
@@ -192,8 +196,10 @@ class Native(Transport):
         if not lane or not (self.inplace if tensor else scratch) or not v.is_contiguous() or (
                 out is not None and not narrow and (out.dtype != x.dtype or out.numel() != v.numel())):
             return None
-        sched, eng, prefix = lane
+        sched, eng, prefix, group, opts = lane
         f = self.fabric
+        # the sum's check is then's (checks) or this completion's own, before then
+        own = not (checks and tensor and self.nonfinite == "raise")
 
         def post():
             # under the engine's lock (CommEngine.chain): the prediction, the post and the record in call order
@@ -204,7 +210,7 @@ class Native(Transport):
             if predicted.key != key:
                 return None
             try:
-                handle = dist.all_reduce(v, group=f.native_group, async_op=True)
+                handle = group.allreduce([v], opts)     # (dist.all_reduce's own call, its checks made once)
             except RuntimeError as exc:
                 raise translated(f, "all_reduce", exc) from exc
             sched.folded += 1
@@ -224,7 +230,7 @@ class Native(Transport):
                     raise translated(f, "all_reduce", exc) from exc
                 retain(handle, v)
                 stats = book_join(f, f.world_size, v.numel() * v.element_size(), False)
-                if self._suspect(v):
+                if own and self._suspect(v):
                     before = f.stats.copy()
                     with calling(call):
                         self._resolve_folded(linear_operand(x, self.name, inplace=True), v, eng)
@@ -235,7 +241,13 @@ class Native(Transport):
                     with calling(call):
                         self._trace_call(x, t0, stats)
                 if tensor:
-                    return then(v)
+                    if not checks:
+                        return then(v)
+                    value, finite = then(v)
+                    if not (own or finite):     # (resolved as a suspect sum is: it raises on every worker)
+                        with calling(call):
+                            self._resolve_folded(linear_operand(x, self.name, inplace=True), v, eng)
+                    return value
                 if narrow:
                     return then(v.reshape(x.shape))
                 wide = out.copy_(v) if out is not None else v.to(x.dtype)      # (exact: a widening)
@@ -250,7 +262,8 @@ class Native(Transport):
 
     def _lane(self, x: torch.Tensor | Payload, v: torch.Tensor, call: CallId):
         """What :meth:`chain` keeps of a bucket: False when its calls are not chained, else the fabric's
-        schedule and engine, and the fold key's part that does not depend on the call."""
+        schedule and engine, the fold key's part that does not depend on the call, the workers' process
+        group and the all-reduce's options (a sum, asynchronous: what ``dist.all_reduce`` gives the group)."""
         f = self.fabric
         sched = _fold.schedule(f)
         nbytes = v.numel() * v.element_size()
@@ -261,7 +274,15 @@ class Native(Transport):
         if ok:
             op = linear_operand(x, self.name, inplace=True)
             prefix = ("native", *[(k, int(val)) for k, val in op.fields.items()])
-            lane = (sched, engine(f), prefix)
+            group = f.native_group if f.native_group is not None else dist.group.WORLD
+            if not isinstance(group, dist.ProcessGroup):
+                self._lanes[(call.bucket, call.round, v.numel(), v.dtype, x.dtype)] = False
+                return False
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = dist.ReduceOp.SUM
+            if hasattr(opts, "asyncOp"):
+                opts.asyncOp = True
+            lane = (sched, engine(f), prefix, group, opts)
         self._lanes[(call.bucket, call.round, v.numel(), v.dtype, x.dtype)] = lane
         return lane
 
