@@ -386,15 +386,14 @@ def test_calibrate_command_writes_a_loadable_profile(tmp_path, capsys):
     assert bf["intercept_s"] == pytest.approx(c, rel=1e-9, abs=1e-15)
     assert host["span_block_s"]["value"] == pytest.approx(span, rel=1e-9, abs=1e-15)
     assert host["index_block_s"]["value"] == pytest.approx(index, rel=1e-9, abs=1e-15)
-    # each call's cost is the measured call less the modelled one (at least 0), both recorded; OmniReduce's
-    # Python per call (its agreement, set-up and aggregators' rounds: ~20 ms) is far above a quick run's noise,
-    # and a busy machine only lengthens the measured call
+    # each call's cost is the measured call less the modelled one (at least 0), both recorded (OmniReduce's
+    # left-over is a few ms once its block moves, check and zero scan are modelled: within a busy machine's
+    # noise, so it may be fitted at 0 as any other)
     calls, call_fit = host["call_s"]["value"], method["call_fit"]
     assert set(call_fit) == set(calls)
     for name, v in calls.items():
         assert v == max(0.0, call_fit[name]["measured_s"] - call_fit[name]["modelled_s"])
-        assert call_fit[name]["modelled_s"] > 0
-    assert calls["omnireduce"] > 0
+        assert call_fit[name]["measured_s"] > 0 and call_fit[name]["modelled_s"] > 0
     loaded = sc.Network.from_profile(out).host
     assert all(getattr(loaded, name) == host[name]["value"] for name in RATE_UNITS
                if not isinstance(host[name]["value"], dict)), loaded
