@@ -41,16 +41,16 @@ on a loaded one without the time other processes hold the core):
   the median time of a message of each of :data:`SWITCH_BURSTS` packets (less the copy that refills the
   rows), fitted by least squares as ``switch_message_s + packets * switch_packet_s``;
 - ``sparse_switch_message_s``, ``sparse_switch_packet_s``, ``sparse_switch_value_s``, ``sparse_switch_result_s``:
-  the sparse switch's program as its service runs it on a real fabric, per message received (:meth:`~sparsecomm.transports.switchml.sparse.
-  dataplane.Dataplane.packets`, the rows taken out of the burst, then :meth:`~sparsecomm.transports.switchml.sparse.
-  dataplane.Dataplane.replies`, the program run on each and its replies built; Python per packet, unlike the dense
-  switch's compiled program): a two-worker job, 256-value packets, bursts of each of :data:`SPARSE_SWITCH_BURSTS`
-  packets on as many slots, all value packets or all skips (a program each, the cases taking turns round by
-  round), worker 0's burst then worker 1's, which completes every slot (a result row each), the slots' sets
-  alternating round by round; the median time of each worker's message (the burst refilled untimed), fitted by
-  least squares with rates at least 0 (:func:`fit_nonnegative`; the intercept, clipped at 0, is
-  ``sparse_switch_message_s``) as ``sparse_switch_message_s + packets * sparse_switch_packet_s + value packets *
-  sparse_switch_value_s + results * sparse_switch_result_s``;
+  the sparse switch's program as its service runs it on a real fabric, per message received
+  (:meth:`~sparsecomm.transports.switchml.sparse.dataplane.Dataplane.packets`, the rows taken out of the burst,
+  then :meth:`~sparsecomm.transports.switchml.sparse.dataplane.Dataplane.replies`, the program run on each and its
+  replies built; Python per packet, unlike the dense switch's compiled program): a two-worker job, 256-value
+  packets, bursts of each of :data:`SPARSE_SWITCH_BURSTS` packets on as many slots, all value packets or all skips
+  (a program each, the cases taking turns round by round), worker 0's burst then worker 1's, which completes every
+  slot (a result row each), the slots' sets alternating round by round; the median time of each worker's message
+  (the burst refilled untimed), fitted by least squares with rates at least 0 (:func:`fit_nonnegative`; the
+  intercept, clipped at 0, is ``sparse_switch_message_s``) as ``sparse_switch_message_s + packets *
+  sparse_switch_packet_s + value packets * sparse_switch_value_s + results * sparse_switch_result_s``;
 - the rates of a method's encode and decode (:data:`~.sim_host.CODEC_RATES`), each with the kernel the library
   runs: ``elementwise_element_s``, ``torch.sub`` of two float32 vectors into a third, per element;
   ``select_element_s``, :func:`sparsecomm.compressors.topk.topk_indices_numba` of a float32 vector of
