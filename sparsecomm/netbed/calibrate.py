@@ -40,6 +40,17 @@ on a loaded one without the time other processes hold the core):
   the rows, a real fabric's 256-value packets, a two-worker job whose every pair of packets completes a slot):
   the median time of a message of each of :data:`SWITCH_BURSTS` packets (less the copy that refills the
   rows), fitted by least squares as ``switch_message_s + packets * switch_packet_s``;
+- ``sparse_switch_message_s``, ``sparse_switch_packet_s``, ``sparse_switch_value_s``, ``sparse_switch_result_s``:
+  the sparse switch's program as its service runs it on a real fabric, per message received
+  (:meth:`~sparsecomm.transports.switchml.sparse.dataplane.Dataplane.packets`, the rows taken out of the burst,
+  then :meth:`~sparsecomm.transports.switchml.sparse.dataplane.Dataplane.replies`, the program run on each and its
+  replies built; Python per packet, unlike the dense switch's compiled program): a two-worker job, 256-value
+  packets, bursts of each of :data:`SPARSE_SWITCH_BURSTS` packets on as many slots, all value packets or all skips
+  (a program each, the cases taking turns round by round), worker 0's burst then worker 1's, which completes every
+  slot (a result row each), the slots' sets alternating round by round; the median time of each worker's message
+  (the burst refilled untimed), fitted by least squares with rates at least 0 (:func:`fit_nonnegative`; the
+  intercept, clipped at 0, is ``sparse_switch_message_s``) as ``sparse_switch_message_s + packets *
+  sparse_switch_packet_s + value packets * sparse_switch_value_s + results * sparse_switch_result_s``;
 - the rates of a method's encode and decode (:data:`~.sim_host.CODEC_RATES`), each with the kernel the library
   runs: ``elementwise_element_s``, ``torch.sub`` of two float32 vectors into a third, per element;
   ``select_element_s``, :func:`sparsecomm.compressors.topk.topk_indices_numba` of a float32 vector of
@@ -113,6 +124,8 @@ FRESH_STEP = 2.0
 TAG = 7
 #: packets per message of the switch timing (two points of the line per-message + per-packet), quick and full
 SWITCH_BURSTS = {True: (2, 256), False: (2, 64, 256, 1024)}
+#: packets per message of the sparse switch's timing, quick and full (its bursts hold up to 1024)
+SPARSE_SWITCH_BURSTS = {True: (8, 128), False: (8, 64, 256, 1023)}
 #: the transports whose per-call cost is measured, by the services one launch of them needs
 CALL_GROUPS = {(): ("native", "ring", "allgather", "omnireduce"), ("switch",): ("switch",),
                ("sparse-switch",): ("sparse-switch",)}
@@ -220,7 +233,7 @@ def kernel_costs(quick: bool = False) -> dict:
 
     return {"copy_byte_s": copy_byte_s, "sum_element_s": sums, "scan_element_s": scan_element_s,
             "scan_zero_element_s": scan_zero_element_s,
-            **block_copy_costs(quick), **switch_costs(quick), **codec_costs(quick)}
+            **block_copy_costs(quick), **switch_costs(quick), **sparse_switch_costs(quick), **codec_costs(quick)}
 
 
 def block_copy_costs(quick: bool = False) -> dict:
@@ -374,6 +387,59 @@ def switch_costs(quick: bool = False) -> dict:
     slope, intercept = np.polyfit(np.array(bursts, dtype=np.float64), np.array(times), 1)
     return {"switch_message_s": max(0.0, float(intercept)), "switch_packet_s": max(0.0, float(slope)),
             "switch_fit": {"elems": elems, "packets": list(bursts), "message_s": [float(t) for t in times]}}
+
+
+def sparse_switch_costs(quick: bool = False) -> dict:
+    """``sparse_switch_message_s``, ``sparse_switch_packet_s``, ``sparse_switch_value_s`` and
+    ``sparse_switch_result_s`` (module docstring), with the measurements fitted (``sparse_switch_fit``)."""
+    from ..transports.switchml.dataplane import DEFAULT_SLOTS
+    from ..transports.switchml.sparse.dataplane import (HEADER, MAX_BURST, T_DATA, T_SKIP, Dataplane, Header,
+                                                        SparseSwitchConfig)
+
+    bursts, reps = SPARSE_SWITCH_BURSTS[quick], REPEATS[quick]
+    elems, world = 256, 2
+    width = HEADER + elems
+    cases = [(k, kind) for k in bursts for kind in (T_DATA, T_SKIP)]
+    planes, tmpls = [], []
+    for k, kind in cases:       # (a program each: its slots' sets alternate round by round)
+        dp = Dataplane(SparseSwitchConfig(elems=elems, slots=DEFAULT_SLOTS, burst=MAX_BURST))
+        dp.world = world
+        planes.append(dp)
+        # round r: worker 0's burst then worker 1's on slots 1..k, set and position r % 2
+        tmpl = np.zeros((world, 2, MAX_BURST, width), dtype=np.int32)
+        for w in range(world):
+            for v in range(2):
+                for i in range(k):
+                    Header(kind, v, w, world, 1, 1 + i, v, v + 1).write(tmpl[w, v, i, :HEADER])
+                tmpl[w, v, :k, HEADER:] = (1 + w) if kind == T_DATA else 0
+        tmpls.append(tmpl)
+    arr = np.empty((MAX_BURST, width), dtype=np.int32)
+    took: list[list[list[float]]] = [[[] for _ in range(world)] for _ in cases]
+    for r in range(reps + 1):            # (the cases take turns round by round; the first round untimed)
+        for c, ((k, kind), dp, tmpl) in enumerate(zip(cases, planes, tmpls)):
+            for w in range(world):
+                np.copyto(arr, tmpl[w, r % 2])
+                t = time.thread_time()
+                rows = dp.packets(arr)
+                _, results = dp.replies(rows, w, MAX_BURST, False, False)
+                t = time.thread_time() - t
+                if len(rows) != k or results != (k if w == world - 1 else 0):
+                    raise RuntimeError(f"calibrate: the sparse switch's program took {len(rows)} of {k} packets and "
+                                       f"produced {results} results from worker {w}'s burst")
+                if r:
+                    took[c][w].append(t)
+    points, times = [], []
+    for c, (k, kind) in enumerate(cases):
+        for w in range(world):
+            points.append((k, k if kind == T_DATA else 0, k if w == world - 1 else 0))
+            times.append(statistics.median(took[c][w]))
+    x = np.array(points, dtype=np.float64)
+    message, packet, value, result = fit_nonnegative(x, np.array(times))
+    return {"sparse_switch_message_s": max(0.0, float(message)), "sparse_switch_packet_s": float(packet),
+            "sparse_switch_value_s": float(value), "sparse_switch_result_s": float(result),
+            "sparse_switch_fit": {"elems": elems, "packets": x[:, 0].astype(int).tolist(),
+                                  "values": x[:, 1].astype(int).tolist(), "results": x[:, 2].astype(int).tolist(),
+                                  "message_s": times, "intercept_s": float(message)}}
 
 
 def call_input(name: str, numel: int, rank: int):
@@ -540,6 +606,7 @@ def calibrate(quick: bool = False) -> dict:
         messages = message_costs(quick)
         fit = messages.pop("fit")
         switch_fit = kernels.pop("switch_fit")
+        sparse_switch_fit = kernels.pop("sparse_switch_fit")
         blocks = block_costs(HostModel(**messages, **kernels), quick)
         block_fit = blocks.pop("block_fit")
         calls = call_costs(HostModel(**messages, **kernels, **blocks), quick)
@@ -549,7 +616,8 @@ def calibrate(quick: bool = False) -> dict:
     host = HostModel(**messages, **kernels, **blocks, **calls)
     date = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()
     method = {"quick": bool(quick), "repeats": REPEATS[quick], "round_trips": ROUNDS[quick],
-              "elements": ELEMENTS[quick], "message_fit": fit, "switch_fit": switch_fit, "fresh_fit": fresh_fit,
+              "elements": ELEMENTS[quick], "message_fit": fit, "switch_fit": switch_fit,
+              "sparse_switch_fit": sparse_switch_fit, "fresh_fit": fresh_fit,
               "block_fit": block_fit,
               "call_elems": CALL_ELEMS, "calls": CALLS[quick], "call_fit": call_fit,
               "statistic": "median", "messages_via": "TorchFabric send/recv over gloo, 127.0.0.1",

@@ -181,6 +181,87 @@ def test_a_host_with_a_cost_per_message_sends_the_switch_bursts_charged_per_mess
     assert 2 * packets - 1 <= (t - base) / S <= 2 * packets + 2 * sent
 
 
+SPARSE_BLOCKS = 256           # blocks of 256 float32 of the sparse switch's call (one lane each: L = 256)
+
+
+def _sparse_call(ctx) -> tuple[float, dict]:
+    """A 2-worker sparse-switch call of :data:`SPARSE_BLOCKS` blocks: worker 0 holds the blocks ``b % 2 == 0``,
+    worker 1 those with ``b % 4 in (0, 1)``; its modelled time and the worker's per-phase counts."""
+    b = torch.arange(SPARSE_BLOCKS).repeat_interleave(256)
+    held = (b % 2 == 0) if ctx.rank == 0 else (b % 4 <= 1)
+    x = torch.where(held, torch.ones(b.numel()), torch.zeros(b.numel()))
+    t = sc.transports.get("sparse-switch", ctx.fabric)
+    y = t.allreduce(x)
+    assert torch.equal(y, (b % 2 == 0).float() + (b % 4 <= 1).float())
+    return t.last_stats.modelled_time_s, {k: dict(v) for k, v in t.last_info.items() if isinstance(v, dict)}
+
+
+PER_MSG = dict(send_message_s=1e-9, recv_message_s=1e-9)       # a real fabric's bursts (1024 packets a message)
+
+
+def _sparse(host: HostModel) -> tuple[float, list[dict]]:
+    out = sc.launch(_sparse_call, 2, network=sc.Network(bandwidth_gbps=100.0, latency_us=1.0, host=host))
+    return max(o[0] for o in out), [o[1] for o in out]
+
+
+def test_the_sparse_switch_charges_its_own_rates_per_packet_value_packet_and_result_by_hand():
+    base, info = _sparse(HostModel(**PER_MSG))
+    # by hand: each worker sends the control packet, ceil((L + 1) / 256) = 2 look-ahead packets (values both) and
+    # one packet per union block (b % 4 < 3: 192), a value packet where it holds the block (128 each), else a skip
+    union, held, lookahead = 3 * SPARSE_BLOCKS // 4, SPARSE_BLOCKS // 2, 2
+    packets = 2 * (1 + lookahead + union)
+    values = 2 * (1 + lookahead) + 2 * held
+    results = 1 + lookahead + union
+    for i in info:
+        assert [i[p]["packets"] for p in ("control", "lookahead", "stream")] == [1, lookahead, union]
+        assert i["stream"]["data"] == held and i["stream"]["skips"] == union - held
+        assert sum(i[p]["results"] for p in i) == results
+    # with the program the bottleneck (a rate far above everything else's), the call lengthens by the switch's
+    # serial work: the rate times the packets, the value packets or the results, stretched by the CPU share
+    S = 1.0
+    for rates, count in (({"sparse_switch_packet_s": S}, packets), ({"sparse_switch_value_s": S}, values),
+                         ({"sparse_switch_result_s": S}, results)):
+        for share in (1.0, 2.0):
+            t, _ = _sparse(HostModel(**PER_MSG, **rates, cpu_share=share))
+            assert (t - base) / (share * S) == pytest.approx(count, abs=0.01), rates
+    # one charge per message the switch takes: at least each worker's control and look-ahead messages and one
+    # stream message, at most one per packet
+    t, _ = _sparse(HostModel(**PER_MSG, sparse_switch_message_s=S))
+    assert 2 * 3 - 0.01 <= (t - base) / S <= packets
+    assert abs((t - base) / S - round((t - base) / S)) < 0.01
+    # the dense switch's rates are not the sparse switch's once it has its own
+    own = dict(sparse_switch_packet_s=0.0, sparse_switch_value_s=0.0, sparse_switch_result_s=0.0,
+               sparse_switch_message_s=0.0)
+    t, _ = _sparse(HostModel(**PER_MSG, **own, switch_packet_s=S, switch_message_s=S))
+    assert t.hex() == base.hex()
+
+
+def test_a_model_without_the_sparse_switch_rates_charges_the_dense_switch_rates_as_before(tmp_path):
+    # a profile without the sparse switch's rates (one written before they existed) loads with them None ...
+    path = tmp_path / "host.json"
+    profile = _profile(FULL)
+    assert not any(k.startswith("sparse_switch") for k in profile["host"])
+    path.write_text(json.dumps(profile))
+    old = sc.Network.from_profile(path, bandwidth_gbps=100.0, latency_us=1.0)
+    assert old.host.sparse_switch_packet_s is None and old.host.sparse_switch_result_s is None
+    # ... and charges the dense switch's packet and message rates, nothing per value packet or result: the
+    # same bits as those rates given as the sparse switch's own
+    explicit = dataclasses.replace(FULL, sparse_switch_packet_s=FULL.switch_packet_s, sparse_switch_value_s=0.0,
+                                   sparse_switch_result_s=0.0, sparse_switch_message_s=FULL.switch_message_s)
+    got = sc.launch(_sparse_call, 2, network=old)
+    want = sc.launch(_sparse_call, 2, network=dataclasses.replace(old, host=explicit))
+    assert [g[0].hex() for g in got] == [w[0].hex() for w in want]
+    # the dense switch's rates do reach the call (the comparison above is not of two calls that charge nothing)
+    free = sc.launch(_sparse_call, 2, network=dataclasses.replace(
+        old, host=dataclasses.replace(FULL, switch_packet_s=0.0, switch_message_s=0.0)))
+    assert max(g[0] for g in got) > max(f[0] for f in free)
+    # a profile with them round-trips them; None is no rate of a profile
+    path.write_text(json.dumps(_profile(explicit)))
+    assert sc.Network.from_profile(path).host == explicit
+    with pytest.raises(InvalidValueError, match="sparse_switch_value_s"):
+        HostModel(sparse_switch_value_s=-1.0)
+
+
 def _short_message(ctx) -> list[float]:
     if ctx.rank == 0:
         ctx.fabric.send(torch.ones(3), 1, 5)
@@ -371,6 +452,19 @@ def test_calibrate_command_writes_a_loadable_profile(tmp_path, capsys):
     slope, intercept = np.polyfit(np.array(sw["packets"], dtype=np.float64), np.array(sw["message_s"]), 1)
     assert host["switch_message_s"]["value"] == pytest.approx(max(0.0, intercept), rel=1e-9, abs=1e-15)
     assert host["switch_packet_s"]["value"] == pytest.approx(max(0.0, slope), rel=1e-9, abs=1e-15)
+    # the sparse switch's rates: the non-negative fit of the recorded per-message times over the packets, value
+    # packets and results of each message (worker 0's burst completes nothing, worker 1's every slot)
+    ss = method["sparse_switch_fit"]
+    assert all(t > 0 for t in ss["message_s"]) and len(ss["message_s"]) == len(ss["packets"]) >= 8
+    assert {r == 0 for r in ss["results"]} == {True, False} and {v == 0 for v in ss["values"]} == {True, False}
+    counts = np.column_stack([ss["packets"], ss["values"], ss["results"]]).astype(np.float64)
+    c, packet, value, result = fit_nonnegative(counts, np.array(ss["message_s"]))
+    assert ss["intercept_s"] == pytest.approx(c, rel=1e-9, abs=1e-15)
+    assert host["sparse_switch_message_s"]["value"] == pytest.approx(max(0.0, c), rel=1e-9, abs=1e-15)
+    for name, v in (("packet", packet), ("value", value), ("result", result)):
+        assert host[f"sparse_switch_{name}_s"]["value"] == pytest.approx(v, rel=1e-9, abs=1e-15)
+    # the time grows with the packets: some per-packet rate is positive
+    assert host["sparse_switch_packet_s"]["value"] + host["sparse_switch_result_s"]["value"] > 0
     # a fresh buffer's rate and threshold: the step of the recorded sweep (fresh fills against mapped ones)
     from sparsecomm.netbed.calibrate import FRESH_SIZES, fresh_step
     ff = method["fresh_fit"]

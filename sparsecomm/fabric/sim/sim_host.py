@@ -15,7 +15,17 @@ modelled clocks (``host=None``, the default: no host cost, every modelled time a
   and an empty one the sum of the two); ``"switch_packet"``, packets run through a switch
   program (``switch_packet_s``); ``"switch_message"``, messages whose packets a switch program ran in one
   call (``switch_message_s``: the call into the compiled program, its lock and the replies' split, once
-  per message whatever its packets); ``"copy"``, bytes copied (``copy_byte_s``: the ring's and ``native``'s
+  per message whatever its packets); ``"sparse_switch_packet"``, ``"sparse_switch_value"``,
+  ``"sparse_switch_result"`` and ``"sparse_switch_message"``, the sparse switch's program
+  (:mod:`sparsecomm.transports.switchml.sparse.dataplane`, Python per packet): packets it runs
+  (``sparse_switch_packet_s``: a row taken from its message, parsed and run through the registers), the value
+  packets among them (``sparse_switch_value_s``, on top: the vector added into its slot, or its minimum taken, with
+  the overflow check; a skip has none), result rows it produces (``sparse_switch_result_s``: a completed round's
+  multicast or a retransmission, its row built and packed into the replies) and messages it takes
+  (``sparse_switch_message_s``: the burst's split into rows, the replies' set-up); a model without one of these
+  (``None``, the default, and a profile without it) charges what it charged before they existed: the dense
+  switch's ``switch_packet_s`` per packet, its ``switch_message_s`` per message, nothing per value packet or
+  result; ``"copy"``, bytes copied (``copy_byte_s``: the ring's and ``native``'s
   work copy of the caller's input in a call that does not sum in place, the sparse switch's padded copy of it
   and of its sums); ``"fresh"``, bytes of a buffer a transport allocates afresh in a call (``fresh_byte_s`` per
   byte for a buffer of at least ``fresh_min_bytes``, nothing below: the first touch of its pages, beyond the
@@ -84,14 +94,16 @@ import torch
 from ...errors import InvalidTypeError, InvalidValueError
 from ...validate import check_int, check_real
 
-__all__ = ["CODEC_RATES", "HOST_OPS", "HostModel", "OPTIONAL_RATES", "SIZES", "SUM_DTYPES", "RATE_UNITS"]
+__all__ = ["CODEC_RATES", "FALLBACK_RATES", "HOST_OPS", "HostModel", "OPTIONAL_RATES", "SIZES", "SUM_DTYPES",
+           "RATE_UNITS"]
 
 #: the operations of :meth:`sparsecomm.fabric.base.Fabric.host_work` and the unit they count
 HOST_OPS = {"sum": "element", "scan": "element", "switch_packet": "packet", "switch_message": "message",
             "copy": "byte", "fresh": "byte", "call": "call", "span": "block", "index": "block",
             "scan_zero": "element", "move": "byte", "check": "element",
             "elementwise": "element", "select": "element", "sample": "element", "matmul": "multiply-add",
-            "matmul_t": "multiply-add", "kernel": "call"}
+            "matmul_t": "multiply-add", "kernel": "call", "sparse_switch_packet": "packet",
+            "sparse_switch_value": "packet", "sparse_switch_result": "packet", "sparse_switch_message": "message"}
 
 #: the operations of a method's encode and decode (:meth:`sparsecomm.methods.base.Method.work`) and their rates
 CODEC_RATES = {"elementwise": "elementwise_element_s", "select": "select_element_s", "sample": "sample_element_s",
@@ -126,11 +138,22 @@ RATE_UNITS = {
     "matmul_mac_s": "s/multiply-add",
     "matmul_t_mac_s": "s/multiply-add",
     "kernel_call_s": "s/call",
+    "sparse_switch_packet_s": "s/packet",
+    "sparse_switch_value_s": "s/packet",
+    "sparse_switch_result_s": "s/packet",
+    "sparse_switch_message_s": "s/message",
 }
 
-#: the rates a version-2 profile may lack (added within version 2; absent: 0, the time the profile modelled)
+#: the rates that may be ``None`` (absent from a profile): each charges, when ``None``, the rate it names here
+#: (``None``: nothing), the charge its operation had before the rate existed
+FALLBACK_RATES = {"sparse_switch_packet_s": "switch_packet_s", "sparse_switch_value_s": None,
+                  "sparse_switch_result_s": None,
+                  "sparse_switch_message_s": "switch_message_s"}
+
+#: the rates a version-2 profile may lack (added within version 2; absent: 0, or for those of :data:`FALLBACK_RATES`
+#: ``None``: the time the profile modelled)
 OPTIONAL_RATES = ("span_block_s", "index_block_s", *CODEC_RATES.values(), "fresh_byte_s", "fresh_min_bytes",
-                  "move_byte_s", "check_element_s", "scan_zero_element_s")
+                  "move_byte_s", "check_element_s", "scan_zero_element_s", *FALLBACK_RATES)
 
 #: the entries of :data:`RATE_UNITS` that are sizes in bytes (integers), not rates
 SIZES = ("fresh_min_bytes",)
@@ -175,6 +198,12 @@ class HostModel:
         matmul_mac_s: seconds per multiply-add of a product of a large matrix with a skinny factor.
         matmul_t_mac_s: seconds per multiply-add of a product of a large matrix's transpose with a skinny factor.
         kernel_call_s: seconds per call of a method's or compressor's kernel whose fixed cost counts.
+        sparse_switch_packet_s: seconds per packet the sparse switch's program runs (``None``: ``switch_packet_s``).
+        sparse_switch_value_s: seconds per value packet (not a skip) the sparse switch's program runs, on top of
+            ``sparse_switch_packet_s`` (``None``: 0).
+        sparse_switch_result_s: seconds per result row the sparse switch's program produces (``None``: 0).
+        sparse_switch_message_s: seconds per message the sparse switch's program takes (``None``:
+            ``switch_message_s``).
         call_s: transport name (``"ring"``, ``"omnireduce"``, ...) -> seconds per call of it, on every
             worker (default: none; a transport not in it is charged nothing).
         cpu_share: the CPU stretch of every endpoint (>= 1): endpoints sharing cores, e.g. 2 for 4 hosts on
@@ -205,6 +234,10 @@ class HostModel:
     matmul_mac_s: float = 0.0
     matmul_t_mac_s: float = 0.0
     kernel_call_s: float = 0.0
+    sparse_switch_packet_s: float | None = None
+    sparse_switch_value_s: float | None = None
+    sparse_switch_result_s: float | None = None
+    sparse_switch_message_s: float | None = None
     cpu_share: float = 1.0
     cpu_share_by_endpoint: Mapping[int, float] = field(default_factory=dict)
 
@@ -212,6 +245,8 @@ class HostModel:
         who = "HostModel"
         put = object.__setattr__
         for name in RATE_UNITS:
+            if name in FALLBACK_RATES and getattr(self, name) is None:
+                continue
             if name in SIZES:
                 put(self, name, check_int(name, getattr(self, name), low=0, what=who))
             elif name not in ("sum_element_s", "call_s"):
@@ -316,6 +351,12 @@ class HostModel:
             rate = self.check_element_s
         elif op in CODEC_RATES:
             rate = getattr(self, CODEC_RATES[op])
+        elif op in ("sparse_switch_packet", "sparse_switch_value", "sparse_switch_result", "sparse_switch_message"):
+            name = f"{op}_s"
+            rate = getattr(self, name)
+            if rate is None:            # (FALLBACK_RATES: the charge before the rate existed)
+                fallback = FALLBACK_RATES[name]
+                rate = 0.0 if fallback is None else getattr(self, fallback)
         else:
             raise InvalidValueError(f"host_work: unknown operation {op!r}; the operations are "
                                     f"{', '.join(HOST_OPS)}")

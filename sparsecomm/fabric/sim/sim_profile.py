@@ -24,8 +24,11 @@ than its own, or a negative or non-finite value is refused, naming the key), but
 decode, :data:`~.sim_host.CODEC_RATES`, a fresh buffer's ``fresh_byte_s`` and ``fresh_min_bytes``, a block
 copy's ``move_byte_s``, a finiteness guard's ``check_element_s`` and a zero block's ``scan_zero_element_s``: added
 within version 2; a profile without them models them as 0, the times it modelled before they existed, so it
-loads as it did); ``sum_element_s`` gives each of :data:`~.sim_host.SUM_DTYPES`, ``call_s`` a rate per
-transport name (any names); ``fresh_min_bytes`` (:data:`~.sim_host.SIZES`) is a size, an integer of bytes
+loads as it did; and the sparse switch's own rates, ``sparse_switch_packet_s``, ``sparse_switch_value_s``,
+``sparse_switch_result_s`` and ``sparse_switch_message_s``, which a profile without them models as before they
+existed, with the dense switch's rates per packet and per message and nothing per value packet or result:
+:data:`~.sim_host.FALLBACK_RATES`); ``sum_element_s`` gives each of :data:`~.sim_host.SUM_DTYPES`, ``call_s`` a
+rate per transport name (any names); ``fresh_min_bytes`` (:data:`~.sim_host.SIZES`) is a size, an integer of bytes
 (unit ``"byte"``), not a rate. ``date``, ``machine`` and
 ``method`` are recorded, not interpreted.
 
@@ -57,10 +60,13 @@ KEYS = ("format", "version", "host", "date", "machine", "method")
 
 
 def profile_dict(host: HostModel, *, date: str, machine: dict, method: dict) -> dict:
-    """The profile of ``host`` (its rates; its CPU shares are a run's setting and are not written)."""
+    """The profile of ``host`` (its rates; its CPU shares are a run's setting and are not written; a rate of
+    :data:`~.sim_host.FALLBACK_RATES` that is ``None`` is left out, as a profile without it)."""
     rates = {}
     for name, unit in RATE_UNITS.items():
         value = getattr(host, name)
+        if value is None:           # (a rate of FALLBACK_RATES left to its fallback: absent)
+            continue
         rates[name] = {"value": dict(value) if name in MAPPED else value, "unit": unit}
     return {"format": FORMAT, "version": VERSION, "date": date, "machine": dict(machine), "method": dict(method),
             "host": rates}

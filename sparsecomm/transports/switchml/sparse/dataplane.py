@@ -389,22 +389,35 @@ class Dataplane:
         arr = buf.numpy()
         while True:
             src = yield RecvFor(key, buf, None, tag, None, stage)
-            if single:
-                rows = [arr.copy()]
-            else:
-                kinds = unpack_w0(arr[:, W0])[0]
-                rows = [arr[r, :HEADER].copy() if kinds[r] == T_SKIP else arr[r].copy()
-                        for r in np.flatnonzero(kinds != T_EMPTY)]
-                arr[:, W0] = 0          # every row T_EMPTY again: the next message may be shorter
-            fabric.host_work("switch_message", 1)
-            fabric.host_work("switch_packet", len(rows))
-            for msg, dst, reliable in self._replies(rows, src, K, single, sim):
+            rows = self.packets(arr)
+            fabric.host_work("sparse_switch_message", 1)
+            fabric.host_work("sparse_switch_packet", len(rows))
+            fabric.host_work("sparse_switch_value", sum(r.size > HEADER for r in rows))
+            sends, results = self.replies(rows, src, K, single, sim)
+            fabric.host_work("sparse_switch_result", results)
+            for msg, dst, reliable in sends:
                 yield Datagram(msg, dst, TAG_DOWN, reliable=reliable, tracked=not sim)
 
-    def _replies(self, rows: list, src: int | None, K: int, single: bool, sim: bool) -> list:
-        """Run the program on ``rows`` (a message from ``src``); its replies as ``(message, destination,
-        reliable)``: a rejection notice to every worker first if the message held a malformed or out-of-step
-        packet, then the results to every worker, then the retransmissions to ``src``."""
+    @staticmethod
+    def packets(arr: np.ndarray) -> list[np.ndarray]:
+        """The packets of a message received into ``arr`` (one row, or a burst of rows), copied out of it; a
+        burst's rows are ``T_EMPTY`` again afterwards (the next message may be shorter) and a skip's row is
+        its header."""
+        if arr.ndim == 1:
+            return [arr.copy()]
+        kinds = unpack_w0(arr[:, W0])[0]
+        rows = [arr[r, :HEADER].copy() if kinds[r] == T_SKIP else arr[r].copy()
+                for r in np.flatnonzero(kinds != T_EMPTY)]
+        arr[:, W0] = 0
+        return rows
+
+    def replies(self, rows: list, src: int | None, K: int, single: bool, sim: bool) -> tuple[list, int]:
+        """Run the program on ``rows`` (a message from ``src``, :meth:`packets`); its replies as ``(message,
+        destination, reliable)``: a rejection notice to every worker first if the message held a malformed or
+        out-of-step packet, then the results to every worker, then the retransmissions to ``src``; and the
+        result rows the program produced (multicast and retransmitted: what the host model charges
+        ``sparse_switch_result_s`` for). ``K``: rows per reply message; ``single``: one row per message;
+        ``sim``: a burst's last message padded to ``K`` rows (:func:`_messages`)."""
         k, world = self.config.elems, self.world
         width = HEADER + k
         mcast: list = []
@@ -425,7 +438,7 @@ class Dataplane:
                                self.refused if out_of_step else None)
             sends = [(msg, dst, True) for msg in _messages([notice], K, width, single, sim)
                      for dst in range(world)] + sends
-        return sends
+        return sends, len(mcast) + len(ucast)
 
 
 def _messages(rows: list, K: int, width: int, single: bool, pad: bool) -> list[torch.Tensor]:
