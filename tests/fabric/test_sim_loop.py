@@ -127,6 +127,23 @@ def test_a_service_whose_main_is_a_generator_runs_in_the_loop_without_a_thread()
     assert set(seen.values()) == {0}       # no thread started for the service
 
 
+@pytest.mark.parametrize("name, kw", [("omnireduce", {"deployment": "dedicated", "lanes": 4}), ("switch", {}),
+                                      ("sparse-switch", {})])
+def test_the_librarys_services_run_in_the_loop_without_a_thread(name, kw):
+    worlds = []
+
+    def fn(ctx):
+        worlds.append(ctx.fabric.world)
+        t = sc.transports.get(name, ctx.fabric, **kw)
+        x = torch.zeros(4096)
+        x[:512] = ctx.rank + 1.0
+        return t.allreduce(x)[:2].tolist()
+
+    assert sc.launch(fn, 3) == [[6.0, 6.0]] * 3
+    world = worlds[0]
+    assert len(world.endpoints) > 3 and world.gate.service_threads == []
+
+
 def test_a_process_that_blocks_on_a_receive_itself_is_a_protocol_error():
     def bad(fabric):
         fabric.recv(torch.empty(1), 0, 3)     # a blocking call inside the loop: it would wait for itself
