@@ -58,7 +58,7 @@ Capabilities. Layers above ask a fabric what it can do, never which class it is:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, Sequence
+from typing import Callable, Generator, Sequence
 
 import torch
 
@@ -233,6 +233,14 @@ class Fabric(ABC):
         """
         _roles.drive(self, inbox, outbox, roles, keep)
 
+    def drive_process(self, roles: list, inbox: _roles.Inbox, outbox: _roles.Outbox, keep: int = 64) -> Generator:
+        """:meth:`drive` as a process of this fabric's own event loop, for a service whose ``main`` is a
+        generator function (``yield from fabric.drive_process(...)``, see :meth:`service`). Only a fabric whose
+        time is modelled (:attr:`modelled_time`) runs its endpoints as one loop; on any other this raises
+        :class:`NotImplementedError` (a service's ``main`` there blocks in :meth:`drive`)."""
+        raise NotImplementedError(f"{type(self).__name__} has no event loop of its own: a service's main blocks "
+                                  f"in drive()")
+
     #: tag reserved for :meth:`barrier` (torch.distributed accepts tags in [0, 2**31))
     barrier_tag: int = 2**31 - 2
 
@@ -295,9 +303,12 @@ class Fabric(ABC):
         """The endpoint id of the service ``name``, started on first use with ``main(fabric)``.
 
         Idempotent across workers: every worker asking for the same name gets the same id. On
-        SimFabric the service is a thread with its own link (``bandwidth_gbps``, ``latency_us``,
-        ``per_port``); on TorchFabric it is an extra rank started by the launcher, and asking for a
-        service the launcher did not start raises a clear error.
+        SimFabric the service is an endpoint with its own link (``bandwidth_gbps``, ``latency_us``,
+        ``per_port``) whose ``main`` is a process of the simulated world's loop where it is a generator
+        function (its waits ``yield from fabric.drive_process(...)``: no thread, and what it does between
+        two waits happens in the same step of the loop), else a thread of its own, parked on the loop through
+        every wait as a worker's training loop is; on TorchFabric it is an extra rank started by the
+        launcher, and asking for a service the launcher did not start raises a clear error.
 
         On SimFabric a blocking ``send`` advances the sender's clock to the end of its transmission;
         a service that must not stall on output (a switch's dataplane, a per-port endpoint) replies

@@ -5,7 +5,8 @@ yields what it waits for, a :class:`RecvWait` (one receive) or an :class:`AnyWai
 groups of receives is in first), and is resumed with the messages it takes. A worker's call (a
 transport's roles run by ``Fabric.drive``, a blocking receive, a ``wait_any``), a service's main: each
 is one process of its endpoint. :meth:`World.run` steps them, one at a time, in one thread, in a fixed
-order: the processes able to run first (a plain receive whose message is in), first in first out; then,
+order: the processes able to run first (a plain receive whose message is in), first in first out (those
+that threads handed over while the loop waited, in the order of their endpoints); then,
 once none is and no endpoint's own thread is running (*quiescence*), the earliest pending *event* or
 *deadline* of a blocked process, from a heap keyed ``(modelled time, event before deadline, endpoint,
 process)``. No lock, no condition variable, no thread: code outside (a worker's training loop, which keeps
@@ -24,8 +25,9 @@ Semantics (the same as a conservative parallel discrete-event simulation, determ
 - with nothing able to run and no event or deadline pending while a worker waits, the run is
   deadlocked: every waiting process raises :class:`FabricTimeout` naming what each waits for.
 
-Since processes run only while no endpoint's thread runs, and what a running thread does to the world
-(sends: appending to a channel's queue, placing a message on a NIC's schedule by its head) commutes,
+Since processes run only while no endpoint's thread runs, what a running thread does to the world
+(sends: appending to a channel's queue, placing a message on a NIC's schedule by its head) commutes, and
+the processes threads hand over are stepped in the order of their endpoints, not of the threads' arrival,
 modelled times do not depend on how threads are scheduled: two runs give identical values.
 
 Faults (:class:`~.sim_network.Network`): ``loss`` drops datagrams sent with ``reliable=False`` with that
@@ -104,6 +106,10 @@ class Proc:
         self.event: float | None = None     # an ordered wait's event, as last pushed
         self.queued = False
         self.retry: RecvWait | AnyWait | None = None    # woken without an outcome: try this wait again
+
+
+def _by_endpoint(p: Proc) -> tuple[int, int]:
+    return p.ep.id, p.seq
 
 
 class World:
@@ -200,9 +206,17 @@ class World:
 
     def run(self) -> None:
         """Step the processes able to run; at quiescence (none able to run, no endpoint's thread running)
-        fire the earliest event or deadline; repeat until nothing can happen without a thread. An exception
+        fire the earliest event or deadline; repeat until nothing can happen without a thread. The processes
+        that threads made able to run since the last run (calls handed over, processes their sends woke) are
+        stepped in the order of their endpoints (then of their creation), not in the order the threads came,
+        which is their scheduling's: a process stepped first may send what another finds in by its clock. An exception
         of a process, or of the loop's handling of its wait (its endpoint's records, :meth:`_fault`), is that
         process's outcome, whichever thread runs the loop; any other exception of the loop propagates."""
+        runq = self._runq
+        if len(runq) > 1:           # (what threads handed over since the last run, in the order of their endpoints)
+            handed = sorted(runq, key=_by_endpoint)
+            runq.clear()
+            runq.extend(handed)
         paused = gc.isenabled()     # the cyclic garbage collector waits while the loop runs (as ``timeit``
         if paused:                  # pauses it): at a few hundred endpoints its full passes over every live
             gc.disable()            # object cost a third of the loop; what the loop leaves in cycles is found later

@@ -99,7 +99,7 @@ from ...theory import costs
 from ..base import CallShape, Transport, registry
 from ..linear import LinearOperand
 from . import trace, wire
-from .service import serve
+from .service import serve, serve_process
 from .blocks import BlockSink, DenseSource, PackedSource, ResultCache
 from .header import CallSpec
 from .worker import run_worker
@@ -111,11 +111,17 @@ DEPLOYMENTS = ("colocated", "dedicated")
 CHANNELS = 2
 
 
-def service_main(index: int):
-    """The loop of dedicated aggregator ``index`` (``main(fabric)``)."""
+def service_main(index: int, *, process: bool = False):
+    """The loop of dedicated aggregator ``index`` (``main(fabric)``): a blocking loop (an extra
+    torch.distributed rank), or with ``process`` a generator function, a process of the loop of a fabric
+    whose time is modelled (``Fabric.service``; deterministic modelled times, no thread)."""
 
-    def main(fabric) -> None:
-        serve(fabric, index)
+    if process:
+        def main(fabric):
+            yield from serve_process(fabric, index)
+    else:
+        def main(fabric) -> None:
+            serve(fabric, index)
 
     main.__name__ = f"omnireduce_agg_{index}"
     return main
@@ -204,8 +210,8 @@ class OmniReduce(Transport):
                 link["bandwidth_gbps"] = aggregator_bandwidth_gbps
             if aggregator_latency_us is not None:
                 link["latency_us"] = aggregator_latency_us
-            self.aggregators = [fabric.service(f"omnireduce-agg:{i}", service_main(i), **link)
-                                for i in range(A)]
+            self.aggregators = [fabric.service(f"omnireduce-agg:{i}", service_main(i, process=fabric.modelled_time),
+                                               **link) for i in range(A)]
             self.own = None
 
     def wire_copies(self) -> float:

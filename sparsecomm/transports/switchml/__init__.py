@@ -103,7 +103,7 @@ from .control import (AGREE, CONTROL_SLOT, DEFAULT_MAX_EXPONENT, DTYPES, KINDS, 
 from .dataplane import EXP_MAX, HEADER, WIDEST, Dataplane, SwitchConfig
 from .jobs import FloatJob, IntJob
 from .lanes import Lanes, SlotState, Timer
-from .service import serve, service_main
+from .service import serve, serve_process, service_main
 
 INT32_MAX = 2**31 - 1
 #: real fabrics, default pool: a float job's exponent look-ahead round (its first ``L`` packets, one per lane,
@@ -217,7 +217,7 @@ class SwitchTransport(Transport):
             with _lock:
                 per_world = fabric.world_scratch.setdefault("switch/dataplanes", {})
                 self.dataplane = per_world.setdefault(spec, Dataplane(self.config))
-            main = functools.partial(serve, self.dataplane)
+            main = functools.partial(serve_process if fabric.modelled_time else serve, self.dataplane)
         else:
             main = service_main(self.config)
         link = {k: v for k, v in (("bandwidth_gbps", bandwidth_gbps), ("latency_us", latency_us)) if v is not None}

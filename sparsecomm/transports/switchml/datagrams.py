@@ -25,7 +25,7 @@ are one role per endpoint, so nothing else could run meanwhile), handing every o
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Generator, NamedTuple
 
 import torch
 
@@ -58,6 +58,12 @@ def drive(fabric, inbox: Inbox, outbox: Outbox, roles: list, keep: int = 64) -> 
     """Run ``roles`` (yielding the requests of :mod:`sparsecomm.fabric.roles` and of this module) on
     ``fabric`` with ``inbox`` and ``outbox`` until every one has returned (:meth:`.Fabric.drive`)."""
     fabric.drive([_adapt(fabric, inbox, outbox, r) for r in roles], inbox, outbox, keep=keep)
+
+
+def drive_process(fabric, inbox: Inbox, outbox: Outbox, roles: list, keep: int = 64) -> Generator:
+    """:func:`drive` as a process of the fabric's own loop (``Fabric.drive_process``; a fabric with modelled
+    time), for a service whose main is a generator function."""
+    yield from fabric.drive_process([_adapt(fabric, inbox, outbox, r) for r in roles], inbox, outbox, keep)
 
 
 def _adapt(fabric, inbox: Inbox, outbox: Outbox, role):

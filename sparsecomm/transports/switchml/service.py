@@ -45,7 +45,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections import deque
-from typing import Callable
+from typing import Callable, Generator
 
 import numpy as np
 import torch
@@ -56,7 +56,7 @@ from ...fabric.base import Fabric
 from ...fabric.roles import Inbox, Outbox, Pool, PostInto, Recv, Send, Step
 from .dataplane import (F_TYPE, HEADER, RECV_SLACK, T_EMPTY, T_SHORT, TAG_DOWN, TAG_UP, Dataplane, SwitchConfig,
                         rejection, short_extent, short_frame, short_rows, split_messages)
-from .datagrams import Datagram, drive
+from .datagrams import Datagram, drive, drive_process
 
 #: receives each port keeps posted from its worker (real fabrics)
 PORT_DEPTH = 16
@@ -72,9 +72,19 @@ EGRESS_CAP = 64
 _STEP = Step()
 
 
+def serve_process(dp: Dataplane, fabric: Fabric) -> Generator:
+    """The switch on a fabric with modelled time as a process of the fabric's loop (no thread): its role
+    (:func:`switch_role`) driven by ``Fabric.drive_process`` until the run ends."""
+    dp.world = fabric.world_size
+    pool = Pool()
+    inbox, outbox = Inbox(fabric, pool), Outbox(fabric, pool)
+    yield from drive_process(fabric, inbox, outbox, [switch_role(dp, inbox)])
+
+
 def serve(dp: Dataplane, fabric: Fabric) -> None:
     """The switch's main loop on ``fabric`` until the run ends (the fabric's shutdown exception): on a
-    modelled fabric its role (:func:`switch_role`) driven by the fabric, elsewhere the ports' threads."""
+    modelled fabric its role (:func:`switch_role`) driven by the fabric (blocking; :func:`serve_process` is
+    the same without a thread), elsewhere the ports' threads."""
     dp.world = fabric.world_size
     if fabric.modelled_time:
         pool = Pool()

@@ -81,15 +81,22 @@ def test_a_datagram_may_be_lost_and_a_held_one_is_a_blocking_send_once_flushed()
 
 def test_the_streams_and_the_simulated_switch_are_driven_by_the_fabric(monkeypatch):
     """Every stream of a job (the control round's and the data's) and the SimFabric's switch run as roles
-    that ``Fabric.drive`` runs: no blocking receive of their own."""
+    that ``Fabric.drive`` runs (the switch, a process of the loop: ``Fabric.drive_process``): no blocking receive
+    of their own."""
     calls: list = []
-    original = SimFabric.drive
+    processes: list = []
+    original, original_process = SimFabric.drive, SimFabric.drive_process
 
     def counted(self, roles, inbox, outbox, **kw):
         calls.append(self.rank)
         return original(self, roles, inbox, outbox, **kw)
 
+    def counted_process(self, roles, inbox, outbox, *args, **kw):
+        processes.append(self.rank)
+        return original_process(self, roles, inbox, outbox, *args, **kw)
+
     monkeypatch.setattr(SimFabric, "drive", counted)
+    monkeypatch.setattr(SimFabric, "drive_process", counted_process)
 
     def fn(ctx):
         t = sc.transports.get("switch", ctx.fabric, pool_size=4)
@@ -98,4 +105,4 @@ def test_the_streams_and_the_simulated_switch_are_driven_by_the_fabric(monkeypat
     out = sc.launch(fn, 3)
     assert all(torch.equal(o, torch.arange(300, dtype=torch.int32) * 6) for o in out)
     assert all(calls.count(r) >= 2 for r in range(3))                  # control round, data (at least)
-    assert calls.count(3) == 1                                          # the switch (endpoint 3)
+    assert processes.count(3) == 1 and 3 not in calls                   # the switch (endpoint 3), no thread

@@ -236,7 +236,7 @@ class SparseSwitch(Transport):
         if fabric.in_process_services:
             with _lock:
                 self.dataplane = fabric.world_scratch.setdefault("sparse-switch/dataplanes", {}).setdefault(spec, Dataplane(self.config))
-            main = self.dataplane.serve
+            main = self.dataplane.serve_process if fabric.modelled_time else self.dataplane.serve
         else:
             main = service_main(self.config)
         link = {k: v for k, v in (("bandwidth_gbps", bandwidth_gbps), ("latency_us", latency_us)) if v is not None}

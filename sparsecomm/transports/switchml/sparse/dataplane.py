@@ -58,7 +58,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, replace
 from enum import IntEnum
-from typing import Callable, NamedTuple
+from typing import Callable, Generator, NamedTuple
 
 import numpy as np
 import torch
@@ -352,6 +352,14 @@ class Dataplane:
         inbox, outbox = Inbox(fabric, pool), Outbox(fabric, pool)
         fabric.drive([lowered(r, fabric, inbox, outbox, _SERVICE_KEEP) for r in self.roles(fabric)],
                      inbox, outbox, keep=_SERVICE_KEEP)
+
+    def serve_process(self, fabric: Fabric) -> Generator:
+        """:meth:`serve` as a process of the loop of a fabric with modelled time (``Fabric.drive_process``):
+        no thread."""
+        pool = Pool()
+        inbox, outbox = Inbox(fabric, pool), Outbox(fabric, pool)
+        yield from fabric.drive_process([lowered(r, fabric, inbox, outbox, _SERVICE_KEEP) for r in self.roles(fabric)],
+                                        inbox, outbox, _SERVICE_KEEP)
 
     def roles(self, fabric: Fabric) -> list:
         """The switch's ports as roles (:mod:`sparsecomm.fabric.roles`, with :class:`.requests.Datagram`), which
