@@ -237,7 +237,14 @@ class Fabric(ABC):
         """:meth:`drive` as a process of this fabric's own event loop, for a service whose ``main`` is a
         generator function (``yield from fabric.drive_process(...)``, see :meth:`service`). Only a fabric whose
         time is modelled (:attr:`modelled_time`) runs its endpoints as one loop; on any other this raises
-        :class:`NotImplementedError` (a service's ``main`` there blocks in :meth:`drive`)."""
+        :class:`NotImplementedError` (a service's ``main`` there blocks in :meth:`drive`).
+
+        Args:
+            roles: the roles to run, as :meth:`drive`'s.
+            inbox: where their receives are posted, as :meth:`drive`'s.
+            outbox: what their sends go out through, as :meth:`drive`'s.
+            keep: the sends left unfinished when every role able to run reaps, as :meth:`drive`'s.
+        """
         raise NotImplementedError(f"{type(self).__name__} has no event loop of its own: a service's main blocks "
                                   f"in drive()")
 
