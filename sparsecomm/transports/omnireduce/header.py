@@ -66,6 +66,18 @@ class CallSpec:
         return torch.from_numpy(h)
 
 
+def with_k0(base: np.ndarray, k0: list[tuple[int, int]]) -> np.ndarray:
+    """A copy of the sealed header ``base`` (:meth:`CallSpec.header` without position-0 blocks) with ``k0``'s
+    ``(slot, blocks)`` position-0 counts, resealed where any is non-zero: the words of ``CallSpec.header(world,
+    dict(k0))``, without building them again."""
+    h = base.copy()
+    if any(k for _, k in k0):
+        for g, k in k0:
+            h[F_K0 + g] = k
+        seal(h)
+    return h
+
+
 #: the header words :meth:`CallSpec.header` sets from the call, in its order
 _SPEC_FIELDS = [F_MAGIC, F_NUMEL, F_DTYPE, F_BLOCK, F_AGGS, F_CHANNELS, F_LANES, F_KIND, F_CHECK, F_WORLD, F_ABSMAX]
 

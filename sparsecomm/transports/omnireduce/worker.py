@@ -180,14 +180,8 @@ def send_round0(call, aggs: list[int]):
     """Round 0 to ``aggs``: a header each; then to each its channels' first look-aheads (small, one
     message), then the position-0 blocks (slot-major; per slot the heaviest aggregators first)."""
     p0 = {(a, ch.slot): call.wch[a, ch.slot].pending0() for a in aggs for ch in call.plans[a]}   # (once each)
-    for a in aggs:      # (spec.header's words: the call's header with a's position-0 counts, resealed)
-        h = call.hdr_base.copy()
-        k0 = [(ch.slot, p0[a, ch.slot]) for ch in call.plans[a]]
-        if any(k for _, k in k0):
-            for g, k in k0:
-                h[wire.F_K0 + g] = k
-            header.seal(h)
-        call.hdr0[a] = h
+    for a in aggs:
+        call.hdr0[a] = h = header.with_k0(call.hdr_base, [(ch.slot, p0[a, ch.slot]) for ch in call.plans[a]])
         yield call.up(a, Key(Msg.HDR, call.rank), torch.from_numpy(h).view(torch.uint8), TAG_HDR_UP)
         if a != call.own:
             yield Post(Key(Msg.REPLY, a), 8 * HDR, call.aggregators[a], TAG_HDR_DOWN)

@@ -569,3 +569,18 @@ def test_a_colocated_aggregator_looks_at_each_header_a_bounded_number_of_times(m
     out = sc.launch(call, n, network=sc.Network(bandwidth_gbps=100, latency_us=2))
     assert len(set(out)) == 1
     assert len(looks) == n and max(looks.values()) <= 3 * (n - 1), looks     # (a look per header left per wake: 88)
+
+
+def test_a_header_with_position0_counts_is_the_specs_header_word_for_word():
+    """``header.with_k0`` (the worker's per-aggregator round-0 header, from the call's sealed header) gives the
+    words of ``CallSpec.header(world, k0)``: counts set, checksum resealed; a copy, ``base`` untouched."""
+    import numpy as np
+
+    from sparsecomm.transports.omnireduce import header
+
+    spec = header.CallSpec(1000, torch.float32, 256, 2, 2, 16384, 0, 0, 0)
+    base = spec.header(3).numpy()
+    kept = base.copy()
+    for k0 in ([(0, 0), (1, 0)], [(0, 3), (1, 0)], [(0, 1), (1, 2)], []):
+        assert np.array_equal(header.with_k0(base, k0), spec.header(3, dict(k0)).numpy()), k0
+    assert np.array_equal(base, kept)
