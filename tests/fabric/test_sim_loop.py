@@ -110,13 +110,24 @@ def _echo(fabric):
     outbox.finish()
 
 
-def test_a_service_whose_main_is_a_generator_runs_in_the_loop_without_a_thread():
-    seen = {}
+def _echo_blocking(fabric):
+    """The same service with a blocking body: it runs on a thread of its own."""
+    bufs = {w: torch.empty(4) for w in range(fabric.world_size)}
+    for w in range(fabric.world_size):
+        fabric.recv(bufs[w], w, 5)
+    for w in range(fabric.world_size):
+        fabric.send(bufs[w] * 2, w, 6)
+
+
+@pytest.mark.parametrize("main, threaded", [(_echo, False), (_echo_blocking, True)])
+def test_a_service_whose_main_is_a_generator_runs_in_the_loop_without_a_thread(main, threaded):
+    name = "echo"
+    worlds, named = [], []
 
     def fn(ctx):
-        before = threading.active_count()
-        sid = ctx.fabric.service("echo", _echo)
-        seen[ctx.rank] = threading.active_count() - before
+        worlds.append(ctx.fabric.world)
+        sid = ctx.fabric.service(name, main)
+        named.append(any(t.name == f"sparsecomm-{name}" for t in threading.enumerate()))
         ctx.fabric.send(torch.full((4,), float(ctx.rank)), sid, 5)
         out = torch.empty(4)
         ctx.fabric.recv(out, sid, 6)
@@ -124,7 +135,8 @@ def test_a_service_whose_main_is_a_generator_runs_in_the_loop_without_a_thread()
 
     res = sc.launch(fn, 3)
     assert res == [[2.0 * r] * 4 for r in range(3)]
-    assert set(seen.values()) == {0}       # no thread started for the service
+    # a thread started for the service only if its main blocks (other ranks' threads are not counted)
+    assert len(worlds[0].gate.service_threads) == int(threaded) and all(v == threaded for v in named)
 
 
 @pytest.mark.parametrize("name, kw", [("omnireduce", {"deployment": "dedicated", "lanes": 4}), ("switch", {}),
