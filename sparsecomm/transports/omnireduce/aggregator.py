@@ -72,6 +72,7 @@ class AggCall:
         self.headers: list = [None] * n
         self._early: dict[int, np.ndarray] = {}   # remote headers taken before take_headers
         self._agreed: set[int] = set()            # colocated: early headers that agree with the host's
+        self._valid: set[int] = set()             # colocated: early headers that validate_header accepted
         self._remote = tuple(w for w in self.order if w != colocated)
         self._queued: list[int] = []              # workers whose round-0 receives are queued, in order
         self.windows: dict[int, Window] = {}      # slot -> its window; FIRSTS: the first look-aheads'
@@ -105,11 +106,12 @@ class AggCall:
         sends a message only to a posted receive)."""
         h = inbox.take(Key(Msg.HDR, w)).view(torch.int64).numpy().copy()
         self._early[w] = h
-        if (header.validate_header(h, self.n, self.index, True) is None
-                and bool((h[_AGREE] == ref[_AGREE]).all())):
-            if not self.windows:
-                self.open_windows(ref, inbox.pool)
-            self._agreed.add(w)
+        if header.validate_header(h, self.n, self.index, True) is None:
+            self._valid.add(w)      # (not validated again by the verdict: :meth:`take_headers`)
+            if bool((h[_AGREE] == ref[_AGREE]).all()):
+                if not self.windows:
+                    self.open_windows(ref, inbox.pool)
+                self._agreed.add(w)
         remote = self._remote
         while len(self._queued) < len(remote) and remote[len(self._queued)] in self._agreed:
             self._queue(remote[len(self._queued)], self._early)
@@ -133,8 +135,8 @@ class AggCall:
 
     def take_headers(self, inbox: Inbox) -> list:
         """Take every header and validate it (:func:`.header.validate_header`: against the world size, this
-        aggregator's index, the protocol limits and its checksum) before planning anything from it; check
-        agreement. A malformed header gets a ``MALFORMED`` verdict naming its worker (every worker raises
+        aggregator's index, the protocol limits and its checksum; an early one, :meth:`take_early`, was
+        validated as it came, and is not again) before planning anything from it; check agreement. A malformed header gets a ``MALFORMED`` verdict naming its worker (every worker raises
         :class:`~sparsecomm.errors.MalformedMessage`). If the verdict is OK, the remote workers' round-0
         receives are queued (their sizes are in the headers: each worker's layout, and its position-0
         blocks per channel); returned, the ones that fit now. Otherwise nothing more is received by a
@@ -142,7 +144,8 @@ class AggCall:
         for w in self.order:
             self.headers[w] = (self._early[w] if w in self._early
                                else inbox.take(Key(Msg.HDR, w)).view(torch.int64).numpy().copy())
-        self.reply_hdr = header.verdict(self.headers, self.order, self.index, self.colocated is not None)
+        self.reply_hdr = header.verdict(self.headers, self.order, self.index, self.colocated is not None,
+                                        self._valid)
         self.status = int(self.reply_hdr[wire.R_STATUS])
         if self.status != OK:
             return []

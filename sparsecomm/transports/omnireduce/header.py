@@ -180,11 +180,16 @@ def read_manifest(m: np.ndarray, worker: int) -> tuple[int, dict[int, int]]:
     return sizes[0], {g: v for g, v in enumerate(sizes[1:]) if v}
 
 
-def verdict(headers: list[np.ndarray], order: list[int], index: int, colocated: bool) -> np.ndarray:
+def verdict(headers: list[np.ndarray], order: list[int], index: int, colocated: bool,
+            valid: frozenset | set = frozenset()) -> np.ndarray:
     """Aggregator ``index``'s verdict on every worker's header (``headers[w]``), the reply header:
     ``MALFORMED`` naming the first worker in ``order`` whose header :func:`validate_header` rejects
-    (the field and its value), else :func:`check_headers`'."""
+    (the field and its value), else :func:`check_headers`'. ``valid``: workers whose headers (these very
+    arrays, unchanged since) this aggregator has validated already, with the same ``index`` and ``colocated``
+    (an early header, :meth:`.aggregator.AggCall.take_early`): not validated again."""
     for w in order:
+        if w in valid:
+            continue
         why = validate_header(headers[w], len(headers), index, colocated)
         if why is not None:
             reply = np.zeros(HDR, dtype=np.int64)
