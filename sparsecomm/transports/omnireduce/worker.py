@@ -1,5 +1,6 @@
 """An OmniReduce worker's call in the fast driver: its state (:class:`Call`), its roles (:func:`worker`,
-one :func:`verdict` per aggregator, one :func:`worker_lane` per channel) and :func:`run_worker`, which
+one :func:`verdict` per aggregator, which goes on as the lanes of the aggregator's last channel, and one
+:func:`worker_lane` per other channel) and :func:`run_worker`, which
 runs them (and, colocated, the hosted aggregator's roles, :mod:`.aggregator`) on the endpoint's
 scheduler (``Fabric.drive``, :mod:`sparsecomm.fabric.roles`). The lanes' state machine is
 :class:`.core.WorkerChannel`; the fast paths the roles call are :mod:`.strategies`.
@@ -57,7 +58,7 @@ class Call:
         self.home = home and own is not None
         self.wch: dict = {}
         self.into_sink: set = set()     # (a, slot): round-0 sums received straight into the result
-        self.result = self.sink = self.down = None
+        self.result = self.sink = self.down = self.down_code = None
         self.sums0: dict = {}
         self.errors: dict = {}          # aggregator -> its verdict, where it is not OK (raised at the end)
         self.hdr0: dict = {}            # aggregator -> the round-0 header this worker built for it
@@ -103,11 +104,14 @@ def verdict(call, a: int):
     """Aggregator ``a``'s verdict. OK (the downstream dtype, each channel's count of round-0 sums): make
     the result (first OK verdict), settle ``a``'s range in it (in place: its blocks under the threshold
     zeroed, :meth:`.blocks.DenseSource.settle`; ``a``'s range is scanned, its header went after the scan), post
-    ``a``'s round-0 receives (hosted: ``GO``), start ``a``'s lanes.
+    ``a``'s round-0 receives (hosted: ``GO``), start the lanes of ``a``'s channels but the last
+    (:func:`worker_lane`), then go on as the last one's (the same requests as a role of its own: one
+    generator fewer per aggregator).
     Not OK: a remote ``a`` gets this worker's manifest (:meth:`.aggregator.AggCall.drain`), then sends
     nothing more; the error is raised once the others' lanes are done (:func:`run_worker`)."""
-    yield Recv((Key(Msg.REPLY, a),), Stage(Phase.VERDICT, visit=call.pos[a]))
-    rh = call.inbox.take(Key(Msg.REPLY, a)).view(torch.int64).numpy()
+    key = Key(Msg.REPLY, a)
+    yield Recv((key,), Stage(Phase.VERDICT, visit=call.pos[a]))
+    rh = call.inbox.take(key).view(torch.int64).numpy()
     rv = rh.tolist()            # (the words as Python ints, read once)
     if rv[wire.R_STATUS] != OK:
         call.errors[a] = rh.copy()
@@ -115,7 +119,8 @@ def verdict(call, a: int):
             yield Send(header.manifest(call.hdr0[a], a).view(torch.uint8), call.aggregators[a], TAG_MANIFEST)
         return
     try:
-        down = wire.code_dtype(rv[wire.R_DOWN_DTYPE])
+        code = rv[wire.R_DOWN_DTYPE]
+        down = call.down if code == call.down_code else wire.code_dtype(code)   # (the first verdict's, known)
         if call.down is not None and down != call.down:
             raise MalformedMessage(f"omnireduce: aggregator {a} announces sums of {down}, another one "
                                    f"{call.down} (this is worker {call.rank})")
@@ -128,20 +133,24 @@ def verdict(call, a: int):
     except MalformedMessage as exc:
         raise fail_stop(call.fabric, exc) from None
     if call.sink is None:
-        call.down = down
+        call.down, call.down_code = down, code
         call.result, call.sink = call.make_sink(down)
-    if call.plans[a]:           # a's range is scanned and holds no sum yet: its blocks that count as zero
-        chans = call.plans[a]
+    chans = call.plans[a]
+    if chans:                   # a's range is scanned and holds no sum yet: its blocks that count as zero
         call.source.settle(chans[0].lo, chans[-1].lo + chans[-1].size, call.result)
     if a == call.own:           # the hosted aggregator's lanes may start
         yield Hand(Key(Msg.GO, call.rank), strategies.home_rows(call))
     else:                       # the round-0 replies' receives
-        for ch in call.plans[a]:
-            yield from strategies.post_reply0(call, a, ch, call.sums0[a, ch.slot])
+        for ch in chans:
+            post = strategies.post_reply0(call, a, ch, call.sums0[a, ch.slot])
+            if post is not None:
+                yield post
     if call.traced:
         call.mark(f"downstream posted {a}")
-    for ch in call.plans[a]:
+    for ch in chans[:-1]:
         yield Spawn(worker_lane(call, a, call.wch[a, ch.slot]))
+    if chans:                   # the last channel's lanes: this role's own (a role fewer per aggregator)
+        yield from worker_lane(call, a, call.wch[a, chans[-1].slot])
 
 
 def scan(call, a: int):
@@ -204,14 +213,15 @@ def worker_lane(call, a: int, c: core.WorkerChannel):
     yield Recv(strategies.reply0_keys(call, a, c.ch), Stage(Phase.LAND, c.round, g, pos))
     c.start(strategies.take_reply0(call, a, c.ch))
     while True:
-        if c.active:   # answer the prompt; post the receive of the reply
+        active = c.active
+        if active:     # answer the prompt; post the receive of the reply
             yield from strategies.send_up(call, Buf(Msg.UP, a, g, c.round % 2), a, c, Key(Msg.UP, call.rank, g))
             if a != call.own:
                 yield Post(Key(Msg.DOWN, a, g), wire.block_bytes(c.act.size, bs, call.down.itemsize),
                            call.aggregators[a], tag_down(g))
         if call.traced:
             call.mark(f"reply {a}.{g} r{c.round}")
-        if not c.active:
+        if not active:
             return
         yield Recv((Key(Msg.DOWN, a, g),), Stage(Phase.LAND, c.round, g, pos))
         nbytes = c.act.size * bs * call.down.itemsize     # (the sums' bytes written into the result: sim_host)
