@@ -27,6 +27,7 @@ from .wire import HDR, OK, TAG_FIRSTS, TAG_HDR_DOWN, TAG_HDR_UP, TAG_MANIFEST, B
 #: not the lanes landing sums); a piece has at least ``SCAN_MIN_BLOCKS`` blocks (a shorter scan is not
 #: long local work: cut finer, its pieces' and polls' fixed costs would exceed it, n^2 of them per call)
 SCAN_PIECES, SCAN_MIN_BLOCKS, POLL_SCAN = 8, 1024, Phase.LAND
+_POLL_SCAN = Poll(POLL_SCAN)    # (the request: one value, yielded twice per aggregator)
 
 
 def _no_mark(label: str) -> None:
@@ -96,7 +97,7 @@ def worker(call):
         yield from send_round0(call, batch)
         for a in batch:
             yield Spawn(verdict(call, a))
-        yield Poll(POLL_SCAN)
+        yield _POLL_SCAN
     call.mark("round 0 sent")
 
 
@@ -167,7 +168,7 @@ def scan(call, a: int):
             if call.fabric.modelled_time and isinstance(call.source, DenseSource):   # (read to their end: sim_host)
                 call.fabric.host_work("scan_zero", _zero_elements(call.source, s, min(hi, s + step)))
             if call.own is not None:
-                yield Poll(POLL_SCAN)
+                yield _POLL_SCAN
         call.fabric.host_work("span", hi - lo)     # the range's per-block work beyond the scan (sim_host)
     for ch in chans:
         call.wch[a, ch.slot] = core.WorkerChannel(ch, call.source.mask)
@@ -178,10 +179,10 @@ def scan(call, a: int):
 def _zero_elements(source: DenseSource, lo: int, hi: int) -> int:
     """The elements of the zero blocks among ``[lo, hi)`` of a scanned ``source`` (the host model's
     ``"scan_zero"``: the scan reads a zero block to its end, a non-zero one only to its first non-zero value)."""
-    zero = (~source.mask[lo:hi]).nonzero().flatten()
-    elements = int(zero.numel()) * source.block_size
-    if source.tail and zero.numel() and int(zero[-1]) + lo == source.nb - 1:
-        elements -= source.block_size - source.tail       # (the short last block)
+    mask = source.mask
+    elements = (hi - lo - int(mask[lo:hi].sum())) * source.block_size     # (the zero blocks': full ones)
+    if source.tail and lo < source.nb <= hi and not bool(mask[source.nb - 1]):
+        elements -= source.block_size - source.tail       # (the short last block, zero)
     return elements
 
 
@@ -189,14 +190,16 @@ def send_round0(call, aggs: list[int]):
     """Round 0 to ``aggs``: a header each; then to each its channels' first look-aheads (small, one
     message), then the position-0 blocks (slot-major; per slot the heaviest aggregators first)."""
     p0 = {(a, ch.slot): call.wch[a, ch.slot].pending0() for a in aggs for ch in call.plans[a]}   # (once each)
+    hdr_key, firsts_key = Key(Msg.HDR, call.rank), Key(Msg.FIRSTS, call.rank)
     for a in aggs:
         call.hdr0[a] = h = header.with_k0(call.hdr_base, [(ch.slot, p0[a, ch.slot]) for ch in call.plans[a]])
-        yield call.up(a, Key(Msg.HDR, call.rank), torch.from_numpy(h).view(torch.uint8), TAG_HDR_UP)
+        yield call.up(a, hdr_key, torch.from_numpy(h).view(torch.uint8), TAG_HDR_UP)
         if a != call.own:
             yield Post(Key(Msg.REPLY, a), 8 * HDR, call.aggregators[a], TAG_HDR_DOWN)
     for a in (a for a in aggs if call.plans[a]):
-        firsts = torch.cat([wire.encode_firsts(call.wch[a, ch.slot].mine, ch) for ch in call.plans[a]])
-        yield call.up(a, Key(Msg.FIRSTS, call.rank), firsts, TAG_FIRSTS, data=True)
+        parts = [wire.encode_firsts(call.wch[a, ch.slot].mine, ch) for ch in call.plans[a]]
+        firsts = parts[0] if not parts[1:] else torch.cat(parts)    # (one channel: its own fresh tensor)
+        yield call.up(a, firsts_key, firsts, TAG_FIRSTS, data=True)
     for g in range(call.spec.channels):
         for a in aggs if not aggs[1:] else sorted(aggs, key=lambda a: -p0.get((a, g), 0)):
             if (a, g) in call.wch:
