@@ -545,7 +545,9 @@ class _Scheduler:
         """Run ``roles`` (:func:`schedule`). The only role (none spawned), after its first wait, waits in
         place, nothing watched, and its frequent requests are performed here, in the driver's generator
         frame; from a rarer one on, :meth:`advance` runs it (after a :class:`Spawn`, up to its next wait, and
-        :meth:`_run` goes on)."""
+        the loop below goes on). Then, while roles wait, resume them by the rules
+        (``docs/omnireduce-scheduler.md``), in this generator's own frame (the driver's waits pass through
+        one generator the fewer)."""
         self.keep = keep
         inbox, outbox = self.inbox, self.outbox
         inbox.observe(self.changed)
@@ -593,40 +595,36 @@ class _Scheduler:
                             yield from self.advance(role, req)
                             req = None
                             break
-            yield from self._run()
-        finally:
-            inbox.observe(None)
-
-    def _run(self) -> Generator:
-        """Resume the waiting roles by the rules (``docs/omnireduce-scheduler.md``) until none waits."""
-        waiting, order, ws, keep = self.waiting, self.order, self.waitset, self.keep
-        while waiting:
-            if not order:
-                raise ProtocolError(f"endpoint {self.fabric.rank}: no role of this call can run (a bug)")
-            if not self.stays:          # every role able to run waits at a stage that reaps
-                self.outbox.reap(keep)
-            first = order[0][1]
-            req = waiting[first][1]
-            if len(order) == 1 or req.stage.sure:   # the only one, or sure: its own takes block
-                if ws is not None and len(order) > 1:
-                    ws.remove(first)
-                got = yield WaitAll(req.keys, req.any)
-                yield from self.resume(first, got)
-                continue
-            if ws is not None:
-                s, got = yield Choose(order)
-                yield from self.resume(s, got)
-                continue
-            if self.blocking:
-                s = self._small_sure()
-                if s is not None:       # (its wait ends whatever this endpoint does: R3, R4)
-                    req = waiting[s][1]
+            waiting, order, ws = self.waiting, self.order, self.waitset
+            while waiting:              # resume the waiting roles by the rules until none waits
+                if not order:
+                    raise ProtocolError(f"endpoint {self.fabric.rank}: no role of this call can run (a bug)")
+                if not self.stays:      # every role able to run waits at a stage that reaps
+                    outbox.reap(keep)
+                first = order[0][1]
+                req = waiting[first][1]
+                if len(order) == 1 or req.stage.sure:   # the only one, or sure: its own takes block
+                    if ws is not None and len(order) > 1:
+                        ws.remove(first)
                     got = yield WaitAll(req.keys, req.any)
+                    yield from self.resume(first, got)
+                    continue
+                if ws is not None:
+                    s, got = yield Choose(order)
                     yield from self.resume(s, got)
                     continue
-            groups_, owner, picks = groups(self.inbox, self.outbox, [(s, waiting[s][1]) for _, s in order])
-            i = yield WaitAny(groups_)
-            yield from self.resume(owner[i], picks[i])
+                if self.blocking:
+                    s = self._small_sure()
+                    if s is not None:       # (its wait ends whatever this endpoint does: R3, R4)
+                        req = waiting[s][1]
+                        got = yield WaitAll(req.keys, req.any)
+                        yield from self.resume(s, got)
+                        continue
+                groups_, owner, picks = groups(inbox, outbox, [(s, waiting[s][1]) for _, s in order])
+                i = yield WaitAny(groups_)
+                yield from self.resume(owner[i], picks[i])
+        finally:
+            inbox.observe(None)
 
     def _small_sure(self) -> int | None:
         """A blocking driver's shortcut (rule R3): the first role able to run, in preference order, whose wait
@@ -746,8 +744,18 @@ class _Scheduler:
                 lacks += 1
             watchers.setdefault(k, []).append((s, False))
         self.lacks[s] = lacks
-        if not lacks:
-            self._able(s, req.stage)
+        if not lacks:               # (:meth:`_able`, inline: once per wait)
+            self.able.add(s)
+            order, stage = self.order, req.stage
+            bisect.insort(order, (stage, s))
+            if not stage.reaps:
+                self.stays += 1
+            ws = self.waitset
+            if ws is not None and len(order) > 1:
+                if len(order) == 2:
+                    other = order[0][1] if order[1][1] == s else order[1][1]
+                    ws.add(other, self.waiting[other][1])
+                ws.add(s, req)
 
     def _able(self, s: int, stage) -> None:
         """Role ``s`` (waiting at ``stage``) has become able to run: into the preference order."""
@@ -796,15 +804,15 @@ class _Scheduler:
                 self._able(s, self.waiting[s][1].stage)
 
     def resume(self, s: int, got=None) -> Generator:
-        """Resume role ``s`` (:meth:`forget` it, then :meth:`advance` it); an ``any`` one with the key ``got``
-        (the one whose arrival chose it, as its driver tells), or, if ``None``, the one :meth:`_woken` finds."""
+        """Resume role ``s``: :meth:`forget` it now, and return the generator that advances it (:meth:`advance`,
+        for the caller to ``yield from``; not a generator itself: one frame the fewer between the driver and the
+        role); an ``any`` one with the key ``got`` (the one whose arrival chose it, as its driver tells), or, if
+        ``None``, the one :meth:`_woken` finds."""
         req = self.waiting[s][1]
         if req.any:
             got = self._woken(req, got)
-            role = self.forget(s, got)[0]
-            yield from self.advance(role, value=got)
-        else:
-            yield from self.advance(self.forget(s)[0])
+            return self.advance(self.forget(s, got)[0], value=got)
+        return self.advance(self.forget(s)[0])
 
     def _woken(self, req: Recv, got):
         """The key an ``any`` role waiting on ``req`` is resumed with: ``got`` (what its driver's choice
@@ -824,8 +832,18 @@ class _Scheduler:
         key an ``any`` role is resumed with; the watch of its other keys is :attr:`kept` (out of the watch:
         ``got`` alone)."""
         role, req = self.waiting.pop(s)
-        if s in self.able:
-            self._unable(s, req.stage)
+        able = self.able
+        if s in able:               # (:meth:`_unable`, inline: once per resume)
+            able.remove(s)
+            order, stage = self.order, req.stage
+            del order[bisect.bisect_left(order, (stage, s))]
+            if not stage.reaps:
+                self.stays -= 1
+            ws = self.waitset
+            if ws is not None and order:
+                ws.remove(s)
+                if len(order) == 1:
+                    ws.remove(order[0][1])
         if got is not None and req.keys[1:] and not req.gone:
             if self.kept is not None:
                 self._drop_kept()

@@ -37,6 +37,9 @@ WINDOW_MESSAGES = 2
 #: the header words every worker's call must agree on, as an index
 _AGREE = np.asarray(wire.AGREE, dtype=np.int64)
 FIRSTS = -1   #: the key of the first look-aheads' window in :attr:`AggCall.windows` (the others: slots)
+#: the stages of an admission's waits (one value each: built once, not per wait)
+_HEADERS, _FIRSTS, _MANIFESTS, _DRAIN, _GO = (Stage(p) for p in (Phase.HEADERS, Phase.FIRSTS, Phase.MANIFESTS,
+                                                                   Phase.DRAIN, Phase.GO))
 
 
 def may_defer(worker: int, index: int, n: int) -> bool:
@@ -72,6 +75,8 @@ class AggCall:
         self.headers: list = [None] * n
         self._early: dict[int, np.ndarray] = {}   # remote headers taken before take_headers
         self._agreed: set[int] = set()            # colocated: early headers that agree with the host's
+        self._valid: set[int] = set()             # colocated: early headers that validate_header accepted
+        self._ref = None                          # colocated: the words of the host's header compared
         self._remote = tuple(w for w in self.order if w != colocated)
         self._queued: list[int] = []              # workers whose round-0 receives are queued, in order
         self.windows: dict[int, Window] = {}      # slot -> its window; FIRSTS: the first look-aheads'
@@ -97,19 +102,24 @@ class AggCall:
         if chans:
             self.windows[FIRSTS] = Window(pool.get(("in", Buf(Msg.FIRSTS)), room(wire.firsts_bytes(chans))))
 
-    def take_early(self, inbox: Inbox, w: int, ref: np.ndarray) -> list:
-        """Colocated, while the hosting worker still scans: take worker ``w``'s header (it is in); if it
+    def take_early(self, inbox: Inbox, key: Key, ref: np.ndarray) -> list:
+        """Colocated, while the hosting worker still scans: take the header ``key`` (worker ``w = key.peer``'s;
+        it is in); if it
         is well-formed and agrees with the hosting worker's own call (``ref``, its header), its round-0
         receives are queued once those of every worker before it in :attr:`order` are, and the ones that
         fit are posted at once (returned), so that its blocks travel while this endpoint works (gloo
         sends a message only to a posted receive)."""
-        h = inbox.take(Key(Msg.HDR, w)).view(torch.int64).numpy().copy()
+        w = key.peer
+        h = inbox.take(key).view(torch.int64).numpy().copy()
         self._early[w] = h
-        if (header.validate_header(h, self.n, self.index, True) is None
-                and bool((h[_AGREE] == ref[_AGREE]).all())):
-            if not self.windows:
-                self.open_windows(ref, inbox.pool)
-            self._agreed.add(w)
+        if header.validate_header(h, self.n, self.index, True) is None:
+            self._valid.add(w)      # (not validated again by the verdict: :meth:`take_headers`)
+            if self._ref is None:
+                self._ref = ref[_AGREE]
+            if bool((h[_AGREE] == self._ref).all()):
+                if not self.windows:
+                    self.open_windows(ref, inbox.pool)
+                self._agreed.add(w)
         remote = self._remote
         while len(self._queued) < len(remote) and remote[len(self._queued)] in self._agreed:
             self._queue(remote[len(self._queued)], self._early)
@@ -133,8 +143,8 @@ class AggCall:
 
     def take_headers(self, inbox: Inbox) -> list:
         """Take every header and validate it (:func:`.header.validate_header`: against the world size, this
-        aggregator's index, the protocol limits and its checksum) before planning anything from it; check
-        agreement. A malformed header gets a ``MALFORMED`` verdict naming its worker (every worker raises
+        aggregator's index, the protocol limits and its checksum; an early one, :meth:`take_early`, was
+        validated as it came, and is not again) before planning anything from it; check agreement. A malformed header gets a ``MALFORMED`` verdict naming its worker (every worker raises
         :class:`~sparsecomm.errors.MalformedMessage`). If the verdict is OK, the remote workers' round-0
         receives are queued (their sizes are in the headers: each worker's layout, and its position-0
         blocks per channel); returned, the ones that fit now. Otherwise nothing more is received by a
@@ -142,7 +152,8 @@ class AggCall:
         for w in self.order:
             self.headers[w] = (self._early[w] if w in self._early
                                else inbox.take(Key(Msg.HDR, w)).view(torch.int64).numpy().copy())
-        self.reply_hdr = header.verdict(self.headers, self.order, self.index, self.colocated is not None)
+        self.reply_hdr = header.verdict(self.headers, self.order, self.index, self.colocated is not None,
+                                        self._valid)
         self.status = int(self.reply_hdr[wire.R_STATUS])
         if self.status != OK:
             return []
@@ -153,8 +164,10 @@ class AggCall:
                          for ch in wire.plan_from_header(h)[self.index]]
         if not self.windows:
             self.open_windows(h, inbox.pool)
+        self.k0 = np.stack(self.headers)[:, wire.F_K0:wire.F_K0 + wire.MAX_CHANNELS]   # (worker, slot)
         for c in self.channels:
-            c.order = [w for w in self.order if int(self.headers[w][wire.F_K0 + c.slot])]
+            k0 = self.k0[:, c.slot].tolist()
+            c.order = [w for w in self.order if k0[w]]
             c.window = self.windows[c.slot]
         for w in self.remote()[len(self._queued):]:   # (colocated: those not queued as their headers came)
             self._queue(w, self.headers)
@@ -176,14 +189,14 @@ class AggCall:
         chans = [c.ch for c in self.channels]
         for w in self.order if chans else ():
             key = Key(Msg.FIRSTS, w)
-            yield Recv((key,), Stage(Phase.FIRSTS))   # (each right after its header)
+            yield Recv((key,), _FIRSTS)   # (each right after its header)
             for c, part in zip(self.channels, wire.split_firsts(inbox.take(key), chans)):
                 c.set_firsts(w, part)
             if w != self.colocated:
                 yield from self.windows[FIRSTS].done(key)
         for c in self.channels:
-            counts = c.expect()
-            if any(int(counts[w]) != int(self.headers[w][wire.F_K0 + c.slot]) for w in self.order):
+            counts = c.expect()     # (per worker; every worker is in :attr:`order`)
+            if bool((counts != self.k0[:, c.slot]).any()):
                 raise ProtocolError("omnireduce: round-0 blocks do not match their look-aheads")
 
     # ------------------------------------------------------------------ after a verdict that is not OK
@@ -197,7 +210,7 @@ class AggCall:
         keys = [Key(Msg.MANIFEST, w) for w in self.remote()]
         for k in keys:
             yield Post(k, 8 * wire.MAN, k.peer, wire.TAG_MANIFEST)
-        yield Recv(tuple(keys), Stage(Phase.MANIFESTS))
+        yield Recv(tuple(keys), _MANIFESTS)
         posted = [k for win in self.windows.values() for k in win.posted()]
         todo = [(k, None, None, None) for k in posted]
         for w in self.remote():
@@ -213,7 +226,7 @@ class AggCall:
         for key, nbytes, src, tag in todo:
             if nbytes is not None:
                 yield PostInto(key, scratch[:nbytes], src, tag)
-            yield Recv((key,), Stage(Phase.DRAIN))
+            yield Recv((key,), _DRAIN)
             inbox.take(key)
 
 
@@ -236,10 +249,10 @@ def aggregator(adm, inbox, outbox, host: int | None = None, ref: np.ndarray | No
         inbox.ready(p.key)        # (starts watching it: a later poll sees it arrived)
     left = dict.fromkeys(p.key for p in posts) if host is not None else {}   # (in order; O(1) removal)
     while left:     # one header per wake, the one the scheduler resumes this with: no look at the others
-        k = yield Recv(tuple(left), Stage(Phase.HEADERS), any=True)
+        k = yield Recv(tuple(left), _HEADERS, any=True)
         del left[k]
-        yield from adm.take_early(inbox, k.peer, ref)
-    yield Recv(adm.headers_left(), Stage(Phase.HEADERS))
+        yield from adm.take_early(inbox, k, ref)
+    yield Recv(adm.headers_left(), _HEADERS)
     yield from adm.take_headers(inbox)
     if adm.status == OK:
         yield from adm.prepare(inbox)
@@ -254,7 +267,7 @@ def aggregator(adm, inbox, outbox, host: int | None = None, ref: np.ndarray | No
     if adm.status != OK:
         return
     if host is not None:
-        yield Recv((Key(Msg.GO, host),), Stage(Phase.GO))
+        yield Recv((Key(Msg.GO, host),), _GO)
         strategies.sum_at_home(adm.channels, inbox.take(Key(Msg.GO, host)), host)
     for c in adm.channels:
         yield Spawn(agg_lane(adm, c, inbox, outbox, host, mark))
@@ -265,10 +278,12 @@ def agg_lane(adm, c: AggChannel, inbox, outbox, host: int | None, mark=None):
     receives' order in ``c.window``, where each added message frees room for the next receive), complete,
     queue the next round's receives, send the sums with the prompt to every worker. Colocated, a round
     waits until the host has taken the previous one."""
-    gone = (Key(Msg.WORDS, adm.index, c.slot), Key(Msg.DOWN, adm.index, c.slot)) if host is not None else ()
+    slot = c.slot
+    gone = (Key(Msg.WORDS, adm.index, slot), Key(Msg.DOWN, adm.index, slot)) if host is not None else ()
     while c.active:
         r0 = c.round == 0
-        keys = [Key(Msg.BLOCKS0 if r0 else Msg.UP, w, c.slot) for w in c.order]
+        kind = Msg.BLOCKS0 if r0 else Msg.UP
+        keys = [Key(kind, w, slot) for w in c.order]
         # (the next message and the later ones posted or handed over; round 0 up: sure; later: Recv.free)
         group = keys[:1] + [k for k in keys[1:] if inbox.has(k)]
         yield Recv(tuple(group), Stage(Phase.AGGREGATE, c.round, c.slot), gone=gone,
@@ -303,18 +318,22 @@ def agg_lane(adm, c: AggChannel, inbox, outbox, host: int | None, mark=None):
 def send_down(adm, c: AggChannel, out, host: int | None):
     """A completed round to every worker (by hand to the host): round 0's :class:`Reply0`, or a later
     round's message (double-buffered: :class:`.wire.Buf` by round parity)."""
-    tag = tag_down(c.slot)
+    slot = c.slot
+    tag = tag_down(slot)
     if c.round == 1:
+        # the words ride with the sums, or (every block summed) are implied
+        tag, buf, sums = tag if out.fused else tag_sums0(slot), Buf(Msg.DOWN, slot=slot, parity=0), out.sums
         for w in adm.order:
             if w == host:   # by hand: words and sums apart (the sums None: already in its result)
-                yield Hand(Key(Msg.WORDS, adm.index, c.slot), out.words)
+                yield Hand(Key(Msg.WORDS, adm.index, slot), out.words)
                 if out.k:
-                    yield Hand(Key(Msg.SUMS0, adm.index, c.slot), None if c.sums.in_place else out.sums)
-            else:   # the words ride with the sums, or (every block summed) are implied
-                yield Send(out.sums, w, tag if out.fused else tag_sums0(c.slot), Buf(Msg.DOWN, slot=c.slot, parity=0))
+                    yield Hand(Key(Msg.SUMS0, adm.index, slot), None if c.sums.in_place else sums)
+            else:
+                yield Send(sums, w, tag, buf)
         return
+    buf = Buf(Msg.DOWN, slot=slot, parity=(c.round - 1) % 2)
     for w in adm.order:
         if w == host:
-            yield Hand(Key(Msg.DOWN, adm.index, c.slot), out)
+            yield Hand(Key(Msg.DOWN, adm.index, slot), out)
         else:
-            yield Send(out, w, tag, Buf(Msg.DOWN, slot=c.slot, parity=(c.round - 1) % 2))
+            yield Send(out, w, tag, buf)

@@ -143,14 +143,11 @@ class AggChannel:
         self.counts = np.zeros(n, dtype=np.int64)
         self.sums = MessageSums()
         self.order, self.window = [], None   # this round's holders in summing order; the receive window
+        self.slot = ch.slot                  # (its channel's, read per message)
 
     @property
     def active(self) -> bool:
         return self.act.size > 0
-
-    @property
-    def slot(self) -> int:
-        return self.ch.slot
 
     def set_firsts(self, w: int, buf: torch.Tensor) -> None:
         """Worker ``w``'s announce of round 0: its first non-zero block of every lane."""

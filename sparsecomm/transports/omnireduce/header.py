@@ -26,8 +26,7 @@ from .._handshake import pair_mismatch
 from .wire import (AGREE, F_ABSMAX, F_AGGS, F_BLOCK, F_CHANNELS, F_CHECK, F_DTYPE, F_K0, F_KIND, F_LANES,
                    F_MAGIC, F_NUMEL, F_SUM, F_WORLD, FIELD_NAMES, HDR, KINDS, MAGIC, MAN, MAX_CHANNELS, MALFORMED,
                    MISMATCH, OK, OTHER_NAMES, OVERFLOW, R_DOWN_DTYPE, R_FIELD, R_STATUS, R_VMAX, R_VMIN,
-                   R_WMAX, R_WMIN, WHAT, block_bytes, code_dtype, down_dtype, dtype_code, firsts_bytes,
-                   plan_from_header)
+                   R_WMAX, R_WMIN, WHAT, block_bytes, code_dtype, down_dtype, dtype_code, firsts_bytes, plan)
 
 # protocol limits a header is checked against before anything is planned, allocated or looped over
 MAX_AGGREGATORS = 4096
@@ -127,7 +126,7 @@ def validate_header(h: np.ndarray, n: int, index: int, colocated: bool) -> tuple
     for f, lo, hi, name in _LIMITS:
         if not lo <= v[f] <= hi:
             return f, f"{name} {v[f]}, outside [{lo}, {hi}]"
-    chans = {c.slot: c for c in plan_from_header(h)[index]}
+    chans = {c.slot: c for c in plan(v[F_NUMEL], v[F_BLOCK], v[F_AGGS], v[F_CHANNELS], v[F_LANES])[index]}
     for g in range(MAX_CHANNELS):
         k0 = v[F_K0 + g]
         limit = chans[g].lanes if g in chans else 0
@@ -147,10 +146,11 @@ _LIMITS = ((F_BLOCK, 1, MAX_BLOCK, "block_size"), (F_CHANNELS, 1, MAX_CHANNELS, 
 def round0_sizes(h: np.ndarray, index: int) -> tuple[int, dict[int, int]]:
     """The round-0 messages a worker's (validated) header announces to aggregator ``index``: the bytes of
     its first look-aheads (0: none) and of its position-0 blocks per slot (only slots with some)."""
-    up = code_dtype(h[F_DTYPE])
-    chans = plan_from_header(h)[index]
-    blocks = {ch.slot: block_bytes(int(h[F_K0 + ch.slot]), int(h[F_BLOCK]), up.itemsize, meta=not ch.single)
-              for ch in chans if int(h[F_K0 + ch.slot])}
+    v = h.tolist()           # (the words as Python ints, read once)
+    up = code_dtype(v[F_DTYPE])
+    chans = plan(v[F_NUMEL], v[F_BLOCK], v[F_AGGS], v[F_CHANNELS], v[F_LANES])[index]
+    blocks = {ch.slot: block_bytes(v[F_K0 + ch.slot], v[F_BLOCK], up.itemsize, meta=not ch.single)
+              for ch in chans if v[F_K0 + ch.slot]}
     return firsts_bytes(chans), blocks
 
 
@@ -180,11 +180,16 @@ def read_manifest(m: np.ndarray, worker: int) -> tuple[int, dict[int, int]]:
     return sizes[0], {g: v for g, v in enumerate(sizes[1:]) if v}
 
 
-def verdict(headers: list[np.ndarray], order: list[int], index: int, colocated: bool) -> np.ndarray:
+def verdict(headers: list[np.ndarray], order: list[int], index: int, colocated: bool,
+            valid: frozenset | set = frozenset()) -> np.ndarray:
     """Aggregator ``index``'s verdict on every worker's header (``headers[w]``), the reply header:
     ``MALFORMED`` naming the first worker in ``order`` whose header :func:`validate_header` rejects
-    (the field and its value), else :func:`check_headers`'."""
+    (the field and its value), else :func:`check_headers`'. ``valid``: workers whose headers (these very
+    arrays, unchanged since) this aggregator has validated already, with the same ``index`` and ``colocated``
+    (an early header, :meth:`.aggregator.AggCall.take_early`): not validated again."""
     for w in order:
+        if w in valid:
+            continue
         why = validate_header(headers[w], len(headers), index, colocated)
         if why is not None:
             reply = np.zeros(HDR, dtype=np.int64)

@@ -28,27 +28,34 @@ class Phase(IntEnum):
     LAND = 7        #: worker: a lane round's sums
 
 
-class Stage(NamedTuple):
+class _Fields(NamedTuple):
+    phase: Phase
+    round: int
+    slot: int
+    visit: int
+    sure: bool
+    reaps: bool
+
+
+class Stage(_Fields):
     """What a wait is for: its :class:`Phase` and, in a lane, the round, the channel's slot and the
     aggregator's place in the worker's visit order. Stages compare as tuples (phase, round, slot,
-    visit): the scheduler resumes the smallest of the roles able to run (a
-    :class:`sparsecomm.fabric.roles.Stage`)."""
+    visit; the two flags below follow from those): the scheduler resumes the smallest of the roles able
+    to run (a :class:`sparsecomm.fabric.roles.Stage`). ``Stage(phase, round=0, slot=0, visit=0)``.
 
-    phase: Phase
-    round: int = 0
-    slot: int = 0
-    visit: int = 0
+    ``sure``: does it wait for round-0 data (sent by every worker before its first wait: :data:`Phase.FIRSTS`,
+    :data:`Phase.DRAIN`, round 0 of :data:`Phase.AGGREGATE`)? ``reaps``: is it a lane round's wait (before
+    which this endpoint's sends may be reaped: :data:`Phase.AGGREGATE`, :data:`Phase.LAND`)? Both are fields,
+    set at construction: the scheduler reads them per wait without a call."""
 
-    @property
-    def sure(self) -> bool:
-        """Does it wait for round-0 data (sent by every worker before its first wait)?"""
-        phase = self.phase      # (compared with plain ints: a member looked up on an enum class costs more)
-        return phase == _FIRSTS or phase == _DRAIN or (phase == _AGGREGATE and self.round == 0)
+    __slots__ = ()
 
-    @property
-    def reaps(self) -> bool:
-        """Is it a lane round's wait (before which this endpoint's sends may be reaped)?"""
-        return self.phase >= _AGGREGATE
+    def __new__(cls, phase: Phase, round: int = 0, slot: int = 0, visit: int = 0) -> "Stage":
+        sure = phase == _FIRSTS or phase == _DRAIN or (phase == _AGGREGATE and round == 0)
+        return tuple.__new__(cls, (phase, round, slot, visit, sure, phase >= _AGGREGATE))
+
+    def __repr__(self) -> str:
+        return f"Stage({self.phase!r}, round={self.round}, slot={self.slot}, visit={self.visit})"
 
 
 _FIRSTS, _DRAIN, _AGGREGATE = int(Phase.FIRSTS), int(Phase.DRAIN), int(Phase.AGGREGATE)

@@ -139,16 +139,15 @@ class HomeSums:
 
 
 # ------------------------------------------------------------------ where sums land: worker
-def post_reply0(call, a: int, ch: wire.Channel, k: int):
-    """The receives of remote aggregator ``a``'s round-0 reply of channel ``ch`` (``k`` sums): one
-    message, the sums then the lane words (:func:`.wire.fused0`); or, every block summed (the words are
-    then implied), the sums alone on their own tag (:func:`post_sums0`)."""
-    src, bs, down = call.aggregators[a], call.spec.block_size, call.down
+def post_reply0(call, a: int, ch: wire.Channel, k: int) -> Post | PostInto | None:
+    """The receive of remote aggregator ``a``'s round-0 reply of channel ``ch`` (``k`` sums), as a request
+    (``None``: none): one message, the sums then the lane words (:func:`.wire.fused0`); or, every block
+    summed (the words are then implied), the sums alone on their own tag (:func:`post_sums0`)."""
     if wire.fused0(ch, k):
-        yield Post(Key(Msg.WORDS, a, ch.slot), wire.block_bytes(k, bs, down.itemsize, ch.words_ints, meta=False),
-                   src, tag_down(ch.slot))
-    else:
-        yield from post_sums0(call, a, ch, k)
+        return Post(Key(Msg.WORDS, a, ch.slot),
+                    wire.block_bytes(k, call.spec.block_size, call.down.itemsize, ch.words_ints, meta=False),
+                    call.aggregators[a], tag_down(ch.slot))
+    return post_sums0(call, a, ch, k)
 
 
 def reply0_keys(call, a: int, ch: wire.Channel) -> tuple:
@@ -221,18 +220,20 @@ def _take_reply0_single(call, a: int, ch: wire.Channel, k: int, bs: int) -> None
         land_sums0(call, a, ch.slot, ids)
 
 
-def post_sums0(call, a: int, ch: wire.Channel, k: int):
+def post_sums0(call, a: int, ch: wire.Channel, k: int) -> Post | PostInto | None:
     """The receive of remote aggregator ``a``'s round-0 sums of channel ``ch`` apart (``k`` blocks, all
-    of the channel's): straight into the result when its bytes are the result's, else pooled."""
+    of the channel's), as a request (``None``: no sums): straight into the result when its bytes are the
+    result's, else pooled."""
     tag, sink, down = tag_sums0(ch.slot), call.sink, call.down
     nbytes = wire.block_bytes(k, call.spec.block_size, down.itemsize, meta=False)
     if (k == ch.size and call.result.dtype == down and ch.lo + ch.size <= sink.full
             and nbytes == k * call.spec.block_size * down.itemsize):
         call.into_sink.add((a, ch.slot))
-        yield PostInto(Key(Msg.SUMS0, a, ch.slot), sink.rows[ch.lo: ch.lo + ch.size].reshape(-1).view(torch.uint8),
-                       call.aggregators[a], tag)
-    elif k:
-        yield Post(Key(Msg.SUMS0, a, ch.slot), nbytes, call.aggregators[a], tag)
+        return PostInto(Key(Msg.SUMS0, a, ch.slot), sink.rows[ch.lo: ch.lo + ch.size].reshape(-1).view(torch.uint8),
+                        call.aggregators[a], tag)
+    if k:
+        return Post(Key(Msg.SUMS0, a, ch.slot), nbytes, call.aggregators[a], tag)
+    return None
 
 
 def land_sums0(call, a: int, g: int, ids: np.ndarray) -> None:

@@ -28,13 +28,14 @@ class Window:
 
     def __init__(self, buf: torch.Tensor) -> None:
         self.buf = buf
+        self.size = buf.numel()         # (the ring's bytes, read per receive)
         self.queue: deque = deque()     # (key, nbytes, src, tag), not yet posted
         self.spans: deque = deque()     # (key, start, stop), posted, oldest first
 
     def want(self, key, nbytes: int, src: int, tag: int) -> None:
-        if not 0 < nbytes <= self.buf.numel():
+        if not 0 < nbytes <= self.size:
             raise ProtocolError(f"omnireduce: a receive of {nbytes} bytes through a window of "
-                                f"{self.buf.numel()} (a bug)")
+                                f"{self.size} (a bug)")
         self.queue.append((key, nbytes, src, tag))
 
     def posted(self) -> list:
@@ -43,13 +44,13 @@ class Window:
 
     def feed(self) -> list:
         """The requests (:class:`PostInto`) that post the queued receives which fit now, in order."""
-        out = []
-        while self.queue:
-            key, nbytes, src, tag = self.queue[0]
+        out, queue = [], self.queue
+        while queue:
+            key, nbytes, src, tag = queue[0]
             start = self._room(nbytes)
             if start is None:
                 break
-            self.queue.popleft()
+            queue.popleft()
             self.spans.append((key, start, start + nbytes))
             out.append(PostInto(key, self.buf[start: start + nbytes], src, tag))
         return out
@@ -60,7 +61,7 @@ class Window:
             return 0
         tail, head = self.spans[0][1], -(-self.spans[-1][2] // ALIGN) * ALIGN
         if head > tail:                 # [tail, head) in use: room after it, or from 0 up to it
-            return head if head + nbytes <= self.buf.numel() else (0 if nbytes <= tail else None)
+            return head if head + nbytes <= self.size else (0 if nbytes <= tail else None)
         return head if head + nbytes <= tail else None   # wrapped around: [head, tail) is free
 
     def done(self, key) -> list:

@@ -1,5 +1,6 @@
 """An OmniReduce worker's call in the fast driver: its state (:class:`Call`), its roles (:func:`worker`,
-one :func:`verdict` per aggregator, one :func:`worker_lane` per channel) and :func:`run_worker`, which
+one :func:`verdict` per aggregator, which goes on as the lanes of the aggregator's last channel, and one
+:func:`worker_lane` per other channel) and :func:`run_worker`, which
 runs them (and, colocated, the hosted aggregator's roles, :mod:`.aggregator`) on the endpoint's
 scheduler (``Fabric.drive``, :mod:`sparsecomm.fabric.roles`). The lanes' state machine is
 :class:`.core.WorkerChannel`; the fast paths the roles call are :mod:`.strategies`.
@@ -26,6 +27,7 @@ from .wire import HDR, OK, TAG_FIRSTS, TAG_HDR_DOWN, TAG_HDR_UP, TAG_MANIFEST, B
 #: not the lanes landing sums); a piece has at least ``SCAN_MIN_BLOCKS`` blocks (a shorter scan is not
 #: long local work: cut finer, its pieces' and polls' fixed costs would exceed it, n^2 of them per call)
 SCAN_PIECES, SCAN_MIN_BLOCKS, POLL_SCAN = 8, 1024, Phase.LAND
+_POLL_SCAN = Poll(POLL_SCAN)    # (the request: one value, yielded twice per aggregator)
 
 
 def _no_mark(label: str) -> None:
@@ -57,7 +59,7 @@ class Call:
         self.home = home and own is not None
         self.wch: dict = {}
         self.into_sink: set = set()     # (a, slot): round-0 sums received straight into the result
-        self.result = self.sink = self.down = None
+        self.result = self.sink = self.down = self.down_code = None
         self.sums0: dict = {}
         self.errors: dict = {}          # aggregator -> its verdict, where it is not OK (raised at the end)
         self.hdr0: dict = {}            # aggregator -> the round-0 header this worker built for it
@@ -95,7 +97,7 @@ def worker(call):
         yield from send_round0(call, batch)
         for a in batch:
             yield Spawn(verdict(call, a))
-        yield Poll(POLL_SCAN)
+        yield _POLL_SCAN
     call.mark("round 0 sent")
 
 
@@ -103,11 +105,14 @@ def verdict(call, a: int):
     """Aggregator ``a``'s verdict. OK (the downstream dtype, each channel's count of round-0 sums): make
     the result (first OK verdict), settle ``a``'s range in it (in place: its blocks under the threshold
     zeroed, :meth:`.blocks.DenseSource.settle`; ``a``'s range is scanned, its header went after the scan), post
-    ``a``'s round-0 receives (hosted: ``GO``), start ``a``'s lanes.
+    ``a``'s round-0 receives (hosted: ``GO``), start the lanes of ``a``'s channels but the last
+    (:func:`worker_lane`), then go on as the last one's (the same requests as a role of its own: one
+    generator fewer per aggregator).
     Not OK: a remote ``a`` gets this worker's manifest (:meth:`.aggregator.AggCall.drain`), then sends
     nothing more; the error is raised once the others' lanes are done (:func:`run_worker`)."""
-    yield Recv((Key(Msg.REPLY, a),), Stage(Phase.VERDICT, visit=call.pos[a]))
-    rh = call.inbox.take(Key(Msg.REPLY, a)).view(torch.int64).numpy()
+    key = Key(Msg.REPLY, a)
+    yield Recv((key,), Stage(Phase.VERDICT, visit=call.pos[a]))
+    rh = call.inbox.take(key).view(torch.int64).numpy()
     rv = rh.tolist()            # (the words as Python ints, read once)
     if rv[wire.R_STATUS] != OK:
         call.errors[a] = rh.copy()
@@ -115,7 +120,8 @@ def verdict(call, a: int):
             yield Send(header.manifest(call.hdr0[a], a).view(torch.uint8), call.aggregators[a], TAG_MANIFEST)
         return
     try:
-        down = wire.code_dtype(rv[wire.R_DOWN_DTYPE])
+        code = rv[wire.R_DOWN_DTYPE]
+        down = call.down if code == call.down_code else wire.code_dtype(code)   # (the first verdict's, known)
         if call.down is not None and down != call.down:
             raise MalformedMessage(f"omnireduce: aggregator {a} announces sums of {down}, another one "
                                    f"{call.down} (this is worker {call.rank})")
@@ -128,20 +134,24 @@ def verdict(call, a: int):
     except MalformedMessage as exc:
         raise fail_stop(call.fabric, exc) from None
     if call.sink is None:
-        call.down = down
+        call.down, call.down_code = down, code
         call.result, call.sink = call.make_sink(down)
-    if call.plans[a]:           # a's range is scanned and holds no sum yet: its blocks that count as zero
-        chans = call.plans[a]
+    chans = call.plans[a]
+    if chans:                   # a's range is scanned and holds no sum yet: its blocks that count as zero
         call.source.settle(chans[0].lo, chans[-1].lo + chans[-1].size, call.result)
     if a == call.own:           # the hosted aggregator's lanes may start
         yield Hand(Key(Msg.GO, call.rank), strategies.home_rows(call))
     else:                       # the round-0 replies' receives
-        for ch in call.plans[a]:
-            yield from strategies.post_reply0(call, a, ch, call.sums0[a, ch.slot])
+        for ch in chans:
+            post = strategies.post_reply0(call, a, ch, call.sums0[a, ch.slot])
+            if post is not None:
+                yield post
     if call.traced:
         call.mark(f"downstream posted {a}")
-    for ch in call.plans[a]:
+    for ch in chans[:-1]:
         yield Spawn(worker_lane(call, a, call.wch[a, ch.slot]))
+    if chans:                   # the last channel's lanes: this role's own (a role fewer per aggregator)
+        yield from worker_lane(call, a, call.wch[a, chans[-1].slot])
 
 
 def scan(call, a: int):
@@ -158,7 +168,7 @@ def scan(call, a: int):
             if call.fabric.modelled_time and isinstance(call.source, DenseSource):   # (read to their end: sim_host)
                 call.fabric.host_work("scan_zero", _zero_elements(call.source, s, min(hi, s + step)))
             if call.own is not None:
-                yield Poll(POLL_SCAN)
+                yield _POLL_SCAN
         call.fabric.host_work("span", hi - lo)     # the range's per-block work beyond the scan (sim_host)
     for ch in chans:
         call.wch[a, ch.slot] = core.WorkerChannel(ch, call.source.mask)
@@ -169,10 +179,10 @@ def scan(call, a: int):
 def _zero_elements(source: DenseSource, lo: int, hi: int) -> int:
     """The elements of the zero blocks among ``[lo, hi)`` of a scanned ``source`` (the host model's
     ``"scan_zero"``: the scan reads a zero block to its end, a non-zero one only to its first non-zero value)."""
-    zero = (~source.mask[lo:hi]).nonzero().flatten()
-    elements = int(zero.numel()) * source.block_size
-    if source.tail and zero.numel() and int(zero[-1]) + lo == source.nb - 1:
-        elements -= source.block_size - source.tail       # (the short last block)
+    mask = source.mask
+    elements = (hi - lo - int(mask[lo:hi].sum())) * source.block_size     # (the zero blocks': full ones)
+    if source.tail and lo < source.nb <= hi and not bool(mask[source.nb - 1]):
+        elements -= source.block_size - source.tail       # (the short last block, zero)
     return elements
 
 
@@ -180,14 +190,16 @@ def send_round0(call, aggs: list[int]):
     """Round 0 to ``aggs``: a header each; then to each its channels' first look-aheads (small, one
     message), then the position-0 blocks (slot-major; per slot the heaviest aggregators first)."""
     p0 = {(a, ch.slot): call.wch[a, ch.slot].pending0() for a in aggs for ch in call.plans[a]}   # (once each)
+    hdr_key, firsts_key = Key(Msg.HDR, call.rank), Key(Msg.FIRSTS, call.rank)
     for a in aggs:
         call.hdr0[a] = h = header.with_k0(call.hdr_base, [(ch.slot, p0[a, ch.slot]) for ch in call.plans[a]])
-        yield call.up(a, Key(Msg.HDR, call.rank), torch.from_numpy(h).view(torch.uint8), TAG_HDR_UP)
+        yield call.up(a, hdr_key, torch.from_numpy(h).view(torch.uint8), TAG_HDR_UP)
         if a != call.own:
             yield Post(Key(Msg.REPLY, a), 8 * HDR, call.aggregators[a], TAG_HDR_DOWN)
     for a in (a for a in aggs if call.plans[a]):
-        firsts = torch.cat([wire.encode_firsts(call.wch[a, ch.slot].mine, ch) for ch in call.plans[a]])
-        yield call.up(a, Key(Msg.FIRSTS, call.rank), firsts, TAG_FIRSTS, data=True)
+        parts = [wire.encode_firsts(call.wch[a, ch.slot].mine, ch) for ch in call.plans[a]]
+        firsts = parts[0] if not parts[1:] else torch.cat(parts)    # (one channel: its own fresh tensor)
+        yield call.up(a, firsts_key, firsts, TAG_FIRSTS, data=True)
     for g in range(call.spec.channels):
         for a in aggs if not aggs[1:] else sorted(aggs, key=lambda a: -p0.get((a, g), 0)):
             if (a, g) in call.wch:
@@ -204,14 +216,15 @@ def worker_lane(call, a: int, c: core.WorkerChannel):
     yield Recv(strategies.reply0_keys(call, a, c.ch), Stage(Phase.LAND, c.round, g, pos))
     c.start(strategies.take_reply0(call, a, c.ch))
     while True:
-        if c.active:   # answer the prompt; post the receive of the reply
+        active = c.active
+        if active:     # answer the prompt; post the receive of the reply
             yield from strategies.send_up(call, Buf(Msg.UP, a, g, c.round % 2), a, c, Key(Msg.UP, call.rank, g))
             if a != call.own:
                 yield Post(Key(Msg.DOWN, a, g), wire.block_bytes(c.act.size, bs, call.down.itemsize),
                            call.aggregators[a], tag_down(g))
         if call.traced:
             call.mark(f"reply {a}.{g} r{c.round}")
-        if not c.active:
+        if not active:
             return
         yield Recv((Key(Msg.DOWN, a, g),), Stage(Phase.LAND, c.round, g, pos))
         nbytes = c.act.size * bs * call.down.itemsize     # (the sums' bytes written into the result: sim_host)
