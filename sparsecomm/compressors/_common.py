@@ -250,18 +250,34 @@ def widen_divide(values: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tenso
     ``torch.div(out.copy_(values), n, out=out)``: one Numba pass for float16 (where ``_kernels.NATIVE_HALF``)
     or bfloat16 ``values`` into a contiguous float32 CPU ``out`` (:func:`._kernels.widen_div_f16`,
     :func:`._kernels.widen_div_bf16`), those two torch ops elsewhere. Returns ``out``."""
-    from . import _kernels
+    if not _widen_div_kernel(values, n, out):
+        torch.div(out.copy_(values.reshape(out.shape)), n, out=out)
+    return out
 
+
+def widen_divide_finite(values: torch.Tensor, n: int, out: torch.Tensor) -> bool:
+    """:func:`widen_divide` (``n`` a positive integer), and whether every element of ``values`` is finite, from
+    the same Numba pass where it runs (each quotient is finite iff its element was); elsewhere the torch ops,
+    then :func:`all_finite` of ``out``."""
+    ok = _widen_div_kernel(values, n, out)
+    if ok is None:
+        torch.div(out.copy_(values.reshape(out.shape)), n, out=out)
+        return all_finite(out)
+    return ok
+
+
+def _widen_div_kernel(values: torch.Tensor, n: int, out: torch.Tensor) -> bool | None:
+    """:func:`widen_divide`'s Numba pass where it applies, returning whether every quotient is finite;
+    None (nothing done) elsewhere."""
     bf = values.dtype == torch.bfloat16
-    if out.dtype == torch.float32 and (bf or (values.dtype == torch.float16 and _kernels.NATIVE_HALF)) and \
+    if out.dtype == torch.float32 and (bf or (values.dtype == torch.float16 and _k.NATIVE_HALF)) and \
             use_numba(values) and out.device.type == "cpu" and values.numel() == out.numel() and \
             values.is_contiguous() and out.is_contiguous():
         v = values if values.dim() == 1 else values.reshape(-1)
         o = out if out.dim() == 1 else out.reshape(-1)
-        (_kernels.widen_div_bf16 if bf else _kernels.widen_div_f16)(v.view(torch.int16).numpy(), np.float32(n),
-                                                                   o.numpy())
-        return out
-    return torch.div(out.copy_(values.reshape(out.shape)), n, out=out)
+        return bool((_k.widen_div_bf16 if bf else _k.widen_div_f16)(v.view(torch.int16).numpy(), np.float32(n),
+                                                                   o.numpy()))
+    return None
 
 
 def decompressed(payload: Payload) -> torch.Tensor:

@@ -233,7 +233,10 @@ class CommPipeline:
         an elementwise compressor (the fp16/bf16 casts: its payload is the round's own, summed in place,
         and the sum is widened into ``flat``, as torch's ``fp16_compress_hook`` decompresses into the
         bucket, before the method's decode; or widened by the decode itself, in the same pass as its division,
-        where the method :attr:`~sparsecomm.methods.base.Method.decodes_narrow`) whose sums the transport checks. A compressed round that the transport does not chain after all
+        where the method :attr:`~sparsecomm.methods.base.Method.decodes_narrow`) whose sums the transport checks;
+        in both, the pass that divides checks the sum for the transport (``checks``: :func:`divide_finite
+        <sparsecomm.compressors._common.divide_finite>`, :meth:`Method.decode_finite
+        <sparsecomm.methods.base.Method.decode_finite>`). A compressed round that the transport does not chain after all
         was encoded: it is started (:meth:`start`'s :class:`~sparsecomm.fabric.engine.CommWork`, which
         ``done`` is not given). None when nothing was done (any other round, ``transport="auto"``): use
         :meth:`start`."""
@@ -251,14 +254,16 @@ class CommPipeline:
                 and not self.rule.checks_sums):
             return None
         t0 = self.fabric.now() if _trace.recorder is not None else 0.0
-        call = self._bucket_rounds.begin(flat, key, max(0, self.step - 1 - self.skipped), False, None)
+        # the transport checks the sum (not rule.checks_sums): the decode's pass checks it for it
+        call = self._bucket_rounds.begin(flat, key, max(0, self.step - 1 - self.skipped), False, None, checked=True)
         self._phase("encode", t0, identity)
-        finish = lambda agg: self._finish(call, agg, None, t, None, identity)      # noqa: E731
+        finish = lambda agg: self._finish(call, agg, None, t, None, identity, True)      # noqa: E731
         # a method that widens the narrow sum itself gets it as summed (one pass less), else it is widened
         # into flat (scratch)
         fut = t.chain(call.sent, identity, finish, done, scratch=True, out=None if m.decodes_narrow else flat,
-                      narrow=m.decodes_narrow)
-        return fut if fut is not None else t.start(call.sent, then=finish, call=identity)
+                      narrow=m.decodes_narrow, checks=True)
+        # (started instead: the transport checks the sum before then, so it is finite there)
+        return fut if fut is not None else t.start(call.sent, then=lambda agg: finish(agg)[0], call=identity)
 
     def _next_round(self, call: Call, agg: torch.Tensor, t: Transport, identity: CallId | None = None) -> Any:
         """A later round's message (on the communication thread); the round just summed is recorded."""

@@ -188,7 +188,12 @@ class BucketRounds(MethodRounds):
         # compressor's check of its input stands for the rule's (one pass less)
         self.input_checked_by_encode = method.State is None and method.compressor.checks_finite
 
-    def begin(self, flat: torch.Tensor, key: Hashable, steps_before: int, exact: bool, shapes: Any) -> Call:
+    def begin(self, flat: torch.Tensor, key: Hashable, steps_before: int, exact: bool, shapes: Any,
+              checked: bool = False) -> Call:
+        """The call; ``checked`` (a one-round call whose sum the transport checks, ``not rule.checks_sums``): its
+        ``finish`` returns ``(estimate, finite)``, the decode checking the sum
+        (:meth:`~sparsecomm.methods.base.Method.decode_finite`: in its own pass where the method folds it), as
+        :meth:`PlainRound.begin` does."""
         n, rule, method = self.n, self.rule, self.method
         enc_kw = {"shapes": shapes} if shapes is not None else {}
         ms = self.states.get(key, flat, steps_before)
@@ -217,6 +222,14 @@ class BucketRounds(MethodRounds):
         if poisoned:
             poison(payload, key)
         first = payload
+
+        if checked:
+            def finish_checked(agg: torch.Tensor) -> tuple[torch.Tensor, bool]:
+                out = self.outputs.of(key, flat)
+                est, _, ok = self.charged("decode", ms, d, lambda: method.decode_finite(agg, n, ms, out=out))
+                return est, ok
+
+            return Call(first, dense_bytes(flat), finish_checked)
 
         def finish(agg: torch.Tensor) -> torch.Tensor:
             out = self.outputs.of(key, flat)  # the estimate has the bucket's length (a last round's may not)
