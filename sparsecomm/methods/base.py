@@ -187,7 +187,7 @@ class Method(ABC):
         if ms.state is None and self.State is not None:
             # a state restored from a checkpoint taken before its first round: built now
             ms.state = self.init_state(grad.numel(), grad.dtype, grad.device)
-        t = _first_tensor(ms.state)
+        t = _first_tensor(ms.state) if ms.state is not None else None
         if t is not None and t.numel() != grad.numel():
             raise MismatchError(
                 f"method {self.name!r}: the bucket has {grad.numel()} elements but its state "

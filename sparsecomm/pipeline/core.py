@@ -210,7 +210,8 @@ class CommPipeline:
             call = self._parameter_rounds.begin(flat, key, steps_before, exact, segments)
         else:
             call = self._bucket_rounds.begin(flat, key, steps_before, exact, shapes)
-        self._phase("encode", t0, identity)
+        if _trace.recorder is not None:
+            self._phase("encode", t0, identity)
         t, seen = self.transport, None
         if self.chooser is not None:
             kind = "dense" if not compress or self.plain or exact else self.chooser.kind
@@ -256,7 +257,8 @@ class CommPipeline:
         t0 = self.fabric.now() if _trace.recorder is not None else 0.0
         # the transport checks the sum (not rule.checks_sums): the decode's pass checks it for it
         call = self._bucket_rounds.begin(flat, key, max(0, self.step - 1 - self.skipped), False, None, checked=True)
-        self._phase("encode", t0, identity)
+        if _trace.recorder is not None:
+            self._phase("encode", t0, identity)
         finish = lambda agg: self._finish(call, agg, None, t, None, identity, True)      # noqa: E731
         # a method that widens the narrow sum itself gets it as summed (one pass less), else it is widened
         # into flat (scratch)
@@ -270,7 +272,8 @@ class CommPipeline:
         done = call.last
         t0 = self.fabric.now() if _trace.recorder is not None else 0.0
         nxt = call.next_round(agg)
-        self._phase("encode", t0, identity)
+        if _trace.recorder is not None:
+            self._phase("encode", t0, identity)
         if nxt is not None:
             self.accounting.round(done, t.last_stats, t.wire_copies())
         return nxt
@@ -290,8 +293,9 @@ class CommPipeline:
             out, finite = out
             if not finite:
                 return out, False
-        self._phase("decode", t0, identity)
-        copies = t.wire_copies()
+        if _trace.recorder is not None:
+            self._phase("decode", t0, identity)
+        copies = None if t is self.transport else t.wire_copies()      # (None: the pipeline's, kept)
         self.accounting.call(call.dense_bytes, copies)
         self.accounting.round(call.last, t.last_stats, copies)
         if checked:
