@@ -36,7 +36,9 @@ few) is posted to gloo on the calling thread at once, behind the buckets still i
 end) is chained on gloo's own future, in call order, with no hop through the communication thread
 (:meth:`HookScheduler.chained <sparsecomm.pipeline.scheduler.HookScheduler.chained>`;
 :mod:`sparsecomm.transports.native`, "Posted at once"); a cast's narrow sum is widened and then divided
-(torch's ``fp16_compress_hook`` divides before widening), both in one pass. DDP calls the hook for its
+(torch's ``fp16_compress_hook`` divides before widening), both in one pass, which also checks the sum for
+NaN/Inf (as the plain average's division does: :meth:`Method.decode_finite
+<sparsecomm.methods.base.Method.decode_finite>`). DDP calls the hook for its
 buckets in index order on every rank, so the calls match across ranks; the results are bit-identical
 to synchronous calls.
 

@@ -8,10 +8,12 @@ minimal hooks of torch's shape compare with torch's own and with this library's,
 84k parameters, one bucket), batch 32.
 
 **Calls per bucket** (rank 0, ``sys.setprofile`` events of kind ``call`` and ``c_call``, a deterministic
-count, median-free): on the thread that runs the hook (DDP's autograd thread), inside the hook; and on every
-Python thread the library starts (its communication thread), during the timed steps; divided by the buckets.
-torch's hooks complete on gloo's own thread (a C++ thread, which ``setprofile`` does not see): their ``then``
-callbacks (``allreduce_hook``: two calls) are not counted.
+count, median-free): on the thread that runs the hook (DDP's autograd thread), inside the hook; inside every
+callback chained on a future with ``then`` (torch's hooks' completions and this library's chained ones, which
+run on gloo's own thread, a C++ thread that ``threading.setprofile`` does not reach: the callbacks are wrapped
+to profile themselves); and on every Python thread the library starts (its communication thread), during the
+timed steps; divided by the buckets. The profiling's own calls (the wrappers' ``setprofile``) are not
+counted.
 
 **Paired timing** (the rounds of :mod:`experiments.bench.step`: every configuration one step per round, the
 slower rank's time, the median of the per-round ratios): stock DDP, torch's ``allreduce_hook``, two minimal
@@ -37,7 +39,7 @@ from torch import nn
 
 import sparsecomm as sc
 
-from .step import MLP, _build, _pairs_table, _run_rounds
+from .step import MLP, _bf16_compress_hook, _build, _pairs_table, _run_rounds
 
 _COUNTS: collections.Counter = collections.Counter()
 _ON = [False]
@@ -45,9 +47,26 @@ _ON = [False]
 
 def _counter(tag: str):
     def f(frame, event, arg):
-        if _ON[0] and event in ("call", "c_call"):
+        # (the profiling wrappers' own frames and the C calls they make are not counted)
+        if _ON[0] and event in ("call", "c_call") and frame.f_code not in _OWN:
             _COUNTS[tag] += 1
     return f
+
+
+_THEN = torch._C.Future.then
+
+
+def _counted_then(self, callback):
+    """``Future.then`` whose callback counts its own calls (under the tag ``completion``), on whichever
+    thread runs it (gloo's, for a collective's future; the caller's, for a future already complete)."""
+    def run(fut):
+        before = sys.getprofile()
+        sys.setprofile(_counter("completion"))
+        try:
+            return callback(fut)
+        finally:
+            sys.setprofile(before)
+    return _THEN(self, run)
 
 
 def _counted(hook):
@@ -61,7 +80,12 @@ def _counted(hook):
             return hook(state, bucket)
         finally:
             sys.setprofile(None)
+    _OWN.add(wrapper.__code__)
     return wrapper
+
+
+#: the code of the profiling wrappers (their frames are not counted: :func:`_counter`)
+_OWN = {_counted_then.__code__, *(c for c in _counted_then.__code__.co_consts if hasattr(c, "co_code"))}
 
 
 _HOPS: queue.SimpleQueue = queue.SimpleQueue()
@@ -106,11 +130,13 @@ def _calls(ctx, a, name: str) -> dict:
 
     torch.manual_seed(0)
     net = _net(a.width)
+    cast = "fp16" if "fp16" in name else "bf16" if "bf16" in name else None
     if name.startswith("sc"):
-        state = scddp.CommHookState(model=net, compressor="fp16" if "fp16" in name else None)
+        state = scddp.CommHookState(model=net, compressor=cast)
         net.register_comm_hook(state, _counted(scddp.comm_hook))
     else:
-        hook = default_hooks.fp16_compress_hook if "fp16" in name else default_hooks.allreduce_hook
+        hook = {"fp16": default_hooks.fp16_compress_hook, "bf16": _bf16_compress_hook,
+                None: default_hooks.allreduce_hook}[cast]
         net.register_comm_hook(None, _counted(hook))
     opt = torch.optim.SGD(net.parameters(), lr=1e-3)
 
@@ -132,8 +158,8 @@ def _calls(ctx, a, name: str) -> dict:
     time.sleep(0.2)              # the communication thread's last completion
     _ON[0] = False
     buckets = _COUNTS["buckets"]
-    return {"hook": _COUNTS["hook"] / buckets, "threads": _COUNTS["thread"] / buckets,
-            "buckets": buckets / a.count_steps}
+    return {"hook": _COUNTS["hook"] / buckets, "completion": _COUNTS["completion"] / buckets,
+            "threads": _COUNTS["thread"] / buckets, "buckets": buckets / a.count_steps}
 
 
 def _worker(ctx, a) -> dict:
@@ -142,10 +168,16 @@ def _worker(ctx, a) -> dict:
     torch.set_num_threads(1)
     threading.Thread(target=_hop_loop, daemon=True).start()
     threading.setprofile(_counter("thread"))     # every Python thread started from here on (the comm thread)
-    out = {"calls": {name: _calls(ctx, a, name) for name in ("torch allreduce_hook", "sc none",
-                                                               "torch fp16", "sc fp16")}}
-    threading.setprofile(None)
+    torch._C.Future.then = _counted_then         # every callback chained from here on counts its calls
+    try:
+        out = {"calls": {name: _calls(ctx, a, name) for name in ("torch allreduce_hook", "sc none", "torch fp16",
+                                                                   "sc fp16", "torch bf16", "sc bf16")}}
+    finally:
+        torch._C.Future.then = _THEN
+        threading.setprofile(None)
     engine(ctx.fabric).close()                   # its thread leaves; the next one runs unprofiled
+    if a.calls_only:
+        return out
     configs = [("ddp", None), ("torch allreduce_hook", ("torch", _torch_allreduce_hook())),
                ("thread hop", ("torch", thread_hop_hook)), ("then + checks", ("torch", then_checks_hook)),
                ("sc none", ("hook", {}))]
@@ -171,15 +203,20 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=150, help="timed rounds of the paired timing")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--count-steps", type=int, default=50, help="steps whose calls are counted")
+    p.add_argument("--calls-only", action="store_true", help="the call counts only (no paired timing)")
     a = p.parse_args(argv)
     res = sc.launch(functools.partial(_worker, a=a), world_size=2, backend="gloo")
     params = 4 * (a.width * a.width + a.width)
     print(f"# DDP hooks on 2 gloo ranks, 4 x Linear({a.width}, {a.width}) ({params / 1e3:.1f}k parameters), "
           f"rank 0\n## calls per bucket (sys.setprofile: Python and C calls)")
-    print(f"{'hook':24s} {'buckets/step':>13s} {'in the hook':>12s} {'library threads':>16s} {'total':>8s}")
+    print(f"{'hook':24s} {'buckets/step':>13s} {'in the hook':>12s} {'completions':>12s} {'library threads':>16s} "
+          f"{'total':>8s}")
     for name, c in res[0]["calls"].items():
-        print(f"{name:24s} {c['buckets']:13.1f} {c['hook']:12.1f} {c['threads']:16.1f} {c['hook'] + c['threads']:8.1f}")
-    print("(torch's hooks complete in gloo's thread, which is not counted)\n## paired step time")
+        print(f"{name:24s} {c['buckets']:13.1f} {c['hook']:12.1f} {c['completion']:12.1f} {c['threads']:16.1f} "
+              f"{c['hook'] + c['completion'] + c['threads']:8.1f}")
+    if a.calls_only:
+        return res[0]
+    print("## paired step time")
     _pairs_table([r["rounds"] for r in res], (("torch allreduce_hook", "ddp"), ("thread hop", "torch allreduce_hook"),
                                               ("then + checks", "torch allreduce_hook"),
                                               ("sc none", "torch allreduce_hook")))

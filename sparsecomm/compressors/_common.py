@@ -106,15 +106,13 @@ def abs_max(flat: torch.Tensor) -> float:
     if flat.numel() == 0:
         return 0.0
     if use_numba(flat) and flat.dtype in (torch.float32, torch.float64):
-        from . import _kernels
-
         a = flat.numpy()
         if a.dtype == np.float32:
             out = np.empty(1, dtype=np.int32)
-            _kernels.bucket_absmax_bits(a.view(np.int32), a.size, np.int32(0x7FFFFFFF), out)
+            _k.bucket_absmax_bits(a.view(np.int32), a.size, np.int32(0x7FFFFFFF), out)
             return float(out.view(np.float32)[0])
         out = np.empty(1, dtype=np.int64)
-        _kernels.bucket_absmax_bits(a.view(np.int64), a.size, np.int64(0x7FFFFFFFFFFFFFFF), out)
+        _k.bucket_absmax_bits(a.view(np.int64), a.size, np.int64(0x7FFFFFFFFFFFFFFF), out)
         return float(out.view(np.float64)[0])
     m = flat.abs().max()
     return float(m) if bool(torch.isfinite(flat).all()) else math.nan
@@ -125,11 +123,9 @@ def gather(flat: torch.Tensor, idx: torch.Tensor, scale: float = 1.0) -> tuple[t
     every gathered value is finite. Numba on CPU float32/float64 (no torch thread-pool round trip for
     these small gathers), torch elsewhere."""
     if use_numba(flat) and flat.dtype in (torch.float32, torch.float64):
-        from . import _kernels
-
         a = flat.numpy()
         out = np.empty(idx.numel(), dtype=a.dtype)
-        ok = _kernels.gather_scaled(a, idx.numpy(), a.dtype.type(scale), out)
+        ok = _k.gather_scaled(a, idx.numpy(), a.dtype.type(scale), out)
         return torch.from_numpy(out), bool(ok)
     vals = flat[idx]
     ok = bool(torch.isfinite(vals).all())
@@ -158,9 +154,7 @@ def all_finite(x: torch.Tensor) -> bool:
     if x.numel() == 0:
         return True
     if use_numba(x) and x.dtype in (torch.float32, torch.float64):
-        from . import _kernels
-
-        return bool(_kernels.all_finite(x.detach().reshape(-1).numpy()))
+        return bool(_k.all_finite(x.detach().reshape(-1).numpy()))
     return bool(torch.isfinite(x).all())
 
 
@@ -181,11 +175,9 @@ def add_finite(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor) -> bool:
     every sum is finite: one Numba pass for float32/float64 CPU tensors, torch's add then :func:`all_finite`
     elsewhere (the same sums: one IEEE addition each)."""
     if use_numba(out) and out.dtype in (torch.float32, torch.float64) and x.dtype == y.dtype == out.dtype:
-        from . import _kernels
-
         if out is x:
-            return bool(_kernels.iadd_finite(x.detach().numpy(), y.detach().numpy()))
-        return bool(_kernels.add_finite(x.detach().numpy(), y.detach().numpy(), out.detach().numpy()))
+            return bool(_k.iadd_finite(x.detach().numpy(), y.detach().numpy()))
+        return bool(_k.add_finite(x.detach().numpy(), y.detach().numpy(), out.detach().numpy()))
     torch.add(x, y, out=out)
     return all_finite(out)
 
@@ -194,9 +186,7 @@ def copy_sub(x: torch.Tensor, m: torch.Tensor, out: torch.Tensor, diff: torch.Te
     """``out <- x`` and ``diff <- m - x`` (flat tensors of one dtype and length, ``x`` aliasing neither output):
     one Numba pass for float32/float64 CPU tensors, torch's copy and subtraction elsewhere (the same values)."""
     if use_numba(out) and out.dtype in (torch.float32, torch.float64) and x.dtype == m.dtype == out.dtype == diff.dtype:
-        from . import _kernels
-
-        _kernels.copy_sub(x.detach().numpy(), m.detach().numpy(), out.detach().numpy(), diff.detach().numpy())
+        _k.copy_sub(x.detach().numpy(), m.detach().numpy(), out.detach().numpy(), diff.detach().numpy())
         return
     out.copy_(x)
     torch.sub(m, x, out=diff)
@@ -250,18 +240,34 @@ def widen_divide(values: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tenso
     ``torch.div(out.copy_(values), n, out=out)``: one Numba pass for float16 (where ``_kernels.NATIVE_HALF``)
     or bfloat16 ``values`` into a contiguous float32 CPU ``out`` (:func:`._kernels.widen_div_f16`,
     :func:`._kernels.widen_div_bf16`), those two torch ops elsewhere. Returns ``out``."""
-    from . import _kernels
+    if not _widen_div_kernel(values, n, out):
+        torch.div(out.copy_(values.reshape(out.shape)), n, out=out)
+    return out
 
+
+def widen_divide_finite(values: torch.Tensor, n: int, out: torch.Tensor) -> bool:
+    """:func:`widen_divide` (``n`` a positive integer), and whether every element of ``values`` is finite, from
+    the same Numba pass where it runs (each quotient is finite iff its element was); elsewhere the torch ops,
+    then :func:`all_finite` of ``out``."""
+    ok = _widen_div_kernel(values, n, out)
+    if ok is None:
+        torch.div(out.copy_(values.reshape(out.shape)), n, out=out)
+        return all_finite(out)
+    return ok
+
+
+def _widen_div_kernel(values: torch.Tensor, n: int, out: torch.Tensor) -> bool | None:
+    """:func:`widen_divide`'s Numba pass where it applies, returning whether every quotient is finite;
+    None (nothing done) elsewhere."""
     bf = values.dtype == torch.bfloat16
-    if out.dtype == torch.float32 and (bf or (values.dtype == torch.float16 and _kernels.NATIVE_HALF)) and \
+    if out.dtype == torch.float32 and (bf or (values.dtype == torch.float16 and _k.NATIVE_HALF)) and \
             use_numba(values) and out.device.type == "cpu" and values.numel() == out.numel() and \
             values.is_contiguous() and out.is_contiguous():
         v = values if values.dim() == 1 else values.reshape(-1)
         o = out if out.dim() == 1 else out.reshape(-1)
-        (_kernels.widen_div_bf16 if bf else _kernels.widen_div_f16)(v.view(torch.int16).numpy(), np.float32(n),
-                                                                   o.numpy())
-        return out
-    return torch.div(out.copy_(values.reshape(out.shape)), n, out=out)
+        return bool((_k.widen_div_bf16 if bf else _k.widen_div_f16)(v.view(torch.int16).numpy(), np.float32(n),
+                                                                   o.numpy()))
+    return None
 
 
 def decompressed(payload: Payload) -> torch.Tensor:
@@ -275,8 +281,6 @@ def decompressed(payload: Payload) -> torch.Tensor:
     v, dt = payload.values, payload.dtype
     if dt not in (torch.float32, torch.float64) or not use_numba(v) or not v.is_contiguous():
         return payload.to_dense()
-    from . import _kernels
-
     d = payload.numel
     if d == 0 or (payload.kind in ("quantized", "dense") and v.numel() != d):
         return payload.to_dense()
@@ -284,8 +288,8 @@ def decompressed(payload: Payload) -> torch.Tensor:
         if v.dtype == dt:
             return v.reshape(-1)
         out = cpu_empty(d, dt)
-        if dt == torch.float32 and (v.dtype == torch.bfloat16 or (v.dtype == torch.float16 and _kernels.NATIVE_HALF)):
-            widen = _kernels.widen_bf16 if v.dtype == torch.bfloat16 else _kernels.widen_f16
+        if dt == torch.float32 and (v.dtype == torch.bfloat16 or (v.dtype == torch.float16 and _k.NATIVE_HALF)):
+            widen = _k.widen_bf16 if v.dtype == torch.bfloat16 else _k.widen_f16
             widen(v.reshape(-1).view(torch.int16).numpy(), out.numpy())
             return out
         return out.copy_(v.reshape(-1))
@@ -296,14 +300,14 @@ def decompressed(payload: Payload) -> torch.Tensor:
         if bs < 1 or scale.numel() != -(-d // bs):
             return payload.to_dense()
         out = cpu_empty(d, dt)
-        _kernels.dequantize(v.reshape(-1).numpy(), scale.reshape(-1).to(dt).contiguous().numpy(), bs, out.numpy())
+        _k.dequantize(v.reshape(-1).numpy(), scale.reshape(-1).to(dt).contiguous().numpy(), bs, out.numpy())
         return out
     idx = payload.indices
     if payload.kind == "sparse" and payload.row_len == 1 and v.dtype == dt and idx is not None and \
             idx.dtype == torch.int64 and idx.device.type == "cpu" and idx.is_contiguous() and \
             idx.numel() == v.numel():
         out = cpu_empty(d, dt)
-        if _kernels.scatter_dense(idx.reshape(-1).numpy(), v.reshape(-1).numpy(), out.numpy()):
+        if _k.scatter_dense(idx.reshape(-1).numpy(), v.reshape(-1).numpy(), out.numpy()):
             return out
     return payload.to_dense()   # (an index out of range raises there)
 

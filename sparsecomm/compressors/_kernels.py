@@ -385,21 +385,31 @@ def widen_bf16(hbits, out):
         ob[i] = np.int32(np.int32(hbits[i]) << np.int32(16))
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=_FM)
 def widen_div_f16(hbits, d, out):
     """out[i] = (the float32 value of the float16 bit pattern ``hbits[i]``) / ``d`` (float32): :func:`widen_f16`
-    then torch's float32 division by the scalar (one correctly rounded division), bit for bit, in one pass.
-    Only where :data:`NATIVE_HALF`."""
+    then torch's float32 division by the scalar (one correctly rounded division), bit for bit, in one pass;
+    returns whether every quotient is finite (for ``d >= 1``: whether every ``hbits[i]`` was), from the same
+    pass (``fastmath`` reassociates the check's sum only). Only where :data:`NATIVE_HALF`."""
+    chk = np.float32(0.0)
     for i in range(hbits.size):
-        out[i] = f16_value(hbits[i]) / d
+        y = f16_value(hbits[i]) / d
+        out[i] = y
+        chk += y * np.float32(0.0)
+    return chk == 0.0
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, fastmath=_FM)
 def widen_div_bf16(hbits, d, out):
     """out[i] = (the float32 value of the bfloat16 bit pattern ``hbits[i]``) / ``d`` (float32): :func:`widen_bf16`
-    then torch's float32 division by the scalar, bit for bit, in one pass."""
+    then torch's float32 division by the scalar, bit for bit, in one pass; returns whether every quotient is
+    finite, as :func:`widen_div_f16`."""
+    chk = np.float32(0.0)
     for i in range(hbits.size):
-        out[i] = np.int32(np.int32(hbits[i]) << np.int32(16)).view(np.float32) / d
+        y = np.int32(np.int32(hbits[i]) << np.int32(16)).view(np.float32) / d
+        out[i] = y
+        chk += y * np.float32(0.0)
+    return chk == 0.0
 
 
 @njit(cache=True, nogil=True)

@@ -187,7 +187,7 @@ class Method(ABC):
         if ms.state is None and self.State is not None:
             # a state restored from a checkpoint taken before its first round: built now
             ms.state = self.init_state(grad.numel(), grad.dtype, grad.device)
-        t = _first_tensor(ms.state)
+        t = _first_tensor(ms.state) if ms.state is not None else None
         if t is not None and t.numel() != grad.numel():
             raise MismatchError(
                 f"method {self.name!r}: the bucket has {grad.numel()} elements but its state "
@@ -238,7 +238,34 @@ class Method(ABC):
             state: this bucket's state.
             out: see above.
         """
-        ms = state
+        agg, out = self._decode_args(aggregate, state, out)
+        self._decode(agg, int(world_size), state, out)
+        return out, state
+
+    def decode_finite(self, aggregate: torch.Tensor, world_size: int, state: MethodState, *,
+                      out: torch.Tensor | None = None) -> tuple[torch.Tensor, MethodState, bool]:
+        """:meth:`decode`, and whether every element of ``aggregate`` is finite: ``(estimate, state, finite)``.
+        The check of a sum that a caller leaves to the decode (the pipeline's rounds chained on their collective,
+        :meth:`CommPipeline.chain <sparsecomm.pipeline.core.CommPipeline.chain>`): a method whose decode reads
+        every element once folds it into that pass (:meth:`_decode_finite`); otherwise it is a pass of its own,
+        before the decode.
+
+        Args:
+            aggregate: as for :meth:`decode`.
+            world_size: as for :meth:`decode`.
+            state: as for :meth:`decode`.
+            out: as for :meth:`decode`.
+        """
+        agg, out = self._decode_args(aggregate, state, out)
+        finite = self._decode_finite(agg, int(world_size), state, out)
+        if finite is None:
+            finite = all_finite(agg)
+            self._decode(agg, int(world_size), state, out)
+        return out, state, finite
+
+    def _decode_args(self, aggregate: torch.Tensor, ms: MethodState,
+                     out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`decode`'s checks: the flat aggregate and the estimate's buffer (``out``, or a new one)."""
         agg = aggregate.reshape(-1)
         if self.multi_round and not ms.last_round and ms.pending is not None:
             raise SparseCommError(f"method {self.name!r} takes several rounds per step: call next_round(aggregate, "
@@ -252,8 +279,7 @@ class Method(ABC):
                 self.decodes_narrow and agg.dtype in (torch.float16, torch.bfloat16) and out.is_floating_point())):
             raise MismatchError(f"decode: out has shape {tuple(out.shape)} and dtype {out.dtype}, the "
                                 f"estimate ({d},) and {agg.dtype}")
-        self._decode(agg, int(world_size), ms, out)
-        return out, ms
+        return agg, out
 
     def work(self, phase: str, state: MethodState, d: int, *, exact: bool = False,
              shapes: Any = None) -> dict[str, int]:
@@ -309,6 +335,13 @@ class Method(ABC):
     @abstractmethod
     def _decode(self, aggregate: torch.Tensor, world_size: int, ms: MethodState, out: torch.Tensor) -> None:
         """Write the estimate into ``out`` (never alias state); ``aggregate`` must not be modified."""
+
+    def _decode_finite(self, aggregate: torch.Tensor, world_size: int, ms: MethodState,
+                       out: torch.Tensor) -> bool | None:
+        """:meth:`_decode` and whether every element of ``aggregate`` is finite, from the same pass; ``None``
+        (nothing done) where the method does not fold the check (the default): :meth:`decode_finite` then checks
+        in a pass of its own."""
+        return None
 
     def _next_round(self, aggregate: torch.Tensor, world_size: int, ms: MethodState) -> Payload | None:
         """The next round's payload, or ``None`` (one-round methods: always ``None``)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..compressors._common import widen_divide
+from ..compressors._common import all_finite, divide_finite, widen_divide, widen_divide_finite
 from ..payload import Payload
 from .base import Method, MethodState
 
@@ -33,3 +33,15 @@ class NoMethod(Method):
             torch.div(aggregate, world_size, out=out)
         else:       # a narrow sum (decodes_narrow): widened and divided in one pass, the same bits
             widen_divide(aggregate, world_size, out)
+
+    def _decode_finite(self, aggregate: torch.Tensor, world_size: int, ms: MethodState,
+                       out: torch.Tensor) -> bool:
+        # each quotient of the division by n >= 1 is finite iff its element of the sum is: the division's pass
+        # checks (the same bits as _decode's)
+        ms.take_pending(self.name)
+        if aggregate.dtype == out.dtype:
+            if out is aggregate:
+                return divide_finite(out, world_size)
+            torch.div(aggregate, world_size, out=out)
+            return all_finite(out)
+        return widen_divide_finite(aggregate, world_size, out)

@@ -85,7 +85,7 @@ def payload_bytes(p: Any) -> int:
     """The declared bytes of a round's message: a tensor's bytes, a Payload's ``bits`` rounded up to
     bytes (its wire tensors' bytes when it declares none)."""
     if isinstance(p, torch.Tensor):
-        return p.numel() * p.element_size()
+        return p.nbytes
     bits = int(p.bits)
     if bits:
         return (bits + 7) // 8
@@ -111,11 +111,14 @@ class Accounting:
         transport measured ``comm`` (``copies``: the sending transport's, when another than the
         pipeline's sent it)."""
         copies = self.copies if copies is None else copies
-        pbytes = payload_bytes(payload)
         s = self.stats
         s.rounds += 1
-        if not isinstance(payload, torch.Tensor) and payload.meta.get("underflow"):
-            s.underflow_rounds += 1
+        if isinstance(payload, torch.Tensor):
+            pbytes = payload.nbytes
+        else:
+            pbytes = payload_bytes(payload)
+            if payload.meta.get("underflow"):
+                s.underflow_rounds += 1
         s.bytes_payload += pbytes
         s.bytes_declared_sent += copies * pbytes
         s.comm += comm

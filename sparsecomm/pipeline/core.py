@@ -210,7 +210,8 @@ class CommPipeline:
             call = self._parameter_rounds.begin(flat, key, steps_before, exact, segments)
         else:
             call = self._bucket_rounds.begin(flat, key, steps_before, exact, shapes)
-        self._phase("encode", t0, identity)
+        if _trace.recorder is not None:
+            self._phase("encode", t0, identity)
         t, seen = self.transport, None
         if self.chooser is not None:
             kind = "dense" if not compress or self.plain or exact else self.chooser.kind
@@ -233,7 +234,10 @@ class CommPipeline:
         an elementwise compressor (the fp16/bf16 casts: its payload is the round's own, summed in place,
         and the sum is widened into ``flat``, as torch's ``fp16_compress_hook`` decompresses into the
         bucket, before the method's decode; or widened by the decode itself, in the same pass as its division,
-        where the method :attr:`~sparsecomm.methods.base.Method.decodes_narrow`) whose sums the transport checks. A compressed round that the transport does not chain after all
+        where the method :attr:`~sparsecomm.methods.base.Method.decodes_narrow`) whose sums the transport checks;
+        in both, the pass that divides checks the sum for the transport (``checks``: :func:`divide_finite
+        <sparsecomm.compressors._common.divide_finite>`, :meth:`Method.decode_finite
+        <sparsecomm.methods.base.Method.decode_finite>`). A compressed round that the transport does not chain after all
         was encoded: it is started (:meth:`start`'s :class:`~sparsecomm.fabric.engine.CommWork`, which
         ``done`` is not given). None when nothing was done (any other round, ``transport="auto"``): use
         :meth:`start`."""
@@ -251,21 +255,25 @@ class CommPipeline:
                 and not self.rule.checks_sums):
             return None
         t0 = self.fabric.now() if _trace.recorder is not None else 0.0
-        call = self._bucket_rounds.begin(flat, key, max(0, self.step - 1 - self.skipped), False, None)
-        self._phase("encode", t0, identity)
-        finish = lambda agg: self._finish(call, agg, None, t, None, identity)      # noqa: E731
+        # the transport checks the sum (not rule.checks_sums): the decode's pass checks it for it
+        call = self._bucket_rounds.begin(flat, key, max(0, self.step - 1 - self.skipped), False, None, checked=True)
+        if _trace.recorder is not None:
+            self._phase("encode", t0, identity)
+        finish = lambda agg: self._finish(call, agg, None, t, None, identity, True)      # noqa: E731
         # a method that widens the narrow sum itself gets it as summed (one pass less), else it is widened
         # into flat (scratch)
         fut = t.chain(call.sent, identity, finish, done, scratch=True, out=None if m.decodes_narrow else flat,
-                      narrow=m.decodes_narrow)
-        return fut if fut is not None else t.start(call.sent, then=finish, call=identity)
+                      narrow=m.decodes_narrow, checks=True)
+        # (started instead: the transport checks the sum before then, so it is finite there)
+        return fut if fut is not None else t.start(call.sent, then=lambda agg: finish(agg)[0], call=identity)
 
     def _next_round(self, call: Call, agg: torch.Tensor, t: Transport, identity: CallId | None = None) -> Any:
         """A later round's message (on the communication thread); the round just summed is recorded."""
         done = call.last
         t0 = self.fabric.now() if _trace.recorder is not None else 0.0
         nxt = call.next_round(agg)
-        self._phase("encode", t0, identity)
+        if _trace.recorder is not None:
+            self._phase("encode", t0, identity)
         if nxt is not None:
             self.accounting.round(done, t.last_stats, t.wire_copies())
         return nxt
@@ -285,8 +293,9 @@ class CommPipeline:
             out, finite = out
             if not finite:
                 return out, False
-        self._phase("decode", t0, identity)
-        copies = t.wire_copies()
+        if _trace.recorder is not None:
+            self._phase("decode", t0, identity)
+        copies = None if t is self.transport else t.wire_copies()      # (None: the pipeline's, kept)
         self.accounting.call(call.dense_bytes, copies)
         self.accounting.round(call.last, t.last_stats, copies)
         if checked:

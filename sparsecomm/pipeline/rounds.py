@@ -82,7 +82,7 @@ class Outputs:
 
 def dense_bytes(flat: torch.Tensor) -> int:
     """The bytes of ``flat`` on the wire as it is (the plain round's, and a dense payload's)."""
-    return flat.numel() * flat.element_size()
+    return flat.nbytes
 
 
 class PlainRound:
@@ -104,7 +104,7 @@ class PlainRound:
                     charge(self.fabric, {"elementwise": agg.numel()})
                 return agg, ok
 
-            return Call(flat, dense_bytes(flat), finish)
+            return Call(flat, flat.nbytes, finish)
 
         def finish(agg: torch.Tensor) -> torch.Tensor:
             if self.rule.checks_sums:
@@ -114,7 +114,7 @@ class PlainRound:
                 charge(self.fabric, {"elementwise": agg.numel()})
             return out
 
-        return Call(flat, dense_bytes(flat), finish)
+        return Call(flat, flat.nbytes, finish)
 
 
 class MethodRounds:
@@ -188,7 +188,12 @@ class BucketRounds(MethodRounds):
         # compressor's check of its input stands for the rule's (one pass less)
         self.input_checked_by_encode = method.State is None and method.compressor.checks_finite
 
-    def begin(self, flat: torch.Tensor, key: Hashable, steps_before: int, exact: bool, shapes: Any) -> Call:
+    def begin(self, flat: torch.Tensor, key: Hashable, steps_before: int, exact: bool, shapes: Any,
+              checked: bool = False) -> Call:
+        """The call; ``checked`` (a one-round call whose sum the transport checks, ``not rule.checks_sums``): its
+        ``finish`` returns ``(estimate, finite)``, the decode checking the sum
+        (:meth:`~sparsecomm.methods.base.Method.decode_finite`: in its own pass where the method folds it), as
+        :meth:`PlainRound.begin` does."""
         n, rule, method = self.n, self.rule, self.method
         enc_kw = {"shapes": shapes} if shapes is not None else {}
         ms = self.states.get(key, flat, steps_before)
@@ -196,6 +201,8 @@ class BucketRounds(MethodRounds):
         d = flat.numel()
 
         def encode() -> Payload:
+            if self.fabric is None:        # (nothing charged: the call itself, two frames fewer)
+                return method.encode(flat, ms, gen, world_size=n, exact=exact, inplace=True, **enc_kw)[0]
             return self.charged("encode", ms, d, lambda: method.encode(flat, ms, gen, world_size=n, exact=exact,
                                                                        inplace=True, **enc_kw)[0],
                                 exact=exact, shapes=shapes)
@@ -218,6 +225,17 @@ class BucketRounds(MethodRounds):
             poison(payload, key)
         first = payload
 
+        if checked:
+            def finish_checked(agg: torch.Tensor) -> tuple[torch.Tensor, bool]:
+                out = self.outputs.of(key, flat)
+                if self.fabric is None:
+                    est, _, ok = method.decode_finite(agg, n, ms, out=out)
+                else:
+                    est, _, ok = self.charged("decode", ms, d, lambda: method.decode_finite(agg, n, ms, out=out))
+                return est, ok
+
+            return Call(first, flat.nbytes, finish_checked)
+
         def finish(agg: torch.Tensor) -> torch.Tensor:
             out = self.outputs.of(key, flat)  # the estimate has the bucket's length (a last round's may not)
             if call.next_round is None and rule.checks_sums:   # (several rounds: each sum checked already)
@@ -226,7 +244,7 @@ class BucketRounds(MethodRounds):
                 return out.fill_(float("nan"))      # a skipped step: no decode (see the module doc)
             return self.charged("decode", ms, d, lambda: method.decode(agg, n, ms, out=out)[0])
 
-        call = Call(first, dense_bytes(flat), finish)
+        call = Call(first, flat.nbytes, finish)
         if method.multi_round:
             def next_round(agg: torch.Tensor) -> Payload | None:
                 if rule.checks_sums:

@@ -161,9 +161,9 @@ class Transport(ABC):
         (``inplace``), a payload's values where the caller says they are ``scratch`` (nobody else reads
         them); ``out`` (a payload's length and dtype) takes a payload's sum cast to its dtype, else a new
         tensor does; with ``narrow``, ``then`` gets a payload's sum as summed, in its values' dtype (not cast:
-        ``out`` unused); with ``checks`` (a tensor ``x``), ``then`` returns ``(value, finite)``, ``finite``
-        whether the sum it read was finite, which stands for the transport's own check of the sum (a
-        non-finite one is handled as that check would, after ``then``). The base class chains nothing;
+        ``out`` unused); with ``checks``, ``then`` returns ``(value, finite)``, ``finite`` whether the sum it read
+        (a tensor's, or a payload's as summed or cast) was finite, which stands for the transport's own check of
+        the sum (a non-finite one is handled as that check would, after ``then``). The base class chains nothing;
         ``native`` chains a predicted all-reduce."""
         return None
 

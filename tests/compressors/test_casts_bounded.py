@@ -179,6 +179,60 @@ def test_widen_divide_is_widening_then_torch_division_bit_for_bit(dtype, path):
                 assert torch.equal(got.view(torch.int32)[~nan], want.view(torch.int32)[~nan]), (dtype, n)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("path", ["numba", "torch"])
+def test_widen_divide_finite_is_widen_divide_and_says_whether_every_element_was_finite(dtype, path):
+    from sparsecomm.compressors._common import widen_divide, widen_divide_finite
+
+    g = torch.Generator().manual_seed(12)
+    rand = (torch.randn(50_003, generator=g) * 10.0 ** torch.randint(-6, 3, (50_003,), generator=g)).to(dtype)
+    with sc.kernels.force(path):
+        for n in (1, 3, 8):
+            want = widen_divide(rand, n, torch.empty(rand.numel()))
+            got = torch.empty(rand.numel())
+            assert widen_divide_finite(rand, n, got) is True
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+            # one NaN or Inf anywhere (the vector loop's body, its tail, the first element) is found
+            for pos in (0, 17, 25_000, rand.numel() - 1):
+                for bad in (float("nan"), float("inf"), -float("inf")):
+                    v = rand.clone()
+                    v[pos] = bad
+                    got = torch.empty(v.numel())
+                    assert widen_divide_finite(v, n, got) is False, (pos, bad)
+                    keep = torch.ones(v.numel(), dtype=torch.bool)
+                    keep[pos] = False
+                    assert torch.equal(got[keep].view(torch.int32), want[keep].view(torch.int32))
+
+
+def test_decode_finite_is_decode_and_the_aggregates_finiteness_with_or_without_the_folded_pass():
+    from sparsecomm.methods.state import MethodState
+
+    g = torch.Generator().manual_seed(6)
+    m = sc.methods.get("none", compressor="fp16")
+    assert type(m)._decode_finite is not sc.methods.base.Method._decode_finite      # none folds the check
+
+    class Unfolded(type(m)):
+        def _decode_finite(self, aggregate, world_size, ms, out):
+            return sc.methods.base.Method._decode_finite(self, aggregate, world_size, ms, out)
+
+    plain = Unfolded(compressor="fp16")
+    for agg in ((torch.randn(5000, generator=g) * 3).half(), (torch.randn(5000, generator=g) * 3).bfloat16(),
+                torch.randn(5000, generator=g)):
+        for bad in (None, float("nan"), float("inf")):
+            a = agg.clone()
+            if bad is not None:
+                a[4321] = bad
+            want = m.decode(a, 3, MethodState(pending=False), out=torch.empty(5000))[0]
+            got, _, ok = m.decode_finite(a, 3, MethodState(pending=False), out=torch.empty(5000))
+            assert ok is (bad is None)
+            assert torch.equal(torch.isnan(got), torch.isnan(want))
+            assert torch.equal(got[~torch.isnan(got)], want[~torch.isnan(want)])
+            # the default (a method that does not fold it): a pass of its own, the same answer
+            got2, _, ok2 = plain.decode_finite(a, 3, MethodState(pending=False), out=torch.empty(5000))
+            assert ok2 is ok and torch.equal(torch.isnan(got2), torch.isnan(want))
+            assert torch.equal(got2[~torch.isnan(got2)], want[~torch.isnan(want)])
+
+
 def test_none_decodes_a_narrow_sum_as_the_widened_one():
     from sparsecomm.methods.state import MethodState
 

@@ -200,3 +200,43 @@ def test_a_chained_cast_round_is_the_narrow_sum_widened_then_divided(compressor,
         assert not torch.equal((total / 3).float(), expected)  # (dividing before widening is another number)
         for rk in res:
             assert torch.equal(rk[step][1], expected), step
+
+
+def _cast_overflow(ctx, compressor: str, bad: str):
+    from sparsecomm.fabric.engine import CommWork
+    from sparsecomm.transports import _fold
+
+    torch.set_num_threads(1)
+    pipe = sc.pipeline.CommPipeline(compressor, "native", fabric=ctx.fabric, transport_kwargs={"inplace": True})
+    sched = _fold.schedule(ctx.fabric)
+    for step in range(1, 6):
+        pipe.begin_step(step)
+        x = torch.full((N,), 0.25)
+        if step == 5 and bad == "overflow":
+            x[N // 2 + 3] = 40_000.0        # finite on every worker; 3 x 40000 overflows float16 (65504)
+        if step == 5 and bad == "nan" and ctx.rank == 2:
+            x[7] = float("nan")
+        before = sched.chained
+        got = pipe.chain(x, 0, compress=True)
+        res = outcome((got if isinstance(got, CommWork) else got).wait)
+        pipe.end_step()
+        if res[0] is not None:
+            return step, sched.chained - before, res
+    return None
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("bad", ["overflow", "nan"])
+def test_a_chained_fp16_round_whose_sum_is_not_finite_raises_on_every_worker(bad):
+    """The decode's pass checks the chained cast's sum for the transport (``checks``): a sum of finite inputs
+    that overflows float16, and one that a worker's NaN made NaN, raise the transport's NonFiniteError on
+    every worker (its check of a sum summed in place over the inputs)."""
+    cls = "NonFiniteError"
+    res = sc.launch(functools.partial(_cast_overflow, compressor="fp16", bad=bad), 3, backend="gloo",
+                    timeout_s=TIMEOUT)
+    for rk in res:
+        assert rk is not None
+        step, chained, (got_cls, text, secs) = rk
+        assert step == 5 and chained == 1, (step, chained)       # the failing round was chained
+        assert f"{cls}: " in text or got_cls == cls, (got_cls, text)
+        assert secs < BOUND

@@ -182,10 +182,10 @@ class Native(Transport):
         :meth:`start` posts it, and its completion (the non-finite check that also resolves a deviation,
         the booking, a payload's sum cast to its dtype, into ``out`` if given, or as summed with ``narrow``,
         ``then``) is chained on gloo's future (:meth:`~sparsecomm.fabric.engine.CommEngine.chain`), in call
-        order, with the same errors and the same fail-stop as :meth:`start`'s. With ``checks`` (a tensor, and
-        ``nonfinite="raise"``), ``then`` returns ``(value, finite)`` and its pass over the sum is the
-        non-finite check: a non-finite sum is resolved after it as before it (the same errors), its value
-        dropped. What does not depend on the step (the eligibility, the fold key but for its step, the
+        order, with the same errors and the same fail-stop as :meth:`start`'s. With ``checks`` (and
+        ``nonfinite="raise"``), ``then`` returns ``(value, finite)`` and its pass over the sum (a tensor's, or a
+        payload's as summed or cast) is the non-finite check: a non-finite sum is resolved after it as before it
+        (the same errors), its value dropped. What does not depend on the step (the eligibility, the fold key but for its step, the
         process group and the all-reduce's options, posted to the group directly) is kept per bucket, length
         and dtypes."""
         tensor = isinstance(x, torch.Tensor)
@@ -199,7 +199,7 @@ class Native(Transport):
         sched, eng, prefix, group, opts = lane
         f = self.fabric
         # the sum's check is then's (checks) or this completion's own, before then
-        own = not (checks and tensor and self.nonfinite == "raise")
+        own = not (checks and self.nonfinite == "raise")
 
         def post():
             # under the engine's lock (CommEngine.chain): the prediction, the post and the record in call order
@@ -241,17 +241,18 @@ class Native(Transport):
                     with calling(call):
                         self._trace_call(x, t0, stats)
                 if tensor:
-                    if not checks:
-                        return then(v)
-                    value, finite = then(v)
-                    if not (own or finite):     # (resolved as a suspect sum is: it raises on every worker)
-                        with calling(call):
-                            self._resolve_folded(linear_operand(x, self.name, inplace=True), v, eng)
-                    return value
-                if narrow:
-                    return then(v.reshape(x.shape))
-                wide = out.copy_(v) if out is not None else v.to(x.dtype)      # (exact: a widening)
-                return then(wide.reshape(x.shape))
+                    summed = v
+                elif narrow:
+                    summed = v.reshape(x.shape)
+                else:
+                    summed = (out.copy_(v) if out is not None else v.to(x.dtype)).reshape(x.shape)  # (exact)
+                if not checks:
+                    return then(summed)
+                value, finite = then(summed)
+                if not (own or finite):     # (resolved as a suspect sum is: it raises on every worker)
+                    with calling(call):
+                        self._resolve_folded(linear_operand(x, self.name, inplace=True), v, eng)
+                return value
             except BaseException as exc:
                 sched.reset()
                 if eng.resolving():
