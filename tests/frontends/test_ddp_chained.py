@@ -230,7 +230,8 @@ def _cast_overflow(ctx, compressor: str, bad: str):
 def test_a_chained_fp16_round_whose_sum_is_not_finite_raises_on_every_worker(bad):
     """The decode's pass checks the chained cast's sum for the transport (``checks``): a sum of finite inputs
     that overflows float16, and one that a worker's NaN made NaN, raise the transport's NonFiniteError on
-    every worker (its check of a sum summed in place over the inputs)."""
+    every worker (its check of a sum summed in place over the inputs, which names no worker: the inputs are
+    overwritten by then)."""
     cls = "NonFiniteError"
     res = sc.launch(functools.partial(_cast_overflow, compressor="fp16", bad=bad), 3, backend="gloo",
                     timeout_s=TIMEOUT)
@@ -239,4 +240,6 @@ def test_a_chained_fp16_round_whose_sum_is_not_finite_raises_on_every_worker(bad
         step, chained, (got_cls, text, secs) = rk
         assert step == 5 and chained == 1, (step, chained)       # the failing round was chained
         assert f"{cls}: " in text or got_cls == cls, (got_cls, text)
+        # the sum was taken over the inputs: no worker is blamed for it (an overflow of finite inputs, or a NaN)
+        assert "passed NaN" not in text and "sum overflowed" in text, text
         assert secs < BOUND

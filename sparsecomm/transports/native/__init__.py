@@ -308,7 +308,9 @@ class Native(Transport):
         if eng is not None:
             eng.resolving()      # no call is posted while this one runs its handshakes
         check_agreement(self.fabric, WHAT, **op.fields)   # MismatchError on every worker if one deviated
-        guard_finite(self.fabric, WHAT, total, v if total is not v else None, self.nonfinite)
+        # (summed in place: the input is gone, whatever view of it ``op`` holds; it names no worker then)
+        same = total.data_ptr() == v.data_ptr() and total.numel() == v.numel()
+        guard_finite(self.fabric, WHAT, total, None if same else v, self.nonfinite)
         if eng is not None:
             eng.resolved()
         return total
