@@ -69,7 +69,7 @@ from ....fabric.base import Fabric
 from ....fabric.roles import Inbox, Outbox, Pool, Step
 from ....errors import InvalidValueError
 from ... import defaults
-from .requests import Datagram, RecvFor, lowered
+from .requests import Datagrams, RecvFor, lowered
 
 # ----------------------------------------------------------------------------- wire format
 W0, F_SLOT, F_POS, F_NEXT = range(4)
@@ -475,8 +475,8 @@ class Dataplane:
             fabric.host_work("sparse_switch_value", sum(r.size > HEADER for r in rows))
             sends, results = self.replies(rows, src, K, single, sim)
             fabric.host_work("sparse_switch_result", results)
-            for msg, dst, reliable in sends:
-                yield Datagram(msg, dst, TAG_DOWN, reliable=reliable, tracked=not sim)
+            if sends:
+                yield Datagrams(sends, TAG_DOWN, tracked=not sim)
 
     @staticmethod
     def packets(arr: np.ndarray) -> list[np.ndarray]:
