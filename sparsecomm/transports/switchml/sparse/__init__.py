@@ -343,12 +343,20 @@ class SparseSwitch(Transport):
             f.host_work("fresh", nb * k * 4)               # (a temporary allocated per call: sim_host)
             # ---- stream: only the union's blocks, one round each
             blocks, results = self._stream(codes, own, la.next.numpy(), first, start, L, nb)
-            q = fresh_copy(f, torch.from_numpy(scatter_blocks(blocks, results, N, k)))
+            got = np.stack(results)[:, HEADER:] if results else np.zeros((0, k), dtype=np.int32)
+            del results
+            sums = np.zeros(N, dtype=np.int32)
+            scatter_blocks(blocks, got, sums, k)
+            q = fresh_copy(f, torch.from_numpy(sums))
             if mode == MODE_INT:
                 self.last_fixed = None
                 return q.to(device=device, dtype=out_dtype)
             self.last_fixed = FixedResult(q, E, scale)
-            total = codec.from_fixed(q, scale, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
+            # the union's blocks decoded (codec.from_fixed, the same values), every other element 0.0 as
+            # from_fixed gives for a zero sum: no float64 copies of the whole tensor
+            total = torch.zeros(N, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
+            decoded = codec.from_fixed(torch.from_numpy(got), scale, dtype=total.dtype)
+            scatter_blocks(blocks, decoded.numpy().reshape(-1, k), total.numpy(), k)
             f.host_work("fresh", total.nbytes)
         return narrowed(total, out_dtype, "sparse-switch").to(device)     # the same sum, so the same error, everywhere
 
@@ -462,17 +470,15 @@ def own_blocks(x: torch.Tensor, own: np.ndarray, k: int) -> torch.Tensor:
     return out
 
 
-def scatter_blocks(blocks: list[int], results: list[np.ndarray], N: int, k: int) -> np.ndarray:
-    """The int32 sums of a ``N``-element job: block ``blocks[i]``'s values are ``results[i]``'s after the
-    header, every other block's zero."""
-    out = np.zeros(N, dtype=np.int32)
+def scatter_blocks(blocks: list[int], rows: np.ndarray, out: np.ndarray, k: int) -> None:
+    """Write ``rows[i]`` (``k`` values) as block ``blocks[i]`` of the flat ``out`` (the last block may be
+    partial: its first values); the other blocks are left as they are."""
     if not blocks:
-        return out
+        return
+    N = out.size
     full = N // k
     b = np.asarray(blocks, dtype=np.int64)
-    rows = np.stack(results)[:, HEADER:]
     inner = b < full
     out[:full * k].reshape(full, k)[b[inner]] = rows[inner]
     if not inner.all():                   # the partial last block
         out[full * k:] = rows[np.flatnonzero(~inner)[-1], :N - full * k]
-    return out
