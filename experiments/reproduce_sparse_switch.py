@@ -10,10 +10,14 @@ trips (control, look-ahead) cost more than the data.
 Experiments (100 Gbit/s, 2 us per hop; the switch is a per-port endpoint with the same links; dedicated
 OmniReduce aggregators, one per worker, with the workers' bandwidth):
 
-E1  time vs density (1, 0.5, 0.1, 0.01) and vs workers (2..64) for ring, switch (dense, <= 32 workers: its
-    32-bit bitmap), omnireduce colocated and dedicated, and sparse-switch, with the closed form
+E1  time vs density (1, 0.5, 0.1, 0.01) and vs workers (2..64, and 256) for ring, switch (dense; past 32
+    workers a bitmap of one 32-bit word per 32 workers), omnireduce colocated and dedicated (up to
+    ``--omni-max`` workers, default 64: OmniReduce sends ~5.5 n^2 messages a call, which at 256 workers would
+    take the default run past its time), and sparse-switch, with the closed form
     :func:`theory.costs.sparse_switch_allreduce` (with the data's measured union, own blocks and waves
-    of the stream; the expectation-only form in the CSV);
+    of the stream; the expectation-only form in the CSV). The ring's and the dense switch's modelled times
+    and bytes depend on the tensor's size, not on its values, so each is run once per ``(n, numel, pool)``
+    and shared by the densities and seeds of that point;
 E2  pool pressure: n = 8, density 1 and 0.1, pool 4..256 slots, sparse-switch against switch;
 E3  small tensors: n = 8, density 0.5, 1 KiB .. 1 MiB;
 E4  (``--netbed GBPS``, root, instead of E1-E3) the same five on real processes over a netbed at n = 4:
@@ -51,7 +55,7 @@ import torch
 
 import sparsecomm as sc
 from sparsecomm.transports.switchml.sparse.dataplane import MAX_WORKERS as SPARSE_MAX
-from sparsecomm.transports.switchml.dataplane import MAX_WORKERS as SWITCH_MAX
+from sparsecomm.transports.switchml.dataplane import WIDEST as SWITCH_MAX
 from sparsecomm.theory import costs
 
 from .common import cli, plots, report
@@ -66,6 +70,13 @@ LATENCY_US = 2.0
 BANDWIDTH = 100.0
 WALL_TIMEOUT_S = 900.0    # the SimFabric's wall-clock guard: 64 simulated endpoints in one process are slow
 TRANSPORTS = ("ring", "switch", "omni-colocated", "omni-dedicated", "sparse-switch")
+#: default workers of E1 (``--ns``)
+NS = (2, 4, 8, 16, 32, 64, 256)
+#: OmniReduce's points stop here by default (``--omni-max``)
+OMNI_MAX = 64
+#: the transports whose modelled time and bytes depend only on the tensor's size: run once per (n, numel, pool)
+SIZE_ONLY = ("ring", "switch")
+_size_only: dict[tuple, tuple[float, float]] = {}
 
 
 @dataclass
@@ -135,17 +146,24 @@ def _time(name: str, n: int, xs: list[torch.Tensor], pool: int, check: bool = Tr
 
 
 def run_point(n: int, density: float, *, numel: int = NUMEL, pool: int = POOL, overlap: str = "full",
-              seed: int = 0, transports=TRANSPORTS) -> Point:
+              seed: int = 0, transports=TRANSPORTS, omni_max: int | None = None) -> Point:
     xs = _data(n, numel, density, overlap, seed)
     ms = [np.asarray(x.view(-1, BLOCK).ne(0).any(1)) if numel % BLOCK == 0 else
           np.asarray(torch.nn.functional.pad(x, (0, -numel % BLOCK)).view(-1, BLOCK).ne(0).any(1)) for x in xs]
     union = np.logical_or.reduce(ms)
     p = Point(n, density, numel, pool, overlap, float(union.mean()), seed=seed)
     for t in transports:
-        if (t == "switch" and n > SWITCH_MAX) or (t == "sparse-switch" and n > SPARSE_MAX) or (t == "ring" and n == 1):
+        if ((t == "switch" and n > SWITCH_MAX) or (t == "sparse-switch" and n > SPARSE_MAX) or (t == "ring" and n == 1)
+                or (t.startswith("omni") and omni_max is not None and n > omni_max)):
             p.times_us[t] = float("nan")
             continue
-        tm, moved = _time(t, n, xs, pool)
+        if t in SIZE_ONLY:      # (its time does not depend on the values: once per size)
+            key = (t, n, numel, pool)
+            if key not in _size_only:
+                _size_only[key] = _time(t, n, xs, pool)
+            tm, moved = _size_only[key]
+        else:
+            tm, moved = _time(t, n, xs, pool)
         p.times_us[t] = tm
         if t == "sparse-switch":
             p.sparse_bytes = moved
@@ -189,13 +207,13 @@ def _seed_note(p: Point, seeds) -> str:
     return f" seed {p.seed}" if len(seeds) > 1 else ""
 
 
-def e1(ns, densities, numel, overlap, log=print, progress=_plain, seeds=(0,)) -> list[Point]:
+def e1(ns, densities, numel, overlap, log=print, progress=_plain, seeds=(0,), omni_max: int | None = None) -> list[Point]:
     log(f"\nE1: {numel * 4 / 2**20:g} MiB float32, block {BLOCK}, pool {POOL}, overlap={overlap}; modelled us")
     log(HEADER)
     points = []
     for d, n, sd in progress([(d, n, sd) for d in densities for n in ns for sd in seeds], desc="E1 points"):
         t0 = time.perf_counter()
-        p = run_point(n, d, numel=numel, overlap=overlap, seed=sd)
+        p = run_point(n, d, numel=numel, overlap=overlap, seed=sd, omni_max=omni_max)
         points.append(p)
         log(_row(p) + f"   ({time.perf_counter() - t0:.1f} s)" + _seed_note(p, seeds))
     return points
@@ -311,7 +329,7 @@ def summary(points: list[Point], ns, densities, log=print) -> None:
         row = [p for p in points if p.density == d]
         sp = [p.times_us["sparse-switch"] for p in row if p.times_us["sparse-switch"] == p.times_us["sparse-switch"]]
         sw = [p.times_us["switch"] for p in row if p.times_us["switch"] == p.times_us["switch"]]
-        od = [p.times_us["omni-dedicated"] for p in row]
+        od = [p.times_us["omni-dedicated"] for p in row if p.times_us["omni-dedicated"] == p.times_us["omni-dedicated"]]
         rg = [p.times_us["ring"] for p in row if p.times_us["ring"] == p.times_us["ring"]]
         log(f"  density {d:g}: max/min over n: sparse-switch {max(sp) / min(sp):.2f}, switch {max(sw) / min(sw):.2f}, "
             f"omni-dedicated {max(od) / min(od):.2f}, ring {max(rg) / min(rg):.2f}")
@@ -325,7 +343,7 @@ def summary(points: list[Point], ns, densities, log=print) -> None:
     for p in lost:
         s = p.times_us["sparse-switch"]
         log(f"    d={p.density:g} n={p.n}: {p.winner} {p.times_us[p.winner]:.1f} us vs sparse-switch "
-            + (f"{s:.1f} us ({s / p.times_us[p.winner]:.2f}x)" if s == s else "n/a (more than 64 workers)"))
+            + (f"{s:.1f} us ({s / p.times_us[p.winner]:.2f}x)" if s == s else f"n/a (more than {SPARSE_MAX} workers)"))
     errs = [abs(p.error) for p in points if p.error == p.error]
     ratios = [p.sparse_bytes / p.ideal_bytes for p in points if p.sparse_bytes == p.sparse_bytes]
     if ratios:
@@ -427,7 +445,10 @@ def main(argv=None) -> dict:
     ap = U.parser("python -m experiments.reproduce_sparse_switch", __doc__)
     ap.add_argument("--overlap", choices=("full", "random"), default="full")
     ap.add_argument("--numel", type=int, default=None, help=f"float32 elements (default {NUMEL}; quick: 65536)")
-    ap.add_argument("--ns", type=int, nargs="+", default=None, help="workers (default 2 .. 64)")
+    ap.add_argument("--ns", type=int, nargs="+", default=None,
+                    help=f"workers (default {' '.join(map(str, NS))}; quick: 2 4 8)")
+    ap.add_argument("--omni-max", type=int, default=OMNI_MAX,
+                    help=f"E1: OmniReduce's points only up to this many workers (default {OMNI_MAX})")
     ap.add_argument("--densities", type=float, nargs="+", default=None, help="default 1 0.5 0.1 0.01")
     ap.add_argument("--skip-extra", action="store_true", help="E1 only")
     ap.add_argument("--netbed", type=float, default=None, metavar="GBPS",
@@ -439,7 +460,7 @@ def main(argv=None) -> dict:
     seeds = S.seeds_of(ap, args)
     if args.netbed is not None and len(seeds) > 1:
         ap.error("--seeds applies to the simulated E1-E3; --netbed (E4) measures one draw: leave --seeds out")
-    ns = args.ns or ([2, 4, 8] if args.quick else [2, 4, 8, 16, 32, 64])
+    ns = args.ns or ([2, 4, 8] if args.quick else list(NS))
     densities = args.densities or ([1.0, 0.1, 0.01] if args.quick else [1.0, 0.5, 0.1, 0.01])
     numel = args.numel or (1 << 16 if args.quick else NUMEL)
     R = U.Run("reproduce_sparse_switch", args, dict(ns=ns, densities=densities, numel=numel, overlap=args.overlap,
@@ -456,7 +477,7 @@ def main(argv=None) -> dict:
         print(f"total {time.perf_counter() - t0:.0f} s")
         R.finish({"E4": rows})
         return {"E4": rows}
-    points = e1(ns, densities, numel, args.overlap, progress=R.progress, seeds=seeds)
+    points = e1(ns, densities, numel, args.overlap, progress=R.progress, seeds=seeds, omni_max=args.omni_max)
     if len(seeds) > 1:
         print(f"\nE1 over {len(seeds)} position seeds ({seeds[0]}..{seeds[-1]}): modelled us, mean ± std")
         print(seeds_table(points))

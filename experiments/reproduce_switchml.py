@@ -2,7 +2,8 @@
 
 Three experiments, each against the closed forms of ``theory/costs.py``:
 
-E1  time vs number of workers: the switch's all-reduce time is flat in ``n`` (every worker sends and
+E1  time vs number of workers (2..16 and 256; past 32 the switch's bitmap has one 32-bit word per 32
+    workers): the switch's all-reduce time is flat in ``n`` (every worker sends and
     receives the data once), the ring's grows towards 2x the data (2 (n-1)/n) plus 2 (n-1) latencies.
     SwitchML's claim: throughput constant in the number of workers (p4app-switchML README; ~2.8e9
     elements/s at 4/8/16 workers at 100 Gb/s vs NCCL 1.38/1.25/0.97e9).
@@ -54,7 +55,7 @@ def _run(transport: str, n: int, numel: int, net: sc.Network, seed: int, **kw) -
 
 def e1_workers(args, R, net_kw) -> dict:
     numel = 256 * (256 if args.quick else 1024)
-    ns = [2, 4, 8] if args.quick else [2, 4, 8, 16]
+    ns = [2, 4, 8] if args.quick else [2, 4, 8, 16, 256]
     sw = dict(pool_size=64, slot_elems=256)
     rows = []
     print(f"\nE1: all-reduce of {numel * 4 / 2**20:.2f} MiB float32, switch (pool 64, 256-element packets) vs ring")

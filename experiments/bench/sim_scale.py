@@ -21,6 +21,8 @@ library's defaults; 1% of the blocks non-zero, the same on every worker, or all 
 transport's worker limit is printed as ``n/a``; a point whose wall time, projected from the
 transport's previous point as ``wall * (n / n_prev)^3`` (messages grow as n^2, and an endpoint's
 scheduler works per message over its n peers), exceeds ``--max-wall`` seconds (default 600) is skipped.
+``--no-ring`` leaves the ring out (it runs first at every ``n`` otherwise, for the ratio column);
+``--shared-input`` gives every worker the same input tensor rather than a copy each.
 """
 
 from __future__ import annotations
@@ -48,20 +50,21 @@ TRANSPORTS = {
 }
 
 
-def _rank(ctx, name: str, kw: dict, x: torch.Tensor):
+def _rank(ctx, name: str, kw: dict, x: torch.Tensor, shared: bool = False):
     t = sc.transports.get(name, ctx.fabric, **kw)
-    t.allreduce(x.clone())
+    t.allreduce(x if shared else x.clone())
     return t.last_stats.modelled_time_s, ctx.fabric.world if ctx.rank == 0 else None
 
 
-def measure(label: str, n: int, numel: int, gbps: float = 100.0) -> tuple[float, int, float]:
+def measure(label: str, n: int, numel: int, gbps: float = 100.0, shared: bool = False) -> tuple[float, int, float]:
     """``(wall seconds, simulated messages, modelled seconds)`` of one all-reduce of transport ``label``
-    on ``n`` simulated workers."""
+    on ``n`` simulated workers; ``shared``: every worker passes the same input tensor (no copy per worker;
+    only for a transport that does not write its input)."""
     name, kw, density, _ = TRANSPORTS[label]
     x = block_sparse(numel, density, 256, seed=1)    # the same blocks on every worker
     net = sc.Network(bandwidth_gbps=gbps, latency_us=2.0, timeout_s=3600.0)
     t0 = time.perf_counter()
-    res = sc.launch(functools.partial(_rank, name=name, kw=kw, x=x), n, backend="sim", network=net)
+    res = sc.launch(functools.partial(_rank, name=name, kw=kw, x=x, shared=shared), n, backend="sim", network=net)
     wall = time.perf_counter() - t0
     msgs = sum(ep.stats.messages for ep in res[0][1].endpoints)
     return wall, msgs, max(r[0] for r in res)
@@ -78,9 +81,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--transports", nargs="+", default=list(TRANSPORTS), choices=list(TRANSPORTS))
     ap.add_argument("--numel", type=int, default=1 << 20)
     ap.add_argument("--max-wall", type=float, default=600.0)
+    ap.add_argument("--no-ring", action="store_true",
+                    help="leave the ring out unless named in --transports (no ratio column): a switch alone at n = 1024, "
+                         "where the ring's point takes ~10 GB and minutes")
+    ap.add_argument("--shared-input", action="store_true",
+                    help="every worker passes the same input tensor instead of its own copy (4 MiB a worker at 1M "
+                         "elements: 4 GiB at n = 1024); for transports that do not write their input (not "
+                         "inplace ones)")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
-    labels = ["ring"] + [t for t in a.transports if t != "ring"]
+    labels = ([] if a.no_ring and "ring" not in a.transports else ["ring"]) + [t for t in a.transports if t != "ring"]
     for label in labels:     # warm-up: imports and compiled kernels, not timed
         measure(label, 2, 4096)
     print(f"{a.numel} float32, 100 Gbit/s, 2 us; wall = one launch")
@@ -100,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
                 est = last[label][1] * (n / last[label][0]) ** 3
                 print(f"{label:>17} {n:>4} | {'skipped':>8}   (projected {est:.0f} s > --max-wall)", flush=True)
                 continue
-            wall, msgs, modelled = measure(label, n, a.numel)
+            wall, msgs, modelled = measure(label, n, a.numel, shared=a.shared_input)
             last[label] = (n, wall)
             per = wall / msgs
             ring_per = per if label == "ring" else ring_per

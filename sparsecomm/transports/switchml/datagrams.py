@@ -10,6 +10,7 @@ says so with two requests:
   on SimFabric a flush right after it is a blocking send: the sender's clock advances to the end of its
   transmission, the worker NIC's serialisation). ``hold=None``: nothing of the sender ever waits for it (a
   switch's port, which replies and goes on: its transmission holds back nothing else of the switch).
+- :class:`Multicast`: a :class:`Datagram` with ``hold=None`` to each of several endpoints, one request.
 - :class:`RecvBy`: a :class:`~sparsecomm.fabric.roles.Recv` of one message with a deadline: the role is
   resumed once the message is in, or once ``timeout`` seconds (modelled seconds on SimFabric, wall seconds
   elsewhere) have passed, whichever comes first. It then asks ``inbox.ready(key)``: if the message is in,
@@ -31,7 +32,7 @@ import torch
 
 from ...fabric.roles import AwaitWithin, Inbox, Outbox, Recv, Spawn, Stage
 
-__all__ = ["Datagram", "RecvBy", "drive"]
+__all__ = ["Datagram", "Multicast", "RecvBy", "drive"]
 
 
 class Datagram(NamedTuple):
@@ -43,6 +44,16 @@ class Datagram(NamedTuple):
     dst: int
     tag: int
     hold: object = None
+
+
+class Multicast(NamedTuple):
+    """Send ``buf`` to each endpoint of ``dsts``, in order, on ``tag``: a :class:`Datagram` with ``hold=None``
+    per destination (a switch's multicast: its ports transmit in parallel and nothing waits for them), as one
+    request rather than one per destination."""
+
+    buf: torch.Tensor
+    dsts: range
+    tag: int
 
 
 class RecvBy(NamedTuple):
@@ -76,6 +87,14 @@ def _adapt(fabric, inbox: Inbox, outbox: Outbox, role):
         t = type(req)
         if t is Datagram:
             _send(fabric, outbox, req)
+        elif t is Multicast:
+            buf, tag = req.buf, req.tag
+            if fabric.modelled_time:        # (_send's case of a datagram nothing waits for, inline)
+                for dst in req.dsts:
+                    fabric.isend(buf, dst, tag, reliable=False)
+            else:
+                for dst in req.dsts:
+                    _send(fabric, outbox, Datagram(buf, dst, tag))
         elif t is RecvBy:
             if req.timeout is None:
                 yield Recv((req.key,), req.stage)

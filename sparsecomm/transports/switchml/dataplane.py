@@ -354,13 +354,13 @@ class Dataplane:
         cap = data if burst is None else -(-data // burst) * burst
         mc = np.empty((cap, width), dtype=np.int32)
         uc = np.empty((cap, width), dtype=np.int32)
-        nmc, nuc, _ = self.execute(rows, mc, uc)
+        nmc, nuc, _ = self.execute(rows, mc, uc, alias=False)
         if burst is None:
             return mc[:nmc], uc[:nuc]
         return split_messages(mc, nmc, burst), split_messages(uc, nuc, burst)
 
     def execute(self, rows: np.ndarray, mc: np.ndarray, uc: np.ndarray, scratch: np.ndarray | None = None,
-                clear: bool = False):
+                clear: bool = False, alias: bool | None = None):
         """:meth:`process` into the caller's reply buffers (int32, C-contiguous, as wide as ``rows`` and
         at least as many rows as ``rows`` has data rows, e.g. ``len(rows)``): the service's path, with
         reply buffers it reuses. Returns (multicast rows, unicast rows) written from the front, and how
@@ -369,12 +369,14 @@ class Dataplane:
         posted again; the audit still sees the rows' other fields). ``mc`` may be ``rows`` itself (or the
         buffer it is the front of): result ``k`` is written over row ``k``, which the program has read by
         then (``k`` never exceeds the row it answers); the audit, which reads the rows afterwards, then
-        sees results instead (the service keeps separate buffers when it is on)."""
+        sees results instead (the service keeps separate buffers when it is on). ``alias``: whether ``mc`` starts
+        at ``rows``' first row, if the caller knows (``None``: found out here)."""
         k = rows.shape[0]
         new = scratch[:k] if scratch is not None and len(scratch) >= k else np.empty(k, dtype=np.uint8)
         counters = np.zeros(len(COUNTERS), dtype=np.int64)
-        alias = bool(mc.shape[1] == rows.shape[1] and mc.__array_interface__["data"][0]
-                     == rows.__array_interface__["data"][0])
+        if alias is None:
+            alias = bool(mc.shape[1] == rows.shape[1] and mc.__array_interface__["data"][0]
+                         == rows.__array_interface__["data"][0])
         nmc, nuc = _program(rows, self.values, self._bitmap, self.count, self.exponent,
                             self.world if self.world is not None else 0, mc, uc, new, counters, clear, alias)
         for name, c in zip(COUNTERS, counters.tolist()):

@@ -56,7 +56,7 @@ from ...fabric.base import Fabric
 from ...fabric.roles import Inbox, Outbox, Pool, PostInto, Recv, Send, Step
 from .dataplane import (F_TYPE, HEADER, RECV_SLACK, T_EMPTY, T_SHORT, TAG_DOWN, TAG_UP, Dataplane, SwitchConfig,
                         rejection, short_extent, short_frame, short_rows, split_messages)
-from .datagrams import Datagram, drive, drive_process
+from .datagrams import Datagram, Multicast, drive, drive_process
 
 #: receives each port keeps posted from its worker (real fabrics)
 PORT_DEPTH = 16
@@ -119,7 +119,10 @@ def switch_role(dp: Dataplane, inbox: Inbox):
             continue
         before = dp.stats["malformed"]
         packets = int(np.count_nonzero(arr[:, F_TYPE] != T_EMPTY))     # a burst's padding is no packet
-        if padded:
+        if padded and burst == 1:        # (the paper's datagrams, one packet each: its replies as they are)
+            mc, uc = dp.process(arr)
+            mcast, ucast = [mc] if len(mc) else (), [uc] if len(uc) else ()
+        elif padded:
             mcast, ucast = dp.process(arr, burst)
         else:           # messages as long as their packets, both ways (a host model's real fabric defaults)
             used = np.flatnonzero(arr[:, F_TYPE])
@@ -133,9 +136,7 @@ def switch_role(dp: Dataplane, inbox: Inbox):
             for dst in range(dp.world):
                 yield Send(notice, dst, TAG_DOWN)
         for msg in mcast:
-            msg = torch.from_numpy(msg)
-            for dst in range(dp.world):
-                yield Datagram(msg, dst, TAG_DOWN)
+            yield Multicast(torch.from_numpy(msg), range(dp.world), TAG_DOWN)
         for msg in ucast:
             yield Datagram(torch.from_numpy(msg), src, TAG_DOWN)
 

@@ -137,7 +137,7 @@ import numpy as np
 import torch
 
 from .... import codec
-from ....errors import IncompatibleError, InvalidValueError, ProtocolError
+from ....errors import IncompatibleError, InvalidValueError, ProtocolError, SparseCommError
 from ....fabric.base import Fabric
 from ..._guards import all_finite, check_dtype
 from ..._handshake import check_agreement
@@ -309,6 +309,7 @@ class SparseSwitch(Transport):
                 self.last_fixed = None
                 return torch.zeros(0, dtype=out_dtype, device=device)
             mask = codec.nonzero_blocks(x, k)
+            own = np.flatnonzero(mask.numpy())      # this worker's non-zero blocks: the only ones it encodes
             L = min(self.pool_size, nb)
             la = codec.next_nonzero(mask, L)
             lanes = np.arange(L, dtype=np.int64)
@@ -323,23 +324,39 @@ class SparseSwitch(Transport):
                                         f"[{max(EXP_FLOOR, e)}, {EXP_CEIL}] (this worker's own is {e}; forged or "
                                         f"corrupted packet)")
                 scale = float(codec.scale_from_exponents(torch.tensor([E]), n)[0])
-                xp = torch.zeros(nb * k, dtype=x.dtype)
-                xp[:N] = x
+                # the host model charges the padded copy and the codes of the whole tensor it was calibrated
+                # on (sim_host); the codes of this worker's own blocks are all that is encoded (the same codes:
+                # the rounding is per element), so a worker holds O(its non-zero blocks), not O(numel)
                 f.host_work("copy", x.nbytes)
-                f.host_work("fresh", xp.nbytes)
-                codes = codec.to_fixed(xp, scale).numpy().reshape(nb, k)
+                f.host_work("fresh", nb * k * x.element_size())
+                xo = own_blocks(x, own, k)
+                try:
+                    codes = codec.to_fixed(xo, scale).numpy().reshape(-1, k)
+                except SparseCommError:     # (raised again on the whole tensor: the error names its element)
+                    xp = torch.zeros(nb * k, dtype=x.dtype)
+                    xp[:N] = x
+                    codec.to_fixed(xp, scale)
+                    raise
+                del xo
             else:
-                codes = np.zeros((nb, k), dtype=np.int32)
-                codes.reshape(-1)[:N] = x.to(torch.int32).numpy()
-            f.host_work("fresh", codes.nbytes)              # (a temporary allocated per call: sim_host)
+                codes = own_blocks(x, own, k).to(torch.int32).numpy().reshape(-1, k)
+            f.host_work("fresh", nb * k * 4)               # (a temporary allocated per call: sim_host)
             # ---- stream: only the union's blocks, one round each
-            sums = self._stream(codes, mask.numpy(), la.next.numpy(), first, start, L, nb)
-            q = fresh_copy(f, torch.from_numpy(sums.reshape(-1)[:N].copy()))
+            blocks, results = self._stream(codes, own, la.next.numpy(), first, start, L, nb)
+            got = np.stack(results)[:, HEADER:] if results else np.zeros((0, k), dtype=np.int32)
+            del results
+            sums = np.zeros(N, dtype=np.int32)
+            scatter_blocks(blocks, got, sums, k)
+            q = fresh_copy(f, torch.from_numpy(sums))
             if mode == MODE_INT:
                 self.last_fixed = None
                 return q.to(device=device, dtype=out_dtype)
             self.last_fixed = FixedResult(q, E, scale)
-            total = codec.from_fixed(q, scale, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
+            # the union's blocks decoded (codec.from_fixed, the same values), every other element 0.0 as
+            # from_fixed gives for a zero sum: no float64 copies of the whole tensor
+            total = torch.zeros(N, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
+            decoded = codec.from_fixed(torch.from_numpy(got), scale, dtype=total.dtype)
+            scatter_blocks(blocks, decoded.numpy().reshape(-1, k), total.numpy(), k)
             f.host_work("fresh", total.nbytes)
         return narrowed(total, out_dtype, "sparse-switch").to(device)     # the same sum, so the same error, everywhere
 
@@ -388,43 +405,80 @@ class SparseSwitch(Transport):
         return out.reshape(-1)[:vec.size].astype(np.int64)
 
     # ================================================================== phase 3: the block stream
-    def _stream(self, codes: np.ndarray, mask: np.ndarray, nxt_block: np.ndarray, first: np.ndarray,
-                start: np.ndarray, L: int, nb: int) -> np.ndarray:
-        """Stream the union's blocks through ``L`` lanes; return the int32 sums ``[nb, k]``."""
+    def _stream(self, codes: np.ndarray, own: np.ndarray, nxt_block: np.ndarray, first: np.ndarray,
+                start: np.ndarray, L: int, nb: int) -> tuple[list[int], list[np.ndarray]]:
+        """Stream the union's blocks through ``L`` lanes (``codes[i]``: block ``own[i]``'s, this worker's
+        non-zero blocks); return the blocks summed and their results (rows, the sums after the header)."""
         P = -(-nb // L)                       # positions per lane
         if ((start < 0) | ((start >= P) & (start != NONE)) | ((start > first) & (first != NONE))).any():
             raise ProtocolError("sparse-switch: the look-ahead round returned a lane start that no worker "
                                 "can have announced (forged or corrupted packet)")
-        sums = np.zeros((nb, self.k), dtype=np.int32)
-        self.fabric.host_work("fresh", sums.nbytes)         # (allocated per call: sim_host)
-        mine = first.copy()                   # my next non-zero position per lane (NONE: none)
-        cur = start.copy()                    # the lane's current position
-        slots = self.slots.lane_slots(L, self.pool_size)
+        self.fabric.host_work("fresh", nb * self.k * 4)     # (the sums, allocated per call as calibrated: sim_host)
+        row_of = np.full(nb, -1, dtype=np.int64)
+        row_of[own] = np.arange(len(own))     # block -> its row of codes
+        mine = first.tolist()                 # my next non-zero position per lane (NONE: none)
+        cur = start.tolist()                  # the lane's current position
+        nxt_of = nxt_block.tolist()
+        slot_of = self.slots.lane_slots(L, self.pool_size)
+        slots = slot_of.tolist()
         info = {"data": 0, "skips": 0}
+        blocks: list[int] = []
+        results: list[np.ndarray] = []
+        packet = self.rounds.packet
 
         def lane_packet(j: int) -> np.ndarray:
-            q = int(cur[j])
+            q = cur[j]
             if mine[j] == q:
                 b = j + q * L
-                nxt = to_pos(nxt_block[b:b + 1], np.array([j]), L, nb)[0]
-                mine[j] = nxt
+                following = nxt_of[b]             # the lane's next non-zero block, as a position
+                mine[j] = nxt = NONE if following >= nb else (following - j) // L
                 info["data"] += 1
-                return self.rounds.packet(T_DATA, int(slots[j]), q, int(nxt), codes[b])
+                return packet(T_DATA, slots[j], q, nxt, codes[row_of[b]])
             info["skips"] += 1
-            return self.rounds.packet(T_SKIP, int(slots[j]), q, int(mine[j]))
+            return packet(T_SKIP, slots[j], q, mine[j])
 
         def on_result(j: int, res: np.ndarray):
-            q, m = int(cur[j]), int(res[F_NEXT])
+            q, m = cur[j], int(res[F_NEXT])
             if not (q < m and (m == NONE or m < P)) or m > mine[j]:
                 raise ProtocolError(f"sparse-switch: lane {j}'s result announces next position {m} after {q}, "
                                     f"which skips this worker's block at {mine[j]} or leaves the lane "
                                     f"(forged or corrupted packet)")
-            sums[j + q * L] = res[HEADER:]
+            blocks.append(j + q * L)
+            results.append(res)
             cur[j] = m
             return None if m == NONE else lane_packet(j)
 
         active = np.flatnonzero(start != NONE)
-        self.rounds.run(slots[active], [lane_packet(int(j)) for j in active], on_result, "stream", lanes=active)
+        self.rounds.run(slot_of[active], [lane_packet(int(j)) for j in active], on_result, "stream", lanes=active)
         self.rounds.info["stream"].update(info)
         self.slots.rotate(1, self.pool_size)
-        return sums
+        return blocks, results
+
+
+def own_blocks(x: torch.Tensor, own: np.ndarray, k: int) -> torch.Tensor:
+    """The elements of blocks ``own`` (increasing block ids) of the flat tensor ``x``, ``k`` per block, in
+    order; past the end of ``x`` zeros (the last block may be partial)."""
+    N = x.numel()
+    full = N // k
+    out = torch.zeros(len(own) * k, dtype=x.dtype)
+    rows = out.view(len(own), k)
+    m = int(np.searchsorted(own, full))   # the blocks before the partial one
+    if m:
+        torch.index_select(x[:full * k].view(full, k), 0, torch.from_numpy(own[:m]), out=rows[:m])
+    if m < len(own):
+        rows[m, :N - full * k] = x[full * k:]
+    return out
+
+
+def scatter_blocks(blocks: list[int], rows: np.ndarray, out: np.ndarray, k: int) -> None:
+    """Write ``rows[i]`` (``k`` values) as block ``blocks[i]`` of the flat ``out`` (the last block may be
+    partial: its first values); the other blocks are left as they are."""
+    if not blocks:
+        return
+    N = out.size
+    full = N // k
+    b = np.asarray(blocks, dtype=np.int64)
+    inner = b < full
+    out[:full * k].reshape(full, k)[b[inner]] = rows[inner]
+    if not inner.all():                   # the partial last block
+        out[full * k:] = rows[np.flatnonzero(~inner)[-1], :N - full * k]

@@ -62,13 +62,14 @@ from typing import Callable, Generator, NamedTuple
 
 import numpy as np
 import torch
+from numba import njit
 
 from ....fabric import services
 from ....fabric.base import Fabric
 from ....fabric.roles import Inbox, Outbox, Pool, Step
 from ....errors import InvalidValueError
 from ... import defaults
-from .requests import Datagram, RecvFor, lowered
+from .requests import Datagrams, RecvFor, lowered
 
 # ----------------------------------------------------------------------------- wire format
 W0, F_SLOT, F_POS, F_NEXT = range(4)
@@ -102,8 +103,11 @@ JOB_MASK = 0xFFF
 MAX_BURST = 1024                  # packets per fabric message at most
 _SERVICE_KEEP = 256               # the switch's replies left unreaped (real fabrics)
 
-_TYPE_BITS, _SET_SHIFT, _WORKER_SHIFT, _NW_SHIFT, _JOB_SHIFT = 0x7, 3, 4, 10, 17
-_SLOT_BITS, _WORKER_HI, _NW_HI, _HI_BITS = 0xFFFF, 16, 21, 0x1F    # the SLOT word: slot, high bits of worker, n
+#: fields of the header a worker reads from every result: ``W0 & KIND_BITS`` its type, ``(W0 >> SET_SHIFT) & 1``
+#: its set, ``(W0 >> JOB_SHIFT) & JOB_MASK`` its job, ``SLOT & SLOT_BITS`` its slot (:class:`Header`)
+KIND_BITS, SET_SHIFT, JOB_SHIFT, SLOT_BITS = 0x7, 3, 17, 0xFFFF
+_TYPE_BITS, _SET_SHIFT, _WORKER_SHIFT, _NW_SHIFT, _JOB_SHIFT = KIND_BITS, SET_SHIFT, 4, 10, JOB_SHIFT
+_SLOT_BITS, _WORKER_HI, _NW_HI, _HI_BITS = SLOT_BITS, 16, 21, 0x1F    # the SLOT word: slot, high bits of worker, n
 
 
 def registers(workers: int = WORD) -> dict:
@@ -221,6 +225,92 @@ class SparseSwitchConfig:
         return services.parse_config(cls, "sparse-switch", arg, bare="elems")
 
 
+
+# ----------------------------------------------------------------------------- the program, compiled
+#: what :func:`_program` did with a packet (its return value's low byte), and the counter it adds to
+_MALFORMED, _OUT_OF_STEP, _CONSUMED, _DUPLICATE, _DROPPED = range(5)
+_EVENTS = ("malformed", "out_of_step", "consumed", "retransmit", "dropped")
+#: flags of a consumed packet: it completed the round (multicast), the round held no data, an add wrapped
+_COMPLETE, _EMPTY, _OVERFLOW = 1 << 9, 1 << 10, 1 << 11
+
+
+@njit(cache=True, nogil=True)
+def _program(row, values, seen, count, nxt, pos, held, width, world):  # pragma: no cover - numba
+    """The per-packet action of the module docstring on ``row`` (int32: a header, or a header and ``k``
+    values) against the registers; ``width``: the bitmap's bits, ``world``: the job's workers (-1: not
+    known). Returns ``event | set << 8 | flags | slot << 16``: the event (:data:`_EVENTS`: malformed,
+    out of step, consumed, a duplicate after completion -- to be answered with the stored result -- or
+    dropped), the packet's set and slot where it was parsed, and for a consumed packet the flags
+    :data:`_COMPLETE` (multicast the result), :data:`_EMPTY` (a completed round without data) and
+    :data:`_OVERFLOW` (an add wrapped, as the hardware's: the agreed scale prevents it). A malformed or
+    out-of-step packet changes no register."""
+    slots, elems = values.shape[0], values.shape[2]
+    w0 = np.int64(row[0])
+    kind = w0 & 0x7
+    v = (w0 >> 3) & 1
+    sw = np.int64(row[1]) & 0xFFFFFFFF
+    w = ((w0 >> 4) & 0x3F) | (((sw >> 16) & 0x1F) << 6)
+    n = ((w0 >> 10) & 0x7F) | (((sw >> 21) & 0x1F) << 7)
+    slot = sw & 0xFFFF
+    p = np.int64(row[2])
+    m = np.int64(row[3])
+    skip = kind == 2
+    if not ((kind == 1 or kind == 2 or kind == 3) and slot < slots and 0 <= w and w < n and n <= width
+            and (sw >> 26) == 0 and (world < 0 or n == world) and row.shape[0] == (4 if skip else 4 + elems)
+            and 0 <= p and (kind == 3 or p < m)):
+        return 0
+    tag = (v << 8) | (slot << 16)
+    u = w >> 6
+    bit = np.uint64(1) << np.uint64(w & 63)
+    before = seen[slot, v, u]
+    c = count[slot, v]
+    if c != 0 and (before & bit) == 0 and pos[slot, v] != p:
+        return 1 | tag
+    seen[slot, v, u] = before | bit
+    seen[slot, 1 - v, u] &= ~bit
+    if (before & bit) != 0:
+        return (3 if c == 0 else 4) | tag
+    acc = values[slot, v]
+    flags = 0
+    if c == 0:                                # the round's first packet (module docstring)
+        if skip:
+            for j in range(elems):
+                acc[j] = 0
+        else:
+            for j in range(elems):
+                acc[j] = row[4 + j]
+        nxt[slot, v] = m
+        pos[slot, v] = p
+        held[slot, v] = not skip
+        count[slot, v] = n - 1
+    else:
+        if kind == 3:                         # MIN
+            for j in range(elems):
+                b = row[4 + j]
+                if b < acc[j]:
+                    acc[j] = b
+        elif kind == 1:                       # add, wrapping as the hardware's; wrapped iff both addends'
+            wrapped = np.int32(0)             # signs differ from the sum's
+            for j in range(elems):
+                a = acc[j]
+                b = row[4 + j]
+                s = np.int32(np.uint32(a) + np.uint32(b))
+                wrapped |= (a ^ s) & (b ^ s)
+                acc[j] = s
+            if wrapped < 0:
+                flags |= 1 << 11
+        if m < nxt[slot, v]:
+            nxt[slot, v] = m
+        if not skip:
+            held[slot, v] = True
+        count[slot, v] = c - 1
+    if count[slot, v] == 0:
+        flags |= 1 << 9
+        if not held[slot, v]:
+            flags |= 1 << 10
+    return 2 | tag | flags
+
+
 class Dataplane:
     """Registers and the per-packet action of the sparse switch (module docstring)."""
 
@@ -278,69 +368,51 @@ class Dataplane:
     def process(self, row: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
         """Run the program on one packet (a header, or a header and ``k`` values); returns
         ``(row to multicast, row to unicast)``, either ``None``. Malformed packets are dropped and
-        counted (``stats["malformed"]``), as a parser drops what it cannot match."""
+        counted (``stats["malformed"]``), as a parser drops what it cannot match. The registers' part is
+        one compiled call (:func:`_program`); a result row is built by :meth:`_result`."""
         cfg = self.config
-        h = Header.of(row)
-        kind, v, w, n, slot, p, m = h.kind, h.set, h.worker, h.n, h.slot, h.pos, h.next
-        width = row.shape[0]
-        ok = (kind in TYPES_UP and 0 <= slot < cfg.slots and 0 <= w < n <= cfg.width and h.rest == 0
-              and (self.world is None or n == self.world)
-              and width == (HEADER if kind == T_SKIP else HEADER + cfg.elems)
-              and 0 <= p and (kind == T_MIN or p < m))
-        self.stats["packets"] += 1
-        if not ok:
-            self.stats["malformed"] += 1
+        if row.dtype != np.int32 or row.ndim != 1:
+            row = np.ascontiguousarray(row, dtype=np.int32).reshape(-1)
+        world = self.world
+        code = _program(row, self.values, self.seen, self.count, self.nxt, self.pos, self.held, cfg.width,
+                        -1 if world is None else world)
+        stats = self.stats
+        stats["packets"] += 1
+        event = code & 0xFF
+        stats[_EVENTS[event]] += 1
+        if event == _MALFORMED:
             return None, None
-        u, bit = w // WORD, np.uint64(1 << (w % WORD))
-        before = self.seen[slot, v, u]
-        if self.count[slot, v] and not before & bit and self.pos[slot, v] != p:
-            self.stats["out_of_step"] += 1       # a packet for another round of this set: refused
-            self.refused = (slot, p, int(self.pos[slot, v]), int(before), u)
+        if event == _OUT_OF_STEP:            # (the registers as the program found them: it changed none)
+            h = Header.of(row)
+            slot, v, u = h.slot, h.set, h.worker // WORD
+            self.refused = (slot, h.pos, int(self.pos[slot, v]), int(self.seen[slot, v, u]), u)
             return None, None
-        self.seen[slot, v, u] = before | bit
-        self.seen[slot, 1 - v, u] &= ~bit
-        if not before & bit:
-            vec = row[HEADER:]
-            if self.count[slot, v] == 0:         # the round's first packet (module docstring)
-                if kind == T_SKIP:
-                    self.values[slot, v] = 0
-                else:
-                    self.values[slot, v] = vec
-                self.nxt[slot, v], self.pos[slot, v] = m, p
-                self.held[slot, v] = kind != T_SKIP
-                self.count[slot, v] = n - 1
-            else:
-                acc = self.values[slot, v]
-                if kind == T_MIN:
-                    np.minimum(acc, vec, out=acc)
-                elif kind == T_DATA:
-                    wide = acc.astype(np.int64) + vec
-                    if wide.max(initial=0) > 2**31 - 1 or wide.min(initial=0) < -(2**31):
-                        self.stats["overflow"] += 1   # hardware wraps; the agreed scale prevents it
-                    acc += vec
-                if m < self.nxt[slot, v]:
-                    self.nxt[slot, v] = m
-                self.held[slot, v] |= kind != T_SKIP
-                self.count[slot, v] -= 1
-            self.stats["consumed"] += 1
+        if event == _DUPLICATE:
+            return None, self._result(row, code >> 16, (code >> 8) & 1, T_RETRANSMIT)
+        if event == _CONSUMED:
+            if code & _OVERFLOW:
+                stats["overflow"] += 1       # hardware wraps; the agreed scale prevents it
             if self.audit is not None:
-                self.audit[(h.job, kind == T_MIN, slot, p, w)] += 1
-            if self.count[slot, v] == 0:
-                if not self.held[slot, v]:
-                    self.stats["empty"] += 1
-                self.stats["multicast"] += 1
-                return self._result(row, slot, v, T_RESULT), None
-            return None, None
-        if self.count[slot, v] == 0:
-            self.stats["retransmit"] += 1
-            return None, self._result(row, slot, v, T_RETRANSMIT)
-        self.stats["dropped"] += 1
+                h = Header.of(row)
+                self.audit[(h.job, h.kind == T_MIN, h.slot, h.pos, h.worker)] += 1
+            if code & _COMPLETE:
+                if code & _EMPTY:
+                    stats["empty"] += 1
+                stats["multicast"] += 1
+                return self._result(row, code >> 16, (code >> 8) & 1, T_RESULT), None
         return None, None
 
     def _result(self, row: np.ndarray, slot: int, v: int, kind: int) -> np.ndarray:
+        """The result of ``slot``'s set ``v`` (its registers) as a ``kind`` row answering packet ``row``: the
+        packet's header with the type, set, slot, the round's position and its next position, then the
+        values."""
         out = np.empty(HEADER + self.config.elems, dtype=np.int32)
-        h = Header.of(row)
-        h._replace(kind=kind, set=v, slot=slot, pos=int(self.pos[slot, v]), next=int(self.nxt[slot, v])).write(out)
+        w0, sw = int(row[W0]), int(row[F_SLOT]) & 0xFFFFFFFF
+        out[W0] = (kind | (v << _SET_SHIFT) | (w0 & ((0x3F << _WORKER_SHIFT) | (0x7F << _NW_SHIFT)
+                                                      | (JOB_MASK << _JOB_SHIFT))))
+        out[F_SLOT] = slot | (sw & ((_HI_BITS << _WORKER_HI) | (_HI_BITS << _NW_HI)))
+        out[F_POS] = self.pos[slot, v]
+        out[F_NEXT] = self.nxt[slot, v]
         out[HEADER:] = self.values[slot, v]
         return out
 
@@ -403,8 +475,8 @@ class Dataplane:
             fabric.host_work("sparse_switch_value", sum(r.size > HEADER for r in rows))
             sends, results = self.replies(rows, src, K, single, sim)
             fabric.host_work("sparse_switch_result", results)
-            for msg, dst, reliable in sends:
-                yield Datagram(msg, dst, TAG_DOWN, reliable=reliable, tracked=not sim)
+            if sends:
+                yield Datagrams(sends, TAG_DOWN, tracked=not sim)
 
     @staticmethod
     def packets(arr: np.ndarray) -> list[np.ndarray]:

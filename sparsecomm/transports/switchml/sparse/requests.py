@@ -6,7 +6,8 @@ sends again (SwitchML's loss recovery), and the switch's ports transmit in paral
 waits for its replies. :class:`~sparsecomm.fabric.roles.Send` is reliable and always waited for, and
 :class:`~sparsecomm.fabric.roles.Recv` has no timer, hence:
 
-- :class:`Datagram`: :class:`~sparsecomm.fabric.roles.Send` with ``reliable`` and ``tracked``;
+- :class:`Datagram`: :class:`~sparsecomm.fabric.roles.Send` with ``reliable`` and ``tracked``; :class:`Datagrams`,
+  several of them (none held) as one request;
 - :class:`RecvFor`: a receive whose wait also ends after ``timeout`` (modelled seconds where the fabric's time
   is modelled); the role is resumed with the message's source, or ``None`` when the timer expired first.
 
@@ -24,7 +25,7 @@ import torch
 
 from ....fabric.roles import Inbox, Outbox, PostInto, Recv, RecvWithin, Stage
 
-__all__ = ["Datagram", "RecvFor", "lowered"]
+__all__ = ["Datagram", "Datagrams", "RecvFor", "lowered"]
 
 
 class Datagram(NamedTuple):
@@ -42,6 +43,15 @@ class Datagram(NamedTuple):
     tag: int
     reliable: bool = False
     hold: object = None
+    tracked: bool = True
+
+
+class Datagrams(NamedTuple):
+    """:class:`Datagram` ``(buf, dst, reliable)`` for each of ``sends``, in order, on ``tag``, none held: one
+    request for a switch's replies to a message (its multicast: one send per worker)."""
+
+    sends: list
+    tag: int
     tracked: bool = True
 
 
@@ -85,6 +95,12 @@ def lowered(role: Generator, fabric, inbox: Inbox, outbox: Outbox, keep: int = 6
                 outbox.pending.append((wk, req.buf, False))
                 if req.hold is not None:
                     outbox.pool.hold(("out", req.hold), wk)
+        elif t is Datagrams:
+            tag, tracked, pending = req.tag, req.tracked, outbox.pending
+            for buf, dst, reliable in req.sends:
+                wk = fabric.isend(buf, dst, tag, reliable=reliable)
+                if tracked:
+                    pending.append((wk, buf, False))
         elif t is RecvFor:
             if req.timeout is None:
                 yield PostInto(req.key, req.buf, req.src, req.tag)

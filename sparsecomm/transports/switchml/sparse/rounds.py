@@ -21,8 +21,9 @@ import torch
 
 from ....errors import FabricTimeout
 from ....fabric.roles import Flush, Inbox, Outbox, Pool, Step
-from .dataplane import (HEADER, JOB_MASK, NONE, OUT_OF_STEP, T_EMPTY, T_REJECT, T_RESULT, T_RETRANSMIT, T_SKIP,
-                        TAG_DOWN, TAG_SKIP, TAG_UP, W0, Header, refusal)
+from .dataplane import (F_POS, F_SLOT, HEADER, JOB_MASK, JOB_SHIFT, KIND_BITS, NONE, OUT_OF_STEP, SET_SHIFT, SLOT_BITS,
+                        T_EMPTY, T_REJECT, T_RESULT, T_RETRANSMIT, T_SKIP, TAG_DOWN, TAG_SKIP, TAG_UP, W0, Header,
+                        refusal)
 from ..lanes import SlotState, Timer, abandoning, message_rows, rejected
 from .requests import Datagram, RecvFor, lowered
 
@@ -43,15 +44,23 @@ class Rounds:
         self.sim = fabric.modelled_time
         self.info: dict = {}
         self.pool = Pool()
+        self._sender: tuple[int, int, int] | None = None     # (job, its W0 and SLOT words' sender bits)
 
     def packet(self, kind: int, slot: int, pos: int, nxt: int, vec: np.ndarray | None = None) -> np.ndarray:
-        """A packet for ``slot``'s next round (the set is the slot's current parity)."""
-        row = np.empty(HEADER if kind == T_SKIP else HEADER + self.elems, dtype=np.int32)
+        """A packet for ``slot``'s next round (the set is the slot's current parity): :class:`.dataplane.Header`'s
+        layout, its words formed here (once per packet)."""
         st = self.state
-        Header(kind, int(st.parity[slot]), self.fabric.rank, self.fabric.world_size, st.job & JOB_MASK,
-               slot, pos, nxt).write(row)
-        if kind != T_SKIP:
+        sender = self._sender
+        if sender is None or sender[0] != st.job:
+            h = Header(0, 0, self.fabric.rank, self.fabric.world_size, st.job & JOB_MASK, 0, 0, 0).write(
+                np.zeros(HEADER, dtype=np.int32))
+            sender = self._sender = (st.job, int(h[W0]), int(h[F_SLOT]))   # worker, n, job: fixed for a job
+        if kind == T_SKIP:
+            row = np.empty(HEADER, dtype=np.int32)
+        else:
+            row = np.empty(HEADER + self.elems, dtype=np.int32)
             row[HEADER:] = vec
+        row[:HEADER] = (sender[1] | kind | (int(st.parity[slot]) << SET_SHIFT), sender[2] | slot, pos, nxt)
         return row
 
     def run(self, slots: np.ndarray, rows: list[np.ndarray], on_result, phase: str,
@@ -157,20 +166,24 @@ class Rounds:
                     expiries = 0
                 continue
             filled = len(msg_rows) if sim else message_rows(fab, sw, msg_rows)
+            job = st.job & JOB_MASK
             for res in msg_rows[:filled]:
-                h = Header.of(res)
-                if h.kind == T_EMPTY:
+                w0, word, pos, _ = res[:HEADER].tolist()    # (Header.of's fields, read once per result)
+                kind = w0 & KIND_BITS
+                if kind == T_EMPTY:
                     continue                       # an unused row of a burst
-                if h.kind == T_REJECT:             # the switch dropped packets it cannot take: the job is over
+                if kind == T_REJECT:               # the switch dropped packets it cannot take: the job is over
+                    h = Header.of(res)
                     out_of_step = h.pos == OUT_OF_STEP
                     raise rejected(fab, "sparse-switch allreduce", h.worker, h.next, out_of_step,
                                    refusal(res) if out_of_step else None)
-                i = index.get(h.slot)
-                if h.kind not in (T_RESULT, T_RETRANSMIT) or h.job != st.job or i is None or out[i] is None:
+                i = index.get(word & SLOT_BITS)
+                if ((kind != T_RESULT and kind != T_RETRANSMIT) or (w0 >> JOB_SHIFT) & JOB_MASK != job or i is None
+                        or out[i] is None):
                     info["ignored"] += 1
                     continue
-                sent = Header.of(out[i])
-                if (h.set, h.pos) != (sent.set, sent.pos):
+                sent = out[i]
+                if (w0 >> SET_SHIFT) & 1 != (int(sent[W0]) >> SET_SHIFT) & 1 or pos != int(sent[F_POS]):
                     info["ignored"] += 1           # a stale result (an earlier round of this slot)
                     continue
                 info["results"] += 1
