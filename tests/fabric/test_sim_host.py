@@ -236,6 +236,23 @@ def test_the_sparse_switch_charges_its_own_rates_per_packet_value_packet_and_res
     assert t.hex() == base.hex()
 
 
+def test_the_sparse_switch_workers_are_charged_per_result_they_take_by_hand():
+    base, info = _sparse(HostModel(**PER_MSG))
+    results = [sum(i[p]["results"] for p in i) for i in info]
+    assert results[0] == results[1] == 1 + 2 + 3 * SPARSE_BLOCKS // 4        # (control, look-ahead, union)
+    # with the workers' Python the bottleneck (a rate far above everything else's): the call lengthens by a
+    # worker's results times the rate, stretched by the CPU share (the workers take theirs at the same time)
+    S = 1.0
+    for share in (1.0, 2.0):
+        t, _ = _sparse(HostModel(**PER_MSG, sparse_switch_round_s=S, cpu_share=share))
+        assert (t - base) / (share * S) == pytest.approx(results[0], abs=0.01)
+    # a model without it (None, as a profile written before it existed) charges nothing: the bits of a rate of 0
+    t, _ = _sparse(HostModel(**PER_MSG, sparse_switch_round_s=0.0))
+    assert t.hex() == base.hex() and HostModel().sparse_switch_round_s is None
+    assert HostModel().work_s("sparse_switch_round", 5) == 0.0
+    assert HostModel(sparse_switch_round_s=2.0).work_s("sparse_switch_round", 5) == 10.0
+
+
 def test_a_model_without_the_sparse_switch_rates_charges_the_dense_switch_rates_as_before(tmp_path):
     # a profile without the sparse switch's rates (one written before they existed) loads with them None ...
     path = tmp_path / "host.json"

@@ -157,6 +157,7 @@ class Rounds:
                     expiries = 0
                 continue
             filled = len(msg_rows) if sim else message_rows(fab, sw, msg_rows)
+            taken = info["results"]
             for res in msg_rows[:filled]:
                 h = Header.of(res)
                 if h.kind == T_EMPTY:
@@ -182,6 +183,7 @@ class Rounds:
                 else:
                     yield from send(i, True)
             msg_rows[:filled, W0] = 0              # every row T_EMPTY again: the next message may be shorter
+            fab.host_work("sparse_switch_round", info["results"] - taken)    # (its Python per result: sim_host)
             yield from flush()
 
 
