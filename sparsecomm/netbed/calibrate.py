@@ -8,11 +8,15 @@ but the message costs, ``span_block_s``, ``index_block_s`` and ``call_s``, which
 processes) is timed in the calling thread's CPU time (``time.thread_time``: on a quiet machine its wall time,
 on a loaded one without the time other processes hold the core):
 
-- ``send_message_s``, ``recv_message_s``, ``send_byte_s``, ``recv_byte_s``: a message round over gloo on
-  127.0.0.1 between two processes (:func:`sparsecomm.launch`, the TorchFabric's ``send``/``recv``):
-  the one-way time of each size (half the median round trip) is fitted by least squares as ``a + b * bytes``;
-  ``a`` and ``b`` are split evenly between the sender and the receiver (a round trip cannot tell them
-  apart). On loopback the "wire" is the hosts' copies, so the whole one-way time is host time; a fitted
+- ``send_message_s``, ``recv_message_s``, ``send_byte_s``, ``recv_byte_s``: a message exchange over gloo on
+  127.0.0.1 between two processes (:func:`sparsecomm.launch`, the TorchFabric's ``irecv``/``isend``: each
+  posts a receive from the other, sends it a message of the size and waits for both, as a ring step or a
+  handshake round does): the median over exchanges of the slower process's time of each size is fitted by least
+  squares as ``a + b * bytes``; ``a`` and ``b`` are split evenly between the sender and the receiver (the model
+  charges an exchange ``send_s + recv_s`` on each side, and cannot tell them apart). An exchange and not a
+  ping-pong: in a ping-pong one side sends while the other receives, their copies overlapping, so that its
+  one-way time per byte is less than what a process pays that sends and receives at once, as the transports'
+  processes do. On loopback the "wire" is the hosts' copies, so the whole time is host time; a fitted
   value below zero (noise) is written as 0. It is the cost a transport pays through the fabric (its waits'
   helper threads included), several times a bare ``torch.distributed`` round's;
 - ``copy_byte_s``: ``Tensor.copy_`` of a large float32 buffer, per byte;
@@ -168,43 +172,46 @@ def _median_s(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def _round_trips(ctx, sizes: tuple[int, ...], rounds: int) -> list[float]:
-    """Rank 0: the median round trip of each size to rank 1 and back (rank 1 echoes); rank 1: ``[]``."""
+def _exchanges(ctx, sizes: tuple[int, ...], rounds: int) -> list[float]:
+    """Rank 0: the median exchange of each size (rank 0 and rank 1 each post a receive from the other, send it
+    a message of that size and wait for both), the slower rank's time of each exchange; rank 1: ``[]``."""
     torch.set_num_threads(1)
     f = ctx.fabric
+    peer = 1 - ctx.rank
 
     def rounds_of(size: int, count: int) -> list[float]:
-        buf = torch.zeros(size, dtype=torch.uint8)
+        out, into = torch.zeros(size, dtype=torch.uint8), torch.empty(size, dtype=torch.uint8)
         times = []
         for _ in range(count):
             t = time.perf_counter()
-            if ctx.rank == 0:
-                f.send(buf, 1, TAG)
-                f.recv(buf, 1, TAG)
-            else:
-                f.recv(buf, 0, TAG)
-                f.send(buf, 0, TAG)
+            r = f.irecv(into, peer, TAG)
+            f.isend(out, peer, TAG).wait()
+            r.wait()
             times.append(time.perf_counter() - t)
         return times
 
     rounds_of(sizes[0], max(10, rounds // 2))       # warm-up: connections, the fabric's helper threads
-    out = [statistics.median(rounds_of(size, rounds)) for size in sizes]
-    return out if ctx.rank == 0 else []
+    mine = torch.tensor([rounds_of(size, rounds) for size in sizes], dtype=torch.float64)
+    if ctx.rank == 1:
+        f.send(mine, 0, TAG + 1)
+        return []
+    theirs = torch.empty_like(mine)
+    f.recv(theirs, 1, TAG + 1)
+    return [statistics.median(row) for row in torch.maximum(mine, theirs).tolist()]
 
 
 def message_costs(quick: bool = False) -> dict:
-    """The per-message and per-byte costs of a gloo loopback round (module docstring): the four rates and
+    """The per-message and per-byte costs of a gloo loopback exchange (module docstring): the four rates and
     the measurements they were fitted to."""
     from .. import launch
 
     sizes = MESSAGE_SIZES[quick]
-    fn = functools.partial(_round_trips, sizes=sizes, rounds=ROUNDS[quick])
-    rtts = launch(fn, 2, backend="gloo", timeout_s=120.0)[0]
-    one_way = np.array(rtts) / 2
-    slope, intercept = np.polyfit(np.array(sizes, dtype=np.float64), one_way, 1)
+    fn = functools.partial(_exchanges, sizes=sizes, rounds=ROUNDS[quick])
+    exchange = np.array(launch(fn, 2, backend="gloo", timeout_s=120.0)[0])
+    slope, intercept = np.polyfit(np.array(sizes, dtype=np.float64), exchange, 1)
     a, b = max(0.0, float(intercept)), max(0.0, float(slope))
     return {"send_message_s": a / 2, "recv_message_s": a / 2, "send_byte_s": b / 2, "recv_byte_s": b / 2,
-            "fit": {"sizes": list(sizes), "one_way_s": [float(x) for x in one_way],
+            "fit": {"sizes": list(sizes), "exchange_s": [float(x) for x in exchange],
                     "intercept_s": float(intercept), "slope_s_per_byte": float(slope)}}
 
 

@@ -452,12 +452,12 @@ def test_calibrate_command_writes_a_loadable_profile(tmp_path, capsys):
     assert host["move_byte_s"]["value"] > 0 and host["check_element_s"]["value"] > 0
     from sparsecomm.fabric.sim.sim_host import CODEC_RATES
     assert all(host[r]["value"] > 0 for r in CODEC_RATES.values())     # (medians of timed kernel runs too)
-    # the message rates: the line through the recorded one-way times (each positive), clipped at 0 and split
+    # the message rates: the line through the recorded exchange times (each positive), clipped at 0 and split
     # evenly between sender and receiver; a line through positive points is positive somewhere in their
     # range, so the per-message and per-byte rates are not both 0
     fit = method["message_fit"]
-    assert all(t > 0 for t in fit["one_way_s"])
-    slope, intercept = np.polyfit(np.array(fit["sizes"], dtype=np.float64), np.array(fit["one_way_s"]), 1)
+    assert all(t > 0 for t in fit["exchange_s"])
+    slope, intercept = np.polyfit(np.array(fit["sizes"], dtype=np.float64), np.array(fit["exchange_s"]), 1)
     assert (fit["slope_s_per_byte"], fit["intercept_s"]) == pytest.approx((slope, intercept), rel=1e-9, abs=1e-15)
     for side in ("send", "recv"):
         assert host[f"{side}_message_s"]["value"] == max(0.0, fit["intercept_s"]) / 2
