@@ -74,6 +74,13 @@ on a loaded one without the time other processes hold the core):
   second per block of each (the call modelled again with that rate at :data:`PROBE_S`: the blocks charged on its
   critical path) and ``c`` is the per-call cost (measured next, as ``call_s``); a rate fitted below zero is
   written as 0, the others fitted again without it;
+- ``sparse_switch_round_s``: the sparse switch's workers' Python per result they take (beyond its program's rates,
+  fitted on its own calls as ``span_block_s`` is): a dense call of each of :data:`SPARSE_SWITCH_POINTS` between
+  two processes and the switch's over gloo on 127.0.0.1, the points taking turns call by call, the median over
+  calls of the slowest rank's time, less the same call modelled on the SimFabric with every rate above; the
+  difference fitted by least squares as ``c + sparse_switch_round_s * R`` (``R``: the results charged on the
+  modelled call's critical path, the call modelled again with the rate at :data:`PROBE_S`; ``c`` the per-call
+  cost ``call_s`` then measures), the rate at least 0;
 - ``call_s``: per transport of :data:`CALL_GROUPS`, a call of :data:`CALL_ELEMS` float32 (dense; for those of
   :data:`SPARSE_CALLS`, the top-k 1% payload they carry) between two
   processes over gloo on 127.0.0.1 (its services started as the netbed's are), the median over calls of the
@@ -85,6 +92,14 @@ on a loaded one without the time other processes hold the core):
 
 When host costs are modelled, ``Network.latency_us`` should be the wire's latency alone: the hosts'
 per-message share, which ``latency_us`` otherwise stands for, is then ``send_message_s + recv_message_s``.
+
+Where this process may build a netbed (root), the profile also records the netbed's own latency (its ``netbed``,
+:mod:`~sparsecomm.fabric.sim.sim_profile`; :func:`netbed_costs`): the one-way time of a small message between
+the two hosts of a netbed at ``--netbed-gbps`` (:func:`~sparsecomm.fabric.probe.fabric_latency_s`, ring shifts
+of 256 bytes over the netbed's gloo) less the same probe modelled on the SimFabric with the rates above and no wire
+latency, at least 0: what a netbed message costs beyond the hosts' loopback costs (the namespaces' veth links,
+the top of rack's forwarding and ``htb``, the ranks' wake-ups across them), the wire latency of a model of the
+netbed (``experiments/bench/netbed_vs_sim.py``).
 """
 
 from __future__ import annotations
@@ -149,6 +164,15 @@ BLOCK_POINTS = {True: ((1 << 14, 0.05), (1 << 14, 0.5), (1 << 18, 0.05), (1 << 1
 BLOCK = 256
 #: the rate (s/block) with which a point is modelled again to count the blocks it charges
 PROBE_S = 1e-6
+#: the sparse switch's calls of the per-result fit of its workers, (float32 elements, density of non-zero
+#: 256-element blocks), quick and full: dense calls of 16 and 256 packets per worker (full: and 1024)
+SPARSE_SWITCH_POINTS = {True: ((1 << 12, 1.0), (1 << 16, 1.0)), False: ((1 << 12, 1.0), (1 << 16, 1.0), (1 << 18, 1.0))}
+#: timed calls per point of the sparse switch's per-result fit, quick and full
+SPARSE_SWITCH_CALLS = {True: 3, False: 9}
+#: the netbed's link rate (Gbit/s) at which its per-message latency is measured (``calibrate --netbed-gbps``)
+NETBED_GBPS = 1.0
+#: shifts of the netbed's latency probe, quick and full
+NETBED_ROUNDS = {True: 30, False: 200}
 #: elements of the top-k timed for ``select_element_s`` (below the top-k's sampling cutoff)
 SELECT_ELEMS = 1 << 16
 #: (rows, columns, rank) of PowerSGD's products timed for ``matmul_mac_s`` and ``matmul_t_mac_s``, quick and full
@@ -568,6 +592,79 @@ def block_costs(host: HostModel, quick: bool = False, points: tuple | None = Non
                           "index_blocks": counts[:, 1].tolist(), "intercept_s": float(c)}}
 
 
+def _time_sparse_switch(ctx, points: tuple, calls: int) -> list[list[float]]:
+    """Every rank: per ``(numel, density)`` of ``points``, the time of each of ``calls`` sparse switch calls
+    (after two untimed), each after a barrier, the points taking turns call by call (:func:`_time_points`)."""
+    import sparsecomm.transports as transports
+
+    torch.set_num_threads(1)
+    f = ctx.fabric
+    t = transports.get("sparse-switch", f)
+    xs = [block_sparse(numel, density, seed=1000 * ctx.rank + k) for k, (numel, density) in enumerate(points)]
+    out: list[list[float]] = [[] for _ in points]
+    for i in range(calls + 2):
+        for x0, times in zip(xs, out):
+            took = _timed_call(f, t, x0)
+            if i >= 2:
+                times.append(took)
+    return out
+
+
+def sparse_switch_round_costs(host: HostModel, quick: bool = False) -> dict:
+    """``sparse_switch_round_s`` (module docstring), with the measurements fitted (``sparse_switch_round_fit``:
+    the points, the measured and modelled times, the results each point's critical path charges, the
+    intercept)."""
+    import dataclasses
+
+    from .. import launch
+    from ..fabric.sim.sim_network import Network
+
+    points, calls = SPARSE_SWITCH_POINTS[quick], SPARSE_SWITCH_CALLS[quick]
+    cores = os.cpu_count() or 1
+    slowest = lambda runs, i, count: statistics.median(max(r[i][j] for r in runs) for j in range(count))  # noqa: E731
+    fn = functools.partial(_time_sparse_switch, points=points)
+    real = launch(functools.partial(fn, calls=calls), 2, backend="gloo", services=["sparse-switch"],
+                  timeout_s=300.0)
+    measured = [slowest(real, i, calls) for i in range(len(points))]
+    modelled = {}
+    for rate in (0.0, PROBE_S):     # (modelled calls repeat exactly: one is timed)
+        h = dataclasses.replace(host, sparse_switch_round_s=rate).sharing(3, cores)
+        sim = launch(functools.partial(fn, calls=1), 2, services=["sparse-switch"],
+                     network=Network(bandwidth_gbps=1e4, latency_us=0.0, host=h))
+        modelled[rate] = np.array([slowest(sim, i, 1) for i in range(len(points))])
+    counts = (modelled[PROBE_S] - modelled[0.0]) / PROBE_S
+    c, rate = fit_nonnegative(counts[:, None], np.array(measured) - modelled[0.0])
+    return {"sparse_switch_round_s": float(rate),
+            "sparse_switch_round_fit": {"points": [list(p) for p in points], "measured_s": measured,
+                                        "modelled_s": modelled[0.0].tolist(), "results": counts.tolist(),
+                                        "intercept_s": float(c)}}
+
+
+def _netbed_latency(ctx, rounds: int) -> float:
+    from ..fabric.probe import fabric_latency_s
+
+    torch.set_num_threads(1)
+    return fabric_latency_s(ctx.fabric, rounds=rounds)
+
+
+def netbed_costs(host: HostModel, gbps: float = NETBED_GBPS, quick: bool = False) -> dict:
+    """The netbed's per-message latency (module docstring): ``latency_s``, the one-way time of a small message
+    between the two hosts of a netbed of ``gbps`` (:func:`~sparsecomm.fabric.probe.fabric_latency_s`) less the
+    same probe modelled on the SimFabric with ``host`` and no wire latency, at least 0; with ``gbps``, both
+    times and the load."""
+    from .. import launch
+    from ..fabric.sim.sim_network import TCP_OVER_ETHERNET, Network
+
+    fn = functools.partial(_netbed_latency, rounds=NETBED_ROUNDS[quick])
+    measured = launch(fn, 2, backend="netbed", network=Network(bandwidth_gbps=gbps), timeout_s=120.0)[0]
+    net = Network(bandwidth_gbps=gbps, latency_us=0.0, payload_fraction=TCP_OVER_ETHERNET,
+                  host=host.sharing(2, os.cpu_count() or 1))
+    modelled = launch(fn, 2, network=net)[0]
+    return {"latency_s": max(0.0, measured - modelled), "gbps": float(gbps), "hosts": 2,
+            "measured_s": measured, "modelled_s": modelled,
+            "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
+
+
 def call_costs(host: HostModel, quick: bool = False) -> dict:
     """``call_s`` (module docstring): per transport, the measured loopback call less the modelled one, with
     the measurements."""
@@ -597,12 +694,24 @@ def machine() -> dict:
             "torch_threads": 1}
 
 
-def calibrate(quick: bool = False) -> dict:
+def calibrate(quick: bool = False, netbed_gbps: float | None = NETBED_GBPS) -> dict:
     """Measure this machine's host costs (module docstring) and return its profile (:mod:`.sim_profile`).
 
     Args:
         quick: fewer sizes, rounds and repeats (seconds rather than a minute; for tests, not for use).
+        netbed_gbps: the link rate of the netbed whose per-message latency is measured (:func:`netbed_costs`),
+            where this process may build one (root: :func:`~.topology.check_privileges`); ``None``: not
+            measured (the profile has no ``netbed``).
     """
+    from ..errors import NetbedError
+    from .topology import check_privileges
+
+    if netbed_gbps is not None:
+        try:
+            check_privileges()
+        except NetbedError as exc:
+            print(f"calibrate: the netbed's latency is not measured: {exc}", file=sys.stderr)
+            netbed_gbps = None
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -616,20 +725,26 @@ def calibrate(quick: bool = False) -> dict:
         sparse_switch_fit = kernels.pop("sparse_switch_fit")
         blocks = block_costs(HostModel(**messages, **kernels), quick)
         block_fit = blocks.pop("block_fit")
-        calls = call_costs(HostModel(**messages, **kernels, **blocks), quick)
+        rounds = sparse_switch_round_costs(HostModel(**messages, **kernels, **blocks), quick)
+        round_fit = rounds.pop("sparse_switch_round_fit")
+        calls = call_costs(HostModel(**messages, **kernels, **blocks, **rounds), quick)
+        netbed = (None if netbed_gbps is None
+                  else netbed_costs(HostModel(**messages, **kernels, **blocks, **rounds), netbed_gbps, quick))
     finally:
         torch.set_num_threads(threads)
     call_fit = calls.pop("call_fit")
-    host = HostModel(**messages, **kernels, **blocks, **calls)
+    host = HostModel(**messages, **kernels, **blocks, **rounds, **calls)
     date = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()
     method = {"quick": bool(quick), "repeats": REPEATS[quick], "round_trips": ROUNDS[quick],
               "elements": ELEMENTS[quick], "message_fit": fit, "switch_fit": switch_fit,
               "sparse_switch_fit": sparse_switch_fit, "fresh_fit": fresh_fit,
-              "block_fit": block_fit,
+              "block_fit": block_fit, "sparse_switch_round_fit": round_fit,
               "call_elems": CALL_ELEMS, "calls": CALLS[quick], "call_fit": call_fit,
               "statistic": "median", "messages_via": "TorchFabric send/recv over gloo, 127.0.0.1",
               "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
-    return profile_dict(host, date=date, machine=machine(), method=method)
+    if netbed is not None:
+        method["netbed_fit"] = {k: netbed.pop(k) for k in ("measured_s", "modelled_s", "load_average")}
+    return profile_dict(host, date=date, machine=machine(), method=method, netbed=netbed)
 
 
 def write_profile(profile: dict, out: str | Path) -> None:
@@ -641,17 +756,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The calibrate command's options."""
     p.add_argument("--out", required=True, help="where to write the host profile (JSON)")
     p.add_argument("--quick", action="store_true", help="fewer repeats (seconds; for tests)")
+    p.add_argument("--netbed-gbps", type=float, default=NETBED_GBPS,
+                   help="the link rate of the 2-host netbed whose per-message latency is measured (needs root; "
+                        "default %(default)g)")
+    p.add_argument("--no-netbed", action="store_true", help="do not measure the netbed's latency")
 
 
 def run(args: argparse.Namespace) -> int:
     """The calibrate command: measure, write ``--out``, print the rates."""
-    profile = calibrate(args.quick)
+    profile = calibrate(args.quick, None if args.no_netbed else args.netbed_gbps)
     write_profile(profile, args.out)
     for name, entry in profile["host"].items():
         value = entry["value"]
         shown = (", ".join(f"{k} {v:.3g}" for k, v in value.items()) if isinstance(value, dict)
                  else str(value) if isinstance(value, int) else f"{value:.3g}")
         print(f"{name}: {shown} {entry['unit']}")
+    if "netbed" in profile:
+        nb = profile["netbed"]
+        print(f"netbed latency_s: {nb['latency_s']['value']:.3g} {nb['latency_s']['unit']} "
+              f"({nb['hosts']} hosts, {nb['gbps']:g} Gbit/s)")
     print(f"wrote {args.out}")
     return 0
 

@@ -17,7 +17,7 @@ import sparsecomm as sc
 from sparsecomm.errors import InvalidTypeError, InvalidValueError, MismatchError
 from sparsecomm.fabric.sim.sim_host import RATE_UNITS, SIZES, SUM_DTYPES, HostModel
 from sparsecomm.fabric.base import MESSAGE_BYTES
-from sparsecomm.fabric.sim.sim_profile import FORMAT, VERSION, profile_dict
+from sparsecomm.fabric.sim.sim_profile import FORMAT, VERSION, netbed_latency_s, profile_dict
 from sparsecomm.netbed.calibrate import CALL_GROUPS
 from sparsecomm.transports.ring import ring_allreduce_
 
@@ -400,6 +400,52 @@ def test_from_profile_refuses_a_bad_profile_naming_the_key(tmp_path, profile, er
         sc.Network.from_profile(path)
 
 
+NETBED = {"latency_s": 2.5e-4, "gbps": 1, "hosts": 2}
+
+
+def test_a_profile_records_the_netbeds_latency_beside_the_host_model(tmp_path):
+    path = tmp_path / "host.json"
+    path.write_text(json.dumps(_profile(FULL)))
+    assert netbed_latency_s(path) is None                 # (calibrated without a netbed, or an older profile)
+    p = profile_dict(FULL, date="2026-01-01T00:00:00+00:00", machine={}, method={}, netbed=NETBED)
+    assert p["netbed"] == {"latency_s": {"value": 2.5e-4, "unit": "s"}, "gbps": 1.0, "hosts": 2}
+    path.write_text(json.dumps(p))
+    assert netbed_latency_s(path) == 2.5e-4
+    # not the host model's, nor any network's but the netbed's: from_profile leaves the latency alone
+    net = sc.Network.from_profile(path)
+    assert net.host == FULL and net.latency_us == sc.Network().latency_us
+    with pytest.raises(InvalidValueError, match="hosts must be at least 2"):
+        profile_dict(FULL, date="", machine={}, method={}, netbed={**NETBED, "hosts": 1})
+
+
+def _with_netbed(**edit) -> dict:
+    p = profile_dict(FULL, date="2026-01-01T00:00:00+00:00", machine={}, method={}, netbed=NETBED)
+    for where, value in edit.items():
+        *keys, last = where.split("__")
+        d = p
+        for k in keys:
+            d = d[k]
+        if value is None:
+            del d[last]
+        else:
+            d[last] = value
+    return p
+
+
+@pytest.mark.parametrize("profile, match", [
+    (_with_netbed(netbed__latency_s={"value": -1e-6, "unit": "s"}), r"netbed\.latency_s\.value must be a finite rate"),
+    (_with_netbed(netbed__latency_s={"value": 1e-4, "unit": "us"}), r"netbed\.latency_s must be"),
+    (_with_netbed(netbed__hosts=None), r"netbed must be \{'latency_s'"),
+    (_with_netbed(netbed__gbps=0), r"netbed\.gbps must be > 0"),
+], ids=["negative", "unit", "no-hosts", "gbps"])
+def test_a_bad_netbed_section_is_refused_naming_the_key(tmp_path, profile, match):
+    path = tmp_path / "host.json"
+    path.write_text(json.dumps(profile))
+    for read in (netbed_latency_s, sc.Network.from_profile):
+        with pytest.raises(InvalidValueError, match=match):
+            read(path)
+
+
 def test_from_profile_refuses_an_unknown_override_and_an_unreadable_file(tmp_path):
     path = tmp_path / "host.json"
     path.write_text(json.dumps(_profile(FULL)))
@@ -428,7 +474,7 @@ def test_calibrate_command_writes_a_loadable_profile(tmp_path, capsys):
     assert capsys.readouterr().out.endswith(f"wrote {out}\n")
     profile = json.loads(out.read_text())
     assert profile["format"] == FORMAT and profile["version"] == VERSION
-    assert set(profile) == {"format", "version", "date", "machine", "method", "host"}
+    assert set(profile) - {"netbed"} == {"format", "version", "date", "machine", "method", "host"}
     assert datetime.datetime.fromisoformat(profile["date"]).tzinfo is not None
     m = profile["machine"]
     assert m["torch"] == torch.__version__ and m["cpu_count"] == os.cpu_count() and m["torch_threads"] == 1
@@ -497,6 +543,27 @@ def test_calibrate_command_writes_a_loadable_profile(tmp_path, capsys):
     assert bf["intercept_s"] == pytest.approx(c, rel=1e-9, abs=1e-15)
     assert host["span_block_s"]["value"] == pytest.approx(span, rel=1e-9, abs=1e-15)
     assert host["index_block_s"]["value"] == pytest.approx(index, rel=1e-9, abs=1e-15)
+    # the sparse switch's workers' rate: the non-negative fit of measured less modelled over the results charged
+    rf = method["sparse_switch_round_fit"]
+    assert all(t > 0 for t in rf["measured_s"]) and all(t > 0 for t in rf["modelled_s"])
+    assert rf["results"] == sorted(rf["results"]) and rf["results"][0] > 0       # (more packets, more results)
+    c, rate = fit_nonnegative(np.array(rf["results"])[:, None], np.array(rf["measured_s"]) - np.array(rf["modelled_s"]))
+    assert rf["intercept_s"] == pytest.approx(c, rel=1e-9, abs=1e-15)
+    assert host["sparse_switch_round_s"]["value"] == pytest.approx(rate, rel=1e-9, abs=1e-15)
+    # the netbed's latency, where this process may build a netbed: its probe less the same probe modelled
+    from sparsecomm.errors import NetbedError
+    from sparsecomm.netbed.topology import check_privileges
+    try:
+        check_privileges()
+        root = True
+    except NetbedError:
+        root = False
+    assert ("netbed" in profile) == root == ("netbed_fit" in method)
+    if root:
+        nf, nb = method["netbed_fit"], profile["netbed"]
+        assert nf["measured_s"] > 0 and nf["modelled_s"] > 0
+        assert nb["latency_s"]["value"] == max(0.0, nf["measured_s"] - nf["modelled_s"])
+        assert (nb["gbps"], nb["hosts"]) == (1.0, 2) and netbed_latency_s(out) == nb["latency_s"]["value"]
     # each call's cost is the measured call less the modelled one (at least 0), both recorded (OmniReduce's
     # left-over is a few ms once its block moves, check and zero scan are modelled: within a busy machine's
     # noise, so it may be fitted at 0 as any other)
