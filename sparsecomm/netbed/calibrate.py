@@ -96,10 +96,11 @@ per-message share, which ``latency_us`` otherwise stands for, is then ``send_mes
 Where this process may build a netbed (root), the profile also records the netbed's own latency (its ``netbed``,
 :mod:`~sparsecomm.fabric.sim.sim_profile`; :func:`netbed_costs`): the one-way time of a small message between
 the two hosts of a netbed at ``--netbed-gbps`` (:func:`~sparsecomm.fabric.probe.fabric_latency_s`, ring shifts
-of 256 bytes over the netbed's gloo) less the same probe modelled on the SimFabric with the rates above and no wire
-latency, at least 0: what a netbed message costs beyond the hosts' loopback costs (the namespaces' veth links,
-the top of rack's forwarding and ``htb``, the ranks' wake-ups across them), the wire latency of a model of the
-netbed (``experiments/bench/netbed_vs_sim.py``).
+of 256 bytes over the netbed's gloo) less the same probe between two processes on 127.0.0.1 (the loopback whose
+exchanges the message rates above are fitted on: a small one costs ``send_message_s + recv_message_s``), the
+launches taking turns, at least 0: what a netbed message costs beyond the hosts' loopback costs (the namespaces'
+veth links, the top of rack's forwarding and ``htb``, the ranks' wake-ups across them), the wire latency of a
+model of the netbed (``experiments/bench/netbed_vs_sim.py``).
 """
 
 from __future__ import annotations
@@ -173,6 +174,8 @@ SPARSE_SWITCH_CALLS = {True: 3, False: 9}
 NETBED_GBPS = 1.0
 #: shifts of the netbed's latency probe, quick and full
 NETBED_ROUNDS = {True: 30, False: 200}
+#: launches of the netbed's latency probe and of the loopback's, taking turns, quick and full
+NETBED_PAIRS = {True: 1, False: 3}
 #: elements of the top-k timed for ``select_element_s`` (below the top-k's sampling cutoff)
 SELECT_ELEMS = 1 << 16
 #: (rows, columns, rank) of PowerSGD's products timed for ``matmul_mac_s`` and ``matmul_t_mac_s``, quick and full
@@ -647,21 +650,23 @@ def _netbed_latency(ctx, rounds: int) -> float:
     return fabric_latency_s(ctx.fabric, rounds=rounds)
 
 
-def netbed_costs(host: HostModel, gbps: float = NETBED_GBPS, quick: bool = False) -> dict:
+def netbed_costs(gbps: float = NETBED_GBPS, quick: bool = False) -> dict:
     """The netbed's per-message latency (module docstring): ``latency_s``, the one-way time of a small message
     between the two hosts of a netbed of ``gbps`` (:func:`~sparsecomm.fabric.probe.fabric_latency_s`) less the
-    same probe modelled on the SimFabric with ``host`` and no wire latency, at least 0; with ``gbps``, both
-    times and the load."""
+    same probe between two processes on 127.0.0.1 (what the host rates fitted on loopback charge a message), each
+    the median of :data:`NETBED_PAIRS` launches taking turns (a change of the machine's load falls on both), at
+    least 0; with ``gbps``, the probes' times and the load."""
     from .. import launch
-    from ..fabric.sim.sim_network import TCP_OVER_ETHERNET, Network
+    from ..fabric.sim.sim_network import Network
 
     fn = functools.partial(_netbed_latency, rounds=NETBED_ROUNDS[quick])
-    measured = launch(fn, 2, backend="netbed", network=Network(bandwidth_gbps=gbps), timeout_s=120.0)[0]
-    net = Network(bandwidth_gbps=gbps, latency_us=0.0, payload_fraction=TCP_OVER_ETHERNET,
-                  host=host.sharing(2, os.cpu_count() or 1))
-    modelled = launch(fn, 2, network=net)[0]
-    return {"latency_s": max(0.0, measured - modelled), "gbps": float(gbps), "hosts": 2,
-            "measured_s": measured, "modelled_s": modelled,
+    netbed, loopback = [], []
+    for _ in range(NETBED_PAIRS[quick]):
+        netbed.append(launch(fn, 2, backend="netbed", network=Network(bandwidth_gbps=gbps), timeout_s=120.0)[0])
+        loopback.append(launch(fn, 2, backend="gloo", timeout_s=120.0)[0])
+    measured, local = statistics.median(netbed), statistics.median(loopback)
+    return {"latency_s": max(0.0, measured - local), "gbps": float(gbps), "hosts": 2,
+            "netbed_s": netbed, "loopback_s": loopback,
             "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
 
 
@@ -728,8 +733,7 @@ def calibrate(quick: bool = False, netbed_gbps: float | None = NETBED_GBPS) -> d
         rounds = sparse_switch_round_costs(HostModel(**messages, **kernels, **blocks), quick)
         round_fit = rounds.pop("sparse_switch_round_fit")
         calls = call_costs(HostModel(**messages, **kernels, **blocks, **rounds), quick)
-        netbed = (None if netbed_gbps is None
-                  else netbed_costs(HostModel(**messages, **kernels, **blocks, **rounds), netbed_gbps, quick))
+        netbed = None if netbed_gbps is None else netbed_costs(netbed_gbps, quick)
     finally:
         torch.set_num_threads(threads)
     call_fit = calls.pop("call_fit")
@@ -743,7 +747,7 @@ def calibrate(quick: bool = False, netbed_gbps: float | None = NETBED_GBPS) -> d
               "statistic": "median", "messages_via": "TorchFabric send/recv over gloo, 127.0.0.1",
               "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
     if netbed is not None:
-        method["netbed_fit"] = {k: netbed.pop(k) for k in ("measured_s", "modelled_s", "load_average")}
+        method["netbed_fit"] = {k: netbed.pop(k) for k in ("netbed_s", "loopback_s", "load_average")}
     return profile_dict(host, date=date, machine=machine(), method=method, netbed=netbed)
 
 
