@@ -169,13 +169,13 @@ PROBE_S = 1e-6
 #: 256-element blocks), quick and full: dense calls of 16 and 256 packets per worker (full: and 1024)
 SPARSE_SWITCH_POINTS = {True: ((1 << 12, 1.0), (1 << 16, 1.0)), False: ((1 << 12, 1.0), (1 << 16, 1.0), (1 << 18, 1.0))}
 #: timed calls per point of the sparse switch's per-result fit, quick and full
-SPARSE_SWITCH_CALLS = {True: 3, False: 9}
+SPARSE_SWITCH_CALLS = {True: 3, False: 7}
 #: the netbed's link rate (Gbit/s) at which its per-message latency is measured (``calibrate --netbed-gbps``)
 NETBED_GBPS = 1.0
 #: shifts of the netbed's latency probe, quick and full
 NETBED_ROUNDS = {True: 30, False: 200}
 #: launches of the netbed's latency probe and of the loopback's, taking turns, quick and full
-NETBED_PAIRS = {True: 1, False: 3}
+NETBED_PAIRS = {True: 1, False: 2}
 #: elements of the top-k timed for ``select_element_s`` (below the top-k's sampling cutoff)
 SELECT_ELEMS = 1 << 16
 #: (rows, columns, rank) of PowerSGD's products timed for ``matmul_mac_s`` and ``matmul_t_mac_s``, quick and full
