@@ -125,9 +125,9 @@ from ..fabric.sim.sim_profile import profile_dict
 
 __all__ = ["calibrate", "main", "write_profile"]
 
-#: message sizes (bytes) of the gloo round, quick and full
+#: message sizes (bytes) of the gloo exchange, quick and full
 MESSAGE_SIZES = {True: (64, 16384, 262144), False: (64, 4096, 65536, 262144, 1 << 20, 4 << 20)}
-#: round trips per size, quick and full
+#: exchanges per size, quick and full
 ROUNDS = {True: 20, False: 200}
 #: elements of the vectors copied, summed and scanned, quick and full
 ELEMENTS = {True: 1 << 18, False: 1 << 22}
@@ -739,12 +739,12 @@ def calibrate(quick: bool = False, netbed_gbps: float | None = NETBED_GBPS) -> d
     call_fit = calls.pop("call_fit")
     host = HostModel(**messages, **kernels, **blocks, **rounds, **calls)
     date = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()
-    method = {"quick": bool(quick), "repeats": REPEATS[quick], "round_trips": ROUNDS[quick],
+    method = {"quick": bool(quick), "repeats": REPEATS[quick], "exchanges": ROUNDS[quick],
               "elements": ELEMENTS[quick], "message_fit": fit, "switch_fit": switch_fit,
               "sparse_switch_fit": sparse_switch_fit, "fresh_fit": fresh_fit,
               "block_fit": block_fit, "sparse_switch_round_fit": round_fit,
               "call_elems": CALL_ELEMS, "calls": CALLS[quick], "call_fit": call_fit,
-              "statistic": "median", "messages_via": "TorchFabric send/recv over gloo, 127.0.0.1",
+              "statistic": "median", "messages_via": "TorchFabric irecv/isend exchanges over gloo, 127.0.0.1",
               "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
     if netbed is not None:
         method["netbed_fit"] = {k: netbed.pop(k) for k in ("netbed_s", "loopback_s", "load_average")}
