@@ -206,6 +206,17 @@ def profile_network(profile: str, case, workers: int, cores: float, **wire) -> "
     return net
 
 
+def netbed_latency_us(profile: str) -> float:
+    """The wire latency (microseconds) of the netbed modelled with the host ``profile``: the netbed's
+    per-message latency the profile records (:func:`~sparsecomm.fabric.sim.sim_profile.netbed_latency_s`, measured
+    by ``python -m sparsecomm.netbed calibrate``: a small message's one-way time between two netbed hosts beyond
+    the hosts' own per-message costs), else :data:`NETBED_LATENCY_US` (a profile calibrated without a netbed)."""
+    from sparsecomm.fabric.sim.sim_profile import netbed_latency_s
+
+    latency = netbed_latency_s(profile)
+    return NETBED_LATENCY_US if latency is None else latency * 1e6
+
+
 #: the transports the model is validated on, every one at its defaults (``--transports all``)
 VALIDATED = ("native", "ring", "allgather", "omnireduce", "switch", "sparse-switch")
 
@@ -227,10 +238,11 @@ def compare_transports(workers: int, size_mb: float, gbps: float, names: list[st
                        profile: str | None, link: bool = True) -> list[dict]:
     """Every transport of ``names`` (``"all"``: :func:`validated_cases`) at its defaults
     (:data:`.transports.CASES`' headline rows, their densities) measured on a netbed (:func:`.transports.run`)
-    and modelled on the SimFabric: the link model alone (the small-message latency measured over the same netbed, TCP framing), and, with ``profile`` (a
-    host profile, ``python -m sparsecomm.netbed calibrate``), the link plus that host model, its CPU share
-    the processes per core of the netbed (workers and services, on this machine's cores) and its wire
-    latency :data:`NETBED_LATENCY_US` (``native``, modelled as ``ring``, is charged ``native``'s cost per call);
+    and modelled on the SimFabric: the link model alone (the small-message latency measured over the same netbed,
+    TCP framing), and, with ``profile`` (a host profile, ``python -m sparsecomm.netbed calibrate``), the link plus
+    that host model, its CPU share the processes per core of the netbed (workers and services, on this machine's
+    cores) and its wire latency the netbed's per-message latency the profile records (:func:`netbed_latency_us`;
+    ``native``, modelled as ``ring``, is charged ``native``'s cost per call);
     ``link=False``: the host model only (the link model of a large switch call, one datagram per 64-value
     packet, takes many minutes)."""
     from . import transports as tb
@@ -244,9 +256,10 @@ def compare_transports(workers: int, size_mb: float, gbps: float, names: list[st
         sims["link"] = modelled_cases(workers, size_mb, cases, net)
     if profile:
         host_times = []
+        latency_us = netbed_latency_us(profile)
         for c in cases:
             net = profile_network(profile, c, workers, os.cpu_count() or 1, bandwidth_gbps=gbps,
-                                  latency_us=NETBED_LATENCY_US, payload_fraction=TCP_OVER_ETHERNET)
+                                  latency_us=latency_us, payload_fraction=TCP_OVER_ETHERNET)
             host_times += modelled_cases(workers, size_mb, [c], net)
         sims["host"] = host_times
     rows = []

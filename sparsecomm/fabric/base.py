@@ -294,7 +294,8 @@ class Fabric(ABC):
         run through a switch program), ``"switch_message"`` (messages whose packets a switch program ran, one
         call each), ``"sparse_switch_packet"``, ``"sparse_switch_value"``, ``"sparse_switch_result"``,
         ``"sparse_switch_message"`` (the sparse switch's program: packets it ran, the value packets among them,
-        result rows it produced, messages it took), ``"copy"`` (bytes copied), ``"fresh"`` (bytes of a
+        result rows it produced, messages it took), ``"sparse_switch_round"`` (results a sparse switch's worker
+        took), ``"copy"`` (bytes copied), ``"fresh"`` (bytes of a
         buffer allocated in the call, whose pages are touched for the first time), ``"span"`` (blocks of
         the range a block-sparse worker covers), ``"index"`` (blocks moved by a block index), ``"move"`` (bytes of
         blocks copied between a block-sparse endpoint's tensors and its messages), ``"check"`` (elements a

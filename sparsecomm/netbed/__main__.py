@@ -38,8 +38,8 @@ than 0 is refused, naming the SimFabric, which models both: ``--backend sim`` in
 
 ``python -m sparsecomm.netbed check --gbps G``: the honesty check (round trip shaped vs unshaped, bulk
 rate vs configured). ``python -m sparsecomm.netbed calibrate --out host.json [--quick]``: this machine's
-host costs as a profile for ``sc.Network.from_profile`` (:mod:`sparsecomm.netbed.calibrate`; no netbed
-needed). ``python -m sparsecomm.netbed list`` / ``cleanup``: the netbeds on this machine /
+host costs as a profile for ``sc.Network.from_profile`` (:mod:`sparsecomm.netbed.calibrate`; run as root, it
+also builds a 2-host netbed for a moment to measure its per-message latency, ``--no-netbed`` to skip). ``python -m sparsecomm.netbed list`` / ``cleanup``: the netbeds on this machine /
 remove those whose owner is gone.
 """
 

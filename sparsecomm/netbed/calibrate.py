@@ -8,11 +8,15 @@ but the message costs, ``span_block_s``, ``index_block_s`` and ``call_s``, which
 processes) is timed in the calling thread's CPU time (``time.thread_time``: on a quiet machine its wall time,
 on a loaded one without the time other processes hold the core):
 
-- ``send_message_s``, ``recv_message_s``, ``send_byte_s``, ``recv_byte_s``: a message round over gloo on
-  127.0.0.1 between two processes (:func:`sparsecomm.launch`, the TorchFabric's ``send``/``recv``):
-  the one-way time of each size (half the median round trip) is fitted by least squares as ``a + b * bytes``;
-  ``a`` and ``b`` are split evenly between the sender and the receiver (a round trip cannot tell them
-  apart). On loopback the "wire" is the hosts' copies, so the whole one-way time is host time; a fitted
+- ``send_message_s``, ``recv_message_s``, ``send_byte_s``, ``recv_byte_s``: a message exchange over gloo on
+  127.0.0.1 between two processes (:func:`sparsecomm.launch`, the TorchFabric's ``irecv``/``isend``: each
+  posts a receive from the other, sends it a message of the size and waits for both, as a ring step or a
+  handshake round does): the median over exchanges of the slower process's time of each size is fitted by least
+  squares as ``a + b * bytes``; ``a`` and ``b`` are split evenly between the sender and the receiver (the model
+  charges an exchange ``send_s + recv_s`` on each side, and cannot tell them apart). An exchange and not a
+  ping-pong: in a ping-pong one side sends while the other receives, their copies overlapping, so that its
+  one-way time per byte is less than what a process pays that sends and receives at once, as the transports'
+  processes do. On loopback the "wire" is the hosts' copies, so the whole time is host time; a fitted
   value below zero (noise) is written as 0. It is the cost a transport pays through the fabric (its waits'
   helper threads included), several times a bare ``torch.distributed`` round's;
 - ``copy_byte_s``: ``Tensor.copy_`` of a large float32 buffer, per byte;
@@ -70,6 +74,13 @@ on a loaded one without the time other processes hold the core):
   second per block of each (the call modelled again with that rate at :data:`PROBE_S`: the blocks charged on its
   critical path) and ``c`` is the per-call cost (measured next, as ``call_s``); a rate fitted below zero is
   written as 0, the others fitted again without it;
+- ``sparse_switch_round_s``: the sparse switch's workers' Python per result they take (beyond its program's rates,
+  fitted on its own calls as ``span_block_s`` is): a dense call of each of :data:`SPARSE_SWITCH_POINTS` between
+  two processes and the switch's over gloo on 127.0.0.1, the points taking turns call by call, the median over
+  calls of the slowest rank's time, less the same call modelled on the SimFabric with every rate above; the
+  difference fitted by least squares as ``c + sparse_switch_round_s * R`` (``R``: the results charged on the
+  modelled call's critical path, the call modelled again with the rate at :data:`PROBE_S`; ``c`` the per-call
+  cost ``call_s`` then measures), the rate at least 0;
 - ``call_s``: per transport of :data:`CALL_GROUPS`, a call of :data:`CALL_ELEMS` float32 (dense; for those of
   :data:`SPARSE_CALLS`, the top-k 1% payload they carry) between two
   processes over gloo on 127.0.0.1 (its services started as the netbed's are), the median over calls of the
@@ -81,6 +92,15 @@ on a loaded one without the time other processes hold the core):
 
 When host costs are modelled, ``Network.latency_us`` should be the wire's latency alone: the hosts'
 per-message share, which ``latency_us`` otherwise stands for, is then ``send_message_s + recv_message_s``.
+
+Where this process may build a netbed (root), the profile also records the netbed's own latency (its ``netbed``,
+:mod:`~sparsecomm.fabric.sim.sim_profile`; :func:`netbed_costs`): the one-way time of a small message between
+the two hosts of a netbed at ``--netbed-gbps`` (:func:`~sparsecomm.fabric.probe.fabric_latency_s`, ring shifts
+of 256 bytes over the netbed's gloo) less the same probe between two processes on 127.0.0.1 (the loopback whose
+exchanges the message rates above are fitted on: a small one costs ``send_message_s + recv_message_s``), the
+launches taking turns, at least 0: what a netbed message costs beyond the hosts' loopback costs (the namespaces'
+veth links, the top of rack's forwarding and ``htb``, the ranks' wake-ups across them), the wire latency of a
+model of the netbed (``experiments/bench/netbed_vs_sim.py``).
 """
 
 from __future__ import annotations
@@ -105,9 +125,9 @@ from ..fabric.sim.sim_profile import profile_dict
 
 __all__ = ["calibrate", "main", "write_profile"]
 
-#: message sizes (bytes) of the gloo round, quick and full
+#: message sizes (bytes) of the gloo exchange, quick and full
 MESSAGE_SIZES = {True: (64, 16384, 262144), False: (64, 4096, 65536, 262144, 1 << 20, 4 << 20)}
-#: round trips per size, quick and full
+#: exchanges per size, quick and full
 ROUNDS = {True: 20, False: 200}
 #: elements of the vectors copied, summed and scanned, quick and full
 ELEMENTS = {True: 1 << 18, False: 1 << 22}
@@ -145,6 +165,17 @@ BLOCK_POINTS = {True: ((1 << 14, 0.05), (1 << 14, 0.5), (1 << 18, 0.05), (1 << 1
 BLOCK = 256
 #: the rate (s/block) with which a point is modelled again to count the blocks it charges
 PROBE_S = 1e-6
+#: the sparse switch's calls of the per-result fit of its workers, (float32 elements, density of non-zero
+#: 256-element blocks), quick and full: dense calls of 16 and 256 packets per worker (full: and 1024)
+SPARSE_SWITCH_POINTS = {True: ((1 << 12, 1.0), (1 << 16, 1.0)), False: ((1 << 12, 1.0), (1 << 16, 1.0), (1 << 18, 1.0))}
+#: timed calls per point of the sparse switch's per-result fit, quick and full
+SPARSE_SWITCH_CALLS = {True: 3, False: 7}
+#: the netbed's link rate (Gbit/s) at which its per-message latency is measured (``calibrate --netbed-gbps``)
+NETBED_GBPS = 1.0
+#: shifts of the netbed's latency probe, quick and full
+NETBED_ROUNDS = {True: 30, False: 200}
+#: launches of the netbed's latency probe and of the loopback's, taking turns, quick and full
+NETBED_PAIRS = {True: 1, False: 2}
 #: elements of the top-k timed for ``select_element_s`` (below the top-k's sampling cutoff)
 SELECT_ELEMS = 1 << 16
 #: (rows, columns, rank) of PowerSGD's products timed for ``matmul_mac_s`` and ``matmul_t_mac_s``, quick and full
@@ -168,43 +199,46 @@ def _median_s(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def _round_trips(ctx, sizes: tuple[int, ...], rounds: int) -> list[float]:
-    """Rank 0: the median round trip of each size to rank 1 and back (rank 1 echoes); rank 1: ``[]``."""
+def _exchanges(ctx, sizes: tuple[int, ...], rounds: int) -> list[float]:
+    """Rank 0: the median exchange of each size (rank 0 and rank 1 each post a receive from the other, send it
+    a message of that size and wait for both), the slower rank's time of each exchange; rank 1: ``[]``."""
     torch.set_num_threads(1)
     f = ctx.fabric
+    peer = 1 - ctx.rank
 
     def rounds_of(size: int, count: int) -> list[float]:
-        buf = torch.zeros(size, dtype=torch.uint8)
+        out, into = torch.zeros(size, dtype=torch.uint8), torch.empty(size, dtype=torch.uint8)
         times = []
         for _ in range(count):
             t = time.perf_counter()
-            if ctx.rank == 0:
-                f.send(buf, 1, TAG)
-                f.recv(buf, 1, TAG)
-            else:
-                f.recv(buf, 0, TAG)
-                f.send(buf, 0, TAG)
+            r = f.irecv(into, peer, TAG)
+            f.isend(out, peer, TAG).wait()
+            r.wait()
             times.append(time.perf_counter() - t)
         return times
 
     rounds_of(sizes[0], max(10, rounds // 2))       # warm-up: connections, the fabric's helper threads
-    out = [statistics.median(rounds_of(size, rounds)) for size in sizes]
-    return out if ctx.rank == 0 else []
+    mine = torch.tensor([rounds_of(size, rounds) for size in sizes], dtype=torch.float64)
+    if ctx.rank == 1:
+        f.send(mine, 0, TAG + 1)
+        return []
+    theirs = torch.empty_like(mine)
+    f.recv(theirs, 1, TAG + 1)
+    return [statistics.median(row) for row in torch.maximum(mine, theirs).tolist()]
 
 
 def message_costs(quick: bool = False) -> dict:
-    """The per-message and per-byte costs of a gloo loopback round (module docstring): the four rates and
+    """The per-message and per-byte costs of a gloo loopback exchange (module docstring): the four rates and
     the measurements they were fitted to."""
     from .. import launch
 
     sizes = MESSAGE_SIZES[quick]
-    fn = functools.partial(_round_trips, sizes=sizes, rounds=ROUNDS[quick])
-    rtts = launch(fn, 2, backend="gloo", timeout_s=120.0)[0]
-    one_way = np.array(rtts) / 2
-    slope, intercept = np.polyfit(np.array(sizes, dtype=np.float64), one_way, 1)
+    fn = functools.partial(_exchanges, sizes=sizes, rounds=ROUNDS[quick])
+    exchange = np.array(launch(fn, 2, backend="gloo", timeout_s=120.0)[0])
+    slope, intercept = np.polyfit(np.array(sizes, dtype=np.float64), exchange, 1)
     a, b = max(0.0, float(intercept)), max(0.0, float(slope))
     return {"send_message_s": a / 2, "recv_message_s": a / 2, "send_byte_s": b / 2, "recv_byte_s": b / 2,
-            "fit": {"sizes": list(sizes), "one_way_s": [float(x) for x in one_way],
+            "fit": {"sizes": list(sizes), "exchange_s": [float(x) for x in exchange],
                     "intercept_s": float(intercept), "slope_s_per_byte": float(slope)}}
 
 
@@ -561,6 +595,81 @@ def block_costs(host: HostModel, quick: bool = False, points: tuple | None = Non
                           "index_blocks": counts[:, 1].tolist(), "intercept_s": float(c)}}
 
 
+def _time_sparse_switch(ctx, points: tuple, calls: int) -> list[list[float]]:
+    """Every rank: per ``(numel, density)`` of ``points``, the time of each of ``calls`` sparse switch calls
+    (after two untimed), each after a barrier, the points taking turns call by call (:func:`_time_points`)."""
+    import sparsecomm.transports as transports
+
+    torch.set_num_threads(1)
+    f = ctx.fabric
+    t = transports.get("sparse-switch", f)
+    xs = [block_sparse(numel, density, seed=1000 * ctx.rank + k) for k, (numel, density) in enumerate(points)]
+    out: list[list[float]] = [[] for _ in points]
+    for i in range(calls + 2):
+        for x0, times in zip(xs, out):
+            took = _timed_call(f, t, x0)
+            if i >= 2:
+                times.append(took)
+    return out
+
+
+def sparse_switch_round_costs(host: HostModel, quick: bool = False) -> dict:
+    """``sparse_switch_round_s`` (module docstring), with the measurements fitted (``sparse_switch_round_fit``:
+    the points, the measured and modelled times, the results each point's critical path charges, the
+    intercept)."""
+    import dataclasses
+
+    from .. import launch
+    from ..fabric.sim.sim_network import Network
+
+    points, calls = SPARSE_SWITCH_POINTS[quick], SPARSE_SWITCH_CALLS[quick]
+    cores = os.cpu_count() or 1
+    slowest = lambda runs, i, count: statistics.median(max(r[i][j] for r in runs) for j in range(count))  # noqa: E731
+    fn = functools.partial(_time_sparse_switch, points=points)
+    real = launch(functools.partial(fn, calls=calls), 2, backend="gloo", services=["sparse-switch"],
+                  timeout_s=300.0)
+    measured = [slowest(real, i, calls) for i in range(len(points))]
+    modelled = {}
+    for rate in (0.0, PROBE_S):     # (modelled calls repeat exactly: one is timed)
+        h = dataclasses.replace(host, sparse_switch_round_s=rate).sharing(3, cores)
+        sim = launch(functools.partial(fn, calls=1), 2, services=["sparse-switch"],
+                     network=Network(bandwidth_gbps=1e4, latency_us=0.0, host=h))
+        modelled[rate] = np.array([slowest(sim, i, 1) for i in range(len(points))])
+    counts = (modelled[PROBE_S] - modelled[0.0]) / PROBE_S
+    c, rate = fit_nonnegative(counts[:, None], np.array(measured) - modelled[0.0])
+    return {"sparse_switch_round_s": float(rate),
+            "sparse_switch_round_fit": {"points": [list(p) for p in points], "measured_s": measured,
+                                        "modelled_s": modelled[0.0].tolist(), "results": counts.tolist(),
+                                        "intercept_s": float(c)}}
+
+
+def _netbed_latency(ctx, rounds: int) -> float:
+    from ..fabric.probe import fabric_latency_s
+
+    torch.set_num_threads(1)
+    return fabric_latency_s(ctx.fabric, rounds=rounds)
+
+
+def netbed_costs(gbps: float = NETBED_GBPS, quick: bool = False) -> dict:
+    """The netbed's per-message latency (module docstring): ``latency_s``, the one-way time of a small message
+    between the two hosts of a netbed of ``gbps`` (:func:`~sparsecomm.fabric.probe.fabric_latency_s`) less the
+    same probe between two processes on 127.0.0.1 (what the host rates fitted on loopback charge a message), each
+    the median of :data:`NETBED_PAIRS` launches taking turns (a change of the machine's load falls on both), at
+    least 0; with ``gbps``, the probes' times and the load."""
+    from .. import launch
+    from ..fabric.sim.sim_network import Network
+
+    fn = functools.partial(_netbed_latency, rounds=NETBED_ROUNDS[quick])
+    netbed, loopback = [], []
+    for _ in range(NETBED_PAIRS[quick]):
+        netbed.append(launch(fn, 2, backend="netbed", network=Network(bandwidth_gbps=gbps), timeout_s=120.0)[0])
+        loopback.append(launch(fn, 2, backend="gloo", timeout_s=120.0)[0])
+    measured, local = statistics.median(netbed), statistics.median(loopback)
+    return {"latency_s": max(0.0, measured - local), "gbps": float(gbps), "hosts": 2,
+            "netbed_s": netbed, "loopback_s": loopback,
+            "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
+
+
 def call_costs(host: HostModel, quick: bool = False) -> dict:
     """``call_s`` (module docstring): per transport, the measured loopback call less the modelled one, with
     the measurements."""
@@ -590,12 +699,24 @@ def machine() -> dict:
             "torch_threads": 1}
 
 
-def calibrate(quick: bool = False) -> dict:
+def calibrate(quick: bool = False, netbed_gbps: float | None = NETBED_GBPS) -> dict:
     """Measure this machine's host costs (module docstring) and return its profile (:mod:`.sim_profile`).
 
     Args:
         quick: fewer sizes, rounds and repeats (seconds rather than a minute; for tests, not for use).
+        netbed_gbps: the link rate of the netbed whose per-message latency is measured (:func:`netbed_costs`),
+            where this process may build one (root: :func:`~.topology.check_privileges`); ``None``: not
+            measured (the profile has no ``netbed``).
     """
+    from ..errors import NetbedError
+    from .topology import check_privileges
+
+    if netbed_gbps is not None:
+        try:
+            check_privileges()
+        except NetbedError as exc:
+            print(f"calibrate: the netbed's latency is not measured: {exc}", file=sys.stderr)
+            netbed_gbps = None
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -609,20 +730,25 @@ def calibrate(quick: bool = False) -> dict:
         sparse_switch_fit = kernels.pop("sparse_switch_fit")
         blocks = block_costs(HostModel(**messages, **kernels), quick)
         block_fit = blocks.pop("block_fit")
-        calls = call_costs(HostModel(**messages, **kernels, **blocks), quick)
+        rounds = sparse_switch_round_costs(HostModel(**messages, **kernels, **blocks), quick)
+        round_fit = rounds.pop("sparse_switch_round_fit")
+        calls = call_costs(HostModel(**messages, **kernels, **blocks, **rounds), quick)
+        netbed = None if netbed_gbps is None else netbed_costs(netbed_gbps, quick)
     finally:
         torch.set_num_threads(threads)
     call_fit = calls.pop("call_fit")
-    host = HostModel(**messages, **kernels, **blocks, **calls)
+    host = HostModel(**messages, **kernels, **blocks, **rounds, **calls)
     date = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()
-    method = {"quick": bool(quick), "repeats": REPEATS[quick], "round_trips": ROUNDS[quick],
+    method = {"quick": bool(quick), "repeats": REPEATS[quick], "exchanges": ROUNDS[quick],
               "elements": ELEMENTS[quick], "message_fit": fit, "switch_fit": switch_fit,
               "sparse_switch_fit": sparse_switch_fit, "fresh_fit": fresh_fit,
-              "block_fit": block_fit,
+              "block_fit": block_fit, "sparse_switch_round_fit": round_fit,
               "call_elems": CALL_ELEMS, "calls": CALLS[quick], "call_fit": call_fit,
-              "statistic": "median", "messages_via": "TorchFabric send/recv over gloo, 127.0.0.1",
+              "statistic": "median", "messages_via": "TorchFabric irecv/isend exchanges over gloo, 127.0.0.1",
               "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
-    return profile_dict(host, date=date, machine=machine(), method=method)
+    if netbed is not None:
+        method["netbed_fit"] = {k: netbed.pop(k) for k in ("netbed_s", "loopback_s", "load_average")}
+    return profile_dict(host, date=date, machine=machine(), method=method, netbed=netbed)
 
 
 def write_profile(profile: dict, out: str | Path) -> None:
@@ -634,17 +760,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The calibrate command's options."""
     p.add_argument("--out", required=True, help="where to write the host profile (JSON)")
     p.add_argument("--quick", action="store_true", help="fewer repeats (seconds; for tests)")
+    p.add_argument("--netbed-gbps", type=float, default=NETBED_GBPS,
+                   help="the link rate of the 2-host netbed whose per-message latency is measured (needs root; "
+                        "default %(default)g)")
+    p.add_argument("--no-netbed", action="store_true", help="do not measure the netbed's latency")
 
 
 def run(args: argparse.Namespace) -> int:
     """The calibrate command: measure, write ``--out``, print the rates."""
-    profile = calibrate(args.quick)
+    profile = calibrate(args.quick, None if args.no_netbed else args.netbed_gbps)
     write_profile(profile, args.out)
     for name, entry in profile["host"].items():
         value = entry["value"]
         shown = (", ".join(f"{k} {v:.3g}" for k, v in value.items()) if isinstance(value, dict)
                  else str(value) if isinstance(value, int) else f"{value:.3g}")
         print(f"{name}: {shown} {entry['unit']}")
+    if "netbed" in profile:
+        nb = profile["netbed"]
+        print(f"netbed latency_s: {nb['latency_s']['value']:.3g} {nb['latency_s']['unit']} "
+              f"({nb['hosts']} hosts, {nb['gbps']:g} Gbit/s)")
     print(f"wrote {args.out}")
     return 0
 

@@ -17,7 +17,7 @@ import sparsecomm as sc
 from sparsecomm.errors import InvalidTypeError, InvalidValueError, MismatchError
 from sparsecomm.fabric.sim.sim_host import RATE_UNITS, SIZES, SUM_DTYPES, HostModel
 from sparsecomm.fabric.base import MESSAGE_BYTES
-from sparsecomm.fabric.sim.sim_profile import FORMAT, VERSION, profile_dict
+from sparsecomm.fabric.sim.sim_profile import FORMAT, VERSION, netbed_latency_s, profile_dict
 from sparsecomm.netbed.calibrate import CALL_GROUPS
 from sparsecomm.transports.ring import ring_allreduce_
 
@@ -236,6 +236,23 @@ def test_the_sparse_switch_charges_its_own_rates_per_packet_value_packet_and_res
     assert t.hex() == base.hex()
 
 
+def test_the_sparse_switch_workers_are_charged_per_result_they_take_by_hand():
+    base, info = _sparse(HostModel(**PER_MSG))
+    results = [sum(i[p]["results"] for p in i) for i in info]
+    assert results[0] == results[1] == 1 + 2 + 3 * SPARSE_BLOCKS // 4        # (control, look-ahead, union)
+    # with the workers' Python the bottleneck (a rate far above everything else's): the call lengthens by a
+    # worker's results times the rate, stretched by the CPU share (the workers take theirs at the same time)
+    S = 1.0
+    for share in (1.0, 2.0):
+        t, _ = _sparse(HostModel(**PER_MSG, sparse_switch_round_s=S, cpu_share=share))
+        assert (t - base) / (share * S) == pytest.approx(results[0], abs=0.01)
+    # a model without it (None, as a profile written before it existed) charges nothing: the bits of a rate of 0
+    t, _ = _sparse(HostModel(**PER_MSG, sparse_switch_round_s=0.0))
+    assert t.hex() == base.hex() and HostModel().sparse_switch_round_s is None
+    assert HostModel().work_s("sparse_switch_round", 5) == 0.0
+    assert HostModel(sparse_switch_round_s=2.0).work_s("sparse_switch_round", 5) == 10.0
+
+
 def test_a_model_without_the_sparse_switch_rates_charges_the_dense_switch_rates_as_before(tmp_path):
     # a profile without the sparse switch's rates (one written before they existed) loads with them None ...
     path = tmp_path / "host.json"
@@ -383,6 +400,52 @@ def test_from_profile_refuses_a_bad_profile_naming_the_key(tmp_path, profile, er
         sc.Network.from_profile(path)
 
 
+NETBED = {"latency_s": 2.5e-4, "gbps": 1, "hosts": 2}
+
+
+def test_a_profile_records_the_netbeds_latency_beside_the_host_model(tmp_path):
+    path = tmp_path / "host.json"
+    path.write_text(json.dumps(_profile(FULL)))
+    assert netbed_latency_s(path) is None                 # (calibrated without a netbed, or an older profile)
+    p = profile_dict(FULL, date="2026-01-01T00:00:00+00:00", machine={}, method={}, netbed=NETBED)
+    assert p["netbed"] == {"latency_s": {"value": 2.5e-4, "unit": "s"}, "gbps": 1.0, "hosts": 2}
+    path.write_text(json.dumps(p))
+    assert netbed_latency_s(path) == 2.5e-4
+    # not the host model's, nor any network's but the netbed's: from_profile leaves the latency alone
+    net = sc.Network.from_profile(path)
+    assert net.host == FULL and net.latency_us == sc.Network().latency_us
+    with pytest.raises(InvalidValueError, match="hosts must be at least 2"):
+        profile_dict(FULL, date="", machine={}, method={}, netbed={**NETBED, "hosts": 1})
+
+
+def _with_netbed(**edit) -> dict:
+    p = profile_dict(FULL, date="2026-01-01T00:00:00+00:00", machine={}, method={}, netbed=NETBED)
+    for where, value in edit.items():
+        *keys, last = where.split("__")
+        d = p
+        for k in keys:
+            d = d[k]
+        if value is None:
+            del d[last]
+        else:
+            d[last] = value
+    return p
+
+
+@pytest.mark.parametrize("profile, match", [
+    (_with_netbed(netbed__latency_s={"value": -1e-6, "unit": "s"}), r"netbed\.latency_s\.value must be a finite rate"),
+    (_with_netbed(netbed__latency_s={"value": 1e-4, "unit": "us"}), r"netbed\.latency_s must be"),
+    (_with_netbed(netbed__hosts=None), r"netbed must be \{'latency_s'"),
+    (_with_netbed(netbed__gbps=0), r"netbed\.gbps must be > 0"),
+], ids=["negative", "unit", "no-hosts", "gbps"])
+def test_a_bad_netbed_section_is_refused_naming_the_key(tmp_path, profile, match):
+    path = tmp_path / "host.json"
+    path.write_text(json.dumps(profile))
+    for read in (netbed_latency_s, sc.Network.from_profile):
+        with pytest.raises(InvalidValueError, match=match):
+            read(path)
+
+
 def test_from_profile_refuses_an_unknown_override_and_an_unreadable_file(tmp_path):
     path = tmp_path / "host.json"
     path.write_text(json.dumps(_profile(FULL)))
@@ -411,7 +474,7 @@ def test_calibrate_command_writes_a_loadable_profile(tmp_path, capsys):
     assert capsys.readouterr().out.endswith(f"wrote {out}\n")
     profile = json.loads(out.read_text())
     assert profile["format"] == FORMAT and profile["version"] == VERSION
-    assert set(profile) == {"format", "version", "date", "machine", "method", "host"}
+    assert set(profile) - {"netbed"} == {"format", "version", "date", "machine", "method", "host"}
     assert datetime.datetime.fromisoformat(profile["date"]).tzinfo is not None
     m = profile["machine"]
     assert m["torch"] == torch.__version__ and m["cpu_count"] == os.cpu_count() and m["torch_threads"] == 1
@@ -435,12 +498,12 @@ def test_calibrate_command_writes_a_loadable_profile(tmp_path, capsys):
     assert host["move_byte_s"]["value"] > 0 and host["check_element_s"]["value"] > 0
     from sparsecomm.fabric.sim.sim_host import CODEC_RATES
     assert all(host[r]["value"] > 0 for r in CODEC_RATES.values())     # (medians of timed kernel runs too)
-    # the message rates: the line through the recorded one-way times (each positive), clipped at 0 and split
+    # the message rates: the line through the recorded exchange times (each positive), clipped at 0 and split
     # evenly between sender and receiver; a line through positive points is positive somewhere in their
     # range, so the per-message and per-byte rates are not both 0
     fit = method["message_fit"]
-    assert all(t > 0 for t in fit["one_way_s"])
-    slope, intercept = np.polyfit(np.array(fit["sizes"], dtype=np.float64), np.array(fit["one_way_s"]), 1)
+    assert all(t > 0 for t in fit["exchange_s"])
+    slope, intercept = np.polyfit(np.array(fit["sizes"], dtype=np.float64), np.array(fit["exchange_s"]), 1)
     assert (fit["slope_s_per_byte"], fit["intercept_s"]) == pytest.approx((slope, intercept), rel=1e-9, abs=1e-15)
     for side in ("send", "recv"):
         assert host[f"{side}_message_s"]["value"] == max(0.0, fit["intercept_s"]) / 2
@@ -480,6 +543,29 @@ def test_calibrate_command_writes_a_loadable_profile(tmp_path, capsys):
     assert bf["intercept_s"] == pytest.approx(c, rel=1e-9, abs=1e-15)
     assert host["span_block_s"]["value"] == pytest.approx(span, rel=1e-9, abs=1e-15)
     assert host["index_block_s"]["value"] == pytest.approx(index, rel=1e-9, abs=1e-15)
+    # the sparse switch's workers' rate: the non-negative fit of measured less modelled over the results charged
+    rf = method["sparse_switch_round_fit"]
+    assert all(t > 0 for t in rf["measured_s"]) and all(t > 0 for t in rf["modelled_s"])
+    assert rf["results"] == sorted(rf["results"]) and rf["results"][0] > 0       # (more packets, more results)
+    c, rate = fit_nonnegative(np.array(rf["results"])[:, None], np.array(rf["measured_s"]) - np.array(rf["modelled_s"]))
+    assert rf["intercept_s"] == pytest.approx(c, rel=1e-9, abs=1e-15)
+    assert host["sparse_switch_round_s"]["value"] == pytest.approx(rate, rel=1e-9, abs=1e-15)
+    # the netbed's latency, where this process may build a netbed: its probe less the same probe on loopback
+    from sparsecomm.errors import NetbedError
+    from sparsecomm.netbed.topology import check_privileges
+    try:
+        check_privileges()
+        root = True
+    except NetbedError:
+        root = False
+    assert ("netbed" in profile) == root == ("netbed_fit" in method)
+    if root:
+        nf, nb = method["netbed_fit"], profile["netbed"]
+        assert len(nf["netbed_s"]) == len(nf["loopback_s"]) >= 1 and min(nf["netbed_s"] + nf["loopback_s"]) > 0
+        import statistics
+        assert nb["latency_s"]["value"] == max(0.0, statistics.median(nf["netbed_s"]) -
+                                               statistics.median(nf["loopback_s"]))
+        assert (nb["gbps"], nb["hosts"]) == (1.0, 2) and netbed_latency_s(out) == nb["latency_s"]["value"]
     # each call's cost is the measured call less the modelled one (at least 0), both recorded (OmniReduce's
     # left-over is a few ms once its block moves, check and zero scan are modelled: within a busy machine's
     # noise, so it may be fitted at 0 as any other)

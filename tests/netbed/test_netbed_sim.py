@@ -111,6 +111,20 @@ def test_each_transport_is_modelled_within_15_percent_with_the_calibrated_host(t
         assert 1 - BOUND <= r["host_ratio"] <= 1 + BOUND, r
 
 
+def test_the_netbed_is_modelled_with_the_latency_its_profile_records(tmp_path):
+    """``--profile``: the netbed's wire latency is the one the profile's ``netbed`` records (``calibrate``, as
+    root), else the old 10 us (a profile calibrated without a netbed)."""
+    from experiments.bench.netbed_vs_sim import NETBED_LATENCY_US, netbed_latency_us
+
+    host = HostModel(send_message_s=3e-5, recv_message_s=3e-5, sum_element_s=dict.fromkeys(SUM_DTYPES, 1e-9))
+    path = tmp_path / "host.json"
+    path.write_text(json.dumps(profile_dict(host, date="2026-01-01T00:00:00+00:00", machine={}, method={})))
+    assert netbed_latency_us(str(path)) == NETBED_LATENCY_US == 10.0
+    path.write_text(json.dumps(profile_dict(host, date="2026-01-01T00:00:00+00:00", machine={}, method={},
+                                            netbed={"latency_s": 2.5e-4, "gbps": 1.0, "hosts": 2})))
+    assert netbed_latency_us(str(path)) == pytest.approx(250.0, rel=1e-12)
+
+
 # ------------------------------------------------------------------ the loopback comparison (--loopback)
 
 def _row(case, measured_ms, modelled_ms, n=2, mb=1.0, d=1.0, times=None, ref=None):

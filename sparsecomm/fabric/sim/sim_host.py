@@ -22,10 +22,13 @@ modelled clocks (``host=None``, the default: no host cost, every modelled time a
   packets among them (``sparse_switch_value_s``, on top: the vector added into its slot, or its minimum taken, with
   the overflow check; a skip has none), result rows it produces (``sparse_switch_result_s``: a completed round's
   multicast or a retransmission, its row built and packed into the replies) and messages it takes
-  (``sparse_switch_message_s``: the burst's split into rows, the replies' set-up); a model without one of these
+  (``sparse_switch_message_s``: the burst's split into rows, the replies' set-up); ``"sparse_switch_round"``, the
+  results a sparse switch's worker takes (``sparse_switch_round_s``: its Python per result in
+  :mod:`sparsecomm.transports.switchml.sparse.rounds`, the row's header read and matched, the slot's parity
+  flipped, the lane's next packet built and queued); a model without one of these
   (``None``, the default, and a profile without it) charges what it charged before they existed: the dense
   switch's ``switch_packet_s`` per packet, its ``switch_message_s`` per message, nothing per value packet or
-  result; ``"copy"``, bytes copied (``copy_byte_s``: the ring's and ``native``'s
+  result, nothing per worker's result; ``"copy"``, bytes copied (``copy_byte_s``: the ring's and ``native``'s
   work copy of the caller's input in a call that does not sum in place, the sparse switch's padded copy of it
   and of its sums); ``"fresh"``, bytes of a buffer a transport allocates afresh in a call (``fresh_byte_s`` per
   byte for a buffer of at least ``fresh_min_bytes``, nothing below: the first touch of its pages, beyond the
@@ -103,7 +106,8 @@ HOST_OPS = {"sum": "element", "scan": "element", "switch_packet": "packet", "swi
             "scan_zero": "element", "move": "byte", "check": "element",
             "elementwise": "element", "select": "element", "sample": "element", "matmul": "multiply-add",
             "matmul_t": "multiply-add", "kernel": "call", "sparse_switch_packet": "packet",
-            "sparse_switch_value": "packet", "sparse_switch_result": "packet", "sparse_switch_message": "message"}
+            "sparse_switch_value": "packet", "sparse_switch_result": "packet", "sparse_switch_message": "message",
+            "sparse_switch_round": "packet"}
 
 #: the operations of a method's encode and decode (:meth:`sparsecomm.methods.base.Method.work`) and their rates
 CODEC_RATES = {"elementwise": "elementwise_element_s", "select": "select_element_s", "sample": "sample_element_s",
@@ -142,13 +146,14 @@ RATE_UNITS = {
     "sparse_switch_value_s": "s/packet",
     "sparse_switch_result_s": "s/packet",
     "sparse_switch_message_s": "s/message",
+    "sparse_switch_round_s": "s/packet",
 }
 
 #: the rates that may be ``None`` (absent from a profile): each charges, when ``None``, the rate it names here
 #: (``None``: nothing), the charge its operation had before the rate existed
 FALLBACK_RATES = {"sparse_switch_packet_s": "switch_packet_s", "sparse_switch_value_s": None,
                   "sparse_switch_result_s": None,
-                  "sparse_switch_message_s": "switch_message_s"}
+                  "sparse_switch_message_s": "switch_message_s", "sparse_switch_round_s": None}
 
 #: the rates a version-2 profile may lack (added within version 2; absent: 0, or for those of :data:`FALLBACK_RATES`
 #: ``None``: the time the profile modelled)
@@ -204,6 +209,7 @@ class HostModel:
         sparse_switch_result_s: seconds per result row the sparse switch's program produces (``None``: 0).
         sparse_switch_message_s: seconds per message the sparse switch's program takes (``None``:
             ``switch_message_s``).
+        sparse_switch_round_s: seconds per result a sparse switch's worker takes (``None``: 0).
         call_s: transport name (``"ring"``, ``"omnireduce"``, ...) -> seconds per call of it, on every
             worker (default: none; a transport not in it is charged nothing).
         cpu_share: the CPU stretch of every endpoint (>= 1): endpoints sharing cores, e.g. 2 for 4 hosts on
@@ -238,6 +244,7 @@ class HostModel:
     sparse_switch_value_s: float | None = None
     sparse_switch_result_s: float | None = None
     sparse_switch_message_s: float | None = None
+    sparse_switch_round_s: float | None = None
     cpu_share: float = 1.0
     cpu_share_by_endpoint: Mapping[int, float] = field(default_factory=dict)
 
@@ -351,7 +358,8 @@ class HostModel:
             rate = self.check_element_s
         elif op in CODEC_RATES:
             rate = getattr(self, CODEC_RATES[op])
-        elif op in ("sparse_switch_packet", "sparse_switch_value", "sparse_switch_result", "sparse_switch_message"):
+        elif op in ("sparse_switch_packet", "sparse_switch_value", "sparse_switch_result", "sparse_switch_message",
+                    "sparse_switch_round"):
             name = f"{op}_s"
             rate = getattr(self, name)
             if rate is None:            # (FALLBACK_RATES: the charge before the rate existed)

@@ -15,7 +15,8 @@ Written by ``python -m sparsecomm.netbed calibrate --out host.json`` (:mod:`spar
         ...
         "sum_element_s": {"value": {"float32": 2.5e-10, ...}, "unit": "s/element"},
         "call_s": {"value": {"ring": 0.004, "omnireduce": 0.012, ...}, "unit": "s/call"}
-      }
+      },
+      "netbed": {"latency_s": {"value": 0.00021, "unit": "s"}, "gbps": 1.0, "hosts": 2}   # optional
     }
 
 ``host`` holds exactly the rates of :data:`~.sim_host.RATE_UNITS` (a missing or unknown one, a unit other
@@ -32,6 +33,14 @@ rate per transport name (any names); ``fresh_min_bytes`` (:data:`~.sim_host.SIZE
 (unit ``"byte"``), not a rate. ``date``, ``machine`` and
 ``method`` are recorded, not interpreted.
 
+``netbed`` (optional, added within version 2; :func:`netbed_latency_s` reads it): this machine's netbed as
+the model wants it beside the host rates, the one-way latency of a message between two of its hosts beyond the
+hosts' own per-message costs (``latency_s``, seconds: the kernel's path through the namespaces' links, the top of
+rack's forwarding and ``htb``, and the ranks' wake-ups across them), measured at ``gbps`` between ``hosts``
+hosts; a model of the netbed takes it as its wire's latency (``Network(latency_us=...)``). It is not part of
+the :class:`~.sim_host.HostModel` (:meth:`sparsecomm.Network.from_profile` does not read it): a network other
+than this machine's netbed has a latency of its own.
+
 Versions: 2 added ``switch_message_s`` and ``call_s`` and measures ``switch_packet_s`` without the per-message
 part. A version 1 profile is refused, saying to calibrate again: its ``switch_packet_s`` includes a
 message's cost, and it has no per-call costs.
@@ -47,7 +56,8 @@ from pathlib import Path
 from ...errors import InvalidTypeError, InvalidValueError
 from .sim_host import OPTIONAL_RATES, RATE_UNITS, SIZES, SUM_DTYPES, HostModel
 
-__all__ = ["FORMAT", "VERSION", "host_from_profile", "load_profile", "network_from_profile", "profile_dict"]
+__all__ = ["FORMAT", "VERSION", "host_from_profile", "load_profile", "netbed_latency_s", "network_from_profile",
+           "profile_dict"]
 
 #: the ``format`` field of a host profile
 FORMAT = "sparsecomm-host-profile"
@@ -56,20 +66,58 @@ VERSION = 2
 #: the rates whose value is a mapping (dtype -> rate, transport -> rate)
 MAPPED = ("sum_element_s", "call_s")
 #: the top-level keys of a profile (the first three required)
-KEYS = ("format", "version", "host", "date", "machine", "method")
+KEYS = ("format", "version", "host", "date", "machine", "method", "netbed")
+#: the keys of a profile's ``netbed``
+NETBED_KEYS = ("latency_s", "gbps", "hosts")
 
 
-def profile_dict(host: HostModel, *, date: str, machine: dict, method: dict) -> dict:
+def profile_dict(host: HostModel, *, date: str, machine: dict, method: dict, netbed: dict | None = None) -> dict:
     """The profile of ``host`` (its rates; its CPU shares are a run's setting and are not written; a rate of
-    :data:`~.sim_host.FALLBACK_RATES` that is ``None`` is left out, as a profile without it)."""
+    :data:`~.sim_host.FALLBACK_RATES` that is ``None`` is left out, as a profile without it); ``netbed``:
+    ``{"latency_s": seconds, "gbps": ..., "hosts": ...}``, the netbed's latency (module docstring), or ``None``
+    for none."""
     rates = {}
     for name, unit in RATE_UNITS.items():
         value = getattr(host, name)
         if value is None:           # (a rate of FALLBACK_RATES left to its fallback: absent)
             continue
         rates[name] = {"value": dict(value) if name in MAPPED else value, "unit": unit}
-    return {"format": FORMAT, "version": VERSION, "date": date, "machine": dict(machine), "method": dict(method),
-            "host": rates}
+    out = {"format": FORMAT, "version": VERSION, "date": date, "machine": dict(machine), "method": dict(method),
+           "host": rates}
+    if netbed is not None:
+        out["netbed"] = {"latency_s": {"value": float(netbed["latency_s"]), "unit": "s"},
+                         "gbps": float(netbed["gbps"]), "hosts": int(netbed["hosts"])}
+        _netbed(out, "profile_dict")
+    return out
+
+
+def _netbed(profile: dict, source: str) -> float | None:
+    """The checked ``netbed`` latency of ``profile`` (seconds), ``None`` without one."""
+    if "netbed" not in profile:
+        return None
+    nb = profile["netbed"]
+    where = f"{source}: netbed"
+    if not isinstance(nb, dict) or set(nb) != set(NETBED_KEYS):
+        raise InvalidValueError(f"{where} must be {{'latency_s': {{'value': ..., 'unit': 's'}}, 'gbps': ..., "
+                                f"'hosts': ...}}, got {nb!r}")
+    entry = nb["latency_s"]
+    if not isinstance(entry, dict) or set(entry) != {"value", "unit"} or entry["unit"] != "s":
+        raise InvalidValueError(f"{where}.latency_s must be {{'value': ..., 'unit': 's'}}, got {entry!r}")
+    _rate(f"{where}.gbps", nb["gbps"])
+    if nb["gbps"] <= 0:
+        raise InvalidValueError(f"{where}.gbps must be > 0, got {nb['gbps']!r}")
+    if _size(f"{where}.hosts", nb["hosts"]) < 2:
+        raise InvalidValueError(f"{where}.hosts must be at least 2, got {nb['hosts']!r}")
+    return _rate(f"{where}.latency_s.value", entry["value"])
+
+
+def netbed_latency_s(path: str | Path) -> float | None:
+    """The netbed's per-message latency (seconds, module docstring) of the profile at ``path`` (checked as
+    :func:`host_from_profile` checks the rest), ``None`` when it has none (calibrated without a netbed, or
+    before profiles recorded it)."""
+    profile = load_profile(path)
+    host_from_profile(profile, f"host profile {str(path)!r}")
+    return _netbed(profile, f"host profile {str(path)!r}")
 
 
 def _rate(where: str, value) -> float:
@@ -108,6 +156,7 @@ def host_from_profile(profile: dict, source: str = "host profile") -> HostModel:
     if profile["version"] != VERSION:
         raise InvalidValueError(f"{source}: version {profile['version']!r} is not supported (this library reads "
                                 f"version {VERSION}; calibrate again)")
+    _netbed(profile, source)
     host = profile["host"]
     if not isinstance(host, dict):
         raise InvalidTypeError(f"{source}: 'host' is a JSON object of rates, got {type(host).__name__}")

@@ -167,6 +167,7 @@ class Rounds:
                 continue
             filled = len(msg_rows) if sim else message_rows(fab, sw, msg_rows)
             job = st.job & JOB_MASK
+            taken = info["results"]
             for res in msg_rows[:filled]:
                 w0, word, pos, _ = res[:HEADER].tolist()    # (Header.of's fields, read once per result)
                 kind = w0 & KIND_BITS
@@ -195,6 +196,7 @@ class Rounds:
                 else:
                     yield from send(i, True)
             msg_rows[:filled, W0] = 0              # every row T_EMPTY again: the next message may be shorter
+            fab.host_work("sparse_switch_round", info["results"] - taken)    # (its Python per result: sim_host)
             yield from flush()
 
 
