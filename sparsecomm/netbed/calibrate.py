@@ -48,7 +48,7 @@ on a loaded one without the time other processes hold the core):
   the sparse switch's program as its service runs it on a real fabric, per message received
   (:meth:`~sparsecomm.transports.switchml.sparse.dataplane.Dataplane.packets`, the rows taken out of the burst,
   then :meth:`~sparsecomm.transports.switchml.sparse.dataplane.Dataplane.replies`, the program run on each and its
-  replies built; Python per packet, unlike the dense switch's compiled program): a two-worker job, 256-value
+  replies built; a compiled call per packet, a result row built in Python): a two-worker job, 256-value
   packets, bursts of each of :data:`SPARSE_SWITCH_BURSTS` packets on as many slots, all value packets or all skips
   (a program each, the cases taking turns round by round), worker 0's burst then worker 1's, which completes every
   slot (a result row each), the slots' sets alternating round by round; the median time of each worker's message

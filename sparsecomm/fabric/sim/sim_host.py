@@ -17,7 +17,7 @@ modelled clocks (``host=None``, the default: no host cost, every modelled time a
   call (``switch_message_s``: the call into the compiled program, its lock and the replies' split, once
   per message whatever its packets); ``"sparse_switch_packet"``, ``"sparse_switch_value"``,
   ``"sparse_switch_result"`` and ``"sparse_switch_message"``, the sparse switch's program
-  (:mod:`sparsecomm.transports.switchml.sparse.dataplane`, Python per packet): packets it runs
+  (:mod:`sparsecomm.transports.switchml.sparse.dataplane`, a compiled call per packet): packets it runs
   (``sparse_switch_packet_s``: a row taken from its message, parsed and run through the registers), the value
   packets among them (``sparse_switch_value_s``, on top: the vector added into its slot, or its minimum taken, with
   the overflow check; a skip has none), result rows it produces (``sparse_switch_result_s``: a completed round's
