@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 from collections import deque
+from itertools import chain
 from operator import attrgetter
 from typing import Callable, Generator
 
@@ -605,68 +606,86 @@ class SimFabric(Fabric):
         for one role (each wait in place, as its :class:`~.roles.WaitAll`, after the checks and the reap of its
         stage), without a round trip through the scheduler's generator per request. Returns ``None`` once the
         role has returned; at a :class:`~.roles.Spawn`, the role resumed from that request on, for the
-        scheduler to run with those it spawns (:func:`_resumed`)."""
+        scheduler to run with those it spawns (:func:`_resumed`).
+
+        The role is resumed by a ``for`` loop (no call of ``next`` per request), and with ``send`` only to
+        give it a value (an ``any`` wait's key, a timed wait's outcome); ``step``, the request being performed,
+        tells its own exceptions (noted as the scheduler notes them, :func:`.roles.note_role`) from those of
+        their performing."""
         ep, rank = self._ep, self.rank
         send, post_into, settle, work = outbox.send, inbox.post_into, outbox.pool.settle, inbox.work
         Send, PostInto, Recv, Flush = _roles.Send, _roles.PostInto, _roles.Recv, _roles.Flush
         value = None
+        requests = role
         while True:
+            step = None
             try:
-                req = next(role) if value is None else role.send(value)     # (a role may be a plain iterator)
-            except StopIteration:
-                return None
-            except Exception as exc:
-                _roles.note_role(exc, role, rank)
-                raise
-            value = None
-            t = type(req)
-            if t is Send:
-                send(req.buf, req.dst, req.tag, req.hold, req.deferrable)
-            elif t is PostInto:
-                post_into(req.key, req.buf, req.src, req.tag)
-            elif t is Recv:
-                keys = req.keys
-                if not keys[1:] and keys and not req.any and not req.gone:     # (the common case: one key)
+                if value is not None:       # (resumed with a value: its next request first, then the others)
                     try:
-                        w = work(keys[0])
-                    except KeyError:
-                        raise ProtocolError(f"endpoint {rank}: no role of this call can run (a bug)") from None
-                    if req.stage.reaps:
-                        outbox.reap(keep)
-                    if w is not None and not w.done and not w.take_now():
-                        src, tag = w.channel
-                        w._finish((yield RecvWait(src, tag, None, src is None and ep.per_port, None, True)))
-                    continue
-                has = inbox.has         # (able to run: every key posted or handed over, no ``gone`` one left)
-                if not all(map(has, keys)) or any(map(has, req.gone)):
-                    raise ProtocolError(f"endpoint {rank}: no role of this call can run (a bug)")
-                if req.stage.reaps:
-                    outbox.reap(keep)
-                value = yield from self._take_keys(inbox, keys, req.any)
-            elif t is Flush:
-                settle(req.hold)
-            elif t is _roles.Post:
-                inbox.post(req.key, req.nbytes, req.src, req.tag)
-            elif t is _roles.Hand:
-                inbox.put(req.key, req.msg)
-            elif t is _roles.Poll:
-                pass                    # (no other role to run)
-            elif t is _roles.RecvWithin:    # (the driver's waits, as the scheduler's driver performs them)
-                try:
-                    value = yield from self._recv_process(req.buf, req.src, req.tag, req.timeout)
-                except FabricTimeout:
+                        req = role.send(value)      # (a role may be a plain iterator)
+                    except StopIteration:
+                        return None
                     value = None
-            elif t is _roles.AwaitWithin:
-                w, value = work(req.key), True
-                if w is not None and not w.is_completed():
-                    try:
-                        yield from w.process(req.timeout)
-                    except FabricTimeout:
-                        value = False
-            elif t is _roles.Spawn:
-                return _resumed(req, role)
-            else:
-                raise ProtocolError(f"endpoint {rank}: a role asked for {req!r} (a bug)")
+                    requests = chain((req,), role)
+                for req in requests:
+                    step = req
+                    t = type(req)
+                    if t is Send:
+                        send(req.buf, req.dst, req.tag, req.hold, req.deferrable)
+                    elif t is PostInto:
+                        post_into(req.key, req.buf, req.src, req.tag)
+                    elif t is Recv:
+                        keys = req.keys
+                        if not keys[1:] and keys and not req.any and not req.gone:     # (the common case)
+                            try:
+                                w = work(keys[0])
+                            except KeyError:
+                                raise ProtocolError(f"endpoint {rank}: no role of this call can run (a bug)") from None
+                            if req.stage.reaps:
+                                outbox.reap(keep)
+                            if w is not None and not w.done and not w.take_now():
+                                src, tag = w.channel
+                                w._finish((yield RecvWait(src, tag, None, src is None and ep.per_port, None, True)))
+                        else:
+                            has = inbox.has     # (able to run: every key posted or handed over, no ``gone`` one left)
+                            if not all(map(has, keys)) or any(map(has, req.gone)):
+                                raise ProtocolError(f"endpoint {rank}: no role of this call can run (a bug)")
+                            if req.stage.reaps:
+                                outbox.reap(keep)
+                            value = yield from self._take_keys(inbox, keys, req.any)
+                    elif t is Flush:
+                        settle(req.hold)
+                    elif t is _roles.Post:
+                        inbox.post(req.key, req.nbytes, req.src, req.tag)
+                    elif t is _roles.Hand:
+                        inbox.put(req.key, req.msg)
+                    elif t is _roles.Poll:
+                        pass                # (no other role to run)
+                    elif t is _roles.RecvWithin:    # (the driver's waits, as the scheduler's driver performs them)
+                        try:
+                            value = yield from self._recv_process(req.buf, req.src, req.tag, req.timeout)
+                        except FabricTimeout:
+                            value = None
+                    elif t is _roles.AwaitWithin:
+                        w, value = work(req.key), True
+                        if w is not None and not w.is_completed():
+                            try:
+                                yield from w.process(req.timeout)
+                            except FabricTimeout:
+                                value = False
+                    elif t is _roles.Spawn:
+                        return _resumed(req, role)
+                    else:
+                        raise ProtocolError(f"endpoint {rank}: a role asked for {req!r} (a bug)")
+                    if value is not None:
+                        break
+                    step = None
+                else:
+                    return None
+            except Exception as exc:
+                if step is None:            # (raised by the role's own code)
+                    _roles.note_role(exc, role, rank)
+                raise
 
     def _take_keys(self, inbox: _roles.Inbox, keys: tuple, any_: bool) -> Generator:
         """The receives of ``keys`` that a role takes at once (a :class:`~.roles.WaitAll`'s, as :meth:`drive_process`
