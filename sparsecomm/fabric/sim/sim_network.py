@@ -287,11 +287,12 @@ class Endpoint:
         if i >= valid:               # re-time the messages before it in NIC order, and it
             t = tail[valid - 1].rx_end if valid else rx[3]
             bw = self.bw
-            for k in range(valid, i + 1):
+            for k in range(valid, i + 1):    # (max, inline, as in schedule)
                 m = tail[k]
                 head = m.head
-                m.rx_end = t = max(head, t) + m.nbytes / bw
-                m.delivered = max(t, m.tx_end + (head - m.start))
+                m.rx_end = t = (head if head > t else t) + m.nbytes / bw
+                d = m.tx_end + (head - m.start)
+                m.delivered = d if d > t else t
                 m.stamp = epoch
             rx[2] = i + 1
         else:
