@@ -507,10 +507,14 @@ def _await_within(fabric, work, timeout: float) -> bool:
     return True
 
 
-def _name_role(exc: BaseException, role, rank: int) -> None:
-    """Note on ``exc``, raised by ``role``'s own code, which role of which endpoint raised it."""
+def note_role(exc: BaseException, role, rank: int) -> None:
+    """Note on ``exc``, raised by ``role``'s own code, which role of endpoint ``rank`` raised it (what a driver
+    that runs a role itself, not through :func:`schedule`, adds as the scheduler does)."""
     name = role.__qualname__ if inspect.isgenerator(role) else type(role).__qualname__
     exc.add_note(f"(raised by role {name} of endpoint {rank})")
+
+
+_name_role = note_role      # (the scheduler's name for it)
 
 
 class _Scheduler:

@@ -80,7 +80,8 @@ def test_a_role_that_can_never_run_names_the_endpoint():
 
 def test_every_fabric_runs_the_same_scheduler(monkeypatch):
     # TorchFabric blocks in the waits of roles.schedule (Fabric.drive); the SimFabric makes them events of
-    # its loop: both run that one scheduler
+    # its loop: both run that one scheduler for several roles (a drive's only role, on the SimFabric, runs in
+    # its driver by the same rules: the next tests)
     from sparsecomm.fabric import roles
     from sparsecomm.fabric.torch.torch_fabric import TorchFabric
 
@@ -93,8 +94,110 @@ def test_every_fabric_runs_the_same_scheduler(monkeypatch):
         return real(fabric, *a, **k)
 
     monkeypatch.setattr(roles, "schedule", counted)
-    sc.launch(lambda ctx: sc.transports.get("ring", ctx.fabric).allreduce(torch.ones(64)), 2)
+    sc.launch(lambda ctx: _ring(ctx, torch.ones(64), rival=True), 2)
     assert calls and set(calls) == {"SimFabric"}
+
+
+def _nothing():
+    """A role that returns at once: beside another, it makes a drive one of several roles (the scheduler's)."""
+    return
+    yield
+
+
+def _ring(ctx, x: torch.Tensor, rival: bool) -> tuple:
+    """The ring's role on ``x`` (the sum, and this endpoint's modelled clock after it), alone in its drive or,
+    ``rival``, beside a role that returns at once (the scheduler then runs it)."""
+    from sparsecomm.transports.ring import ring_role
+
+    f, pool = ctx.fabric, Pool()
+    inbox, outbox = Inbox(f, pool), Outbox(f, pool)
+    acc = x.clone()
+    f.drive([ring_role(f, acc, inbox, segment=250)] + ([_nothing()] if rival else []), inbox, outbox)
+    outbox.finish()
+    return acc, f.now()
+
+
+def test_the_sim_fabrics_only_role_runs_as_the_scheduler_would_run_it(monkeypatch):
+    # the SimFabric's driver runs a drive's only role itself: the same sums and modelled clocks, to the bit,
+    # as when the scheduler runs it (beside a role that returns at once)
+    from sparsecomm.fabric import roles
+
+    calls = []
+    real = roles.schedule
+
+    def counted(fabric, *a, **k):
+        calls.append(type(fabric).__name__)
+        return real(fabric, *a, **k)
+
+    monkeypatch.setattr(roles, "schedule", counted)
+    net = sc.Network(bandwidth_gbps=1, latency_us=3)
+    x = [torch.randn(5000, generator=torch.Generator().manual_seed(r)) for r in range(5)]
+    alone = sc.launch(lambda ctx: _ring(ctx, x[ctx.rank], rival=False), 5, network=net)
+    assert calls == []          # (no scheduler: the driver ran the role)
+    beside = sc.launch(lambda ctx: _ring(ctx, x[ctx.rank], rival=True), 5, network=net)
+    assert len(calls) == 5
+    for (a, ta), (b, tb) in zip(alone, beside):
+        assert torch.equal(a, b) and ta.hex() == tb.hex()
+    assert torch.allclose(alone[0][0], sum(x), atol=1e-5) and alone[0][1] > 0
+
+
+def _spawner(ctx, rival: bool) -> tuple:
+    """Endpoint 0's role receives endpoint 1's first message, then spawns a role that receives its second
+    (sent later, on another tag) and hands it back; with ``rival``, beside a role that returns at once. Returns
+    what endpoint 0's roles took, in order, with its modelled clock then, and its clock at the end."""
+    f, pool = ctx.fabric, Pool()
+    if f.rank:
+        f.send(torch.tensor([1.0]).view(torch.uint8), 0, 1)
+        f.compute(1e-3)
+        f.send(torch.tensor([2.0]).view(torch.uint8), 0, 2)
+        f.recv(torch.empty(100_000, dtype=torch.uint8), 0, 3)
+        return [], f.now()
+    inbox, outbox = Inbox(f, pool), Outbox(f, pool)
+    got = []
+
+    def helper():
+        yield Post("second", 4, 1, 2)
+        yield Recv(("second",), OwnStage(phase=0))
+        yield Hand("back", inbox.take("second").view(torch.float32).item())
+
+    def main():
+        yield Send(torch.zeros(100_000, dtype=torch.uint8), 1, 3, hold="big")
+        yield Flush("big")          # (the clock moves to the end of that send: 0.8 ms at 1 Gbit/s)
+        yield Post("first", 4, 1, 1)
+        yield Recv(("first",), OwnStage(phase=1))
+        got.append((inbox.take("first").view(torch.float32).item(), f.now().hex()))
+        yield Spawn(helper())
+        yield Recv(("back",), OwnStage(phase=1))
+        got.append((inbox.take("back"), f.now().hex()))
+
+    f.drive([main()] + ([_nothing()] if rival else []), inbox, outbox)
+    outbox.finish()
+    return got, f.now()
+
+
+def test_the_sim_fabrics_only_role_that_spawns_goes_on_under_the_scheduler():
+    # alone until its Spawn, then the scheduler runs it with the role it spawned: the same takes and clocks
+    net = sc.Network(bandwidth_gbps=1, latency_us=3)
+    alone = sc.launch(lambda ctx: _spawner(ctx, rival=False), 2, network=net)
+    beside = sc.launch(lambda ctx: _spawner(ctx, rival=True), 2, network=net)
+    assert [v for v, _ in alone[0][0]] == [1.0, 2.0] and float.fromhex(alone[0][0][0][1]) >= 8e-4
+    assert [(g, t.hex()) for g, t in alone] == [(g, t.hex()) for g, t in beside]
+
+
+def test_an_error_of_the_sim_fabrics_only_role_names_it():
+    def role(inbox):
+        yield Post("k", 4, 1, 1)
+        raise RuntimeError("boom")
+
+    def fn(ctx):
+        pool = Pool()
+        inbox = Inbox(ctx.fabric, pool)
+        ctx.fabric.drive([role(inbox)], inbox, Outbox(ctx.fabric, pool))
+
+    with pytest.raises(RuntimeError, match="boom") as info:
+        sc.launch(fn, 2)
+    assert any("raised by role test_an_error_of_the_sim_fabrics_only_role_names_it.<locals>.role of endpoint"
+               in n for n in getattr(info.value, "__notes__", []))
 
 
 def test_flush_waits_for_the_sends_holding_a_buffer_before_the_role_goes_on():

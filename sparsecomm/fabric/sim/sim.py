@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 from collections import deque
+from itertools import chain
 from operator import attrgetter
 from typing import Callable, Generator
 
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 
 from ...errors import (EndpointCrashed, FabricTimeout, InvalidTypeError, InvalidValueError, MismatchError,
-                       PeerFailure)
+                       PeerFailure, ProtocolError)
 from .. import roles as _roles
 from .. import trace as _trace
 from ..base import MESSAGE_BYTES, Fabric, Work
@@ -194,7 +195,18 @@ class _RecvWork(Work):
             q = box[ch]
             if not q:
                 return False
-            msg = world.take(ep, q[0])
+            msg = q.popleft()       # (World.take, inline: once per message)
+            ep.taken(msg)
+            if ep.watch is not None:
+                ep.watch.taken(msg)
+            if _trace.recorder is not None:
+                _trace.recorder.sim_received(world, msg.src, ep.id, msg.tag, msg.nbytes, ep.clock, msg.delivered)
+            if msg.delivered > ep.clock:
+                ep.clock = msg.delivered
+            stats, nbytes = ep.stats, msg.nbytes
+            stats.bytes_received += nbytes
+            stats.messages_received += 1
+            stats.links[(msg.src, ep.id)] += nbytes
             if msg.into is self:    # (_finish's common case, inline: written into this receive's buffer)
                 msg.into = self.holds = None
                 self._result = msg.src
@@ -215,6 +227,18 @@ class _RecvWork(Work):
 
     def is_completed(self) -> bool:
         return self.done
+
+
+def _resumed(req, role) -> Generator:
+    """``role`` from its request ``req`` on (yielded already, not performed yet), as a role bearing ``role``'s
+    name: for the scheduler to take over a role that a driver has run alone (:meth:`SimFabric._drive_one`)."""
+    def rest():
+        yield req
+        return (yield from role)
+
+    gen = rest()
+    gen.__qualname__ = role.__qualname__ if inspect.isgenerator(role) else type(role).__qualname__
+    return gen
 
 
 class SimFabric(Fabric):
@@ -488,7 +512,9 @@ class SimFabric(Fabric):
         self.world.gate.call(self._ep, self.drive_process(roles, inbox, outbox, keep), "a message of its roles")
 
     def drive_process(self, roles: list, inbox: _roles.Inbox, outbox: _roles.Outbox, keep: int = 64) -> Generator:
-        """:meth:`drive` as a process of the loop, for a service whose main is one (``yield from``).
+        """:meth:`drive` as a process of the loop, for a service whose main is one (``yield from``). The only
+        role of a drive (a ring's, a switch port's) runs without the scheduler, its requests performed here
+        (:meth:`_drive_one`), until it spawns another; then the scheduler runs them all.
 
         Args:
             roles: the generators to run (:mod:`sparsecomm.fabric.roles`).
@@ -500,8 +526,13 @@ class SimFabric(Fabric):
         ws = None
         if ep.waitset is None:      # (a second drive at once on one endpoint builds its groups per choice)
             ws = ep.waitset = RoleWaits(ep, inbox, _RecvWork)
-        sched = _roles.schedule(self, inbox, outbox, roles, keep, ws)
         try:
+            if len(roles) == 1:
+                rest = yield from self._drive_one(roles[0], inbox, outbox, keep)
+                if rest is None:
+                    return
+                roles = [rest]
+            sched = _roles.schedule(self, inbox, outbox, roles, keep, ws)
             value = None
             while True:
                 try:
@@ -580,6 +611,112 @@ class SimFabric(Fabric):
         finally:
             if ws is not None:
                 ep.waitset = ep.watch = None
+
+    def _drive_one(self, role, inbox: _roles.Inbox, outbox: _roles.Outbox, keep: int) -> Generator:
+        """Run ``role``, a drive's only one, performing its requests here: what :func:`.roles.schedule` does
+        for one role (each wait in place, as its :class:`~.roles.WaitAll`, after the checks and the reap of its
+        stage), without a round trip through the scheduler's generator per request. Returns ``None`` once the
+        role has returned; at a :class:`~.roles.Spawn`, the role resumed from that request on, for the
+        scheduler to run with those it spawns (:func:`_resumed`).
+
+        The role is resumed by a ``for`` loop (no call of ``next`` per request), and with ``send`` only to
+        give it a value (an ``any`` wait's key, a timed wait's outcome); ``step``, the request being performed,
+        tells its own exceptions (noted as the scheduler notes them, :func:`.roles.note_role`) from those of
+        their performing."""
+        ep, rank = self._ep, self.rank
+        send, post_into, settle, work = outbox.send, inbox.post_into, outbox.pool.settle, inbox.work
+        Send, PostInto, Recv, Flush = _roles.Send, _roles.PostInto, _roles.Recv, _roles.Flush
+        value = None
+        requests = role
+        while True:
+            step = None
+            try:
+                if value is not None:       # (resumed with a value: its next request first, then the others)
+                    try:
+                        req = role.send(value)      # (a role may be a plain iterator)
+                    except StopIteration:
+                        return None
+                    value = None
+                    requests = chain((req,), role)
+                for req in requests:
+                    step = req
+                    t = type(req)
+                    if t is Send:
+                        send(req.buf, req.dst, req.tag, req.hold, req.deferrable)
+                    elif t is PostInto:
+                        post_into(req.key, req.buf, req.src, req.tag)
+                    elif t is Recv:
+                        keys = req.keys
+                        if not keys[1:] and keys and not req.any and not req.gone:     # (the common case)
+                            try:
+                                w = work(keys[0])
+                            except KeyError:
+                                raise ProtocolError(f"endpoint {rank}: no role of this call can run (a bug)") from None
+                            if req.stage.reaps:
+                                outbox.reap(keep)
+                            if w is not None and not w.done and not w.take_now():
+                                src, tag = w.channel
+                                w._finish((yield RecvWait(src, tag, None, src is None and ep.per_port, None, True)))
+                        else:
+                            has = inbox.has     # (able to run: every key posted or handed over, no ``gone`` one left)
+                            if not all(map(has, keys)) or any(map(has, req.gone)):
+                                raise ProtocolError(f"endpoint {rank}: no role of this call can run (a bug)")
+                            if req.stage.reaps:
+                                outbox.reap(keep)
+                            value = yield from self._take_keys(inbox, keys, req.any)
+                    elif t is Flush:
+                        settle(req.hold)
+                    elif t is _roles.Post:
+                        inbox.post(req.key, req.nbytes, req.src, req.tag)
+                    elif t is _roles.Hand:
+                        inbox.put(req.key, req.msg)
+                    elif t is _roles.Poll:
+                        pass                # (no other role to run)
+                    elif t is _roles.RecvWithin:    # (the driver's waits, as the scheduler's driver performs them)
+                        try:
+                            value = yield from self._recv_process(req.buf, req.src, req.tag, req.timeout)
+                        except FabricTimeout:
+                            value = None
+                    elif t is _roles.AwaitWithin:
+                        w, value = work(req.key), True
+                        if w is not None and not w.is_completed():
+                            try:
+                                yield from w.process(req.timeout)
+                            except FabricTimeout:
+                                value = False
+                    elif t is _roles.Spawn:
+                        return _resumed(req, role)
+                    else:
+                        raise ProtocolError(f"endpoint {rank}: a role asked for {req!r} (a bug)")
+                    if value is not None:
+                        break
+                    step = None
+                else:
+                    return None
+            except Exception as exc:
+                if step is None:            # (raised by the role's own code)
+                    _roles.note_role(exc, role, rank)
+                raise
+
+    def _take_keys(self, inbox: _roles.Inbox, keys: tuple, any_: bool) -> Generator:
+        """The receives of ``keys`` that a role takes at once (a :class:`~.roles.WaitAll`'s, as :meth:`drive_process`
+        completes them), completed here first, in order; ``any_``: none if one is in already, else the first.
+        Returns the key an ``any_`` role is resumed with (the first in, else the first; else ``None``)."""
+        if any_:
+            works = list(map(inbox.work, keys))
+            try:
+                done = list(map(_done, works))      # (no bytecode per key)
+            except AttributeError:                  # (handed over: None; or a receive of another kind)
+                done = [w is None or w.is_completed() for w in works]
+            if True in done:                    # (one is in: the first)
+                return keys[done.index(True)]
+            works, value = works[:1], keys[0]
+        else:
+            works, value = [w for w in map(inbox.work, keys) if w is not None], None
+        for w in works:
+            if not w.done and not w.take_now():
+                yield from w.process(tried=True)
+        return value
 
     def _unlist(self) -> None:
         """Take this endpoint's posted receives off its lists (:attr:`~.sim_network.Endpoint.posted`), the bytes

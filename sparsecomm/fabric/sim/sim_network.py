@@ -178,12 +178,15 @@ class Endpoint:
         self.host = network.host      # CPU costs (None: none)
         self.cpu = self.slow * network.host.factor(eid) if network.host is not None else 1.0
         self.latency = latency
-        self.per_port = per_port            # its NIC port towards a peer: the peer's id, else -1 (one NIC)
+        self.per_port = per_port            # one NIC port per peer (else one NIC)
         self.clock = 0.0
-        self._tx_free: dict[int, float] = {}
-        # per port, a list: the queued messages after the last one taken, in the order its NIC takes them,
-        # their (head, source), how many of them (a prefix) have exact times, and the end of the one before them
+        self._tx_free: dict[int, float] = {}     # per port of a ``per_port`` endpoint, when it is free
+        self._tx_free1 = 0.0                     # when the one NIC of another is free
+        # per NIC port (a ``per_port`` endpoint's by peer, ``_rx``; another's one NIC, ``_rx1``), a list: the queued
+        # messages after the last one taken, in the order its NIC takes them, their (head, source), how many of
+        # them (a prefix) have exact times, and the end of the one before them
         self._rx: dict[int, list] = {}
+        self._rx1: list = [[], [], 0, 0.0]
         #: bumped whenever messages' times become lower bounds (:meth:`schedule`): a message's times are
         #: exact if its ``stamp`` is at least this
         self.epoch = 0
@@ -212,12 +215,17 @@ class Endpoint:
         host model the send's CPU time is charged to the clock first (:mod:`.sim_host`)."""
         if self.host is not None:
             self.clock += self.host.send_s(nbytes) * self.cpu
-        port = peer if self.per_port else -1
-        start, free = self.clock, self._tx_free.get(port, 0.0)
-        if free > start:
-            start = free
-        tx_end = start + nbytes / self.bw
-        self._tx_free[port] = tx_end
+        start = self.clock
+        if self.per_port:
+            free = self._tx_free.get(peer, 0.0)
+            if free > start:
+                start = free
+            tx_end = self._tx_free[peer] = start + nbytes / self.bw
+        else:
+            free = self._tx_free1
+            if free > start:
+                start = free
+            tx_end = self._tx_free1 = start + nbytes / self.bw
         return start, tx_end
 
     def schedule(self, msg: Msg) -> bool:
@@ -230,10 +238,12 @@ class Endpoint:
         lower bound of their new values (a message placed before them only delays them), and are brought up
         to date, in NIC order, when :meth:`delivery` reads one. ``msg``'s own times are exact if the messages
         before it are, else a lower bound likewise."""
-        port = msg.src if self.per_port else -1
-        rx = self._rx.get(port)
-        if rx is None:
-            rx = self._rx[port] = [[], [], 0, 0.0]
+        if self.per_port:
+            rx = self._rx.get(msg.src)
+            if rx is None:
+                rx = self._rx[msg.src] = [[], [], 0, 0.0]
+        else:
+            rx = self._rx1
         tail, keys, valid = rx[0], rx[1], rx[2]
         head = msg.head
         key = (head, msg.src)
@@ -266,7 +276,7 @@ class Endpoint:
         """The delivery of queued ``msg`` (its ``delivered``, brought up to date: :meth:`schedule`)."""
         if msg.stamp >= self.epoch:
             return msg.delivered
-        rx = self._rx[msg.src if self.per_port else -1]
+        rx = self._rx[msg.src] if self.per_port else self._rx1
         tail = rx[0]
         i = 0
         if tail[0] is not msg:
@@ -277,11 +287,12 @@ class Endpoint:
         if i >= valid:               # re-time the messages before it in NIC order, and it
             t = tail[valid - 1].rx_end if valid else rx[3]
             bw = self.bw
-            for k in range(valid, i + 1):
+            for k in range(valid, i + 1):    # (max, inline, as in schedule)
                 m = tail[k]
                 head = m.head
-                m.rx_end = t = max(head, t) + m.nbytes / bw
-                m.delivered = max(t, m.tx_end + (head - m.start))
+                m.rx_end = t = (head if head > t else t) + m.nbytes / bw
+                d = m.tx_end + (head - m.start)
+                m.delivered = d if d > t else t
                 m.stamp = epoch
             rx[2] = i + 1
         else:
@@ -296,7 +307,7 @@ class Endpoint:
         if msg.stamp < FIXED:        # (in the schedule still)
             if msg.stamp < self.epoch:      # (delivery's own test: its times may be a lower bound)
                 self.delivery(msg)
-            rx = self._rx[msg.src if self.per_port else -1]
+            rx = self._rx[msg.src] if self.per_port else self._rx1
             tail, keys = rx[0], rx[1]
             if tail[0] is msg:       # (the common case: the first on the NIC)
                 i = 0

@@ -526,7 +526,8 @@ class World:
     def take(self, ep: Endpoint, msg: Msg) -> Msg:
         """Deliver ``msg``, the head of its queue in ``ep``'s mailbox, to ``ep``'s application: off the mailbox,
         its NIC slot fixed, the clock moved, counted (the world's receive; a process's own take of a message in
-        already, :meth:`take_now`, or a receive's that found it so)."""
+        already, :meth:`take_now`, or a receive's that found it so; a posted receive's that finds it so,
+        ``_RecvWork.take_now`` of :mod:`.sim`, does the same inline)."""
         ep.mailbox[(msg.src, msg.tag)].popleft()
         ep.taken(msg)
         if ep.watch is not None:
@@ -544,6 +545,10 @@ class World:
     def _take_group(self, ep: Endpoint, keys: list[tuple[int | None, int]]) -> list[Msg]:
         """Take the head message of each receive of ``keys`` (all in), in arrival order; in ``keys``' order."""
         msgs = [match(ep, s, t) for s, t in keys]
+        if not msgs[1:]:            # (one receive: nothing to order)
+            for m in msgs:
+                self.take(ep, m)
+            return msgs
         for j in sorted(range(len(msgs)), key=lambda j: msgs[j].head):
             self.take(ep, msgs[j])
         return msgs
