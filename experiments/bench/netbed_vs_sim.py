@@ -425,6 +425,11 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     if a.no_link_model and not (a.transports and a.profile):
         ap.error("--no-link-model needs --transports and --profile")
+    if a.profile:       # (read and checked before minutes of measurement, not after them)
+        try:
+            sc.Network.from_profile(a.profile)
+        except sc.errors.SparseCommError as exc:
+            ap.error(str(exc))
     if a.loopback:
         if not a.profile:
             ap.error("--loopback needs --profile (python -m sparsecomm.netbed calibrate --out host.json)")

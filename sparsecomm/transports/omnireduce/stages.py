@@ -9,6 +9,8 @@ from __future__ import annotations
 from enum import IntEnum
 from typing import NamedTuple
 
+from ...errors import InvalidValueError
+
 __all__ = ["Phase", "Stage"]
 
 
@@ -56,6 +58,14 @@ class Stage(_Fields):
 
     def __repr__(self) -> str:
         return f"Stage({self.phase!r}, round={self.round}, slot={self.slot}, visit={self.visit})"
+
+    def _replace(self, **kw) -> "Stage":
+        """A stage with some of ``phase``, ``round``, ``slot``, ``visit`` replaced, its flags derived again (a
+        named tuple's own ``_replace`` would copy them)."""
+        names = ("phase", "round", "slot", "visit")
+        if not set(kw) <= set(names):
+            raise InvalidValueError(f"Stage._replace: only {', '.join(names)} can be replaced, got {sorted(kw)}")
+        return Stage(*(kw.get(f, v) for f, v in zip(names, self)))
 
 
 _FIRSTS, _DRAIN, _AGGREGATE = int(Phase.FIRSTS), int(Phase.DRAIN), int(Phase.AGGREGATE)

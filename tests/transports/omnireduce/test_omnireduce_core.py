@@ -596,3 +596,17 @@ def test_a_header_with_position0_counts_is_the_specs_header_word_for_word():
     for k0 in ([(0, 0), (1, 0)], [(0, 3), (1, 0)], [(0, 1), (1, 2)], []):
         assert np.array_equal(header.with_k0(base, k0), spec.header(3, dict(k0)).numpy()), k0
     assert np.array_equal(base, kept)
+
+
+def test_a_stages_flags_follow_its_phase_and_round_however_it_is_made():
+    # sure: round-0 data (FIRSTS, DRAIN, round 0 of AGGREGATE); reaps: a lane round's wait (AGGREGATE, LAND)
+    for phase in Phase:
+        for rnd in (0, 1):
+            st = Stage(phase, rnd, 1, 2)
+            sure = phase in (Phase.FIRSTS, Phase.DRAIN) or (phase == Phase.AGGREGATE and rnd == 0)
+            assert (st.sure, st.reaps) == (sure, phase >= Phase.AGGREGATE), st
+            again = Stage(Phase.HEADERS)._replace(phase=phase, round=rnd, slot=1, visit=2)
+            assert again == st and (again.sure, again.reaps) == (st.sure, st.reaps)
+    assert Stage(Phase.AGGREGATE, 0) < Stage(Phase.AGGREGATE, 1) < Stage(Phase.LAND)
+    with pytest.raises(ValueError, match="sure"):
+        Stage(Phase.LAND)._replace(sure=True)

@@ -143,7 +143,7 @@ from ..._guards import all_finite, check_dtype
 from ..._handshake import check_agreement
 from ....theory import costs
 from ...base import CallShape, Transport, registry
-from ...linear import LinearOperand, fresh_copy
+from ...linear import LinearOperand
 from ... import defaults
 from ..control import (DTYPES, DEFAULT_MAX_EXPONENT, MODE_FLOAT, MODE_INT, check_control, control_vector,
                              max_exponent_option, narrowed, started_program, too_large_text)
@@ -309,6 +309,7 @@ class SparseSwitch(Transport):
                 self.last_fixed = None
                 return torch.zeros(0, dtype=out_dtype, device=device)
             mask = codec.nonzero_blocks(x, k)
+            f.host_work("scan", N)                  # (the block scan reads the whole tensor)
             own = np.flatnonzero(mask.numpy())      # this worker's non-zero blocks: the only ones it encodes
             L = min(self.pool_size, nb)
             la = codec.next_nonzero(mask, L)
@@ -324,11 +325,11 @@ class SparseSwitch(Transport):
                                         f"[{max(EXP_FLOOR, e)}, {EXP_CEIL}] (this worker's own is {e}; forged or "
                                         f"corrupted packet)")
                 scale = float(codec.scale_from_exponents(torch.tensor([E]), n)[0])
-                # the host model charges the padded copy and the codes of the whole tensor it was calibrated
-                # on (sim_host); the codes of this worker's own blocks are all that is encoded (the same codes:
-                # the rounding is per element), so a worker holds O(its non-zero blocks), not O(numel)
-                f.host_work("copy", x.nbytes)
-                f.host_work("fresh", nb * k * x.element_size())
+                # the codes of this worker's own blocks are all that is encoded (the same codes: the rounding
+                # is per element), so a worker holds O(its non-zero blocks), not O(numel); the host model charges
+                # that copy and its codes (sim_host)
+                f.host_work("copy", len(own) * k * x.element_size())
+                f.host_work("fresh", len(own) * k * x.element_size())
                 xo = own_blocks(x, own, k)
                 try:
                     codes = codec.to_fixed(xo, scale).numpy().reshape(-1, k)
@@ -340,14 +341,15 @@ class SparseSwitch(Transport):
                 del xo
             else:
                 codes = own_blocks(x, own, k).to(torch.int32).numpy().reshape(-1, k)
-            f.host_work("fresh", nb * k * 4)               # (a temporary allocated per call: sim_host)
+            f.host_work("fresh", len(own) * k * 4)         # (the codes, allocated per call: sim_host)
             # ---- stream: only the union's blocks, one round each
             blocks, results = self._stream(codes, own, la.next.numpy(), first, start, L, nb)
             got = np.stack(results)[:, HEADER:] if results else np.zeros((0, k), dtype=np.int32)
             del results
-            sums = np.zeros(N, dtype=np.int32)
+            sums = np.zeros(N, dtype=np.int32)     # (zero pages until written: the union's blocks are)
             scatter_blocks(blocks, got, sums, k)
-            q = fresh_copy(f, torch.from_numpy(sums))
+            f.host_work("fresh", len(blocks) * k * 4)
+            q = torch.from_numpy(sums)
             if mode == MODE_INT:
                 self.last_fixed = None
                 return q.to(device=device, dtype=out_dtype)
@@ -413,7 +415,6 @@ class SparseSwitch(Transport):
         if ((start < 0) | ((start >= P) & (start != NONE)) | ((start > first) & (first != NONE))).any():
             raise ProtocolError("sparse-switch: the look-ahead round returned a lane start that no worker "
                                 "can have announced (forged or corrupted packet)")
-        self.fabric.host_work("fresh", nb * self.k * 4)     # (the sums, allocated per call as calibrated: sim_host)
         row_of = np.full(nb, -1, dtype=np.int64)
         row_of[own] = np.arange(len(own))     # block -> its row of codes
         mine = first.tolist()                 # my next non-zero position per lane (NONE: none)
