@@ -588,22 +588,8 @@ class SimFabric(Fabric):
                         if ws is not None and ws.groups:
                             ws.completed((w,))
                     continue
-                if req.any:
-                    works = list(map(inbox.work, keys))
-                    try:
-                        done = list(map(_done, works))      # (no bytecode per key)
-                    except AttributeError:                  # (handed over: None; or a receive of another kind)
-                        done = [w is None or w.is_completed() for w in works]
-                    if True in done:                    # (one is in: the first)
-                        value = keys[done.index(True)]
-                        continue
-                    works, value = works[:1], keys[0]
-                else:
-                    works = [w for w in map(inbox.work, keys) if w is not None]
-                for w in works:
-                    if not w.done and not w.take_now():
-                        yield from w.process(tried=True)
-                if ws is not None and ws.groups:
+                value, works = yield from self._take_keys(inbox, keys, req.any)
+                if works is not None and ws is not None and ws.groups:
                     ws.completed(works)
         except BaseException:
             self._unlist()          # (its receives may stay posted, their buffers reused by the next call's)
@@ -663,7 +649,7 @@ class SimFabric(Fabric):
                                 raise ProtocolError(f"endpoint {rank}: no role of this call can run (a bug)")
                             if req.stage.reaps:
                                 outbox.reap(keep)
-                            value = yield from self._take_keys(inbox, keys, req.any)
+                            value, _ = yield from self._take_keys(inbox, keys, req.any)
                     elif t is Flush:
                         settle(req.hold)
                     elif t is _roles.Post:
@@ -699,9 +685,10 @@ class SimFabric(Fabric):
                 raise
 
     def _take_keys(self, inbox: _roles.Inbox, keys: tuple, any_: bool) -> Generator:
-        """The receives of ``keys`` that a role takes at once (a :class:`~.roles.WaitAll`'s, as :meth:`drive_process`
-        completes them), completed here first, in order; ``any_``: none if one is in already, else the first.
-        Returns the key an ``any_`` role is resumed with (the first in, else the first; else ``None``)."""
+        """The receives of ``keys`` that a role takes at once (a :class:`~.roles.WaitAll`'s), completed here first,
+        in order; ``any_``: none if one is in already, else the first. Returns the key an ``any_`` role is resumed
+        with (the first in, else the first; else ``None``) and the receives completed here (``None``: none was
+        waited for, an ``any_`` key being in), for a wait set to be told of."""
         if any_:
             works = list(map(inbox.work, keys))
             try:
@@ -709,14 +696,14 @@ class SimFabric(Fabric):
             except AttributeError:                  # (handed over: None; or a receive of another kind)
                 done = [w is None or w.is_completed() for w in works]
             if True in done:                    # (one is in: the first)
-                return keys[done.index(True)]
+                return keys[done.index(True)], None
             works, value = works[:1], keys[0]
         else:
             works, value = [w for w in map(inbox.work, keys) if w is not None], None
         for w in works:
             if not w.done and not w.take_now():
                 yield from w.process(tried=True)
-        return value
+        return value, works
 
     def _unlist(self) -> None:
         """Take this endpoint's posted receives off its lists (:attr:`~.sim_network.Endpoint.posted`), the bytes
