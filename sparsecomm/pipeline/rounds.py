@@ -80,11 +80,6 @@ class Outputs:
         return buf
 
 
-def dense_bytes(flat: torch.Tensor) -> int:
-    """The bytes of ``flat`` on the wire as it is (the plain round's, and a dense payload's)."""
-    return flat.nbytes
-
-
 class PlainRound:
     """The plain average: the bucket on the wire, the sum divided in place by n."""
 
@@ -175,7 +170,7 @@ class ParameterRounds(MethodRounds):
                 o += k
             return out
 
-        return Call(payload, dense_bytes(flat), finish)
+        return Call(payload, flat.nbytes, finish)
 
 
 class BucketRounds(MethodRounds):

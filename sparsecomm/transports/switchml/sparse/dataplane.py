@@ -245,31 +245,31 @@ def _program(row, values, seen, count, nxt, pos, held, width, world):  # pragma:
     :data:`_OVERFLOW` (an add wrapped, as the hardware's: the agreed scale prevents it). A malformed or
     out-of-step packet changes no register."""
     slots, elems = values.shape[0], values.shape[2]
-    w0 = np.int64(row[0])
-    kind = w0 & 0x7
-    v = (w0 >> 3) & 1
-    sw = np.int64(row[1]) & 0xFFFFFFFF
-    w = ((w0 >> 4) & 0x3F) | (((sw >> 16) & 0x1F) << 6)
-    n = ((w0 >> 10) & 0x7F) | (((sw >> 21) & 0x1F) << 7)
-    slot = sw & 0xFFFF
-    p = np.int64(row[2])
-    m = np.int64(row[3])
-    skip = kind == 2
-    if not ((kind == 1 or kind == 2 or kind == 3) and slot < slots and 0 <= w and w < n and n <= width
-            and (sw >> 26) == 0 and (world < 0 or n == world) and row.shape[0] == (4 if skip else 4 + elems)
-            and 0 <= p and (kind == 3 or p < m)):
-        return 0
+    w0 = np.int64(row[W0])
+    kind = w0 & _TYPE_BITS
+    v = (w0 >> _SET_SHIFT) & 1
+    sw = np.int64(row[F_SLOT]) & 0xFFFFFFFF
+    w = ((w0 >> _WORKER_SHIFT) & 0x3F) | (((sw >> _WORKER_HI) & _HI_BITS) << 6)
+    n = ((w0 >> _NW_SHIFT) & 0x7F) | (((sw >> _NW_HI) & _HI_BITS) << 7)
+    slot = sw & _SLOT_BITS
+    p = np.int64(row[F_POS])
+    m = np.int64(row[F_NEXT])
+    skip = kind == T_SKIP
+    if not ((kind == T_DATA or kind == T_SKIP or kind == T_MIN) and slot < slots and 0 <= w and w < n
+            and n <= width and (sw >> (_NW_HI + 5)) == 0 and (world < 0 or n == world)
+            and row.shape[0] == (HEADER if skip else HEADER + elems) and 0 <= p and (kind == T_MIN or p < m)):
+        return _MALFORMED
     tag = (v << 8) | (slot << 16)
     u = w >> 6
     bit = np.uint64(1) << np.uint64(w & 63)
     before = seen[slot, v, u]
     c = count[slot, v]
     if c != 0 and (before & bit) == 0 and pos[slot, v] != p:
-        return 1 | tag
+        return _OUT_OF_STEP | tag
     seen[slot, v, u] = before | bit
     seen[slot, 1 - v, u] &= ~bit
     if (before & bit) != 0:
-        return (3 if c == 0 else 4) | tag
+        return (_DUPLICATE if c == 0 else _DROPPED) | tag
     acc = values[slot, v]
     flags = 0
     if c == 0:                                # the round's first packet (module docstring)
@@ -278,37 +278,37 @@ def _program(row, values, seen, count, nxt, pos, held, width, world):  # pragma:
                 acc[j] = 0
         else:
             for j in range(elems):
-                acc[j] = row[4 + j]
+                acc[j] = row[HEADER + j]
         nxt[slot, v] = m
         pos[slot, v] = p
         held[slot, v] = not skip
         count[slot, v] = n - 1
     else:
-        if kind == 3:                         # MIN
+        if kind == T_MIN:
             for j in range(elems):
-                b = row[4 + j]
+                b = row[HEADER + j]
                 if b < acc[j]:
                     acc[j] = b
-        elif kind == 1:                       # add, wrapping as the hardware's; wrapped iff both addends'
+        elif kind == T_DATA:                  # add, wrapping as the hardware's; wrapped iff both addends'
             wrapped = np.int32(0)             # signs differ from the sum's
             for j in range(elems):
                 a = acc[j]
-                b = row[4 + j]
+                b = row[HEADER + j]
                 s = np.int32(np.uint32(a) + np.uint32(b))
                 wrapped |= (a ^ s) & (b ^ s)
                 acc[j] = s
             if wrapped < 0:
-                flags |= 1 << 11
+                flags |= _OVERFLOW
         if m < nxt[slot, v]:
             nxt[slot, v] = m
         if not skip:
             held[slot, v] = True
         count[slot, v] = c - 1
     if count[slot, v] == 0:
-        flags |= 1 << 9
+        flags |= _COMPLETE
         if not held[slot, v]:
-            flags |= 1 << 10
-    return 2 | tag | flags
+            flags |= _EMPTY
+    return _CONSUMED | tag | flags
 
 
 class Dataplane:
