@@ -16,6 +16,7 @@ header announces is allocated. The lanes' state machine is :class:`.core.AggChan
 
 from __future__ import annotations
 
+import bisect
 import functools
 
 import numpy as np
@@ -284,15 +285,20 @@ def agg_lane(adm, c: AggChannel, inbox, outbox, host: int | None, mark=None):
         r0 = c.round == 0
         kind = Msg.BLOCKS0 if r0 else Msg.UP
         keys = [Key(kind, w, slot) for w in c.order]
+        at = {k: i for i, k in enumerate(keys)}
+        mine = Key(kind, host, slot) if host is not None else None
+        mine = mine if mine in at else None     # (the host's message, if it holds a pending block)
         # (the next message and the later ones posted or handed over; round 0 up: sure; later: Recv.free)
-        group = keys[:1] + [k for k in keys[1:] if inbox.has(k)]
-        yield Recv(tuple(group), Stage(Phase.AGGREGATE, c.round, c.slot), gone=gone,
+        group = _group(keys, 0, at, c.window, inbox, mine) if keys else ()
+        yield Recv(group, Stage(Phase.AGGREGATE, c.round, c.slot), gone=gone,
                    free=None if r0 else c.sums.buffer(c))
         c.begin(functools.partial(wire.message, outbox.pool))
+        waited = set(group)
         for i, (w, key) in enumerate(zip(c.order, keys)):
-            if key not in group:   # (posted once the window had room, or handed over since)
-                group = [key] + [k for k in keys[i + 1:] if inbox.has(k)]
-                yield Recv(tuple(group), Stage(Phase.AGGREGATE, c.round, c.slot))
+            if key not in waited:   # (posted once the window had room, or handed over since)
+                group = _group(keys, i, at, c.window, inbox, mine)
+                waited = set(group)
+                yield Recv(group, Stage(Phase.AGGREGATE, c.round, c.slot))
             msg = inbox.take(key)   # (the host may hand over (blocks, look-aheads) directly)
             data, looks = msg if isinstance(msg, tuple) else wire.split(
                 msg, int(c.counts[w]), c.bs, c.up, meta=not (r0 and c.single))
@@ -313,6 +319,19 @@ def agg_lane(adm, c: AggChannel, inbox, outbox, host: int | None, mark=None):
         yield from send_down(adm, c, out, host)
         if mark is not None:
             mark(f"agg {adm.index}.{c.slot} r{c.round - 1}")
+
+
+def _group(keys: list, i: int, at: dict, window: Window, inbox: Inbox, mine: Key | None) -> tuple:
+    """What a lane round waits for before it adds ``keys[i]`` (``keys``: the round's messages in summing order,
+    ``at``: their places): that one and every later one whose receive is posted or which is handed over
+    (``inbox.has``), in order. The later ones posted are those of the channel's window (:meth:`.window.Window.posted`:
+    its posted receives not yet consumed, every one a message of this round, posted in this order); the one
+    handed over can only be the host's, ``mine``. A look at the window's few receives, not at every later
+    key: a round of ``n`` holders through a window of a few messages is ``n`` such looks, not ``n^2``."""
+    later = [k for k in window.posted() if at.get(k, -1) > i]
+    if mine is not None and at[mine] > i and inbox.has(mine):
+        bisect.insort(later, mine, key=at.__getitem__)
+    return (keys[i], *later)
 
 
 def send_down(adm, c: AggChannel, out, host: int | None):

@@ -68,13 +68,20 @@ class CallSpec:
 def with_k0(base: np.ndarray, k0: list[tuple[int, int]]) -> np.ndarray:
     """A copy of the sealed header ``base`` (:meth:`CallSpec.header` without position-0 blocks) with ``k0``'s
     ``(slot, blocks)`` position-0 counts, resealed where any is non-zero: the words of ``CallSpec.header(world,
-    dict(k0))``, without building them again."""
-    h = base.copy()
-    if any(k for _, k in k0):
-        for g, k in k0:
-            h[F_K0 + g] = k
-        seal(h)
-    return h
+    dict(k0))``, without building them again (nor sealing them again: the last few are remembered)."""
+    if not any(k for _, k in k0):
+        return base.copy()
+    return np.frombuffer(_with_k0(base.tobytes(), tuple(k0)), dtype=np.int64).copy()
+
+
+@functools.lru_cache(maxsize=1024)
+def _with_k0(base: bytes, k0: tuple[tuple[int, int], ...]) -> bytes:
+    """:func:`with_k0`'s words of the sealed header whose int64 words are ``base``."""
+    h = np.frombuffer(base, dtype=np.int64).copy()
+    for g, k in k0:
+        h[F_K0 + g] = k
+    seal(h)
+    return h.tobytes()
 
 
 #: the header words :meth:`CallSpec.header` sets from the call, in its order
@@ -109,7 +116,16 @@ def seal(h: np.ndarray) -> None:
 def validate_header(h: np.ndarray, n: int, index: int, colocated: bool) -> tuple[int, str] | None:
     """``(field, reason)`` if a worker's round-0 header is not one this aggregator can serve (checked
     against the world size, its own index and the protocol limits; then its checksum: a header changed
-    on the way sizes no receive), else ``None``."""
+    on the way sizes no receive), else ``None``. A function of the header's words and the arguments alone,
+    remembered for the last few (a repeated call's headers, every aggregator's of the same workers' call, are
+    the same words: checked once)."""
+    return _validate(np.ascontiguousarray(h, dtype=np.int64).tobytes(), n, index, colocated)
+
+
+@functools.lru_cache(maxsize=1024)
+def _validate(words: bytes, n: int, index: int, colocated: bool) -> tuple[int, str] | None:
+    """:func:`validate_header` of the header whose int64 words are ``words``."""
+    h = np.frombuffer(words, dtype=np.int64)
     v = h.tolist()           # (the words as Python ints, read once)
     if v[F_MAGIC] != MAGIC:
         return F_MAGIC, f"wire version {v[F_MAGIC]:#x}, expected {MAGIC:#x}"
@@ -145,13 +161,22 @@ _LIMITS = ((F_BLOCK, 1, MAX_BLOCK, "block_size"), (F_CHANNELS, 1, MAX_CHANNELS, 
 
 def round0_sizes(h: np.ndarray, index: int) -> tuple[int, dict[int, int]]:
     """The round-0 messages a worker's (validated) header announces to aggregator ``index``: the bytes of
-    its first look-aheads (0: none) and of its position-0 blocks per slot (only slots with some)."""
-    v = h.tolist()           # (the words as Python ints, read once)
+    its first look-aheads (0: none) and of its position-0 blocks per slot (only slots with some). A function
+    of the header's words and ``index``, remembered for the last few (as :func:`validate_header`)."""
+    firsts, blocks = _round0_sizes(np.ascontiguousarray(h, dtype=np.int64).tobytes(), index)
+    return firsts, dict(blocks)
+
+
+@functools.lru_cache(maxsize=1024)
+def _round0_sizes(words: bytes, index: int) -> tuple[int, tuple[tuple[int, int], ...]]:
+    """:func:`round0_sizes` of the header whose int64 words are ``words``, the blocks' sizes as ``(slot,
+    bytes)`` pairs (immutable: shared by the calls that remember it)."""
+    v = np.frombuffer(words, dtype=np.int64).tolist()     # (the words as Python ints, read once)
     up = code_dtype(v[F_DTYPE])
     chans = plan(v[F_NUMEL], v[F_BLOCK], v[F_AGGS], v[F_CHANNELS], v[F_LANES])[index]
     blocks = {ch.slot: block_bytes(v[F_K0 + ch.slot], v[F_BLOCK], up.itemsize, meta=not ch.single)
               for ch in chans if v[F_K0 + ch.slot]}
-    return firsts_bytes(chans), blocks
+    return firsts_bytes(chans), tuple(blocks.items())
 
 
 def manifest(h: np.ndarray, index: int) -> torch.Tensor:

@@ -25,8 +25,10 @@ from .wire import HDR, OK, TAG_FIRSTS, TAG_HDR_DOWN, TAG_HDR_UP, TAG_MANIFEST, B
 #: pieces a colocated worker's scan of an aggregator's range is cut into, a ``Poll`` between them
 #: (:func:`scan`) running the roles of the phases before ``POLL_SCAN`` (headers, verdicts, hosted rounds;
 #: not the lanes landing sums); a piece has at least ``SCAN_MIN_BLOCKS`` blocks (a shorter scan is not
-#: long local work: cut finer, its pieces' and polls' fixed costs would exceed it, n^2 of them per call)
-SCAN_PIECES, SCAN_MIN_BLOCKS, POLL_SCAN = 8, 1024, Phase.LAND
+#: long local work: cut finer, its pieces' and polls' fixed costs would exceed it, n^2 of them per call),
+#: on real processes ``SCAN_MIN_BLOCKS_REAL`` (a fabric whose time is not modelled: there a piece's and a
+#: poll's fixed costs are tens of microseconds of Python, a 1024-block piece's scan about as long)
+SCAN_PIECES, SCAN_MIN_BLOCKS, SCAN_MIN_BLOCKS_REAL, POLL_SCAN = 8, 1024, 8192, Phase.LAND
 _POLL_SCAN = Poll(POLL_SCAN)    # (the request: one value, yielded twice per aggregator)
 
 
@@ -160,7 +162,8 @@ def scan(call, a: int):
     chans = call.plans[a]
     if chans:
         lo, hi = chans[0].lo, chans[-1].lo + chans[-1].size
-        step = hi - lo if call.own is None else max(SCAN_MIN_BLOCKS, -(-(hi - lo) // SCAN_PIECES))
+        least = SCAN_MIN_BLOCKS if call.fabric.modelled_time else SCAN_MIN_BLOCKS_REAL
+        step = hi - lo if call.own is None else max(least, -(-(hi - lo) // SCAN_PIECES))
         for s in range(lo, hi, step):
             call.source.scan(s, min(hi, s + step))
             bs = call.source.block_size      # the elements scanned: blocks [s, min(hi, s + step))

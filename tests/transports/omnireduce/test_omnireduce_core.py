@@ -610,3 +610,29 @@ def test_a_stages_flags_follow_its_phase_and_round_however_it_is_made():
     assert Stage(Phase.AGGREGATE, 0) < Stage(Phase.AGGREGATE, 1) < Stage(Phase.LAND)
     with pytest.raises(ValueError, match="sure"):
         Stage(Phase.LAND)._replace(sure=True)
+
+
+def test_remembered_header_checks_answer_for_the_words_and_arguments_they_were_asked_for():
+    """``validate_header``, ``round0_sizes`` and ``with_k0`` remember their last answers: an answer belongs to the
+    header's exact words and the arguments (another world size, index or one changed word is checked anew), and
+    what a caller gets is its own (a mutated answer does not change the next one)."""
+    import numpy as np
+
+    from sparsecomm.transports.omnireduce import header, wire
+
+    spec = header.CallSpec(300_000, torch.float32, 256, 3, 1, 16384, 0, 0, 0)
+    h = header.with_k0(spec.header(3).numpy(), [(0, 5)])
+    for _ in range(2):                                  # (the second time from memory)
+        assert header.validate_header(h, 3, 1, True) is None
+        assert header.validate_header(h, 4, 1, True)[0] == wire.F_WORLD       # another world size
+        assert header.validate_header(h, 3, 3, False)[0] == wire.F_AGGS       # an index past the aggregators
+        forged = h.copy()
+        forged[wire.F_NUMEL] += 256
+        assert header.validate_header(forged, 3, 1, True)[0] == wire.F_SUM    # one word changed on the way
+    sizes = header.round0_sizes(h, 1)
+    assert sizes[1] == {0: wire.block_bytes(5, 256, 4, meta=False)}
+    sizes[1][0] = -1
+    assert header.round0_sizes(h, 1) == (sizes[0], {0: wire.block_bytes(5, 256, 4, meta=False)})
+    a = header.with_k0(spec.header(3).numpy(), [(0, 5)])
+    a[wire.F_K0] = 7
+    assert np.array_equal(header.with_k0(spec.header(3).numpy(), [(0, 5)]), h)

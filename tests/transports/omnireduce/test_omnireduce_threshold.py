@@ -92,7 +92,7 @@ def _slow_scan(ctx, dtype):
     aggregator of the range it sent first, arrives while it still scans the rest."""
     n, r = ctx.world_size, ctx.rank
     bs = 8
-    per = 4 * om_worker.SCAN_MIN_BLOCKS                     # blocks per range: four scan pieces
+    per = 4 * om_worker.SCAN_MIN_BLOCKS_REAL                # blocks per range: four scan pieces (on gloo)
     numel = n * per * bs
     scan = DenseSource.scan
     if r == n - 1:
