@@ -27,7 +27,7 @@ The network model (alpha-beta with NIC serialisation), per endpoint:
   that it slows what transports do, not only ``compute()``;
 - the hosts' CPU time (``Network.host``, a :class:`~.sim_host.HostModel`; ``None``, the default: none): per
   message sent, on the sender's clock before its NIC starts; per message taken, on the receiver's clock
-  after its delivery; and the work transports declare (``Fabric.host_work``: sums, block scans, switch
+  after its delivery (with a table by message size, after a wait that holds no CPU); and the work transports declare (``Fabric.host_work``: sums, block scans, switch
   packets and messages, each call's own cost), each stretched by the endpoint's CPU share and straggler factor (:mod:`.sim_host`).
 
 Service endpoints (dedicated aggregators, a switch) have their own link; ``per_port=True`` gives a
@@ -302,7 +302,8 @@ class Endpoint:
     def taken(self, msg: Msg) -> None:
         """``msg`` was delivered: fix its slot (and those of the messages before it on the NIC, still queued:
         a later arrival is placed after it). With a host model the clock moves to the delivery and on by the
-        receive's CPU time (:mod:`.sim_host`)."""
+        receive's CPU time (:mod:`.sim_host`; with its table by message size, to the delivery and the message's
+        wait, if later)."""
         msg.taken = True
         if msg.stamp < FIXED:        # (in the schedule still)
             if msg.stamp < self.epoch:      # (delivery's own test: its times may be a lower bound)
@@ -322,8 +323,13 @@ class Endpoint:
             rx[2] -= i + 1
             del tail[:i + 1]
             del keys[:i + 1]
-        if self.host is not None:
-            self.clock = max(self.clock, msg.delivered) + self.host.recv_s(msg.nbytes) * self.cpu
+        host = self.host
+        if host is not None:
+            if host.tabled:         # (a wait between delivery and take: sim_host's table by size)
+                nbytes = msg.nbytes
+                self.clock = max(self.clock, msg.delivered + host.wait_s(nbytes)) + host.recv_s(nbytes) * self.cpu
+            else:
+                self.clock = max(self.clock, msg.delivered) + host.recv_s(msg.nbytes) * self.cpu
 
     def host_work(self, op: str, count: int, dtype=None, transport: str | None = None) -> None:
         """Charge ``count`` units of ``op`` to the clock (:meth:`.sim_host.HostModel.work_s`, stretched); no
