@@ -938,6 +938,41 @@ def test_omnireduce_charges_no_fresh_buffer():
     assert [t.hex() for t in fresh] == [t.hex() for t in base]
 
 
+CLEAR_ELEMS = 1 << 18       # > 2^16: a cached result (blocks.ResultCache); 1024 blocks of 256
+
+
+def _omni_after(ctx, first: float) -> tuple[float, int]:
+    """A call at density ``first`` then one at 5% on the same OmniReduce transport: the second's modelled time and
+    how many blocks its cached result clears (written by the first and not by it)."""
+    torch.manual_seed(ctx.rank)
+    b = torch.arange(CLEAR_ELEMS // 256).repeat_interleave(256)
+    t = sc.transports.get("omnireduce", ctx.fabric)
+    t.allreduce(torch.where(b % round(1 / first) == 0, 1.0, 0.0))
+    held = ((b % 20 == 0) if ctx.rank == 0 else (b % 20 == 1)).float()
+    t.allreduce(held)
+    union = {i for i in range(CLEAR_ELEMS // 256) if i % 20 in (0, 1)}
+    return t.last_stats.modelled_time_s, len(set(range(0, CLEAR_ELEMS // 256, round(1 / first))) - union)
+
+
+def test_omnireduce_charges_the_blocks_its_cached_result_clears_by_hand():
+    """A cached result zeroes, after the call, the blocks the call before wrote and this one did not (by index: the
+    rows' ``"index"`` and their bytes' ``"move"``); a call after one of the same blocks clears none."""
+    S, B = 1e-4, 1e-8
+    net = functools.partial(sc.Network, bandwidth_gbps=10.0, latency_us=5.0)
+    for rates in (dict(index_block_s=S), dict(move_byte_s=B)):
+        base_dense = sc.launch(functools.partial(_omni_after, first=1.0), 2, network=net(host=HostModel(**PER_MSG)))
+        dense = sc.launch(functools.partial(_omni_after, first=1.0), 2, network=net(host=HostModel(**PER_MSG, **rates)))
+        base_same = sc.launch(functools.partial(_omni_after, first=0.05), 2, network=net(host=HostModel(**PER_MSG)))
+        same = sc.launch(functools.partial(_omni_after, first=0.05), 2, network=net(host=HostModel(**PER_MSG, **rates)))
+        cleared = dense[0][1]
+        assert cleared == 1024 - 104 and same[0][1] == 0       # (the union: 52 blocks i % 20 == 0, 52 == 1)
+        # the sparse call's own charges are the same after either call; after the dense one, the clearing too
+        per_block = S if "index_block_s" in rates else B * 256 * 4
+        extra = (max(t for t, _ in dense) - max(t for t, _ in base_dense)) - (
+            max(t for t, _ in same) - max(t for t, _ in base_same))
+        assert extra == pytest.approx(cleared * per_block, rel=1e-6)
+
+
 def test_a_profile_without_the_fresh_rates_loads_with_them_0_and_one_with_them_round_trips(tmp_path):
     """A version-2 profile written before ``fresh_byte_s`` and ``fresh_min_bytes`` existed loads with both 0 and
     models a ring call to the bit as before; one with them round-trips them (the threshold an int)."""

@@ -49,8 +49,9 @@ modelled clocks (``host=None``, the default: no host cost, every modelled time a
   beyond the scan's kernel, whatever the density -- its lanes' set-up and bookkeeping, the result's bitmap of
   written blocks --, charged as the worker scans each aggregator's range); ``"index"``, blocks moved by a block index
   (``index_block_s``: gathered into a message, added into the sums or written into the result at scattered
-  rows -- the rows of an indexed copy, later checked and cleared row by row --, beyond their bytes and sums;
-  a contiguous run of blocks is one copy and is not charged); ``"move"``, bytes of blocks copied between a
+  rows -- the rows of an indexed copy, later checked row by row --, beyond their bytes and sums; and the
+  blocks OmniReduce's cached result zeroes after a call, those the call before it wrote and it did not, with their
+  bytes as ``"move"``; a contiguous run of blocks is one copy and is not charged); ``"move"``, bytes of blocks copied between a
   block-sparse endpoint's tensors and its messages (``move_byte_s``: OmniReduce's blocks gathered into a message
   and its sums written into the result, a run of blocks or blocks by index, on top of ``"index"``'s per-block
   part; a large tensor's blocks, beyond the last-level cache); ``"check"``, elements a finiteness guard reads
