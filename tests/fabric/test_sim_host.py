@@ -930,6 +930,52 @@ def test_allgather_charges_its_result_as_a_fresh_buffer():
         assert more == pytest.approx([b + extra for b in base], rel=1e-9, abs=0)
 
 
+def _touches(ctx) -> list[float]:
+    f, out = ctx.fabric, []
+    f.host_work("fresh_later", 99)              # below fresh_min_bytes: not fresh, not held
+    f.host_work("fresh_touch", 50)
+    out.append(f.now())
+    f.host_work("fresh_later", 1000)
+    for n in (300, 900, 10):                    # 300 of the 1000 held, the other 700, then none left
+        f.host_work("fresh_touch", n)
+        out.append(f.now())
+    return out
+
+
+def test_a_fresh_buffer_touched_piecewise_is_charged_as_its_parts_are_written_by_hand():
+    host = HostModel(fresh_byte_s=1e-6, fresh_min_bytes=100)
+    for times in sc.launch(_touches, 2, network=sc.Network(host=host)):
+        assert times == pytest.approx([0.0, 300e-6, 1000e-6, 1000e-6], rel=1e-12, abs=0)
+    with pytest.raises(InvalidValueError, match="count must be >= 0"):
+        sc.launch(lambda ctx: ctx.fabric.host_work("fresh_later", -1), 1, network=sc.Network(host=host))
+
+
+def _switch_result(ctx) -> tuple[float, float]:
+    """A 2-worker switch call of 64 KiB float32 that does not sum in place (a fresh result): its modelled time
+    and the bytes the worker sent."""
+    x = torch.full((1 << 14,), float(ctx.rank + 1))
+    t = sc.transports.get("switch", ctx.fabric)
+    y = t.allreduce(x)
+    assert torch.equal(y, torch.full_like(x, 3.0))
+    return t.last_stats.modelled_time_s, ctx.fabric.stats.bytes_sent
+
+
+def test_the_switch_charges_its_fresh_result_as_its_chunks_are_decoded_not_at_once():
+    """The whole result's pages are charged, once (the same total as a charge at its allocation), but after the
+    results arrive: the call lengthens by less than the whole charge where the link hides part of it."""
+    F = 1e-6                                    # 64 KiB: 65.5 ms of fresh pages at 1 us a byte
+    net = functools.partial(sc.Network, bandwidth_gbps=0.01, latency_us=5.0)     # a slow link: 52 ms each way
+    base = max(t for t, _ in sc.launch(_switch_result, 2, network=net(host=HostModel(**PER_MSG))))
+    timed = max(t for t, _ in sc.launch(_switch_result, 2, network=net(host=HostModel(**PER_MSG, fresh_byte_s=F))))
+    whole = (1 << 16) * F
+    assert 0 < timed - base < 0.8 * whole      # (about 0.6: the first chunks' pages while later results travel)
+    # without the link to hide it, the whole charge (the last chunk's, at least, is after the last result)
+    net = functools.partial(sc.Network, bandwidth_gbps=1e4, latency_us=0.0)
+    base = max(t for t, _ in sc.launch(_switch_result, 2, network=net(host=HostModel(**PER_MSG))))
+    timed = max(t for t, _ in sc.launch(_switch_result, 2, network=net(host=HostModel(**PER_MSG, fresh_byte_s=F))))
+    assert timed - base == pytest.approx(whole, rel=1e-3)
+
+
 def test_omnireduce_charges_no_fresh_buffer():
     """OmniReduce keeps its result buffers from call to call (blocks.ResultCache): no fresh charge."""
     net = functools.partial(sc.Network, bandwidth_gbps=10.0, latency_us=5.0)

@@ -43,8 +43,14 @@ modelled clocks (``host=None``, the default: no host cost, every modelled time a
   byte for a buffer of at least ``fresh_min_bytes``, nothing below: the first touch of its pages, beyond the
   copy or fill that writes them; glibc's allocator maps a buffer above its mmap threshold afresh on every
   allocation and unmaps it when it is freed, while a smaller one's memory, up to its largest threshold of 32
-  MiB, is reused from the freed one before): the ring's and ``native``'s work copy, the switch's result, the
-  sparse switch's temporaries, the allgather's sum; not OmniReduce's result buffers, kept from call to call;
+  MiB, is reused from the freed one before): the ring's and ``native``'s work copy, the integer switch's codes
+  and sums, the sparse switch's temporaries, the allgather's sum; not OmniReduce's result buffers, kept from call
+  to call; ``"fresh_later"`` and ``"fresh_touch"``, a fresh buffer whose pages a transport touches piecewise as
+  its parts are written (the float switch's result, its chunks decoded into it as their results arrive, behind the
+  link): the first, bytes of such a buffer, charges nothing and holds them (a buffer of at least
+  ``fresh_min_bytes``; a smaller one is not fresh and is not held); the second, bytes of them written now, charges
+  ``fresh_byte_s`` per byte of those held and uses them up (a SimFabric endpoint keeps the count:
+  :meth:`.sim_network.Endpoint.host_work`);
   ``"span"``, blocks of the range a block-sparse worker covers (``span_block_s``: OmniReduce's per-block work
   beyond the scan's kernel, whatever the density -- its lanes' set-up and bookkeeping, the result's bitmap of
   written blocks --, charged as the worker scans each aggregator's range); ``"index"``, blocks moved by a block index
@@ -119,7 +125,7 @@ HOST_OPS = {"sum": "element", "scan": "element", "switch_packet": "packet", "swi
             "elementwise": "element", "select": "element", "sample": "element", "matmul": "multiply-add",
             "matmul_t": "multiply-add", "kernel": "call", "sparse_switch_packet": "packet",
             "sparse_switch_value": "packet", "sparse_switch_result": "packet", "sparse_switch_message": "message",
-            "sparse_switch_round": "packet"}
+            "sparse_switch_round": "packet", "fresh_later": "byte", "fresh_touch": "byte"}
 
 #: the operations of a method's encode and decode (:meth:`sparsecomm.methods.base.Method.work`) and their rates
 CODEC_RATES = {"elementwise": "elementwise_element_s", "select": "select_element_s", "sample": "sample_element_s",
@@ -418,6 +424,10 @@ class HostModel:
             rate = self.copy_byte_s
         elif op == "fresh":
             rate = self.fresh_byte_s if count >= self.fresh_min_bytes else 0.0
+        elif op == "fresh_later":           # (charged as touched: "fresh_touch", the endpoint's count)
+            rate = 0.0
+        elif op == "fresh_touch":           # (the bytes of a held fresh buffer: the endpoint caps the count)
+            rate = self.fresh_byte_s
         elif op == "span":
             rate = self.span_block_s
         elif op == "index":

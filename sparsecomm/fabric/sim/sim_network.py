@@ -208,6 +208,8 @@ class Endpoint:
         self.crash_after: int | None = network.crash.get(eid)
         self.loss_rng: dict[int, np.random.Generator] = {}
         self.stats = CommStats()
+        #: bytes of fresh buffers whose pages are charged as they are touched (:meth:`host_work`)
+        self.untouched = 0
 
     def transmit(self, peer: int, nbytes: int) -> tuple[float, float]:
         """Occupy the NIC (its port towards ``peer``) with ``nbytes`` from ``start = max(clock,
@@ -333,6 +335,19 @@ class Endpoint:
 
     def host_work(self, op: str, count: int, dtype=None, transport: str | None = None) -> None:
         """Charge ``count`` units of ``op`` to the clock (:meth:`.sim_host.HostModel.work_s`, stretched); no
-        host model: nothing."""
-        if self.host is not None:
-            self.clock += self.host.work_s(op, count, dtype, transport=transport) * self.cpu
+        host model: nothing. ``"fresh_later"`` holds the bytes of a fresh buffer (one of at least the model's
+        ``fresh_min_bytes``) in :attr:`untouched`, ``"fresh_touch"`` charges the bytes written of those held and
+        uses them up (:mod:`.sim_host`)."""
+        host = self.host
+        if host is None:
+            return
+        if op == "fresh_later":
+            host.work_s(op, count)          # (its checks)
+            if count >= host.fresh_min_bytes:
+                self.untouched += count
+            return
+        if op == "fresh_touch":
+            host.work_s(op, count)
+            count = min(count, self.untouched)
+            self.untouched -= count
+        self.clock += host.work_s(op, count, dtype, transport=transport) * self.cpu
