@@ -156,9 +156,11 @@ def compare(workers: int, size_mb: float, gbps: float, repeats: int = 3) -> dict
 
 
 def _model_cases(ctx, cases: list, numel: int) -> list[tuple[float, float]]:
-    """On the SimFabric, every rank: per (case, density) of ``cases`` (:class:`.transports.Case`), after one
-    untimed call, the ``(start, end)`` modelled clock of a call that follows a barrier, as ``measured`` times
-    the netbed's (the same inputs: :func:`.transports.block_sparse`)."""
+    """On the SimFabric, every rank: per (case, density) of ``cases`` (:class:`.transports.Case`), the
+    ``(start, end)`` modelled clock of a call that follows a barrier, as ``measured`` times the netbed's: the same
+    inputs (:func:`.transports.block_sparse`) and the same order, a case's densities taking turns call by call, a
+    round of untimed calls, then the timed one (a call's work may depend on the call before it on the same
+    transport: OmniReduce's cached result clears the blocks the previous call wrote and this one does not)."""
     from .transports import block_sparse
 
     f = ctx.fabric
@@ -167,9 +169,9 @@ def _model_cases(ctx, cases: list, numel: int) -> list[tuple[float, float]]:
         # native (gloo's ring all-reduce) is modelled as the library's ring: the same bytes, the same steps
         t = (sc.transports.get("ring", f) if case.transport == "native"
              else sc.transports.get(case.transport, f, **case.kwargs))
-        for d in case.densities:
-            x0 = block_sparse(numel, d, case.block, seed=1000 * ctx.rank + int(d * 1e4))
-            for timed in (False, True):
+        inputs = [block_sparse(numel, d, case.block, seed=1000 * ctx.rank + int(d * 1e4)) for d in case.densities]
+        for timed in (False, True):
+            for x0 in inputs:
                 x = x0.clone()
                 f.barrier()
                 t0 = f.now()

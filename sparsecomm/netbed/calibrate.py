@@ -19,6 +19,11 @@ on a loaded one without the time other processes hold the core):
   processes do. On loopback the "wire" is the hosts' copies, so the whole time is host time; a fitted
   value below zero (noise) is written as 0. It is the cost a transport pays through the fabric (its waits'
   helper threads included), several times a bare ``torch.distributed`` round's;
+- ``message_cpu_s``, ``message_wait_s``: the same exchanges as a table by size, which the model uses in place of
+  the line (:mod:`~sparsecomm.fabric.sim.sim_host`: a message's cost is not linear in its bytes, and its CPU is not
+  its latency): per size, ``message_cpu_s`` the CPU time of an exchange (``time.process_time``, the process's
+  threads together; per rank the median over exchanges, the mean of the two ranks', at most the exchange's
+  time), ``message_wait_s`` the rest of the exchange's time (the slower rank's median, as above), at least 0;
 - ``copy_byte_s``: ``Tensor.copy_`` of a large float32 buffer, per byte;
 - ``fresh_byte_s``, ``fresh_min_bytes``: a float32 buffer of each of :data:`FRESH_SIZES` filled
   (``Tensor.fill_``) as ``torch.empty`` returns it, freshly allocated every time, and filled again once it is
@@ -199,46 +204,59 @@ def _median_s(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def _exchanges(ctx, sizes: tuple[int, ...], rounds: int) -> list[float]:
-    """Rank 0: the median exchange of each size (rank 0 and rank 1 each post a receive from the other, send it
-    a message of that size and wait for both), the slower rank's time of each exchange; rank 1: ``[]``."""
+def _exchanges(ctx, sizes: tuple[int, ...], rounds: int) -> list[tuple[float, float]]:
+    """Rank 0: per size, the median exchange (rank 0 and rank 1 each post a receive from the other, send it a
+    message of that size and wait for both), the slower rank's time of each exchange, and the CPU time of an
+    exchange (the process's, all its threads: ``time.process_time``), the median over exchanges of each rank's,
+    the mean of the two ranks'; rank 1: ``[]``."""
     torch.set_num_threads(1)
     f = ctx.fabric
     peer = 1 - ctx.rank
 
-    def rounds_of(size: int, count: int) -> list[float]:
+    def rounds_of(size: int, count: int) -> tuple[list[float], float]:
         out, into = torch.zeros(size, dtype=torch.uint8), torch.empty(size, dtype=torch.uint8)
-        times = []
+        times, cpu = [], []
         for _ in range(count):
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             r = f.irecv(into, peer, TAG)
             f.isend(out, peer, TAG).wait()
             r.wait()
+            cpu.append(time.process_time() - c)
             times.append(time.perf_counter() - t)
-        return times
+        return times, statistics.median(cpu)
 
     rounds_of(sizes[0], max(10, rounds // 2))       # warm-up: connections, the fabric's helper threads
-    mine = torch.tensor([rounds_of(size, rounds) for size in sizes], dtype=torch.float64)
+    runs = [rounds_of(size, rounds) for size in sizes]
+    mine = torch.tensor([r[0] for r in runs], dtype=torch.float64)
+    cpu = torch.tensor([r[1] for r in runs], dtype=torch.float64)
     if ctx.rank == 1:
         f.send(mine, 0, TAG + 1)
+        f.send(cpu, 0, TAG + 2)
         return []
-    theirs = torch.empty_like(mine)
+    theirs, their_cpu = torch.empty_like(mine), torch.empty_like(cpu)
     f.recv(theirs, 1, TAG + 1)
-    return [statistics.median(row) for row in torch.maximum(mine, theirs).tolist()]
+    f.recv(their_cpu, 1, TAG + 2)
+    return [(statistics.median(row), (a + b) / 2)
+            for row, a, b in zip(torch.maximum(mine, theirs).tolist(), cpu.tolist(), their_cpu.tolist())]
 
 
 def message_costs(quick: bool = False) -> dict:
-    """The per-message and per-byte costs of a gloo loopback exchange (module docstring): the four rates and
-    the measurements they were fitted to."""
+    """The per-message and per-byte costs of a gloo loopback exchange (module docstring): the four rates, the
+    tables by size (``message_cpu_s``, ``message_wait_s``) and the measurements they were fitted to."""
     from .. import launch
 
     sizes = MESSAGE_SIZES[quick]
     fn = functools.partial(_exchanges, sizes=sizes, rounds=ROUNDS[quick])
-    exchange = np.array(launch(fn, 2, backend="gloo", timeout_s=120.0)[0])
+    measured = launch(fn, 2, backend="gloo", timeout_s=120.0)[0]
+    exchange = np.array([m[0] for m in measured])
+    cpu = [min(m[1], m[0]) for m in measured]       # (CPU beyond the exchange's wall: its threads in parallel)
     slope, intercept = np.polyfit(np.array(sizes, dtype=np.float64), exchange, 1)
     a, b = max(0.0, float(intercept)), max(0.0, float(slope))
     return {"send_message_s": a / 2, "recv_message_s": a / 2, "send_byte_s": b / 2, "recv_byte_s": b / 2,
+            "message_cpu_s": {n: float(c) for n, c in zip(sizes, cpu)},
+            "message_wait_s": {n: float(max(0.0, w - c)) for n, w, c in zip(sizes, exchange, cpu)},
             "fit": {"sizes": list(sizes), "exchange_s": [float(x) for x in exchange],
+                    "exchange_cpu_s": [float(m[1]) for m in measured],
                     "intercept_s": float(intercept), "slope_s_per_byte": float(slope)}}
 
 

@@ -15,7 +15,7 @@ import torch
 
 import sparsecomm as sc
 from sparsecomm.errors import InvalidTypeError, InvalidValueError, MismatchError
-from sparsecomm.fabric.sim.sim_host import RATE_UNITS, SIZES, SUM_DTYPES, HostModel
+from sparsecomm.fabric.sim.sim_host import MESSAGE_TABLES, RATE_UNITS, SIZES, SUM_DTYPES, HostModel
 from sparsecomm.fabric.base import MESSAGE_BYTES
 from sparsecomm.fabric.sim.sim_profile import FORMAT, VERSION, netbed_latency_s, profile_dict
 from sparsecomm.netbed.calibrate import CALL_GROUPS
@@ -296,6 +296,118 @@ def test_a_host_with_a_cost_per_message_receives_a_shorter_message_into_a_prefix
             sc.launch(_short_message, 2, network=net)
 
 
+TABLE = dict(message_cpu_s={64: 2e-4, 4096: 3e-4, 1 << 20: 2.3e-3},
+             message_wait_s={64: 1e-4, 4096: 1e-4, 1 << 20: 5e-4})
+
+
+def test_a_table_by_message_size_interpolates_and_replaces_the_linear_message_rates():
+    host = HostModel(send_message_s=1.0, recv_message_s=1.0, send_byte_s=1.0, recv_byte_s=1.0, **TABLE)
+    assert host.tabled and host.per_message and not HostModel().tabled and not HostModel(copy_byte_s=1.0).per_message
+    assert HostModel(**TABLE).per_message           # (a table alone: a real fabric's messages)
+    half = {n: c / 2 for n, c in TABLE["message_cpu_s"].items()}
+    for n in (1, 64):                               # below the first size: its values
+        assert (host.send_s(n), host.recv_s(n), host.wait_s(n)) == (half[64], half[64], 1e-4)
+    # between two sizes: linear in bytes; the linear rates (1 s a message) play no part
+    n = 64 + (4096 - 64) // 4
+    assert host.send_s(n) == pytest.approx(half[64] + (half[4096] - half[64]) * (n - 64) / (4096 - 64), rel=1e-12)
+    assert host.recv_s(n) == host.send_s(n) and host.wait_s(n) == pytest.approx(1e-4, rel=1e-12)
+    assert host.send_s(1 << 20) == half[1 << 20] and host.wait_s(1 << 20) == 5e-4
+    # beyond the last size: the line of the last two
+    slope = (half[1 << 20] - half[4096]) / ((1 << 20) - 4096)
+    assert host.send_s(4 << 20) == pytest.approx(half[1 << 20] + slope * (3 << 20), rel=1e-12)
+    assert host.wait_s(4 << 20) == pytest.approx(5e-4 + 4e-4 / ((1 << 20) - 4096) * (3 << 20), rel=1e-12)
+    with pytest.raises(InvalidValueError, match="same message sizes"):
+        HostModel(message_cpu_s={64: 1e-4}, message_wait_s={128: 1e-4})
+    with pytest.raises(InvalidValueError, match="message_wait_s"):
+        HostModel(message_cpu_s={64: 1e-4}, message_wait_s={64: -1e-4})
+    with pytest.raises(InvalidValueError, match="a message size of message_cpu_s"):
+        HostModel(message_cpu_s={0: 1e-4}, message_wait_s={0: 1e-4})
+
+
+STREAM, SMALL = 20, 64          # messages of the stream and of the ping-pong, bytes each
+
+
+def _stream_and_ping_pong(ctx) -> tuple[float, float]:
+    """Worker 0 sends :data:`STREAM` messages at once, worker 1 takes them (a stream); then after a barrier
+    they exchange :data:`STREAM` round trips (a ping-pong); each worker's modelled time of each."""
+    f, peer = ctx.fabric, 1 - ctx.rank
+    msg = torch.zeros(SMALL, dtype=torch.uint8)
+    t0 = f.now()
+    if ctx.rank == 0:
+        for w in [f.isend(msg, 1, 1) for _ in range(STREAM)]:
+            w.wait()
+    else:
+        for _ in range(STREAM):
+            f.recv(msg, 0, 1)
+    stream = f.now() - t0
+    f.barrier()
+    t0 = f.now()
+    for _ in range(STREAM):
+        if ctx.rank == 0:
+            f.send(msg, 1, 2)
+            f.recv(msg, 1, 2)
+        else:
+            f.recv(msg, 0, 2)
+            f.send(msg, 0, 2)
+    return stream, f.now() - t0
+
+
+def test_a_stream_of_messages_overlaps_their_waits_where_a_ping_pong_pays_each_by_hand():
+    host = HostModel(**TABLE)
+    net = sc.Network(bandwidth_gbps=100.0, latency_us=0.0, host=host)
+    (_, pp0), (stream1, _) = sc.launch(_stream_and_ping_pong, 2, network=net)
+    cpu, wait, wire = host.send_s(SMALL), host.wait_s(SMALL), SMALL / net.bytes_per_s
+    # the stream: the receiver pays the first message's send, wire and wait, then each message's receive
+    # (its CPU: the sender's sends, as long, keep ahead of it)
+    assert stream1 == pytest.approx(cpu + wire + wait + STREAM * cpu, rel=1e-9)
+    # the ping-pong: every hop a send, the wire, the wait and the receive, one after the other
+    assert pp0 == pytest.approx(2 * STREAM * (2 * cpu + wire + wait), rel=1e-9)
+    # the linear rates of the same exchange charge the stream every message's whole cost
+    line = HostModel(send_message_s=cpu + wait / 2, recv_message_s=cpu + wait / 2)
+    (_, pp0), (stream1, _) = sc.launch(_stream_and_ping_pong, 2, network=dataclasses.replace(net, host=line))
+    assert pp0 == pytest.approx(2 * STREAM * (2 * cpu + wire + wait), rel=1e-9)
+    assert stream1 == pytest.approx(line.send_s(SMALL) + wire + STREAM * line.recv_s(SMALL), rel=1e-9)
+
+
+def test_a_profile_with_the_table_by_message_size_round_trips_and_one_without_it_models_the_line(tmp_path):
+    path = tmp_path / "host.json"
+    tabled = dataclasses.replace(FULL, **TABLE)
+    profile = _profile(tabled)
+    assert profile["host"]["message_cpu_s"] == {"value": {"64": 2e-4, "4096": 3e-4, "1048576": 2.3e-3},
+                                                "unit": "s/message"}
+    path.write_text(json.dumps(profile))
+    assert sc.Network.from_profile(path).host == tabled
+    assert "message_cpu_s" not in _profile(FULL)["host"] and "message_wait_s" not in _profile(FULL)["host"]
+    path.write_text(json.dumps(_profile(FULL)))
+    assert sc.Network.from_profile(path).host == FULL and not FULL.tabled
+    for key, value, error, match in (("message_cpu_s", {"64": 1e-4}, InvalidValueError, "same message sizes"),
+                                     ("message_cpu_s", {"x": 1e-4}, InvalidValueError, "message sizes in bytes"),
+                                     ("message_cpu_s", {}, InvalidTypeError, "maps message sizes"),
+                                     ("message_wait_s", {"64": -1.0}, InvalidValueError, "finite rate >= 0")):
+        bad = _profile(tabled)
+        bad["host"][key]["value"] = value
+        path.write_text(json.dumps(bad))
+        with pytest.raises(error, match=match):
+            sc.Network.from_profile(path)
+
+
+def _sparse_bytes(ctx) -> tuple[int, int]:
+    """A sparse-switch call of :data:`SPARSE_BLOCKS` blocks (:func:`_sparse_call`): the worker's packets and the
+    bytes it sent."""
+    before = ctx.fabric.stats.bytes_sent
+    _, info = _sparse_call(ctx)
+    return sum(v.get("packets", 0) for v in info.values()), ctx.fabric.stats.bytes_sent - before
+
+
+def test_the_sparse_switch_on_a_host_with_a_cost_per_message_sends_messages_as_long_as_their_packets():
+    out = sc.launch(_sparse_bytes, 2, network=sc.Network(bandwidth_gbps=100.0, latency_us=1.0,
+                                                          host=HostModel(**PER_MSG)))
+    row = (4 + 256) * 4             # a packet's row: its header and 256 values
+    for packets, sent in out:
+        # (a burst padded to its 1024 rows would be a MiB a message; + the agreement's few hundred bytes)
+        assert 0 < packets and packets * row <= sent <= (packets + 1) * row
+
+
 def test_host_model_is_a_value():
     import copy
     import pickle
@@ -485,7 +597,7 @@ def test_calibrate_command_writes_a_loadable_profile(tmp_path, capsys):
     for name, unit in RATE_UNITS.items():
         entry = host[name]
         assert entry["unit"] == unit
-        values = entry["value"] if name in ("sum_element_s", "call_s") else {name: entry["value"]}
+        values = entry["value"] if name in ("sum_element_s", "call_s", *MESSAGE_TABLES) else {name: entry["value"]}
         if name == "sum_element_s":
             assert set(values) == set(SUM_DTYPES)
         if name == "call_s":
@@ -509,6 +621,11 @@ def test_calibrate_command_writes_a_loadable_profile(tmp_path, capsys):
         assert host[f"{side}_message_s"]["value"] == max(0.0, fit["intercept_s"]) / 2
         assert host[f"{side}_byte_s"]["value"] == max(0.0, fit["slope_s_per_byte"]) / 2
     assert host["send_message_s"]["value"] + host["send_byte_s"]["value"] > 0
+    # the same exchanges by size: each one's CPU time (recorded; at most its time) and the rest of its time
+    cpu, wait = host["message_cpu_s"]["value"], host["message_wait_s"]["value"]
+    assert list(cpu) == list(wait) == [str(n) for n in fit["sizes"]]
+    for n, t, c in zip(fit["sizes"], fit["exchange_s"], fit["exchange_cpu_s"]):
+        assert cpu[str(n)] == min(c, t) and wait[str(n)] == pytest.approx(t - min(c, t), rel=1e-12, abs=1e-15)
     # the switch's rates: the clipped line through the recorded per-message times
     sw = method["switch_fit"]
     assert all(t >= 0 for t in sw["message_s"]) and len(sw["packets"]) == len(sw["message_s"]) >= 2
@@ -813,12 +930,93 @@ def test_allgather_charges_its_result_as_a_fresh_buffer():
         assert more == pytest.approx([b + extra for b in base], rel=1e-9, abs=0)
 
 
+def _touches(ctx) -> list[float]:
+    f, out = ctx.fabric, []
+    f.host_work("fresh_later", 99)              # below fresh_min_bytes: not fresh, not held
+    f.host_work("fresh_touch", 50)
+    out.append(f.now())
+    f.host_work("fresh_later", 1000)
+    for n in (300, 900, 10):                    # 300 of the 1000 held, the other 700, then none left
+        f.host_work("fresh_touch", n)
+        out.append(f.now())
+    return out
+
+
+def test_a_fresh_buffer_touched_piecewise_is_charged_as_its_parts_are_written_by_hand():
+    host = HostModel(fresh_byte_s=1e-6, fresh_min_bytes=100)
+    for times in sc.launch(_touches, 2, network=sc.Network(host=host)):
+        assert times == pytest.approx([0.0, 300e-6, 1000e-6, 1000e-6], rel=1e-12, abs=0)
+    with pytest.raises(InvalidValueError, match="count must be >= 0"):
+        sc.launch(lambda ctx: ctx.fabric.host_work("fresh_later", -1), 1, network=sc.Network(host=host))
+
+
+def _switch_result(ctx) -> tuple[float, float]:
+    """A 2-worker switch call of 64 KiB float32 that does not sum in place (a fresh result): its modelled time
+    and the bytes the worker sent."""
+    x = torch.full((1 << 14,), float(ctx.rank + 1))
+    t = sc.transports.get("switch", ctx.fabric)
+    y = t.allreduce(x)
+    assert torch.equal(y, torch.full_like(x, 3.0))
+    return t.last_stats.modelled_time_s, ctx.fabric.stats.bytes_sent
+
+
+def test_the_switch_charges_its_fresh_result_as_its_chunks_are_decoded_not_at_once():
+    """The whole result's pages are charged, once (the same total as a charge at its allocation), but after the
+    results arrive: the call lengthens by less than the whole charge where the link hides part of it."""
+    F = 1e-6                                    # 64 KiB: 65.5 ms of fresh pages at 1 us a byte
+    net = functools.partial(sc.Network, bandwidth_gbps=0.01, latency_us=5.0)     # a slow link: 52 ms each way
+    base = max(t for t, _ in sc.launch(_switch_result, 2, network=net(host=HostModel(**PER_MSG))))
+    timed = max(t for t, _ in sc.launch(_switch_result, 2, network=net(host=HostModel(**PER_MSG, fresh_byte_s=F))))
+    whole = (1 << 16) * F
+    assert 0 < timed - base < 0.8 * whole      # (about 0.6: the first chunks' pages while later results travel)
+    # without the link to hide it, the whole charge (the last chunk's, at least, is after the last result)
+    net = functools.partial(sc.Network, bandwidth_gbps=1e4, latency_us=0.0)
+    base = max(t for t, _ in sc.launch(_switch_result, 2, network=net(host=HostModel(**PER_MSG))))
+    timed = max(t for t, _ in sc.launch(_switch_result, 2, network=net(host=HostModel(**PER_MSG, fresh_byte_s=F))))
+    assert timed - base == pytest.approx(whole, rel=1e-3)
+
+
 def test_omnireduce_charges_no_fresh_buffer():
     """OmniReduce keeps its result buffers from call to call (blocks.ResultCache): no fresh charge."""
     net = functools.partial(sc.Network, bandwidth_gbps=10.0, latency_us=5.0)
     base = sc.launch(_omni_sparse, 2, network=net(host=FULL))
     fresh = sc.launch(_omni_sparse, 2, network=net(host=dataclasses.replace(FULL, fresh_byte_s=1e-6)))
     assert [t.hex() for t in fresh] == [t.hex() for t in base]
+
+
+CLEAR_ELEMS = 1 << 18       # > 2^16: a cached result (blocks.ResultCache); 1024 blocks of 256
+
+
+def _omni_after(ctx, first: float) -> tuple[float, int]:
+    """A call at density ``first`` then one at 5% on the same OmniReduce transport: the second's modelled time and
+    how many blocks its cached result clears (written by the first and not by it)."""
+    torch.manual_seed(ctx.rank)
+    b = torch.arange(CLEAR_ELEMS // 256).repeat_interleave(256)
+    t = sc.transports.get("omnireduce", ctx.fabric)
+    t.allreduce(torch.where(b % round(1 / first) == 0, 1.0, 0.0))
+    held = ((b % 20 == 0) if ctx.rank == 0 else (b % 20 == 1)).float()
+    t.allreduce(held)
+    union = {i for i in range(CLEAR_ELEMS // 256) if i % 20 in (0, 1)}
+    return t.last_stats.modelled_time_s, len(set(range(0, CLEAR_ELEMS // 256, round(1 / first))) - union)
+
+
+def test_omnireduce_charges_the_blocks_its_cached_result_clears_by_hand():
+    """A cached result zeroes, after the call, the blocks the call before wrote and this one did not (by index: the
+    rows' ``"index"`` and their bytes' ``"move"``); a call after one of the same blocks clears none."""
+    S, B = 1e-4, 1e-8
+    net = functools.partial(sc.Network, bandwidth_gbps=10.0, latency_us=5.0)
+    for rates in (dict(index_block_s=S), dict(move_byte_s=B)):
+        base_dense = sc.launch(functools.partial(_omni_after, first=1.0), 2, network=net(host=HostModel(**PER_MSG)))
+        dense = sc.launch(functools.partial(_omni_after, first=1.0), 2, network=net(host=HostModel(**PER_MSG, **rates)))
+        base_same = sc.launch(functools.partial(_omni_after, first=0.05), 2, network=net(host=HostModel(**PER_MSG)))
+        same = sc.launch(functools.partial(_omni_after, first=0.05), 2, network=net(host=HostModel(**PER_MSG, **rates)))
+        cleared = dense[0][1]
+        assert cleared == 1024 - 104 and same[0][1] == 0       # (the union: 52 blocks i % 20 == 0, 52 == 1)
+        # the sparse call's own charges are the same after either call; after the dense one, the clearing too
+        per_block = S if "index_block_s" in rates else B * 256 * 4
+        extra = (max(t for t, _ in dense) - max(t for t, _ in base_dense)) - (
+            max(t for t, _ in same) - max(t for t, _ in base_same))
+        assert extra == pytest.approx(cleared * per_block, rel=1e-6)
 
 
 def test_a_profile_without_the_fresh_rates_loads_with_them_0_and_one_with_them_round_trips(tmp_path):

@@ -7,6 +7,15 @@ modelled clocks (``host=None``, the default: no host cost, every modelled time a
   (:meth:`.sim_network.Endpoint.transmit`);
 - per message taken by the application, ``recv_message_s + nbytes * recv_byte_s`` on the receiver's clock
   after the message's delivery (:meth:`.sim_network.Endpoint.taken`);
+- or, with a table by message size (``message_cpu_s``, ``message_wait_s``: size in bytes -> seconds, the same
+  sizes; interpolated linearly in bytes between them, the smallest's value below them, the last two's line beyond
+  the largest), which replaces the four rates above: half of ``message_cpu_s`` per message sent, on the sender's
+  clock before its NIC starts, and half per message taken, on the receiver's clock (the CPU time a process spends
+  on an exchange, one message sent and one received: its threads' system calls, copies and bookkeeping), and
+  ``message_wait_s`` between a message's delivery and the moment its receiver may take it, without its CPU (the
+  rest of an exchange's time: the receiver's wake-up, the threads' hand-offs): a receiver waiting for the message
+  pays it; one busy past it does not, so that a stream of messages in flight overlaps their waits where a
+  ping-pong pays each;
 - the work a transport declares with :meth:`sparsecomm.fabric.base.Fabric.host_work` (:data:`HOST_OPS`):
   ``"sum"``, elements added into an accumulator (``sum_element_s`` of their dtype); ``"scan"``, elements
   scanned for non-zero blocks (``scan_element_s``); ``"scan_zero"``, the elements of the zero blocks among them
@@ -34,14 +43,21 @@ modelled clocks (``host=None``, the default: no host cost, every modelled time a
   byte for a buffer of at least ``fresh_min_bytes``, nothing below: the first touch of its pages, beyond the
   copy or fill that writes them; glibc's allocator maps a buffer above its mmap threshold afresh on every
   allocation and unmaps it when it is freed, while a smaller one's memory, up to its largest threshold of 32
-  MiB, is reused from the freed one before): the ring's and ``native``'s work copy, the switch's result, the
-  sparse switch's temporaries, the allgather's sum; not OmniReduce's result buffers, kept from call to call;
+  MiB, is reused from the freed one before): the ring's and ``native``'s work copy, the integer switch's codes
+  and sums, the sparse switch's temporaries, the allgather's sum; not OmniReduce's result buffers, kept from call
+  to call; ``"fresh_later"`` and ``"fresh_touch"``, a fresh buffer whose pages a transport touches piecewise as
+  its parts are written (the float switch's result, its chunks decoded into it as their results arrive, behind the
+  link): the first, bytes of such a buffer, charges nothing and holds them (a buffer of at least
+  ``fresh_min_bytes``; a smaller one is not fresh and is not held); the second, bytes of them written now, charges
+  ``fresh_byte_s`` per byte of those held and uses them up (a SimFabric endpoint keeps the count:
+  :meth:`.sim_network.Endpoint.host_work`);
   ``"span"``, blocks of the range a block-sparse worker covers (``span_block_s``: OmniReduce's per-block work
   beyond the scan's kernel, whatever the density -- its lanes' set-up and bookkeeping, the result's bitmap of
   written blocks --, charged as the worker scans each aggregator's range); ``"index"``, blocks moved by a block index
   (``index_block_s``: gathered into a message, added into the sums or written into the result at scattered
-  rows -- the rows of an indexed copy, later checked and cleared row by row --, beyond their bytes and sums;
-  a contiguous run of blocks is one copy and is not charged); ``"move"``, bytes of blocks copied between a
+  rows -- the rows of an indexed copy, later checked row by row --, beyond their bytes and sums; and the
+  blocks OmniReduce's cached result zeroes after a call, those the call before it wrote and it did not, with their
+  bytes as ``"move"``; a contiguous run of blocks is one copy and is not charged); ``"move"``, bytes of blocks copied between a
   block-sparse endpoint's tensors and its messages (``move_byte_s``: OmniReduce's blocks gathered into a message
   and its sums written into the result, a run of blocks or blocks by index, on top of ``"index"``'s per-block
   part; a large tensor's blocks, beyond the last-level cache); ``"check"``, elements a finiteness guard reads
@@ -65,7 +81,8 @@ modelled clocks (``host=None``, the default: no host cost, every modelled time a
   QR, a top-k's set-up). Every rate 0 (the default, and a profile without them): no charge, the modelled times
   as without them.
 
-A model that charges a fixed CPU time per message (``send_message_s + recv_message_s > 0``) is a host
+A model that charges a fixed CPU time per message (``send_message_s + recv_message_s > 0``, or a table by
+message size) is a host
 whose messages want to be long, as a real fabric's are: the SimFabric then declares the real fabric's
 ``message_bytes`` (:attr:`.sim.SimFabric.message_bytes`), so the transports take a real fabric's defaults
 (the switches' packets travel as bursts of up to 1 MiB, one message per burst, as long as its packets, with no
@@ -88,6 +105,7 @@ measures this machine's (``python -m sparsecomm.netbed calibrate --out host.json
 from __future__ import annotations
 
 import dataclasses
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping
@@ -97,8 +115,8 @@ import torch
 from ...errors import InvalidTypeError, InvalidValueError
 from ...validate import check_int, check_real
 
-__all__ = ["CODEC_RATES", "FALLBACK_RATES", "HOST_OPS", "HostModel", "OPTIONAL_RATES", "SIZES", "SUM_DTYPES",
-           "RATE_UNITS"]
+__all__ = ["CODEC_RATES", "FALLBACK_RATES", "HOST_OPS", "HostModel", "MESSAGE_TABLES", "OPTIONAL_RATES", "SIZES",
+           "SUM_DTYPES", "RATE_UNITS"]
 
 #: the operations of :meth:`sparsecomm.fabric.base.Fabric.host_work` and the unit they count
 HOST_OPS = {"sum": "element", "scan": "element", "switch_packet": "packet", "switch_message": "message",
@@ -107,7 +125,7 @@ HOST_OPS = {"sum": "element", "scan": "element", "switch_packet": "packet", "swi
             "elementwise": "element", "select": "element", "sample": "element", "matmul": "multiply-add",
             "matmul_t": "multiply-add", "kernel": "call", "sparse_switch_packet": "packet",
             "sparse_switch_value": "packet", "sparse_switch_result": "packet", "sparse_switch_message": "message",
-            "sparse_switch_round": "packet"}
+            "sparse_switch_round": "packet", "fresh_later": "byte", "fresh_touch": "byte"}
 
 #: the operations of a method's encode and decode (:meth:`sparsecomm.methods.base.Method.work`) and their rates
 CODEC_RATES = {"elementwise": "elementwise_element_s", "select": "select_element_s", "sample": "sample_element_s",
@@ -147,7 +165,12 @@ RATE_UNITS = {
     "sparse_switch_result_s": "s/packet",
     "sparse_switch_message_s": "s/message",
     "sparse_switch_round_s": "s/packet",
+    "message_cpu_s": "s/message",
+    "message_wait_s": "s/message",
 }
+
+#: the rates that are tables by message size (bytes -> seconds), both or neither given, with the same sizes
+MESSAGE_TABLES = ("message_cpu_s", "message_wait_s")
 
 #: the rates that may be ``None`` (absent from a profile): each charges, when ``None``, the rate it names here
 #: (``None``: nothing), the charge its operation had before the rate existed
@@ -158,7 +181,7 @@ FALLBACK_RATES = {"sparse_switch_packet_s": "switch_packet_s", "sparse_switch_va
 #: the rates a version-2 profile may lack (added within version 2; absent: 0, or for those of :data:`FALLBACK_RATES`
 #: ``None``: the time the profile modelled)
 OPTIONAL_RATES = ("span_block_s", "index_block_s", *CODEC_RATES.values(), "fresh_byte_s", "fresh_min_bytes",
-                  "move_byte_s", "check_element_s", "scan_zero_element_s", *FALLBACK_RATES)
+                  "move_byte_s", "check_element_s", "scan_zero_element_s", *FALLBACK_RATES, *MESSAGE_TABLES)
 
 #: the entries of :data:`RATE_UNITS` that are sizes in bytes (integers), not rates
 SIZES = ("fresh_min_bytes",)
@@ -210,6 +233,11 @@ class HostModel:
         sparse_switch_message_s: seconds per message the sparse switch's program takes (``None``:
             ``switch_message_s``).
         sparse_switch_round_s: seconds per result a sparse switch's worker takes (``None``: 0).
+        message_cpu_s: message size (bytes) -> the CPU seconds one endpoint spends on an exchange of messages of
+            that size (one sent, one received), or empty (the default): the four message rates above instead
+            (module docstring).
+        message_wait_s: message size (bytes) -> the seconds of such an exchange beyond its CPU time, the wait
+            between a message's delivery and its take; the sizes of ``message_cpu_s`` (both empty, or neither).
         call_s: transport name (``"ring"``, ``"omnireduce"``, ...) -> seconds per call of it, on every
             worker (default: none; a transport not in it is charged nothing).
         cpu_share: the CPU stretch of every endpoint (>= 1): endpoints sharing cores, e.g. 2 for 4 hosts on
@@ -245,8 +273,14 @@ class HostModel:
     sparse_switch_result_s: float | None = None
     sparse_switch_message_s: float | None = None
     sparse_switch_round_s: float | None = None
+    message_cpu_s: Mapping[int, float] = field(default_factory=dict)
+    message_wait_s: Mapping[int, float] = field(default_factory=dict)
     cpu_share: float = 1.0
     cpu_share_by_endpoint: Mapping[int, float] = field(default_factory=dict)
+    # (not fields: the message tables as interpolation points, (sizes, CPU, waits), and the charges looked up per
+    # size, set by __post_init__)
+    _points = ((), (), ())
+    _looked_up = None
 
     def __post_init__(self) -> None:
         who = "HostModel"
@@ -256,7 +290,7 @@ class HostModel:
                 continue
             if name in SIZES:
                 put(self, name, check_int(name, getattr(self, name), low=0, what=who))
-            elif name not in ("sum_element_s", "call_s"):
+            elif name not in ("sum_element_s", "call_s", *MESSAGE_TABLES):
                 put(self, name, check_real(name, getattr(self, name), low=0.0, what=who))
         if not isinstance(self.sum_element_s, Mapping):
             raise InvalidTypeError(f"{who}: sum_element_s must map dtype names to seconds per element, got "
@@ -278,6 +312,22 @@ class HostModel:
                 raise InvalidTypeError(f"{who}: call_s has key {k!r}; its keys are transport names (e.g. 'ring')")
             calls[k] = check_real(f"call_s[{k!r}]", v, low=0.0, what=who)
         put(self, "call_s", MappingProxyType(calls))
+        tables = {}
+        for name in MESSAGE_TABLES:
+            table = getattr(self, name)
+            if not isinstance(table, Mapping):
+                raise InvalidTypeError(f"{who}: {name} must map message sizes (bytes) to seconds, got "
+                                       f"{type(table).__name__}")
+            tables[name] = {check_int(f"a message size of {name}", n, low=1, what=who):
+                            check_real(f"{name}[{n}]", v, low=0.0, what=who) for n, v in table.items()}
+            put(self, name, MappingProxyType(dict(sorted(tables[name].items()))))
+        if set(tables["message_cpu_s"]) != set(tables["message_wait_s"]):
+            raise InvalidValueError(f"{who}: message_cpu_s and message_wait_s must give the same message sizes, got "
+                                    f"{sorted(tables['message_cpu_s'])} and {sorted(tables['message_wait_s'])}")
+        # (the tables as interpolation points, and per size the charges already looked up: send_s, wait_s)
+        put(self, "_points", (tuple(self.message_cpu_s), tuple(self.message_cpu_s.values()),
+                              tuple(self.message_wait_s.values())))
+        put(self, "_looked_up", {})
         put(self, "cpu_share", check_real("cpu_share", self.cpu_share, low=1.0, what=who))
         put(self, "cpu_share_by_endpoint", MappingProxyType(
             {check_int("an endpoint of cpu_share_by_endpoint", e, low=0, what=who):
@@ -305,19 +355,45 @@ class HostModel:
         """The CPU stretch of ``endpoint`` (its ``cpu_share_by_endpoint`` entry, else ``cpu_share``)."""
         return self.cpu_share_by_endpoint.get(endpoint, self.cpu_share)
 
+    def _table(self, nbytes: int) -> tuple[float, float]:
+        """``(half of message_cpu_s, message_wait_s)`` at ``nbytes``, interpolated (module docstring)."""
+        got = self._looked_up.get(nbytes)
+        if got is None:
+            sizes, cpu, wait = self._points
+            got = (_interpolate(sizes, cpu, nbytes) / 2, _interpolate(sizes, wait, nbytes))
+            if len(self._looked_up) < 4096:         # (a run's messages have a few sizes)
+                self._looked_up[nbytes] = got
+        return got
+
+    @property
+    def tabled(self) -> bool:
+        """Whether the message costs are a table by size (``message_cpu_s``, ``message_wait_s``)."""
+        return bool(self._points[0])
+
     def send_s(self, nbytes: int) -> float:
         """Unstretched CPU seconds of sending one message of ``nbytes``."""
+        if self._points[0]:
+            return self._table(nbytes)[0]
         return self.send_message_s + nbytes * self.send_byte_s
 
     def recv_s(self, nbytes: int) -> float:
         """Unstretched CPU seconds of taking one message of ``nbytes``."""
+        if self._points[0]:
+            return self._table(nbytes)[0]
         return self.recv_message_s + nbytes * self.recv_byte_s
+
+    def wait_s(self, nbytes: int) -> float:
+        """Seconds between the delivery of a message of ``nbytes`` and the moment its receiver may take it, not
+        its CPU (``message_wait_s``; none without the table); not stretched by the CPU factor."""
+        if self._points[0]:
+            return self._table(nbytes)[1]
+        return 0.0
 
     @property
     def per_message(self) -> bool:
-        """Whether a message costs a fixed CPU time (``send_message_s + recv_message_s > 0``; module
-        docstring: the SimFabric then declares a real fabric's ``message_bytes``)."""
-        return self.send_message_s + self.recv_message_s > 0
+        """Whether a message costs a fixed CPU time (``send_message_s + recv_message_s > 0``, or a table by
+        message size; module docstring: the SimFabric then declares a real fabric's ``message_bytes``)."""
+        return self.send_message_s + self.recv_message_s > 0 or bool(self._points[0])
 
     def work_s(self, op: str, count: int, dtype: torch.dtype | str | None = None, *,
                transport: str | None = None) -> float:
@@ -348,6 +424,10 @@ class HostModel:
             rate = self.copy_byte_s
         elif op == "fresh":
             rate = self.fresh_byte_s if count >= self.fresh_min_bytes else 0.0
+        elif op == "fresh_later":           # (charged as touched: "fresh_touch", the endpoint's count)
+            rate = 0.0
+        elif op == "fresh_touch":           # (the bytes of a held fresh buffer: the endpoint caps the count)
+            rate = self.fresh_byte_s
         elif op == "span":
             rate = self.span_block_s
         elif op == "index":
@@ -371,6 +451,19 @@ class HostModel:
         if count < 0:
             raise InvalidValueError(f"host_work({op!r}): count must be >= 0, got {count}")
         return count * rate
+
+
+def _interpolate(sizes: tuple, values: tuple, nbytes: int) -> float:
+    """``values`` at ``nbytes``: linear between the two ``sizes`` around it, the first value below the first size,
+    the line of the last two beyond the last (at least the last value); one size: its value."""
+    if nbytes <= sizes[0] or len(sizes) == 1:
+        return values[0]
+    i = bisect_left(sizes, nbytes)
+    if i == len(sizes):
+        i -= 1
+    x0, x1, y0, y1 = sizes[i - 1], sizes[i], values[i - 1], values[i]
+    y = y0 + (y1 - y0) * (nbytes - x0) / (x1 - x0)
+    return y if nbytes <= x1 else max(y, y1)
 
 
 def _rebuild(fields: dict) -> HostModel:

@@ -27,7 +27,7 @@ The network model (alpha-beta with NIC serialisation), per endpoint:
   that it slows what transports do, not only ``compute()``;
 - the hosts' CPU time (``Network.host``, a :class:`~.sim_host.HostModel`; ``None``, the default: none): per
   message sent, on the sender's clock before its NIC starts; per message taken, on the receiver's clock
-  after its delivery; and the work transports declare (``Fabric.host_work``: sums, block scans, switch
+  after its delivery (with a table by message size, after a wait that holds no CPU); and the work transports declare (``Fabric.host_work``: sums, block scans, switch
   packets and messages, each call's own cost), each stretched by the endpoint's CPU share and straggler factor (:mod:`.sim_host`).
 
 Service endpoints (dedicated aggregators, a switch) have their own link; ``per_port=True`` gives a
@@ -208,6 +208,8 @@ class Endpoint:
         self.crash_after: int | None = network.crash.get(eid)
         self.loss_rng: dict[int, np.random.Generator] = {}
         self.stats = CommStats()
+        #: bytes of fresh buffers whose pages are charged as they are touched (:meth:`host_work`)
+        self.untouched = 0
 
     def transmit(self, peer: int, nbytes: int) -> tuple[float, float]:
         """Occupy the NIC (its port towards ``peer``) with ``nbytes`` from ``start = max(clock,
@@ -302,7 +304,8 @@ class Endpoint:
     def taken(self, msg: Msg) -> None:
         """``msg`` was delivered: fix its slot (and those of the messages before it on the NIC, still queued:
         a later arrival is placed after it). With a host model the clock moves to the delivery and on by the
-        receive's CPU time (:mod:`.sim_host`)."""
+        receive's CPU time (:mod:`.sim_host`; with its table by message size, to the delivery and the message's
+        wait, if later)."""
         msg.taken = True
         if msg.stamp < FIXED:        # (in the schedule still)
             if msg.stamp < self.epoch:      # (delivery's own test: its times may be a lower bound)
@@ -322,11 +325,29 @@ class Endpoint:
             rx[2] -= i + 1
             del tail[:i + 1]
             del keys[:i + 1]
-        if self.host is not None:
-            self.clock = max(self.clock, msg.delivered) + self.host.recv_s(msg.nbytes) * self.cpu
+        host = self.host
+        if host is not None:
+            if host.tabled:         # (a wait between delivery and take: sim_host's table by size)
+                nbytes = msg.nbytes
+                self.clock = max(self.clock, msg.delivered + host.wait_s(nbytes)) + host.recv_s(nbytes) * self.cpu
+            else:
+                self.clock = max(self.clock, msg.delivered) + host.recv_s(msg.nbytes) * self.cpu
 
     def host_work(self, op: str, count: int, dtype=None, transport: str | None = None) -> None:
         """Charge ``count`` units of ``op`` to the clock (:meth:`.sim_host.HostModel.work_s`, stretched); no
-        host model: nothing."""
-        if self.host is not None:
-            self.clock += self.host.work_s(op, count, dtype, transport=transport) * self.cpu
+        host model: nothing. ``"fresh_later"`` holds the bytes of a fresh buffer (one of at least the model's
+        ``fresh_min_bytes``) in :attr:`untouched`, ``"fresh_touch"`` charges the bytes written of those held and
+        uses them up (:mod:`.sim_host`)."""
+        host = self.host
+        if host is None:
+            return
+        if op == "fresh_later":
+            host.work_s(op, count)          # (its checks)
+            if count >= host.fresh_min_bytes:
+                self.untouched += count
+            return
+        if op == "fresh_touch":
+            host.work_s(op, count)
+            count = min(count, self.untouched)
+            self.untouched -= count
+        self.clock += host.work_s(op, count, dtype, transport=transport) * self.cpu

@@ -28,7 +28,10 @@ within version 2; a profile without them models them as 0, the times it modelled
 loads as it did; and the sparse switch's own rates, ``sparse_switch_packet_s``, ``sparse_switch_value_s``,
 ``sparse_switch_result_s`` and ``sparse_switch_message_s``, which a profile without them models as before they
 existed, with the dense switch's rates per packet and per message and nothing per value packet or result:
-:data:`~.sim_host.FALLBACK_RATES`); ``sum_element_s`` gives each of :data:`~.sim_host.SUM_DTYPES`, ``call_s`` a
+:data:`~.sim_host.FALLBACK_RATES`; and the message costs by size, ``message_cpu_s`` and ``message_wait_s``
+(:data:`~.sim_host.MESSAGE_TABLES`, both or neither, ``{"value": {"64": 6.1e-05, "4096": ..., ...}, "unit":
+"s/message"}``, the sizes in bytes as decimal strings), which a profile without them models with the four linear
+message rates, as before they existed); ``sum_element_s`` gives each of :data:`~.sim_host.SUM_DTYPES`, ``call_s`` a
 rate per transport name (any names); ``fresh_min_bytes`` (:data:`~.sim_host.SIZES`) is a size, an integer of bytes
 (unit ``"byte"``), not a rate. ``date``, ``machine`` and
 ``method`` are recorded, not interpreted.
@@ -54,7 +57,7 @@ import math
 from pathlib import Path
 
 from ...errors import InvalidTypeError, InvalidValueError
-from .sim_host import OPTIONAL_RATES, RATE_UNITS, SIZES, SUM_DTYPES, HostModel
+from .sim_host import MESSAGE_TABLES, OPTIONAL_RATES, RATE_UNITS, SIZES, SUM_DTYPES, HostModel
 
 __all__ = ["FORMAT", "VERSION", "host_from_profile", "load_profile", "netbed_latency_s", "network_from_profile",
            "profile_dict"]
@@ -63,8 +66,8 @@ __all__ = ["FORMAT", "VERSION", "host_from_profile", "load_profile", "netbed_lat
 FORMAT = "sparsecomm-host-profile"
 #: the version this library writes and reads
 VERSION = 2
-#: the rates whose value is a mapping (dtype -> rate, transport -> rate)
-MAPPED = ("sum_element_s", "call_s")
+#: the rates whose value is a mapping (dtype -> rate, transport -> rate, message size -> seconds)
+MAPPED = ("sum_element_s", "call_s", *MESSAGE_TABLES)
 #: the top-level keys of a profile (the first three required)
 KEYS = ("format", "version", "host", "date", "machine", "method", "netbed")
 #: the keys of a profile's ``netbed``
@@ -79,8 +82,10 @@ def profile_dict(host: HostModel, *, date: str, machine: dict, method: dict, net
     rates = {}
     for name, unit in RATE_UNITS.items():
         value = getattr(host, name)
-        if value is None:           # (a rate of FALLBACK_RATES left to its fallback: absent)
+        if value is None or (name in MESSAGE_TABLES and not value):     # (left to its fallback: absent)
             continue
+        if name in MESSAGE_TABLES:      # (JSON's keys are strings: the sizes in decimal)
+            value = {str(n): v for n, v in value.items()}
         rates[name] = {"value": dict(value) if name in MAPPED else value, "unit": unit}
     out = {"format": FORMAT, "version": VERSION, "date": date, "machine": dict(machine), "method": dict(method),
            "host": rates}
@@ -190,6 +195,16 @@ def host_from_profile(profile: dict, source: str = "host profile") -> HostModel:
             if not isinstance(calls, dict):
                 raise InvalidTypeError(f"{where}.value maps transport names to rates, got {type(calls).__name__}")
             kw[name] = {t: _rate(f"{where}.value[{t!r}]", v) for t, v in calls.items()}
+        elif name in MESSAGE_TABLES:
+            table = entry["value"]
+            if not isinstance(table, dict) or not table:
+                raise InvalidTypeError(f"{where}.value maps message sizes (bytes, decimal strings) to seconds, got "
+                                       f"{table!r}")
+            kw[name] = {}
+            for n, v in table.items():
+                if not (isinstance(n, str) and n.isdigit() and int(n) > 0):
+                    raise InvalidValueError(f"{where}.value has key {n!r}; its keys are message sizes in bytes")
+                kw[name][int(n)] = _rate(f"{where}.value[{n!r}]", v)
         elif name in SIZES:
             kw[name] = _size(f"{where}.value", entry["value"])
         else:

@@ -296,7 +296,10 @@ class OmniReduce(Transport):
                 self._results.discard(self._pending[0])
             raise
         if self._pending is not None:       # a cached result: zero its stale blocks
-            ResultCache.done(*self._pending)
+            cleared = ResultCache.done(*self._pending)
+            if cleared:     # (zeroed by index: their rows and bytes, the host model's "index" and "move", sim_host)
+                self.fabric.host_work("index", cleared)
+                self.fabric.host_work("move", cleared * spec.block_size * self._pending[1].out.element_size())
             self._pending = None
         if fast:
             sched.folded += 1

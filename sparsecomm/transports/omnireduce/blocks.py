@@ -319,10 +319,12 @@ class ResultCache:
             self._entries.remove(entry)
 
     @staticmethod
-    def done(entry: _Entry | None, sink: BlockSink) -> None:
-        """After the call: zero the blocks that were non-zero last time and were not written now."""
+    def done(entry: _Entry | None, sink: BlockSink) -> int:
+        """After the call: zero the blocks that were non-zero last time and were not written now; how many."""
         if entry is None:
-            return
+            return 0
         now = sink.written_ids()
-        sink.zero(np.setdiff1d(entry.prev, now, assume_unique=True))
+        stale = np.setdiff1d(entry.prev, now, assume_unique=True)
+        sink.zero(stale)
         entry.prev = now
+        return int(stale.size)

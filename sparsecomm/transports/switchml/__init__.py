@@ -293,13 +293,13 @@ class SwitchTransport(Transport):
             job_seed = int(np.random.SeedSequence([self.seed, self.fabric.rank, self.slots.job]).generate_state(1)[0])
         # in place: each chunk is encoded (read) before its result arrives (written), so x can take the sum
         out = x if inplace and x.data_ptr() == flat.data_ptr() else torch.empty(N, dtype=x.dtype)
-        if out is not x:
-            self.fabric.host_work("fresh", out.nbytes)      # (a result allocated per call: sim_host)
+        if out is not x:      # (a result allocated per call, its pages touched as its chunks are decoded: sim_host)
+            self.fabric.host_work("fresh_later", out.nbytes)
         sums = self._sums_buffer(M * E) if self.keep_fixed else None
         self.last_fixed = None
         lanes, rows = self._float_lanes(M)
         job = FloatJob(x, out, sums, e_loc, E, lanes, n, job_seed)
-        self._stream(job, lanes, rows)
+        self._stream(job, lanes, rows, touch=out is not x and self.fabric.modelled_time)
         if sums is not None:
             eg_t = torch.from_numpy(job.exponents.astype(np.int32))
             scales = codec.scale_from_exponents(eg_t, n)
@@ -383,12 +383,22 @@ class SwitchTransport(Transport):
                                "settings)")
 
     # ================================================================== streaming
-    def _stream(self, job: FloatJob | IntJob, lanes: int | None = None, rows: int | None = None) -> None:
+    def _stream(self, job: FloatJob | IntJob, lanes: int | None = None, rows: int | None = None,
+                touch: bool = False) -> None:
         """Stream a job's packets through the pool (:meth:`.lanes.Lanes.run`) on ``lanes`` lanes (default
         ``min(pool_size, chunks)``), ``rows`` packets per message at most (default ``burst``); the job's
-        encoder fills them and its decoder takes the results (:mod:`.jobs`)."""
+        encoder fills them and its decoder takes the results (:mod:`.jobs`); ``touch``: each result's chunk
+        declared as written into a fresh result (``host_work("fresh_touch")``)."""
         lanes = min(self.pool_size, job.M) if lanes is None else lanes
         lane_slots = self.slots.lane_slots(lanes, self.pool_size)
-        self.lanes.run(lane_slots, job.packets, 0, job.payload, job.consume, "data", rows=rows, short_below=job.pre)
+        consume = job.consume
+        if touch:
+            f, chunk = self.fabric, job.E * job.onp.itemsize
+
+            def consume(pkts: np.ndarray, rows: np.ndarray) -> None:
+                job.consume(pkts, rows)
+                f.host_work("fresh_touch", int(np.count_nonzero(pkts >= job.pre)) * chunk)
+
+        self.lanes.run(lane_slots, job.packets, 0, job.payload, consume, "data", rows=rows, short_below=job.pre)
         self.slots.rotate(job.packets, self.pool_size)
 

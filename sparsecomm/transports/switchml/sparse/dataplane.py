@@ -473,7 +473,7 @@ class Dataplane:
             fabric.host_work("sparse_switch_message", 1)
             fabric.host_work("sparse_switch_packet", len(rows))
             fabric.host_work("sparse_switch_value", sum(r.size > HEADER for r in rows))
-            sends, results = self.replies(rows, src, K, single, sim)
+            sends, results = self.replies(rows, src, K, single, sim and fabric.message_bytes is None)
             fabric.host_work("sparse_switch_result", results)
             if sends:
                 yield Datagrams(sends, TAG_DOWN, tracked=not sim)
@@ -497,7 +497,9 @@ class Dataplane:
         out-of-step packet, then the results to every worker, then the retransmissions to ``src``; and the
         result rows the program produced (multicast and retransmitted: what the host model charges
         ``sparse_switch_result_s`` for). ``K``: rows per reply message; ``single``: one row per message;
-        ``sim``: a burst's last message padded to ``K`` rows (:func:`_messages`)."""
+        ``sim``: a burst's last message padded to ``K`` rows (:func:`_messages`: a SimFabric whose receive takes
+        no shorter message, ``message_bytes`` None; a real fabric's, and a SimFabric's with real hosts', is as
+        long as its rows)."""
         k, world = self.config.elems, self.world
         width = HEADER + k
         mcast: list = []

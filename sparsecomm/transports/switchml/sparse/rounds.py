@@ -92,6 +92,7 @@ class Rounds:
         """
         fab, st, sw, K = self.fabric, self.state, self.switch, self.burst
         k, sim, timer = self.elems, self.sim, self.timer
+        pad = sim and fab.message_bytes is None        # (flush: a message padded to K rows)
         S = len(slots)
         lanes = np.arange(S) if lanes is None else lanes
         index = {int(s): i for i, s in enumerate(slots)}
@@ -126,9 +127,9 @@ class Rounds:
                     yield Datagram(torch.from_numpy(row), sw, TAG_SKIP if row.size == HEADER else TAG_UP, hold=_UP)
                     yield Flush(_UP)
                     continue
-                # a real fabric's message is as long as its packets (a receive of K rows takes it); the
-                # SimFabric's has its receive's shape
-                msg = np.zeros((K if sim else len(part), HEADER + k), dtype=np.int32)
+                # a message is as long as its packets (a receive of K rows takes it into a prefix), but on a
+                # SimFabric without real hosts' messages (``message_bytes`` None), which has its receive's shape
+                msg = np.zeros((K if pad else len(part), HEADER + k), dtype=np.int32)
                 for r, row in enumerate(part):
                     msg[r, :row.size] = row
                 m = torch.from_numpy(msg)
