@@ -35,6 +35,7 @@ compute clock) must not be called while jobs are in flight.
 from __future__ import annotations
 
 import atexit
+import functools
 import threading
 import time
 import weakref
@@ -132,6 +133,11 @@ def _unwrap_outcome(fut: "torch.futures.Future[Any]") -> Any:
     return value
 
 
+def _settled(fut: "torch.futures.Future[Any]") -> None:
+    """Nothing, once ``fut`` has completed, with a value or an error (:meth:`CommEngine.chain`'s order)."""
+    return None
+
+
 class CommEngine:
     """One fabric's communication thread: runs submitted calls one at a time in submission order.
 
@@ -152,7 +158,10 @@ class CommEngine:
 
     def __init__(self, name: str = "") -> None:
         _live_engines.add(self)
-        self._cond = threading.Condition()
+        # the condition's lock, entered directly where nothing waits on the condition (:meth:`chain`: a C
+        # call where the condition's ``with`` is two Python ones)
+        self._mutex = threading.RLock()
+        self._cond = threading.Condition(self._mutex)
         # (job, work, posted: its first messages are out, issues: it sends messages when it runs)
         self._queue: deque[tuple[Callable[[], Any], CommWork, bool, bool]] = deque()
         self._busy = False
@@ -164,7 +173,7 @@ class CommEngine:
         self._resolving = False     # a posted call is being resolved (it runs handshakes): no posts
         self._closing = False       # close(): the thread leaves once nothing is queued
         self._chained = 0           # chained calls (:meth:`chain`) whose completion has not returned
-        self._tail: Any = None      # the last chained call's completion (a torch future), or None
+        self._tail: Any = None      # the last chained call's future (the caller's), or None
         self._watchers = 0          # threads in drain() or settle()
         # guards _chained where a chained completion returns (not _cond: a post may hold that one while
         # its collective is enqueued, and the completion must not wait for it)
@@ -220,6 +229,12 @@ class CommEngine:
         thread; then ``done(value, error)`` (the caller's bookkeeping), then the returned future
         completes with ``complete``'s value, or fails with its error.
 
+        The returned future is the one ``then`` chains on the collective's (a single callback: the
+        completion's outcome is the future's, with no second callback to unwrap it). While the previous
+        chained call's future is still pending, this call's completion also waits for it, through a
+        future that completes when it does, failed or not (``collect_all`` of a failed future ends at
+        once, and a completion must never block a collective's thread on another collective).
+
         Done only when nothing is queued or running on the communication thread and nothing blocks
         :meth:`post` (no call sends messages when it runs, none is being resolved, none failed): the
         chained calls are then a prefix of the fabric's calls, and a call queued later (submitted or
@@ -227,7 +242,7 @@ class CommEngine:
         (:meth:`_loop`). Errors are recorded as for a queued call: a chained completion that raises
         fails every later call, unless its error is a :class:`~sparsecomm.errors.NonFiniteError`.
         Returns None when not done; the caller then posts or submits the call."""
-        with self._cond:
+        with self._mutex:
             if (self._failed is not None or self._issuing or self._resolving or self._queue
                     or self._busy):
                 return None
@@ -238,15 +253,19 @@ class CommEngine:
             prev = self._tail
             with self._chain_lock:
                 self._chained += 1
-            dep = gfut if prev is None or prev.done() else torch.futures.collect_all([prev, gfut])
-            tail = self._tail = dep.then(lambda _: self._run_chained(complete, posted, done, prev))
-        return tail.then(_unwrap_outcome)
+            if prev is None or prev.done():
+                gate, dep = None, gfut
+            else:
+                gate = prev.then(_settled)
+                dep = torch.futures.collect_all([gate, gfut])
+            tail = self._tail = dep.then(functools.partial(self._run_chained, complete, posted, done, gate))
+        return tail
 
-    def _run_chained(self, complete, posted, done, prev) -> tuple[Any, BaseException | None]:
-        """A chained completion (:meth:`chain`): never raises (its outcome is the value), so that the
-        next one's ``collect_all`` waits for it."""
-        if prev is not None and not prev.done():
-            prev.wait()         # (the collective failed first: collect_all ended early)
+    def _run_chained(self, complete, posted, done, gate, _dep) -> Any:
+        """A chained completion (:meth:`chain`): ``complete``'s value, or its error raised (which fails
+        the caller's future), once ``done`` has run and the engine has recorded the outcome."""
+        if gate is not None and not gate.done():
+            gate.wait()         # (the collective failed first: collect_all ended early)
         value, exc = None, None
         try:
             value = complete(posted)
@@ -267,7 +286,9 @@ class CommEngine:
             if not left and (self._queue or self._watchers):
                 with self._cond:
                     self._cond.notify_all()     # (a queued call, or a drain, waits for it)
-        return value, exc
+        if exc is not None:
+            raise exc
+        return value
 
     def resolving(self) -> int:
         """Called by a posted call's completion before it runs messages of its own (a handshake): no

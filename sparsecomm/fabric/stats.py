@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass, field
+
+#: an empty ``Counter`` (``Counter()`` without its ``__init__`` and ``update``, two Python calls that an empty
+#: one does not need: a ledger is made per call and per step)
+_empty_links = functools.partial(Counter.__new__, Counter)
 
 
 @dataclass
@@ -27,7 +32,7 @@ class CommStats:
     modelled_time_s: float = 0.0
     wall_time_s: float = 0.0
     estimated_bytes: int = 0
-    links: Counter = field(default_factory=Counter)
+    links: Counter = field(default_factory=_empty_links)
 
     def record_send(self, src: int, dst: int, nbytes: int) -> None:
         """Count one message of ``nbytes`` sent from endpoint ``src`` to endpoint ``dst``."""
@@ -63,7 +68,7 @@ class CommStats:
         """An independent copy (the ``links`` counter included)."""
         return CommStats(self.bytes_sent, self.bytes_received, self.messages, self.messages_received,
                          self.rounds, self.modelled_time_s, self.wall_time_s, self.estimated_bytes,
-                         Counter(self.links) if self.links else Counter())
+                         Counter(self.links) if self.links else _empty_links())
 
     def __sub__(self, other: "CommStats") -> "CommStats":
         if self.links or other.links:
@@ -71,7 +76,7 @@ class CommStats:
             links.subtract(other.links)
             links = Counter({k: v for k, v in links.items() if v})
         else:
-            links = Counter()
+            links = _empty_links()
         return CommStats(self.bytes_sent - other.bytes_sent, self.bytes_received - other.bytes_received,
                          self.messages - other.messages, self.messages_received - other.messages_received,
                          self.rounds - other.rounds, self.modelled_time_s - other.modelled_time_s,

@@ -36,6 +36,7 @@ agreement compares.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Hashable
 
 import torch
@@ -243,13 +244,14 @@ class CommPipeline:
         :meth:`start`."""
         if self.chooser is not None:
             return None
-        t, identity = self.transport, self.call_id(key)
+        t, identity = self.transport, CallId(key, self.step)       # (call_id(key), inlined)
         if not compress or self.plain:
             # where the transport checks the sum (not rule.checks_sums), the division's pass checks it for it
             checks = not self.rule.checks_sums
             call = self._plain_round.begin(flat, key, checked=checks)
-            return t.chain(flat, identity, lambda agg: self._finish(call, agg, None, t, None, identity, checks),
-                           done, checks=checks)
+            finish = (functools.partial(self._finish_checked, call, identity) if checks else
+                      lambda agg: self._finish(call, agg, None, t, None, identity))
+            return t.chain(flat, identity, finish, done, checks=checks)
         m = self.method
         if not (m.State is None and m.compressor.elementwise and not m.multi_round and not m.uses_shapes
                 and not self.rule.checks_sums):
@@ -259,7 +261,7 @@ class CommPipeline:
         call = self._bucket_rounds.begin(flat, key, max(0, self.step - 1 - self.skipped), False, None, checked=True)
         if _trace.recorder is not None:
             self._phase("encode", t0, identity)
-        finish = lambda agg: self._finish(call, agg, None, t, None, identity, True)      # noqa: E731
+        finish = functools.partial(self._finish_checked, call, identity)
         # a method that widens the narrow sum itself gets it as summed (one pass less), else it is widened
         # into flat (scratch)
         fut = t.chain(call.sent, identity, finish, done, scratch=True, out=None if m.decodes_narrow else flat,
@@ -301,6 +303,20 @@ class CommPipeline:
         if checked:
             return (out if then is None else then(out)), True
         return out if then is None else then(out)
+
+    def _finish_checked(self, call: Call, identity: CallId, agg: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """:meth:`_finish` of a call on the pipeline's own transport whose finish checks the sum (``checked``),
+        with nothing measured (:meth:`chain`'s rounds): ``(estimate, finite)``, the call and its one round
+        recorded (:meth:`Accounting.finished <sparsecomm.pipeline.accounting.Accounting.finished>`) unless the
+        sum is not finite (the transport raises)."""
+        t0 = self.fabric.now() if _trace.recorder is not None else 0.0
+        out, finite = call.finish(agg)
+        if not finite:
+            return out, False
+        if _trace.recorder is not None:
+            self._phase("decode", t0, identity)
+        self.accounting.finished(call.dense_bytes, call.last, self.transport.last_stats)
+        return out, True
 
     def _phase(self, name: str, t0: float, identity: CallId | None) -> None:
         """Record the pipeline's ``name`` (``"encode"``, ``"decode"``) from ``t0`` to now on the active timeline
@@ -355,7 +371,9 @@ class CommPipeline:
         if not self._open:
             return False
         self._open = False
-        if self.rule.skip and self.rule.flagged:
+        if not self.rule.skip:
+            return False        # (no journal was opened: begin_step opens one under "skip" only)
+        if self.rule.flagged:
             self.rule.flagged = False
             self.states.rollback()
             self.generators.rollback()

@@ -94,7 +94,8 @@ class StateStore:
         ``warmup_steps`` or PowerSGD's ``start_powerSGD_iter``, means the same steps under the optimizer,
         whose first step is a round of the method, and under the DDP hook, whose first is not)."""
         ms = self.by_key.get(key)
-        self._journal(key, ms)
+        if self._undo is not None:          # (journaling: a step under nonfinite="skip")
+            self._journal(key, ms)
         if ms is None:
             ms = self.by_key[key] = self.method.init(like.numel(), like.dtype, like.device)
             ms.rounds = steps_before
@@ -256,7 +257,8 @@ class Generators:
         """The generator of bucket-wide rounds on ``device``."""
         device = torch.device(device)
         g = self._bucket.get(device)
-        self._journal(device, g)
+        if self._undo is not None:          # (journaling: a step under nonfinite="skip")
+            self._journal(device, g)
         if g is None:
             g = self._bucket[device] = torch.Generator(device=device)
             g.manual_seed(self.seed if self.shared else self.seed + self.rank)

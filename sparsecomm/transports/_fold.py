@@ -115,22 +115,38 @@ class Schedule:
         if call is None:
             return ()
         bucket, step, rnd = call.words
-        return (("call", bucket, rnd, None if self._step is None else step - self._step),)
+        return self.key_of(bucket, step, rnd)
 
-    def _contexts(self) -> tuple[Hashable, ...]:
-        if self._last is None:
-            return ()
-        return (self._last, min(self._run, MAX_RUN)), (self._last, None)
+    def key_of(self, code: int, step: int, rnd: int) -> tuple:
+        """:meth:`call_key` of a call given by its words: ``code`` (its bucket's, ``CallId.words[0]``, which a
+        caller making the same bucket's calls every step computes once), ``step`` and ``rnd``."""
+        return (("call", code, rnd, None if self._step is None else step - self._step),)
 
     def predicted(self) -> Fold | None:
         """The predicted next call, or None."""
-        ctxs = self._contexts()
-        if not ctxs:
+        last = self._last
+        if last is None:
             return None
-        e = self._next.get(ctxs[0])
+        e = self._next.get((last, min(self._run, MAX_RUN)))
         if e is None:
-            e = self._next.get(ctxs[1])
+            e = self._next.get((last, None))
         return e[1] if e is not None and e[2] >= CONFIRMATIONS else None
+
+    def predicts(self, prefix: tuple, code: int, step: int, rnd: int) -> tuple[tuple, Fold] | None:
+        """``(key, fold)`` when the call whose key is ``prefix + key_of(code, step, rnd)`` is the predicted one
+        (:meth:`predicted`, whose key it is), else None: :meth:`predicted` and :meth:`key_of` in one call, for
+        a caller that then makes the call and records it (:meth:`record`)."""
+        last = self._last                  # (predicted(), inlined)
+        if last is None:
+            return None
+        e = self._next.get((last, min(self._run, MAX_RUN)))
+        if e is None:
+            e = self._next.get((last, None))
+        if e is None or e[2] < CONFIRMATIONS or e[1] is None:
+            return None
+        fold = e[1]
+        key = prefix + (("call", code, rnd, None if self._step is None else step - self._step),)
+        return (key, fold) if fold.key == key else None
 
     def record(self, key: Hashable, fold: Fold | None = None, step: int | None = None) -> None:
         """A call with ``key`` completed on every worker (``fold``: it is foldable); made on the thread
@@ -141,18 +157,20 @@ class Schedule:
             step = None if call is None else call.step
         if step is not None:
             self._step = int(step)
-        for ctx in self._contexts():
-            e = self._next.get(ctx)
-            if e is None:
-                self._next[ctx] = [key, fold, 1]
-            elif e[0] == key:
-                e[1], e[2] = fold, e[2] + 1     # the same call; its fold may carry a new size (a gather's)
-            else:
-                e[0], e[1], e[2] = key, fold, 1
-            self._next.move_to_end(ctx)
-        while len(self._next) > MAX_KEYS:
-            self._next.popitem(last=False)
-        self._run = self._run + 1 if key == self._last else 1
+        last, nxt = self._last, self._next
+        if last is not None:
+            for ctx in ((last, min(self._run, MAX_RUN)), (last, None)):
+                e = nxt.get(ctx)
+                if e is None:
+                    nxt[ctx] = [key, fold, 1]
+                elif e[0] == key:
+                    e[1], e[2] = fold, e[2] + 1     # the same call; its fold may carry a new size (a gather's)
+                else:
+                    e[0], e[1], e[2] = key, fold, 1
+                nxt.move_to_end(ctx)
+            while len(nxt) > MAX_KEYS:
+                nxt.popitem(last=False)
+        self._run = self._run + 1 if key == last else 1
         self._last = key
 
     def deviate(self, fold: Fold) -> None:

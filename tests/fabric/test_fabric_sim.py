@@ -196,6 +196,21 @@ def test_stragglers_slow_compute_and_barrier_waits_for_them():
     assert all(t >= 5e-3 for t in out)
 
 
+def test_a_fresh_ledger_has_its_own_empty_links_counter():
+    from collections import Counter
+    import pickle
+
+    from sparsecomm.fabric.stats import CommStats
+
+    a, b = CommStats(), CommStats()
+    assert type(a.links) is Counter and a.links == Counter() and a.links is not b.links
+    a.record_send(0, 1, 5)
+    b.links[(2, 3)] += 7                              # a Counter: a missing link counts from 0
+    assert a.links == Counter({(0, 1): 5}) and b.links == Counter({(2, 3): 7})
+    assert CommStats().links == Counter() and a.copy().links is not a.links and (a - a).links == Counter()
+    assert pickle.loads(pickle.dumps(a)) == a
+
+
 def test_stats_and_context():
     def fn(ctx):
         assert current_context() is ctx

@@ -81,6 +81,30 @@ def test_a_failed_chained_completion_fails_later_calls_but_a_nonfinite_error_doe
     assert eng.close(5.0)
 
 
+def test_a_chained_completion_waits_for_its_collective_even_after_the_previous_completion_failed():
+    # the previous call's future fails; the next completion must still wait for its own collective (a
+    # collect_all of the failed future would end at once) and then run, after the failed one
+    from sparsecomm.errors import NonFiniteError
+
+    eng = CommEngine("-test")
+    ran: list[str] = []
+    first, second = torch.futures.Future(), torch.futures.Future()
+
+    def fail(_):
+        ran.append("first")
+        raise NonFiniteError("nan")
+
+    a = eng.chain(lambda: (first, None), fail)
+    b = eng.chain(lambda: (second, "b"), lambda p: ran.append(p) or p)
+    first.set_result(None)
+    with pytest.raises(RuntimeError, match="NonFiniteError: nan"):
+        a.wait()
+    assert ran == ["first"] and not b.done()         # the second collective has not completed
+    second.set_result(None)
+    assert b.wait() == "b" and ran == ["first", "b"]
+    assert eng.close(5.0)
+
+
 # ---------------------------------------------------------------------------- under DDP, real processes
 def _net() -> nn.Module:
     g = torch.Generator().manual_seed(0)

@@ -60,6 +60,25 @@ def test_a_training_loop_keeps_being_predicted_with_its_identities():
     assert all(guesses[-6:]), guesses          # steady state: every call predicted
 
 
+def test_predicts_is_the_prediction_of_the_key_that_call_key_gives():
+    # Native.chain asks predicts() with its bucket's code computed once; the answer must be predicted() of the
+    # key that call_key() gives the same call, and that key, for every call of a loop (and a deviating one)
+    s = _fold.Schedule()
+    folds = {}
+    answers = []
+    calls = [CallId(bucket, step) for step in range(1, 7) for bucket in (2, 1, 0)] + [CallId(0, 9)]
+    for call in calls:
+        key = ("native", 100) + s.call_key(call)
+        p = s.predicted()
+        want = (key, p) if p is not None and p.key == key else None
+        got = s.predicts(("native", 100), call.words[0], call.step, call.round)
+        assert got == want and s.key_of(*call.words) == s.call_key(call)
+        answers.append(got is not None)
+        folds.setdefault(key, _fold.Fold(key, 4, torch.float32, torch.device("cpu"), lambda t: None))
+        s.record(key, folds[key], step=call.step)
+    assert all(answers[-7:-1]) and not answers[-1], answers       # steady state predicted; a skipped step not
+
+
 # ----------------------------------------------------------------------------- the handshake (sim)
 def _identity_cases(ctx):
     r, f = ctx.rank, ctx.fabric

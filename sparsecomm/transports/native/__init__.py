@@ -69,7 +69,7 @@ from .._handshake import calling, check_agreement, fail_stop
 from ...theory import costs
 from ..base import CallId, CallShape, Transport
 from ..linear import LinearOperand, guarded_sum, linear_operand
-from .collectives import GATHER_SUM_BYTES, book_join, join, post_join, translated
+from .collectives import GATHER_SUM_BYTES, book, join, join_figures, post_join, translated
 from .gather import gather_rows
 from ...fabric.torch.torch_waiters import retain
 
@@ -196,18 +196,16 @@ class Native(Transport):
         if not lane or not (self.inplace if tensor else scratch) or not v.is_contiguous() or (
                 out is not None and not narrow and (out.dtype != x.dtype or out.numel() != v.numel())):
             return None
-        sched, eng, prefix, group, opts = lane
+        sched, eng, prefix, code, group, opts, booked = lane
         f = self.fabric
         # the sum's check is then's (checks) or this completion's own, before then
         own = not (checks and self.nonfinite == "raise")
+        step = call.step
 
         def post():
             # under the engine's lock (CommEngine.chain): the prediction, the post and the record in call order
-            predicted = sched.predicted()
-            if predicted is None:
-                return None
-            key = prefix + sched.call_key(call)
-            if predicted.key != key:
+            got = sched.predicts(prefix, code, step, call.round)
+            if got is None:
                 return None
             try:
                 handle = group.allreduce([v], opts)     # (dist.all_reduce's own call, its checks made once)
@@ -216,20 +214,19 @@ class Native(Transport):
             sched.folded += 1
             sched.posted += 1
             sched.chained += 1
-            sched.record(key, predicted, step=call.step)
-            fut = handle.get_future()
-            return fut, (fut, handle)
+            sched.record(*got, step=step)
+            fut = handle.get_future()       # (the work itself is gloo's to keep: as dist.all_reduce's caller drops it)
+            return fut, fut
 
-        def complete(posted):
+        def complete(fut):
             t0 = time.perf_counter()
-            fut, handle = posted
             try:
                 try:
                     fut.wait()      # (complete: not the work's wait(), which waits for its callbacks)
                 except RuntimeError as exc:
                     raise translated(f, "all_reduce", exc) from exc
-                retain(handle, v)
-                stats = book_join(f, f.world_size, v.numel() * v.element_size(), False)
+                retain(v)       # (the tensor the work holds, so that gloo's thread never frees its Python object)
+                stats = book(f, *booked)        # (book_join's figures for this lane, computed once)
                 if own and self._suspect(v):
                     before = f.stats.copy()
                     with calling(call):
@@ -243,7 +240,7 @@ class Native(Transport):
                 if tensor:
                     summed = v
                 elif narrow:
-                    summed = v.reshape(x.shape)
+                    summed = v if len(x.shape) == 1 else v.reshape(x.shape)     # (v is flat: no view of it)
                 else:
                     summed = (out.copy_(v) if out is not None else v.to(x.dtype)).reshape(x.shape)  # (exact)
                 if not checks:
@@ -263,8 +260,10 @@ class Native(Transport):
 
     def _lane(self, x: torch.Tensor | Payload, v: torch.Tensor, call: CallId):
         """What :meth:`chain` keeps of a bucket: False when its calls are not chained, else the fabric's
-        schedule and engine, the fold key's part that does not depend on the call, the workers' process
-        group and the all-reduce's options (a sum, asynchronous: what ``dist.all_reduce`` gives the group)."""
+        schedule and engine, the fold key's part that does not depend on the call, the code of the call's
+        bucket (``CallId.words[0]``: a digest of its key's ``repr``), the workers' process group, the
+        all-reduce's options (a sum, asynchronous: what ``dist.all_reduce`` gives the group) and what its
+        collective books (:func:`.collectives.join_figures`)."""
         f = self.fabric
         sched = _fold.schedule(f)
         nbytes = v.numel() * v.element_size()
@@ -283,7 +282,7 @@ class Native(Transport):
             opts.reduceOp = dist.ReduceOp.SUM
             if hasattr(opts, "asyncOp"):
                 opts.asyncOp = True
-            lane = (sched, engine(f), prefix, group, opts)
+            lane = (sched, engine(f), prefix, call.words[0], group, opts, join_figures(f.world_size, nbytes, False))
         self._lanes[(call.bucket, call.round, v.numel(), v.dtype, x.dtype)] = lane
         return lane
 

@@ -74,11 +74,17 @@ def _sum_rows(acc: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:
     return acc
 
 
+def join_figures(n: int, nbytes: int, small: bool) -> tuple[int, int, int]:
+    """What one join of ``nbytes`` by ``n`` workers books (``small``: the all-gather sum): :func:`book`'s
+    ``moved``, ``messages`` and ``rounds``."""
+    if small:
+        return (n - 1) * nbytes, 1, n - 1
+    return 2 * (n - 1) * nbytes // n, 1, 2 * (n - 1)
+
+
 def book_join(f: Fabric, n: int, nbytes: int, small: bool) -> CommStats:
     """Book one join of ``nbytes`` by ``n`` workers on ``f`` (``small``: the all-gather sum) and return it."""
-    if small:
-        return book(f, (n - 1) * nbytes, 1, n - 1)
-    return book(f, 2 * (n - 1) * nbytes // n, 1, 2 * (n - 1))
+    return book(f, *join_figures(n, nbytes, small))
 
 
 def _gathers(acc: torch.Tensor) -> bool:
