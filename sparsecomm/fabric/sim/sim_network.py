@@ -38,6 +38,8 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from collections import deque
+from heapq import heappush
+from itertools import count
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -133,6 +135,11 @@ TCP_OVER_ETHERNET = 1448 / 1514
 FIXED = 1 << 62
 
 
+#: the order in which messages are placed on their receivers' NICs (:meth:`Endpoint.schedule`), the last key
+#: of an entry of :attr:`Endpoint.any_heads`: two messages of one channel with the same head keep their order
+ARRIVALS = count()
+
+
 @dataclass(eq=False, slots=True)
 class Msg:
     """A message in the model: its bytes and its times (``start``, ``head``, ``tx_end``, ``rx_end``: the
@@ -195,6 +202,10 @@ class Endpoint:
         #: the send, not completed yet, in the order they were posted (a message sent with k queued on the
         #: channel is written into the k-th one's buffer: :class:`~.sim.SimFabric`)
         self.posted: dict[tuple[int, int], list] = {}
+        #: per tag that an any-source receive has looked up (:func:`.sim_wait.any_head`): a heap of the messages
+        #: queued on it since, ``(head, source, next(ARRIVALS), msg)``, each pushed as :meth:`schedule` places it
+        #: (taken ones are dropped when they reach the top)
+        self.any_heads: dict[int, list] = {}
         self.threaded = threaded
         self.parked = 0                      # its threads waiting in the world (running while none is)
         self.waiters: list = []              # its blocked processes (sim_world.Proc)
@@ -238,6 +249,9 @@ class Endpoint:
         lower bound of their new values (a message placed before them only delays them), and are brought up
         to date, in NIC order, when :meth:`delivery` reads one. ``msg``'s own times are exact if the messages
         before it are, else a lower bound likewise."""
+        heads = self.any_heads
+        if heads and msg.tag in heads:      # (the tag's index of an any-source receive: sim_wait.any_head)
+            heappush(heads[msg.tag], (msg.head, msg.src, next(ARRIVALS), msg))
         if self.per_port:
             rx = self._rx.get(msg.src)
             if rx is None:
