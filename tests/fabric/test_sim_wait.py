@@ -9,7 +9,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from sparsecomm.fabric.sim.sim_network import FIXED, Endpoint, Msg, Network
+from sparsecomm.fabric.sim.sim_network import FIXED, TAG_HEAP_SLACK, Endpoint, Msg, Network
 from sparsecomm.fabric.sim.sim_wait import OrderedWait, any_head
 
 
@@ -104,3 +104,25 @@ def test_the_any_source_heap_finds_the_first_head_the_scan_would():
             for tag in looked:
                 assert any_head(ep, tag) is _scan(ep, tag)
         assert 2 not in ep.any_heads
+
+
+def test_the_any_source_heap_of_a_tag_taken_by_named_receives_stays_small():
+    """A tag looked up once by an any-source receive, whose messages named receives then take while its first
+    message stays queued (the heap's top untaken): the heap is built afresh past its limit, so that it holds
+    about the queued messages, not every one since, and still answers as the scan."""
+    ep = Endpoint(Network(), 0, 1e9, 1e-6, False, "ep")
+
+    def put(src: int, start: float) -> Msg:
+        msg = Msg(src, 0, torch.empty(0), 16, start, start + 1e-6, start + 16 / 1e9)
+        ep.mailbox.setdefault((src, 0), deque()).append(msg)
+        ep.schedule(msg)
+        return msg
+
+    first = put(1, 0.0)
+    assert any_head(ep, 0) is first
+    for i in range(5000):
+        put(2, 1e-6 * (i + 1))
+        m = ep.mailbox[(2, 0)].popleft()        # (a named receive's take)
+        ep.taken(m)
+        assert len(ep.any_heads[0]) <= 2 * 2 + TAG_HEAP_SLACK + 1
+    assert any_head(ep, 0) is first is _scan(ep, 0)

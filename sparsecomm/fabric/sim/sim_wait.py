@@ -23,9 +23,9 @@ open, so nothing else invalidates the state.
 
 from __future__ import annotations
 
-from heapq import heapify, heappop
+from heapq import heappop
 
-from .sim_network import ARRIVALS, Endpoint, Msg
+from .sim_network import Endpoint, Msg, TagHeap
 
 __all__ = ["OrderedWait", "any_head"]
 
@@ -45,16 +45,16 @@ def any_head(ep: Endpoint, tag: int) -> Msg | None:
     Not a pass over the mailbox (an endpoint of n peers has n queues on a tag): the first call for a ``tag``
     puts every message queued on it in a heap, ``ep.any_heads[tag]``, keyed ``(head, source, arrival)``, to
     which each later arrival on it is pushed (:meth:`~.sim_network.Endpoint.schedule`, which places every
-    message put in the mailbox); a message taken since is popped when it reaches the top. Every queued message
+    message put in the mailbox); a message taken since is popped when it reaches the top (or dropped when the
+    heap is built afresh, :class:`~.sim_network.TagHeap`). Every queued message
     being in the heap, its first untaken one is first among the queues' heads if it is a head itself: it is,
     as a channel's messages are queued in the order they were sent, which is the order of their heads (a
     sender's port starts them in order, the link's latency is fixed). Were it not the head of its queue, the
     mailbox is scanned instead."""
     heap = ep.any_heads.get(tag)
     if heap is None:
-        heap = ep.any_heads[tag] = [(m.head, s, next(ARRIVALS), m)
-                                    for (s, t), q in ep.mailbox.items() if t == tag for m in q]
-        heapify(heap)
+        heap = ep.any_heads[tag] = TagHeap()
+        heap.build(ep.mailbox, tag)
     while heap:
         msg = heap[0][3]
         if not msg.taken:
