@@ -97,16 +97,20 @@ class Inbox:
         self.pool = pool
         self._box: dict = {}
         self._observer = None
+        self._watched = None
 
-    def observe(self, observer) -> None:
+    def observe(self, observer, watched=None) -> None:
         """Call ``observer(key, present)`` whenever a key is posted or put (``present=True``), taken
-        (``False``), or posted or put again while there (``None``: its receive replaced); ``None`` stops it."""
+        (``False``), or posted or put again while there (``None``: its receive replaced); ``None`` stops it.
+        ``watched``: a container of the keys the observer acts on (it does nothing for any other; looked up as
+        it is, so it may change meanwhile): only those are reported (``None``: every key)."""
         self._observer = observer
+        self._watched = watched
 
     def _add(self, key, entry) -> None:
         new = key not in self._box
         self._box[key] = entry
-        if self._observer is not None:
+        if self._observer is not None and (self._watched is None or key in self._watched):
             self._observer(key, True if new else None)
 
     def post(self, key, nbytes: int, src: int, tag: int) -> None:
@@ -121,7 +125,7 @@ class Inbox:
         box = self._box         # (what _add does, inline: once per message of a ring)
         new = key not in box
         box[key] = (self.fabric.irecv(buf, src, tag), buf)
-        if self._observer is not None:
+        if self._observer is not None and (self._watched is None or key in self._watched):
             self._observer(key, True if new else None)
 
     def put(self, key, buf) -> None:
@@ -166,7 +170,7 @@ class Inbox:
     def take(self, key):
         """The message of ``key`` (waiting for its receive to complete), removed from the inbox."""
         work, buf = self._box.pop(key)
-        if self._observer is not None:
+        if self._observer is not None and (self._watched is None or key in self._watched):
             self._observer(key, False)
         if work is not None:
             work.wait()
@@ -554,7 +558,7 @@ class _Scheduler:
         one generator the fewer)."""
         self.keep = keep
         inbox, outbox = self.inbox, self.outbox
-        inbox.observe(self.changed)
+        inbox.observe(self.changed, self.watchers)      # (it acts only on the keys watched)
         try:
             for role in roles:
                 yield from self.advance(role)
@@ -680,7 +684,7 @@ class _Scheduler:
                 inbox.put(req.key, req.msg)
             elif t is Spawn:
                 if self.solo:
-                    inbox.observe(self.changed)
+                    inbox.observe(self.changed, self.watchers)
                 self.solo = None        # (two roles: every wait is watched from now on; none is suspended yet)
                 yield from self.advance(req.role)
             elif t is Flush:

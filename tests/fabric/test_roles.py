@@ -13,6 +13,7 @@ import torch
 import sparsecomm as sc
 from sparsecomm.errors import ProtocolError
 from sparsecomm.fabric.base import Fabric
+from sparsecomm.fabric.sim.sim import SimWorld
 from sparsecomm.fabric.roles import Flush, Hand, Inbox, Outbox, Pool, Post, Recv, Send, Spawn
 
 
@@ -486,3 +487,23 @@ def test_a_blocking_driver_resumes_a_small_sure_role_at_once_and_races_a_large_o
         assert taken == ["a", "b"] and events[0] == ("wait_any", 2)
     else:
         assert taken == ["b", "a"] and events == [("wait", "b"), ("wait", "a")]
+
+
+def test_an_inbox_reports_only_the_keys_its_observer_watches():
+    """Inbox.observe with ``watched``: posts, puts, replacements and takes of a watched key are reported (the
+    container looked up as it is then), those of any other key are not; without it, every key is."""
+    f = SimWorld(2).fabric(0)
+    for watched in ({"a": 1}, None):
+        inbox = Inbox(f, Pool())
+        seen = []
+        inbox.observe(lambda k, p: seen.append((k, p)), watched)
+        inbox.put("a", torch.zeros(1))
+        inbox.put("b", torch.zeros(1))
+        inbox.put("a", torch.zeros(1))
+        if watched is not None:
+            watched["b"] = 1            # (watched from now on)
+        inbox.take("b")
+        inbox.post_into("c", torch.zeros(8), 1, 5)
+        inbox.take("a")
+        want = [("a", True), ("b", True), ("a", None), ("b", False), ("c", True), ("a", False)]
+        assert seen == ([w for w in want if w[0] != "c" and w != ("b", True)] if watched is not None else want)

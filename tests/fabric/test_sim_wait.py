@@ -9,8 +9,8 @@ from collections import deque
 import numpy as np
 import torch
 
-from sparsecomm.fabric.sim.sim_network import FIXED, Endpoint, Msg, Network
-from sparsecomm.fabric.sim.sim_wait import OrderedWait
+from sparsecomm.fabric.sim.sim_network import FIXED, TAG_HEAP_SLACK, Endpoint, Msg, Network
+from sparsecomm.fabric.sim.sim_wait import OrderedWait, any_head
 
 
 def _state(w: OrderedWait):
@@ -56,3 +56,73 @@ def test_a_switch_takes_a_ports_messages_in_arrival_order_whatever_their_tags():
         assert w.first(clock_only=True) == (1e-3, want)
         w.recompute()
         assert w.first() == (1e-3, want)
+
+
+def _scan(ep: Endpoint, tag: int):
+    best = None
+    for (s, t), q in ep.mailbox.items():
+        if t == tag and q and (best is None or (q[0].head, s) < (best.head, best.src)):
+            best = q[0]
+    return best
+
+
+def test_the_any_source_heap_finds_the_first_head_the_scan_would():
+    """any_head (a heap per tag, built at the first lookup, pushed as messages are placed, taken ones popped
+    lazily) answers what a pass over the mailbox answers after every arrival and take: heads tied across
+    sources (the lower source), within a channel (the earlier sent), a channel whose later message has the
+    earlier head (not a sender's order: the mailbox is scanned), tags never looked up."""
+    rng = np.random.default_rng(1)
+    for trial in range(30):
+        ep = Endpoint(Network(), 0, 1e9, 1e-6, bool(trial % 2), "ep")
+        monotone = trial % 3 != 0
+        last: dict = {}
+        looked: set = set()
+        for step in range(120):
+            if rng.random() < 0.6:
+                src, tag = int(rng.integers(1, 6)), int(rng.integers(0, 3))
+                start = float(rng.integers(0, 8)) * 1e-7      # (coarse: ties)
+                if monotone:
+                    start = max(start, last.get((src, tag), 0.0))
+                    last[(src, tag)] = start
+                msg = Msg(src, tag, torch.empty(0), 16, start, start + 1e-6, start + 16 / 1e9)
+                ep.mailbox.setdefault((src, tag), deque()).append(msg)
+                ep.schedule(msg)
+            else:
+                tag = int(rng.integers(0, 3))
+                if tag != 2:            # (tag 2 is never looked up: no heap for it)
+                    looked.add(tag)
+                    msg = any_head(ep, tag)
+                    assert msg is _scan(ep, tag)
+                    if msg is not None and rng.random() < 0.7:
+                        ep.mailbox[(msg.src, tag)].popleft()
+                        ep.taken(msg)
+                else:                   # a named receive takes a head of its own
+                    qs = [q for (s, t), q in ep.mailbox.items() if t == 2 and q]
+                    if qs:
+                        m = qs[int(rng.integers(len(qs)))].popleft()
+                        ep.taken(m)
+            for tag in looked:
+                assert any_head(ep, tag) is _scan(ep, tag)
+        assert 2 not in ep.any_heads
+
+
+def test_the_any_source_heap_of_a_tag_taken_by_named_receives_stays_small():
+    """A tag looked up once by an any-source receive, whose messages named receives then take while its first
+    message stays queued (the heap's top untaken): the heap is built afresh past its limit, so that it holds
+    about the queued messages, not every one since, and still answers as the scan."""
+    ep = Endpoint(Network(), 0, 1e9, 1e-6, False, "ep")
+
+    def put(src: int, start: float) -> Msg:
+        msg = Msg(src, 0, torch.empty(0), 16, start, start + 1e-6, start + 16 / 1e9)
+        ep.mailbox.setdefault((src, 0), deque()).append(msg)
+        ep.schedule(msg)
+        return msg
+
+    first = put(1, 0.0)
+    assert any_head(ep, 0) is first
+    for i in range(5000):
+        put(2, 1e-6 * (i + 1))
+        m = ep.mailbox[(2, 0)].popleft()        # (a named receive's take)
+        ep.taken(m)
+        assert len(ep.any_heads[0]) <= 2 * 2 + TAG_HEAP_SLACK + 1
+    assert any_head(ep, 0) is first is _scan(ep, 0)

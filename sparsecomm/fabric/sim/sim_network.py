@@ -38,6 +38,8 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from collections import deque
+from heapq import heapify, heappush
+from itertools import count
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -133,6 +135,31 @@ TCP_OVER_ETHERNET = 1448 / 1514
 FIXED = 1 << 62
 
 
+#: the order in which messages are placed on their receivers' NICs (:meth:`Endpoint.schedule`), the last key
+#: of an entry of :attr:`Endpoint.any_heads`: two messages of one channel with the same head keep their order
+ARRIVALS = count()
+
+
+class TagHeap(list):
+    """The heap of :attr:`Endpoint.any_heads` for one tag: ``(head, source, next(ARRIVALS), msg)`` of the
+    messages queued on it, and of some taken since (dropped when they reach the top). Past ``limit`` entries
+    (:meth:`Endpoint.schedule`) it is built afresh from the mailbox, of the queued ones alone, and ``limit``
+    set to twice as many (plus :data:`TAG_HEAP_SLACK`): taken messages under an untaken top (a tag whose
+    messages named receives take, looked up by an any-source receive once) are not kept for long."""
+
+    __slots__ = ("limit",)
+
+    def build(self, mailbox: dict, tag: int) -> None:
+        """The messages queued on ``tag`` in ``mailbox``, as a heap (a channel's in its queue's order)."""
+        self[:] = [(m.head, s, next(ARRIVALS), m) for (s, t), q in mailbox.items() if t == tag for m in q]
+        heapify(self)
+        self.limit = 2 * len(self) + TAG_HEAP_SLACK
+
+
+#: the entries a :class:`TagHeap` may hold beyond twice the messages queued when it was built
+TAG_HEAP_SLACK = 1024
+
+
 @dataclass(eq=False, slots=True)
 class Msg:
     """A message in the model: its bytes and its times (``start``, ``head``, ``tx_end``, ``rx_end``: the
@@ -195,6 +222,10 @@ class Endpoint:
         #: the send, not completed yet, in the order they were posted (a message sent with k queued on the
         #: channel is written into the k-th one's buffer: :class:`~.sim.SimFabric`)
         self.posted: dict[tuple[int, int], list] = {}
+        #: per tag that an any-source receive has looked up (:func:`.sim_wait.any_head`): a heap of the messages
+        #: queued on it since, ``(head, source, next(ARRIVALS), msg)``, each pushed as :meth:`schedule` places it
+        #: (taken ones are dropped when they reach the top)
+        self.any_heads: dict[int, TagHeap] = {}
         self.threaded = threaded
         self.parked = 0                      # its threads waiting in the world (running while none is)
         self.waiters: list = []              # its blocked processes (sim_world.Proc)
@@ -240,6 +271,12 @@ class Endpoint:
         lower bound of their new values (a message placed before them only delays them), and are brought up
         to date, in NIC order, when :meth:`delivery` reads one. ``msg``'s own times are exact if the messages
         before it are, else a lower bound likewise."""
+        heads = self.any_heads
+        if heads and msg.tag in heads:      # (the tag's index of an any-source receive: sim_wait.any_head)
+            heap = heads[msg.tag]
+            heappush(heap, (msg.head, msg.src, next(ARRIVALS), msg))
+            if len(heap) > heap.limit:
+                heap.build(self.mailbox, msg.tag)
         if self.per_port:
             rx = self._rx.get(msg.src)
             if rx is None:

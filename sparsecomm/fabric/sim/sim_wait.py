@@ -23,7 +23,44 @@ open, so nothing else invalidates the state.
 
 from __future__ import annotations
 
-from .sim_network import Endpoint, Msg
+from heapq import heappop
+
+from .sim_network import Endpoint, Msg, TagHeap
+
+__all__ = ["OrderedWait", "any_head"]
+
+
+def _scan(ep: Endpoint, tag: int) -> Msg | None:
+    best = None
+    for (s, t), q in ep.mailbox.items():
+        if t == tag and q and (best is None or (q[0].head, s) < (best.head, best.src)):
+            best = q[0]
+    return best
+
+
+def any_head(ep: Endpoint, tag: int) -> Msg | None:
+    """The message an any-source receive on ``tag`` takes from ``ep``'s mailbox: the first by head (when its
+    first byte arrives), then by source, among the heads of the queues on ``tag``; ``None`` if none.
+
+    Not a pass over the mailbox (an endpoint of n peers has n queues on a tag): the first call for a ``tag``
+    puts every message queued on it in a heap, ``ep.any_heads[tag]``, keyed ``(head, source, arrival)``, to
+    which each later arrival on it is pushed (:meth:`~.sim_network.Endpoint.schedule`, which places every
+    message put in the mailbox); a message taken since is popped when it reaches the top (or dropped when the
+    heap is built afresh, :class:`~.sim_network.TagHeap`). Every queued message
+    being in the heap, its first untaken one is first among the queues' heads if it is a head itself: it is,
+    as a channel's messages are queued in the order they were sent, which is the order of their heads (a
+    sender's port starts them in order, the link's latency is fixed). Were it not the head of its queue, the
+    mailbox is scanned instead."""
+    heap = ep.any_heads.get(tag)
+    if heap is None:
+        heap = ep.any_heads[tag] = TagHeap()
+        heap.build(ep.mailbox, tag)
+    while heap:
+        msg = heap[0][3]
+        if not msg.taken:
+            return msg if ep.mailbox[(msg.src, tag)][0] is msg else _scan(ep, tag)
+        heappop(heap)
+    return None
 
 
 class OrderedWait:
@@ -43,20 +80,11 @@ class OrderedWait:
         self.measured = False            # recompute() has run (first(clock_only=True) needs only group 0)
         self.arrival = ep.per_port       # choose the group in first, not the first in order (module docstring)
 
-    def _any_head(self, tag: int) -> Msg | None:
-        """The first message on ``tag`` from any source (by head, then source)."""
-        box = self.ep.mailbox
-        best = None
-        for (s, t), q in box.items():
-            if t == tag and q and (best is None or (q[0].head, s) < (best.head, best.src)):
-                best = q[0]
-        return best
-
     def _measure(self, i: int) -> None:
         missing, latest, box = 0, 0.0, self.ep.mailbox
         for key in self.keys[i]:
             if key[0] is None:
-                msg = self._any_head(key[1])
+                msg = any_head(self.ep, key[1])
             else:
                 q = box.get(key)
                 msg = q[0] if q else None

@@ -47,7 +47,7 @@ from typing import Generator
 from ...errors import EndpointCrashed, FabricTimeout, InvalidValueError, PeerFailure, ServiceShutdown
 from .. import trace as _trace
 from .sim_network import Endpoint, Msg, Network
-from .sim_wait import OrderedWait
+from .sim_wait import OrderedWait, any_head
 
 __all__ = ["World", "Proc", "RecvWait", "AnyWait"]
 
@@ -574,12 +574,7 @@ class World:
 def match(ep: Endpoint, src: int | None, tag: int) -> Msg | None:
     """The message a receive from ``src`` (``None``: any, the earliest head, then the lowest source) on
     ``tag`` would take from ``ep``'s mailbox, or ``None``."""
-    box = ep.mailbox
     if src is not None:
-        q = box.get((src, tag))
+        q = ep.mailbox.get((src, tag))
         return q[0] if q else None
-    best = None
-    for (s, t), q in box.items():
-        if t == tag and q and (best is None or (q[0].head, s) < (best.head, best.src)):
-            best = q[0]
-    return best
+    return any_head(ep, tag)
