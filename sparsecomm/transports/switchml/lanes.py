@@ -19,8 +19,9 @@ lane windows of bursts in flight. The fabrics differ in what a message is:
 
 - SimFabric: one datagram of the model per packet (modelled loss), a whole burst of rows, padded, sent as
   a blocking send (the worker NIC's serialisation), the timer in modelled seconds; with a host model that
-  charges per message (a real fabric's ``message_bytes``), messages as long as their packets, as below,
-  still sent as blocking sends.
+  charges per message (a real fabric's ``message_bytes``), messages as long as their packets and sends
+  asynchronous, as below (a real process's send returns once its bytes are queued, and it encodes the next
+  burst while the NIC serialises this one).
 - Real fabrics: messages as long as their packets (below), sends asynchronous.
 
 **Messages as long as their packets** (real fabrics): a message holds the packets that are ready, at most
@@ -329,7 +330,8 @@ class Lanes:
              info: dict, rows: int | None = None, short_below: int = 0):
         """The stream of :meth:`run` as a role (:mod:`sparsecomm.fabric.roles`, :mod:`.datagrams`): it
         yields its messages to the switch (:class:`~.datagrams.Datagram`, each in a buffer of ``link``;
-        on SimFabric each is flushed at once, a blocking send: the worker's NIC serialises them) and, per
+        on SimFabric's padded datagrams each is flushed at once, a blocking send: the worker's NIC serialises
+        them; elsewhere up to ``SEND_AHEAD`` lane windows of them are in flight) and, per
         result message, a wait bounded by the earliest lane's deadline (:class:`~.datagrams.RecvBy`); a
         wait that ends without the message sends the expired lanes again. Counts go to ``info`` (the
         timeout it ends with too, ``final_timeout``)."""
@@ -340,7 +342,7 @@ class Lanes:
         padded = sim and fab.message_bytes is None      # SimFabric's datagrams (else as long as their packets)
         S = K if rows is None or padded else max(1, min(K, int(rows)))     # packets per message sent
         job, rank, n = st.job, fab.rank, fab.world_size
-        cap = 1 if sim else SEND_AHEAD * max(1, -(-L // S))
+        cap = 1 if padded else SEND_AHEAD * max(1, -(-L // S))
         lane_pkt = np.arange(L, dtype=np.int64)           # outstanding packet per lane (-1: lane done)
         timer = self.timer
         timed = timer.timeout is not None
@@ -368,13 +370,12 @@ class Lanes:
                         lane_rows[part] = rows
                 else:
                     rows[:] = lane_rows[part]
-                if sim:        # one datagram, sent as a blocking send (the worker NIC's serialisation)
-                    if padded:
-                        msg[m:] = 0
-                    yield Datagram(link.out[j] if padded else link.out[j][:m], sw, TAG_UP, hold=("up", j))
+                if padded:     # one datagram, sent as a blocking send (the worker NIC's serialisation)
+                    msg[m:] = 0
+                    yield Datagram(link.out[j], sw, TAG_UP, hold=("up", j))
                     yield Flush(("up", j))
                     link.flushed(j)
-                else:          # as long as its packets
+                else:          # as long as its packets, the send asynchronous (its buffer held until sent)
                     yield Datagram(link.out[j][:m], sw, TAG_UP, hold=("up", j))
             if timed:
                 now = fab.now()
