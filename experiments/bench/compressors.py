@@ -3,6 +3,7 @@ and against GRACE's implementation of every operator both libraries have.
 
     python -m experiments.bench.compressors [--n 25600000] [--ratio 0.01] [--repeat 10]
                                             [--grace PATH] [--median-of 11] [--block 1] [--only throughput|grace]
+                                            [--torch-threads T]
 
 Every figure is the best of ``--repeat`` timed calls after one warm-up call (which also compiles the
 Numba kernels or loads them from the cache), all measured in this one run, the entries interleaved
@@ -39,7 +40,10 @@ its operator's decompress, ``onebit`` -> the ``onebit`` method's operator (bucke
 the two means of the whole tensor), ``dgc`` -> the ``dgc`` method's sampled top-k (0.1%, 1% sampled).
 GRACE's ``natural`` (CuPy, CUDA only) and ``powersgd`` (all-reduces inside ``compress``) are reported
 as skipped. GRACE's ``none`` returns its input (no copy, no check): identity's checked copy cannot beat
-it. The table as BENCHMARKS.md records it (GRACE fetched as a git mirror or cloned from GitHub)::
+it. ``--torch-threads T`` runs the whole benchmark with ``torch.set_num_threads(T)`` (the machine line
+shows the count): torch's casts, GRACE's ``fp16`` among them, use every thread torch has, this library's
+kernels one, so ``--torch-threads 1`` compares the two at one thread each. The table as BENCHMARKS.md
+records it (GRACE fetched as a git mirror or cloned from GitHub)::
 
     python -m experiments.bench.compressors --only grace --n 25000000 --median-of 11 --grace PATH
 """
@@ -281,7 +285,13 @@ def main(argv=None) -> None:
     ap.add_argument("--median-of", type=int, default=11, help="rounds of the GRACE table (median of)")
     ap.add_argument("--block", type=int, default=1, help="GRACE table: calls in a row per entry and round")
     ap.add_argument("--only", choices=("throughput", "grace"), help="print one table only")
+    ap.add_argument("--torch-threads", type=int, metavar="T", help="torch.set_num_threads(T) for the whole run "
+                    "(default: torch's own count)")
     args = ap.parse_args(argv)
+    if args.torch_threads is not None:
+        if args.torch_threads < 1:
+            ap.error(f"--torch-threads must be at least 1, got {args.torch_threads}")
+        torch.set_num_threads(args.torch_threads)
     n, ratio = args.n, args.ratio
     k = max(1, int(math.floor(ratio * n + 0.5)))
 

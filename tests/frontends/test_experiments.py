@@ -233,3 +233,20 @@ def test_compressor_benchmark_loads_grace_at_run_time_or_says_why_not(tmp_path, 
         assert "skipped: powersgd" in out
     out = run(tmp_path / "absent")
     assert "GRACE comparison skipped:" in out and "does not exist" in out and "signsgd" not in out
+
+
+def test_compressor_benchmark_runs_at_the_torch_thread_count_it_is_given(capsys):
+    """``--torch-threads T`` sets torch's thread count for the run (GRACE's casts use torch's threads) and
+    the machine line reports it; a count below 1 is refused."""
+    from experiments.bench import compressors as bench
+
+    before = torch.get_num_threads()
+    try:
+        bench.main(["--n", "2000", "--only", "throughput", "--repeat", "1", "--torch-threads", "1"])
+        assert torch.get_num_threads() == 1
+        assert "(1 threads)" in capsys.readouterr().out
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(SystemExit):
+        bench.main(["--n", "2000", "--torch-threads", "0"])
+    assert torch.get_num_threads() == before
