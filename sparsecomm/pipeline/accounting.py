@@ -126,21 +126,11 @@ class Accounting:
 
     def finished(self, dense_bytes: int, payload: Any, comm: CommStats) -> None:
         """A call of one round on the pipeline's transport: :meth:`call` (``dense_bytes``), then :meth:`round`
-        (``payload``, ``comm``), in one call (the same figures, added in the same order)."""
+        (``payload``, ``comm``): the same figures, added in the same order, with the call's inline."""
         s = self.stats
         s.bytes_dense += dense_bytes
         s.bytes_dense_sent += self.copies * dense_bytes
-        s.rounds += 1
-        if isinstance(payload, torch.Tensor):
-            pbytes = payload.nbytes
-        else:
-            pbytes = payload_bytes(payload)
-            if payload.meta.get("underflow"):
-                s.underflow_rounds += 1
-        s.bytes_payload += pbytes
-        s.bytes_declared_sent += self.copies * pbytes
-        s.comm += comm
-        self.last_stats += comm
+        self.round(payload, comm)
 
     def call(self, dense_bytes: int, copies: float | None = None) -> None:
         """A call standing for ``dense_bytes`` of uncompressed gradient (``copies``: as :meth:`round`)."""
