@@ -9,6 +9,8 @@ SIGCOMM '21, and SwitchML, Sapio et al., NSDI '21).
         --schemes "hook none/switch,hook none/sparse-switch" --time-cap 120 --merge     # redo some, keep the rest
     python -m experiments.reproduce_training --netbed 1 --hosts 2 --models mlp \
         --schemes "ddp,hook powersgd,torch powersgd" --breakdown     # where a step's time goes, per scheme
+    python -m experiments.reproduce_training --remodel OUT --profile host.json   # a recorded run's modelled column
+                                                                                  # again, nothing trained
 
 **Models.**
 
@@ -854,6 +856,35 @@ def seeds_table(results: list[dict]) -> str:
             + report.table(["scheme", "reached", "time to target s", "steps", "vs ddp", "MB/step"], rows))
 
 
+def remodel(results: list[dict], profile: str | None, quick: bool = False) -> list[dict]:
+    """The rows of recorded ``results`` (:func:`load` of an earlier netbed run) with their modelled columns
+    computed again, with the host ``profile`` (``None``: the default host), without training: per row of a
+    netbed run (``gbps`` a number; not torch's hook), ``modelled_comm_s`` of its scheme at its ``hosts`` and
+    seed (:func:`modelled_comm_s`), and ``modelled_s = steps * (compute_s + modelled_comm_s)`` over the steps
+    it ran (to the target, or to where it stopped), ``modelled_ratio`` against its measured time; the other
+    columns as recorded. (``--remodel DIR --profile P``: a change to the model or the profile checked against
+    measurements already made.)"""
+    by_name = {s.name: s for s in SCHEMES}
+    out = []
+    for r in results:
+        row = dict(r["row"])
+        scheme = by_name.get(row["scheme"])
+        try:
+            gbps = float(row["gbps"])
+        except ValueError:          # (loopback: nothing modelled)
+            gbps = None
+        if gbps is not None and scheme is not None and scheme.kind != "torch-hook":
+            steps = row["steps_to_target"] if row["reached"] else _stopped_steps(results, r["row"])
+            elapsed = row["time_to_target_s"] if row["reached"] else (r["curve"][-1][0] if r["curve"] else
+                                                                        float("nan"))
+            comm = modelled_comm_s(TASKS[row["model"]](quick, seed=row["seed"]), scheme, row["hosts"],
+                                   modelled_network(gbps, row["hosts"], len(scheme.services), profile))
+            row.update(modelled_comm_s=comm, modelled_s=steps * (row["compute_s"] + comm))
+            row["modelled_ratio"] = row["modelled_s"] / elapsed
+        out.append(row)
+    return out
+
+
 def _stopped_steps(results: list[dict], row: dict) -> int:
     r = next(x for x in results if x["row"] is row)
     return r["curve"][-1][1] if r["curve"] else 0
@@ -889,7 +920,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     cli.add_seeds(p, help="run every scheme for K seeds (--seed, --seed+1, ...: initial weights and batches): "
                           "tables show mean ± std over the seeds that reached the target, plots the mean with "
                           "a ± std band (default 1)")
+    p.add_argument("--remodel", default=None, metavar="DIR",
+                   help="train nothing: the modelled columns of DIR's recorded netbed run (summary.csv, curves.csv) "
+                        "computed again with --profile (or the default host), printed and written to "
+                        "OUT/remodelled.csv (not into DIR)")
     a = p.parse_args(argv)
+    if a.remodel is not None:
+        return _remodel_main(a)
     seeds = S.seeds_of(p, a)
     keep = {s for s in a.schemes.split(",") if s}
     unknown = keep - {s.name for s in SCHEMES}
@@ -974,6 +1011,29 @@ def main(argv: list[str] | None = None) -> list[dict]:
     R.finish({"rows": rows})
     print(f"\nwrote {out / 'summary.csv'}, {out / 'curves.csv'}, {out / 'time_to_accuracy.png'}, "
           f"{out / 'time_to_target.png'}")
+    return rows
+
+
+def _remodel_main(a) -> list[dict]:
+    """``--remodel DIR``: :func:`remodel` of DIR's results, printed beside the recorded modelled columns."""
+    from .common import report
+
+    recorded = load(Path(a.remodel))
+    if not recorded:
+        raise SystemExit(f"--remodel: no summary.csv under {a.remodel}")
+    rows = remodel(recorded, a.profile, a.quick)
+    print(report.table(
+        ["model", "scheme", "hosts", "measured s", "modelled s (recorded)", "ratio (recorded)", "modelled s",
+         "modelled/measured", "modelled comm ms"],
+        [[r["model"], r["scheme"], str(r["hosts"]), f"{o['row']['time_to_target_s']:.2f}",
+          f"{o['row']['modelled_s']:.2f}", f"{o['row']['modelled_ratio']:.2f}", f"{r['modelled_s']:.2f}",
+          f"{r['modelled_ratio']:.2f}", f"{1e3 * r['modelled_comm_s']:.2f}"] for r, o in zip(rows, recorded)]))
+    from .common.reproduce import OUT_DEFAULT
+
+    out = Path(a.out) if a.out is not None else OUT_DEFAULT / "reproduce_training"
+    out.mkdir(parents=True, exist_ok=True)
+    write_csv(rows, out / "remodelled.csv")
+    print(f"\nwrote {out / 'remodelled.csv'}")
     return rows
 
 

@@ -159,7 +159,8 @@ class PowerSGD(Method):
 
     def work(self, phase, state, d, *, exact=False, shapes=None):
         """Per compressed matrix (n x m, rank r): encode ``M Q`` (``matmul``, n m r) and a QR; the P round
-        ``M^T P`` (``matmul_t``) and a QR; decode ``P Q^T`` (``matmul``); and the passes over the bucket (the
+        ``M^T P`` (``matmul_t``) and a QR; decode ``P Q^T`` (``matmul_outer``: the n x m estimate written, a
+        kernel of its own); and the passes over the bucket (the
         residual added and checked in one pass, or only checked without error feedback; the residual subtracted;
         the whole tensors' copies and division; an exact round's error cleared)."""
         ef = d if self.use_error_feedback else 0
@@ -184,7 +185,8 @@ class PowerSGD(Method):
             return {"elementwise": unc + sum(m * r for _, m, r in comp), "matmul_t": macs, "kernel": 1 + len(comp)}
         if pend[0] == "P":
             return {"elementwise": d + ef, "kernel": 1}
-        return {"elementwise": unc + sum(m * r for _, m, r in comp) + ef, "matmul": macs, "kernel": 1 + len(comp)}
+        return {"elementwise": unc + sum(m * r for _, m, r in comp) + ef, "matmul_outer": macs,
+                "kernel": 1 + len(comp)}
 
     def init_state(self, d, dtype, device):
         return PowerSGDState(torch.zeros(d, dtype=dtype, device=device), None)
@@ -221,7 +223,7 @@ class PowerSGD(Method):
             st.q = _gaussian_q(lay, need_generator(generator), grad)
         parts, qoff = [grad[o:o + k] for (o, k), _ in plan.whole], 0
         for (o, k, n, m, r), x in zip([t for t in lay if t[4]], mats):
-            q = _orthonormal(_aligned(st.q[qoff:qoff + m * r].view(m, r)))
+            q = orthonormal(_aligned(st.q[qoff:qoff + m * r].view(m, r)))
             parts.append(factor_product(x, q).reshape(-1))
             qoff += m * r
         ms.pending = ("P", plan, lay, grad, mats)
@@ -235,7 +237,7 @@ class PowerSGD(Method):
         unc = sum(k for _, k, _, _, r in lay if r == 0)
         pos, ps, qs = unc, [], []
         for (o, k, n, m, r), x in zip([t for t in lay if t[4]], mats):
-            p = _orthonormal(_aligned(aggregate[pos:pos + n * r].view(n, r)))
+            p = orthonormal(_aligned(aggregate[pos:pos + n * r].view(n, r)))
             ps.append(p)
             qs.append(factor_product(x, p, transpose=True).reshape(-1))
             pos += n * r
@@ -257,13 +259,13 @@ class PowerSGD(Method):
         for (o, k), u in plan.whole:
             torch.div(unc[u:u + k], world_size, out=out[o:o + k])
         for ((o, k, n, m, r), _), p, x in zip(plan.comp, ps, mats):
-            q, dst = _aligned(qmean[j:j + m * r].view(m, r)).T, out[o:o + k]
+            q, dst = _aligned(qmean[j:j + m * r].view(m, r)), out[o:o + k]
             if dst.data_ptr() % _ALIGN == 0:             # the product written where it goes, e <- M - estimate
-                torch.mm(p, q, out=dst.view(n, m))
+                outer_product(p, q, dst.view(n, m))
                 if ef:
                     torch.sub(x.view(-1), dst, out=err[o:o + k])
             else:                                        # into an aligned buffer, then copied (and e) in one pass
-                prod = torch.mm(p, q, out=plan.product(k).view(n, m)).view(-1)
+                prod = outer_product(p, q, plan.product(k).view(n, m)).view(-1)
                 if ef:
                     copy_sub(prod, x.view(-1), dst, err[o:o + k])
                 else:
@@ -297,6 +299,13 @@ def factor_product(x: torch.Tensor, f: torch.Tensor, transpose: bool = False) ->
     element the same dot product, summed in the kernel's own order."""
     prod = torch.mm(f.T, x) if transpose else torch.mm(f.T, x.T)
     return prod.T
+
+
+def outer_product(p: torch.Tensor, q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``p @ q^T`` (n x r by m x r: the n x m estimate ``P Q^T``) written into ``out`` (n x m) and returned: the
+    decode's product, which writes the large matrix where :func:`factor_product`'s read it (a kernel of its own
+    on the host model: ``matmul_outer``)."""
+    return torch.mm(p, q.T, out=out)
 
 
 def _aligned_zeros(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -359,7 +368,7 @@ class _Plan:
         return self._prod[:k]
 
 
-def _orthonormal(x: torch.Tensor) -> torch.Tensor:
+def orthonormal(x: torch.Tensor) -> torch.Tensor:
     """An orthonormal basis of ``x``'s columns (reduced QR's Q), in ``x``'s dtype. Half-precision
     inputs (bfloat16, float16: no QR kernel on CPU, and too few bits for Householder reflections)
     are orthogonalised in float32 and the basis rounded back."""

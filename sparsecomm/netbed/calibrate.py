@@ -65,9 +65,14 @@ on a loaded one without the time other processes hold the core):
   ``select_element_s``, :func:`sparsecomm.compressors.topk.topk_indices_numba` of a float32 vector of
   :data:`SELECT_ELEMS` (below the sampling cutoff: every element a candidate), k 1%, per element;
   ``sample_element_s``, :func:`sparsecomm.compressors.topk.sample_magnitudes` of a large vector, per sampled
-  magnitude; ``matmul_mac_s`` and ``matmul_t_mac_s``, PowerSGD's products ``M Q`` and ``M^T P`` (as it computes them,
-  :func:`sparsecomm.methods.powersgd.factor_product`) of a
-  :data:`MATMUL_SHAPE` float32 matrix, per multiply-add; ``kernel_call_s``, a round of method ``ef`` around the
+  magnitude; ``matmul_mac_s``, ``matmul_t_mac_s`` and ``matmul_outer_mac_s``, PowerSGD's products ``M Q`` and
+  ``M^T P`` (as it computes them, :func:`sparsecomm.methods.powersgd.factor_product`) and its estimate ``P Q^T``
+  (:func:`sparsecomm.methods.powersgd.outer_product`) of a :data:`MATMUL_SHAPE` float32 matrix, per multiply-add,
+  as the method runs them: the factors orthonormalised by its QR (:func:`sparsecomm.methods.powersgd.orthonormal`,
+  whose layout picks the BLAS kernel), and each product on the next of :data:`MATMUL_BUFFERS` matrices in turn (full:
+  beyond a 32 MiB last-level cache, as a gradient's matrices are when the method reads them after a backward; one
+  matrix timed over and over would stay in the cache and take half the time); ``kernel_call_s``, a round of method
+  ``ef`` around the
   identity on :data:`KERNEL_ELEMS` float32 (an encode and a decode, whose size does not count), per kernel call
   they declare (:meth:`~sparsecomm.methods.base.Method.work`);
 - ``span_block_s``, ``index_block_s``: OmniReduce's per-block costs beyond its bytes, sums and scan, fitted on
@@ -113,6 +118,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import itertools
 import json
 import os
 import platform
@@ -185,6 +191,10 @@ NETBED_PAIRS = {True: 1, False: 2}
 SELECT_ELEMS = 1 << 16
 #: (rows, columns, rank) of PowerSGD's products timed for ``matmul_mac_s`` and ``matmul_t_mac_s``, quick and full
 MATMUL_SHAPE = {True: (256, 256, 4), False: (1024, 1024, 4)}
+#: matrices of :data:`MATMUL_SHAPE` the products of ``matmul_mac_s``, ``matmul_t_mac_s`` and ``matmul_outer_mac_s``
+#: take in turn, quick and full (full: 12 of 4 MiB, and as many results of the estimate, beyond a 32 MiB last-level
+#: cache)
+MATMUL_BUFFERS = {True: 2, False: 12}
 #: elements of the round timed for ``kernel_call_s``
 KERNEL_ELEMS = 16
 #: float32 elements of the buffers of ``move_byte_s`` and ``check_element_s``, quick and full (full: 64 MiB each,
@@ -358,7 +368,7 @@ def codec_costs(quick: bool = False) -> dict:
     """The rates of a method's encode and decode (module docstring), with one torch thread."""
     from .. import methods
     from ..compressors.topk import SAMPLE_SIZE, sample_magnitudes, topk_indices_numba
-    from ..methods.powersgd import factor_product
+    from ..methods.powersgd import factor_product, orthonormal, outer_product
 
     n, reps = ELEMENTS[quick], REPEATS[quick]
     gen = torch.Generator().manual_seed(1)
@@ -370,12 +380,19 @@ def codec_costs(quick: bool = False) -> dict:
     big = x.numpy()
     sample = _median_s(lambda: sample_magnitudes(big, SAMPLE_SIZE), reps) / SAMPLE_SIZE
     rows, cols, rank = MATMUL_SHAPE[quick]
-    m = torch.randn(rows, cols, generator=gen)
-    q, p = torch.randn(cols, rank, generator=gen), torch.randn(rows, rank, generator=gen)
+    k = MATMUL_BUFFERS[quick]
+    ms = [torch.randn(rows, cols, generator=gen) for _ in range(k)]
+    outs = [torch.zeros(rows, cols) for _ in range(k)]     # (written once: the decode's buffers are kept)
+    # (the products as PowerSGD computes them, on its factors: orthonormal bases from its QR, and the estimate's
+    # mean Q as the sum leaves it; each on the next matrix, as the method reads a gradient's beyond the cache)
+    q = orthonormal(torch.randn(cols, rank, generator=gen))
+    p = orthonormal(torch.randn(rows, rank, generator=gen))
+    qmean = torch.randn(cols, rank, generator=gen)
     macs = rows * cols * rank
-    # (the products as PowerSGD computes them: methods.powersgd.factor_product)
-    matmul = _median_s(lambda: factor_product(m, q), reps) / macs
-    matmul_t = _median_s(lambda: factor_product(m, p, transpose=True), reps) / macs
+    turn = itertools.count()
+    matmul = _median_s(lambda: factor_product(ms[next(turn) % k], q), reps) / macs
+    matmul_t = _median_s(lambda: factor_product(ms[next(turn) % k], p, transpose=True), reps) / macs
+    matmul_outer = _median_s(lambda: outer_product(p, qmean, outs[next(turn) % k]), reps) / macs
     ef = methods.get("ef", compressor="identity")
     st, g = ef.init(KERNEL_ELEMS), torch.randn(KERNEL_ELEMS, generator=gen)
 
@@ -386,7 +403,8 @@ def codec_costs(quick: bool = False) -> dict:
     calls = ef.work("encode", st, KERNEL_ELEMS)["kernel"] + ef.work("decode", st, KERNEL_ELEMS)["kernel"]
     kernel = _median_s(lambda: [round_() for _ in range(10)], reps) / (10 * calls)
     return {"elementwise_element_s": elementwise, "select_element_s": select, "sample_element_s": sample,
-            "matmul_mac_s": matmul, "matmul_t_mac_s": matmul_t, "kernel_call_s": kernel}
+            "matmul_mac_s": matmul, "matmul_t_mac_s": matmul_t, "matmul_outer_mac_s": matmul_outer,
+            "kernel_call_s": kernel}
 
 
 def switch_costs(quick: bool = False) -> dict:

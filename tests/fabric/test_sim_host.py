@@ -843,18 +843,20 @@ def _powersgd_step(ctx) -> float:
 
 def test_a_profile_without_the_codec_rates_loads_and_models_the_times_it_modelled(tmp_path):
     """A version-2 profile written before a method's encode/decode rates existed (CODEC_RATES) loads with them
-    0 and models a compressed step to the bit as before; one with them round-trips them."""
-    from sparsecomm.fabric.sim.sim_host import CODEC_RATES
+    0 (``matmul_outer_mac_s``: None, its fallback's) and models a compressed step to the bit as before; one with
+    them round-trips them."""
+    from sparsecomm.fabric.sim.sim_host import CODEC_RATES, FALLBACK_RATES
 
     net = functools.partial(sc.Network, bandwidth_gbps=10.0, latency_us=5.0)
     base = sc.launch(_powersgd_step, 2, network=net(host=FULL))
     old = _profile(FULL)
     for name in CODEC_RATES.values():
-        del old["host"][name]
+        old["host"].pop(name, None)      # (matmul_outer_mac_s, None in FULL: not written)
     path = tmp_path / "old.json"
     path.write_text(json.dumps(old))
     loaded = sc.Network.from_profile(path, bandwidth_gbps=10.0, latency_us=5.0)
-    assert loaded.host == FULL and all(getattr(loaded.host, r) == 0.0 for r in CODEC_RATES.values())
+    assert loaded.host == FULL and all(getattr(loaded.host, r) == (None if r in FALLBACK_RATES else 0.0)
+                                       for r in CODEC_RATES.values())
     assert [t.hex() for t in sc.launch(_powersgd_step, 2, network=loaded)] == [t.hex() for t in base]
     rates = {r: 1e-9 * (i + 1) for i, r in enumerate(CODEC_RATES.values())}
     path.write_text(json.dumps(_profile(dataclasses.replace(FULL, **rates))))
@@ -866,6 +868,36 @@ def test_a_profile_without_the_codec_rates_loads_and_models_the_times_it_modelle
         bad["host"]["matmul_mac_s"]["value"] = -1.0
         path.write_text(json.dumps(bad))
         sc.Network.from_profile(path)
+
+
+def test_matmul_outer_charges_its_own_rate_or_without_it_matmul_mac_s(tmp_path):
+    """By hand: 10 multiply-adds of PowerSGD's estimate ``P Q^T`` cost 10 x ``matmul_outer_mac_s`` (3 ns: 30 ns);
+    without the rate (``None``, a profile written before it existed) 10 x ``matmul_mac_s`` (2 ns: 20 ns), the
+    charge the decode's product had before; the profile leaves a ``None`` out and round-trips a rate."""
+    old = HostModel(matmul_mac_s=2e-9)
+    assert old.matmul_outer_mac_s is None
+    assert old.work_s("matmul_outer", 10) == 10 * 2e-9 and old.work_s("matmul", 10) == 10 * 2e-9
+    new = dataclasses.replace(old, matmul_outer_mac_s=3e-9)
+    assert new.work_s("matmul_outer", 10) == 10 * 3e-9 and new.work_s("matmul", 10) == 10 * 2e-9
+    assert "matmul_outer_mac_s" not in _profile(old)["host"]
+    path = tmp_path / "host.json"
+    for host in (old, new):
+        path.write_text(json.dumps(_profile(host)))
+        assert sc.Network.from_profile(path).host == host
+    with pytest.raises(InvalidValueError, match="matmul_outer_mac_s"):
+        HostModel(matmul_outer_mac_s=-1.0)
+
+
+def test_powersgd_decode_is_charged_the_outer_rate_and_an_old_profile_the_time_it_modelled(tmp_path):
+    """PowerSGD's step with ``matmul_outer_mac_s`` unset (a profile before it) models the same bits as with it set
+    to ``matmul_mac_s``; set higher, the step grows (the decode's product is charged it)."""
+    net = functools.partial(sc.Network, bandwidth_gbps=10.0, latency_us=5.0)
+    rates = dataclasses.replace(FULL, matmul_mac_s=1e-9, elementwise_element_s=1e-9)
+    base = sc.launch(_powersgd_step, 2, network=net(host=rates))
+    same = sc.launch(_powersgd_step, 2, network=net(host=dataclasses.replace(rates, matmul_outer_mac_s=1e-9)))
+    assert [t.hex() for t in same] == [t.hex() for t in base]
+    more = sc.launch(_powersgd_step, 2, network=net(host=dataclasses.replace(rates, matmul_outer_mac_s=5e-9)))
+    assert min(more) > max(base)
 
 
 def _allgather_sparse(ctx) -> float:
@@ -1088,6 +1120,40 @@ def test_codec_rates_quick_are_finite_and_positive():
     assert set(rates) == set(CODEC_RATES.values())
     assert all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in rates.values()), rates
     assert HostModel(**rates).work_s("matmul_t", 10) == 10 * rates["matmul_t_mac_s"]
+    assert HostModel(**rates).work_s("matmul_outer", 10) == 10 * rates["matmul_outer_mac_s"]
+
+
+def test_codec_products_are_timed_as_powersgd_runs_them(monkeypatch):
+    """PowerSGD's products are timed on its QR's orthonormal factors, each call on the next of MATMUL_BUFFERS
+    matrices (full: beyond a 32 MiB last-level cache; a matrix timed over and over stays in the cache), the
+    estimate written into the next of as many kept buffers."""
+    import importlib
+
+    from sparsecomm.netbed import calibrate as cal
+
+    ps = importlib.import_module("sparsecomm.methods.powersgd")
+    rows, cols, _ = cal.MATMUL_SHAPE[False]
+    assert cal.MATMUL_BUFFERS[False] * rows * cols * 4 > 32 << 20
+    seen = []
+    real_fp, real_outer = ps.factor_product, ps.outer_product
+
+    def fp(x, f, transpose=False):
+        seen.append(("fp", x.data_ptr(), f))
+        return real_fp(x, f, transpose)
+
+    def outer(p, q, out):
+        seen.append(("outer", out.data_ptr(), p))
+        return real_outer(p, q, out)
+
+    monkeypatch.setattr(ps, "factor_product", fp)
+    monkeypatch.setattr(ps, "outer_product", outer)
+    cal.codec_costs(quick=True)
+    for kind in ("fp", "outer"):
+        calls = [(ptr, f) for k, ptr, f in seen if k == kind]
+        ptrs = [ptr for ptr, _ in calls]
+        assert len(set(ptrs)) == cal.MATMUL_BUFFERS[True] and all(a != b for a, b in zip(ptrs, ptrs[1:]))
+        for _, f in calls:      # (the factor as the method's QR leaves it: orthonormal columns)
+            assert torch.allclose(f.T @ f, torch.eye(f.shape[1]), atol=1e-5)
 
 
 def test_fit_nonnegative_fits_exactly_and_drops_a_negative_rate():

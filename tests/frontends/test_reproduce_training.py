@@ -252,6 +252,41 @@ def test_a_profile_is_checked_before_anything_trains(tmp_path, monkeypatch, caps
         T.main(["--netbed", "1", "--quick", "--profile", str(bad), "--out", str(tmp_path), "--no-wandb"])
 
 
+def test_remodel_recomputes_the_modelled_columns_of_a_recorded_run_without_training(tmp_path, monkeypatch, capsys):
+    """By hand, with a modelled step of 10 ms per host (hosts x 5 ms): a reached row of 80 steps and 11 ms compute on 2
+    hosts models 80 x (0.011 + 0.010) = 1.68 s, 0.6 of its 2.8 s; a row that stopped at step 30 (its curve's last)
+    after 1.5 s models 30 x (0.002 + 0.010) = 0.36 s; torch's hook and a loopback row keep their NaN; nothing
+    trains, and the recorded folder is not written."""
+    rec = tmp_path / "rec"
+    rec.mkdir()
+    base = {k: "" for k in T.COLUMNS} | {"model": "mlp", "transport": "native", "bytes_per_step": "1", "seed": "0",
+                                         "comm_fraction": "0.5", "target": "0.95", "metric": "0.9", "step_s": "0.03",
+                                         "modelled_s": "nan", "modelled_ratio": "nan", "link_only_s": "nan",
+                                         "link_only_ratio": "nan", "modelled_comm_s": "nan", "note": ""}
+    rows = [base | {"scheme": "hook powersgd", "hosts": "2", "gbps": "1", "time_to_target_s": "2.8",
+                    "steps_to_target": "80", "reached": "True", "compute_s": "0.011"},
+            base | {"scheme": "hook ef+topk", "hosts": "2", "gbps": "1", "time_to_target_s": "nan",
+                    "steps_to_target": "", "reached": "False", "compute_s": "0.002"},
+            base | {"scheme": "torch powersgd", "hosts": "2", "gbps": "1", "time_to_target_s": "3.0",
+                    "steps_to_target": "80", "reached": "True", "compute_s": "0.011"},
+            base | {"scheme": "ddp", "hosts": "2", "gbps": "loopback", "time_to_target_s": "1.0",
+                    "steps_to_target": "80", "reached": "True", "compute_s": "0.011"}]
+    with open(rec / "summary.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=T.COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
+    with open(rec / "curves.csv", "w", newline="") as f:
+        f.write("model,scheme,elapsed_s,step,metric,seed\nmlp,hook ef+topk,0.7,10,0.5,0\nmlp,hook ef+topk,1.5,30,0.9,0\n")
+    monkeypatch.setattr(T, "run_schemes", lambda *a, **k: pytest.fail("--remodel trained"))
+    monkeypatch.setattr(T, "modelled_comm_s", lambda task, scheme, hosts, net: hosts * 0.005)
+    got = T.main(["--remodel", str(rec), "--netbed", "1", "--out", str(tmp_path / "out"), "--no-wandb"])
+    assert got[0]["modelled_s"] == pytest.approx(1.68) and got[0]["modelled_ratio"] == pytest.approx(0.6)
+    assert got[1]["modelled_s"] == pytest.approx(0.36) and got[1]["modelled_ratio"] == pytest.approx(0.24)
+    assert all(math.isnan(r["modelled_s"]) for r in got[2:])
+    assert sorted(p.name for p in rec.iterdir()) == ["curves.csv", "summary.csv"]
+    assert (tmp_path / "out" / "remodelled.csv").exists() and "1.68" in capsys.readouterr().out
+
+
 def _torch_hook_worker(ctx, steps: int) -> dict:
     """``steps`` steps of the full-width MLP (DDP's two buckets) through torch's ``powerSGD_hook`` as the
     ``torch powersgd`` scheme runs it."""

@@ -91,10 +91,10 @@ def test_powersgd_declares_its_products_and_passes_and_the_step_grows_by_count_t
     residual and checks it in one pass (54), copies the bias and P into the message (6 + 8), ``M Q`` (48
     multiply-adds), a QR and the call (2 kernels); the P round: the bias's sum and Q (6 + 6), ``M^T P`` (48), a QR and the call;
     the Q round's end: the call; decode: the bias's and Q's division and the residual (6 + 6 + 54), ``P Q^T``
-    (48), a QR-free product call and the call (2). The modelled clock grows by exactly the counts times the
+    (48, ``matmul_outer``: the matrix written), a QR-free product call and the call (2). The modelled clock grows by exactly the counts times the
     rates on both workers (a symmetric step: every message shifts by the same charge)."""
     steps = _recorded(monkeypatch, "powersgd")
-    want = {"elementwise": 68 + 12 + 66, "matmul": 48 + 48, "matmul_t": 48, "kernel": 2 + 2 + 1 + 2}
+    want = {"elementwise": 68 + 12 + 66, "matmul": 48, "matmul_t": 48, "matmul_outer": 48, "kernel": 2 + 2 + 1 + 2}
     for rank in (0, 1):
         assert _totals(steps[1], rank) == want
     base = _times("powersgd", BASE)

@@ -75,11 +75,13 @@ modelled clocks (``host=None``, the default: no host cost, every modelled time a
   zeroed and checked, each worker's values added); ``"select"``, elements a top-k selection runs over
   (``select_element_s``: the partial sort among candidates); ``"sample"``, magnitudes a top-k draws at random
   positions for its threshold (``sample_element_s``); ``"matmul"``, multiply-adds of a product of the large matrix
-  with a skinny factor (``matmul_mac_s``: PowerSGD's ``M Q`` and ``P Q^T``); ``"matmul_t"``, multiply-adds of one
+  with a skinny factor (``matmul_mac_s``: PowerSGD's ``M Q``); ``"matmul_t"``, multiply-adds of one
   of its transpose (``matmul_t_mac_s``: PowerSGD's ``M^T P``, as :func:`sparsecomm.methods.powersgd.factor_product`
-  computes it); ``"kernel"``, calls whose fixed cost counts (``kernel_call_s``: a method call's Python, a thin
-  QR, a top-k's set-up). Every rate 0 (the default, and a profile without them): no charge, the modelled times
-  as without them.
+  computes it); ``"matmul_outer"``, multiply-adds of a product of two skinny factors into a large matrix
+  (``matmul_outer_mac_s``: PowerSGD's estimate ``P Q^T``, which writes the n x m matrix where the other two read
+  it; ``None``, a profile without it: ``matmul_mac_s``, its charge before the rate existed); ``"kernel"``, calls
+  whose fixed cost counts (``kernel_call_s``: a method call's Python, a thin QR, a top-k's set-up). Every rate 0
+  (the default, and a profile without them): no charge, the modelled times as without them.
 
 A model that charges a fixed CPU time per message (``send_message_s + recv_message_s > 0``, or a table by
 message size) is a host
@@ -123,13 +125,14 @@ HOST_OPS = {"sum": "element", "scan": "element", "switch_packet": "packet", "swi
             "copy": "byte", "fresh": "byte", "call": "call", "span": "block", "index": "block",
             "scan_zero": "element", "move": "byte", "check": "element",
             "elementwise": "element", "select": "element", "sample": "element", "matmul": "multiply-add",
-            "matmul_t": "multiply-add", "kernel": "call", "sparse_switch_packet": "packet",
+            "matmul_t": "multiply-add", "matmul_outer": "multiply-add", "kernel": "call", "sparse_switch_packet": "packet",
             "sparse_switch_value": "packet", "sparse_switch_result": "packet", "sparse_switch_message": "message",
             "sparse_switch_round": "packet", "fresh_later": "byte", "fresh_touch": "byte"}
 
 #: the operations of a method's encode and decode (:meth:`sparsecomm.methods.base.Method.work`) and their rates
 CODEC_RATES = {"elementwise": "elementwise_element_s", "select": "select_element_s", "sample": "sample_element_s",
-               "matmul": "matmul_mac_s", "matmul_t": "matmul_t_mac_s", "kernel": "kernel_call_s"}
+               "matmul": "matmul_mac_s", "matmul_t": "matmul_t_mac_s", "matmul_outer": "matmul_outer_mac_s",
+               "kernel": "kernel_call_s"}
 
 #: the dtypes whose per-element sum cost a profile gives (:func:`sparsecomm.netbed.calibrate.calibrate` measures each)
 SUM_DTYPES = ("float32", "float64", "float16", "bfloat16", "int32")
@@ -159,6 +162,7 @@ RATE_UNITS = {
     "sample_element_s": "s/element",
     "matmul_mac_s": "s/multiply-add",
     "matmul_t_mac_s": "s/multiply-add",
+    "matmul_outer_mac_s": "s/multiply-add",
     "kernel_call_s": "s/call",
     "sparse_switch_packet_s": "s/packet",
     "sparse_switch_value_s": "s/packet",
@@ -176,7 +180,8 @@ MESSAGE_TABLES = ("message_cpu_s", "message_wait_s")
 #: (``None``: nothing), the charge its operation had before the rate existed
 FALLBACK_RATES = {"sparse_switch_packet_s": "switch_packet_s", "sparse_switch_value_s": None,
                   "sparse_switch_result_s": None,
-                  "sparse_switch_message_s": "switch_message_s", "sparse_switch_round_s": None}
+                  "sparse_switch_message_s": "switch_message_s", "sparse_switch_round_s": None,
+                  "matmul_outer_mac_s": "matmul_mac_s"}
 
 #: the rates a version-2 profile may lack (added within version 2; absent: 0, or for those of :data:`FALLBACK_RATES`
 #: ``None``: the time the profile modelled)
@@ -225,6 +230,8 @@ class HostModel:
         sample_element_s: seconds per magnitude a top-k samples for its threshold.
         matmul_mac_s: seconds per multiply-add of a product of a large matrix with a skinny factor.
         matmul_t_mac_s: seconds per multiply-add of a product of a large matrix's transpose with a skinny factor.
+        matmul_outer_mac_s: seconds per multiply-add of a product of two skinny factors written into a large
+            matrix (``None``: ``matmul_mac_s``).
         kernel_call_s: seconds per call of a method's or compressor's kernel whose fixed cost counts.
         sparse_switch_packet_s: seconds per packet the sparse switch's program runs (``None``: ``switch_packet_s``).
         sparse_switch_value_s: seconds per value packet (not a skip) the sparse switch's program runs, on top of
@@ -267,6 +274,7 @@ class HostModel:
     sample_element_s: float = 0.0
     matmul_mac_s: float = 0.0
     matmul_t_mac_s: float = 0.0
+    matmul_outer_mac_s: float | None = None
     kernel_call_s: float = 0.0
     sparse_switch_packet_s: float | None = None
     sparse_switch_value_s: float | None = None
@@ -438,6 +446,8 @@ class HostModel:
             rate = self.check_element_s
         elif op in CODEC_RATES:
             rate = getattr(self, CODEC_RATES[op])
+            if rate is None:            # (FALLBACK_RATES: the charge before the rate existed)
+                rate = getattr(self, FALLBACK_RATES[CODEC_RATES[op]])
         elif op in ("sparse_switch_packet", "sparse_switch_value", "sparse_switch_result", "sparse_switch_message",
                     "sparse_switch_round"):
             name = f"{op}_s"
