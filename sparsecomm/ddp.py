@@ -211,7 +211,8 @@ class CommHookState:
                                      fabric=default_fabric(self.process_group), seed=self.seed,
                                      warmup_steps=self.warmup_steps, sparse_rows=self.sparse_rows, **self.hyper)
         self._agree()
-        self.scheduler = HookScheduler(self.pipeline, self.min_compress_size, self._verify, self._note_error)
+        self.scheduler = HookScheduler(self.pipeline, self.min_compress_size, self._verify, self._note_error,
+                                       on_step_every=self.verify_replicas_every)
         self._checked: list[tuple[str, torch.Tensor]] = []     # what the replica guard compares
         #: the library error that failed a bucket's communication (DDP's backward re-raises it as a
         #: ``RuntimeError`` whose text names it: torch's C++ layer keeps only the text), else None
@@ -250,6 +251,18 @@ class CommHookState:
         agree(self.pipeline.fabric, "sparsecomm.ddp hook state", self.pipeline.settings() + [
             ("min_compress_size", repr(self.min_compress_size)),
             ("verify_replicas_every", repr(self.verify_replicas_every))])
+
+    @property
+    def verify_replicas_every(self) -> int:
+        """Compare the workers' parameters at the start of every N-th step (0: never)."""
+        return self._verify_every
+
+    @verify_replicas_every.setter
+    def verify_replicas_every(self, every: int) -> None:
+        self._verify_every = every
+        scheduler = self.__dict__.get("scheduler")
+        if scheduler is not None:
+            scheduler.on_step_every = every     # (the scheduler calls the guard at those steps only)
 
     def _verify(self, steps: int) -> None:
         """The replica guard, at the start of every ``verify_replicas_every``-th step."""

@@ -12,8 +12,9 @@ count, median-free): on the thread that runs the hook (DDP's autograd thread), i
 callback chained on a future with ``then`` (torch's hooks' completions and this library's chained ones, which
 run on gloo's own thread, a C++ thread that ``threading.setprofile`` does not reach: the callbacks are wrapped
 to profile themselves); and on every Python thread the library starts (its communication thread), during the
-timed steps; divided by the buckets. The profiling's own calls (the wrappers' ``setprofile``) are not
-counted.
+timed steps; divided by the buckets. A ``then`` registration counts as the one C call it is (``Future.then``,
+which the wrapper replaces), on the thread and under the tag that makes it. The profiling's own calls (the
+wrappers' ``setprofile``) are not counted.
 
 **Paired timing** (the rounds of :mod:`experiments.bench.step`: every configuration one step per round, the
 slower rank's time, the median of the per-round ratios): stock DDP, torch's ``allreduce_hook``, two minimal
@@ -50,6 +51,7 @@ def _counter(tag: str):
         # (the profiling wrappers' own frames and the C calls they make are not counted)
         if _ON[0] and event in ("call", "c_call") and frame.f_code not in _OWN:
             _COUNTS[tag] += 1
+    f.tag = tag
     return f
 
 
@@ -58,7 +60,13 @@ _THEN = torch._C.Future.then
 
 def _counted_then(self, callback):
     """``Future.then`` whose callback counts its own calls (under the tag ``completion``), on whichever
-    thread runs it (gloo's, for a collective's future; the caller's, for a future already complete)."""
+    thread runs it (gloo's, for a collective's future; the caller's, for a future already complete); the
+    registration itself is one call of the caller's (the C call ``Future.then`` that this wrapper stands for),
+    counted under the tag of the profile active on the calling thread."""
+    prof = sys.getprofile()
+    if _ON[0] and prof is not None:
+        _COUNTS[prof.tag] += 1
+
     def run(fut):
         before = sys.getprofile()
         sys.setprofile(_counter("completion"))

@@ -241,12 +241,19 @@ class CommEngine:
         posted) runs its completion only once every chained completion has returned
         (:meth:`_loop`). Errors are recorded as for a queued call: a chained completion that raises
         fails every later call, unless its error is a :class:`~sparsecomm.errors.NonFiniteError`.
-        Returns None when not done; the caller then posts or submits the call."""
+        Returns None when not done; the caller then posts or submits the call. A ``post()`` that raises
+        (its collective could not be posted, or not all of it) leaves this worker's stream of calls out of
+        step with the other workers': the engine fails, as for a failed :meth:`post`, and the error is
+        raised to the caller here; every later call fails with it."""
         with self._mutex:
             if (self._failed is not None or self._issuing or self._resolving or self._queue
                     or self._busy):
                 return None
-            got = post()
+            try:
+                got = post()
+            except BaseException as exc:  # noqa: BLE001 - the stream is out of step: later calls fail too
+                self._failed = exc
+                raise
             if got is None:
                 return None
             gfut, posted = got

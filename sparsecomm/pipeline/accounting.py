@@ -132,6 +132,18 @@ class Accounting:
         s.bytes_dense_sent += self.copies * dense_bytes
         self.round(payload, comm)
 
+    def finished_plain(self, nbytes: int, comm: CommStats) -> None:
+        """:meth:`finished` of a plain average's call, whose one round sent the ``nbytes`` of its dense bucket
+        (a tensor: ``payload.nbytes``): the same figures, added in the same order, in one call."""
+        s, copies = self.stats, self.copies
+        s.bytes_dense += nbytes
+        s.bytes_dense_sent += copies * nbytes
+        s.rounds += 1
+        s.bytes_payload += nbytes
+        s.bytes_declared_sent += copies * nbytes
+        s.comm += comm
+        self.last_stats += comm
+
     def call(self, dense_bytes: int, copies: float | None = None) -> None:
         """A call standing for ``dense_bytes`` of uncompressed gradient (``copies``: as :meth:`round`)."""
         self.stats.bytes_dense += dense_bytes

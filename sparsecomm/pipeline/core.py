@@ -42,6 +42,7 @@ from typing import Any, Callable, Hashable
 import torch
 
 from .. import methods
+from ..compressors._common import divide_finite
 from ..compressors.base import Compressor
 from ..errors import IncompatibleError, InvalidValueError, MismatchError
 from ..fabric import trace as _trace
@@ -248,6 +249,10 @@ class CommPipeline:
         if not compress or self.plain:
             # where the transport checks the sum (not rule.checks_sums), the division's pass checks it for it
             checks = not self.rule.checks_sums
+            if checks and self._plain_round.fabric is None:
+                # (PlainRound.begin(checked=True)'s call and its _finish_checked in one: nothing is charged)
+                return t.chain(flat, identity, functools.partial(self._finish_plain, flat.nbytes, identity), done,
+                               checks=True)
             call = self._plain_round.begin(flat, key, checked=checks)
             finish = (functools.partial(self._finish_checked, call, identity) if checks else
                       lambda agg: self._finish(call, agg, None, t, None, identity))
@@ -317,6 +322,20 @@ class CommPipeline:
             self._phase("decode", t0, identity)
         self.accounting.finished(call.dense_bytes, call.last, self.transport.last_stats)
         return out, True
+
+    def _finish_plain(self, nbytes: int, identity: CallId, agg: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """:meth:`_finish_checked` of a plain average of ``nbytes`` on an unmodelled fabric (:meth:`chain`): the sum
+        divided by n in place in the pass that checks it (:meth:`PlainRound.begin
+        <sparsecomm.pipeline.rounds.PlainRound.begin>`'s checked finish, bit for bit), then the call and its round
+        recorded (:meth:`Accounting.finished_plain <sparsecomm.pipeline.accounting.Accounting.finished_plain>`),
+        unless the sum is not finite: ``(average, finite)``."""
+        t0 = self.fabric.now() if _trace.recorder is not None else 0.0
+        if not divide_finite(agg, self.world_size):
+            return agg, False
+        if _trace.recorder is not None:
+            self._phase("decode", t0, identity)
+        self.accounting.finished_plain(nbytes, self.transport.last_stats)
+        return agg, True
 
     def _phase(self, name: str, t0: float, identity: CallId | None) -> None:
         """Record the pipeline's ``name`` (``"encode"``, ``"decode"``) from ``t0`` to now on the active timeline

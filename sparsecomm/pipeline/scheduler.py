@@ -216,14 +216,18 @@ class BucketScheduler:
 
 class HookScheduler:
     """The DDP hook's buckets through ``pipeline`` (see the module doc): :meth:`start` is the hook's body.
-    ``on_step(steps)`` runs at the first bucket of every step, before the step begins (the replica
-    guard); ``on_error(exc)`` when a bucket's communication failed (on the thread that completed it)."""
+    ``on_step(steps)`` runs at the first bucket of every step whose count ``steps`` (the steps completed
+    before it) is a multiple of :attr:`on_step_every`, before the step begins (the replica guard);
+    ``on_error(exc)`` when a bucket's communication failed (on the thread that completed it, or on the
+    calling thread where its collective could not be posted)."""
 
     def __init__(self, pipeline: CommPipeline, min_compress_size: int,
                  on_step: Callable[[int], None] | None = None,
-                 on_error: Callable[[BaseException], None] | None = None) -> None:
+                 on_error: Callable[[BaseException], None] | None = None, on_step_every: int = 1) -> None:
         self.pipeline, self.min_compress_size, self.on_step = pipeline, min_compress_size, on_step
         self.on_error = on_error
+        #: ``on_step`` runs at the steps whose count is a multiple of this (0: never)
+        self.on_step_every = int(on_step_every)
         #: steps (DDP iterations: backward passes) completed
         self.steps = 0
         #: parameter id -> name (the model's names, which key the method state)
@@ -281,9 +285,10 @@ class HookScheduler:
         return "p:" + hashlib.blake2b("\x00".join(names).encode(), digest_size=8).hexdigest()
 
     def _begin(self) -> None:
-        """At the first bucket of a step: ``on_step``, then the pipeline's step."""
+        """At the first bucket of a step: ``on_step`` (where due), then the pipeline's step."""
         if not self._in_step:
-            if self.on_step is not None:
+            every = self.on_step_every
+            if self.on_step is not None and every and self.steps % every == 0:
                 self.on_step(self.steps)
             self.pipeline.begin_step(self.steps + 1)   # the identity of this step's calls carries our counter
             self._in_step = True
@@ -295,12 +300,14 @@ class HookScheduler:
         ``buffer`` itself, and the fp16/bf16 casts' round): a future of the average; or None when
         nothing was done (a sparse bucket, another method, an unpredicted plain call, ...): then
         :meth:`start` it. The step's bookkeeping (:meth:`_track`) is the same."""
-        if buffer.is_sparse or buffer.dim() != 1 or not buffer.is_contiguous():
+        if buffer.is_sparse or buffer.ndim != 1 or not buffer.is_contiguous():
             return None
-        compress = self.steps >= 1 and buffer.numel() >= self.min_compress_size
+        least = self.min_compress_size
+        compress = self.steps >= 1 and (not least or buffer.numel() >= least)
         if compress and not self._by_index:
             return None
-        self._begin()
+        if not self._in_step:
+            self._begin()
         with self._lock:
             self._pending += 1
             last_before, self._last_started = self._last_started, self._last_started or is_last
@@ -311,6 +318,10 @@ class HookScheduler:
                 fut.add_done_callback(self._completed)
                 fut = fut.get_future()
             failed = False
+        except BaseException as exc:
+            if self.on_error is not None:       # (its collective could not be posted: CommEngine.chain)
+                self.on_error(exc)
+            raise
         finally:
             if fut is None:
                 with self._lock:

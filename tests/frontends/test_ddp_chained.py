@@ -81,6 +81,28 @@ def test_a_failed_chained_completion_fails_later_calls_but_a_nonfinite_error_doe
     assert eng.close(5.0)
 
 
+def test_a_chained_post_that_raises_fails_the_engine_and_the_caller():
+    # post() raising (the collective could not be posted): this worker's calls are out of step with the other
+    # workers', so the caller gets the error and every later call fails with it
+    from sparsecomm.errors import PeerFailure
+
+    eng = CommEngine("-test")
+    err = PeerFailure("all_reduce could not be posted")
+
+    def post():
+        raise err
+
+    with pytest.raises(PeerFailure, match="could not be posted"):
+        eng.chain(post, lambda _: 1)
+    done = torch.futures.Future()
+    done.set_result(None)
+    assert eng.chain(lambda: (done, None), lambda _: 2) is None       # failed: not chained
+    assert eng.post(lambda: "posted", lambda _: 3) is None             # nor posted
+    with pytest.raises(PeerFailure, match="could not be posted"):
+        eng.submit(lambda: 1).wait(5.0)
+    assert eng.close(5.0)
+
+
 def test_a_chained_completion_waits_for_its_collective_even_after_the_previous_completion_failed():
     # the previous call's future fails; the next completion must still wait for its own collective (a
     # collect_all of the failed future would end at once) and then run, after the failed one

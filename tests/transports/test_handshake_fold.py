@@ -92,6 +92,38 @@ def test_a_deviation_joins_with_nan_of_the_predicted_size_and_the_next_record_re
     assert s.predicted() is k
 
 
+def test_take_records_a_predicted_call_as_predicts_then_record_do():
+    # two schedules fed the same calls, one through take(), one through predicts() then record(): the same answers
+    # and the same record after every call (runs of several lengths, a bucket that changes, a step that jumps)
+    prefix = ("native", ("numel", 4))
+    calls = [(c, st, 0) for st in range(1, 40) for c in ((7, 7, 9) if st % 5 else (7, 9))]
+    calls[50] = (8, calls[50][1], 0)          # another bucket once
+    calls[70:] = [(c, st + 3, r) for c, st, r in calls[70:]]    # a step skipped
+    folds = {}
+
+    def fold(code, step, last_step):
+        key = prefix + (("call", code, 0, None if last_step is None else step - last_step),)
+        return folds.setdefault(key, _fold.Fold(key, 4, torch.float32, torch.device("cpu"), lambda t: None))
+
+    a, b = _fold.Schedule(), _fold.Schedule()
+    taken = 0
+    for code, step, rnd in calls:
+        got = b.predicts(prefix, code, step, rnd)
+        key = a.take(prefix, code, step, rnd)
+        assert (key is None) == (got is None)
+        if got is not None:
+            assert key == got[0]
+            b.record(*got, step=step)
+            taken += 1
+        else:           # (not predicted: made and recorded as a call with its handshake)
+            f = fold(code, step, a._step)
+            assert f.key == prefix + b.key_of(code, step, rnd)
+            a.record(f.key, f, step=step)
+            b.record(f.key, f, step=step)
+        assert (a._last, a._run, a._step, list(a._next.items())) == (b._last, b._run, b._step, list(b._next.items()))
+    assert taken > len(calls) // 2
+
+
 def test_the_record_is_bounded_alike_on_every_worker():
     s = _fold.Schedule()
     for i in range(3 * _fold.MAX_KEYS):

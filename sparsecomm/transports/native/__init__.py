@@ -71,7 +71,7 @@ from ..base import CallId, CallShape, Transport
 from ..linear import LinearOperand, guarded_sum, linear_operand
 from .collectives import GATHER_SUM_BYTES, book, join, join_figures, post_join, translated
 from .gather import gather_rows
-from ...fabric.torch.torch_waiters import retain
+from ...fabric.torch.torch_waiters import retain_one
 
 WHAT = "native allreduce"
 
@@ -204,17 +204,16 @@ class Native(Transport):
 
         def post():
             # under the engine's lock (CommEngine.chain): the prediction, the post and the record in call order
-            got = sched.predicts(prefix, code, step, call.round)
-            if got is None:
+            if sched.take(prefix, code, step, call.round) is None:     # (predicted: recorded, as made)
                 return None
             try:
                 handle = group.allreduce([v], opts)     # (dist.all_reduce's own call, its checks made once)
             except RuntimeError as exc:
+                sched.reset()       # (not made: the engine fails, CommEngine.chain)
                 raise translated(f, "all_reduce", exc) from exc
             sched.folded += 1
             sched.posted += 1
             sched.chained += 1
-            sched.record(*got, step=step)
             fut = handle.get_future()       # (the work itself is gloo's to keep: as dist.all_reduce's caller drops it)
             return fut, fut
 
@@ -225,7 +224,7 @@ class Native(Transport):
                     fut.wait()      # (complete: not the work's wait(), which waits for its callbacks)
                 except RuntimeError as exc:
                     raise translated(f, "all_reduce", exc) from exc
-                retain(v)       # (the tensor the work holds, so that gloo's thread never frees its Python object)
+                retain_one(v)   # (the tensor the work holds, so that gloo's thread never frees its Python object)
                 stats = book(f, *booked)        # (book_join's figures for this lane, computed once)
                 if own and self._suspect(v):
                     before = f.stats.copy()
