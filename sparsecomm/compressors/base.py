@@ -69,7 +69,11 @@ class Compressor(ABC):
     def decompress(self, payload: Payload) -> torch.Tensor:
         """The decompressed tensor, with the shape and dtype of the compressed input
         (``payload.to_dense()``, bit for bit: :func:`._common.decompressed`)."""
-        return decompressed(payload).reshape(payload.shape)
+        out = decompressed(payload)
+        shape = payload.shape
+        if len(shape) == 1 and out.dim() == 1 and out.shape[0] == shape[0]:
+            return out      # (already the shape: a reshape to a torch.Size costs more than a small cast)
+        return out.reshape(shape)
 
     def omega(self, d: int) -> float:
         """Variance constant of U(omega); ``inf`` for a biased compressor.

@@ -292,7 +292,8 @@ class _Cast(_Dense):
         under = False
         if fused:   # the cast and every check in one pass; the float64 sums where it leaves them undecided
             ys = np.empty(flat.numel(), dtype=np.int16)       # (numpy's memory: see cpu_empty)
-            xs, y = flat.numpy(), torch.from_numpy(ys).view(self.target)
+            xs = flat.numpy()
+            y = torch.from_numpy(ys).view(self.target) if bf else torch.from_numpy(ys.view(np.float16))
             bound = 1.0 - self.delta(flat.numel())
             e, q = (_quick_bf16 if bf else _quick_f16)(xs, ys)
             # e finite: every y is finite; then the float64 sums' decision where the float32 ones settle it

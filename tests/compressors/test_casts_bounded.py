@@ -292,3 +292,56 @@ def test_casts_of_any_shape_and_layout_are_the_flat_contiguous_cast(name):
         y = c.decompress(p)
         assert y.shape == x.shape and y.dtype == x.dtype
         assert torch.equal(y.reshape(-1).view(torch.int32), want.to(torch.float32).view(torch.int32))
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+@pytest.mark.parametrize("path", ["numba", "torch"])
+def test_decompress_of_every_bit_pattern_is_torchs_widening(name, path):
+    """A flat payload holding every 16-bit pattern (normals, subnormals, both zeros, +-Inf, NaNs) decompresses
+    to torch's widening of it bit for bit (a NaN to a NaN: its payload is not pinned), on both paths; a
+    payload of another length than its shape's falls back to ``Payload.to_dense``'s answer."""
+    target = torch.float16 if name == "fp16" else torch.bfloat16
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    v = bits.view(target)
+    want = v.to(torch.float32)
+    c = sc.compressors.get(name)
+    p = sc.payload.Payload(kind="dense", values=v, shape=torch.Size([v.numel()]), dtype=torch.float32)
+    with sc.kernels.force(path):
+        got = c.decompress(p)
+    assert got.shape == (65536,) and got.dtype == torch.float32
+    nan = torch.isnan(want)
+    assert int(nan.sum()) == (2046 if name == "fp16" else 254)
+    assert torch.equal(torch.isnan(got), nan)
+    assert torch.equal(got[~nan].view(torch.int32), want[~nan].view(torch.int32))
+    p2 = sc.payload.Payload(kind="dense", values=v[:10], shape=torch.Size([10]), dtype=torch.float32)
+    assert torch.equal(c.decompress(p2).view(torch.int32), p2.to_dense().view(torch.int32))
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+def test_a_flat_cast_pair_reshapes_nothing_and_builds_no_device(name):
+    """compress + decompress of a flat float32 CPU vector, the DDP buckets' and the benchmark's case, makes
+    no ``reshape`` (to a ``torch.Size`` it costs more than casting a few thousand elements) and reads no
+    ``Tensor.device`` (``is_cpu`` answers without building a ``torch.device``): torch calls are the fixed
+    cost of a cast pair, several microseconds each. The values are the widened cast's, bit for bit."""
+    from torch.overrides import TorchFunctionMode
+
+    if name == "fp16" and not kern.NATIVE_HALF:
+        pytest.skip("no hardware float16 conversion: the fused float16 cast does not run here")
+
+    class Calls(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            owner = getattr(func, "__self__", None)
+            self.names.append(getattr(owner, "__name__", None) if func.__name__ == "__get__" else func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    c = sc.compressors.get(name)
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(3))
+    with Calls() as calls:
+        y = c.decompress(c.compress(x))
+    assert calls.names, "the counting mode saw no torch call"
+    assert "reshape" not in calls.names and "device" not in calls.names, calls.names
+    assert torch.equal(y.view(torch.int32), x.to(c.target).to(torch.float32).view(torch.int32))
