@@ -163,8 +163,7 @@ def divide_finite(x: torch.Tensor, n: int) -> bool:
     element of ``x`` was: one Numba pass over a flat contiguous float32/float64 CPU tensor
     (:func:`._kernels.div_finite`: torch's ``div_`` by ``n``, bit for bit), torch's ``div_`` then
     :func:`all_finite` elsewhere."""
-    if x.device.type == "cpu" and not _kernel_paths.torch_forced() and x.dtype in (torch.float32, torch.float64) \
-            and x.ndim == 1 and x.is_contiguous():        # (use_numba(x), inlined: one call per bucket less)
+    if use_numba(x) and x.dtype in (torch.float32, torch.float64) and x.ndim == 1 and x.is_contiguous():
         a = x.detach().numpy()
         return bool(_k.div_finite(a, a.dtype.type(n)))
     x.div_(n)
@@ -263,8 +262,7 @@ def _widen_div_kernel(values: torch.Tensor, n: int, out: torch.Tensor) -> bool |
     None (nothing done) elsewhere."""
     bf = values.dtype == torch.bfloat16
     if out.dtype == torch.float32 and (bf or (values.dtype == torch.float16 and _k.NATIVE_HALF)) and \
-            values.device.type == "cpu" and not _kernel_paths.torch_forced() and out.device.type == "cpu" and \
-            values.numel() == out.numel() and \
+            use_numba(values) and out.is_cpu and values.numel() == out.numel() and \
             values.is_contiguous() and out.is_contiguous():
         v = values if values.dim() == 1 else values.reshape(-1)
         o = out if out.dim() == 1 else out.reshape(-1)

@@ -36,7 +36,6 @@ import numpy as np
 from numba import njit
 
 from ..errors import OverflowError_
-from .. import kernels as _kernel_paths
 from . import _kernels
 from ._common import (CompressorConfigError, abs_max, cpu_empty, dtype_bits, flat_input, make_payload,
                       raise_nonfinite, use_numba)
@@ -285,9 +284,7 @@ class _Cast(_Dense):
     def compress(self, x, generator=None):
         flat = flat_input(x, self.name)
         bf = self.target == torch.bfloat16
-        # (use_numba(flat), inlined: one call per bucket less)
-        fused = flat.device.type == "cpu" and not _kernel_paths.torch_forced() and flat.dtype == torch.float32 and \
-            (bf or _kernels.NATIVE_HALF)
+        fused = use_numba(flat) and flat.dtype == torch.float32 and (bf or _kernels.NATIVE_HALF)
         checked = self.underflow != "allow" and flat.dtype != self.target and flat.numel()
         under = False
         if fused:   # the cast and every check in one pass; the float64 sums where it leaves them undecided
