@@ -541,6 +541,7 @@ class _Scheduler:
         self.lacks: dict = {}       # sequence number -> conditions of R1 not met yet
         self.able: set = set()      # sequence numbers with none lacking
         self.order: list = []       # (stage, sequence number) of the able ones, sorted: the preference order
+        self.choice = Choose(self.order)    # (what every choice yields: the order itself, answered before it changes)
         self.stays: int = 0         # how many able ones wait at a stage that does not reap
         self.watchers: dict = {}    # key -> [(sequence number, True for a key awaited / False for gone)]
         self.seq = 0
@@ -618,7 +619,7 @@ class _Scheduler:
                     yield from self.resume(first, got)
                     continue
                 if ws is not None:
-                    s, got = yield Choose(order)
+                    s, got = yield self.choice
                     yield from self.resume(s, got)
                     continue
                 if self.blocking:
