@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 import inspect
 import time
-from itertools import compress
+from itertools import chain, compress
 from operator import itemgetter, methodcaller
 from typing import Generator, Iterable, NamedTuple, Protocol
 
@@ -541,6 +541,7 @@ class _Scheduler:
         self.lacks: dict = {}       # sequence number -> conditions of R1 not met yet
         self.able: set = set()      # sequence numbers with none lacking
         self.order: list = []       # (stage, sequence number) of the able ones, sorted: the preference order
+        self.choice = Choose(self.order)    # (what every choice yields: the order itself, answered before it changes)
         self.stays: int = 0         # how many able ones wait at a stage that does not reap
         self.watchers: dict = {}    # key -> [(sequence number, True for a key awaited / False for gone)]
         self.seq = 0
@@ -611,14 +612,14 @@ class _Scheduler:
                     outbox.reap(keep)
                 first = order[0][1]
                 req = waiting[first][1]
-                if len(order) == 1 or req.stage.sure:   # the only one, or sure: its own takes block
-                    if ws is not None and len(order) > 1:
+                if not order[1:] or req.stage.sure:   # the only one, or sure: its own takes block
+                    if ws is not None and order[1:]:
                         ws.remove(first)
                     got = yield WaitAll(req.keys, req.any)
                     yield from self.resume(first, got)
                     continue
                 if ws is not None:
-                    s, got = yield Choose(order)
+                    s, got = yield self.choice
                     yield from self.resume(s, got)
                     continue
                 if self.blocking:
@@ -657,14 +658,17 @@ class _Scheduler:
     def advance(self, role, first=None, value=None) -> Generator:
         """Run ``role`` until it waits (or returns), performing its non-blocking requests (a generator: a
         :class:`Poll` may resume others, whose waits it yields); ``first``: a request it has yielded already,
-        performed first; ``value``: what it is resumed with (an ``any`` wait's key)."""
+        performed first; ``value``: what it is resumed with (an ``any`` wait's key).
+
+        The role is resumed by a ``for`` loop (no call of ``next`` per request), and with ``send`` only to give
+        it a value; ``step``, the request being performed, tells the role's own exceptions (noted with its
+        name) from those of their performing."""
         inbox, outbox = self.inbox, self.outbox
+        requests = role if first is None else chain((first,), role)
         while True:
-            if first is not None:
-                req, first = first, None
-            else:
+            if value is not None:
                 try:
-                    req = next(role) if value is None else role.send(value)   # (a role may be a plain iterator)
+                    req = role.send(value)      # (a role may be a plain iterator: never sent None)
                 except StopIteration:
                     if self.kept is not None and self.kept[1] is role:
                         self._drop_kept()
@@ -672,43 +676,60 @@ class _Scheduler:
                 except Exception as exc:
                     _name_role(exc, role, self.fabric.rank)
                     raise
-            value = None
-            t = type(req)
-            if t is Send:
-                outbox.send(req.buf, req.dst, req.tag, key=req.hold, deferrable=req.deferrable)
-            elif t is Post:
-                inbox.post(req.key, req.nbytes, req.src, req.tag)
-            elif t is PostInto:
-                inbox.post_into(req.key, req.buf, req.src, req.tag)
-            elif t is Hand:
-                inbox.put(req.key, req.msg)
-            elif t is Spawn:
-                if self.solo:
-                    inbox.observe(self.changed, self.watchers)
-                self.solo = None        # (two roles: every wait is watched from now on; none is suspended yet)
-                yield from self.advance(req.role)
-            elif t is Flush:
-                outbox.pool.settle(req.hold)
-            elif t is Poll:
-                if not self.polling:
-                    self.polling = True
-                    try:
-                        yield from self.poll(req.below)
-                    finally:
-                        self.polling = False
-            elif t is Recv:
-                if self.solo:           # the only role: it waits in place (nothing to watch, no other to run)
-                    self._check_solo(req)
-                    got = yield WaitAll(req.keys, req.any)
-                    if req.any:
-                        value = self._woken(req, got)
-                    continue
-                self.wait(role, req)
-                return
-            elif t is RecvWithin or t is AwaitWithin:
-                value = yield req       # the driver's wait, this endpoint's alone (no other role runs meanwhile)
-            else:
-                raise ProtocolError(f"endpoint {self.fabric.rank}: a role asked for {req!r} (a bug)")
+                value = None
+                requests = chain((req,), role)
+            step = None
+            try:
+                for req in requests:
+                    step = req
+                    t = type(req)
+                    if t is Send:
+                        outbox.send(req.buf, req.dst, req.tag, req.hold, req.deferrable)
+                    elif t is Post:
+                        inbox.post(req.key, req.nbytes, req.src, req.tag)
+                    elif t is PostInto:
+                        inbox.post_into(req.key, req.buf, req.src, req.tag)
+                    elif t is Hand:
+                        inbox.put(req.key, req.msg)
+                    elif t is Recv:
+                        if self.solo:       # the only role: it waits in place (nothing to watch, no other to run)
+                            self._check_solo(req)
+                            got = yield WaitAll(req.keys, req.any)
+                            if req.any:
+                                value = self._woken(req, got)
+                                break
+                        else:
+                            self.wait(role, req)
+                            return
+                    elif t is Spawn:
+                        if self.solo:
+                            inbox.observe(self.changed, self.watchers)
+                        self.solo = None    # (two roles: every wait is watched from now on; none is suspended yet)
+                        yield from self.advance(req.role)
+                    elif t is Flush:
+                        outbox.pool.settle(req.hold)
+                    elif t is Poll:
+                        if not self.polling:
+                            self.polling = True
+                            try:
+                                yield from self.poll(req.below)
+                            finally:
+                                self.polling = False
+                    elif t is RecvWithin or t is AwaitWithin:
+                        value = yield req   # the driver's wait, this endpoint's alone (no other role runs meanwhile)
+                        if value is not None:
+                            break
+                    else:
+                        raise ProtocolError(f"endpoint {self.fabric.rank}: a role asked for {req!r} (a bug)")
+                    step = None
+                else:                   # the role has returned
+                    if self.kept is not None and self.kept[1] is role:
+                        self._drop_kept()
+                    return
+            except Exception as exc:
+                if step is None:        # (raised by the role's own code)
+                    _name_role(exc, role, self.fabric.rank)
+                raise
 
     def _check_solo(self, req: Recv) -> None:
         """The only role waits on ``req``: able to run (rule R1; else a bug), after the reap its stage asks for."""
@@ -759,8 +780,8 @@ class _Scheduler:
             if not stage.reaps:
                 self.stays += 1
             ws = self.waitset
-            if ws is not None and len(order) > 1:
-                if len(order) == 2:
+            if ws is not None and order[1:]:
+                if not order[2:]:
                     other = order[0][1] if order[1][1] == s else order[1][1]
                     ws.add(other, self.waiting[other][1])
                 ws.add(s, req)
@@ -773,8 +794,8 @@ class _Scheduler:
         if not stage.reaps:
             self.stays += 1
         ws = self.waitset
-        if ws is not None and len(order) > 1:       # (a wait set records the able roles while there is a choice)
-            if len(order) == 2:
+        if ws is not None and order[1:]:       # (a wait set records the able roles while there is a choice)
+            if not order[2:]:
                 other = order[0][1] if order[1][1] == s else order[1][1]
                 ws.add(other, self.waiting[other][1])
             ws.add(s, self.waiting[s][1])
@@ -789,14 +810,14 @@ class _Scheduler:
         ws = self.waitset
         if ws is not None and order:            # (there were two or more: recorded)
             ws.remove(s)
-            if len(order) == 1:
+            if not order[1:]:
                 ws.remove(order[0][1])
 
     def changed(self, key, present: bool | None) -> None:
         """The inbox's observer: ``key`` was posted or put (``present``), taken, or replaced (``None``)."""
         able, lacks = self.able, self.lacks
         if present is None:     # the same conditions; a wait set's record of the receive is stale
-            if self.waitset is not None and len(self.order) > 1:
+            if self.waitset is not None and self.order[1:]:
                 for s, awaited in self.watchers.get(key, ()):
                     if awaited and s in able:
                         self.waitset.remove(s)
@@ -850,7 +871,7 @@ class _Scheduler:
             ws = self.waitset
             if ws is not None and order:
                 ws.remove(s)
-                if len(order) == 1:
+                if not order[1:]:
                     ws.remove(order[0][1])
         if got is not None and req.keys[1:] and not req.gone:
             if self.kept is not None:
@@ -896,7 +917,7 @@ class _Scheduler:
         (``below``: only those of an earlier phase)."""
         ready, waiting, busy, ws = self.inbox.ready, self.waiting, self.outbox.pool.busy, self.waitset
         while True:   # (the roles at or past ``below``, and sure ones, are skipped before any look at their messages)
-            if ws is not None and len(self.order) > 1:     # the wait set knows which are in
+            if ws is not None and self.order[1:]:     # the wait set knows which are in
                 best = None
                 for s in ws.ready():
                     stage = waiting[s][1].stage

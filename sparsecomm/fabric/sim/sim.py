@@ -221,9 +221,8 @@ class _RecvWork(Work):
         self._finish(msg)
         return True
 
-    def complete(self, msg: Msg) -> None:
-        """Complete with ``msg``, taken for it by a ``wait_any``."""
-        self._finish(msg)
+    #: complete with ``msg``, taken for it by a ``wait_any`` (or a drive's wait set, :mod:`.sim_roles`)
+    complete = _finish
 
     def is_completed(self) -> bool:
         return self.done
@@ -526,6 +525,7 @@ class SimFabric(Fabric):
         ws = None
         if ep.waitset is None:      # (a second drive at once on one endpoint builds its groups per choice)
             ws = ep.waitset = RoleWaits(ep, inbox, _RecvWork)
+            choice = AnyWait(None, ws)      # (the wait of every choice the records decide: one object)
         try:
             if len(roles) == 1:
                 rest = yield from self._drive_one(roles[0], inbox, outbox, keep)
@@ -545,18 +545,15 @@ class SimFabric(Fabric):
                     if s is not None:
                         value = (s, None)       # an empty group: chosen at once
                         continue
-                    if ws.exact():
-                        token, msgs = yield AnyWait(None, ws)
-                        works = ws.works(token)
-                        for w, msg in zip(works, msgs):
-                            w._finish(msg)
-                        value = (token[0], ws.key(token))
-                    else:               # groups the records do not decide: built as for a WaitAny
-                        waiting = [(s, ws.groups[s].req) for _, s in req.order]
-                        groups, owner, picks = _roles.groups(inbox, outbox, waiting)
-                        i = yield from self._wait_any_process(groups, checked=True)
-                        works, value = groups[i], (owner[i], picks[i])
-                    ws.completed(works)
+                    if ws.exact():      # its receives completed by the wait set (RoleWaits.take): no other
+                        value = yield choice        # group holds them, no record to update
+                        continue
+                    # groups the records do not decide: built as for a WaitAny
+                    waiting = [(s, ws.groups[s].req) for _, s in req.order]
+                    groups, owner, picks = _roles.groups(inbox, outbox, waiting)
+                    i = yield from self._wait_any_process(groups, checked=True)
+                    value = (owner[i], picks[i])
+                    ws.completed(groups[i])
                     continue
                 if t is _roles.WaitAny:
                     value = yield from self._wait_any_process(req.groups, checked=True)

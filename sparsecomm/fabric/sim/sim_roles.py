@@ -45,6 +45,7 @@ from .sim_network import Endpoint, Msg
 __all__ = ["RoleWaits"]
 
 _done = attrgetter("done")
+_head = attrgetter("head")
 
 
 class _Group:
@@ -69,11 +70,17 @@ class _Group:
 
     def __init__(self, s: int, req, works: list, chans: list, any_: bool) -> None:
         self.s, self.req, self.works, self.chans, self.any = s, req, works, chans, any_
-        self.index = {c: j for j, c in enumerate(chans)}
+        if chans[1:]:
+            self.index = {c: j for j, c in enumerate(chans)}
+            self.odd = len(self.index) < len(chans) or None in [c[0] for c in chans]
+        elif chans:             # (one receive, the common case: no call per receive)
+            c = chans[0]
+            self.index, self.odd = {c: 0}, c[0] is None
+        else:
+            self.index, self.odd = {}, False
         self.heads: list = []
         self.missing, self.latest = 0, 0.0
         self.empty = not works and not any_
-        self.odd = len(self.index) < len(chans) or None in [c[0] for c in chans]
         self.chosen = False
         self.tick, self.lb, self.exact, self.time = -1, 0.0, -1, None
         self.units: list = []
@@ -86,8 +93,8 @@ class RoleWaits:
     roles post their receives in ``inbox``; ``recv_type``: the SimFabric's posted receive (a receive of
     another kind makes the groups odd). While it records a receive it is the endpoint's ``watch``, which the
     world tells of every message put in or taken from the mailbox. For the world's loop it is also the state
-    of the wait of a choice (as :class:`~.sim_wait.OrderedWait`: :meth:`first`, :meth:`recompute`,
-    :meth:`event`, :meth:`receives`), over the groups in the order of :meth:`choose`."""
+    of the wait of a choice (as :class:`~.sim_wait.OrderedWait`: :meth:`first`, :meth:`bound`,
+    :meth:`event`, :meth:`take`), over the groups in the order of :meth:`choose`."""
 
     def __init__(self, ep: Endpoint, inbox, recv_type: type) -> None:
         self.ep, self.inbox, self.recv_type = ep, inbox, recv_type
@@ -103,6 +110,10 @@ class RoleWaits:
         self.ticks = 0
         #: the ``any`` group of a role resumed by a choice, kept for its next wait (not in ``groups``)
         self.spare: _Group | None = None
+        #: the event as :meth:`event` last found it, while no message has arrived on a channel recorded (nor
+        #: re-timed those queued) since: what a choice at that time (:meth:`first` ``at``) need not read again;
+        #: ``None``: not known
+        self.seen: float | None = None
 
     # ------------------------------------------------------------------ the scheduler's calls
     def add(self, s: int, req) -> None:
@@ -112,8 +123,21 @@ class RoleWaits:
         if spare is not None and req.any and self._adopt(spare, s, req):
             self.spare = None
             return
-        recv = self.recv_type
-        works = self.inbox.works(req.keys)
+        recv, keys = self.recv_type, req.keys
+        if not req.any and keys and not keys[1:]:      # (one key, the common case: no call per key)
+            w = self.inbox.work(keys[0])
+            if w is None or (w.done if type(w) is recv else w.is_completed()):
+                pend, chans = [], []    # (put locally, or completed)
+            else:
+                pend, chans = [w], [w.channel if type(w) is recv else (None, None)]     # (another kind: odd)
+            g = _Group(s, req, pend, chans, False)
+            self.groups[s] = g
+            if g.empty:
+                self.empties.add(s)
+                return
+            self._enter(g, spare)
+            return
+        works = self.inbox.works(keys)
         if [w for w in works if type(w) is not recv or w.done]:    # (put locally, completed or of another kind)
             pend, chans = [], []
             for w in works:
@@ -131,10 +155,15 @@ class RoleWaits:
         if g.empty:
             self.empties.add(s)
             return
+        if any_ and pend[1:] and not g.odd:     # (an ``any`` one of two receives or more: it may be kept, :attr:`spare`)
+            g.slots, g.keys, g.live, g.dead = req.keys, list(req.keys), list(pend), set()
+        self._enter(g, spare)
+
+    def _enter(self, g: _Group, spare: _Group | None) -> None:
+        """Record ``g``'s receives (under their channels; the :attr:`spare` ``spare`` dropped if it has one of
+        them), and measure it."""
         if g.odd:
             self.odd += 1
-        elif any_ and pend[1:]:      # (an ``any`` one of two receives or more: it may be kept, :attr:`spare`)
-            g.slots, g.keys, g.live, g.dead = req.keys, list(req.keys), list(pend), set()
         if g.chans and not self.by_chan:
             self.ep.watch = self     # (told of the mailbox while it records a receive)
         by_chan, shared = self.by_chan, False
@@ -240,6 +269,8 @@ class RoleWaits:
         """``msg`` was put in the mailbox (``retimed``: queued messages may have moved; a record's bounds hold)."""
         c = (msg.src, msg.tag)
         lst = self.by_chan.get(c)
+        if lst is not None or retimed:
+            self.seen = None
         if lst is not None and self.ep.mailbox[c][0] is msg:       # a new head
             d = msg.delivered
             v = d if d > 0.0 else 0.0
@@ -295,6 +326,19 @@ class RoleWaits:
 
     def _measure(self, g: _Group) -> None:
         """Read ``g``'s heads from the mailbox (bounds), and enter it in the heaps if it is in earlier."""
+        chans = g.chans
+        if not chans[1:] and not g.any and chans:      # (one receive, the common case: no call per receive)
+            q = self.ep.mailbox.get(chans[0])
+            g.exact = -1
+            if not q:
+                g.heads, g.missing, g.latest = [None], 1, 0.0
+                return
+            d = q[0].delivered
+            t = g.latest = d if d > 0.0 else 0.0
+            g.heads, g.missing = [t], 0
+            if g.tick < 0 or t < g.lb:
+                self._push(g, t)
+            return
         heads = [(d if (d := q[0].delivered) > 0.0 else 0.0) if q else None
                  for q in map(self.ep.mailbox.get, g.chans)]       # (no call per receive)
         for j in g.dead:             # (a kept group's dead slots)
@@ -378,13 +422,25 @@ class RoleWaits:
                 heappop(due)
         return None
 
-    def recompute(self) -> None:
-        """Nothing: the records are kept current as messages arrive (the world calls it on every wait)."""
+    def bound(self) -> float | None:
+        """A lower bound of :meth:`event` (``None``: no group is in, nor can be before a message arrives): the
+        world's entry for the wait, read without measuring a group (:meth:`event` is read when the entry
+        fires). A group in has an entry in :attr:`heap` or :attr:`due` whose time is at most its own, and the
+        event is never before the clock."""
+        clock = self.ep.clock
+        if self.due:
+            return clock
+        heap = self.heap
+        if heap:
+            lb = heap[0][0]
+            return lb if lb > clock else clock
+        return None
 
     def event(self) -> float | None:
         """When the first group is in (at the earliest the endpoint's clock); ``None`` if none is."""
         clock = self.ep.clock
         if self._due(clock) is not None:
+            self.seen = clock
             return clock
         heap = self.heap
         while heap:
@@ -394,6 +450,7 @@ class RoleWaits:
                 continue
             e = self._time(g)
             if e == lb:
+                self.seen = e
                 return e
             if e is None:
                 heappop(heap)
@@ -402,12 +459,13 @@ class RoleWaits:
                 self.ticks = tick = self.ticks + 1
                 g.tick, g.lb = tick, e
                 heapreplace(heap, (e, tick, g))
+        self.seen = None
         return None
 
-    def first(self, clock_only: bool = False) -> tuple[float, tuple] | None:
+    def first(self, clock_only: bool = False, at: float | None = None) -> tuple[float, tuple] | None:
         """``(t, (s, j))``: :meth:`event`, and the first group in order in by then (role ``s``'s; ``j``: the
         receive of an ``any`` one, else ``None``); its role is marked chosen. ``clock_only``: the first group,
-        and only if it is in by the clock."""
+        and only if it is in by the clock. ``at``: only if the event is ``at`` (else ``None``, nothing chosen)."""
         groups = self.groups
         if clock_only:
             clock = self.ep.clock
@@ -432,8 +490,8 @@ class RoleWaits:
                 g.chosen, g.tick = True, -1
                 return clock, (s, None)
             return None
-        t = self.event()
-        if t is None:
+        t = at if at is not None and at == self.seen else self.event()
+        if t is None or (at is not None and t != at):
             return None
         g = self._due(t)
         if g is None:
@@ -458,27 +516,31 @@ class RoleWaits:
         g.pick = pick
         return t, (g.s, pick)
 
-    def receives(self, token: tuple) -> list[tuple[int, int]]:
-        """The ``(source, tag)`` of the receives of the group ``token`` (of :meth:`first`)."""
+    def take(self, world, token: tuple) -> tuple[int, object]:
+        """Complete the choice ``token`` (of :meth:`first`): take its group's messages from the mailbox (through
+        ``world``, :meth:`~.sim_world.World.take`, in the order of their arrival) and complete its receives with
+        them; ``(s, key)``, what the drive is resumed with: the role chosen and, for an ``any`` one, the key of
+        the receive that chose it (what the role is resumed with, :class:`~sparsecomm.fabric.roles.Recv`; a kept
+        group's slots are those it was recorded with, :attr:`_Group.slots`), else ``None``. The records decided
+        the choice (:meth:`exact`): no other group holds these receives."""
         s, j = token
-        chans = self.groups[s].chans
-        return chans if j is None else [chans[j]]
-
-    def key(self, token: tuple):
-        """The key of the receive that chose the ``any`` group ``token`` (of :meth:`first`): what its role is
-        resumed with (:class:`~sparsecomm.fabric.roles.Recv`); ``None`` for a group of every receive. A kept
-        group's slots are those it was recorded with (:attr:`_Group.slots`), a fresh one's its wait's keys."""
-        s, j = token
-        if j is None:
-            return None
         g = self.groups[s]
-        return (g.slots if g.slots is not None else g.req.keys)[j]
-
-    def works(self, token: tuple) -> list:
-        """The pending receives of the group ``token`` (of :meth:`first`), in the order of :meth:`receives`."""
-        s, j = token
-        works = self.groups[s].works
-        return works if j is None else [works[j]]
+        ep = self.ep
+        box, take = ep.mailbox, world.take
+        if j is None:
+            chans = g.chans
+            if chans[1:]:
+                msgs = [box[c][0] for c in chans]
+                for m in sorted(msgs, key=_head):     # (taken in the order they arrived; sorted is stable)
+                    take(ep, m)
+                for w, m in zip(g.works, msgs):
+                    w.complete(m)
+            elif chans:
+                g.works[0].complete(take(ep, box[chans[0]][0]))
+            return s, None
+        m = take(ep, box[g.chans[j]][0])
+        g.works[j].complete(m)
+        return s, (g.slots if g.slots is not None else g.req.keys)[j]
 
     def first_key(self) -> tuple[int | None, int]:
         """The first receive of the first group (for a report of what the endpoint waits for)."""

@@ -142,19 +142,31 @@ class OrderedWait:
         """The receives of group ``i``."""
         return self.keys[i]
 
+    def take(self, world, i: int) -> tuple[int, list[Msg]]:
+        """Take the messages of group ``i`` (of :meth:`first`; in) from the mailbox of ``world``
+        (:class:`~.sim_world.World`): what the waiting process is resumed with, ``(i, messages)``."""
+        return i, world.take_group(self.ep, self.keys[i])
+
     def event(self) -> float | None:
         """When the first group is in (at the earliest this endpoint's clock); ``None`` if none is."""
         return None if self.t_min is None else max(self.ep.clock, self.t_min)
 
-    def first(self, clock_only: bool = False) -> tuple[float, int] | None:
-        """``(t, i)``: :meth:`event` and the lowest index of a group in by then (on a ``per_port`` endpoint
-        the group in first, the lowest index on a tie). ``clock_only``: group 0, and only if it is in by the
-        clock (on a ``per_port`` endpoint the group in first, if it is in by the clock)."""
+    def bound(self) -> float | None:
+        """A lower bound of :meth:`event` (the world's entry for the wait): :meth:`event` itself."""
+        return None if self.t_min is None else max(self.ep.clock, self.t_min)
+
+    def first(self, clock_only: bool = False, at: float | None = None) -> tuple[float, int] | None:
+        """``(t, i)``: :meth:`event` and the lowest index of a group in by then (on a ``per_port`` endpoint the
+        group in first, the lowest index on a tie). ``clock_only``: group 0, and only if it is in by the clock
+        (on a ``per_port`` endpoint the group in first, if it is in by the clock). ``at``: only if the event is
+        ``at`` (else ``None``)."""
         clock = self.ep.clock
         if self.arrival:
             if clock_only and not self.measured:
                 self.recompute()
             t = clock if clock_only else self.event()
+            if at is not None and t != at:
+                return None
             if t is None:
                 return None
             best = None
@@ -170,7 +182,7 @@ class OrderedWait:
                 return None
             return clock, 0
         t = self.event()
-        if t is None:
+        if t is None or (at is not None and t != at):
             return None
         for i, (m, d) in enumerate(zip(self.missing, self.latest)):
             if not m and d <= t:

@@ -73,7 +73,13 @@ class AnyWait:
     (:class:`~.sim_wait.OrderedWait`); resumed with ``(index, messages)``: the group chosen and its
     messages, in the group's order, taken in the order of their arrival. ``watch``: the state of the wait,
     kept elsewhere already (a drive's :class:`~.sim_roles.RoleWaits`, whose groups are its own, ``keys``
-    ``None``; the index is then its token); by default an :class:`~.sim_wait.OrderedWait` of ``keys``."""
+    ``None``; resumed with what its ``take`` returns); by default an :class:`~.sim_wait.OrderedWait` of ``keys``.
+
+    The state of the wait is read through ``first`` (the choice: clock only, or at the event), ``bound`` (a lower
+    bound of the event, the world's entry: checked against ``event`` when it fires, and entered again later if
+    the event is later), ``event``, ``take`` (the messages of a choice taken; what the process is resumed with),
+    and, with ``keys``, ``recompute`` and ``arrived``. A wait may be yielded again (it keeps no state of its
+    own)."""
 
     __slots__ = ("keys", "watch")
 
@@ -372,7 +378,7 @@ class World:
             best = watch.first(clock_only=True)
             if best is None:
                 return False
-            p.value = (best[1], self._take_group(ep, watch.receives(best[1])))
+            p.value = watch.take(self, best[1])
             return True
         p.exc = InvalidValueError(f"{ep.name}: a simulated process waited for {req!r}, which is not a wait")
         return True
@@ -405,9 +411,13 @@ class World:
                 heapq.heappush(self._heap, (req.deadline, 1, ep.id, p.seq, p.no, p))
             if req.ordered:
                 self._reevent(p, self._candidate(p))
-        else:
-            req.watch.recompute()
-            self._reevent(p, req.watch.event())
+        else:                       # (its event as it is now; arrivals enter lower bounds, :meth:`arrived`)
+            watch = req.watch
+            if req.keys is not None:
+                watch.recompute()
+            t = p.event = watch.event()
+            if t is not None:
+                heapq.heappush(self._heap, (t, 0, ep.id, p.seq, p.no, p))
 
     def _reevent(self, p: Proc, t: float | None) -> None:
         if t is not None and t != p.event:
@@ -465,11 +475,14 @@ class World:
                         self._reevent(p, self._candidate(p))
                     elif req.tag == msg.tag and (req.src is None or req.src == msg.src):
                         self._unblock(p, retry=True)
-                else:
+                else:               # (a new entry only if its bound fell: a later one is checked when it fires)
                     watch = req.watch
                     if watch is not kept:
                         watch.arrived(msg, retimed)
-                    self._reevent(p, watch.event())
+                    t = watch.bound()
+                    if t is not None and (p.event is None or t < p.event):
+                        heapq.heappush(self._heap, (t, 0, ep.id, p.seq, p.no, p))
+                        p.event = t
             except Exception as exc:  # noqa: BLE001 - p's wait raised, not the sender
                 self._fault(p, exc)
 
@@ -483,7 +496,11 @@ class World:
         return ep.waiters[0] if len(ep.waiters) == 1 else None
 
     def _fire(self) -> bool:
-        """Fire the earliest valid event or deadline; False if there is none."""
+        """Fire the earliest valid event or deadline; False if there is none. An :class:`AnyWait`'s entry is its
+        event when it blocked, or a lower bound of it entered by an arrival (:meth:`arrived`; a re-timed message
+        may also have moved the event later): its wait chooses only if its event is the entry's time, else it
+        is entered again at its event, so the waits fire in the order of their exact events, as if every arrival
+        had read each event afresh."""
         heap = self._heap
         while heap:
             t, kind, _, _, no, p = heapq.heappop(heap)
@@ -504,9 +521,18 @@ class World:
                     self._unblock(p)
                     p.value = self.take(ep, msg)
                 else:
-                    best = req.watch.first()
+                    watch = req.watch
+                    best = watch.first(at=t)
+                    if best is None:    # the entry was a lower bound: its event is later (or none is in)
+                        e = watch.event()
+                        if e is not None and e <= t:
+                            raise AssertionError(f"{ep.name}: a wait's event {e!r} is not after its bound {t!r}")
+                        p.event = e
+                        if e is not None:
+                            heapq.heappush(heap, (e, 0, ep.id, p.seq, no, p))
+                        continue
                     self._unblock(p)
-                    p.value = (best[1], self._take_group(ep, req.watch.receives(best[1])))
+                    p.value = watch.take(self, best[1])
             except Exception as exc:  # noqa: BLE001 - p's wait (its endpoint's records) raised
                 self._fault(p, exc)
             return True
@@ -542,7 +568,7 @@ class World:
         stats.links[(msg.src, ep.id)] += nbytes
         return msg
 
-    def _take_group(self, ep: Endpoint, keys: list[tuple[int | None, int]]) -> list[Msg]:
+    def take_group(self, ep: Endpoint, keys: list[tuple[int | None, int]]) -> list[Msg]:
         """Take the head message of each receive of ``keys`` (all in), in arrival order; in ``keys``' order."""
         msgs = [match(ep, s, t) for s, t in keys]
         if not msgs[1:]:            # (one receive: nothing to order)
