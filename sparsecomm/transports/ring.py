@@ -77,6 +77,13 @@ DEFAULT_SEGMENT_BYTES = 4 << 20
 MIN_SEGMENT_BYTES = 1 << 20
 #: the stage of each of the ring's waits (one role: no preference to state)
 _STEP = Step()
+#: builds a request from all its fields, in order (``_new(Send, (buf, dst, tag, hold, deferrable))``): a
+#: NamedTuple's own constructor is a Python function, a call per request of the ring's steps
+_new = tuple.__new__
+if (Send._fields, Recv._fields, PostInto._fields, Flush._fields) != (
+        ("buf", "dst", "tag", "hold", "deferrable"), ("keys", "stage", "gone", "any", "free"),
+        ("key", "buf", "src", "tag"), ("hold",)):
+    raise ImportError("the ring builds its requests from their fields (_new): their fields have changed")
 
 
 def chunk_bounds(numel: int, n: int) -> list[int]:
@@ -103,6 +110,22 @@ def segment_length(chunk: int, segment: int | None, elem_size: int) -> int:
         if half * elem_size >= MIN_SEGMENT_BYTES:
             segment = min(segment, half)
     return max(1, min(int(segment), chunk))
+
+
+#: the reduce-scatter's receive buffers (one chunk each) at most: its receives are posted up to this many
+#: steps ahead, less one (:func:`rs_buffers`)
+RS_BUFFERS = 4
+
+
+def rs_buffers(n: int, chunk_bytes: int) -> int:
+    """The reduce-scatter's receive buffers with ``n > 2`` workers and chunks of at most ``chunk_bytes``: two
+    (a step's receives posted while the step before is summed), and up to :data:`RS_BUFFERS` while they hold at
+    most :data:`DEFAULT_SEGMENT_BYTES` in all, at most one per step. Receives posted further ahead take a left
+    neighbour's data that runs ahead of this worker at once: on a real fabric its send does not wait for them;
+    on the SimFabric the send writes straight into the posted buffer rather than into a copy of its own (its
+    loop runs a worker several steps ahead of its right neighbour at times)."""
+    fit = DEFAULT_SEGMENT_BYTES // max(1, chunk_bytes)
+    return max(2, min(RS_BUFFERS, n - 1, fit))
 
 
 def _workspace(cache: dict | None, numel: int, count: int, like: torch.Tensor) -> list[torch.Tensor]:
@@ -167,104 +190,99 @@ def ring_role(fabric: Fabric, acc: torch.Tensor | None, inbox: Inbox, tag: int =
         seg = max(1, big)
     right, left = (r + 1) % n, (r - 1) % n
     host_work, dtype = fabric.host_work, acc.dtype
-    bufs = _workspace(workspace, big, 2 if n > 2 else 1, acc)
+    nbufs = 1 if n == 2 else rs_buffers(n, big * acc.element_size())
+    bufs = _workspace(workspace, big, nbufs, acc)
     views: dict = {}        # (buffer, start, end) -> that view of a workspace buffer (a few: every chunk's alike)
+    # chunk c's view (one segment per chunk: every chunk's made at once), else its segments' slices of ``acc``
+    chunks = acc.split([q + 1] * rem + [q] * (n - rem)) if seg >= big else None
     # the chunks' bounds and segments are computed where used (a list of them per worker is O(n^2) in all)
     clo, chi = _chunk(r, q, rem)
     n_own = -(-(chi - clo) // seg)      # this worker's segments (empty chunks are not sent)
+    per = -(-big // seg)                # the most segments of a chunk: reduce-scatter step s's keys are s * per + j
     # every all-gather region, in the order its receives are posted (step s: chunk (r - s)'s segments)
     c = (r + 1) % n
     n_ag = rem * -(-(q + 1) // seg) + (n - rem) * -(-q // seg) - -(-(q + (1 if c < rem else 0)) // seg)
     sent = 0                # this worker's sends so far: send i is held under i (an all-gather receive frees it)
     # reduce-scatter: step s adds chunk (r-s-1) from the left; each reduced segment goes on to the right
-    # at once (it is the next step's outgoing data; after the last step, all-gather step 0's). The
-    # receives of a step are posted one step ahead (two buffers; the keys of step s are ("rs", s, j)).
+    # at once (it is the next step's outgoing data; after the last step, all-gather step 0's). The receives
+    # of a step are posted nbufs - 1 steps ahead (rs_buffers), into the workspace's buffers in turn, each
+    # once the step that used it before has been summed; segment j of step s is key s * per + j.
     # All-gather step s receives chunk (r - s) into ``acc``, the chunk reduce-scatter step s sent: in
-    # order, region i once the reduce-scatter send i is done with it (``Flush(i)``). gloo sends only to a
-    # posted receive, so these are posted during the reduce-scatter, not after it (a receive posted late
-    # idles the left neighbour's link): after the m-th reduce-scatter segment has arrived, up to region m,
-    # whose send left about when that segment did (once every reduce-scatter receive is posted, so that
-    # messages on the tag still match receives in order). One generator, no nested ones: each request
-    # passes one frame on its way to the scheduler.
-    ag_posted = 0           # all-gather receives posted: region i under the key ("ag", i)
+    # order, region i (key -1 - i) once the reduce-scatter send i is done with it (``Flush(i)``). gloo sends
+    # only to a posted receive, so these are posted during the reduce-scatter, not after it (a receive posted
+    # late idles the left neighbour's link): from reduce-scatter step n - 3 on (once every reduce-scatter
+    # receive is posted, so that messages on the tag match receives in order), after the m-th
+    # reduce-scatter segment has arrived, up to region m, whose send left about when that segment did. One
+    # generator, no nested ones: each request passes one frame on its way to the scheduler.
+    ag_posted = 0           # all-gather receives posted: region i under the key -1 - i
     # all-gather region i is the region of this worker's send i (own chunk r, then the reduce-scatter's
     # chunks r - 1, r - 2, ...: chunk r - s is all-gather step s's): its receive is posted into that view
     regions: deque = deque()    # the views of the sends whose regions' all-gather receives are not posted yet
-    last = n - 2            # the last reduce-scatter step: once its receives are posted, the all-gather's may be
-    nbufs = len(bufs)
-    double = nbufs == 2
-    rs_done = n == 2
-    c = (r - 1) % n         # post step 0's receives first: their "posted" notices leave before this rank's data
-    lo0, hi0 = _chunk(c, q, rem)
-    for j, a in enumerate(range(0, hi0 - lo0, seg)):
-        e = a + seg if a + seg < hi0 - lo0 else hi0 - lo0
-        v = views.get((0, a, e))
-        if v is None:
-            v = views[(0, a, e)] = bufs[0][a:e]
-        yield PostInto(("rs", 0, j), v, left, tag)
-    for lo in range(clo, chi, seg):
-        region = acc[lo:lo + seg if lo + seg < chi else chi]
-        regions.append(region)
-        yield Send(region, right, tag, sent)
-        sent += 1
-    for s in range(n - 1):
+    last = n - 2            # the last reduce-scatter step
+    rs_done = n == 2        # the all-gather's receives may be posted
+    ahead = max(1, nbufs - 1)   # reduce-scatter steps whose receives are posted before this rank's data goes out
+    for s in range(-ahead, n - 1):
+        t = s + ahead           # the receives of step t (chunk r - t - 1's segments), into buffer t mod nbufs
+        if t <= last:
+            c = (r - t - 1) % n
+            length = q + (1 if c < rem else 0)
+            k, key = t % nbufs, t * per
+            for a in range(0, length, seg):
+                e = a + seg if a + seg < length else length
+                v = views.get((k, a, e))
+                if v is None:
+                    v = views[(k, a, e)] = bufs[k][a:e]
+                yield _new(PostInto, (key, v, left, tag))
+                key += 1
+        if s < 0:
+            if s + 1 == 0:      # (the last of them) this rank's own chunk goes out
+                for lo in range(clo, chi, seg):
+                    region = chunks[r] if chunks is not None else acc[lo:lo + seg if lo + seg < chi else chi]
+                    regions.append(region)
+                    yield _new(Send, (region, right, tag, sent, False))
+                    sent += 1
+            continue
+        if s + 1 == last:
+            rs_done = True
         c = (r - s - 1) % n
         lo0 = c * q + (c if c < rem else rem)       # (_chunk, inline: once per step)
         hi0 = lo0 + q + (1 if c < rem else 0)
-        ahead = s + 2 < n
-        if ahead:                       # the next step's receives, into the other buffer (one: after this step)
-            c2 = (c - 1) % n
-            length = q + (1 if c2 < rem else 0)
-            k = (s + 1) % nbufs
-            nxt = [] if not double else None    # (one buffer: posted after this step)
-            for j, a in enumerate(range(0, length, seg)):
-                e = a + seg if a + seg < length else length
-                vk = (k, a, e)
-                if vk in views:
-                    v = views[vk]
-                else:
-                    v = views[vk] = bufs[k][a:e]
-                if double:
-                    yield PostInto(("rs", s + 1, j), v, left, tag)
-                else:
-                    nxt.append(PostInto(("rs", s + 1, j), v, left, tag))
-            if double:
-                rs_done = rs_done or s + 1 == last
-        for j, lo in enumerate(range(lo0, hi0, seg)):
-            hi = lo + seg if lo + seg < hi0 else hi0
-            key = ("rs", s, j)
-            yield Recv((key,), _STEP)
-            region = acc[lo:hi]
+        key = s * per
+        for lo in range(lo0, hi0, seg):
+            yield _new(Recv, ((key,), _STEP, (), False, None))
+            if chunks is not None:
+                region = chunks[c]
+                hi = hi0
+            else:
+                hi = lo + seg if lo + seg < hi0 else hi0
+                region = acc[lo:hi]
             regions.append(region)
             region.add_(inbox.take(key))
+            key += 1
             host_work("sum", hi - lo, dtype)
-            yield Send(region, right, tag, sent)
+            yield _new(Send, (region, right, tag, sent, False))
             sent += 1
             if rs_done:
                 upto = sent - n_own if sent - n_own < n_ag else n_ag
                 while ag_posted < upto:
-                    yield Flush(ag_posted)
-                    yield PostInto(("ag", ag_posted), regions.popleft(), left, tag)
+                    yield _new(Flush, (ag_posted,))
                     ag_posted += 1
-        if ahead and not double:
-            yield from nxt
-            rs_done = rs_done or s + 1 == last
+                    yield _new(PostInto, (-ag_posted, regions.popleft(), left, tag))
     while ag_posted < n_ag:
-        yield Flush(ag_posted)
-        yield PostInto(("ag", ag_posted), regions.popleft(), left, tag)
+        yield _new(Flush, (ag_posted,))
         ag_posted += 1
-    i = 0
+        yield _new(PostInto, (-ag_posted, regions.popleft(), left, tag))
+    key = -1
     for s in range(n - 1):
         c = (r - s) % n
         lo0 = c * q + (c if c < rem else rem)       # (_chunk, inline)
         hi0 = lo0 + q + (1 if c < rem else 0)
         for _ in range(lo0, hi0, seg):
-            key = ("ag", i)
-            i += 1
-            yield Recv((key,), _STEP)
+            yield _new(Recv, ((key,), _STEP, (), False, None))
             region = inbox.take(key)        # (the view of ``acc`` it was posted into)
+            key -= 1
             if s < last:
-                yield Send(region, right, tag)
+                yield _new(Send, (region, right, tag, None, False))
     if out is not None:
         out.append((acc, note))
     return acc

@@ -115,9 +115,8 @@ class _RecvWork(Work):
         self.holds: Msg | None = None
         if src is not None and tensor.nbytes >= WRITE_THROUGH_BYTES and tensor.is_cpu and not tensor.requires_grad:
             posted = fabric._ep.posted
-            if ch in posted:
-                q = posted[ch]
-            else:
+            q = posted.get(ch)
+            if q is None:
                 q = posted[ch] = []
             q.append(self)
             self._posted = q
@@ -189,10 +188,7 @@ class _RecvWork(Work):
             if msg is None:
                 return False
         else:                   # (World.take_now's case of a named source, inline: once per message)
-            box, ch = ep.mailbox, self.channel
-            if ch not in box:
-                return False
-            q = box[ch]
+            q = ep.mailbox.get(self.channel)
             if not q:
                 return False
             msg = q.popleft()       # (World.take, inline: once per message)
@@ -303,9 +299,9 @@ class SimFabric(Fabric):
 
     # --------------------------------------------------------------- sending
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0, *, reliable: bool = True) -> Work:
-        world, ep = self.world, self._ep
-        if dst < 0 or dst == self.rank:
-            raise InvalidValueError(f"{ep.name}: cannot send to itself" if dst == self.rank else
+        world, ep, rank = self.world, self._ep, self.rank
+        if dst < 0 or dst == rank:
+            raise InvalidValueError(f"{ep.name}: cannot send to itself" if dst == rank else
                                     f"{ep.name}: no endpoint {dst} (world has {len(world.endpoints)})")
         nbytes = tensor.nbytes
         with world.gate.lock:
@@ -318,52 +314,45 @@ class SimFabric(Fabric):
             except IndexError:
                 raise InvalidValueError(f"{ep.name}: no endpoint {dst} (world has {len(world.endpoints)})") from None
             start, tx_end = ep.transmit(dst, nbytes)
-            latency = (ep.latency + dst_ep.latency) / 2   # each end's link contributes half: symmetric
             stats = ep.stats            # (CommStats.record_send, inline: once per message)
             stats.bytes_sent += nbytes
             stats.messages += 1
-            stats.links[(self.rank, dst)] += nbytes
+            stats.links[(rank, dst)] += nbytes
             dropped = False
             if not reliable and world.network.loss > 0.0:
                 rng = ep.loss_rng.get(dst)
                 if rng is None:
-                    rng = ep.loss_rng[dst] = np.random.default_rng([world.network.seed, self.rank, dst])
+                    rng = ep.loss_rng[dst] = np.random.default_rng([world.network.seed, rank, dst])
                 dropped = bool(rng.random() < world.network.loss)
             if _trace.recorder is not None:
-                _trace.recorder.sim_sent(world, self.rank, dst, tag, nbytes, start, tx_end, dropped)
+                _trace.recorder.sim_sent(world, rank, dst, tag, nbytes, start, tx_end, dropped)
             if not dropped and not dst_ep.crashed:
-                ch = (self.rank, tag)
-                box = dst_ep.mailbox
-                if ch in box:
-                    q = box[ch]
-                else:
-                    q = box[ch] = deque()
+                ch = (rank, tag)
+                q = dst_ep.mailbox.get(ch)
+                if q is None:
+                    q = dst_ep.mailbox[ch] = deque()
                 # the posted receive that takes this message if the channel's receives take them in the order
                 # they were posted (the k-th posted, with k messages queued before it): its bytes are written
                 # into that receive's buffer, which holds them until the message is taken (_deliver)
                 into = None
-                if nbytes >= WRITE_THROUGH_BYTES and ch in dst_ep.posted:
-                    posted = dst_ep.posted[ch]
-                    if posted:
-                        if not q:
-                            into = posted[0]
+                if nbytes >= WRITE_THROUGH_BYTES:
+                    posted = dst_ep.posted.get(ch)
+                    if posted and len(q) < len(posted):
+                        into = posted[len(q)]
+                        buf = into._args[0]
+                        if (into.holds is None and buf.dtype is tensor.dtype and buf.shape == tensor.shape
+                                and tensor.is_cpu and not tensor.requires_grad):
+                            buf.copy_(tensor)
+                            data = buf
                         else:
-                            k = len(q)
-                            into = posted[k] if k < len(posted) else None
-                        if into is not None:
-                            buf = into._args[0]
-                            if (into.holds is None and buf.dtype is tensor.dtype and buf.shape == tensor.shape
-                                    and tensor.is_cpu and not tensor.requires_grad):
-                                buf.copy_(tensor)
-                                data = buf
-                            else:
-                                into = None
+                            into = None
                 if into is None:        # a send's copy: the buffer may change before the message is taken
                     if tensor.is_cpu and not tensor.requires_grad and tensor.is_contiguous():
                         data = tensor.clone()       # the common case in one operation
                     else:
                         data = tensor.detach().to("cpu", copy=True).contiguous()
-                msg = Msg(self.rank, tag, data, nbytes, start, start + latency, tx_end)
+                latency = (ep.latency + dst_ep.latency) / 2   # each end's link contributes half: symmetric
+                msg = Msg(rank, tag, data, nbytes, start, start + latency, tx_end)
                 if into is not None:
                     msg.into = into
                     into.holds = msg

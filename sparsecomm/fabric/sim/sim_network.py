@@ -283,16 +283,23 @@ class Endpoint:
                 rx = self._rx[msg.src] = [[], [], 0, 0.0]
         else:
             rx = self._rx1
-        tail, keys, valid = rx[0], rx[1], rx[2]
+        tail = rx[0]
         head = msg.head
-        key = (head, msg.src)
-        if not tail:
-            i = n = 0
+        if not tail:                # (the common case: none queued before it; timed from exact times, exact)
             t = rx[3]
-        else:
-            n = len(tail)
-            i = n if key >= keys[-1] else bisect_right(keys, key)     # (after those of an equal key)
-            t = tail[i - 1].rx_end if i else rx[3]
+            msg.rx_end = t = (head if head > t else t) + msg.nbytes / self.bw     # (max, inline)
+            d = msg.tx_end + (head - msg.start)
+            msg.delivered = d if d > t else t
+            tail.append(msg)
+            rx[1].append((head, msg.src))
+            msg.stamp = self.epoch
+            rx[2] = 1
+            return False
+        keys, valid = rx[1], rx[2]
+        key = (head, msg.src)
+        n = len(tail)
+        i = n if key >= keys[-1] else bisect_right(keys, key)     # (after those of an equal key)
+        t = tail[i - 1].rx_end if i else rx[3]
         msg.rx_end = t = (head if head > t else t) + msg.nbytes / self.bw     # (max, inline: once per message)
         d = msg.tx_end + (head - msg.start)
         msg.delivered = d if d > t else t
@@ -344,24 +351,28 @@ class Endpoint:
         receive's CPU time (:mod:`.sim_host`; with its table by message size, to the delivery and the message's
         wait, if later)."""
         msg.taken = True
-        if msg.stamp < FIXED:        # (in the schedule still)
-            if msg.stamp < self.epoch:      # (delivery's own test: its times may be a lower bound)
+        stamp = msg.stamp
+        if stamp < FIXED:           # (in the schedule still)
+            if stamp < self.epoch:          # (delivery's own test: its times may be a lower bound)
                 self.delivery(msg)
             rx = self._rx[msg.src] if self.per_port else self._rx1
-            tail, keys = rx[0], rx[1]
+            tail = rx[0]
             if tail[0] is msg:       # (the common case: the first on the NIC)
-                i = 0
+                del tail[0]
+                del rx[1][0]
+                rx[2] -= 1
             else:
+                keys = rx[1]
                 i = bisect_left(keys, (msg.head, msg.src))
                 while tail[i] is not msg:
                     i += 1
                 for k in range(i):
                     tail[k].stamp = FIXED
+                rx[2] -= i + 1
+                del tail[:i + 1]
+                del keys[:i + 1]
             msg.stamp = FIXED
             rx[3] = msg.rx_end
-            rx[2] -= i + 1
-            del tail[:i + 1]
-            del keys[:i + 1]
         host = self.host
         if host is not None:
             if host.tabled:         # (a wait between delivery and take: sim_host's table by size)
