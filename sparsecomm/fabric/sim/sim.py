@@ -309,7 +309,14 @@ class SimFabric(Fabric):
         order the thread submitted the calls (:meth:`~sparsecomm.fabric.engine.CommEngine.in_order`): after
         every call it started before, the charge's own work included, and before every call it starts after;
         never wherever the threads' scheduling puts it. A charge from a call's own code (on the communication
-        thread, or in a process of the loop) is made at once."""
+        thread, or in a process of the loop) is made at once.
+
+        Args:
+            op: the operation (:data:`.sim_host.HOST_OPS`).
+            count: how many of its units.
+            dtype: the dtype of the elements (``"sum"``).
+            transport: the transport whose call ``"call"`` counts.
+        """
         ep = self._ep
         if ep.host is None:
             return
