@@ -605,15 +605,19 @@ def ddp_buckets(model: nn.Module) -> list[list[nn.Parameter]]:
     return [[params[i] for i in bucket] for bucket in order]
 
 
-def _model_worker(ctx, task: Task, scheme: Scheme, steps: int) -> list[tuple[float, float]]:
+def _model_worker(ctx, task: Task, scheme: Scheme, steps: int, init: dict) -> list[tuple[float, float]]:
     """One simulated worker: ``steps`` steps of ``scheme`` on ``task`` (real gradients of its real batches),
     each step's ``(start, end)`` on the modelled clock. A ``"hook"`` scheme runs the DDP hook's own body
     (:meth:`sparsecomm.ddp.CommHookState.start_bucket`) on each of DDP's buckets (:func:`ddp_buckets`), every
     bucket started after backward and then waited for, in DDP's bucket order; stock DDP is the hook's plain
     average on the ``ring`` (gloo's algorithm); ``"optimizer"`` is :class:`~sparsecomm.DistributedOptimizer`
-    itself. Backward and the update cost no modelled time (they are measured: ``compute_s``)."""
+    itself. Backward and the update cost no modelled time (they are measured: ``compute_s``). The model starts
+    from ``init`` (its state dict, built once by the caller): the workers are threads of one process, and
+    ``task.build()`` seeds and draws from torch's global generator, which they would share in whatever order
+    the threads are scheduled in."""
     torch.set_num_threads(1)
     model = task.build()
+    model.load_state_dict(init)
     inner = task.optimizer(model)
     options = {**scheme.options, **task.overrides.get(scheme.name, {})}
     if scheme.kind == "optimizer":
@@ -652,7 +656,8 @@ def modelled_comm_s(task: Task, scheme: Scheme, hosts: int, network: sc.Network,
     services) over ``network``, on the SimFabric (``sc.launch(..., backend="sim")``): the last of ``steps``
     steps (:func:`_model_worker`), from the moment the slowest worker starts it to the moment the slowest
     ends it (a step is bulk-synchronous)."""
-    per_rank = sc.launch(functools.partial(_model_worker, task=task, scheme=scheme, steps=steps), hosts,
+    init = task.build().state_dict()
+    per_rank = sc.launch(functools.partial(_model_worker, task=task, scheme=scheme, steps=steps, init=init), hosts,
                          backend="sim", services=list(scheme.services), network=network)
     return max(r[-1][1] for r in per_rank) - max(r[-1][0] for r in per_rank)
 

@@ -312,6 +312,23 @@ class CommEngine:
         with self._cond:
             self._resolving = False
 
+    def in_order(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` at its place in submission order, without blocking: at once (on this thread) when nothing
+        is queued, running, chained or completing, or when called on the communication thread itself (a call's
+        own code); otherwise as a job queued after every call submitted before it, which the communication thread
+        runs before any submitted after it. For what the calling thread does to state the calls also change,
+        whose outcome must not depend on how the threads are scheduled (a SimFabric's modelled clock:
+        :meth:`sparsecomm.fabric.sim.sim.SimFabric.host_work`). After a call failed, a queued ``fn`` is not run
+        (the calls after it fail too)."""
+        if threading.current_thread() is self._thread:
+            fn()
+            return
+        with self._cond:
+            if self._queue or self._busy or self._chained or self._finishing:
+                self._enqueue(fn, CommWork(), posted=False, issues=False)
+                return
+            fn()            # (under the lock: no call starts meanwhile)
+
     def _enqueue(self, job: Callable[[], Any], work: CommWork, posted: bool, issues: bool) -> None:
         self._queue.append((job, work, posted, issues))
         if issues:

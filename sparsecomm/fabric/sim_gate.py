@@ -78,6 +78,11 @@ class Gate:
             raise p.error
         return p.result
 
+    def looping(self) -> bool:
+        """Whether this thread is running the world's loop (the code of a process of the loop, whichever
+        endpoint's thread lent it)."""
+        return self._looper is threading.current_thread()
+
     def _run(self) -> None:
         """(lock held) Run the loop in this thread, then wake every parked thread to look at its process."""
         self._looper = threading.current_thread()

@@ -8,6 +8,7 @@ import functools
 import json
 import math
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ import sparsecomm as sc
 from sparsecomm.errors import InvalidTypeError, InvalidValueError, MismatchError
 from sparsecomm.fabric.sim.sim_host import MESSAGE_TABLES, RATE_UNITS, SIZES, SUM_DTYPES, HostModel
 from sparsecomm.fabric.base import MESSAGE_BYTES
+from sparsecomm.fabric.engine import engine
 from sparsecomm.fabric.sim.sim_profile import FORMAT, VERSION, netbed_latency_s, profile_dict
 from sparsecomm.netbed.calibrate import CALL_GROUPS
 from sparsecomm.transports.ring import ring_allreduce_
@@ -1188,3 +1190,43 @@ def test_calibrate_fits_omnireduce_blocks_on_real_calls():
     # and moves some of its non-zero blocks by index, more of them in a larger or denser call
     i = fit["index_blocks"]
     assert 0 < i[0] < i[1] < i[2] and all(abs(v - round(v)) < 1e-6 for v in i)
+
+
+def _charge_beside_a_call(ctx, charge_first: bool) -> list[float]:
+    """Rank 0's training thread charges an encode (``host_work``) while a call it started runs on its
+    communication thread: ``charge_first``, the call's job waits until the charge has been made; otherwise the
+    charge waits until the job's messages are done. Returns each job's clock at its end, then the clock."""
+    eng = engine(ctx.fabric)
+    charged, ran = threading.Event(), threading.Event()
+
+    def job() -> float:
+        if charge_first:
+            assert charged.wait(30)
+        acc = torch.full((2 * CHUNK,), float(ctx.rank + 1))
+        ring_allreduce_(ctx.fabric, acc)
+        ran.set()
+        return ctx.fabric.now()
+
+    first = eng.submit(job)
+    if not charge_first:
+        assert ran.wait(30)
+    if ctx.rank == 0:
+        ctx.fabric.host_work("elementwise", 10**6)        # the next bucket's encode, on the training thread
+    charged.set()
+    second = eng.submit(job)
+    return [first.wait(), second.wait(), ctx.fabric.now()]
+
+
+def test_a_charge_on_the_training_thread_beside_a_call_in_flight_lands_in_submission_order():
+    # the clock the calls and the training thread's charges share is advanced in the order the calls were
+    # submitted, whatever the threads' scheduling: the charge made while the first call is in flight lands after it
+    net = sc.Network(bandwidth_gbps=10.0, latency_us=5.0,
+                     host=HostModel(send_message_s=3e-6, recv_message_s=5e-6, elementwise_element_s=1e-9,
+                                    sum_element_s={"float32": 2.5e-10}))
+    first = sc.launch(functools.partial(_charge_beside_a_call, charge_first=True), 2, network=net)
+    later = sc.launch(functools.partial(_charge_beside_a_call, charge_first=False), 2, network=net)
+    assert first == later
+    alone = sc.launch(functools.partial(_charge_beside_a_call, charge_first=False), 2,
+                      network=dataclasses.replace(net, host=dataclasses.replace(net.host, elementwise_element_s=0.0)))
+    assert first[0][0] == alone[0][0] and first[1][0] == alone[1][0]    # the first call: as without the charge
+    assert first[0][1] > alone[0][1] + 0.9e-3                            # the second: after it

@@ -12,6 +12,8 @@ import functools
 import json
 import math
 import os
+import threading
+import time
 
 import pytest
 import torch
@@ -350,3 +352,27 @@ def test_a_quick_loopback_run_breaks_the_step_down_for_ours_and_torchs_powersgd(
     assert math.isnan(by["torch powersgd"]["row"]["modelled_s"])
     for r in range(2):
         assert (tmp_path / f"mlp_hook_powersgd.rank{r}.json").stat().st_size > 0
+
+
+def test_the_modelled_workers_start_from_the_weights_the_task_builds_whatever_the_threads_scheduling():
+    """The simulated workers are threads of one process; a task's ``build`` seeds torch's global generator and
+    draws from it. Here it pauses in between, so that the workers' builds overlap: each worker still trains the
+    weights one build gives alone (and so all the same ones)."""
+    n = 64
+    tiny = _tiny_task(n)
+    seen, lock = [], threading.Lock()
+
+    def build():
+        torch.manual_seed(0)
+        time.sleep(0.2)             # (the other worker seeds meanwhile)
+        return torch.nn.Linear(n, 1, bias=False)
+
+    def loss(m, b):
+        with lock:
+            seen.append(m.weight.detach().clone())
+        return tiny.loss(m, b)
+
+    task = dataclasses.replace(tiny, build=build, loss=loss)
+    T.modelled_comm_s(task, T.SCHEMES[0], 2, T.modelled_network(1.0, 2, 0), steps=1)
+    want = build().weight.detach()
+    assert len(seen) == 2 and all(torch.equal(w, want) for w in seen)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 from collections import deque
+from functools import partial
 from itertools import chain
 from operator import attrgetter
 from typing import Callable, Generator
@@ -27,6 +28,7 @@ from ...errors import (EndpointCrashed, FabricTimeout, InvalidTypeError, Invalid
 from .. import roles as _roles
 from .. import trace as _trace
 from ..base import MESSAGE_BYTES, Fabric, Work
+from ..engine import engine
 from ..sim_gate import Gate
 from ..stats import CommStats
 from .sim_network import Msg, Network
@@ -293,9 +295,32 @@ class SimFabric(Fabric):
 
     def host_work(self, op: str, count: int, dtype: torch.dtype | None = None, *,
                   transport: str | None = None) -> None:
+        """:meth:`.base.Fabric.host_work`: the host model's charge (:mod:`.sim_host`) on this endpoint's clock;
+        none without one.
+
+        The clock is one timeline per endpoint, which the calls of its communication thread
+        (:mod:`sparsecomm.fabric.engine`) advance too, through the world's loop. A charge from another thread
+        (the training thread's encode while an earlier bucket's call is in flight) lands at its place in the
+        order the thread submitted the calls (:meth:`~sparsecomm.fabric.engine.CommEngine.in_order`): after
+        every call it started before, the charge's own work included, and before every call it starts after;
+        never wherever the threads' scheduling puts it. A charge from a call's own code (on the communication
+        thread, or in a process of the loop) is made at once.
+
+        Args:
+            op: the operation (:data:`.sim_host.HOST_OPS`).
+            count: how many of its units.
+            dtype: the dtype of the elements (``"sum"``).
+            transport: the transport whose call ``"call"`` counts.
+        """
         ep = self._ep
-        if ep.host is not None:     # the host model's charge (sim_host); none without one
+        if ep.host is None:
+            return
+        eng = engine(self, create=False)
+        if eng is None or self.world.gate.looping():
             ep.host_work(op, count, dtype, transport)
+        else:
+            ep.host.work_s(op, count, dtype, transport=transport)      # (its checks, raised here)
+            eng.in_order(partial(ep.host_work, op, count, dtype, transport))
 
     # --------------------------------------------------------------- sending
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0, *, reliable: bool = True) -> Work:
