@@ -149,37 +149,15 @@ class Schedule:
         return (key, fold) if fold.key == key else None
 
     def take(self, prefix: tuple, code: int, step: int, rnd: int) -> Hashable | None:
-        """:meth:`predicts` and, when the call is the predicted one, its :meth:`record` (with its ``step``) at once,
-        for a caller about to make it (:meth:`Native.chain <sparsecomm.transports.native.Native.chain>`, under the
-        engine's lock): its key, or None (nothing recorded). The same record as the two calls (one lookup of
-        each context less); a caller whose call then fails to be made must :meth:`reset`."""
-        last = self._last
-        if last is None:
+        """:meth:`predicts` and, when the call is the predicted one, its :meth:`record` (with its ``step``), for a
+        caller about to make it (:meth:`Native.chain <sparsecomm.transports.native.Native.chain>`, under the
+        engine's lock): its key, or None (nothing recorded). A caller whose call then fails to be made must
+        :meth:`reset`."""
+        got = self.predicts(prefix, code, step, rnd)
+        if got is None:
             return None
-        nxt = self._next
-        exact, general = (last, self._run if self._run < MAX_RUN else MAX_RUN), (last, None)
-        e, g = nxt.get(exact), nxt.get(general)
-        p = e if e is not None else g
-        if p is None or p[2] < CONFIRMATIONS or p[1] is None:
-            return None
-        fold = p[1]
-        key = prefix + (("call", code, rnd, None if self._step is None else step - self._step),)
-        if fold.key != key:
-            return None
-        self._step = int(step)            # (record(key, fold, step), with both contexts' entries at hand)
-        for ctx, ent in ((exact, e), (general, g)):
-            if ent is None:
-                nxt[ctx] = [key, fold, 1]
-            elif ent[0] == key:
-                ent[1], ent[2] = fold, ent[2] + 1
-            else:
-                ent[0], ent[1], ent[2] = key, fold, 1
-            nxt.move_to_end(ctx)
-        while len(nxt) > MAX_KEYS:
-            nxt.popitem(last=False)
-        self._run = self._run + 1 if key == last else 1
-        self._last = key
-        return key
+        self.record(*got, step=step)
+        return got[0]
 
     def record(self, key: Hashable, fold: Fold | None = None, step: int | None = None) -> None:
         """A call with ``key`` completed on every worker (``fold``: it is foldable); made on the thread
