@@ -24,7 +24,6 @@ Wire encodings (the ``bits`` functions; ``value_bits`` is the width of one float
 
 from __future__ import annotations
 
-import functools
 import math
 from sparsecomm.errors import InvalidValueError
 
@@ -208,7 +207,6 @@ def sign_delta(d: int) -> float:
     return 1.0 / d
 
 
-@functools.lru_cache(maxsize=None)     # (a pure function of an int, asked by the fp16/bf16 casts on every call)
 def rounding_delta(precision_bits: int) -> float:
     """Round-to-nearest into a float format with p significand bits (fp16: 11, bf16: 8):
     delta = 1 - (2^-p + 2^-23)^2 for inputs in the target's normal range (zeros allowed).
