@@ -283,23 +283,16 @@ class Endpoint:
                 rx = self._rx[msg.src] = [[], [], 0, 0.0]
         else:
             rx = self._rx1
-        tail = rx[0]
+        tail, keys, valid = rx[0], rx[1], rx[2]
         head = msg.head
-        if not tail:                # (the common case: none queued before it; timed from exact times, exact)
-            t = rx[3]
-            msg.rx_end = t = (head if head > t else t) + msg.nbytes / self.bw     # (max, inline)
-            d = msg.tx_end + (head - msg.start)
-            msg.delivered = d if d > t else t
-            tail.append(msg)
-            rx[1].append((head, msg.src))
-            msg.stamp = self.epoch
-            rx[2] = 1
-            return False
-        keys, valid = rx[1], rx[2]
         key = (head, msg.src)
-        n = len(tail)
-        i = n if key >= keys[-1] else bisect_right(keys, key)     # (after those of an equal key)
-        t = tail[i - 1].rx_end if i else rx[3]
+        if not tail:                # (the common case: none queued before it)
+            i = n = 0
+            t = rx[3]
+        else:
+            n = len(tail)
+            i = n if key >= keys[-1] else bisect_right(keys, key)     # (after those of an equal key)
+            t = tail[i - 1].rx_end if i else rx[3]
         msg.rx_end = t = (head if head > t else t) + msg.nbytes / self.bw     # (max, inline: once per message)
         d = msg.tx_end + (head - msg.start)
         msg.delivered = d if d > t else t
