@@ -75,6 +75,16 @@ on a loaded one without the time other processes hold the core):
   ``ef`` around the
   identity on :data:`KERNEL_ELEMS` float32 (an encode and a decode, whose size does not count), per kernel call
   they declare (:meth:`~sparsecomm.methods.base.Method.work`);
+- ``codec_contention``: the elementwise pass and PowerSGD's three products (:data:`CONTENDED_OPS`, as
+  ``elementwise_element_s``, ``matmul_mac_s`` and the others time them, the products on :data:`MATMUL_BUFFERS`
+  matrices in turn) in one process per core (:func:`sparsecomm.launch`, gloo,
+  one torch thread each), rounds of each product timed by rank 0 alone (the others waiting at a barrier) and then
+  by every rank at once, the two taking turns :data:`CONTENTION_ROUNDS` times: per product the median of the
+  ranks' medians at once over rank 0's median alone, at least 1 (:func:`contention_costs`): how much longer a
+  kernel takes while every core runs one, as the netbed's hosts run their encodes and decodes together (the
+  cores share the last-level cache and the memory bus), which the rates above, timed alone, do not show; none
+  on a machine of one core. Timed alone on a machine that other processes keep busy, a kernel is slowed already
+  and the factor reads low: calibrate on a quiet machine;
 - ``span_block_s``, ``index_block_s``: OmniReduce's per-block costs beyond its bytes, sums and scan, fitted on
   its own calls: a call of each of :data:`BLOCK_POINTS` (two sizes, a sparse and a denser input of random
   non-zero blocks, 256-element float32 blocks as the transport's default) between two processes over gloo on
@@ -195,6 +205,11 @@ MATMUL_SHAPE = {True: (256, 256, 4), False: (1024, 1024, 4)}
 #: take in turn, quick and full (full: 12 of 4 MiB, and as many results of the estimate, beyond a 32 MiB last-level
 #: cache)
 MATMUL_BUFFERS = {True: 2, False: 12}
+#: the operations whose slowdown with every core busy is measured (``codec_contention``): an elementwise pass and
+#: PowerSGD's products
+CONTENDED_OPS = ("elementwise", "matmul", "matmul_t", "matmul_outer")
+#: rounds of ``codec_contention``'s timing (alone, then every core at once, taking turns), quick and full
+CONTENTION_ROUNDS = {True: 2, False: 6}
 #: elements of the round timed for ``kernel_call_s``
 KERNEL_ELEMS = 16
 #: float32 elements of the buffers of ``move_byte_s`` and ``check_element_s``, quick and full (full: 64 MiB each,
@@ -405,6 +420,56 @@ def codec_costs(quick: bool = False) -> dict:
     return {"elementwise_element_s": elementwise, "select_element_s": select, "sample_element_s": sample,
             "matmul_mac_s": matmul, "matmul_t_mac_s": matmul_t, "matmul_outer_mac_s": matmul_outer,
             "kernel_call_s": kernel}
+
+
+def _time_products(ctx, quick: bool) -> dict[str, list[tuple[float, float]]]:
+    """One rank of :func:`contention_costs`: per operation of :data:`CONTENDED_OPS`, per round, (rank 0's median
+    alone, this rank's median with every rank at once); the alone half is rank 0's only (NaN elsewhere)."""
+    from ..methods.powersgd import factor_product, orthonormal, outer_product
+
+    torch.set_num_threads(1)
+    f = ctx.fabric
+    rows, cols, rank = MATMUL_SHAPE[quick]
+    k, reps = MATMUL_BUFFERS[quick], REPEATS[quick]
+    gen = torch.Generator().manual_seed(1 + ctx.rank)
+    ms = [torch.randn(rows, cols, generator=gen) for _ in range(k)]
+    outs = [torch.zeros(rows, cols) for _ in range(k)]
+    q = orthonormal(torch.randn(cols, rank, generator=gen))
+    p = orthonormal(torch.randn(rows, rank, generator=gen))
+    qmean = torch.randn(cols, rank, generator=gen)
+    x, y = torch.randn(ELEMENTS[quick], generator=gen), torch.randn(ELEMENTS[quick], generator=gen)
+    z = torch.empty_like(x)
+    turn = itertools.count()
+    ops = {"elementwise": lambda: torch.sub(x, y, out=z),
+           "matmul": lambda: factor_product(ms[next(turn) % k], q),
+           "matmul_t": lambda: factor_product(ms[next(turn) % k], p, transpose=True),
+           "matmul_outer": lambda: outer_product(p, qmean, outs[next(turn) % k])}
+    out: dict[str, list[tuple[float, float]]] = {op: [] for op in CONTENDED_OPS}
+    for _ in range(CONTENTION_ROUNDS[quick]):
+        for op in CONTENDED_OPS:
+            f.barrier()
+            alone = _median_s(ops[op], reps) if ctx.rank == 0 else float("nan")
+            f.barrier()
+            out[op].append((alone, _median_s(ops[op], reps)))
+    return out
+
+
+def contention_costs(quick: bool = False) -> dict:
+    """``codec_contention`` (module docstring): per operation of :data:`CONTENDED_OPS`, its kernel timed with
+    every core busy over the same timed alone, at least 1, and the measurements; ``{}`` on one core."""
+    from .. import launch
+
+    cores = os.cpu_count() or 1
+    if cores < 2:
+        return {"codec_contention": {}, "contention_fit": {"cores": cores}}
+    ranks = launch(functools.partial(_time_products, quick=quick), cores, backend="gloo", timeout_s=300.0)
+    factors, fit = {}, {"cores": cores}
+    for op in CONTENDED_OPS:
+        alone = [a for a, _ in ranks[0][op]]
+        together = [statistics.median(r[op][i][1] for r in ranks) for i in range(len(alone))]
+        factors[op] = max(1.0, statistics.median(together) / statistics.median(alone))
+        fit[op] = {"alone_s": alone, "together_s": together}
+    return {"codec_contention": factors, "contention_fit": fit}
 
 
 def switch_costs(quick: bool = False) -> dict:
@@ -769,17 +834,20 @@ def calibrate(quick: bool = False, netbed_gbps: float | None = NETBED_GBPS) -> d
         rounds = sparse_switch_round_costs(HostModel(**messages, **kernels, **blocks), quick)
         round_fit = rounds.pop("sparse_switch_round_fit")
         calls = call_costs(HostModel(**messages, **kernels, **blocks, **rounds), quick)
+        contention = contention_costs(quick)
+        contention_fit = contention.pop("contention_fit")
         netbed = None if netbed_gbps is None else netbed_costs(netbed_gbps, quick)
     finally:
         torch.set_num_threads(threads)
     call_fit = calls.pop("call_fit")
-    host = HostModel(**messages, **kernels, **blocks, **rounds, **calls)
+    host = HostModel(**messages, **kernels, **blocks, **rounds, **calls, **contention)
     date = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()
     method = {"quick": bool(quick), "repeats": REPEATS[quick], "exchanges": ROUNDS[quick],
               "elements": ELEMENTS[quick], "message_fit": fit, "switch_fit": switch_fit,
               "sparse_switch_fit": sparse_switch_fit, "fresh_fit": fresh_fit,
               "block_fit": block_fit, "sparse_switch_round_fit": round_fit,
               "call_elems": CALL_ELEMS, "calls": CALLS[quick], "call_fit": call_fit,
+              "contention_fit": contention_fit,
               "statistic": "median", "messages_via": "TorchFabric irecv/isend exchanges over gloo, 127.0.0.1",
               "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
     if netbed is not None:

@@ -595,11 +595,15 @@ def test_calibrate_command_writes_a_loadable_profile(tmp_path, capsys):
     assert isinstance(m["platform"], str) and m["platform"]
     method, host = profile["method"], profile["host"]
     assert method["quick"] is True
-    assert set(host) == set(RATE_UNITS)
+    # (the slowdown with every core busy: measured where there are two cores or more, else none and left out)
+    assert set(host) == set(RATE_UNITS) - (set() if os.cpu_count() >= 2 else {"codec_contention"})
     for name, unit in RATE_UNITS.items():
+        if name not in host:
+            continue
         entry = host[name]
         assert entry["unit"] == unit
-        values = entry["value"] if name in ("sum_element_s", "call_s", *MESSAGE_TABLES) else {name: entry["value"]}
+        values = (entry["value"] if name in ("sum_element_s", "call_s", "codec_contention", *MESSAGE_TABLES)
+                  else {name: entry["value"]})
         if name == "sum_element_s":
             assert set(values) == set(SUM_DTYPES)
         if name == "call_s":
@@ -693,9 +697,22 @@ def test_calibrate_command_writes_a_loadable_profile(tmp_path, capsys):
     for name, v in calls.items():
         assert v == max(0.0, call_fit[name]["measured_s"] - call_fit[name]["modelled_s"])
         assert call_fit[name]["measured_s"] > 0 and call_fit[name]["modelled_s"] > 0
+    # the kernels' slowdown with every core busy: per operation, the median at once over the median alone, >= 1
+    from sparsecomm.netbed.calibrate import CONTENDED_OPS
+    cf = method["contention_fit"]
+    assert cf["cores"] == os.cpu_count()
+    if os.cpu_count() >= 2:
+        import statistics
+        factors = host["codec_contention"]["value"]
+        assert set(factors) == set(CONTENDED_OPS) and all(v >= 1.0 for v in factors.values())
+        for op in CONTENDED_OPS:
+            alone, together = cf[op]["alone_s"], cf[op]["together_s"]
+            assert len(alone) == len(together) >= 2 and min(alone + together) > 0
+            assert factors[op] == max(1.0, statistics.median(together) / statistics.median(alone))
     loaded = sc.Network.from_profile(out).host
     assert all(getattr(loaded, name) == host[name]["value"] for name in RATE_UNITS
-               if not isinstance(host[name]["value"], dict)), loaded
+               if name in host and not isinstance(host[name]["value"], dict)), loaded
+    assert dict(loaded.codec_contention) == host.get("codec_contention", {}).get("value", {})
 
 
 def test_span_and_index_blocks_are_charged_at_their_rates_by_hand():
@@ -900,6 +917,71 @@ def test_powersgd_decode_is_charged_the_outer_rate_and_an_old_profile_the_time_i
     assert [t.hex() for t in same] == [t.hex() for t in base]
     more = sc.launch(_powersgd_step, 2, network=net(host=dataclasses.replace(rates, matmul_outer_mac_s=5e-9)))
     assert min(more) > max(base)
+
+
+def test_codec_contention_multiplies_the_rates_it_names_by_hand():
+    """By hand: 10 multiply-adds of ``M^T P`` at 2 ns with ``codec_contention`` 1.5 for ``matmul_t`` cost 30 ns;
+    the operations it does not name are charged their rates alone (an elementwise pass of 10 at 1 ns: 10 ns), and
+    ``matmul_outer`` without its own rate takes ``matmul_mac_s`` times its own factor; the factors are checked
+    (operations of CODEC_RATES, each at least 1)."""
+    host = HostModel(matmul_mac_s=4e-9, matmul_t_mac_s=2e-9, elementwise_element_s=1e-9,
+                     codec_contention={"matmul_t": 1.5, "matmul_outer": 3.0})
+    assert host.work_s("matmul_t", 10) == pytest.approx(30e-9, rel=1e-15)
+    assert host.work_s("elementwise", 10) == 10 * 1e-9 and host.work_s("matmul", 10) == 10 * 4e-9
+    assert host.work_s("matmul_outer", 10) == pytest.approx(120e-9, rel=1e-15)
+    assert dataclasses.replace(host, codec_contention={}).work_s("matmul_t", 10) == 10 * 2e-9
+    assert hash(host) != hash(dataclasses.replace(host, codec_contention={"matmul_t": 2.0}))
+    with pytest.raises(InvalidValueError, match="codec_contention has key 'sum'"):
+        HostModel(codec_contention={"sum": 2.0})
+    with pytest.raises(InvalidValueError, match="codec_contention"):
+        HostModel(codec_contention={"matmul": 0.5})
+    with pytest.raises(InvalidTypeError, match="codec_contention must map"):
+        HostModel(codec_contention=2.0)
+
+
+def test_a_powersgd_step_is_charged_its_products_contended_by_hand():
+    """By hand: PowerSGD (rank 1) on 2 workers over an 8 x 6 matrix and a 6-vector runs ``M^T P`` once per step,
+    8 * 6 = 48 multiply-adds, on every worker's path between the two rounds: with ``matmul_t_mac_s`` at 1 us, a
+    ``codec_contention`` of 2.5 for it makes every worker's step 1.5 * 48 us longer, and none (or one naming
+    only an operation the step does not run) changes no bit."""
+    net = functools.partial(sc.Network, bandwidth_gbps=10.0, latency_us=5.0)
+    rates = dataclasses.replace(FULL, matmul_t_mac_s=1e-6)
+    base = sc.launch(_powersgd_step, 2, network=net(host=rates))
+    more = sc.launch(_powersgd_step, 2, network=net(host=dataclasses.replace(rates, codec_contention={"matmul_t": 2.5})))
+    for b, m in zip(base, more):
+        assert m - b == pytest.approx(1.5 * 48 * 1e-6, rel=1e-9, abs=0)
+    same = sc.launch(_powersgd_step, 2, network=net(host=dataclasses.replace(rates, codec_contention={"select": 4.0})))
+    assert [t.hex() for t in same] == [t.hex() for t in base]
+
+
+def test_a_profile_without_codec_contention_models_the_times_it_modelled_and_one_with_it_round_trips(tmp_path):
+    """A profile written before ``codec_contention`` existed (or on one core: none measured, left out) loads with
+    none and models a compressed step to the bit as before; one with it round-trips it; a factor below 1 or an
+    unknown operation in it is refused, naming the key."""
+    net = functools.partial(sc.Network, bandwidth_gbps=10.0, latency_us=5.0)
+    rates = dataclasses.replace(FULL, matmul_mac_s=1e-9, matmul_t_mac_s=2e-9, elementwise_element_s=1e-9)
+    base = sc.launch(_powersgd_step, 2, network=net(host=rates))
+    old = _profile(rates)
+    assert "codec_contention" not in old["host"]
+    path = tmp_path / "host.json"
+    path.write_text(json.dumps(old))
+    loaded = sc.Network.from_profile(path, bandwidth_gbps=10.0, latency_us=5.0)
+    assert loaded.host == rates and not loaded.host.codec_contention
+    assert [t.hex() for t in sc.launch(_powersgd_step, 2, network=loaded)] == [t.hex() for t in base]
+    contended = dataclasses.replace(rates, codec_contention={"matmul_t": 1.8, "elementwise": 1.25})
+    new = _profile(contended)
+    assert new["host"]["codec_contention"] == {"value": {"matmul_t": 1.8, "elementwise": 1.25}, "unit": "factor"}
+    path.write_text(json.dumps(new))
+    loaded = sc.Network.from_profile(path, bandwidth_gbps=10.0, latency_us=5.0)
+    assert loaded.host == contended
+    assert min(sc.launch(_powersgd_step, 2, network=loaded)) > max(base)
+    for value, match in (({"matmul_t": 0.9}, "codec_contention"), ({"scan": 2.0}, "codec_contention has key"),
+                         ({"matmul_t": -1.0}, r"codec_contention.value\['matmul_t'\]")):
+        bad = _profile(contended)
+        bad["host"]["codec_contention"]["value"] = value
+        path.write_text(json.dumps(bad))
+        with pytest.raises(InvalidValueError, match=match):
+            sc.Network.from_profile(path)
 
 
 def _allgather_sparse(ctx) -> float:

@@ -81,7 +81,16 @@ modelled clocks (``host=None``, the default: no host cost, every modelled time a
   (``matmul_outer_mac_s``: PowerSGD's estimate ``P Q^T``, which writes the n x m matrix where the other two read
   it; ``None``, a profile without it: ``matmul_mac_s``, its charge before the rate existed); ``"kernel"``, calls
   whose fixed cost counts (``kernel_call_s``: a method call's Python, a thin QR, a top-k's set-up). Every rate 0
-  (the default, and a profile without them): no charge, the modelled times as without them.
+  (the default, and a profile without them): no charge, the modelled times as without them. ``codec_contention``
+  (operation -> factor, at least 1) multiplies the rate of each operation it names: how many times longer the
+  operation's kernel takes when every core of the machine runs one at once, as the workers of a bulk-synchronous
+  step run their encodes and decodes together, against the kernel alone, as its rate is measured (the cores share
+  the last-level cache and the memory bus: a product that streams a gradient's matrix through them takes longer
+  while the other cores stream theirs). It is the machine's, measured with every core busy
+  (:func:`sparsecomm.netbed.calibrate.contention_costs`), for runs whose endpoints keep every core busy (the
+  netbed's hosts on the machine that measured it; fewer busy endpoints than cores would see less of it). An
+  operation not in it (the default: empty, and a profile without it) is charged its rate alone, as before it
+  existed.
 
 A model that charges a fixed CPU time per message (``send_message_s + recv_message_s > 0``, or a table by
 message size) is a host
@@ -171,6 +180,7 @@ RATE_UNITS = {
     "sparse_switch_round_s": "s/packet",
     "message_cpu_s": "s/message",
     "message_wait_s": "s/message",
+    "codec_contention": "factor",
 }
 
 #: the rates that are tables by message size (bytes -> seconds), both or neither given, with the same sizes
@@ -186,7 +196,8 @@ FALLBACK_RATES = {"sparse_switch_packet_s": "switch_packet_s", "sparse_switch_va
 #: the rates a version-2 profile may lack (added within version 2; absent: 0, or for those of :data:`FALLBACK_RATES`
 #: ``None``: the time the profile modelled)
 OPTIONAL_RATES = ("span_block_s", "index_block_s", *CODEC_RATES.values(), "fresh_byte_s", "fresh_min_bytes",
-                  "move_byte_s", "check_element_s", "scan_zero_element_s", *FALLBACK_RATES, *MESSAGE_TABLES)
+                  "move_byte_s", "check_element_s", "scan_zero_element_s", *FALLBACK_RATES, *MESSAGE_TABLES,
+                  "codec_contention")
 
 #: the entries of :data:`RATE_UNITS` that are sizes in bytes (integers), not rates
 SIZES = ("fresh_min_bytes",)
@@ -247,6 +258,9 @@ class HostModel:
             between a message's delivery and its take; the sizes of ``message_cpu_s`` (both empty, or neither).
         call_s: transport name (``"ring"``, ``"omnireduce"``, ...) -> seconds per call of it, on every
             worker (default: none; a transport not in it is charged nothing).
+        codec_contention: operation of :data:`CODEC_RATES` (``"matmul"``, ...) -> the factor (>= 1) its rate is
+            charged at, the kernel's slowdown with every core busy (module docstring; default: none, each rate
+            as it is).
         cpu_share: the CPU stretch of every endpoint (>= 1): endpoints sharing cores, e.g. 2 for 4 hosts on
             2 cores (:meth:`sharing`).
         cpu_share_by_endpoint: endpoint id -> its own stretch (>= 1), overriding ``cpu_share``.
@@ -283,6 +297,7 @@ class HostModel:
     sparse_switch_round_s: float | None = None
     message_cpu_s: Mapping[int, float] = field(default_factory=dict)
     message_wait_s: Mapping[int, float] = field(default_factory=dict)
+    codec_contention: Mapping[str, float] = field(default_factory=dict)
     cpu_share: float = 1.0
     cpu_share_by_endpoint: Mapping[int, float] = field(default_factory=dict)
     # (not fields: the message tables as interpolation points, (sizes, CPU, waits), and the charges looked up per
@@ -298,7 +313,7 @@ class HostModel:
                 continue
             if name in SIZES:
                 put(self, name, check_int(name, getattr(self, name), low=0, what=who))
-            elif name not in ("sum_element_s", "call_s", *MESSAGE_TABLES):
+            elif name not in ("sum_element_s", "call_s", "codec_contention", *MESSAGE_TABLES):
                 put(self, name, check_real(name, getattr(self, name), low=0.0, what=who))
         if not isinstance(self.sum_element_s, Mapping):
             raise InvalidTypeError(f"{who}: sum_element_s must map dtype names to seconds per element, got "
@@ -320,6 +335,16 @@ class HostModel:
                 raise InvalidTypeError(f"{who}: call_s has key {k!r}; its keys are transport names (e.g. 'ring')")
             calls[k] = check_real(f"call_s[{k!r}]", v, low=0.0, what=who)
         put(self, "call_s", MappingProxyType(calls))
+        if not isinstance(self.codec_contention, Mapping):
+            raise InvalidTypeError(f"{who}: codec_contention must map operations ({', '.join(CODEC_RATES)}) to "
+                                   f"factors, got {type(self.codec_contention).__name__}")
+        factors = {}
+        for k, v in self.codec_contention.items():
+            if k not in CODEC_RATES:
+                raise InvalidValueError(f"{who}: codec_contention has key {k!r}; its keys are the operations "
+                                        f"{', '.join(CODEC_RATES)}")
+            factors[k] = check_real(f"codec_contention[{k!r}]", v, low=1.0, what=who)
+        put(self, "codec_contention", MappingProxyType(factors))
         tables = {}
         for name in MESSAGE_TABLES:
             table = getattr(self, name)
@@ -448,6 +473,9 @@ class HostModel:
             rate = getattr(self, CODEC_RATES[op])
             if rate is None:            # (FALLBACK_RATES: the charge before the rate existed)
                 rate = getattr(self, FALLBACK_RATES[CODEC_RATES[op]])
+            factor = self.codec_contention.get(op)
+            if factor is not None:      # (none: the rate alone, as before the factor existed)
+                rate = rate * factor
         elif op in ("sparse_switch_packet", "sparse_switch_value", "sparse_switch_result", "sparse_switch_message",
                     "sparse_switch_round"):
             name = f"{op}_s"
