@@ -101,6 +101,16 @@ on a loaded one without the time other processes hold the core):
   difference fitted by least squares as ``c + sparse_switch_round_s * R`` (``R``: the results charged on the
   modelled call's critical path, the call modelled again with the rate at :data:`PROBE_S`; ``c`` the per-call
   cost ``call_s`` then measures), the rate at least 0;
+- ``call_peer_s``: per transport of :data:`PEER_CALLS`, the part of a call's cost that grows with its workers
+  (:mod:`~sparsecomm.fabric.sim.sim_host`: a call of ``n`` workers costs ``call_s + (n - 1) * call_peer_s``): calls
+  as ``call_s``'s below, between 2 and between :data:`PEER_WORKERS` processes over gloo on 127.0.0.1, the two
+  sizes' launches taking turns (:data:`PEER_LAUNCHES` each); a call timed in its process's CPU time
+  (``time.process_time``, its threads together: the work the model charges, which it stretches by the share of the
+  cores itself, and which other processes' load on the machine leaves as it is where it would stretch a wall
+  time), per rank the median over calls, the mean over the ranks, less the same call modelled on the SimFabric with
+  every rate above and each endpoint on a core of its own (share 1): the cost ``r_n`` of a call of ``n`` beyond
+  its modelled work; ``call_peer_s`` is ``(r_PEER_WORKERS - r_2) / (PEER_WORKERS - 2)``, at least 0 (``call_s``,
+  measured next with it in the model, is then the rest of a 2-worker call's cost);
 - ``call_s``: per transport of :data:`CALL_GROUPS`, a call of :data:`CALL_ELEMS` float32 (dense; for those of
   :data:`SPARSE_CALLS`, the top-k 1% payload they carry) between two
   processes over gloo on 127.0.0.1 (its services started as the netbed's are), the median over calls of the
@@ -170,6 +180,13 @@ SPARSE_SWITCH_BURSTS = {True: (8, 128), False: (8, 64, 256, 1023)}
 #: the transports whose per-call cost is measured, by the services one launch of them needs
 CALL_GROUPS = {(): ("native", "ring", "allgather", "omnireduce"), ("switch",): ("switch",),
                ("sparse-switch",): ("sparse-switch",)}
+#: the transports whose call cost per other worker is measured (``call_peer_s``): those whose per-call Python walks
+#: every peer (OmniReduce's channels per aggregator and workers per aggregator, the allgather's payload per peer)
+PEER_CALLS = ("omnireduce", "allgather")
+#: the workers of the larger launch of the per-peer timing (the smaller has 2, as ``call_s``'s)
+PEER_WORKERS = 4
+#: launches of each size of the per-peer timing, taking turns, quick and full
+PEER_LAUNCHES = {True: 1, False: 2}
 #: float32 elements of a call of the per-call timing (64 OmniReduce blocks, 16 of the switch's packets)
 CALL_ELEMS = 1 << 14
 #: the transports whose per-call cost is timed on a sparse payload, the kind they carry (a top-k 1%: its values and
@@ -605,6 +622,31 @@ def _time_calls(ctx, names: tuple[str, ...], numel: int, calls: int) -> dict[str
     return out
 
 
+def _cpu_calls(ctx, names: tuple[str, ...], numel: int, calls: int) -> dict[str, list[float]]:
+    """:func:`_time_calls`, each call timed in this process's CPU time (``time.process_time``; on a modelled
+    fabric, its clock)."""
+    import sparsecomm.transports as transports
+
+    torch.set_num_threads(1)
+    f = ctx.fabric
+    clock = f.now if f.modelled_time else time.process_time
+    out = {}
+    for name in names:
+        t = transports.get(name, f)
+        x0 = call_input(name, numel, ctx.rank)
+        for _ in range(2):          # (untimed)
+            _timed_call(f, t, x0)
+        took = []
+        for _ in range(calls):
+            x = x0.clone() if isinstance(x0, torch.Tensor) else x0
+            f.barrier()
+            t0 = clock()
+            t.allreduce(x)
+            took.append(clock() - t0)
+        out[name] = took
+    return out
+
+
 def _timed_call(f, t, x0) -> float:
     """The time of one ``t.allreduce`` of a copy of ``x0`` (a tensor; a payload as it is) after a barrier, on
     ``f``'s clock."""
@@ -771,6 +813,41 @@ def netbed_costs(gbps: float = NETBED_GBPS, quick: bool = False) -> dict:
             "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
 
 
+def peer_call_costs(host: HostModel, quick: bool = False) -> dict:
+    """``call_peer_s`` (module docstring): per transport of :data:`PEER_CALLS`, a call's cost per other worker,
+    with the measurements (``call_peer_fit``: per transport and size of world, the measured call's CPU time, the
+    median over its launches, and the modelled call)."""
+    import dataclasses
+
+    from .. import launch
+    from ..fabric.sim.sim_network import Network
+
+    calls = CALLS[quick]
+    fn = functools.partial(_cpu_calls, names=PEER_CALLS, numel=CALL_ELEMS, calls=calls)
+    bare = dataclasses.replace(host, call_s={k: v for k, v in host.call_s.items() if k not in PEER_CALLS},
+                               call_peer_s={}, cpu_share=1.0, cpu_share_by_endpoint={})
+    sizes = (2, PEER_WORKERS)
+    measured: dict = {(n, name): [] for n in sizes for name in PEER_CALLS}
+    for _ in range(PEER_LAUNCHES[quick]):
+        for n in sizes:
+            real = launch(fn, n, backend="gloo", timeout_s=300.0)
+            for name in PEER_CALLS:
+                measured[n, name].append(statistics.mean(statistics.median(r[name]) for r in real))
+    fit: dict = {name: {} for name in PEER_CALLS}
+    residual = {}
+    for n in sizes:
+        sim = launch(functools.partial(fn, calls=1), n,
+                     network=Network(bandwidth_gbps=1e4, latency_us=0.0, host=bare))
+        for name in PEER_CALLS:
+            real_s, model_s = statistics.median(measured[n, name]), statistics.mean(r[name][0] for r in sim)
+            residual[n, name] = real_s - model_s
+            fit[name][str(n)] = {"measured_cpu_s": real_s, "modelled_s": model_s}
+    out = {}
+    for name in PEER_CALLS:
+        out[name] = max(0.0, (residual[PEER_WORKERS, name] - residual[2, name]) / (PEER_WORKERS - 2))
+    return {"call_peer_s": out, "call_peer_fit": fit}
+
+
 def call_costs(host: HostModel, quick: bool = False) -> dict:
     """``call_s`` (module docstring): per transport, the measured loopback call less the modelled one, with
     the measurements."""
@@ -833,14 +910,16 @@ def calibrate(quick: bool = False, netbed_gbps: float | None = NETBED_GBPS) -> d
         block_fit = blocks.pop("block_fit")
         rounds = sparse_switch_round_costs(HostModel(**messages, **kernels, **blocks), quick)
         round_fit = rounds.pop("sparse_switch_round_fit")
-        calls = call_costs(HostModel(**messages, **kernels, **blocks, **rounds), quick)
+        peers = peer_call_costs(HostModel(**messages, **kernels, **blocks, **rounds), quick)
+        peer_fit = peers.pop("call_peer_fit")
+        calls = call_costs(HostModel(**messages, **kernels, **blocks, **rounds, **peers), quick)
         contention = contention_costs(quick)
         contention_fit = contention.pop("contention_fit")
         netbed = None if netbed_gbps is None else netbed_costs(netbed_gbps, quick)
     finally:
         torch.set_num_threads(threads)
     call_fit = calls.pop("call_fit")
-    host = HostModel(**messages, **kernels, **blocks, **rounds, **calls, **contention)
+    host = HostModel(**messages, **kernels, **blocks, **rounds, **peers, **calls, **contention)
     date = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()
     method = {"quick": bool(quick), "repeats": REPEATS[quick], "exchanges": ROUNDS[quick],
               "elements": ELEMENTS[quick], "message_fit": fit, "switch_fit": switch_fit,
@@ -848,6 +927,7 @@ def calibrate(quick: bool = False, netbed_gbps: float | None = NETBED_GBPS) -> d
               "block_fit": block_fit, "sparse_switch_round_fit": round_fit,
               "call_elems": CALL_ELEMS, "calls": CALLS[quick], "call_fit": call_fit,
               "contention_fit": contention_fit,
+              "call_peer_workers": PEER_WORKERS, "call_peer_fit": peer_fit,
               "statistic": "median", "messages_via": "TorchFabric irecv/isend exchanges over gloo, 127.0.0.1",
               "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
     if netbed is not None:

@@ -193,6 +193,7 @@ class Transport(ABC):
         x = self.check_input(x)
         # the call's own CPU time beyond its messages and kernels, where the fabric models hosts (sim_host)
         self.fabric.host_work("call", 1, transport=self.name)
+        self.fabric.host_work("call_peer", self.fabric.world_size - 1, transport=self.name)
         # a call predicted to fold into its data (``native``, :mod:`._fold`) that this one is not:
         # join it and say so first; a transport that folds (``folds``) keeps its own record
         sched = None if self.folds else _fold.enter(self.fabric, self.name, f"{self.name} allreduce")

@@ -20,7 +20,7 @@ from sparsecomm.fabric.sim.sim_host import MESSAGE_TABLES, RATE_UNITS, SIZES, SU
 from sparsecomm.fabric.base import MESSAGE_BYTES
 from sparsecomm.fabric.engine import engine
 from sparsecomm.fabric.sim.sim_profile import FORMAT, VERSION, netbed_latency_s, profile_dict
-from sparsecomm.netbed.calibrate import CALL_GROUPS
+from sparsecomm.netbed.calibrate import CALL_GROUPS, PEER_CALLS, PEER_WORKERS
 from sparsecomm.transports.ring import ring_allreduce_
 
 N, CHUNK = 4, 1000          # a 4-worker ring over 4 chunks of 1000 float32: one segment per chunk
@@ -602,12 +602,14 @@ def test_calibrate_command_writes_a_loadable_profile(tmp_path, capsys):
             continue
         entry = host[name]
         assert entry["unit"] == unit
-        values = (entry["value"] if name in ("sum_element_s", "call_s", "codec_contention", *MESSAGE_TABLES)
+        values = (entry["value"] if name in ("sum_element_s", "call_s", "codec_contention", "call_peer_s", *MESSAGE_TABLES)
                   else {name: entry["value"]})
         if name == "sum_element_s":
             assert set(values) == set(SUM_DTYPES)
         if name == "call_s":
             assert set(values) == {t for names in CALL_GROUPS.values() for t in names}
+        if name == "call_peer_s":
+            assert set(values) == set(PEER_CALLS)
         for v in values.values():
             assert isinstance(v, int if name in SIZES else float) and math.isfinite(v) and v >= 0
     # medians of timed kernel runs (each run takes time): positive
@@ -709,6 +711,17 @@ def test_calibrate_command_writes_a_loadable_profile(tmp_path, capsys):
             alone, together = cf[op]["alone_s"], cf[op]["together_s"]
             assert len(alone) == len(together) >= 2 and min(alone + together) > 0
             assert factors[op] == max(1.0, statistics.median(together) / statistics.median(alone))
+    # a call's cost per other worker: the CPU time's growth from 2 to PEER_WORKERS workers beyond the model's, per
+    # added worker (at least 0), both sizes recorded
+    peers, peer_fit = host["call_peer_s"]["value"], method["call_peer_fit"]
+    assert set(peer_fit) == set(peers) and method["call_peer_workers"] == PEER_WORKERS
+    for name, v in peers.items():
+        fit = peer_fit[name]
+        assert set(fit) == {"2", str(PEER_WORKERS)}
+        assert all(f["measured_cpu_s"] > 0 and f["modelled_s"] > 0 for f in fit.values())
+        grown = (fit[str(PEER_WORKERS)]["measured_cpu_s"] - fit[str(PEER_WORKERS)]["modelled_s"]
+                 - fit["2"]["measured_cpu_s"] + fit["2"]["modelled_s"])
+        assert v == max(0.0, grown / (PEER_WORKERS - 2))
     loaded = sc.Network.from_profile(out).host
     assert all(getattr(loaded, name) == host[name]["value"] for name in RATE_UNITS
                if name in host and not isinstance(host[name]["value"], dict)), loaded
@@ -1312,3 +1325,67 @@ def test_a_charge_on_the_training_thread_beside_a_call_in_flight_lands_in_submis
                       network=dataclasses.replace(net, host=dataclasses.replace(net.host, elementwise_element_s=0.0)))
     assert first[0][0] == alone[0][0] and first[1][0] == alone[1][0]    # the first call: as without the charge
     assert first[0][1] > alone[0][1] + 0.9e-3                            # the second: after it
+
+
+def test_a_call_is_charged_per_other_worker_at_its_start_by_hand():
+    """``call_peer_s``: a call of n workers costs (n - 1) * call_peer_s more on every worker, before its first
+    message (the whole call shifts by it), stretched by the CPU share; another transport's rate, or none, changes
+    nothing to the bit."""
+    net = functools.partial(sc.Network, bandwidth_gbps=10.0, latency_us=5.0)
+    for n in (2, N):
+        run = functools.partial(_call, name="ring", numel=N * CHUNK)
+        base = [r[0] for r in sc.launch(run, n, network=net(host=HostModel(call_s={"ring": 1e-3})))]
+        timed = [r[0] for r in sc.launch(run, n, network=net(host=HostModel(call_s={"ring": 1e-3},
+                                                                             call_peer_s={"ring": 1e-4})))]
+        assert timed == pytest.approx([b + (n - 1) * 1e-4 for b in base], rel=1e-12, abs=0)
+        shared = [r[0] for r in sc.launch(run, n, network=net(host=HostModel(
+            call_s={"ring": 1e-3}, call_peer_s={"ring": 1e-4}, cpu_share=2.0)))]
+        shared_base = [r[0] for r in sc.launch(run, n, network=net(host=HostModel(call_s={"ring": 1e-3},
+                                                                                   cpu_share=2.0)))]
+        assert shared == pytest.approx([b + 2 * (n - 1) * 1e-4 for b in shared_base], rel=1e-12, abs=0)
+        other = [r[0] for r in sc.launch(run, n, network=net(host=HostModel(call_s={"ring": 1e-3},
+                                                                             call_peer_s={"omnireduce": 1.0})))]
+        assert [t.hex() for t in other] == [b.hex() for b in base]
+    assert HostModel(call_peer_s={"ring": 2e-3}).work_s("call_peer", 3, transport="ring") == 3 * 2e-3
+    assert HostModel().work_s("call_peer", 3, transport="ring") == 0.0
+    with pytest.raises(InvalidValueError, match="needs the name of the transport"):
+        HostModel(call_peer_s={"ring": 1.0}).work_s("call_peer", 1)
+    with pytest.raises(InvalidTypeError, match="call_peer_s has key 3"):
+        HostModel(call_peer_s={3: 1.0})
+    with pytest.raises(InvalidValueError, match="call_peer_s"):
+        HostModel(call_peer_s={"ring": -1.0})
+    with pytest.raises(InvalidTypeError, match="call_peer_s must map transport names"):
+        HostModel(call_peer_s=1.0)
+
+
+def test_a_profile_without_call_peer_s_models_what_it_modelled_and_one_with_it_round_trips(tmp_path):
+    """A profile written before ``call_peer_s`` existed loads with none and models an OmniReduce call of 4 workers
+    to the bit as before; one with it round-trips it (unit ``s/peer``) and charges it; a bad value is refused,
+    naming the key."""
+    run = functools.partial(_call, name="omnireduce", numel=1 << 12)
+    net = functools.partial(sc.Network, bandwidth_gbps=10.0, latency_us=5.0)
+    base = [r[0] for r in sc.launch(run, N, network=net(host=FULL))]
+    old = _profile(FULL)
+    assert "call_peer_s" not in old["host"]          # (none: not written, as a profile before it existed)
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    loaded = sc.Network.from_profile(path, bandwidth_gbps=10.0, latency_us=5.0)
+    assert loaded.host == FULL and dict(loaded.host.call_peer_s) == {}
+    assert [r[0].hex() for r in sc.launch(run, N, network=loaded)] == [t.hex() for t in base]
+    peer = dataclasses.replace(FULL, call_peer_s={"omnireduce": 1e-3})
+    new = _profile(peer)
+    assert new["host"]["call_peer_s"] == {"value": {"omnireduce": 1e-3}, "unit": "s/peer"}
+    path.write_text(json.dumps(new))
+    loaded = sc.Network.from_profile(path, bandwidth_gbps=10.0, latency_us=5.0)
+    assert loaded.host == peer
+    assert [r[0] for r in sc.launch(run, N, network=loaded)] == pytest.approx([b + 3e-3 for b in base], rel=1e-12,
+                                                                                abs=0)
+    bad = _profile(peer)
+    bad["host"]["call_peer_s"]["value"]["omnireduce"] = -1.0
+    path.write_text(json.dumps(bad))
+    with pytest.raises(InvalidValueError, match=r"host\.call_peer_s\.value\['omnireduce'\]"):
+        sc.Network.from_profile(path)
+    bad["host"]["call_peer_s"] = {"value": 1e-3, "unit": "s/peer"}
+    path.write_text(json.dumps(bad))
+    with pytest.raises(InvalidTypeError, match=r"host\.call_peer_s\.value maps transport names"):
+        sc.Network.from_profile(path)

@@ -67,7 +67,13 @@ modelled clocks (``host=None``, the default: no host cost, every modelled time a
   a transport (``call_s`` of the transport's name, charged by :meth:`sparsecomm.transports.base.Transport.run`
   on every worker as the call starts: the Python a call runs whatever its size -- its set-up, the workers'
   agreement, its rounds' bookkeeping -- beyond the messages, bytes, sums, scans and packets charged above;
-  a transport not in ``call_s`` is charged nothing);
+  a transport not in ``call_s`` is charged nothing); ``"call_peer"``, the other workers of a call (``call_peer_s``
+  of the transport's name per other worker, charged by :meth:`sparsecomm.transports.base.Transport.run` on every
+  worker beside ``"call"``: the part of a call's Python that grows with its workers -- OmniReduce's channels and
+  lanes set up and walked for each aggregator and, at an aggregator, each worker's state; the allgather's
+  headers, payloads and sum terms per peer --, so that a call of ``n`` workers costs ``call_s + (n - 1) *
+  call_peer_s``; a transport not in ``call_peer_s``, the default and a profile without it, is charged nothing:
+  its call costs ``call_s`` at any size of world, as before the rate existed);
 - the encode and decode of a method and its compressor (:meth:`sparsecomm.methods.base.Method.work`, which
   :mod:`sparsecomm.pipeline.rounds` charges on a fabric with modelled time around each call it makes, in these
   operations): ``"elementwise"``, elements through an elementwise pass (``elementwise_element_s``: an add, a
@@ -136,7 +142,8 @@ HOST_OPS = {"sum": "element", "scan": "element", "switch_packet": "packet", "swi
             "elementwise": "element", "select": "element", "sample": "element", "matmul": "multiply-add",
             "matmul_t": "multiply-add", "matmul_outer": "multiply-add", "kernel": "call", "sparse_switch_packet": "packet",
             "sparse_switch_value": "packet", "sparse_switch_result": "packet", "sparse_switch_message": "message",
-            "sparse_switch_round": "packet", "fresh_later": "byte", "fresh_touch": "byte"}
+            "sparse_switch_round": "packet", "fresh_later": "byte", "fresh_touch": "byte",
+            "call_peer": "peer"}
 
 #: the operations of a method's encode and decode (:meth:`sparsecomm.methods.base.Method.work`) and their rates
 CODEC_RATES = {"elementwise": "elementwise_element_s", "select": "select_element_s", "sample": "sample_element_s",
@@ -181,6 +188,7 @@ RATE_UNITS = {
     "message_cpu_s": "s/message",
     "message_wait_s": "s/message",
     "codec_contention": "factor",
+    "call_peer_s": "s/peer",
 }
 
 #: the rates that are tables by message size (bytes -> seconds), both or neither given, with the same sizes
@@ -197,7 +205,7 @@ FALLBACK_RATES = {"sparse_switch_packet_s": "switch_packet_s", "sparse_switch_va
 #: ``None``: the time the profile modelled)
 OPTIONAL_RATES = ("span_block_s", "index_block_s", *CODEC_RATES.values(), "fresh_byte_s", "fresh_min_bytes",
                   "move_byte_s", "check_element_s", "scan_zero_element_s", *FALLBACK_RATES, *MESSAGE_TABLES,
-                  "codec_contention")
+                  "codec_contention", "call_peer_s")
 
 #: the entries of :data:`RATE_UNITS` that are sizes in bytes (integers), not rates
 SIZES = ("fresh_min_bytes",)
@@ -261,6 +269,8 @@ class HostModel:
         codec_contention: operation of :data:`CODEC_RATES` (``"matmul"``, ...) -> the factor (>= 1) its rate is
             charged at, the kernel's slowdown with every core busy (module docstring; default: none, each rate
             as it is).
+        call_peer_s: transport name -> seconds per call of it per other worker of the call, on every worker,
+            beside ``call_s`` (default: none; a transport not in it is charged ``call_s`` alone).
         cpu_share: the CPU stretch of every endpoint (>= 1): endpoints sharing cores, e.g. 2 for 4 hosts on
             2 cores (:meth:`sharing`).
         cpu_share_by_endpoint: endpoint id -> its own stretch (>= 1), overriding ``cpu_share``.
@@ -298,6 +308,7 @@ class HostModel:
     message_cpu_s: Mapping[int, float] = field(default_factory=dict)
     message_wait_s: Mapping[int, float] = field(default_factory=dict)
     codec_contention: Mapping[str, float] = field(default_factory=dict)
+    call_peer_s: Mapping[str, float] = field(default_factory=dict)
     cpu_share: float = 1.0
     cpu_share_by_endpoint: Mapping[int, float] = field(default_factory=dict)
     # (not fields: the message tables as interpolation points, (sizes, CPU, waits), and the charges looked up per
@@ -313,7 +324,7 @@ class HostModel:
                 continue
             if name in SIZES:
                 put(self, name, check_int(name, getattr(self, name), low=0, what=who))
-            elif name not in ("sum_element_s", "call_s", "codec_contention", *MESSAGE_TABLES):
+            elif name not in ("sum_element_s", "call_s", "codec_contention", "call_peer_s", *MESSAGE_TABLES):
                 put(self, name, check_real(name, getattr(self, name), low=0.0, what=who))
         if not isinstance(self.sum_element_s, Mapping):
             raise InvalidTypeError(f"{who}: sum_element_s must map dtype names to seconds per element, got "
@@ -326,15 +337,7 @@ class HostModel:
                                         f"{', '.join(SUM_DTYPES)})")
             sums[name] = check_real(f"sum_element_s[{name!r}]", v, low=0.0, what=who)
         put(self, "sum_element_s", MappingProxyType(sums))
-        if not isinstance(self.call_s, Mapping):
-            raise InvalidTypeError(f"{who}: call_s must map transport names to seconds per call, got "
-                                   f"{type(self.call_s).__name__}")
-        calls = {}
-        for k, v in self.call_s.items():
-            if not isinstance(k, str) or not k:
-                raise InvalidTypeError(f"{who}: call_s has key {k!r}; its keys are transport names (e.g. 'ring')")
-            calls[k] = check_real(f"call_s[{k!r}]", v, low=0.0, what=who)
-        put(self, "call_s", MappingProxyType(calls))
+        put(self, "call_s", MappingProxyType(_per_transport(self.call_s, "call_s", "seconds per call", who)))
         if not isinstance(self.codec_contention, Mapping):
             raise InvalidTypeError(f"{who}: codec_contention must map operations ({', '.join(CODEC_RATES)}) to "
                                    f"factors, got {type(self.codec_contention).__name__}")
@@ -345,6 +348,8 @@ class HostModel:
                                         f"{', '.join(CODEC_RATES)}")
             factors[k] = check_real(f"codec_contention[{k!r}]", v, low=1.0, what=who)
         put(self, "codec_contention", MappingProxyType(factors))
+        put(self, "call_peer_s", MappingProxyType(_per_transport(self.call_peer_s, "call_peer_s",
+                                                                 "seconds per call per other worker", who)))
         tables = {}
         for name in MESSAGE_TABLES:
             table = getattr(self, name)
@@ -437,6 +442,11 @@ class HostModel:
                 raise InvalidValueError("host_work('call', ...) needs the name of the transport called "
                                         "(transport=...)")
             rate = self.call_s.get(transport, 0.0)
+        elif op == "call_peer":
+            if not transport:
+                raise InvalidValueError("host_work('call_peer', ...) needs the name of the transport called "
+                                        "(transport=...)")
+            rate = self.call_peer_s.get(transport, 0.0)
         elif op == "sum":
             if dtype is None:
                 raise InvalidValueError("host_work('sum', ...) needs the dtype of the elements summed")
@@ -502,6 +512,18 @@ def _interpolate(sizes: tuple, values: tuple, nbytes: int) -> float:
     x0, x1, y0, y1 = sizes[i - 1], sizes[i], values[i - 1], values[i]
     y = y0 + (y1 - y0) * (nbytes - x0) / (x1 - x0)
     return y if nbytes <= x1 else max(y, y1)
+
+
+def _per_transport(rates, name: str, what: str, who: str) -> dict:
+    """``rates`` (transport name -> seconds) checked: a mapping of non-empty names to rates >= 0."""
+    if not isinstance(rates, Mapping):
+        raise InvalidTypeError(f"{who}: {name} must map transport names to {what}, got {type(rates).__name__}")
+    out = {}
+    for k, v in rates.items():
+        if not isinstance(k, str) or not k:
+            raise InvalidTypeError(f"{who}: {name} has key {k!r}; its keys are transport names (e.g. 'ring')")
+        out[k] = check_real(f"{name}[{k!r}]", v, low=0.0, what=who)
+    return out
 
 
 def _rebuild(fields: dict) -> HostModel:

@@ -32,12 +32,14 @@ PowerSGD's estimate's ``matmul_outer_mac_s``, which a profile without it models 
 :data:`~.sim_host.FALLBACK_RATES`; and the message costs by size, ``message_cpu_s`` and ``message_wait_s``
 (:data:`~.sim_host.MESSAGE_TABLES`, both or neither, ``{"value": {"64": 6.1e-05, "4096": ..., ...}, "unit":
 "s/message"}``, the sizes in bytes as decimal strings), which a profile without them models with the four linear
-message rates, as before they existed; and the slowdown of a method's kernels with every core busy,
-``codec_contention`` (``{"value": {"matmul": 1.2, "matmul_t": 1.8, ...}, "unit": "factor"}``, operations of
-:data:`~.sim_host.CODEC_RATES` to factors of at least 1), which a profile without it models as 1, each rate
-alone, as before it existed); ``sum_element_s`` gives each of :data:`~.sim_host.SUM_DTYPES`, ``call_s`` a
-rate per transport name (any names); ``fresh_min_bytes`` (:data:`~.sim_host.SIZES`) is a size, an integer of bytes
-(unit ``"byte"``), not a rate. ``date``, ``machine`` and
+message rates, as before they existed); ``sum_element_s`` gives each of :data:`~.sim_host.SUM_DTYPES`, ``call_s`` a
+rate per transport name (any names), and so does ``call_peer_s`` (optional, added within version 2: a call's cost
+per other worker of it, ``{"value": {"omnireduce": 0.004, ...}, "unit": "s/peer"}``; a profile without it charges
+``call_s`` alone, at any size of world, as before it existed); ``fresh_min_bytes`` (:data:`~.sim_host.SIZES`) is a
+size, an integer of bytes (unit ``"byte"``), not a rate; the slowdown of a method's kernels with every core busy,
+``codec_contention`` (optional, added within version 2: ``{"value": {"matmul": 1.2, "matmul_t": 1.8, ...}, "unit":
+"factor"}``, operations of :data:`~.sim_host.CODEC_RATES` to factors of at least 1; a profile without it models
+each rate alone, as before it existed). ``date``, ``machine`` and
 ``method`` are recorded, not interpreted.
 
 ``netbed`` (optional, added within version 2; :func:`netbed_latency_s` reads it): this machine's netbed as
@@ -71,7 +73,7 @@ FORMAT = "sparsecomm-host-profile"
 #: the version this library writes and reads
 VERSION = 2
 #: the rates whose value is a mapping (dtype -> rate, transport -> rate, message size -> seconds)
-MAPPED = ("sum_element_s", "call_s", "codec_contention", *MESSAGE_TABLES)
+MAPPED = ("sum_element_s", "call_s", "codec_contention", "call_peer_s", *MESSAGE_TABLES)
 #: the top-level keys of a profile (the first three required)
 KEYS = ("format", "version", "host", "date", "machine", "method", "netbed")
 #: the keys of a profile's ``netbed``
@@ -86,7 +88,7 @@ def profile_dict(host: HostModel, *, date: str, machine: dict, method: dict, net
     rates = {}
     for name, unit in RATE_UNITS.items():
         value = getattr(host, name)
-        if value is None or (name in (*MESSAGE_TABLES, "codec_contention") and not value):   # (its fallback: absent)
+        if value is None or (name in (*MESSAGE_TABLES, "codec_contention", "call_peer_s") and not value):   # (its fallback: absent)
             continue
         if name in MESSAGE_TABLES:      # (JSON's keys are strings: the sizes in decimal)
             value = {str(n): v for n, v in value.items()}
@@ -194,7 +196,7 @@ def host_from_profile(profile: dict, source: str = "host profile") -> HostModel:
             if missing:
                 raise InvalidValueError(f"{where}.value lacks the dtype(s) {missing}")
             kw[name] = {d: _rate(f"{where}.value[{d!r}]", v) for d, v in sums.items()}
-        elif name == "call_s":
+        elif name in ("call_s", "call_peer_s"):
             calls = entry["value"]
             if not isinstance(calls, dict):
                 raise InvalidTypeError(f"{where}.value maps transport names to rates, got {type(calls).__name__}")
