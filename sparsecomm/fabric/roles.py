@@ -95,7 +95,9 @@ class Inbox:
     def __init__(self, fabric, pool: Pool) -> None:
         self.fabric = fabric
         self.pool = pool
-        self._box: dict = {}
+        #: key -> ``(receive, buffer)`` (receive ``None``: put locally): the inbox's entries, for a driver to read
+        #: without a call per key (changed only through the methods below)
+        self.box: dict = {}
         self._observer = None
         self._watched = None
 
@@ -108,8 +110,8 @@ class Inbox:
         self._watched = watched
 
     def _add(self, key, entry) -> None:
-        new = key not in self._box
-        self._box[key] = entry
+        new = key not in self.box
+        self.box[key] = entry
         if self._observer is not None and (self._watched is None or key in self._watched):
             self._observer(key, True if new else None)
 
@@ -122,7 +124,7 @@ class Inbox:
     def post_into(self, key, buf: torch.Tensor, src: int, tag: int) -> None:
         """Post the receive of ``key`` from endpoint ``src`` on ``tag`` straight into ``buf`` (a contiguous
         tensor, e.g. a view of the result)."""
-        box = self._box         # (what _add does, inline: once per message of a ring)
+        box = self.box         # (what _add does, inline: once per message of a ring)
         new = key not in box
         box[key] = (self.fabric.irecv(buf, src, tag), buf)
         if self._observer is not None and (self._watched is None or key in self._watched):
@@ -134,26 +136,26 @@ class Inbox:
 
     def work(self, key):
         """The pending receive of ``key`` (``None`` if it was put locally); ``KeyError`` if none."""
-        return self._box[key][0]
+        return self.box[key][0]
 
     def works(self, keys) -> list:
         """:meth:`work` of each of ``keys``, in order (one call for many keys)."""
-        return list(map(_entry_work, map(self._box.__getitem__, keys)))   # (no bytecode per key)
+        return list(map(_entry_work, map(self.box.__getitem__, keys)))   # (no bytecode per key)
 
     def has(self, key) -> bool:
         """Is a receive of ``key`` posted, or its message put here?"""
-        return key in self._box
+        return key in self.box
 
     def ready(self, key) -> bool:
         """Has the message of ``key`` arrived (or been put locally)?"""
-        work = self._box[key][0]
+        work = self.box[key][0]
         return work is None or work.is_completed()
 
     def ready_keys(self, keys) -> list:
         """Those of ``keys`` whose messages have arrived (or been put locally), in order (:meth:`ready` of
         each, in one call). A look at every key: an ``any`` role that takes one key per wake takes the one it
         is resumed with (:class:`Recv`) instead."""
-        works = list(map(_entry_work, map(self._box.__getitem__, keys)))
+        works = list(map(_entry_work, map(self.box.__getitem__, keys)))
         if None in works:
             return [k for k, w in zip(keys, works) if w is None or w.is_completed()]
         return list(compress(keys, map(_is_completed, works)))      # (no bytecode per key)
@@ -162,14 +164,14 @@ class Inbox:
         """The receives of ``keys`` (each posted or put) that have not completed yet."""
         out = []
         for k in keys:
-            work = self._box[k][0]
+            work = self.box[k][0]
             if work is not None and not work.is_completed():
                 out.append(work)
         return out
 
     def take(self, key):
         """The message of ``key`` (waiting for its receive to complete), removed from the inbox."""
-        work, buf = self._box.pop(key)
+        work, buf = self.box.pop(key)
         if self._observer is not None and (self._watched is None or key in self._watched):
             self._observer(key, False)
         if work is not None:
@@ -567,7 +569,7 @@ class _Scheduler:
                 role, req = self.forget(self.seq)
                 inbox.observe(None)
                 self.solo = True
-                box = inbox._box
+                box = inbox.box
                 send, post_into, settle = outbox.send, inbox.post_into, outbox.pool.settle
                 while req is not None:
                     for k in req.keys:
@@ -639,7 +641,7 @@ class _Scheduler:
         """A blocking driver's shortcut (rule R3): the first role able to run, in preference order, whose wait
         is :attr:`~Stage.sure`, not ``any``, with no ``free`` buffer, whose posted receives (in or not: a look
         would cost a helper thread) hold at most :data:`SURE_BLOCK_BYTES` in all; else ``None``."""
-        box = self.inbox._box
+        box = self.inbox.box
         for stage, s in self.order:
             if not stage.sure:
                 continue
@@ -733,7 +735,7 @@ class _Scheduler:
 
     def _check_solo(self, req: Recv) -> None:
         """The only role waits on ``req``: able to run (rule R1; else a bug), after the reap its stage asks for."""
-        box = self.inbox._box
+        box = self.inbox.box
         for k in req.keys:
             if k not in box:
                 raise ProtocolError(f"endpoint {self.fabric.rank}: no role of this call can run (a bug)")
@@ -757,7 +759,7 @@ class _Scheduler:
                 return
             self._drop_kept()
         s = self.seq = self.seq + 1
-        box, watchers = self.inbox._box, self.watchers
+        box, watchers = self.inbox.box, self.watchers
         self.waiting[s] = [role, req]
         lacks = 0
         entry = (s, True)

@@ -537,6 +537,7 @@ class SimFabric(Fabric):
         """
         ep = self._ep
         ws = None
+        per_port, Choose = ep.per_port, _roles.Choose
         if ep.waitset is None:      # (a second drive at once on one endpoint builds its groups per choice)
             ws = ep.waitset = RoleWaits(ep, inbox, _RecvWork)
             choice = AnyWait(None, ws)      # (the wait of every choice the records decide: one object)
@@ -554,13 +555,14 @@ class SimFabric(Fabric):
                 except StopIteration:
                     return
                 t = type(req)
-                if t is _roles.Choose:       # answered (the role chosen, the key of an ``any`` one's receive)
-                    s = ws.choose(req.order)
-                    if s is not None:
-                        value = (s, None)       # an empty group: chosen at once
+                if t is Choose:     # answered (the role chosen, the key of an ``any`` one's receive)
+                    ws.order = req.order
+                    if ws.empties:          # an empty group: its role chosen at once (the first in order)
+                        groups_ = ws.groups
+                        value = (min([(groups_[s].req.stage, s) for s in ws.empties])[1], None)
                         continue
-                    if ws.exact():      # its receives completed by the wait set (RoleWaits.take): no other
-                        value = yield choice        # group holds them, no record to update
+                    if not ws.odd and not per_port:     # the records decide: its receives completed by the wait
+                        value = yield choice        # set (RoleWaits.choose), no other group holds them, no record to update
                         continue
                     # groups the records do not decide: built as for a WaitAny
                     waiting = [(s, ws.groups[s].req) for _, s in req.order]
@@ -591,7 +593,7 @@ class SimFabric(Fabric):
                 value = None        # WaitAll: the role takes these at once; they are received first, here
                 keys = req.keys     # (an ``any`` one: answered with the key found in, or the first, completed)
                 if not keys[1:] and keys and not req.any:       # (the common case: one named receive)
-                    w = inbox.work(keys[0])
+                    w = inbox.box[keys[0]][0]
                     if w is not None and not w.done:
                         if not w.take_now():        # (the loop's wait, without process()'s frames: event())
                             src, tag = w.channel
