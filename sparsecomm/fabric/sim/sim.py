@@ -69,13 +69,11 @@ class SimWorld(World):
         self.gate.close()
 
 class _SentWork(Work):
-    """A started send of endpoint ``ep`` whose last byte leaves at ``tx_end``: complete; a wait moves the
-    endpoint's clock to ``tx_end`` (once)."""
+    """A started send of endpoint ``_ep`` whose last byte leaves at ``_tx_end``: complete; a wait moves the
+    endpoint's clock to ``_tx_end`` (once). Made by :meth:`SimFabric.isend`, which sets both (no ``__init__``:
+    one Python call the fewer per message)."""
 
     __slots__ = ("_ep", "_tx_end")
-
-    def __init__(self, ep, tx_end: float) -> None:
-        self._ep, self._tx_end = ep, tx_end
 
     def wait(self, timeout: float | None = None) -> None:
         ep, t = self._ep, self._tx_end
@@ -390,7 +388,9 @@ class SimFabric(Fabric):
             if limit is not None and ep.sends >= limit:
                 ep.crashed = True
                 raise EndpointCrashed(f"{ep.name} crashed after {ep.sends} sends (fault injection)")
-        return _SentWork(ep, tx_end)
+        wk = _SentWork()
+        wk._ep, wk._tx_end = ep, tx_end
+        return wk
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0, *, reliable: bool = True) -> None:
         self.isend(tensor, dst, tag, reliable=reliable).wait()      # (the clock moves to the send's tx_end)

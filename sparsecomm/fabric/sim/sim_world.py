@@ -291,6 +291,17 @@ class World:
                     except Exception as exc:  # noqa: BLE001 - the wait's own code (its endpoint's records) raised
                         self._fault(p, exc)
                     return
+            elif (type(req) is AnyWait and req.keys is None and self.failure is None and not self.closed
+                    and not self.deadlocked and not p.ep.crashed):     # (_try's choice of a kept state, inline)
+                try:
+                    got = req.watch.choose(self, clock_only=True)
+                    if got is not None:
+                        p.value = got
+                        continue
+                    self._block(p, req)
+                except Exception as exc:  # noqa: BLE001 - the wait's own code (its endpoint's records) raised
+                    self._fault(p, exc)
+                return
             try:
                 if not self._try(p, req):
                     self._block(p, req)
@@ -517,9 +528,7 @@ class World:
                 return True
             try:
                 if type(req) is RecvWait:
-                    msg = match(ep, req.src, req.tag)
-                    self._unblock(p)
-                    p.value = self.take(ep, msg)
+                    got = self.take(ep, match(ep, req.src, req.tag))
                 else:
                     watch = req.watch
                     got = watch.choose(self, at=t)
@@ -531,8 +540,17 @@ class World:
                         if e is not None:
                             heapq.heappush(heap, (e, 0, ep.id, p.seq, no, p))
                         continue
-                    self._unblock(p)
-                    p.value = got
+                waiters = ep.waiters        # (_unblock, inline: once per event)
+                if waiters[-1] is p:
+                    del waiters[-1]
+                else:
+                    waiters.remove(p)
+                p.wait = p.event = None
+                self._blocked -= 1
+                if not p.queued:
+                    p.queued = True
+                    self._runq.append(p)
+                p.value = got
             except Exception as exc:  # noqa: BLE001 - p's wait (its endpoint's records) raised
                 self._fault(p, exc)
             return True
