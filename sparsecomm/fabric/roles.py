@@ -49,9 +49,12 @@ class Pool:
     def get(self, key, nbytes: int) -> torch.Tensor:
         """The first ``nbytes`` of the buffer of role ``key`` (``uint8``), once every send holding it has
         completed; it grows if it is shorter."""
-        for wk in self._busy.pop(key, ()):
-            wk.wait()
-        b = self._bufs.get(key)
+        busy = self._busy
+        if key in busy:
+            for wk in busy.pop(key):
+                wk.wait()
+        bufs = self._bufs
+        b = bufs[key] if key in bufs else None
         if b is None:
             b = self._bufs[key] = torch.empty(nbytes, dtype=torch.uint8)
             return b

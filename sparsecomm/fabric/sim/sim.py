@@ -350,10 +350,11 @@ class SimFabric(Fabric):
             if _trace.recorder is not None:
                 _trace.recorder.sim_sent(world, rank, dst, tag, nbytes, start, tx_end, dropped)
             if not dropped and not dst_ep.crashed:
-                ch = (rank, tag)
-                q = dst_ep.mailbox.get(ch)
-                if q is None:
-                    q = dst_ep.mailbox[ch] = deque()
+                ch, box = (rank, tag), dst_ep.mailbox
+                if ch in box:
+                    q = box[ch]
+                else:
+                    q = box[ch] = deque()
                 # the posted receive that takes this message if the channel's receives take them in the order
                 # they were posted (the k-th posted, with k messages queued before it): its bytes are written
                 # into that receive's buffer, which holds them until the message is taken (_deliver)
