@@ -405,9 +405,13 @@ class WaitSet(Protocol):
     has :meth:`add` ed each of them and :meth:`remove` s each that no longer is or is about to be resumed (a
     :meth:`remove` of a role not added is a no-op); with one or none, none is added."""
 
-    def add(self, s: int, req: Recv) -> None: ...
+    def add(self, s: int, req: Recv, first: tuple | None = None) -> None:
+        """Role ``s``, waiting on ``req``, is able to run; ``first``: ``(s0, req0)``, the role able alone until
+        now, added first (with ``s``, there is a choice to record)."""
 
-    def remove(self, s: int) -> None: ...
+    def remove(self, s: int, last: int | None = None) -> None:
+        """Role ``s`` is no longer able to run (or is about to be resumed); ``last``: the one left able alone,
+        removed after it (no choice to record)."""
 
     def ready(self) -> Iterable[int]:
         """The roles added whose messages are in (:meth:`Inbox.ready` of every key, of one for an ``any``
@@ -786,10 +790,11 @@ class _Scheduler:
                 self.stays += 1
             ws = self.waitset
             if ws is not None and order[1:]:
-                if not order[2:]:
+                if not order[2:]:       # (the one able before: a choice to record from now on)
                     other = order[0][1] if order[1][1] == s else order[1][1]
-                    ws.add(other, self.waiting[other][1])
-                ws.add(s, req)
+                    ws.add(s, req, (other, self.waiting[other][1]))
+                else:
+                    ws.add(s, req)
 
     def _able(self, s: int, stage) -> None:
         """Role ``s`` (waiting at ``stage``) has become able to run: into the preference order."""
@@ -802,8 +807,9 @@ class _Scheduler:
         if ws is not None and order[1:]:       # (a wait set records the able roles while there is a choice)
             if not order[2:]:
                 other = order[0][1] if order[1][1] == s else order[1][1]
-                ws.add(other, self.waiting[other][1])
-            ws.add(s, self.waiting[s][1])
+                ws.add(s, self.waiting[s][1], (other, self.waiting[other][1]))
+            else:
+                ws.add(s, self.waiting[s][1])
 
     def _unable(self, s: int, stage) -> None:
         """Role ``s`` (able to run, waiting at ``stage``) is no more: out of the preference order."""
@@ -814,9 +820,7 @@ class _Scheduler:
             self.stays -= 1
         ws = self.waitset
         if ws is not None and order:            # (there were two or more: recorded)
-            ws.remove(s)
-            if not order[1:]:
-                ws.remove(order[0][1])
+            ws.remove(s, order[0][1] if not order[1:] else None)
 
     def changed(self, key, present: bool | None) -> None:
         """The inbox's observer: ``key`` was posted or put (``present``), taken, or replaced (``None``)."""
@@ -875,9 +879,7 @@ class _Scheduler:
                 self.stays -= 1
             ws = self.waitset
             if ws is not None and order:
-                ws.remove(s)
-                if not order[1:]:
-                    ws.remove(order[0][1])
+                ws.remove(s, order[0][1] if not order[1:] else None)
         if got is not None and req.keys[1:] and not req.gone:
             if self.kept is not None:
                 self._drop_kept()

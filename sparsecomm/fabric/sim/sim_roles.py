@@ -120,9 +120,12 @@ class RoleWaits:
         self.seen: float | None = None
 
     # ------------------------------------------------------------------ the scheduler's calls
-    def add(self, s: int, req) -> None:
+    def add(self, s: int, req, first: tuple | None = None) -> None:
         """Role ``s`` is able to run, waiting on ``req``: record its group (measured from the mailbox; or the
-        :attr:`spare`, if ``req`` waits ``any`` on its live receives: another role's wait leaves it kept)."""
+        :attr:`spare`, if ``req`` waits ``any`` on its live receives: another role's wait leaves it kept).
+        ``first``: ``(s0, req0)``, a role recorded first in the same way (the one able alone until now)."""
+        if first is not None:
+            self.add(*first)
         spare = self.spare
         if spare is not None and req.any and self._adopt(spare, s, req):
             self.spare = None
@@ -177,8 +180,12 @@ class RoleWaits:
             self._drop(spare)
         self._measure(g)
 
-    def remove(self, s: int) -> None:
-        """Role ``s`` is resumed or no longer able to run: drop its group (nothing if none)."""
+    def remove(self, s: int, last: int | None = None) -> None:
+        """Role ``s`` is resumed or no longer able to run: drop its group (nothing if none); then, if ``last`` is
+        given, that role's too (the one left able alone)."""
+        if last is not None:
+            self.remove(s)
+            s = last
         g = self.groups.pop(s, None)
         if g is None:
             return
