@@ -563,7 +563,7 @@ class SimFabric(Fabric):
                         value = (min([(groups_[s].req.stage, s) for s in ws.empties])[1], None)
                         continue
                     if not ws.odd and not per_port:     # the records decide: its receives completed by the wait
-                        value = yield choice        # set (RoleWaits.choose), no other group holds them, no record to update
+                        value = yield choice    # set (RoleWaits.choose), no other group holds them, none to update
                         continue
                     # groups the records do not decide: built as for a WaitAny
                     waiting = [(s, ws.groups[s].req) for _, s in req.order]

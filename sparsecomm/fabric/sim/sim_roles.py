@@ -15,10 +15,11 @@ A group's record is what :class:`~.sim_wait.OrderedWait` measures: how many of i
 at the head of their queue, and the latest delivery of the heads (an ``any`` role whose every key is
 pending: each receive alone). The choice is :meth:`~sparsecomm.fabric.sim.sim.SimFabric.wait_any`'s, so the
 same as with the groups built per choice, provided every group's receives are on ``(source, tag)`` that no
-other group has, each once, and from a named source: where one is not (:attr:`RoleWaits.odd`, or a ``per_port`` endpoint, whose choice is by arrival:
-:mod:`.sim_wait`), the drive (:meth:`~.sim.SimFabric.drive_process`) sees so and
-the driver builds the groups as before for that choice (the records are kept all the same). On a SimFabric a
-send is complete once started, so a role's ``free`` sends are never pending and are not recorded.
+other group has, each once, and from a named source: where one is not (:attr:`RoleWaits.odd`; or on a
+``per_port`` endpoint, whose choice is by arrival: :mod:`.sim_wait`), the drive
+(:meth:`~.sim.SimFabric.drive_process`) builds the groups as before for that choice (the records are kept all
+the same). On a SimFabric a send is complete once started, so a role's ``free`` sends are never pending and are
+not recorded.
 
 A record holds lower bounds of its heads' deliveries (the endpoint re-times queued messages lazily: an arrival
 placed before them only delays them, :meth:`~.sim_network.Endpoint.schedule`). The groups in are kept in two
@@ -96,8 +97,8 @@ class RoleWaits:
     another kind makes the groups odd). While it records a receive it is the endpoint's ``watch``, which the
     world tells of every message put in or taken from the mailbox. For the world's loop it is also the state
     of the wait of a choice (as :class:`~.sim_wait.OrderedWait`: :meth:`choose`, :meth:`bound`,
-    :meth:`event`), over the groups in the :attr:`order` of the choice (set by the drive, :meth:`~.sim.SimFabric.drive_process`,
-    which chooses a role of an empty group, :attr:`empties`, at once)."""
+    :meth:`event`), over the groups in the :attr:`order` of the choice (set by the drive,
+    :meth:`~.sim.SimFabric.drive_process`, which chooses a role of an empty group, :attr:`empties`, at once)."""
 
     def __init__(self, ep: Endpoint, inbox, recv_type: type) -> None:
         self.ep, self.inbox, self.recv_type = ep, inbox, recv_type
@@ -153,8 +154,8 @@ class RoleWaits:
             if req.any and not any_:
                 pend, chans = [], []     # a key is in: an empty group
             g = _Group(s, req, pend, chans, any_)
-            if any_ and pend[1:] and not g.odd:     # (an ``any`` one of two receives or more: it may be kept, :attr:`spare`)
-                g.slots, g.keys, g.live, g.dead = req.keys, list(req.keys), list(pend), set()
+            if any_ and pend[1:] and not g.odd:     # (an ``any`` one of two receives or more: it may be kept,
+                g.slots, g.keys, g.live, g.dead = req.keys, list(req.keys), list(pend), set()     # :attr:`spare`)
         self.groups[s] = g
         if g.empty:
             self.empties.add(s)
@@ -257,7 +258,8 @@ class RoleWaits:
         if g.stale or len(req.keys) != len(g.keys) or g.keys != list(req.keys):
             return False
         live = g.live
-        if list(map(_entry_work, map(self.inbox.box.__getitem__, req.keys))) != live or any(map(_done, live)):    # (each the receive posted, pending)
+        posted = list(map(_entry_work, map(self.inbox.box.__getitem__, req.keys)))
+        if posted != live or any(map(_done, live)):    # (each the receive posted, pending)
             return False
         g.s, g.req, g.chosen, g.pick, g.exact = s, req, False, None, -1
         self.groups[s] = g
