@@ -49,9 +49,12 @@ class Pool:
     def get(self, key, nbytes: int) -> torch.Tensor:
         """The first ``nbytes`` of the buffer of role ``key`` (``uint8``), once every send holding it has
         completed; it grows if it is shorter."""
-        for wk in self._busy.pop(key, ()):
-            wk.wait()
-        b = self._bufs.get(key)
+        busy = self._busy
+        if key in busy:
+            for wk in busy.pop(key):
+                wk.wait()
+        bufs = self._bufs
+        b = bufs[key] if key in bufs else None
         if b is None:
             b = self._bufs[key] = torch.empty(nbytes, dtype=torch.uint8)
             return b
@@ -95,7 +98,9 @@ class Inbox:
     def __init__(self, fabric, pool: Pool) -> None:
         self.fabric = fabric
         self.pool = pool
-        self._box: dict = {}
+        #: key -> ``(receive, buffer)`` (receive ``None``: put locally): the inbox's entries, for a driver to read
+        #: without a call per key (changed only through the methods below)
+        self.box: dict = {}
         self._observer = None
         self._watched = None
 
@@ -108,8 +113,8 @@ class Inbox:
         self._watched = watched
 
     def _add(self, key, entry) -> None:
-        new = key not in self._box
-        self._box[key] = entry
+        new = key not in self.box
+        self.box[key] = entry
         if self._observer is not None and (self._watched is None or key in self._watched):
             self._observer(key, True if new else None)
 
@@ -122,7 +127,7 @@ class Inbox:
     def post_into(self, key, buf: torch.Tensor, src: int, tag: int) -> None:
         """Post the receive of ``key`` from endpoint ``src`` on ``tag`` straight into ``buf`` (a contiguous
         tensor, e.g. a view of the result)."""
-        box = self._box         # (what _add does, inline: once per message of a ring)
+        box = self.box         # (what _add does, inline: once per message of a ring)
         new = key not in box
         box[key] = (self.fabric.irecv(buf, src, tag), buf)
         if self._observer is not None and (self._watched is None or key in self._watched):
@@ -134,26 +139,26 @@ class Inbox:
 
     def work(self, key):
         """The pending receive of ``key`` (``None`` if it was put locally); ``KeyError`` if none."""
-        return self._box[key][0]
+        return self.box[key][0]
 
     def works(self, keys) -> list:
         """:meth:`work` of each of ``keys``, in order (one call for many keys)."""
-        return list(map(_entry_work, map(self._box.__getitem__, keys)))   # (no bytecode per key)
+        return list(map(_entry_work, map(self.box.__getitem__, keys)))   # (no bytecode per key)
 
     def has(self, key) -> bool:
         """Is a receive of ``key`` posted, or its message put here?"""
-        return key in self._box
+        return key in self.box
 
     def ready(self, key) -> bool:
         """Has the message of ``key`` arrived (or been put locally)?"""
-        work = self._box[key][0]
+        work = self.box[key][0]
         return work is None or work.is_completed()
 
     def ready_keys(self, keys) -> list:
         """Those of ``keys`` whose messages have arrived (or been put locally), in order (:meth:`ready` of
         each, in one call). A look at every key: an ``any`` role that takes one key per wake takes the one it
         is resumed with (:class:`Recv`) instead."""
-        works = list(map(_entry_work, map(self._box.__getitem__, keys)))
+        works = list(map(_entry_work, map(self.box.__getitem__, keys)))
         if None in works:
             return [k for k, w in zip(keys, works) if w is None or w.is_completed()]
         return list(compress(keys, map(_is_completed, works)))      # (no bytecode per key)
@@ -162,14 +167,14 @@ class Inbox:
         """The receives of ``keys`` (each posted or put) that have not completed yet."""
         out = []
         for k in keys:
-            work = self._box[k][0]
+            work = self.box[k][0]
             if work is not None and not work.is_completed():
                 out.append(work)
         return out
 
     def take(self, key):
         """The message of ``key`` (waiting for its receive to complete), removed from the inbox."""
-        work, buf = self._box.pop(key)
+        work, buf = self.box.pop(key)
         if self._observer is not None and (self._watched is None or key in self._watched):
             self._observer(key, False)
         if work is not None:
@@ -400,9 +405,13 @@ class WaitSet(Protocol):
     has :meth:`add` ed each of them and :meth:`remove` s each that no longer is or is about to be resumed (a
     :meth:`remove` of a role not added is a no-op); with one or none, none is added."""
 
-    def add(self, s: int, req: Recv) -> None: ...
+    def add(self, s: int, req: Recv, first: tuple | None = None) -> None:
+        """Role ``s``, waiting on ``req``, is able to run; ``first``: ``(s0, req0)``, the role able alone until
+        now, added first (with ``s``, there is a choice to record)."""
 
-    def remove(self, s: int) -> None: ...
+    def remove(self, s: int, last: int | None = None) -> None:
+        """Role ``s`` is no longer able to run (or is about to be resumed); ``last``: the one left able alone,
+        removed after it (no choice to record)."""
 
     def ready(self) -> Iterable[int]:
         """The roles added whose messages are in (:meth:`Inbox.ready` of every key, of one for an ``any``
@@ -567,7 +576,7 @@ class _Scheduler:
                 role, req = self.forget(self.seq)
                 inbox.observe(None)
                 self.solo = True
-                box = inbox._box
+                box = inbox.box
                 send, post_into, settle = outbox.send, inbox.post_into, outbox.pool.settle
                 while req is not None:
                     for k in req.keys:
@@ -639,7 +648,7 @@ class _Scheduler:
         """A blocking driver's shortcut (rule R3): the first role able to run, in preference order, whose wait
         is :attr:`~Stage.sure`, not ``any``, with no ``free`` buffer, whose posted receives (in or not: a look
         would cost a helper thread) hold at most :data:`SURE_BLOCK_BYTES` in all; else ``None``."""
-        box = self.inbox._box
+        box = self.inbox.box
         for stage, s in self.order:
             if not stage.sure:
                 continue
@@ -733,7 +742,7 @@ class _Scheduler:
 
     def _check_solo(self, req: Recv) -> None:
         """The only role waits on ``req``: able to run (rule R1; else a bug), after the reap its stage asks for."""
-        box = self.inbox._box
+        box = self.inbox.box
         for k in req.keys:
             if k not in box:
                 raise ProtocolError(f"endpoint {self.fabric.rank}: no role of this call can run (a bug)")
@@ -757,7 +766,7 @@ class _Scheduler:
                 return
             self._drop_kept()
         s = self.seq = self.seq + 1
-        box, watchers = self.inbox._box, self.watchers
+        box, watchers = self.inbox.box, self.watchers
         self.waiting[s] = [role, req]
         lacks = 0
         entry = (s, True)
@@ -781,10 +790,11 @@ class _Scheduler:
                 self.stays += 1
             ws = self.waitset
             if ws is not None and order[1:]:
-                if not order[2:]:
+                if not order[2:]:       # (the one able before: a choice to record from now on)
                     other = order[0][1] if order[1][1] == s else order[1][1]
-                    ws.add(other, self.waiting[other][1])
-                ws.add(s, req)
+                    ws.add(s, req, (other, self.waiting[other][1]))
+                else:
+                    ws.add(s, req)
 
     def _able(self, s: int, stage) -> None:
         """Role ``s`` (waiting at ``stage``) has become able to run: into the preference order."""
@@ -797,8 +807,9 @@ class _Scheduler:
         if ws is not None and order[1:]:       # (a wait set records the able roles while there is a choice)
             if not order[2:]:
                 other = order[0][1] if order[1][1] == s else order[1][1]
-                ws.add(other, self.waiting[other][1])
-            ws.add(s, self.waiting[s][1])
+                ws.add(s, self.waiting[s][1], (other, self.waiting[other][1]))
+            else:
+                ws.add(s, self.waiting[s][1])
 
     def _unable(self, s: int, stage) -> None:
         """Role ``s`` (able to run, waiting at ``stage``) is no more: out of the preference order."""
@@ -809,9 +820,7 @@ class _Scheduler:
             self.stays -= 1
         ws = self.waitset
         if ws is not None and order:            # (there were two or more: recorded)
-            ws.remove(s)
-            if not order[1:]:
-                ws.remove(order[0][1])
+            ws.remove(s, order[0][1] if not order[1:] else None)
 
     def changed(self, key, present: bool | None) -> None:
         """The inbox's observer: ``key`` was posted or put (``present``), taken, or replaced (``None``)."""
@@ -870,9 +879,7 @@ class _Scheduler:
                 self.stays -= 1
             ws = self.waitset
             if ws is not None and order:
-                ws.remove(s)
-                if not order[1:]:
-                    ws.remove(order[0][1])
+                ws.remove(s, order[0][1] if not order[1:] else None)
         if got is not None and req.keys[1:] and not req.gone:
             if self.kept is not None:
                 self._drop_kept()

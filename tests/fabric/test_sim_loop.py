@@ -323,7 +323,7 @@ def _check_blamed(exc: BaseException, seen: dict, n: int, target: int) -> None:
 
 
 @pytest.mark.parametrize("target", [0, 3])
-@pytest.mark.parametrize("where", ["arrived", "taken", "event", "first"])
+@pytest.mark.parametrize("where", ["arrived", "taken", "event", "choose"])
 def test_an_error_of_an_endpoints_wait_set_is_that_endpoints_whichever_thread_runs_the_loop(monkeypatch, where,
                                                                                          target):
     # the wait set's records of a drive are touched by the loop (in the thread of whichever worker parked last)

@@ -69,13 +69,11 @@ class SimWorld(World):
         self.gate.close()
 
 class _SentWork(Work):
-    """A started send of endpoint ``ep`` whose last byte leaves at ``tx_end``: complete; a wait moves the
-    endpoint's clock to ``tx_end`` (once)."""
+    """A started send of endpoint ``_ep`` whose last byte leaves at ``_tx_end``: complete; a wait moves the
+    endpoint's clock to ``_tx_end`` (once). Made by :meth:`SimFabric.isend`, which sets both (no ``__init__``:
+    one Python call the fewer per message)."""
 
     __slots__ = ("_ep", "_tx_end")
-
-    def __init__(self, ep, tx_end: float) -> None:
-        self._ep, self._tx_end = ep, tx_end
 
     def wait(self, timeout: float | None = None) -> None:
         ep, t = self._ep, self._tx_end
@@ -352,10 +350,11 @@ class SimFabric(Fabric):
             if _trace.recorder is not None:
                 _trace.recorder.sim_sent(world, rank, dst, tag, nbytes, start, tx_end, dropped)
             if not dropped and not dst_ep.crashed:
-                ch = (rank, tag)
-                q = dst_ep.mailbox.get(ch)
-                if q is None:
-                    q = dst_ep.mailbox[ch] = deque()
+                ch, box = (rank, tag), dst_ep.mailbox
+                if ch in box:
+                    q = box[ch]
+                else:
+                    q = box[ch] = deque()
                 # the posted receive that takes this message if the channel's receives take them in the order
                 # they were posted (the k-th posted, with k messages queued before it): its bytes are written
                 # into that receive's buffer, which holds them until the message is taken (_deliver)
@@ -390,7 +389,9 @@ class SimFabric(Fabric):
             if limit is not None and ep.sends >= limit:
                 ep.crashed = True
                 raise EndpointCrashed(f"{ep.name} crashed after {ep.sends} sends (fault injection)")
-        return _SentWork(ep, tx_end)
+        wk = _SentWork()
+        wk._ep, wk._tx_end = ep, tx_end
+        return wk
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0, *, reliable: bool = True) -> None:
         self.isend(tensor, dst, tag, reliable=reliable).wait()      # (the clock moves to the send's tx_end)
@@ -537,6 +538,7 @@ class SimFabric(Fabric):
         """
         ep = self._ep
         ws = None
+        per_port, Choose = ep.per_port, _roles.Choose
         if ep.waitset is None:      # (a second drive at once on one endpoint builds its groups per choice)
             ws = ep.waitset = RoleWaits(ep, inbox, _RecvWork)
             choice = AnyWait(None, ws)      # (the wait of every choice the records decide: one object)
@@ -554,13 +556,14 @@ class SimFabric(Fabric):
                 except StopIteration:
                     return
                 t = type(req)
-                if t is _roles.Choose:       # answered (the role chosen, the key of an ``any`` one's receive)
-                    s = ws.choose(req.order)
-                    if s is not None:
-                        value = (s, None)       # an empty group: chosen at once
+                if t is Choose:     # answered (the role chosen, the key of an ``any`` one's receive)
+                    ws.order = req.order
+                    if ws.empties:          # an empty group: its role chosen at once (the first in order)
+                        groups_ = ws.groups
+                        value = (min([(groups_[s].req.stage, s) for s in ws.empties])[1], None)
                         continue
-                    if ws.exact():      # its receives completed by the wait set (RoleWaits.take): no other
-                        value = yield choice        # group holds them, no record to update
+                    if not ws.odd and not per_port:     # the records decide: its receives completed by the wait
+                        value = yield choice    # set (RoleWaits.choose), no other group holds them, none to update
                         continue
                     # groups the records do not decide: built as for a WaitAny
                     waiting = [(s, ws.groups[s].req) for _, s in req.order]
@@ -591,7 +594,7 @@ class SimFabric(Fabric):
                 value = None        # WaitAll: the role takes these at once; they are received first, here
                 keys = req.keys     # (an ``any`` one: answered with the key found in, or the first, completed)
                 if not keys[1:] and keys and not req.any:       # (the common case: one named receive)
-                    w = inbox.work(keys[0])
+                    w = inbox.box[keys[0]][0]
                     if w is not None and not w.done:
                         if not w.take_now():        # (the loop's wait, without process()'s frames: event())
                             src, tag = w.channel

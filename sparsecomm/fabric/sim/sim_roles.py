@@ -15,9 +15,11 @@ A group's record is what :class:`~.sim_wait.OrderedWait` measures: how many of i
 at the head of their queue, and the latest delivery of the heads (an ``any`` role whose every key is
 pending: each receive alone). The choice is :meth:`~sparsecomm.fabric.sim.sim.SimFabric.wait_any`'s, so the
 same as with the groups built per choice, provided every group's receives are on ``(source, tag)`` that no
-other group has, each once, and from a named source: where one is not, :meth:`RoleWaits.exact` says so and
-the driver builds the groups as before for that choice (the records are kept all the same). On a SimFabric a
-send is complete once started, so a role's ``free`` sends are never pending and are not recorded.
+other group has, each once, and from a named source: where one is not (:attr:`RoleWaits.odd`; or on a
+``per_port`` endpoint, whose choice is by arrival: :mod:`.sim_wait`), the drive
+(:meth:`~.sim.SimFabric.drive_process`) builds the groups as before for that choice (the records are kept all
+the same). On a SimFabric a send is complete once started, so a role's ``free`` sends are never pending and are
+not recorded.
 
 A record holds lower bounds of its heads' deliveries (the endpoint re-times queued messages lazily: an arrival
 placed before them only delays them, :meth:`~.sim_network.Endpoint.schedule`). The groups in are kept in two
@@ -38,13 +40,14 @@ exactly do not).
 from __future__ import annotations
 
 from heapq import heapify, heappop, heappush, heapreplace
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 
 from .sim_network import Endpoint, Msg
 
 __all__ = ["RoleWaits"]
 
 _done = attrgetter("done")
+_entry_work = itemgetter(0)     # an inbox entry's receive (:attr:`~sparsecomm.fabric.roles.Inbox.box`)
 _head = attrgetter("head")
 
 
@@ -93,16 +96,18 @@ class RoleWaits:
     roles post their receives in ``inbox``; ``recv_type``: the SimFabric's posted receive (a receive of
     another kind makes the groups odd). While it records a receive it is the endpoint's ``watch``, which the
     world tells of every message put in or taken from the mailbox. For the world's loop it is also the state
-    of the wait of a choice (as :class:`~.sim_wait.OrderedWait`: :meth:`first`, :meth:`bound`,
-    :meth:`event`, :meth:`take`), over the groups in the order of :meth:`choose`."""
+    of the wait of a choice (as :class:`~.sim_wait.OrderedWait`: :meth:`choose`, :meth:`bound`,
+    :meth:`event`), over the groups in the :attr:`order` of the choice (set by the drive,
+    :meth:`~.sim.SimFabric.drive_process`, which chooses a role of an empty group, :attr:`empties`, at once)."""
 
     def __init__(self, ep: Endpoint, inbox, recv_type: type) -> None:
         self.ep, self.inbox, self.recv_type = ep, inbox, recv_type
         self.groups: dict[int, _Group] = {}
         self.by_chan: dict[tuple, list[_Group]] = {}   # (source, tag) -> the groups with a receive on it
         self.empties: set[int] = set()
-        self.odd = 0                 # odd groups, and channels shared by two groups: the records do not decide
-        self.order: list = []        # the scheduler's order of preference, as of the last choose()
+        #: odd groups, and channels shared by two groups: while any, the records do not decide a choice
+        self.odd = 0
+        self.order: list = []        # the scheduler's order of preference, as of the last choice
         # the groups in, each once (its ``tick``): by a lower bound of their time, or, once that was by a time
         # the wait reached, by preference; entries of another tick are stale
         self.heap: list = []         # (lb, tick, group)
@@ -111,63 +116,58 @@ class RoleWaits:
         #: the ``any`` group of a role resumed by a choice, kept for its next wait (not in ``groups``)
         self.spare: _Group | None = None
         #: the event as :meth:`event` last found it, while no message has arrived on a channel recorded (nor
-        #: re-timed those queued) since: what a choice at that time (:meth:`first` ``at``) need not read again;
+        #: re-timed those queued) since: what a choice at that time (:meth:`choose` ``at``) need not read again;
         #: ``None``: not known
         self.seen: float | None = None
 
     # ------------------------------------------------------------------ the scheduler's calls
-    def add(self, s: int, req) -> None:
+    def add(self, s: int, req, first: tuple | None = None) -> None:
         """Role ``s`` is able to run, waiting on ``req``: record its group (measured from the mailbox; or the
-        :attr:`spare`, if ``req`` waits ``any`` on its live receives: another role's wait leaves it kept)."""
+        :attr:`spare`, if ``req`` waits ``any`` on its live receives: another role's wait leaves it kept).
+        ``first``: ``(s0, req0)``, a role recorded first in the same way (the one able alone until now)."""
+        if first is not None:
+            self.add(*first)
         spare = self.spare
         if spare is not None and req.any and self._adopt(spare, s, req):
             self.spare = None
             return
-        recv, keys = self.recv_type, req.keys
+        recv, keys, box = self.recv_type, req.keys, self.inbox.box
         if not req.any and keys and not keys[1:]:      # (one key, the common case: no call per key)
-            w = self.inbox.work(keys[0])
+            w = box[keys[0]][0]
             if w is None or (w.done if type(w) is recv else w.is_completed()):
                 pend, chans = [], []    # (put locally, or completed)
             else:
                 pend, chans = [w], [w.channel if type(w) is recv else (None, None)]     # (another kind: odd)
             g = _Group(s, req, pend, chans, False)
-            self.groups[s] = g
-            if g.empty:
-                self.empties.add(s)
-                return
-            self._enter(g, spare)
-            return
-        works = self.inbox.works(keys)
-        if [w for w in works if type(w) is not recv or w.done]:    # (put locally, completed or of another kind)
-            pend, chans = [], []
-            for w in works:
-                if w is None or w.is_completed():
-                    continue
-                chans.append(w.channel if type(w) is recv else (None, None))    # (another kind: odd)
-                pend.append(w)
-        else:                   # (the common case, with no call per key)
-            pend, chans = works, [w.channel for w in works]
-        any_ = req.any and len(pend) == len(req.keys)
-        if req.any and not any_:
-            pend, chans = [], []     # a key is in: an empty group
-        g = _Group(s, req, pend, chans, any_)
+        else:
+            works = list(map(_entry_work, map(box.__getitem__, keys)))     # (no bytecode per key)
+            if [w for w in works if type(w) is not recv or w.done]:    # (put locally, completed or of another kind)
+                pend, chans = [], []
+                for w in works:
+                    if w is None or w.is_completed():
+                        continue
+                    chans.append(w.channel if type(w) is recv else (None, None))    # (another kind: odd)
+                    pend.append(w)
+            else:                   # (the common case, with no call per key)
+                pend, chans = works, [w.channel for w in works]
+            any_ = req.any and len(pend) == len(req.keys)
+            if req.any and not any_:
+                pend, chans = [], []     # a key is in: an empty group
+            g = _Group(s, req, pend, chans, any_)
+            if any_ and pend[1:] and not g.odd:     # (an ``any`` one of two receives or more: it may be kept,
+                g.slots, g.keys, g.live, g.dead = req.keys, list(req.keys), list(pend), set()     # :attr:`spare`)
         self.groups[s] = g
         if g.empty:
             self.empties.add(s)
             return
-        if any_ and pend[1:] and not g.odd:     # (an ``any`` one of two receives or more: it may be kept, :attr:`spare`)
-            g.slots, g.keys, g.live, g.dead = req.keys, list(req.keys), list(pend), set()
-        self._enter(g, spare)
-
-    def _enter(self, g: _Group, spare: _Group | None) -> None:
-        """Record ``g``'s receives (under their channels; the :attr:`spare` ``spare`` dropped if it has one of
-        them), and measure it."""
+        # record its receives under their channels (the :attr:`spare` dropped if it has one of them), and
+        # measure it
         if g.odd:
             self.odd += 1
-        if g.chans and not self.by_chan:
+        if chans and not self.by_chan:
             self.ep.watch = self     # (told of the mailbox while it records a receive)
         by_chan, shared = self.by_chan, False
-        for c in g.chans:
+        for c in chans:
             if c in by_chan:
                 lst = by_chan[c]
                 if not lst[1:]:
@@ -181,8 +181,12 @@ class RoleWaits:
             self._drop(spare)
         self._measure(g)
 
-    def remove(self, s: int) -> None:
-        """Role ``s`` is resumed or no longer able to run: drop its group (nothing if none)."""
+    def remove(self, s: int, last: int | None = None) -> None:
+        """Role ``s`` is resumed or no longer able to run: drop its group (nothing if none); then, if ``last`` is
+        given, that role's too (the one left able alone)."""
+        if last is not None:
+            self.remove(s)
+            s = last
         g = self.groups.pop(s, None)
         if g is None:
             return
@@ -200,7 +204,19 @@ class RoleWaits:
             self._kill(g, g.pick)
             self.spare = g
             return
-        self._drop(g)
+        if g.odd:                    # (:meth:`_drop`, inline: once per resume)
+            self.odd -= 1
+        by_chan = self.by_chan
+        for c in g.chans if not g.dead else list(g.index):
+            lst = by_chan[c]
+            if not lst[1:]:
+                del by_chan[c]
+            else:
+                lst.remove(g)
+                if not lst[1:]:
+                    self.odd -= 1
+        if not by_chan:
+            self.ep.watch = None
 
     def _drop(self, g: _Group) -> None:
         """Forget ``g`` (out of ``groups`` already): its receives are recorded no more."""
@@ -242,7 +258,8 @@ class RoleWaits:
         if g.stale or len(req.keys) != len(g.keys) or g.keys != list(req.keys):
             return False
         live = g.live
-        if self.inbox.works(req.keys) != live or any(map(_done, live)):    # (each the receive posted, pending)
+        posted = list(map(_entry_work, map(self.inbox.box.__getitem__, req.keys)))
+        if posted != live or any(map(_done, live)):    # (each the receive posted, pending)
             return False
         g.s, g.req, g.chosen, g.pick, g.exact = s, req, False, None, -1
         self.groups[s] = g
@@ -265,8 +282,9 @@ class RoleWaits:
                     self.add(g.s, g.req)
 
     # ------------------------------------------------------------------ the endpoint's mailbox
-    def arrived(self, msg: Msg, retimed: bool) -> None:
-        """``msg`` was put in the mailbox (``retimed``: queued messages may have moved; a record's bounds hold)."""
+    def arrived(self, msg: Msg, retimed: bool) -> float | None:
+        """``msg`` was put in the mailbox (``retimed``: queued messages may have moved; a record's bounds hold);
+        returns :meth:`bound` as it is then (what the world's entry for the wait is compared with)."""
         c = (msg.src, msg.tag)
         lst = self.by_chan.get(c)
         if lst is not None or retimed:
@@ -284,13 +302,25 @@ class RoleWaits:
                 if g.any:
                     heappush(g.units, (v, j))
                     if g.tick < 0 or v < g.lb:
-                        self._push(g, v)
+                        self.ticks = tick = self.ticks + 1     # (:meth:`_push`, inline)
+                        g.tick, g.lb = tick, v
+                        heappush(self.heap, (v, tick, g))
                 else:
                     g.missing -= 1
                     if v > g.latest:
                         g.latest = v
                     if not g.missing and (g.tick < 0 or g.latest < g.lb):
-                        self._push(g, g.latest)
+                        self.ticks = tick = self.ticks + 1     # (:meth:`_push`, inline)
+                        g.tick, g.lb = tick, g.latest
+                        heappush(self.heap, (g.latest, tick, g))
+        clock = self.ep.clock       # (:meth:`bound`, inline: once per message)
+        if self.due:
+            return clock
+        heap = self.heap
+        if heap:
+            lb = heap[0][0]
+            return lb if lb > clock else clock
+        return None
 
     def taken(self, msg: Msg) -> None:
         """``msg`` was taken from the mailbox (the next on its channel is the head)."""
@@ -309,21 +339,6 @@ class RoleWaits:
         return self.empties
 
     # ------------------------------------------------------------------ a choice
-    def exact(self) -> bool:
-        """Do the records decide the choice (no odd group, no channel two groups share, and not a ``per_port``
-        endpoint, whose choice is by arrival: :mod:`.sim_wait`)?"""
-        return not self.odd and not self.ep.per_port
-
-    def choose(self, order: list) -> int | None:
-        """Start a choice over the groups of ``order`` (``(stage, sequence number)`` of the roles able to
-        run, in order of preference): the role of the first empty group, chosen at once; ``None`` if none is
-        (the choice is then a wait, this object its state)."""
-        self.order = order
-        if self.empties:
-            groups = self.groups
-            return min((groups[s].req.stage, s) for s in self.empties)[1]
-        return None
-
     def _measure(self, g: _Group) -> None:
         """Read ``g``'s heads from the mailbox (bounds), and enter it in the heaps if it is in earlier."""
         chans = g.chans
@@ -337,7 +352,9 @@ class RoleWaits:
             t = g.latest = d if d > 0.0 else 0.0
             g.heads, g.missing = [t], 0
             if g.tick < 0 or t < g.lb:
-                self._push(g, t)
+                self.ticks = tick = self.ticks + 1     # (:meth:`_push`, inline)
+                g.tick, g.lb = tick, t
+                heappush(self.heap, (t, tick, g))
             return
         heads = [(d if (d := q[0].delivered) > 0.0 else 0.0) if q else None
                  for q in map(self.ep.mailbox.get, g.chans)]       # (no call per receive)
@@ -353,7 +370,9 @@ class RoleWaits:
         else:
             t = None if missing else g.latest
         if t is not None and (g.tick < 0 or t < g.lb):
-            self._push(g, t)
+            self.ticks = tick = self.ticks + 1     # (:meth:`_push`, inline)
+            g.tick, g.lb = tick, t
+            heappush(self.heap, (t, tick, g))
 
     def _push(self, g: _Group, t: float) -> None:
         """Enter ``g`` in the heaps anew, at lower bound ``t`` (its earlier entry is stale)."""
@@ -462,10 +481,16 @@ class RoleWaits:
         self.seen = None
         return None
 
-    def first(self, clock_only: bool = False, at: float | None = None) -> tuple[float, tuple] | None:
-        """``(t, (s, j))``: :meth:`event`, and the first group in order in by then (role ``s``'s; ``j``: the
-        receive of an ``any`` one, else ``None``); its role is marked chosen. ``clock_only``: the first group,
-        and only if it is in by the clock. ``at``: only if the event is ``at`` (else ``None``, nothing chosen)."""
+    def choose(self, world, clock_only: bool = False, at: float | None = None) -> tuple[int, object] | None:
+        """Make the choice: at :meth:`event`, the first group in order in by then (``clock_only``: the first group,
+        and only if it is in by the clock; ``at``: only if the event is ``at``); ``None`` if there is none (nothing
+        chosen). Its role is marked chosen, its group's messages are taken from the mailbox (through ``world``,
+        :meth:`~.sim_world.World.take`, in the order of their arrival) and its receives completed with them (an
+        ``any`` one's: the receive that chose it, the first in order of those in by then). Returns ``(s, key)``,
+        what the drive is resumed with: the role chosen and, for an ``any`` one, the key of the receive that chose
+        it (what the role is resumed with, :class:`~sparsecomm.fabric.roles.Recv`; a kept group's slots are those
+        it was recorded with, :attr:`_Group.slots`), else ``None``. The records decide the choice (none
+        :attr:`odd`): no other group holds these receives."""
         groups = self.groups
         if clock_only:
             clock = self.ep.clock
@@ -482,49 +507,44 @@ class RoleWaits:
                     if (d if d > 0.0 else 0.0) > clock:
                         return None
                     g.chosen, g.tick, g.pick = True, -1, lo
-                    return clock, (s, lo)
+                    j = lo
+                    break
                 if g.missing or g.latest > clock:
                     return None
                 if self._time(g) > clock:
                     return None
                 g.chosen, g.tick = True, -1
-                return clock, (s, None)
-            return None
-        t = at if at is not None and at == self.seen else self.event()
-        if t is None or (at is not None and t != at):
-            return None
-        g = self._due(t)
-        if g is None:
-            raise AssertionError("unreachable: the earliest group is in by the event")
-        g.chosen, g.tick = True, -1
-        if not g.any:
-            return t, (g.s, None)
-        ep, heads, chans, units = self.ep, g.heads, g.chans, g.units
-        box, epoch, pick, seen = ep.mailbox, ep.epoch, None, []
-        while units and units[0][0] <= t:      # its receives in by t: the first of them in order
-            lb, j = heappop(units)
-            if heads[j] == lb:
-                seen.append((lb, j))
-                if pick is None or j < pick:
-                    m = box[chans[j]][0]
-                    d = m.delivered if m.stamp >= epoch else ep.delivery(m)
-                    if d <= t:
-                        pick = j
-        if g.keys is not None:       # (it may be kept: its heap as it was)
-            for e in seen:
-                heappush(units, e)
-        g.pick = pick
-        return t, (g.s, pick)
-
-    def take(self, world, token: tuple) -> tuple[int, object]:
-        """Complete the choice ``token`` (of :meth:`first`): take its group's messages from the mailbox (through
-        ``world``, :meth:`~.sim_world.World.take`, in the order of their arrival) and complete its receives with
-        them; ``(s, key)``, what the drive is resumed with: the role chosen and, for an ``any`` one, the key of
-        the receive that chose it (what the role is resumed with, :class:`~sparsecomm.fabric.roles.Recv`; a kept
-        group's slots are those it was recorded with, :attr:`_Group.slots`), else ``None``. The records decided
-        the choice (:meth:`exact`): no other group holds these receives."""
-        s, j = token
-        g = self.groups[s]
+                j = None
+                break
+            else:
+                return None
+        else:
+            t = at if at is not None and at == self.seen else self.event()
+            if t is None or (at is not None and t != at):
+                return None
+            g = self._due(t)
+            if g is None:
+                raise AssertionError("unreachable: the earliest group is in by the event")
+            g.chosen, g.tick = True, -1
+            if not g.any:
+                j = None
+            else:
+                ep, heads, chans, units = self.ep, g.heads, g.chans, g.units
+                box, epoch, pick, seen = ep.mailbox, ep.epoch, None, []
+                while units and units[0][0] <= t:      # its receives in by t: the first of them in order
+                    lb, k = heappop(units)
+                    if heads[k] == lb:
+                        seen.append((lb, k))
+                        if pick is None or k < pick:
+                            m = box[chans[k]][0]
+                            d = m.delivered if m.stamp >= epoch else ep.delivery(m)
+                            if d <= t:
+                                pick = k
+                if g.keys is not None:       # (it may be kept: its heap as it was)
+                    for e in seen:
+                        heappush(units, e)
+                g.pick = j = pick
+        # the messages taken, the receives completed
         ep = self.ep
         box, take = ep.mailbox, world.take
         if j is None:
@@ -537,10 +557,10 @@ class RoleWaits:
                     w.complete(m)
             elif chans:
                 g.works[0].complete(take(ep, box[chans[0]][0]))
-            return s, None
+            return g.s, None
         m = take(ep, box[g.chans[j]][0])
         g.works[j].complete(m)
-        return s, (g.slots if g.slots is not None else g.req.keys)[j]
+        return g.s, (g.slots if g.slots is not None else g.req.keys)[j]
 
     def first_key(self) -> tuple[int | None, int]:
         """The first receive of the first group (for a report of what the endpoint waits for)."""

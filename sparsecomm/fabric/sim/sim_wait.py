@@ -116,12 +116,12 @@ class OrderedWait:
         if self.t_min is None or t < self.t_min:
             self.t_min = t
 
-    def arrived(self, msg: Msg, retimed: bool) -> None:
+    def arrived(self, msg: Msg, retimed: bool) -> float | None:
         """``msg`` was put in the mailbox; ``retimed``: queued messages may have moved
-        (:meth:`~.sim_network.Endpoint.schedule`; every group is then measured again)."""
+        (:meth:`~.sim_network.Endpoint.schedule`; every group is then measured again). Returns :meth:`bound`."""
         if retimed:
             self.recompute()
-            return
+            return self.bound()
         i = self.group.get((msg.src, msg.tag))
         if i is not None and self.missing[i]:
             q = self.ep.mailbox[(msg.src, msg.tag)]
@@ -136,7 +136,14 @@ class OrderedWait:
             self._measure(j)
             if not self.missing[j]:
                 self.recompute()     # a group's time may have risen or fallen: take the minimum afresh
-                return
+                return self.bound()
+        return self.bound()
+
+    def choose(self, world, clock_only: bool = False, at: float | None = None) -> tuple[int, list[Msg]] | None:
+        """:meth:`first`'s choice (``None``: none) and its messages taken (:meth:`take`): what the waiting
+        process is resumed with."""
+        best = self.first(clock_only, at)
+        return None if best is None else self.take(world, best[1])
 
     def receives(self, i: int) -> list[tuple[int | None, int]]:
         """The receives of group ``i``."""

@@ -73,12 +73,13 @@ class AnyWait:
     (:class:`~.sim_wait.OrderedWait`); resumed with ``(index, messages)``: the group chosen and its
     messages, in the group's order, taken in the order of their arrival. ``watch``: the state of the wait,
     kept elsewhere already (a drive's :class:`~.sim_roles.RoleWaits`, whose groups are its own, ``keys``
-    ``None``; resumed with what its ``take`` returns); by default an :class:`~.sim_wait.OrderedWait` of ``keys``.
+    ``None``; resumed with what its ``choose`` returns); by default an :class:`~.sim_wait.OrderedWait` of ``keys``.
 
-    The state of the wait is read through ``first`` (the choice: clock only, or at the event), ``bound`` (a lower
+    The state of the wait is read through ``choose`` (the choice, clock only or at the event, its messages taken:
+    what the process is resumed with; ``None`` if none is in by then), ``bound`` (a lower
     bound of the event, the world's entry: checked against ``event`` when it fires, and entered again later if
-    the event is later), ``event``, ``take`` (the messages of a choice taken; what the process is resumed with),
-    and, with ``keys``, ``recompute`` and ``arrived``. A wait may be yielded again (it keeps no state of its
+    the event is later; ``arrived``, told of a message put in the mailbox, returns it), ``event``, and, with
+    ``keys``, ``recompute``. A wait may be yielded again (it keeps no state of its
     own)."""
 
     __slots__ = ("keys", "watch")
@@ -290,6 +291,17 @@ class World:
                     except Exception as exc:  # noqa: BLE001 - the wait's own code (its endpoint's records) raised
                         self._fault(p, exc)
                     return
+            elif (type(req) is AnyWait and req.keys is None and self.failure is None and not self.closed
+                    and not self.deadlocked and not p.ep.crashed):     # (_try's choice of a kept state, inline)
+                try:
+                    got = req.watch.choose(self, clock_only=True)
+                    if got is not None:
+                        p.value = got
+                        continue
+                    self._block(p, req)
+                except Exception as exc:  # noqa: BLE001 - the wait's own code (its endpoint's records) raised
+                    self._fault(p, exc)
+                return
             try:
                 if not self._try(p, req):
                     self._block(p, req)
@@ -375,10 +387,10 @@ class World:
             watch = req.watch
             if req.keys is not None:        # (measured afresh, a retry included; a kept state is current)
                 watch = req.watch = OrderedWait(ep, req.keys)
-            best = watch.first(clock_only=True)
-            if best is None:
+            got = watch.choose(self, clock_only=True)
+            if got is None:
                 return False
-            p.value = watch.take(self, best[1])
+            p.value = got
             return True
         p.exc = InvalidValueError(f"{ep.name}: a simulated process waited for {req!r}, which is not a wait")
         return True
@@ -456,9 +468,10 @@ class World:
         plain receive it matches can run; an ordered wait's event is updated (the endpoint's ``watch``, a
         drive's wait set, first)."""
         kept = ep.watch
+        kb = None                   # (its bound after the arrival)
         if kept is not None:
             try:
-                kept.arrived(msg, retimed)
+                kb = kept.arrived(msg, retimed)
             except Exception as exc:  # noqa: BLE001 - ep's records raised, not the sender
                 owner = self._watcher(ep, kept)
                 if owner is None:
@@ -477,9 +490,7 @@ class World:
                         self._unblock(p, retry=True)
                 else:               # (a new entry only if its bound fell: a later one is checked when it fires)
                     watch = req.watch
-                    if watch is not kept:
-                        watch.arrived(msg, retimed)
-                    t = watch.bound()
+                    t = kb if watch is kept else watch.arrived(msg, retimed)
                     if t is not None and (p.event is None or t < p.event):
                         heapq.heappush(self._heap, (t, 0, ep.id, p.seq, p.no, p))
                         p.event = t
@@ -517,13 +528,11 @@ class World:
                 return True
             try:
                 if type(req) is RecvWait:
-                    msg = match(ep, req.src, req.tag)
-                    self._unblock(p)
-                    p.value = self.take(ep, msg)
+                    got = self.take(ep, match(ep, req.src, req.tag))
                 else:
                     watch = req.watch
-                    best = watch.first(at=t)
-                    if best is None:    # the entry was a lower bound: its event is later (or none is in)
+                    got = watch.choose(self, at=t)
+                    if got is None:    # the entry was a lower bound: its event is later (or none is in)
                         e = watch.event()
                         if e is not None and e <= t:
                             raise AssertionError(f"{ep.name}: a wait's event {e!r} is not after its bound {t!r}")
@@ -531,8 +540,17 @@ class World:
                         if e is not None:
                             heapq.heappush(heap, (e, 0, ep.id, p.seq, no, p))
                         continue
-                    self._unblock(p)
-                    p.value = watch.take(self, best[1])
+                waiters = ep.waiters        # (_unblock, inline: once per event)
+                if waiters[-1] is p:
+                    del waiters[-1]
+                else:
+                    waiters.remove(p)
+                p.wait = p.event = None
+                self._blocked -= 1
+                if not p.queued:
+                    p.queued = True
+                    self._runq.append(p)
+                p.value = got
             except Exception as exc:  # noqa: BLE001 - p's wait (its endpoint's records) raised
                 self._fault(p, exc)
             return True
