@@ -418,12 +418,14 @@ class WaitSet(Protocol):
         role) and whose ``free`` sends have completed: those a :class:`Poll` may resume."""
 
 
-def groups(inbox: Inbox, outbox: Outbox, cands) -> tuple[list, list, list]:
+def groups(inbox: Inbox, outbox: Outbox, cands, upto_empty: bool = False) -> tuple[list, list, list]:
     """``(groups, owner, picks)``: what a :class:`WaitAny` waits for, for the roles ``cands`` (``(sequence
     number, Recv)`` in order of preference): per role the pending receives of its keys and the sends holding
     its ``free`` buffer (an ``any`` role whose every key is pending: each receive alone; one whose some key is
     in: an empty group), and for each group its role's sequence number and the key it stands for (an ``any``
-    role's receive alone; else ``None``)."""
+    role's receive alone; else ``None``). ``upto_empty``: the groups up to the first empty one (a
+    :class:`WaitAny` never chooses a group after a complete one; on gloo a look at a later role's receives
+    would start a helper thread for each, :func:`drive`)."""
     out, owner, picks = [], [], []
     for s, req in cands:
         pend = inbox.pending(req.keys)
@@ -437,6 +439,8 @@ def groups(inbox: Inbox, outbox: Outbox, cands) -> tuple[list, list, list]:
             out.append([] if req.any else pend)
             owner.append(s)
             picks.append(None)
+            if upto_empty and (req.any or not pend):
+                break
     return out, owner, picks
 
 
@@ -638,7 +642,10 @@ class _Scheduler:
                         got = yield WaitAll(req.keys, req.any)
                         yield from self.resume(s, got)
                         continue
-                groups_, owner, picks = groups(inbox, outbox, [(s, waiting[s][1]) for _, s in order])
+                groups_, owner, picks = groups(inbox, outbox, [(s, waiting[s][1]) for _, s in order], self.blocking)
+                if self.blocking and not groups_[0]:    # (in already: what the WaitAny would choose at once)
+                    yield from self.resume(owner[0], picks[0])
+                    continue
                 i = yield WaitAny(groups_)
                 yield from self.resume(owner[i], picks[i])
         finally:

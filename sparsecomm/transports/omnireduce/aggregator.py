@@ -136,7 +136,18 @@ class AggCall:
         self._queued.append(w)
 
     def _feed(self) -> list:
-        return [p for win in self.windows.values() for p in win.feed()]
+        """The receives that fit now: the first look-aheads' window first, then the channels'. Each worker
+        sends its first look-aheads (small) before its blocks, and :meth:`prepare` takes them before any
+        block, for the verdict; gloo moves a peer's messages in the order their receives are posted once
+        the peer has sent them all, so a look-ahead posted after the blocks would wait for the whole of them
+        on the wire, and the verdict with it (every worker's receives of the sums wait for that)."""
+        wins = self.windows
+        firsts = wins.get(FIRSTS)
+        out = firsts.feed() if firsts is not None else []
+        for g, win in wins.items():
+            if g != FIRSTS:
+                out += win.feed()
+        return out
 
     def headers_left(self) -> tuple:
         """The headers not taken by :meth:`take_early` (:meth:`take_headers` takes them)."""

@@ -475,7 +475,8 @@ def test_sends_are_reaped_only_when_every_role_able_to_run_reaps():
         log.append("verdict")
 
     drive(f, inbox, _Reaping(f, pool), [lane(), verdict()], keep=0)
-    assert log == ["wait_any", "verdict", "reap 0", "lane"], log
+    # (the verdict's receive is in: a blocking driver resumes it without a wait_any)
+    assert log == ["verdict", "reap 0", "lane"], log
 
 
 def test_a_role_reusing_a_send_buffer_waits_in_the_scheduler_not_blocking():
