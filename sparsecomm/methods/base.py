@@ -143,7 +143,7 @@ class Method(ABC):
             compressor_hyper = dict(self.default_compressor_hyper)
         self.compressor = resolve_compressor(compressor, compressor_hyper, self.default_compressor,
                                              owner=f"method {self.name!r}")
-        if self.needs_unbiased and not getattr(self.compressor, "unbiased", False):
+        if self.needs_unbiased and not self.compressor.unbiased:
             raise IncompatibleError(
                 f"method {self.name!r} needs an unbiased compressor (class U(omega)); "
                 f"{self.compressor!r} is biased. Use an unbiased one (randk, qsgd, natural, ...) "
@@ -262,6 +262,50 @@ class Method(ABC):
             finite = all_finite(agg)
             self._decode(agg, int(world_size), state, out)
         return out, state, finite
+
+    def encode_direct(self, grad: torch.Tensor, ms: MethodState, generator: torch.Generator | None,
+                      world_size: int) -> Payload:
+        """``encode(grad, ms, generator, world_size=world_size, inplace=True)[0]`` (not exact, no shapes), the same
+        payload and state, without :meth:`encode`'s checks of its arguments, for a caller that guarantees them: ``grad``
+        flat and this worker's scratch, ``ms`` the :class:`~sparsecomm.methods.state.MethodState` of this bucket (its
+        length, dtype and device) with its typed state built (a stateless method's is ``None``), ``world_size`` an
+        int. The pipeline's rounds chained on their collective (:meth:`CommPipeline.chain
+        <sparsecomm.pipeline.core.CommPipeline.chain>`: a stateless one-round method around an elementwise
+        compressor) call it on every bucket, so a method whose round is its compressor's alone (``none``) overrides
+        it with the fewest calls. A compressor's error (``NonFiniteError``) leaves ``ms`` as :meth:`encode` does.
+
+        Args:
+            grad: the flat bucket (overwritten; the payload may alias it).
+            ms: the bucket's state.
+            generator: the compressor's randomness.
+            world_size: the workers whose messages are summed.
+        """
+        ms.length = grad.numel()
+        ms.last_round = False
+        payload = self._encode(grad, ms, generator, False, world_size)
+        ms.started = True
+        ms.rounds += 1
+        return payload
+
+    def decode_direct(self, aggregate: torch.Tensor, world_size: int, ms: MethodState, out: torch.Tensor) -> bool:
+        """:meth:`decode_finite` into ``out`` (the same estimate, state and answer: whether every element of
+        ``aggregate`` is finite) without :meth:`decode`'s checks of its arguments, for a caller that guarantees them
+        (:meth:`encode_direct`'s, whose round this is): ``aggregate`` the flat sum of a one-round method's payloads,
+        ``out`` flat of the bucket's length in the estimate's dtype (the aggregate's, or wider where
+        :attr:`decodes_narrow`), ``world_size`` an int.
+
+        Args:
+            aggregate: the round's sum over workers.
+            world_size: the number of workers summed.
+            ms: the bucket's state.
+            out: the estimate's buffer.
+        """
+        ms.last_round = False
+        finite = self._decode_finite(aggregate, world_size, ms, out)
+        if finite is None:
+            finite = all_finite(aggregate)
+            self._decode(aggregate, world_size, ms, out)
+        return finite
 
     def _decode_args(self, aggregate: torch.Tensor, ms: MethodState,
                      out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -306,8 +306,12 @@ class HookScheduler:
         compress = self.steps >= 1 and (not least or buffer.numel() >= least)
         if compress and not self._by_index:
             return None
-        if not self._in_step:
-            self._begin()
+        if not self._in_step:      # (_begin, inline: one call less at every step)
+            every = self.on_step_every
+            if self.on_step is not None and every and self.steps % every == 0:
+                self.on_step(self.steps)
+            self.pipeline.begin_step(self.steps + 1)
+            self._in_step = True
         with self._lock:
             self._pending += 1
             last_before, self._last_started = self._last_started, self._last_started or is_last
