@@ -184,24 +184,26 @@ class Method(ABC):
         ms = state
         if grad.dim() != 1:
             raise MismatchError(f"method {self.name!r} encodes flat buckets; got shape {tuple(grad.shape)}")
+        d = grad.numel()
         if ms.state is None and self.State is not None:
             # a state restored from a checkpoint taken before its first round: built now
-            ms.state = self.init_state(grad.numel(), grad.dtype, grad.device)
+            ms.state = self.init_state(d, grad.dtype, grad.device)
         t = _first_tensor(ms.state) if ms.state is not None else None
-        if t is not None and t.numel() != grad.numel():
+        if t is not None and t.numel() != d:
             raise MismatchError(
-                f"method {self.name!r}: the bucket has {grad.numel()} elements but its state "
+                f"method {self.name!r}: the bucket has {d} elements but its state "
                 f"has {t.numel()} (the bucket layout changed; build a new state or rebuild the optimizer)")
         if t is not None and (t.dtype != grad.dtype or t.device != grad.device):
             raise MismatchError(f"method {self.name!r}: the bucket is {grad.dtype} on {grad.device} but its "
                                 f"state is {t.dtype} on {t.device} (init(d, dtype, device) of the bucket's)")
-        if shapes is not None and self.uses_shapes:
+        # (the shapes of the last round again, on a bucket of the same length: checked then)
+        if shapes is not None and self.uses_shapes and (ms.length != d or tuple(shapes) != ms.shapes):
             shapes = tuple(torch.Size(s) for s in shapes)
-            if sum(s.numel() for s in shapes) != grad.numel():
+            if sum(s.numel() for s in shapes) != d:
                 raise MismatchError(f"method {self.name!r}: shapes {[tuple(s) for s in shapes]} do not add "
-                                    f"up to the bucket's {grad.numel()} elements")
+                                    f"up to the bucket's {d} elements")
             ms.shapes = shapes
-        ms.length = grad.numel()
+        ms.length = d
         ms.last_round = False
         payload = self._encode(grad if inplace else grad.clone(), ms, generator, exact, int(world_size))
         ms.started = True
@@ -415,12 +417,18 @@ class Method(ABC):
 # ---------------------------------------------------------------------- helpers
 def _first_tensor(st: Any) -> torch.Tensor | None:
     """The first tensor field of a typed state (its length, dtype and device are the bucket's)."""
-    if is_dataclass(st):
-        for f in fields(st):
-            v = getattr(st, f.name)
-            if isinstance(v, torch.Tensor):
-                return v
+    names = _FIELD_NAMES.get(st.__class__)
+    if names is None:
+        names = _FIELD_NAMES[st.__class__] = tuple(f.name for f in fields(st)) if is_dataclass(st) else ()
+    for name in names:
+        v = getattr(st, name)
+        if isinstance(v, torch.Tensor):
+            return v
     return None
+
+
+#: the field names of each typed-state class (a dataclass's fields are fixed by its class), read by _first_tensor
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
 
 
 def add_work(*works: dict[str, int]) -> dict[str, int]:

@@ -241,6 +241,8 @@ class BucketRounds(MethodRounds):
                 call.finite = rule.first_sum(first, agg, key)
             if not call.finite:
                 return out.fill_(float("nan"))      # a skipped step: no decode (see the module doc)
+            if self.fabric is None:         # (nothing charged: the call itself, two frames fewer)
+                return method.decode(agg, n, ms, out=out)[0]
             return self.charged("decode", ms, d, lambda: method.decode(agg, n, ms, out=out)[0])
 
         call = Call(first, flat.nbytes, finish)
@@ -250,7 +252,10 @@ class BucketRounds(MethodRounds):
                     call.finite = (rule.first_sum if call.last is first else rule.sum)(call.last, agg, key)
                     if not call.finite:
                         return None                 # a skipped step: no further round, on every worker
-                nxt = self.charged("next_round", ms, d, lambda: method.next_round(agg, n, ms)[0])
+                if self.fabric is None:     # (nothing charged: the call itself, two frames fewer)
+                    nxt = method.next_round(agg, n, ms)[0]
+                else:
+                    nxt = self.charged("next_round", ms, d, lambda: method.next_round(agg, n, ms)[0])
                 if nxt is not None:
                     call.last = nxt
                 return nxt
