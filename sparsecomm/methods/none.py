@@ -38,8 +38,9 @@ class NoMethod(Method):
     def _decode_finite(self, aggregate: torch.Tensor, world_size: int, ms: MethodState,
                        out: torch.Tensor) -> bool:
         # each quotient of the division by n >= 1 is finite iff its element of the sum is: the division's pass
-        # checks (the same bits as _decode's)
-        return self.decode_direct(aggregate, world_size, ms, out)
+        # checks (the same bits as _decode's); NoMethod's direct decode is that (named: whatever a subclass
+        # makes of decode_direct)
+        return NoMethod.decode_direct(self, aggregate, world_size, ms, out)
 
     # the round is the compressor's alone: the direct calls make no call of their own (the same state changes as
     # encode's and decode_finite's, in the same order)

@@ -243,7 +243,9 @@ class CommPipeline:
         where the method :attr:`~sparsecomm.methods.base.Method.decodes_narrow`) whose sums the transport checks;
         in both, the pass that divides checks the sum for the transport (``checks``: :func:`divide_finite
         <sparsecomm.compressors._common.divide_finite>`, :meth:`Method.decode_finite
-        <sparsecomm.methods.base.Method.decode_finite>`). A compressed round that the transport does not chain after all
+        <sparsecomm.methods.base.Method.decode_finite>`; on a fabric without modelled time and with no trace recording,
+        through the method's direct calls, :class:`~sparsecomm.pipeline.rounds.DirectRound`: the same numbers, state
+        and records with the fewest calls). A compressed round that the transport does not chain after all
         was encoded: it is started (:meth:`start`'s :class:`~sparsecomm.fabric.engine.CommWork`, which
         ``done`` is not given). None when nothing was done (any other round, ``transport="auto"``): use
         :meth:`start`."""

@@ -10,7 +10,10 @@ one way of running the method over the bucket:
   does not depend on how parameters are grouped into buckets;
 - :class:`BucketRounds`: the method over the whole bucket, in one round or in several (``next_round``:
   PowerSGD's P, then Q, each later round run by the transport on its communication thread right after
-  the previous sum).
+  the previous sum);
+- :class:`DirectRound`: :class:`BucketRounds`' one round of a stateless method around an elementwise compressor
+  (the fp16/bf16 casts) as :meth:`CommPipeline.chain <sparsecomm.pipeline.core.CommPipeline.chain>` chains it on
+  an unmodelled fabric, with the fewest calls (the method's direct calls; its finish records the call itself).
 
 A strategy encodes on the calling thread (so generators and states advance in call order) and returns
 a :class:`Call`; the pipeline hands it to the transport and records every round of every strategy the
