@@ -356,8 +356,7 @@ def comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Fu
     fut = state.scheduler.chained(buffer, index, is_last)
     if fut is not None:
         return fut
-    shapes = ([g.shape for g in bucket.gradients()]
-              if getattr(state.pipeline.method, "uses_shapes", False) else None)
+    shapes = [g.shape for g in bucket.gradients()] if state.pipeline.method.uses_shapes else None
     work = state.start_bucket(buffer, index, is_last, bucket.parameters(), shapes)
     return work.get_future()
 

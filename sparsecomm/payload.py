@@ -61,7 +61,7 @@ from .errors import InvalidValueError, WireFormatError
 KINDS: tuple[str, ...] = ("dense", "aligned", "sparse", "quantized")
 
 
-@dataclass
+@dataclass(init=False)
 class Payload:
     """A compressed tensor: the tensors that travel plus what is needed to decompress them.
 
@@ -96,10 +96,24 @@ class Payload:
     #: wire encoding of ``values``: ``(encoding, parameter)`` (see the module docstring)
     values_codec: tuple = (0, 0)
 
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise InvalidValueError(f"unknown payload kind {self.kind!r}; valid kinds: {', '.join(KINDS)}")
-        self.shape = torch.Size(self.shape)
+    # (written out rather than generated with a __post_init__: one call per payload, every round's)
+    def __init__(self, kind: str, values: torch.Tensor, shape: torch.Size, dtype: torch.dtype,
+                 indices: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+                 bucket_size: int | None = None, shared_scale: bool = False, bits: int = 0,
+                 meta: dict | None = None, values_codec: tuple = (0, 0)) -> None:
+        if kind not in KINDS:
+            raise InvalidValueError(f"unknown payload kind {kind!r}; valid kinds: {', '.join(KINDS)}")
+        self.kind = kind
+        self.values = values
+        self.shape = shape if shape.__class__ is torch.Size else torch.Size(shape)
+        self.dtype = dtype
+        self.indices = indices
+        self.scale = scale
+        self.bucket_size = bucket_size
+        self.shared_scale = shared_scale
+        self.bits = bits
+        self.meta = {} if meta is None else meta
+        self.values_codec = values_codec
 
     @property
     def numel(self) -> int:

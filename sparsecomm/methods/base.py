@@ -143,7 +143,7 @@ class Method(ABC):
             compressor_hyper = dict(self.default_compressor_hyper)
         self.compressor = resolve_compressor(compressor, compressor_hyper, self.default_compressor,
                                              owner=f"method {self.name!r}")
-        if self.needs_unbiased and not getattr(self.compressor, "unbiased", False):
+        if self.needs_unbiased and not self.compressor.unbiased:
             raise IncompatibleError(
                 f"method {self.name!r} needs an unbiased compressor (class U(omega)); "
                 f"{self.compressor!r} is biased. Use an unbiased one (randk, qsgd, natural, ...) "
@@ -184,24 +184,26 @@ class Method(ABC):
         ms = state
         if grad.dim() != 1:
             raise MismatchError(f"method {self.name!r} encodes flat buckets; got shape {tuple(grad.shape)}")
+        d = grad.numel()
         if ms.state is None and self.State is not None:
             # a state restored from a checkpoint taken before its first round: built now
-            ms.state = self.init_state(grad.numel(), grad.dtype, grad.device)
+            ms.state = self.init_state(d, grad.dtype, grad.device)
         t = _first_tensor(ms.state) if ms.state is not None else None
-        if t is not None and t.numel() != grad.numel():
+        if t is not None and t.numel() != d:
             raise MismatchError(
-                f"method {self.name!r}: the bucket has {grad.numel()} elements but its state "
+                f"method {self.name!r}: the bucket has {d} elements but its state "
                 f"has {t.numel()} (the bucket layout changed; build a new state or rebuild the optimizer)")
         if t is not None and (t.dtype != grad.dtype or t.device != grad.device):
             raise MismatchError(f"method {self.name!r}: the bucket is {grad.dtype} on {grad.device} but its "
                                 f"state is {t.dtype} on {t.device} (init(d, dtype, device) of the bucket's)")
-        if shapes is not None and self.uses_shapes:
+        # (the shapes of the last round again, on a bucket of the same length: checked then)
+        if shapes is not None and self.uses_shapes and (ms.length != d or tuple(shapes) != ms.shapes):
             shapes = tuple(torch.Size(s) for s in shapes)
-            if sum(s.numel() for s in shapes) != grad.numel():
+            if sum(s.numel() for s in shapes) != d:
                 raise MismatchError(f"method {self.name!r}: shapes {[tuple(s) for s in shapes]} do not add "
-                                    f"up to the bucket's {grad.numel()} elements")
+                                    f"up to the bucket's {d} elements")
             ms.shapes = shapes
-        ms.length = grad.numel()
+        ms.length = d
         ms.last_round = False
         payload = self._encode(grad if inplace else grad.clone(), ms, generator, exact, int(world_size))
         ms.started = True
@@ -262,6 +264,50 @@ class Method(ABC):
             finite = all_finite(agg)
             self._decode(agg, int(world_size), state, out)
         return out, state, finite
+
+    def encode_direct(self, grad: torch.Tensor, ms: MethodState, generator: torch.Generator | None,
+                      world_size: int) -> Payload:
+        """``encode(grad, ms, generator, world_size=world_size, inplace=True)[0]`` (not exact, no shapes), the same
+        payload and state, without :meth:`encode`'s checks of its arguments, for a caller that guarantees them: ``grad``
+        flat and this worker's scratch, ``ms`` the :class:`~sparsecomm.methods.state.MethodState` of this bucket (its
+        length, dtype and device) with its typed state built (a stateless method's is ``None``), ``world_size`` an
+        int. The pipeline's rounds chained on their collective (:meth:`CommPipeline.chain
+        <sparsecomm.pipeline.core.CommPipeline.chain>`: a stateless one-round method around an elementwise
+        compressor) call it on every bucket, so a method whose round is its compressor's alone (``none``) overrides
+        it with the fewest calls. A compressor's error (``NonFiniteError``) leaves ``ms`` as :meth:`encode` does.
+
+        Args:
+            grad: the flat bucket (overwritten; the payload may alias it).
+            ms: the bucket's state.
+            generator: the compressor's randomness.
+            world_size: the workers whose messages are summed.
+        """
+        ms.length = grad.numel()
+        ms.last_round = False
+        payload = self._encode(grad, ms, generator, False, world_size)
+        ms.started = True
+        ms.rounds += 1
+        return payload
+
+    def decode_direct(self, aggregate: torch.Tensor, world_size: int, ms: MethodState, out: torch.Tensor) -> bool:
+        """:meth:`decode_finite` into ``out`` (the same estimate, state and answer: whether every element of
+        ``aggregate`` is finite) without :meth:`decode`'s checks of its arguments, for a caller that guarantees them
+        (:meth:`encode_direct`'s, whose round this is): ``aggregate`` the flat sum of a one-round method's payloads,
+        ``out`` flat of the bucket's length in the estimate's dtype (the aggregate's, or wider where
+        :attr:`decodes_narrow`), ``world_size`` an int.
+
+        Args:
+            aggregate: the round's sum over workers.
+            world_size: the number of workers summed.
+            ms: the bucket's state.
+            out: the estimate's buffer.
+        """
+        ms.last_round = False
+        finite = self._decode_finite(aggregate, world_size, ms, out)
+        if finite is None:
+            finite = all_finite(aggregate)
+            self._decode(aggregate, world_size, ms, out)
+        return finite
 
     def _decode_args(self, aggregate: torch.Tensor, ms: MethodState,
                      out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -371,12 +417,18 @@ class Method(ABC):
 # ---------------------------------------------------------------------- helpers
 def _first_tensor(st: Any) -> torch.Tensor | None:
     """The first tensor field of a typed state (its length, dtype and device are the bucket's)."""
-    if is_dataclass(st):
-        for f in fields(st):
-            v = getattr(st, f.name)
-            if isinstance(v, torch.Tensor):
-                return v
+    names = _FIELD_NAMES.get(st.__class__)
+    if names is None:
+        names = _FIELD_NAMES[st.__class__] = tuple(f.name for f in fields(st)) if is_dataclass(st) else ()
+    for name in names:
+        v = getattr(st, name)
+        if isinstance(v, torch.Tensor):
+            return v
     return None
+
+
+#: the field names of each typed-state class (a dataclass's fields are fixed by its class), read by _first_tensor
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
 
 
 def add_work(*works: dict[str, int]) -> dict[str, int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..compressors._common import all_finite, divide_finite, widen_divide, widen_divide_finite
+from ..errors import SparseCommError
 from ..payload import Payload
 from .base import Method, MethodState
 
@@ -37,8 +38,27 @@ class NoMethod(Method):
     def _decode_finite(self, aggregate: torch.Tensor, world_size: int, ms: MethodState,
                        out: torch.Tensor) -> bool:
         # each quotient of the division by n >= 1 is finite iff its element of the sum is: the division's pass
-        # checks (the same bits as _decode's)
-        ms.take_pending(self.name)
+        # checks (the same bits as _decode's); NoMethod's direct decode is that (named: whatever a subclass
+        # makes of decode_direct)
+        return NoMethod.decode_direct(self, aggregate, world_size, ms, out)
+
+    # the round is the compressor's alone: the direct calls make no call of their own (the same state changes as
+    # encode's and decode_finite's, in the same order)
+    def encode_direct(self, grad: torch.Tensor, ms: MethodState, generator: torch.Generator | None,
+                      world_size: int) -> Payload:
+        ms.length = grad.shape[0]       # (flat: its numel)
+        ms.last_round = False
+        ms.pending = False
+        payload = self.compressor.compress(grad, generator)
+        ms.started = True
+        ms.rounds += 1
+        return payload
+
+    def decode_direct(self, aggregate: torch.Tensor, world_size: int, ms: MethodState, out: torch.Tensor) -> bool:
+        ms.last_round = False
+        if ms.pending is None:      # (MethodState.take_pending's check)
+            raise SparseCommError(f"method {self.name!r}: decode without a preceding encode")
+        ms.pending = None
         if aggregate.dtype == out.dtype:
             if out is aggregate:
                 return divide_finite(out, world_size)

@@ -218,11 +218,11 @@ class PowerSGD(Method):
                 if copy is not None:
                     copy.copy_(grad[o:o + k])
         mats = [grad[o:o + k].view(n, m) if c is None else c.view(n, m) for (o, k, n, m, _), c in plan.comp]
-        nq = sum(m * r for _, _, _, m, r in lay)
+        nq = plan.nq
         if st.q is None or not self.warm_start or st.q.numel() != nq:
             st.q = _gaussian_q(lay, need_generator(generator), grad)
         parts, qoff = [grad[o:o + k] for (o, k), _ in plan.whole], 0
-        for (o, k, n, m, r), x in zip([t for t in lay if t[4]], mats):
+        for (o, k, n, m, r), x in zip(plan.comp_lay, mats):
             q = orthonormal(_aligned(st.q[qoff:qoff + m * r].view(m, r)))
             parts.append(factor_product(x, q).reshape(-1))
             qoff += m * r
@@ -231,12 +231,12 @@ class PowerSGD(Method):
 
     def _next_round(self, aggregate, world_size, ms):
         pend = ms.pending
-        if pend[0] != "P" or not any(r for *_, r in pend[2]):
+        if pend[0] != "P" or not pend[1].comp_lay:
             return None
         _, plan, lay, mat, mats = pend
-        unc = sum(k for _, k, _, _, r in lay if r == 0)
+        unc = plan.unc
         pos, ps, qs = unc, [], []
-        for (o, k, n, m, r), x in zip([t for t in lay if t[4]], mats):
+        for (o, k, n, m, r), x in zip(plan.comp_lay, mats):
             p = orthonormal(_aligned(aggregate[pos:pos + n * r].view(n, r)))
             ps.append(p)
             qs.append(factor_product(x, p, transpose=True).reshape(-1))
@@ -348,6 +348,10 @@ class _Plan:
                 self.whole.append(((o, k), u))
             u += k
         self._largest = max([k for _, k, _, _, r in lay if r], default=0)
+        #: the layout entries of the compressed matrices; the Qs' length; the elements sent whole
+        self.comp_lay = [t for t in lay if t[4]]
+        self.nq = sum(m * r for _, _, _, m, r in lay)
+        self.unc = sum(k for _, k, _, _, r in lay if r == 0)
         self._dtype, self._device, self._prod = like.dtype, like.device, None
 
     @classmethod

@@ -56,7 +56,7 @@ from .accounting import Accounting, CompressionStats, payload_bytes
 from .auto import SWITCH_TRANSPORTS, Chooser, block_density, options as auto_options
 from .nonfinite import NONFINITE, NonFiniteRule
 from .resolve import build_transport, warn_unguaranteed
-from .rounds import BucketRounds, Call, Outputs, ParameterRounds, PlainRound
+from .rounds import BucketRounds, Call, DirectRound, Outputs, ParameterRounds, PlainRound
 from .settings import describe
 from .sparse_rows import SPARSE_ROWS, SparseRows
 from .states import Generators, StateStore
@@ -134,6 +134,10 @@ class CommPipeline:
                                                  self.world_size, self.fabric)
         self._bucket_rounds = BucketRounds(self.method, self.states, self.generators, self.rule, outputs,
                                            self.world_size, self.fabric)
+        # the rounds chain() runs with the fewest calls (a fabric without modelled time)
+        self._direct_round = None if self.fabric.modelled_time else DirectRound(
+            self.method, self.states, self.generators, self.rule, outputs, self.world_size, self.accounting,
+            self.transport)
         #: steps begun (:meth:`begin_step`): part of every call's identity, and of checkpoints
         self.step = 0
         #: steps skipped (``nonfinite="skip"``: :meth:`end_step` rolled them back), among :attr:`step`
@@ -239,7 +243,9 @@ class CommPipeline:
         where the method :attr:`~sparsecomm.methods.base.Method.decodes_narrow`) whose sums the transport checks;
         in both, the pass that divides checks the sum for the transport (``checks``: :func:`divide_finite
         <sparsecomm.compressors._common.divide_finite>`, :meth:`Method.decode_finite
-        <sparsecomm.methods.base.Method.decode_finite>`). A compressed round that the transport does not chain after all
+        <sparsecomm.methods.base.Method.decode_finite>`; on a fabric without modelled time and with no trace recording,
+        through the method's direct calls, :class:`~sparsecomm.pipeline.rounds.DirectRound`: the same numbers, state
+        and records with the fewest calls). A compressed round that the transport does not chain after all
         was encoded: it is started (:meth:`start`'s :class:`~sparsecomm.fabric.engine.CommWork`, which
         ``done`` is not given). None when nothing was done (any other round, ``transport="auto"``): use
         :meth:`start`."""
@@ -261,9 +267,18 @@ class CommPipeline:
         if not (m.State is None and m.compressor.elementwise and not m.multi_round and not m.uses_shapes
                 and not self.rule.checks_sums):
             return None
-        t0 = self.fabric.now() if _trace.recorder is not None else 0.0
         # the transport checks the sum (not rule.checks_sums): the decode's pass checks it for it
-        call = self._bucket_rounds.begin(flat, key, max(0, self.step - 1 - self.skipped), False, None, checked=True)
+        steps_before = self.step - 1 - self.skipped
+        if steps_before < 0:
+            steps_before = 0
+        if _trace.recorder is None and self._direct_round is not None:
+            # (what follows, with the fewest calls: nothing charged, no phases recorded)
+            payload, finish = self._direct_round.begin(flat, key, steps_before)
+            fut = t.chain(payload, identity, finish, done, scratch=True, out=None if m.decodes_narrow else flat,
+                          narrow=m.decodes_narrow, checks=True)
+            return fut if fut is not None else t.start(payload, then=lambda agg: finish(agg)[0], call=identity)
+        t0 = self.fabric.now() if _trace.recorder is not None else 0.0
+        call = self._bucket_rounds.begin(flat, key, steps_before, False, None, checked=True)
         if _trace.recorder is not None:
             self._phase("encode", t0, identity)
         finish = functools.partial(self._finish_checked, call, identity)

@@ -10,7 +10,10 @@ one way of running the method over the bucket:
   does not depend on how parameters are grouped into buckets;
 - :class:`BucketRounds`: the method over the whole bucket, in one round or in several (``next_round``:
   PowerSGD's P, then Q, each later round run by the transport on its communication thread right after
-  the previous sum).
+  the previous sum);
+- :class:`DirectRound`: :class:`BucketRounds`' one round of a stateless method around an elementwise compressor
+  (the fp16/bf16 casts) as :meth:`CommPipeline.chain <sparsecomm.pipeline.core.CommPipeline.chain>` chains it on
+  an unmodelled fabric, with the fewest calls (the method's direct calls; its finish records the call itself).
 
 A strategy encodes on the calling thread (so generators and states advance in call order) and returns
 a :class:`Call`; the pipeline hands it to the transport and records every round of every strategy the
@@ -29,6 +32,7 @@ these rates charges nothing (every modelled time as without them); a real fabric
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Hashable
 
 import torch
@@ -37,6 +41,7 @@ from ..compressors._common import divide_finite
 from ..errors import MismatchError, NonFiniteError, SparseCommError
 from ..methods.base import Method
 from ..payload import Payload
+from .accounting import Accounting
 from .nonfinite import NonFiniteRule, poison
 from .states import Generators, StateStore
 
@@ -75,7 +80,9 @@ class Outputs:
 
     def of(self, key: Hashable, like: torch.Tensor) -> torch.Tensor:
         buf = self._by_key.get(key)
-        if buf is None or buf.numel() != like.numel() or buf.dtype != like.dtype or buf.device != like.device:
+        # (equal shapes, the steady state, need no numel() call)
+        if buf is None or (buf.shape != like.shape and buf.numel() != like.numel()) or buf.dtype != like.dtype \
+                or buf.device != like.device:
             buf = self._by_key[key] = torch.empty(like.numel(), dtype=like.dtype, device=like.device)
         return buf
 
@@ -237,6 +244,8 @@ class BucketRounds(MethodRounds):
                 call.finite = rule.first_sum(first, agg, key)
             if not call.finite:
                 return out.fill_(float("nan"))      # a skipped step: no decode (see the module doc)
+            if self.fabric is None:         # (nothing charged: the call itself, two frames fewer)
+                return method.decode(agg, n, ms, out=out)[0]
             return self.charged("decode", ms, d, lambda: method.decode(agg, n, ms, out=out)[0])
 
         call = Call(first, flat.nbytes, finish)
@@ -246,13 +255,71 @@ class BucketRounds(MethodRounds):
                     call.finite = (rule.first_sum if call.last is first else rule.sum)(call.last, agg, key)
                     if not call.finite:
                         return None                 # a skipped step: no further round, on every worker
-                nxt = self.charged("next_round", ms, d, lambda: method.next_round(agg, n, ms)[0])
+                if self.fabric is None:     # (nothing charged: the call itself, two frames fewer)
+                    nxt = method.next_round(agg, n, ms)[0]
+                else:
+                    nxt = self.charged("next_round", ms, d, lambda: method.next_round(agg, n, ms)[0])
                 if nxt is not None:
                     call.last = nxt
                 return nxt
 
             call.next_round = next_round
         return call
+
+
+class DirectRound(MethodRounds):
+    """The round of a stateless one-round method around an elementwise compressor whose sum the transport checks,
+    chained on its collective (:meth:`CommPipeline.chain <sparsecomm.pipeline.core.CommPipeline.chain>`: the
+    fp16/bf16 casts under ``none``, the DDP hook's steady state), on a fabric without modelled time: the numbers,
+    state changes, checks and records of :class:`BucketRounds`' ``begin(..., checked=True)`` and the pipeline's
+    finish of it, with the fewest calls: the method's direct calls (:meth:`Method.encode_direct
+    <sparsecomm.methods.base.Method.encode_direct>`, :meth:`~sparsecomm.methods.base.Method.decode_direct`), no
+    :class:`Call`, and the call and its round recorded by the finish itself (:meth:`Accounting.finished
+    <sparsecomm.pipeline.accounting.Accounting.finished>`, on ``accounting`` with ``transport``'s figures)."""
+
+    def __init__(self, method: Method, states: StateStore, generators: Generators, rule: NonFiniteRule,
+                 outputs: Outputs, world_size: int, accounting: Accounting, transport: Any) -> None:
+        super().__init__(method, states, generators, rule, outputs, world_size, None)
+        self.accounting, self.transport = accounting, transport
+        # the compressor's check of its input stands for the rule's (BucketRounds' input_checked_by_encode)
+        self.input_checked_by_encode = rule.check and method.State is None and method.compressor.checks_finite
+
+    def begin(self, flat: torch.Tensor, key: Hashable,
+              steps_before: int) -> tuple[Payload, Callable[[torch.Tensor], tuple[torch.Tensor, bool]]]:
+        """Encode ``flat`` (scratch) for bucket ``key``: ``(payload, finish)``, ``finish(sum)`` the estimate and
+        whether the sum was finite (the call recorded when it was). A non-finite input (the compressor raises
+        ``NonFiniteError``, having changed nothing) is encoded as zeros and sent as NaN (the rule's ``check``:
+        :mod:`sparsecomm.pipeline.nonfinite`)."""
+        # (no journal is open: the transport checks the sums, so the rule is not "skip")
+        ms = self.states.by_key.get(key)
+        if ms is None:
+            ms = self.states.get(key, flat, steps_before)
+        gen = self.generators.bucket(flat.device)
+        method = self.method
+        if self.input_checked_by_encode:
+            try:
+                payload = method.encode_direct(flat, ms, gen, self.n)
+                return payload, functools.partial(self.finish, key, flat, ms, payload)
+            except NonFiniteError:
+                poisoned = True
+        else:
+            poisoned = self.rule.poisoned(flat, False)
+        if poisoned:
+            flat.zero_()
+        payload = method.encode_direct(flat, ms, gen, self.n)
+        if poisoned:
+            poison(payload, key)
+        return payload, functools.partial(self.finish, key, flat, ms, payload)
+
+    def finish(self, key: Hashable, flat: torch.Tensor, ms: Any, payload: Payload,
+               agg: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """The estimate from the sum ``agg`` and whether ``agg`` was finite; the call and its round recorded
+        unless it was not (the transport raises)."""
+        out = self.outputs.of(key, flat)
+        if not self.method.decode_direct(agg, self.n, ms, out):
+            return out, False
+        self.accounting.finished(flat.nbytes, payload, self.transport.last_stats)
+        return out, True
 
 
 def concat_payloads(parts: list[Payload]) -> Payload:

@@ -238,9 +238,15 @@ class HookScheduler:
         self._lock = threading.Lock()
         self._pending = 0
         self._last_started = False
-        # whether a compressed bucket is keyed by its index (as chained() keys every bucket)
+        # whether a compressed bucket is keyed by its index (as chained() keys every bucket), and whether its
+        # rounds run per parameter
         pipe = pipeline
-        self._by_index = not (pipe.per_parameter or pipe.method.State is not None or pipe.warmup_steps)
+        self._per_parameter = pipe.per_parameter
+        self._by_index = not (self._per_parameter or pipe.method.State is not None or pipe.warmup_steps)
+        # the key, segments and shapes of each bucket's parameters keyed by their names (by the parameters' ids,
+        # for the names of _layouts_names): the same objects at every step (StateStore.bind's steady state)
+        self._layouts: dict[tuple[int, ...], tuple[Any, tuple, tuple]] = {}
+        self._layouts_names: dict[int, str] | None = None
 
     def restart(self, steps: int) -> None:
         """Continue from a checkpoint taken after ``steps`` steps (none in progress)."""
@@ -284,6 +290,23 @@ class HookScheduler:
             return index
         return "p:" + hashlib.blake2b("\x00".join(names).encode(), digest_size=8).hexdigest()
 
+    def _layout(self, params: list[torch.Tensor], index: int) -> tuple[Any, tuple | None, tuple | None]:
+        """``(key, segments, shapes)`` of a bucket holding ``params``: :meth:`key`, and where it is a digest of
+        their names, their ``(name, numel)`` and their shapes, kept per parameter ids (for these names)."""
+        names = self.names
+        if self._layouts_names is not names:
+            self._layouts, self._layouts_names = {}, names
+        ids = tuple(map(id, params))
+        hit = self._layouts.get(ids)
+        if hit is not None:
+            return hit
+        key = self.key(params, index)
+        if key == index:
+            return key, None, None
+        hit = self._layouts[ids] = (key, tuple((names[id(p)], p.numel()) for p in params),
+                                    tuple(p.shape for p in params))
+        return hit
+
     def _begin(self) -> None:
         """At the first bucket of a step: ``on_step`` (where due), then the pipeline's step."""
         if not self._in_step:
@@ -306,8 +329,12 @@ class HookScheduler:
         compress = self.steps >= 1 and (not least or buffer.numel() >= least)
         if compress and not self._by_index:
             return None
-        if not self._in_step:
-            self._begin()
+        if not self._in_step:      # (_begin, inline: one call less at every step)
+            every = self.on_step_every
+            if self.on_step is not None and every and self.steps % every == 0:
+                self.on_step(self.steps)
+            self.pipeline.begin_step(self.steps + 1)
+            self._in_step = True
         with self._lock:
             self._pending += 1
             last_before, self._last_started = self._last_started, self._last_started or is_last
@@ -346,17 +373,15 @@ class HookScheduler:
             flat = buffer if buffer.dim() == 1 else buffer.reshape(-1)
             compress = self.steps >= 1 and flat.numel() >= self.min_compress_size
             key, segments = index, None
-            if params is not None and compress and (pipe.per_parameter or pipe.method.State is not None
-                                                    or pipe.warmup_steps):
+            if params is not None and compress and not self._by_index:
                 # method state to key by the parameters: a typed state, or a round count that warm-up reads
                 # (a stateless bucket-wide round without warm-up keeps the index)
-                key = self.key(params, index)
+                key, segs, param_shapes = self._layout(params, index)
                 if key != index:
-                    segs = tuple((self.names[id(p)], p.numel()) for p in params)
-                    if pipe.per_parameter:
+                    if self._per_parameter:
                         segments = segs          # state, generator and step per parameter
                     else:
-                        pipe.states.bind(key, segs, [p.shape for p in params])
+                        pipe.states.bind(key, segs, param_shapes)
             shape, dtype = buffer.shape, buffer.dtype
             # DDP's buckets are flat: the estimate has the buffer's shape and dtype
             then = None if buffer.dim() == 1 else (lambda est: est.to(dtype).reshape(shape))
