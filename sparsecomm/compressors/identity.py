@@ -33,7 +33,7 @@ import torch
 from sparsecomm.theory import compressors as th
 
 import numpy as np
-from numba import njit
+from numba import carray, njit
 
 from ..errors import OverflowError_
 from ..kernels import torch_forced
@@ -186,6 +186,19 @@ def _quick_bf16(x, ybits):
     return err, nrm
 
 
+@njit(cache=True, nogil=True)
+def _quick_f16_at(addr, ybits):
+    """:func:`_quick_f16` of the ``ybits.size`` float32 at ``addr`` (a tensor's ``data_ptr()``: no
+    ``Tensor.numpy()`` call; see :func:`._kernels.f32_at`)."""
+    return _quick_f16(carray(_kernels.f32_at(addr), ybits.size), ybits)
+
+
+@njit(cache=True, nogil=True)
+def _quick_bf16_at(addr, ybits):
+    """:func:`_quick_bf16` of the ``ybits.size`` float32 at ``addr`` (see :func:`_quick_f16_at`)."""
+    return _quick_bf16(carray(_kernels.f32_at(addr), ybits.size), ybits)
+
+
 def _verdict(e: float, q: float, n: int, bound: float) -> bool | None:
     """``err > bound * nrm`` for the float64 sums ``err``, ``nrm`` that :func:`_cast_f16` / :func:`_cast_bf16`
     return, where :func:`_quick_f16` / :func:`_quick_bf16`'s ``e``, ``q`` for the same ``n`` elements decide it;
@@ -302,13 +315,12 @@ class _Cast(_Dense):
         under = False
         if fused:   # the cast and every check in one pass; the float64 sums where it leaves them undecided
             ys = np.empty(n, dtype=np.int16)       # (numpy's memory: see cpu_empty)
-            xs = flat.numpy()
-            e, q = (_quick_bf16 if bf else _quick_f16)(xs, ys)
+            e, q = (_quick_bf16_at if bf else _quick_f16_at)(flat.data_ptr(), ys)     # (flat: alive, contiguous)
             y = torch.from_numpy(ys).view(self.target) if bf else torch.from_numpy(ys.view(np.float16))
             # e finite: every y is finite; then the float64 sums' decision where the float32 ones settle it
             verdict = (_verdict(e, q, n, bound) if checked else False) if math.isfinite(e) else None
             if verdict is None or (verdict and self.underflow == "raise"):      # ("raise": the exact ratio)
-                err, nrm = (_cast_bf16 if bf else _cast_f16)(xs, ys)     # (the same cast, with float64 sums)
+                err, nrm = (_cast_bf16 if bf else _cast_f16)(flat.numpy(), ys)  # (the same cast, float64 sums)
                 if not math.isfinite(err):    # a non-finite or overflowing input makes err non-finite
                     self._check_range(flat, y)
                 under = bool(checked) and err > bound * nrm
@@ -350,10 +362,7 @@ class _Cast(_Dense):
             n = v.shape[0]
             if n and len(shape) == 1 and shape[0] == n:
                 out = np.empty(n, dtype=np.float32)
-                if self.target == torch.bfloat16:
-                    _kernels.widen_bf16(v.view(torch.int16).numpy(), out)
-                else:
-                    _kernels.widen_f16(v.numpy().view(np.int16), out)
+                (_kernels.widen_bf16_at if self.target == torch.bfloat16 else _kernels.widen_f16_at)(v.data_ptr(), out)
                 return torch.from_numpy(out)
         return super().decompress(payload)
 
