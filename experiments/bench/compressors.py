@@ -27,8 +27,8 @@ extracted to a temporary directory); its code is loaded from there at run time, 
 Without ``--grace``, or when PATH holds no GRACE, that table is skipped with a message. For each
 operator of ``grace_dl/torch/compressor`` that this library also has, both run ``compress`` then
 ``decompress`` on the same float32 vector; each entry is the median of ``--median-of`` timed calls
-(after one warm-up), the entries interleaved round by round (``--block B``: B calls in a row per entry
-and round, so that torch's thread pool is as warm as in a loop of that entry alone). Columns: the two
+(after one warm-up), the entries interleaved round by round, in alternating order (``--block B``: B calls
+in a row per entry and round, so that torch's thread pool is as warm as in a loop of that entry alone). Columns: the two
 medians, ``GRACE / ours`` (> 1: this library is faster) and each side's min-max range. Settings: this
 library's defaults, given to GRACE where it takes the same parameter (``--ratio`` for top-k, rand-k and
 the threshold's kept fraction, 4 QSGD levels, DGC's 0.1%); GRACE's own defaults otherwise. The pairs (GRACE -> here):
@@ -42,7 +42,8 @@ GRACE's ``natural`` (CuPy, CUDA only) and ``powersgd`` (all-reduces inside ``com
 as skipped. GRACE's ``none`` returns its input (no copy, no check): identity's checked copy cannot beat
 it. ``--torch-threads T`` runs the whole benchmark with ``torch.set_num_threads(T)`` (the machine line
 shows the count): torch's casts, GRACE's ``fp16`` among them, use every thread torch has, this library's
-kernels one, so ``--torch-threads 1`` compares the two at one thread each. The table as BENCHMARKS.md
+kernels one (the table's threads line says so), so only ``--torch-threads 1`` compares the two at one
+thread each; the default compares one thread here against torch's count there. The table as BENCHMARKS.md
 records it (GRACE fetched as a git mirror or cloned from GitHub)::
 
     python -m experiments.bench.compressors --only grace --n 25000000 --median-of 11 --grace PATH
@@ -73,14 +74,17 @@ import sparsecomm as sc
 def interleaved_samples(fns: dict, rounds: int, block: int = 1) -> dict:
     """Wall times of each callable over ``rounds`` rounds, the callables interleaved within each round
     (so a burst of load from other processes hits one sample of every entry, not all samples of one
-    entry), each called ``block`` times in a row per round (a sample per call: with a block, a thread pool
-    stays as warm as in a loop of that callable alone). Each is called once first as warm-up (JIT
-    compilation / cache load)."""
+    entry), in the given order in even rounds and the reverse order in odd ones (so each entry follows
+    each of its neighbours equally often: what the one before leaves behind, its input in the cache, the
+    buffers it freed, torch's thread pool awake or asleep, favours neither side of a pair), each called
+    ``block`` times in a row per round (a sample per call: with a block, a thread pool stays as warm as in
+    a loop of that callable alone). Each is called once first as warm-up (JIT compilation / cache load)."""
     for fn in fns.values():
         fn()
     times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
+    order = list(fns.items())
+    for r in range(rounds):
+        for name, fn in (order if r % 2 == 0 else order[::-1]):
             for _ in range(block):
                 t0 = time.perf_counter()
                 fn()
@@ -221,6 +225,8 @@ def grace_table(path: str | None, x: torch.Tensor, ratio: float, thr: float, rou
         load0 = os.getloadavg()[0]
         times = interleaved_samples(fns, rounds, block)
     print(machine(load0, os.getloadavg()[0]))
+    print(f"# threads: this library's kernels 1 (the calling thread); GRACE's torch ops {torch.get_num_threads()} "
+          f"(torch's count{'' if torch.get_num_threads() == 1 else '; --torch-threads 1: one each'})")
     print(f"# GRACE from {path}")
     print(f"{'GRACE':<11}{'this library':<30}{'ours ms':>9}{'GRACE ms':>10}{'GRACE/ours':>11}"
           f"{'ours range':>16}{'GRACE range':>18}")

@@ -17,7 +17,7 @@ import platform
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import carray, njit, types
 from numba.extending import intrinsic
 
 from ..codec._fixedkernels import counter_bits as _bits
@@ -368,6 +368,25 @@ def f16_value(typingctx, h):
     return types.float32(types.int16), codegen
 
 
+@intrinsic
+def f32_at(typingctx, addr):
+    """The float32 pointer at the integer address ``addr`` (a contiguous CPU tensor's ``data_ptr()``): with
+    ``numba.carray`` a kernel reads a torch tensor's memory without the ``Tensor.numpy()`` call (a microsecond
+    or two per call, the cost of a cast of thousands of elements). The caller keeps the tensor alive and
+    checks it contiguous, on the CPU, of that dtype."""
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], ir.FloatType().as_pointer())
+    return types.CPointer(types.float32)(types.int64), codegen
+
+
+@intrinsic
+def i16_at(typingctx, addr):
+    """:func:`f32_at` for 16-bit patterns (a float16 or bfloat16 tensor's memory read as int16)."""
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], ir.IntType(16).as_pointer())
+    return types.CPointer(types.int16)(types.int64), codegen
+
+
 @njit(cache=True, nogil=True)
 def widen_f16(hbits, out):
     """out[i] = the float32 value of the float16 bit pattern ``hbits[i]`` (int16): torch's cast bit for bit
@@ -383,6 +402,18 @@ def widen_bf16(hbits, out):
     ob = out.view(np.int32)
     for i in range(hbits.size):
         ob[i] = np.int32(np.int32(hbits[i]) << np.int32(16))
+
+
+@njit(cache=True, nogil=True)
+def widen_f16_at(addr, out):
+    """:func:`widen_f16` of the ``out.size`` float16 patterns at ``addr`` (see :func:`f32_at`)."""
+    widen_f16(carray(i16_at(addr), out.size), out)
+
+
+@njit(cache=True, nogil=True)
+def widen_bf16_at(addr, out):
+    """:func:`widen_bf16` of the ``out.size`` bfloat16 patterns at ``addr`` (see :func:`f32_at`)."""
+    widen_bf16(carray(i16_at(addr), out.size), out)
 
 
 @njit(cache=True, nogil=True, fastmath=_FM)

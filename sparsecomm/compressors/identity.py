@@ -33,9 +33,11 @@ import torch
 from sparsecomm.theory import compressors as th
 
 import numpy as np
-from numba import njit
+from numba import carray, njit
 
 from ..errors import OverflowError_
+from ..kernels import torch_forced
+from ..payload import Payload
 from . import _kernels
 from ._common import (CompressorConfigError, abs_max, cpu_empty, dtype_bits, flat_input, make_payload,
                       raise_nonfinite, use_numba)
@@ -184,6 +186,19 @@ def _quick_bf16(x, ybits):
     return err, nrm
 
 
+@njit(cache=True, nogil=True)
+def _quick_f16_at(addr, ybits):
+    """:func:`_quick_f16` of the ``ybits.size`` float32 at ``addr`` (a tensor's ``data_ptr()``: no
+    ``Tensor.numpy()`` call; see :func:`._kernels.f32_at`)."""
+    return _quick_f16(carray(_kernels.f32_at(addr), ybits.size), ybits)
+
+
+@njit(cache=True, nogil=True)
+def _quick_bf16_at(addr, ybits):
+    """:func:`_quick_bf16` of the ``ybits.size`` float32 at ``addr`` (see :func:`_quick_f16_at`)."""
+    return _quick_bf16(carray(_kernels.f32_at(addr), ybits.size), ybits)
+
+
 def _verdict(e: float, q: float, n: int, bound: float) -> bool | None:
     """``err > bound * nrm`` for the float64 sums ``err``, ``nrm`` that :func:`_cast_f16` / :func:`_cast_bf16`
     return, where :func:`_quick_f16` / :func:`_quick_bf16`'s ``e``, ``q`` for the same ``n`` elements decide it;
@@ -258,6 +273,11 @@ class _Cast(_Dense):
                                         f"the statistics), 'raise' (delta holds on every call, or an "
                                         f"UnderflowError) or 'allow' (delta = 0), got {underflow!r}")
         self.underflow = underflow
+        #: 1 - delta, the contraction check's bound (delta does not depend on d), asked once here
+        self._bound = 1.0 - self.delta(0)
+
+    #: whether the fused Numba cast runs for a float32 CPU input (float16: where the CPU converts in hardware)
+    _fused: bool = True
 
     def hyper(self):
         return {"underflow": self.underflow}
@@ -282,26 +302,33 @@ class _Cast(_Dense):
                                  f"(max {torch.finfo(self.target).max:g}); rescale the input first")
 
     def compress(self, x, generator=None):
-        flat = flat_input(x, self.name)
+        if type(x) is torch.Tensor and x.dtype == torch.float32 and x.ndim == 1 and self._fused and x.is_cpu \
+                and not x.requires_grad and x.is_contiguous() and not torch_forced():
+            flat, fused = x, True      # (flat_input's and use_numba's answers here, without their calls)
+        else:
+            flat = flat_input(x, self.name)
+            fused = self._fused and flat.dtype == torch.float32 and use_numba(flat)
         bf = self.target == torch.bfloat16
-        fused = use_numba(flat) and flat.dtype == torch.float32 and (bf or _kernels.NATIVE_HALF)
-        checked = self.underflow != "allow" and flat.dtype != self.target and flat.numel()
+        n = flat.numel()
+        checked = self.underflow != "allow" and flat.dtype != self.target and n
+        bound = self._bound
         under = False
         if fused:   # the cast and every check in one pass; the float64 sums where it leaves them undecided
-            ys = np.empty(flat.numel(), dtype=np.int16)       # (numpy's memory: see cpu_empty)
-            xs = flat.numpy()
+            ys = np.empty(n, dtype=np.int16)       # (numpy's memory: see cpu_empty)
+            e, q = (_quick_bf16_at if bf else _quick_f16_at)(flat.data_ptr(), ys)     # (flat: alive, contiguous)
             y = torch.from_numpy(ys).view(self.target) if bf else torch.from_numpy(ys.view(np.float16))
-            bound = 1.0 - self.delta(flat.numel())
-            e, q = (_quick_bf16 if bf else _quick_f16)(xs, ys)
             # e finite: every y is finite; then the float64 sums' decision where the float32 ones settle it
-            verdict = (_verdict(e, q, flat.numel(), bound) if checked else False) if math.isfinite(e) else None
+            verdict = (_verdict(e, q, n, bound) if checked else False) if math.isfinite(e) else None
             if verdict is None or (verdict and self.underflow == "raise"):      # ("raise": the exact ratio)
-                err, nrm = (_cast_bf16 if bf else _cast_f16)(xs, ys)     # (the same cast, with float64 sums)
+                err, nrm = (_cast_bf16 if bf else _cast_f16)(flat.numpy(), ys)  # (the same cast, float64 sums)
                 if not math.isfinite(err):    # a non-finite or overflowing input makes err non-finite
                     self._check_range(flat, y)
                 under = bool(checked) and err > bound * nrm
+            elif not verdict:       # (the common case: a payload built without make_payload's generic steps)
+                return Payload(kind="dense", values=y, shape=x.shape, dtype=x.dtype, bits=16 * n,
+                               meta={"wire_bits": {"values": 16 * n}})
             else:
-                under = verdict
+                under = True
         else:
             y = (cpu_empty(flat.numel(), self.target).copy_(flat) if flat.device.type == "cpu"
                  else flat.to(self.target, copy=True))
@@ -311,7 +338,7 @@ class _Cast(_Dense):
                 err, nrm, special = self._contraction_error(flat, y)
                 if special or not math.isfinite(err):
                     self._check_range(flat, y)
-                under = err > (1.0 - self.delta(flat.numel())) * nrm
+                under = err > bound * nrm
         if under and self.underflow == "raise":
             tiny = torch.finfo(self.target).tiny
             raise UnderflowError(
@@ -321,8 +348,23 @@ class _Cast(_Dense):
                 f"loss scaling), use 'bf16' (float32's range) or 'identity', or build "
                 f"{self.name}(underflow='allow'), which declares delta = 0")
         if under:
-            return make_payload("dense", x.shape, x.dtype, y, {"values": 16 * y.numel()}, underflow=True)
-        return make_payload("dense", x.shape, x.dtype, y, {"values": 16 * y.numel()})
+            return make_payload("dense", x.shape, x.dtype, y, {"values": 16 * n}, underflow=True)
+        return make_payload("dense", x.shape, x.dtype, y, {"values": 16 * n})
+
+    def decompress(self, payload):
+        """As :meth:`Compressor.decompress`, bit for bit; a flat float32 CPU payload of this cast's values (the
+        DDP buckets' and the benchmarks' case) goes straight to the widening pass (:func:`._kernels.widen_f16`,
+        :func:`._kernels.widen_bf16`) into a numpy-allocated buffer, without the generic dispatch's calls."""
+        v = payload.values
+        if payload.dtype == torch.float32 and v.dtype == self.target and payload.kind == "dense" and v.ndim == 1 \
+                and self._fused and v.is_cpu and v.is_contiguous() and not torch_forced():
+            shape = payload.shape
+            n = v.shape[0]
+            if n and len(shape) == 1 and shape[0] == n:
+                out = np.empty(n, dtype=np.float32)
+                (_kernels.widen_bf16_at if self.target == torch.bfloat16 else _kernels.widen_f16_at)(v.data_ptr(), out)
+                return torch.from_numpy(out)
+        return super().decompress(payload)
 
     def delta(self, d):
         """1 - (2^-p + 2^-23)^2 (see rounding_delta), checked on every call (``underflow="raise"``: an
@@ -342,6 +384,7 @@ class FP16(_Cast):
     name = "fp16"
     target = torch.float16
     precision_bits = 11
+    _fused = _kernels.NATIVE_HALF
 
 
 class BF16(_Cast):

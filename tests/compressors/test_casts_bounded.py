@@ -320,9 +320,10 @@ def test_decompress_of_every_bit_pattern_is_torchs_widening(name, path):
 @pytest.mark.parametrize("name", ["fp16", "bf16"])
 def test_a_flat_cast_pair_reshapes_nothing_and_builds_no_device(name):
     """compress + decompress of a flat float32 CPU vector, the DDP buckets' and the benchmark's case, makes
-    no ``reshape`` (to a ``torch.Size`` it costs more than casting a few thousand elements) and reads no
-    ``Tensor.device`` (``is_cpu`` answers without building a ``torch.device``): torch calls are the fixed
-    cost of a cast pair, several microseconds each. The values are the widened cast's, bit for bit."""
+    no ``reshape`` (to a ``torch.Size`` it costs more than casting a few thousand elements), reads no
+    ``Tensor.device`` (``is_cpu`` answers without building a ``torch.device``) and makes no ``Tensor.numpy()``
+    (the kernels read the memory at ``data_ptr()``): torch calls are the fixed cost of a cast pair, several
+    microseconds each. The values are the widened cast's, bit for bit, also for a view at a storage offset."""
     from torch.overrides import TorchFunctionMode
 
     if name == "fp16" and not kern.NATIVE_HALF:
@@ -339,9 +340,11 @@ def test_a_flat_cast_pair_reshapes_nothing_and_builds_no_device(name):
             return func(*args, **(kwargs or {}))
 
     c = sc.compressors.get(name)
-    x = torch.randn(5000, generator=torch.Generator().manual_seed(3))
-    with Calls() as calls:
-        y = c.decompress(c.compress(x))
-    assert calls.names, "the counting mode saw no torch call"
-    assert "reshape" not in calls.names and "device" not in calls.names, calls.names
-    assert torch.equal(y.view(torch.int32), x.to(c.target).to(torch.float32).view(torch.int32))
+    base = torch.randn(5003, generator=torch.Generator().manual_seed(3))
+    for x in (base[:5000], base[3:]):       # (the second at a storage offset: the kernels read data_ptr())
+        with Calls() as calls:
+            y = c.decompress(c.compress(x))
+        assert calls.names, "the counting mode saw no torch call"
+        assert "reshape" not in calls.names and "device" not in calls.names, calls.names
+        assert "numpy" not in calls.names, calls.names     # (the kernels read the tensors' memory by address)
+        assert torch.equal(y.view(torch.int32), x.to(c.target).to(torch.float32).view(torch.int32))

@@ -250,3 +250,16 @@ def test_compressor_benchmark_runs_at_the_torch_thread_count_it_is_given(capsys)
     with pytest.raises(SystemExit):
         bench.main(["--n", "2000", "--torch-threads", "0"])
     assert torch.get_num_threads() == before
+
+
+def test_compressor_benchmark_interleaves_in_alternating_order():
+    """The benchmark's rounds call the entries in the given order, then in the reverse one, so that no entry
+    always runs right after the same neighbour (its input warm in the cache, its freed buffers, torch's thread
+    pool awake): one warm-up call each first, a sample per timed call, ``block`` calls in a row."""
+    from experiments.bench import compressors as bench
+
+    calls = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in "abc"}
+    times = bench.interleaved_samples(fns, rounds=3, block=2)
+    assert calls == list("abc") + list("aabbcc") + list("ccbbaa") + list("aabbcc")
+    assert {k: len(v) for k, v in times.items()} == {"a": 6, "b": 6, "c": 6}
