@@ -127,22 +127,10 @@ class Accounting:
     def finished(self, dense_bytes: int, payload: Any, comm: CommStats) -> None:
         """A call of one round on the pipeline's transport: :meth:`call` (``dense_bytes``), then :meth:`round`
         (``payload``, ``comm``): the same figures, added in the same order, with the call's inline."""
-        s, copies = self.stats, self.copies
+        s = self.stats
         s.bytes_dense += dense_bytes
-        s.bytes_dense_sent += copies * dense_bytes
-        # (round(payload, comm), inline: the call of every chained compressed round)
-        s.rounds += 1
-        if isinstance(payload, torch.Tensor):
-            pbytes = payload.nbytes
-        else:
-            bits = int(payload.bits)
-            pbytes = (bits + 7) // 8 if bits else payload_bytes(payload)
-            if payload.meta.get("underflow"):
-                s.underflow_rounds += 1
-        s.bytes_payload += pbytes
-        s.bytes_declared_sent += copies * pbytes
-        s.comm += comm
-        self.last_stats += comm
+        s.bytes_dense_sent += self.copies * dense_bytes
+        self.round(payload, comm)
 
     def finished_plain(self, nbytes: int, comm: CommStats) -> None:
         """:meth:`finished` of a plain average's call, whose one round sent the ``nbytes`` of its dense bucket
