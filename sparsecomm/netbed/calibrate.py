@@ -111,8 +111,9 @@ on a loaded one without the time other processes hold the core):
   every rate above and each endpoint on a core of its own (share 1): the cost ``r_n`` of a call of ``n`` beyond
   its modelled work; ``call_peer_s`` is ``(r_PEER_WORKERS - r_2) / (PEER_WORKERS - 2)``, at least 0 (``call_s``,
   measured next with it in the model, is then the rest of a 2-worker call's cost);
-- ``call_s``: per transport of :data:`CALL_GROUPS`, a call of :data:`CALL_ELEMS` float32 (dense; for those of
-  :data:`SPARSE_CALLS`, the top-k 1% payload they carry) between two
+- ``call_s``: per transport of :data:`CALL_GROUPS`, a call of :data:`CALL_ELEMS` float32 (``native``'s of
+  :data:`CALL_ELEMS_OF`'s, just above its ``all_gather`` path's limit: the cost of gloo's all-reduce; dense; for
+  those of :data:`SPARSE_CALLS`, the top-k 1% payload they carry) between two
   processes over gloo on 127.0.0.1 (its services started as the netbed's are), the median over calls of the
   slowest rank's time, less the same call modelled on the SimFabric with every rate above (loopback: no
   wire of its own, the hosts' copies are the per-byte rates; the processes sharing this machine's cores
@@ -153,6 +154,7 @@ import torch
 
 from ..fabric.sim.sim_host import SUM_DTYPES, HostModel
 from ..fabric.sim.sim_profile import profile_dict
+from ..transports.native.collectives import GATHER_SUM_BYTES
 
 __all__ = ["calibrate", "main", "write_profile"]
 
@@ -189,6 +191,11 @@ PEER_WORKERS = 4
 PEER_LAUNCHES = {True: 1, False: 2}
 #: float32 elements of a call of the per-call timing (64 OmniReduce blocks, 16 of the switch's packets)
 CALL_ELEMS = 1 << 14
+#: the transports whose per-call timing takes another size than :data:`CALL_ELEMS`: ``native``, the smallest
+#: float32 call above :data:`~sparsecomm.transports.native.collectives.GATHER_SUM_BYTES`, a call of gloo's
+#: all-reduce (the path of every call the model's ``native``, ``ring``'s messages, stands for), not the
+#: ``all_gather`` and local sum of a call of at most that size
+CALL_ELEMS_OF = {"native": GATHER_SUM_BYTES // 4 + 1}
 #: the transports whose per-call cost is timed on a sparse payload, the kind they carry (a top-k 1%: its values and
 #: indices travel as two messages, which a dense call's one does not show)
 SPARSE_CALLS = ("allgather",)
@@ -605,9 +612,11 @@ def call_input(name: str, numel: int, rank: int):
     return torch.ones(numel)
 
 
-def _time_calls(ctx, names: tuple[str, ...], numel: int, calls: int) -> dict[str, list[float]]:
+def _time_calls(ctx, names: tuple[str, ...], numel: int, calls: int,
+                numel_of: dict | None = None) -> dict[str, list[float]]:
     """Every rank: per transport of ``names``, the time of each of ``calls`` calls on :func:`call_input` of
-    ``numel`` (after two untimed), each after a barrier (``native`` is ``ring`` on a modelled fabric)."""
+    ``numel`` (``numel_of[name]`` where given; after two untimed), each after a barrier (``native`` is ``ring``
+    on a modelled fabric)."""
     import sparsecomm.transports as transports
 
     torch.set_num_threads(1)
@@ -615,7 +624,7 @@ def _time_calls(ctx, names: tuple[str, ...], numel: int, calls: int) -> dict[str
     out = {}
     for name in names:
         t = transports.get("ring" if name == "native" and f.modelled_time else name, f)
-        x0 = call_input(name, numel, ctx.rank)
+        x0 = call_input(name, (numel_of or {}).get(name, numel), ctx.rank)
         for _ in range(2):          # (untimed)
             _timed_call(f, t, x0)
         out[name] = [_timed_call(f, t, x0) for _ in range(calls)]
@@ -857,7 +866,7 @@ def call_costs(host: HostModel, quick: bool = False) -> dict:
     calls, cores = CALLS[quick], os.cpu_count() or 1
     out, fit = {}, {}
     for services, names in CALL_GROUPS.items():
-        fn = functools.partial(_time_calls, names=names, numel=CALL_ELEMS, calls=calls)
+        fn = functools.partial(_time_calls, names=names, numel=CALL_ELEMS, calls=calls, numel_of=CALL_ELEMS_OF)
         real = launch(fn, 2, backend="gloo", services=list(services), timeout_s=120.0)
         net = Network(bandwidth_gbps=1e4, latency_us=0.0, host=host.sharing(2 + len(services), cores))
         sim = launch(fn, 2, network=net)
@@ -925,7 +934,8 @@ def calibrate(quick: bool = False, netbed_gbps: float | None = NETBED_GBPS) -> d
               "elements": ELEMENTS[quick], "message_fit": fit, "switch_fit": switch_fit,
               "sparse_switch_fit": sparse_switch_fit, "fresh_fit": fresh_fit,
               "block_fit": block_fit, "sparse_switch_round_fit": round_fit,
-              "call_elems": CALL_ELEMS, "calls": CALLS[quick], "call_fit": call_fit,
+              "call_elems": CALL_ELEMS, "call_elems_of": dict(CALL_ELEMS_OF), "calls": CALLS[quick],
+              "call_fit": call_fit,
               "contention_fit": contention_fit,
               "call_peer_workers": PEER_WORKERS, "call_peer_fit": peer_fit,
               "statistic": "median", "messages_via": "TorchFabric irecv/isend exchanges over gloo, 127.0.0.1",

@@ -1253,6 +1253,31 @@ def test_codec_products_are_timed_as_powersgd_runs_them(monkeypatch):
             assert torch.allclose(f.T @ f, torch.eye(f.shape[1]), atol=1e-5)
 
 
+def test_calibrate_times_natives_call_on_gloos_all_reduce(monkeypatch):
+    """``call_s["native"]`` is timed on a call just above GATHER_SUM_BYTES, which gloo all-reduces (the path of
+    the calls the model's ``native``, the ring's messages, stands for), not on one of at most that size, which
+    native sums by an all_gather; the other transports on CALL_ELEMS. (The launches run on a SimFabric here:
+    what is checked is the inputs the calls are timed on.)"""
+    from sparsecomm.netbed import calibrate as cal
+    from sparsecomm.transports.native.collectives import GATHER_SUM_BYTES
+
+    seen, real_input, real_launch = {}, cal.call_input, sc.launch
+
+    def call_input(name, numel, rank):
+        seen.setdefault(name, set()).add(numel)
+        return real_input(name, numel, rank)
+
+    def launch(fn, n, backend=None, timeout_s=None, network=None, **kw):
+        return real_launch(fn, n, network=network or sc.Network(bandwidth_gbps=1e4, latency_us=0.0), **kw)
+
+    monkeypatch.setattr(cal, "call_input", call_input)
+    monkeypatch.setattr(sc, "launch", launch)
+    got = cal.call_costs(HostModel(), quick=True)
+    assert set(got["call_s"]) == {name for names in CALL_GROUPS.values() for name in names}
+    assert seen.pop("native") == {GATHER_SUM_BYTES // 4 + 1}
+    assert seen and all(v == {cal.CALL_ELEMS} for v in seen.values())
+
+
 def test_fit_nonnegative_fits_exactly_and_drops_a_negative_rate():
     from sparsecomm.netbed.calibrate import fit_nonnegative
 
