@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 
 from ..compressors._common import all_finite, divide_finite, widen_divide, widen_divide_finite
-from ..errors import SparseCommError
 from ..payload import Payload
 from .base import Method, MethodState
 
@@ -56,9 +55,7 @@ class NoMethod(Method):
 
     def decode_direct(self, aggregate: torch.Tensor, world_size: int, ms: MethodState, out: torch.Tensor) -> bool:
         ms.last_round = False
-        if ms.pending is None:      # (MethodState.take_pending's check)
-            raise SparseCommError(f"method {self.name!r}: decode without a preceding encode")
-        ms.pending = None
+        ms.take_pending(self.name)
         if aggregate.dtype == out.dtype:
             if out is aggregate:
                 return divide_finite(out, world_size)
