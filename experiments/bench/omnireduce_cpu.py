@@ -158,7 +158,7 @@ def measure(workers: int, size_mb: float, densities: list[float], calls: int, wa
     median over ranks, and the median of the slowest rank's wall time per call."""
     import sparsecomm as sc
 
-    numel = int(size_mb * 1e6) // 4
+    numel = round(size_mb * 1e6) // 4
     res = sc.launch(functools.partial(worker, numel=numel, densities=densities, calls=calls, warmup=warmup,
                                       profile=profile, kwargs=kwargs),
                     workers, timeout_s=600.0,
@@ -222,6 +222,10 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workers", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--size-mb", type=float, default=100.0)
+    ap.add_argument("--numel", type=int, default=None,
+                    help="elements per call (instead of --size-mb), e.g. 1059850 and 66560: the MLP's two buckets")
+    ap.add_argument("--lanes", type=int, default=None,
+                    help="the transport's lanes (default: the benchmark's 65536; 16384 is the transport's own)")
     ap.add_argument("--densities", type=float, nargs="+", default=[0.01, 0.1, 1.0])
     ap.add_argument("--calls", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=2)
@@ -247,6 +251,10 @@ def main(argv: list[str] | None = None) -> None:
     kwargs = dict(KWARGS)
     if a.channels is not None:
         kwargs["channels"] = a.channels
+    if a.lanes is not None:
+        kwargs["lanes"] = a.lanes
+    if a.numel is not None:
+        a.size_mb = 4 * a.numel / 1e6
     rows = []
     where = "loopback" if a.netbed is None else f"netbed {a.netbed:g} Gbit/s"
     print(f"# {a.size_mb:g} MB, {where}, {kwargs}, {a.calls} calls, load {os.getloadavg()[0]:.1f}, torch {torch.__version__}")

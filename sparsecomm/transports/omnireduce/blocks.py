@@ -30,6 +30,29 @@ def block_run(ids: np.ndarray) -> tuple[int, int] | None:
 
 
 
+class TailRun:
+    """A run of blocks that ends with a source's short last block, without a copy: the full blocks as a
+    view of the source's rows (``head``) and the last one zero-padded to a whole block (``last``, one
+    row, the source's own padded copy of it); as a ``(k, block_size)`` message of these blocks would be,
+    split in two (:meth:`DenseSource.tail_run`; summed by :meth:`.core.MessageSums.add`)."""
+
+    __slots__ = ("head", "last")
+
+    def __init__(self, head: torch.Tensor, last: torch.Tensor) -> None:
+        self.head, self.last = head, last
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.head.dtype
+
+    def numel(self) -> int:
+        return self.head.numel() + self.last.numel()
+
+    def joined(self) -> torch.Tensor:
+        """The blocks as one ``(k, block_size)`` tensor (a copy)."""
+        return torch.cat((self.head, self.last))
+
+
 class _Blocks:
     """Common part: ``numel``, ``block_size``, ``nb``, ``mask`` (bool per block)."""
 
@@ -50,6 +73,11 @@ class _Blocks:
     def settle(self, lo: int, hi: int, out: torch.Tensor) -> None:
         """Before any sum lands in blocks ``[lo, hi)`` of the result ``out`` (once they are scanned): make
         the blocks that count as zero zero there (a no-op unless the result is the source's own tensor)."""
+
+    def tail_run(self, ids: np.ndarray) -> TailRun | None:
+        """The blocks ``ids`` without a copy, when they are a run ending with the short last block
+        (:class:`TailRun`); None where they are not, or where the source has no such view."""
+        return None
 
 
 class DenseSource(_Blocks):
@@ -109,6 +137,14 @@ class DenseSource(_Blocks):
         """The blocks ``ids`` as a view of the tensor, when they are a run of full blocks (no copy)."""
         run = block_run(ids)
         return self.rows[run[0]:run[1]] if run is not None and run[1] <= self.full else None
+
+    def tail_run(self, ids: np.ndarray) -> TailRun | None:
+        """The blocks ``ids`` without a copy when they are a run ending with the short last block (which
+        :meth:`view` cannot give: the tensor ends inside that block), as a :class:`TailRun`."""
+        run = block_run(ids)
+        if run is None or self._tail_block is None or run[1] != self.nb:
+            return None
+        return TailRun(self.rows[run[0]:self.full], self._tail_block.view(1, -1))
 
     def gather(self, ids: np.ndarray, out: torch.Tensor) -> int:
         """``out[i] = block ids[i]`` (global block ids); returns how many blocks were moved by their index

@@ -35,6 +35,7 @@ import torch
 from ... import codec
 from ...errors import MalformedMessage, ProtocolError
 from . import wire
+from .blocks import TailRun
 from .wire import Buf, Msg
 
 
@@ -239,7 +240,21 @@ class MessageSums:
         self.acc = self.data if c.acc_dtype == c.down else torch.empty(c.k, c.bs, dtype=c.acc_dtype)
         self.fresh = True   # acc not yet written: the first contribution is copied, not added
 
-    def add(self, c, w: int, pos: np.ndarray, blocks: torch.Tensor) -> int:
+    def add(self, c, w: int, pos: np.ndarray, blocks) -> int:
+        """Add worker ``w``'s blocks (a ``(pos.size, block_size)`` tensor, or the hosting worker's
+        :class:`.blocks.TailRun`) at the message rows of lane positions ``pos``; returns the blocks added
+        by index."""
+        if isinstance(blocks, TailRun):
+            if pos.size != c.k:        # (some lanes only: by index, as one tensor)
+                return self.add(c, w, pos, blocks.joined())
+            for acc, part in ((self.acc[:-1], blocks.head), (self.acc[-1:], blocks.last)):   # rows in order
+                part = part if part.dtype == c.acc_dtype else part.to(c.acc_dtype)
+                if self.fresh:
+                    acc.copy_(part)
+                else:
+                    acc.add_(part)
+            self.fresh = False
+            return 0
         if blocks.dtype != c.acc_dtype:
             blocks = blocks.to(c.acc_dtype)
         moved = 0

@@ -3,7 +3,8 @@
 None of them changes what travels or which blocks are summed; they change only where bytes are copied:
 
 * how a worker's blocks go up (:func:`send_up`): to the hosted aggregator by hand (a view of the
-  tensor when the blocks are one run, nothing at all when they are summed in place), to a remote one
+  tensor when the blocks are one run, in two parts when that run ends with the short last block:
+  :class:`.blocks.TailRun`; nothing at all when they are summed in place), to a remote one
   as a view of the tensor when a one-round channel's blocks are one run of whole blocks (the message
   is the data itself), otherwise copied into a pooled message with their look-aheads;
 * where the sums land at an aggregator: :class:`.core.MessageSums` (a pooled downstream message; the
@@ -42,6 +43,8 @@ def send_up(call, key: Buf, a: int, c, local_key: Key):
             yield Hand(local_key, (None, None))
             return
         v = source.view(ids)
+        if v is None:          # a run ending with the short last block: in two parts (.blocks.TailRun)
+            v = source.tail_run(ids)
         if v is not None:      # (these blocks are written only once their sums are complete, later)
             yield Hand(local_key, (v, torch.from_numpy(look) if meta else None))
             return
