@@ -420,6 +420,23 @@ class HostModel:
             return self._table(nbytes)[0]
         return self.recv_message_s + nbytes * self.recv_byte_s
 
+    def send_fixed_s(self) -> float:
+        """Unstretched CPU seconds of a send that do not grow with its bytes: ``send_message_s``, or with the table
+        by size half of ``message_cpu_s`` at its smallest size (the message's own cost, its system call and
+        bookkeeping, before its first byte can leave); :meth:`send_s` beyond it is the part that streams the
+        message's bytes."""
+        return self._table(self._points[0][0])[0] if self._points[0] else self.send_message_s
+
+    def recv_fixed_s(self) -> float:
+        """Unstretched CPU seconds of taking a message that do not grow with its bytes (:meth:`send_fixed_s`'s
+        counterpart: ``recv_message_s``, or half of ``message_cpu_s`` at the table's smallest size)."""
+        return self._table(self._points[0][0])[0] if self._points[0] else self.recv_message_s
+
+    def wait_fixed_s(self) -> float:
+        """The part of :meth:`wait_s` that does not grow with a message's bytes (``message_wait_s`` at the table's
+        smallest size; none without the table)."""
+        return self._table(self._points[0][0])[1] if self._points[0] else 0.0
+
     def wait_s(self, nbytes: int) -> float:
         """Seconds between the delivery of a message of ``nbytes`` and the moment its receiver may take it, not
         its CPU (``message_wait_s``; none without the table); not stretched by the CPU factor."""
