@@ -15,7 +15,11 @@ modelled clocks (``host=None``, the default: no host cost, every modelled time a
   ``message_wait_s`` between a message's delivery and the moment its receiver may take it, without its CPU (the
   rest of an exchange's time: the receiver's wake-up, the threads' hand-offs): a receiver waiting for the message
   pays it; one busy past it does not, so that a stream of messages in flight overlaps their waits where a
-  ping-pong pays each;
+  ping-pong pays each; on a network whose hosts stream a message's bytes beside the link
+  (``Network(host_streams=True)``, a NIC apart from the CPUs, as the netbed's), only the fixed parts
+  (:meth:`HostModel.send_fixed_s`, ``recv_fixed_s``, ``wait_fixed_s``: the values at the table's smallest size, or
+  the per-message rates) come before and after the wire, the rest is a stage of a pipeline with it
+  (:mod:`.sim_network`);
 - the work a transport declares with :meth:`sparsecomm.fabric.base.Fabric.host_work` (:data:`HOST_OPS`):
   ``"sum"``, elements added into an accumulator (``sum_element_s`` of their dtype); ``"scan"``, elements
   scanned for non-zero blocks (``scan_element_s``); ``"scan_zero"``, the elements of the zero blocks among them

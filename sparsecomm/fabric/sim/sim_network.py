@@ -27,7 +27,10 @@ The network model (alpha-beta with NIC serialisation), per endpoint:
   that it slows what transports do, not only ``compute()``;
 - the hosts' CPU time (``Network.host``, a :class:`~.sim_host.HostModel`; ``None``, the default: none): per
   message sent, on the sender's clock before its NIC starts; per message taken, on the receiver's clock
-  after its delivery (with a table by message size, after a wait that holds no CPU); and the work transports declare (``Fabric.host_work``: sums, block scans, switch
+  after its delivery (with a table by message size, after a wait that holds no CPU; with ``Network.host_streams``,
+  only their fixed parts there, the parts that grow with the message's bytes streamed beside the wire: the
+  sender's NIC sends no faster than its host streams, and the receiver takes the message no earlier than its first
+  byte's arrival plus its own streamed part); and the work transports declare (``Fabric.host_work``: sums, block scans, switch
   packets and messages, each call's own cost), each stretched by the endpoint's CPU share and straggler factor (:mod:`.sim_host`).
 
 Service endpoints (dedicated aggregators, a switch) have their own link; ``per_port=True`` gives a
