@@ -1457,3 +1457,21 @@ def test_a_host_that_streams_hides_a_message_bytes_work_behind_a_slower_link_and
     bare = sc.Network(bandwidth_gbps=1.0, latency_us=lat * 1e6)
     assert (sc.launch(_one_message, 2, network=dataclasses.replace(bare, host_streams=True))[1]
             == sc.launch(_one_message, 2, network=bare)[1] == pytest.approx(wire + lat, rel=1e-12))
+
+
+def test_the_sparse_switch_charges_its_result_built_after_the_last_result_by_hand():
+    from sparsecomm.transports.switchml.sparse.dataplane import HEADER
+    base, _ = _sparse(HostModel(**PER_MSG))
+    # after its last result each worker stacks the union's result rows (a row copied per block), scatters their
+    # sums into the integer result and, decoded (three passes: cast, divide, cast), into the float result it
+    # zeroed first (a pass over every element): blocks by index and their bytes, and elementwise passes
+    N, k, union = SPARSE_BLOCKS * 256, 256, 3 * SPARSE_BLOCKS // 4
+    index, move, elementwise = 3 * union, union * ((HEADER + k) * 4 + k * 4 + k * 4), N + 3 * union * k
+    for share in (1.0, 2.0):
+        t, _ = _sparse(HostModel(**PER_MSG, index_block_s=1e-3, move_byte_s=1e-6, elementwise_element_s=1e-5,
+                                 cpu_share=share))
+        # (within the per-message costs of PER_MSG, 1e-9 s: the end moves, the messages' overlaps shift slightly)
+        assert (t - base) / share == pytest.approx(index * 1e-3 + move * 1e-6 + elementwise * 1e-5, abs=1e-7)
+    # a model without the rates (0, as a profile without them) charges nothing: the bits of the call before
+    t, _ = _sparse(HostModel(**PER_MSG, index_block_s=0.0, move_byte_s=0.0, elementwise_element_s=0.0))
+    assert t.hex() == base.hex()

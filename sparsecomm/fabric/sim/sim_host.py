@@ -59,12 +59,13 @@ modelled clocks (``host=None``, the default: no host cost, every modelled time a
   beyond the scan's kernel, whatever the density -- its lanes' set-up and bookkeeping, the result's bitmap of
   written blocks --, charged as the worker scans each aggregator's range); ``"index"``, blocks moved by a block index
   (``index_block_s``: gathered into a message, added into the sums or written into the result at scattered
-  rows -- the rows of an indexed copy, later checked row by row --, beyond their bytes and sums; and the
+  rows -- the rows of an indexed copy, later checked row by row --, the sparse switch's result rows stacked and
+  scattered into its results, beyond their bytes and sums; and the
   blocks OmniReduce's cached result zeroes after a call, those the call before it wrote and it did not, with their
   bytes as ``"move"``; a contiguous run of blocks is one copy and is not charged); ``"move"``, bytes of blocks copied between a
   block-sparse endpoint's tensors and its messages (``move_byte_s``: OmniReduce's blocks gathered into a message
-  and its sums written into the result, a run of blocks or blocks by index, on top of ``"index"``'s per-block
-  part; a large tensor's blocks, beyond the last-level cache); ``"check"``, elements a finiteness guard reads
+  and its sums written into the result, a run of blocks or blocks by index, and the sparse switch's result rows
+  stacked and scattered, on top of ``"index"``'s per-block part; a large tensor's blocks, beyond the last-level cache); ``"check"``, elements a finiteness guard reads
   (``check_element_s``: the pass over a float sum that proves it holds no NaN or Inf, :mod:`sparsecomm.transports.
   _guards`, in a transport that sums floats; the allgather counts its check among its ``"elementwise"``
   passes); ``"call"``, one call of
@@ -82,7 +83,8 @@ modelled clocks (``host=None``, the default: no host cost, every modelled time a
   :mod:`sparsecomm.pipeline.rounds` charges on a fabric with modelled time around each call it makes, in these
   operations): ``"elementwise"``, elements through an elementwise pass (``elementwise_element_s``: an add, a
   copy, a division, a cast, a finiteness check; the allgather transport declares its sum's too: the result
-  zeroed and checked, each worker's values added); ``"select"``, elements a top-k selection runs over
+  zeroed and checked, each worker's values added; and the sparse switch its result's: zeroed, the union's sums
+  decoded); ``"select"``, elements a top-k selection runs over
   (``select_element_s``: the partial sort among candidates); ``"sample"``, magnitudes a top-k draws at random
   positions for its threshold (``sample_element_s``); ``"matmul"``, multiply-adds of a product of the large matrix
   with a skinny factor (``matmul_mac_s``: PowerSGD's ``M Q``); ``"matmul_t"``, multiply-adds of one
