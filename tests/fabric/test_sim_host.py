@@ -1419,13 +1419,15 @@ def test_a_profile_without_call_peer_s_models_what_it_modelled_and_one_with_it_r
 BIG = 4 << 20           # bytes of one message, beyond the table's last size (its line)
 
 
-def _one_message(ctx) -> float:
-    """Worker 0 sends one message of :data:`BIG` bytes to worker 1, which takes it: worker 1's modelled time."""
+def _one_message(ctx, busy: float = 0.0) -> float:
+    """Worker 0 sends one message of :data:`BIG` bytes to worker 1, which takes it after ``busy`` seconds of its own
+    work: worker 1's modelled time."""
     f = ctx.fabric
     buf = torch.zeros(BIG, dtype=torch.uint8)
     if ctx.rank == 0:
         f.send(buf, 1, 3)
     else:
+        f.compute(busy)
         f.recv(buf, 0, 3)
     return f.now()
 
@@ -1453,6 +1455,11 @@ def test_a_host_that_streams_hides_a_message_bytes_work_behind_a_slower_link_and
     assert BIG / fast.bytes_per_s < send - send0 < (wait - wait0) + (recv - recv0)
     t = sc.launch(_one_message, 2, network=fast)[1]
     assert t == pytest.approx(send0 + lat + (wait - wait0) + (recv - recv0) + wait0 + recv0, rel=1e-12)
+    # a receiver busy past the message's delivery pays its whole receive, streamed part included (CPU spent
+    # meanwhile), and no wait: as without streaming
+    for network in (net, dataclasses.replace(net, host_streams=True)):
+        busy = sc.launch(functools.partial(_one_message, busy=1.0), 2, network=network)[1]
+        assert busy == pytest.approx(1.0 + recv, rel=1e-12)
     # no host model: nothing to stream, the link alone either way
     bare = sc.Network(bandwidth_gbps=1.0, latency_us=lat * 1e6)
     assert (sc.launch(_one_message, 2, network=dataclasses.replace(bare, host_streams=True))[1]

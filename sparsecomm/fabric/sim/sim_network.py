@@ -87,7 +87,9 @@ class Network:
             copies into its stack, the receiver's out of it into the posted buffer, their hand-offs) is a stage
             of a pipeline with the wire: the sender's NIC sends no faster than the sender streams, and the
             message is taken no earlier than its head's arrival plus the receiver's streamed part, so that a
-            link slower than the hosts' stacks hides them (module docstring). No host model: no effect.
+            link slower than the hosts' stacks hides them (module docstring); the streamed part's CPU is still
+            spent, so that an endpoint busy meanwhile (a switch taking several ports' messages) pays it. No host
+            model: no effect.
     """
 
     bandwidth_gbps: float = 100.0
@@ -398,14 +400,16 @@ class Endpoint:
             if self.streams:        # (the bytes' part streamed as they arrived, from the head: Network.host_streams)
                 nbytes = msg.nbytes
                 wait0, recv0 = host.wait_fixed_s(), host.recv_fixed_s() * self.cpu
-                streamed = max(0.0, host.wait_s(nbytes) - wait0) + max(0.0, host.recv_s(nbytes) * self.cpu - recv0)
+                cpu = max(0.0, host.recv_s(nbytes) * self.cpu - recv0)      # (the streamed part's CPU)
                 arrival = msg.rx_end - nbytes / self.bw       # (its first byte on this NIC: at its head, or later
                 if arrival < msg.head:                          # behind the messages before it)
                     arrival = msg.head
-                done = arrival + streamed
+                done = arrival + max(0.0, host.wait_s(nbytes) - wait0) + cpu
                 if done < msg.delivered:
                     done = msg.delivered
-                self.clock = max(self.clock, done + wait0) + recv0
+                # (its CPU is spent whatever else the endpoint does meanwhile: a receiver busy past the message
+                # pays it all, as without streaming)
+                self.clock = max(self.clock + cpu, done + wait0) + recv0
             elif host.tabled:         # (a wait between delivery and take: sim_host's table by size)
                 nbytes = msg.nbytes
                 self.clock = max(self.clock, msg.delivered + host.wait_s(nbytes)) + host.recv_s(nbytes) * self.cpu
