@@ -263,7 +263,9 @@ class Endpoint:
     def transmit(self, peer: int, nbytes: int) -> tuple[float, float]:
         """Occupy the NIC (its port towards ``peer``) with ``nbytes`` from ``start = max(clock,
         when the port is free)`` until ``tx_end = start + nbytes / bw``; return ``(start, tx_end)``. With a
-        host model the send's CPU time is charged to the clock first (:mod:`.sim_host`)."""
+        host model the send's CPU time is charged to the clock first (:mod:`.sim_host`); with ``host_streams``
+        only its fixed part first, its streamed part after the NIC starts, ``tx_end`` at least ``start`` plus it
+        (:class:`Network`)."""
         wire = nbytes / self.bw
         streamed = 0.0
         if self.host is not None:
