@@ -244,7 +244,8 @@ def compare_transports(workers: int, size_mb: float, gbps: float, names: list[st
     TCP framing), and, with ``profile`` (a host profile, ``python -m sparsecomm.netbed calibrate``), the link plus
     that host model, its CPU share the processes per core of the netbed (workers and services, on this machine's
     cores) and its wire latency the netbed's per-message latency the profile records (:func:`netbed_latency_us`;
-    ``native``, modelled as ``ring``, is charged ``native``'s cost per call);
+    ``native``, modelled as ``ring``, is charged ``native``'s cost per call; the hosts stream a message's bytes
+    beside the netbed's link, ``Network.host_streams``);
     ``link=False``: the host model only (the link model of a large switch call, one datagram per 64-value
     packet, takes many minutes)."""
     from . import transports as tb
@@ -261,7 +262,7 @@ def compare_transports(workers: int, size_mb: float, gbps: float, names: list[st
         latency_us = netbed_latency_us(profile)
         for c in cases:
             net = profile_network(profile, c, workers, os.cpu_count() or 1, bandwidth_gbps=gbps,
-                                  latency_us=latency_us, payload_fraction=TCP_OVER_ETHERNET)
+                                  latency_us=latency_us, payload_fraction=TCP_OVER_ETHERNET, host_streams=True)
             host_times += modelled_cases(workers, size_mb, [c], net)
         sims["host"] = host_times
     rows = []

@@ -1414,3 +1414,71 @@ def test_a_profile_without_call_peer_s_models_what_it_modelled_and_one_with_it_r
     path.write_text(json.dumps(bad))
     with pytest.raises(InvalidTypeError, match=r"host\.call_peer_s\.value maps transport names"):
         sc.Network.from_profile(path)
+
+
+BIG = 4 << 20           # bytes of one message, beyond the table's last size (its line)
+
+
+def _one_message(ctx, busy: float = 0.0) -> float:
+    """Worker 0 sends one message of :data:`BIG` bytes to worker 1, which takes it after ``busy`` seconds of its own
+    work: worker 1's modelled time."""
+    f = ctx.fabric
+    buf = torch.zeros(BIG, dtype=torch.uint8)
+    if ctx.rank == 0:
+        f.send(buf, 1, 3)
+    else:
+        f.compute(busy)
+        f.recv(buf, 0, 3)
+    return f.now()
+
+
+def test_a_host_that_streams_hides_a_message_bytes_work_behind_a_slower_link_and_paces_a_faster_one():
+    host = HostModel(**TABLE)
+    lat = 10e-6
+    send, wait, recv = host.send_s(BIG), host.wait_s(BIG), host.recv_s(BIG)
+    send0, wait0, recv0 = host.send_fixed_s(), host.wait_fixed_s(), host.recv_fixed_s()
+    assert (send0, wait0, recv0) == (1e-4, 1e-4, 1e-4)     # (the table at its smallest size)
+    assert (HostModel(send_message_s=3e-6, recv_message_s=5e-6, send_byte_s=1e-9).send_fixed_s(),
+            HostModel(send_message_s=3e-6, recv_message_s=5e-6).recv_fixed_s(), HOST.wait_fixed_s()) == (3e-6, 5e-6, 0)
+    # a 1 Gbit/s link, slower than the hosts' streams: serial (the default), every part of the message's host
+    # time before or after the wire; streaming, only the fixed parts
+    net = sc.Network(bandwidth_gbps=1.0, latency_us=lat * 1e6, host=host)
+    wire = BIG / net.bytes_per_s
+    assert wire > (send - send0) and wire > (wait - wait0) + (recv - recv0)
+    serial = sc.launch(_one_message, 2, network=net)[1]
+    assert serial == pytest.approx(send + wire + lat + wait + recv, rel=1e-12)
+    streamed = sc.launch(_one_message, 2, network=dataclasses.replace(net, host_streams=True))[1]
+    assert streamed == pytest.approx(send0 + wire + lat + wait0 + recv0, rel=1e-12)
+    # a link far faster than the hosts: the sender's stream paces its NIC, the receiver's stream starts at the
+    # message's head and ends after its delivery, then the fixed parts
+    fast = sc.Network(bandwidth_gbps=1e4, latency_us=lat * 1e6, host=host, host_streams=True)
+    assert BIG / fast.bytes_per_s < send - send0 < (wait - wait0) + (recv - recv0)
+    t = sc.launch(_one_message, 2, network=fast)[1]
+    assert t == pytest.approx(send0 + lat + (wait - wait0) + (recv - recv0) + wait0 + recv0, rel=1e-12)
+    # a receiver busy past the message's delivery pays its whole receive, streamed part included (CPU spent
+    # meanwhile), and no wait: as without streaming
+    for network in (net, dataclasses.replace(net, host_streams=True)):
+        busy = sc.launch(functools.partial(_one_message, busy=1.0), 2, network=network)[1]
+        assert busy == pytest.approx(1.0 + recv, rel=1e-12)
+    # no host model: nothing to stream, the link alone either way
+    bare = sc.Network(bandwidth_gbps=1.0, latency_us=lat * 1e6)
+    assert (sc.launch(_one_message, 2, network=dataclasses.replace(bare, host_streams=True))[1]
+            == sc.launch(_one_message, 2, network=bare)[1] == pytest.approx(wire + lat, rel=1e-12))
+
+
+def test_the_sparse_switch_charges_its_result_built_after_the_last_result_by_hand():
+    from sparsecomm.transports.switchml.sparse.dataplane import HEADER
+    base, _ = _sparse(HostModel(**PER_MSG))
+    # after its last result each worker stacks the union's result rows (a row copied per block), scatters their
+    # sums into the integer result and, decoded (three passes: cast, divide, cast), into the float result it
+    # zeroed first (a pass over every element): blocks by index and their bytes, and elementwise passes
+    N, k, union = SPARSE_BLOCKS * 256, 256, 3 * SPARSE_BLOCKS // 4
+    index, move, elementwise = 3 * union, union * ((HEADER + k) * 4 + k * 4 + k * 4), N + 3 * union * k
+    for share in (1.0, 2.0):
+        t, _ = _sparse(HostModel(**PER_MSG, index_block_s=1e-3, move_byte_s=1e-6, elementwise_element_s=1e-5,
+                                 cpu_share=share))
+        # (within the per-message costs of PER_MSG, 1e-9 s: the end moves, the messages' overlaps shift slightly)
+        assert (t - base) / share == pytest.approx(index * 1e-3 + move * 1e-6 + elementwise * 1e-5, abs=1e-7)
+    # a model without the rates (0, as a profile without them) charges nothing: the bits of the call before
+    t, _ = _sparse(HostModel(**PER_MSG, index_block_s=0.0, move_byte_s=0.0, elementwise_element_s=0.0))
+    assert t.hex() == base.hex()

@@ -15,7 +15,11 @@ modelled clocks (``host=None``, the default: no host cost, every modelled time a
   ``message_wait_s`` between a message's delivery and the moment its receiver may take it, without its CPU (the
   rest of an exchange's time: the receiver's wake-up, the threads' hand-offs): a receiver waiting for the message
   pays it; one busy past it does not, so that a stream of messages in flight overlaps their waits where a
-  ping-pong pays each;
+  ping-pong pays each; on a network whose hosts stream a message's bytes beside the link
+  (``Network(host_streams=True)``, a NIC apart from the CPUs, as the netbed's), only the fixed parts
+  (:meth:`HostModel.send_fixed_s`, ``recv_fixed_s``, ``wait_fixed_s``: the values at the table's smallest size, or
+  the per-message rates) come before and after the wire, the rest is a stage of a pipeline with it
+  (:mod:`.sim_network`);
 - the work a transport declares with :meth:`sparsecomm.fabric.base.Fabric.host_work` (:data:`HOST_OPS`):
   ``"sum"``, elements added into an accumulator (``sum_element_s`` of their dtype); ``"scan"``, elements
   scanned for non-zero blocks (``scan_element_s``); ``"scan_zero"``, the elements of the zero blocks among them
@@ -55,12 +59,13 @@ modelled clocks (``host=None``, the default: no host cost, every modelled time a
   beyond the scan's kernel, whatever the density -- its lanes' set-up and bookkeeping, the result's bitmap of
   written blocks --, charged as the worker scans each aggregator's range); ``"index"``, blocks moved by a block index
   (``index_block_s``: gathered into a message, added into the sums or written into the result at scattered
-  rows -- the rows of an indexed copy, later checked row by row --, beyond their bytes and sums; and the
+  rows -- the rows of an indexed copy, later checked row by row --, the sparse switch's result rows stacked and
+  scattered into its results, beyond their bytes and sums; and the
   blocks OmniReduce's cached result zeroes after a call, those the call before it wrote and it did not, with their
   bytes as ``"move"``; a contiguous run of blocks is one copy and is not charged); ``"move"``, bytes of blocks copied between a
   block-sparse endpoint's tensors and its messages (``move_byte_s``: OmniReduce's blocks gathered into a message
-  and its sums written into the result, a run of blocks or blocks by index, on top of ``"index"``'s per-block
-  part; a large tensor's blocks, beyond the last-level cache); ``"check"``, elements a finiteness guard reads
+  and its sums written into the result, a run of blocks or blocks by index, and the sparse switch's result rows
+  stacked and scattered, on top of ``"index"``'s per-block part; a large tensor's blocks, beyond the last-level cache); ``"check"``, elements a finiteness guard reads
   (``check_element_s``: the pass over a float sum that proves it holds no NaN or Inf, :mod:`sparsecomm.transports.
   _guards`, in a transport that sums floats; the allgather counts its check among its ``"elementwise"``
   passes); ``"call"``, one call of
@@ -78,7 +83,8 @@ modelled clocks (``host=None``, the default: no host cost, every modelled time a
   :mod:`sparsecomm.pipeline.rounds` charges on a fabric with modelled time around each call it makes, in these
   operations): ``"elementwise"``, elements through an elementwise pass (``elementwise_element_s``: an add, a
   copy, a division, a cast, a finiteness check; the allgather transport declares its sum's too: the result
-  zeroed and checked, each worker's values added); ``"select"``, elements a top-k selection runs over
+  zeroed and checked, each worker's values added; and the sparse switch its result's: zeroed, the union's sums
+  decoded); ``"select"``, elements a top-k selection runs over
   (``select_element_s``: the partial sort among candidates); ``"sample"``, magnitudes a top-k draws at random
   positions for its threshold (``sample_element_s``); ``"matmul"``, multiply-adds of a product of the large matrix
   with a skinny factor (``matmul_mac_s``: PowerSGD's ``M Q``); ``"matmul_t"``, multiply-adds of one
@@ -419,6 +425,23 @@ class HostModel:
         if self._points[0]:
             return self._table(nbytes)[0]
         return self.recv_message_s + nbytes * self.recv_byte_s
+
+    def send_fixed_s(self) -> float:
+        """Unstretched CPU seconds of a send that do not grow with its bytes: ``send_message_s``, or with the table
+        by size half of ``message_cpu_s`` at its smallest size (the message's own cost, its system call and
+        bookkeeping, before its first byte can leave); :meth:`send_s` beyond it is the part that streams the
+        message's bytes."""
+        return self._table(self._points[0][0])[0] if self._points[0] else self.send_message_s
+
+    def recv_fixed_s(self) -> float:
+        """Unstretched CPU seconds of taking a message that do not grow with its bytes (:meth:`send_fixed_s`'s
+        counterpart: ``recv_message_s``, or half of ``message_cpu_s`` at the table's smallest size)."""
+        return self._table(self._points[0][0])[0] if self._points[0] else self.recv_message_s
+
+    def wait_fixed_s(self) -> float:
+        """The part of :meth:`wait_s` that does not grow with a message's bytes (``message_wait_s`` at the table's
+        smallest size; none without the table)."""
+        return self._table(self._points[0][0])[1] if self._points[0] else 0.0
 
     def wait_s(self, nbytes: int) -> float:
         """Seconds between the delivery of a message of ``nbytes`` and the moment its receiver may take it, not

@@ -27,7 +27,10 @@ The network model (alpha-beta with NIC serialisation), per endpoint:
   that it slows what transports do, not only ``compute()``;
 - the hosts' CPU time (``Network.host``, a :class:`~.sim_host.HostModel`; ``None``, the default: none): per
   message sent, on the sender's clock before its NIC starts; per message taken, on the receiver's clock
-  after its delivery (with a table by message size, after a wait that holds no CPU); and the work transports declare (``Fabric.host_work``: sums, block scans, switch
+  after its delivery (with a table by message size, after a wait that holds no CPU; with ``Network.host_streams``,
+  only their fixed parts there, the parts that grow with the message's bytes streamed beside the wire: the
+  sender's NIC sends no faster than its host streams, and the receiver takes the message no earlier than its first
+  byte's arrival plus its own streamed part); and the work transports declare (``Fabric.host_work``: sums, block scans, switch
   packets and messages, each call's own cost), each stretched by the endpoint's CPU share and straggler factor (:mod:`.sim_host`).
 
 Service endpoints (dedicated aggregators, a switch) have their own link; ``per_port=True`` gives a
@@ -75,6 +78,18 @@ class Network:
         timeout_s: bound of a wait for the other workers' calls, wall-clock seconds with the loop idle.
         payload_fraction: the share of the link rate that carries message bytes, in (0, 1].
         host: the hosts' CPU costs, or ``None`` for none.
+        host_streams: whether the hosts' work on a message's bytes runs while the bytes cross the link (a NIC
+            apart from the hosts' CPUs, as the netbed's veth links and a real network's are) rather than before
+            and after them (``False``, the default: the link of a loopback, where the hosts' own copies are the
+            wire and the host model's table by size was measured). With it, a message costs the host model's
+            fixed part (:meth:`~.sim_host.HostModel.send_fixed_s`, ``recv_fixed_s``, ``wait_fixed_s``) before
+            its first byte leaves and after its last arrives; the part that grows with its bytes (the sender's
+            copies into its stack, the receiver's out of it into the posted buffer, their hand-offs) is a stage
+            of a pipeline with the wire: the sender's NIC sends no faster than the sender streams, and the
+            message is taken no earlier than its head's arrival plus the receiver's streamed part, so that a
+            link slower than the hosts' stacks hides them (module docstring); the streamed part's CPU is still
+            spent, so that an endpoint busy meanwhile (a switch taking several ports' messages) pays it. No host
+            model: no effect.
     """
 
     bandwidth_gbps: float = 100.0
@@ -86,6 +101,7 @@ class Network:
     timeout_s: float = 120.0
     payload_fraction: float = 1.0
     host: HostModel | None = None
+    host_streams: bool = False
 
     def __post_init__(self) -> None:
         who = "Network"
@@ -239,26 +255,41 @@ class Endpoint:
         self.crash_after: int | None = network.crash.get(eid)
         self.loss_rng: dict[int, np.random.Generator] = {}
         self.stats = CommStats()
+        #: the hosts' work on a message's bytes runs while they cross the link (``Network.host_streams``)
+        self.streams = bool(network.host_streams) and self.host is not None
         #: bytes of fresh buffers whose pages are charged as they are touched (:meth:`host_work`)
         self.untouched = 0
 
     def transmit(self, peer: int, nbytes: int) -> tuple[float, float]:
         """Occupy the NIC (its port towards ``peer``) with ``nbytes`` from ``start = max(clock,
         when the port is free)`` until ``tx_end = start + nbytes / bw``; return ``(start, tx_end)``. With a
-        host model the send's CPU time is charged to the clock first (:mod:`.sim_host`)."""
+        host model the send's CPU time is charged to the clock first (:mod:`.sim_host`); with ``host_streams``
+        only its fixed part first, its streamed part after the NIC starts, ``tx_end`` at least ``start`` plus it
+        (:class:`Network`)."""
+        wire = nbytes / self.bw
+        streamed = 0.0
         if self.host is not None:
-            self.clock += self.host.send_s(nbytes) * self.cpu
+            if self.streams:     # (the fixed part first; the bytes' part streams beside the NIC: Network.host_streams)
+                fixed = self.host.send_fixed_s() * self.cpu
+                streamed = max(0.0, self.host.send_s(nbytes) * self.cpu - fixed)
+                self.clock += fixed
+                if streamed > wire:
+                    wire = streamed
+            else:
+                self.clock += self.host.send_s(nbytes) * self.cpu
         start = self.clock
         if self.per_port:
             free = self._tx_free.get(peer, 0.0)
             if free > start:
                 start = free
-            tx_end = self._tx_free[peer] = start + nbytes / self.bw
+            tx_end = self._tx_free[peer] = start + wire
         else:
             free = self._tx_free1
             if free > start:
                 start = free
-            tx_end = self._tx_free1 = start + nbytes / self.bw
+            tx_end = self._tx_free1 = start + wire
+        if streamed:
+            self.clock += streamed       # (the CPU it spends streaming, beside the NIC)
         return start, tx_end
 
     def schedule(self, msg: Msg) -> bool:
@@ -368,7 +399,20 @@ class Endpoint:
             rx[3] = msg.rx_end
         host = self.host
         if host is not None:
-            if host.tabled:         # (a wait between delivery and take: sim_host's table by size)
+            if self.streams:        # (the bytes' part streamed as they arrived, from the head: Network.host_streams)
+                nbytes = msg.nbytes
+                wait0, recv0 = host.wait_fixed_s(), host.recv_fixed_s() * self.cpu
+                cpu = max(0.0, host.recv_s(nbytes) * self.cpu - recv0)      # (the streamed part's CPU)
+                arrival = msg.rx_end - nbytes / self.bw       # (its first byte on this NIC: at its head, or later
+                if arrival < msg.head:                          # behind the messages before it)
+                    arrival = msg.head
+                done = arrival + max(0.0, host.wait_s(nbytes) - wait0) + cpu
+                if done < msg.delivered:
+                    done = msg.delivered
+                # (its CPU is spent whatever else the endpoint does meanwhile: a receiver busy past the message
+                # pays it all, as without streaming)
+                self.clock = max(self.clock + cpu, done + wait0) + recv0
+            elif host.tabled:         # (a wait between delivery and take: sim_host's table by size)
                 nbytes = msg.nbytes
                 self.clock = max(self.clock, msg.delivered + host.wait_s(nbytes)) + host.recv_s(nbytes) * self.cpu
             else:

@@ -345,9 +345,15 @@ class SparseSwitch(Transport):
             # ---- stream: only the union's blocks, one round each
             blocks, results = self._stream(codes, own, la.next.numpy(), first, start, L, nb)
             got = np.stack(results)[:, HEADER:] if results else np.zeros((0, k), dtype=np.int32)
+            # the host work after the last result (sim_host): the results' rows stacked, a row copied per block;
+            # each scatter below writes the union's blocks at their rows (a block index and its bytes)
+            f.host_work("index", len(blocks))
+            f.host_work("move", len(blocks) * (HEADER + k) * 4)
             del results
             sums = np.zeros(N, dtype=np.int32)     # (zero pages until written: the union's blocks are)
             scatter_blocks(blocks, got, sums, k)
+            f.host_work("index", len(blocks))
+            f.host_work("move", len(blocks) * k * 4)
             f.host_work("fresh", len(blocks) * k * 4)
             q = torch.from_numpy(sums)
             if mode == MODE_INT:
@@ -359,6 +365,11 @@ class SparseSwitch(Transport):
             total = torch.zeros(N, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
             decoded = codec.from_fixed(torch.from_numpy(got), scale, dtype=total.dtype)
             scatter_blocks(blocks, decoded.numpy().reshape(-1, k), total.numpy(), k)
+            # (sim_host: the result zeroed, a pass over every element; the union's sums decoded, three passes:
+            # cast to float64, divided by the scale, cast to the result's dtype; and scattered)
+            f.host_work("elementwise", N + 3 * len(blocks) * k)
+            f.host_work("index", len(blocks))
+            f.host_work("move", len(blocks) * k * total.element_size())
             f.host_work("fresh", total.nbytes)
         return narrowed(total, out_dtype, "sparse-switch").to(device)     # the same sum, so the same error, everywhere
 
