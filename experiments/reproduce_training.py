@@ -581,15 +581,16 @@ def modelled_network(gbps: float, hosts: int, services: int, profile: str | None
     rate (:data:`~sparsecomm.fabric.sim.sim_network.TCP_OVER_ETHERNET`), the wire's one-way latency
     (:data:`experiments.bench.netbed_vs_sim.NETBED_LATENCY_US`), and the hosts: with ``profile`` (written by
     ``python -m sparsecomm.netbed calibrate --out host.json``) its calibrated :class:`~sparsecomm.HostModel`,
-    shared by the ``hosts + services`` processes on this machine's cores (``HostModel.sharing``) and charging
-    ``native``'s cost per call to the ``ring`` that models it; without one, the SimFabric's default host
+    shared by the ``hosts + services`` processes on this machine's cores (``HostModel.sharing``), a message's
+    bytes' host work beside the link (``Network.host_streams``, as ``netbed_vs_sim`` models the netbed), and
+    charging ``native``'s cost per call to the ``ring`` that models it; without one, the SimFabric's default host
     (``host=None``: no host cost)."""
     from .bench.netbed_vs_sim import NETBED_LATENCY_US
 
     link = dict(bandwidth_gbps=gbps, latency_us=NETBED_LATENCY_US, payload_fraction=TCP_OVER_ETHERNET)
     if profile is None:
         return sc.Network(**link)
-    net = sc.Network.from_profile(profile, **link)
+    net = sc.Network.from_profile(profile, **link, host_streams=True)   # (the netbed's NICs stream a message's bytes)
     host = net.host.sharing(hosts + services, os.cpu_count() or 1)
     net.host = dataclasses.replace(host, call_s={**host.call_s, "ring": host.call_s.get("native", 0.0)})
     return net
