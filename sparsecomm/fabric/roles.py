@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import inspect
 import time
+from functools import partial
 from itertools import chain, compress
 from operator import itemgetter, methodcaller
 from typing import Generator, Iterable, NamedTuple, Protocol
@@ -342,6 +343,15 @@ class Flush(NamedTuple):
     steps (``docs/omnireduce-scheduler.md``, rule R12)."""
 
     hold: object
+
+
+# Each of the requests above has ``new``, which builds it from all its fields, in order, as one tuple
+# (``Send.new((buf, dst, tag, hold, deferrable))``, no default filled in): a NamedTuple's own constructor is a
+# Python function, a call per request; ``new`` is ``tuple.__new__`` bound to the class, a C call (for the requests a
+# protocol builds per message).
+for _request in (Send, Post, PostInto, Hand, Recv, Poll, Spawn, Flush):
+    _request.new = partial(tuple.__new__, _request)
+del _request
 
 
 class RecvWithin(NamedTuple):
@@ -881,7 +891,10 @@ class _Scheduler:
         if s in able:               # (:meth:`_unable`, inline: once per resume)
             able.remove(s)
             order, stage = self.order, req.stage
-            del order[bisect.bisect_left(order, (stage, s))]
+            if order[0][1] == s:    # (the common case: the first in preference order; no search)
+                del order[0]
+            else:
+                del order[bisect.bisect_left(order, (stage, s))]
             if not stage.reaps:
                 self.stays -= 1
             ws = self.waitset

@@ -14,7 +14,7 @@ import sparsecomm as sc
 from sparsecomm.errors import ProtocolError
 from sparsecomm.fabric.base import Fabric
 from sparsecomm.fabric.sim.sim import SimWorld
-from sparsecomm.fabric.roles import Flush, Hand, Inbox, Outbox, Pool, Post, Recv, Send, Spawn
+from sparsecomm.fabric.roles import Flush, Hand, Inbox, Outbox, Poll, Pool, Post, PostInto, Recv, Send, Spawn, Step
 
 
 class OwnStage(NamedTuple):
@@ -507,3 +507,21 @@ def test_an_inbox_reports_only_the_keys_its_observer_watches():
         inbox.take("a")
         want = [("a", True), ("b", True), ("a", None), ("b", False), ("c", True), ("a", False)]
         assert seen == ([w for w in want if w[0] != "c" and w != ("b", True)] if watched is not None else want)
+
+
+def test_requests_built_by_new_equal_those_of_their_constructors():
+    """``Cls.new(fields)`` (one C call) builds the request its constructor builds from the same fields, of its
+    class, with its fields readable by name; the omnireduce keys and buffer roles likewise."""
+    from sparsecomm.transports.omnireduce.wire import Buf, Key, Msg
+    buf, role = torch.zeros(4), iter(())
+    cases = [
+        (Send, (buf, 3, 7, "h", True)), (Post, ("k", 16, 2, 9)), (PostInto, ("k", buf, 2, 9)), (Hand, ("k", buf)),
+        (Recv, (("a", "b"), Step(1), ("c",), True, "f")), (Poll, (2,)), (Spawn, (role,)), (Flush, ("h",)),
+        (Key, (Msg.DOWN, 5, 2)), (Buf, (Msg.UP, 1, 3, 1)),
+    ]
+    for cls, fields in cases:
+        got, want = cls.new(fields), cls(*fields)
+        assert type(got) is cls and got == want and hash(got) == hash(tuple(fields))
+        assert [getattr(got, f) for f in cls._fields] == list(fields)
+    assert Key.new((Msg.REPLY, 4, -1)) == Key(Msg.REPLY, 4)          # (the default slot, written out)
+    assert Key.new((Msg.REPLY, 4)) != Key(Msg.REPLY, 4)               # (no default filled in)

@@ -187,11 +187,12 @@ class RoleWaits:
         if last is not None:
             self.remove(s)
             s = last
-        g = self.groups.pop(s, None)
+        groups = self.groups
+        g = groups.pop(s) if s in groups else None
         if g is None:
             return
         g.tick = -1
-        if not self.groups:
+        if not groups:
             self.heap.clear()
             self.due.clear()
         if g.empty:
@@ -420,8 +421,27 @@ class RoleWaits:
         return t
 
     def _due(self, t: float) -> _Group | None:
-        """The first group in order of preference in by ``t``, if any."""
+        """The first group in order of preference in by ``t``, if any.
+
+        When no group waits in :attr:`due` and the top of :attr:`heap` is the only entry whose bound is by ``t``
+        (the common case), that group is the only candidate: it is read where it is, its entry left at the top
+        (no pass through :attr:`due`; stale once the group is chosen, dropped when next met)."""
         heap, due = self.heap, self.due
+        if not due and heap:
+            top, rest = heap[0], heap[1:3]      # (the top's children: the next smallest is one of them)
+            if top[0] <= t and top[2].tick == top[1] and (not rest or (rest[0][0] > t and rest[-1][0] > t)):
+                g = top[2]
+                e = self._time(g)
+                if e is not None and e <= t:
+                    return g
+                if e is None:
+                    heappop(heap)
+                    g.tick = -1
+                else:               # (:meth:`_push`, its entry replaced)
+                    self.ticks = tick = self.ticks + 1
+                    g.tick, g.lb = tick, e
+                    heapreplace(heap, (e, tick, g))
+                return None
         while heap and heap[0][0] <= t:
             _, tick, g = heappop(heap)
             if g.tick == tick:

@@ -89,7 +89,7 @@ class AggCall:
     # ------------------------------------------------------------------ round 0
     def post_headers(self) -> list:
         """The receives of the remote workers' headers."""
-        return [Post(Key(Msg.HDR, w), 8 * HDR, w, TAG_HDR_UP) for w in self.remote()]
+        return [Post.new((Key.new((Msg.HDR, w, -1)), 8 * HDR, w, TAG_HDR_UP)) for w in self.remote()]
 
     def open_windows(self, h: np.ndarray, pool) -> None:
         """The receive windows of the call that (validated) header ``h`` describes, from ``pool``: per
@@ -130,9 +130,9 @@ class AggCall:
         """Queue worker ``w``'s round-0 receives in the windows, as its (validated) header announces them."""
         firsts, blocks = header.round0_sizes(headers[w], self.index)
         if firsts:
-            self.windows[FIRSTS].want(Key(Msg.FIRSTS, w), firsts, w, TAG_FIRSTS)
+            self.windows[FIRSTS].want(Key.new((Msg.FIRSTS, w, -1)), firsts, w, TAG_FIRSTS)
         for g, nbytes in blocks.items():
-            self.windows[g].want(Key(Msg.BLOCKS0, w, g), nbytes, w, tag_up(g))
+            self.windows[g].want(Key.new((Msg.BLOCKS0, w, g)), nbytes, w, tag_up(g))
         self._queued.append(w)
 
     def _feed(self) -> list:
@@ -200,8 +200,8 @@ class AggCall:
         channel's round-0 pending blocks and holders are then known."""
         chans = [c.ch for c in self.channels]
         for w in self.order if chans else ():
-            key = Key(Msg.FIRSTS, w)
-            yield Recv((key,), _FIRSTS)   # (each right after its header)
+            key = Key.new((Msg.FIRSTS, w, -1))
+            yield Recv.new(((key,), _FIRSTS, (), False, None))   # (each right after its header)
             for c, part in zip(self.channels, wire.split_firsts(inbox.take(key), chans)):
                 c.set_firsts(w, part)
             if w != self.colocated:
@@ -261,7 +261,7 @@ def aggregator(adm, inbox, outbox, host: int | None = None, ref: np.ndarray | No
         inbox.ready(p.key)        # (starts watching it: a later poll sees it arrived)
     left = dict.fromkeys(p.key for p in posts) if host is not None else {}   # (in order; O(1) removal)
     while left:     # one header per wake, the one the scheduler resumes this with: no look at the others
-        k = yield Recv(tuple(left), _HEADERS, any=True)
+        k = yield Recv.new((tuple(left), _HEADERS, (), True, None))
         del left[k]
         yield from adm.take_early(inbox, k, ref)
     yield Recv(adm.headers_left(), _HEADERS)
@@ -269,9 +269,10 @@ def aggregator(adm, inbox, outbox, host: int | None = None, ref: np.ndarray | No
     if adm.status == OK:
         yield from adm.prepare(inbox)
     reply = adm.reply(outbox)
+    reply_buf = Buf(Msg.REPLY)
     for w in adm.order:
         if w != host:
-            yield Send(reply, w, TAG_HDR_DOWN, Buf(Msg.REPLY))
+            yield Send.new((reply, w, TAG_HDR_DOWN, reply_buf, False))
     if adm.status != OK:
         yield from adm.drain(inbox)
     if host is not None:
@@ -295,7 +296,7 @@ def agg_lane(adm, c: AggChannel, inbox, outbox, host: int | None, mark=None):
     while c.active:
         r0 = c.round == 0
         kind = Msg.BLOCKS0 if r0 else Msg.UP
-        keys = [Key(kind, w, slot) for w in c.order]
+        keys = [Key.new((kind, w, slot)) for w in c.order]
         at = {k: i for i, k in enumerate(keys)}
         mine = Key(kind, host, slot) if host is not None else None
         mine = mine if mine in at else None     # (the host's message, if it holds a pending block)
@@ -359,11 +360,11 @@ def send_down(adm, c: AggChannel, out, host: int | None):
                 if out.k:
                     yield Hand(Key(Msg.SUMS0, adm.index, slot), None if c.sums.in_place else sums)
             else:
-                yield Send(sums, w, tag, buf)
+                yield Send.new((sums, w, tag, buf, False))
         return
     buf = Buf(Msg.DOWN, slot=slot, parity=(c.round - 1) % 2)
     for w in adm.order:
         if w == host:
             yield Hand(Key(Msg.DOWN, adm.index, slot), out)
         else:
-            yield Send(out, w, tag, buf)
+            yield Send.new((out, w, tag, buf, False))

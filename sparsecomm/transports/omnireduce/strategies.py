@@ -51,8 +51,8 @@ def send_up(call, key: Buf, a: int, c, local_key: Key):
     elif not meta:             # a run of whole blocks is the message itself: sent without a copy
         v = source.view(ids)   # (overwritten in place only after the aggregator has it all)
         if v is not None and v.numel() * v.element_size() % 4 == 0:
-            yield Send(v.reshape(-1).view(torch.uint8), call.aggregators[a], tag_up(c.ch.slot),
-                       deferrable=call.deferrable(a))
+            yield Send.new((v.reshape(-1).view(torch.uint8), call.aggregators[a], tag_up(c.ch.slot), None,
+                            call.deferrable(a)))
             return
     buf, data, tail = wire.message(call.outbox.pool, key, b.size, call.spec.block_size, call.spec.up, meta=meta)
     call.fabric.host_work("index", source.gather(ids, data))
@@ -62,7 +62,7 @@ def send_up(call, key: Buf, a: int, c, local_key: Key):
     if a == call.own:
         yield Hand(local_key, buf)
     else:
-        yield Send(buf, call.aggregators[a], tag_up(c.ch.slot), key, deferrable=call.deferrable(a))
+        yield Send.new((buf, call.aggregators[a], tag_up(c.ch.slot), key, call.deferrable(a)))
 
 
 # ------------------------------------------------------------------ where sums land: aggregator
@@ -147,9 +147,9 @@ def post_reply0(call, a: int, ch: wire.Channel, k: int) -> Post | PostInto | Non
     (``None``: none): one message, the sums then the lane words (:func:`.wire.fused0`); or, every block
     summed (the words are then implied), the sums alone on their own tag (:func:`post_sums0`)."""
     if wire.fused0(ch, k):
-        return Post(Key(Msg.WORDS, a, ch.slot),
-                    wire.block_bytes(k, call.spec.block_size, call.down.itemsize, ch.words_ints, meta=False),
-                    call.aggregators[a], tag_down(ch.slot))
+        return Post.new((Key.new((Msg.WORDS, a, ch.slot)),
+                         wire.block_bytes(k, call.spec.block_size, call.down.itemsize, ch.words_ints, meta=False),
+                         call.aggregators[a], tag_down(ch.slot)))
     return post_sums0(call, a, ch, k)
 
 
@@ -159,7 +159,7 @@ def reply0_keys(call, a: int, ch: wire.Channel) -> tuple:
     k = call.sums0[a, ch.slot]
     if a == call.own:
         return (Key(Msg.WORDS, a, ch.slot), Key(Msg.SUMS0, a, ch.slot)) if k else (Key(Msg.WORDS, a, ch.slot),)
-    return (Key(Msg.WORDS if wire.fused0(ch, k) else Msg.SUMS0, a, ch.slot),)
+    return (Key.new((Msg.WORDS if wire.fused0(ch, k) else Msg.SUMS0, a, ch.slot)),)
 
 
 def take_reply0(call, a: int, ch: wire.Channel) -> np.ndarray | None:
@@ -199,9 +199,9 @@ def _take_reply0_single(call, a: int, ch: wire.Channel, k: int, bs: int) -> None
     (:func:`.wire.decode_words`), read as one integer; the lanes are looked up only where ``k`` sums came."""
     data = None
     if a == call.own:
-        words = call.inbox.take(Key(Msg.WORDS, a, ch.slot)).numpy()
+        words = call.inbox.take(Key.new((Msg.WORDS, a, ch.slot))).numpy()
     elif wire.fused0(ch, k):
-        msg = call.inbox.take(Key(Msg.WORDS, a, ch.slot))
+        msg = call.inbox.take(Key.new((Msg.WORDS, a, ch.slot)))
         if k:
             data, tail = wire.split(msg, k, bs, call.down, ch.words_ints, meta=False)
             words = tail.view(torch.uint8).numpy()[:ch.meta_bytes]

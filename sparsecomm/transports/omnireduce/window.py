@@ -52,7 +52,7 @@ class Window:
                 break
             queue.popleft()
             self.spans.append((key, start, start + nbytes))
-            out.append(PostInto(key, self.buf[start: start + nbytes], src, tag))
+            out.append(PostInto.new((key, self.buf[start: start + nbytes], src, tag)))
         return out
 
     def _room(self, nbytes: int) -> int | None:

@@ -85,6 +85,11 @@ class Key(NamedTuple):
     slot: int = -1
 
 
+#: ``Key.new((msg, peer, slot))``: a key from its three fields, in one C call (:class:`Key`'s own constructor is a
+#: Python function; a key is built per message)
+Key.new = functools.partial(tuple.__new__, Key)
+
+
 class Buf(NamedTuple):
     """The role of a pooled send buffer: message kind, peer (-1: shared by every peer), slot, and the
     round's parity (a channel's messages are double-buffered across rounds)."""
@@ -93,6 +98,10 @@ class Buf(NamedTuple):
     peer: int = -1
     slot: int = -1
     parity: int = 0
+
+
+#: ``Buf.new((msg, peer, slot, parity))``: a buffer's role from its four fields, in one C call (as :attr:`Key.new`)
+Buf.new = functools.partial(tuple.__new__, Buf)
 
 
 def tag_up(slot: int) -> int:

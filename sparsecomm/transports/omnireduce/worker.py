@@ -80,8 +80,8 @@ class Call:
     def up(self, a: int, key: wire.Key, buf: torch.Tensor, tag: int, data: bool = False):
         """The request of a round-0 message to aggregator ``a``: by hand to the hosted one, else sent
         (``data``: received through ``a``'s window, :meth:`deferrable`)."""
-        return Hand(key, buf) if a == self.own else Send(buf, self.aggregators[a], tag,
-                                                          deferrable=data and self.deferrable(a))
+        return Hand(key, buf) if a == self.own else Send.new((buf, self.aggregators[a], tag, None,
+                                                              data and self.deferrable(a)))
 
     def deferrable(self, a: int) -> bool:
         """May aggregator ``a`` post its receives of this worker's data late (:func:`.aggregator.may_defer`)?"""
@@ -98,7 +98,7 @@ def worker(call):
             yield from scan(call, a)
         yield from send_round0(call, batch)
         for a in batch:
-            yield Spawn(verdict(call, a))
+            yield Spawn.new((verdict(call, a),))
         yield _POLL_SCAN
     call.mark("round 0 sent")
 
@@ -112,8 +112,8 @@ def verdict(call, a: int):
     generator fewer per aggregator).
     Not OK: a remote ``a`` gets this worker's manifest (:meth:`.aggregator.AggCall.drain`), then sends
     nothing more; the error is raised once the others' lanes are done (:func:`run_worker`)."""
-    key = Key(Msg.REPLY, a)
-    yield Recv((key,), Stage(Phase.VERDICT, visit=call.pos[a]))
+    key = Key.new((Msg.REPLY, a, -1))
+    yield Recv.new(((key,), Stage(Phase.VERDICT, visit=call.pos[a]), (), False, None))
     rh = call.inbox.take(key).view(torch.int64).numpy()
     rv = rh.tolist()            # (the words as Python ints, read once)
     if rv[wire.R_STATUS] != OK:
@@ -151,7 +151,7 @@ def verdict(call, a: int):
     if call.traced:
         call.mark(f"downstream posted {a}")
     for ch in chans[:-1]:
-        yield Spawn(worker_lane(call, a, call.wch[a, ch.slot]))
+        yield Spawn.new((worker_lane(call, a, call.wch[a, ch.slot]),))
     if chans:                   # the last channel's lanes: this role's own (a role fewer per aggregator)
         yield from worker_lane(call, a, call.wch[a, chans[-1].slot])
 
@@ -193,12 +193,12 @@ def send_round0(call, aggs: list[int]):
     """Round 0 to ``aggs``: a header each; then to each its channels' first look-aheads (small, one
     message), then the position-0 blocks (slot-major; per slot the heaviest aggregators first)."""
     p0 = {(a, ch.slot): call.wch[a, ch.slot].pending0() for a in aggs for ch in call.plans[a]}   # (once each)
-    hdr_key, firsts_key = Key(Msg.HDR, call.rank), Key(Msg.FIRSTS, call.rank)
+    hdr_key, firsts_key = Key.new((Msg.HDR, call.rank, -1)), Key.new((Msg.FIRSTS, call.rank, -1))
     for a in aggs:
         call.hdr0[a] = h = header.with_k0(call.hdr_base, [(ch.slot, p0[a, ch.slot]) for ch in call.plans[a]])
         yield call.up(a, hdr_key, torch.from_numpy(h).view(torch.uint8), TAG_HDR_UP)
         if a != call.own:
-            yield Post(Key(Msg.REPLY, a), 8 * HDR, call.aggregators[a], TAG_HDR_DOWN)
+            yield Post.new((Key.new((Msg.REPLY, a, -1)), 8 * HDR, call.aggregators[a], TAG_HDR_DOWN))
     for a in (a for a in aggs if call.plans[a]):
         parts = [wire.encode_firsts(call.wch[a, ch.slot].mine, ch) for ch in call.plans[a]]
         firsts = parts[0] if not parts[1:] else torch.cat(parts)    # (one channel: its own fresh tensor)
@@ -206,8 +206,8 @@ def send_round0(call, aggs: list[int]):
     for g in range(call.spec.channels):
         for a in aggs if not aggs[1:] else sorted(aggs, key=lambda a: -p0.get((a, g), 0)):
             if (a, g) in call.wch:
-                yield from strategies.send_up(call, Buf(Msg.BLOCKS0, a, g), a, call.wch[a, g],
-                                              Key(Msg.BLOCKS0, call.rank, g))
+                yield from strategies.send_up(call, Buf.new((Msg.BLOCKS0, a, g, 0)), a, call.wch[a, g],
+                                              Key.new((Msg.BLOCKS0, call.rank, g)))
 
 
 def worker_lane(call, a: int, c: core.WorkerChannel):
@@ -216,22 +216,25 @@ def worker_lane(call, a: int, c: core.WorkerChannel):
     g, pos, bs = c.ch.slot, call.pos[a], call.spec.block_size
     # round 0's reply: words and sums in one message, or waited for together (never a blocking take of
     # large sums)
-    yield Recv(strategies.reply0_keys(call, a, c.ch), Stage(Phase.LAND, c.round, g, pos))
+    yield Recv.new((strategies.reply0_keys(call, a, c.ch), Stage(Phase.LAND, c.round, g, pos), (), False, None))
+    up_bufs = (Buf.new((Msg.UP, a, g, 0)), Buf.new((Msg.UP, a, g, 1)))     # (by round parity)
+    up_key, down_key = Key.new((Msg.UP, call.rank, g)), Key.new((Msg.DOWN, a, g))
+    down_keys = (down_key,)
     c.start(strategies.take_reply0(call, a, c.ch))
     while True:
         active = c.active
         if active:     # answer the prompt; post the receive of the reply
-            yield from strategies.send_up(call, Buf(Msg.UP, a, g, c.round % 2), a, c, Key(Msg.UP, call.rank, g))
+            yield from strategies.send_up(call, up_bufs[c.round % 2], a, c, up_key)
             if a != call.own:
-                yield Post(Key(Msg.DOWN, a, g), wire.block_bytes(c.act.size, bs, call.down.itemsize),
-                           call.aggregators[a], tag_down(g))
+                yield Post.new((down_key, wire.block_bytes(c.act.size, bs, call.down.itemsize),
+                                call.aggregators[a], tag_down(g)))
         if call.traced:
             call.mark(f"reply {a}.{g} r{c.round}")
         if not active:
             return
-        yield Recv((Key(Msg.DOWN, a, g),), Stage(Phase.LAND, c.round, g, pos))
+        yield Recv.new((down_keys, Stage(Phase.LAND, c.round, g, pos), (), False, None))
         nbytes = c.act.size * bs * call.down.itemsize     # (the sums' bytes written into the result: sim_host)
-        call.fabric.host_work("index", c.down(call.inbox.take(Key(Msg.DOWN, a, g)), call.sink, bs, call.down))
+        call.fabric.host_work("index", c.down(call.inbox.take(down_key), call.sink, bs, call.down))
         call.fabric.host_work("move", nbytes)
 
 
