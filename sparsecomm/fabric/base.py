@@ -301,7 +301,8 @@ class Fabric(ABC):
         blocks copied between a block-sparse endpoint's tensors and its messages), ``"check"`` (elements a
         finiteness guard reads), ``"call"`` (calls of
         the transport named ``transport``, :meth:`sparsecomm.transports.base.Transport.run`), ``"call_peer"`` (the
-        other workers of such a call, the part of its cost that grows with them), or one of a method's
+        other workers of such a call, the part of its cost that grows with them), ``"sync"`` (calls of it whose
+        start waits for their last worker on shared cores, a wait rather than CPU), or one of a method's
         encode and decode (:meth:`sparsecomm.methods.base.Method.work`: ``"elementwise"``, ``"select"``,
         ``"sample"``, ``"matmul"``, ``"matmul_t"``, ``"kernel"``; :mod:`sparsecomm.fabric.sim.sim_host`).
         A no-op here and on real fabrics (the work took its real time); SimFabric with a host model

@@ -119,7 +119,18 @@ on a loaded one without the time other processes hold the core):
   wire of its own, the hosts' copies are the per-byte rates; the processes sharing this machine's cores
   as :meth:`~.sim_host.HostModel.sharing` says): what a call costs beyond its messages, bytes, sums, scans
   and packets (and OmniReduce's blocks, with the two rates above) -- its Python, whatever its size (at least
-  0). ``native`` is modelled as ``ring`` (gloo's ring moves the same messages).
+  0). ``native`` is modelled as ``ring`` (gloo's ring moves the same messages);
+- ``sync_s`` (:func:`sync_costs`; :mod:`~sparsecomm.fabric.sim.sim_host`): the wait of a call for its last worker
+  where the processes outnumber the cores, per call and per unit of share above 1: :data:`PEER_WORKERS` processes
+  over gloo on 127.0.0.1 (more than this machine's cores where it has fewer; on as many cores or more, 0 and
+  nothing measured), each running :data:`CALLS` times a loop of :data:`SYNC_WORK_S` of one core's CPU work (a
+  128 x 128 matrix product, repeated) and a ``native`` call of :data:`CALL_ELEMS_OF`'s size, the pattern of a
+  training step's compressor between its calls; per rank the loop's mean time, the mean over the ranks, the
+  median over :data:`SYNC_LAUNCHES` launches, less the same loop modelled on the SimFabric (its work stretched by
+  the share, :meth:`~.sim_host.HostModel.sharing`, the call as ``ring`` charged ``native``'s ``call_s`` with every
+  rate above), divided by the share above 1, at least 0. It needs the processes' own load and none other: run
+  it on a quiet machine (``python -m sparsecomm.netbed.calibrate --sync-into P --out Q`` measures it alone, with
+  the other rates of the profile ``P``, and writes ``P`` with it to ``Q``).
 
 When host costs are modelled, ``Network.latency_us`` should be the wire's latency alone: the hosts'
 per-message share, which ``latency_us`` otherwise stands for, is then ``send_message_s + recv_message_s``.
@@ -153,10 +164,10 @@ import numpy as np
 import torch
 
 from ..fabric.sim.sim_host import SUM_DTYPES, HostModel
-from ..fabric.sim.sim_profile import profile_dict
+from ..fabric.sim.sim_profile import host_from_profile, load_profile, profile_dict
 from ..transports.native.collectives import GATHER_SUM_BYTES
 
-__all__ = ["calibrate", "main", "write_profile"]
+__all__ = ["calibrate", "main", "sync_into", "write_profile"]
 
 #: message sizes (bytes) of the gloo exchange, quick and full
 MESSAGE_SIZES = {True: (64, 16384, 262144), False: (64, 4096, 65536, 262144, 1 << 20, 4 << 20)}
@@ -189,6 +200,11 @@ PEER_CALLS = ("omnireduce", "allgather")
 PEER_WORKERS = 4
 #: launches of each size of the per-peer timing, taking turns, quick and full
 PEER_LAUNCHES = {True: 1, False: 2}
+#: single-core CPU seconds of work before each call of the sync timing (``sync_s``): a few of the scheduler's slices
+#: (Linux's base slice is 0.75 ms x (1 + log2 cores), up to 8 cores)
+SYNC_WORK_S = 0.004
+#: launches of the sync timing, quick and full: the median over them
+SYNC_LAUNCHES = {True: 1, False: 3}
 #: float32 elements of a call of the per-call timing (64 OmniReduce blocks, 16 of the switch's packets)
 CALL_ELEMS = 1 << 14
 #: the transports whose per-call timing takes another size than :data:`CALL_ELEMS`: ``native``, the smallest
@@ -656,6 +672,59 @@ def _cpu_calls(ctx, names: tuple[str, ...], numel: int, calls: int) -> dict[str,
     return out
 
 
+def _work(reps: int, a: torch.Tensor, b: torch.Tensor) -> None:
+    """The sync timing's CPU work: ``reps`` products of two 128 x 128 matrices."""
+    for _ in range(reps):
+        torch.mm(a, b)
+
+
+def work_reps(work_s: float) -> tuple[int, float]:
+    """The repeats of :func:`_work` that take ``work_s`` of this thread's CPU time (``time.thread_time``, the median
+    of :data:`REPEATS` timings of 50), and the CPU seconds they take."""
+    torch.set_num_threads(1)
+    a, b = torch.randn(128, 128), torch.randn(128, 128)
+    _work(20, a, b)
+    per = statistics.median(_thread_s(lambda: _work(50, a, b)) for _ in range(REPEATS[False])) / 50
+    reps = max(1, round(work_s / per))
+    return reps, reps * per
+
+
+def _thread_s(fn: Callable[[], object]) -> float:
+    t0 = time.thread_time()
+    fn()
+    return time.thread_time() - t0
+
+
+def _sync_loop(ctx, numel: int, calls: int, reps: int, work_s: float) -> float:
+    """Every rank: the mean time of ``calls`` loops of :func:`_work` (``reps``) and a ``native`` call of ``numel``
+    float32 (``ring`` on a modelled fabric, where the work is ``work_s`` stretched by the endpoint's share of the
+    cores, its CPU factor), after two untimed loops and a barrier."""
+    import sparsecomm.transports as transports
+
+    torch.set_num_threads(1)
+    f = ctx.fabric
+    t = transports.get("ring" if f.modelled_time else "native", f)
+    x0 = call_input("native", numel, ctx.rank)
+    a, b = torch.randn(128, 128), torch.randn(128, 128)
+    if f.modelled_time:
+        share = f.network.host.factor(ctx.rank)
+
+        def work() -> None:
+            f.compute(work_s * share)
+    else:
+        def work() -> None:
+            _work(reps, a, b)
+    for _ in range(2):              # (untimed)
+        work()
+        t.allreduce(x0.clone())
+    f.barrier()
+    t0 = f.now()
+    for _ in range(calls):
+        work()
+        t.allreduce(x0.clone())
+    return (f.now() - t0) / calls
+
+
 def _timed_call(f, t, x0) -> float:
     """The time of one ``t.allreduce`` of a copy of ``x0`` (a tensor; a payload as it is) after a barrier, on
     ``f``'s clock."""
@@ -857,6 +926,53 @@ def peer_call_costs(host: HostModel, quick: bool = False) -> dict:
     return {"call_peer_s": out, "call_peer_fit": fit}
 
 
+def sync_costs(host: HostModel, quick: bool = False) -> dict:
+    """``sync_s`` (module docstring), with the measurement (``sync_fit``: the workers, the cores and the share, the
+    work, the measured loop per launch and their median, the modelled loop)."""
+    import dataclasses
+
+    from .. import launch
+    from ..fabric.sim.sim_network import Network
+
+    cores, n = os.cpu_count() or 1, PEER_WORKERS
+    shared = host.sharing(n, cores)
+    fit: dict = {"workers": n, "cores": cores, "share": shared.cpu_share}
+    if shared.cpu_share <= 1.0:
+        return {"sync_s": 0.0, "sync_fit": fit}
+    reps, work_s = work_reps(SYNC_WORK_S)
+    numel = CALL_ELEMS_OF.get("native", CALL_ELEMS)
+    fn = functools.partial(_sync_loop, numel=numel, calls=CALLS[quick], reps=reps, work_s=work_s)
+    per_launch = [statistics.mean(launch(fn, n, backend="gloo", timeout_s=300.0))
+                  for _ in range(SYNC_LAUNCHES[quick])]
+    model = dataclasses.replace(shared, sync_s=0.0, call_s={**shared.call_s, "ring": shared.call_s.get("native", 0.0)})
+    modelled = statistics.mean(launch(fn, n, network=Network(bandwidth_gbps=1e4, latency_us=0.0, host=model)))
+    measured = statistics.median(per_launch)
+    fit.update(work_s=work_s, work_reps=reps, numel=numel, calls=CALLS[quick], measured_s=measured,
+               launches_s=per_launch, modelled_s=modelled,
+               load_average=list(os.getloadavg()) if hasattr(os, "getloadavg") else None)
+    return {"sync_s": max(0.0, measured - modelled) / (shared.cpu_share - 1.0), "sync_fit": fit}
+
+
+def sync_into(path: str | Path, quick: bool = False) -> dict:
+    """The profile at ``path`` with ``sync_s`` measured on this machine (:func:`sync_costs`, with the profile's other
+    rates) in place of its own, the measurement as its ``method``'s ``sync_fit`` (``--sync-into``)."""
+    profile = load_profile(path)
+    host = host_from_profile(profile, f"host profile {str(path)!r}")
+    threads = torch.get_num_threads()
+    try:
+        sync = sync_costs(host, quick)
+    finally:
+        torch.set_num_threads(threads)
+    method = {**profile.get("method", {}), "sync_fit": sync.pop("sync_fit")}
+    import dataclasses
+
+    out = profile_dict(dataclasses.replace(host, **sync), date=profile.get("date", ""),
+                       machine=profile.get("machine", {}), method=method)
+    if "netbed" in profile:
+        out["netbed"] = profile["netbed"]
+    return out
+
+
 def call_costs(host: HostModel, quick: bool = False) -> dict:
     """``call_s`` (module docstring): per transport, the measured loopback call less the modelled one, with
     the measurements."""
@@ -922,20 +1038,22 @@ def calibrate(quick: bool = False, netbed_gbps: float | None = NETBED_GBPS) -> d
         peers = peer_call_costs(HostModel(**messages, **kernels, **blocks, **rounds), quick)
         peer_fit = peers.pop("call_peer_fit")
         calls = call_costs(HostModel(**messages, **kernels, **blocks, **rounds, **peers), quick)
+        call_fit = calls.pop("call_fit")
+        sync = sync_costs(HostModel(**messages, **kernels, **blocks, **rounds, **peers, **calls), quick)
+        sync_fit = sync.pop("sync_fit")
         contention = contention_costs(quick)
         contention_fit = contention.pop("contention_fit")
         netbed = None if netbed_gbps is None else netbed_costs(netbed_gbps, quick)
     finally:
         torch.set_num_threads(threads)
-    call_fit = calls.pop("call_fit")
-    host = HostModel(**messages, **kernels, **blocks, **rounds, **peers, **calls, **contention)
+    host = HostModel(**messages, **kernels, **blocks, **rounds, **peers, **calls, **sync, **contention)
     date = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()
     method = {"quick": bool(quick), "repeats": REPEATS[quick], "exchanges": ROUNDS[quick],
               "elements": ELEMENTS[quick], "message_fit": fit, "switch_fit": switch_fit,
               "sparse_switch_fit": sparse_switch_fit, "fresh_fit": fresh_fit,
               "block_fit": block_fit, "sparse_switch_round_fit": round_fit,
               "call_elems": CALL_ELEMS, "call_elems_of": dict(CALL_ELEMS_OF), "calls": CALLS[quick],
-              "call_fit": call_fit,
+              "call_fit": call_fit, "sync_fit": sync_fit,
               "contention_fit": contention_fit,
               "call_peer_workers": PEER_WORKERS, "call_peer_fit": peer_fit,
               "statistic": "median", "messages_via": "TorchFabric irecv/isend exchanges over gloo, 127.0.0.1",
@@ -958,10 +1076,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the link rate of the 2-host netbed whose per-message latency is measured (needs root; "
                         "default %(default)g)")
     p.add_argument("--no-netbed", action="store_true", help="do not measure the netbed's latency")
+    p.add_argument("--sync-into", default=None, metavar="PROFILE",
+                   help="measure only sync_s (loopback, no netbed) with the rates of PROFILE, and write PROFILE with "
+                        "it (and its measurement under method.sync_fit) to --out")
 
 
 def run(args: argparse.Namespace) -> int:
     """The calibrate command: measure, write ``--out``, print the rates."""
+    if args.sync_into is not None:
+        profile = sync_into(args.sync_into, args.quick)
+        write_profile(profile, args.out)
+        print(f"sync_s: {profile['host']['sync_s']['value']:.3g} s/call; {profile['method']['sync_fit']}")
+        print(f"wrote {args.out}")
+        return 0
     profile = calibrate(args.quick, None if args.no_netbed else args.netbed_gbps)
     write_profile(profile, args.out)
     for name, entry in profile["host"].items():

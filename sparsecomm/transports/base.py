@@ -191,7 +191,9 @@ class Transport(ABC):
         t0_model = self.fabric.now()
         t0_wall = time.perf_counter()
         x = self.check_input(x)
-        # the call's own CPU time beyond its messages and kernels, where the fabric models hosts (sim_host)
+        # the wait for the call's last worker on shared cores, then the call's own CPU time beyond its messages
+        # and kernels, where the fabric models hosts (sim_host)
+        self.fabric.host_work("sync", 1, transport=self.name)
         self.fabric.host_work("call", 1, transport=self.name)
         self.fabric.host_work("call_peer", self.fabric.world_size - 1, transport=self.name)
         # a call predicted to fold into its data (``native``, :mod:`._fold`) that this one is not:

@@ -20,7 +20,7 @@ from sparsecomm.fabric.sim.sim_host import MESSAGE_TABLES, RATE_UNITS, SIZES, SU
 from sparsecomm.fabric.base import MESSAGE_BYTES
 from sparsecomm.fabric.engine import engine
 from sparsecomm.fabric.sim.sim_profile import FORMAT, VERSION, netbed_latency_s, profile_dict
-from sparsecomm.netbed.calibrate import CALL_GROUPS, PEER_CALLS, PEER_WORKERS
+from sparsecomm.netbed.calibrate import CALL_GROUPS, CALL_ELEMS_OF, PEER_CALLS, PEER_WORKERS, SYNC_WORK_S
 from sparsecomm.transports.ring import ring_allreduce_
 
 N, CHUNK = 4, 1000          # a 4-worker ring over 4 chunks of 1000 float32: one segment per chunk
@@ -722,6 +722,9 @@ def test_calibrate_command_writes_a_loadable_profile(tmp_path, capsys):
         # (each size's residual first, as the fit takes them: the same rounding)
         residual = {k: f["measured_cpu_s"] - f["modelled_s"] for k, f in fit.items()}
         assert v == max(0.0, (residual[str(PEER_WORKERS)] - residual["2"]) / (PEER_WORKERS - 2))
+    # the wait for a call's last worker on shared cores: the measured loop of work and call beyond the modelled
+    # one, per unit of share above 1 (at least 0); none measured on enough cores
+    _check_sync(host["sync_s"]["value"], method["sync_fit"])
     loaded = sc.Network.from_profile(out).host
     assert all(getattr(loaded, name) == host[name]["value"] for name in RATE_UNITS
                if name in host and not isinstance(host[name]["value"], dict)), loaded
@@ -1482,3 +1485,113 @@ def test_the_sparse_switch_charges_its_result_built_after_the_last_result_by_han
     # a model without the rates (0, as a profile without them) charges nothing: the bits of the call before
     t, _ = _sparse(HostModel(**PER_MSG, index_block_s=0.0, move_byte_s=0.0, elementwise_element_s=0.0))
     assert t.hex() == base.hex()
+
+
+def _check_sync(value: float, fit: dict) -> None:
+    """``sync_s`` is what its recorded measurement says (:func:`sparsecomm.netbed.calibrate.sync_costs`)."""
+    assert fit["workers"] == PEER_WORKERS and fit["cores"] == os.cpu_count()
+    assert fit["share"] == max(1.0, PEER_WORKERS / os.cpu_count())
+    if fit["share"] <= 1.0:
+        assert value == 0.0 and "measured_s" not in fit
+        return
+    import statistics
+    assert fit["work_reps"] >= 1 and fit["work_s"] == pytest.approx(SYNC_WORK_S, rel=0.5)
+    assert fit["numel"] == CALL_ELEMS_OF["native"]
+    assert len(fit["launches_s"]) >= 1 and fit["measured_s"] == statistics.median(fit["launches_s"])
+    # the modelled loop: the work stretched by the share, and a call that takes time
+    assert fit["modelled_s"] > fit["work_s"] * fit["share"]
+    assert fit["measured_s"] > 0
+    assert value == max(0.0, fit["measured_s"] - fit["modelled_s"]) / (fit["share"] - 1.0)
+
+
+def _end_of_call(ctx, name: str, numel: int) -> tuple[float, float]:
+    """One call of ``name`` on ones: the worker's clock at its end and the call's modelled time."""
+    t = sc.transports.get(name, ctx.fabric)
+    y = t.allreduce(torch.ones(numel))
+    assert torch.equal(y, torch.full_like(y, float(ctx.world_size)))
+    return ctx.fabric.now(), t.last_stats.modelled_time_s
+
+
+def _ends(host: HostModel | None, name: str = "ring") -> list[tuple[float, float]]:
+    return sc.launch(functools.partial(_end_of_call, name=name, numel=N * CHUNK), N,
+                     network=sc.Network(bandwidth_gbps=10.0, latency_us=5.0, host=host))
+
+
+def test_a_call_on_shared_cores_waits_sync_s_for_its_last_worker_by_hand():
+    """``sync_s``: on shared cores every worker waits ``sync_s * (share - 1)`` at a call's start (a wait, not CPU:
+    not stretched by the share again), so the whole call shifts by it on every worker and its modelled time grows by
+    it; on cores of one's own (share 1), and with ``sync_s`` 0 (a profile without it), nothing changes to the bit."""
+    sync = 1.5e-3
+    for name in ("ring", "allgather"):
+        for share in (1.5, 2.0, 3.0):
+            shared = dataclasses.replace(HOST, cpu_share=share)
+            base = _ends(shared, name)
+            timed = _ends(dataclasses.replace(shared, sync_s=sync), name)
+            wait = sync * (share - 1)
+            assert [t[0] for t in timed] == pytest.approx([b[0] + wait for b in base], rel=1e-12, abs=0)
+            assert [t[1] for t in timed] == pytest.approx([b[1] + wait for b in base], rel=1e-12, abs=0)
+        assert [t[0].hex() for t in _ends(dataclasses.replace(HOST, sync_s=sync), name)] == \
+            [t[0].hex() for t in _ends(HOST, name)]
+        assert [t[0].hex() for t in _ends(dataclasses.replace(HOST, cpu_share=2.0, sync_s=0.0), name)] == \
+            [t[0].hex() for t in _ends(dataclasses.replace(HOST, cpu_share=2.0), name)]
+    # a straggler's factor is not a share of the cores: no wait; per endpoint, only the one that shares its core
+    own = dataclasses.replace(HOST, sync_s=sync, cpu_share_by_endpoint={2: 2.0})
+    assert own.sync_wait_s(2) == sync and own.sync_wait_s(0) == 0.0
+    slow = sc.launch(functools.partial(_end_of_call, name="ring", numel=N * CHUNK), N,
+                     network=sc.Network(bandwidth_gbps=10.0, latency_us=5.0, host=dataclasses.replace(HOST, sync_s=sync),
+                                        stragglers={1: 2.0}))
+    assert [t[0].hex() for t in slow] == [t[0].hex() for t in sc.launch(
+        functools.partial(_end_of_call, name="ring", numel=N * CHUNK), N,
+        network=sc.Network(bandwidth_gbps=10.0, latency_us=5.0, host=HOST, stragglers={1: 2.0}))]
+    assert HostModel(sync_s=sync).work_s("sync", 3) == 3 * sync
+    with pytest.raises(InvalidValueError, match="sync_s"):
+        HostModel(sync_s=-1e-3)
+
+
+def test_a_profile_without_sync_s_models_what_it_modelled_and_one_with_it_round_trips(tmp_path):
+    """A profile written before ``sync_s`` existed loads with 0 and models a call on shared cores to the bit as
+    before; one with it round-trips it (unit ``s/call``) and charges it; a bad value is refused, naming the key."""
+    net = functools.partial(sc.Network, bandwidth_gbps=10.0, latency_us=5.0)
+    run = functools.partial(_end_of_call, name="ring", numel=N * CHUNK)
+    base = [r[0] for r in sc.launch(run, N, network=net(host=FULL.sharing(4, 2)))]
+    old = _profile(FULL)
+    del old["host"]["sync_s"]           # (a profile written before it existed)
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    loaded = sc.Network.from_profile(path, bandwidth_gbps=10.0, latency_us=5.0)
+    assert loaded.host == FULL and loaded.host.sync_s == 0.0
+    assert [r[0].hex() for r in sc.launch(run, N, network=net(host=loaded.host.sharing(4, 2)))] == \
+        [t.hex() for t in base]
+    synced = dataclasses.replace(FULL, sync_s=2e-3)
+    new = _profile(synced)
+    assert new["host"]["sync_s"] == {"value": 2e-3, "unit": "s/call"}
+    path.write_text(json.dumps(new))
+    loaded = sc.Network.from_profile(path, bandwidth_gbps=10.0, latency_us=5.0)
+    assert loaded.host == synced
+    assert [r[0] for r in sc.launch(run, N, network=net(host=loaded.host.sharing(4, 2)))] == pytest.approx(
+        [b + 2e-3 for b in base], rel=1e-12, abs=0)
+    bad = _profile(synced)
+    bad["host"]["sync_s"]["value"] = -1.0
+    path.write_text(json.dumps(bad))
+    with pytest.raises(InvalidValueError, match=r"sync_s"):
+        sc.Network.from_profile(path)
+
+
+def test_sync_into_writes_the_profile_with_sync_s_measured(tmp_path, capsys):
+    """``calibrate --sync-into P --out Q`` (the measurement of ``sync_s`` alone, on loopback): ``Q`` is ``P`` with
+    ``sync_s`` as its recorded measurement says, every other rate as ``P`` has it."""
+    from sparsecomm.netbed.calibrate import main
+
+    src, out = tmp_path / "p.json", tmp_path / "q.json"
+    host = dataclasses.replace(FULL, call_s={"native": 2e-4, "ring": 1e-4})
+    profile = _profile(host)
+    profile["netbed"] = {"latency_s": {"value": 5e-5, "unit": "s"}, "gbps": 1.0, "hosts": 2}
+    del profile["host"]["sync_s"]
+    src.write_text(json.dumps(profile))
+    assert main(["--sync-into", str(src), "--quick", "--out", str(out)]) == 0
+    assert capsys.readouterr().out.endswith(f"wrote {out}\n")
+    got = json.loads(out.read_text())
+    _check_sync(got["host"]["sync_s"]["value"], got["method"]["sync_fit"])
+    assert {k: v for k, v in got["host"].items() if k != "sync_s"} == profile["host"]
+    assert got["netbed"] == profile["netbed"] and got["date"] == profile["date"]
+    assert sc.Network.from_profile(out).host == dataclasses.replace(host, sync_s=got["host"]["sync_s"]["value"])

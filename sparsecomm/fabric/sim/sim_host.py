@@ -120,6 +120,18 @@ bulk-synchronous collective doing the same step) and an over-estimate when one o
 to itself; the model has no scheduler of its own. ``Fabric.compute(s)`` is the caller's figure and is not
 stretched by the share.
 
+The share is a mean, and a collective waits for its last worker. Where endpoints outnumber the cores, the
+scheduler hands the cores out in slices, and a woken thread (a rank leaving a collective, gloo's I/O and worker
+threads, a hook's hand-off to its communication thread) waits for a slice when the cores are busy: the workers
+reach the next call at spread times, however equal their work, and every call starts when the last of them
+arrives, where the modelled workers, stretched alike, arrive together. ``sync_s`` is that wait, per call of a
+transport (``"sync"``, charged by :meth:`sparsecomm.transports.base.Transport.run` on every worker as the call
+starts, before ``"call"``) per unit of share above 1 (:meth:`HostModel.sync_wait_s`: a share of 2, ``sync_s``;
+cores of one's own, none), not stretched again by the CPU factor: measured on workers that alternate CPU work
+and a small call on shared cores (:func:`sparsecomm.netbed.calibrate.sync_costs`), it is the time their loop
+takes beyond its work stretched by the share and the call as modelled. 0 (the default, and a profile without
+it): no wait, the modelled times as before it existed.
+
 All rates default to zero (a model that charges nothing); :func:`sparsecomm.netbed.calibrate.calibrate`
 measures this machine's (``python -m sparsecomm.netbed calibrate --out host.json``) and
 :meth:`.sim_network.Network.from_profile` loads them.
@@ -149,7 +161,7 @@ HOST_OPS = {"sum": "element", "scan": "element", "switch_packet": "packet", "swi
             "matmul_t": "multiply-add", "matmul_outer": "multiply-add", "kernel": "call", "sparse_switch_packet": "packet",
             "sparse_switch_value": "packet", "sparse_switch_result": "packet", "sparse_switch_message": "message",
             "sparse_switch_round": "packet", "fresh_later": "byte", "fresh_touch": "byte",
-            "call_peer": "peer"}
+            "call_peer": "peer", "sync": "call"}
 
 #: the operations of a method's encode and decode (:meth:`sparsecomm.methods.base.Method.work`) and their rates
 CODEC_RATES = {"elementwise": "elementwise_element_s", "select": "select_element_s", "sample": "sample_element_s",
@@ -195,6 +207,7 @@ RATE_UNITS = {
     "message_wait_s": "s/message",
     "codec_contention": "factor",
     "call_peer_s": "s/peer",
+    "sync_s": "s/call",
 }
 
 #: the rates that are tables by message size (bytes -> seconds), both or neither given, with the same sizes
@@ -211,7 +224,7 @@ FALLBACK_RATES = {"sparse_switch_packet_s": "switch_packet_s", "sparse_switch_va
 #: ``None``: the time the profile modelled)
 OPTIONAL_RATES = ("span_block_s", "index_block_s", *CODEC_RATES.values(), "fresh_byte_s", "fresh_min_bytes",
                   "move_byte_s", "check_element_s", "scan_zero_element_s", *FALLBACK_RATES, *MESSAGE_TABLES,
-                  "codec_contention", "call_peer_s")
+                  "codec_contention", "call_peer_s", "sync_s")
 
 #: the entries of :data:`RATE_UNITS` that are sizes in bytes (integers), not rates
 SIZES = ("fresh_min_bytes",)
@@ -277,6 +290,9 @@ class HostModel:
             as it is).
         call_peer_s: transport name -> seconds per call of it per other worker of the call, on every worker,
             beside ``call_s`` (default: none; a transport not in it is charged ``call_s`` alone).
+        sync_s: seconds a worker waits, per call of a transport, for the last worker of the call when the
+            endpoints outnumber the cores, per unit of ``cpu_share`` above 1 (:meth:`sync_wait_s`; default 0:
+            none).
         cpu_share: the CPU stretch of every endpoint (>= 1): endpoints sharing cores, e.g. 2 for 4 hosts on
             2 cores (:meth:`sharing`).
         cpu_share_by_endpoint: endpoint id -> its own stretch (>= 1), overriding ``cpu_share``.
@@ -315,6 +331,7 @@ class HostModel:
     message_wait_s: Mapping[int, float] = field(default_factory=dict)
     codec_contention: Mapping[str, float] = field(default_factory=dict)
     call_peer_s: Mapping[str, float] = field(default_factory=dict)
+    sync_s: float = 0.0
     cpu_share: float = 1.0
     cpu_share_by_endpoint: Mapping[int, float] = field(default_factory=dict)
     # (not fields: the message tables as interpolation points, (sizes, CPU, waits), and the charges looked up per
@@ -399,6 +416,11 @@ class HostModel:
         """The CPU stretch of ``endpoint`` (its ``cpu_share_by_endpoint`` entry, else ``cpu_share``)."""
         return self.cpu_share_by_endpoint.get(endpoint, self.cpu_share)
 
+    def sync_wait_s(self, endpoint: int) -> float:
+        """Seconds ``endpoint`` waits per call for the call's last worker: ``sync_s * (share - 1)``, its share of
+        the cores (:meth:`factor`, not its straggler factor) above 1 (module docstring); 0 on cores of its own."""
+        return self.sync_s * (self.factor(endpoint) - 1.0)
+
     def _table(self, nbytes: int) -> tuple[float, float]:
         """``(half of message_cpu_s, message_wait_s)`` at ``nbytes``, interpolated (module docstring)."""
         got = self._looked_up.get(nbytes)
@@ -478,6 +500,8 @@ class HostModel:
                 raise InvalidValueError(f"HostModel has no sum rate for {dtype_name(dtype)} (sum_element_s "
                                         f"has {sorted(self.sum_element_s) or 'none'}): add it to the model "
                                         f"or the profile")
+        elif op == "sync":              # (per unit of share above 1: the endpoint charges sync_wait_s)
+            rate = self.sync_s
         elif op == "scan":
             rate = self.scan_element_s
         elif op == "scan_zero":

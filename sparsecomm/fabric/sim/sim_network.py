@@ -422,7 +422,8 @@ class Endpoint:
         """Charge ``count`` units of ``op`` to the clock (:meth:`.sim_host.HostModel.work_s`, stretched); no
         host model: nothing. ``"fresh_later"`` holds the bytes of a fresh buffer (one of at least the model's
         ``fresh_min_bytes``) in :attr:`untouched`, ``"fresh_touch"`` charges the bytes written of those held and
-        uses them up (:mod:`.sim_host`)."""
+        uses them up, ``"sync"`` waits the model's :meth:`~.sim_host.HostModel.sync_wait_s` per call (not stretched
+        again: :mod:`.sim_host`)."""
         host = self.host
         if host is None:
             return
@@ -430,6 +431,10 @@ class Endpoint:
             host.work_s(op, count)          # (its checks)
             if count >= host.fresh_min_bytes:
                 self.untouched += count
+            return
+        if op == "sync":                    # (a wait, not CPU: per unit of share above 1, not stretched)
+            host.work_s(op, count)
+            self.clock += count * host.sync_wait_s(self.id)
             return
         if op == "fresh_touch":
             host.work_s(op, count)

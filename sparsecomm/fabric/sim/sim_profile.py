@@ -39,7 +39,9 @@ per other worker of it, ``{"value": {"omnireduce": 0.004, ...}, "unit": "s/peer"
 size, an integer of bytes (unit ``"byte"``), not a rate; the slowdown of a method's kernels with every core busy,
 ``codec_contention`` (optional, added within version 2: ``{"value": {"matmul": 1.2, "matmul_t": 1.8, ...}, "unit":
 "factor"}``, operations of :data:`~.sim_host.CODEC_RATES` to factors of at least 1; a profile without it models
-each rate alone, as before it existed). ``date``, ``machine`` and
+each rate alone, as before it existed); the wait of a call for its last worker on shared cores, ``sync_s``
+(optional, added within version 2: ``{"value": 0.002, "unit": "s/call"}``; a profile without it waits nothing,
+as before it existed). ``date``, ``machine`` and
 ``method`` are recorded, not interpreted.
 
 ``netbed`` (optional, added within version 2; :func:`netbed_latency_s` reads it): this machine's netbed as
