@@ -6,7 +6,13 @@ models a run on this machine's hosts. Every measurement runs with one torch thre
 launched rank is given) and reports the median of its repeats. A kernel run in this process (every rate below
 but the message costs, ``span_block_s``, ``index_block_s`` and ``call_s``, which are timed over gloo between
 processes) is timed in the calling thread's CPU time (``time.thread_time``: on a quiet machine its wall time,
-on a loaded one without the time other processes hold the core):
+on a loaded one without the time other processes hold the core). A measurement made between processes (the
+message exchanges, the per-block, per-result, per-peer and per-call costs, the contention factors) is made in
+:data:`LAUNCHES` launches (the per-peer costs :data:`PEER_LAUNCHES`), one after the other, and takes the median
+over them of each launch's statistic: a launch's processes land on the cores as they happen to, and meet the page
+cache, Numba's compilations and gloo's first calls as they come, so that one launch's statistic moves from one
+calibration to the next far more than its own calls do. The profile's ``method`` records each launch's value
+(``launches_*``), the spread a reader weighs a constant by:
 
 - ``send_message_s``, ``recv_message_s``, ``send_byte_s``, ``recv_byte_s``: a message exchange over gloo on
   127.0.0.1 between two processes (:func:`sparsecomm.launch`, the TorchFabric's ``irecv``/``isend``: each
@@ -48,7 +54,8 @@ on a loaded one without the time other processes hold the core):
   call per message (:meth:`~sparsecomm.transports.switchml.dataplane.Dataplane.execute`, results written over
   the rows, a real fabric's 256-value packets, a two-worker job whose every pair of packets completes a slot):
   the median time of a message of each of :data:`SWITCH_BURSTS` packets (less the copy that refills the
-  rows), fitted by least squares as ``switch_message_s + packets * switch_packet_s``;
+  rows, timed next to it; the sizes taking turns repeat by repeat), fitted by least squares as
+  ``switch_message_s + packets * switch_packet_s``;
 - ``sparse_switch_message_s``, ``sparse_switch_packet_s``, ``sparse_switch_value_s``, ``sparse_switch_result_s``:
   the sparse switch's program as its service runs it on a real fabric, per message received
   (:meth:`~sparsecomm.transports.switchml.sparse.dataplane.Dataplane.packets`, the rows taken out of the burst,
@@ -188,7 +195,7 @@ PEER_CALLS = ("omnireduce", "allgather")
 #: the workers of the larger launch of the per-peer timing (the smaller has 2, as ``call_s``'s)
 PEER_WORKERS = 4
 #: launches of each size of the per-peer timing, taking turns, quick and full
-PEER_LAUNCHES = {True: 1, False: 2}
+PEER_LAUNCHES = {True: 1, False: 3}
 #: float32 elements of a call of the per-call timing (64 OmniReduce blocks, 16 of the switch's packets)
 CALL_ELEMS = 1 << 14
 #: the transports whose per-call timing takes another size than :data:`CALL_ELEMS`: ``native``, the smallest
@@ -241,6 +248,26 @@ KERNEL_ELEMS = 16
 MOVE_ELEMS = {True: 1 << 18, False: 1 << 24}
 
 
+#: launches of each measurement made between processes (the message exchanges, OmniReduce's per-block and the sparse
+#: switch's per-result fits, the per-call costs, the kernels' contention; the per-peer costs have
+#: :data:`PEER_LAUNCHES`), quick and full. Each launch places its processes on the cores afresh and meets the page
+#: cache, Numba's and gloo's first calls as they come, so that one launch's statistic moves from one calibration to
+#: the next by more than its own calls spread: the profile takes the median over the launches of each launch's
+#: statistic, and records every launch's (``method``)
+LAUNCHES = {True: 1, False: 3}
+#: rounds of method ``ef`` per timing of ``kernel_call_s`` (a round takes some 10 us: a timing of a few is as
+#: coarse as the machine's scheduling)
+KERNEL_ROUNDS = 50
+
+
+def _launches(fn: Callable, n: int, count: int, **kw) -> list:
+    """``count`` launches of ``fn`` on ``n`` processes (:func:`sparsecomm.launch` with ``kw``), one after the
+    other: each launch's list of its ranks' results."""
+    from .. import launch
+
+    return [launch(fn, n, **kw) for _ in range(count)]
+
+
 def _median_s(fn: Callable[[], object], repeats: int) -> float:
     """Median seconds of ``fn()`` over ``repeats`` runs, after one run to warm up, in the calling thread's CPU
     time (module docstring: ``fn`` runs on this thread alone)."""
@@ -275,7 +302,10 @@ def _exchanges(ctx, sizes: tuple[int, ...], rounds: int) -> list[tuple[float, fl
         return times, statistics.median(cpu)
 
     rounds_of(sizes[0], max(10, rounds // 2))       # warm-up: connections, the fabric's helper threads
-    runs = [rounds_of(size, rounds) for size in sizes]
+    runs = []
+    for size in sizes:
+        rounds_of(size, max(2, rounds // 20))       # (and each size's: its buffers' first copies)
+        runs.append(rounds_of(size, rounds))
     mine = torch.tensor([r[0] for r in runs], dtype=torch.float64)
     cpu = torch.tensor([r[1] for r in runs], dtype=torch.float64)
     if ctx.rank == 1:
@@ -291,12 +321,13 @@ def _exchanges(ctx, sizes: tuple[int, ...], rounds: int) -> list[tuple[float, fl
 
 def message_costs(quick: bool = False) -> dict:
     """The per-message and per-byte costs of a gloo loopback exchange (module docstring): the four rates, the
-    tables by size (``message_cpu_s``, ``message_wait_s``) and the measurements they were fitted to."""
-    from .. import launch
-
+    tables by size (``message_cpu_s``, ``message_wait_s``) and the measurements they were fitted to: per size the
+    median over :data:`LAUNCHES` launches of each launch's (``launches_exchange_s``, ``launches_exchange_cpu_s``)."""
     sizes = MESSAGE_SIZES[quick]
     fn = functools.partial(_exchanges, sizes=sizes, rounds=ROUNDS[quick])
-    measured = launch(fn, 2, backend="gloo", timeout_s=120.0)[0]
+    runs = [r[0] for r in _launches(fn, 2, LAUNCHES[quick], backend="gloo", timeout_s=120.0)]
+    measured = [(statistics.median(r[i][0] for r in runs), statistics.median(r[i][1] for r in runs))
+                for i in range(len(sizes))]
     exchange = np.array([m[0] for m in measured])
     cpu = [min(m[1], m[0]) for m in measured]       # (CPU beyond the exchange's wall: its threads in parallel)
     slope, intercept = np.polyfit(np.array(sizes, dtype=np.float64), exchange, 1)
@@ -306,7 +337,9 @@ def message_costs(quick: bool = False) -> dict:
             "message_wait_s": {n: float(max(0.0, w - c)) for n, w, c in zip(sizes, exchange, cpu)},
             "fit": {"sizes": list(sizes), "exchange_s": [float(x) for x in exchange],
                     "exchange_cpu_s": [float(m[1]) for m in measured],
-                    "intercept_s": float(intercept), "slope_s_per_byte": float(slope)}}
+                    "intercept_s": float(intercept), "slope_s_per_byte": float(slope),
+                    "launches_exchange_s": [[float(m[0]) for m in r] for r in runs],
+                    "launches_exchange_cpu_s": [[float(m[1]) for m in r] for r in runs]}}
 
 
 def kernel_costs(quick: bool = False) -> dict:
@@ -440,7 +473,7 @@ def codec_costs(quick: bool = False) -> dict:
         ef.decode(payload.values, 1, st)
 
     calls = ef.work("encode", st, KERNEL_ELEMS)["kernel"] + ef.work("decode", st, KERNEL_ELEMS)["kernel"]
-    kernel = _median_s(lambda: [round_() for _ in range(10)], reps) / (10 * calls)
+    kernel = _median_s(lambda: [round_() for _ in range(KERNEL_ROUNDS)], reps) / (KERNEL_ROUNDS * calls)
     return {"elementwise_element_s": elementwise, "select_element_s": select, "sample_element_s": sample,
             "matmul_mac_s": matmul, "matmul_t_mac_s": matmul_t, "matmul_outer_mac_s": matmul_outer,
             "kernel_call_s": kernel}
@@ -480,19 +513,25 @@ def _time_products(ctx, quick: bool) -> dict[str, list[tuple[float, float]]]:
 
 def contention_costs(quick: bool = False) -> dict:
     """``codec_contention`` (module docstring): per operation of :data:`CONTENDED_OPS`, its kernel timed with
-    every core busy over the same timed alone, at least 1, and the measurements; ``{}`` on one core."""
-    from .. import launch
-
+    every core busy over the same timed alone, at least 1, and the measurements; ``{}`` on one core. The rounds
+    of :data:`LAUNCHES` launches are pooled (``alone_s``, ``together_s``: launch after launch), each launch's own
+    factor recorded (``launches_factor``)."""
     cores = os.cpu_count() or 1
     if cores < 2:
         return {"codec_contention": {}, "contention_fit": {"cores": cores}}
-    ranks = launch(functools.partial(_time_products, quick=quick), cores, backend="gloo", timeout_s=300.0)
-    factors, fit = {}, {"cores": cores}
+    runs = _launches(functools.partial(_time_products, quick=quick), cores, LAUNCHES[quick], backend="gloo",
+                     timeout_s=300.0)
+    factors, fit = {}, {"cores": cores, "launches": len(runs)}
     for op in CONTENDED_OPS:
-        alone = [a for a, _ in ranks[0][op]]
-        together = [statistics.median(r[op][i][1] for r in ranks) for i in range(len(alone))]
+        alone, together, each = [], [], []
+        for ranks in runs:
+            a = [v for v, _ in ranks[0][op]]
+            t = [statistics.median(r[op][i][1] for r in ranks) for i in range(len(a))]
+            alone += a
+            together += t
+            each.append(statistics.median(t) / statistics.median(a))
         factors[op] = max(1.0, statistics.median(together) / statistics.median(alone))
-        fit[op] = {"alone_s": alone, "together_s": together}
+        fit[op] = {"alone_s": alone, "together_s": together, "launches_factor": each}
     return {"codec_contention": factors, "contention_fit": fit}
 
 
@@ -503,10 +542,10 @@ def switch_costs(quick: bool = False) -> dict:
     bursts, reps = SWITCH_BURSTS[quick], REPEATS[quick]
     elems = PACKET_ELEMS[-1]
     width = HEADER + elems
-    dp = Dataplane(SwitchConfig(elems=elems, slots=DEFAULT_SLOTS, burst=max(bursts)))
-    dp.world = 2
-    times = []
+    timings = []
     for k in bursts:
+        dp = Dataplane(SwitchConfig(elems=elems, slots=DEFAULT_SLOTS, burst=max(bursts)))   # (a program each)
+        dp.world = 2
         # message m: k packets, workers 0 and 1 in turn, pair j on slot 1 + j of set m % 2 (each slot completes
         # once per message, the sets alternating as a job's do)
         tmpl = np.zeros((2, k, width), dtype=np.int32)
@@ -519,8 +558,9 @@ def switch_costs(quick: bool = False) -> dict:
         uc = np.empty_like(rows)
         scratch = np.empty(k, dtype=np.uint8)
         count = [0]
+        loops = max(1, 2048 // k)          # a message of a few packets is timed over several (an even count)
 
-        def message():
+        def message(k=k, dp=dp, tmpl=tmpl, rows=rows, uc=uc, scratch=scratch, count=count):
             np.copyto(rows, tmpl[count[0] % 2])
             count[0] += 1
             nmc, _, bad = dp.execute(rows, rows, uc, scratch, clear=True)
@@ -528,21 +568,28 @@ def switch_costs(quick: bool = False) -> dict:
                 raise RuntimeError(f"calibrate: the switch program completed {nmc} of {k // 2} slots ({bad} "
                                    f"malformed) of a message of {k} packets")
 
-        def refill():
+        def refill(tmpl=tmpl, rows=rows, count=count):
             np.copyto(rows, tmpl[count[0] % 2])
 
-        loops = max(1, 2048 // k)          # a message of a few packets is timed over several
-
-        def many(fn=message):
+        def many(fn, loops=loops):
             for _ in range(loops):
                 fn()
 
-        count[0] = 0
-        many()                             # the program compiled, the slots' sets in step
+        many(message)                      # the program compiled, the slots' sets in step
         if count[0] % 2:
             message()
-        t = _median_s(many, reps) - _median_s(lambda: many(refill), reps)
-        times.append(max(0.0, t) / loops)
+        timings.append((many, message, refill, loops))
+    # the sizes take turns repeat by repeat, each repeat's messages timed next to their refills (a change of the
+    # machine's state falls on every size and on both halves of each difference alike)
+    diffs: list[list[float]] = [[] for _ in bursts]
+    for _ in range(reps):
+        for (many, message, refill, loops), d in zip(timings, diffs):
+            t0 = time.thread_time()
+            many(message)
+            t1 = time.thread_time()
+            many(refill)
+            d.append(((t1 - t0) - (time.thread_time() - t1)) / loops)
+    times = [max(0.0, statistics.median(d)) for d in diffs]
     slope, intercept = np.polyfit(np.array(bursts, dtype=np.float64), np.array(times), 1)
     return {"switch_message_s": max(0.0, float(intercept)), "switch_packet_s": max(0.0, float(slope)),
             "switch_fit": {"elems": elems, "packets": list(bursts), "message_s": [float(t) for t in times]}}
@@ -612,58 +659,38 @@ def call_input(name: str, numel: int, rank: int):
     return torch.ones(numel)
 
 
-def _time_calls(ctx, names: tuple[str, ...], numel: int, calls: int,
-                numel_of: dict | None = None) -> dict[str, list[float]]:
+def _clocked_calls(ctx, names: tuple[str, ...], numel: int, calls: int, numel_of: dict | None = None,
+                   clock: str = "wall") -> dict[str, list[float]]:
     """Every rank: per transport of ``names``, the time of each of ``calls`` calls on :func:`call_input` of
     ``numel`` (``numel_of[name]`` where given; after two untimed), each after a barrier (``native`` is ``ring``
-    on a modelled fabric)."""
+    on a modelled fabric). ``clock``: ``"wall"``, the fabric's clock (:func:`_timed_call`); ``"cpu"``, this
+    process's CPU time (``time.process_time``, its threads together); on a modelled fabric either is its clock."""
     import sparsecomm.transports as transports
 
+    if clock not in ("wall", "cpu"):
+        raise ValueError(f"clock must be 'wall' or 'cpu', got {clock!r}")
     torch.set_num_threads(1)
     f = ctx.fabric
+    now = time.process_time if clock == "cpu" and not f.modelled_time else f.now
     out = {}
     for name in names:
         t = transports.get("ring" if name == "native" and f.modelled_time else name, f)
         x0 = call_input(name, (numel_of or {}).get(name, numel), ctx.rank)
         for _ in range(2):          # (untimed)
             _timed_call(f, t, x0)
-        out[name] = [_timed_call(f, t, x0) for _ in range(calls)]
+        out[name] = [_timed_call(f, t, x0, now) for _ in range(calls)]
     return out
 
 
-def _cpu_calls(ctx, names: tuple[str, ...], numel: int, calls: int) -> dict[str, list[float]]:
-    """:func:`_time_calls`, each call timed in this process's CPU time (``time.process_time``; on a modelled
-    fabric, its clock)."""
-    import sparsecomm.transports as transports
-
-    torch.set_num_threads(1)
-    f = ctx.fabric
-    clock = f.now if f.modelled_time else time.process_time
-    out = {}
-    for name in names:
-        t = transports.get(name, f)
-        x0 = call_input(name, numel, ctx.rank)
-        for _ in range(2):          # (untimed)
-            _timed_call(f, t, x0)
-        took = []
-        for _ in range(calls):
-            x = x0.clone() if isinstance(x0, torch.Tensor) else x0
-            f.barrier()
-            t0 = clock()
-            t.allreduce(x)
-            took.append(clock() - t0)
-        out[name] = took
-    return out
-
-
-def _timed_call(f, t, x0) -> float:
+def _timed_call(f, t, x0, clock: Callable[[], float] | None = None) -> float:
     """The time of one ``t.allreduce`` of a copy of ``x0`` (a tensor; a payload as it is) after a barrier, on
-    ``f``'s clock."""
+    ``clock`` (default ``f``'s clock)."""
+    clock = f.now if clock is None else clock
     x = x0.clone() if isinstance(x0, torch.Tensor) else x0
     f.barrier()
-    t0 = f.now()
+    t0 = clock()
     t.allreduce(x)
-    return f.now() - t0
+    return clock() - t0
 
 
 def block_sparse(numel: int, density: float, seed: int, block: int = BLOCK) -> torch.Tensor:
@@ -720,7 +747,8 @@ def fit_nonnegative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 def block_costs(host: HostModel, quick: bool = False, points: tuple | None = None) -> dict:
     """``span_block_s`` and ``index_block_s`` (module docstring), with the measurements fitted (``block_fit``:
-    the points, the measured and modelled times, the blocks each rate charges per point and the intercept).
+    the points, the measured and modelled times, the blocks each rate charges per point and the intercept; a
+    point's measured time the median over :data:`LAUNCHES` launches of each launch's, ``launches_s``).
     ``points``: ``(numel, density)`` pairs (a multiple of :data:`BLOCK` each; default :data:`BLOCK_POINTS`)."""
     import dataclasses
 
@@ -730,8 +758,10 @@ def block_costs(host: HostModel, quick: bool = False, points: tuple | None = Non
     points = BLOCK_POINTS[quick] if points is None else tuple(points)
     calls, cores = CALLS[quick], os.cpu_count() or 1
     slowest = lambda runs, i, count: statistics.median(max(r[i][j] for r in runs) for j in range(count))  # noqa: E731
-    real = launch(functools.partial(_time_points, points=points, calls=calls), 2, backend="gloo", timeout_s=300.0)
-    measured = [slowest(real, i, calls) for i in range(len(points))]
+    runs = _launches(functools.partial(_time_points, points=points, calls=calls), 2, LAUNCHES[quick],
+                     backend="gloo", timeout_s=300.0)
+    each = [[slowest(real, i, calls) for i in range(len(points))] for real in runs]
+    measured = [statistics.median(e[i] for e in each) for i in range(len(points))]
     modelled = {}
     for rate in ("", "span_block_s", "index_block_s"):   # (modelled calls repeat exactly: one is timed)
         h = dataclasses.replace(host, **({rate: PROBE_S} if rate else {})).sharing(2, cores)
@@ -744,7 +774,8 @@ def block_costs(host: HostModel, quick: bool = False, points: tuple | None = Non
     return {"span_block_s": float(span), "index_block_s": float(index),
             "block_fit": {"points": [list(p) for p in points], "block": BLOCK, "measured_s": measured,
                           "modelled_s": [float(v) for v in base], "span_blocks": counts[:, 0].tolist(),
-                          "index_blocks": counts[:, 1].tolist(), "intercept_s": float(c)}}
+                          "index_blocks": counts[:, 1].tolist(), "intercept_s": float(c),
+                          "launches_s": each}}
 
 
 def _time_sparse_switch(ctx, points: tuple, calls: int) -> list[list[float]]:
@@ -768,7 +799,7 @@ def _time_sparse_switch(ctx, points: tuple, calls: int) -> list[list[float]]:
 def sparse_switch_round_costs(host: HostModel, quick: bool = False) -> dict:
     """``sparse_switch_round_s`` (module docstring), with the measurements fitted (``sparse_switch_round_fit``:
     the points, the measured and modelled times, the results each point's critical path charges, the
-    intercept)."""
+    intercept; a point's measured time the median over :data:`LAUNCHES` launches of each launch's, ``launches_s``)."""
     import dataclasses
 
     from .. import launch
@@ -778,9 +809,10 @@ def sparse_switch_round_costs(host: HostModel, quick: bool = False) -> dict:
     cores = os.cpu_count() or 1
     slowest = lambda runs, i, count: statistics.median(max(r[i][j] for r in runs) for j in range(count))  # noqa: E731
     fn = functools.partial(_time_sparse_switch, points=points)
-    real = launch(functools.partial(fn, calls=calls), 2, backend="gloo", services=["sparse-switch"],
-                  timeout_s=300.0)
-    measured = [slowest(real, i, calls) for i in range(len(points))]
+    runs = _launches(functools.partial(fn, calls=calls), 2, LAUNCHES[quick], backend="gloo",
+                     services=["sparse-switch"], timeout_s=300.0)
+    each = [[slowest(real, i, calls) for i in range(len(points))] for real in runs]
+    measured = [statistics.median(e[i] for e in each) for i in range(len(points))]
     modelled = {}
     for rate in (0.0, PROBE_S):     # (modelled calls repeat exactly: one is timed)
         h = dataclasses.replace(host, sparse_switch_round_s=rate).sharing(3, cores)
@@ -792,7 +824,7 @@ def sparse_switch_round_costs(host: HostModel, quick: bool = False) -> dict:
     return {"sparse_switch_round_s": float(rate),
             "sparse_switch_round_fit": {"points": [list(p) for p in points], "measured_s": measured,
                                         "modelled_s": modelled[0.0].tolist(), "results": counts.tolist(),
-                                        "intercept_s": float(c)}}
+                                        "intercept_s": float(c), "launches_s": each}}
 
 
 def _netbed_latency(ctx, rounds: int) -> float:
@@ -832,7 +864,7 @@ def peer_call_costs(host: HostModel, quick: bool = False) -> dict:
     from ..fabric.sim.sim_network import Network
 
     calls = CALLS[quick]
-    fn = functools.partial(_cpu_calls, names=PEER_CALLS, numel=CALL_ELEMS, calls=calls)
+    fn = functools.partial(_clocked_calls, names=PEER_CALLS, numel=CALL_ELEMS, calls=calls, clock="cpu")
     bare = dataclasses.replace(host, call_s={k: v for k, v in host.call_s.items() if k not in PEER_CALLS},
                                call_peer_s={}, cpu_share=1.0, cpu_share_by_endpoint={})
     sizes = (2, PEER_WORKERS)
@@ -850,7 +882,8 @@ def peer_call_costs(host: HostModel, quick: bool = False) -> dict:
         for name in PEER_CALLS:
             real_s, model_s = statistics.median(measured[n, name]), statistics.mean(r[name][0] for r in sim)
             residual[n, name] = real_s - model_s
-            fit[name][str(n)] = {"measured_cpu_s": real_s, "modelled_s": model_s}
+            fit[name][str(n)] = {"measured_cpu_s": real_s, "modelled_s": model_s,
+                                 "launches_cpu_s": list(measured[n, name])}
     out = {}
     for name in PEER_CALLS:
         out[name] = max(0.0, (residual[PEER_WORKERS, name] - residual[2, name]) / (PEER_WORKERS - 2))
@@ -859,22 +892,24 @@ def peer_call_costs(host: HostModel, quick: bool = False) -> dict:
 
 def call_costs(host: HostModel, quick: bool = False) -> dict:
     """``call_s`` (module docstring): per transport, the measured loopback call less the modelled one, with
-    the measurements."""
+    the measurements (the measured call the median over :data:`LAUNCHES` launches of each launch's median,
+    ``launches_s``)."""
     from .. import launch
     from ..fabric.sim.sim_network import Network
 
     calls, cores = CALLS[quick], os.cpu_count() or 1
+    slowest = lambda runs, name: statistics.median(max(r[name][i] for r in runs) for i in range(calls))  # noqa: E731
     out, fit = {}, {}
     for services, names in CALL_GROUPS.items():
-        fn = functools.partial(_time_calls, names=names, numel=CALL_ELEMS, calls=calls, numel_of=CALL_ELEMS_OF)
-        real = launch(fn, 2, backend="gloo", services=list(services), timeout_s=120.0)
+        fn = functools.partial(_clocked_calls, names=names, numel=CALL_ELEMS, calls=calls, numel_of=CALL_ELEMS_OF)
+        runs = _launches(fn, 2, LAUNCHES[quick], backend="gloo", services=list(services), timeout_s=120.0)
         net = Network(bandwidth_gbps=1e4, latency_us=0.0, host=host.sharing(2 + len(services), cores))
         sim = launch(fn, 2, network=net)
         for name in names:
-            measured = statistics.median(max(r[name][i] for r in real) for i in range(calls))
-            modelled = statistics.median(max(r[name][i] for r in sim) for i in range(calls))
+            each = [slowest(real, name) for real in runs]
+            measured, modelled = statistics.median(each), slowest(sim, name)
             out[name] = max(0.0, measured - modelled)
-            fit[name] = {"measured_s": measured, "modelled_s": modelled}
+            fit[name] = {"measured_s": measured, "modelled_s": modelled, "launches_s": each}
     return {"call_s": out, "call_fit": fit}
 
 
@@ -934,7 +969,7 @@ def calibrate(quick: bool = False, netbed_gbps: float | None = NETBED_GBPS) -> d
               "elements": ELEMENTS[quick], "message_fit": fit, "switch_fit": switch_fit,
               "sparse_switch_fit": sparse_switch_fit, "fresh_fit": fresh_fit,
               "block_fit": block_fit, "sparse_switch_round_fit": round_fit,
-              "call_elems": CALL_ELEMS, "call_elems_of": dict(CALL_ELEMS_OF), "calls": CALLS[quick],
+              "launches": LAUNCHES[quick], "peer_launches": PEER_LAUNCHES[quick], "call_elems": CALL_ELEMS, "call_elems_of": dict(CALL_ELEMS_OF), "calls": CALLS[quick],
               "call_fit": call_fit,
               "contention_fit": contention_fit,
               "call_peer_workers": PEER_WORKERS, "call_peer_fit": peer_fit,
