@@ -54,8 +54,7 @@ calibration to the next far more than its own calls do. The profile's ``method``
   call per message (:meth:`~sparsecomm.transports.switchml.dataplane.Dataplane.execute`, results written over
   the rows, a real fabric's 256-value packets, a two-worker job whose every pair of packets completes a slot):
   the median time of a message of each of :data:`SWITCH_BURSTS` packets (less the copy that refills the
-  rows, timed next to it; the sizes taking turns repeat by repeat), fitted by least squares as
-  ``switch_message_s + packets * switch_packet_s``;
+  rows), fitted by least squares as ``switch_message_s + packets * switch_packet_s``;
 - ``sparse_switch_message_s``, ``sparse_switch_packet_s``, ``sparse_switch_value_s``, ``sparse_switch_result_s``:
   the sparse switch's program as its service runs it on a real fabric, per message received
   (:meth:`~sparsecomm.transports.switchml.sparse.dataplane.Dataplane.packets`, the rows taken out of the burst,
@@ -542,10 +541,10 @@ def switch_costs(quick: bool = False) -> dict:
     bursts, reps = SWITCH_BURSTS[quick], REPEATS[quick]
     elems = PACKET_ELEMS[-1]
     width = HEADER + elems
-    timings = []
+    dp = Dataplane(SwitchConfig(elems=elems, slots=DEFAULT_SLOTS, burst=max(bursts)))
+    dp.world = 2
+    times = []
     for k in bursts:
-        dp = Dataplane(SwitchConfig(elems=elems, slots=DEFAULT_SLOTS, burst=max(bursts)))   # (a program each)
-        dp.world = 2
         # message m: k packets, workers 0 and 1 in turn, pair j on slot 1 + j of set m % 2 (each slot completes
         # once per message, the sets alternating as a job's do)
         tmpl = np.zeros((2, k, width), dtype=np.int32)
@@ -558,9 +557,8 @@ def switch_costs(quick: bool = False) -> dict:
         uc = np.empty_like(rows)
         scratch = np.empty(k, dtype=np.uint8)
         count = [0]
-        loops = max(1, 2048 // k)          # a message of a few packets is timed over several (an even count)
 
-        def message(k=k, dp=dp, tmpl=tmpl, rows=rows, uc=uc, scratch=scratch, count=count):
+        def message():
             np.copyto(rows, tmpl[count[0] % 2])
             count[0] += 1
             nmc, _, bad = dp.execute(rows, rows, uc, scratch, clear=True)
@@ -568,28 +566,21 @@ def switch_costs(quick: bool = False) -> dict:
                 raise RuntimeError(f"calibrate: the switch program completed {nmc} of {k // 2} slots ({bad} "
                                    f"malformed) of a message of {k} packets")
 
-        def refill(tmpl=tmpl, rows=rows, count=count):
+        def refill():
             np.copyto(rows, tmpl[count[0] % 2])
 
-        def many(fn, loops=loops):
+        loops = max(1, 2048 // k)          # a message of a few packets is timed over several
+
+        def many(fn=message):
             for _ in range(loops):
                 fn()
 
-        many(message)                      # the program compiled, the slots' sets in step
+        count[0] = 0
+        many()                             # the program compiled, the slots' sets in step
         if count[0] % 2:
             message()
-        timings.append((many, message, refill, loops))
-    # the sizes take turns repeat by repeat, each repeat's messages timed next to their refills (a change of the
-    # machine's state falls on every size and on both halves of each difference alike)
-    diffs: list[list[float]] = [[] for _ in bursts]
-    for _ in range(reps):
-        for (many, message, refill, loops), d in zip(timings, diffs):
-            t0 = time.thread_time()
-            many(message)
-            t1 = time.thread_time()
-            many(refill)
-            d.append(((t1 - t0) - (time.thread_time() - t1)) / loops)
-    times = [max(0.0, statistics.median(d)) for d in diffs]
+        t = _median_s(many, reps) - _median_s(lambda: many(refill), reps)
+        times.append(max(0.0, t) / loops)
     slope, intercept = np.polyfit(np.array(bursts, dtype=np.float64), np.array(times), 1)
     return {"switch_message_s": max(0.0, float(intercept)), "switch_packet_s": max(0.0, float(slope)),
             "switch_fit": {"elems": elems, "packets": list(bursts), "message_s": [float(t) for t in times]}}
