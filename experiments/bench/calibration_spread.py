@@ -1,6 +1,6 @@
 """How repeatable the calibration is: ``calibrate --no-netbed`` run several times, max/min per host constant.
 
-    python -m experiments.bench.calibration_spread --runs 3 --out-dir /tmp/spread          # this checkout
+    python -m experiments.bench.calibration_spread --runs 3 --out-dir /tmp/spread      # the checkout it runs in
     python -m experiments.bench.calibration_spread --runs 3 --out-dir /tmp/spread \
         --trees /path/to/old/checkout /path/to/new/checkout        # two versions, their runs taking turns
     python -m experiments.bench.calibration_spread --profiles a.json b.json c.json    # profiles already written
@@ -79,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.bench.calibration_spread",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int, default=3, help="calibrations per tree (default %(default)s)")
-    p.add_argument("--trees", nargs="+", type=Path, default=[Path(__file__).resolve().parents[2]],
-                   help="checkouts whose sparsecomm is calibrated, taking turns (default: this one)")
+    p.add_argument("--trees", nargs="+", type=Path, default=[Path(".")],
+                   help="checkouts whose sparsecomm is calibrated, taking turns (default: the current directory)")
     p.add_argument("--out-dir", type=Path, help="where the profiles are written (needed unless --profiles)")
     p.add_argument("--profiles", nargs="+", type=Path, help="compare these profiles; run nothing")
     args = p.parse_args(argv)
