@@ -6,7 +6,13 @@ models a run on this machine's hosts. Every measurement runs with one torch thre
 launched rank is given) and reports the median of its repeats. A kernel run in this process (every rate below
 but the message costs, ``span_block_s``, ``index_block_s`` and ``call_s``, which are timed over gloo between
 processes) is timed in the calling thread's CPU time (``time.thread_time``: on a quiet machine its wall time,
-on a loaded one without the time other processes hold the core):
+on a loaded one without the time other processes hold the core). A measurement made between processes (the
+message exchanges, the per-block, per-result, per-peer and per-call costs, the contention factors) is made in
+:data:`LAUNCHES` launches (the per-peer costs :data:`PEER_LAUNCHES`), one after the other, and takes the median
+over them of each launch's statistic: a launch's processes land on the cores as they happen to, and meet the page
+cache, Numba's compilations and gloo's first calls as they come, so that one launch's statistic moves from one
+calibration to the next far more than its own calls do. The profile's ``method`` records each launch's value
+(``launches_*``), the spread a reader weighs a constant by:
 
 - ``send_message_s``, ``recv_message_s``, ``send_byte_s``, ``recv_byte_s``: a message exchange over gloo on
   127.0.0.1 between two processes (:func:`sparsecomm.launch`, the TorchFabric's ``irecv``/``isend``: each
@@ -126,7 +132,7 @@ on a loaded one without the time other processes hold the core):
   nothing measured), each running :data:`CALLS` times a loop of :data:`SYNC_WORK_S` of one core's CPU work (a
   128 x 128 matrix product, repeated) and a ``native`` call of :data:`CALL_ELEMS_OF`'s size, the pattern of a
   training step's compressor between its calls; per rank the loop's mean time, the mean over the ranks, the
-  median over :data:`SYNC_LAUNCHES` launches, less the same loop modelled on the SimFabric (its work stretched by
+  median over :data:`LAUNCHES` launches, less the same loop modelled on the SimFabric (its work stretched by
   the share, :meth:`~.sim_host.HostModel.sharing`, the call as ``ring`` charged ``native``'s ``call_s`` with every
   rate above), divided by the share above 1, at least 0. It needs the processes' own load and none other: run
   it on a quiet machine (``python -m sparsecomm.netbed.calibrate --sync-into P --out Q`` measures it alone, with
@@ -199,12 +205,10 @@ PEER_CALLS = ("omnireduce", "allgather")
 #: the workers of the larger launch of the per-peer timing (the smaller has 2, as ``call_s``'s)
 PEER_WORKERS = 4
 #: launches of each size of the per-peer timing, taking turns, quick and full
-PEER_LAUNCHES = {True: 1, False: 2}
+PEER_LAUNCHES = {True: 1, False: 3}
 #: single-core CPU seconds of work before each call of the sync timing (``sync_s``): a few of the scheduler's slices
 #: (Linux's base slice is 0.75 ms x (1 + log2 cores), up to 8 cores)
 SYNC_WORK_S = 0.004
-#: launches of the sync timing, quick and full: the median over them
-SYNC_LAUNCHES = {True: 1, False: 3}
 #: float32 elements of a call of the per-call timing (64 OmniReduce blocks, 16 of the switch's packets)
 CALL_ELEMS = 1 << 14
 #: the transports whose per-call timing takes another size than :data:`CALL_ELEMS`: ``native``, the smallest
@@ -257,6 +261,26 @@ KERNEL_ELEMS = 16
 MOVE_ELEMS = {True: 1 << 18, False: 1 << 24}
 
 
+#: launches of each measurement made between processes (the message exchanges, OmniReduce's per-block and the sparse
+#: switch's per-result fits, the per-call costs, the kernels' contention; the per-peer costs have
+#: :data:`PEER_LAUNCHES`), quick and full. Each launch places its processes on the cores afresh and meets the page
+#: cache, Numba's and gloo's first calls as they come, so that one launch's statistic moves from one calibration to
+#: the next by more than its own calls spread: the profile takes the median over the launches of each launch's
+#: statistic, and records every launch's (``method``)
+LAUNCHES = {True: 1, False: 3}
+#: rounds of method ``ef`` per timing of ``kernel_call_s`` (a round takes some 10 us: a timing of a few is as
+#: coarse as the machine's scheduling)
+KERNEL_ROUNDS = 50
+
+
+def _launches(fn: Callable, n: int, count: int, **kw) -> list:
+    """``count`` launches of ``fn`` on ``n`` processes (:func:`sparsecomm.launch` with ``kw``), one after the
+    other: each launch's list of its ranks' results."""
+    from .. import launch
+
+    return [launch(fn, n, **kw) for _ in range(count)]
+
+
 def _median_s(fn: Callable[[], object], repeats: int) -> float:
     """Median seconds of ``fn()`` over ``repeats`` runs, after one run to warm up, in the calling thread's CPU
     time (module docstring: ``fn`` runs on this thread alone)."""
@@ -291,7 +315,10 @@ def _exchanges(ctx, sizes: tuple[int, ...], rounds: int) -> list[tuple[float, fl
         return times, statistics.median(cpu)
 
     rounds_of(sizes[0], max(10, rounds // 2))       # warm-up: connections, the fabric's helper threads
-    runs = [rounds_of(size, rounds) for size in sizes]
+    runs = []
+    for size in sizes:
+        rounds_of(size, max(2, rounds // 20))       # (and each size's: its buffers' first copies)
+        runs.append(rounds_of(size, rounds))
     mine = torch.tensor([r[0] for r in runs], dtype=torch.float64)
     cpu = torch.tensor([r[1] for r in runs], dtype=torch.float64)
     if ctx.rank == 1:
@@ -307,12 +334,13 @@ def _exchanges(ctx, sizes: tuple[int, ...], rounds: int) -> list[tuple[float, fl
 
 def message_costs(quick: bool = False) -> dict:
     """The per-message and per-byte costs of a gloo loopback exchange (module docstring): the four rates, the
-    tables by size (``message_cpu_s``, ``message_wait_s``) and the measurements they were fitted to."""
-    from .. import launch
-
+    tables by size (``message_cpu_s``, ``message_wait_s``) and the measurements they were fitted to: per size the
+    median over :data:`LAUNCHES` launches of each launch's (``launches_exchange_s``, ``launches_exchange_cpu_s``)."""
     sizes = MESSAGE_SIZES[quick]
     fn = functools.partial(_exchanges, sizes=sizes, rounds=ROUNDS[quick])
-    measured = launch(fn, 2, backend="gloo", timeout_s=120.0)[0]
+    runs = [r[0] for r in _launches(fn, 2, LAUNCHES[quick], backend="gloo", timeout_s=120.0)]
+    measured = [(statistics.median(r[i][0] for r in runs), statistics.median(r[i][1] for r in runs))
+                for i in range(len(sizes))]
     exchange = np.array([m[0] for m in measured])
     cpu = [min(m[1], m[0]) for m in measured]       # (CPU beyond the exchange's wall: its threads in parallel)
     slope, intercept = np.polyfit(np.array(sizes, dtype=np.float64), exchange, 1)
@@ -322,7 +350,9 @@ def message_costs(quick: bool = False) -> dict:
             "message_wait_s": {n: float(max(0.0, w - c)) for n, w, c in zip(sizes, exchange, cpu)},
             "fit": {"sizes": list(sizes), "exchange_s": [float(x) for x in exchange],
                     "exchange_cpu_s": [float(m[1]) for m in measured],
-                    "intercept_s": float(intercept), "slope_s_per_byte": float(slope)}}
+                    "intercept_s": float(intercept), "slope_s_per_byte": float(slope),
+                    "launches_exchange_s": [[float(m[0]) for m in r] for r in runs],
+                    "launches_exchange_cpu_s": [[float(m[1]) for m in r] for r in runs]}}
 
 
 def kernel_costs(quick: bool = False) -> dict:
@@ -456,7 +486,7 @@ def codec_costs(quick: bool = False) -> dict:
         ef.decode(payload.values, 1, st)
 
     calls = ef.work("encode", st, KERNEL_ELEMS)["kernel"] + ef.work("decode", st, KERNEL_ELEMS)["kernel"]
-    kernel = _median_s(lambda: [round_() for _ in range(10)], reps) / (10 * calls)
+    kernel = _median_s(lambda: [round_() for _ in range(KERNEL_ROUNDS)], reps) / (KERNEL_ROUNDS * calls)
     return {"elementwise_element_s": elementwise, "select_element_s": select, "sample_element_s": sample,
             "matmul_mac_s": matmul, "matmul_t_mac_s": matmul_t, "matmul_outer_mac_s": matmul_outer,
             "kernel_call_s": kernel}
@@ -496,19 +526,25 @@ def _time_products(ctx, quick: bool) -> dict[str, list[tuple[float, float]]]:
 
 def contention_costs(quick: bool = False) -> dict:
     """``codec_contention`` (module docstring): per operation of :data:`CONTENDED_OPS`, its kernel timed with
-    every core busy over the same timed alone, at least 1, and the measurements; ``{}`` on one core."""
-    from .. import launch
-
+    every core busy over the same timed alone, at least 1, and the measurements; ``{}`` on one core. The rounds
+    of :data:`LAUNCHES` launches are pooled (``alone_s``, ``together_s``: launch after launch), each launch's own
+    factor recorded (``launches_factor``)."""
     cores = os.cpu_count() or 1
     if cores < 2:
         return {"codec_contention": {}, "contention_fit": {"cores": cores}}
-    ranks = launch(functools.partial(_time_products, quick=quick), cores, backend="gloo", timeout_s=300.0)
-    factors, fit = {}, {"cores": cores}
+    runs = _launches(functools.partial(_time_products, quick=quick), cores, LAUNCHES[quick], backend="gloo",
+                     timeout_s=300.0)
+    factors, fit = {}, {"cores": cores, "launches": len(runs)}
     for op in CONTENDED_OPS:
-        alone = [a for a, _ in ranks[0][op]]
-        together = [statistics.median(r[op][i][1] for r in ranks) for i in range(len(alone))]
+        alone, together, each = [], [], []
+        for ranks in runs:
+            a = [v for v, _ in ranks[0][op]]
+            t = [statistics.median(r[op][i][1] for r in ranks) for i in range(len(a))]
+            alone += a
+            together += t
+            each.append(statistics.median(t) / statistics.median(a))
         factors[op] = max(1.0, statistics.median(together) / statistics.median(alone))
-        fit[op] = {"alone_s": alone, "together_s": together}
+        fit[op] = {"alone_s": alone, "together_s": together, "launches_factor": each}
     return {"codec_contention": factors, "contention_fit": fit}
 
 
@@ -628,47 +664,26 @@ def call_input(name: str, numel: int, rank: int):
     return torch.ones(numel)
 
 
-def _time_calls(ctx, names: tuple[str, ...], numel: int, calls: int,
-                numel_of: dict | None = None) -> dict[str, list[float]]:
+def _clocked_calls(ctx, names: tuple[str, ...], numel: int, calls: int, numel_of: dict | None = None,
+                   clock: str = "wall") -> dict[str, list[float]]:
     """Every rank: per transport of ``names``, the time of each of ``calls`` calls on :func:`call_input` of
     ``numel`` (``numel_of[name]`` where given; after two untimed), each after a barrier (``native`` is ``ring``
-    on a modelled fabric)."""
+    on a modelled fabric). ``clock``: ``"wall"``, the fabric's clock (:func:`_timed_call`); ``"cpu"``, this
+    process's CPU time (``time.process_time``, its threads together); on a modelled fabric either is its clock."""
     import sparsecomm.transports as transports
 
+    if clock not in ("wall", "cpu"):
+        raise ValueError(f"clock must be 'wall' or 'cpu', got {clock!r}")
     torch.set_num_threads(1)
     f = ctx.fabric
+    now = time.process_time if clock == "cpu" and not f.modelled_time else f.now
     out = {}
     for name in names:
         t = transports.get("ring" if name == "native" and f.modelled_time else name, f)
         x0 = call_input(name, (numel_of or {}).get(name, numel), ctx.rank)
         for _ in range(2):          # (untimed)
             _timed_call(f, t, x0)
-        out[name] = [_timed_call(f, t, x0) for _ in range(calls)]
-    return out
-
-
-def _cpu_calls(ctx, names: tuple[str, ...], numel: int, calls: int) -> dict[str, list[float]]:
-    """:func:`_time_calls`, each call timed in this process's CPU time (``time.process_time``; on a modelled
-    fabric, its clock)."""
-    import sparsecomm.transports as transports
-
-    torch.set_num_threads(1)
-    f = ctx.fabric
-    clock = f.now if f.modelled_time else time.process_time
-    out = {}
-    for name in names:
-        t = transports.get(name, f)
-        x0 = call_input(name, numel, ctx.rank)
-        for _ in range(2):          # (untimed)
-            _timed_call(f, t, x0)
-        took = []
-        for _ in range(calls):
-            x = x0.clone() if isinstance(x0, torch.Tensor) else x0
-            f.barrier()
-            t0 = clock()
-            t.allreduce(x)
-            took.append(clock() - t0)
-        out[name] = took
+        out[name] = [_timed_call(f, t, x0, now) for _ in range(calls)]
     return out
 
 
@@ -725,14 +740,15 @@ def _sync_loop(ctx, numel: int, calls: int, reps: int, work_s: float) -> float:
     return (f.now() - t0) / calls
 
 
-def _timed_call(f, t, x0) -> float:
+def _timed_call(f, t, x0, clock: Callable[[], float] | None = None) -> float:
     """The time of one ``t.allreduce`` of a copy of ``x0`` (a tensor; a payload as it is) after a barrier, on
-    ``f``'s clock."""
+    ``clock`` (default ``f``'s clock)."""
+    clock = f.now if clock is None else clock
     x = x0.clone() if isinstance(x0, torch.Tensor) else x0
     f.barrier()
-    t0 = f.now()
+    t0 = clock()
     t.allreduce(x)
-    return f.now() - t0
+    return clock() - t0
 
 
 def block_sparse(numel: int, density: float, seed: int, block: int = BLOCK) -> torch.Tensor:
@@ -789,7 +805,8 @@ def fit_nonnegative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 def block_costs(host: HostModel, quick: bool = False, points: tuple | None = None) -> dict:
     """``span_block_s`` and ``index_block_s`` (module docstring), with the measurements fitted (``block_fit``:
-    the points, the measured and modelled times, the blocks each rate charges per point and the intercept).
+    the points, the measured and modelled times, the blocks each rate charges per point and the intercept; a
+    point's measured time the median over :data:`LAUNCHES` launches of each launch's, ``launches_s``).
     ``points``: ``(numel, density)`` pairs (a multiple of :data:`BLOCK` each; default :data:`BLOCK_POINTS`)."""
     import dataclasses
 
@@ -799,8 +816,10 @@ def block_costs(host: HostModel, quick: bool = False, points: tuple | None = Non
     points = BLOCK_POINTS[quick] if points is None else tuple(points)
     calls, cores = CALLS[quick], os.cpu_count() or 1
     slowest = lambda runs, i, count: statistics.median(max(r[i][j] for r in runs) for j in range(count))  # noqa: E731
-    real = launch(functools.partial(_time_points, points=points, calls=calls), 2, backend="gloo", timeout_s=300.0)
-    measured = [slowest(real, i, calls) for i in range(len(points))]
+    runs = _launches(functools.partial(_time_points, points=points, calls=calls), 2, LAUNCHES[quick],
+                     backend="gloo", timeout_s=300.0)
+    each = [[slowest(real, i, calls) for i in range(len(points))] for real in runs]
+    measured = [statistics.median(e[i] for e in each) for i in range(len(points))]
     modelled = {}
     for rate in ("", "span_block_s", "index_block_s"):   # (modelled calls repeat exactly: one is timed)
         h = dataclasses.replace(host, **({rate: PROBE_S} if rate else {})).sharing(2, cores)
@@ -813,7 +832,8 @@ def block_costs(host: HostModel, quick: bool = False, points: tuple | None = Non
     return {"span_block_s": float(span), "index_block_s": float(index),
             "block_fit": {"points": [list(p) for p in points], "block": BLOCK, "measured_s": measured,
                           "modelled_s": [float(v) for v in base], "span_blocks": counts[:, 0].tolist(),
-                          "index_blocks": counts[:, 1].tolist(), "intercept_s": float(c)}}
+                          "index_blocks": counts[:, 1].tolist(), "intercept_s": float(c),
+                          "launches_s": each}}
 
 
 def _time_sparse_switch(ctx, points: tuple, calls: int) -> list[list[float]]:
@@ -837,7 +857,7 @@ def _time_sparse_switch(ctx, points: tuple, calls: int) -> list[list[float]]:
 def sparse_switch_round_costs(host: HostModel, quick: bool = False) -> dict:
     """``sparse_switch_round_s`` (module docstring), with the measurements fitted (``sparse_switch_round_fit``:
     the points, the measured and modelled times, the results each point's critical path charges, the
-    intercept)."""
+    intercept; a point's measured time the median over :data:`LAUNCHES` launches of each launch's, ``launches_s``)."""
     import dataclasses
 
     from .. import launch
@@ -847,9 +867,10 @@ def sparse_switch_round_costs(host: HostModel, quick: bool = False) -> dict:
     cores = os.cpu_count() or 1
     slowest = lambda runs, i, count: statistics.median(max(r[i][j] for r in runs) for j in range(count))  # noqa: E731
     fn = functools.partial(_time_sparse_switch, points=points)
-    real = launch(functools.partial(fn, calls=calls), 2, backend="gloo", services=["sparse-switch"],
-                  timeout_s=300.0)
-    measured = [slowest(real, i, calls) for i in range(len(points))]
+    runs = _launches(functools.partial(fn, calls=calls), 2, LAUNCHES[quick], backend="gloo",
+                     services=["sparse-switch"], timeout_s=300.0)
+    each = [[slowest(real, i, calls) for i in range(len(points))] for real in runs]
+    measured = [statistics.median(e[i] for e in each) for i in range(len(points))]
     modelled = {}
     for rate in (0.0, PROBE_S):     # (modelled calls repeat exactly: one is timed)
         h = dataclasses.replace(host, sparse_switch_round_s=rate).sharing(3, cores)
@@ -861,7 +882,7 @@ def sparse_switch_round_costs(host: HostModel, quick: bool = False) -> dict:
     return {"sparse_switch_round_s": float(rate),
             "sparse_switch_round_fit": {"points": [list(p) for p in points], "measured_s": measured,
                                         "modelled_s": modelled[0.0].tolist(), "results": counts.tolist(),
-                                        "intercept_s": float(c)}}
+                                        "intercept_s": float(c), "launches_s": each}}
 
 
 def _netbed_latency(ctx, rounds: int) -> float:
@@ -901,7 +922,7 @@ def peer_call_costs(host: HostModel, quick: bool = False) -> dict:
     from ..fabric.sim.sim_network import Network
 
     calls = CALLS[quick]
-    fn = functools.partial(_cpu_calls, names=PEER_CALLS, numel=CALL_ELEMS, calls=calls)
+    fn = functools.partial(_clocked_calls, names=PEER_CALLS, numel=CALL_ELEMS, calls=calls, clock="cpu")
     bare = dataclasses.replace(host, call_s={k: v for k, v in host.call_s.items() if k not in PEER_CALLS},
                                call_peer_s={}, cpu_share=1.0, cpu_share_by_endpoint={})
     sizes = (2, PEER_WORKERS)
@@ -919,7 +940,8 @@ def peer_call_costs(host: HostModel, quick: bool = False) -> dict:
         for name in PEER_CALLS:
             real_s, model_s = statistics.median(measured[n, name]), statistics.mean(r[name][0] for r in sim)
             residual[n, name] = real_s - model_s
-            fit[name][str(n)] = {"measured_cpu_s": real_s, "modelled_s": model_s}
+            fit[name][str(n)] = {"measured_cpu_s": real_s, "modelled_s": model_s,
+                                 "launches_cpu_s": list(measured[n, name])}
     out = {}
     for name in PEER_CALLS:
         out[name] = max(0.0, (residual[PEER_WORKERS, name] - residual[2, name]) / (PEER_WORKERS - 2))
@@ -943,7 +965,7 @@ def sync_costs(host: HostModel, quick: bool = False) -> dict:
     numel = CALL_ELEMS_OF.get("native", CALL_ELEMS)
     fn = functools.partial(_sync_loop, numel=numel, calls=CALLS[quick], reps=reps, work_s=work_s)
     per_launch = [statistics.mean(launch(fn, n, backend="gloo", timeout_s=300.0))
-                  for _ in range(SYNC_LAUNCHES[quick])]
+                  for _ in range(LAUNCHES[quick])]
     model = dataclasses.replace(shared, sync_s=0.0, call_s={**shared.call_s, "ring": shared.call_s.get("native", 0.0)})
     modelled = statistics.mean(launch(fn, n, network=Network(bandwidth_gbps=1e4, latency_us=0.0, host=model)))
     measured = statistics.median(per_launch)
@@ -975,22 +997,24 @@ def sync_into(path: str | Path, quick: bool = False) -> dict:
 
 def call_costs(host: HostModel, quick: bool = False) -> dict:
     """``call_s`` (module docstring): per transport, the measured loopback call less the modelled one, with
-    the measurements."""
+    the measurements (the measured call the median over :data:`LAUNCHES` launches of each launch's median,
+    ``launches_s``)."""
     from .. import launch
     from ..fabric.sim.sim_network import Network
 
     calls, cores = CALLS[quick], os.cpu_count() or 1
+    slowest = lambda runs, name: statistics.median(max(r[name][i] for r in runs) for i in range(calls))  # noqa: E731
     out, fit = {}, {}
     for services, names in CALL_GROUPS.items():
-        fn = functools.partial(_time_calls, names=names, numel=CALL_ELEMS, calls=calls, numel_of=CALL_ELEMS_OF)
-        real = launch(fn, 2, backend="gloo", services=list(services), timeout_s=120.0)
+        fn = functools.partial(_clocked_calls, names=names, numel=CALL_ELEMS, calls=calls, numel_of=CALL_ELEMS_OF)
+        runs = _launches(fn, 2, LAUNCHES[quick], backend="gloo", services=list(services), timeout_s=120.0)
         net = Network(bandwidth_gbps=1e4, latency_us=0.0, host=host.sharing(2 + len(services), cores))
         sim = launch(fn, 2, network=net)
         for name in names:
-            measured = statistics.median(max(r[name][i] for r in real) for i in range(calls))
-            modelled = statistics.median(max(r[name][i] for r in sim) for i in range(calls))
+            each = [slowest(real, name) for real in runs]
+            measured, modelled = statistics.median(each), slowest(sim, name)
             out[name] = max(0.0, measured - modelled)
-            fit[name] = {"measured_s": measured, "modelled_s": modelled}
+            fit[name] = {"measured_s": measured, "modelled_s": modelled, "launches_s": each}
     return {"call_s": out, "call_fit": fit}
 
 
@@ -1052,6 +1076,7 @@ def calibrate(quick: bool = False, netbed_gbps: float | None = NETBED_GBPS) -> d
               "elements": ELEMENTS[quick], "message_fit": fit, "switch_fit": switch_fit,
               "sparse_switch_fit": sparse_switch_fit, "fresh_fit": fresh_fit,
               "block_fit": block_fit, "sparse_switch_round_fit": round_fit,
+              "launches": LAUNCHES[quick], "peer_launches": PEER_LAUNCHES[quick],
               "call_elems": CALL_ELEMS, "call_elems_of": dict(CALL_ELEMS_OF), "calls": CALLS[quick],
               "call_fit": call_fit, "sync_fit": sync_fit,
               "contention_fit": contention_fit,

@@ -696,7 +696,13 @@ def test_calibrate_command_writes_a_loadable_profile(tmp_path, capsys):
     # noise, so it may be fitted at 0 as any other)
     calls, call_fit = host["call_s"]["value"], method["call_fit"]
     assert set(call_fit) == set(calls)
+    import statistics
+
+    from sparsecomm.netbed.calibrate import LAUNCHES, PEER_LAUNCHES
+    assert (method["launches"], method["peer_launches"]) == (LAUNCHES[True], PEER_LAUNCHES[True])
     for name, v in calls.items():
+        each = call_fit[name]["launches_s"]        # (the measured call: the median of each launch's)
+        assert len(each) == LAUNCHES[True] and call_fit[name]["measured_s"] == statistics.median(each)
         assert v == max(0.0, call_fit[name]["measured_s"] - call_fit[name]["modelled_s"])
         assert call_fit[name]["measured_s"] > 0 and call_fit[name]["modelled_s"] > 0
     # the kernels' slowdown with every core busy: per operation, the median at once over the median alone, >= 1
@@ -1281,6 +1287,49 @@ def test_calibrate_times_natives_call_on_gloos_all_reduce(monkeypatch):
     assert seen and all(v == {cal.CALL_ELEMS} for v in seen.values())
 
 
+def test_calibrate_takes_the_median_over_launches(monkeypatch):
+    """A measurement made between processes is made in LAUNCHES launches and takes the median over them of each
+    launch's statistic, every launch's recorded: one launch whose processes landed badly (here ten times slower)
+    moves nothing. (The launches are injected: what is checked is what the calibration makes of them.)"""
+    from sparsecomm.netbed import calibrate as cal
+
+    monkeypatch.setitem(cal.LAUNCHES, True, 3)
+    sizes = cal.MESSAGE_SIZES[True]
+    line = lambda scale: [(scale * (1e-4 + n * 1e-9), scale * 5e-5) for n in sizes]  # noqa: E731
+    scripted = iter([line(10.0), line(1.0), line(1.1)])    # rank 0's (exchange, cpu) per size, launch by launch
+    launched = []
+
+    def fake_exchanges(fn, n, backend=None, timeout_s=None, **kw):
+        launched.append((n, backend))
+        return [next(scripted), []]
+
+    monkeypatch.setattr(sc, "launch", fake_exchanges)
+    got = cal.message_costs(quick=True)
+    assert launched == [(2, "gloo")] * 3
+    assert got["fit"]["exchange_s"] == pytest.approx([t for t, _ in line(1.1)], rel=1e-12)
+    assert got["fit"]["launches_exchange_s"] == [[t for t, _ in line(k)] for k in (10.0, 1.0, 1.1)]
+    assert got["send_message_s"] == pytest.approx(1.1 * 1e-4 / 2, rel=1e-6)
+    assert got["message_cpu_s"] == {n: pytest.approx(1.1 * 5e-5, rel=1e-12) for n in sizes}
+
+    # call_s: per transport the median over launches of each launch's median call, less the modelled call
+    monkeypatch.undo()
+    monkeypatch.setitem(cal.LAUNCHES, True, 3)
+    real_launch = sc.launch
+    per_launch = iter([1.0, 0.01, 0.02] * len(cal.CALL_GROUPS))
+
+    def fake_calls(fn, n, backend=None, timeout_s=None, network=None, services=None, **kw):
+        if network is not None:         # (the modelled call: run as it is)
+            return real_launch(fn, n, network=network, services=services, **kw)
+        took = next(per_launch)
+        return [{name: [took] * fn.keywords["calls"] for name in fn.keywords["names"]} for _ in range(n)]
+
+    monkeypatch.setattr(sc, "launch", fake_calls)
+    got = cal.call_costs(HostModel(), quick=True)
+    for name, fit in got["call_fit"].items():
+        assert fit["launches_s"] == [1.0, 0.01, 0.02] and fit["measured_s"] == 0.02
+        assert got["call_s"][name] == max(0.0, 0.02 - fit["modelled_s"])
+
+
 def test_fit_nonnegative_fits_exactly_and_drops_a_negative_rate():
     from sparsecomm.netbed.calibrate import fit_nonnegative
 
@@ -1297,7 +1346,9 @@ def test_fit_nonnegative_fits_exactly_and_drops_a_negative_rate():
 
 @pytest.mark.multiprocess
 def test_calibrate_fits_omnireduce_blocks_on_real_calls():
-    from sparsecomm.netbed.calibrate import BLOCK, block_costs
+    import statistics
+
+    from sparsecomm.netbed.calibrate import BLOCK, LAUNCHES, block_costs
 
     points = ((1 << 14, 0.25), (1 << 16, 0.25), (1 << 16, 0.75))
     out = block_costs(HostModel(send_message_s=1e-5, recv_message_s=1e-5), quick=True, points=points)
@@ -1305,8 +1356,12 @@ def test_calibrate_fits_omnireduce_blocks_on_real_calls():
     assert all(isinstance(out[k], float) and math.isfinite(out[k]) and out[k] >= 0
                for k in ("span_block_s", "index_block_s"))
     fit = out["block_fit"]
-    assert set(fit) == {"points", "block", "measured_s", "modelled_s", "span_blocks", "index_blocks", "intercept_s"}
+    assert set(fit) == {"points", "block", "measured_s", "modelled_s", "span_blocks", "index_blocks", "intercept_s",
+                        "launches_s"}
     assert fit["points"] == [list(p) for p in points] and fit["block"] == BLOCK
+    # (each point's measured time: the median over the launches of each launch's)
+    assert len(fit["launches_s"]) == LAUNCHES[True] and all(len(e) == len(points) for e in fit["launches_s"])
+    assert fit["measured_s"] == [statistics.median(e[i] for e in fit["launches_s"]) for i in range(len(points))]
     assert all(m > 0 for m in fit["measured_s"]) and all(m > 0 for m in fit["modelled_s"])
     # the blocks each rate charges on the modelled call's critical path: every worker spans the whole tensor
     assert fit["span_blocks"] == pytest.approx([n / BLOCK for n, _ in points], rel=1e-6)
