@@ -169,6 +169,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ..errors import InvalidValueError
 from ..fabric.sim.sim_host import SUM_DTYPES, HostModel
 from ..fabric.sim.sim_profile import host_from_profile, load_profile, profile_dict
 from ..transports.native.collectives import GATHER_SUM_BYTES
@@ -673,7 +674,7 @@ def _clocked_calls(ctx, names: tuple[str, ...], numel: int, calls: int, numel_of
     import sparsecomm.transports as transports
 
     if clock not in ("wall", "cpu"):
-        raise ValueError(f"clock must be 'wall' or 'cpu', got {clock!r}")
+        raise InvalidValueError(f"clock must be 'wall' or 'cpu', got {clock!r}")
     torch.set_num_threads(1)
     f = ctx.fabric
     now = time.process_time if clock == "cpu" and not f.modelled_time else f.now
