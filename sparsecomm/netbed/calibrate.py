@@ -282,6 +282,18 @@ def _launches(fn: Callable, n: int, count: int, **kw) -> list:
     return [launch(fn, n, **kw) for _ in range(count)]
 
 
+def _slowest(ranks: list, i: int, count: int) -> float:
+    """Point ``i`` of one launch's ranks (each a list per point of ``count`` call times): the median over the calls
+    of the slowest rank's time."""
+    return statistics.median(max(r[i][j] for r in ranks) for j in range(count))
+
+
+def _points_over_launches(runs: list, points: int, calls: int) -> tuple[list[float], list[list[float]]]:
+    """Per point, the median over the launches ``runs`` of each launch's :func:`_slowest`; and each launch's."""
+    each = [[_slowest(ranks, i, calls) for i in range(points)] for ranks in runs]
+    return [statistics.median(e[i] for e in each) for i in range(points)], each
+
+
 def _median_s(fn: Callable[[], object], repeats: int) -> float:
     """Median seconds of ``fn()`` over ``repeats`` runs, after one run to warm up, in the calling thread's CPU
     time (module docstring: ``fn`` runs on this thread alone)."""
@@ -695,20 +707,13 @@ def _work(reps: int, a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def work_reps(work_s: float) -> tuple[int, float]:
-    """The repeats of :func:`_work` that take ``work_s`` of this thread's CPU time (``time.thread_time``, the median
+    """The repeats of :func:`_work` that take ``work_s`` of this thread's CPU time (:func:`_median_s`
     of :data:`REPEATS` timings of 50), and the CPU seconds they take."""
     torch.set_num_threads(1)
     a, b = torch.randn(128, 128), torch.randn(128, 128)
-    _work(20, a, b)
-    per = statistics.median(_thread_s(lambda: _work(50, a, b)) for _ in range(REPEATS[False])) / 50
+    per = _median_s(lambda: _work(50, a, b), REPEATS[False]) / 50
     reps = max(1, round(work_s / per))
     return reps, reps * per
-
-
-def _thread_s(fn: Callable[[], object]) -> float:
-    t0 = time.thread_time()
-    fn()
-    return time.thread_time() - t0
 
 
 def _sync_loop(ctx, numel: int, calls: int, reps: int, work_s: float) -> float:
@@ -816,17 +821,15 @@ def block_costs(host: HostModel, quick: bool = False, points: tuple | None = Non
 
     points = BLOCK_POINTS[quick] if points is None else tuple(points)
     calls, cores = CALLS[quick], os.cpu_count() or 1
-    slowest = lambda runs, i, count: statistics.median(max(r[i][j] for r in runs) for j in range(count))  # noqa: E731
     runs = _launches(functools.partial(_time_points, points=points, calls=calls), 2, LAUNCHES[quick],
                      backend="gloo", timeout_s=300.0)
-    each = [[slowest(real, i, calls) for i in range(len(points))] for real in runs]
-    measured = [statistics.median(e[i] for e in each) for i in range(len(points))]
+    measured, each = _points_over_launches(runs, len(points), calls)
     modelled = {}
     for rate in ("", "span_block_s", "index_block_s"):   # (modelled calls repeat exactly: one is timed)
         h = dataclasses.replace(host, **({rate: PROBE_S} if rate else {})).sharing(2, cores)
         sim = launch(functools.partial(_time_points, points=points, calls=1), 2,
                      network=Network(bandwidth_gbps=1e4, latency_us=0.0, host=h))
-        modelled[rate] = [slowest(sim, i, 1) for i in range(len(points))]
+        modelled[rate] = [_slowest(sim, i, 1) for i in range(len(points))]
     base = np.array(modelled[""])
     counts = np.column_stack([(np.array(modelled[r]) - base) / PROBE_S for r in ("span_block_s", "index_block_s")])
     c, span, index = fit_nonnegative(counts, np.array(measured) - base)
@@ -866,18 +869,16 @@ def sparse_switch_round_costs(host: HostModel, quick: bool = False) -> dict:
 
     points, calls = SPARSE_SWITCH_POINTS[quick], SPARSE_SWITCH_CALLS[quick]
     cores = os.cpu_count() or 1
-    slowest = lambda runs, i, count: statistics.median(max(r[i][j] for r in runs) for j in range(count))  # noqa: E731
     fn = functools.partial(_time_sparse_switch, points=points)
     runs = _launches(functools.partial(fn, calls=calls), 2, LAUNCHES[quick], backend="gloo",
                      services=["sparse-switch"], timeout_s=300.0)
-    each = [[slowest(real, i, calls) for i in range(len(points))] for real in runs]
-    measured = [statistics.median(e[i] for e in each) for i in range(len(points))]
+    measured, each = _points_over_launches(runs, len(points), calls)
     modelled = {}
     for rate in (0.0, PROBE_S):     # (modelled calls repeat exactly: one is timed)
         h = dataclasses.replace(host, sparse_switch_round_s=rate).sharing(3, cores)
         sim = launch(functools.partial(fn, calls=1), 2, services=["sparse-switch"],
                      network=Network(bandwidth_gbps=1e4, latency_us=0.0, host=h))
-        modelled[rate] = np.array([slowest(sim, i, 1) for i in range(len(points))])
+        modelled[rate] = np.array([_slowest(sim, i, 1) for i in range(len(points))])
     counts = (modelled[PROBE_S] - modelled[0.0]) / PROBE_S
     c, rate = fit_nonnegative(counts[:, None], np.array(measured) - modelled[0.0])
     return {"sparse_switch_round_s": float(rate),
