@@ -613,10 +613,10 @@ def _model_worker(ctx, task: Task, scheme: Scheme, steps: int, init: dict) -> li
     transport for dense payloads there, :func:`sparsecomm.pipeline.resolve.build_transport`; the SimFabric's
     default is ``ring``): ``native``'s model, :class:`~sparsecomm.transports.native.model.GlooRing` (gloo's
     segments, its messages at the host's native rates), in place as the hook's buckets are summed;
-    ``"optimizer"`` is :class:`~sparsecomm.DistributedOptimizer` itself. Backward and the update cost no modelled time (they are measured: ``compute_s``). The model starts
-    from ``init`` (its state dict, built once by the caller): the workers are threads of one process, and
-    ``task.build()`` seeds and draws from torch's global generator, which they would share in whatever order
-    the threads are scheduled in."""
+    ``"optimizer"`` is :class:`~sparsecomm.DistributedOptimizer` itself. Backward and the update cost no modelled
+    time (they are measured: ``compute_s``). The model starts from ``init`` (its state dict, built once by the
+    caller): the workers are threads of one process, and ``task.build()`` seeds and draws from torch's global
+    generator, which they would share in whatever order the threads are scheduled in."""
     torch.set_num_threads(1)
     model = task.build()
     model.load_state_dict(init)

@@ -701,8 +701,9 @@ def _clocked_calls(ctx, names: tuple[str, ...], numel: int, calls: int, numel_of
                    clock: str = "wall") -> dict[str, list[float]]:
     """Every rank: per transport of ``names``, the time of each of ``calls`` calls on :func:`call_input` of
     ``numel`` (``numel_of[name]`` where given; after two untimed), each after a barrier (``native`` is gloo's ring,
-    :class:`~sparsecomm.transports.native.model.GlooRing`, on a modelled fabric). ``clock``: ``"wall"``, the fabric's clock (:func:`_timed_call`); ``"cpu"``, this
-    process's CPU time (``time.process_time``, its threads together); on a modelled fabric either is its clock."""
+    :class:`~sparsecomm.transports.native.model.GlooRing`, on a modelled fabric). ``clock``: ``"wall"``, the
+    fabric's clock (:func:`_timed_call`); ``"cpu"``, this process's CPU time (``time.process_time``, its threads
+    together); on a modelled fabric either is its clock."""
     import sparsecomm.transports as transports
     from ..transports.native.model import GlooRing
 
