@@ -112,7 +112,6 @@ stopped short drawn hatched at its stopping time).
 from __future__ import annotations
 
 import csv
-import dataclasses
 import functools
 import math
 import os
@@ -582,17 +581,16 @@ def modelled_network(gbps: float, hosts: int, services: int, profile: str | None
     (:data:`experiments.bench.netbed_vs_sim.NETBED_LATENCY_US`), and the hosts: with ``profile`` (written by
     ``python -m sparsecomm.netbed calibrate --out host.json``) its calibrated :class:`~sparsecomm.HostModel`,
     shared by the ``hosts + services`` processes on this machine's cores (``HostModel.sharing``), a message's
-    bytes' host work beside the link (``Network.host_streams``, as ``netbed_vs_sim`` models the netbed), and
-    charging ``native``'s cost per call to the ``ring`` that models it; without one, the SimFabric's default host
-    (``host=None``: no host cost)."""
+    bytes' host work beside the link (``Network.host_streams``, as ``netbed_vs_sim`` models the netbed); without
+    one, the SimFabric's default host (``host=None``: no host cost). ``native``'s calls are modelled by gloo's ring
+    (:func:`_model_worker`)."""
     from .bench.netbed_vs_sim import NETBED_LATENCY_US
 
     link = dict(bandwidth_gbps=gbps, latency_us=NETBED_LATENCY_US, payload_fraction=TCP_OVER_ETHERNET)
     if profile is None:
         return sc.Network(**link)
     net = sc.Network.from_profile(profile, **link, host_streams=True)   # (the netbed's NICs stream a message's bytes)
-    host = net.host.sharing(hosts + services, os.cpu_count() or 1)
-    net.host = dataclasses.replace(host, call_s={**host.call_s, "ring": host.call_s.get("native", 0.0)})
+    net.host = net.host.sharing(hosts + services, os.cpu_count() or 1)
     return net
 
 
@@ -611,11 +609,14 @@ def _model_worker(ctx, task: Task, scheme: Scheme, steps: int, init: dict) -> li
     each step's ``(start, end)`` on the modelled clock. A ``"hook"`` scheme runs the DDP hook's own body
     (:meth:`sparsecomm.ddp.CommHookState.start_bucket`) on each of DDP's buckets (:func:`ddp_buckets`), every
     bucket started after backward and then waited for, in DDP's bucket order; stock DDP is the hook's plain
-    average on the ``ring`` (gloo's algorithm); ``"optimizer"`` is :class:`~sparsecomm.DistributedOptimizer`
-    itself. Backward and the update cost no modelled time (they are measured: ``compute_s``). The model starts
-    from ``init`` (its state dict, built once by the caller): the workers are threads of one process, and
-    ``task.build()`` seeds and draws from torch's global generator, which they would share in whatever order
-    the threads are scheduled in."""
+    average on gloo's ring all-reduce, and so is a hook whose calls go to ``native`` on the netbed (its default
+    transport for dense payloads there, :func:`sparsecomm.pipeline.resolve.build_transport`; the SimFabric's
+    default is ``ring``): ``native``'s model, :class:`~sparsecomm.transports.native.model.GlooRing` (gloo's
+    segments, its messages at the host's native rates), in place as the hook's buckets are summed;
+    ``"optimizer"`` is :class:`~sparsecomm.DistributedOptimizer` itself. Backward and the update cost no modelled
+    time (they are measured: ``compute_s``). The model starts from ``init`` (its state dict, built once by the
+    caller): the workers are threads of one process, and ``task.build()`` seeds and draws from torch's global
+    generator, which they would share in whatever order the threads are scheduled in."""
     torch.set_num_threads(1)
     model = task.build()
     model.load_state_dict(init)
@@ -625,9 +626,15 @@ def _model_worker(ctx, task: Task, scheme: Scheme, steps: int, init: dict) -> li
         opt = sc.DistributedOptimizer(inner, **options)
         average = None
     else:
+        from sparsecomm.transports.native.model import GlooRing
+
         if scheme.kind == "ddp":
             options = dict(compressor="none", transport="ring")
         state = sc.ddp.CommHookState(None, model=model, **options)
+        if ((scheme.kind == "ddp" or "transport" not in options) and state.pipeline.transport.name == "ring"
+                and state.pipeline.method.compressor.payload_kind == "dense"):     # (native on the netbed)
+            options = {**options, "transport": GlooRing(ctx.fabric, inplace=True)}
+            state = sc.ddp.CommHookState(None, model=model, **options)
         buckets = ddp_buckets(model)
         shaped = state.pipeline.method.uses_shapes
         opt = inner

@@ -48,8 +48,10 @@ What the loopback model assumes:
   message, the rate of 1 MiB, a further message of a burst), printed beside the same probe on the model:
   where they differ by one factor, the machine is that much slower than when it was calibrated; where by
   different factors, a rate of the profile is off for this load;
-- ``native`` is modelled as ``ring``'s messages with ``native``'s own per-call cost (as with ``--profile``
-  on the netbed, :func:`profile_network`);
+- ``native`` is modelled as gloo's ring all-reduce (:func:`model_transport`:
+  :class:`~sparsecomm.transports.native.model.GlooRing`, its segments of at most 1 MiB, two in flight, each message
+  charged the profile's native message rates, and ``native``'s own per-call cost), as with ``--profile`` on the
+  netbed;
 - the measured time of a call runs from each rank's own start after the barrier (the benchmark's), the
   modelled one from the last rank's start: the barrier's release skew (tens of microseconds unloaded) is in
   every measured time and in no modelled one.
@@ -75,7 +77,6 @@ skew's median.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import json
 import math
@@ -166,9 +167,7 @@ def _model_cases(ctx, cases: list, numel: int) -> list[tuple[float, float]]:
     f = ctx.fabric
     out = []
     for case in cases:
-        # native (gloo's ring all-reduce) is modelled as the library's ring: the same bytes, the same steps
-        t = (sc.transports.get("ring", f) if case.transport == "native"
-             else sc.transports.get(case.transport, f, **case.kwargs))
+        t = model_transport(f, case.transport, **case.kwargs)
         inputs = [block_sparse(numel, d, case.block, seed=1000 * ctx.rank + int(d * 1e4)) for d in case.densities]
         for timed in (False, True):
             for x0 in inputs:
@@ -179,6 +178,18 @@ def _model_cases(ctx, cases: list, numel: int) -> list[tuple[float, float]]:
                 if timed:
                     out.append((t0, f.now()))
     return out
+
+
+def model_transport(fabric, name: str, **kwargs):
+    """The transport ``name`` with ``kwargs`` on the modelled ``fabric``: ``native`` (``torch.distributed``'s,
+    which the SimFabric does not run) as its model, gloo's ring all-reduce
+    (:class:`~sparsecomm.transports.native.model.GlooRing`: gloo's segments, its messages charged the host's native
+    message rates, ``native``'s per-call cost); any other as it is."""
+    if name == "native":
+        from sparsecomm.transports.native.model import GlooRing
+
+        return GlooRing(fabric, **kwargs)
+    return sc.transports.get(name, fabric, **kwargs)
 
 
 def modelled_cases(workers: int, size_mb: float, cases: list, network: "sc.Network") -> list[float]:
@@ -198,13 +209,9 @@ def profile_network(profile: str, case, workers: int, cores: float, **wire) -> "
     """The network of ``case`` (:class:`.transports.Case`) modelled with the host ``profile``: ``wire``'s
     :class:`~sparsecomm.Network` fields, the profile's host model with the CPU share of the workers and the
     case's services (each a process, a switch too) on ``cores`` cores (:meth:`~sparsecomm.fabric.sim.sim_host.
-    HostModel.sharing`); ``native``, modelled as ``ring``'s messages, is charged ``native``'s own cost per
-    call."""
+    HostModel.sharing`; ``native`` is modelled by :func:`model_transport`)."""
     net = sc.Network.from_profile(profile, **wire)
-    host = net.host.sharing(workers + len(case.services), cores)
-    if case.transport == "native":
-        host = dataclasses.replace(host, call_s={**host.call_s, "ring": host.call_s.get("native", 0.0)})
-    net.host = host
+    net.host = net.host.sharing(workers + len(case.services), cores)
     return net
 
 
@@ -244,8 +251,8 @@ def compare_transports(workers: int, size_mb: float, gbps: float, names: list[st
     TCP framing), and, with ``profile`` (a host profile, ``python -m sparsecomm.netbed calibrate``), the link plus
     that host model, its CPU share the processes per core of the netbed (workers and services, on this machine's
     cores) and its wire latency the netbed's per-message latency the profile records (:func:`netbed_latency_us`;
-    ``native``, modelled as ``ring``, is charged ``native``'s cost per call; the hosts stream a message's bytes
-    beside the netbed's link, ``Network.host_streams``);
+    ``native`` modelled as gloo's ring, :func:`model_transport`; the hosts stream a message's bytes beside the
+    netbed's link, ``Network.host_streams``);
     ``link=False``: the host model only (the link model of a large switch call, one datagram per 64-value
     packet, takes many minutes)."""
     from . import transports as tb

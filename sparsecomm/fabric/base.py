@@ -49,6 +49,8 @@ Capabilities. Layers above ask a fabric what it can do, never which class it is:
   wake-ups), which a message of this size amortises; the fixed cost and what a longer message still
   gains: BENCHMARKS.md, "Transports on loopback". The defaults each transport derives from it: docs/transports.md,
   "Transports and their defaults".
+- ``native_messages()``: a context in which the endpoint's messages are those of the fabric's native collective
+  library (gloo's C++ ring), which a model of the hosts charges at its own rates; elsewhere nothing.
 - ``scratch``: a dict that lives and dies with this endpoint, where a layer above keeps its per-fabric
   state (a transport's caches) instead of a module-level dict keyed by fabric; ``world_scratch``: a
   dict shared by every endpoint of this job that lives in this process (the simulated world's; on a
@@ -57,8 +59,9 @@ Capabilities. Layers above ask a fabric what it can do, never which class it is:
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
-from typing import Callable, Generator, Sequence
+from typing import Callable, ContextManager, Generator, Sequence
 
 import torch
 
@@ -307,6 +310,17 @@ class Fabric(ABC):
         ``"sample"``, ``"matmul"``, ``"matmul_t"``, ``"kernel"``; :mod:`sparsecomm.fabric.sim.sim_host`).
         A no-op here and on real fabrics (the work took its real time); SimFabric with a host model
         advances the clock by the model's rate (:mod:`sparsecomm.fabric.sim.sim_host`)."""
+
+    def native_messages(self) -> ContextManager[None]:
+        """A context in which this endpoint's messages (those it sends and those it takes) are the messages of the
+        fabric's native collective library (gloo's ring all-reduce: C++ on gloo's own threads, no Python per
+        message), for a model of that collective written against this fabric
+        (:class:`sparsecomm.transports.native.model.GlooRing`): a fabric that models the hosts' CPU charges them
+        its model's native message rates (:meth:`sparsecomm.fabric.sim.sim_host.HostModel.native_messages`)
+        instead of its own. Here and on real fabrics it does nothing (a message took its real time). Every
+        message the endpoint sends or takes inside it is such a message: a transport enters it around its own
+        call's messages only."""
+        return contextlib.nullcontext()
 
     @abstractmethod
     def service(self, name: str, main: Callable[["Fabric"], None], **link) -> int:

@@ -107,6 +107,16 @@ calibration to the next far more than its own calls do. The profile's ``method``
   difference fitted by least squares as ``c + sparse_switch_round_s * R`` (``R``: the results charged on the
   modelled call's critical path, the call modelled again with the rate at :data:`PROBE_S`; ``c`` the per-call
   cost ``call_s`` then measures), the rate at least 0;
+- ``native_message_s``, ``native_byte_s``: the cost of a message of gloo's own ring all-reduce (C++ on gloo's
+  threads: no Python per message; :class:`~sparsecomm.transports.native.model.GlooRing` models its segments),
+  fitted on its own calls as ``span_block_s`` is: ``dist.all_reduce`` in place of each of :data:`NATIVE_POINTS`
+  float32 between two processes over gloo on 127.0.0.1, the sizes taking turns call by call, the median over calls
+  of the slowest rank's time, the median over :data:`LAUNCHES` launches; less the same calls modelled on the
+  SimFabric by the model of gloo's ring with every rate above and both native rates 0 (its sums at
+  ``sum_element_s``); the difference fitted by least squares as ``c + native_message_s * M + native_byte_s * B``
+  (``M`` and ``B``: the messages and bytes charged on the modelled call's critical path, the call modelled again
+  with each rate at a probe, :data:`NATIVE_PROBES`; ``c``, ``dist.all_reduce``'s own fixed cost, not kept: the
+  ``native`` transport's per call, ``call_s``, is measured with these rates in the model), the rates at least 0;
 - ``call_peer_s``: per transport of :data:`PEER_CALLS`, the part of a call's cost that grows with its workers
   (:mod:`~sparsecomm.fabric.sim.sim_host`: a call of ``n`` workers costs ``call_s + (n - 1) * call_peer_s``): calls
   as ``call_s``'s below, between 2 and between :data:`PEER_WORKERS` processes over gloo on 127.0.0.1, the two
@@ -125,7 +135,8 @@ calibration to the next far more than its own calls do. The profile's ``method``
   wire of its own, the hosts' copies are the per-byte rates; the processes sharing this machine's cores
   as :meth:`~.sim_host.HostModel.sharing` says): what a call costs beyond its messages, bytes, sums, scans
   and packets (and OmniReduce's blocks, with the two rates above) -- its Python, whatever its size (at least
-  0). ``native`` is modelled as ``ring`` (gloo's ring moves the same messages);
+  0). ``native`` is modelled as gloo's ring (:class:`~sparsecomm.transports.native.model.GlooRing`, its messages at
+  the native rates below): its ``call_s`` is the rest of a ``native`` call beyond gloo's own all-reduce;
 - ``sync_s`` (:func:`sync_costs`; :mod:`~sparsecomm.fabric.sim.sim_host`): the wait of a call for its last worker
   where the processes outnumber the cores, per call and per unit of share above 1: :data:`PEER_WORKERS` processes
   over gloo on 127.0.0.1 (more than this machine's cores where it has fewer; on as many cores or more, 0 and
@@ -133,8 +144,8 @@ calibration to the next far more than its own calls do. The profile's ``method``
   128 x 128 matrix product, repeated) and a ``native`` call of :data:`CALL_ELEMS_OF`'s size, the pattern of a
   training step's compressor between its calls; per rank the loop's mean time, the mean over the ranks, the
   median over :data:`LAUNCHES` launches, less the same loop modelled on the SimFabric (its work stretched by
-  the share, :meth:`~.sim_host.HostModel.sharing`, the call as ``ring`` charged ``native``'s ``call_s`` with every
-  rate above), divided by the share above 1, at least 0. It needs the processes' own load and none other: run
+  the share, :meth:`~.sim_host.HostModel.sharing`, the call as gloo's ring charged ``native``'s ``call_s`` with
+  every rate above), divided by the share above 1, at least 0. It needs the processes' own load and none other: run
   it on a quiet machine (``python -m sparsecomm.netbed.calibrate --sync-into P --out Q`` measures it alone, with
   the other rates of the profile ``P``, and writes ``P`` with it to ``Q``).
 
@@ -217,6 +228,15 @@ CALL_ELEMS = 1 << 14
 #: all-reduce (the path of every call the model's ``native``, ``ring``'s messages, stands for), not the
 #: ``all_gather`` and local sum of a call of at most that size
 CALL_ELEMS_OF = {"native": GATHER_SUM_BYTES // 4 + 1}
+#: float32 elements of the ``dist.all_reduce`` calls of the native message fit (``native_message_s``,
+#: ``native_byte_s``), quick and full. Between two processes gloo's ring cuts a call into 4 segments up to 4 MiB
+#: (16 KiB, 256 KiB, 1 MiB each here), beyond that into segments of 1 MiB, its longest (16 and 32 here): the messages
+#: of a call stay 4 while its bytes grow, then grow with them, and the change of the slope at 4 MiB is what tells the
+#: per-message rate from the per-byte one
+NATIVE_POINTS = {True: (GATHER_SUM_BYTES // 4 + 1, 1 << 18),
+                 False: (GATHER_SUM_BYTES // 4 + 1, 1 << 18, 1 << 20, 1 << 22, 1 << 23)}
+#: the rates with which the native message fit's calls are modelled again to count the messages and bytes they charge
+NATIVE_PROBES = {"native_message_s": 1e-6, "native_byte_s": 1e-12}
 #: the transports whose per-call cost is timed on a sparse payload, the kind they carry (a top-k 1%: its values and
 #: indices travel as two messages, which a dense call's one does not show)
 SPARSE_CALLS = ("allgather",)
@@ -680,10 +700,12 @@ def call_input(name: str, numel: int, rank: int):
 def _clocked_calls(ctx, names: tuple[str, ...], numel: int, calls: int, numel_of: dict | None = None,
                    clock: str = "wall") -> dict[str, list[float]]:
     """Every rank: per transport of ``names``, the time of each of ``calls`` calls on :func:`call_input` of
-    ``numel`` (``numel_of[name]`` where given; after two untimed), each after a barrier (``native`` is ``ring``
-    on a modelled fabric). ``clock``: ``"wall"``, the fabric's clock (:func:`_timed_call`); ``"cpu"``, this
-    process's CPU time (``time.process_time``, its threads together); on a modelled fabric either is its clock."""
+    ``numel`` (``numel_of[name]`` where given; after two untimed), each after a barrier (``native`` is gloo's ring,
+    :class:`~sparsecomm.transports.native.model.GlooRing`, on a modelled fabric). ``clock``: ``"wall"``, the
+    fabric's clock (:func:`_timed_call`); ``"cpu"``, this process's CPU time (``time.process_time``, its threads
+    together); on a modelled fabric either is its clock."""
     import sparsecomm.transports as transports
+    from ..transports.native.model import GlooRing
 
     if clock not in ("wall", "cpu"):
         raise InvalidValueError(f"clock must be 'wall' or 'cpu', got {clock!r}")
@@ -692,7 +714,7 @@ def _clocked_calls(ctx, names: tuple[str, ...], numel: int, calls: int, numel_of
     now = time.process_time if clock == "cpu" and not f.modelled_time else f.now
     out = {}
     for name in names:
-        t = transports.get("ring" if name == "native" and f.modelled_time else name, f)
+        t = GlooRing(f) if name == "native" and f.modelled_time else transports.get(name, f)
         x0 = call_input(name, (numel_of or {}).get(name, numel), ctx.rank)
         for _ in range(2):          # (untimed)
             _timed_call(f, t, x0)
@@ -718,13 +740,15 @@ def work_reps(work_s: float) -> tuple[int, float]:
 
 def _sync_loop(ctx, numel: int, calls: int, reps: int, work_s: float) -> float:
     """Every rank: the mean time of ``calls`` loops of :func:`_work` (``reps``) and a ``native`` call of ``numel``
-    float32 (``ring`` on a modelled fabric, where the work is ``work_s`` stretched by the endpoint's share of the
-    cores, its CPU factor), after two untimed loops and a barrier."""
+    float32 (gloo's ring, :class:`~sparsecomm.transports.native.model.GlooRing`, on a modelled fabric, where the
+    work is ``work_s`` stretched by the endpoint's share of the cores, its CPU factor), after two untimed loops and
+    a barrier."""
     import sparsecomm.transports as transports
+    from ..transports.native.model import GlooRing
 
     torch.set_num_threads(1)
     f = ctx.fabric
-    t = transports.get("ring" if f.modelled_time else "native", f)
+    t = GlooRing(f) if f.modelled_time else transports.get("native", f)
     x0 = call_input("native", numel, ctx.rank)
     a, b = torch.randn(128, 128), torch.randn(128, 128)
     if f.modelled_time:
@@ -887,6 +911,71 @@ def sparse_switch_round_costs(host: HostModel, quick: bool = False) -> dict:
                                         "intercept_s": float(c), "launches_s": each}}
 
 
+def _native_points(ctx, points: tuple, calls: int) -> list[list[float]]:
+    """Every rank: per float32 size of ``points``, the time of each of ``calls`` calls of ``dist.all_reduce`` in
+    place (after two untimed; the model of gloo's ring, in place and unchecked, on a modelled fabric), each after a
+    barrier on an input of ones, the sizes taking turns call by call (:func:`_time_points`)."""
+    from ..transports.native.model import GlooRing
+
+    torch.set_num_threads(1)
+    f = ctx.fabric
+    if f.modelled_time:
+        reduce = GlooRing(f, inplace=True, nonfinite="pass").allreduce
+    else:
+        import torch.distributed as dist
+
+        group = f.native_group
+
+        def reduce(x: torch.Tensor) -> None:
+            dist.all_reduce(x, group=group)
+    xs = [torch.ones(numel) for numel in points]
+    out: list[list[float]] = [[] for _ in points]
+    for i in range(calls + 2):
+        for x, times in zip(xs, out):
+            x.fill_(1.0)
+            f.barrier()
+            t0 = f.now()
+            reduce(x)
+            took = f.now() - t0
+            if i >= 2:
+                times.append(took)
+    return out
+
+
+def native_costs(host: HostModel, quick: bool = False, points: tuple | None = None) -> dict:
+    """``native_message_s`` and ``native_byte_s`` (module docstring), with the measurements fitted (``native_fit``:
+    the sizes, the measured and modelled times, the messages and bytes each rate charges per size and the
+    intercept; a size's measured time the median over :data:`LAUNCHES` launches of each launch's, ``launches_s``).
+    ``points``: float32 sizes (default :data:`NATIVE_POINTS`)."""
+    import dataclasses
+
+    from .. import launch
+    from ..fabric.sim.sim_network import Network
+
+    points = NATIVE_POINTS[quick] if points is None else tuple(points)
+    calls, cores = CALLS[quick], os.cpu_count() or 1
+    runs = _launches(functools.partial(_native_points, points=points, calls=calls), 2, LAUNCHES[quick],
+                     backend="gloo", timeout_s=300.0)
+    measured, each = _points_over_launches(runs, len(points), calls)
+    # (the all-reduce alone: no per-call cost of the transport, no wait for a last worker)
+    bare = dataclasses.replace(host, call_s={k: v for k, v in host.call_s.items() if k != "native"},
+                               call_peer_s={k: v for k, v in host.call_peer_s.items() if k != "native"}, sync_s=0.0)
+    modelled = {}
+    for rate in ("", *NATIVE_PROBES):      # (modelled calls repeat exactly: one is timed)
+        rates = {r: (NATIVE_PROBES[r] if r == rate else 0.0) for r in NATIVE_PROBES}
+        h = dataclasses.replace(bare, **rates).sharing(2, cores)
+        sim = launch(functools.partial(_native_points, points=points, calls=1), 2,
+                     network=Network(bandwidth_gbps=1e4, latency_us=0.0, host=h))
+        modelled[rate] = [_slowest(sim, i, 1) for i in range(len(points))]
+    base = np.array(modelled[""])
+    counts = np.column_stack([(np.array(modelled[r]) - base) / p for r, p in NATIVE_PROBES.items()])
+    c, message, byte = fit_nonnegative(counts, np.array(measured) - base)
+    return {"native_message_s": float(message), "native_byte_s": float(byte),
+            "native_fit": {"points": list(points), "measured_s": measured, "modelled_s": [float(v) for v in base],
+                           "messages": counts[:, 0].tolist(), "bytes": counts[:, 1].tolist(),
+                           "intercept_s": float(c), "launches_s": each}}
+
+
 def _netbed_latency(ctx, rounds: int) -> float:
     from ..fabric.probe import fabric_latency_s
 
@@ -968,7 +1057,7 @@ def sync_costs(host: HostModel, quick: bool = False) -> dict:
     fn = functools.partial(_sync_loop, numel=numel, calls=CALLS[quick], reps=reps, work_s=work_s)
     per_launch = [statistics.mean(launch(fn, n, backend="gloo", timeout_s=300.0))
                   for _ in range(LAUNCHES[quick])]
-    model = dataclasses.replace(shared, sync_s=0.0, call_s={**shared.call_s, "ring": shared.call_s.get("native", 0.0)})
+    model = dataclasses.replace(shared, sync_s=0.0)
     modelled = statistics.mean(launch(fn, n, network=Network(bandwidth_gbps=1e4, latency_us=0.0, host=model)))
     measured = statistics.median(per_launch)
     fit.update(work_s=work_s, work_reps=reps, numel=numel, calls=CALLS[quick], measured_s=measured,
@@ -1061,23 +1150,25 @@ def calibrate(quick: bool = False, netbed_gbps: float | None = NETBED_GBPS) -> d
         block_fit = blocks.pop("block_fit")
         rounds = sparse_switch_round_costs(HostModel(**messages, **kernels, **blocks), quick)
         round_fit = rounds.pop("sparse_switch_round_fit")
-        peers = peer_call_costs(HostModel(**messages, **kernels, **blocks, **rounds), quick)
+        natives = native_costs(HostModel(**messages, **kernels, **blocks, **rounds), quick)
+        native_fit = natives.pop("native_fit")
+        peers = peer_call_costs(HostModel(**messages, **kernels, **blocks, **rounds, **natives), quick)
         peer_fit = peers.pop("call_peer_fit")
-        calls = call_costs(HostModel(**messages, **kernels, **blocks, **rounds, **peers), quick)
+        calls = call_costs(HostModel(**messages, **kernels, **blocks, **rounds, **natives, **peers), quick)
         call_fit = calls.pop("call_fit")
-        sync = sync_costs(HostModel(**messages, **kernels, **blocks, **rounds, **peers, **calls), quick)
+        sync = sync_costs(HostModel(**messages, **kernels, **blocks, **rounds, **natives, **peers, **calls), quick)
         sync_fit = sync.pop("sync_fit")
         contention = contention_costs(quick)
         contention_fit = contention.pop("contention_fit")
         netbed = None if netbed_gbps is None else netbed_costs(netbed_gbps, quick)
     finally:
         torch.set_num_threads(threads)
-    host = HostModel(**messages, **kernels, **blocks, **rounds, **peers, **calls, **sync, **contention)
+    host = HostModel(**messages, **kernels, **blocks, **rounds, **natives, **peers, **calls, **sync, **contention)
     date = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()
     method = {"quick": bool(quick), "repeats": REPEATS[quick], "exchanges": ROUNDS[quick],
               "elements": ELEMENTS[quick], "message_fit": fit, "switch_fit": switch_fit,
               "sparse_switch_fit": sparse_switch_fit, "fresh_fit": fresh_fit,
-              "block_fit": block_fit, "sparse_switch_round_fit": round_fit,
+              "block_fit": block_fit, "sparse_switch_round_fit": round_fit, "native_fit": native_fit,
               "launches": LAUNCHES[quick], "peer_launches": PEER_LAUNCHES[quick],
               "call_elems": CALL_ELEMS, "call_elems_of": dict(CALL_ELEMS_OF), "calls": CALLS[quick],
               "call_fit": call_fit, "sync_fit": sync_fit,

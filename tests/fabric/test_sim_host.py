@@ -668,6 +668,18 @@ def test_calibrate_command_writes_a_loadable_profile(tmp_path, capsys):
     assert bf["intercept_s"] == pytest.approx(c, rel=1e-9, abs=1e-15)
     assert host["span_block_s"]["value"] == pytest.approx(span, rel=1e-9, abs=1e-15)
     assert host["index_block_s"]["value"] == pytest.approx(index, rel=1e-9, abs=1e-15)
+    # gloo's own messages: the non-negative fit of dist.all_reduce's measured calls less the modelled ones (gloo's ring,
+    # native rates 0) over the messages and bytes each charges (modelled again at a probe)
+    from sparsecomm.netbed.calibrate import NATIVE_POINTS
+    nf = method["native_fit"]
+    assert nf["points"] == list(NATIVE_POINTS[True]) and len(nf["launches_s"]) == method["launches"]
+    assert all(t > 0 for t in nf["measured_s"] + nf["modelled_s"])
+    assert all(k > 0 for k in nf["messages"]) and nf["bytes"] == sorted(nf["bytes"]) and nf["bytes"][0] > 0
+    c, message, byte = fit_nonnegative(np.column_stack([nf["messages"], nf["bytes"]]),
+                                       np.array(nf["measured_s"]) - np.array(nf["modelled_s"]))
+    assert nf["intercept_s"] == pytest.approx(c, rel=1e-9, abs=1e-15)
+    assert host["native_message_s"]["value"] == pytest.approx(message, rel=1e-9, abs=1e-15)
+    assert host["native_byte_s"]["value"] == pytest.approx(byte, rel=1e-9, abs=1e-15)
     # the sparse switch's workers' rate: the non-negative fit of measured less modelled over the results charged
     rf = method["sparse_switch_round_fit"]
     assert all(t > 0 for t in rf["measured_s"]) and all(t > 0 for t in rf["modelled_s"])
@@ -1264,7 +1276,7 @@ def test_codec_products_are_timed_as_powersgd_runs_them(monkeypatch):
 
 def test_calibrate_times_natives_call_on_gloos_all_reduce(monkeypatch):
     """``call_s["native"]`` is timed on a call just above GATHER_SUM_BYTES, which gloo all-reduces (the path of
-    the calls the model's ``native``, the ring's messages, stands for), not on one of at most that size, which
+    the calls the model's ``native``, gloo's ring, stands for), not on one of at most that size, which
     native sums by an all_gather; the other transports on CALL_ELEMS. (The launches run on a SimFabric here:
     what is checked is the inputs the calls are timed on.)"""
     from sparsecomm.netbed import calibrate as cal

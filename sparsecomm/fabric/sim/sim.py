@@ -13,12 +13,13 @@ world with a :meth:`SimWorld.fabric` per rank.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections import deque
 from functools import partial
 from itertools import chain
 from operator import attrgetter
-from typing import Callable, Generator
+from typing import Callable, Generator, Iterator
 
 import numpy as np
 import torch
@@ -319,6 +320,25 @@ class SimFabric(Fabric):
         else:
             ep.host.work_s(op, count, dtype, transport=transport)      # (its checks, raised here)
             eng.in_order(partial(ep.host_work, op, count, dtype, transport))
+
+    @contextlib.contextmanager
+    def native_messages(self) -> Iterator[None]:
+        """:meth:`.base.Fabric.native_messages`: inside it this endpoint's messages (those it sends and those it
+        takes) are charged the host model's native message rates
+        (:meth:`~.sim_host.HostModel.native_messages`: gloo's own ring, no Python per message) instead of its own
+        message costs; every other charge, the CPU share and the network are as outside it. No host model, or one
+        without native rates: nothing changes."""
+        ep = self._ep
+        host = ep.host
+        native = host.native_messages() if host is not None else None
+        if native is None or native is host:
+            yield
+            return
+        ep.host = native
+        try:
+            yield
+        finally:
+            ep.host = host
 
     # --------------------------------------------------------------- sending
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0, *, reliable: bool = True) -> Work:

@@ -132,6 +132,14 @@ and a small call on shared cores (:func:`sparsecomm.netbed.calibrate.sync_costs`
 takes beyond its work stretched by the share and the call as modelled. 0 (the default, and a profile without
 it): no wait, the modelled times as before it existed.
 
+The messages of the fabric's native collective (``torch.distributed``'s all-reduce over gloo: a ring whose sends,
+receives and waits run in C++ on gloo's own threads, with no Python per message), as a model of it sends them
+(:class:`sparsecomm.transports.native.model.GlooRing`, inside :meth:`sparsecomm.fabric.base.Fabric.native_messages`),
+cost ``native_message_s`` per message and ``native_byte_s`` per byte on each side, in place of the message costs
+above (:meth:`HostModel.native_messages`; fitted by :func:`sparsecomm.netbed.calibrate.native_costs` on
+``dist.all_reduce``'s own calls). ``None`` (the default, and a profile without them): those messages cost the message
+costs above, the library's own, as every message did before the rates existed.
+
 All rates default to zero (a model that charges nothing); :func:`sparsecomm.netbed.calibrate.calibrate`
 measures this machine's (``python -m sparsecomm.netbed calibrate --out host.json``) and
 :meth:`.sim_network.Network.from_profile` loads them.
@@ -150,8 +158,8 @@ import torch
 from ...errors import InvalidTypeError, InvalidValueError
 from ...validate import check_int, check_real
 
-__all__ = ["CODEC_RATES", "FALLBACK_RATES", "HOST_OPS", "HostModel", "MESSAGE_TABLES", "OPTIONAL_RATES", "SIZES",
-           "SUM_DTYPES", "RATE_UNITS"]
+__all__ = ["CODEC_RATES", "FALLBACK_RATES", "HOST_OPS", "HostModel", "MESSAGE_TABLES", "NATIVE_RATES", "OPTIONAL_RATES",
+           "SIZES", "SUM_DTYPES", "RATE_UNITS"]
 
 #: the operations of :meth:`sparsecomm.fabric.base.Fabric.host_work` and the unit they count
 HOST_OPS = {"sum": "element", "scan": "element", "switch_packet": "packet", "switch_message": "message",
@@ -208,6 +216,8 @@ RATE_UNITS = {
     "codec_contention": "factor",
     "call_peer_s": "s/peer",
     "sync_s": "s/call",
+    "native_message_s": "s/message",
+    "native_byte_s": "s/byte",
 }
 
 #: the rates that are tables by message size (bytes -> seconds), both or neither given, with the same sizes
@@ -220,11 +230,17 @@ FALLBACK_RATES = {"sparse_switch_packet_s": "switch_packet_s", "sparse_switch_va
                   "sparse_switch_message_s": "switch_message_s", "sparse_switch_round_s": None,
                   "matmul_outer_mac_s": "matmul_mac_s"}
 
+#: the message costs of the fabric's native collective (gloo's own ring all-reduce, C++: no Python per message), which
+#: :meth:`HostModel.native_messages` charges the messages sent and taken inside ``Fabric.native_messages()``: both
+#: or neither (``None``, the default and a profile without them: those messages cost the model's own message rates,
+#: as every message did before they existed)
+NATIVE_RATES = ("native_message_s", "native_byte_s")
+
 #: the rates a version-2 profile may lack (added within version 2; absent: 0, or for those of :data:`FALLBACK_RATES`
 #: ``None``: the time the profile modelled)
 OPTIONAL_RATES = ("span_block_s", "index_block_s", *CODEC_RATES.values(), "fresh_byte_s", "fresh_min_bytes",
                   "move_byte_s", "check_element_s", "scan_zero_element_s", *FALLBACK_RATES, *MESSAGE_TABLES,
-                  "codec_contention", "call_peer_s", "sync_s")
+                  "codec_contention", "call_peer_s", "sync_s", *NATIVE_RATES)
 
 #: the entries of :data:`RATE_UNITS` that are sizes in bytes (integers), not rates
 SIZES = ("fresh_min_bytes",)
@@ -293,6 +309,12 @@ class HostModel:
         sync_s: seconds a worker waits, per call of a transport, for the last worker of the call when the
             endpoints outnumber the cores, per unit of ``cpu_share`` above 1 (:meth:`sync_wait_s`; default 0:
             none).
+        native_message_s: CPU seconds per message of the fabric's native collective (gloo's ring all-reduce,
+            modelled by :class:`sparsecomm.transports.native.model.GlooRing`), on the sender before its NIC starts
+            and on the receiver as it takes it, in place of the model's own message costs (:meth:`native_messages`;
+            ``None``, the default: the model's own message costs).
+        native_byte_s: CPU seconds per byte of such a message, on each side (with ``native_message_s``: both or
+            neither).
         cpu_share: the CPU stretch of every endpoint (>= 1): endpoints sharing cores, e.g. 2 for 4 hosts on
             2 cores (:meth:`sharing`).
         cpu_share_by_endpoint: endpoint id -> its own stretch (>= 1), overriding ``cpu_share``.
@@ -332,18 +354,21 @@ class HostModel:
     codec_contention: Mapping[str, float] = field(default_factory=dict)
     call_peer_s: Mapping[str, float] = field(default_factory=dict)
     sync_s: float = 0.0
+    native_message_s: float | None = None
+    native_byte_s: float | None = None
     cpu_share: float = 1.0
     cpu_share_by_endpoint: Mapping[int, float] = field(default_factory=dict)
     # (not fields: the message tables as interpolation points, (sizes, CPU, waits), and the charges looked up per
     # size, set by __post_init__)
     _points = ((), (), ())
     _looked_up = None
+    _native = None
 
     def __post_init__(self) -> None:
         who = "HostModel"
         put = object.__setattr__
         for name in RATE_UNITS:
-            if name in FALLBACK_RATES and getattr(self, name) is None:
+            if (name in FALLBACK_RATES or name in NATIVE_RATES) and getattr(self, name) is None:
                 continue
             if name in SIZES:
                 put(self, name, check_int(name, getattr(self, name), low=0, what=who))
@@ -389,6 +414,11 @@ class HostModel:
         put(self, "_points", (tuple(self.message_cpu_s), tuple(self.message_cpu_s.values()),
                               tuple(self.message_wait_s.values())))
         put(self, "_looked_up", {})
+        if (self.native_message_s is None) != (self.native_byte_s is None):
+            raise InvalidValueError(f"{who}: native_message_s and native_byte_s are given both or neither (None: the "
+                                    f"native collective's messages cost the model's own message rates), got "
+                                    f"{self.native_message_s!r} and {self.native_byte_s!r}")
+        put(self, "_native", None)
         put(self, "cpu_share", check_real("cpu_share", self.cpu_share, low=1.0, what=who))
         put(self, "cpu_share_by_endpoint", MappingProxyType(
             {check_int("an endpoint of cpu_share_by_endpoint", e, low=0, what=who):
@@ -415,6 +445,23 @@ class HostModel:
     def factor(self, endpoint: int) -> float:
         """The CPU stretch of ``endpoint`` (its ``cpu_share_by_endpoint`` entry, else ``cpu_share``)."""
         return self.cpu_share_by_endpoint.get(endpoint, self.cpu_share)
+
+    def native_messages(self) -> "HostModel":
+        """The model that charges the messages of the fabric's native collective (``Fabric.native_messages()``:
+        gloo's ring all-reduce, whose sends, receives and waits are C++ on gloo's own threads, with no Python per
+        message): this one with its message costs ``native_message_s`` per message and ``native_byte_s`` per
+        byte on each side (the four linear rates, no table by size and so no wait of a message beyond its CPU:
+        the fitted rates hold all of it), every other rate its own; itself where they are ``None`` (the model's
+        own message costs)."""
+        if self.native_message_s is None:
+            return self
+        got = self._native
+        if got is None:
+            m, b = self.native_message_s, self.native_byte_s
+            got = dataclasses.replace(self, send_message_s=m, recv_message_s=m, send_byte_s=b, recv_byte_s=b,
+                                      message_cpu_s={}, message_wait_s={})
+            object.__setattr__(self, "_native", got)
+        return got
 
     def sync_wait_s(self, endpoint: int) -> float:
         """Seconds ``endpoint`` waits per call for the call's last worker: ``sync_s * (share - 1)``, its share of

@@ -41,7 +41,10 @@ size, an integer of bytes (unit ``"byte"``), not a rate; the slowdown of a metho
 "factor"}``, operations of :data:`~.sim_host.CODEC_RATES` to factors of at least 1; a profile without it models
 each rate alone, as before it existed); the wait of a call for its last worker on shared cores, ``sync_s``
 (optional, added within version 2: ``{"value": 0.002, "unit": "s/call"}``; a profile without it waits nothing,
-as before it existed). ``date``, ``machine`` and
+as before it existed); the cost of a message of the fabric's native collective (gloo's own ring all-reduce, C++:
+``native_message_s``, unit ``s/message``, and ``native_byte_s``, unit ``s/byte``; optional, added within version 2,
+:data:`~.sim_host.NATIVE_RATES`, both or neither: a profile without them charges those messages the model's own
+message costs, the library's, as before they existed, on gloo's segments). ``date``, ``machine`` and
 ``method`` are recorded, not interpreted.
 
 ``netbed`` (optional, added within version 2; :func:`netbed_latency_s` reads it): this machine's netbed as
