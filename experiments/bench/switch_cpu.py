@@ -8,7 +8,7 @@
 
 Launches ``n`` workers and the switch rank as ``experiments.bench.transports`` does for its tuned switch
 row: the library's defaults (a rank started as ``"switch"``: on gloo 256-element packets, bursts of
-1024, a pool of 4096), in place; ``--burst`` starts the switch rank with another burst and ``--pool``
+1024, a pool of 8191), in place; ``--burst`` starts the switch rank with another burst and ``--pool``
 sets the workers' pool. It runs ``--warmup`` untimed calls, then reads
 every sibling process's CPU time (``/proc/<pid>/stat`` utime + stime, and with ``--threads`` each
 thread's) before and after ``--calls`` calls, from rank 0, with a barrier on each side: the CPU-seconds
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
                          "`perf stat --per-thread -e EVENTS` instead (e.g. syscall counts per thread into FILE)")
     ap.add_argument("--burst", type=int, default=None,
                     help="packets per message, the switch rank's (default: the fabric's, 1024 on gloo)")
-    ap.add_argument("--pool", type=int, default=None, help="the transport's pool_size (default: 4 bursts)")
+    ap.add_argument("--pool", type=int, default=None, help="the transport's pool_size (default: 8 bursts, at most the slots less one)")
     a = ap.parse_args(argv)
     kwargs = dict(KWARGS, **({} if a.pool is None else {"pool_size": a.pool}))
     service = SERVICE if a.burst is None else f"{SERVICE}:burst={a.burst}"

@@ -14,8 +14,9 @@ the lanes in flight) takes its default from what the fabric declares, its ``mess
   recirculation: 8 header words per 256 values instead of per 64), up to as many packets per message as
   fill ``message_bytes`` (:func:`packets_per_message`: 1024 of 256 values; a message holds only the
   packets that are ready, so a small job pays its packets' bytes, not a burst's), and as many lanes as
-  fill :data:`WINDOW_MESSAGES` messages (:func:`pool_size`: 4096; the sparse switch's 1024 slots allow
-  1023), so that the workers send a lane window's next message while the switch answers the one before.
+  fill :data:`WINDOW_MESSAGES` messages (:func:`pool_size`: 8191 of the switch's 8192 slots; the sparse
+  switch's 1024 slots allow 1023), so that the workers send a lane window's next messages while the switch
+  answers the ones before, and a window's round trip fits in the time its bytes take on the link.
 These defaults against the paper's settings: BENCHMARKS.md, "Transports on loopback" and "The switch
 at 0.5 Gbit/s".
 
@@ -33,9 +34,13 @@ from __future__ import annotations
 #: lanes of a switch job on a modelled network: above the bandwidth-delay product of the reproductions'
 #: links (100 Gbit/s, 2 us: about 200 slots of 64 values)
 SIM_POOL = 256
-#: on a real fabric a switch job's lanes fill this many messages: while the switch answers one, the
-#: workers send the next (4096 lanes of 1024-packet messages; BENCHMARKS.md, "Transports on loopback")
-WINDOW_MESSAGES = 4
+#: on a real fabric a switch job's lanes fill this many messages (8192 lanes of 1024-packet messages, less
+#: the control slot: 8191 of the default 8192 slots). A lane's next packet leaves only when its result has
+#: come back, so a worker's link stays busy only while a window's round trip (its message up, the slowest
+#: worker's copy, the switch's program, the result down, the decode and the next encode) is shorter than the
+#: window's bytes on the link: 73.5 ms at 1 Gbit/s, where the round trip of 4 netbed hosts sharing 2 cores
+#: with the switch takes 46 ms (median; 59 at the 90th percentile, 76 at the 99th)
+WINDOW_MESSAGES = 8
 
 
 def packet_elems(fabric, sizes: tuple[int, ...]) -> int:

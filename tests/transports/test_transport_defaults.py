@@ -28,10 +28,12 @@ def test_the_rule_on_a_modelled_and_a_real_fabric():
     assert SwitchConfig().on(MODELLED) == SwitchConfig(elems=64, burst=1)
     assert SparseSwitchConfig().on(MODELLED) == SparseSwitchConfig(elems=256, burst=1)
     assert defaults.pool_size(MODELLED, 1, 8192) == 256
-    # real fabrics: the largest packet, as many as fill 1 MiB, four messages of lanes in flight
+    # real fabrics: the largest packet, as many as fill 1 MiB, eight messages of lanes in flight (less the
+    # control slot)
     assert SwitchConfig().on(REAL) == SwitchConfig(elems=256, burst=1024)
     assert SparseSwitchConfig().on(REAL) == SparseSwitchConfig(elems=256, burst=1024)
-    assert defaults.pool_size(REAL, 1024, 8192) == 4096
+    assert defaults.pool_size(REAL, 1024, 8192) == 8191
+    assert defaults.pool_size(REAL, 1024, 16384) == 8 * 1024
     assert defaults.pool_size(REAL, 1024, 1024) == 1023            # never the control slot
     # what a program was started with stays; the rest follows the fabric
     assert SwitchConfig(elems=64).on(REAL) == SwitchConfig(elems=64, burst=4096)
@@ -61,15 +63,15 @@ def test_the_simulated_switches_keep_the_papers_settings():
 @pytest.mark.multiprocess
 def test_on_gloo_the_workers_take_the_started_programs_and_the_real_fabrics_defaults():
     """``transport="switch"`` with ``services=["switch"]`` and no keywords is the real fabric's program
-    (256-value packets, 1024 to a message, 4096 lanes); a sparse switch started with its own burst gives
-    the workers that burst, and their pool follows it (4 messages of 8 packets). A small job's messages
+    (256-value packets, 1024 to a message, 8191 lanes); a sparse switch started with its own burst gives
+    the workers that burst, and their pool follows it (8 messages of 8 packets). A small job's messages
     are as long as its packets, not a burst of 1 MiB each: 3000 values are a control packet and 12 data
     packets of 264 int32 each way, 12 exponent packets as 8-word headers (header-only, in a message of
     their own) and the agreement header, and the ledger counts what arrived, not the receives' 1 MiB
     buffers."""
     res = sc.launch(_settings, 2, backend="gloo", services=["switch", "sparse-switch:burst=8"], timeout_s=60)
     for got in res:
-        assert got[0] == (256, 1024, 4096) and got[1] == (256, 8, 32, 1024) and got[5] == MESSAGE_BYTES
+        assert got[0] == (256, 1024, 8191) and got[1] == (256, 8, 64, 1024) and got[5] == MESSAGE_BYTES
         assert torch.allclose(got[2], torch.arange(3000, dtype=torch.float32) * 3)
         assert torch.equal(got[3], torch.arange(3000, dtype=torch.int32) * 3)
         sent, received = got[4]

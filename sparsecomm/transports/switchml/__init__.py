@@ -69,7 +69,7 @@ message is a datagram of a modelled network (SimFabric), the paper's program, 64
 message, and a pool of 256 lanes (the reproductions compare these with their closed forms). On a real
 fabric (gloo: a message costs the hosts a fixed CPU time beyond its bytes' worth, BENCHMARKS.md,
 "Switch CPU per call") a switch started as ``"switch"`` runs 256-value packets, up to 1024 to a message (1 MiB),
-and a worker keeps 4096 lanes in flight (four messages per lane window). A message holds only the packets that are ready
+and a worker keeps 8191 lanes in flight (eight messages per lane window, :data:`..defaults.WINDOW_MESSAGES`). A message holds only the packets that are ready
 (:mod:`.lanes`), so a small job costs its packets' bytes, not a burst's. A float job's first lane window carries
 exponents only (above, "Quantisation"), a header per lane; a float job of ``M`` chunks keeps at most ``M / 8``
 lanes in flight (at least ``min(M, 256)``; :meth:`SwitchTransport._float_lanes`), two messages per lane window.
@@ -313,7 +313,7 @@ class SwitchTransport(Transport):
         that lets each chunk's codes use the agreed scale), header-only on a real fabric (a whole packet of
         zeros on SimFabric), so the job sends ``chunks + lanes`` packets. With ``pool_size`` given, or on
         SimFabric (the paper's pool of 256 lanes, which the closed forms model): ``min(pool_size, chunks)``
-        lanes, ``burst`` packets per message. With a real fabric's default pool (4096 lanes): at most
+        lanes, ``burst`` packets per message. With a real fabric's default pool (8191 lanes): at most
         ``chunks / LOOKAHEAD_SHARE`` lanes (at least
         ``min(chunks, LOOKAHEAD_FLOOR)``), ``LOOKAHEAD_MESSAGES`` messages per lane window, so the workers
         still send a window's next message while the switch answers the one before. The lanes change neither a chunk's scale nor its codes: the sums are the same

@@ -83,3 +83,32 @@ def test_switch_program_constants_come_from_the_started_switch():
         assert (elems, burst) == (256, 4) and torch.equal(y, torch.full((1000,), 3.0))
         assert (raw[:, F_TYPE] == T_RESULT).all() and (raw[:, HEADER:] == 3).all()
         assert sorted(raw[:, F_PKT].tolist()) == list(range(8)) and sorted(raw[:, F_SLOT].tolist()) == list(range(1000, 1008))
+
+
+#: chunks of the window test's float job: above 8 lane windows of 8 bursts of 16 packets, so that the job takes
+#: the whole default pool (a float job keeps at most chunks / 8 lanes)
+WINDOW_CHUNKS = 3000
+
+
+def _windows(ctx):
+    """One float job on the default pool of a small program (bursts of 16 packets of 64 values) and on an
+    explicit pool of four bursts: the pools, the data phase's packets (chunks plus look-ahead lanes), and the
+    results and fixed-point sums."""
+    x = torch.randn(WINDOW_CHUNKS * 64 - 5, generator=torch.Generator().manual_seed(ctx.rank))
+    out = []
+    for kw in ({}, {"pool_size": 64}):
+        t = sc.transports.get("switch", ctx.fabric, keep_fixed=True, **kw)
+        y = t.allreduce(x)
+        out.append((t.pool_size, t.burst, t.last_info["data"]["packets"], y, t.last_fixed.sums.clone()))
+    return x, out
+
+
+def test_switch_default_window_is_eight_messages_and_changes_no_number():
+    res = sc.launch(_windows, 2, backend="gloo", services=["switch:elems=64,burst=16"], timeout_s=60)
+    exact = res[0][0].double() + res[1][0].double()
+    for _, ((pool, burst, packets, y, sums), (pool4, _, packets4, y4, sums4)) in res:
+        assert (burst, pool, pool4) == (16, 8 * 16, 4 * 16)
+        assert (packets, packets4) == (WINDOW_CHUNKS + 8 * 16, WINDOW_CHUNKS + 4 * 16)   # one look-ahead per lane
+        assert torch.equal(y, y4) and torch.equal(sums, sums4)        # the lanes change no number
+        assert torch.equal(y, res[0][1][0][3])
+        assert (y.double() - exact).abs().max() < 1e-5
