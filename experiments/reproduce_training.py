@@ -68,7 +68,9 @@ communication modelled by running the scheme's own calls on ``sc.launch(..., bac
 (:func:`modelled_comm_s`): the same model, batches and real gradients, ``MODEL_STEPS`` steps, the last one
 timed on the modelled clock (step 0 is the hook's uncompressed step); a ``hook`` scheme runs the hook's body
 (``CommHookState.start_bucket``) on stock DDP's steady bucket layout (:func:`ddp_buckets`), stock DDP is the
-hook's plain average on the ``ring`` (gloo's algorithm), the optimizer scheme is ``DistributedOptimizer``.
+hook's plain average on the ``ring`` (gloo's algorithm), the optimizer scheme is ``DistributedOptimizer``; DDP's
+own copies of the gradient (into its buckets during backward, the results back into ``.grad``: a hook's two, stock
+DDP's one beyond its division) are charged as host copies (:func:`_model_worker`).
 The network (:func:`modelled_network`) is the netbed's links at TCP's payload rate
 (:data:`sparsecomm.fabric.sim.sim_network.TCP_OVER_ETHERNET`) and the wire's latency, with the host of
 ``--profile PATH`` (``python -m sparsecomm.netbed calibrate --out PATH``: its rates, shared by the hosts and
@@ -127,6 +129,7 @@ import torch.distributed as dist
 from torch import nn
 
 import sparsecomm as sc
+from sparsecomm.fabric.engine import drain
 from sparsecomm.fabric.sim.sim_network import TCP_OVER_ETHERNET
 
 #: the embedding model's shape (the full run): fields, rows per field's table, embedding width
@@ -612,11 +615,21 @@ def _model_worker(ctx, task: Task, scheme: Scheme, steps: int, init: dict) -> li
     (:meth:`sparsecomm.ddp.CommHookState.start_bucket`) on each of DDP's buckets (:func:`ddp_buckets`), every
     bucket started after backward and then waited for, in DDP's bucket order; stock DDP is the hook's plain
     average on the ``ring`` (gloo's algorithm); ``"optimizer"`` is :class:`~sparsecomm.DistributedOptimizer`
-    itself. Backward and the update cost no modelled time (they are measured: ``compute_s``). The model starts
+    itself. Backward and the update cost no modelled time (they are measured: ``compute_s``, a step of a replica
+    without DDP). DDP's own copies are host work (``host_work("copy", nbytes)``: the host model's
+    ``copy_byte_s``, stretched as every host charge by the cores' share; nothing without a host model): torch's
+    reducer (``gradient_as_bucket_view=False``, DDP's default) copies each gradient into its bucket as backward
+    produces it and, once the bucket's future completes, the bucket's result (the hook's future's tensor, viewed,
+    not copied) back into ``.grad``, so a ``"hook"`` scheme is charged both copies of every bucket (the first
+    before the bucket starts, the second after its wait); stock DDP's first copy divides by the world size as it
+    copies (``at::mul_out``), the division its modelled plain average already charges as its decode's elementwise
+    pass, so it is charged the second only. The optimizer's own gather of the gradients into its buckets
+    (:meth:`sparsecomm.pipeline.buckets.Bucket.gather`, a copy) is not charged. The model starts
     from ``init`` (its state dict, built once by the caller): the workers are threads of one process, and
     ``task.build()`` seeds and draws from torch's global generator, which they would share in whatever order
     the threads are scheduled in."""
     torch.set_num_threads(1)
+    fabric = ctx.fabric
     model = task.build()
     model.load_state_dict(init)
     inner = task.optimizer(model)
@@ -632,14 +645,24 @@ def _model_worker(ctx, task: Task, scheme: Scheme, steps: int, init: dict) -> li
         shaped = state.pipeline.method.uses_shapes
         opt = inner
 
+        # DDP's copies (docstring): into the bucket (a hook's; stock DDP's is its charged division), and back
+        copy_in = scheme.kind == "hook"
+
         def average() -> None:
             works = []
             for i, params in enumerate(buckets):
                 flat = torch.cat([p.grad.reshape(-1) for p in params])
+                if copy_in:
+                    fabric.host_work("copy", flat.nbytes)
                 works.append(state.start_bucket(flat, i, i == len(buckets) - 1, params,
                                                 [p.shape for p in params] if shaped else None))
             for params, work in zip(buckets, works):
-                torch.nn.utils.vector_to_parameters(work.wait(), [p.grad for p in params])
+                avg = work.wait()
+                torch.nn.utils.vector_to_parameters(avg, [p.grad for p in params])
+                fabric.host_work("copy", avg.nbytes)
+            # a charge made while the communication thread still completes a call is queued behind it
+            # (SimFabric.host_work): on the clock before the step's end is read, whatever the threads' timing
+            drain(fabric)
     out = []
     for t in range(steps):
         start = ctx.fabric.now()

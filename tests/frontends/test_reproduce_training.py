@@ -220,6 +220,39 @@ def test_the_modelled_step_runs_the_schemes_own_calls_and_a_host_costs_more():
                              dataclasses.replace(net, host=host)) > hook
 
 
+def test_the_modelled_step_charges_ddps_copies_of_the_gradient_at_the_copy_rate_stretched_by_the_share():
+    """torch's reducer copies every gradient into its bucket and the bucket's result back into ``.grad``: a hook
+    scheme is charged both copies of the gradient's bytes at ``copy_byte_s``, stock DDP the copy back only (its
+    copy in is the division its plain average already charges), the optimizer neither; at a share of the cores of
+    2 each copy costs twice as much."""
+    n, rate = 4096, 1e-9
+    task = _tiny_task(n)
+    by_name = {s.name: s for s in T.SCHEMES}
+    net = T.modelled_network(1.0, 2, 0)
+    for share in (1.0, 2.0):
+        for name, copies in (("ddp", 1), ("hook none/omnireduce", 2), ("hook powersgd", 2), ("hook ef+topk", 2),
+                             ("optimizer none/omnireduce", 0)):
+            base = dataclasses.replace(net, host=sc.HostModel(cpu_share=share))
+            copying = dataclasses.replace(net, host=sc.HostModel(copy_byte_s=rate, cpu_share=share))
+            extra = T.modelled_comm_s(task, by_name[name], 2, copying) - T.modelled_comm_s(task, by_name[name], 2,
+                                                                                         base)
+            own = 1 if name == "hook powersgd" else 0     # (its transport's own copy of the bucket: native's)
+            assert extra == pytest.approx((copies + own) * 4 * n * rate * share, rel=1e-9), (name, share)
+
+
+def test_the_modelled_step_with_ddps_copies_is_the_same_whatever_the_threads_timing():
+    """The copy back of the last bucket is charged from the training thread as the communication thread completes
+    the call: it is on the clock before the step's end is read, in every run (10 runs, each the same)."""
+    task = _tiny_task(1 << 14)
+    net = dataclasses.replace(T.modelled_network(1.0, 2, 0),
+                              host=sc.HostModel(copy_byte_s=1e-9, elementwise_element_s=1e-9, kernel_call_s=1e-5,
+                                                send_message_s=1e-5, recv_message_s=1e-5))
+    by_name = {s.name: s for s in T.SCHEMES}
+    for name in ("ddp", "hook ef+topk"):
+        got = {T.modelled_comm_s(task, by_name[name], 2, net) for _ in range(10)}
+        assert len(got) == 1, (name, sorted(got))
+
+
 def test_the_modelled_network_takes_the_profile_shares_the_cores_and_charges_native_to_the_ring(tmp_path):
     from sparsecomm.fabric.sim.sim_network import TCP_OVER_ETHERNET
     from sparsecomm.fabric.sim.sim_profile import profile_dict
