@@ -322,6 +322,44 @@ def test_remodel_recomputes_the_modelled_columns_of_a_recorded_run_without_train
     assert (tmp_path / "out" / "remodelled.csv").exists() and "1.68" in capsys.readouterr().out
 
 
+def test_the_compute_statistics_are_the_largest_median_the_largest_mean_and_the_mean_slowest_step():
+    """Two workers' steps (started together): medians 2 and 1, means 4 and 5/3, each step's slowest 3, 2 and 9."""
+    got = T.compute_stats([[1.0, 2.0, 9.0], [3.0, 1.0, 1.0]])
+    assert got == {"compute_s": 2.0, "compute_mean_s": 4.0, "compute_max_s": pytest.approx(14 / 3)}
+
+
+def test_remodel_adds_the_compute_statistic_asked_for_and_refuses_a_run_recorded_without_it(tmp_path, monkeypatch):
+    """``--compute compute_max_s``: 80 steps x (0.015 + 0.010) = 2.0 s; a row recorded before the column existed
+    (empty) is refused with its name, and ``compute_s`` still models it."""
+    rec = tmp_path / "rec"
+    rec.mkdir()
+    base = {k: "" for k in T.COLUMNS} | {"model": "mlp", "transport": "native", "bytes_per_step": "1", "seed": "0",
+                                         "comm_fraction": "0.5", "target": "0.95", "metric": "0.96", "step_s": "0.03",
+                                         "modelled_s": "nan", "modelled_ratio": "nan", "link_only_s": "nan",
+                                         "link_only_ratio": "nan", "modelled_comm_s": "nan", "note": "",
+                                         "scheme": "hook powersgd", "hosts": "2", "gbps": "1",
+                                         "time_to_target_s": "2.5", "steps_to_target": "80", "reached": "True",
+                                         "compute_s": "0.011"}
+    with open(rec / "summary.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=T.COLUMNS)
+        w.writeheader()
+        w.writerow(base | {"compute_mean_s": "0.012", "compute_max_s": "0.015"})
+    (rec / "curves.csv").write_text("model,scheme,elapsed_s,step,metric,seed\n")
+    monkeypatch.setattr(T, "modelled_comm_s", lambda task, scheme, hosts, net: hosts * 0.005)
+    got = T.main(["--remodel", str(rec), "--compute", "compute_max_s", "--out", str(tmp_path / "out"),
+                  "--no-wandb"])
+    assert got[0]["modelled_s"] == pytest.approx(2.0) and got[0]["modelled_ratio"] == pytest.approx(0.8)
+    with open(rec / "summary.csv", "w", newline="") as f:
+        older = T.COLUMNS[:T.COLUMNS.index("compute_mean_s")]          # (an older run's columns)
+        w = csv.DictWriter(f, fieldnames=older)
+        w.writeheader()
+        w.writerow({k: base[k] for k in older})
+    with pytest.raises(ValueError, match="'hook powersgd' has no compute_max_s"):
+        T.main(["--remodel", str(rec), "--compute", "compute_max_s", "--out", str(tmp_path / "out"), "--no-wandb"])
+    got = T.main(["--remodel", str(rec), "--out", str(tmp_path / "out"), "--no-wandb"])
+    assert got[0]["modelled_s"] == pytest.approx(80 * 0.021)
+
+
 def _torch_hook_worker(ctx, steps: int) -> dict:
     """``steps`` steps of the full-width MLP (DDP's two buckets) through torch's ``powerSGD_hook`` as the
     ``torch powersgd`` scheme runs it."""
