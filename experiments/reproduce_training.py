@@ -11,6 +11,7 @@ SIGCOMM '21, and SwitchML, Sapio et al., NSDI '21).
         --schemes "ddp,hook powersgd,torch powersgd" --breakdown     # where a step's time goes, per scheme
     python -m experiments.reproduce_training --remodel OUT --profile host.json   # a recorded run's modelled column
                                                                                   # again, nothing trained
+    python -m experiments.reproduce_training --remodel OUT --profile host.json --compute compute_max_s
 
 **Models.**
 
@@ -59,16 +60,24 @@ PowerSGD hook's counted alike from what it all-reduces (per bucket its uncompres
 the whole bucket before its start: :class:`TorchPowerSGD`), the library's from its ledgers (``last_stats``:
 the larger of a worker's bytes sent and received, the busiest worker).
 ``compute_s``: a step with no communication at all (the same model, optimizer and batches, every
-worker at once, so the CPU is shared as in training), the median of ``COMPUTE_STEPS``; ``step_s``: the
-measured mean step; ``comm_fraction = 1 - compute_s / step_s``, the share of a step not spent in the
-model's own forward, backward and update (communication, and for compressors their encoding).
+worker at once, so the CPU is shared as in training, each step started after a barrier as a training step starts
+when the collectives before it let the workers go), the largest of the workers' medians over ``COMPUTE_STEPS``;
+beside it (:func:`compute_stats`) ``compute_mean_s``, the largest of their means, and ``compute_max_s``, the mean
+over the steps of each step's slowest worker (the step times are right-skewed on shared cores, and a
+bulk-synchronous step waits for its slowest worker, but the host profile's ``sync_s`` already charges every call's
+wait for its last worker, which a per-step maximum would count again: the modelled column keeps ``compute_s``, and
+``--remodel DIR --compute compute_max_s`` models a recorded run with another); ``step_s``: the measured mean
+step; ``comm_fraction = 1 - compute_s / step_s``, the share of a step not spent in the model's own forward,
+backward and update (communication, and for compressors their encoding).
 ``modelled_s``: the prediction of the same run through the SimFabric, ``steps_to_target * (compute_s +
 modelled_comm_s)``, and ``modelled_ratio = modelled_s / time_to_target_s``. ``modelled_comm_s`` is one step's
 communication modelled by running the scheme's own calls on ``sc.launch(..., backend="sim")``
 (:func:`modelled_comm_s`): the same model, batches and real gradients, ``MODEL_STEPS`` steps, the last one
 timed on the modelled clock (step 0 is the hook's uncompressed step); a ``hook`` scheme runs the hook's body
 (``CommHookState.start_bucket``) on stock DDP's steady bucket layout (:func:`ddp_buckets`), stock DDP is the
-hook's plain average on the ``ring`` (gloo's algorithm), the optimizer scheme is ``DistributedOptimizer``.
+hook's plain average on the ``ring`` (gloo's algorithm), the optimizer scheme is ``DistributedOptimizer``; DDP's
+own copies of the gradient (into its buckets during backward, the results back into ``.grad``: a hook's two, stock
+DDP's one beyond its division) are charged as host copies (:func:`_model_worker`).
 The network (:func:`modelled_network`) is the netbed's links at TCP's payload rate
 (:data:`sparsecomm.fabric.sim.sim_network.TCP_OVER_ETHERNET`) and the wire's latency, with the host of
 ``--profile PATH`` (``python -m sparsecomm.netbed calibrate --out PATH``: its rates, shared by the hosts and
@@ -126,6 +135,7 @@ import torch.distributed as dist
 from torch import nn
 
 import sparsecomm as sc
+from sparsecomm.fabric.engine import drain
 from sparsecomm.fabric.sim.sim_network import TCP_OVER_ETHERNET
 
 #: the embedding model's shape (the full run): fields, rows per field's table, embedding width
@@ -147,7 +157,7 @@ BREAKDOWN_STEPS = 10
 #: untimed steps of each scheme on a throwaway replica before its run
 WARMUP = 2
 #: untimed warm-up and timed steps of the no-communication step (``compute_s``)
-COMPUTE_WARMUP, COMPUTE_STEPS = 2, 6
+COMPUTE_WARMUP, COMPUTE_STEPS = 2, 20
 #: the steps each worker runs on the SimFabric for the ``modelled`` column; the last one's communication is
 #: the one modelled (step 0 is the hook's uncompressed one, step 1 a method's first compressed round)
 MODEL_STEPS = 3
@@ -156,7 +166,8 @@ DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES = 1 << 20, 25 << 20
 #: summary.csv's columns: the required ones first
 COLUMNS = ("model", "scheme", "transport", "hosts", "gbps", "time_to_target_s", "steps_to_target", "reached",
            "bytes_per_step", "comm_fraction", "target", "metric", "compute_s", "step_s", "modelled_s",
-           "modelled_ratio", "note", "seed", "modelled_comm_s", "link_only_s", "link_only_ratio")
+           "modelled_ratio", "note", "seed", "modelled_comm_s", "link_only_s", "link_only_ratio", "compute_mean_s",
+           "compute_max_s")
 
 
 # ----------------------------------------------------------------------------- tasks
@@ -403,9 +414,10 @@ def _timed_step(task: Task, net: nn.Module, opt, b) -> float:
     return time.perf_counter() - start
 
 
-def _compute_step_s(task: Task, rank: int, group) -> float:
-    """Median time of a step with no communication (a fresh model and optimizer, the same batches), every
-    worker at once."""
+def _compute_steps(task: Task, rank: int, group) -> list[float]:
+    """The times of :data:`COMPUTE_STEPS` steps with no communication (a fresh model and optimizer, the same
+    batches), every worker at once: each started after a barrier, as a training step starts once the collectives
+    of the step before have let every worker go."""
     model = task.build()
     opt = task.optimizer(model)
     times = []
@@ -415,7 +427,18 @@ def _compute_step_s(task: Task, rank: int, group) -> float:
         took = _timed_step(task, model, opt, b)
         if t >= COMPUTE_WARMUP:
             times.append(took)
-    return statistics.median(times)
+    return times
+
+
+def compute_stats(per_rank: list[list[float]]) -> dict[str, float]:
+    """The no-communication step's statistics over the workers' step times (``per_rank[r][t]``, step ``t`` of worker
+    ``r``, the steps started together): ``compute_s``, the largest of the workers' medians (the figure the modelled
+    column adds to a step); ``compute_mean_s``, the largest of their means; ``compute_max_s``, the mean over the
+    steps of each step's slowest worker (what a bulk-synchronous step waits for)."""
+    steps = min(len(t) for t in per_rank)
+    return {"compute_s": max(statistics.median(t) for t in per_rank),
+            "compute_mean_s": max(statistics.mean(t) for t in per_rank),
+            "compute_max_s": statistics.mean(max(t[k] for t in per_rank) for k in range(steps))}
 
 
 def _setup(task: Task, scheme: Scheme, group) -> tuple[nn.Module, nn.Module, Any, Any, str]:
@@ -513,7 +536,7 @@ def _train(ctx, task_name: str, quick: bool, schemes: tuple[Scheme, ...], time_c
     torch.set_num_threads(1)
     task = TASKS[task_name](quick, seed=seed)
     group = ctx.fabric.native_group if ctx.fabric.services() else None
-    out = {"compute_s": _compute_step_s(task, ctx.rank, group), "target": task.target,
+    out = {"compute_steps": _compute_steps(task, ctx.rank, group), "target": task.target,
            "describe": task.describe, "info": task.info, "runs": {}}
     for scheme in schemes:
         trace = None if breakdown is None else os.path.join(
@@ -541,7 +564,8 @@ def run_schemes(task_name: str, schemes: tuple[Scheme, ...], hosts: int, gbps: f
     res = sc.launch(functools.partial(_train, task_name=task_name, quick=quick, schemes=schemes,
                                       time_cap_s=time_cap_s, seed=seed, breakdown=breakdown),
                     world_size=hosts, services=list(services.pop()), timeout_s=timeout_s, **opts)
-    compute_s = max(r["compute_s"] for r in res)
+    stats = compute_stats([r["compute_steps"] for r in res])
+    compute_s = stats["compute_s"]
     out = []
     for scheme in schemes:
         r0 = res[0]["runs"][scheme.name]
@@ -562,7 +586,8 @@ def run_schemes(task_name: str, schemes: tuple[Scheme, ...], hosts: int, gbps: f
                "bytes_per_step": link, "comm_fraction": max(0.0, 1.0 - compute_s / step_s),
                "target": res[0]["target"], "metric": r0["metric"], "compute_s": compute_s, "step_s": step_s,
                "modelled_s": modelled, "modelled_ratio": modelled / elapsed, "note": "", "seed": seed,
-               "modelled_comm_s": comm, "link_only_s": link_only, "link_only_ratio": link_only / elapsed}
+               "modelled_comm_s": comm, "link_only_s": link_only, "link_only_ratio": link_only / elapsed,
+               "compute_mean_s": stats["compute_mean_s"], "compute_max_s": stats["compute_max_s"]}
         if not r0["reached"]:
             row["note"] = (f"stopped at step {r0['steps']} after {elapsed:.1f} s at {r0['metric']:.4f} "
                            f"(target {res[0]['target']:.4f})")
@@ -614,10 +639,20 @@ def _model_worker(ctx, task: Task, scheme: Scheme, steps: int, init: dict) -> li
     default is ``ring``): ``native``'s model, :class:`~sparsecomm.transports.native.model.GlooRing` (gloo's
     segments, its messages at the host's native rates), in place as the hook's buckets are summed;
     ``"optimizer"`` is :class:`~sparsecomm.DistributedOptimizer` itself. Backward and the update cost no modelled
-    time (they are measured: ``compute_s``). The model starts from ``init`` (its state dict, built once by the
-    caller): the workers are threads of one process, and ``task.build()`` seeds and draws from torch's global
-    generator, which they would share in whatever order the threads are scheduled in."""
+    time (they are measured: ``compute_s``, a step of a replica without DDP). DDP's own copies are host work
+    (``host_work("copy", nbytes)``: the host model's ``copy_byte_s``, stretched as every host charge by the cores'
+    share; nothing without a host model): torch's reducer (``gradient_as_bucket_view=False``, DDP's default) copies
+    each gradient into its bucket as backward produces it and, once the bucket's future completes, the bucket's
+    result (the hook's future's tensor, viewed, not copied) back into ``.grad``, so a ``"hook"`` scheme is charged
+    both copies of every bucket (the first before the bucket starts, the second after its wait); stock DDP's first
+    copy divides by the world size as it copies (``at::mul_out``), the division its modelled plain average already
+    charges as its decode's elementwise pass, so it is charged the second only. The optimizer's own gather of the
+    gradients into its buckets (:meth:`sparsecomm.pipeline.buckets.Bucket.gather`, a copy) is not charged. The
+    model starts from ``init`` (its state dict, built once by the caller): the workers are threads of one process,
+    and ``task.build()`` seeds and draws from torch's global generator, which they would share in whatever order
+    the threads are scheduled in."""
     torch.set_num_threads(1)
+    fabric = ctx.fabric
     model = task.build()
     model.load_state_dict(init)
     inner = task.optimizer(model)
@@ -639,14 +674,24 @@ def _model_worker(ctx, task: Task, scheme: Scheme, steps: int, init: dict) -> li
         shaped = state.pipeline.method.uses_shapes
         opt = inner
 
+        # DDP's copies (docstring): into the bucket (a hook's; stock DDP's is its charged division), and back
+        copy_in = scheme.kind == "hook"
+
         def average() -> None:
             works = []
             for i, params in enumerate(buckets):
                 flat = torch.cat([p.grad.reshape(-1) for p in params])
+                if copy_in:
+                    fabric.host_work("copy", flat.nbytes)
                 works.append(state.start_bucket(flat, i, i == len(buckets) - 1, params,
                                                 [p.shape for p in params] if shaped else None))
             for params, work in zip(buckets, works):
-                torch.nn.utils.vector_to_parameters(work.wait(), [p.grad for p in params])
+                avg = work.wait()
+                torch.nn.utils.vector_to_parameters(avg, [p.grad for p in params])
+                fabric.host_work("copy", avg.nbytes)
+            # a charge made while the communication thread still completes a call is queued behind it
+            # (SimFabric.host_work): on the clock before the step's end is read, whatever the threads' timing
+            drain(fabric)
     out = []
     for t in range(steps):
         start = ctx.fabric.now()
@@ -827,7 +872,8 @@ def load(out: Path) -> list[dict]:
             for k in ("time_to_target_s", "bytes_per_step", "comm_fraction", "target", "metric", "compute_s",
                       "step_s", "modelled_s", "modelled_ratio"):
                 row[k] = float(r[k])
-            for k in ("modelled_comm_s", "link_only_s", "link_only_ratio"):    # (absent from older runs)
+            for k in ("modelled_comm_s", "link_only_s", "link_only_ratio", "compute_mean_s",
+                      "compute_max_s"):    # (absent from older runs)
                 row[k] = float(r.get(k) or "nan")
             row["hosts"] = int(r["hosts"])
             row["steps_to_target"] = int(r["steps_to_target"]) if r["steps_to_target"] else ""
@@ -869,14 +915,22 @@ def seeds_table(results: list[dict]) -> str:
             + report.table(["scheme", "reached", "time to target s", "steps", "vs ddp", "MB/step"], rows))
 
 
-def remodel(results: list[dict], profile: str | None, quick: bool = False) -> list[dict]:
+#: the statistics of the no-communication step a remodelled column may add to a step (:func:`compute_stats`)
+COMPUTE_STATS = ("compute_s", "compute_mean_s", "compute_max_s")
+
+
+def remodel(results: list[dict], profile: str | None, quick: bool = False, compute: str = "compute_s") -> list[dict]:
     """The rows of recorded ``results`` (:func:`load` of an earlier netbed run) with their modelled columns
     computed again, with the host ``profile`` (``None``: the default host), without training: per row of a
     netbed run (``gbps`` a number; not torch's hook), ``modelled_comm_s`` of its scheme at its ``hosts`` and
-    seed (:func:`modelled_comm_s`), and ``modelled_s = steps * (compute_s + modelled_comm_s)`` over the steps
+    seed (:func:`modelled_comm_s`), and ``modelled_s = steps * (compute + modelled_comm_s)`` over the steps
     it ran (to the target, or to where it stopped), ``modelled_ratio`` against its measured time; the other
-    columns as recorded. (``--remodel DIR --profile P``: a change to the model or the profile checked against
-    measurements already made.)"""
+    columns as recorded. ``compute`` is the recorded column of the no-communication step added to each step
+    (:data:`COMPUTE_STATS`, :func:`compute_stats`; default ``compute_s``, the figure the run modelled with); a
+    row that does not have it (a run recorded before the column existed) raises. (``--remodel DIR --profile P``: a
+    change to the model or the profile checked against measurements already made.)"""
+    if compute not in COMPUTE_STATS:
+        raise ValueError(f"remodel: compute must be one of {COMPUTE_STATS}, got {compute!r}")
     by_name = {s.name: s for s in SCHEMES}
     out = []
     for r in results:
@@ -890,9 +944,13 @@ def remodel(results: list[dict], profile: str | None, quick: bool = False) -> li
             steps = row["steps_to_target"] if row["reached"] else _stopped_steps(results, r["row"])
             elapsed = row["time_to_target_s"] if row["reached"] else (r["curve"][-1][0] if r["curve"] else
                                                                         float("nan"))
+            step = row[compute]
+            if not math.isfinite(step):
+                raise ValueError(f"remodel: the row {row['model']} {row['scheme']!r} has no {compute} (a run "
+                                 f"recorded before the column existed); remodel it with compute_s")
             comm = modelled_comm_s(TASKS[row["model"]](quick, seed=row["seed"]), scheme, row["hosts"],
                                    modelled_network(gbps, row["hosts"], len(scheme.services), profile))
-            row.update(modelled_comm_s=comm, modelled_s=steps * (row["compute_s"] + comm))
+            row.update(modelled_comm_s=comm, modelled_s=steps * (step + comm))
             row["modelled_ratio"] = row["modelled_s"] / elapsed
         out.append(row)
     return out
@@ -937,6 +995,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    help="train nothing: the modelled columns of DIR's recorded netbed run (summary.csv, curves.csv) "
                         "computed again with --profile (or the default host), printed and written to "
                         "OUT/remodelled.csv (not into DIR)")
+    p.add_argument("--compute", default="compute_s", choices=COMPUTE_STATS,
+                   help="with --remodel: the recorded statistic of the no-communication step added to each modelled "
+                        "step (compute_s: the workers' largest median, as recorded runs modelled; compute_mean_s: "
+                        "their largest mean; compute_max_s: the mean of each step's slowest worker)")
     a = p.parse_args(argv)
     if a.remodel is not None:
         return _remodel_main(a)
@@ -1034,7 +1096,7 @@ def _remodel_main(a) -> list[dict]:
     recorded = load(Path(a.remodel))
     if not recorded:
         raise SystemExit(f"--remodel: no summary.csv under {a.remodel}")
-    rows = remodel(recorded, a.profile, a.quick)
+    rows = remodel(recorded, a.profile, a.quick, a.compute)
     print(report.table(
         ["model", "scheme", "hosts", "measured s", "modelled s (recorded)", "ratio (recorded)", "modelled s",
          "modelled/measured", "modelled comm ms"],

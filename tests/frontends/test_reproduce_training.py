@@ -222,6 +222,39 @@ def test_the_modelled_step_runs_the_schemes_own_calls_and_a_host_costs_more():
                              dataclasses.replace(net, host=host)) > hook
 
 
+def test_the_modelled_step_charges_ddps_copies_of_the_gradient_at_the_copy_rate_stretched_by_the_share():
+    """torch's reducer copies every gradient into its bucket and the bucket's result back into ``.grad``: a hook
+    scheme is charged both copies of the gradient's bytes at ``copy_byte_s``, stock DDP the copy back only (its
+    copy in is the division its plain average already charges), the optimizer neither; at a share of the cores of
+    2 each copy costs twice as much."""
+    n, rate = 4096, 1e-9
+    task = _tiny_task(n)
+    by_name = {s.name: s for s in T.SCHEMES}
+    net = T.modelled_network(1.0, 2, 0)
+    for share in (1.0, 2.0):
+        for name, copies in (("ddp", 1), ("hook none/omnireduce", 2), ("hook powersgd", 2), ("hook ef+topk", 2),
+                             ("optimizer none/omnireduce", 0)):
+            base = dataclasses.replace(net, host=sc.HostModel(cpu_share=share))
+            copying = dataclasses.replace(net, host=sc.HostModel(copy_byte_s=rate, cpu_share=share))
+            extra = T.modelled_comm_s(task, by_name[name], 2, copying) - T.modelled_comm_s(task, by_name[name], 2,
+                                                                                         base)
+            own = 1 if name == "hook powersgd" else 0     # (its transport's own copy of the bucket: native's)
+            assert extra == pytest.approx((copies + own) * 4 * n * rate * share, rel=1e-9), (name, share)
+
+
+def test_the_modelled_step_with_ddps_copies_is_the_same_whatever_the_threads_timing():
+    """The copy back of the last bucket is charged from the training thread as the communication thread completes
+    the call: it is on the clock before the step's end is read, in every run (10 runs, each the same)."""
+    task = _tiny_task(1 << 14)
+    net = dataclasses.replace(T.modelled_network(1.0, 2, 0),
+                              host=sc.HostModel(copy_byte_s=1e-9, elementwise_element_s=1e-9, kernel_call_s=1e-5,
+                                                send_message_s=1e-5, recv_message_s=1e-5))
+    by_name = {s.name: s for s in T.SCHEMES}
+    for name in ("ddp", "hook ef+topk"):
+        got = {T.modelled_comm_s(task, by_name[name], 2, net) for _ in range(10)}
+        assert len(got) == 1, (name, sorted(got))
+
+
 def test_the_modelled_network_takes_the_profile_and_shares_the_cores(tmp_path):
     from sparsecomm.fabric.sim.sim_network import TCP_OVER_ETHERNET
     from sparsecomm.fabric.sim.sim_profile import profile_dict
@@ -289,6 +322,44 @@ def test_remodel_recomputes_the_modelled_columns_of_a_recorded_run_without_train
     assert all(math.isnan(r["modelled_s"]) for r in got[2:])
     assert sorted(p.name for p in rec.iterdir()) == ["curves.csv", "summary.csv"]
     assert (tmp_path / "out" / "remodelled.csv").exists() and "1.68" in capsys.readouterr().out
+
+
+def test_the_compute_statistics_are_the_largest_median_the_largest_mean_and_the_mean_slowest_step():
+    """Two workers' steps (started together): medians 2 and 1, means 4 and 5/3, each step's slowest 3, 2 and 9."""
+    got = T.compute_stats([[1.0, 2.0, 9.0], [3.0, 1.0, 1.0]])
+    assert got == {"compute_s": 2.0, "compute_mean_s": 4.0, "compute_max_s": pytest.approx(14 / 3)}
+
+
+def test_remodel_adds_the_compute_statistic_asked_for_and_refuses_a_run_recorded_without_it(tmp_path, monkeypatch):
+    """``--compute compute_max_s``: 80 steps x (0.015 + 0.010) = 2.0 s; a row recorded before the column existed
+    (empty) is refused with its name, and ``compute_s`` still models it."""
+    rec = tmp_path / "rec"
+    rec.mkdir()
+    base = {k: "" for k in T.COLUMNS} | {"model": "mlp", "transport": "native", "bytes_per_step": "1", "seed": "0",
+                                         "comm_fraction": "0.5", "target": "0.95", "metric": "0.96", "step_s": "0.03",
+                                         "modelled_s": "nan", "modelled_ratio": "nan", "link_only_s": "nan",
+                                         "link_only_ratio": "nan", "modelled_comm_s": "nan", "note": "",
+                                         "scheme": "hook powersgd", "hosts": "2", "gbps": "1",
+                                         "time_to_target_s": "2.5", "steps_to_target": "80", "reached": "True",
+                                         "compute_s": "0.011"}
+    with open(rec / "summary.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=T.COLUMNS)
+        w.writeheader()
+        w.writerow(base | {"compute_mean_s": "0.012", "compute_max_s": "0.015"})
+    (rec / "curves.csv").write_text("model,scheme,elapsed_s,step,metric,seed\n")
+    monkeypatch.setattr(T, "modelled_comm_s", lambda task, scheme, hosts, net: hosts * 0.005)
+    got = T.main(["--remodel", str(rec), "--compute", "compute_max_s", "--out", str(tmp_path / "out"),
+                  "--no-wandb"])
+    assert got[0]["modelled_s"] == pytest.approx(2.0) and got[0]["modelled_ratio"] == pytest.approx(0.8)
+    with open(rec / "summary.csv", "w", newline="") as f:
+        older = T.COLUMNS[:T.COLUMNS.index("compute_mean_s")]          # (an older run's columns)
+        w = csv.DictWriter(f, fieldnames=older)
+        w.writeheader()
+        w.writerow({k: base[k] for k in older})
+    with pytest.raises(ValueError, match="'hook powersgd' has no compute_max_s"):
+        T.main(["--remodel", str(rec), "--compute", "compute_max_s", "--out", str(tmp_path / "out"), "--no-wandb"])
+    got = T.main(["--remodel", str(rec), "--out", str(tmp_path / "out"), "--no-wandb"])
+    assert got[0]["modelled_s"] == pytest.approx(80 * 0.021)
 
 
 def _torch_hook_worker(ctx, steps: int) -> dict:
