@@ -48,12 +48,15 @@ def send_up(call, key: Buf, a: int, c, local_key: Key):
         if v is not None:      # (these blocks are written only once their sums are complete, later)
             yield Hand(local_key, (v, torch.from_numpy(look) if meta else None))
             return
-    elif not meta:             # a run of whole blocks is the message itself: sent without a copy
-        v = source.view(ids)   # (overwritten in place only after the aggregator has it all)
-        if v is not None and v.numel() * v.element_size() % 4 == 0:
-            yield Send.new((v.reshape(-1).view(torch.uint8), call.aggregators[a], tag_up(c.ch.slot), None,
-                            call.deferrable(a)))
-            return
+    short = 0
+    if not meta:               # a run of whole blocks, or every block unpadded, is the message itself:
+        short = wire.short_end(c.ch, source.numel, source.block_size) if b.size == c.ch.size else 0
+        if a != call.own:      # sent without a copy (overwritten in place only after the aggregator has it all)
+            v = source.view(ids) if not short else source.run_to_end(ids)
+            if v is not None and v.numel() * v.element_size() % 4 == 0:
+                yield Send.new((v.reshape(-1).view(torch.uint8), call.aggregators[a], tag_up(c.ch.slot), None,
+                                call.deferrable(a)))
+                return
     buf, data, tail = wire.message(call.outbox.pool, key, b.size, call.spec.block_size, call.spec.up, meta=meta)
     call.fabric.host_work("index", source.gather(ids, data))
     call.fabric.host_work("move", data.nbytes)         # (the blocks' bytes copied: sim_host)
@@ -61,7 +64,9 @@ def send_up(call, key: Buf, a: int, c, local_key: Key):
         tail.copy_(torch.from_numpy(look))
     if a == call.own:
         yield Hand(local_key, buf)
-    else:
+    else:                      # (unpadded where the run is: :func:`.wire.short_end`)
+        if short:
+            buf = buf[:wire.block_bytes(b.size, call.spec.block_size, call.spec.up.itemsize, meta=False, short=short)]
         yield Send.new((buf, call.aggregators[a], tag_up(c.ch.slot), key, call.deferrable(a)))
 
 
@@ -190,7 +195,7 @@ def take_reply0(call, a: int, ch: wire.Channel) -> np.ndarray | None:
             raise ProtocolError("omnireduce: the round-0 sums do not match their lane words")
         ids = summed.nonzero()[0] + ch.lo
     if k:
-        land_sums0(call, a, ch.slot, ids)
+        land_sums0(call, a, ch, ids)
     return newc
 
 
@@ -208,7 +213,7 @@ def _take_reply0_single(call, a: int, ch: wire.Channel, k: int, bs: int) -> None
         else:   # no sums: the words are the message's tail, at its start (:func:`.wire.split` of 0 blocks)
             words = msg.numpy()[:ch.meta_bytes]
     else:   # every block summed: one block per lane, nothing follows
-        land_sums0(call, a, ch.slot, np.arange(ch.lo, ch.lo + ch.size))
+        land_sums0(call, a, ch, np.arange(ch.lo, ch.lo + ch.size))
         return
     bits = int.from_bytes(words.tobytes(), "little") & ((1 << ch.lanes) - 1)
     if bits.bit_count() != k:
@@ -220,32 +225,34 @@ def _take_reply0_single(call, a: int, ch: wire.Channel, k: int, bs: int) -> None
         call.fabric.host_work("index", call.sink.write(ids, data))
         call.fabric.host_work("move", data.nbytes)
     else:
-        land_sums0(call, a, ch.slot, ids)
+        land_sums0(call, a, ch, ids)
 
 
 def post_sums0(call, a: int, ch: wire.Channel, k: int) -> Post | PostInto | None:
     """The receive of remote aggregator ``a``'s round-0 sums of channel ``ch`` apart (``k`` blocks, all
     of the channel's), as a request (``None``: no sums): straight into the result when its bytes are the
     result's, else pooled."""
-    tag, sink, down = tag_sums0(ch.slot), call.sink, call.down
-    nbytes = wire.block_bytes(k, call.spec.block_size, down.itemsize, meta=False)
-    if (k == ch.size and call.result.dtype == down and ch.lo + ch.size <= sink.full
-            and nbytes == k * call.spec.block_size * down.itemsize):
+    tag, sink, down, bs = tag_sums0(ch.slot), call.sink, call.down, call.spec.block_size
+    short = wire.short_end(ch, sink.numel, bs) if k == ch.size else 0     # (every block: unpadded)
+    nbytes = wire.block_bytes(k, bs, down.itemsize, meta=False, short=short)
+    if k == ch.size and call.result.dtype == down and nbytes == (k * bs - short) * down.itemsize:
         call.into_sink.add((a, ch.slot))
-        return PostInto(Key(Msg.SUMS0, a, ch.slot), sink.rows[ch.lo: ch.lo + ch.size].reshape(-1).view(torch.uint8),
+        return PostInto(Key(Msg.SUMS0, a, ch.slot), sink.out[ch.lo * bs: (ch.lo + k) * bs - short].view(torch.uint8),
                         call.aggregators[a], tag)
     if k:
         return Post(Key(Msg.SUMS0, a, ch.slot), nbytes, call.aggregators[a], tag)
     return None
 
 
-def land_sums0(call, a: int, g: int, ids: np.ndarray) -> None:
-    """Round-0 sums of blocks ``ids`` into the result (recorded only, when they were received or summed
-    in place there)."""
-    got = call.inbox.take(Key(Msg.SUMS0, a, g))
-    if got is None or (a, g) in call.into_sink:
+def land_sums0(call, a: int, ch: wire.Channel, ids: np.ndarray) -> None:
+    """Round-0 sums of blocks ``ids`` of channel ``ch`` into the result (recorded only, when they were
+    received or summed in place there)."""
+    got = call.inbox.take(Key(Msg.SUMS0, a, ch.slot))
+    if got is None or (a, ch.slot) in call.into_sink:
         call.sink.mark(ids)
-    else:
-        data, _ = wire.split(got, ids.size, call.spec.block_size, call.down, meta=False)
+    else:                   # (from a remote aggregator, every block: unpadded, :func:`.wire.short_end`)
+        short = wire.short_end(ch, call.sink.numel, call.spec.block_size) \
+            if a != call.own and ids.size == ch.size else 0
+        data, _ = wire.split(got, ids.size, call.spec.block_size, call.down, meta=False, short=short)
         call.fabric.host_work("index", call.sink.write(ids, data))
         call.fabric.host_work("move", data.nbytes)
