@@ -4,7 +4,9 @@ writing aggregated blocks into the result.
 Two sources: :class:`DenseSource` (a flat tensor; blocks found by the codec's scan, gathered straight
 from the tensor, no packing pass) and :class:`PackedSource` (blocks built directly from a sparse
 payload's ``(indices, values)``, never densified). The last block of a tensor whose length is not a
-multiple of ``block_size`` is short; it travels zero-padded.
+multiple of ``block_size`` is short; it travels zero-padded, except in a message of every block of a
+one-round channel, which is the tensor's range as it lies (:func:`.wire.short_end`: :meth:`DenseSource.run_to_end`
+sends it, :meth:`BlockSink.write` takes it flat).
 """
 
 from __future__ import annotations

@@ -72,18 +72,22 @@ def send_up(call, key: Buf, a: int, c, local_key: Key):
 
 # ------------------------------------------------------------------ where sums land: aggregator
 def homed(call, ch: wire.Channel) -> bool:
-    """Is the hosted channel ``ch`` summed in place (an in-place call, one round, whole blocks only)?"""
-    return call.home and ch.agg == call.own and ch.single and ch.lo + ch.size <= call.source.full
+    """Is the hosted channel ``ch`` summed in place (an in-place call, one round; whole blocks, or, with two
+    workers, ending with the short last block: the host's block first is then the one addition
+    :class:`.core.MessageSums` makes, the same bits)?"""
+    return call.home and ch.agg == call.own and ch.single and (ch.lo + ch.size <= call.source.full or call.n == 2)
 
 
 def home_rows(call) -> dict:
-    """The rows of the in-place result in which the hosted aggregator sums, per slot (the ``GO``
-    hand-over's content; empty unless the call is in place)."""
+    """The range of the in-place result in which the hosted aggregator sums, per slot (flat: the channel's
+    blocks as they lie, the short last block unpadded; the ``GO`` hand-over's content; empty unless the call
+    is in place)."""
     if not call.home:
         return {}
     if call.result.data_ptr() != call.source.flat.data_ptr():
         raise ProtocolError("omnireduce: an in-place call's result is not its input")
-    return {ch.slot: call.sink.rows[ch.lo: ch.lo + ch.size] for ch in call.plans[call.own] if homed(call, ch)}
+    bs, out = call.spec.block_size, call.sink.out
+    return {ch.slot: out[ch.lo * bs: (ch.lo + ch.size) * bs] for ch in call.plans[call.own] if homed(call, ch)}
 
 
 def sum_at_home(channels: list, rows: dict, host: int) -> None:
@@ -94,8 +98,9 @@ def sum_at_home(channels: list, rows: dict, host: int) -> None:
 
 
 class HomeSums:
-    """Colocated, in place: the sums of a one-round channel accumulate in ``rows`` (its blocks of the
-    hosting worker ``w``'s result, which already hold that worker's own blocks: they are not added).
+    """Colocated, in place: the sums of a one-round channel accumulate in ``span``, the channel's range of
+    the hosting worker ``w``'s result (flat; the short last block, if the channel ends with it, unpadded),
+    which already holds that worker's own blocks: they are not added.
     A lane's sum is thus the host's block, then the others' in :func:`.core.sum_order`: with three or
     more workers a float sum may round differently from :class:`.core.MessageSums`' (every worker
     still gets the same bits)."""
@@ -106,42 +111,61 @@ class HomeSums:
     def buffer(c) -> None:
         return None   # (one round: its message, where it is a copy, is reused by the next call only)
 
-    def __init__(self, c, rows: torch.Tensor, w: int) -> None:
-        if not c.single or rows.dtype != c.acc_dtype or rows.dtype != c.down:
+    def __init__(self, c, span: torch.Tensor, w: int) -> None:
+        if not c.single or span.dtype != c.acc_dtype or span.dtype != c.down:
             raise ProtocolError("omnireduce: in-place aggregation needs a one-round channel and the "
                                 "accumulation dtype")
-        self.rows, self.w = rows, w
+        if span.numel() != c.ch.size * c.bs - c.short:
+            raise ProtocolError("omnireduce: an in-place channel's range is not its blocks' (a bug)")
+        full = c.ch.size - (1 if c.short else 0)        # (its whole blocks)
+        self.span, self.w, self.short = span, w, c.short
+        self.rows, self.last = span[:full * c.bs].view(full, c.bs), span[full * c.bs:]
 
     def begin(self, c, message) -> None:
         self.message = message
 
     def add(self, c, w: int, pos: np.ndarray, blocks: torch.Tensor) -> int:
-        """Add worker ``w``'s blocks into the rows; returns the blocks added by index (:meth:`.core.AggChannel.add`)."""
-        if w != self.w:    # round 0 of a one-round channel: lane j holds local block j
-            lanes = c.act[pos]
-            run = block_run(lanes)
-            if run is not None:
-                self.rows[run[0]:run[1]].add_(blocks)
-            else:
-                self.rows.index_add_(0, torch.from_numpy(lanes), blocks)
-                return int(lanes.size)
+        """Add worker ``w``'s blocks into the range; returns the blocks added by index (:meth:`.core.AggChannel.add`)."""
+        if w == self.w:
+            return 0
+        if blocks.dim() == 1:   # every block, unpadded (:func:`.wire.short_end`): the channel's range as it lies
+            self.span.add_(blocks)
+            return 0
+        lanes = c.act[pos]      # round 0 of a one-round channel: lane j holds local block j (ascending)
+        if self.short and lanes.size and lanes[-1] == c.ch.size - 1:    # the short last block: its values
+            self.last.add_(blocks[-1, :self.last.numel()])
+            lanes, blocks = lanes[:-1], blocks[:-1]
+        run = block_run(lanes)
+        if run is not None:
+            self.rows[run[0]:run[1]].add_(blocks)
+        elif lanes.size:
+            self.rows.index_add_(0, torch.from_numpy(lanes), blocks)
+            return int(lanes.size)
         return 0
 
     def finish(self, c):
-        """The message: the summed rows (a view when they are one run and travel alone), or a copy of
-        them with room for the lane words (:func:`.wire.fused0`)."""
+        """The message: the summed range (a view when every block is summed and they travel alone; the short
+        last block unpadded, :func:`.wire.short_end`), or a copy of the summed blocks with room for the lane
+        words (:func:`.wire.fused0`)."""
         ids = c.summed.nonzero()[0]
-        run = block_run(ids)
         fused = wire.fused0(c.ch, c.k)
+        if not fused and self.short:
+            return self.span.view(torch.uint8), None
+        run = block_run(ids)
         if not fused and run is not None and c.k * c.bs * c.down.itemsize % 4 == 0:
             return self.rows[run[0]:run[1]].reshape(-1).view(torch.uint8), None
         if not (fused or c.k):
             return None, None
         msg, data, tail = self.message(Buf(Msg.DOWN, slot=c.slot, parity=0), c.k, c.bs, c.down,
                                        extra=c.ch.words_ints if fused else 0, meta=False)
+        if self.short and ids.size and ids[-1] == c.ch.size - 1:     # the short last block, zero-padded
+            data[-1, :self.last.numel()].copy_(self.last)
+            data[-1, self.last.numel():].zero_()
+            ids, data = ids[:-1], data[:-1]
+        run = block_run(ids)
         if run is not None:
             data.copy_(self.rows[run[0]:run[1]])
-        elif c.k:
+        elif ids.size:
             torch.index_select(self.rows, 0, torch.from_numpy(ids), out=data)
         return msg, tail
 

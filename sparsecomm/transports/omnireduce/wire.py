@@ -33,6 +33,11 @@ block index, ``size`` = none):
 * round r >= 1, up: the lanes whose pending block this worker holds, with its next look-ahead in each.
 * round r >= 1, down: the sums of every active lane's pending block, with each lane's next pending
   block (the minimum of the announced look-aheads).
+
+The last block of a tensor whose length is not a multiple of ``block_size`` is short; it travels zero-padded,
+but in a message of every block of a one-round channel and nothing else (round 0's blocks of a worker that
+holds them all; the channel's sums, every block summed), which then is the tensor's range as it lies: there
+the padding is left off (:func:`short_end`).
 """
 
 from __future__ import annotations

@@ -81,12 +81,44 @@ def test_every_block_of_a_channel_ending_short_travels_unpadded_and_uncopied(n, 
     res = sc.launch(functools.partial(_calls, numel=numel, calls=calls, inplace=inplace), n, network=NET)
     _check_sums(res, n, numel, calls, inplace)
     # the last aggregator's range, every block: no worker gathers it into a padded message (the code
-    # before short_end: each remote worker did); only its host writes the sums, from its hosted
-    # aggregator's message (the others receive them straight into their result; before: each wrote them)
+    # before short_end: each remote worker did); the others receive the sums straight into their result
+    # (before: each wrote them from a message); its host writes them from its hosted aggregator's message,
+    # but for two workers in place, where they are summed in its input (HomeSums: no write)
     nb = -(-numel // BS)
     lo = wire.plan(numel, BS, n, 1, 1 << 14)[n - 1][0].lo
     assert (lo, nb) not in gathered, gathered
-    assert [w for w in written if w == (lo, nb)] == [(lo, nb)] * calls, written
+    host_writes = 0 if inplace and n == 2 else calls
+    assert [w for w in written if w == (lo, nb)] == [(lo, nb)] * host_writes, written
+
+
+def _holes(ctx, numel: int, holes: dict):
+    x = _x(ctx.rank, numel, 0)
+    for b in holes.get(ctx.rank, ()):
+        x[b * BS:min((b + 1) * BS, numel)] = 0
+    t = sc.transports.get("omnireduce", ctx.fabric, block_size=BS, channels=1, inplace=True)
+    return t.allreduce(x).clone()
+
+
+@pytest.mark.parametrize("holes", [     # (blocks 19-37 are the last aggregator's; 37 is the short one)
+    {0: [30], 1: [30, 33]},     # both hold the short last block, not every block summed: its sum goes padded (fused)
+    {0: [25], 1: [37]},         # the host lacks the short last block: the remote's, padded, is added
+    {0: [37], 1: [20]},         # the remote lacks it: the host's stays
+    {0: [37], 1: [37]},         # nobody holds it: it is not summed (fused)
+    {0: [20, 22]},              # the remote holds blocks by index, then the short one
+    {1: [19]},                  # the remote holds every block: its range, unpadded, added to the host's
+])
+def test_two_workers_sum_a_channel_ending_short_in_the_hosts_input(holes):
+    """Two workers, in place: the last aggregator sums its channel that ends with the short last block in its
+    host's input (:class:`.strategies.HomeSums` over the range), whichever blocks each holds; the sums are
+    the plain sums (one addition each, the same bits in either order)."""
+    numel = 37 * BS + 10
+    res = sc.launch(functools.partial(_holes, numel=numel, holes=holes), 2, network=NET)
+    xs = [_x(r, numel, 0) for r in range(2)]
+    for r, bs_ in holes.items():
+        for b in bs_:
+            xs[r][b * BS:min((b + 1) * BS, numel)] = 0
+    for r in range(2):
+        assert torch.equal(res[r], xs[0] + xs[1]), r
 
 
 def _bytes(ctx, numel: int):
@@ -145,4 +177,4 @@ def test_on_gloo_every_block_of_a_channel_ending_short_travels_unpadded_and_unco
     lo = wire.plan(numel, BS, 2, 1, 1 << 14)[1][0].lo
     (_, (gathered0, written0)), (_, (gathered1, written1)) = res
     assert gathered0 == gathered1 == []                      # worker 0 sends its range of the tensor
-    assert written0 == [] and written1 == [(lo, nb)] * calls  # worker 0 receives the sums into it
+    assert written0 == written1 == []      # worker 0 receives the sums into it, worker 1 sums in its input

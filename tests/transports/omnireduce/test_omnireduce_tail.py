@@ -68,7 +68,8 @@ def test_a_hosted_run_ending_with_the_short_last_block_is_handed_over_uncopied(n
         for r in range(n):
             assert torch.equal(res[r][call], exp), (r, call)
     # the last aggregator's range ends with the short last block: its host hands it over as it is (the
-    # code before TailRun copied it), its n - 1 remote workers send the range of their tensor, unpadded
+    # code before TailRun copied it; two workers: it sums there, HomeSums), its n - 1 remote workers send
+    # the range of their tensor, unpadded
     # (wire.short_end; the code before that copied it into a message of whole blocks): no block is gathered
     assert gathered == []
 
