@@ -315,7 +315,7 @@ def agg_lane(adm, c: AggChannel, inbox, outbox, host: int | None, mark=None):
             msg = inbox.take(key)   # (the host may hand over (blocks, look-aheads) directly)
             if isinstance(msg, tuple):
                 data, looks = msg
-            else:               # (sent in round 0 of a one-round channel, every block: unpadded, :func:`.wire.short_end`)
+            else:               # (round 0 of a one-round channel, every block: unpadded, :func:`.wire.short_end`)
                 k = int(c.counts[w])
                 data, looks = wire.split(msg, k, c.bs, c.up, meta=not (r0 and c.single),
                                          short=c.short if r0 and k == c.ch.size and w != host else 0)

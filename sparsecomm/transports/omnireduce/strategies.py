@@ -125,7 +125,8 @@ class HomeSums:
         self.message = message
 
     def add(self, c, w: int, pos: np.ndarray, blocks: torch.Tensor) -> int:
-        """Add worker ``w``'s blocks into the range; returns the blocks added by index (:meth:`.core.AggChannel.add`)."""
+        """Add worker ``w``'s blocks into the range; returns the blocks added by index
+        (:meth:`.core.AggChannel.add`)."""
         if w == self.w:
             return 0
         if blocks.dim() == 1:   # every block, unpadded (:func:`.wire.short_end`): the channel's range as it lies
