@@ -172,7 +172,8 @@ class AggCall:
         h = self.headers[0]
         up = wire.code_dtype(h[wire.F_DTYPE])
         down = wire.code_dtype(self.reply_hdr[wire.R_DOWN_DTYPE])
-        self.channels = [AggChannel(ch, self.n, int(h[wire.F_BLOCK]), up, wire.accumulate_dtype(up), down)
+        bs, numel = int(h[wire.F_BLOCK]), int(h[wire.F_NUMEL])
+        self.channels = [AggChannel(ch, self.n, bs, up, wire.accumulate_dtype(up), down, wire.short_end(ch, numel, bs))
                          for ch in wire.plan_from_header(h)[self.index]]
         if not self.windows:
             self.open_windows(h, inbox.pool)
@@ -312,8 +313,12 @@ def agg_lane(adm, c: AggChannel, inbox, outbox, host: int | None, mark=None):
                 waited = set(group)
                 yield Recv(group, Stage(Phase.AGGREGATE, c.round, c.slot))
             msg = inbox.take(key)   # (the host may hand over (blocks, look-aheads) directly)
-            data, looks = msg if isinstance(msg, tuple) else wire.split(
-                msg, int(c.counts[w]), c.bs, c.up, meta=not (r0 and c.single))
+            if isinstance(msg, tuple):
+                data, looks = msg
+            else:               # (round 0 of a one-round channel, every block: unpadded, :func:`.wire.short_end`)
+                k = int(c.counts[w])
+                data, looks = wire.split(msg, k, c.bs, c.up, meta=not (r0 and c.single),
+                                         short=c.short if r0 and k == c.ch.size and w != host else 0)
             moved = c.add(w, data, looks)
             inbox.fabric.host_work("index", moved)     # (blocks added at scattered rows)
             if data is not None:     # (each contribution's elements, the first one's copy counted as a sum)
@@ -359,8 +364,10 @@ def send_down(adm, c: AggChannel, out, host: int | None):
                 yield Hand(Key(Msg.WORDS, adm.index, slot), out.words)
                 if out.k:
                     yield Hand(Key(Msg.SUMS0, adm.index, slot), None if c.sums.in_place else sums)
-            else:
-                yield Send.new((sums, w, tag, buf, False))
+            else:           # (the sums alone, every block: unpadded, :func:`.wire.short_end`)
+                yield Send.new((sums if out.fused or not c.short else
+                                sums[:wire.block_bytes(out.k, c.bs, c.down.itemsize, meta=False, short=c.short)],
+                                w, tag, buf, False))
         return
     buf = Buf(Msg.DOWN, slot=slot, parity=(c.round - 1) % 2)
     for w in adm.order:

@@ -4,7 +4,9 @@ writing aggregated blocks into the result.
 Two sources: :class:`DenseSource` (a flat tensor; blocks found by the codec's scan, gathered straight
 from the tensor, no packing pass) and :class:`PackedSource` (blocks built directly from a sparse
 payload's ``(indices, values)``, never densified). The last block of a tensor whose length is not a
-multiple of ``block_size`` is short; it travels zero-padded.
+multiple of ``block_size`` is short; it travels zero-padded, except in a message of every block of a
+one-round channel, which is the tensor's range as it lies (:func:`.wire.short_end`: :meth:`DenseSource.run_to_end`
+sends it, :meth:`BlockSink.write` takes it flat).
 """
 
 from __future__ import annotations
@@ -79,6 +81,11 @@ class _Blocks:
         (:class:`TailRun`); None where they are not, or where the source has no such view."""
         return None
 
+    def run_to_end(self, ids: np.ndarray) -> torch.Tensor | None:
+        """The blocks ``ids`` as the tensor's range, unpadded, when they are a run ending with the short last
+        block; None where they are not, or where the source has no such view."""
+        return None
+
 
 class DenseSource(_Blocks):
     """Blocks of a flat tensor. ``threshold > 0`` (OmniReduce's optional threshold) treats blocks with
@@ -145,6 +152,14 @@ class DenseSource(_Blocks):
         if run is None or self._tail_block is None or run[1] != self.nb:
             return None
         return TailRun(self.rows[run[0]:self.full], self._tail_block.view(1, -1))
+
+    def run_to_end(self, ids: np.ndarray) -> torch.Tensor | None:
+        """The blocks ``ids`` as the tensor's range itself, unpadded, when they are a run ending with the
+        short last block (a message of them without the padding, :func:`.wire.short_end`); else None."""
+        run = block_run(ids)
+        if run is None or self._tail_block is None or run[1] != self.nb:
+            return None
+        return self.flat[run[0] * self.block_size:]
 
     def gather(self, ids: np.ndarray, out: torch.Tensor) -> int:
         """``out[i] = block ids[i]`` (global block ids); returns how many blocks were moved by their index
@@ -216,13 +231,18 @@ class BlockSink:
         self.tail = self.numel % block_size
 
     def write(self, ids: np.ndarray, data: torch.Tensor) -> int:
-        """``block ids[i] = data[i]``; returns how many blocks were written by their index (0: none, or a run
-        of blocks, one copy; the host model's ``"index"`` count, :mod:`sparsecomm.fabric.sim.sim_host`)."""
+        """``block ids[i] = data[i]`` (``data``: one row per block, or, where ``ids`` is a run ending with the
+        short last block, that run's elements flat and unpadded); returns how many blocks were written by their
+        index (0: none, or a run of blocks, one copy; the host model's ``"index"`` count,
+        :mod:`sparsecomm.fabric.sim.sim_host`)."""
         if not ids.size:
             return 0
         self.written.append(ids)
         if data.dtype != self.out.dtype:
             data = data.to(self.out.dtype)
+        if data.dim() == 1:                            # a run to the tensor's end, unpadded
+            self.out[int(ids[0]) * self.block_size:].copy_(data)
+            return 0
         run = block_run(ids)
         if run is not None and run[1] <= self.full:
             self.rows[run[0]:run[1]].copy_(data)

@@ -129,11 +129,12 @@ class AggChannel:
     downstream message). The sums accumulate in ``sums``: a :class:`MessageSums` unless a driver puts
     another accumulator with its interface there before round 0 (:class:`.strategies.HomeSums`). With
     one block per lane (``Channel.single``) round 0 is the whole stream and the announce is a bitmap of
-    holders (``held``) instead of ``nxt``."""
+    holders (``held``) instead of ``nxt``. ``short``: the elements a message of every block of the channel
+    leaves off (:func:`.wire.short_end` of the call's tensor)."""
 
     def __init__(self, ch: wire.Channel, n: int, block_size: int, up: torch.dtype, acc: torch.dtype,
-                 down: torch.dtype) -> None:
-        self.ch, self.n, self.bs = ch, n, block_size
+                 down: torch.dtype, short: int = 0) -> None:
+        self.ch, self.n, self.bs, self.short = ch, n, block_size, short
         self.up, self.acc_dtype, self.down = up, acc, down
         self.single = ch.single
         self.nxt = np.empty((n, ch.lanes), dtype=np.int64) if not self.single else None
@@ -177,9 +178,10 @@ class AggChannel:
         self.sums.begin(self, message)
 
     def add(self, w: int, blocks: torch.Tensor | None, looks: torch.Tensor | None) -> int:
-        """Add worker ``w``'s blocks (one per lane it holds, lane order) and take its announced
-        look-aheads (``None`` in round 0 of a one-round channel: nothing follows). Returns the blocks
-        added at scattered rows (by their index; the host model's ``"index"`` count)."""
+        """Add worker ``w``'s blocks (one per lane it holds, lane order; a flat run of every lane without the
+        short last block's padding, :func:`.wire.short_end`) and take its announced look-aheads (``None`` in
+        round 0 of a one-round channel: nothing follows). Returns the blocks added at scattered rows (by
+        their index; the host model's ``"index"`` count)."""
         pos = self.held[w].nonzero()[0]
         if not self.single:
             self.nxt[w, self.act[pos]] = looks.numpy()
@@ -241,9 +243,10 @@ class MessageSums:
         self.fresh = True   # acc not yet written: the first contribution is copied, not added
 
     def add(self, c, w: int, pos: np.ndarray, blocks) -> int:
-        """Add worker ``w``'s blocks (a ``(pos.size, block_size)`` tensor, or the hosting worker's
-        :class:`.blocks.TailRun`) at the message rows of lane positions ``pos``; returns the blocks added
-        by index."""
+        """Add worker ``w``'s blocks (a ``(pos.size, block_size)`` tensor, the hosting worker's
+        :class:`.blocks.TailRun`, or a flat run of every lane without the short last block's padding,
+        :func:`.wire.short_end`) at the message rows of lane positions ``pos``; returns the blocks added
+        by index. The sums' padding is zero, as the sum of zero-padded blocks."""
         if isinstance(blocks, TailRun):
             if pos.size != c.k:        # (some lanes only: by index, as one tensor)
                 return self.add(c, w, pos, blocks.joined())
@@ -253,6 +256,17 @@ class MessageSums:
                     acc.copy_(part)
                 else:
                     acc.add_(part)
+            self.fresh = False
+            return 0
+        if blocks.dim() == 1:          # every lane, unpadded: the same elements added, the padding kept zero
+            if blocks.dtype != c.acc_dtype:
+                blocks = blocks.to(c.acc_dtype)
+            acc, m = self.acc.view(-1), blocks.numel()
+            if self.fresh:
+                acc[:m].copy_(blocks)
+                acc[m:].zero_()
+            else:
+                acc[:m].add_(blocks)
             self.fresh = False
             return 0
         if blocks.dtype != c.acc_dtype:

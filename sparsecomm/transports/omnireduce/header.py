@@ -26,7 +26,7 @@ from .._handshake import pair_mismatch
 from .wire import (AGREE, F_ABSMAX, F_AGGS, F_BLOCK, F_CHANNELS, F_CHECK, F_DTYPE, F_K0, F_KIND, F_LANES,
                    F_MAGIC, F_NUMEL, F_SUM, F_WORLD, FIELD_NAMES, HDR, KINDS, MAGIC, MAN, MAX_CHANNELS, MALFORMED,
                    MISMATCH, OK, OTHER_NAMES, OVERFLOW, R_DOWN_DTYPE, R_FIELD, R_STATUS, R_VMAX, R_VMIN,
-                   R_WMAX, R_WMIN, WHAT, block_bytes, code_dtype, down_dtype, dtype_code, firsts_bytes, plan)
+                   R_WMAX, R_WMIN, WHAT, block_bytes, code_dtype, down_dtype, dtype_code, firsts_bytes, plan, short_end)
 
 # protocol limits a header is checked against before anything is planned, allocated or looped over
 MAX_AGGREGATORS = 4096
@@ -174,7 +174,8 @@ def _round0_sizes(words: bytes, index: int) -> tuple[int, tuple[tuple[int, int],
     v = np.frombuffer(words, dtype=np.int64).tolist()     # (the words as Python ints, read once)
     up = code_dtype(v[F_DTYPE])
     chans = plan(v[F_NUMEL], v[F_BLOCK], v[F_AGGS], v[F_CHANNELS], v[F_LANES])[index]
-    blocks = {ch.slot: block_bytes(v[F_K0 + ch.slot], v[F_BLOCK], up.itemsize, meta=not ch.single)
+    blocks = {ch.slot: block_bytes(v[F_K0 + ch.slot], v[F_BLOCK], up.itemsize, meta=not ch.single,
+                                   short=short_end(ch, v[F_NUMEL], v[F_BLOCK]) if v[F_K0 + ch.slot] == ch.size else 0)
               for ch in chans if v[F_K0 + ch.slot]}
     return firsts_bytes(chans), tuple(blocks.items())
 

@@ -153,7 +153,8 @@ def worker_side(fabric: Fabric, flat: torch.Tensor, spec: CallSpec, aggregators:
         data.copy_(rows[torch.from_numpy(b + c.ch.lo)])
         if meta:
             tail.copy_(torch.from_numpy(look))
-        return buf
+        short = wire.short_end(c.ch, numel, bs) if not meta and b.size == c.ch.size else 0
+        return buf[:wire.block_bytes(b.size, bs, spec.up.itemsize, meta=False, short=short)] if short else buf
 
     # 1. header
     hdrs = [spec.header(n, {g: c.pending0() for (b, g), c in lanes.items() if b == a})
@@ -193,12 +194,17 @@ def worker_side(fabric: Fabric, flat: torch.Tensor, spec: CallSpec, aggregators:
 
     # 5. round 0's sums
     summed = [(a, c, newc, np.flatnonzero(s)) for (a, c), (newc, s) in zip(live, words)]
+    shorts = [wire.short_end(c.ch, numel, bs) if ids.size == c.ch.size else 0 for _, c, _, ids in summed]
     got = iter((yield [], [(aggregators[a], tag_sums0(c.ch.slot), wire.block_bytes(ids.size, bs, down.itemsize,
-                                                                                 meta=False))
-                          for a, c, _, ids in summed if ids.size]))
-    for a, c, newc, ids in summed:
+                                                                                 meta=False, short=short))
+                          for (a, c, _, ids), short in zip(summed, shorts) if ids.size]))
+    for (a, c, newc, ids), short in zip(summed, shorts):
         if ids.size:
-            out[torch.from_numpy(ids + c.ch.lo)] = wire.split(next(got), ids.size, bs, down, meta=False)[0]
+            data = wire.split(next(got), ids.size, bs, down, meta=False, short=short)[0]
+            if short:       # every block of the channel, unpadded: the run to the tensor's end
+                out.view(-1)[c.ch.lo * bs: numel] = data
+            else:
+                out[torch.from_numpy(ids + c.ch.lo)] = data
         c.start(newc)
 
     # 6. rounds
@@ -245,7 +251,8 @@ def aggregator_side(fabric: Fabric, index: int, host: int | None = None):
         return
     h = headers[0]
     bs, up, down = int(h[wire.F_BLOCK]), wire.code_dtype(h[wire.F_DTYPE]), wire.code_dtype(verdict[wire.R_DOWN_DTYPE])
-    chans = [core.AggChannel(ch, n, bs, up, wire.accumulate_dtype(up), down)
+    numel = int(h[wire.F_NUMEL])
+    chans = [core.AggChannel(ch, n, bs, up, wire.accumulate_dtype(up), down, wire.short_end(ch, numel, bs))
              for ch in wire.plan_from_header(h)[index]]
 
     # 3. announce: each channel adds its position-0 blocks and completes round 0
@@ -269,7 +276,8 @@ def aggregator_side(fabric: Fabric, index: int, host: int | None = None):
 
     # 4. round 0's words; 5. round 0's sums
     yield [(w, tag_down(c.slot), r.words) for c, r in zip(chans, replies) for w in range(n)], []
-    yield [(w, tag_sums0(c.slot), r.sums[:wire.block_bytes(r.k, bs, down.itemsize, meta=False)])
+    yield [(w, tag_sums0(c.slot), r.sums[:wire.block_bytes(r.k, bs, down.itemsize, meta=False,
+                                                             short=c.short if r.k == c.ch.size else 0)])
            for c, r in zip(chans, replies) if r.k for w in range(n)], []
 
     # 6. rounds
@@ -289,7 +297,9 @@ def _round(c: core.AggChannel, order: list[int], msgs: dict, meta: bool):
     c.begin(_message)
     for w in order:
         if w in msgs:
-            data, looks = wire.split(msgs[w], int(c.counts[w]), c.bs, c.up, meta=meta)
+            k = int(c.counts[w])
+            data, looks = wire.split(msgs[w], k, c.bs, c.up, meta=meta,
+                                     short=c.short if not meta and k == c.ch.size else 0)
             c.add(w, data, looks)
     return c.finish()
 

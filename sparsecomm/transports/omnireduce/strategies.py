@@ -48,12 +48,15 @@ def send_up(call, key: Buf, a: int, c, local_key: Key):
         if v is not None:      # (these blocks are written only once their sums are complete, later)
             yield Hand(local_key, (v, torch.from_numpy(look) if meta else None))
             return
-    elif not meta:             # a run of whole blocks is the message itself: sent without a copy
-        v = source.view(ids)   # (overwritten in place only after the aggregator has it all)
-        if v is not None and v.numel() * v.element_size() % 4 == 0:
-            yield Send.new((v.reshape(-1).view(torch.uint8), call.aggregators[a], tag_up(c.ch.slot), None,
-                            call.deferrable(a)))
-            return
+    short = 0
+    if not meta:               # a run of whole blocks, or every block unpadded, is the message itself:
+        short = wire.short_end(c.ch, source.numel, source.block_size) if b.size == c.ch.size else 0
+        if a != call.own:      # sent without a copy (overwritten in place only after the aggregator has it all)
+            v = source.view(ids) if not short else source.run_to_end(ids)
+            if v is not None and v.numel() * v.element_size() % 4 == 0:
+                yield Send.new((v.reshape(-1).view(torch.uint8), call.aggregators[a], tag_up(c.ch.slot), None,
+                                call.deferrable(a)))
+                return
     buf, data, tail = wire.message(call.outbox.pool, key, b.size, call.spec.block_size, call.spec.up, meta=meta)
     call.fabric.host_work("index", source.gather(ids, data))
     call.fabric.host_work("move", data.nbytes)         # (the blocks' bytes copied: sim_host)
@@ -61,24 +64,30 @@ def send_up(call, key: Buf, a: int, c, local_key: Key):
         tail.copy_(torch.from_numpy(look))
     if a == call.own:
         yield Hand(local_key, buf)
-    else:
+    else:                      # (unpadded where the run is: :func:`.wire.short_end`)
+        if short:
+            buf = buf[:wire.block_bytes(b.size, call.spec.block_size, call.spec.up.itemsize, meta=False, short=short)]
         yield Send.new((buf, call.aggregators[a], tag_up(c.ch.slot), key, call.deferrable(a)))
 
 
 # ------------------------------------------------------------------ where sums land: aggregator
 def homed(call, ch: wire.Channel) -> bool:
-    """Is the hosted channel ``ch`` summed in place (an in-place call, one round, whole blocks only)?"""
-    return call.home and ch.agg == call.own and ch.single and ch.lo + ch.size <= call.source.full
+    """Is the hosted channel ``ch`` summed in place (an in-place call, one round; whole blocks, or, with two
+    workers, ending with the short last block: the host's block first is then the one addition
+    :class:`.core.MessageSums` makes, the same bits)?"""
+    return call.home and ch.agg == call.own and ch.single and (ch.lo + ch.size <= call.source.full or call.n == 2)
 
 
 def home_rows(call) -> dict:
-    """The rows of the in-place result in which the hosted aggregator sums, per slot (the ``GO``
-    hand-over's content; empty unless the call is in place)."""
+    """The range of the in-place result in which the hosted aggregator sums, per slot (flat: the channel's
+    blocks as they lie, the short last block unpadded; the ``GO`` hand-over's content; empty unless the call
+    is in place)."""
     if not call.home:
         return {}
     if call.result.data_ptr() != call.source.flat.data_ptr():
         raise ProtocolError("omnireduce: an in-place call's result is not its input")
-    return {ch.slot: call.sink.rows[ch.lo: ch.lo + ch.size] for ch in call.plans[call.own] if homed(call, ch)}
+    bs, out = call.spec.block_size, call.sink.out
+    return {ch.slot: out[ch.lo * bs: (ch.lo + ch.size) * bs] for ch in call.plans[call.own] if homed(call, ch)}
 
 
 def sum_at_home(channels: list, rows: dict, host: int) -> None:
@@ -89,8 +98,9 @@ def sum_at_home(channels: list, rows: dict, host: int) -> None:
 
 
 class HomeSums:
-    """Colocated, in place: the sums of a one-round channel accumulate in ``rows`` (its blocks of the
-    hosting worker ``w``'s result, which already hold that worker's own blocks: they are not added).
+    """Colocated, in place: the sums of a one-round channel accumulate in ``span``, the channel's range of
+    the hosting worker ``w``'s result (flat; the short last block, if the channel ends with it, unpadded),
+    which already holds that worker's own blocks: they are not added.
     A lane's sum is thus the host's block, then the others' in :func:`.core.sum_order`: with three or
     more workers a float sum may round differently from :class:`.core.MessageSums`' (every worker
     still gets the same bits)."""
@@ -101,42 +111,62 @@ class HomeSums:
     def buffer(c) -> None:
         return None   # (one round: its message, where it is a copy, is reused by the next call only)
 
-    def __init__(self, c, rows: torch.Tensor, w: int) -> None:
-        if not c.single or rows.dtype != c.acc_dtype or rows.dtype != c.down:
+    def __init__(self, c, span: torch.Tensor, w: int) -> None:
+        if not c.single or span.dtype != c.acc_dtype or span.dtype != c.down:
             raise ProtocolError("omnireduce: in-place aggregation needs a one-round channel and the "
                                 "accumulation dtype")
-        self.rows, self.w = rows, w
+        if span.numel() != c.ch.size * c.bs - c.short:
+            raise ProtocolError("omnireduce: an in-place channel's range is not its blocks' (a bug)")
+        full = c.ch.size - (1 if c.short else 0)        # (its whole blocks)
+        self.span, self.w, self.short = span, w, c.short
+        self.rows, self.last = span[:full * c.bs].view(full, c.bs), span[full * c.bs:]
 
     def begin(self, c, message) -> None:
         self.message = message
 
     def add(self, c, w: int, pos: np.ndarray, blocks: torch.Tensor) -> int:
-        """Add worker ``w``'s blocks into the rows; returns the blocks added by index (:meth:`.core.AggChannel.add`)."""
-        if w != self.w:    # round 0 of a one-round channel: lane j holds local block j
-            lanes = c.act[pos]
-            run = block_run(lanes)
-            if run is not None:
-                self.rows[run[0]:run[1]].add_(blocks)
-            else:
-                self.rows.index_add_(0, torch.from_numpy(lanes), blocks)
-                return int(lanes.size)
+        """Add worker ``w``'s blocks into the range; returns the blocks added by index
+        (:meth:`.core.AggChannel.add`)."""
+        if w == self.w:
+            return 0
+        if blocks.dim() == 1:   # every block, unpadded (:func:`.wire.short_end`): the channel's range as it lies
+            self.span.add_(blocks)
+            return 0
+        lanes = c.act[pos]      # round 0 of a one-round channel: lane j holds local block j (ascending)
+        if self.short and lanes.size and lanes[-1] == c.ch.size - 1:    # the short last block: its values
+            self.last.add_(blocks[-1, :self.last.numel()])
+            lanes, blocks = lanes[:-1], blocks[:-1]
+        run = block_run(lanes)
+        if run is not None:
+            self.rows[run[0]:run[1]].add_(blocks)
+        elif lanes.size:
+            self.rows.index_add_(0, torch.from_numpy(lanes), blocks)
+            return int(lanes.size)
         return 0
 
     def finish(self, c):
-        """The message: the summed rows (a view when they are one run and travel alone), or a copy of
-        them with room for the lane words (:func:`.wire.fused0`)."""
+        """The message: the summed range (a view when every block is summed and they travel alone; the short
+        last block unpadded, :func:`.wire.short_end`), or a copy of the summed blocks with room for the lane
+        words (:func:`.wire.fused0`)."""
         ids = c.summed.nonzero()[0]
-        run = block_run(ids)
         fused = wire.fused0(c.ch, c.k)
+        if not fused and self.short:
+            return self.span.view(torch.uint8), None
+        run = block_run(ids)
         if not fused and run is not None and c.k * c.bs * c.down.itemsize % 4 == 0:
             return self.rows[run[0]:run[1]].reshape(-1).view(torch.uint8), None
         if not (fused or c.k):
             return None, None
         msg, data, tail = self.message(Buf(Msg.DOWN, slot=c.slot, parity=0), c.k, c.bs, c.down,
                                        extra=c.ch.words_ints if fused else 0, meta=False)
+        if self.short and ids.size and ids[-1] == c.ch.size - 1:     # the short last block, zero-padded
+            data[-1, :self.last.numel()].copy_(self.last)
+            data[-1, self.last.numel():].zero_()
+            ids, data = ids[:-1], data[:-1]
+        run = block_run(ids)
         if run is not None:
             data.copy_(self.rows[run[0]:run[1]])
-        elif c.k:
+        elif ids.size:
             torch.index_select(self.rows, 0, torch.from_numpy(ids), out=data)
         return msg, tail
 
@@ -190,7 +220,7 @@ def take_reply0(call, a: int, ch: wire.Channel) -> np.ndarray | None:
             raise ProtocolError("omnireduce: the round-0 sums do not match their lane words")
         ids = summed.nonzero()[0] + ch.lo
     if k:
-        land_sums0(call, a, ch.slot, ids)
+        land_sums0(call, a, ch, ids)
     return newc
 
 
@@ -208,7 +238,7 @@ def _take_reply0_single(call, a: int, ch: wire.Channel, k: int, bs: int) -> None
         else:   # no sums: the words are the message's tail, at its start (:func:`.wire.split` of 0 blocks)
             words = msg.numpy()[:ch.meta_bytes]
     else:   # every block summed: one block per lane, nothing follows
-        land_sums0(call, a, ch.slot, np.arange(ch.lo, ch.lo + ch.size))
+        land_sums0(call, a, ch, np.arange(ch.lo, ch.lo + ch.size))
         return
     bits = int.from_bytes(words.tobytes(), "little") & ((1 << ch.lanes) - 1)
     if bits.bit_count() != k:
@@ -220,32 +250,34 @@ def _take_reply0_single(call, a: int, ch: wire.Channel, k: int, bs: int) -> None
         call.fabric.host_work("index", call.sink.write(ids, data))
         call.fabric.host_work("move", data.nbytes)
     else:
-        land_sums0(call, a, ch.slot, ids)
+        land_sums0(call, a, ch, ids)
 
 
 def post_sums0(call, a: int, ch: wire.Channel, k: int) -> Post | PostInto | None:
     """The receive of remote aggregator ``a``'s round-0 sums of channel ``ch`` apart (``k`` blocks, all
     of the channel's), as a request (``None``: no sums): straight into the result when its bytes are the
     result's, else pooled."""
-    tag, sink, down = tag_sums0(ch.slot), call.sink, call.down
-    nbytes = wire.block_bytes(k, call.spec.block_size, down.itemsize, meta=False)
-    if (k == ch.size and call.result.dtype == down and ch.lo + ch.size <= sink.full
-            and nbytes == k * call.spec.block_size * down.itemsize):
+    tag, sink, down, bs = tag_sums0(ch.slot), call.sink, call.down, call.spec.block_size
+    short = wire.short_end(ch, sink.numel, bs) if k == ch.size else 0     # (every block: unpadded)
+    nbytes = wire.block_bytes(k, bs, down.itemsize, meta=False, short=short)
+    if k == ch.size and call.result.dtype == down and nbytes == (k * bs - short) * down.itemsize:
         call.into_sink.add((a, ch.slot))
-        return PostInto(Key(Msg.SUMS0, a, ch.slot), sink.rows[ch.lo: ch.lo + ch.size].reshape(-1).view(torch.uint8),
+        return PostInto(Key(Msg.SUMS0, a, ch.slot), sink.out[ch.lo * bs: (ch.lo + k) * bs - short].view(torch.uint8),
                         call.aggregators[a], tag)
     if k:
         return Post(Key(Msg.SUMS0, a, ch.slot), nbytes, call.aggregators[a], tag)
     return None
 
 
-def land_sums0(call, a: int, g: int, ids: np.ndarray) -> None:
-    """Round-0 sums of blocks ``ids`` into the result (recorded only, when they were received or summed
-    in place there)."""
-    got = call.inbox.take(Key(Msg.SUMS0, a, g))
-    if got is None or (a, g) in call.into_sink:
+def land_sums0(call, a: int, ch: wire.Channel, ids: np.ndarray) -> None:
+    """Round-0 sums of blocks ``ids`` of channel ``ch`` into the result (recorded only, when they were
+    received or summed in place there)."""
+    got = call.inbox.take(Key(Msg.SUMS0, a, ch.slot))
+    if got is None or (a, ch.slot) in call.into_sink:
         call.sink.mark(ids)
-    else:
-        data, _ = wire.split(got, ids.size, call.spec.block_size, call.down, meta=False)
+    else:                   # (from a remote aggregator, every block: unpadded, :func:`.wire.short_end`)
+        short = wire.short_end(ch, call.sink.numel, call.spec.block_size) \
+            if a != call.own and ids.size == ch.size else 0
+        data, _ = wire.split(got, ids.size, call.spec.block_size, call.down, meta=False, short=short)
         call.fabric.host_work("index", call.sink.write(ids, data))
         call.fabric.host_work("move", data.nbytes)

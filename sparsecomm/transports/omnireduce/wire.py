@@ -33,6 +33,11 @@ block index, ``size`` = none):
 * round r >= 1, up: the lanes whose pending block this worker holds, with its next look-ahead in each.
 * round r >= 1, down: the sums of every active lane's pending block, with each lane's next pending
   block (the minimum of the announced look-aheads).
+
+The last block of a tensor whose length is not a multiple of ``block_size`` is short; it travels zero-padded,
+but in a message of every block of a one-round channel and nothing else (round 0's blocks of a worker that
+holds them all; the channel's sums, every block summed), which then is the tensor's range as it lies: there
+the padding is left off (:func:`short_end`).
 """
 
 from __future__ import annotations
@@ -238,14 +243,29 @@ def plan_from_header(h: np.ndarray) -> tuple[tuple[Channel, ...], ...]:
     return plan(int(h[F_NUMEL]), int(h[F_BLOCK]), int(h[F_AGGS]), int(h[F_CHANNELS]), int(h[F_LANES]))
 
 
-def block_bytes(k: int, block_size: int, itemsize: int, extra: int = 0, meta: bool = True) -> int:
-    """Bytes of ``k`` blocks (padded to 4 bytes), ``k`` look-aheads (if ``meta``) and ``extra`` int32."""
-    return pad4(k * block_size * itemsize) + 4 * ((k if meta else 0) + extra)
+def short_end(ch: Channel, numel: int, block_size: int) -> int:
+    """The elements a message of every block of channel ``ch`` leaves off: the padding of the tensor's short
+    last block, where ``ch`` is a one-round channel that ends with it (else 0). Such a message -- round 0's
+    blocks of a worker that holds every block of the channel, the channel's sums alone (:func:`fused0`
+    false) -- carries nothing else, so it is the tensor's range as it is: sent from the tensor and received
+    into the result without a copy (gloo matches a message's size to its receive's, so the padding cannot
+    be left to the receiver)."""
+    return max(0, (ch.lo + ch.size) * block_size - numel) if ch.single else 0
+
+
+def block_bytes(k: int, block_size: int, itemsize: int, extra: int = 0, meta: bool = True, short: int = 0) -> int:
+    """Bytes of ``k`` blocks (padded to 4 bytes), ``k`` look-aheads (if ``meta``) and ``extra`` int32;
+    ``short``: elements left off the last block (:func:`short_end`; a message of blocks alone)."""
+    return pad4((k * block_size - short) * itemsize) + 4 * ((k if meta else 0) + extra)
 
 
 def split(buf: torch.Tensor, k: int, block_size: int, dtype: torch.dtype, extra: int = 0,
-          meta: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Views of a block message: ``(k, block_size)`` blocks and the ``int32`` tail (look-aheads, extra)."""
+          meta: bool = True, short: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of a block message: ``(k, block_size)`` blocks and the ``int32`` tail (look-aheads, extra);
+    ``short`` (:func:`short_end`, a message of blocks alone): the blocks as one flat run of
+    ``k * block_size - short`` elements."""
+    if short:
+        return buf[:(k * block_size - short) * dtype.itemsize].view(dtype), buf[:0].view(torch.int32)
     nd = k * block_size * dtype.itemsize
     data = buf[:nd].view(dtype).view(k, block_size)
     lo = pad4(nd)

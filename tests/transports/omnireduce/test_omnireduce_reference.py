@@ -32,6 +32,7 @@ CASES = [  # numel, block_size, density, lanes, channels
     (0, 16, 1.0, 4, 2),           # empty
     (20_000, 64, 1.0, 4096, 2),   # one round, dense: whole channels as views, sums into the result
     (20_005, 64, 0.2, 4096, 3),   # one round, sparse, short last block
+    (20_005, 64, 1.0, 4096, 2),   # one round, dense, short last block: the last channel's messages unpadded
     (30_000, 8, 0.05, 16, 1),     # very sparse, one channel, many rounds
 ]
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int8, torch.int64]
@@ -144,7 +145,7 @@ def test_the_comparison_sees_a_fast_driver_that_adds_in_another_order(monkeypatc
 
 @pytest.mark.multiprocess
 def test_the_fast_driver_gives_the_reference_drivers_bits_on_gloo():
-    cases = [CASES[0], CASES[1], CASES[6], CASES[7]]
+    cases = [CASES[0], CASES[1], CASES[6], CASES[7], CASES[8]]
     out = sc.launch(functools.partial(_grid, deployment="colocated", cases=cases,
                                       dtypes=[torch.float32, torch.float16, torch.int32]), 3, backend="gloo",
                     timeout_s=120)

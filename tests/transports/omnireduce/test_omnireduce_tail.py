@@ -67,11 +67,11 @@ def test_a_hosted_run_ending_with_the_short_last_block_is_handed_over_uncopied(n
         exp = _expected(n, numel, call, lanes)
         for r in range(n):
             assert torch.equal(res[r][call], exp), (r, call)
-    # the last aggregator's range ends with the short last block: its n - 1 remote workers copy it into
-    # their message (a message is whole blocks); its host hands it over as it is (the old code copied it too)
-    nb = -(-numel // BS)
-    lo = wire.plan(numel, BS, n, 1, lanes)[n - 1][0].lo
-    assert gathered == [(lo, nb)] * ((n - 1) * calls)
+    # the last aggregator's range ends with the short last block: its host hands it over as it is (the
+    # code before TailRun copied it; two workers: it sums there, HomeSums), its n - 1 remote workers send
+    # the range of their tensor, unpadded
+    # (wire.short_end; the code before that copied it into a message of whole blocks): no block is gathered
+    assert gathered == []
 
 
 @pytest.mark.parametrize("n", [2, 3])
