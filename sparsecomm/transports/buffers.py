@@ -13,7 +13,8 @@ first touch is the zeroing of those pages, about half a copy's time. The values 
 Where the advice cannot be given (no Linux ``madvise``, a CUDA tensor, a buffer under the threshold, whose
 memory the allocator reuses from a freed block) the buffer is a plain ``torch.empty``; where the kernel
 ignores it (transparent huge pages ``never``), the pages are small, as before. Which buffers are advised
-depends on their size and device only (:func:`advises`), whatever the machine.
+depends on their size and device only (:func:`advises`), so a SimFabric declares the same host work on every
+machine (``"fresh_advised"``, :mod:`sparsecomm.fabric.sim.sim_host`).
 """
 
 from __future__ import annotations
