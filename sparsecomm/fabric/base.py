@@ -299,7 +299,8 @@ class Fabric(ABC):
         ``"sparse_switch_message"`` (the sparse switch's program: packets it ran, the value packets among them,
         result rows it produced, messages it took), ``"sparse_switch_round"`` (results a sparse switch's worker
         took), ``"copy"`` (bytes copied), ``"fresh"`` (bytes of a
-        buffer allocated in the call, whose pages are touched for the first time), ``"span"`` (blocks of
+        buffer allocated in the call, whose pages are touched for the first time), ``"fresh_advised"`` (bytes of
+        such a buffer advised as huge pages before its first touch), ``"span"`` (blocks of
         the range a block-sparse worker covers), ``"index"`` (blocks moved by a block index), ``"move"`` (bytes of
         blocks copied between a block-sparse endpoint's tensors and its messages), ``"check"`` (elements a
         finiteness guard reads), ``"call"`` (calls of

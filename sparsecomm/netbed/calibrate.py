@@ -38,6 +38,10 @@ calibration to the next far more than its own calls do. The profile's ``method``
   :data:`FRESH_STEP` times slower fresh (the allocator's step: above its mmap threshold a buffer is mapped
   afresh on each allocation, below it a freed one's memory is reused), ``fresh_byte_s`` the median over those
   sizes of the difference per byte; no such size (no step within the sweep): both 0 (:func:`fresh_step`);
+- ``fresh_advised_byte_s``: in the same repeats, a fresh buffer advised as huge pages before its fill
+  (:func:`sparsecomm.transports.buffers.fresh_empty`, the ring's and ``native``'s work copy) filled as well
+  (between the two): the median over the sizes from ``fresh_min_bytes`` on of its fill's time beyond the mapped
+  fill per byte (at least 0); no step: 0 (:func:`advised_rate`);
 - ``sum_element_s``: ``Tensor.add_`` of two large vectors of each dtype of :data:`~.sim_host.SUM_DTYPES`,
   per element (the ring's and OmniReduce's aggregator's sum);
 - ``scan_element_s``, ``scan_zero_element_s``: :func:`sparsecomm.codec.nonzero_blocks` (OmniReduce's block
@@ -183,6 +187,7 @@ import torch
 from ..errors import InvalidValueError
 from ..fabric.sim.sim_host import SUM_DTYPES, HostModel
 from ..fabric.sim.sim_profile import host_from_profile, load_profile, profile_dict
+from ..transports.buffers import fresh_empty
 from ..transports.native.collectives import GATHER_SUM_BYTES
 
 __all__ = ["calibrate", "main", "sync_into", "write_profile"]
@@ -454,10 +459,20 @@ def fresh_step(sizes, fresh_s, mapped_s, step: float = FRESH_STEP) -> tuple[floa
     return float(rate), int(sizes[first])
 
 
+def advised_rate(sizes, advised_s, mapped_s, threshold: int) -> float:
+    """``fresh_advised_byte_s`` of a sweep (module docstring): the median over the ``sizes`` from ``threshold``
+    (``fresh_min_bytes``) on of ``(advised - mapped) / size``, at least 0; no threshold (0, no step): 0."""
+    if not threshold:
+        return 0.0
+    rates = [(a - m) / b for b, a, m in zip(sizes, advised_s, mapped_s) if b >= threshold]
+    return max(0.0, float(statistics.median(rates))) if rates else 0.0
+
+
 def fresh_costs(quick: bool = False) -> dict:
-    """``fresh_byte_s`` and ``fresh_min_bytes`` (module docstring), with the sweep's times (``fresh_fit``)."""
+    """``fresh_byte_s``, ``fresh_min_bytes`` and ``fresh_advised_byte_s`` (module docstring), with the sweep's
+    times (``fresh_fit``)."""
     sizes, reps = FRESH_SIZES[quick], FRESH_REPEATS[quick]
-    fresh_s, mapped_s = [], []
+    fresh_s, advised_s, mapped_s = [], [], []
     for nbytes in sizes:
         n = nbytes // 4
         mapped = torch.empty(n)
@@ -466,20 +481,29 @@ def fresh_costs(quick: bool = False) -> dict:
         def fresh():
             torch.empty(n).fill_(1.0)           # (allocated, filled and freed)
 
+        def advised():
+            fresh_empty(n, torch.float32).fill_(1.0)    # (the same, advised as huge pages from its size on)
+
         fresh()                                 # (warm-up: the allocator's threshold as a run leaves it)
-        pairs = []
+        advised()
+        runs = []
         for _ in range(reps):
             t = time.thread_time()              # (CPU time, as _median_s: the page faults are this thread's)
             fresh()
             t1 = time.thread_time()
+            advised()
+            t2 = time.thread_time()
             mapped.fill_(1.0)
-            pairs.append((t1 - t, time.thread_time() - t1))
-        fresh_s.append(statistics.median(p[0] for p in pairs))
-        mapped_s.append(statistics.median(p[1] for p in pairs))
+            runs.append((t1 - t, t2 - t1, time.thread_time() - t2))
+        fresh_s.append(statistics.median(p[0] for p in runs))
+        advised_s.append(statistics.median(p[1] for p in runs))
+        mapped_s.append(statistics.median(p[2] for p in runs))
         del mapped
     rate, threshold = fresh_step(sizes, fresh_s, mapped_s)
     return {"fresh_byte_s": rate, "fresh_min_bytes": threshold,
-            "fresh_fit": {"sizes": list(sizes), "fresh_s": fresh_s, "mapped_s": mapped_s, "step": FRESH_STEP}}
+            "fresh_advised_byte_s": advised_rate(sizes, advised_s, mapped_s, threshold),
+            "fresh_fit": {"sizes": list(sizes), "fresh_s": fresh_s, "advised_s": advised_s, "mapped_s": mapped_s,
+                          "step": FRESH_STEP}}
 
 
 def codec_costs(quick: bool = False) -> dict:

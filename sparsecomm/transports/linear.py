@@ -33,6 +33,7 @@ from ..errors import IncompatibleError, InvalidValueError
 from ..fabric.base import Fabric
 from ..payload import Payload
 from ._guards import abs_max, guard_finite, int_accumulator, is_integer, narrow
+from .buffers import advises, fresh_clone
 from ._handshake import KIND_CODE, agreement_role, check_agreement, dtype_code, fingerprint
 
 #: mixes a quantized payload's bucket size into its scale's checksum (:attr:`LinearOperand.check`)
@@ -54,11 +55,13 @@ class LinearOperand:
 
     def work_copy(self, fabric: Fabric) -> torch.Tensor:
         """A vector the caller may overwrite: a copy, unless the operand may be summed in place (a
-        contiguous input of the caller's, as with DDP's ``gradient_as_bucket_view``). A copy is declared to
-        ``fabric``'s host model (:func:`fresh_copy`)."""
-        if self.inplace and self.vector.is_contiguous():
-            return self.vector
-        return fresh_copy(fabric, self.vector.clone())
+        contiguous input of the caller's, as with DDP's ``gradient_as_bucket_view``). A copy is made into a
+        buffer allocated for it, advised as huge pages when large (:func:`.buffers.fresh_clone`), and declared
+        to ``fabric``'s host model (:func:`fresh_copy`)."""
+        v = self.vector
+        if self.inplace and v.is_contiguous():
+            return v
+        return fresh_copy(fabric, fresh_clone(v), advised=advises(v.numel() * v.element_size(), v.device))
 
     @property
     def check(self) -> int:
@@ -71,12 +74,13 @@ class LinearOperand:
         return 0
 
 
-def fresh_copy(fabric: Fabric, t: torch.Tensor) -> torch.Tensor:
+def fresh_copy(fabric: Fabric, t: torch.Tensor, *, advised: bool = False) -> torch.Tensor:
     """``t``, a copy a call has just made into a buffer allocated for it, declared to ``fabric``'s host model
     (:meth:`~sparsecomm.fabric.base.Fabric.host_work`): its bytes copied (``"copy"``) and a fresh buffer of
-    them (``"fresh"``); returns ``t``."""
+    them (``"fresh"``; ``advised``: one that :mod:`.buffers` advised as huge pages, ``"fresh_advised"``);
+    returns ``t``."""
     fabric.host_work("copy", t.nbytes)
-    fabric.host_work("fresh", t.nbytes)
+    fabric.host_work("fresh_advised" if advised else "fresh", t.nbytes)
     return t
 
 

@@ -19,7 +19,7 @@ from sparsecomm.errors import InvalidTypeError, InvalidValueError, MismatchError
 from sparsecomm.fabric.sim.sim_host import MESSAGE_TABLES, RATE_UNITS, SIZES, SUM_DTYPES, HostModel
 from sparsecomm.fabric.base import MESSAGE_BYTES
 from sparsecomm.fabric.engine import engine
-from sparsecomm.fabric.sim.sim_profile import FORMAT, VERSION, netbed_latency_s, profile_dict
+from sparsecomm.fabric.sim.sim_profile import FORMAT, VERSION, host_from_profile, netbed_latency_s, profile_dict
 from sparsecomm.netbed.calibrate import CALL_GROUPS, CALL_ELEMS_OF, PEER_CALLS, PEER_WORKERS, SYNC_WORK_S
 from sparsecomm.transports.ring import ring_allreduce_
 
@@ -660,6 +660,11 @@ def test_calibrate_command_writes_a_loadable_profile(tmp_path, capsys):
     assert all(t > 0 for t in ff["fresh_s"] + ff["mapped_s"])
     assert (host["fresh_byte_s"]["value"], host["fresh_min_bytes"]["value"]) == fresh_step(
         ff["sizes"], ff["fresh_s"], ff["mapped_s"], ff["step"])
+    # an advised one's: its fills beyond the mapped ones, from the threshold on
+    from sparsecomm.netbed.calibrate import advised_rate
+    assert len(ff["advised_s"]) == len(ff["sizes"]) and all(t > 0 for t in ff["advised_s"])
+    assert host["fresh_advised_byte_s"]["value"] == advised_rate(
+        ff["sizes"], ff["advised_s"], ff["mapped_s"], host["fresh_min_bytes"]["value"])
     # OmniReduce's per-block rates: the non-negative fit of measured less modelled over the blocks charged
     bf = method["block_fit"]
     assert all(t > 0 for t in bf["measured_s"]) and all(t > 0 for t in bf["modelled_s"])
@@ -1662,3 +1667,48 @@ def test_sync_into_writes_the_profile_with_sync_s_measured(tmp_path, capsys):
     assert {k: v for k, v in got["host"].items() if k != "sync_s"} == profile["host"]
     assert got["netbed"] == profile["netbed"] and got["date"] == profile["date"]
     assert sc.Network.from_profile(out).host == dataclasses.replace(host, sync_s=got["host"]["sync_s"]["value"])
+
+
+def test_an_advised_fresh_buffer_is_charged_its_own_rate_or_half_a_copy():
+    """``"fresh_advised"`` (a fresh buffer advised as huge pages): ``fresh_advised_byte_s`` per byte from
+    ``fresh_min_bytes`` on, nothing below; without the rate (``None``, a profile without it) half of
+    ``copy_byte_s``; a profile round-trips it, and one without it loads as ``None``."""
+    h = HostModel(copy_byte_s=4e-10, fresh_byte_s=8e-10, fresh_min_bytes=100)
+    assert h.fresh_advised_byte_s is None
+    assert h.work_s("fresh_advised", 99) == 0.0
+    assert h.work_s("fresh_advised", 100) == 100 * 2e-10
+    assert h.work_s("fresh", 100) == 100 * 8e-10           # (the plain fresh buffer's charge, unchanged)
+    given = dataclasses.replace(h, fresh_advised_byte_s=1e-10)
+    assert given.work_s("fresh_advised", 1000) == 1000 * 1e-10 and given.work_s("fresh_advised", 10) == 0.0
+    with pytest.raises(InvalidValueError, match="fresh_advised_byte_s"):
+        HostModel(fresh_advised_byte_s=-1.0)
+    assert "fresh_advised_byte_s" not in _profile(h)["host"]
+    assert host_from_profile(_profile(h)).fresh_advised_byte_s is None
+    assert host_from_profile(_profile(given)).fresh_advised_byte_s == 1e-10
+
+
+class _Declared:
+    """A fabric stand-in that records what is declared to its host model."""
+
+    def __init__(self) -> None:
+        self.work = []
+
+    def host_work(self, op, count, dtype=None, *, transport=None):
+        self.work.append((op, count))
+
+
+def test_the_work_copy_declares_an_advised_buffer_from_the_advice_threshold_on():
+    """The ring's and ``native``'s work copy (``LinearOperand.work_copy``) declares its bytes copied and, from
+    :data:`~sparsecomm.transports.buffers.ADVISE_MIN_BYTES` on, an advised fresh buffer (below: a plain one);
+    the copy holds the input's bits and is not the input; in place, nothing."""
+    from sparsecomm.transports.buffers import ADVISE_MIN_BYTES
+    from sparsecomm.transports.linear import linear_operand
+
+    for numel, op in ((ADVISE_MIN_BYTES // 4 - 1, "fresh"), (ADVISE_MIN_BYTES // 4, "fresh_advised")):
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+        f = _Declared()
+        y = linear_operand(x, "ring").work_copy(f)
+        assert f.work == [("copy", 4 * numel), (op, 4 * numel)]
+        assert y.data_ptr() != x.data_ptr() and torch.equal(y.view(torch.int32), x.view(torch.int32))
+        f = _Declared()
+        assert linear_operand(x, "ring", inplace=True).work_copy(f) is x and f.work == []

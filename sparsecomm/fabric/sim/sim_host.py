@@ -47,9 +47,13 @@ modelled clocks (``host=None``, the default: no host cost, every modelled time a
   byte for a buffer of at least ``fresh_min_bytes``, nothing below: the first touch of its pages, beyond the
   copy or fill that writes them; glibc's allocator maps a buffer above its mmap threshold afresh on every
   allocation and unmaps it when it is freed, while a smaller one's memory, up to its largest threshold of 32
-  MiB, is reused from the freed one before): the ring's and ``native``'s work copy, the integer switch's codes
-  and sums, the sparse switch's temporaries, the allgather's sum; not OmniReduce's result buffers, kept from call
-  to call; ``"fresh_later"`` and ``"fresh_touch"``, a fresh buffer whose pages a transport touches piecewise as
+  MiB, is reused from the freed one before): the ring's and ``native``'s work copy under 32 MiB, the integer
+  switch's codes and sums, the sparse switch's temporaries, the allgather's sum; not OmniReduce's result buffers,
+  kept from call to call; ``"fresh_advised"``, bytes of such a buffer that the transport advised as huge pages
+  before its first touch (:mod:`sparsecomm.transports.buffers`: the ring's and ``native``'s work copy of at least
+  32 MiB), charged ``fresh_advised_byte_s`` per byte from ``fresh_min_bytes`` on (a profile without that rate: half
+  of ``copy_byte_s``, the kernel zeroing the huge pages with one write of each byte, where a copy reads and writes
+  it); ``"fresh_later"`` and ``"fresh_touch"``, a fresh buffer whose pages a transport touches piecewise as
   its parts are written (the float switch's result, its chunks decoded into it as their results arrive, behind the
   link): the first, bytes of such a buffer, charges nothing and holds them (a buffer of at least
   ``fresh_min_bytes``; a smaller one is not fresh and is not held); the second, bytes of them written now, charges
@@ -158,8 +162,8 @@ import torch
 from ...errors import InvalidTypeError, InvalidValueError
 from ...validate import check_int, check_real
 
-__all__ = ["CODEC_RATES", "FALLBACK_RATES", "HOST_OPS", "HostModel", "MESSAGE_TABLES", "NATIVE_RATES", "OPTIONAL_RATES",
-           "SIZES", "SUM_DTYPES", "RATE_UNITS"]
+__all__ = ["CODEC_RATES", "DERIVED_RATES", "FALLBACK_RATES", "HOST_OPS", "HostModel", "MESSAGE_TABLES",
+           "NATIVE_RATES", "OPTIONAL_RATES", "SIZES", "SUM_DTYPES", "RATE_UNITS"]
 
 #: the operations of :meth:`sparsecomm.fabric.base.Fabric.host_work` and the unit they count
 HOST_OPS = {"sum": "element", "scan": "element", "switch_packet": "packet", "switch_message": "message",
@@ -169,7 +173,7 @@ HOST_OPS = {"sum": "element", "scan": "element", "switch_packet": "packet", "swi
             "matmul_t": "multiply-add", "matmul_outer": "multiply-add", "kernel": "call", "sparse_switch_packet": "packet",
             "sparse_switch_value": "packet", "sparse_switch_result": "packet", "sparse_switch_message": "message",
             "sparse_switch_round": "packet", "fresh_later": "byte", "fresh_touch": "byte",
-            "call_peer": "peer", "sync": "call"}
+            "call_peer": "peer", "sync": "call", "fresh_advised": "byte"}
 
 #: the operations of a method's encode and decode (:meth:`sparsecomm.methods.base.Method.work`) and their rates
 CODEC_RATES = {"elementwise": "elementwise_element_s", "select": "select_element_s", "sample": "sample_element_s",
@@ -189,6 +193,7 @@ RATE_UNITS = {
     "copy_byte_s": "s/byte",
     "fresh_byte_s": "s/byte",
     "fresh_min_bytes": "byte",
+    "fresh_advised_byte_s": "s/byte",
     "sum_element_s": "s/element",
     "scan_element_s": "s/element",
     "scan_zero_element_s": "s/element",
@@ -239,8 +244,13 @@ NATIVE_RATES = ("native_message_s", "native_byte_s")
 #: the rates a version-2 profile may lack (added within version 2; absent: 0, or for those of :data:`FALLBACK_RATES`
 #: ``None``: the time the profile modelled)
 OPTIONAL_RATES = ("span_block_s", "index_block_s", *CODEC_RATES.values(), "fresh_byte_s", "fresh_min_bytes",
+                  "fresh_advised_byte_s",
                   "move_byte_s", "check_element_s", "scan_zero_element_s", *FALLBACK_RATES, *MESSAGE_TABLES,
                   "codec_contention", "call_peer_s", "sync_s", *NATIVE_RATES)
+
+#: the rates that may be ``None`` (absent from a profile) beside :data:`FALLBACK_RATES`, each with its own charge
+#: when ``None``: ``fresh_advised_byte_s``, half of ``copy_byte_s`` (:meth:`HostModel.work_s`)
+DERIVED_RATES = ("fresh_advised_byte_s",)
 
 #: the entries of :data:`RATE_UNITS` that are sizes in bytes (integers), not rates
 SIZES = ("fresh_min_bytes",)
@@ -265,7 +275,11 @@ class HostModel:
         fresh_byte_s: seconds per byte of a ``host_work("fresh", nbytes)`` of at least ``fresh_min_bytes``: the
             first touch of a freshly allocated buffer's pages.
         fresh_min_bytes: the size (bytes) from which a fresh buffer is charged ``fresh_byte_s`` (smaller
-            ones: nothing; 0: every size).
+            ones: nothing; 0: every size), and an advised one ``fresh_advised_byte_s``.
+        fresh_advised_byte_s: seconds per byte of a ``host_work("fresh_advised", nbytes)`` of at least
+            ``fresh_min_bytes``: the first touch of a fresh buffer advised as huge pages
+            (:mod:`sparsecomm.transports.buffers`), the kernel's zeroing of its huge pages (``None``, a profile
+            without it: half of ``copy_byte_s``, one write of each byte where a copy reads and writes it).
         sum_element_s: dtype name (:data:`SUM_DTYPES`, or any other ``torch`` dtype's name) -> seconds per
             element added (default: 0 for each of :data:`SUM_DTYPES`); a ``host_work("sum", ...)`` of a dtype
             not in it raises.
@@ -327,6 +341,7 @@ class HostModel:
     copy_byte_s: float = 0.0
     fresh_byte_s: float = 0.0
     fresh_min_bytes: int = 0
+    fresh_advised_byte_s: float | None = None
     sum_element_s: Mapping[str, float] = field(default_factory=lambda: dict.fromkeys(SUM_DTYPES, 0.0))
     scan_element_s: float = 0.0
     scan_zero_element_s: float = 0.0
@@ -368,7 +383,7 @@ class HostModel:
         who = "HostModel"
         put = object.__setattr__
         for name in RATE_UNITS:
-            if (name in FALLBACK_RATES or name in NATIVE_RATES) and getattr(self, name) is None:
+            if name in (*FALLBACK_RATES, *NATIVE_RATES, *DERIVED_RATES) and getattr(self, name) is None:
                 continue
             if name in SIZES:
                 put(self, name, check_int(name, getattr(self, name), low=0, what=who))
@@ -561,6 +576,9 @@ class HostModel:
             rate = self.copy_byte_s
         elif op == "fresh":
             rate = self.fresh_byte_s if count >= self.fresh_min_bytes else 0.0
+        elif op == "fresh_advised":         # (None: the zeroing of its huge pages, one write of each byte)
+            rate = (0.0 if count < self.fresh_min_bytes else self.fresh_advised_byte_s
+                    if self.fresh_advised_byte_s is not None else self.copy_byte_s / 2)
         elif op == "fresh_later":           # (charged as touched: "fresh_touch", the endpoint's count)
             rate = 0.0
         elif op == "fresh_touch":           # (the bytes of a held fresh buffer: the endpoint caps the count)

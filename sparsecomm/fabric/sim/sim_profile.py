@@ -25,7 +25,9 @@ than its own, or a negative or non-finite value is refused, naming the key), but
 decode, :data:`~.sim_host.CODEC_RATES`, a fresh buffer's ``fresh_byte_s`` and ``fresh_min_bytes``, a block
 copy's ``move_byte_s``, a finiteness guard's ``check_element_s`` and a zero block's ``scan_zero_element_s``: added
 within version 2; a profile without them models them as 0, the times it modelled before they existed, so it
-loads as it did; and the sparse switch's own rates, ``sparse_switch_packet_s``, ``sparse_switch_value_s``,
+loads as it did; a fresh buffer advised as huge pages, ``fresh_advised_byte_s`` (:data:`~.sim_host.DERIVED_RATES`),
+which a profile without it models as half of ``copy_byte_s``, the zeroing of its huge pages; and the sparse
+switch's own rates, ``sparse_switch_packet_s``, ``sparse_switch_value_s``,
 ``sparse_switch_result_s`` and ``sparse_switch_message_s``, which a profile without them models as before they
 existed, with the dense switch's rates per packet and per message and nothing per value packet or result, and
 PowerSGD's estimate's ``matmul_outer_mac_s``, which a profile without it models with ``matmul_mac_s``:

@@ -1,0 +1,84 @@
+"""Buffers a transport allocates afresh in a call: a large one is advised to the kernel as huge pages before
+its first touch.
+
+glibc's ``malloc`` (torch's CPU allocator under it) maps every block of at least :data:`ADVISE_MIN_BYTES`
+(32 MiB, its largest mmap threshold on 64-bit) afresh from the kernel on each allocation and unmaps it on
+its free, so a per-call buffer that large has its pages faulted in one 4 KiB page at a time by the first
+pass that writes it and handed back by its free, every call: about three times a plain copy's time on the
+machine the library was measured on (``fresh_byte_s`` of :mod:`sparsecomm.netbed.calibrate`). Asked for
+huge pages (``madvise(MADV_HUGEPAGE)`` on the buffer's 2 MiB-aligned interior, before anything writes it),
+the kernel backs it with 2 MiB pages that it faults and frees 512 times less often; what is left of its
+first touch is the zeroing of those pages, about half a copy's time. The values are the same bits.
+
+Where the advice cannot be given (no Linux ``madvise``, a CUDA tensor, a buffer under the threshold, whose
+memory the allocator reuses from a freed block) the buffer is a plain ``torch.empty``; where the kernel
+ignores it (transparent huge pages ``never``), the pages are small, as before. Which buffers are advised
+depends on their size and device only (:func:`advises`), so a SimFabric declares the same host work on every
+machine (``"fresh_advised"``, :mod:`sparsecomm.fabric.sim.sim_host`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+
+import torch
+
+#: buffers of at least this many bytes are advised as huge pages (glibc's largest mmap threshold on 64-bit:
+#: from it on, every allocation is mapped afresh, so the advice reaches untouched pages)
+ADVISE_MIN_BYTES = 32 << 20
+#: the huge page size the advice is aligned to (x86-64's and arm64's with 4 KiB base pages)
+HUGE_PAGE_BYTES = 2 << 20
+#: ``MADV_HUGEPAGE`` of Linux's ``<sys/mman.h>``
+MADV_HUGEPAGE = 14
+
+
+def _madvise():
+    """libc's ``madvise`` through ctypes, or None where there is none (not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_MADVISE = _madvise()
+
+
+def advises(nbytes: int, device: torch.device | str = "cpu") -> bool:
+    """Whether :func:`fresh_empty` advises a buffer of ``nbytes`` on ``device`` as huge pages (its size and
+    device only, whatever the machine: what a transport declares to a host model)."""
+    return nbytes >= ADVISE_MIN_BYTES and torch.device(device).type == "cpu"
+
+
+def advise_huge(t: torch.Tensor) -> bool:
+    """Advise the 2 MiB-aligned interior of ``t``'s memory as huge pages (:data:`MADV_HUGEPAGE`), for a CPU
+    tensor of at least :data:`ADVISE_MIN_BYTES` whose pages nothing has written yet; True if the kernel took
+    the advice. Contents are untouched; a failure (no ``madvise``, a kernel without transparent huge pages)
+    leaves the pages small."""
+    if _MADVISE is None or not advises(t.nbytes, t.device):
+        return False
+    start = t.data_ptr()
+    lo = -(-start // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+    hi = (start + t.nbytes) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+    return hi > lo and _MADVISE(lo, hi - lo, MADV_HUGEPAGE) == 0
+
+
+def fresh_empty(numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``torch.empty(numel, dtype=dtype, device=device)``, advised as huge pages when :func:`advises` says so
+    (module docstring)."""
+    out = torch.empty(numel, dtype=dtype, device=device)
+    advise_huge(out)
+    return out
+
+
+def fresh_clone(v: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of the flat vector ``v`` (the same bits) in a :func:`fresh_empty` buffer (under
+    :data:`ADVISE_MIN_BYTES`, nothing to advise: ``clone``, without the calls around it)."""
+    if v.numel() * v.element_size() < ADVISE_MIN_BYTES:
+        return v.clone()
+    return fresh_empty(v.numel(), v.dtype, v.device).copy_(v)
