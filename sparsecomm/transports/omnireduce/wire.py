@@ -240,7 +240,7 @@ def plan_from_header(h: np.ndarray) -> tuple[tuple[Channel, ...], ...]:
 
 def block_bytes(k: int, block_size: int, itemsize: int, extra: int = 0, meta: bool = True) -> int:
     """Bytes of ``k`` blocks (padded to 4 bytes), ``k`` look-aheads (if ``meta``) and ``extra`` int32."""
-    return pad4(k * block_size * itemsize) + 4 * ((k if meta else 0) + extra)
+    return -(-(k * block_size * itemsize) // 4) * 4 + 4 * ((k if meta else 0) + extra)     # (pad4, inline)
 
 
 def split(buf: torch.Tensor, k: int, block_size: int, dtype: torch.dtype, extra: int = 0,
@@ -248,7 +248,7 @@ def split(buf: torch.Tensor, k: int, block_size: int, dtype: torch.dtype, extra:
     """Views of a block message: ``(k, block_size)`` blocks and the ``int32`` tail (look-aheads, extra)."""
     nd = k * block_size * dtype.itemsize
     data = buf[:nd].view(dtype).view(k, block_size)
-    lo = pad4(nd)
+    lo = -(-nd // 4) * 4            # (pad4, inline: once per message)
     tail = buf[lo:lo + 4 * ((k if meta else 0) + extra)].view(torch.int32)
     return data, tail
 
