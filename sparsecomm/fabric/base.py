@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from typing import Callable, ContextManager, Generator, Sequence
+from typing import Callable, ContextManager, Generator, Iterable, Sequence
 
 import torch
 
@@ -221,6 +221,17 @@ class Fabric(ABC):
                                     f"within {self.timeout_s:g} s")
             time.sleep(delay)
             delay = min(2 * delay, 1e-3)
+
+    def wait_all(self, works: Iterable[Work]) -> None:
+        """Wait for each of ``works`` (operations of this endpoint), in order: what ``for w in works: w.wait()``
+        does, which this generic version is; a fabric may do it without a call per operation (the roles' sends
+        finished at a reap, :meth:`.roles.Outbox.reap`).
+
+        Args:
+            works: the operations to wait for.
+        """
+        for w in works:
+            w.wait()
 
     def drive(self, roles: list, inbox: _roles.Inbox, outbox: _roles.Outbox, *, keep: int = 64) -> None:
         """Run ``roles`` (generators yielding the requests of :mod:`.roles`) on this endpoint until every

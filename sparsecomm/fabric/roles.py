@@ -122,8 +122,17 @@ class Inbox:
     def post(self, key, nbytes: int, src: int, tag: int) -> None:
         """Post the receive of ``key``: ``nbytes`` from endpoint ``src`` on ``tag``, into the pooled buffer
         of role ``("in", key)``."""
-        buf = self.pool.get(("in", key), nbytes)
-        self._add(key, (self.fabric.irecv(buf, src, tag), buf))
+        pool, role = self.pool, ("in", key)
+        bufs = pool._bufs
+        if role in bufs or role in pool._busy:
+            buf = pool.get(role, nbytes)
+        else:                   # (:meth:`Pool.get` of a role's first buffer, inline: once per message of a call)
+            buf = bufs[role] = torch.empty(nbytes, dtype=torch.uint8)
+        box = self.box          # (what _add does, inline)
+        new = key not in box
+        box[key] = (self.fabric.irecv(buf, src, tag), buf)
+        if self._observer is not None and (self._watched is None or key in self._watched):
+            self._observer(key, True if new else None)
 
     def post_into(self, key, buf: torch.Tensor, src: int, tag: int) -> None:
         """Post the receive of ``key`` from endpoint ``src`` on ``tag`` straight into ``buf`` (a contiguous
@@ -210,15 +219,15 @@ class Outbox:
         for this endpoint's later steps: a wait for them here could be circular)."""
         cut = len(self.pending) - keep
         if cut > 0:
-            for wk, _, deferrable in self.pending[:cut]:
-                if not deferrable:
-                    wk.wait()
-            self.pending[:cut] = [p for p in self.pending[:cut] if p[2]]
+            head = self.pending[:cut]
+            deferred = [p for p in head if p[2]]
+            self.fabric.wait_all(map(_entry_work, head) if not deferred else
+                                 [p[0] for p in head if not p[2]])     # (in order: one call for them all)
+            self.pending[:cut] = deferred
 
     def finish(self) -> None:
         """Wait for every send (the call's last step: all of them complete by then)."""
-        for wk, _, _ in self.pending:
-            wk.wait()
+        self.fabric.wait_all(map(_entry_work, self.pending))     # (in order: one call for them all)
         self.pending.clear()
         self.pool.release()
 

@@ -61,6 +61,32 @@ def test_sender_nic_serialises_isends_and_wait_advances_clock():
     assert t2 == pytest.approx(2e-3 + 10e-6)
 
 
+def test_wait_all_is_a_wait_for_each_in_order():
+    """``Fabric.wait_all`` (the roles' reap) moves the clock as a ``wait`` of each operation in turn would: to the
+    last byte of the latest send, once (a send waited for again moves it no more), and a receive is waited for."""
+    def fn(ctx):
+        fab, x = ctx.fabric, torch.zeros(250_000)
+        if ctx.rank == 0:
+            works = [fab.isend(x, d) for d in (1, 2)]
+            before = fab.now()
+            fab.wait_all(reversed(works))
+            after = fab.now()
+            fab.compute(1e-3)
+            fab.wait_all(works)         # (complete already: the clock stays)
+            y = torch.empty(4)
+            fab.wait_all([fab.isend(x[:4], 1), fab.irecv(y, 1)])
+            return before, after, fab.now(), y.tolist()
+        fab.recv(x, 0)
+        if ctx.rank == 1:
+            fab.recv(torch.empty(4), 0)
+            fab.send(torch.arange(4.0), 0)
+        return fab.now()
+
+    (before, after, end, y), _, _ = sc.launch(fn, 3, network=GBPS8)
+    assert before == 0.0 and after == pytest.approx(2e-3)
+    assert end > after + 1e-3 and y == [0.0, 1.0, 2.0, 3.0]
+
+
 def test_per_port_service_receives_in_parallel():
     def echo(fabric):
         x = torch.zeros(250_000)

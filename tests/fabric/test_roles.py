@@ -216,6 +216,7 @@ def test_flush_waits_for_the_sends_holding_a_buffer_before_the_role_goes_on():
 
     class _Fabric:
         rank, world_size = 0, 2
+        wait_all = Fabric.wait_all      # (the contract's generic version: each work's wait, in order)
 
         def isend(self, buf, dst, tag):
             return _Work(f"send {tag}")

@@ -98,29 +98,16 @@ class _RecvWork(Work):
     the receive copies again (:meth:`SimFabric.isend`). Whichever receive takes a message, its bytes are the
     ones sent: a receive that takes another message than the one its buffer ``holds`` first moves that one's
     bytes to a copy (:meth:`SimFabric._deliver`). Like a real fabric's, the posted receives of a channel must
-    not share memory, and a receive's buffer is not the caller's until it has completed."""
+    not share memory, and a receive's buffer is not the caller's until it has completed.
+
+    Made by :meth:`SimFabric.irecv`, which sets every field (no ``__init__``: one Python call the fewer per
+    message): ``_args``, ``(tensor, src, tag)``; ``channel``, ``(source, tag)`` it receives from (``None``: any
+    source); ``_fabric``; ``_result``, the source once complete; ``done``, completed (what :meth:`is_completed`
+    says, read as a field where it is hot); ``_posted``, the endpoint's list of posted receives on its channel it
+    is in (``None``: not listed); ``holds``, the queued message whose bytes its buffer holds
+    (:meth:`SimFabric.isend`), if any."""
 
     __slots__ = ("_args", "channel", "_fabric", "_result", "done", "_posted", "holds")
-
-    def __init__(self, fabric: "SimFabric", tensor: torch.Tensor, src: int | None, tag: int) -> None:
-        self._args = (tensor, src, tag)
-        #: ``(source, tag)`` it receives from (``None``: any source)
-        self.channel = ch = (src, tag)
-        self._fabric = fabric
-        self._result: int | None = None
-        #: completed (what :meth:`is_completed` says, read as a field where it is hot)
-        self.done = False
-        #: the endpoint's list of posted receives on its channel it is in (``None``: not listed)
-        self._posted = None
-        #: the queued message whose bytes its buffer holds (:meth:`SimFabric.isend`), if any
-        self.holds: Msg | None = None
-        if src is not None and tensor.nbytes >= WRITE_THROUGH_BYTES and tensor.is_cpu and not tensor.requires_grad:
-            posted = fabric._ep.posted
-            q = posted.get(ch)
-            if q is None:
-                q = posted[ch] = []
-            q.append(self)
-            self._posted = q
 
     def _finish(self, msg: Msg) -> None:
         """Complete with taken ``msg``: its bytes into this receive's buffer (:meth:`SimFabric._deliver`; none
@@ -391,8 +378,8 @@ class SimFabric(Fabric):
                         else:
                             into = None
                 if into is None:        # a send's copy: the buffer may change before the message is taken
-                    if tensor.is_cpu and not tensor.requires_grad and tensor.is_contiguous():
-                        data = tensor.clone()       # the common case in one operation
+                    if tensor.is_cpu and not tensor.requires_grad:      # the common case in one operation
+                        data = tensor.clone(memory_format=torch.contiguous_format)
                     else:
                         data = tensor.detach().to("cpu", copy=True).contiguous()
                 latency = (ep.latency + dst_ep.latency) / 2   # each end's link contributes half: symmetric
@@ -412,6 +399,25 @@ class SimFabric(Fabric):
         wk = _SentWork()
         wk._ep, wk._tx_end = ep, tx_end
         return wk
+
+    def wait_all(self, works) -> None:
+        """:meth:`.base.Fabric.wait_all`: a send of this fabric's waited for here, without a call (its
+        :meth:`_SentWork.wait`: the clock moved to its last byte's departure, once); any other operation by its
+        ``wait``.
+
+        Args:
+            works: the operations to wait for.
+        """
+        for w in works:
+            if type(w) is _SentWork:
+                ep = w._ep
+                if ep is not None:
+                    t = w._tx_end
+                    if t > ep.clock:
+                        ep.clock = t
+                    w._ep = None
+            else:
+                w.wait()
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0, *, reliable: bool = True) -> None:
         self.isend(tensor, dst, tag, reliable=reliable).wait()      # (the clock moves to the send's tx_end)
@@ -474,7 +480,19 @@ class SimFabric(Fabric):
         return self.world.gate.call(self._ep, self._recv_process(tensor, src, tag, timeout), f"{who} (tag {tag})")
 
     def irecv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> Work:
-        return _RecvWork(self, tensor, src, tag)
+        w = _RecvWork()             # (its fields: :class:`_RecvWork`)
+        ch = (src, tag)
+        w._args, w.channel, w._fabric = (tensor, src, tag), ch, self
+        w._result = w._posted = w.holds = None
+        w.done = False
+        if src is not None and tensor.nbytes >= WRITE_THROUGH_BYTES and tensor.is_cpu and not tensor.requires_grad:
+            posted = self._ep.posted    # (listed: a send on its channel may write into its buffer)
+            q = posted.get(ch)
+            if q is None:
+                q = posted[ch] = []
+            q.append(w)
+            w._posted = q
+        return w
 
     def wait_any(self, works) -> int:
         """The first element of ``works`` (in list order) that is in by the time the first of them is,

@@ -119,6 +119,10 @@ class RoleWaits:
         #: re-timed those queued) since: what a choice at that time (:meth:`choose` ``at``) need not read again;
         #: ``None``: not known
         self.seen: float | None = None
+        #: while :attr:`seen` holds, the group :meth:`_due` finds at that time, where :meth:`event` knew it (the
+        #: only entry by then, as :meth:`_due`'s shortcut finds it): a choice at that time takes it without
+        #: reading it again; ``None``: not known
+        self.seen_group: _Group | None = None
 
     # ------------------------------------------------------------------ the scheduler's calls
     def add(self, s: int, req, first: tuple | None = None) -> None:
@@ -179,7 +183,21 @@ class RoleWaits:
         if shared:                   # (a receive of the kept group's: it goes, the records decide again)
             self.spare = None
             self._drop(spare)
-        self._measure(g)
+        if chans[1:] or g.any:
+            self._measure(g)
+            return
+        q = self.ep.mailbox.get(chans[0])       # (:meth:`_measure` of one receive, inline: once per wait)
+        g.exact = -1
+        if not q:
+            g.heads, g.missing, g.latest = [None], 1, 0.0
+            return
+        d = q[0].delivered
+        t = g.latest = d if d > 0.0 else 0.0
+        g.heads, g.missing = [t], 0
+        if g.tick < 0 or t < g.lb:
+            self.ticks = tick = self.ticks + 1     # (:meth:`_push`, inline)
+            g.tick, g.lb = tick, t
+            heappush(self.heap, (t, tick, g))
 
     def remove(self, s: int, last: int | None = None) -> None:
         """Role ``s`` is resumed or no longer able to run: drop its group (nothing if none); then, if ``last`` is
@@ -289,7 +307,7 @@ class RoleWaits:
         c = (msg.src, msg.tag)
         lst = self.by_chan.get(c)
         if lst is not None or retimed:
-            self.seen = None
+            self.seen = self.seen_group = None
         if lst is not None and self.ep.mailbox[c][0] is msg:       # a new head
             d = msg.delivered
             v = d if d > 0.0 else 0.0
@@ -328,6 +346,7 @@ class RoleWaits:
         c = (msg.src, msg.tag)
         lst = self.by_chan.get(c)
         if lst is not None:
+            self.seen_group = None      # (its heads read again: a choice finds its group afresh)
             for g in lst:
                 if not g.chosen:
                     self._measure(g)
@@ -476,12 +495,14 @@ class RoleWaits:
         return None
 
     def event(self) -> float | None:
-        """When the first group is in (at the earliest the endpoint's clock); ``None`` if none is."""
+        """When the first group is in (at the earliest the endpoint's clock); ``None`` if none is. Where the
+        group a choice at that time takes is known (the only entry by then), it is :attr:`seen_group`."""
         clock = self.ep.clock
-        if self._due(clock) is not None:
-            self.seen = clock
-            return clock
         heap = self.heap
+        self.seen_group = None
+        if (self.due or (heap and heap[0][0] <= clock)) and self._due(clock) is not None:
+            self.seen = clock       # (none due by the clock, the common case: _due would find none, not called)
+            return clock
         while heap:
             lb, tick, g = heap[0]
             if g.tick != tick:
@@ -490,6 +511,9 @@ class RoleWaits:
             e = self._time(g)
             if e == lb:
                 self.seen = e
+                rest = heap[1:3]    # (the top's children: the next smallest is one of them)
+                if not self.due and (not rest or (rest[0][0] > e and rest[-1][0] > e)):
+                    self.seen_group = g     # (the only entry by e: what _due(e) returns, read at e already)
                 return e
             if e is None:
                 heappop(heap)
@@ -539,10 +563,16 @@ class RoleWaits:
             else:
                 return None
         else:
-            t = at if at is not None and at == self.seen else self.event()
-            if t is None or (at is not None and t != at):
-                return None
-            g = self._due(t)
+            if at is not None and at == self.seen:
+                t, g = at, self.seen_group
+                if g is None:
+                    g = self._due(t)
+            else:
+                t = self.event()
+                if t is None or (at is not None and t != at):
+                    return None
+                g = self._due(t)
+            self.seen_group = None
             if g is None:
                 raise AssertionError("unreachable: the earliest group is in by the event")
             g.chosen, g.tick = True, -1

@@ -121,9 +121,13 @@ class AggCall:
                 if not self.windows:
                     self.open_windows(ref, inbox.pool)
                 self._agreed.add(w)
-        remote = self._remote
-        while len(self._queued) < len(remote) and remote[len(self._queued)] in self._agreed:
-            self._queue(remote[len(self._queued)], self._early)
+        remote, queued, agreed = self._remote, self._queued, self._agreed
+        i = len(queued)
+        if i < len(remote) and remote[i] in agreed:     # (the next in order agrees: it and those after it queued)
+            for w in remote[i:]:
+                if w not in agreed:
+                    break
+                self._queue(w, self._early)
         return self._feed()
 
     def _queue(self, w: int, headers) -> None:
@@ -258,8 +262,7 @@ def aggregator(adm, inbox, outbox, host: int | None = None, ref: np.ndarray | No
     each of the others."""
     posts = adm.post_headers()
     yield from posts
-    for p in posts:
-        inbox.ready(p.key)        # (starts watching it: a later poll sees it arrived)
+    inbox.ready_keys([p.key for p in posts])     # (starts watching them: a later poll sees them arrived)
     left = dict.fromkeys(p.key for p in posts) if host is not None else {}   # (in order; O(1) removal)
     while left:     # one header per wake, the one the scheduler resumes this with: no look at the others
         k = yield Recv.new((tuple(left), _HEADERS, (), True, None))

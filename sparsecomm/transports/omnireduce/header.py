@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from operator import itemgetter
 
 import numpy as np
 import torch
@@ -65,11 +66,14 @@ class CallSpec:
         return torch.from_numpy(h)
 
 
+_second = itemgetter(1)     # a ``(slot, blocks)`` pair's blocks
+
+
 def with_k0(base: np.ndarray, k0: list[tuple[int, int]]) -> np.ndarray:
     """A copy of the sealed header ``base`` (:meth:`CallSpec.header` without position-0 blocks) with ``k0``'s
     ``(slot, blocks)`` position-0 counts, resealed where any is non-zero: the words of ``CallSpec.header(world,
     dict(k0))``, without building them again (nor sealing them again: the last few are remembered)."""
-    if not any(k for _, k in k0):
+    if not any(map(_second, k0)):         # (no bytecode per slot)
         return base.copy()
     return np.frombuffer(_with_k0(base.tobytes(), tuple(k0)), dtype=np.int64).copy()
 

@@ -7,6 +7,7 @@ they cannot deadlock: ``docs/omnireduce-scheduler.md``.
 from __future__ import annotations
 
 from enum import IntEnum
+from functools import partial
 from typing import NamedTuple
 
 from ...errors import InvalidValueError
@@ -69,3 +70,8 @@ class Stage(_Fields):
 
 
 _FIRSTS, _DRAIN, _AGGREGATE = int(Phase.FIRSTS), int(Phase.DRAIN), int(Phase.AGGREGATE)
+
+#: ``Stage.new((phase, round, slot, visit, sure, reaps))``: the stage of those fields, its flags given as
+#: :class:`Stage` derives them (``tuple.__new__`` bound to the class: one C call, for the stages a role builds per
+#: message; ``Stage(phase, ...)`` is a Python call and a C call)
+Stage.new = partial(tuple.__new__, Stage)

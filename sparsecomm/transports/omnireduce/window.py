@@ -44,25 +44,25 @@ class Window:
 
     def feed(self) -> list:
         """The requests (:class:`PostInto`) that post the queued receives which fit now, in order."""
-        out, queue = [], self.queue
+        out, queue, spans, size = [], self.queue, self.spans, self.size
         while queue:
             key, nbytes, src, tag = queue[0]
-            start = self._room(nbytes)
+            # where it fits now (at a multiple of ALIGN), or None: in use is [tail, head) (room after it, or from
+            # 0 up to it), or, wrapped around, all but [head, tail)
+            if not spans:
+                start = 0
+            else:
+                tail, head = spans[0][1], -(-spans[-1][2] // ALIGN) * ALIGN
+                if head > tail:
+                    start = head if head + nbytes <= size else (0 if nbytes <= tail else None)
+                else:
+                    start = head if head + nbytes <= tail else None
             if start is None:
                 break
             queue.popleft()
-            self.spans.append((key, start, start + nbytes))
+            spans.append((key, start, start + nbytes))
             out.append(PostInto.new((key, self.buf[start: start + nbytes], src, tag)))
         return out
-
-    def _room(self, nbytes: int) -> int | None:
-        """Where a message of ``nbytes`` fits now (at a multiple of :data:`ALIGN`), or ``None``."""
-        if not self.spans:
-            return 0
-        tail, head = self.spans[0][1], -(-self.spans[-1][2] // ALIGN) * ALIGN
-        if head > tail:                 # [tail, head) in use: room after it, or from 0 up to it
-            return head if head + nbytes <= self.size else (0 if nbytes <= tail else None)
-        return head if head + nbytes <= tail else None   # wrapped around: [head, tail) is free
 
     def done(self, key) -> list:
         """The oldest posted receive, ``key``, is consumed: its room is free; returns :meth:`feed`'s posts."""

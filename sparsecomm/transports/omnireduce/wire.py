@@ -256,7 +256,7 @@ def short_end(ch: Channel, numel: int, block_size: int) -> int:
 def block_bytes(k: int, block_size: int, itemsize: int, extra: int = 0, meta: bool = True, short: int = 0) -> int:
     """Bytes of ``k`` blocks (padded to 4 bytes), ``k`` look-aheads (if ``meta``) and ``extra`` int32;
     ``short``: elements left off the last block (:func:`short_end`; a message of blocks alone)."""
-    return pad4((k * block_size - short) * itemsize) + 4 * ((k if meta else 0) + extra)
+    return -(-((k * block_size - short) * itemsize) // 4) * 4 + 4 * ((k if meta else 0) + extra)  # (pad4, inline)
 
 
 def split(buf: torch.Tensor, k: int, block_size: int, dtype: torch.dtype, extra: int = 0,
@@ -268,7 +268,7 @@ def split(buf: torch.Tensor, k: int, block_size: int, dtype: torch.dtype, extra:
         return buf[:(k * block_size - short) * dtype.itemsize].view(dtype), buf[:0].view(torch.int32)
     nd = k * block_size * dtype.itemsize
     data = buf[:nd].view(dtype).view(k, block_size)
-    lo = pad4(nd)
+    lo = -(-nd // 4) * 4            # (pad4, inline: once per message)
     tail = buf[lo:lo + 4 * ((k if meta else 0) + extra)].view(torch.int32)
     return data, tail
 

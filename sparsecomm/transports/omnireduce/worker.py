@@ -30,6 +30,9 @@ from .wire import HDR, OK, TAG_FIRSTS, TAG_HDR_DOWN, TAG_HDR_UP, TAG_MANIFEST, B
 #: poll's fixed costs are tens of microseconds of Python, a 1024-block piece's scan about as long)
 SCAN_PIECES, SCAN_MIN_BLOCKS, SCAN_MIN_BLOCKS_REAL, POLL_SCAN = 8, 1024, 8192, Phase.LAND
 _POLL_SCAN = Poll(POLL_SCAN)    # (the request: one value, yielded twice per aggregator)
+#: the flags (``sure``, ``reaps``) of every verdict's and every lane's wait (they do not depend on the round),
+#: for the stages built per message by :attr:`.stages.Stage.new`
+_VERDICT_FLAGS, _LAND_FLAGS = Stage(Phase.VERDICT)[4:], Stage(Phase.LAND)[4:]
 
 
 def _no_mark(label: str) -> None:
@@ -113,7 +116,7 @@ def verdict(call, a: int):
     Not OK: a remote ``a`` gets this worker's manifest (:meth:`.aggregator.AggCall.drain`), then sends
     nothing more; the error is raised once the others' lanes are done (:func:`run_worker`)."""
     key = Key.new((Msg.REPLY, a, -1))
-    yield Recv.new(((key,), Stage(Phase.VERDICT, visit=call.pos[a]), (), False, None))
+    yield Recv.new(((key,), Stage.new((Phase.VERDICT, 0, 0, call.pos[a]) + _VERDICT_FLAGS), (), False, None))
     rh = call.inbox.take(key).view(torch.int64).numpy()
     rv = rh.tolist()            # (the words as Python ints, read once)
     if rv[wire.R_STATUS] != OK:
@@ -165,11 +168,12 @@ def scan(call, a: int):
         least = SCAN_MIN_BLOCKS if call.fabric.modelled_time else SCAN_MIN_BLOCKS_REAL
         step = hi - lo if call.own is None else max(least, -(-(hi - lo) // SCAN_PIECES))
         for s in range(lo, hi, step):
-            call.source.scan(s, min(hi, s + step))
-            bs = call.source.block_size      # the elements scanned: blocks [s, min(hi, s + step))
-            call.fabric.host_work("scan", min(min(hi, s + step) * bs, call.source.numel) - s * bs)
+            e = hi if hi < s + step else s + step
+            call.source.scan(s, e)
+            bs = call.source.block_size      # the elements scanned: blocks [s, e)
+            call.fabric.host_work("scan", min(e * bs, call.source.numel) - s * bs)
             if call.fabric.modelled_time and isinstance(call.source, DenseSource):   # (read to their end: sim_host)
-                call.fabric.host_work("scan_zero", _zero_elements(call.source, s, min(hi, s + step)))
+                call.fabric.host_work("scan_zero", _zero_elements(call.source, s, e))
             if call.own is not None:
                 yield _POLL_SCAN
         call.fabric.host_work("span", hi - lo)     # the range's per-block work beyond the scan (sim_host)
@@ -216,7 +220,8 @@ def worker_lane(call, a: int, c: core.WorkerChannel):
     g, pos, bs = c.ch.slot, call.pos[a], call.spec.block_size
     # round 0's reply: words and sums in one message, or waited for together (never a blocking take of
     # large sums)
-    yield Recv.new((strategies.reply0_keys(call, a, c.ch), Stage(Phase.LAND, c.round, g, pos), (), False, None))
+    yield Recv.new((strategies.reply0_keys(call, a, c.ch), Stage.new((Phase.LAND, c.round, g, pos) + _LAND_FLAGS), (),
+                    False, None))
     up_bufs = (Buf.new((Msg.UP, a, g, 0)), Buf.new((Msg.UP, a, g, 1)))     # (by round parity)
     up_key, down_key = Key.new((Msg.UP, call.rank, g)), Key.new((Msg.DOWN, a, g))
     down_keys = (down_key,)
@@ -232,7 +237,7 @@ def worker_lane(call, a: int, c: core.WorkerChannel):
             call.mark(f"reply {a}.{g} r{c.round}")
         if not active:
             return
-        yield Recv.new((down_keys, Stage(Phase.LAND, c.round, g, pos), (), False, None))
+        yield Recv.new((down_keys, Stage.new((Phase.LAND, c.round, g, pos) + _LAND_FLAGS), (), False, None))
         nbytes = c.act.size * bs * call.down.itemsize     # (the sums' bytes written into the result: sim_host)
         call.fabric.host_work("index", c.down(call.inbox.take(down_key), call.sink, bs, call.down))
         call.fabric.host_work("move", nbytes)

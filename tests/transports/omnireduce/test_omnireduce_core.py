@@ -608,6 +608,11 @@ def test_a_stages_flags_follow_its_phase_and_round_however_it_is_made():
             assert (st.sure, st.reaps) == (sure, phase >= Phase.AGGREGATE), st
             again = Stage(Phase.HEADERS)._replace(phase=phase, round=rnd, slot=1, visit=2)
             assert again == st and (again.sure, again.reaps) == (st.sure, st.reaps)
+            flags = Stage(phase, rnd)[4:]
+            made = Stage.new((phase, rnd, 1, 2) + flags)       # (one C call: the flags given)
+            assert type(made) is Stage and made == st and (made.sure, made.reaps) == (st.sure, st.reaps)
+            if phase in (Phase.VERDICT, Phase.LAND):        # (the worker's per-message stages: flags of any round)
+                assert flags == Stage(phase)[4:]
     assert Stage(Phase.AGGREGATE, 0) < Stage(Phase.AGGREGATE, 1) < Stage(Phase.LAND)
     with pytest.raises(ValueError, match="sure"):
         Stage(Phase.LAND)._replace(sure=True)
