@@ -63,13 +63,14 @@ the larger of a worker's bytes sent and received, the busiest worker).
 worker at once, so the CPU is shared as in training, each step started after a barrier as a training step starts
 when the collectives before it let the workers go), the largest of the workers' medians over ``COMPUTE_STEPS``;
 beside it (:func:`compute_stats`) ``compute_mean_s``, the largest of their means, and ``compute_max_s``, the mean
-over the steps of each step's slowest worker (the step times are right-skewed on shared cores, and a
-bulk-synchronous step waits for its slowest worker, but the host profile's ``sync_s`` already charges every call's
-wait for its last worker, which a per-step maximum would count again: the modelled column keeps ``compute_s``, and
-``--remodel DIR --compute compute_max_s`` models a recorded run with another); ``step_s``: the measured mean
-step; ``comm_fraction = 1 - compute_s / step_s``, the share of a step not spent in the model's own forward,
-backward and update (communication, and for compressors their encoding).
-``modelled_s``: the prediction of the same run through the SimFabric, ``steps_to_target * (compute_s +
+over the steps of each step's slowest worker. The modelled and link-only columns add ``compute_mean_s`` to a step:
+a time to target is a sum of steps, of which ``step_s`` is the mean, and on shared cores the step times are
+right-skewed (the median falls below the mean). Not ``compute_max_s``: a bulk-synchronous step waits for its
+slowest worker, but the host profile's ``sync_s`` already charges every call's wait for its last worker, which a
+per-step maximum would count again (``--remodel DIR --compute NAME`` models a recorded run with another);
+``step_s``: the measured mean step; ``comm_fraction = 1 - compute_mean_s / step_s``, the share of a step not spent
+in the model's own forward, backward and update (communication, and for compressors their encoding).
+``modelled_s``: the prediction of the same run through the SimFabric, ``steps_to_target * (compute_mean_s +
 modelled_comm_s)``, and ``modelled_ratio = modelled_s / time_to_target_s``. ``modelled_comm_s`` is one step's
 communication modelled by running the scheme's own calls on ``sc.launch(..., backend="sim")``
 (:func:`modelled_comm_s`): the same model, batches and real gradients, ``MODEL_STEPS`` steps, the last one
@@ -85,7 +86,7 @@ services on this machine's cores) or, without one, the SimFabric's default host 
 switch is then modelled one 64-value datagram at a time and takes minutes). Overlap rule: none; the step is
 compute then communication, as a step on the netbed's shared cores runs its host's communication work on
 the cores its compute needs (an upper bound where backward and communication do overlap). ``link_only_s``
-(``link_only_ratio``): the closed form beside it, ``steps_to_target * (compute_s + bytes_per_step /
+(``link_only_ratio``): the closed form beside it, ``steps_to_target * (compute_mean_s + bytes_per_step /
 (rate * TCP_OVER_ETHERNET))``, the bytes at the link rate with no latency and no host. ``torch powersgd`` has
 no modelled column (NaN): its hook calls ``torch.distributed``, which the SimFabric does not run.
 
@@ -432,8 +433,8 @@ def _compute_steps(task: Task, rank: int, group) -> list[float]:
 
 def compute_stats(per_rank: list[list[float]]) -> dict[str, float]:
     """The no-communication step's statistics over the workers' step times (``per_rank[r][t]``, step ``t`` of worker
-    ``r``, the steps started together): ``compute_s``, the largest of the workers' medians (the figure the modelled
-    column adds to a step); ``compute_mean_s``, the largest of their means; ``compute_max_s``, the mean over the
+    ``r``, the steps started together): ``compute_s``, the largest of the workers' medians; ``compute_mean_s``, the
+    largest of their means (the figure the modelled column adds to a step); ``compute_max_s``, the mean over the
     steps of each step's slowest worker (what a bulk-synchronous step waits for)."""
     steps = min(len(t) for t in per_rank)
     return {"compute_s": max(statistics.median(t) for t in per_rank),
@@ -565,7 +566,7 @@ def run_schemes(task_name: str, schemes: tuple[Scheme, ...], hosts: int, gbps: f
                                       time_cap_s=time_cap_s, seed=seed, breakdown=breakdown),
                     world_size=hosts, services=list(services.pop()), timeout_s=timeout_s, **opts)
     stats = compute_stats([r["compute_steps"] for r in res])
-    compute_s = stats["compute_s"]
+    compute = stats["compute_mean_s"]        # (the statistic a modelled step adds: the module docstring)
     out = []
     for scheme in schemes:
         r0 = res[0]["runs"][scheme.name]
@@ -574,17 +575,17 @@ def run_schemes(task_name: str, schemes: tuple[Scheme, ...], hosts: int, gbps: f
         step_s = elapsed / r0["steps"]
         modelled = comm = link_only = float("nan")
         if gbps is not None:
-            link_only = r0["steps"] * (compute_s + link / (gbps * 1e9 / 8 * TCP_OVER_ETHERNET))
+            link_only = r0["steps"] * (compute + link / (gbps * 1e9 / 8 * TCP_OVER_ETHERNET))
         if gbps is not None and scheme.kind != "torch-hook":   # (torch's hook calls torch.distributed: no model)
             comm = modelled_comm_s(TASKS[task_name](quick, seed=seed), scheme, hosts,
                                    modelled_network(gbps, hosts, len(scheme.services), profile))
-            modelled = r0["steps"] * (compute_s + comm)
+            modelled = r0["steps"] * (compute + comm)
         row = {"model": task_name, "scheme": scheme.name, "transport": r0["transport"], "hosts": hosts,
                "gbps": gbps if gbps is not None else "loopback",
                "time_to_target_s": elapsed if r0["reached"] else float("nan"),
                "steps_to_target": r0["steps"] if r0["reached"] else "", "reached": r0["reached"],
-               "bytes_per_step": link, "comm_fraction": max(0.0, 1.0 - compute_s / step_s),
-               "target": res[0]["target"], "metric": r0["metric"], "compute_s": compute_s, "step_s": step_s,
+               "bytes_per_step": link, "comm_fraction": max(0.0, 1.0 - compute / step_s),
+               "target": res[0]["target"], "metric": r0["metric"], "compute_s": stats["compute_s"], "step_s": step_s,
                "modelled_s": modelled, "modelled_ratio": modelled / elapsed, "note": "", "seed": seed,
                "modelled_comm_s": comm, "link_only_s": link_only, "link_only_ratio": link_only / elapsed,
                "compute_mean_s": stats["compute_mean_s"], "compute_max_s": stats["compute_max_s"]}
@@ -919,15 +920,17 @@ def seeds_table(results: list[dict]) -> str:
 COMPUTE_STATS = ("compute_s", "compute_mean_s", "compute_max_s")
 
 
-def remodel(results: list[dict], profile: str | None, quick: bool = False, compute: str = "compute_s") -> list[dict]:
+def remodel(results: list[dict], profile: str | None, quick: bool = False,
+            compute: str = "compute_mean_s") -> list[dict]:
     """The rows of recorded ``results`` (:func:`load` of an earlier netbed run) with their modelled columns
     computed again, with the host ``profile`` (``None``: the default host), without training: per row of a
     netbed run (``gbps`` a number; not torch's hook), ``modelled_comm_s`` of its scheme at its ``hosts`` and
     seed (:func:`modelled_comm_s`), and ``modelled_s = steps * (compute + modelled_comm_s)`` over the steps
     it ran (to the target, or to where it stopped), ``modelled_ratio`` against its measured time; the other
     columns as recorded. ``compute`` is the recorded column of the no-communication step added to each step
-    (:data:`COMPUTE_STATS`, :func:`compute_stats`; default ``compute_s``, the figure the run modelled with); a
-    row that does not have it (a run recorded before the column existed) raises. (``--remodel DIR --profile P``: a
+    (:data:`COMPUTE_STATS`, :func:`compute_stats`; default ``compute_mean_s``, the figure a run models with);
+    a row that does not have it (a run recorded before the column existed, which modelled with ``compute_s``)
+    raises. (``--remodel DIR --profile P``: a
     change to the model or the profile checked against measurements already made.)"""
     if compute not in COMPUTE_STATS:
         raise ValueError(f"remodel: compute must be one of {COMPUTE_STATS}, got {compute!r}")
@@ -947,7 +950,7 @@ def remodel(results: list[dict], profile: str | None, quick: bool = False, compu
             step = row[compute]
             if not math.isfinite(step):
                 raise ValueError(f"remodel: the row {row['model']} {row['scheme']!r} has no {compute} (a run "
-                                 f"recorded before the column existed); remodel it with compute_s")
+                                 f"recorded before the column existed); remodel it with --compute compute_s")
             comm = modelled_comm_s(TASKS[row["model"]](quick, seed=row["seed"]), scheme, row["hosts"],
                                    modelled_network(gbps, row["hosts"], len(scheme.services), profile))
             row.update(modelled_comm_s=comm, modelled_s=steps * (step + comm))
@@ -995,10 +998,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    help="train nothing: the modelled columns of DIR's recorded netbed run (summary.csv, curves.csv) "
                         "computed again with --profile (or the default host), printed and written to "
                         "OUT/remodelled.csv (not into DIR)")
-    p.add_argument("--compute", default="compute_s", choices=COMPUTE_STATS,
+    p.add_argument("--compute", default="compute_mean_s", choices=COMPUTE_STATS,
                    help="with --remodel: the recorded statistic of the no-communication step added to each modelled "
-                        "step (compute_s: the workers' largest median, as recorded runs modelled; compute_mean_s: "
-                        "their largest mean; compute_max_s: the mean of each step's slowest worker)")
+                        "step (compute_mean_s, the default: the workers' largest mean, as a run models; compute_s: "
+                        "their largest median, as runs recorded without compute_mean_s modelled; compute_max_s: the "
+                        "mean of each step's slowest worker)")
     a = p.parse_args(argv)
     if a.remodel is not None:
         return _remodel_main(a)

@@ -290,8 +290,8 @@ def test_a_profile_is_checked_before_anything_trains(tmp_path, monkeypatch, caps
 
 
 def test_remodel_recomputes_the_modelled_columns_of_a_recorded_run_without_training(tmp_path, monkeypatch, capsys):
-    """By hand, with a modelled step of 10 ms per host (hosts x 5 ms): a reached row of 80 steps and 11 ms compute on 2
-    hosts models 80 x (0.011 + 0.010) = 1.68 s, 0.6 of its 2.8 s; a row that stopped at step 30 (its curve's last)
+    """By hand, with a modelled step of 10 ms per host (hosts x 5 ms): a reached row of 80 steps and 11 ms compute (the
+    workers' largest mean, the default; their median 9 ms) on 2 hosts models 80 x (0.011 + 0.010) = 1.68 s, 0.6 of its 2.8 s; a row that stopped at step 30 (its curve's last)
     after 1.5 s models 30 x (0.002 + 0.010) = 0.36 s; torch's hook and a loopback row keep their NaN; nothing
     trains, and the recorded folder is not written."""
     rec = tmp_path / "rec"
@@ -301,9 +301,11 @@ def test_remodel_recomputes_the_modelled_columns_of_a_recorded_run_without_train
                                          "modelled_s": "nan", "modelled_ratio": "nan", "link_only_s": "nan",
                                          "link_only_ratio": "nan", "modelled_comm_s": "nan", "note": ""}
     rows = [base | {"scheme": "hook powersgd", "hosts": "2", "gbps": "1", "time_to_target_s": "2.8",
-                    "steps_to_target": "80", "reached": "True", "compute_s": "0.011"},
+                    "steps_to_target": "80", "reached": "True", "compute_s": "0.009",
+                    "compute_mean_s": "0.011", "compute_max_s": "0.013"},
             base | {"scheme": "hook ef+topk", "hosts": "2", "gbps": "1", "time_to_target_s": "nan",
-                    "steps_to_target": "", "reached": "False", "compute_s": "0.002"},
+                    "steps_to_target": "", "reached": "False", "compute_s": "0.001",
+                    "compute_mean_s": "0.002", "compute_max_s": "0.003"},
             base | {"scheme": "torch powersgd", "hosts": "2", "gbps": "1", "time_to_target_s": "3.0",
                     "steps_to_target": "80", "reached": "True", "compute_s": "0.011"},
             base | {"scheme": "ddp", "hosts": "2", "gbps": "loopback", "time_to_target_s": "1.0",
@@ -331,8 +333,8 @@ def test_the_compute_statistics_are_the_largest_median_the_largest_mean_and_the_
 
 
 def test_remodel_adds_the_compute_statistic_asked_for_and_refuses_a_run_recorded_without_it(tmp_path, monkeypatch):
-    """``--compute compute_max_s``: 80 steps x (0.015 + 0.010) = 2.0 s; a row recorded before the column existed
-    (empty) is refused with its name, and ``compute_s`` still models it."""
+    """``--compute compute_max_s``: 80 steps x (0.015 + 0.010) = 2.0 s; a row recorded before the columns existed
+    (empty) is refused with its name, by default too (``compute_mean_s``), and ``--compute compute_s`` models it."""
     rec = tmp_path / "rec"
     rec.mkdir()
     base = {k: "" for k in T.COLUMNS} | {"model": "mlp", "transport": "native", "bytes_per_step": "1", "seed": "0",
@@ -358,7 +360,9 @@ def test_remodel_adds_the_compute_statistic_asked_for_and_refuses_a_run_recorded
         w.writerow({k: base[k] for k in older})
     with pytest.raises(ValueError, match="'hook powersgd' has no compute_max_s"):
         T.main(["--remodel", str(rec), "--compute", "compute_max_s", "--out", str(tmp_path / "out"), "--no-wandb"])
-    got = T.main(["--remodel", str(rec), "--out", str(tmp_path / "out"), "--no-wandb"])
+    with pytest.raises(ValueError, match="'hook powersgd' has no compute_mean_s"):   # (the default's column)
+        T.main(["--remodel", str(rec), "--out", str(tmp_path / "out"), "--no-wandb"])
+    got = T.main(["--remodel", str(rec), "--compute", "compute_s", "--out", str(tmp_path / "out"), "--no-wandb"])
     assert got[0]["modelled_s"] == pytest.approx(80 * 0.021)
 
 
