@@ -183,21 +183,7 @@ class RoleWaits:
         if shared:                   # (a receive of the kept group's: it goes, the records decide again)
             self.spare = None
             self._drop(spare)
-        if chans[1:] or g.any:
-            self._measure(g)
-            return
-        q = self.ep.mailbox.get(chans[0])       # (:meth:`_measure` of one receive, inline: once per wait)
-        g.exact = -1
-        if not q:
-            g.heads, g.missing, g.latest = [None], 1, 0.0
-            return
-        d = q[0].delivered
-        t = g.latest = d if d > 0.0 else 0.0
-        g.heads, g.missing = [t], 0
-        if g.tick < 0 or t < g.lb:
-            self.ticks = tick = self.ticks + 1     # (:meth:`_push`, inline)
-            g.tick, g.lb = tick, t
-            heappush(self.heap, (t, tick, g))
+        self._measure(g)
 
     def remove(self, s: int, last: int | None = None) -> None:
         """Role ``s`` is resumed or no longer able to run: drop its group (nothing if none); then, if ``last`` is

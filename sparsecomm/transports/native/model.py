@@ -49,10 +49,10 @@ import torch
 from ...errors import InvalidValueError
 from ...fabric.base import Fabric
 from ...fabric.roles import Flush, Inbox, Outbox, Pool, PostInto, Recv, Send, Step
-from ...theory import costs
 from .._guards import nonfinite_option
-from ..base import CallShape, Transport
+from ..base import Transport
 from ..linear import LinearOperand, guarded_finish, guarded_sum, linear_operand
+from . import Native
 
 __all__ = ["GLOO_MAX_SEGMENT_BYTES", "GlooRing", "gloo_ring_plan", "gloo_ring_role"]
 
@@ -156,10 +156,8 @@ class GlooRing(Transport):
         self.max_segment_bytes = int(max_segment_bytes)
         self._scratch: dict = {}        # (dtype, device) -> gloo's two-segment scratch buffer (its own, per call)
 
-    def cost(self, call: CallShape, *, bandwidth_gbps: float, latency_us: float) -> costs.Cost:
-        """:func:`~sparsecomm.theory.costs.native_allreduce` of the call's wire bytes, as ``native``'s."""
-        return costs.native_allreduce(self.fabric.world_size, call.wire_bytes, elem_size=call.elem_size,
-                                      bandwidth_gbps=bandwidth_gbps, latency_us=latency_us)
+    #: ``native``'s closed form (:func:`~sparsecomm.theory.costs.native_allreduce` of the call's wire bytes)
+    cost = Native.cost
 
     def _allreduce_tensor(self, flat: torch.Tensor) -> torch.Tensor:
         op = linear_operand(flat, self.name, inplace=self.inplace)
