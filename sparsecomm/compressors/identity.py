@@ -135,13 +135,19 @@ _CHUNK = 4096
 
 
 @njit(cache=True, nogil=True, fastmath=_FM)
-def _quick_f16(x, ybits):
+def _quick_f16(x, ybits, zero):
     """:func:`_cast_f16`'s cast, bit for bit, with its two sums accumulated in float32 per chunk of
     :data:`_CHUNK` elements (the chunks' sums added in float64): the same terms (``y_i - x_i`` exact in float32),
-    a bound on them only, twice the vector width; :func:`_verdict` reads it."""
+    a bound on them only, twice the vector width; :func:`_verdict` reads it.
+
+    ``zero`` is 0, passed at run time and XORed into the stored patterns: where the stored value is the
+    conversion itself, LLVM's x86 back end folds the store into a second ``vcvtps2ph`` to memory beside the
+    one the error term reads (two of the pass's most expensive instructions where one does); an operand it
+    cannot see through keeps one conversion and a plain store."""
     err = 0.0
     nrm = 0.0
     n = x.size
+    z = np.int16(zero)
     for s in range(0, n, _CHUNK):
         xs = x[s: s + _CHUNK]
         ys = ybits[s: s + _CHUNK]
@@ -150,7 +156,7 @@ def _quick_f16(x, ybits):
         for i in range(xs.size):
             xv = xs[i]
             h = _kernels.f16_bits(xv)
-            ys[i] = h
+            ys[i] = h ^ z
             d = _kernels.f16_value(h) - xv
             e += d * d
             q += xv * xv
@@ -187,10 +193,10 @@ def _quick_bf16(x, ybits):
 
 
 @njit(cache=True, nogil=True)
-def _quick_f16_at(addr, ybits):
+def _quick_f16_at(addr, ybits, zero):
     """:func:`_quick_f16` of the ``ybits.size`` float32 at ``addr`` (a tensor's ``data_ptr()``: no
-    ``Tensor.numpy()`` call; see :func:`._kernels.f32_at`)."""
-    return _quick_f16(carray(_kernels.f32_at(addr), ybits.size), ybits)
+    ``Tensor.numpy()`` call; see :func:`._kernels.f32_at`); ``zero``: 0, as there."""
+    return _quick_f16(carray(_kernels.f32_at(addr), ybits.size), ybits, zero)
 
 
 @njit(cache=True, nogil=True)
@@ -315,7 +321,8 @@ class _Cast(_Dense):
         under = False
         if fused:   # the cast and every check in one pass; the float64 sums where it leaves them undecided
             ys = np.empty(n, dtype=np.int16)       # (numpy's memory: see cpu_empty)
-            e, q = (_quick_bf16_at if bf else _quick_f16_at)(flat.data_ptr(), ys)     # (flat: alive, contiguous)
+            # (flat: alive, contiguous)
+            e, q = _quick_bf16_at(flat.data_ptr(), ys) if bf else _quick_f16_at(flat.data_ptr(), ys, 0)
             y = torch.from_numpy(ys).view(self.target) if bf else torch.from_numpy(ys.view(np.float16))
             # e finite: every y is finite; then the float64 sums' decision where the float32 ones settle it
             verdict = (_verdict(e, q, n, bound) if checked else False) if math.isfinite(e) else None

@@ -120,7 +120,8 @@ def test_the_float32_sums_decide_only_as_the_float64_ones_do(name):
     range) and the plain underflow (a vector far below the range)."""
     if name == "fp16" and not kern.NATIVE_HALF:
         pytest.skip("no hardware float16 conversion: the fused float16 cast does not run here")
-    quick, exact = ((ident._quick_bf16, ident._cast_bf16) if name == "bf16" else (ident._quick_f16, ident._cast_f16))
+    quick, exact = ((ident._quick_bf16, ident._cast_bf16) if name == "bf16"
+                    else (lambda x, y: ident._quick_f16(x, y, 0), ident._cast_f16))
     c = sc.compressors.get(name)
     bound = 1.0 - c.delta(1)
     tiny = torch.finfo(c.target).tiny
@@ -348,3 +349,35 @@ def test_a_flat_cast_pair_reshapes_nothing_and_builds_no_device(name):
         assert "reshape" not in calls.names and "device" not in calls.names, calls.names
         assert "numpy" not in calls.names, calls.names     # (the kernels read the tensors' memory by address)
         assert torch.equal(y.view(torch.int32), x.to(c.target).to(torch.float32).view(torch.int32))
+
+
+def test_the_flat_fp16_cast_writes_torchs_patterns_at_every_length_and_lane():
+    """The flat float32 path of ``fp16`` (one conversion per element, its patterns stored apart from the value
+    its error term reads) writes torch's cast bit for bit: float32 patterns around every float16 rounding
+    boundary (ties, one below and above, both signs, the subnormal and overflow edges) and random ones, at
+    lengths of every remainder modulo the vector body's 16 elements and either side of a 4096-element chunk's
+    edge, so the unrolled body, its vector tail and its scalar tail all write; one NaN, Inf or overflowing
+    entry at any lane of a short vector raises its error."""
+    if not kern.NATIVE_HALF:
+        pytest.skip("no hardware float16 conversion: the fused float16 cast does not run here")
+    low = np.array([0, 1, 0xFFF, 0x1000, 0x1001, 0x1FFF, 0x2000, 0x3000, 0x7FFF, 0x3FFFFF, 0x7FE000, 0x7FF000,
+                    0x7FFFFF], dtype=np.int64)
+    pats = (np.arange(256, dtype=np.int64)[:, None] << 23 | low[None, :]).ravel()
+    pats = np.concatenate([pats, np.random.default_rng(9).integers(0, 2 ** 31, 3 * 4096)])
+    x = torch.from_numpy(np.concatenate([pats, pats | (1 << 31)]).astype(np.uint32).view(np.float32))
+    x = x[torch.isfinite(x) & (x.abs() < 65504.0)]     # (the rest raise: below)
+    x = x[torch.randperm(x.numel(), generator=torch.Generator().manual_seed(2))]
+    c = sc.compressors.get("fp16", underflow="allow")
+    for n in [*range(1, 40), 4095, 4096, 4097, 4096 + 15, 8192 + 33, x.numel()]:
+        for part in (x[:n], x[-n:]):
+            p = c.compress(part)
+            assert torch.equal(p.values.view(torch.int16), part.to(torch.float16).view(torch.int16)), n
+            assert torch.equal(c.decompress(p).view(torch.int32), part.to(torch.float16).float().view(torch.int32))
+    c = sc.compressors.get("fp16")
+    base = torch.randn(37, generator=torch.Generator().manual_seed(4))
+    for pos in range(37):
+        for bad, err in ((float("nan"), NonFiniteError), (-float("inf"), NonFiniteError), (7.0e4, OverflowError_)):
+            xb = base.clone()
+            xb[pos] = bad
+            with pytest.raises(err, match="fp16"):
+                c.compress(xb)
