@@ -327,6 +327,16 @@ class Scheme:
     options: dict = field(default_factory=dict)
     services: tuple[str, ...] = ()
 
+    def sharing_services(self, pinned: bool = False) -> int:
+        """Its services that share the workers' cores, as a model of processes sharing cores counts them
+        (:func:`experiments.bench.netbed_vs_sim.busy_endpoints`: every one; on ``pinned`` ranks, none of the sparse
+        switch's, which computes only while the workers wait)."""
+        from .bench.netbed_vs_sim import busy_endpoints
+
+        if not self.services:
+            return 0
+        return busy_endpoints(self.options["transport"], 0, len(self.services), pinned)
+
 
 SCHEMES = (
     Scheme("ddp", "ddp"),
@@ -548,13 +558,14 @@ def _train(ctx, task_name: str, quick: bool, schemes: tuple[Scheme, ...], time_c
 
 def run_schemes(task_name: str, schemes: tuple[Scheme, ...], hosts: int, gbps: float | None, quick: bool,
                 time_cap_s: float, timeout_s: float, seed: int = 0, profile: str | None = None,
-                breakdown: str | None = None) -> list[dict[str, Any]]:
+                breakdown: str | None = None, pin_cores: bool = False) -> list[dict[str, Any]]:
     """One launch: ``hosts`` workers (and the schemes' services, which must be the same) on a netbed at
     ``gbps`` (gloo over loopback when ``gbps`` is None) train with each scheme in turn; per scheme the
     row of summary.csv and the curve. On a netbed each scheme's step is then modelled on the SimFabric
     (:func:`modelled_comm_s` over :func:`modelled_network` with the host ``profile``, if any; not torch's
     hook: NaN). With ``breakdown`` (a folder), each scheme's result has its ``"breakdown"`` (:func:`_breakdown`,
-    the mean over the workers; its timelines under that folder)."""
+    the mean over the workers; its timelines under that folder). ``pin_cores``: each rank on a core of its own
+    turn (:func:`sparsecomm.launch`'s option)."""
     services = {s.services for s in schemes}
     if len(services) != 1:
         raise ValueError(f"one launch runs schemes with the same services, got {sorted(services)}")
@@ -564,7 +575,7 @@ def run_schemes(task_name: str, schemes: tuple[Scheme, ...], hosts: int, gbps: f
         opts = {"backend": "netbed", "network": sc.Network(bandwidth_gbps=gbps)}
     res = sc.launch(functools.partial(_train, task_name=task_name, quick=quick, schemes=schemes,
                                       time_cap_s=time_cap_s, seed=seed, breakdown=breakdown),
-                    world_size=hosts, services=list(services.pop()), timeout_s=timeout_s, **opts)
+                    world_size=hosts, services=list(services.pop()), timeout_s=timeout_s, pin_cores=pin_cores, **opts)
     stats = compute_stats([r["compute_steps"] for r in res])
     compute = stats["compute_mean_s"]        # (the statistic a modelled step adds: the module docstring)
     out = []
@@ -578,7 +589,7 @@ def run_schemes(task_name: str, schemes: tuple[Scheme, ...], hosts: int, gbps: f
             link_only = r0["steps"] * (compute + link / (gbps * 1e9 / 8 * TCP_OVER_ETHERNET))
         if gbps is not None and scheme.kind != "torch-hook":   # (torch's hook calls torch.distributed: no model)
             comm = modelled_comm_s(TASKS[task_name](quick, seed=seed), scheme, hosts,
-                                   modelled_network(gbps, hosts, len(scheme.services), profile))
+                                   modelled_network(gbps, hosts, scheme.sharing_services(pin_cores), profile))
             modelled = r0["steps"] * (compute + comm)
         row = {"model": task_name, "scheme": scheme.name, "transport": r0["transport"], "hosts": hosts,
                "gbps": gbps if gbps is not None else "loopback",
@@ -607,7 +618,8 @@ def modelled_network(gbps: float, hosts: int, services: int, profile: str | None
     (:data:`experiments.bench.netbed_vs_sim.NETBED_LATENCY_US`), and the hosts: with ``profile`` (written by
     ``python -m sparsecomm.netbed calibrate --out host.json``) its calibrated :class:`~sparsecomm.HostModel`,
     shared by the ``hosts + services`` processes on this machine's cores (``HostModel.sharing``), a message's
-    bytes' host work beside the link (``Network.host_streams``, as ``netbed_vs_sim`` models the netbed); without
+    bytes' host work beside the link (``Network.host_streams``, as ``netbed_vs_sim`` models the netbed; ``services``:
+    those that share the workers' cores, :meth:`Scheme.sharing_services`); without
     one, the SimFabric's default host (``host=None``: no host cost). ``native``'s calls are modelled by gloo's ring
     (:func:`_model_worker`)."""
     from .bench.netbed_vs_sim import NETBED_LATENCY_US
@@ -952,7 +964,7 @@ def remodel(results: list[dict], profile: str | None, quick: bool = False,
                 raise ValueError(f"remodel: the row {row['model']} {row['scheme']!r} has no {compute} (a run "
                                  f"recorded before the column existed); remodel it with --compute compute_s")
             comm = modelled_comm_s(TASKS[row["model"]](quick, seed=row["seed"]), scheme, row["hosts"],
-                                   modelled_network(gbps, row["hosts"], len(scheme.services), profile))
+                                   modelled_network(gbps, row["hosts"], scheme.sharing_services(), profile))
             row.update(modelled_comm_s=comm, modelled_s=steps * (step + comm))
             row["modelled_ratio"] = row["modelled_s"] / elapsed
         out.append(row)
@@ -994,6 +1006,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     cli.add_seeds(p, help="run every scheme for K seeds (--seed, --seed+1, ...: initial weights and batches): "
                           "tables show mean ± std over the seeds that reached the target, plots the mean with "
                           "a ± std band (default 1)")
+    p.add_argument("--pin-cores", action="store_true",
+                   help="every rank on a core of its own turn (sparsecomm.launch(pin_cores=True)): the same sharing "
+                        "of the cores on every step, as the modelled column's")
     p.add_argument("--remodel", default=None, metavar="DIR",
                    help="train nothing: the modelled columns of DIR's recorded netbed run (summary.csv, curves.csv) "
                         "computed again with --profile (or the default host), printed and written to "
@@ -1030,7 +1045,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         launches = [(g, seed) for seed in seeds for g in groups if g]
         for group, seed in R.progress(launches, desc=f"{model}: launches"):
             for r in run_schemes(model, group, a.hosts, a.netbed, a.quick, cap, a.timeout_s, seed=seed,
-                                 profile=a.profile, breakdown=str(out / "breakdown") if a.breakdown else None):
+                                 profile=a.profile, breakdown=str(out / "breakdown") if a.breakdown else None,
+                                 pin_cores=a.pin_cores):
                 results.append(r)
                 row = r["row"]
                 reach = (f"t={row['time_to_target_s']:.2f}s steps={row['steps_to_target']}" if row["reached"]

@@ -205,13 +205,26 @@ def modelled_cases(workers: int, size_mb: float, cases: list, network: "sc.Netwo
     return times
 
 
-def profile_network(profile: str, case, workers: int, cores: float, **wire) -> "sc.Network":
+def busy_endpoints(transport: str, workers: int, services: int, pinned: bool = False) -> int:
+    """The processes of a call of ``transport`` that share the cores, as a model of processes sharing cores counts
+    them (:meth:`~sparsecomm.fabric.sim.sim_host.HostModel.sharing`): the ``workers`` and its ``services`` (each a
+    process, a switch too). ``pinned`` (every rank on a core of its own turn, ``sc.launch(pin_cores=True)``): the
+    workers alone where the services compute only while the workers wait for them
+    (:attr:`~sparsecomm.transports.base.Transport.services_share_cores`: the sparse switch's lock-step waves).
+    Unpinned, the kernel runs such workers on one core in some calls and not in others, which no fixed share
+    describes; the count of every process is the slower of the two, which the loopback measures most often."""
+    shares = not pinned or sc.transports.registry.factory(transport).services_share_cores
+    return workers + (services if shares else 0)
+
+
+def profile_network(profile: str, case, workers: int, cores: float, pinned: bool = False, **wire) -> "sc.Network":
     """The network of ``case`` (:class:`.transports.Case`) modelled with the host ``profile``: ``wire``'s
-    :class:`~sparsecomm.Network` fields, the profile's host model with the CPU share of the workers and the
-    case's services (each a process, a switch too) on ``cores`` cores (:meth:`~sparsecomm.fabric.sim.sim_host.
-    HostModel.sharing`; ``native`` is modelled by :func:`model_transport`)."""
+    :class:`~sparsecomm.Network` fields, the profile's host model with the CPU share of the case's processes
+    (:func:`busy_endpoints`; ``pinned``: the ranks measured on pinned cores, the services that compute only while
+    the workers wait left out) on ``cores`` cores (:meth:`~sparsecomm.fabric.sim.sim_host.HostModel.sharing`;
+    ``native`` is modelled by :func:`model_transport`)."""
     net = sc.Network.from_profile(profile, **wire)
-    net.host = net.host.sharing(workers + len(case.services), cores)
+    net.host = net.host.sharing(busy_endpoints(case.transport, workers, len(case.services), pinned), cores)
     return net
 
 
@@ -244,21 +257,23 @@ def validated_cases() -> list:
 
 
 def compare_transports(workers: int, size_mb: float, gbps: float, names: list[str], repeats: int,
-                       profile: str | None, link: bool = True) -> list[dict]:
+                       profile: str | None, link: bool = True, pin_cores: bool = False) -> list[dict]:
     """Every transport of ``names`` (``"all"``: :func:`validated_cases`) at its defaults
     (:data:`.transports.CASES`' headline rows, their densities) measured on a netbed (:func:`.transports.run`)
     and modelled on the SimFabric: the link model alone (the small-message latency measured over the same netbed,
     TCP framing), and, with ``profile`` (a host profile, ``python -m sparsecomm.netbed calibrate``), the link plus
-    that host model, its CPU share the processes per core of the netbed (workers and services, on this machine's
-    cores) and its wire latency the netbed's per-message latency the profile records (:func:`netbed_latency_us`;
+    that host model, its CPU share the processes per core of the netbed (workers and services,
+    :func:`busy_endpoints`, on this machine's cores) and its wire latency the netbed's per-message latency the
+    profile records (:func:`netbed_latency_us`;
     ``native`` modelled as gloo's ring, :func:`model_transport`; the hosts stream a message's bytes beside the
     netbed's link, ``Network.host_streams``);
     ``link=False``: the host model only (the link model of a large switch call, one datagram per 64-value
-    packet, takes many minutes)."""
+    packet, takes many minutes); ``pin_cores``: the netbed's ranks each on a core of its own turn
+    (:func:`sparsecomm.launch`'s option: the same sharing of the cores on every call, as the model's)."""
     from . import transports as tb
 
     cases = validated_cases() if "all" in names else [c for c in tb.CASES if c.transport in names and not c.tuned]
-    real = tb.run(workers, size_mb, cases, repeats, 1, 600.0, netbed_gbps=gbps)
+    real = tb.run(workers, size_mb, cases, repeats, 1, 600.0, netbed_gbps=gbps, pin_cores=pin_cores)
     sims = {}
     if link:
         latency = measured(workers, 0.001, gbps, repeats=1)["latency_s"]
@@ -268,7 +283,7 @@ def compare_transports(workers: int, size_mb: float, gbps: float, names: list[st
         host_times = []
         latency_us = netbed_latency_us(profile)
         for c in cases:
-            net = profile_network(profile, c, workers, os.cpu_count() or 1, bandwidth_gbps=gbps,
+            net = profile_network(profile, c, workers, os.cpu_count() or 1, pin_cores, bandwidth_gbps=gbps,
                                   latency_us=latency_us, payload_fraction=TCP_OVER_ETHERNET, host_streams=True)
             host_times += modelled_cases(workers, size_mb, [c], net)
         sims["host"] = host_times
@@ -313,7 +328,7 @@ def modelled_link(workers: int, network: "sc.Network") -> tuple[float, float, fl
 
 def compare_loopback(workers: int, size_mb: float, profile: str, names: list[str] | None = None, *,
                      repeats: int = 5, warmup: int = 1, cores: float | None = None,
-                     timeout_s: float = 600.0) -> dict:
+                     timeout_s: float = 600.0, pin_cores: bool = False) -> dict:
     """The loopback benchmark's cases measured (:func:`.transports.run` on local gloo processes, the
     reference :data:`.transports.REFERENCE` in every launch, the fabric probed in the same launch) and
     modelled on the SimFabric (:func:`modelled_cases`) with the host ``profile`` on :data:`LOOPBACK_WIRE`,
@@ -327,10 +342,11 @@ def compare_loopback(workers: int, size_mb: float, profile: str, names: list[str
 
     cores = cores or os.cpu_count() or 1
     cases = loopback_cases(names)
-    real = tb.run(workers, size_mb, [tb.REFERENCE] + cases, repeats, warmup, timeout_s, probe=True)
+    real = tb.run(workers, size_mb, [tb.REFERENCE] + cases, repeats, warmup, timeout_s, probe=True,
+                  pin_cores=pin_cores)
     modelled = {}
     for c in cases:
-        net = profile_network(profile, c, workers, cores, **LOOPBACK_WIRE)
+        net = profile_network(profile, c, workers, cores, pin_cores, **LOOPBACK_WIRE)
         modelled.update(zip(((c.label, d) for d in c.densities), modelled_cases(workers, size_mb, [c], net)))
     link = {tuple(r["services"]): (r["link_latency_s"], r["link_bandwidth_Bps"], r["link_per_message_s"])
             for r in real}
@@ -432,6 +448,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cores", type=float, default=None,
                     help="--loopback: the cores the processes share in the model (default: this machine's)")
     ap.add_argument("--json", default=None, help="--loopback: also write the rows and verdicts to this file")
+    ap.add_argument("--pin-cores", action="store_true",
+                    help="with --transports or --loopback: every measured rank on a core of its own turn "
+                         "(sparsecomm.launch(pin_cores=True)), the same sharing of the cores on every call; the model "
+                         "leaves out of the share a service that computes only while the workers wait (the sparse "
+                         "switch's). Model with a profile calibrated so too (calibrate --pin-cores)")
     a = ap.parse_args(argv)
     if a.no_link_model and not (a.transports and a.profile):
         ap.error("--no-link-model needs --transports and --profile")
@@ -447,14 +468,14 @@ def main(argv: list[str] | None = None) -> None:
         return
     if a.transports:
         print(f"# netbed links {a.gbps:g} Gbit/s; modelled: link only (measured small-message latency), "
-              f"and with the host profile {a.profile or '(none)'}")
+              f"and with the host profile {a.profile or '(none)'}; ranks {'pinned' if a.pin_cores else 'unpinned'}")
         print("| workers | size MB | transport | density | netbed ms | link-limited ms | link model ms | ratio "
               "| link + host ms | ratio |")
         print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
         for n in a.workers:
             for size in a.sizes_mb:
                 for r in compare_transports(n, size, a.gbps, a.transports, a.repeats, a.profile,
-                                            link=not a.no_link_model):
+                                            link=not a.no_link_model, pin_cores=a.pin_cores):
                     lim = f"{r['link_limit_s'] * 1e3:.1f}" if r.get("link_limit_s") is not None else ""
                     host = (f"{r['host_s'] * 1e3:.1f} | {r['host_ratio']:.2f}" if "host_s" in r else " | ")
                     link = f"{r['link_s'] * 1e3:.1f} | {r['link_ratio']:.2f}" if "link_s" in r else " | "
@@ -482,14 +503,15 @@ def loopback_main(a: argparse.Namespace) -> dict:
     cores = a.cores or os.cpu_count() or 1
     print(f"# loopback (gloo on 127.0.0.1, no shaping), {a.repeats} calls per case; model: the host profile "
           f"{a.profile}, no wire of its own, the processes sharing {cores:g} cores; a tie: within {a.tie:.0%} "
-          f"or the pair's noise; load average {_load()}")
+          f"or the pair's noise; ranks {'pinned' if a.pin_cores else 'unpinned'}; load average {_load()}")
     rows, links = [], []
     print("| workers | size MB | transport | density | measured ms | vs all_reduce (paired) | modelled ms "
           "| modelled / measured |")
     print("|---:|---:|---|---:|---:|---:|---:|---:|")
     for n in a.workers:
         for size in a.sizes_mb:
-            c = compare_loopback(n, size, a.profile, a.transports, repeats=a.repeats, cores=cores)
+            c = compare_loopback(n, size, a.profile, a.transports, repeats=a.repeats, cores=cores,
+                                 pin_cores=a.pin_cores)
             links.append((n, size, c["link"], c["modelled_link"]))
             for r in c["rows"]:
                 print(f"| {n} | {size:g} | {r['case']} | {r['density']:g} | {r['measured_s'] * 1e3:.2f} "

@@ -218,8 +218,9 @@ def busiest_link_bytes(items: list[dict], workers: int, services: tuple[str, ...
 
 
 def run(workers: int, size_mb: float, cases: list[Case], repeats: int, warmup: int, timeout_s: float,
-        netbed_gbps: float | None = None, probe: bool = False) -> list[dict]:
-    """One launch per distinct ``services`` tuple; each launch also times :data:`REFERENCE` (if selected),
+        netbed_gbps: float | None = None, probe: bool = False, pin_cores: bool = False) -> list[dict]:
+    """One launch per distinct ``services`` tuple (``pin_cores``: each rank on a core of its own turn,
+    :func:`sparsecomm.launch`'s option); each launch also times :data:`REFERENCE` (if selected),
     first, so that every ratio compares calls interleaved in the same processes (a row's ``ref_times_s``:
     the reference's calls of its launch, repetition by repetition). ``probe``: every row also has its
     launch's measured :class:`~sparsecomm.fabric.probe.Link` as ``link_latency_s``, ``link_bandwidth_Bps``
@@ -235,7 +236,7 @@ def run(workers: int, size_mb: float, cases: list[Case], repeats: int, warmup: i
         launch_cases = group if reference is None else [reference] + [c for c in group if c != reference]
         per_rank = sc.launch(functools.partial(bench_worker, cases=launch_cases, numel=numel, repeats=repeats,
                                                warmup=warmup, probe=probe), workers, services=svc, timeout_s=timeout_s,
-                             **launch_options(netbed_gbps))
+                             pin_cores=pin_cores, **launch_options(netbed_gbps))
         group_rows = []
         for i, item in enumerate(per_rank[0]):
             slowest = [max(rank[i]["times"][j] for rank in per_rank) for j in range(repeats)]

@@ -69,7 +69,8 @@ def launch(fn: Callable[[Context], Any], world_size: int, backend: str = "sim", 
         timeout_s: bound of every wait, seconds.
         services: service ranks to start beside the workers (``["switch"]``, ``["omnireduce-agg:0"]``).
         trace: the timeline file to write (default: ``$SPARSECOMM_TIMELINE``, else none).
-        **options: backend options: ``start_method`` (gloo, nccl, netbed), ``netbed_unshaped`` and
+        **options: backend options: ``start_method`` (gloo, nccl, netbed), ``pin_cores`` (gloo, nccl, netbed:
+            each spawned rank on one core, in turn, :mod:`.torch_backend`), ``netbed_unshaped`` and
             ``on_netbed`` (netbed); an option the backend does not take raises.
     """
     world_size = check_int("world_size", world_size, low=1, what="sparsecomm.launch")

@@ -34,6 +34,17 @@ module-level function or a ``functools.partial`` of one); so must the results. C
 ``max(1, cores // ranks)`` OpenMP/torch threads each (:func:`~.base.threads_per_rank`; ``OMP_NUM_THREADS``
 when set), and with nccl rank ``r`` uses GPU ``r``.
 
+**Pinned ranks** (``pin_cores=True``; spawned ranks only: gloo, nccl, netbed). Rank ``r`` (workers first, then the
+services) runs on core ``cores[r mod len(cores)]`` of the cores the parent may use (``os.sched_getaffinity``),
+set when it starts, before any of its threads (gloo's, OpenMP's), which inherit it. Unpinned, the kernel's
+scheduler places the ranks, and where ranks outnumber the cores it may run two workers that compute at the same
+moments on one core while another core idles: their work then takes up to twice its CPU time, and whether it
+does changes from call to call and from launch to launch (the sparse switch's workers take a wave's results at
+the same moments while its switch waits for them; on 2 cores its call alternates between two speeds). Pinned,
+the sharing is the same on every call, as a model of processes sharing cores
+(:meth:`~sparsecomm.fabric.sim.sim_host.HostModel.sharing`) assumes. Under torchrun (in place) the option is
+refused: the ranks are not this launch's to place.
+
 **In place** under torchrun (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` set) or when a
 process group is already initialised: this process is one rank; the job must have
 ``world_size + len(services)`` ranks. Worker ranks run ``fn``, service ranks serve; then every rank gets
@@ -96,7 +107,7 @@ _in_place_calls = 0
 # ----------------------------------------------------------------------------- entry points
 def _launch(backend: str, fn: Callable[[Context], Any], world_size: int, *, network=None,
             timeout_s: float | None = None, services: Sequence[str] = (), start_method: str | None = None,
-            trace: str | None = None, **options: Any) -> list[Any]:
+            trace: str | None = None, pin_cores: bool = False, **options: Any) -> list[Any]:
     if options:
         raise InvalidTypeError(f"unexpected options for the {backend} backend: {sorted(options)}")
     if network is not None:
@@ -108,10 +119,15 @@ def _launch(backend: str, fn: Callable[[Context], Any], world_size: int, *, netw
     timeout_s = float(timeout_s) if timeout_s is not None else DEFAULT_TIMEOUT_S
     if timeout_s <= 0:
         raise InvalidValueError(f"timeout_s must be positive, got {timeout_s}")
+    if not isinstance(pin_cores, bool):
+        raise InvalidTypeError(f"pin_cores must be a bool, got {pin_cores!r}")
     if in_place():
+        if pin_cores:
+            raise InvalidValueError("pin_cores=True places spawned ranks; under torchrun (in place) the ranks are "
+                                    "started by someone else: pin them there (taskset, numactl)")
         with _rank_recording(trace):
             return _run_in_place(backend, fn, world_size, timeout_s, services)
-    return spawn(backend, fn, world_size, timeout_s, services, start_method, trace=trace)
+    return spawn(backend, fn, world_size, timeout_s, services, start_method, trace=trace, pin_cores=pin_cores)
 
 
 backends.register("gloo")(functools.partial(_launch, "gloo"))
@@ -233,14 +249,16 @@ def _start_method(requested: str | None) -> str:
 def spawn(backend: str, fn: Callable, world_size: int, timeout_s: float,
           services: tuple[str, ...], start_method: str | None = None, *,
           make_store: Callable | None = None, master_addr: str = "127.0.0.1",
-          prologue: Callable[[int], None] | None = None, trace: str | None = None) -> list[Any]:
+          prologue: Callable[[int], None] | None = None, trace: str | None = None,
+          pin_cores: bool = False) -> list[Any]:
     """Start ``world_size`` workers and one rank per service spec as processes, supervise them
     (:func:`~.supervise.supervise`) and return the workers' results in rank order (the module docstring,
     "Spawned locally"). The netbed backend places them: ``make_store(total, timeout_s)`` returns the
     rendezvous store the children reach at ``master_addr``, and each child runs the picklable
     ``prologue(rank)`` first (entering its host's network namespace). ``trace``: each rank records its
     timeline to ``trace.rankR.json`` (:func:`~sparsecomm.trace.rank_path`), which are joined into
-    ``trace`` when the ranks are done, also when the run failed (:func:`~sparsecomm.trace.merge`)."""
+    ``trace`` when the ranks are done, also when the run failed (:func:`~sparsecomm.trace.merge`).
+    ``pin_cores``: each rank on its core of :func:`rank_cores` (the module docstring, "Pinned ranks")."""
     import torch
     import torch.distributed as dist
     import torch.multiprocessing as mp
@@ -265,6 +283,7 @@ def spawn(backend: str, fn: Callable, world_size: int, timeout_s: float,
     store = make_store(total, timeout_s) if make_store is not None else dist.TCPStore(
         "127.0.0.1", 0, total, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
     reports = Reports(ctx)
+    cores = rank_cores(total) if pin_cores else [None] * total
     procs = []
     ok = False
     job = uuid.uuid4().hex        # the ranks' files are one job's: merged on the wall clock
@@ -277,7 +296,7 @@ def spawn(backend: str, fn: Callable, world_size: int, timeout_s: float,
                 p = ctx.Process(target=_child_main, name=f"sparsecomm-{backend}-rank{r}",
                                 args=(r, world_size, services, store.port, backend, timeout_s, fn_bytes,
                                       reports, master_addr, prologue, threads,
-                                      None if trace is None else (_trace.rank_path(trace, r), job)))
+                                      None if trace is None else (_trace.rank_path(trace, r), job), cores[r]))
                 p.start()
                 procs.append(p)
         results = supervise(procs, reports, world_size, services, timeout_s, store)
@@ -289,6 +308,13 @@ def spawn(backend: str, fn: Callable, world_size: int, timeout_s: float,
         del store
         if trace is not None:
             _join_rank_traces(trace, total)
+
+
+def rank_cores(total: int) -> list[int]:
+    """The core of each of ``total`` ranks when pinned: the cores this process may use (``os.sched_getaffinity``),
+    in increasing order, taken in turn (rank ``r`` on the ``r mod cores``-th)."""
+    cores = sorted(os.sched_getaffinity(0))
+    return [cores[r % len(cores)] for r in range(total)]
 
 
 def _join_rank_traces(path: str, total: int) -> None:
@@ -317,10 +343,13 @@ def _loaded_library_packages() -> list[str]:
 def _child_main(rank: int, world_size: int, services: tuple[str, ...], port: int, backend: str,
                 timeout_s: float, fn_bytes: bytes, reports: Reports, master_addr: str = "127.0.0.1",
                 prologue: Callable[[int], None] | None = None, threads: int = 1,
-                trace: tuple[str, str] | None = None) -> None:
+                trace: tuple[str, str] | None = None, core: int | None = None) -> None:
     """Entry point of a spawned rank (module level, so that spawn start-up stays cheap); ``trace``: the
-    file this rank records its timeline to, and the job's name."""
+    file this rank records its timeline to, and the job's name; ``core``: the core it runs on (``None``: where
+    the scheduler puts it), set before it starts a thread."""
     code = 0
+    if core is not None:
+        os.sched_setaffinity(0, {core})
     fabric = None
     if trace is not None:
         _trace.start(trace[0], job=trace[1])

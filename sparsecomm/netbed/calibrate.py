@@ -106,7 +106,10 @@ calibration to the next far more than its own calls do. The profile's ``method``
   written as 0, the others fitted again without it;
 - ``sparse_switch_round_s``: the sparse switch's workers' Python per result they take (beyond its program's rates,
   fitted on its own calls as ``span_block_s`` is): a dense call of each of :data:`SPARSE_SWITCH_POINTS` between
-  two processes and the switch's over gloo on 127.0.0.1, the points taking turns call by call, the median over
+  two processes and the switch's over gloo on 127.0.0.1 (``calibrate --pin-cores``: each rank on a core of its
+  own turn, the workers on separate cores, modelled with the two workers alone sharing the cores, as a run on
+  pinned ranks is modelled; unpinned, the kernel runs both workers on one core in some calls and not in others,
+  and the fit takes the mix of the two the calls met), the points taking turns call by call, the median over
   calls of the slowest rank's time, less the same call modelled on the SimFabric with every rate above; the
   difference fitted by least squares as ``c + sparse_switch_round_s * R`` (``R``: the results charged on the
   modelled call's critical path, the call modelled again with the rate at :data:`PROBE_S`; ``c`` the per-call
@@ -906,10 +909,11 @@ def _time_sparse_switch(ctx, points: tuple, calls: int) -> list[list[float]]:
     return out
 
 
-def sparse_switch_round_costs(host: HostModel, quick: bool = False) -> dict:
+def sparse_switch_round_costs(host: HostModel, quick: bool = False, pin_cores: bool = False) -> dict:
     """``sparse_switch_round_s`` (module docstring), with the measurements fitted (``sparse_switch_round_fit``:
     the points, the measured and modelled times, the results each point's critical path charges, the
-    intercept; a point's measured time the median over :data:`LAUNCHES` launches of each launch's, ``launches_s``)."""
+    intercept; a point's measured time the median over :data:`LAUNCHES` launches of each launch's, ``launches_s``).
+    ``pin_cores``: the calls on pinned ranks, modelled with the two workers alone sharing the cores."""
     import dataclasses
 
     from .. import launch
@@ -919,11 +923,13 @@ def sparse_switch_round_costs(host: HostModel, quick: bool = False) -> dict:
     cores = os.cpu_count() or 1
     fn = functools.partial(_time_sparse_switch, points=points)
     runs = _launches(functools.partial(fn, calls=calls), 2, LAUNCHES[quick], backend="gloo",
-                     services=["sparse-switch"], timeout_s=300.0)
+                     services=["sparse-switch"], timeout_s=300.0, **({"pin_cores": True} if pin_cores else {}))
     measured, each = _points_over_launches(runs, len(points), calls)
     modelled = {}
     for rate in (0.0, PROBE_S):     # (modelled calls repeat exactly: one is timed)
-        h = dataclasses.replace(host, sparse_switch_round_s=rate).sharing(3, cores)
+        # pinned, the switch computes only while both workers wait for it (Transport.services_share_cores): the
+        # two workers alone share the cores; unpinned, the three processes, as a run's model counts them
+        h = dataclasses.replace(host, sparse_switch_round_s=rate).sharing(2 if pin_cores else 3, cores)
         sim = launch(functools.partial(fn, calls=1), 2, services=["sparse-switch"],
                      network=Network(bandwidth_gbps=1e4, latency_us=0.0, host=h))
         modelled[rate] = np.array([_slowest(sim, i, 1) for i in range(len(points))])
@@ -1110,11 +1116,12 @@ def sync_into(path: str | Path, quick: bool = False) -> dict:
     return out
 
 
-def call_costs(host: HostModel, quick: bool = False) -> dict:
+def call_costs(host: HostModel, quick: bool = False, pin_cores: bool = False) -> dict:
     """``call_s`` (module docstring): per transport, the measured loopback call less the modelled one, with
     the measurements (the measured call the median over :data:`LAUNCHES` launches of each launch's median,
-    ``launches_s``)."""
-    from .. import launch
+    ``launches_s``). ``pin_cores``: the calls on pinned ranks, modelled with the processes that compute at the
+    same moments sharing the cores (a service that computes only while the workers wait does not)."""
+    from .. import launch, transports
     from ..fabric.sim.sim_network import Network
 
     calls, cores = CALLS[quick], os.cpu_count() or 1
@@ -1122,8 +1129,14 @@ def call_costs(host: HostModel, quick: bool = False) -> dict:
     out, fit = {}, {}
     for services, names in CALL_GROUPS.items():
         fn = functools.partial(_clocked_calls, names=names, numel=CALL_ELEMS, calls=calls, numel_of=CALL_ELEMS_OF)
-        runs = _launches(fn, 2, LAUNCHES[quick], backend="gloo", services=list(services), timeout_s=120.0)
-        net = Network(bandwidth_gbps=1e4, latency_us=0.0, host=host.sharing(2 + len(services), cores))
+        runs = _launches(fn, 2, LAUNCHES[quick], backend="gloo", services=list(services), timeout_s=120.0,
+                         **({"pin_cores": True} if pin_cores else {}))
+        # pinned, the processes that compute at the same moments: the workers, and the services unless they compute
+        # only while the workers wait (Transport.services_share_cores: the sparse switch's), as a run's model counts
+        # them; unpinned, every process
+        shared = not pin_cores or all(transports.registry.factory(n).services_share_cores for n in names)
+        busy = 2 + (len(services) if shared else 0)
+        net = Network(bandwidth_gbps=1e4, latency_us=0.0, host=host.sharing(busy, cores))
         sim = launch(fn, 2, network=net)
         for name in names:
             each = [slowest(real, name) for real in runs]
@@ -1141,7 +1154,7 @@ def machine() -> dict:
             "torch_threads": 1}
 
 
-def calibrate(quick: bool = False, netbed_gbps: float | None = NETBED_GBPS) -> dict:
+def calibrate(quick: bool = False, netbed_gbps: float | None = NETBED_GBPS, pin_cores: bool = False) -> dict:
     """Measure this machine's host costs (module docstring) and return its profile (:mod:`.sim_profile`).
 
     Args:
@@ -1149,6 +1162,9 @@ def calibrate(quick: bool = False, netbed_gbps: float | None = NETBED_GBPS) -> d
         netbed_gbps: the link rate of the netbed whose per-message latency is measured (:func:`netbed_costs`),
             where this process may build one (root: :func:`~.topology.check_privileges`); ``None``: not
             measured (the profile has no ``netbed``).
+        pin_cores: the calls between processes that the sparse switch's and the transports' per-call costs are
+            fitted on run on pinned ranks (:func:`sparsecomm.launch`'s option; ``method.pin_cores``): the profile
+            of runs on pinned ranks (``netbed_vs_sim --pin-cores``).
     """
     from ..errors import NetbedError
     from .topology import check_privileges
@@ -1172,13 +1188,13 @@ def calibrate(quick: bool = False, netbed_gbps: float | None = NETBED_GBPS) -> d
         sparse_switch_fit = kernels.pop("sparse_switch_fit")
         blocks = block_costs(HostModel(**messages, **kernels), quick)
         block_fit = blocks.pop("block_fit")
-        rounds = sparse_switch_round_costs(HostModel(**messages, **kernels, **blocks), quick)
+        rounds = sparse_switch_round_costs(HostModel(**messages, **kernels, **blocks), quick, pin_cores)
         round_fit = rounds.pop("sparse_switch_round_fit")
         natives = native_costs(HostModel(**messages, **kernels, **blocks, **rounds), quick)
         native_fit = natives.pop("native_fit")
         peers = peer_call_costs(HostModel(**messages, **kernels, **blocks, **rounds, **natives), quick)
         peer_fit = peers.pop("call_peer_fit")
-        calls = call_costs(HostModel(**messages, **kernels, **blocks, **rounds, **natives, **peers), quick)
+        calls = call_costs(HostModel(**messages, **kernels, **blocks, **rounds, **natives, **peers), quick, pin_cores)
         call_fit = calls.pop("call_fit")
         sync = sync_costs(HostModel(**messages, **kernels, **blocks, **rounds, **natives, **peers, **calls), quick)
         sync_fit = sync.pop("sync_fit")
@@ -1193,7 +1209,7 @@ def calibrate(quick: bool = False, netbed_gbps: float | None = NETBED_GBPS) -> d
               "elements": ELEMENTS[quick], "message_fit": fit, "switch_fit": switch_fit,
               "sparse_switch_fit": sparse_switch_fit, "fresh_fit": fresh_fit,
               "block_fit": block_fit, "sparse_switch_round_fit": round_fit, "native_fit": native_fit,
-              "launches": LAUNCHES[quick], "peer_launches": PEER_LAUNCHES[quick],
+              "launches": LAUNCHES[quick], "peer_launches": PEER_LAUNCHES[quick], "pin_cores": bool(pin_cores),
               "call_elems": CALL_ELEMS, "call_elems_of": dict(CALL_ELEMS_OF), "calls": CALLS[quick],
               "call_fit": call_fit, "sync_fit": sync_fit,
               "contention_fit": contention_fit,
@@ -1218,6 +1234,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the link rate of the 2-host netbed whose per-message latency is measured (needs root; "
                         "default %(default)g)")
     p.add_argument("--no-netbed", action="store_true", help="do not measure the netbed's latency")
+    p.add_argument("--pin-cores", action="store_true",
+                   help="fit the sparse switch's and the transports' per-call costs on pinned ranks (each on a core "
+                        "of its own turn): the profile of runs on pinned ranks (netbed_vs_sim --pin-cores)")
     p.add_argument("--sync-into", default=None, metavar="PROFILE",
                    help="measure only sync_s (loopback, no netbed) with the rates of PROFILE, and write PROFILE with "
                         "it (and its measurement under method.sync_fit) to --out")
@@ -1231,7 +1250,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"sync_s: {profile['host']['sync_s']['value']:.3g} s/call; {profile['method']['sync_fit']}")
         print(f"wrote {args.out}")
         return 0
-    profile = calibrate(args.quick, None if args.no_netbed else args.netbed_gbps)
+    profile = calibrate(args.quick, None if args.no_netbed else args.netbed_gbps, args.pin_cores)
     write_profile(profile, args.out)
     for name, entry in profile["host"].items():
         value = entry["value"]

@@ -153,13 +153,16 @@ def _launch_netbed(fn: Callable[[Context], Any], world_size: int, *, network: Ne
                    timeout_s: float | None = None, services: Sequence[str] = (),
                    start_method: str | None = None, netbed_unshaped: bool = False,
                    on_netbed: Callable[[Netbed], None] | None = None, trace: str | None = None,
-                   **options: Any) -> list[Any]:
+                   pin_cores: bool = False, **options: Any) -> list[Any]:
     """``on_netbed(netbed)`` (optional) is called once the netbed is up (tests use it to see the names);
-    ``trace``: the run's timeline file (the gloo backend's, :func:`sparsecomm.launch`)."""
+    ``trace``: the run's timeline file, ``pin_cores``: every rank on a core of its own turn (both the gloo
+    backend's, :func:`sparsecomm.launch`)."""
     from ..launch import torch_backend as lt
 
     if options:
         raise InvalidTypeError(f"unexpected options for the netbed backend: {sorted(options)}")
+    if not isinstance(pin_cores, bool):
+        raise InvalidTypeError(f"pin_cores must be a bool, got {pin_cores!r}")
     gbps = None if netbed_unshaped else check_network(network)
     if isinstance(services, str):
         services = (services,)
@@ -181,7 +184,7 @@ def _launch_netbed(fn: Callable[[Context], Any], world_size: int, *, network: Ne
                             make_store=functools.partial(store_in, bed.tor_ns, bed.tor_addr),
                             master_addr=bed.tor_addr,
                             prologue=functools.partial(enter_namespace, tuple(namespaces), tuple(ifnames)),
-                            trace=trace)
+                            trace=trace, pin_cores=pin_cores)
         finally:
             bed.close()
 

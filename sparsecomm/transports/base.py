@@ -112,6 +112,11 @@ class Transport(ABC):
     #: the transport can sum NaN/Inf through (``nonfinite="pass"``, the pipeline's ``"skip"``); the
     #: fixed-point switches cannot
     sums_nonfinite: ClassVar[bool] = True
+    #: the transport's service ranks (a switch, dedicated aggregators) compute at the same moments as its
+    #: workers, so that a model of processes sharing cores (``HostModel.sharing``) counts them among the busy
+    #: ones; ``False``: they compute only while every worker waits for them and the workers only while they
+    #: wait (rounds in lock-step, as the sparse switch's waves), and only the workers share the cores
+    services_share_cores: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kw) -> None:
         super().__init_subclass__(**kw)

@@ -1712,3 +1712,39 @@ def test_the_work_copy_declares_an_advised_buffer_from_the_advice_threshold_on()
         assert y.data_ptr() != x.data_ptr() and torch.equal(y.view(torch.int32), x.view(torch.int32))
         f = _Declared()
         assert linear_operand(x, "ring", inplace=True).work_copy(f) is x and f.work == []
+
+
+def test_calibrate_pinned_times_the_sparse_switch_on_pinned_ranks_and_models_its_workers_sharing_the_cores(
+        monkeypatch):
+    """``--pin-cores``: the sparse switch's per-result fit and the per-call costs on ranks pinned one to a core in
+    turn, modelled with the processes that compute at the same moments sharing the cores (the sparse switch's
+    switch computes only while its two workers wait: ``services_share_cores``), as a run on pinned ranks is
+    modelled; unpinned, every process shares them. (The launches are injected: what is checked is how the
+    calibration launches and models them.)"""
+    from sparsecomm.netbed import calibrate as cal
+
+    real_launch = sc.launch
+    cores = os.cpu_count() or 1
+    for pinned in (True, False):
+        launched, shares = [], []
+
+        def fake(fn, n, backend=None, timeout_s=None, network=None, services=None, **kw):
+            if network is not None:         # (the modelled call: run as it is)
+                shares.append((tuple(services or ()), network.host.cpu_share))
+                return real_launch(fn, n, network=network, services=services, **kw)
+            launched.append(kw)
+            if "points" in fn.keywords:      # the per-result fit's calls: a time per point and call
+                return [[[0.01 * (k + 1)] * fn.keywords["calls"] for k in range(len(fn.keywords["points"]))]
+                        for _ in range(n)]
+            return [{name: [0.02] * fn.keywords["calls"] for name in fn.keywords["names"]} for _ in range(n)]
+
+        monkeypatch.setattr(sc, "launch", fake)
+        got = cal.sparse_switch_round_costs(HostModel(), quick=True, pin_cores=pinned)
+        assert got["sparse_switch_round_s"] >= 0
+        assert launched and all(kw.get("pin_cores", False) is pinned for kw in launched)
+        assert shares and {s for _, s in shares} == {max(1.0, (2 if pinned else 3) / cores)}
+        launched.clear(), shares.clear()
+        cal.call_costs(HostModel(), quick=True, pin_cores=pinned)
+        assert launched and all(kw.get("pin_cores", False) is pinned for kw in launched)
+        expect = {(): 2, ("switch",): 3, ("sparse-switch",): 2 if pinned else 3}     # (a group's modelled calls
+        assert [s for _, s in shares] == [max(1.0, expect[svc] / cores) for svc in cal.CALL_GROUPS]  # in turn)

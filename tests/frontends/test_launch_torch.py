@@ -208,3 +208,48 @@ def test_ranks_get_cores_over_ranks_threads_unless_omp_num_threads_is_set(monkey
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert sc.launch(_threads, 2, backend="gloo") == [(3, "3")] * 2
     assert threads_per_rank(1) == max(1, os.cpu_count() or 1) and threads_per_rank(10 ** 6) == 1
+
+
+def _cores_and_service(ctx):
+    """This worker's cores, and the service rank's (it reads them from the kernel: the service is no worker)."""
+    f = ctx.fabric
+    buf = torch.zeros(1)
+    f.send(buf, f.service("echo-cores"), tag=11)
+    got = torch.zeros(64, dtype=torch.int64)
+    f.recv(got, f.service("echo-cores"), tag=12)
+    return sorted(os.sched_getaffinity(0)), sorted(int(c) for c in got.tolist() if c >= 0)
+
+
+def _echo_cores(arg):
+    def main(fabric):
+        while True:
+            buf = torch.zeros(1)
+            src = fabric.recv(buf, None, tag=11)
+            cores = sorted(os.sched_getaffinity(0))
+            out = torch.full((64,), -1, dtype=torch.int64)
+            out[:len(cores)] = torch.tensor(cores)
+            fabric.send(out, src, tag=12)
+    return main
+
+
+from sparsecomm.fabric import services as _services  # noqa: E402
+
+_services.registry.register("echo-cores")(_echo_cores)
+
+
+@pytest.mark.multiprocess
+def test_pinned_ranks_each_run_on_one_core_in_turn_and_unpinned_ones_where_the_scheduler_puts_them():
+    """``pin_cores=True``: rank r (workers, then the services) on the r-th core of the parent's, in turn, its
+    threads too (set before any starts); off, every rank keeps the parent's cores."""
+    from sparsecomm.launch.torch_backend import rank_cores
+
+    mine = sorted(os.sched_getaffinity(0))
+    cores = rank_cores(3)
+    assert cores == [mine[r % len(mine)] for r in range(3)]
+    out = sc.launch(_cores_and_service, 2, backend="gloo", services=["echo-cores"], timeout_s=60, pin_cores=True)
+    assert [o[0] for o in out] == [[cores[0]], [cores[1]]]
+    assert out[0][1] == out[1][1] == [cores[2]]            # the service rank: the next core in turn
+    out = sc.launch(_cores_and_service, 2, backend="gloo", services=["echo-cores"], timeout_s=60)
+    assert all(o[0] == mine and o[1] == mine for o in out)
+    with pytest.raises(TypeError, match="pin_cores"):
+        sc.launch(_report, 2, backend="gloo", pin_cores=1)

@@ -270,6 +270,16 @@ def test_the_modelled_network_takes_the_profile_and_shares_the_cores(tmp_path):
     assert net.host.cpu_share == max(1.0, 5 / (os.cpu_count() or 1))
 
 
+def test_the_modelled_network_counts_the_services_that_share_the_workers_cores():
+    """A scheme's services share the cores in its model; on pinned ranks the sparse switch's does not (it
+    computes only while the workers wait), the switch's still does."""
+    schemes = {s.name: s for s in T.SCHEMES}
+    assert schemes["hook none/switch"].sharing_services() == schemes["hook none/switch"].sharing_services(True) == 1
+    assert schemes["hook none/sparse-switch"].sharing_services() == 1
+    assert schemes["hook none/sparse-switch"].sharing_services(True) == 0
+    assert schemes["ddp"].sharing_services(True) == 0 and schemes["hook none/omnireduce"].sharing_services() == 0
+
+
 def test_ddp_buckets_are_stock_ddps_steady_layout():
     """From the last layer: a first bucket closed once past 1 MiB (the MLP's 4 MiB hidden matrix), then the rest."""
     model = T.digits_task(quick=False).build()

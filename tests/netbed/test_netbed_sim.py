@@ -24,6 +24,7 @@ from experiments.bench.netbed_vs_sim import (LOOPBACK_WIRE, VALIDATED, agreement
                                              modelled, modelled_cases, modelled_link, paired_ratio, profile_network,
                                              validated_cases)
 from experiments.bench.transports import Case
+import sparsecomm as sc
 from sparsecomm.errors import InvalidValueError
 from sparsecomm.fabric.sim.sim_host import SUM_DTYPES, HostModel
 from sparsecomm.fabric.sim.sim_profile import profile_dict
@@ -229,3 +230,21 @@ def test_the_loopback_model_runs_on_the_simfabric(profile):
     # receive (the wire's 0.2 ns aside), at a share of 2 on 4 workers
     latency, bandwidth, per_message = modelled_link(4, net)
     assert latency == pytest.approx(2 * (100e-6 + 256 * 5e-10), rel=1e-3)
+
+
+def test_on_pinned_ranks_a_service_that_computes_only_while_the_workers_wait_does_not_share_their_cores(profile):
+    """The sparse switch's waves are lock-step (its switch adds a wave once every worker's packets are in, the
+    workers take the results, then send the next): on pinned ranks the model's CPU share counts its workers alone;
+    unpinned (the kernel runs its workers on one core in some calls and not others) every process, as the dense
+    switch's and every other service always."""
+    from experiments.bench.netbed_vs_sim import busy_endpoints
+
+    assert sc.transports.registry.factory("sparse-switch").services_share_cores is False
+    assert all(sc.transports.registry.factory(n).services_share_cores
+               for n in sc.transports.registry.available() if n != "sparse-switch")
+    assert busy_endpoints("sparse-switch", 2, 1, pinned=True) == 2 and busy_endpoints("sparse-switch", 2, 1) == 3
+    assert busy_endpoints("switch", 2, 1, pinned=True) == busy_endpoints("switch", 2, 1) == 3
+    sparse = Case("sparse-switch", services=("sparse-switch",))
+    assert profile_network(profile, sparse, 2, 2, **LOOPBACK_WIRE).host.cpu_share == 1.5
+    assert profile_network(profile, sparse, 2, 2, True, **LOOPBACK_WIRE).host.cpu_share == 1.0
+    assert profile_network(profile, sparse, 4, 2, True, **LOOPBACK_WIRE).host.cpu_share == 2.0

@@ -197,6 +197,10 @@ class SparseSwitch(Transport):
     carries = frozenset({"dense", "aligned", "sparse", "quantized"})
     quantized_needs_shared_scale = True
     linear = frozenset({"aligned", "quantized"})
+    #: every lane has one round outstanding: the workers send a wave, the switch adds it once every worker's
+    #: packets are in, the workers take its results and send the next; the switch and the workers never
+    #: compute at the same moments
+    services_share_cores = False
 
     def __init__(self, fabric: Fabric, *, pool_size: int | None = None, slot_elems: int | None = None,
                  switch_slots: int | None = None, timeout: float | None = None, timeout_threshold: int = 100,
