@@ -617,7 +617,8 @@ def modelled_network(gbps: float, hosts: int, services: int, profile: str | None
     rate (:data:`~sparsecomm.fabric.sim.sim_network.TCP_OVER_ETHERNET`), the wire's one-way latency
     (:data:`experiments.bench.netbed_vs_sim.NETBED_LATENCY_US`), and the hosts: with ``profile`` (written by
     ``python -m sparsecomm.netbed calibrate --out host.json``) its calibrated :class:`~sparsecomm.HostModel`,
-    shared by the ``hosts + services`` processes on this machine's cores (``HostModel.sharing``), a message's
+    shared by the ``hosts + services`` processes on this machine's cores (``HostModel.sharing``: with the
+    profile's rates fitted at that share where it has them, its ``by_share``), a message's
     bytes' host work beside the link (``Network.host_streams``, as ``netbed_vs_sim`` models the netbed; ``services``:
     those that share the workers' cores, :meth:`Scheme.sharing_services`); without
     one, the SimFabric's default host (``host=None``: no host cost). ``native``'s calls are modelled by gloo's ring

@@ -41,7 +41,9 @@ What the loopback model assumes:
   packets and per-call costs the transports declare;
 - every process of a launch (the workers and the services, a switch too) busy on ``--cores`` cores
   (default: this machine's), each host cost stretched by ``max(1, processes / cores)``
-  (:meth:`HostModel.sharing <sparsecomm.fabric.sim.sim_host.HostModel.sharing>`); other jobs' load is not
+  (:meth:`HostModel.sharing <sparsecomm.fabric.sim.sim_host.HostModel.sharing>`; where the profile has rates fitted
+  with that many processes per core or fewer, above one, its ``by_share``, the largest such share's in place of
+  its own); other jobs' load is not
   modelled: with no wire every modelled time scales with the host costs, so a uniform slowdown leaves the
   verdicts alone, but it makes the measured times noisier and their ratios to the model lower. Each launch
   probes its loopback (:func:`~sparsecomm.fabric.probe.link_parameters`: the one-way latency of a 256-byte
@@ -501,9 +503,12 @@ def main(argv: list[str] | None = None) -> None:
 def loopback_main(a: argparse.Namespace) -> dict:
     """``--loopback``: the per-transport table, the verdict per case and the agreement rates."""
     cores = a.cores or os.cpu_count() or 1
+    shares = sorted(sc.Network.from_profile(a.profile).host.by_share)
+    fitted = (f"its rates fitted at a share of {', '.join(f'{s:g}' for s in shares)} where the processes per core "
+              f"reach it" if shares else "its two-process rates stretched by the share (no rates by share)")
     print(f"# loopback (gloo on 127.0.0.1, no shaping), {a.repeats} calls per case; model: the host profile "
-          f"{a.profile}, no wire of its own, the processes sharing {cores:g} cores; a tie: within {a.tie:.0%} "
-          f"or the pair's noise; ranks {'pinned' if a.pin_cores else 'unpinned'}; load average {_load()}")
+          f"{a.profile}, no wire of its own, the processes sharing {cores:g} cores ({fitted}); a tie: within "
+          f"{a.tie:.0%} or the pair's noise; ranks {'pinned' if a.pin_cores else 'unpinned'}; load average {_load()}")
     rows, links = [], []
     print("| workers | size MB | transport | density | measured ms | vs all_reduce (paired) | modelled ms "
           "| modelled / measured |")

@@ -154,7 +154,21 @@ calibration to the next far more than its own calls do. The profile's ``method``
   the share, :meth:`~.sim_host.HostModel.sharing`, the call as gloo's ring charged ``native``'s ``call_s`` with
   every rate above), divided by the share above 1, at least 0. It needs the processes' own load and none other: run
   it on a quiet machine (``python -m sparsecomm.netbed.calibrate --sync-into P --out Q`` measures it alone, with
-  the other rates of the profile ``P``, and writes ``P`` with it to ``Q``).
+  the other rates of the profile ``P``, and writes ``P`` with it to ``Q``);
+- ``by_share`` (:func:`shared_costs`; :mod:`~sparsecomm.fabric.sim.sim_host`, :data:`~.sim_host.SHARED_RATES`):
+  where :data:`PEER_WORKERS` processes outnumber this machine's cores (4 on 2: a share of 2), the rates whose cost
+  there is not the two-process cost stretched by the share, fitted again with :data:`PEER_WORKERS` processes and
+  the model at that share, as an entry at that share: the message tables from the same exchanges as a ring's shift
+  (each process sends to the next and receives from the one before; the slowest rank's time, the ranks' mean CPU),
+  the CPU at most the exchange over the share (the model stretches it by the share) and the wait the rest; the
+  native rates as above, ``dist.all_reduce`` between :data:`PEER_WORKERS` processes, modelled with that entry's
+  tables; ``call_s`` of the transports that need no service (those of ``CALL_GROUPS[()]``) as above between
+  :data:`PEER_WORKERS` processes, modelled with the entry's tables and native rates, the residual divided by the
+  share (wall time, which the model's stretch gives back), at least 0. It is measured before ``sync_s``, whose loop
+  is modelled with it. Like ``sync_s`` it needs the processes' own load and none other
+  (``python -m sparsecomm.netbed.calibrate --shared-into P --out Q`` measures it, and ``sync_s`` again, alone,
+  with the other rates of ``P``). On as many cores as :data:`PEER_WORKERS` or more: none (every share the
+  two-process rates stretched, as before it existed).
 
 When host costs are modelled, ``Network.latency_us`` should be the wire's latency alone: the hosts'
 per-message share, which ``latency_us`` otherwise stands for, is then ``send_message_s + recv_message_s``.
@@ -193,7 +207,7 @@ from ..fabric.sim.sim_profile import host_from_profile, load_profile, profile_di
 from ..transports.buffers import fresh_empty
 from ..transports.native.collectives import GATHER_SUM_BYTES
 
-__all__ = ["calibrate", "main", "sync_into", "write_profile"]
+__all__ = ["calibrate", "main", "shared_into", "sync_into", "write_profile"]
 
 #: message sizes (bytes) of the gloo exchange, quick and full
 MESSAGE_SIZES = {True: (64, 16384, 262144), False: (64, 4096, 65536, 262144, 1 << 20, 4 << 20)}
@@ -335,21 +349,23 @@ def _median_s(fn: Callable[[], object], repeats: int) -> float:
 
 
 def _exchanges(ctx, sizes: tuple[int, ...], rounds: int) -> list[tuple[float, float]]:
-    """Rank 0: per size, the median exchange (rank 0 and rank 1 each post a receive from the other, send it a
-    message of that size and wait for both), the slower rank's time of each exchange, and the CPU time of an
-    exchange (the process's, all its threads: ``time.process_time``), the median over exchanges of each rank's,
-    the mean of the two ranks'; rank 1: ``[]``."""
+    """Rank 0: per size, the median exchange (every rank posts a receive from the rank before it, sends the rank
+    after it a message of that size and waits for both, a ring's shift; on two ranks each with the other), the
+    slowest rank's time of each exchange, and the CPU time of an exchange (the process's, all its threads:
+    ``time.process_time``), the median over exchanges of each rank's, the mean of the ranks'; the other ranks:
+    ``[]``."""
     torch.set_num_threads(1)
     f = ctx.fabric
-    peer = 1 - ctx.rank
+    n = ctx.world_size
+    send_to, recv_from = (ctx.rank + 1) % n, (ctx.rank - 1) % n
 
     def rounds_of(size: int, count: int) -> tuple[list[float], float]:
         out, into = torch.zeros(size, dtype=torch.uint8), torch.empty(size, dtype=torch.uint8)
         times, cpu = [], []
         for _ in range(count):
             t, c = time.perf_counter(), time.process_time()
-            r = f.irecv(into, peer, TAG)
-            f.isend(out, peer, TAG).wait()
+            r = f.irecv(into, recv_from, TAG)
+            f.isend(out, send_to, TAG).wait()
             r.wait()
             cpu.append(time.process_time() - c)
             times.append(time.perf_counter() - t)
@@ -362,33 +378,41 @@ def _exchanges(ctx, sizes: tuple[int, ...], rounds: int) -> list[tuple[float, fl
         runs.append(rounds_of(size, rounds))
     mine = torch.tensor([r[0] for r in runs], dtype=torch.float64)
     cpu = torch.tensor([r[1] for r in runs], dtype=torch.float64)
-    if ctx.rank == 1:
+    if ctx.rank:
         f.send(mine, 0, TAG + 1)
         f.send(cpu, 0, TAG + 2)
         return []
-    theirs, their_cpu = torch.empty_like(mine), torch.empty_like(cpu)
-    f.recv(theirs, 1, TAG + 1)
-    f.recv(their_cpu, 1, TAG + 2)
-    return [(statistics.median(row), (a + b) / 2)
-            for row, a, b in zip(torch.maximum(mine, theirs).tolist(), cpu.tolist(), their_cpu.tolist())]
+    slowest, cpus = mine.clone(), [cpu]
+    for peer in range(1, n):
+        theirs, their_cpu = torch.empty_like(mine), torch.empty_like(cpu)
+        f.recv(theirs, peer, TAG + 1)
+        f.recv(their_cpu, peer, TAG + 2)
+        slowest = torch.maximum(slowest, theirs)
+        cpus.append(their_cpu)
+    mean_cpu = (sum(cpus) / n).tolist()
+    return [(statistics.median(row), c) for row, c in zip(slowest.tolist(), mean_cpu)]
 
 
-def message_costs(quick: bool = False) -> dict:
+def message_costs(quick: bool = False, workers: int = 2, share: float = 1.0) -> dict:
     """The per-message and per-byte costs of a gloo loopback exchange (module docstring): the four rates, the
     tables by size (``message_cpu_s``, ``message_wait_s``) and the measurements they were fitted to: per size the
-    median over :data:`LAUNCHES` launches of each launch's (``launches_exchange_s``, ``launches_exchange_cpu_s``)."""
+    median over :data:`LAUNCHES` launches of each launch's (``launches_exchange_s``, ``launches_exchange_cpu_s``).
+    ``workers``: the processes exchanging (a ring's shift beyond 2); ``share``: the stretch the model gives their
+    CPU there (:meth:`~.sim_host.HostModel.sharing`), so that a size's CPU, stretched, and wait give back its
+    exchange: the CPU at most the exchange over the share, the wait the rest (at a share of 1: the CPU at most the
+    exchange, the wait the rest)."""
     sizes = MESSAGE_SIZES[quick]
     fn = functools.partial(_exchanges, sizes=sizes, rounds=ROUNDS[quick])
-    runs = [r[0] for r in _launches(fn, 2, LAUNCHES[quick], backend="gloo", timeout_s=120.0)]
+    runs = [r[0] for r in _launches(fn, workers, LAUNCHES[quick], backend="gloo", timeout_s=120.0)]
     measured = [(statistics.median(r[i][0] for r in runs), statistics.median(r[i][1] for r in runs))
                 for i in range(len(sizes))]
     exchange = np.array([m[0] for m in measured])
-    cpu = [min(m[1], m[0]) for m in measured]       # (CPU beyond the exchange's wall: its threads in parallel)
+    cpu = [min(m[1], m[0] / share) for m in measured]   # (CPU beyond the exchange's wall: its threads in parallel)
     slope, intercept = np.polyfit(np.array(sizes, dtype=np.float64), exchange, 1)
     a, b = max(0.0, float(intercept)), max(0.0, float(slope))
     return {"send_message_s": a / 2, "recv_message_s": a / 2, "send_byte_s": b / 2, "recv_byte_s": b / 2,
             "message_cpu_s": {n: float(c) for n, c in zip(sizes, cpu)},
-            "message_wait_s": {n: float(max(0.0, w - c)) for n, w, c in zip(sizes, exchange, cpu)},
+            "message_wait_s": {n: float(max(0.0, w - share * c)) for n, w, c in zip(sizes, exchange, cpu)},
             "fit": {"sizes": list(sizes), "exchange_s": [float(x) for x in exchange],
                     "exchange_cpu_s": [float(m[1]) for m in measured],
                     "intercept_s": float(intercept), "slope_s_per_byte": float(slope),
@@ -972,11 +996,12 @@ def _native_points(ctx, points: tuple, calls: int) -> list[list[float]]:
     return out
 
 
-def native_costs(host: HostModel, quick: bool = False, points: tuple | None = None) -> dict:
+def native_costs(host: HostModel, quick: bool = False, points: tuple | None = None, workers: int = 2) -> dict:
     """``native_message_s`` and ``native_byte_s`` (module docstring), with the measurements fitted (``native_fit``:
     the sizes, the measured and modelled times, the messages and bytes each rate charges per size and the
     intercept; a size's measured time the median over :data:`LAUNCHES` launches of each launch's, ``launches_s``).
-    ``points``: float32 sizes (default :data:`NATIVE_POINTS`)."""
+    ``points``: float32 sizes (default :data:`NATIVE_POINTS`); ``workers``: the processes (modelled on this
+    machine's cores, :meth:`~.sim_host.HostModel.sharing`)."""
     import dataclasses
 
     from .. import launch
@@ -984,7 +1009,7 @@ def native_costs(host: HostModel, quick: bool = False, points: tuple | None = No
 
     points = NATIVE_POINTS[quick] if points is None else tuple(points)
     calls, cores = CALLS[quick], os.cpu_count() or 1
-    runs = _launches(functools.partial(_native_points, points=points, calls=calls), 2, LAUNCHES[quick],
+    runs = _launches(functools.partial(_native_points, points=points, calls=calls), workers, LAUNCHES[quick],
                      backend="gloo", timeout_s=300.0)
     measured, each = _points_over_launches(runs, len(points), calls)
     # (the all-reduce alone: no per-call cost of the transport, no wait for a last worker)
@@ -993,8 +1018,8 @@ def native_costs(host: HostModel, quick: bool = False, points: tuple | None = No
     modelled = {}
     for rate in ("", *NATIVE_PROBES):      # (modelled calls repeat exactly: one is timed)
         rates = {r: (NATIVE_PROBES[r] if r == rate else 0.0) for r in NATIVE_PROBES}
-        h = dataclasses.replace(bare, **rates).sharing(2, cores)
-        sim = launch(functools.partial(_native_points, points=points, calls=1), 2,
+        h = dataclasses.replace(bare, **rates).sharing(workers, cores)
+        sim = launch(functools.partial(_native_points, points=points, calls=1), workers,
                      network=Network(bandwidth_gbps=1e4, latency_us=0.0, host=h))
         modelled[rate] = [_slowest(sim, i, 1) for i in range(len(points))]
     base = np.array(modelled[""])
@@ -1116,28 +1141,31 @@ def sync_into(path: str | Path, quick: bool = False) -> dict:
     return out
 
 
-def call_costs(host: HostModel, quick: bool = False, pin_cores: bool = False) -> dict:
+def call_costs(host: HostModel, quick: bool = False, pin_cores: bool = False, workers: int = 2,
+               groups: dict | None = None) -> dict:
     """``call_s`` (module docstring): per transport, the measured loopback call less the modelled one, with
     the measurements (the measured call the median over :data:`LAUNCHES` launches of each launch's median,
     ``launches_s``). ``pin_cores``: the calls on pinned ranks, modelled with the processes that compute at the
-    same moments sharing the cores (a service that computes only while the workers wait does not)."""
+    same moments sharing the cores (a service that computes only while the workers wait does not); ``workers``:
+    the workers of a call; ``groups``: the transports by the services their launch needs (default
+    :data:`CALL_GROUPS`)."""
     from .. import launch, transports
     from ..fabric.sim.sim_network import Network
 
     calls, cores = CALLS[quick], os.cpu_count() or 1
     slowest = lambda runs, name: statistics.median(max(r[name][i] for r in runs) for i in range(calls))  # noqa: E731
     out, fit = {}, {}
-    for services, names in CALL_GROUPS.items():
+    for services, names in (CALL_GROUPS if groups is None else groups).items():
         fn = functools.partial(_clocked_calls, names=names, numel=CALL_ELEMS, calls=calls, numel_of=CALL_ELEMS_OF)
-        runs = _launches(fn, 2, LAUNCHES[quick], backend="gloo", services=list(services), timeout_s=120.0,
+        runs = _launches(fn, workers, LAUNCHES[quick], backend="gloo", services=list(services), timeout_s=120.0,
                          **({"pin_cores": True} if pin_cores else {}))
         # pinned, the processes that compute at the same moments: the workers, and the services unless they compute
         # only while the workers wait (Transport.services_share_cores: the sparse switch's), as a run's model counts
         # them; unpinned, every process
         shared = not pin_cores or all(transports.registry.factory(n).services_share_cores for n in names)
-        busy = 2 + (len(services) if shared else 0)
+        busy = workers + (len(services) if shared else 0)
         net = Network(bandwidth_gbps=1e4, latency_us=0.0, host=host.sharing(busy, cores))
-        sim = launch(fn, 2, network=net)
+        sim = launch(fn, workers, network=net)
         for name in names:
             each = [slowest(real, name) for real in runs]
             measured, modelled = statistics.median(each), slowest(sim, name)
@@ -1145,6 +1173,63 @@ def call_costs(host: HostModel, quick: bool = False, pin_cores: bool = False) ->
             fit[name] = {"measured_s": measured, "modelled_s": modelled, "launches_s": each}
     return {"call_s": out, "call_fit": fit}
 
+
+
+def shared_costs(host: HostModel, quick: bool = False) -> dict:
+    """The rates of :data:`~.sim_host.SHARED_RATES` fitted with :data:`PEER_WORKERS` processes on this machine's
+    cores (module docstring), as ``by_share`` (``{share: rates}``: none where the processes do not outnumber the
+    cores), with the measurements (``shared_fit``: the workers, the cores and the share; the exchanges', the native
+    fit's and the calls' own records). ``host``: the model with every rate fitted between two processes, in which
+    the measurements are modelled (its ``by_share`` replaced)."""
+    import dataclasses
+
+    cores, n = os.cpu_count() or 1, PEER_WORKERS
+    share = n / cores
+    fit: dict = {"workers": n, "cores": cores, "share": max(1.0, share)}
+    if share <= 1.0:
+        return {"by_share": {}, "shared_fit": fit}
+    # (the calls modelled without the per-call costs being fitted, nor a wait for a last worker, as call_costs
+    # models them between two processes: sync_s is measured after them, with them in the model)
+    host = dataclasses.replace(host, call_s={k: v for k, v in host.call_s.items() if k not in CALL_GROUPS[()]},
+                               sync_s=0.0, by_share={})
+    messages = message_costs(quick, workers=n, share=share)
+    fit["message_fit"] = messages["fit"]
+    rates = {k: messages[k] for k in ("message_cpu_s", "message_wait_s")}
+    natives = native_costs(dataclasses.replace(host, by_share={share: rates}), quick, workers=n)
+    fit["native_fit"] = natives.pop("native_fit")
+    rates.update(natives)
+    # (the calls of the transports that need no service: their processes are the workers alone, at this share)
+    calls = call_costs(dataclasses.replace(host, by_share={share: rates}), quick, workers=n,
+                       groups={(): CALL_GROUPS[()]})
+    fit["call_fit"] = calls["call_fit"]
+    # (a call's residual is wall time, the model stretches its call_s by the share: the rate is the residual over it)
+    rates["call_s"] = {name: v / share for name, v in calls["call_s"].items()}
+    return {"by_share": {share: rates}, "shared_fit": fit}
+
+
+def shared_into(path: str | Path, quick: bool = False) -> dict:
+    """The profile at ``path`` with its rates by share of the cores measured on this machine (:func:`shared_costs`,
+    with the profile's other rates) in place of its own, and ``sync_s`` measured again with them
+    (:func:`sync_costs`: the loop it times is modelled with those rates), the measurements as its ``method``'s
+    ``shared_fit`` and ``sync_fit`` (``--shared-into``)."""
+    import dataclasses
+
+    profile = load_profile(path)
+    host = dataclasses.replace(host_from_profile(profile, f"host profile {str(path)!r}"), by_share={})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        shared = shared_costs(host, quick)
+        host = dataclasses.replace(host, by_share=shared["by_share"])
+        sync = sync_costs(host, quick)
+    finally:
+        torch.set_num_threads(threads)
+    method = {**profile.get("method", {}), "shared_fit": shared["shared_fit"], "sync_fit": sync.pop("sync_fit")}
+    out = profile_dict(dataclasses.replace(host, **sync), date=profile.get("date", ""),
+                       machine=profile.get("machine", {}), method=method)
+    if "netbed" in profile:
+        out["netbed"] = profile["netbed"]
+    return out
 
 
 def machine() -> dict:
@@ -1196,14 +1281,18 @@ def calibrate(quick: bool = False, netbed_gbps: float | None = NETBED_GBPS, pin_
         peer_fit = peers.pop("call_peer_fit")
         calls = call_costs(HostModel(**messages, **kernels, **blocks, **rounds, **natives, **peers), quick, pin_cores)
         call_fit = calls.pop("call_fit")
-        sync = sync_costs(HostModel(**messages, **kernels, **blocks, **rounds, **natives, **peers, **calls), quick)
+        shared = shared_costs(HostModel(**messages, **kernels, **blocks, **rounds, **natives, **peers, **calls), quick)
+        shared_fit = shared.pop("shared_fit")
+        sync = sync_costs(HostModel(**messages, **kernels, **blocks, **rounds, **natives, **peers, **calls, **shared),
+                          quick)
         sync_fit = sync.pop("sync_fit")
         contention = contention_costs(quick)
         contention_fit = contention.pop("contention_fit")
         netbed = None if netbed_gbps is None else netbed_costs(netbed_gbps, quick)
     finally:
         torch.set_num_threads(threads)
-    host = HostModel(**messages, **kernels, **blocks, **rounds, **natives, **peers, **calls, **sync, **contention)
+    host = HostModel(**messages, **kernels, **blocks, **rounds, **natives, **peers, **calls, **shared, **sync,
+                     **contention)
     date = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()
     method = {"quick": bool(quick), "repeats": REPEATS[quick], "exchanges": ROUNDS[quick],
               "elements": ELEMENTS[quick], "message_fit": fit, "switch_fit": switch_fit,
@@ -1211,7 +1300,7 @@ def calibrate(quick: bool = False, netbed_gbps: float | None = NETBED_GBPS, pin_
               "block_fit": block_fit, "sparse_switch_round_fit": round_fit, "native_fit": native_fit,
               "launches": LAUNCHES[quick], "peer_launches": PEER_LAUNCHES[quick], "pin_cores": bool(pin_cores),
               "call_elems": CALL_ELEMS, "call_elems_of": dict(CALL_ELEMS_OF), "calls": CALLS[quick],
-              "call_fit": call_fit, "sync_fit": sync_fit,
+              "call_fit": call_fit, "shared_fit": shared_fit, "sync_fit": sync_fit,
               "contention_fit": contention_fit,
               "call_peer_workers": PEER_WORKERS, "call_peer_fit": peer_fit,
               "statistic": "median", "messages_via": "TorchFabric irecv/isend exchanges over gloo, 127.0.0.1",
@@ -1237,6 +1326,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pin-cores", action="store_true",
                    help="fit the sparse switch's and the transports' per-call costs on pinned ranks (each on a core "
                         "of its own turn): the profile of runs on pinned ranks (netbed_vs_sim --pin-cores)")
+    p.add_argument("--shared-into", default=None, metavar="PROFILE",
+                   help="measure only the rates by share of the cores (by_share, with 4 processes; loopback, no "
+                        "netbed) and sync_s again with the other rates of PROFILE, and write PROFILE with them (and "
+                        "their measurements under method.shared_fit and method.sync_fit) to --out")
     p.add_argument("--sync-into", default=None, metavar="PROFILE",
                    help="measure only sync_s (loopback, no netbed) with the rates of PROFILE, and write PROFILE with "
                         "it (and its measurement under method.sync_fit) to --out")
@@ -1244,6 +1337,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """The calibrate command: measure, write ``--out``, print the rates."""
+    if args.shared_into is not None:
+        profile = shared_into(args.shared_into, args.quick)
+        write_profile(profile, args.out)
+        for share, rates in profile.get("by_share", {}).items():
+            for name, entry in rates.items():
+                value = entry["value"]
+                shown = (", ".join(f"{k} {v:.3g}" for k, v in value.items()) if isinstance(value, dict)
+                         else f"{value:.3g}")
+                print(f"share {share}: {name}: {shown} {entry['unit']}")
+        print(f"sync_s: {profile['host']['sync_s']['value']:.3g} s/call")
+        print(f"wrote {args.out}")
+        return 0
     if args.sync_into is not None:
         profile = sync_into(args.sync_into, args.quick)
         write_profile(profile, args.out)

@@ -588,7 +588,7 @@ def test_calibrate_command_writes_a_loadable_profile(tmp_path, capsys):
     assert capsys.readouterr().out.endswith(f"wrote {out}\n")
     profile = json.loads(out.read_text())
     assert profile["format"] == FORMAT and profile["version"] == VERSION
-    assert set(profile) - {"netbed"} == {"format", "version", "date", "machine", "method", "host"}
+    assert set(profile) - {"netbed", "by_share"} == {"format", "version", "date", "machine", "method", "host"}
     assert datetime.datetime.fromisoformat(profile["date"]).tzinfo is not None
     m = profile["machine"]
     assert m["torch"] == torch.__version__ and m["cpu_count"] == os.cpu_count() and m["torch_threads"] == 1
@@ -748,6 +748,8 @@ def test_calibrate_command_writes_a_loadable_profile(tmp_path, capsys):
     # the wait for a call's last worker on shared cores: the measured loop of work and call beyond the modelled
     # one, per unit of share above 1 (at least 0); none measured on enough cores
     _check_sync(host["sync_s"]["value"], method["sync_fit"])
+    # the rates fitted with PEER_WORKERS processes where they outnumber the cores: what their measurements say
+    _check_shared(profile.get("by_share"), method["shared_fit"])
     loaded = sc.Network.from_profile(out).host
     assert all(getattr(loaded, name) == host[name]["value"] for name in RATE_UNITS
                if name in host and not isinstance(host[name]["value"], dict)), loaded
@@ -1576,6 +1578,69 @@ def _check_sync(value: float, fit: dict) -> None:
     assert value == max(0.0, fit["measured_s"] - fit["modelled_s"]) / (fit["share"] - 1.0)
 
 
+def _check_shared(by_share: dict | None, fit: dict) -> None:
+    """A profile's ``by_share`` is what its recorded measurement says (:func:`sparsecomm.netbed.calibrate.
+    shared_costs`): none on as many cores as PEER_WORKERS; else one entry at PEER_WORKERS per core, its message
+    tables the exchanges' CPU (at most the exchange over the share) and the rest, its native rates the non-negative
+    fit of gloo's measured calls less the modelled ones, its ``call_s`` the measured calls less the modelled ones
+    over the share (the model stretches it by the share), at least 0."""
+    import statistics
+
+    from sparsecomm.fabric.sim.sim_host import SHARED_RATES
+    from sparsecomm.netbed.calibrate import fit_nonnegative
+
+    share = PEER_WORKERS / os.cpu_count()
+    assert fit["workers"] == PEER_WORKERS and fit["cores"] == os.cpu_count() and fit["share"] == max(1.0, share)
+    if share <= 1.0:
+        assert by_share is None and set(fit) == {"workers", "cores", "share"}
+        return
+    assert list(by_share) == [f"{share:g}"]
+    entry = by_share[f"{share:g}"]
+    assert set(entry) == set(SHARED_RATES)
+    mf = fit["message_fit"]
+    cpu, wait = entry["message_cpu_s"]["value"], entry["message_wait_s"]["value"]
+    assert list(cpu) == list(wait) == [str(n) for n in mf["sizes"]]
+    for n, t, c in zip(mf["sizes"], mf["exchange_s"], mf["exchange_cpu_s"]):
+        assert t > 0 and c > 0
+        assert cpu[str(n)] == min(c, t / share) and wait[str(n)] == pytest.approx(max(0.0, t - share * cpu[str(n)]),
+                                                                                  rel=1e-12, abs=1e-15)
+    nf = fit["native_fit"]
+    assert all(t > 0 for t in nf["measured_s"] + nf["modelled_s"]) and all(k > 0 for k in nf["messages"])
+    c, message, byte = fit_nonnegative(np.column_stack([nf["messages"], nf["bytes"]]),
+                                       np.array(nf["measured_s"]) - np.array(nf["modelled_s"]))
+    assert entry["native_message_s"]["value"] == pytest.approx(message, rel=1e-9, abs=1e-15)
+    assert entry["native_byte_s"]["value"] == pytest.approx(byte, rel=1e-9, abs=1e-15)
+    calls, cf = entry["call_s"]["value"], fit["call_fit"]
+    assert set(calls) == set(cf) == set(CALL_GROUPS[()])
+    for name, v in calls.items():
+        assert cf[name]["measured_s"] == statistics.median(cf[name]["launches_s"]) and cf[name]["modelled_s"] > 0
+        assert v == max(0.0, cf[name]["measured_s"] - cf[name]["modelled_s"]) / share
+
+
+@pytest.mark.multiprocess
+def test_shared_into_writes_the_profile_with_its_rates_by_share_measured(tmp_path, capsys):
+    """``calibrate --shared-into P --out Q`` (the rates by share alone, on loopback, and ``sync_s`` again with
+    them): ``Q`` is ``P`` with ``by_share`` and ``sync_s`` as their recorded measurements say, every other rate as
+    ``P`` has it."""
+    from sparsecomm.netbed.calibrate import main
+
+    src, out = tmp_path / "p.json", tmp_path / "q.json"
+    host = dataclasses.replace(TABLED, call_s={"native": 2e-4, "ring": 1e-4, "switch": 3e-4})
+    profile = _profile(host)
+    profile["netbed"] = {"latency_s": {"value": 5e-5, "unit": "s"}, "gbps": 1.0, "hosts": 2}
+    src.write_text(json.dumps(profile))
+    assert main(["--shared-into", str(src), "--quick", "--out", str(out)]) == 0
+    assert capsys.readouterr().out.endswith(f"wrote {out}\n")
+    got = json.loads(out.read_text())
+    _check_shared(got.get("by_share"), got["method"]["shared_fit"])
+    _check_sync(got["host"]["sync_s"]["value"], got["method"]["sync_fit"])
+    unsynced = lambda rates: {k: v for k, v in rates.items() if k != "sync_s"}      # noqa: E731
+    assert unsynced(got["host"]) == unsynced(profile["host"])
+    assert got["netbed"] == profile["netbed"] and got["date"] == profile["date"]
+    loaded = sc.Network.from_profile(out).host
+    assert dataclasses.replace(loaded, by_share={}, sync_s=host.sync_s) == host
+
+
 def _end_of_call(ctx, name: str, numel: int) -> tuple[float, float]:
     """One call of ``name`` on ones: the worker's clock at its end and the call's modelled time."""
     t = sc.transports.get(name, ctx.fabric)
@@ -1748,3 +1813,130 @@ def test_calibrate_pinned_times_the_sparse_switch_on_pinned_ranks_and_models_its
         assert launched and all(kw.get("pin_cores", False) is pinned for kw in launched)
         expect = {(): 2, ("switch",): 3, ("sparse-switch",): 2 if pinned else 3}     # (a group's modelled calls
         assert [s for _, s in shares] == [max(1.0, expect[svc] / cores) for svc in cal.CALL_GROUPS]  # in turn)
+
+
+# ------------------------------------------------------------------------------------------ rates by share
+#: rates fitted with two processes per core: the library's messages dearer, gloo's cheaper, ring's call dearer
+SHARED = {"message_cpu_s": {64: 3e-5, 1 << 20: 4e-4}, "message_wait_s": {64: 2e-4, 1 << 20: 3e-4},
+          "native_message_s": 1e-6, "native_byte_s": 2e-10, "call_s": {"ring": 5e-4, "native": 1e-4}}
+TABLED = dataclasses.replace(FULL, message_cpu_s={64: 2e-5, 1 << 20: 3e-4}, message_wait_s={64: 1e-5, 1 << 20: 5e-5},
+                             native_message_s=0.0, native_byte_s=5e-10)
+
+
+def test_sharing_takes_the_rates_of_the_largest_share_not_above_the_runs():
+    """``sharing(endpoints, cores)`` puts the ``by_share`` entry of the largest share not above the run's in place of
+    the model's own rates (``call_s`` per transport: the entry's replace the model's, the others stay), stretched by
+    the run's share; a share below every entry (1, on cores of one's own) takes the model's own rates."""
+    host = dataclasses.replace(TABLED, by_share={2: SHARED})
+    own = {name: getattr(TABLED, name) for name in SHARED}
+    for endpoints, share, rates in ((2, 1.0, own), (3, 1.5, own), (4, 2.0, SHARED), (5, 2.5, SHARED),
+                                    (8, 4.0, SHARED)):
+        got = host.sharing(endpoints, 2)
+        assert got.cpu_share == share
+        for name in ("message_cpu_s", "message_wait_s", "native_message_s", "native_byte_s"):
+            assert getattr(got, name) == rates[name], (endpoints, name)
+        assert dict(got.call_s) == {**TABLED.call_s, **rates["call_s"]}
+        # every other rate the model's own; the table applied once (gone from a model it was applied to)
+        assert got.send_message_s == TABLED.send_message_s and got.sum_element_s == TABLED.sum_element_s
+        assert dict(got.by_share) == ({} if rates is SHARED else dict(host.by_share))
+    # two entries: each run takes its own, the largest share not above it
+    four = {"native_message_s": 0.0, "native_byte_s": 1e-10}
+    both = dataclasses.replace(TABLED, by_share={4: four, 2: SHARED})
+    assert list(both.by_share) == [2.0, 4.0]
+    assert both.sharing(6, 2).native_byte_s == SHARED["native_byte_s"]
+    assert both.sharing(8, 2).native_byte_s == both.sharing(16, 2).native_byte_s == four["native_byte_s"]
+    assert both.sharing(8, 2).message_cpu_s == TABLED.message_cpu_s        # (an entry without it: the model's own)
+
+
+def _native_ends(ctx, numel: int) -> float:
+    from sparsecomm.transports.native.model import GlooRing
+
+    t = GlooRing(ctx.fabric)
+    y = t.allreduce(torch.ones(numel))
+    assert torch.equal(y, torch.full_like(y, float(ctx.world_size)))
+    return ctx.fabric.now()
+
+
+def test_a_run_on_shared_cores_is_charged_the_entrys_rates_stretched_by_hand():
+    """A run at a share with an entry is modelled to the bit as a model that holds the entry's rates as its own at
+    that share (the ring's messages by the entry's tables, gloo's by its native rates, the calls by its ``call_s``);
+    a model without the table (``by_share`` empty: the default and every profile before it) shares as before, its
+    own rates stretched by the share, to the bit."""
+    host = dataclasses.replace(TABLED, by_share={2: SHARED})
+    by_hand = dataclasses.replace(TABLED, cpu_share=2.0, **{k: v for k, v in SHARED.items() if k != "call_s"},
+                                  call_s={**TABLED.call_s, **SHARED["call_s"]})
+    net = functools.partial(sc.Network, bandwidth_gbps=10.0, latency_us=5.0)
+    for fn in (functools.partial(_end_of_call, name="ring", numel=N * CHUNK),
+               functools.partial(_native_ends, numel=1 << 16)):
+        shared = [repr(r) for r in sc.launch(fn, N, network=net(host=host.sharing(4, 2)))]
+        assert shared == [repr(r) for r in sc.launch(fn, N, network=net(host=by_hand))]
+        stretched = [repr(r) for r in sc.launch(fn, N, network=net(host=TABLED.sharing(4, 2)))]
+        assert shared != stretched                  # (the entry's rates moved the modelled times)
+        assert stretched == [repr(r) for r in sc.launch(fn, N, network=net(
+            host=dataclasses.replace(TABLED, cpu_share=2.0)))]
+        # on cores of their own the table charges nothing: the model's own rates, to the bit
+        assert [repr(r) for r in sc.launch(fn, N, network=net(host=host.sharing(2, 2)))] == \
+            [repr(r) for r in sc.launch(fn, N, network=net(host=TABLED))]
+
+
+def test_host_model_validates_its_rates_by_share():
+    with pytest.raises(InvalidValueError, match="a share of by_share"):
+        HostModel(by_share={1: {"native_message_s": 0.0, "native_byte_s": 1e-10}})
+    with pytest.raises(InvalidValueError, match=r"by_share\[2\] has \['copy_byte_s'\].*message_cpu_s"):
+        HostModel(by_share={2: {"copy_byte_s": 1e-10}})
+    with pytest.raises(InvalidValueError, match="message_cpu_s and message_wait_s both or neither"):
+        HostModel(by_share={2: {"message_cpu_s": {64: 1e-5}}})
+    with pytest.raises(InvalidValueError, match="native_message_s and native_byte_s both or neither"):
+        HostModel(by_share={2: {"native_byte_s": 1e-10}})
+    with pytest.raises(InvalidValueError, match=r"by_share\[2\].*native_byte_s"):
+        HostModel(by_share={2: {"native_message_s": 0.0, "native_byte_s": -1.0}})
+    with pytest.raises(InvalidTypeError, match="by_share must map"):
+        HostModel(by_share=[(2, {})])
+    # a value, its table too: equal, hashed and pickled as one
+    import pickle
+    host = dataclasses.replace(TABLED, by_share={2: SHARED})
+    again = pickle.loads(pickle.dumps(host))
+    assert again == host and hash(again) == hash(host) and again != TABLED
+    with pytest.raises(TypeError):
+        host.by_share[2]["native_byte_s"] = 0.0
+
+
+def test_a_profile_with_rates_by_share_round_trips_and_one_without_them_shares_as_before(tmp_path):
+    """``by_share`` in a profile (optional): its entries round-trip (shares as decimal strings, each rate as
+    ``host``'s with its unit); a profile without it (every profile before it, the recorded ones) loads with none and
+    models a run on shared cores to the bit as before; a bad entry is refused, naming its key."""
+    path = tmp_path / "host.json"
+    host = dataclasses.replace(TABLED, by_share={2: SHARED, 2.5: {"native_message_s": 0.0, "native_byte_s": 1e-10}})
+    profile = _profile(host)
+    assert list(profile["by_share"]) == ["2", "2.5"]
+    assert profile["by_share"]["2"]["native_byte_s"] == {"value": 2e-10, "unit": "s/byte"}
+    assert profile["by_share"]["2"]["message_cpu_s"] == {"value": {"64": 3e-5, "1048576": 4e-4}, "unit": "s/message"}
+    assert profile["by_share"]["2"]["call_s"] == {"value": SHARED["call_s"], "unit": "s/call"}
+    path.write_text(json.dumps(profile))
+    assert sc.Network.from_profile(path).host == host
+    old = _profile(TABLED)
+    assert "by_share" not in old
+    path.write_text(json.dumps(old))
+    loaded = sc.Network.from_profile(path).host
+    assert loaded == TABLED and dict(loaded.by_share) == {}
+    fn = functools.partial(_end_of_call, name="ring", numel=N * CHUNK)
+    net = functools.partial(sc.Network, bandwidth_gbps=10.0, latency_us=5.0)
+    assert [repr(r) for r in sc.launch(fn, N, network=net(host=loaded.sharing(4, 2)))] == \
+        [repr(r) for r in sc.launch(fn, N, network=net(host=dataclasses.replace(TABLED, cpu_share=2.0)))]
+    for edit, error, match in (
+            (lambda p: p["by_share"].update({"1": p["by_share"].pop("2")}), InvalidValueError,
+             r"by_share has key '1'.*above 1"),
+            (lambda p: p["by_share"].update({"two": p["by_share"].pop("2")}), InvalidValueError, "key 'two'"),
+            (lambda p: p["by_share"]["2"].update(copy_byte_s={"value": 1e-10, "unit": "s/byte"}), InvalidValueError,
+             r"unknown rate\(s\) \['copy_byte_s'\] in by_share\['2'\]"),
+            (lambda p: p["by_share"]["2"]["native_byte_s"].update(unit="s/message"), InvalidValueError,
+             r"by_share\['2'\].native_byte_s has unit 's/message'"),
+            (lambda p: p["by_share"]["2"]["native_byte_s"].update(value=-1.0), InvalidValueError,
+             r"by_share\['2'\].native_byte_s.value must be a finite rate"),
+            (lambda p: p["by_share"]["2"].pop("message_wait_s"), InvalidValueError, "both or neither"),
+            (lambda p: p.update(by_share=[]), InvalidTypeError, "'by_share' is a JSON object")):
+        bad = json.loads(json.dumps(profile))
+        edit(bad)
+        path.write_text(json.dumps(bad))
+        with pytest.raises(error, match=match):
+            sc.Network.from_profile(path)

@@ -248,3 +248,25 @@ def test_on_pinned_ranks_a_service_that_computes_only_while_the_workers_wait_doe
     assert profile_network(profile, sparse, 2, 2, **LOOPBACK_WIRE).host.cpu_share == 1.5
     assert profile_network(profile, sparse, 2, 2, True, **LOOPBACK_WIRE).host.cpu_share == 1.0
     assert profile_network(profile, sparse, 4, 2, True, **LOOPBACK_WIRE).host.cpu_share == 2.0
+
+
+def test_the_loopback_model_takes_the_profiles_rates_at_its_share(tmp_path):
+    """A profile with rates fitted at a share of 2 (``by_share``) models the loopback's 4 workers on 2 cores with
+    them in place of its own (a ring's call: its ``call_s`` of the entry, stretched by the share) and 2 workers on
+    2 cores with its own, to the bit as a profile without them."""
+    base = HostModel(send_message_s=40e-6, recv_message_s=60e-6, sum_element_s=dict.fromkeys(SUM_DTYPES, 5e-10),
+                     call_s={"native": 1e-3, "ring": 4e-3})
+    plain, shared = tmp_path / "plain.json", tmp_path / "shared.json"
+    plain.write_text(json.dumps(profile_dict(base, date="2026-01-01", machine={}, method={})))
+    entry = {2.0: {"call_s": {"ring": 1e-3}}}
+    shared.write_text(json.dumps(profile_dict(dataclasses.replace(base, by_share=entry), date="2026-01-01",
+                                              machine={}, method={})))
+    ring = Case("ring")
+    four = profile_network(str(shared), ring, 4, 2, **LOOPBACK_WIRE).host
+    assert four.cpu_share == 2 and four.call_s == {"native": 1e-3, "ring": 1e-3}
+    t_shared, = modelled_cases(4, 0.004, [ring], profile_network(str(shared), ring, 4, 2, **LOOPBACK_WIRE))
+    t_plain, = modelled_cases(4, 0.004, [ring], profile_network(str(plain), ring, 4, 2, **LOOPBACK_WIRE))
+    assert t_plain - t_shared == pytest.approx(2 * (4e-3 - 1e-3), rel=1e-9)
+    two = [modelled_cases(2, 0.004, [ring], profile_network(str(p), ring, 2, 2, **LOOPBACK_WIRE))[0]
+           for p in (shared, plain)]
+    assert two[0].hex() == two[1].hex()

@@ -124,6 +124,20 @@ bulk-synchronous collective doing the same step) and an over-estimate when one o
 to itself; the model has no scheduler of its own. ``Fabric.compute(s)`` is the caller's figure and is not
 stretched by the share.
 
+The stretch is one factor for every rate, and a machine's costs do not all grow alike when its processes
+outnumber its cores: gloo's all-reduce, C++ on threads that wait in the kernel much of the time, takes less than
+twice as long with two processes per core as with one, where the library's Python messages take longer. A model may
+therefore hold rates fitted where the processes shared the cores (``by_share``: share -> the rates of
+:data:`SHARED_RATES` fitted with that many processes per core, :func:`sparsecomm.netbed.calibrate.shared_costs`):
+:meth:`HostModel.sharing` takes the entry of the largest share not above the run's, in place of the model's own
+rates (``call_s`` per transport: the entry's transports replace the model's, the others are kept), and stretches
+them by the run's share as it stretches every rate (each entry's rates are fitted with that stretch in the model,
+so that at its own share it gives back what was measured; at a larger share it is stretched on as today). A run
+whose share has no entry at or below it (a share of 1, and every run of a model without the table, the default and
+a profile without it) takes the model's own rates, stretched: the modelled times as before the table existed. The
+table is keyed by the model's ``cpu_share``, the run's processes per core; ``cpu_share_by_endpoint`` picks no
+rates.
+
 The share is a mean, and a collective waits for its last worker. Where endpoints outnumber the cores, the
 scheduler hands the cores out in slices, and a woken thread (a rank leaving a collective, gloo's I/O and worker
 threads, a hook's hand-off to its communication thread) waits for a slice when the cores are busy: the workers
@@ -163,7 +177,7 @@ from ...errors import InvalidTypeError, InvalidValueError
 from ...validate import check_int, check_real
 
 __all__ = ["CODEC_RATES", "DERIVED_RATES", "FALLBACK_RATES", "HOST_OPS", "HostModel", "MESSAGE_TABLES",
-           "NATIVE_RATES", "OPTIONAL_RATES", "SIZES", "SUM_DTYPES", "RATE_UNITS"]
+           "NATIVE_RATES", "OPTIONAL_RATES", "SHARED_RATES", "SIZES", "SUM_DTYPES", "RATE_UNITS"]
 
 #: the operations of :meth:`sparsecomm.fabric.base.Fabric.host_work` and the unit they count
 HOST_OPS = {"sum": "element", "scan": "element", "switch_packet": "packet", "switch_message": "message",
@@ -255,6 +269,12 @@ DERIVED_RATES = ("fresh_advised_byte_s",)
 #: the entries of :data:`RATE_UNITS` that are sizes in bytes (integers), not rates
 SIZES = ("fresh_min_bytes",)
 
+#: the rates a model may hold per share of the cores (:attr:`HostModel.by_share`, module docstring): those whose cost
+#: with more processes than cores is not the one-core cost stretched by the share, as
+#: :func:`sparsecomm.netbed.calibrate.shared_costs` fits them (the library's messages by size, gloo's native
+#: messages, the per-call costs); the message tables both or neither, the native rates both or neither
+SHARED_RATES = ("message_cpu_s", "message_wait_s", "native_message_s", "native_byte_s", "call_s")
+
 
 def dtype_name(dtype: torch.dtype | str) -> str:
     """``torch.float32`` -> ``"float32"`` (a string is returned as it is)."""
@@ -329,6 +349,9 @@ class HostModel:
             ``None``, the default: the model's own message costs).
         native_byte_s: CPU seconds per byte of such a message, on each side (with ``native_message_s``: both or
             neither).
+        by_share: share of the cores (> 1: processes per core) -> rates of :data:`SHARED_RATES` fitted with that
+            many processes per core, which :meth:`sharing` puts in place of the model's own (module docstring;
+            default: none, every share the model's own rates stretched).
         cpu_share: the CPU stretch of every endpoint (>= 1): endpoints sharing cores, e.g. 2 for 4 hosts on
             2 cores (:meth:`sharing`).
         cpu_share_by_endpoint: endpoint id -> its own stretch (>= 1), overriding ``cpu_share``.
@@ -371,6 +394,7 @@ class HostModel:
     sync_s: float = 0.0
     native_message_s: float | None = None
     native_byte_s: float | None = None
+    by_share: Mapping[float, Mapping[str, object]] = field(default_factory=dict)
     cpu_share: float = 1.0
     cpu_share_by_endpoint: Mapping[int, float] = field(default_factory=dict)
     # (not fields: the message tables as interpolation points, (sizes, CPU, waits), and the charges looked up per
@@ -434,6 +458,7 @@ class HostModel:
                                     f"native collective's messages cost the model's own message rates), got "
                                     f"{self.native_message_s!r} and {self.native_byte_s!r}")
         put(self, "_native", None)
+        put(self, "by_share", _shared_entries(self.by_share, who))
         put(self, "cpu_share", check_real("cpu_share", self.cpu_share, low=1.0, what=who))
         put(self, "cpu_share_by_endpoint", MappingProxyType(
             {check_int("an endpoint of cpu_share_by_endpoint", e, low=0, what=who):
@@ -441,21 +466,30 @@ class HostModel:
              for e, f in self.cpu_share_by_endpoint.items()}))
 
     def _fields(self) -> dict:
-        return {f.name: dict(v) if isinstance(v, MappingProxyType) else v
-                for f in dataclasses.fields(self) for v in (getattr(self, f.name),)}
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
     def __reduce__(self):
         return _rebuild, (self._fields(),)
 
     def __hash__(self) -> int:
-        return hash(tuple(tuple(sorted(v.items())) if isinstance(v, dict) else v for v in self._fields().values()))
+        return hash(_frozen(self._fields()))
 
     def sharing(self, endpoints: int, cores: float) -> "HostModel":
         """This model with ``cpu_share = max(1, endpoints / cores)``: ``endpoints`` busy endpoints on
-        ``cores`` cores (a netbed of 4 hosts on 2 cores: ``sharing(4, 2)``, a share of 2)."""
+        ``cores`` cores (a netbed of 4 hosts on 2 cores: ``sharing(4, 2)``, a share of 2), and with the rates of
+        its ``by_share`` entry of the largest share not above that one, if any, in place of its own (module
+        docstring). Where it applies an entry, the model returned holds those rates as its own and no table
+        (``by_share`` empty): the table is applied once, to a profile's model."""
         endpoints = check_int("endpoints", endpoints, low=1, what="HostModel.sharing")
         cores = check_real("cores", cores, low=0.0, low_open=True, what="HostModel.sharing")
-        return dataclasses.replace(self, cpu_share=max(1.0, endpoints / cores))
+        share = max(1.0, endpoints / cores)
+        below = [s for s in self.by_share if s <= share]
+        if not below:
+            return dataclasses.replace(self, cpu_share=share)
+        rates = dict(self.by_share[max(below)])
+        if "call_s" in rates:
+            rates["call_s"] = {**self.call_s, **rates["call_s"]}
+        return dataclasses.replace(self, cpu_share=share, by_share={}, **rates)
 
     def factor(self, endpoint: int) -> float:
         """The CPU stretch of ``endpoint`` (its ``cpu_share_by_endpoint`` entry, else ``cpu_share``)."""
@@ -636,6 +670,47 @@ def _per_transport(rates, name: str, what: str, who: str) -> dict:
             raise InvalidTypeError(f"{who}: {name} has key {k!r}; its keys are transport names (e.g. 'ring')")
         out[k] = check_real(f"{name}[{k!r}]", v, low=0.0, what=who)
     return out
+
+
+def _shared_entries(table, who: str) -> Mapping[float, Mapping[str, object]]:
+    """``by_share`` checked (:data:`SHARED_RATES`, module docstring): shares above 1 to mappings of those rates,
+    each checked as the model's own rates are, read-only."""
+    if not isinstance(table, Mapping):
+        raise InvalidTypeError(f"{who}: by_share must map shares of the cores (> 1) to rates, got "
+                               f"{type(table).__name__}")
+    out = {}
+    for share, rates in table.items():
+        share = check_real("a share of by_share", share, low=1.0, low_open=True, what=who)
+        if not isinstance(rates, Mapping):
+            raise InvalidTypeError(f"{who}: by_share[{share:g}] must map rate names to rates, got "
+                                   f"{type(rates).__name__}")
+        unknown = sorted(set(rates) - set(SHARED_RATES))
+        if unknown:
+            raise InvalidValueError(f"{who}: by_share[{share:g}] has {unknown}; the rates a share may give are "
+                                    f"{', '.join(SHARED_RATES)}")
+        for pair in (MESSAGE_TABLES, NATIVE_RATES):
+            if len(set(pair) & set(rates)) == 1:
+                raise InvalidValueError(f"{who}: by_share[{share:g}] gives {' and '.join(pair)} both or neither")
+        try:
+            checked = HostModel(**rates)        # (each rate checked as the model's own)
+        except (InvalidValueError, InvalidTypeError) as exc:
+            raise type(exc)(f"{who}: by_share[{share:g}]: {exc}") from None
+        out[share] = MappingProxyType({name: getattr(checked, name) for name in rates})
+    return MappingProxyType(dict(sorted(out.items())))
+
+
+def _plain(value):
+    """``value`` with its read-only mappings, at any depth, as dicts (what pickle can copy)."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def _frozen(value):
+    """``value`` hashable: its mappings, at any depth, as sorted tuples of items."""
+    if isinstance(value, Mapping):
+        return tuple(sorted((k, _frozen(v)) for k, v in value.items()))
+    return value
 
 
 def _rebuild(fields: dict) -> HostModel:

@@ -16,7 +16,8 @@ Written by ``python -m sparsecomm.netbed calibrate --out host.json`` (:mod:`spar
         "sum_element_s": {"value": {"float32": 2.5e-10, ...}, "unit": "s/element"},
         "call_s": {"value": {"ring": 0.004, "omnireduce": 0.012, ...}, "unit": "s/call"}
       },
-      "netbed": {"latency_s": {"value": 0.00021, "unit": "s"}, "gbps": 1.0, "hosts": 2}   # optional
+      "netbed": {"latency_s": {"value": 0.00021, "unit": "s"}, "gbps": 1.0, "hosts": 2},  # optional
+      "by_share": {"2": {"native_byte_s": {"value": 3.1e-10, "unit": "s/byte"}, ...}}       # optional
     }
 
 ``host`` holds exactly the rates of :data:`~.sim_host.RATE_UNITS` (a missing or unknown one, a unit other
@@ -57,6 +58,13 @@ hosts; a model of the netbed takes it as its wire's latency (``Network(latency_u
 the :class:`~.sim_host.HostModel` (:meth:`sparsecomm.Network.from_profile` does not read it): a network other
 than this machine's netbed has a latency of its own.
 
+``by_share`` (optional, added within version 2): rates fitted where the processes outnumbered the cores
+(:attr:`~.sim_host.HostModel.by_share`, module docstring of :mod:`.sim_host`), per share of the cores, a decimal
+string above 1 (``"2"``: two processes per core, 4 on 2 cores), each entry a subset of
+:data:`~.sim_host.SHARED_RATES` written as ``host``'s rates are (``message_cpu_s`` and ``message_wait_s`` both or
+neither, ``native_message_s`` and ``native_byte_s`` both or neither; ``call_s`` per transport). A profile without it
+(every profile before it existed) models every share with its ``host`` rates stretched by the share, as before.
+
 Versions: 2 added ``switch_message_s`` and ``call_s`` and measures ``switch_packet_s`` without the per-message
 part. A version 1 profile is refused, saying to calibrate again: its ``switch_packet_s`` includes a
 message's cost, and it has no per-call costs.
@@ -70,7 +78,7 @@ import math
 from pathlib import Path
 
 from ...errors import InvalidTypeError, InvalidValueError
-from .sim_host import MESSAGE_TABLES, OPTIONAL_RATES, RATE_UNITS, SIZES, SUM_DTYPES, HostModel
+from .sim_host import MESSAGE_TABLES, OPTIONAL_RATES, RATE_UNITS, SHARED_RATES, SIZES, SUM_DTYPES, HostModel
 
 __all__ = ["FORMAT", "VERSION", "host_from_profile", "load_profile", "netbed_latency_s", "network_from_profile",
            "profile_dict"]
@@ -82,31 +90,39 @@ VERSION = 2
 #: the rates whose value is a mapping (dtype -> rate, transport -> rate, message size -> seconds)
 MAPPED = ("sum_element_s", "call_s", "codec_contention", "call_peer_s", *MESSAGE_TABLES)
 #: the top-level keys of a profile (the first three required)
-KEYS = ("format", "version", "host", "date", "machine", "method", "netbed")
+KEYS = ("format", "version", "host", "date", "machine", "method", "netbed", "by_share")
 #: the keys of a profile's ``netbed``
 NETBED_KEYS = ("latency_s", "gbps", "hosts")
 
 
 def profile_dict(host: HostModel, *, date: str, machine: dict, method: dict, netbed: dict | None = None) -> dict:
-    """The profile of ``host`` (its rates; its CPU shares are a run's setting and are not written; a rate of
-    :data:`~.sim_host.FALLBACK_RATES` that is ``None`` is left out, as a profile without it); ``netbed``:
-    ``{"latency_s": seconds, "gbps": ..., "hosts": ...}``, the netbed's latency (module docstring), or ``None``
-    for none."""
+    """The profile of ``host`` (its rates, and its rates by share of the cores as ``by_share`` where it has any;
+    its CPU shares are a run's setting and are not written; a rate of :data:`~.sim_host.FALLBACK_RATES` that is
+    ``None`` is left out, as a profile without it); ``netbed``: ``{"latency_s": seconds, "gbps": ..., "hosts":
+    ...}``, the netbed's latency (module docstring), or ``None`` for none."""
     rates = {}
     for name, unit in RATE_UNITS.items():
         value = getattr(host, name)
         if value is None or (name in (*MESSAGE_TABLES, "codec_contention", "call_peer_s") and not value):   # (its fallback: absent)
             continue
-        if name in MESSAGE_TABLES:      # (JSON's keys are strings: the sizes in decimal)
-            value = {str(n): v for n, v in value.items()}
-        rates[name] = {"value": dict(value) if name in MAPPED else value, "unit": unit}
+        rates[name] = _written(name, value)
     out = {"format": FORMAT, "version": VERSION, "date": date, "machine": dict(machine), "method": dict(method),
            "host": rates}
+    if host.by_share:
+        out["by_share"] = {f"{share:g}": {name: _written(name, value) for name, value in entry.items()}
+                           for share, entry in host.by_share.items()}
     if netbed is not None:
         out["netbed"] = {"latency_s": {"value": float(netbed["latency_s"]), "unit": "s"},
                          "gbps": float(netbed["gbps"]), "hosts": int(netbed["hosts"])}
         _netbed(out, "profile_dict")
     return out
+
+
+def _written(name: str, value) -> dict:
+    """The profile's entry of rate ``name`` of value ``value``: ``{"value": ..., "unit": ...}``."""
+    if name in MESSAGE_TABLES:      # (JSON's keys are strings: the sizes in decimal)
+        value = {str(n): v for n, v in value.items()}
+    return {"value": dict(value) if name in MAPPED else value, "unit": RATE_UNITS[name]}
 
 
 def _netbed(profile: dict, source: str) -> float | None:
@@ -185,52 +201,74 @@ def host_from_profile(profile: dict, source: str = "host profile") -> HostModel:
     missing = [k for k in RATE_UNITS if k not in host and k not in OPTIONAL_RATES]
     if missing:
         raise InvalidValueError(f"{source}: 'host' lacks the rate(s) {missing}")
-    kw = {}
-    for name, unit in RATE_UNITS.items():
-        if name not in host:        # (an optional rate: the model's default, 0)
-            continue
-        entry = host[name]
-        where = f"{source}: host.{name}"
-        if not isinstance(entry, dict) or set(entry) != {"value", "unit"}:
-            raise InvalidValueError(f"{where} must be {{'value': ..., 'unit': {unit!r}}}, got {entry!r}")
-        if entry["unit"] != unit:
-            raise InvalidValueError(f"{where} has unit {entry['unit']!r}, expected {unit!r}")
-        if name == "sum_element_s":
-            sums = entry["value"]
-            if not isinstance(sums, dict):
-                raise InvalidTypeError(f"{where}.value maps dtype names to rates, got {type(sums).__name__}")
-            missing = [d for d in SUM_DTYPES if d not in sums]
-            if missing:
-                raise InvalidValueError(f"{where}.value lacks the dtype(s) {missing}")
-            kw[name] = {d: _rate(f"{where}.value[{d!r}]", v) for d, v in sums.items()}
-        elif name in ("call_s", "call_peer_s"):
-            calls = entry["value"]
-            if not isinstance(calls, dict):
-                raise InvalidTypeError(f"{where}.value maps transport names to rates, got {type(calls).__name__}")
-            kw[name] = {t: _rate(f"{where}.value[{t!r}]", v) for t, v in calls.items()}
-        elif name == "codec_contention":
-            factors = entry["value"]
-            if not isinstance(factors, dict):
-                raise InvalidTypeError(f"{where}.value maps operations to factors, got {type(factors).__name__}")
-            kw[name] = {op: _rate(f"{where}.value[{op!r}]", v) for op, v in factors.items()}
-        elif name in MESSAGE_TABLES:
-            table = entry["value"]
-            if not isinstance(table, dict) or not table:
-                raise InvalidTypeError(f"{where}.value maps message sizes (bytes, decimal strings) to seconds, got "
-                                       f"{table!r}")
-            kw[name] = {}
-            for n, v in table.items():
-                if not (isinstance(n, str) and n.isdigit() and int(n) > 0):
-                    raise InvalidValueError(f"{where}.value has key {n!r}; its keys are message sizes in bytes")
-                kw[name][int(n)] = _rate(f"{where}.value[{n!r}]", v)
-        elif name in SIZES:
-            kw[name] = _size(f"{where}.value", entry["value"])
-        else:
-            kw[name] = _rate(f"{where}.value", entry["value"])
+    kw = {name: _parsed(name, host[name], f"{source}: host.{name}") for name in RATE_UNITS if name in host}
+    kw["by_share"] = _shares(profile.get("by_share", {}), source)
     try:
         return HostModel(**kw)
     except (InvalidValueError, InvalidTypeError) as exc:
         raise type(exc)(f"{source}: {exc}") from None
+
+
+def _shares(table, source: str) -> dict:
+    """The checked ``by_share`` of a profile (module docstring): share -> rate name -> value."""
+    if not isinstance(table, dict):
+        raise InvalidTypeError(f"{source}: 'by_share' is a JSON object of shares, got {type(table).__name__}")
+    out = {}
+    for key, rates in table.items():
+        try:
+            share = float(key)
+        except ValueError:
+            share = math.nan
+        if not (math.isfinite(share) and share > 1):
+            raise InvalidValueError(f"{source}: by_share has key {key!r}; its keys are shares of the cores above 1 "
+                                    f"(processes per core, e.g. '2')")
+        if not isinstance(rates, dict):
+            raise InvalidTypeError(f"{source}: by_share[{key!r}] is a JSON object of rates, got "
+                                   f"{type(rates).__name__}")
+        unknown = sorted(set(rates) - set(SHARED_RATES))
+        if unknown:
+            raise InvalidValueError(f"{source}: unknown rate(s) {unknown} in by_share[{key!r}]; the rates a share may "
+                                    f"give are {', '.join(SHARED_RATES)}")
+        out[share] = {name: _parsed(name, entry, f"{source}: by_share[{key!r}].{name}") for name, entry in rates.items()}
+    return out
+
+
+def _parsed(name: str, entry, where: str):
+    """The checked value of the profile's entry ``entry`` of rate ``name`` (``where`` names it in errors)."""
+    unit = RATE_UNITS[name]
+    if not isinstance(entry, dict) or set(entry) != {"value", "unit"}:
+        raise InvalidValueError(f"{where} must be {{'value': ..., 'unit': {unit!r}}}, got {entry!r}")
+    if entry["unit"] != unit:
+        raise InvalidValueError(f"{where} has unit {entry['unit']!r}, expected {unit!r}")
+    value = entry["value"]
+    if name == "sum_element_s":
+        if not isinstance(value, dict):
+            raise InvalidTypeError(f"{where}.value maps dtype names to rates, got {type(value).__name__}")
+        missing = [d for d in SUM_DTYPES if d not in value]
+        if missing:
+            raise InvalidValueError(f"{where}.value lacks the dtype(s) {missing}")
+        return {d: _rate(f"{where}.value[{d!r}]", v) for d, v in value.items()}
+    if name in ("call_s", "call_peer_s"):
+        if not isinstance(value, dict):
+            raise InvalidTypeError(f"{where}.value maps transport names to rates, got {type(value).__name__}")
+        return {t: _rate(f"{where}.value[{t!r}]", v) for t, v in value.items()}
+    if name == "codec_contention":
+        if not isinstance(value, dict):
+            raise InvalidTypeError(f"{where}.value maps operations to factors, got {type(value).__name__}")
+        return {op: _rate(f"{where}.value[{op!r}]", v) for op, v in value.items()}
+    if name in MESSAGE_TABLES:
+        if not isinstance(value, dict) or not value:
+            raise InvalidTypeError(f"{where}.value maps message sizes (bytes, decimal strings) to seconds, got "
+                                   f"{value!r}")
+        table = {}
+        for n, v in value.items():
+            if not (isinstance(n, str) and n.isdigit() and int(n) > 0):
+                raise InvalidValueError(f"{where}.value has key {n!r}; its keys are message sizes in bytes")
+            table[int(n)] = _rate(f"{where}.value[{n!r}]", v)
+        return table
+    if name in SIZES:
+        return _size(f"{where}.value", value)
+    return _rate(f"{where}.value", value)
 
 
 def load_profile(path: str | Path) -> dict:
