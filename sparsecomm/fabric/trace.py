@@ -20,7 +20,8 @@ exactly the ``last_stats.modelled_time_s`` the transport reports; a send lasts w
 transmits it; a receive completes at the message's delivery, or at the receiver's clock when it took the
 message if that is later, and the wait runs from that clock to the delivery. On a real fabric
 (``TorchFabric``) they are the wall clock (``time.perf_counter``) since the recorder started: a send lasts
-from its post until its completion was seen, a wait from its start until the receive completed. Nothing
+from its post until its completion was seen, a wait from its start until the receive completed (a wait for
+any of several receives, ``wait_any``, is booked to the receive that ended it, from the wait's start). Nothing
 real is modelled, so there ``compute`` records nothing (the computation is the gap between the calls).
 
 Processes and tracks. The process of an endpoint (``pid``) is its rank (services after the workers), named

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import numbers
+import time
 from collections import Counter
 
 import pytest
@@ -227,3 +228,28 @@ def test_gloo_ranks_record_wall_clock_traces_merged_and_side_by_side(tmp_path, c
     assert Counter(e["name"] for e in xs if e["cat"] == "call") == {"ring allreduce": 4}
     assert not {e["bind_id"] for e in xs if e["pid"] < 1000 and "bind_id" in e} \
         & {e["bind_id"] for e in xs if e["pid"] >= 1000 and "bind_id" in e}
+
+
+def _late_sender(ctx):
+    f = ctx.fabric
+    if ctx.rank == 1:
+        time.sleep(0.3)
+        f.send(torch.ones(4), 0, tag=7)
+        return None
+    buf = torch.zeros(4)
+    work = f.irecv(buf, 1, tag=7)
+    t0 = time.perf_counter()
+    assert f.wait_any([work]) == 0
+    return time.perf_counter() - t0
+
+
+@pytest.mark.multiprocess
+def test_gloo_a_wait_for_any_receive_is_booked_to_the_receive_that_ended_it(tmp_path):
+    """The time a rank blocks in ``wait_any`` (the roles' scheduler's wait for one of several receives) is a
+    wait on the timeline, for the receive that ended it, not a gap with a wait of no length at its end."""
+    path = tmp_path / "t.json"
+    res = sc.launch(_late_sender, world_size=2, backend="gloo", trace=str(path), timeout_s=60)
+    xs = check_trace_event_format(json.loads(path.read_text()))
+    (wait,) = [e for e in xs if e["pid"] == 0 and e["name"] == "wait"]
+    assert wait["args"]["tag"] == 7 and wait["args"]["src"] == 1
+    assert 0.2e6 <= wait["dur"] <= res[0] * 1e6 + 1e3      # (the sender slept 0.3 s; within the blocked time)

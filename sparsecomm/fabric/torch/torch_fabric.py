@@ -69,6 +69,7 @@ counts finished workers under ``shutdown_key`` in the rendezvous store; services
 
 from __future__ import annotations
 
+import threading
 import time
 from datetime import timedelta
 from typing import Callable, Sequence
@@ -171,6 +172,7 @@ class TorchFabric(Fabric):
         #: protocols must not let a pair's sends in one direction wait behind receives posted for later
         self.serial_pairs = self._cuda
         self._deferred: list[Pending] = []
+        self._any_since: tuple[int, float] | None = None    # (thread, when) a recorded wait_any began: _finish
         self.stats = CommStats()
         #: gloo: messages from a lower to a higher rank travel on the default group, the other way on a
         #: second group of the same ranks, so each TCP connection carries data one way only (see
@@ -315,7 +317,18 @@ class TorchFabric(Fabric):
                 p.work = works[-1]
 
     def wait_any(self, works) -> int:   # gloo: blocks until a helper thread reports a completion
-        return super().wait_any(works) if self._cuda or not works else self._waits.any(works)
+        if self._cuda or not works:
+            return super().wait_any(works)
+        if _trace.recorder is None:
+            return self._waits.any(works)
+        # recorded: the receive that ends the wait is booked as waited for since the wait began (its
+        # ``_finish`` runs inside ``any``, on this thread), not from when it was taken; the others of its
+        # group, complete by then, are not waited for
+        self._any_since = (threading.get_ident(), time.perf_counter())
+        try:
+            return self._waits.any(works)
+        finally:
+            self._any_since = None
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0, *, reliable: bool = True) -> None:
         pend = self._post_send(tensor, dst, tag)
@@ -378,7 +391,13 @@ class TorchFabric(Fabric):
             raise InvalidValueError("timeout must be non-negative")
         if self._deferred:
             self._flush()
-        t_wait = time.perf_counter() if _trace.recorder is not None else 0.0
+        t_wait = 0.0
+        if _trace.recorder is not None:
+            since = self._any_since
+            if since is not None and pend.is_recv and since[0] == threading.get_ident():
+                t_wait, self._any_since = since[1], None        # (the first receive a wait_any ends: wait_any)
+            else:
+                t_wait = time.perf_counter()
         self._waits.wait(pend, timeout)
         return self._account(pend, out, t_wait)
 
