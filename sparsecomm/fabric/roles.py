@@ -206,12 +206,11 @@ class Outbox:
         wk = self.fabric.isend(buf, dst, tag)
         self.pending.append((wk, buf, deferrable))
         if key is not None:         # (Pool.hold, inline)
-            busy = self.pool._busy
-            held = busy.get(("out", key))
-            if held is None:
-                busy[("out", key)] = [wk]
+            busy, role = self.pool._busy, ("out", key)
+            if role in busy:
+                busy[role].append(wk)
             else:
-                held.append(wk)
+                busy[role] = [wk]
 
     def reap(self, keep: int = 64) -> None:
         """Wait for all but the newest ``keep`` sends, except the ``deferrable`` ones, left to
