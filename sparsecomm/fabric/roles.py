@@ -892,7 +892,9 @@ class _Scheduler:
         """Role ``s`` waits no more: out of the waiting ones and their watch; ``(role, its Recv)``. ``got``: the
         key an ``any`` role is resumed with; the watch of its other keys is :attr:`kept` (out of the watch:
         ``got`` alone)."""
-        role, req = self.waiting.pop(s)
+        waiting = self.waiting
+        role, req = waiting[s]
+        del waiting[s]
         if not self.lacks[s]:       # (it was able to run; :meth:`_unable`, inline: once per resume)
             order, stage = self.order, req.stage
             if order[0][1] == s:    # (the common case: the first in preference order; no search)

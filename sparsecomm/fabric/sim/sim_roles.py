@@ -192,9 +192,10 @@ class RoleWaits:
             self.remove(s)
             s = last
         groups = self.groups
-        g = groups.pop(s) if s in groups else None
-        if g is None:
+        if s not in groups:
             return
+        g = groups[s]
+        del groups[s]
         g.tick = -1
         if not groups:
             self.heap.clear()
