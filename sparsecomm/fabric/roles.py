@@ -206,12 +206,11 @@ class Outbox:
         wk = self.fabric.isend(buf, dst, tag)
         self.pending.append((wk, buf, deferrable))
         if key is not None:         # (Pool.hold, inline)
-            busy = self.pool._busy
-            held = busy.get(("out", key))
-            if held is None:
-                busy[("out", key)] = [wk]
+            busy, role = self.pool._busy, ("out", key)
+            if role in busy:
+                busy[role].append(wk)
             else:
-                held.append(wk)
+                busy[role] = [wk]
 
     def reap(self, keep: int = 64) -> None:
         """Wait for all but the newest ``keep`` sends, except the ``deferrable`` ones, left to
@@ -570,8 +569,8 @@ class _Scheduler:
         self.fabric, self.inbox, self.outbox, self.waitset = fabric, inbox, outbox, waitset
         self.blocking = blocking    # (:func:`schedule`: small sure waits are resumed at once, R3)
         self.waiting: dict = {}     # sequence number -> [role, Recv]; in the order the roles began to wait
-        self.lacks: dict = {}       # sequence number -> conditions of R1 not met yet
-        self.able: set = set()      # sequence numbers with none lacking
+        self.lacks: dict = {}       # sequence number -> conditions of R1 not met yet (a role in ``waiting`` with
+                                    # none lacking is able to run: in ``order``)
         self.order: list = []       # (stage, sequence number) of the able ones, sorted: the preference order
         self.choice = Choose(self.order)    # (what every choice yields: the order itself, answered before it changes)
         self.stays: int = 0         # how many able ones wait at a stage that does not reap
@@ -809,7 +808,6 @@ class _Scheduler:
             watchers.setdefault(k, []).append((s, False))
         self.lacks[s] = lacks
         if not lacks:               # (:meth:`_able`, inline: once per wait)
-            self.able.add(s)
             order, stage = self.order, req.stage
             bisect.insort(order, (stage, s))
             if not stage.reaps:
@@ -824,7 +822,6 @@ class _Scheduler:
 
     def _able(self, s: int, stage) -> None:
         """Role ``s`` (waiting at ``stage``) has become able to run: into the preference order."""
-        self.able.add(s)
         order = self.order
         bisect.insort(order, (stage, s))
         if not stage.reaps:
@@ -839,7 +836,6 @@ class _Scheduler:
 
     def _unable(self, s: int, stage) -> None:
         """Role ``s`` (able to run, waiting at ``stage``) is no more: out of the preference order."""
-        self.able.remove(s)
         order = self.order
         del order[bisect.bisect_left(order, (stage, s))]
         if not stage.reaps:
@@ -850,22 +846,23 @@ class _Scheduler:
 
     def changed(self, key, present: bool | None) -> None:
         """The inbox's observer: ``key`` was posted or put (``present``), taken, or replaced (``None``)."""
-        able, lacks = self.able, self.lacks
+        lacks, waiting = self.lacks, self.waiting     # (able: waiting, none lacking)
         if present is None:     # the same conditions; a wait set's record of the receive is stale
             if self.waitset is not None and self.order[1:]:
                 for s, awaited in self.watchers.get(key, ()):
-                    if awaited and s in able:
+                    if awaited and not lacks[s] and s in waiting:
                         self.waitset.remove(s)
                         self.waitset.add(s, self.waiting[s][1])
             return
         for s, awaited in self.watchers.get(key, ()):
-            n = lacks[s] + (-1 if awaited == present else 1)
-            lacks[s] = n
-            if n:
-                if s in able:
-                    self._unable(s, self.waiting[s][1].stage)
-            elif s not in able and s in self.waiting:       # (not a :attr:`kept` one's)
-                self._able(s, self.waiting[s][1].stage)
+            was = lacks[s]
+            n = lacks[s] = was + (-1 if awaited == present else 1)
+            if s not in waiting:    # (a :attr:`kept` one's: not able, whatever it lacks)
+                continue
+            if not was:
+                self._unable(s, waiting[s][1].stage)
+            elif not n:
+                self._able(s, waiting[s][1].stage)
 
     def resume(self, s: int, got=None) -> Generator:
         """Resume role ``s``: :meth:`forget` it now, and return the generator that advances it (:meth:`advance`,
@@ -895,10 +892,10 @@ class _Scheduler:
         """Role ``s`` waits no more: out of the waiting ones and their watch; ``(role, its Recv)``. ``got``: the
         key an ``any`` role is resumed with; the watch of its other keys is :attr:`kept` (out of the watch:
         ``got`` alone)."""
-        role, req = self.waiting.pop(s)
-        able = self.able
-        if s in able:               # (:meth:`_unable`, inline: once per resume)
-            able.remove(s)
+        waiting = self.waiting
+        role, req = waiting[s]
+        del waiting[s]
+        if not self.lacks[s]:       # (it was able to run; :meth:`_unable`, inline: once per resume)
             order, stage = self.order, req.stage
             if order[0][1] == s:    # (the common case: the first in preference order; no search)
                 del order[0]

@@ -176,7 +176,8 @@ class _RecvWork(Work):
             if msg is None:
                 return False
         else:                   # (World.take_now's case of a named source, inline: once per message)
-            q = ep.mailbox.get(self.channel)
+            box, ch = ep.mailbox, self.channel
+            q = box[ch] if ch in box else None
             if not q:
                 return False
             msg = q.popleft()       # (World.take, inline: once per message)
@@ -367,9 +368,10 @@ class SimFabric(Fabric):
                 # into that receive's buffer, which holds them until the message is taken (_deliver)
                 into = None
                 if nbytes >= WRITE_THROUGH_BYTES:
-                    posted = dst_ep.posted.get(ch)
-                    if posted and len(q) < len(posted):
-                        into = posted[len(q)]
+                    lists = dst_ep.posted
+                    posted = lists[ch] if ch in lists else None
+                    if posted and (k := len(q)) < len(posted):
+                        into = posted[k]
                         buf = into._args[0]
                         if (into.holds is None and buf.dtype is tensor.dtype and buf.shape == tensor.shape
                                 and tensor.is_cpu and not tensor.requires_grad):
@@ -487,10 +489,11 @@ class SimFabric(Fabric):
         w.done = False
         if src is not None and tensor.nbytes >= WRITE_THROUGH_BYTES and tensor.is_cpu and not tensor.requires_grad:
             posted = self._ep.posted    # (listed: a send on its channel may write into its buffer)
-            q = posted.get(ch)
-            if q is None:
-                q = posted[ch] = []
-            q.append(w)
+            if ch in posted:
+                q = posted[ch]
+                q.append(w)
+            else:
+                q = posted[ch] = [w]
             w._posted = q
         return w
 
@@ -663,6 +666,7 @@ class SimFabric(Fabric):
         their performing."""
         ep, rank = self._ep, self.rank
         send, post_into, settle, work = outbox.send, inbox.post_into, outbox.pool.settle, inbox.work
+        box = inbox.box     # (its entries, read without a call per wait)
         Send, PostInto, Recv, Flush = _roles.Send, _roles.PostInto, _roles.Recv, _roles.Flush
         value = None
         requests = role
@@ -687,7 +691,7 @@ class SimFabric(Fabric):
                         keys = req.keys
                         if not keys[1:] and keys and not req.any and not req.gone:     # (the common case)
                             try:
-                                w = work(keys[0])
+                                w = box[keys[0]][0]     # (:meth:`~.roles.Inbox.work`)
                             except KeyError:
                                 raise ProtocolError(f"endpoint {rank}: no role of this call can run (a bug)") from None
                             if req.stage.reaps:

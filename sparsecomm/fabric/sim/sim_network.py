@@ -43,6 +43,7 @@ from bisect import bisect_left, bisect_right
 from collections import deque
 from heapq import heapify, heappush
 from itertools import count
+from operator import attrgetter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -202,6 +203,10 @@ class Msg:
     into: object = None
 
 
+#: a queued message's place on its receiving NIC: arrival (head) order, then the lower source
+_nic_order = attrgetter("head", "src")
+
+
 class Endpoint:
     """One endpoint's NIC(s) in the model: its clock, transmit schedule per port, the receive schedule
     (arrival order) and its mailbox; plus what the world's loop keeps per endpoint (:mod:`.sim_world`):
@@ -226,10 +231,10 @@ class Endpoint:
         self._tx_free: dict[int, float] = {}     # per port of a ``per_port`` endpoint, when it is free
         self._tx_free1 = 0.0                     # when the one NIC of another is free
         # per NIC port (a ``per_port`` endpoint's by peer, ``_rx``; another's one NIC, ``_rx1``), a list: the queued
-        # messages after the last one taken, in the order its NIC takes them, their (head, source), how many of
+        # messages after the last one taken, in the order its NIC takes them (by :func:`_nic_order`), how many of
         # them (a prefix) have exact times, and the end of the one before them
         self._rx: dict[int, list] = {}
-        self._rx1: list = [[], [], 0, 0.0]
+        self._rx1: list = [[], 0, 0.0]
         #: bumped whenever messages' times become lower bounds (:meth:`schedule`): a message's times are
         #: exact if its ``stamp`` is at least this
         self.epoch = 0
@@ -311,35 +316,37 @@ class Endpoint:
         if self.per_port:
             rx = self._rx.get(msg.src)
             if rx is None:
-                rx = self._rx[msg.src] = [[], [], 0, 0.0]
+                rx = self._rx[msg.src] = [[], 0, 0.0]
         else:
             rx = self._rx1
-        tail, keys, valid = rx[0], rx[1], rx[2]
+        tail, valid = rx[0], rx[1]
         head = msg.head
-        key = (head, msg.src)
         if not tail:                # (the common case: none queued before it)
             i = n = 0
-            t = rx[3]
-        else:
-            n = len(tail)
-            i = n if key >= keys[-1] else bisect_right(keys, key)     # (after those of an equal key)
-            t = tail[i - 1].rx_end if i else rx[3]
+            t = rx[2]
+        else:                       # (after those of an equal order)
+            last = tail[-1]
+            key = (head, msg.src)
+            if key >= (last.head, last.src):
+                i = n = len(tail)
+                t = last.rx_end
+            else:                   # (before the last: not at the end, n is not needed)
+                i, n = bisect_right(tail, key, key=_nic_order), -1
+                t = tail[i - 1].rx_end if i else rx[2]
         msg.rx_end = t = (head if head > t else t) + msg.nbytes / self.bw     # (max, inline: once per message)
         d = msg.tx_end + (head - msg.start)
         msg.delivered = d if d > t else t
         if i == n:
             tail.append(msg)
-            keys.append(key)
             if i == valid:           # timed from exact times: exact
                 msg.stamp = self.epoch
-                rx[2] = valid + 1
+                rx[1] = valid + 1
             return False
         tail.insert(i, msg)
-        keys.insert(i, key)
         if i <= valid:               # exact; those after it are not any more
             self.epoch += 1
             msg.stamp = self.epoch
-            rx[2] = i + 1
+            rx[1] = i + 1
         return True
 
     def delivery(self, msg: Msg) -> float:
@@ -350,12 +357,12 @@ class Endpoint:
         tail = rx[0]
         i = 0
         if tail[0] is not msg:
-            i = bisect_left(rx[1], (msg.head, msg.src))
+            i = bisect_left(tail, (msg.head, msg.src), key=_nic_order)
             while tail[i] is not msg:
                 i += 1
-        valid, epoch = rx[2], self.epoch
+        valid, epoch = rx[1], self.epoch
         if i >= valid:               # re-time the messages before it in NIC order, and it
-            t = tail[valid - 1].rx_end if valid else rx[3]
+            t = tail[valid - 1].rx_end if valid else rx[2]
             bw = self.bw
             for k in range(valid, i + 1):    # (max, inline, as in schedule)
                 m = tail[k]
@@ -364,7 +371,7 @@ class Endpoint:
                 d = m.tx_end + (head - m.start)
                 m.delivered = d if d > t else t
                 m.stamp = epoch
-            rx[2] = i + 1
+            rx[1] = i + 1
         else:
             msg.stamp = epoch
         return msg.delivered
@@ -383,20 +390,17 @@ class Endpoint:
             tail = rx[0]
             if tail[0] is msg:       # (the common case: the first on the NIC)
                 del tail[0]
-                del rx[1][0]
-                rx[2] -= 1
+                rx[1] -= 1
             else:
-                keys = rx[1]
-                i = bisect_left(keys, (msg.head, msg.src))
+                i = bisect_left(tail, (msg.head, msg.src), key=_nic_order)
                 while tail[i] is not msg:
                     i += 1
                 for k in range(i):
                     tail[k].stamp = FIXED
-                rx[2] -= i + 1
+                rx[1] -= i + 1
                 del tail[:i + 1]
-                del keys[:i + 1]
             msg.stamp = FIXED
-            rx[3] = msg.rx_end
+            rx[2] = msg.rx_end
         host = self.host
         if host is not None:
             if self.streams:        # (the bytes' part streamed as they arrived, from the head: Network.host_streams)

@@ -192,9 +192,10 @@ class RoleWaits:
             self.remove(s)
             s = last
         groups = self.groups
-        g = groups.pop(s) if s in groups else None
-        if g is None:
+        if s not in groups:
             return
+        g = groups[s]
+        del groups[s]
         g.tick = -1
         if not groups:
             self.heap.clear()
@@ -290,8 +291,8 @@ class RoleWaits:
     def arrived(self, msg: Msg, retimed: bool) -> float | None:
         """``msg`` was put in the mailbox (``retimed``: queued messages may have moved; a record's bounds hold);
         returns :meth:`bound` as it is then (what the world's entry for the wait is compared with)."""
-        c = (msg.src, msg.tag)
-        lst = self.by_chan.get(c)
+        c, by_chan = (msg.src, msg.tag), self.by_chan
+        lst = by_chan[c] if c in by_chan else None
         if lst is not None or retimed:
             self.seen = self.seen_group = None
         if lst is not None and self.ep.mailbox[c][0] is msg:       # a new head
@@ -329,8 +330,8 @@ class RoleWaits:
 
     def taken(self, msg: Msg) -> None:
         """``msg`` was taken from the mailbox (the next on its channel is the head)."""
-        c = (msg.src, msg.tag)
-        lst = self.by_chan.get(c)
+        c, by_chan = (msg.src, msg.tag), self.by_chan
+        lst = by_chan[c] if c in by_chan else None
         if lst is not None:
             self.seen_group = None      # (its heads read again: a choice finds its group afresh)
             for g in lst:
@@ -349,7 +350,8 @@ class RoleWaits:
         """Read ``g``'s heads from the mailbox (bounds), and enter it in the heaps if it is in earlier."""
         chans = g.chans
         if not chans[1:] and not g.any and chans:      # (one receive, the common case: no call per receive)
-            q = self.ep.mailbox.get(chans[0])
+            box, c = self.ep.mailbox, chans[0]
+            q = box[c] if c in box else None
             g.exact = -1
             if not q:
                 g.heads, g.missing, g.latest = [None], 1, 0.0

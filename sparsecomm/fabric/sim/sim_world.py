@@ -507,7 +507,8 @@ class World:
         return ep.waiters[0] if len(ep.waiters) == 1 else None
 
     def _fire(self) -> bool:
-        """Fire the earliest valid event or deadline; False if there is none. An :class:`AnyWait`'s entry is its
+        """Fire the earliest valid event or deadline; False if there is none. The process whose wait an event ends
+        runs at once (:meth:`_step`; a deadline's, through the run queue). An :class:`AnyWait`'s entry is its
         event when it blocked, or a lower bound of it entered by an arrival (:meth:`arrived`; a re-timed message
         may also have moved the event later): its wait chooses only if its event is the entry's time, else it
         is entered again at its event, so the waits fire in the order of their exact events, as if every arrival
@@ -547,12 +548,13 @@ class World:
                     waiters.remove(p)
                 p.wait = p.event = None
                 self._blocked -= 1
-                if not p.queued:
-                    p.queued = True
-                    self._runq.append(p)
                 p.value = got
             except Exception as exc:  # noqa: BLE001 - p's wait (its endpoint's records) raised
                 self._fault(p, exc)
+                return True
+            # ready, it runs now: the run queue is empty when an event fires (:meth:`_run`), so it would be
+            # the first out of it (no pass through it)
+            self._step(p)
             return True
         return False
 
