@@ -31,17 +31,18 @@ calibration to the next far more than its own calls do. The profile's ``method``
   threads together; per rank the median over exchanges, the mean of the two ranks', at most the exchange's
   time), ``message_wait_s`` the rest of the exchange's time (the slower rank's median, as above), at least 0;
 - ``copy_byte_s``: ``Tensor.copy_`` of a large float32 buffer, per byte;
-- ``fresh_byte_s``, ``fresh_min_bytes``: a float32 buffer of each of :data:`FRESH_SIZES` filled
-  (``Tensor.fill_``) as ``torch.empty`` returns it, freshly allocated every time, and filled again once it is
-  written (its pages mapped), :data:`FRESH_REPEATS` times each, the fresh fill first then the mapped one in
-  each repeat: ``fresh_min_bytes`` is the smallest size from which every size swept fills at least
-  :data:`FRESH_STEP` times slower fresh (the allocator's step: above its mmap threshold a buffer is mapped
-  afresh on each allocation, below it a freed one's memory is reused), ``fresh_byte_s`` the median over those
-  sizes of the difference per byte; no such size (no step within the sweep): both 0 (:func:`fresh_step`);
-- ``fresh_advised_byte_s``: in the same repeats, a fresh buffer advised as huge pages before its fill
-  (:func:`sparsecomm.transports.buffers.fresh_empty`, the ring's and ``native``'s work copy) filled as well
-  (between the two): the median over the sizes from ``fresh_min_bytes`` on of its fill's time beyond the mapped
-  fill per byte (at least 0); no step: 0 (:func:`advised_rate`);
+- ``fresh_byte_s``, ``fresh_min_bytes``: for each size of :data:`FRESH_SIZES`, a run of calls' work copies made
+  as the transports make theirs (:func:`_work_copies`: the caller's input cloned per call, a buffer allocated
+  and the input copied into it, other allocations, the buffer freed; not a tight loop of one size, whose freed
+  block the allocator hands straight back where a run of calls sees its pages returned to the kernel and faulted
+  afresh), each timed against the same copy into a buffer kept mapped: ``fresh_min_bytes`` is the smallest size
+  from which every size swept copies at least :data:`FRESH_STEP` times slower on the mean of its calls,
+  ``fresh_byte_s`` the median over those sizes of the difference per byte; no such size (no step within the
+  sweep): both 0 (:func:`fresh_step`);
+- ``fresh_advised_byte_s``: a second run of the same calls whose buffers are advised as huge pages before the
+  copy (:func:`sparsecomm.transports.buffers.fresh_empty`, the ring's and ``native``'s work copy): the median over
+  the sizes from ``fresh_min_bytes`` on of its mean copy's time beyond the mapped copy per byte (at least 0); no
+  step: 0 (:func:`advised_rate`);
 - ``sum_element_s``: ``Tensor.add_`` of two large vectors of each dtype of :data:`~.sim_host.SUM_DTYPES`,
   per element (the ring's and OmniReduce's aggregator's sum);
 - ``scan_element_s``, ``scan_zero_element_s``: :func:`sparsecomm.codec.nonzero_blocks` (OmniReduce's block
@@ -217,11 +218,14 @@ ROUNDS = {True: 20, False: 200}
 ELEMENTS = {True: 1 << 18, False: 1 << 22}
 #: repeats of each kernel timing, quick and full
 REPEATS = {True: 5, False: 15}
-#: bytes of the buffers of the fresh-buffer sweep, quick and full: below and from glibc's largest mmap threshold
-#: (32 MiB on 64-bit; a request of 32 MiB with its header is above it)
-FRESH_SIZES = {True: (8 << 20, 48 << 20), False: (8 << 20, 16 << 20, 32 << 20, 64 << 20)}
-#: repeats of each fresh and mapped fill, quick and full (a fresh fill above the threshold takes ~0.1 s per 64 MiB)
-FRESH_REPEATS = {True: 3, False: 5}
+#: bytes of the buffers of the fresh-buffer sweep, quick and full: from the transports' advice threshold (one huge
+#: page, :data:`sparsecomm.transports.buffers.ADVISE_MIN_BYTES`) to beyond glibc's largest mmap threshold (32 MiB on
+#: 64-bit; a request of 32 MiB with its header is above it)
+FRESH_SIZES = {True: (4 << 20, 48 << 20), False: (2 << 20, 4 << 20, 8 << 20, 16 << 20, 32 << 20, 64 << 20)}
+#: calls of each run of work copies, quick and full (a fresh copy above the threshold takes ~0.05 s per 64 MiB)
+FRESH_REPEATS = {True: 4, False: 10}
+#: calls of each run before those timed (the allocator's thresholds as a run of calls leaves them)
+FRESH_WARMUP = 2
 #: a size is charged as fresh where its fresh fill takes at least this many times its mapped fill (:func:`fresh_step`)
 FRESH_STEP = 2.0
 #: the tag of the calibration's messages
@@ -495,42 +499,68 @@ def advised_rate(sizes, advised_s, mapped_s, threshold: int) -> float:
     return max(0.0, float(statistics.median(rates))) if rates else 0.0
 
 
+def _work_copies(n: int, calls: int, advised: bool) -> tuple[list[float], list[float]]:
+    """CPU seconds (this thread's: the page faults are its own) of ``calls`` work copies of ``n`` float32 made as
+    the ring and ``native`` make theirs in a run of calls, and of the same copy into a buffer kept mapped: per
+    call the caller's input cloned (the one before freed once it is made), a buffer allocated (``advised``: by
+    :func:`~sparsecomm.transports.buffers.fresh_empty`, as the transports do from its threshold on; else
+    ``torch.empty``) and the input copied into it, then the copy into the mapped buffer, a buffer of half the size
+    allocated by the first call and kept (the ring's receive buffer), the call's small allocations, and the work
+    buffer freed (the result the caller drops). Whether a freed block's pages go back to the kernel depends on
+    what else was allocated between (:mod:`sparsecomm.transports.buffers`): a tight loop of one size reuses them
+    where calls do not."""
+    src = torch.ones(n)
+    mapped = torch.empty(n)
+    mapped.copy_(src)
+    kept, x = None, None
+    work_s, mapped_s = [], []
+    for _ in range(calls):
+        x = src.clone()                         # (the caller's input; the one before is freed here)
+        t0 = time.thread_time()
+        w = fresh_empty(n, torch.float32) if advised else torch.empty(n)
+        w.copy_(x)
+        t1 = time.thread_time()
+        mapped.copy_(x)
+        t2 = time.thread_time()
+        if kept is None:
+            kept = torch.zeros(n // 2)          # (the ring's receive buffer, kept from call to call)
+        small = [torch.empty(256) for _ in range(16)]
+        del w, small
+        work_s.append(t1 - t0)
+        mapped_s.append(t2 - t1)
+    return work_s, mapped_s
+
+
+def _fresh_run(ctx, n: int, calls: int, advised: bool) -> tuple[list[float], list[float]]:
+    """:func:`_work_copies` in a launched process (one thread, as the transports' workers run)."""
+    torch.set_num_threads(1)
+    return _work_copies(n, calls, advised)
+
+
 def fresh_costs(quick: bool = False) -> dict:
     """``fresh_byte_s``, ``fresh_min_bytes`` and ``fresh_advised_byte_s`` (module docstring), with the sweep's
-    times (``fresh_fit``)."""
+    times (``fresh_fit``): per size of :data:`FRESH_SIZES`, a run of :data:`FRESH_REPEATS` calls' work copies
+    (:func:`_work_copies`) into plain buffers, and one into advised ones, after :data:`FRESH_WARMUP` calls each,
+    each run in a process of its own (a fresh process's heap, as a transport's worker starts with; a run after
+    others in one process meets the heap they left, and its freed blocks go back to the kernel at other sizes);
+    the mean of each run's copies (the page faults come in some calls and not in others: the mean is what a run
+    of calls pays per call), the median of the mapped copies."""
     sizes, reps = FRESH_SIZES[quick], FRESH_REPEATS[quick]
     fresh_s, advised_s, mapped_s = [], [], []
     for nbytes in sizes:
         n = nbytes // 4
-        mapped = torch.empty(n)
-        mapped.fill_(0.0)                       # (its pages mapped)
-
-        def fresh():
-            torch.empty(n).fill_(1.0)           # (allocated, filled and freed)
-
-        def advised():
-            fresh_empty(n, torch.float32).fill_(1.0)    # (the same, advised as huge pages from its size on)
-
-        fresh()                                 # (warm-up: the allocator's threshold as a run leaves it)
-        advised()
-        runs = []
-        for _ in range(reps):
-            t = time.thread_time()              # (CPU time, as _median_s: the page faults are this thread's)
-            fresh()
-            t1 = time.thread_time()
-            advised()
-            t2 = time.thread_time()
-            mapped.fill_(1.0)
-            runs.append((t1 - t, t2 - t1, time.thread_time() - t2))
-        fresh_s.append(statistics.median(p[0] for p in runs))
-        advised_s.append(statistics.median(p[1] for p in runs))
-        mapped_s.append(statistics.median(p[2] for p in runs))
-        del mapped
+        (plain, m1), = _launches(functools.partial(_fresh_run, n=n, calls=FRESH_WARMUP + reps, advised=False), 1, 1,
+                                 backend="gloo", timeout_s=120.0)[0]
+        (advised, m2), = _launches(functools.partial(_fresh_run, n=n, calls=FRESH_WARMUP + reps, advised=True), 1, 1,
+                                   backend="gloo", timeout_s=120.0)[0]
+        fresh_s.append(statistics.fmean(plain[FRESH_WARMUP:]))
+        advised_s.append(statistics.fmean(advised[FRESH_WARMUP:]))
+        mapped_s.append(statistics.median(m1[FRESH_WARMUP:] + m2[FRESH_WARMUP:]))
     rate, threshold = fresh_step(sizes, fresh_s, mapped_s)
     return {"fresh_byte_s": rate, "fresh_min_bytes": threshold,
             "fresh_advised_byte_s": advised_rate(sizes, advised_s, mapped_s, threshold),
             "fresh_fit": {"sizes": list(sizes), "fresh_s": fresh_s, "advised_s": advised_s, "mapped_s": mapped_s,
-                          "step": FRESH_STEP}}
+                          "step": FRESH_STEP, "calls": reps}}
 
 
 def codec_costs(quick: bool = False) -> dict:

@@ -1940,3 +1940,37 @@ def test_a_profile_with_rates_by_share_round_trips_and_one_without_them_shares_a
         path.write_text(json.dumps(bad))
         with pytest.raises(error, match=match):
             sc.Network.from_profile(path)
+
+
+# ------------------------------------------------------------------------------------------ fresh pages
+def test_the_fresh_sweep_runs_each_size_as_a_run_of_calls_in_a_process_of_its_own(monkeypatch):
+    """calibrate's fresh-page fit times work copies made in a run of calls, plain and advised each in a launched
+    process of its own (a worker's fresh heap, not a tight loop after the calibration's other work), and takes the
+    mean of the timed calls (the faults come in some calls only), the median of the mapped copies. (The runs are
+    injected: what is checked is what the calibration makes of them.)"""
+    from sparsecomm.netbed import calibrate as cal
+
+    sizes, reps, warm = cal.FRESH_SIZES[True], cal.FRESH_REPEATS[True], cal.FRESH_WARMUP
+    launched = []
+
+    def fake_launch(fn, n, backend=None, timeout_s=None, **kw):
+        numel, calls, advised = fn.keywords["n"], fn.keywords["calls"], fn.keywords["advised"]
+        launched.append((n, backend, numel, calls, advised))
+        mapped = numel * 1e-10
+        # a warm-up call that faults, then calls that fault one in two (advised: a quarter as dear)
+        cost = (1.0 if advised else 4.0) * mapped
+        work = [100 * mapped] * warm + [mapped + (cost if i % 2 else 0.0) for i in range(calls - warm)]
+        return [(work, [mapped] * calls)]
+
+    monkeypatch.setattr(sc, "launch", fake_launch)
+    got = cal.fresh_costs(quick=True)
+    assert launched == [(1, "gloo", b // 4, warm + reps, adv) for b in sizes for adv in (False, True)]
+    mean = lambda k: sum(k * (i % 2) for i in range(reps)) / reps   # noqa: E731
+    fit = got["fresh_fit"]
+    for b, f, a, m in zip(sizes, fit["fresh_s"], fit["advised_s"], fit["mapped_s"]):
+        m0 = b // 4 * 1e-10
+        assert m == pytest.approx(m0) and f == pytest.approx(m0 + mean(4 * m0)) and a == pytest.approx(m0 + mean(m0))
+    assert got["fresh_min_bytes"] == sizes[0]     # (mean 3x the mapped copy: at least FRESH_STEP from the first size)
+    assert got["fresh_byte_s"] == pytest.approx(mean(4e-10) / 4)
+    assert got["fresh_advised_byte_s"] == pytest.approx(mean(1e-10) / 4)
+

@@ -131,7 +131,7 @@ def test_the_advice_covers_the_aligned_interior_from_the_threshold_on(monkeypatc
     assert advises(ADVISE_MIN_BYTES) and not advises(ADVISE_MIN_BYTES - 1) and not advises(ADVISE_MIN_BYTES, "meta")
     small = torch.empty(ADVISE_MIN_BYTES // 4 - 1)
     assert not advise_huge(small) and calls == []
-    t = torch.empty(ADVISE_MIN_BYTES // 4 + 1000)
+    t = torch.empty(max(ADVISE_MIN_BYTES, 2 * HUGE_PAGE_BYTES) // 4 + 1000)   # (an aligned huge page inside)
     assert advise_huge(t)
     (addr, length, advice), = calls
     assert advice == buffers.MADV_HUGEPAGE

@@ -46,12 +46,13 @@ modelled clocks (``host=None``, the default: no host cost, every modelled time a
   and of its sums); ``"fresh"``, bytes of a buffer a transport allocates afresh in a call (``fresh_byte_s`` per
   byte for a buffer of at least ``fresh_min_bytes``, nothing below: the first touch of its pages, beyond the
   copy or fill that writes them; glibc's allocator maps a buffer above its mmap threshold afresh on every
-  allocation and unmaps it when it is freed, while a smaller one's memory, up to its largest threshold of 32
-  MiB, is reused from the freed one before): the ring's and ``native``'s work copy under 32 MiB, the integer
-  switch's codes and sums, the sparse switch's temporaries, the allgather's sum; not OmniReduce's result buffers,
-  kept from call to call; ``"fresh_advised"``, bytes of such a buffer that the transport advised as huge pages
-  before its first touch (:mod:`sparsecomm.transports.buffers`: the ring's and ``native``'s work copy of at least
-  32 MiB), charged ``fresh_advised_byte_s`` per byte from ``fresh_min_bytes`` on (a profile without that rate: half
+  allocation and unmaps it when it is freed, and a smaller one's pages go back to the kernel when a run of calls
+  leaves enough free at the top of its heap, which the calibration measures on such a run: the mean per call):
+  the ring's and ``native``'s work copy under a huge page, the integer switch's codes and sums, the sparse switch's
+  temporaries, the allgather's sum; not OmniReduce's result buffers, kept from call to call; ``"fresh_advised"``,
+  bytes of such a buffer that the transport advised as huge pages before its first touch
+  (:mod:`sparsecomm.transports.buffers`: the ring's and ``native``'s work copy of at least a huge page, 2 MiB),
+  charged ``fresh_advised_byte_s`` per byte from ``fresh_min_bytes`` on (a profile without that rate: half
   of ``copy_byte_s``, the kernel zeroing the huge pages with one write of each byte, where a copy reads and writes
   it); ``"fresh_later"`` and ``"fresh_touch"``, a fresh buffer whose pages a transport touches piecewise as
   its parts are written (the float switch's result, its chunks decoded into it as their results arrive, behind the
