@@ -38,6 +38,8 @@ Capabilities. Layers above ask a fabric what it can do, never which class it is:
 - ``direct_waits``: ``wait_unbounded(work)`` waits on the calling thread itself, with no deadline and no
   helper thread (a service's receive threads, one wake-up per message), and ``wait_for_shutdown(stop)``
   watches a service rank's end of the run for them; ``False``: a service thread waits with ``work.wait()``.
+- ``charges_host_work``: ``host_work(...)`` may charge time (a SimFabric whose network has a host model);
+  ``False``: it is a no-op, and a caller may skip it and whatever it counts only to declare it.
 - ``message_bytes``: how many bytes a message should carry for this fabric's fixed cost per message to be
   amortised; a protocol that may put several packets in one message (the switches' bursts) fills
   messages of about this size, and takes its other defaults from it (the transports' module docstrings,
@@ -103,6 +105,7 @@ class Fabric(ABC):
     in_process_services: bool = False
     serial_pairs: bool = False
     direct_waits: bool = False
+    charges_host_work: bool = False
     message_bytes: int | None = MESSAGE_BYTES
 
     @property

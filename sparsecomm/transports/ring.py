@@ -170,8 +170,9 @@ def ring_role(fabric: Fabric, acc: torch.Tensor | None, inbox: Inbox, tag: int =
     it yields its sends (each held under its index among this worker's sends, :class:`~.roles.Send`), the
     receives it posts into the workspace's buffers or into ``acc``, and a wait for each (:class:`~.roles.Recv`),
     then takes the message from ``inbox``; before an all-gather receive overwrites a region of ``acc`` it waits
-    for the send of that region (:class:`~.roles.Flush`). ``fabric`` is read for its rank, world size and
-    ``serial_pairs``; ``tag``, ``segment``, ``workspace``: as :func:`ring_allreduce_`. It returns ``acc``.
+    for the send of that region (:class:`~.roles.Flush`). ``fabric`` is read for its rank, world size,
+    ``serial_pairs`` and ``charges_host_work`` (a summed segment is declared only where it is charged);
+    ``tag``, ``segment``, ``workspace``: as :func:`ring_allreduce_`. It returns ``acc``.
 
     ``prologue``: a role run first, in this frame, that returns ``(vector, note)``: the vector to sum (``acc``
     is then not used; e.g. :func:`~.linear.guarded_vector_role`, the agreement handshake). The steps' requests
@@ -189,7 +190,7 @@ def ring_role(fabric: Fabric, acc: torch.Tensor | None, inbox: Inbox, tag: int =
         # same rank, so a forwarded segment would wait behind receives posted for later; no segments
         seg = max(1, big)
     right, left = (r + 1) % n, (r - 1) % n
-    host_work, dtype = fabric.host_work, acc.dtype
+    host_work, dtype = (fabric.host_work if fabric.charges_host_work else None), acc.dtype
     nbufs = 1 if n == 2 else rs_buffers(n, big * acc.element_size())
     bufs = _workspace(workspace, big, nbufs, acc)
     views: dict = {}        # (buffer, start, end) -> that view of a workspace buffer (a few: every chunk's alike)
@@ -259,7 +260,8 @@ def ring_role(fabric: Fabric, acc: torch.Tensor | None, inbox: Inbox, tag: int =
             regions.append(region)
             region.add_(inbox.take(key))
             key += 1
-            host_work("sum", hi - lo, dtype)
+            if host_work is not None:
+                host_work("sum", hi - lo, dtype)
             yield _new(Send, (region, right, tag, sent, False))
             sent += 1
             if rs_done:

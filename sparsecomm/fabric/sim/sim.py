@@ -242,6 +242,8 @@ class SimFabric(Fabric):
         self.world_size = world.world_size
         self.timeout_s = world.network.timeout_s
         self._ep = world.endpoints[rank]
+        #: :attr:`.base.Fabric.charges_host_work`: a host model's (the network's, fixed for the run)
+        self.charges_host_work = self._ep.host is not None
 
     @property
     def stats(self) -> CommStats:

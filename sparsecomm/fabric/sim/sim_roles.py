@@ -488,6 +488,8 @@ class RoleWaits:
         clock = self.ep.clock
         heap = self.heap
         self.seen_group = None
+        while heap and heap[0][2].tick != heap[0][1]:
+            heappop(heap)           # (stale tops, a chosen group's above all: dropped here, not through _due)
         if (self.due or (heap and heap[0][0] <= clock)) and self._due(clock) is not None:
             self.seen = clock       # (none due by the clock, the common case: _due would find none, not called)
             return clock
@@ -550,6 +552,7 @@ class RoleWaits:
                 break
             else:
                 return None
+            self.seen = self.seen_group = None     # (what event() found is read again before a choice at it)
         else:
             if at is not None and at == self.seen:
                 t, g = at, self.seen_group

@@ -293,12 +293,24 @@ class World:
                     return
             elif (type(req) is AnyWait and req.keys is None and self.failure is None and not self.closed
                     and not self.deadlocked and not p.ep.crashed):     # (_try's choice of a kept state, inline)
+                # its event first: the clock-only choice (the first group in order, in by the clock) can succeed
+                # only if the event is the clock (never before it), and the block needs the event anyway
                 try:
-                    got = req.watch.choose(self, clock_only=True)
-                    if got is not None:
-                        p.value = got
-                        continue
-                    self._block(p, req)
+                    ep = p.ep
+                    watch = req.watch
+                    t = watch.event()
+                    if t is not None and t <= ep.clock:
+                        got = watch.choose(self, clock_only=True)
+                        if got is not None:
+                            p.value = got
+                            continue
+                    p.wait = req            # (_block, inline, with the event read above: once per choice)
+                    p.no += 1
+                    p.event = t
+                    ep.waiters.append(p)
+                    self._blocked += 1
+                    if t is not None:
+                        heapq.heappush(self._heap, (t, 0, ep.id, p.seq, p.no, p))
                 except Exception as exc:  # noqa: BLE001 - the wait's own code (its endpoint's records) raised
                     self._fault(p, exc)
                 return

@@ -376,7 +376,8 @@ class OmniReduce(Transport):
             out = torch.zeros(spec.numel, dtype=down)
             return out, BlockSink(out, spec.block_size)
 
-        run_worker(self.fabric, spec, DenseSource(vector, spec.block_size, lazy=True), sink, self.aggregators,
+        run_worker(self.fabric, spec, DenseSource(vector, spec.block_size, lazy=not self.fabric.modelled_time), sink,
+                   self.aggregators,
                    self.own, self._pool)
 
     def _result(self, numel: int, dtype: torch.dtype):
@@ -398,7 +399,9 @@ class OmniReduce(Transport):
         if not flat.is_floating_point() and flat.numel():
             absmax = max(int(flat.max()), -int(flat.min()))
         thr = self.threshold if flat.is_floating_point() else 0.0
-        source = DenseSource(flat, self.block_size, thr, lazy=True)   # scanned range by range
+        # scanned range by range on a real fabric (a worker sends one aggregator's blocks while it scans the
+        # rest); on one of modelled time in one pass (the host model charges the pieces all the same)
+        source = DenseSource(flat, self.block_size, thr, lazy=not self.fabric.modelled_time)
         spec = self._spec(flat.numel(), flat.dtype, kind, check, absmax)
 
         def make_sink(down: torch.dtype):

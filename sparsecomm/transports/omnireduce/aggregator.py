@@ -297,6 +297,8 @@ def agg_lane(adm, c: AggChannel, inbox, outbox, host: int | None, mark=None):
     waits until the host has taken the previous one."""
     slot = c.slot
     gone = (Key(Msg.WORDS, adm.index, slot), Key(Msg.DOWN, adm.index, slot)) if host is not None else ()
+    fabric = inbox.fabric
+    charged = fabric.charges_host_work
     while c.active:
         r0 = c.round == 0
         kind = Msg.BLOCKS0 if r0 else Msg.UP
@@ -323,9 +325,10 @@ def agg_lane(adm, c: AggChannel, inbox, outbox, host: int | None, mark=None):
                 data, looks = wire.split(msg, k, c.bs, c.up, meta=not (r0 and c.single),
                                          short=c.short if r0 and k == c.ch.size and w != host else 0)
             moved = c.add(w, data, looks)
-            inbox.fabric.host_work("index", moved)     # (blocks added at scattered rows)
-            if data is not None:     # (each contribution's elements, the first one's copy counted as a sum)
-                inbox.fabric.host_work("sum", data.numel(), c.acc_dtype)
+            if charged:
+                fabric.host_work("index", moved)     # (blocks added at scattered rows)
+                if data is not None:     # (each contribution's elements, the first one's copy counted as a sum)
+                    fabric.host_work("sum", data.numel(), c.acc_dtype)
             if w != host:
                 yield from c.window.done(key)
         out = c.finish()

@@ -56,13 +56,15 @@ class TailRun:
 
 
 class _Blocks:
-    """Common part: ``numel``, ``block_size``, ``nb``, ``mask`` (bool per block)."""
+    """Common part: ``numel``, ``block_size``, ``nb``, ``mask`` (bool per block); ``lazy``: ``mask`` is valid
+    only where :meth:`scan` has made it so (else valid whole from the start)."""
 
     numel: int
     block_size: int
     nb: int
     mask: torch.Tensor
     dtype: torch.dtype
+    lazy: bool = False
 
     @property
     def tail(self) -> int:

@@ -247,8 +247,10 @@ def _take_reply0_single(call, a: int, ch: wire.Channel, k: int, bs: int) -> None
         return
     ids = np.unpackbits(words, bitorder="little", count=ch.lanes).astype(bool).nonzero()[0] + ch.lo
     if data is not None:
-        call.fabric.host_work("index", call.sink.write(ids, data))
-        call.fabric.host_work("move", data.nbytes)
+        written = call.sink.write(ids, data)
+        if call.fabric.charges_host_work:
+            call.fabric.host_work("index", written)
+            call.fabric.host_work("move", data.nbytes)
     else:
         land_sums0(call, a, ch, ids)
 

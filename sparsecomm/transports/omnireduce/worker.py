@@ -161,22 +161,29 @@ def verdict(call, a: int):
 
 def scan(call, a: int):
     """Find this worker's non-zero blocks in aggregator ``a``'s range (colocated: in pieces, with a
-    ``Poll`` after each); set up its channels."""
+    ``Poll`` after each); set up its channels. A source scanned whole already (not :attr:`~.blocks._Blocks.lazy`:
+    on a fabric of modelled time, where the overlap of a real scan buys nothing) is not scanned again; the
+    pieces, their ``Poll`` and the work declared (where it is charged) are the same."""
     chans = call.plans[a]
     if chans:
         lo, hi = chans[0].lo, chans[-1].lo + chans[-1].size
-        least = SCAN_MIN_BLOCKS if call.fabric.modelled_time else SCAN_MIN_BLOCKS_REAL
+        fabric, source = call.fabric, call.source
+        least = SCAN_MIN_BLOCKS if fabric.modelled_time else SCAN_MIN_BLOCKS_REAL
         step = hi - lo if call.own is None else max(least, -(-(hi - lo) // SCAN_PIECES))
+        lazy, charged = source.lazy, fabric.charges_host_work
         for s in range(lo, hi, step):
             e = hi if hi < s + step else s + step
-            call.source.scan(s, e)
-            bs = call.source.block_size      # the elements scanned: blocks [s, e)
-            call.fabric.host_work("scan", min(e * bs, call.source.numel) - s * bs)
-            if call.fabric.modelled_time and isinstance(call.source, DenseSource):   # (read to their end: sim_host)
-                call.fabric.host_work("scan_zero", _zero_elements(call.source, s, e))
+            if lazy:
+                source.scan(s, e)
+            if charged:
+                bs = source.block_size      # the elements scanned: blocks [s, e)
+                fabric.host_work("scan", min(e * bs, source.numel) - s * bs)
+                if fabric.modelled_time and isinstance(source, DenseSource):   # (read to their end: sim_host)
+                    fabric.host_work("scan_zero", _zero_elements(source, s, e))
             if call.own is not None:
                 yield _POLL_SCAN
-        call.fabric.host_work("span", hi - lo)     # the range's per-block work beyond the scan (sim_host)
+        if charged:
+            fabric.host_work("span", hi - lo)     # the range's per-block work beyond the scan (sim_host)
     for ch in chans:
         call.wch[a, ch.slot] = core.WorkerChannel(ch, call.source.mask)
     if call.traced:
