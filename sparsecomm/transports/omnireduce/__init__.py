@@ -80,8 +80,7 @@ blocks (the paper's), colocated aggregators, 2 channels per aggregator and 16384
 i.e. messages of up to 16 MiB and a 100 MB tensor in 1-2 rounds on 2-4 workers, where each round trip
 costs milliseconds (BENCHMARKS.md, "Transports on the netbed", measures them against other lane counts).
 On a fabric whose messages want to be long (``fabric.message_bytes``: real processes) a colocated call
-whose aggregator ranges fit in one round and hold less than ``message_bytes`` each runs one channel per
-aggregator (:meth:`OmniReduce.channels_for`).
+whose aggregator ranges fit in one round runs one channel per aggregator (:meth:`OmniReduce.channels_for`).
 """
 
 from __future__ import annotations
@@ -229,8 +228,7 @@ class OmniReduce(Transport):
         return costs.omnireduce_allreduce(
             self.fabric.world_size, call.numel, density=call.density, union_density=call.union_density,
             elem_size=call.elem_size, block_size=self.block_size, deployment=self.deployment,
-            num_aggregators=self.num_aggregators, channels=self.channels_for(call.numel, call.elem_size),
-            lanes=self.lanes,
+            num_aggregators=self.num_aggregators, channels=self.channels_for(call.numel), lanes=self.lanes,
             bandwidth_gbps=bandwidth_gbps, latency_us=latency_us)
 
     # ------------------------------------------------------------------ public
@@ -242,44 +240,27 @@ class OmniReduce(Transport):
             return x
         return out
 
-    def channels_for(self, numel: int, itemsize: int = 4) -> int:
-        """The channels per aggregator of a call of ``numel`` elements of ``itemsize`` bytes: ``channels`` if it
-        was given; else :data:`CHANNELS` (the paper's several streams per aggregator, whose up- and downstream
-        overlap) on a modelled network (``fabric.message_bytes`` is ``None``) and with dedicated aggregators (a
-        worker's up- and downlink carry different streams); on a real fabric colocated, :data:`CHANNELS` where
-        one channel would take more than one round (an aggregator's range of more than ``lanes`` blocks) or
-        where an aggregator's range holds at least ``fabric.message_bytes`` (on two workers, or a tensor of
-        whole blocks: where the split cannot change the sums' bits, see below), else one. A one-round call on one
-        channel is two phases in sequence on every link direction (the blocks of one aggregator's range up,
-        then, once summed, the sums of another's down), with the link idle while the last block arrives, is
-        summed and its sums start, and while the call starts and ends: two streams overlap the first one's
-        sum and sums with the second one's blocks (BENCHMARKS.md, "Time to accuracy on the netbed": the dense
-        MLP's 4.2 MB bucket on 2 hosts at 1 Gbit/s). A shorter range stays on one channel: each stream costs
-        every endpoint its messages, its roles and, on gloo, the helper threads that watch its large receives,
-        which a message shorter than ``message_bytes`` does not amortise (BENCHMARKS.md, "Transports on
-        loopback"). The sums do not depend on the channels, bit for bit, except in place with three or more
-        workers where the tensor ends with a short block (that block's channel is summed in message order, the
-        others in place: :func:`.strategies.homed`), where the rule keeps one channel. Every worker computes the
-        same value from the same call (it is in the call's header, checked for agreement)."""
+    def channels_for(self, numel: int) -> int:
+        """The channels per aggregator of a call of ``numel`` elements: ``channels`` if it was given; else
+        :data:`CHANNELS` (the paper's several streams per aggregator, whose up- and downstream overlap) on a
+        modelled network (``fabric.message_bytes`` is ``None``) and with dedicated aggregators (a worker's
+        up- and downlink carry different streams), and on a real fabric colocated :data:`CHANNELS` only
+        where one channel would take more than one round (an aggregator's range of more than ``lanes``
+        blocks), else one: colocated, every link direction carries the blocks of one aggregator's range
+        and the sums of another's, so a second stream shortens no link's time, while each stream costs
+        every endpoint its messages, its roles and, on gloo, the helper threads that watch its large
+        receives (BENCHMARKS.md, "Transports on loopback"). Every worker computes the same value from the
+        same call (it is in the call's header, checked for agreement)."""
         if self.channels is not None:
             return self.channels
-        message_bytes = self.fabric.message_bytes
-        if message_bytes is None or self.deployment != "colocated":
+        if self.fabric.message_bytes is None or self.deployment != "colocated":
             return CHANNELS
         nb = -(-numel // self.block_size)
-        per = -(-nb // self.num_aggregators)          # (the largest aggregator's range, in blocks)
-        if per > self.lanes:
-            return CHANNELS
-        # (the split keeps the sums' bits: with three or more workers an in-place channel that ends with the
-        # short last block is summed in message order, the others in place (strategies.homed), so a split
-        # there would change the order in which the first part of that range is summed)
-        same_bits = self.fabric.world_size == 2 or numel % self.block_size == 0
-        return CHANNELS if same_bits and per * self.block_size * itemsize >= message_bytes else 1
+        return 1 if -(-nb // self.num_aggregators) <= self.lanes else CHANNELS
 
     # --------------------------------------------------------------- protocol
     def _spec(self, numel: int, up: torch.dtype, kind: str, check: int = 0, absmax: int = 0) -> CallSpec:
-        return CallSpec(numel, up, self.block_size, self.num_aggregators, self.channels_for(numel, up.itemsize),
-                        self.lanes,
+        return CallSpec(numel, up, self.block_size, self.num_aggregators, self.channels_for(numel), self.lanes,
                         wire.KINDS.index(kind), check, absmax)
 
     def _run(self, spec: CallSpec, source, make_sink, home: bool = False):

@@ -117,24 +117,3 @@ def test_gloo_windows_smaller_than_the_workers_never_deadlock():
     out = sc.launch(_more_workers_than_windows, 3, backend="gloo", timeout_s=60,
                     services=[f"omnireduce-agg:{i}" for i in range(3)])
     assert out == [[True] * 6] * 3
-
-
-def _two_streams(ctx):
-    """A one-round call whose aggregator ranges hold at least a message's bytes (2 MiB and a short block on
-    2 workers): two channels by default on gloo, the same sums as one channel's, in place and not."""
-    numel = (1 << 19) + 5
-    x = torch.randn(numel, generator=torch.Generator().manual_seed(ctx.rank))
-    out = []
-    for inplace in (False, True):
-        t = sc.transports.get("omnireduce", ctx.fabric, inplace=inplace)
-        one = sc.transports.get("omnireduce", ctx.fabric, inplace=inplace, channels=1)
-        for _ in range(2):      # the second call of each is a predicted one (no handshake)
-            y, y1 = t.allreduce(x.clone()), one.allreduce(x.clone())
-            out.append((t.channels_for(numel), torch.equal(y, y1)))
-    return out
-
-
-@pytest.mark.multiprocess
-def test_gloo_a_range_of_a_message_or_more_runs_two_streams_with_the_same_sums():
-    out = sc.launch(_two_streams, 2, backend="gloo", timeout_s=60)
-    assert out == [[(2, True)] * 4] * 2
