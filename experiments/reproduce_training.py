@@ -329,9 +329,9 @@ class Scheme:
 
     def sharing_services(self, pinned: bool = False) -> int:
         """Its services that share the workers' cores, as a model of processes sharing cores counts them
-        (:func:`experiments.bench.netbed_vs_sim.busy_endpoints`: every one; on ``pinned`` ranks, none of the sparse
+        (:func:`sparsecomm.netbed.calibrate.busy_endpoints`: every one; on ``pinned`` ranks, none of the sparse
         switch's, which computes only while the workers wait)."""
-        from .bench.netbed_vs_sim import busy_endpoints
+        from sparsecomm.netbed.calibrate import busy_endpoints
 
         if not self.services:
             return 0

@@ -93,6 +93,7 @@ import sparsecomm.transports  # noqa: F401  (registers the transports)
 from sparsecomm.fabric.sim.sim_network import TCP_OVER_ETHERNET
 from sparsecomm.errors import InvalidValueError
 from sparsecomm.fabric.probe import fabric_latency_s, link_parameters
+from sparsecomm.netbed.calibrate import busy_endpoints
 
 #: :func:`modelled`'s default one-way latency: a netbed path in the kernel (host - top of rack - host; its
 #: round trip: ``python -m sparsecomm.netbed check``); :func:`compare` passes the fabric's own latency
@@ -207,24 +208,12 @@ def modelled_cases(workers: int, size_mb: float, cases: list, network: "sc.Netwo
     return times
 
 
-def busy_endpoints(transport: str, workers: int, services: int, pinned: bool = False) -> int:
-    """The processes of a call of ``transport`` that share the cores, as a model of processes sharing cores counts
-    them (:meth:`~sparsecomm.fabric.sim.sim_host.HostModel.sharing`): the ``workers`` and its ``services`` (each a
-    process, a switch too). ``pinned`` (every rank on a core of its own turn, ``sc.launch(pin_cores=True)``): the
-    workers alone where the services compute only while the workers wait for them
-    (:attr:`~sparsecomm.transports.base.Transport.services_share_cores`: the sparse switch's lock-step waves).
-    Unpinned, the kernel runs such workers on one core in some calls and not in others, which no fixed share
-    describes; the count of every process is the slower of the two, which the loopback measures most often."""
-    shares = not pinned or sc.transports.registry.factory(transport).services_share_cores
-    return workers + (services if shares else 0)
-
-
 def profile_network(profile: str, case, workers: int, cores: float, pinned: bool = False, **wire) -> "sc.Network":
     """The network of ``case`` (:class:`.transports.Case`) modelled with the host ``profile``: ``wire``'s
     :class:`~sparsecomm.Network` fields, the profile's host model with the CPU share of the case's processes
-    (:func:`busy_endpoints`; ``pinned``: the ranks measured on pinned cores, the services that compute only while
-    the workers wait left out) on ``cores`` cores (:meth:`~sparsecomm.fabric.sim.sim_host.HostModel.sharing`;
-    ``native`` is modelled by :func:`model_transport`)."""
+    (:func:`sparsecomm.netbed.calibrate.busy_endpoints`; ``pinned``: the ranks measured on pinned cores, the
+    services that compute only while the workers wait left out) on ``cores`` cores
+    (:meth:`~sparsecomm.fabric.sim.sim_host.HostModel.sharing`; ``native`` is modelled by :func:`model_transport`)."""
     net = sc.Network.from_profile(profile, **wire)
     net.host = net.host.sharing(busy_endpoints(case.transport, workers, len(case.services), pinned), cores)
     return net
@@ -265,8 +254,8 @@ def compare_transports(workers: int, size_mb: float, gbps: float, names: list[st
     and modelled on the SimFabric: the link model alone (the small-message latency measured over the same netbed,
     TCP framing), and, with ``profile`` (a host profile, ``python -m sparsecomm.netbed calibrate``), the link plus
     that host model, its CPU share the processes per core of the netbed (workers and services,
-    :func:`busy_endpoints`, on this machine's cores) and its wire latency the netbed's per-message latency the
-    profile records (:func:`netbed_latency_us`;
+    :func:`~sparsecomm.netbed.calibrate.busy_endpoints`, on this machine's cores) and its wire latency the
+    netbed's per-message latency the profile records (:func:`netbed_latency_us`;
     ``native`` modelled as gloo's ring, :func:`model_transport`; the hosts stream a message's bytes beside the
     netbed's link, ``Network.host_streams``);
     ``link=False``: the host model only (the link model of a large switch call, one datagram per 64-value

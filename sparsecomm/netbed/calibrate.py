@@ -208,7 +208,7 @@ from ..fabric.sim.sim_profile import host_from_profile, load_profile, profile_di
 from ..transports.buffers import fresh_empty
 from ..transports.native.collectives import GATHER_SUM_BYTES
 
-__all__ = ["calibrate", "main", "shared_into", "sync_into", "write_profile"]
+__all__ = ["busy_endpoints", "calibrate", "main", "shared_into", "sync_into", "write_profile"]
 
 #: message sizes (bytes) of the gloo exchange, quick and full
 MESSAGE_SIZES = {True: (64, 16384, 262144), False: (64, 4096, 65536, 262144, 1 << 20, 4 << 20)}
@@ -963,6 +963,20 @@ def _time_sparse_switch(ctx, points: tuple, calls: int) -> list[list[float]]:
     return out
 
 
+def busy_endpoints(transport: str, workers: int, services: int, pinned: bool = False) -> int:
+    """The processes of a call of ``transport`` that share the cores, as a model of processes sharing cores counts
+    them (:meth:`~sparsecomm.fabric.sim.sim_host.HostModel.sharing`): the ``workers`` and its ``services`` (each a
+    process, a switch too). ``pinned`` (every rank on a core of its own turn, ``sc.launch(pin_cores=True)``): the
+    workers alone where the services compute only while the workers wait for them
+    (:attr:`~sparsecomm.transports.base.Transport.services_share_cores`: the sparse switch's lock-step waves).
+    Unpinned, the kernel runs such workers on one core in some calls and not in others, which no fixed share
+    describes; the count of every process is the slower of the two, which the loopback measures most often."""
+    from .. import transports
+
+    shares = not pinned or transports.registry.factory(transport).services_share_cores
+    return workers + (services if shares else 0)
+
+
 def sparse_switch_round_costs(host: HostModel, quick: bool = False, pin_cores: bool = False) -> dict:
     """``sparse_switch_round_s`` (module docstring), with the measurements fitted (``sparse_switch_round_fit``:
     the points, the measured and modelled times, the results each point's critical path charges, the
@@ -981,9 +995,8 @@ def sparse_switch_round_costs(host: HostModel, quick: bool = False, pin_cores: b
     measured, each = _points_over_launches(runs, len(points), calls)
     modelled = {}
     for rate in (0.0, PROBE_S):     # (modelled calls repeat exactly: one is timed)
-        # pinned, the switch computes only while both workers wait for it (Transport.services_share_cores): the
-        # two workers alone share the cores; unpinned, the three processes, as a run's model counts them
-        h = dataclasses.replace(host, sparse_switch_round_s=rate).sharing(2 if pin_cores else 3, cores)
+        h = dataclasses.replace(host, sparse_switch_round_s=rate).sharing(
+            busy_endpoints("sparse-switch", 2, 1, pin_cores), cores)
         sim = launch(functools.partial(fn, calls=1), 2, services=["sparse-switch"],
                      network=Network(bandwidth_gbps=1e4, latency_us=0.0, host=h))
         modelled[rate] = np.array([_slowest(sim, i, 1) for i in range(len(points))])
@@ -1179,7 +1192,7 @@ def call_costs(host: HostModel, quick: bool = False, pin_cores: bool = False, wo
     same moments sharing the cores (a service that computes only while the workers wait does not); ``workers``:
     the workers of a call; ``groups``: the transports by the services their launch needs (default
     :data:`CALL_GROUPS`)."""
-    from .. import launch, transports
+    from .. import launch
     from ..fabric.sim.sim_network import Network
 
     calls, cores = CALLS[quick], os.cpu_count() or 1
@@ -1189,11 +1202,7 @@ def call_costs(host: HostModel, quick: bool = False, pin_cores: bool = False, wo
         fn = functools.partial(_clocked_calls, names=names, numel=CALL_ELEMS, calls=calls, numel_of=CALL_ELEMS_OF)
         runs = _launches(fn, workers, LAUNCHES[quick], backend="gloo", services=list(services), timeout_s=120.0,
                          **({"pin_cores": True} if pin_cores else {}))
-        # pinned, the processes that compute at the same moments: the workers, and the services unless they compute
-        # only while the workers wait (Transport.services_share_cores: the sparse switch's), as a run's model counts
-        # them; unpinned, every process
-        shared = not pin_cores or all(transports.registry.factory(n).services_share_cores for n in names)
-        busy = workers + (len(services) if shared else 0)
+        busy = max(busy_endpoints(name, workers, len(services), pin_cores) for name in names)
         net = Network(bandwidth_gbps=1e4, latency_us=0.0, host=host.sharing(busy, cores))
         sim = launch(fn, workers, network=net)
         for name in names:
