@@ -193,16 +193,18 @@ def _quick_bf16(x, ybits):
 
 
 @njit(cache=True, nogil=True)
-def _quick_f16_at(addr, ybits, zero):
-    """:func:`_quick_f16` of the ``ybits.size`` float32 at ``addr`` (a tensor's ``data_ptr()``: no
-    ``Tensor.numpy()`` call; see :func:`._kernels.f32_at`); ``zero``: 0, as there."""
-    return _quick_f16(carray(_kernels.f32_at(addr), ybits.size), ybits, zero)
+def _quick_f16_at(addr, yaddr, n, zero):
+    """:func:`_quick_f16` of the ``n`` float32 at ``addr`` into the ``n`` 16-bit patterns at ``yaddr`` (tensors'
+    ``data_ptr()``: no ``Tensor.numpy()`` call and no array argument to type, see :func:`._kernels.f32_at`);
+    ``zero``: 0, as there."""
+    return _quick_f16(carray(_kernels.f32_at(addr), n), carray(_kernels.i16_at(yaddr), n), zero)
 
 
 @njit(cache=True, nogil=True)
-def _quick_bf16_at(addr, ybits):
-    """:func:`_quick_bf16` of the ``ybits.size`` float32 at ``addr`` (see :func:`_quick_f16_at`)."""
-    return _quick_bf16(carray(_kernels.f32_at(addr), ybits.size), ybits)
+def _quick_bf16_at(addr, yaddr, n):
+    """:func:`_quick_bf16` of the ``n`` float32 at ``addr`` into the ``n`` patterns at ``yaddr`` (see
+    :func:`_quick_f16_at`)."""
+    return _quick_bf16(carray(_kernels.f32_at(addr), n), carray(_kernels.i16_at(yaddr), n))
 
 
 def _verdict(e: float, q: float, n: int, bound: float) -> bool | None:
@@ -284,6 +286,8 @@ class _Cast(_Dense):
 
     #: whether the fused Numba cast runs for a float32 CPU input (float16: where the CPU converts in hardware)
     _fused: bool = True
+    #: ``target == torch.bfloat16``, answered once per class (a dtype comparison per call otherwise)
+    _bf16: bool = False
 
     def hyper(self):
         return {"underflow": self.underflow}
@@ -314,26 +318,29 @@ class _Cast(_Dense):
         else:
             flat = flat_input(x, self.name)
             fused = self._fused and flat.dtype == torch.float32 and use_numba(flat)
-        bf = self.target == torch.bfloat16
+        bf = self._bf16
         n = flat.numel()
         checked = self.underflow != "allow" and flat.dtype != self.target and n
         bound = self._bound
         under = False
         if fused:   # the cast and every check in one pass; the float64 sums where it leaves them undecided
-            ys = np.empty(n, dtype=np.int16)       # (numpy's memory: see cpu_empty)
-            # (flat: alive, contiguous)
-            e, q = _quick_bf16_at(flat.data_ptr(), ys) if bf else _quick_f16_at(flat.data_ptr(), ys, 0)
-            y = torch.from_numpy(ys).view(self.target) if bf else torch.from_numpy(ys.view(np.float16))
+            # (numpy's memory, see cpu_empty; float16 wrapped as it is, no view: a microsecond of a small cast)
+            y = torch.from_numpy(np.empty(n, dtype=np.int16)).view(torch.bfloat16) if bf \
+                else torch.from_numpy(np.empty(n, dtype=np.float16))
+            # (flat and y: alive, contiguous, n elements each)
+            e, q = _quick_bf16_at(flat.data_ptr(), y.data_ptr(), n) if bf \
+                else _quick_f16_at(flat.data_ptr(), y.data_ptr(), n, 0)
             # e finite: every y is finite; then the float64 sums' decision where the float32 ones settle it
             verdict = (_verdict(e, q, n, bound) if checked else False) if math.isfinite(e) else None
             if verdict is None or (verdict and self.underflow == "raise"):      # ("raise": the exact ratio)
-                err, nrm = (_cast_bf16 if bf else _cast_f16)(flat.numpy(), ys)  # (the same cast, float64 sums)
+                err, nrm = (_cast_bf16 if bf else _cast_f16)(flat.numpy(), y.view(torch.int16).numpy())
                 if not math.isfinite(err):    # a non-finite or overflowing input makes err non-finite
                     self._check_range(flat, y)
                 under = bool(checked) and err > bound * nrm
-            elif not verdict:       # (the common case: a payload built without make_payload's generic steps)
-                return Payload(kind="dense", values=y, shape=x.shape, dtype=x.dtype, bits=16 * n,
-                               meta={"wire_bits": {"values": 16 * n}})
+            elif not verdict:       # (the common case: a payload built without make_payload's generic steps,
+                #                     positional: keywords cost a third of the constructor's call)
+                return Payload("dense", y, x.shape, x.dtype, None, None, None, False, 16 * n,
+                               {"wire_bits": {"values": 16 * n}})
             else:
                 under = True
         else:
@@ -400,3 +407,4 @@ class BF16(_Cast):
     name = "bf16"
     target = torch.bfloat16
     precision_bits = 8
+    _bf16 = True

@@ -381,3 +381,30 @@ def test_the_flat_fp16_cast_writes_torchs_patterns_at_every_length_and_lane():
             xb[pos] = bad
             with pytest.raises(err, match="fp16"):
                 c.compress(xb)
+
+
+@pytest.mark.parametrize("mode", ["count", "allow"])
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+def test_the_fused_flat_payload_is_the_generic_paths_in_every_field(name, mode):
+    """The flat float32 path builds its payload by position, without ``make_payload`` (its keywords cost a
+    third of the constructor's call): every field (kind, shape, dtype, indices, scale, bucket size, shared
+    scale, bits, meta, values codec) and every value bit is the one the generic path (``force("torch")``:
+    torch's cast, then ``make_payload``) gives, so a field order that moved would show here; the values are
+    an owned 16-bit tensor of their own memory (not the input's), read back by ``decompress`` as the
+    widened cast."""
+    if name == "fp16" and not kern.NATIVE_HALF:
+        pytest.skip("no hardware float16 conversion: the fused float16 cast does not run here")
+    c = sc.compressors.get(name, underflow=mode)
+    for n in (1, 17, 4096, 70001):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+        got = c.compress(x)
+        with sc.kernels.force("torch"):
+            want = c.compress(x)
+        for field in ("kind", "shape", "dtype", "indices", "scale", "bucket_size", "shared_scale", "bits", "meta",
+                      "values_codec"):
+            assert getattr(got, field) == getattr(want, field), (n, field, getattr(got, field), getattr(want, field))
+        assert type(got.shape) is torch.Size and got.bits == 16 * n and got.meta == {"wire_bits": {"values": 16 * n}}
+        assert got.values.dtype == c.target and got.values.shape == (n,) and got.values.is_contiguous()
+        assert got.values.data_ptr() != x.data_ptr()
+        assert torch.equal(got.values.view(torch.int16), want.values.view(torch.int16)), n
+        assert torch.equal(c.decompress(got).view(torch.int32), x.to(c.target).float().view(torch.int32)), n
