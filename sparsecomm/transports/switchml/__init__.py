@@ -71,12 +71,13 @@ fabric (gloo: a message costs the hosts a fixed CPU time beyond its bytes' worth
 "Switch CPU per call") a switch started as ``"switch"`` runs 256-value packets, up to 1024 to a message (1 MiB),
 and a worker keeps 8191 lanes in flight (eight messages per lane window, :data:`..defaults.WINDOW_MESSAGES`). A message holds only the packets that are ready
 (:mod:`.lanes`), so a small job costs its packets' bytes, not a burst's. A float job's first lane window carries
-exponents only (above, "Quantisation"), a header per lane; a float job of ``M`` chunks keeps at most ``M / 8``
-lanes in flight (at least ``min(M, 256)``; :meth:`SwitchTransport._float_lanes`), two messages per lane window.
+exponents only (above, "Quantisation"), a header per lane; a float job of ``M`` chunks keeps at most ``M / 2``
+lanes in flight (at least ``min(M, 256)``; :meth:`SwitchTransport._float_lanes`), four messages per lane window.
 Per call a worker sends (and receives) the tensor's int32 codes in packets of ``slot_elems`` (the last one
 padded) with a 32-byte header each, a 32-byte header per look-ahead lane and one more per message of them, one
-whole control packet and the agreement header: 3.8% over the gradient for the 4.5 MB MLP of
-``experiments/reproduce_training.py`` under the DDP hook, 3.1% of it the data packets' headers.
+whole control packet and the agreement header: 4.9% over the gradient for the 4.5 MB MLP of
+``experiments/reproduce_training.py`` under the DDP hook (4.725 MB a step), 3.1% of it the data packets'
+headers, 1.6% the look-ahead's.
 """
 
 from __future__ import annotations
@@ -106,15 +107,21 @@ from .lanes import Lanes, SlotState, Timer
 from .service import serve, serve_process, service_main
 
 INT32_MAX = 2**31 - 1
-#: real fabrics, default pool: a float job's exponent look-ahead round (its first ``L`` packets, one per lane,
-#: each a header that carries an exponent and no codes) is at most this share of its chunks ...
-LOOKAHEAD_SHARE = 8
+#: real fabrics, default pool: a float job's lanes, hence its exponent look-ahead round (its first ``L``
+#: packets, one per lane, each a header that carries an exponent and no codes, 32 bytes each way), are at
+#: most this share of its chunks: the job streams in two lane windows. The window is what a worker has in
+#: flight, and the link stays busy only while it outlasts a message's round trip through the switch (its
+#: bytes up, the program, its results down, the decode and the next encode: about 7 ms for a 273 KB message
+#: on a 2-host netbed at 1 Gbit/s, whose 2 cores the switch shares with the workers); a 4.4 MB job's
+#: window is then 2.2 MB (17 ms of its link) for 50 KB more headers each way than an eighth of it, whose
+#: 0.55 MB (4.4 ms) left the link idle a third of the time ...
+LOOKAHEAD_SHARE = 2
 #: ... unless the job has no more chunks than this (a small job keeps its two lane windows) ...
 LOOKAHEAD_FLOOR = 256
 #: ... and its lane window is split into this many messages (fewer, smaller windows than the default pool's:
-#: a message costs the hosts about as much CPU as 0.3 MB of the tensor, BENCHMARKS.md "Switch CPU per call",
-#: and two per window keep the uplink busy while the switch answers the one before)
-LOOKAHEAD_MESSAGES = 2
+#: a message costs the hosts about as much CPU as 0.3 MB of the tensor, BENCHMARKS.md "Switch CPU per call";
+#: with four per window the workers send its next messages while the switch answers the ones before)
+LOOKAHEAD_MESSAGES = 4
 EXP_FLOOR = -126          # float32's smallest reported exponent; also used for float64 (safe: 2^e > max|x|)
 
 
@@ -314,10 +321,10 @@ class SwitchTransport(Transport):
         zeros on SimFabric), so the job sends ``chunks + lanes`` packets. With ``pool_size`` given, or on
         SimFabric (the paper's pool of 256 lanes, which the closed forms model): ``min(pool_size, chunks)``
         lanes, ``burst`` packets per message. With a real fabric's default pool (8191 lanes): at most
-        ``chunks / LOOKAHEAD_SHARE`` lanes (at least
-        ``min(chunks, LOOKAHEAD_FLOOR)``), ``LOOKAHEAD_MESSAGES`` messages per lane window, so the workers
-        still send a window's next message while the switch answers the one before. The lanes change neither a chunk's scale nor its codes: the sums are the same
-        bit for bit."""
+        ``chunks / LOOKAHEAD_SHARE`` lanes (half; at least ``min(chunks, LOOKAHEAD_FLOOR)``),
+        ``LOOKAHEAD_MESSAGES`` messages per lane window, so the workers still send a window's next messages
+        while the switch answers the ones before. The lanes change neither a chunk's scale nor its codes: the
+        sums are the same bit for bit."""
         lanes = min(self.pool_size, chunks)
         if not self.sized_lanes:
             return lanes, None

@@ -86,7 +86,7 @@ def test_switch_program_constants_come_from_the_started_switch():
 
 
 #: chunks of the window test's float job: above 8 lane windows of 8 bursts of 16 packets, so that the job takes
-#: the whole default pool (a float job keeps at most chunks / 8 lanes)
+#: the whole default pool (a float job keeps at most chunks / 2 lanes)
 WINDOW_CHUNKS = 3000
 
 
@@ -112,3 +112,34 @@ def test_switch_default_window_is_eight_messages_and_changes_no_number():
         assert torch.equal(y, y4) and torch.equal(sums, sums4)        # the lanes change no number
         assert torch.equal(y, res[0][1][0][3])
         assert (y.double() - exact).abs().max() < 1e-5
+
+
+#: chunks of the MLP's large DDP bucket (1,059,850 values in 256-value packets, experiments/reproduce_training.py)
+MLP_CHUNKS = 4141
+
+
+def _half_job_window(ctx):
+    """The MLP's large bucket as one float job on the default program and pool, and on an explicit pool of 64
+    lanes: the lanes, the data phase's packets and messages, the results and fixed-point sums."""
+    x = torch.randn(MLP_CHUNKS * 256 - 246, generator=torch.Generator().manual_seed(ctx.rank))
+    out = []
+    for kw in ({}, {"pool_size": 64}):
+        t = sc.transports.get("switch", ctx.fabric, keep_fixed=True, **kw)
+        y = t.allreduce(x)
+        out.append((t.last_info["data"]["packets"], t.last_stats.messages, y, t.last_fixed.sums.clone()))
+    return out
+
+
+def test_switch_default_window_holds_half_a_float_job_in_four_messages():
+    """A 4.4 MB float job keeps half its chunks in flight (a window of 2.2 MB, above a message's round trip
+    through the switch on a 2-host netbed at 1 Gbit/s; an eighth, 0.55 MB, left the link idle), its
+    look-ahead a header per lane: chunks + chunks / 2 packets, the look-ahead in four messages and the data in
+    eight of half a window; the same sums as a pool of 64 lanes, bit for bit."""
+    res = sc.launch(_half_job_window, 2, backend="gloo", services=["switch"], timeout_s=120)
+    half = -(-MLP_CHUNKS // 2)
+    for (packets, messages, y, sums), (packets64, _, y64, sums64) in res:
+        assert (packets, packets64) == (MLP_CHUNKS + half, MLP_CHUNKS + 64)
+        # the agreement header, the control packet, 4 look-ahead messages and ceil(4141 / 518) = 8 of data
+        assert messages == 1 + 1 + 4 + 8, messages
+        assert torch.equal(y, y64) and torch.equal(sums, sums64)       # the lanes change no number
+    assert torch.equal(res[0][0][2], res[1][0][2])
