@@ -109,6 +109,16 @@ The fabric is the current :func:`sparsecomm.launch` worker's ``TorchFabric``, el
 over the default process group; the default transport (``"default"``) is then ``native``
 (``torch.distributed.all_reduce``) for dense payloads.
 
+**Lanes** (``lanes=``, :mod:`sparsecomm.pipeline.lanes`): bucket ``k`` runs on lane ``k mod L``, each lane a
+fabric with process groups of its own (:meth:`TorchFabric.lane
+<sparsecomm.fabric.torch.torch_fabric.TorchFabric.lane>`, created when the state is built, on every worker in
+the same order), its own communication thread and its own transport instance, so a small bucket's call does not
+queue behind a large one's. ``None`` (the default) is 2 for ``ring``, ``omnireduce`` (sharded) and ``allgather``
+on a gloo fabric with a store and no services when the model's gradients take more than one bucket (a state
+unpickled without its model: 2 where lanes run), else 1; the number is among the agreed settings. The results are
+the same bits; the calls' outcomes are decided in call order across the lanes
+(:class:`~sparsecomm.pipeline.lanes.CallOrder`); a chained ``native`` call keeps one lane.
+
 **Process groups**: the hook averages over the process group the DDP model was built with
 (``DistributedDataParallel(net, process_group=pg)``; :func:`register` takes it from the model, or
 ``process_group=pg`` naming the same group): for any other group than the default one or the launch's
@@ -219,11 +229,7 @@ class CommHookState:
                                      transport_kwargs=self.transport_kwargs or None,
                                      fabric=default_fabric(self.process_group), seed=self.seed,
                                      warmup_steps=self.warmup_steps, sparse_rows=self.sparse_rows, **self.hyper)
-        grads = cap = None
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-            cap = getattr(model, "bucket_bytes_cap", None)
-        count = resolve_lanes(self.lanes, self.pipeline, grads, cap)
+        count = resolve_lanes(self.lanes, self.pipeline, _buckets(model))
         self._agree(count)
         self.scheduler = HookScheduler(self.pipeline, self.min_compress_size, self._verify, self._note_error,
                                        on_step_every=self.verify_replicas_every,
@@ -386,6 +392,22 @@ def comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Fu
 # DDP validates the hook's annotations as objects (this module's are strings under PEP 563)
 comm_hook.__annotations__.update(state=CommHookState, bucket=dist.GradBucket,
                                  **{"return": torch.futures.Future[torch.Tensor]})
+
+
+def _buckets(model: torch.nn.Module | None) -> int | None:
+    """How many buckets DDP makes of ``model``'s gradients once it has rebuilt them (None: not a DDP model):
+    DDP fills buckets in the reverse order of the parameters, the first up to ``dist._DEFAULT_FIRST_BUCKET_BYTES``
+    (1 MiB), the others up to its ``bucket_bytes_cap``, each closed once it reaches its cap."""
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return None
+    cap = int(model.bucket_bytes_cap)
+    limit = min(cap, int(getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 1 << 20)))
+    closed, size = 0, 0
+    for p in reversed([p for p in model.parameters() if p.requires_grad]):
+        size += p.numel() * p.element_size()
+        if size >= limit:
+            closed, size, limit = closed + 1, 0, cap
+    return closed + (size > 0)
 
 
 def _job_ranks(group: Any) -> list[int] | None:

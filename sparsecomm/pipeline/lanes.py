@@ -87,7 +87,7 @@ class CallOrder:
                 ready.append((self._outers.pop(s), value, exc))
                 self._decided += 1
         for outer, value, exc in ready:
-            outer._finish(value, exc)
+            outer.complete(value, exc)
 
 
 class Lanes:
@@ -129,19 +129,18 @@ class Lanes:
                     pass
 
 
-def resolve_lanes(requested: int | None, pipeline: Any, model_bytes: int | None = None,
-                  cap_bytes: int | None = None) -> int:
+def resolve_lanes(requested: int | None, pipeline: Any, buckets: int | None = None) -> int:
     """The number of lanes: ``requested`` checked (an int >= 1; more than 1 only where lanes run, else
     :class:`~sparsecomm.errors.IncompatibleError` saying why and what runs), or, for ``None``, the default
-    rule: :data:`DEFAULT_LANES` where lanes run (the module doc's "Where") and the model's gradients
-    (``model_bytes``, where known) take more than one bucket of ``cap_bytes``; else 1. The same answer on
-    every worker (it reads only what they agree on)."""
+    rule: :data:`DEFAULT_LANES` where lanes run (the module doc's "Where") and the model's gradients take
+    more than one bucket (``buckets``, where known); else 1. The same answer on every worker (it reads only
+    what they agree on)."""
     check_lanes(requested)
     why = why_one_lane(pipeline)
     if requested is None:
         if why is not None:
             return 1
-        if model_bytes is not None and cap_bytes is not None and model_bytes <= cap_bytes:
+        if buckets is not None and buckets <= 1:
             return 1        # (one bucket: nothing to overlap)
         return DEFAULT_LANES
     if requested > 1 and why is not None:
@@ -165,10 +164,4 @@ def why_one_lane(pipeline: Any) -> str | None:
                 f"collectives from the calling thread already; the switches' service rank serves one lane)")
     if not pipeline.transport_by_name:
         return "the transport was given as an object: a lane builds its own from the transport's name"
-    fabric = pipeline.fabric
-    refusal = getattr(fabric, "lane_refusal", None)
-    if fabric.modelled_time or refusal is None:
-        return "the fabric has no lanes (lanes are for TorchFabric on gloo; SimFabric models one engine)"
-    if getattr(pipeline.transport, "deployment", "sharded") == "dedicated":
-        return "omnireduce's dedicated aggregators are service ranks"
-    return refusal()
+    return pipeline.fabric.lane_refusal()       # (dedicated aggregators: service ranks, which it names)

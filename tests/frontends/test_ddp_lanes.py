@@ -114,16 +114,16 @@ def test_call_order_decides_outcomes_in_call_order_whatever_the_completion_order
     order = CallOrder()
     inner = [CommWork() for _ in range(5)]
     outer = [order.add(w) for w in inner]
-    inner[1]._finish(value="b")                         # done before call 0: held
+    inner[1].complete(value="b")                         # done before call 0: held
     assert not outer[1].is_completed()
-    inner[3]._finish(value="d")
-    inner[0]._finish(exc=NonFiniteError("nan"))          # every worker raises it after the same sum: not spread
+    inner[3].complete(value="d")
+    inner[0].complete(exc=NonFiniteError("nan"))          # every worker raises it after the same sum: not spread
     assert isinstance(outer[0].exception(), NonFiniteError) and outer[1].wait() == "b"
     assert not outer[3].is_completed()
     err = ProtocolError("call 2 failed")
-    inner[2]._finish(exc=err)
+    inner[2].complete(exc=err)
     assert outer[2].exception() is err and outer[3].exception() is err     # call 3 completed first: fails too
-    inner[4]._finish(value="e")
+    inner[4].complete(value="e")
     assert outer[4].exception() is err
 
 

@@ -58,6 +58,11 @@ aborts the process on a longer one. Transports therefore agree on sizes first
 (:mod:`sparsecomm.transports._handshake`); a receive adopting a stale receive of another size raises
 :class:`MismatchError`.
 
+Lanes. :meth:`TorchFabric.lane` builds another fabric of the same workers on process groups of its own
+(``down_group=`` carries its second direction), so that calls in flight together on the two never share a gloo
+connection (the DDP hook's buckets: :mod:`sparsecomm.pipeline.lanes`); it shares this fabric's failure record and
+is closed and released with it.
+
 Failure propagation (fail-stop): the first failure is recorded once in the rendezvous store and every
 rank's group is tripped, so every wait ends at once naming the rank that failed first; the fabric's
 :class:`~.torch_failure.FailStop` does it (:mod:`.torch_failure`).
