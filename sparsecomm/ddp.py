@@ -109,6 +109,16 @@ The fabric is the current :func:`sparsecomm.launch` worker's ``TorchFabric``, el
 over the default process group; the default transport (``"default"``) is then ``native``
 (``torch.distributed.all_reduce``) for dense payloads.
 
+**Lanes** (``lanes=``, :mod:`sparsecomm.pipeline.lanes`): bucket ``k`` runs on lane ``k mod L``, each lane a
+fabric with process groups of its own (:meth:`TorchFabric.lane
+<sparsecomm.fabric.torch.torch_fabric.TorchFabric.lane>`, created when the state is built, on every worker in
+the same order), its own communication thread and its own transport instance, so a small bucket's call does not
+queue behind a large one's. ``None`` (the default) is 2 for ``ring``, ``omnireduce`` (sharded) and ``allgather``
+on a gloo fabric with a store and no services when the model's gradients take more than one bucket (a state
+unpickled without its model: 2 where lanes run), else 1; the number is among the agreed settings. The results are
+the same bits; the calls' outcomes are decided in call order across the lanes
+(:class:`~sparsecomm.pipeline.lanes.CallOrder`); a chained ``native`` call keeps one lane.
+
 **Process groups**: the hook averages over the process group the DDP model was built with
 (``DistributedDataParallel(net, process_group=pg)``; :func:`register` takes it from the model, or
 ``process_group=pg`` naming the same group): for any other group than the default one or the launch's
@@ -132,6 +142,7 @@ from .errors import IncompatibleError, InvalidTypeError
 from .fabric.stats import CommStats
 from .pipeline import CommPipeline
 from .pipeline import step_size
+from .pipeline.lanes import Lanes, check_lanes, resolve_lanes
 from .pipeline.resolve import default_fabric
 from .pipeline.scheduler import HookScheduler, sparse_message
 from .pipeline.settings import agree
@@ -140,7 +151,7 @@ from .fabric.engine import CommWork
 from .validate import check_int, check_seed
 
 _HYPER = ("compressor", "transport", "method", "transport_kwargs", "warmup_steps", "min_compress_size",
-          "seed", "sparse_rows", "verify_replicas_every", "hyper")
+          "seed", "sparse_rows", "verify_replicas_every", "lanes", "hyper")
 
 
 class CommHookState:
@@ -173,18 +184,25 @@ class CommHookState:
         model: the DDP module: its parameter names key the method state (else ``bucket.index()``).
         sparse_rows: ``"gather"`` or ``"transport"``: how a sparse (embedding) bucket is averaged.
         verify_replicas_every: compare the workers' parameters every N steps (0: never).
+        lanes: how many buckets' calls are in flight together, bucket ``k`` on lane ``k mod lanes``, each
+            lane a fabric of its own (see "Lanes" in the module doc): ``None``, the default rule (2 where
+            lanes run and the model's gradients take more than one bucket, else 1); ``1``, every call on
+            the hook's fabric, one at a time; an int ``> 1`` where lanes do not run raises
+            :class:`~sparsecomm.errors.IncompatibleError` saying why. The results are the same bits.
         **hyper: hyper-parameters of the method and its compressor.
     """
 
     def __init__(self, process_group: Any = None, compressor: Any = None, transport: Any = "default", *,
                  method: Any = None, transport_kwargs: dict | None = None, warmup_steps: int = 0,
                  min_compress_size: int = 0, seed: int = 0, model: torch.nn.Module | None = None,
-                 sparse_rows: str = "gather", verify_replicas_every: int = VERIFY_EVERY, **hyper: Any) -> None:
+                 sparse_rows: str = "gather", verify_replicas_every: int = VERIFY_EVERY, lanes: int | None = None,
+                 **hyper: Any) -> None:
         who = "sparsecomm.ddp hook state"
         warmup_steps = check_int("warmup_steps", warmup_steps, low=0, what=who)
         min_compress_size = check_int("min_compress_size", min_compress_size, low=0, what=who)
         seed = check_seed("seed", seed, what=who)
         self.verify_replicas_every = check_verify_every(verify_replicas_every)
+        check_lanes(lanes)
         # hyper-parameters
         self.compressor = compressor
         self.transport = transport
@@ -194,25 +212,28 @@ class CommHookState:
         self.min_compress_size = int(min_compress_size)
         self.seed = int(seed)
         self.sparse_rows = sparse_rows
+        self.lanes = lanes
         self.hyper = dict(hyper)
         # binding (never pickled)
         self.process_group = process_group
-        self._bind()
+        self._bind(model)
         if model is not None:
             self.set_model(model)
         if self.pipeline.rank == 0:
             step_size.check(self.step_size_hint, [], "state.step_size_hint")
 
-    def _bind(self) -> None:
-        """Build the pipeline and its scheduler (at construction and at unpickling: a collective, the
-        settings agreement included)."""
+    def _bind(self, model: torch.nn.Module | None = None) -> None:
+        """Build the pipeline, its lanes and its scheduler (at construction and at unpickling: a collective,
+        the settings agreement included, then the lanes' process groups)."""
         self.pipeline = CommPipeline(self.compressor, self.transport, method=self.method,
                                      transport_kwargs=self.transport_kwargs or None,
                                      fabric=default_fabric(self.process_group), seed=self.seed,
                                      warmup_steps=self.warmup_steps, sparse_rows=self.sparse_rows, **self.hyper)
-        self._agree()
+        count = resolve_lanes(self.lanes, self.pipeline, _buckets(model))
+        self._agree(count)
         self.scheduler = HookScheduler(self.pipeline, self.min_compress_size, self._verify, self._note_error,
-                                       on_step_every=self.verify_replicas_every)
+                                       on_step_every=self.verify_replicas_every,
+                                       lanes=Lanes(self.pipeline, count) if count > 1 else None)
         self._checked: list[tuple[str, torch.Tensor]] = []     # what the replica guard compares
         #: the library error that failed a bucket's communication (DDP's backward re-raises it as a
         #: ``RuntimeError`` whose text names it: torch's C++ layer keeps only the text), else None
@@ -245,12 +266,19 @@ class CommHookState:
         """The state key of a bucket holding ``params``: a digest of their names (else the index)."""
         return self.scheduler.key(params, index)
 
-    def _agree(self) -> None:
-        """Check, on every worker, that every worker built its hook state with the same settings
-        (:func:`sparsecomm.pipeline.settings.agree`: a collective, at construction and at unpickling)."""
+    def _agree(self, lanes: int) -> None:
+        """Check, on every worker, that every worker built its hook state with the same settings, ``lanes``
+        (the number the rule resolved) included (:func:`sparsecomm.pipeline.settings.agree`: a collective, at
+        construction and at unpickling, before the lanes' groups are created)."""
         agree(self.pipeline.fabric, "sparsecomm.ddp hook state", self.pipeline.settings() + [
             ("min_compress_size", repr(self.min_compress_size)),
-            ("verify_replicas_every", repr(self.verify_replicas_every))])
+            ("verify_replicas_every", repr(self.verify_replicas_every)), ("lanes", repr(lanes))])
+
+    @property
+    def lane_count(self) -> int:
+        """How many lanes the buckets run on (the ``lanes`` rule's answer)."""
+        lanes = self.scheduler.lanes
+        return 1 if lanes is None else lanes.count
 
     @property
     def verify_replicas_every(self) -> int:
@@ -336,7 +364,7 @@ class CommHookState:
         return {"hyper": {k: getattr(self, k) for k in _HYPER}, "state": self.state_dict()}
 
     def __setstate__(self, d: dict[str, Any]) -> None:
-        self.verify_replicas_every, self.sparse_rows = VERIFY_EVERY, "gather"   # (states pickled before them)
+        self.verify_replicas_every, self.sparse_rows, self.lanes = VERIFY_EVERY, "gather", None  # (pickled before)
         for k, v in d["hyper"].items():
             setattr(self, k, v)
         self.process_group = None          # rebinds to the default process group
@@ -364,6 +392,22 @@ def comm_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Fu
 # DDP validates the hook's annotations as objects (this module's are strings under PEP 563)
 comm_hook.__annotations__.update(state=CommHookState, bucket=dist.GradBucket,
                                  **{"return": torch.futures.Future[torch.Tensor]})
+
+
+def _buckets(model: torch.nn.Module | None) -> int | None:
+    """How many buckets DDP makes of ``model``'s gradients once it has rebuilt them (None: not a DDP model):
+    DDP fills buckets in the reverse order of the parameters, the first up to ``dist._DEFAULT_FIRST_BUCKET_BYTES``
+    (1 MiB), the others up to its ``bucket_bytes_cap``, each closed once it reaches its cap."""
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return None
+    cap = int(model.bucket_bytes_cap)
+    limit = min(cap, int(getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 1 << 20)))
+    closed, size = 0, 0
+    for p in reversed([p for p in model.parameters() if p.requires_grad]):
+        size += p.numel() * p.element_size()
+        if size >= limit:
+            closed, size, limit = closed + 1, 0, cap
+    return closed + (size > 0)
 
 
 def _job_ranks(group: Any) -> list[int] | None:

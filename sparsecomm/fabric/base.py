@@ -33,6 +33,8 @@ Capabilities. Layers above ask a fabric what it can do, never which class it is:
   ``False``: a service is a rank the launcher started, found by its spec in ``services()``.
 - ``native_group``: a ``torch.distributed`` process group of exactly the workers, over which
   collectives (``all_reduce``) run, or ``None`` where there is none.
+- ``lane_refusal()``: None where the fabric builds *lanes* (``lane()``: another fabric of the same workers on
+  channels of its own, for calls in flight together, :mod:`sparsecomm.pipeline.lanes`), else why not.
 - ``device``: where message tensors live. ``serial_pairs``: a pair's messages share one ordered channel
   whatever their tag or direction (nccl).
 - ``direct_waits``: ``wait_unbounded(work)`` waits on the calling thread itself, with no deadline and no
@@ -357,3 +359,8 @@ class Fabric(ABC):
     def services(self) -> dict[str, int]:
         """The services started so far, by name."""
         return {}
+
+    def lane_refusal(self) -> str | None:
+        """Why this fabric cannot build a lane (another fabric of the same workers on channels of its own, for
+        calls in flight together: ``TorchFabric.lane``), or None when it can; the same answer on every worker."""
+        return "this fabric has no lanes (lanes are TorchFabric's, on gloo)"

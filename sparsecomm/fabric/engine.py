@@ -12,6 +12,10 @@ submission order all the same, and its completion runs on the communication thre
 is queued: the chained completions run one at a time in call order, on the thread that completes the collective,
 and a call queued later runs only after them.
 
+**Lanes.** Calls that should not queue behind each other run on fabrics of their own, each with its engine
+(the DDP hook's lanes, :mod:`sparsecomm.pipeline.lanes`, which decides their outcomes in call order across the
+engines).
+
 **Errors.** A job's error is raised by ``wait()`` of its :class:`CommWork` and of every later one on the
 fabric (the protocols' message streams are then out of step), except a
 :class:`~sparsecomm.errors.NonFiniteError`, which every worker raises after the same sum, so the streams are
@@ -108,6 +112,12 @@ class CommWork:
 
         self.add_done_callback(done)
         return fut.then(_unwrap_outcome)
+
+    def complete(self, value: Any = None, exc: BaseException | None = None) -> None:
+        """Complete the call with ``value``, or fail it with ``exc`` (once; later calls do nothing): for a
+        handle whose outcome is decided outside an engine (the DDP hook's lanes decide their calls' outcomes in
+        call order: :class:`sparsecomm.pipeline.lanes.CallOrder`)."""
+        self._finish(value, exc)
 
     def _finish(self, value: Any = None, exc: BaseException | None = None) -> None:
         with self._lock:

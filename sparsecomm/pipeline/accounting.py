@@ -6,6 +6,7 @@ stands for) into :class:`CompressionStats`, the cumulative figures ``compression
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -101,6 +102,9 @@ class Accounting:
 
     def __init__(self, transport: Any) -> None:
         self.copies = float(transport.wire_copies())
+        # rounds complete on several communication threads at once where the calls run on lanes
+        # (:mod:`sparsecomm.pipeline.lanes`): each record is added whole
+        self._lock = threading.Lock()
         #: the cumulative figures, the current step's rounds included
         self.stats = CompressionStats()
         #: the current step's CommStats, summed over its rounds
@@ -111,44 +115,48 @@ class Accounting:
         transport measured ``comm`` (``copies``: the sending transport's, when another than the
         pipeline's sent it)."""
         copies = self.copies if copies is None else copies
-        s = self.stats
-        s.rounds += 1
         if isinstance(payload, torch.Tensor):
-            pbytes = payload.nbytes
+            pbytes, underflow = payload.nbytes, False
         else:
-            pbytes = payload_bytes(payload)
-            if payload.meta.get("underflow"):
-                s.underflow_rounds += 1
-        s.bytes_payload += pbytes
-        s.bytes_declared_sent += copies * pbytes
-        s.comm += comm
-        self.last_stats += comm
+            pbytes, underflow = payload_bytes(payload), bool(payload.meta.get("underflow"))
+        with self._lock:
+            s = self.stats
+            s.rounds += 1
+            s.underflow_rounds += underflow
+            s.bytes_payload += pbytes
+            s.bytes_declared_sent += copies * pbytes
+            s.comm += comm
+            self.last_stats += comm
 
     def finished(self, dense_bytes: int, payload: Any, comm: CommStats) -> None:
         """A call of one round on the pipeline's transport: :meth:`call` (``dense_bytes``), then :meth:`round`
         (``payload``, ``comm``): the same figures, added in the same order, with the call's inline."""
-        s = self.stats
-        s.bytes_dense += dense_bytes
-        s.bytes_dense_sent += self.copies * dense_bytes
+        with self._lock:
+            s = self.stats
+            s.bytes_dense += dense_bytes
+            s.bytes_dense_sent += self.copies * dense_bytes
         self.round(payload, comm)
 
     def finished_plain(self, nbytes: int, comm: CommStats) -> None:
         """:meth:`finished` of a plain average's call, whose one round sent the ``nbytes`` of its dense bucket
         (a tensor: ``payload.nbytes``): the same figures, added in the same order, in one call."""
-        s, copies = self.stats, self.copies
-        s.bytes_dense += nbytes
-        s.bytes_dense_sent += copies * nbytes
-        s.rounds += 1
-        s.bytes_payload += nbytes
-        s.bytes_declared_sent += copies * nbytes
-        s.comm += comm
-        self.last_stats += comm
+        with self._lock:
+            s, copies = self.stats, self.copies
+            s.bytes_dense += nbytes
+            s.bytes_dense_sent += copies * nbytes
+            s.rounds += 1
+            s.bytes_payload += nbytes
+            s.bytes_declared_sent += copies * nbytes
+            s.comm += comm
+            self.last_stats += comm
 
     def call(self, dense_bytes: int, copies: float | None = None) -> None:
         """A call standing for ``dense_bytes`` of uncompressed gradient (``copies``: as :meth:`round`)."""
-        self.stats.bytes_dense += dense_bytes
-        self.stats.bytes_dense_sent += (self.copies if copies is None else copies) * dense_bytes
+        with self._lock:
+            self.stats.bytes_dense += dense_bytes
+            self.stats.bytes_dense_sent += (self.copies if copies is None else copies) * dense_bytes
 
     def begin_step(self) -> None:
         """A new step: :attr:`last_stats` restarts."""
-        self.last_stats = CommStats()
+        with self._lock:
+            self.last_stats = CommStats()

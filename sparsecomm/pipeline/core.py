@@ -93,6 +93,10 @@ class CommPipeline:
         opts = auto_options(transport_kwargs) if auto else None
         self.transport = build_transport(transport, self.method, fabric, None if auto else transport_kwargs)
         self.transport_kwargs = dict(transport_kwargs or {})
+        #: whether the transport was given by name (a lane builds its own from it: :meth:`add_lane`)
+        self.transport_by_name = isinstance(transport, str)
+        # the transports of the lanes after the first (:meth:`add_lane`; lane 0 is :attr:`transport`)
+        self._lanes: list[Transport] = []
         self.warmup_steps = int(warmup_steps)
         self._follow_rule(self.transport, nonfinite)
         self.rule = NonFiniteRule(nonfinite, self.transport)
@@ -180,6 +184,21 @@ class CommPipeline:
         return not self.method.multi_round and not self.method.uses_shapes and \
             c.payload_kind in ("dense", "aligned", "sparse")
 
+    def add_lane(self, fabric: Fabric) -> int:
+        """Build this pipeline's transport (the same name and options) on ``fabric``, another lane of the
+        pipeline's fabric (:mod:`sparsecomm.pipeline.lanes`); returns the lane's number for :meth:`start`."""
+        if not self.transport_by_name or self.chooser is not None:
+            raise IncompatibleError("a lane builds its transport from the pipeline's transport name: pass the "
+                                    "transport by name (not 'auto', not an object)")
+        t = build_transport(self.transport.name, self.method, fabric, self.transport_kwargs or None)
+        self._follow_rule(t, self.nonfinite)
+        self._lanes.append(t)
+        return len(self._lanes)
+
+    def lane_transport(self, lane: int) -> Transport:
+        """The transport of ``lane`` (0: :attr:`transport`; :meth:`add_lane`)."""
+        return self._lanes[lane - 1] if lane else self.transport
+
     # ------------------------------------------------------------------ rounds
     def reduce(self, flat: torch.Tensor, key: Hashable, *, exact: bool = False,
                compress: bool = True, shapes: Any = None) -> torch.Tensor:
@@ -188,7 +207,7 @@ class CommPipeline:
 
     def start(self, flat: torch.Tensor, key: Hashable, *, exact: bool = False, compress: bool = True,
               shapes: Any = None, segments: tuple[tuple[str, int], ...] | None = None,
-              then: Callable[[torch.Tensor], Any] | None = None) -> CommWork:
+              then: Callable[[torch.Tensor], Any] | None = None, lane: int = 0) -> CommWork:
         """Start the round of bucket ``key`` on this worker's flat ``flat``; ``wait()`` returns the
         averaged estimate (or ``then(estimate)``, run on the communication thread).
 
@@ -206,6 +225,10 @@ class CommPipeline:
         :attr:`per_parameter` holds: the method runs per *parameter*
         (:class:`~sparsecomm.pipeline.rounds.ParameterRounds`), so that the result does not depend on
         how the parameters are grouped into buckets (see :mod:`sparsecomm.ddp`).
+
+        ``lane``: the lane whose transport runs the call (:meth:`add_lane`; 0: :attr:`transport`), on
+        that lane's communication thread; the caller orders the lanes' outcomes
+        (:class:`~sparsecomm.pipeline.lanes.CallOrder`).
         """
         steps_before = max(0, self.step - 1 - self.skipped)    # (the steps committed before this one)
         identity = self.call_id(key)
@@ -218,7 +241,7 @@ class CommPipeline:
             call = self._bucket_rounds.begin(flat, key, steps_before, exact, shapes)
         if _trace.recorder is not None:
             self._phase("encode", t0, identity)
-        t, seen = self.transport, None
+        t, seen = (self._lanes[lane - 1] if lane else self.transport), None
         if self.chooser is not None:
             kind = "dense" if not compress or self.plain or exact else self.chooser.kind
             t = self.chooser.pick(key, kind, flat)

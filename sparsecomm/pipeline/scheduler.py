@@ -27,6 +27,7 @@ from ..errors import IncompatibleError, MismatchError, SparseCommError
 from ..fabric.engine import CommWork
 from .buckets import Bucket, layout
 from .core import CommPipeline
+from .lanes import Lanes
 
 
 class BucketScheduler:
@@ -219,12 +220,17 @@ class HookScheduler:
     ``on_step(steps)`` runs at the first bucket of every step whose count ``steps`` (the steps completed
     before it) is a multiple of :attr:`on_step_every`, before the step begins (the replica guard);
     ``on_error(exc)`` when a bucket's communication failed (on the thread that completed it, or on the
-    calling thread where its collective could not be posted)."""
+    calling thread where its collective could not be posted). ``lanes``: bucket ``k`` runs on lane
+    ``lanes.of(k)``, every call's outcome decided in call order (:mod:`sparsecomm.pipeline.lanes`; None or one
+    lane: every call on the pipeline's fabric, chained where the pipeline chains it)."""
 
     def __init__(self, pipeline: CommPipeline, min_compress_size: int,
                  on_step: Callable[[int], None] | None = None,
-                 on_error: Callable[[BaseException], None] | None = None, on_step_every: int = 1) -> None:
+                 on_error: Callable[[BaseException], None] | None = None, on_step_every: int = 1,
+                 lanes: Lanes | None = None) -> None:
         self.pipeline, self.min_compress_size, self.on_step = pipeline, min_compress_size, on_step
+        #: the lanes the buckets run on (None: one)
+        self.lanes = lanes if lanes is not None and lanes.count > 1 else None
         self.on_error = on_error
         #: ``on_step`` runs at the steps whose count is a multiple of this (0: never)
         self.on_step_every = int(on_step_every)
@@ -323,7 +329,7 @@ class HookScheduler:
         ``buffer`` itself, and the fp16/bf16 casts' round): a future of the average; or None when
         nothing was done (a sparse bucket, another method, an unpredicted plain call, ...): then
         :meth:`start` it. The step's bookkeeping (:meth:`_track`) is the same."""
-        if buffer.is_sparse or buffer.ndim != 1 or not buffer.is_contiguous():
+        if buffer.is_sparse or buffer.ndim != 1 or not buffer.is_contiguous() or self.lanes is not None:
             return None
         least = self.min_compress_size
         compress = self.steps >= 1 and (not least or buffer.numel() >= least)
@@ -369,7 +375,7 @@ class HookScheduler:
             if buffer.is_sparse:
                 if not pipe.plain:
                     raise IncompatibleError(sparse_message(pipe))
-                return self._track(pipe.start_sparse(buffer, buffer.shape, index), is_last)
+                return self._track(self._ordered(pipe.start_sparse(buffer, buffer.shape, index), 0), is_last)
             flat = buffer if buffer.dim() == 1 else buffer.reshape(-1)
             compress = self.steps >= 1 and flat.numel() >= self.min_compress_size
             key, segments = index, None
@@ -385,12 +391,21 @@ class HookScheduler:
             shape, dtype = buffer.shape, buffer.dtype
             # DDP's buckets are flat: the estimate has the buffer's shape and dtype
             then = None if buffer.dim() == 1 else (lambda est: est.to(dtype).reshape(shape))
-            return self._track(pipe.start(flat, key, compress=compress, shapes=shapes, segments=segments,
-                                          then=then), is_last)
+            if self.lanes is None:
+                return self._track(pipe.start(flat, key, compress=compress, shapes=shapes, segments=segments,
+                                              then=then), is_last)
+            lane = self.lanes.of(index)
+            return self._track(self._ordered(pipe.start(flat, key, compress=compress, shapes=shapes,
+                                                        segments=segments, then=then, lane=lane), lane), is_last)
         finally:
             if is_last:
                 self.steps += 1
                 self._in_step = False
+
+
+    def _ordered(self, work: CommWork, lane: int) -> CommWork:
+        """``work`` (a call on ``lane``) in the call order of the lanes, where there are several."""
+        return work if self.lanes is None else self.lanes.ordered(work, lane)
 
 
 def sparse_message(pipeline: CommPipeline) -> str:

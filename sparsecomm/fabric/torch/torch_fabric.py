@@ -58,6 +58,11 @@ aborts the process on a longer one. Transports therefore agree on sizes first
 (:mod:`sparsecomm.transports._handshake`); a receive adopting a stale receive of another size raises
 :class:`MismatchError`.
 
+Lanes. :meth:`TorchFabric.lane` builds another fabric of the same workers on process groups of its own
+(``down_group=`` carries its second direction), so that calls in flight together on the two never share a gloo
+connection (the DDP hook's buckets: :mod:`sparsecomm.pipeline.lanes`); it shares this fabric's failure record and
+is closed and released with it.
+
 Failure propagation (fail-stop): the first failure is recorded once in the rendezvous store and every
 rank's group is tripped, so every wait ends at once naming the rank that failed first; the fabric's
 :class:`~.torch_failure.FailStop` does it (:mod:`.torch_failure`).
@@ -132,6 +137,9 @@ class TorchFabric(Fabric):
         shutdown_key: the store counter of finished workers that service ranks poll.
         coalesce: defer ``isend``/``irecv`` to one batched call (default: on for nccl).
         two_way: one process group per direction of a pair (default on gloo without ``coalesce``; module doc).
+        down_group: with ``group``, the group of the same ranks that carries the messages from a higher
+            to a lower rank (two channels per pair over a group), which every rank created in the same
+            order (:meth:`lane` builds one); ``None``: one channel per pair over a group.
     """
 
     direct_waits = True   # the capability (:mod:`sparsecomm.fabric.base`): :meth:`wait_unbounded`
@@ -139,7 +147,8 @@ class TorchFabric(Fabric):
     def __init__(self, world_size: int | None = None, services: Sequence[str] = (), *,
                  group: dist.ProcessGroup | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  store: dist.Store | None = None, shutdown_key: str | None = None,
-                 coalesce: bool | None = None, two_way: bool | None = None) -> None:
+                 coalesce: bool | None = None, two_way: bool | None = None,
+                 down_group: dist.ProcessGroup | None = None) -> None:
         timeout_s = check_real("timeout_s", timeout_s, low=0.0, low_open=True, what="TorchFabric")
         if not dist.is_initialized():
             raise RuntimeError("TorchFabric needs an initialised torch.distributed process group "
@@ -178,6 +187,12 @@ class TorchFabric(Fabric):
         #: second group of the same ranks, so each TCP connection carries data one way only (see
         #: "Two channels per pair" in the module docstring)
         self._pg_down = self._pg
+        if down_group is not None:
+            if group is None or self._cuda or self._coalesce or two_way is False:
+                raise IncompatibleError("down_group is the second channel of a fabric over a process group "
+                                        "on gloo without coalesce (two_way): pass group= too, or no down_group")
+            two_way = None
+            self._pg_down = down_group
         if two_way is None:
             two_way = not self._coalesce and group is None
         if two_way and (self._cuda or self._coalesce):
@@ -195,6 +210,8 @@ class TorchFabric(Fabric):
             self.worker_group = (dist.new_group(list(range(world_size)),
                                                 timeout=timedelta(seconds=self.timeout_s))
                                  if services else dist.group.WORLD)
+        #: fabrics over fresh groups of the same ranks that share this one's failure record (:meth:`lane`)
+        self._lanes: list[TorchFabric] = []
         # a trip closes every gloo group of this rank: both directions' and the workers' subgroup (native's)
         trips = [(self._pg, self.rank, total)]
         if self._pg_down is not self._pg:
@@ -257,9 +274,48 @@ class TorchFabric(Fabric):
         return self._failstop.collective_error(exc, what)
 
     def close(self) -> None:
-        """Stop this fabric's watchdog (before the process group is destroyed: a thread still polling
-        the store during teardown can abort the process)."""
+        """Stop this fabric's watchdog, and its lanes' (:meth:`lane`), before the process group is destroyed
+        (a thread still polling the store during teardown can abort the process)."""
+        for lane in self._lanes:
+            lane.close()
         self._failstop.close()
+
+    def lane_refusal(self) -> str | None:
+        """Why this fabric cannot build a :meth:`lane` (the same answer on every rank), or None when it can."""
+        if self._store is None:
+            return ("the fabric has no rendezvous store, in which its lanes would share the job's failure record "
+                    "(build it with TorchFabric(store=...), as sparsecomm.launch does)")
+        if self._ranks.job_ranks is not None:
+            return ("the fabric runs over a process group: a lane's groups would have to be created by every "
+                    "rank of the job")
+        if self._ranks.services:
+            return "the job has service ranks, which a lane's transports would have to reach"
+        if self._cuda or self._coalesce:
+            return "lanes are for gloo without coalesce"
+        if self.world_size < 2:
+            return "a single worker has nothing to communicate"
+        return None
+
+    def lane(self) -> "TorchFabric":
+        """Another fabric of the same workers on process groups of its own (one per direction of a pair, as
+        ``two_way``), so that its messages never queue behind this fabric's on a gloo connection: a second
+        *lane* for calls in flight together (the DDP hook's buckets: :mod:`sparsecomm.pipeline.lanes`). A
+        collective: every rank calls it at the same point, in the same order (it creates the groups). The lane
+        shares this fabric's failure record (the store key ``<shutdown_key>/failed``), so a failure on either
+        trips both (each one's watchdog reads the record), is closed by :meth:`close` and its connections
+        closed by :meth:`release` with this fabric's. :class:`IncompatibleError` with the reason when
+        :meth:`lane_refusal` has one."""
+        why = self.lane_refusal()
+        if why is not None:
+            raise IncompatibleError(f"TorchFabric.lane: {why}; use one lane")
+        ranks = list(range(self.total_ranks))
+        bound = timedelta(seconds=self.timeout_s)
+        up = dist.new_group(ranks, timeout=bound)
+        down = dist.new_group(ranks, timeout=bound)
+        lane = TorchFabric(self.world_size, group=up, down_group=down, timeout_s=self.timeout_s,
+                           store=self._store, shutdown_key=self._shutdown_key)
+        self._lanes.append(lane)
+        return lane
 
     # --------------------------------------------------------------- sending
     def _post_send(self, tensor: torch.Tensor, dst: int, tag: int) -> Pending:
@@ -466,6 +522,8 @@ class TorchFabric(Fabric):
         except Exception:  # noqa: BLE001 - the store's host has left, which it does only once all arrived
             pass
         self._failstop.trip()
+        for lane in self._lanes:
+            lane._failstop.trip()
         return waits_ended(grace_s)
 
     # --------------------------------------------------------------- services
