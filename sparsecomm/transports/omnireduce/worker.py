@@ -71,9 +71,10 @@ class Call:
         self.errors: dict = {}          # aggregator -> its verdict, where it is not OK (raised at the end)
         self.hdr0: dict = {}            # aggregator -> the round-0 header this worker built for it
         self.hdr_base = spec.header(self.n).numpy()     # the header with no position-0 block (sealed)
-        # colocated on a real fabric, a remote aggregator's position-0 blocks wait until the hosted aggregator
-        # has posted the receives of that aggregator's host (:func:`release_up`); ``held``: the aggregators
-        # whose blocks wait for that, ``opened``: the hosts whose receives were posted first. None: not held
+        # colocated on a real fabric, a remote aggregator's position-0 blocks of at least ``message_bytes`` wait
+        # until the hosted aggregator has posted the receives of that aggregator's host (:func:`release_up`);
+        # ``held``: the aggregators whose blocks wait for that, ``opened``: the hosts whose receives were posted
+        # first. None: not held
         self.held: set | None = set() if own is not None and not fabric.modelled_time else None
         self.opened: set = set()
         mark = getattr(fabric, "mark", None)   # a traced call's phase marks (.trace)
@@ -223,8 +224,11 @@ def send_round0(call, aggs: list[int]):
         yield call.up(a, firsts_key, firsts, TAG_FIRSTS, data=True)
     held = call.held
     if held is not None:        # (colocated: one remote aggregator per batch, or the hosted one)
+        least = call.fabric.message_bytes or 0
+        per_block = call.spec.block_size * call.spec.up.itemsize
         for a in aggs:
-            if a != call.own and a not in call.opened:
+            if (a != call.own and a not in call.opened
+                    and sum(p0.get((a, ch.slot), 0) for ch in call.plans[a]) * per_block >= least):
                 held.add(a)
         aggs = [a for a in aggs if a not in held]
     yield from blocks0(call, aggs, p0)
@@ -245,6 +249,11 @@ def release_up(call, w: int):
     so this worker's position-0 blocks to aggregator ``w`` (which ``w`` hosts) may go: now if the header and first
     look-aheads to it went already (:func:`send_round0` held the blocks), else as soon as they go. A second
     call for ``w`` makes no request.
+
+    Held only where the blocks to ``w`` hold at least ``fabric.message_bytes`` (1 MiB on gloo, 8 ms at 1 Gbit/s):
+    a notice queued behind fewer bytes waits less than the release may (the hosted aggregator takes ``w``'s
+    header only at this worker's next poll or wait, after the scan of the next range; the sparse 10 MB call
+    on 2 netbed hosts).
 
     Why: gloo sends a message only once the receiver's "receive posted" notice has arrived, and that notice
     travels on the link that carries this worker's blocks to ``w`` (the two-way channels of the TorchFabric keep

@@ -84,13 +84,13 @@ def _dense_call(ctx, numel: int, directory: str):
 def test_colocated_worker_posts_a_peers_round0_receives_before_its_blocks_to_that_peer_leave(tmp_path):
     """On gloo a message moves once its receive's notice reaches the sender, on the link that carries the
     receiver's own blocks to that sender: each worker posts its receives of a peer's first look-aheads and
-    position-0 blocks before it sends that peer's aggregator its blocks (:func:`.worker.release_up`), so the
-    notices do not queue behind its blocks."""
+    position-0 blocks before it sends that peer's aggregator its blocks where they hold at least
+    ``message_bytes`` (:func:`.worker.release_up`), so the notices do not queue behind its blocks."""
     import json
 
     import sparsecomm as sc
 
-    n, numel = 3, 3 * 256 * 40
+    n, numel = 3, 3 * 256 * 1100     # (1100 blocks per aggregator: 1.1 MB >= message_bytes, so held)
     got = sc.launch(functools.partial(_dense_call, numel=numel, directory=str(tmp_path)), n, backend="gloo",
                     timeout_s=60)
     assert got == [True] * n
