@@ -176,7 +176,8 @@ def scan(call, a: int):
     if chans:
         lo, hi = chans[0].lo, chans[-1].lo + chans[-1].size
         fabric, source = call.fabric, call.source
-        least = SCAN_MIN_BLOCKS if fabric.modelled_time else SCAN_MIN_BLOCKS_REAL
+        # (finer while blocks are held, :func:`release_up`: a poll takes the peer's header and releases them)
+        least = SCAN_MIN_BLOCKS if fabric.modelled_time or call.held else SCAN_MIN_BLOCKS_REAL
         step = hi - lo if call.own is None else max(least, -(-(hi - lo) // SCAN_PIECES))
         lazy, charged = source.lazy, fabric.charges_host_work
         for s in range(lo, hi, step):
