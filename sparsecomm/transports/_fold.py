@@ -52,6 +52,10 @@ on that); workers that disagree get a MismatchError on every worker, never a wro
 What it costs: nothing extra on a predicted call; a mispredicted one costs one all-reduce of at most
 ``fold_max_bytes`` (:data:`FOLD_MAX_BYTES` by default) before its handshake, on every worker.
 Fabrics without ``native_group`` (SimFabric) keep no record: nothing changes there.
+
+**Notes.** A transport may also note in the record something of a completed call that every worker knows alike
+(:meth:`Schedule.note`: OmniReduce notes the blocks of each call's union, which decide the channels of its next
+occurrence), so that the workers decide alike without an exchange; an error clears the notes with the rest.
 """
 
 from __future__ import annotations
@@ -105,6 +109,8 @@ class Schedule:
         #: (``Native.chain``, :meth:`CommEngine.chain`)
         self.chained = 0
         self._step: int | None = None      # the step of the last recorded call that had an identity
+        # what a transport noted of a completed call, by a key of its own (:meth:`note`)
+        self._notes: OrderedDict[Hashable, Any] = OrderedDict()
 
     def call_key(self, call=None) -> tuple:
         """The part of a key that names the call running on this thread (:func:`current_call`), or
@@ -190,11 +196,28 @@ class Schedule:
         self.deviated += 1
         fold.join(torch.full((fold.numel,), float("nan"), dtype=fold.dtype, device=fold.device))
 
+    def note(self, key: Hashable, value: Any) -> None:
+        """Remember ``value`` of a call that completed on every worker, under ``key`` (a transport's own: e.g. the
+        call's shape and identity, :meth:`call_key`), for the next call of that key to read (:meth:`noted`).
+        ``value`` must be the same on every worker (a function of the call's result, which every worker shares),
+        so that every worker's record stays the same; the oldest of more than :data:`MAX_KEYS` notes is forgotten
+        first, alike on every worker, and :meth:`reset` forgets them all."""
+        notes = self._notes
+        notes[key] = value
+        notes.move_to_end(key)
+        while len(notes) > MAX_KEYS:
+            notes.popitem(last=False)
+
+    def noted(self, key: Hashable, default: Any = None) -> Any:
+        """What :meth:`note` remembered under ``key``, or ``default``."""
+        return self._notes.get(key, default)
+
     def reset(self) -> None:
-        """Forget everything (after an error raised on every worker)."""
+        """Forget everything (after an error raised on every worker): the calls and the notes."""
         self._last, self._run = None, 0
         self._step = None
         self._next.clear()
+        self._notes.clear()
 
 
 def schedule(fabric) -> Schedule | None:

@@ -80,13 +80,16 @@ blocks (the paper's), colocated aggregators, 2 channels per aggregator and 16384
 i.e. messages of up to 16 MiB and a 100 MB tensor in 1-2 rounds on 2-4 workers, where each round trip
 costs milliseconds (BENCHMARKS.md, "Transports on the netbed", measures them against other lane counts).
 On a fabric whose messages want to be long (``fabric.message_bytes``: real processes) a colocated call
-whose aggregator ranges fit in one round runs one channel per aggregator (:meth:`OmniReduce.channels_for`).
+whose aggregator ranges fit in one round runs one channel per aggregator, unless it is a repeated call whose
+union held at least ``message_bytes`` in an aggregator's range the last time (a dense bucket, every training step
+after the first): the record of calls keeps each call's union (:meth:`OmniReduce.channels_for`).
 """
 
 from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 
 from ...errors import InvalidValueError
@@ -224,11 +227,15 @@ class OmniReduce(Transport):
 
     def cost(self, call: CallShape, *, bandwidth_gbps: float, latency_us: float) -> costs.Cost:
         """:func:`~sparsecomm.theory.costs.omnireduce_allreduce` of the call's densities with this
-        transport's blocks, deployment, aggregators, channels and lanes."""
+        transport's blocks, deployment, aggregators, channels and lanes (a repeated call's: its union's blocks
+        per aggregator from ``call.union_density``, :meth:`channels_for`)."""
+        per = -(-call.numel // self.block_size) / self.num_aggregators
+        union = None if call.union_density is None else int(call.union_density * per)
         return costs.omnireduce_allreduce(
             self.fabric.world_size, call.numel, density=call.density, union_density=call.union_density,
             elem_size=call.elem_size, block_size=self.block_size, deployment=self.deployment,
-            num_aggregators=self.num_aggregators, channels=self.channels_for(call.numel), lanes=self.lanes,
+            num_aggregators=self.num_aggregators,
+            channels=self.channels_for(call.numel, call.elem_size, union), lanes=self.lanes,
             bandwidth_gbps=bandwidth_gbps, latency_us=latency_us)
 
     # ------------------------------------------------------------------ public
@@ -240,28 +247,80 @@ class OmniReduce(Transport):
             return x
         return out
 
-    def channels_for(self, numel: int) -> int:
-        """The channels per aggregator of a call of ``numel`` elements: ``channels`` if it was given; else
-        :data:`CHANNELS` (the paper's several streams per aggregator, whose up- and downstream overlap) on a
-        modelled network (``fabric.message_bytes`` is ``None``) and with dedicated aggregators (a worker's
-        up- and downlink carry different streams), and on a real fabric colocated :data:`CHANNELS` only
+    def channels_for(self, numel: int, itemsize: int = 4, union_blocks: int | None = None) -> int:
+        """The channels per aggregator of a call of ``numel`` elements of ``itemsize`` bytes: ``channels`` if it
+        was given; else :data:`CHANNELS` (the paper's several streams per aggregator, whose up- and downstream
+        overlap) on a modelled network (``fabric.message_bytes`` is ``None``) and with dedicated aggregators (a
+        worker's up- and downlink carry different streams), and on a real fabric colocated :data:`CHANNELS`
         where one channel would take more than one round (an aggregator's range of more than ``lanes``
         blocks), else one: colocated, every link direction carries the blocks of one aggregator's range
         and the sums of another's, so a second stream shortens no link's time, while each stream costs
         every endpoint its messages, its roles and, on gloo, the helper threads that watch its large
-        receives (BENCHMARKS.md, "Transports on loopback"). Every worker computes the same value from the
-        same call (it is in the call's header, checked for agreement)."""
+        receives (BENCHMARKS.md, "Transports on loopback").
+
+        Except where the call is dense: ``union_blocks``, the most blocks of the union (the blocks the sum
+        holds) in one aggregator's range the last time this call was made (:meth:`_noted_union`; None: not
+        known), and they held at least ``fabric.message_bytes``: then :data:`CHANNELS`. One channel of such a
+        range is two phases in sequence on every link direction (the blocks up, then, once summed, the sums of
+        another range down), with the link idle while the last block arrives, is summed and its sums start;
+        two streams overlap the first one's sum and sums with the second one's blocks (the dense MLP's 4.2 MB
+        bucket on 2 hosts at 1 Gbit/s). A sparse call keeps one: its short messages do not amortise a second
+        stream's (a 10 MB call at density 0.01 on 2 netbed hosts took 15.2 ms on two channels against 11.3 on
+        one). Only where the split cannot change the sums' bits: on two workers, or a tensor of whole blocks
+        (with three or more workers an in-place channel that ends with the short last block is summed in
+        message order and the others in place, :func:`.strategies.homed`, so a split there would reorder the
+        first part's additions).
+
+        Every worker computes the same value from the same call and the same record (it is in the call's
+        header and its fold key, checked for agreement: workers that differ get a
+        :class:`~sparsecomm.errors.MismatchError`, never a hang)."""
         if self.channels is not None:
             return self.channels
-        if self.fabric.message_bytes is None or self.deployment != "colocated":
+        message_bytes = self.fabric.message_bytes
+        if message_bytes is None or self.deployment != "colocated":
             return CHANNELS
         nb = -(-numel // self.block_size)
-        return 1 if -(-nb // self.num_aggregators) <= self.lanes else CHANNELS
+        if -(-nb // self.num_aggregators) > self.lanes:
+            return CHANNELS
+        same_bits = self.fabric.world_size == 2 or numel % self.block_size == 0
+        dense = union_blocks is not None and union_blocks * self.block_size * itemsize >= message_bytes
+        return CHANNELS if dense and same_bits else 1
 
     # --------------------------------------------------------------- protocol
     def _spec(self, numel: int, up: torch.dtype, kind: str, check: int = 0, absmax: int = 0) -> CallSpec:
-        return CallSpec(numel, up, self.block_size, self.num_aggregators, self.channels_for(numel), self.lanes,
-                        wire.KINDS.index(kind), check, absmax)
+        union = self._noted_union(_fold.schedule(self.fabric), numel, up, kind, check)
+        return CallSpec(numel, up, self.block_size, self.num_aggregators,
+                        self.channels_for(numel, up.itemsize, union), self.lanes, wire.KINDS.index(kind), check,
+                        absmax)
+
+    # ------------------------------------------------------------------ the union, noted
+    def _union_key(self, sched: _fold.Schedule, numel: int, up: torch.dtype, kind: str, check: int) -> tuple:
+        """The key under which the record (:meth:`_fold.Schedule.note`) keeps this call's union: its shape, without
+        the channels that the union decides, and its identity (:meth:`_fold.Schedule.call_key`: the bucket, the
+        round, the steps since the previous call)."""
+        return ("omnireduce union", self.deployment, self.block_size, self.num_aggregators, self.lanes, numel,
+                dtype_code(up), kind, check, *sched.call_key())
+
+    def _noted_union(self, sched: _fold.Schedule | None, numel: int, up: torch.dtype, kind: str,
+                     check: int) -> int | None:
+        """The union's most blocks in one aggregator's range, the last time this call completed (None: no record,
+        or not made since the record was last reset), as :meth:`_note_union` noted it on every worker."""
+        if sched is None:
+            return None
+        return sched.noted(self._union_key(sched, numel, up, kind, check))
+
+    def _note_union(self, sched: _fold.Schedule, spec: CallSpec) -> None:
+        """Note in the record the union of the call just completed (the blocks its result received, the same on
+        every worker): its most blocks in one aggregator's range, for the next call of the same key
+        (:meth:`channels_for`). An error clears it with the record, on every worker."""
+        sink = self._last_sink
+        if sink is None:
+            return
+        ids = sink.written_ids()
+        nb, A = -(-spec.numel // spec.block_size), spec.num_aggregators
+        bounds = np.searchsorted(ids, [a * nb // A for a in range(A + 1)])
+        most = int(np.diff(bounds).max()) if ids.size else 0
+        sched.note(self._union_key(sched, spec.numel, spec.up, wire.KINDS[spec.kind], spec.check), most)
 
     def _run(self, spec: CallSpec, source, make_sink, home: bool = False):
         """One call on this worker: its fold (:meth:`_enter`), the agreement handshake unless the call was
@@ -306,6 +365,7 @@ class OmniReduce(Transport):
             if bool(torch.isnan(out[0][:1]).any()):    # a deviator's NaN fills every block: the handshake
                 self._resolve(spec)
         if sched is not None:
+            self._note_union(sched, spec)
             sched.record(key, fold)
         return out
 

@@ -153,6 +153,11 @@ class AggCall:
                 out += win.feed()
         return out
 
+    def queued(self) -> list[int]:
+        """The remote workers whose round-0 receives are queued in the windows, in :attr:`order` (those that
+        fit posted: :meth:`take_early`, :meth:`take_headers`)."""
+        return self._queued
+
     def headers_left(self) -> tuple:
         """The headers not taken by :meth:`take_early` (:meth:`take_headers` takes them)."""
         return tuple(Key(Msg.HDR, w) for w in self.order if w not in self._early)
@@ -248,7 +253,8 @@ class AggCall:
 
 
 # ------------------------------------------------------------------ the roles
-def aggregator(adm, inbox, outbox, host: int | None = None, ref: np.ndarray | None = None, mark=None):
+def aggregator(adm, inbox, outbox, host: int | None = None, ref: np.ndarray | None = None, mark=None,
+               taken=None):
     """Aggregator ``adm.index``'s call (``adm``: its :class:`AggCall`): take the headers
     (colocated: as they arrive, each agreeing one's round-0 receives posted at once, ``ref`` being the
     host's own header), validate them, take the first look-aheads, send the verdict (after a failed
@@ -259,15 +265,25 @@ def aggregator(adm, inbox, outbox, host: int | None = None, ref: np.ndarray | No
     (:class:`~sparsecomm.fabric.roles.Recv`: the one whose arrival chose it), not every one in: the scheduler
     knows which arrived, and a look at the others would cost each wake a call per header left (O(n) per
     header, O(n^2) per aggregator). Where several are in at once (gloo), the role is resumed again at once for
-    each of the others."""
+    each of the others. ``taken``: colocated, ``taken(w)`` gives the requests to make once worker ``w``'s round-0
+    receives are queued (those that fit posted), or at the latest once every remote header is taken (the host's
+    blocks to ``w``'s aggregator: :func:`.worker.release_up`; a second ``taken(w)`` makes none)."""
     posts = adm.post_headers()
     yield from posts
     inbox.ready_keys([p.key for p in posts])     # (starts watching them: a later poll sees them arrived)
     left = dict.fromkeys(p.key for p in posts) if host is not None else {}   # (in order; O(1) removal)
+    released = 0
     while left:     # one header per wake, the one the scheduler resumes this with: no look at the others
         k = yield Recv.new((tuple(left), _HEADERS, (), True, None))
         del left[k]
         yield from adm.take_early(inbox, k, ref)
+        if taken is not None:   # (the workers whose round-0 receives this header queued: it, and those after it)
+            for w in adm.queued()[released:]:
+                yield from taken(w)
+            released = len(adm.queued())
+    if taken is not None:       # (every remote header is in; those not queued: not agreeing, or not yet in order)
+        for w in adm.remote():
+            yield from taken(w)
     yield Recv(adm.headers_left(), _HEADERS)
     yield from adm.take_headers(inbox)
     if adm.status == OK:

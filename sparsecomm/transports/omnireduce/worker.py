@@ -8,6 +8,8 @@ scheduler (``Fabric.drive``, :mod:`sparsecomm.fabric.roles`). The lanes' state m
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ...errors import MalformedMessage
@@ -69,6 +71,12 @@ class Call:
         self.errors: dict = {}          # aggregator -> its verdict, where it is not OK (raised at the end)
         self.hdr0: dict = {}            # aggregator -> the round-0 header this worker built for it
         self.hdr_base = spec.header(self.n).numpy()     # the header with no position-0 block (sealed)
+        # colocated on a real fabric, a remote aggregator's position-0 blocks of at least ``message_bytes`` wait
+        # until the hosted aggregator has posted the receives of that aggregator's host (:func:`release_up`);
+        # ``held``: the aggregators whose blocks wait for that, ``opened``: the hosts whose receives were posted
+        # first. None: not held
+        self.held: set | None = set() if own is not None and not fabric.modelled_time else None
+        self.opened: set = set()
         mark = getattr(fabric, "mark", None)   # a traced call's phase marks (.trace)
         self.traced = mark is not None          # (a mark per message is formatted only then)
         self.mark = mark if mark is not None else _no_mark
@@ -168,7 +176,8 @@ def scan(call, a: int):
     if chans:
         lo, hi = chans[0].lo, chans[-1].lo + chans[-1].size
         fabric, source = call.fabric, call.source
-        least = SCAN_MIN_BLOCKS if fabric.modelled_time else SCAN_MIN_BLOCKS_REAL
+        # (finer while blocks are held, :func:`release_up`: a poll takes the peer's header and releases them)
+        least = SCAN_MIN_BLOCKS if fabric.modelled_time or call.held else SCAN_MIN_BLOCKS_REAL
         step = hi - lo if call.own is None else max(least, -(-(hi - lo) // SCAN_PIECES))
         lazy, charged = source.lazy, fabric.charges_host_work
         for s in range(lo, hi, step):
@@ -214,11 +223,56 @@ def send_round0(call, aggs: list[int]):
         parts = [wire.encode_firsts(call.wch[a, ch.slot].mine, ch) for ch in call.plans[a]]
         firsts = parts[0] if not parts[1:] else torch.cat(parts)    # (one channel: its own fresh tensor)
         yield call.up(a, firsts_key, firsts, TAG_FIRSTS, data=True)
+    held = call.held
+    if held is not None:        # (colocated: one remote aggregator per batch, or the hosted one)
+        least = call.fabric.message_bytes or 0
+        per_block = call.spec.block_size * call.spec.up.itemsize
+        for a in aggs:
+            if (a != call.own and a not in call.opened
+                    and sum(p0.get((a, ch.slot), 0) for ch in call.plans[a]) * per_block >= least):
+                held.add(a)
+        aggs = [a for a in aggs if a not in held]
+    yield from blocks0(call, aggs, p0)
+
+
+def blocks0(call, aggs: list[int], p0: dict | None = None):
+    """The position-0 blocks to ``aggs`` (slot-major; per slot the heaviest aggregators first, by ``p0``)."""
     for g in range(call.spec.channels):
         for a in aggs if not aggs[1:] else sorted(aggs, key=lambda a: -p0.get((a, g), 0)):
             if (a, g) in call.wch:
                 yield from strategies.send_up(call, Buf.new((Msg.BLOCKS0, a, g, 0)), a, call.wch[a, g],
                                               Key.new((Msg.BLOCKS0, call.rank, g)))
+
+
+def release_up(call, w: int):
+    """Colocated on a real fabric: the hosted aggregator has queued the receives of worker ``w``'s round-0
+    messages, posting those that fit (:meth:`.aggregator.AggCall.take_early`; or it has taken every remote header),
+    so this worker's position-0 blocks to aggregator ``w`` (which ``w`` hosts) may go: now if the header and first
+    look-aheads to it went already (:func:`send_round0` held the blocks), else as soon as they go. A second
+    call for ``w`` makes no request.
+
+    Held only where the blocks to ``w`` hold at least ``fabric.message_bytes`` (1 MiB on gloo, 8 ms at 1 Gbit/s):
+    a notice queued behind fewer bytes waits less than the release may (the hosted aggregator takes ``w``'s
+    header only at this worker's next poll or wait, after the scan of the next range; the sparse 10 MB call
+    on 2 netbed hosts).
+
+    Why: gloo sends a message only once the receiver's "receive posted" notice has arrived, and that notice
+    travels on the link that carries this worker's blocks to ``w`` (the two-way channels of the TorchFabric keep
+    them on different connections, not on different links). Sent first, the blocks fill the link's queues (the
+    socket's and the shaper's) as soon as ``w`` posts their receive, and the notices for ``w``'s first
+    look-aheads and blocks wait behind them (2-3 ms at 1 Gbit/s in the netbed's timelines of the dense MLP),
+    while nothing moves from ``w`` to this worker. The blocks cannot move before ``w`` has taken this worker's
+    header anyway, which it does about when this worker takes ``w``'s: holding them until this worker's receives
+    are posted costs the wire nothing.
+
+    Every wait still ends (``docs/omnireduce-scheduler.md``): the header that releases the blocks is sent
+    before its sender's first wait, and the hosted aggregator takes the headers before any wait of this endpoint
+    that blocks (its first look-aheads and round-0 blocks are its only sure waits; a worker's roles have none),
+    while the scheduler can only wait on them (R1-R3)."""
+    call.opened.add(w)
+    if w in call.held:
+        call.held.discard(w)
+        yield from blocks0(call, [w])
 
 
 def worker_lane(call, a: int, c: core.WorkerChannel):
@@ -267,7 +321,8 @@ def run_worker(fabric: Fabric, spec: CallSpec, source, make_sink, aggregators: l
     if own is not None:
         adm = AggCall(own, call.n, colocated=call.rank)
         roles.insert(0, aggregator(adm, call.inbox, call.outbox, host=call.rank,
-                                        ref=call.hdr_base, mark=call.mark if call.traced else None))
+                                        ref=call.hdr_base, mark=call.mark if call.traced else None,
+                                        taken=None if call.held is None else functools.partial(release_up, call)))
     if first is not None:
         roles = [_after(first(call.inbox), roles)]
     fabric.drive(roles, call.inbox, call.outbox, keep=64 if own is not None else 0)

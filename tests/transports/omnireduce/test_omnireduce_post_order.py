@@ -1,4 +1,5 @@
-"""The order in which an aggregator posts a worker's round-0 receives: its first look-aheads before its blocks.
+"""The order in which an aggregator posts a worker's round-0 receives: its first look-aheads before its blocks;
+and, colocated on gloo, a worker's receives of a peer's round-0 messages before its own blocks to that peer.
 
 gloo moves a peer's messages to the receives in the order they are posted once the peer has sent them; the
 aggregator takes the first look-aheads (small) before any block, to send its verdict, so a look-ahead posted
@@ -7,6 +8,9 @@ the verdict) with it."""
 
 from __future__ import annotations
 
+import functools
+
+import pytest
 import torch
 
 from sparsecomm.fabric.roles import Inbox, Pool, PostInto
@@ -60,3 +64,42 @@ def test_colocated_aggregator_posts_the_first_look_aheads_before_the_blocks_as_e
         inbox.put(wire.Key(wire.Msg.HDR, w), hs[w].view(torch.uint8))
         keys += _posted(adm.take_early(inbox, wire.Key(wire.Msg.HDR, w), hs[1].numpy()))
     _check(keys)
+
+
+def _dense_call(ctx, numel: int, directory: str):
+    import os
+
+    import sparsecomm as sc
+    from sparsecomm.transports.omnireduce import trace
+
+    os.environ[trace.ENV] = directory        # (this rank's calls traced into it)
+    t = sc.transports.get("omnireduce", ctx.fabric)
+    x = torch.arange(numel, dtype=torch.float32) % 7 + ctx.rank + 1.0      # every block non-zero
+    y = t.allreduce(x)
+    return bool(torch.equal(y, sum(torch.arange(numel, dtype=torch.float32) % 7 + r + 1.0
+                                   for r in range(ctx.world_size))))
+
+
+@pytest.mark.multiprocess
+def test_colocated_worker_posts_a_peers_round0_receives_before_its_blocks_to_that_peer_leave(tmp_path):
+    """On gloo a message moves once its receive's notice reaches the sender, on the link that carries the
+    receiver's own blocks to that sender: each worker posts its receives of a peer's first look-aheads and
+    position-0 blocks before it sends that peer's aggregator its blocks where they hold at least
+    ``message_bytes`` (:func:`.worker.release_up`), so the notices do not queue behind its blocks."""
+    import json
+
+    import sparsecomm as sc
+
+    n, numel = 3, 3 * 256 * 1100     # (1100 blocks per aggregator: 1.1 MB >= message_bytes, so held)
+    got = sc.launch(functools.partial(_dense_call, numel=numel, directory=str(tmp_path)), n, backend="gloo",
+                    timeout_s=60)
+    assert got == [True] * n
+    for r in range(n):
+        ev = json.loads((tmp_path / f"rank{r}.call0.json").read_text())["events"]
+        for p in (p for p in range(n) if p != r):
+            blocks_out = [e["post"] for e in ev if e["kind"] == "send" and e["peer"] == p
+                          and e["tag"] == wire.tag_up(0)]
+            ins = [e["post"] for e in ev if e["kind"] == "recv" and e["peer"] == p
+                   and e["tag"] in (wire.TAG_FIRSTS, wire.tag_up(0))]
+            assert len(blocks_out) == 1 and len(ins) == 2, (r, p, ev)
+            assert max(ins) < blocks_out[0], (r, p, ins, blocks_out)
