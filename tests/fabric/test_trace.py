@@ -11,6 +11,7 @@ from collections import Counter
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import sparsecomm as sc
 import sparsecomm.transports  # noqa: F401  (registers the transports)
@@ -232,6 +233,7 @@ def test_gloo_ranks_record_wall_clock_traces_merged_and_side_by_side(tmp_path, c
 
 def _late_sender(ctx):
     f = ctx.fabric
+    dist.barrier()      # (both ranks start together: the receiver then waits the sender's whole sleep, not less)
     if ctx.rank == 1:
         time.sleep(0.3)
         f.send(torch.ones(4), 0, tag=7)
