@@ -391,17 +391,13 @@ class HookScheduler:
             shape, dtype = buffer.shape, buffer.dtype
             # DDP's buckets are flat: the estimate has the buffer's shape and dtype
             then = None if buffer.dim() == 1 else (lambda est: est.to(dtype).reshape(shape))
-            if self.lanes is None:
-                return self._track(pipe.start(flat, key, compress=compress, shapes=shapes, segments=segments,
-                                              then=then), is_last)
-            lane = self.lanes.of(index)
+            lane = 0 if self.lanes is None else self.lanes.of(index)
             return self._track(self._ordered(pipe.start(flat, key, compress=compress, shapes=shapes,
                                                         segments=segments, then=then, lane=lane), lane), is_last)
         finally:
             if is_last:
                 self.steps += 1
                 self._in_step = False
-
 
     def _ordered(self, work: CommWork, lane: int) -> CommWork:
         """``work`` (a call on ``lane``) in the call order of the lanes, where there are several."""
