@@ -387,7 +387,8 @@ class CommHookState:
         return {"hyper": {k: getattr(self, k) for k in _HYPER}, "state": self.state_dict()}
 
     def __setstate__(self, d: dict[str, Any]) -> None:
-        self.verify_replicas_every, self.sparse_rows, self.lanes, self.fuse = VERIFY_EVERY, "gather", None, None  # (older)
+        # (defaults of the options a state pickled by an older version lacks)
+        self.verify_replicas_every, self.sparse_rows, self.lanes, self.fuse = VERIFY_EVERY, "gather", None, None
         for k, v in d["hyper"].items():
             setattr(self, k, v)
         self.process_group = None          # rebinds to the default process group

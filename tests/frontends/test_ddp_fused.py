@@ -1,5 +1,5 @@
-"""The DDP hook's fused step (``fuse=``, :meth:`HookScheduler._hold <sparsecomm.pipeline.scheduler.HookScheduler._hold>`):
-a step's dense buckets as one call, the same numbers as a call per bucket, its records, the rule and its checks,
+"""The DDP hook's fused step (``fuse=``, ``HookScheduler._hold`` in :mod:`sparsecomm.pipeline.scheduler`): a
+step's dense buckets as one call, the same numbers as a call per bucket, its records, the rule and its checks,
 an error on every bucket of every worker."""
 
 from __future__ import annotations
