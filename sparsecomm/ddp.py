@@ -109,12 +109,22 @@ The fabric is the current :func:`sparsecomm.launch` worker's ``TorchFabric``, el
 over the default process group; the default transport (``"default"``) is then ``native``
 (``torch.distributed.all_reduce``) for dense payloads.
 
+**One call a step** (``fuse=``, :func:`~sparsecomm.pipeline.scheduler.resolve_fuse`): with plain averaging on a
+protocol of this library (any transport but ``native`` and ``"auto"``), a step's dense buckets run as one call by
+default: each bucket's future is held until DDP hands the hook the step's last bucket (or a sparse one), then their
+concatenation is averaged in one call (one per run of buckets of one dtype) and copied back into each bucket's
+buffer (DDP reads a hook's result from the start of its storage, so the future holds the bucket's own buffer, as
+``allreduce_hook``'s does). The numbers are those of a call per bucket wherever the transport's per-element sum does
+not depend on the layout (at 2 workers, ``allgather``); the method state is not involved (plain averaging has none).
+``fuse=False`` runs a call per bucket; ``state.fused`` says what the rule chose.
+
 **Lanes** (``lanes=``, :mod:`sparsecomm.pipeline.lanes`): bucket ``k`` runs on lane ``k mod L``, each lane a
 fabric with process groups of its own (:meth:`TorchFabric.lane
 <sparsecomm.fabric.torch.torch_fabric.TorchFabric.lane>`, created when the state is built, on every worker in
 the same order), its own communication thread and its own transport instance, so a small bucket's call does not
 queue behind a large one's. ``None`` (the default) is 2 for ``ring``, ``omnireduce`` (sharded) and ``allgather``
-on a gloo fabric with a store and no services when the model's gradients take more than one bucket (a state
+on a gloo fabric with a store and no services when the step is not one call (above) and the model's gradients take
+more than one bucket (a state
 unpickled without its model: 2 where lanes run), else 1; the number is among the agreed settings. The results are
 the same bits; the calls' outcomes are decided in call order across the lanes
 (:class:`~sparsecomm.pipeline.lanes.CallOrder`); a chained ``native`` call keeps one lane.
@@ -144,14 +154,14 @@ from .pipeline import CommPipeline
 from .pipeline import step_size
 from .pipeline.lanes import Lanes, check_lanes, resolve_lanes
 from .pipeline.resolve import default_fabric
-from .pipeline.scheduler import HookScheduler, sparse_message
+from .pipeline.scheduler import HookScheduler, check_fuse, resolve_fuse, sparse_message
 from .pipeline.settings import agree
 from .replicas import VERIFY_EVERY, check_verify_every, verify_replicas
 from .fabric.engine import CommWork
 from .validate import check_int, check_seed
 
 _HYPER = ("compressor", "transport", "method", "transport_kwargs", "warmup_steps", "min_compress_size",
-          "seed", "sparse_rows", "verify_replicas_every", "lanes", "hyper")
+          "seed", "sparse_rows", "verify_replicas_every", "lanes", "fuse", "hyper")
 
 
 class CommHookState:
@@ -189,6 +199,10 @@ class CommHookState:
             lanes run and the model's gradients take more than one bucket, else 1); ``1``, every call on
             the hook's fabric, one at a time; an int ``> 1`` where lanes do not run raises
             :class:`~sparsecomm.errors.IncompatibleError` saying why. The results are the same bits.
+        fuse: whether a step's dense buckets run as one call (see "One call a step" in the module doc):
+            ``None``, the default rule (plain averaging on any transport but ``native`` and ``"auto"``, unless
+            ``lanes > 1``); ``True`` where it can (else :class:`~sparsecomm.errors.IncompatibleError` saying
+            why); ``False``, a call per bucket.
         **hyper: hyper-parameters of the method and its compressor.
     """
 
@@ -196,13 +210,14 @@ class CommHookState:
                  method: Any = None, transport_kwargs: dict | None = None, warmup_steps: int = 0,
                  min_compress_size: int = 0, seed: int = 0, model: torch.nn.Module | None = None,
                  sparse_rows: str = "gather", verify_replicas_every: int = VERIFY_EVERY, lanes: int | None = None,
-                 **hyper: Any) -> None:
+                 fuse: bool | None = None, **hyper: Any) -> None:
         who = "sparsecomm.ddp hook state"
         warmup_steps = check_int("warmup_steps", warmup_steps, low=0, what=who)
         min_compress_size = check_int("min_compress_size", min_compress_size, low=0, what=who)
         seed = check_seed("seed", seed, what=who)
         self.verify_replicas_every = check_verify_every(verify_replicas_every)
         check_lanes(lanes)
+        check_fuse(fuse)
         # hyper-parameters
         self.compressor = compressor
         self.transport = transport
@@ -213,6 +228,7 @@ class CommHookState:
         self.seed = int(seed)
         self.sparse_rows = sparse_rows
         self.lanes = lanes
+        self.fuse = fuse
         self.hyper = dict(hyper)
         # binding (never pickled)
         self.process_group = process_group
@@ -229,11 +245,12 @@ class CommHookState:
                                      transport_kwargs=self.transport_kwargs or None,
                                      fabric=default_fabric(self.process_group), seed=self.seed,
                                      warmup_steps=self.warmup_steps, sparse_rows=self.sparse_rows, **self.hyper)
-        count = resolve_lanes(self.lanes, self.pipeline, _buckets(model))
-        self._agree(count)
+        fused = resolve_fuse(self.fuse, self.pipeline, self.lanes)
+        count = 1 if fused else resolve_lanes(self.lanes, self.pipeline, _buckets(model))
+        self._agree(count, fused)
         self.scheduler = HookScheduler(self.pipeline, self.min_compress_size, self._verify, self._note_error,
                                        on_step_every=self.verify_replicas_every,
-                                       lanes=Lanes(self.pipeline, count) if count > 1 else None)
+                                       lanes=Lanes(self.pipeline, count) if count > 1 else None, fused=fused)
         self._checked: list[tuple[str, torch.Tensor]] = []     # what the replica guard compares
         #: the library error that failed a bucket's communication (DDP's backward re-raises it as a
         #: ``RuntimeError`` whose text names it: torch's C++ layer keeps only the text), else None
@@ -266,13 +283,19 @@ class CommHookState:
         """The state key of a bucket holding ``params``: a digest of their names (else the index)."""
         return self.scheduler.key(params, index)
 
-    def _agree(self, lanes: int) -> None:
+    def _agree(self, lanes: int, fused: bool) -> None:
         """Check, on every worker, that every worker built its hook state with the same settings, ``lanes``
-        (the number the rule resolved) included (:func:`sparsecomm.pipeline.settings.agree`: a collective, at
-        construction and at unpickling, before the lanes' groups are created)."""
+        and ``fuse`` (what the rules resolved) included (:func:`sparsecomm.pipeline.settings.agree`: a
+        collective, at construction and at unpickling, before the lanes' groups are created)."""
         agree(self.pipeline.fabric, "sparsecomm.ddp hook state", self.pipeline.settings() + [
             ("min_compress_size", repr(self.min_compress_size)),
-            ("verify_replicas_every", repr(self.verify_replicas_every)), ("lanes", repr(lanes))])
+            ("verify_replicas_every", repr(self.verify_replicas_every)), ("lanes", repr(lanes)),
+            ("fuse", repr(fused))])
+
+    @property
+    def fused(self) -> bool:
+        """Whether a step's dense buckets run as one call (the ``fuse`` rule's answer)."""
+        return self.scheduler.fused
 
     @property
     def lane_count(self) -> int:
@@ -364,7 +387,8 @@ class CommHookState:
         return {"hyper": {k: getattr(self, k) for k in _HYPER}, "state": self.state_dict()}
 
     def __setstate__(self, d: dict[str, Any]) -> None:
-        self.verify_replicas_every, self.sparse_rows, self.lanes = VERIFY_EVERY, "gather", None  # (pickled before)
+        # (defaults of the options a state pickled by an older version lacks)
+        self.verify_replicas_every, self.sparse_rows, self.lanes, self.fuse = VERIFY_EVERY, "gather", None, None
         for k, v in d["hyper"].items():
             setattr(self, k, v)
         self.process_group = None          # rebinds to the default process group

@@ -18,7 +18,9 @@ ranks, nccl), the transports without services that run on the communication thre
 ``omnireduce`` with its aggregators sharded over the workers, ``allgather``). ``native`` posts its
 collectives from the calling thread already (gloo runs them on its own threads); the switches have a
 service rank, which a lane's transport would have to reach on groups the service does not serve, so they
-keep one lane; ``transport="auto"`` chooses per bucket and keeps one lane too.
+keep one lane; ``transport="auto"`` chooses per bucket and keeps one lane too. Where the hook runs a step's
+buckets as one call (plain averaging by default: :func:`~sparsecomm.pipeline.scheduler.resolve_fuse`) there is
+nothing to overlap, and the default rule gives one lane.
 
 **Errors** (:class:`CallOrder`). The outcome of every call is decided in *call order*, across the lanes:
 a call that fails (other than :class:`~sparsecomm.errors.NonFiniteError`, which every worker raises

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import IncompatibleError, MismatchError, SparseCommError
+from ..errors import IncompatibleError, InvalidValueError, MismatchError, SparseCommError
 from ..fabric.engine import CommWork
 from .buckets import Bucket, layout
 from .core import CommPipeline
@@ -227,7 +227,7 @@ class HookScheduler:
     def __init__(self, pipeline: CommPipeline, min_compress_size: int,
                  on_step: Callable[[int], None] | None = None,
                  on_error: Callable[[BaseException], None] | None = None, on_step_every: int = 1,
-                 lanes: Lanes | None = None) -> None:
+                 lanes: Lanes | None = None, fused: bool = False) -> None:
         self.pipeline, self.min_compress_size, self.on_step = pipeline, min_compress_size, on_step
         #: the lanes the buckets run on (None: one)
         self.lanes = lanes if lanes is not None and lanes.count > 1 else None
@@ -253,11 +253,16 @@ class HookScheduler:
         # for the names of _layouts_names): the same objects at every step (StateStore.bind's steady state)
         self._layouts: dict[tuple[int, ...], tuple[Any, tuple, tuple]] = {}
         self._layouts_names: dict[int, str] | None = None
+        #: whether a step's dense buckets run as one call (see :meth:`start`)
+        self.fused = bool(fused)
+        # the dense buckets of the step in progress held for the fused call: (buffer, index, its work)
+        self._held: list[tuple[torch.Tensor, int, CommWork]] = []
 
     def restart(self, steps: int) -> None:
         """Continue from a checkpoint taken after ``steps`` steps (none in progress)."""
         self.steps, self._in_step = int(steps), False
         self._pending, self._last_started = 0, False
+        self._held = []
 
     def _track(self, work: CommWork, is_last: bool) -> CommWork:
         """Count ``work`` among the step's calls; the last one to complete, once the step's last bucket is
@@ -329,7 +334,8 @@ class HookScheduler:
         ``buffer`` itself, and the fp16/bf16 casts' round): a future of the average; or None when
         nothing was done (a sparse bucket, another method, an unpredicted plain call, ...): then
         :meth:`start` it. The step's bookkeeping (:meth:`_track`) is the same."""
-        if buffer.is_sparse or buffer.ndim != 1 or not buffer.is_contiguous() or self.lanes is not None:
+        if buffer.is_sparse or buffer.ndim != 1 or not buffer.is_contiguous() or self.lanes is not None \
+                or self.fused:
             return None
         least = self.min_compress_size
         compress = self.steps >= 1 and (not least or buffer.numel() >= least)
@@ -372,6 +378,11 @@ class HookScheduler:
         pipe = self.pipeline
         self._begin()
         try:
+            if self.fused:
+                if not buffer.is_sparse:
+                    return self._hold(buffer, index, is_last)
+                if self._held:          # (a sparse bucket between dense ones: theirs is one call, started first)
+                    self._release(False)
             if buffer.is_sparse:
                 if not pipe.plain:
                     raise IncompatibleError(sparse_message(pipe))
@@ -399,9 +410,95 @@ class HookScheduler:
                 self.steps += 1
                 self._in_step = False
 
+    def _hold(self, buffer: torch.Tensor, index: int, is_last: bool) -> CommWork:
+        """The fused step (:attr:`fused`, a plain average): DDP's dense bucket ``index`` held, its work pending,
+        until the step's last bucket (or a sparse one); then the held buckets run as one call (their
+        concatenation, keyed by the first one's index) whose average is copied back into their buffers, each
+        bucket's work completing with its own buffer. A bucket of another dtype than the held ones starts theirs
+        first (one call per run of one dtype). Every worker holds the same buckets (DDP calls the hook for them
+        in index order on every rank), so the calls match."""
+        if self._held and self._held[0][0].dtype != buffer.dtype:
+            self._release(False)
+        work = CommWork()
+        self._held.append((buffer, index, work))
+        if is_last:
+            self._release(True)
+        return work
+
+    def _release(self, is_last: bool) -> None:
+        """Start the held buckets' one call (see :meth:`_hold`); its outcome completes each bucket's work."""
+        held, self._held = self._held, []
+        bufs = [b.reshape(-1) for b, _, _ in held]
+        fabric = self.pipeline.fabric
+        try:
+            flat = bufs[0] if len(bufs) == 1 else torch.cat(bufs)     # (scratch: the call may write into it)
+            if len(bufs) > 1:
+                fabric.host_work("copy", flat.nbytes)        # (a fabric that models the hosts charges the copies)
+            call = self._track(self.pipeline.start(flat, held[0][1], compress=False), is_last)
+        except BaseException as exc:
+            for _, _, work in held:
+                work.complete(None, exc)
+            raise
+
+        def split(done: CommWork) -> None:
+            exc = done.exception()
+            if exc is not None:
+                for _, _, work in held:
+                    work.complete(None, exc)
+                return
+            est, at = done.wait().reshape(-1), 0
+            for buffer, _, work in held:
+                n = buffer.numel()
+                part = est[at: at + n]
+                if part.data_ptr() != buffer.data_ptr():
+                    # (into the bucket's own buffer: DDP reads a hook's result from its storage's start, so a
+                    # view into the fused tensor would be read at the wrong place)
+                    buffer.view(-1).copy_(part)
+                    fabric.host_work("copy", part.nbytes)
+                work.complete(buffer, None)
+                at += n
+
+        call.add_done_callback(split)
+
     def _ordered(self, work: CommWork, lane: int) -> CommWork:
         """``work`` (a call on ``lane``) in the call order of the lanes, where there are several."""
         return work if self.lanes is None else self.lanes.ordered(work, lane)
+
+
+def check_fuse(requested: Any) -> None:
+    """:class:`~sparsecomm.errors.InvalidValueError` unless ``requested`` is None or a bool."""
+    if requested is not None and not isinstance(requested, bool):
+        raise InvalidValueError(f"fuse must be None (the default rule), True or False, got {requested!r}")
+
+
+def why_not_fused(pipeline: CommPipeline, lanes: int | None) -> str | None:
+    """Why the DDP hook's buckets cannot run as one call a step (the same on every worker), or None."""
+    if not pipeline.plain:
+        return (f"method {pipeline.method.name!r} with compressor {pipeline.method.compressor.name!r} compresses "
+                f"each bucket (its numbers depend on the buckets); only plain averaging (compressor='none') fuses")
+    if lanes is not None and lanes > 1:
+        return f"lanes={lanes} runs the buckets' calls side by side; one call a step has none to overlap"
+    return None
+
+
+def resolve_fuse(requested: bool | None, pipeline: CommPipeline, lanes: int | None) -> bool:
+    """Whether the DDP hook runs a step's dense buckets as one call (:meth:`HookScheduler._hold`).
+
+    ``True`` where it can (:func:`why_not_fused`; else :class:`~sparsecomm.errors.IncompatibleError` saying why);
+    ``False`` never; ``None``, the default rule: fused for plain averaging on a protocol of this library (any
+    transport but ``native`` and ``"auto"``) unless ``lanes`` asks for lanes. Such a call pays a fixed cost
+    before its data moves (an agreement handshake, a control round, a look-ahead) and its protocol runs on a
+    communication thread beside the training thread, so on hosts whose cores the training keeps busy one call
+    after backward costs less than a call per bucket overlapped with it (BENCHMARKS.md, "Time to accuracy on
+    the netbed"), as :class:`~sparsecomm.DistributedOptimizer` runs the whole gradient. ``native`` posts each
+    bucket to torch's own collective at once, as DDP does, and keeps a call per bucket."""
+    check_fuse(requested)
+    why = why_not_fused(pipeline, lanes)
+    if requested is None:
+        return why is None and pipeline.chooser is None and pipeline.transport.name != "native"
+    if requested and why is not None:
+        raise IncompatibleError(f"fuse=True: {why}; pass fuse=False (or None: the default rule)")
+    return requested
 
 
 def sparse_message(pipeline: CommPipeline) -> str:

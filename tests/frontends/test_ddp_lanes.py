@@ -32,7 +32,7 @@ def _train(ctx, transport: str, lanes, compressor: str = "none", steps: int = ST
     hyper = {"method": "ef", "ratio": 0.1} if compressor == "topk" else {}
     net = _net()
     ddp = nn.parallel.DistributedDataParallel(net, bucket_cap_mb=0.05)      # 6 buckets after the rebuild
-    state = sc.ddp.register(ddp, transport=transport, lanes=lanes, compressor=compressor, **hyper)
+    state = sc.ddp.register(ddp, transport=transport, lanes=lanes, compressor=compressor, fuse=False, **hyper)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     per_step = []
     for t in range(steps):
@@ -75,10 +75,12 @@ def _rule(ctx):
     out = {}
     net = nn.parallel.DistributedDataParallel(_net(), bucket_cap_mb=0.05)
     state = functools.partial(sc.ddp.CommHookState, None, model=net)
-    out["omnireduce"] = state(transport="omnireduce").lane_count
+    out["omnireduce"] = state(transport="omnireduce", fuse=False).lane_count
+    out["omnireduce topk"] = state(transport="omnireduce", method="ef", compressor="topk", ratio=0.1).lane_count
+    out["fused"] = state(transport="omnireduce").lane_count        # (plain averaging: one call a step)
     out["native"] = state(transport="native").lane_count
     small = nn.parallel.DistributedDataParallel(nn.Linear(4, 1))
-    out["one bucket"] = sc.ddp.CommHookState(None, transport="ring", model=small).lane_count
+    out["one bucket"] = sc.ddp.CommHookState(None, transport="ring", model=small, fuse=False).lane_count
     out["three"] = state(transport="ring", lanes=3).lane_count
     out["refused"] = outcome(lambda: state(transport="native", lanes=2))[:2]
     return out
@@ -87,7 +89,8 @@ def _rule(ctx):
 @pytest.mark.multiprocess
 def test_the_default_rule_and_an_explicit_number_of_lanes():
     for rk in sc.launch(_rule, 2, backend="gloo", timeout_s=TIMEOUT):
-        assert rk["omnireduce"] == 2 and rk["native"] == 1 and rk["one bucket"] == 1 and rk["three"] == 3
+        assert rk["omnireduce"] == rk["omnireduce topk"] == 2 and rk["fused"] == 1
+        assert rk["native"] == 1 and rk["one bucket"] == 1 and rk["three"] == 3
         cls, text = rk["refused"]
         assert cls == "IncompatibleError" and "'native' keeps one lane" in text and "lanes=1" in text, text
 

@@ -130,9 +130,10 @@ def test_optimizer_switch_ledger_is_its_wire_bytes_on_simfabric():
         assert total == sum(r[0] for r in rows)
 
 
-def _hook_jobs(ctx, steps: int):
+def _hook_jobs(ctx, steps: int, fuse: bool | None):
     """One DDP replica of the 64-1024-1024-10 MLP over the switch (its default lanes; the two buckets DDP
-    makes of it with ``bucket_cap_mb=1`` after its first step): per step the ledger, the bytes the worker
+    makes of it with ``bucket_cap_mb=1`` after its first step, one call a step with ``fuse=None``, the
+    default, a call per bucket with ``fuse=False``): per step the ledger, the bytes the worker
     handed to its fabric, and per float job its input, its sum, its chunks and lanes (the inputs of both
     workers, gathered after the step, outside the counted bytes)."""
     torch.set_num_threads(1)
@@ -141,7 +142,7 @@ def _hook_jobs(ctx, steps: int):
     with ctx.seeded(0):
         model = _mlp((64, 1024, 1024, 10))
     net = nn.parallel.DistributedDataParallel(model, process_group=f.native_group, bucket_cap_mb=1)
-    state = sc.ddp.register(net, transport="switch")
+    state = sc.ddp.register(net, transport="switch", fuse=fuse)
     t = state.pipeline.transport
     jobs = []
     float_job = t._float_job
@@ -182,18 +183,20 @@ def _fixed_point_sum(xs: list[torch.Tensor], E: int) -> torch.Tensor:
 
 
 @pytest.mark.multiprocess
-def test_hook_switch_wire_bytes_are_the_gradient_with_headers_and_its_sums_exact_on_gloo():
+@pytest.mark.parametrize("fuse", [None, False])
+def test_hook_switch_wire_bytes_are_the_gradient_with_headers_and_its_sums_exact_on_gloo(fuse):
     """Per step, over several steps of a two-bucket model: the ledger books exactly the bytes the worker
     handed to its fabric, and those are the gradient's int32 codes in whole packets with their headers, one
     control packet per job and the workers' agreement headers, plus the exponent look-ahead at the size of a
     header per lane (and at most one more per message); the sums are the codec's fixed-point sums bit for
     bit."""
-    res = sc.launch(functools.partial(_hook_jobs, steps=4), 2, backend="gloo", timeout_s=TIMEOUT,
+    res = sc.launch(functools.partial(_hook_jobs, steps=4, fuse=fuse), 2, backend="gloo", timeout_s=TIMEOUT,
                     services=["switch"])
     rounds = 1                                   # ceil(log2 n) agreement rounds of 2 workers
     for rows, E in res:
         packet = 4 * (HEADER + E)
-        assert [len(jobs) for _, _, jobs in rows] == [1] + [2] * (len(rows) - 1)   # DDP rebuilds after step 0
+        # DDP rebuilds after step 0 (two buckets); fused, one job a step
+        assert [len(jobs) for _, _, jobs in rows] == [1] + [1 if fuse is None else 2] * (len(rows) - 1)
         for ledger, sent, jobs in rows:
             assert ledger == sent, (ledger, sent)
             needed = sum(packet * (chunks + 1) + HANDSHAKE_BYTES * rounds for _, _, chunks, _ in jobs)
