@@ -170,9 +170,11 @@ def test_a_host_with_a_cost_per_message_sends_the_switch_bursts_charged_per_mess
     # a few bursts, not 256 messages: the agreement header, the control packet, and the job's 256 lanes' look-ahead
     # and data in four messages each (a lane window in four)
     assert mb == MESSAGE_BYTES and sent <= 10 and packets >= SWITCH_ELEMS // 256
-    # messages as long as their packets (as over gloo), not padded to a burst of 1024: the bytes are the packets'
-    row = (8 + 256) * 4
-    assert packets * row <= sent_bytes < (packets + 1) * row       # + the agreement's and the control round's
+    # messages as long as their packets (as over gloo), not padded to a burst of 1024: the bytes are the packets',
+    # the look-ahead's (one packet per lane, exponents only) a header each in SHORT messages (a header each), as
+    # over gloo, and the agreement header (272 bytes)
+    row, header, lanes = (8 + 256) * 4, 8 * 4, SWITCH_ELEMS // 256
+    assert sent_bytes == (packets - lanes) * row + (lanes + 4) * header + 272
     # with the switch's program the bottleneck (rates far above everything else's), the call lengthens by the
     # switch's serial work: one charge per message of each worker (but about one, which it runs while the
     # other worker's is on its way) ...
