@@ -100,8 +100,8 @@ def switch_role(dp: Dataplane, inbox: Inbox):
     forever: it posts a receive of one message from any port (``inbox`` key ``"up"``), waits for it, runs
     the program on it and yields its replies (whole padded bursts; on a SimFabric with a real fabric's
     ``message_bytes``, messages as long as their packets, both ways, header-only packets in ``SHORT`` messages
-    as a real fabric's port takes and answers them: :func:`_short_replies`), datagrams that it never waits for (:class:`~.datagrams.Datagram`
-    with no ``hold``: the per-port links transmit in parallel); the rejection notice of malformed packets
+    as a real fabric's port takes and answers them: :func:`_short_replies`), datagrams that it never waits for
+    (:class:`~.datagrams.Datagram` with no ``hold``: the per-port links transmit in parallel); the rejection notice of malformed packets
     is a reliable :class:`~sparsecomm.fabric.roles.Send` to every worker (the dataplane's docstring). A
     message's port is its receive's source; the workers are ``dp.world`` (set by :func:`serve`)."""
     burst = dp.config.burst

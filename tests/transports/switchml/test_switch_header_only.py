@@ -147,3 +147,15 @@ def _fixed_point_sum_of(xs: list[torch.Tensor], E: int) -> torch.Tensor:
     e = torch.stack([codec.chunk_exponents(x, E).clamp_min(-126) for x in xs]).max(dim=0).values
     scales = codec.scale_from_exponents(e, len(xs))
     return codec.from_fixed(sum(codec.to_fixed(x, scales, chunk=E).to(torch.int64) for x in xs), scales, chunk=E)
+
+
+def test_on_a_simfabric_with_real_messages_a_short_message_whose_count_no_buffer_holds_stops_every_rank():
+    """The modelled switch takes a ``SHORT`` message as a real port does: a count past the burst is malformed,
+    reported to every worker, and every rank stops naming the worker it came from (no hang, no wrong sum)."""
+    host = sc.HostModel(send_message_s=1e-5, recv_message_s=1e-5)
+    res = sc.launch(_forged_count, 2, network=sc.Network(bandwidth_gbps=1.0, latency_us=50.0, host=host),
+                    timeout_s=30.0)
+    assert all(good for good, _ in res), res
+    got = [o for _, o in res]
+    assert [o[0] for o in got] == ["MalformedMessage"] * 2, got
+    assert all("worker 1" in o[1] for o in got), got
