@@ -143,7 +143,12 @@ calibration to the next far more than its own calls do. The profile's ``method``
   wire of its own, the hosts' copies are the per-byte rates; the processes sharing this machine's cores
   as :meth:`~.sim_host.HostModel.sharing` says): what a call costs beyond its messages, bytes, sums, scans
   and packets (and OmniReduce's blocks, with the two rates above) -- its Python, whatever its size (at least
-  0). ``native`` is modelled as gloo's ring (:class:`~sparsecomm.transports.native.model.GlooRing`, its messages at
+  0), divided by the share of the cores the model stretched that call by (:meth:`~.sim_host.HostModel.sharing`:
+  1 for two workers on two cores; 1.5 for a switch's call, two workers and the switch on two cores): the model
+  stretches ``call_s`` by the share too, so the call modelled with the profile is the call measured (before, a
+  switch's ``call_s`` was the residual itself, charged 1.5 times over: 4 ms of a 1 Gbit/s MLP step's 8 ms
+  too many per call; ``--calls-into`` fits a profile's recorded calls again).
+  ``native`` is modelled as gloo's ring (:class:`~sparsecomm.transports.native.model.GlooRing`, its messages at
   the native rates below): its ``call_s`` is the rest of a ``native`` call beyond gloo's own all-reduce;
 - ``sync_s`` (:func:`sync_costs`; :mod:`~sparsecomm.fabric.sim.sim_host`): the wait of a call for its last worker
   where the processes outnumber the cores, per call and per unit of share above 1: :data:`PEER_WORKERS` processes
@@ -164,8 +169,8 @@ calibration to the next far more than its own calls do. The profile's ``method``
   the CPU at most the exchange over the share (the model stretches it by the share) and the wait the rest; the
   native rates as above, ``dist.all_reduce`` between :data:`PEER_WORKERS` processes, modelled with that entry's
   tables; ``call_s`` of the transports that need no service (those of ``CALL_GROUPS[()]``) as above between
-  :data:`PEER_WORKERS` processes, modelled with the entry's tables and native rates, the residual divided by the
-  share (wall time, which the model's stretch gives back), at least 0. It is measured before ``sync_s``, whose loop
+  :data:`PEER_WORKERS` processes, modelled with the entry's tables and native rates (the residual divided by the
+  share, as above: wall time, which the model's stretch gives back), at least 0. It is measured before ``sync_s``, whose loop
   is modelled with it. Like ``sync_s`` it needs the processes' own load and none other
   (``python -m sparsecomm.netbed.calibrate --shared-into P --out Q`` measures it, and ``sync_s`` again, alone,
   with the other rates of ``P``). On as many cores as :data:`PEER_WORKERS` or more: none (every share the
@@ -208,7 +213,7 @@ from ..fabric.sim.sim_profile import host_from_profile, load_profile, profile_di
 from ..transports.buffers import fresh_empty
 from ..transports.native.collectives import GATHER_SUM_BYTES
 
-__all__ = ["busy_endpoints", "calibrate", "main", "shared_into", "sync_into", "write_profile"]
+__all__ = ["busy_endpoints", "calibrate", "calls_into", "main", "shared_into", "sync_into", "write_profile"]
 
 #: message sizes (bytes) of the gloo exchange, quick and full
 MESSAGE_SIZES = {True: (64, 16384, 262144), False: (64, 4096, 65536, 262144, 1 << 20, 4 << 20)}
@@ -1188,29 +1193,79 @@ def call_costs(host: HostModel, quick: bool = False, pin_cores: bool = False, wo
                groups: dict | None = None) -> dict:
     """``call_s`` (module docstring): per transport, the measured loopback call less the modelled one, with
     the measurements (the measured call the median over :data:`LAUNCHES` launches of each launch's median,
-    ``launches_s``). ``pin_cores``: the calls on pinned ranks, modelled with the processes that compute at the
-    same moments sharing the cores (a service that computes only while the workers wait does not); ``workers``:
-    the workers of a call; ``groups``: the transports by the services their launch needs (default
-    :data:`CALL_GROUPS`)."""
-    from .. import launch
-    from ..fabric.sim.sim_network import Network
-
-    calls, cores = CALLS[quick], os.cpu_count() or 1
+    ``launches_s``; ``share``, the stretch the residual is divided by). ``pin_cores``: the calls on pinned ranks,
+    modelled with the processes that compute at the same moments sharing the cores (a service that computes only
+    while the workers wait does not); ``workers``: the workers of a call; ``groups``: the transports by the
+    services their launch needs (default :data:`CALL_GROUPS`)."""
+    calls = CALLS[quick]
     slowest = lambda runs, name: statistics.median(max(r[name][i] for r in runs) for i in range(calls))  # noqa: E731
-    out, fit = {}, {}
+    measured = {}
     for services, names in (CALL_GROUPS if groups is None else groups).items():
         fn = functools.partial(_clocked_calls, names=names, numel=CALL_ELEMS, calls=calls, numel_of=CALL_ELEMS_OF)
         runs = _launches(fn, workers, LAUNCHES[quick], backend="gloo", services=list(services), timeout_s=120.0,
                          **({"pin_cores": True} if pin_cores else {}))
+        for name in names:
+            each = [slowest(real, name) for real in runs]
+            measured[name] = {"measured_s": statistics.median(each), "launches_s": each}
+    return call_residuals(host, measured, calls, pin_cores, workers, groups)
+
+
+def call_residuals(host: HostModel, measured: dict, calls: int, pin_cores: bool = False, workers: int = 2,
+                   groups: dict | None = None) -> dict:
+    """``call_s`` of the transports of ``measured`` (name -> ``{"measured_s": the slowest rank's median call,
+    ...}``, :func:`call_costs`) against the same calls modelled on the SimFabric with ``host`` (``calls`` timed
+    calls each, as measured): the residual divided by the share of the cores the model stretched the call by
+    (module docstring), at least 0; with the fit (the measurement's own entries, ``modelled_s`` and ``share``)."""
+    from .. import launch
+    from ..fabric.sim.sim_network import Network
+
+    cores = os.cpu_count() or 1
+    slowest = lambda runs, name: statistics.median(max(r[name][i] for r in runs) for i in range(calls))  # noqa: E731
+    out, fit = {}, {}
+    for services, names in (CALL_GROUPS if groups is None else groups).items():
+        names = tuple(name for name in names if name in measured)
+        if not names:
+            continue
+        fn = functools.partial(_clocked_calls, names=names, numel=CALL_ELEMS, calls=calls, numel_of=CALL_ELEMS_OF)
         busy = max(busy_endpoints(name, workers, len(services), pin_cores) for name in names)
         net = Network(bandwidth_gbps=1e4, latency_us=0.0, host=host.sharing(busy, cores))
         sim = launch(fn, workers, network=net)
+        share = net.host.cpu_share
         for name in names:
-            each = [slowest(real, name) for real in runs]
-            measured, modelled = statistics.median(each), slowest(sim, name)
-            out[name] = max(0.0, measured - modelled)
-            fit[name] = {"measured_s": measured, "modelled_s": modelled, "launches_s": each}
+            modelled = slowest(sim, name)
+            out[name] = max(0.0, measured[name]["measured_s"] - modelled) / share
+            fit[name] = {**measured[name], "modelled_s": modelled, "share": share}
     return {"call_s": out, "call_fit": fit}
+
+
+def calls_into(path: str | Path) -> dict:
+    """The profile at ``path`` with ``call_s`` fitted again to the calls its ``method.call_fit`` recorded
+    (:func:`call_residuals`; nothing measured), modelled with this code's model and the profile's rates as
+    :func:`calibrate` models them (no per-call costs, no wait for a last worker, no rates by share, no
+    contention), the calls on pinned ranks where the profile's were (``method.pin_cores``); its rates by share
+    and ``sync_s`` are kept (``--calls-into``: a profile made before a change to the model of a call, or to the
+    fit, brought up to it without a quiet machine)."""
+    import dataclasses
+
+    profile = load_profile(path)
+    host = host_from_profile(profile, f"host profile {str(path)!r}")
+    method = profile.get("method", {})
+    recorded = method.get("call_fit")
+    if not recorded or "calls" not in method:
+        raise InvalidValueError(f"--calls-into: the host profile {str(path)!r} records no calls (method.call_fit "
+                                f"and method.calls); calibrate it again (python -m sparsecomm.netbed calibrate)")
+    bare = dataclasses.replace(host, call_s={}, sync_s=0.0, by_share={}, codec_contention={})
+    threads = torch.get_num_threads()
+    try:
+        calls = call_residuals(bare, recorded, int(method["calls"]), bool(method.get("pin_cores", False)))
+    finally:
+        torch.set_num_threads(threads)
+    host = dataclasses.replace(host, call_s={**host.call_s, **calls["call_s"]})
+    out = profile_dict(host, date=profile.get("date", ""), machine=profile.get("machine", {}),
+                       method={**method, "call_fit": {**recorded, **calls["call_fit"]}})
+    if "netbed" in profile:
+        out["netbed"] = profile["netbed"]
+    return out
 
 
 
@@ -1241,8 +1296,9 @@ def shared_costs(host: HostModel, quick: bool = False) -> dict:
     calls = call_costs(dataclasses.replace(host, by_share={share: rates}), quick, workers=n,
                        groups={(): CALL_GROUPS[()]})
     fit["call_fit"] = calls["call_fit"]
-    # (a call's residual is wall time, the model stretches its call_s by the share: the rate is the residual over it)
-    rates["call_s"] = {name: v / share for name, v in calls["call_s"].items()}
+    # (a call's residual is wall time, the model stretches its call_s by the share: call_costs gives the residual
+    # over it)
+    rates["call_s"] = calls["call_s"]
     return {"by_share": {share: rates}, "shared_fit": fit}
 
 
@@ -1369,6 +1425,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="measure only the rates by share of the cores (by_share, with 4 processes; loopback, no "
                         "netbed) and sync_s again with the other rates of PROFILE, and write PROFILE with them (and "
                         "their measurements under method.shared_fit and method.sync_fit) to --out")
+    p.add_argument("--calls-into", default=None, metavar="PROFILE",
+                   help="measure nothing: fit call_s again to the calls PROFILE recorded (method.call_fit), modelled "
+                        "with this code and PROFILE's other rates, and write PROFILE with it to --out")
     p.add_argument("--sync-into", default=None, metavar="PROFILE",
                    help="measure only sync_s (loopback, no netbed) with the rates of PROFILE, and write PROFILE with "
                         "it (and its measurement under method.sync_fit) to --out")
@@ -1386,6 +1445,13 @@ def run(args: argparse.Namespace) -> int:
                          else f"{value:.3g}")
                 print(f"share {share}: {name}: {shown} {entry['unit']}")
         print(f"sync_s: {profile['host']['sync_s']['value']:.3g} s/call")
+        print(f"wrote {args.out}")
+        return 0
+    if args.calls_into is not None:
+        profile = calls_into(args.calls_into)
+        write_profile(profile, args.out)
+        for name, v in profile["host"]["call_s"]["value"].items():
+            print(f"call_s {name}: {v:.3g} s/call")
         print(f"wrote {args.out}")
         return 0
     if args.sync_into is not None:

@@ -170,9 +170,11 @@ def test_a_host_with_a_cost_per_message_sends_the_switch_bursts_charged_per_mess
     # a few bursts, not 256 messages: the agreement header, the control packet, and the job's 256 lanes' look-ahead
     # and data in four messages each (a lane window in four)
     assert mb == MESSAGE_BYTES and sent <= 10 and packets >= SWITCH_ELEMS // 256
-    # messages as long as their packets (as over gloo), not padded to a burst of 1024: the bytes are the packets'
-    row = (8 + 256) * 4
-    assert packets * row <= sent_bytes < (packets + 1) * row       # + the agreement's and the control round's
+    # messages as long as their packets (as over gloo), not padded to a burst of 1024: the bytes are the packets',
+    # the look-ahead's (one packet per lane, exponents only) a header each in SHORT messages (a header each), as
+    # over gloo, and the agreement header (272 bytes)
+    row, header, lanes = (8 + 256) * 4, 8 * 4, SWITCH_ELEMS // 256
+    assert sent_bytes == (packets - lanes) * row + (lanes + 4) * header + 272
     # with the switch's program the bottleneck (rates far above everything else's), the call lengthens by the
     # switch's serial work: one charge per message of each worker (but about one, which it runs while the
     # other worker's is on its way) ...
@@ -722,7 +724,7 @@ def test_calibrate_command_writes_a_loadable_profile(tmp_path, capsys):
     for name, v in calls.items():
         each = call_fit[name]["launches_s"]        # (the measured call: the median of each launch's)
         assert len(each) == LAUNCHES[True] and call_fit[name]["measured_s"] == statistics.median(each)
-        assert v == max(0.0, call_fit[name]["measured_s"] - call_fit[name]["modelled_s"])
+        assert v == max(0.0, call_fit[name]["measured_s"] - call_fit[name]["modelled_s"]) / call_fit[name]["share"]
         assert call_fit[name]["measured_s"] > 0 and call_fit[name]["modelled_s"] > 0
     # the kernels' slowdown with every core busy: per operation, the median at once over the median alone, >= 1
     from sparsecomm.netbed.calibrate import CONTENDED_OPS
@@ -1332,7 +1334,8 @@ def test_calibrate_takes_the_median_over_launches(monkeypatch):
     assert got["send_message_s"] == pytest.approx(1.1 * 1e-4 / 2, rel=1e-6)
     assert got["message_cpu_s"] == {n: pytest.approx(1.1 * 5e-5, rel=1e-12) for n in sizes}
 
-    # call_s: per transport the median over launches of each launch's median call, less the modelled call
+    # call_s: per transport the median over launches of each launch's median call, less the modelled call, over
+    # the share of the cores the model stretched the call by (and will stretch call_s by)
     monkeypatch.undo()
     monkeypatch.setitem(cal.LAUNCHES, True, 3)
     real_launch = sc.launch
@@ -1348,7 +1351,59 @@ def test_calibrate_takes_the_median_over_launches(monkeypatch):
     got = cal.call_costs(HostModel(), quick=True)
     for name, fit in got["call_fit"].items():
         assert fit["launches_s"] == [1.0, 0.01, 0.02] and fit["measured_s"] == 0.02
-        assert got["call_s"][name] == max(0.0, 0.02 - fit["modelled_s"])
+        assert got["call_s"][name] == max(0.0, 0.02 - fit["modelled_s"]) / fit["share"]
+        services = next(svc for svc, names in cal.CALL_GROUPS.items() if name in names)
+        assert fit["share"] == max(1.0, cal.busy_endpoints(name, 2, len(services)) / (os.cpu_count() or 1))
+
+
+def _modelled_call_s(host: HostModel, name: str, calls: int) -> float:
+    """The slowest rank's median call of ``name`` as the calibration times it (2 workers and the transport's
+    services on this machine's cores), on the SimFabric with ``host``."""
+    import statistics
+
+    from sparsecomm.netbed import calibrate as cal
+
+    services = next(svc for svc, names in cal.CALL_GROUPS.items() if name in names)
+    share_of = host.sharing(cal.busy_endpoints(name, 2, len(services)), os.cpu_count() or 1)
+    fn = functools.partial(cal._clocked_calls, names=(name,), numel=cal.CALL_ELEMS, calls=calls,
+                           numel_of=cal.CALL_ELEMS_OF)
+    runs = sc.launch(fn, 2, services=list(services), network=sc.Network(bandwidth_gbps=1e4, latency_us=0.0,
+                                                                         host=share_of))
+    return statistics.median(max(r[name][i] for r in runs) for i in range(calls))
+
+
+def test_calls_into_fits_call_s_so_that_the_modelled_call_is_the_measured_one(tmp_path, capsys):
+    """``calibrate --calls-into P --out Q`` fits ``call_s`` again to the calls ``P`` recorded, measuring nothing:
+    each the recorded call less the call modelled with ``P``'s other rates, over the share of the cores the model
+    stretches the call (and ``call_s``) by, so that the call modelled with ``Q`` is the call measured, on any
+    number of cores (on two, the switch's call shares them with its switch: 1.5; the residual itself, as fitted
+    before, modelled 1.5 times over); every other rate is ``P``'s."""
+    from sparsecomm.netbed.calibrate import CALLS, main
+
+    calls = CALLS[True]
+    names = ("ring", "switch")
+    measured = {name: {"measured_s": 0.05, "launches_s": [0.05]} for name in names}
+    host = dataclasses.replace(TABLED, call_s={"ring": 1.0, "switch": 1.0, "native": 2e-4})
+    profile = _profile(host)
+    profile["method"] = {"call_fit": measured, "calls": calls, "pin_cores": False}
+    src, out = tmp_path / "p.json", tmp_path / "q.json"
+    src.write_text(json.dumps(profile))
+    assert main(["--calls-into", str(src), "--out", str(out)]) == 0
+    assert capsys.readouterr().out.endswith(f"wrote {out}\n")
+    got = json.loads(out.read_text())
+    fitted = host_from_profile(got)
+    assert dataclasses.replace(fitted, call_s={}) == dataclasses.replace(host, call_s={})
+    assert fitted.call_s["native"] == 2e-4                  # (not recorded: kept)
+    cores = os.cpu_count() or 1
+    for name in names:
+        fit = got["method"]["call_fit"][name]
+        assert fit["share"] == max(1.0, (2 if name == "ring" else 3) / cores)
+        assert fitted.call_s[name] == (0.05 - fit["modelled_s"]) / fit["share"] > 0
+        assert _modelled_call_s(fitted, name, calls) == pytest.approx(0.05, rel=1e-9)
+    with pytest.raises(InvalidValueError, match="records no calls"):
+        profile["method"] = {}
+        src.write_text(json.dumps(profile))
+        main(["--calls-into", str(src), "--out", str(out)])
 
 
 def test_fit_nonnegative_fits_exactly_and_drops_a_negative_rate():

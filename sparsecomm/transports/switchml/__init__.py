@@ -27,8 +27,9 @@ switch keeps ``E = max_w e``, and the scale ``f = (INT32_MAX / n - 1) / 2^E``
 headroom) makes the n-worker int32 sum impossible to overflow. The exponent exchange runs one round
 ahead: the first ``L`` packets carry exponents only (SwitchML's extra batch for fp32 jobs) and packet
 ``p >= L`` carries chunk ``p - L``'s codes plus chunk ``p``'s exponent. On real fabrics the exponent-only
-packets travel as their header alone (32 bytes each way, :mod:`.dataplane`, "Header-only packets"); on
-SimFabric, as the paper's program, as whole packets. Error per element
+packets travel as their header alone (32 bytes each way, :mod:`.dataplane`, "Header-only packets"), and so
+on a SimFabric that models a real fabric's messages (a host model's ``message_bytes``); on SimFabric's own
+datagrams, as the paper's program, as whole packets. Error per element
 ``<= n * 0.5 / f`` (nearest rounding). A value of magnitude ``>= 2^max_exponent`` (default 2^64, about
 1.8e19; the int8 exponent register would allow 2^127) is a fixed-point overflow,
 :class:`~sparsecomm.errors.OverflowError_` on every worker: with such a chunk maximum the quantum
@@ -252,11 +253,13 @@ class SwitchTransport(Transport):
     def cost(self, call: CallShape, *, bandwidth_gbps: float, latency_us: float) -> costs.Cost:
         """:func:`~sparsecomm.theory.costs.switchml_allreduce` of the call's elements as 32-bit fixed point,
         with this transport's slots and the lanes a float job of that size takes (:meth:`_float_lanes`), its
-        exponent look-ahead header-only on a real fabric."""
+        exponent look-ahead header-only where messages are a real fabric's (a SimFabric's with a host model's
+        ``message_bytes`` too)."""
         lanes = self._float_lanes(-(-call.numel // self.slot_elems))[0]
         return costs.switchml_allreduce(self.fabric.world_size, call.numel * 4, pool_size=max(1, lanes),
                                         slot_elems=self.slot_elems, bandwidth_gbps=bandwidth_gbps,
-                                        latency_us=latency_us, header_only_lookahead=not self.sim)
+                                        latency_us=latency_us,
+                                        header_only_lookahead=not self.sim or self.fabric.message_bytes is not None)
 
     # ================================================================== payload kinds
     def _allreduce_tensor(self, flat: torch.Tensor) -> torch.Tensor:
@@ -318,7 +321,7 @@ class SwitchTransport(Transport):
 
         The job's first ``lanes`` packets carry only their chunk's exponent (:mod:`.jobs`: the look-ahead
         that lets each chunk's codes use the agreed scale), header-only on a real fabric (a whole packet of
-        zeros on SimFabric), so the job sends ``chunks + lanes`` packets. With ``pool_size`` given, or on
+        zeros on SimFabric's own datagrams), so the job sends ``chunks + lanes`` packets. With ``pool_size`` given, or on
         SimFabric (the paper's pool of 256 lanes, which the closed forms model): ``min(pool_size, chunks)``
         lanes, ``burst`` packets per message. With a real fabric's default pool (8191 lanes): at most
         ``chunks / LOOKAHEAD_SHARE`` lanes (half; at least ``min(chunks, LOOKAHEAD_FLOOR)``),

@@ -63,8 +63,10 @@ fabric message carries up to ``burst`` rows (on SimFabric exactly ``burst``, unu
 row ``(SHORT, count, 0, ...)`` then ``count`` header rows, flat. The program takes such a packet as one
 whose values are all zero (the first writer zeroes the slot's accumulators; its exponent counts as any
 packet's) and answers it with a header-only result, in a ``SHORT`` message too. So the look-ahead costs
-``4 * HEADER`` bytes a packet each way, not a whole packet's ``4 * (HEADER + slot_elems)``. SimFabric keeps
-the paper's program: every packet is a whole row, one datagram of the modelled network.
+``4 * HEADER`` bytes a packet each way, not a whole packet's ``4 * (HEADER + slot_elems)``. SimFabric's own
+datagrams keep the paper's program: every packet is a whole row, one datagram of the modelled network; a
+SimFabric with a real fabric's messages (a host model's ``message_bytes``) sends ``SHORT`` ones as a real
+fabric does (:func:`.service.switch_role`).
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ workers that the switch returns) is known one lane window before its codes are s
 and the result is ``sum_w q_w / f`` in the job's working precision (:func:`sparsecomm.codec.from_fixed`'s
 rule), bit for bit; both run as one compiled call per message (:func:`_encode`, :func:`_decode`). The first
 ``L`` packets carry no codes: on real fabrics their rows are ``HEADER`` words wide (header-only packets,
-:mod:`.dataplane`), on SimFabric whole rows of zeros; the encoder and the decoder take either.
+:mod:`.dataplane`; a SimFabric with a host model's real-fabric messages too), on SimFabric's own datagrams whole
+rows of zeros; the encoder and the decoder take either.
 Stochastic rounding goes through :func:`sparsecomm.codec.to_fixed` chunk by chunk (each chunk keeps its
 position in the rounding stream). An integer job ("bypass") sends its int32 values as they are.
 """

@@ -19,9 +19,10 @@ lane windows of bursts in flight. The fabrics differ in what a message is:
 
 - SimFabric: one datagram of the model per packet (modelled loss), a whole burst of rows, padded, sent as
   a blocking send (the worker NIC's serialisation), the timer in modelled seconds; with a host model that
-  charges per message (a real fabric's ``message_bytes``), messages as long as their packets and sends
-  asynchronous, as below (a real process's send returns once its bytes are queued, and it encodes the next
-  burst while the NIC serialises this one).
+  charges per message (a real fabric's ``message_bytes``), messages as long as their packets, header-only
+  packets in ``SHORT`` messages and sends asynchronous, as below (a real process's send returns once its
+  bytes are queued, and it encodes the next burst while the NIC serialises this one): the real fabric's
+  messages, byte for byte.
 - Real fabrics: messages as long as their packets (below), sends asynchronous.
 
 **Messages as long as their packets** (real fabrics): a message holds the packets that are ready, at most
@@ -34,7 +35,8 @@ receive at its buffer's size; the worker takes back the unfilled rows (:meth:`Li
 ledger counts the bytes that arrived. Packets that carry no values (a float job's exponent look-ahead) go
 header-only, in ``SHORT`` messages of their own both ways (:mod:`.dataplane`, "Header-only packets"). On
 SimFabric a message is one packet (or a whole burst of rows, padded: the SimFabric checks a message's shape
-against its receive's).
+against its receive's), unless a host model gives it a real fabric's ``message_bytes``: then its messages are
+the real fabric's, these included.
 
 **An error inside a stream ends the job on every worker** (:func:`abandoning`, both switches): the
 other workers wait for this worker's packets (a slot completes only with every worker's), so a worker
@@ -308,7 +310,8 @@ class Lanes:
         by the fabric (:func:`.datagrams.drive`) with the worker's :class:`Link`. Packets
         ``0..short_below-1`` carry no values: on real fabrics they travel header-only, in ``SHORT``
         messages (:func:`.dataplane.short_frame`; ``payload`` and ``consume`` get ``HEADER``-word rows
-        for them), and their results come back so; on SimFabric every packet is a whole row.
+        for them), and their results come back so, as on a SimFabric with a real fabric's ``message_bytes``
+        (a host model's); on SimFabric's own datagrams every packet is a whole row.
 
         ``payload(pkts, rows)`` fills new rows (their headers are set), ``consume(pkts, rows)`` takes
         accepted results (distinct packet numbers). A lane unanswered for the timer's ``give_up_s`` raises
@@ -338,8 +341,8 @@ class Lanes:
         fab, st, sw = self.fabric, self.state, self.switch
         L, K = len(lane_slots), self.burst
         sim = self.sim
-        short_below = 0 if sim else short_below          # SimFabric: the paper's whole rows
         padded = sim and fab.message_bytes is None      # SimFabric's datagrams (else as long as their packets)
+        short_below = 0 if padded else short_below      # SimFabric's datagrams: the paper's whole rows
         S = K if rows is None or padded else max(1, min(K, int(rows)))     # packets per message sent
         job, rank, n = st.job, fab.rank, fab.world_size
         cap = 1 if padded else SEND_AHEAD * max(1, -(-L // S))

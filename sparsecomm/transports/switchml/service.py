@@ -99,8 +99,9 @@ def switch_role(dp: Dataplane, inbox: Inbox):
     """The switch on a modelled fabric as one role (:mod:`sparsecomm.fabric.roles`, :mod:`.datagrams`),
     forever: it posts a receive of one message from any port (``inbox`` key ``"up"``), waits for it, runs
     the program on it and yields its replies (whole padded bursts; on a SimFabric with a real fabric's
-    ``message_bytes``, messages as long as their packets, both ways), datagrams that it never waits for (:class:`~.datagrams.Datagram`
-    with no ``hold``: the per-port links transmit in parallel); the rejection notice of malformed packets
+    ``message_bytes``, messages as long as their packets, both ways, header-only packets in ``SHORT`` messages
+    as a real fabric's port takes and answers them: :func:`_short_replies`), datagrams that it never waits for
+    (:class:`~.datagrams.Datagram` with no ``hold``: the per-port links transmit in parallel); the rejection notice of malformed packets
     is a reliable :class:`~sparsecomm.fabric.roles.Send` to every worker (the dataplane's docstring). A
     message's port is its receive's source; the workers are ``dp.world`` (set by :func:`serve`)."""
     burst = dp.config.burst
@@ -118,6 +119,9 @@ def switch_role(dp: Dataplane, inbox: Inbox):
             dp.stats["malformed"] += 1
             continue
         before = dp.stats["malformed"]
+        if not padded and arr[0, F_TYPE] == T_SHORT:     # header-only packets, as on a real fabric
+            yield from _short_replies(dp, inbox.fabric, arr, src, width, burst)
+            continue
         packets = int(np.count_nonzero(arr[:, F_TYPE] != T_EMPTY))     # a burst's padding is no packet
         if padded and burst == 1:        # (the paper's datagrams, one packet each: its replies as they are)
             mc, uc = dp.process(arr)
@@ -139,6 +143,38 @@ def switch_role(dp: Dataplane, inbox: Inbox):
             yield Multicast(torch.from_numpy(msg), range(dp.world), TAG_DOWN)
         for msg in ucast:
             yield Datagram(torch.from_numpy(msg), src, TAG_DOWN)
+
+
+def _short_replies(dp: Dataplane, fabric: Fabric, arr: np.ndarray, src: int, width: int, burst: int):
+    """(role, :func:`switch_role`) A ``SHORT`` message from worker ``src`` in the receive buffer ``arr`` on a
+    SimFabric with a real fabric's messages: its header-only packets through the program and their results as
+    ``SHORT`` messages, as a real fabric's port answers them (:func:`_serve_ports`); ``arr``'s rows are left
+    ``T_EMPTY``. A count past the burst is malformed, reported to every worker as a malformed packet is."""
+    rows = short_rows(arr, burst)
+    if rows is None:
+        arr[:, F_TYPE] = T_EMPTY
+        dp.stats["malformed"] += 1
+        notice = torch.from_numpy(rejection(width, burst, src, dp.world, 1))
+        for dst in range(dp.world):
+            yield Send(notice, dst, TAG_DOWN)
+        return
+    before = dp.stats["malformed"]
+    mc, uc = dp.process(rows.copy())
+    arr[:short_extent(len(rows), width), F_TYPE] = T_EMPTY      # (the rows whose type word it overwrote)
+    fabric.host_work("switch_message", 1)
+    fabric.host_work("switch_packet", len(rows))
+    if dp.stats["malformed"] > before:
+        notice = torch.from_numpy(rejection(width, burst, src, dp.world, dp.stats["malformed"] - before))
+        for dst in range(dp.world):
+            yield Send(notice, dst, TAG_DOWN)
+    for res, dsts in ((mc, range(dp.world)), (uc, None)):
+        if len(res):
+            msg, out = short_frame(np.empty(HEADER * (len(res) + 1), dtype=np.int32), len(res))
+            out[:] = res
+            if dsts is None:
+                yield Datagram(torch.from_numpy(msg), src, TAG_DOWN)
+            else:
+                yield Multicast(torch.from_numpy(msg), dsts, TAG_DOWN)
 
 
 # ----------------------------------------------------------------------------- real fabrics
