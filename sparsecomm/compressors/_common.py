@@ -173,7 +173,7 @@ def divide_finite(x: torch.Tensor, n: int) -> bool:
     if x.is_cpu and not _kernel_paths.torch_forced() and x.dtype in (torch.float32, torch.float64) and \
             x.ndim == 1 and x.is_contiguous():
         a = x.detach().numpy()
-        if n & (n - 1) or n > _POW2_EXACT:
+        if n & (n - 1) or not 0 < n <= _POW2_EXACT:
             return bool(_k.div_finite(a, a.dtype.type(n)))
         return bool(_k.scale_finite(a, a.dtype.type(1.0 / n)))
     x.div_(n)
