@@ -64,7 +64,7 @@ def test_copy_sub_is_torchs_copy_and_sub(dtype, kernel_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("n", [2, 3, 5, 8])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 8, 1024])
 def test_divide_finite_is_torchs_div_and_flags_a_nan_or_inf(dtype, n, kernel_path):
     """The plain average's division (the DDP hook's chained sum): torch's ``div_`` by the worker count bit for bit
     (values across the whole range, subnormal quotients included), in place, and False exactly where an element
@@ -84,3 +84,38 @@ def test_divide_finite_is_torchs_div_and_flags_a_nan_or_inf(dtype, n, kernel_pat
                 want = b.clone().div_(n)
                 assert divide_finite(b, n) is False, (bad, pos)
                 assert torch.equal(b.isnan(), want.isnan()) and torch.equal(b[~b.isnan()], want[~want.isnan()])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("k", [0, 1, 2, 3, 10, 60])
+def test_scaling_by_a_power_of_two_is_the_division_bit_for_bit(dtype, k):
+    """The plain average's pass at a power-of-two worker count multiplies by ``2**-k`` (``_kernels.scale_finite``):
+    the same bits as the division by ``2**k`` on every pattern that matters -- quotients down to and through the
+    subnormals, the largest values, signed zeros, infinities and NaNs with payloads -- and the same verdict."""
+    import numpy as np
+
+    from sparsecomm.compressors import _kernels
+
+    g = torch.Generator().manual_seed(4)
+    lo, hi = (-1074, 1019) if dtype == torch.float64 else (-149, 123)    # (|randn| < 16: finite)
+    x = (torch.randn(20_000, generator=g, dtype=torch.float64) * torch.logspace(lo, hi, 20_000, base=2.0,
+                                                                              dtype=torch.float64)).to(dtype)
+    info = torch.finfo(dtype)
+    specials = torch.tensor([0.0, -0.0, info.tiny, -info.tiny, info.tiny / 2, info.max, -info.max, info.eps],
+                            dtype=dtype)
+    x = torch.cat([x, specials, torch.arange(1, 64, dtype=dtype) * info.tiny * info.eps])   # subnormal inputs
+    ints = torch.int64 if dtype == torch.float64 else torch.int32
+    for bad in (None, float("nan"), float("inf"), -float("inf")):
+        a, b = x.clone(), x.clone()
+        if bad is not None:
+            a[5] = b[5] = bad
+        want = b.div_(2 ** k)
+        assert bool(_kernels.scale_finite(a.numpy(), a.numpy().dtype.type(2.0 ** -k))) is (bad is None)
+        assert torch.equal(a.view(ints), want.view(ints)), k
+    # a NaN's payload and sign: as the division leaves them (both quiet the same operand)
+    nan_bits = torch.tensor([0x7FC00001, 0xFFC12345 - (1 << 32), 0x7F800001], dtype=torch.int32)
+    if dtype == torch.float32:
+        a, b = nan_bits.clone().view(torch.float32), nan_bits.clone().view(torch.float32)
+        _kernels.scale_finite(a.numpy(), np.float32(2.0 ** -k))
+        _kernels.div_finite(b.numpy(), np.float32(2.0 ** k))
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
