@@ -159,20 +159,11 @@ class Schedule:
         caller about to make it (:meth:`Native.chain <sparsecomm.transports.native.Native.chain>`, under the
         engine's lock): its key, or None (nothing recorded). A caller whose call then fails to be made must
         :meth:`reset`."""
-        last = self._last                  # (predicts(), inlined: a frame less on the calling thread)
-        if last is None:
+        got = self.predicts(prefix, code, step, rnd)
+        if got is None:
             return None
-        e = self._next.get((last, min(self._run, MAX_RUN)))
-        if e is None:
-            e = self._next.get((last, None))
-        if e is None or e[2] < CONFIRMATIONS or e[1] is None:
-            return None
-        fold = e[1]
-        key = prefix + (("call", code, rnd, None if self._step is None else step - self._step),)
-        if fold.key != key:
-            return None
-        self.record(key, fold, step=step)
-        return key
+        self.record(*got, step=step)
+        return got[0]
 
     def record(self, key: Hashable, fold: Fold | None = None, step: int | None = None) -> None:
         """A call with ``key`` completed on every worker (``fold``: it is foldable); made on the thread
