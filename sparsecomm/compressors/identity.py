@@ -167,24 +167,26 @@ def _quick_f16(x, ybits, zero):
 
 @njit(cache=True, nogil=True, fastmath=_FM)
 def _quick_bf16(x, ybits):
-    """:func:`_quick_f16` for bfloat16: :func:`_cast_bf16`'s cast, bit for bit, its sums in float32 per chunk."""
+    """:func:`_quick_f16` for bfloat16: :func:`_cast_bf16`'s rounding, its sums in float32 per chunk; the pattern
+    written for a NaN is the rounding's, not torch's 0xFFFF (no select): a NaN ``x_i`` makes ``y_i - x_i`` NaN,
+    so the first sum is NaN, and the caller then runs :func:`_cast_bf16`, which writes every pattern (torch's
+    NaN among them) before the check raises; every other pattern, Inf and an overflow to Inf included, is
+    torch's. ``x`` is read once, as integers (its float32 value a bit cast of the same load)."""
     err = 0.0
     nrm = 0.0
     xi = x.view(np.int32)
     n = x.size
     for s in range(0, n, _CHUNK):
-        xs = x[s: s + _CHUNK]
         ws = xi[s: s + _CHUNK]
         ys = ybits[s: s + _CHUNK]
         e = np.float32(0.0)
         q = np.float32(0.0)
-        for i in range(xs.size):
+        for i in range(ws.size):
             w = ws[i]
             r = _I(w + _I(_I(0x7FFF) + _I(_I(w >> _I(16)) & _I(1))))
-            nan = _I(w & _I(0x7FFFFFFF)) > _I(0x7F800000)
-            ys[i] = _I(-1) if nan else _I(r >> _I(16))
-            xv = xs[i]
-            d = _I(r & _I(-0x10000)).view(np.float32) - xv     # (NaN where x is: y's pattern needs no select)
+            ys[i] = _I(r >> _I(16))
+            xv = _I(w).view(np.float32)
+            d = _I(r & _I(-0x10000)).view(np.float32) - xv     # (NaN where x is NaN, Inf - Inf where x is Inf)
             e += d * d
             q += xv * xv
         err += np.float64(e)

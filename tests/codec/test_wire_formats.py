@@ -471,6 +471,43 @@ def test_cast_payload_and_decode_are_torchs_casts_bit_for_bit(name):
 
 
 @pytest.mark.parametrize("name", ["fp16", "bf16"])
+def test_quick_cast_writes_torchs_patterns_and_a_nan_poisons_its_error_sum(name):
+    """The float32-sum kernel of the compress fast path (``_quick_f16`` / ``_quick_bf16``) writes torch's cast
+    of every pattern but a NaN's (bfloat16 leaves a NaN's pattern to the exact pass); every non-finite or
+    overflowing pattern makes its error sum non-finite, so the exact pass runs and rewrites every pattern
+    before the check raises: compress raises NonFiniteError on each NaN pattern, whatever ``underflow``."""
+    from sparsecomm.compressors import _kernels
+    from sparsecomm.compressors.identity import _quick_bf16, _quick_f16
+    from sparsecomm.errors import NonFiniteError
+
+    tgt = {"fp16": torch.float16, "bf16": torch.bfloat16}[name]
+    if tgt == torch.float16 and not _kernels.NATIVE_HALF:
+        pytest.skip("no hardware float16 conversion on Numba's target: fp16 keeps torch's cast")
+    quick = _quick_bf16 if name == "bf16" else (lambda x, y: _quick_f16(x, y, 0))
+    x = _cast_patterns()
+    ref = torch.from_numpy(x).to(tgt).view(torch.int16).numpy()
+    nan = np.isnan(x)
+    y = np.empty(x.size, np.int16)
+    e, _ = quick(x, y)
+    assert np.array_equal(y[~nan], ref[~nan]) and not math.isfinite(e)
+    ok = np.isfinite(x) & np.isfinite(torch.from_numpy(x).to(tgt).float().numpy())
+    mid = ok & (np.abs(x) < 2.0 ** 60)        # (beyond, an error's float32 square may overflow: exact pass)
+    assert math.isfinite(quick(x[mid], np.empty(int(mid.sum()), np.int16))[0])
+    normal = np.linspace(0.5, 2.0, 4099, dtype=np.float32)
+    for bad in x[~ok][:: max(1, int((~ok).sum()) // 64)]:       # NaNs, Infs, overflows; both signs
+        for at in (0, 4095, 4098):
+            v = normal.copy()
+            v[at] = bad
+            assert not math.isfinite(quick(v, np.empty(v.size, np.int16))[0]), (hex(v.view(np.uint32)[at]), at)
+    for pat in (0x7F800001, 0x7FC00000, 0x7FFFFFFF, 0xFF800001, 0xFFFFFFFF):
+        v = torch.from_numpy(normal.copy())
+        v.view(torch.int32)[4096] = np.uint32(pat).view(np.int32).item()
+        for mode in ("count", "raise", "allow"):
+            with pytest.raises(NonFiniteError):
+                sc.compressors.get(name, underflow=mode).compress(v)
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
 @pytest.mark.parametrize("path", ["numba", "torch"])
 def test_cast_checks_hold_on_both_paths(name, path):
     """A NaN or Inf anywhere raises NonFiniteError and a value that rounds past the narrow dtype's range
