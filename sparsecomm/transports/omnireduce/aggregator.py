@@ -111,7 +111,7 @@ class AggCall:
         fit are posted at once (returned), so that its blocks travel while this endpoint works (gloo
         sends a message only to a posted receive)."""
         w = key.peer
-        h = inbox.take(key).view(torch.int64).numpy().copy()
+        h = inbox.take(key).numpy().view(np.int64).copy()
         self._early[w] = h
         if header.validate_header(h, self.n, self.index, True) is None:
             self._valid.add(w)      # (not validated again by the verdict: :meth:`take_headers`)
@@ -147,9 +147,9 @@ class AggCall:
         on the wire, and the verdict with it (every worker's receives of the sums wait for that)."""
         wins = self.windows
         firsts = wins.get(FIRSTS)
-        out = firsts.feed() if firsts is not None else []
+        out = firsts.feed() if firsts is not None and firsts.queue else []
         for g, win in wins.items():
-            if g != FIRSTS:
+            if g != FIRSTS and win.queue:   # (a window with nothing queued posts nothing: not asked)
                 out += win.feed()
         return out
 
@@ -172,7 +172,7 @@ class AggCall:
         header (:meth:`drain` consumes the messages)."""
         for w in self.order:
             self.headers[w] = (self._early[w] if w in self._early
-                               else inbox.take(Key(Msg.HDR, w)).view(torch.int64).numpy().copy())
+                               else inbox.take(Key(Msg.HDR, w)).numpy().view(np.int64).copy())
         self.reply_hdr = header.verdict(self.headers, self.order, self.index, self.colocated is not None,
                                         self._valid)
         self.status = int(self.reply_hdr[wire.R_STATUS])

@@ -67,7 +67,7 @@ class WorkerChannel:
         self.round = 0
         if ch.single:       # one block per lane: its first block is position 0 or none, nothing follows it
             self.next = _nowhere(ch.size)
-            self.mine = np.where(mask[ch.lo: ch.lo + ch.size].numpy(), self.act, ch.size)
+            self.mine = np.where(mask.numpy()[ch.lo: ch.lo + ch.size], self.act, ch.size)   # (numpy's slice: cheaper)
             return
         la = codec.next_nonzero(mask[ch.lo: ch.lo + ch.size], ch.lanes)   # the look-ahead of every block
         self.next = la.next.numpy()
@@ -151,12 +151,13 @@ class AggChannel:
     def active(self) -> bool:
         return self.act.size > 0
 
-    def set_firsts(self, w: int, buf: torch.Tensor) -> None:
-        """Worker ``w``'s announce of round 0: its first non-zero block of every lane."""
+    def set_firsts(self, w: int, part: np.ndarray) -> None:
+        """Worker ``w``'s announce of round 0: its first non-zero block of every lane (``part``: this channel's
+        bytes of its message, :func:`.wire.split_firsts`)."""
         if self.single:
-            self.held[w] = np.unpackbits(buf.numpy(), bitorder="little", count=self.ch.lanes).view(bool)
+            self.held[w] = np.unpackbits(part, bitorder="little", count=self.ch.lanes).view(bool)
         else:
-            self.nxt[w] = wire.decode_firsts(buf, self.ch)
+            self.nxt[w] = wire.decode_firsts(part, self.ch)
 
     def expect(self) -> np.ndarray:
         """The prompt's effect: how many blocks each worker sends this round (the lanes whose pending

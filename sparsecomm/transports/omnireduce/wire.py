@@ -287,7 +287,8 @@ def fused0(ch: Channel, k: int) -> bool:
     padded to 4 bytes: ``ch.words_ints`` int32 of tail, see :func:`split`)? Yes unless every block of
     the channel is summed (then it has one block per lane, and the words, every lane summed and nothing
     following, are implied): then the sums alone, on :func:`tag_sums0` (so that a worker can receive
-    them straight into its result). Either way one message per channel."""
+    them straight into its result). Either way one message per channel. (Read once per channel and
+    aggregator on a worker, :mod:`.strategies` writes it inline, ``k < ch.size``.)"""
     return k < ch.size
 
 
@@ -296,16 +297,31 @@ def fused0(ch: Channel, k: int) -> bool:
 def encode_firsts(mine: np.ndarray, ch: Channel) -> torch.Tensor:
     """A worker's first non-zero block of every lane (``size`` = none): int32 per lane, or a bitmap
     of "position 0 is non-zero" when every lane has one block."""
-    if ch.single:
-        return torch.from_numpy(np.packbits(mine < ch.size, bitorder="little"))
-    return torch.from_numpy(mine.astype(np.int32)).view(torch.uint8)
+    return torch.from_numpy(_firsts(mine, ch))
 
 
-def decode_firsts(buf: torch.Tensor, ch: Channel) -> np.ndarray:
+def _firsts(mine: np.ndarray, ch: Channel) -> np.ndarray:
+    """:func:`encode_firsts`' bytes, as a numpy ``uint8`` array."""
     if ch.single:
-        bits = np.unpackbits(buf.numpy(), bitorder="little", count=ch.lanes).astype(bool)
+        return np.packbits(mine < ch.size, bitorder="little")
+    return mine.astype(np.int32).view(np.uint8)
+
+
+def encode_all_firsts(mines: list[np.ndarray], chans: list[Channel]) -> torch.Tensor:
+    """A worker's round-0 metadata to one aggregator (:func:`firsts_bytes`): :func:`encode_firsts` of each of
+    ``chans`` (``mines``: the worker's first non-zero block of every lane of each), one after another, in one
+    fresh tensor (joined in numpy: one tensor made per message, not one per channel and their join)."""
+    parts = [_firsts(m, ch) for m, ch in zip(mines, chans)]
+    return torch.from_numpy(parts[0] if not parts[1:] else np.concatenate(parts))
+
+
+def decode_firsts(part: np.ndarray, ch: Channel) -> np.ndarray:
+    """:func:`encode_firsts` read back from ``part`` (``uint8``, a channel's part of the message,
+    :func:`split_firsts`): the first non-zero block of every lane (``size``: none)."""
+    if ch.single:
+        bits = np.unpackbits(part, bitorder="little", count=ch.lanes).astype(bool)
         return np.where(bits, np.arange(ch.lanes), ch.size)
-    return buf.numpy().view(np.int32).astype(np.int64)   # (numpy: at any byte offset in the message)
+    return part.view(np.int32).astype(np.int64)   # (numpy: at any byte offset in the message)
 
 
 def firsts_bytes(chans: list[Channel]) -> int:
@@ -314,11 +330,12 @@ def firsts_bytes(chans: list[Channel]) -> int:
     return sum(ch.meta_bytes for ch in chans)
 
 
-def split_firsts(buf: torch.Tensor, chans: list[Channel]) -> list[torch.Tensor]:
-    """Each channel's part of a :func:`firsts_bytes` message."""
-    out, off = [], 0
+def split_firsts(buf: torch.Tensor, chans: list[Channel]) -> list[np.ndarray]:
+    """Each channel's part of a :func:`firsts_bytes` message, as a numpy ``uint8`` view of ``buf`` (what
+    :func:`decode_firsts` reads: numpy's slices, no tensor made per channel)."""
+    out, off, b = [], 0, buf.numpy()
     for ch in chans:
-        out.append(buf[off: off + ch.meta_bytes])
+        out.append(b[off: off + ch.meta_bytes])
         off += ch.meta_bytes
     return out
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 
 from ...errors import MalformedMessage
@@ -92,7 +93,7 @@ class Call:
         """The request of a round-0 message to aggregator ``a``: by hand to the hosted one, else sent
         (``data``: received through ``a``'s window, :meth:`deferrable`)."""
         return Hand(key, buf) if a == self.own else Send.new((buf, self.aggregators[a], tag, None,
-                                                              data and self.deferrable(a)))
+                                                              data and may_defer(self.rank, a, self.n)))
 
     def deferrable(self, a: int) -> bool:
         """May aggregator ``a`` post its receives of this worker's data late (:func:`.aggregator.may_defer`)?"""
@@ -125,7 +126,7 @@ def verdict(call, a: int):
     nothing more; the error is raised once the others' lanes are done (:func:`run_worker`)."""
     key = Key.new((Msg.REPLY, a, -1))
     yield Recv.new(((key,), Stage.new((Phase.VERDICT, 0, 0, call.pos[a]) + _VERDICT_FLAGS), (), False, None))
-    rh = call.inbox.take(key).view(torch.int64).numpy()
+    rh = call.inbox.take(key).numpy().view(np.int64)     # (numpy's view: one torch call the fewer)
     rv = rh.tolist()            # (the words as Python ints, read once)
     if rv[wire.R_STATUS] != OK:
         call.errors[a] = rh.copy()
@@ -202,8 +203,8 @@ def scan(call, a: int):
 def _zero_elements(source: DenseSource, lo: int, hi: int) -> int:
     """The elements of the zero blocks among ``[lo, hi)`` of a scanned ``source`` (the host model's
     ``"scan_zero"``: the scan reads a zero block to its end, a non-zero one only to its first non-zero value)."""
-    mask = source.mask
-    elements = (hi - lo - int(mask[lo:hi].sum())) * source.block_size     # (the zero blocks': full ones)
+    mask = source.mask.numpy()      # (numpy's slice and count: no tensor made per range)
+    elements = (hi - lo - int(np.count_nonzero(mask[lo:hi]))) * source.block_size     # (the zero blocks': full ones)
     if source.tail and lo < source.nb <= hi and not bool(mask[source.nb - 1]):
         elements -= source.block_size - source.tail       # (the short last block, zero)
     return elements
@@ -216,12 +217,12 @@ def send_round0(call, aggs: list[int]):
     hdr_key, firsts_key = Key.new((Msg.HDR, call.rank, -1)), Key.new((Msg.FIRSTS, call.rank, -1))
     for a in aggs:
         call.hdr0[a] = h = header.with_k0(call.hdr_base, [(ch.slot, p0[a, ch.slot]) for ch in call.plans[a]])
-        yield call.up(a, hdr_key, torch.from_numpy(h).view(torch.uint8), TAG_HDR_UP)
+        yield call.up(a, hdr_key, torch.from_numpy(h.view(np.uint8)), TAG_HDR_UP)
         if a != call.own:
             yield Post.new((Key.new((Msg.REPLY, a, -1)), 8 * HDR, call.aggregators[a], TAG_HDR_DOWN))
     for a in (a for a in aggs if call.plans[a]):
-        parts = [wire.encode_firsts(call.wch[a, ch.slot].mine, ch) for ch in call.plans[a]]
-        firsts = parts[0] if not parts[1:] else torch.cat(parts)    # (one channel: its own fresh tensor)
+        chans = call.plans[a]
+        firsts = wire.encode_all_firsts([call.wch[a, ch.slot].mine for ch in chans], chans)
         yield call.up(a, firsts_key, firsts, TAG_FIRSTS, data=True)
     held = call.held
     if held is not None:        # (colocated: one remote aggregator per batch, or the hosted one)
@@ -283,10 +284,14 @@ def worker_lane(call, a: int, c: core.WorkerChannel):
     # large sums)
     yield Recv.new((strategies.reply0_keys(call, a, c.ch), Stage.new((Phase.LAND, c.round, g, pos) + _LAND_FLAGS), (),
                     False, None))
+    c.start(strategies.take_reply0(call, a, c.ch))
+    if not c.active:            # (every lane done in round 0, a one-round channel's: no key of a later round made)
+        if call.traced:
+            call.mark(f"reply {a}.{g} r{c.round}")
+        return
     up_bufs = (Buf.new((Msg.UP, a, g, 0)), Buf.new((Msg.UP, a, g, 1)))     # (by round parity)
     up_key, down_key = Key.new((Msg.UP, call.rank, g)), Key.new((Msg.DOWN, a, g))
     down_keys = (down_key,)
-    c.start(strategies.take_reply0(call, a, c.ch))
     while True:
         active = c.active
         if active:     # answer the prompt; post the receive of the reply
