@@ -14,6 +14,7 @@ import sparsecomm as sc
 from sparsecomm.errors import InvalidValueError, ProtocolError
 
 from tests._faults_common import outcome
+from tests.frontends.test_ddp_lanes import train_step
 
 TIMEOUT = 60.0
 STEPS = 6
@@ -46,11 +47,7 @@ def _train(ctx, transport: str, fuse, double: bool = False, steps: int = STEPS):
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     rounds = []
     for t in range(steps):
-        g = torch.Generator().manual_seed(100 * ctx.rank + t)
-        x, y = torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)
-        opt.zero_grad()
-        nn.functional.cross_entropy(ddp(x), y).backward()
-        opt.step()
+        train_step(ctx, ddp, opt, t)
         rounds.append(state.compression_stats()["rounds"])
     grads = torch.cat([p.grad.reshape(-1).double() for p in net.parameters()])
     stats = state.compression_stats()

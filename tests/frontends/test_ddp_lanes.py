@@ -28,6 +28,15 @@ def _net() -> nn.Module:
                          nn.ReLU(), nn.Linear(256, 10))
 
 
+def train_step(ctx, ddp, opt, t: int) -> None:
+    """Step ``t`` of ``ddp`` (a 64-input, 10-class net) on this worker's batch ``t`` (seeded by rank and step)."""
+    g = torch.Generator().manual_seed(100 * ctx.rank + t)
+    x, y = torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)
+    opt.zero_grad()
+    nn.functional.cross_entropy(ddp(x), y).backward()
+    opt.step()
+
+
 def _train(ctx, transport: str, lanes, compressor: str = "none", steps: int = STEPS):
     hyper = {"method": "ef", "ratio": 0.1} if compressor == "topk" else {}
     net = _net()
@@ -36,11 +45,7 @@ def _train(ctx, transport: str, lanes, compressor: str = "none", steps: int = ST
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     per_step = []
     for t in range(steps):
-        g = torch.Generator().manual_seed(100 * ctx.rank + t)
-        x, y = torch.randn(32, 64, generator=g), torch.randint(0, 10, (32,), generator=g)
-        opt.zero_grad()
-        nn.functional.cross_entropy(ddp(x), y).backward()
-        opt.step()
+        train_step(ctx, ddp, opt, t)
         s = state.last_stats
         per_step.append((s.bytes_sent, s.bytes_received, s.messages))
     stats = state.compression_stats()

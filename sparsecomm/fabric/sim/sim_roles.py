@@ -183,22 +183,7 @@ class RoleWaits:
         if shared:                   # (a receive of the kept group's: it goes, the records decide again)
             self.spare = None
             self._drop(spare)
-        if g.any or chans[1:] or not chans:
-            self._measure(g)
-            return
-        # (:meth:`_measure` of one receive, inline: once per wait recorded; a new group has no entry yet)
-        box, c = self.ep.mailbox, chans[0]
-        q = box[c] if c in box else None
-        g.exact = -1
-        if not q:
-            g.heads, g.missing, g.latest = [None], 1, 0.0
-            return
-        d = q[0].delivered
-        t = g.latest = d if d > 0.0 else 0.0
-        g.heads, g.missing = [t], 0
-        self.ticks = tick = self.ticks + 1     # (:meth:`_push`, inline)
-        g.tick, g.lb = tick, t
-        heappush(self.heap, (t, tick, g))
+        self._measure(g)
 
     def remove(self, s: int, last: int | None = None) -> None:
         """Role ``s`` is resumed or no longer able to run: drop its group (nothing if none); then, if ``last`` is
