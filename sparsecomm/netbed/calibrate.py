@@ -333,9 +333,9 @@ def _launches(fn: Callable, n: int, count: int, **kw) -> list:
     return [launch(fn, n, **kw) for _ in range(count)]
 
 
-def _slowest(ranks: list, i: int, count: int) -> float:
-    """Point ``i`` of one launch's ranks (each a list per point of ``count`` call times): the median over the calls
-    of the slowest rank's time."""
+def _slowest(ranks: list, i: int | str, count: int) -> float:
+    """Point ``i`` of one launch's ranks (each a list per point, or a dict per call name, of ``count`` call times):
+    the median over the calls of the slowest rank's time."""
     return statistics.median(max(r[i][j] for r in ranks) for j in range(count))
 
 
@@ -1198,14 +1198,13 @@ def call_costs(host: HostModel, quick: bool = False, pin_cores: bool = False, wo
     while the workers wait does not); ``workers``: the workers of a call; ``groups``: the transports by the
     services their launch needs (default :data:`CALL_GROUPS`)."""
     calls = CALLS[quick]
-    slowest = lambda runs, name: statistics.median(max(r[name][i] for r in runs) for i in range(calls))  # noqa: E731
     measured = {}
     for services, names in (CALL_GROUPS if groups is None else groups).items():
         fn = functools.partial(_clocked_calls, names=names, numel=CALL_ELEMS, calls=calls, numel_of=CALL_ELEMS_OF)
         runs = _launches(fn, workers, LAUNCHES[quick], backend="gloo", services=list(services), timeout_s=120.0,
                          **({"pin_cores": True} if pin_cores else {}))
         for name in names:
-            each = [slowest(real, name) for real in runs]
+            each = [_slowest(real, name, calls) for real in runs]
             measured[name] = {"measured_s": statistics.median(each), "launches_s": each}
     return call_residuals(host, measured, calls, pin_cores, workers, groups)
 
@@ -1220,7 +1219,6 @@ def call_residuals(host: HostModel, measured: dict, calls: int, pin_cores: bool 
     from ..fabric.sim.sim_network import Network
 
     cores = os.cpu_count() or 1
-    slowest = lambda runs, name: statistics.median(max(r[name][i] for r in runs) for i in range(calls))  # noqa: E731
     out, fit = {}, {}
     for services, names in (CALL_GROUPS if groups is None else groups).items():
         names = tuple(name for name in names if name in measured)
@@ -1232,7 +1230,7 @@ def call_residuals(host: HostModel, measured: dict, calls: int, pin_cores: bool 
         sim = launch(fn, workers, network=net)
         share = net.host.cpu_share
         for name in names:
-            modelled = slowest(sim, name)
+            modelled = _slowest(sim, name, calls)
             out[name] = max(0.0, measured[name]["measured_s"] - modelled) / share
             fit[name] = {**measured[name], "modelled_s": modelled, "share": share}
     return {"call_s": out, "call_fit": fit}

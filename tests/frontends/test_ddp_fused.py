@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 import sparsecomm as sc
-from sparsecomm.errors import InvalidValueError, ProtocolError
+from sparsecomm.errors import InvalidValueError
 
 from tests._faults_common import outcome
-from tests.frontends.test_ddp_lanes import train_step
+from tests.frontends.test_ddp_lanes import fail_at_step, outcomes, train_step
 
 TIMEOUT = 60.0
 STEPS = 6
@@ -151,27 +151,12 @@ def _fault(ctx):
     alike: every bucket's work fails with its error, and so does every later call."""
     state = sc.ddp.CommHookState(None, transport="ring", verify_replicas_every=0)
     assert state.fused
-    t = state.pipeline.transport
-    run = t.run
-
-    def failing(x, call=None):
-        if call is not None and call.step == 3:
-            raise ProtocolError("injected")
-        return run(x, call)
-
-    t.run = failing
+    fail_at_step(state.pipeline.transport, 3, "injected")
     got = []
     for _ in range(4):
         works = [state.start_bucket(torch.full((30_000 - 10_000 * k,), float(ctx.rank + k)), k, k == 2)
                  for k in range(3)]
-        res = []
-        for w in works:
-            try:
-                v = w.wait()
-                res.append((float(v[0]), v.numel()))
-            except Exception as e:  # noqa: BLE001 - the class and text are what the test checks
-                res.append((type(e).__name__, str(e)))
-        got.append(res)
+        got.append(outcomes(works, lambda v: (float(v[0]), v.numel())))
     return got, type(state.error).__name__
 
 

@@ -140,28 +140,39 @@ def _lane_fault(ctx, fault_lane: int):
     ``fault_lane`` raises on every worker alike, then a fourth step's calls are made on both lanes."""
     state = sc.ddp.CommHookState(None, transport="ring", lanes=2, verify_replicas_every=0)
     assert state.lane_count == 2
-    lane_t = state.pipeline.lane_transport(fault_lane)
-    run = lane_t.run
-
-    def failing(x, call=None):
-        if call is not None and call.step == 3:
-            raise ProtocolError(f"injected on lane {fault_lane}")
-        return run(x, call)
-
-    lane_t.run = failing
+    fail_at_step(state.pipeline.lane_transport(fault_lane), 3, f"injected on lane {fault_lane}")
     got = []
     for step in range(4):
         works = [state.start_bucket(torch.full((50_000 - 40_000 * k,), float(ctx.rank + k)), k, k == 1)
                  for k in range(2)]
         t0 = time.monotonic()
-        res = []
-        for w in works:
-            try:
-                res.append(float(w.wait()[0]))
-            except Exception as e:  # noqa: BLE001 - the class and text are what the test checks
-                res.append((type(e).__name__, str(e)))
+        res = outcomes(works, lambda v: float(v[0]))
         got.append((res, time.monotonic() - t0))
     return got, type(state.error).__name__
+
+
+def fail_at_step(t, step: int, text: str) -> None:
+    """Make transport ``t``'s calls of the pipeline's step ``step`` raise ``ProtocolError(text)`` (on every worker
+    alike: each patches its own)."""
+    run = t.run
+
+    def failing(x, call=None):
+        if call is not None and call.step == step:
+            raise ProtocolError(text)
+        return run(x, call)
+
+    t.run = failing
+
+
+def outcomes(works, read) -> list:
+    """Each work's ``read(result)``, or its error's class name and text."""
+    res = []
+    for w in works:
+        try:
+            res.append(read(w.wait()))
+        except Exception as e:  # noqa: BLE001 - the class and text are what the tests check
+            res.append((type(e).__name__, str(e)))
+    return res
 
 
 @pytest.mark.multiprocess

@@ -176,7 +176,7 @@ def post_reply0(call, a: int, ch: wire.Channel, k: int) -> Post | PostInto | Non
     """The receive of remote aggregator ``a``'s round-0 reply of channel ``ch`` (``k`` sums), as a request
     (``None``: none): one message, the sums then the lane words (:func:`.wire.fused0`); or, every block
     summed (the words are then implied), the sums alone on their own tag (:func:`post_sums0`)."""
-    if k < ch.size:             # (:func:`.wire.fused0`, inline: once per channel and aggregator)
+    if wire.fused0(ch, k):
         return Post.new((Key.new((Msg.WORDS, a, ch.slot)),
                          wire.block_bytes(k, call.spec.block_size, call.down.itemsize, ch.words_ints, meta=False),
                          call.aggregators[a], tag_down(ch.slot)))
@@ -189,7 +189,7 @@ def reply0_keys(call, a: int, ch: wire.Channel) -> tuple:
     k = call.sums0[a, ch.slot]
     if a == call.own:
         return (Key(Msg.WORDS, a, ch.slot), Key(Msg.SUMS0, a, ch.slot)) if k else (Key(Msg.WORDS, a, ch.slot),)
-    return (Key.new((Msg.WORDS if k < ch.size else Msg.SUMS0, a, ch.slot)),)     # (:func:`.wire.fused0`, inline)
+    return (Key.new((Msg.WORDS if wire.fused0(ch, k) else Msg.SUMS0, a, ch.slot)),)
 
 
 def take_reply0(call, a: int, ch: wire.Channel) -> np.ndarray | None:
@@ -230,7 +230,7 @@ def _take_reply0_single(call, a: int, ch: wire.Channel, k: int, bs: int) -> None
     data = None
     if a == call.own:
         words = call.inbox.take(Key.new((Msg.WORDS, a, ch.slot))).numpy()
-    elif k < ch.size:           # (:func:`.wire.fused0`, inline: once per channel and aggregator)
+    elif wire.fused0(ch, k):
         msg = call.inbox.take(Key.new((Msg.WORDS, a, ch.slot)))
         if k:
             data, tail = wire.split(msg, k, bs, call.down, ch.words_ints, meta=False)

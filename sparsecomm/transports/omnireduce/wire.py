@@ -287,8 +287,7 @@ def fused0(ch: Channel, k: int) -> bool:
     padded to 4 bytes: ``ch.words_ints`` int32 of tail, see :func:`split`)? Yes unless every block of
     the channel is summed (then it has one block per lane, and the words, every lane summed and nothing
     following, are implied): then the sums alone, on :func:`tag_sums0` (so that a worker can receive
-    them straight into its result). Either way one message per channel. (Read once per channel and
-    aggregator on a worker, :mod:`.strategies` writes it inline, ``k < ch.size``.)"""
+    them straight into its result). Either way one message per channel."""
     return k < ch.size
 
 
