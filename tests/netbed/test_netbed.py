@@ -124,6 +124,7 @@ def test_cleanup_removes_a_dead_owners_hosts_folder():
 
 
 # ----------------------------------------------------------------------------- honesty of the emulation
+@pytest.mark.timing
 def test_emulation_is_honest_round_trip_and_rate():
     """Shaping must not add latency (htb, not tbf) and must deliver the configured rate: a 64-byte round
     trip on a shaped link within 2x of an unshaped one (medians of 400, best of 3 to ride out load from
@@ -310,6 +311,7 @@ def _crossing(ctx) -> tuple[float, float]:
     return t_small, time.perf_counter() - t0
 
 
+@pytest.mark.timing
 def test_two_way_channels_a_receive_is_not_queued_behind_a_large_send():
     """The cause of the 2x slow-down of crossing exchanges on the netbed (BENCHMARKS "Crossing
     exchanges on one gloo pair"), fixed by TorchFabric's two-way channels."""

@@ -31,11 +31,14 @@ from sparsecomm.fabric.sim.sim_profile import profile_dict
 
 #: the netbed's cases (root, real processes); the loopback comparison's logic below needs neither
 NETBED = [pytest.mark.multiprocess, pytest.mark.netbed]
+#: the cases that compare a model with a measured run: `make test` runs them alone (setup.cfg's markers)
+timing = pytest.mark.timing
 GRID = [(n, mb) for n in (2, 4) for mb in (10, 100)]
 
 
 @NETBED[0]
 @NETBED[1]
+@timing
 def test_sim_models_native_and_ring_allreduce_on_a_real_link():
     """Two workers: the library's ring exchanges both ways on one pair, the case that ran at up to half
     the link rate before TorchFabric's two-way channels (BENCHMARKS "Crossing exchanges on one gloo pair")."""
@@ -48,6 +51,7 @@ def test_sim_models_native_and_ring_allreduce_on_a_real_link():
 @NETBED[0]
 @NETBED[1]
 @pytest.mark.slow
+@timing
 @pytest.mark.parametrize("workers,size_mb", GRID)
 def test_sim_within_20_percent_of_native_on_the_netbed(workers, size_mb):
     real = measured(workers, size_mb, 0.1, repeats=2)
@@ -58,6 +62,7 @@ def test_sim_within_20_percent_of_native_on_the_netbed(workers, size_mb):
 @NETBED[0]
 @NETBED[1]
 @pytest.mark.slow
+@timing
 @pytest.mark.parametrize("gbps", [0.1, 1.0])
 @pytest.mark.parametrize("workers,size_mb", GRID)
 def test_sim_within_20_percent_of_ring_on_the_netbed(workers, size_mb, gbps):
@@ -103,6 +108,7 @@ def host_profile(tmp_path_factory) -> str:
 @NETBED[0]
 @NETBED[1]
 @pytest.mark.slow
+@timing
 @pytest.mark.parametrize("transport", VALIDATED)
 def test_each_transport_is_modelled_within_15_percent_with_the_calibrated_host(transport, host_profile):
     """One point per transport (and density): 2 hosts, 10 MB, 1 Gbit/s, the median of 5 calls against the
