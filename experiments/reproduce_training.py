@@ -66,8 +66,10 @@ beside it (:func:`compute_stats`) ``compute_mean_s``, the largest of their means
 over the steps of each step's slowest worker. The modelled and link-only columns add ``compute_mean_s`` to a step:
 a time to target is a sum of steps, of which ``step_s`` is the mean, and on shared cores the step times are
 right-skewed (the median falls below the mean). Not ``compute_max_s``: a bulk-synchronous step waits for its
-slowest worker, but the host profile's ``sync_s`` already charges every call's wait for its last worker, which a
-per-step maximum would count again (``--remodel DIR --compute NAME`` models a recorded run with another);
+slowest worker, but the host profile's ``sync_s`` already charges a call's wait for its last worker (the first call
+of a step all of it, after the step's compute, which the model declares to the fabric; a call right after another
+less, ``sync_work_s``), which a per-step maximum would count again (``--remodel DIR --compute NAME`` models a
+recorded run with another);
 ``step_s``: the measured mean step; ``comm_fraction = 1 - compute_mean_s / step_s``, the share of a step not spent
 in the model's own forward, backward and update (communication, and for compressors their encoding).
 ``modelled_s``: the prediction of the same run through the SimFabric, ``steps_to_target * (compute_mean_s +
@@ -589,7 +591,8 @@ def run_schemes(task_name: str, schemes: tuple[Scheme, ...], hosts: int, gbps: f
             link_only = r0["steps"] * (compute + link / (gbps * 1e9 / 8 * TCP_OVER_ETHERNET))
         if gbps is not None and scheme.kind != "torch-hook":   # (torch's hook calls torch.distributed: no model)
             comm = modelled_comm_s(TASKS[task_name](quick, seed=seed), scheme, hosts,
-                                   modelled_network(gbps, hosts, scheme.sharing_services(pin_cores), profile))
+                                   modelled_network(gbps, hosts, scheme.sharing_services(pin_cores), profile),
+                                   compute_s=compute)
             modelled = r0["steps"] * (compute + comm)
         row = {"model": task_name, "scheme": scheme.name, "transport": r0["transport"], "hosts": hosts,
                "gbps": gbps if gbps is not None else "loopback",
@@ -643,7 +646,8 @@ def ddp_buckets(model: nn.Module) -> list[list[nn.Parameter]]:
     return [[params[i] for i in bucket] for bucket in order]
 
 
-def _model_worker(ctx, task: Task, scheme: Scheme, steps: int, init: dict) -> list[tuple[float, float]]:
+def _model_worker(ctx, task: Task, scheme: Scheme, steps: int, init: dict,
+                  compute_s: float = 0.0) -> list[tuple[float, float]]:
     """One simulated worker: ``steps`` steps of ``scheme`` on ``task`` (real gradients of its real batches),
     each step's ``(start, end)`` on the modelled clock. A ``"hook"`` scheme runs the DDP hook's own body
     (:meth:`sparsecomm.ddp.CommHookState.start_bucket`) on each of DDP's buckets (:func:`ddp_buckets`), every
@@ -652,8 +656,11 @@ def _model_worker(ctx, task: Task, scheme: Scheme, steps: int, init: dict) -> li
     transport for dense payloads there, :func:`sparsecomm.pipeline.resolve.build_transport`; the SimFabric's
     default is ``ring``): ``native``'s model, :class:`~sparsecomm.transports.native.model.GlooRing` (gloo's
     segments, its messages at the host's native rates), in place as the hook's buckets are summed;
-    ``"optimizer"`` is :class:`~sparsecomm.DistributedOptimizer` itself. Backward and the update cost no modelled
-    time (they are measured: ``compute_s``, a step of a replica without DDP). DDP's own copies are host work
+    ``"optimizer"`` is :class:`~sparsecomm.DistributedOptimizer` itself. Backward and the update are measured
+    (``compute_s``, a step of a replica without DDP, every worker at once): each step declares ``compute_s`` to
+    the fabric (``fabric.compute``) as it starts, before backward (whose hooks start the optimizer's call), the work
+    the step's first call waits out its last worker after (the host model's ``sync_work_s``), and its ``(start,
+    end)`` leaves it out. DDP's own copies are host work
     (``host_work("copy", nbytes)``: the host model's ``copy_byte_s``, stretched as every host charge by the cores'
     share; nothing without a host model): torch's reducer (``gradient_as_bucket_view=False``, DDP's default) copies
     each gradient into its bucket as backward produces it and, once the bucket's future completes, the bucket's
@@ -708,6 +715,7 @@ def _model_worker(ctx, task: Task, scheme: Scheme, steps: int, init: dict) -> li
             drain(fabric)
     out = []
     for t in range(steps):
+        fabric.compute(compute_s)      # (before backward: the optimizer's hooks start its call as backward ends)
         start = ctx.fabric.now()
         opt.zero_grad()
         task.loss(model, task.batch(ctx.rank, t)).backward()
@@ -718,13 +726,16 @@ def _model_worker(ctx, task: Task, scheme: Scheme, steps: int, init: dict) -> li
     return out
 
 
-def modelled_comm_s(task: Task, scheme: Scheme, hosts: int, network: sc.Network, steps: int = MODEL_STEPS) -> float:
+def modelled_comm_s(task: Task, scheme: Scheme, hosts: int, network: sc.Network, steps: int = MODEL_STEPS,
+                    compute_s: float = 0.0) -> float:
     """The modelled communication of one training step of ``scheme`` on ``hosts`` workers (and the scheme's
     services) over ``network``, on the SimFabric (``sc.launch(..., backend="sim")``): the last of ``steps``
-    steps (:func:`_model_worker`), from the moment the slowest worker starts it to the moment the slowest
-    ends it (a step is bulk-synchronous)."""
+    steps (:func:`_model_worker`), from the moment the slowest worker starts its communication to the moment the
+    slowest ends it (a step is bulk-synchronous). ``compute_s``: the measured step without communication, declared
+    to the fabric before each step's communication (:func:`_model_worker`) and not part of the result."""
     init = task.build().state_dict()
-    per_rank = sc.launch(functools.partial(_model_worker, task=task, scheme=scheme, steps=steps, init=init), hosts,
+    per_rank = sc.launch(functools.partial(_model_worker, task=task, scheme=scheme, steps=steps, init=init,
+                                           compute_s=compute_s), hosts,
                          backend="sim", services=list(scheme.services), network=network)
     return max(r[-1][1] for r in per_rank) - max(r[-1][0] for r in per_rank)
 
@@ -965,7 +976,8 @@ def remodel(results: list[dict], profile: str | None, quick: bool = False,
                 raise ValueError(f"remodel: the row {row['model']} {row['scheme']!r} has no {compute} (a run "
                                  f"recorded before the column existed); remodel it with --compute compute_s")
             comm = modelled_comm_s(TASKS[row["model"]](quick, seed=row["seed"]), scheme, row["hosts"],
-                                   modelled_network(gbps, row["hosts"], scheme.sharing_services(), profile))
+                                   modelled_network(gbps, row["hosts"], scheme.sharing_services(), profile),
+                                   compute_s=step)
             row.update(modelled_comm_s=comm, modelled_s=steps * (step + comm))
             row["modelled_ratio"] = row["modelled_s"] / elapsed
         out.append(row)

@@ -1166,7 +1166,7 @@ def sync_costs(host: HostModel, quick: bool = False) -> dict:
     fit.update(work_s=work_s, work_reps=reps, numel=numel, calls=CALLS[quick], measured_s=measured,
                launches_s=per_launch, modelled_s=modelled,
                load_average=list(os.getloadavg()) if hasattr(os, "getloadavg") else None)
-    return {"sync_s": max(0.0, measured - modelled) / (shared.cpu_share - 1.0), "sync_fit": fit}
+    return {"sync_s": max(0.0, measured - modelled) / (shared.cpu_share - 1.0), "sync_work_s": work_s, "sync_fit": fit}
 
 
 def sync_into(path: str | Path, quick: bool = False) -> dict:

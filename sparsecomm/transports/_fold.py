@@ -11,8 +11,10 @@ calls: the last one's key (the transport and, for ``native``, every field its ha
 length, dtype, payload kind, ..., and the call's identity, :class:`~._handshake.CallId`: its bucket,
 its round and how many steps it is past the previous call, :meth:`Schedule.call_key`) and how many
 times in a row it came, and for each *context* the call that followed it and how many times in a row. A context is a key with its run length (exact) or
-without (general); the exact one is asked first, the general one only for a run length never seen
-before. So a run of equal buckets, ``K K K K`` then ``L``, predicts ``K`` inside the run and ``L`` at
+without (general); the exact one is asked first, the general one for a run length never seen before, or for
+one seen fewer than :data:`CONFIRMATIONS` times with the successor the general one confirms (a call repeated in
+one run of a loop and then in another, e.g. the same bucket's call from two frontends in turn, meets each run
+length of the first run once, which must not hide the general context the second run confirms). So a run of equal buckets, ``K K K K`` then ``L``, predicts ``K`` inside the run and ``L`` at
 its end, and an endless ``K K K ...`` is predicted by ``K`` alone. Every worker completes the same
 calls in the same order, or all raise the same error (which clears the record on each), so every
 worker holds the same record.
@@ -133,21 +135,32 @@ class Schedule:
         last = self._last
         if last is None:
             return None
-        e = self._next.get((last, min(self._run, MAX_RUN)))
-        if e is None:
-            e = self._next.get((last, None))
+        e = self._successor(last)
         return e[1] if e is not None and e[2] >= CONFIRMATIONS else None
+
+    def _successor(self, last: Hashable) -> list | None:
+        """The entry of the context that predicts what follows ``last`` (module docstring): the exact one, unless
+        it is not confirmed and names the successor the general one confirms (an exact context seen fewer times,
+        e.g. once in an earlier run of the same call, does not hide the general one confirmed since; one that names
+        another successor, a run's end, still does), or there is none: then the general one."""
+        nxt = self._next
+        e = nxt.get((last, min(self._run, MAX_RUN)))
+        if e is None:
+            return nxt.get((last, None))
+        if e[2] < CONFIRMATIONS:
+            g = nxt.get((last, None))
+            if g is not None and g[2] >= CONFIRMATIONS and g[0] == e[0]:
+                return g
+        return e
 
     def predicts(self, prefix: tuple, code: int, step: int, rnd: int) -> tuple[tuple, Fold] | None:
         """``(key, fold)`` when the call whose key is ``prefix + key_of(code, step, rnd)`` is the predicted one
         (:meth:`predicted`, whose key it is), else None: :meth:`predicted` and :meth:`key_of` in one call, for
         a caller that then makes the call and records it (:meth:`record`)."""
-        last = self._last                  # (predicted(), inlined)
+        last = self._last
         if last is None:
             return None
-        e = self._next.get((last, min(self._run, MAX_RUN)))
-        if e is None:
-            e = self._next.get((last, None))
+        e = self._successor(last)
         if e is None or e[2] < CONFIRMATIONS or e[1] is None:
             return None
         fold = e[1]

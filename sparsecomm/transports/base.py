@@ -218,6 +218,9 @@ class Transport(ABC):
                 self._trace_call(x, t0_model, self.fabric.stats - before, exc)
             raise
         _fold.leave(sched, self.name)
+        # the call's end, where the workers last met: the next call's wait for its last worker counts the work
+        # from here (sim_host's "sync")
+        self.fabric.host_work("settle", 1, transport=self.name)
         stats = self.fabric.stats - before
         stats.wall_time_s = time.perf_counter() - t0_wall
         stats.modelled_time_s = self._modelled(t0_model)

@@ -751,7 +751,7 @@ def test_calibrate_command_writes_a_loadable_profile(tmp_path, capsys):
         assert v == max(0.0, (residual[str(PEER_WORKERS)] - residual["2"]) / (PEER_WORKERS - 2))
     # the wait for a call's last worker on shared cores: the measured loop of work and call beyond the modelled
     # one, per unit of share above 1 (at least 0); none measured on enough cores
-    _check_sync(host["sync_s"]["value"], method["sync_fit"])
+    _check_sync(host["sync_s"]["value"], method["sync_fit"], host.get("sync_work_s"))
     # the rates fitted with PEER_WORKERS processes where they outnumber the cores: what their measurements say
     _check_shared(profile.get("by_share"), method["shared_fit"])
     loaded = sc.Network.from_profile(out).host
@@ -1618,13 +1618,15 @@ def test_the_sparse_switch_charges_its_result_built_after_the_last_result_by_han
     assert t.hex() == base.hex()
 
 
-def _check_sync(value: float, fit: dict) -> None:
-    """``sync_s`` is what its recorded measurement says (:func:`sparsecomm.netbed.calibrate.sync_costs`)."""
+def _check_sync(value: float, fit: dict, work: dict | None = None) -> None:
+    """``sync_s`` is what its recorded measurement says (:func:`sparsecomm.netbed.calibrate.sync_costs`), and
+    ``sync_work_s`` (``work``, the profile's entry, if any) the work per call of its loop."""
     assert fit["workers"] == PEER_WORKERS and fit["cores"] == os.cpu_count()
     assert fit["share"] == max(1.0, PEER_WORKERS / os.cpu_count())
     if fit["share"] <= 1.0:
-        assert value == 0.0 and "measured_s" not in fit
+        assert value == 0.0 and "measured_s" not in fit and work is None
         return
+    assert work == {"value": fit["work_s"], "unit": "s"}
     import statistics
     assert fit["work_reps"] >= 1 and fit["work_s"] == pytest.approx(SYNC_WORK_S, rel=0.5)
     assert fit["numel"] == CALL_ELEMS_OF["native"]
@@ -1690,12 +1692,12 @@ def test_shared_into_writes_the_profile_with_its_rates_by_share_measured(tmp_pat
     assert capsys.readouterr().out.endswith(f"wrote {out}\n")
     got = json.loads(out.read_text())
     _check_shared(got.get("by_share"), got["method"]["shared_fit"])
-    _check_sync(got["host"]["sync_s"]["value"], got["method"]["sync_fit"])
-    unsynced = lambda rates: {k: v for k, v in rates.items() if k != "sync_s"}      # noqa: E731
+    _check_sync(got["host"]["sync_s"]["value"], got["method"]["sync_fit"], got["host"].get("sync_work_s"))
+    unsynced = lambda rates: {k: v for k, v in rates.items() if k not in ("sync_s", "sync_work_s")}  # noqa: E731
     assert unsynced(got["host"]) == unsynced(profile["host"])
     assert got["netbed"] == profile["netbed"] and got["date"] == profile["date"]
     loaded = sc.Network.from_profile(out).host
-    assert dataclasses.replace(loaded, by_share={}, sync_s=host.sync_s) == host
+    assert dataclasses.replace(loaded, by_share={}, sync_s=host.sync_s, sync_work_s=None) == host
 
 
 def _end_of_call(ctx, name: str, numel: int) -> tuple[float, float]:
@@ -1785,10 +1787,12 @@ def test_sync_into_writes_the_profile_with_sync_s_measured(tmp_path, capsys):
     assert main(["--sync-into", str(src), "--quick", "--out", str(out)]) == 0
     assert capsys.readouterr().out.endswith(f"wrote {out}\n")
     got = json.loads(out.read_text())
-    _check_sync(got["host"]["sync_s"]["value"], got["method"]["sync_fit"])
-    assert {k: v for k, v in got["host"].items() if k != "sync_s"} == profile["host"]
+    _check_sync(got["host"]["sync_s"]["value"], got["method"]["sync_fit"], got["host"].get("sync_work_s"))
+    assert {k: v for k, v in got["host"].items() if k not in ("sync_s", "sync_work_s")} == profile["host"]
     assert got["netbed"] == profile["netbed"] and got["date"] == profile["date"]
-    assert sc.Network.from_profile(out).host == dataclasses.replace(host, sync_s=got["host"]["sync_s"]["value"])
+    work = got["host"].get("sync_work_s")
+    assert sc.Network.from_profile(out).host == dataclasses.replace(host, sync_s=got["host"]["sync_s"]["value"],
+                                                                     sync_work_s=work and work["value"])
 
 
 def test_an_advised_fresh_buffer_is_charged_its_own_rate_or_half_a_copy():
@@ -2031,3 +2035,72 @@ def test_the_fresh_sweep_runs_each_size_as_a_run_of_calls_in_a_process_of_its_ow
     assert got["fresh_byte_s"] == pytest.approx(mean(4e-10) / 4)
     assert got["fresh_advised_byte_s"] == pytest.approx(mean(1e-10) / 4)
 
+
+
+def _two_calls(ctx, name: str, numel: int, work_s: float) -> list[float]:
+    """A call, ``work_s`` of compute, a second call, a third right after it: the worker's clock after each."""
+    t = sc.transports.get(name, ctx.fabric)
+    out = []
+    for before in (0.0, work_s, 0.0):
+        ctx.fabric.compute(before)
+        t.allreduce(torch.ones(numel))
+        out.append(ctx.fabric.now())
+    return out
+
+
+def test_a_call_waits_sync_s_in_proportion_to_the_work_since_the_previous_call_by_hand():
+    """``sync_work_s``: a call waits ``sync_s * (share - 1) * min(1, w / sync_work_s)`` for its last worker, ``w``
+    the endpoint's work since its previous call ended over its share (its compute and charged host work; the call's
+    own CPU is not work between calls): the first call (no call before it) waits all of it, one after ``w`` of work
+    the fraction, one right after another nothing; ``None`` (a profile without it) waits all of it at every call, as
+    before it existed."""
+    sync, share, numel = 2e-3, 2.0, N * CHUNK
+    shared = dataclasses.replace(HOST, cpu_share=share, sync_s=sync)
+    wait = sync * (share - 1)
+    for name in ("ring", "allgather"):
+        for frac in (0.25, 0.5, 1.0, 3.0):
+            work = 4e-3
+            run = functools.partial(_two_calls, name=name, numel=numel, work_s=frac * work * share)
+            full = sc.launch(run, N, network=sc.Network(bandwidth_gbps=10.0, latency_us=5.0, host=shared))
+            scaled = sc.launch(run, N, network=sc.Network(bandwidth_gbps=10.0, latency_us=5.0,
+                                                          host=dataclasses.replace(shared, sync_work_s=work)))
+            for f, s in zip(full, scaled):
+                assert s[0] == pytest.approx(f[0], rel=1e-12, abs=0)          # the first call: all of it
+                saved = wait * (1 - min(1.0, frac))                              # the second: the fraction
+                assert s[1] == pytest.approx(f[1] - saved, rel=1e-12, abs=1e-15)
+                assert s[2] == pytest.approx(f[2] - saved - wait, rel=1e-12, abs=1e-15)   # the third: none
+    # on cores of its own nothing waits, whatever the work
+    own = dataclasses.replace(HOST, sync_s=sync, sync_work_s=4e-3)
+    run = functools.partial(_two_calls, name="ring", numel=numel, work_s=1e-3)
+    assert [[t.hex() for t in r] for r in sc.launch(run, N, network=sc.Network(bandwidth_gbps=10.0, latency_us=5.0,
+                                                                                host=own))] == \
+        [[t.hex() for t in r] for r in sc.launch(run, N, network=sc.Network(bandwidth_gbps=10.0, latency_us=5.0,
+                                                                             host=HOST))]
+    assert shared.sync_wait_s(0, 1.0) == shared.sync_wait_s(0) == wait
+    assert dataclasses.replace(shared, sync_work_s=4e-3).sync_wait_s(0, 1e-3) == pytest.approx(wait / 4)
+    with pytest.raises(InvalidValueError, match="sync_work_s"):
+        HostModel(sync_work_s=-1.0)
+
+
+def test_a_profile_with_sync_s_and_no_sync_work_s_takes_its_measurements_work(tmp_path):
+    """A profile written before ``sync_work_s`` existed, with ``sync_s`` and its ``method.sync_fit``, loads with the
+    work that measurement recorded (``work_s``); without that record, ``None`` (every call waits all of ``sync_s``);
+    one with the rate round-trips it (unit ``s``); a bad record is refused, naming it."""
+    synced = dataclasses.replace(FULL, sync_s=2e-3)
+    old = _profile(synced)
+    assert "sync_work_s" not in old["host"]
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(old))
+    assert sc.Network.from_profile(path).host.sync_work_s is None
+    old["method"] = {"sync_fit": {"work_s": 4e-3, "share": 2.0}}
+    path.write_text(json.dumps(old))
+    assert sc.Network.from_profile(path).host == dataclasses.replace(synced, sync_work_s=4e-3)
+    new = _profile(dataclasses.replace(synced, sync_work_s=3e-3))
+    assert new["host"]["sync_work_s"] == {"value": 3e-3, "unit": "s"}
+    new["method"] = {"sync_fit": {"work_s": 4e-3}}         # (the rate, where given, is read; not the record)
+    path.write_text(json.dumps(new))
+    assert sc.Network.from_profile(path).host.sync_work_s == 3e-3
+    old["method"] = {"sync_fit": {"work_s": "4 ms"}}
+    path.write_text(json.dumps(old))
+    with pytest.raises(InvalidValueError, match=r"sync_fit.work_s"):
+        sc.Network.from_profile(path)

@@ -242,6 +242,40 @@ def test_the_modelled_step_charges_ddps_copies_of_the_gradient_at_the_copy_rate_
             assert extra == pytest.approx((copies + own) * 4 * n * rate * share, rel=1e-9), (name, share)
 
 
+def test_the_modelled_step_waits_for_the_last_worker_after_its_compute_and_less_after_a_short_encode():
+    """On shared cores a call waits ``sync_s * (share - 1)`` for its last worker, scaled by the work since the
+    previous call (``sync_work_s``): the step's compute is declared before its calls, so a scheme with one call a
+    step (the optimizer's OmniReduce) waits all of it, as with ``sync_work_s`` unset, to the bit; declared as none,
+    its call counts only the previous step's work and waits less. PowerSGD's calls a step (its P's and its Q's
+    all-reduce) wait all of it at the first only: its step is shorter than with every call waiting all of it."""
+    task = _tiny_task(4096)
+    by_name = {s.name: s for s in T.SCHEMES}
+    net = T.modelled_network(1.0, 2, 0)
+    sync, work, compute = 2e-3, 4e-3, 20e-3
+    full = dataclasses.replace(net, host=sc.HostModel(send_message_s=1e-5, recv_message_s=1e-5,
+                                                      elementwise_element_s=1e-9, sync_s=sync, cpu_share=2.0))
+    scaled = dataclasses.replace(net, host=dataclasses.replace(full.host, sync_work_s=work))
+    one = by_name["optimizer none/omnireduce"]
+    assert T.modelled_comm_s(task, one, 2, scaled, compute_s=compute).hex() == \
+        T.modelled_comm_s(task, one, 2, full, compute_s=compute).hex()
+    assert T.modelled_comm_s(task, one, 2, scaled, compute_s=0.0) < T.modelled_comm_s(task, one, 2, full,
+                                                                                      compute_s=0.0) - sync / 2
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(32, 1, bias=False))
+
+    def batch(rank, t):
+        g = torch.Generator().manual_seed(100 * rank + t)
+        return torch.randn(4, 64, generator=g), torch.randn(4, 1, generator=g)
+
+    mlp = T.Task("tiny2", build, batch, lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]), lambda m: 0.0,
+                 target=1.0, lr=0.1, momentum=0.0, max_steps=3, eval_every=1, describe="tiny2")
+    four = by_name["hook powersgd"]
+    each, less = (T.modelled_comm_s(mlp, four, 2, full, compute_s=compute),
+                  T.modelled_comm_s(mlp, four, 2, scaled, compute_s=compute))
+    assert each - 3 * sync < less < each - sync / 2
+
+
 def test_the_modelled_step_with_ddps_copies_is_the_same_whatever_the_threads_timing():
     """The copy back of the last bucket is charged from the training thread as the communication thread completes
     the call: it is on the clock before the step's end is read, in every run (10 runs, each the same)."""
@@ -327,7 +361,7 @@ def test_remodel_recomputes_the_modelled_columns_of_a_recorded_run_without_train
     with open(rec / "curves.csv", "w", newline="") as f:
         f.write("model,scheme,elapsed_s,step,metric,seed\nmlp,hook ef+topk,0.7,10,0.5,0\nmlp,hook ef+topk,1.5,30,0.9,0\n")
     monkeypatch.setattr(T, "run_schemes", lambda *a, **k: pytest.fail("--remodel trained"))
-    monkeypatch.setattr(T, "modelled_comm_s", lambda task, scheme, hosts, net: hosts * 0.005)
+    monkeypatch.setattr(T, "modelled_comm_s", lambda task, scheme, hosts, net, compute_s: hosts * 0.005)
     got = T.main(["--remodel", str(rec), "--netbed", "1", "--out", str(tmp_path / "out"), "--no-wandb"])
     assert got[0]["modelled_s"] == pytest.approx(1.68) and got[0]["modelled_ratio"] == pytest.approx(0.6)
     assert got[1]["modelled_s"] == pytest.approx(0.36) and got[1]["modelled_ratio"] == pytest.approx(0.24)
@@ -359,10 +393,13 @@ def test_remodel_adds_the_compute_statistic_asked_for_and_refuses_a_run_recorded
         w.writeheader()
         w.writerow(base | {"compute_mean_s": "0.012", "compute_max_s": "0.015"})
     (rec / "curves.csv").write_text("model,scheme,elapsed_s,step,metric,seed\n")
-    monkeypatch.setattr(T, "modelled_comm_s", lambda task, scheme, hosts, net: hosts * 0.005)
+    declared = []         # (the compute the model declares before each step's calls: the statistic asked for)
+    monkeypatch.setattr(T, "modelled_comm_s",
+                        lambda task, scheme, hosts, net, compute_s: declared.append(compute_s) or hosts * 0.005)
     got = T.main(["--remodel", str(rec), "--compute", "compute_max_s", "--out", str(tmp_path / "out"),
                   "--no-wandb"])
     assert got[0]["modelled_s"] == pytest.approx(2.0) and got[0]["modelled_ratio"] == pytest.approx(0.8)
+    assert declared == [0.015]
     with open(rec / "summary.csv", "w", newline="") as f:
         older = T.COLUMNS[:T.COLUMNS.index("compute_mean_s")]          # (an older run's columns)
         w = csv.DictWriter(f, fieldnames=older)
@@ -373,7 +410,7 @@ def test_remodel_adds_the_compute_statistic_asked_for_and_refuses_a_run_recorded
     with pytest.raises(ValueError, match="'hook powersgd' has no compute_mean_s"):   # (the default's column)
         T.main(["--remodel", str(rec), "--out", str(tmp_path / "out"), "--no-wandb"])
     got = T.main(["--remodel", str(rec), "--compute", "compute_s", "--out", str(tmp_path / "out"), "--no-wandb"])
-    assert got[0]["modelled_s"] == pytest.approx(80 * 0.021)
+    assert got[0]["modelled_s"] == pytest.approx(80 * 0.021) and declared == [0.015, 0.011]
 
 
 def _torch_hook_worker(ctx, steps: int) -> dict:

@@ -74,6 +74,24 @@ def test_runs_of_equal_calls_are_predicted_by_their_run_length():
     assert endless.predicted() is k
 
 
+def test_a_second_run_of_a_call_is_predicted_once_confirmed_whatever_the_first_run_left():
+    """A run of ``k`` (one frontend's steps), other calls, then another run of ``k`` (the next frontend's, the same
+    key): the first run met each run length once, and those exact contexts, seen once, must not hide the general
+    context that the second run confirms: from its fourth call on ``k`` is predicted (and folds), not only once the
+    run is longer than any before it (at most MAX_RUN calls)."""
+    s = _fold.Schedule()
+    k, c = _fold_of("k"), _fold_of("c")
+    for _ in range(40):
+        s.record("k", k)
+    for _ in range(3):
+        s.record("c", c)
+    guesses = []
+    for _ in range(40):
+        guesses.append(s.predicted())
+        s.record("k", k)
+    assert guesses[3:] == [k] * 37, [i for i, g in enumerate(guesses) if g is not k]
+
+
 def test_a_deviation_joins_with_nan_of_the_predicted_size_and_the_next_record_replaces_the_guess():
     log: list = []
     s = _fold.Schedule()

@@ -281,6 +281,7 @@ class SimFabric(Fabric):
         if _trace.recorder is not None:
             _trace.recorder.sim_compute(self.world, self.rank, self._ep.clock, seconds * factor)
         self._ep.clock += seconds * factor
+        self._ep.unsynced += seconds * factor      # (work the next call's wait for its last worker counts)
 
     def host_work(self, op: str, count: int, dtype: torch.dtype | None = None, *,
                   transport: str | None = None) -> None:

@@ -149,7 +149,15 @@ starts, before ``"call"``) per unit of share above 1 (:meth:`HostModel.sync_wait
 cores of one's own, none), not stretched again by the CPU factor: measured on workers that alternate CPU work
 and a small call on shared cores (:func:`sparsecomm.netbed.calibrate.sync_costs`), it is the time their loop
 takes beyond its work stretched by the share and the call as modelled. 0 (the default, and a profile without
-it): no wait, the modelled times as before it existed.
+it): no wait, the modelled times as before it existed. The spread it waits out is the unequal progress of the
+workers' work since they last met, so a call right after another (a method's next round after a short encode, a
+second bucket's call queued behind the first) has little of it: with ``sync_work_s`` (the work per call of the
+loop ``sync_s`` was measured on) a call waits ``min(1, w / sync_work_s)`` of it, ``w`` the endpoint's CPU since
+its previous call ended (``"settle"``, charged by ``Transport.run`` as a call ends) over its share: its charged
+host work and its :meth:`~sparsecomm.fabric.sim.sim.SimFabric.compute`. The two ends are measured: the calls
+``call_s`` is fitted on run back to back and wait nothing beyond it, the loop's waits all of ``sync_s``; between
+them the wait is taken to grow linearly with the work. ``sync_work_s`` ``None`` (the default, and a profile
+without it): every call waits all of it.
 
 The messages of the fabric's native collective (``torch.distributed``'s all-reduce over gloo: a ring whose sends,
 receives and waits run in C++ on gloo's own threads, with no Python per message), as a model of it sends them
@@ -188,7 +196,7 @@ HOST_OPS = {"sum": "element", "scan": "element", "switch_packet": "packet", "swi
             "matmul_t": "multiply-add", "matmul_outer": "multiply-add", "kernel": "call", "sparse_switch_packet": "packet",
             "sparse_switch_value": "packet", "sparse_switch_result": "packet", "sparse_switch_message": "message",
             "sparse_switch_round": "packet", "fresh_later": "byte", "fresh_touch": "byte",
-            "call_peer": "peer", "sync": "call", "fresh_advised": "byte"}
+            "call_peer": "peer", "sync": "call", "fresh_advised": "byte", "settle": "call"}
 
 #: the operations of a method's encode and decode (:meth:`sparsecomm.methods.base.Method.work`) and their rates
 CODEC_RATES = {"elementwise": "elementwise_element_s", "select": "select_element_s", "sample": "sample_element_s",
@@ -236,6 +244,7 @@ RATE_UNITS = {
     "codec_contention": "factor",
     "call_peer_s": "s/peer",
     "sync_s": "s/call",
+    "sync_work_s": "s",
     "native_message_s": "s/message",
     "native_byte_s": "s/byte",
 }
@@ -261,11 +270,12 @@ NATIVE_RATES = ("native_message_s", "native_byte_s")
 OPTIONAL_RATES = ("span_block_s", "index_block_s", *CODEC_RATES.values(), "fresh_byte_s", "fresh_min_bytes",
                   "fresh_advised_byte_s",
                   "move_byte_s", "check_element_s", "scan_zero_element_s", *FALLBACK_RATES, *MESSAGE_TABLES,
-                  "codec_contention", "call_peer_s", "sync_s", *NATIVE_RATES)
+                  "codec_contention", "call_peer_s", "sync_s", "sync_work_s", *NATIVE_RATES)
 
 #: the rates that may be ``None`` (absent from a profile) beside :data:`FALLBACK_RATES`, each with its own charge
-#: when ``None``: ``fresh_advised_byte_s``, half of ``copy_byte_s`` (:meth:`HostModel.work_s`)
-DERIVED_RATES = ("fresh_advised_byte_s",)
+#: when ``None``: ``fresh_advised_byte_s``, half of ``copy_byte_s`` (:meth:`HostModel.work_s`); ``sync_work_s``, every
+#: call waits all of its ``sync_s`` whatever the work before it (:meth:`HostModel.sync_wait_s`)
+DERIVED_RATES = ("fresh_advised_byte_s", "sync_work_s")
 
 #: the entries of :data:`RATE_UNITS` that are sizes in bytes (integers), not rates
 SIZES = ("fresh_min_bytes",)
@@ -344,6 +354,10 @@ class HostModel:
         sync_s: seconds a worker waits, per call of a transport, for the last worker of the call when the
             endpoints outnumber the cores, per unit of ``cpu_share`` above 1 (:meth:`sync_wait_s`; default 0:
             none).
+        sync_work_s: the single-core CPU seconds of work each worker did before each call where ``sync_s`` was
+            measured (:func:`sparsecomm.netbed.calibrate.sync_costs`): a call after less work since the endpoint's
+            previous call ended waits that fraction of ``sync_s`` (:meth:`sync_wait_s`; ``None``, the default
+            and a profile without it: every call waits all of it, as before it existed).
         native_message_s: CPU seconds per message of the fabric's native collective (gloo's ring all-reduce,
             modelled by :class:`sparsecomm.transports.native.model.GlooRing`), on the sender before its NIC starts
             and on the receiver as it takes it, in place of the model's own message costs (:meth:`native_messages`;
@@ -393,6 +407,7 @@ class HostModel:
     codec_contention: Mapping[str, float] = field(default_factory=dict)
     call_peer_s: Mapping[str, float] = field(default_factory=dict)
     sync_s: float = 0.0
+    sync_work_s: float | None = None
     native_message_s: float | None = None
     native_byte_s: float | None = None
     by_share: Mapping[float, Mapping[str, object]] = field(default_factory=dict)
@@ -513,10 +528,16 @@ class HostModel:
             object.__setattr__(self, "_native", got)
         return got
 
-    def sync_wait_s(self, endpoint: int) -> float:
-        """Seconds ``endpoint`` waits per call for the call's last worker: ``sync_s * (share - 1)``, its share of
-        the cores (:meth:`factor`, not its straggler factor) above 1 (module docstring); 0 on cores of its own."""
-        return self.sync_s * (self.factor(endpoint) - 1.0)
+    def sync_wait_s(self, endpoint: int, work_s: float | None = None) -> float:
+        """Seconds ``endpoint`` waits for a call's last worker: ``sync_s * (share - 1)``, its share of the cores
+        (:meth:`factor`, not its straggler factor) above 1 (module docstring), times ``min(1, work_s /
+        sync_work_s)`` where both are known: ``work_s``, the single-core CPU seconds of work the endpoint did since
+        its previous call ended (a call right after another has no unequal work behind it to wait out: the calls
+        ``call_s`` is fitted on run back to back and wait nothing beyond it); 0 on cores of its own."""
+        wait = self.sync_s * (self.factor(endpoint) - 1.0)
+        if work_s is None or self.sync_work_s is None or self.sync_work_s <= 0.0 or work_s >= self.sync_work_s:
+            return wait
+        return wait * max(0.0, work_s) / self.sync_work_s
 
     def _table(self, nbytes: int) -> tuple[float, float]:
         """``(half of message_cpu_s, message_wait_s)`` at ``nbytes``, interpolated (module docstring)."""
@@ -599,6 +620,8 @@ class HostModel:
                                         f"or the profile")
         elif op == "sync":              # (per unit of share above 1: the endpoint charges sync_wait_s)
             rate = self.sync_s
+        elif op == "settle":            # (a call's end: what later work the next call's sync counts starts here)
+            rate = 0.0
         elif op == "scan":
             rate = self.scan_element_s
         elif op == "scan_zero":

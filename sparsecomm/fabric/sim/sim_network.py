@@ -39,6 +39,7 @@ switch one NIC per peer (ports work in parallel, as a switch's do).
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left, bisect_right
 from collections import deque
 from heapq import heapify, heappush
@@ -264,6 +265,9 @@ class Endpoint:
         self.streams = bool(network.host_streams) and self.host is not None
         #: bytes of fresh buffers whose pages are charged as they are touched (:meth:`host_work`)
         self.untouched = 0
+        #: CPU seconds (stretched) since this endpoint's last call ended (``"settle"``), which the next call's wait for
+        #: its last worker counts (:meth:`host_work`); before any call, unbounded: the first call waits all of it
+        self.unsynced = math.inf
 
     def transmit(self, peer: int, nbytes: int) -> tuple[float, float]:
         """Occupy the NIC (its port towards ``peer``) with ``nbytes`` from ``start = max(clock,
@@ -427,7 +431,8 @@ class Endpoint:
         host model: nothing. ``"fresh_later"`` holds the bytes of a fresh buffer (one of at least the model's
         ``fresh_min_bytes``) in :attr:`untouched`, ``"fresh_touch"`` charges the bytes written of those held and
         uses them up, ``"sync"`` waits the model's :meth:`~.sim_host.HostModel.sync_wait_s` per call (not stretched
-        again: :mod:`.sim_host`)."""
+        again: :mod:`.sim_host`) for the CPU charged since the last ``"settle"`` (:attr:`unsynced`), which a call's
+        end charges."""
         host = self.host
         if host is None:
             return
@@ -438,10 +443,16 @@ class Endpoint:
             return
         if op == "sync":                    # (a wait, not CPU: per unit of share above 1, not stretched)
             host.work_s(op, count)
-            self.clock += count * host.sync_wait_s(self.id)
+            self.clock += count * host.sync_wait_s(self.id, self.unsynced / self.cpu)
+            return
+        if op == "settle":                  # (a call ended: the next call's sync counts the work from here)
+            host.work_s(op, count)
+            self.unsynced = 0.0
             return
         if op == "fresh_touch":
             host.work_s(op, count)
             count = min(count, self.untouched)
             self.untouched -= count
-        self.clock += host.work_s(op, count, dtype, transport=transport) * self.cpu
+        spent = host.work_s(op, count, dtype, transport=transport) * self.cpu
+        self.clock += spent
+        self.unsynced += spent
