@@ -196,6 +196,7 @@ import datetime
 import functools
 import itertools
 import json
+import math
 import os
 import platform
 import statistics
@@ -1241,8 +1242,9 @@ def calls_into(path: str | Path) -> dict:
     (:func:`call_residuals`; nothing measured), modelled with this code's model and the profile's rates as
     :func:`calibrate` models them (no per-call costs, no wait for a last worker, no rates by share, no
     contention), the calls on pinned ranks where the profile's were (``method.pin_cores``); its rates by share
-    and ``sync_s`` are kept (``--calls-into``: a profile made before a change to the model of a call, or to the
-    fit, brought up to it without a quiet machine)."""
+    and ``sync_s`` are kept, with ``sync_work_s`` where it lacks one and its ``method.sync_fit`` recorded the work
+    per call (``--calls-into``: a profile made before a change to the model of a call, or to the fit, brought up
+    to it without a quiet machine)."""
     import dataclasses
 
     profile = load_profile(path)
@@ -1259,12 +1261,28 @@ def calls_into(path: str | Path) -> dict:
     finally:
         torch.set_num_threads(threads)
     host = dataclasses.replace(host, call_s={**host.call_s, **calls["call_s"]})
+    if host.sync_s and host.sync_work_s is None:
+        host = dataclasses.replace(host, sync_work_s=_recorded_sync_work_s(method, path))
     out = profile_dict(host, date=profile.get("date", ""), machine=profile.get("machine", {}),
                        method={**method, "call_fit": {**recorded, **calls["call_fit"]}})
     if "netbed" in profile:
         out["netbed"] = profile["netbed"]
     return out
 
+
+def _recorded_sync_work_s(method: dict, path) -> float | None:
+    """The work per call of the loop a profile's ``sync_s`` was measured on, as its ``method.sync_fit`` recorded it
+    (``work_s``), for a profile written before ``sync_work_s`` was a rate of its own; ``None`` where it recorded
+    none (every call then waits all of ``sync_s``, as before)."""
+    fit = method.get("sync_fit")
+    work = fit.get("work_s") if isinstance(fit, dict) else None
+    if work is None:
+        return None
+    if isinstance(work, bool) or not isinstance(work, (int, float)) or not math.isfinite(work) or work < 0:
+        raise InvalidValueError(f"--calls-into: the host profile {str(path)!r} records method.sync_fit.work_s "
+                                f"{work!r}, not seconds >= 0; calibrate it again (python -m sparsecomm.netbed "
+                                f"calibrate)")
+    return float(work)
 
 
 def shared_costs(host: HostModel, quick: bool = False) -> dict:

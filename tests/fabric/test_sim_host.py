@@ -2082,25 +2082,30 @@ def test_a_call_waits_sync_s_in_proportion_to_the_work_since_the_previous_call_b
         HostModel(sync_work_s=-1.0)
 
 
-def test_a_profile_with_sync_s_and_no_sync_work_s_takes_its_measurements_work(tmp_path):
-    """A profile written before ``sync_work_s`` existed, with ``sync_s`` and its ``method.sync_fit``, loads with the
-    work that measurement recorded (``work_s``); without that record, ``None`` (every call waits all of ``sync_s``);
-    one with the rate round-trips it (unit ``s``); a bad record is refused, naming it."""
-    synced = dataclasses.replace(FULL, sync_s=2e-3)
+def test_a_profile_without_sync_work_s_waits_in_full_and_calls_into_adds_its_measurements_work(tmp_path):
+    """A profile written before ``sync_work_s`` existed, with ``sync_s``, loads with ``None`` (every call waits all of
+    ``sync_s``: ``method`` is a record, not read); ``calibrate --calls-into`` adds the work its ``method.sync_fit``
+    recorded (``work_s``) and keeps a rate the profile has; a bad record is refused, naming it; one with the rate
+    round-trips it (unit ``s``)."""
+    from sparsecomm.netbed.calibrate import CALLS, main
+
+    synced = dataclasses.replace(TABLED, sync_s=2e-3, call_s={"ring": 1.0})
     old = _profile(synced)
     assert "sync_work_s" not in old["host"]
-    path = tmp_path / "p.json"
-    path.write_text(json.dumps(old))
-    assert sc.Network.from_profile(path).host.sync_work_s is None
-    old["method"] = {"sync_fit": {"work_s": 4e-3, "share": 2.0}}
-    path.write_text(json.dumps(old))
-    assert sc.Network.from_profile(path).host == dataclasses.replace(synced, sync_work_s=4e-3)
-    new = _profile(dataclasses.replace(synced, sync_work_s=3e-3))
-    assert new["host"]["sync_work_s"] == {"value": 3e-3, "unit": "s"}
-    new["method"] = {"sync_fit": {"work_s": 4e-3}}         # (the rate, where given, is read; not the record)
-    path.write_text(json.dumps(new))
-    assert sc.Network.from_profile(path).host.sync_work_s == 3e-3
-    old["method"] = {"sync_fit": {"work_s": "4 ms"}}
-    path.write_text(json.dumps(old))
+    old["method"] = {"call_fit": {"ring": {"measured_s": 0.05, "launches_s": [0.05]}}, "calls": CALLS[True],
+                     "pin_cores": False, "sync_fit": {"work_s": 4e-3, "share": 2.0}}
+    src, out = tmp_path / "p.json", tmp_path / "q.json"
+    src.write_text(json.dumps(old))
+    assert sc.Network.from_profile(src).host.sync_work_s is None
+    assert main(["--calls-into", str(src), "--out", str(out)]) == 0
+    assert sc.Network.from_profile(out).host.sync_work_s == 4e-3
+    assert json.loads(out.read_text())["host"]["sync_work_s"] == {"value": 4e-3, "unit": "s"}
+    has = _profile(dataclasses.replace(synced, sync_work_s=3e-3))
+    has["method"] = old["method"]                   # (the rate, where given, is kept; not the record)
+    src.write_text(json.dumps(has))
+    assert main(["--calls-into", str(src), "--out", str(out)]) == 0
+    assert sc.Network.from_profile(out).host.sync_work_s == 3e-3
+    old["method"] = {**old["method"], "sync_fit": {"work_s": "4 ms"}}
+    src.write_text(json.dumps(old))
     with pytest.raises(InvalidValueError, match=r"sync_fit.work_s"):
-        sc.Network.from_profile(path)
+        main(["--calls-into", str(src), "--out", str(out)])

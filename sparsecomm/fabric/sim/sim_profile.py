@@ -45,13 +45,12 @@ size, an integer of bytes (unit ``"byte"``), not a rate; the slowdown of a metho
 each rate alone, as before it existed); the wait of a call for its last worker on shared cores, ``sync_s``
 (optional, added within version 2: ``{"value": 0.002, "unit": "s/call"}``; a profile without it waits nothing,
 as before it existed), and the work per call of the loop it was measured on, ``sync_work_s`` (optional, unit
-``"s"``: a call after less work since the previous one waits that fraction of it; a profile with ``sync_s`` and
-without it takes its ``method.sync_fit.work_s``, the one entry of ``method`` read, and without that waits all of it,
-as before it existed); the cost of a message of the fabric's native collective (gloo's own ring all-reduce, C++:
+``"s"``: a call after less work since the previous one waits that fraction of it; a profile without it waits all of
+it at every call, as before it existed; ``calibrate --calls-into`` adds it from the profile's ``method.sync_fit``); the cost of a message of the fabric's native collective (gloo's own ring all-reduce, C++:
 ``native_message_s``, unit ``s/message``, and ``native_byte_s``, unit ``s/byte``; optional, added within version 2,
 :data:`~.sim_host.NATIVE_RATES`, both or neither: a profile without them charges those messages the model's own
 message costs, the library's, as before they existed, on gloo's segments). ``date``, ``machine`` and
-``method`` are recorded, not interpreted (but for ``sync_fit.work_s``, above).
+``method`` are recorded, not interpreted.
 
 ``netbed`` (optional, added within version 2; :func:`netbed_latency_s` reads it): this machine's netbed as
 the model wants it beside the host rates, the one-way latency of a message between two of its hosts beyond the
@@ -205,26 +204,11 @@ def host_from_profile(profile: dict, source: str = "host profile") -> HostModel:
     if missing:
         raise InvalidValueError(f"{source}: 'host' lacks the rate(s) {missing}")
     kw = {name: _parsed(name, host[name], f"{source}: host.{name}") for name in RATE_UNITS if name in host}
-    if "sync_s" in kw and "sync_work_s" not in kw:
-        kw["sync_work_s"] = _sync_work_s(profile, source)
     kw["by_share"] = _shares(profile.get("by_share", {}), source)
     try:
         return HostModel(**kw)
     except (InvalidValueError, InvalidTypeError) as exc:
         raise type(exc)(f"{source}: {exc}") from None
-
-
-def _sync_work_s(profile: dict, source: str) -> float | None:
-    """The work per call of the loop a profile's ``sync_s`` was measured on, for a profile written before
-    ``sync_work_s`` was a rate of its own: its ``method.sync_fit.work_s`` (the measurement's record, the one entry
-    of ``method`` read), or ``None`` where it has none (every call waits all of ``sync_s``, as before)."""
-    fit = profile.get("method", {}).get("sync_fit") if isinstance(profile.get("method"), dict) else None
-    work = fit.get("work_s") if isinstance(fit, dict) else None
-    if work is None:
-        return None
-    if isinstance(work, bool) or not isinstance(work, (int, float)) or not math.isfinite(work) or work < 0:
-        raise InvalidValueError(f"{source}: method.sync_fit.work_s must be seconds >= 0, got {work!r}")
-    return float(work)
 
 
 def _shares(table, source: str) -> dict:
