@@ -73,9 +73,14 @@ class _Group:
 
     def __init__(self, s: int, req, works: list, chans: list, any_: bool) -> None:
         self.s, self.req, self.works, self.chans, self.any = s, req, works, chans, any_
-        if chans[1:]:
-            self.index = {c: j for j, c in enumerate(chans)}
-            self.odd = len(self.index) < len(chans) or None in [c[0] for c in chans]
+        if chans[1:]:           # (a loop, not comprehensions: no call per group)
+            index, odd, j = {}, False, 0
+            for c in chans:
+                index[c] = j
+                j += 1
+                if c[0] is None:
+                    odd = True
+            self.index, self.odd = index, odd or len(index) < j
         elif chans:             # (one receive, the common case: no call per receive)
             c = chans[0]
             self.index, self.odd = {c: 0}, c[0] is None
@@ -145,15 +150,20 @@ class RoleWaits:
             g = _Group(s, req, pend, chans, False)
         else:
             works = list(map(_entry_work, map(box.__getitem__, keys)))     # (no bytecode per key)
-            if [w for w in works if type(w) is not recv or w.done]:    # (put locally, completed or of another kind)
+            pend, chans, plain, j = works, [None] * len(works), True, 0
+            for w in works:         # (the common case: every one a pending receive of this fabric's; no call)
+                if type(w) is not recv or w.done:
+                    plain = False
+                    break
+                chans[j] = w.channel
+                j += 1
+            if not plain:           # (put locally, completed or of another kind)
                 pend, chans = [], []
                 for w in works:
                     if w is None or w.is_completed():
                         continue
                     chans.append(w.channel if type(w) is recv else (None, None))    # (another kind: odd)
                     pend.append(w)
-            else:                   # (the common case, with no call per key)
-                pend, chans = works, [w.channel for w in works]
             any_ = req.any and len(pend) == len(req.keys)
             if req.any and not any_:
                 pend, chans = [], []     # a key is in: an empty group
@@ -364,13 +374,25 @@ class RoleWaits:
                 g.tick, g.lb = tick, t
                 heappush(self.heap, (t, tick, g))
             return
-        heads = [(d if (d := q[0].delivered) > 0.0 else 0.0) if q else None
-                 for q in map(self.ep.mailbox.get, g.chans)]       # (no call per receive)
-        for j in g.dead:             # (a kept group's dead slots)
-            heads[j] = None
-        missing = heads.count(None)
+        box, heads = self.ep.mailbox, [None] * len(chans)     # (a loop, not comprehensions: no call per receive)
+        missing, latest, j = 0, 0.0, 0
+        for c in chans:
+            q = box[c] if c in box else None
+            if q:
+                d = q[0].delivered
+                v = heads[j] = d if d > 0.0 else 0.0
+                if v > latest:
+                    latest = v
+            else:
+                missing += 1
+            j += 1
+        if g.dead:                   # (a kept group's dead slots: not counted)
+            for j in g.dead:
+                heads[j] = None
+            missing = heads.count(None)
+            latest = max([v for v in heads if v is not None], default=0.0)
         g.heads, g.missing, g.exact = heads, missing, -1
-        g.latest = max([v for v in heads if v is not None] if missing else heads, default=0.0)
+        g.latest = latest
         if g.any:
             g.units = units = [(v, j) for j, v in enumerate(heads) if v is not None]
             heapify(units)
@@ -590,12 +612,23 @@ class RoleWaits:
         box, take = ep.mailbox, world.take
         if j is None:
             chans = g.chans
-            if chans[1:]:
+            if chans[2:]:
                 msgs = [box[c][0] for c in chans]
                 for m in sorted(msgs, key=_head):     # (taken in the order they arrived; sorted is stable)
                     take(ep, m)
                 for w, m in zip(g.works, msgs):
                     w.complete(m)
+            elif chans[1:]:          # (two: sorted's order without its calls)
+                m0, m1 = box[chans[0]][0], box[chans[1]][0]
+                if m1.head < m0.head:
+                    take(ep, m1)
+                    take(ep, m0)
+                else:
+                    take(ep, m0)
+                    take(ep, m1)
+                works = g.works
+                works[0].complete(m0)
+                works[1].complete(m1)
             elif chans:
                 g.works[0].complete(take(ep, box[chans[0]][0]))
             return g.s, None

@@ -28,7 +28,8 @@ yield typed requests (send, post a receive, receive into the result, hand over l
 scheduler per endpoint, ``Fabric.drive`` (:mod:`sparsecomm.fabric.roles`; what the roles wait for,
 :mod:`.stages`; the rules and why they cannot deadlock: ``docs/omnireduce-scheduler.md``). A worker's
 (:mod:`.worker`): :func:`.worker.worker` -- round 0's header, first look-aheads and position-0 blocks --,
-:func:`.worker.verdict`, one per aggregator (it goes on as its last channel's lanes), and
+:func:`.worker.verdict`, one per aggregator (it goes on as its last channel's lanes, or, on the SimFabric without a
+host model, takes the round-0 replies of two or more one-round channels in one wait: :func:`.worker.land_singles`), and
 :func:`.worker.worker_lane` for the other channels; an aggregator's
 (:mod:`.aggregator`): :func:`.aggregator.aggregator` --
 headers, verdict, drain -- and :func:`.aggregator.agg_lane`. The colocated worker runs its roles and

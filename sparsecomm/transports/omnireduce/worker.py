@@ -1,6 +1,7 @@
 """An OmniReduce worker's call in the fast driver: its state (:class:`Call`), its roles (:func:`worker`,
-one :func:`verdict` per aggregator, which goes on as the lanes of the aggregator's last channel, and one
-:func:`worker_lane` per other channel) and :func:`run_worker`, which
+one :func:`verdict` per aggregator, which goes on as the lanes of the aggregator's last channel, or lands the
+round-0 replies of its one-round channels together, :func:`land_singles`, and one :func:`worker_lane` per
+other channel) and :func:`run_worker`, which
 runs them (and, colocated, the hosted aggregator's roles, :mod:`.aggregator`) on the endpoint's
 scheduler (``Fabric.drive``, :mod:`sparsecomm.fabric.roles`). The lanes' state machine is
 :class:`.core.WorkerChannel`; the fast paths the roles call are :mod:`.strategies`.
@@ -78,6 +79,11 @@ class Call:
         # first. None: not held
         self.held: set | None = set() if own is not None and not fabric.modelled_time else None
         self.opened: set = set()
+        # the round-0 replies of an aggregator's one-round channels landed together, in one wait
+        # (:func:`land_singles`): where that is the same in every respect, a fabric of modelled time that charges no
+        # host work (the moment a reply's sums land is then no part of the model); elsewhere a lane per channel, each
+        # landing its sums as they come
+        self.fold = fabric.modelled_time and not fabric.charges_host_work
         mark = getattr(fabric, "mark", None)   # a traced call's phase marks (.trace)
         self.traced = mark is not None          # (a mark per message is formatted only then)
         self.mark = mark if mark is not None else _no_mark
@@ -122,6 +128,9 @@ def verdict(call, a: int):
     ``a``'s round-0 receives (hosted: ``GO``), start the lanes of ``a``'s channels but the last
     (:func:`worker_lane`), then go on as the last one's (the same requests as a role of its own: one
     generator fewer per aggregator).
+    Two or more one-round channels (``lanes`` at least their blocks, the default) on a fabric where it changes
+    nothing but the wakes (:attr:`Call.fold`): their round-0 replies are taken by this role in one wait
+    (:func:`land_singles`), lanes spawned only for the others.
     Not OK: a remote ``a`` gets this worker's manifest (:meth:`.aggregator.AggCall.drain`), then sends
     nothing more; the error is raised once the others' lanes are done (:func:`run_worker`)."""
     key = Key.new((Msg.REPLY, a, -1))
@@ -162,10 +171,40 @@ def verdict(call, a: int):
                 yield post
     if call.traced:
         call.mark(f"downstream posted {a}")
+    singles = [ch for ch in chans if ch.single] if call.fold else ()
+    if singles[1:]:             # one-round channels: their round-0 replies taken by this role, in one wait
+        for ch in chans:
+            if not ch.single:
+                yield Spawn.new((worker_lane(call, a, call.wch[a, ch.slot]),))
+        yield from land_singles(call, a, singles)
+        return
     for ch in chans[:-1]:
         yield Spawn.new((worker_lane(call, a, call.wch[a, ch.slot]),))
     if chans:                   # the last channel's lanes: this role's own (a role fewer per aggregator)
         yield from worker_lane(call, a, call.wch[a, chans[-1].slot])
+
+
+def land_singles(call, a: int, singles: list):
+    """The round-0 replies of aggregator ``a``'s one-round channels ``singles`` (two or more), waited for
+    together and landed in their order: what a :func:`worker_lane` per channel does (each takes its reply and
+    is done), with one wait and one wake for them all instead of one each. A one-round lane sends nothing and
+    lands its sums in blocks of its own, so on a fabric of modelled time that charges no host work
+    (:attr:`Call.fold`) taking the replies together changes no message, no sum and no modelled time: a take
+    moves the clock to the message's delivery, which every later event of the endpoint passes anyway, and the
+    order of pure takes among the roles able to run moves no other role's send. (Under a host model the landing
+    work would be charged when the last reply is in, and on a real fabric the first channel's sums would land
+    later: there each channel keeps its lane.) Every reply comes whatever this worker does (each channel's
+    round 0 needs only round-0 data): the wait ends (``docs/omnireduce-scheduler.md``). Its stage is the first
+    channel's lane's."""
+    keys = ()
+    for ch in singles:
+        keys += strategies.reply0_keys(call, a, ch)
+    first = singles[0]
+    yield Recv.new((keys, Stage.new((Phase.LAND, 0, first.slot, call.pos[a]) + _LAND_FLAGS), (), False, None))
+    for ch in singles:
+        call.wch[a, ch.slot].start(strategies.take_reply0(call, a, ch))
+        if call.traced:
+            call.mark(f"reply {a}.{ch.slot} r0")
 
 
 def scan(call, a: int):
