@@ -119,7 +119,8 @@ class DenseSource(_Blocks):
             self._tail_block[: self.tail] = flat[self.full * block_size:]
 
     def scan(self, lo: int, hi: int) -> None:
-        """Find the non-zero blocks among ``[lo, hi)`` (lazy sources; the codec's scan of that range)."""
+        """Find the non-zero blocks among ``[lo, hi)`` (lazy sources; the codec's scan of that range, float data
+        through a :class:`~sparsecomm.codec.BlockScan` made once per source: one kernel call per range)."""
         if self.lazy and hi > lo:
             if self._scan is not None:     # (prepared once: a kernel call per range on the Numba path)
                 self._scan.into(self.mask, lo, hi)
