@@ -128,7 +128,8 @@ class BlockScan:
 
     def __init__(self, x: torch.Tensor, block_size: int, threshold: float = 0.0) -> None:
         check_float(x)
-        self.x, self.block_size, self.threshold = x.reshape(-1), check_block_size(block_size), threshold
+        self.x = x if x.dim() == 1 else x.reshape(-1)
+        self.block_size, self.threshold = check_block_size(block_size), threshold
         self.numel = x.numel()
         self._bits = None
         if use_numba("auto", x.dtype in NUMBA_FLOATS, x):
