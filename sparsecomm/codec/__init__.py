@@ -5,6 +5,7 @@ Block sparsity (OmniReduce, Fei et al., SIGCOMM'21) -- :mod:`sparsecomm.codec.bl
 look-ahead: :mod:`sparsecomm.codec.masks`)::
 
     mask = nonzero_blocks(x, block_size)                 # bool per block: holds a non-zero (NaN/Inf too)
+    BlockScan(x, block_size).into(mask, lo, hi)          # the same, range by range into a kept mask
     packed = pack_blocks(x, mask, block_size)            # selected blocks, concatenated (last one short)
     unpack_add(packed, mask, block_size, out)            # out[selected blocks] += packed, in place
     mask_to_bitmap(mask) / bitmap_to_mask(bitmap, nb)    # uint8, block b = bit b % 8 of byte b // 8
@@ -32,7 +33,7 @@ where both paths exist.
 from ..errors import CodecError
 from . import bits
 from ._common import num_blocks
-from .blocks import nonzero_blocks, pack_blocks, packed_numel, unpack_add
+from .blocks import BlockScan, nonzero_blocks, pack_blocks, packed_numel, unpack_add
 from .fixed import checked_add_, chunk_exponents, from_fixed, scale_from_exponents, to_fixed
 from .masks import LookAhead, bitmap_to_mask, indices_to_mask, mask_to_bitmap, mask_to_indices, next_nonzero
 
@@ -41,6 +42,7 @@ __all__ = [
     "CodecError",
     "num_blocks",
     "nonzero_blocks",
+    "BlockScan",
     "packed_numel",
     "pack_blocks",
     "unpack_add",

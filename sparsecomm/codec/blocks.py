@@ -43,6 +43,7 @@ from ._common import (
 __all__ = [
     "num_blocks",
     "nonzero_blocks",
+    "BlockScan",
     "packed_numel",
     "pack_blocks",
     "unpack_add",
@@ -112,6 +113,50 @@ def nonzero_blocks(x: torch.Tensor, block_size: int, threshold: float = 0.0, *, 
         K.scan_blocks(as_np(x).view(uint), block_size, absmask, thr_bits, mask.numpy())
         return mask
     return _nonzero_blocks_torch(x.reshape(-1), block_size, nb, threshold)
+
+
+class BlockScan:
+    """:func:`nonzero_blocks` of one tensor, prepared once and run range by range into a mask the caller keeps:
+    ``BlockScan(x, block_size, threshold).into(mask, lo, hi)`` sets ``mask[lo:hi]`` to ``nonzero_blocks`` of
+    blocks ``[lo, hi)`` of ``x`` (the same values). The arguments are checked and the path chosen here, not per
+    range: on the Numba path a range is one kernel call on views made once (``x``'s bits, ``mask``'s array),
+    where :func:`nonzero_blocks` of a slice pays its checks, a fresh mask and the copy of it into the caller's
+    (several times the kernel's own time on a dense range: the kernel reads one element per block). A range
+    scan of a worker that sends one range while it scans the next (OmniReduce's colocated worker)."""
+
+    __slots__ = ("x", "block_size", "threshold", "numel", "_bits", "_absmask", "_thr_bits", "_np_mask", "_mask")
+
+    def __init__(self, x: torch.Tensor, block_size: int, threshold: float = 0.0) -> None:
+        check_float(x)
+        self.x = x if x.dim() == 1 else x.reshape(-1)
+        self.block_size, self.threshold = check_block_size(block_size), threshold
+        self.numel = x.numel()
+        self._bits = None
+        if use_numba("auto", x.dtype in NUMBA_FLOATS, x):
+            uint, self._absmask = BITS[x.dtype]
+            if isinstance(threshold, (int, float)) and threshold == 0:
+                self._thr_bits = uint(0)
+            else:
+                self._thr_bits = _threshold_value(threshold, np.float32 if x.dtype == torch.float32
+                                                  else np.float64).view(uint)
+            self._bits = as_np(x).view(uint)
+        else:
+            _threshold_value(threshold, np.float32)      # (checked here as on the Numba path)
+        self._mask = self._np_mask = None
+
+    def into(self, mask: torch.Tensor, lo: int, hi: int) -> None:
+        """``mask[lo:hi] = nonzero_blocks(blocks [lo, hi) of x)`` (``mask``: a CPU ``torch.bool`` tensor of at
+        least ``hi`` entries; its numpy view is kept for the next range)."""
+        if hi <= lo:
+            return
+        bs = self.block_size
+        end = min(hi * bs, self.numel)
+        if self._bits is None:
+            mask[lo:hi] = nonzero_blocks(self.x[lo * bs: end], bs, self.threshold)
+            return
+        if mask is not self._mask:
+            self._mask, self._np_mask = mask, mask.numpy()
+        K.scan_blocks(self._bits[lo * bs: end], bs, self._absmask, self._thr_bits, self._np_mask[lo:hi])
 
 
 def _nonzero_blocks_torch(x: torch.Tensor, block_size: int, nb: int, threshold) -> torch.Tensor:

@@ -163,6 +163,32 @@ def test_scan_threshold(dtype, backend):
         np.testing.assert_array_equal(got, ref_mask(xr.numpy(), 16, thr))
 
 
+@pytest.mark.parametrize("dtype", DTYPES + [torch.float16])
+def test_block_scan_by_ranges_equals_the_scan(dtype):
+    """``BlockScan.into`` range by range gives ``nonzero_blocks``' mask of the whole tensor (on the kernel path
+    the fixture picks; float16 always on torch's), with special values, a short last block and thresholds; the
+    entries outside the ranges scanned are left as they were."""
+    block, n = 7, 7 * 40 + 3
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(n, generator=g).to(dtype)
+    x[7 * 3: 7 * 9] = 0                     # zero blocks 3..8
+    x[7 * 4 + 2] = -0.0                     # still zero
+    x[7 * 6 + 6] = float("nan")             # block 6 non-zero (last element)
+    x[7 * 7] = float("-inf")                # block 7 non-zero (first element)
+    x[7 * 10: 7 * 11] = 1e-3                # small: zero under a threshold
+    for thr in (0.0, 1e-2):
+        want = C.nonzero_blocks(x, block, thr)
+        scan = C.BlockScan(x, block, thr)
+        mask = torch.zeros(want.numel(), dtype=torch.bool)
+        for lo, hi in ((0, 5), (5, 5), (5, 12), (30, 41), (12, 30)):
+            scan.into(mask, lo, hi)
+        assert torch.equal(mask, want), thr
+        part = torch.ones(want.numel(), dtype=torch.bool)
+        C.BlockScan(x, block, thr).into(part, 3, 9)
+        assert torch.equal(part[3:9], want[3:9]) and part[:3].all() and part[9:].all()
+        assert want[3:9].tolist() == [False, False, False, True, True, False]
+
+
 def test_scan_threshold_rejects_bad_values():
     x = torch.ones(8)
     for thr in (-1.0, math.nan, "a"):

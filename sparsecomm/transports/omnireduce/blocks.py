@@ -104,8 +104,11 @@ class DenseSource(_Blocks):
         self.nb = -(-self.numel // block_size)
         self.full = self.numel // block_size
         self.threshold = threshold
+        self._scan = None
         if lazy:
             self.mask = torch.zeros(self.nb, dtype=torch.bool)
+            if flat.is_floating_point():   # (integer codes: nonzero_blocks' torch path, per range)
+                self._scan = codec.BlockScan(flat, block_size, threshold)
         else:
             self.mask = codec.nonzero_blocks(flat, block_size, threshold)   # floats, or integer codes
         self.lazy = lazy
@@ -116,8 +119,12 @@ class DenseSource(_Blocks):
             self._tail_block[: self.tail] = flat[self.full * block_size:]
 
     def scan(self, lo: int, hi: int) -> None:
-        """Find the non-zero blocks among ``[lo, hi)`` (lazy sources; the codec's scan of that range)."""
+        """Find the non-zero blocks among ``[lo, hi)`` (lazy sources; the codec's scan of that range, float data
+        through a :class:`~sparsecomm.codec.BlockScan` made once per source: one kernel call per range)."""
         if self.lazy and hi > lo:
+            if self._scan is not None:     # (prepared once: a kernel call per range on the Numba path)
+                self._scan.into(self.mask, lo, hi)
+                return
             bs = self.block_size
             self.mask[lo:hi] = codec.nonzero_blocks(self.flat[lo * bs: min(hi * bs, self.numel)], bs, self.threshold)
 
@@ -225,6 +232,7 @@ class BlockSink:
 
     def __init__(self, out: torch.Tensor, block_size: int) -> None:
         self.written: list[np.ndarray] = []
+        self._ids: np.ndarray | None = None     # written_ids(), until the next write or mark
         self.out = out
         self.block_size = block_size
         self.numel = out.numel()
@@ -240,6 +248,7 @@ class BlockSink:
         if not ids.size:
             return 0
         self.written.append(ids)
+        self._ids = None
         if data.dtype != self.out.dtype:
             data = data.to(self.out.dtype)
         if data.dim() == 1:                            # a run to the tensor's end, unpadded
@@ -267,15 +276,22 @@ class BlockSink:
         """Record blocks ``ids`` as written (their sums were put in place by other means)."""
         if ids.size:
             self.written.append(ids)
+            self._ids = None
 
     def written_ids(self) -> np.ndarray:
-        """The blocks written, ascending (through a mask of the blocks: no sort, no hash of the ids)."""
+        """The blocks written, ascending (through a mask of the blocks: no sort, no hash of the ids); read-only,
+        remembered until the next write (the finiteness guard and the record of the union both read it)."""
+        if self._ids is not None:
+            return self._ids
         if not self.written:
             return np.empty(0, dtype=np.int64)
         seen = np.zeros(-(-self.numel // self.block_size), dtype=bool)
         for ids in self.written:
             seen[ids] = True
-        return seen.nonzero()[0]
+        ids = seen.nonzero()[0]
+        ids.flags.writeable = False
+        self._ids = ids
+        return ids
 
     def written_finite(self) -> bool:
         """Whether every written block is finite (float results). A call writes only the union's blocks;

@@ -56,14 +56,30 @@ class CallSpec:
 
     def header(self, world: int, k0: dict[int, int] | None = None) -> torch.Tensor:
         """The round-0 header, sealed (:func:`seal`); ``k0[slot]``: this worker's position-0 blocks in
-        that channel."""
+        that channel. A fresh tensor; without ``k0`` its words are remembered for the last few calls (a
+        repeated call's header is the same words: built and sealed once)."""
+        if not k0:
+            return torch.from_numpy(np.frombuffer(_base_header(self._words(world)), dtype=np.int64).copy())
         h = np.zeros(HDR, dtype=np.int64)
-        for g, k in (k0 or {}).items():
+        for g, k in k0.items():
             h[F_K0 + g] = k
-        h[_SPEC_FIELDS] = (MAGIC, self.numel, dtype_code(self.up), self.block_size, self.num_aggregators,
-                           self.channels, self.lanes, self.kind, self.check, world, self.absmax)
+        h[_SPEC_FIELDS] = self._words(world)
         seal(h)
         return torch.from_numpy(h)
+
+    def _words(self, world: int) -> tuple:
+        """The header's words that the call sets (:data:`_SPEC_FIELDS`' order)."""
+        return (MAGIC, self.numel, dtype_code(self.up), self.block_size, self.num_aggregators, self.channels,
+                self.lanes, self.kind, self.check, world, self.absmax)
+
+
+@functools.lru_cache(maxsize=64)
+def _base_header(words: tuple) -> bytes:
+    """The sealed header (no position-0 blocks) whose :data:`_SPEC_FIELDS` are ``words``, as bytes."""
+    h = np.zeros(HDR, dtype=np.int64)
+    h[_SPEC_FIELDS] = words
+    seal(h)
+    return h.tobytes()
 
 
 _second = itemgetter(1)     # a ``(slot, blocks)`` pair's blocks
@@ -229,10 +245,19 @@ def verdict(headers: list[np.ndarray], order: list[int], index: int, colocated: 
 
 
 def check_headers(headers: list[np.ndarray]) -> np.ndarray:
-    """Validate the workers' headers; returns the reply header (status, down dtype, detail)."""
+    """Validate the workers' headers; returns the reply header (status, down dtype, detail), a fresh array. A
+    function of the headers' words alone, remembered for the last few (a repeated call's headers are the same
+    words: compared once)."""
+    words = b"".join(np.ascontiguousarray(h, dtype=np.int64).tobytes() for h in headers)
+    return np.frombuffer(_check_headers(words, len(headers)), dtype=np.int64).copy()
+
+
+@functools.lru_cache(maxsize=1024)
+def _check_headers(words: bytes, n: int) -> bytes:
+    """:func:`check_headers` of the ``n`` headers whose int64 words, one after the other, are ``words``."""
     reply = np.zeros(HDR, dtype=np.int64)
-    table = np.stack(headers)            # (worker, word)
-    h0 = headers[0]
+    table = np.frombuffer(words, dtype=np.int64).reshape(n, -1)     # (worker, word)
+    h0 = table[0]
     agree = table[:, AGREE]
     differ = (agree != agree[0]).any(axis=0).nonzero()[0]     # (every field at once: the first that differs)
     for f in [AGREE[int(differ[0])]] if differ.size else ():
@@ -242,14 +267,14 @@ def check_headers(headers: list[np.ndarray]) -> np.ndarray:
             lo = min(range(len(vals)), key=lambda j: (vals[j], j))
             hi = max(range(len(vals)), key=lambda j: (vals[j], -j))
             reply[[R_STATUS, R_FIELD, R_WMIN, R_VMIN, R_WMAX, R_VMAX]] = [MISMATCH, f, lo, vals[lo], hi, vals[hi]]
-            return reply
+            return reply.tobytes()
     up = code_dtype(h0[F_DTYPE])
     bound = sum(table[:, F_ABSMAX].tolist())
     if not up.is_floating_point and bound > torch.iinfo(torch.int64).max:
         reply[R_STATUS] = OVERFLOW
-        return reply
+        return reply.tobytes()
     reply[R_DOWN_DTYPE] = dtype_code(down_dtype(up, bound))
-    return reply
+    return reply.tobytes()
 
 
 def raise_for_reply(reply: np.ndarray, header: np.ndarray, rank: int) -> None:

@@ -245,7 +245,10 @@ def _take_reply0_single(call, a: int, ch: wire.Channel, k: int, bs: int) -> None
         raise ProtocolError("omnireduce: the round-0 sums do not match their lane words")
     if not k:
         return
-    ids = np.unpackbits(words, bitorder="little", count=ch.lanes).astype(bool).nonzero()[0] + ch.lo
+    if k == ch.lanes:       # every lane summed (a dense channel): the bitmap is all ones
+        ids = np.arange(ch.lo, ch.lo + ch.lanes)
+    else:
+        ids = np.unpackbits(words, bitorder="little", count=ch.lanes).astype(bool).nonzero()[0] + ch.lo
     if data is not None:
         written = call.sink.write(ids, data)
         if call.fabric.charges_host_work:

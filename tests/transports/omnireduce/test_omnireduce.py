@@ -495,3 +495,9 @@ def test_lazy_scan_by_ranges_and_runs_through_the_short_last_block():
     sink.write(ids, out)
     assert torch.equal(y[30 * bs:], x[30 * bs:]) and not y[: 30 * bs].any()
     assert sink.written_ids().tolist() == ids.tolist()
+    assert sink.written_ids() is sink.written_ids()      # remembered (the guard and the union's record read it)
+    sink.mark(np.array([2, 3]))                           # until the next write or mark
+    assert sink.written_ids().tolist() == [2, 3] + ids.tolist()
+    sink.write(np.array([0]), out[:1])
+    assert sink.written_ids().tolist() == [0, 2, 3] + ids.tolist()
+    assert not sink.written_ids().flags.writeable

@@ -642,3 +642,32 @@ def test_remembered_header_checks_answer_for_the_words_and_arguments_they_were_a
     a = header.with_k0(spec.header(3).numpy(), [(0, 5)])
     a[wire.F_K0] = 7
     assert np.array_equal(header.with_k0(spec.header(3).numpy(), [(0, 5)]), h)
+
+
+def test_remembered_spec_headers_and_verdicts_are_the_callers_own():
+    """``CallSpec.header`` (without position-0 counts) and ``check_headers`` remember their words: a header or a
+    reply a caller changes (the aggregator writes its round-0 counts into its reply) does not change the next
+    one; another spec, world size or one differing word gets its own answer."""
+    import numpy as np
+
+    from sparsecomm.transports.omnireduce import header, wire
+
+    spec = header.CallSpec(300_000, torch.float32, 256, 3, 1, 16384, 0, 0, 0)
+    first = spec.header(3).numpy()
+    kept = first.copy()
+    first[wire.F_NUMEL] = 1
+    assert np.array_equal(spec.header(3).numpy(), kept)
+    assert header.checksum(kept, wire.F_SUM) == kept[wire.F_SUM]                 # sealed
+    assert spec.header(4).numpy()[wire.F_WORLD] == 4
+    other = header.CallSpec(300_256, torch.float32, 256, 3, 1, 16384, 0, 0, 0).header(3).numpy()
+    assert other[wire.F_NUMEL] == 300_256 and other[wire.F_SUM] != kept[wire.F_SUM]
+    hs = [kept.copy() for _ in range(3)]
+    for _ in range(2):                                  # (the second time from memory)
+        reply = header.check_headers(hs)
+        assert reply[wire.R_STATUS] == wire.OK and reply[wire.R_DOWN_DTYPE] == wire.dtype_code(torch.float32)
+        reply[wire.R_K] = 99                            # (as AggCall.reply does)
+    assert header.check_headers(hs)[wire.R_K] == 0
+    hs[2] = other
+    bad = header.check_headers(hs)
+    assert bad[wire.R_STATUS] == wire.MISMATCH and bad[wire.R_FIELD] == wire.F_NUMEL
+    assert (bad[wire.R_WMIN], bad[wire.R_VMIN], bad[wire.R_WMAX], bad[wire.R_VMAX]) == (0, 300_000, 2, 300_256)
