@@ -128,14 +128,15 @@ def test_cleanup_removes_a_dead_owners_hosts_folder():
 def test_emulation_is_honest_round_trip_and_rate():
     """Shaping must not add latency (htb, not tbf) and must deliver the configured rate: a 64-byte round
     trip on a shaped link within 2x of an unshaped one (medians of 400, best of 3 to ride out load from
-    other processes), and a 6 MB stream at 0.9-1.0x of 100 Mbit/s (best of 2) (payload; 0.956 is the ceiling)."""
+    other processes), and a 6 MB stream at 0.9-1.0x of 100 Mbit/s (best of 5) (payload; 0.956 is the ceiling;
+    0.93-0.956 on a quiet machine, 0.85-0.88 while the processes of a test run before it still wind down)."""
     with Netbed(2, None) as free, Netbed(2, 0.1) as shaped:
         ratios = []
         for _ in range(3):
             ratios.append(round_trip_s(shaped) / round_trip_s(free))
-        rates = [transfer_rate_bps(shaped, nbytes=6 * 2**20, port=47001 + k) / 0.1e9 for k in range(2)]
+        rates = [transfer_rate_bps(shaped, nbytes=6 * 2**20, port=47001 + k) / 0.1e9 for k in range(5)]
     assert min(ratios) < 2.0, ratios
-    # the shaper caps every run; CPU load from other processes can only slow one down, hence the best of 2
+    # the shaper caps every run; CPU load from other processes can only slow one down, hence the best of 5
     assert all(r <= 1.0 for r in rates) and max(rates) >= 0.9, rates
 
 
