@@ -9,8 +9,8 @@ STAMP := $(VENV)/.installed
 # the test suite's worker processes (pytest-xdist; `make test WORKERS=0` runs it in this one process). Two
 # keep both CI cores busy: a case spends much of its time waiting on the processes it launches. The netbed's
 # cases run one at a time (tests/conftest.py: a lock, one per machine). The cases marked `timing` measure
-# the machine (a shaped link's rate, a model against a measured run): they run after the others, alone, as
-# a second worker's load slows what they measure by up to 1.4x.
+# the machine (a shaped link's rate, a model against a measured run): they run first, alone, each once the
+# CPU is quiet (tests/conftest.py), as a second worker's load slows what they measure by up to 1.4x.
 WORKERS ?= 2
 XDIST = -n $(WORKERS) --dist load
 
@@ -29,12 +29,12 @@ demo: $(STAMP)
 TESTENV = WANDB_MODE=disabled NUMBA_CACHE_DIR=$(CURDIR)/.numba_cache
 
 test: $(STAMP)
-	$(TESTENV) $(PY) -m pytest -q --durations=30 -m "not slow and not timing" $(XDIST); rc=$$?; \
-	$(TESTENV) $(PY) -m pytest -q -m "timing and not slow" || rc=1; exit $$rc
+	$(TESTENV) $(PY) -m pytest -q -m "timing and not slow"; rc=$$?; \
+	$(TESTENV) $(PY) -m pytest -q --durations=30 -m "not slow and not timing" $(XDIST) || rc=1; exit $$rc
 
 test-all: $(STAMP)
-	$(TESTENV) $(PY) -m pytest -q -m "not timing" $(XDIST); rc=$$?; \
-	$(TESTENV) $(PY) -m pytest -q -m "timing" || rc=1; exit $$rc
+	$(TESTENV) $(PY) -m pytest -q -m "timing"; rc=$$?; \
+	$(TESTENV) $(PY) -m pytest -q -m "not timing" $(XDIST) || rc=1; exit $$rc
 
 # the documentation site into site/ (open site/index.html); any warning fails the build (mkdocs.yml: strict)
 docs: $(STAMP)

@@ -129,7 +129,7 @@ def test_emulation_is_honest_round_trip_and_rate():
     """Shaping must not add latency (htb, not tbf) and must deliver the configured rate: a 64-byte round
     trip on a shaped link within 2x of an unshaped one (medians of 400, best of 3 to ride out load from
     other processes), and a 6 MB stream at 0.9-1.0x of 100 Mbit/s (best of 5) (payload; 0.956 is the ceiling;
-    0.93-0.956 on a quiet machine, 0.85-0.88 while the processes of a test run before it still wind down)."""
+    0.93-0.956 on a quiet machine: tests/conftest.py waits for one)."""
     with Netbed(2, None) as free, Netbed(2, 0.1) as shaped:
         ratios = []
         for _ in range(3):
