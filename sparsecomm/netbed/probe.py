@@ -6,7 +6,8 @@ thread), so they measure the kernel path a gloo rank uses: veth, the top of rack
 - :func:`round_trip_s`: median of ``count`` ping-pongs of ``size`` bytes (TCP_NODELAY).
 - :func:`transfer_rate_bps`: payload bits per second of one ``nbytes`` TCP stream, timed from the first
   byte sent to the receiver's acknowledgement that all arrived. ``htb`` shapes whole frames, so on a
-  1500-byte MTU the payload rate tops out at 1448/1514 = 0.956 of the configured rate.
+  1500-byte MTU the payload rate tops out at 1448/1514 = 0.956 of the configured rate (plus the shaper's
+  saved-up millisecond of link time, :data:`~sparsecomm.netbed.topology.HTB_BURST_S`, once per stream).
 
 and, run by every worker of a launch on any fabric (the netbed's ranks, or the SimFabric's):
 

@@ -28,6 +28,14 @@ link rate (with and without the cap: BENCHMARKS.md, "SimFabric vs netbed"). A
 real NIC sends a 64 KiB segmentation burst in 5-50 us at 10-100 Gbit/s; capping the burst to 0.5 ms of
 link time keeps the emulated link in that regime (at 1 Gbit/s, 62500 bytes: about the kernel's own 64 KiB).
 
+Each ``htb`` class may save up :data:`HTB_BURST_S` of link time (:func:`htb_burst`; ``burst`` = ``cburst``).
+``tc``'s default on a kernel with high-resolution timers is one MTU, so a shaper whose dequeue timer fires
+late loses the link time it overslept: on a virtual machine whose idle vCPUs wake 0.1-0.5 ms late (a 64-byte
+round trip of 150-450 us on a quiet machine, 35-50 us on a busy one), a 100 Mbit/s stream then carried
+0.72-0.93 of the link (0.76-0.81 for five streams in a row) where the saved-up 1 ms carries 0.90-0.96. The
+price: after an idle link, a message's first :data:`HTB_BURST_S` of link time passes at once, so a message
+sent on an idle link can finish up to that much sooner than its bytes / rate (the SimFabric charges the rate).
+
 Namespaces and links are created with pyroute2 (netlink); ``tc`` is run as a subprocess inside the
 namespace (``ip netns exec P-h<i> tc ...``) because pyroute2's tc interface for htb classes is awkward
 and version-dependent, while the ``tc`` command line is stable and its error text is the kernel's.
@@ -79,6 +87,16 @@ def gso_max_size(bandwidth_gbps: float) -> int:
     """Bytes of the largest GSO packet for a link of ``bandwidth_gbps``: :data:`GSO_BURST_S` of link time,
     clamped to [two frames, 64 KiB] (module docstring: why the burst is capped)."""
     return max(GSO_MIN, min(GSO_MAX, int(bandwidth_gbps * 1e9 / 8 * GSO_BURST_S)))
+
+
+#: link time an ``htb`` class may save up while its dequeue timer is late, in seconds (module docstring)
+HTB_BURST_S = 1e-3
+
+
+def htb_burst(bandwidth_gbps: float) -> int:
+    """Bytes an ``htb`` class of ``bandwidth_gbps`` may save up: :data:`HTB_BURST_S` of link time, at least a
+    largest GSO packet and a frame (module docstring: why a shaper needs it)."""
+    return max(gso_max_size(bandwidth_gbps) + 1514, int(bandwidth_gbps * 1e9 / 8 * HTB_BURST_S))
 
 
 def host_address(i: int) -> str:
@@ -258,8 +276,9 @@ class Netbed:
             _run(["ip", "netns", "exec", ns, "ip", "link", "set", "dev", dev, "gso_max_size", str(gso)])
         _run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb",
               "default", "1"])
+        burst = str(htb_burst(self.bandwidth_gbps))
         _run(["ip", "netns", "exec", ns, "tc", "class", "add", "dev", dev, "parent", "1:", "classid", "1:1",
-              "htb", "rate", rate, "ceil", rate, "quantum", quantum])
+              "htb", "rate", rate, "ceil", rate, "quantum", quantum, "burst", burst, "cburst", burst])
 
     # ----------------------------------------------------------------- tear-down
     def close(self) -> None:

@@ -9,6 +9,7 @@ import functools
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -20,7 +21,7 @@ import sparsecomm as sc
 import sparsecomm.transports  # noqa: F401  (registers the transports and services)
 from sparsecomm.netbed import Netbed, NetbedError, list_netbed_namespaces
 from sparsecomm.netbed.probe import round_trip_s, transfer_rate_bps
-from sparsecomm.netbed.topology import ETC_NETNS, _NAME_RE, gso_max_size
+from sparsecomm.netbed.topology import ETC_NETNS, _NAME_RE, gso_max_size, htb_burst
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.netbed]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -124,12 +125,23 @@ def test_cleanup_removes_a_dead_owners_hosts_folder():
 
 
 # ----------------------------------------------------------------------------- honesty of the emulation
+def _timer_late_us(count: int = 200) -> float:
+    """Median microseconds by which a 200 us sleep oversleeps: how late this machine's timers wake (a shaper's
+    dequeue timer is one)."""
+    late = []
+    for _ in range(count):
+        t = time.perf_counter()
+        time.sleep(200e-6)
+        late.append(time.perf_counter() - t - 200e-6)
+    return statistics.median(late) * 1e6
+
+
 @pytest.mark.timing
 def test_emulation_is_honest_round_trip_and_rate():
     """Shaping must not add latency (htb, not tbf) and must deliver the configured rate: a 64-byte round
     trip on a shaped link within 2x of an unshaped one (medians of 400, best of 3 to ride out load from
-    other processes), and a 6 MB stream at 0.9-1.0x of 100 Mbit/s (best of 5) (payload; 0.956 is the ceiling;
-    0.93-0.956 on a quiet machine: tests/conftest.py waits for one)."""
+    other processes), and a 6 MB stream at 0.9-1.0x of 100 Mbit/s (best of 5) (payload: 0.956 of the frames,
+    plus the shaper's saved-up millisecond, 0.2% of this stream; 0.90-0.96 measured)."""
     with Netbed(2, None) as free, Netbed(2, 0.1) as shaped:
         ratios = []
         for _ in range(3):
@@ -137,7 +149,7 @@ def test_emulation_is_honest_round_trip_and_rate():
         rates = [transfer_rate_bps(shaped, nbytes=6 * 2**20, port=47001 + k) / 0.1e9 for k in range(5)]
     assert min(ratios) < 2.0, ratios
     # the shaper caps every run; CPU load from other processes can only slow one down, hence the best of 5
-    assert all(r <= 1.0 for r in rates) and max(rates) >= 0.9, rates
+    assert all(r <= 1.0 for r in rates) and max(rates) >= 0.9, (rates, f"timers wake {_timer_late_us():.0f} us late")
 
 
 def _gso_max_size(ns: str, dev: str) -> int:
@@ -156,6 +168,25 @@ def test_send_bursts_are_capped_to_half_a_millisecond_of_link_time():
         for i in range(2):
             assert _gso_max_size(bed.host_ns(i), "eth0") == 6250
             assert _gso_max_size(bed.tor_ns, f"p{i}") == 6250
+
+
+def _htb_bursts(ns: str, dev: str) -> tuple[str, str]:
+    out = subprocess.run(["ip", "netns", "exec", ns, "tc", "class", "show", "dev", dev],
+                         capture_output=True, text=True, check=True).stdout
+    return out.split(" burst ")[1].split()[0], out.split(" cburst ")[1].split()[0]
+
+
+def test_each_shaper_saves_up_a_millisecond_of_link_time():
+    """tc's default burst on a high-resolution-timer kernel is one MTU, so a shaper whose dequeue timer wakes
+    late loses what it overslept (a 100 Mbit/s stream carried 0.76-0.81 of the link, five in a row, on a machine
+    whose quiet vCPUs woke late; topology's docstring). Both ends of every link save up 1 ms, at least a GSO
+    packet and a frame."""
+    assert htb_burst(0.1) == 12500 and htb_burst(1.0) == 125000 and htb_burst(10.0) == 1250000
+    assert htb_burst(0.001) == 2 * 1514 + 1514
+    with Netbed(3, 0.1) as bed:
+        for i in range(3):
+            assert _htb_bursts(bed.host_ns(i), "eth0") == ("12500b", "12500b")
+            assert _htb_bursts(bed.tor_ns, f"p{i}") == ("12500b", "12500b")
 
 
 # ----------------------------------------------------------------------------- launch backend
