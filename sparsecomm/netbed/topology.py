@@ -32,7 +32,8 @@ Each ``htb`` class may save up :data:`HTB_BURST_S` of link time (:func:`htb_burs
 ``tc``'s default on a kernel with high-resolution timers is one MTU, so a shaper whose dequeue timer fires
 late loses the link time it overslept: on a virtual machine whose idle vCPUs wake 0.1-0.5 ms late (a 64-byte
 round trip of 150-450 us on a quiet machine, 35-50 us on a busy one), a 100 Mbit/s stream then carried
-0.72-0.93 of the link (0.76-0.81 for five streams in a row) where the saved-up 1 ms carries 0.90-0.96. The
+0.80-0.96 of the link (median 0.905 of 19; elsewhere 0.76-0.81 five times in a row) where the saved-up 1 ms
+carries 0.90-0.95 (median 0.935 of 11). The
 price: after an idle link, a message's first :data:`HTB_BURST_S` of link time passes at once, so a message
 sent on an idle link can finish up to that much sooner than its bytes / rate (the SimFabric charges the rate).
 
