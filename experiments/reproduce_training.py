@@ -80,7 +80,8 @@ timed on the modelled clock (step 0 is the hook's uncompressed step); a ``hook``
 (``CommHookState.start_bucket``) on stock DDP's steady bucket layout (:func:`ddp_buckets`), stock DDP is the
 hook's plain average on the ``ring`` (gloo's algorithm), the optimizer scheme is ``DistributedOptimizer``; DDP's
 own copies of the gradient (into its buckets during backward, the results back into ``.grad``: a hook's two, stock
-DDP's one beyond its division) are charged as host copies (:func:`_model_worker`).
+DDP's one beyond its division) are charged as host copies (:func:`_model_worker`), as is the optimizer's gather of the
+gradients into its bucket.
 The network (:func:`modelled_network`) is the netbed's links at TCP's payload rate
 (:data:`sparsecomm.fabric.sim.sim_network.TCP_OVER_ETHERNET`) and the wire's latency, with the host of
 ``--profile PATH`` (``python -m sparsecomm.netbed calibrate --out PATH``: its rates, shared by the hosts and
@@ -668,8 +669,8 @@ def _model_worker(ctx, task: Task, scheme: Scheme, steps: int, init: dict,
     both copies of every bucket (the first before the bucket starts, the second after its wait); stock DDP's first
     copy divides by the world size as it copies (``at::mul_out``), the division its modelled plain average already
     charges as its decode's elementwise pass, so it is charged the second only. The optimizer's own gather of the
-    gradients into its buckets (:meth:`sparsecomm.pipeline.buckets.Bucket.gather`, a copy) is not charged. The
-    model starts from ``init`` (its state dict, built once by the caller): the workers are threads of one process,
+    gradients into its buckets (:meth:`sparsecomm.pipeline.buckets.Bucket.gather`, a copy; ``p.grad`` then views
+    the average, no copy back) is charged by the optimizer itself, as a copy of the bucket's bytes. The model starts from ``init`` (its state dict, built once by the caller): the workers are threads of one process,
     and ``task.build()`` seeds and draws from torch's global generator, which they would share in whatever order
     the threads are scheduled in."""
     torch.set_num_threads(1)

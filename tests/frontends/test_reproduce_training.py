@@ -225,15 +225,16 @@ def test_the_modelled_step_runs_the_schemes_own_calls_and_a_host_costs_more():
 def test_the_modelled_step_charges_ddps_copies_of_the_gradient_at_the_copy_rate_stretched_by_the_share():
     """torch's reducer copies every gradient into its bucket and the bucket's result back into ``.grad``: a hook
     scheme is charged both copies of the gradient's bytes at ``copy_byte_s``, stock DDP the copy back only (its
-    copy in is the division its plain average already charges), the optimizer neither; at a share of the cores of
-    2 each copy costs twice as much."""
+    copy in is the division its plain average already charges), the optimizer its own gather of the gradient into its
+    bucket (``p.grad`` then views the average: no copy back); at a share of the cores of 2 each copy costs twice as
+    much."""
     n, rate = 4096, 1e-9
     task = _tiny_task(n)
     by_name = {s.name: s for s in T.SCHEMES}
     net = T.modelled_network(1.0, 2, 0)
     for share in (1.0, 2.0):
         for name, copies in (("ddp", 1), ("hook none/omnireduce", 2), ("hook powersgd", 2), ("hook ef+topk", 2),
-                             ("optimizer none/omnireduce", 0)):
+                             ("optimizer none/omnireduce", 1)):
             base = dataclasses.replace(net, host=sc.HostModel(cpu_share=share))
             copying = dataclasses.replace(net, host=sc.HostModel(copy_byte_s=rate, cpu_share=share))
             extra = T.modelled_comm_s(task, by_name[name], 2, copying) - T.modelled_comm_s(task, by_name[name], 2,
