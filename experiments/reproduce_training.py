@@ -80,7 +80,8 @@ timed on the modelled clock (step 0 is the hook's uncompressed step); a ``hook``
 (``CommHookState.start_bucket``) on stock DDP's steady bucket layout (:func:`ddp_buckets`), stock DDP is the
 hook's plain average on the ``ring`` (gloo's algorithm), the optimizer scheme is ``DistributedOptimizer``; DDP's
 own copies of the gradient (into its buckets during backward, the results back into ``.grad``: a hook's two, stock
-DDP's one beyond its division) are charged as host copies (:func:`_model_worker`).
+DDP's one beyond its division) are charged as host copies (:func:`_model_worker`), as is the optimizer's gather of the
+gradients into its bucket.
 The network (:func:`modelled_network`) is the netbed's links at TCP's payload rate
 (:data:`sparsecomm.fabric.sim.sim_network.TCP_OVER_ETHERNET`) and the wire's latency, with the host of
 ``--profile PATH`` (``python -m sparsecomm.netbed calibrate --out PATH``: its rates, shared by the hosts and
@@ -103,7 +104,10 @@ sums, and ``wait``, the waits for a message within them; a posted ``native`` all
 collective), ``decode`` (the estimate from the last sum, the error update) and ``remainder`` (the rest: the
 hook's posting, futures and thread hand-offs). The transport and later rounds run on the communication
 thread while backward goes on, so the remainder is what they do not hide and can be negative. Stock DDP and
-torch's hook make no library call: their communication is all ``remainder``.
+torch's hook make no library call: their communication is all ``remainder``. Then CPU times: ``step_cpu`` and
+``compute_cpu`` (the process's, every thread, over the step and over the step with no communication) and
+``transport_cpu`` (the library calls' own thread's): a scheme whose ``compute`` and ``transport`` ran slower than
+another's at the same CPU times ran in a slower window (cores shared with more work), not with more work of its own.
 
 **Seeds.** ``--seed`` (default 0) draws the model's initial weights and the workers' batches; the click
 data's true model and the held-out sets stay fixed. ``--seeds K`` runs every scheme for seeds ``--seed`` ..
@@ -525,21 +529,31 @@ def _breakdown(ctx, task: Task, net: nn.Module, opt, group, t0: int, path: str) 
     ones, and after the last sum), ``transport_s`` (the transport calls: their messages, waits and sums; a
     posted ``native`` call, the wait for its collective) and ``wait_s`` (within them, the waits for a
     message the fabric saw). Stock DDP and torch's hook make no library call: all theirs is in the module
-    doc's ``remainder``."""
-    sums = {"compute_s": 0.0, "step_s": 0.0, "encode_s": 0.0, "decode_s": 0.0, "transport_s": 0.0, "wait_s": 0.0}
+    doc's ``remainder``. Beside them the CPU time: ``compute_cpu_s`` and ``step_cpu_s``, the process's (every
+    thread's, ``time.process_time``) over the step with no communication and over the step, and
+    ``transport_cpu_s``, the calls' own (their thread's, the trace's ``cpu_us``), so that a window in which every
+    step ran slower (wall time up, CPU time not) tells itself apart from more work."""
+    sums = {"compute_s": 0.0, "step_s": 0.0, "encode_s": 0.0, "decode_s": 0.0, "transport_s": 0.0, "wait_s": 0.0,
+            "compute_cpu_s": 0.0, "step_cpu_s": 0.0, "transport_cpu_s": 0.0}
     local = task.build()
     local_opt = task.optimizer(local)
     with sc.trace.record(sc.trace.rank_path(path, ctx.rank)) as rec:
         for t in range(t0, t0 + BREAKDOWN_STEPS):
             b = task.batch(ctx.rank, t)
             dist.barrier(group=group)
+            c0 = time.process_time()
             sums["compute_s"] += _timed_step(task, local, local_opt, b)
+            sums["compute_cpu_s"] += time.process_time() - c0
             dist.barrier(group=group)
+            c0 = time.process_time()
             sums["step_s"] += _timed_step(task, net, opt, b)
+            sums["step_cpu_s"] += time.process_time() - c0
         for e in rec.events:
             key = {"phase": f"{e['name']}_s", "call": "transport_s", "wait": "wait_s"}.get(e["cat"])
             if key in sums:
                 sums[key] += e["dur"] * 1e-6
+            if e["cat"] == "call":
+                sums["transport_cpu_s"] += e["args"].get("cpu_us", 0.0) * 1e-6
     return {k: v / BREAKDOWN_STEPS for k, v in sums.items()}
 
 
@@ -668,8 +682,8 @@ def _model_worker(ctx, task: Task, scheme: Scheme, steps: int, init: dict,
     both copies of every bucket (the first before the bucket starts, the second after its wait); stock DDP's first
     copy divides by the world size as it copies (``at::mul_out``), the division its modelled plain average already
     charges as its decode's elementwise pass, so it is charged the second only. The optimizer's own gather of the
-    gradients into its buckets (:meth:`sparsecomm.pipeline.buckets.Bucket.gather`, a copy) is not charged. The
-    model starts from ``init`` (its state dict, built once by the caller): the workers are threads of one process,
+    gradients into its buckets (:meth:`sparsecomm.pipeline.buckets.Bucket.gather`, a copy; ``p.grad`` then views
+    the average, no copy back) is charged by the optimizer itself, as a copy of the bucket's bytes. The model starts from ``init`` (its state dict, built once by the caller): the workers are threads of one process,
     and ``task.build()`` seeds and draws from torch's global generator, which they would share in whatever order
     the threads are scheduled in."""
     torch.set_num_threads(1)
@@ -850,7 +864,8 @@ def figures(results: list[dict], out: Path) -> list[Path]:
 
 
 #: the columns of breakdown.csv and of its printed table (ms per step)
-BREAKDOWN = ("step", "compute", "encode", "transport", "wait", "decode", "remainder")
+BREAKDOWN = ("step", "compute", "encode", "transport", "wait", "decode", "remainder", "step_cpu", "compute_cpu",
+             "transport_cpu")
 
 
 def breakdown_table(results: list[dict], path: Path | None = None) -> str:
@@ -860,12 +875,14 @@ def breakdown_table(results: list[dict], path: Path | None = None) -> str:
     ``remainder = step - compute - encode - transport - decode``: the time in none of them (the hook's and
     DDP's own posting, futures and thread hand-offs; for stock DDP and torch's hook, all their communication).
     The phases on the communication thread overlap backward, so the remainder can be below the time they
-    hide (even negative)."""
+    hide (even negative). Then the CPU times (:func:`_breakdown`): ``step_cpu`` and ``compute_cpu`` (the process's,
+    every thread), ``transport_cpu`` (the calls' own); NaN in a result recorded without them."""
     from .common import report
 
     rows = []
     for r in results:
-        b = {k[:-2]: v for k, v in r["breakdown"].items()}
+        b = {k: math.nan for k in BREAKDOWN}
+        b.update({k[:-2]: v for k, v in r["breakdown"].items()})
         b["remainder"] = b["step"] - b["compute"] - b["encode"] - b["transport"] - b["decode"]
         rows.append((r["row"]["model"], r["row"]["scheme"], r["row"].get("seed", 0), b))
     if path is not None:

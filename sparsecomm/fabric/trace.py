@@ -4,7 +4,9 @@ A :class:`Recorder` collects, while it is the process's active recording (:data:
 switch users call, :mod:`sparsecomm.trace`):
 
 - every transport call (``Transport.run``): one complete event (``ph: "X"``) named ``"<transport> allreduce"``
-  on the endpoint's ``calls`` track, from the call's start to its end, with its bytes and messages;
+  on the endpoint's ``calls`` track, from the call's start to its end, with its bytes and messages (and on a real
+  fabric ``cpu_us``, the CPU time of the thread that ran it: its wall time less its waits and its CPU is the time
+  it was runnable but not running, cores shared with other threads and processes);
 - every message: a ``"send"`` event on the sender's ``sends`` track and a ``"recv"`` event (of no length, when
   the receive completed) on the receiver's ``receives`` track, with peer, tag and bytes, joined by a flow
   arrow (``bind_id``: the k-th message of a channel ``(src, dst, tag)`` at both ends, in any process); the

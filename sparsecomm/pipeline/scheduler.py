@@ -164,7 +164,11 @@ class BucketScheduler:
             p = b.params[0]
             work = pipe.start_sparse(p.grad, p.shape, b.key, p.dtype)
         else:
-            work = pipe.start(b.gather(), b.key, compress=b.compress, shapes=b.shapes)
+            flat = b.gather()
+            # (the gather writes every byte of the bucket: a fabric that models the hosts charges it as a copy,
+            # as the DDP hook's concatenation is charged)
+            pipe.fabric.host_work("copy", flat.nbytes)
+            work = pipe.start(flat, b.key, compress=b.compress, shapes=b.shapes)
         self._works.append((b, work))
         self._next += 1
 

@@ -195,6 +195,8 @@ class Transport(ABC):
         before = self.fabric.stats.copy()
         t0_model = self.fabric.now()
         t0_wall = time.perf_counter()
+        # (a recorded call carries its thread's CPU time: what of its wall time it ran, not waited or was preempted)
+        t0_cpu = time.thread_time() if _trace.recorder is not None else 0.0
         x = self.check_input(x)
         # the wait for the call's last worker on shared cores, then the call's own CPU time beyond its messages
         # and kernels, where the fabric models hosts (sim_host)
@@ -215,7 +217,7 @@ class Transport(ABC):
             if s is not None:
                 s.reset()        # raised on every worker alike: every record forgets alike
             if _trace.recorder is not None:
-                self._trace_call(x, t0_model, self.fabric.stats - before, exc)
+                self._trace_call(x, t0_model, self.fabric.stats - before, exc, t0_cpu)
             raise
         _fold.leave(sched, self.name)
         # the call's end, where the workers last met: the next call's wait for its last worker counts the work
@@ -226,13 +228,16 @@ class Transport(ABC):
         stats.modelled_time_s = self._modelled(t0_model)
         self.last_stats = stats
         if _trace.recorder is not None:
-            self._trace_call(x, t0_model, stats)
+            self._trace_call(x, t0_model, stats, cpu0=t0_cpu)
         return out
 
     def _trace_call(self, x: torch.Tensor | Payload, t0: float, stats: CommStats,
-                    exc: BaseException | None = None) -> None:
+                    exc: BaseException | None = None, cpu0: float | None = None) -> None:
         """Record this call on the active timeline (:mod:`sparsecomm.fabric.trace`): from ``t0`` to now on
-        the fabric's clock, with its input, its ledger and its identity."""
+        the fabric's clock, with its input, its ledger and its identity; on a fabric of wall time, with
+        ``cpu0`` (``time.thread_time()`` at its start), ``cpu_us``: the CPU time of the thread that ran it
+        (the hosted aggregator's roles included), so that a call's wall time splits into the waits it records,
+        its own CPU and the rest (runnable but not running: cores shared with other processes and threads)."""
         rec = _trace.recorder
         if rec is None:
             return
@@ -242,6 +247,8 @@ class Transport(ABC):
                 "messages": stats.messages, "messages_received": stats.messages_received}
         if self.fabric.modelled_time:
             args["modelled_time_s"] = stats.modelled_time_s
+        elif cpu0 is not None:
+            args["cpu_us"] = round((time.thread_time() - cpu0) * 1e6, 1)
         call = current_call()
         if call is not None:
             args["call"] = str(call)

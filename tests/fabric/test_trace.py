@@ -207,6 +207,8 @@ def test_gloo_ranks_record_wall_clock_traces_merged_and_side_by_side(tmp_path, c
         assert call["name"] == "ring allreduce" and "modelled_time_s" not in call["args"]
         # wall clock since the recorder started: the call's span covers the time the transport measured
         assert call["ts"] > 0 and wall * 1e6 <= call["dur"] <= wall * 1e6 + 200e3
+        # and the CPU time of the thread that ran it, within its span
+        assert 0 < call["args"]["cpu_us"] <= call["dur"] + 1e3
         assert sum(e["pid"] == r and e["name"] == "send" for e in xs) == sent
         assert sum(e["pid"] == r and e["name"] == "recv" for e in xs) == received
     out = {e["bind_id"]: e for e in xs if e.get("flow_out")}
@@ -224,6 +226,7 @@ def test_gloo_ranks_record_wall_clock_traces_merged_and_side_by_side(tmp_path, c
     xs = check_trace_event_format(data)
     names = {e["pid"]: e["args"]["name"] for e in data["traceEvents"] if e["name"] == "process_name"}
     assert names == {0: "modelled rank 0", 1: "modelled rank 1", 1000: "measured rank 0", 1001: "measured rank 1"}
+    assert all(("cpu_us" in e["args"]) == (e["pid"] >= 1000) for e in xs if e["cat"] == "call")   # (measured only)
     first = {k: min(e["ts"] for e in xs if e["cat"] == "call" and e["pid"] // 1000 == k) for k in (0, 1)}
     assert first[0] == pytest.approx(first[1])
     assert Counter(e["name"] for e in xs if e["cat"] == "call") == {"ring allreduce": 4}

@@ -225,15 +225,16 @@ def test_the_modelled_step_runs_the_schemes_own_calls_and_a_host_costs_more():
 def test_the_modelled_step_charges_ddps_copies_of_the_gradient_at_the_copy_rate_stretched_by_the_share():
     """torch's reducer copies every gradient into its bucket and the bucket's result back into ``.grad``: a hook
     scheme is charged both copies of the gradient's bytes at ``copy_byte_s``, stock DDP the copy back only (its
-    copy in is the division its plain average already charges), the optimizer neither; at a share of the cores of
-    2 each copy costs twice as much."""
+    copy in is the division its plain average already charges), the optimizer its own gather of the gradient into its
+    bucket (``p.grad`` then views the average: no copy back); at a share of the cores of 2 each copy costs twice as
+    much."""
     n, rate = 4096, 1e-9
     task = _tiny_task(n)
     by_name = {s.name: s for s in T.SCHEMES}
     net = T.modelled_network(1.0, 2, 0)
     for share in (1.0, 2.0):
         for name, copies in (("ddp", 1), ("hook none/omnireduce", 2), ("hook powersgd", 2), ("hook ef+topk", 2),
-                             ("optimizer none/omnireduce", 0)):
+                             ("optimizer none/omnireduce", 1)):
             base = dataclasses.replace(net, host=sc.HostModel(cpu_share=share))
             copying = dataclasses.replace(net, host=sc.HostModel(copy_byte_s=rate, cpu_share=share))
             extra = T.modelled_comm_s(task, by_name[name], 2, copying) - T.modelled_comm_s(task, by_name[name], 2,
@@ -448,15 +449,20 @@ def test_torchs_powersgd_scheme_runs_torchs_hook_in_one_order_and_counts_what_it
 
 
 def test_the_breakdown_table_sums_the_phases_and_leaves_the_remainder(tmp_path):
-    """The table's remainder is the step less compute and the library's phases; the CSV has the same numbers."""
+    """The table's remainder is the step less compute and the library's phases; the CSV has the same numbers, and
+    the CPU times beside them (NaN for a result recorded without them)."""
     parts = {"compute_s": 0.010, "step_s": 0.030, "encode_s": 0.004, "transport_s": 0.006, "wait_s": 0.002,
-             "decode_s": 0.003}
-    res = [{"row": {"model": "mlp", "scheme": "hook powersgd", "seed": 0}, "breakdown": parts}]
+             "decode_s": 0.003, "step_cpu_s": 0.012, "compute_cpu_s": 0.005, "transport_cpu_s": 0.0025}
+    older = {k: v for k, v in parts.items() if "cpu" not in k}
+    res = [{"row": {"model": "mlp", "scheme": "hook powersgd", "seed": 0}, "breakdown": parts},
+           {"row": {"model": "mlp", "scheme": "ddp", "seed": 0}, "breakdown": older}]
     text = T.breakdown_table(res, tmp_path / "b.csv")
-    assert "hook powersgd" in text
+    assert "hook powersgd" in text and "transport_cpu" in text
     with open(tmp_path / "b.csv", newline="") as f:
-        row = next(csv.DictReader(f))
+        row, old = list(csv.DictReader(f))
     assert float(row["remainder_ms"]) == pytest.approx(7.0) and float(row["wait_ms"]) == pytest.approx(2.0)
+    assert [float(row[f"{k}_ms"]) for k in ("step_cpu", "compute_cpu", "transport_cpu")] == pytest.approx([12, 5, 2.5])
+    assert float(old["remainder_ms"]) == pytest.approx(7.0) and math.isnan(float(old["transport_cpu_ms"]))
 
 
 @pytest.mark.multiprocess
@@ -470,7 +476,9 @@ def test_a_quick_loopback_run_breaks_the_step_down_for_ours_and_torchs_powersgd(
     ours, theirs = by["hook powersgd"]["breakdown"], by["torch powersgd"]["breakdown"]
     assert ours["encode_s"] > 0 and ours["transport_s"] > 0 and ours["decode_s"] > 0
     assert ours["step_s"] > 0 and ours["compute_s"] > 0
-    assert theirs["encode_s"] == theirs["transport_s"] == theirs["decode_s"] == 0 and theirs["step_s"] > 0
+    assert 0 < ours["step_cpu_s"] and 0 < ours["compute_cpu_s"] and ours["transport_cpu_s"] >= 0
+    assert theirs["encode_s"] == theirs["transport_s"] == theirs["decode_s"] == theirs["transport_cpu_s"] == 0
+    assert theirs["step_s"] > 0 and theirs["step_cpu_s"] > 0
     assert by["torch powersgd"]["row"]["transport"] == "native (gloo ring)" and by["torch powersgd"]["row"]["reached"]
     assert 0 < by["torch powersgd"]["row"]["bytes_per_step"] < 340_008       # below the dense gradient's
     assert math.isnan(by["torch powersgd"]["row"]["modelled_s"])

@@ -43,7 +43,8 @@ modelled clocks (``host=None``, the default: no host cost, every modelled time a
   switch's ``switch_packet_s`` per packet, its ``switch_message_s`` per message, nothing per value packet or
   result, nothing per worker's result; ``"copy"``, bytes copied (``copy_byte_s``: the ring's and ``native``'s
   work copy of the caller's input in a call that does not sum in place, the sparse switch's padded copy of it
-  and of its sums); ``"fresh"``, bytes of a buffer a transport allocates afresh in a call (``fresh_byte_s`` per
+  and of its sums, the DDP hook's fused call's concatenation of its buckets and copy back into them,
+  ``DistributedOptimizer``'s gather of the gradients into its buckets); ``"fresh"``, bytes of a buffer a transport allocates afresh in a call (``fresh_byte_s`` per
   byte for a buffer of at least ``fresh_min_bytes``, nothing below: the first touch of its pages, beyond the
   copy or fill that writes them; glibc's allocator maps a buffer above its mmap threshold afresh on every
   allocation and unmaps it when it is freed, and a smaller one's pages go back to the kernel when a run of calls
