@@ -108,7 +108,8 @@ class Compressor(ABC):
 
     def work(self, d: int, dtype: torch.dtype = torch.float32) -> dict[str, int]:
         """The host work of one ``compress`` of a length-``d`` input of ``dtype``: operation of
-        :data:`sparsecomm.fabric.sim.sim_host.CODEC_RATES` -> count. The default: one elementwise pass over
+        :data:`sparsecomm.fabric.sim.sim_host.CODEC_RATES` (or ``"check"``, elements a finiteness check reads at the
+        host model's ``check_element_s``) -> count. The default: one elementwise pass over
         the input and one kernel call (the identity's copy, a cast); a compressor whose work differs says so.
 
         Args:

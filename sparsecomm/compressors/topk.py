@@ -160,16 +160,19 @@ class TopK(_Sparse):
         return self.size(d)
 
     def work(self, d, dtype=torch.float32):
-        """The selection (module docstring): below :data:`SAMPLE_CUTOFF` every element is a candidate; above
-        it, :data:`SAMPLE_SIZE` magnitudes sampled, one pass collecting the candidates (about ``d r / m``:
-        :func:`sample_rank`) and the selection among them; then the ``k`` values gathered."""
+        """The selection (module docstring): below :data:`SAMPLE_CUTOFF` every element is a candidate (the
+        whole selection, its finiteness check included, is ``"select"``'s rate); above it, the input checked
+        for NaN and Inf (one read, ``"check"``: :func:`._kernels.all_finite`), :data:`SAMPLE_SIZE` magnitudes
+        sampled, the candidate pass (``"collect"``: :func:`collect_ge`, a kernel of its own, slower per element
+        than an elementwise pass) and the selection among its candidates (about ``d r / m``:
+        :func:`sample_rank`); then the ``k`` values gathered."""
         k = self.size(d)
         if k == 0 or k >= d:
             return {"elementwise": d + k, "kernel": 1}
         if d <= SAMPLE_CUTOFF:
             return {"select": d, "elementwise": k, "kernel": 1}
         cand = min(d, math.ceil(d * sample_rank(d, k) / SAMPLE_SIZE))
-        return {"sample": SAMPLE_SIZE, "elementwise": d + k, "select": cand, "kernel": 1}
+        return {"check": d, "sample": SAMPLE_SIZE, "collect": d, "elementwise": k, "select": cand, "kernel": 1}
 
     def decompress_work(self, d, dtype=torch.float32):
         """Its ``k`` values scattered (into the output, or added into a residual)."""

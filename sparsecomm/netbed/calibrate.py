@@ -76,7 +76,9 @@ calibration to the next far more than its own calls do. The profile's ``method``
   ``select_element_s``, :func:`sparsecomm.compressors.topk.topk_indices_numba` of a float32 vector of
   :data:`SELECT_ELEMS` (below the sampling cutoff: every element a candidate), k 1%, per element;
   ``sample_element_s``, :func:`sparsecomm.compressors.topk.sample_magnitudes` of a large vector, per sampled
-  magnitude; ``matmul_mac_s``, ``matmul_t_mac_s`` and ``matmul_outer_mac_s``, PowerSGD's products ``M Q`` and
+  magnitude; ``collect_element_s``, the sampled top-k's candidate pass (:func:`sparsecomm.compressors.topk.collect_ge`
+  at the threshold its sample gives for k of :data:`COLLECT_RATIO`) over the next of three float32 vectors of
+  ``elements`` in turn (beyond a 32 MiB last-level cache, as a large gradient is), per element; ``matmul_mac_s``, ``matmul_t_mac_s`` and ``matmul_outer_mac_s``, PowerSGD's products ``M Q`` and
   ``M^T P`` (as it computes them, :func:`sparsecomm.methods.powersgd.factor_product`) and its estimate ``P Q^T``
   (:func:`sparsecomm.methods.powersgd.outer_product`) of a :data:`MATMUL_SHAPE` float32 matrix, per multiply-add,
   as the method runs them: the factors orthonormalised by its QR (:func:`sparsecomm.methods.powersgd.orthonormal`,
@@ -296,6 +298,9 @@ NETBED_ROUNDS = {True: 30, False: 200}
 NETBED_PAIRS = {True: 1, False: 2}
 #: elements of the top-k timed for ``select_element_s`` (below the top-k's sampling cutoff)
 SELECT_ELEMS = 1 << 16
+#: the kept fraction of the top-k whose candidate pass is timed for ``collect_element_s`` (the pass reads every
+#: element whatever the threshold; its candidates are a few times k)
+COLLECT_RATIO = 1e-3
 #: (rows, columns, rank) of PowerSGD's products timed for ``matmul_mac_s`` and ``matmul_t_mac_s``, quick and full
 MATMUL_SHAPE = {True: (256, 256, 4), False: (1024, 1024, 4)}
 #: matrices of :data:`MATMUL_SHAPE` the products of ``matmul_mac_s``, ``matmul_t_mac_s`` and ``matmul_outer_mac_s``
@@ -572,7 +577,7 @@ def fresh_costs(quick: bool = False) -> dict:
 def codec_costs(quick: bool = False) -> dict:
     """The rates of a method's encode and decode (module docstring), with one torch thread."""
     from .. import methods
-    from ..compressors.topk import SAMPLE_SIZE, sample_magnitudes, topk_indices_numba
+    from ..compressors.topk import SAMPLE_SIZE, collect_ge, sample_magnitudes, sample_rank, topk_indices_numba
     from ..methods.powersgd import factor_product, orthonormal, outer_product
 
     n, reps = ELEMENTS[quick], REPEATS[quick]
@@ -584,6 +589,11 @@ def codec_costs(quick: bool = False) -> dict:
     select = _median_s(lambda: topk_indices_numba(a, SELECT_ELEMS // 100), reps) / SELECT_ELEMS
     big = x.numpy()
     sample = _median_s(lambda: sample_magnitudes(big, SAMPLE_SIZE), reps) / SAMPLE_SIZE
+    # (the candidate pass as the top-k runs it: the threshold its sample gives, each pass on the next vector)
+    r = sample_rank(n, max(1, int(n * COLLECT_RATIO)))
+    thr = float(np.partition(sample_magnitudes(big, SAMPLE_SIZE), SAMPLE_SIZE - r)[SAMPLE_SIZE - r])
+    vecs, buf, turn = (big, y.numpy(), z.copy_(x).neg_().numpy()), np.empty(n, dtype=np.int64), itertools.count()
+    collect = _median_s(lambda: collect_ge(vecs[next(turn) % 3], thr, buf), reps) / n
     rows, cols, rank = MATMUL_SHAPE[quick]
     k = MATMUL_BUFFERS[quick]
     ms = [torch.randn(rows, cols, generator=gen) for _ in range(k)]
@@ -608,7 +618,7 @@ def codec_costs(quick: bool = False) -> dict:
     calls = ef.work("encode", st, KERNEL_ELEMS)["kernel"] + ef.work("decode", st, KERNEL_ELEMS)["kernel"]
     kernel = _median_s(lambda: [round_() for _ in range(KERNEL_ROUNDS)], reps) / (KERNEL_ROUNDS * calls)
     return {"elementwise_element_s": elementwise, "select_element_s": select, "sample_element_s": sample,
-            "matmul_mac_s": matmul, "matmul_t_mac_s": matmul_t, "matmul_outer_mac_s": matmul_outer,
+            "collect_element_s": collect, "matmul_mac_s": matmul, "matmul_t_mac_s": matmul_t, "matmul_outer_mac_s": matmul_outer,
             "kernel_call_s": kernel}
 
 

@@ -26,8 +26,10 @@ is NaN, with the method's decode left out (the step is rolled back: :meth:`CommP
 On a fabric with modelled time (``fabric.modelled_time``: the SimFabric) every strategy charges the host work
 of the calls it makes to the worker's clock (:meth:`~sparsecomm.fabric.base.Fabric.host_work`), as the method
 declares it (:meth:`~sparsecomm.methods.base.Method.work`: asked before each ``encode``, ``next_round`` and
-``decode``, charged after it); the plain round charges its division (one elementwise pass). A host model without
-these rates charges nothing (every modelled time as without them); a real fabric is not asked.
+``decode``, charged after it); the plain round charges its division (one elementwise pass); a compressed round
+whose input the non-finite rule checks (:meth:`MethodRounds.poisoned`) charges that read of the bucket
+(``"check"``, the host model's ``check_element_s``). A host model without these rates charges nothing (every
+modelled time as without them); a real fabric is not asked.
 """
 
 from __future__ import annotations
@@ -140,6 +142,15 @@ class MethodRounds:
         charge(self.fabric, work)
         return out
 
+    def poisoned(self, flat: torch.Tensor, exact: bool) -> bool:
+        """The rule's :meth:`~sparsecomm.pipeline.nonfinite.NonFiniteRule.poisoned` of the bucket ``flat``; where
+        it reads the bucket (its ``check``, a compressed round, a float bucket) the read is charged on a modelled
+        fabric (``"check"``, one pass over ``flat``: :func:`sparsecomm.compressors._common.all_finite`)."""
+        rule = self.rule
+        if self.fabric is not None and rule.check and not exact and flat.is_floating_point() and flat.numel():
+            self.fabric.host_work("check", flat.numel())
+        return rule.poisoned(flat, exact)
+
 
 class ParameterRounds(MethodRounds):
     """The method per parameter of the bucket (see the module doc)."""
@@ -147,7 +158,7 @@ class ParameterRounds(MethodRounds):
     def begin(self, flat: torch.Tensor, key: Hashable, steps_before: int, exact: bool,
               segments: tuple[tuple[str, int], ...]) -> Call:
         n = self.n
-        poisoned = self.rule.poisoned(flat, exact)
+        poisoned = self.poisoned(flat, exact)
         if poisoned:
             flat.zero_()
         segs = tuple((str(nm), int(k)) for nm, k in segments)
@@ -218,7 +229,7 @@ class BucketRounds(MethodRounds):
                 pass
             poisoned = payload is None
         else:
-            poisoned = rule.poisoned(flat, exact)
+            poisoned = self.poisoned(flat, exact)
         if payload is None:
             if poisoned:
                 flat.zero_()

@@ -952,6 +952,30 @@ def test_matmul_outer_charges_its_own_rate_or_without_it_matmul_mac_s(tmp_path):
         HostModel(matmul_outer_mac_s=-1.0)
 
 
+def test_collect_charges_its_own_rate_or_without_it_the_elementwise_pass_contended(tmp_path):
+    """By hand: 10 elements of the sampled top-k's candidate pass cost 10 x ``collect_element_s`` (3 ns: 30 ns),
+    times its own ``codec_contention`` factor where it has one (2: 60 ns); without the rate (``None``, a profile
+    written before it existed) the elementwise pass's whole charge, its rate times its factor (1 ns x 1.5: 15 ns),
+    as the pass was counted before; the profile leaves a ``None`` out and round-trips a rate; a negative rate is
+    refused naming it."""
+    old = HostModel(elementwise_element_s=1e-9, codec_contention={"elementwise": 1.5})
+    assert old.collect_element_s is None
+    assert old.work_s("collect", 10) == old.work_s("elementwise", 10) == pytest.approx(15e-9, rel=1e-15)
+    new = dataclasses.replace(old, collect_element_s=3e-9)
+    assert new.work_s("collect", 10) == pytest.approx(30e-9, rel=1e-15)
+    both = dataclasses.replace(new, codec_contention={"elementwise": 1.5, "collect": 2.0})
+    assert both.work_s("collect", 10) == pytest.approx(60e-9, rel=1e-15)
+    assert "collect_element_s" not in _profile(old)["host"]
+    path = tmp_path / "host.json"
+    for host in (old, new, both):
+        path.write_text(json.dumps(_profile(host)))
+        assert sc.Network.from_profile(path).host == host
+    with pytest.raises(InvalidValueError, match="collect_element_s"):
+        HostModel(collect_element_s=-1.0)
+    with pytest.raises(InvalidValueError, match="count must be >= 0"):
+        old.work_s("collect", -1)
+
+
 def test_powersgd_decode_is_charged_the_outer_rate_and_an_old_profile_the_time_it_modelled(tmp_path):
     """PowerSGD's step with ``matmul_outer_mac_s`` unset (a profile before it) models the same bits as with it set
     to ``matmul_mac_s``; set higher, the step grows (the decode's product is charged it)."""

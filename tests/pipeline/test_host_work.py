@@ -56,14 +56,15 @@ def _times(kind: str, host: HostModel, steps: int = 2) -> list[list[float]]:
                      network=sc.Network(bandwidth_gbps=10.0, latency_us=5.0, host=host))
 
 
-def _recorded(monkeypatch, kind: str, steps: int = 2) -> list[list[tuple[int, str, int]]]:
-    """Per step, the ``(rank, op, count)`` of every codec charge (the fabric's ``host_work``)."""
+def _recorded(monkeypatch, kind: str, steps: int = 2, ops=CODEC_RATES) -> list[list[tuple[int, str, int]]]:
+    """Per step, the ``(rank, op, count)`` of every charge of ``ops`` (default: the codec's; the fabric's
+    ``host_work``)."""
     from sparsecomm.fabric.sim.sim import SimFabric
 
     seen, real = [], SimFabric.host_work
 
     def record(self, op, count, dtype=None, *, transport=None):
-        if op in CODEC_RATES:
+        if op in ops:
             seen.append((self.rank, op, count, self.now()))
         return real(self, op, count, dtype, transport=transport)
 
@@ -107,17 +108,20 @@ def test_powersgd_declares_its_products_and_passes_and_the_step_grows_by_count_t
 
 
 def test_ef_topk_per_parameter_declares_the_selection_and_the_residual(monkeypatch):
-    """EF + top-k 1% per parameter: a parameter above the top-k's sampling cutoff samples, collects and selects
-    among its candidates; one below it selects among all; each encode passes over its residual (copy, and from
-    the second round the add) and scatters its k values out of it; each decode divides (one pass); the allgather
-    that carries the concatenated payload declares its sum (the result zeroed and checked, both workers' values)."""
-    steps = _recorded(monkeypatch, "eftopk")
+    """EF + top-k 1% per parameter: the bucket's input checked by the non-finite rule (one read of the bucket); a
+    parameter above the top-k's sampling cutoff checks its input, samples, collects its candidates (a pass of its
+    own) and selects among them; one below it selects among all; each encode passes over its residual (copy, and
+    from the second round the add) and scatters its k values out of it; each decode divides (one pass); the
+    allgather that carries the concatenated payload declares its sum (the result zeroed and checked, both workers'
+    values)."""
+    steps = _recorded(monkeypatch, "eftopk", ops=(*CODEC_RATES, "check"))
     big, small = SAMPLE_CUTOFF + 1000, 300
     kb, ks = round(0.01 * big), 3
     cand = math.ceil(big * sample_rank(big, kb) / SAMPLE_SIZE)
     for s, adds in ((0, 1), (1, 2)):
-        want = {"sample": SAMPLE_SIZE, "select": cand + small,
-                "elementwise": (big + kb + kb + adds * big + big) + (ks + ks + adds * small + small)
+        want = {"sample": SAMPLE_SIZE, "select": cand + small, "collect": big,
+                "check": (big + small) + big,               # (the rule's read of the bucket, the top-k's of its input)
+                "elementwise": (kb + kb + adds * big + big) + (ks + ks + adds * small + small)
                 + 2 * (big + small) + 2 * (kb + ks),        # (the allgather's sum: zeroed, checked, 2 workers' values)
                 "kernel": 2 * (2 + 1)}
         for rank in (0, 1):
@@ -125,7 +129,35 @@ def test_ef_topk_per_parameter_declares_the_selection_and_the_residual(monkeypat
     base = _times("eftopk", BASE)
     more = _times("eftopk", dataclasses.replace(BASE, **RATES))
     for rank in (0, 1):
-        assert more[rank][0] - base[rank][0] == pytest.approx(_seconds(_totals(steps[0], rank)), rel=1e-9, abs=0)
+        codec = {op: c for op, c in _totals(steps[0], rank).items() if op in CODEC_RATES}
+        assert more[rank][0] - base[rank][0] == pytest.approx(_seconds(codec), rel=1e-9, abs=0)
+
+
+def test_ef_topk_step_grows_by_its_finiteness_reads_times_check_element_s():
+    """The reads that prove the EF + top-k step's inputs finite are charged at ``check_element_s``: the rule's of
+    the bucket (``big + small``) and the sampled top-k's of its parameter above the cutoff (``big``), on both
+    workers (before they were charged nothing: the step did not grow)."""
+    big, small, rate = SAMPLE_CUTOFF + 1000, 300, 2.0 ** -30
+    base = _times("eftopk", BASE)
+    more = _times("eftopk", dataclasses.replace(BASE, check_element_s=rate))
+    for rank in (0, 1):
+        assert more[rank][0] - base[rank][0] == pytest.approx((2 * big + small) * rate, rel=1e-9, abs=0)
+
+
+def test_the_candidate_pass_without_its_rate_is_charged_as_the_elementwise_pass_it_was():
+    """A host model without ``collect_element_s`` (``None``, a profile before it existed) charges the sampled
+    top-k's candidate pass as the elementwise pass it was counted as (``elementwise_element_s`` times its
+    ``codec_contention``): the EF + top-k step to the bit as with ``collect_element_s`` set to that charge; with a
+    larger rate the step grows by the pass's elements times the difference."""
+    big, ew = SAMPLE_CUTOFF + 1000, 2.0 ** -31
+    rates = dataclasses.replace(BASE, elementwise_element_s=ew, codec_contention={"elementwise": 1.5})
+    assert rates.collect_element_s is None
+    old = _times("eftopk", rates)
+    same = _times("eftopk", dataclasses.replace(rates, collect_element_s=1.5 * ew))
+    assert [[t.hex() for t in r] for r in same] == [[t.hex() for t in r] for r in old]
+    more = _times("eftopk", dataclasses.replace(rates, collect_element_s=4 * ew))
+    for rank in (0, 1):
+        assert more[rank][0] - old[rank][0] == pytest.approx(big * 2.5 * ew, rel=1e-9, abs=0)
 
 
 def test_the_plain_round_charges_its_division():
@@ -173,7 +205,7 @@ def test_declarations_by_hand():
     assert tk.work(1000) == {"select": 1000, "elementwise": 10, "kernel": 1}
     d = 4 * SAMPLE_CUTOFF
     k = tk.size(d)
-    assert tk.work(d) == {"sample": SAMPLE_SIZE, "elementwise": d + k, "kernel": 1,
+    assert tk.work(d) == {"check": d, "sample": SAMPLE_SIZE, "collect": d, "elementwise": k, "kernel": 1,
                           "select": math.ceil(d * sample_rank(d, k) / SAMPLE_SIZE)}
     assert k <= tk.work(d)["select"] < 2 * k
     assert compressors.get("topk", k=5).work(5) == {"elementwise": 10, "kernel": 1}

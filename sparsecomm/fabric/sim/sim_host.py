@@ -74,8 +74,9 @@ modelled clocks (``host=None``, the default: no host cost, every modelled time a
   stacked and scattered, on top of ``"index"``'s per-block part; a large tensor's blocks, beyond the last-level cache); ``"check"``, elements a finiteness guard reads
   (``check_element_s``: the pass over a float sum that proves it holds no NaN or Inf, :mod:`sparsecomm.transports.
   _guards`, in a transport that sums floats; the allgather counts its check among its ``"elementwise"``
-  passes); ``"call"``, one call of
-  a transport (``call_s`` of the transport's name, charged by :meth:`sparsecomm.transports.base.Transport.run`
+  passes; and the pass over a compressed round's input: the non-finite rule's read of the bucket,
+  :meth:`sparsecomm.pipeline.rounds.MethodRounds.poisoned`, and the sampled top-k's of its input); ``"call"``, one
+  call of a transport (``call_s`` of the transport's name, charged by :meth:`sparsecomm.transports.base.Transport.run`
   on every worker as the call starts: the Python a call runs whatever its size -- its set-up, the workers'
   agreement, its rounds' bookkeeping -- beyond the messages, bytes, sums, scans and packets charged above;
   a transport not in ``call_s`` is charged nothing); ``"call_peer"``, the other workers of a call (``call_peer_s``
@@ -92,7 +93,11 @@ modelled clocks (``host=None``, the default: no host cost, every modelled time a
   zeroed and checked, each worker's values added; and the sparse switch its result's: zeroed, the union's sums
   decoded); ``"select"``, elements a top-k selection runs over
   (``select_element_s``: the partial sort among candidates); ``"sample"``, magnitudes a top-k draws at random
-  positions for its threshold (``sample_element_s``); ``"matmul"``, multiply-adds of a product of the large matrix
+  positions for its threshold (``sample_element_s``); ``"collect"``, elements the sampled top-k's candidate pass
+  reads (``collect_element_s``: :func:`sparsecomm.compressors.topk.collect_ge`, each magnitude compared with the
+  threshold and its index stored, a store-then-advance loop that takes longer per element than an elementwise
+  pass; ``None``, a profile without it: the elementwise pass's rate and contention, its charge before the rate
+  existed); ``"matmul"``, multiply-adds of a product of the large matrix
   with a skinny factor (``matmul_mac_s``: PowerSGD's ``M Q``); ``"matmul_t"``, multiply-adds of one
   of its transpose (``matmul_t_mac_s``: PowerSGD's ``M^T P``, as :func:`sparsecomm.methods.powersgd.factor_product`
   computes it); ``"matmul_outer"``, multiply-adds of a product of two skinny factors into a large matrix
@@ -186,8 +191,8 @@ import torch
 from ...errors import InvalidTypeError, InvalidValueError
 from ...validate import check_int, check_real
 
-__all__ = ["CODEC_RATES", "DERIVED_RATES", "FALLBACK_RATES", "HOST_OPS", "HostModel", "MESSAGE_TABLES",
-           "NATIVE_RATES", "OPTIONAL_RATES", "SHARED_RATES", "SIZES", "SUM_DTYPES", "RATE_UNITS"]
+__all__ = ["CODEC_RATES", "DERIVED_RATES", "FALLBACK_OPS", "FALLBACK_RATES", "HOST_OPS", "HostModel",
+           "MESSAGE_TABLES", "NATIVE_RATES", "OPTIONAL_RATES", "SHARED_RATES", "SIZES", "SUM_DTYPES", "RATE_UNITS"]
 
 #: the operations of :meth:`sparsecomm.fabric.base.Fabric.host_work` and the unit they count
 HOST_OPS = {"sum": "element", "scan": "element", "switch_packet": "packet", "switch_message": "message",
@@ -197,12 +202,12 @@ HOST_OPS = {"sum": "element", "scan": "element", "switch_packet": "packet", "swi
             "matmul_t": "multiply-add", "matmul_outer": "multiply-add", "kernel": "call", "sparse_switch_packet": "packet",
             "sparse_switch_value": "packet", "sparse_switch_result": "packet", "sparse_switch_message": "message",
             "sparse_switch_round": "packet", "fresh_later": "byte", "fresh_touch": "byte",
-            "call_peer": "peer", "sync": "call", "fresh_advised": "byte", "settle": "call"}
+            "call_peer": "peer", "sync": "call", "fresh_advised": "byte", "settle": "call", "collect": "element"}
 
 #: the operations of a method's encode and decode (:meth:`sparsecomm.methods.base.Method.work`) and their rates
 CODEC_RATES = {"elementwise": "elementwise_element_s", "select": "select_element_s", "sample": "sample_element_s",
                "matmul": "matmul_mac_s", "matmul_t": "matmul_t_mac_s", "matmul_outer": "matmul_outer_mac_s",
-               "kernel": "kernel_call_s"}
+               "kernel": "kernel_call_s", "collect": "collect_element_s"}
 
 #: the dtypes whose per-element sum cost a profile gives (:func:`sparsecomm.netbed.calibrate.calibrate` measures each)
 SUM_DTYPES = ("float32", "float64", "float16", "bfloat16", "int32")
@@ -235,6 +240,7 @@ RATE_UNITS = {
     "matmul_t_mac_s": "s/multiply-add",
     "matmul_outer_mac_s": "s/multiply-add",
     "kernel_call_s": "s/call",
+    "collect_element_s": "s/element",
     "sparse_switch_packet_s": "s/packet",
     "sparse_switch_value_s": "s/packet",
     "sparse_switch_result_s": "s/packet",
@@ -258,7 +264,12 @@ MESSAGE_TABLES = ("message_cpu_s", "message_wait_s")
 FALLBACK_RATES = {"sparse_switch_packet_s": "switch_packet_s", "sparse_switch_value_s": None,
                   "sparse_switch_result_s": None,
                   "sparse_switch_message_s": "switch_message_s", "sparse_switch_round_s": None,
-                  "matmul_outer_mac_s": "matmul_mac_s"}
+                  "matmul_outer_mac_s": "matmul_mac_s", "collect_element_s": "elementwise_element_s"}
+
+#: the operations of :data:`CODEC_RATES` whose rate, when ``None``, falls back to another operation's whole charge,
+#: its ``codec_contention`` factor too (the charge the operation had before its rate existed, when it was counted
+#: as that operation); the others of :data:`FALLBACK_RATES` keep their own factor
+FALLBACK_OPS = {"collect": "elementwise"}
 
 #: the message costs of the fabric's native collective (gloo's own ring all-reduce, C++: no Python per message), which
 #: :meth:`HostModel.native_messages` charges the messages sent and taken inside ``Fabric.native_messages()``: both
@@ -333,6 +344,8 @@ class HostModel:
         matmul_outer_mac_s: seconds per multiply-add of a product of two skinny factors written into a large
             matrix (``None``: ``matmul_mac_s``).
         kernel_call_s: seconds per call of a method's or compressor's kernel whose fixed cost counts.
+        collect_element_s: seconds per element of the sampled top-k's candidate pass (``None``: the elementwise
+            pass's charge, ``elementwise_element_s`` times its ``codec_contention`` factor).
         sparse_switch_packet_s: seconds per packet the sparse switch's program runs (``None``: ``switch_packet_s``).
         sparse_switch_value_s: seconds per value packet (not a skip) the sparse switch's program runs, on top of
             ``sparse_switch_packet_s`` (``None``: 0).
@@ -398,6 +411,7 @@ class HostModel:
     matmul_t_mac_s: float = 0.0
     matmul_outer_mac_s: float | None = None
     kernel_call_s: float = 0.0
+    collect_element_s: float | None = None
     sparse_switch_packet_s: float | None = None
     sparse_switch_value_s: float | None = None
     sparse_switch_result_s: float | None = None
@@ -653,6 +667,8 @@ class HostModel:
         elif op in CODEC_RATES:
             rate = getattr(self, CODEC_RATES[op])
             if rate is None:            # (FALLBACK_RATES: the charge before the rate existed)
+                if op in FALLBACK_OPS:  # (counted as that operation before: its whole charge)
+                    return self.work_s(FALLBACK_OPS[op], count)
                 rate = getattr(self, FALLBACK_RATES[CODEC_RATES[op]])
             factor = self.codec_contention.get(op)
             if factor is not None:      # (none: the rate alone, as before the factor existed)

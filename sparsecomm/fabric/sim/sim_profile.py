@@ -31,7 +31,8 @@ which a profile without it models as half of ``copy_byte_s``, the zeroing of its
 switch's own rates, ``sparse_switch_packet_s``, ``sparse_switch_value_s``,
 ``sparse_switch_result_s`` and ``sparse_switch_message_s``, which a profile without them models as before they
 existed, with the dense switch's rates per packet and per message and nothing per value packet or result, and
-PowerSGD's estimate's ``matmul_outer_mac_s``, which a profile without it models with ``matmul_mac_s``:
+PowerSGD's estimate's ``matmul_outer_mac_s``, which a profile without it models with ``matmul_mac_s``, and the
+sampled top-k's candidate pass's ``collect_element_s``, which a profile without it models as an elementwise pass:
 :data:`~.sim_host.FALLBACK_RATES`; and the message costs by size, ``message_cpu_s`` and ``message_wait_s``
 (:data:`~.sim_host.MESSAGE_TABLES`, both or neither, ``{"value": {"64": 6.1e-05, "4096": ..., ...}, "unit":
 "s/message"}``, the sizes in bytes as decimal strings), which a profile without them models with the four linear
