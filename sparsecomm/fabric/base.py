@@ -186,7 +186,8 @@ class Fabric(ABC):
         what ``isend`` per endpoint does, which this generic version is (a real fabric's wire is the same);
         a fabric may start them in one pass (:class:`~.roles.SendEach`). Each send's :class:`Work` is
         appended to ``works`` as it starts (so that an error leaves the caller those started before it), which
-        is returned.
+        is returned. A wrapper that intercepts ``isend`` and delegates the rest to the fabric it wraps sets
+        ``isend_each = Fabric.isend_each``, so that these sends pass through its ``isend`` too.
 
         Args:
             tensor: the message, the same for every endpoint.
