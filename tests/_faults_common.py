@@ -7,6 +7,8 @@ import time
 
 import torch
 
+from sparsecomm.fabric.base import Fabric
+
 
 class CorruptingFabric:
     """A peer that rewrites what it puts on the wire: ``rewrite(tensor, dst, tag)`` returns the tensor
@@ -28,6 +30,8 @@ class CorruptingFabric:
 
     def isend(self, tensor, dst, tag=0, *, reliable=True):
         return self._inner.isend(self._sub(tensor, dst, tag), dst, tag, reliable=reliable)
+
+    isend_each = Fabric.isend_each      # (each send through isend above, rewritten; not the inner fabric's)
 
 
 def switch_corruption(words: int):

@@ -6,7 +6,8 @@ aggregators, a SwitchML switch) get ids ``>= world_size`` through :meth:`Fabric.
 Semantics every implementation keeps (they are what lets one protocol run on :class:`SimFabric` and on
 ``TorchFabric`` unchanged):
 
-- ``send(tensor, dst)`` is blocking until ``tensor`` may be reused; ``isend`` returns a :class:`Work`.
+- ``send(tensor, dst)`` is blocking until ``tensor`` may be reused; ``isend`` returns a :class:`Work`;
+  ``isend_each(tensor, dsts, tag, works)`` is ``isend`` to each of ``dsts`` in order.
 - ``recv(tensor, src)`` fills the pre-allocated ``tensor`` in place (the receiver must know the
   message's shape and dtype, as with ``torch.distributed``); a message of another shape or dtype
   raises :class:`~sparsecomm.errors.MismatchError`. ``src=None`` receives from any source. It
@@ -179,6 +180,24 @@ class Fabric(ABC):
             reliable: False marks a datagram the network model may drop (``Network.loss``); real fabrics
                 deliver every message, and reliable sends are never dropped
         """
+
+    def isend_each(self, tensor: torch.Tensor, dsts: Sequence[int], tag: int, works: list) -> list:
+        """Start sending ``tensor`` to each endpoint of ``dsts``, in that order, on ``tag`` (reliable sends):
+        what ``isend`` per endpoint does, which this generic version is (a real fabric's wire is the same);
+        a fabric may start them in one pass (:class:`~.roles.SendEach`). Each send's :class:`Work` is
+        appended to ``works`` as it starts (so that an error leaves the caller those started before it), which
+        is returned. A wrapper that intercepts ``isend`` and delegates the rest to the fabric it wraps sets
+        ``isend_each = Fabric.isend_each``, so that these sends pass through its ``isend`` too.
+
+        Args:
+            tensor: the message, the same for every endpoint.
+            dsts: the receiving endpoints.
+            tag: the message tag.
+            works: the list the sends' operations are appended to.
+        """
+        for dst in dsts:
+            works.append(self.isend(tensor, dst, tag))
+        return works
 
     @abstractmethod
     def irecv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> Work:

@@ -2,8 +2,8 @@
 and the one scheduler of an endpoint that performs them (:func:`drive`, what :meth:`.base.Fabric.drive` runs).
 
 A role is a generator (one side of a protocol, or one part of an endpoint's work); it yields requests
-(:class:`Send`, :class:`Post`, :class:`PostInto`, :class:`Hand`, :class:`Recv`, :class:`Poll`, :class:`Spawn`,
-:class:`Flush`) and never touches the fabric itself. The roles of an endpoint share an :class:`Inbox`
+(:class:`Send`, :class:`SendEach`, :class:`Post`, :class:`PostInto`, :class:`Hand`, :class:`Recv`, :class:`Poll`,
+:class:`Spawn`, :class:`Flush`) and never touches the fabric itself. The roles of an endpoint share an :class:`Inbox`
 (receives posted ahead of need, messages handed over locally), an :class:`Outbox` (asynchronous sends) and a
 :class:`Pool` (message buffers reused across rounds and calls). Nothing here reads a message: the scheduler
 sees ``(key, buffer)`` pairs and, for each wait, its :class:`Stage`, a value the protocol defines (what the
@@ -27,8 +27,8 @@ import torch
 
 from ..errors import FabricTimeout, ProtocolError
 
-__all__ = ["Pool", "Inbox", "Outbox", "Stage", "Step", "Send", "Post", "PostInto", "Hand", "Recv", "Poll", "Spawn",
-           "Flush", "drive"]
+__all__ = ["Pool", "Inbox", "Outbox", "Stage", "Step", "Send", "SendEach", "Post", "PostInto", "Hand", "Recv", "Poll",
+           "Spawn", "Flush", "drive"]
 
 
 _entry_work = itemgetter(0)     # an inbox entry's receive
@@ -212,6 +212,22 @@ class Outbox:
             else:
                 busy[role] = [wk]
 
+    def send_each(self, buf: torch.Tensor, dsts: tuple, tag: int, key=None, deferrable: bool = False) -> None:
+        """:meth:`send` of ``buf`` to each endpoint of ``dsts``, in order, on ``tag`` (:class:`SendEach`), the sends
+        started by one call of the fabric's :meth:`~.base.Fabric.isend_each`; the ones it started before an error
+        are recorded all the same (held, finished by :meth:`finish`)."""
+        works: list = []
+        try:
+            self.fabric.isend_each(buf, dsts, tag, works)
+        finally:
+            self.pending += [(wk, buf, deferrable) for wk in works]
+            if key is not None and works:       # (Pool.hold, inline)
+                busy, role = self.pool._busy, ("out", key)
+                if role in busy:
+                    busy[role] += works
+                else:
+                    busy[role] = works
+
     def reap(self, keep: int = 64) -> None:
         """Wait for all but the newest ``keep`` sends, except the ``deferrable`` ones, left to
         :meth:`finish`: their receiver may post its receives late (after a step of its own that may wait
@@ -265,7 +281,7 @@ class Step(NamedTuple):
 
 
 # ----------------------------------------------------------------------------------------- requests
-# A role (a generator) yields these to :func:`drive`. Send, Post, PostInto, Hand and Spawn never block:
+# A role (a generator) yields these to :func:`drive`. Send, SendEach, Post, PostInto, Hand and Spawn never block:
 # the scheduler performs them and resumes the role at once. Recv suspends it until its messages are in;
 # Poll lets the others run meanwhile; Flush blocks until sends of its own have completed; RecvWithin and
 # AwaitWithin wait with a deadline, blocking this endpoint (for an endpoint of one role).
@@ -279,6 +295,19 @@ class Send(NamedTuple):
 
     buf: torch.Tensor
     dst: int
+    tag: int
+    hold: object = None
+    deferrable: bool = False
+
+
+class SendEach(NamedTuple):
+    """Send ``buf`` to each endpoint of ``dsts`` (a tuple), in that order, on ``tag``: what a :class:`Send` per
+    endpoint does, with the same ``hold`` and ``deferrable`` for each, as one request (one message to many
+    peers at one instant, as an aggregator's reply to every worker). Every fabric starts the same sends in the
+    same order (:meth:`.base.Fabric.isend_each`); one that models time enqueues them in one pass."""
+
+    buf: torch.Tensor
+    dsts: tuple
     tag: int
     hold: object = None
     deferrable: bool = False
@@ -357,7 +386,7 @@ class Flush(NamedTuple):
 # (``Send.new((buf, dst, tag, hold, deferrable))``, no default filled in): a NamedTuple's own constructor is a
 # Python function, a call per request; ``new`` is ``tuple.__new__`` bound to the class, a C call (for the requests a
 # protocol builds per message).
-for _request in (Send, Post, PostInto, Hand, Recv, Poll, Spawn, Flush):
+for _request in (Send, SendEach, Post, PostInto, Hand, Recv, Poll, Spawn, Flush):
     _request.new = partial(tuple.__new__, _request)
 del _request
 
@@ -623,6 +652,8 @@ class _Scheduler:
                         t = type(req)
                         if t is Send:
                             send(req.buf, req.dst, req.tag, req.hold, req.deferrable)
+                        elif t is SendEach:
+                            outbox.send_each(req.buf, req.dsts, req.tag, req.hold, req.deferrable)
                         elif t is PostInto:
                             post_into(req.key, req.buf, req.src, req.tag)
                         elif t is Recv:
@@ -719,6 +750,8 @@ class _Scheduler:
                     t = type(req)
                     if t is Send:
                         outbox.send(req.buf, req.dst, req.tag, req.hold, req.deferrable)
+                    elif t is SendEach:
+                        outbox.send_each(req.buf, req.dsts, req.tag, req.hold, req.deferrable)
                     elif t is Post:
                         inbox.post(req.key, req.nbytes, req.src, req.tag)
                     elif t is PostInto:

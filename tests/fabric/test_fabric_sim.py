@@ -410,3 +410,58 @@ def test_a_drive_that_raises_leaves_no_receive_for_a_send_to_write_into():
 
     _, got = sc.launch(fn, 2, network=GBPS8)
     assert got == [[1.0], [2.0]]
+
+
+def _fan_out(ctx, each: bool, numel: int):
+    """Rank 0 sends one buffer to ranks 3, 1, 2 (in that order), by ``isend_each`` (``each``) or an ``isend``
+    per rank, then overwrites it; rank 1 has its receive posted before (written through when large enough), the
+    others receive after. Returns each rank's clock, what it received and, for rank 0, the messages' times."""
+    f = ctx.fabric
+    x = torch.full((numel,), 7.0)
+    if ctx.rank == 0:
+        f.recv(torch.zeros(1), 1, tag=9)            # rank 1's receive is posted
+        f.compute(1e-6)
+        if each:
+            works = f.isend_each(x, (3, 1, 2), 5, [])
+        else:
+            works = [f.isend(x, d, 5) for d in (3, 1, 2)]
+        x.fill_(-1.0)                               # the messages are the bytes at the send
+        world = f.world
+        times = [(m.start, m.head, m.tx_end, m.delivered) for d in (3, 1, 2)
+                 for m in world.endpoints[d].mailbox.get((0, 5), ())]
+        f.wait_all(works)
+        return f.now(), len(works), times, f.stats.messages, f.stats.bytes_sent
+    buf = torch.zeros(numel)
+    w = f.irecv(buf, 0, tag=5)
+    if ctx.rank == 1:
+        f.send(torch.zeros(1), 0, tag=9)
+    w.wait()
+    return f.now(), buf.unique().tolist()
+
+
+@pytest.mark.parametrize("numel", [4, 4096])
+def test_isend_each_makes_the_sends_of_an_isend_per_endpoint(numel):
+    """``isend_each`` to several endpoints is ``isend`` to each in order: the same modelled times at every
+    endpoint bit for bit, the same ledger, each message the bytes at the send (into a posted receive or a copy)."""
+    net = sc.Network(bandwidth_gbps=8, latency_us=10)
+    each = sc.launch(lambda ctx: _fan_out(ctx, True, numel), 4, network=net)
+    one = sc.launch(lambda ctx: _fan_out(ctx, False, numel), 4, network=net)
+    assert each == one
+    assert each[0][1] == 3 and [r[1] for r in each[1:]] == [[7.0]] * 3
+    assert each[0][2][0] < each[0][2][1] < each[0][2][2]        # (serialised by rank 0's NIC, in dsts' order)
+
+
+def test_isend_each_to_an_invalid_endpoint_has_started_the_sends_before_it():
+    def fn(ctx):
+        f = ctx.fabric
+        if ctx.rank == 0:
+            works = []
+            with pytest.raises(ValueError, match="cannot send to itself"):
+                f.isend_each(torch.ones(2), (1, 0, 2), 5, works)
+            f.send(torch.ones(2), 2, 5)
+            return len(works), f.stats.messages
+        got = torch.zeros(2)
+        f.recv(got, 0, 5)
+        return got.tolist()
+
+    assert sc.launch(fn, 3, network=GBPS8) == [(1, 2), [1.0, 1.0], [1.0, 1.0]]

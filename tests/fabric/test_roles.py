@@ -14,7 +14,8 @@ import sparsecomm as sc
 from sparsecomm.errors import ProtocolError
 from sparsecomm.fabric.base import Fabric
 from sparsecomm.fabric.sim.sim import SimWorld
-from sparsecomm.fabric.roles import Flush, Hand, Inbox, Outbox, Poll, Pool, Post, PostInto, Recv, Send, Spawn, Step
+from sparsecomm.fabric.roles import (Flush, Hand, Inbox, Outbox, Poll, Pool, Post, PostInto, Recv, Send, SendEach, Spawn,
+                                     Step)
 
 
 class OwnStage(NamedTuple):
@@ -236,6 +237,50 @@ def test_flush_waits_for_the_sends_holding_a_buffer_before_the_role_goes_on():
     assert log == ["wait send 1", "wait send 3", "flushed a"]
     outbox.finish()
     assert log[3:] == ["wait send 1", "wait send 2", "wait send 3"]
+
+
+def test_send_each_is_a_send_per_endpoint_each_held_and_recorded_even_after_an_error():
+    """On a fabric with the contract's generic ``isend_each`` (an ``isend`` per endpoint, in order), a ``SendEach``
+    makes the sends a ``Send`` per endpoint makes, each held under its buffer's role and reaped by its own
+    ``deferrable``; a send that raises leaves those started before it held and finished."""
+    log = []
+
+    class _Work:
+        def __init__(self, name):
+            self.name = name
+
+        def wait(self, timeout=None):
+            log.append(f"wait {self.name}")
+
+        def is_completed(self):
+            return False
+
+    class _Fabric:
+        rank, world_size = 0, 4
+        wait_all = Fabric.wait_all
+        isend_each = Fabric.isend_each      # (the contract's generic version)
+
+        def isend(self, buf, dst, tag):
+            if dst == 9:
+                raise ValueError("no endpoint 9")
+            return _Work(f"{dst}.{tag}")
+
+    f, pool = _Fabric(), Pool()
+    inbox, outbox = Inbox(f, pool), Outbox(f, pool)
+
+    def role():
+        yield SendEach(torch.zeros(1), (3, 1), 7, hold="a", deferrable=True)
+        yield Send(torch.zeros(1), 2, 8, hold="a")
+        assert [w.name for w in pool.busy("a")] == ["3.7", "1.7", "2.8"]
+        yield SendEach(torch.zeros(1), (2, 9, 1), 6, hold="b")
+
+    with pytest.raises(ValueError, match="no endpoint 9"):
+        Fabric.drive(f, [role()], inbox, outbox)
+    assert [w.name for w in pool.busy("b")] == ["2.6"]
+    outbox.reap(keep=0)                 # (the deferrable ones are left to finish)
+    assert log == ["wait 2.8", "wait 2.6"]
+    outbox.finish()
+    assert log[2:] == ["wait 3.7", "wait 1.7"]
 
 
 def test_the_only_role_waits_in_place_once_per_recv_around_a_rarer_request():
@@ -516,7 +561,7 @@ def test_requests_built_by_new_equal_those_of_their_constructors():
     from sparsecomm.transports.omnireduce.wire import Buf, Key, Msg
     buf, role = torch.zeros(4), iter(())
     cases = [
-        (Send, (buf, 3, 7, "h", True)), (Post, ("k", 16, 2, 9)), (PostInto, ("k", buf, 2, 9)), (Hand, ("k", buf)),
+        (Send, (buf, 3, 7, "h", True)), (SendEach, (buf, (3, 1), 7, "h", True)), (Post, ("k", 16, 2, 9)), (PostInto, ("k", buf, 2, 9)), (Hand, ("k", buf)),
         (Recv, (("a", "b"), Step(1), ("c",), True, "f")), (Poll, (2,)), (Spawn, (role,)), (Flush, ("h",)),
         (Key, (Msg.DOWN, 5, 2)), (Buf, (Msg.UP, 1, 3, 1)),
     ]

@@ -71,7 +71,7 @@ class SimWorld(World):
 
 class _SentWork(Work):
     """A started send of endpoint ``_ep`` whose last byte leaves at ``_tx_end``: complete; a wait moves the
-    endpoint's clock to ``_tx_end`` (once). Made by :meth:`SimFabric.isend`, which sets both (no ``__init__``:
+    endpoint's clock to ``_tx_end`` (once). Made by :meth:`SimFabric.isend_each`, which sets both (no ``__init__``:
     one Python call the fewer per message)."""
 
     __slots__ = ("_ep", "_tx_end")
@@ -333,77 +333,100 @@ class SimFabric(Fabric):
 
     # --------------------------------------------------------------- sending
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0, *, reliable: bool = True) -> Work:
+        return self.isend_each(tensor, (dst,), tag, [], reliable)[0]
+
+    def isend_each(self, tensor: torch.Tensor, dsts, tag: int, works: list, reliable: bool = True) -> list:
+        """:meth:`.base.Fabric.isend_each` (:meth:`isend` is this to one endpoint) in one pass, the world's lock
+        taken once: each send placed as it comes (the sender's NIC, the receiver's mailbox and NIC, the ledger),
+        so that every modelled time is that of an ``isend`` per endpoint in order. A message not written into a
+        posted receive (:data:`WRITE_THROUGH_BYTES`) holds a copy of ``tensor``, one shared by every such message
+        of the call (a message's bytes are only read once it is sent). ``reliable``: ``False``, the network model
+        may drop each of them (:meth:`isend`'s).
+
+        Args:
+            tensor: the message, the same for every endpoint.
+            dsts: the receiving endpoints.
+            tag: the message tag.
+            works: the list the sends' operations are appended to (returned).
+            reliable: whether the sends are reliable.
+        """
         world, ep, rank = self.world, self._ep, self.rank
-        if dst < 0 or dst == rank:
-            raise InvalidValueError(f"{ep.name}: cannot send to itself" if dst == rank else
-                                    f"{ep.name}: no endpoint {dst} (world has {len(world.endpoints)})")
         nbytes = tensor.nbytes
+        copy = None             # (the copy of ``tensor`` the messages not written through share, made once)
         with world.gate.lock:
-            if world.failure is not None:
-                self._raise_if_failed()
-            if ep.crashed:
-                raise EndpointCrashed(f"{ep.name} has crashed")
-            try:
-                dst_ep = world.endpoints[dst]
-            except IndexError:
-                raise InvalidValueError(f"{ep.name}: no endpoint {dst} (world has {len(world.endpoints)})") from None
-            start, tx_end = ep.transmit(dst, nbytes)
-            stats = ep.stats            # (CommStats.record_send, inline: once per message)
-            stats.bytes_sent += nbytes
-            stats.messages += 1
-            stats.links[(rank, dst)] += nbytes
-            dropped = False
-            if not reliable and world.network.loss > 0.0:
-                rng = ep.loss_rng.get(dst)
-                if rng is None:
-                    rng = ep.loss_rng[dst] = np.random.default_rng([world.network.seed, rank, dst])
-                dropped = bool(rng.random() < world.network.loss)
-            if _trace.recorder is not None:
-                _trace.recorder.sim_sent(world, rank, dst, tag, nbytes, start, tx_end, dropped)
-            if not dropped and not dst_ep.crashed:
-                ch, box = (rank, tag), dst_ep.mailbox
-                if ch in box:
-                    q = box[ch]
-                else:
-                    q = box[ch] = deque()
-                # the posted receive that takes this message if the channel's receives take them in the order
-                # they were posted (the k-th posted, with k messages queued before it): its bytes are written
-                # into that receive's buffer, which holds them until the message is taken (_deliver)
-                into = None
-                if nbytes >= WRITE_THROUGH_BYTES:
-                    lists = dst_ep.posted
-                    posted = lists[ch] if ch in lists else None
-                    if posted and (k := len(q)) < len(posted):
-                        into = posted[k]
-                        buf = into._args[0]
-                        if (into.holds is None and buf.dtype is tensor.dtype and buf.shape == tensor.shape
-                                and tensor.is_cpu and not tensor.requires_grad):
-                            buf.copy_(tensor)
-                            data = buf
-                        else:
-                            into = None
-                if into is None:        # a send's copy: the buffer may change before the message is taken
-                    if tensor.is_cpu and not tensor.requires_grad:      # the common case in one operation
-                        data = tensor.clone(memory_format=torch.contiguous_format)
+            for dst in dsts:
+                if dst < 0 or dst == rank:
+                    raise InvalidValueError(f"{ep.name}: cannot send to itself" if dst == rank else
+                                            f"{ep.name}: no endpoint {dst} (world has {len(world.endpoints)})")
+                if world.failure is not None:
+                    self._raise_if_failed()
+                if ep.crashed:
+                    raise EndpointCrashed(f"{ep.name} has crashed")
+                try:
+                    dst_ep = world.endpoints[dst]
+                except IndexError:
+                    raise InvalidValueError(f"{ep.name}: no endpoint {dst} (world has {len(world.endpoints)})") \
+                        from None
+                start, tx_end = ep.transmit(dst, nbytes)
+                stats = ep.stats            # (CommStats.record_send, inline: once per message)
+                stats.bytes_sent += nbytes
+                stats.messages += 1
+                stats.links[(rank, dst)] += nbytes
+                dropped = False
+                if not reliable and world.network.loss > 0.0:
+                    rng = ep.loss_rng.get(dst)
+                    if rng is None:
+                        rng = ep.loss_rng[dst] = np.random.default_rng([world.network.seed, rank, dst])
+                    dropped = bool(rng.random() < world.network.loss)
+                if _trace.recorder is not None:
+                    _trace.recorder.sim_sent(world, rank, dst, tag, nbytes, start, tx_end, dropped)
+                if not dropped and not dst_ep.crashed:
+                    ch, box = (rank, tag), dst_ep.mailbox
+                    if ch in box:
+                        q = box[ch]
                     else:
-                        data = tensor.detach().to("cpu", copy=True).contiguous()
-                latency = (ep.latency + dst_ep.latency) / 2   # each end's link contributes half: symmetric
-                msg = Msg(rank, tag, data, nbytes, start, start + latency, tx_end)
-                if into is not None:
-                    msg.into = into
-                    into.holds = msg
-                q.append(msg)
-                retimed = dst_ep.schedule(msg)
-                if dst_ep.waiters or dst_ep.watch is not None:     # (what arrived looks at: none, nothing to do)
-                    world.arrived(dst_ep, msg, retimed)
-            ep.sends += 1
-            limit = ep.crash_after
-            if limit is not None and ep.sends >= limit:
-                ep.crashed = True
-                raise EndpointCrashed(f"{ep.name} crashed after {ep.sends} sends (fault injection)")
-        wk = _SentWork()
-        wk._ep, wk._tx_end = ep, tx_end
-        return wk
+                        q = box[ch] = deque()
+                    # the posted receive that takes this message if the channel's receives take them in the order
+                    # they were posted (the k-th posted, with k messages queued before it): its bytes are written
+                    # into that receive's buffer, which holds them until the message is taken (_deliver)
+                    into = None
+                    if nbytes >= WRITE_THROUGH_BYTES:
+                        lists = dst_ep.posted
+                        posted = lists[ch] if ch in lists else None
+                        if posted and (k := len(q)) < len(posted):
+                            into = posted[k]
+                            buf = into._args[0]
+                            if (into.holds is None and buf.dtype is tensor.dtype and buf.shape == tensor.shape
+                                    and tensor.is_cpu and not tensor.requires_grad):
+                                buf.copy_(tensor)
+                                data = buf
+                            else:
+                                into = None
+                    if into is None:        # a send's copy: the buffer may change before the message is taken
+                        if copy is None:
+                            if tensor.is_cpu and not tensor.requires_grad:      # the common case in one operation
+                                copy = tensor.clone(memory_format=torch.contiguous_format)
+                            else:
+                                copy = tensor.detach().to("cpu", copy=True).contiguous()
+                        data = copy
+                    latency = (ep.latency + dst_ep.latency) / 2   # each end's link contributes half: symmetric
+                    msg = Msg(rank, tag, data, nbytes, start, start + latency, tx_end)
+                    if into is not None:
+                        msg.into = into
+                        into.holds = msg
+                    q.append(msg)
+                    retimed = dst_ep.schedule(msg)
+                    if dst_ep.waiters or dst_ep.watch is not None:     # (what arrived looks at: none, nothing to do)
+                        world.arrived(dst_ep, msg, retimed)
+                ep.sends += 1
+                limit = ep.crash_after
+                if limit is not None and ep.sends >= limit:
+                    ep.crashed = True
+                    raise EndpointCrashed(f"{ep.name} crashed after {ep.sends} sends (fault injection)")
+                wk = _SentWork()
+                wk._ep, wk._tx_end = ep, tx_end
+                works.append(wk)
+        return works
 
     def wait_all(self, works) -> None:
         """:meth:`.base.Fabric.wait_all`: a send of this fabric's waited for here, without a call (its
@@ -688,6 +711,8 @@ class SimFabric(Fabric):
                     t = type(req)
                     if t is Send:
                         send(req.buf, req.dst, req.tag, req.hold, req.deferrable)
+                    elif t is _roles.SendEach:
+                        outbox.send_each(req.buf, req.dsts, req.tag, req.hold, req.deferrable)
                     elif t is PostInto:
                         post_into(req.key, req.buf, req.src, req.tag)
                     elif t is Recv:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ...errors import MalformedMessage, ProtocolError, SparseCommError  # noqa: F401 (ProtocolError: re-exported)
-from ...fabric.roles import Hand, Inbox, Outbox, Post, PostInto, Recv, Send, Spawn
+from ...fabric.roles import Hand, Inbox, Outbox, Post, PostInto, Recv, SendEach, Spawn
 from .._handshake import fail_stop
 from . import header, strategies, wire
 from .core import AggChannel, sum_order
@@ -79,12 +79,19 @@ class AggCall:
         self._valid: set[int] = set()             # colocated: early headers that validate_header accepted
         self._ref = None                          # colocated: the words of the host's header compared
         self._remote = tuple(w for w in self.order if w != colocated)
+        at = self.order.index(colocated) if colocated is not None else n
+        self._around = (tuple(self.order[:at]), tuple(self.order[at + 1:]))
         self._queued: list[int] = []              # workers whose round-0 receives are queued, in order
         self.windows: dict[int, Window] = {}      # slot -> its window; FIRSTS: the first look-aheads'
 
     def remote(self) -> tuple[int, ...]:
         """The workers other than the hosting one, in :attr:`order`."""
         return self._remote
+
+    def around(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The workers before the hosting one in :attr:`order`, and those after it (dedicated: every worker, and
+        none): a message to every worker goes to the first, by hand to the host, then to the others."""
+        return self._around
 
     # ------------------------------------------------------------------ round 0
     def post_headers(self) -> list:
@@ -289,10 +296,8 @@ def aggregator(adm, inbox, outbox, host: int | None = None, ref: np.ndarray | No
     if adm.status == OK:
         yield from adm.prepare(inbox)
     reply = adm.reply(outbox)
-    reply_buf = Buf(Msg.REPLY)
-    for w in adm.order:
-        if w != host:
-            yield Send.new((reply, w, TAG_HDR_DOWN, reply_buf, False))
+    if adm.remote():            # (one request for them all: :class:`~sparsecomm.fabric.roles.SendEach`)
+        yield SendEach.new((reply, adm.remote(), TAG_HDR_DOWN, Buf(Msg.REPLY), False))
     if adm.status != OK:
         yield from adm.drain(inbox)
     if host is not None:
@@ -374,26 +379,30 @@ def _group(keys: list, i: int, at: dict, window: Window, inbox: Inbox, mine: Key
 
 
 def send_down(adm, c: AggChannel, out, host: int | None):
-    """A completed round to every worker (by hand to the host): round 0's :class:`Reply0`, or a later
-    round's message (double-buffered: :class:`.wire.Buf` by round parity)."""
+    """A completed round to every worker, in :attr:`AggCall.order` (by hand to the host; to the others by one
+    :class:`~sparsecomm.fabric.roles.SendEach` before it and one after it, :meth:`AggCall.around`): round 0's
+    :class:`Reply0`, or a later round's message (double-buffered: :class:`.wire.Buf` by round parity)."""
     slot = c.slot
     tag = tag_down(slot)
+    before, after = adm.around()
     if c.round == 1:
         # the words ride with the sums, or (every block summed) are implied
         tag, buf, sums = tag if out.fused else tag_sums0(slot), Buf(Msg.DOWN, slot=slot, parity=0), out.sums
-        for w in adm.order:
-            if w == host:   # by hand: words and sums apart (the sums None: already in its result)
-                yield Hand(Key(Msg.WORDS, adm.index, slot), out.words)
-                if out.k:
-                    yield Hand(Key(Msg.SUMS0, adm.index, slot), None if c.sums.in_place else sums)
-            else:           # (the sums alone, every block: unpadded, :func:`.wire.short_end`)
-                yield Send.new((sums if out.fused or not c.short else
-                                sums[:wire.block_bytes(out.k, c.bs, c.down.itemsize, meta=False, short=c.short)],
-                                w, tag, buf, False))
+        if (before or after) and not out.fused and c.short:     # (the sums alone, every block: unpadded,
+            sums = sums[:wire.block_bytes(out.k, c.bs, c.down.itemsize, meta=False, short=c.short)]   # short_end)
+        if before:
+            yield SendEach.new((sums, before, tag, buf, False))
+        if host is not None:    # by hand: words and sums apart (the sums None: already in its result)
+            yield Hand(Key(Msg.WORDS, adm.index, slot), out.words)
+            if out.k:
+                yield Hand(Key(Msg.SUMS0, adm.index, slot), None if c.sums.in_place else out.sums)
+        if after:
+            yield SendEach.new((sums, after, tag, buf, False))
         return
     buf = Buf(Msg.DOWN, slot=slot, parity=(c.round - 1) % 2)
-    for w in adm.order:
-        if w == host:
-            yield Hand(Key(Msg.DOWN, adm.index, slot), out)
-        else:
-            yield Send.new((out, w, tag, buf, False))
+    if before:
+        yield SendEach.new((out, before, tag, buf, False))
+    if host is not None:
+        yield Hand(Key(Msg.DOWN, adm.index, slot), out)
+    if after:
+        yield SendEach.new((out, after, tag, buf, False))

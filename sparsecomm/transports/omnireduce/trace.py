@@ -21,6 +21,7 @@ import sys
 import time
 
 from ...fabric import roles as fabric_roles
+from ...fabric.base import Fabric
 
 ENV = "SPARSECOMM_OMNIREDUCE_TRACE"
 
@@ -87,6 +88,9 @@ class TraceFabric:
 
     def send(self, tensor, dst, tag=0, **kw):
         self.isend(tensor, dst, tag, **kw).wait()
+
+    #: a send to each of several endpoints: :meth:`isend` per endpoint (each recorded), not the inner fabric's
+    isend_each = Fabric.isend_each
 
     def recv(self, tensor, src=None, tag=0, **kw):
         rec = self._rec("recv", tensor, src, tag)

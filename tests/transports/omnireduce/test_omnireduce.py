@@ -348,13 +348,13 @@ def test_aggregator_memory_is_bounded_by_its_lanes(monkeypatch):
     from sparsecomm.fabric.sim import sim
 
     sizes = []
-    orig = sim.SimFabric.isend       # (every send of the SimFabric: send() is isend().wait())
+    orig = sim.SimFabric.isend_each  # (every send of the SimFabric: isend() is isend_each() to one endpoint)
 
-    def isend(self, tensor, dst, tag=0, *, reliable=True):
-        sizes.append(tensor.numel() * tensor.element_size())
-        return orig(self, tensor, dst, tag, reliable=reliable)
+    def isend_each(self, tensor, dsts, tag, works, reliable=True):
+        sizes.extend([tensor.numel() * tensor.element_size()] * len(dsts))
+        return orig(self, tensor, dsts, tag, works, reliable)
 
-    monkeypatch.setattr(sim.SimFabric, "isend", isend)
+    monkeypatch.setattr(sim.SimFabric, "isend_each", isend_each)
 
     def fn(ctx, numel):
         t = sc.transports.get("omnireduce", ctx.fabric, block_size=32, lanes=8, channels=2, deployment="dedicated")
