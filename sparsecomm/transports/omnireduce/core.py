@@ -199,7 +199,10 @@ class AggChannel:
         if self.round == 0:
             words, fused = wire.encode_words(newc, self.summed, self.ch), wire.fused0(self.ch, self.k)
             if fused:   # the words ride in the sums' message, after them (the strategy left room)
-                tail.view(torch.uint8)[:words.numel()].copy_(words)
+                room = tail.view(torch.uint8)   # (a lane bitmap's last int32 word: its bytes past the bitmap zeroed)
+                room[:words.numel()].copy_(words)
+                if room.numel() > words.numel():
+                    room[words.numel():].zero_()
             out = Reply0(words, msg if self.k or fused else None, fused, self.k)
         else:
             tail.copy_(torch.from_numpy(newc))

@@ -309,4 +309,5 @@ def _message(_role, k: int, block_size: int, dtype: torch.dtype, extra: int = 0,
     role, :func:`.wire.message`)."""
     buf = torch.empty(wire.block_bytes(k, block_size, dtype.itemsize, extra, meta), dtype=torch.uint8)
     data, tail = wire.split(buf, k, block_size, dtype, extra, meta)
+    wire.clear_pad(buf, k, block_size, dtype)
     return buf, data, tail

@@ -11,7 +11,8 @@ by ``lanes``, not by the tensor nor by the number of workers.
 
 Every message fuses one block per lane of a channel (the paper's block fusion). ``k`` blocks travel as
 ``[k x block_size values | pad to 4 bytes | int32 x k look-aheads]`` (a look-ahead is a channel-local
-block index, ``size`` = none):
+block index, ``size`` = none); the padding is zero, as are the bytes of a lane bitmap's last int32 word past
+the bitmap: every byte on the wire is written (:func:`clear_pad`), none left as a pooled buffer held it:
 
 * round 0, worker -> aggregator: a header (``int64[HDR]``: the call's description, checked for
   agreement, how many position-0 blocks the worker sends in each channel, so that the aggregator
@@ -275,10 +276,23 @@ def split(buf: torch.Tensor, k: int, block_size: int, dtype: torch.dtype, extra:
 
 def message(pool, role, k: int, block_size: int, dtype: torch.dtype, extra: int = 0, meta: bool = True):
     """A block message in the send buffer of ``role`` of ``pool`` (a :class:`sparsecomm.fabric.roles.Pool`,
-    reused once its sends have completed): ``(buffer, blocks view, int32 tail view)``, see :func:`split`."""
+    reused once its sends have completed): ``(buffer, blocks view, int32 tail view)``, see :func:`split`.
+    The padding between the blocks and the tail is zeroed (:func:`clear_pad`); the blocks and the tail are
+    the builder's to write, every byte of them."""
     buf = pool.get(("out", role), block_bytes(k, block_size, dtype.itemsize, extra, meta))
     data, tail = split(buf, k, block_size, dtype, extra, meta)
+    clear_pad(buf, k, block_size, dtype)
     return buf, data, tail
+
+
+def clear_pad(buf: torch.Tensor, k: int, block_size: int, dtype: torch.dtype) -> None:
+    """Zero the 1-3 bytes that pad ``k`` blocks of a message being built in ``buf`` to 4 bytes (where their
+    bytes are not a multiple of 4: 1- and 2-byte elements, an odd block size). Nothing else writes them, and
+    a buffer from a pool (``torch.empty``) holds whatever was there: sent as they are, they would leak the
+    process's memory to the peer and make the wire differ from run to run."""
+    nd = k * block_size * dtype.itemsize
+    if nd % 4:
+        buf[nd:-(-nd // 4) * 4].zero_()
 
 
 
