@@ -402,9 +402,12 @@ class Method(ABC):
         return None
 
     def _compress(self, x: torch.Tensor, generator: torch.Generator | None, exact: bool) -> Payload:
-        """``C(x)``, or the identity's dense payload on an exact round."""
+        """``C(x)``, or the identity's dense payload on an exact round; a method that :attr:`checks_input` calls it
+        only on a finite ``x`` (:meth:`~sparsecomm.compressors.base.Compressor.compress_finite`)."""
         if exact:
             return dense_payload(x)
+        if self.checks_input:       # (x checked already: a compressor's own pass over it left out)
+            return self.compressor.compress_finite(x, generator)
         return self.compressor.compress(x, generator)
 
     def _add_decompressed(self, target: torch.Tensor, payload: Payload, alpha: float = 1.0) -> None:

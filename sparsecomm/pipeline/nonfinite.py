@@ -2,7 +2,11 @@
 
 ``"raise"``: the same :class:`~sparsecomm.errors.NonFiniteError` on every worker when any worker's
 bucket holds a NaN or Inf, whatever the compressor and transport. A compressed round checks the input
-*before* compression (a sampling compressor would not see an unsampled NaN) and, if it is not finite,
+*before* compression (a sampling compressor would not see an unsampled NaN): the method's own compressed input
+where the method checks it (:attr:`Method.checks_input <sparsecomm.methods.base.Method.checks_input>`: EF's
+``g + e``, which a finite gradient overflows when the residual has grown near the dtype's largest value; on
+exact rounds too, and under every mode), else the bucket (or, for a stateless method, its compressor's check
+of the bucket); if it is not finite,
 still encodes (zeros, so that generators and states advance alike) but sends NaN values (or a NaN
 scale: :func:`poison`), so that the aggregate of *every* worker is non-finite; every round checks the
 aggregate after the sum (:func:`check_aggregate`; a transport that cannot carry NaN, fixed point,
@@ -18,7 +22,8 @@ method state and no generator on any worker, and is counted (``skipped_steps``).
 that sums NaN/Inf through (not the fixed-point switch transports, which raise on them).
 
 ``"pass"``: as DDP, NaN/Inf flow into the averaged gradient where the compressor keeps them (a sampling
-compressor may drop them; compressors that check their input still raise, on that worker); a sum of
+compressor may drop them; a method that checks its compressed input sends NaN from zeros instead, so it reaches
+every worker; under a stateless method, compressors that check their input still raise, on that worker); a sum of
 narrow floats that overflowed in its own dtype still raises :class:`~sparsecomm.errors.SumOverflowError`
 (:func:`~sparsecomm.payload.check_sum_finite`).
 """

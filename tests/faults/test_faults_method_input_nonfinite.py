@@ -113,3 +113,27 @@ def test_an_overflowing_method_input_is_the_same_error_on_every_worker_gloo(meth
     res = sc.launch(functools.partial(_overflow_step, method=method), 2, backend="gloo", timeout_s=TIMEOUT)
     _check(res)
     assert time.monotonic() - t0 < TIMEOUT, res
+
+
+def _overflow_under_ddp(ctx):
+    """The same crafted overflow under the DDP comm hook (method ``ef`` around top-k)."""
+    with ctx.seeded(0):
+        net = torch.nn.Linear(16, 4)
+    ddp = torch.nn.parallel.DistributedDataParallel(net)
+    state = sc.ddp.register(ddp, method=METHODS["ef"][0]())
+    for _ in range(2):          # clean iterations first (the hook's states exist from its second)
+        ddp(torch.ones(1, 16)).sum().backward()
+    assert state.pipeline.states.by_key
+    if ctx.rank == 0:
+        for ms in state.pipeline.states.by_key.values():
+            ms.state.error.fill_(3.3e38)
+    got = outcome(lambda: ddp(torch.full((1, 16), 2e37)).sum().backward())
+    return got, type(state.error).__name__
+
+
+@pytest.mark.multiprocess
+def test_an_overflowing_method_input_under_the_ddp_hook_is_the_same_error_on_every_worker():
+    res = sc.launch(_overflow_under_ddp, 2, backend="gloo", timeout_s=TIMEOUT)
+    for (cls, text, secs), kept in res:
+        assert cls == "RuntimeError" and "NonFiniteError: " in text and "residual" in text, (cls, text)
+        assert kept == "NonFiniteError" and secs < BOUND, res
