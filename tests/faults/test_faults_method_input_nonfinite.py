@@ -20,6 +20,7 @@ import torch
 
 import sparsecomm as sc
 from sparsecomm.errors import NonFiniteError
+from sparsecomm.methods.warmup import warmup
 
 from tests._faults_common import outcome
 
@@ -31,6 +32,8 @@ METHODS = {
     "powersgd": (lambda: sc.methods.powersgd(1), "error", 1.0),
     "onebit": (lambda: sc.methods.onebit(8), "error", 1.0),
     "dgc": (lambda: sc.methods.dgc(0.25), "velocity", 1.0),
+    # the optimizer's warmup_steps wrapper: its first round exact, the traits (checks_input) the inner method's
+    "ef-warmup": (lambda: warmup(sc.methods.ef(sc.compressors.get("topk", k=4)), 1), "error", 1.0),
 }
 
 TIMEOUT = 30.0   # the fabric's bound on every wait (gloo); every rank must have its error far sooner
