@@ -17,6 +17,8 @@ It declares the properties that ``theory/`` and the validators read:
   compress a whole bucket at once instead of parameter by parameter;
 - ``checks_finite``: ``compress`` raises :class:`~sparsecomm.errors.NonFiniteError` on a NaN or Inf in
   its input, and has no other effect then (the pipeline then needs no check of its own);
+  :meth:`Compressor.compress_finite` is ``compress`` of an input the caller has found finite, with that pass
+  left out (a method that checks its compressed input calls it);
 - ``shared_scale``: a ``quantized`` payload's scale is the same on every worker (so a summing transport
   can add the integer codes);
 - ``packed_values``: the values travel packed (fewer bits than stored) only where no sum is formed on the
@@ -65,6 +67,18 @@ class Compressor(ABC):
             generator: the only source of randomness of a random compressor (``None`` for a deterministic
                 one).
         """
+
+    def compress_finite(self, x: torch.Tensor, generator: torch.Generator | None = None) -> Payload:
+        """:meth:`compress` of an ``x`` that the caller has found finite (a method that checks its compressed
+        input, :attr:`Method.checks_input <sparsecomm.methods.base.Method.checks_input>`, in the pass that formed
+        it): the same payload, bit for bit; a compressor whose ``compress`` checks its input in a pass of its own
+        (top-k) leaves that pass out. Only for such an ``x``: a NaN or Inf is then not reported.
+
+        Args:
+            x: the tensor, every element finite.
+            generator: as for :meth:`compress`.
+        """
+        return self.compress(x, generator)
 
     def decompress(self, payload: Payload) -> torch.Tensor:
         """The decompressed tensor, with the shape and dtype of the compressed input
@@ -117,6 +131,16 @@ class Compressor(ABC):
             dtype: the input's dtype.
         """
         return {"elementwise": d, "kernel": 1}
+
+    def finite_work(self, d: int, dtype: torch.dtype = torch.float32) -> dict[str, int]:
+        """The host work of one :meth:`compress_finite`: :meth:`work` less the compressor's own finiteness read
+        (``"check"``), which ``compress_finite`` leaves out.
+
+        Args:
+            d: the input's length.
+            dtype: the input's dtype.
+        """
+        return {op: n for op, n in self.work(d, dtype).items() if op != "check"}
 
     def decompress_work(self, d: int, dtype: torch.dtype = torch.float32) -> dict[str, int]:
         """The host work of one ``decompress`` (into a length-``d`` output, or added into one) of a payload of

@@ -74,10 +74,12 @@ def sample_rank(d: int, k: int, m: int = SAMPLE_SIZE) -> int:
     return max(1, min(m, int(math.ceil(m * p + SAMPLE_MARGIN * math.sqrt(m * p * (1 - p)) + SAMPLE_MARGIN))))
 
 
-def topk_indices_numba(a: np.ndarray, k: int) -> np.ndarray:
-    """Exact top-k indices (increasing) of a float32/float64 numpy vector; see the module docstring."""
+def topk_indices_numba(a: np.ndarray, k: int, check: bool = True) -> np.ndarray:
+    """Exact top-k indices (increasing) of a float32/float64 numpy vector; see the module docstring. ``check``:
+    NonFiniteError on a NaN or Inf (a pass of its own; False: the caller found ``a`` finite)."""
     d = a.size
-    _check_finite(a, "topk")
+    if check:
+        _check_finite(a, "topk")
     buf = np.empty(d, dtype=np.int64)  # only the pages that receive candidates are ever touched
     thr = -1.0
     if d > SAMPLE_CUTOFF:
@@ -97,10 +99,10 @@ def topk_indices_numba(a: np.ndarray, k: int) -> np.ndarray:
     return _exact_among(a, buf[:c], k)
 
 
-def topk_indices_torch(flat: torch.Tensor, k: int) -> torch.Tensor:
-    """Same selection with torch ops (any device)."""
+def topk_indices_torch(flat: torch.Tensor, k: int, check: bool = True) -> torch.Tensor:
+    """Same selection with torch ops (any device); ``check`` as for :func:`topk_indices_numba`."""
     a = flat.to(work_dtype(flat.dtype)).abs()
-    if not bool(torch.isfinite(a).all()):
+    if check and not bool(torch.isfinite(a).all()):
         raise_nonfinite("topk")
     vk = torch.topk(a, k, sorted=False).values.min()
     gt = torch.nonzero(a > vk).flatten()
@@ -108,18 +110,20 @@ def topk_indices_torch(flat: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(torch.cat([gt, eq])).values
 
 
-def topk_indices(flat: torch.Tensor, k: int) -> torch.Tensor:
+def topk_indices(flat: torch.Tensor, k: int, check: bool = True) -> torch.Tensor:
+    """The exact top-k indices (increasing) of ``flat``; NonFiniteError on a NaN or Inf unless ``check`` is False
+    (the caller found ``flat`` finite: that pass left out)."""
     d = flat.numel()
     if k >= d:
-        if not all_finite(flat):
+        if check and not all_finite(flat):
             raise_nonfinite("topk")
         return torch.arange(d, dtype=torch.int64, device=flat.device)
     if k == 0:
         return torch.empty(0, dtype=torch.int64, device=flat.device)
     if use_numba(flat):
         a = flat.to(work_dtype(flat.dtype)).numpy()
-        return torch.from_numpy(topk_indices_numba(a, k))
-    return topk_indices_torch(flat, k)
+        return torch.from_numpy(topk_indices_numba(a, k, check))
+    return topk_indices_torch(flat, k, check)
 
 
 class _Sparse(Compressor):
@@ -149,6 +153,13 @@ class TopK(_Sparse):
     def compress(self, x, generator=None):
         flat = flat_input(x, self.name)
         return self._sparse_payload(x, flat, topk_indices(flat, self.size(flat.numel())))
+
+    def compress_finite(self, x, generator=None):
+        """:meth:`compress` without its finiteness pass, for an ``x`` the caller found finite (the same payload)."""
+        if type(self).compress is not TopK.compress:        # a subclass's own compress is what it means
+            return self.compress(x, generator)
+        flat = flat_input(x, self.name)
+        return self._sparse_payload(x, flat, topk_indices(flat, self.size(flat.numel()), check=False))
 
     def delta(self, d):
         return th.topk_delta(d, self.size(d))

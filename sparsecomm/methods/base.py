@@ -90,7 +90,8 @@ from ..errors import HyperParameterError, IncompatibleError, InvalidTypeError, I
 from ..payload import Payload
 from .state import MethodState
 
-__all__ = ["Method", "MethodState", "dense_payload", "resolve_compressor", "check_finite", "add_work",
+__all__ = ["Method", "MethodState", "dense_payload", "resolve_compressor", "check_finite", "raise_input_nonfinite",
+           "add_work",
            "HyperParameterError"]     # (HyperParameterError: its import path before sparsecomm.errors)
 
 
@@ -136,6 +137,13 @@ class Method(ABC):
     #: dtype, not the estimate's), widening it exactly itself: the same estimate, bit for bit, as from the
     #: widened sum (the pipeline then hands it the narrow sum, and a pass is saved)
     decodes_narrow: ClassVar[bool] = False
+    #: whether ``encode`` checks the input it compresses (what it forms from the gradient and its state: EF's
+    #: ``g + e``, EF21's ``g - g_i``) for NaN/Inf and then raises :class:`~sparsecomm.errors.NonFiniteError`
+    #: (:func:`raise_input_nonfinite`) *before* changing its state or drawing from its generator: that input is
+    #: not finite whenever the gradient is not (the state is finite), so this check stands for the pipeline's
+    #: check of the gradient and also finds a finite gradient whose sum with the state overflows, which the
+    #: pipeline then tells every worker (:mod:`sparsecomm.pipeline.nonfinite`)
+    checks_input: ClassVar[bool] = False
 
     compressor: Compressor
 
@@ -345,7 +353,7 @@ class Method(ABC):
             shapes: encode's ``shapes``.
         """
         if phase == "encode":
-            return {"kernel": 1} if exact else add_work(self.compressor.work(d), {"kernel": 1})
+            return {"kernel": 1} if exact else add_work(self.compress_work(d), {"kernel": 1})
         if phase == "decode":
             return {"elementwise": d, "kernel": 1}
         if phase == "next_round":
@@ -394,10 +402,20 @@ class Method(ABC):
         """The next round's payload, or ``None`` (one-round methods: always ``None``)."""
         return None
 
+    def compress_work(self, d: int) -> dict[str, int]:
+        """The host work of :meth:`_compress` on a compressed round of a length-``d`` bucket: the compressor's
+        :meth:`~sparsecomm.compressors.base.Compressor.work`, or, for a method that :attr:`checks_input`, its
+        :meth:`~sparsecomm.compressors.base.Compressor.finite_work` (its own finiteness read left out)."""
+        c = self.compressor
+        return c.finite_work(d) if self.checks_input else c.work(d)
+
     def _compress(self, x: torch.Tensor, generator: torch.Generator | None, exact: bool) -> Payload:
-        """``C(x)``, or the identity's dense payload on an exact round."""
+        """``C(x)``, or the identity's dense payload on an exact round; a method that :attr:`checks_input` calls it
+        only on a finite ``x`` (:meth:`~sparsecomm.compressors.base.Compressor.compress_finite`)."""
         if exact:
             return dense_payload(x)
+        if self.checks_input:       # (x checked already: a compressor's own pass over it left out)
+            return self.compressor.compress_finite(x, generator)
         return self.compressor.compress(x, generator)
 
     def _add_decompressed(self, target: torch.Tensor, payload: Payload, alpha: float = 1.0) -> None:
@@ -446,6 +464,14 @@ def dense_payload(x: torch.Tensor) -> Payload:
     flat = x.reshape(-1)
     return Payload(kind="dense", values=flat, shape=flat.shape, dtype=flat.dtype,
                    bits=8 * flat.numel() * flat.element_size(), meta={"exact": True})
+
+
+def raise_input_nonfinite(method: str, formed: str) -> None:
+    """:class:`~sparsecomm.errors.NonFiniteError`: the input that ``method`` compresses (``formed``: how it is formed
+    from the gradient and the state) holds a NaN or Inf (:attr:`Method.checks_input`)."""
+    raise NonFiniteError(f"method {method!r}: its compressed input {formed} holds NaN or Inf: a NaN/Inf gradient, or "
+                         f"a finite gradient whose sum with the method's state overflowed (a state grown near the "
+                         f"dtype's largest value); lower the learning rate, or reset the method's state")
 
 
 def check_finite(x: torch.Tensor, who: str) -> None:

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from ..payload import Payload
-from .base import Method, MethodState
+from ..compressors._common import all_finite
+from .base import Method, MethodState, raise_input_nonfinite
 from ..errors import InvalidValueError
 
 INITS = ("zeros", "grad")
@@ -47,6 +48,7 @@ class Diana(Method):
     default_compressor = "randk"
     default_compressor_hyper = {"ratio": 0.01}
     State = DianaState
+    checks_input = True
     needs_unbiased = True
 
     def __init__(self, compressor=None, *, alpha: float | None = None, init: str = "zeros",
@@ -87,7 +89,10 @@ class Diana(Method):
         st = ms.state
         exact = exact or (not ms.started and self.init_rule == "grad")
         alpha = 1.0 if exact else self._alpha(ms, grad.numel())
-        msg = self._compress(grad.sub_(st.h_local), generator, exact)   # C(grad - h_i)
+        grad.sub_(st.h_local)
+        if not all_finite(grad):
+            raise_input_nonfinite(self.name, "g - h_i (the gradient minus this worker's shift h_i)")
+        msg = self._compress(grad, generator, exact)   # C(grad - h_i)
         self._add_decompressed(st.h_local, msg, alpha)          # h_i += alpha m_i
         ms.pending = alpha
         return msg

@@ -12,6 +12,10 @@ The residual is kept in *gradient* units (the learning rate is applied afterward
 optimizer), as in GRACE's ``ResidualMemory`` and PowerSGD; with a constant learning rate this is the
 textbook ``e + gamma g`` form scaled by 1/gamma. An exact round (warm-up) sends ``g + e`` whole and
 flushes the residual to zero.
+
+``p`` is checked for NaN/Inf in the pass that forms it (:attr:`~sparsecomm.methods.base.Method.checks_input`): a
+residual grown near the dtype's largest value overflows ``g + e`` to Inf with every gradient finite, and the
+pipeline then makes that the same ``NonFiniteError`` on every worker.
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..compressors._common import add_finite, all_finite
 from ..payload import Payload
-from .base import Method, MethodState, add_work
+from .base import Method, MethodState, add_work, raise_input_nonfinite
 
 
 @dataclass
@@ -38,6 +43,7 @@ class ErrorFeedback(Method):
     default_compressor = "topk"
     default_compressor_hyper = {"ratio": 0.01}
     State = EFState
+    checks_input = True
 
     def init_state(self, d: int, dtype: torch.dtype, device: torch.device) -> EFState:
         return EFState(error=torch.zeros(d, dtype=dtype, device=device))
@@ -45,7 +51,9 @@ class ErrorFeedback(Method):
     def _encode(self, grad: torch.Tensor, ms: MethodState, generator: torch.Generator | None,
                 exact: bool, world_size: int) -> Payload:
         st = ms.state
-        p = grad.add_(st.error) if ms.started else grad        # p = g + e (in the scratch copy)
+        p = grad                                               # p = g + e (in the scratch copy), checked in the
+        if not (add_finite(grad, st.error, grad) if ms.started else all_finite(grad)):     # same pass
+            raise_input_nonfinite(self.name, "g + e (the gradient plus the error-feedback residual)")
         msg = self._compress(p, generator, exact)
         err = st.error
         err.copy_(p)
@@ -54,13 +62,14 @@ class ErrorFeedback(Method):
         return msg
 
     def work(self, phase, state, d, *, exact=False, shapes=None):
-        """Encode: ``g + e`` (after the first round), the compression, the residual's copy and the message
-        decompressed out of it; decode: the division."""
+        """Encode: ``g + e`` checked in the same pass (after the first round; before it, the check of ``g``), the
+        compression (without its own finiteness read), the residual's copy and the message decompressed out of
+        it; decode: the division."""
         if phase != "encode":
             return super().work(phase, state, d, exact=exact, shapes=shapes)
-        c = self.compressor
-        sent = {"elementwise": d} if exact else add_work(c.work(d), c.decompress_work(d))
-        return add_work(sent, {"elementwise": d * (2 if state.started else 1), "kernel": 1})
+        sent = {"elementwise": d} if exact else add_work(self.compress_work(d), self.compressor.decompress_work(d))
+        formed = {"elementwise": 2 * d} if state.started else {"check": d, "elementwise": d}
+        return add_work(sent, formed, {"kernel": 1})
 
     def _decode(self, aggregate: torch.Tensor, world_size: int, ms: MethodState, out: torch.Tensor) -> None:
         ms.take_pending(self.name)

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from ..payload import Payload
-from .base import Method, MethodState
+from ..compressors._common import all_finite
+from .base import Method, MethodState, raise_input_nonfinite
 from ..errors import InvalidValueError
 
 INITS = ("grad", "zeros")
@@ -44,6 +45,7 @@ class EF21(Method):
     default_compressor = "topk"
     default_compressor_hyper = {"ratio": 0.01}
     State = EF21State
+    checks_input = True
 
     def __init__(self, compressor=None, *, init: str = "grad", **compressor_hyper) -> None:
         if init not in INITS:
@@ -62,7 +64,10 @@ class EF21(Method):
                 exact: bool, world_size: int) -> Payload:
         st = ms.state
         exact = exact or (not ms.started and self.init_rule == "grad")
-        msg = self._compress(grad.sub_(st.g_local), generator, exact)   # C(grad - g_i)
+        grad.sub_(st.g_local)
+        if not all_finite(grad):
+            raise_input_nonfinite(self.name, "g - g_i (the gradient minus this worker's g_i)")
+        msg = self._compress(grad, generator, exact)   # C(grad - g_i)
         self._add_decompressed(st.g_local, msg)                 # g_i += c_i
         ms.pending = exact
         return msg

@@ -25,7 +25,8 @@ import torch
 
 from ..compressors.onebit import OneBit, expand, residual
 from ..payload import Payload
-from .base import Method, dense_payload
+from ..compressors._common import add_finite
+from .base import Method, dense_payload, raise_input_nonfinite
 from ..errors import InvalidValueError
 
 LEVELS = ("two", "symmetric")
@@ -42,6 +43,8 @@ class OneBitSGD(Method):
     """``get("onebit", bucket_size=512, levels="two")``."""
 
     name, multi_round, State = "onebit", True, OneBitState
+    #: p = g + e is checked before the residual changes (an exact round's add, a compressed round's levels)
+    checks_input = True
 
     def __init__(self, bucket_size: int | None = 512, *, levels: str = "two") -> None:
         if levels not in LEVELS:
@@ -57,11 +60,14 @@ class OneBitSGD(Method):
 
     def _encode(self, grad, ms, generator, exact, world_size):
         st = ms.state
-        p = grad.add_(st.error)
-        if exact:
+        if exact:       # (a compressed round's levels check p = g + e: OneBit.levels raises before the residual)
+            if not add_finite(grad, st.error, grad):
+                raise_input_nonfinite(self.name, "g + e (the gradient plus the error-feedback residual)")
+            p = grad
             st.error.zero_()
             ms.pending = ("exact",)
             return dense_payload(p)
+        p = grad.add_(st.error)
         codes, s, a, b = self.compressor.levels(p)
         residual(p, codes, s, a, b, st.error)
         ms.pending = ("codes", a, b)

@@ -69,9 +69,13 @@ from sparsecomm.theory import compressors as th
 
 from ..compressors.lowrank import LowRank, need_generator
 from ..payload import Payload
-from ..compressors._common import add_finite, copy_sub, raise_nonfinite
-from .base import Method, check_finite, dense_payload
+from ..compressors._common import add_finite, copy_sub
+from .base import Method, check_finite, dense_payload, raise_input_nonfinite
 from ..errors import InvalidValueError
+
+
+#: PowerSGD's compressed input, as its NonFiniteError names it (error feedback on)
+_FORMED = "M = g + e (the gradient plus the error-feedback residual)"
 
 
 @dataclass
@@ -93,6 +97,8 @@ class PowerSGD(Method):
     with the same meaning (see the module doc; without ``random_seed`` the frontend's ``seed=`` seeds the Qs)."""
 
     name, uses_shapes, multi_round, State = "powersgd", True, True, PowerSGDState
+    #: the error-feedback sum (or the gradient) is checked in the pass that forms it, before any state changes
+    checks_input = True
 
     def __init__(self, matrix_approximation_rank: int = 1, *, start_powerSGD_iter: int = 0,
                  min_compression_rate: float = 2.0, use_error_feedback: bool = True,
@@ -196,7 +202,7 @@ class PowerSGD(Method):
         if self._exact_round(ms, exact):
             if ef:                          # grad + e, added and checked in one pass
                 if not add_finite(grad, st.error, grad):
-                    raise_nonfinite(self.name)
+                    raise_input_nonfinite(self.name, _FORMED)
             else:
                 check_finite(grad, self.name)
             st.error.zero_()
@@ -211,7 +217,7 @@ class PowerSGD(Method):
                 part = grad[o:o + k]
                 ok = add_finite(part, st.error[o:o + k], part if copy is None else copy) and ok
             if not ok:
-                raise_nonfinite(self.name)
+                raise_input_nonfinite(self.name, _FORMED)
         else:
             check_finite(grad, self.name)
             for o, k, copy in plan.pieces:

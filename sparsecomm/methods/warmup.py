@@ -22,8 +22,8 @@ class Warmup(Method):
         self.inner, self.steps = inner, int(steps)
         self.compressor = inner.compressor
         self.name, self.State = inner.name, inner.State
-        self.needs_unbiased, self.uses_shapes, self.multi_round = \
-            inner.needs_unbiased, inner.uses_shapes, inner.multi_round
+        self.needs_unbiased, self.uses_shapes, self.multi_round, self.checks_input = \
+            inner.needs_unbiased, inner.uses_shapes, inner.multi_round, inner.checks_input
 
     def hyper(self) -> dict[str, Any]:
         return {"inner": self.inner, "steps": self.steps}

@@ -2,7 +2,11 @@
 
 ``"raise"``: the same :class:`~sparsecomm.errors.NonFiniteError` on every worker when any worker's
 bucket holds a NaN or Inf, whatever the compressor and transport. A compressed round checks the input
-*before* compression (a sampling compressor would not see an unsampled NaN) and, if it is not finite,
+*before* compression (a sampling compressor would not see an unsampled NaN): the method's own compressed input
+where the method checks it (:attr:`Method.checks_input <sparsecomm.methods.base.Method.checks_input>`: EF's
+``g + e``, which a finite gradient overflows when the residual has grown near the dtype's largest value; on
+exact rounds too, and under every mode), else the bucket (or, for a stateless method, its compressor's check
+of the bucket); if it is not finite,
 still encodes (zeros, so that generators and states advance alike) but sends NaN values (or a NaN
 scale: :func:`poison`), so that the aggregate of *every* worker is non-finite; every round checks the
 aggregate after the sum (:func:`check_aggregate`; a transport that cannot carry NaN, fixed point,
@@ -18,7 +22,8 @@ method state and no generator on any worker, and is counted (``skipped_steps``).
 that sums NaN/Inf through (not the fixed-point switch transports, which raise on them).
 
 ``"pass"``: as DDP, NaN/Inf flow into the averaged gradient where the compressor keeps them (a sampling
-compressor may drop them; compressors that check their input still raise, on that worker); a sum of
+compressor may drop them; a method that checks its compressed input sends NaN from zeros instead, so it reaches
+every worker; under a stateless method, compressors that check their input still raise, on that worker); a sum of
 narrow floats that overflowed in its own dtype still raises :class:`~sparsecomm.errors.SumOverflowError`
 (:func:`~sparsecomm.payload.check_sum_finite`).
 """
@@ -35,8 +40,10 @@ from ..payload import Payload, check_sum_finite
 
 NONFINITE = ("raise", "skip", "pass")
 
-_HELP = ("a diverging model is the usual cause: lower the learning rate (opt.step_size_hint.lr(lr) is what "
-         "theory allows a compressed method if lr suits uncompressed training), check loss scaling, or find the "
+_HELP = ("a diverging model is the usual cause (a NaN/Inf gradient, or a finite one whose sum with the method's state "
+         "overflowed: an error-feedback residual grown near the dtype's largest value): lower the learning rate "
+         "(opt.step_size_hint.lr(lr) is what theory allows a compressed method if lr suits uncompressed training) "
+         "or reset the method's state, check loss scaling, or find the "
          "first NaN with torch.autograd.set_detect_anomaly; nonfinite='skip' drops such a step on every worker "
          "with nothing changed (mixed precision: torch.amp.GradScaler), nonfinite='pass' lets NaN/Inf through "
          "as DDP does")

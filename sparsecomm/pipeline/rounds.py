@@ -157,8 +157,9 @@ class ParameterRounds(MethodRounds):
 
     def begin(self, flat: torch.Tensor, key: Hashable, steps_before: int, exact: bool,
               segments: tuple[tuple[str, int], ...]) -> Call:
-        n = self.n
-        poisoned = self.poisoned(flat, exact)
+        n, method = self.n, self.method
+        # a method that checks what it compresses (checks_input) stands for the rule's check of the bucket
+        poisoned = False if method.checks_input else self.poisoned(flat, exact)
         if poisoned:
             flat.zero_()
         segs = tuple((str(nm), int(k)) for nm, k in segments)
@@ -168,9 +169,20 @@ class ParameterRounds(MethodRounds):
         for nm, k in segs:
             seg = flat[off:off + k]
             ms = self.states.get(("param", nm), seg, steps_before)
-            p, _ = self.charged("encode", ms, k, lambda: self.method.encode(
-                seg, ms, self.generators.param(nm, flat.device), world_size=n, exact=exact, inplace=True),
-                exact=exact)
+
+            def encode() -> Payload:
+                return self.charged("encode", ms, k, lambda: method.encode(
+                    seg, ms, self.generators.param(nm, flat.device), world_size=n, exact=exact, inplace=True),
+                    exact=exact)[0]
+            if method.checks_input:
+                try:
+                    p = encode()
+                except NonFiniteError:      # (nothing changed: zeros encoded instead, the bucket sent as NaN)
+                    poisoned = True
+                    seg.zero_()
+                    p = encode()
+            else:
+                p = encode()
             parts.append(p)
             off += k
         payload = concat_payloads(parts)
@@ -221,8 +233,11 @@ class BucketRounds(MethodRounds):
                                 exact=exact, shapes=shapes)
 
         payload = None
-        if rule.check and not exact and self.input_checked_by_encode:
-            # a stateless method has changed nothing when it raises, so zeros are encoded instead
+        if method.checks_input or (rule.check and not exact and self.input_checked_by_encode):
+            # the method checks what it compresses (g + e: a NaN/Inf gradient, or a finite one whose sum with the
+            # state overflowed; on an exact round too), or a stateless method's compressor checks the gradient:
+            # either has changed nothing when it raises, so zeros are encoded instead and sent as NaN, in every
+            # mode (under "pass" NaN then flows to every worker rather than an error on this one alone)
             try:
                 payload = encode()
             except NonFiniteError:

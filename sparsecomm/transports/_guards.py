@@ -28,8 +28,10 @@ from ..errors import InvalidValueError, NonFiniteError, OverflowError_, Unsuppor
 
 NONFINITE = ("raise", "pass")
 #: the advice of a non-finite sum, before the option that lets NaN/Inf through
-_LR_FIRST = ("a diverging model is the usual cause: lower the learning rate (opt.step_size_hint.lr(lr): what "
-             "theory allows if lr suits uncompressed training)")
+_LR_FIRST = ("a diverging model is the usual cause (a NaN/Inf gradient, or a finite one whose sum with a compression "
+             "method's state overflowed: an error-feedback residual grown near the dtype's largest value): lower the "
+             "learning rate (opt.step_size_hint.lr(lr): what theory allows if lr suits uncompressed training) or "
+             "reset the method's state")
 
 
 def nonfinite_option(value: str, transport: str) -> str:

@@ -370,3 +370,43 @@ def test_no_payload_aliases_the_method_state(name):
             if p is not None:
                 agg = p.to_dense()
         _, st = m.decode(agg, 1, st)
+
+
+@pytest.mark.parametrize("name", ["ef", "ef21", "diana"])
+def test_a_method_that_checks_its_input_leaves_out_the_compressors_own_pass_with_the_same_payload(name, monkeypatch):
+    """EF forms g + e and checks it in one pass (``checks_input``); top-k's own finiteness pass over the same
+    input (``compress``) is left out (``compress_finite``), with the same payload and state; ``compress`` called
+    alone still checks. (EF21 and DIANA check after their subtraction; DIANA's rand-k makes no pass of its own.)"""
+    import importlib
+
+    from sparsecomm.errors import NonFiniteError
+
+    topk_mod = importlib.import_module("sparsecomm.compressors.topk")     # (the package's ``topk`` is the factory)
+
+    comp = sc.compressors.get("randk" if name == "diana" else "topk", k=50)
+    method = sc.methods.get(name, compressor=comp)
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(1000, generator=g) for _ in range(3)]
+    checks = []
+    real = topk_mod._check_finite
+    monkeypatch.setattr(topk_mod, "_check_finite", lambda a, who: (checks.append(who), real(a, who))[1])
+
+    def run():
+        st, out = method.init(1000), []
+        for i, x in enumerate(grads):
+            p, st = method.encode(x, st, torch.Generator().manual_seed(i), world_size=1)
+            out.append((p.values.clone(), None if p.indices is None else p.indices.clone()))
+            method.decode(p.to_dense(), 1, st)
+        return out, [t.clone() for t in vars(st.state).values() if isinstance(t, torch.Tensor)]
+
+    checked, fields_checked = run()
+    assert checks == []                     # the method's pass stood for the compressor's
+    monkeypatch.setattr(type(comp), "compress_finite", lambda self, x, generator=None: self.compress(x, generator))
+    full, fields_full = run()           # what compress itself gives: the same bits
+    for (v1, i1), (v2, i2) in zip(checked, full):
+        assert torch.equal(v1, v2) and (i1 is None or torch.equal(i1, i2))
+    assert all(torch.equal(a, b) for a, b in zip(fields_checked, fields_full))
+    if name != "diana":
+        assert checks and set(checks) == {"topk"}       # (EF21's first round is exact: no compress)
+        with pytest.raises(NonFiniteError):
+            comp.compress(torch.tensor([1.0, float("inf")] * 500))

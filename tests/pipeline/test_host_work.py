@@ -108,19 +108,20 @@ def test_powersgd_declares_its_products_and_passes_and_the_step_grows_by_count_t
 
 
 def test_ef_topk_per_parameter_declares_the_selection_and_the_residual(monkeypatch):
-    """EF + top-k 1% per parameter: the bucket's input checked by the non-finite rule (one read of the bucket); a
-    parameter above the top-k's sampling cutoff checks its input, samples, collects its candidates (a pass of its
-    own) and selects among them; one below it selects among all; each encode passes over its residual (copy, and
-    from the second round the add) and scatters its k values out of it; each decode divides (one pass); the
-    allgather that carries the concatenated payload declares its sum (the result zeroed and checked, both workers'
-    values)."""
+    """EF + top-k 1% per parameter: EF checks what it compresses (``checks_input``: in the first round a read of
+    each parameter's gradient, later in the pass that adds the residual), standing for the non-finite rule's read of
+    the bucket and the top-k's own; a parameter above the top-k's sampling cutoff samples, collects its candidates
+    (a pass of its own) and selects among them; one below it selects among all; each encode passes over its
+    residual (copy, and from the second round the add) and scatters its k values out of it; each decode divides
+    (one pass); the allgather that carries the concatenated payload declares its sum (the result zeroed and
+    checked, both workers' values)."""
     steps = _recorded(monkeypatch, "eftopk", ops=(*CODEC_RATES, "check"))
     big, small = SAMPLE_CUTOFF + 1000, 300
     kb, ks = round(0.01 * big), 3
     cand = math.ceil(big * sample_rank(big, kb) / SAMPLE_SIZE)
     for s, adds in ((0, 1), (1, 2)):
         want = {"sample": SAMPLE_SIZE, "select": cand + small, "collect": big,
-                "check": (big + small) + big,               # (the rule's read of the bucket, the top-k's of its input)
+                **({"check": big + small} if s == 0 else {}),       # (EF's read of g; later folded into g + e)
                 "elementwise": (kb + kb + adds * big + big) + (ks + ks + adds * small + small)
                 + 2 * (big + small) + 2 * (kb + ks),        # (the allgather's sum: zeroed, checked, 2 workers' values)
                 "kernel": 2 * (2 + 1)}
@@ -134,14 +135,15 @@ def test_ef_topk_per_parameter_declares_the_selection_and_the_residual(monkeypat
 
 
 def test_ef_topk_step_grows_by_its_finiteness_reads_times_check_element_s():
-    """The reads that prove the EF + top-k step's inputs finite are charged at ``check_element_s``: the rule's of
-    the bucket (``big + small``) and the sampled top-k's of its parameter above the cutoff (``big``), on both
-    workers (before they were charged nothing: the step did not grow)."""
+    """The read that proves the EF + top-k step's input finite is charged at ``check_element_s``: EF's of each
+    parameter's gradient in its first round (``big + small``; later folded into the pass that adds the residual),
+    which stands for the non-finite rule's read of the bucket and the sampled top-k's of its input (those two
+    are not made: ``checks_input``), on both workers."""
     big, small, rate = SAMPLE_CUTOFF + 1000, 300, 2.0 ** -30
     base = _times("eftopk", BASE)
     more = _times("eftopk", dataclasses.replace(BASE, check_element_s=rate))
     for rank in (0, 1):
-        assert more[rank][0] - base[rank][0] == pytest.approx((2 * big + small) * rate, rel=1e-9, abs=0)
+        assert more[rank][0] - base[rank][0] == pytest.approx((big + small) * rate, rel=1e-9, abs=0)
 
 
 def test_the_candidate_pass_without_its_rate_is_charged_as_the_elementwise_pass_it_was():
@@ -208,6 +210,7 @@ def test_declarations_by_hand():
     assert tk.work(d) == {"check": d, "sample": SAMPLE_SIZE, "collect": d, "elementwise": k, "kernel": 1,
                           "select": math.ceil(d * sample_rank(d, k) / SAMPLE_SIZE)}
     assert k <= tk.work(d)["select"] < 2 * k
+    assert tk.finite_work(d) == {op: n for op, n in tk.work(d).items() if op != "check"}     # (compress_finite's)
     assert compressors.get("topk", k=5).work(5) == {"elementwise": 10, "kernel": 1}
     assert tk.decompress_work(1000) == {"elementwise": 10}
     m = methods.get("none", compressor="fp16")
@@ -221,7 +224,7 @@ def test_declarations_by_hand():
     # a warm-up round is the inner method's exact round
     w = methods.warmup(methods.get("ef", compressor="topk", ratio=0.1), 1)
     st = w.init(100)
-    assert w.work("encode", st, 100) == {"elementwise": 200, "kernel": 1}
+    assert w.work("encode", st, 100) == {"check": 100, "elementwise": 200, "kernel": 1}    # (EF's read of g)
     st.rounds = 1
     assert w.work("encode", st, 100) == methods.get("ef", compressor="topk", ratio=0.1).work("encode", st, 100)
     assert set(CODEC_RATES) <= set(HOST_OPS)
