@@ -202,25 +202,28 @@ def test_an_error_of_the_sim_fabrics_only_role_names_it():
                in n for n in getattr(info.value, "__notes__", []))
 
 
+class _LoggedWork:
+    """A send of a fake fabric that never completes by itself; its waits go to ``log``."""
+
+    def __init__(self, log: list, name: str):
+        self.log, self.name = log, name
+
+    def wait(self, timeout=None):
+        self.log.append(f"wait {self.name}")
+
+    def is_completed(self):
+        return False
+
+
 def test_flush_waits_for_the_sends_holding_a_buffer_before_the_role_goes_on():
     log = []
-
-    class _Work:
-        def __init__(self, name):
-            self.name = name
-
-        def wait(self, timeout=None):
-            log.append(f"wait {self.name}")
-
-        def is_completed(self):
-            return False
 
     class _Fabric:
         rank, world_size = 0, 2
         wait_all = Fabric.wait_all      # (the contract's generic version: each work's wait, in order)
 
         def isend(self, buf, dst, tag):
-            return _Work(f"send {tag}")
+            return _LoggedWork(log, f"send {tag}")
 
     f, pool = _Fabric(), Pool()
     inbox, outbox = Inbox(f, pool), Outbox(f, pool)
@@ -245,16 +248,6 @@ def test_send_each_is_a_send_per_endpoint_each_held_and_recorded_even_after_an_e
     ``deferrable``; a send that raises leaves those started before it held and finished."""
     log = []
 
-    class _Work:
-        def __init__(self, name):
-            self.name = name
-
-        def wait(self, timeout=None):
-            log.append(f"wait {self.name}")
-
-        def is_completed(self):
-            return False
-
     class _Fabric:
         rank, world_size = 0, 4
         wait_all = Fabric.wait_all
@@ -263,7 +256,7 @@ def test_send_each_is_a_send_per_endpoint_each_held_and_recorded_even_after_an_e
         def isend(self, buf, dst, tag):
             if dst == 9:
                 raise ValueError("no endpoint 9")
-            return _Work(f"{dst}.{tag}")
+            return _LoggedWork(log, f"{dst}.{tag}")
 
     f, pool = _Fabric(), Pool()
     inbox, outbox = Inbox(f, pool), Outbox(f, pool)
