@@ -215,7 +215,8 @@ class Outbox:
     def send_each(self, buf: torch.Tensor, dsts: tuple, tag: int, key=None, deferrable: bool = False) -> None:
         """:meth:`send` of ``buf`` to each endpoint of ``dsts``, in order, on ``tag`` (:class:`SendEach`), the sends
         started by one call of the fabric's :meth:`~.base.Fabric.isend_each`; the ones it started before an error
-        are recorded all the same (held, finished by :meth:`finish`)."""
+        are recorded all the same (held, finished by :meth:`finish`). ``key``: the role of the pooled buffer they
+        use (held until every send completes). ``deferrable``: each left to :meth:`finish` (:meth:`reap`)."""
         works: list = []
         try:
             self.fabric.isend_each(buf, dsts, tag, works)
