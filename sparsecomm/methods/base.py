@@ -471,7 +471,7 @@ def raise_input_nonfinite(method: str, formed: str) -> None:
     from the gradient and the state) holds a NaN or Inf (:attr:`Method.checks_input`)."""
     raise NonFiniteError(f"method {method!r}: its compressed input {formed} holds NaN or Inf: a NaN/Inf gradient, or "
                          f"a finite gradient whose sum with the method's state overflowed (a state grown near the "
-                         f"dtype's largest value); lower the learning rate, or reset the method's state")
+                         f"dtype's largest value); lower the learning rate, or resume from a checkpoint taken before the state grew")
 
 
 def check_finite(x: torch.Tensor, who: str) -> None:

@@ -43,7 +43,7 @@ NONFINITE = ("raise", "skip", "pass")
 _HELP = ("a diverging model is the usual cause (a NaN/Inf gradient, or a finite one whose sum with the method's state "
          "overflowed: an error-feedback residual grown near the dtype's largest value): lower the learning rate "
          "(opt.step_size_hint.lr(lr) is what theory allows a compressed method if lr suits uncompressed training) "
-         "or reset the method's state, check loss scaling, or find the "
+         "or resume from a checkpoint taken before the state grew, check loss scaling, or find the "
          "first NaN with torch.autograd.set_detect_anomaly; nonfinite='skip' drops such a step on every worker "
          "with nothing changed (mixed precision: torch.amp.GradScaler), nonfinite='pass' lets NaN/Inf through "
          "as DDP does")

@@ -31,7 +31,7 @@ NONFINITE = ("raise", "pass")
 _LR_FIRST = ("a diverging model is the usual cause (a NaN/Inf gradient, or a finite one whose sum with a compression "
              "method's state overflowed: an error-feedback residual grown near the dtype's largest value): lower the "
              "learning rate (opt.step_size_hint.lr(lr): what theory allows if lr suits uncompressed training) or "
-             "reset the method's state")
+             "resume from a checkpoint taken before the state grew")
 
 
 def nonfinite_option(value: str, transport: str) -> str:
