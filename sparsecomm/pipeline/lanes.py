@@ -94,15 +94,15 @@ class CallOrder:
 
 class Lanes:
     """``count`` lanes of one pipeline (see the module doc): lane 0 is the pipeline's own fabric and
-    transport, lane ``i`` a fabric from ``fabric.lane()`` with the pipeline's transport built on it
+    transport, lane ``i`` the fabric's ``fabric.lane(i)`` (shared with every pipeline that asks for it) with the pipeline's transport built on it
     (:meth:`CommPipeline.add_lane <sparsecomm.pipeline.core.CommPipeline.add_lane>`). Building them is a
     collective (the lanes' process groups): every worker at the same point, with the same ``count``."""
 
     def __init__(self, pipeline: Any, count: int) -> None:
         self.count = int(count)
         self.fabrics = [pipeline.fabric]
-        for _ in range(1, self.count):
-            fabric = pipeline.fabric.lane()
+        for i in range(1, self.count):
+            fabric = pipeline.fabric.lane(i)
             pipeline.add_lane(fabric)
             self.fabrics.append(fabric)
         self.order = CallOrder()

@@ -189,3 +189,38 @@ def test_an_error_on_one_lane_fails_every_later_call_on_both_lanes_on_every_work
         assert faulted == ([want, want] if fault_lane == 0 else [0.5, want]), faulted
         assert later == [want, want], later
         assert got[2][1] < BOUND and got[3][1] < BOUND
+
+
+# ------------------------------------------------------------------------------- lanes built once per process
+def _two_models(ctx, lanes):
+    """Two DDP models, each with its own hook (``lanes``), trained step by step in turn; then four more hooks
+    built in the same process. Returns both models' parameters, whether the hooks' lane fabrics are the same
+    objects, and the process's Python threads after the first two hooks and after all six."""
+    import threading
+
+    nets = [_net() for _ in range(2)]
+    ddps = [nn.parallel.DistributedDataParallel(net, bucket_cap_mb=0.05) for net in nets]
+    states = [sc.ddp.register(d, transport="ring", lanes=lanes, fuse=False) for d in ddps]
+    opts = [torch.optim.SGD(d.parameters(), lr=0.05) for d in ddps]
+    for t in range(STEPS):
+        for d, opt in zip(ddps, opts):
+            train_step(ctx, d, opt, t)
+    threads = threading.active_count()
+    more = [sc.ddp.CommHookState(None, transport="ring", model=ddps[0], fuse=False, lanes=lanes) for _ in range(4)]
+    fabrics = [s.scheduler.lanes.fabrics if s.scheduler.lanes is not None else [] for s in states + more]
+    shared = all(len(f) == len(fabrics[0]) and all(a is b for a, b in zip(f, fabrics[0])) for f in fabrics)
+    return {"params": [[p.detach().clone() for p in net.parameters()] for net in nets], "shared": shared,
+            "threads": (threads, threading.active_count()),
+            "skipped": [outcome(lambda: ctx.fabric.lane(i))[:2] for i in (0, len(fabrics[0]) + 1)]}
+
+
+@pytest.mark.multiprocess
+def test_hooks_built_again_and_again_share_their_lanes_and_keep_their_bits():
+    one = sc.launch(functools.partial(_two_models, lanes=1), 2, backend="gloo", timeout_s=TIMEOUT)
+    three = sc.launch(functools.partial(_two_models, lanes=3), 2, backend="gloo", timeout_s=TIMEOUT)
+    for a, b in zip(one, three):
+        for x, y in zip(a["params"], b["params"]):          # (each model: the bits of one lane)
+            assert all(torch.equal(p, q) for p, q in zip(x, y))
+        assert b["shared"] and b["threads"][1] == b["threads"][0], b["threads"]
+        for cls, text in b["skipped"]:       # (lane 0 is the fabric itself; lanes are built in order)
+            assert cls == "InvalidValueError" and "index must be an int from 1 to 3" in text, text

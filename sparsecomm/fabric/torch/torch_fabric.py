@@ -296,18 +296,31 @@ class TorchFabric(Fabric):
             return "a single worker has nothing to communicate"
         return None
 
-    def lane(self) -> "TorchFabric":
-        """Another fabric of the same workers on process groups of its own (one per direction of a pair, as
-        ``two_way``), so that its messages never queue behind this fabric's on a gloo connection: a second
-        *lane* for calls in flight together (the DDP hook's buckets: :mod:`sparsecomm.pipeline.lanes`). A
-        collective: every rank calls it at the same point, in the same order (it creates the groups). The lane
-        shares this fabric's failure record (the store key ``<shutdown_key>/failed``), so a failure on either
-        trips both (each one's watchdog reads the record), is closed by :meth:`close` and its connections
-        closed by :meth:`release` with this fabric's. :class:`IncompatibleError` with the reason when
-        :meth:`lane_refusal` has one."""
+    def lane(self, index: int) -> "TorchFabric":
+        """Lane ``index`` (1, 2, ...) of this fabric: another fabric of the same workers on process groups of its
+        own (one per direction of a pair, as ``two_way``), so that its messages never queue behind this fabric's
+        on a gloo connection, for calls in flight together (the DDP hook's buckets: :mod:`sparsecomm.pipeline.lanes`).
+        Built on first request, a collective (every rank at the same point: it creates the groups), lanes in
+        order (``index`` at most one more than the lanes built so far); then the same fabric for every caller:
+        every pipeline that asks for lane ``index`` shares it, as pipelines share this fabric (its calls run one
+        at a time on its communication thread), so building hooks again and again in one process holds as many
+        lanes as the most that one of them asked for. The lane shares this fabric's failure record (the store key
+        ``<shutdown_key>/failed``), so a failure on either trips both (each one's watchdog reads the record), is
+        closed by :meth:`close` and its connections closed by :meth:`release` with this fabric's.
+        :class:`IncompatibleError` with the reason when :meth:`lane_refusal` has one.
+
+        Args:
+            index: the lane's number, from 1 (lane 0 is this fabric).
+        """
         why = self.lane_refusal()
         if why is not None:
             raise IncompatibleError(f"TorchFabric.lane: {why}; use one lane")
+        built = len(self._lanes)
+        if isinstance(index, bool) or not isinstance(index, int) or not 1 <= index <= built + 1:
+            raise InvalidValueError(f"TorchFabric.lane: index must be an int from 1 to {built + 1} (lanes are "
+                                    f"built in order; {built} built so far), got {index!r}")
+        if index <= built:
+            return self._lanes[index - 1]
         ranks = list(range(self.total_ranks))
         bound = timedelta(seconds=self.timeout_s)
         up = dist.new_group(ranks, timeout=bound)
