@@ -82,12 +82,11 @@ class RecvFor(NamedTuple):
 def lowered(role: Generator, fabric, inbox: Inbox, outbox: Outbox, keep: int = 64) -> Generator:
     """``role`` as a role of :func:`sparsecomm.fabric.roles.drive`: its :class:`Datagram` and :class:`Datagrams`
     requests are sent here (``Fabric.isend``, :func:`~..datagrams.send_each`; a tracked one joins ``outbox``'s
-    sends, held under its ``hold``), its :class:`RecvFor`
-    requests are lowered (no timer: :class:`~sparsecomm.fabric.roles.PostInto` and
-    :class:`~sparsecomm.fabric.roles.Recv`, then the message taken and its source read; with a timer: the
-    sends reaped to ``keep`` if the stage reaps, then the scheduler's :class:`~sparsecomm.fabric.roles.RecvWithin`,
-    ``None`` the timer's expiry); every other request is yielded on, and
-    what the scheduler resumes the role with is passed back to it."""
+    sends, held under its ``hold``), its :class:`RecvFor` requests are lowered (no timer:
+    :class:`~sparsecomm.fabric.roles.PostInto` and :class:`~sparsecomm.fabric.roles.Recv`, then the message taken
+    and its source read; with a timer: the sends reaped to ``keep`` if the stage reaps, then the scheduler's
+    :class:`~sparsecomm.fabric.roles.RecvWithin`, ``None`` the timer's expiry); every other request is yielded on,
+    and what the scheduler resumes the role with is passed back to it."""
     value = None
     while True:
         try:
