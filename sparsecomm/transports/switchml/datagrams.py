@@ -10,7 +10,9 @@ says so with two requests:
   on SimFabric a flush right after it is a blocking send: the sender's clock advances to the end of its
   transmission, the worker NIC's serialisation). ``hold=None``: nothing of the sender ever waits for it (a
   switch's port, which replies and goes on: its transmission holds back nothing else of the switch).
-- :class:`Multicast`: a :class:`Datagram` with ``hold=None`` to each of several endpoints, one request.
+- :class:`Multicast`: a :class:`Datagram` with ``hold=None`` to each of several endpoints, one request (a
+  switch's multicast of a result to every worker of the job: Sapio et al., NSDI'21); on a fabric with
+  modelled time one call of the fabric's ``isend_each`` (:func:`send_each`).
 - :class:`RecvBy`: a :class:`~sparsecomm.fabric.roles.Recv` of one message with a deadline: the role is
   resumed once the message is in, or once ``timeout`` seconds (modelled seconds on SimFabric, wall seconds
   elsewhere) have passed, whichever comes first. It then asks ``inbox.ready(key)``: if the message is in,
@@ -18,10 +20,12 @@ says so with two requests:
   its channel still goes to it, so a later wait on the same key takes it). On SimFabric the endpoint's
   clock then stands at the deadline. ``timeout=None`` is a plain ``Recv``.
 
-:func:`drive` runs roles yielding these on any fabric, through :meth:`.Fabric.drive`: each role is wrapped
-by an adapter that sends a :class:`Datagram` itself and lowers a :class:`RecvBy` with a deadline to the
-scheduler's :class:`~sparsecomm.fabric.roles.AwaitWithin` (which blocks the endpoint: the switches' roles
-are one role per endpoint, so nothing else could run meanwhile), handing every other request on.
+:func:`send_each` sends one buffer as a datagram to several endpoints on any fabric (the sparse switch's
+replies use it too). :func:`drive` runs roles yielding these on any fabric, through :meth:`.Fabric.drive`:
+each role is wrapped by an adapter that sends a :class:`Datagram` and a :class:`Multicast` itself and lowers a
+:class:`RecvBy` with a deadline to the scheduler's :class:`~sparsecomm.fabric.roles.AwaitWithin` (which blocks
+the endpoint: the switches' roles are one role per endpoint, so nothing else could run meanwhile), handing
+every other request on.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import torch
 
 from ...fabric.roles import AwaitWithin, Inbox, Outbox, Recv, Spawn, Stage
 
-__all__ = ["Datagram", "Multicast", "RecvBy", "drive"]
+__all__ = ["Datagram", "Multicast", "RecvBy", "drive", "send_each"]
 
 
 class Datagram(NamedTuple):
@@ -49,7 +53,8 @@ class Datagram(NamedTuple):
 class Multicast(NamedTuple):
     """Send ``buf`` to each endpoint of ``dsts``, in order, on ``tag``: a :class:`Datagram` with ``hold=None``
     per destination (a switch's multicast: its ports transmit in parallel and nothing waits for them), as one
-    request rather than one per destination."""
+    request rather than one per destination, sent by :func:`send_each` (on a fabric with modelled time one
+    pass of its ``isend_each``)."""
 
     buf: torch.Tensor
     dsts: range
@@ -88,13 +93,15 @@ def _adapt(fabric, inbox: Inbox, outbox: Outbox, role):
         if t is Datagram:
             _send(fabric, outbox, req)
         elif t is Multicast:
-            buf, tag = req.buf, req.tag
-            if fabric.modelled_time:        # (_send's case of a datagram nothing waits for, inline)
-                for dst in req.dsts:
-                    fabric.isend(buf, dst, tag, reliable=False)
-            else:
-                for dst in req.dsts:
-                    _send(fabric, outbox, Datagram(buf, dst, tag))
+            buf = req.buf
+            if fabric.modelled_time:        # (_send's case of a datagram nothing waits for: not recorded)
+                fabric.isend_each(buf, req.dsts, req.tag, [], reliable=False)
+            else:                           # (recorded as _send records each, those started before an error too)
+                works: list = []
+                try:
+                    send_each(fabric, buf, req.dsts, req.tag, works)
+                finally:
+                    outbox.pending += [(wk, buf, False) for wk in works]
         elif t is RecvBy:
             if req.timeout is None:
                 yield Recv((req.key,), req.stage)
@@ -116,3 +123,20 @@ def _send(fabric, outbox: Outbox, req: Datagram) -> None:
     outbox.pending.append((wk, req.buf, False))
     if req.hold is not None:
         outbox.pool.hold(("out", req.hold), wk)
+
+
+def send_each(fabric, buf: torch.Tensor, dsts, tag: int, works: list, reliable: bool = False) -> list:
+    """Send ``buf`` to each endpoint of ``dsts``, in that order, on ``tag``, as datagrams (``reliable=False``:
+    the network model may drop each; ``True``: none is dropped), each send's :class:`~.base.Work` appended to
+    ``works`` as it starts (those started before an error are the caller's to record), which is returned.
+
+    On a fabric with modelled time this is one call of its ``isend_each`` with ``reliable`` (the SimFabric's:
+    one pass, one copy of ``buf`` shared by the messages, the modelled times and each destination's drop
+    decision and its random draw those of an ``isend`` per destination in the same order); elsewhere an
+    ``isend`` per destination, which is what a real fabric's ``isend_each`` is (its generic version takes no
+    ``reliable``: a real fabric delivers every message), so the wire is unchanged."""
+    if fabric.modelled_time:
+        return fabric.isend_each(buf, dsts, tag, works, reliable=reliable)
+    for dst in dsts:
+        works.append(fabric.isend(buf, dst, tag, reliable=reliable))
+    return works

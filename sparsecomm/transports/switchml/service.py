@@ -53,7 +53,7 @@ import torch
 from ...errors import ServiceShutdown
 from ...fabric import services
 from ...fabric.base import Fabric
-from ...fabric.roles import Inbox, Outbox, Pool, PostInto, Recv, Send, Step
+from ...fabric.roles import Inbox, Outbox, Pool, PostInto, Recv, SendEach, Step
 from .dataplane import (F_TYPE, HEADER, RECV_SLACK, T_EMPTY, T_SHORT, TAG_DOWN, TAG_UP, Dataplane, SwitchConfig,
                         rejection, short_extent, short_frame, short_rows, split_messages)
 from .datagrams import Datagram, Multicast, drive, drive_process
@@ -101,8 +101,9 @@ def switch_role(dp: Dataplane, inbox: Inbox):
     the program on it and yields its replies (whole padded bursts; on a SimFabric with a real fabric's
     ``message_bytes``, messages as long as their packets, both ways, header-only packets in ``SHORT`` messages
     as a real fabric's port takes and answers them: :func:`_short_replies`), datagrams that it never waits for
-    (:class:`~.datagrams.Datagram` with no ``hold``: the per-port links transmit in parallel); the rejection notice of malformed packets
-    is a reliable :class:`~sparsecomm.fabric.roles.Send` to every worker (the dataplane's docstring). A
+    (:class:`~.datagrams.Datagram` with no ``hold``: the per-port links transmit in parallel; a result to every
+    worker is one :class:`~.datagrams.Multicast`); the rejection notice of malformed packets is a reliable
+    :class:`~sparsecomm.fabric.roles.SendEach` to every worker (the dataplane's docstring). A
     message's port is its receive's source; the workers are ``dp.world`` (set by :func:`serve`)."""
     burst = dp.config.burst
     width = HEADER + dp.config.elems
@@ -137,8 +138,7 @@ def switch_role(dp: Dataplane, inbox: Inbox):
         inbox.fabric.host_work("switch_packet", packets)
         if dp.stats["malformed"] > before:     # reported to every worker (the dataplane's docstring)
             notice = torch.from_numpy(rejection(width, burst, src, dp.world, dp.stats["malformed"] - before))
-            for dst in range(dp.world):
-                yield Send(notice, dst, TAG_DOWN)
+            yield SendEach(notice, tuple(range(dp.world)), TAG_DOWN)
         for msg in mcast:
             yield Multicast(torch.from_numpy(msg), range(dp.world), TAG_DOWN)
         for msg in ucast:
@@ -155,8 +155,7 @@ def _short_replies(dp: Dataplane, fabric: Fabric, arr: np.ndarray, src: int, wid
         arr[:, F_TYPE] = T_EMPTY
         dp.stats["malformed"] += 1
         notice = torch.from_numpy(rejection(width, burst, src, dp.world, 1))
-        for dst in range(dp.world):
-            yield Send(notice, dst, TAG_DOWN)
+        yield SendEach(notice, tuple(range(dp.world)), TAG_DOWN)
         return
     before = dp.stats["malformed"]
     mc, uc = dp.process(rows.copy())
@@ -165,8 +164,7 @@ def _short_replies(dp: Dataplane, fabric: Fabric, arr: np.ndarray, src: int, wid
     fabric.host_work("switch_packet", len(rows))
     if dp.stats["malformed"] > before:
         notice = torch.from_numpy(rejection(width, burst, src, dp.world, dp.stats["malformed"] - before))
-        for dst in range(dp.world):
-            yield Send(notice, dst, TAG_DOWN)
+        yield SendEach(notice, tuple(range(dp.world)), TAG_DOWN)
     for res, dsts in ((mc, range(dp.world)), (uc, None)):
         if len(res):
             msg, out = short_frame(np.empty(HEADER * (len(res) + 1), dtype=np.int32), len(res))

@@ -493,8 +493,9 @@ class Dataplane:
 
     def replies(self, rows: list, src: int | None, K: int, single: bool, sim: bool) -> tuple[list, int]:
         """Run the program on ``rows`` (a message from ``src``, :meth:`packets`); its replies as ``(message,
-        destination, reliable)``: a rejection notice to every worker first if the message held a malformed or
-        out-of-step packet, then the results to every worker, then the retransmissions to ``src``; and the
+        destinations, reliable)`` (:class:`.requests.Datagrams`; every worker: ``range(world)``): a rejection
+        notice to every worker first if the message held a malformed or out-of-step packet, then the results to
+        every worker, then the retransmissions to ``src`` (``(src,)``); and the
         result rows the program produced (multicast and retransmitted: what the host model charges
         ``sparse_switch_result_s`` for). ``K``: rows per reply message; ``single``: one row per message;
         ``sim``: a burst's last message padded to ``K`` rows (:func:`_messages`: a SimFabric whose receive takes
@@ -512,14 +513,14 @@ class Dataplane:
             if uc is not None:
                 ucast.append(uc)
         malformed, out_of_step = self.stats["malformed"] - before[0], self.stats["out_of_step"] - before[1]
-        sends = [(msg, dst, False) for msg in _messages(mcast, K, width, single, sim) for dst in range(world)]
+        everyone = range(world)
+        sends = [(msg, everyone, False) for msg in _messages(mcast, K, width, single, sim)]
         if src is not None:
-            sends += [(msg, src, False) for msg in _messages(ucast, K, width, single, sim)]
+            sends += [(msg, (src,), False) for msg in _messages(ucast, K, width, single, sim)]
         if (malformed or out_of_step) and src is not None and 0 <= src < world:
             notice = rejection(k, src, world, OUT_OF_STEP if out_of_step else MALFORMED, malformed + out_of_step,
                                self.refused if out_of_step else None)
-            sends = [(msg, dst, True) for msg in _messages([notice], K, width, single, sim)
-                     for dst in range(world)] + sends
+            sends = [(msg, everyone, True) for msg in _messages([notice], K, width, single, sim)] + sends
         return sends, len(mcast) + len(ucast)
 
 
