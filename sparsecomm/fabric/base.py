@@ -7,7 +7,7 @@ Semantics every implementation keeps (they are what lets one protocol run on :cl
 ``TorchFabric`` unchanged):
 
 - ``send(tensor, dst)`` is blocking until ``tensor`` may be reused; ``isend`` returns a :class:`Work`;
-  ``isend_each(tensor, dsts, tag, works)`` is ``isend`` to each of ``dsts`` in order.
+  ``isend_each(tensor, dsts, tag, works, reliable=True)`` is ``isend`` to each of ``dsts`` in order.
 - ``recv(tensor, src)`` fills the pre-allocated ``tensor`` in place (the receiver must know the
   message's shape and dtype, as with ``torch.distributed``); a message of another shape or dtype
   raises :class:`~sparsecomm.errors.MismatchError`. ``src=None`` receives from any source. It
@@ -181,9 +181,10 @@ class Fabric(ABC):
                 deliver every message, and reliable sends are never dropped
         """
 
-    def isend_each(self, tensor: torch.Tensor, dsts: Sequence[int], tag: int, works: list) -> list:
-        """Start sending ``tensor`` to each endpoint of ``dsts``, in that order, on ``tag`` (reliable sends):
-        what ``isend`` per endpoint does, which this generic version is (a real fabric's wire is the same);
+    def isend_each(self, tensor: torch.Tensor, dsts: Sequence[int], tag: int, works: list, *,
+                   reliable: bool = True) -> list:
+        """Start sending ``tensor`` to each endpoint of ``dsts``, in that order, on ``tag``: what ``isend`` per
+        endpoint does, which this generic version is (a real fabric's wire is the same);
         a fabric may start them in one pass (:class:`~.roles.SendEach`). Each send's :class:`Work` is
         appended to ``works`` as it starts (so that an error leaves the caller those started before it), which
         is returned. A wrapper that intercepts ``isend`` and delegates the rest to the fabric it wraps sets
@@ -194,9 +195,10 @@ class Fabric(ABC):
             dsts: the receiving endpoints.
             tag: the message tag.
             works: the list the sends' operations are appended to.
+            reliable: as for :meth:`isend`, for every send (a switch's multicast of a result is datagrams).
         """
         for dst in dsts:
-            works.append(self.isend(tensor, dst, tag))
+            works.append(self.isend(tensor, dst, tag, reliable=reliable))
         return works
 
     @abstractmethod

@@ -222,7 +222,7 @@ def test_flush_waits_for_the_sends_holding_a_buffer_before_the_role_goes_on():
         rank, world_size = 0, 2
         wait_all = Fabric.wait_all      # (the contract's generic version: each work's wait, in order)
 
-        def isend(self, buf, dst, tag):
+        def isend(self, buf, dst, tag, *, reliable=True):
             return _LoggedWork(log, f"send {tag}")
 
     f, pool = _Fabric(), Pool()
@@ -253,7 +253,7 @@ def test_send_each_is_a_send_per_endpoint_each_held_and_recorded_even_after_an_e
         wait_all = Fabric.wait_all
         isend_each = Fabric.isend_each      # (the contract's generic version)
 
-        def isend(self, buf, dst, tag):
+        def isend(self, buf, dst, tag, *, reliable=True):
             if dst == 9:
                 raise ValueError("no endpoint 9")
             return _LoggedWork(log, f"{dst}.{tag}")

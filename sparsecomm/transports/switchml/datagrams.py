@@ -12,7 +12,7 @@ says so with two requests:
   switch's port, which replies and goes on: its transmission holds back nothing else of the switch).
 - :class:`Multicast`: a :class:`Datagram` with ``hold=None`` to each of several endpoints, one request (a
   switch's multicast of a result to every worker of the job: Sapio et al., NSDI'21); on a fabric with
-  modelled time one call of the fabric's ``isend_each`` (:func:`send_each`).
+  modelled time one pass (the fabric's ``isend_each``; elsewhere an ``isend`` per destination).
 - :class:`RecvBy`: a :class:`~sparsecomm.fabric.roles.Recv` of one message with a deadline: the role is
   resumed once the message is in, or once ``timeout`` seconds (modelled seconds on SimFabric, wall seconds
   elsewhere) have passed, whichever comes first. It then asks ``inbox.ready(key)``: if the message is in,
@@ -20,8 +20,7 @@ says so with two requests:
   its channel still goes to it, so a later wait on the same key takes it). On SimFabric the endpoint's
   clock then stands at the deadline. ``timeout=None`` is a plain ``Recv``.
 
-:func:`send_each` sends one buffer as a datagram to several endpoints on any fabric (the sparse switch's
-replies use it too). :func:`drive` runs roles yielding these on any fabric, through :meth:`.Fabric.drive`:
+:func:`drive` runs roles yielding these on any fabric, through :meth:`.Fabric.drive`:
 each role is wrapped by an adapter that sends a :class:`Datagram` and a :class:`Multicast` itself and lowers a
 :class:`RecvBy` with a deadline to the scheduler's :class:`~sparsecomm.fabric.roles.AwaitWithin` (which blocks
 the endpoint: the switches' roles are one role per endpoint, so nothing else could run meanwhile), handing
@@ -36,7 +35,7 @@ import torch
 
 from ...fabric.roles import AwaitWithin, Inbox, Outbox, Recv, Spawn, Stage
 
-__all__ = ["Datagram", "Multicast", "RecvBy", "drive", "send_each"]
+__all__ = ["Datagram", "Multicast", "RecvBy", "drive"]
 
 
 class Datagram(NamedTuple):
@@ -53,8 +52,8 @@ class Datagram(NamedTuple):
 class Multicast(NamedTuple):
     """Send ``buf`` to each endpoint of ``dsts``, in order, on ``tag``: a :class:`Datagram` with ``hold=None``
     per destination (a switch's multicast: its ports transmit in parallel and nothing waits for them), as one
-    request rather than one per destination, sent by :func:`send_each` (on a fabric with modelled time one
-    pass of its ``isend_each``)."""
+    request rather than one per destination, sent by the fabric's ``isend_each`` (on a fabric with modelled time
+    one pass)."""
 
     buf: torch.Tensor
     dsts: range
@@ -99,7 +98,7 @@ def _adapt(fabric, inbox: Inbox, outbox: Outbox, role):
             else:                           # (recorded as _send records each, those started before an error too)
                 works: list = []
                 try:
-                    send_each(fabric, buf, req.dsts, req.tag, works)
+                    fabric.isend_each(buf, req.dsts, req.tag, works, reliable=False)
                 finally:
                     outbox.pending += [(wk, buf, False) for wk in works]
         elif t is RecvBy:
@@ -124,19 +123,3 @@ def _send(fabric, outbox: Outbox, req: Datagram) -> None:
     if req.hold is not None:
         outbox.pool.hold(("out", req.hold), wk)
 
-
-def send_each(fabric, buf: torch.Tensor, dsts, tag: int, works: list, reliable: bool = False) -> list:
-    """Send ``buf`` to each endpoint of ``dsts``, in that order, on ``tag``, as datagrams (``reliable=False``:
-    the network model may drop each; ``True``: none is dropped), each send's :class:`~.base.Work` appended to
-    ``works`` as it starts (those started before an error are the caller's to record), which is returned.
-
-    On a fabric with modelled time this is one call of its ``isend_each`` with ``reliable`` (the SimFabric's:
-    one pass, one copy of ``buf`` shared by the messages, the modelled times and each destination's drop
-    decision and its random draw those of an ``isend`` per destination in the same order); elsewhere an
-    ``isend`` per destination, which is what a real fabric's ``isend_each`` is (its generic version takes no
-    ``reliable``: a real fabric delivers every message), so the wire is unchanged."""
-    if fabric.modelled_time:
-        return fabric.isend_each(buf, dsts, tag, works, reliable=reliable)
-    for dst in dsts:
-        works.append(fabric.isend(buf, dst, tag, reliable=reliable))
-    return works

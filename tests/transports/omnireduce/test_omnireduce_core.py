@@ -499,7 +499,7 @@ def test_a_role_reusing_a_send_buffer_waits_in_the_scheduler_not_blocking():
                 self.done = True
 
     class _Fabric(_LocalFabric):
-        def isend(self, buf, dst, tag):
+        def isend(self, buf, dst, tag, *, reliable=True):
             return _Work("send", False)
 
         def irecv(self, buf, src, tag):

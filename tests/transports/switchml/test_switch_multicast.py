@@ -1,5 +1,5 @@
 """The switches' multicast on the SimFabric: a buffer to several workers is one ``isend_each`` of the fabric
-(one request, one pass, :func:`sparsecomm.transports.switchml.datagrams.send_each`), and what the model does
+(one request, one pass), and what the model does
 with it is what an ``isend`` per worker did, under loss too: each destination's drop decision and its random
 draw in the same order. So the lossy scenarios' modelled times (``float.hex``), every endpoint's messages and
 bytes sent and received (a dropped datagram is sent, never received) and the switches' counters are pinned
@@ -15,7 +15,7 @@ import torch
 
 import sparsecomm as sc
 from sparsecomm.fabric.sim.sim import SimFabric
-from sparsecomm.transports.switchml.datagrams import send_each
+from sparsecomm.fabric.base import Fabric
 
 NUMEL = 64 * 96
 
@@ -126,9 +126,10 @@ def test_a_result_to_every_worker_is_one_isend_each(name, density, loss, monkeyp
 
 
 class _RealFabric:
-    """A fabric without modelled time that records its sends."""
+    """A fabric without modelled time that records its sends, with the generic ``isend_each``."""
 
     modelled_time = False
+    isend_each = Fabric.isend_each
 
     def __init__(self) -> None:
         self.sent: list = []
@@ -137,12 +138,11 @@ class _RealFabric:
         self.sent.append((dst, tag, reliable))
         return ("work", dst)
 
-    def isend_each(self, *args, **kw):
-        raise AssertionError("a fabric without modelled time gets an isend per destination")
 
-
-def test_send_each_is_an_isend_per_destination_on_a_fabric_without_modelled_time():
+def test_the_generic_isend_each_is_an_isend_per_destination_with_its_reliability():
     f, works = _RealFabric(), []
-    assert send_each(f, torch.zeros(3), range(3), 7, works, reliable=False) is works
+    assert f.isend_each(torch.zeros(3), range(3), 7, works, reliable=False) is works
     assert f.sent == [(0, 7, False), (1, 7, False), (2, 7, False)]
     assert works == [("work", 0), ("work", 1), ("work", 2)]
+    f.isend_each(torch.zeros(3), [1], 8, works)
+    assert f.sent[-1] == (1, 8, True)

@@ -8,8 +8,8 @@ waits for its replies. :class:`~sparsecomm.fabric.roles.Send` is reliable and al
 
 - :class:`Datagram`: :class:`~sparsecomm.fabric.roles.Send` with ``reliable`` and ``tracked``; :class:`Datagrams`,
   several of them (none held) as one request, a buffer to several endpoints sent by one
-  :func:`~..datagrams.send_each` (a switch's multicast: on a fabric with modelled time one call of its
-  ``isend_each``);
+  :meth:`~sparsecomm.fabric.base.Fabric.isend_each` (a switch's multicast: on a fabric with modelled time one
+  pass);
 - :class:`RecvFor`: a receive whose wait also ends after ``timeout`` (modelled seconds where the fabric's time
   is modelled); the role is resumed with the message's source, or ``None`` when the timer expired first.
 
@@ -26,7 +26,6 @@ from typing import Generator, NamedTuple
 import torch
 
 from ....fabric.roles import Inbox, Outbox, PostInto, Recv, RecvWithin, Stage
-from ..datagrams import send_each
 
 __all__ = ["Datagram", "Datagrams", "RecvFor", "lowered"]
 
@@ -53,8 +52,8 @@ class Datagrams(NamedTuple):
     """For each ``(buf, dsts, reliable)`` of ``sends``, in order, a :class:`Datagram` ``(buf, dst, reliable)`` to
     each endpoint of ``dsts`` in order, on ``tag``, none held: one request for a switch's replies to a message
     (its multicast: ``buf`` to every worker, ``dsts`` a ``range``; a retransmission: ``dsts`` one endpoint),
-    each ``buf`` sent by one :func:`~..datagrams.send_each` (on a fabric with modelled time one pass of its
-    ``isend_each``, with each destination's drop decision as an ``isend`` per destination)."""
+    each ``buf`` sent by one ``Fabric.isend_each`` (on a fabric with modelled time one pass, with each
+    destination's drop decision as an ``isend`` per destination)."""
 
     sends: list
     tag: int
@@ -81,7 +80,7 @@ class RecvFor(NamedTuple):
 
 def lowered(role: Generator, fabric, inbox: Inbox, outbox: Outbox, keep: int = 64) -> Generator:
     """``role`` as a role of :func:`sparsecomm.fabric.roles.drive`: its :class:`Datagram` and :class:`Datagrams`
-    requests are sent here (``Fabric.isend``, :func:`~..datagrams.send_each`; a tracked one joins ``outbox``'s
+    requests are sent here (``Fabric.isend``, ``Fabric.isend_each``; a tracked one joins ``outbox``'s
     sends, held under its ``hold``), its :class:`RecvFor` requests are lowered (no timer:
     :class:`~sparsecomm.fabric.roles.PostInto` and :class:`~sparsecomm.fabric.roles.Recv`, then the message taken
     and its source read; with a timer: the sends reaped to ``keep`` if the stage reaps, then the scheduler's
@@ -108,12 +107,12 @@ def lowered(role: Generator, fabric, inbox: Inbox, outbox: Outbox, keep: int = 6
                 for buf, dsts, reliable in req.sends:
                     works: list = []
                     try:
-                        send_each(fabric, buf, dsts, tag, works, reliable)
+                        fabric.isend_each(buf, dsts, tag, works, reliable=reliable)
                     finally:            # (those started before an error too)
                         pending += [(wk, buf, False) for wk in works]
             else:
                 for buf, dsts, reliable in req.sends:
-                    send_each(fabric, buf, dsts, tag, [], reliable)
+                    fabric.isend_each(buf, dsts, tag, [], reliable=reliable)
         elif t is RecvFor:
             if req.timeout is None:
                 yield PostInto(req.key, req.buf, req.src, req.tag)
