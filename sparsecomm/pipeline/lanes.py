@@ -94,9 +94,11 @@ class CallOrder:
 
 class Lanes:
     """``count`` lanes of one pipeline (see the module doc): lane 0 is the pipeline's own fabric and
-    transport, lane ``i`` the fabric's ``fabric.lane(i)`` (shared with every pipeline that asks for it) with the pipeline's transport built on it
+    transport, lane ``i`` the fabric's ``fabric.lane(i)`` (shared with every pipeline that asks for it) with the
+    pipeline's transport built on it
     (:meth:`CommPipeline.add_lane <sparsecomm.pipeline.core.CommPipeline.add_lane>`). Building them is a
-    collective (the lanes' process groups): every worker at the same point, with the same ``count``."""
+    collective (the lanes' process groups, the first time): every worker at the same point, with the same
+    ``count``."""
 
     def __init__(self, pipeline: Any, count: int) -> None:
         self.count = int(count)

@@ -20,11 +20,10 @@ says so with two requests:
   its channel still goes to it, so a later wait on the same key takes it). On SimFabric the endpoint's
   clock then stands at the deadline. ``timeout=None`` is a plain ``Recv``.
 
-:func:`drive` runs roles yielding these on any fabric, through :meth:`.Fabric.drive`:
-each role is wrapped by an adapter that sends a :class:`Datagram` and a :class:`Multicast` itself and lowers a
-:class:`RecvBy` with a deadline to the scheduler's :class:`~sparsecomm.fabric.roles.AwaitWithin` (which blocks
-the endpoint: the switches' roles are one role per endpoint, so nothing else could run meanwhile), handing
-every other request on.
+:func:`drive` runs roles yielding these on any fabric, through :meth:`.Fabric.drive`: each role is wrapped
+by an adapter that sends a :class:`Datagram` and a :class:`Multicast` itself and lowers a :class:`RecvBy` with a
+deadline to the scheduler's :class:`~sparsecomm.fabric.roles.AwaitWithin` (which blocks the endpoint: the
+switches' roles are one role per endpoint, so nothing else could run meanwhile), handing every other request on.
 """
 
 from __future__ import annotations
@@ -122,4 +121,3 @@ def _send(fabric, outbox: Outbox, req: Datagram) -> None:
     outbox.pending.append((wk, req.buf, False))
     if req.hold is not None:
         outbox.pool.hold(("out", req.hold), wk)
-
