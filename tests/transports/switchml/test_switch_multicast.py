@@ -1,6 +1,5 @@
 """The switches' multicast on the SimFabric: a buffer to several workers is one ``isend_each`` of the fabric
-(one request, one pass), and what the model does
-with it is what an ``isend`` per worker did, under loss too: each destination's drop decision and its random
+(one request, one pass), and what the model does with it is what an ``isend`` per worker did, under loss too: each destination's drop decision and its random
 draw in the same order. So the lossy scenarios' modelled times (``float.hex``), every endpoint's messages and
 bytes sent and received (a dropped datagram is sent, never received) and the switches' counters are pinned
 to the values the simulator gave when the switches sent one ``isend`` per worker; a change to the protocol's
@@ -14,8 +13,8 @@ import pytest
 import torch
 
 import sparsecomm as sc
-from sparsecomm.fabric.sim.sim import SimFabric
 from sparsecomm.fabric.base import Fabric
+from sparsecomm.fabric.sim.sim import SimFabric
 
 NUMEL = 64 * 96
 
