@@ -212,14 +212,16 @@ class Outbox:
             else:
                 busy[role] = [wk]
 
-    def send_each(self, buf: torch.Tensor, dsts: tuple, tag: int, key=None, deferrable: bool = False) -> None:
+    def send_each(self, buf: torch.Tensor, dsts: tuple, tag: int, key=None, deferrable: bool = False, *,
+                  reliable: bool = True) -> None:
         """:meth:`send` of ``buf`` to each endpoint of ``dsts``, in order, on ``tag`` (:class:`SendEach`), the sends
         started by one call of the fabric's :meth:`~.base.Fabric.isend_each`; the ones it started before an error
         are recorded all the same (held, finished by :meth:`finish`). ``key``: the role of the pooled buffer they
-        use (held until every send completes). ``deferrable``: each left to :meth:`finish` (:meth:`reap`)."""
+        use (held until every send completes). ``deferrable``: each left to :meth:`finish` (:meth:`reap`).
+        ``reliable``: ``False``, datagrams the network model may drop (a switch's multicast)."""
         works: list = []
         try:
-            self.fabric.isend_each(buf, dsts, tag, works)
+            self.fabric.isend_each(buf, dsts, tag, works, reliable=reliable)
         finally:
             self.pending += [(wk, buf, deferrable) for wk in works]
             if key is not None and works:       # (Pool.hold, inline)

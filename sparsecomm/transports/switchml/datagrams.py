@@ -91,15 +91,10 @@ def _adapt(fabric, inbox: Inbox, outbox: Outbox, role):
         if t is Datagram:
             _send(fabric, outbox, req)
         elif t is Multicast:
-            buf = req.buf
             if fabric.modelled_time:        # (_send's case of a datagram nothing waits for: not recorded)
-                fabric.isend_each(buf, req.dsts, req.tag, [], reliable=False)
+                fabric.isend_each(req.buf, req.dsts, req.tag, [], reliable=False)
             else:                           # (recorded as _send records each, those started before an error too)
-                works: list = []
-                try:
-                    fabric.isend_each(buf, req.dsts, req.tag, works, reliable=False)
-                finally:
-                    outbox.pending += [(wk, buf, False) for wk in works]
+                outbox.send_each(req.buf, req.dsts, req.tag, reliable=False)
         elif t is RecvBy:
             if req.timeout is None:
                 yield Recv((req.key,), req.stage)

@@ -101,17 +101,11 @@ def lowered(role: Generator, fabric, inbox: Inbox, outbox: Outbox, keep: int = 6
                 if req.hold is not None:
                     outbox.pool.hold(("out", req.hold), wk)
         elif t is Datagrams:
-            tag = req.tag
-            if req.tracked:
-                pending = outbox.pending
-                for buf, dsts, reliable in req.sends:
-                    works: list = []
-                    try:
-                        fabric.isend_each(buf, dsts, tag, works, reliable=reliable)
-                    finally:            # (those started before an error too)
-                        pending += [(wk, buf, False) for wk in works]
-            else:
-                for buf, dsts, reliable in req.sends:
+            tag, tracked = req.tag, req.tracked
+            for buf, dsts, reliable in req.sends:
+                if tracked:             # (recorded, those started before an error too)
+                    outbox.send_each(buf, dsts, tag, reliable=reliable)
+                else:
                     fabric.isend_each(buf, dsts, tag, [], reliable=reliable)
         elif t is RecvFor:
             if req.timeout is None:
