@@ -83,6 +83,7 @@ class AggCall:
         self._around = (tuple(self.order[:at]), tuple(self.order[at + 1:]))
         self._queued: list[int] = []              # workers whose round-0 receives are queued, in order
         self.windows: dict[int, Window] = {}      # slot -> its window; FIRSTS: the first look-aheads'
+        self.bitmap = None                        # one-round channels' holders, (worker, block) (take_headers)
 
     def remote(self) -> tuple[int, ...]:
         """The workers other than the hosting one, in :attr:`order`."""
@@ -189,8 +190,14 @@ class AggCall:
         up = wire.code_dtype(h[wire.F_DTYPE])
         down = wire.code_dtype(self.reply_hdr[wire.R_DOWN_DTYPE])
         bs, numel = int(h[wire.F_BLOCK]), int(h[wire.F_NUMEL])
-        self.channels = [AggChannel(ch, self.n, bs, up, wire.accumulate_dtype(up), down, wire.short_end(ch, numel, bs))
-                         for ch in wire.plan_from_header(h)[self.index]]
+        chans = wire.plan_from_header(h)[self.index]
+        # one-round channels whose first look-aheads are one bitmap of the range (:func:`.wire.one_bitmap`): the
+        # channels' holders are columns of one (worker, block) bitmap, a worker's row filled by one unpack
+        self.bitmap = np.empty((self.n, sum(ch.lanes for ch in chans)), dtype=bool) if wire.one_bitmap(chans) else None
+        cols = np.cumsum([0] + [ch.lanes for ch in chans]).tolist()
+        self.channels = [AggChannel(ch, self.n, bs, up, wire.accumulate_dtype(up), down, wire.short_end(ch, numel, bs),
+                                    None if self.bitmap is None else self.bitmap[:, cols[i]:cols[i + 1]])
+                         for i, ch in enumerate(chans)]
         if not self.windows:
             self.open_windows(h, inbox.pool)
         self.k0 = np.stack(self.headers)[:, wire.F_K0:wire.F_K0 + wire.MAX_CHANNELS]   # (worker, slot)
@@ -216,11 +223,16 @@ class AggCall:
         look-aheads (small, sent before anything else), in :attr:`order`, through their window; each
         channel's round-0 pending blocks and holders are then known."""
         chans = [c.ch for c in self.channels]
+        bitmap = self.bitmap
+        bits = bitmap.shape[1] if bitmap is not None else 0
         for w in self.order if chans else ():
             key = Key.new((Msg.FIRSTS, w, -1))
             yield Recv.new(((key,), _FIRSTS, (), False, None))   # (each right after its header)
-            for c, part in zip(self.channels, wire.split_firsts(inbox.take(key), chans)):
-                c.set_firsts(w, part)
+            if bitmap is not None:      # (every channel's holders at once: what set_firsts of each writes)
+                bitmap[w] = np.unpackbits(inbox.take(key).numpy(), bitorder="little", count=bits).view(bool)
+            else:
+                for c, part in zip(self.channels, wire.split_firsts(inbox.take(key), chans)):
+                    c.set_firsts(w, part)
             if w != self.colocated:
                 yield from self.windows[FIRSTS].done(key)
         for c in self.channels:

@@ -56,19 +56,40 @@ def _nowhere(size: int) -> np.ndarray:
     return out
 
 
+@functools.lru_cache(maxsize=64)
+def _positions(lanes: int) -> np.ndarray:
+    """``arange(lanes)``: the pending positions of every lane in round 0 (read-only, shared by the channels of
+    that many lanes)."""
+    out = np.arange(lanes, dtype=np.int64)
+    out.flags.writeable = False
+    return out
+
+
 class WorkerChannel:
     """A worker's lanes of one channel: its own next non-zero block per lane (``mine``, announced) and,
-    per active lane, the lane's pending block (``cur``, prompted by the aggregator)."""
+    per active lane, the lane's pending block (``cur``, prompted by the aggregator).
 
-    def __init__(self, ch: wire.Channel, mask: torch.Tensor) -> None:
+    ``mask``: the worker's block mask, a bool tensor or its numpy view (a caller that builds a channel per
+    aggregator and slot passes the view it made once: :attr:`.worker.Call.mask_np`). A one-round channel
+    (``ch.single``) reads its slice of the mask once, here: its round-0 blocks (:meth:`pending0`,
+    :meth:`take_up`) are that slice's non-zero ones, and its lanes start as a shared read-only
+    ``arange`` (``act`` and ``cur`` are replaced, never written in place)."""
+
+    def __init__(self, ch: wire.Channel, mask: torch.Tensor | np.ndarray) -> None:
         self.ch = ch
-        self.act = np.arange(ch.lanes, dtype=np.int64)   # round 0: position 0 of every lane is pending
-        self.cur = self.act.copy()
         self.round = 0
         if ch.single:       # one block per lane: its first block is position 0 or none, nothing follows it
+            self.act = self.cur = _positions(ch.lanes)     # round 0: position 0 of every lane is pending
             self.next = _nowhere(ch.size)
-            self.mine = np.where(mask.numpy()[ch.lo: ch.lo + ch.size], self.act, ch.size)   # (numpy's slice: cheaper)
+            held = (mask if isinstance(mask, np.ndarray) else mask.numpy())[ch.lo: ch.lo + ch.size]
+            self.held0 = held.nonzero()[0]      # (its non-zero blocks: lane positions, ascending)
+            self.mine = np.where(held, self.act, ch.size)   # (numpy's slice: cheaper)
             return
+        self.held0 = None
+        self.act = np.arange(ch.lanes, dtype=np.int64)   # round 0: position 0 of every lane is pending
+        self.cur = self.act.copy()
+        if isinstance(mask, np.ndarray):
+            mask = torch.from_numpy(mask)
         la = codec.next_nonzero(mask[ch.lo: ch.lo + ch.size], ch.lanes)   # the look-ahead of every block
         self.next = la.next.numpy()
         self.mine = la.first.numpy().copy()
@@ -78,12 +99,21 @@ class WorkerChannel:
         return self.act.size > 0
 
     def pending0(self) -> int:
-        """How many blocks this worker sends in round 0 (its non-zero blocks at position 0)."""
+        """How many blocks this worker sends in round 0 (its non-zero blocks at position 0; asked before
+        :meth:`take_up`)."""
+        if self.held0 is not None:
+            return int(self.held0.size)
         return int(np.count_nonzero(self.mine == np.arange(self.ch.lanes)))
 
     def take_up(self) -> tuple[np.ndarray, np.ndarray]:
         """Answer the prompt: the pending blocks this worker holds (channel-local ids, lane order) and
         the next non-zero block in each of those lanes (the look-ahead it announces)."""
+        if self.held0 is not None and self.round == 0:   # one-round channel: its non-zero blocks, none follows
+            b = self.held0
+            look = self.next[b]
+            self.mine[b] = look
+            self.round = 1
+            return b, look
         mine = self.mine[self.act]
         if (mine < self.cur).any():
             raise ProtocolError("omnireduce: a non-zero block of this worker was skipped")
@@ -130,17 +160,22 @@ class AggChannel:
     another accumulator with its interface there before round 0 (:class:`.strategies.HomeSums`). With
     one block per lane (``Channel.single``) round 0 is the whole stream and the announce is a bitmap of
     holders (``held``) instead of ``nxt``. ``short``: the elements a message of every block of the channel
-    leaves off (:func:`.wire.short_end` of the call's tensor)."""
+    leaves off (:func:`.wire.short_end` of the call's tensor). ``held``: a one-round channel's bitmap of
+    holders, ``(n, lanes)`` bool, where the caller keeps it (the channel's columns of one bitmap of the
+    aggregator's range, filled by one unpack per worker: :meth:`.aggregator.AggCall.prepare`); by default its
+    own."""
 
     def __init__(self, ch: wire.Channel, n: int, block_size: int, up: torch.dtype, acc: torch.dtype,
-                 down: torch.dtype, short: int = 0) -> None:
+                 down: torch.dtype, short: int = 0, held: np.ndarray | None = None) -> None:
         self.ch, self.n, self.bs, self.short = ch, n, block_size, short
         self.up, self.acc_dtype, self.down = up, acc, down
         self.single = ch.single
         self.nxt = np.empty((n, ch.lanes), dtype=np.int64) if not self.single else None
-        self.held = np.empty((n, ch.lanes), dtype=bool) if self.single else None
-        self.act = np.arange(ch.lanes, dtype=np.int64)   # round 0: position 0 of every lane is pending
-        self.cur = self.act.copy()
+        if held is not None and (not self.single or held.shape != (n, ch.lanes) or held.dtype != bool):
+            raise ProtocolError("omnireduce: a channel's holders bitmap must be (workers, lanes) bool, of a "
+                                "one-round channel (a bug)")
+        self.held = (np.empty((n, ch.lanes), dtype=bool) if held is None else held) if self.single else None
+        self.act = self.cur = _positions(ch.lanes)   # round 0: position 0 of every lane (replaced, not written)
         self.round = 0
         self.counts = np.zeros(n, dtype=np.int64)
         self.sums = MessageSums()

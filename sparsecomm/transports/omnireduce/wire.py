@@ -328,6 +328,24 @@ def encode_all_firsts(mines: list[np.ndarray], chans: list[Channel]) -> torch.Te
     return torch.from_numpy(parts[0] if not parts[1:] else np.concatenate(parts))
 
 
+@functools.lru_cache(maxsize=256)
+def one_bitmap(chans: tuple[Channel, ...]) -> bool:
+    """Are the round-0 metadata of ``chans`` (an aggregator's channels, contiguous, in slot order: one
+    :func:`encode_all_firsts` message) one bitmap of their whole block range? Yes where every channel has one
+    block per lane and every one but the last fills whole bytes: the message is then the worker's block mask
+    of the range packed (:func:`firsts_of_range`), read back by one unpack (:meth:`.aggregator.AggCall.prepare`)."""
+    return (bool(chans) and all(ch.single for ch in chans) and all(ch.size % 8 == 0 for ch in chans[:-1])
+            and all(p.lo + p.size == q.lo for p, q in zip(chans, chans[1:])))
+
+
+def firsts_of_range(mask: np.ndarray, chans: tuple[Channel, ...]) -> torch.Tensor:
+    """:func:`encode_all_firsts` of ``chans`` where :func:`one_bitmap` holds, from the worker's block mask
+    (``mask``, bool, numpy): the same bytes in one pack of the range (a one-round lane's first block is
+    position 0 exactly where its block is non-zero; each channel's bitmap ends on a byte, the last one's
+    padding bits zero)."""
+    return torch.from_numpy(np.packbits(mask[chans[0].lo: chans[-1].lo + chans[-1].size], bitorder="little"))
+
+
 def decode_firsts(part: np.ndarray, ch: Channel) -> np.ndarray:
     """:func:`encode_firsts` read back from ``part`` (``uint8``, a channel's part of the message,
     :func:`split_firsts`): the first non-zero block of every lane (``size``: none)."""

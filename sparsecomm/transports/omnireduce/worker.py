@@ -73,6 +73,7 @@ class Call:
         self.errors: dict = {}          # aggregator -> its verdict, where it is not OK (raised at the end)
         self.hdr0: dict = {}            # aggregator -> the round-0 header this worker built for it
         self.hdr_base = spec.header(self.n).numpy()     # the header with no position-0 block (sealed)
+        self.mask_np = None             # the source's block mask as numpy (a view, made at the first scan: :func:`scan`)
         # colocated on a real fabric, a remote aggregator's position-0 blocks of at least ``message_bytes`` wait
         # until the hosted aggregator has posted the receives of that aggregator's host (:func:`release_up`);
         # ``held``: the aggregators whose blocks wait for that, ``opened``: the hosts whose receives were posted
@@ -233,8 +234,11 @@ def scan(call, a: int):
                 yield _POLL_SCAN
         if charged:
             fabric.host_work("span", hi - lo)     # the range's per-block work beyond the scan (sim_host)
+    mask = call.mask_np
+    if mask is None:                # (the mask's numpy view, made once per call: filled in place by the scans)
+        mask = call.mask_np = call.source.mask.numpy() if call.source.mask.device.type == "cpu" else call.source.mask
     for ch in chans:
-        call.wch[a, ch.slot] = core.WorkerChannel(ch, call.source.mask)
+        call.wch[a, ch.slot] = core.WorkerChannel(ch, mask)
     if call.traced:
         call.mark(f"scanned {a}")
 
@@ -261,7 +265,10 @@ def send_round0(call, aggs: list[int]):
             yield Post.new((Key.new((Msg.REPLY, a, -1)), 8 * HDR, call.aggregators[a], TAG_HDR_DOWN))
     for a in (a for a in aggs if call.plans[a]):
         chans = call.plans[a]
-        firsts = wire.encode_all_firsts([call.wch[a, ch.slot].mine for ch in chans], chans)
+        if wire.one_bitmap(chans) and call.mask_np.__class__ is np.ndarray:   # (one pack of the range's mask)
+            firsts = wire.firsts_of_range(call.mask_np, chans)
+        else:
+            firsts = wire.encode_all_firsts([call.wch[a, ch.slot].mine for ch in chans], chans)
         yield call.up(a, firsts_key, firsts, TAG_FIRSTS, data=True)
     held = call.held
     if held is not None:        # (colocated: one remote aggregator per batch, or the hosted one)
