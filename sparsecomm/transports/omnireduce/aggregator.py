@@ -35,8 +35,6 @@ from .wire import HDR, OK, TAG_FIRSTS, TAG_HDR_DOWN, TAG_HDR_UP, Buf, Key, Msg, 
 #: a channel's receive ring (:class:`.window.Window`) holds this many of its largest messages: one is
 #: summed while the next arrives, and the aggregator's memory does not depend on the number of workers
 WINDOW_MESSAGES = 2
-#: the header words every worker's call must agree on, as an index
-_AGREE = np.asarray(wire.AGREE, dtype=np.int64)
 FIRSTS = -1   #: the key of the first look-aheads' window in :attr:`AggCall.windows` (the others: slots)
 #: the stages of an admission's waits (one value each: built once, not per wait)
 _HEADERS, _FIRSTS, _MANIFESTS, _DRAIN, _GO = (Stage(p) for p in (Phase.HEADERS, Phase.FIRSTS, Phase.MANIFESTS,
@@ -77,7 +75,8 @@ class AggCall:
         self._early: dict[int, np.ndarray] = {}   # remote headers taken before take_headers
         self._agreed: set[int] = set()            # colocated: early headers that agree with the host's
         self._valid: set[int] = set()             # colocated: early headers that validate_header accepted
-        self._ref = None                          # colocated: the words of the host's header compared
+        self._words: dict[int, bytes] = {}        # the early headers' bytes (:meth:`take_early`)
+        self._ref = None                          # colocated: the host's header's bytes, compared
         self._remote = tuple(w for w in self.order if w != colocated)
         at = self.order.index(colocated) if colocated is not None else n
         self._around = (tuple(self.order[:at]), tuple(self.order[at + 1:]))
@@ -119,13 +118,14 @@ class AggCall:
         fit are posted at once (returned), so that its blocks travel while this endpoint works (gloo
         sends a message only to a posted receive)."""
         w = key.peer
-        h = inbox.take(key).numpy().view(np.int64).copy()
-        self._early[w] = h
-        if header.validate_header(h, self.n, self.index, True) is None:
+        words = inbox.take(key).numpy().tobytes()     # (its bytes, a copy: what the remembered checks are keyed by)
+        self._early[w] = np.frombuffer(words, dtype=np.int64)     # (read-only: nothing writes a header)
+        self._words[w] = words
+        if header.validate_words(words, self.n, self.index, True) is None:
             self._valid.add(w)      # (not validated again by the verdict: :meth:`take_headers`)
             if self._ref is None:
-                self._ref = ref[_AGREE]
-            if bool((h[_AGREE] == self._ref).all()):
+                self._ref = np.ascontiguousarray(ref, dtype=np.int64).tobytes()
+            if header.agrees(words, self._ref):
                 if not self.windows:
                     self.open_windows(ref, inbox.pool)
                 self._agreed.add(w)
@@ -135,15 +135,16 @@ class AggCall:
             for w in remote[i:]:
                 if w not in agreed:
                     break
-                self._queue(w, self._early)
+                self._queue(w, self._words[w])
         return self._feed()
 
-    def _queue(self, w: int, headers) -> None:
-        """Queue worker ``w``'s round-0 receives in the windows, as its (validated) header announces them."""
-        firsts, blocks = header.round0_sizes(headers[w], self.index)
+    def _queue(self, w: int, words: bytes) -> None:
+        """Queue worker ``w``'s round-0 receives in the windows, as its (validated) header, whose int64 words are
+        ``words``, announces them."""
+        firsts, blocks = header.round0_sizes_of_words(words, self.index)
         if firsts:
             self.windows[FIRSTS].want(Key.new((Msg.FIRSTS, w, -1)), firsts, w, TAG_FIRSTS)
-        for g, nbytes in blocks.items():
+        for g, nbytes in blocks:
             self.windows[g].want(Key.new((Msg.BLOCKS0, w, g)), nbytes, w, tag_up(g))
         self._queued.append(w)
 
@@ -206,7 +207,7 @@ class AggCall:
             c.order = [w for w in self.order if k0[w]]
             c.window = self.windows[c.slot]
         for w in self.remote()[len(self._queued):]:   # (colocated: those not queued as their headers came)
-            self._queue(w, self.headers)
+            self._queue(w, self._words[w] if w in self._words else self.headers[w].tobytes())
         return self._feed()
 
     def reply(self, outbox: Outbox) -> torch.Tensor:
@@ -368,9 +369,10 @@ def agg_lane(adm, c: AggChannel, inbox, outbox, host: int | None, mark=None):
         if c.active:   # the next round's holders (the prompt just computed): queue their receives
             counts = c.expect()
             c.order = [w for w in adm.order if counts[w]]
-            for w in (w for w in c.order if w != host):
-                c.window.want(Key(Msg.UP, w, c.slot), wire.block_bytes(int(counts[w]), c.bs, c.up.itemsize), w,
-                              tag_up(c.slot))
+            tag, window, bs, size = tag_up(slot), c.window, c.bs, c.up.itemsize
+            for w in c.order:
+                if w != host:
+                    window.want(Key.new((Msg.UP, w, slot)), wire.block_bytes(int(counts[w]), bs, size), w, tag)
             yield from c.window.feed()
         yield from send_down(adm, c, out, host)
         if mark is not None:

@@ -142,6 +142,22 @@ def validate_header(h: np.ndarray, n: int, index: int, colocated: bool) -> tuple
     return _validate(np.ascontiguousarray(h, dtype=np.int64).tobytes(), n, index, colocated)
 
 
+def validate_words(words: bytes, n: int, index: int, colocated: bool) -> tuple[int, str] | None:
+    """:func:`validate_header` of the header whose int64 words are ``words`` (a header taken as bytes: no array
+    made to check it; remembered for the last few)."""
+    return _validate(words, n, index, colocated)
+
+
+@functools.lru_cache(maxsize=1024)
+def agrees(words: bytes, ref: bytes) -> bool:
+    """Does the (validated) header whose int64 words are ``words`` agree with the header ``ref`` (its words) in
+    every field of :data:`.wire.AGREE`? Remembered for the last few (a call's headers are a few distinct words)."""
+    return bool((np.frombuffer(words, dtype=np.int64)[_AGREE_AT] == np.frombuffer(ref, dtype=np.int64)[_AGREE_AT]).all())
+
+
+_AGREE_AT = np.asarray(AGREE, dtype=np.int64)
+
+
 @functools.lru_cache(maxsize=1024)
 def _validate(words: bytes, n: int, index: int, colocated: bool) -> tuple[int, str] | None:
     """:func:`validate_header` of the header whose int64 words are ``words``."""
@@ -185,6 +201,12 @@ def round0_sizes(h: np.ndarray, index: int) -> tuple[int, dict[int, int]]:
     of the header's words and ``index``, remembered for the last few (as :func:`validate_header`)."""
     firsts, blocks = _round0_sizes(np.ascontiguousarray(h, dtype=np.int64).tobytes(), index)
     return firsts, dict(blocks)
+
+
+def round0_sizes_of_words(words: bytes, index: int) -> tuple[int, tuple[tuple[int, int], ...]]:
+    """:func:`round0_sizes` of the header whose int64 words are ``words``, the blocks' sizes as ``(slot, bytes)``
+    pairs (immutable; a header taken as bytes: no array made)."""
+    return _round0_sizes(words, index)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -248,7 +270,11 @@ def check_headers(headers: list[np.ndarray]) -> np.ndarray:
     """Validate the workers' headers; returns the reply header (status, down dtype, detail), a fresh array. A
     function of the headers' words alone, remembered for the last few (a repeated call's headers are the same
     words: compared once)."""
-    words = b"".join(np.ascontiguousarray(h, dtype=np.int64).tobytes() for h in headers)
+    table = np.concatenate(headers) if headers else np.empty(0, dtype=np.int64)
+    if table.dtype == np.int64 and table.size == HDR * len(headers):    # (one join: no call per header)
+        words = table.tobytes()
+    else:
+        words = b"".join(np.ascontiguousarray(h, dtype=np.int64).tobytes() for h in headers)
     return np.frombuffer(_check_headers(words, len(headers)), dtype=np.int64).copy()
 
 

@@ -27,6 +27,8 @@ from .blocks import block_run
 from ...fabric.roles import Hand, Post, PostInto, Send
 from .wire import Buf, Key, Msg, tag_down, tag_sums0, tag_up
 
+_TAG_UP, _TAG_DOWN = tag_up(0), tag_down(0)     # (tag_up/tag_down(slot): these plus the slot; inline per message)
+
 
 # ------------------------------------------------------------------ how blocks go up
 def send_up(call, key: Buf, a: int, c, local_key: Key):
@@ -54,8 +56,8 @@ def send_up(call, key: Buf, a: int, c, local_key: Key):
         if a != call.own:      # sent without a copy (overwritten in place only after the aggregator has it all)
             v = source.view(ids) if not short else source.run_to_end(ids)
             if v is not None and v.numel() * v.element_size() % 4 == 0:
-                yield Send.new((v.reshape(-1).view(torch.uint8), call.aggregators[a], tag_up(c.ch.slot), None,
-                                call.deferrable(a)))
+                yield Send.new((v.reshape(-1).view(torch.uint8), call.aggregators[a], _TAG_UP + c.ch.slot, None,
+                                call.defer[a]))
                 return
     buf, data, tail = wire.message(call.outbox.pool, key, b.size, call.spec.block_size, call.spec.up, meta=meta)
     call.fabric.host_work("index", source.gather(ids, data))
@@ -67,7 +69,7 @@ def send_up(call, key: Buf, a: int, c, local_key: Key):
     else:                      # (unpadded where the run is: :func:`.wire.short_end`)
         if short:
             buf = buf[:wire.block_bytes(b.size, call.spec.block_size, call.spec.up.itemsize, meta=False, short=short)]
-        yield Send.new((buf, call.aggregators[a], tag_up(c.ch.slot), key, call.deferrable(a)))
+        yield Send.new((buf, call.aggregators[a], _TAG_UP + c.ch.slot, key, call.defer[a]))
 
 
 # ------------------------------------------------------------------ where sums land: aggregator
@@ -176,10 +178,10 @@ def post_reply0(call, a: int, ch: wire.Channel, k: int) -> Post | PostInto | Non
     """The receive of remote aggregator ``a``'s round-0 reply of channel ``ch`` (``k`` sums), as a request
     (``None``: none): one message, the sums then the lane words (:func:`.wire.fused0`); or, every block
     summed (the words are then implied), the sums alone on their own tag (:func:`post_sums0`)."""
-    if wire.fused0(ch, k):
+    if k < ch.size:             # (wire.fused0, inline: once per channel of every aggregator)
         return Post.new((Key.new((Msg.WORDS, a, ch.slot)),
                          wire.block_bytes(k, call.spec.block_size, call.down.itemsize, ch.words_ints, meta=False),
-                         call.aggregators[a], tag_down(ch.slot)))
+                         call.aggregators[a], _TAG_DOWN + ch.slot))
     return post_sums0(call, a, ch, k)
 
 
@@ -189,7 +191,7 @@ def reply0_keys(call, a: int, ch: wire.Channel) -> tuple:
     k = call.sums0[a, ch.slot]
     if a == call.own:
         return (Key(Msg.WORDS, a, ch.slot), Key(Msg.SUMS0, a, ch.slot)) if k else (Key(Msg.WORDS, a, ch.slot),)
-    return (Key.new((Msg.WORDS if wire.fused0(ch, k) else Msg.SUMS0, a, ch.slot)),)
+    return (Key.new((Msg.WORDS if k < ch.size else Msg.SUMS0, a, ch.slot)),)     # (wire.fused0, inline)
 
 
 def take_reply0(call, a: int, ch: wire.Channel) -> np.ndarray | None:
@@ -230,7 +232,7 @@ def _take_reply0_single(call, a: int, ch: wire.Channel, k: int, bs: int) -> None
     data = None
     if a == call.own:
         words = call.inbox.take(Key.new((Msg.WORDS, a, ch.slot))).numpy()
-    elif wire.fused0(ch, k):
+    elif k < ch.size:           # (wire.fused0, inline)
         msg = call.inbox.take(Key.new((Msg.WORDS, a, ch.slot)))
         if k:
             data, tail = wire.split(msg, k, bs, call.down, ch.words_ints, meta=False)

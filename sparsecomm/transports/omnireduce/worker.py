@@ -72,7 +72,12 @@ class Call:
         self.sums0: dict = {}
         self.errors: dict = {}          # aggregator -> its verdict, where it is not OK (raised at the end)
         self.hdr0: dict = {}            # aggregator -> the round-0 header this worker built for it
+        # the round-0 headers built, by their position-0 counts ``((slot, blocks), ...)``: ``(words, message)``,
+        # one per distinct counts (most aggregators of a sparse call get the same); nothing writes either
+        self.hdr_msgs: dict = {}
         self.hdr_base = spec.header(self.n).numpy()     # the header with no position-0 block (sealed)
+        #: ``defer[a]``: may aggregator ``a`` post its receives of this worker's data late (:meth:`deferrable`)
+        self.defer = [may_defer(self.rank, a, self.n) for a in range(spec.num_aggregators)]
         self.mask_np = None             # the source's block mask as numpy (a view, made at the first scan: :func:`scan`)
         # colocated on a real fabric, a remote aggregator's position-0 blocks of at least ``message_bytes`` wait
         # until the hosted aggregator has posted the receives of that aggregator's host (:func:`release_up`);
@@ -100,11 +105,12 @@ class Call:
         """The request of a round-0 message to aggregator ``a``: by hand to the hosted one, else sent
         (``data``: received through ``a``'s window, :meth:`deferrable`)."""
         return Hand(key, buf) if a == self.own else Send.new((buf, self.aggregators[a], tag, None,
-                                                              data and self.deferrable(a)))
+                                                              data and self.defer[a]))
 
     def deferrable(self, a: int) -> bool:
-        """May aggregator ``a`` post its receives of this worker's data late (:func:`.aggregator.may_defer`)?"""
-        return may_defer(self.rank, a, self.n)
+        """May aggregator ``a`` post its receives of this worker's data late (:func:`.aggregator.may_defer`)?
+        (:attr:`defer`'s entry: a hot path reads it there.)"""
+        return self.defer[a]
 
 
 # ------------------------------------------------------------------ the roles
@@ -136,10 +142,9 @@ def verdict(call, a: int):
     nothing more; the error is raised once the others' lanes are done (:func:`run_worker`)."""
     key = Key.new((Msg.REPLY, a, -1))
     yield Recv.new(((key,), Stage.new((Phase.VERDICT, 0, 0, call.pos[a]) + _VERDICT_FLAGS), (), False, None))
-    rh = call.inbox.take(key).numpy().view(np.int64)     # (numpy's view: one torch call the fewer)
-    rv = rh.tolist()            # (the words as Python ints, read once)
+    rv = call.inbox.take(key).view(torch.int64).tolist()     # (the words as Python ints, read once)
     if rv[wire.R_STATUS] != OK:
-        call.errors[a] = rh.copy()
+        call.errors[a] = np.asarray(rv, dtype=np.int64)
         if a != call.own:
             yield Send(header.manifest(call.hdr0[a], a).view(torch.uint8), call.aggregators[a], TAG_MANIFEST)
         return
@@ -258,9 +263,17 @@ def send_round0(call, aggs: list[int]):
     message), then the position-0 blocks (slot-major; per slot the heaviest aggregators first)."""
     p0 = {(a, ch.slot): call.wch[a, ch.slot].pending0() for a in aggs for ch in call.plans[a]}   # (once each)
     hdr_key, firsts_key = Key.new((Msg.HDR, call.rank, -1)), Key.new((Msg.FIRSTS, call.rank, -1))
+    hdrs = call.hdr_msgs
     for a in aggs:
-        call.hdr0[a] = h = header.with_k0(call.hdr_base, [(ch.slot, p0[a, ch.slot]) for ch in call.plans[a]])
-        yield call.up(a, hdr_key, torch.from_numpy(h.view(np.uint8)), TAG_HDR_UP)
+        k0 = tuple([(ch.slot, p0[a, ch.slot]) for ch in call.plans[a]])
+        if k0 in hdrs:      # (the same counts as to an aggregator before: the same header, one message for both)
+            h, msg = hdrs[k0]
+        else:
+            h = header.with_k0(call.hdr_base, k0)
+            msg = hdrs[k0] = h, torch.from_numpy(h.view(np.uint8))
+            msg = msg[1]
+        call.hdr0[a] = h
+        yield call.up(a, hdr_key, msg, TAG_HDR_UP)
         if a != call.own:
             yield Post.new((Key.new((Msg.REPLY, a, -1)), 8 * HDR, call.aggregators[a], TAG_HDR_DOWN))
     for a in (a for a in aggs if call.plans[a]):
