@@ -72,10 +72,9 @@ class AggCall:
         self.channels: list[AggChannel] = []
         self.status = OK
         self.headers: list = [None] * n
-        self._early: dict[int, np.ndarray] = {}   # remote headers taken before take_headers
         self._agreed: set[int] = set()            # colocated: early headers that agree with the host's
         self._valid: set[int] = set()             # colocated: early headers that validate_header accepted
-        self._words: dict[int, bytes] = {}        # the early headers' bytes (:meth:`take_early`)
+        self._words: dict[int, bytes] = {}        # worker -> its header's bytes (early ones: :meth:`take_early`)
         self._ref = None                          # colocated: the host's header's bytes, compared
         self._remote = tuple(w for w in self.order if w != colocated)
         at = self.order.index(colocated) if colocated is not None else n
@@ -118,9 +117,7 @@ class AggCall:
         fit are posted at once (returned), so that its blocks travel while this endpoint works (gloo
         sends a message only to a posted receive)."""
         w = key.peer
-        words = inbox.take(key).numpy().tobytes()     # (its bytes, a copy: what the remembered checks are keyed by)
-        self._early[w] = np.frombuffer(words, dtype=np.int64)     # (read-only: nothing writes a header)
-        self._words[w] = words
+        words = self._words[w] = inbox.take(key).numpy().tobytes()   # (its bytes, a copy: the checks' key)
         if header.validate_words(words, self.n, self.index, True) is None:
             self._valid.add(w)      # (not validated again by the verdict: :meth:`take_headers`)
             if self._ref is None:
@@ -169,7 +166,7 @@ class AggCall:
 
     def headers_left(self) -> tuple:
         """The headers not taken by :meth:`take_early` (:meth:`take_headers` takes them)."""
-        return tuple(Key(Msg.HDR, w) for w in self.order if w not in self._early)
+        return tuple(Key(Msg.HDR, w) for w in self.order if w not in self._words)
 
     def take_headers(self, inbox: Inbox) -> list:
         """Take every header and validate it (:func:`.header.validate_header`: against the world size, this
@@ -179,9 +176,15 @@ class AggCall:
         receives are queued (their sizes are in the headers: each worker's layout, and its position-0
         blocks per channel); returned, the ones that fit now. Otherwise nothing more is received by a
         header (:meth:`drain` consumes the messages)."""
+        words = self._words
         for w in self.order:
-            self.headers[w] = (self._early[w] if w in self._early
-                               else inbox.take(Key(Msg.HDR, w)).numpy().view(np.int64).copy())
+            if w not in words:
+                words[w] = inbox.take(Key(Msg.HDR, w)).numpy().tobytes()
+        joined = b"".join(map(words.__getitem__, range(self.n)))    # (worker order; read-only: nothing writes one)
+        if len(joined) == 8 * HDR * self.n:     # (one table, a row per worker)
+            self.headers = list(np.frombuffer(joined, dtype=np.int64).reshape(self.n, HDR))
+        else:
+            self.headers = [np.frombuffer(words[w], dtype=np.int64) for w in range(self.n)]
         self.reply_hdr = header.verdict(self.headers, self.order, self.index, self.colocated is not None,
                                         self._valid)
         self.status = int(self.reply_hdr[wire.R_STATUS])
@@ -194,7 +197,7 @@ class AggCall:
         chans = wire.plan_from_header(h)[self.index]
         # one-round channels whose first look-aheads are one bitmap of the range (:func:`.wire.one_bitmap`): the
         # channels' holders are columns of one (worker, block) bitmap, a worker's row filled by one unpack
-        self.bitmap = np.empty((self.n, sum(ch.lanes for ch in chans)), dtype=bool) if wire.one_bitmap(chans) else None
+        self.bitmap = np.empty((self.n, sum(ch.lanes for ch in chans)), dtype=bool) if chans.bitmap else None
         cols = np.cumsum([0] + [ch.lanes for ch in chans]).tolist()
         self.channels = [AggChannel(ch, self.n, bs, up, wire.accumulate_dtype(up), down, wire.short_end(ch, numel, bs),
                                     None if self.bitmap is None else self.bitmap[:, cols[i]:cols[i + 1]])
@@ -207,7 +210,7 @@ class AggCall:
             c.order = [w for w in self.order if k0[w]]
             c.window = self.windows[c.slot]
         for w in self.remote()[len(self._queued):]:   # (colocated: those not queued as their headers came)
-            self._queue(w, self._words[w] if w in self._words else self.headers[w].tobytes())
+            self._queue(w, words[w])
         return self._feed()
 
     def reply(self, outbox: Outbox) -> torch.Tensor:
@@ -230,7 +233,7 @@ class AggCall:
             key = Key.new((Msg.FIRSTS, w, -1))
             yield Recv.new(((key,), _FIRSTS, (), False, None))   # (each right after its header)
             if bitmap is not None:      # (every channel's holders at once: what set_firsts of each writes)
-                bitmap[w] = np.unpackbits(inbox.take(key).numpy(), bitorder="little", count=bits).view(bool)
+                bitmap[w] = np.unpackbits(inbox.take(key).numpy(), bitorder="little", count=bits)   # (0/1 as bool)
             else:
                 for c, part in zip(self.channels, wire.split_firsts(inbox.take(key), chans)):
                     c.set_firsts(w, part)

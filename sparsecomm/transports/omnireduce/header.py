@@ -139,13 +139,7 @@ def validate_header(h: np.ndarray, n: int, index: int, colocated: bool) -> tuple
     on the way sizes no receive), else ``None``. A function of the header's words and the arguments alone,
     remembered for the last few (a repeated call's headers, every aggregator's of the same workers' call, are
     the same words: checked once)."""
-    return _validate(np.ascontiguousarray(h, dtype=np.int64).tobytes(), n, index, colocated)
-
-
-def validate_words(words: bytes, n: int, index: int, colocated: bool) -> tuple[int, str] | None:
-    """:func:`validate_header` of the header whose int64 words are ``words`` (a header taken as bytes: no array
-    made to check it; remembered for the last few)."""
-    return _validate(words, n, index, colocated)
+    return validate_words(np.ascontiguousarray(h, dtype=np.int64).tobytes(), n, index, colocated)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -159,8 +153,9 @@ _AGREE_AT = np.asarray(AGREE, dtype=np.int64)
 
 
 @functools.lru_cache(maxsize=1024)
-def _validate(words: bytes, n: int, index: int, colocated: bool) -> tuple[int, str] | None:
-    """:func:`validate_header` of the header whose int64 words are ``words``."""
+def validate_words(words: bytes, n: int, index: int, colocated: bool) -> tuple[int, str] | None:
+    """:func:`validate_header` of the header whose int64 words are ``words`` (a header taken as bytes: no array
+    made to check it; remembered for the last few)."""
     h = np.frombuffer(words, dtype=np.int64)
     v = h.tolist()           # (the words as Python ints, read once)
     if v[F_MAGIC] != MAGIC:
@@ -199,20 +194,14 @@ def round0_sizes(h: np.ndarray, index: int) -> tuple[int, dict[int, int]]:
     """The round-0 messages a worker's (validated) header announces to aggregator ``index``: the bytes of
     its first look-aheads (0: none) and of its position-0 blocks per slot (only slots with some). A function
     of the header's words and ``index``, remembered for the last few (as :func:`validate_header`)."""
-    firsts, blocks = _round0_sizes(np.ascontiguousarray(h, dtype=np.int64).tobytes(), index)
+    firsts, blocks = round0_sizes_of_words(np.ascontiguousarray(h, dtype=np.int64).tobytes(), index)
     return firsts, dict(blocks)
 
 
-def round0_sizes_of_words(words: bytes, index: int) -> tuple[int, tuple[tuple[int, int], ...]]:
-    """:func:`round0_sizes` of the header whose int64 words are ``words``, the blocks' sizes as ``(slot, bytes)``
-    pairs (immutable; a header taken as bytes: no array made)."""
-    return _round0_sizes(words, index)
-
-
 @functools.lru_cache(maxsize=1024)
-def _round0_sizes(words: bytes, index: int) -> tuple[int, tuple[tuple[int, int], ...]]:
+def round0_sizes_of_words(words: bytes, index: int) -> tuple[int, tuple[tuple[int, int], ...]]:
     """:func:`round0_sizes` of the header whose int64 words are ``words``, the blocks' sizes as ``(slot,
-    bytes)`` pairs (immutable: shared by the calls that remember it)."""
+    bytes)`` pairs (immutable: shared by the calls that remember it; a header taken as bytes: no array made)."""
     v = np.frombuffer(words, dtype=np.int64).tolist()     # (the words as Python ints, read once)
     up = code_dtype(v[F_DTYPE])
     chans = plan(v[F_NUMEL], v[F_BLOCK], v[F_AGGS], v[F_CHANNELS], v[F_LANES])[index]

@@ -199,7 +199,7 @@ def take_reply0(call, a: int, ch: wire.Channel) -> np.ndarray | None:
     every lane's next pending block (``None`` for a one-round channel: none follows)."""
     k, bs = call.sums0[a, ch.slot], call.spec.block_size
     if ch.single:
-        _take_reply0_single(call, a, ch, k, bs)
+        take_reply0_single(call, a, ch)
         return None
     ids = None
     if a == call.own:
@@ -226,9 +226,11 @@ def take_reply0(call, a: int, ch: wire.Channel) -> np.ndarray | None:
     return newc
 
 
-def _take_reply0_single(call, a: int, ch: wire.Channel, k: int, bs: int) -> None:
-    """:func:`take_reply0` of a one-round channel: the lane words are a bitmap of the summed lanes
-    (:func:`.wire.decode_words`), read as one integer; the lanes are looked up only where ``k`` sums came."""
+def take_reply0_single(call, a: int, ch: wire.Channel) -> None:
+    """:func:`take_reply0` of a one-round channel (``ch.single``: no next blocks follow): the lane words are a
+    bitmap of the summed lanes (:func:`.wire.decode_words`), read as one integer; the lanes are looked up only
+    where sums came."""
+    k, bs = call.sums0[a, ch.slot], call.spec.block_size
     data = None
     if a == call.own:
         words = call.inbox.take(Key.new((Msg.WORDS, a, ch.slot))).numpy()
@@ -243,10 +245,12 @@ def _take_reply0_single(call, a: int, ch: wire.Channel, k: int, bs: int) -> None
         land_sums0(call, a, ch, np.arange(ch.lo, ch.lo + ch.size))
         return
     bits = int.from_bytes(words.tobytes(), "little") & ((1 << ch.lanes) - 1)
+    if not k:               # (no sums: no lane may be marked summed)
+        if bits:
+            raise ProtocolError("omnireduce: the round-0 sums do not match their lane words")
+        return
     if bits.bit_count() != k:
         raise ProtocolError("omnireduce: the round-0 sums do not match their lane words")
-    if not k:
-        return
     if k == ch.lanes:       # every lane summed (a dense channel): the bitmap is all ones
         ids = np.arange(ch.lo, ch.lo + ch.lanes)
     else:

@@ -221,9 +221,21 @@ class Channel:
         object.__setattr__(self, "words_ints", pad4(meta) // 4)
 
 
+class Channels(tuple):
+    """An aggregator's channels, in slot order (a tuple of :class:`Channel`), with what a call reads of them per
+    message derived once, as attributes (no hash of the channels to look it up): ``singles``, the one-round
+    channels; ``bitmap``, :func:`one_bitmap`."""
+
+    def __new__(cls, chans=()) -> Channels:
+        self = super().__new__(cls, chans)
+        self.singles = tuple(ch for ch in self if ch.single)
+        self.bitmap = one_bitmap(self)
+        return self
+
+
 @functools.lru_cache(maxsize=64)
 def plan(numel: int, block_size: int, num_aggregators: int, channels: int,
-         lanes: int) -> tuple[tuple[Channel, ...], ...]:
+         lanes: int) -> tuple[Channels, ...]:
     """The channels of every aggregator (empty channels dropped), in slot order (immutable: one plan is
     shared by every call, and every header, of the same shape)."""
     nb = -(-numel // block_size) if numel > 0 else 0
@@ -236,7 +248,7 @@ def plan(numel: int, block_size: int, num_aggregators: int, channels: int,
             c_lo, c_hi = lo + g * m // channels, lo + (g + 1) * m // channels
             if c_hi > c_lo:
                 chans.append(Channel(a, g, c_lo, c_hi - c_lo, min(c_hi - c_lo, lanes)))
-        out.append(tuple(chans))
+        out.append(Channels(chans))
     return tuple(out)
 
 
@@ -328,7 +340,6 @@ def encode_all_firsts(mines: list[np.ndarray], chans: list[Channel]) -> torch.Te
     return torch.from_numpy(parts[0] if not parts[1:] else np.concatenate(parts))
 
 
-@functools.lru_cache(maxsize=256)
 def one_bitmap(chans: tuple[Channel, ...]) -> bool:
     """Are the round-0 metadata of ``chans`` (an aggregator's channels, contiguous, in slot order: one
     :func:`encode_all_firsts` message) one bitmap of their whole block range? Yes where every channel has one

@@ -177,7 +177,7 @@ def verdict(call, a: int):
                 yield post
     if call.traced:
         call.mark(f"downstream posted {a}")
-    singles = [ch for ch in chans if ch.single] if call.fold else ()
+    singles = chans.singles if call.fold else ()
     if singles[1:]:             # one-round channels: their round-0 replies taken by this role, in one wait
         for ch in chans:
             if not ch.single:
@@ -207,8 +207,9 @@ def land_singles(call, a: int, singles: list):
         keys += strategies.reply0_keys(call, a, ch)
     first = singles[0]
     yield Recv.new((keys, Stage.new((Phase.LAND, 0, first.slot, call.pos[a]) + _LAND_FLAGS), (), False, None))
-    for ch in singles:
-        call.wch[a, ch.slot].start(strategies.take_reply0(call, a, ch))
+    for ch in singles:          # (one-round: strategies.take_reply0's, which returns no next blocks)
+        strategies.take_reply0_single(call, a, ch)
+        call.wch[a, ch.slot].start(None)
         if call.traced:
             call.mark(f"reply {a}.{ch.slot} r0")
 
@@ -261,11 +262,18 @@ def _zero_elements(source: DenseSource, lo: int, hi: int) -> int:
 def send_round0(call, aggs: list[int]):
     """Round 0 to ``aggs``: a header each; then to each its channels' first look-aheads (small, one
     message), then the position-0 blocks (slot-major; per slot the heaviest aggregators first)."""
-    p0 = {(a, ch.slot): call.wch[a, ch.slot].pending0() for a in aggs for ch in call.plans[a]}   # (once each)
+    p0, counts = {}, {}         # (a, slot) -> its position-0 blocks (once each); a -> ((slot, blocks), ...)
+    wch = call.wch
+    for a in aggs:              # (loops, not comprehensions: no call per aggregator)
+        k0 = []
+        for ch in call.plans[a]:
+            k = p0[a, ch.slot] = wch[a, ch.slot].pending0()
+            k0.append((ch.slot, k))
+        counts[a] = tuple(k0)
     hdr_key, firsts_key = Key.new((Msg.HDR, call.rank, -1)), Key.new((Msg.FIRSTS, call.rank, -1))
     hdrs = call.hdr_msgs
     for a in aggs:
-        k0 = tuple([(ch.slot, p0[a, ch.slot]) for ch in call.plans[a]])
+        k0 = counts[a]
         if k0 in hdrs:      # (the same counts as to an aggregator before: the same header, one message for both)
             h, msg = hdrs[k0]
         else:
@@ -276,9 +284,11 @@ def send_round0(call, aggs: list[int]):
         yield call.up(a, hdr_key, msg, TAG_HDR_UP)
         if a != call.own:
             yield Post.new((Key.new((Msg.REPLY, a, -1)), 8 * HDR, call.aggregators[a], TAG_HDR_DOWN))
-    for a in (a for a in aggs if call.plans[a]):
+    for a in aggs:
         chans = call.plans[a]
-        if wire.one_bitmap(chans) and call.mask_np.__class__ is np.ndarray:   # (one pack of the range's mask)
+        if not chans:
+            continue
+        if chans.bitmap and call.mask_np.__class__ is np.ndarray:   # (one pack of the range's mask)
             firsts = wire.firsts_of_range(call.mask_np, chans)
         else:
             firsts = wire.encode_all_firsts([call.wch[a, ch.slot].mine for ch in chans], chans)
@@ -297,10 +307,14 @@ def send_round0(call, aggs: list[int]):
 
 def blocks0(call, aggs: list[int], p0: dict | None = None):
     """The position-0 blocks to ``aggs`` (slot-major; per slot the heaviest aggregators first, by ``p0``)."""
+    wch = call.wch
     for g in range(call.spec.channels):
         for a in aggs if not aggs[1:] else sorted(aggs, key=lambda a: -p0.get((a, g), 0)):
-            if (a, g) in call.wch:
-                yield from strategies.send_up(call, Buf.new((Msg.BLOCKS0, a, g, 0)), a, call.wch[a, g],
+            if (a, g) in wch:
+                if p0 is not None and (a, g) in p0 and not p0[a, g]:   # (none to send: the prompt answered, empty)
+                    wch[a, g].take_up()
+                    continue
+                yield from strategies.send_up(call, Buf.new((Msg.BLOCKS0, a, g, 0)), a, wch[a, g],
                                               Key.new((Msg.BLOCKS0, call.rank, g)))
 
 

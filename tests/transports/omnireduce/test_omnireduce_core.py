@@ -671,3 +671,97 @@ def test_remembered_spec_headers_and_verdicts_are_the_callers_own():
     bad = header.check_headers(hs)
     assert bad[wire.R_STATUS] == wire.MISMATCH and bad[wire.R_FIELD] == wire.F_NUMEL
     assert (bad[wire.R_WMIN], bad[wire.R_VMIN], bad[wire.R_WMAX], bad[wire.R_VMAX]) == (0, 300_000, 2, 300_256)
+
+
+def test_first_look_aheads_of_one_round_channels_are_one_bitmap_of_the_range_read_back_per_channel():
+    """Where an aggregator's channels are one-round and all but the last fill whole bytes (``wire.one_bitmap``), a
+    worker's first look-aheads are one pack of its mask over the range (``wire.firsts_of_range``): the same bytes
+    as each channel's bitmap joined (``encode_all_firsts``); an aggregator that keeps the channels' holders as
+    columns of one bitmap reads, by one unpack per worker, what ``set_firsts`` of each channel reads. Elsewhere
+    (a channel of several rounds, or one ending inside a byte) ``one_bitmap`` says no."""
+    import numpy as np
+
+    from sparsecomm.transports.omnireduce import core, wire
+
+    rng = np.random.default_rng(0)
+    seen = set()
+    # (numel, block size, aggregators, channels, lanes): 32-block channels; 8-block ones; 13-block ones (not
+    # whole bytes); channels of several rounds (lanes below their blocks); a short last block
+    for numel, bs, aggs, chans_n, lanes in ((4096 * 256, 256, 64, 2, 65536), (48 * 256, 256, 3, 2, 4096),
+                                            (78 * 256, 256, 3, 2, 4096), (4096 * 256, 256, 4, 2, 64),
+                                            (64 * 256 - 100, 256, 2, 2, 4096)):
+        plans = wire.plan(numel, bs, aggs, chans_n, lanes)
+        nb = -(-numel // bs)
+        for density in (0.0, 0.3, 1.0):
+            mask = torch.from_numpy(rng.random(nb) < density)
+            for chans in plans:
+                bitmap = wire.one_bitmap(chans)
+                seen.add(bitmap)
+                if not bitmap:
+                    continue
+                joined = wire.encode_all_firsts([core.WorkerChannel(ch, mask).mine for ch in chans], chans)
+                packed = wire.firsts_of_range(mask.numpy(), chans)
+                assert torch.equal(packed, joined), (numel, aggs, chans)
+                n, w = 3, 1
+                held = np.zeros((n, sum(ch.lanes for ch in chans)), dtype=bool)
+                held[w] = np.unpackbits(packed.numpy(), bitorder="little", count=held.shape[1])
+                col = 0
+                for ch, part in zip(chans, wire.split_firsts(joined, list(chans))):
+                    one = core.AggChannel(ch, n, bs, torch.float32, torch.float32, torch.float32)
+                    one.set_firsts(w, part)
+                    assert np.array_equal(held[w, col:col + ch.lanes], one.held[w])
+                    cols = core.AggChannel(ch, n, bs, torch.float32, torch.float32, torch.float32,
+                                           held=held[:, col:col + ch.lanes])
+                    assert np.shares_memory(cols.held, held)
+                    col += ch.lanes
+    assert seen == {True, False}
+    with pytest.raises(ProtocolError, match="holders bitmap"):
+        ch = wire.plan(48 * 256, 256, 3, 2, 4096)[0][0]
+        core.AggChannel(ch, 3, 256, torch.float32, torch.float32, torch.float32, held=np.zeros((3, 1), dtype=bool))
+
+
+def test_a_one_round_channels_round0_is_its_mask_slices_non_zero_blocks_from_a_tensor_or_its_numpy_view():
+    """A one-round channel's round 0 (``WorkerChannel``: ``pending0``, ``take_up``) sends exactly its non-zero
+    blocks with "none" as look-ahead, and leaves no lane announcing anything, whether it was built from the mask
+    tensor or the numpy view a worker makes once per call; its shared starting lanes are never written."""
+    import numpy as np
+
+    from sparsecomm.transports.omnireduce import core, wire
+
+    ch = wire.plan(40 * 256, 256, 1, 1, 4096)[0][0]
+    assert ch.single
+    mask = torch.zeros(40, dtype=torch.bool)
+    mask[[0, 7, 8, 39]] = True
+    for m in (mask, mask.numpy()):
+        c = core.WorkerChannel(ch, m)
+        assert c.pending0() == 4
+        assert np.array_equal(c.mine, np.where(mask.numpy(), np.arange(40), 40))
+        b, look = c.take_up()
+        assert b.tolist() == [0, 7, 8, 39] and look.tolist() == [40] * 4
+        assert (c.mine == ch.size).all() and c.round == 1
+        c.start(None)
+        assert not c.active
+    assert core.WorkerChannel(ch, mask).act.tolist() == list(range(40))     # (the shared lanes, unchanged)
+
+
+def test_an_early_headers_checks_by_its_bytes_are_the_arrays_checks():
+    """``validate_words`` and ``agrees`` (an early header checked by its bytes) answer as ``validate_header`` and a
+    comparison of the agreed fields: other position-0 counts agree, another tensor size does not."""
+    import numpy as np
+
+    from sparsecomm.transports.omnireduce import header, wire
+
+    spec = header.CallSpec(300_000, torch.float32, 256, 3, 1, 16384, 0, 0, 0)
+    base = spec.header(3).numpy()
+    h = header.with_k0(base, [(0, 5)])
+    other = header.with_k0(header.CallSpec(300_256, torch.float32, 256, 3, 1, 16384, 0, 0, 0).header(3).numpy(), [])
+    for words in (h.tobytes(), other.tobytes()):
+        arr = np.frombuffer(words, dtype=np.int64)
+        for n, index in ((3, 1), (4, 1), (3, 3)):
+            assert header.validate_words(words, n, index, True) == header.validate_header(arr, n, index, True)
+    assert header.agrees(h.tobytes(), base.tobytes())
+    assert not header.agrees(other.tobytes(), base.tobytes())
+    assert header.round0_sizes_of_words(h.tobytes(), 1)[1] == ((0, wire.block_bytes(5, 256, 4, meta=False)),)
+    forged = h.copy()
+    forged[wire.F_NUMEL] += 256
+    assert header.validate_words(forged.tobytes(), 3, 1, True)[0] == wire.F_SUM
