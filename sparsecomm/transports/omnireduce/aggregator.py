@@ -93,9 +93,13 @@ class AggCall:
         return self._around
 
     # ------------------------------------------------------------------ round 0
-    def post_headers(self) -> list:
-        """The receives of the remote workers' headers."""
-        return [Post.new((Key.new((Msg.HDR, w, -1)), 8 * HDR, w, TAG_HDR_UP)) for w in self.remote()]
+    def post_headers(self, pool) -> list:
+        """The receives of the remote workers' headers, each into its worker's row of one buffer of ``pool`` (its
+        role has no peer: one buffer kept across calls, not one per worker)."""
+        size = 8 * HDR
+        table = pool.get(("in", Buf(Msg.HDR)), size * self.n)
+        return [PostInto.new((Key.new((Msg.HDR, w, -1)), table[w * size:(w + 1) * size], w, TAG_HDR_UP))
+                for w in self.remote()]
 
     def open_windows(self, h: np.ndarray, pool) -> None:
         """The receive windows of the call that (validated) header ``h`` describes, from ``pool``: per
@@ -291,7 +295,7 @@ def aggregator(adm, inbox, outbox, host: int | None = None, ref: np.ndarray | No
     each of the others. ``taken``: colocated, ``taken(w)`` gives the requests to make once worker ``w``'s round-0
     receives are queued (those that fit posted), or at the latest once every remote header is taken (the host's
     blocks to ``w``'s aggregator: :func:`.worker.release_up`; a second ``taken(w)`` makes none)."""
-    posts = adm.post_headers()
+    posts = adm.post_headers(inbox.pool)
     yield from posts
     inbox.ready_keys([p.key for p in posts])     # (starts watching them: a later poll sees them arrived)
     left = dict.fromkeys(p.key for p in posts) if host is not None else {}   # (in order; O(1) removal)

@@ -22,7 +22,7 @@ from .aggregator import AggCall, aggregator, may_defer
 from .blocks import DenseSource
 from .header import CallSpec
 from .stages import Phase, Stage
-from ...fabric.roles import Hand, Inbox, Outbox, Poll, Pool, Post, Recv, Send, Spawn
+from ...fabric.roles import Hand, Inbox, Outbox, Poll, Pool, Post, PostInto, Recv, Send, Spawn
 from .wire import HDR, OK, TAG_FIRSTS, TAG_HDR_DOWN, TAG_HDR_UP, TAG_MANIFEST, Buf, Key, Msg, tag_down
 
 
@@ -62,6 +62,9 @@ class Call:
         self.aggregators, self.own = aggregators, own
         self.plans = wire.plan(spec.numel, spec.block_size, spec.num_aggregators, spec.channels, spec.lanes)
         self.inbox, self.outbox = Inbox(fabric, pool), Outbox(fabric, pool)
+        # the verdicts' receives: aggregator ``a``'s into row ``a`` of one buffer (its role has no peer: one buffer kept
+        # across calls, not one per aggregator)
+        self.replies = pool.get(("in", Buf(Msg.REPLY)), 8 * HDR * spec.num_aggregators)
         self.visit = ([own] if own is not None else []) + [a for a in agg_order(self.rank, spec.num_aggregators)
                                                            if a != own]
         self.pos = {a: i for i, a in enumerate(self.visit)}
@@ -283,7 +286,8 @@ def send_round0(call, aggs: list[int]):
         call.hdr0[a] = h
         yield call.up(a, hdr_key, msg, TAG_HDR_UP)
         if a != call.own:
-            yield Post.new((Key.new((Msg.REPLY, a, -1)), 8 * HDR, call.aggregators[a], TAG_HDR_DOWN))
+            yield PostInto.new((Key.new((Msg.REPLY, a, -1)), call.replies[a * 8 * HDR:(a + 1) * 8 * HDR],
+                                call.aggregators[a], TAG_HDR_DOWN))
     for a in aggs:
         chans = call.plans[a]
         if not chans:
