@@ -146,7 +146,8 @@ def validate_header(h: np.ndarray, n: int, index: int, colocated: bool) -> tuple
 def agrees(words: bytes, ref: bytes) -> bool:
     """Does the (validated) header whose int64 words are ``words`` agree with the header ``ref`` (its words) in
     every field of :data:`.wire.AGREE`? Remembered for the last few (a call's headers are a few distinct words)."""
-    return bool((np.frombuffer(words, dtype=np.int64)[_AGREE_AT] == np.frombuffer(ref, dtype=np.int64)[_AGREE_AT]).all())
+    mine, theirs = np.frombuffer(words, dtype=np.int64), np.frombuffer(ref, dtype=np.int64)
+    return bool((mine[_AGREE_AT] == theirs[_AGREE_AT]).all())
 
 
 _AGREE_AT = np.asarray(AGREE, dtype=np.int64)

@@ -81,7 +81,7 @@ class Call:
         self.hdr_base = spec.header(self.n).numpy()     # the header with no position-0 block (sealed)
         #: ``defer[a]``: may aggregator ``a`` post its receives of this worker's data late (:meth:`deferrable`)
         self.defer = [may_defer(self.rank, a, self.n) for a in range(spec.num_aggregators)]
-        self.mask_np = None             # the source's block mask as numpy (a view, made at the first scan: :func:`scan`)
+        self.mask_np = None             # the source's block mask as numpy (a view, made by the first :func:`scan`)
         # colocated on a real fabric, a remote aggregator's position-0 blocks of at least ``message_bytes`` wait
         # until the hosted aggregator has posted the receives of that aggregator's host (:func:`release_up`);
         # ``held``: the aggregators whose blocks wait for that, ``opened``: the hosts whose receives were posted
