@@ -277,12 +277,10 @@ def send_round0(call, aggs: list[int]):
     hdrs = call.hdr_msgs
     for a in aggs:
         k0 = counts[a]
-        if k0 in hdrs:      # (the same counts as to an aggregator before: the same header, one message for both)
-            h, msg = hdrs[k0]
-        else:
+        if k0 not in hdrs:  # (the same counts as to an aggregator before: the same header, one message for both)
             h = header.with_k0(call.hdr_base, k0)
-            msg = hdrs[k0] = h, torch.from_numpy(h.view(np.uint8))
-            msg = msg[1]
+            hdrs[k0] = h, torch.from_numpy(h.view(np.uint8))
+        h, msg = hdrs[k0]
         call.hdr0[a] = h
         yield call.up(a, hdr_key, msg, TAG_HDR_UP)
         if a != call.own:
