@@ -139,7 +139,7 @@ import torch
 from .... import codec
 from ....errors import IncompatibleError, InvalidValueError, ProtocolError, SparseCommError
 from ....fabric.base import Fabric
-from ..._guards import all_finite, check_dtype
+from ..._guards import check_dtype
 from ..._handshake import check_agreement
 from ....theory import costs
 from ...base import CallShape, Transport, registry
@@ -291,13 +291,13 @@ class SparseSwitch(Transport):
         # ---- local facts: validity, magnitude, non-zero blocks
         if mode == MODE_FLOAT:
             x = x if x.dtype in (torch.float32, torch.float64) else x.to(torch.float32)
-            finite = all_finite(x)
-            e = EXP_FLOOR
-            if finite and N:
-                e = max(EXP_FLOOR, int(codec.chunk_exponents(x, N)[0]))
+            # validity, magnitude and non-zero blocks in one read of x (codec.block_facts)
+            finite, e, mask = codec.block_facts(x, self.k)
+            e = max(EXP_FLOOR, e)
             self._control(mode, N, flat.dtype, nonfinite=not finite, too_large=e > self.max_exponent, cap=0,
                           fingerprint=fingerprint)
         else:
+            mask = None
             v = x.to(torch.int64)
             amax = int(v.abs().max()) if N else 0
             limit = min(INT32_MAX, torch.iinfo(out_dtype).max)
@@ -312,7 +312,8 @@ class SparseSwitch(Transport):
             if nb == 0:
                 self.last_fixed = None
                 return torch.zeros(0, dtype=out_dtype, device=device)
-            mask = codec.nonzero_blocks(x, k)
+            if mask is None:
+                mask = codec.nonzero_blocks(x, k)
             f.host_work("scan", N)                  # (the block scan reads the whole tensor)
             own = np.flatnonzero(mask.numpy())      # this worker's non-zero blocks: the only ones it encodes
             L = min(self.pool_size, nb)

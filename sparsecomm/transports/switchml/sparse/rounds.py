@@ -45,6 +45,9 @@ class Rounds:
         self.info: dict = {}
         self.pool = Pool()
         self._sender: tuple[int, int, int] | None = None     # (job, its W0 and SLOT words' sender bits)
+        #: the receive buffer of results (``burst`` rows), the same for every phase and job: a megabyte on real
+        #: fabrics, zeroed once rather than per phase
+        self._buf: torch.Tensor | None = None
 
     def packet(self, kind: int, slot: int, pos: int, nxt: int, vec: np.ndarray | None = None) -> np.ndarray:
         """A packet for ``slot``'s next round (the set is the slot's current parity): :class:`.dataplane.Header`'s
@@ -144,8 +147,11 @@ class Rounds:
             yield from send(i, True)
         yield from flush()
         live = S
-        buf = torch.zeros((K, HEADER + k), dtype=torch.int32)
+        buf = self._buf
+        if buf is None or buf.shape != (K, HEADER + k):
+            buf = self._buf = torch.zeros((K, HEADER + k), dtype=torch.int32)
         msg_rows = buf.numpy()
+        msg_rows[:, W0] = 0                        # every row T_EMPTY (a phase that raised may have left rows)
         while live:
             wait = None if timeout is None else max(float(deadline.min()) - fab.now(), 1e-9)
             src = yield RecvFor(_DOWN, buf, sw, TAG_DOWN, wait, _STAGE)
