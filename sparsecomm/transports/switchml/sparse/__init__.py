@@ -348,13 +348,12 @@ class SparseSwitch(Transport):
                 codes = own_blocks(x, own, k).to(torch.int32).numpy().reshape(-1, k)
             f.host_work("fresh", len(own) * k * 4)         # (the codes, allocated per call: sim_host)
             # ---- stream: only the union's blocks, one round each
-            blocks, results = self._stream(codes, own, la.next.numpy(), first, start, L, nb)
-            got = np.stack(results)[:, HEADER:] if results else np.zeros((0, k), dtype=np.int32)
-            # the host work after the last result (sim_host): the results' rows stacked, a row copied per block;
-            # each scatter below writes the union's blocks at their rows (a block index and its bytes)
+            blocks, got = self._stream(codes, own, la.next.numpy(), first, start, L, nb)
+            # the host work of the results' rows (sim_host): a row copied per block (as each result arrives, out
+            # of the receive buffer; charged here, after the last); each scatter below writes the union's blocks
+            # at their rows (a block index and its bytes)
             f.host_work("index", len(blocks))
             f.host_work("move", len(blocks) * (HEADER + k) * 4)
-            del results
             sums = np.zeros(N, dtype=np.int32)     # (zero pages until written: the union's blocks are)
             scatter_blocks(blocks, got, sums, k)
             f.host_work("index", len(blocks))
@@ -424,9 +423,11 @@ class SparseSwitch(Transport):
 
     # ================================================================== phase 3: the block stream
     def _stream(self, codes: np.ndarray, own: np.ndarray, nxt_block: np.ndarray, first: np.ndarray,
-                start: np.ndarray, L: int, nb: int) -> tuple[list[int], list[np.ndarray]]:
+                start: np.ndarray, L: int, nb: int) -> tuple[list[int], np.ndarray]:
         """Stream the union's blocks through ``L`` lanes (``codes[i]``: block ``own[i]``'s, this worker's
-        non-zero blocks); return the blocks summed and their results (rows, the sums after the header)."""
+        non-zero blocks); return the blocks summed and their sums (row ``i``: block ``blocks[i]``'s ``k``
+        values, copied from its result as it arrives into rows allocated for every block: pages only where
+        written)."""
         P = -(-nb // L)                       # positions per lane
         if ((start < 0) | ((start >= P) & (start != NONE)) | ((start > first) & (first != NONE))).any():
             raise ProtocolError("sparse-switch: the look-ahead round returned a lane start that no worker "
@@ -440,7 +441,7 @@ class SparseSwitch(Transport):
         slots = slot_of.tolist()
         info = {"data": 0, "skips": 0}
         blocks: list[int] = []
-        results: list[np.ndarray] = []
+        sums = np.empty((nb, self.k), dtype=np.int32)
         packet = self.rounds.packet
 
         def lane_packet(j: int) -> np.ndarray:
@@ -460,8 +461,8 @@ class SparseSwitch(Transport):
                 raise ProtocolError(f"sparse-switch: lane {j}'s result announces next position {m} after {q}, "
                                     f"which skips this worker's block at {mine[j]} or leaves the lane "
                                     f"(forged or corrupted packet)")
+            sums[len(blocks)] = res[HEADER:]
             blocks.append(j + q * L)
-            results.append(res)
             cur[j] = m
             return None if m == NONE else lane_packet(j)
 
@@ -469,7 +470,7 @@ class SparseSwitch(Transport):
         self.rounds.run(slot_of[active], [lane_packet(int(j)) for j in active], on_result, "stream", lanes=active)
         self.rounds.info["stream"].update(info)
         self.slots.rotate(1, self.pool_size)
-        return blocks, results
+        return blocks, sums[:len(blocks)]
 
 
 def own_blocks(x: torch.Tensor, own: np.ndarray, k: int) -> torch.Tensor:

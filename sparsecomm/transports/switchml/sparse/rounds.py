@@ -85,7 +85,8 @@ class Rounds:
 
         ``rows[i]`` is the first packet on ``slots[i]``; when its result arrives (matching job, slot,
         set and position) the slot's parity flips and ``on_result(lane, result)`` returns the lane's
-        next packet, or ``None`` when the lane is done (``lane`` = ``lanes[i]``, default ``i``). A
+        next packet, or ``None`` when the lane is done (``lane`` = ``lanes[i]``, default ``i``; ``result`` is the
+        row in the receive buffer, valid until ``on_result`` returns: it copies what it keeps). A
         packet unanswered within the timer is resent unchanged; after ``threshold`` expiries the timer
         doubles; unanswered for ``give_up_s`` raises :class:`FabricTimeout`. The switch's rejection
         notice raises :func:`..lanes.rejected`'s error. Packets go up as datagrams (``reliable=False``): on
@@ -196,7 +197,7 @@ class Rounds:
                     continue
                 info["results"] += 1
                 st.parity[slots[i]] ^= 1
-                out[i] = on_result(int(lanes[i]), res.copy())
+                out[i] = on_result(int(lanes[i]), res)
                 if out[i] is None:
                     deadline[i] = math.inf
                     live -= 1
