@@ -290,7 +290,14 @@ def block_facts(x: torch.Tensor, block: int, *, backend: str = "auto") -> tuple[
     (``block_absmax``), from which the three facts are read: a block is non-zero iff its maximum pattern is
     (NaN/Inf included, ``-0.0`` not), an element is not finite iff a block's maximum has an all-ones exponent
     field, and the tensor's exponent is that of the largest block maximum. Elsewhere the three functions,
-    each a pass."""
+    each a pass.
+
+    Args:
+        x: the float tensor.
+        block: elements per block (the last one may be short).
+        backend: ``"auto"`` (the Numba kernel on CPU, torch ops elsewhere), ``"numba"`` or ``"torch"``
+            (:mod:`sparsecomm.kernels`).
+    """
     from .blocks import nonzero_blocks
 
     check_float(x)
