@@ -228,6 +228,42 @@ def from_fixed(q: torch.Tensor, scale, *, chunk: int | None = None, dtype: torch
     return (q.reshape(-1).to(torch.float64) / _expand(s, chunk, n)).to(dtype)
 
 
+def from_fixed_blocks(q: torch.Tensor, blocks: torch.Tensor, scale: float, out: torch.Tensor, *,
+                      backend: str = "auto") -> None:
+    """Write :func:`from_fixed` ``(q[i], scale)`` as block ``blocks[i]`` of the flat float tensor ``out``, in place:
+    ``k = q.shape[1]`` elements a block, the last block of ``out`` possibly short (its first values), the other
+    blocks left as they are; ``blocks`` distinct. The same values as ``from_fixed`` then a scatter, without its
+    float64 copies: the Numba kernel (CPU) divides each value in float64 and rounds it once to ``out``'s dtype.
+
+    Args:
+        q: integer tensor of shape ``(blocks, k)``: the sums of the blocks.
+        blocks: integer tensor, the block index of each row of ``q``.
+        scale: the scalar scale of every block (float).
+        out: the flat float tensor written (float32 or float64 for the kernel).
+        backend: ``"auto"`` (the Numba kernel on CPU, torch ops elsewhere), ``"numba"`` or ``"torch"``
+            (:mod:`sparsecomm.kernels`).
+    """
+    if (not isinstance(q, torch.Tensor) or q.dim() != 2 or q.is_floating_point() or q.is_complex()
+            or q.dtype == torch.bool):
+        raise CodecError(f"q must be a 2-D integer tensor (one row per block), got {getattr(q, 'dtype', type(q))}")
+    k = q.shape[1]
+    n = out.numel()
+    if len(blocks) != q.shape[0]:
+        raise CodecError(f"{len(blocks)} block indices for {q.shape[0]} rows of q")
+    if len(blocks) and (int(blocks.min()) < 0 or int(blocks.max()) * k >= max(n, 1)):
+        raise CodecError(f"block indices must lie in [0, {-(-n // max(k, 1))}), got {int(blocks.min())}.."
+                         f"{int(blocks.max())}")
+    if use_numba(backend, out.dtype in NUMBA_FLOATS, out) and q.dtype in (torch.int32, torch.int64) and q.is_cpu:
+        KF.dequantize_blocks(q.detach().contiguous().numpy(), as_np(blocks.to(torch.int64).contiguous()),
+                             float(scale), as_np(out))
+        return
+    vals = from_fixed(q, float(scale), dtype=out.dtype).reshape(q.shape)
+    flat = out.reshape(-1)
+    for i, b in enumerate(blocks.tolist()):
+        m = min(k, n - b * k)
+        flat[b * k:b * k + m] = vals[i, :m]
+
+
 # --------------------------------------------------------------------------- SwitchML exponents
 
 

@@ -791,3 +791,30 @@ def test_block_facts_are_the_three_scans_in_one(dtype, backend):
         else:
             assert e == floor
         assert torch.equal(mask, codec.nonzero_blocks(x, 64, backend=backend)), case
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+def test_from_fixed_blocks_is_from_fixed_then_a_scatter(dtype, backend):
+    """``from_fixed_blocks``: bit for bit ``from_fixed`` of the rows written at their blocks (a short last block:
+    its first values), the other blocks untouched, for int32 sums near the range's ends and random scales."""
+    from sparsecomm import codec
+
+    rng = np.random.default_rng(11)
+    for case in range(30):
+        k = int(rng.choice([64, 256]))
+        n = int(rng.integers(1, 40)) * k - int(rng.integers(0, k)) * (case % 2)
+        nb = -(-n // k)
+        blocks = torch.from_numpy(rng.permutation(nb)[:int(rng.integers(0, nb + 1))].astype(np.int64))
+        hi = 2**31 - 1 if case % 3 else 1000
+        q = torch.from_numpy(rng.integers(-hi, hi, size=(len(blocks), k), dtype=np.int64).astype(np.int32))
+        scale = float(codec.scale_from_exponents(torch.tensor([int(rng.integers(-40, 40))]), 2)[0]) * rng.random()
+        out = torch.full((n,), 7.0, dtype=dtype)
+        want = out.clone()
+        vals = codec.from_fixed(q, scale, dtype=dtype).reshape(q.shape)
+        for i, b in enumerate(blocks.tolist()):
+            m = min(k, n - b * k)
+            want[b * k:b * k + m] = vals[i, :m]
+        codec.from_fixed_blocks(q, blocks, scale, out, backend=backend)
+        assert torch.equal(out.view(torch.int64 if dtype == torch.float64 else torch.int32),
+                           want.view(torch.int64 if dtype == torch.float64 else torch.int32)), case

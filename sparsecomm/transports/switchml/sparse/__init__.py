@@ -364,13 +364,13 @@ class SparseSwitch(Transport):
                 self.last_fixed = None
                 return q.to(device=device, dtype=out_dtype)
             self.last_fixed = FixedResult(q, E, scale)
-            # the union's blocks decoded (codec.from_fixed, the same values), every other element 0.0 as
-            # from_fixed gives for a zero sum: no float64 copies of the whole tensor
+            # the union's blocks decoded into their places (codec.from_fixed_blocks: from_fixed's values, in one
+            # pass with no float64 copies), every other element 0.0 as from_fixed gives for a zero sum
             total = torch.zeros(N, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
-            decoded = codec.from_fixed(torch.from_numpy(got), scale, dtype=total.dtype)
-            scatter_blocks(blocks, decoded.numpy().reshape(-1, k), total.numpy(), k)
-            # (sim_host: the result zeroed, a pass over every element; the union's sums decoded, three passes:
-            # cast to float64, divided by the scale, cast to the result's dtype; and scattered)
+            codec.from_fixed_blocks(torch.from_numpy(got), torch.as_tensor(blocks, dtype=torch.int64), scale, total)
+            # (sim_host: the result zeroed, a pass over every element; the union's sums decoded, charged as
+            # from_fixed's three passes -- cast to float64, divided by the scale, cast to the result's dtype -- and
+            # scattered, which the compiled decode does in one)
             f.host_work("elementwise", N + 3 * len(blocks) * k)
             f.host_work("index", len(blocks))
             f.host_work("move", len(blocks) * k * total.element_size())
