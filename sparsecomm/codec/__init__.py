@@ -34,7 +34,8 @@ from ..errors import CodecError
 from . import bits
 from ._common import num_blocks
 from .blocks import BlockScan, nonzero_blocks, pack_blocks, packed_numel, unpack_add
-from .fixed import checked_add_, chunk_exponents, from_fixed, scale_from_exponents, to_fixed
+from .fixed import (block_facts, checked_add_, chunk_exponents, from_fixed, from_fixed_blocks, scale_from_exponents,
+                    to_fixed)
 from .masks import LookAhead, bitmap_to_mask, indices_to_mask, mask_to_bitmap, mask_to_indices, next_nonzero
 
 __all__ = [
@@ -54,7 +55,9 @@ __all__ = [
     "next_nonzero",
     "to_fixed",
     "from_fixed",
+    "from_fixed_blocks",
     "chunk_exponents",
+    "block_facts",
     "scale_from_exponents",
     "checked_add_",
 ]

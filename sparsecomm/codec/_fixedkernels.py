@@ -143,3 +143,18 @@ def checked_add(acc, x, lo, hi):
         for i in range(a.size):
             a[i] += b[i]
     return -1
+
+
+@njit(cache=True, nogil=True)
+def dequantize_blocks(q, blocks, scale, out):
+    """``out[b k : b k + k] = q[i] / scale`` for ``b = blocks[i]`` (``k = q.shape[1]``; the last block of ``out``
+    may be short: its first values): each value divided in float64 and rounded once to ``out``'s dtype, as
+    ``(q.to(float64) / scale).to(dtype)``; the other blocks of ``out`` are left as they are."""
+    k = q.shape[1]
+    n = out.size
+    for i in range(q.shape[0]):
+        b0 = blocks[i] * k
+        m = min(k, n - b0)
+        row = q[i]
+        for j in range(m):
+            out[b0 + j] = np.float64(row[j]) / scale

@@ -228,6 +228,42 @@ def from_fixed(q: torch.Tensor, scale, *, chunk: int | None = None, dtype: torch
     return (q.reshape(-1).to(torch.float64) / _expand(s, chunk, n)).to(dtype)
 
 
+def from_fixed_blocks(q: torch.Tensor, blocks: torch.Tensor, scale: float, out: torch.Tensor, *,
+                      backend: str = "auto") -> None:
+    """Write :func:`from_fixed` ``(q[i], scale)`` as block ``blocks[i]`` of the flat float tensor ``out``, in place:
+    ``k = q.shape[1]`` elements a block, the last block of ``out`` possibly short (its first values), the other
+    blocks left as they are; ``blocks`` distinct. The same values as ``from_fixed`` then a scatter, without its
+    float64 copies: the Numba kernel (CPU) divides each value in float64 and rounds it once to ``out``'s dtype.
+
+    Args:
+        q: integer tensor of shape ``(blocks, k)``: the sums of the blocks.
+        blocks: integer tensor, the block index of each row of ``q``.
+        scale: the scalar scale of every block (float).
+        out: the flat float tensor written (float32 or float64 for the kernel).
+        backend: ``"auto"`` (the Numba kernel on CPU, torch ops elsewhere), ``"numba"`` or ``"torch"``
+            (:mod:`sparsecomm.kernels`).
+    """
+    if (not isinstance(q, torch.Tensor) or q.dim() != 2 or q.is_floating_point() or q.is_complex()
+            or q.dtype == torch.bool):
+        raise CodecError(f"q must be a 2-D integer tensor (one row per block), got {getattr(q, 'dtype', type(q))}")
+    k = q.shape[1]
+    n = out.numel()
+    if len(blocks) != q.shape[0]:
+        raise CodecError(f"{len(blocks)} block indices for {q.shape[0]} rows of q")
+    if len(blocks) and (int(blocks.min()) < 0 or int(blocks.max()) * k >= max(n, 1)):
+        raise CodecError(f"block indices must lie in [0, {-(-n // max(k, 1))}), got {int(blocks.min())}.."
+                         f"{int(blocks.max())}")
+    if use_numba(backend, out.dtype in NUMBA_FLOATS, out) and q.dtype in (torch.int32, torch.int64) and q.is_cpu:
+        KF.dequantize_blocks(q.detach().contiguous().numpy(), as_np(blocks.to(torch.int64).contiguous()),
+                             float(scale), as_np(out))
+        return
+    vals = from_fixed(q, float(scale), dtype=out.dtype).reshape(q.shape)
+    flat = out.reshape(-1)
+    for i, b in enumerate(blocks.tolist()):
+        m = min(k, n - b * k)
+        flat[b * k:b * k + m] = vals[i, :m]
+
+
 # --------------------------------------------------------------------------- SwitchML exponents
 
 
@@ -277,6 +313,50 @@ def chunk_exponents(x: torch.Tensor, chunk: int, *, backend: str = "auto") -> to
         _raise_nonfinite(x)
     e = torch.frexp(amax).exponent.to(torch.int32)
     return torch.where(amax > 0, e.clamp_min(emin), emin).to(torch.int32)
+
+
+def block_facts(x: torch.Tensor, block: int, *, backend: str = "auto") -> tuple[bool, int, torch.Tensor]:
+    """``(finite, e, mask)`` of the float tensor ``x`` in one read: whether every element is finite, the tensor's
+    exponent (``chunk_exponents(x, n)[0]``, the floor for an empty or all-zero tensor; the floor too when
+    ``finite`` is False) and :func:`~.blocks.nonzero_blocks` ``(x, block)``, what a job that sends the non-zero
+    blocks of one fixed-point scale needs (the sparse switch: SwitchML's exponent, Sapio et al., NSDI'21, over
+    OmniReduce's blocks, Fei et al., SIGCOMM'21).
+
+    Numba kernel (CPU float32/float64): one pass of per-block maxima of ``|x|``'s bit patterns
+    (``block_absmax``), from which the three facts are read: a block is non-zero iff its maximum pattern is
+    (NaN/Inf included, ``-0.0`` not), an element is not finite iff a block's maximum has an all-ones exponent
+    field, and the tensor's exponent is that of the largest block maximum. Elsewhere the three functions,
+    each a pass.
+
+    Args:
+        x: the float tensor.
+        block: elements per block (the last one may be short).
+        backend: ``"auto"`` (the Numba kernel on CPU, torch ops elsewhere), ``"numba"`` or ``"torch"``
+            (:mod:`sparsecomm.kernels`).
+    """
+    from .blocks import nonzero_blocks
+
+    check_float(x)
+    if isinstance(block, bool) or not isinstance(block, (int, np.integer)) or block < 1:
+        raise CodecError(f"block must be a positive integer, got {block!r}")
+    n = x.numel()
+    if use_numba(backend, x.dtype in NUMBA_FLOATS, x):
+        uint, absmask = BITS[x.dtype]
+        mbits, bias1, emin = _EXP[x.dtype]
+        amax = np.empty(-(-n // int(block)), dtype=uint)
+        K.block_absmax(as_np(x).reshape(-1).view(uint), int(block), absmask, amax)
+        mask = torch.from_numpy(amax != 0)
+        if not n:
+            return True, emin, mask
+        expfield = int(amax.max()) >> mbits
+        allones = (1 << (63 - mbits if x.dtype == torch.float64 else 31 - mbits)) - 1
+        if expfield == allones:
+            return False, emin, mask
+        return True, expfield - bias1, mask
+    xf = x.reshape(-1)
+    finite = bool(torch.isfinite(xf).all()) if n else True
+    e = int(chunk_exponents(xf, n, backend=backend)[0]) if finite and n else _EXP.get(xf.dtype, _EXP[torch.float32])[2]
+    return finite, e, nonzero_blocks(xf, block, backend=backend)
 
 
 def _raise_nonfinite(x: torch.Tensor) -> None:

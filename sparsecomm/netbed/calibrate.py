@@ -760,12 +760,13 @@ def sparse_switch_costs(quick: bool = False) -> dict:
         for c, ((k, kind), dp, tmpl) in enumerate(zip(cases, planes, tmpls)):
             for w in range(world):
                 np.copyto(arr, tmpl[w, r % 2])
+                before = dp.stats["packets"]
                 t = time.thread_time()
-                rows = dp.packets(arr)
-                _, results = dp.replies(rows, w, MAX_BURST, False, False)
+                _, results = dp.answer(arr, w, MAX_BURST, False)     # (the service's path: Dataplane._port)
                 t = time.thread_time() - t
-                if len(rows) != k or results != (k if w == world - 1 else 0):
-                    raise RuntimeError(f"calibrate: the sparse switch's program took {len(rows)} of {k} packets and "
+                took_rows = dp.stats["packets"] - before
+                if took_rows != k or results != (k if w == world - 1 else 0):
+                    raise RuntimeError(f"calibrate: the sparse switch's program took {took_rows} of {k} packets and "
                                        f"produced {results} results from worker {w}'s burst")
                 if r:
                     took[c][w].append(t)

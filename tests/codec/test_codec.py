@@ -758,3 +758,63 @@ def test_nonzero_blocks_of_integer_codes_match_reference(dtype):
         nb = -(-n // 8)
         ref = np.array([np.any(codes[b * 8:(b + 1) * 8] != 0) for b in range(nb)], dtype=bool)
         assert got.dtype == torch.bool and np.array_equal(got.numpy(), ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+def test_block_facts_are_the_three_scans_in_one(dtype, backend):
+    """``block_facts``: whether every element is finite, ``chunk_exponents(x, n)[0]`` and ``nonzero_blocks``,
+    as the three functions give them, on block-sparse tensors with a partial last block, ``-0.0``, subnormals,
+    huge and tiny magnitudes, NaN and +-Inf, and the empty tensor."""
+    from sparsecomm import codec
+    from sparsecomm.codec.fixed import _EXP
+
+    rng = np.random.default_rng(7)
+    floor = _EXP[dtype][2]
+    for case in range(40):
+        n = int(rng.integers(0, 3000))
+        x = torch.zeros(n, dtype=dtype)
+        if n:
+            hot = rng.random(-(-n // 64)) < rng.choice([0.0, 0.05, 0.5, 1.0])
+            for b in np.flatnonzero(hot):
+                x[b * 64:(b + 1) * 64] = torch.from_numpy(rng.standard_normal(len(x[b * 64:(b + 1) * 64])
+                                                                              ) * 10.0 ** rng.integers(-40, 40))
+            i = int(rng.integers(0, n))
+            special = [-0.0, float(torch.finfo(dtype).tiny) / 4, float("nan"), float("inf"), -float("inf"), 3e38,
+                       1e-30, 0.0][case % 8]
+            x[i] = special
+        finite, e, mask = codec.block_facts(x, 64, backend=backend)
+        want_finite = bool(torch.isfinite(x).all())
+        assert finite == want_finite, case
+        if want_finite:
+            assert e == (int(codec.chunk_exponents(x, n, backend=backend)[0]) if n else floor), case
+        else:
+            assert e == floor
+        assert torch.equal(mask, codec.nonzero_blocks(x, 64, backend=backend)), case
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("backend", ["numba", "torch"])
+def test_from_fixed_blocks_is_from_fixed_then_a_scatter(dtype, backend):
+    """``from_fixed_blocks``: bit for bit ``from_fixed`` of the rows written at their blocks (a short last block:
+    its first values), the other blocks untouched, for int32 sums near the range's ends and random scales."""
+    from sparsecomm import codec
+
+    rng = np.random.default_rng(11)
+    for case in range(30):
+        k = int(rng.choice([64, 256]))
+        n = int(rng.integers(1, 40)) * k - int(rng.integers(0, k)) * (case % 2)
+        nb = -(-n // k)
+        blocks = torch.from_numpy(rng.permutation(nb)[:int(rng.integers(0, nb + 1))].astype(np.int64))
+        hi = 2**31 - 1 if case % 3 else 1000
+        q = torch.from_numpy(rng.integers(-hi, hi, size=(len(blocks), k), dtype=np.int64).astype(np.int32))
+        scale = float(codec.scale_from_exponents(torch.tensor([int(rng.integers(-40, 40))]), 2)[0]) * rng.random()
+        out = torch.full((n,), 7.0, dtype=dtype)
+        want = out.clone()
+        vals = codec.from_fixed(q, scale, dtype=dtype).reshape(q.shape)
+        for i, b in enumerate(blocks.tolist()):
+            m = min(k, n - b * k)
+            want[b * k:b * k + m] = vals[i, :m]
+        codec.from_fixed_blocks(q, blocks, scale, out, backend=backend)
+        assert torch.equal(out.view(torch.int64 if dtype == torch.float64 else torch.int32),
+                           want.view(torch.int64 if dtype == torch.float64 else torch.int32)), case

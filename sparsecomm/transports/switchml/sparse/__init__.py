@@ -139,7 +139,7 @@ import torch
 from .... import codec
 from ....errors import IncompatibleError, InvalidValueError, ProtocolError, SparseCommError
 from ....fabric.base import Fabric
-from ..._guards import all_finite, check_dtype
+from ..._guards import check_dtype
 from ..._handshake import check_agreement
 from ....theory import costs
 from ...base import CallShape, Transport, registry
@@ -291,13 +291,13 @@ class SparseSwitch(Transport):
         # ---- local facts: validity, magnitude, non-zero blocks
         if mode == MODE_FLOAT:
             x = x if x.dtype in (torch.float32, torch.float64) else x.to(torch.float32)
-            finite = all_finite(x)
-            e = EXP_FLOOR
-            if finite and N:
-                e = max(EXP_FLOOR, int(codec.chunk_exponents(x, N)[0]))
+            # validity, magnitude and non-zero blocks in one read of x (codec.block_facts)
+            finite, e, mask = codec.block_facts(x, self.k)
+            e = max(EXP_FLOOR, e)
             self._control(mode, N, flat.dtype, nonfinite=not finite, too_large=e > self.max_exponent, cap=0,
                           fingerprint=fingerprint)
         else:
+            mask = None
             v = x.to(torch.int64)
             amax = int(v.abs().max()) if N else 0
             limit = min(INT32_MAX, torch.iinfo(out_dtype).max)
@@ -312,7 +312,8 @@ class SparseSwitch(Transport):
             if nb == 0:
                 self.last_fixed = None
                 return torch.zeros(0, dtype=out_dtype, device=device)
-            mask = codec.nonzero_blocks(x, k)
+            if mask is None:
+                mask = codec.nonzero_blocks(x, k)
             f.host_work("scan", N)                  # (the block scan reads the whole tensor)
             own = np.flatnonzero(mask.numpy())      # this worker's non-zero blocks: the only ones it encodes
             L = min(self.pool_size, nb)
@@ -347,13 +348,12 @@ class SparseSwitch(Transport):
                 codes = own_blocks(x, own, k).to(torch.int32).numpy().reshape(-1, k)
             f.host_work("fresh", len(own) * k * 4)         # (the codes, allocated per call: sim_host)
             # ---- stream: only the union's blocks, one round each
-            blocks, results = self._stream(codes, own, la.next.numpy(), first, start, L, nb)
-            got = np.stack(results)[:, HEADER:] if results else np.zeros((0, k), dtype=np.int32)
-            # the host work after the last result (sim_host): the results' rows stacked, a row copied per block;
-            # each scatter below writes the union's blocks at their rows (a block index and its bytes)
+            blocks, got = self._stream(codes, own, la.next.numpy(), first, start, L, nb)
+            # the host work of the results' rows (sim_host): a row copied per block (as each result arrives, out
+            # of the receive buffer; charged here, after the last); each scatter below writes the union's blocks
+            # at their rows (a block index and its bytes)
             f.host_work("index", len(blocks))
             f.host_work("move", len(blocks) * (HEADER + k) * 4)
-            del results
             sums = np.zeros(N, dtype=np.int32)     # (zero pages until written: the union's blocks are)
             scatter_blocks(blocks, got, sums, k)
             f.host_work("index", len(blocks))
@@ -364,13 +364,13 @@ class SparseSwitch(Transport):
                 self.last_fixed = None
                 return q.to(device=device, dtype=out_dtype)
             self.last_fixed = FixedResult(q, E, scale)
-            # the union's blocks decoded (codec.from_fixed, the same values), every other element 0.0 as
-            # from_fixed gives for a zero sum: no float64 copies of the whole tensor
+            # the union's blocks decoded into their places (codec.from_fixed_blocks: from_fixed's values, in one
+            # pass with no float64 copies), every other element 0.0 as from_fixed gives for a zero sum
             total = torch.zeros(N, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
-            decoded = codec.from_fixed(torch.from_numpy(got), scale, dtype=total.dtype)
-            scatter_blocks(blocks, decoded.numpy().reshape(-1, k), total.numpy(), k)
-            # (sim_host: the result zeroed, a pass over every element; the union's sums decoded, three passes:
-            # cast to float64, divided by the scale, cast to the result's dtype; and scattered)
+            codec.from_fixed_blocks(torch.from_numpy(got), torch.as_tensor(blocks, dtype=torch.int64), scale, total)
+            # (sim_host: the result zeroed, a pass over every element; the union's sums decoded, charged as
+            # from_fixed's three passes -- cast to float64, divided by the scale, cast to the result's dtype -- and
+            # scattered, which the compiled decode does in one)
             f.host_work("elementwise", N + 3 * len(blocks) * k)
             f.host_work("index", len(blocks))
             f.host_work("move", len(blocks) * k * total.element_size())
@@ -423,9 +423,11 @@ class SparseSwitch(Transport):
 
     # ================================================================== phase 3: the block stream
     def _stream(self, codes: np.ndarray, own: np.ndarray, nxt_block: np.ndarray, first: np.ndarray,
-                start: np.ndarray, L: int, nb: int) -> tuple[list[int], list[np.ndarray]]:
+                start: np.ndarray, L: int, nb: int) -> tuple[list[int], np.ndarray]:
         """Stream the union's blocks through ``L`` lanes (``codes[i]``: block ``own[i]``'s, this worker's
-        non-zero blocks); return the blocks summed and their results (rows, the sums after the header)."""
+        non-zero blocks); return the blocks summed and their sums (row ``i``: block ``blocks[i]``'s ``k``
+        values, copied from its result as it arrives into rows allocated for every block: pages only where
+        written)."""
         P = -(-nb // L)                       # positions per lane
         if ((start < 0) | ((start >= P) & (start != NONE)) | ((start > first) & (first != NONE))).any():
             raise ProtocolError("sparse-switch: the look-ahead round returned a lane start that no worker "
@@ -439,7 +441,7 @@ class SparseSwitch(Transport):
         slots = slot_of.tolist()
         info = {"data": 0, "skips": 0}
         blocks: list[int] = []
-        results: list[np.ndarray] = []
+        sums = np.empty((nb, self.k), dtype=np.int32)
         packet = self.rounds.packet
 
         def lane_packet(j: int) -> np.ndarray:
@@ -459,8 +461,8 @@ class SparseSwitch(Transport):
                 raise ProtocolError(f"sparse-switch: lane {j}'s result announces next position {m} after {q}, "
                                     f"which skips this worker's block at {mine[j]} or leaves the lane "
                                     f"(forged or corrupted packet)")
+            sums[len(blocks)] = res[HEADER:]
             blocks.append(j + q * L)
-            results.append(res)
             cur[j] = m
             return None if m == NONE else lane_packet(j)
 
@@ -468,7 +470,7 @@ class SparseSwitch(Transport):
         self.rounds.run(slot_of[active], [lane_packet(int(j)) for j in active], on_result, "stream", lanes=active)
         self.rounds.info["stream"].update(info)
         self.slots.rotate(1, self.pool_size)
-        return blocks, results
+        return blocks, sums[:len(blocks)]
 
 
 def own_blocks(x: torch.Tensor, own: np.ndarray, k: int) -> torch.Tensor:

@@ -311,6 +311,65 @@ def _program(row, values, seen, count, nxt, pos, held, width, world):  # pragma:
     return _CONSUMED | tag | flags
 
 
+@njit(cache=True, nogil=True)
+def _burst(arr, start, burst, values, seen, count, nxt, pos, held, width, world, mc, uc, ends,
+           counters):  # pragma: no cover - numba
+    """:func:`_program` on the rows of one message ``arr`` (``R`` rows of ``HEADER + k`` words) from row
+    ``start`` on, in order, as :meth:`Dataplane.process` runs it row by row: with ``burst`` ``T_EMPTY`` rows
+    are passed over and a skip's row is its header (:meth:`Dataplane.packets`); else the one row is taken
+    whole (one packet per message). A completed round's result (:meth:`Dataplane._result`) is written to
+    ``mc[ends[0]]``, a duplicate's after completion to ``uc[ends[1]]`` (``ends`` counts them); ``counters``
+    adds ``packets`` and each event of :data:`_EVENTS` (in that order), then ``overflow``, ``empty`` and
+    ``multicast``. Returns the index of the first row the caller must run itself (a malformed or out-of-step
+    one, whose report reads the registers as the program left them: :func:`_program` changed none), or
+    ``R`` when every row is done."""
+    elems = values.shape[2]
+    keep = (0x3F << _WORKER_SHIFT) | (0x7F << _NW_SHIFT) | (JOB_MASK << _JOB_SHIFT)
+    hi = (_HI_BITS << _WORKER_HI) | (_HI_BITS << _NW_HI)
+    for r in range(start, arr.shape[0]):
+        kind = arr[r, W0] & _TYPE_BITS
+        if burst and kind == T_EMPTY:
+            continue
+        row = arr[r, :HEADER] if burst and kind == T_SKIP else arr[r]
+        code = _program(row, values, seen, count, nxt, pos, held, width, world)
+        event = code & 0xFF
+        if event == _MALFORMED or event == _OUT_OF_STEP:
+            return r
+        counters[0] += 1
+        counters[1 + event] += 1
+        if event == _CONSUMED:
+            if code & _OVERFLOW:
+                counters[6] += 1
+            if not code & _COMPLETE:
+                continue
+            if code & _EMPTY:
+                counters[7] += 1
+            counters[8] += 1
+            out = mc[ends[0]]
+            ends[0] += 1
+            rkind = T_RESULT
+        elif event == _DUPLICATE:
+            out = uc[ends[1]]
+            ends[1] += 1
+            rkind = T_RETRANSMIT
+        else:
+            continue
+        slot = (code >> 16) & 0xFFFF
+        v = (code >> 8) & 1
+        out[W0] = rkind | (v << _SET_SHIFT) | (row[W0] & keep)
+        out[F_SLOT] = slot | (row[F_SLOT] & hi)
+        out[F_POS] = pos[slot, v]
+        out[F_NEXT] = nxt[slot, v]
+        acc = values[slot, v]
+        for j in range(elems):
+            out[HEADER + j] = acc[j]
+    return arr.shape[0]
+
+
+#: what :func:`_burst` counts, in its order
+_BURST_COUNTS = ("packets",) + _EVENTS + ("overflow", "empty", "multicast")
+
+
 class Dataplane:
     """Registers and the per-packet action of the sparse switch (module docstring)."""
 
@@ -469,11 +528,16 @@ class Dataplane:
         arr = buf.numpy()
         while True:
             src = yield RecvFor(key, buf, None, tag, None, stage)
-            rows = self.packets(arr)
+            if single:
+                packets, valued = 1, int(arr.size > HEADER)
+            else:
+                kinds = arr[:, W0] & _TYPE_BITS
+                packets = int(np.count_nonzero(kinds))
+                valued = packets - int(np.count_nonzero(kinds == T_SKIP))
             fabric.host_work("sparse_switch_message", 1)
-            fabric.host_work("sparse_switch_packet", len(rows))
-            fabric.host_work("sparse_switch_value", sum(r.size > HEADER for r in rows))
-            sends, results = self.replies(rows, src, K, single, sim and fabric.message_bytes is None)
+            fabric.host_work("sparse_switch_packet", packets)
+            fabric.host_work("sparse_switch_value", valued)
+            sends, results = self.answer(arr, src, K, sim and fabric.message_bytes is None)
             fabric.host_work("sparse_switch_result", results)
             if sends:
                 yield Datagrams(sends, TAG_DOWN, tracked=not sim)
@@ -490,6 +554,52 @@ class Dataplane:
                 for r in np.flatnonzero(kinds != T_EMPTY)]
         arr[:, W0] = 0
         return rows
+
+    def answer(self, arr: np.ndarray, src: int | None, K: int, pad: bool) -> tuple[list, int]:
+        """:meth:`replies` to the message received into ``arr`` (one row, 1-D, or a burst of rows, 2-D) from
+        ``src``, its rows run in one compiled call (:func:`_burst`) rather than one by one: the same replies,
+        registers and counters. A malformed or out-of-step row is run by :meth:`process` (which counts it and
+        records the refusal: the compiled call stops before it and goes on after it); with the audit on, every
+        row is (:meth:`packets`, :meth:`replies`). A burst's rows are ``T_EMPTY`` again afterwards (the next
+        message may be shorter). The replies are rows of the program's own arrays, split into messages as
+        :meth:`replies` splits them (``pad``: a burst's last message padded to ``K`` rows)."""
+        single = arr.ndim == 1
+        if self.audit is not None:
+            return self.replies(self.packets(arr), src, K, single, pad)
+        k, world = self.config.elems, self.world
+        width = HEADER + k
+        rows = arr.reshape(1, -1) if single else arr
+        R = rows.shape[0]
+        mc = np.empty((R, width), dtype=np.int32)
+        uc = np.empty((R, width), dtype=np.int32)
+        ends = np.zeros(2, dtype=np.int64)
+        counters = np.zeros(len(_BURST_COUNTS), dtype=np.int64)
+        stats = self.stats
+        before = stats["malformed"], stats["out_of_step"]
+        r = 0
+        while r < R:
+            r = _burst(rows, r, not single, self.values, self.seen, self.count, self.nxt, self.pos, self.held,
+                       self.config.width, -1 if world is None else world, mc, uc, ends, counters)
+            if r < R:                         # malformed or out of step: no register changed, no reply
+                row = rows[r]
+                self.process(row[:HEADER] if not single and row[W0] & _TYPE_BITS == T_SKIP else row)
+                r += 1
+        if not single:
+            arr[:, W0] = 0
+        for name, c in zip(_BURST_COUNTS, counters.tolist()):
+            if c:
+                stats[name] += c
+        malformed, out_of_step = stats["malformed"] - before[0], stats["out_of_step"] - before[1]
+        nmc, nuc = (int(e) for e in ends)
+        everyone = range(world)
+        sends = [(msg, everyone, False) for msg in _split(mc[:nmc], K, single, pad)]
+        if src is not None:
+            sends += [(msg, (src,), False) for msg in _split(uc[:nuc], K, single, pad)]
+        if (malformed or out_of_step) and src is not None and 0 <= src < world:
+            notice = rejection(k, src, world, OUT_OF_STEP if out_of_step else MALFORMED, malformed + out_of_step,
+                               self.refused if out_of_step else None)
+            sends = [(msg, everyone, True) for msg in _messages([notice], K, width, single, pad)] + sends
+        return sends, nmc + nuc
 
     def replies(self, rows: list, src: int | None, K: int, single: bool, sim: bool) -> tuple[list, int]:
         """Run the program on ``rows`` (a message from ``src``, :meth:`packets`); its replies as ``(message,
@@ -536,6 +646,22 @@ def _messages(rows: list, K: int, width: int, single: bool, pad: bool) -> list[t
         msg = np.zeros((K if pad else len(part), width), dtype=np.int32)
         msg[: len(part)] = part
         out.append(torch.from_numpy(msg))
+    return out
+
+
+def _split(rows: np.ndarray, K: int, single: bool, pad: bool) -> list[torch.Tensor]:
+    """:func:`_messages` of the rows of one array, without copying them where a message is a run of its rows
+    (the same messages, byte for byte)."""
+    if single:
+        return [torch.from_numpy(r) for r in rows]
+    out = []
+    for i in range(0, len(rows), K):
+        part = rows[i:i + K]
+        if pad and len(part) < K:
+            msg = np.zeros((K, rows.shape[1]), dtype=np.int32)
+            msg[:len(part)] = part
+            part = msg
+        out.append(torch.from_numpy(part))
     return out
 
 

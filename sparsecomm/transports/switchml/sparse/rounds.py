@@ -45,6 +45,9 @@ class Rounds:
         self.info: dict = {}
         self.pool = Pool()
         self._sender: tuple[int, int, int] | None = None     # (job, its W0 and SLOT words' sender bits)
+        #: the receive buffer of results (``burst`` rows), the same for every phase and job: a megabyte on real
+        #: fabrics, zeroed once rather than per phase
+        self._buf: torch.Tensor | None = None
 
     def packet(self, kind: int, slot: int, pos: int, nxt: int, vec: np.ndarray | None = None) -> np.ndarray:
         """A packet for ``slot``'s next round (the set is the slot's current parity): :class:`.dataplane.Header`'s
@@ -82,7 +85,8 @@ class Rounds:
 
         ``rows[i]`` is the first packet on ``slots[i]``; when its result arrives (matching job, slot,
         set and position) the slot's parity flips and ``on_result(lane, result)`` returns the lane's
-        next packet, or ``None`` when the lane is done (``lane`` = ``lanes[i]``, default ``i``). A
+        next packet, or ``None`` when the lane is done (``lane`` = ``lanes[i]``, default ``i``; ``result`` is the
+        row in the receive buffer, valid until ``on_result`` returns: it copies what it keeps). A
         packet unanswered within the timer is resent unchanged; after ``threshold`` expiries the timer
         doubles; unanswered for ``give_up_s`` raises :class:`FabricTimeout`. The switch's rejection
         notice raises :func:`..lanes.rejected`'s error. Packets go up as datagrams (``reliable=False``): on
@@ -144,8 +148,11 @@ class Rounds:
             yield from send(i, True)
         yield from flush()
         live = S
-        buf = torch.zeros((K, HEADER + k), dtype=torch.int32)
+        buf = self._buf
+        if buf is None or buf.shape != (K, HEADER + k):
+            buf = self._buf = torch.zeros((K, HEADER + k), dtype=torch.int32)
         msg_rows = buf.numpy()
+        msg_rows[:, W0] = 0                        # every row T_EMPTY (a phase that raised may have left rows)
         while live:
             wait = None if timeout is None else max(float(deadline.min()) - fab.now(), 1e-9)
             src = yield RecvFor(_DOWN, buf, sw, TAG_DOWN, wait, _STAGE)
@@ -190,7 +197,7 @@ class Rounds:
                     continue
                 info["results"] += 1
                 st.parity[slots[i]] ^= 1
-                out[i] = on_result(int(lanes[i]), res.copy())
+                out[i] = on_result(int(lanes[i]), res)
                 if out[i] is None:
                     deadline[i] = math.inf
                     live -= 1

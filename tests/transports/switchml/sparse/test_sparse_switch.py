@@ -250,15 +250,17 @@ def test_program_drops_malformed_and_out_of_step_packets(bad):
 
 
 def test_a_forged_result_is_rejected_with_a_clear_error(monkeypatch):
-    real = dp.Dataplane._result
+    real = dp.Dataplane.answer
 
-    def forged(self, row, slot, v, kind):
-        out = real(self, row, slot, v, kind)
-        if out[dp.F_POS] > 0:
-            out[dp.F_NEXT] = out[dp.F_POS]         # a "next" that does not advance
-        return out
+    def forged(self, *args):
+        sends, results = real(self, *args)
+        for msg, _, _ in sends:                    # the switch's replies as they leave
+            rows = msg.numpy().reshape(-1, msg.shape[-1])
+            late = (rows[:, dp.W0] & dp.KIND_BITS == dp.T_RESULT) & (rows[:, dp.F_POS] > 0)
+            rows[late, dp.F_NEXT] = rows[late, dp.F_POS]     # a "next" that does not advance
+        return sends, results
 
-    monkeypatch.setattr(dp.Dataplane, "_result", forged)
+    monkeypatch.setattr(dp.Dataplane, "answer", forged)
     with pytest.raises(SparseCommError, match="forged|corrupted"):
         _run(2, lambda r: blocky(r, 256 * 40, 0.5), pool_size=2, timeout=1e-3, give_up_s=0.05)
 
