@@ -45,8 +45,8 @@ class Rounds:
         self.info: dict = {}
         self.pool = Pool()
         self._sender: tuple[int, int, int] | None = None     # (job, its W0 and SLOT words' sender bits)
-        #: the receive buffer of results (``burst`` rows), the same for every phase and job: a megabyte on real
-        #: fabrics, zeroed once rather than per phase
+        #: the receive buffer of results (``burst`` rows), the same for every phase and job that ends cleanly: a
+        #: megabyte on real fabrics, zeroed once rather than per phase (:meth:`run`)
         self._buf: torch.Tensor | None = None
 
     def packet(self, kind: int, slot: int, pos: int, nxt: int, vec: np.ndarray | None = None) -> np.ndarray:
@@ -148,11 +148,13 @@ class Rounds:
             yield from send(i, True)
         yield from flush()
         live = S
-        buf = self._buf
+        # the receive buffer, this phase's until its loop ends with every receive taken: a phase that raises (or is
+        # closed) leaves it behind, a receive perhaps still posted into it, and the next phase makes another
+        buf, self._buf = self._buf, None
         if buf is None or buf.shape != (K, HEADER + k):
-            buf = self._buf = torch.zeros((K, HEADER + k), dtype=torch.int32)
+            buf = torch.zeros((K, HEADER + k), dtype=torch.int32)
         msg_rows = buf.numpy()
-        msg_rows[:, W0] = 0                        # every row T_EMPTY (a phase that raised may have left rows)
+        msg_rows[:, W0] = 0                        # every row T_EMPTY
         while live:
             wait = None if timeout is None else max(float(deadline.min()) - fab.now(), 1e-9)
             src = yield RecvFor(_DOWN, buf, sw, TAG_DOWN, wait, _STAGE)
@@ -206,6 +208,7 @@ class Rounds:
             msg_rows[:filled, W0] = 0              # every row T_EMPTY again: the next message may be shorter
             fab.host_work("sparse_switch_round", info["results"] - taken)    # (its Python per result: sim_host)
             yield from flush()
+        self._buf = buf
 
 
 def to_pos(blocks: np.ndarray, lanes: np.ndarray, L: int, nb: int) -> np.ndarray:
