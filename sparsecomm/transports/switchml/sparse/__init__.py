@@ -428,8 +428,10 @@ class SparseSwitch(Transport):
         non-zero blocks); return the blocks summed and their sums (row ``i``: block ``blocks[i]``'s ``k``
         values, copied from its result as it arrives into rows allocated for every block: pages only where
         written)."""
-        P = -(-nb // L)                       # positions per lane
-        if ((start < 0) | ((start >= P) & (start != NONE)) | ((start > first) & (first != NONE))).any():
+        # a lane's position p is block j + p L: one past the last block leaves the lane (a forged start or next
+        # position would otherwise name a block the tensor does not have)
+        beyond = np.arange(L) + start.astype(np.int64) * L >= nb
+        if ((start < 0) | (beyond & (start != NONE)) | ((start > first) & (first != NONE))).any():
             raise ProtocolError("sparse-switch: the look-ahead round returned a lane start that no worker "
                                 "can have announced (forged or corrupted packet)")
         row_of = np.full(nb, -1, dtype=np.int64)
@@ -457,7 +459,7 @@ class SparseSwitch(Transport):
 
         def on_result(j: int, res: np.ndarray):
             q, m = cur[j], int(res[F_NEXT])
-            if not (q < m and (m == NONE or m < P)) or m > mine[j]:
+            if not (q < m and (m == NONE or j + m * L < nb)) or m > mine[j]:
                 raise ProtocolError(f"sparse-switch: lane {j}'s result announces next position {m} after {q}, "
                                     f"which skips this worker's block at {mine[j]} or leaves the lane "
                                     f"(forged or corrupted packet)")

@@ -10,7 +10,8 @@ import torch
 
 import sparsecomm as sc
 from sparsecomm import codec
-from sparsecomm.errors import IncompatibleError, MismatchError, NonFiniteError, OverflowError_, SparseCommError
+from sparsecomm.errors import (IncompatibleError, MismatchError, NonFiniteError, OverflowError_, ProtocolError,
+                               SparseCommError)
 from sparsecomm.transports.switchml.sparse import dataplane as dp
 from sparsecomm.transports.switchml.sparse import INT32_MAX
 
@@ -263,6 +264,30 @@ def test_a_forged_result_is_rejected_with_a_clear_error(monkeypatch):
     monkeypatch.setattr(dp.Dataplane, "answer", forged)
     with pytest.raises(SparseCommError, match="forged|corrupted"):
         _run(2, lambda r: blocky(r, 256 * 40, 0.5), pool_size=2, timeout=1e-3, give_up_s=0.05)
+
+
+def test_a_forged_next_position_past_the_tensor_is_rejected_with_a_clear_error(monkeypatch):
+    """161 blocks in 2 lanes (81 positions each): lane 1's position 80 would be block 161, past the tensor's last.
+    A result announcing it is a forged one (the program never does), refused before any block is taken (was taken:
+    its sums written over the last block's)."""
+    real = dp.Dataplane.answer
+
+    def forged(self, *args):
+        sends, results = real(self, *args)
+        for msg, _, _ in sends:
+            rows = msg.numpy().reshape(-1, msg.shape[-1])
+            first = (rows[:, dp.W0] & dp.KIND_BITS == dp.T_RESULT) & (rows[:, dp.F_POS] == 0)
+            rows[first, dp.F_NEXT] = 80            # position 80 of every lane: block 160 (lane 0), 161 (lane 1)
+        return sends, results
+
+    def two_blocks(rank):
+        x = torch.zeros(161 * K)
+        x[:2 * K] = rank + 1.0                    # blocks 0 and 1: position 0 of lanes 0 and 1, nothing after
+        return x
+
+    monkeypatch.setattr(dp.Dataplane, "answer", forged)
+    with pytest.raises(ProtocolError, match="lane 1's result announces next position 80 .*forged"):
+        _run(2, two_blocks, pool_size=2, timeout=1e-3, give_up_s=0.05)
 
 
 # ----------------------------------------------------------------------------- bad input
