@@ -460,8 +460,9 @@ class SparseSwitch(Transport):
         def on_result(j: int, res: np.ndarray):
             q, m = cur[j], int(res[F_NEXT])
             if not (q < m and (m == NONE or j + m * L < nb)) or m > mine[j]:
+                at = "none" if mine[j] == NONE else f"position {mine[j]}"
                 raise ProtocolError(f"sparse-switch: lane {j}'s result announces next position {m} after {q}, "
-                                    f"which skips this worker's block at {mine[j]} or leaves the lane "
+                                    f"which skips this worker's next block in the lane ({at}) or leaves the lane "
                                     f"(forged or corrupted packet)")
             sums[len(blocks)] = res[HEADER:]
             blocks.append(j + q * L)
