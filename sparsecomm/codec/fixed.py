@@ -257,11 +257,15 @@ def from_fixed_blocks(q: torch.Tensor, blocks: torch.Tensor, scale: float, out: 
         KF.dequantize_blocks(q.detach().contiguous().numpy(), as_np(blocks.to(torch.int64).contiguous()),
                              float(scale), as_np(out))
         return
+    if not k or not len(blocks):
+        return
     vals = from_fixed(q, float(scale), dtype=out.dtype).reshape(q.shape)
-    flat = out.reshape(-1)
-    for i, b in enumerate(blocks.tolist()):
-        m = min(k, n - b * k)
-        flat[b * k:b * k + m] = vals[i, :m]
+    flat, full = out.reshape(-1), n // k        # (the whole blocks in one indexed write; a short last one apart)
+    b = blocks.to(device=out.device, dtype=torch.int64)
+    inner = b < full
+    flat[:full * k].view(full, k)[b[inner]] = vals[inner.to(vals.device)].to(out.device)
+    if not bool(inner.all()):
+        flat[full * k:] = vals[int(torch.nonzero(~inner)[-1, 0]), :n - full * k]
 
 
 # --------------------------------------------------------------------------- SwitchML exponents

@@ -589,17 +589,8 @@ class Dataplane:
         for name, c in zip(_BURST_COUNTS, counters.tolist()):
             if c:
                 stats[name] += c
-        malformed, out_of_step = stats["malformed"] - before[0], stats["out_of_step"] - before[1]
         nmc, nuc = (int(e) for e in ends)
-        everyone = range(world)
-        sends = [(msg, everyone, False) for msg in _split(mc[:nmc], K, single, pad)]
-        if src is not None:
-            sends += [(msg, (src,), False) for msg in _split(uc[:nuc], K, single, pad)]
-        if (malformed or out_of_step) and src is not None and 0 <= src < world:
-            notice = rejection(k, src, world, OUT_OF_STEP if out_of_step else MALFORMED, malformed + out_of_step,
-                               self.refused if out_of_step else None)
-            sends = [(msg, everyone, True) for msg in _messages([notice], K, width, single, pad)] + sends
-        return sends, nmc + nuc
+        return self._sends(mc[:nmc], uc[:nuc], src, K, single, pad, before), nmc + nuc
 
     def replies(self, rows: list, src: int | None, K: int, single: bool, sim: bool) -> tuple[list, int]:
         """Run the program on ``rows`` (a message from ``src``, :meth:`packets`); its replies as ``(message,
@@ -608,11 +599,10 @@ class Dataplane:
         every worker, then the retransmissions to ``src`` (``(src,)``); and the
         result rows the program produced (multicast and retransmitted: what the host model charges
         ``sparse_switch_result_s`` for). ``K``: rows per reply message; ``single``: one row per message;
-        ``sim``: a burst's last message padded to ``K`` rows (:func:`_messages`: a SimFabric whose receive takes
+        ``sim``: a burst's last message padded to ``K`` rows (:func:`_split`: a SimFabric whose receive takes
         no shorter message, ``message_bytes`` None; a real fabric's, and a SimFabric's with real hosts', is as
         long as its rows)."""
-        k, world = self.config.elems, self.world
-        width = HEADER + k
+        width = HEADER + self.config.elems
         mcast: list = []
         ucast: list = []
         before = self.stats["malformed"], self.stats["out_of_step"]
@@ -622,36 +612,38 @@ class Dataplane:
                 mcast.append(mc)
             if uc is not None:
                 ucast.append(uc)
-        malformed, out_of_step = self.stats["malformed"] - before[0], self.stats["out_of_step"] - before[1]
+        return (self._sends(_rows(mcast, width), _rows(ucast, width), src, K, single, sim, before),
+                len(mcast) + len(ucast))
+
+    def _sends(self, mc: np.ndarray, uc: np.ndarray, src: int | None, K: int, single: bool, pad: bool,
+               before: tuple[int, int]) -> list:
+        """The replies of a message from ``src`` whose results are the rows of ``mc`` (to every worker) and
+        ``uc`` (retransmissions, to ``src``), as ``(message, destinations, reliable)``: a rejection notice to
+        every worker first if :attr:`stats` counted malformed or out-of-step packets since ``before`` (their
+        counts then), then the results, then the retransmissions (:func:`_split`: ``K``, ``single``, ``pad``)."""
+        world = self.world
         everyone = range(world)
-        sends = [(msg, everyone, False) for msg in _messages(mcast, K, width, single, sim)]
+        sends = [(msg, everyone, False) for msg in _split(mc, K, single, pad)]
         if src is not None:
-            sends += [(msg, (src,), False) for msg in _messages(ucast, K, width, single, sim)]
+            sends += [(msg, (src,), False) for msg in _split(uc, K, single, pad)]
+        malformed, out_of_step = self.stats["malformed"] - before[0], self.stats["out_of_step"] - before[1]
         if (malformed or out_of_step) and src is not None and 0 <= src < world:
-            notice = rejection(k, src, world, OUT_OF_STEP if out_of_step else MALFORMED, malformed + out_of_step,
-                               self.refused if out_of_step else None)
-            sends = [(msg, everyone, True) for msg in _messages([notice], K, width, single, sim)] + sends
-        return sends, len(mcast) + len(ucast)
+            notice = rejection(self.config.elems, src, world, OUT_OF_STEP if out_of_step else MALFORMED,
+                               malformed + out_of_step, self.refused if out_of_step else None)
+            sends = [(msg, everyone, True) for msg in _split(notice.reshape(1, -1), K, single, pad)] + sends
+        return sends
 
 
-def _messages(rows: list, K: int, width: int, single: bool, pad: bool) -> list[torch.Tensor]:
-    """Reply rows as fabric messages: one row each, or up to ``K`` rows each, the last one padded to
-    ``K`` rows (unused rows ``T_EMPTY``) with ``pad`` (SimFabric: a message has its receive's shape),
-    else as long as its rows (real fabrics: a receive of ``K`` rows takes a shorter message)."""
-    if single:
-        return [torch.from_numpy(r) for r in rows]
-    out = []
-    for i in range(0, len(rows), K):
-        part = rows[i:i + K]
-        msg = np.zeros((K if pad else len(part), width), dtype=np.int32)
-        msg[: len(part)] = part
-        out.append(torch.from_numpy(msg))
-    return out
+def _rows(rows: list, width: int) -> np.ndarray:
+    """Reply rows (each ``width`` int32 words) as the rows of one array (:func:`_split` makes the messages)."""
+    return np.stack(rows) if rows else np.empty((0, width), dtype=np.int32)
 
 
 def _split(rows: np.ndarray, K: int, single: bool, pad: bool) -> list[torch.Tensor]:
-    """:func:`_messages` of the rows of one array, without copying them where a message is a run of its rows
-    (the same messages, byte for byte)."""
+    """Reply rows (the rows of one array) as fabric messages: one row each (``single``), or up to ``K`` rows each, a
+    run of the array's rows (no copy), the last one padded to ``K`` rows (unused rows ``T_EMPTY``) with ``pad``
+    (SimFabric: a message has its receive's shape), else as long as its rows (real fabrics: a receive of ``K``
+    rows takes a shorter message)."""
     if single:
         return [torch.from_numpy(r) for r in rows]
     out = []
