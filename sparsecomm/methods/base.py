@@ -69,8 +69,10 @@ returned estimate ever aliases the method's state (a payload may alias ``grad`` 
 **Host work.** :meth:`Method.work` declares what each call is about to cost a host, as counts of the host
 model's operations (:data:`sparsecomm.fabric.sim.sim_host.CODEC_RATES`, and ``"check"``, a finiteness check's
 read: top-k's of its input): the pipeline asks before each
-``encode``, ``next_round`` and ``decode`` it makes and, on a fabric with modelled time, charges the counts to
-the worker's clock (:meth:`sparsecomm.fabric.base.Fabric.host_work`); a real fabric's calls take their real time.
+``encode``, ``next_round`` and ``decode`` it makes and, on a fabric that charges host work (a SimFabric with a
+host model: :attr:`~sparsecomm.fabric.base.Fabric.charges_host_work`), charges the counts to the worker's clock
+(:meth:`sparsecomm.fabric.base.Fabric.host_work`); elsewhere it does not ask (a real fabric's calls take their
+real time).
 """
 
 from __future__ import annotations

@@ -23,13 +23,15 @@ non-finite sum ends the call's rounds there (on every worker alike: the sums are
 is NaN, with the method's decode left out (the step is rolled back: :meth:`CommPipeline.end_step
 <sparsecomm.pipeline.core.CommPipeline.end_step>`).
 
-On a fabric with modelled time (``fabric.modelled_time``: the SimFabric) every strategy charges the host work
-of the calls it makes to the worker's clock (:meth:`~sparsecomm.fabric.base.Fabric.host_work`), as the method
-declares it (:meth:`~sparsecomm.methods.base.Method.work`: asked before each ``encode``, ``next_round`` and
-``decode``, charged after it); the plain round charges its division (one elementwise pass); a compressed round
-whose input the non-finite rule checks (:meth:`MethodRounds.poisoned`) charges that read of the bucket
-(``"check"``, the host model's ``check_element_s``). A host model without these rates charges nothing (every
-modelled time as without them); a real fabric is not asked.
+On a fabric that charges host work (``fabric.charges_host_work``: a SimFabric whose network has a host model)
+every strategy charges the host work of the calls it makes to the worker's clock
+(:meth:`~sparsecomm.fabric.base.Fabric.host_work`), as the method declares it
+(:meth:`~sparsecomm.methods.base.Method.work`: asked before each ``encode``, ``next_round`` and ``decode``,
+charged after it); the plain round charges its division (one elementwise pass); a compressed round whose input
+the non-finite rule checks (:meth:`MethodRounds.poisoned`) charges that read of the bucket (``"check"``, the host
+model's ``check_element_s``). A host model without these rates charges nothing (every modelled time as without
+them); any other fabric (a real one, a SimFabric without a host model, on which ``host_work`` is a no-op) is
+not asked, nor is the method's ``work``: a round there makes no call to declare what nothing charges.
 """
 
 from __future__ import annotations
@@ -48,9 +50,10 @@ from .nonfinite import NonFiniteRule, poison
 from .states import Generators, StateStore
 
 
-def modelled(fabric: Any) -> Any:
-    """``fabric`` where its time is modelled (host work is charged to it), else None."""
-    return fabric if fabric is not None and fabric.modelled_time else None
+def charging(fabric: Any) -> Any:
+    """``fabric`` where it charges host work to its clock (:attr:`~sparsecomm.fabric.base.Fabric.charges_host_work`),
+    else None (its ``host_work`` is a no-op: nothing to declare)."""
+    return fabric if fabric is not None and fabric.charges_host_work else None
 
 
 def charge(fabric: Any, work: dict[str, int]) -> None:
@@ -93,7 +96,7 @@ class PlainRound:
     """The plain average: the bucket on the wire, the sum divided in place by n."""
 
     def __init__(self, rule: NonFiniteRule, world_size: int, fabric: Any = None) -> None:
-        self.rule, self.n, self.fabric = rule, world_size, modelled(fabric)
+        self.rule, self.n, self.fabric = rule, world_size, charging(fabric)
 
     def begin(self, flat: torch.Tensor, key: Hashable, checked: bool = False) -> Call:
         """The call; ``checked`` (where the transport checks the sum itself, ``not rule.checks_sums``): its
@@ -129,12 +132,12 @@ class MethodRounds:
                  outputs: Outputs, world_size: int, fabric: Any = None) -> None:
         self.method, self.states, self.generators = method, states, generators
         self.rule, self.outputs, self.n = rule, outputs, world_size
-        #: the fabric charged the method's host work (None: not modelled, nothing charged)
-        self.fabric = modelled(fabric)
+        #: the fabric charged the method's host work (None: it charges none, nothing declared)
+        self.fabric = charging(fabric)
 
     def charged(self, phase: str, ms: Any, d: int, run: Callable[[], Any], **kw: Any) -> Any:
         """``run()`` (the method's call ``phase`` on state ``ms`` of a ``d``-element bucket), its declared host
-        work (``kw``: encode's ``exact`` and ``shapes``) charged after it on a modelled fabric."""
+        work (``kw``: encode's ``exact`` and ``shapes``) charged after it on a fabric that charges host work."""
         if self.fabric is None:
             return run()
         work = self.method.work(phase, ms, d, **kw)
@@ -144,8 +147,8 @@ class MethodRounds:
 
     def poisoned(self, flat: torch.Tensor, exact: bool) -> bool:
         """The rule's :meth:`~sparsecomm.pipeline.nonfinite.NonFiniteRule.poisoned` of the bucket ``flat``; where
-        it reads the bucket (its ``check``, a compressed round, a float bucket) the read is charged on a modelled
-        fabric (``"check"``, one pass over ``flat``: :func:`sparsecomm.compressors._common.all_finite`)."""
+        it reads the bucket (its ``check``, a compressed round, a float bucket) the read is charged on a fabric that
+        charges host work (``"check"``, one pass over ``flat``: :func:`sparsecomm.compressors._common.all_finite`)."""
         rule = self.rule
         if self.fabric is not None and rule.check and not exact and flat.is_floating_point() and flat.numel():
             self.fabric.host_work("check", flat.numel())

@@ -167,7 +167,8 @@ class BucketScheduler:
             flat = b.gather()
             # (the gather writes every byte of the bucket: a fabric that models the hosts charges it as a copy,
             # as the DDP hook's concatenation is charged)
-            pipe.fabric.host_work("copy", flat.nbytes)
+            if pipe.fabric.charges_host_work:
+                pipe.fabric.host_work("copy", flat.nbytes)
             work = pipe.start(flat, b.key, compress=b.compress, shapes=b.shapes)
         self._works.append((b, work))
         self._next += 1

@@ -199,10 +199,12 @@ class Transport(ABC):
         t0_cpu = time.thread_time() if _trace.recorder is not None else 0.0
         x = self.check_input(x)
         # the wait for the call's last worker on shared cores, then the call's own CPU time beyond its messages
-        # and kernels, where the fabric models hosts (sim_host)
-        self.fabric.host_work("sync", 1, transport=self.name)
-        self.fabric.host_work("call", 1, transport=self.name)
-        self.fabric.host_work("call_peer", self.fabric.world_size - 1, transport=self.name)
+        # and kernels, where the fabric models hosts (sim_host; elsewhere host_work is a no-op, not called)
+        charged = self.fabric.charges_host_work
+        if charged:
+            self.fabric.host_work("sync", 1, transport=self.name)
+            self.fabric.host_work("call", 1, transport=self.name)
+            self.fabric.host_work("call_peer", self.fabric.world_size - 1, transport=self.name)
         # a call predicted to fold into its data (``native``, :mod:`._fold`) that this one is not:
         # join it and say so first; a transport that folds (``folds``) keeps its own record
         sched = None if self.folds else _fold.enter(self.fabric, self.name, f"{self.name} allreduce")
@@ -222,7 +224,8 @@ class Transport(ABC):
         _fold.leave(sched, self.name)
         # the call's end, where the workers last met: the next call's wait for its last worker counts the work
         # from here (sim_host's "sync")
-        self.fabric.host_work("settle", 1, transport=self.name)
+        if charged:
+            self.fabric.host_work("settle", 1, transport=self.name)
         stats = self.fabric.stats - before
         stats.wall_time_s = time.perf_counter() - t0_wall
         stats.modelled_time_s = self._modelled(t0_model)

@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import math
 import types
+import warnings
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from sparsecomm.errors import InvalidValueError
 from sparsecomm.fabric.sim.sim_host import CODEC_RATES, HOST_OPS, SUM_DTYPES, HostModel
 from sparsecomm.pipeline import rounds
 from sparsecomm.pipeline.core import CommPipeline
+from sparsecomm.pipeline.step_size import StepSizeWarning
 
 #: a rate per operation, each a different power of two (so the charge is exact in binary and no two ops alias)
 RATES = {rate: 2.0 ** -(20 + 3 * i) for i, rate in enumerate(CODEC_RATES.values())}
@@ -182,19 +184,73 @@ def test_zero_codec_rates_leave_every_modelled_time_bit_identical(monkeypatch, k
     assert max(_times(kind, dataclasses.replace(BASE, elementwise_element_s=1e-6))[0]) > max(with_charge[0])
 
 
-def test_a_real_fabric_is_not_asked_for_work():
-    """Off a modelled fabric the strategies hold no fabric to charge and never ask ``work`` (a real call takes
-    its real time)."""
+def test_a_fabric_that_charges_no_host_work_is_not_asked_for_work():
+    """On a fabric that charges no host work (a real one; a SimFabric without a host model, modelled time and all)
+    the strategies hold no fabric to charge and never ask ``work`` (nothing would be charged)."""
     class Refuses:
         def work(self, *a, **k):
-            raise AssertionError("work asked on a real fabric")
+            raise AssertionError("work asked on a fabric that charges no host work")
 
-    real = types.SimpleNamespace(modelled_time=False)
-    assert rounds.modelled(real) is None and rounds.modelled(None) is None
-    assert rounds.PlainRound(None, 2, real).fabric is None
-    strategy = rounds.MethodRounds(Refuses(), None, None, None, None, 2, real)
-    assert strategy.fabric is None
-    assert strategy.charged("encode", None, 10, lambda: 7) == 7
+    real = types.SimpleNamespace(modelled_time=False, charges_host_work=False)
+    unhosted = types.SimpleNamespace(modelled_time=True, charges_host_work=False)
+    hosted = types.SimpleNamespace(modelled_time=True, charges_host_work=True)
+    assert rounds.charging(real) is None and rounds.charging(unhosted) is None and rounds.charging(None) is None
+    assert rounds.charging(hosted) is hosted
+    for fabric in (real, unhosted):
+        assert rounds.PlainRound(None, 2, fabric).fabric is None
+        strategy = rounds.MethodRounds(Refuses(), None, None, None, None, 2, fabric)
+        assert strategy.fabric is None
+        assert strategy.charged("encode", None, 10, lambda: 7) == 7
+
+
+#: what a step declares outside the transport's own protocol: the transport call's (Transport.run), the optimizer's
+#: gather of a bucket, the non-finite rule's read and the method's codec work
+STEP_OPS = ("sync", "call", "call_peer", "settle", "copy", "check", *CODEC_RATES)
+
+
+def _diana_steps(ctx) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 16)
+    opt = sc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3), method="diana", compressor="randk",
+                                  ratio=0.25, transport="omnireduce")
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(ctx.rank))
+    for _ in range(2):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("host", [None, HostModel()], ids=["no host model", "host model"])
+def test_an_optimizer_step_declares_host_work_only_where_the_fabric_charges_it(monkeypatch, host):
+    """A SimFabric without a host model charges nothing (``charges_host_work`` False): an optimizer step there
+    neither calls ``host_work`` for the pipeline's and the transport call's work nor asks the method for its
+    ``work``; with a host model it declares both on every worker (what is charged is unchanged)."""
+    from sparsecomm.fabric.sim.sim import SimFabric
+    from sparsecomm.methods.diana import Diana
+
+    seen, real = [], SimFabric.host_work
+    asked, real_work = [], Diana.work
+
+    def record(self, op, count, dtype=None, *, transport=None):
+        if op in STEP_OPS:
+            seen.append((self.rank, op))
+        return real(self, op, count, dtype, transport=transport)
+
+    def work(self, phase, *a, **k):
+        asked.append(phase)
+        return real_work(self, phase, *a, **k)
+
+    monkeypatch.setattr(SimFabric, "host_work", record)
+    monkeypatch.setattr(Diana, "work", work)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", StepSizeWarning)     # (the step size is not what is tested)
+        sc.launch(_diana_steps, 2, network=sc.Network(host=host))
+    if host is None:
+        assert seen == [] and asked == []
+    else:
+        for rank in (0, 1):
+            assert {op for r, op in seen if r == rank} >= {"sync", "call", "call_peer", "settle", "copy"}
+        assert asked.count("encode") == asked.count("decode") == 4      # 2 workers x 2 steps
 
 
 def test_declarations_by_hand():

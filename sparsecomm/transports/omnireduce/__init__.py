@@ -465,7 +465,7 @@ class OmniReduce(Transport):
         if self.nonfinite == "pass":
             return
         own = sink is not None and sink.out is out
-        if self.fabric.modelled_time:    # (the elements the check reads: the host model's "check", sim_host)
+        if self.fabric.charges_host_work:    # (the elements the check reads: the host model's "check", sim_host)
             self.fabric.host_work("check", _checked(sink) if own else out.numel())
         if own and sink.written_finite():
             return
