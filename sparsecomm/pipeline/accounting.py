@@ -128,14 +128,14 @@ class Accounting:
             s.comm += comm
             self.last_stats += comm
 
-    def finished(self, dense_bytes: int, payload: Any, comm: CommStats) -> None:
-        """A call of one round on the pipeline's transport: :meth:`call` (``dense_bytes``), then :meth:`round`
-        (``payload``, ``comm``): the same figures, added in the same order, with the call's inline."""
+    def finished(self, dense_bytes: int, payload: Any, comm: CommStats, copies: float | None = None) -> None:
+        """A call's end: :meth:`call` (``dense_bytes``), then :meth:`round` of its last round (``payload``,
+        ``comm``; ``copies`` as they take it): the same figures, added in the same order, with the call's inline."""
         with self._lock:
             s = self.stats
             s.bytes_dense += dense_bytes
-            s.bytes_dense_sent += self.copies * dense_bytes
-        self.round(payload, comm)
+            s.bytes_dense_sent += (self.copies if copies is None else copies) * dense_bytes
+        self.round(payload, comm, copies)
 
     def finished_plain(self, nbytes: int, comm: CommStats) -> None:
         """:meth:`finished` of a plain average's call, whose one round sent the ``nbytes`` of its dense bucket

@@ -24,11 +24,9 @@ class Bucket:
     buffer: torch.Tensor | None = None
     sparse: bool = False        # one parameter with a sparse gradient, carried as a sparse payload
     ready: int = 0              # parameters whose gradient is in (overlap)
-
-    @property
-    def shapes(self) -> list[torch.Size]:
-        """The shapes of the bucket's parameters, in their order in the flat buffer."""
-        return [p.shape for p in self.params]
+    #: the shapes of the bucket's parameters, in their order in the flat buffer: fixed by :func:`layout` with the
+    #: offsets (the same object at every step)
+    shapes: tuple[torch.Size, ...] = ()
 
     def gather(self) -> torch.Tensor:
         if self.buffer is None:
@@ -94,4 +92,6 @@ def layout(params: list[torch.nn.Parameter], cap_bytes: int, min_compress_size: 
         b.offsets.append(b.numel)
         b.params.append(p)
         b.numel += p.numel()
+    for b in buckets:
+        b.shapes = tuple(p.shape for p in b.params)
     return buckets

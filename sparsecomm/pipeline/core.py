@@ -341,8 +341,7 @@ class CommPipeline:
         if _trace.recorder is not None:
             self._phase("decode", t0, identity)
         copies = None if t is self.transport else t.wire_copies()      # (None: the pipeline's, kept)
-        self.accounting.call(call.dense_bytes, copies)
-        self.accounting.round(call.last, t.last_stats, copies)
+        self.accounting.finished(call.dense_bytes, call.last, t.last_stats, copies)
         if checked:
             return (out if then is None else then(out)), True
         return out if then is None else then(out)
