@@ -49,8 +49,11 @@ class Crossings:
 
 
 def _steps(ctx, args, steps: int):
-    torch.manual_seed(0)
     model = torch.nn.Linear(64, 64)
+    init = torch.Generator().manual_seed(0)     # (not the global RNG, which the workers' threads share)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=init) / 8)
     opt = sc.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), method=args.method,
                                   compressor=args.compressor, ratio=args.ratio, transport=args.transport)
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(ctx.rank))
