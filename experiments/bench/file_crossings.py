@@ -8,10 +8,10 @@ A reader follows a call by reading the files it enters: a protocol whose one ste
 times is hard to read. This counts, for one ``DistributedOptimizer.step()`` of ``--method`` /
 ``--compressor`` (``--ratio``) over ``--transport`` on the SimFabric (a run of two steps less a run of one,
 both after a run of one step whose count is dropped: what a process does once, its first launch's lazy
-imports, caches and warnings, is in neither), every Python call whose callee's file differs from its caller's, both under ``sparsecomm/``, in every thread
-of the process (the workers' threads, their communication threads, and the thread that runs the SimFabric's
-loop), divided by the number of workers. ``sys.setprofile`` and ``threading.setprofile`` see the calls; C functions are not
-counted.
+imports, caches and warnings, is in neither), every Python call whose callee's file differs from its
+caller's, both under ``sparsecomm/``, in every thread of the process (the workers' threads, their
+communication threads, and the thread that runs the SimFabric's loop), divided by the number of workers.
+``sys.setprofile`` and ``threading.setprofile`` see the calls; C functions are not counted.
 """
 
 from __future__ import annotations
