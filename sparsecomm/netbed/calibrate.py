@@ -107,7 +107,7 @@ calibration to the next far more than its own calls do. The profile's ``method``
   second per block of each (the call modelled again with that rate at :data:`PROBE_S`: the blocks charged on its
   critical path) and ``c`` is the per-call cost (measured next, as ``call_s``); a rate fitted below zero is
   written as 0, the others fitted again without it;
-- ``sparse_switch_round_s``: the sparse switch's workers' Python per result they take (beyond its program's rates,
+- ``sparse_switch_round_s``: the sparse switch's workers' work per result they take (beyond its program's rates,
   fitted on its own calls as ``span_block_s`` is): a dense call of each of :data:`SPARSE_SWITCH_POINTS` between
   two processes and the switch's over gloo on 127.0.0.1 (``calibrate --pin-cores``: each rank on a core of its
   own turn, the workers on separate cores, modelled with the two workers alone sharing the cores, as a run on

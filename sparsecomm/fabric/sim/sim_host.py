@@ -36,9 +36,10 @@ modelled clocks (``host=None``, the default: no host cost, every modelled time a
   the overflow check; a skip has none), result rows it produces (``sparse_switch_result_s``: a completed round's
   multicast or a retransmission, its row built and packed into the replies) and messages it takes
   (``sparse_switch_message_s``: the burst's split into rows, the replies' set-up); ``"sparse_switch_round"``, the
-  results a sparse switch's worker takes (``sparse_switch_round_s``: its Python per result in
-  :mod:`sparsecomm.transports.switchml.sparse.rounds`, the row's header read and matched, the slot's parity
-  flipped, the lane's next packet built and queued); a model without one of these
+  results a sparse switch's worker takes (``sparse_switch_round_s``: its work per result in
+  :mod:`sparsecomm.transports.switchml.sparse.rounds` and, for the stream, :mod:`~sparsecomm.transports.switchml.sparse.stream`'s
+  compiled call: the row's header read and matched, the slot's parity flipped, the lane's next packet built and
+  queued); a model without one of these
   (``None``, the default, and a profile without it) charges what it charged before they existed: the dense
   switch's ``switch_packet_s`` per packet, its ``switch_message_s`` per message, nothing per value packet or
   result, nothing per worker's result; ``"copy"``, bytes copied (``copy_byte_s``: the ring's and ``native``'s

@@ -150,6 +150,7 @@ from ..control import (DTYPES, DEFAULT_MAX_EXPONENT, MODE_FLOAT, MODE_INT, check
 from .dataplane import (F_NEXT, HEADER, MAX_WORKERS, NONE, T_DATA, T_MIN, T_SKIP, JOB_MASK,
                                       Dataplane, SparseSwitchConfig, service_main)
 from .rounds import Rounds, to_pos
+from .stream import DATA, SKIPS, LaneStream
 from ..lanes import SlotState, Timer, abandoning
 
 INT32_MAX = 2**31 - 1
@@ -436,44 +437,15 @@ class SparseSwitch(Transport):
                                 "can have announced (forged or corrupted packet)")
         row_of = np.full(nb, -1, dtype=np.int64)
         row_of[own] = np.arange(len(own))     # block -> its row of codes
-        mine = first.tolist()                 # my next non-zero position per lane (NONE: none)
-        cur = start.tolist()                  # the lane's current position
-        nxt_of = nxt_block.tolist()
-        slot_of = self.slots.lane_slots(L, self.pool_size)
-        slots = slot_of.tolist()
-        info = {"data": 0, "skips": 0}
-        blocks: list[int] = []
-        sums = np.empty((nb, self.k), dtype=np.int32)
-        packet = self.rounds.packet
-
-        def lane_packet(j: int) -> np.ndarray:
-            q = cur[j]
-            if mine[j] == q:
-                b = j + q * L
-                following = nxt_of[b]             # the lane's next non-zero block, as a position
-                mine[j] = nxt = NONE if following >= nb else (following - j) // L
-                info["data"] += 1
-                return packet(T_DATA, slots[j], q, nxt, codes[row_of[b]])
-            info["skips"] += 1
-            return packet(T_SKIP, slots[j], q, mine[j])
-
-        def on_result(j: int, res: np.ndarray):
-            q, m = cur[j], int(res[F_NEXT])
-            if not (q < m and (m == NONE or j + m * L < nb)) or m > mine[j]:
-                at = "none" if mine[j] == NONE else f"position {mine[j]}"
-                raise ProtocolError(f"sparse-switch: lane {j}'s result announces next position {m} after {q}, "
-                                    f"which skips this worker's next block in the lane ({at}) or leaves the lane "
-                                    f"(forged or corrupted packet)")
-            sums[len(blocks)] = res[HEADER:]
-            blocks.append(j + q * L)
-            cur[j] = m
-            return None if m == NONE else lane_packet(j)
-
         active = np.flatnonzero(start != NONE)
-        self.rounds.run(slot_of[active], [lane_packet(int(j)) for j in active], on_result, "stream", lanes=active)
-        self.rounds.info["stream"].update(info)
+        ls = LaneStream(L, nb, active, self.slots.lane_slots(L, self.pool_size)[active],
+                        cur=start.astype(np.int64), mine=first.astype(np.int64),
+                        nxt_of=np.asarray(nxt_block, dtype=np.int64), row_of=row_of,
+                        codes=np.ascontiguousarray(codes, dtype=np.int32))
+        self.rounds.stream(ls)
+        self.rounds.info["stream"].update(data=int(ls.counts[DATA]), skips=int(ls.counts[SKIPS]))
         self.slots.rotate(1, self.pool_size)
-        return blocks, sums[:len(blocks)]
+        return ls.kept()
 
 
 def own_blocks(x: torch.Tensor, own: np.ndarray, k: int) -> torch.Tensor:

@@ -26,6 +26,7 @@ from .dataplane import (F_POS, F_SLOT, HEADER, JOB_MASK, JOB_SHIFT, KIND_BITS, N
                         refusal)
 from ..lanes import SlotState, Timer, abandoning, message_rows, rejected
 from .requests import Datagram, RecvFor, lowered
+from .stream import FORGED, IGNORED, LIVE, PACKETS, REJECTED, RESULTS, LaneStream
 
 _UP, _DOWN = "up", "down"      # what the worker's packets are held under; the key of its receive of results
 _STAGE = Step(0, reaps=True)   # the one role's wait for results: its sends are reaped first
@@ -53,29 +54,41 @@ class Rounds:
         """A packet for ``slot``'s next round (the set is the slot's current parity): :class:`.dataplane.Header`'s
         layout, its words formed here (once per packet)."""
         st = self.state
-        sender = self._sender
-        if sender is None or sender[0] != st.job:
-            h = Header(0, 0, self.fabric.rank, self.fabric.world_size, st.job & JOB_MASK, 0, 0, 0).write(
-                np.zeros(HEADER, dtype=np.int32))
-            sender = self._sender = (st.job, int(h[W0]), int(h[F_SLOT]))   # worker, n, job: fixed for a job
+        w0, wslot = self._sender_words()
         if kind == T_SKIP:
             row = np.empty(HEADER, dtype=np.int32)
         else:
             row = np.empty(HEADER + self.elems, dtype=np.int32)
             row[HEADER:] = vec
-        row[:HEADER] = (sender[1] | kind | (int(st.parity[slot]) << SET_SHIFT), sender[2] | slot, pos, nxt)
+        row[:HEADER] = (w0 | kind | (int(st.parity[slot]) << SET_SHIFT), wslot | slot, pos, nxt)
         return row
+
+    def _sender_words(self) -> tuple[int, int]:
+        """This worker's bits of a packet's W0 and SLOT words (worker, n, job: fixed for a job)."""
+        st, sender = self.state, self._sender
+        if sender is None or sender[0] != st.job:
+            h = Header(0, 0, self.fabric.rank, self.fabric.world_size, st.job & JOB_MASK, 0, 0, 0).write(
+                np.zeros(HEADER, dtype=np.int32))
+            sender = self._sender = (st.job, int(h[W0]), int(h[F_SLOT]))
+        return sender[1], sender[2]
 
     def run(self, slots: np.ndarray, rows: list[np.ndarray], on_result, phase: str,
             lanes: np.ndarray | None = None) -> None:
         """The rounds of :meth:`role` on this worker, run by ``Fabric.drive`` (its datagrams and timed receives
         lowered by :func:`.requests.lowered`); every send has completed when it returns. Any error stops every
         rank (:func:`..lanes.abandoning`: the others would wait for this worker's packets)."""
+        self._drive(self.role(slots, rows, on_result, phase, lanes))
+
+    def stream(self, ls: LaneStream) -> None:
+        """The stream phase's rounds (:mod:`.stream`: the lanes' state machine, a message's results in one
+        compiled call) on this worker, run by ``Fabric.drive`` as :meth:`run` runs the others'."""
+        self._drive(self.stream_role(ls))
+
+    def _drive(self, role) -> None:
         fab = self.fabric
         inbox, outbox = Inbox(fab, self.pool), Outbox(fab, self.pool)
         with abandoning(fab):
-            fab.drive([lowered(self.role(slots, rows, on_result, phase, lanes), fab, inbox, outbox, _KEEP)],
-                      inbox, outbox, keep=_KEEP)
+            fab.drive([lowered(role, fab, inbox, outbox, _KEEP)], inbox, outbox, keep=_KEEP)
             outbox.finish()
 
     def role(self, slots: np.ndarray, rows: list[np.ndarray], on_result, phase: str,
@@ -184,10 +197,7 @@ class Rounds:
                 if kind == T_EMPTY:
                     continue                       # an unused row of a burst
                 if kind == T_REJECT:               # the switch dropped packets it cannot take: the job is over
-                    h = Header.of(res)
-                    out_of_step = h.pos == OUT_OF_STEP
-                    raise rejected(fab, "sparse-switch allreduce", h.worker, h.next, out_of_step,
-                                   refusal(res) if out_of_step else None)
+                    raise _rejection(fab, res)
                 i = index.get(word & SLOT_BITS)
                 if ((kind != T_RESULT and kind != T_RETRANSMIT) or (w0 >> JOB_SHIFT) & JOB_MASK != job or i is None
                         or out[i] is None):
@@ -206,9 +216,126 @@ class Rounds:
                 else:
                     yield from send(i, True)
             msg_rows[:filled, W0] = 0              # every row T_EMPTY again: the next message may be shorter
-            fab.host_work("sparse_switch_round", info["results"] - taken)    # (its Python per result: sim_host)
+            fab.host_work("sparse_switch_round", info["results"] - taken)    # (its work per result: sim_host)
             yield from flush()
         self._buf = buf
+
+    def stream_role(self, ls: LaneStream):
+        """The stream phase's rounds as a role: :meth:`role`'s rounds, timers and sends, with each message's
+        results run by :func:`.stream._take` (match, keep, next packet) in one call and the lanes' packets in
+        ``ls.out``. On SimFabric (one result per message) the same packets, sums, clock and counts as
+        :meth:`role` with the lanes' ``on_result`` would give."""
+        fab, st, sw, K = self.fabric, self.state, self.switch, self.burst
+        k, sim, timer = self.elems, self.sim, self.timer
+        pad = sim and fab.message_bytes is None
+        S = ls.active.size
+        timeout, threshold, expiries = timer.timeout, timer.threshold, 0
+        ahead = math.inf if timeout is None else timeout
+        info = {"packets": 0, "retransmissions": 0, "results": 0, "ignored": 0}
+        if self.info.get("job") != st.job:
+            self.info = {"job": st.job}
+        self.info["stream"] = info
+        counts = ls.counts
+        w0, wslot = self._sender_words()
+        ls.first(st.parity, w0, wslot)
+        index = np.full(st.parity.size, -1, dtype=np.int64)
+        index[ls.slots] = np.arange(S)
+        deadline = np.full(S, math.inf)
+        since = np.zeros(S)
+        out = ls.out
+
+        def arm(idx: np.ndarray, fresh: bool) -> None:
+            now = fab.now()
+            deadline[idx] = now + ahead
+            if fresh:
+                since[idx] = now
+            counts[PACKETS] += len(idx)
+
+        def flush(idx: np.ndarray):
+            """The packets ``out[idx]``, in order: one datagram each on SimFabric with one packet a message
+            (waited for: the NIC's serialisation; skips as 16-byte headers on their own tag), else ``K`` rows
+            per message (padded to ``K`` on a SimFabric without real hosts' messages, as :meth:`role`)."""
+            for c in range(0, len(idx), K):
+                part = idx[c:c + K]
+                if sim and K == 1:
+                    row = out[part[0]]
+                    skip = row[W0] & KIND_BITS == T_SKIP
+                    yield Datagram(torch.from_numpy(row[:HEADER].copy() if skip else row.copy()), sw,
+                                   TAG_SKIP if skip else TAG_UP, hold=_UP)
+                    yield Flush(_UP)
+                    continue
+                msg = np.zeros((K if pad else len(part), HEADER + k), dtype=np.int32)
+                msg[:len(part)] = out[part]
+                m = torch.from_numpy(msg)
+                if sim:
+                    yield Datagram(m, sw, TAG_UP, hold=_UP)
+                    yield Flush(_UP)
+                else:
+                    yield Datagram(m, sw, TAG_UP)
+
+        everyone = np.arange(S)
+        if K == 1:                                  # (as role: each packet flushed as it is sent)
+            for i in range(S):
+                arm(everyone[i:i + 1], True)
+                yield from flush(everyone[i:i + 1])
+        else:
+            arm(everyone, True)
+            yield from flush(everyone)
+        buf, self._buf = self._buf, None            # (as role: this phase's until its loop ends cleanly)
+        if buf is None or buf.shape != (K, HEADER + k):
+            buf = torch.zeros((K, HEADER + k), dtype=torch.int32)
+        msg_rows = buf.numpy()
+        msg_rows[:, W0] = 0
+        job = st.job & JOB_MASK
+        while counts[LIVE]:
+            wait = None if timeout is None else max(float(deadline.min()) - fab.now(), 1e-9)
+            src = yield RecvFor(_DOWN, buf, sw, TAG_DOWN, wait, _STAGE)
+            if src is None:                            # the timer expired
+                now = fab.now()
+                late = np.flatnonzero(deadline <= now + 1e-12)
+                for i in late:
+                    if now - since[i] > timer.give_up_s:
+                        raise FabricTimeout(
+                            f"worker {fab.rank}: sparse-switch stream packet on slot {int(ls.slots[i])} of job "
+                            f"{st.job} unanswered for {now - since[i]:.3g} s despite retransmissions: a peer "
+                            f"or the switch is gone") from None
+                    expiries += 1
+                    info["retransmissions"] += 1
+                    if K == 1:                      # (as role: each packet flushed as it is sent)
+                        one = np.array([i])
+                        arm(one, False)
+                        yield from flush(one)
+                if K != 1:
+                    arm(late, False)
+                    yield from flush(late)
+                if expiries >= threshold:
+                    timeout *= 2
+                    ahead = timeout
+                    threshold += timer.increment
+                    expiries = 0
+                continue
+            filled = len(msg_rows) if sim else message_rows(fab, sw, msg_rows)
+            taken = int(counts[RESULTS])
+            sent = ls.take(msg_rows, filled, job, index, st.parity, w0, wslot, deadline, since, fab.now(), ahead)
+            if ls.bad[0] == REJECTED:
+                raise _rejection(fab, msg_rows[ls.bad[1]])
+            if ls.bad[0] == FORGED:
+                raise ls.forged()
+            if K == 1:
+                yield from flush(sent)
+            msg_rows[:filled, W0] = 0              # every row T_EMPTY again: the next message may be shorter
+            fab.host_work("sparse_switch_round", int(counts[RESULTS]) - taken)    # (its work per result: sim_host)
+            if K != 1:
+                yield from flush(sent)
+        info.update(packets=int(counts[PACKETS]), results=int(counts[RESULTS]), ignored=int(counts[IGNORED]))
+        self._buf = buf
+
+
+def _rejection(fab, res: np.ndarray) -> Exception:
+    """The error of the switch's rejection notice ``res``: it dropped packets it cannot take."""
+    h = Header.of(res)
+    out_of_step = h.pos == OUT_OF_STEP
+    return rejected(fab, "sparse-switch allreduce", h.worker, h.next, out_of_step, refusal(res) if out_of_step else None)
 
 
 def to_pos(blocks: np.ndarray, lanes: np.ndarray, L: int, nb: int) -> np.ndarray:
