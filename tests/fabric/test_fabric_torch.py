@@ -265,3 +265,44 @@ def _large_send(ctx) -> list:
 def test_a_large_gloo_send_is_watched_from_its_post():
     got = sc.launch(_large_send, 2, backend="gloo", timeout_s=30)
     assert got == [[True, True, False, True], [True, True]]
+
+
+# --------------------------------------------------------------------------- express tags
+def _behind_bulk(ctx, numel: int) -> list:
+    """Rank 0 sends ``numel`` floats, then one small message on a plain tag and one on an express tag, to rank 1,
+    which posted the three receives in that order; rank 1 reports, for each small message as it arrives, whether
+    the bulk's last element had landed by then."""
+    from sparsecomm.fabric.base import EXPRESS_TAGS
+
+    f, plain, express = ctx.fabric, 12, EXPRESS_TAGS.start + 12
+    if ctx.rank == 0:
+        works = [f.isend(torch.ones(numel), 1, tag=11), f.isend(torch.tensor([2.0]), 1, tag=plain),
+                 f.isend(torch.tensor([3.0]), 1, tag=express)]
+        for w in works:
+            w.wait()
+        return []
+    big, a, b = torch.zeros(numel), torch.zeros(1), torch.zeros(1)
+    wb = f.irecv(big, 0, tag=11)
+    wa, we = f.irecv(a, 0, tag=plain), f.irecv(b, 0, tag=express)
+    we.wait()
+    express_first = big[-1].item() == 0.0
+    wa.wait()
+    plain_after = big[-1].item() == 1.0
+    wb.wait()
+    try:
+        f.irecv(torch.zeros(1), None, tag=express)
+        refused = ""
+    except IncompatibleError as exc:
+        refused = str(exc)
+    return [express_first, plain_after, a.item(), b.item(), bool((big == 1.0).all()), refused]
+
+
+def test_an_express_message_does_not_wait_behind_bulk_to_the_same_peer():
+    """gloo writes a pair's messages in order: a plain-tag message sent after 256 MB to the same peer arrives after
+    it; an express one travels the other direction's connection and arrives while the bulk is still moving. A
+    receive of an express tag from any source is refused (its connection depends on the source)."""
+    _, got = sc.launch(functools.partial(_behind_bulk, numel=1 << 26), 2, backend="gloo", timeout_s=60)
+    express_first, plain_after, a, b, whole, refused = got
+    assert plain_after and (a, b) == (2.0, 3.0) and whole
+    assert express_first
+    assert "express tag" in refused and "names the source" in refused
