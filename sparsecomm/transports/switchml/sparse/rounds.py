@@ -63,6 +63,32 @@ class Rounds:
         row[:HEADER] = (w0 | kind | (int(st.parity[slot]) << SET_SHIFT), wslot | slot, pos, nxt)
         return row
 
+    def _datagrams(self, rows: np.ndarray):
+        """Send the packets ``rows`` (one a row, a skip's values zero), in order, as a role's requests: on SimFabric
+        with one packet a message one datagram each, waited for as it leaves (:class:`~sparsecomm.fabric.roles.Flush`:
+        the worker's NIC serialises them, and its timers start from its clock), a skip as its 16-byte header on its
+        own tag; elsewhere ``burst`` rows a message, as long as its packets (a receive of ``burst`` rows takes it
+        into a prefix), but on a SimFabric without real hosts' messages (``message_bytes`` None) padded to its
+        receive's shape."""
+        sim, sw, K = self.sim, self.switch, self.burst
+        for c in range(0, len(rows), K):
+            part = rows[c:c + K]
+            if sim and K == 1:
+                row = part[0]
+                skip = row[W0] & KIND_BITS == T_SKIP
+                yield Datagram(torch.from_numpy(row[:HEADER] if skip else row), sw, TAG_SKIP if skip else TAG_UP,
+                               hold=_UP)
+                yield Flush(_UP)
+                continue
+            if sim and self.fabric.message_bytes is None and len(part) < K:
+                part = np.concatenate([part, np.zeros((K - len(part), rows.shape[1]), dtype=np.int32)])
+            m = torch.from_numpy(part)
+            if sim:
+                yield Datagram(m, sw, TAG_UP, hold=_UP)
+                yield Flush(_UP)
+            else:
+                yield Datagram(m, sw, TAG_UP)
+
     def _sender_words(self) -> tuple[int, int]:
         """This worker's bits of a packet's W0 and SLOT words (worker, n, job: fixed for a job)."""
         st, sender = self.state, self._sender
@@ -109,7 +135,6 @@ class Rounds:
         """
         fab, st, sw, K = self.fabric, self.state, self.switch, self.burst
         k, sim, timer = self.elems, self.sim, self.timer
-        pad = sim and fab.message_bytes is None        # (flush: a message padded to K rows)
         S = len(slots)
         lanes = np.arange(S) if lanes is None else lanes
         index = {int(s): i for i, s in enumerate(slots)}
@@ -135,27 +160,13 @@ class Rounds:
                 yield from flush()
 
         def flush():
-            """The queued packets: one datagram each on SimFabric (waited for: the NIC's serialisation; skips as
-            16-byte headers on their own tag), else ``K`` rows per message."""
-            for i in range(0, len(queue), K):
-                part = queue[i:i + K]
-                if sim and K == 1:
-                    row = part[0]
-                    yield Datagram(torch.from_numpy(row), sw, TAG_SKIP if row.size == HEADER else TAG_UP, hold=_UP)
-                    yield Flush(_UP)
-                    continue
-                # a message is as long as its packets (a receive of K rows takes it into a prefix), but on a
-                # SimFabric without real hosts' messages (``message_bytes`` None), which has its receive's shape
-                msg = np.zeros((K if pad else len(part), HEADER + k), dtype=np.int32)
-                for r, row in enumerate(part):
-                    msg[r, :row.size] = row
-                m = torch.from_numpy(msg)
-                if sim:
-                    yield Datagram(m, sw, TAG_UP, hold=_UP)
-                    yield Flush(_UP)
-                else:
-                    yield Datagram(m, sw, TAG_UP)
-            queue.clear()
+            """The queued packets (:meth:`_datagrams`)."""
+            if queue:
+                rows = np.zeros((len(queue), HEADER + k), dtype=np.int32)      # (a skip: its header, zeros)
+                for r, row in enumerate(queue):
+                    rows[r, :row.size] = row
+                queue.clear()
+                yield from self._datagrams(rows)
 
         for i in range(S):
             yield from send(i, True)
@@ -175,10 +186,7 @@ class Rounds:
                 now = fab.now()
                 for i in np.flatnonzero(deadline <= now + 1e-12):
                     if now - since[i] > timer.give_up_s:
-                        raise FabricTimeout(
-                            f"worker {fab.rank}: sparse-switch {phase} packet on slot {int(slots[i])} of job "
-                            f"{st.job} unanswered for {now - since[i]:.3g} s despite retransmissions: a peer "
-                            f"or the switch is gone") from None
+                        raise _unanswered(fab, phase, int(slots[i]), st.job, now - since[i])
                     expiries += 1
                     info["retransmissions"] += 1
                     yield from send(int(i), False)
@@ -227,7 +235,6 @@ class Rounds:
         :meth:`role` with the lanes' ``on_result`` would give."""
         fab, st, sw, K = self.fabric, self.state, self.switch, self.burst
         k, sim, timer = self.elems, self.sim, self.timer
-        pad = sim and fab.message_bytes is None
         S = ls.active.size
         timeout, threshold, expiries = timer.timeout, timer.threshold, 0
         ahead = math.inf if timeout is None else timeout
@@ -252,26 +259,9 @@ class Rounds:
             counts[PACKETS] += len(idx)
 
         def flush(idx: np.ndarray):
-            """The packets ``out[idx]``, in order: one datagram each on SimFabric with one packet a message
-            (waited for: the NIC's serialisation; skips as 16-byte headers on their own tag), else ``K`` rows
-            per message (padded to ``K`` on a SimFabric without real hosts' messages, as :meth:`role`)."""
-            for c in range(0, len(idx), K):
-                part = idx[c:c + K]
-                if sim and K == 1:
-                    row = out[part[0]]
-                    skip = row[W0] & KIND_BITS == T_SKIP
-                    yield Datagram(torch.from_numpy(row[:HEADER].copy() if skip else row.copy()), sw,
-                                   TAG_SKIP if skip else TAG_UP, hold=_UP)
-                    yield Flush(_UP)
-                    continue
-                msg = np.zeros((K if pad else len(part), HEADER + k), dtype=np.int32)
-                msg[:len(part)] = out[part]
-                m = torch.from_numpy(msg)
-                if sim:
-                    yield Datagram(m, sw, TAG_UP, hold=_UP)
-                    yield Flush(_UP)
-                else:
-                    yield Datagram(m, sw, TAG_UP)
+            """The packets ``out[idx]``, in order (:meth:`_datagrams`)."""
+            if len(idx):
+                yield from self._datagrams(out[idx])
 
         everyone = np.arange(S)
         if K == 1:                                  # (as role: each packet flushed as it is sent)
@@ -295,10 +285,7 @@ class Rounds:
                 late = np.flatnonzero(deadline <= now + 1e-12)
                 for i in late:
                     if now - since[i] > timer.give_up_s:
-                        raise FabricTimeout(
-                            f"worker {fab.rank}: sparse-switch stream packet on slot {int(ls.slots[i])} of job "
-                            f"{st.job} unanswered for {now - since[i]:.3g} s despite retransmissions: a peer "
-                            f"or the switch is gone") from None
+                        raise _unanswered(fab, "stream", int(ls.slots[i]), st.job, now - since[i])
                     expiries += 1
                     info["retransmissions"] += 1
                     if K == 1:                      # (as role: each packet flushed as it is sent)
@@ -329,6 +316,12 @@ class Rounds:
                 yield from flush(sent)
         info.update(packets=int(counts[PACKETS]), results=int(counts[RESULTS]), ignored=int(counts[IGNORED]))
         self._buf = buf
+
+
+def _unanswered(fab, phase: str, slot: int, job: int, waited: float) -> FabricTimeout:
+    """The error of a packet unanswered past the timer's ``give_up_s``, despite retransmissions."""
+    return FabricTimeout(f"worker {fab.rank}: sparse-switch {phase} packet on slot {slot} of job {job} unanswered for "
+                         f"{waited:.3g} s despite retransmissions: a peer or the switch is gone")
 
 
 def _rejection(fab, res: np.ndarray) -> Exception:
