@@ -81,9 +81,11 @@ def fresh_empty(numel: int, dtype: torch.dtype, device: torch.device | str = "cp
     return out
 
 
-def fresh_clone(v: torch.Tensor) -> torch.Tensor:
+def fresh_clone(v: torch.Tensor, advise: bool = True) -> torch.Tensor:
     """A contiguous copy of the flat vector ``v`` (the same bits) in a :func:`fresh_empty` buffer (under
-    :data:`ADVISE_MIN_BYTES`, nothing to advise: ``clone``, without the calls around it)."""
-    if v.numel() * v.element_size() < ADVISE_MIN_BYTES:
+    :data:`ADVISE_MIN_BYTES`, nothing to advise: ``clone``, without the calls around it); ``advise=False``: in a
+    plain buffer whatever its size (``clone``), for a caller whose buffers are not the ones the advice is for
+    (a SimFabric's: :meth:`~sparsecomm.transports.linear.LinearOperand.work_copy`)."""
+    if not advise or v.numel() * v.element_size() < ADVISE_MIN_BYTES:
         return v.clone()
     return fresh_empty(v.numel(), v.dtype, v.device).copy_(v)
