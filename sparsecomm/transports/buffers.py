@@ -18,7 +18,9 @@ buffer's pages stay small, and a buffer of a few huge pages keeps its small page
 Where the advice cannot be given (no Linux ``madvise``, a CUDA tensor, a buffer under the threshold) the buffer is a
 plain ``torch.empty``; where the kernel ignores it (transparent huge pages ``never``), the pages are small, as before.
 Which buffers are advised depends on their size and device only (:func:`advises`), so a SimFabric declares the same
-host work on every machine (``"fresh_advised"``, :mod:`sparsecomm.fabric.sim.sim_host`).
+host work on every machine (``"fresh_advised"``, :mod:`sparsecomm.fabric.sim.sim_host`). The SimFabric's own work
+copies are plain buffers all the same (``fresh_clone(v, advise=False)``, :meth:`.linear.LinearOperand.work_copy`): they
+model a real endpoint's, and the simulator holds every simulated worker's at once in one process.
 """
 
 from __future__ import annotations
