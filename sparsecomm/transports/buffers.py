@@ -18,7 +18,9 @@ buffer's pages stay small, and a buffer of a few huge pages keeps its small page
 Where the advice cannot be given (no Linux ``madvise``, a CUDA tensor, a buffer under the threshold) the buffer is a
 plain ``torch.empty``; where the kernel ignores it (transparent huge pages ``never``), the pages are small, as before.
 Which buffers are advised depends on their size and device only (:func:`advises`), so a SimFabric declares the same
-host work on every machine (``"fresh_advised"``, :mod:`sparsecomm.fabric.sim.sim_host`).
+host work on every machine (``"fresh_advised"``, :mod:`sparsecomm.fabric.sim.sim_host`). The SimFabric's own work
+copies are plain buffers all the same (``fresh_clone(v, advise=False)``, :meth:`.linear.LinearOperand.work_copy`): they
+model a real endpoint's, and the simulator holds every simulated worker's at once in one process.
 """
 
 from __future__ import annotations
@@ -81,9 +83,11 @@ def fresh_empty(numel: int, dtype: torch.dtype, device: torch.device | str = "cp
     return out
 
 
-def fresh_clone(v: torch.Tensor) -> torch.Tensor:
+def fresh_clone(v: torch.Tensor, advise: bool = True) -> torch.Tensor:
     """A contiguous copy of the flat vector ``v`` (the same bits) in a :func:`fresh_empty` buffer (under
-    :data:`ADVISE_MIN_BYTES`, nothing to advise: ``clone``, without the calls around it)."""
-    if v.numel() * v.element_size() < ADVISE_MIN_BYTES:
+    :data:`ADVISE_MIN_BYTES`, nothing to advise: ``clone``, without the calls around it); ``advise=False``: in a
+    plain buffer whatever its size (``clone``), for a caller whose buffers are not the ones the advice is for
+    (a SimFabric's: :meth:`~sparsecomm.transports.linear.LinearOperand.work_copy`)."""
+    if not advise or v.numel() * v.element_size() < ADVISE_MIN_BYTES:
         return v.clone()
     return fresh_empty(v.numel(), v.dtype, v.device).copy_(v)

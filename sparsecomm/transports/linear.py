@@ -57,11 +57,18 @@ class LinearOperand:
         """A vector the caller may overwrite: a copy, unless the operand may be summed in place (a
         contiguous input of the caller's, as with DDP's ``gradient_as_bucket_view``). A copy is made into a
         buffer allocated for it, advised as huge pages when large (:func:`.buffers.fresh_clone`), and declared
-        to ``fabric``'s host model (:func:`fresh_copy`)."""
+        to ``fabric``'s host model (:func:`fresh_copy`).
+
+        On a fabric whose time is modelled (``fabric.modelled_time``: a SimFabric) the copy is declared the same
+        (an advised buffer from the threshold on: the modelled host's), but its own buffer is a plain one: there
+        the buffers are the simulator's, every simulated worker's work copy alive at once in one process, whose
+        fresh huge pages by the gigabyte cost the loop more than the small pages they replace; the advice is for a
+        real endpoint, whose one process allocates its buffer afresh on every call (:mod:`.buffers`)."""
         v = self.vector
         if self.inplace and v.is_contiguous():
             return v
-        return fresh_copy(fabric, fresh_clone(v), advised=advises(v.numel() * v.element_size(), v.device))
+        return fresh_copy(fabric, fresh_clone(v, advise=not fabric.modelled_time),
+                          advised=advises(v.numel() * v.element_size(), v.device))
 
     @property
     def check(self) -> int:

@@ -193,7 +193,9 @@ def ring_role(fabric: Fabric, acc: torch.Tensor | None, inbox: Inbox, tag: int =
     host_work, dtype = (fabric.host_work if fabric.charges_host_work else None), acc.dtype
     nbufs = 1 if n == 2 else rs_buffers(n, big * acc.element_size())
     bufs = _workspace(workspace, big, nbufs, acc)
-    views: dict = {}        # (buffer, start, end) -> that view of a workspace buffer (a few: every chunk's alike)
+    # per workspace buffer, the views of its segments for a chunk of q elements and of q + 1 (index 0 and 1): every
+    # step's receives are posted into one of them, each list built at its first use
+    views = [[None, None] for _ in range(nbufs)]
     # chunk c's view (one segment per chunk: every chunk's made at once), else its segments' slices of ``acc``
     chunks = acc.split([q + 1] * rem + [q] * (n - rem)) if seg >= big else None
     # the chunks' bounds and segments are computed where used (a list of them per worker is O(n^2) in all)
@@ -226,13 +228,13 @@ def ring_role(fabric: Fabric, acc: torch.Tensor | None, inbox: Inbox, tag: int =
         t = s + ahead           # the receives of step t (chunk r - t - 1's segments), into buffer t mod nbufs
         if t <= last:
             c = (r - t - 1) % n
-            length = q + (1 if c < rem else 0)
+            longer = 1 if c < rem else 0
             k, key = t % nbufs, t * per
-            for a in range(0, length, seg):
-                e = a + seg if a + seg < length else length
-                v = views.get((k, a, e))
-                if v is None:
-                    v = views[(k, a, e)] = bufs[k][a:e]
+            segs = views[k][longer]
+            if segs is None:
+                length, b = q + longer, bufs[k]
+                segs = views[k][longer] = [b[a:a + seg if a + seg < length else length] for a in range(0, length, seg)]
+            for v in segs:
                 yield _new(PostInto, (key, v, left, tag))
                 key += 1
         if s < 0:

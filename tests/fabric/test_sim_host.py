@@ -1838,7 +1838,9 @@ def test_an_advised_fresh_buffer_is_charged_its_own_rate_or_half_a_copy():
 
 
 class _Declared:
-    """A fabric stand-in that records what is declared to its host model."""
+    """A fabric stand-in that records what is declared to its host model (a modelled one's: ``modelled_time``)."""
+
+    modelled_time = True
 
     def __init__(self) -> None:
         self.work = []

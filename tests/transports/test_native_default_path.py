@@ -2,8 +2,9 @@
 and as in place, its input untouched, its non-finite contract kept, on a work copy large enough to be advised
 as huge pages (:mod:`sparsecomm.transports.buffers`) and on one below it, unfolded and folded.
 
-Also the buffers themselves: a fresh clone holds the input's bits (NaN payloads, signed zeros), and the advice
-covers the buffer's 2 MiB-aligned interior only, from the threshold on.
+Also the buffers themselves: a fresh clone holds the input's bits (NaN payloads, signed zeros), the advice
+covers the buffer's 2 MiB-aligned interior only, from the threshold on, and a SimFabric's work copy is a plain
+buffer declared as the advised one a real endpoint makes.
 """
 
 from __future__ import annotations
@@ -140,3 +141,26 @@ def test_the_advice_covers_the_aligned_interior_from_the_threshold_on(monkeypatc
     assert addr + length <= t.data_ptr() + t.nbytes < addr + length + HUGE_PAGE_BYTES
     monkeypatch.setattr(buffers, "_MADVISE", None)         # (no madvise: a plain buffer)
     assert not advise_huge(t)
+
+
+def test_a_simfabric_work_copy_is_plain_and_declared_as_the_modelled_hosts(monkeypatch):
+    """A work copy on a fabric whose time is modelled is a plain buffer (every simulated worker's copy lives in one
+    process), declared to the host model as the advised buffer a real endpoint makes; on any other fabric it is
+    advised. The same bits either way."""
+    from sparsecomm.fabric.sim.sim import SimWorld
+    from sparsecomm.transports.linear import linear_operand
+
+    calls = []
+    monkeypatch.setattr(buffers, "_MADVISE", lambda addr, length, advice: calls.append((addr, length, advice)) or 0)
+    big = torch.randn(max(ADVISE_MIN_BYTES, 2 * HUGE_PAGE_BYTES) // 4 + 1000, generator=torch.Generator().manual_seed(3))
+    for modelled in (True, False):
+        fabric = SimWorld(2).fabric(0)
+        declared = []
+        monkeypatch.setattr(fabric, "host_work", lambda op, count, *a, **k: declared.append((op, count)))
+        if not modelled:
+            monkeypatch.setattr(fabric, "modelled_time", False)     # (what a real endpoint says)
+        del calls[:]
+        y = linear_operand(big, "ring").work_copy(fabric)
+        assert y.data_ptr() != big.data_ptr() and _same_bits(y, big)
+        assert declared == [("copy", big.nbytes), ("fresh_advised", big.nbytes)]
+        assert (calls == []) == modelled and all(c[2] == buffers.MADV_HUGEPAGE for c in calls)

@@ -353,6 +353,8 @@ class SimFabric(Fabric):
         world, ep, rank = self.world, self._ep, self.rank
         nbytes = tensor.nbytes
         copy = None             # (the copy of ``tensor`` the messages not written through share, made once)
+        meta = None             # (``tensor``'s dtype, shape, and whether it may be written through: read once)
+        plain = ep.host is None and not ep.per_port     # (its NIC placed inline: Endpoint.transmit's plain case)
         with world.gate.lock:
             for dst in dsts:
                 if dst < 0 or dst == rank:
@@ -367,7 +369,13 @@ class SimFabric(Fabric):
                 except IndexError:
                     raise InvalidValueError(f"{ep.name}: no endpoint {dst} (world has {len(world.endpoints)})") \
                         from None
-                start, tx_end = ep.transmit(dst, nbytes)
+                if plain:           # (Endpoint.transmit without a host model, one NIC, inline: once per message)
+                    start = ep.clock
+                    if ep.tx_free1 > start:
+                        start = ep.tx_free1
+                    tx_end = ep.tx_free1 = start + nbytes / ep.bw
+                else:
+                    start, tx_end = ep.transmit(dst, nbytes)
                 stats = ep.stats            # (CommStats.record_send, inline: once per message)
                 stats.bytes_sent += nbytes
                 stats.messages += 1
@@ -396,8 +404,9 @@ class SimFabric(Fabric):
                         if posted and (k := len(q)) < len(posted):
                             into = posted[k]
                             buf = into._args[0]
-                            if (into.holds is None and buf.dtype is tensor.dtype and buf.shape == tensor.shape
-                                    and tensor.is_cpu and not tensor.requires_grad):
+                            if meta is None:
+                                meta = (tensor.dtype, tensor.shape, tensor.is_cpu and not tensor.requires_grad)
+                            if into.holds is None and meta[2] and buf.dtype is meta[0] and buf.shape == meta[1]:
                                 buf.copy_(tensor)
                                 data = buf
                             else:

@@ -230,7 +230,9 @@ class Endpoint:
         self.per_port = per_port            # one NIC port per peer (else one NIC)
         self.clock = 0.0
         self._tx_free: dict[int, float] = {}     # per port of a ``per_port`` endpoint, when it is free
-        self._tx_free1 = 0.0                     # when the one NIC of another is free
+        #: when the one NIC of an endpoint that is not ``per_port`` is free (:meth:`transmit`'s; a send without a
+        #: host model places itself by it inline, :meth:`.sim.SimFabric.isend_each`)
+        self.tx_free1 = 0.0
         # per NIC port (a ``per_port`` endpoint's by peer, ``_rx``; another's one NIC, ``_rx1``), a list: the queued
         # messages after the last one taken, in the order its NIC takes them (by :func:`_nic_order`), how many of
         # them (a prefix) have exact times, and the end of the one before them
@@ -293,10 +295,10 @@ class Endpoint:
                 start = free
             tx_end = self._tx_free[peer] = start + wire
         else:
-            free = self._tx_free1
+            free = self.tx_free1
             if free > start:
                 start = free
-            tx_end = self._tx_free1 = start + wire
+            tx_end = self.tx_free1 = start + wire
         if streamed:
             self.clock += streamed       # (the CPU it spends streaming, beside the NIC)
         return start, tx_end
