@@ -204,7 +204,9 @@ class Outbox:
         """Start sending ``buf`` to endpoint ``dst`` on ``tag``. ``key``: the role of the pooled buffer it
         uses (held until the send completes). ``deferrable``: left to :meth:`finish` (:meth:`reap`)."""
         wk = self.fabric.isend(buf, dst, tag)
-        self.pending.append((wk, buf, deferrable))
+        # (the buffer kept while the send may still read it: not once it has completed, as a fabric that copies
+        # at the send says at once -- an endpoint of n peers holds n such entries until :meth:`finish`)
+        self.pending.append((wk, None if wk.is_completed() else buf, deferrable))
         if key is not None:         # (Pool.hold, inline)
             busy, role = self.pool._busy, ("out", key)
             if role in busy:

@@ -5,7 +5,6 @@ arrivals, reads and takes."""
 
 from __future__ import annotations
 
-from collections import deque
 
 import numpy as np
 import torch
@@ -55,7 +54,7 @@ def test_lazy_retiming_reads_the_eager_recurrence_bit_for_bit():
                 start = float(rng.uniform(0, 4e-6)) if rng.random() < 0.8 else 1e-6    # (ties of heads too)
                 nbytes = int(rng.choice([0, 1, 64, 1500, 9000]))
                 m = Msg(src, tag, torch.empty(0), nbytes, start, start + 1e-6, start + nbytes / 1e9)
-                ep.mailbox.setdefault((src, tag), deque()).append(m)
+                ep.mailbox.setdefault((src, tag), []).append(m)
                 retimed += ep.schedule(m)
                 models.setdefault(src if per_port else -1, _Eager(ep.bw)).arrive(m)
                 queued.append(m)
@@ -65,7 +64,7 @@ def test_lazy_retiming_reads_the_eager_recurrence_bit_for_bit():
                 reads += 1
             else:                         # take the head of a channel, as the world does
                 m = queued[int(rng.integers(len(queued)))]
-                m = ep.mailbox[(m.src, m.tag)].popleft()
+                m = ep.mailbox[(m.src, m.tag)].pop(0)
                 want = models[m.src if per_port else -1].delivered(m)
                 ep.taken(m)
                 assert m.delivered == want

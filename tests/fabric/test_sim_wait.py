@@ -4,7 +4,6 @@ out of head order that re-time queued messages, messages for receives of no grou
 
 from __future__ import annotations
 
-from collections import deque
 
 import numpy as np
 import torch
@@ -31,7 +30,7 @@ def test_incremental_state_matches_a_fresh_measure_after_every_arrival():
             start = float(rng.uniform(0, 3e-6))
             nbytes = int(rng.integers(1, 2000))
             msg = Msg(src, tag, torch.empty(0), nbytes, start, start + 1e-6, start + nbytes / 1e9)
-            ep.mailbox.setdefault((src, tag), deque()).append(msg)
+            ep.mailbox.setdefault((src, tag), []).append(msg)
             w.arrived(msg, ep.schedule(msg))
             fresh.recompute()
             assert _state(w) == _state(fresh)
@@ -45,7 +44,7 @@ def test_a_switch_takes_a_ports_messages_in_arrival_order_whatever_their_tags():
         ep = Endpoint(Network(), 0, 1e9, 1e-6, per_port, "ep")
         for tag, start in ((1, 0.0), (0, 1e-6)):           # tag 1 sent first
             msg = Msg(3, tag, torch.empty(0), 16, start, start + 1e-6, start + 16 / 1e9)
-            ep.mailbox.setdefault((3, tag), deque()).append(msg)
+            ep.mailbox.setdefault((3, tag), []).append(msg)
             ep.schedule(msg)
         if not ahead:                                      # the same delivery: a tie
             for q in ep.mailbox.values():
@@ -85,7 +84,7 @@ def test_the_any_source_heap_finds_the_first_head_the_scan_would():
                     start = max(start, last.get((src, tag), 0.0))
                     last[(src, tag)] = start
                 msg = Msg(src, tag, torch.empty(0), 16, start, start + 1e-6, start + 16 / 1e9)
-                ep.mailbox.setdefault((src, tag), deque()).append(msg)
+                ep.mailbox.setdefault((src, tag), []).append(msg)
                 ep.schedule(msg)
             else:
                 tag = int(rng.integers(0, 3))
@@ -94,12 +93,12 @@ def test_the_any_source_heap_finds_the_first_head_the_scan_would():
                     msg = any_head(ep, tag)
                     assert msg is _scan(ep, tag)
                     if msg is not None and rng.random() < 0.7:
-                        ep.mailbox[(msg.src, tag)].popleft()
+                        ep.mailbox[(msg.src, tag)].pop(0)
                         ep.taken(msg)
                 else:                   # a named receive takes a head of its own
                     qs = [q for (s, t), q in ep.mailbox.items() if t == 2 and q]
                     if qs:
-                        m = qs[int(rng.integers(len(qs)))].popleft()
+                        m = qs[int(rng.integers(len(qs)))].pop(0)
                         ep.taken(m)
             for tag in looked:
                 assert any_head(ep, tag) is _scan(ep, tag)
@@ -114,7 +113,7 @@ def test_the_any_source_heap_of_a_tag_taken_by_named_receives_stays_small():
 
     def put(src: int, start: float) -> Msg:
         msg = Msg(src, 0, torch.empty(0), 16, start, start + 1e-6, start + 16 / 1e9)
-        ep.mailbox.setdefault((src, 0), deque()).append(msg)
+        ep.mailbox.setdefault((src, 0), []).append(msg)
         ep.schedule(msg)
         return msg
 
@@ -122,7 +121,7 @@ def test_the_any_source_heap_of_a_tag_taken_by_named_receives_stays_small():
     assert any_head(ep, 0) is first
     for i in range(5000):
         put(2, 1e-6 * (i + 1))
-        m = ep.mailbox[(2, 0)].popleft()        # (a named receive's take)
+        m = ep.mailbox[(2, 0)].pop(0)        # (a named receive's take)
         ep.taken(m)
         assert len(ep.any_heads[0]) <= 2 * 2 + TAG_HEAP_SLACK + 1
     assert any_head(ep, 0) is first is _scan(ep, 0)

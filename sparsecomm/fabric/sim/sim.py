@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections import deque
 from functools import partial
 from itertools import chain
 from operator import attrgetter
@@ -133,6 +132,10 @@ class _RecvWork(Work):
                 del q[0]
             else:
                 q.remove(self)
+            if not q:           # (an empty list is not kept: :attr:`~.sim_network.Endpoint.posted`)
+                posted = self._fabric._ep.posted
+                if posted.get(self.channel) is q:
+                    del posted[self.channel]
 
     def wait(self, timeout: float | None = None) -> int | None:
         if not self.done:
@@ -180,7 +183,9 @@ class _RecvWork(Work):
             q = box[ch] if ch in box else None
             if not q:
                 return False
-            msg = q.popleft()       # (World.take, inline: once per message)
+            msg = q.pop(0)          # (World.take, inline: once per message)
+            if not q:
+                del box[ch]
             ep.taken(msg)
             if ep.watch is not None:
                 ep.watch.taken(msg)
@@ -202,6 +207,8 @@ class _RecvWork(Work):
                     del q[0]
                 else:
                     q.remove(self)
+                if not q and ep.posted.get(ch) is q:
+                    del ep.posted[ch]
                 return True
         self._finish(msg)
         return True
@@ -393,7 +400,7 @@ class SimFabric(Fabric):
                     if ch in box:
                         q = box[ch]
                     else:
-                        q = box[ch] = deque()
+                        q = box[ch] = []      # (a list: most channels hold one message at a time)
                     # the posted receive that takes this message if the channel's receives take them in the order
                     # they were posted (the k-th posted, with k messages queued before it): its bytes are written
                     # into that receive's buffer, which holds them until the message is taken (_deliver)

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left, bisect_right
-from collections import deque
 from heapq import heapify, heappush
 from itertools import count
 from operator import attrgetter
@@ -241,10 +240,13 @@ class Endpoint:
         #: bumped whenever messages' times become lower bounds (:meth:`schedule`): a message's times are
         #: exact if its ``stamp`` is at least this
         self.epoch = 0
-        self.mailbox: dict[tuple[int, int], deque[Msg]] = {}
+        #: per ``(source, tag)`` with a message queued: its queue, in the order sent (a list: a channel holds a message
+        #: or a few at a time, and a list of one is a tenth of a deque's bytes; the entry goes when its last message
+        #: is taken: an endpoint that has heard from n peers on a few tags each keeps no n queues per tag for ever)
+        self.mailbox: dict[tuple[int, int], list[Msg]] = {}
         #: per ``(source, tag)``: its posted receives from a named source, large enough to be written into at
         #: the send, not completed yet, in the order they were posted (a message sent with k queued on the
-        #: channel is written into the k-th one's buffer: :class:`~.sim.SimFabric`)
+        #: channel is written into the k-th one's buffer: :class:`~.sim.SimFabric`; no entry once none is left)
         self.posted: dict[tuple[int, int], list] = {}
         #: per tag that an any-source receive has looked up (:func:`.sim_wait.any_head`): a heap of the messages
         #: queued on it since, ``(head, source, next(ARRIVALS), msg)``, each pushed as :meth:`schedule` places it

@@ -586,7 +586,11 @@ class World:
         its NIC slot fixed, the clock moved, counted (the world's receive; a process's own take of a message in
         already, :meth:`take_now`, or a receive's that found it so; a posted receive's that finds it so,
         ``_RecvWork.take_now`` of :mod:`.sim`, does the same inline)."""
-        ep.mailbox[(msg.src, msg.tag)].popleft()
+        box, ch = ep.mailbox, (msg.src, msg.tag)
+        q = box[ch]
+        del q[0]
+        if not q:                   # (an empty channel's queue is not kept: :attr:`~.sim_network.Endpoint.mailbox`)
+            del box[ch]
         ep.taken(msg)
         if ep.watch is not None:
             ep.watch.taken(msg)

@@ -71,7 +71,7 @@ class AggCall:
         self.order = sum_order(index, n)
         self.channels: list[AggChannel] = []
         self.status = OK
-        self.headers: list = [None] * n
+        self.headers: list | np.ndarray = [None] * n     # (take_headers: a table, a row per worker)
         self._agreed: set[int] = set()            # colocated: early headers that agree with the host's
         self._valid: set[int] = set()             # colocated: early headers that validate_header accepted
         self._words: dict[int, bytes] = {}        # worker -> its header's bytes (early ones: :meth:`take_early`)
@@ -185,14 +185,15 @@ class AggCall:
             if w not in words:
                 words[w] = inbox.take(Key(Msg.HDR, w)).numpy().tobytes()
         joined = b"".join(map(words.__getitem__, range(self.n)))    # (worker order; read-only: nothing writes one)
-        if len(joined) == 8 * HDR * self.n:     # (one table, a row per worker)
-            self.headers = list(np.frombuffer(joined, dtype=np.int64).reshape(self.n, HDR))
+        if len(joined) == 8 * HDR * self.n:     # (one table, a row per worker: no array object per worker)
+            self.headers = np.frombuffer(joined, dtype=np.int64).reshape(self.n, HDR)
         else:
             self.headers = [np.frombuffer(words[w], dtype=np.int64) for w in range(self.n)]
         self.reply_hdr = header.verdict(self.headers, self.order, self.index, self.colocated is not None,
                                         self._valid)
         self.status = int(self.reply_hdr[wire.R_STATUS])
         if self.status != OK:
+            words.clear()
             return []
         h = self.headers[0]
         up = wire.code_dtype(h[wire.F_DTYPE])
@@ -208,13 +209,15 @@ class AggCall:
                          for i, ch in enumerate(chans)]
         if not self.windows:
             self.open_windows(h, inbox.pool)
-        self.k0 = np.stack(self.headers)[:, wire.F_K0:wire.F_K0 + wire.MAX_CHANNELS]   # (worker, slot)
+        table = self.headers if isinstance(self.headers, np.ndarray) else np.stack(self.headers)
+        self.k0 = table[:, wire.F_K0:wire.F_K0 + wire.MAX_CHANNELS]   # (worker, slot; a view of the table: no copy)
         for c in self.channels:
             k0 = self.k0[:, c.slot].tolist()
             c.order = [w for w in self.order if k0[w]]
             c.window = self.windows[c.slot]
         for w in self.remote()[len(self._queued):]:   # (colocated: those not queued as their headers came)
             self._queue(w, words[w])
+        words.clear()       # (read in :attr:`headers` from now on: not a second copy per worker for the call)
         return self._feed()
 
     def reply(self, outbox: Outbox) -> torch.Tensor:

@@ -231,7 +231,9 @@ class BlockSink:
     remembers which blocks it wrote."""
 
     def __init__(self, out: torch.Tensor, block_size: int) -> None:
-        self.written: list[np.ndarray] = []
+        #: the blocks written, as a mask of the result's blocks (made by the first write): one byte per block,
+        #: not the index arrays of the writes (a call writes one per channel of every aggregator, ``n`` of them)
+        self._seen: np.ndarray | None = None
         self._ids: np.ndarray | None = None     # written_ids(), until the next write or mark
         self.out = out
         self.block_size = block_size
@@ -247,8 +249,7 @@ class BlockSink:
         :mod:`sparsecomm.fabric.sim.sim_host`)."""
         if not ids.size:
             return 0
-        self.written.append(ids)
-        self._ids = None
+        self._note(ids)
         if data.dtype != self.out.dtype:
             data = data.to(self.out.dtype)
         if data.dim() == 1:                            # a run to the tensor's end, unpadded
@@ -275,20 +276,24 @@ class BlockSink:
     def mark(self, ids: np.ndarray) -> None:
         """Record blocks ``ids`` as written (their sums were put in place by other means)."""
         if ids.size:
-            self.written.append(ids)
-            self._ids = None
+            self._note(ids)
+
+    def _note(self, ids: np.ndarray) -> None:
+        """Record blocks ``ids`` (non-empty) as written, in the mask."""
+        seen = self._seen
+        if seen is None:
+            seen = self._seen = np.zeros(-(-self.numel // self.block_size), dtype=bool)
+        seen[ids] = True
+        self._ids = None
 
     def written_ids(self) -> np.ndarray:
-        """The blocks written, ascending (through a mask of the blocks: no sort, no hash of the ids); read-only,
-        remembered until the next write (the finiteness guard and the record of the union both read it)."""
+        """The blocks written, ascending (the mask's: no sort, no hash of the ids); read-only, remembered until the
+        next write (the finiteness guard and the record of the union both read it)."""
         if self._ids is not None:
             return self._ids
-        if not self.written:
+        if self._seen is None:
             return np.empty(0, dtype=np.int64)
-        seen = np.zeros(-(-self.numel // self.block_size), dtype=bool)
-        for ids in self.written:
-            seen[ids] = True
-        ids = seen.nonzero()[0]
+        ids = self._seen.nonzero()[0]
         ids.flags.writeable = False
         self._ids = ids
         return ids

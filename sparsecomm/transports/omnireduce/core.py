@@ -65,6 +65,11 @@ def _positions(lanes: int) -> np.ndarray:
     return out
 
 
+#: no lanes, no blocks (read-only, shared: a channel whose lanes are all done holds no array of its own)
+_NONE = np.empty(0, dtype=np.int64)
+_NONE.flags.writeable = False
+
+
 class WorkerChannel:
     """A worker's lanes of one channel: its own next non-zero block per lane (``mine``, announced) and,
     per active lane, the lane's pending block (``cur``, prompted by the aggregator).
@@ -73,7 +78,14 @@ class WorkerChannel:
     aggregator and slot passes the view it made once: :attr:`.worker.Call.mask_np`). A one-round channel
     (``ch.single``) reads its slice of the mask once, here: its round-0 blocks (:meth:`pending0`,
     :meth:`take_up`) are that slice's non-zero ones, and its lanes start as a shared read-only
-    ``arange`` (``act`` and ``cur`` are replaced, never written in place)."""
+    ``arange`` (``act`` and ``cur`` are replaced, never written in place).
+
+    Memory: a worker holds one per channel of every aggregator (``n`` of them, each a call long), so a
+    one-round channel keeps only the indices of its non-zero blocks until it sends them (:meth:`take_up`) and
+    shared read-only arrays after that; its ``mine`` is made when asked (:attr:`mine`), and a channel whose
+    lanes are done holds no array of its own (:meth:`start`)."""
+
+    __slots__ = ("ch", "round", "act", "cur", "next", "held0", "_mine")
 
     def __init__(self, ch: wire.Channel, mask: torch.Tensor | np.ndarray) -> None:
         self.ch = ch
@@ -83,7 +95,7 @@ class WorkerChannel:
             self.next = _nowhere(ch.size)
             held = (mask if isinstance(mask, np.ndarray) else mask.numpy())[ch.lo: ch.lo + ch.size]
             self.held0 = held.nonzero()[0]      # (its non-zero blocks: lane positions, ascending)
-            self.mine = np.where(held, self.act, ch.size)   # (numpy's slice: cheaper)
+            self._mine = None                   # (made when asked: :attr:`mine`)
             return
         self.held0 = None
         self.act = np.arange(ch.lanes, dtype=np.int64)   # round 0: position 0 of every lane is pending
@@ -92,7 +104,21 @@ class WorkerChannel:
             mask = torch.from_numpy(mask)
         la = codec.next_nonzero(mask[ch.lo: ch.lo + ch.size], ch.lanes)   # the look-ahead of every block
         self.next = la.next.numpy()
-        self.mine = la.first.numpy().copy()
+        self._mine = la.first.numpy().copy()
+
+    @property
+    def mine(self) -> np.ndarray:
+        """This worker's next non-zero block of every lane (``ch.size``: none). A one-round channel's is made
+        from its round-0 blocks when asked (before :meth:`take_up`; after it, every lane's is none: a shared
+        read-only array)."""
+        if self._mine is not None:
+            return self._mine
+        ch = self.ch
+        if self.round:
+            return _nowhere(ch.size)
+        out = np.full(ch.lanes, ch.size, dtype=np.int64)
+        out[self.held0] = self.held0
+        return out
 
     @property
     def active(self) -> bool:
@@ -103,24 +129,23 @@ class WorkerChannel:
         :meth:`take_up`)."""
         if self.held0 is not None:
             return int(self.held0.size)
-        return int(np.count_nonzero(self.mine == np.arange(self.ch.lanes)))
+        return int(np.count_nonzero(self._mine == np.arange(self.ch.lanes)))
 
     def take_up(self) -> tuple[np.ndarray, np.ndarray]:
         """Answer the prompt: the pending blocks this worker holds (channel-local ids, lane order) and
         the next non-zero block in each of those lanes (the look-ahead it announces)."""
         if self.held0 is not None and self.round == 0:   # one-round channel: its non-zero blocks, none follows
             b = self.held0
-            look = self.next[b]
-            self.mine[b] = look
+            self.held0 = _NONE      # (sent: none left; every lane's next block is none, :attr:`mine`)
             self.round = 1
-            return b, look
+            return b, self.next[b]
         mine = self.mine[self.act]
         if (mine < self.cur).any():
             raise ProtocolError("omnireduce: a non-zero block of this worker was skipped")
         held = mine == self.cur
         lanes, b = self.act[held], self.cur[held]
         look = self.next[b]
-        self.mine[lanes] = look
+        self._mine[lanes] = look
         self.round += 1
         return b, look
 
@@ -128,7 +153,7 @@ class WorkerChannel:
         """After round 0: the next pending block of every lane (``None``: none, every lane is done; a
         one-round channel's)."""
         if newc is None:
-            self.act, self.cur = self.act[:0], self.cur[:0]
+            self.act = self.cur = _NONE
             return
         if newc.size and (int(newc.min()) < 0 or int(newc.max()) > self.ch.size):
             raise MalformedMessage(f"omnireduce: an aggregator announced a next block outside the channel's "

@@ -238,7 +238,7 @@ def read_manifest(m: np.ndarray, worker: int) -> tuple[int, dict[int, int]]:
     return sizes[0], {g: v for g, v in enumerate(sizes[1:]) if v}
 
 
-def verdict(headers: list[np.ndarray], order: list[int], index: int, colocated: bool,
+def verdict(headers: list[np.ndarray] | np.ndarray, order: list[int], index: int, colocated: bool,
             valid: frozenset | set = frozenset()) -> np.ndarray:
     """Aggregator ``index``'s verdict on every worker's header (``headers[w]``), the reply header:
     ``MALFORMED`` naming the first worker in ``order`` whose header :func:`validate_header` rejects
@@ -256,11 +256,11 @@ def verdict(headers: list[np.ndarray], order: list[int], index: int, colocated: 
     return check_headers(headers)
 
 
-def check_headers(headers: list[np.ndarray]) -> np.ndarray:
+def check_headers(headers: list[np.ndarray] | np.ndarray) -> np.ndarray:
     """Validate the workers' headers; returns the reply header (status, down dtype, detail), a fresh array. A
     function of the headers' words alone, remembered for the last few (a repeated call's headers are the same
     words: compared once)."""
-    table = np.concatenate(headers) if headers else np.empty(0, dtype=np.int64)
+    table = np.concatenate(headers) if len(headers) else np.empty(0, dtype=np.int64)   # (a list, or a table)
     if table.dtype == np.int64 and table.size == HDR * len(headers):    # (one join: no call per header)
         words = table.tobytes()
     else:

@@ -165,6 +165,7 @@ def verdict(call, a: int):
             call.sums0[a, ch.slot] = k
     except MalformedMessage as exc:
         raise fail_stop(call.fabric, exc) from None
+    del rv                      # (read: this role lives on as the lanes, n of them per worker, without the words)
     if call.sink is None:
         call.down, call.down_code = down, code
         call.result, call.sink = call.make_sink(down)
