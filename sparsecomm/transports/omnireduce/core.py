@@ -56,6 +56,12 @@ def _nowhere(size: int) -> np.ndarray:
     return out
 
 
+#: no lane, no block (read-only, shared): a one-round channel's lanes once done, and its round-0 blocks and
+#: look-aheads where it holds none
+_NONE = np.empty(0, dtype=np.int64)
+_NONE.flags.writeable = False
+
+
 @functools.lru_cache(maxsize=64)
 def _positions(lanes: int) -> np.ndarray:
     """``arange(lanes)``: the pending positions of every lane in round 0 (read-only, shared by the channels of
@@ -73,7 +79,9 @@ class WorkerChannel:
     aggregator and slot passes the view it made once: :attr:`.worker.Call.mask_np`). A one-round channel
     (``ch.single``) reads its slice of the mask once, here: its round-0 blocks (:meth:`pending0`,
     :meth:`take_up`) are that slice's non-zero ones, and its lanes start as a shared read-only
-    ``arange`` (``act`` and ``cur`` are replaced, never written in place)."""
+    ``arange`` (``act`` and ``cur`` are replaced, never written in place). Where such a channel holds no
+    non-zero block (most of them in a sparse call), ``mine`` is its shared read-only look-aheads (``next``:
+    none in every lane), and answering its prompt makes nothing (no array per channel)."""
 
     def __init__(self, ch: wire.Channel, mask: torch.Tensor | np.ndarray) -> None:
         self.ch = ch
@@ -83,7 +91,8 @@ class WorkerChannel:
             self.next = _nowhere(ch.size)
             held = (mask if isinstance(mask, np.ndarray) else mask.numpy())[ch.lo: ch.lo + ch.size]
             self.held0 = held.nonzero()[0]      # (its non-zero blocks: lane positions, ascending)
-            self.mine = np.where(held, self.act, ch.size)   # (numpy's slice: cheaper)
+            # (none held: every lane's first block is none, the shared look-aheads; never written, take_up)
+            self.mine = np.where(held, self.act, ch.size) if self.held0.size else self.next
             return
         self.held0 = None
         self.act = np.arange(ch.lanes, dtype=np.int64)   # round 0: position 0 of every lane is pending
@@ -110,9 +119,11 @@ class WorkerChannel:
         the next non-zero block in each of those lanes (the look-ahead it announces)."""
         if self.held0 is not None and self.round == 0:   # one-round channel: its non-zero blocks, none follows
             b = self.held0
+            self.round = 1
+            if not b.size:      # (none held: nothing to send, no look-ahead; ``mine`` stays the shared one)
+                return b, _NONE
             look = self.next[b]
             self.mine[b] = look
-            self.round = 1
             return b, look
         mine = self.mine[self.act]
         if (mine < self.cur).any():
@@ -128,7 +139,7 @@ class WorkerChannel:
         """After round 0: the next pending block of every lane (``None``: none, every lane is done; a
         one-round channel's)."""
         if newc is None:
-            self.act, self.cur = self.act[:0], self.cur[:0]
+            self.act = self.cur = _NONE
             return
         if newc.size and (int(newc.min()) < 0 or int(newc.max()) > self.ch.size):
             raise MalformedMessage(f"omnireduce: an aggregator announced a next block outside the channel's "
