@@ -83,6 +83,8 @@ class WorkerChannel:
     non-zero block (most of them in a sparse call), ``mine`` is its shared read-only look-aheads (``next``:
     none in every lane), and answering its prompt makes nothing (no array per channel)."""
 
+    __slots__ = ("ch", "round", "act", "cur", "next", "held0", "mine")   # (one per aggregator and slot: no dict each)
+
     def __init__(self, ch: wire.Channel, mask: torch.Tensor | np.ndarray) -> None:
         self.ch = ch
         self.round = 0
