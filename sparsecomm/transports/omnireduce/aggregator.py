@@ -301,12 +301,11 @@ def aggregator(adm, inbox, outbox, host: int | None = None, ref: np.ndarray | No
     posts = adm.post_headers(inbox.pool)
     yield from posts
     inbox.ready_keys([p.key for p in posts])     # (starts watching them: a later poll sees them arrived)
-    # (in order: the order they arrive in, about, so the one taken is the first left, or near it)
-    left = tuple(p.key for p in posts) if host is not None else ()
+    left = dict.fromkeys(p.key for p in posts) if host is not None else {}   # (in order; O(1) removal)
     released = 0
     while left:     # one header per wake, the one the scheduler resumes this with: no look at the others
-        k = yield Recv.new((left, _HEADERS, (), True, None))
-        left = left[1:] if left[0] is k else _without(left, k)
+        k = yield Recv.new((tuple(left), _HEADERS, (), True, None))
+        del left[k]
         yield from adm.take_early(inbox, k, ref)
         if taken is not None:   # (the workers whose round-0 receives this header queued: it, and those after it)
             for w in adm.queued()[released:]:
@@ -333,13 +332,6 @@ def aggregator(adm, inbox, outbox, host: int | None = None, ref: np.ndarray | No
         strategies.sum_at_home(adm.channels, inbox.take(Key(Msg.GO, host)), host)
     for c in adm.channels:
         yield Spawn(agg_lane(adm, c, inbox, outbox, host, mark))
-
-
-def _without(keys: tuple, k) -> tuple:
-    """``keys`` without ``k`` (one of them), in order: copies of the keys around it (a tuple's pointers; a dict of
-    the keys left would cost its iteration a pass over every key deleted, and a look-up per key)."""
-    i = keys.index(k)
-    return keys[:i] + keys[i + 1:]
 
 
 def agg_lane(adm, c: AggChannel, inbox, outbox, host: int | None, mark=None):
