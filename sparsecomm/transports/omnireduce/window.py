@@ -67,12 +67,13 @@ class Window:
             if start is None:
                 break
             queue.popleft()
-            span = (start, start + nbytes)
-            view = self.views.get(span)
-            if view is None:
+            span, views = (start, start + nbytes), self.views
+            if span in views:
+                view = views[span]
+            else:
                 view = self.buf[start: start + nbytes]
-                if len(self.views) < VIEWS:
-                    self.views[span] = view
+                if len(views) < VIEWS:
+                    views[span] = view
             spans.append((key, start, start + nbytes))
             out.append(PostInto.new((key, view, src, tag)))
         return out
