@@ -136,8 +136,8 @@ class AggCall:
                     self.open_windows(ref, inbox.pool)
                 self._agreed.add(w)
         remote, queued, agreed = self._remote, self._queued, self._agreed
-        i = len(queued)
-        while i < len(remote) and remote[i] in agreed:   # (the next in order agrees: it and those after it queued;
+        i, r = len(queued), len(remote)
+        while i < r and remote[i] in agreed:   # (the next in order agrees: it and those after it queued;
             self._queue(remote[i], self._words[remote[i]])   # no copy of the rest of the order per header)
             i += 1
         return self._feed()

@@ -38,6 +38,7 @@ class Window:
         self.queue: deque = deque()     # (key, nbytes, src, tag), not yet posted
         self.spans: deque = deque()     # (key, start, stop), posted, oldest first
         self.views: dict = {}           # (start, stop) -> the ring's view there
+        self.room = VIEWS               # views that may still be kept
 
     def want(self, key, nbytes: int, src: int, tag: int) -> None:
         if not 0 < nbytes <= self.size:
@@ -72,8 +73,9 @@ class Window:
                 view = views[span]
             else:
                 view = self.buf[start: start + nbytes]
-                if len(views) < VIEWS:
+                if self.room:
                     views[span] = view
+                    self.room -= 1
             spans.append((key, start, start + nbytes))
             out.append(PostInto.new((key, view, src, tag)))
         return out

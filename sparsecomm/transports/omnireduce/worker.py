@@ -268,7 +268,7 @@ def send_round0(call, aggs: list[int]):
     """Round 0 to ``aggs``: a header each; then to each its channels' first look-aheads (small, one
     message), then the position-0 blocks (slot-major; per slot the heaviest aggregators first)."""
     p0, counts = {}, {}         # (a, slot) -> its position-0 blocks (once each); a -> ((slot, blocks), ...)
-    some = set()                # the aggregators of ``aggs`` to which this worker sends some position-0 block
+    some = {}                   # the aggregators of ``aggs`` to which this worker sends some position-0 block
     wch = call.wch
     for a in aggs:              # (loops, not comprehensions: no call per aggregator)
         k0 = []
@@ -276,7 +276,7 @@ def send_round0(call, aggs: list[int]):
             k = p0[a, ch.slot] = wch[a, ch.slot].pending0()
             k0.append((ch.slot, k))
             if k:
-                some.add(a)
+                some[a] = True
         counts[a] = tuple(k0)
     hdr_key, firsts_key = Key.new((Msg.HDR, call.rank, -1)), Key.new((Msg.FIRSTS, call.rank, -1))
     hdrs = call.hdr_msgs
