@@ -944,7 +944,7 @@ class _Scheduler:
             ws = self.waitset
             if ws is not None and order:
                 ws.remove(s, order[0][1] if not order[1:] else None)
-        if got is not None and req.keys[1:] and not req.gone:
+        if got is not None and len(req.keys) > 1 and not req.gone:     # (no copy of the keys to ask)
             if self.kept is not None:
                 self._drop_kept()
             keys = req.keys

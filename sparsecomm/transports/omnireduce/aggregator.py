@@ -82,6 +82,7 @@ class AggCall:
         self._queued: list[int] = []              # workers whose round-0 receives are queued, in order
         self.windows: dict[int, Window] = {}      # slot -> its window; FIRSTS: the first look-aheads'
         self.bitmap = None                        # one-round channels' holders, (worker, block) (take_headers)
+        self._table = None                        # the remote headers' receive buffer (post_headers), numpy
 
     def remote(self) -> tuple[int, ...]:
         """The workers other than the hosting one, in :attr:`order`."""
@@ -98,6 +99,7 @@ class AggCall:
         role has no peer: one buffer kept across calls, not one per worker)."""
         size = 8 * HDR
         table = pool.get(("in", Buf(Msg.HDR)), size * self.n)
+        self._table = table.numpy()     # (its bytes as numpy: a header taken early is read from its row here)
         return [PostInto.new((Key.new((Msg.HDR, w, -1)), table[w * size:(w + 1) * size], w, TAG_HDR_UP))
                 for w in self.remote()]
 
@@ -121,7 +123,10 @@ class AggCall:
         fit are posted at once (returned), so that its blocks travel while this endpoint works (gloo
         sends a message only to a posted receive)."""
         w = key.peer
-        words = self._words[w] = inbox.take(key).numpy().tobytes()   # (its bytes, a copy: the checks' key)
+        msg, size = inbox.take(key), 8 * HDR
+        # (its bytes, a copy, are the checks' key; received into its row of the table, read there as numpy)
+        words = self._words[w] = (self._table[w * size:(w + 1) * size] if self._table is not None
+                                  else msg.numpy()).tobytes()
         if header.validate_words(words, self.n, self.index, True) is None:
             self._valid.add(w)      # (not validated again by the verdict: :meth:`take_headers`)
             if self._ref is None:
@@ -131,12 +136,10 @@ class AggCall:
                     self.open_windows(ref, inbox.pool)
                 self._agreed.add(w)
         remote, queued, agreed = self._remote, self._queued, self._agreed
-        i = len(queued)
-        if i < len(remote) and remote[i] in agreed:     # (the next in order agrees: it and those after it queued)
-            for w in remote[i:]:
-                if w not in agreed:
-                    break
-                self._queue(w, self._words[w])
+        i, r = len(queued), len(remote)
+        while i < r and remote[i] in agreed:   # (the next in order agrees: it and those after it queued;
+            self._queue(remote[i], self._words[remote[i]])   # no copy of the rest of the order per header)
+            i += 1
         return self._feed()
 
     def _queue(self, w: int, words: bytes) -> None:

@@ -56,6 +56,12 @@ def _nowhere(size: int) -> np.ndarray:
     return out
 
 
+#: no lane, no block (read-only, shared): a one-round channel's lanes once done, and its round-0 blocks and
+#: look-aheads where it holds none
+_NONE = np.empty(0, dtype=np.int64)
+_NONE.flags.writeable = False
+
+
 @functools.lru_cache(maxsize=64)
 def _positions(lanes: int) -> np.ndarray:
     """``arange(lanes)``: the pending positions of every lane in round 0 (read-only, shared by the channels of
@@ -63,11 +69,6 @@ def _positions(lanes: int) -> np.ndarray:
     out = np.arange(lanes, dtype=np.int64)
     out.flags.writeable = False
     return out
-
-
-#: no lanes, no blocks (read-only, shared: a channel whose lanes are all done holds no array of its own)
-_NONE = np.empty(0, dtype=np.int64)
-_NONE.flags.writeable = False
 
 
 class WorkerChannel:
@@ -114,7 +115,7 @@ class WorkerChannel:
         if self._mine is not None:
             return self._mine
         ch = self.ch
-        if self.round:
+        if self.round or not self.held0.size:      # (none left, or none held: the shared read-only look-aheads)
             return _nowhere(ch.size)
         out = np.full(ch.lanes, ch.size, dtype=np.int64)
         out[self.held0] = self.held0
@@ -138,6 +139,8 @@ class WorkerChannel:
             b = self.held0
             self.held0 = _NONE      # (sent: none left; every lane's next block is none, :attr:`mine`)
             self.round = 1
+            if not b.size:          # (none held: nothing to send, no look-ahead: no array made)
+                return b, _NONE
             return b, self.next[b]
         mine = self.mine[self.act]
         if (mine < self.cur).any():

@@ -29,6 +29,11 @@ from .wire import (AGREE, F_ABSMAX, F_AGGS, F_BLOCK, F_CHANNELS, F_CHECK, F_DTYP
                    MISMATCH, OK, OTHER_NAMES, OVERFLOW, R_DOWN_DTYPE, R_FIELD, R_STATUS, R_VMAX, R_VMIN,
                    R_WMAX, R_WMIN, WHAT, block_bytes, code_dtype, down_dtype, dtype_code, firsts_bytes, plan, short_end)
 
+#: the headers remembered by the checks made per aggregator index (:func:`validate_words`, :func:`round0_sizes_of_words`):
+#: a call's headers are a few distinct words per aggregator, so a call of ``n`` colocated aggregators needs a few
+#: ``n`` of them (an LRU smaller than that misses every header at ``n`` = 1024: its accesses cycle)
+_PER_INDEX = 1 << 13
+
 # protocol limits a header is checked against before anything is planned, allocated or looped over
 MAX_AGGREGATORS = 4096
 MAX_BLOCK = 1 << 20
@@ -153,7 +158,7 @@ def agrees(words: bytes, ref: bytes) -> bool:
 _AGREE_AT = np.asarray(AGREE, dtype=np.int64)
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=_PER_INDEX)
 def validate_words(words: bytes, n: int, index: int, colocated: bool) -> tuple[int, str] | None:
     """:func:`validate_header` of the header whose int64 words are ``words`` (a header taken as bytes: no array
     made to check it; remembered for the last few)."""
@@ -199,7 +204,7 @@ def round0_sizes(h: np.ndarray, index: int) -> tuple[int, dict[int, int]]:
     return firsts, dict(blocks)
 
 
-@functools.lru_cache(maxsize=1024)
+@functools.lru_cache(maxsize=_PER_INDEX)
 def round0_sizes_of_words(words: bytes, index: int) -> tuple[int, tuple[tuple[int, int], ...]]:
     """:func:`round0_sizes` of the header whose int64 words are ``words``, the blocks' sizes as ``(slot,
     bytes)`` pairs (immutable: shared by the calls that remember it; a header taken as bytes: no array made)."""

@@ -13,24 +13,32 @@ import torch
 from ...errors import ProtocolError
 from ...fabric.roles import PostInto
 
-__all__ = ["ALIGN", "Window"]
+__all__ = ["ALIGN", "VIEWS", "Window"]
 
 
 #: a message in a :class:`Window` starts at a multiple of this many bytes (any dtype's view of it is aligned)
 ALIGN = 64
+#: the ring views a :class:`Window` keeps for reuse (its first spans posted)
+VIEWS = 16
 
 
 class Window:
     """Receives consumed in the order they are posted, through one pooled ring of ``buf.numel()`` bytes:
     :meth:`want` queues a receive, :meth:`feed` posts the queued ones, in order, while the ring has room
     for them, :meth:`done` frees the oldest posted one once it is consumed. Its memory is the ring's,
-    however many receives are queued (one larger than the ring is a bug)."""
+    however many receives are queued (one larger than the ring is a bug). A receive's buffer is the ring's
+    bytes ``[start, stop)``: a view of the first :data:`VIEWS` spans posted is kept and reused for the receives
+    posted there later (two posted receives never share a span: their bytes do not overlap), so that receives
+    of one size, which cycle through the same few spans, make no tensor each; the window's memory stays
+    bounded whatever the sizes."""
 
     def __init__(self, buf: torch.Tensor) -> None:
         self.buf = buf
         self.size = buf.numel()         # (the ring's bytes, read per receive)
         self.queue: deque = deque()     # (key, nbytes, src, tag), not yet posted
         self.spans: deque = deque()     # (key, start, stop), posted, oldest first
+        self.views: dict = {}           # (start, stop) -> the ring's view there
+        self.room = VIEWS               # views that may still be kept
 
     def want(self, key, nbytes: int, src: int, tag: int) -> None:
         if not 0 < nbytes <= self.size:
@@ -60,8 +68,16 @@ class Window:
             if start is None:
                 break
             queue.popleft()
+            span, views = (start, start + nbytes), self.views
+            if span in views:
+                view = views[span]
+            else:
+                view = self.buf[start: start + nbytes]
+                if self.room:
+                    views[span] = view
+                    self.room -= 1
             spans.append((key, start, start + nbytes))
-            out.append(PostInto.new((key, self.buf[start: start + nbytes], src, tag)))
+            out.append(PostInto.new((key, view, src, tag)))
         return out
 
     def done(self, key) -> list:

@@ -360,6 +360,14 @@ def firsts_of_range(mask: np.ndarray, chans: tuple[Channel, ...]) -> torch.Tenso
     return torch.from_numpy(np.packbits(mask[chans[0].lo: chans[-1].lo + chans[-1].size], bitorder="little"))
 
 
+@functools.lru_cache(maxsize=64)
+def no_firsts(nbytes: int) -> torch.Tensor:
+    """:func:`firsts_of_range` of a range of ``nbytes * 8`` blocks or fewer in which the worker holds no non-zero
+    block: ``nbytes`` zero bytes, one tensor shared by every such message of that size (a message is only read:
+    sent, or handed to the hosted aggregator, which unpacks it; never write it)."""
+    return torch.zeros(nbytes, dtype=torch.uint8)
+
+
 def decode_firsts(part: np.ndarray, ch: Channel) -> np.ndarray:
     """:func:`encode_firsts` read back from ``part`` (``uint8``, a channel's part of the message,
     :func:`split_firsts`): the first non-zero block of every lane (``size``: none)."""

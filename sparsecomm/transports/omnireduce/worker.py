@@ -65,6 +65,7 @@ class Call:
         # the verdicts' receives: aggregator ``a``'s into row ``a`` of one buffer (its role has no peer: one buffer kept
         # across calls, not one per aggregator)
         self.replies = pool.get(("in", Buf(Msg.REPLY)), 8 * HDR * spec.num_aggregators)
+        self.replies_np = self.replies.numpy().view(np.int64)     # (the same rows as numpy: a verdict's words read)
         self.visit = ([own] if own is not None else []) + [a for a in agg_order(self.rank, spec.num_aggregators)
                                                            if a != own]
         self.pos = {a: i for i, a in enumerate(self.visit)}
@@ -145,7 +146,8 @@ def verdict(call, a: int):
     nothing more; the error is raised once the others' lanes are done (:func:`run_worker`)."""
     key = Key.new((Msg.REPLY, a, -1))
     yield Recv.new(((key,), Stage.new((Phase.VERDICT, 0, 0, call.pos[a]) + _VERDICT_FLAGS), (), False, None))
-    rv = call.inbox.take(key).view(torch.int64).tolist()     # (the words as Python ints, read once)
+    msg = call.inbox.take(key)  # (a remote one's: received into its row of the replies)
+    rv = (msg.view(torch.int64) if a == call.own else call.replies_np[a * HDR:(a + 1) * HDR]).tolist()   # (read once)
     if rv[wire.R_STATUS] != OK:
         call.errors[a] = np.asarray(rv, dtype=np.int64)
         if a != call.own:
@@ -267,12 +269,15 @@ def send_round0(call, aggs: list[int]):
     """Round 0 to ``aggs``: a header each; then to each its channels' first look-aheads (small, one
     message), then the position-0 blocks (slot-major; per slot the heaviest aggregators first)."""
     p0, counts = {}, {}         # (a, slot) -> its position-0 blocks (once each); a -> ((slot, blocks), ...)
+    some = {}                   # the aggregators of ``aggs`` to which this worker sends some position-0 block
     wch = call.wch
     for a in aggs:              # (loops, not comprehensions: no call per aggregator)
         k0 = []
         for ch in call.plans[a]:
             k = p0[a, ch.slot] = wch[a, ch.slot].pending0()
             k0.append((ch.slot, k))
+            if k:
+                some[a] = True
         counts[a] = tuple(k0)
     hdr_key, firsts_key = Key.new((Msg.HDR, call.rank, -1)), Key.new((Msg.FIRSTS, call.rank, -1))
     hdrs = call.hdr_msgs
@@ -292,7 +297,10 @@ def send_round0(call, aggs: list[int]):
         if not chans:
             continue
         if chans.bitmap and call.mask_np.__class__ is np.ndarray:   # (one pack of the range's mask)
-            firsts = wire.firsts_of_range(call.mask_np, chans)
+            # (a bitmap's one-round lanes: position 0 pending exactly where a block is held; none held in the
+            # range, its bitmap is zeros, one shared tensor of that size: no pack)
+            firsts = (wire.firsts_of_range(call.mask_np, chans) if a in some else
+                      wire.no_firsts(-(-(chans[-1].lo + chans[-1].size - chans[0].lo) // 8)))
         else:
             firsts = wire.encode_all_firsts([call.wch[a, ch.slot].mine for ch in chans], chans)
         yield call.up(a, firsts_key, firsts, TAG_FIRSTS, data=True)

@@ -434,6 +434,29 @@ def test_a_window_posts_receives_in_order_while_its_ring_has_room():
         w.want(9, 3 * ALIGN + 1, 0, 7)                                           # larger than the ring
 
 
+def test_a_windows_receives_of_one_size_cycle_through_the_same_views_of_its_ring():
+    """Receives of one size through a window (a worker's first look-aheads at an aggregator) land in the same few
+    spans of its ring: each span's view is made once and posted again (the same tensor, the same bytes), never
+    two posted receives on one; only the first ``VIEWS`` spans are kept (memory bounded whatever the sizes)."""
+    from sparsecomm.transports.omnireduce.window import ALIGN, VIEWS, Window
+
+    ring = torch.empty(2 * ALIGN, dtype=torch.uint8)
+    w = Window(ring)
+    for k in range(6):
+        w.want(k, ALIGN, 0, 7)
+    posts = w.feed()                                   # 0, 1 posted; each later one as the oldest is consumed
+    for k in range(4):
+        posts += w.done(k)
+    bufs = [p.buf for p in posts]
+    assert [b.data_ptr() - ring.data_ptr() for b in bufs] == [0, ALIGN] * 3
+    assert all(bufs[i] is bufs[i % 2] for i in range(6))
+    assert bufs[0] is not bufs[1]
+    big = Window(torch.empty((VIEWS + 4) * ALIGN, dtype=torch.uint8))
+    for k in range(VIEWS + 4):                         # every span a new one: only the first VIEWS kept
+        big.want(k, ALIGN, 0, 7)
+    assert len(big.feed()) == VIEWS + 4 and len(big.views) == VIEWS
+
+
 def test_sends_are_reaped_only_when_every_role_able_to_run_reaps():
     """This endpoint's sends are finished before a wait only when every role able to run waits in a lane
     round (``Stage.reaps``): a role of another phase (a verdict, which posts the receives of an
@@ -742,6 +765,32 @@ def test_a_one_round_channels_round0_is_its_mask_slices_non_zero_blocks_from_a_t
         c.start(None)
         assert not c.active
     assert core.WorkerChannel(ch, mask).act.tolist() == list(range(40))     # (the shared lanes, unchanged)
+    # a channel holding no non-zero block (most of a sparse call's): nothing to send, and no array of its own:
+    # its announce is the shared "none" look-aheads, which its round 0 does not write
+    empty = core.WorkerChannel(ch, torch.zeros(40, dtype=torch.bool))
+    assert empty.pending0() == 0 and empty.mine is empty.next and not empty.mine.flags.writeable
+    assert empty.mine.tolist() == [40] * 40
+    b, look = empty.take_up()
+    assert b.size == 0 and look.size == 0 and empty.round == 1 and empty.mine.tolist() == [40] * 40
+    empty.start(None)
+    assert not empty.active
+
+
+def test_the_first_look_aheads_of_a_range_without_a_non_zero_block_are_shared_zeros():
+    """Where a worker holds no non-zero block in an aggregator's range, its first look-aheads are the bytes the
+    range's pack would give (zeros, as long), one tensor shared by every such message of that length."""
+    import numpy as np
+
+    from sparsecomm.transports.omnireduce import wire
+
+    for numel, aggs in ((4096 * 256, 256), (4096 * 256, 64), (48 * 256, 3), (64 * 256 - 100, 2)):
+        for chans in wire.plan(numel, 256, aggs, 2, 65536):
+            if not wire.one_bitmap(chans):
+                continue
+            packed = wire.firsts_of_range(np.zeros(-(-numel // 256), dtype=bool), chans)
+            zeros = wire.no_firsts(-(-(chans[-1].lo + chans[-1].size - chans[0].lo) // 8))
+            assert torch.equal(packed, zeros)
+            assert zeros is wire.no_firsts(zeros.numel())
 
 
 def test_an_early_headers_checks_by_its_bytes_are_the_arrays_checks():
