@@ -13,11 +13,6 @@ Semantics every implementation keeps (they are what lets one protocol run on :cl
   raises :class:`~sparsecomm.errors.MismatchError`. ``src=None`` receives from any source. It
   returns the source endpoint id.
 - Messages between one (src, dst, tag) are delivered in the order they were sent.
-- Tags in :data:`EXPRESS_TAGS` are *express*: a transport's small control messages (a header, a verdict) that
-  must not wait behind its bulk data to the same peer. A fabric whose pairs of ranks have a connection per
-  direction of data (``TorchFabric`` over gloo, ``two_way``) sends them on the other direction's connection,
-  which carries only receive notices this way; elsewhere they are ordinary tags. A receive of an express tag
-  names its source.
 - ``reliable=False`` on a send marks a datagram channel: the network model may drop it (loss), and
   the receiver then relies on ``timeout=`` (modelled seconds on SimFabric, wall seconds on real
   fabrics) to notice. Reliable sends are never dropped.
@@ -81,11 +76,6 @@ from .stats import CommStats
 
 #: a real fabric's ``message_bytes`` (module docstring, "Capabilities")
 MESSAGE_BYTES = 1 << 20
-
-
-#: Express tags (module docstring): ``[2**29, 2**30)``, clear of the reserved tags at the top of gloo's range (the
-#: barrier's, the replica check's, the failure trip's)
-EXPRESS_TAGS = range(1 << 29, 1 << 30)
 
 
 class Work(ABC):

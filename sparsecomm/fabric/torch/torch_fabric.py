@@ -33,9 +33,7 @@ What maps to what:
   behind whatever data it is already writing; on one connection per pair, a receive posted while the
   rank sends a large message to the same peer therefore waits for that whole message, and an exchange
   of two messages would take the time of both in sequence instead of one (BENCHMARKS.md, "Transports on
-  the netbed"). A message on an express tag (:data:`~sparsecomm.fabric.base.EXPRESS_TAGS`: a header, a verdict)
-  travels the other way's group, whose connection carries only receive notices in its direction: it does not
-  wait behind the megabytes its sender is writing to the same peer. Consequence for ``src=None``: it receives messages
+  the netbed"). Consequence for ``src=None``: it receives messages
   from *lower* ranks only (services, the library's only any-source receivers, have the highest ranks);
   rank 0 asking for it raises :class:`IncompatibleError`; ``two_way=False`` restores one group.
 - ``src=None`` (receive from any source) is gloo only; nccl raises :class:`IncompatibleError`. nccl also
@@ -86,7 +84,7 @@ import torch.distributed as dist
 
 from ...errors import IncompatibleError, InvalidValueError, ServiceNotStarted
 from .. import trace as _trace
-from ..base import EXPRESS_TAGS, Fabric, Work
+from ..base import Fabric, Work
 from ..stats import CommStats
 from .torch_failure import MAX_TAG, FailStop
 from .torch_ranks import JobRanks
@@ -97,8 +95,6 @@ __all__ = ["TorchFabric"]
 
 #: the bound of every wait when no ``timeout_s`` is given (the launcher's default too)
 DEFAULT_TIMEOUT_S = 120.0
-
-_EXPRESS_LO, _EXPRESS_HI = EXPRESS_TAGS.start, EXPRESS_TAGS.stop
 
 
 def _members(group, services: Sequence[str]) -> list[int]:
@@ -351,10 +347,7 @@ class TorchFabric(Fabric):
             self._deferred.append(pend)     # issued at the next wait, in one group
         else:
             try:
-                up = dst > self.rank
-                if _EXPRESS_LO <= tag < _EXPRESS_HI:     # (the other direction's connection: base.EXPRESS_TAGS)
-                    up = not up
-                pend.work = (self._pg if up else self._pg_down).send([t], dst, tag)
+                pend.work = (self._pg if dst > self.rank else self._pg_down).send([t], dst, tag)
             except RuntimeError as exc:
                 raise self._waits.error(exc, pend) from exc
             if t.nbytes >= WATCHED_SEND_BYTES and not self._cuda:
@@ -427,10 +420,6 @@ class TorchFabric(Fabric):
         elif self._cuda:
             raise IncompatibleError("receive from any source (src=None) is not supported by nccl; "
                                     "name the source, or use the gloo backend")
-        elif _EXPRESS_LO <= tag < _EXPRESS_HI and self._pg_down is not self._pg:
-            raise IncompatibleError(f"tag {tag} is an express tag (sparsecomm.fabric.base.EXPRESS_TAGS): it travels on "
-                                    f"its sender's connection for the other direction, so its receive names the "
-                                    f"source (src=None cannot)")
         elif self.rank == 0 and self._pg_down is not self._pg:
             raise IncompatibleError("with two-way channels (gloo's default here) a receive from any "
                                     "source (src=None) takes messages from lower ranks only, and rank 0 "
@@ -449,13 +438,8 @@ class TorchFabric(Fabric):
         else:
             self._flush()
             try:
-                if src is None:
-                    pend.work = self._pg.recv_anysource([buf], tag)
-                else:
-                    up = src < self.rank
-                    if _EXPRESS_LO <= tag < _EXPRESS_HI:    # (sent on the other direction's connection)
-                        up = not up
-                    pend.work = (self._pg if up else self._pg_down).recv([buf], src, tag)
+                pend.work = ((self._pg if src < self.rank else self._pg_down).recv([buf], src, tag)
+                             if src is not None else self._pg.recv_anysource([buf], tag))
             except RuntimeError as exc:
                 raise self._waits.error(exc, pend) from exc
         return pend, out

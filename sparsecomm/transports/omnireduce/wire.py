@@ -51,7 +51,6 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ...fabric.base import EXPRESS_TAGS
 from ...errors import MalformedMessage, MismatchError, OverflowError_, ProtocolError, SparseCommError  # noqa: F401
 from .._handshake import dtype_code as _hs_dtype_code
 
@@ -60,12 +59,10 @@ MAGIC = 0x4F4D4E49_0005
 MAX_CHANNELS = 16
 HDR = 12 + MAX_CHANNELS    # int64 fields: 12 scalars, then one count per channel (slot)
 MAN = 2 + MAX_CHANNELS     # int64 fields of a manifest: first look-aheads' bytes, blocks' bytes per slot, checksum
-# the round-0 control messages are express (..fabric.base.EXPRESS_TAGS): a verdict must not wait behind the
-# megabytes of round-0 blocks its sender's worker is writing to the same peer
-TAG_HDR_UP = EXPRESS_TAGS.start + 0x4F4F01     # round-0 header, worker -> aggregator
-TAG_HDR_DOWN = EXPRESS_TAGS.start + 0x4F4F02   # round-0 reply header (the verdict), aggregator -> worker
-TAG_FIRSTS = EXPRESS_TAGS.start + 0x4F4F03     # round-0 first look-aheads of every channel, worker -> aggregator
-TAG_MANIFEST = EXPRESS_TAGS.start + 0x4F4F04   # after a verdict that is not OK: the worker's round 0, -> aggregator
+TAG_HDR_UP = 0x4F4F01     # round-0 header, worker -> aggregator
+TAG_HDR_DOWN = 0x4F4F02   # round-0 reply header, aggregator -> worker
+TAG_FIRSTS = 0x4F4F03     # round-0 first look-aheads of every channel, worker -> aggregator
+TAG_MANIFEST = 0x4F4F04   # after a verdict that is not OK: the worker's round-0 messages, worker -> aggregator
 
 
 class Msg(IntEnum):
