@@ -33,6 +33,7 @@ __all__ = ["Pool", "Inbox", "Outbox", "Stage", "Step", "Send", "SendEach", "Post
 
 _entry_work = itemgetter(0)     # an inbox entry's receive
 _is_completed = methodcaller("is_completed")
+_dict_keys = type({}.keys())    # an ``any`` wait's keys as the role's live dict view (:class:`Recv`)
 
 
 class Pool:
@@ -355,6 +356,13 @@ class Recv(NamedTuple):
     scheduler knows it (the SimFabric's choices, a ``wait_any``), else the first that is in, else the first
     (its take then blocks). A role that takes its keys one at a time, as they come, then never looks at the
     others: a wake costs it nothing per key left. Without ``any`` it is resumed with ``None``.
+
+    ``keys`` is a tuple; an ``any`` wait's may instead be the live keys view of a dict the role owns (``d.keys()``,
+    the keys it has left, in order), on this contract: once resumed with a key, the role deletes that key from
+    the dict, and changes it in no other way, before it waits on the view again. Its next wait on the same view
+    then goes on with the scheduler's watch of the keys left without a look at them (O(1) per wake, where a
+    tuple of the keys left costs a pass over them to build and one to compare); a wait on the view that breaks
+    the contract is a :class:`ProtocolError`.
     The rules and why each exists: ``docs/omnireduce-scheduler.md``."""
 
     keys: tuple
@@ -595,8 +603,12 @@ class _Scheduler:
     An ``any`` role resumed with one of its keys (:meth:`_woken`) keeps its watch of the others (:attr:`kept`);
     if its next wait is ``any`` on exactly those, in order (an aggregator's headers left), that wait goes on
     under the same sequence number, with the same watch and count: a wake then costs no pass over the keys
-    in Python (only C's compare of the two tuples). It keeps its place among roles waiting at an equal stage
-    (it began to wait at its first ``any`` wait); any other next request of the role drops the watch."""
+    in Python (only C's compare of the two tuples; none where the keys are the role's live dict view,
+    :class:`Recv`: then the wake costs O(1)). It keeps its place among roles waiting at an equal stage
+    (it began to wait at its first ``any`` wait); any other next request of the role drops the watch. A key of
+    the kept watch posted, put, taken or replaced meanwhile (:attr:`touched`) makes the wait set record the
+    continued wait afresh (its keys as a tuple: :meth:`WaitSet.add` takes a group over without a look at the keys
+    only for the same live view and sequence number: a wait that went on, each of its keys watched since)."""
 
     def __init__(self, fabric, inbox: Inbox, outbox: Outbox, waitset: WaitSet | None = None,
                  blocking: bool = False) -> None:
@@ -614,6 +626,10 @@ class _Scheduler:
         self.keep = 64
         self.solo = False           # one role, none spawned: after its first wait it waits in place (advance)
         self.kept = None            # (sequence number, role, keys left): an ``any`` wait's watch, kept for its next
+                                    # wait; then the key it was resumed with (None: ``keys left`` is a tuple of
+                                    # them; else the role's live dict view, which still holds that key until the
+                                    # role deletes it) and how many keys the next wait must have
+        self.touched = False        # a key of the kept watch changed since it was kept (:meth:`changed`)
 
     def run(self, roles: list, keep: int) -> Generator:
         """Run ``roles`` (:func:`schedule`). The only role (none spawned), after its first wait, waits in
@@ -820,13 +836,26 @@ class _Scheduler:
         :attr:`kept` watch, for an ``any`` wait on the keys it had left)."""
         kept = self.kept
         if kept is not None and kept[1] is role:
-            if req.any and not req.gone and req.keys == kept[2]:
-                self.kept = None
-                s = kept[0]
-                self.waiting[s] = [role, req]
-                if not self.lacks[s]:
-                    self._able(s, req.stage)
-                return
+            keys = req.keys
+            if req.any and not req.gone:
+                if kept[3] is not None:     # (the role's live view: the same object, the key it took deleted)
+                    same = keys is kept[2]
+                    if same and (len(keys) != kept[4] or kept[3] in keys):
+                        raise ProtocolError(
+                            f"endpoint {self.fabric.rank}: an any wait on a dict's keys view goes on only once its "
+                            f"role has deleted the key it was resumed with ({kept[3]!r}), and no other; wait on a "
+                            f"tuple of keys to name any others (roles.Recv)")
+                else:
+                    same = (keys if type(keys) is tuple else tuple(keys)) == kept[2]
+                if same:
+                    self.kept = None
+                    s = kept[0]
+                    if self.touched:        # (a wait set records it afresh: not the live view it may have kept)
+                        req = Recv.new((tuple(keys), req.stage, (), True, req.free))
+                    self.waiting[s] = [role, req]
+                    if not self.lacks[s]:
+                        self._able(s, req.stage)
+                    return
             self._drop_kept()
         s = self.seq = self.seq + 1
         box, watchers = self.inbox.box, self.watchers
@@ -883,9 +912,17 @@ class _Scheduler:
             ws.remove(s, order[0][1] if not order[1:] else None)
 
     def changed(self, key, present: bool | None) -> None:
-        """The inbox's observer: ``key`` was posted or put (``present``), taken, or replaced (``None``)."""
+        """The inbox's observer: ``key`` was posted or put (``present``), taken, or replaced (``None``).
+        A wait on a role's live dict view (:class:`Recv`) one of whose keys changes goes on with its keys as a
+        tuple, as does a :attr:`kept` watch's next wait (:attr:`touched`): a wait set takes a record it kept over
+        without a look at the keys only for the same view, untouched (:meth:`.WaitSet.add`)."""
         lacks, waiting = self.lacks, self.waiting     # (able: waiting, none lacking)
         if present is None:     # the same conditions; a wait set's record of the receive is stale
+            for s, awaited in self.watchers.get(key, ()):
+                if s not in waiting:
+                    self.touched = True
+                elif awaited and type(waiting[s][1].keys) is _dict_keys:
+                    self._pin(s)
             if self.waitset is not None and self.order[1:]:
                 for s, awaited in self.watchers.get(key, ()):
                     if awaited and not lacks[s] and s in waiting:
@@ -896,11 +933,20 @@ class _Scheduler:
             was = lacks[s]
             n = lacks[s] = was + (-1 if awaited == present else 1)
             if s not in waiting:    # (a :attr:`kept` one's: not able, whatever it lacks)
+                self.touched = True
                 continue
+            if awaited and type(waiting[s][1].keys) is _dict_keys:
+                self._pin(s)
             if not was:
                 self._unable(s, waiting[s][1].stage)
             elif not n:
                 self._able(s, waiting[s][1].stage)
+
+    def _pin(self, s: int) -> None:
+        """Role ``s`` waits on a live dict view: on a tuple of its keys from now on (a key of it changed)."""
+        w = self.waiting[s]
+        req = w[1]
+        w[1] = Recv.new((tuple(req.keys), req.stage, req.gone, req.any, req.free))
 
     def resume(self, s: int, got=None) -> Generator:
         """Resume role ``s``: :meth:`forget` it now, and return the generator that advances it (:meth:`advance`,
@@ -924,7 +970,7 @@ class _Scheduler:
         for k in req.keys:
             if ready(k):
                 return k
-        return req.keys[0]
+        return next(iter(req.keys))     # (a tuple or a live dict view, :class:`Recv`)
 
     def forget(self, s: int, got=None) -> tuple:
         """Role ``s`` waits no more: out of the waiting ones and their watch; ``(role, its Recv)``. ``got``: the
@@ -948,13 +994,17 @@ class _Scheduler:
             if self.kept is not None:
                 self._drop_kept()
             keys = req.keys
-            i = keys.index(got)
             self._unwatch(s, (got,))
-            self.kept = (s, role, keys[:i] + keys[i + 1:])
+            self.touched = False
+            if type(keys) is _dict_keys:    # (the role's live view: the role deletes ``got``; O(1))
+                self.kept = (s, role, keys, got, len(keys) - 1)
+            else:
+                i = keys.index(got)
+                self.kept = (s, role, keys[:i] + keys[i + 1:], None, 0)
             return role, req
         del self.lacks[s]
         watchers = self.watchers
-        for k in req.keys + req.gone if req.gone else req.keys:     # (:meth:`_unwatch`, inline: once per resume)
+        for k in tuple(req.keys) + req.gone if req.gone else req.keys:  # (:meth:`_unwatch`, inline: once per resume)
             w = watchers[k]
             if not w[1:]:           # (the common case: this role alone waits on the key)
                 del watchers[k]
@@ -966,9 +1016,11 @@ class _Scheduler:
 
     def _drop_kept(self) -> None:
         """Forget the :attr:`kept` watch (its role waits on something else, or has returned)."""
-        s, _, keys = self.kept
+        s, _, keys, got, _ = self.kept
         self.kept = None
         del self.lacks[s]
+        if got is not None and got in keys:     # (a live view whose role has not deleted its key: unwatched already)
+            keys = [k for k in keys if k != got]
         self._unwatch(s, keys)
 
     def _unwatch(self, s: int, keys) -> None:

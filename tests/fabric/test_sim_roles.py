@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import sparsecomm as sc
+from sparsecomm.errors import ProtocolError
 from sparsecomm.fabric.roles import Hand, Inbox, Outbox, Pool, Post, Recv, RecvWithin, Send
 from sparsecomm.fabric import roles as roles_mod
 from sparsecomm.fabric.sim import sim as sim_mod
@@ -285,7 +286,7 @@ def _regathered(monkeypatch, case: str) -> tuple[list, list, list]:
     def spy(self, g, s, req):
         clock = self.ep.clock
         units = [j for lb, j in g.units if g.heads[j] == lb and lb <= clock]
-        seen = (g.stale, g.keys == list(req.keys), len(units))
+        seen = (g.stale, list(g.keys) == list(req.keys), len(units))
         got = adopt(self, g, s, req)
         adopted.append(seen + (got,))
         return got
@@ -326,3 +327,102 @@ def test_a_kept_group_keeps_the_receives_its_choice_found_in(monkeypatch):
     assert built[1][1] == built[2][1]       # k3 at once, at k1's time
     # taken over with a receive in by the clock that the choice had found
     assert (False, True, 1, True) in adopted
+
+
+class _CountedKey:
+    """A key that counts its hashes (each a look-up of it in a dict or a set: the work a wake does per key)."""
+
+    hashes = 0
+    __slots__ = ("i",)
+
+    def __init__(self, i: int) -> None:
+        self.i = i
+
+    def __hash__(self) -> int:
+        _CountedKey.hashes += 1
+        return hash(self.i)
+
+    def __eq__(self, other) -> bool:
+        return type(other) is _CountedKey and other.i == self.i
+
+    def __repr__(self) -> str:
+        return f"K{self.i}"
+
+
+def _headers(ctx, n: int, form: str, delete: bool = True) -> list:
+    """Endpoint 1 sends endpoint 0 ``n`` messages, one per tag, 5 us apart; endpoint 0's role A takes them as an
+    aggregator takes its headers (one per wake, the one it is resumed with; its wait ``any`` on the keys left:
+    ``form`` ``"view"``, the live view of its dict of them; ``"tuple"``, a tuple of them), while role B, waiting at a
+    later stage for a message that comes last, is able to run (every choice a choice of two). ``delete``: A
+    deletes the key it took from its dict (the view's contract). Returns what endpoint 0 took, in order, with the
+    clock (``float.hex``), and the hashes of the keys per wake of A."""
+    f = ctx.fabric
+    byte = lambda k: torch.zeros(k, dtype=torch.uint8)     # noqa: E731
+    if ctx.rank == 1:
+        for i in range(n):
+            f.compute(5 * US)
+            f.send(byte(8), 0, 100 + i)
+        f.compute(5 * US)
+        f.send(byte(8), 0, 7)
+        return []
+    pool = Pool()
+    inbox, outbox = Inbox(f, pool), Outbox(f, pool)
+    taken = []
+
+    def a():
+        keys = [_CountedKey(i) for i in range(n)]
+        for k in keys:
+            yield Post(k, 8, 1, 100 + k.i)
+        left = dict.fromkeys(keys)
+        rest = left.keys()
+        while left:
+            got = yield Recv(rest if form == "view" else tuple(left), Stage(1), any=True)
+            if delete:
+                del left[got]
+            inbox.take(got)
+            taken.append((got.i, f.now().hex()))
+
+    def b():
+        yield Post("z", 8, 1, 7)
+        yield Recv(("z",), Stage(2))
+        inbox.take("z")
+        taken.append(("z", f.now().hex()))
+
+    _CountedKey.hashes = 0
+    f.drive([a(), b()], inbox, outbox)
+    outbox.finish()
+    return taken, _CountedKey.hashes / n
+
+
+@pytest.mark.parametrize("form", ["view", "tuple"])
+def test_an_any_wait_on_the_keys_left_chooses_as_the_groups_built_per_choice(monkeypatch, form):
+    """An ``any`` wait on the keys left, as a live dict view or a tuple, with the wait set (a kept group taken
+    over) or with the groups built per choice: the same takes, in the same order, at the same modelled times."""
+    net = sc.Network(bandwidth_gbps=10, latency_us=2)
+    with monkeypatch.context() as m:
+        m.setattr(sim_mod, "RoleWaits", lambda *a: None)
+        built = sc.launch(lambda ctx: _headers(ctx, 12, form), 2, network=net)[0][0]
+    kept = sc.launch(lambda ctx: _headers(ctx, 12, form), 2, network=net)[0][0]
+    view = sc.launch(lambda ctx: _headers(ctx, 12, "view"), 2, network=net)[0][0]
+    assert kept == built == view
+    assert [k for k, _ in kept] == list(range(12)) + ["z"]
+
+
+def test_an_any_wait_on_a_live_view_wakes_in_constant_work():
+    """A wake of an ``any`` wait on the live view of the keys left costs a few look-ups, however many keys are
+    left: the scheduler goes on with its watch of them, and the wait set takes its kept group over, without a
+    look at each (a tuple of them costs one per key left per wake, O(n^2) per role: n = 64 against n = 16)."""
+    net = sc.Network(bandwidth_gbps=10, latency_us=2)
+    per = {n: sc.launch(lambda ctx: _headers(ctx, n, "view"), 2, network=net)[0][1] for n in (16, 64)}
+    tup = {n: sc.launch(lambda ctx: _headers(ctx, n, "tuple"), 2, network=net)[0][1] for n in (16, 64)}
+    assert per[64] <= per[16] + 1, per          # (the first wait's pass over the keys: a constant per wake)
+    assert tup[64] > tup[16] + 10, tup          # (what the test tells apart)
+
+
+def test_an_any_wait_on_a_view_whose_role_kept_its_key_is_an_error():
+    """A role that waits on its live view again without deleting the key it was resumed with breaks the view's
+    contract (:class:`~sparsecomm.fabric.roles.Recv`): a :class:`ProtocolError` that says so, not a wrong choice."""
+    net = sc.Network(bandwidth_gbps=10, latency_us=2)
+    with pytest.raises(ProtocolError, match="endpoint 0: an any wait on a dict's keys view .* deleted the key it was "
+                                            "resumed with"):
+        sc.launch(lambda ctx: _headers(ctx, 4, "view", delete=False), 2, network=net)

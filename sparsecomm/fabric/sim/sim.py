@@ -676,7 +676,7 @@ class SimFabric(Fabric):
                     continue
                 value = None        # WaitAll: the role takes these at once; they are received first, here
                 keys = req.keys     # (an ``any`` one: answered with the key found in, or the first, completed)
-                if not keys[1:] and keys and not req.any:       # (the common case: one named receive)
+                if not req.any and not keys[1:] and keys:       # (the common case: one named receive)
                     w = inbox.box[keys[0]][0]
                     if w is not None and not w.done:
                         if not w.take_now():        # (the loop's wait, without process()'s frames: event())
@@ -733,7 +733,7 @@ class SimFabric(Fabric):
                         post_into(req.key, req.buf, req.src, req.tag)
                     elif t is Recv:
                         keys = req.keys
-                        if not keys[1:] and keys and not req.any and not req.gone:     # (the common case)
+                        if not req.any and not keys[1:] and keys and not req.gone:     # (the common case)
                             try:
                                 w = box[keys[0]][0]     # (:meth:`~.roles.Inbox.work`)
                             except KeyError:
@@ -790,6 +790,8 @@ class SimFabric(Fabric):
         with (the first in, else the first; else ``None``) and the receives completed here (``None``: none was
         waited for, an ``any_`` key being in), for a wait set to be told of."""
         if any_:
+            if type(keys) is not tuple:             # (a role's live dict view of its keys left: :class:`~.roles.Recv`)
+                keys = tuple(keys)
             works = list(map(inbox.work, keys))
             try:
                 done = list(map(_done, works))      # (no bytecode per key)

@@ -33,8 +33,10 @@ wait to record them afresh. Its group is kept instead (:attr:`RoleWaits.spare`):
 a choice of the records, the receive chosen is dropped from the group (its slot left dead: tokens keep their
 places), the others stay recorded with their heads, and the role's next wait, if it is ``any`` on exactly
 those keys with the same receives, takes the group over as it is, unless a message of one of them arrived or
-was taken meanwhile. The choices are those of a group recorded afresh (its bounds may differ; the times read
-exactly do not).
+was taken meanwhile. Where the wait names its keys as the role's live dict view the group was recorded from
+(:class:`~sparsecomm.fabric.roles.Recv`), that is known in O(1) (the same view, as many keys as live slots, the
+group not stale); a tuple of keys is compared and its receives looked up. The choices are those of a group
+recorded afresh (its bounds may differ; the times read exactly do not).
 """
 
 from __future__ import annotations
@@ -62,13 +64,14 @@ class _Group:
     last read exactly (-1: changed since), its time then ``time`` (``None``: not in). ``units``: an ``any`` one's
     receives with a head, ``(bound, j)``, as a heap (an entry whose bound is not ``heads[j]`` is stale).
     An ``any`` group that may be kept (:attr:`RoleWaits.spare`): ``slots``, the keys of its receives as recorded
-    (``req.keys``, slot by slot); ``keys`` and ``live``, the keys and receives of its live slots, in order (else
-    ``None``); ``dead``, the slots of the receives chosen since it was recorded; ``lo``, the first live slot;
-    ``pick``, the slot of the last choice; ``stale``: a message of a live receive arrived or was taken while it
-    was chosen or kept (it is not taken over)."""
+    (``req.keys``, slot by slot, as a tuple; also for any group whose ``req.keys`` is a role's live dict view);
+    ``keys``, the keys of its live slots, in order, as a dict (O(1) removal; else ``None``); ``src``, the
+    ``req.keys`` it was recorded from; ``dead``, the slots of the receives chosen since it was recorded; ``lo``,
+    the first live slot; ``pick``, the slot of the last choice; ``stale``: a message of a live receive arrived or
+    was taken while it was chosen or kept (it is not taken over)."""
 
     __slots__ = ("s", "req", "works", "chans", "index", "any", "heads", "missing", "latest", "empty", "odd",
-                 "chosen", "tick", "lb", "exact", "time", "units", "slots", "keys", "live", "dead", "lo", "pick",
+                 "chosen", "tick", "lb", "exact", "time", "units", "slots", "keys", "src", "dead", "lo", "pick",
                  "stale")
 
     def __init__(self, s: int, req, works: list, chans: list, any_: bool) -> None:
@@ -92,7 +95,7 @@ class _Group:
         self.chosen = False
         self.tick, self.lb, self.exact, self.time = -1, 0.0, -1, None
         self.units: list = []
-        self.slots = self.keys = self.live = self.pick = None
+        self.slots = self.keys = self.src = self.pick = None
         self.dead, self.lo, self.stale = (), 0, False
 
 
@@ -149,6 +152,8 @@ class RoleWaits:
                 pend, chans = [w], [w.channel if type(w) is recv else (None, None)]     # (another kind: odd)
             g = _Group(s, req, pend, chans, False)
         else:
+            if type(keys) is not tuple:     # (an ``any`` role's live dict view of its keys left: a snapshot)
+                keys = tuple(keys)
             works = list(map(_entry_work, map(box.__getitem__, keys)))     # (no bytecode per key)
             pend, chans, plain, j = works, [None] * len(works), True, 0
             for w in works:         # (the common case: every one a pending receive of this fabric's; no call)
@@ -164,12 +169,14 @@ class RoleWaits:
                         continue
                     chans.append(w.channel if type(w) is recv else (None, None))    # (another kind: odd)
                     pend.append(w)
-            any_ = req.any and len(pend) == len(req.keys)
+            any_ = req.any and len(pend) == len(keys)
             if req.any and not any_:
                 pend, chans = [], []     # a key is in: an empty group
             g = _Group(s, req, pend, chans, any_)
             if any_ and pend[1:] and not g.odd:     # (an ``any`` one of two receives or more: it may be kept,
-                g.slots, g.keys, g.live, g.dead = req.keys, list(req.keys), list(pend), set()     # :attr:`spare`)
+                g.slots, g.keys, g.src, g.dead = keys, dict.fromkeys(keys), req.keys, set()     # :attr:`spare`)
+            elif keys is not req.keys:
+                g.slots = keys          # (the keys a choice answers with, by slot)
         self.groups[s] = g
         if g.empty:
             self.empties.add(s)
@@ -213,7 +220,7 @@ class RoleWaits:
         if g.empty:
             self.empties.discard(s)
             return
-        if g.chosen and g.keys is not None and g.keys[1:] and g.pick is not None:
+        if g.chosen and g.keys is not None and len(g.keys) > 1 and g.pick is not None:
             # (resumed by a choice of the records, receives left: kept for the role's next wait)
             if self.spare is not None:
                 self._drop(self.spare)
@@ -262,21 +269,35 @@ class RoleWaits:
             if not lst[1:]:
                 self.odd -= 1
         g.dead.add(j)
-        g.keys.remove(g.slots[j])
-        g.live.remove(g.works[j])
+        del g.keys[g.slots[j]]
         g.heads[j] = None
         while g.lo in g.dead:
             g.lo += 1
 
     def _adopt(self, g: _Group, s: int, req) -> bool:
         """Take kept group ``g`` over for role ``s``'s wait ``req`` (``any``) if it waits on ``g``'s live receives,
-        pending, each still the one posted; into the heaps at its earliest head (as :meth:`_measure`)."""
-        if g.stale or len(req.keys) != len(g.keys) or g.keys != list(req.keys):
+        pending, each still the one posted; into the heaps at its earliest head (as :meth:`_measure`).
+
+        Where ``req.keys`` is the live dict view ``g`` was recorded from (:class:`~sparsecomm.fabric.roles.Recv`),
+        (or last taken over for), for the same role's wait that went on (sequence number ``g.s``), with as many
+        keys as ``g`` has live, it is taken over without a look at the keys (O(1)): the role deleted from the view
+        exactly the keys it was resumed with, and each receive chosen here (killed) was one of them, so equal
+        counts mean equal keys; the scheduler has watched every key of a wait that goes on (under one sequence
+        number) and names them as a tuple instead where one was posted, put, taken or replaced meanwhile
+        (:attr:`~sparsecomm.fabric.roles._Scheduler.touched`), and a message of a live receive arrived or taken
+        made ``g`` :attr:`~_Group.stale`. Otherwise the keys are compared and their receives looked up (O(n))."""
+        keys = req.keys
+        if g.stale or len(keys) != len(g.keys):
             return False
-        live = g.live
-        posted = list(map(_entry_work, map(self.inbox.box.__getitem__, req.keys)))
-        if posted != live or any(map(_done, live)):    # (each the receive posted, pending)
-            return False
+        if keys is not g.src or s != g.s:
+            if list(g.keys) != list(keys):
+                return False
+            dead = g.dead
+            live = [w for j, w in enumerate(g.works) if j not in dead]
+            posted = list(map(_entry_work, map(self.inbox.box.__getitem__, keys)))
+            if posted != live or any(map(_done, live)):    # (each the receive posted, pending)
+                return False
+            g.src = keys            # (the same keys: a next wait on this object, if a view, is taken over in O(1))
         g.s, g.req, g.chosen, g.pick, g.exact = s, req, False, None, -1
         self.groups[s] = g
         units, heads = g.units, g.heads

@@ -297,18 +297,22 @@ def aggregator(adm, inbox, outbox, host: int | None = None, ref: np.ndarray | No
     Colocated, each wake of the wait ``any`` on the headers left takes the one header it is resumed with
     (:class:`~sparsecomm.fabric.roles.Recv`: the one whose arrival chose it), not every one in: the scheduler
     knows which arrived, and a look at the others would cost each wake a call per header left (O(n) per
-    header, O(n^2) per aggregator). Where several are in at once (gloo), the role is resumed again at once for
-    each of the others. ``taken``: colocated, ``taken(w)`` gives the requests to make once worker ``w``'s round-0
-    receives are queued (those that fit posted), or at the latest once every remote header is taken (the host's
-    blocks to ``w``'s aggregator: :func:`.worker.release_up`; a second ``taken(w)`` makes none)."""
+    header, O(n^2) per aggregator). The waits name the headers left as the live view of a dict (``left.keys()``):
+    each goes on with the scheduler's watch of them, and the SimFabric's record, in O(1), where a tuple of them
+    would cost a pass to build, one to compare and one to look each up again. Where several are in at once
+    (gloo), the role is resumed again at once for each of the others. ``taken``: colocated, ``taken(w)`` gives the
+    requests to make once worker ``w``'s round-0 receives are queued (those that fit posted), or at the latest
+    once every remote header is taken (the host's blocks to ``w``'s aggregator: :func:`.worker.release_up`; a
+    second ``taken(w)`` makes none)."""
     posts = adm.post_headers(inbox.pool)
     yield from posts
     inbox.ready_keys([p.key for p in posts])     # (starts watching them: a later poll sees them arrived)
     left = dict.fromkeys(p.key for p in posts) if host is not None else {}   # (in order; O(1) removal)
+    rest = left.keys()          # (the live view the waits name: each goes on with the scheduler's watch, O(1))
     released = 0
     while left:     # one header per wake, the one the scheduler resumes this with: no look at the others
-        k = yield Recv.new((tuple(left), _HEADERS, (), True, None))
-        del left[k]
+        k = yield Recv.new((rest, _HEADERS, (), True, None))
+        del left[k]             # (that key alone, before the next wait: the view's contract, :class:`Recv`)
         yield from adm.take_early(inbox, k, ref)
         if taken is not None:   # (the workers whose round-0 receives this header queued: it, and those after it)
             for w in adm.queued()[released:]:
