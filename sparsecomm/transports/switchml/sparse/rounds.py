@@ -89,6 +89,26 @@ class Rounds:
             else:
                 yield Datagram(m, sw, TAG_UP)
 
+    def _counts(self, phase: str) -> dict:
+        """A fresh record of ``phase``'s packet counts in :attr:`info` (a new job's record starts at its control
+        phase, or at the first phase of another job)."""
+        info = {"packets": 0, "retransmissions": 0, "results": 0, "ignored": 0}
+        if phase == "control" or self.info.get("job") != self.state.job:
+            self.info = {"job": self.state.job}
+        self.info[phase] = info
+        return info
+
+    def _take_buffer(self) -> torch.Tensor:
+        """The receive buffer of results (``burst`` rows, every row ``T_EMPTY``), this phase's until its loop ends
+        with every receive taken (it then puts it back in ``_buf``): a phase that raises (or is closed) leaves it
+        behind, a receive perhaps still posted into it, and the next phase makes another."""
+        buf, self._buf = self._buf, None
+        shape = (self.burst, HEADER + self.elems)
+        if buf is None or buf.shape != shape:
+            buf = torch.zeros(shape, dtype=torch.int32)
+        buf.numpy()[:, W0] = 0
+        return buf
+
     def _sender_words(self) -> tuple[int, int]:
         """This worker's bits of a packet's W0 and SLOT words (worker, n, job: fixed for a job)."""
         st, sender = self.state, self._sender
@@ -98,12 +118,11 @@ class Rounds:
             sender = self._sender = (st.job, int(h[W0]), int(h[F_SLOT]))
         return sender[1], sender[2]
 
-    def run(self, slots: np.ndarray, rows: list[np.ndarray], on_result, phase: str,
-            lanes: np.ndarray | None = None) -> None:
+    def run(self, slots: np.ndarray, rows: list[np.ndarray], on_result, phase: str) -> None:
         """The rounds of :meth:`role` on this worker, run by ``Fabric.drive`` (its datagrams and timed receives
         lowered by :func:`.requests.lowered`); every send has completed when it returns. Any error stops every
         rank (:func:`..lanes.abandoning`: the others would wait for this worker's packets)."""
-        self._drive(self.role(slots, rows, on_result, phase, lanes))
+        self._drive(self.role(slots, rows, on_result, phase))
 
     def stream(self, ls: LaneStream) -> None:
         """The stream phase's rounds (:mod:`.stream`: the lanes' state machine, a message's results in one
@@ -117,14 +136,13 @@ class Rounds:
             fab.drive([lowered(role, fab, inbox, outbox, _KEEP)], inbox, outbox, keep=_KEEP)
             outbox.finish()
 
-    def role(self, slots: np.ndarray, rows: list[np.ndarray], on_result, phase: str,
-             lanes: np.ndarray | None = None):
+    def role(self, slots: np.ndarray, rows: list[np.ndarray], on_result, phase: str):
         """Self-clocked rounds on ``slots`` (one outstanding packet each), with SwitchML's loss recovery, as a
         role (:mod:`sparsecomm.fabric.roles`, with :class:`.requests.Datagram` and :class:`.requests.RecvFor`).
 
         ``rows[i]`` is the first packet on ``slots[i]``; when its result arrives (matching job, slot,
         set and position) the slot's parity flips and ``on_result(lane, result)`` returns the lane's
-        next packet, or ``None`` when the lane is done (``lane`` = ``lanes[i]``, default ``i``; ``result`` is the
+        next packet, or ``None`` when the lane is done (``lane`` = ``i``; ``result`` is the
         row in the receive buffer, valid until ``on_result`` returns: it copies what it keeps). A
         packet unanswered within the timer is resent unchanged; after ``threshold`` expiries the timer
         doubles; unanswered for ``give_up_s`` raises :class:`FabricTimeout`. The switch's rejection
@@ -136,16 +154,12 @@ class Rounds:
         fab, st, sw, K = self.fabric, self.state, self.switch, self.burst
         k, sim, timer = self.elems, self.sim, self.timer
         S = len(slots)
-        lanes = np.arange(S) if lanes is None else lanes
         index = {int(s): i for i, s in enumerate(slots)}
         out: list[np.ndarray | None] = list(rows)
         deadline = np.full(S, math.inf)
         since = np.zeros(S)
         timeout, threshold, expiries = timer.timeout, timer.threshold, 0
-        info = {"packets": 0, "retransmissions": 0, "results": 0, "ignored": 0}
-        if phase == "control" or self.info.get("job") != st.job:
-            self.info = {"job": st.job}
-        self.info[phase] = info
+        info = self._counts(phase)
 
         queue: list[np.ndarray] = []
 
@@ -172,13 +186,8 @@ class Rounds:
             yield from send(i, True)
         yield from flush()
         live = S
-        # the receive buffer, this phase's until its loop ends with every receive taken: a phase that raises (or is
-        # closed) leaves it behind, a receive perhaps still posted into it, and the next phase makes another
-        buf, self._buf = self._buf, None
-        if buf is None or buf.shape != (K, HEADER + k):
-            buf = torch.zeros((K, HEADER + k), dtype=torch.int32)
+        buf = self._take_buffer()
         msg_rows = buf.numpy()
-        msg_rows[:, W0] = 0                        # every row T_EMPTY
         while live:
             wait = None if timeout is None else max(float(deadline.min()) - fab.now(), 1e-9)
             src = yield RecvFor(_DOWN, buf, sw, TAG_DOWN, wait, _STAGE)
@@ -217,7 +226,7 @@ class Rounds:
                     continue
                 info["results"] += 1
                 st.parity[slots[i]] ^= 1
-                out[i] = on_result(int(lanes[i]), res)
+                out[i] = on_result(i, res)
                 if out[i] is None:
                     deadline[i] = math.inf
                     live -= 1
@@ -234,14 +243,11 @@ class Rounds:
         ``ls.out``. On SimFabric (one result per message) the same packets, sums, clock and counts as
         :meth:`role` with the lanes' ``on_result`` would give."""
         fab, st, sw, K = self.fabric, self.state, self.switch, self.burst
-        k, sim, timer = self.elems, self.sim, self.timer
+        sim, timer = self.sim, self.timer
         S = ls.active.size
         timeout, threshold, expiries = timer.timeout, timer.threshold, 0
         ahead = math.inf if timeout is None else timeout
-        info = {"packets": 0, "retransmissions": 0, "results": 0, "ignored": 0}
-        if self.info.get("job") != st.job:
-            self.info = {"job": st.job}
-        self.info["stream"] = info
+        info = self._counts("stream")
         counts = ls.counts
         w0, wslot = self._sender_words()
         ls.first(st.parity, w0, wslot)
@@ -271,11 +277,8 @@ class Rounds:
         else:
             arm(everyone, True)
             yield from flush(everyone)
-        buf, self._buf = self._buf, None            # (as role: this phase's until its loop ends cleanly)
-        if buf is None or buf.shape != (K, HEADER + k):
-            buf = torch.zeros((K, HEADER + k), dtype=torch.int32)
+        buf = self._take_buffer()
         msg_rows = buf.numpy()
-        msg_rows[:, W0] = 0
         job = st.job & JOB_MASK
         while counts[LIVE]:
             wait = None if timeout is None else max(float(deadline.min()) - fab.now(), 1e-9)
