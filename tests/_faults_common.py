@@ -28,8 +28,8 @@ class CorruptingFabric:
     def send(self, tensor, dst, tag=0, *, reliable=True):
         return self._inner.send(self._sub(tensor, dst, tag), dst, tag, reliable=reliable)
 
-    def isend(self, tensor, dst, tag=0, *, reliable=True):
-        return self._inner.isend(self._sub(tensor, dst, tag), dst, tag, reliable=reliable)
+    def isend(self, tensor, dst, tag=0, *, reliable=True, stable=False):
+        return self._inner.isend(self._sub(tensor, dst, tag), dst, tag, reliable=reliable, stable=stable)
 
     isend_each = Fabric.isend_each      # (each send through isend above, rewritten; not the inner fabric's)
 

@@ -8,6 +8,8 @@ Semantics every implementation keeps (they are what lets one protocol run on :cl
 
 - ``send(tensor, dst)`` is blocking until ``tensor`` may be reused; ``isend`` returns a :class:`Work`;
   ``isend_each(tensor, dsts, tag, works, reliable=True)`` is ``isend`` to each of ``dsts`` in order.
+  ``stable=True`` on ``isend``/``isend_each``: the caller does not write ``tensor`` until the message has
+  been taken, so a fabric that would copy it may keep a reference (:meth:`Fabric.isend`).
 - ``recv(tensor, src)`` fills the pre-allocated ``tensor`` in place (the receiver must know the
   message's shape and dtype, as with ``torch.distributed``); a message of another shape or dtype
   raises :class:`~sparsecomm.errors.MismatchError`. ``src=None`` receives from any source. It
@@ -169,7 +171,8 @@ class Fabric(ABC):
         """
 
     @abstractmethod
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0, *, reliable: bool = True) -> Work:
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0, *, reliable: bool = True,
+              stable: bool = False) -> Work:
         """Start sending ``tensor``; the caller must not modify it until ``wait()`` returns.
 
         Args:
@@ -179,10 +182,17 @@ class Fabric(ABC):
                 dst, tag))
             reliable: False marks a datagram the network model may drop (``Network.loss``); real fabrics
                 deliver every message, and reliable sends are never dropped
+            stable: the caller's promise that nothing writes ``tensor`` until the receiver has taken the
+                message (not only until ``wait()`` returns): it is written, if ever, only after this endpoint
+                has received something the receiver sent once it had taken it, or the bytes no longer matter
+                (the call failed). A fabric whose send completes before the message is taken, and which
+                therefore copies it (:class:`~.sim.SimFabric`), may then keep a reference instead of the
+                copy; a fabric that reads the caller's tensor until the send completes anyway
+                (:class:`~.torch.TorchFabric`) ignores it. ``False``: no promise beyond the one above.
         """
 
     def isend_each(self, tensor: torch.Tensor, dsts: Sequence[int], tag: int, works: list, *,
-                   reliable: bool = True) -> list:
+                   reliable: bool = True, stable: bool = False) -> list:
         """Start sending ``tensor`` to each endpoint of ``dsts``, in that order, on ``tag``: what ``isend`` per
         endpoint does, which this generic version is (a real fabric's wire is the same);
         a fabric may start them in one pass (:class:`~.roles.SendEach`). Each send's :class:`Work` is
@@ -196,7 +206,12 @@ class Fabric(ABC):
             tag: the message tag.
             works: the list the sends' operations are appended to.
             reliable: as for :meth:`isend`, for every send (a switch's multicast of a result is datagrams).
+            stable: as for :meth:`isend`, for every send.
         """
+        if stable:
+            for dst in dsts:
+                works.append(self.isend(tensor, dst, tag, reliable=reliable, stable=True))
+            return works
         for dst in dsts:
             works.append(self.isend(tensor, dst, tag, reliable=reliable))
         return works

@@ -201,10 +201,12 @@ class Outbox:
         self.pool = pool
         self.pending: list = []
 
-    def send(self, buf: torch.Tensor, dst: int, tag: int, key=None, deferrable: bool = False) -> None:
+    def send(self, buf: torch.Tensor, dst: int, tag: int, key=None, deferrable: bool = False,
+             stable: bool = False) -> None:
         """Start sending ``buf`` to endpoint ``dst`` on ``tag``. ``key``: the role of the pooled buffer it
-        uses (held until the send completes). ``deferrable``: left to :meth:`finish` (:meth:`reap`)."""
-        wk = self.fabric.isend(buf, dst, tag)
+        uses (held until the send completes). ``deferrable``: left to :meth:`finish` (:meth:`reap`).
+        ``stable``: nothing writes ``buf`` before the message is taken (:meth:`.base.Fabric.isend`)."""
+        wk = self.fabric.isend(buf, dst, tag, stable=True) if stable else self.fabric.isend(buf, dst, tag)
         # (the buffer kept while the send may still read it: not once it has completed, as a fabric that copies
         # at the send says at once -- an endpoint of n peers holds n such entries until :meth:`finish`)
         self.pending.append((wk, None if wk.is_completed() else buf, deferrable))
@@ -297,13 +299,16 @@ class Send(NamedTuple):
     """Send ``buf`` to endpoint ``dst`` on ``tag`` (asynchronous). ``hold``: the role of the pooled
     buffer, which is not reused before this send has completed (or any name for what ``buf`` is a view
     of, that a :class:`Flush` waits for). ``deferrable``: the receiver may post its
-    receive late, after steps of its own (a reap does not wait for it, :meth:`Outbox.reap`)."""
+    receive late, after steps of its own (a reap does not wait for it, :meth:`Outbox.reap`). ``stable``: nothing
+    writes ``buf`` before the receiver has taken the message, a promise that lets a fabric that would copy it
+    keep a reference instead (:meth:`.base.Fabric.isend`)."""
 
     buf: torch.Tensor
     dst: int
     tag: int
     hold: object = None
     deferrable: bool = False
+    stable: bool = False
 
 
 class SendEach(NamedTuple):
@@ -396,7 +401,7 @@ class Flush(NamedTuple):
 
 
 # Each of the requests above has ``new``, which builds it from all its fields, in order, as one tuple
-# (``Send.new((buf, dst, tag, hold, deferrable))``, no default filled in): a NamedTuple's own constructor is a
+# (``Send.new((buf, dst, tag, hold, deferrable, stable))``, no default filled in): a NamedTuple's own constructor is a
 # Python function, a call per request; ``new`` is ``tuple.__new__`` bound to the class, a C call (for the requests a
 # protocol builds per message).
 for _request in (Send, SendEach, Post, PostInto, Hand, Recv, Poll, Spawn, Flush):
@@ -672,7 +677,7 @@ class _Scheduler:
                         value = None
                         t = type(req)
                         if t is Send:
-                            send(req.buf, req.dst, req.tag, req.hold, req.deferrable)
+                            send(req.buf, req.dst, req.tag, req.hold, req.deferrable, req.stable)
                         elif t is SendEach:
                             outbox.send_each(req.buf, req.dsts, req.tag, req.hold, req.deferrable)
                         elif t is PostInto:
@@ -770,7 +775,7 @@ class _Scheduler:
                     step = req
                     t = type(req)
                     if t is Send:
-                        outbox.send(req.buf, req.dst, req.tag, req.hold, req.deferrable)
+                        outbox.send(req.buf, req.dst, req.tag, req.hold, req.deferrable, req.stable)
                     elif t is SendEach:
                         outbox.send_each(req.buf, req.dsts, req.tag, req.hold, req.deferrable)
                     elif t is Post:

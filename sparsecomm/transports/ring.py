@@ -77,11 +77,11 @@ DEFAULT_SEGMENT_BYTES = 4 << 20
 MIN_SEGMENT_BYTES = 1 << 20
 #: the stage of each of the ring's waits (one role: no preference to state)
 _STEP = Step()
-#: builds a request from all its fields, in order (``_new(Send, (buf, dst, tag, hold, deferrable))``): a
+#: builds a request from all its fields, in order (``_new(Send, (buf, dst, tag, hold, deferrable, stable))``): a
 #: NamedTuple's own constructor is a Python function, a call per request of the ring's steps
 _new = tuple.__new__
 if (Send._fields, Recv._fields, PostInto._fields, Flush._fields) != (
-        ("buf", "dst", "tag", "hold", "deferrable"), ("keys", "stage", "gone", "any", "free"),
+        ("buf", "dst", "tag", "hold", "deferrable", "stable"), ("keys", "stage", "gone", "any", "free"),
         ("key", "buf", "src", "tag"), ("hold",)):
     raise ImportError("the ring builds its requests from their fields (_new): their fields have changed")
 
@@ -242,7 +242,7 @@ def ring_role(fabric: Fabric, acc: torch.Tensor | None, inbox: Inbox, tag: int =
                 for lo in range(clo, chi, seg):
                     region = chunks[r] if chunks is not None else acc[lo:lo + seg if lo + seg < chi else chi]
                     regions.append(region)
-                    yield _new(Send, (region, right, tag, sent, False))
+                    yield _new(Send, (region, right, tag, sent, False, False))
                     sent += 1
             continue
         if s + 1 == last:
@@ -264,7 +264,7 @@ def ring_role(fabric: Fabric, acc: torch.Tensor | None, inbox: Inbox, tag: int =
             key += 1
             if host_work is not None:
                 host_work("sum", hi - lo, dtype)
-            yield _new(Send, (region, right, tag, sent, False))
+            yield _new(Send, (region, right, tag, sent, False, False))
             sent += 1
             if rs_done:
                 upto = sent - n_own if sent - n_own < n_ag else n_ag
@@ -286,7 +286,7 @@ def ring_role(fabric: Fabric, acc: torch.Tensor | None, inbox: Inbox, tag: int =
             region = inbox.take(key)        # (the view of ``acc`` it was posted into)
             key -= 1
             if s < last:
-                yield _new(Send, (region, right, tag, None, False))
+                yield _new(Send, (region, right, tag, None, False, False))
     if out is not None:
         out.append((acc, note))
     return acc

@@ -465,3 +465,29 @@ def test_isend_each_to_an_invalid_endpoint_has_started_the_sends_before_it():
         return got.tolist()
 
     assert sc.launch(fn, 3, network=GBPS8) == [(1, 2), [1.0, 1.0], [1.0, 1.0]]
+
+
+def test_a_stable_send_is_the_senders_tensor_until_taken_and_another_send_a_copy():
+    """``stable=True`` (the sender writes nothing before the take) lets the SimFabric keep a reference to the
+    sender's tensor instead of copying it; a plain send is copied at the send. Shown here by breaking the promise:
+    the sender writes both tensors after the sends, before their receiver takes them (no receive posted: neither
+    is written through)."""
+
+    def fn(ctx):
+        f = ctx.fabric
+        if ctx.rank == 0:
+            x, y = torch.full((1024,), 1.0), torch.full((1024,), 1.0)
+            f.isend(x, 1, tag=3, stable=True).wait()
+            f.isend(y, 1, tag=4).wait()
+            x.fill_(2.0)
+            y.fill_(2.0)
+            f.send(torch.zeros(1), 1, tag=9)
+            return None
+        f.recv(torch.zeros(1), 0, tag=9)           # (rank 0 has written both by now)
+        a, b = torch.zeros(1024), torch.zeros(1024)
+        f.recv(a, 0, tag=3)
+        f.recv(b, 0, tag=4)
+        return a.unique().tolist(), b.unique().tolist()
+
+    _, got = sc.launch(fn, 2, network=GBPS8)
+    assert got == ([2.0], [1.0])

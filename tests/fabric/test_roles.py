@@ -554,7 +554,7 @@ def test_requests_built_by_new_equal_those_of_their_constructors():
     from sparsecomm.transports.omnireduce.wire import Buf, Key, Msg
     buf, role = torch.zeros(4), iter(())
     cases = [
-        (Send, (buf, 3, 7, "h", True)), (SendEach, (buf, (3, 1), 7, "h", True)), (Post, ("k", 16, 2, 9)), (PostInto, ("k", buf, 2, 9)), (Hand, ("k", buf)),
+        (Send, (buf, 3, 7, "h", True, True)), (SendEach, (buf, (3, 1), 7, "h", True)), (Post, ("k", 16, 2, 9)), (PostInto, ("k", buf, 2, 9)), (Hand, ("k", buf)),
         (Recv, (("a", "b"), Step(1), ("c",), True, "f")), (Poll, (2,)), (Spawn, (role,)), (Flush, ("h",)),
         (Key, (Msg.DOWN, 5, 2)), (Buf, (Msg.UP, 1, 3, 1)),
     ]

@@ -100,13 +100,13 @@ def _wire_log(fn, n: int, byte: int, monkeypatch) -> dict:
     lock = threading.Lock()
     orig = SimFabric.isend_each
 
-    def isend_each(self, tensor, dsts, tag, works, reliable=True):
+    def isend_each(self, tensor, dsts, tag, works, reliable=True, stable=False):
         # (every send of the SimFabric, SimFabric.isend's one endpoint included, is an isend_each)
         data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
         with lock:
             for dst in dsts:
                 log.setdefault((self.rank, dst, tag), []).append(data)
-        return orig(self, tensor, dsts, tag, works, reliable)
+        return orig(self, tensor, dsts, tag, works, reliable, stable)
 
     empty, empty_like, np_empty = _poisoned(byte)
     with monkeypatch.context() as m:

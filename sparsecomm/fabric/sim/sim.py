@@ -339,16 +339,21 @@ class SimFabric(Fabric):
             ep.host = host
 
     # --------------------------------------------------------------- sending
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0, *, reliable: bool = True) -> Work:
-        return self.isend_each(tensor, (dst,), tag, [], reliable)[0]
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0, *, reliable: bool = True,
+              stable: bool = False) -> Work:
+        return self.isend_each(tensor, (dst,), tag, [], reliable, stable)[0]
 
-    def isend_each(self, tensor: torch.Tensor, dsts, tag: int, works: list, reliable: bool = True) -> list:
+    def isend_each(self, tensor: torch.Tensor, dsts, tag: int, works: list, reliable: bool = True,
+                   stable: bool = False) -> list:
         """:meth:`.base.Fabric.isend_each` (:meth:`isend` is this to one endpoint) in one pass, the world's lock
         taken once: each send placed as it comes (the sender's NIC, the receiver's mailbox and NIC, the ledger),
         so that every modelled time is that of an ``isend`` per endpoint in order. A message not written into a
         posted receive (:data:`WRITE_THROUGH_BYTES`) holds a copy of ``tensor``, one shared by every such message
-        of the call (a message's bytes are only read once it is sent). ``reliable``: ``False``, the network model
-        may drop each of them (:meth:`isend`'s).
+        of the call (a message's bytes are only read once it is sent), or, ``stable`` (:meth:`.base.Fabric.isend`:
+        nothing writes ``tensor`` before the message is taken), ``tensor`` itself where it is a contiguous CPU
+        tensor without grad (the send's bytes are then held once, by the sender, not again by the SimFabric until
+        the take: a colocated OmniReduce worker's round-0 blocks, views of its input). ``reliable``: ``False``,
+        the network model may drop each of them (:meth:`isend`'s).
 
         Args:
             tensor: the message, the same for every endpoint.
@@ -356,6 +361,7 @@ class SimFabric(Fabric):
             tag: the message tag.
             works: the list the sends' operations are appended to (returned).
             reliable: whether the sends are reliable.
+            stable: the caller's promise of :meth:`.base.Fabric.isend`.
         """
         world, ep, rank = self.world, self._ep, self.rank
         nbytes = tensor.nbytes
@@ -420,7 +426,9 @@ class SimFabric(Fabric):
                                 into = None
                     if into is None:        # a send's copy: the buffer may change before the message is taken
                         if copy is None:
-                            if tensor.is_cpu and not tensor.requires_grad:      # the common case in one operation
+                            if stable and tensor.is_cpu and not tensor.requires_grad and tensor.is_contiguous():
+                                copy = tensor       # (not written before the take: the caller's promise)
+                            elif tensor.is_cpu and not tensor.requires_grad:    # the common case in one operation
                                 copy = tensor.clone(memory_format=torch.contiguous_format)
                             else:
                                 copy = tensor.detach().to("cpu", copy=True).contiguous()

@@ -404,7 +404,9 @@ class TorchFabric(Fabric):
         self._flush()
         self._finish(pend, None, None)
 
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0, *, reliable: bool = True) -> Work:
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0, *, reliable: bool = True,
+              stable: bool = False) -> Work:
+        # (``stable`` changes nothing here: torch's send reads the caller's tensor until it completes, no copy)
         return TorchWork(self, self._post_send(tensor, dst, tag), None)
 
     # ------------------------------------------------------------- receiving

@@ -123,7 +123,7 @@ def gloo_ring_role(fabric: Fabric, acc: torch.Tensor, inbox: Inbox, tag: int = G
                     yield PostInto.new(((phase, i), into, recv_from, tag))
                 lo, hi = bounds(r + 1 - phase, i)
                 if hi > lo:
-                    yield Send.new((acc[lo:hi], send_to, tag, (phase, i), False))
+                    yield Send.new((acc[lo:hi], send_to, tag, (phase, i), False, False))
                     sent[i] = True
     return acc
 

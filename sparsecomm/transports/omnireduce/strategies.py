@@ -53,11 +53,14 @@ def send_up(call, key: Buf, a: int, c, local_key: Key):
     short = 0
     if not meta:               # a run of whole blocks, or every block unpadded, is the message itself:
         short = wire.short_end(c.ch, source.numel, source.block_size) if b.size == c.ch.size else 0
-        if a != call.own:      # sent without a copy (overwritten in place only after the aggregator has it all)
+        if a != call.own:      # sent without a copy, and ``stable`` (:meth:`.base.Fabric.isend`): a view of the
+            # source, which the call writes (in place) only where the sums of ``a``'s range land, after ``a`` has
+            # taken every worker's blocks of this one-round channel (its reply is their sum), and the caller only
+            # once the call has returned; so a fabric that copies a send keeps a reference instead
             v = source.view(ids) if not short else source.run_to_end(ids)
             if v is not None and v.numel() * v.element_size() % 4 == 0:
                 yield Send.new((v.reshape(-1).view(torch.uint8), call.aggregators[a], _TAG_UP + c.ch.slot, None,
-                                call.defer[a]))
+                                call.defer[a], True))
                 return
     buf, data, tail = wire.message(call.outbox.pool, key, b.size, call.spec.block_size, call.spec.up, meta=meta)
     call.fabric.host_work("index", source.gather(ids, data))
@@ -69,7 +72,7 @@ def send_up(call, key: Buf, a: int, c, local_key: Key):
     else:                      # (unpadded where the run is: :func:`.wire.short_end`)
         if short:
             buf = buf[:wire.block_bytes(b.size, call.spec.block_size, call.spec.up.itemsize, meta=False, short=short)]
-        yield Send.new((buf, call.aggregators[a], _TAG_UP + c.ch.slot, key, call.defer[a]))
+        yield Send.new((buf, call.aggregators[a], _TAG_UP + c.ch.slot, key, call.defer[a], False))
 
 
 # ------------------------------------------------------------------ where sums land: aggregator

@@ -109,7 +109,7 @@ class Call:
         """The request of a round-0 message to aggregator ``a``: by hand to the hosted one, else sent
         (``data``: received through ``a``'s window, :meth:`deferrable`)."""
         return Hand(key, buf) if a == self.own else Send.new((buf, self.aggregators[a], tag, None,
-                                                              data and self.defer[a]))
+                                                              data and self.defer[a], False))
 
     def deferrable(self, a: int) -> bool:
         """May aggregator ``a`` post its receives of this worker's data late (:func:`.aggregator.may_defer`)?

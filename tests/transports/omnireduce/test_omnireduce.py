@@ -350,9 +350,9 @@ def test_aggregator_memory_is_bounded_by_its_lanes(monkeypatch):
     sizes = []
     orig = sim.SimFabric.isend_each  # (every send of the SimFabric: isend() is isend_each() to one endpoint)
 
-    def isend_each(self, tensor, dsts, tag, works, reliable=True):
+    def isend_each(self, tensor, dsts, tag, works, reliable=True, stable=False):
         sizes.extend([tensor.numel() * tensor.element_size()] * len(dsts))
-        return orig(self, tensor, dsts, tag, works, reliable)
+        return orig(self, tensor, dsts, tag, works, reliable, stable)
 
     monkeypatch.setattr(sim.SimFabric, "isend_each", isend_each)
 

@@ -106,9 +106,9 @@ def test_a_result_to_every_worker_is_one_isend_each(name, density, loss, monkeyp
     calls: list = []
     orig = SimFabric.isend_each
 
-    def isend_each(self, tensor, dsts, tag, works, reliable=True):
+    def isend_each(self, tensor, dsts, tag, works, reliable=True, stable=False):
         calls.append((self.rank, tuple(dsts), reliable))
-        return orig(self, tensor, dsts, tag, works, reliable)
+        return orig(self, tensor, dsts, tag, works, reliable, stable)
 
     monkeypatch.setattr(SimFabric, "isend_each", isend_each)
     times, ends, _, _ = _observe(name, {}, density, n, loss)
