@@ -107,9 +107,11 @@ class Call:
 
     def up(self, a: int, key: wire.Key, buf: torch.Tensor, tag: int, data: bool = False):
         """The request of a round-0 message to aggregator ``a``: by hand to the hosted one, else sent
-        (``data``: received through ``a``'s window, :meth:`deferrable`)."""
+        (``data``: received through ``a``'s window, :meth:`deferrable`), ``stable`` (:meth:`.base.Fabric.isend`):
+        a header of :attr:`hdr_msgs` or a look-ahead message, made for this call (or shared and read-only,
+        :func:`.wire.no_firsts`) and never written."""
         return Hand(key, buf) if a == self.own else Send.new((buf, self.aggregators[a], tag, None,
-                                                              data and self.defer[a], False))
+                                                              data and self.defer[a], True))
 
     def deferrable(self, a: int) -> bool:
         """May aggregator ``a`` post its receives of this worker's data late (:func:`.aggregator.may_defer`)?
