@@ -278,7 +278,9 @@ HEADER = ("Gbps   dens   n |  omni(us)  form(us)    err  expct(us) |  R  imbD | 
 
 
 def plot(points: list[Point], numel: int = NUMEL) -> dict:
-    """The figures by file stem: time per all-reduce vs block density, and vs workers, per bandwidth."""
+    """The figures by file stem: time per all-reduce vs block density, and vs workers, per bandwidth. A
+    curve needs two points: the workers run at one density only (the wide points) are drawn against the
+    workers, not the density, and a density run at one ``n`` only against neither."""
     plt = U.pyplot()
     figs = {}
     bws = sorted({p.bandwidth_gbps for p in points})
@@ -289,6 +291,8 @@ def plot(points: list[Point], numel: int = NUMEL) -> dict:
         pts = [p for p in points if p.bandwidth_gbps == bw]
         for n in sorted({p.n for p in pts}):
             row = [p for p in pts if p.n == n]
+            if len({p.density for p in row}) < 2:
+                continue
             line = S.draw(ax, _band(row, "density", "omni_s"), marker="o", ls="-",
                           label=f"OmniReduce, n={n} (simulated{mean})")
             S.draw(ax, _band(row, "density", "closed_form_s"), ls="--", color=line.get_color(), alpha=0.6,
@@ -311,6 +315,8 @@ def plot(points: list[Point], numel: int = NUMEL) -> dict:
         pts = [p for p in points if p.bandwidth_gbps == bw]
         for d in sorted({p.density for p in pts}, reverse=True):
             row = [p for p in pts if p.density == d]
+            if len({p.n for p in row}) < 2:
+                continue
             line = S.draw(ax, _band(row, "n", "omni_s"), marker="o", ls="-",
                           label=f"OmniReduce, density {d:g} (simulated{mean})")
             S.draw(ax, _band(row, "n", "closed_form_s"), ls="--", color=line.get_color(), alpha=0.6,
@@ -381,7 +387,7 @@ def main(argv=None) -> list[Point]:
           f"{within}/{len(errs)} points within 15%")
     means = [mean_point(runs) for runs in by_point(points).values()]
     for bw in bws:
-        for d in densities:
+        for d in dict.fromkeys(p.density for p in means):
             row = [p for p in means if p.bandwidth_gbps == bw and p.density == d]
             ts = [p.omni_s for p in row]
             print(f"{bw:g} Gbps, density {d:g}: omni max/min over n = {max(ts) / min(ts):.2f}; ring at n={row[-1].n}: "

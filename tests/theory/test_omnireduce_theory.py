@@ -68,8 +68,12 @@ def test_grid_runs_the_ring_once_per_workers_and_bandwidth(monkeypatch):
 
 def test_wide_workers_run_at_the_wide_densities_only():
     """``wide_ns`` joins ``ns`` at the wide densities (in increasing n), and nowhere else; a wide point is a
-    point like the others (its closed form and ring with it)."""
+    point like the others (its closed form and ring with it); the figures draw no one-point curve."""
+    from tests._figures import problems
+
     pts = R.run_grid([2], [1.0, 0.1], [100.0], "full", numel=8192, log=lambda s: None, wide_ns=[4],
                      wide_densities=[0.1, 0.01])
     assert [(p.density, p.n) for p in pts] == [(1.0, 2), (0.1, 2), (0.1, 4), (0.01, 4)]
     assert all(p.closed_form_s > 0 and p.ring_s > 0 for p in pts)
+    figs = R.plot(pts, 8192)
+    assert {stem: problems(fig) for stem, fig in figs.items()} == {stem: [] for stem in figs}
