@@ -34,7 +34,7 @@ column ``imbD``), so that what is left is the protocol's and the network's.
 prints the table and writes ``omnireduce_vs_density.png``, ``omnireduce_vs_workers.png`` and
 ``omnireduce_<overlap>_<placement>.csv`` under ``DIR`` (default ``experiments/out/reproduce_omnireduce``).
 The 256-worker points take the longest (the simulation is a single-threaded discrete-event loop over
-every message: about 2 minutes of CPU each, of a default run's ~11); ``--quick`` runs n <= 16 at
+every message: about 2 minutes of CPU each, of a default run's ~13); ``--quick`` runs n <= 16 at
 100 Gb/s only, without wide points.
 
 ``--seed`` draws the non-zero blocks' positions, on which the rounds, the busiest aggregator and so the time
