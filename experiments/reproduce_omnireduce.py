@@ -3,11 +3,14 @@
 OmniReduce sends only the non-zero blocks of a tensor, so its time follows the data's block density,
 and with dedicated aggregators (one per worker, each with the workers' bandwidth) no term grows with
 the number of workers ``n``; ring all-reduce moves ``2 (n-1)/n`` of the dense tensor whatever the
-density. For every point of the grid (``n`` in {2, 4, 8, 16, 32, 64}, block density in
-{1, 0.5, 0.1, 0.01}, 10 and 100 Gbps) this script runs OmniReduce (dedicated aggregators) and ring on
-the SimFabric and compares OmniReduce's modelled time with the closed form
-:func:`theory.costs.omnireduce_allreduce`, fed with the data's measured rounds and busiest-aggregator
-load (the expectation-only closed form is printed too).
+density. For every point of the grid (``n`` in {2, 4, 8, 16, 32, 64} at block density in
+{1, 0.5, 0.1, 0.01}, and ``n`` in {128, 256} at density 0.01; 10 and 100 Gbps) this script runs
+OmniReduce (dedicated aggregators) and ring on the SimFabric and compares OmniReduce's modelled time with
+the closed form :func:`theory.costs.omnireduce_allreduce`, fed with the data's measured rounds and
+busiest-aggregator load (the expectation-only closed form is printed too). The wide points (128 and 256
+workers, ``--wide-ns``) run only at ``--wide-densities`` (default 0.01): a dedicated call's messages grow
+as ``n^2`` and its rounds with the density, so one 256-worker point at density 1 would take longer than
+the rest of the grid. The ring's time does not depend on the data: it runs once per ``(bandwidth, n)``.
 
 The endpoints are event-driven (:meth:`sparsecomm.fabric.base.Fabric.wait_any`): a dedicated aggregator
 serves whichever channel's round is in first, a worker whichever reply is in first (in their fixed
@@ -25,12 +28,14 @@ column ``imbD``), so that what is left is the protocol's and the network's.
 
     python -m experiments.reproduce_omnireduce [--quick] [--out DIR] [--overlap full|random]
                                                [--placement random|stratified] [--numel N]
-                                               [--densities D ...] [--bandwidths GBPS ...]
+                                               [--densities D ...] [--bandwidths GBPS ...] [--ns N ...]
+                                               [--wide-ns [N ...]] [--wide-densities D ...]
 
 prints the table and writes ``omnireduce_vs_density.png``, ``omnireduce_vs_workers.png`` and
 ``omnireduce_<overlap>_<placement>.csv`` under ``DIR`` (default ``experiments/out/reproduce_omnireduce``).
-The 64-worker points take the longest (the event-driven order makes the simulation a conservative
-discrete-event one, one endpoint at a time); ``--quick`` runs n <= 16 at 100 Gb/s only.
+The 256-worker points take the longest (the simulation is a single-threaded discrete-event loop over
+every message: about 2 minutes of CPU each, of a default run's ~13); ``--quick`` runs n <= 16 at
+100 Gb/s only, without wide points.
 
 ``--seed`` draws the non-zero blocks' positions, on which the rounds, the busiest aggregator and so the time
 depend. ``--seeds K`` runs every point for position seeds ``--seed`` .. ``--seed + K - 1``: the CSV has a row
@@ -62,6 +67,14 @@ BLOCK = 256
 CHANNELS = 4              # streams per aggregator, so that up- and downstream overlap
 POSITIONS = 4             # blocks per lane: lanes = blocks per channel / POSITIONS
 LATENCY_US = 2.0
+#: default workers (``--ns``), run at every density
+NS = (2, 4, 8, 16, 32, 64)
+#: default wide points (``--wide-ns``), run at :data:`WIDE_DENSITIES` only: a dedicated call's messages
+#: grow as n^2 (every worker with every aggregator on every channel, each round) and its rounds with the
+#: density, so a 256-worker point at density 1 alone would take longer than the rest of the grid
+WIDE_NS = (128, 256)
+#: the densities of the wide points (``--wide-densities``)
+WIDE_DENSITIES = (0.01,)
 
 
 @dataclass
@@ -158,9 +171,19 @@ def _ring(ctx, numel):
     return t.last_stats
 
 
+def ring_time(n: int, bandwidth_gbps: float, numel: int = NUMEL) -> float:
+    """Ring all-reduce's modelled time (max over workers) of ``numel`` float32 on ``n`` simulated workers.
+    It depends on the size, the network and ``n``, not on the values: :func:`run_grid` runs it once per
+    ``(n, bandwidth)`` and shares it by every density and seed of that pair."""
+    net = sc.Network(bandwidth_gbps=bandwidth_gbps, latency_us=LATENCY_US)
+    return max(s.modelled_time_s for s in sc.launch(lambda ctx: _ring(ctx, numel), n, network=net))
+
+
 def run_point(n: int, density: float, bandwidth_gbps: float, overlap: str = "full", numel: int = NUMEL,
-              ring: bool = True, seed: int = 0, placement: str = "random") -> Point:
-    """One grid point: OmniReduce (dedicated aggregators) and ring on the SimFabric, and the models."""
+              ring: bool | float = True, seed: int = 0, placement: str = "random") -> Point:
+    """One grid point: OmniReduce (dedicated aggregators) and ring on the SimFabric, and the models.
+    ``ring``: ``True`` simulates the ring here (:func:`ring_time`), ``False`` leaves its time NaN, a float is
+    its time already simulated for this ``(n, bandwidth, numel)`` (the ring's time does not depend on the data)."""
     nb = -(-numel // BLOCK)
     ms = masks(n, nb, density, overlap, seed, placement)
     xs = []
@@ -187,9 +210,10 @@ def run_point(n: int, density: float, bandwidth_gbps: float, overlap: str = "ful
     expected = costs.omnireduce_allreduce(n, numel, overlap=overlap,
                                           imbalance=(1.0, 1.0) if placement == "stratified" else None,
                                           **{**common, "density": density, "union_density": None})
-    ring_s = float("nan")
-    if ring and n > 1:
-        ring_s = max(s.modelled_time_s for s in sc.launch(lambda ctx: _ring(ctx, numel), n, network=net))
+    if ring is True:
+        ring_s = ring_time(n, bandwidth_gbps, numel) if n > 1 else float("nan")
+    else:
+        ring_s = float("nan") if ring is False else float(ring)
     ring_form = costs.ring_allreduce(n, numel * 4, bandwidth_gbps=bandwidth_gbps, latency_us=LATENCY_US)
     return Point(n, density, overlap, bandwidth_gbps, du, len(fractions), imb_up, imb_dn,
                  max(s.modelled_time_s for s in stats), closed.time_s, expected.time_s, ring_s,
@@ -198,14 +222,22 @@ def run_point(n: int, density: float, bandwidth_gbps: float, overlap: str = "ful
 
 
 def run_grid(ns, densities, bandwidths, overlap: str, numel: int = NUMEL, log=print,
-             placement: str = "random", progress=None, seeds=(0,)) -> list[Point]:
+             placement: str = "random", progress=None, seeds=(0,), wide_ns=(), wide_densities=()) -> list[Point]:
     """Every (bandwidth, density, n) point for every position seed of ``seeds`` (the seeds of a point one
-    after the other); ``progress`` (e.g. ``Run.progress``) wraps the loop in a bar."""
+    after the other), and the wide points: ``wide_ns`` at the ``wide_densities`` only (each density's
+    workers in increasing order); ``progress`` (e.g. ``Run.progress``) wraps the loop in a bar. The ring
+    runs once per ``(bandwidth, n)``, at that pair's first point, and its time is shared by the others (it
+    does not depend on the data); a point's printed wall time includes the ring's where it ran."""
     points = []
-    grid = [(bw, d, n, sd) for bw in bandwidths for d in densities for n in ns for sd in seeds]
+    rings: dict[tuple[float, int], float] = {}
+    per_density = {d: sorted({*(ns if d in densities else ()), *(wide_ns if d in wide_densities else ())})
+                   for d in dict.fromkeys([*densities, *wide_densities])}
+    grid = [(bw, d, n, sd) for bw in bandwidths for d, dns in per_density.items() for n in dns for sd in seeds]
     for bw, d, n, sd in (progress(grid, desc="points") if progress is not None else grid):
         t0 = time.perf_counter()
-        p = run_point(n, d, bw, overlap, numel, placement=placement, seed=sd)
+        if (bw, n) not in rings:
+            rings[bw, n] = ring_time(n, bw, numel) if n > 1 else float("nan")
+        p = run_point(n, d, bw, overlap, numel, ring=rings[bw, n], placement=placement, seed=sd)
         points.append(p)
         log(f"{bw:>5g} {d:>6g} {n:>3d} | {p.omni_s * 1e6:9.1f} {p.closed_form_s * 1e6:9.1f} "
             f"{100 * p.error:+6.1f}% {p.expected_form_s * 1e6:9.1f} | {p.rounds:2d} "
@@ -246,7 +278,9 @@ HEADER = ("Gbps   dens   n |  omni(us)  form(us)    err  expct(us) |  R  imbD | 
 
 
 def plot(points: list[Point], numel: int = NUMEL) -> dict:
-    """The figures by file stem: time per all-reduce vs block density, and vs workers, per bandwidth."""
+    """The figures by file stem: time per all-reduce vs block density, and vs workers, per bandwidth. A
+    curve needs two points: the workers run at one density only (the wide points) are drawn against the
+    workers, not the density, and a density run at one ``n`` only against neither."""
     plt = U.pyplot()
     figs = {}
     bws = sorted({p.bandwidth_gbps for p in points})
@@ -257,6 +291,8 @@ def plot(points: list[Point], numel: int = NUMEL) -> dict:
         pts = [p for p in points if p.bandwidth_gbps == bw]
         for n in sorted({p.n for p in pts}):
             row = [p for p in pts if p.n == n]
+            if len({p.density for p in row}) < 2:
+                continue
             line = S.draw(ax, _band(row, "density", "omni_s"), marker="o", ls="-",
                           label=f"OmniReduce, n={n} (simulated{mean})")
             S.draw(ax, _band(row, "density", "closed_form_s"), ls="--", color=line.get_color(), alpha=0.6,
@@ -279,11 +315,13 @@ def plot(points: list[Point], numel: int = NUMEL) -> dict:
         pts = [p for p in points if p.bandwidth_gbps == bw]
         for d in sorted({p.density for p in pts}, reverse=True):
             row = [p for p in pts if p.density == d]
+            if len({p.n for p in row}) < 2:
+                continue
             line = S.draw(ax, _band(row, "n", "omni_s"), marker="o", ls="-",
                           label=f"OmniReduce, density {d:g} (simulated{mean})")
             S.draw(ax, _band(row, "n", "closed_form_s"), ls="--", color=line.get_color(), alpha=0.6,
                    label=f"OmniReduce, density {d:g} (closed form{mean})")
-        row = [p for p in pts if p.density == max(p.density for p in pts)]
+        row = list({(p.n, p.seed): p for p in pts}.values())      # the ring: one time per n, whatever the density
         S.draw(ax, _band(row, "n", "ring_s"), ls=":", color="k", label="ring, any density (simulated)")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -314,15 +352,23 @@ def main(argv=None) -> list[Point]:
     ap.add_argument("--numel", type=int, default=NUMEL, help="float32 elements of the tensor")
     ap.add_argument("--densities", type=float, nargs="+", default=[1.0, 0.5, 0.1, 0.01])
     ap.add_argument("--bandwidths", type=float, nargs="+", default=None, help="Gbit/s (default 10 and 100)")
+    ap.add_argument("--ns", type=int, nargs="+", default=None,
+                    help=f"workers, at every density (default {' '.join(map(str, NS))}; quick: 2 4 8 16)")
+    ap.add_argument("--wide-ns", type=int, nargs="*", default=None,
+                    help=f"more workers, at the --wide-densities only (default {' '.join(map(str, WIDE_NS))}; "
+                         "quick: none; give the option alone for none)")
+    ap.add_argument("--wide-densities", type=float, nargs="+", default=list(WIDE_DENSITIES),
+                    help=f"the densities of the --wide-ns points (default {' '.join(map(str, WIDE_DENSITIES))})")
     cli.add_seeds(ap)
     args = ap.parse_args(argv)
     seeds = S.seeds_of(ap, args)
-    ns = [2, 4, 8, 16] if args.quick else [2, 4, 8, 16, 32, 64]
+    ns = args.ns or ([2, 4, 8, 16] if args.quick else list(NS))
+    wide_ns = [] if args.quick and args.wide_ns is None else (WIDE_NS if args.wide_ns is None else args.wide_ns)
     bws = args.bandwidths or ([100.0] if args.quick else [10.0, 100.0])
     densities = args.densities
     R = U.Run("reproduce_omnireduce", args, dict(ns=ns, bandwidths=bws, densities=densities, numel=args.numel,
                                                overlap=args.overlap, placement=args.placement,
-                                               seeds=seeds))
+                                               seeds=seeds, wide_ns=wide_ns, wide_densities=args.wide_densities))
     out = str(R.out)
     print(f"OmniReduce (dedicated aggregators, {CHANNELS} channels, {POSITIONS} blocks per lane) vs ring, "
           f"{args.numel} float32, block {BLOCK}, latency {LATENCY_US} us, overlap={args.overlap}, "
@@ -331,7 +377,7 @@ def main(argv=None) -> list[Point]:
           "their expectations; R: rounds; imbD: busiest aggregator's union load / mean")
     print(HEADER)
     points = run_grid(ns, densities, bws, args.overlap, numel=args.numel, placement=args.placement,
-                      progress=R.progress, seeds=seeds)
+                      progress=R.progress, seeds=seeds, wide_ns=wide_ns, wide_densities=args.wide_densities)
     if len(seeds) > 1:
         print(f"\nover {len(seeds)} position seeds ({seeds[0]}..{seeds[-1]}): mean ± std")
         print(seeds_table(points))
@@ -341,7 +387,7 @@ def main(argv=None) -> list[Point]:
           f"{within}/{len(errs)} points within 15%")
     means = [mean_point(runs) for runs in by_point(points).values()]
     for bw in bws:
-        for d in densities:
+        for d in dict.fromkeys(p.density for p in means):
             row = [p for p in means if p.bandwidth_gbps == bw and p.density == d]
             ts = [p.omni_s for p in row]
             print(f"{bw:g} Gbps, density {d:g}: omni max/min over n = {max(ts) / min(ts):.2f}; ring at n={row[-1].n}: "

@@ -12,8 +12,9 @@ OmniReduce aggregators, one per worker, with the workers' bandwidth):
 
 E1  time vs density (1, 0.5, 0.1, 0.01) and vs workers (2..64, and 256) for ring, switch (dense; past 32
     workers a bitmap of one 32-bit word per 32 workers), omnireduce colocated and dedicated (up to
-    ``--omni-max`` workers, default 64: OmniReduce sends ~5.5 n^2 messages a call, which at 256 workers would
-    take the default run past its time), and sparse-switch, with the closed form
+    ``--omni-max`` workers, default 64, and at every n at ``--omni-wide-densities``, default 0.01:
+    OmniReduce's messages grow as n^2, so its 256-worker points at every density would take the default
+    run past its time), and sparse-switch, with the closed form
     :func:`theory.costs.sparse_switch_allreduce` (with the data's measured union, own blocks and waves
     of the stream; the expectation-only form in the CSV). The ring's and the dense switch's modelled times
     and bytes depend on the tensor's size, not on its values, so each is run once per ``(n, numel, pool)``
@@ -72,8 +73,10 @@ WALL_TIMEOUT_S = 900.0    # the SimFabric's wall-clock guard: 64 simulated endpo
 TRANSPORTS = ("ring", "switch", "omni-colocated", "omni-dedicated", "sparse-switch")
 #: default workers of E1 (``--ns``)
 NS = (2, 4, 8, 16, 32, 64, 256)
-#: OmniReduce's points stop here by default (``--omni-max``)
+#: OmniReduce's points stop here by default (``--omni-max``), but at :data:`OMNI_WIDE_DENSITIES`
 OMNI_MAX = 64
+#: the densities at which OmniReduce runs at every ``n`` of E1 (``--omni-wide-densities``)
+OMNI_WIDE_DENSITIES = (0.01,)
 #: the transports whose modelled time and bytes depend only on the tensor's size: run once per (n, numel, pool)
 SIZE_ONLY = ("ring", "switch")
 _size_only: dict[tuple, tuple[float, float]] = {}
@@ -207,13 +210,16 @@ def _seed_note(p: Point, seeds) -> str:
     return f" seed {p.seed}" if len(seeds) > 1 else ""
 
 
-def e1(ns, densities, numel, overlap, log=print, progress=_plain, seeds=(0,), omni_max: int | None = None) -> list[Point]:
+def e1(ns, densities, numel, overlap, log=print, progress=_plain, seeds=(0,), omni_max: int | None = None,
+       omni_wide=()) -> list[Point]:
+    """E1's points; OmniReduce runs up to ``omni_max`` workers, and at the densities of ``omni_wide`` at
+    every ``n``."""
     log(f"\nE1: {numel * 4 / 2**20:g} MiB float32, block {BLOCK}, pool {POOL}, overlap={overlap}; modelled us")
     log(HEADER)
     points = []
     for d, n, sd in progress([(d, n, sd) for d in densities for n in ns for sd in seeds], desc="E1 points"):
         t0 = time.perf_counter()
-        p = run_point(n, d, numel=numel, overlap=overlap, seed=sd, omni_max=omni_max)
+        p = run_point(n, d, numel=numel, overlap=overlap, seed=sd, omni_max=None if d in omni_wide else omni_max)
         points.append(p)
         log(_row(p) + f"   ({time.perf_counter() - t0:.1f} s)" + _seed_note(p, seeds))
     return points
@@ -448,7 +454,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--ns", type=int, nargs="+", default=None,
                     help=f"workers (default {' '.join(map(str, NS))}; quick: 2 4 8)")
     ap.add_argument("--omni-max", type=int, default=OMNI_MAX,
-                    help=f"E1: OmniReduce's points only up to this many workers (default {OMNI_MAX})")
+                    help=f"E1: OmniReduce's points only up to this many workers (default {OMNI_MAX}), but at "
+                         "--omni-wide-densities")
+    ap.add_argument("--omni-wide-densities", type=float, nargs="*", default=list(OMNI_WIDE_DENSITIES),
+                    help="E1: the densities at which OmniReduce runs at every n, past --omni-max (default "
+                         f"{' '.join(map(str, OMNI_WIDE_DENSITIES))}; give the option alone for none)")
     ap.add_argument("--densities", type=float, nargs="+", default=None, help="default 1 0.5 0.1 0.01")
     ap.add_argument("--skip-extra", action="store_true", help="E1 only")
     ap.add_argument("--netbed", type=float, default=None, metavar="GBPS",
@@ -477,7 +487,8 @@ def main(argv=None) -> dict:
         print(f"total {time.perf_counter() - t0:.0f} s")
         R.finish({"E4": rows})
         return {"E4": rows}
-    points = e1(ns, densities, numel, args.overlap, progress=R.progress, seeds=seeds, omni_max=args.omni_max)
+    points = e1(ns, densities, numel, args.overlap, progress=R.progress, seeds=seeds, omni_max=args.omni_max,
+                omni_wide=args.omni_wide_densities)
     if len(seeds) > 1:
         print(f"\nE1 over {len(seeds)} position seeds ({seeds[0]}..{seeds[-1]}): modelled us, mean ± std")
         print(seeds_table(points))

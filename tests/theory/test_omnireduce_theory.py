@@ -48,3 +48,32 @@ def test_wire_constants_match_the_protocol():
     from sparsecomm.transports.omnireduce import wire
 
     assert costs.OMNIREDUCE_HEADER_BYTES == 8 * wire.HDR
+
+
+def test_grid_runs_the_ring_once_per_workers_and_bandwidth(monkeypatch):
+    """The ring's modelled time depends on the size, not the data: the grid simulates it once per
+    ``(bandwidth, n)`` and every density there carries that time, the same bits as a ring run per point."""
+    import sparsecomm as sc
+
+    launches = []
+    real = sc.launch
+    monkeypatch.setattr(sc, "launch", lambda fn, n, **kw: launches.append(n) or real(fn, n, **kw))
+    pts = R.run_grid([2, 4], [1.0, 0.1, 0.01], [100.0], "full", numel=8192, log=lambda s: None)
+    assert len(launches) == len(pts) + 2                        # an OmniReduce launch per point, 2 rings
+    monkeypatch.setattr(sc, "launch", real)
+    for p in pts:
+        alone = R.run_point(p.n, p.density, p.bandwidth_gbps, "full", 8192)
+        assert (p.ring_s, p.omni_s) == (alone.ring_s, alone.omni_s)
+
+
+def test_wide_workers_run_at_the_wide_densities_only():
+    """``wide_ns`` joins ``ns`` at the wide densities (in increasing n), and nowhere else; a wide point is a
+    point like the others (its closed form and ring with it); the figures draw no one-point curve."""
+    from tests._figures import problems
+
+    pts = R.run_grid([2], [1.0, 0.1], [100.0], "full", numel=8192, log=lambda s: None, wide_ns=[4],
+                     wide_densities=[0.1, 0.01])
+    assert [(p.density, p.n) for p in pts] == [(1.0, 2), (0.1, 2), (0.1, 4), (0.01, 4)]
+    assert all(p.closed_form_s > 0 and p.ring_s > 0 for p in pts)
+    figs = R.plot(pts, 8192)
+    assert {stem: problems(fig) for stem, fig in figs.items()} == {stem: [] for stem in figs}

@@ -63,6 +63,15 @@ def test_closed_form_shape_flat_in_n_and_falling_with_density():
         costs.sparse_switch_allreduce(4, 100, overlap="some")
 
 
+def test_e1_runs_omnireduce_past_omni_max_at_the_wide_densities_only():
+    from experiments import reproduce_sparse_switch as R
+
+    pts = R.e1([2, 3], [1.0, 0.25], 256 * 16, "full", log=lambda s: None, omni_max=2, omni_wide=(0.25,))
+    ran = {(p.density, p.n): p.times_us["omni-dedicated"] == p.times_us["omni-dedicated"] for p in pts}
+    assert ran == {(1.0, 2): True, (1.0, 3): False, (0.25, 2): True, (0.25, 3): True}
+    assert all(p.times_us["omni-colocated"] == p.times_us["omni-colocated"] for p in pts if ran[p.density, p.n])
+
+
 def test_reproduction_smoke():
     from experiments import reproduce_sparse_switch as R
 
