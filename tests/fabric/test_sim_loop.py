@@ -350,3 +350,34 @@ def test_an_error_of_a_role_names_its_endpoint_and_the_role(target):
     assert str(exc) == "broken role"
     _check_blamed(exc, seen, 6, target)
     assert any(n.startswith("(raised by role ") and n.endswith(f".broken of endpoint {target})") for n in exc.__notes__)
+
+
+def _switch_times(ctx) -> list:
+    t = sc.transports.get("switch", ctx.fabric, timeout=2e-5)     # (deadlines that fire during the run too)
+    x = torch.randn(64 * 700, generator=torch.Generator().manual_seed(ctx.rank))
+    y = t.allreduce(x)
+    return [t.last_stats.modelled_time_s, t.last_stats.messages, y]
+
+
+def test_the_heap_drops_the_deadlines_that_messages_ended_and_every_modelled_time_stays(monkeypatch):
+    """Each switch packet's retransmission timer is a receive with a deadline that its result ends, leaving its
+    deadline's heap entry behind (one per packet and worker); the heap drops such stale entries once it holds
+    twice the live ones (past ``HEAP_FLOOR``): the same events in the same order, the same modelled times."""
+    from sparsecomm.fabric.sim import sim_world
+
+    net = sc.Network(bandwidth_gbps=100, latency_us=2, loss=0.03, seed=5)
+    monkeypatch.setattr(sim_world, "HEAP_FLOOR", 1 << 40)        # never compacted
+    kept = sc.launch(_switch_times, 4, backend="sim", network=net)
+    monkeypatch.setattr(sim_world, "HEAP_FLOOR", 8)
+    compactions, compact = [], sim_world.World._compact
+
+    def counted(self):
+        compactions.append(len(self._heap))
+        compact(self)
+
+    monkeypatch.setattr(sim_world.World, "_compact", counted)
+    dropped = sc.launch(_switch_times, 4, backend="sim", network=net)
+    assert len(compactions) >= 10            # (4 workers x ~1000 packets: dozens of passes at a cap of 8)
+    for a, b in zip(kept, dropped):
+        assert a[:2] == b[:2]
+        assert torch.equal(a[2], b[2])

@@ -119,6 +119,18 @@ def _by_endpoint(p: Proc) -> tuple[int, int]:
     return p.ep.id, p.seq
 
 
+#: the world's heap is not compacted below this many entries (:meth:`World._compact`)
+HEAP_FLOOR = 4096
+
+
+def _live(entry) -> bool:
+    """Would :meth:`World._fire` act on this heap entry (its wait is still the one it was pushed for, and an
+    event's time still its event)? Once not, never again: a wait's number only grows, and a wait whose event
+    moves back to an earlier value pushes an entry of it anew (:meth:`World._reevent`, :meth:`World.arrived`)."""
+    t, kind, _, _, no, p = entry
+    return p.wait is not None and no == p.no and (kind == 1 or t == p.event)
+
+
 class World:
     """Shared state of one simulated run: the endpoints, their mailboxes, the network model, and the loop
     (:meth:`run`) over their processes. Not thread-safe: every call comes from the one thread that holds
@@ -146,6 +158,8 @@ class World:
         self.scratch: dict = {}
         self._runq: deque[Proc] = deque()
         self._heap: list = []
+        #: the heap's length past which its stale entries are dropped (:meth:`_compact`)
+        self._heap_cap = HEAP_FLOOR
         self._blocked = 0
         self._seq = 0
 
@@ -432,7 +446,10 @@ class World:
         self._blocked += 1
         if type(req) is RecvWait:
             if req.deadline is not None:
-                heapq.heappush(self._heap, (req.deadline, 1, ep.id, p.seq, p.no, p))
+                heap = self._heap
+                heapq.heappush(heap, (req.deadline, 1, ep.id, p.seq, p.no, p))
+                if len(heap) > self._heap_cap:
+                    self._compact()
             if req.ordered:
                 self._reevent(p, self._candidate(p))
         else:                       # (its event as it is now; arrivals enter lower bounds, :meth:`arrived`)
@@ -442,6 +459,17 @@ class World:
             t = p.event = watch.event()
             if t is not None:
                 heapq.heappush(self._heap, (t, 0, ep.id, p.seq, p.no, p))
+
+    def _compact(self) -> None:
+        """Drop the heap's stale entries (those :meth:`_fire` would skip), and let it grow to twice what is left
+        before the next time. A receive with a deadline that its message ends (a retransmission timer, the
+        common case) leaves its deadline's entry behind, later than the run's events: one per wait, never
+        popped before the run ends, were they kept (a switch job at n = 1024: millions). Every entry's key is
+        distinct and only stale ones go, so the events fire in the same order."""
+        heap = self._heap
+        heap[:] = [e for e in heap if _live(e)]
+        heapq.heapify(heap)
+        self._heap_cap = max(HEAP_FLOOR, 2 * len(heap))
 
     def _reevent(self, p: Proc, t: float | None) -> None:
         if t is not None and t != p.event:

@@ -309,7 +309,7 @@ class SwitchTransport(Transport):
         self.last_fixed = None
         lanes, rows = self._float_lanes(M)
         job = FloatJob(x, out, sums, e_loc, E, lanes, n, job_seed)
-        self._stream(job, lanes, rows, touch=out is not x and self.fabric.modelled_time)
+        self._stream(job, lanes, rows, touch=out is not x and self.fabric.charges_host_work)
         if sums is not None:
             eg_t = torch.from_numpy(job.exponents.astype(np.int32))
             scales = codec.scale_from_exponents(eg_t, n)
@@ -398,7 +398,7 @@ class SwitchTransport(Transport):
         """Stream a job's packets through the pool (:meth:`.lanes.Lanes.run`) on ``lanes`` lanes (default
         ``min(pool_size, chunks)``), ``rows`` packets per message at most (default ``burst``); the job's
         encoder fills them and its decoder takes the results (:mod:`.jobs`); ``touch``: each result's chunk
-        declared as written into a fresh result (``host_work("fresh_touch")``)."""
+        declared as written into a fresh result (``host_work("fresh_touch")``, where it is charged)."""
         lanes = min(self.pool_size, job.M) if lanes is None else lanes
         lane_slots = self.slots.lane_slots(lanes, self.pool_size)
         consume = job.consume

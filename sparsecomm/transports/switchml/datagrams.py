@@ -10,6 +10,8 @@ says so with two requests:
   on SimFabric a flush right after it is a blocking send: the sender's clock advances to the end of its
   transmission, the worker NIC's serialisation). ``hold=None``: nothing of the sender ever waits for it (a
   switch's port, which replies and goes on: its transmission holds back nothing else of the switch).
+  ``hold=SENT``: a blocking send, waited for at once (on SimFabric the sender's clock advances to the end of
+  its transmission, as a ``Flush`` right after it would move it, with no buffer held or send recorded between).
 - :class:`Multicast`: a :class:`Datagram` with ``hold=None`` to each of several endpoints, one request (a
   switch's multicast of a result to every worker of the job: Sapio et al., NSDI'21); on a fabric with
   modelled time one pass (the fabric's ``isend_each``; elsewhere an ``isend`` per destination).
@@ -34,13 +36,16 @@ import torch
 
 from ...fabric.roles import AwaitWithin, Inbox, Outbox, Recv, Spawn, Stage
 
-__all__ = ["Datagram", "Multicast", "RecvBy", "drive"]
+__all__ = ["Datagram", "Multicast", "RecvBy", "SENT", "drive"]
+
+#: :attr:`Datagram.hold` of a blocking send: waited for as it is made (nothing held, nothing recorded)
+SENT = object()
 
 
 class Datagram(NamedTuple):
     """Send ``buf`` to endpoint ``dst`` on ``tag`` as an unreliable datagram (``reliable=False``), held
-    under ``hold`` as :attr:`.roles.Send.hold`; ``hold=None``: never waited for by the sender (module
-    docstring)."""
+    under ``hold`` as :attr:`.roles.Send.hold`; ``hold=None``: never waited for by the sender; ``hold=SENT``:
+    waited for at once, a blocking send (module docstring)."""
 
     buf: torch.Tensor
     dst: int
@@ -111,6 +116,9 @@ def _send(fabric, outbox: Outbox, req: Datagram) -> None:
     (a send nothing waits for is not recorded on a modelled fabric, where waiting for it only moves the
     sender's clock; a real fabric's sends are all waited for by the call's end)."""
     wk = fabric.isend(req.buf, req.dst, req.tag, reliable=False)
+    if req.hold is SENT:
+        wk.wait()
+        return
     if req.hold is None and fabric.modelled_time:
         return
     outbox.pending.append((wk, req.buf, False))

@@ -62,7 +62,7 @@ from ...fabric.roles import Flush, Inbox, Outbox, Pool, PostInto, Step
 from .._handshake import fail_stop
 from .dataplane import (EXP_MIN, F_REJECTED, F_REJECTED_COUNT, F_TYPE, HEADER, T_DATA, T_EMPTY, T_REJECT,
                         T_RESULT, T_RETRANSMIT, T_SHORT, TAG_DOWN, TAG_UP, short_extent, short_frame, short_rows)
-from .datagrams import Datagram, RecvBy, drive
+from .datagrams import SENT, Datagram, RecvBy, drive
 
 #: receives a worker keeps posted from the switch
 INBOX_DEPTH = 16
@@ -157,6 +157,7 @@ class Link:
         self.out: list[torch.Tensor] = []   # send buffers
         self.free: list[int] = []           # free send buffers (taken from the end: last freed first)
         self.busy: deque = deque()          # send buffers in use, oldest first
+        self._spare: tuple[torch.Tensor, np.ndarray] | None = None     # the blocking sends' buffer (:meth:`spare`)
 
     @property
     def key(self):
@@ -177,7 +178,8 @@ class Link:
         ledger; a SimFabric books the message's own bytes); a ``SHORT`` message's header rows (``HEADER``
         words each, :func:`.dataplane.short_frame`; at most a burst of them, else
         :class:`~sparsecomm.errors.ProtocolError`)."""
-        rows = self.inbox.take(self.key).numpy()
+        self.inbox.take(self.key)
+        rows = self._rows[self.i]             # (the buffer of that receive, as an array: :meth:`post`, :meth:`release`)
         if whole or rows[0, F_TYPE] != T_SHORT:
             self.filled = len(rows) if whole else message_rows(fabric, self.switch, rows, unbook)
             return rows[:self.filled]
@@ -219,10 +221,14 @@ class Link:
         self.busy.append(j)
         return j, self.out[j].numpy()
 
-    def flushed(self, j: int) -> None:
-        """Send buffer ``j`` is free again (its send was flushed)."""
-        self.busy.remove(j)
-        self.free.append(j)
+    def spare(self) -> tuple[torch.Tensor, np.ndarray]:
+        """The buffer of blocking sends (:data:`.datagrams.SENT`: each is sent and waited for before the next
+        is built, and a SimFabric's datagram holds a copy of its bytes), ``(tensor, the same as an array)``: one,
+        kept; none of the send ring's."""
+        if self._spare is None:
+            t = torch.zeros((self.burst, self.width), dtype=torch.int32)
+            self._spare = (t, t.numpy())
+        return self._spare
 
     def finish(self) -> None:
         """Wait for every send (a stream's end); every send buffer is free again, the latest freed last."""
@@ -333,8 +339,9 @@ class Lanes:
              info: dict, rows: int | None = None, short_below: int = 0):
         """The stream of :meth:`run` as a role (:mod:`sparsecomm.fabric.roles`, :mod:`.datagrams`): it
         yields its messages to the switch (:class:`~.datagrams.Datagram`, each in a buffer of ``link``;
-        on SimFabric's padded datagrams each is flushed at once, a blocking send: the worker's NIC serialises
-        them; elsewhere up to ``SEND_AHEAD`` lane windows of them are in flight) and, per
+        on SimFabric's padded datagrams each a blocking send (:data:`~.datagrams.SENT`, in the link's one
+        :meth:`~Link.spare` buffer): the worker's NIC serialises them; elsewhere up to ``SEND_AHEAD`` lane
+        windows of them are in flight) and, per
         result message, a wait bounded by the earliest lane's deadline (:class:`~.datagrams.RecvBy`); a
         wait that ends without the message sends the expired lanes again. Counts go to ``info`` (the
         timeout it ends with too, ``final_timeout``)."""
@@ -346,6 +353,7 @@ class Lanes:
         S = K if rows is None or padded else max(1, min(K, int(rows)))     # packets per message sent
         job, rank, n = st.job, fab.rank, fab.world_size
         cap = 1 if padded else SEND_AHEAD * max(1, -(-L // S))
+        spare = link.spare() if padded else None
         lane_pkt = np.arange(L, dtype=np.int64)           # outstanding packet per lane (-1: lane done)
         timer = self.timer
         timed = timer.timeout is not None
@@ -364,27 +372,26 @@ class Lanes:
             for i in range(0, len(rest), S):              # one message of up to S rows per S lanes
                 part = rest[i:i + S]
                 m = len(part)
-                j, msg = yield from link.buffer(cap)
+                if padded:      # (a blocking send: its one buffer, free again once it returns)
+                    buf, msg = spare
+                else:
+                    j, msg = yield from link.buffer(cap)
                 rows = msg[:m]
                 if fresh:
                     _headers(rows, part, lane_pkt, lane_slots, st.parity, rank, job, n, pkt_base)
                     payload(lane_pkt[part], rows)
                     if timed:
-                        lane_rows[part] = rows
+                        _keep(rows, part, lane_rows)        # (lane_rows[part] = rows, one compiled call)
                 else:
                     rows[:] = lane_rows[part]
                 if padded:     # one datagram, sent as a blocking send (the worker NIC's serialisation)
-                    msg[m:] = 0
-                    yield Datagram(link.out[j], sw, TAG_UP, hold=("up", j))
-                    yield Flush(("up", j))
-                    link.flushed(j)
+                    if m < K:
+                        msg[m:] = 0
+                    yield Datagram(buf, sw, TAG_UP, hold=SENT)
                 else:          # as long as its packets, the send asynchronous (its buffer held until sent)
                     yield Datagram(link.out[j][:m], sw, TAG_UP, hold=("up", j))
             if timed:
-                now = fab.now()
-                lane_deadline[lanes] = now + timeout
-                if fresh:
-                    lane_first[lanes] = now
+                _stamp(lanes, fab.now(), timeout, fresh, lane_deadline, lane_first)
             info["packets"] += len(lanes)
 
         def send_short(lanes: np.ndarray, fresh: bool):
@@ -429,14 +436,14 @@ class Lanes:
         while done < P:
             wait = None
             if timed:
-                wait = max(float(lane_deadline[lane_pkt >= 0].min()) - fab.now(), 1e-9)
+                wait = max(_earliest(lane_deadline) - fab.now(), 1e-9)     # (a lane done: inf, _accept)
             yield RecvBy(link.key, _STEP, wait)
             if timed and not link.inbox.ready(link.key):
                 yield from expire()
                 continue
             rows = link.take(fab, padded, unbook=not sim)
             got, ignored, nxt, rej = _accept(rows, lane_pkt, lane_slots, st.parity, job, pkt_base, P, at, pks,
-                                             lanes)
+                                             lanes, lane_deadline)
             if rej >= 0:
                 raise rejected(fab, "switch allreduce", int(rows[rej, F_REJECTED]), int(rows[rej, F_REJECTED_COUNT]))
             if got and rows.shape[1] == HEADER and int(pks[:got].max()) >= short_below:
@@ -452,6 +459,35 @@ class Lanes:
             if nxt:
                 yield from send(lanes[:nxt].copy(), True)
         info["final_timeout"] = timeout
+
+
+@njit(cache=True, nogil=True)
+def _earliest(deadline):  # pragma: no cover - numba
+    """``deadline.min()`` (a float array of at least one element) in one compiled call, without a ufunc
+    reduction's set-up per packet."""
+    t = deadline[0]
+    for i in range(1, deadline.size):
+        if deadline[i] < t:
+            t = deadline[i]
+    return t
+
+
+@njit(cache=True, nogil=True)
+def _keep(rows, lanes, lane_rows):  # pragma: no cover - numba
+    """``lane_rows[lanes] = rows``: the packets just built, kept for their lanes' retransmission."""
+    for i in range(lanes.size):
+        lane_rows[lanes[i]] = rows[i]
+
+
+@njit(cache=True, nogil=True)
+def _stamp(lanes, now, timeout, fresh, lane_deadline, lane_first):  # pragma: no cover - numba
+    """Lanes ``lanes`` were sent at ``now``: each one's deadline is ``now + timeout``; ``fresh`` (a new packet,
+    not a retransmission): ``now`` is also when its packet was first sent."""
+    t = now + timeout
+    for i in range(lanes.size):
+        lane_deadline[lanes[i]] = t
+        if fresh:
+            lane_first[lanes[i]] = now
 
 
 @njit(cache=True, nogil=True)
@@ -471,9 +507,11 @@ def _headers(rows, lanes, lane_pkt, lane_slots, parity, rank, job, n, pkt_base):
 
 
 @njit(cache=True, nogil=True)
-def _accept(rows, lane_pkt, lane_slots, parity, job, pkt_base, P, at, pks, lanes):  # pragma: no cover - numba
+def _accept(rows, lane_pkt, lane_slots, parity, job, pkt_base, P, at, pks, lanes,
+            lane_deadline):  # pragma: no cover - numba
     """Take the results in ``rows`` for packets still outstanding, in row order: row ``at[i]`` answers
-    packet ``pks[i]``; the lane's slot flips its set and the lane moves to its next packet (``-1``: done).
+    packet ``pks[i]``; the lane's slot flips its set and the lane moves to its next packet (``-1``: done, its
+    ``lane_deadline`` then ``inf``: the earliest deadline of the lanes still outstanding is the array's minimum).
     Anything else -- a duplicate, a previous job's result, padding -- is ignored. Returns (results taken,
     results ignored, lanes with a next packet: ``lanes[:that]``, the first row that is the switch's
     rejection notice or -1)."""
@@ -496,7 +534,11 @@ def _accept(rows, lane_pkt, lane_slots, parity, job, pkt_base, P, at, pks, lanes
         pks[got] = pk
         got += 1
         parity[lane_slots[j]] ^= 1
-        lane_pkt[j] = pk + L if pk + L < P else -1
+        if pk + L < P:
+            lane_pkt[j] = pk + L
+        else:
+            lane_pkt[j] = -1
+            lane_deadline[j] = np.inf
     nxt = 0
     for i in range(got):
         j = pks[i] % L

@@ -110,12 +110,20 @@ def switch_role(dp: Dataplane, inbox: Inbox):
     buf = torch.zeros((burst, width), dtype=torch.int32)
     arr = buf.numpy()
     padded = inbox.fabric.message_bytes is None     # the model's datagrams (else as long as their packets)
+    # the paper's datagrams, one packet each: the program's reply rows, kept (a datagram holds a copy of its bytes)
+    one = padded and burst == 1
+    fabric = inbox.fabric
+    charged = fabric.charges_host_work      # (host_work is a no-op elsewhere)
+    mc1, uc1 = np.empty((1, width), dtype=np.int32), np.empty((1, width), dtype=np.int32)
+    new1 = np.empty(1, dtype=np.uint8)
+    mc1t, uc1t = torch.from_numpy(mc1), torch.from_numpy(uc1)
     while True:
         yield PostInto("up", buf, None, TAG_UP)
         work = inbox.work("up")
         yield Recv(("up",), _STEP)
         inbox.take("up")
         src = work.wait()                  # completed by the take: the port the message came on
+        everyone = range(dp.world)
         if not 0 <= src < dp.world:        # only workers talk to the switch
             dp.stats["malformed"] += 1
             continue
@@ -123,26 +131,30 @@ def switch_role(dp: Dataplane, inbox: Inbox):
         if not padded and arr[0, F_TYPE] == T_SHORT:     # header-only packets, as on a real fabric
             yield from _short_replies(dp, inbox.fabric, arr, src, width, burst)
             continue
-        packets = int(np.count_nonzero(arr[:, F_TYPE] != T_EMPTY))     # a burst's padding is no packet
-        if padded and burst == 1:        # (the paper's datagrams, one packet each: its replies as they are)
-            mc, uc = dp.process(arr)
-            mcast, ucast = [mc] if len(mc) else (), [uc] if len(uc) else ()
+        if one:                          # (the paper's datagrams, one packet each: its replies as they are)
+            packets = int(arr[0, F_TYPE] != T_EMPTY)
+            nmc, nuc, _ = dp.execute(arr, mc1, uc1, new1, alias=False)
+            mcast, ucast = (mc1t,) if nmc else (), (uc1t,) if nuc else ()
         elif padded:
-            mcast, ucast = dp.process(arr, burst)
+            packets = int(np.count_nonzero(arr[:, F_TYPE] != T_EMPTY))     # a burst's padding is no packet
+            mcast, ucast = ([torch.from_numpy(m) for m in r] for r in dp.process(arr, burst))
         else:           # messages as long as their packets, both ways (a host model's real fabric defaults)
+            packets = int(np.count_nonzero(arr[:, F_TYPE] != T_EMPTY))
             used = np.flatnonzero(arr[:, F_TYPE])
             mc, uc = dp.process(arr[:int(used[-1]) + 1 if used.size else 0])
             arr[:, F_TYPE] = T_EMPTY     # the next message may be shorter
-            mcast, ucast = (split_messages(r, len(r), burst, pad=False) for r in (mc, uc))
-        inbox.fabric.host_work("switch_message", 1)
-        inbox.fabric.host_work("switch_packet", packets)
+            mcast, ucast = ([torch.from_numpy(m) for m in split_messages(r, len(r), burst, pad=False)]
+                            for r in (mc, uc))
+        if charged:
+            fabric.host_work("switch_message", 1)
+            fabric.host_work("switch_packet", packets)
         if dp.stats["malformed"] > before:     # reported to every worker (the dataplane's docstring)
             notice = torch.from_numpy(rejection(width, burst, src, dp.world, dp.stats["malformed"] - before))
             yield SendEach(notice, tuple(range(dp.world)), TAG_DOWN)
         for msg in mcast:
-            yield Multicast(torch.from_numpy(msg), range(dp.world), TAG_DOWN)
+            yield Multicast(msg, everyone, TAG_DOWN)
         for msg in ucast:
-            yield Datagram(torch.from_numpy(msg), src, TAG_DOWN)
+            yield Datagram(msg, src, TAG_DOWN)
 
 
 def _short_replies(dp: Dataplane, fabric: Fabric, arr: np.ndarray, src: int, width: int, burst: int):

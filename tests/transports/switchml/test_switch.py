@@ -551,8 +551,10 @@ def test_a_worker_takes_each_outstanding_result_once_and_refuses_a_forged_expone
     rows[:, F_TYPE], rows[:, F_JOB], rows[:, F_PKT] = T_RESULT, 7, [2, 2, 0, 5, 1, 3]
     rows[4, F_JOB], rows[5, F_TYPE] = 6, T_EMPTY     # a second copy of 2, 5 not outstanding, another job's
     at, pks, lanes = (np.empty(6, dtype=np.int64) for _ in range(3))
-    got, ignored, nxt, rej = _accept(rows, lane_pkt, lane_slots, parity, 7, 0, P, at, pks, lanes)
+    deadline = np.full(L, 1.0)
+    got, ignored, nxt, rej = _accept(rows, lane_pkt, lane_slots, parity, 7, 0, P, at, pks, lanes, deadline)
     assert (got, ignored, nxt, rej) == (2, 3, 1, -1)
+    assert deadline.tolist() == [1.0, 1.0, np.inf, 1.0]       # the lane done: no deadline of its own left
     assert at[:2].tolist() == [0, 2] and pks[:2].tolist() == [2, 0] and lanes[:1].tolist() == [0]
     assert lane_pkt.tolist() == [4, 1, -1, 3] and parity.tolist() == [0, 1, 0, 1, 0, 0, 0, 0]
 
