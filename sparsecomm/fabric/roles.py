@@ -635,6 +635,8 @@ class _Scheduler:
                                     # them; else the role's live dict view, which still holds that key until the
                                     # role deletes it) and how many keys the next wait must have
         self.touched = False        # a key of the kept watch changed since it was kept (:meth:`changed`)
+        self.nest = 1               # 0 while the role being advanced was resumed by :meth:`run`'s loop itself (not
+                                    # started by it, nor spawned or polled by another role): :meth:`_first_sure`
 
     def run(self, roles: list, keep: int) -> Generator:
         """Run ``roles`` (:func:`schedule`). The only role (none spawned), after its first wait, waits in
@@ -693,6 +695,7 @@ class _Scheduler:
                             req = None
                             break
             waiting, order, ws = self.waiting, self.order, self.waitset
+            self.nest = 0               # (a role resumed below is advanced by this loop: :meth:`_first_sure`)
             while waiting:              # resume the waiting roles by the rules until none waits
                 if not order:
                     raise ProtocolError(f"endpoint {self.fabric.rank}: no role of this call can run (a bug)")
@@ -791,6 +794,10 @@ class _Scheduler:
                             if req.any:
                                 value = self._woken(req, got)
                                 break
+                        elif not self.nest and (req.stage.sure or not self.order) and self._first_sure(role, req):
+                            # (what the resume loop would do next: resume this role at once, its takes blocking;
+                            # without a watch, a sequence number, the wait set's record or a resume)
+                            yield WaitAll(req.keys)
                         else:
                             self.wait(role, req)
                             return
@@ -798,16 +805,20 @@ class _Scheduler:
                         if self.solo:
                             inbox.observe(self.changed, self.watchers)
                         self.solo = None    # (two roles: every wait is watched from now on; none is suspended yet)
+                        self.nest += 1
                         yield from self.advance(req.role)
+                        self.nest -= 1
                     elif t is Flush:
                         outbox.pool.settle(req.hold)
                     elif t is Poll:
                         if not self.polling:
                             self.polling = True
+                            self.nest += 1
                             try:
                                 yield from self.poll(req.below)
                             finally:
                                 self.polling = False
+                                self.nest -= 1
                     elif t is RecvWithin or t is AwaitWithin:
                         value = yield req   # the driver's wait, this endpoint's alone (no other role runs meanwhile)
                         if value is not None:
@@ -823,6 +834,34 @@ class _Scheduler:
                 if step is None:        # (raised by the role's own code)
                     _name_role(exc, role, self.fabric.rank)
                 raise
+
+    def _first_sure(self, role, req: Recv) -> bool:
+        """Would :meth:`run`'s loop, right after ``role`` suspended on ``req`` (its stage sure, or no other role
+        able to run), resume it at once to block in its takes (rule R3: the only role able to run, or the
+        preferred one with a sure wait)? Asked only for a role that loop resumed (:attr:`nest` 0: the loop is the
+        next to act once the role waits): yes when ``req`` is a plain wait (not ``any``, no ``gone``, no ``free``)
+        on keys all posted or handed over (R1), and no role is able to run or its stage is sure and smaller than
+        every able role's (a new wait comes after those of an equal stage). The role then waits in place, as the
+        only role does (:attr:`solo`): the same ``WaitAll`` at the same moment, after the reap the loop would make
+        first (its stage reaps and no able role's stays), and the same takes (while it blocks, nothing of this
+        endpoint changes its inbox: no other role becomes able meanwhile); nothing is watched, numbered or
+        recorded for a wait that no other role can come before (an aggregator's first look-aheads, worker after
+        worker; a worker's verdict while its other roles lack messages: ``docs/omnireduce-scheduler.md``, R3 and
+        R4). A watch this role kept (:attr:`kept`) is dropped, as :meth:`wait` drops it for such a wait."""
+        if req.any or req.gone or req.free is not None:
+            return False
+        order, stage = self.order, req.stage
+        if order and not stage < order[0][0]:      # (order non-empty: the caller saw the stage sure)
+            return False
+        box = self.inbox.box
+        for k in req.keys:
+            if k not in box:
+                return False
+        if self.kept is not None and self.kept[1] is role:
+            self._drop_kept()
+        if stage.reaps and not self.stays:      # (the loop's reap before its choice: every able role reaps)
+            self.outbox.reap(self.keep)
+        return True
 
     def _check_solo(self, req: Recv) -> None:
         """The only role waits on ``req``: able to run (rule R1; else a bug), after the reap its stage asks for."""

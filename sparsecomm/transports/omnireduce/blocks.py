@@ -88,6 +88,11 @@ class _Blocks:
         block; None where they are not, or where the source has no such view."""
         return None
 
+    def run_bytes(self, ids: np.ndarray, to_end: bool) -> torch.Tensor | None:
+        """The bytes of :meth:`view` (``to_end``: of :meth:`run_to_end`) as one ``uint8`` view of the tensor, where
+        those are whole 4-byte words (a message of them as it lies); None where there is no such view."""
+        return None
+
 
 class DenseSource(_Blocks):
     """Blocks of a flat tensor. ``threshold > 0`` (OmniReduce's optional threshold) treats blocks with
@@ -113,6 +118,7 @@ class DenseSource(_Blocks):
             self.mask = codec.nonzero_blocks(flat, block_size, threshold)   # floats, or integer codes
         self.lazy = lazy
         self.rows = flat[: self.full * block_size].view(self.full, block_size)
+        self._flat_bytes = None     # (the tensor's bytes, viewed by the first :meth:`run_bytes`)
         self._tail_block = None
         if self.tail:
             self._tail_block = torch.zeros(block_size, dtype=flat.dtype, device=flat.device)
@@ -169,6 +175,21 @@ class DenseSource(_Blocks):
         if run is None or self._tail_block is None or run[1] != self.nb:
             return None
         return self.flat[run[0] * self.block_size:]
+
+    def run_bytes(self, ids: np.ndarray, to_end: bool) -> torch.Tensor | None:
+        """:meth:`_Blocks.run_bytes`: a slice of the tensor's bytes, viewed once per source (one view per message,
+        not a view, a reshape and a byte view of it)."""
+        run = block_run(ids)
+        if run is None or (run[1] > self.full if not to_end else self._tail_block is None or run[1] != self.nb):
+            return None
+        width = self.block_size * self.dtype.itemsize
+        lo, hi = run[0] * width, (run[1] * width if not to_end else self.numel * self.dtype.itemsize)
+        if (hi - lo) % 4:
+            return None
+        flat = self._flat_bytes
+        if flat is None:
+            flat = self._flat_bytes = self.flat.view(torch.uint8)
+        return flat[lo:hi]
 
     def gather(self, ids: np.ndarray, out: torch.Tensor) -> int:
         """``out[i] = block ids[i]`` (global block ids); returns how many blocks were moved by their index
@@ -241,6 +262,16 @@ class BlockSink:
         self.full = self.numel // block_size
         self.rows = out[: self.full * block_size].view(self.full, block_size)
         self.tail = self.numel % block_size
+        self._bytes = None      # (the result's bytes, viewed by the first :meth:`range_bytes`)
+
+    def range_bytes(self, lo: int, hi: int) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of the result as a ``uint8`` view (a receive straight into it): a slice of its
+        bytes, viewed once (one view per receive, not a slice and a byte view of it)."""
+        b = self._bytes
+        if b is None:
+            b = self._bytes = self.out.view(torch.uint8)
+        size = self.out.dtype.itemsize
+        return b[lo * size: hi * size]
 
     def write(self, ids: np.ndarray, data: torch.Tensor) -> int:
         """``block ids[i] = data[i]`` (``data``: one row per block, or, where ``ids`` is a run ending with the

@@ -53,14 +53,13 @@ def send_up(call, key: Buf, a: int, c, local_key: Key):
     short = 0
     if not meta:               # a run of whole blocks, or every block unpadded, is the message itself:
         short = wire.short_end(c.ch, source.numel, source.block_size) if b.size == c.ch.size else 0
-        if a != call.own:      # sent without a copy, and ``stable`` (:meth:`.base.Fabric.isend`): a view of the
-            # source, which the call writes (in place) only where the sums of ``a``'s range land, after ``a`` has
-            # taken every worker's blocks of this one-round channel (its reply is their sum), and the caller only
-            # once the call has returned; so a fabric that copies a send keeps a reference instead
-            v = source.view(ids) if not short else source.run_to_end(ids)
-            if v is not None and v.numel() * v.element_size() % 4 == 0:
-                yield Send.new((v.reshape(-1).view(torch.uint8), call.aggregators[a], _TAG_UP + c.ch.slot, None,
-                                call.defer[a], True))
+        if a != call.own:      # sent without a copy, and ``stable`` (:meth:`.base.Fabric.isend`): the source's bytes,
+            # which the call writes (in place) only where the sums of ``a``'s range land, after ``a`` has taken every
+            # worker's blocks of this one-round channel (its reply is their sum), and the caller only once the call
+            # has returned; so a fabric that copies a send keeps a reference instead
+            v = source.run_bytes(ids, short != 0)
+            if v is not None:
+                yield Send.new((v, call.aggregators[a], _TAG_UP + c.ch.slot, None, call.defer[a], True))
                 return
     buf, data, tail = wire.message(call.outbox.pool, key, b.size, call.spec.block_size, call.spec.up, meta=meta)
     call.fabric.host_work("index", source.gather(ids, data))
@@ -239,9 +238,10 @@ def take_reply0_single(call, a: int, ch: wire.Channel) -> None:
         words = call.inbox.take(Key.new((Msg.WORDS, a, ch.slot))).numpy()
     elif k < ch.size:           # (wire.fused0, inline)
         msg = call.inbox.take(Key.new((Msg.WORDS, a, ch.slot)))
-        if k:
-            data, tail = wire.split(msg, k, bs, call.down, ch.words_ints, meta=False)
-            words = tail.view(torch.uint8).numpy()[:ch.meta_bytes]
+        if k:                   # (the words read where the tail starts, :func:`.wire.split`: numpy's slice)
+            data, _ = wire.split(msg, k, bs, call.down, ch.words_ints, meta=False)
+            lo = -(-k * bs * call.down.itemsize // 4) * 4
+            words = msg.numpy()[lo:lo + ch.meta_bytes]
         else:   # no sums: the words are the message's tail, at its start (:func:`.wire.split` of 0 blocks)
             words = msg.numpy()[:ch.meta_bytes]
     else:   # every block summed: one block per lane, nothing follows
@@ -276,7 +276,7 @@ def post_sums0(call, a: int, ch: wire.Channel, k: int) -> Post | PostInto | None
     nbytes = wire.block_bytes(k, bs, down.itemsize, meta=False, short=short)
     if k == ch.size and call.result.dtype == down and nbytes == (k * bs - short) * down.itemsize:
         call.into_sink.add((a, ch.slot))
-        return PostInto(Key(Msg.SUMS0, a, ch.slot), sink.out[ch.lo * bs: (ch.lo + k) * bs - short].view(torch.uint8),
+        return PostInto(Key(Msg.SUMS0, a, ch.slot), sink.range_bytes(ch.lo * bs, (ch.lo + k) * bs - short),
                         call.aggregators[a], tag)
     if k:
         return Post(Key(Msg.SUMS0, a, ch.slot), nbytes, call.aggregators[a], tag)

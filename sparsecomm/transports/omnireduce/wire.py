@@ -272,18 +272,25 @@ def block_bytes(k: int, block_size: int, itemsize: int, extra: int = 0, meta: bo
     return -(-((k * block_size - short) * itemsize) // 4) * 4 + 4 * ((k if meta else 0) + extra)  # (pad4, inline)
 
 
+#: the tail of a message of blocks alone (no look-aheads, no extra words): empty, one tensor shared by every such
+#: message (:func:`split` makes no view for it; nothing can be written into it)
+NO_TAIL = torch.empty(0, dtype=torch.int32)
+
+
 def split(buf: torch.Tensor, k: int, block_size: int, dtype: torch.dtype, extra: int = 0,
           meta: bool = True, short: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Views of a block message: ``(k, block_size)`` blocks and the ``int32`` tail (look-aheads, extra);
-    ``short`` (:func:`short_end`, a message of blocks alone): the blocks as one flat run of
-    ``k * block_size - short`` elements."""
+    """Views of a block message: ``(k, block_size)`` blocks and the ``int32`` tail (look-aheads, extra;
+    :data:`NO_TAIL` where it has neither); ``short`` (:func:`short_end`, a message of blocks alone): the blocks
+    as one flat run of ``k * block_size - short`` elements."""
     if short:
-        return buf[:(k * block_size - short) * dtype.itemsize].view(dtype), buf[:0].view(torch.int32)
+        return buf[:(k * block_size - short) * dtype.itemsize].view(dtype), NO_TAIL
     nd = k * block_size * dtype.itemsize
     data = buf[:nd].view(dtype).view(k, block_size)
+    ints = (k if meta else 0) + extra
+    if not ints:                    # (blocks alone: no view of an empty tail made, per message)
+        return data, NO_TAIL
     lo = -(-nd // 4) * 4            # (pad4, inline: once per message)
-    tail = buf[lo:lo + 4 * ((k if meta else 0) + extra)].view(torch.int32)
-    return data, tail
+    return data, buf[lo:lo + 4 * ints].view(torch.int32)
 
 
 def message(pool, role, k: int, block_size: int, dtype: torch.dtype, extra: int = 0, meta: bool = True):

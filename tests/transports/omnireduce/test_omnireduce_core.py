@@ -147,12 +147,24 @@ def _sums(ctx, deployment):
 def test_a_role_takes_only_messages_its_wait_named(monkeypatch, deployment):
     """Every message a role takes was named in the ``Recv`` it was resumed from, so the scheduler never
     blocks on a message (e.g. round 0's sums, large) that it did not choose to wait for while another
-    role's messages are in (a hosted aggregator's data waiting behind its worker's take)."""
+    role's messages are in (a hosted aggregator's data waiting behind its worker's take). A role that the
+    scheduler lets wait in place (``_Scheduler._first_sure``: it would be resumed at once) goes on from its new
+    ``Recv``, which it may take from."""
     from sparsecomm.fabric import roles
     from sparsecomm.fabric.sim.sim import SimFabric
 
     stacks, bad = {}, []        # per endpoint's inbox: the keys of the roles being resumed, innermost last
     resume, take, run = roles._Scheduler.resume, roles.Inbox.take, roles._Scheduler.run
+    first_sure = roles._Scheduler._first_sure
+    in_place = []               # the waits in place seen (the test covers them)
+
+    def spy_first_sure(self, role, req):
+        ok = first_sure(self, role, req)
+        stack = stacks.get(id(self.inbox))
+        if ok and stack:        # (resumed by the loop: the role goes on from this wait)
+            stack[-1] = set(req.keys)
+            in_place.append(req.keys)
+        return ok
     scheds = {}                 # per inbox: the scheduler of its latest drive
     alone = set()               # the inboxes of drives whose only role the SimFabric's driver runs (in place)
     drive_one = SimFabric._drive_one
@@ -188,11 +200,36 @@ def test_a_role_takes_only_messages_its_wait_named(monkeypatch, deployment):
     monkeypatch.setattr(roles._Scheduler, "run", spy_run)
     monkeypatch.setattr(SimFabric, "_drive_one", spy_drive_one)
     monkeypatch.setattr(roles._Scheduler, "resume", spy_resume)
+    monkeypatch.setattr(roles._Scheduler, "_first_sure", spy_first_sure)
     monkeypatch.setattr(roles.Inbox, "take", spy_take)
     out = sc.launch(functools.partial(_sums, deployment=deployment), 3,
                     network=sc.Network(bandwidth_gbps=100, latency_us=2))
     assert out == [[True] * 3] * 3
     assert bad == []
+    assert in_place                 # (the aggregators' first look-aheads, worker after worker)
+
+
+def test_first_look_ahead_waits_are_in_place_and_change_nothing(monkeypatch):
+    """An aggregator's waits on the first look-aheads (sure, preferred over every other role of the endpoint,
+    resumed by the scheduler's loop) wait in place (``_Scheduler._first_sure``): none is suspended through
+    ``_Scheduler.wait`` (no watch, no sequence number, no resume), and the sums are exact (the modelled times:
+    tests/fabric/test_sim_pinned.py)."""
+    from sparsecomm.fabric import roles
+    from sparsecomm.transports.omnireduce.stages import Phase
+
+    suspended = []
+    wait = roles._Scheduler.wait
+
+    def spy_wait(self, role, req):
+        if getattr(req.stage, "phase", None) == Phase.FIRSTS:
+            suspended.append(req.keys)
+        return wait(self, role, req)
+
+    monkeypatch.setattr(roles._Scheduler, "wait", spy_wait)
+    out = sc.launch(functools.partial(_sums, deployment="colocated"), 4,
+                    network=sc.Network(bandwidth_gbps=100, latency_us=2))
+    assert out == [[True] * 3] * 4
+    assert suspended == []
 
 
 def _late_own_range(ctx, record):
