@@ -19,8 +19,10 @@ library's defaults; 1% of the blocks non-zero, the same on every worker, or all 
 ``sparse-switch-1%`` (a bitmap as wide as the job, at most
 :data:`~sparsecomm.transports.switchml.sparse.dataplane.MAX_WORKERS`). A point beyond a
 transport's worker limit is printed as ``n/a``; a point whose wall time, projected from the
-transport's previous point as ``wall * (n / n_prev)^3`` (messages grow as n^2, and an endpoint's
-scheduler works per message over its n peers), exceeds ``--max-wall`` seconds (default 600) is skipped.
+transport's previous point as ``wall * (n / n_prev)^g``, exceeds ``--max-wall`` seconds (default 600) is
+skipped: ``g = 3`` for the ring and OmniReduce (messages grow as n^2, and an endpoint's scheduler works per
+message over its n peers), ``g = 2`` for the switches (a worker's packets do not grow with n: messages grow
+as n, and the switch's work per message over its n workers at most as n).
 ``--no-ring`` leaves the ring out (it runs first at every ``n`` otherwise, for the ratio column);
 ``--shared-input`` gives every worker the same input tensor rather than a copy each.
 """
@@ -40,13 +42,13 @@ from sparsecomm.transports.switchml.sparse.dataplane import MAX_WORKERS as SPARS
 
 from .transports import block_sparse
 
-#: name -> (transport, options, block density, most workers)
+#: name -> (transport, options, block density, most workers, g: wall time projected to grow as n^g)
 TRANSPORTS = {
-    "ring": ("ring", {}, 1.0, None),
-    "omni-1%": ("omnireduce", {"block_size": 256}, 0.01, None),
-    "omni-dense": ("omnireduce", {"block_size": 256}, 1.0, None),
-    "switch": ("switch", {}, 1.0, SWITCH_MAX),
-    "sparse-switch-1%": ("sparse-switch", {}, 0.01, SPARSE_MAX),
+    "ring": ("ring", {}, 1.0, None, 3),
+    "omni-1%": ("omnireduce", {"block_size": 256}, 0.01, None, 3),
+    "omni-dense": ("omnireduce", {"block_size": 256}, 1.0, None, 3),
+    "switch": ("switch", {}, 1.0, SWITCH_MAX, 2),
+    "sparse-switch-1%": ("sparse-switch", {}, 0.01, SPARSE_MAX, 2),
 }
 
 
@@ -60,7 +62,7 @@ def measure(label: str, n: int, numel: int, gbps: float = 100.0, shared: bool = 
     """``(wall seconds, simulated messages, modelled seconds)`` of one all-reduce of transport ``label``
     on ``n`` simulated workers; ``shared``: every worker passes the same input tensor (no copy per worker;
     only for a transport that does not write its input)."""
-    name, kw, density, _ = TRANSPORTS[label]
+    name, kw, density, _, _ = TRANSPORTS[label]
     x = block_sparse(numel, density, 256, seed=1)    # the same blocks on every worker
     net = sc.Network(bandwidth_gbps=gbps, latency_us=2.0, timeout_s=3600.0)
     t0 = time.perf_counter()
@@ -102,12 +104,12 @@ def main(argv: list[str] | None = None) -> None:
     for n in sorted(a.workers):
         ring_per = None
         for label in labels:
-            limit = TRANSPORTS[label][3]
+            limit, grows = TRANSPORTS[label][3:]
             if limit is not None and n > limit:
                 print(f"{label:>17} {n:>4} | {'n/a':>8}   (at most {limit} workers)", flush=True)
                 continue
-            if label in last and last[label][1] * (n / last[label][0]) ** 3 > a.max_wall:
-                est = last[label][1] * (n / last[label][0]) ** 3
+            if label in last and last[label][1] * (n / last[label][0]) ** grows > a.max_wall:
+                est = last[label][1] * (n / last[label][0]) ** grows
                 print(f"{label:>17} {n:>4} | {'skipped':>8}   (projected {est:.0f} s > --max-wall)", flush=True)
                 continue
             wall, msgs, modelled = measure(label, n, a.numel, shared=a.shared_input)
