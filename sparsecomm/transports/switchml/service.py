@@ -117,13 +117,13 @@ def switch_role(dp: Dataplane, inbox: Inbox):
     mc1, uc1 = np.empty((1, width), dtype=np.int32), np.empty((1, width), dtype=np.int32)
     new1 = np.empty(1, dtype=np.uint8)
     mc1t, uc1t = torch.from_numpy(mc1), torch.from_numpy(uc1)
+    everyone = range(dp.world)
     while True:
         yield PostInto("up", buf, None, TAG_UP)
         work = inbox.work("up")
         yield Recv(("up",), _STEP)
         inbox.take("up")
         src = work.wait()                  # completed by the take: the port the message came on
-        everyone = range(dp.world)
         if not 0 <= src < dp.world:        # only workers talk to the switch
             dp.stats["malformed"] += 1
             continue
