@@ -208,12 +208,9 @@ class Fabric(ABC):
             reliable: as for :meth:`isend`, for every send (a switch's multicast of a result is datagrams).
             stable: as for :meth:`isend`, for every send.
         """
-        if stable:
-            for dst in dsts:
-                works.append(self.isend(tensor, dst, tag, reliable=reliable, stable=True))
-            return works
+        promise = {"stable": True} if stable else {}     # (an ``isend`` of before the flag is called as it was)
         for dst in dsts:
-            works.append(self.isend(tensor, dst, tag, reliable=reliable))
+            works.append(self.isend(tensor, dst, tag, reliable=reliable, **promise))
         return works
 
     @abstractmethod

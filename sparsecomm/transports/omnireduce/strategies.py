@@ -238,9 +238,9 @@ def take_reply0_single(call, a: int, ch: wire.Channel) -> None:
         words = call.inbox.take(Key.new((Msg.WORDS, a, ch.slot))).numpy()
     elif k < ch.size:           # (wire.fused0, inline)
         msg = call.inbox.take(Key.new((Msg.WORDS, a, ch.slot)))
-        if k:                   # (the words read where the tail starts, :func:`.wire.split`: numpy's slice)
+        if k:                   # (the words read where the blocks end, :func:`.wire.block_bytes`: numpy's slice)
             data, _ = wire.split(msg, k, bs, call.down, ch.words_ints, meta=False)
-            lo = -(-k * bs * call.down.itemsize // 4) * 4
+            lo = wire.block_bytes(k, bs, call.down.itemsize, meta=False)
             words = msg.numpy()[lo:lo + ch.meta_bytes]
         else:   # no sums: the words are the message's tail, at its start (:func:`.wire.split` of 0 blocks)
             words = msg.numpy()[:ch.meta_bytes]
