@@ -123,7 +123,8 @@ def _measure(ctx, numel: int, repeats: int) -> tuple[float, dict[str, list[tuple
 
 def measured(workers: int, size_mb: float, gbps: float, repeats: int = 3) -> dict[str, float]:
     """On a netbed: per transport, the median over calls of the time from the last rank's start to the last
-    rank's end (and, as ``<name>_skew``, the median spread of the ranks' starts); ``latency_s``: the
+    rank's end (as ``<name>_best``, the least: load from other processes can only slow a call down, never
+    speed it past the link; as ``<name>_skew``, the median spread of the ranks' starts); ``latency_s``: the
     fabric's one-way latency of a small message (:func:`~sparsecomm.netbed.probe.fabric_latency_s`)."""
     numel = int(size_mb * 1e6) // 4
     per_rank = sc.launch(functools.partial(_measure, numel=numel, repeats=repeats), workers, backend="netbed",
@@ -131,7 +132,8 @@ def measured(workers: int, size_mb: float, gbps: float, repeats: int = 3) -> dic
     out = {"latency_s": per_rank[0][0]}
     for k in per_rank[0][1]:
         calls = [[r[1][k][i] for r in per_rank] for i in range(repeats)]
-        out[k] = statistics.median(max(e for _, e in c) - max(s for s, _ in c) for c in calls)
+        spans = [max(e for _, e in c) - max(s for s, _ in c) for c in calls]
+        out[k], out[k + "_best"] = statistics.median(spans), min(spans)
         out[k + "_skew"] = statistics.median(max(s for s, _ in c) - min(s for s, _ in c) for c in calls)
     return out
 

@@ -3,6 +3,11 @@ bandwidth-optimal all-reduce at the netbed's link rate (with TCP/Ethernet framin
 of a small message measured over the same fabric in the same launch) against the measured time of
 ``native`` (gloo's all-reduce) and ``ring`` (from the last rank's start to the last rank's end).
 
+Each check takes the best of its calls (as ``test_netbed.py``'s rate check does): on this kind of machine
+a call at 10 MB and 100 Mbit/s, modelled 0.84 s, takes 0.85-1.3 s, the scatter one-sided (the shaper's timers
+and the processes wait on a shared, loaded CPU; no call beats the link), so a median of 3 fell below 0.8x of
+the model in a slow minute where the best of 5 did not.
+
 The default run checks one small point (2 workers, 10 MB, 100 Mbit/s: about a second per call); the
 slow run covers n = 2 and 4, 10 and 100 MB at 100 Mbit/s, where the hosts' CPUs (2 cores, shared) are
 not the limit (``experiments/bench/netbed_vs_sim.py`` prints the same table; BENCHMARKS.md records it).
@@ -42,10 +47,10 @@ GRID = [(n, mb) for n in (2, 4) for mb in (10, 100)]
 def test_sim_models_native_and_ring_allreduce_on_a_real_link():
     """Two workers: the library's ring exchanges both ways on one pair, the case that ran at up to half
     the link rate before TorchFabric's two-way channels (BENCHMARKS "Crossing exchanges on one gloo pair")."""
-    real = measured(2, 10, 0.1, repeats=3)
+    real = measured(2, 10, 0.1, repeats=5)
     sim = modelled(2, 10, 0.1, latency_us=real["latency_s"] * 1e6)
-    assert 0.8 <= sim / real["native"] <= 1.2, (sim, real)
-    assert 0.8 <= sim / real["ring"] <= 1.2, (sim, real)
+    assert 0.8 <= sim / real["native_best"] <= 1.2, (sim, real)
+    assert 0.8 <= sim / real["ring_best"] <= 1.2, (sim, real)
 
 
 @NETBED[0]
@@ -54,9 +59,9 @@ def test_sim_models_native_and_ring_allreduce_on_a_real_link():
 @timing
 @pytest.mark.parametrize("workers,size_mb", GRID)
 def test_sim_within_20_percent_of_native_on_the_netbed(workers, size_mb):
-    real = measured(workers, size_mb, 0.1, repeats=2)
+    real = measured(workers, size_mb, 0.1, repeats=3)
     sim = modelled(workers, size_mb, 0.1, latency_us=real["latency_s"] * 1e6)
-    assert 0.8 <= sim / real["native"] <= 1.2, (sim, real)
+    assert 0.8 <= sim / real["native_best"] <= 1.2, (sim, real)
 
 
 @NETBED[0]
@@ -68,9 +73,9 @@ def test_sim_within_20_percent_of_native_on_the_netbed(workers, size_mb):
 def test_sim_within_20_percent_of_ring_on_the_netbed(workers, size_mb, gbps):
     """100 MB at 100 Mbit/s took 1.09-1.33x the model before the netbed capped a send burst to 0.5 ms of
     link time (sparsecomm/netbed/topology.py)."""
-    real = measured(workers, size_mb, gbps, repeats=2)
+    real = measured(workers, size_mb, gbps, repeats=3)
     sim = modelled(workers, size_mb, gbps, latency_us=real["latency_s"] * 1e6)
-    assert 0.8 <= sim / real["ring"] <= 1.2, (sim, real)
+    assert 0.8 <= sim / real["ring_best"] <= 1.2, (sim, real)
 
 
 # ------------------------------------------------------------------ every transport with the calibrated host
