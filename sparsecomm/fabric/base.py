@@ -15,6 +15,13 @@ Semantics every implementation keeps (they are what lets one protocol run on :cl
   raises :class:`~sparsecomm.errors.MismatchError`. ``src=None`` receives from any source. It
   returns the source endpoint id.
 - Messages between one (src, dst, tag) are delivered in the order they were sent.
+- *Express tags* (:func:`express`, a range of tags): a protocol's small control messages whose delay holds
+  up the peer (a verdict it must have before it posts the receives of the data), which it does not want
+  queued behind the bulk data it is sending the same peer. A fabric may carry them on a path of their own,
+  keeping the order per (src, dst, tag): ``TorchFabric`` with two-way channels, between workers, on the pair's
+  connection whose direction carries no data; the SimFabric models them as any other message (one NIC
+  queue per endpoint). An express receive names its source (``src=None`` raises
+  :class:`~sparsecomm.errors.IncompatibleError`).
 - ``reliable=False`` on a send marks a datagram channel: the network model may drop it (loss), and
   the receiver then relies on ``timeout=`` (modelled seconds on SimFabric, wall seconds on real
   fabrics) to notice. Reliable sends are never dropped.
@@ -72,12 +79,34 @@ from typing import Callable, ContextManager, Generator, Iterable, Sequence
 
 import torch
 
-from ..errors import InvalidValueError
+from ..errors import IncompatibleError, InvalidValueError
 from . import roles as _roles
 from .stats import CommStats
 
 #: a real fabric's ``message_bytes`` (module docstring, "Capabilities")
 MESSAGE_BYTES = 1 << 20
+
+#: the express tags (module docstring): ``EXPRESS_BASE + t`` for ``0 <= t < EXPRESS_SPAN`` (:func:`express`)
+EXPRESS_BASE, EXPRESS_SPAN = 0x40000000, 1 << 24
+
+
+def express(tag: int) -> int:
+    """The express tag of a protocol's tag ``tag`` (``0 <= tag < EXPRESS_SPAN``): its small control messages
+    that a fabric may carry apart from the bulk data to the same peer (module docstring)."""
+    if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag < EXPRESS_SPAN:
+        raise InvalidValueError(f"express: a protocol's tag in [0, {EXPRESS_SPAN:#x}), got {tag!r}")
+    return EXPRESS_BASE + tag
+
+
+def is_express(tag: int) -> bool:
+    """Is ``tag`` an express tag (:func:`express`)?"""
+    return EXPRESS_BASE <= tag < EXPRESS_BASE + EXPRESS_SPAN
+
+
+def refuse_express_any_source(tag: int) -> None:
+    """The error of a receive from any source on an express tag (module docstring: it names its source)."""
+    raise IncompatibleError(f"a receive on express tag {tag:#x} must name its source (src=None: a fabric may carry "
+                            f"express messages on paths of their own, per source)")
 
 
 class Work(ABC):

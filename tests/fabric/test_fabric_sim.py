@@ -491,3 +491,35 @@ def test_a_stable_send_is_the_senders_tensor_until_taken_and_another_send_a_copy
 
     _, got = sc.launch(fn, 2, network=GBPS8)
     assert got == ([2.0], [1.0])
+
+
+def test_express_tags_are_modelled_as_any_message_and_their_receives_name_the_source():
+    """An express tag (:func:`sparsecomm.fabric.base.express`) on the SimFabric: the same modelled time as the plain
+    tag (one NIC queue per endpoint: the small message leaves after the megabyte before it), and a receive from any
+    source on one is refused, on every fabric alike (TorchFabric carries them on paths of their own per source)."""
+    from sparsecomm.errors import IncompatibleError, InvalidValueError
+    from sparsecomm.fabric.base import EXPRESS_SPAN, express, is_express
+
+    def fn(ctx, tag):
+        f, big, small = ctx.fabric, torch.zeros(250_000), torch.zeros(1)
+        if ctx.rank == 0:
+            w = f.isend(big, 1, tag=1)
+            f.send(torch.ones(1), 1, tag=tag)
+            w.wait()
+            return 0.0
+        f.recv(small, 0, tag=tag)
+        t = f.now()
+        f.recv(big, 0, tag=1)
+        for receive in (f.irecv, f.recv):
+            with pytest.raises(IncompatibleError, match="must name its source"):
+                receive(small, None, tag=express(5))
+        return t
+
+    plain = sc.launch(lambda ctx: fn(ctx, 3), 2, network=GBPS8)[1]
+    fast = sc.launch(lambda ctx: fn(ctx, express(3)), 2, network=GBPS8)[1]
+    assert plain == fast == pytest.approx(1e-3 + 4e-9 + 10e-6)
+    assert is_express(express(0)) and is_express(express(EXPRESS_SPAN - 1)) and not is_express(3)
+    assert not is_express(2**31 - 9)    # (the library's reserved tags near 2**31 are not)
+    for bad in (-1, EXPRESS_SPAN, 1.0, True):
+        with pytest.raises(InvalidValueError, match="express"):
+            express(bad)

@@ -28,6 +28,7 @@ def _expect(problems, label, cond, detail=""):
 
 
 def p2p_checks(ctx) -> list[str]:
+    from sparsecomm.fabric.base import express
     from sparsecomm.fabric.torch.torch_fabric import TorchFabric
 
     f = ctx.fabric
@@ -47,6 +48,26 @@ def p2p_checks(ctx) -> list[str]:
         f.recv(a, 0, tag=1)
         f.recv(b, 0, tag=2)
         _expect(problems, "tags", a.item() == 1.0 and b.item() == 2.0, (a, b))
+
+    # express tags (fabric.base.express): between workers on the pair's other connection, which sender and
+    # receiver agree on (a message on the wrong one is never taken: the wait times out); in order per tag, beside
+    # the plain tag of the same number; a receive from any source on one is refused
+    if r < 2:
+        peer, xt = 1 - r, express(12)
+        outs = [f.isend(torch.tensor([float(10 * r + i)]), peer, tag=xt) for i in range(3)]
+        plain = f.isend(torch.tensor([-1.0 - r]), peer, tag=12)
+        got, mine = [torch.zeros(1) for _ in range(3)], torch.zeros(1)
+        ins = [f.irecv(got[i], peer, tag=xt) for i in range(3)]
+        f.recv(mine, peer, tag=12, timeout=10)
+        for w in [*ins, *outs, plain]:
+            w.wait(timeout=10)
+        _expect(problems, "express in order", [t.item() for t in got] == [10.0 * peer + i for i in range(3)], got)
+        _expect(problems, "plain beside express", mine.item() == -1.0 - peer, mine)
+    try:
+        f.irecv(torch.zeros(1), None, tag=express(12))
+        problems.append("an any-source receive on an express tag was accepted")
+    except IncompatibleError as exc:
+        _expect(problems, "express any-source refusal", "must name its source" in str(exc), exc)
 
     # receive from any source reports the source; with two-way channels it takes lower ranks' messages
     # (the highest rank receives from all the others), and rank 0, with no lower rank, is refused

@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 from ...errors import MalformedMessage, MismatchError, OverflowError_, ProtocolError, SparseCommError  # noqa: F401
+from ...fabric.base import express
 from .._handshake import dtype_code as _hs_dtype_code
 
 #: "OMNI" and the wire version: an aggregator rejects a header of another version (:func:`.header.validate_header`)
@@ -59,8 +60,13 @@ MAGIC = 0x4F4D4E49_0005
 MAX_CHANNELS = 16
 HDR = 12 + MAX_CHANNELS    # int64 fields: 12 scalars, then one count per channel (slot)
 MAN = 2 + MAX_CHANNELS     # int64 fields of a manifest: first look-aheads' bytes, blocks' bytes per slot, checksum
-TAG_HDR_UP = 0x4F4F01     # round-0 header, worker -> aggregator
-TAG_HDR_DOWN = 0x4F4F02   # round-0 reply header, aggregator -> worker
+# the admission's header and verdict are express (:func:`~sparsecomm.fabric.base.express`): a worker posts the
+# receives of an aggregator's sums only once its verdict is in, which on a real fabric would otherwise be written
+# behind the round-0 blocks its host's worker streams to the same peer; each one's receive is posted before its
+# receiver sends that peer any data (the aggregator's header receives first of all; a worker's verdict receive
+# right after its header)
+TAG_HDR_UP = express(0x4F4F01)      # round-0 header, worker -> aggregator
+TAG_HDR_DOWN = express(0x4F4F02)    # round-0 reply header, aggregator -> worker
 TAG_FIRSTS = 0x4F4F03     # round-0 first look-aheads of every channel, worker -> aggregator
 TAG_MANIFEST = 0x4F4F04   # after a verdict that is not OK: the worker's round-0 messages, worker -> aggregator
 
