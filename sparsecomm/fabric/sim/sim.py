@@ -27,7 +27,7 @@ from ...errors import (EndpointCrashed, FabricTimeout, InvalidTypeError, Invalid
                        PeerFailure, ProtocolError)
 from .. import roles as _roles
 from .. import trace as _trace
-from ..base import EXPRESS_BASE, EXPRESS_SPAN, MESSAGE_BYTES, Fabric, Work, refuse_express_any_source
+from ..base import MESSAGE_BYTES, Fabric, Work, is_express, refuse_express_any_source
 from ..engine import engine
 from ..sim_gate import Gate
 from ..stats import CommStats
@@ -528,13 +528,13 @@ class SimFabric(Fabric):
 
     def recv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0, *,
              timeout: float | None = None) -> int:
-        if src is None and EXPRESS_BASE <= tag < EXPRESS_BASE + EXPRESS_SPAN:
+        if src is None and is_express(tag):
             refuse_express_any_source(tag)
         who = "any endpoint" if src is None else self.world.endpoints[src].name
         return self.world.gate.call(self._ep, self._recv_process(tensor, src, tag, timeout), f"{who} (tag {tag})")
 
     def irecv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> Work:
-        if src is None and EXPRESS_BASE <= tag < EXPRESS_BASE + EXPRESS_SPAN:
+        if src is None and is_express(tag):
             refuse_express_any_source(tag)
         w = _RecvWork()             # (its fields: :class:`_RecvWork`)
         ch = (src, tag)

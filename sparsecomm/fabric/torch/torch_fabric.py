@@ -91,7 +91,7 @@ import torch.distributed as dist
 
 from ...errors import IncompatibleError, InvalidValueError, ServiceNotStarted
 from .. import trace as _trace
-from ..base import EXPRESS_BASE, EXPRESS_SPAN, Fabric, Work, refuse_express_any_source
+from ..base import EXPRESS_BASE, EXPRESS_SPAN, Fabric, Work, is_express, refuse_express_any_source
 from ..stats import CommStats
 from .torch_failure import MAX_TAG, FailStop
 from .torch_ranks import JobRanks
@@ -434,7 +434,7 @@ class TorchFabric(Fabric):
         if src is not None:
             if not 0 <= src < self._total or src == self.rank:
                 self._check_peer(src)
-        elif EXPRESS_BASE <= tag < _EXPRESS_END:
+        elif is_express(tag):
             refuse_express_any_source(tag)
         elif self._cuda:
             raise IncompatibleError("receive from any source (src=None) is not supported by nccl; "
