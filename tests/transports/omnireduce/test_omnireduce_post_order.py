@@ -103,3 +103,28 @@ def test_colocated_worker_posts_a_peers_round0_receives_before_its_blocks_to_tha
                    and e["tag"] in (wire.TAG_FIRSTS, wire.tag_up(0))]
             assert len(blocks_out) == 1 and len(ins) == 2, (r, p, ev)
             assert max(ins) < blocks_out[0], (r, p, ins, blocks_out)
+
+
+def test_colocated_express_receives_are_posted_before_any_data_to_their_peer(tmp_path):
+    """The admission's header and verdict are express (:func:`sparsecomm.fabric.base.express`): on gloo each travels on
+    the pair's connection whose direction carries the *receiver's* data to the sender, so its "receive posted" notice
+    leaves in time only if it is posted before that data: every worker (with its hosted aggregator) posts its receives
+    of a peer's header and of the peer aggregator's verdict before it sends that peer any block."""
+    import json
+
+    import sparsecomm as sc
+    from sparsecomm.fabric.base import is_express
+
+    assert is_express(wire.TAG_HDR_UP) and is_express(wire.TAG_HDR_DOWN) and not is_express(wire.TAG_FIRSTS)
+    n, numel = 3, 3 * 256 * 1100
+    got = sc.launch(functools.partial(_dense_call, numel=numel, directory=str(tmp_path)), n, backend="gloo",
+                    timeout_s=60)
+    assert got == [True] * n
+    for r in range(n):
+        ev = json.loads((tmp_path / f"rank{r}.call0.json").read_text())["events"]
+        for p in (p for p in range(n) if p != r):
+            data_out = [e["post"] for e in ev if e["kind"] == "send" and e["peer"] == p and e["tag"] == wire.tag_up(0)]
+            express_in = [e["post"] for e in ev if e["kind"] == "recv" and e["peer"] == p
+                          and e["tag"] in (wire.TAG_HDR_UP, wire.TAG_HDR_DOWN)]
+            assert len(data_out) == 1 and len(express_in) == 2, (r, p, ev)
+            assert max(express_in) < data_out[0], (r, p, express_in, data_out)
