@@ -26,7 +26,9 @@ Configurations (those whose transport is registered):
 
 * ``mlp``: a dense 8-layer MLP (``--mlp-width``, ``--mlp-cap-mb`` buckets for DDP and ours alike:
   several buckets), ``ddp`` against ``hook none/native`` and ``none/native`` (DistributedOptimizer with
-  its overlap, and ``overlap=False``); targets 1.1x and 1.15x of DDP's step.
+  its overlap, and ``overlap=False``); targets 1.1x and 1.15x of DDP's step. And the same plain averaging
+  through OmniReduce at its defaults (``hook none/omnireduce``: one call a step; ``none/omnireduce``), which on
+  a dense gradient moves the ring's bytes: at best DDP's step.
 * ``emb-sparse``: the embedding model with ``EmbeddingBag(sparse=True)``; ``ddp`` (gloo's sparse
   allreduce) against ``none/native``, ``none/omnireduce`` and ``none/allgather`` (the rows gathered
   once and coalesced, ``p.grad`` sparse; the dense head through the named transport), the hook on
@@ -169,6 +171,9 @@ def _mlp_configs(a: argparse.Namespace) -> list[tuple[str, Any]]:
     cfg.append(("none/native overlap=False", lambda m: sc.DistributedOptimizer(
         torch.optim.SGD(m.parameters(), lr=a.lr), compressor="none", transport="native", bucket_cap_mb=cap,
         overlap=False)))
+    cfg.append(("hook none/omnireduce", ("hook", dict(compressor="none", transport="omnireduce"))))
+    cfg.append(("none/omnireduce", lambda m: sc.DistributedOptimizer(
+        torch.optim.SGD(m.parameters(), lr=a.lr), compressor="none", transport="omnireduce", bucket_cap_mb=cap)))
     return cfg
 
 
