@@ -80,23 +80,28 @@ def _dense_call(ctx, numel: int, directory: str):
                                    for r in range(ctx.world_size))))
 
 
+def _traced_dense_call(tmp_path, n: int = 3) -> list[list[dict]]:
+    """Each rank's traced events of one dense call on ``n`` gloo workers, colocated (1100 blocks per aggregator:
+    1.1 MB, at least ``message_bytes``, so a worker's blocks to a peer are held, :func:`.worker.release_up`)."""
+    import json
+
+    import sparsecomm as sc
+
+    got = sc.launch(functools.partial(_dense_call, numel=n * 256 * 1100, directory=str(tmp_path)), n, backend="gloo",
+                    timeout_s=60)
+    assert got == [True] * n
+    return [json.loads((tmp_path / f"rank{r}.call0.json").read_text())["events"] for r in range(n)]
+
+
 @pytest.mark.multiprocess
 def test_colocated_worker_posts_a_peers_round0_receives_before_its_blocks_to_that_peer_leave(tmp_path):
     """On gloo a message moves once its receive's notice reaches the sender, on the link that carries the
     receiver's own blocks to that sender: each worker posts its receives of a peer's first look-aheads and
     position-0 blocks before it sends that peer's aggregator its blocks where they hold at least
     ``message_bytes`` (:func:`.worker.release_up`), so the notices do not queue behind its blocks."""
-    import json
-
-    import sparsecomm as sc
-
-    n, numel = 3, 3 * 256 * 1100     # (1100 blocks per aggregator: 1.1 MB >= message_bytes, so held)
-    got = sc.launch(functools.partial(_dense_call, numel=numel, directory=str(tmp_path)), n, backend="gloo",
-                    timeout_s=60)
-    assert got == [True] * n
-    for r in range(n):
-        ev = json.loads((tmp_path / f"rank{r}.call0.json").read_text())["events"]
-        for p in (p for p in range(n) if p != r):
+    events = _traced_dense_call(tmp_path)
+    for r, ev in enumerate(events):
+        for p in (p for p in range(len(events)) if p != r):
             blocks_out = [e["post"] for e in ev if e["kind"] == "send" and e["peer"] == p
                           and e["tag"] == wire.tag_up(0)]
             ins = [e["post"] for e in ev if e["kind"] == "recv" and e["peer"] == p
@@ -105,24 +110,18 @@ def test_colocated_worker_posts_a_peers_round0_receives_before_its_blocks_to_tha
             assert max(ins) < blocks_out[0], (r, p, ins, blocks_out)
 
 
+@pytest.mark.multiprocess
 def test_colocated_express_receives_are_posted_before_any_data_to_their_peer(tmp_path):
     """The admission's header and verdict are express (:func:`sparsecomm.fabric.base.express`): on gloo each travels on
     the pair's connection whose direction carries the *receiver's* data to the sender, so its "receive posted" notice
     leaves in time only if it is posted before that data: every worker (with its hosted aggregator) posts its receives
     of a peer's header and of the peer aggregator's verdict before it sends that peer any block."""
-    import json
-
-    import sparsecomm as sc
     from sparsecomm.fabric.base import is_express
 
     assert is_express(wire.TAG_HDR_UP) and is_express(wire.TAG_HDR_DOWN) and not is_express(wire.TAG_FIRSTS)
-    n, numel = 3, 3 * 256 * 1100
-    got = sc.launch(functools.partial(_dense_call, numel=numel, directory=str(tmp_path)), n, backend="gloo",
-                    timeout_s=60)
-    assert got == [True] * n
-    for r in range(n):
-        ev = json.loads((tmp_path / f"rank{r}.call0.json").read_text())["events"]
-        for p in (p for p in range(n) if p != r):
+    events = _traced_dense_call(tmp_path)
+    for r, ev in enumerate(events):
+        for p in (p for p in range(len(events)) if p != r):
             data_out = [e["post"] for e in ev if e["kind"] == "send" and e["peer"] == p and e["tag"] == wire.tag_up(0)]
             express_in = [e["post"] for e in ev if e["kind"] == "recv" and e["peer"] == p
                           and e["tag"] in (wire.TAG_HDR_UP, wire.TAG_HDR_DOWN)]
