@@ -103,10 +103,12 @@ def is_express(tag: int) -> bool:
     return EXPRESS_BASE <= tag < EXPRESS_BASE + EXPRESS_SPAN
 
 
-def refuse_express_any_source(tag: int) -> None:
-    """The error of a receive from any source on an express tag (module docstring: it names its source)."""
-    raise IncompatibleError(f"a receive on express tag {tag:#x} must name its source (src=None: a fabric may carry "
-                            f"express messages on paths of their own, per source)")
+def check_any_source(tag: int) -> None:
+    """A receive from any source on ``tag``: :class:`~sparsecomm.errors.IncompatibleError` if ``tag`` is express (module
+    docstring: an express receive names its source)."""
+    if EXPRESS_BASE <= tag < EXPRESS_BASE + EXPRESS_SPAN:
+        raise IncompatibleError(f"a receive on express tag {tag:#x} must name its source (src=None: a fabric may "
+                                f"carry express messages on paths of their own, per source)")
 
 
 class Work(ABC):

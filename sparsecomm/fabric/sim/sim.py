@@ -27,7 +27,7 @@ from ...errors import (EndpointCrashed, FabricTimeout, InvalidTypeError, Invalid
                        PeerFailure, ProtocolError)
 from .. import roles as _roles
 from .. import trace as _trace
-from ..base import MESSAGE_BYTES, Fabric, Work, is_express, refuse_express_any_source
+from ..base import MESSAGE_BYTES, Fabric, Work, check_any_source
 from ..engine import engine
 from ..sim_gate import Gate
 from ..stats import CommStats
@@ -528,14 +528,14 @@ class SimFabric(Fabric):
 
     def recv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0, *,
              timeout: float | None = None) -> int:
-        if src is None and is_express(tag):
-            refuse_express_any_source(tag)
+        if src is None:
+            check_any_source(tag)
         who = "any endpoint" if src is None else self.world.endpoints[src].name
         return self.world.gate.call(self._ep, self._recv_process(tensor, src, tag, timeout), f"{who} (tag {tag})")
 
     def irecv(self, tensor: torch.Tensor, src: int | None = None, tag: int = 0) -> Work:
-        if src is None and is_express(tag):
-            refuse_express_any_source(tag)
+        if src is None:
+            check_any_source(tag)
         w = _RecvWork()             # (its fields: :class:`_RecvWork`)
         ch = (src, tag)
         w._args, w.channel, w._fabric = (tensor, src, tag), ch, self

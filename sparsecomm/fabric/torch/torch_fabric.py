@@ -91,14 +91,12 @@ import torch.distributed as dist
 
 from ...errors import IncompatibleError, InvalidValueError, ServiceNotStarted
 from .. import trace as _trace
-from ..base import EXPRESS_BASE, EXPRESS_SPAN, Fabric, Work, is_express, refuse_express_any_source
+from ..base import Fabric, Work, check_any_source, is_express
 from ..stats import CommStats
 from .torch_failure import MAX_TAG, FailStop
 from .torch_ranks import JobRanks
 from .torch_waiters import WATCHED_SEND_BYTES, Pending, Waits, waits_ended
 from ...validate import check_real
-
-_EXPRESS_END = EXPRESS_BASE + EXPRESS_SPAN
 
 __all__ = ["TorchFabric"]
 
@@ -342,6 +340,14 @@ class TorchFabric(Fabric):
         self._lanes.append(lane)
         return lane
 
+    def _group(self, up: bool, peer: int, tag: int):
+        """The process group of a message to or from ``peer`` on ``tag`` whose data flows from the lower rank to the
+        higher (``up``): the default group, else the second one (the same one where there is one channel per pair);
+        an express message between workers takes the other (module docstring, "Express tags")."""
+        if self._express and peer < self.world_size and is_express(tag):
+            up = not up
+        return self._pg if up else self._pg_down
+
     # --------------------------------------------------------------- sending
     def _post_send(self, tensor: torch.Tensor, dst: int, tag: int) -> Pending:
         if not 0 <= dst < self._total or dst == self.rank:     # (the checks inline: once per message)
@@ -359,10 +365,7 @@ class TorchFabric(Fabric):
             self._deferred.append(pend)     # issued at the next wait, in one group
         else:
             try:
-                up = dst > self.rank
-                if self._express and EXPRESS_BASE <= tag < _EXPRESS_END and dst < self.world_size:
-                    up = not up                 # (express: the connection whose direction carries no data)
-                pend.work = (self._pg if up else self._pg_down).send([t], dst, tag)
+                pend.work = self._group(dst > self.rank, dst, tag).send([t], dst, tag)
             except RuntimeError as exc:
                 raise self._waits.error(exc, pend) from exc
             if t.nbytes >= WATCHED_SEND_BYTES and not self._cuda:
@@ -434,15 +437,15 @@ class TorchFabric(Fabric):
         if src is not None:
             if not 0 <= src < self._total or src == self.rank:
                 self._check_peer(src)
-        elif is_express(tag):
-            refuse_express_any_source(tag)
-        elif self._cuda:
-            raise IncompatibleError("receive from any source (src=None) is not supported by nccl; "
-                                    "name the source, or use the gloo backend")
-        elif self.rank == 0 and self._pg_down is not self._pg:
-            raise IncompatibleError("with two-way channels (gloo's default here) a receive from any "
-                                    "source (src=None) takes messages from lower ranks only, and rank 0 "
-                                    "has none; name the source, or build the fabric with two_way=False")
+        else:
+            check_any_source(tag)
+            if self._cuda:
+                raise IncompatibleError("receive from any source (src=None) is not supported by nccl; "
+                                        "name the source, or use the gloo backend")
+            if self.rank == 0 and self._pg_down is not self._pg:
+                raise IncompatibleError("with two-way channels (gloo's default here) a receive from any "
+                                        "source (src=None) takes messages from lower ranks only, and rank 0 "
+                                        "has none; name the source, or build the fabric with two_way=False")
         if self._waits.stale:
             pend = self._waits.adopt(src, tag, tensor)
             if pend is not None:
@@ -457,13 +460,8 @@ class TorchFabric(Fabric):
         else:
             self._flush()
             try:
-                if src is None:
-                    pend.work = self._pg.recv_anysource([buf], tag)
-                else:
-                    up = src < self.rank
-                    if self._express and EXPRESS_BASE <= tag < _EXPRESS_END and src < self.world_size:
-                        up = not up
-                    pend.work = (self._pg if up else self._pg_down).recv([buf], src, tag)
+                pend.work = (self._group(src < self.rank, src, tag).recv([buf], src, tag) if src is not None
+                             else self._pg.recv_anysource([buf], tag))
             except RuntimeError as exc:
                 raise self._waits.error(exc, pend) from exc
         return pend, out
