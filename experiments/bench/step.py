@@ -40,7 +40,10 @@ Configurations (those whose transport is registered):
   every configuration with the library's defaults: ``sc fp16`` (``register(net, compressor="fp16")``)
   against torch's ``fp16_compress_hook``, ``sc bf16`` against ``bf16_compress_hook`` (called through a
   wrapper: DDP refuses that hook by name off CUDA/NCCL, but gloo sums bfloat16), ``sc none`` against
-  DDP's built-in allreduce; and ``sc none, replicas checked every step`` (``verify_replicas_every=1``)
+  DDP's built-in allreduce, and torch's own ``allreduce_hook`` against it too (a registered hook gets its bucket
+  undivided: torch's reducer divides while it copies the gradients into the bucket only when no hook is registered;
+  ``allreduce_hook``, a division and the collective posted from Python, is the least a hook does), ``sc none``
+  against ``allreduce_hook``; and ``sc none, replicas checked every step`` (``verify_replicas_every=1``)
   against ``sc none``, whose difference is the cost of one replica check (the default checks every
   100 steps); and ``sc powersgd r1`` / ``r2`` (``compressor="powersgd", matrix_approximation_rank=r,
   start_powerSGD_iter=2``) against torch's ``powerSGD_hook`` with the same rank and start (its
@@ -218,6 +221,7 @@ def _torch_powersgd_state(rank: int):
 
 #: (configuration, baseline) pairs of the ``hooks`` case
 HOOK_PAIRS = (("sc fp16", "torch fp16"), ("sc bf16", "torch bf16"), ("sc none", "ddp"),
+              ("torch allreduce_hook", "ddp"), ("sc none", "torch allreduce_hook"),
               ("sc powersgd r1", "torch powersgd r1"), ("sc powersgd r2", "torch powersgd r2"),
               ("sc none, replicas checked every step", "sc none"))
 
@@ -228,7 +232,7 @@ def _hook_configs() -> list[tuple[str, Any]]:
     return [("ddp", None), ("torch fp16", ("torch", default_hooks.fp16_compress_hook)),
             ("sc fp16", ("hook", dict(compressor="fp16"))),
             ("torch bf16", ("torch", _bf16_compress_hook)), ("sc bf16", ("hook", dict(compressor="bf16"))),
-            ("sc none", ("hook", {})),
+            ("sc none", ("hook", {})), ("torch allreduce_hook", ("torch", default_hooks.allreduce_hook)),
             ("sc none, replicas checked every step", ("hook", dict(verify_replicas_every=1)))] + [
             cfg for r in (1, 2) for cfg in (
                 (f"torch powersgd r{r}", ("torch", powerSGD_hook.powerSGD_hook,
