@@ -106,7 +106,7 @@ def is_express(tag: int) -> bool:
 def check_any_source(tag: int) -> None:
     """A receive from any source on ``tag``: :class:`~sparsecomm.errors.IncompatibleError` if ``tag`` is express (module
     docstring: an express receive names its source)."""
-    if EXPRESS_BASE <= tag < EXPRESS_BASE + EXPRESS_SPAN:
+    if is_express(tag):
         raise IncompatibleError(f"a receive on express tag {tag:#x} must name its source (src=None: a fabric may "
                                 f"carry express messages on paths of their own, per source)")
 
