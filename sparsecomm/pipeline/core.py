@@ -207,7 +207,8 @@ class CommPipeline:
 
     def start(self, flat: torch.Tensor, key: Hashable, *, exact: bool = False, compress: bool = True,
               shapes: Any = None, segments: tuple[tuple[str, int], ...] | None = None,
-              then: Callable[[torch.Tensor], Any] | None = None, lane: int = 0) -> CommWork:
+              then: Callable[[torch.Tensor], Any] | None = None, lane: int = 0,
+              dense_bytes: int | None = None) -> CommWork:
         """Start the round of bucket ``key`` on this worker's flat ``flat``; ``wait()`` returns the
         averaged estimate (or ``then(estimate)``, run on the communication thread).
 
@@ -229,12 +230,16 @@ class CommPipeline:
         ``lane``: the lane whose transport runs the call (:meth:`add_lane`; 0: :attr:`transport`), on
         that lane's communication thread; the caller orders the lanes' outcomes
         (:class:`~sparsecomm.pipeline.lanes.CallOrder`).
+
+        ``dense_bytes`` (a plain average only): the bytes that ``flat`` averages, where it holds more than them
+        (the DDP hook's fused step places its buckets on the transport's block grid with zeros between them); the
+        records count these (default: ``flat.nbytes``).
         """
         steps_before = max(0, self.step - 1 - self.skipped)    # (the steps committed before this one)
         identity = self.call_id(key)
         t0 = self.fabric.now() if _trace.recorder is not None else 0.0
         if not compress or self.plain:
-            call = self._plain_round.begin(flat, key)
+            call = self._plain_round.begin(flat, key, dense_bytes=dense_bytes)
         elif segments is not None and self.per_parameter:
             call = self._parameter_rounds.begin(flat, key, steps_before, exact, segments)
         else:

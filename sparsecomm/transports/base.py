@@ -117,6 +117,10 @@ class Transport(ABC):
     #: ones; ``False``: they compute only while every worker waits for them and the workers only while they
     #: wait (rounds in lock-step, as the sparse switch's waves), and only the workers share the cores
     services_share_cores: ClassVar[bool] = True
+    #: the grid, in elements, on which the transport cuts its input into blocks and leaves out a block that is
+    #: zero (on every worker, or on the sender): a caller that lays several tensors into one call starts the
+    #: large ones on it (the DDP hook's fused step); 1 for a transport that leaves nothing out
+    block_grid: int = 1
 
     def __init_subclass__(cls, **kw) -> None:
         super().__init_subclass__(**kw)

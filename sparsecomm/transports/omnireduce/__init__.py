@@ -197,6 +197,7 @@ class OmniReduce(Transport):
         self._pool = Pool()
         self._results = ResultCache(result_cache)
         self.block_size, self.lanes, self.channels = block_size, lanes, channels
+        self.block_grid = block_size
         self.deployment, self.threshold, self.inplace = deployment, float(threshold), inplace
         if deployment == "colocated":
             if num_aggregators not in (None, n):

@@ -234,6 +234,7 @@ class SparseSwitch(Transport):
             raise InvalidValueError(f"timeout must be positive (or None: no timer), got {timeout!r}")
         self.max_exponent = max_exponent_option(max_exponent, EXP_FLOOR, EXP_CEIL)
         self.pool_size, self.k = pool_size, self.config.elems
+        self.block_grid = self.k
         self.burst = self.config.burst
         self.timeout, self.timeout_threshold = timeout, int(timeout_threshold)
         self.give_up_s = float(give_up_s if give_up_s is not None else fabric.timeout_s)
