@@ -442,23 +442,25 @@ class HookScheduler:
     def _release(self, is_last: bool) -> None:
         """Start the held buckets' one call (see :meth:`_hold`); its outcome completes each bucket's work.
 
-        The call's input is the buckets one after another, each where :func:`grid_starts` places it on the
-        transport's :attr:`~sparsecomm.transports.base.Transport.block_grid` (zeros between them), so that a
-        block-sparse transport sees each bucket's largest parameter as the optimizer's layout would: a row that is
-        zero on every worker fills whole blocks, which never travel, where DDP's offsets would cut it across
-        two. Its average completes each bucket's work with that bucket's part, given to DDP as it stands (a
+        The call's input is a single bucket itself, or the buckets copied one after another, each where
+        :func:`grid_starts` places it on the transport's :attr:`~sparsecomm.transports.base.Transport.block_grid`
+        (zeros between them), so that a block-sparse transport sees each bucket's largest parameter as the
+        optimizer's layout would: a row that is zero on every worker fills whole blocks, which never travel, where
+        DDP's offsets would cut it across two. (A single bucket is not copied onto the grid: the copy, a pass over
+        the whole gradient on the training's cores, costs about what it saves at 1 Gbit/s, and more on a faster
+        link.) Its average completes each bucket's work with that bucket's part, given to DDP as it stands (a
         tensor whose storage starts at the part: DDP reads a hook's result at its bucket offsets from its
         storage's start, then copies it into the gradients), or, off the CPU, copied into the bucket's own
-        buffer. A single bucket already on the grid is the call's input itself."""
+        buffer."""
         held, self._held = self._held, []
         bufs = [b.reshape(-1) for b, _, _, _ in held]
         fabric = self.pipeline.fabric
         try:
-            starts, total = grid_starts([(b.numel(), sizes) for b, (_, _, _, sizes) in zip(bufs, held)],
-                                        self.pipeline.transport.block_grid)
-            if len(bufs) == 1 and total == bufs[0].numel():
-                flat = bufs[0]
+            if len(bufs) == 1:
+                starts, flat = [0], bufs[0]
             else:       # (scratch: the call may write into it)
+                starts, total = grid_starts([(b.numel(), sizes) for b, (_, _, _, sizes) in zip(bufs, held)],
+                                            self.pipeline.transport.block_grid)
                 flat = torch.empty(total, dtype=bufs[0].dtype, device=bufs[0].device)
                 end = 0
                 for b, at in zip(bufs, starts):
