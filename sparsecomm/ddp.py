@@ -113,12 +113,14 @@ over the default process group; the default transport (``"default"``) is then ``
 protocol of this library (any transport but ``native`` and ``"auto"``), a step's dense buckets run as one call by
 default: each bucket's future is held until DDP hands the hook the step's last bucket (or a sparse one), then the
 buckets are averaged in one call (one per run of buckets of one dtype): a single bucket as it is, several copied one
-after another into one input, each bucket's largest parameter on the transport's block grid (``Transport.block_grid``: OmniReduce's blocks, the sparse switch's
-packets; zeros between them, never sent), so that a row of it that is zero fills whole blocks as in
-``DistributedOptimizer``'s layout, where DDP's offsets would cut it across two. Each bucket's future holds its part of
-the average as it stands (on the CPU: a tensor whose storage starts at that part, since DDP reads a hook's result at its
-bucket offsets from the start of its storage), which DDP copies into the gradients. The numbers are those of a call per bucket wherever the transport's per-element sum does
-not depend on the layout (at 2 workers, ``allgather``); the method state is not involved (plain averaging has none).
+after another into one input, each bucket's largest parameter on the transport's block grid
+(``Transport.block_grid``: OmniReduce's blocks, the sparse switch's packets; zeros between them, never sent), so
+that a row of it that is zero fills whole blocks as in ``DistributedOptimizer``'s layout, where DDP's offsets would
+cut it across two. Each bucket's future holds its part of the average as it stands (on the CPU: a tensor whose
+storage starts at that part, since DDP reads a hook's result at its bucket offsets from the start of its storage),
+which DDP copies into the gradients. The numbers are those of a call per bucket wherever the transport's per-element
+sum does not depend on the layout (at 2 workers, ``allgather``); the method state is not involved (plain averaging
+has none).
 ``fuse=False`` runs a call per bucket; ``state.fused`` says what the rule chose.
 
 **Lanes** (``lanes=``, :mod:`sparsecomm.pipeline.lanes`): bucket ``k`` runs on lane ``k mod L``, each lane a

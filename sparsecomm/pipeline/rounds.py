@@ -98,12 +98,13 @@ class PlainRound:
     def __init__(self, rule: NonFiniteRule, world_size: int, fabric: Any = None) -> None:
         self.rule, self.n, self.fabric = rule, world_size, charging(fabric)
 
-    def begin(self, flat: torch.Tensor, key: Hashable, checked: bool = False, dense_bytes: int | None = None) -> Call:
+    def begin(self, flat: torch.Tensor, key: Hashable, checked: bool = False,
+              dense_bytes: int | None = None) -> Call:
         """The call, of ``dense_bytes`` (default ``flat.nbytes``: :meth:`CommPipeline.start
-        <sparsecomm.pipeline.core.CommPipeline.start>`); ``checked`` (where the transport checks the sum itself, ``not rule.checks_sums``): its
-        ``finish`` returns ``(average, finite)``, the division checking the sum in the same pass
-        (:func:`~sparsecomm.compressors._common.divide_finite`, bit for bit torch's division), so that a
-        transport that chains it leaves its own pass to it (:meth:`Transport.chain
+        <sparsecomm.pipeline.core.CommPipeline.start>`); ``checked`` (where the transport checks the sum itself,
+        ``not rule.checks_sums``): its ``finish`` returns ``(average, finite)``, the division checking the sum in
+        the same pass (:func:`~sparsecomm.compressors._common.divide_finite`, bit for bit torch's division), so
+        that a transport that chains it leaves its own pass to it (:meth:`Transport.chain
         <sparsecomm.transports.base.Transport.chain>`'s ``checks``)."""
         if checked:
             def finish(agg: torch.Tensor) -> tuple[torch.Tensor, bool]:

@@ -260,7 +260,8 @@ class HookScheduler:
         self._layouts_names: dict[int, str] | None = None
         #: whether a step's dense buckets run as one call (see :meth:`start`)
         self.fused = bool(fused)
-        # the dense buckets of the step in progress held for the fused call: (buffer, index, its work)
+        # the dense buckets of the step in progress held for the fused call: (buffer, index, its work, its
+        # parameters' sizes or None)
         self._held: list[tuple[torch.Tensor, int, CommWork, tuple[int, ...] | None]] = []
         # a bucket's parameters' sizes, by their ids (the same objects at every step)
         self._sizes: dict[tuple[int, ...], tuple[int, ...]] = {}
