@@ -263,8 +263,6 @@ class HookScheduler:
         # the dense buckets of the step in progress held for the fused call: (buffer, index, its work, its
         # parameters' sizes or None)
         self._held: list[tuple[torch.Tensor, int, CommWork, tuple[int, ...] | None]] = []
-        # a bucket's parameters' sizes, by their ids (the same objects at every step)
-        self._sizes: dict[tuple[int, ...], tuple[int, ...]] = {}
 
     def restart(self, steps: int) -> None:
         """Continue from a checkpoint taken after ``steps`` steps (none in progress)."""
@@ -429,13 +427,7 @@ class HookScheduler:
         if self._held and self._held[0][0].dtype != buffer.dtype:
             self._release(False)
         work = CommWork()
-        sizes = None
-        if params is not None:
-            ids = tuple(map(id, params))
-            sizes = self._sizes.get(ids)
-            if sizes is None:
-                sizes = self._sizes[ids] = tuple(p.numel() for p in params)
-        self._held.append((buffer, index, work, sizes))
+        self._held.append((buffer, index, work, None if params is None else tuple(p.numel() for p in params)))
         if is_last:
             self._release(True)
         return work
@@ -456,6 +448,7 @@ class HookScheduler:
         held, self._held = self._held, []
         bufs = [b.reshape(-1) for b, _, _, _ in held]
         fabric = self.pipeline.fabric
+        nbytes = sum(b.nbytes for b in bufs)
         try:
             if len(bufs) == 1:
                 starts, flat = [0], bufs[0]
@@ -469,9 +462,8 @@ class HookScheduler:
                         flat[end: at].zero_()
                     flat[at: at + b.numel()].copy_(b)
                     end = at + b.numel()
-                fabric.host_work("copy", sum(b.nbytes for b in bufs))   # (a fabric that models hosts charges it)
-            call = self._track(self.pipeline.start(flat, held[0][1], compress=False,
-                                                   dense_bytes=sum(b.nbytes for b in bufs)), is_last)
+                fabric.host_work("copy", nbytes)        # (a fabric that models the hosts charges the copy)
+            call = self._track(self.pipeline.start(flat, held[0][1], compress=False, dense_bytes=nbytes), is_last)
         except BaseException as exc:
             for _, _, work, _ in held:
                 work.complete(None, exc)
