@@ -168,7 +168,10 @@ class PowerSGD(Method):
         ``M^T P`` (``matmul_t``) and a QR; decode ``P Q^T`` (``matmul_outer``: the n x m estimate written, a
         kernel of its own); and the passes over the bucket (the
         residual added and checked in one pass, or only checked without error feedback; the residual subtracted;
-        the whole tensors' copies and division; an exact round's error cleared)."""
+        the whole tensors' copies and division; an exact round's error cleared). A matrix at an unaligned place
+        in the bucket (its residual in an aligned copy, :class:`_Plan`) has its estimate written into the aligned
+        product buffer and then into the estimate: one more pass over it in the decode (the bucket and the estimate
+        start aligned, as torch allocates them, so the matrix's place is unaligned in both or in neither)."""
         ef = d if self.use_error_feedback else 0
         pend = state.pending
         if phase == "encode":
@@ -191,7 +194,8 @@ class PowerSGD(Method):
             return {"elementwise": unc + sum(m * r for _, m, r in comp), "matmul_t": macs, "kernel": 1 + len(comp)}
         if pend[0] == "P":
             return {"elementwise": d + ef, "kernel": 1}
-        return {"elementwise": unc + sum(m * r for _, m, r in comp) + ef, "matmul_outer": macs,
+        moved = sum(k for (_, k, _, _, _), copy in pend[1].comp if copy is not None)
+        return {"elementwise": unc + sum(m * r for _, m, r in comp) + ef + moved, "matmul_outer": macs,
                 "kernel": 1 + len(comp)}
 
     def init_state(self, d, dtype, device):

@@ -32,11 +32,11 @@ SHAPES = (torch.Size([8, 6]), torch.Size([6]))
 
 
 def _run(ctx, kind: str, steps: int) -> list[float]:
-    """``steps`` rounds of a bucket on this worker (``kind``: ``powersgd``, ``eftopk`` per parameter, ``plain``);
-    the clock after each."""
-    if kind == "powersgd":
+    """``steps`` rounds of a bucket on this worker (``kind``: ``powersgd``, ``powersgd-bias-first`` (the bias laid
+    out before the matrix), ``eftopk`` per parameter, ``plain``); the clock after each."""
+    if kind.startswith("powersgd"):
         pipe = CommPipeline(method="powersgd", transport="ring", fabric=ctx.fabric, matrix_approximation_rank=1)
-        d, kw = 54, {"shapes": SHAPES}
+        d, kw = 54, {"shapes": SHAPES[::-1] if kind == "powersgd-bias-first" else SHAPES}
     elif kind == "eftopk":
         pipe = CommPipeline("topk", "allgather", method="ef", fabric=ctx.fabric, ratio=0.01)
         d, kw = SAMPLE_CUTOFF + 1000 + 300, {"segments": (("w", SAMPLE_CUTOFF + 1000), ("b", 300))}
@@ -107,6 +107,19 @@ def test_powersgd_declares_its_products_and_passes_and_the_step_grows_by_count_t
         assert _totals(steps[0], rank) == first
         assert more[rank][0] - base[rank][0] == pytest.approx(_seconds(first), rel=1e-9, abs=0)
         assert more[rank][1] - base[rank][1] == pytest.approx(_seconds(first) + _seconds(want), rel=1e-9, abs=0)
+
+
+def test_powersgd_declares_one_more_pass_for_a_matrix_written_through_its_aligned_buffer(monkeypatch):
+    """The same bucket with its bias first: the 8 x 6 matrix starts 6 floats (24 bytes) in, off the 64-byte
+    alignment of the products, so its residual lives in an aligned copy and its estimate is written into the aligned
+    product buffer and then into the bucket. A compressed step declares exactly one more elementwise pass over the
+    matrix (48) than the aligned layout's, and nothing else changes; the aligned layout's count is the test above's."""
+    aligned = _recorded(monkeypatch, "powersgd")[1]
+    shifted = _recorded(monkeypatch, "powersgd-bias-first")[1]
+    for rank in (0, 1):
+        want = _totals(aligned, rank)
+        want["elementwise"] += 48
+        assert _totals(shifted, rank) == want
 
 
 def test_ef_topk_per_parameter_declares_the_selection_and_the_residual(monkeypatch):
