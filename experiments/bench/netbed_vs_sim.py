@@ -221,6 +221,16 @@ def profile_network(profile: str, case, workers: int, cores: float, pinned: bool
     return net
 
 
+def netbed_burst_us(gbps: float) -> float:
+    """The bucket of the netbed's shapers at ``gbps`` in microseconds of link time (``tc htb``'s ``burst``,
+    :func:`sparsecomm.netbed.topology.htb_burst`), as a model of the netbed takes it (``Network(burst_us=...)``: a
+    link idle that long passes that many bytes at once; a wave of a request-response protocol, the sparse switch's,
+    pays its message's link time less the bucket)."""
+    from sparsecomm.netbed.topology import htb_burst
+
+    return htb_burst(gbps) * 8 / (gbps * 1e9) * 1e6
+
+
 def netbed_latency_us(profile: str) -> float:
     """The wire latency (microseconds) of the netbed modelled with the host ``profile``: the netbed's
     per-message latency the profile records (:func:`~sparsecomm.fabric.sim.sim_profile.netbed_latency_s`, measured
@@ -270,14 +280,16 @@ def compare_transports(workers: int, size_mb: float, gbps: float, names: list[st
     sims = {}
     if link:
         latency = measured(workers, 0.001, gbps, repeats=1)["latency_s"]
-        net = sc.Network(bandwidth_gbps=gbps, latency_us=latency * 1e6, payload_fraction=TCP_OVER_ETHERNET)
+        net = sc.Network(bandwidth_gbps=gbps, latency_us=latency * 1e6, payload_fraction=TCP_OVER_ETHERNET,
+                         burst_us=netbed_burst_us(gbps))
         sims["link"] = modelled_cases(workers, size_mb, cases, net)
     if profile:
         host_times = []
         latency_us = netbed_latency_us(profile)
         for c in cases:
             net = profile_network(profile, c, workers, os.cpu_count() or 1, pin_cores, bandwidth_gbps=gbps,
-                                  latency_us=latency_us, payload_fraction=TCP_OVER_ETHERNET, host_streams=True)
+                                  latency_us=latency_us, payload_fraction=TCP_OVER_ETHERNET, host_streams=True,
+                                  burst_us=netbed_burst_us(gbps))
             host_times += modelled_cases(workers, size_mb, [c], net)
         sims["host"] = host_times
     rows = []

@@ -13,10 +13,14 @@ The network model (alpha-beta with NIC serialisation), per endpoint:
   kernel's path: BENCHMARKS.md, "SimFabric vs netbed"). A ring all-reduce pays it in every handshake
   round and once per pipeline (``experiments/bench/netbed_vs_sim.py`` models with it);
 - a send issued at the sender's clock ``t`` starts at ``start = max(t, tx_free)`` and occupies the
-  sender's NIC until ``tx_end = start + bytes/bw_src``;
+  sender's NIC until ``tx_end = start + bytes/bw_src``; with ``Network.burst_us`` (a shaper's bucket, as
+  ``tc htb``'s ``burst``: a link idle for that long may send that much of its time's bytes at once) the NIC keeps
+  a virtual finish ``v``, the bucket being ``min(burst, t - v)`` of link time: ``v' = max(v, t - burst) +
+  bytes/bw_src`` and ``tx_end = max(start, v')``, an exact token bucket of the link's rate (0, the default: none);
 - the message's head reaches the receiver at ``head = start + latency``. The receiver's NIC takes the
   messages in *arrival* order (their heads; ties by source), whatever order the application asks for
-  them in: ``rx_end = max(head, rx_end of the message before it) + bytes/bw_dst``; a message is
+  them in: ``rx_end = max(head - burst, rx_end of the message before it) + bytes/bw_dst`` (its bucket likewise); a
+  message is
   delivered at ``max(rx_end, tx_end + latency)``, so on an idle path it takes ``latency + bytes/bw``.
   A message's slot is fixed once the application has taken it; a message that a thread behind in wall
   time posts later with an earlier head queues after the ones already taken (the only dependence on
@@ -79,6 +83,9 @@ class Network:
         timeout_s: bound of a wait for the other workers' calls, wall-clock seconds with the loop idle.
         payload_fraction: the share of the link rate that carries message bytes, in (0, 1].
         host: the hosts' CPU costs, or ``None`` for none.
+        burst_us: each link's bucket, microseconds of link time (``tc htb``'s ``burst``, :data:`sparsecomm.netbed.
+            topology.HTB_BURST_S` on the netbed): a NIC idle that long sends or takes that much of its time's bytes at
+            once, as a shaper that saved up its tokens lets them through (module docstring); 0, the default: none.
         host_streams: whether the hosts' work on a message's bytes runs while the bytes cross the link (a NIC
             apart from the hosts' CPUs, as the netbed's veth links and a real network's are) rather than before
             and after them (``False``, the default: the link of a loopback, where the hosts' own copies are the
@@ -103,11 +110,13 @@ class Network:
     payload_fraction: float = 1.0
     host: HostModel | None = None
     host_streams: bool = False
+    burst_us: float = 0.0
 
     def __post_init__(self) -> None:
         who = "Network"
         self.bandwidth_gbps = check_real("bandwidth_gbps", self.bandwidth_gbps, low=0.0, low_open=True, what=who)
         self.latency_us = check_real("latency_us", self.latency_us, low=0.0, what=who)
+        self.burst_us = check_real("burst_us", self.burst_us, low=0.0, what=who)
         self.loss = check_real("loss", self.loss, low=0.0, high=1.0, high_open=True, what=who)
         self.seed = check_seed("seed", self.seed, what=who)
         self.timeout_s = check_real("timeout_s", self.timeout_s, low=0.0, low_open=True, what=who)
@@ -226,17 +235,18 @@ class Endpoint:
         self.host = network.host      # CPU costs (None: none)
         self.cpu = self.slow * network.host.factor(eid) if network.host is not None else 1.0
         self.latency = latency
+        self.burst = network.burst_us * 1e-6     # the links' bucket, seconds of link time (Network.burst_us)
         self.per_port = per_port            # one NIC port per peer (else one NIC)
         self.clock = 0.0
         self._tx_free: dict[int, float] = {}     # per port of a ``per_port`` endpoint, when it is free
         #: when the one NIC of an endpoint that is not ``per_port`` is free (:meth:`transmit`'s; a send without a
         #: host model places itself by it inline, :meth:`.sim.SimFabric.isend_each`)
-        self.tx_free1 = 0.0
+        self.tx_free1 = -self.burst      # (a full bucket at time 0: Network.burst_us)
         # per NIC port (a ``per_port`` endpoint's by peer, ``_rx``; another's one NIC, ``_rx1``), a list: the queued
         # messages after the last one taken, in the order its NIC takes them (by :func:`_nic_order`), how many of
         # them (a prefix) have exact times, and the end of the one before them
         self._rx: dict[int, list] = {}
-        self._rx1: list = [[], 0, 0.0]
+        self._rx1: list = [[], 0, -self.burst]
         #: bumped whenever messages' times become lower bounds (:meth:`schedule`): a message's times are
         #: exact if its ``stamp`` is at least this
         self.epoch = 0
@@ -279,7 +289,7 @@ class Endpoint:
         host model the send's CPU time is charged to the clock first (:mod:`.sim_host`); with ``host_streams``
         only its fixed part first, its streamed part after the NIC starts, ``tx_end`` at least ``start`` plus it
         (:class:`Network`)."""
-        wire = nbytes / self.bw
+        wire = link = nbytes / self.bw
         streamed = 0.0
         if self.host is not None:
             if self.streams:     # (the fixed part first; the bytes' part streams beside the NIC: Network.host_streams)
@@ -291,16 +301,24 @@ class Endpoint:
             else:
                 self.clock += self.host.send_s(nbytes) * self.cpu
         start = self.clock
-        if self.per_port:
-            free = self._tx_free.get(peer, 0.0)
+        free = self._tx_free.get(peer, -self.burst) if self.per_port else self.tx_free1
+        if self.burst:      # (a token bucket: ``free`` is the link's virtual finish; module docstring)
+            v = start - self.burst
+            tx_end = (free if free > v else v) + link
             if free > start:
                 start = free
-            tx_end = self._tx_free[peer] = start + wire
+            if tx_end < start + wire - link:    # (a host streaming slower than the link: its pace)
+                tx_end = start + wire - link
+            if tx_end < start:
+                tx_end = start
         else:
-            free = self.tx_free1
             if free > start:
                 start = free
-            tx_end = self.tx_free1 = start + wire
+            tx_end = start + wire
+        if self.per_port:
+            self._tx_free[peer] = tx_end
+        else:
+            self.tx_free1 = tx_end
         if streamed:
             self.clock += streamed       # (the CPU it spends streaming, beside the NIC)
         return start, tx_end
@@ -324,7 +342,7 @@ class Endpoint:
         if self.per_port:
             rx = self._rx.get(msg.src)
             if rx is None:
-                rx = self._rx[msg.src] = [[], 0, 0.0]
+                rx = self._rx[msg.src] = [[], 0, -self.burst]
         else:
             rx = self._rx1
         tail, valid = rx[0], rx[1]
@@ -341,8 +359,9 @@ class Endpoint:
             else:                   # (before the last: not at the end, n is not needed)
                 i, n = bisect_right(tail, key, key=_nic_order), -1
                 t = tail[i - 1].rx_end if i else rx[2]
+        head -= self.burst          # (a bucket lets the bytes of an idle NIC through at once: module docstring)
         msg.rx_end = t = (head if head > t else t) + msg.nbytes / self.bw     # (max, inline: once per message)
-        d = msg.tx_end + (head - msg.start)
+        d = msg.tx_end + (msg.head - msg.start)
         msg.delivered = d if d > t else t
         if i == n:
             tail.append(msg)
@@ -371,12 +390,12 @@ class Endpoint:
         valid, epoch = rx[1], self.epoch
         if i >= valid:               # re-time the messages before it in NIC order, and it
             t = tail[valid - 1].rx_end if valid else rx[2]
-            bw = self.bw
+            bw, burst = self.bw, self.burst
             for k in range(valid, i + 1):    # (max, inline, as in schedule)
                 m = tail[k]
-                head = m.head
+                head = m.head - burst
                 m.rx_end = t = (head if head > t else t) + m.nbytes / bw
-                d = m.tx_end + (head - m.start)
+                d = m.tx_end + (m.head - m.start)
                 m.delivered = d if d > t else t
                 m.stamp = epoch
             rx[1] = i + 1

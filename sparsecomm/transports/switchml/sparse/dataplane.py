@@ -503,7 +503,14 @@ class Dataplane:
         taken after its packet of the slot's next round would be counted as that set's next round (the seen
         bitmap's rule assumes a port's packets in order, as SwitchML's); replies are sent ``tracked=False`` (never
         waited for: the ports transmit in parallel). With bursts (real fabrics, where a message costs far
-        more than its bytes; or a burst set on SimFabric) one role: a message is up to ``burst`` rows of
+        more than its bytes; or a burst set on SimFabric) on a real fabric one role per worker, its port, each with a
+        receive from that worker posted whenever it is not running the program on that worker's last message, so
+        that every worker's message of a wave comes in at once (over gloo a message leaves only for a posted
+        receive, and a receive from any worker takes one worker's message at a time: a wave of ``n`` workers'
+        messages would come in one after another); the roles take turns in one thread, each worker's messages in
+        order. On SimFabric one role with a receive from any worker, which takes the messages in the order they
+        arrive in modelled time (its messages arrive in parallel: the model has no rendezvous). A message is up
+        to ``burst`` rows of
         ``HEADER + k`` words, skips padded (a receive of ``burst`` rows, every row ``T_EMPTY`` when posted,
         takes a shorter message: :mod:`..lanes`); the replies to a message's rows leave in messages of up to
         ``burst`` rows, reaped by the scheduler before its next wait (all but :data:`_SERVICE_KEEP`) except on
@@ -515,19 +522,22 @@ class Dataplane:
         if K == 1 and sim:
             return [self._port(fabric, ("up", tag), torch.zeros(w, dtype=torch.int32), tag, Step(phase))
                     for phase, (tag, w) in enumerate(((TAG_UP, width), (TAG_SKIP, HEADER)))]
-        return [self._port(fabric, ("up", TAG_UP), torch.zeros((K, width), dtype=torch.int32), TAG_UP,
-                           Step(0, reaps=True))]
+        if sim:
+            return [self._port(fabric, ("up", TAG_UP), torch.zeros((K, width), dtype=torch.int32), TAG_UP,
+                               Step(0, reaps=True))]
+        return [self._port(fabric, ("up", TAG_UP, w), torch.zeros((K, width), dtype=torch.int32), TAG_UP,
+                           Step(0, reaps=True), w) for w in range(self.world)]
 
-    def _port(self, fabric: Fabric, key, buf: torch.Tensor, tag: int, stage: Step):
-        """One of :meth:`roles`: packets on ``tag`` from any worker into ``buf`` (one row, or ``burst`` rows),
-        under inbox ``key``, waiting at ``stage`` (:class:`.requests.RecvFor` without a timer: the port they
-        came on is the source it resumes with)."""
+    def _port(self, fabric: Fabric, key, buf: torch.Tensor, tag: int, stage: Step, port: int | None = None):
+        """One of :meth:`roles`: packets on ``tag`` from worker ``port`` (``None``: any worker) into ``buf`` (one
+        row, or ``burst`` rows), under inbox ``key``, waiting at ``stage`` (:class:`.requests.RecvFor` without a
+        timer: the port they came on is the source it resumes with)."""
         K = self.config.burst
         sim = fabric.modelled_time
         single = buf.dim() == 1
         arr = buf.numpy()
         while True:
-            src = yield RecvFor(key, buf, None, tag, None, stage)
+            src = yield RecvFor(key, buf, port, tag, None, stage)
             if single:
                 packets, valued = 1, int(arr.size > HEADER)
             else:
