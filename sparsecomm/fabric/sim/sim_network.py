@@ -289,32 +289,26 @@ class Endpoint:
         host model the send's CPU time is charged to the clock first (:mod:`.sim_host`); with ``host_streams``
         only its fixed part first, its streamed part after the NIC starts, ``tx_end`` at least ``start`` plus it
         (:class:`Network`)."""
-        wire = link = nbytes / self.bw
+        link = nbytes / self.bw
         streamed = 0.0
         if self.host is not None:
             if self.streams:     # (the fixed part first; the bytes' part streams beside the NIC: Network.host_streams)
                 fixed = self.host.send_fixed_s() * self.cpu
                 streamed = max(0.0, self.host.send_s(nbytes) * self.cpu - fixed)
                 self.clock += fixed
-                if streamed > wire:
-                    wire = streamed
             else:
                 self.clock += self.host.send_s(nbytes) * self.cpu
         start = self.clock
+        # ``free``: the link's virtual finish, a token bucket of ``burst`` (0: when the NIC is free; module docstring)
         free = self._tx_free.get(peer, -self.burst) if self.per_port else self.tx_free1
-        if self.burst:      # (a token bucket: ``free`` is the link's virtual finish; module docstring)
-            v = start - self.burst
-            tx_end = (free if free > v else v) + link
-            if free > start:
-                start = free
-            if tx_end < start + wire - link:    # (a host streaming slower than the link: its pace)
-                tx_end = start + wire - link
-            if tx_end < start:
-                tx_end = start
-        else:
-            if free > start:
-                start = free
-            tx_end = start + wire
+        v = start - self.burst
+        tx_end = (free if free > v else v) + link
+        if free > start:
+            start = free
+        if tx_end < start + streamed:       # (a host streaming slower than the link: its pace)
+            tx_end = start + streamed
+        if tx_end < start:
+            tx_end = start
         if self.per_port:
             self._tx_free[peer] = tx_end
         else:
