@@ -63,7 +63,10 @@ the larger of a worker's bytes sent and received, the busiest worker).
 worker at once, so the CPU is shared as in training, each step started after a barrier as a training step starts
 when the collectives before it let the workers go), the largest of the workers' medians over ``COMPUTE_STEPS``;
 beside it (:func:`compute_stats`) ``compute_mean_s``, the largest of their means, and ``compute_max_s``, the mean
-over the steps of each step's slowest worker. The modelled and link-only columns add ``compute_mean_s`` to a step:
+over the steps of each step's slowest worker; ``ddp_compute_s``, ``ddp_compute_mean_s`` and ``ddp_compute_max_s``,
+the same of DistributedDataParallel's step whose comm hook communicates nothing (DDP's own work: its autograd hooks,
+its copies of the gradients into its buckets and back). The modelled and link-only columns add ``compute_mean_s``
+(the modelled column of a scheme trained under DDP, ``ddp_compute_mean_s``) to a step:
 a time to target is a sum of steps, of which ``step_s`` is the mean, and on shared cores the step times are
 right-skewed (the median falls below the mean). Not ``compute_max_s``: a bulk-synchronous step waits for its
 slowest worker, but the host profile's ``sync_s`` already charges a call's wait for its last worker (the first call
@@ -73,15 +76,14 @@ recorded run with another);
 ``step_s``: the measured mean step; ``comm_fraction = 1 - compute_mean_s / step_s``, the share of a step not spent
 in the model's own forward, backward and update (communication, and for compressors their encoding).
 ``modelled_s``: the prediction of the same run through the SimFabric, ``steps_to_target * (compute_mean_s +
-modelled_comm_s)``, and ``modelled_ratio = modelled_s / time_to_target_s``. ``modelled_comm_s`` is one step's
-communication modelled by running the scheme's own calls on ``sc.launch(..., backend="sim")``
-(:func:`modelled_comm_s`): the same model, batches and real gradients, ``MODEL_STEPS`` steps, the last one
+modelled_comm_s)`` (``ddp_compute_mean_s`` under DDP), and ``modelled_ratio = modelled_s / time_to_target_s``.
+``modelled_comm_s`` is one step's communication modelled by running the scheme's own calls on
+``sc.launch(..., backend="sim")`` (:func:`modelled_comm_s`): the same model, batches and real gradients, ``MODEL_STEPS`` steps, the last one
 timed on the modelled clock (step 0 is the hook's uncompressed step); a ``hook`` scheme runs the hook's body
 (``CommHookState.start_bucket``) on stock DDP's steady bucket layout (:func:`ddp_buckets`), stock DDP is the
 hook's plain average on the ``ring`` (gloo's algorithm), the optimizer scheme is ``DistributedOptimizer``; DDP's
-own copies of the gradient (into its buckets during backward, the results back into ``.grad``: a hook's two, stock
-DDP's one beyond its division) are charged as host copies (:func:`_model_worker`), as is the optimizer's gather of the
-gradients into its bucket.
+own work is in its measured step (``ddp_compute_mean_s``), the optimizer's gather of the gradients into its bucket
+a host copy (:func:`_model_worker`).
 The network (:func:`modelled_network`) is the netbed's links at TCP's payload rate
 (:data:`sparsecomm.fabric.sim.sim_network.TCP_OVER_ETHERNET`) and the wire's latency, with the host of
 ``--profile PATH`` (``python -m sparsecomm.netbed calibrate --out PATH``: its rates, shared by the hosts and
@@ -174,7 +176,7 @@ DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_BYTES = 1 << 20, 25 << 20
 COLUMNS = ("model", "scheme", "transport", "hosts", "gbps", "time_to_target_s", "steps_to_target", "reached",
            "bytes_per_step", "comm_fraction", "target", "metric", "compute_s", "step_s", "modelled_s",
            "modelled_ratio", "note", "seed", "modelled_comm_s", "link_only_s", "link_only_ratio", "compute_mean_s",
-           "compute_max_s")
+           "compute_max_s", "ddp_compute_s", "ddp_compute_mean_s", "ddp_compute_max_s")
 
 
 # ----------------------------------------------------------------------------- tasks
@@ -333,6 +335,17 @@ class Scheme:
     options: dict = field(default_factory=dict)
     services: tuple[str, ...] = ()
 
+    @property
+    def under_ddp(self) -> bool:
+        """Whether its model trains wrapped in DistributedDataParallel (stock DDP, a hook): its modelled step adds
+        the step of DDP with no communication (``ddp_compute_*``), which holds DDP's own work, to its calls."""
+        return self.kind in ("ddp", "hook", "torch-hook")
+
+    def compute_column(self, statistic: str = "compute_mean_s") -> str:
+        """The column of the no-communication step its modelled step adds (:data:`COMPUTE_STATS`): the
+        ``statistic`` of the plain step, or of DDP's (``ddp_`` before it) where it trains under DDP."""
+        return f"ddp_{statistic}" if self.under_ddp else statistic
+
     def sharing_services(self, pinned: bool = False) -> int:
         """Its services that share the workers' cores, as a model of processes sharing cores counts them
         (:func:`sparsecomm.netbed.calibrate.busy_endpoints`: every one; on ``pinned`` ranks, none of the sparse
@@ -431,17 +444,30 @@ def _timed_step(task: Task, net: nn.Module, opt, b) -> float:
     return time.perf_counter() - start
 
 
-def _compute_steps(task: Task, rank: int, group) -> list[float]:
+def _no_communication(state, bucket):       # (unannotated: DDP checks a hook's annotations, here strings)
+    """A DDP comm hook that communicates nothing: the bucket as it stands, at once (:func:`_compute_steps`)."""
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+def _compute_steps(task: Task, rank: int, group, ddp: bool = False) -> list[float]:
     """The times of :data:`COMPUTE_STEPS` steps with no communication (a fresh model and optimizer, the same
     batches), every worker at once: each started after a barrier, as a training step starts once the collectives
-    of the step before have let every worker go."""
+    of the step before have let every worker go. ``ddp``: the model wrapped in DistributedDataParallel whose comm
+    hook communicates nothing (:func:`_no_communication`), so that the steps hold DDP's own work (its autograd
+    hooks, its copies of the gradients into its buckets and of the buckets back into ``.grad``) and no call."""
     model = task.build()
     opt = task.optimizer(model)
+    net: nn.Module = model
+    if ddp:
+        net = nn.parallel.DistributedDataParallel(model, process_group=group)
+        net.register_comm_hook(None, _no_communication)
     times = []
     for t in range(COMPUTE_WARMUP + COMPUTE_STEPS):
         b = task.batch(rank, t)
         dist.barrier(group=group)
-        took = _timed_step(task, model, opt, b)
+        took = _timed_step(task, net, opt, b)
         if t >= COMPUTE_WARMUP:
             times.append(took)
     return times
@@ -563,7 +589,8 @@ def _train(ctx, task_name: str, quick: bool, schemes: tuple[Scheme, ...], time_c
     torch.set_num_threads(1)
     task = TASKS[task_name](quick, seed=seed)
     group = ctx.fabric.native_group if ctx.fabric.services() else None
-    out = {"compute_steps": _compute_steps(task, ctx.rank, group), "target": task.target,
+    out = {"compute_steps": _compute_steps(task, ctx.rank, group),
+           "ddp_compute_steps": _compute_steps(task, ctx.rank, group, ddp=True), "target": task.target,
            "describe": task.describe, "info": task.info, "runs": {}}
     for scheme in schemes:
         trace = None if breakdown is None else os.path.join(
@@ -593,7 +620,8 @@ def run_schemes(task_name: str, schemes: tuple[Scheme, ...], hosts: int, gbps: f
                                       time_cap_s=time_cap_s, seed=seed, breakdown=breakdown),
                     world_size=hosts, services=list(services.pop()), timeout_s=timeout_s, pin_cores=pin_cores, **opts)
     stats = compute_stats([r["compute_steps"] for r in res])
-    compute = stats["compute_mean_s"]        # (the statistic a modelled step adds: the module docstring)
+    stats |= {f"ddp_{k}": v for k, v in compute_stats([r["ddp_compute_steps"] for r in res]).items()}
+    compute = stats["compute_mean_s"]
     out = []
     for scheme in schemes:
         r0 = res[0]["runs"][scheme.name]
@@ -604,10 +632,11 @@ def run_schemes(task_name: str, schemes: tuple[Scheme, ...], hosts: int, gbps: f
         if gbps is not None:
             link_only = r0["steps"] * (compute + link / (gbps * 1e9 / 8 * TCP_OVER_ETHERNET))
         if gbps is not None and scheme.kind != "torch-hook":   # (torch's hook calls torch.distributed: no model)
+            step = stats[scheme.compute_column()]        # (the statistic a modelled step adds: the module docstring)
             comm = modelled_comm_s(TASKS[task_name](quick, seed=seed), scheme, hosts,
                                    modelled_network(gbps, hosts, scheme.sharing_services(pin_cores), profile),
-                                   compute_s=compute)
-            modelled = r0["steps"] * (compute + comm)
+                                   compute_s=step)
+            modelled = r0["steps"] * (step + comm)
         row = {"model": task_name, "scheme": scheme.name, "transport": r0["transport"], "hosts": hosts,
                "gbps": gbps if gbps is not None else "loopback",
                "time_to_target_s": elapsed if r0["reached"] else float("nan"),
@@ -616,7 +645,7 @@ def run_schemes(task_name: str, schemes: tuple[Scheme, ...], hosts: int, gbps: f
                "target": res[0]["target"], "metric": r0["metric"], "compute_s": stats["compute_s"], "step_s": step_s,
                "modelled_s": modelled, "modelled_ratio": modelled / elapsed, "note": "", "seed": seed,
                "modelled_comm_s": comm, "link_only_s": link_only, "link_only_ratio": link_only / elapsed,
-               "compute_mean_s": stats["compute_mean_s"], "compute_max_s": stats["compute_max_s"]}
+               **{k: stats[k] for k in COMPUTE_STATS + DDP_COMPUTE_STATS if k != "compute_s"}}
         if not r0["reached"]:
             row["note"] = (f"stopped at step {r0['steps']} after {elapsed:.1f} s at {r0['metric']:.4f} "
                            f"(target {res[0]['target']:.4f})")
@@ -671,19 +700,18 @@ def _model_worker(ctx, task: Task, scheme: Scheme, steps: int, init: dict,
     default is ``ring``): ``native``'s model, :class:`~sparsecomm.transports.native.model.GlooRing` (gloo's
     segments, its messages at the host's native rates), in place as the hook's buckets are summed;
     ``"optimizer"`` is :class:`~sparsecomm.DistributedOptimizer` itself. Backward and the update are measured
-    (``compute_s``, a step of a replica without DDP, every worker at once): each step declares ``compute_s`` to
-    the fabric (``fabric.compute``) as it starts, before backward (whose hooks start the optimizer's call), the work
-    the step's first call waits out its last worker after (the host model's ``sync_work_s``), and its ``(start,
-    end)`` leaves it out. DDP's own copies are host work
-    (``host_work("copy", nbytes)``: the host model's ``copy_byte_s``, stretched as every host charge by the cores'
-    share; nothing without a host model): torch's reducer (``gradient_as_bucket_view=False``, DDP's default) copies
-    each gradient into its bucket as backward produces it and, once the bucket's future completes, the bucket's
-    result (the hook's future's tensor, viewed, not copied) back into ``.grad``, so a ``"hook"`` scheme is charged
-    both copies of every bucket (the first before the bucket starts, the second after its wait); stock DDP's first
-    copy divides by the world size as it copies (``at::mul_out``), the division its modelled plain average already
-    charges as its decode's elementwise pass, so it is charged the second only. The optimizer's own gather of the
-    gradients into its buckets (:meth:`sparsecomm.pipeline.buckets.Bucket.gather`, a copy; ``p.grad`` then views
-    the average, no copy back) is charged by the optimizer itself, as a copy of the bucket's bytes. The model starts from ``init`` (its state dict, built once by the caller): the workers are threads of one process,
+    (``compute_s``, a step with no communication, every worker at once; for a scheme under DDP, DDP's step whose
+    hook communicates nothing, :meth:`Scheme.compute_column`): each step declares ``compute_s`` to the fabric
+    (``fabric.compute``) as it starts, before backward (whose hooks start the optimizer's call), the work the step's
+    first call waits out its last worker after (the host model's ``sync_work_s``), and its ``(start, end)`` leaves
+    it out. DDP's own work (its autograd hooks, its copies of each gradient into its bucket and of the bucket's
+    result back into ``.grad``) is in that measured step, so nothing here charges it. Stock DDP's copy into its
+    bucket divides by the world size as it copies (``at::mul_out``) where the measured hook's copies: its modelled
+    plain average charges that division again, as its decode's elementwise pass (one pass over the gradient, 0.3
+    ms of the MLP's 49 ms step). The optimizer's own gather
+    of the gradients into its buckets (:meth:`sparsecomm.pipeline.buckets.Bucket.gather`, a copy; ``p.grad`` then
+    views the average, no copy back) is charged by the optimizer itself, as a copy of the bucket's bytes. The model
+    starts from ``init`` (its state dict, built once by the caller): the workers are threads of one process,
     and ``task.build()`` seeds and draws from torch's global generator, which they would share in whatever order
     the threads are scheduled in."""
     torch.set_num_threads(1)
@@ -709,23 +737,15 @@ def _model_worker(ctx, task: Task, scheme: Scheme, steps: int, init: dict,
         shaped = state.pipeline.method.uses_shapes
         opt = inner
 
-        # DDP's copies (docstring): into the bucket (a hook's; stock DDP's is its charged division), and back
-        copy_in = scheme.kind == "hook"
-
         def average() -> None:
             works = []
             for i, params in enumerate(buckets):
                 flat = torch.cat([p.grad.reshape(-1) for p in params])
-                if copy_in:
-                    fabric.host_work("copy", flat.nbytes)
                 works.append(state.start_bucket(flat, i, i == len(buckets) - 1, params,
                                                 [p.shape for p in params] if shaped else None))
             for params, work in zip(buckets, works):
-                avg = work.wait()
-                torch.nn.utils.vector_to_parameters(avg, [p.grad for p in params])
-                fabric.host_work("copy", avg.nbytes)
-            # a charge made while the communication thread still completes a call is queued behind it
-            # (SimFabric.host_work): on the clock before the step's end is read, whatever the threads' timing
+                torch.nn.utils.vector_to_parameters(work.wait(), [p.grad for p in params])
+            # every call's charges (the communication thread's too) on the clock before the step's end is read
             drain(fabric)
     out = []
     for t in range(steps):
@@ -914,8 +934,8 @@ def load(out: Path) -> list[dict]:
             for k in ("time_to_target_s", "bytes_per_step", "comm_fraction", "target", "metric", "compute_s",
                       "step_s", "modelled_s", "modelled_ratio"):
                 row[k] = float(r[k])
-            for k in ("modelled_comm_s", "link_only_s", "link_only_ratio", "compute_mean_s",
-                      "compute_max_s"):    # (absent from older runs)
+            for k in ("modelled_comm_s", "link_only_s", "link_only_ratio", "compute_mean_s", "compute_max_s",
+                      *DDP_COMPUTE_STATS):    # (absent from older runs)
                 row[k] = float(r.get(k) or "nan")
             row["hosts"] = int(r["hosts"])
             row["steps_to_target"] = int(r["steps_to_target"]) if r["steps_to_target"] else ""
@@ -959,6 +979,9 @@ def seeds_table(results: list[dict]) -> str:
 
 #: the statistics of the no-communication step a remodelled column may add to a step (:func:`compute_stats`)
 COMPUTE_STATS = ("compute_s", "compute_mean_s", "compute_max_s")
+#: the same statistics of DDP's step with no communication (:func:`_compute_steps`), which a scheme trained under
+#: DDP adds (:meth:`Scheme.compute_column`)
+DDP_COMPUTE_STATS = tuple(f"ddp_{k}" for k in COMPUTE_STATS)
 
 
 def remodel(results: list[dict], profile: str | None, quick: bool = False,
@@ -968,10 +991,10 @@ def remodel(results: list[dict], profile: str | None, quick: bool = False,
     netbed run (``gbps`` a number; not torch's hook), ``modelled_comm_s`` of its scheme at its ``hosts`` and
     seed (:func:`modelled_comm_s`), and ``modelled_s = steps * (compute + modelled_comm_s)`` over the steps
     it ran (to the target, or to where it stopped), ``modelled_ratio`` against its measured time; the other
-    columns as recorded. ``compute`` is the recorded column of the no-communication step added to each step
-    (:data:`COMPUTE_STATS`, :func:`compute_stats`; default ``compute_mean_s``, the figure a run models with);
-    a row that does not have it (a run recorded before the column existed, which modelled with ``compute_s``)
-    raises. (``--remodel DIR --profile P``: a
+    columns as recorded. ``compute`` is the statistic of the no-communication step added to each step
+    (:data:`COMPUTE_STATS`, :func:`compute_stats`; default ``compute_mean_s``, the figure a run models with), of
+    DDP's step for a scheme trained under DDP (:meth:`Scheme.compute_column`: ``ddp_compute_mean_s``); a row that
+    does not have its column (a run recorded before the column existed) raises. (``--remodel DIR --profile P``: a
     change to the model or the profile checked against measurements already made.)"""
     if compute not in COMPUTE_STATS:
         raise ValueError(f"remodel: compute must be one of {COMPUTE_STATS}, got {compute!r}")
@@ -988,10 +1011,13 @@ def remodel(results: list[dict], profile: str | None, quick: bool = False,
             steps = row["steps_to_target"] if row["reached"] else _stopped_steps(results, r["row"])
             elapsed = row["time_to_target_s"] if row["reached"] else (r["curve"][-1][0] if r["curve"] else
                                                                         float("nan"))
-            step = row[compute]
+            column = scheme.compute_column(compute)
+            step = row[column]
             if not math.isfinite(step):
-                raise ValueError(f"remodel: the row {row['model']} {row['scheme']!r} has no {compute} (a run "
-                                 f"recorded before the column existed); remodel it with --compute compute_s")
+                hint = ("train it again: its modelled step adds DDP's own step, measured since"
+                        if scheme.under_ddp else "remodel it with --compute compute_s")
+                raise ValueError(f"remodel: the row {row['model']} {row['scheme']!r} has no {column} (a run "
+                                 f"recorded before the column existed); {hint}")
             comm = modelled_comm_s(TASKS[row["model"]](quick, seed=row["seed"]), scheme, row["hosts"],
                                    modelled_network(gbps, row["hosts"], scheme.sharing_services(), profile),
                                    compute_s=step)

@@ -222,18 +222,18 @@ def test_the_modelled_step_runs_the_schemes_own_calls_and_a_host_costs_more():
                              dataclasses.replace(net, host=host)) > hook
 
 
-def test_the_modelled_step_charges_ddps_copies_of_the_gradient_at_the_copy_rate_stretched_by_the_share():
-    """torch's reducer copies every gradient into its bucket and the bucket's result back into ``.grad``: a hook
-    scheme is charged both copies of the gradient's bytes at ``copy_byte_s``, stock DDP the copy back only (its
-    copy in is the division its plain average already charges), the optimizer its own gather of the gradient into its
-    bucket (``p.grad`` then views the average: no copy back); at a share of the cores of 2 each copy costs twice as
-    much."""
+def test_the_modelled_step_leaves_ddps_copies_to_its_measured_step_and_charges_the_optimizers_gather():
+    """torch's reducer's copies of every gradient into its bucket and back into ``.grad`` are in DDP's measured step
+    (``ddp_compute_*``, which the modelled step of a scheme under DDP adds): a hook scheme and stock DDP are charged no
+    copy at ``copy_byte_s`` but their transport's own (PowerSGD's ``native``: one of the bucket); the optimizer is
+    charged its own gather of the gradient into its bucket (``p.grad`` then views the average: no copy back); at a
+    share of the cores of 2 each copy costs twice as much."""
     n, rate = 4096, 1e-9
     task = _tiny_task(n)
     by_name = {s.name: s for s in T.SCHEMES}
     net = T.modelled_network(1.0, 2, 0)
     for share in (1.0, 2.0):
-        for name, copies in (("ddp", 1), ("hook none/omnireduce", 2), ("hook powersgd", 2), ("hook ef+topk", 2),
+        for name, copies in (("ddp", 0), ("hook none/omnireduce", 0), ("hook powersgd", 0), ("hook ef+topk", 0),
                              ("optimizer none/omnireduce", 1)):
             base = dataclasses.replace(net, host=sc.HostModel(cpu_share=share))
             copying = dataclasses.replace(net, host=sc.HostModel(copy_byte_s=rate, cpu_share=share))
@@ -277,9 +277,9 @@ def test_the_modelled_step_waits_for_the_last_worker_after_its_compute_and_less_
     assert each - 3 * sync < less < each - sync / 2
 
 
-def test_the_modelled_step_with_ddps_copies_is_the_same_whatever_the_threads_timing():
-    """The copy back of the last bucket is charged from the training thread as the communication thread completes
-    the call: it is on the clock before the step's end is read, in every run (10 runs, each the same)."""
+def test_the_modelled_step_under_ddp_is_the_same_whatever_the_threads_timing():
+    """The communication thread's charges of the last bucket's call are on the clock before the training thread
+    reads the step's end, in every run (10 runs, each the same)."""
     task = _tiny_task(1 << 14)
     net = dataclasses.replace(T.modelled_network(1.0, 2, 0),
                               host=sc.HostModel(copy_byte_s=1e-9, elementwise_element_s=1e-9, kernel_call_s=1e-5,
@@ -335,10 +335,12 @@ def test_a_profile_is_checked_before_anything_trains(tmp_path, monkeypatch, caps
 
 
 def test_remodel_recomputes_the_modelled_columns_of_a_recorded_run_without_training(tmp_path, monkeypatch, capsys):
-    """By hand, with a modelled step of 10 ms per host (hosts x 5 ms): a reached row of 80 steps and 11 ms compute (the
-    workers' largest mean, the default; their median 9 ms) on 2 hosts models 80 x (0.011 + 0.010) = 1.68 s, 0.6 of its 2.8 s; a row that stopped at step 30 (its curve's last)
-    after 1.5 s models 30 x (0.002 + 0.010) = 0.36 s; torch's hook and a loopback row keep their NaN; nothing
-    trains, and the recorded folder is not written."""
+    """By hand, with a modelled step of 10 ms per host (hosts x 5 ms): a reached hook row of 80 steps and 11 ms of
+    DDP's step with no communication (the workers' largest mean, the default; their median 9 ms; the plain step's
+    4 ms is not its) on 2 hosts models 80 x (0.011 + 0.010) = 1.68 s, 0.6 of its 2.8 s; a row that stopped at step
+    30 (its curve's last) after 1.5 s models 30 x (0.002 + 0.010) = 0.36 s; the optimizer's row adds the plain step:
+    80 x (0.004 + 0.010) = 1.12 s; torch's hook and a loopback row keep their NaN; nothing trains, and the recorded
+    folder is not written."""
     rec = tmp_path / "rec"
     rec.mkdir()
     base = {k: "" for k in T.COLUMNS} | {"model": "mlp", "transport": "native", "bytes_per_step": "1", "seed": "0",
@@ -346,11 +348,17 @@ def test_remodel_recomputes_the_modelled_columns_of_a_recorded_run_without_train
                                          "modelled_s": "nan", "modelled_ratio": "nan", "link_only_s": "nan",
                                          "link_only_ratio": "nan", "modelled_comm_s": "nan", "note": ""}
     rows = [base | {"scheme": "hook powersgd", "hosts": "2", "gbps": "1", "time_to_target_s": "2.8",
-                    "steps_to_target": "80", "reached": "True", "compute_s": "0.009",
-                    "compute_mean_s": "0.011", "compute_max_s": "0.013"},
+                    "steps_to_target": "80", "reached": "True", "compute_s": "0.003", "compute_mean_s": "0.004",
+                    "compute_max_s": "0.005", "ddp_compute_s": "0.009", "ddp_compute_mean_s": "0.011",
+                    "ddp_compute_max_s": "0.013"},
             base | {"scheme": "hook ef+topk", "hosts": "2", "gbps": "1", "time_to_target_s": "nan",
                     "steps_to_target": "", "reached": "False", "compute_s": "0.001",
-                    "compute_mean_s": "0.002", "compute_max_s": "0.003"},
+                    "compute_mean_s": "0.0015", "compute_max_s": "0.003", "ddp_compute_s": "0.001",
+                    "ddp_compute_mean_s": "0.002", "ddp_compute_max_s": "0.003"},
+            base | {"scheme": "optimizer none/omnireduce", "hosts": "2", "gbps": "1", "time_to_target_s": "2.8",
+                    "steps_to_target": "80", "reached": "True", "compute_s": "0.003", "compute_mean_s": "0.004",
+                    "compute_max_s": "0.005", "ddp_compute_s": "0.009", "ddp_compute_mean_s": "0.011",
+                    "ddp_compute_max_s": "0.013"},
             base | {"scheme": "torch powersgd", "hosts": "2", "gbps": "1", "time_to_target_s": "3.0",
                     "steps_to_target": "80", "reached": "True", "compute_s": "0.011"},
             base | {"scheme": "ddp", "hosts": "2", "gbps": "loopback", "time_to_target_s": "1.0",
@@ -366,7 +374,8 @@ def test_remodel_recomputes_the_modelled_columns_of_a_recorded_run_without_train
     got = T.main(["--remodel", str(rec), "--netbed", "1", "--out", str(tmp_path / "out"), "--no-wandb"])
     assert got[0]["modelled_s"] == pytest.approx(1.68) and got[0]["modelled_ratio"] == pytest.approx(0.6)
     assert got[1]["modelled_s"] == pytest.approx(0.36) and got[1]["modelled_ratio"] == pytest.approx(0.24)
-    assert all(math.isnan(r["modelled_s"]) for r in got[2:])
+    assert got[2]["modelled_s"] == pytest.approx(1.12) and got[2]["modelled_ratio"] == pytest.approx(0.4)
+    assert all(math.isnan(r["modelled_s"]) for r in got[3:])
     assert sorted(p.name for p in rec.iterdir()) == ["curves.csv", "summary.csv"]
     assert (tmp_path / "out" / "remodelled.csv").exists() and "1.68" in capsys.readouterr().out
 
@@ -378,8 +387,10 @@ def test_the_compute_statistics_are_the_largest_median_the_largest_mean_and_the_
 
 
 def test_remodel_adds_the_compute_statistic_asked_for_and_refuses_a_run_recorded_without_it(tmp_path, monkeypatch):
-    """``--compute compute_max_s``: 80 steps x (0.015 + 0.010) = 2.0 s; a row recorded before the columns existed
-    (empty) is refused with its name, by default too (``compute_mean_s``), and ``--compute compute_s`` models it."""
+    """``--compute compute_max_s``: a hook's row adds DDP's, 80 steps x (0.015 + 0.010) = 2.0 s; a row recorded before
+    the columns existed (empty) is refused with its name, by default too (``ddp_compute_mean_s``), ``--compute
+    compute_s`` as well (DDP's step was not measured: train it again); the optimizer's row of such a run is
+    modelled with ``--compute compute_s``, its plain step's."""
     rec = tmp_path / "rec"
     rec.mkdir()
     base = {k: "" for k in T.COLUMNS} | {"model": "mlp", "transport": "native", "bytes_per_step": "1", "seed": "0",
@@ -392,7 +403,8 @@ def test_remodel_adds_the_compute_statistic_asked_for_and_refuses_a_run_recorded
     with open(rec / "summary.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=T.COLUMNS)
         w.writeheader()
-        w.writerow(base | {"compute_mean_s": "0.012", "compute_max_s": "0.015"})
+        w.writerow(base | {"compute_mean_s": "0.004", "compute_max_s": "0.005", "ddp_compute_s": "0.011",
+                           "ddp_compute_mean_s": "0.012", "ddp_compute_max_s": "0.015"})
     (rec / "curves.csv").write_text("model,scheme,elapsed_s,step,metric,seed\n")
     declared = []         # (the compute the model declares before each step's calls: the statistic asked for)
     monkeypatch.setattr(T, "modelled_comm_s",
@@ -406,10 +418,16 @@ def test_remodel_adds_the_compute_statistic_asked_for_and_refuses_a_run_recorded
         w = csv.DictWriter(f, fieldnames=older)
         w.writeheader()
         w.writerow({k: base[k] for k in older})
-    with pytest.raises(ValueError, match="'hook powersgd' has no compute_max_s"):
+    with pytest.raises(ValueError, match="'hook powersgd' has no ddp_compute_max_s"):
         T.main(["--remodel", str(rec), "--compute", "compute_max_s", "--out", str(tmp_path / "out"), "--no-wandb"])
-    with pytest.raises(ValueError, match="'hook powersgd' has no compute_mean_s"):   # (the default's column)
+    with pytest.raises(ValueError, match="'hook powersgd' has no ddp_compute_mean_s"):   # (the default's column)
         T.main(["--remodel", str(rec), "--out", str(tmp_path / "out"), "--no-wandb"])
+    with pytest.raises(ValueError, match="'hook powersgd' has no ddp_compute_s .*train it again"):
+        T.main(["--remodel", str(rec), "--compute", "compute_s", "--out", str(tmp_path / "out"), "--no-wandb"])
+    with open(rec / "summary.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=older)
+        w.writeheader()
+        w.writerow({k: base[k] for k in older} | {"scheme": "optimizer none/omnireduce"})
     got = T.main(["--remodel", str(rec), "--compute", "compute_s", "--out", str(tmp_path / "out"), "--no-wandb"])
     assert got[0]["modelled_s"] == pytest.approx(80 * 0.021) and declared == [0.015, 0.011]
 
@@ -482,6 +500,9 @@ def test_a_quick_loopback_run_breaks_the_step_down_for_ours_and_torchs_powersgd(
     assert by["torch powersgd"]["row"]["transport"] == "native (gloo ring)" and by["torch powersgd"]["row"]["reached"]
     assert 0 < by["torch powersgd"]["row"]["bytes_per_step"] < 340_008       # below the dense gradient's
     assert math.isnan(by["torch powersgd"]["row"]["modelled_s"])
+    for row in (by["hook powersgd"]["row"], by["torch powersgd"]["row"]):   # (DDP's own step, no communication)
+        assert 0 < row["ddp_compute_s"] <= row["ddp_compute_max_s"] < 1 and 0 < row["ddp_compute_mean_s"] < 1
+        assert row["ddp_compute_mean_s"] != row["compute_mean_s"]
     for r in range(2):
         assert (tmp_path / f"mlp_hook_powersgd.rank{r}.json").stat().st_size > 0
 
