@@ -78,8 +78,8 @@ in the model's own forward, backward and update (communication, and for compress
 ``modelled_s``: the prediction of the same run through the SimFabric, ``steps_to_target * (compute_mean_s +
 modelled_comm_s)`` (``ddp_compute_mean_s`` under DDP), and ``modelled_ratio = modelled_s / time_to_target_s``.
 ``modelled_comm_s`` is one step's communication modelled by running the scheme's own calls on
-``sc.launch(..., backend="sim")`` (:func:`modelled_comm_s`): the same model, batches and real gradients, ``MODEL_STEPS`` steps, the last one
-timed on the modelled clock (step 0 is the hook's uncompressed step); a ``hook`` scheme runs the hook's body
+``sc.launch(..., backend="sim")`` (:func:`modelled_comm_s`): the same model, batches and real gradients,
+``MODEL_STEPS`` steps, the last one timed on the modelled clock (step 0 is the hook's uncompressed step); a ``hook`` scheme runs the hook's body
 (``CommHookState.start_bucket``) on stock DDP's steady bucket layout (:func:`ddp_buckets`), stock DDP is the
 hook's plain average on the ``ring`` (gloo's algorithm), the optimizer scheme is ``DistributedOptimizer``; DDP's
 own work is in its measured step (``ddp_compute_mean_s``), the optimizer's gather of the gradients into its bucket
@@ -705,10 +705,10 @@ def _model_worker(ctx, task: Task, scheme: Scheme, steps: int, init: dict,
     (``fabric.compute``) as it starts, before backward (whose hooks start the optimizer's call), the work the step's
     first call waits out its last worker after (the host model's ``sync_work_s``), and its ``(start, end)`` leaves
     it out. DDP's own work (its autograd hooks, its copies of each gradient into its bucket and of the bucket's
-    result back into ``.grad``) is in that measured step, so nothing here charges it. Stock DDP's copy into its
-    bucket divides by the world size as it copies (``at::mul_out``) where the measured hook's copies: its modelled
-    plain average charges that division again, as its decode's elementwise pass (one pass over the gradient, 0.3
-    ms of the MLP's 49 ms step). The optimizer's own gather
+    result back into ``.grad``) is in that measured step, so nothing here charges it. Stock DDP divides by the
+    world size as it copies into its bucket (``at::mul_out``), where the measured step's hook only copies: its
+    modelled plain average charges the division as its decode's elementwise pass, one pass over the gradient more
+    than stock DDP makes. The optimizer's own gather
     of the gradients into its buckets (:meth:`sparsecomm.pipeline.buckets.Bucket.gather`, a copy; ``p.grad`` then
     views the average, no copy back) is charged by the optimizer itself, as a copy of the bucket's bytes. The model
     starts from ``init`` (its state dict, built once by the caller): the workers are threads of one process,
@@ -1014,7 +1014,7 @@ def remodel(results: list[dict], profile: str | None, quick: bool = False,
             column = scheme.compute_column(compute)
             step = row[column]
             if not math.isfinite(step):
-                hint = ("train it again: its modelled step adds DDP's own step, measured since"
+                hint = ("train it again: a scheme under DDP adds DDP's own step, which that run did not measure"
                         if scheme.under_ddp else "remodel it with --compute compute_s")
                 raise ValueError(f"remodel: the row {row['model']} {row['scheme']!r} has no {column} (a run "
                                  f"recorded before the column existed); {hint}")
@@ -1071,9 +1071,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         "OUT/remodelled.csv (not into DIR)")
     p.add_argument("--compute", default="compute_mean_s", choices=COMPUTE_STATS,
                    help="with --remodel: the recorded statistic of the no-communication step added to each modelled "
-                        "step (compute_mean_s, the default: the workers' largest mean, as a run models; compute_s: "
-                        "their largest median, as runs recorded without compute_mean_s modelled; compute_max_s: the "
-                        "mean of each step's slowest worker)")
+                        "step, of DDP's step for a scheme under DDP (compute_mean_s, the default: the workers' "
+                        "largest mean, as a run models; compute_s: their largest median, as runs recorded without "
+                        "compute_mean_s modelled; compute_max_s: the mean of each step's slowest worker)")
     a = p.parse_args(argv)
     if a.remodel is not None:
         return _remodel_main(a)
