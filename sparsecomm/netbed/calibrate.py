@@ -30,7 +30,9 @@ calibration to the next far more than its own calls do. The profile's ``method``
   its latency): per size, ``message_cpu_s`` the CPU time of an exchange (``time.process_time``, the process's
   threads together; per rank the median over exchanges, the mean of the two ranks', at most the exchange's
   time), ``message_wait_s`` the rest of the exchange's time (the slower rank's median, as above), at least 0;
-- ``copy_byte_s``: ``Tensor.copy_`` of a large float32 buffer, per byte;
+- ``copy_byte_s``: ``Tensor.copy_`` of a float32 vector of :data:`ELEMENTS` into another, the next of
+  :data:`TURN_VECTORS` pairs in turn (as the element rates below: beyond a 32 MiB last-level cache, as a large
+  gradient's are; one pair copied over and over stays in the cache and takes half the time), per byte;
 - ``fresh_byte_s``, ``fresh_min_bytes``: for each size of :data:`FRESH_SIZES`, a run of calls' work copies made
   as the transports make theirs (:func:`_work_copies`: the caller's input cloned per call, a buffer allocated
   and the input copied into it, other allocations, the buffer freed; not a tight loop of one size, whose freed
@@ -43,11 +45,13 @@ calibration to the next far more than its own calls do. The profile's ``method``
   copy (:func:`sparsecomm.transports.buffers.fresh_empty`, the ring's and ``native``'s work copy): the median over
   the sizes from ``fresh_min_bytes`` on of its mean copy's time beyond the mapped copy per byte (at least 0); no
   step: 0 (:func:`advised_rate`);
-- ``sum_element_s``: ``Tensor.add_`` of two large vectors of each dtype of :data:`~.sim_host.SUM_DTYPES`,
-  per element (the ring's and OmniReduce's aggregator's sum);
+- ``sum_element_s``: ``Tensor.add_`` of two vectors of :data:`ELEMENTS` of each dtype of
+  :data:`~.sim_host.SUM_DTYPES`, the next of :data:`TURN_VECTORS` pairs in turn, per element (the ring's and
+  OmniReduce's aggregator's sum);
 - ``scan_element_s``, ``scan_zero_element_s``: :func:`sparsecomm.codec.nonzero_blocks` (OmniReduce's block
   scan, 256-element blocks) of a float32 vector whose every block is non-zero at its first element (the scan
   settles it there), per element; and of a zero vector (every block read to its end), per element, less that;
+  each the next of :data:`TURN_VECTORS` vectors in turn;
 - ``move_byte_s``: OmniReduce's block copies as it makes them, :meth:`~sparsecomm.transports.omnireduce.blocks.
   BlockSink.write` of a message's blocks into a result and :meth:`~sparsecomm.transports.omnireduce.blocks.
   DenseSource.gather` of a tensor's blocks into a message, each of :data:`MOVE_ELEMS` float32 (a run of
@@ -72,7 +76,8 @@ calibration to the next far more than its own calls do. The profile's ``method``
   intercept, clipped at 0, is ``sparse_switch_message_s``) as ``sparse_switch_message_s + packets *
   sparse_switch_packet_s + value packets * sparse_switch_value_s + results * sparse_switch_result_s``;
 - the rates of a method's encode and decode (:data:`~.sim_host.CODEC_RATES`), each with the kernel the library
-  runs: ``elementwise_element_s``, ``torch.sub`` of two float32 vectors into a third, per element;
+  runs: ``elementwise_element_s``, ``torch.sub`` of two float32 vectors into a third (the next of
+  :data:`TURN_VECTORS` triples in turn), per element;
   ``select_element_s``, :func:`sparsecomm.compressors.topk.topk_indices_numba` of a float32 vector of
   :data:`SELECT_ELEMS` (below the sampling cutoff: every element a candidate), k 1%, per element;
   ``sample_element_s``, :func:`sparsecomm.compressors.topk.sample_magnitudes` of a large vector, per sampled
@@ -205,7 +210,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -226,6 +231,10 @@ ROUNDS = {True: 20, False: 200}
 ELEMENTS = {True: 1 << 18, False: 1 << 22}
 #: repeats of each kernel timing, quick and full
 REPEATS = {True: 5, False: 15}
+#: the vectors of :data:`ELEMENTS` (pairs, triples) that the copy, sum, scan and elementwise rates take in turn, a
+#: call each (full: three of 16 MiB, beyond a 32 MiB last-level cache, as a large gradient's are: one vector
+#: timed over and over stays in the cache, and its rate is that of a gradient read again at once)
+TURN_VECTORS = 3
 #: bytes of the buffers of the fresh-buffer sweep, quick and full: from the transports' advice threshold (one huge
 #: page, :data:`sparsecomm.transports.buffers.ADVISE_MIN_BYTES`) to beyond glibc's largest mmap threshold (32 MiB on
 #: 64-bit; a request of 32 MiB with its header is above it)
@@ -440,27 +449,47 @@ def kernel_costs(quick: bool = False) -> dict:
     method's encode and decode (module docstring), with one torch thread."""
     from ..codec import nonzero_blocks
 
-    n, reps = ELEMENTS[quick], REPEATS[quick]
+    n, reps, k = ELEMENTS[quick], REPEATS[quick], TURN_VECTORS
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(n, generator=gen)
-    y = torch.empty_like(x)
-    copy_byte_s = _median_s(lambda: y.copy_(x), reps) / (n * x.element_size())
+    xs = [torch.randn(n, generator=gen) for _ in range(k)]
+    ys = [torch.zeros(n) for _ in range(k)]
+    turn = _turns(k)
+    copy_byte_s = _median_s(lambda: _copy(xs, ys, next(turn)), reps) / (n * xs[0].element_size())
     sums = {}
     for name in SUM_DTYPES:
         dt = getattr(torch, name)
-        a = (torch.randn(n, generator=gen) * 100).to(dt)
-        b = (torch.randn(n, generator=gen) * 100).to(dt)
+        a = [(torch.randn(n, generator=gen) * 100).to(dt) for _ in range(k)]
+        b = [(torch.randn(n, generator=gen) * 100).to(dt) for _ in range(k)]
         if not dt.is_floating_point:
-            a.zero_()                      # int32: no wrap-around over the repeats
-        sums[name] = _median_s(lambda: a.add_(b), reps) / n
+            for v in a:
+                v.zero_()                  # int32: no wrap-around over the repeats
+        sums[name] = _median_s(lambda: _add(a, b, next(turn)), reps) / n
     block = 256
-    zero = torch.zeros_like(x)
-    scan_element_s = _median_s(lambda: nonzero_blocks(x, block), reps) / n       # (randn: no value is 0)
-    scan_zero_element_s = max(0.0, _median_s(lambda: nonzero_blocks(zero, block), reps) / n - scan_element_s)
+    zeros = [torch.zeros(n) for _ in range(k)]
+    scan_element_s = _median_s(lambda: nonzero_blocks(xs[next(turn)], block), reps) / n   # (randn: no value is 0)
+    scan_zero_element_s = max(0.0, _median_s(lambda: nonzero_blocks(zeros[next(turn)], block), reps) / n
+                              - scan_element_s)
 
     return {"copy_byte_s": copy_byte_s, "sum_element_s": sums, "scan_element_s": scan_element_s,
             "scan_zero_element_s": scan_zero_element_s,
             **block_copy_costs(quick), **switch_costs(quick), **sparse_switch_costs(quick), **codec_costs(quick)}
+
+
+def _turns(k: int) -> Iterator[int]:
+    """0, 1, .., k - 1, 0, 1, ..: the vector a timed kernel takes next (:data:`TURN_VECTORS`)."""
+    return (i % k for i in itertools.count())
+
+
+def _copy(xs: list[torch.Tensor], ys: list[torch.Tensor], i: int) -> torch.Tensor:
+    return ys[i].copy_(xs[i])
+
+
+def _add(a: list[torch.Tensor], b: list[torch.Tensor], i: int) -> torch.Tensor:
+    return a[i].add_(b[i])
+
+
+def _sub(xs: list[torch.Tensor], ys: list[torch.Tensor], zs: list[torch.Tensor], i: int) -> torch.Tensor:
+    return torch.sub(xs[i], ys[i], out=zs[i])
 
 
 def block_copy_costs(quick: bool = False) -> dict:
@@ -584,7 +613,9 @@ def codec_costs(quick: bool = False) -> dict:
     gen = torch.Generator().manual_seed(1)
     x, y = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
     z = torch.empty_like(x)
-    elementwise = _median_s(lambda: torch.sub(x, y, out=z), reps) / n
+    xs, ys, zs = _sub_vectors(gen, n, x, y)
+    turn = _turns(TURN_VECTORS)
+    elementwise = _median_s(lambda: _sub(xs, ys, zs, next(turn)), reps) / n
     a = torch.randn(SELECT_ELEMS, generator=gen).numpy()
     select = _median_s(lambda: topk_indices_numba(a, SELECT_ELEMS // 100), reps) / SELECT_ELEMS
     big = x.numpy()
@@ -622,6 +653,17 @@ def codec_costs(quick: bool = False) -> dict:
             "kernel_call_s": kernel}
 
 
+def _sub_vectors(gen: torch.Generator, n: int, *first: torch.Tensor) -> tuple[list, list, list]:
+    """:data:`TURN_VECTORS` triples of float32 vectors of ``n`` (``first``: the first triple's two operands, drawn
+    already) for the elementwise rate's ``torch.sub`` (:func:`_sub`): operands drawn from ``gen``, results
+    allocated."""
+    xs, ys = ([first[0]], [first[1]]) if first else ([], [])
+    while len(xs) < TURN_VECTORS:
+        xs.append(torch.randn(n, generator=gen))
+        ys.append(torch.randn(n, generator=gen))
+    return xs, ys, [torch.empty(n) for _ in range(TURN_VECTORS)]
+
+
 def _time_products(ctx, quick: bool) -> dict[str, list[tuple[float, float]]]:
     """One rank of :func:`contention_costs`: per operation of :data:`CONTENDED_OPS`, per round, (rank 0's median
     alone, this rank's median with every rank at once); the alone half is rank 0's only (NaN elsewhere)."""
@@ -637,10 +679,9 @@ def _time_products(ctx, quick: bool) -> dict[str, list[tuple[float, float]]]:
     q = orthonormal(torch.randn(cols, rank, generator=gen))
     p = orthonormal(torch.randn(rows, rank, generator=gen))
     qmean = torch.randn(cols, rank, generator=gen)
-    x, y = torch.randn(ELEMENTS[quick], generator=gen), torch.randn(ELEMENTS[quick], generator=gen)
-    z = torch.empty_like(x)
+    xs, ys, zs = _sub_vectors(gen, ELEMENTS[quick])
     turn = itertools.count()
-    ops = {"elementwise": lambda: torch.sub(x, y, out=z),
+    ops = {"elementwise": lambda: _sub(xs, ys, zs, next(turn) % TURN_VECTORS),
            "matmul": lambda: factor_product(ms[next(turn) % k], q),
            "matmul_t": lambda: factor_product(ms[next(turn) % k], p, transpose=True),
            "matmul_outer": lambda: outer_product(p, qmean, outs[next(turn) % k])}
@@ -1417,7 +1458,7 @@ def calibrate(quick: bool = False, netbed_gbps: float | None = NETBED_GBPS, pin_
                      **contention)
     date = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()
     method = {"quick": bool(quick), "repeats": REPEATS[quick], "exchanges": ROUNDS[quick],
-              "elements": ELEMENTS[quick], "message_fit": fit, "switch_fit": switch_fit,
+              "elements": ELEMENTS[quick], "turn_vectors": TURN_VECTORS, "message_fit": fit, "switch_fit": switch_fit,
               "sparse_switch_fit": sparse_switch_fit, "fresh_fit": fresh_fit,
               "block_fit": block_fit, "sparse_switch_round_fit": round_fit, "native_fit": native_fit,
               "launches": LAUNCHES[quick], "peer_launches": PEER_LAUNCHES[quick], "pin_cores": bool(pin_cores),
