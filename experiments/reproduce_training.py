@@ -642,10 +642,10 @@ def run_schemes(task_name: str, schemes: tuple[Scheme, ...], hosts: int, gbps: f
                "time_to_target_s": elapsed if r0["reached"] else float("nan"),
                "steps_to_target": r0["steps"] if r0["reached"] else "", "reached": r0["reached"],
                "bytes_per_step": link, "comm_fraction": max(0.0, 1.0 - compute / step_s),
-               "target": res[0]["target"], "metric": r0["metric"], "compute_s": stats["compute_s"], "step_s": step_s,
+               "target": res[0]["target"], "metric": r0["metric"], "step_s": step_s,
                "modelled_s": modelled, "modelled_ratio": modelled / elapsed, "note": "", "seed": seed,
                "modelled_comm_s": comm, "link_only_s": link_only, "link_only_ratio": link_only / elapsed,
-               **{k: stats[k] for k in COMPUTE_STATS + DDP_COMPUTE_STATS if k != "compute_s"}}
+               **{k: stats[k] for k in COMPUTE_STATS + DDP_COMPUTE_STATS}}
         if not r0["reached"]:
             row["note"] = (f"stopped at step {r0['steps']} after {elapsed:.1f} s at {r0['metric']:.4f} "
                            f"(target {res[0]['target']:.4f})")

@@ -210,7 +210,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 import torch
@@ -453,7 +453,7 @@ def kernel_costs(quick: bool = False) -> dict:
     gen = torch.Generator().manual_seed(0)
     xs = [torch.randn(n, generator=gen) for _ in range(k)]
     ys = [torch.zeros(n) for _ in range(k)]
-    turn = _turns(k)
+    turn = itertools.cycle(range(k))
     copy_byte_s = _median_s(lambda: _copy(xs, ys, next(turn)), reps) / (n * xs[0].element_size())
     sums = {}
     for name in SUM_DTYPES:
@@ -473,11 +473,6 @@ def kernel_costs(quick: bool = False) -> dict:
     return {"copy_byte_s": copy_byte_s, "sum_element_s": sums, "scan_element_s": scan_element_s,
             "scan_zero_element_s": scan_zero_element_s,
             **block_copy_costs(quick), **switch_costs(quick), **sparse_switch_costs(quick), **codec_costs(quick)}
-
-
-def _turns(k: int) -> Iterator[int]:
-    """0, 1, .., k - 1, 0, 1, ..: the vector a timed kernel takes next (:data:`TURN_VECTORS`)."""
-    return (i % k for i in itertools.count())
 
 
 def _copy(xs: list[torch.Tensor], ys: list[torch.Tensor], i: int) -> torch.Tensor:
@@ -611,10 +606,9 @@ def codec_costs(quick: bool = False) -> dict:
 
     n, reps = ELEMENTS[quick], REPEATS[quick]
     gen = torch.Generator().manual_seed(1)
-    x, y = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
-    z = torch.empty_like(x)
-    xs, ys, zs = _sub_vectors(gen, n, x, y)
-    turn = _turns(TURN_VECTORS)
+    xs, ys, zs = _sub_vectors(gen, n)
+    x, y, z = xs[0], ys[0], zs[0]           # (the first triple; later rates read them after this one)
+    turn = itertools.cycle(range(TURN_VECTORS))
     elementwise = _median_s(lambda: _sub(xs, ys, zs, next(turn)), reps) / n
     a = torch.randn(SELECT_ELEMS, generator=gen).numpy()
     select = _median_s(lambda: topk_indices_numba(a, SELECT_ELEMS // 100), reps) / SELECT_ELEMS
@@ -653,12 +647,11 @@ def codec_costs(quick: bool = False) -> dict:
             "kernel_call_s": kernel}
 
 
-def _sub_vectors(gen: torch.Generator, n: int, *first: torch.Tensor) -> tuple[list, list, list]:
-    """:data:`TURN_VECTORS` triples of float32 vectors of ``n`` (``first``: the first triple's two operands, drawn
-    already) for the elementwise rate's ``torch.sub`` (:func:`_sub`): operands drawn from ``gen``, results
-    allocated."""
-    xs, ys = ([first[0]], [first[1]]) if first else ([], [])
-    while len(xs) < TURN_VECTORS:
+def _sub_vectors(gen: torch.Generator, n: int) -> tuple[list, list, list]:
+    """:data:`TURN_VECTORS` triples of float32 vectors of ``n`` for the elementwise rate's ``torch.sub``
+    (:func:`_sub`): each triple's two operands drawn from ``gen`` in turn, its result allocated."""
+    xs, ys = [], []
+    for _ in range(TURN_VECTORS):
         xs.append(torch.randn(n, generator=gen))
         ys.append(torch.randn(n, generator=gen))
     return xs, ys, [torch.empty(n) for _ in range(TURN_VECTORS)]

@@ -35,7 +35,8 @@ round trip of 150-450 us on a quiet machine, 35-50 us on a busy one), a 100 Mbit
 0.80-0.96 of the link (median 0.905 of 19; elsewhere 0.76-0.81 five times in a row) where the saved-up 1 ms
 carries 0.90-0.95 (median 0.935 of 11). The
 price: after an idle link, a message's first :data:`HTB_BURST_S` of link time passes at once, so a message
-sent on an idle link can finish up to that much sooner than its bytes / rate (the SimFabric charges the rate).
+sent on an idle link can finish up to that much sooner than its bytes / rate (a SimFabric models it with
+``Network(burst_us=...)``; ``experiments/bench/netbed_vs_sim.py`` does).
 
 Namespaces and links are created with pyroute2 (netlink); ``tc`` is run as a subprocess inside the
 namespace (``ip netns exec P-h<i> tc ...``) because pyroute2's tc interface for htb classes is awkward

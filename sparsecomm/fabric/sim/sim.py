@@ -367,7 +367,8 @@ class SimFabric(Fabric):
         nbytes = tensor.nbytes
         copy = None             # (the copy of ``tensor`` the messages not written through share, made once)
         meta = None             # (``tensor``'s dtype, shape, and whether it may be written through: read once)
-        plain = ep.host is None and not ep.per_port and not ep.burst    # (its NIC placed inline: Endpoint.transmit's plain case)
+        # (its NIC placed inline: Endpoint.transmit's plain case)
+        plain = ep.host is None and not ep.per_port and not ep.burst
         with world.gate.lock:
             for dst in dsts:
                 if dst < 0 or dst == rank:

@@ -305,10 +305,8 @@ class Endpoint:
         tx_end = (free if free > v else v) + link
         if free > start:
             start = free
-        if tx_end < start + streamed:       # (a host streaming slower than the link: its pace)
+        if tx_end < start + streamed:       # (at least its start; a host streaming slower than the link: its pace)
             tx_end = start + streamed
-        if tx_end < start:
-            tx_end = start
         if self.per_port:
             self._tx_free[peer] = tx_end
         else:
