@@ -17,12 +17,15 @@ calibration to the next far more than its own calls do. The profile's ``method``
 - ``send_message_s``, ``recv_message_s``, ``send_byte_s``, ``recv_byte_s``: a message exchange over gloo on
   127.0.0.1 between two processes (:func:`sparsecomm.launch`, the TorchFabric's ``irecv``/``isend``: each
   posts a receive from the other, sends it a message of the size and waits for both, as a ring step or a
-  handshake round does): the median over exchanges of the slower process's time of each size is fitted by least
-  squares as ``a + b * bytes``; ``a`` and ``b`` are split evenly between the sender and the receiver (the model
-  charges an exchange ``send_s + recv_s`` on each side, and cannot tell them apart). An exchange and not a
-  ping-pong: in a ping-pong one side sends while the other receives, their copies overlapping, so that its
-  one-way time per byte is less than what a process pays that sends and receives at once, as the transports'
-  processes do. On loopback the "wire" is the hosts' copies, so the whole time is host time; a fitted
+  handshake round does; the message just written, the receive into a region last touched many exchanges before:
+  the next of :data:`TURN_VECTORS` pairs of buffers of :data:`ELEMENTS` float32 in turn, as the kernel rates below,
+  since one pair exchanged over and over stays in the cache and takes 1.4-1.6x less from 256 KiB on than a call's
+  receive buffers, kept from the call before): the median over exchanges of the slower process's time of each size
+  is fitted by least squares as ``a + b * bytes``; ``a`` and ``b`` are split evenly between the sender and the
+  receiver (the model charges an exchange ``send_s + recv_s`` on each side, and cannot tell them apart). An
+  exchange and not a ping-pong: in a ping-pong one side sends while the other receives, their copies overlapping,
+  so that its one-way time per byte is less than what a process pays that sends and receives at once, as the
+  transports' processes do. On loopback the "wire" is the hosts' copies, so the whole time is host time; a fitted
   value below zero (noise) is written as 0. It is the cost a transport pays through the fabric (its waits'
   helper threads included), several times a bare ``torch.distributed`` round's;
 - ``message_cpu_s``, ``message_wait_s``: the same exchanges as a table by size, which the model uses in place of
@@ -372,21 +375,30 @@ def _median_s(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def _exchanges(ctx, sizes: tuple[int, ...], rounds: int) -> list[tuple[float, float]]:
+def _exchanges(ctx, sizes: tuple[int, ...], rounds: int, span: int) -> list[tuple[float, float]]:
     """Rank 0: per size, the median exchange (every rank posts a receive from the rank before it, sends the rank
     after it a message of that size and waits for both, a ring's shift; on two ranks each with the other), the
     slowest rank's time of each exchange, and the CPU time of an exchange (the process's, all its threads:
     ``time.process_time``), the median over exchanges of each rank's, the mean of the ranks'; the other ranks:
-    ``[]``."""
+    ``[]``. Each exchange sends a message just written (as a sum or a gather leaves it) and receives into a region
+    last touched many exchanges before: the next of :data:`TURN_VECTORS` pairs of buffers of ``span`` bytes (at
+    least the size) in turn, at the next offset of the pair, so that the receives write beyond the cache, as a
+    call's receive buffers, kept from the call before, are met."""
     torch.set_num_threads(1)
     f = ctx.fabric
     n = ctx.world_size
     send_to, recv_from = (ctx.rank + 1) % n, (ctx.rank - 1) % n
 
     def rounds_of(size: int, count: int) -> tuple[list[float], float]:
-        out, into = torch.zeros(size, dtype=torch.uint8), torch.empty(size, dtype=torch.uint8)
+        k, whole = TURN_VECTORS, max(size, span)
+        outs = [torch.zeros(whole, dtype=torch.uint8) for _ in range(k)]     # (zeroed: mapped before any round)
+        intos = [torch.zeros(whole, dtype=torch.uint8) for _ in range(k)]
+        slots = whole // size
         times, cpu = [], []
-        for _ in range(count):
+        for i in range(count):
+            at = (i // k) % slots * size
+            out, into = outs[i % k][at: at + size], intos[i % k][at: at + size]
+            out.fill_(i & 0xFF)
             t, c = time.perf_counter(), time.process_time()
             r = f.irecv(into, recv_from, TAG)
             f.isend(out, send_to, TAG).wait()
@@ -426,7 +438,7 @@ def message_costs(quick: bool = False, workers: int = 2, share: float = 1.0) -> 
     exchange: the CPU at most the exchange over the share, the wait the rest (at a share of 1: the CPU at most the
     exchange, the wait the rest)."""
     sizes = MESSAGE_SIZES[quick]
-    fn = functools.partial(_exchanges, sizes=sizes, rounds=ROUNDS[quick])
+    fn = functools.partial(_exchanges, sizes=sizes, rounds=ROUNDS[quick], span=ELEMENTS[quick] * 4)
     runs = [r[0] for r in _launches(fn, workers, LAUNCHES[quick], backend="gloo", timeout_s=120.0)]
     measured = [(statistics.median(r[i][0] for r in runs), statistics.median(r[i][1] for r in runs))
                 for i in range(len(sizes))]

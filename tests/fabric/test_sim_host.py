@@ -1334,6 +1334,45 @@ def test_calibrate_times_natives_call_on_gloos_all_reduce(monkeypatch):
     assert seen and all(v == {cal.CALL_ELEMS} for v in seen.values())
 
 
+def test_the_exchanges_send_a_just_written_message_and_receive_beyond_the_last_ones():
+    """calibrate's exchanges (``message_cpu_s``, ``message_wait_s``) receive each message into a region last touched
+    TURN_VECTORS * (span / size) exchanges before, the next of TURN_VECTORS pairs of buffers in turn, and send a
+    message written just before: one pair exchanged over and over stays in the cache, as no call's buffers do."""
+    from types import SimpleNamespace
+
+    from sparsecomm.netbed import calibrate as cal
+
+    class Done:
+        def wait(self):
+            pass
+
+    seen = []
+
+    class Recording:
+        def irecv(self, buf, src, tag):
+            seen.append(("recv", buf.numel(), buf.data_ptr()))
+            return Done()
+
+        def isend(self, buf, dst, tag):
+            seen.append(("send", buf.numel(), buf.data_ptr(), int(buf[0]), int(buf[-1])))
+            return Done()
+
+        def send(self, buf, dst, tag):      # (rank 1's statistics to rank 0)
+            pass
+
+    size, span, rounds = 1024, 4096, 40
+    assert cal._exchanges(SimpleNamespace(fabric=Recording(), world_size=2, rank=1), (size,), rounds, span) == []
+    timed = max(10, rounds // 2) + max(2, rounds // 20)     # (the warm-ups before the timed rounds)
+    recv = [s for s in seen if s[0] == "recv"][timed:]
+    send = [s for s in seen if s[0] == "send"][timed:]
+    assert len(recv) == len(send) == rounds and {r[1] for r in recv} == {size}
+    apart = cal.TURN_VECTORS * span // size                 # 3 pairs of 4 slots: 12 regions
+    ptrs = [r[2] for r in recv]
+    assert len(set(ptrs[:apart])) == apart                  # no region twice within the cycle
+    assert all(ptrs[i] == ptrs[i + apart] for i in range(rounds - apart))
+    assert [(s[3], s[4]) for s in send] == [(i & 0xFF, i & 0xFF) for i in range(rounds)]   # written for its round
+
+
 def test_calibrate_takes_the_median_over_launches(monkeypatch):
     """A measurement made between processes is made in LAUNCHES launches and takes the median over them of each
     launch's statistic, every launch's recorded: one launch whose processes landed badly (here ten times slower)
