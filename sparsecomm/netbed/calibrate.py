@@ -18,8 +18,8 @@ calibration to the next far more than its own calls do. The profile's ``method``
   127.0.0.1 between two processes (:func:`sparsecomm.launch`, the TorchFabric's ``irecv``/``isend``: each
   posts a receive from the other, sends it a message of the size and waits for both, as a ring step or a
   handshake round does; the message just written, the receive into a region last touched many exchanges before:
-  the next of :data:`TURN_VECTORS` pairs of buffers of :data:`ELEMENTS` float32 in turn, as the kernel rates below,
-  since one pair exchanged over and over stays in the cache and takes 1.4-1.6x less from 256 KiB on than a call's
+  the next of :data:`TURN_VECTORS` buffers of :data:`ELEMENTS` float32 in turn, as the kernel rates below, since
+  one buffer received into over and over stays in the cache and takes 1.4-1.6x less from 256 KiB on than a call's
   receive buffers, kept from the call before): the median over exchanges of the slower process's time of each size
   is fitted by least squares as ``a + b * bytes``; ``a`` and ``b`` are split evenly between the sender and the
   receiver (the model charges an exchange ``send_s + recv_s`` on each side, and cannot tell them apart). An
@@ -381,9 +381,9 @@ def _exchanges(ctx, sizes: tuple[int, ...], rounds: int, span: int) -> list[tupl
     slowest rank's time of each exchange, and the CPU time of an exchange (the process's, all its threads:
     ``time.process_time``), the median over exchanges of each rank's, the mean of the ranks'; the other ranks:
     ``[]``. Each exchange sends a message just written (as a sum or a gather leaves it) and receives into a region
-    last touched many exchanges before: the next of :data:`TURN_VECTORS` pairs of buffers of ``span`` bytes (at
-    least the size) in turn, at the next offset of the pair, so that the receives write beyond the cache, as a
-    call's receive buffers, kept from the call before, are met."""
+    last touched many exchanges before: the next of :data:`TURN_VECTORS` buffers of ``span`` bytes (at least the
+    size) in turn, at the buffer's next offset, so that the receives write beyond the cache, as a call's receive
+    buffers, kept from the call before, are met."""
     torch.set_num_threads(1)
     f = ctx.fabric
     n = ctx.world_size
@@ -391,13 +391,13 @@ def _exchanges(ctx, sizes: tuple[int, ...], rounds: int, span: int) -> list[tupl
 
     def rounds_of(size: int, count: int) -> tuple[list[float], float]:
         k, whole = TURN_VECTORS, max(size, span)
-        outs = [torch.zeros(whole, dtype=torch.uint8) for _ in range(k)]     # (zeroed: mapped before any round)
-        intos = [torch.zeros(whole, dtype=torch.uint8) for _ in range(k)]
+        out = torch.empty(size, dtype=torch.uint8)          # (written before each round: in the cache, as a sum's)
+        intos = [torch.zeros(whole, dtype=torch.uint8) for _ in range(k)]     # (zeroed: mapped before any round)
         slots = whole // size
         times, cpu = [], []
         for i in range(count):
             at = (i // k) % slots * size
-            out, into = outs[i % k][at: at + size], intos[i % k][at: at + size]
+            into = intos[i % k][at: at + size]
             out.fill_(i & 0xFF)
             t, c = time.perf_counter(), time.process_time()
             r = f.irecv(into, recv_from, TAG)

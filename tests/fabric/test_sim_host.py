@@ -1336,8 +1336,8 @@ def test_calibrate_times_natives_call_on_gloos_all_reduce(monkeypatch):
 
 def test_the_exchanges_send_a_just_written_message_and_receive_beyond_the_last_ones():
     """calibrate's exchanges (``message_cpu_s``, ``message_wait_s``) receive each message into a region last touched
-    TURN_VECTORS * (span / size) exchanges before, the next of TURN_VECTORS pairs of buffers in turn, and send a
-    message written just before: one pair exchanged over and over stays in the cache, as no call's buffers do."""
+    TURN_VECTORS * (span / size) exchanges before, the next of TURN_VECTORS buffers in turn, and send a message
+    written just before: one buffer received into over and over stays in the cache, as no call's buffers do."""
     from types import SimpleNamespace
 
     from sparsecomm.netbed import calibrate as cal
@@ -1366,7 +1366,7 @@ def test_the_exchanges_send_a_just_written_message_and_receive_beyond_the_last_o
     recv = [s for s in seen if s[0] == "recv"][timed:]
     send = [s for s in seen if s[0] == "send"][timed:]
     assert len(recv) == len(send) == rounds and {r[1] for r in recv} == {size}
-    apart = cal.TURN_VECTORS * span // size                 # 3 pairs of 4 slots: 12 regions
+    apart = cal.TURN_VECTORS * span // size                 # 3 buffers of 4 slots: 12 regions
     ptrs = [r[2] for r in recv]
     assert len(set(ptrs[:apart])) == apart                  # no region twice within the cycle
     assert all(ptrs[i] == ptrs[i + apart] for i in range(rounds - apart))
